@@ -1,0 +1,1 @@
+"""Curves, sweet-spot fitting, report, plots and export."""

@@ -1,0 +1,1 @@
+"""Collectors (NVML, RAPL, host) and the sampler that runs them on one schedule."""

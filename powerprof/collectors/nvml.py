@@ -1,0 +1,222 @@
+"""NVML collector: probes once what each GPU supports, then reads every supported value per tick."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, fields
+
+SUPPORT_KEYS = (
+    "power_instant",
+    "power_average",
+    "energy_counter",
+    "clocks",
+    "utilization",
+    "memory",
+    "temperature",
+    "power_limit",
+    "clock_event_reasons",
+)
+
+
+@dataclass(frozen=True, slots=True)
+class GpuInfo:
+    """Static facts about one GPU, read once."""
+
+    index: int  # NVML index
+    uuid: str
+    name: str
+    driver_version: str
+    memory_total_bytes: int | None
+    limit_min_w: float | None
+    limit_max_w: float | None
+    limit_default_w: float | None
+    supports: dict  # SUPPORT_KEYS -> bool
+
+
+@dataclass(frozen=True, slots=True)
+class GpuReading:
+    """One GPU at one instant. None means the GPU cannot report it, never zero."""
+
+    index: int
+    power_w: float | None  # instant power (field 186); falls back to nothing, not to the average
+    power_avg_w: float | None  # nvmlDeviceGetPowerUsage: 1 s trailing average on Ampere and newer
+    energy_j: float | None  # driver's cumulative counter since driver load
+    sm_clock_mhz: float | None
+    mem_clock_mhz: float | None
+    gpu_util_pct: float | None
+    mem_util_pct: float | None
+    mem_used_bytes: int | None
+    temperature_c: float | None
+    power_limit_w: float | None
+    enforced_limit_w: float | None
+    clock_event_reasons: int | None
+
+
+READING_FIELDS = tuple(f.name for f in fields(GpuReading))
+
+
+def visible_indexes(nvml, env: dict | None = None) -> list[int]:
+    """NVML indexes of the GPUs this process may use, honouring CUDA_VISIBLE_DEVICES.
+
+    CUDA enumerates fastest-first unless CUDA_DEVICE_ORDER=PCI_BUS_ID, and NVML always by PCI
+    bus; we follow the entries as NVML indexes or UUIDs (prefixes allowed), which is what
+    people mean when they set the variable next to nvidia-smi's numbering.
+    """
+    env = os.environ if env is None else env
+    count = nvml.nvmlDeviceGetCount()
+    spec = env.get("CUDA_VISIBLE_DEVICES")
+    if spec is None or spec.strip() == "":
+        return list(range(count)) if spec is None else []
+    uuids = None
+    out: list[int] = []
+    for item in (s.strip() for s in spec.split(",")):
+        if not item:
+            continue
+        if item.lstrip("-").isdigit():
+            i = int(item)
+            if i < 0 or i >= count:
+                break  # CUDA stops at the first invalid entry
+            out.append(i)
+            continue
+        if uuids is None:
+            uuids = [_str(nvml.nvmlDeviceGetUUID(nvml.nvmlDeviceGetHandleByIndex(i))) for i in range(count)]
+        want = item if item.startswith(("GPU-", "MIG-")) else "GPU-" + item
+        match = [i for i, u in enumerate(uuids) if u.startswith(want)]
+        if len(match) != 1:
+            break
+        out.append(match[0])
+    return list(dict.fromkeys(out))
+
+
+def _str(v) -> str:
+    return v.decode() if isinstance(v, bytes) else str(v)
+
+
+class NvmlCollector:
+    """Reads a set of GPUs through an injected NVML-like object (the `pynvml` module or SimNVML)."""
+
+    source = "nvml"
+
+    def __init__(self, nvml, indexes: list[int] | None = None):
+        self.nvml = nvml
+        nvml.nvmlInit()
+        self.indexes = visible_indexes(nvml) if indexes is None else list(indexes)
+        self.handles = [nvml.nvmlDeviceGetHandleByIndex(i) for i in self.indexes]
+        self.infos = [self._probe(i, h) for i, h in zip(self.indexes, self.handles)]
+
+    def close(self) -> None:
+        try:
+            self.nvml.nvmlShutdown()
+        except Exception:
+            pass
+
+    def _try(self, fn, *args):
+        try:
+            return fn(*args)
+        except self.nvml.NVMLError:
+            return None
+
+    def _instant_field(self, h, field_id):
+        try:
+            vals = self.nvml.nvmlDeviceGetFieldValues(h, [field_id])
+        except self.nvml.NVMLError:
+            return None
+        v = vals[0]
+        if v.nvmlReturn != self.nvml.NVML_SUCCESS:
+            return None
+        return _field_value(self.nvml, v)
+
+    def _probe(self, index: int, h) -> GpuInfo:
+        n = self.nvml
+        limits = self._try(n.nvmlDeviceGetPowerManagementLimitConstraints, h)
+        default = self._try(n.nvmlDeviceGetPowerManagementDefaultLimit, h)
+        mem = self._try(n.nvmlDeviceGetMemoryInfo, h)
+        supports = {
+            "power_instant": self._instant_field(h, n.NVML_FI_DEV_POWER_INSTANT) is not None,
+            "power_average": self._try(n.nvmlDeviceGetPowerUsage, h) is not None,
+            "energy_counter": self._try(n.nvmlDeviceGetTotalEnergyConsumption, h) is not None,
+            "clocks": self._try(n.nvmlDeviceGetClockInfo, h, n.NVML_CLOCK_SM) is not None,
+            "utilization": self._try(n.nvmlDeviceGetUtilizationRates, h) is not None,
+            "memory": mem is not None,
+            "temperature": self._try(n.nvmlDeviceGetTemperature, h, n.NVML_TEMPERATURE_GPU) is not None,
+            "power_limit": self._try(n.nvmlDeviceGetPowerManagementLimit, h) is not None,
+            "clock_event_reasons": self._try(n.nvmlDeviceGetCurrentClocksEventReasons, h) is not None,
+        }
+        return GpuInfo(
+            index=index,
+            uuid=_str(n.nvmlDeviceGetUUID(h)),
+            name=_str(n.nvmlDeviceGetName(h)),
+            driver_version=_str(self._try(n.nvmlSystemGetDriverVersion) or ""),
+            memory_total_bytes=int(mem.total) if mem is not None else None,
+            limit_min_w=limits[0] / 1000 if limits else None,
+            limit_max_w=limits[1] / 1000 if limits else None,
+            limit_default_w=default / 1000 if default is not None else None,
+            supports=supports,
+        )
+
+    def read(self) -> tuple[GpuReading, ...]:
+        return tuple(self.read_one(k) for k in range(len(self.handles)))
+
+    def read_one(self, k: int) -> GpuReading:
+        n, h, s = self.nvml, self.handles[k], self.infos[k].supports
+        t = self._try
+        power_mw = self._instant_field(h, n.NVML_FI_DEV_POWER_INSTANT) if s["power_instant"] else None
+        avg_mw = t(n.nvmlDeviceGetPowerUsage, h) if s["power_average"] else None
+        energy_mj = t(n.nvmlDeviceGetTotalEnergyConsumption, h) if s["energy_counter"] else None
+        sm = t(n.nvmlDeviceGetClockInfo, h, n.NVML_CLOCK_SM) if s["clocks"] else None
+        memclk = t(n.nvmlDeviceGetClockInfo, h, n.NVML_CLOCK_MEM) if s["clocks"] else None
+        util = t(n.nvmlDeviceGetUtilizationRates, h) if s["utilization"] else None
+        mem = t(n.nvmlDeviceGetMemoryInfo, h) if s["memory"] else None
+        temp = t(n.nvmlDeviceGetTemperature, h, n.NVML_TEMPERATURE_GPU) if s["temperature"] else None
+        limit = t(n.nvmlDeviceGetPowerManagementLimit, h) if s["power_limit"] else None
+        enforced = t(n.nvmlDeviceGetEnforcedPowerLimit, h) if s["power_limit"] else None
+        reasons = t(n.nvmlDeviceGetCurrentClocksEventReasons, h) if s["clock_event_reasons"] else None
+        return GpuReading(
+            index=self.indexes[k],
+            power_w=power_mw / 1000 if power_mw is not None else None,
+            power_avg_w=avg_mw / 1000 if avg_mw is not None else None,
+            energy_j=energy_mj / 1000 if energy_mj is not None else None,
+            sm_clock_mhz=float(sm) if sm is not None else None,
+            mem_clock_mhz=float(memclk) if memclk is not None else None,
+            gpu_util_pct=float(util.gpu) if util is not None else None,
+            mem_util_pct=float(util.memory) if util is not None else None,
+            mem_used_bytes=int(mem.used) if mem is not None else None,
+            temperature_c=float(temp) if temp is not None else None,
+            power_limit_w=limit / 1000 if limit is not None else None,
+            enforced_limit_w=enforced / 1000 if enforced is not None else None,
+            clock_event_reasons=int(reasons) if reasons is not None else None,
+        )
+
+    def read_energy_j(self) -> tuple[float | None, ...]:
+        """Only the energy counters: the cheap read taken at window edges."""
+        n = self.nvml
+        out = []
+        for h, info in zip(self.handles, self.infos):
+            mj = self._try(n.nvmlDeviceGetTotalEnergyConsumption, h) if info.supports["energy_counter"] else None
+            out.append(mj / 1000 if mj is not None else None)
+        return tuple(out)
+
+
+def _field_value(nvml, v):
+    vt = v.valueType
+    member = {
+        nvml.NVML_VALUE_TYPE_DOUBLE: "dVal",
+        nvml.NVML_VALUE_TYPE_UNSIGNED_INT: "uiVal",
+        nvml.NVML_VALUE_TYPE_UNSIGNED_LONG: "ulVal",
+        nvml.NVML_VALUE_TYPE_UNSIGNED_LONG_LONG: "ullVal",
+        nvml.NVML_VALUE_TYPE_SIGNED_LONG_LONG: "sllVal",
+        nvml.NVML_VALUE_TYPE_SIGNED_INT: "siVal",
+        getattr(nvml, "NVML_VALUE_TYPE_UNSIGNED_SHORT", 6): "usVal",
+    }.get(vt)
+    return getattr(v.value, member) if member else None
+
+
+def open_nvml(simulate: str | None = None, count: int = 1):
+    """The NVML-like object for this run: the real `pynvml` module, or a simulator."""
+    if simulate:
+        from powerprof.sim.nvml import SimNVML
+
+        return SimNVML(profile=simulate, count=count)
+    import pynvml
+
+    return pynvml

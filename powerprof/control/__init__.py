@@ -1,0 +1,1 @@
+"""Power-limit and clock control with the restore guarantee."""

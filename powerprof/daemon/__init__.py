@@ -1,0 +1,1 @@
+"""The always-on daemon: sampling, traffic tagging proxy, metrics, crash-safe storage."""

@@ -1,0 +1,247 @@
+"""Physics of one simulated GPU: DVFS under a power cap, decode speed vs SM clock, true energy."""
+
+from __future__ import annotations
+
+import math
+import threading
+import time
+from collections import deque
+from dataclasses import dataclass
+from typing import Callable
+
+import numpy as np
+
+from .profiles import GpuProfile
+
+# Clock event reason bits (NVML nvmlClocksEventReason*).
+REASON_GPU_IDLE = 0x1
+REASON_SW_POWER_CAP = 0x4
+REASON_SW_THERMAL = 0x20
+REASON_HW_THERMAL = 0x40
+
+
+@dataclass(frozen=True)
+class Phase:
+    """What the GPU is running. compute_share: share of a step's time at f_max that scales with SM clock."""
+
+    kind: str  # "idle" | "prefill" | "decode"
+    compute_share: float = 0.0
+
+
+IDLE = Phase("idle", 0.0)
+
+
+def step_time_factor(compute_share: float, f_mhz: np.ndarray | float, f_max_mhz: float):
+    """Time of one step relative to the same step at f_max: memory part fixed, compute part ~ 1/f."""
+    return (1.0 - compute_share) + compute_share * (f_max_mhz / f_mhz)
+
+
+class SimGpu:
+    """One card. Power is piecewise constant between state changes, so the energy counter is exact.
+
+    Thread-safe: the simulated server changes the phase while collectors read.
+    """
+
+    def __init__(
+        self,
+        profile: GpuProfile,
+        index: int,
+        uuid: str,
+        clock_ns: Callable[[], int] = time.monotonic_ns,
+        limit_w: float | None = None,
+        locked_clocks_mhz: tuple[int, int] | None = None,
+    ):
+        self.profile = profile
+        self.index = index
+        self.uuid = uuid
+        self._clock_ns = clock_ns
+        self._lock = threading.RLock()
+        p = profile
+        self._f = np.arange(p.sm_clock_min_mhz, p.sm_clock_max_mhz + 1, p.sm_clock_step_mhz, dtype=float)
+        v = p.volt_min_v + (p.volt_max_v - p.volt_min_v) * (self._f - p.sm_clock_min_mhz) / (
+            p.sm_clock_max_mhz - p.sm_clock_min_mhz
+        )
+        # Dynamic power ~ C V^2 f, normalised to the profile's figure at f_max.
+        self._dyn_scale = (v / p.volt_max_v) ** 2 * (self._f / p.sm_clock_max_mhz)
+        self._limit_w = float(limit_w if limit_w is not None else p.default_limit_w)
+        self._locked = locked_clocks_mhz
+        self._phase = IDLE
+        self._thermal_throttle = False
+        now = clock_ns()
+        self._t_last_ns = now
+        self._energy_j = 0.0
+        self._temp_c = p.ambient_c + p.thermal_resistance_c_per_w * p.idle_power_w
+        # (t_start_ns, power_w, energy_at_start_j): history for the sensors that look back in time.
+        self._segments: deque[tuple[int, float, float]] = deque()
+        self._state: tuple[float, float, int] = (0.0, 0.0, 0)
+        self._recompute(now)
+
+    # --- the model -------------------------------------------------------------------------
+
+    def _power_curve(self, phase: Phase) -> np.ndarray:
+        """Board power at each DVFS clock for a phase."""
+        p = self.profile
+        c = phase.compute_share
+        s = step_time_factor(c, self._f, p.sm_clock_max_mhz)
+        a_sm = (c * p.sm_clock_max_mhz / self._f) / s
+        a_mem = (1.0 - c) / s
+        sm_act = p.sm_base_activity + (1.0 - p.sm_base_activity) * a_sm
+        return p.static_power_w + p.mem_power_w * a_mem + p.dyn_power_w * self._dyn_scale * sm_act
+
+    def _choose(self, phase: Phase) -> tuple[float, float, int]:
+        """DVFS: the highest clock whose power fits under the enforced limit. Returns (f, P, reasons)."""
+        p = self.profile
+        if phase.kind == "idle":
+            return float(p.sm_clock_idle_mhz), float(p.idle_power_w), REASON_GPU_IDLE
+        power = self._power_curve(phase)
+        hi_mhz = p.sm_clock_max_mhz
+        lo_mhz = p.sm_clock_min_mhz
+        if self._locked is not None:
+            lo_mhz, hi_mhz = self._locked
+        if self._thermal_throttle:
+            hi_mhz = min(hi_mhz, int(p.sm_clock_min_mhz + 0.6 * (p.sm_clock_max_mhz - p.sm_clock_min_mhz)))
+        allowed = (self._f <= hi_mhz) & (self._f >= min(lo_mhz, hi_mhz))
+        if not allowed.any():
+            allowed = self._f <= max(hi_mhz, self._f[0])
+        fits = allowed & (power <= self._limit_w)
+        reasons = REASON_HW_THERMAL if self._thermal_throttle else 0
+        if fits.any():
+            i = int(np.flatnonzero(fits)[-1])
+            top = int(np.flatnonzero(allowed)[-1])
+            if i < top:
+                reasons |= REASON_SW_POWER_CAP
+        else:
+            # Even the lowest clock draws more than the cap: the card sits at its floor (and over it).
+            i = int(np.flatnonzero(allowed)[0])
+            reasons |= REASON_SW_POWER_CAP
+        return float(self._f[i]), float(power[i]), reasons
+
+    def _advance(self, now_ns: int) -> None:
+        dt = (now_ns - self._t_last_ns) / 1e9
+        if dt <= 0:
+            return
+        power = self._state[1]
+        self._energy_j += power * dt
+        p = self.profile
+        target = p.ambient_c + p.thermal_resistance_c_per_w * power
+        self._temp_c = target + (self._temp_c - target) * math.exp(-dt / p.thermal_time_constant_s)
+        self._t_last_ns = now_ns
+
+    def _recompute(self, now_ns: int) -> None:
+        self._advance(now_ns)
+        self._state = self._choose(self._phase)
+        self._segments.append((now_ns, self._state[1], self._energy_j))
+        horizon = now_ns - int(max(self.profile.power_avg_window_s, 1.0) * 2e9)
+        while len(self._segments) > 1 and self._segments[1][0] <= horizon:
+            self._segments.popleft()
+
+    # --- what the simulated server drives ---------------------------------------------------
+
+    def set_phase(self, phase: Phase) -> None:
+        with self._lock:
+            if phase != self._phase:
+                self._phase = phase
+                self._recompute(self._clock_ns())
+
+    def speed_factor(self, compute_share: float | None = None) -> float:
+        """Throughput now relative to the same work at f_max (1.0 = no slowdown)."""
+        with self._lock:
+            c = self._phase.compute_share if compute_share is None else compute_share
+            f = self._state[0] if self._phase.kind != "idle" else self._choose(Phase("decode", c))[0]
+            return 1.0 / float(step_time_factor(c, f, self.profile.sm_clock_max_mhz))
+
+    def set_thermal_throttle(self, on: bool) -> None:
+        with self._lock:
+            self._thermal_throttle = on
+            self._recompute(self._clock_ns())
+
+    # --- settings (the NVML facade persists them) -------------------------------------------
+
+    @property
+    def limit_w(self) -> float:
+        return self._limit_w
+
+    def set_limit_w(self, watts: float) -> None:
+        with self._lock:
+            self._limit_w = float(watts)
+            self._recompute(self._clock_ns())
+
+    @property
+    def locked_clocks_mhz(self) -> tuple[int, int] | None:
+        return self._locked
+
+    def set_locked_clocks(self, lo_hi: tuple[int, int] | None) -> None:
+        with self._lock:
+            self._locked = None if lo_hi is None else (int(lo_hi[0]), int(lo_hi[1]))
+            self._recompute(self._clock_ns())
+
+    # --- readings ----------------------------------------------------------------------------
+
+    def read(self) -> dict:
+        """Everything at one instant: true power and energy plus what the sensors would show."""
+        with self._lock:
+            now = self._clock_ns()
+            self._advance(now)
+            f, power, reasons = self._state
+            return {
+                "t_ns": now,
+                "power_w": power,
+                "energy_j": self._energy_j,
+                "sm_clock_mhz": f,
+                "mem_clock_mhz": float(self.profile.mem_clock_mhz),
+                "temperature_c": self._temp_c,
+                "reasons": reasons,
+                "phase": self._phase,
+            }
+
+    def true_energy_j(self) -> float:
+        with self._lock:
+            self._advance(self._clock_ns())
+            return self._energy_j
+
+    def true_power_w(self) -> float:
+        return self._state[1]
+
+    def counter_energy_j(self) -> float:
+        """The driver's counter: the true energy as of its last refresh."""
+        with self._lock:
+            now = self._clock_ns()
+            self._advance(now)
+            upd = self.profile.energy_counter_update_s
+            if upd <= 0:
+                return self._energy_j
+            t_ref = (now // int(upd * 1e9)) * int(upd * 1e9)
+            return self._energy_at(t_ref)
+
+    def _energy_at(self, t_ns: int) -> float:
+        for t0, pw, e0 in reversed(self._segments):
+            if t0 <= t_ns:
+                return e0 + pw * (t_ns - t0) / 1e9
+        return self._segments[0][2]
+
+    def average_power_w(self) -> float:
+        """Trailing average over the profile's window (what nvmlDeviceGetPowerUsage reports)."""
+        with self._lock:
+            now = self._clock_ns()
+            window_ns = int(self.profile.power_avg_window_s * 1e9)
+            if window_ns <= 0:
+                return self._state[1]
+            start = now - window_ns
+            total = 0.0
+            segs = list(self._segments)
+            for k, (t0, pw, _) in enumerate(segs):
+                t1 = segs[k + 1][0] if k + 1 < len(segs) else now
+                lo, hi = max(t0, start), min(t1, now)
+                if hi > lo:
+                    total += pw * (hi - lo)
+            covered = now - max(start, segs[0][0]) if segs else 0
+            return total / covered if covered > 0 else self._state[1]
+
+    def utilization(self) -> tuple[int, int]:
+        """(gpu %, memory %) as NVML reports them: share of time a kernel / memory traffic ran."""
+        phase = self._phase
+        if phase.kind == "idle":
+            return 0, 0
+        c = phase.compute_share
+        s = float(step_time_factor(c, self._state[0], self.profile.sm_clock_max_mhz))
+        return 100, int(round(100 * (1 - c) / s))

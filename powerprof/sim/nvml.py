@@ -1,0 +1,354 @@
+"""An object that answers the pynvml calls powerprof makes, backed by simulated GPUs.
+
+Constants and error classes are pynvml's own (the package is a dependency even without a GPU),
+so code written against the real module runs unchanged. Settings a process changes (power
+limits, locked clocks) are kept in a state file shared between processes, so a later
+`powerprof restore --simulate` sees what a killed sweep left behind.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import hashlib
+import json
+import os
+import threading
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable
+
+import pynvml
+
+from .gpu import SimGpu
+from .profiles import DEFAULT_PROFILE, GpuProfile, get_profile
+
+STATE_ENV = "POWERPROF_SIM_STATE"
+UNPRIVILEGED_ENV = "POWERPROF_SIM_UNPRIVILEGED"
+
+
+def default_state_path() -> Path:
+    if os.environ.get(STATE_ENV):
+        return Path(os.environ[STATE_ENV])
+    base = os.environ.get("XDG_STATE_HOME") or os.path.join(os.path.expanduser("~"), ".local", "state")
+    return Path(base) / "powerprof" / "sim-state.json"
+
+
+def sim_uuid(profile_key: str, index: int) -> str:
+    h = hashlib.sha1(f"{profile_key}/{index}".encode()).hexdigest()
+    return f"GPU-{h[:8]}-{h[8:12]}-{h[12:16]}-{h[16:20]}-{h[20:32]}"
+
+
+@dataclass(frozen=True)
+class SimHandle:
+    index: int
+
+
+@dataclass(frozen=True)
+class Utilization:
+    gpu: int
+    memory: int
+
+
+@dataclass(frozen=True)
+class MemoryInfo:
+    total: int
+    free: int
+    used: int
+
+
+class _StateFile:
+    """Power limits and locked clocks per UUID, JSON, replaced atomically under an flock."""
+
+    def __init__(self, path: Path | None):
+        self.path = path
+        self._mtime_ns = -1
+
+    @contextlib.contextmanager
+    def _locked(self):
+        assert self.path is not None
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        with open(str(self.path) + ".lock", "a+") as lf:
+            fcntl.flock(lf, fcntl.LOCK_EX)
+            try:
+                yield
+            finally:
+                fcntl.flock(lf, fcntl.LOCK_UN)
+
+    def load(self) -> dict:
+        if self.path is None or not self.path.exists():
+            return {}
+        try:
+            return json.loads(self.path.read_text())
+        except (OSError, ValueError):
+            return {}
+
+    def changed(self) -> bool:
+        if self.path is None:
+            return False
+        try:
+            m = self.path.stat().st_mtime_ns
+        except FileNotFoundError:
+            m = 0
+        if m != self._mtime_ns:
+            self._mtime_ns = m
+            return True
+        return False
+
+    def update(self, uuid: str, **values) -> None:
+        if self.path is None:
+            return
+        with self._locked():
+            state = self.load()
+            entry = state.setdefault(uuid, {})
+            for k, v in values.items():
+                if v is None:
+                    entry.pop(k, None)
+                else:
+                    entry[k] = v
+            tmp = self.path.with_name(f".{self.path.name}.{os.getpid()}.tmp")
+            tmp.write_text(json.dumps(state, indent=1, sort_keys=True))
+            os.replace(tmp, self.path)
+
+
+class SimNVML:
+    """Drop-in for the `pynvml` module. `SimNVML(profile="seed-16g", count=2)`."""
+
+    def __init__(
+        self,
+        profile: str | GpuProfile = DEFAULT_PROFILE,
+        count: int = 1,
+        clock_ns: Callable[[], int] = time.monotonic_ns,
+        state_path: Path | str | None | bool = True,
+        privileged: bool | None = None,
+    ):
+        self.profile = get_profile(profile) if isinstance(profile, str) else profile
+        if state_path is True:
+            state_path = default_state_path()
+        self._state = _StateFile(Path(state_path) if state_path else None)
+        self.privileged = (os.environ.get(UNPRIVILEGED_ENV) != "1") if privileged is None else privileged
+        self._lock = threading.Lock()
+        saved = self._state.load()
+        self._state.changed()
+        self.gpus: list[SimGpu] = []
+        for i in range(count):
+            uuid = sim_uuid(self.profile.key, i)
+            entry = saved.get(uuid, {})
+            limit_mw = entry.get("power_limit_mw")
+            locked = entry.get("locked_clocks_mhz")
+            self.gpus.append(
+                SimGpu(
+                    self.profile,
+                    i,
+                    uuid,
+                    clock_ns=clock_ns,
+                    limit_w=limit_mw / 1000 if limit_mw else None,
+                    locked_clocks_mhz=tuple(locked) if locked else None,
+                )
+            )
+        self._initialised = 0
+        self.simulated = True
+
+    def __getattr__(self, name):
+        # Constants (NVML_*, nvmlClocksEventReason*) and error classes come from the real module.
+        if name.startswith(("NVML", "nvmlClocks")):
+            return getattr(pynvml, name)
+        raise AttributeError(name)
+
+    # --- plumbing ---------------------------------------------------------------------------
+
+    def _sync_settings(self) -> None:
+        """Pick up limits another process changed since we last looked."""
+        if not self._state.changed():
+            return
+        saved = self._state.load()
+        for g in self.gpus:
+            entry = saved.get(g.uuid, {})
+            limit_mw = entry.get("power_limit_mw")
+            want = limit_mw / 1000 if limit_mw else self.profile.default_limit_w
+            if want != g.limit_w:
+                g.set_limit_w(want)
+            locked = entry.get("locked_clocks_mhz")
+            locked = tuple(locked) if locked else None
+            if locked != g.locked_clocks_mhz:
+                g.set_locked_clocks(locked)
+
+    def _gpu(self, handle: SimHandle) -> SimGpu:
+        if self._initialised <= 0:
+            raise pynvml.NVMLError(pynvml.NVML_ERROR_UNINITIALIZED)
+        if not isinstance(handle, SimHandle) or not 0 <= handle.index < len(self.gpus):
+            raise pynvml.NVMLError(pynvml.NVML_ERROR_INVALID_ARGUMENT)
+        return self.gpus[handle.index]
+
+    def _need_root(self) -> None:
+        if not self.privileged:
+            raise pynvml.NVMLError(pynvml.NVML_ERROR_NO_PERMISSION)
+
+    # --- init / enumeration ------------------------------------------------------------------
+
+    def nvmlInit(self) -> None:
+        self._initialised += 1
+
+    def nvmlShutdown(self) -> None:
+        self._initialised = max(0, self._initialised - 1)
+
+    def nvmlSystemGetDriverVersion(self) -> str:
+        return self.profile.driver_version
+
+    def nvmlDeviceGetCount(self) -> int:
+        return len(self.gpus)
+
+    def nvmlDeviceGetHandleByIndex(self, index: int) -> SimHandle:
+        if not 0 <= index < len(self.gpus):
+            raise pynvml.NVMLError(pynvml.NVML_ERROR_INVALID_ARGUMENT)
+        return SimHandle(index)
+
+    def nvmlDeviceGetHandleByUUID(self, uuid) -> SimHandle:
+        uuid = uuid.decode() if isinstance(uuid, bytes) else uuid
+        for g in self.gpus:
+            if g.uuid == uuid:
+                return SimHandle(g.index)
+        raise pynvml.NVMLError(pynvml.NVML_ERROR_NOT_FOUND)
+
+    def nvmlDeviceGetIndex(self, handle) -> int:
+        return self._gpu(handle).index
+
+    def nvmlDeviceGetName(self, handle) -> str:
+        return self._gpu(handle).profile.name
+
+    def nvmlDeviceGetUUID(self, handle) -> str:
+        return self._gpu(handle).uuid
+
+    def nvmlDeviceGetMigMode(self, handle):
+        self._gpu(handle)
+        raise pynvml.NVMLError(pynvml.NVML_ERROR_NOT_SUPPORTED)
+
+    def nvmlDeviceGetPersistenceMode(self, handle) -> int:
+        self._gpu(handle)
+        return 1
+
+    # --- readings ----------------------------------------------------------------------------
+
+    def nvmlDeviceGetPowerUsage(self, handle) -> int:
+        g = self._gpu(handle)
+        return int(round(g.average_power_w() * 1000))
+
+    def nvmlDeviceGetTotalEnergyConsumption(self, handle) -> int:
+        g = self._gpu(handle)
+        if not g.profile.has_energy_counter:
+            raise pynvml.NVMLError(pynvml.NVML_ERROR_NOT_SUPPORTED)
+        return int(g.counter_energy_j() * 1000)
+
+    def nvmlDeviceGetFieldValues(self, handle, field_ids):
+        g = self._gpu(handle)
+        out = (pynvml.c_nvmlFieldValue_t * len(field_ids))()
+        now_us = time.time_ns() // 1000
+        for k, fid in enumerate(field_ids):
+            v = out[k]
+            v.fieldId = fid
+            v.timestamp = now_us
+            v.valueType = pynvml.NVML_VALUE_TYPE_UNSIGNED_INT
+            if fid == pynvml.NVML_FI_DEV_POWER_INSTANT and g.profile.has_instant_power:
+                v.nvmlReturn = pynvml.NVML_SUCCESS
+                v.value.uiVal = int(round(g.read()["power_w"] * 1000))
+            elif fid == pynvml.NVML_FI_DEV_POWER_AVERAGE and g.profile.has_instant_power:
+                v.nvmlReturn = pynvml.NVML_SUCCESS
+                v.value.uiVal = int(round(g.average_power_w() * 1000))
+            else:
+                v.nvmlReturn = pynvml.NVML_ERROR_NOT_SUPPORTED
+        return out
+
+    def nvmlDeviceGetClockInfo(self, handle, clock_type: int) -> int:
+        r = self._gpu(handle).read()
+        if clock_type == pynvml.NVML_CLOCK_SM or clock_type == pynvml.NVML_CLOCK_GRAPHICS:
+            return int(r["sm_clock_mhz"])
+        if clock_type == pynvml.NVML_CLOCK_MEM:
+            return int(r["mem_clock_mhz"])
+        raise pynvml.NVMLError(pynvml.NVML_ERROR_INVALID_ARGUMENT)
+
+    def nvmlDeviceGetMaxClockInfo(self, handle, clock_type: int) -> int:
+        p = self._gpu(handle).profile
+        if clock_type in (pynvml.NVML_CLOCK_SM, pynvml.NVML_CLOCK_GRAPHICS):
+            return p.sm_clock_max_mhz
+        if clock_type == pynvml.NVML_CLOCK_MEM:
+            return p.mem_clock_mhz
+        raise pynvml.NVMLError(pynvml.NVML_ERROR_INVALID_ARGUMENT)
+
+    def nvmlDeviceGetSupportedMemoryClocks(self, handle) -> list[int]:
+        return [self._gpu(handle).profile.mem_clock_mhz]
+
+    def nvmlDeviceGetSupportedGraphicsClocks(self, handle, mem_clock_mhz: int) -> list[int]:
+        p = self._gpu(handle).profile
+        return list(range(p.sm_clock_max_mhz, p.sm_clock_min_mhz - 1, -p.sm_clock_step_mhz))
+
+    def nvmlDeviceGetUtilizationRates(self, handle) -> Utilization:
+        gpu, mem = self._gpu(handle).utilization()
+        return Utilization(gpu=gpu, memory=mem)
+
+    def nvmlDeviceGetMemoryInfo(self, handle, version=None) -> MemoryInfo:
+        g = self._gpu(handle)
+        total = g.profile.memory_total_bytes
+        used = int(total * 0.92) if g.read()["phase"].kind != "idle" else int(total * 0.9)
+        return MemoryInfo(total=total, free=total - used, used=used)
+
+    def nvmlDeviceGetTemperature(self, handle, sensor: int) -> int:
+        return int(round(self._gpu(handle).read()["temperature_c"]))
+
+    def nvmlDeviceGetCurrentClocksEventReasons(self, handle) -> int:
+        return int(self._gpu(handle).read()["reasons"])
+
+    nvmlDeviceGetCurrentClocksThrottleReasons = nvmlDeviceGetCurrentClocksEventReasons
+
+    # --- limits and clocks -------------------------------------------------------------------
+
+    def nvmlDeviceGetPowerManagementLimit(self, handle) -> int:
+        self._sync_settings()
+        return int(round(self._gpu(handle).limit_w * 1000))
+
+    def nvmlDeviceGetEnforcedPowerLimit(self, handle) -> int:
+        return self.nvmlDeviceGetPowerManagementLimit(handle)
+
+    def nvmlDeviceGetPowerManagementLimitConstraints(self, handle) -> list[int]:
+        p = self._gpu(handle).profile
+        return [int(p.min_limit_w * 1000), int(p.max_limit_w * 1000)]
+
+    def nvmlDeviceGetPowerManagementDefaultLimit(self, handle) -> int:
+        return int(self._gpu(handle).profile.default_limit_w * 1000)
+
+    def nvmlDeviceSetPowerManagementLimit(self, handle, limit_mw: int) -> None:
+        g = self._gpu(handle)
+        self._need_root()
+        p = g.profile
+        if not p.min_limit_w * 1000 <= limit_mw <= p.max_limit_w * 1000:
+            raise pynvml.NVMLError(pynvml.NVML_ERROR_INVALID_ARGUMENT)
+        with self._lock:
+            g.set_limit_w(limit_mw / 1000)
+            default = limit_mw == int(p.default_limit_w * 1000)
+            self._state.update(g.uuid, power_limit_mw=None if default else int(limit_mw))
+            self._state.changed()
+
+    def nvmlDeviceSetGpuLockedClocks(self, handle, min_mhz: int, max_mhz: int) -> None:
+        g = self._gpu(handle)
+        self._need_root()
+        p = g.profile
+        if min_mhz > max_mhz or max_mhz < p.sm_clock_min_mhz or min_mhz > p.sm_clock_max_mhz:
+            raise pynvml.NVMLError(pynvml.NVML_ERROR_INVALID_ARGUMENT)
+        with self._lock:
+            g.set_locked_clocks((min_mhz, max_mhz))
+            self._state.update(g.uuid, locked_clocks_mhz=[int(min_mhz), int(max_mhz)])
+            self._state.changed()
+
+    def nvmlDeviceResetGpuLockedClocks(self, handle) -> None:
+        g = self._gpu(handle)
+        self._need_root()
+        with self._lock:
+            g.set_locked_clocks(None)
+            self._state.update(g.uuid, locked_clocks_mhz=None)
+            self._state.changed()
+
+    # --- for tests and the simulated server (not NVML) ----------------------------------------
+
+    def locked_clocks_mhz(self, index: int) -> tuple[int, int] | None:
+        self._sync_settings()
+        return self.gpus[index].locked_clocks_mhz

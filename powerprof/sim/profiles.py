@@ -1,0 +1,189 @@
+"""Simulated GPU profiles: the physical constants of each card the simulator can play."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+GIB = 1024**3
+
+
+@dataclass(frozen=True)
+class WorkloadDefaults:
+    """How the simulated inference server loads this card (one model, one server build)."""
+
+    decode_tok_s: float  # single-stream decode speed at full SM clock, no cap
+    prefill_tok_s: float  # prompt tokens per second at full SM clock
+    decode_compute_share: float  # share of a decode step that scales with SM clock, at f_max
+    speculative: bool = False
+    draft_n_max: int = 0
+    draft_acceptance: float = 0.0
+    batch_compute_growth: float = 0.6  # extra compute share per additional concurrent stream
+    cpu_busy_w: float = 25.0  # CPU package power above idle while the server works
+
+
+@dataclass(frozen=True)
+class GpuProfile:
+    """A card. Powers in W, clocks in MHz, voltages in V."""
+
+    key: str
+    name: str
+    architecture: str
+    memory_total_bytes: int
+    min_limit_w: float
+    max_limit_w: float
+    default_limit_w: float
+    idle_power_w: float  # at idle clock with nothing running
+    static_power_w: float  # board, leakage and fans while a kernel runs, independent of SM clock
+    mem_power_w: float  # memory subsystem at full memory activity (memory clock is fixed)
+    dyn_power_w: float  # SM dynamic power at f_max, V_max and full SM activity
+    sm_base_activity: float  # share of SM switching that goes on even while stalled on memory
+    sm_clock_min_mhz: int
+    sm_clock_max_mhz: int
+    sm_clock_idle_mhz: int
+    sm_clock_step_mhz: int
+    mem_clock_mhz: int
+    volt_min_v: float
+    volt_max_v: float
+    workload: WorkloadDefaults
+    has_energy_counter: bool = True
+    has_instant_power: bool = True
+    power_avg_window_s: float = 1.0  # nvmlDeviceGetPowerUsage is a trailing average on Ampere+
+    energy_counter_update_s: float = 0.02  # the driver refreshes the counter every 10-100 ms
+    ambient_c: float = 30.0
+    thermal_resistance_c_per_w: float = 0.15
+    thermal_time_constant_s: float = 40.0
+    driver_version: str = "580.95.05"
+    extra: dict = field(default_factory=dict)
+
+
+PROFILES: dict[str, GpuProfile] = {}
+
+
+def _add(p: GpuProfile) -> None:
+    PROFILES[p.key] = p
+
+
+# A 16 GB consumer card like the seed's (MTP speculative decode, 150-320 W range). Tuned so that
+# the seed's manual study comes out: at 220 W about 7% slower and about 14% less J/token than at
+# 300 W, with 180 W costing more than 10% of the speed. See docs/simulator.md.
+_add(
+    GpuProfile(
+        key="seed-16g",
+        name="Simulated GeForce RTX 16GB (seed card)",
+        architecture="ada",
+        memory_total_bytes=16 * GIB,
+        min_limit_w=150,
+        max_limit_w=320,
+        default_limit_w=300,
+        idle_power_w=22,
+        static_power_w=41,
+        mem_power_w=39,
+        dyn_power_w=240,
+        sm_base_activity=0.79,
+        sm_clock_min_mhz=510,
+        sm_clock_max_mhz=2790,
+        sm_clock_idle_mhz=210,
+        sm_clock_step_mhz=15,
+        mem_clock_mhz=10251,
+        volt_min_v=0.61,
+        volt_max_v=1.10,
+        workload=WorkloadDefaults(
+            decode_tok_s=87.0,
+            prefill_tok_s=2400.0,
+            decode_compute_share=0.45,
+            speculative=True,
+            draft_n_max=3,
+            draft_acceptance=0.65,
+        ),
+    )
+)
+
+_add(
+    GpuProfile(
+        key="a100-40g",
+        name="Simulated NVIDIA A100-SXM4-40GB",
+        architecture="ampere",
+        memory_total_bytes=40 * GIB,
+        min_limit_w=100,
+        max_limit_w=400,
+        default_limit_w=400,
+        idle_power_w=55,
+        static_power_w=80,
+        mem_power_w=110,
+        dyn_power_w=260,
+        sm_base_activity=0.35,
+        sm_clock_min_mhz=210,
+        sm_clock_max_mhz=1410,
+        sm_clock_idle_mhz=210,
+        sm_clock_step_mhz=15,
+        mem_clock_mhz=1215,
+        volt_min_v=0.65,
+        volt_max_v=1.05,
+        workload=WorkloadDefaults(decode_tok_s=95.0, prefill_tok_s=9000.0, decode_compute_share=0.18),
+    )
+)
+
+# Decode on an H200 draws far below its 700 W limit: most caps never bind (field notes).
+_add(
+    GpuProfile(
+        key="h200-141g",
+        name="Simulated NVIDIA H200",
+        architecture="hopper",
+        memory_total_bytes=141 * GIB,
+        min_limit_w=200,
+        max_limit_w=700,
+        default_limit_w=700,
+        idle_power_w=75,
+        static_power_w=90,
+        mem_power_w=90,
+        dyn_power_w=300,
+        sm_base_activity=0.3,
+        sm_clock_min_mhz=345,
+        sm_clock_max_mhz=1980,
+        sm_clock_idle_mhz=345,
+        sm_clock_step_mhz=15,
+        mem_clock_mhz=3201,
+        volt_min_v=0.67,
+        volt_max_v=1.0,
+        workload=WorkloadDefaults(decode_tok_s=150.0, prefill_tok_s=20000.0, decode_compute_share=0.12),
+    )
+)
+
+# An older card: no energy counter, no instant power field. Exercises the fallbacks.
+_add(
+    GpuProfile(
+        key="pascal-8g",
+        name="Simulated GeForce GTX 1080",
+        architecture="pascal",
+        memory_total_bytes=8 * GIB,
+        min_limit_w=90,
+        max_limit_w=217,
+        default_limit_w=180,
+        idle_power_w=10,
+        static_power_w=35,
+        mem_power_w=35,
+        dyn_power_w=120,
+        sm_base_activity=0.4,
+        sm_clock_min_mhz=607,
+        sm_clock_max_mhz=1911,
+        sm_clock_idle_mhz=139,
+        sm_clock_step_mhz=13,
+        mem_clock_mhz=5005,
+        volt_min_v=0.7,
+        volt_max_v=1.06,
+        workload=WorkloadDefaults(decode_tok_s=30.0, prefill_tok_s=600.0, decode_compute_share=0.25),
+        has_energy_counter=False,
+        has_instant_power=False,
+        power_avg_window_s=0.0,
+        driver_version="535.183.01",
+    )
+)
+
+DEFAULT_PROFILE = "seed-16g"
+
+
+def get_profile(key: str) -> GpuProfile:
+    try:
+        return PROFILES[key]
+    except KeyError:
+        raise KeyError(f"unknown simulated GPU profile {key!r}; choose one of: {', '.join(PROFILES)}") from None

@@ -1,0 +1,1 @@
+"""Parquet schemas, writers and dataset reading."""

@@ -1,0 +1,124 @@
+"""Parquet schemas of every table powerprof writes: one place, units in every column name.
+
+docs/data.md documents each column; tests/test_schema_docs.py keeps the two in step.
+Tables only grow by appending nullable columns, so old files stay readable.
+"""
+
+from __future__ import annotations
+
+import pyarrow as pa
+
+TS = pa.timestamp("us", tz="UTC")
+
+# One row per device per sample (GPU, CPU package/DRAM zone, or host).
+SAMPLES = pa.schema(
+    [
+        ("time_utc", TS),
+        ("t_mono_s", pa.float64()),  # monotonic seconds since the run's start: use for arithmetic
+        ("seq", pa.int64()),  # tick number; -1 for on-demand samples at window edges
+        ("label", pa.string()),  # on-demand samples: the window edge that asked for it
+        ("source", pa.string()),  # nvml | rapl | host
+        ("device", pa.string()),  # gpu0, package-0, dram-0, psys, host
+        ("gpu_index", pa.int32()),
+        ("gpu_uuid", pa.string()),
+        ("power_w", pa.float64()),  # GPU instant power / RAPL power over the last interval
+        ("power_avg_w", pa.float64()),  # GPU 1 s trailing average (nvmlDeviceGetPowerUsage)
+        ("energy_j", pa.float64()),  # cumulative: GPU driver counter; RAPL wrap-corrected since start
+        ("sm_clock_mhz", pa.float64()),
+        ("mem_clock_mhz", pa.float64()),
+        ("gpu_util_pct", pa.float64()),
+        ("mem_util_pct", pa.float64()),
+        ("mem_used_bytes", pa.int64()),
+        ("temperature_c", pa.float64()),
+        ("power_limit_w", pa.float64()),
+        ("enforced_limit_w", pa.float64()),
+        ("clock_event_reasons", pa.int64()),
+        ("cpu_util_pct", pa.float64()),
+        ("cpu_freq_mhz", pa.float64()),
+        ("host_mem_used_bytes", pa.int64()),
+        ("level_kind", pa.string()),  # power_limit | sm_clock | idle | null outside a sweep level
+        ("level_value", pa.float64()),  # W for power_limit, MHz for sm_clock
+        ("error", pa.string()),  # why a reading is missing
+    ]
+)
+
+# One row per request: its decode window and the energy measured over it.
+WINDOWS = pa.schema(
+    [
+        ("run_id", pa.string()),
+        ("level_kind", pa.string()),  # power_limit | sm_clock | none (measure)
+        ("level_value", pa.float64()),
+        ("repeat", pa.int32()),
+        ("request_id", pa.int64()),
+        ("batch_id", pa.int64()),  # requests sent together at one concurrency
+        ("concurrency", pa.int32()),
+        ("warmup", pa.bool_()),
+        ("status", pa.string()),  # ok | failed
+        ("error", pa.string()),
+        ("api", pa.string()),  # llamacpp | openai-completions | openai-chat
+        ("model", pa.string()),
+        ("prompt_id", pa.string()),
+        ("t_send_utc", TS),
+        ("t_first_utc", TS),  # first generated token arrived
+        ("t_last_utc", TS),  # last generated token arrived
+        ("ttft_s", pa.float64()),
+        ("decode_s", pa.float64()),  # t_last - t_first, monotonic clock
+        ("prompt_tokens", pa.int32()),
+        ("generated_tokens", pa.int32()),
+        ("decode_tokens", pa.int32()),  # generated - 1: the first token comes out of prefill
+        ("decode_tok_s", pa.float64()),  # decode_tokens / decode_s
+        ("gpu_energy_j", pa.float64()),  # over the decode window, all GPUs of the run
+        ("cpu_energy_j", pa.float64()),  # RAPL package (+DRAM) over the same window
+        ("energy_method", pa.string()),  # counter | power_integration | none
+        ("avg_gpu_power_w", pa.float64()),
+        ("gpu_j_per_token", pa.float64()),
+        ("total_j_per_token", pa.float64()),  # GPU + CPU
+        ("idle_gpu_power_w", pa.float64()),  # baseline before the sweep, for above-idle figures
+        ("above_idle_gpu_j_per_token", pa.float64()),
+        ("server_prompt_n", pa.int32()),
+        ("server_predicted_n", pa.int32()),
+        ("server_prompt_ms", pa.float64()),
+        ("server_predicted_ms", pa.float64()),
+        ("server_predicted_per_second", pa.float64()),
+        ("draft_n", pa.int32()),
+        ("draft_n_accepted", pa.int32()),
+        ("stop_reason", pa.string()),
+        ("low_confidence", pa.bool_()),  # window shorter than the sensor can resolve well
+    ]
+)
+
+# One row per level (and repeat pooled): what the user reads.
+LEVELS = pa.schema(
+    [
+        ("run_id", pa.string()),
+        ("level_kind", pa.string()),
+        ("level_value", pa.float64()),
+        ("requested_limit_w", pa.float64()),
+        ("enforced_limit_w", pa.float64()),
+        ("locked_sm_clock_mhz", pa.float64()),
+        ("n_requests", pa.int32()),
+        ("n_failed", pa.int32()),
+        ("decode_tok_s", pa.float64()),  # median over requests (concurrency 1) or wall-clock aggregate
+        ("decode_tok_s_ci_low", pa.float64()),
+        ("decode_tok_s_ci_high", pa.float64()),
+        ("gpu_j_per_token", pa.float64()),
+        ("gpu_j_per_token_ci_low", pa.float64()),
+        ("gpu_j_per_token_ci_high", pa.float64()),
+        ("total_j_per_token", pa.float64()),
+        ("above_idle_gpu_j_per_token", pa.float64()),
+        ("ci_reached_pct", pa.float64()),  # half-width of the J/token 95% CI, % of the median
+        ("speed_loss_pct", pa.float64()),  # vs the reference level
+        ("energy_saving_pct", pa.float64()),
+        ("avg_gpu_power_w", pa.float64()),
+        ("avg_cpu_power_w", pa.float64()),
+        ("sm_clock_mhz", pa.float64()),
+        ("mem_clock_mhz", pa.float64()),
+        ("reference", pa.bool_()),
+        ("cap_not_engaged", pa.bool_()),
+        ("thermal_throttle", pa.bool_()),
+        ("flags", pa.string()),  # comma-separated: cap-not-engaged, thermal, failed-requests, wide-ci
+        ("energy_method", pa.string()),
+    ]
+)
+
+TABLES = {"samples": SAMPLES, "windows": WINDOWS, "levels": LEVELS}

@@ -1,0 +1,1 @@
+"""Inference-server clients, prompt sets, load generation and the server launcher."""
