@@ -49,8 +49,9 @@ WINDOWS = pa.schema(
         ("level_kind", pa.string()),  # power_limit | sm_clock | none (measure)
         ("level_value", pa.float64()),
         ("repeat", pa.int32()),
-        ("request_id", pa.int64()),
-        ("batch_id", pa.int64()),  # requests sent together at one concurrency
+        ("window_kind", pa.string()),  # request: one request's decode; batch: a concurrent batch's measured intervals
+        ("request_id", pa.int64()),  # null for batch rows
+        ("batch_id", pa.int64()),  # requests sent together at one concurrency  # requests sent together at one concurrency
         ("concurrency", pa.int32()),
         ("warmup", pa.bool_()),
         ("status", pa.string()),  # ok | failed
