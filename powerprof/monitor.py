@@ -60,7 +60,7 @@ def run_monitor(
     sampler.subscribe(timeline)
     sampler.subscribe(watcher)
     stop = stop or threading.Event()
-    last = None if duration_s is None else int(duration_s / interval_s + 1e-9)
+    last = None if duration_s is None else int(duration_s / interval_s + 1e-6)
     baseline: dict[str, float] = {}
     sampler.start()
     try:

@@ -55,6 +55,7 @@ def sample_rows(
         "seq": sample.seq,
         "label": sample.label,
         "source": sample.source,
+        "device": None,
         "error": sample.error,
     }
     if tags:
