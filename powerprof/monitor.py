@@ -6,6 +6,7 @@ import threading
 import time
 from typing import Callable
 
+from rich import box
 from rich.console import Group
 from rich.table import Table
 from rich.text import Text
@@ -124,10 +125,13 @@ def display_rows(latest: dict[str, Sample], baseline: dict[str, float]) -> dict:
 
 def render(k: int, rows: dict, interval_s: float) -> Group:
     """A rich renderable for a terminal."""
-    t = Table(title=f"powerprof monitor  t={k * interval_s:.1f}s", title_justify="left")
-    for col in ("GPU", "power W", "avg W", "energy J", "SM MHz", "mem MHz", "util %", "mem util %", "temp °C",
-                "limit W", "clock event reasons"):
-        t.add_column(col, justify="left" if col in ("GPU", "clock event reasons") else "right")
+    t = Table(title=f"powerprof monitor  t={k * interval_s:.1f}s", title_justify="left", box=box.SIMPLE_HEAD,
+              padding=(0, 1), collapse_padding=True, pad_edge=False)
+    # Two-line headers and no vertical rules: the table fits an 80-column terminal without eliding numbers.
+    for col in ("GPU", "power\nW", "avg\nW", "energy\nJ", "SM\nMHz", "mem\nMHz", "util\n%", "mem\n%", "temp\n°C",
+                "limit\nW", "clock event\nreasons"):
+        last = col.startswith("clock")
+        t.add_column(col, justify="left" if last or col == "GPU" else "right", no_wrap=not last)
     for g in rows["gpus"]:
         if "error" in g:
             t.add_row(g["device"], Text(str(g["error"]), style="red"))

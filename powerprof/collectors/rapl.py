@@ -265,7 +265,19 @@ class _PyraplCounters:
     """pyRAPL's PkgAPI reader pointed at our zones (one pyRAPL 'socket' slot per zone)."""
 
     def __init__(self, zones: list[RaplZone]):
-        from pyRAPL import PkgAPI
+        import logging
+
+        # On import pyRAPL calls logging.warning() about pymongo (an output we don't use), which
+        # would also install a root handler: give root a silent handler for the duration.
+        hush = logging.NullHandler()
+        was = logging.root.manager.disable
+        logging.root.addHandler(hush)
+        logging.disable(logging.WARNING)
+        try:
+            from pyRAPL import PkgAPI
+        finally:
+            logging.disable(was)
+            logging.root.removeHandler(hush)
 
         class _ZoneAPI(PkgAPI):
             # DeviceAPI.__init__ reads the CPU topology from the real /sys; we already know the zones.
