@@ -86,8 +86,8 @@ def _fmt(v, nd=0, unit=""):
 
 
 def display_rows(latest: dict[str, Sample], baseline: dict[str, float]) -> dict:
-    """What one tick shows: GPU rows, CPU (RAPL) rows, a host line. Energies are since the first tick
-    (`baseline` remembers the GPU counters' first values; RAPL energies already start at 0)."""
+    """What one tick shows: GPU rows, CPU (RAPL) rows, a host line. Energies count from the first
+    tick shown (`baseline` remembers each device's first value)."""
     gpus, cpus, host = [], [], None
     s = latest.get("nvml")
     if s is not None and s.data is not None:
@@ -114,7 +114,11 @@ def display_rows(latest: dict[str, Sample], baseline: dict[str, float]) -> dict:
         gpus.append({"device": "nvml", "error": s.error})
     s = latest.get("rapl")
     if s is not None and s.data is not None:
-        cpus = [{"device": r.zone, "kind": r.kind, "power_w": r.power_w, "energy_j": r.energy_j} for r in s.data]
+        for r in s.data:
+            if r.energy_j is not None:
+                baseline.setdefault(r.zone, r.energy_j)
+            e = r.energy_j - baseline[r.zone] if r.energy_j is not None else None
+            cpus.append({"device": r.zone, "kind": r.kind, "power_w": r.power_w, "energy_j": e})
     elif s is not None:
         cpus = [{"device": "rapl", "error": s.error}]
     s = latest.get("host")

@@ -115,3 +115,24 @@ def test_monitor_bad_arguments_fail_clearly_and_write_nothing(tmp_path, monkeypa
 def test_monitor_unknown_profile_fails_clearly():
     r = CliRunner().invoke(main, ["monitor", "--simulate", "rtx9999", "--duration", "0.1"])
     assert r.exit_code == 2 and "rtx9999" in r.output
+
+
+def test_monitor_rows_show_energy_since_start_and_the_cap_reason_by_name():
+    from powerprof.collectors.sources import open_sources
+    from powerprof.monitor import run_monitor
+    from powerprof.sim.gpu import Phase
+
+    ticks = []
+    with open_sources(simulate="seed-16g") as src:
+        g = src.sim_nvml.gpus[0]
+        g.set_limit_w(180)  # on the simulated card directly: nothing persisted, nothing to restore
+        g.set_phase(Phase("decode", 0.45))
+        timeline = run_monitor(src, interval_s=0.2, duration_s=0.4, on_tick=lambda k, rows: ticks.append((k, rows)))
+    assert [k for k, _ in ticks] == [0, 1, 2]
+    first, last = ticks[0][1], ticks[-1][1]
+    assert first["gpus"][0]["energy_j"] == 0.0 and first["cpus"][0]["energy_j"] == 0.0
+    gpu = last["gpus"][0]
+    assert "SwPowerCap" in gpu["reasons"] and gpu["power_w"] <= 180.0 + 1e-6
+    assert gpu["energy_j"] == pytest.approx(gpu["power_w"] * 0.4, rel=0.1)
+    assert last["cpus"][0]["energy_j"] > 0 and last["host"] is not None
+    assert {s.source for s in timeline.samples()} == {"nvml", "rapl", "host"}
