@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import sys
+from pathlib import Path
+
 import click
 
 from powerprof import __version__
@@ -173,6 +176,28 @@ def monitor(duration, interval, output, gpus, rapl_backend, simulate):
                                         for i in (src.nvml.infos if src.nvml else [])])}
             path = write_table(timeline.to_table(), output, metadata=meta)
             click.echo(f"wrote {len(timeline)} samples to {path}", err=True)
+
+
+# --- control: power-limit and clock restore (issue 3) ----------------------------------------
+
+
+@main.command()
+@simulate_option
+@click.option(
+    "--restore-file",
+    type=click.Path(dir_okay=False, path_type=Path),
+    default=None,
+    help="Restore from this file instead of every restore file in the state folder.",
+)
+def restore(simulate: str | None, restore_file: Path | None) -> None:
+    """Put back every power limit and clock lock a crashed or killed powerprof left changed."""
+    from powerprof.control.restore import restore_from_file
+
+    report = restore_from_file(restore_file, simulate=simulate)
+    for line in report.lines():
+        click.echo(line, err=not report.ok)
+    if not report.ok:
+        sys.exit(1)
 
 
 if __name__ == "__main__":
