@@ -99,6 +99,11 @@ class StreamParser:
         self._s = _State()
         self._handle = self._llamacpp if api == "llamacpp" else self._openai
 
+    @property
+    def ended(self) -> bool:
+        """Nothing more is expected: llama.cpp's stop event, or OpenAI's `[DONE]`."""
+        return self._s.done or (self.api == "llamacpp" and self._s.complete)
+
     # --- framing -------------------------------------------------------------------------------
 
     def feed(self, chunk: bytes) -> list[TokenEvent]:
