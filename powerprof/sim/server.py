@@ -124,6 +124,7 @@ class SimServer:
         self.seed = seed
         self.faults: list[Fault] = []
         self.truth: list[dict] = []  # one dict per finished request, in finishing order
+        self.steps: list[tuple[int, int, str, int, int]] = []  # (t0_ns, t1_ns, kind, batch, tokens)
         self.busy = False
         self._busy_callbacks: list[Callable[[bool], None]] = []
         self._lock = threading.Lock()
@@ -315,6 +316,7 @@ class SimServer:
         await asyncio.sleep(todo / self.prefill_tok_s / speed)
         req.t_prefill_end_ns = time.monotonic_ns()
         self._emit(req, 1)
+        self._log_step(req.t_prefill_start_ns, req.t_prefill_end_ns, "prefill", 1, 1)
 
     async def _decode_step(self, batch: list[_Req]) -> None:
         b = len(batch)
@@ -323,7 +325,9 @@ class SimServer:
         t_fmax = self._expected_tokens_per_step() / self.decode_tok_s * ((1.0 - c) + c_b)
         share = c_b / ((1.0 - c) + c_b)
         speed = self._phase("decode", share)
+        t0 = time.monotonic_ns()
         await asyncio.sleep(t_fmax / speed)
+        before = sum(r.generated for r in batch)
         for req in batch:
             if req.cancelled:
                 continue
@@ -339,6 +343,11 @@ class SimServer:
                 req.draft_accepted += acc
                 n = 1 + acc
             self._emit(req, n)
+        self._log_step(t0, time.monotonic_ns(), "decode", b, sum(r.generated for r in batch) - before)
+
+    def _log_step(self, t0: int, t1: int, kind: str, batch: int, tokens: int) -> None:
+        if len(self.steps) < 100_000:  # ground truth for tests and benches; bounded for long demos
+            self.steps.append((t0, t1, kind, batch, tokens))
 
     def _emit(self, req: _Req, n: int) -> None:
         limit = req.n_predict if req.eos_at is None else min(req.n_predict, req.eos_at)
