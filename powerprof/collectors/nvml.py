@@ -31,6 +31,7 @@ class GpuInfo:
     limit_max_w: float | None
     limit_default_w: float | None
     supports: dict  # SUPPORT_KEYS -> bool
+    power_avg_window_s: float  # how far back nvmlDeviceGetPowerUsage averages (0: instant)
 
 
 @dataclass(frozen=True, slots=True)
@@ -142,6 +143,7 @@ class NvmlCollector:
             "power_limit": self._try(n.nvmlDeviceGetPowerManagementLimit, h) is not None,
             "clock_event_reasons": self._try(n.nvmlDeviceGetCurrentClocksEventReasons, h) is not None,
         }
+        arch = self._try(getattr(n, "nvmlDeviceGetArchitecture", lambda _h: None), h)
         return GpuInfo(
             index=index,
             uuid=_str(n.nvmlDeviceGetUUID(h)),
@@ -152,6 +154,7 @@ class NvmlCollector:
             limit_max_w=limits[1] / 1000 if limits else None,
             limit_default_w=default / 1000 if default is not None else None,
             supports=supports,
+            power_avg_window_s=power_average_window_s(n, arch, _str(n.nvmlDeviceGetName(h))),
         )
 
     def read(self) -> tuple[GpuReading, ...]:
@@ -195,6 +198,16 @@ class NvmlCollector:
             mj = self._try(n.nvmlDeviceGetTotalEnergyConsumption, h) if info.supports["energy_counter"] else None
             out.append(mj / 1000 if mj is not None else None)
         return tuple(out)
+
+
+def power_average_window_s(nvml, arch: int | None, name: str) -> float:
+    """nvmlDeviceGetPowerUsage is a 1 s trailing average on Ampere and newer except GA100."""
+    ampere = getattr(nvml, "NVML_DEVICE_ARCH_AMPERE", 7)
+    if arch is None or arch == getattr(nvml, "NVML_DEVICE_ARCH_UNKNOWN", 0xFFFFFFFF):
+        return 1.0  # unknown: assume the newer behaviour, the safer shift for integration
+    if arch < ampere or (arch == ampere and "A100" in name):
+        return 0.0
+    return 1.0
 
 
 def _field_value(nvml, v):

@@ -220,6 +220,10 @@ class SimNVML:
     def nvmlDeviceGetUUID(self, handle) -> str:
         return self._gpu(handle).uuid
 
+    def nvmlDeviceGetArchitecture(self, handle) -> int:
+        arch = self._gpu(handle).profile.architecture.upper()
+        return getattr(pynvml, f"NVML_DEVICE_ARCH_{arch}", pynvml.NVML_DEVICE_ARCH_UNKNOWN)
+
     def nvmlDeviceGetMigMode(self, handle):
         self._gpu(handle)
         raise pynvml.NVMLError(pynvml.NVML_ERROR_NOT_SUPPORTED)

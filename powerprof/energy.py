@@ -1,0 +1,63 @@
+"""Energy over an interval from cumulative counters or power samples: pure functions over arrays."""
+
+from __future__ import annotations
+
+import numpy as np
+
+
+def unwrap_resets(e_j: np.ndarray) -> np.ndarray:
+    """Make a cumulative counter monotonic across resets (driver reload zeroes the GPU counter).
+
+    After a drop the counter restarts near zero, so the energy between the last reading before
+    and the first after is unknown; we add nothing for it, which undercounts at most one interval.
+    """
+    e = np.asarray(e_j, dtype=float)
+    if e.size < 2:
+        return e.copy()
+    d = np.diff(e)
+    drops = d < 0
+    if not drops.any():
+        return e.copy()
+    # After a reset the new reading itself is energy since the reset: keep it, add what was lost.
+    offsets = np.concatenate([[0.0], np.cumsum(np.where(drops, e[:-1], 0.0))])
+    return e + offsets
+
+
+def interp_at(t_ns: np.ndarray, y: np.ndarray, at_ns: float) -> float:
+    """Linear interpolation of a cumulative series at an instant; NaN outside the sampled span."""
+    t = np.asarray(t_ns, dtype=np.int64)
+    if t.size == 0 or at_ns < t[0] or at_ns > t[-1]:
+        return float("nan")
+    # Work relative to the first point: int64 ns timestamps lose precision as float64 otherwise.
+    return float(np.interp(float(at_ns - t[0]), (t - t[0]).astype(float), np.asarray(y, dtype=float)))
+
+
+def counter_energy_j(t_ns: np.ndarray, e_j: np.ndarray, t0_ns: int, t1_ns: int) -> float:
+    """Energy between two instants from a cumulative counter read at (or around) them."""
+    e = unwrap_resets(e_j)
+    return interp_at(t_ns, e, t1_ns) - interp_at(t_ns, e, t0_ns)
+
+
+def integrate_power_j(t_ns: np.ndarray, p_w: np.ndarray, t0_ns: int, t1_ns: int) -> float:
+    """Trapezoid integral of power samples over [t0, t1], interpolating at the edges.
+
+    NaN when the samples do not cover the interval: an extrapolated number would look exact.
+    """
+    t = np.asarray(t_ns, dtype=np.int64)
+    p = np.asarray(p_w, dtype=float)
+    ok = ~np.isnan(p)
+    t, p = t[ok], p[ok]
+    if t.size < 2 or t0_ns < t[0] or t1_ns > t[-1] or t1_ns < t0_ns:
+        return float("nan")
+    base = t[0]
+    ts = (t - base).astype(float)
+    a, b = float(t0_ns - base), float(t1_ns - base)
+    inside = (ts > a) & (ts < b)
+    xs = np.concatenate([[a], ts[inside], [b]])
+    ys = np.concatenate([[np.interp(a, ts, p)], p[inside], [np.interp(b, ts, p)]])
+    return float(np.trapezoid(ys, xs) / 1e9) if hasattr(np, "trapezoid") else float(np.trapz(ys, xs) / 1e9)
+
+
+def shift_average_power(t_ns: np.ndarray, window_s: float) -> np.ndarray:
+    """A trailing-average reading describes the middle of its window: move it back by half."""
+    return np.asarray(t_ns, dtype=np.int64) - int(window_s * 1e9 / 2)

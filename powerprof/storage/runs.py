@@ -1,0 +1,88 @@
+"""A sweep's run directory: Parquet tables and run.json, each replaced atomically as levels finish."""
+
+from __future__ import annotations
+
+import json
+import os
+from datetime import datetime, timezone
+from pathlib import Path
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+from .schema import TABLES
+
+RUN_JSON = "run.json"
+
+
+def fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def atomic_write_bytes(path: Path, data: bytes) -> None:
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    with open(tmp, "wb") as f:
+        f.write(data)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+    fsync_dir(path.parent)
+
+
+def atomic_write_table(path: Path, table: pa.Table, metadata: dict | None = None) -> None:
+    """Write a Parquet file so that a reader (or a crash) sees the old file or the new, never half."""
+    if metadata:
+        meta = dict(table.schema.metadata or {})
+        meta.update({k.encode(): (v if isinstance(v, str) else json.dumps(v)).encode() for k, v in metadata.items()})
+        table = table.replace_schema_metadata(meta)
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    pq.write_table(table, tmp, compression="zstd")
+    with open(tmp, "rb+") as f:
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+    fsync_dir(path.parent)
+
+
+def table_from_rows(name: str, rows: list[dict]) -> pa.Table:
+    """Rows (dicts keyed by column name; missing keys are null) → a table of the named schema."""
+    schema = TABLES[name]
+    cols = {f.name: [r.get(f.name) for r in rows] for f in schema}
+    return pa.Table.from_pydict(cols, schema=schema)
+
+
+def default_run_dir(base: Path, gpu_label: str) -> Path:
+    stamp = datetime.now(timezone.utc).strftime("%Y%m%dT%H%M%SZ")
+    safe = "".join(ch if ch.isalnum() or ch in "-_" else "-" for ch in gpu_label).strip("-") or "gpu"
+    return base / f"{stamp}-{safe}"
+
+
+class RunWriter:
+    """Owns one run directory. Every write replaces a whole file atomically."""
+
+    def __init__(self, path: Path, metadata: dict):
+        self.path = Path(path)
+        if self.path.exists() and any(self.path.iterdir()):
+            raise FileExistsError(f"run directory {self.path} already exists and is not empty; choose another --out")
+        self.path.mkdir(parents=True, exist_ok=True)
+        self.metadata = dict(metadata)
+        self.write_json()
+
+    def write_json(self, **extra) -> None:
+        self.metadata.update(extra)
+        atomic_write_bytes(self.path / RUN_JSON, json.dumps(self.metadata, indent=2, default=str).encode())
+
+    def write(self, name: str, table: pa.Table) -> Path:
+        path = self.path / f"{name}.parquet"
+        atomic_write_table(path, table, {"powerprof": self.metadata})
+        return path
+
+
+def read_run_metadata(run_dir: Path) -> dict:
+    p = Path(run_dir) / RUN_JSON
+    if not p.exists():
+        raise FileNotFoundError(f"{run_dir} is not a powerprof run directory (no {RUN_JSON})")
+    return json.loads(p.read_text())

@@ -1,0 +1,61 @@
+"""The energy window API against the simulator's ground truth."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import numpy as np
+import pytest
+
+from powerprof.energy import counter_energy_j, integrate_power_j, unwrap_resets
+from powerprof.profiler import METHOD_AVG_POWER, METHOD_COUNTER, Profiler
+from powerprof.sim.gpu import Phase
+from powerprof.sim.nvml import SimNVML
+
+
+def test_counter_reset_is_unwrapped_not_negative():
+    e = np.array([100.0, 150.0, 200.0, 5.0, 55.0])
+    u = unwrap_resets(e)
+    assert np.all(np.diff(u) >= 0)
+    t = np.arange(5) * 1_000_000_000
+    assert counter_energy_j(t, e, 0, 4_000_000_000) == pytest.approx(155.0)
+
+
+def test_power_integration_refuses_to_extrapolate():
+    t = np.array([0, 1_000_000_000, 2_000_000_000])
+    p = np.array([100.0, 200.0, 100.0])
+    assert integrate_power_j(t, p, 0, 2_000_000_000) == pytest.approx(300.0)
+    assert integrate_power_j(t, p, 500_000_000, 1_500_000_000) == pytest.approx(175.0)
+    assert np.isnan(integrate_power_j(t, p, 0, 3_000_000_000))
+
+
+def _busy(gpu, stop):
+    # Alternate decode and prefill so power is not constant across the window.
+    k = 0
+    while not stop.is_set():
+        gpu.set_phase(Phase("decode", 0.45) if k % 2 else Phase("prefill", 0.9))
+        k += 1
+        time.sleep(0.013)
+    gpu.set_phase(Phase("idle"))
+
+
+@pytest.mark.parametrize("profile,method,tol", [("seed-16g", METHOD_COUNTER, 0.01), ("pascal-8g", METHOD_AVG_POWER, 0.25)])
+def test_window_energy_matches_ground_truth(profile, method, tol):
+    nvml = SimNVML(profile, count=2, state_path=None)
+    stop = threading.Event()
+    worker = threading.Thread(target=_busy, args=(nvml.gpus[0], stop))
+    with Profiler(nvml, interval_s=0.1) as prof:
+        time.sleep(0.3)
+        worker.start()
+        truth0 = [g.true_energy_j() for g in nvml.gpus]
+        with prof.window("w") as w:
+            time.sleep(1.2)
+        truth1 = [g.true_energy_j() for g in nvml.gpus]
+        stop.set()
+        worker.join()
+    r = w.result
+    assert r.method == method
+    for k in range(2):
+        assert r.gpu_energy_j[k] == pytest.approx(truth1[k] - truth0[k], rel=tol)
+    assert r.low_confidence  # 1.2 s is shorter than the sensor can resolve well
