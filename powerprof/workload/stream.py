@@ -265,38 +265,45 @@ class StreamParser:
         if not isinstance(choices, list):
             return
         texts: list[str] = []
+        is_token = False
         n_logprobs = 0
         for ch in choices:
             if not isinstance(ch, dict):
                 continue
+            fr = ch.get("finish_reason")
+            finished = isinstance(fr, str) and bool(fr)
             if self.api == "openai-chat":
                 delta = ch.get("delta") or ch.get("message") or {}
                 if isinstance(delta, dict):
                     for k in ("content", "reasoning_content", "reasoning"):
                         v = delta.get(k)
-                        if isinstance(v, str) and v:
+                        if isinstance(v, str):
                             texts.append(v)
+                            # An empty content is still a token (a byte of an unfinished UTF-8
+                            # character) unless it is the role-only opener or the closing chunk.
+                            is_token |= bool(v) or ("role" not in delta and not finished)
                     if delta.get("tool_calls"):
-                        texts.append("")
-                        n_logprobs = max(n_logprobs, 1)
+                        is_token = True
             else:
                 v = ch.get("text")
-                if isinstance(v, str) and v:
+                if isinstance(v, str):
                     texts.append(v)
+                    is_token |= bool(v) or not finished
             lp = ch.get("logprobs")
             if isinstance(lp, dict):
                 toks = lp.get("content") if isinstance(lp.get("content"), list) else lp.get("tokens")
                 if isinstance(toks, list):
                     n_logprobs += len(toks)
-            fr = ch.get("finish_reason")
-            if isinstance(fr, str) and fr:
+            if finished:
                 s.complete = True
                 s.stop_reason = fr
-        if not texts and n_logprobs == 0:
+        if not is_token and n_logprobs == 0:
             return
-        if usage_total is not None and usage_total > s.counted:
+        if usage_total is not None:
             # vLLM/SGLang continuous usage stats: the running total says how many this chunk holds.
             n = usage_total - s.counted
+            if n <= 0:
+                return
         elif n_logprobs:
             n = n_logprobs
         else:
