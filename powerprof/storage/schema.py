@@ -85,6 +85,12 @@ WINDOWS = pa.schema(
         ("draft_n_accepted", pa.int32()),
         ("stop_reason", pa.string()),
         ("low_confidence", pa.bool_()),  # window shorter than the sensor can resolve well
+        ("attempt", pa.int32()),  # 1 for a first try; retries of the same request count up
+        ("http_status", pa.int32()),
+        ("token_source", pa.string()),  # usage | timings | counted: where generated_tokens came from
+        ("server_kind", pa.string()),  # llamacpp | vllm | sglang | tgi | openai
+        ("prompt_text", pa.string()),  # only with --keep-text
+        ("completion_text", pa.string()),  # only with --keep-text
     ]
 )
 
