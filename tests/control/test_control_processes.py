@@ -108,6 +108,7 @@ def _kill_case(case_dir: Path, delay_s: float, results: list, k: int):
     results[k] = p.returncode
 
 
+@pytest.mark.slow
 def test_sigkill_at_random_points_then_powerprof_restore_puts_every_gpu_back(tmp_path, monkeypatch):
     seed = int(os.environ.get("POWERPROF_TEST_SEED", random.randrange(1 << 30)))
     rng = random.Random(seed)
