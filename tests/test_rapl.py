@@ -241,3 +241,17 @@ def test_background_updates_advance_the_counters_and_stop_cleanly(tmp_path):
     time.sleep(0.05)
     assert pc.true_energy_j() == frozen, "no updates after stop()"
     pc.close()
+
+
+def test_permission_lost_after_start_is_a_counted_sampler_error(tmp_path):
+    clock = FakeClock()
+    pc = _tree(tmp_path, clock)
+    rc = _collector(pc, clock)
+    sampler = Sampler([rc], interval_s=1.0)
+    assert sampler.sample_now("before")["rapl"].ok
+    pc.unreadable = True
+    for p in pc.energy_paths():
+        os.chmod(p, 0o400)
+    s = sampler.sample_now("after")["rapl"]
+    assert not s.ok and "RaplPermissionError" in s.error and "ExecStartPre=+" in s.error
+    assert sampler.errors["rapl"] == 1

@@ -140,16 +140,26 @@ def test_real_time_run_keeps_the_schedule_within_tolerance():
     src = Src("rt")
     sampler = Sampler([src], interval_s=0.1)
     got = []
-    sampler.subscribe(got.append)
+    done = threading.Event()
+
+    def sink(s):
+        got.append(s)
+        if s.seq >= 30:
+            done.set()
+
+    sampler.subscribe(sink)
+    t_start = time.monotonic()
     with sampler:
-        time.sleep(3.0)
-    ticks = [s for s in got if s.seq >= 0]
-    assert 28 <= len(ticks) <= 32
-    assert [s.seq for s in ticks] == list(range(len(ticks)))
+        assert done.wait(WAIT_S)
+    elapsed = time.monotonic() - t_start
+    ticks = [s for s in got if 0 <= s.seq <= 30]
+    assert [s.seq for s in ticks] == list(range(31))
     offsets_s = [(s.t_mono_ns - sampler.t0_ns - s.seq * sampler.interval_ns) / 1e9 for s in ticks]
-    # Loaded CI machine: generous jitter, but no growth (each tick is scheduled from t0, not the last one).
+    # A shared, loaded CI machine: generous jitter per tick, but no growth, since every tick is
+    # scheduled from t0 and not from the previous one.
     assert min(offsets_s) >= 0
-    assert max(offsets_s) < 0.08, offsets_s
+    assert max(offsets_s) < 0.15, offsets_s
+    assert 2.9 <= elapsed < 4.0
     assert not sampler._threads, "stop() must join the threads"
 
 

@@ -345,8 +345,9 @@ class RaplCollector:
         self._clock_ns = clock_ns
         self._lock = threading.Lock()
         # Probe with our reader first: a permission problem gets the same clear error on both backends.
-        probe = _SysfsCounters(zones, opener).read_uj()
-        self._counters = _SysfsCounters(zones, opener) if backend == "sysfs" else _PyraplCounters(zones)
+        sysfs = _SysfsCounters(zones, opener)
+        probe = sysfs.read_uj()
+        self._counters = sysfs if backend == "sysfs" else _PyraplCounters(zones)
         n = len(zones)
         now = clock_ns()
         self._prev_uj: list[int | None] = [v if isinstance(v, int) else None for v in probe]

@@ -163,15 +163,28 @@ class GpuRestored:
 
 
 def restore_gpu(nvml, handle, index: int, uuid: str, entry: dict, nvidia_smi: NvidiaSmi, tolerance_w: float) -> GpuRestored:
-    """Sets the recorded original limit, verifies it, and releases a clock lock powerprof made."""
+    """Sets the recorded original limit, verifies it, and releases a clock lock powerprof made.
+
+    The clock lock is released even when the limit could not be put back, and vice versa.
+    """
     original_w = entry["original_limit_mw"] / 1000
-    rb = set_power_limit(nvml, handle, index, uuid, original_w, nvidia_smi)
-    # Only the requested limit: another limiter may hold the enforced one lower, and that is not ours to undo.
-    check_applied([rb], tolerance_w, enforced=False)
+    failure: ControlError | None = None
+    rb = None
+    try:
+        rb = set_power_limit(nvml, handle, index, uuid, original_w, nvidia_smi)
+        # Only the requested limit: another limiter may hold the enforced one lower, and that is not ours to undo.
+        check_applied([rb], tolerance_w, enforced=False)
+    except ControlError as e:
+        failure = e
     released = False
     if entry.get("clocks_locked"):
-        reset_sm_clocks(nvml, handle, index)
-        released = True
+        try:
+            reset_sm_clocks(nvml, handle, index)
+            released = True
+        except ControlError as e:
+            failure = failure or e
+    if failure is not None:
+        raise failure
     return GpuRestored(index, uuid, rb.limit_w, original_w, released)
 
 

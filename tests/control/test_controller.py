@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 import signal
 import sys
 
@@ -249,7 +248,8 @@ def test_plan_validates_and_touches_nothing(originals):
     with pytest.raises(LevelError):
         make_plan(ReadOnly(sim()), [0, 1], "999")
     assert "sudo" in "\n".join(make_plan(sim(privileged=False), [0], "200").lines())
-    assert_untouched() and restore_files() == []
+    assert_untouched()
+    assert restore_files() == []
 
 
 def _leave_pending_record():
@@ -303,14 +303,14 @@ def test_restore_without_permission_keeps_the_file(originals):
     assert_untouched()
 
 
-def test_restore_simulate_refuses_a_real_gpu_record(originals, tmp_path):
+def test_restore_simulate_refuses_a_real_gpu_record(originals):
     path = _leave_pending_record()
     rec = json.loads(path.read_text())
     rec["simulated"] = None
     path.write_text(json.dumps(rec))
     report = restore_from_file(simulate="seed-16g")
     assert report.outcomes[0].status == "refused" and path.exists()
-    shutil.copy(path, tmp_path / "keep.json")
+    assert sim_state() == [(190.0, (1500, 1500))] * 2
 
 
 def test_signal_inside_a_with_block_restores_and_exits_128_plus_signum(originals):
@@ -321,30 +321,30 @@ def test_signal_inside_a_with_block_restores_and_exits_128_plus_signum(originals
             signal.raise_signal(signal.SIGTERM)
             pytest.fail("the signal did not stop the run")
     assert ei.value.code == 128 + signal.SIGTERM
-    assert_untouched() and restore_files() == []
+    assert_untouched()
+    assert restore_files() == []
     assert signal.getsignal(signal.SIGTERM) is prev
 
 
-def test_signal_during_a_set_waits_until_the_set_is_recorded(originals):
-    class SignalMidSet(Wrap):
-        fired = False
+def test_signal_during_a_set_waits_until_the_set_is_complete(originals):
+    calls = []
 
+    class SignalMidSet(Wrap):
         def nvmlDeviceSetPowerManagementLimit(self, h, mw):
             self.inner.nvmlDeviceSetPowerManagementLimit(h, mw)
-            if mw == 200000 and h.index == 0 and not self.fired:
-                self.fired = True
-                signal.raise_signal(signal.SIGHUP)
+            calls.append((h.index, mw))
+            if (h.index, mw) == (0, 200000):
+                signal.raise_signal(signal.SIGHUP)  # between GPU 0 and GPU 1
 
-    after_set = []
     with pytest.raises(SystemExit) as ei:
         with LimitController(SignalMidSet(sim()), [0, 1]) as ctl:
-            try:
-                ctl.set_power_limit_w(200)
-            finally:
-                after_set.append(sim_state())
+            ctl.set_power_limit_w(200)
+            pytest.fail("the deferred signal was lost")
     assert ei.value.code == 128 + signal.SIGHUP
-    assert after_set == [[(200.0, None)] * 2] or after_set == [[(w, None) for w in ORIGINAL_W]]
-    assert_untouched() and restore_files() == []
+    # Both GPUs took the level (the set was not cut in half), then both were put back.
+    assert calls[2:] == [(0, 200000), (1, 200000), (0, 280000), (1, 300000)]
+    assert_untouched()
+    assert restore_files() == []
 
 
 def test_an_ignored_signal_stays_ignored(originals):
@@ -355,3 +355,46 @@ def test_an_ignored_signal_stays_ignored(originals):
             assert signal.getsignal(signal.SIGTERM) == ctl._on_signal
     finally:
         signal.signal(signal.SIGHUP, prev)
+
+
+def test_clocks_are_released_even_when_the_limit_cannot_be_put_back(originals):
+    class StuckLimit(Wrap):
+        block = False
+
+        def nvmlDeviceSetPowerManagementLimit(self, h, mw):
+            if self.block:
+                raise pynvml.NVMLError(pynvml.NVML_ERROR_UNKNOWN)
+            return self.inner.nvmlDeviceSetPowerManagementLimit(h, mw)
+
+    nvml = StuckLimit(sim())
+    ctl = LimitController(nvml, [0, 1])
+    ctl.open()
+    ctl.set_power_limit_w(200)
+    ctl.lock_sm_clock_mhz(1500)
+    nvml.block = True
+    with pytest.raises(ControlError, match="Could not put every GPU back") as ei:
+        ctl.close()
+    assert "powerprof restore --restore-file" in str(ei.value)
+    assert sim_state() == [(200.0, None)] * 2  # clocks released although the limits are stuck
+    assert len(restore_files()) == 1  # kept for `powerprof restore`
+    assert restore_from_file().ok
+    assert_untouched()
+
+
+def test_restore_command_exit_codes(originals):
+    from click.testing import CliRunner
+
+    from powerprof.cli import main as cli
+
+    r = CliRunner().invoke(cli, ["restore"])
+    assert r.exit_code == 0 and "Nothing to restore" in r.output
+    with LimitController(sim(), [0, 1]) as ctl:
+        ctl.set_power_limit_w(200)
+        r = CliRunner().invoke(cli, ["restore", "--simulate"])
+        assert r.exit_code == 1 and f"controlled by powerprof process {os.getpid()}" in r.output
+    r = CliRunner().invoke(cli, ["restore", "--restore-file", "/nonexistent/restore-x.json"])
+    assert r.exit_code == 0 and "does not exist" in r.output
+    path = _leave_pending_record()
+    r = CliRunner().invoke(cli, ["restore", "--restore-file", str(path)])
+    assert r.exit_code == 0 and "GPU 0" in r.output and "original 280 W" in r.output and "clock lock released" in r.output
+    assert_untouched()
