@@ -314,11 +314,13 @@ def _accumulate_levels(acc, tb, power, clock, starts, ends) -> None:
                if "clock_event_reasons" in tb.column_names else np.zeros(tb.num_rows, np.int64))
     enforced = _np(tb, "enforced_limit_w")
     idx = np.flatnonzero(inside)
-    keys, inverse = np.unique(np.stack([kind_codes[idx].astype(float), lvl[idx]]), axis=1, return_inverse=True)
-    inverse = np.ravel(inverse)
-    for j in range(keys.shape[1]):
-        sel = idx[inverse == j]
-        a = acc.setdefault((kind_names[int(keys[0, j])], float(keys[1, j])), _LevelAcc())
+    groups = []
+    for code in np.unique(kind_codes[idx]):
+        of_kind = idx[kind_codes[idx] == code]
+        values, inverse = np.unique(lvl[of_kind], return_inverse=True)
+        groups += [(kind_names[int(code)], float(v), of_kind[np.ravel(inverse) == j]) for j, v in enumerate(values)]
+    for kind, value, sel in groups:
+        a = acc.setdefault((kind, value), _LevelAcc())
         a.n += sel.size
         p, f, m = power[sel], clock[sel], mem[sel]
         a.power_sum += float(np.nansum(p))
