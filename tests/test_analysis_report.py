@@ -158,3 +158,15 @@ def test_levels_at_another_concurrency_get_their_own_series(tmp_path):
     assert (tmp_path / "out" / "j_per_token_power_limit_c4.png").exists()
     c4 = res.series[1].table.to_pylist()
     assert np.all([r["decode_tok_s"] > 150 for r in c4])  # the batch aggregate, not one request's rate
+
+
+def test_windows_without_energy_are_refused_with_the_reason(tmp_path):
+    import pyarrow as pa
+
+    run = make_run(tmp_path / "run", seed_truth(), levels=SEED_LEVELS, n_requests=4)
+    w = pq.read_table(run / "windows.parquet")
+    for col in ("gpu_j_per_token", "gpu_energy_j"):
+        w = w.set_column(w.column_names.index(col), col, pa.nulls(w.num_rows, pa.float64()))
+    pq.write_table(w, run / "windows.parquet")
+    with pytest.raises(AnalysisError, match="J/token cannot be computed"):
+        analyze_run([run], tmp_path / "out")

@@ -132,6 +132,9 @@ def analyze(
     all_series = [s for s in all_series if np.isfinite(s.level_values).all()]
     if not all_series:
         raise ValueError("no measured windows at any level (all warm-up, failed, or missing): nothing to analyse")
+    if not any(np.isfinite(s.j_per_token).any() for s in all_series):
+        raise ValueError("no window has a GPU energy (energy_method none everywhere): J/token cannot be computed")
+    all_series = [s for s in all_series if np.isfinite(s.j_per_token).any()]
     extra = {k: {c: v for c, v in d.items() if c in SAMPLE_LEVEL_COLUMNS} for k, d in (level_figures or {}).items()}
     run_ids = "+".join(dict.fromkeys(r.run_id for r in runs)) or None
     n_runs = _runs_per_level(windows)

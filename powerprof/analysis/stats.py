@@ -186,7 +186,7 @@ def level_series(
     methods = _col(windows, "energy_method", object)
     rng = np.random.default_rng(seed)
     out = []
-    keys = sorted({(k, int(c)) for k, c, m in zip(kinds, conc, measured | counted | failed) if m}, key=str)
+    keys = sorted({(k, int(c)) for k, c, m in zip(kinds, conc, measured | counted | failed) if m}, key=lambda kc: (kc[0], kc[1]))
     for kind, c in keys:
         in_series = (kinds == kind) & (conc == c)
         lv = np.unique(values[in_series & np.isfinite(values)])
@@ -228,7 +228,9 @@ def level_series(
                 n_requests=np.array(cols["nr"]),
                 n_failed=np.array(cols["nf"]),
                 energy_methods=tuple(sorted(meths)),
-                ref_index=choose_reference(np.nan_to_num(lv, nan=0.0), reference_value),
+                # The default limit is a power limit: a clock series is referenced to its highest clock.
+                ref_index=choose_reference(np.nan_to_num(lv, nan=0.0),
+                                           reference_value if kind == "power_limit" else None),
             )
         )
     return out
