@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import sys
+from pathlib import Path
+
 import click
 
 from powerprof import __version__
@@ -28,6 +31,173 @@ def main() -> None:
     """Power and efficiency profiler for GPUs serving LLMs."""
 
 
+# --- foundation: devices, monitor -------------------------------------------------------------
+
+
+def _parse_gpus(ctx, param, value):
+    if value is None:
+        return None
+    try:
+        out = [int(x) for x in value.split(",") if x.strip() != ""]
+    except ValueError:
+        raise click.BadParameter(f"{value!r}: expected NVML indexes like 0 or 0,1") from None
+    if not out or any(i < 0 for i in out):
+        raise click.BadParameter(f"{value!r}: expected NVML indexes like 0 or 0,1")
+    return list(dict.fromkeys(out))
+
+
+def _open_sources_or_exit(simulate, gpus, rapl_backend):
+    from powerprof.collectors.sources import open_sources
+
+    try:
+        return open_sources(simulate=simulate, gpus=gpus, rapl_backend=rapl_backend)
+    except ValueError as e:
+        raise click.UsageError(str(e)) from None
+
+
+def _rapl_backend_option(f):
+    return click.option(
+        "--rapl-backend",
+        type=click.Choice(["sysfs", "pyrapl"]),
+        default="sysfs",
+        show_default=True,
+        help="How to read RAPL counters: our powercap reader, or pyRAPL's (wraparound is ours either way).",
+    )(f)
+
+
+@main.command()
+@click.option("--json", "as_json", is_flag=True, help="Print JSON instead of text.")
+@click.option("--gpus", callback=_parse_gpus, help="NVML indexes to show, e.g. 0,1 (default: all visible).")
+@_rapl_backend_option
+@simulate_option
+def devices(as_json, gpus, rapl_backend, simulate):
+    """GPUs, their power limits and capabilities, RAPL zones, permissions and how to fix them."""
+    import json
+
+    from powerprof.collectors.sources import describe
+
+    with _open_sources_or_exit(simulate, gpus, rapl_backend) as src:
+        info = describe(src)
+    if as_json:
+        click.echo(json.dumps(info, indent=2))
+        return
+    _print_devices(info)
+
+
+def _w(v):
+    return "-" if v is None else f"{v:g} W"
+
+
+def _print_devices(info):
+    if info["restore_note"]:
+        click.secho(info["restore_note"], fg="yellow")
+    if info["simulated"]:
+        click.echo("(simulated devices)")
+    for g in info["gpus"]:
+        click.echo(f"gpu{g['index']}  {g['name']}  {g['uuid']}  driver {g['driver_version']}")
+        click.echo(
+            f"  power limit {_w(g['power_limit_w'])} (enforced {_w(g['enforced_limit_w'])}), "
+            f"default {_w(g['limit_default_w'])}, range {_w(g['limit_min_w'])} - {_w(g['limit_max_w'])}"
+        )
+        sup = [k for k, ok in g["supports"].items() if ok]
+        nosup = [k for k, ok in g["supports"].items() if not ok]
+        click.echo(f"  readings: {', '.join(sup) or 'none'}" + (f"; not supported: {', '.join(nosup)}" if nosup else ""))
+    if not info["gpus"]:
+        click.echo("GPUs: none")
+    r = info["rapl"]
+    if r:
+        click.echo(f"RAPL ({r['backend']}, {r['root']}), min wrap period {r['min_wrap_period_s']:.0f} s:")
+        for z in r["zones"]:
+            rng = "unknown range" if z["max_energy_range_j"] is None else f"range {z['max_energy_range_j']:.0f} J"
+            click.echo(f"  {z['zone']:<18} {z['kind']:<8} {z['sysfs_id']:<16} {rng}")
+    else:
+        click.echo("RAPL: not available")
+    h = info["host"]
+    if h:
+        mem = "-" if h["mem_total_bytes"] is None else f"{h['mem_total_bytes'] / 2**30:.1f} GiB"
+        click.echo(f"host: {h['cpu_count']} CPUs, {mem} memory")
+    for p in info["problems"]:
+        click.secho(f"problem ({p['source']}): {p['message']}", fg="red", err=False)
+        if p["fix"]:
+            click.echo("  fix: " + p["fix"].replace("\n", "\n       "))
+
+
+@main.command()
+@click.option("--duration", type=click.FloatRange(min=0, min_open=True), default=None,
+              help="Seconds to run (default: until Ctrl-C).")
+@click.option("--interval", type=click.FloatRange(0.02, 10.0), default=1.0, show_default=True,
+              help="Seconds between samples (0.02-10, i.e. 50-0.1 Hz).")
+@click.option("--output", type=click.Path(dir_okay=False), default=None,
+              help="Also write every sample to FILE.parquet or FILE.csv (samples schema).")
+@click.option("--gpus", callback=_parse_gpus, help="NVML indexes to show, e.g. 0,1 (default: all visible).")
+@_rapl_backend_option
+@simulate_option
+def monitor(duration, interval, output, gpus, rapl_backend, simulate):
+    """Live table once per interval: GPU power, energy, clocks, utilisation, limit, reasons; CPU power."""
+    import json
+
+    from rich.console import Console
+    from rich.live import Live
+
+    from powerprof import monitor as mon
+    from powerprof.storage.samples import Timeline, check_output_path, write_table
+
+    if output is not None:
+        try:
+            check_output_path(output)
+        except ValueError as e:
+            raise click.BadParameter(str(e), param_hint="--output") from None
+    console = Console()
+    with _open_sources_or_exit(simulate, gpus, rapl_backend) as src:
+        timeline = Timeline(gpu_uuids=src.gpu_uuids)
+        for p in src.problems:
+            click.secho(f"problem ({p.source}): {p.message}", fg="yellow", err=True)
+        if not src.collectors:
+            raise click.ClickException("nothing to monitor")
+        try:
+            if console.is_terminal:
+                with Live(console=console, auto_refresh=False) as live:
+                    mon.run_monitor(
+                        src, interval, duration, timeline=timeline,
+                        on_tick=lambda k, rows: live.update(mon.render(k, rows, interval), refresh=True),
+                    )
+            else:
+                mon.run_monitor(
+                    src, interval, duration, timeline=timeline,
+                    on_tick=lambda k, rows: [click.echo(line) for line in mon.lines(k, rows, interval)],
+                )
+        except ValueError as e:  # e.g. an interval too long for the RAPL counters' wrap period
+            raise click.UsageError(str(e)) from None
+        except KeyboardInterrupt:
+            click.echo("interrupted", err=True)  # still write what was sampled
+        if output is not None:
+            meta = {"powerprof_command": "monitor", "simulated": str(src.simulated).lower(),
+                    "gpus": json.dumps([{"index": i.index, "uuid": i.uuid, "name": i.name}
+                                        for i in (src.nvml.infos if src.nvml else [])])}
+            path = write_table(timeline.to_table(), output, metadata=meta)
+            click.echo(f"wrote {len(timeline)} samples to {path}", err=True)
+
+
+# --- control: power-limit and clock restore (issue 3) ----------------------------------------
+
+
+@main.command()
+@simulate_option
+@click.option(
+    "--restore-file",
+    type=click.Path(dir_okay=False, path_type=Path),
+    default=None,
+    help="Restore from this file instead of every restore file in the state folder.",
+)
+def restore(simulate: str | None, restore_file: Path | None) -> None:
+    """Put back every power limit and clock lock a crashed or killed powerprof left changed."""
+    from powerprof.control.restore import restore_from_file
+
+    report = restore_from_file(restore_file, simulate=simulate)
+    for line in report.lines():
+        click.echo(line, err=not report.ok)
+    if not report.ok:
+        sys.exit(1)
 # --- workload: measure (inference-server clients, simulated server, launcher) ------------------
 
 
