@@ -244,6 +244,9 @@ def test_measure_simulated_writes_windows_with_energy(tmp_path, monkeypatch):
     for r in req + batch:
         assert r["status"] == "ok" and r["gpu_energy_j"] > 0 and r["energy_method"] == "counter"
         assert r["gpu_j_per_token"] == pytest.approx(r["gpu_energy_j"] / r["decode_tokens"])
+        # Simulated RAPL: CPU energy over the same window, so GPU+CPU per token is there too.
+        assert r["cpu_energy_j"] > 0
+        assert r["total_j_per_token"] == pytest.approx((r["gpu_energy_j"] + r["cpu_energy_j"]) / r["decode_tokens"])
     assert all(r["decode_tokens"] == 15 for r in req)
     assert all(r["prompt_text"] is None and r["completion_text"] is None for r in t)
     # A second run into the same folder is refused and changes nothing.
