@@ -83,12 +83,14 @@ class Ledger:
         emit: Callable[[str, list[dict]], None],
         grace_s: float = 0.3,
         jpt_window_s: float = 60.0,
+        max_hold_s: float = 120.0,
     ):
         self.daemon_id = daemon_id
         self.t0_ns = t0_ns
         self.n_gpus = n_gpus
         self.emit = emit
         self.grace_ns = int(grace_s * 1e9)
+        self.max_hold_ns = int(max_hold_s * 1e9)
         self.jpt_window_ns = int(jpt_window_s * 1e9)
         self.edges: list[_Edge] = []
         self.requests: dict[int, _Req] = {}
@@ -187,6 +189,12 @@ class Ledger:
     def advance(self, now_ns: int) -> None:
         """Close every interval whose end edge is older than the grace period."""
         horizon = now_ns - self.grace_ns
+        # A non-streamed response reveals its tokens only at its end: hold the intervals it
+        # overlaps until then (bounded), or its decode would be taken for prefill.
+        waiting = [r.trace.arrival_ns for r in self.requests.values()
+                   if r.trace.end_ns is None and r.trace.api is not None and r.trace.stream is not True]
+        if waiting:
+            horizon = max(min(horizon, min(waiting)), now_ns - self.max_hold_ns)
         n = 0
         while n + 1 < len(self.edges) and self.edges[n + 1].t_ns <= horizon:
             n += 1
