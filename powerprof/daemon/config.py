@@ -100,7 +100,7 @@ SPEC: dict[str, dict[str, Key]] = {
         "interval_s": Key(float, 1.0, _positive(0.02, 10.0, True), help="sampling period (0.02-10 s)"),
         "data_dir": Key(str, "", help="dataset root; default $STATE_DIRECTORY, then the user state folder"),
         "flush_interval_s": Key(float, 30.0, _positive(0.05, 3600), True, "seconds between Parquet flushes"),
-        "compact_interval_s": Key(float, 3600.0, _positive(1, 86400 * 7), True, "seconds between compactions"),
+        "compact_interval_s": Key(float, 3600.0, _positive(1, 86400 * 7, True), True, "seconds between compactions"),
         "retention_days": Key(float, 30.0, _positive(0, 36500, True), True, "delete partitions older; 0 = keep"),
         "retention_max_mb": Key(float, 0.0, _positive(0, 1e9, True), True, "cap on dataset size; 0 = none"),
         "max_buffered_rows": Key(int, 500_000, _positive(100, 1e9, True), True, "rows kept in memory per dataset while writes fail"),
