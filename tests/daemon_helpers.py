@@ -42,7 +42,8 @@ class DaemonProc:
         raise RuntimeError(f"daemon not ready in {READY_TIMEOUT_S} s:\n{self.output()}")
 
     def output(self) -> str:
-        self.log.flush()
+        if not self.log.closed:
+            self.log.flush()
         return self.log_path.read_text(errors="replace")
 
     def signal(self, sig) -> None:
