@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import sys
+from pathlib import Path
+
 import click
 
 from powerprof import __version__
@@ -26,6 +29,307 @@ def simulate_option(f):
 @click.version_option(__version__, prog_name="powerprof")
 def main() -> None:
     """Power and efficiency profiler for GPUs serving LLMs."""
+
+
+# --- foundation: devices, monitor -------------------------------------------------------------
+
+
+def _parse_gpus(ctx, param, value):
+    if value is None:
+        return None
+    try:
+        out = [int(x) for x in value.split(",") if x.strip() != ""]
+    except ValueError:
+        raise click.BadParameter(f"{value!r}: expected NVML indexes like 0 or 0,1") from None
+    if not out or any(i < 0 for i in out):
+        raise click.BadParameter(f"{value!r}: expected NVML indexes like 0 or 0,1")
+    return list(dict.fromkeys(out))
+
+
+def _open_sources_or_exit(simulate, gpus, rapl_backend):
+    from powerprof.collectors.sources import open_sources
+
+    try:
+        return open_sources(simulate=simulate, gpus=gpus, rapl_backend=rapl_backend)
+    except ValueError as e:
+        raise click.UsageError(str(e)) from None
+
+
+def _rapl_backend_option(f):
+    return click.option(
+        "--rapl-backend",
+        type=click.Choice(["sysfs", "pyrapl"]),
+        default="sysfs",
+        show_default=True,
+        help="How to read RAPL counters: our powercap reader, or pyRAPL's (wraparound is ours either way).",
+    )(f)
+
+
+@main.command()
+@click.option("--json", "as_json", is_flag=True, help="Print JSON instead of text.")
+@click.option("--gpus", callback=_parse_gpus, help="NVML indexes to show, e.g. 0,1 (default: all visible).")
+@_rapl_backend_option
+@simulate_option
+def devices(as_json, gpus, rapl_backend, simulate):
+    """GPUs, their power limits and capabilities, RAPL zones, permissions and how to fix them."""
+    import json
+
+    from powerprof.collectors.sources import describe
+
+    with _open_sources_or_exit(simulate, gpus, rapl_backend) as src:
+        info = describe(src)
+    if as_json:
+        click.echo(json.dumps(info, indent=2))
+        return
+    _print_devices(info)
+
+
+def _w(v):
+    return "-" if v is None else f"{v:g} W"
+
+
+def _print_devices(info):
+    if info["restore_note"]:
+        click.secho(info["restore_note"], fg="yellow")
+    if info["simulated"]:
+        click.echo("(simulated devices)")
+    for g in info["gpus"]:
+        click.echo(f"gpu{g['index']}  {g['name']}  {g['uuid']}  driver {g['driver_version']}")
+        click.echo(
+            f"  power limit {_w(g['power_limit_w'])} (enforced {_w(g['enforced_limit_w'])}), "
+            f"default {_w(g['limit_default_w'])}, range {_w(g['limit_min_w'])} - {_w(g['limit_max_w'])}"
+        )
+        sup = [k for k, ok in g["supports"].items() if ok]
+        nosup = [k for k, ok in g["supports"].items() if not ok]
+        click.echo(f"  readings: {', '.join(sup) or 'none'}" + (f"; not supported: {', '.join(nosup)}" if nosup else ""))
+    if not info["gpus"]:
+        click.echo("GPUs: none")
+    r = info["rapl"]
+    if r:
+        click.echo(f"RAPL ({r['backend']}, {r['root']}), min wrap period {r['min_wrap_period_s']:.0f} s:")
+        for z in r["zones"]:
+            rng = "unknown range" if z["max_energy_range_j"] is None else f"range {z['max_energy_range_j']:.0f} J"
+            click.echo(f"  {z['zone']:<18} {z['kind']:<8} {z['sysfs_id']:<16} {rng}")
+    else:
+        click.echo("RAPL: not available")
+    h = info["host"]
+    if h:
+        mem = "-" if h["mem_total_bytes"] is None else f"{h['mem_total_bytes'] / 2**30:.1f} GiB"
+        click.echo(f"host: {h['cpu_count']} CPUs, {mem} memory")
+    for p in info["problems"]:
+        click.secho(f"problem ({p['source']}): {p['message']}", fg="red", err=False)
+        if p["fix"]:
+            click.echo("  fix: " + p["fix"].replace("\n", "\n       "))
+
+
+@main.command()
+@click.option("--duration", type=click.FloatRange(min=0, min_open=True), default=None,
+              help="Seconds to run (default: until Ctrl-C).")
+@click.option("--interval", type=click.FloatRange(0.02, 10.0), default=1.0, show_default=True,
+              help="Seconds between samples (0.02-10, i.e. 50-0.1 Hz).")
+@click.option("--output", type=click.Path(dir_okay=False), default=None,
+              help="Also write every sample to FILE.parquet or FILE.csv (samples schema).")
+@click.option("--gpus", callback=_parse_gpus, help="NVML indexes to show, e.g. 0,1 (default: all visible).")
+@_rapl_backend_option
+@simulate_option
+def monitor(duration, interval, output, gpus, rapl_backend, simulate):
+    """Live table once per interval: GPU power, energy, clocks, utilisation, limit, reasons; CPU power."""
+    import json
+
+    from rich.console import Console
+    from rich.live import Live
+
+    from powerprof import monitor as mon
+    from powerprof.storage.samples import Timeline, check_output_path, write_table
+
+    if output is not None:
+        try:
+            check_output_path(output)
+        except ValueError as e:
+            raise click.BadParameter(str(e), param_hint="--output") from None
+    console = Console()
+    with _open_sources_or_exit(simulate, gpus, rapl_backend) as src:
+        timeline = Timeline(gpu_uuids=src.gpu_uuids)
+        for p in src.problems:
+            click.secho(f"problem ({p.source}): {p.message}", fg="yellow", err=True)
+        if not src.collectors:
+            raise click.ClickException("nothing to monitor")
+        try:
+            if console.is_terminal:
+                with Live(console=console, auto_refresh=False) as live:
+                    mon.run_monitor(
+                        src, interval, duration, timeline=timeline,
+                        on_tick=lambda k, rows: live.update(mon.render(k, rows, interval), refresh=True),
+                    )
+            else:
+                mon.run_monitor(
+                    src, interval, duration, timeline=timeline,
+                    on_tick=lambda k, rows: [click.echo(line) for line in mon.lines(k, rows, interval)],
+                )
+        except ValueError as e:  # e.g. an interval too long for the RAPL counters' wrap period
+            raise click.UsageError(str(e)) from None
+        except KeyboardInterrupt:
+            click.echo("interrupted", err=True)  # still write what was sampled
+        if output is not None:
+            meta = {"powerprof_command": "monitor", "simulated": str(src.simulated).lower(),
+                    "gpus": json.dumps([{"index": i.index, "uuid": i.uuid, "name": i.name}
+                                        for i in (src.nvml.infos if src.nvml else [])])}
+            path = write_table(timeline.to_table(), output, metadata=meta)
+            click.echo(f"wrote {len(timeline)} samples to {path}", err=True)
+
+
+# --- control: power-limit and clock restore (issue 3) ----------------------------------------
+
+
+@main.command()
+@simulate_option
+@click.option(
+    "--restore-file",
+    type=click.Path(dir_okay=False, path_type=Path),
+    default=None,
+    help="Restore from this file instead of every restore file in the state folder.",
+)
+def restore(simulate: str | None, restore_file: Path | None) -> None:
+    """Put back every power limit and clock lock a crashed or killed powerprof left changed."""
+    from powerprof.control.restore import restore_from_file
+
+    report = restore_from_file(restore_file, simulate=simulate)
+    for line in report.lines():
+        click.echo(line, err=not report.ok)
+    if not report.ok:
+        sys.exit(1)
+# --- workload: measure (inference-server clients, simulated server, launcher) ------------------
+
+
+def _int_list(ctx, param, value: str) -> list[int]:
+    try:
+        out = [int(v) for v in value.split(",") if v.strip()]
+    except ValueError:
+        raise click.BadParameter(f"expected comma-separated integers like 1,4 — got {value!r}") from None
+    if not out or any(v < 1 for v in out):
+        raise click.BadParameter("every concurrency must be at least 1")
+    return out
+
+
+@main.command()
+@click.option("--server", "url", metavar="URL", help="Inference server base URL, e.g. http://127.0.0.1:8080.")
+@simulate_option
+@click.option("--out", "out_dir", type=click.Path(file_okay=False), help="Output directory (default runs/<time>-measure).")
+@click.option("--api", type=click.Choice(["llamacpp", "openai-completions", "openai-chat"]), help="Protocol; default detected.")
+@click.option("--requests", "n_requests", type=click.IntRange(1), default=8, show_default=True, help="Measured requests per concurrency.")
+@click.option("--concurrency", default="1", callback=_int_list, show_default=True, help="Streams at once, e.g. 1,4.")
+@click.option("--max-tokens", type=click.IntRange(2), default=128, show_default=True, help="Tokens per request (ignore-EOS where supported).")
+@click.option("--prompts", "prompts_file", type=click.Path(dir_okay=False), help="JSONL file: {\"prompt\": ...} per line.")
+@click.option("--prompt-set", type=click.Choice(["short", "medium", "long", "mixed"]), default="short", show_default=True)
+@click.option("--warmup", type=click.IntRange(0), default=1, show_default=True, help="Warm-up requests (recorded, flagged, not counted).")
+@click.option("--prompt-cache/--no-prompt-cache", default=False, show_default=True, help="Let llama.cpp reuse cached prompt prefixes.")
+@click.option("--seed", type=int, default=42, show_default=True)
+@click.option("--keep-text", is_flag=True, help="Store prompt and completion text in windows.parquet.")
+@click.option("--launch", metavar="CMD", help="Start the server with CMD, wait for /health, stop it at the end.")
+@click.option("--launch-timeout", type=click.FloatRange(1), default=300.0, show_default=True, help="Seconds to wait for /health.")
+def measure(url, simulate, out_dir, api, n_requests, concurrency, max_tokens, prompts_file, prompt_set, warmup,
+            prompt_cache, seed, keep_text, launch, launch_timeout):
+    """J/token and decode tok/s at the current settings. Changes nothing; needs no root."""
+    import sys
+    from pathlib import Path
+
+    from powerprof.storage.runs import default_run_dir
+    from powerprof.workload.client import RequestParams, ServerUnreachable
+    from powerprof.workload.launcher import LaunchError
+    from powerprof.workload.load import PromptFileError, builtin_prompts, load_prompts
+    from powerprof.workload.measure import run_measure
+
+    if bool(url) == bool(simulate):
+        raise click.UsageError("give exactly one of --server URL or --simulate")
+    if launch and not url:
+        raise click.UsageError("--launch needs --server URL (where the launched server will listen)")
+    try:
+        prompts = load_prompts(prompts_file) if prompts_file else builtin_prompts(prompt_set)
+    except PromptFileError as e:
+        raise click.UsageError(str(e)) from None
+    out = Path(out_dir) if out_dir else default_run_dir(Path("runs"), "measure")
+    params = RequestParams(max_tokens=max_tokens, seed=seed, prompt_cache=prompt_cache, keep_text=keep_text)
+    try:
+        res = run_measure(url=url, simulate=simulate, out_dir=out, prompts=prompts, n_requests=n_requests,
+                          concurrencies=concurrency, params=params, warmup=warmup, api=api, launch=launch,
+                          launch_timeout_s=launch_timeout, command_line=" ".join(sys.argv))
+    except (ServerUnreachable, LaunchError, FileExistsError, ValueError) as e:
+        raise click.ClickException(str(e)) from None
+    s = res.server
+    click.echo(f"server: {s.kind} ({s.api}) model={s.model} build={s.build_info}" + (" [simulated]" if s.simulated else ""))
+    for note in res.notes:
+        click.echo(f"note: {note}")
+
+    def fmt(v, spec):
+        return "-" if v is None else format(v, spec)
+
+    click.echo(f"{'concurrency':>11} {'ok':>4} {'failed':>6} {'decode tok/s':>12} {'GPU J/tok':>10} {'GPU+CPU J/tok':>13}  method")
+    for m in res.summaries:
+        click.echo(f"{m.concurrency:>11} {m.n_ok:>4} {m.n_failed:>6} {fmt(m.decode_tok_s, '12.1f')} "
+                   f"{fmt(m.gpu_j_per_token, '10.3f')} {fmt(m.total_j_per_token, '13.3f')}  {m.energy_method}")
+    click.echo(f"windows: {res.out_path / 'windows.parquet'}")
+    if res.aborted:
+        raise click.ClickException(f"stopped early: {res.aborted} (what was measured is in {res.out_path})")
+
+
+# --- analysis (issue 6): analyze, export -------------------------------------------------------
+
+
+def _fraction(text: str) -> float:
+    """'10%', '10' or '0.1' → 0.1 (a bare number above 1 is a percentage)."""
+    t = str(text).strip()
+    try:
+        v = float(t[:-1]) / 100 if t.endswith("%") else float(t)
+    except ValueError:
+        raise click.BadParameter(f"{text!r} is not a fraction or percentage (e.g. 10% or 0.1)") from None
+    return v / 100 if not t.endswith("%") and v > 1 else v
+
+
+@main.command()
+@click.argument("run_dirs", nargs=-1, required=True, type=click.Path(file_okay=False, path_type=str))
+@click.option("--out", "out_dir", type=click.Path(file_okay=False), default=None,
+              help="Folder for the report, plots and analysis.parquet (default: RUN_DIR/analysis).")
+@click.option("--max-slowdown", default="10%", show_default=True,
+              help="Slowdown budget for the recommended limit, vs the reference level (10% or 0.1).")
+@click.option("--eta", type=float, default=0.5, show_default=True,
+              help="Weight of energy in the weighted-cost policy eta*E + (1-eta)*Pmax*T (1: energy only).")
+@click.option("--format", "formats", default="md,html", show_default=True, help="Report formats: md, html or both.")
+@click.option("--force", is_flag=True, help="Pool runs even if their GPU model or server model differ.")
+@click.option("--bootstrap", "n_boot", type=click.IntRange(100, 100_000), default=2000, show_default=True,
+              help="Bootstrap resamples for the confidence intervals.")
+def analyze(run_dirs, out_dir, max_slowdown, eta, formats, force, n_boot):
+    """Curve fits, sweet spot under several policies, report (Markdown/HTML) and PNG plots."""
+    from powerprof.analysis.loading import AnalysisError
+    from powerprof.analysis.report import analyze_run, console_summary
+
+    fmts = tuple(f.strip() for f in formats.split(",") if f.strip())
+    try:
+        result = analyze_run(list(run_dirs), out_dir, max_slowdown=_fraction(max_slowdown), eta=eta, formats=fmts,
+                             force=force, n_boot=n_boot)
+    except AnalysisError as e:
+        raise click.ClickException(str(e)) from None
+    click.echo(console_summary(result))
+
+
+@main.command()
+@click.argument("src", type=click.Path(path_type=str))
+@click.option("--format", "fmt", type=click.Choice(["csv", "xlsx", "parquet"]), required=True)
+@click.option("--from", "time_from", default=None, help="Only rows at or after this ISO 8601 time (local unless it has an offset).")
+@click.option("--to", "time_to", default=None, help="Only rows before this ISO 8601 time.")
+@click.option("--columns", default=None, help="Comma-separated columns to keep (default: all).")
+@click.option("--tz", default=None, help="Time zone of the *_local columns and of --from/--to without offset (IANA name; default: this machine's).")
+@click.option("--out", default=None, type=click.Path(), help="Output file (xlsx; or one-table csv/parquet) or folder.")
+def export(src, fmt, time_from, time_to, columns, tz, out):
+    """Spreadsheet-ready CSV, xlsx or Parquet from a run directory or a daemon dataset."""
+    from powerprof.analysis.export import ExportError, export as run_export
+
+    cols = [c.strip() for c in columns.split(",") if c.strip()] if columns else None
+    try:
+        paths = run_export(src, fmt, out, time_from, time_to, cols, tz)
+    except ExportError as e:
+        raise click.ClickException(str(e)) from None
+    for p in paths:
+        click.echo(str(p))
 
 
 # --- daemon (issue 7): always-on sampling, tagging proxy, Prometheus, tag API -----------------
@@ -75,7 +379,7 @@ def daemon_cmd(config_path, simulate, sim_gpus, listen, upstream, metrics_listen
     except Exception as e:
         click.echo(f"powerprof daemon: cannot load NVML: {e}", err=True)
         sys.exit(service.EXIT_RUNTIME)
-    sys.exit(service.main(cfg, nvml, config_path=config_path, overrides=overrides, simulate=bool(simulate)))
+    sys.exit(service.main(cfg, nvml, config_path=config_path, overrides=overrides, simulate=simulate))
 
 
 @main.group("tag")

@@ -26,7 +26,7 @@ def test_enospc_is_logged_rows_wait_in_memory_and_traffic_flows(tmp_path, caplog
         "daemon.data_dir": str(tmp_path / "data"), "daemon.interval_s": 0.1, "daemon.flush_interval_s": 0.1,
         "proxy.listen": "127.0.0.1:0", "metrics.listen": "", "daemon.restore_on_start": False,
     })
-    d = Daemon(cfg, SimNVML("a100-40g", state_path=None), simulate=True, store_write=writer)
+    d = Daemon(cfg, SimNVML("a100-40g", state_path=None), simulate="a100-40g", store_write=writer)
 
     async def main():
         task = asyncio.create_task(d.run())

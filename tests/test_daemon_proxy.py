@@ -41,7 +41,8 @@ class Upstream:
         payload = b"".join(
             b"data: " + json.dumps({"content": f"w{i} ", "tokens": [i, i + 1] if i % 3 == 0 else [i], "stop": False}).encode()
             + b"\n\n" for i in range(n)
-        ) + b'data: {"content":"","stop":true,"tokens_predicted":99,"timings":{"predicted_n":99,"prompt_n":4}}\n\n'
+        ) + b'data: {"content":"","stop":true,"tokens_predicted":%d,"timings":{"predicted_n":%d,"prompt_n":4}}\n\n' % (
+            n + (n + 2) // 3, n + (n + 2) // 3)
         if not doc.get("stream"):
             return web.json_response({"content": "x" * n, "tokens_predicted": n, "tokens_evaluated": 3,
                                       "timings": {"predicted_n": n, "predicted_ms": 5.0}})
@@ -121,8 +122,8 @@ def test_streams_pass_byte_for_byte_and_tokens_are_counted_not_events():
     assert len(rec.ended) == 5
     t = rec.ended[0]
     assert (t.api, t.endpoint, t.tag, t.status, t.outcome, t.stream) == ("llamacpp", "/completion", "team-a", 200, "ok", True)
-    # 12 events, every third carrying 2 tokens: 16 tokens; the server's own final count wins in the summary.
-    assert t.tokens_seen == 16 and t.counts.generated_tokens == 99
+    # 12 events, every third carrying 2 tokens: 16 tokens, not 12 events.
+    assert t.tokens_seen == 16 and t.counts.generated_tokens == 16 and t.counts.prompt_tokens == 4
     assert t.first_ns is not None and t.arrival_ns <= t.first_ns <= t.last_ns <= t.end_ns
     assert "secret" not in repr(t)
 

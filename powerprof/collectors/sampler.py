@@ -86,6 +86,11 @@ class Sampler:
         names = [c.source for c in self.collectors]
         if len(set(names)) != len(names):
             raise ValueError(f"duplicate collector sources: {names}")
+        for c in self.collectors:
+            # A collector with a hard limit on its read interval (RAPL counters wrap) vetoes here.
+            check = getattr(c, "check_interval", None)
+            if check is not None:
+                check(interval_s)
         self.interval_ns = int(round(interval_s * 1e9))
         self.clock = clock or SystemClock()
         self._subscribers: tuple[Subscriber, ...] = ()
@@ -123,6 +128,8 @@ class Sampler:
     # --- reading -----------------------------------------------------------------------------
 
     def _read(self, collector: Collector, seq: int, label: str | None = None) -> Sample:
+        # Read and publish under the source's lock, so subscribers see each source's samples in
+        # the order they were read (monotonic timestamps) even while sample_now() races a tick.
         with self._read_locks[collector.source]:
             t_mono = self.clock.monotonic_ns()
             t_wall = self.clock.wall_ns()
@@ -131,7 +138,9 @@ class Sampler:
             except Exception as e:  # recorded as missing, counted, never fatal
                 data, error = None, f"{type(e).__name__}: {e}"
                 self.errors[collector.source] += 1
-        return Sample(collector.source, seq, t_mono, t_wall, data, error, label)
+            sample = Sample(collector.source, seq, t_mono, t_wall, data, error, label)
+            self._publish(sample)
+        return sample
 
     def sample_now(self, label: str | None = None, sources: Iterable[str] | None = None) -> dict[str, Sample]:
         """Read every source (or those named) now, in this thread; safe alongside the ticks."""
@@ -139,9 +148,7 @@ class Sampler:
         out = {}
         for c in self.collectors:
             if want is None or c.source in want:
-                s = self._read(c, -1, label)
-                self._publish(s)
-                out[c.source] = s
+                out[c.source] = self._read(c, -1, label)
         return out
 
     # --- the schedule ------------------------------------------------------------------------
@@ -158,12 +165,13 @@ class Sampler:
             if late >= period:
                 # The previous read overran whole periods: those ticks are missing, not late.
                 skipped = late // period
-                for j in range(k, k + skipped):
-                    self.missed[collector.source] += 1
-                    t = self.t0_ns + j * period
-                    self._publish(Sample(collector.source, j, t, self._wall_at(t), None, "missed: source too slow"))
+                with self._read_locks[collector.source]:
+                    for j in range(k, k + skipped):
+                        self.missed[collector.source] += 1
+                        t = self.t0_ns + j * period
+                        self._publish(Sample(collector.source, j, t, self._wall_at(t), None, "missed: source too slow"))
                 k += skipped
-            self._publish(self._read(collector, k))
+            self._read(collector, k)
             k += 1
 
     def _wall_at(self, t_mono_ns: int) -> int:

@@ -277,7 +277,7 @@ class Proxy:
         if trace is not None and trace.recorder_error is None:
             try:
                 if parser is not None:
-                    trace.counts = streams.summary_counts(parser.finish(), trace.tokens_seen)
+                    trace.counts = streams.summary_counts(parser.finish())
                 elif body_copy is not None:
                     self._body_done(trace, bytes(body_copy))
             except Exception as e:

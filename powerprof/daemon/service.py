@@ -21,7 +21,7 @@ from pathlib import Path
 import aiohttp
 from aiohttp import web
 
-from powerprof.collectors.nvml import NvmlCollector
+from powerprof.collectors.sources import open_sources
 from powerprof.collectors.sampler import Sample, Sampler
 from powerprof.profiler import cpu_energy_from_rapl
 
@@ -54,24 +54,21 @@ def datasets() -> list[Dataset]:
     ]
 
 
-def restore_pending(nvml) -> None:
+def restore_pending(simulate: str | None) -> None:
     """Put back power limits a crashed sweep left behind, and say so in the log."""
+    from powerprof.control.restore import restore_from_file
+
     try:
-        from powerprof.control.restore import restore_from_file  # type: ignore[import-not-found]
-    except ImportError:
-        # TODO(lead, at merge): powerprof.control.restore lands with the control issue; this
-        # call then runs. Check its signature: we pass the NVML-like object.
-        log.info("restore check skipped: powerprof.control.restore is not in this build")
-        return
-    try:
-        result = restore_from_file(nvml)
+        report = restore_from_file(simulate=simulate)
     except Exception as e:
         log.error("restoring the limits left by a crashed sweep failed: %s: %s", type(e).__name__, e)
         return
-    if result:
-        log.warning("restored settings left by a crashed sweep: %s", result)
+    if report.outcomes:
+        level = logging.WARNING if report.ok else logging.ERROR
+        for line in report.lines():
+            log.log(level, "restore at start: %s", line)
     else:
-        log.info("no pending restore file")
+        log.info("restore at start: %s", " ".join(report.lines()))
 
 
 def _split_listen(v: str) -> tuple[str, int]:
@@ -87,7 +84,7 @@ class Daemon:
         extra_collectors=(),
         config_path: str | None = None,
         overrides: dict | None = None,
-        simulate: bool = False,
+        simulate: str | None = None,
         store_write=None,
     ):
         self.cfg = cfg
@@ -106,6 +103,7 @@ class Daemon:
         self.reload_requested = False
         self.urls: dict[str, str] = {}
         self._runners: list[web.AppRunner] = []
+        self.sim = None
 
     # --- recorder: the ledger plus the metric counters -----------------------------------------
 
@@ -308,11 +306,17 @@ class Daemon:
         cfg = self.cfg
         logging.getLogger("powerprof").setLevel(cfg.get("daemon", "log_level").upper())
         if cfg.get("daemon", "restore_on_start"):
-            restore_pending(self.nvml)
+            restore_pending(self.simulate)
         try:
-            self.collector = NvmlCollector(self.nvml, cfg.get("daemon", "gpus") or None)
-        except Exception as e:
-            raise StartupError(f"cannot read the GPUs through NVML: {type(e).__name__}: {e}") from None
+            self.sources = open_sources(self.simulate, cfg.get("daemon", "gpus") or None, nvml=self.nvml)
+        except ValueError as e:
+            raise StartupError(str(e)) from None
+        for p in self.sources.problems:
+            log.warning("%s: %s%s", p.source, p.message, f" (fix: {p.fix})" if p.fix else "")
+        if self.sources.nvml is None:
+            self.sources.close()
+            raise StartupError("no GPU to sample: " + "; ".join(p.message for p in self.sources.problems if p.source == "nvml"))
+        self.collector = self.sources.nvml
         self.gpu_uuids = {i.index: i.uuid for i in self.collector.infos}
         self.latest_gpu = None
         self.t0_ns = time.monotonic_ns()
@@ -330,7 +334,7 @@ class Daemon:
                              jpt_window_s=cfg.get("metrics", "jpt_window_s"))
         self.tags = TagLimiter(cfg.get("metrics", "tags"), cfg.get("metrics", "max_tags"))
         self.flusher = Flusher(self.store, cfg.get("daemon", "flush_interval_s"), cfg.get("daemon", "compact_interval_s"))
-        self.sampler = Sampler([self.collector] + self.extra_collectors, interval_s=cfg.get("daemon", "interval_s"))
+        self.sampler = Sampler(self.sources.collectors + self.extra_collectors, interval_s=cfg.get("daemon", "interval_s"))
         self.sampler.subscribe(self._on_sample)
         self.proxy = None
         self.scraper = None
@@ -339,10 +343,11 @@ class Daemon:
         try:
             upstream = cfg.get("proxy", "upstream")
             if self.simulate and not upstream:
-                from .sim_upstream import SimUpstream
+                from powerprof.sim.server import SimServer
 
-                self.sim = SimUpstream(self.nvml)
-                upstream = await self._serve(self.sim.app(), "127.0.0.1:0", "simulated server")
+                # Its own thread and loop, as a separate server would be; it drives our simulated GPUs.
+                self.sim = SimServer(nvml=self.collector.nvml, flavour="vllm", n_slots=64).start()
+                upstream = self.sim.url
                 self.urls["sim_upstream"] = upstream
             listen = cfg.get("proxy", "listen")
             if listen and upstream:
@@ -411,8 +416,10 @@ class Daemon:
                 self.flusher.stop()
                 if self.store.buffered():
                     log.error("%d rows could not be written at shutdown (%s)", self.store.buffered(), self.store.last_error)
-            if hasattr(self, "collector"):
-                self.collector.close()
+            if self.sim is not None:
+                self.sim.stop()
+            if hasattr(self, "sources"):
+                self.sources.close()
         log.info("stopped")
         return EXIT_OK
 
@@ -429,7 +436,7 @@ class Daemon:
             log.warning("cannot write %s: %s", Path(data_dir) / "daemon.json", e)
 
 
-def main(cfg: Config, nvml, config_path=None, overrides=None, simulate=False, extra_collectors=()) -> int:
+def main(cfg: Config, nvml, config_path=None, overrides=None, simulate: str | None = None, extra_collectors=()) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s powerprof[%(process)d] %(levelname)s %(name)s: %(message)s")
     d = Daemon(cfg, nvml, extra_collectors=extra_collectors, config_path=config_path, overrides=overrides,
                simulate=simulate)

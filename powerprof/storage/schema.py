@@ -85,6 +85,12 @@ WINDOWS = pa.schema(
         ("draft_n_accepted", pa.int32()),
         ("stop_reason", pa.string()),
         ("low_confidence", pa.bool_()),  # window shorter than the sensor can resolve well
+        ("attempt", pa.int32()),  # 1 for a first try; retries of the same request count up
+        ("http_status", pa.int32()),
+        ("token_source", pa.string()),  # usage | timings | counted: where generated_tokens came from
+        ("server_kind", pa.string()),  # llamacpp | vllm | sglang | tgi | openai
+        ("prompt_text", pa.string()),  # only with --keep-text
+        ("completion_text", pa.string()),  # only with --keep-text
     ]
 )
 
@@ -119,10 +125,31 @@ LEVELS = pa.schema(
         ("thermal_throttle", pa.bool_()),
         ("flags", pa.string()),  # comma-separated: cap-not-engaged, thermal, failed-requests, wide-ci
         ("energy_method", pa.string()),
+        # Appended by the analysis (issue 6): levels at different concurrencies are different levels,
+        # and loss/saving vs the reference carry their own bootstrap CIs.
+        ("concurrency", pa.int32()),
+        ("speed_loss_pct_ci_low", pa.float64()),
+        ("speed_loss_pct_ci_high", pa.float64()),
+        ("energy_saving_pct_ci_low", pa.float64()),
+        ("energy_saving_pct_ci_high", pa.float64()),
     ]
 )
 
-TABLES = {"samples": SAMPLES, "windows": WINDOWS, "levels": LEVELS}
+# `powerprof analyze`: the merged levels of one or more runs, the fitted curves at each level and
+# which sweet-spot policies chose it. Policy choices and fit parameters are in analysis.json too.
+ANALYSIS = pa.schema(
+    list(LEVELS)
+    + [
+        ("n_runs", pa.int32()),  # runs pooled into this level
+        ("fit_decode_tok_s", pa.float64()),  # parametric model at this level
+        ("fit_avg_gpu_power_w", pa.float64()),
+        ("fit_gpu_j_per_token", pa.float64()),
+        ("chosen_by", pa.string()),  # comma-separated policies whose sweet spot is this level
+        ("recommended", pa.bool_()),  # the recommended level of its series
+    ]
+)
+
+TABLES = {"samples": SAMPLES, "windows": WINDOWS, "levels": LEVELS, "analysis": ANALYSIS}
 
 # --- daemon datasets (hive-partitioned by date=YYYY-MM-DD; the partition column is not in the files)
 

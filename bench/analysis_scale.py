@@ -1,0 +1,139 @@
+"""Bench: `powerprof analyze` and `powerprof export` on 10 million sample rows and 100,000 windows.
+
+Writes a synthetic run directory (8 power-limit levels, 4 GPUs sampled ~8 Hz), then runs each
+step in a fresh process and prints wall time, the process's peak RSS (ru_maxrss), numpy/Python
+peak (tracemalloc) and Arrow's peak pool allocation. The baseline step loads samples.parquet
+whole, side by side, to show what streaming saves.
+
+    .venv/bin/python bench/analysis_scale.py [--samples 10000000] [--windows 100000] [--dir /tmp/pp-bench]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import resource
+import shutil
+import subprocess
+import sys
+import time
+from datetime import datetime, timezone
+from pathlib import Path
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+from powerprof.storage.runs import RunWriter
+from powerprof.storage.schema import SAMPLES, WINDOWS
+
+LEVELS = np.array([160.0, 180, 200, 220, 240, 260, 280, 300])
+DEVICES = 4
+T0_US = int(datetime(2026, 1, 15, tzinfo=timezone.utc).timestamp() * 1e6)
+
+
+def generate(path: Path, n_samples: int, n_windows: int, seed: int = 0) -> None:
+    rng = np.random.default_rng(seed)
+    per_level = n_windows // LEVELS.size
+    lv = np.repeat(LEVELS, per_level)
+    tok = 87.0 * (np.minimum(lv, 275) / 275) ** 0.33 * np.exp(rng.normal(0, 0.01, lv.size))
+    power = np.minimum(lv, 275) * np.exp(rng.normal(0, 0.01, lv.size))
+    dur = 255 / tok
+    start = np.concatenate([[0.0], np.cumsum(dur + 0.25)[:-1]])
+    first_us = T0_US + (start * 1e6).astype(np.int64)
+    last_us = first_us + (dur * 1e6).astype(np.int64)
+    n = lv.size
+    w = pa.table({
+        "run_id": pa.array(["bench"] * n), "level_kind": pa.array(["power_limit"] * n), "level_value": lv,
+        "repeat": pa.array(np.zeros(n, np.int32)), "window_kind": pa.array(["request"] * n),
+        "request_id": np.arange(n), "concurrency": pa.array(np.ones(n, np.int32)), "warmup": np.zeros(n, bool),
+        "status": pa.array(["ok"] * n), "model": pa.array(["bench.gguf"] * n),
+        "t_first_utc": pa.array(first_us, pa.timestamp("us", tz="UTC")),
+        "t_last_utc": pa.array(last_us, pa.timestamp("us", tz="UTC")), "decode_s": dur,
+        "decode_tokens": pa.array(np.full(n, 255, np.int32)), "decode_tok_s": tok, "gpu_energy_j": power * dur,
+        "avg_gpu_power_w": power, "gpu_j_per_token": power * dur / 255, "energy_method": pa.array(["counter"] * n),
+    })
+    w = pa.Table.from_arrays([w.column(f.name) if f.name in w.column_names else pa.nulls(n, f.type) for f in WINDOWS],
+                             schema=WINDOWS)
+    writer = RunWriter(path, {"run_id": "bench", "gpu_name": "Bench GPU", "model": "bench.gguf", "min_limit_w": 150,
+                              "max_limit_w": 320, "default_limit_w": 300, "simulated": True})
+    writer.write("windows", w)
+    total_s = float(start[-1] + dur[-1])
+    ticks = n_samples // DEVICES
+    sp = pq.ParquetWriter(path / "samples.parquet", SAMPLES, compression="zstd")
+    chunk = 1 << 18
+    for a in range(0, ticks, chunk):
+        k = np.arange(a, min(a + chunk, ticks))
+        t = np.repeat(k * total_s / ticks, DEVICES)
+        level = LEVELS[np.minimum(np.searchsorted(start, t, side="right") - 1, n - 1) // per_level]
+        m = t.size
+        cols = {
+            "time_utc": pa.array(T0_US + (t * 1e6).astype(np.int64), pa.timestamp("us", tz="UTC")),
+            "t_mono_s": t, "seq": np.repeat(k, DEVICES), "source": pa.array(["nvml"] * m),
+            "device": pa.array(np.tile([f"gpu{i}" for i in range(DEVICES)], k.size)),
+            "power_w": np.minimum(level, 275) * (1 + rng.normal(0, 0.01, m)), "sm_clock_mhz": 2000 + level,
+            "mem_clock_mhz": np.full(m, 10251.0), "clock_event_reasons": np.where(level < 275, 4, 0),
+            "enforced_limit_w": level, "level_kind": pa.array(["power_limit"] * m), "level_value": level,
+        }
+        sp.write_table(pa.Table.from_arrays(
+            [cols[f.name] if f.name in cols else pa.nulls(m, f.type) for f in SAMPLES], schema=SAMPLES))
+    sp.close()
+
+
+def child(step: str, run: str, out: str) -> None:
+    import tracemalloc
+
+    tracemalloc.start()
+    t = time.perf_counter()
+    if step == "analyze":
+        from powerprof.analysis.report import analyze_run
+
+        analyze_run([run], out, n_boot=2000)
+    elif step == "export-csv":
+        from powerprof.analysis.export import export
+
+        export(Path(run) / "samples.parquet", "csv", Path(out) / "samples.csv", tz="UTC")
+    elif step == "load-whole":
+        pq.read_table(Path(run) / "samples.parquet")
+    wall = time.perf_counter() - t
+    _, peak = tracemalloc.get_traced_memory()
+    print(json.dumps({"step": step, "wall_s": wall, "maxrss_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+                      / 1024, "tracemalloc_peak_mib": peak / 2**20,
+                      "arrow_peak_mib": pa.default_memory_pool().max_memory() / 2**20}))
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--samples", type=int, default=10_000_000)
+    ap.add_argument("--windows", type=int, default=100_000)
+    ap.add_argument("--dir", default="/tmp/powerprof-bench-analysis")
+    ap.add_argument("--child", nargs=3)
+    a = ap.parse_args()
+    if a.child:
+        child(*a.child)
+        return
+    base = Path(a.dir)
+    shutil.rmtree(base, ignore_errors=True)
+    base.mkdir(parents=True)
+    run = base / "run"
+    t = time.perf_counter()
+    generate(run, a.samples, a.windows)
+    print(f"generated {a.samples:,} sample rows, {a.windows:,} windows in {time.perf_counter() - t:.1f} s; "
+          f"samples.parquet {(run / 'samples.parquet').stat().st_size / 2**20:.0f} MiB")
+    results = {}
+    for step in ("load-whole", "analyze", "export-csv"):
+        out = base / step
+        out.mkdir()
+        p = subprocess.run([sys.executable, __file__, "--child", step, str(run), str(out)], capture_output=True,
+                           text=True, check=True, timeout=1800)
+        results[step] = json.loads(p.stdout.strip().splitlines()[-1])
+        r = results[step]
+        print(f"{step:11s} wall {r['wall_s']:7.1f} s  peak RSS {r['maxrss_mib']:7.0f} MiB  "
+              f"tracemalloc peak {r['tracemalloc_peak_mib']:6.0f} MiB  arrow peak {r['arrow_peak_mib']:6.0f} MiB")
+    ratio = results["load-whole"]["maxrss_mib"] / results["analyze"]["maxrss_mib"]
+    print(f"peak RSS, loading samples whole vs the whole streaming analysis: {ratio:.1f}x")
+    shutil.rmtree(base, ignore_errors=True)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,192 @@
+"""The analysis of pooled windows: level statistics, curve fits, every policy's sweet spot and warnings.
+
+Pure computation over tables already read; report.py reads run directories and writes the files.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+import pyarrow as pa
+
+from powerprof.storage.schema import ANALYSIS
+
+from .checks import Finding, choice_findings, edge_findings, fit_findings, level_findings
+from .fits import ModelFit, fit_series
+from .loading import SAMPLE_LEVEL_COLUMNS, RunInfo, Timeline
+from .stats import WIDE_CI_PCT, LevelSeries, level_series, levels_table
+from .sweetspot import POLICIES, PRIMARY_POLICY, Choice, PolicyParams, choose_all
+
+
+@dataclass
+class SeriesResult:
+    """One series of levels (a level kind at one concurrency) and everything derived from it."""
+
+    series: LevelSeries
+    table: pa.Table  # ANALYSIS rows, ascending level
+    fits: dict[str, ModelFit]
+    choices: dict[str, Choice]
+    primary: str
+
+    @property
+    def recommendation(self) -> Choice:
+        return self.choices[self.primary]
+
+    @property
+    def label(self) -> str:
+        kind = "power limit" if self.series.level_kind == "power_limit" else self.series.level_kind.replace("_", " ")
+        return f"{kind}, concurrency {self.series.concurrency}"
+
+    @property
+    def suffix(self) -> str:
+        """File-name suffix: empty for the main series, so its plots have the plain names."""
+        return "" if self.series.concurrency == 1 and self.series.level_kind == "power_limit" else (
+            f"_{self.series.level_kind}_c{self.series.concurrency}")
+
+
+@dataclass
+class AnalysisResult:
+    runs: list[RunInfo]
+    series: list[SeriesResult]
+    warnings: list[Finding]
+    params: PolicyParams
+    timelines: list[Timeline] = field(default_factory=list)
+    files: dict[str, str] = field(default_factory=dict)
+
+    @property
+    def main(self) -> SeriesResult:
+        """The series the recommendation comes from: power limits at the lowest concurrency."""
+        by_pref = sorted(self.series, key=lambda s: (s.series.level_kind != "power_limit", s.series.concurrency))
+        return by_pref[0]
+
+    @property
+    def recommendation(self) -> Choice:
+        return self.main.recommendation
+
+    @property
+    def table(self) -> pa.Table:
+        return pa.concat_tables([s.table for s in self.series]) if self.series else ANALYSIS.empty_table()
+
+    @property
+    def simulated(self) -> bool:
+        return any(r.simulated for r in self.runs)
+
+    def to_dict(self) -> dict:
+        return {
+            "runs": [{"path": str(r.path), "run_id": r.run_id, "gpu_name": r.gpu_name, "model": r.model,
+                      "simulated": r.simulated} for r in self.runs],
+            "params": {"max_slowdown": self.params.max_slowdown, "eta": self.params.eta,
+                       "p_max_w": self.params.p_max_w},
+            "recommendation": self.recommendation.to_dict() if self.series else None,
+            "series": [
+                {
+                    "level_kind": s.series.level_kind,
+                    "concurrency": s.series.concurrency,
+                    "reference_value": s.series.reference_value,
+                    "primary_policy": s.primary,
+                    "choices": {p: c.to_dict() for p, c in s.choices.items()},
+                    "fits": {q: f.to_dict() for q, f in s.fits.items()},
+                }
+                for s in self.series
+            ],
+            "warnings": [w.to_dict() for w in self.warnings],
+            "files": self.files,
+        }
+
+
+def _card_range(runs: list[RunInfo], level_kind: str) -> tuple[float | None, float | None]:
+    if level_kind != "power_limit" or not runs:
+        return None, None
+    lows = [r.min_limit_w for r in runs if r.min_limit_w is not None]
+    highs = [r.max_limit_w for r in runs if r.max_limit_w is not None]
+    return (max(lows) if lows else None), (min(highs) if highs else None)
+
+
+def _half_width(lo: np.ndarray, hi: np.ndarray) -> np.ndarray | None:
+    h = (np.asarray(hi, float) - np.asarray(lo, float)) / 2
+    return h if np.isfinite(h).all() and (h > 0).all() else None
+
+
+def analyze(
+    windows: pa.Table,
+    runs: list[RunInfo],
+    level_figures: dict | None = None,
+    timelines: list[Timeline] | None = None,
+    params: PolicyParams | None = None,
+    n_boot: int = 2000,
+    seed=0,
+    primary: str = PRIMARY_POLICY,
+    wide_ci_pct: float = WIDE_CI_PCT,
+) -> AnalysisResult:
+    """Everything `powerprof analyze` computes, from pooled windows and the runs' metadata.
+
+    level_figures: {(level_kind, level_value): {column: value}} of sensor figures per level
+    (from the sweep's levels.parquet or the samples); see loading.py."""
+    if primary not in POLICIES:
+        raise ValueError(f"unknown policy {primary!r}; choose one of: {', '.join(POLICIES)}")
+    params = params or PolicyParams()
+    defaults = {r.default_limit_w for r in runs if r.default_limit_w is not None}
+    reference = defaults.pop() if len(defaults) == 1 else None
+    all_series = level_series(windows, reference, n_boot=n_boot, seed=seed)
+    all_series = [s for s in all_series if np.isfinite(s.level_values).all()]
+    if not all_series:
+        raise ValueError("no measured windows at any level (all warm-up, failed, or missing): nothing to analyse")
+    if not any(np.isfinite(s.j_per_token).any() for s in all_series):
+        raise ValueError("no window has a GPU energy (energy_method none everywhere): J/token cannot be computed")
+    all_series = [s for s in all_series if np.isfinite(s.j_per_token).any()]
+    extra = {k: {c: v for c, v in d.items() if c in SAMPLE_LEVEL_COLUMNS} for k, d in (level_figures or {}).items()}
+    run_ids = "+".join(dict.fromkeys(r.run_id for r in runs)) or None
+    n_runs = _runs_per_level(windows)
+    results, findings = [], []
+    for s in all_series:
+        card = _card_range(runs, s.level_kind)
+        p_max = params.p_max_w if params.p_max_w is not None else card[1]
+        sp = PolicyParams(params.max_slowdown, params.eta, p_max)
+        base = levels_table([s], run_id=run_ids, extra=extra, wide_ci_pct=wide_ci_pct)
+        fits = fit_series(
+            s.level_kind, s.level_values, s.tok_s, s.power_w,
+            tok_sigma=_half_width(base.column("decode_tok_s_ci_low").to_numpy(zero_copy_only=False),
+                                  base.column("decode_tok_s_ci_high").to_numpy(zero_copy_only=False)),
+        )
+        choices = choose_all(s, sp, card)
+        table = _analysis_table(base, s, fits, choices, primary, n_runs)
+        results.append(SeriesResult(s, table, fits, choices, primary))
+        not_engaged = {r["level_value"] for r in table.to_pylist() if r.get("cap_not_engaged")}
+        prefix = "" if len(all_series) == 1 else f"[{results[-1].label}] "
+        for f in (level_findings(table) + edge_findings(s, choices, card, not_engaged) + choice_findings(choices)
+                  + fit_findings(fits)):
+            findings.append(Finding(f.kind, prefix + f.message, f.levels))
+    return AnalysisResult(runs, results, findings, params, list(timelines or []))
+
+
+def _runs_per_level(windows: pa.Table) -> dict:
+    if "run_id" not in windows.column_names:
+        return {}
+    out: dict = {}
+    for k, v, r in zip(windows.column("level_kind").to_pylist(), windows.column("level_value").to_pylist(),
+                       windows.column("run_id").to_pylist()):
+        out.setdefault((k, v), set()).add(r)
+    return {k: len(v) for k, v in out.items()}
+
+
+def _analysis_table(base: pa.Table, s: LevelSeries, fits: dict[str, ModelFit], choices: dict[str, Choice],
+                    primary: str, n_runs: dict) -> pa.Table:
+    lv = s.level_values
+    tok_fit = fits["decode_tok_s"].predict(lv)
+    p_fit = fits["avg_gpu_power_w"].predict(lv)
+    chosen = [",".join(p for p, c in choices.items() if c.level_value == v) or None for v in lv]
+    extra = {
+        "n_runs": pa.array([n_runs.get((s.level_kind, float(v)), 1) for v in lv], pa.int32()),
+        "fit_decode_tok_s": pa.array(_nan_none(tok_fit), pa.float64()),
+        "fit_avg_gpu_power_w": pa.array(_nan_none(p_fit), pa.float64()),
+        "fit_gpu_j_per_token": pa.array(_nan_none(p_fit / tok_fit), pa.float64()),
+        "chosen_by": pa.array(chosen, pa.string()),
+        "recommended": pa.array([bool(v == choices[primary].level_value) for v in lv], pa.bool_()),
+    }
+    cols = [base.column(n) if n in base.column_names else extra[n] for n in ANALYSIS.names]
+    return pa.Table.from_arrays(cols, schema=ANALYSIS)
+
+
+def _nan_none(a) -> list:
+    return [None if not np.isfinite(x) else float(x) for x in np.asarray(a, dtype=float)]

@@ -1,0 +1,142 @@
+"""Honest warnings about an analysis: what the numbers cannot claim and what to measure next."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import numpy as np
+import pyarrow as pa
+
+from .fits import ModelFit
+from .stats import LevelSeries
+from .sweetspot import Choice
+
+TARGET_CI_PCT = 2.0  # the sweep's default --target-ci, as a percentage
+UNSTABLE_SHARE = 0.8  # a choice picked by fewer bootstrap replicates than this is uncertain
+POOR_FIT_R2 = 0.9
+
+
+@dataclass(frozen=True)
+class Finding:
+    kind: str  # edge | between-levels | cap-not-engaged | wide-ci | unstable-choice | thermal | failed | fit
+    message: str
+    levels: tuple[float, ...] = ()
+
+    def to_dict(self) -> dict:
+        return {"kind": self.kind, "message": self.message, "levels": list(self.levels)}
+
+
+def _fmt(v: float, unit: str) -> str:
+    return f"{v:g} {unit}"
+
+
+def _unit(kind: str) -> str:
+    return "MHz" if kind == "sm_clock" else "W"
+
+
+def _step(levels: np.ndarray) -> float:
+    d = np.diff(np.sort(levels))
+    return float(np.median(d)) if d.size else 20.0
+
+
+def edge_findings(series: LevelSeries, choices: dict[str, Choice], card_range=(None, None),
+                  not_engaged: set[float] = frozenset()) -> list[Finding]:
+    """Choices at the edge of the measured range (say which levels to add), or between levels."""
+    lv = np.sort(series.level_values)
+    unit = _unit(series.level_kind)
+    step = _step(lv)
+    lo_card, hi_card = card_range
+    out = []
+    low = [p for p, c in choices.items() if c.at_low_edge]
+    high = [p for p, c in choices.items() if c.at_high_edge and p != "budget"]
+    if low:
+        floor = lo_card if lo_card is not None else 0.0
+        add = [v for v in (lv[0] - step / 2, lv[0] - step) if v >= floor - 1e-9]
+        if lo_card is not None and not add and lv[0] > lo_card:
+            add = [lo_card]
+        if add:
+            out.append(Finding("edge", (
+                f"{', '.join(low)}: optimum at the lowest level measured ({_fmt(lv[0], unit)}); the best may lie "
+                f"below. Add levels {', '.join(_fmt(round(v), unit) for v in add)}"
+                + (f" (the card accepts down to {_fmt(lo_card, unit)})." if lo_card is not None else ".")),
+                tuple(float(round(v)) for v in add)))
+        else:
+            out.append(Finding("edge", f"{', '.join(low)}: optimum at the card's lowest accepted setting "
+                                       f"({_fmt(lv[0], unit)}); nothing lower can be measured.", (float(lv[0]),)))
+    if high and lv[-1] not in not_engaged:
+        ceil = hi_card if hi_card is not None else math.inf
+        add = [v for v in (lv[-1] + step / 2, lv[-1] + step) if v <= ceil + 1e-9]
+        if add:
+            out.append(Finding("edge", (
+                f"{', '.join(high)}: optimum at the highest level measured ({_fmt(lv[-1], unit)}); add levels "
+                f"{', '.join(_fmt(round(v), unit) for v in add)} to see whether more is better."),
+                tuple(float(round(v)) for v in add)))
+    for p, c in choices.items():
+        if c.interpolated_value is None or c.at_low_edge:
+            continue
+        if abs(c.interpolated_value - c.level_value) >= max(step / 4, 1.0):
+            out.append(Finding("between-levels", (
+                f"{p}: between the measured levels the curve puts this optimum near "
+                f"{_fmt(c.interpolated_value, unit)} (measured choice {_fmt(c.level_value, unit)}); "
+                f"measure {_fmt(c.interpolated_value, unit)} to confirm."), (c.interpolated_value,)))
+    return out
+
+
+def level_findings(levels: pa.Table) -> list[Finding]:
+    """Per-level problems: cap not engaged, wide CIs, thermal throttling, failed requests."""
+    rows = levels.to_pylist()
+    out = []
+    unit = _unit(rows[0]["level_kind"]) if rows else "W"
+    ne = [r for r in rows if r.get("cap_not_engaged")]
+    if ne:
+        vals = tuple(r["level_value"] for r in ne)
+        power = ", ".join(f"{r['level_value']:g} W: {r['avg_gpu_power_w']:.0f} W" for r in ne
+                          if r.get("avg_gpu_power_w") is not None)
+        out.append(Finding("cap-not-engaged", (
+            f"cap not engaged at {', '.join(_fmt(v, unit) for v in vals)}: the GPU drew less than the limit "
+            f"({power}) and never reported a power-cap clock event, so these levels measure the same thing. "
+            "Lower the limits, or lock the SM clock instead (powerprof sweep --clocks)."), vals))
+    wide = [r for r in rows if r.get("ci_reached_pct") is not None and r["flags"] and "wide-ci" in r["flags"]]
+    for r in wide:
+        n = max(int(r["n_requests"] or 0), 2)
+        need = int(math.ceil(n * (r["ci_reached_pct"] / TARGET_CI_PCT) ** 2))
+        out.append(Finding("wide-ci", (
+            f"{_fmt(r['level_value'], unit)}: J/token known only to ±{r['ci_reached_pct']:.1f}% "
+            f"({n} requests); about {need} requests would reach ±{TARGET_CI_PCT:g}% (--max-requests {need})."),
+            (r["level_value"],)))
+    th = [r["level_value"] for r in rows if r.get("thermal_throttle")]
+    if th:
+        out.append(Finding("thermal", (
+            f"thermal throttling at {', '.join(_fmt(v, unit) for v in th)}: the clock fell for heat, not for "
+            "the limit, so these levels are slower than the limit alone makes them. Improve cooling or "
+            "let the card cool between levels, then measure again."), tuple(th)))
+    failed = [r for r in rows if r.get("n_failed")]
+    if failed:
+        out.append(Finding("failed", "failed requests (not counted): " + ", ".join(
+            f"{_fmt(r['level_value'], unit)}: {r['n_failed']}" for r in failed) + ".",
+            tuple(r["level_value"] for r in failed)))
+    return out
+
+
+def choice_findings(choices: dict[str, Choice]) -> list[Finding]:
+    out = []
+    for p, c in choices.items():
+        if c.stability < UNSTABLE_SHARE:
+            out.append(Finding("unstable-choice", (
+                f"{p}: uncertain choice: {c.level_value:g} in {c.stability:.0%} of bootstrap resamples, "
+                f"95% of them between {c.ci_low:g} and {c.ci_high:g}; more requests per level would settle it."),
+                (c.ci_low, c.ci_high)))
+    return out
+
+
+def fit_findings(fits: dict[str, ModelFit]) -> list[Finding]:
+    out = []
+    for q, f in fits.items():
+        if not f.ok:
+            out.append(Finding("fit", f"no {q} model: {f.message}"))
+        elif f.r2 is not None and f.r2 < POOR_FIT_R2:
+            out.append(Finding("fit", (
+                f"the {f.model} model fits {q} poorly (R² = {f.r2:.2f}); trust the measured levels and the "
+                "monotone interpolation, not the model's extrapolation.")))
+    return out

@@ -1,0 +1,315 @@
+"""`powerprof export`: spreadsheet-ready CSV, xlsx or Parquet from a run directory or a daemon dataset.
+
+Streams record batches from `pyarrow.dataset` (hive partitions for the daemon's
+`samples/date=YYYY-MM-DD/*.parquet`), so a dataset larger than memory exports in bounded memory.
+Every timestamp column gets a local-time twin; headers carry units (`power_w (W)`); CSV times are
+ISO 8601 (`2026-01-15 12:00:00.000`) that spreadsheets read as dates. Files are written under a
+temporary name and renamed, so a failed export leaves nothing half-written.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from datetime import date, datetime, timezone
+from pathlib import Path
+from zoneinfo import ZoneInfo, ZoneInfoNotFoundError
+
+import pyarrow as pa
+import pyarrow.compute as pc
+import pyarrow.csv as pacsv
+import pyarrow.dataset as ds
+import pyarrow.parquet as pq
+
+FORMATS = ("csv", "xlsx", "parquet")
+XLSX_MAX_ROWS = 1_048_575  # one row of the sheet's 1,048,576 holds the header
+BATCH_ROWS = 65_536
+
+# Column-name suffix → unit shown in headers; the longest matching suffix wins.
+UNITS = {
+    "_j_per_token": "J/token", "_tok_s": "tokens/s", "_mhz": "MHz", "_bytes": "bytes", "_pct": "%",
+    "_utc": "UTC", "_ms": "ms", "_uj": "uJ", "_w": "W", "_j": "J", "_s": "s", "_c": "degC",
+}
+
+
+class ExportError(ValueError):
+    """Bad input to an export: the message says what and how to fix it."""
+
+
+@dataclass(frozen=True)
+class Source:
+    name: str  # table name: samples, windows, levels, requests...
+    dataset: ds.Dataset
+    partition_fields: tuple[str, ...] = ()
+
+
+def local_tz_name() -> str:
+    """The machine's IANA time zone: $TZ, else /etc/localtime's link target, else UTC."""
+    tz = os.environ.get("TZ", "").lstrip(":")
+    if tz:
+        return tz
+    try:
+        target = os.path.realpath("/etc/localtime")
+        if "zoneinfo/" in target:
+            return target.split("zoneinfo/", 1)[1]
+    except OSError:
+        pass
+    return "UTC"
+
+
+def _check_tz(name: str) -> ZoneInfo:
+    try:
+        return ZoneInfo(name)
+    except (ZoneInfoNotFoundError, ValueError):
+        raise ExportError(f"unknown time zone {name!r}: give an IANA name such as Europe/Berlin or UTC") from None
+
+
+def parse_time(text: str | None, tz: str) -> datetime | None:
+    """ISO 8601 date or date-time; without an offset it is read in `tz`. Returns an aware UTC datetime."""
+    if text is None:
+        return None
+    try:
+        t = datetime.fromisoformat(text.strip().replace("Z", "+00:00"))
+    except ValueError:
+        raise ExportError(f"cannot read {text!r} as an ISO 8601 time (e.g. 2026-01-15 or 2026-01-15T12:00:00Z)") from None
+    if t.tzinfo is None:
+        t = t.replace(tzinfo=_check_tz(tz))
+    return t.astimezone(timezone.utc)
+
+
+def find_sources(src) -> list[Source]:
+    """Tables of a run directory (top-level *.parquet, plus analysis/analysis.parquet), of a daemon
+    dataset (one hive-partitioned dataset per sub-folder), or of a single Parquet file."""
+    p = Path(src)
+    if not p.exists():
+        raise ExportError(f"{p}: no such file or directory")
+    if p.is_file():
+        if p.suffix != ".parquet":
+            raise ExportError(f"{p}: not a Parquet file; give a run directory, a dataset folder or a .parquet file")
+        return [Source(p.stem, _dataset(p))]
+    out = [Source(f.stem, _dataset(f)) for f in sorted(p.glob("*.parquet")) if not f.name.startswith((".", "_"))]
+    if (p / "analysis" / "analysis.parquet").exists():
+        out.append(Source("analysis", _dataset(p / "analysis" / "analysis.parquet")))
+    if not out:
+        for sub in sorted(d for d in p.iterdir() if d.is_dir() and not d.name.startswith((".", "_"))):
+            if any(sub.rglob("*.parquet")):
+                d = _dataset(sub, hive=True)
+                parts = tuple(d.partitioning.schema.names) if d.partitioning is not None else ()
+                out.append(Source(sub.name, d, parts))
+    if not out:
+        raise ExportError(f"{p}: no Parquet tables found (expected a run directory or a daemon dataset folder)")
+    return out
+
+
+def _dataset(path: Path, hive: bool = False) -> ds.Dataset:
+    try:
+        return ds.dataset(path, format="parquet", partitioning="hive" if hive else None)
+    except (pa.ArrowInvalid, OSError) as e:
+        raise ExportError(f"{path}: cannot be read as Parquet ({e})") from None
+
+
+def time_column(schema: pa.Schema) -> str | None:
+    """The column that places a row in time: time_utc, else the first timestamp column."""
+    if "time_utc" in schema.names and pa.types.is_timestamp(schema.field("time_utc").type):
+        return "time_utc"
+    for f in schema:
+        if pa.types.is_timestamp(f.type):
+            return f.name
+    return None
+
+
+def _filter(src: Source, t_from: datetime | None, t_to: datetime | None):
+    col = time_column(src.dataset.schema)
+    if col is None or (t_from is None and t_to is None):
+        return None
+    typ = src.dataset.schema.field(col).type
+    expr = None
+    for t, op in ((t_from, "ge"), (t_to, "lt")):
+        if t is None:
+            continue
+        val = pa.scalar(t if typ.tz else t.replace(tzinfo=None), type=typ)
+        e = ds.field(col) >= val if op == "ge" else ds.field(col) < val
+        expr = e if expr is None else expr & e
+    # Partition pruning: whole days outside the range are never opened.
+    if "date" in src.partition_fields:
+        ptype = src.dataset.schema.field("date").type
+        for t, op in ((t_from, "ge"), (t_to, "le")):
+            if t is None:
+                continue
+            d: date = t.date()
+            val = d.isoformat() if pa.types.is_string(ptype) else (pa.scalar(d, ptype) if pa.types.is_date(ptype) else None)
+            if val is not None:
+                expr &= (ds.field("date") >= val) if op == "ge" else (ds.field("date") <= val)
+    return expr
+
+
+def local_name(col: str) -> str:
+    return (col[:-4] if col.endswith("_utc") else col) + "_local"
+
+
+def header(col: str, tz: str) -> str:
+    if col.endswith("_local"):
+        return f"{col} ({tz})"
+    for suffix in sorted(UNITS, key=len, reverse=True):
+        if col.endswith(suffix):
+            return f"{col} ({UNITS[suffix]})"
+    return col
+
+
+def _with_local_times(batch: pa.RecordBatch, tz: str) -> pa.Table:
+    """Each timestamp column (UTC) followed by its wall-clock twin in `tz` (naive timestamps)."""
+    names, arrays = [], []
+    for name, arr in zip(batch.schema.names, batch.columns):
+        names.append(name)
+        arrays.append(arr)
+        if pa.types.is_timestamp(arr.type):
+            utc = arr if arr.type.tz else pc.assume_timezone(arr, "UTC")
+            names.append(local_name(name))
+            arrays.append(pc.local_timestamp(utc.cast(pa.timestamp(arr.type.unit, tz=tz))))
+    return pa.Table.from_arrays(arrays, names=names)
+
+
+def _plan(sources: list[Source], columns: list[str] | None) -> dict[str, list[str]]:
+    """Columns to read per table (partition keys only when asked for)."""
+    plan = {}
+    for s in sources:
+        names = [n for n in s.dataset.schema.names if n not in s.partition_fields]
+        plan[s.name] = [c for c in (columns or names) if c in s.dataset.schema.names]
+    if columns:
+        unknown = [c for c in columns if not any(c in cols for cols in plan.values())]
+        if unknown:
+            avail = sorted({n for s in sources for n in s.dataset.schema.names})
+            raise ExportError(f"unknown column(s) {', '.join(unknown)}; available: {', '.join(avail)}")
+    return {k: v for k, v in plan.items() if v}
+
+
+def export(src, fmt: str, out=None, time_from: str | None = None, time_to: str | None = None,
+           columns: list[str] | None = None, tz: str | None = None, batch_rows: int = BATCH_ROWS) -> list[Path]:
+    """Export every table of `src` in `fmt`; returns the files written. Raises ExportError on bad input."""
+    if fmt not in FORMATS:
+        raise ExportError(f"unknown format {fmt!r}; choose one of: {', '.join(FORMATS)}")
+    tz = tz or local_tz_name()
+    _check_tz(tz)
+    t_from, t_to = parse_time(time_from, tz), parse_time(time_to, tz)
+    if t_from and t_to and t_from >= t_to:
+        raise ExportError(f"--from ({time_from}) must be before --to ({time_to})")
+    sources = find_sources(src)
+    plan = _plan(sources, columns)
+    sources = [s for s in sources if s.name in plan]
+    src_path = Path(src)
+    default_stem = src_path.stem if src_path.is_file() else src_path.resolve().name
+    out = Path(out) if out is not None else Path.cwd() / (default_stem + (".xlsx" if fmt == "xlsx" else f"-{fmt}"))
+    if out.resolve() == src_path.resolve():
+        raise ExportError("--out must not be the source itself")
+    # Little read-ahead: memory stays near one row group per table however large the dataset.
+    scans = {s.name: s.dataset.scanner(columns=plan[s.name], filter=_filter(s, t_from, t_to), batch_size=batch_rows,
+                                       batch_readahead=1, fragment_readahead=1)
+             for s in sources}
+    if fmt == "xlsx":
+        for s in sources:
+            n = s.dataset.count_rows(filter=_filter(s, t_from, t_to))
+            if n > XLSX_MAX_ROWS:
+                raise ExportError(f"table {s.name} has {n} rows in the selection; a sheet holds {XLSX_MAX_ROWS}. "
+                                  "Narrow it with --from/--to or --columns, or export csv or parquet.")
+        return [_write_xlsx(scans, out, tz)]
+    single = len(sources) == 1 and out.suffix == f".{fmt}"
+    if not single:
+        out.mkdir(parents=True, exist_ok=True)
+    written = []
+    for name, scan in scans.items():
+        path = out if single else out / f"{name}.{fmt}"
+        _atomic(path, lambda tmp, sc=scan: (_write_csv if fmt == "csv" else _write_parquet)(sc, tmp, tz))
+        written.append(path)
+    return written
+
+
+def _atomic(path: Path, write) -> None:
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    try:
+        write(tmp)
+        os.replace(tmp, path)
+    finally:
+        if tmp.exists():
+            tmp.unlink()
+
+
+def _csv_ready(t: pa.Table) -> pa.Table:
+    """Timestamps as `YYYY-MM-DD HH:MM:SS.mmm`: ISO 8601 with a space, which spreadsheets parse as dates."""
+    cols = []
+    for arr in t.columns:
+        if pa.types.is_timestamp(arr.type):
+            # A cast of naive milliseconds to string is that exact format, and far faster than strftime.
+            ms = pc.floor_temporal(arr, unit="millisecond").cast(pa.timestamp("ms", tz=arr.type.tz))
+            arr = ms.cast(pa.timestamp("ms")).cast(pa.string())
+        cols.append(arr)
+    return pa.Table.from_arrays(cols, names=t.column_names)
+
+
+def _write_csv(scan: ds.Scanner, path: Path, tz: str) -> None:
+    opts = pacsv.WriteOptions(include_header=False, quoting_style="needed")
+    with open(path, "wb") as f:
+        writer = None
+        for batch in scan.to_batches():
+            t = _csv_ready(_with_local_times(batch, tz))
+            if writer is None:
+                f.write((",".join(_csv_quote(header(c, tz)) for c in t.column_names) + "\r\n").encode())
+                writer = pacsv.CSVWriter(f, t.schema, write_options=opts)
+            writer.write_table(t)
+        if writer is None:  # nothing selected: still a header, so the file opens and says what it holds
+            t = _csv_ready(_with_local_times(_empty_batch(scan), tz))
+            f.write((",".join(_csv_quote(header(c, tz)) for c in t.column_names) + "\r\n").encode())
+        else:
+            writer.close()
+
+
+def _csv_quote(s: str) -> str:
+    return '"' + s.replace('"', '""') + '"' if any(ch in s for ch in ',"\n') else s
+
+
+def _empty_batch(scan: ds.Scanner) -> pa.RecordBatch:
+    return pa.RecordBatch.from_pylist([], schema=scan.projected_schema)
+
+
+def _write_parquet(scan: ds.Scanner, path: Path, tz: str) -> None:
+    writer = None
+    try:
+        for batch in scan.to_batches():
+            t = _with_local_times(batch, tz)
+            if writer is None:
+                writer = pq.ParquetWriter(path, t.schema, compression="zstd")
+            writer.write_table(t)
+        if writer is None:
+            pq.write_table(_with_local_times(_empty_batch(scan), tz), path)
+    finally:
+        if writer is not None:
+            writer.close()
+
+
+def _write_xlsx(scans: dict[str, ds.Scanner], path: Path, tz: str) -> Path:
+    from openpyxl import Workbook  # noqa: PLC0415  (only this format needs it)
+
+    def write(tmp: Path) -> None:
+        wb = Workbook(write_only=True)
+        for name, scan in scans.items():
+            ws = wb.create_sheet(title=name[:31])
+            head = None
+            for batch in scan.to_batches():
+                t = _with_local_times(batch, tz)
+                if head is None:
+                    head = [header(c, tz) for c in t.column_names]
+                    ws.append(head)
+                for row in zip(*(_xlsx_values(c) for c in t.columns)):
+                    ws.append(row)
+            if head is None:
+                ws.append([header(c, tz) for c in _with_local_times(_empty_batch(scan), tz).column_names])
+        wb.save(tmp)
+
+    _atomic(path, write)
+    return path
+
+
+def _xlsx_values(arr: pa.ChunkedArray) -> list:
+    """Cell values: Excel has no time zones, so timestamps become naive (UTC or local, per the header)."""
+    if pa.types.is_timestamp(arr.type) and arr.type.tz:
+        arr = pc.local_timestamp(arr.cast(pa.timestamp(arr.type.unit, tz="UTC")))
+    return arr.to_pylist()

@@ -1,0 +1,169 @@
+"""PNG plots of an analysis (matplotlib, Agg canvas, no pyplot state): curves, trade-off, timeline.
+
+Every marker of a policy's choice has the gid `choice-<policy>` and the recommended level the gid
+`recommended`, so tests (and anyone) can check that the plot marks what was computed. The PNG
+carries the recommendation in its text metadata too.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+from matplotlib.backends.backend_agg import FigureCanvasAgg
+from matplotlib.figure import Figure
+
+from .analyze import SeriesResult
+from .fits import pchip_grid
+from .loading import Timeline
+
+MARKERS = {"min_energy": "v", "budget": "*", "edp": "s", "ed2p": "D", "knee": "^", "weighted": "P"}
+COLORS = {"min_energy": "tab:green", "budget": "tab:red", "edp": "tab:purple", "ed2p": "tab:brown",
+          "knee": "tab:orange", "weighted": "tab:cyan"}
+
+
+def _figure(w=7.0, h=4.2) -> Figure:
+    fig = Figure(figsize=(w, h), dpi=100)
+    FigureCanvasAgg(fig)
+    return fig
+
+
+def _save(fig: Figure, path: Path, sr: SeriesResult | None = None) -> Path:
+    meta = {"Software": "powerprof"}
+    if sr is not None:
+        rec = sr.recommendation
+        meta["Description"] = f"recommended {rec.policy} {rec.level_value:g}"
+    fig.savefig(path, format="png", metadata=meta)
+    return path
+
+
+def _xlabel(sr: SeriesResult) -> str:
+    return "SM clock lock (MHz)" if sr.series.level_kind == "sm_clock" else "power limit (W)"
+
+
+def _curve(ax, sr: SeriesResult, y, lo, hi, fit_y, ylabel: str, title: str):
+    s = sr.series
+    lv = s.level_values
+    ok = np.isfinite(y)
+    ax.errorbar(lv[ok], y[ok], yerr=[np.maximum(y - lo, 0)[ok], np.maximum(hi - y, 0)[ok]], fmt="o", color="k",
+                capsize=3, label="median, 95% CI", zorder=3)
+    if ok.sum() >= 2:
+        grid = np.linspace(lv[ok].min(), lv[ok].max(), 200)
+        ax.plot(grid, pchip_grid(lv[ok], y[ok], grid), "-", color="0.4", lw=1, label="monotone interpolation")
+    if fit_y is not None:
+        span = lv.max() - lv.min() if lv.size > 1 else lv.max() * 0.2
+        grid = np.linspace(lv.min() - 0.15 * span, lv.max() + 0.15 * span, 200)
+        fy = fit_y(grid)
+        if np.isfinite(fy).any():
+            ax.plot(grid, fy, "--", color="tab:blue", lw=1, label="model fit")
+    for p, c in sr.choices.items():
+        i = int(np.flatnonzero(lv == c.level_value)[0])
+        ax.plot([c.level_value], [y[i]], MARKERS[p], color=COLORS[p], ms=11, mfc="none", mew=2, gid=f"choice-{p}",
+                label=f"{p}: {c.level_value:g}", zorder=4)
+    rec = sr.recommendation
+    ri = int(np.flatnonzero(lv == rec.level_value)[0])
+    ax.axvline(rec.level_value, color="tab:red", lw=1, alpha=0.4, gid="recommended",
+               label=f"recommended {rec.recommended_value:g}")
+    ax.annotate("recommended", (rec.level_value, y[ri]), textcoords="offset points", xytext=(6, 10),
+                color="tab:red", fontsize=8)
+    ax.set_xlabel(_xlabel(sr))
+    ax.set_ylabel(ylabel)
+    ax.set_title(title)
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=7, loc="best")
+
+
+def plot_j_per_token(sr: SeriesResult, path: Path) -> Figure:
+    t = sr.table
+    fig = _figure()
+    ax = fig.add_subplot()
+    fits = sr.fits
+    fit = None
+    if fits["decode_tok_s"].ok and fits["avg_gpu_power_w"].ok:
+        def fit(x):
+            return fits["avg_gpu_power_w"].predict(x) / fits["decode_tok_s"].predict(x)
+    _curve(ax, sr, _arr(t, "gpu_j_per_token"), _arr(t, "gpu_j_per_token_ci_low"), _arr(t, "gpu_j_per_token_ci_high"),
+           fit, "GPU energy per decode token (J/token)", f"J/token vs {_xlabel(sr).split(' (')[0]} ({sr.label})")
+    _save(fig, path, sr)
+    return fig
+
+
+def plot_tok_s(sr: SeriesResult, path: Path) -> Figure:
+    t = sr.table
+    fig = _figure()
+    ax = fig.add_subplot()
+    f = sr.fits["decode_tok_s"]
+    _curve(ax, sr, _arr(t, "decode_tok_s"), _arr(t, "decode_tok_s_ci_low"), _arr(t, "decode_tok_s_ci_high"),
+           f.predict if f.ok else None, "decode speed (tokens/s)",
+           f"Decode tok/s vs {_xlabel(sr).split(' (')[0]} ({sr.label})")
+    _save(fig, path, sr)
+    return fig
+
+
+def plot_tradeoff(sr: SeriesResult, path: Path) -> Figure:
+    t = sr.table
+    fig = _figure()
+    ax = fig.add_subplot()
+    x, y = _arr(t, "speed_loss_pct"), _arr(t, "energy_saving_pct")
+    xl, xh = _arr(t, "speed_loss_pct_ci_low"), _arr(t, "speed_loss_pct_ci_high")
+    yl, yh = _arr(t, "energy_saving_pct_ci_low"), _arr(t, "energy_saving_pct_ci_high")
+    ax.errorbar(x, y, xerr=[np.maximum(x - xl, 0), np.maximum(xh - x, 0)], yerr=[np.maximum(y - yl, 0),
+                np.maximum(yh - y, 0)], fmt="o-", color="k", capsize=3, lw=1, label="levels, 95% CI", zorder=3)
+    unit = "MHz" if sr.series.level_kind == "sm_clock" else "W"
+    for v, xi, yi in zip(sr.series.level_values, x, y):
+        ax.annotate(f"{v:g} {unit}", (xi, yi), textcoords="offset points", xytext=(5, -12), fontsize=8)
+    lv = sr.series.level_values
+    for p, c in sr.choices.items():
+        i = int(np.flatnonzero(lv == c.level_value)[0])
+        ax.plot([x[i]], [y[i]], MARKERS[p], color=COLORS[p], ms=12, mfc="none", mew=2, gid=f"choice-{p}",
+                label=f"{p}: {c.level_value:g} {unit}", zorder=4)
+    budget = sr.choices.get("budget")
+    if budget is not None:
+        ax.axvline(budget.params["max_slowdown"] * 100, color="tab:red", ls=":", lw=1,
+                   label=f"slowdown budget {budget.params['max_slowdown']:.0%}")
+    rec = sr.recommendation
+    ri = int(np.flatnonzero(lv == rec.level_value)[0])
+    ax.plot([x[ri]], [y[ri]], "o", color="tab:red", ms=5, gid="recommended", zorder=5)
+    ax.set_xlabel("speed loss vs reference (%)")
+    ax.set_ylabel("energy saving per token vs reference (%)")
+    ax.set_title(f"Energy saving vs speed loss ({sr.label}; reference {sr.series.reference_value:g} {unit})")
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=7, loc="lower right")
+    _save(fig, path, sr)
+    return fig
+
+
+def plot_timeline(tl: Timeline, path: Path) -> Figure:
+    fig = _figure(8.0, 5.0)
+    ax_p, ax_f = fig.subplots(2, 1, sharex=True)
+    for d, dev in enumerate(tl.devices):
+        for ax, y in ((ax_p, tl.power_w[d]), (ax_f, tl.sm_clock_mhz[d])):
+            ok = np.isfinite(y)
+            ax.plot(tl.t_s[ok], y[ok], lw=0.8, label=dev)
+    lvl = tl.level_value
+    # Shade each contiguous stretch of one level and name it, so a reader sees which limit did what.
+    change = np.flatnonzero(np.diff(np.nan_to_num(lvl, nan=-1.0)) != 0) + 1
+    edges = np.concatenate([[0], change, [lvl.size]])
+    width = tl.t_s[1] - tl.t_s[0] if tl.t_s.size > 1 else 1.0
+    for k, (a, b) in enumerate(zip(edges[:-1], edges[1:])):
+        if not np.isfinite(lvl[a]):
+            continue
+        x0, x1 = tl.t_s[a] - width / 2, tl.t_s[b - 1] + width / 2
+        for ax in (ax_p, ax_f):
+            ax.axvspan(x0, x1, color="0.85" if k % 2 else "0.93", zorder=0)
+        ax_p.text((x0 + x1) / 2, 1.0, f"{lvl[a]:g}", transform=ax_p.get_xaxis_transform(), ha="center",
+                  va="bottom", fontsize=7)
+    ax_p.set_ylabel("GPU power (W)")
+    ax_f.set_ylabel("SM clock (MHz)")
+    ax_f.set_xlabel("time since the run's first sample (s)")
+    ax_p.set_title(f"Power and SM clock over time, per level (run {tl.run_id})", pad=14)
+    for ax in (ax_p, ax_f):
+        ax.grid(alpha=0.3)
+    if len(tl.devices) > 1:
+        ax_p.legend(fontsize=7)
+    _save(fig, path)
+    return fig
+
+
+def _arr(t, name) -> np.ndarray:
+    return np.asarray(t.column(name).to_numpy(zero_copy_only=False), dtype=float)

@@ -1,0 +1,312 @@
+"""`powerprof analyze`: read run directories, analyse, write analysis.parquet/json, report.md/html and PNG plots.
+
+The HTML report is one self-contained file: the plots are embedded as base64 PNG. Every file is
+written to a temporary name and renamed, so a failed analysis leaves the previous one intact.
+"""
+
+from __future__ import annotations
+
+import base64
+import html
+import json
+import os
+from pathlib import Path
+
+import numpy as np
+
+from powerprof import __version__
+from powerprof.storage.runs import atomic_write_bytes, atomic_write_table
+
+from .analyze import AnalysisResult, SeriesResult, analyze
+from .loading import (AnalysisError, check_compatible, read_run_info, read_windows, scan_samples,
+                      sweep_level_figures)
+from .sweetspot import DESCRIPTIONS, POLICIES, PolicyParams
+
+FORMATS = ("md", "html")
+
+
+def analyze_run(
+    run_dirs,
+    out_dir=None,
+    max_slowdown: float = 0.10,
+    eta: float = 0.5,
+    formats=FORMATS,
+    force: bool = False,
+    n_boot: int = 2000,
+    seed=0,
+    plots: bool = True,
+    primary: str = "budget",
+) -> AnalysisResult:
+    """Analyse one or more run directories of the same GPU and model; write the outputs to `out_dir`
+    (default: `<first run>/analysis`). Returns the result with `files` naming what was written.
+
+    Raises AnalysisError for bad input (missing directory, unreadable files, incompatible runs)."""
+    if isinstance(run_dirs, (str, os.PathLike)):
+        run_dirs = [run_dirs]
+    run_dirs = [Path(p) for p in run_dirs]
+    if not run_dirs:
+        raise AnalysisError("give at least one run directory")
+    bad = [f for f in formats if f not in FORMATS]
+    if bad:
+        raise AnalysisError(f"unknown report format(s) {', '.join(bad)}; choose from {', '.join(FORMATS)}")
+    try:
+        params = PolicyParams(max_slowdown=max_slowdown, eta=eta)
+    except ValueError as e:
+        raise AnalysisError(str(e)) from None
+    runs = [read_run_info(p) for p in run_dirs]
+    check_compatible(runs, force)
+    windows = read_windows(runs)
+    figures = sweep_level_figures(runs)
+    timelines = []
+    for r in runs:
+        scanned, tl = scan_samples(r, windows)
+        if tl is not None:
+            timelines.append(tl)
+        for key, d in scanned.items():
+            merged = figures.setdefault(key, {})
+            for c, v in d.items():
+                # The sweep's own figures win; samples fill what it did not write.
+                if merged.get(c) is None and v is not None:
+                    merged[c] = v
+    try:
+        result = analyze(windows, runs, figures, timelines, params, n_boot=n_boot, seed=seed, primary=primary)
+    except ValueError as e:
+        raise AnalysisError(f"{', '.join(map(str, run_dirs))}: {e}") from None
+    out = Path(out_dir) if out_dir is not None else run_dirs[0] / "analysis"
+    write_outputs(result, out, formats, plots)
+    return result
+
+
+def write_outputs(result: AnalysisResult, out: Path, formats=FORMATS, plots: bool = True) -> dict[str, str]:
+    from . import plots as P  # noqa: PLC0415  (matplotlib is slow to import; only here)
+
+    out.mkdir(parents=True, exist_ok=True)
+    files: dict[str, str] = {}
+    images: dict[str, Path] = {}
+    if plots:
+        for sr in result.series:
+            for name, fn in (("j_per_token", P.plot_j_per_token), ("tok_s", P.plot_tok_s),
+                             ("saving_vs_loss", P.plot_tradeoff)):
+                images[f"{name}{sr.suffix}"] = _atomic_png(out / f"{name}{sr.suffix}.png", lambda p: fn(sr, p))
+        for tl in result.timelines:
+            key = "power_clock" if len(result.timelines) == 1 else f"power_clock_{_safe(tl.run_id)}"
+            images[key] = _atomic_png(out / f"{key}.png", lambda p: P.plot_timeline(tl, p))
+    files.update({k: str(v) for k, v in images.items()})
+    meta = {"powerprof_analysis": json.dumps(result.to_dict(), default=_json_default)}
+    atomic_write_table(out / "analysis.parquet", result.table, meta)
+    files["analysis.parquet"] = str(out / "analysis.parquet")
+    if "md" in formats:
+        atomic_write_bytes(out / "report.md", render_markdown(result, images, out).encode())
+        files["report.md"] = str(out / "report.md")
+    if "html" in formats:
+        atomic_write_bytes(out / "report.html", render_html(result, images).encode())
+        files["report.html"] = str(out / "report.html")
+    files["analysis.json"] = str(out / "analysis.json")
+    result.files = files
+    atomic_write_bytes(out / "analysis.json", json.dumps(result.to_dict(), indent=2, default=_json_default).encode())
+    return files
+
+
+def _atomic_png(path: Path, draw) -> Path:
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    draw(tmp)
+    os.replace(tmp, path)
+    return path
+
+
+def _safe(s: str) -> str:
+    return "".join(ch if ch.isalnum() or ch in "-_" else "-" for ch in s)
+
+
+def _json_default(x):
+    if isinstance(x, (np.floating, np.integer)):
+        return x.item()
+    if isinstance(x, np.ndarray):
+        return x.tolist()
+    if isinstance(x, Path):
+        return str(x)
+    raise TypeError(f"not JSON serialisable: {type(x).__name__}")
+
+
+# --- text ------------------------------------------------------------------------------------
+
+
+def _unit(sr: SeriesResult) -> str:
+    return "MHz" if sr.series.level_kind == "sm_clock" else "W"
+
+
+def _f(x, fmt=".3g", none="–") -> str:
+    if x is None or (isinstance(x, float) and not np.isfinite(x)):
+        return none
+    return format(x, fmt)
+
+
+def recommendation_line(result: AnalysisResult) -> str:
+    sr = result.main
+    c = sr.recommendation
+    u = _unit(sr)
+    what = "limit" if u == "W" else "SM clock lock"
+    line = (f"Recommended {what}: {c.recommended_value:g} {u} ({DESCRIPTIONS[c.policy]}"
+            + (f", ≤ {c.params['max_slowdown']:.0%} slower" if c.policy == "budget" else "")
+            + f"): {c.speed_loss_pct:.1f}% slower, {c.energy_saving_pct:.1f}% less energy per token than "
+            f"{sr.series.reference_value:g} {u}; 95% of resamples choose {c.ci_low:g}–{c.ci_high:g} {u}.")
+    if result.simulated:
+        line += " (simulated)"
+    return line
+
+
+def _levels_rows(sr: SeriesResult) -> tuple[list[str], list[list[str]]]:
+    u = _unit(sr)
+    head = [f"level ({u})", "tok/s [95% CI]", "J/token [95% CI]", "speed loss % [CI]", "energy saving % [CI]",
+            "power (W)", "SM clock (MHz)", "requests", "chosen by", "flags"]
+    rows = []
+    for r in sr.table.to_pylist():
+        rows.append([
+            f"{r['level_value']:g}" + (" (ref)" if r["reference"] else ""),
+            f"{_f(r['decode_tok_s'], '.1f')} [{_f(r['decode_tok_s_ci_low'], '.1f')}, {_f(r['decode_tok_s_ci_high'], '.1f')}]",
+            f"{_f(r['gpu_j_per_token'], '.3f')} [{_f(r['gpu_j_per_token_ci_low'], '.3f')}, "
+            f"{_f(r['gpu_j_per_token_ci_high'], '.3f')}]",
+            f"{_f(r['speed_loss_pct'], '.1f')} [{_f(r['speed_loss_pct_ci_low'], '.1f')}, {_f(r['speed_loss_pct_ci_high'], '.1f')}]",
+            f"{_f(r['energy_saving_pct'], '.1f')} [{_f(r['energy_saving_pct_ci_low'], '.1f')}, "
+            f"{_f(r['energy_saving_pct_ci_high'], '.1f')}]",
+            _f(r["avg_gpu_power_w"], ".0f"),
+            _f(r["sm_clock_mhz"], ".0f"),
+            f"{r['n_requests']}" + (f" (+{r['n_failed']} failed)" if r["n_failed"] else ""),
+            r["chosen_by"] or "",
+            r["flags"] or "",
+        ])
+    return head, rows
+
+
+def _choice_rows(sr: SeriesResult) -> tuple[list[str], list[list[str]]]:
+    u = _unit(sr)
+    head = ["policy", "criterion", f"choice ({u})", f"95% CI ({u})", "stability", f"between levels ({u})",
+            "speed loss %", "energy saving %"]
+    rows = []
+    for p in POLICIES:
+        c = sr.choices[p]
+        crit = DESCRIPTIONS[p]
+        if p == "budget":
+            crit += f" (≤ {c.params['max_slowdown']:.0%})"
+        if p == "weighted":
+            crit += f" (η = {c.params['eta']:g}, P_max = {_f(c.params['p_max_w'], '.0f')} W)"
+        rows.append([p, crit, f"{c.level_value:g}" + (" ★" if p == sr.primary else ""),
+                     f"{c.ci_low:g}–{c.ci_high:g}", f"{c.stability:.0%}", _f(c.interpolated_value, "g"),
+                     f"{c.speed_loss_pct:.1f}", f"{c.energy_saving_pct:.1f}"])
+    return head, rows
+
+
+def _fit_rows(sr: SeriesResult) -> tuple[list[str], list[list[str]]]:
+    head = ["quantity", "model", "parameters ± std. error", "R²", "RMSE", "residuals at levels", "note"]
+    rows = []
+    for q, f in sr.fits.items():
+        if not f.ok:
+            rows.append([q, f.model, "–", "–", "–", "–", f.message])
+            continue
+        params = ", ".join(f"{k} = {v:.4g} ± {_f(f.stderr.get(k), '.2g')}" for k, v in f.params.items())
+        rows.append([q, f.model, params, _f(f.r2, ".4f"), _f(f.rmse, ".3g"),
+                     ", ".join(f"{r:+.3g}" for r in f.residuals), f.message])
+    return head, rows
+
+
+def _md_table(head, rows) -> str:
+    esc = [[c.replace("|", "\\|") for c in r] for r in rows]
+    return "\n".join(["| " + " | ".join(head) + " |", "|" + "---|" * len(head)] + ["| " + " | ".join(r) + " |" for r in esc])
+
+
+def _runs_lines(result: AnalysisResult) -> list[str]:
+    return [f"{r.run_id}: {r.gpu_name or 'unknown GPU'}, model {r.model or 'unknown'}"
+            + (" (simulated)" if r.simulated else "") + f" — {r.path}" for r in result.runs]
+
+
+def render_markdown(result: AnalysisResult, images: dict[str, Path] | None = None, base: Path | None = None) -> str:
+    out = ["# powerprof analysis", ""]
+    if result.simulated:
+        out += ["> **Simulated**: these figures come from the simulated GPU, not from hardware.", ""]
+    out += [f"**{recommendation_line(result)}**", "", "Runs pooled:", ""] + [f"- {x}" for x in _runs_lines(result)]
+    for sr in result.series:
+        out += ["", f"## {sr.label.capitalize()} (reference {sr.series.reference_value:g} {_unit(sr)})", "",
+                "### Levels", "", _md_table(*_levels_rows(sr)), "", "### Sweet spots", "",
+                _md_table(*_choice_rows(sr)), "", "★ the recommended policy. CI: the levels chosen in 95% of "
+                "bootstrap resamples of the requests; stability: the share choosing the same level.", "",
+                "### Fits", "", _md_table(*_fit_rows(sr))]
+        for key in (f"j_per_token{sr.suffix}", f"tok_s{sr.suffix}", f"saving_vs_loss{sr.suffix}"):
+            if images and key in images:
+                out += ["", f"![{key}]({_rel(images[key], base)})"]
+    if result.warnings:
+        out += ["", "## Warnings", ""] + [f"- **{w.kind}**: {w.message}" for w in result.warnings]
+    for key in sorted(k for k in (images or {}) if k.startswith("power_clock")):
+        out += ["", "## Power and SM clock over time", "", f"![{key}]({_rel(images[key], base)})"]
+    out += ["", f"_powerprof {__version__}; statistics and policies: docs/analysis.md._", ""]
+    return "\n".join(out)
+
+
+def _rel(p: Path, base: Path | None) -> str:
+    return os.path.relpath(p, base) if base is not None else str(p)
+
+
+def _html_table(head, rows) -> str:
+    th = "".join(f"<th>{html.escape(h)}</th>" for h in head)
+    body = "".join("<tr>" + "".join(f"<td>{html.escape(c)}</td>" for c in r) + "</tr>" for r in rows)
+    return f"<table><thead><tr>{th}</tr></thead><tbody>{body}</tbody></table>"
+
+
+def _img(path: Path, alt: str) -> str:
+    data = base64.b64encode(Path(path).read_bytes()).decode()
+    return f'<figure><img alt="{html.escape(alt)}" src="data:image/png;base64,{data}"></figure>'
+
+
+_CSS = """body{font-family:system-ui,sans-serif;max-width:1100px;margin:2em auto;padding:0 1em;color:#222}
+table{border-collapse:collapse;font-size:0.85em;margin:0.5em 0}td,th{border:1px solid #ccc;padding:3px 6px;
+text-align:left}th{background:#f3f3f3}.rec{font-size:1.1em;background:#eef6ee;padding:0.6em;border-left:4px solid
+#393}.sim{background:#fff3cd;padding:0.5em}img{max-width:100%}li{margin:0.3em 0}"""
+
+
+def render_html(result: AnalysisResult, images: dict[str, Path] | None = None) -> str:
+    images = images or {}
+    parts = ["<!DOCTYPE html><html><head><meta charset='utf-8'><title>powerprof analysis</title>",
+             f"<style>{_CSS}</style></head><body><h1>powerprof analysis</h1>"]
+    if result.simulated:
+        parts.append("<p class='sim'><b>Simulated</b>: these figures come from the simulated GPU, not hardware.</p>")
+    parts.append(f"<p class='rec'>{html.escape(recommendation_line(result))}</p><p>Runs pooled:</p><ul>")
+    parts += [f"<li>{html.escape(x)}</li>" for x in _runs_lines(result)]
+    parts.append("</ul>")
+    for sr in result.series:
+        parts.append(f"<h2>{html.escape(sr.label.capitalize())} (reference {sr.series.reference_value:g} "
+                     f"{_unit(sr)})</h2><h3>Levels</h3>{_html_table(*_levels_rows(sr))}")
+        parts.append(f"<h3>Sweet spots</h3>{_html_table(*_choice_rows(sr))}<p>★ the recommended policy.</p>")
+        parts.append(f"<h3>Fits</h3>{_html_table(*_fit_rows(sr))}")
+        for key in (f"j_per_token{sr.suffix}", f"tok_s{sr.suffix}", f"saving_vs_loss{sr.suffix}"):
+            if key in images:
+                parts.append(_img(images[key], key))
+    if result.warnings:
+        parts.append("<h2>Warnings</h2><ul>" + "".join(
+            f"<li><b>{html.escape(w.kind)}</b>: {html.escape(w.message)}</li>" for w in result.warnings) + "</ul>")
+    for key in sorted(k for k in images if k.startswith("power_clock")):
+        parts.append(f"<h2>Power and SM clock over time</h2>{_img(images[key], key)}")
+    parts.append(f"<p><small>powerprof {html.escape(__version__)}</small></p></body></html>")
+    return "\n".join(parts)
+
+
+def console_summary(result: AnalysisResult) -> str:
+    """A compact plain-text summary (levels, sweet spots, recommendation, warnings) for the terminal."""
+    sr = result.main
+    u = _unit(sr)
+    lines = [f"{'level':>8}  {'tok/s':>7}  {'J/token':>8}  {'±CI%':>5}  {'slower':>7}  {'saving':>7}  chosen by"]
+    for r in sr.table.to_pylist():
+        lines.append(
+            f"{r['level_value']:>6g} {u:<2}{'*' if r['recommended'] else ' '}{_f(r['decode_tok_s'], '7.1f'):>7}  "
+            f"{_f(r['gpu_j_per_token'], '8.3f'):>8}  {_f(r['ci_reached_pct'], '5.1f'):>5}  "
+            f"{_f(r['speed_loss_pct'], '6.1f'):>6}%  {_f(r['energy_saving_pct'], '6.1f'):>6}%  {r['chosen_by'] or ''}"
+            + ("  [" + r["flags"] + "]" if r["flags"] else ""))
+    lines += ["", recommendation_line(result)]
+    others = [f"{p} {c.level_value:g}" for p, c in sr.choices.items() if p != sr.primary]
+    lines.append("Other policies: " + ", ".join(others) + ".")
+    if len(result.series) > 1:
+        lines.append("Other series: " + "; ".join(f"{s.label}: {s.recommendation.level_value:g}"
+                                                   for s in result.series if s is not sr) + ".")
+    for w in result.warnings:
+        lines.append(f"! {w.kind}: {w.message}")
+    if result.files.get("report.html"):
+        lines.append(f"Report: {result.files['report.html']}")
+    return "\n".join(lines)

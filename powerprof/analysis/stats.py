@@ -1,0 +1,342 @@
+"""Per-level statistics of decode windows: medians, bootstrap CIs over requests, loss and saving vs a reference.
+
+Only measured windows count: never warm-up, never failed; request rows at concurrency 1, batch
+rows (wall-clock aggregates over the measured intervals) at concurrency > 1. A level is one
+(level_kind, level_value, concurrency); runs and repeats of the same level pool their windows.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.compute as pc
+
+from powerprof.storage.schema import LEVELS
+
+# Each bootstrap chunk holds at most this many resampled values, so 100k windows stay in tens of MB.
+_BOOT_CHUNK_ELEMS = 1 << 22
+WIDE_CI_PCT = 5.0  # J/token CI half-width above this share of the median: warn, suggest more requests
+
+
+def bootstrap_replicates(
+    values: np.ndarray, stat: Callable = np.median, n_boot: int = 2000, seed=0, rng: np.random.Generator | None = None
+) -> np.ndarray:
+    """The statistic of `n_boot` resamples (with replacement) of `values`, shape (n_boot,).
+
+    `stat` must take an `axis` argument (numpy reductions do); resamples are drawn as index
+    matrices, in chunks so memory stays bounded however many values there are.
+    """
+    v = np.asarray(values, dtype=float)
+    if v.ndim != 1 or v.size == 0:
+        raise ValueError("bootstrap needs a non-empty 1-D array of values")
+    rng = rng if rng is not None else np.random.default_rng(seed)
+    idx = _resample_indices(rng, v.size, n_boot)
+    return np.concatenate([stat(v[i], axis=1) for i in idx])
+
+
+def _resample_indices(rng: np.random.Generator, n: int, n_boot: int):
+    chunk = max(1, min(n_boot, _BOOT_CHUNK_ELEMS // max(n, 1)))
+    for start in range(0, n_boot, chunk):
+        yield rng.integers(0, n, size=(min(chunk, n_boot - start), n))
+
+
+def percentile_interval(replicates: np.ndarray, ci: float = 0.95) -> tuple[float, float]:
+    r = np.asarray(replicates, dtype=float)
+    r = r[np.isfinite(r)]
+    if r.size == 0:
+        return float("nan"), float("nan")
+    lo, hi = np.quantile(r, [(1 - ci) / 2, 1 - (1 - ci) / 2])
+    return float(lo), float(hi)
+
+
+def bootstrap_ci(values, stat: Callable = np.median, n_boot: int = 2000, ci: float = 0.95, seed=0) -> tuple[float, float]:
+    """Percentile bootstrap confidence interval of `stat(values)`: (lo, hi). NaNs are dropped;
+    a single value gives (v, v); no values gives (nan, nan)."""
+    v = np.asarray(values, dtype=float)
+    v = v[np.isfinite(v)]
+    if v.size == 0:
+        return float("nan"), float("nan")
+    if v.size == 1:
+        return float(v[0]), float(v[0])
+    return percentile_interval(bootstrap_replicates(v, stat, n_boot, seed), ci)
+
+
+# --- which windows count -------------------------------------------------------------------
+
+
+def _col(t: pa.Table, name: str, dtype=float, fill=np.nan) -> np.ndarray:
+    if name not in t.column_names:
+        return np.full(t.num_rows, fill, dtype=dtype if dtype is not object else object)
+    arr = t.column(name)
+    if dtype is object:
+        return np.asarray(arr.to_pylist(), dtype=object)
+    if dtype is bool:
+        return np.asarray(arr.fill_null(False).to_numpy(zero_copy_only=False), dtype=bool)
+    return np.asarray(pc.cast(arr, pa.float64()).fill_null(fill).to_numpy(zero_copy_only=False), dtype=float)
+
+
+def window_masks(windows: pa.Table) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """(measured, counted_request, failed_request) boolean masks over the rows of a windows table.
+
+    measured: the rows a level's statistics come from. counted_request / failed_request: request
+    rows (not warm-up) that succeeded / failed, for n_requests and n_failed."""
+    n = windows.num_rows
+    warm = _col(windows, "warmup", bool)
+    status = _col(windows, "status", object)
+    ok = np.array([s in (None, "ok") for s in status], dtype=bool) if n else np.zeros(0, bool)
+    kind = _col(windows, "window_kind", object)
+    conc = _concurrency(windows)
+    is_req = np.array([k in (None, "request") for k in kind], dtype=bool) if n else np.zeros(0, bool)
+    is_batch = np.array([k == "batch" for k in kind], dtype=bool) if n else np.zeros(0, bool)
+    measured = ~warm & ok & np.where(conc > 1, is_batch, is_req)
+    return measured, ~warm & ok & is_req, ~warm & ~ok & is_req
+
+
+def _concurrency(windows: pa.Table) -> np.ndarray:
+    c = _col(windows, "concurrency", float, 1.0)
+    return np.where(np.isfinite(c) & (c >= 1), c, 1.0).astype(int)
+
+
+# --- levels --------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class LevelSeries:
+    """All levels of one kind at one concurrency, ascending, with bootstrap replicates.
+
+    The replicate arrays have shape (n_boot, n_levels); row b of tok_s and j_per_token come from
+    the same resampled requests, so a policy applied row by row sees consistent data.
+    """
+
+    level_kind: str
+    concurrency: int
+    level_values: np.ndarray  # (L,)
+    tok_s: np.ndarray  # (L,) median decode tok/s
+    j_per_token: np.ndarray  # (L,) median GPU J/token
+    boot_tok_s: np.ndarray  # (B, L)
+    boot_j_per_token: np.ndarray  # (B, L)
+    power_w: np.ndarray  # (L,) median average GPU power over the decode windows
+    total_j_per_token: np.ndarray  # (L,)
+    above_idle_j_per_token: np.ndarray  # (L,)
+    n_windows: np.ndarray  # (L,) measured windows
+    n_requests: np.ndarray  # (L,)
+    n_failed: np.ndarray  # (L,)
+    energy_methods: tuple[str, ...]
+    ref_index: int
+
+    @property
+    def reference_value(self) -> float:
+        return float(self.level_values[self.ref_index])
+
+    def speed_loss(self, tok_s: np.ndarray | None = None) -> np.ndarray:
+        """1 − tok/s ÷ reference tok/s (fraction), for the point estimates or replicates given."""
+        t = self.tok_s if tok_s is None else tok_s
+        return 1.0 - t / t[..., self.ref_index : self.ref_index + 1]
+
+    def energy_saving(self, j: np.ndarray | None = None) -> np.ndarray:
+        j = self.j_per_token if j is None else j
+        return 1.0 - j / j[..., self.ref_index : self.ref_index + 1]
+
+
+def _j_per_token(t: pa.Table) -> np.ndarray:
+    j = _col(t, "gpu_j_per_token")
+    fallback = _col(t, "gpu_energy_j") / _col(t, "decode_tokens")
+    return np.where(np.isfinite(j), j, fallback)
+
+
+def _power_w(t: pa.Table) -> np.ndarray:
+    p = _col(t, "avg_gpu_power_w")
+    fallback = _col(t, "gpu_energy_j") / _col(t, "decode_s")
+    return np.where(np.isfinite(p), p, fallback)
+
+
+def _median(v: np.ndarray) -> float:
+    v = v[np.isfinite(v)]
+    return float(np.median(v)) if v.size else float("nan")
+
+
+def choose_reference(level_values, reference_value: float | None = None) -> int:
+    """Index of the reference level: `reference_value` (the default limit) when it was measured,
+    else the highest level."""
+    vals = np.asarray(level_values, dtype=float)
+    if reference_value is not None:
+        hit = np.flatnonzero(np.isclose(vals, float(reference_value)))
+        if hit.size:
+            return int(hit[0])
+    return int(np.argmax(vals))
+
+
+def level_series(
+    windows: pa.Table, reference_value: float | None = None, n_boot: int = 2000, seed=0
+) -> list[LevelSeries]:
+    """Group measured windows into series (level_kind, concurrency) of levels with replicates."""
+    measured, counted, failed = window_masks(windows)
+    kinds = _col(windows, "level_kind", object)
+    kinds = np.array([k if k is not None else "none" for k in kinds], dtype=object)
+    values = _col(windows, "level_value")
+    conc = _concurrency(windows)
+    tok = _col(windows, "decode_tok_s")
+    jpt = _j_per_token(windows)
+    power = _power_w(windows)
+    tot = _col(windows, "total_j_per_token")
+    above = _col(windows, "above_idle_gpu_j_per_token")
+    methods = _col(windows, "energy_method", object)
+    rng = np.random.default_rng(seed)
+    out = []
+    keys = sorted({(k, int(c)) for k, c, m in zip(kinds, conc, measured | counted | failed) if m}, key=lambda kc: (kc[0], kc[1]))
+    for kind, c in keys:
+        in_series = (kinds == kind) & (conc == c)
+        lv = np.unique(values[in_series & np.isfinite(values)])
+        if kind == "none" and lv.size == 0:
+            lv = np.array([np.nan])
+        cols = {k: [] for k in ("tok", "j", "btok", "bj", "p", "tot", "above", "nw", "nr", "nf")}
+        meths: set[str] = set()
+        for v in lv:
+            at = in_series & (np.isnan(values) if np.isnan(v) else values == v)
+            m = at & measured
+            both = m & np.isfinite(tok) & np.isfinite(jpt)
+            cols["tok"].append(_median(tok[m]))
+            cols["j"].append(_median(jpt[m]))
+            cols["p"].append(_median(power[m]))
+            cols["tot"].append(_median(tot[m]))
+            cols["above"].append(_median(above[m]))
+            cols["nw"].append(int(m.sum()))
+            cols["nr"].append(int((at & counted).sum()))
+            cols["nf"].append(int((at & failed).sum()))
+            meths.update(x for x in methods[m] if x)
+            bt, bj = _joint_replicates(tok[both], jpt[both], tok[m], n_boot, rng)
+            cols["btok"].append(bt)
+            cols["bj"].append(bj)
+        if not lv.size:
+            continue
+        out.append(
+            LevelSeries(
+                level_kind=str(kind),
+                concurrency=c,
+                level_values=lv,
+                tok_s=np.array(cols["tok"]),
+                j_per_token=np.array(cols["j"]),
+                boot_tok_s=np.column_stack(cols["btok"]),
+                boot_j_per_token=np.column_stack(cols["bj"]),
+                power_w=np.array(cols["p"]),
+                total_j_per_token=np.array(cols["tot"]),
+                above_idle_j_per_token=np.array(cols["above"]),
+                n_windows=np.array(cols["nw"]),
+                n_requests=np.array(cols["nr"]),
+                n_failed=np.array(cols["nf"]),
+                energy_methods=tuple(sorted(meths)),
+                # The default limit is a power limit: a clock series is referenced to its highest clock.
+                ref_index=choose_reference(np.nan_to_num(lv, nan=0.0),
+                                           reference_value if kind == "power_limit" else None),
+            )
+        )
+    return out
+
+
+def _joint_replicates(tok_both, j_both, tok_all, n_boot, rng) -> tuple[np.ndarray, np.ndarray]:
+    """Median tok/s and J/token of the same resampled requests; tok/s alone where energy is missing."""
+    if tok_both.size >= 1:
+        bt, bj = [], []
+        for i in _resample_indices(rng, tok_both.size, n_boot):
+            bt.append(np.median(tok_both[i], axis=1))
+            bj.append(np.median(j_both[i], axis=1))
+        return np.concatenate(bt), np.concatenate(bj)
+    t = tok_all[np.isfinite(tok_all)]
+    nan = np.full(n_boot, np.nan)
+    if t.size == 0:
+        return nan, nan.copy()
+    return bootstrap_replicates(t, np.median, n_boot, rng=rng), nan
+
+
+def summarize_levels(
+    windows: pa.Table,
+    reference_value: float | None = None,
+    run_id: str | None = None,
+    extra: dict | None = None,
+    n_boot: int = 2000,
+    ci: float = 0.95,
+    seed=0,
+    wide_ci_pct: float = WIDE_CI_PCT,
+) -> pa.Table:
+    """One LEVELS row per (level_kind, level_value, concurrency) of the measured windows.
+
+    reference_value: the default limit; it is the reference when measured, else the highest level.
+    extra: {(level_kind, level_value): {column: value}} for what the samples say (avg_gpu_power_w,
+    sm_clock_mhz, enforced_limit_w, cap_not_engaged, thermal_throttle, ...); it overrides the
+    window-derived figure of the same column, and its boolean flags join `flags`.
+    """
+    series = level_series(windows, reference_value, n_boot, seed)
+    return levels_table(series, run_id=run_id, extra=extra, ci=ci, wide_ci_pct=wide_ci_pct)
+
+
+def levels_table(
+    series: list[LevelSeries], run_id: str | None = None, extra: dict | None = None, ci: float = 0.95,
+    wide_ci_pct: float = WIDE_CI_PCT,
+) -> pa.Table:
+    rows = []
+    for s in series:
+        loss_b = s.speed_loss(s.boot_tok_s) * 100
+        save_b = s.energy_saving(s.boot_j_per_token) * 100
+        loss, save = s.speed_loss() * 100, s.energy_saving() * 100
+        for i, v in enumerate(s.level_values):
+            tok_lo, tok_hi = percentile_interval(s.boot_tok_s[:, i], ci)
+            j_lo, j_hi = percentile_interval(s.boot_j_per_token[:, i], ci)
+            j = s.j_per_token[i]
+            half_pct = (j_hi - j_lo) / 2 / j * 100 if np.isfinite(j) and j else float("nan")
+            flags = []
+            if s.n_failed[i]:
+                flags.append("failed-requests")
+            if np.isfinite(half_pct) and half_pct > wide_ci_pct:
+                flags.append("wide-ci")
+            if s.n_windows[i] == 0:
+                flags.append("no-measured-windows")
+            row = {
+                "run_id": run_id,
+                "level_kind": s.level_kind,
+                "level_value": None if np.isnan(v) else float(v),
+                "requested_limit_w": float(v) if s.level_kind == "power_limit" else None,
+                "locked_sm_clock_mhz": float(v) if s.level_kind == "sm_clock" else None,
+                "n_requests": int(s.n_requests[i]),
+                "n_failed": int(s.n_failed[i]),
+                "decode_tok_s": s.tok_s[i],
+                "decode_tok_s_ci_low": tok_lo,
+                "decode_tok_s_ci_high": tok_hi,
+                "gpu_j_per_token": j,
+                "gpu_j_per_token_ci_low": j_lo,
+                "gpu_j_per_token_ci_high": j_hi,
+                "total_j_per_token": s.total_j_per_token[i],
+                "above_idle_gpu_j_per_token": s.above_idle_j_per_token[i],
+                "ci_reached_pct": half_pct,
+                "speed_loss_pct": loss[i],
+                "energy_saving_pct": save[i],
+                "avg_gpu_power_w": s.power_w[i],
+                "reference": i == s.ref_index,
+                "energy_method": "+".join(s.energy_methods) or None,
+                "concurrency": s.concurrency,
+                "speed_loss_pct_ci_low": percentile_interval(loss_b[:, i], ci)[0],
+                "speed_loss_pct_ci_high": percentile_interval(loss_b[:, i], ci)[1],
+                "energy_saving_pct_ci_low": percentile_interval(save_b[:, i], ci)[0],
+                "energy_saving_pct_ci_high": percentile_interval(save_b[:, i], ci)[1],
+            }
+            for k, val in (extra or {}).get((s.level_kind, row["level_value"]), {}).items():
+                if val is not None and k in LEVELS.names:
+                    row[k] = val
+            for flag, col in (("cap-not-engaged", "cap_not_engaged"), ("thermal", "thermal_throttle")):
+                if row.get(col):
+                    flags.append(flag)
+            row["flags"] = ",".join(flags) or None
+            rows.append({k: _clean(x) for k, x in row.items()})
+    return pa.Table.from_pylist(rows, schema=LEVELS) if rows else LEVELS.empty_table()
+
+
+def _clean(x):
+    if isinstance(x, (np.floating, float)):
+        return float(x) if np.isfinite(x) else None
+    if isinstance(x, np.integer):
+        return int(x)
+    if isinstance(x, np.bool_):
+        return bool(x)
+    return x

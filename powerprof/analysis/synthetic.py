@@ -1,0 +1,211 @@
+"""Synthetic sweep run directories with a known truth, for tests, benches and demos of the analysis.
+
+A `Truth` gives decode tok/s, GPU power and SM clock as functions of the level; requests scatter
+around it with multiplicative noise. Warm-up and failed rows carry absurd values on purpose:
+an analysis that counted them would be visibly wrong.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from datetime import datetime, timedelta, timezone
+from pathlib import Path
+from typing import Callable
+
+import numpy as np
+import pyarrow as pa
+
+from powerprof.sim.gpu import REASON_HW_THERMAL, REASON_SW_POWER_CAP, Phase, SimGpu
+from powerprof.sim.profiles import get_profile
+from powerprof.storage.runs import RunWriter
+from powerprof.storage.schema import SAMPLES, WINDOWS
+
+from .stats import summarize_levels
+
+
+@dataclass(frozen=True)
+class Truth:
+    """Noise-free behaviour of a card at a level (vectorised over levels)."""
+
+    tok_s: Callable[[np.ndarray], np.ndarray]
+    power_w: Callable[[np.ndarray], np.ndarray]
+    sm_clock_mhz: Callable[[np.ndarray], np.ndarray]
+    gpu_name: str = "Synthetic GPU"
+    min_limit_w: float = 100.0
+    max_limit_w: float = 400.0
+    default_limit_w: float = 300.0
+
+    def j_per_token(self, levels) -> np.ndarray:
+        lv = np.asarray(levels, dtype=float)
+        return self.power_w(lv) / self.tok_s(lv)
+
+
+def seed_truth(profile: str = "seed-16g") -> Truth:
+    """The simulator's physics for a profile (seed-16g: the seed's 300 → 220 W study)."""
+    p = get_profile(profile)
+    c = p.workload.decode_compute_share
+
+    def at(levels):
+        gpu = SimGpu(p, 0, "GPU-synthetic", clock_ns=lambda: 0)
+        gpu.set_phase(Phase("decode", c))
+        out = []
+        for L in np.atleast_1d(levels):
+            gpu.set_limit_w(float(L))
+            r = gpu.read()
+            out.append((p.workload.decode_tok_s * gpu.speed_factor(), r["power_w"], r["sm_clock_mhz"]))
+        return np.array(out, dtype=float).reshape(-1, 3)
+
+    return Truth(
+        tok_s=lambda L: at(L)[:, 0],
+        power_w=lambda L: at(L)[:, 1],
+        sm_clock_mhz=lambda L: at(L)[:, 2],
+        gpu_name=p.name,
+        min_limit_w=p.min_limit_w,
+        max_limit_w=p.max_limit_w,
+        default_limit_w=p.default_limit_w,
+    )
+
+
+def bowl_truth(l_opt_w: float = 230.0, j_opt: float = 2.5, curvature: float = 3.0, t_max: float = 100.0,
+               l_sat_w: float = 290.0, alpha: float = 0.35) -> Truth:
+    """J/token a parabola with its minimum at `l_opt_w`; tok/s a saturating power law (T_max above l_sat_w)."""
+
+    def tok(L):
+        L = np.asarray(L, dtype=float)
+        return t_max * (np.minimum(L, l_sat_w) / l_sat_w) ** alpha
+
+    def jpt(L):
+        L = np.asarray(L, dtype=float)
+        return j_opt * (1 + curvature * ((L - l_opt_w) / l_opt_w) ** 2)
+
+    return Truth(
+        tok_s=tok,
+        power_w=lambda L: jpt(L) * tok(L),
+        sm_clock_mhz=lambda L: 600 + 1800 * (np.minimum(np.asarray(L, float), l_sat_w) / l_sat_w),
+        gpu_name="Synthetic bowl GPU",
+        min_limit_w=100.0,
+        max_limit_w=400.0,
+        default_limit_w=350.0,
+    )
+
+
+def make_run(
+    out_dir: Path,
+    truth: Truth,
+    levels=(180, 220, 260, 300),
+    n_requests: int = 30,
+    noise: float = 0.01,
+    seed: int = 0,
+    run_id: str | None = None,
+    model: str = "synthetic-model.gguf",
+    repeats: int = 1,
+    concurrency: int = 1,
+    n_warmup: int = 2,
+    n_failed: int = 1,
+    decode_tokens: int = 255,
+    sample_period_s: float = 1.0,
+    thermal_levels=(),
+    start: datetime | None = None,
+) -> Path:
+    """Write samples/windows/levels Parquet and run.json like a sweep would; returns the directory."""
+    rng = np.random.default_rng(seed)
+    run_id = run_id or f"synthetic-{seed}"
+    t0 = start or datetime(2026, 1, 15, 12, 0, tzinfo=timezone.utc)
+    lv = np.asarray(levels, dtype=float)
+    tok_true, p_true, f_true = truth.tok_s(lv), truth.power_w(lv), truth.sm_clock_mhz(lv)
+    windows, samples = [], []
+    t = 0.0  # seconds since the run's start
+    req_id = 0
+    for rep in range(repeats):
+        for li in np.argsort(-lv):  # descending, as the sweep visits by default
+            L = float(lv[li])
+            level_t0 = t
+            for k in range(n_warmup + n_requests + n_failed):
+                warm = k < n_warmup
+                failed = k >= n_warmup + n_requests
+                tok = tok_true[li] * np.exp(rng.normal(0, noise))
+                pw = p_true[li] * np.exp(rng.normal(0, noise))
+                if warm:  # a cold cache: absurdly slow; counting it would show
+                    tok, pw = tok / 3, pw * 2
+                decode_s = decode_tokens / tok
+                ttft = 0.2
+                send = t
+                first = send + ttft
+                last = first + decode_s
+                energy = pw * decode_s
+                row = {
+                    "run_id": run_id, "level_kind": "power_limit", "level_value": L, "repeat": rep,
+                    "window_kind": "request", "request_id": req_id, "batch_id": req_id, "concurrency": 1,
+                    "warmup": warm, "status": "failed" if failed else "ok", "api": "llamacpp", "model": model,
+                    "prompt_id": f"p{k % 4}", "t_send_utc": t0 + timedelta(seconds=send),
+                    "t_first_utc": t0 + timedelta(seconds=first), "t_last_utc": t0 + timedelta(seconds=last),
+                    "ttft_s": ttft, "prompt_tokens": 64,
+                }
+                if failed:
+                    row.update(error="server closed the stream", decode_tok_s=tok * 100, gpu_j_per_token=0.001)
+                else:
+                    row.update(
+                        decode_s=decode_s, generated_tokens=decode_tokens + 1, decode_tokens=decode_tokens,
+                        decode_tok_s=tok, gpu_energy_j=energy, cpu_energy_j=25.0 * decode_s, energy_method="counter",
+                        avg_gpu_power_w=pw, gpu_j_per_token=energy / decode_tokens,
+                        total_j_per_token=(energy + 25.0 * decode_s) / decode_tokens, idle_gpu_power_w=22.0,
+                        above_idle_gpu_j_per_token=(energy - 22.0 * decode_s) / decode_tokens,
+                        stop_reason="length", low_confidence=decode_s < 3.0,
+                    )
+                windows.append(row)
+                req_id += 1
+                t = last + 0.05
+            if concurrency > 1:
+                windows.extend(_batch_rows(run_id, L, rep, concurrency, tok_true[li], p_true[li], n_requests,
+                                           decode_tokens, noise, rng, model, t0, level_t0))
+            samples.extend(_level_samples(L, level_t0, t, p_true[li], f_true[li], truth, sample_period_s,
+                                          L in thermal_levels, rng, t0))
+            t += 2.0
+    w = pa.Table.from_pylist(windows, schema=WINDOWS)
+    s = pa.Table.from_pylist(samples, schema=SAMPLES)
+    meta = {
+        "run_id": run_id, "gpu_name": truth.gpu_name, "gpu_uuid": "GPU-synthetic-0", "model": model,
+        "min_limit_w": truth.min_limit_w, "max_limit_w": truth.max_limit_w,
+        "default_limit_w": truth.default_limit_w, "level_kind": "power_limit", "levels": [float(x) for x in lv],
+        "simulated": True, "synthetic": True, "command": "powerprof.analysis.synthetic.make_run",
+        "started_utc": t0.isoformat(),
+    }
+    writer = RunWriter(Path(out_dir), meta)
+    writer.write("samples", s)
+    writer.write("windows", w)
+    writer.write("levels", summarize_levels(w, truth.default_limit_w, run_id=run_id, n_boot=500, seed=seed))
+    return Path(out_dir)
+
+
+def _batch_rows(run_id, L, rep, conc, tok1, pw, n, decode_tokens, noise, rng, model, t0, level_t0):
+    """Concurrent batches: aggregate tok/s grows sublinearly with concurrency, power a little."""
+    rows = []
+    for b in range(max(2, n // conc)):
+        tok = tok1 * conc**0.7 * np.exp(rng.normal(0, noise))
+        p = pw * 1.05 * np.exp(rng.normal(0, noise))
+        dur = decode_tokens * conc / tok
+        rows.append({
+            "run_id": run_id, "level_kind": "power_limit", "level_value": L, "repeat": rep, "window_kind": "batch",
+            "batch_id": 10_000 + b, "concurrency": conc, "warmup": False, "status": "ok", "model": model,
+            "t_first_utc": t0 + timedelta(seconds=level_t0), "t_last_utc": t0 + timedelta(seconds=level_t0 + dur),
+            "decode_s": dur, "decode_tokens": decode_tokens * conc, "decode_tok_s": tok, "gpu_energy_j": p * dur,
+            "avg_gpu_power_w": p, "gpu_j_per_token": p / tok, "energy_method": "counter",
+        })
+    return rows
+
+
+def _level_samples(L, t_start, t_end, power, clock, truth, period, thermal, rng, t0):
+    ts = np.arange(t_start, t_end, period)
+    engaged = power >= 0.95 * L
+    reasons = (REASON_SW_POWER_CAP if engaged else 0) | (REASON_HW_THERMAL if thermal else 0)
+    return [
+        {
+            "time_utc": t0 + timedelta(seconds=float(x)), "t_mono_s": float(x), "seq": i, "source": "nvml",
+            "device": "gpu0", "gpu_index": 0, "gpu_uuid": "GPU-synthetic-0",
+            "power_w": float(power * (1 + rng.normal(0, 0.01))), "power_avg_w": float(power),
+            "sm_clock_mhz": float(clock), "mem_clock_mhz": 10251.0, "gpu_util_pct": 100.0,
+            "temperature_c": 88.0 if thermal else 65.0, "power_limit_w": float(L), "enforced_limit_w": float(L),
+            "clock_event_reasons": reasons, "level_kind": "power_limit", "level_value": float(L),
+        }
+        for i, x in enumerate(ts)
+    ]

@@ -1,0 +1,375 @@
+"""LimitController: steps the power limit / SM clock of a set of GPUs and always puts them back."""
+
+from __future__ import annotations
+
+import atexit
+import contextlib
+import datetime as _dt
+import signal
+import threading
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Iterable, Sequence
+
+from .device import nvml_error_code, read_devices
+from .errors import ControlError, ControlPermissionError, PendingRestoreError, RestoreError, permission_message
+from .gpulock import GpuLock
+from .levels import DeviceRange, LevelError, common_power_range, describe_power_range
+from .levels import parse_clock_levels, parse_power_levels
+from .restore import (
+    DEFAULT_TOLERANCE_W,
+    default_restore_path,
+    load_record,
+    new_record,
+    pending_restore_files,
+    remove_file,
+    restore_gpu,
+    state_dir,
+    write_json_atomic,
+)
+from .setter import GpuReadback, NvidiaSmi, check_applied, lock_sm_clocks, reset_sm_clocks, run_nvidia_smi
+from .setter import set_power_limit
+
+HANDLED_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
+
+
+@dataclass(frozen=True)
+class LimitReadback:
+    """One level as set: the same requested watts on every GPU, and what each GPU reads back."""
+
+    level_w: float
+    gpus: tuple[GpuReadback, ...]
+    t_mono_ns: int
+    t_utc: _dt.datetime
+
+
+def simulated_info(nvml) -> dict | None:
+    if not getattr(nvml, "simulated", False):
+        return None
+    return {"profile": nvml.profile.key, "count": len(nvml.gpus)}
+
+
+class LimitController:
+    """Controller for a set of GPUs that all take the same level (a server split across cards).
+
+        with LimitController(nvml, [0, 1]) as ctl:      # locks, originals, permission; nothing changed yet
+            for w in ctl.parse_power_levels("180,220W,60%"):
+                readback = ctl.set_power_limit_w(w)
+        # every GPU is back at its original limit and clocks are released
+
+    Restores on leaving the block (normally or by exception), on SIGINT/SIGTERM/SIGHUP (then exits
+    non-zero), and at interpreter exit as a last resort. Use it from the main thread: that is where
+    Python delivers signals.
+    """
+
+    def __init__(
+        self,
+        nvml,
+        indexes: Sequence[int],
+        *,
+        restore_path: Path | str | None = None,
+        state_dir_path: Path | str | None = None,
+        nvidia_smi: NvidiaSmi = run_nvidia_smi,
+        tolerance_w: float = DEFAULT_TOLERANCE_W,
+        handle_signals: bool = True,
+    ):
+        if not indexes:
+            raise LevelError(["no GPU selected"], "Select at least one GPU.")
+        self.nvml = nvml
+        self.indexes = list(indexes)
+        self.state_dir = Path(state_dir_path) if state_dir_path is not None else state_dir()
+        self._restore_path_arg = Path(restore_path) if restore_path is not None else None
+        self.restore_path: Path | None = self._restore_path_arg
+        self.nvidia_smi = nvidia_smi
+        self.tolerance_w = float(tolerance_w)
+        self.handle_signals = handle_signals
+        self.devices: tuple[DeviceRange, ...] = ()
+        self._handles: list = []
+        self._locks: list[GpuLock] = []
+        self._record: dict | None = None  # the restore record once written: our "dirty" flag
+        self._active = False
+        self._nvml_open = False
+        self._mutex = threading.RLock()
+        self._busy = 0
+        self._pending_signal: int | None = None
+        self._prev_handlers: dict[int, object] = {}
+        self._atexit_registered = False
+
+    # --- lifecycle ---------------------------------------------------------------------------
+
+    def __enter__(self) -> "LimitController":
+        self.open()
+        return self
+
+    def __exit__(self, exc_type, exc, tb) -> None:
+        self.close()
+
+    def open(self) -> None:
+        """Lock the GPUs, read their originals, check permission. Changes nothing on the GPU."""
+        if self._active:
+            return
+        try:
+            self.nvml.nvmlInit()
+            self._nvml_open = True
+            self.devices = read_devices(self.nvml, self.indexes)
+            self._handles = [self.nvml.nvmlDeviceGetHandleByIndex(i) for i in self.indexes]
+            for d in self.devices:
+                lock = GpuLock(self.state_dir, d.uuid, d.index)
+                lock.acquire()
+                self._locks.append(lock)
+            # Read the originals again under the lock: another controller may have been restoring until now.
+            self.devices = read_devices(self.nvml, self.indexes)
+            self._refuse_if_pending_restore()
+            self._check_permission()
+            if self.restore_path is None:
+                self.restore_path = default_restore_path([d.uuid for d in self.devices], self.state_dir)
+        except BaseException:
+            self._release_resources()
+            raise
+        self._active = True
+        self._install_handlers()
+        atexit.register(self._atexit)
+        self._atexit_registered = True
+
+    def close(self) -> None:
+        """Restore (if anything was changed), then release locks and handlers. Idempotent."""
+        if not self._active:
+            return
+        self._busy += 1  # a second Ctrl-C must not cut the restore short
+        try:
+            self._restore_now()
+        finally:
+            self._busy -= 1
+            self._active = False
+            self._release_resources()
+            if self._atexit_registered:
+                atexit.unregister(self._atexit)
+                self._atexit_registered = False
+            try:
+                self._deliver_pending_signal()  # while our handler is still installed: it exits 128+signum
+            finally:
+                self._uninstall_handlers()
+
+    def _release_resources(self) -> None:
+        for lock in reversed(self._locks):
+            lock.release()
+        self._locks.clear()
+        if self._nvml_open:
+            self._nvml_open = False
+            try:
+                self.nvml.nvmlShutdown()
+            except Exception:
+                pass
+
+    def _refuse_if_pending_restore(self) -> None:
+        ours = {d.uuid: d for d in self.devices}
+        candidates = pending_restore_files(self.state_dir)
+        if self._restore_path_arg is not None and self._restore_path_arg.exists():
+            candidates.append(self._restore_path_arg)
+        for path in candidates:
+            try:
+                rec = load_record(path)
+            except RestoreError:
+                continue
+            hit = [ours[u] for u in rec["gpus"] if u in ours]
+            if hit:
+                gpus = ", ".join(f"GPU {d.index}" for d in hit)
+                raise PendingRestoreError(
+                    f"{gpus} still has settings changed by an earlier powerprof run (pid {rec.get('pid')}, "
+                    f"{rec.get('created_utc')}) that were never put back, so its current limit is not its original. "
+                    f"Run `powerprof restore --restore-file {path}` first. Nothing was changed."
+                )
+
+    def _check_permission(self) -> None:
+        """Setting each GPU's limit to its current value proves permission without changing anything."""
+        for h, d in zip(self._handles, self.devices):
+            try:
+                self.nvml.nvmlDeviceSetPowerManagementLimit(h, int(round(d.limit_w * 1000)))
+            except self.nvml.NVMLError as e:
+                code = nvml_error_code(self.nvml, e)
+                if code == self.nvml.NVML_ERROR_NO_PERMISSION:
+                    raise ControlPermissionError(permission_message("change GPU power limits")) from e
+                # NotSupported: the nvidia-smi fallback will be tried and reports its own permission error;
+                # anything else is left to the real set, which turns it into an error and restores.
+
+    # --- levels ------------------------------------------------------------------------------
+
+    def parse_power_levels(self, spec: str | Iterable) -> list[float]:
+        self._require_active()
+        return parse_power_levels(spec, self.devices)
+
+    def parse_clock_levels(self, spec: str | Iterable) -> list[int]:
+        self._require_active()
+        return parse_clock_levels(spec, self.devices)
+
+    @property
+    def original_limits_w(self) -> tuple[float, ...]:
+        return tuple(d.limit_w for d in self.devices)
+
+    # --- changes -----------------------------------------------------------------------------
+
+    def set_power_limit_w(self, watts: float) -> LimitReadback:
+        """Every GPU to `watts`, each read back. A set that did not take effect restores and raises."""
+        self._require_active()
+        lo, hi = common_power_range(self.devices)
+        if not lo <= watts <= hi:
+            raise LevelError([f"{watts:g} W is outside the allowed range"], describe_power_range(self.devices))
+        with self._critical():
+            self._ensure_record()
+            try:
+                rbs = tuple(
+                    set_power_limit(self.nvml, h, d.index, d.uuid, float(watts), self.nvidia_smi)
+                    for h, d in zip(self._handles, self.devices)
+                )
+                check_applied(rbs, self.tolerance_w)
+            except BaseException:
+                self._restore_after_failure()
+                raise
+            return LimitReadback(float(watts), rbs, time.monotonic_ns(), _dt.datetime.now(_dt.timezone.utc))
+
+    def lock_sm_clock_mhz(self, lo_mhz: int, hi_mhz: int | None = None) -> None:
+        """Lock every GPU's SM clock to [lo, hi] (hi defaults to lo). Released on restore."""
+        self._require_active()
+        hi_mhz = lo_mhz if hi_mhz is None else hi_mhz
+        if lo_mhz > hi_mhz:
+            raise LevelError([f"clock range {lo_mhz}-{hi_mhz} MHz is reversed"], "Give the lower clock first.")
+        parse_clock_levels(sorted({str(int(lo_mhz)), str(int(hi_mhz))}), self.devices)  # raises if out of range
+        with self._critical():
+            self._ensure_record()
+            # Marked before the call: a kill right after the lock takes effect must still release it.
+            self._mark_clocks(True)
+            try:
+                for h, d in zip(self._handles, self.devices):
+                    lock_sm_clocks(self.nvml, h, d.index, lo_mhz, hi_mhz)
+            except BaseException:
+                self._restore_after_failure()
+                raise
+
+    def release_clocks(self) -> None:
+        """Reset the clock lock on every GPU powerprof locked (the power limit stays where it is)."""
+        self._require_active()
+        with self._critical():
+            if not self._record or not any(g["clocks_locked"] for g in self._record["gpus"].values()):
+                return
+            for h, d in zip(self._handles, self.devices):
+                if self._record["gpus"][d.uuid]["clocks_locked"]:
+                    reset_sm_clocks(self.nvml, h, d.index)
+            self._mark_clocks(False)
+
+    def restore(self) -> None:
+        """Every GPU back to its original limit, clock locks released, restore file removed. Idempotent."""
+        with self._critical():
+            self._restore_now()
+
+    # --- internals ---------------------------------------------------------------------------
+
+    def _require_active(self) -> None:
+        if not self._active:
+            raise ControlError("LimitController is not open: use it as `with LimitController(...) as ctl:`.")
+
+    def _ensure_record(self) -> None:
+        if self._record is not None:
+            return
+        gpus = {
+            d.uuid: {
+                "index": d.index,
+                "name": d.name,
+                "original_limit_mw": int(round(d.limit_w * 1000)),
+                "default_limit_mw": int(round(d.default_w * 1000)),
+                "clocks_locked": False,
+            }
+            for d in self.devices
+        }
+        record = new_record(gpus, simulated_info(self.nvml))
+        write_json_atomic(self.restore_path, record)
+        self._record = record
+
+    def _mark_clocks(self, locked: bool) -> None:
+        for g in self._record["gpus"].values():
+            g["clocks_locked"] = locked
+        write_json_atomic(self.restore_path, self._record)
+
+    def _restore_now(self) -> None:
+        with self._mutex:
+            if self._record is None:
+                return
+            problems = []
+            for h, d in zip(self._handles, self.devices):
+                try:
+                    restore_gpu(self.nvml, h, d.index, d.uuid, self._record["gpus"][d.uuid], self.nvidia_smi, self.tolerance_w)
+                except ControlError as e:
+                    problems.append(str(e))
+            if problems:
+                raise RestoreError(
+                    "Could not put every GPU back: " + " ".join(problems)
+                    + f" The restore file {self.restore_path} is kept: run `powerprof restore --restore-file "
+                    f"{self.restore_path}` once the cause is fixed."
+                )
+            remove_file(self.restore_path)
+            self._record = None
+
+    def _restore_after_failure(self) -> None:
+        try:
+            self._restore_now()
+        except RestoreError:
+            pass  # the original error is the one to report; the kept file and close() try again
+
+    # --- signals -----------------------------------------------------------------------------
+
+    @contextlib.contextmanager
+    def _critical(self):
+        """Signals that arrive in here wait until the change/restore is complete and recorded."""
+        with self._mutex:
+            self._busy += 1
+            try:
+                yield
+            finally:
+                self._busy -= 1
+        self._deliver_pending_signal()
+
+    def _deliver_pending_signal(self) -> None:
+        if self._busy == 0 and self._pending_signal is not None:
+            signum, self._pending_signal = self._pending_signal, None
+            signal.raise_signal(signum)
+
+    def _install_handlers(self) -> None:
+        if not self.handle_signals or threading.current_thread() is not threading.main_thread():
+            return
+        for s in HANDLED_SIGNALS:
+            prev = signal.getsignal(s)
+            if prev is signal.SIG_IGN:
+                continue  # e.g. SIGHUP under nohup: the user asked to keep running
+            self._prev_handlers[s] = prev
+            signal.signal(s, self._on_signal)
+
+    def _uninstall_handlers(self) -> None:
+        for s, prev in self._prev_handlers.items():
+            try:
+                if signal.getsignal(s) == self._on_signal:
+                    signal.signal(s, prev if prev is not None else signal.SIG_DFL)
+            except (ValueError, TypeError):
+                pass
+        self._prev_handlers.clear()
+
+    def _on_signal(self, signum, frame) -> None:
+        if self._busy:
+            self._pending_signal = signum
+            return
+        # Not inside a change: restore right here, so the GPU is back even if a caller swallows the exception.
+        try:
+            self._restore_now()
+        except Exception:
+            pass  # close() and atexit retry; the restore file stays until one succeeds
+        prev = self._prev_handlers.get(signum)
+        if callable(prev) and prev is not signal.default_int_handler:
+            prev(signum, frame)
+        if signum == signal.SIGINT:
+            raise KeyboardInterrupt
+        raise SystemExit(128 + signum)
+
+    def _atexit(self) -> None:
+        try:
+            self.close()
+        except Exception:
+            pass

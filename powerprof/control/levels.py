@@ -1,0 +1,181 @@
+"""Parsing and validating requested levels (power limits, SM clocks, GPU indexes): pure functions."""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from typing import Iterable, Sequence
+
+
+class LevelError(ValueError):
+    """Requested levels are unusable. The message lists every problem and the allowed range."""
+
+    def __init__(self, problems: Sequence[str], allowed: str):
+        self.problems = tuple(problems)
+        self.allowed = allowed
+        super().__init__("; ".join(self.problems) + f". {allowed} Nothing was changed.")
+
+
+@dataclass(frozen=True)
+class DeviceRange:
+    """What one GPU allows, as NVML reports it. Powers in W, clocks in MHz; None = not reported."""
+
+    index: int
+    uuid: str
+    name: str
+    min_w: float
+    max_w: float
+    default_w: float
+    limit_w: float  # the current (requested) limit: what restore puts back
+    enforced_w: float | None
+    clock_min_mhz: int | None = None
+    clock_max_mhz: int | None = None
+
+
+_TOKEN = {
+    "power": re.compile(r"^\+?(\d+(?:\.\d*)?|\.\d+)\s*(w|%)?$", re.IGNORECASE),
+    "clock": re.compile(r"^\+?(\d+(?:\.\d*)?|\.\d+)\s*(mhz|%)?$", re.IGNORECASE),
+}
+_NEGATIVE = re.compile(r"^-\s*(\d+(?:\.\d*)?|\.\d+)\s*(w|mhz|%)?$", re.IGNORECASE)
+
+
+def _split(spec: str | Iterable) -> list[str]:
+    if isinstance(spec, str):
+        items = spec.split(",")
+        if all(not s.strip() for s in items):
+            return []
+        return [s.strip() for s in items]
+    return [str(s).strip() for s in spec]
+
+
+def _fmt(x: float) -> str:
+    return f"{x:g}"
+
+
+def common_power_range(devices: Sequence[DeviceRange]) -> tuple[float, float]:
+    """The limits every GPU accepts: all GPUs of a set take the same level."""
+    return max(d.min_w for d in devices), min(d.max_w for d in devices)
+
+
+def describe_power_range(devices: Sequence[DeviceRange]) -> str:
+    lo, hi = common_power_range(devices)
+    per_gpu = ", ".join(
+        f"GPU {d.index} ({d.name}): {_fmt(d.min_w)}-{_fmt(d.max_w)} W, default {_fmt(d.default_w)} W" for d in devices
+    )
+    if lo > hi:
+        return f"These GPUs share no power limit: {per_gpu}."
+    head = f"Allowed: {_fmt(lo)}-{_fmt(hi)} W" + (" (common to all GPUs)" if len(devices) > 1 else "")
+    return f"{head}; {per_gpu}. Give watts (220 or 220W) or a percentage of the default limit (60%)."
+
+
+def parse_power_levels(spec: str | Iterable, devices: Sequence[DeviceRange]) -> list[float]:
+    """'180,220W,60%' → [180.0, 220.0, 180.0]-style watts, validated against every GPU in `devices`.
+
+    Percentages are of the default limit, rounded to whole watts. Raises LevelError listing every
+    problem (empty, non-number, negative, duplicate, out of range) with the allowed range and default.
+    """
+    if not devices:
+        raise LevelError(["no GPU selected"], "Select at least one GPU.")
+    allowed = describe_power_range(devices)
+    lo, hi = common_power_range(devices)
+    if lo > hi:
+        raise LevelError(["no single power limit fits every selected GPU"], allowed)
+    defaults = {d.default_w for d in devices}
+    return _parse(spec, "power", "W", lo, hi, allowed, percent_base=(defaults.pop() if len(defaults) == 1 else None),
+                  percent_of="the default limit", as_int=False)
+
+
+def describe_clock_range(devices: Sequence[DeviceRange]) -> str:
+    per_gpu = ", ".join(f"GPU {d.index} ({d.name}): {d.clock_min_mhz}-{d.clock_max_mhz} MHz" for d in devices)
+    lo, hi = common_clock_range(devices)
+    head = f"Allowed SM clocks: {lo}-{hi} MHz" if lo is not None and lo <= hi else "No common SM clock range"
+    return f"{head}; {per_gpu}. Give MHz (1500 or 1500MHz) or a percentage of the maximum SM clock (80%)."
+
+
+def common_clock_range(devices: Sequence[DeviceRange]) -> tuple[int | None, int | None]:
+    if not devices or any(d.clock_min_mhz is None or d.clock_max_mhz is None for d in devices):
+        return None, None
+    return max(d.clock_min_mhz for d in devices), min(d.clock_max_mhz for d in devices)
+
+
+def parse_clock_levels(spec: str | Iterable, devices: Sequence[DeviceRange]) -> list[int]:
+    """'1500,1200MHz,80%' → SM clocks in MHz within every GPU's supported range (percent of the max clock)."""
+    if not devices:
+        raise LevelError(["no GPU selected"], "Select at least one GPU.")
+    lo, hi = common_clock_range(devices)
+    allowed = describe_clock_range(devices)
+    if lo is None:
+        missing = [str(d.index) for d in devices if d.clock_min_mhz is None or d.clock_max_mhz is None]
+        raise LevelError([f"GPU {', '.join(missing)} does not report its supported SM clocks"],
+                         "Clock levels cannot be validated on this GPU, so powerprof will not lock its clocks.")
+    if lo > hi:
+        raise LevelError(["no single SM clock fits every selected GPU"], allowed)
+    maxes = {d.clock_max_mhz for d in devices}
+    return _parse(spec, "clock", "MHz", lo, hi, allowed, percent_base=(maxes.pop() if len(maxes) == 1 else None),
+                  percent_of="the maximum SM clock", as_int=True)
+
+
+def _parse(spec, kind, unit, lo, hi, allowed, percent_base, percent_of, as_int):
+    items = _split(spec)
+    if not items:
+        raise LevelError([f"no {kind} levels given"], allowed)
+    problems: list[str] = []
+    seen: dict[float, str] = {}
+    out: list = []
+    example = "220 or 220W" if kind == "power" else "1500 or 1500MHz"
+    for item in items:
+        if not item:
+            problems.append(f"empty item in the {kind} level list")
+            continue
+        m = _TOKEN[kind].match(item)
+        if not m:
+            if _NEGATIVE.match(item):
+                problems.append(f"'{item}' is negative")
+            else:
+                problems.append(f"'{item}' is not a number of {unit} (like {example}) or a percentage of {percent_of} (like 60%)")
+            continue
+        number, suffix = float(m.group(1)), (m.group(2) or "").lower()
+        if suffix == "%":
+            if percent_base is None:
+                problems.append(f"'{item}': the selected GPUs differ in {percent_of}, so give {unit} instead of a percentage")
+                continue
+            value = float(round(percent_base * number / 100.0))
+        else:
+            value = float(round(number)) if as_int else round(number, 3)
+        if not lo <= value <= hi:
+            shown = item if suffix != "%" else f"{item} = {_fmt(value)} {unit}"
+            problems.append(f"'{shown}' is outside the allowed range {_fmt(lo)}-{_fmt(hi)} {unit}")
+            continue
+        if value in seen:
+            problems.append(f"'{item}' ({_fmt(value)} {unit}) duplicates '{seen[value]}'")
+            continue
+        seen[value] = item
+        out.append(int(value) if as_int else value)
+    if problems:
+        raise LevelError([f"invalid {kind} levels {','.join(items)!r}: " + problems[0], *problems[1:]], allowed)
+    return out
+
+
+def parse_gpu_indexes(spec: str | Iterable | None, count: int) -> list[int]:
+    """'0,1' → [0, 1]; None or 'all' → every GPU. Errors name the GPUs that exist."""
+    have = f"this machine has GPU 0-{count - 1}" if count > 1 else ("this machine has GPU 0" if count else "no GPU found")
+    if spec is None or (isinstance(spec, str) and spec.strip().lower() == "all"):
+        if count == 0:
+            raise LevelError(["no GPU to control"], have + ".")
+        return list(range(count))
+    items = _split(spec)
+    if not items:
+        raise LevelError(["no GPU given"], have + ".")
+    problems, out = [], []
+    for item in items:
+        if not item.isdigit():
+            problems.append(f"'{item}' is not a GPU index" if item else "empty item in the GPU list")
+        elif int(item) >= count:
+            problems.append(f"GPU {item} does not exist")
+        elif int(item) in out:
+            problems.append(f"GPU {item} is listed twice")
+        else:
+            out.append(int(item))
+    if problems:
+        raise LevelError([f"invalid --gpus {','.join(items)!r}: " + problems[0], *problems[1:]], have + ".")
+    return out

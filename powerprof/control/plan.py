@@ -1,0 +1,81 @@
+"""The dry-run plan: what a run would change and put back, computed from read-only NVML calls."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Iterable, Sequence
+
+from .device import read_devices
+from .levels import DeviceRange, parse_clock_levels, parse_power_levels
+from .restore import default_restore_path, state_dir
+
+
+def has_admin_privilege(status_path: str = "/proc/self/status") -> bool:
+    """root, or CAP_SYS_ADMIN (bit 21) in the effective capability set."""
+    if os.geteuid() == 0:
+        return True
+    try:
+        with open(status_path) as f:
+            for line in f:
+                if line.startswith("CapEff:"):
+                    return bool(int(line.split()[1], 16) & (1 << 21))
+    except (OSError, ValueError, IndexError):
+        pass
+    return False
+
+
+@dataclass(frozen=True)
+class Plan:
+    devices: tuple[DeviceRange, ...]
+    power_levels_w: tuple[float, ...]
+    clock_levels_mhz: tuple[int, ...]
+    restore_path: Path
+    permitted: bool  # whether this process looks allowed to change limits (root / CAP_SYS_ADMIN)
+    simulated: bool
+
+    def lines(self) -> list[str]:
+        sim = " (simulated)" if self.simulated else ""
+        out = [f"Dry run: nothing will be changed{sim}."]
+        for d in self.devices:
+            out.append(
+                f"GPU {d.index} {d.name} ({d.uuid}): limit now {d.limit_w:g} W"
+                + (f" (enforced {d.enforced_w:g} W)" if d.enforced_w is not None else "")
+                + f", allowed {d.min_w:g}-{d.max_w:g} W, default {d.default_w:g} W"
+                + (f", SM clock {d.clock_min_mhz}-{d.clock_max_mhz} MHz" if d.clock_min_mhz is not None else "")
+            )
+        if self.power_levels_w:
+            out.append("Power limit levels (every GPU takes each level): " + ", ".join(f"{w:g} W" for w in self.power_levels_w))
+        if self.clock_levels_mhz:
+            out.append("SM clock locks: " + ", ".join(f"{c} MHz" for c in self.clock_levels_mhz))
+        back = ", ".join(f"GPU {d.index} to {d.limit_w:g} W" for d in self.devices)
+        out.append(f"Afterwards (also on error, Ctrl-C, SIGTERM, SIGHUP): {back}" + (", clock locks released" if self.clock_levels_mhz else "") + ".")
+        out.append(f"Restore file (written before the first change): {self.restore_path}")
+        if not self.permitted:
+            out.append("This process is not root and lacks CAP_SYS_ADMIN: the real run would stop with a permission error; run it with sudo.")
+        return out
+
+
+def make_plan(
+    nvml,
+    indexes: Sequence[int],
+    power_levels: str | Iterable | None = None,
+    clock_levels: str | Iterable | None = None,
+    restore_path: Path | str | None = None,
+) -> Plan:
+    """Validates the levels (LevelError on bad input) and describes the run. Calls only NVML getters."""
+    nvml.nvmlInit()
+    try:
+        devices = read_devices(nvml, indexes)
+    finally:
+        try:
+            nvml.nvmlShutdown()
+        except Exception:
+            pass
+    watts = tuple(parse_power_levels(power_levels, devices)) if power_levels is not None else ()
+    clocks = tuple(parse_clock_levels(clock_levels, devices)) if clock_levels is not None else ()
+    simulated = bool(getattr(nvml, "simulated", False))
+    permitted = bool(getattr(nvml, "privileged", True)) if simulated else has_admin_privilege()
+    path = Path(restore_path) if restore_path is not None else default_restore_path([d.uuid for d in devices], state_dir())
+    return Plan(devices, watts, clocks, path, permitted, simulated)

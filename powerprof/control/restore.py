@@ -1,0 +1,319 @@
+"""The restore file: the original settings, written before the first change, used after a crash to put them back."""
+
+from __future__ import annotations
+
+import datetime as _dt
+import hashlib
+import json
+import os
+import sys
+import tempfile
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable, Sequence
+
+from .device import nvml_error_code
+from .errors import ControlError, ControlPermissionError, GpuBusyError, RestoreError, permission_message
+from .gpulock import GpuLock, is_held, lock_path, read_holder_pid
+from .setter import NvidiaSmi, check_applied, reset_sm_clocks, run_nvidia_smi, set_power_limit
+
+STATE_DIR_ENV = "POWERPROF_STATE_DIR"
+ROOT_STATE_DIR = Path("/var/lib/powerprof")
+RESTORE_GLOB = "restore-*.json"
+FORMAT = 1
+DEFAULT_TOLERANCE_W = 2.0
+
+
+def state_dir(env: dict | None = None, euid: int | None = None) -> Path:
+    """POWERPROF_STATE_DIR if set, else /var/lib/powerprof as root, else $XDG_STATE_HOME/powerprof."""
+    env = os.environ if env is None else env
+    if env.get(STATE_DIR_ENV):
+        return Path(env[STATE_DIR_ENV])
+    if (os.geteuid() if euid is None else euid) == 0:
+        return ROOT_STATE_DIR
+    base = env.get("XDG_STATE_HOME") or os.path.join(os.path.expanduser("~"), ".local", "state")
+    return Path(base) / "powerprof"
+
+
+def default_restore_path(uuids: Sequence[str], directory: Path | None = None) -> Path:
+    """One file per set of GPUs, so controllers on disjoint GPUs never overwrite each other's record."""
+    h = hashlib.sha1("\n".join(sorted(uuids)).encode()).hexdigest()[:12]
+    return (state_dir() if directory is None else Path(directory)) / f"restore-{h}.json"
+
+
+def _fsync_dir(d: Path) -> None:
+    try:
+        fd = os.open(d, os.O_RDONLY | os.O_DIRECTORY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def write_json_atomic(path: Path, obj) -> None:
+    """tmp + fsync + rename + fsync(dir): after a crash the file is either the old or the new one, whole."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    # A dot-prefixed temporary never matches restore-*.json, so a kill mid-write leaves nothing to misread.
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    try:
+        with os.fdopen(fd, "w") as f:
+            json.dump(obj, f, indent=1, sort_keys=True)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        try:
+            os.unlink(tmp)
+        except OSError:
+            pass
+        raise
+    _fsync_dir(path.parent)
+
+
+def remove_file(path: Path) -> None:
+    try:
+        os.unlink(path)
+    except FileNotFoundError:
+        return
+    _fsync_dir(Path(path).parent)
+
+
+def new_record(gpus: dict, simulated: dict | None) -> dict:
+    """gpus: UUID → {index, name, original_limit_mw, default_limit_mw, clocks_locked}."""
+    return {
+        "format": FORMAT,
+        "pid": os.getpid(),
+        "created_utc": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
+        "host": os.uname().nodename,
+        "argv": list(sys.argv),
+        "simulated": simulated,
+        "gpus": gpus,
+    }
+
+
+def load_record(path: Path) -> dict:
+    try:
+        rec = json.loads(Path(path).read_text())
+    except (OSError, ValueError) as e:
+        raise RestoreError(f"cannot read restore file {path}: {e}") from e
+    gpus = rec.get("gpus") if isinstance(rec, dict) else None
+    if rec.get("format") != FORMAT or not isinstance(gpus, dict):
+        raise RestoreError(f"{path} is not a powerprof restore file (format {FORMAT}) or is damaged")
+    for uuid, g in gpus.items():
+        if not isinstance(g, dict) or not isinstance(g.get("original_limit_mw"), int):
+            raise RestoreError(f"{path}: GPU {uuid} has no original limit recorded")
+    return rec
+
+
+def pending_restore_files(directory: Path | None = None) -> list[Path]:
+    d = state_dir() if directory is None else Path(directory)
+    try:
+        return sorted(p for p in d.glob(RESTORE_GLOB) if p.is_file())
+    except OSError:
+        return []
+
+
+def pending_restore_note(directory: Path | None = None) -> str | None:
+    """A warning for `powerprof devices` while a restore file exists, with the command that fixes it; else None."""
+    directory = state_dir() if directory is None else Path(directory)
+    files = pending_restore_files(directory)
+    if not files:
+        return None
+    lines = []
+    for path in files:
+        try:
+            rec = load_record(path)
+        except RestoreError as e:
+            lines.append(f"Warning: {e}. Inspect it; delete it once every GPU is back at its original limit.")
+            continue
+        sim = rec.get("simulated")
+        what = "simulated GPU" if sim else "GPU"
+        lines.append(
+            f"Warning: powerprof (pid {rec.get('pid')}, started {rec.get('created_utc')}) changed {what} settings "
+            f"that are not put back yet (restore file {path}):"
+        )
+        for uuid, g in sorted(rec["gpus"].items(), key=lambda kv: kv[1].get("index", 0)):
+            clocks = "; SM clocks locked by powerprof" if g.get("clocks_locked") else ""
+            lines.append(
+                f"  GPU {g.get('index')} ({uuid}): original power limit {g['original_limit_mw'] / 1000:g} W{clocks}"
+            )
+        held = [u for u in rec["gpus"] if is_held(directory, u)]
+        if held:
+            pid = read_holder_pid(lock_path(directory, held[0])) or rec.get("pid")
+            lines.append(f"  powerprof pid {pid} is still running on them; it puts them back when it ends.")
+        else:
+            sudo = "" if sim or os.geteuid() == 0 else "sudo "
+            lines.append(f"  Put them back with: {sudo}powerprof restore --restore-file {path}")
+    return "\n".join(lines)
+
+
+# --- putting settings back -------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class GpuRestored:
+    index: int
+    uuid: str
+    limit_w: float | None  # read back after the restore
+    original_w: float
+    clocks_released: bool
+
+
+def restore_gpu(nvml, handle, index: int, uuid: str, entry: dict, nvidia_smi: NvidiaSmi, tolerance_w: float) -> GpuRestored:
+    """Sets the recorded original limit, verifies it, and releases a clock lock powerprof made.
+
+    The clock lock is released even when the limit could not be put back, and vice versa.
+    """
+    original_w = entry["original_limit_mw"] / 1000
+    failure: ControlError | None = None
+    rb = None
+    try:
+        rb = set_power_limit(nvml, handle, index, uuid, original_w, nvidia_smi)
+        # Only the requested limit: another limiter may hold the enforced one lower, and that is not ours to undo.
+        check_applied([rb], tolerance_w, enforced=False)
+    except ControlError as e:
+        failure = e
+    released = False
+    if entry.get("clocks_locked"):
+        try:
+            reset_sm_clocks(nvml, handle, index)
+            released = True
+        except ControlError as e:
+            failure = failure or e
+    if failure is not None:
+        raise failure
+    return GpuRestored(index, uuid, rb.limit_w, original_w, released)
+
+
+@dataclass(frozen=True)
+class FileOutcome:
+    path: Path
+    status: str  # "restored" | "in_use" | "failed" | "refused"
+    message: str
+    gpus: tuple[GpuRestored, ...] = ()
+
+
+@dataclass(frozen=True)
+class RestoreReport:
+    outcomes: tuple[FileOutcome, ...]
+    searched: Path | None = None
+    notes: tuple[str, ...] = field(default_factory=tuple)
+
+    @property
+    def ok(self) -> bool:
+        return all(o.status == "restored" for o in self.outcomes)
+
+    def lines(self) -> list[str]:
+        if not self.outcomes:
+            return list(self.notes) or [f"Nothing to restore (no restore file in {self.searched})."]
+        out = list(self.notes)
+        for o in self.outcomes:
+            out.append(o.message)
+            for g in o.gpus:
+                clocks = "; SM clock lock released" if g.clocks_released else ""
+                out.append(f"  GPU {g.index} ({g.uuid}): power limit {g.limit_w:g} W (original {g.original_w:g} W){clocks}")
+        return out
+
+
+def open_nvml_for(record: dict):
+    """The NVML the record was made with: the simulator with the same profile and GPU count, or pynvml."""
+    sim = record.get("simulated")
+    if sim:
+        from powerprof.sim.nvml import SimNVML
+
+        return SimNVML(profile=sim["profile"], count=int(sim["count"]))
+    import pynvml
+
+    return pynvml
+
+
+def restore_from_file(
+    path: Path | str | None = None,
+    *,
+    simulate: str | None = None,
+    nvml_factory: Callable[[dict], object] = open_nvml_for,
+    nvidia_smi: NvidiaSmi = run_nvidia_smi,
+    directory: Path | None = None,
+    tolerance_w: float = DEFAULT_TOLERANCE_W,
+) -> RestoreReport:
+    """Puts back everything recorded in `path` (default: every restore file in the state folder).
+
+    Each GPU's lock is taken first, so a controller that is still running is left alone. A file is
+    removed only when every GPU in it is back; otherwise it stays for the next attempt. With
+    `simulate`, only records of simulated GPUs are restored (a real GPU is never 'restored' on the
+    simulator and its record then deleted).
+    """
+    if path is not None:
+        path = Path(path)
+        if not path.exists():
+            return RestoreReport((), notes=(f"Nothing to restore ({path} does not exist).",))
+        files = [path]
+        lock_dir = Path(directory) if directory is not None else state_dir()
+        searched = path
+    else:
+        lock_dir = Path(directory) if directory is not None else state_dir()
+        files = pending_restore_files(lock_dir)
+        searched = lock_dir
+    return RestoreReport(
+        tuple(_restore_one_file(f, simulate, nvml_factory, nvidia_smi, lock_dir, tolerance_w) for f in files),
+        searched=searched,
+    )
+
+
+def _restore_one_file(path, simulate, nvml_factory, nvidia_smi, lock_dir, tolerance_w) -> FileOutcome:
+    try:
+        rec = load_record(path)
+    except RestoreError as e:
+        return FileOutcome(path, "failed", f"Not restored: {e}.")
+    if simulate and not rec.get("simulated"):
+        return FileOutcome(
+            path, "refused", f"Not restored: {path} records a real GPU; run `powerprof restore` without --simulate."
+        )
+    locks: list[GpuLock] = []
+    nvml = None
+    try:
+        for uuid, g in rec["gpus"].items():
+            lock = GpuLock(lock_dir, uuid, g.get("index"))
+            lock.acquire()
+            locks.append(lock)
+        nvml = nvml_factory(rec)
+        nvml.nvmlInit()
+        done, problems = [], []
+        for uuid, g in sorted(rec["gpus"].items(), key=lambda kv: kv[1].get("index", 0)):
+            try:
+                try:
+                    h = nvml.nvmlDeviceGetHandleByUUID(uuid)
+                    index = int(nvml.nvmlDeviceGetIndex(h))
+                except nvml.NVMLError as e:
+                    if nvml_error_code(nvml, e) == nvml.NVML_ERROR_NOT_FOUND:
+                        raise ControlError(
+                            f"GPU {uuid} is not present (NVML: {e}); if it was removed, delete {path} by hand"
+                        ) from e
+                    raise ControlError(f"GPU {uuid}: NVML: {e}") from e
+                done.append(restore_gpu(nvml, h, index, uuid, g, nvidia_smi, tolerance_w))
+            except ControlPermissionError:
+                problems.append(permission_message("put GPU settings back", False).replace("powerprof ...", "powerprof restore"))
+                break
+            except ControlError as e:
+                problems.append(str(e))
+        if problems:
+            return FileOutcome(
+                path, "failed", f"Not fully restored; {path} is kept: " + " ".join(problems), tuple(done)
+            )
+        remove_file(path)
+        return FileOutcome(path, "restored", f"Restored from {path} (left by pid {rec.get('pid')}):", tuple(done))
+    except GpuBusyError as e:
+        return FileOutcome(path, "in_use", f"Not restored: {e}")
+    except Exception as e:  # NVML missing, driver gone: report and keep the file
+        return FileOutcome(path, "failed", f"Not restored; {path} is kept: {type(e).__name__}: {e}")
+    finally:
+        if nvml is not None:
+            try:
+                nvml.nvmlShutdown()
+            except Exception:
+                pass
+        for lock in locks:
+            lock.release()

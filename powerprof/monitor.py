@@ -1,0 +1,192 @@
+"""Live monitor: runs the sampler over open sources and turns each completed tick into display rows."""
+
+from __future__ import annotations
+
+import threading
+import time
+from typing import Callable
+
+from rich import box
+from rich.console import Group
+from rich.table import Table
+from rich.text import Text
+
+from powerprof.collectors.nvml import clock_event_reason_names
+from powerprof.collectors.sampler import Sample, Sampler
+from powerprof.collectors.sources import Sources
+from powerprof.storage.samples import Timeline
+
+TickFn = Callable[[int, dict], None]
+
+
+class _TickWatcher:
+    """Subscriber that lets the main thread wait until every source has delivered tick k."""
+
+    def __init__(self, sources: list[str]):
+        self._cond = threading.Condition()
+        self._seen = {s: -1 for s in sources}
+
+    def __call__(self, s: Sample) -> None:
+        if s.seq >= 0:
+            with self._cond:
+                if s.seq > self._seen.get(s.source, -1):
+                    self._seen[s.source] = s.seq
+                    self._cond.notify_all()
+
+    def wait_tick(self, k: int, timeout_s: float) -> bool:
+        with self._cond:
+            return self._cond.wait_for(lambda: min(self._seen.values()) >= k, max(0.0, timeout_s))
+
+
+def run_monitor(
+    sources: Sources,
+    interval_s: float = 1.0,
+    duration_s: float | None = None,
+    on_tick: TickFn | None = None,
+    stop: threading.Event | None = None,
+    timeline: Timeline | None = None,
+) -> Timeline:
+    """Sample until `duration_s` has been covered (ticks 0..floor(duration/interval)) or `stop` is set.
+
+    on_tick(k, display) is called in this thread once tick k is complete for every source, or
+    when the next tick is due (a slow source then shows its previous value). Every sample goes to
+    `timeline` (pass your own to keep what was taken when interrupted), which is returned.
+    """
+    collectors = sources.collectors
+    if not collectors:
+        raise RuntimeError("nothing to monitor: no GPU, RAPL or host collector could be opened")
+    timeline = timeline if timeline is not None else Timeline(gpu_uuids=sources.gpu_uuids)
+    sampler = Sampler(collectors, interval_s=interval_s)
+    watcher = _TickWatcher([c.source for c in collectors])
+    sampler.subscribe(timeline)
+    sampler.subscribe(watcher)
+    stop = stop or threading.Event()
+    last = None if duration_s is None else int(duration_s / interval_s + 1e-6)
+    baseline: dict[str, float] = {}
+    sampler.start()
+    try:
+        k = 0
+        while not stop.is_set():
+            next_due_s = (sampler.t0_ns + (k + 1) * sampler.interval_ns - time.monotonic_ns()) / 1e9
+            watcher.wait_tick(k, next_due_s)
+            if on_tick is not None:
+                on_tick(k, display_rows(sampler.latest, baseline))
+            if last is not None and k >= last:
+                break
+            k += 1
+    finally:
+        sampler.stop()
+    return timeline
+
+
+def _fmt(v, nd=0, unit=""):
+    if v is None:
+        return "-"
+    return f"{v:.{nd}f}{unit}"
+
+
+def display_rows(latest: dict[str, Sample], baseline: dict[str, float]) -> dict:
+    """What one tick shows: GPU rows, CPU (RAPL) rows, a host line. Energies count from the first
+    tick shown (`baseline` remembers each device's first value)."""
+    gpus, cpus, host = [], [], None
+    s = latest.get("nvml")
+    if s is not None and s.data is not None:
+        for r in s.data:
+            key = f"gpu{r.index}"
+            if r.energy_j is not None:
+                baseline.setdefault(key, r.energy_j)
+            gpus.append(
+                {
+                    "device": key,
+                    "power_w": r.power_w,
+                    "power_avg_w": r.power_avg_w,
+                    "energy_j": r.energy_j - baseline[key] if r.energy_j is not None else None,
+                    "sm_clock_mhz": r.sm_clock_mhz,
+                    "mem_clock_mhz": r.mem_clock_mhz,
+                    "gpu_util_pct": r.gpu_util_pct,
+                    "mem_util_pct": r.mem_util_pct,
+                    "temperature_c": r.temperature_c,
+                    "enforced_limit_w": r.enforced_limit_w,
+                    "reasons": clock_event_reason_names(r.clock_event_reasons),
+                }
+            )
+    elif s is not None:
+        gpus.append({"device": "nvml", "error": s.error})
+    s = latest.get("rapl")
+    if s is not None and s.data is not None:
+        for r in s.data:
+            if r.energy_j is not None:
+                baseline.setdefault(r.zone, r.energy_j)
+            e = r.energy_j - baseline[r.zone] if r.energy_j is not None else None
+            cpus.append({"device": r.zone, "kind": r.kind, "power_w": r.power_w, "energy_j": e})
+    elif s is not None:
+        cpus = [{"device": "rapl", "error": s.error}]
+    s = latest.get("host")
+    if s is not None and s.data is not None:
+        host = {"cpu_util_pct": s.data.cpu_util_pct, "cpu_freq_mhz": s.data.cpu_freq_mhz}
+    return {"gpus": gpus, "cpus": cpus, "host": host}
+
+
+def render(k: int, rows: dict, interval_s: float) -> Group:
+    """A rich renderable for a terminal."""
+    t = Table(title=f"powerprof monitor  t={k * interval_s:.1f}s", title_justify="left", box=box.SIMPLE_HEAD,
+              padding=(0, 1), collapse_padding=True, pad_edge=False)
+    # Two-line headers and no vertical rules: the table fits an 80-column terminal without eliding numbers.
+    for col in ("GPU", "power\nW", "avg\nW", "energy\nJ", "SM\nMHz", "mem\nMHz", "util\n%", "mem\n%", "temp\n°C",
+                "limit\nW", "clock event\nreasons"):
+        last = col.startswith("clock")
+        t.add_column(col, justify="left" if last or col == "GPU" else "right", no_wrap=not last)
+    for g in rows["gpus"]:
+        if "error" in g:
+            t.add_row(g["device"], Text(str(g["error"]), style="red"))
+            continue
+        t.add_row(
+            g["device"], _fmt(g["power_w"], 1), _fmt(g["power_avg_w"], 1), _fmt(g["energy_j"], 1),
+            _fmt(g["sm_clock_mhz"]), _fmt(g["mem_clock_mhz"]), _fmt(g["gpu_util_pct"]), _fmt(g["mem_util_pct"]),
+            _fmt(g["temperature_c"]), _fmt(g["enforced_limit_w"]),
+            _reasons(g["reasons"]),
+        )
+    parts = [t]
+    cpu = _cpu_line(rows)
+    if cpu:
+        parts.append(Text(cpu))
+    return Group(*parts)
+
+
+def _reasons(names: list[str] | None) -> str:
+    if names is None:
+        return "-"  # not supported
+    return ",".join(names) if names else "none"
+
+
+def _cpu_line(rows: dict) -> str:
+    bits = []
+    for c in rows["cpus"]:
+        if "error" in c:
+            bits.append(f"{c['device']}: {c['error']}")
+        else:
+            bits.append(f"{c['device']} {_fmt(c['power_w'], 1, ' W')} ({_fmt(c['energy_j'], 1, ' J')})")
+    h = rows["host"]
+    if h:
+        bits.append(f"CPU util {_fmt(h['cpu_util_pct'], 0, '%')} @ {_fmt(h['cpu_freq_mhz'], 0, ' MHz')}")
+    return "CPU: " + " | ".join(bits) if bits else ""
+
+
+def lines(k: int, rows: dict, interval_s: float) -> list[str]:
+    """Plain text for pipes and logs: one line per GPU plus one CPU line."""
+    ts = f"t={k * interval_s:7.1f}s"
+    out = []
+    for g in rows["gpus"]:
+        if "error" in g:
+            out.append(f"{ts} {g['device']} error: {g['error']}")
+            continue
+        out.append(
+            f"{ts} {g['device']} power={_fmt(g['power_w'], 1)}W avg={_fmt(g['power_avg_w'], 1)}W "
+            f"energy={_fmt(g['energy_j'], 1)}J sm={_fmt(g['sm_clock_mhz'])}MHz mem={_fmt(g['mem_clock_mhz'])}MHz "
+            f"util={_fmt(g['gpu_util_pct'])}/{_fmt(g['mem_util_pct'])}% temp={_fmt(g['temperature_c'])}C "
+            f"limit={_fmt(g['enforced_limit_w'])}W reasons={_reasons(g['reasons'])}"
+        )
+    cpu = _cpu_line(rows)
+    if cpu:
+        out.append(f"{ts} {cpu}")
+    return out

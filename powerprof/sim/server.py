@@ -1,0 +1,695 @@
+"""Simulated inference server: llama.cpp native and OpenAI protocols over real HTTP on loopback.
+
+Token timing follows the simulated GPU: prefill is compute-bound, decode memory-bound with
+the profile's compute share (growing with the batch), and every step's length is its time at
+f_max divided by the GPU's current `speed_factor`, evaluated per step, so a power cap set
+mid-run slows the stream. Concurrent requests share decode steps (their tokens arrive
+together); a prefill pauses decoding. Speculative profiles emit several tokens per step with
+deterministic simulated draft acceptance.
+
+    with SimServer(profile="seed-16g") as srv:
+        srv.url  # http://127.0.0.1:PORT
+
+It records ground truth (true emission times, prefill spans) for tests, exposes a `busy`
+flag with callbacks (to drive simulated CPU power), and has fault injection (HTTP errors,
+dropped or stalled streams, malformed JSON, a server that dies). Everything it answers is
+marked simulated.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import re
+import signal
+import threading
+import time
+import zlib
+from dataclasses import dataclass, field
+from typing import Callable
+
+import numpy as np
+from aiohttp import web
+from prometheus_client import CollectorRegistry, Counter, Gauge, generate_latest
+
+from .gpu import Phase
+from .nvml import SimNVML
+from .profiles import DEFAULT_PROFILE
+
+PREFILL_COMPUTE_SHARE = 0.9
+_WORD = re.compile(r"\w+|[^\w\s]")
+_VOCAB = (
+    "the of and to in is that for it as with on was by be this are from at or an which not have "
+    "energy power token decode clock memory limit watt joule speed cap bound compute model layer "
+    "cache batch step prompt stream server window sample counter curve level sweet spot"
+).split()
+
+
+def count_prompt_tokens(text: str) -> int:
+    """The simulator's tokenizer: words and punctuation, plus a BOS token."""
+    return len(_WORD.findall(text)) + 1
+
+
+@dataclass
+class Fault:
+    """One injected failure. kind: http_error | drop | malformed | stall."""
+
+    kind: str
+    count: int = 1  # how many requests it hits
+    after_tokens: int = 0  # for drop / malformed / stall: after this many token events
+    status: int = 500  # for http_error
+    seconds: float = 5.0  # for stall
+
+
+@dataclass
+class _Req:
+    rid: int
+    prompt_tokens: int
+    n_predict: int
+    eos_at: int | None
+    cached: int
+    text_seed: int
+    rng: np.random.Generator
+    queue: asyncio.Queue
+    t_arrive_ns: int
+    slot: int = -1
+    generated: int = 0
+    draft_n: int = 0
+    draft_accepted: int = 0
+    t_prefill_start_ns: int = 0
+    t_prefill_end_ns: int = 0
+    emissions: list = field(default_factory=list)  # (t_ns, n_tokens)
+    cancelled: bool = False
+    stop_type: str = "limit"
+
+
+class SimServer:
+    """The simulated server in its own thread and event loop. Context manager; `.url`."""
+
+    def __init__(
+        self,
+        nvml: SimNVML | None = None,
+        profile: str = DEFAULT_PROFILE,
+        flavour: str = "llamacpp",
+        host: str = "127.0.0.1",
+        port: int = 0,
+        n_slots: int = 4,
+        decode_tok_s: float | None = None,
+        prefill_tok_s: float | None = None,
+        compute_share: float | None = None,
+        model: str = "sim-model.gguf",
+        keepalive_s: float | None = None,
+        loading_s: float = 0.0,
+        seed: int = 0,
+    ):
+        if flavour not in ("llamacpp", "vllm"):
+            raise ValueError("flavour must be llamacpp or vllm")
+        self.nvml = nvml if nvml is not None else SimNVML(profile, state_path=None)
+        self.gpus = self.nvml.gpus
+        wl = self.gpus[0].profile.workload
+        self.flavour = flavour
+        self.host, self._port = host, port
+        self.n_slots = n_slots
+        self.decode_tok_s = decode_tok_s or wl.decode_tok_s
+        self.prefill_tok_s = prefill_tok_s or wl.prefill_tok_s
+        self.compute_share = wl.decode_compute_share if compute_share is None else compute_share
+        self.batch_growth = wl.batch_compute_growth
+        self.speculative = wl.speculative
+        self.draft_n_max = wl.draft_n_max
+        self.draft_acceptance = wl.draft_acceptance
+        self.model = model
+        self.keepalive_s = keepalive_s
+        self.loading_s = loading_s
+        self.seed = seed
+        self.faults: list[Fault] = []
+        self.truth: list[dict] = []  # one dict per finished request, in finishing order
+        self.steps: list[tuple[int, int, str, int, int]] = []  # (t0_ns, t1_ns, kind, batch, tokens)
+        self.busy = False
+        self._busy_callbacks: list[Callable[[bool], None]] = []
+        self._lock = threading.Lock()
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._thread: threading.Thread | None = None
+        self._runner: web.AppRunner | None = None
+        self._started_ns = 0
+        self._next_rid = 0
+        self._waiting: list[_Req] = []
+        self._active: list[_Req] = []
+        self._wake: asyncio.Event | None = None
+        self._dead = False
+        self._prompt_cache: set[int] = set()
+        self._registry = CollectorRegistry()
+        if flavour == "llamacpp":
+            self._m_tokens = Counter("llamacpp:tokens_predicted", "Generated tokens (at request end)", registry=self._registry)
+            self._m_running = Gauge("llamacpp:requests_processing", "Requests processing", registry=self._registry)
+            self._m_waiting = Gauge("llamacpp:requests_deferred", "Requests deferred", registry=self._registry)
+        else:
+            self._m_tokens = Counter("vllm:generation_tokens", "Generated tokens (every step)", registry=self._registry)
+            self._m_running = Gauge("vllm:num_requests_running", "Requests running", registry=self._registry)
+            self._m_waiting = Gauge("vllm:num_requests_waiting", "Requests waiting", registry=self._registry)
+
+    # --- life cycle ---------------------------------------------------------------------------
+
+    @property
+    def port(self) -> int:
+        return self._port
+
+    @property
+    def url(self) -> str:
+        return f"http://{self.host}:{self._port}"
+
+    def on_busy(self, callback: Callable[[bool], None]) -> None:
+        """Call `callback(busy)` whenever the server starts or stops working on requests."""
+        self._busy_callbacks.append(callback)
+
+    def start(self) -> "SimServer":
+        ready = threading.Event()
+        errors: list[BaseException] = []
+
+        def run():
+            loop = asyncio.new_event_loop()
+            self._loop = loop
+            asyncio.set_event_loop(loop)
+            try:
+                loop.run_until_complete(self._astart())
+            except BaseException as e:  # report bind errors to the starting thread
+                errors.append(e)
+                ready.set()
+                loop.close()
+                return
+            ready.set()
+            loop.run_forever()
+            loop.run_until_complete(self._astop())
+            loop.close()
+
+        self._thread = threading.Thread(target=run, name="sim-server", daemon=True)
+        self._thread.start()
+        if not ready.wait(30):
+            raise RuntimeError("simulated server did not start within 30 s")
+        if errors:
+            raise errors[0]
+        return self
+
+    def stop(self) -> None:
+        if self._loop is not None and self._thread is not None and self._thread.is_alive():
+            self._loop.call_soon_threadsafe(self._loop.stop)
+            self._thread.join(30)
+        self._set_busy(False)
+
+    def __enter__(self) -> "SimServer":
+        return self.start()
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
+
+    def kill(self) -> None:
+        """The server dies: open streams are cut, new connections are refused."""
+        self._dead = True
+        if self._loop is not None:
+            fut = asyncio.run_coroutine_threadsafe(self._akill(), self._loop)
+            fut.result(30)
+
+    def inject(self, kind: str, **kw) -> Fault:
+        f = Fault(kind, **kw)
+        with self._lock:
+            self.faults.append(f)
+        return f
+
+    def _take_fault(self) -> Fault | None:
+        with self._lock:
+            for f in self.faults:
+                if f.count > 0:
+                    f.count -= 1
+                    return f
+        return None
+
+    async def _astart(self) -> None:
+        self._started_ns = time.monotonic_ns()
+        self._wake = asyncio.Event()
+        app = web.Application()
+        r = app.router
+        r.add_get("/health", self._health)
+        r.add_get("/props", self._props)
+        r.add_get("/slots", self._slots)
+        r.add_get("/metrics", self._metrics)
+        r.add_get("/v1/models", self._models)
+        r.add_get("/version", self._version)
+        r.add_post("/completion", self._completion)
+        r.add_post("/completions", self._completion)
+        r.add_post("/v1/completions", self._oai_completions)
+        r.add_post("/v1/chat/completions", self._oai_chat)
+        self._runner = web.AppRunner(app, handle_signals=False, shutdown_timeout=1.0)
+        await self._runner.setup()
+        site = web.TCPSite(self._runner, self.host, self._port)
+        await site.start()
+        self._port = self._runner.addresses[0][1]
+        self._engine_task = asyncio.get_running_loop().create_task(self._engine())
+
+    async def _akill(self) -> None:
+        for site in list(self._runner.sites):
+            await site.stop()
+        for req in self._active + self._waiting:
+            req.cancelled = True
+            req.queue.put_nowait(("dead", None))
+
+    async def _astop(self) -> None:
+        self._engine_task.cancel()
+        try:
+            await self._engine_task
+        except (asyncio.CancelledError, Exception):
+            pass
+        for req in self._active + self._waiting:
+            req.queue.put_nowait(("dead", None))
+        await self._runner.cleanup()
+        for g in self.gpus:
+            g.set_phase(Phase("idle"))
+
+    def _set_busy(self, busy: bool) -> None:
+        if busy != self.busy:
+            self.busy = busy
+            for cb in self._busy_callbacks:
+                cb(busy)
+
+    # --- the engine: one loop over prefill and decode steps ------------------------------------
+
+    def _phase(self, kind: str, share: float) -> float:
+        """Put every GPU in the phase; return the slowest one's speed factor."""
+        ph = Phase(kind, share)
+        for g in self.gpus:
+            g.set_phase(ph)
+        return min(g.speed_factor(share) for g in self.gpus)
+
+    def _expected_tokens_per_step(self) -> float:
+        if not self.speculative or self.draft_n_max <= 0:
+            return 1.0
+        a = self.draft_acceptance
+        return float(sum(a**k for k in range(self.draft_n_max + 1)))
+
+    async def _engine(self) -> None:
+        while True:
+            self._active = [r for r in self._active if not r.cancelled]
+            self._waiting = [r for r in self._waiting if not r.cancelled]
+            while self._waiting and len(self._active) < self.n_slots:
+                req = self._waiting.pop(0)
+                used = {r.slot for r in self._active}
+                req.slot = min(set(range(self.n_slots)) - used)
+                self._active.append(req)
+            self._m_running.set(len(self._active))
+            self._m_waiting.set(len(self._waiting))
+            if not self._active:
+                self._phase("idle", 0.0)
+                self._set_busy(False)
+                self._wake.clear()
+                await self._wake.wait()
+                continue
+            self._set_busy(True)
+            pending = [r for r in self._active if r.t_prefill_end_ns == 0]
+            if pending:
+                await self._prefill(pending[0])
+            else:
+                await self._decode_step([r for r in self._active])
+
+    async def _prefill(self, req: _Req) -> None:
+        req.t_prefill_start_ns = time.monotonic_ns()
+        todo = max(req.prompt_tokens - req.cached, 1)
+        speed = self._phase("prefill", PREFILL_COMPUTE_SHARE)
+        await asyncio.sleep(todo / self.prefill_tok_s / speed)
+        req.t_prefill_end_ns = time.monotonic_ns()
+        self._emit(req, 1)
+        self._log_step(req.t_prefill_start_ns, req.t_prefill_end_ns, "prefill", 1, 1)
+
+    async def _decode_step(self, batch: list[_Req]) -> None:
+        b = len(batch)
+        c = self.compute_share
+        c_b = c * (1.0 + self.batch_growth * (b - 1))
+        t_fmax = self._expected_tokens_per_step() / self.decode_tok_s * ((1.0 - c) + c_b)
+        share = c_b / ((1.0 - c) + c_b)
+        speed = self._phase("decode", share)
+        t0 = time.monotonic_ns()
+        await asyncio.sleep(t_fmax / speed)
+        before = sum(r.generated for r in batch)
+        for req in batch:
+            if req.cancelled:
+                continue
+            n = 1
+            if self.speculative and self.draft_n_max > 0:
+                acc = 0
+                for _ in range(self.draft_n_max):
+                    if req.rng.random() < self.draft_acceptance:
+                        acc += 1
+                    else:
+                        break
+                req.draft_n += self.draft_n_max
+                req.draft_accepted += acc
+                n = 1 + acc
+            self._emit(req, n)
+        self._log_step(t0, time.monotonic_ns(), "decode", b, sum(r.generated for r in batch) - before)
+
+    def _log_step(self, t0: int, t1: int, kind: str, batch: int, tokens: int) -> None:
+        if len(self.steps) < 100_000:  # ground truth for tests and benches; bounded for long demos
+            self.steps.append((t0, t1, kind, batch, tokens))
+
+    def _emit(self, req: _Req, n: int) -> None:
+        limit = req.n_predict if req.eos_at is None else min(req.n_predict, req.eos_at)
+        n = min(n, limit - req.generated)
+        t = time.monotonic_ns()
+        start = req.generated
+        req.generated += n
+        req.emissions.append((t, n))
+        if self.flavour == "vllm":
+            self._m_tokens.inc(n)
+        ids = [(req.text_seed + 7919 * (start + k)) % 32000 for k in range(n)]
+        text = "".join(" " + _VOCAB[i % len(_VOCAB)] for i in ids)
+        req.queue.put_nowait(("tokens", (ids, text)))
+        if req.generated >= limit:
+            req.stop_type = "limit" if req.generated >= req.n_predict else "eos"
+            self._finish(req)
+
+    def _finish(self, req: _Req) -> None:
+        if req in self._active:
+            self._active.remove(req)
+        if self.flavour == "llamacpp":
+            self._m_tokens.inc(req.generated)
+        t_first = req.emissions[0][0]
+        t_last = req.emissions[-1][0]
+        timings = {
+            "cache_n": req.cached,
+            "prompt_n": req.prompt_tokens - req.cached,
+            "prompt_ms": (req.t_prefill_end_ns - req.t_prefill_start_ns) / 1e6,
+            "predicted_n": req.generated,
+            "predicted_ms": (t_last - t_first) / 1e6,
+        }
+        timings["prompt_per_second"] = timings["prompt_n"] / timings["prompt_ms"] * 1e3 if timings["prompt_ms"] > 0 else 0.0
+        timings["predicted_per_second"] = (
+            req.generated / timings["predicted_ms"] * 1e3 if timings["predicted_ms"] > 0 else 0.0
+        )
+        if self.speculative and self.draft_n_max > 0:
+            timings["draft_n"] = req.draft_n
+            timings["draft_n_accepted"] = req.draft_accepted
+        self.truth.append(
+            {
+                "rid": req.rid,
+                "prompt_tokens": req.prompt_tokens,
+                "cached_tokens": req.cached,
+                "t_arrive_ns": req.t_arrive_ns,
+                "t_prefill_start_ns": req.t_prefill_start_ns,
+                "t_prefill_end_ns": req.t_prefill_end_ns,
+                "emissions": list(req.emissions),
+                "generated": req.generated,
+                "timings": timings,
+            }
+        )
+        req.queue.put_nowait(("done", timings))
+
+    def _submit(self, prompt: str, n_predict: int, ignore_eos: bool, cache_prompt: bool, seed: int) -> _Req:
+        rid = self._next_rid
+        self._next_rid += 1
+        h = zlib.crc32(prompt.encode())
+        n_prompt = count_prompt_tokens(prompt)
+        cached = n_prompt - 1 if cache_prompt and h in self._prompt_cache else 0
+        self._prompt_cache.add(h)
+        req = _Req(
+            rid=rid,
+            prompt_tokens=n_prompt,
+            n_predict=max(1, n_predict),
+            eos_at=None if ignore_eos else 16 + h % 48,
+            cached=cached,
+            text_seed=h,
+            rng=np.random.default_rng([h, seed & 0xFFFFFFFF, self.seed]),
+            queue=asyncio.Queue(),
+            t_arrive_ns=time.monotonic_ns(),
+        )
+        self._waiting.append(req)
+        self._wake.set()
+        return req
+
+    # --- HTTP -------------------------------------------------------------------------------------
+
+    def _json(self, obj, status: int = 200) -> web.Response:
+        return web.json_response(obj, status=status, headers={"X-Powerprof-Simulated": "1"})
+
+    async def _health(self, request: web.Request) -> web.Response:
+        if (time.monotonic_ns() - self._started_ns) / 1e9 < self.loading_s:
+            return self._json({"error": {"code": 503, "message": "Loading model", "type": "unavailable_error"}}, 503)
+        return self._json({"status": "ok", "simulated": True})
+
+    async def _props(self, request: web.Request) -> web.Response:
+        if self.flavour != "llamacpp":
+            raise web.HTTPNotFound()
+        return self._json(
+            {
+                "build_info": "simulated (powerprof)",
+                "model_path": self.model,
+                "total_slots": self.n_slots,
+                "default_generation_settings": {"n_ctx": 4096},
+                "simulated": True,
+                "gpu": self.gpus[0].profile.name,
+            }
+        )
+
+    async def _slots(self, request: web.Request) -> web.Response:
+        if self.flavour != "llamacpp":
+            raise web.HTTPNotFound()
+        by_slot = {r.slot: r for r in self._active}
+        return self._json(
+            [
+                {"id": i, "is_processing": i in by_slot, "n_decoded": by_slot[i].generated if i in by_slot else 0}
+                for i in range(self.n_slots)
+            ]
+        )
+
+    async def _metrics(self, request: web.Request) -> web.Response:
+        return web.Response(body=generate_latest(self._registry), content_type="text/plain", charset="utf-8")
+
+    async def _models(self, request: web.Request) -> web.Response:
+        owner = "llamacpp" if self.flavour == "llamacpp" else "vllm"
+        return self._json({"object": "list", "data": [{"id": self.model, "object": "model", "owned_by": owner, "simulated": True}]})
+
+    async def _version(self, request: web.Request) -> web.Response:
+        if self.flavour != "vllm":
+            raise web.HTTPNotFound()
+        return self._json({"version": "simulated"})
+
+    async def _body(self, request: web.Request) -> dict:
+        try:
+            body = await request.json()
+        except (ValueError, UnicodeDecodeError):
+            raise web.HTTPBadRequest(text='{"error": {"message": "invalid JSON body"}}', content_type="application/json")
+        if not isinstance(body, dict):
+            raise web.HTTPBadRequest(text='{"error": {"message": "body must be an object"}}', content_type="application/json")
+        return body
+
+    async def _completion(self, request: web.Request) -> web.StreamResponse:
+        body = await self._body(request)
+        prompt = body.get("prompt", "")
+        if isinstance(prompt, list):
+            prompt = " ".join(map(str, prompt))
+        return await self._serve(request, "llamacpp", str(prompt), body, int(body.get("n_predict", 128) or 128))
+
+    async def _oai_completions(self, request: web.Request) -> web.StreamResponse:
+        body = await self._body(request)
+        prompt = body.get("prompt", "")
+        if isinstance(prompt, list):
+            prompt = " ".join(map(str, prompt))
+        return await self._serve(request, "openai-completions", str(prompt), body, int(body.get("max_tokens") or 16))
+
+    async def _oai_chat(self, request: web.Request) -> web.StreamResponse:
+        body = await self._body(request)
+        msgs = body.get("messages") or []
+        prompt = "\n".join(str(m.get("content", "")) for m in msgs if isinstance(m, dict))
+        n = body.get("max_completion_tokens") or body.get("max_tokens") or 128
+        return await self._serve(request, "openai-chat", prompt, body, int(n))
+
+    async def _serve(self, request: web.Request, api: str, prompt: str, body: dict, n_predict: int):
+        if self._dead:
+            raise web.HTTPServiceUnavailable()
+        fault = self._take_fault()
+        if fault is not None and fault.kind == "http_error":
+            return self._json({"error": {"code": fault.status, "message": "injected failure", "type": "server_error"}}, fault.status)
+        default_cache = api == "llamacpp"
+        req = self._submit(
+            prompt,
+            n_predict,
+            bool(body.get("ignore_eos", False)),
+            bool(body.get("cache_prompt", default_cache)),
+            int(body.get("seed", 0) or 0),
+        )
+        stream = bool(body.get("stream", False))
+        opts = body.get("stream_options") if isinstance(body.get("stream_options"), dict) else {}
+        try:
+            if not stream:
+                return await self._serve_whole(api, req)
+            return await self._serve_stream(request, api, req, fault, opts)
+        finally:
+            if req in self._active or req in self._waiting:
+                req.cancelled = True
+                self._wake.set()
+
+    async def _serve_whole(self, api: str, req: _Req) -> web.Response:
+        ids_all, text_all = [], ""
+        while True:
+            kind, payload = await req.queue.get()
+            if kind == "tokens":
+                ids_all += payload[0]
+                text_all += payload[1]
+            elif kind == "done":
+                timings = payload
+                break
+            else:
+                raise web.HTTPServiceUnavailable()
+        if api == "llamacpp":
+            obj = self._llama_final(req, timings)
+            obj["content"] = text_all
+            return self._json(obj)
+        fr = "length" if req.stop_type == "limit" else "stop"
+        choice = {"index": 0, "finish_reason": fr}
+        if api == "openai-chat":
+            choice["message"] = {"role": "assistant", "content": text_all}
+        else:
+            choice["text"] = text_all
+        obj = {
+            "id": f"sim-{req.rid}",
+            "object": "chat.completion" if api == "openai-chat" else "text_completion",
+            "model": self.model,
+            "choices": [choice],
+            "usage": self._usage(req),
+            "timings": timings,
+            "simulated": True,
+        }
+        return self._json(obj)
+
+    def _usage(self, req: _Req) -> dict:
+        return {"prompt_tokens": req.prompt_tokens, "completion_tokens": req.generated, "total_tokens": req.prompt_tokens + req.generated}
+
+    def _llama_final(self, req: _Req, timings: dict) -> dict:
+        return {
+            "index": 0,
+            "content": "",
+            "tokens": [],
+            "id_slot": req.slot,
+            "stop": True,
+            "model": self.model,
+            "tokens_predicted": req.generated,
+            "tokens_evaluated": req.prompt_tokens,
+            "stop_type": req.stop_type,
+            "stopped_limit": req.stop_type == "limit",
+            "timings": timings,
+            "simulated": True,
+        }
+
+    async def _serve_stream(self, request: web.Request, api: str, req: _Req, fault: Fault | None, opts: dict):
+        resp = web.StreamResponse(
+            headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache", "X-Powerprof-Simulated": "1"}
+        )
+        await resp.prepare(request)
+        chat = api == "openai-chat"
+        oid = f"sim-{req.rid}"
+        obj_name = "chat.completion.chunk" if chat else "text_completion"
+        continuous = self.flavour == "vllm" and bool(opts.get("continuous_usage_stats"))
+        n_events = 0
+
+        def oai_chunk(choice: dict, **extra) -> bytes:
+            d = {"id": oid, "object": obj_name, "created": 0, "model": self.model, "choices": [choice], **extra}
+            return b"data: " + json.dumps(d).encode() + b"\n\n"
+
+        if chat:
+            await resp.write(oai_chunk({"index": 0, "delta": {"role": "assistant", "content": None}, "finish_reason": None}))
+        while True:
+            try:
+                if self.keepalive_s:
+                    item = await asyncio.wait_for(req.queue.get(), self.keepalive_s)
+                else:
+                    item = await req.queue.get()
+            except asyncio.TimeoutError:
+                await resp.write(b": keep-alive\n\n")
+                continue
+            kind, payload = item
+            if kind == "dead":
+                _abort(request)
+                return resp
+            if kind == "tokens":
+                ids, text = payload
+                if fault is not None and n_events == fault.after_tokens:
+                    if fault.kind == "drop":
+                        req.cancelled = True
+                        _abort(request)
+                        return resp
+                    if fault.kind == "malformed":
+                        await resp.write(b'data: {"content": "broken\n\n')
+                    if fault.kind == "stall":
+                        await asyncio.sleep(fault.seconds)
+                n_events += 1
+                if api == "llamacpp":
+                    ev = {
+                        "index": 0,
+                        "content": text,
+                        "tokens": ids,
+                        "stop": False,
+                        "id_slot": req.slot,
+                        "tokens_predicted": req.generated,
+                        "tokens_evaluated": req.prompt_tokens,
+                    }
+                    await resp.write(b"data: " + json.dumps(ev).encode() + b"\n\n")
+                else:
+                    choice = {"index": 0, "finish_reason": None}
+                    if chat:
+                        choice["delta"] = {"content": text}
+                    else:
+                        choice["text"] = text
+                    extra = {}
+                    if continuous:
+                        extra["usage"] = {"prompt_tokens": req.prompt_tokens, "completion_tokens": _sent_total(req, n_events)}
+                    await resp.write(oai_chunk(choice, **extra))
+            elif kind == "done":
+                timings = payload
+                if api == "llamacpp":
+                    await resp.write(b"data: " + json.dumps(self._llama_final(req, timings)).encode() + b"\n\n")
+                else:
+                    fr = "length" if req.stop_type == "limit" else "stop"
+                    last = {"index": 0, "finish_reason": fr}
+                    if chat:
+                        last["delta"] = {}
+                    else:
+                        last["text"] = ""
+                    extra = {"timings": timings} if self.flavour == "llamacpp" else {}
+                    await resp.write(oai_chunk(last, **extra))
+                    if opts.get("include_usage"):
+                        d = {"id": oid, "object": obj_name, "created": 0, "model": self.model, "choices": [], "usage": self._usage(req)}
+                        await resp.write(b"data: " + json.dumps(d).encode() + b"\n\n")
+                    await resp.write(b"data: [DONE]\n\n")
+                await resp.write_eof()
+                return resp
+
+
+def _sent_total(req: _Req, n_events: int) -> int:
+    return int(sum(n for _, n in req.emissions[:n_events]))
+
+
+def _abort(request: web.Request) -> None:
+    tr = request.transport
+    if tr is not None:
+        tr.abort()
+
+
+def main(argv: list[str] | None = None) -> None:
+    """`python -m powerprof.sim.server --port 8080`: run until SIGINT/SIGTERM (for --launch demos)."""
+    ap = argparse.ArgumentParser(description="powerprof simulated inference server")
+    ap.add_argument("--host", default="127.0.0.1")
+    ap.add_argument("--port", type=int, default=8080)
+    ap.add_argument("--profile", default=DEFAULT_PROFILE)
+    ap.add_argument("--flavour", default="llamacpp", choices=["llamacpp", "vllm"])
+    ap.add_argument("--loading-s", type=float, default=0.0)
+    ap.add_argument("--decode-tok-s", type=float, default=None)
+    a = ap.parse_args(argv)
+    stop = threading.Event()
+    for s in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(s, lambda *_: stop.set())
+    nvml = SimNVML(a.profile)
+    with SimServer(nvml, flavour=a.flavour, host=a.host, port=a.port, loading_s=a.loading_s, decode_tok_s=a.decode_tok_s) as srv:
+        print(f"simulated server listening on {srv.url}", flush=True)
+        while not stop.wait(0.5):
+            pass
+
+
+if __name__ == "__main__":
+    main()

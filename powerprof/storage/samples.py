@@ -1,0 +1,203 @@
+"""Samples to rows of the SAMPLES schema (one row per device per sample), a buffering Timeline, file writers.
+
+Collector readings are turned into rows by their type, so this module needs no knowledge of
+which collectors ran: GpuReading -> `gpuN`, RaplReading -> its zone (`package-0`, `dram-0`),
+HostReading -> `host`. A missing sample (source failed or too slow) becomes one row with a null
+device and the reason in `error`.
+"""
+
+from __future__ import annotations
+
+import os
+import tempfile
+import threading
+from pathlib import Path
+from typing import Iterable, Mapping
+
+import pyarrow as pa
+
+from powerprof.collectors.host import HostReading
+from powerprof.collectors.nvml import GpuReading
+from powerprof.collectors.rapl import RaplReading
+from powerprof.collectors.sampler import Sample
+
+from .schema import SAMPLES
+
+FORMATS = (".parquet", ".csv")
+TAG_COLUMNS = ("level_kind", "level_value")  # set by whoever runs levels (sweep), copied onto rows
+
+_GPU_COLS = (
+    "power_w",
+    "power_avg_w",
+    "energy_j",
+    "sm_clock_mhz",
+    "mem_clock_mhz",
+    "gpu_util_pct",
+    "mem_util_pct",
+    "mem_used_bytes",
+    "temperature_c",
+    "power_limit_w",
+    "enforced_limit_w",
+    "clock_event_reasons",
+)
+
+
+def sample_rows(
+    sample: Sample,
+    t0_mono_ns: int,
+    gpu_uuids: Mapping[int, str] | None = None,
+    tags: Mapping[str, object] | None = None,
+) -> list[dict]:
+    """Rows (dicts keyed by SAMPLES column names; absent keys are null) for one Sample."""
+    base = {
+        "time_utc": sample.t_wall_ns // 1000,
+        "t_mono_s": (sample.t_mono_ns - t0_mono_ns) / 1e9,
+        "seq": sample.seq,
+        "label": sample.label,
+        "source": sample.source,
+        "device": None,
+        "error": sample.error,
+    }
+    if tags:
+        base.update({k: v for k, v in tags.items() if k in TAG_COLUMNS})
+    data = sample.data
+    if data is None:
+        return [base]
+    items = data if isinstance(data, (tuple, list)) else (data,)
+    rows = []
+    for r in items:
+        row = dict(base)
+        if isinstance(r, GpuReading):
+            row["device"] = f"gpu{r.index}"
+            row["gpu_index"] = r.index
+            row["gpu_uuid"] = (gpu_uuids or {}).get(r.index)
+            for c in _GPU_COLS:
+                row[c] = getattr(r, c)
+        elif isinstance(r, RaplReading):
+            row["device"] = r.zone
+            row["power_w"] = r.power_w
+            row["energy_j"] = r.energy_j
+            if r.note:
+                row["error"] = r.note if row["error"] is None else f"{row['error']}; {r.note}"
+        elif isinstance(r, HostReading):
+            row["device"] = "host"
+            row["cpu_util_pct"] = r.cpu_util_pct
+            row["cpu_freq_mhz"] = r.cpu_freq_mhz
+            row["host_mem_used_bytes"] = r.mem_used_bytes
+        else:
+            raise TypeError(f"no SAMPLES row mapping for {type(r).__name__} from source {sample.source!r}")
+        rows.append(row)
+    return rows
+
+
+def rows_to_table(rows: Iterable[Mapping], schema: pa.Schema = SAMPLES) -> pa.Table:
+    rows = list(rows)
+    cols = {f.name: pa.array([r.get(f.name) for r in rows], type=f.type) for f in schema}
+    return pa.Table.from_pydict(cols, schema=schema)
+
+
+def samples_to_table(
+    samples: Iterable[Sample],
+    t0_mono_ns: int | None = None,
+    gpu_uuids: Mapping[int, str] | None = None,
+) -> pa.Table:
+    samples = list(samples)
+    if t0_mono_ns is None:
+        t0_mono_ns = min((s.t_mono_ns for s in samples), default=0)
+    rows = [row for s in samples for row in sample_rows(s, t0_mono_ns, gpu_uuids)]
+    return rows_to_table(rows)
+
+
+class Timeline:
+    """A sampler subscriber that keeps every Sample in memory (thread-safe), with the tags current
+    when it arrived. `sampler.subscribe(timeline)`; `timeline.set_tags(level_kind="power_limit",
+    level_value=220)`; `timeline.to_table()`. `drain()` hands over and forgets what is buffered
+    (for periodic flushes)."""
+
+    def __init__(self, t0_mono_ns: int | None = None, gpu_uuids: Mapping[int, str] | None = None):
+        self.t0_mono_ns = t0_mono_ns
+        self.gpu_uuids = dict(gpu_uuids or {})
+        self._lock = threading.Lock()
+        self._items: list[tuple[Sample, Mapping | None]] = []
+        self._tags: Mapping | None = None
+
+    def __call__(self, sample: Sample) -> None:
+        with self._lock:
+            if self.t0_mono_ns is None:
+                self.t0_mono_ns = sample.t_mono_ns
+            self._items.append((sample, self._tags))
+
+    def set_tags(self, **tags) -> None:
+        unknown = set(tags) - set(TAG_COLUMNS)
+        if unknown:
+            raise ValueError(f"unknown tag columns {sorted(unknown)}; known: {TAG_COLUMNS}")
+        with self._lock:
+            self._tags = dict(tags) if tags else None
+
+    def samples(self, source: str | None = None) -> list[Sample]:
+        with self._lock:
+            return [s for s, _ in self._items if source is None or s.source == source]
+
+    def __len__(self) -> int:
+        with self._lock:
+            return len(self._items)
+
+    def drain(self) -> list[tuple[Sample, Mapping | None]]:
+        with self._lock:
+            items, self._items = self._items, []
+            return items
+
+    def to_table(self, items: list[tuple[Sample, Mapping | None]] | None = None) -> pa.Table:
+        with self._lock:
+            items = list(self._items) if items is None else items
+            t0 = self.t0_mono_ns if self.t0_mono_ns is not None else 0
+        rows = [row for s, tags in items for row in sample_rows(s, t0, self.gpu_uuids, tags)]
+        return rows_to_table(rows)
+
+
+def check_output_path(path: str | os.PathLike) -> Path:
+    """Validate an output file name before any work starts; raises ValueError with the reason."""
+    p = Path(path)
+    if p.suffix.lower() not in FORMATS:
+        raise ValueError(f"output {str(p)!r}: the file name must end in {' or '.join(FORMATS)}")
+    parent = p.parent if str(p.parent) else Path(".")
+    if not parent.is_dir():
+        raise ValueError(f"output {str(p)!r}: folder {str(parent)!r} does not exist")
+    if not os.access(parent, os.W_OK):
+        raise ValueError(f"output {str(p)!r}: folder {str(parent)!r} is not writable")
+    if p.is_dir():
+        raise ValueError(f"output {str(p)!r} is a folder")
+    return p
+
+
+def write_table(table: pa.Table, path: str | os.PathLike, metadata: Mapping[str, str] | None = None) -> Path:
+    """Write Parquet or CSV (by suffix) atomically: a temporary file, fsynced, then renamed over `path`.
+
+    Parquet keeps `metadata` in the file's key-value metadata; CSV cannot hold it.
+    """
+    p = check_output_path(path)
+    if metadata:
+        md = dict(table.schema.metadata or {})
+        md.update({str(k).encode(): str(v).encode() for k, v in metadata.items()})
+        table = table.replace_schema_metadata(md)
+    fd, tmp = tempfile.mkstemp(prefix=f".{p.name}.", suffix=".tmp", dir=p.parent if str(p.parent) else ".")
+    try:
+        with os.fdopen(fd, "wb") as f:
+            if p.suffix.lower() == ".parquet":
+                import pyarrow.parquet as pq
+
+                pq.write_table(table, f)
+            else:
+                import pyarrow.csv as pcsv
+
+                pcsv.write_csv(table, f)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, p)
+    except BaseException:
+        try:
+            os.unlink(tmp)
+        except OSError:
+            pass
+        raise
+    return p

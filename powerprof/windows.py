@@ -1,0 +1,161 @@
+"""Decode windows: pure functions over token arrival times (monotonic ns) and token counts.
+
+One request: its decode window runs from the arrival of the first generated token (which
+comes out of prefill) to the arrival of the last; it holds generated − 1 decode tokens.
+
+Concurrent requests: the measured intervals are those where at least one request is decoding
+and none is in prefill (nor in an attempt whose phase is unknown). Aggregate throughput =
+decode tokens arriving inside them ÷ their total wall-clock length, never the sum of
+per-request rates. The intervals come back as (t0_ns, t1_ns) rows so that energy can be
+taken over exactly the same time.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Sequence
+
+import numpy as np
+
+
+@dataclass(frozen=True)
+class DecodeWindow:
+    t_first_ns: int | None
+    t_last_ns: int | None
+    generated_tokens: int
+    decode_tokens: int  # generated − 1 (0 when nothing was generated)
+    decode_s: float | None
+    decode_tok_s: float | None  # None when the window is empty (fewer than two tokens or zero length)
+
+
+def decode_window(arrival_ns: np.ndarray, tokens: np.ndarray, generated: int | None = None) -> DecodeWindow:
+    """Decode window of one request from its token-bearing events.
+
+    `generated` overrides the counted total when the server reported its own count (usage,
+    timings): event counts can be estimates (one per content chunk) while the total is exact.
+    """
+    arrival_ns = np.asarray(arrival_ns, dtype=np.int64)
+    tokens = np.asarray(tokens, dtype=np.int64)
+    has = tokens > 0
+    n = int(tokens.sum()) if generated is None else int(generated)
+    if not has.any():
+        return DecodeWindow(None, None, n, max(n - 1, 0), None, None)
+    t_first = int(arrival_ns[has][0])
+    t_last = int(arrival_ns[has][-1])
+    decode = max(n - 1, 0)
+    dur_s = (t_last - t_first) / 1e9
+    rate = decode / dur_s if decode > 0 and dur_s > 0 else None
+    return DecodeWindow(t_first, t_last, n, decode, dur_s, rate)
+
+
+def decode_arrivals(arrival_ns: np.ndarray, tokens: np.ndarray, generated: int | None = None) -> tuple[np.ndarray, np.ndarray]:
+    """Arrival times and token counts of one request's decode tokens only.
+
+    Drops the first token (it comes out of prefill). When the server's total differs from the
+    counted one, counts are scaled so that they add up to the server's generated − 1.
+    """
+    t = np.asarray(arrival_ns, dtype=np.int64)
+    k = np.asarray(tokens, dtype=float).copy()
+    keep = k > 0
+    t, k = t[keep], k[keep]
+    if k.size == 0:
+        return t, k
+    k[0] -= 1.0
+    counted = k.sum()
+    if generated is not None and counted > 0 and generated - 1 != counted:
+        k *= max(generated - 1, 0) / counted
+    return t, k
+
+
+def measured_intervals(
+    t_send_ns: Sequence[int],
+    t_first_ns: Sequence[int],
+    t_last_ns: Sequence[int],
+    blocked: Sequence[tuple[int, int]] = (),
+) -> np.ndarray:
+    """Intervals (k × 2 int64, t0_ns, t1_ns) where someone decodes and nobody is in prefill.
+
+    Request i is in prefill over [t_send_i, t_first_i) and decoding over [t_first_i, t_last_i].
+    `blocked` are extra spans that disqualify time (failed attempts: what the server did for
+    them is unknown).
+    """
+    send = np.asarray(t_send_ns, dtype=np.int64)
+    first = np.asarray(t_first_ns, dtype=np.int64)
+    last = np.asarray(t_last_ns, dtype=np.int64)
+    blk = np.asarray(list(blocked), dtype=np.int64).reshape(-1, 2)
+    if first.size == 0:
+        return np.empty((0, 2), dtype=np.int64)
+    edges = np.unique(np.concatenate([send, first, last, blk.ravel()]))
+    if edges.size < 2:
+        return np.empty((0, 2), dtype=np.int64)
+    a, b = edges[:-1], edges[1:]
+    # Elementary segments between consecutive edges have constant state: test each one.
+    decoding = ((first[None, :] <= a[:, None]) & (b[:, None] <= last[None, :])).any(axis=1)
+    prefill = ((send[None, :] < b[:, None]) & (a[:, None] < first[None, :])).any(axis=1)
+    if blk.size:
+        prefill |= ((blk[None, :, 0] < b[:, None]) & (a[:, None] < blk[None, :, 1])).any(axis=1)
+    ok = decoding & ~prefill
+    if not ok.any():
+        return np.empty((0, 2), dtype=np.int64)
+    # Merge runs of adjacent good segments.
+    idx = np.flatnonzero(ok)
+    breaks = np.flatnonzero(np.diff(idx) > 1)
+    starts = np.concatenate([[idx[0]], idx[breaks + 1]])
+    ends = np.concatenate([idx[breaks], [idx[-1]]])
+    return np.stack([a[starts], b[ends]], axis=1).astype(np.int64)
+
+
+def tokens_in_intervals(arrival_ns: np.ndarray, tokens: np.ndarray, intervals: np.ndarray) -> float:
+    """Tokens whose arrival falls in (t0, t1] of any interval.
+
+    Half-open on the left: an interval starts when the last prefill ends, at the arrival of a
+    first token, which belongs to prefill.
+    """
+    t = np.asarray(arrival_ns, dtype=np.int64)
+    k = np.asarray(tokens, dtype=float)
+    iv = np.asarray(intervals, dtype=np.int64).reshape(-1, 2)
+    if t.size == 0 or iv.size == 0:
+        return 0.0
+    lo = np.searchsorted(t, iv[:, 0], side="right")
+    hi = np.searchsorted(t, iv[:, 1], side="right")
+    csum = np.concatenate([[0.0], np.cumsum(k)])
+    return float((csum[hi] - csum[lo]).sum())
+
+
+@dataclass(frozen=True)
+class Aggregate:
+    intervals: np.ndarray  # (k, 2) int64 t0_ns, t1_ns
+    measured_s: float
+    decode_tokens: float  # decode tokens that arrived inside the intervals
+    tok_s: float | None  # decode_tokens / measured_s
+
+
+def concurrent_throughput(
+    requests: Sequence[tuple[int, np.ndarray, np.ndarray, int | None]],
+    blocked: Sequence[tuple[int, int]] = (),
+) -> Aggregate:
+    """Wall-clock aggregate decode throughput of requests that ran at the same time.
+
+    `requests`: (t_send_ns, arrival_ns, tokens, generated or None) for each successful request.
+    """
+    sends, firsts, lasts, ts, ks = [], [], [], [], []
+    for t_send, arr, tok, gen in requests:
+        t, k = decode_arrivals(arr, tok, gen)
+        arr = np.asarray(arr, dtype=np.int64)[np.asarray(tok) > 0]
+        if arr.size == 0:
+            continue
+        sends.append(int(t_send))
+        firsts.append(int(arr[0]))
+        lasts.append(int(arr[-1]))
+        ts.append(t)
+        ks.append(k)
+    iv = measured_intervals(sends, firsts, lasts, blocked)
+    if not ts:
+        return Aggregate(iv, 0.0, 0.0, None)
+    t_all = np.concatenate(ts)
+    k_all = np.concatenate(ks)
+    order = np.argsort(t_all, kind="stable")
+    n = tokens_in_intervals(t_all[order], k_all[order], iv)
+    dur_s = float((iv[:, 1] - iv[:, 0]).sum()) / 1e9 if iv.size else 0.0
+    return Aggregate(iv, dur_s, n, n / dur_s if dur_s > 0 else None)
+

@@ -1,0 +1,368 @@
+"""Inference-server client (aiohttp): detects the server kind and streams one request into a record.
+
+Every token-bearing event is stamped with the monotonic clock the moment its bytes arrive;
+the record keeps those arrival times and token counts, the server's own timings, draft
+counts and why it stopped. Prompt and completion text are kept only when asked (`keep_text`).
+A failure (refused, HTTP error, timeout, truncated stream, malformed JSON) yields a record
+with status "failed" and the reason, never an exception and never counted tokens.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from dataclasses import dataclass, field
+from typing import Callable
+
+import aiohttp
+import numpy as np
+
+from powerprof.windows import decode_window
+
+from .stream import APIS, StreamParser, parse_response
+
+# Server kinds and what each accepts beyond the OpenAI basics.
+KINDS = ("llamacpp", "vllm", "sglang", "tgi", "openai")
+_IGNORE_EOS = {"llamacpp", "vllm", "sglang"}
+_CONTINUOUS_USAGE = {"vllm", "sglang"}
+
+EdgeHook = Callable[[str], None]
+
+
+class ServerUnreachable(Exception):
+    """Nothing usable answered at the server URL."""
+
+
+@dataclass(frozen=True)
+class ServerInfo:
+    """What the server is: filled once per run by `detect_server`."""
+
+    base_url: str
+    kind: str  # llamacpp | vllm | sglang | tgi | openai
+    api: str  # the protocol requests use: llamacpp | openai-completions | openai-chat
+    model: str | None = None
+    build_info: str | None = None
+    model_path: str | None = None
+    total_slots: int | None = None
+    simulated: bool = False
+
+    @property
+    def endpoint(self) -> str:
+        path = {"llamacpp": "/completion", "openai-completions": "/v1/completions", "openai-chat": "/v1/chat/completions"}
+        return self.base_url.rstrip("/") + path[self.api]
+
+
+@dataclass(frozen=True)
+class RequestParams:
+    """What every request of a run asks for: deterministic, greedy, fixed length."""
+
+    max_tokens: int = 128
+    temperature: float = 0.0
+    seed: int = 42
+    ignore_eos: bool = True
+    prompt_cache: bool = False  # False: the server must redo prefill (llama.cpp cache_prompt)
+    connect_timeout_s: float = 10.0
+    first_token_timeout_s: float = 300.0  # prefill of a long prompt on a slow card
+    stall_timeout_s: float = 60.0  # silence between two events
+    keep_text: bool = False
+
+
+@dataclass(frozen=True)
+class RequestRecord:
+    """One attempt at one request. Times are monotonic ns; wall clock only in t_send_wall_ns."""
+
+    request_id: int
+    prompt_id: str
+    api: str
+    attempt: int  # 1 for the first try
+    status: str  # ok | failed
+    error: str | None
+    http_status: int | None
+    t_send_ns: int
+    t_end_ns: int  # the stream closed (or the attempt gave up)
+    t_send_wall_ns: int  # time.time_ns() at t_send_ns, to convert for storage
+    event_t_ns: tuple[int, ...]  # arrival of every token-bearing event
+    event_tokens: tuple[int, ...]  # tokens each of those events carried
+    t_first_ns: int | None
+    t_last_ns: int | None
+    prompt_tokens: int | None
+    generated_tokens: int  # the server's count when given, else counted; 0 for failures
+    decode_tokens: int  # generated − 1
+    decode_s: float | None
+    decode_tok_s: float | None
+    token_source: str | None  # usage | timings | counted
+    server_timings: dict = field(default_factory=dict)
+    draft_n: int | None = None
+    draft_n_accepted: int | None = None
+    stop_reason: str | None = None
+    model: str | None = None
+    warmup: bool = False
+    batch_id: int | None = None
+    concurrency: int = 1
+    prompt_text: str | None = None
+    completion_text: str | None = None
+
+    @property
+    def ok(self) -> bool:
+        return self.status == "ok"
+
+    @property
+    def ttft_s(self) -> float | None:
+        return None if self.t_first_ns is None else (self.t_first_ns - self.t_send_ns) / 1e9
+
+    def arrivals(self) -> tuple[np.ndarray, np.ndarray]:
+        """(arrival_ns int64, tokens int64) arrays for the windows functions."""
+        return np.asarray(self.event_t_ns, dtype=np.int64), np.asarray(self.event_tokens, dtype=np.int64)
+
+    def to_wall_ns(self, t_mono_ns: int | None) -> int | None:
+        return None if t_mono_ns is None else self.t_send_wall_ns + (t_mono_ns - self.t_send_ns)
+
+
+def build_body(server: ServerInfo, prompt: str, params: RequestParams) -> dict:
+    """The JSON body of a streaming request, with only the fields this server kind accepts."""
+    body: dict = {"stream": True, "temperature": params.temperature, "seed": params.seed}
+    if server.api == "llamacpp":
+        body.update(prompt=prompt, n_predict=params.max_tokens, cache_prompt=params.prompt_cache)
+        if params.ignore_eos:
+            body["ignore_eos"] = True
+        return body
+    if server.model:
+        body["model"] = server.model
+    body["max_tokens"] = params.max_tokens
+    if server.api == "openai-chat":
+        body["messages"] = [{"role": "user", "content": prompt}]
+    else:
+        body["prompt"] = prompt
+    opts = {"include_usage": True}
+    if server.kind in _CONTINUOUS_USAGE:
+        opts["continuous_usage_stats"] = True  # per-chunk counts when chunks carry several tokens
+    body["stream_options"] = opts
+    if params.ignore_eos and server.kind in _IGNORE_EOS:
+        body["ignore_eos"] = True
+    if server.kind == "llamacpp":
+        body["cache_prompt"] = params.prompt_cache
+    return body
+
+
+async def _get_json(session: aiohttp.ClientSession, url: str):
+    try:
+        async with session.get(url, timeout=aiohttp.ClientTimeout(total=10)) as r:
+            if r.status != 200:
+                return r.status, None
+            try:
+                return r.status, await r.json(content_type=None)
+            except (ValueError, aiohttp.ContentTypeError):
+                return r.status, None
+    except (aiohttp.ClientError, asyncio.TimeoutError, OSError):
+        return None, None
+
+
+async def detect_server(session: aiohttp.ClientSession, base_url: str, api: str | None = None) -> ServerInfo:
+    """Find out what answers at base_url: llama.cpp (`/props`), vLLM/SGLang/TGI (`/v1/models`,
+    `/version`, `/info`), or a plain OpenAI-compatible server. `api` overrides the protocol."""
+    if api is not None and api not in APIS:
+        raise ValueError(f"unknown api {api!r}; choose one of: {', '.join(APIS)}")
+    base = base_url.rstrip("/")
+    st_props, props = await _get_json(session, base + "/props")
+    st_models, models = await _get_json(session, base + "/v1/models")
+    model = None
+    owner = None
+    simulated = False
+    if isinstance(models, dict) and isinstance(models.get("data"), list) and models["data"]:
+        m0 = models["data"][0]
+        if isinstance(m0, dict):
+            model = m0.get("id") if isinstance(m0.get("id"), str) else None
+            owner = str(m0.get("owned_by") or "").lower()
+            simulated = bool(m0.get("simulated"))
+    if isinstance(props, dict) and ("build_info" in props or "total_slots" in props or "default_generation_settings" in props):
+        slots = props.get("total_slots")
+        return ServerInfo(
+            base,
+            "llamacpp",
+            api or "llamacpp",
+            model=model,
+            build_info=str(props.get("build_info")) if props.get("build_info") is not None else None,
+            model_path=props.get("model_path") if isinstance(props.get("model_path"), str) else None,
+            total_slots=slots if isinstance(slots, int) else None,
+            simulated=bool(props.get("simulated")) or simulated,
+        )
+    kind = "openai"
+    build = None
+    if owner in ("vllm", "sglang"):
+        kind = owner
+    else:
+        st_info, info = await _get_json(session, base + "/info")
+        if isinstance(info, dict) and "model_id" in info:
+            kind = "tgi"
+            build = str(info.get("version")) if info.get("version") else None
+            model = model or info.get("model_id")
+    if kind == "vllm" or (kind == "openai" and st_models == 200):
+        st_v, ver = await _get_json(session, base + "/version")
+        if isinstance(ver, dict) and "version" in ver:
+            build = str(ver["version"])
+            if kind == "openai":
+                kind = "vllm"
+    if st_models is None and st_props is None:
+        st_h, _ = await _get_json(session, base + "/health")
+        if st_h is None:
+            raise ServerUnreachable(f"no server answers at {base} (tried /props, /v1/models, /health)")
+    if st_models != 200 and api is None:
+        raise ServerUnreachable(
+            f"{base} answers but is neither llama.cpp (/props) nor OpenAI-compatible (/v1/models): pass --api"
+        )
+    return ServerInfo(base, kind, api or "openai-completions", model=model, build_info=build, simulated=simulated)
+
+
+def _failed(base: dict, error: str, http_status: int | None, t_end_ns: int) -> RequestRecord:
+    return RequestRecord(
+        **base,
+        status="failed",
+        error=error,
+        http_status=http_status,
+        t_end_ns=t_end_ns,
+        event_t_ns=(),
+        event_tokens=(),
+        t_first_ns=None,
+        t_last_ns=None,
+        prompt_tokens=None,
+        generated_tokens=0,
+        decode_tokens=0,
+        decode_s=None,
+        decode_tok_s=None,
+        token_source=None,
+    )
+
+
+async def send_request(
+    session: aiohttp.ClientSession,
+    server: ServerInfo,
+    prompt: str,
+    params: RequestParams,
+    *,
+    request_id: int = 0,
+    prompt_id: str = "",
+    attempt: int = 1,
+    warmup: bool = False,
+    batch_id: int | None = None,
+    concurrency: int = 1,
+    edge_hook: EdgeHook | None = None,
+    clock_ns: Callable[[], int] = time.monotonic_ns,
+) -> RequestRecord:
+    """Send one streaming request and record it. Never raises for server or network trouble.
+
+    `edge_hook("first:<id>")` runs the moment the first token arrives and `edge_hook("end:<id>")`
+    when the stream ends, synchronously, so a profiler can read its counters at the window edges.
+    """
+    body = build_body(server, prompt, params)
+    parser = StreamParser(server.api)
+    times: list[int] = []
+    counts: list[int] = []
+    texts: list[str] = []
+    http_status = None
+    error = None
+    first_called = False
+    t_send_wall = time.time_ns()
+    t_send = clock_ns()
+    base = dict(
+        request_id=request_id,
+        prompt_id=prompt_id,
+        api=server.api,
+        attempt=attempt,
+        t_send_ns=t_send,
+        t_send_wall_ns=t_send_wall,
+        warmup=warmup,
+        batch_id=batch_id,
+        concurrency=concurrency,
+        prompt_text=prompt if params.keep_text else None,
+    )
+    timeout = aiohttp.ClientTimeout(
+        total=None, connect=params.connect_timeout_s, sock_read=max(params.first_token_timeout_s, params.stall_timeout_s)
+    )
+    try:
+        async with session.post(server.endpoint, json=body, timeout=timeout) as resp:
+            http_status = resp.status
+            if resp.status != 200:
+                text = (await resp.read())[:300].decode("utf-8", "replace")
+                return _failed(base, f"HTTP {resp.status}: {text.strip()}", resp.status, clock_ns())
+            ctype = resp.headers.get("Content-Type", "")
+            if "text/event-stream" not in ctype and "json" in ctype:
+                raw = await resp.read()
+                t = clock_ns()
+                evs, summary = parse_response(server.api, raw)
+                for e in evs:
+                    times.append(t)
+                    counts.append(e.n_tokens)
+                    texts.append(e.text)
+            else:
+                it = resp.content.iter_any().__aiter__()
+                while True:
+                    # Prefill may be long; after the first token only the stall limit applies.
+                    limit = params.stall_timeout_s if first_called else params.first_token_timeout_s
+                    try:
+                        chunk = await asyncio.wait_for(it.__anext__(), limit)
+                    except StopAsyncIteration:
+                        break
+                    except asyncio.TimeoutError:
+                        what = "the first token" if not first_called else "the next token"
+                        error = f"timeout: no data for {limit:g} s while waiting for {what}"
+                        break
+                    t = clock_ns()
+                    for e in parser.feed(chunk):
+                        times.append(t)
+                        counts.append(e.n_tokens)
+                        if params.keep_text:
+                            texts.append(e.text)
+                        if not first_called:
+                            first_called = True
+                            if edge_hook is not None:
+                                edge_hook(f"first:{request_id}")
+                    if parser.ended:
+                        break
+                summary = parser.finish()
+    except aiohttp.ClientConnectorError as e:
+        return _failed(base, f"connection refused: {e.os_error or e}", None, clock_ns())
+    except (aiohttp.ServerDisconnectedError, aiohttp.ClientPayloadError) as e:
+        error = f"server closed the stream: {type(e).__name__}"
+        summary = parser.finish()
+    except asyncio.TimeoutError:
+        return _failed(base, "timeout while connecting or sending", http_status, clock_ns())
+    except (aiohttp.ClientError, OSError) as e:
+        error = f"{type(e).__name__}: {e}"
+        summary = parser.finish()
+    t_end = clock_ns()
+    if first_called and edge_hook is not None:
+        edge_hook(f"end:{request_id}")
+    if error is None and summary.error:
+        error = summary.error
+    if error is None and not summary.complete:
+        error = f"truncated stream: ended after {summary.counted_tokens} tokens without a stop event"
+    if error is None and not times:
+        error = "the response carried no tokens"
+    if error is not None:
+        # Partial streams are kept out of every count: what the server did is not known.
+        return _failed(base, error, http_status, t_end)
+    w = decode_window(np.asarray(times, dtype=np.int64), np.asarray(counts, dtype=np.int64), summary.generated_tokens)
+    return RequestRecord(
+        **base,
+        status="ok",
+        error=None,
+        http_status=http_status,
+        t_end_ns=t_end,
+        event_t_ns=tuple(times),
+        event_tokens=tuple(counts),
+        t_first_ns=w.t_first_ns,
+        t_last_ns=w.t_last_ns,
+        prompt_tokens=summary.prompt_tokens,
+        generated_tokens=w.generated_tokens,
+        decode_tokens=w.decode_tokens,
+        decode_s=w.decode_s,
+        decode_tok_s=w.decode_tok_s,
+        token_source=summary.token_source,
+        server_timings=summary.timings,
+        draft_n=summary.draft_n,
+        draft_n_accepted=summary.draft_n_accepted,
+        stop_reason=summary.stop_reason,
+        model=summary.model or server.model,
+        completion_text="".join(texts) if params.keep_text else None,
+    )
+

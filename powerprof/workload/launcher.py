@@ -1,0 +1,191 @@
+"""`--launch "CMD"`: start an inference server, wait until it is healthy, and always stop it.
+
+The command runs in its own process group with its output in a log file; readiness is
+`/health` answering 200 (or, for servers without `/health`, `/v1/models`). On a timeout or
+an early exit the error shows the tail of the log. Leaving the context — normally, on an
+exception or on Ctrl-C — sends SIGTERM to the whole group, then SIGKILL after a grace period.
+SIGTERM/SIGHUP sent to powerprof itself are turned into an exception while the server runs,
+so they stop it too; an atexit hook is the last line of defence.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import atexit
+import os
+import shlex
+import signal
+import subprocess
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+import aiohttp
+
+
+class LaunchError(RuntimeError):
+    """The server did not become healthy; the message carries the tail of its log."""
+
+
+class Terminated(BaseException):
+    """powerprof received SIGTERM or SIGHUP while a launched server ran."""
+
+
+def tail(path: Path, n_lines: int = 30, max_bytes: int = 16384) -> str:
+    try:
+        with open(path, "rb") as f:
+            f.seek(0, os.SEEK_END)
+            size = f.tell()
+            f.seek(max(0, size - max_bytes))
+            data = f.read()
+    except OSError:
+        return ""
+    return "\n".join(data.decode("utf-8", "replace").splitlines()[-n_lines:])
+
+
+async def _probe(base_url: str) -> int | None:
+    """Status of /health, or of /v1/models when /health does not exist; None when nothing answers."""
+    timeout = aiohttp.ClientTimeout(total=5)
+    try:
+        async with aiohttp.ClientSession(timeout=timeout) as s:
+            async with s.get(base_url + "/health") as r:
+                if r.status != 404:
+                    return r.status
+            async with s.get(base_url + "/v1/models") as r:
+                return r.status
+    except (aiohttp.ClientError, asyncio.TimeoutError, OSError):
+        return None
+
+
+class ServerLauncher:
+    """Context manager around one server process. `ServerLauncher(cmd, "http://127.0.0.1:8080")`."""
+
+    def __init__(
+        self,
+        cmd: str | list[str],
+        base_url: str,
+        timeout_s: float = 300.0,
+        poll_s: float = 0.5,
+        stop_grace_s: float = 10.0,
+        log_path: str | Path | None = None,
+        env: dict | None = None,
+    ):
+        self.argv = shlex.split(cmd) if isinstance(cmd, str) else list(cmd)
+        if not self.argv:
+            raise ValueError("--launch needs a command")
+        self.base_url = base_url.rstrip("/")
+        self.timeout_s = timeout_s
+        self.poll_s = poll_s
+        self.stop_grace_s = stop_grace_s
+        self.env = env
+        if log_path is None:
+            fd, name = tempfile.mkstemp(prefix="powerprof-server-", suffix=".log")
+            os.close(fd)
+            log_path = name
+        self.log_path = Path(log_path)
+        self.proc: subprocess.Popen | None = None
+        self._old_handlers: dict = {}
+
+    def start(self) -> "ServerLauncher":
+        with open(self.log_path, "ab") as log:
+            try:
+                self.proc = subprocess.Popen(
+                    self.argv,
+                    stdout=log,
+                    stderr=subprocess.STDOUT,
+                    stdin=subprocess.DEVNULL,
+                    start_new_session=True,  # own process group: we can stop its children too
+                    env=self.env,
+                )
+            except OSError as e:
+                raise LaunchError(f"cannot start {self.argv[0]!r}: {e}") from None
+        atexit.register(self.stop)
+        self._install_signal_handlers()
+        try:
+            self._wait_healthy()
+        except BaseException:
+            self.stop()
+            raise
+        return self
+
+    def _wait_healthy(self) -> None:
+        deadline = time.monotonic() + self.timeout_s
+        last = None
+        while True:
+            code = self.proc.poll()
+            if code is not None:
+                raise LaunchError(
+                    f"server exited with code {code} before becoming healthy; last lines of {self.log_path}:\n"
+                    f"{tail(self.log_path)}"
+                )
+            last = asyncio.run(_probe(self.base_url))
+            if last == 200:
+                return
+            if time.monotonic() >= deadline:
+                seen = "no answer" if last is None else f"HTTP {last}"
+                raise LaunchError(
+                    f"server not healthy at {self.base_url}/health after {self.timeout_s:g} s ({seen}); "
+                    f"last lines of {self.log_path}:\n{tail(self.log_path)}"
+                )
+            time.sleep(self.poll_s)
+
+    def _install_signal_handlers(self) -> None:
+        if threading.current_thread() is not threading.main_thread():
+            return
+
+        def handler(signum, frame):
+            raise Terminated(f"received signal {signum}")
+
+        for sig in (signal.SIGTERM, signal.SIGHUP):
+            try:
+                self._old_handlers[sig] = signal.signal(sig, handler)
+            except (ValueError, OSError):
+                pass
+
+    def _restore_signal_handlers(self) -> None:
+        for sig, old in self._old_handlers.items():
+            try:
+                signal.signal(sig, old)
+            except (ValueError, OSError, TypeError):
+                pass
+        self._old_handlers = {}
+
+    @property
+    def running(self) -> bool:
+        return self.proc is not None and self.proc.poll() is None
+
+    def stop(self) -> None:
+        """SIGTERM to the process group, SIGKILL after the grace period. Safe to call twice."""
+        p = self.proc
+        if p is not None:
+            # start_new_session made the server the leader of a group whose id is its pid.
+            _signal_group(p.pid, signal.SIGTERM)
+            try:
+                p.wait(self.stop_grace_s)
+            except subprocess.TimeoutExpired:
+                pass
+            # The leader may be gone while children of the group live on: kill the group.
+            _signal_group(p.pid, signal.SIGKILL)
+            try:
+                p.wait(5)
+            except subprocess.TimeoutExpired:
+                pass
+        self._restore_signal_handlers()
+        try:
+            atexit.unregister(self.stop)
+        except Exception:
+            pass
+
+    def __enter__(self) -> "ServerLauncher":
+        return self.start()
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
+
+
+def _signal_group(pgid: int, sig: int) -> None:
+    try:
+        os.killpg(pgid, sig)
+    except (ProcessLookupError, PermissionError):
+        pass

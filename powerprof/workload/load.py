@@ -1,0 +1,250 @@
+"""Deterministic load: prompt sets, batches of N concurrent streams, bounded retries, abort on failures.
+
+`run_load` is the synchronous entry point the sweep calls once per level; it returns every
+attempt (failed ones included, flagged) so that nothing is lost and nothing failed is counted.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from dataclasses import dataclass, replace
+from pathlib import Path
+from typing import Sequence
+
+import aiohttp
+
+from .client import EdgeHook, RequestParams, RequestRecord, ServerInfo, detect_server, send_request
+
+
+@dataclass(frozen=True)
+class Prompt:
+    id: str
+    text: str
+    max_tokens: int | None = None  # overrides RequestParams.max_tokens for this prompt
+
+
+class LoadAborted(Exception):
+    """Too many failures: the run stopped. `records` holds every attempt made so far."""
+
+    def __init__(self, msg: str, records: list[RequestRecord]):
+        super().__init__(msg)
+        self.records = records
+
+
+class PromptFileError(ValueError):
+    """A --prompts file that cannot be used; the message names the file and line."""
+
+
+# --- prompt sets ---------------------------------------------------------------------------------
+
+_SHORT = (
+    "Explain in one paragraph why the sky is blue.",
+    "Write a haiku about a graphics card that runs too hot.",
+    "List five uses of a hash table.",
+    "What is the capital of Australia, and why is it not Sydney?",
+)
+
+_TOPICS = ("power limits on GPUs", "memory bandwidth in transformer decoding", "speculative decoding", "dynamic voltage and frequency scaling")
+
+_PARAGRAPH = (
+    "A data centre operator wants to know how much energy each generated token costs and whether a "
+    "lower power limit would save energy without hurting latency too much. The machine serves a "
+    "language model to many users, and most of the time is spent generating tokens one after another. "
+    "Each step reads the weights of the model from memory, multiplies them with a small activation "
+    "vector, and samples the next token. "
+)
+
+
+def _medium(i: int) -> str:
+    return f"Read the following notes and summarise them with attention to {_TOPICS[i]}.\n\n" + _PARAGRAPH * 2
+
+
+def _long(i: int) -> str:
+    return f"Here is a long report. Answer: what does it imply for {_TOPICS[i]}?\n\n" + _PARAGRAPH * 8
+
+
+PROMPT_SETS: dict[str, tuple[Prompt, ...]] = {
+    "short": tuple(Prompt(f"short-{i}", t) for i, t in enumerate(_SHORT)),
+    "medium": tuple(Prompt(f"medium-{i}", _medium(i)) for i in range(4)),
+    "long": tuple(Prompt(f"long-{i}", _long(i)) for i in range(4)),
+}
+PROMPT_SETS["mixed"] = PROMPT_SETS["short"][:2] + PROMPT_SETS["medium"][:1] + PROMPT_SETS["long"][:1]
+
+
+def builtin_prompts(name: str) -> list[Prompt]:
+    try:
+        return list(PROMPT_SETS[name])
+    except KeyError:
+        raise PromptFileError(f"unknown prompt set {name!r}; choose one of: {', '.join(PROMPT_SETS)}") from None
+
+
+def load_prompts(path: str | Path) -> list[Prompt]:
+    """Read a JSONL file: one object per line with "prompt" (or "text"), optional "id", "max_tokens"."""
+    p = Path(path)
+    try:
+        lines = p.read_text(encoding="utf-8").splitlines()
+    except (OSError, UnicodeDecodeError) as e:
+        raise PromptFileError(f"{p}: cannot read: {e}") from None
+    out: list[Prompt] = []
+    seen: set[str] = set()
+    for no, line in enumerate(lines, 1):
+        if not line.strip():
+            continue
+        try:
+            obj = json.loads(line)
+        except ValueError as e:
+            raise PromptFileError(f"{p}:{no}: not valid JSON ({e.msg})") from None
+        if not isinstance(obj, dict):
+            raise PromptFileError(f"{p}:{no}: expected a JSON object like {{\"prompt\": \"...\"}}")
+        text = obj.get("prompt", obj.get("text"))
+        if not isinstance(text, str) or not text.strip():
+            raise PromptFileError(f"{p}:{no}: needs a non-empty string field \"prompt\"")
+        pid = obj.get("id", f"line-{no}")
+        if not isinstance(pid, (str, int)):
+            raise PromptFileError(f"{p}:{no}: \"id\" must be a string or number")
+        pid = str(pid)
+        if pid in seen:
+            raise PromptFileError(f"{p}:{no}: duplicate id {pid!r}")
+        seen.add(pid)
+        mt = obj.get("max_tokens")
+        if mt is not None and (not isinstance(mt, int) or isinstance(mt, bool) or mt < 1):
+            raise PromptFileError(f"{p}:{no}: \"max_tokens\" must be a positive integer")
+        out.append(Prompt(pid, text, mt))
+    if not out:
+        raise PromptFileError(f"{p}: no prompts in file")
+    return out
+
+
+# --- running the load ------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class LoadPolicy:
+    """How hard to try before giving up."""
+
+    max_attempts: int = 3  # per request, the first try included
+    max_failed_attempts: int | None = None  # over the run; default: max(3, n_requests // 2)
+    retry_backoff_s: float = 0.2  # doubled per retry of the same request
+
+
+class _Run:
+    def __init__(self, session, server, params, policy, n_requests, edge_hook):
+        self.session = session
+        self.server = server
+        self.params = params
+        self.policy = policy
+        self.edge_hook = edge_hook
+        self.records: list[RequestRecord] = []
+        self.failed = 0
+        self.limit = policy.max_failed_attempts if policy.max_failed_attempts is not None else max(3, n_requests // 2)
+        self.abort: str | None = None
+
+    async def one(self, rid: int, prompt: Prompt, batch_id: int, concurrency: int, warmup: bool) -> None:
+        params = self.params if prompt.max_tokens is None else replace(self.params, max_tokens=prompt.max_tokens)
+        for attempt in range(1, self.policy.max_attempts + 1):
+            if self.abort:
+                return
+            rec = await send_request(
+                self.session,
+                self.server,
+                prompt.text,
+                params,
+                request_id=rid,
+                prompt_id=prompt.id,
+                attempt=attempt,
+                warmup=warmup,
+                batch_id=batch_id,
+                concurrency=concurrency,
+                edge_hook=self.edge_hook,
+            )
+            self.records.append(rec)
+            if rec.ok:
+                return
+            self.failed += 1
+            if self.failed > self.limit:
+                self.abort = f"too many failed requests ({self.failed}); last error: {rec.error}"
+                return
+            if attempt < self.policy.max_attempts:
+                await asyncio.sleep(self.policy.retry_backoff_s * 2 ** (attempt - 1))
+        self.abort = f"request {rid} ({prompt.id}) failed {self.policy.max_attempts} times; last error: {self.records[-1].error}"
+
+
+async def run_load_async(
+    server: ServerInfo,
+    prompts: Sequence[Prompt],
+    n_requests: int,
+    concurrency: int,
+    params: RequestParams,
+    edge_hook: EdgeHook | None = None,
+    warmup: int = 1,
+    policy: LoadPolicy = LoadPolicy(),
+    session: aiohttp.ClientSession | None = None,
+    first_request_id: int = 0,
+    first_batch_id: int = 0,
+) -> list[RequestRecord]:
+    """Warm-up requests (one at a time, flagged), then `n_requests` in batches of `concurrency`
+    sent at once; each batch finishes before the next starts. Prompts cycle in order."""
+    if n_requests < 1 or concurrency < 1 or warmup < 0:
+        raise ValueError("n_requests and concurrency must be at least 1, warmup at least 0")
+    if not prompts:
+        raise ValueError("no prompts")
+    own = session is None
+    if own:
+        session = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0))
+    run = _Run(session, server, params, policy, n_requests + warmup, edge_hook)
+    try:
+        rid = first_request_id
+        batch = first_batch_id
+        for k in range(warmup):
+            await run.one(rid, prompts[k % len(prompts)], batch, 1, True)
+            rid += 1
+            batch += 1
+            if run.abort:
+                raise LoadAborted(run.abort, run.records)
+        done = 0
+        while done < n_requests:
+            n = min(concurrency, n_requests - done)
+            await asyncio.gather(
+                *(run.one(rid + j, prompts[(done + j) % len(prompts)], batch, concurrency, False) for j in range(n))
+            )
+            rid += n
+            batch += 1
+            done += n
+            if run.abort:
+                raise LoadAborted(run.abort, run.records)
+    finally:
+        if own:
+            await session.close()
+    return run.records
+
+
+def run_load(
+    target: ServerInfo | str,
+    prompts: Sequence[Prompt],
+    n_requests: int,
+    concurrency: int,
+    params: RequestParams = RequestParams(),
+    edge_hook: EdgeHook | None = None,
+    warmup: int = 1,
+    policy: LoadPolicy = LoadPolicy(),
+    api: str | None = None,
+) -> list[RequestRecord]:
+    """Synchronous `run_load_async`; `target` may be a URL (the server kind is detected)."""
+
+    async def go():
+        async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0)) as s:
+            server = target if isinstance(target, ServerInfo) else await detect_server(s, target, api)
+            return await run_load_async(server, prompts, n_requests, concurrency, params, edge_hook, warmup, policy, s)
+
+    return asyncio.run(go())
+
+
+def detect(url: str, api: str | None = None) -> ServerInfo:
+    """Synchronous `detect_server`."""
+
+    async def go():
+        async with aiohttp.ClientSession() as s:
+            return await detect_server(s, url, api)
+
+    return asyncio.run(go())

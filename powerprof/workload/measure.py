@@ -1,0 +1,418 @@
+"""`powerprof measure`: J/token and decode tok/s at the current settings, one windows row per request.
+
+Changes nothing on the GPU and needs no root: it only reads energy counters (through the
+Profiler) at the edges of each decode window while the load runs. Concurrent batches get a
+row of their own whose energy and tokens are taken over exactly the measured intervals.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import uuid
+from dataclasses import dataclass, field
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Sequence
+
+import aiohttp
+import numpy as np
+
+from powerprof.windows import concurrent_throughput
+
+from .client import RequestParams, RequestRecord, ServerInfo, detect_server
+from .load import LoadAborted, LoadPolicy, Prompt, run_load_async
+
+NO_GPU_NOTE = "no GPU readable here: GPU energy columns are empty; decode tok/s {cpu}"
+
+
+@dataclass(frozen=True)
+class BatchWindow:
+    """A concurrent batch measured over the intervals where all its active requests decode."""
+
+    batch_id: int
+    concurrency: int
+    intervals: np.ndarray  # (k, 2) t0_ns, t1_ns
+    measured_s: float
+    decode_tokens: float
+    tok_s: float | None
+    sum_of_request_rates: float  # shown beside tok_s so nobody mistakes it for throughput
+
+
+def batch_windows(records: Sequence[RequestRecord]) -> list[BatchWindow]:
+    """Aggregate throughput of every concurrent batch (concurrency > 1, warm-ups excluded).
+
+    Failed attempts block the time they spanned: what the server did for them is unknown.
+    """
+    by_batch: dict[int, list[RequestRecord]] = {}
+    for r in records:
+        if r.batch_id is not None and r.concurrency > 1 and not r.warmup:
+            by_batch.setdefault(r.batch_id, []).append(r)
+    out = []
+    for bid, recs in sorted(by_batch.items()):
+        ok = [r for r in recs if r.ok]
+        blocked = [(r.t_send_ns, r.t_end_ns) for r in recs if not r.ok]
+        agg = concurrent_throughput([(r.t_send_ns, *r.arrivals(), r.generated_tokens) for r in ok], blocked)
+        out.append(
+            BatchWindow(
+                bid,
+                recs[0].concurrency,
+                agg.intervals,
+                agg.measured_s,
+                agg.decode_tokens,
+                agg.tok_s,
+                float(sum(r.decode_tok_s for r in ok if r.decode_tok_s)),
+            )
+        )
+    return out
+
+
+@dataclass
+class Summary:
+    """One line of the printed result: a concurrency level."""
+
+    concurrency: int
+    n_ok: int
+    n_failed: int
+    decode_tok_s: float | None  # concurrency 1: median over requests; else the wall-clock aggregate
+    gpu_j_per_token: float | None
+    total_j_per_token: float | None
+    energy_method: str
+
+
+@dataclass
+class MeasureResult:
+    server: ServerInfo
+    records: list[RequestRecord]
+    rows: list[dict]
+    summaries: list[Summary]
+    notes: list[str] = field(default_factory=list)
+    out_path: Path | None = None
+    aborted: str | None = None
+
+
+def _utc(ns: int | None):
+    return None if ns is None else datetime.fromtimestamp(ns / 1e9, tz=timezone.utc)
+
+
+def _div(a, b):
+    return a / b if a is not None and b else None
+
+
+def request_row(r: RequestRecord, energy=None, run_id: str = "", server: ServerInfo | None = None) -> dict:
+    """A WINDOWS row for one attempt; `energy` is the Profiler's EnergyResult over its window."""
+    gpu_e = energy.gpu_energy_total_j if energy is not None else None
+    cpu_e = energy.cpu_energy_j if energy is not None else None
+    total = gpu_e + cpu_e if gpu_e is not None and cpu_e is not None else None
+    t = r.server_timings
+    return {
+        "run_id": run_id,
+        "level_kind": "none",
+        "repeat": 0,
+        "window_kind": "request",
+        "request_id": r.request_id,
+        "batch_id": r.batch_id,
+        "concurrency": r.concurrency,
+        "warmup": r.warmup,
+        "status": r.status,
+        "error": r.error,
+        "api": r.api,
+        "model": r.model or (server.model if server else None),
+        "prompt_id": r.prompt_id,
+        "t_send_utc": _utc(r.t_send_wall_ns),
+        "t_first_utc": _utc(r.to_wall_ns(r.t_first_ns)),
+        "t_last_utc": _utc(r.to_wall_ns(r.t_last_ns)),
+        "ttft_s": r.ttft_s,
+        "decode_s": r.decode_s,
+        "prompt_tokens": r.prompt_tokens,
+        "generated_tokens": r.generated_tokens if r.ok else None,
+        "decode_tokens": r.decode_tokens if r.ok else None,
+        "decode_tok_s": r.decode_tok_s,
+        "gpu_energy_j": gpu_e,
+        "cpu_energy_j": cpu_e,
+        "energy_method": energy.method if energy is not None else "none",
+        "avg_gpu_power_w": energy.avg_gpu_power_w if energy is not None else None,
+        "gpu_j_per_token": _div(gpu_e, r.decode_tokens) if r.ok else None,
+        "total_j_per_token": _div(total, r.decode_tokens) if r.ok else None,
+        "server_prompt_n": t.get("prompt_n"),
+        "server_predicted_n": t.get("predicted_n"),
+        "server_prompt_ms": t.get("prompt_ms"),
+        "server_predicted_ms": t.get("predicted_ms"),
+        "server_predicted_per_second": t.get("predicted_per_second"),
+        "draft_n": r.draft_n,
+        "draft_n_accepted": r.draft_n_accepted,
+        "stop_reason": r.stop_reason,
+        "low_confidence": energy.low_confidence if energy is not None else (r.decode_s or 0) < 3.0,
+        "attempt": r.attempt,
+        "http_status": r.http_status,
+        "token_source": r.token_source,
+        "server_kind": server.kind if server else None,
+        # Text only when the user asked for it (--keep-text); the record holds none otherwise.
+        "prompt_text": r.prompt_text,
+        "completion_text": r.completion_text,
+    }
+
+
+def _energy_over(profiler, intervals: np.ndarray):
+    """Sum of the Profiler's energy over several intervals; None when nothing is readable."""
+    if profiler is None or intervals.size == 0:
+        return None, None, "none"
+    gpu, cpu, methods = 0.0, 0.0, set()
+    gpu_ok = cpu_ok = True
+    for t0, t1 in intervals:
+        e = profiler.energy_between(int(t0), int(t1))
+        methods.add(e.method)
+        if e.gpu_energy_total_j is None:
+            gpu_ok = False
+        else:
+            gpu += e.gpu_energy_total_j
+        if e.cpu_energy_j is None:
+            cpu_ok = False
+        else:
+            cpu += e.cpu_energy_j
+    rank = ["counter", "power_integration", "avg_power_integration", "none"]
+    method = max(methods, key=lambda m: rank.index(m) if m in rank else len(rank))
+    return (gpu if gpu_ok else None), (cpu if cpu_ok else None), method
+
+
+def batch_row(b: BatchWindow, recs: Sequence[RequestRecord], profiler, run_id: str, server: ServerInfo) -> dict:
+    gpu_e, cpu_e, method = _energy_over(profiler, b.intervals)
+    total = gpu_e + cpu_e if gpu_e is not None and cpu_e is not None else None
+    t0 = int(b.intervals[0, 0]) if b.intervals.size else None
+    t1 = int(b.intervals[-1, 1]) if b.intervals.size else None
+    ref = recs[0]
+    ok = [r for r in recs if r.ok]
+    return {
+        "run_id": run_id,
+        "level_kind": "none",
+        "repeat": 0,
+        "window_kind": "batch",
+        "batch_id": b.batch_id,
+        "concurrency": b.concurrency,
+        "warmup": False,
+        "status": "ok" if b.tok_s is not None and len(ok) == len({r.request_id for r in recs}) else "failed",
+        "error": None if b.tok_s is not None else "no interval where every active request decoded",
+        "api": ref.api,
+        "model": ref.model or server.model,
+        "t_send_utc": _utc(min(r.t_send_wall_ns for r in recs)),
+        "t_first_utc": _utc(ref.to_wall_ns(t0)),
+        "t_last_utc": _utc(ref.to_wall_ns(t1)),
+        "decode_s": b.measured_s,
+        "generated_tokens": int(sum(r.generated_tokens for r in ok)),
+        "decode_tokens": int(round(b.decode_tokens)),
+        "decode_tok_s": b.tok_s,
+        "gpu_energy_j": gpu_e,
+        "cpu_energy_j": cpu_e,
+        "energy_method": method,
+        "avg_gpu_power_w": _div(gpu_e, b.measured_s),
+        "gpu_j_per_token": _div(gpu_e, b.decode_tokens),
+        "total_j_per_token": _div(total, b.decode_tokens),
+        "draft_n": _sum_or_none(r.draft_n for r in ok),
+        "draft_n_accepted": _sum_or_none(r.draft_n_accepted for r in ok),
+        "low_confidence": b.measured_s < 3.0,
+        "server_kind": server.kind,
+    }
+
+
+def _sum_or_none(vals):
+    vals = list(vals)
+    return None if not vals or any(v is None for v in vals) else int(sum(vals))
+
+
+def summarise(rows: list[dict]) -> list[Summary]:
+    out = []
+    for c in sorted({r["concurrency"] for r in rows if not r["warmup"]}):
+        req = [r for r in rows if r["concurrency"] == c and r["window_kind"] == "request" and not r["warmup"]]
+        ok = [r for r in req if r["status"] == "ok"]
+        failed = len(req) - len(ok)
+        basis = ok if c == 1 else [r for r in rows if r["concurrency"] == c and r["window_kind"] == "batch" and r["status"] == "ok"]
+        if c == 1:
+            rates = [r["decode_tok_s"] for r in basis if r["decode_tok_s"]]
+            tok_s = float(np.median(rates)) if rates else None
+        else:
+            dur = sum(r["decode_s"] or 0 for r in basis)
+            tok_s = sum(r["decode_tokens"] or 0 for r in basis) / dur if dur > 0 else None
+        tokens = sum(r["decode_tokens"] or 0 for r in basis)
+        gpu = [r["gpu_energy_j"] for r in basis]
+        tot = [(r["gpu_energy_j"], r["cpu_energy_j"]) for r in basis]
+        gpu_jpt = sum(gpu) / tokens if basis and tokens and all(g is not None for g in gpu) else None
+        tot_jpt = (
+            sum(g + c_ for g, c_ in tot) / tokens
+            if basis and tokens and all(g is not None and c_ is not None for g, c_ in tot)
+            else None
+        )
+        methods = {r["energy_method"] for r in basis} or {"none"}
+        out.append(Summary(c, len(ok), failed, tok_s, gpu_jpt, tot_jpt, ",".join(sorted(methods))))
+    return out
+
+
+def measure(
+    url: str,
+    *,
+    prompts: Sequence[Prompt],
+    n_requests: int,
+    concurrencies: Sequence[int] = (1,),
+    params: RequestParams = RequestParams(),
+    warmup: int = 1,
+    api: str | None = None,
+    profiler=None,
+    policy: LoadPolicy = LoadPolicy(),
+    run_id: str | None = None,
+) -> MeasureResult:
+    """Run the load at each concurrency with `profiler` (a started Profiler, or None) marking
+    every window edge; returns the rows for windows.parquet and a summary per concurrency."""
+    run_id = run_id or uuid.uuid4().hex[:12]
+    hook = profiler.mark if profiler is not None else None
+
+    async def go():
+        records: list[RequestRecord] = []
+        aborted = None
+        async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0)) as s:
+            server = await detect_server(s, url, api)
+            rid = bid = 0
+            for k, c in enumerate(concurrencies):
+                try:
+                    recs = await run_load_async(
+                        server, prompts, n_requests, c, params, hook, warmup if k == 0 else 0, policy, s, rid, bid
+                    )
+                except LoadAborted as e:
+                    records += e.records
+                    aborted = str(e)
+                    break
+                records += recs
+                rid = max(r.request_id for r in records) + 1
+                bid = max(r.batch_id for r in records) + 1
+        return server, records, aborted
+
+    server, records, aborted = asyncio.run(go())
+    rows = []
+    for r in records:
+        e = profiler.energy_between(r.t_first_ns, r.t_last_ns) if profiler is not None and r.ok and r.t_last_ns else None
+        rows.append(request_row(r, e, run_id, server))
+    for b in batch_windows(records):
+        recs = [r for r in records if r.batch_id == b.batch_id]
+        rows.append(batch_row(b, recs, profiler, run_id, server))
+    return MeasureResult(server, records, rows, summarise(rows), aborted=aborted)
+
+
+def _open_rapl():
+    """The RAPL collector where the collectors package has one and the counters are readable."""
+    try:
+        from powerprof.collectors import rapl  # written by the collectors area; absent on some branches
+    except ImportError:
+        return None, "RAPL collector not available in this build"
+    opener = getattr(rapl, "open_rapl", None)
+    if opener is None:
+        return None, "RAPL collector has no open_rapl()"
+    try:
+        return opener(), None
+    except Exception as e:  # unreadable counters are a note, never a failure of measure
+        return None, f"CPU energy not readable: {e}"
+
+
+def run_measure(
+    *,
+    url: str | None,
+    simulate: str | None,
+    out_dir: Path,
+    prompts: Sequence[Prompt],
+    n_requests: int,
+    concurrencies: Sequence[int],
+    params: RequestParams,
+    warmup: int = 1,
+    api: str | None = None,
+    launch: str | None = None,
+    launch_timeout_s: float = 300.0,
+    interval_s: float = 1.0,
+    command_line: str = "",
+    sim_decode_tok_s: float | None = None,
+) -> MeasureResult:
+    """Everything `powerprof measure` does: server (simulated, launched or given), Profiler, load,
+    windows.parquet and run.json in `out_dir`. Reads counters only; changes no setting."""
+    from contextlib import ExitStack
+
+    from powerprof import __version__
+    from powerprof.collectors.nvml import open_nvml
+    from powerprof.profiler import Profiler
+    from powerprof.storage.runs import RunWriter, table_from_rows
+
+    from .launcher import ServerLauncher
+
+    if out_dir.exists() and any(out_dir.iterdir()):
+        raise FileExistsError(f"output directory {out_dir} already exists and is not empty; choose another --out")
+    notes: list[str] = []
+    with ExitStack() as stack:
+        nvml = None
+        if simulate:
+            from powerprof.sim.server import SimServer
+
+            nvml = open_nvml(simulate=simulate)
+            srv = stack.enter_context(SimServer(nvml, decode_tok_s=sim_decode_tok_s))
+            url = srv.url
+            notes.append(f"simulated GPU ({simulate}) and simulated server: figures demonstrate the method only")
+        elif launch:
+            stack.enter_context(ServerLauncher(launch, url, timeout_s=launch_timeout_s))
+        rapl, rapl_note = _open_rapl()
+        profiler = None
+        if nvml is None:
+            try:
+                import pynvml
+
+                profiler = Profiler(pynvml, None, rapl, interval_s=interval_s)
+            except Exception as e:
+                cpu = "and CPU energy only" if rapl is not None else "only"
+                notes.append(NO_GPU_NOTE.format(cpu=cpu) + f" ({type(e).__name__}: {e})")
+                profiler = Profiler(None, None, rapl, interval_s=interval_s) if rapl is not None else None
+        else:
+            profiler = Profiler(nvml, None, rapl, interval_s=interval_s)
+        if rapl_note:
+            notes.append(rapl_note)
+        if profiler is not None:
+            stack.enter_context(profiler)
+        run_id = uuid.uuid4().hex[:12]
+        result = measure(
+            url,
+            prompts=prompts,
+            n_requests=n_requests,
+            concurrencies=concurrencies,
+            params=params,
+            warmup=warmup,
+            api=api,
+            profiler=profiler,
+            run_id=run_id,
+        )
+        gpus = [{"index": i.index, "uuid": i.uuid, "name": i.name, "driver": i.driver_version} for i in (profiler.gpu_infos if profiler else [])]
+    s = result.server
+    meta = {
+        "kind": "measure",
+        "run_id": run_id,
+        "version": __version__,
+        "command_line": command_line,
+        "simulated": bool(simulate) or s.simulated,
+        "server": {
+            "url": s.base_url,
+            "kind": s.kind,
+            "api": s.api,
+            "model": s.model,
+            "build_info": s.build_info,
+            "model_path": s.model_path,
+            "total_slots": s.total_slots,
+        },
+        "gpus": gpus,
+        "params": {
+            "max_tokens": params.max_tokens,
+            "temperature": params.temperature,
+            "seed": params.seed,
+            "ignore_eos": params.ignore_eos,
+            "prompt_cache": params.prompt_cache,
+            "n_requests": n_requests,
+            "concurrency": list(concurrencies),
+            "warmup": warmup,
+        },
+        "notes": notes,
+        "aborted": result.aborted,
+    }
+    writer = RunWriter(out_dir, meta)
+    writer.write("windows", table_from_rows("windows", result.rows))
+    result.notes = notes
+    result.out_path = out_dir
+    return result

@@ -1,0 +1,382 @@
+"""Incremental parsers for inference-server responses: bytes in, token events and a summary out.
+
+Pure: no I/O, no clock. The client and the daemon's proxy feed the bytes as they arrive and
+stamp the returned events with their own arrival time. A parser never raises on garbage; it
+records an error and keeps going, so a proxy forwarding the same bytes is never disturbed.
+
+APIs:
+- "llamacpp": llama.cpp's native `/completion` (one `data:` event per token or group of
+  tokens, `tokens` array, `tokens_predicted`; final event `stop: true` with `timings`, no
+  `[DONE]`).
+- "openai-completions" / "openai-chat": `/v1/completions` and `/v1/chat/completions`
+  (`choices[].text` / `choices[].delta`, role-only first chunk, optional `usage` chunk,
+  llama.cpp's `timings` on the last chunk, `[DONE]`).
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+
+APIS = ("llamacpp", "openai-completions", "openai-chat")
+
+# A proxy feeds arbitrary traffic through this: keep what we hold bounded.
+_MAX_ERRORS = 8
+_MAX_PENDING_BYTES = 4 * 1024 * 1024
+
+# llama.cpp's stop_type words mapped onto OpenAI's finish_reason vocabulary.
+_LLAMACPP_STOP = {"limit": "length", "eos": "stop", "word": "stop", "none": None}
+
+
+@dataclass(frozen=True, slots=True)
+class TokenEvent:
+    """One event that carried generated tokens (several under batching or speculative decode)."""
+
+    n_tokens: int
+    text: str = ""
+    # Cumulative count the server reported with this event (llama.cpp tokens_predicted, vLLM
+    # continuous usage), when it did: lets a consumer check its own count.
+    server_total: int | None = None
+
+
+@dataclass(frozen=True)
+class StreamSummary:
+    """What one response said about itself once it ended (or was cut off)."""
+
+    api: str
+    counted_tokens: int  # sum of TokenEvent.n_tokens
+    generated_tokens: int  # the server's own count where it gave one, else counted_tokens
+    prompt_tokens: int | None
+    token_source: str  # usage | timings | counted
+    timings: dict  # llama.cpp `timings` as sent (prompt_n, predicted_ms, draft_n, ...)
+    draft_n: int | None
+    draft_n_accepted: int | None
+    stop_reason: str | None  # length | stop | other server words; None when the stream never ended
+    model: str | None
+    complete: bool  # the server said the generation ended (stop / finish_reason)
+    done: bool  # OpenAI `[DONE]` seen
+    error: str | None  # first problems seen, joined; None when clean
+    n_events: int  # token-bearing events
+    n_comments: int  # SSE comment (keep-alive) lines
+
+
+def _int(v) -> int | None:
+    if isinstance(v, bool):
+        return None
+    if isinstance(v, int):
+        return v
+    if isinstance(v, float) and v.is_integer():
+        return int(v)
+    return None
+
+
+@dataclass
+class _State:
+    counted: int = 0
+    n_events: int = 0
+    n_comments: int = 0
+    prompt_tokens: int | None = None
+    usage_completion: int | None = None
+    usage_prompt: int | None = None
+    predicted_total: int | None = None  # llama.cpp tokens_predicted (cumulative)
+    timings: dict = field(default_factory=dict)
+    stop_reason: str | None = None
+    model: str | None = None
+    complete: bool = False
+    done: bool = False
+    errors: list = field(default_factory=list)
+
+
+class StreamParser:
+    """Parses one streamed (SSE) response incrementally. `feed(bytes)` → events; `finish()` → summary."""
+
+    def __init__(self, api: str):
+        if api not in APIS:
+            raise ValueError(f"unknown api {api!r}; choose one of: {', '.join(APIS)}")
+        self.api = api
+        self._buf = b""
+        self._pending: list[bytes] = []  # data lines of an event not yet dispatched
+        self._s = _State()
+        self._handle = self._llamacpp if api == "llamacpp" else self._openai
+
+    @property
+    def ended(self) -> bool:
+        """Nothing more is expected: llama.cpp's stop event, or OpenAI's `[DONE]`."""
+        return self._s.done or (self.api == "llamacpp" and self._s.complete)
+
+    # --- framing -------------------------------------------------------------------------------
+
+    def feed(self, chunk: bytes) -> list[TokenEvent]:
+        out: list[TokenEvent] = []
+        if not chunk:
+            return out
+        if b"\n" not in chunk:
+            self._buf += chunk
+            if len(self._buf) > _MAX_PENDING_BYTES:
+                self._error("event larger than 4 MiB without a line end; dropped")
+                self._buf = b""
+            return out
+        data = self._buf + chunk if self._buf else chunk
+        head, _, self._buf = data.rpartition(b"\n")
+        for line in head.split(b"\n"):
+            if line[-1:] == b"\r":
+                line = line[:-1]
+            if not line:
+                if self._pending:
+                    self._dispatch(b"\n".join(self._pending), out)
+                    self._pending = []
+                continue
+            if line[:1] == b":":
+                self._s.n_comments += 1
+                continue
+            name, _, value = line.partition(b":")
+            if value[:1] == b" ":
+                value = value[1:]
+            if name == b"data":
+                if self._pending:
+                    self._pending.append(value)
+                    continue
+                # Servers put one JSON document on one line: dispatch it at once rather than
+                # waiting for the blank line, so a token's arrival is the moment its line
+                # arrived. A document split over several data lines waits for the blank line.
+                if value == b"[DONE]" or _looks_whole(value):
+                    self._dispatch(value, out)
+                else:
+                    self._pending.append(value)
+            elif name == b"error":
+                self._error(f"server error event: {value[:200].decode('utf-8', 'replace')}")
+            elif name in (b"event", b"id", b"retry"):
+                continue
+            elif name[:1] in (b"{", b"["):
+                # Not SSE at all: a plain JSON body (an error answer to a streaming request).
+                self._dispatch(line, out)
+            else:
+                self._error(f"unexpected line in stream: {line[:80].decode('utf-8', 'replace')!r}")
+        return out
+
+    def finish(self) -> StreamSummary:
+        """End of the byte stream. Flushes what is buffered and summarises."""
+        out: list[TokenEvent] = []
+        tail = self._buf.strip()
+        self._buf = b""
+        if tail:
+            if tail.startswith(b"data:"):
+                self._pending.append(tail[5:].lstrip())
+            elif tail[:1] in (b"{", b"["):
+                self._pending.append(tail)
+        if self._pending:
+            self._dispatch(b"\n".join(self._pending), out)
+            self._pending = []
+        return self._summary()
+
+    # --- payloads ------------------------------------------------------------------------------
+
+    def _dispatch(self, payload: bytes, out: list[TokenEvent]) -> None:
+        if payload == b"[DONE]":
+            self._s.done = True
+            return
+        try:
+            obj = json.loads(payload)
+        except (ValueError, UnicodeDecodeError):
+            self._error(f"malformed JSON in stream: {payload[:80].decode('utf-8', 'replace')!r}")
+            return
+        if not isinstance(obj, dict):
+            self._error("stream event is not a JSON object")
+            return
+        try:
+            self._handle(obj, out)
+        except Exception as e:  # never raise on garbage: a proxy forwards these bytes
+            self._error(f"unexpected event shape: {type(e).__name__}: {e}")
+
+    def _error(self, msg: str) -> None:
+        if len(self._s.errors) < _MAX_ERRORS:
+            self._s.errors.append(msg)
+
+    def _server_error(self, obj: dict) -> bool:
+        err = obj.get("error")
+        if err is None:
+            return False
+        if isinstance(err, dict):
+            msg = err.get("message") or json.dumps(err)[:200]
+        else:
+            msg = str(err)[:200]
+        self._error(f"server error: {msg}")
+        return True
+
+    def _timings(self, t) -> None:
+        if isinstance(t, dict):
+            self._s.timings = dict(t)
+            p = _int(t.get("prompt_n"))
+            if p is not None:
+                self._s.prompt_tokens = p
+
+    def _llamacpp(self, obj: dict, out: list[TokenEvent]) -> None:
+        s = self._s
+        if self._server_error(obj):
+            return
+        if isinstance(obj.get("model"), str):
+            s.model = obj["model"]
+        content = obj.get("content")
+        content = content if isinstance(content, str) else ""
+        tokens = obj.get("tokens")
+        predicted = _int(obj.get("tokens_predicted"))
+        if isinstance(tokens, list):
+            n = len(tokens)
+        elif predicted is not None:
+            # Older builds send no `tokens`: the cumulative count tells how many this event holds.
+            n = max(0, predicted - s.counted)
+        else:
+            n = 1 if content else 0
+        if obj.get("stop") is True:
+            s.complete = True
+            st = obj.get("stop_type")
+            s.stop_reason = _LLAMACPP_STOP.get(st, st) if isinstance(st, str) else "stop"
+            if obj.get("stopped_limit") is True and s.stop_reason is None:
+                s.stop_reason = "length"
+            if predicted is not None:
+                s.predicted_total = predicted
+            self._timings(obj.get("timings"))
+            ev = _int(obj.get("tokens_evaluated"))
+            if s.prompt_tokens is None and ev is not None:
+                s.prompt_tokens = ev
+        if n > 0:
+            s.counted += n
+            s.n_events += 1
+            out.append(TokenEvent(n, content, predicted))
+
+    def _openai(self, obj: dict, out: list[TokenEvent]) -> None:
+        s = self._s
+        if self._server_error(obj):
+            return
+        if isinstance(obj.get("model"), str):
+            s.model = obj["model"]
+        if "timings" in obj:
+            self._timings(obj["timings"])
+        usage = obj.get("usage")
+        usage_total = None
+        if isinstance(usage, dict):
+            usage_total = _int(usage.get("completion_tokens"))
+            if usage_total is not None:
+                s.usage_completion = usage_total
+            p = _int(usage.get("prompt_tokens"))
+            if p is not None:
+                s.usage_prompt = p
+        choices = obj.get("choices")
+        if not isinstance(choices, list):
+            return
+        texts: list[str] = []
+        is_token = False
+        n_logprobs = 0
+        for ch in choices:
+            if not isinstance(ch, dict):
+                continue
+            fr = ch.get("finish_reason")
+            finished = isinstance(fr, str) and bool(fr)
+            if self.api == "openai-chat":
+                delta = ch.get("delta") or ch.get("message") or {}
+                if isinstance(delta, dict):
+                    for k in ("content", "reasoning_content", "reasoning"):
+                        v = delta.get(k)
+                        if isinstance(v, str):
+                            texts.append(v)
+                            # An empty content is still a token (a byte of an unfinished UTF-8
+                            # character) unless it is the role-only opener or the closing chunk.
+                            is_token |= bool(v) or ("role" not in delta and not finished)
+                    if delta.get("tool_calls"):
+                        is_token = True
+            else:
+                v = ch.get("text")
+                if isinstance(v, str):
+                    texts.append(v)
+                    is_token |= bool(v) or not finished
+            lp = ch.get("logprobs")
+            if isinstance(lp, dict):
+                toks = lp.get("content") if isinstance(lp.get("content"), list) else lp.get("tokens")
+                if isinstance(toks, list):
+                    n_logprobs += len(toks)
+            if finished:
+                s.complete = True
+                s.stop_reason = fr
+        if not is_token and n_logprobs == 0:
+            return
+        if usage_total is not None:
+            # vLLM/SGLang continuous usage stats: the running total says how many this chunk holds.
+            n = usage_total - s.counted
+            if n <= 0:
+                return
+        elif n_logprobs:
+            n = n_logprobs
+        else:
+            # Without counts a content chunk stands for one token; usage at the end corrects
+            # the total, and the summary says which source it used.
+            n = 1
+        s.counted += n
+        s.n_events += 1
+        out.append(TokenEvent(n, "".join(texts), usage_total))
+
+    def _summary(self) -> StreamSummary:
+        s = self._s
+        t = s.timings
+        generated, source = s.counted, "counted"
+        if s.usage_completion is not None:
+            generated, source = s.usage_completion, "usage"
+        elif s.predicted_total is not None:
+            generated, source = s.predicted_total, "timings"
+        elif _int(t.get("predicted_n")) is not None:
+            generated, source = int(t["predicted_n"]), "timings"
+        prompt = s.usage_prompt if s.usage_prompt is not None else s.prompt_tokens
+        return StreamSummary(
+            api=self.api,
+            counted_tokens=s.counted,
+            generated_tokens=generated,
+            prompt_tokens=prompt,
+            token_source=source,
+            timings=dict(t),
+            draft_n=_int(t.get("draft_n")),
+            draft_n_accepted=_int(t.get("draft_n_accepted")),
+            stop_reason=s.stop_reason,
+            model=s.model,
+            complete=s.complete,
+            done=s.done,
+            error="; ".join(s.errors) if s.errors else None,
+            n_events=s.n_events,
+            n_comments=s.n_comments,
+        )
+
+
+def _looks_whole(value: bytes) -> bool:
+    v = value.rstrip()
+    return (v[:1] == b"{" and v[-1:] == b"}") or (v[:1] == b"[" and v[-1:] == b"]")
+
+
+def parse_response(api: str, body: bytes) -> tuple[list[TokenEvent], StreamSummary]:
+    """A non-streaming JSON response: all its tokens as one event, and the summary."""
+    p = StreamParser(api)
+    try:
+        obj = json.loads(body)
+    except (ValueError, UnicodeDecodeError):
+        p._error(f"malformed JSON response: {body[:80].decode('utf-8', 'replace')!r}")
+        return [], p._summary()
+    out: list[TokenEvent] = []
+    if isinstance(obj, dict):
+        if api == "openai-chat" and isinstance(obj.get("choices"), list):
+            # Non-streaming chat puts the text under `message`, not `delta`.
+            obj = dict(obj, choices=[{**c, "delta": c.get("message") or {}} for c in obj["choices"] if isinstance(c, dict)])
+        if api == "llamacpp" and "stop" not in obj and "content" in obj:
+            obj = dict(obj, stop=True)
+        if api == "llamacpp" and isinstance(obj.get("tokens"), list) is False and _int(obj.get("tokens_predicted")) is None:
+            # Non-streaming answers carry the whole text in one `content`: count from timings.
+            pn = _int((obj.get("timings") or {}).get("predicted_n")) if isinstance(obj.get("timings"), dict) else None
+            if pn is not None:
+                obj = dict(obj, tokens_predicted=pn)
+        try:
+            p._handle(obj, out)
+        except Exception as e:
+            p._error(f"unexpected response shape: {type(e).__name__}: {e}")
+        # The usage block of a non-streaming OpenAI answer is the authoritative count.
+        if out and p._s.usage_completion is not None and out[0].n_tokens != p._s.usage_completion:
+            out = [TokenEvent(p._s.usage_completion, out[0].text, p._s.usage_completion)]
+            p._s.counted = p._s.usage_completion
+    else:
+        p._error("response is not a JSON object")
+    return out, p._summary()

@@ -1,0 +1,86 @@
+"""Level parsing: what users type for --limits / --clocks / --gpus, and the one error they get when it's wrong."""
+
+from __future__ import annotations
+
+import pytest
+
+from powerprof.control.levels import DeviceRange, LevelError, parse_clock_levels, parse_gpu_indexes, parse_power_levels
+
+
+def dev(index=0, min_w=150, max_w=320, default_w=300, clocks=(510, 2790), name="Card"):
+    return DeviceRange(index, f"GPU-{index}", name, min_w, max_w, default_w, default_w, default_w, *clocks)
+
+
+ONE = [dev()]
+
+
+def test_mixed_forms_resolve_to_watts():
+    assert parse_power_levels("220,180W,50%,250.5w", ONE) == [220.0, 180.0, 150.0, 250.5]
+    assert parse_power_levels(["300", 260, "87%"], ONE) == [300.0, 260.0, 261.0]  # 87% of 300 = 261
+
+
+@pytest.mark.parametrize(
+    "spec, fragment",
+    [
+        ("", "no power levels given"),
+        (" , ", "no power levels given"),
+        ("180,,220", "empty item"),
+        ("abc", "'abc' is not a number"),
+        ("220V", "'220V' is not a number"),
+        ("nan", "'nan' is not a number"),
+        ("-180", "'-180' is negative"),
+        ("180,180W", "duplicates '180'"),
+        ("180,60%", "'60%' (180 W) duplicates '180'"),
+        ("400", "'400' is outside the allowed range 150-320 W"),
+        ("0", "'0' is outside the allowed range"),
+        ("200%", "'200% = 600 W' is outside the allowed range"),
+    ],
+)
+def test_each_bad_power_input_is_one_error_with_range_and_default(spec, fragment):
+    with pytest.raises(LevelError) as ei:
+        parse_power_levels(spec, ONE)
+    msg = str(ei.value)
+    assert fragment in msg
+    assert "150-320 W" in msg and "default 300 W" in msg
+    assert "Nothing was changed" in msg
+
+
+def test_all_problems_are_listed_at_once():
+    with pytest.raises(LevelError) as ei:
+        parse_power_levels("abc,-5,999,200,200", ONE)
+    assert len(ei.value.problems) == 4
+
+
+def test_several_gpus_take_levels_from_their_common_range():
+    gpus = [dev(0, 150, 320, 300), dev(1, 100, 250, 250)]
+    assert parse_power_levels("150,250", gpus) == [150.0, 250.0]
+    with pytest.raises(LevelError, match="outside the allowed range 150-250 W"):
+        parse_power_levels("300", gpus)
+    # Percentages are ambiguous when the defaults differ: refuse rather than guess.
+    with pytest.raises(LevelError, match="differ in the default limit"):
+        parse_power_levels("80%", gpus)
+
+
+def test_gpus_without_a_common_range_are_refused():
+    with pytest.raises(LevelError, match="no single power limit fits"):
+        parse_power_levels("200", [dev(0, 100, 150, 150), dev(1, 200, 300, 300)])
+
+
+def test_clock_levels_mhz_and_percent_of_max():
+    assert parse_clock_levels("1500,1200MHz,50%", ONE) == [1500, 1200, 1395]
+    with pytest.raises(LevelError, match="'3000' is outside the allowed range 510-2790 MHz"):
+        parse_clock_levels("3000", ONE)
+    with pytest.raises(LevelError, match="'-1500' is negative"):
+        parse_clock_levels("-1500", ONE)
+    with pytest.raises(LevelError, match="does not report its supported SM clocks"):
+        parse_clock_levels("1500", [dev(clocks=(None, None))])
+
+
+def test_gpu_indexes():
+    assert parse_gpu_indexes("0,1", 2) == [0, 1]
+    assert parse_gpu_indexes(None, 3) == [0, 1, 2]
+    assert parse_gpu_indexes("all", 2) == [0, 1]
+    for spec, fragment in [("2", "GPU 2 does not exist"), ("0,0", "listed twice"), ("x", "not a GPU index"), ("", "no GPU given")]:
+        with pytest.raises(LevelError, match=fragment) as ei:
+            parse_gpu_indexes(spec, 2)
+        assert "GPU 0-1" in str(ei.value)

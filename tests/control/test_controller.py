@@ -1,0 +1,400 @@
+"""LimitController in-process on the simulator: restore on exit/error, read-back, fallback, permission, locks."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import sys
+
+import pynvml
+import pytest
+
+from powerprof.control import (
+    ControlError,
+    ControlPermissionError,
+    GpuBusyError,
+    LevelError,
+    LimitController,
+    LimitNotAppliedError,
+    PendingRestoreError,
+    make_plan,
+    pending_restore_note,
+    restore_from_file,
+)
+from powerprof.sim.nvml import SimNVML
+
+from conftest import HERE, ORIGINAL_W, Wrap, assert_untouched, restore_files, sim_state
+
+sys.path.insert(0, str(HERE))
+import control_child  # noqa: E402
+
+
+def sim(**kw):
+    return SimNVML("seed-16g", count=2, **kw)
+
+
+def test_levels_are_applied_read_back_and_everything_put_back(originals):
+    with LimitController(sim(), [0, 1]) as ctl:
+        assert ctl.original_limits_w == ORIGINAL_W
+        for w in ctl.parse_power_levels("180,220W,80%"):
+            rb = ctl.set_power_limit_w(w)
+            assert rb.level_w == w
+            assert [(g.limit_w, g.enforced_w, g.method) for g in rb.gpus] == [(w, w, "nvml")] * 2
+            assert sim_state() == [(w, None)] * 2
+        ctl.lock_sm_clock_mhz(1500)
+        assert [c for _, c in sim_state()] == [(1500, 1500)] * 2
+        assert len(restore_files()) == 1
+    assert_untouched()
+    assert restore_files() == []
+
+
+def test_restore_file_holds_the_originals_before_the_first_change(originals):
+    seen = []
+
+    class Checking(Wrap):
+        def nvmlDeviceSetPowerManagementLimit(self, h, mw):
+            files = restore_files()
+            seen.append((mw, files))
+            if mw != int(ORIGINAL_W[h.index] * 1000):  # a real change, not the permission probe
+                assert len(files) == 1, "changed a limit before the restore file existed"
+                rec = json.loads(files[0].read_text())
+                assert sorted(g["original_limit_mw"] for g in rec["gpus"].values()) == [280000, 300000]
+                assert rec["pid"] == os.getpid() and rec["simulated"] == {"profile": "seed-16g", "count": 2}
+            return self.inner.nvmlDeviceSetPowerManagementLimit(h, mw)
+
+    with LimitController(Checking(sim()), [0, 1]) as ctl:
+        ctl.set_power_limit_w(200)
+    assert any(mw == 200000 for mw, _ in seen)
+    assert_untouched()
+
+
+def test_exception_mid_level_restores_and_propagates(originals):
+    with pytest.raises(RuntimeError, match="server died"):
+        with LimitController(sim(), [0, 1]) as ctl:
+            ctl.set_power_limit_w(180)
+            ctl.lock_sm_clock_mhz(1200, 1500)
+            raise RuntimeError("server died")
+    assert_untouched()
+    assert restore_files() == []
+
+
+def test_a_set_that_does_not_take_effect_is_an_error_and_restores(originals):
+    class Ignoring(Wrap):
+        def nvmlDeviceSetPowerManagementLimit(self, h, mw):
+            if h.index == 1:
+                return None  # the driver says success but nothing changes
+            return self.inner.nvmlDeviceSetPowerManagementLimit(h, mw)
+
+    with LimitController(Ignoring(sim()), [0, 1]) as ctl:
+        with pytest.raises(LimitNotAppliedError, match="GPU 1: asked for 200 W, the limit reads 300 W"):
+            ctl.set_power_limit_w(200)
+        assert_untouched()  # GPU 0 had taken 200 W: already put back
+        assert restore_files() == []
+    assert_untouched()
+
+
+def test_an_enforced_limit_off_the_requested_one_is_an_error(originals):
+    class Overridden(Wrap):
+        def nvmlDeviceGetEnforcedPowerLimit(self, h):
+            return min(self.inner.nvmlDeviceGetEnforcedPowerLimit(h), 240000)  # some other limiter at 240 W
+
+    with LimitController(Overridden(sim()), [0, 1]) as ctl:
+        ctl.set_power_limit_w(200)  # under the other limiter: fine
+        with pytest.raises(LimitNotAppliedError, match="enforced limit is 240 W"):
+            ctl.set_power_limit_w(260)
+        assert_untouched()
+
+
+def test_nvidia_smi_fallback_where_nvml_cannot_set(originals):
+    calls = []
+
+    class NoSetter(Wrap):
+        def nvmlDeviceSetPowerManagementLimit(self, h, mw):
+            raise pynvml.NVMLError(pynvml.NVML_ERROR_NOT_SUPPORTED)
+
+    inner = sim()
+
+    def fake_smi(args):
+        calls.append(list(args))
+        assert args[0] == "-i" and args[2] == "-pl"
+        inner.nvmlDeviceSetPowerManagementLimit(inner.nvmlDeviceGetHandleByIndex(int(args[1])), int(float(args[3]) * 1000))
+
+    with LimitController(NoSetter(inner), [0, 1], nvidia_smi=fake_smi) as ctl:
+        rb = ctl.set_power_limit_w(220)
+        assert [g.method for g in rb.gpus] == ["nvidia-smi"] * 2
+        assert [g.limit_w for g in rb.gpus] == [220.0, 220.0]
+    assert calls[:2] == [["-i", "0", "-pl", "220"], ["-i", "1", "-pl", "220"]]
+    assert calls[2:] == [["-i", "0", "-pl", "280"], ["-i", "1", "-pl", "300"]]  # restore goes the same way
+    assert_untouched()
+
+
+def test_a_failing_nvidia_smi_is_an_error_and_restores(originals):
+    class NoSetter(Wrap):
+        def nvmlDeviceSetPowerManagementLimit(self, h, mw):
+            raise pynvml.NVMLError(pynvml.NVML_ERROR_NOT_SUPPORTED)
+
+    inner = sim()
+
+    def smi(args):
+        i, w = int(args[1]), float(args[3])
+        if i == 1 and w != ORIGINAL_W[1]:
+            raise ControlError("`nvidia-smi -i 1 -pl 200` failed: Unknown Error")
+        inner.nvmlDeviceSetPowerManagementLimit(inner.nvmlDeviceGetHandleByIndex(i), int(w * 1000))
+
+    with LimitController(NoSetter(inner), [0, 1], nvidia_smi=smi) as ctl:
+        with pytest.raises(ControlError, match="Unknown Error"):
+            ctl.set_power_limit_w(200)
+        assert_untouched()
+
+
+def test_no_permission_is_a_clear_error_before_anything_changes(originals):
+    with pytest.raises(ControlPermissionError) as ei:
+        LimitController(sim(privileged=False), [0, 1]).open()
+    msg = str(ei.value)
+    assert "root or CAP_SYS_ADMIN" in msg and "sudo" in msg and "powerprof measure" in msg and "Nothing was changed" in msg
+    assert_untouched()
+    assert restore_files() == []
+    with LimitController(sim(), [0, 1]):  # the failed attempt left no lock behind
+        pass
+
+
+def test_second_controller_on_a_gpu_fails_naming_the_holder_and_first_is_unaffected(originals):
+    with LimitController(sim(), [0, 1]) as first:
+        first.set_power_limit_w(200)
+        with pytest.raises(GpuBusyError) as ei:
+            LimitController(sim(), [1]).open()
+        assert f"controlled by powerprof process {os.getpid()}" in str(ei.value)
+        assert ei.value.holder_pid == os.getpid()
+        assert sim_state() == [(200.0, None)] * 2  # the failed second one changed nothing
+        assert len(restore_files()) == 1
+        first.set_power_limit_w(240)
+        assert sim_state() == [(240.0, None)] * 2
+    assert_untouched()
+    with LimitController(sim(), [1]):
+        pass
+
+
+def test_controllers_on_disjoint_gpus_coexist(originals):
+    with LimitController(sim(), [0]) as a, LimitController(sim(), [1]) as b:
+        a.set_power_limit_w(200)
+        b.set_power_limit_w(250)
+        assert len(restore_files()) == 2
+        assert sim_state() == [(200.0, None), (250.0, None)]
+    assert_untouched()
+
+
+def test_bad_values_passed_to_the_controller_change_nothing(originals):
+    with LimitController(sim(), [0, 1]) as ctl:
+        with pytest.raises(LevelError, match="400 W is outside the allowed range"):
+            ctl.set_power_limit_w(400)
+        with pytest.raises(LevelError, match="outside the allowed range 510-2790 MHz"):
+            ctl.lock_sm_clock_mhz(100, 1500)
+        with pytest.raises(LevelError, match="reversed"):
+            ctl.lock_sm_clock_mhz(1500, 1200)
+        assert restore_files() == []
+    assert_untouched()
+
+
+@pytest.mark.parametrize(
+    "levels, fragment",
+    [
+        ("", "no power levels given"),
+        ("180,abc", "'abc' is not a number"),
+        ("-200", "'-200' is negative"),
+        ("180,220,180W", "duplicates '180'"),
+        ("100,220", "'100' is outside the allowed range 150-320 W"),
+    ],
+)
+def test_each_bad_input_exits_non_zero_with_a_message_and_the_gpu_unchanged(originals, capsys, levels, fragment):
+    assert control_child.main(["--levels", levels]) == 2
+    err = capsys.readouterr().err
+    assert fragment in err and "150-320 W" in err and "default 300 W" in err
+    assert_untouched()
+    assert restore_files() == []
+
+
+def test_bad_gpu_list_and_clock_list_exit_non_zero(originals, capsys):
+    assert control_child.main(["--gpus", "0,5"]) == 2
+    assert "GPU 5 does not exist" in capsys.readouterr().err
+    assert control_child.main(["--clocks", "5000"]) == 2
+    assert "510-2790 MHz" in capsys.readouterr().err
+    assert_untouched()
+
+
+def test_clock_lock_and_release(originals):
+    with LimitController(sim(), [0, 1]) as ctl:
+        ctl.lock_sm_clock_mhz(1200, 1500)
+        assert [c for _, c in sim_state()] == [(1200, 1500)] * 2
+        rec = json.loads(restore_files()[0].read_text())
+        assert all(g["clocks_locked"] for g in rec["gpus"].values())
+        ctl.release_clocks()
+        assert [c for _, c in sim_state()] == [None, None]
+        ctl.lock_sm_clock_mhz(1395)
+    assert_untouched()
+
+
+def test_plan_validates_and_touches_nothing(originals):
+    class ReadOnly(Wrap):
+        def nvmlDeviceSetPowerManagementLimit(self, *a):
+            raise AssertionError("dry run called a setter")
+
+        nvmlDeviceSetGpuLockedClocks = nvmlDeviceResetGpuLockedClocks = nvmlDeviceSetPowerManagementLimit
+
+    plan = make_plan(ReadOnly(sim()), [0, 1], "180,220W,80%", "1500")
+    assert plan.power_levels_w == (180.0, 220.0, 240.0) and plan.clock_levels_mhz == (1500,)
+    text = "\n".join(plan.lines())
+    assert "nothing will be changed" in text and "GPU 0 to 280 W, GPU 1 to 300 W" in text and "180 W, 220 W, 240 W" in text
+    with pytest.raises(LevelError):
+        make_plan(ReadOnly(sim()), [0, 1], "999")
+    assert "sudo" in "\n".join(make_plan(sim(privileged=False), [0], "200").lines())
+    assert_untouched()
+    assert restore_files() == []
+
+
+def _leave_pending_record():
+    """What a kill -9 leaves: the limit changed and the restore file in place."""
+    with LimitController(sim(), [0, 1]) as ctl:
+        ctl.set_power_limit_w(190)
+        ctl.lock_sm_clock_mhz(1500)
+        saved = restore_files()[0].read_bytes()
+        path = ctl.restore_path
+        # Re-apply what a crash would leave, after the controller's own restore below.
+    n = sim()
+    n.nvmlInit()
+    for i in range(2):
+        n.nvmlDeviceSetPowerManagementLimit(n.nvmlDeviceGetHandleByIndex(i), 190000)
+        n.nvmlDeviceSetGpuLockedClocks(n.nvmlDeviceGetHandleByIndex(i), 1500, 1500)
+    path.write_bytes(saved)
+    return path
+
+
+def test_a_pending_record_blocks_new_runs_and_restore_puts_everything_back(originals):
+    path = _leave_pending_record()
+    note = pending_restore_note()
+    assert note and "GPU 0" in note and "original power limit 280 W" in note and "SM clocks locked" in note
+    assert f"powerprof restore --restore-file {path}" in note
+    with pytest.raises(PendingRestoreError, match="powerprof restore"):
+        LimitController(sim(), [1]).open()
+    assert sim_state() == [(190.0, (1500, 1500))] * 2
+    report = restore_from_file()
+    assert report.ok, report.lines()
+    assert "Restored from" in report.lines()[0]
+    assert_untouched()
+    assert restore_files() == [] and pending_restore_note() is None
+
+
+def test_restore_leaves_a_running_controller_alone(originals):
+    with LimitController(sim(), [0, 1]) as ctl:
+        ctl.set_power_limit_w(200)
+        report = restore_from_file()
+        assert not report.ok and report.outcomes[0].status == "in_use"
+        assert sim_state() == [(200.0, None)] * 2 and len(restore_files()) == 1
+        assert "still running" in pending_restore_note()
+    assert_untouched()
+
+
+def test_restore_without_permission_keeps_the_file(originals):
+    path = _leave_pending_record()
+    report = restore_from_file(nvml_factory=lambda rec: sim(privileged=False))
+    assert not report.ok and "CAP_SYS_ADMIN" in report.lines()[0] and "kept" in report.lines()[0]
+    assert path.exists()
+    assert restore_from_file(path).ok
+    assert_untouched()
+
+
+def test_restore_simulate_refuses_a_real_gpu_record(originals):
+    path = _leave_pending_record()
+    rec = json.loads(path.read_text())
+    rec["simulated"] = None
+    path.write_text(json.dumps(rec))
+    report = restore_from_file(simulate="seed-16g")
+    assert report.outcomes[0].status == "refused" and path.exists()
+    assert sim_state() == [(190.0, (1500, 1500))] * 2
+
+
+def test_signal_inside_a_with_block_restores_and_exits_128_plus_signum(originals):
+    prev = signal.getsignal(signal.SIGTERM)
+    with pytest.raises(SystemExit) as ei:
+        with LimitController(sim(), [0, 1]) as ctl:
+            ctl.set_power_limit_w(200)
+            signal.raise_signal(signal.SIGTERM)
+            pytest.fail("the signal did not stop the run")
+    assert ei.value.code == 128 + signal.SIGTERM
+    assert_untouched()
+    assert restore_files() == []
+    assert signal.getsignal(signal.SIGTERM) is prev
+
+
+def test_signal_during_a_set_waits_until_the_set_is_complete(originals):
+    calls = []
+
+    class SignalMidSet(Wrap):
+        def nvmlDeviceSetPowerManagementLimit(self, h, mw):
+            self.inner.nvmlDeviceSetPowerManagementLimit(h, mw)
+            calls.append((h.index, mw))
+            if (h.index, mw) == (0, 200000):
+                signal.raise_signal(signal.SIGHUP)  # between GPU 0 and GPU 1
+
+    with pytest.raises(SystemExit) as ei:
+        with LimitController(SignalMidSet(sim()), [0, 1]) as ctl:
+            ctl.set_power_limit_w(200)
+            pytest.fail("the deferred signal was lost")
+    assert ei.value.code == 128 + signal.SIGHUP
+    # Both GPUs took the level (the set was not cut in half), then both were put back.
+    assert calls[2:] == [(0, 200000), (1, 200000), (0, 280000), (1, 300000)]
+    assert_untouched()
+    assert restore_files() == []
+
+
+def test_an_ignored_signal_stays_ignored(originals):
+    prev = signal.signal(signal.SIGHUP, signal.SIG_IGN)  # as under nohup
+    try:
+        with LimitController(sim(), [0]) as ctl:
+            assert signal.getsignal(signal.SIGHUP) is signal.SIG_IGN
+            assert signal.getsignal(signal.SIGTERM) == ctl._on_signal
+    finally:
+        signal.signal(signal.SIGHUP, prev)
+
+
+def test_clocks_are_released_even_when_the_limit_cannot_be_put_back(originals):
+    class StuckLimit(Wrap):
+        block = False
+
+        def nvmlDeviceSetPowerManagementLimit(self, h, mw):
+            if self.block:
+                raise pynvml.NVMLError(pynvml.NVML_ERROR_UNKNOWN)
+            return self.inner.nvmlDeviceSetPowerManagementLimit(h, mw)
+
+    nvml = StuckLimit(sim())
+    ctl = LimitController(nvml, [0, 1])
+    ctl.open()
+    ctl.set_power_limit_w(200)
+    ctl.lock_sm_clock_mhz(1500)
+    nvml.block = True
+    with pytest.raises(ControlError, match="Could not put every GPU back") as ei:
+        ctl.close()
+    assert "powerprof restore --restore-file" in str(ei.value)
+    assert sim_state() == [(200.0, None)] * 2  # clocks released although the limits are stuck
+    assert len(restore_files()) == 1  # kept for `powerprof restore`
+    assert restore_from_file().ok
+    assert_untouched()
+
+
+def test_restore_command_exit_codes(originals):
+    from click.testing import CliRunner
+
+    from powerprof.cli import main as cli
+
+    r = CliRunner().invoke(cli, ["restore"])
+    assert r.exit_code == 0 and "Nothing to restore" in r.output
+    with LimitController(sim(), [0, 1]) as ctl:
+        ctl.set_power_limit_w(200)
+        r = CliRunner().invoke(cli, ["restore", "--simulate"])
+        assert r.exit_code == 1 and f"controlled by powerprof process {os.getpid()}" in r.output
+    r = CliRunner().invoke(cli, ["restore", "--restore-file", "/nonexistent/restore-x.json"])
+    assert r.exit_code == 0 and "does not exist" in r.output
+    path = _leave_pending_record()
+    r = CliRunner().invoke(cli, ["restore", "--restore-file", str(path)])
+    assert r.exit_code == 0 and "GPU 0" in r.output and "original 280 W" in r.output and "clock lock released" in r.output
+    assert_untouched()

@@ -1,0 +1,129 @@
+"""`powerprof export`: CSV a spreadsheet opens as is, xlsx sheets, Parquet, hive datasets with --from/--to."""
+
+from __future__ import annotations
+
+import csv
+from datetime import datetime, timedelta, timezone
+
+import pandas as pd
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+from click.testing import CliRunner
+from openpyxl import load_workbook
+
+from powerprof.analysis import export as ex
+from powerprof.analysis.synthetic import make_run, seed_truth
+from powerprof.cli import main
+from powerprof.storage.schema import SAMPLES
+
+
+@pytest.fixture(scope="module")
+def run(tmp_path_factory):
+    return make_run(tmp_path_factory.mktemp("exp") / "run", seed_truth(), levels=(220, 300), n_requests=6)
+
+
+def _daemon_dataset(root):
+    """Three days of 1-minute samples and a requests table, hive-partitioned like the daemon writes them."""
+    t0 = datetime(2026, 1, 14, tzinfo=timezone.utc)
+    for day in range(3):
+        times = [t0 + timedelta(days=day, minutes=m) for m in range(0, 24 * 60, 60)]
+        s = pa.Table.from_pylist([{"time_utc": t, "device": "gpu0", "power_w": 100.0 + day} for t in times],
+                                 schema=pa.schema([SAMPLES.field("time_utc"), SAMPLES.field("device"),
+                                                   SAMPLES.field("power_w")]))
+        d = root / "samples" / f"date={(t0 + timedelta(days=day)).date()}"
+        d.mkdir(parents=True)
+        pq.write_table(s, d / "part-0.parquet")
+        (d / ".part-1.parquet.123.tmp").write_bytes(b"half-written")  # a flush in progress: never read
+        r = pa.table({"t_first_utc": pa.array(times[:3], pa.timestamp("us", tz="UTC")), "decode_tokens": [10, 20, 30]})
+        d = root / "requests" / f"date={(t0 + timedelta(days=day)).date()}"
+        d.mkdir(parents=True)
+        pq.write_table(r, d / "part-0.parquet")
+    return root
+
+
+def test_csv_opens_as_is_header_units_iso_times(run, tmp_path):
+    paths = ex.export(run, "csv", tmp_path / "csv", tz="Europe/Berlin")
+    assert {p.name for p in paths} == {"samples.csv", "windows.csv", "levels.csv"}
+    with open(tmp_path / "csv" / "samples.csv", newline="") as f:
+        rows = list(csv.reader(f))
+    head = rows[0]
+    assert head[:3] == ["time_utc (UTC)", "time_local (Europe/Berlin)", "t_mono_s (s)"]  # no index column
+    assert "power_w (W)" in head and "sm_clock_mhz (MHz)" in head and "temperature_c (degC)" in head
+    utc = datetime.fromisoformat(rows[1][0])
+    local = datetime.fromisoformat(rows[1][1])
+    assert local - utc == timedelta(hours=1)  # CET in January
+    assert len(rows) - 1 == pq.read_metadata(run / "samples.parquet").num_rows
+    df = pd.read_csv(tmp_path / "csv" / "windows.csv", parse_dates=["t_send_utc (UTC)"])
+    assert pd.api.types.is_datetime64_any_dtype(df["t_send_utc (UTC)"])
+    assert df["decode_tok_s (tokens/s)"].dtype == float
+
+
+def test_xlsx_has_one_sheet_per_table_with_dated_cells(run, tmp_path):
+    (path,) = ex.export(run, "xlsx", tmp_path / "run.xlsx", tz="UTC")
+    wb = load_workbook(path, read_only=True)
+    assert wb.sheetnames == ["levels", "samples", "windows"]
+    ws = wb["samples"]
+    rows = list(ws.iter_rows(values_only=True))
+    assert rows[0][:2] == ("time_utc (UTC)", "time_local (UTC)") and "power_w (W)" in rows[0]
+    assert isinstance(rows[1][0], datetime)
+    lv = list(wb["levels"].iter_rows(values_only=True))
+    assert "gpu_j_per_token (J/token)" in lv[0] and len(lv) == 3
+
+
+def test_xlsx_refuses_a_selection_larger_than_a_sheet(run, tmp_path, monkeypatch):
+    monkeypatch.setattr(ex, "XLSX_MAX_ROWS", 10)
+    with pytest.raises(ex.ExportError, match="a sheet holds 10"):
+        ex.export(run, "xlsx", tmp_path / "x.xlsx")
+    assert not (tmp_path / "x.xlsx").exists()
+
+
+def test_hive_dataset_with_from_to_streams_only_the_range(tmp_path):
+    root = _daemon_dataset(tmp_path / "ds")
+    out = tmp_path / "out"
+    paths = ex.export(root, "parquet", out, time_from="2026-01-15T00:00:00Z", time_to="2026-01-16T00:00:00Z",
+                      batch_rows=5)
+    assert {p.name for p in paths} == {"samples.parquet", "requests.parquet"}
+    s = pq.read_table(out / "samples.parquet")
+    assert s.num_rows == 24 and set(s.column("power_w").to_pylist()) == {101.0}
+    assert "date" not in s.column_names and "time_local" in s.column_names
+    assert pq.read_table(out / "requests.parquet").num_rows == 3
+
+
+def test_from_without_offset_is_local_time(tmp_path):
+    root = _daemon_dataset(tmp_path / "ds")
+    (p,) = ex.export(root, "csv", tmp_path / "s.csv", time_from="2026-01-15 01:00", time_to="2026-01-15 03:00",
+                     columns=["time_utc", "power_w"], tz="Europe/Berlin")
+    rows = list(csv.reader(open(p, newline="")))
+    assert rows[0] == ["time_utc (UTC)", "time_local (Europe/Berlin)", "power_w (W)"]
+    assert [r[0] for r in rows[1:]] == ["2026-01-15 00:00:00.000", "2026-01-15 01:00:00.000"]
+
+
+def test_many_small_batches_give_the_same_csv(run, tmp_path):
+    a = ex.export(run, "csv", tmp_path / "a", columns=["time_utc", "power_w"])
+    b = ex.export(run, "csv", tmp_path / "b", columns=["time_utc", "power_w"], batch_rows=7)
+    assert a[0].read_bytes() == b[0].read_bytes()
+    assert a[0].read_text().count("time_utc (UTC)") == 1
+
+
+@pytest.mark.parametrize("args,msg", [
+    (["export", "{run}", "--format", "ods"], "Invalid value"),
+    (["export", "{run}", "--format", "csv", "--from", "last tuesday"], "ISO 8601"),
+    (["export", "{run}", "--format", "csv", "--from", "2026-01-16", "--to", "2026-01-15"], "must be before"),
+    (["export", "{run}", "--format", "csv", "--columns", "power_kw"], "unknown column"),
+    (["export", "{run}", "--format", "csv", "--tz", "Mars/Olympus"], "unknown time zone"),
+    (["export", "/nonexistent", "--format", "csv"], "no such file"),
+])
+def test_cli_export_bad_input_fails_cleanly_and_writes_nothing(run, tmp_path, args, msg):
+    out = tmp_path / "out"
+    r = CliRunner().invoke(main, [a.format(run=run) for a in args] + ["--out", str(out)])
+    assert r.exit_code != 0 and msg in r.output
+    assert not out.exists()
+
+
+def test_cli_export_prints_the_files(run, tmp_path):
+    r = CliRunner().invoke(main, ["export", str(run), "--format", "parquet", "--out", str(tmp_path / "p"),
+                                  "--columns", "level_value,decode_tok_s"])
+    assert r.exit_code == 0, r.output
+    assert "windows.parquet" in r.output
+    assert pq.read_table(tmp_path / "p" / "windows.parquet").column_names == ["level_value", "decode_tok_s"]

@@ -1,0 +1,172 @@
+"""`powerprof analyze`: files, self-contained HTML, plots marking the computed sweet spot, merging, warnings, CLI."""
+
+from __future__ import annotations
+
+import json
+import re
+
+import duckdb
+import numpy as np
+import pandas as pd
+import pyarrow.parquet as pq
+import pytest
+from click.testing import CliRunner
+from PIL import Image
+
+from powerprof.analysis import plots
+from powerprof.analysis.loading import AnalysisError
+from powerprof.analysis.report import analyze_run, console_summary
+from powerprof.analysis.synthetic import bowl_truth, make_run, seed_truth
+from powerprof.cli import main
+from powerprof.storage.schema import ANALYSIS
+
+SEED_LEVELS = (180, 220, 260, 300)
+
+
+@pytest.fixture(scope="module")
+def seed_result(tmp_path_factory):
+    base = tmp_path_factory.mktemp("seed")
+    run = make_run(base / "run", seed_truth(), levels=SEED_LEVELS, n_requests=40, thermal_levels=(180,))
+    return run, analyze_run([run], n_boot=300)
+
+
+def test_analyze_writes_every_output(seed_result):
+    run, res = seed_result
+    out = run / "analysis"
+    for name in ("analysis.parquet", "analysis.json", "report.md", "report.html", "j_per_token.png", "tok_s.png",
+                 "saving_vs_loss.png", "power_clock.png"):
+        assert (out / name).stat().st_size > 0, name
+    assert res.recommendation.level_value == 220
+    md = (out / "report.md").read_text()
+    assert "Recommended limit: 220 W" in md and "(simulated)" in md
+    for png in re.findall(r"!\[[^\]]*\]\(([^)]+)\)", md):
+        assert (out / png).exists()  # relative links resolve next to the report
+    doc = json.loads((out / "analysis.json").read_text())
+    assert doc["recommendation"]["level_value"] == 220
+    assert set(doc["series"][0]["choices"]) == {"min_energy", "budget", "edp", "ed2p", "knee", "weighted"}
+
+
+def test_html_report_is_self_contained(seed_result):
+    run, _ = seed_result
+    html = (run / "analysis" / "report.html").read_text()
+    srcs = re.findall(r'src="([^"]+)"', html)
+    assert len(srcs) == 4 and all(s.startswith("data:image/png;base64,") for s in srcs)
+    assert "href=" not in html and "Recommended limit: 220 W" in html
+
+
+def test_plots_mark_the_computed_sweet_spot(seed_result, tmp_path):
+    _, res = seed_result
+    sr = res.main
+    fig = plots.plot_j_per_token(sr, tmp_path / "j.png")
+    marks = {a.get_gid(): a for ax in fig.axes for a in ax.get_children() if a.get_gid()}
+    for policy, c in sr.choices.items():
+        assert marks[f"choice-{policy}"].get_xdata()[0] == c.level_value
+    assert marks["recommended"].get_xdata()[0] == 220
+    fig = plots.plot_tradeoff(sr, tmp_path / "t.png")
+    rec = next(a for ax in fig.axes for a in ax.get_children() if a.get_gid() == "recommended")
+    row = next(r for r in sr.table.to_pylist() if r["level_value"] == 220)
+    assert rec.get_xdata()[0] == pytest.approx(row["speed_loss_pct"])
+    assert rec.get_ydata()[0] == pytest.approx(row["energy_saving_pct"])
+    assert Image.open(tmp_path / "j.png").text["Description"] == "recommended budget 220"
+
+
+def test_analysis_parquet_opens_in_pandas_and_duckdb(seed_result):
+    run, _ = seed_result
+    path = run / "analysis" / "analysis.parquet"
+    assert pq.read_schema(path).remove_metadata().equals(ANALYSIS)
+    df = pd.read_parquet(path)
+    assert df.loc[df.recommended, "level_value"].tolist() == [220.0]
+    assert "budget" in df.loc[df.recommended, "chosen_by"].iloc[0]
+    assert df["fit_decode_tok_s"].notna().all()
+    n = duckdb.sql(f"select count(*) from '{path}' where thermal_throttle").fetchall()[0][0]
+    assert n == 1
+
+
+def test_warnings_name_the_problem_and_the_fix(seed_result):
+    _, res = seed_result
+    kinds = {w.kind: w for w in res.warnings}
+    assert "180 W" in kinds["thermal"].message
+    assert "160 W" in kinds["edge"].message  # least J/token at the lowest level: measure below it
+    assert kinds["between-levels"].levels  # budget optimum lies between 180 and 220 on the curve
+    text = console_summary(res)
+    assert "Recommended limit: 220 W" in text and "thermal" in text
+
+
+def test_cap_not_engaged_and_wide_ci_warnings(tmp_path):
+    # 320 W: the card draws ~275 W and never reports the power cap; 5 noisy requests per level.
+    run = make_run(tmp_path / "run", seed_truth(), levels=(200, 240, 280, 320), n_requests=5, noise=0.08)
+    res = analyze_run([run], tmp_path / "out", n_boot=300, plots=False)
+    kinds = {w.kind: w for w in res.warnings}
+    assert kinds["cap-not-engaged"].levels == (320.0,) and "--clocks" in kinds["cap-not-engaged"].message
+    assert "requests" in kinds["wide-ci"].message
+    row = next(r for r in res.table.to_pylist() if r["level_value"] == 320)
+    assert row["cap_not_engaged"] and "cap-not-engaged" in row["flags"]
+
+
+def test_runs_of_the_same_gpu_pool_their_requests(tmp_path):
+    a = make_run(tmp_path / "a", seed_truth(), levels=SEED_LEVELS, n_requests=10, seed=1)
+    b = make_run(tmp_path / "b", seed_truth(), levels=SEED_LEVELS, n_requests=12, seed=2)
+    res = analyze_run([a, b], tmp_path / "out", n_boot=200, plots=False)
+    rows = res.table.to_pylist()
+    assert all(r["n_requests"] == 22 and r["n_runs"] == 2 for r in rows)
+    assert rows[0]["run_id"] == "synthetic-1+synthetic-2"
+
+
+def test_runs_of_different_gpus_are_refused_unless_forced(tmp_path):
+    a = make_run(tmp_path / "a", seed_truth(), levels=SEED_LEVELS, n_requests=5)
+    b = make_run(tmp_path / "b", bowl_truth(), levels=SEED_LEVELS, n_requests=5)
+    with pytest.raises(AnalysisError, match="GPU model"):
+        analyze_run([a, b], tmp_path / "out")
+    assert not (tmp_path / "out").exists()
+    res = analyze_run([a, b], tmp_path / "out", force=True, n_boot=200, plots=False)
+    assert len(res.runs) == 2
+
+
+def test_cli_analyze_prints_the_recommendation(tmp_path):
+    run = make_run(tmp_path / "run", seed_truth(), levels=SEED_LEVELS, n_requests=20)
+    r = CliRunner().invoke(main, ["analyze", str(run), "--out", str(tmp_path / "o"), "--max-slowdown", "5%",
+                                  "--format", "md", "--bootstrap", "200"])
+    assert r.exit_code == 0, r.output
+    assert "Recommended limit: 260 W" in r.output
+    assert (tmp_path / "o" / "report.md").exists() and not (tmp_path / "o" / "report.html").exists()
+
+
+@pytest.mark.parametrize("args,msg", [
+    (["analyze", "/nonexistent/run"], "no such run directory"),
+    (["analyze", "{run}", "--max-slowdown", "fast"], "not a fraction"),
+    (["analyze", "{run}", "--eta", "3"], "eta"),
+    (["analyze", "{run}", "--format", "pdf"], "unknown report format"),
+])
+def test_cli_analyze_bad_input_fails_cleanly(tmp_path, args, msg):
+    run = make_run(tmp_path / "run", seed_truth(), levels=SEED_LEVELS, n_requests=3)
+    r = CliRunner().invoke(main, [a.format(run=run) for a in args])
+    assert r.exit_code != 0 and msg in r.output
+    assert not (run / "analysis").exists()
+
+
+def test_a_directory_without_windows_is_not_a_run(tmp_path):
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(AnalysisError, match="windows.parquet is missing"):
+        analyze_run([tmp_path / "empty"])
+
+
+def test_levels_at_another_concurrency_get_their_own_series(tmp_path):
+    run = make_run(tmp_path / "run", seed_truth(), levels=SEED_LEVELS, n_requests=8, concurrency=4)
+    res = analyze_run([run], tmp_path / "out", n_boot=200)
+    assert [(s.series.concurrency) for s in res.series] == [1, 4]
+    assert res.main.series.concurrency == 1
+    assert (tmp_path / "out" / "j_per_token_power_limit_c4.png").exists()
+    c4 = res.series[1].table.to_pylist()
+    assert np.all([r["decode_tok_s"] > 150 for r in c4])  # the batch aggregate, not one request's rate
+
+
+def test_windows_without_energy_are_refused_with_the_reason(tmp_path):
+    import pyarrow as pa
+
+    run = make_run(tmp_path / "run", seed_truth(), levels=SEED_LEVELS, n_requests=4)
+    w = pq.read_table(run / "windows.parquet")
+    for col in ("gpu_j_per_token", "gpu_energy_j"):
+        w = w.set_column(w.column_names.index(col), col, pa.nulls(w.num_rows, pa.float64()))
+    pq.write_table(w, run / "windows.parquet")
+    with pytest.raises(AnalysisError, match="J/token cannot be computed"):
+        analyze_run([run], tmp_path / "out")

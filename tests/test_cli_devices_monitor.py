@@ -1,0 +1,138 @@
+"""`powerprof devices` and `powerprof monitor` as a user runs them (simulated GPU and powercap)."""
+
+from __future__ import annotations
+
+import json
+import sys
+from types import SimpleNamespace
+
+import pyarrow as pa
+import pyarrow.csv as pcsv
+import pyarrow.parquet as pq
+import pynvml
+import pytest
+from click.testing import CliRunner
+
+from powerprof.cli import main
+from powerprof.storage.schema import SAMPLES
+
+
+def run(*args, **kw):
+    return CliRunner().invoke(main, list(args), catch_exceptions=False, **kw)
+
+
+def test_devices_json_on_the_simulator():
+    r = run("devices", "--simulate", "--json")
+    assert r.exit_code == 0, r.output
+    info = json.loads(r.output)
+    assert info["simulated"] is True
+    (g,) = info["gpus"]
+    assert g["name"].startswith("Simulated") and g["uuid"].startswith("GPU-")
+    assert (g["limit_min_w"], g["limit_max_w"], g["limit_default_w"], g["power_limit_w"]) == (150, 320, 300, 300)
+    assert g["supports"]["energy_counter"] is True
+    kinds = {z["zone"]: z["kind"] for z in info["rapl"]["zones"]}
+    assert kinds == {"package-0": "package", "dram-0": "dram"}
+    assert info["rapl"]["min_wrap_period_s"] > 60
+    assert info["problems"] == []
+
+
+def test_devices_text_lists_limits_unsupported_readings_and_fixes(monkeypatch):
+    monkeypatch.setenv("POWERPROF_SIM_UNPRIVILEGED", "1")
+    r = run("devices", "--simulate", "pascal-8g", "--gpus", "0,1")
+    assert r.exit_code == 0, r.output
+    out = r.output
+    assert "gpu0" in out and "gpu1" in out and "range 90 W - 217 W" in out
+    assert "not supported: power_instant, energy_counter" in out
+    assert "permission denied" in out and "ExecStartPre=+" in out
+    assert "CAP_SYS_ADMIN" in out
+
+
+def test_devices_without_a_gpu_says_so_instead_of_a_traceback(monkeypatch):
+    def fail():
+        raise pynvml.NVMLError(pynvml.NVML_ERROR_DRIVER_NOT_LOADED)
+
+    monkeypatch.setitem(sys.modules, "pynvml", SimpleNamespace(nvmlInit=fail))
+    r = run("devices")
+    assert r.exit_code == 0, r.output
+    assert "GPUs: none" in r.output and "no NVIDIA GPU reachable through NVML" in r.output
+    assert "host:" in r.output
+
+
+def test_devices_unknown_gpu_is_a_usage_error():
+    r = CliRunner().invoke(main, ["devices", "--simulate", "--json", "--gpus", "-1"])
+    assert r.exit_code == 2 and "expected NVML indexes" in r.output
+
+
+def test_monitor_writes_typed_parquet(tmp_path):
+    out = tmp_path / "x.parquet"
+    r = run("monitor", "--simulate", "--duration", "0.6", "--interval", "0.2", "--output", str(out))
+    assert r.exit_code == 0, r.output
+    assert "gpu0 power=" in r.output and "package-0" in r.output and "reasons=GpuIdle" in r.output
+    t = pq.read_table(out)
+    assert t.schema.field("time_utc").type == pa.timestamp("us", tz="UTC")
+    for name in ("power_w", "energy_j", "sm_clock_mhz", "temperature_c", "power_limit_w", "cpu_util_pct"):
+        assert t.schema.field(name).type == pa.float64()
+    assert t.schema.names == SAMPLES.names
+    d = t.to_pydict()
+    devices = set(d["device"])
+    assert {"gpu0", "package-0", "dram-0", "host"} <= devices
+    gpu_seqs = [s for s, dev in zip(d["seq"], d["device"]) if dev == "gpu0"]
+    assert gpu_seqs == [0, 1, 2, 3]  # ticks at 0, 0.2, 0.4, 0.6 s
+    pkg_e = [e for e, dev in zip(d["energy_j"], d["device"]) if dev == "package-0"]
+    assert pkg_e == sorted(pkg_e) and pkg_e[-1] > pkg_e[0]
+    assert t.schema.metadata[b"simulated"] == b"true"
+
+
+def test_monitor_writes_csv_with_the_samples_columns(tmp_path):
+    out = tmp_path / "x.csv"
+    r = run("monitor", "--simulate", "a100-40g", "--duration", "0.2", "--interval", "0.1", "--output", str(out))
+    assert r.exit_code == 0, r.output
+    t = pcsv.read_csv(out)
+    assert t.column_names == SAMPLES.names
+    gpu_power = [p for p, dev in zip(t.column("power_w").to_pylist(), t.column("device").to_pylist()) if dev == "gpu0"]
+    assert len(gpu_power) == 3 and all(p == pytest.approx(55.0) for p in gpu_power)
+
+
+@pytest.mark.parametrize(
+    "args, why",
+    [
+        (["--interval", "0"], "--interval"),
+        (["--interval", "11"], "--interval"),
+        (["--duration", "-1"], "--duration"),
+        (["--output", "x.txt"], "must end in"),
+        (["--output", "no/such/dir/x.parquet"], "does not exist"),
+        (["--gpus", "a"], "expected NVML indexes"),
+    ],
+)
+def test_monitor_bad_arguments_fail_clearly_and_write_nothing(tmp_path, monkeypatch, args, why):
+    monkeypatch.chdir(tmp_path)
+    r = CliRunner().invoke(main, ["monitor", "--simulate", "--duration", "0.1", *args])
+    assert r.exit_code == 2, r.output
+    assert why in r.output and "Traceback" not in r.output
+    assert [p.name for p in tmp_path.iterdir()] == ["state"]
+
+
+def test_monitor_unknown_profile_fails_clearly():
+    r = CliRunner().invoke(main, ["monitor", "--simulate", "rtx9999", "--duration", "0.1"])
+    assert r.exit_code == 2 and "rtx9999" in r.output
+
+
+def test_monitor_rows_show_energy_since_start_and_the_cap_reason_by_name():
+    from powerprof.collectors.sources import open_sources
+    from powerprof.monitor import run_monitor
+    from powerprof.sim.gpu import Phase
+
+    ticks = []
+    with open_sources(simulate="seed-16g") as src:
+        g = src.sim_nvml.gpus[0]
+        g.set_limit_w(180)  # on the simulated card directly: nothing persisted, nothing to restore
+        g.set_phase(Phase("decode", 0.45))
+        timeline = run_monitor(src, interval_s=0.2, duration_s=0.4, on_tick=lambda k, rows: ticks.append((k, rows)))
+    assert [k for k, _ in ticks] == [0, 1, 2]
+    first, last = ticks[0][1], ticks[-1][1]
+    assert first["gpus"][0]["energy_j"] == 0.0 and first["cpus"][0]["energy_j"] == 0.0
+    gpu = last["gpus"][0]
+    assert "SwPowerCap" in gpu["reasons"] and gpu["power_w"] <= 180.0 + 1e-6
+    assert gpu["energy_j"] == pytest.approx(gpu["power_w"] * 0.4, rel=0.1)
+    assert last["cpus"][0]["energy_j"] > 0 and last["host"] is not None
+    assert {s.source for s in timeline.samples()} == {"nvml", "rapl", "host"}

@@ -1,0 +1,145 @@
+"""NVML and host collectors: unsupported readings are missing (never zero), GPU selection, sources."""
+
+from __future__ import annotations
+
+from collections import namedtuple
+from types import SimpleNamespace
+
+import pynvml
+import pytest
+
+from powerprof.collectors.host import HostCollector
+from powerprof.collectors.nvml import NvmlCollector, clock_event_reason_names, visible_indexes
+from powerprof.collectors.sources import describe, open_sources
+from powerprof.sim.gpu import Phase
+from powerprof.sim.nvml import SimNVML
+from powerprof.storage.samples import samples_to_table
+from powerprof.collectors.sampler import Sample
+
+
+def test_pascal_card_reports_missing_energy_and_instant_power_not_zero():
+    nvml = SimNVML("pascal-8g", state_path=None)
+    c = NvmlCollector(nvml)
+    info = c.infos[0]
+    assert info.supports["energy_counter"] is False and info.supports["power_instant"] is False
+    assert info.supports["power_average"] is True
+    nvml.gpus[0].set_phase(Phase("decode", 0.25))
+    (r,) = c.read()
+    assert r.energy_j is None and r.power_w is None
+    assert r.power_avg_w is not None and r.power_avg_w > 0
+    assert c.read_energy_j() == (None,)
+    # ... and they stay null, not 0, once stored.
+    t = samples_to_table([Sample("nvml", 0, 1, 1_700_000_000_000_000_000, (r,))], gpu_uuids={0: info.uuid})
+    row = t.to_pylist()[0]
+    assert row["energy_j"] is None and row["power_w"] is None
+    assert row["power_avg_w"] > 0 and row["gpu_uuid"] == info.uuid
+
+
+def test_full_card_reports_every_reading_and_the_cap_reason():
+    nvml = SimNVML("seed-16g", state_path=None)
+    c = NvmlCollector(nvml)
+    assert all(c.infos[0].supports.values())
+    nvml.gpus[0].set_limit_w(180)
+    nvml.gpus[0].set_phase(Phase("decode", 0.45))
+    (r,) = c.read()
+    assert r.power_w <= 180.0 + 1e-6 and r.enforced_limit_w == 180.0
+    assert "SwPowerCap" in clock_event_reason_names(r.clock_event_reasons)
+    assert r.energy_j is not None and r.sm_clock_mhz < 2790 and r.mem_clock_mhz == 10251
+
+
+def test_clock_event_reason_names():
+    assert clock_event_reason_names(None) is None
+    assert clock_event_reason_names(0) == []
+    assert clock_event_reason_names(0x4 | 0x40) == ["SwPowerCap", "HwThermal"]
+    assert clock_event_reason_names(0x1000) == ["0x1000"]
+
+
+def test_cuda_visible_devices_maps_to_nvml_indexes():
+    nvml = SimNVML("a100-40g", count=4, state_path=None)
+    nvml.nvmlInit()
+    uuid2 = nvml.gpus[2].uuid
+    assert visible_indexes(nvml, {}) == [0, 1, 2, 3]
+    assert visible_indexes(nvml, {"CUDA_VISIBLE_DEVICES": "2,0"}) == [2, 0]
+    assert visible_indexes(nvml, {"CUDA_VISIBLE_DEVICES": uuid2[:12]}) == [2]
+    assert visible_indexes(nvml, {"CUDA_VISIBLE_DEVICES": "1,7,2"}) == [1]  # CUDA stops at an invalid entry
+    assert visible_indexes(nvml, {"CUDA_VISIBLE_DEVICES": ""}) == []
+
+
+def test_open_sources_honours_cuda_visible_devices(monkeypatch, tmp_path):
+    nvml = SimNVML("a100-40g", count=3, state_path=None)
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "2")
+    with open_sources(nvml=nvml, rapl_root=tmp_path) as src:
+        assert src.nvml.indexes == [2]
+        assert [g["index"] for g in describe(src)["gpus"]] == [2]
+
+
+def test_a_gpu_index_that_does_not_exist_is_bad_input(tmp_path):
+    nvml = SimNVML("seed-16g", count=2, state_path=None)
+    with pytest.raises(ValueError, match="GPU index 5 does not exist"):
+        open_sources(nvml=nvml, gpus=[0, 5], rapl_root=tmp_path)
+
+
+def test_machine_without_gpu_or_rapl_still_gets_host_and_says_why(tmp_path):
+    def fail():
+        raise pynvml.NVMLError(pynvml.NVML_ERROR_LIBRARY_NOT_FOUND)
+
+    no_driver = SimpleNamespace(nvmlInit=fail)
+    with open_sources(nvml=no_driver, rapl_root=tmp_path / "none") as src:
+        assert src.nvml is None and src.rapl is None and src.host is not None
+        info = describe(src)
+    assert info["gpus"] == [] and info["rapl"] is None and info["host"]["mem_total_bytes"] > 0
+    msgs = {p["source"]: p for p in info["problems"]}
+    assert "NVML" in msgs["nvml"]["message"] and "--simulate" in msgs["nvml"]["fix"]
+    assert "no RAPL zones" in msgs["rapl"]["message"] and "powercap" in msgs["rapl"]["fix"]
+
+
+def test_simulated_unprivileged_machine_lists_each_permission_problem_with_its_fix(monkeypatch):
+    monkeypatch.setenv("POWERPROF_SIM_UNPRIVILEGED", "1")
+    with open_sources(simulate="seed-16g") as src:
+        info = describe(src)
+        root = src.sim_powercap.root
+    assert not root.exists(), "the simulated powercap folder is removed on close"
+    assert info["can_set_limits"] is False and info["rapl"] is None
+    by = {p["source"]: p for p in info["problems"]}
+    assert "ExecStartPre=+" in by["rapl"]["fix"]
+    assert "CAP_SYS_ADMIN" in by["nvml"]["fix"]
+
+
+CpuTimes = namedtuple("CpuTimes", "user nice system idle iowait irq softirq steal guest guest_nice")
+
+
+class FakePsutil:
+    def __init__(self, freq_raises=False):
+        self.t = 0
+        self.freq_raises = freq_raises
+
+    def cpu_times(self):
+        # 4 s of CPU time per call, 1 s of it idle and 1 s iowait: 50% busy as psutil counts it.
+        self.t += 1
+        n = self.t
+        return CpuTimes(2.0 * n, 0.0, 0.0, 1.0 * n, 1.0 * n, 0.0, 0.0, 0.0, 0.0, 0.0)
+
+    def cpu_freq(self):
+        if self.freq_raises:
+            raise FileNotFoundError("no cpufreq in this VM")
+        return SimpleNamespace(current=3100.0)
+
+    def virtual_memory(self):
+        return SimpleNamespace(total=16 * 2**30, available=10 * 2**30)
+
+
+def test_host_collector_reads_utilisation_frequency_memory():
+    r = HostCollector(FakePsutil()).read()
+    assert r.cpu_util_pct == pytest.approx(50.0)
+    assert r.cpu_freq_mhz == 3100.0 and r.mem_used_bytes == 6 * 2**30 and r.mem_total_bytes == 16 * 2**30
+
+
+def test_host_collector_reports_missing_frequency_as_none():
+    r = HostCollector(FakePsutil(freq_raises=True)).read()
+    assert r.cpu_freq_mhz is None and r.cpu_util_pct is not None
+
+
+def test_host_collector_on_this_machine():
+    h = HostCollector()
+    r = h.read()
+    assert r.mem_total_bytes > 0 and (r.cpu_util_pct is None or 0.0 <= r.cpu_util_pct <= 100.0)

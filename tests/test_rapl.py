@@ -1,0 +1,257 @@
+"""RAPL through powercap: zone discovery, wraparound, permissions, the pyRAPL backend, the simulated tree."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+
+from powerprof.collectors.rapl import (
+    RaplCollector,
+    RaplPermissionError,
+    RaplUnavailableError,
+    discover_zones,
+    window_energy_j,
+    wrap_delta_uj,
+)
+from powerprof.collectors.sampler import Sampler
+from powerprof.sim.powercap import SimPowercap
+
+
+class FakeClock:
+    def __init__(self):
+        self.t = 5_000_000_000
+
+    def __call__(self):
+        return self.t
+
+    def advance(self, s):
+        self.t += int(round(s * 1e9))
+
+
+def _tree(tmp_path, clock, **kw):
+    return SimPowercap(tmp_path / "powercap", clock_ns=clock, **kw)
+
+
+def _collector(pc, clock, **kw):
+    return RaplCollector(pc.root, clock_ns=clock, opener=pc.opener, **kw)
+
+
+def _by_zone(readings):
+    return {r.zone: r for r in readings}
+
+
+def test_several_wraps_on_two_sockets_are_all_corrected(tmp_path):
+    clock = FakeClock()
+    watts = iter([80.0, 120.0, 40.0, 100.0] * 20)  # total over both packages, changes every step
+    # 20 J range at 40-60 W per package: a package counter wraps every 2-3 reads.
+    pc = _tree(tmp_path, clock, sockets=2, dram=True, power_w_fn=lambda: next(watts), max_power_w=70.0,
+               max_energy_range_uj=20_000_000, dram_w=4.0)
+    rc = _collector(pc, clock)
+    assert [z.device for z in rc.zones] == ["package-0", "dram-0", "package-1", "dram-1"]
+    assert rc.zones[2].socket == 1 and rc.zones[3].socket == 1
+    e0 = pc.true_energy_j()
+    first = rc.read()
+    wraps = 0
+    prev_raw = {z.sysfs_id: pc.counter_uj(z) for z in pc.zones}
+    for _ in range(40):
+        clock.advance(0.25)
+        pc.update()
+        raw = {z.sysfs_id: pc.counter_uj(z) for z in pc.zones}
+        wraps += sum(raw[k] < prev_raw[k] for k in raw)
+        prev_raw = raw
+        last = rc.read()
+    assert wraps >= 15, "the test must actually exercise several wraps"
+    truth = pc.true_energy_j()
+    got = _by_zone(last)
+    for z in rc.zones:
+        assert got[z.device].energy_j == pytest.approx(truth[z.sysfs_id] - e0[z.sysfs_id], abs=1e-5)
+        assert got[z.device].power_w is not None and got[z.device].power_w > 0
+    cpu = window_energy_j(first, last)
+    expected = sum(truth[k] - e0[k] for k in truth)  # both packages + both DRAM zones
+    assert cpu == pytest.approx(expected, abs=1e-4)
+    assert all(r.epoch == 0 for r in last)
+
+
+def test_package_die_names_and_no_dram_zone(tmp_path):
+    clock = FakeClock()
+    pc = _tree(tmp_path, clock, sockets=1, dies_per_socket=2, dram=False, core=True, power_w_fn=lambda: 90.0)
+    rc = _collector(pc, clock)
+    kinds = {z.device: (z.kind, z.socket, z.die) for z in rc.zones}
+    assert kinds == {
+        "package-0-die-0": ("package", 0, 0),
+        "core-0-die-0": ("core", 0, 0),
+        "package-0-die-1": ("package", 0, 1),
+        "core-0-die-1": ("core", 0, 1),
+    }
+    a = rc.read()
+    clock.advance(2.0)
+    pc.update()
+    b = rc.read()
+    # Both dies' packages, not their core subzones (inside the package) and no DRAM.
+    assert window_energy_j(a, b) == pytest.approx(90.0 * 2.0, rel=1e-6)
+    assert window_energy_j(a, b, kinds=("dram",)) is None
+
+
+def test_mmio_duplicate_and_psys_are_not_added_to_cpu_energy(tmp_path):
+    clock = FakeClock()
+    pc = _tree(tmp_path, clock, mmio=True, psys=True, power_w_fn=lambda: 50.0, dram_w=5.0)
+    assert (pc.root / "intel-rapl-mmio:0" / "energy_uj").exists()
+    rc = _collector(pc, clock)
+    assert sorted(z.device for z in rc.zones) == ["dram-0", "package-0", "psys"]
+    a = rc.read()
+    clock.advance(10.0)
+    pc.update()
+    b = rc.read()
+    assert window_energy_j(a, b) == pytest.approx(550.0, rel=1e-6)  # not 1050 (mmio) nor 1180 (psys)
+    assert _by_zone(b)["psys"].power_w == pytest.approx(50 + 5 + 8, rel=1e-6)
+
+
+def test_subzone_only_nested_inside_its_parent_is_found(tmp_path):
+    clock = FakeClock()
+    pc = _tree(tmp_path, clock, dram=True)
+    os.unlink(pc.root / "intel-rapl:0:0")  # some kernels expose subzones only under the parent
+    assert [z.device for z in discover_zones(pc.root)] == ["package-0", "dram-0"]
+
+
+def test_unreadable_energy_uj_gives_a_clear_error_naming_the_fix(tmp_path):
+    clock = FakeClock()
+    pc = _tree(tmp_path, clock, unreadable=True)
+    assert oct(os.stat(pc.root / "intel-rapl:0" / "energy_uj").st_mode & 0o777) == "0o400"
+    for backend in ("sysfs", "pyrapl"):
+        with pytest.raises(RaplPermissionError) as ei:
+            _collector(pc, clock, backend=backend)
+        msg = str(ei.value)
+        assert "energy_uj" in msg and "root" in msg
+        assert "ExecStartPre=+" in msg and "udev" in msg and "chmod g+r" in msg
+        assert isinstance(ei.value, PermissionError)
+
+
+def test_no_zones_is_unavailable_not_zero(tmp_path):
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(RaplUnavailableError, match="no RAPL zones"):
+        RaplCollector(tmp_path / "empty")
+    with pytest.raises(RaplUnavailableError):
+        RaplCollector(tmp_path / "missing")
+
+
+def test_unknown_range_drops_a_backwards_delta_instead_of_going_negative(tmp_path):
+    clock = FakeClock()
+    pc = _tree(tmp_path, clock, dram=False, power_w_fn=lambda: 40.0, max_energy_range_uj=50_000_000,
+               start_energy_uj=0)
+    os.unlink(pc.root / "intel-rapl:0" / "max_energy_range_uj")
+    rc = _collector(pc, clock)
+    assert rc.zones[0].max_energy_range_uj is None
+    readings = [rc.read()[0]]
+    for _ in range(5):  # 20 J per step on a 50 J counter: 0, 20, 40, 10 (wrap), 30, 0 (wrap)
+        clock.advance(0.5)
+        pc.update()
+        readings.append(rc.read()[0])
+    energies = [r.energy_j for r in readings]
+    assert energies == sorted(energies), "cumulative energy must never go down"
+    dropped = [k for k, r in enumerate(readings) if r.note]
+    assert dropped == [3, 5] and all(readings[k].power_w is None for k in dropped)
+    assert all(r.power_w is None or r.power_w > 0 for r in readings)
+    # Energies from different epochs must not be subtracted.
+    assert window_energy_j([readings[0]], [readings[-1]]) is None
+    assert window_energy_j([readings[3]], [readings[4]]) == pytest.approx(20.0, rel=1e-6)
+
+
+def test_read_gap_longer_than_the_wrap_period_drops_the_delta(tmp_path):
+    clock = FakeClock()
+    pc = _tree(tmp_path, clock, dram=False, power_w_fn=lambda: 10.0, max_power_w=20.0,
+               max_energy_range_uj=10_000_000)
+    rc = _collector(pc, clock)
+    assert rc.min_wrap_period_s == pytest.approx(0.5)
+    a = rc.read()[0]
+    clock.advance(0.8)  # more than one wrap period: the number of wraps is unknowable
+    pc.update()
+    b = rc.read()[0]
+    assert b.power_w is None and b.epoch == a.epoch + 1 and "wrap period" in b.note
+    clock.advance(0.2)
+    pc.update()
+    c = rc.read()[0]
+    assert c.power_w == pytest.approx(10.0, rel=1e-6) and c.epoch == b.epoch
+
+
+def test_sampler_refuses_an_interval_that_could_miss_a_wrap(tmp_path):
+    clock = FakeClock()
+    pc = _tree(tmp_path, clock, max_power_w=100.0, max_energy_range_uj=100_000_000)  # wraps every 1 s at 100 W
+    rc = _collector(pc, clock)
+    with pytest.raises(ValueError, match="wrap"):
+        Sampler([rc], interval_s=1.0)
+    Sampler([rc], interval_s=0.5)
+
+
+def test_pyrapl_backend_reads_the_same_energy_through_the_same_interface(tmp_path):
+    clock = FakeClock()
+    pc = _tree(tmp_path, clock, dies_per_socket=2, dram=False, power_w_fn=lambda: 60.0,
+               max_energy_range_uj=25_000_000, max_power_w=80.0)
+    ours = _collector(pc, clock, backend="sysfs")
+    theirs = _collector(pc, clock, backend="pyrapl")
+    assert [z.device for z in theirs.zones] == ["package-0-die-0", "package-0-die-1"]
+    for _ in range(12):  # 7.5 J per die per step on a 25 J counter: wraps every ~3 reads
+        clock.advance(0.25)
+        pc.update()
+        a, b = ours.read(), theirs.read()
+    assert [r.energy_j for r in b] == pytest.approx([r.energy_j for r in a], abs=1e-9)
+    assert [r.energy_j for r in b] == pytest.approx([90.0, 90.0], abs=1e-5)
+    theirs.close()
+
+
+def test_unknown_backend_is_rejected(tmp_path):
+    pc = _tree(tmp_path, FakeClock())
+    with pytest.raises(ValueError, match="backend"):
+        RaplCollector(pc.root, backend="msr")
+
+
+def test_wrap_delta_arithmetic():
+    assert wrap_delta_uj(100, 250, 1000) == 150
+    assert wrap_delta_uj(900, 100, 1000) == 200
+    assert wrap_delta_uj(900, 100, None) is None
+
+
+def test_simulated_tree_energy_is_the_integral_of_its_power(tmp_path):
+    clock = FakeClock()
+    plan = [30.0, 75.0, 10.0, 120.0, 45.0]
+    it = iter(plan + [0.0])
+    pc = _tree(tmp_path, clock, power_w_fn=lambda: next(it), dram_w=2.0)
+    steps = [1.5, 0.3, 4.0, 0.7, 2.2]
+    for dt in steps:
+        clock.advance(dt)
+        pc.update()
+    truth = pc.true_energy_j()
+    assert truth["intel-rapl:0"] == pytest.approx(sum(p * d for p, d in zip(plan, steps)), rel=1e-12)
+    assert truth["intel-rapl:0:0"] == pytest.approx(2.0 * sum(steps), rel=1e-12)
+    pc.close()
+
+
+def test_background_updates_advance_the_counters_and_stop_cleanly(tmp_path):
+    import time
+
+    pc = SimPowercap(tmp_path / "pc", power_w_fn=lambda: 100.0, update_interval_s=0.005)
+    rc = RaplCollector(pc.root)
+    pc.start()
+    rc.read()
+    time.sleep(0.3)
+    r = _by_zone(rc.read())["package-0"]
+    pc.stop()
+    assert r.energy_j == pytest.approx(30.0, rel=0.3)
+    frozen = pc.true_energy_j()
+    time.sleep(0.05)
+    assert pc.true_energy_j() == frozen, "no updates after stop()"
+    pc.close()
+
+
+def test_permission_lost_after_start_is_a_counted_sampler_error(tmp_path):
+    clock = FakeClock()
+    pc = _tree(tmp_path, clock)
+    rc = _collector(pc, clock)
+    sampler = Sampler([rc], interval_s=1.0)
+    assert sampler.sample_now("before")["rapl"].ok
+    pc.unreadable = True
+    for p in pc.energy_paths():
+        os.chmod(p, 0o400)
+    s = sampler.sample_now("after")["rapl"]
+    assert not s.ok and "RaplPermissionError" in s.error and "ExecStartPre=+" in s.error
+    assert sampler.errors["rapl"] == 1

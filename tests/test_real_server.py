@@ -1,0 +1,149 @@
+"""Against a real OpenAI-compatible server: llama-cpp-python serving a tiny random-weight GGUF model.
+
+The model is written here with the `gguf` package (two layers, 64 wide, byte-level vocabulary),
+so nothing is downloaded. The output token for EOS is zeroed so greedy decoding never stops
+early. The server itself tells us what it did: its log prints llama.cpp's perf lines after
+every request ("eval time = X ms / N runs"), and a non-streaming request returns `usage`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import re
+import socket
+import sys
+
+import aiohttp
+import numpy as np
+import pytest
+
+llama_cpp = pytest.importorskip("llama_cpp", reason="llama-cpp-python is not installed (it is in the test extra)")
+
+from powerprof.workload.client import RequestParams  # noqa: E402
+from powerprof.workload.launcher import ServerLauncher  # noqa: E402
+from powerprof.workload.load import Prompt, detect, run_load  # noqa: E402
+
+pytestmark = [pytest.mark.realserver, pytest.mark.slow]
+
+EVAL_RE = re.compile(r"^llama_perf_context_print:\s+eval time =\s+([\d.]+) ms /\s+(\d+) runs", re.M)
+
+
+def write_tiny_llama(path, n_embd=64, n_layer=2, n_head=4, n_ff=128, seed=0) -> None:
+    import gguf
+
+    rng = np.random.default_rng(seed)
+    words = "the of and to in is that for it as with on was power energy token GPU watt clock speed".split()
+    tokens = ["<unk>", "<s>", "</s>"] + [f"<0x{b:02X}>" for b in range(256)] + ["\u2581" + w for w in words] + words
+    types = [2, 3, 3] + [6] * 256 + [1] * (2 * len(words))
+    scores = [0.0] * 259 + [-float(i) for i in range(2 * len(words))]
+    w = gguf.GGUFWriter(str(path), "llama")
+    w.add_name("powerprof-tiny-random")
+    w.add_context_length(512)
+    w.add_embedding_length(n_embd)
+    w.add_block_count(n_layer)
+    w.add_feed_forward_length(n_ff)
+    w.add_head_count(n_head)
+    w.add_head_count_kv(n_head)
+    w.add_rope_dimension_count(n_embd // n_head)
+    w.add_layer_norm_rms_eps(1e-5)
+    w.add_tokenizer_model("llama")
+    w.add_token_list(tokens)
+    w.add_token_scores(scores)
+    w.add_token_types(types)
+    w.add_bos_token_id(1)
+    w.add_eos_token_id(2)
+    w.add_unk_token_id(0)
+
+    def rand(*shape):
+        return (rng.standard_normal(shape) * 0.5).astype(np.float32)
+
+    w.add_tensor("token_embd.weight", rand(len(tokens), n_embd))
+    w.add_tensor("output_norm.weight", np.ones(n_embd, np.float32))
+    out = rand(len(tokens), n_embd)
+    out[2] = 0.0  # EOS logit is always 0 while the best of ~300 random logits is above it
+    w.add_tensor("output.weight", out)
+    for i in range(n_layer):
+        w.add_tensor(f"blk.{i}.attn_norm.weight", np.ones(n_embd, np.float32))
+        for name in ("q", "k", "v", "output"):
+            w.add_tensor(f"blk.{i}.attn_{name}.weight", rand(n_embd, n_embd))
+        w.add_tensor(f"blk.{i}.ffn_norm.weight", np.ones(n_embd, np.float32))
+        w.add_tensor(f"blk.{i}.ffn_gate.weight", rand(n_ff, n_embd))
+        w.add_tensor(f"blk.{i}.ffn_up.weight", rand(n_ff, n_embd))
+        w.add_tensor(f"blk.{i}.ffn_down.weight", rand(n_embd, n_ff))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+
+
+@pytest.fixture(scope="module")
+def real_server(tmp_path_factory):
+    d = tmp_path_factory.mktemp("realserver")
+    model = d / "tiny.gguf"
+    write_tiny_llama(model)
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    cmd = [sys.executable, "-m", "llama_cpp.server", "--model", str(model), "--host", "127.0.0.1", "--port", str(port),
+           "--n_threads", "1", "--n_ctx", "512",
+           # By default a new request cuts the running stream off (our client then reports a
+           # truncated stream); queue them instead, like a one-slot llama-server.
+           "--interrupt_requests", "False"]
+    with ServerLauncher(cmd, f"http://127.0.0.1:{port}", timeout_s=120, poll_s=0.2, log_path=d / "server.log") as la:
+        yield la
+
+
+def eval_lines(log_text: str) -> list[tuple[float, int]]:
+    return [(float(ms), int(n)) for ms, n in EVAL_RE.findall(log_text)]
+
+
+async def _non_streaming(url: str, api: str, prompt: str, max_tokens: int) -> dict:
+    body: dict = {"max_tokens": max_tokens, "temperature": 0, "stream": False}
+    if api == "openai-chat":
+        path, body["messages"] = "/v1/chat/completions", [{"role": "user", "content": prompt}]
+    else:
+        path, body["prompt"] = "/v1/completions", prompt
+    async with aiohttp.ClientSession() as s:
+        async with s.post(url + path, json=body) as r:
+            return json.loads(await r.read())
+
+
+@pytest.mark.parametrize("api", ["openai-completions", "openai-chat"])
+def test_token_counts_and_windows_agree_with_the_server(real_server, api):
+    info = detect(real_server.base_url, api)
+    assert info.kind == "openai" and info.model
+    n_tok = 24
+    before = len(eval_lines(real_server.log_path.read_text(errors="replace")))
+    # Distinct prompts: llama-cpp-python reuses a cached prefix, which changes its perf counts.
+    prompts = [Prompt("a", f"{api} the power of energy"), Prompt("b", f"clock speed and watt {api}")]
+    recs = run_load(info, prompts, 2, 1, RequestParams(max_tokens=n_tok), warmup=0)
+    log = real_server.log_path.read_text(errors="replace")
+    evals = eval_lines(log)[before:]
+    assert [r.status for r in recs] == ["ok", "ok"], [r.error for r in recs]
+    assert len(evals) == 2
+    for r, p, (eval_ms, runs) in zip(recs, prompts, evals):
+        # The server's own count of what it generated (greedy: the same answer without streaming).
+        usage = asyncio.run(_non_streaming(real_server.base_url, api, p.text, n_tok))["usage"]
+        assert r.generated_tokens == usage["completion_tokens"] >= n_tok
+        assert r.stop_reason == "length"
+        # It ran n − 1 decode steps after the one that came out of prompt processing.
+        assert r.decode_tokens == runs == r.generated_tokens - 1
+        # Our window spans the server's decode compute (plus its HTTP/Python overhead, never less).
+        assert r.decode_s * 1000 >= eval_ms * 0.95
+        assert r.t_first_ns > r.t_send_ns and r.t_last_ns > r.t_first_ns
+
+
+def test_concurrent_batch_against_the_real_server(real_server):
+    # llama-cpp-python serves one request at a time: the wall-clock aggregate must stay near the
+    # single-stream rate while the sum of per-request rates counts it several times over.
+    from powerprof.workload.measure import batch_windows
+
+    info = detect(real_server.base_url)
+    recs = run_load(info, [Prompt("a", "to the GPU watt")], 3, 3, RequestParams(max_tokens=32), warmup=0)
+    assert all(r.ok for r in recs), [r.error for r in recs]
+    (b,) = batch_windows(recs)
+    assert b.tok_s is not None
+    single = max(r.decode_tok_s for r in recs)
+    assert b.tok_s <= single * 1.1
+    assert b.sum_of_request_rates > 2 * b.tok_s

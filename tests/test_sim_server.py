@@ -1,0 +1,70 @@
+"""The simulated server's own promises: metrics semantics, busy flag, speculative drafts, GPU phases."""
+
+from __future__ import annotations
+
+import asyncio
+import re
+
+import aiohttp
+
+from powerprof.sim.nvml import SimNVML
+from powerprof.sim.server import SimServer
+from powerprof.workload.client import RequestParams
+from powerprof.workload.load import Prompt, builtin_prompts, run_load
+
+
+async def _get(url: str) -> str:
+    async with aiohttp.ClientSession() as s:
+        async with s.get(url) as r:
+            return await r.text()
+
+
+def _metric(text: str, name: str) -> float:
+    return float(re.search(rf"^{re.escape(name)} (\S+)$", text, re.M).group(1))
+
+
+async def _metric_during_stream(url: str, path: str, body: dict, name: str):
+    """Value of a metric after the third token event of a running stream, and after the stream."""
+    async with aiohttp.ClientSession() as s:
+        async with s.post(url + path, json=body) as r:
+            seen = 0
+            mid = None
+            async for line in r.content:
+                if line.startswith(b"data:"):
+                    seen += 1
+                    if seen == 3:
+                        mid = _metric(await _get(url + "/metrics"), name)
+        end = _metric(await _get(url + "/metrics"), name)
+    return mid, end
+
+
+def test_llamacpp_counter_grows_only_at_request_end_vllm_every_step():
+    body = {"prompt": "hi", "n_predict": 20, "max_tokens": 20, "stream": True, "ignore_eos": True}
+    with SimServer(SimNVML("a100-40g", state_path=None), decode_tok_s=200) as s:
+        mid, end = asyncio.run(_metric_during_stream(s.url, "/completion", body, "llamacpp:tokens_predicted_total"))
+        assert (mid, end) == (0.0, 20.0)
+    with SimServer(SimNVML("a100-40g", state_path=None), flavour="vllm", decode_tok_s=200) as s:
+        mid, end = asyncio.run(_metric_during_stream(s.url, "/v1/completions", body, "vllm:generation_tokens_total"))
+        assert 0 < mid < 20 and end == 20.0
+
+
+def test_busy_flag_follows_work_and_gpu_goes_idle():
+    nvml = SimNVML("a100-40g", state_path=None)
+    with SimServer(nvml, decode_tok_s=300) as s:
+        changes = []
+        s.on_busy(changes.append)
+        run_load(s.url, [Prompt("p", "hello")], 1, 1, RequestParams(max_tokens=10), warmup=0)
+        for _ in range(100):
+            if not s.busy:
+                break
+            asyncio.run(asyncio.sleep(0.01))
+        assert changes[:1] == [True] and changes[-1] is False
+        assert nvml.gpus[0].read()["phase"].kind == "idle"
+
+
+def test_speculative_profile_reports_drafts_and_multi_token_events():
+    with SimServer(SimNVML("seed-16g", state_path=None), decode_tok_s=300) as s:
+        (r,) = run_load(s.url, builtin_prompts("short")[:1], 1, 1, RequestParams(max_tokens=40), warmup=0)
+    assert r.ok and r.generated_tokens == 40
+    assert r.draft_n and 0 < r.draft_n_accepted < r.draft_n
+    assert max(r.event_tokens) > 1 and len(r.event_tokens) < 40

@@ -1,0 +1,188 @@
+"""Stream parsers: every protocol quirk the servers produce, fed byte by byte and in odd splits."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from powerprof.workload.stream import StreamParser, parse_response
+
+
+def sse(*objs) -> bytes:
+    out = b""
+    for o in objs:
+        out += b"data: " + (o if isinstance(o, bytes) else json.dumps(o).encode()) + b"\n\n"
+    return out
+
+
+def feed_all(api, data: bytes, split: int | None = None):
+    p = StreamParser(api)
+    events = []
+    if split is None:
+        events += p.feed(data)
+    else:
+        for i in range(0, len(data), split):
+            events += p.feed(data[i : i + split])
+    return events, p.finish()
+
+
+LLAMA = sse(
+    {"content": "Hel", "tokens": [1], "stop": False, "tokens_predicted": 1},
+    {"content": "lo wor", "tokens": [2, 3], "stop": False, "tokens_predicted": 3},  # two tokens in one event
+    {"content": "ld", "tokens": [4], "stop": False, "tokens_predicted": 4},
+    {
+        "content": "",
+        "tokens": [],
+        "stop": True,
+        "stop_type": "limit",
+        "model": "m.gguf",
+        "tokens_predicted": 4,
+        "tokens_evaluated": 9,
+        "timings": {"prompt_n": 9, "predicted_n": 4, "predicted_ms": 30.0, "draft_n": 6, "draft_n_accepted": 4},
+    },
+)
+
+
+@pytest.mark.parametrize("split", [None, 1, 7, 64])
+def test_llamacpp_counts_tokens_not_events_whatever_the_framing(split):
+    events, s = feed_all("llamacpp", LLAMA, split)
+    assert [e.n_tokens for e in events] == [1, 2, 1]
+    assert s.counted_tokens == 4 and s.generated_tokens == 4
+    assert s.prompt_tokens == 9
+    assert s.draft_n == 6 and s.draft_n_accepted == 4
+    assert s.stop_reason == "length" and s.complete and s.error is None
+    assert s.model == "m.gguf" and s.timings["predicted_ms"] == 30.0
+
+
+def test_llamacpp_old_builds_without_tokens_array_use_tokens_predicted():
+    data = sse(
+        {"content": "a", "stop": False, "tokens_predicted": 1},
+        {"content": "bc", "stop": False, "tokens_predicted": 3},
+        {"content": "", "stop": True, "stop_type": "eos", "tokens_predicted": 3},
+    )
+    events, s = feed_all("llamacpp", data)
+    assert [e.n_tokens for e in events] == [1, 2]
+    assert s.stop_reason == "stop" and s.generated_tokens == 3
+
+
+def test_llamacpp_stream_cut_before_stop_is_not_complete():
+    events, s = feed_all("llamacpp", LLAMA[: LLAMA.index(b'"stop": true') - 40])
+    assert not s.complete
+    assert s.counted_tokens == sum(e.n_tokens for e in events) < 4
+
+
+OAI_CHAT = (
+    b": ping\n\n"
+    + sse(
+        {"model": "qwen", "choices": [{"index": 0, "delta": {"role": "assistant", "content": None}, "finish_reason": None}]},
+        {"choices": [{"index": 0, "delta": {"content": "Hi"}, "finish_reason": None}]},
+        {"choices": [{"index": 0, "delta": {"reasoning_content": "hmm"}, "finish_reason": None}]},
+        {"choices": [{"index": 0, "delta": {"content": ""}, "finish_reason": None}]},  # half a UTF-8 char: a token
+        {"choices": [{"index": 0, "delta": {"content": " there"}, "finish_reason": None}]},
+        {
+            "choices": [{"index": 0, "delta": {}, "finish_reason": "length"}],
+            "timings": {"prompt_n": 5, "predicted_n": 6, "predicted_ms": 12.5},
+        },
+        {"choices": [], "usage": {"prompt_tokens": 5, "completion_tokens": 6, "total_tokens": 11}},
+    )
+    + b": keep-alive\r\n\r\n"
+    + b"data: [DONE]\r\n\r\n"
+)
+
+
+@pytest.mark.parametrize("split", [None, 1, 5, 33])
+def test_openai_chat_role_usage_done_and_comments_are_not_tokens(split):
+    events, s = feed_all("openai-chat", OAI_CHAT, split)
+    assert [e.n_tokens for e in events] == [1, 1, 1, 1]
+    assert "".join(e.text for e in events) == "Hihmm there"
+    assert s.counted_tokens == 4
+    assert s.generated_tokens == 6 and s.token_source == "usage"  # the server's count wins
+    assert s.prompt_tokens == 5
+    assert s.timings["predicted_ms"] == 12.5
+    assert s.done and s.complete and s.stop_reason == "length"
+    assert s.n_comments == 2
+    assert s.model == "qwen"
+    assert s.error is None
+
+
+def test_openai_completions_continuous_usage_gives_per_chunk_counts():
+    data = sse(
+        {"choices": [{"text": "a", "finish_reason": None}], "usage": {"completion_tokens": 1}},
+        {"choices": [{"text": "bcd", "finish_reason": None}], "usage": {"completion_tokens": 4}},
+        {"choices": [{"text": "", "finish_reason": "length"}], "usage": {"completion_tokens": 4}},
+        {"choices": [], "usage": {"prompt_tokens": 3, "completion_tokens": 4}},
+        b"[DONE]",
+    )
+    events, s = feed_all("openai-completions", data, 3)
+    assert [e.n_tokens for e in events] == [1, 3]
+    assert s.generated_tokens == 4 and s.counted_tokens == 4 and s.done
+
+
+def test_openai_logprobs_count_tokens_in_a_multi_token_chunk():
+    data = sse(
+        {"choices": [{"text": "ab", "logprobs": {"tokens": ["a", "b"]}, "finish_reason": None}]},
+        {"choices": [{"text": "", "finish_reason": "stop"}]},
+        b"[DONE]",
+    )
+    events, s = feed_all("openai-completions", data)
+    assert [e.n_tokens for e in events] == [2]
+    assert s.stop_reason == "stop"
+
+
+def test_data_split_over_several_lines_waits_for_the_blank_line():
+    data = b'data: {"choices": [{"text": "x",\ndata:  "finish_reason": null}]}\n\ndata: [DONE]\n\n'
+    events, s = feed_all("openai-completions", data, 4)
+    assert [e.n_tokens for e in events] == [1] and s.error is None
+
+
+@pytest.mark.parametrize(
+    "garbage",
+    [
+        b"data: {not json\n\n",
+        b"data: [1, 2\n\n",
+        b"\xff\xfe\x00garbage\n\n",
+        b"data: 42\n\n",
+        b'data: {"choices": "nope"}\n\n',
+        b'data: {"content": 5, "tokens": "x", "stop": "yes"}\n\n',
+        b"data: " + b"{" * 100 + b"\n\n",
+    ],
+)
+@pytest.mark.parametrize("api", ["llamacpp", "openai-completions", "openai-chat"])
+def test_garbage_never_raises_and_is_reported(api, garbage):
+    p = StreamParser(api)
+    p.feed(garbage)
+    p.feed(sse({"content": "ok", "tokens": [1], "choices": [{"text": "ok", "delta": {"content": "ok"}}]}))
+    s = p.finish()
+    assert s.counted_tokens >= 0
+    if garbage.startswith(b"data: {not") or garbage.startswith(b"\xff") or garbage.startswith(b"data: 42"):
+        assert s.error
+
+
+def test_error_event_from_server_is_recorded():
+    events, s = feed_all("openai-chat", sse({"error": {"message": "context too long", "code": 400}}))
+    assert events == [] and "context too long" in s.error
+
+
+def test_plain_json_error_body_on_a_stream_is_recorded():
+    events, s = feed_all("llamacpp", b'{"error": {"code": 503, "message": "Loading model"}}')
+    assert events == [] and "Loading model" in s.error and not s.complete
+
+
+def test_non_streaming_responses():
+    body = json.dumps(
+        {"choices": [{"message": {"role": "assistant", "content": "hello world"}, "finish_reason": "length"}],
+         "usage": {"prompt_tokens": 4, "completion_tokens": 7}}
+    ).encode()
+    events, s = parse_response("openai-chat", body)
+    assert [e.n_tokens for e in events] == [7] and s.generated_tokens == 7 and s.complete
+    body = json.dumps({"content": "hello", "stop": True, "stop_type": "limit", "timings": {"predicted_n": 5, "prompt_n": 3}}).encode()
+    events, s = parse_response("llamacpp", body)
+    assert [e.n_tokens for e in events] == [5] and s.prompt_tokens == 3 and s.stop_reason == "length"
+    events, s = parse_response("llamacpp", b"<html>oops")
+    assert events == [] and s.error
+
+
+def test_unknown_api_is_a_clear_error():
+    with pytest.raises(ValueError, match="unknown api"):
+        StreamParser("grpc")

@@ -1,0 +1,63 @@
+"""Decode-window arithmetic on hand-made timelines whose answers are known."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from powerprof.windows import concurrent_throughput, decode_window, measured_intervals, tokens_in_intervals
+
+MS = 1_000_000
+
+
+def test_decode_window_excludes_the_prefill_token():
+    t = np.array([100, 110, 120, 130]) * MS
+    w = decode_window(t, np.ones(4, dtype=int))
+    assert w.t_first_ns == 100 * MS and w.t_last_ns == 130 * MS
+    assert w.decode_tokens == 3
+    assert w.decode_tok_s == pytest.approx(3 / 0.030)
+
+
+def test_decode_window_uses_the_servers_total_when_given_and_handles_empty():
+    t = np.array([0, 10, 20]) * MS
+    assert decode_window(t, np.array([1, 2, 1]), generated=6).decode_tokens == 5
+    assert decode_window(np.array([5 * MS]), np.array([1])).decode_tok_s is None
+    assert decode_window(np.array([], dtype=np.int64), np.array([], dtype=np.int64)).t_first_ns is None
+
+
+def test_intervals_exclude_any_prefill():
+    # A: sent 0, first 10, last 100. B: sent 50, first 60, last 150.
+    iv = measured_intervals([0, 50 * MS], [10 * MS, 60 * MS], [100 * MS, 150 * MS])
+    assert iv.tolist() == [[10 * MS, 50 * MS], [60 * MS, 150 * MS]]
+
+
+def test_blocked_spans_of_failed_attempts_are_excluded():
+    iv = measured_intervals([0], [10 * MS], [100 * MS], blocked=[(40 * MS, 70 * MS)])
+    assert iv.tolist() == [[10 * MS, 40 * MS], [70 * MS, 100 * MS]]
+
+
+def test_tokens_in_intervals_is_half_open_on_the_left():
+    t = np.array([10, 20, 30]) * MS
+    assert tokens_in_intervals(t, np.ones(3), np.array([[10 * MS, 30 * MS]])) == 2
+
+
+def test_aggregate_is_wall_clock_not_sum_of_rates():
+    # Seed 000's mistake in miniature: two requests served one after the other (one slot).
+    # Each decodes 100 tokens in 1 s, so each "rate" is 100 tok/s and their sum 200, but the
+    # server only ever produced 100 tok/s. B waits (prefill to the client) while A decodes.
+    ta = 0.1 + np.arange(101) * 0.01
+    tb = 1.2 + np.arange(101) * 0.01
+    a = (0, (ta * 1e9).astype(np.int64), np.ones(101), None)
+    b = (0, (tb * 1e9).astype(np.int64), np.ones(101), None)
+    agg = concurrent_throughput([a, b])
+    rates = [decode_window(r[1], r[2]).decode_tok_s for r in (a, b)]
+    assert sum(rates) == pytest.approx(200, rel=1e-6)
+    assert agg.tok_s == pytest.approx(100, rel=1e-6)
+    assert agg.intervals.tolist() == [[int(tb[0] * 1e9), int(tb[-1] * 1e9)]]
+
+
+def test_aggregate_of_truly_parallel_streams_adds_up():
+    t = (0.1 + np.arange(51) * 0.02) * 1e9
+    reqs = [(0, t.astype(np.int64), np.ones(51), None) for _ in range(4)]
+    agg = concurrent_throughput(reqs)
+    assert agg.tok_s == pytest.approx(4 * 50, rel=1e-6)

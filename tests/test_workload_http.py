@@ -1,0 +1,287 @@
+"""Client, load and measure against the simulated server over real HTTP on loopback."""
+
+from __future__ import annotations
+
+import asyncio
+import socket
+import threading
+
+import aiohttp
+import numpy as np
+import pyarrow.parquet as pq
+import pytest
+from click.testing import CliRunner
+
+from powerprof.cli import main
+from powerprof.sim.nvml import SimNVML
+from powerprof.sim.server import SimServer
+from powerprof.windows import decode_window
+from powerprof.workload.client import RequestParams, ServerUnreachable, send_request
+from powerprof.workload.load import LoadAborted, LoadPolicy, Prompt, PromptFileError, builtin_prompts, detect, load_prompts, run_load
+
+FAST = dict(decode_tok_s=400.0, prefill_tok_s=2000.0)
+QUICK = RequestParams(max_tokens=24, stall_timeout_s=5, first_token_timeout_s=10, connect_timeout_s=2)
+NO_RETRY_WAIT = LoadPolicy(retry_backoff_s=0.01)
+
+
+@pytest.fixture
+def srv():
+    with SimServer(SimNVML("a100-40g", state_path=None), **FAST) as s:
+        yield s
+
+
+def dead_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.mark.parametrize("api", ["llamacpp", "openai-completions", "openai-chat"])
+def test_decode_window_excludes_prefill_and_holds_n_minus_one_tokens(srv, api):
+    info = detect(srv.url, api)
+    long_prompt = [p for p in builtin_prompts("long")][:1]
+    recs = run_load(info, long_prompt, 2, 1, QUICK, warmup=0)
+    assert [r.status for r in recs] == ["ok", "ok"]
+    for r, truth in zip(recs, srv.truth):
+        # The first token arrives only after the prefill the server did for this request.
+        assert r.t_first_ns >= truth["t_prefill_end_ns"]
+        assert truth["t_prefill_end_ns"] - truth["t_prefill_start_ns"] > 50_000_000  # a real prefill
+        assert r.generated_tokens == 24 and r.decode_tokens == 23
+        assert r.stop_reason == "length"
+        em = np.array([t for t, _ in truth["emissions"]])
+        true_rate = 23 / ((em[-1] - em[0]) / 1e9)
+        assert r.decode_tok_s == pytest.approx(true_rate, rel=0.15)
+        ttft_true = (truth["t_prefill_end_ns"] - r.t_send_ns) / 1e9
+        assert r.ttft_s >= ttft_true
+        assert r.prompt_tokens == truth["prompt_tokens"]
+        assert r.server_timings["predicted_n"] == 24
+
+
+def test_concurrent_aggregate_matches_wall_clock_truth_not_sum_of_rates():
+    # Two slots, four streams: two decode while two wait, as in seed 000.
+    with SimServer(SimNVML("a100-40g", state_path=None), n_slots=2, **FAST) as s:
+        recs = run_load(s.url, builtin_prompts("short"), 4, 4, RequestParams(max_tokens=40), warmup=0)
+        steps = list(s.steps)
+    from powerprof.workload.measure import batch_windows
+
+    assert all(r.ok for r in recs)
+    (b,) = batch_windows(recs)
+    dec = [(t0, t1, n) for t0, t1, kind, batch, n in steps if kind == "decode"]
+    truth = sum(n for *_, n in dec) / (sum(t1 - t0 for t0, t1, _ in dec) / 1e9)
+    assert b.tok_s == pytest.approx(truth, rel=0.12)
+    assert b.sum_of_request_rates > 1.6 * b.tok_s
+
+
+def test_power_cap_mid_run_slows_the_simulated_stream():
+    nvml = SimNVML("seed-16g", state_path=None)
+    with SimServer(nvml, decode_tok_s=300.0) as s:
+        info = detect(s.url)
+        fast = run_load(info, builtin_prompts("short")[:1], 2, 1, QUICK, warmup=0)
+        nvml.gpus[0].set_limit_w(150)
+        slow = run_load(info, builtin_prompts("short")[:1], 2, 1, QUICK, warmup=0)
+    r_fast = np.median([r.decode_tok_s for r in fast])
+    r_slow = np.median([r.decode_tok_s for r in slow])
+    assert r_slow < 0.9 * r_fast
+
+
+def test_edge_hook_fires_at_first_token_and_end(srv):
+    seen = []
+    recs = run_load(srv.url, builtin_prompts("short"), 2, 2, QUICK, edge_hook=seen.append, warmup=0)
+    ids = sorted(r.request_id for r in recs)
+    assert sorted(seen) == sorted([f"first:{i}" for i in ids] + [f"end:{i}" for i in ids])
+    for i in ids:
+        assert seen.index(f"first:{i}") < seen.index(f"end:{i}")
+
+
+def test_text_stays_out_unless_asked(srv):
+    (r,) = run_load(srv.url, [Prompt("p", "secret prompt")], 1, 1, QUICK, warmup=0)
+    assert r.prompt_text is None and r.completion_text is None
+    (r,) = run_load(srv.url, [Prompt("p", "secret prompt")], 1, 1, RequestParams(max_tokens=8, keep_text=True), warmup=0)
+    assert r.prompt_text == "secret prompt" and len(r.completion_text.split()) == 8
+
+
+def test_ignore_eos_gives_fixed_length(srv):
+    p = [Prompt("p", "tell me a story")]
+    (free,) = run_load(srv.url, p, 1, 1, RequestParams(max_tokens=200, ignore_eos=False), warmup=0)
+    (fixed,) = run_load(srv.url, p, 1, 1, RequestParams(max_tokens=80, ignore_eos=True), warmup=0)
+    assert free.stop_reason == "stop" and free.generated_tokens < 80
+    assert fixed.generated_tokens == 80
+
+
+def test_server_detection():
+    with SimServer(SimNVML("a100-40g", state_path=None), flavour="vllm", **FAST) as v:
+        info = detect(v.url)
+        assert (info.kind, info.api) == ("vllm", "openai-completions")
+        (r,) = run_load(info, builtin_prompts("short")[:1], 1, 1, QUICK, warmup=0)
+        assert r.ok and r.token_source == "usage" and r.generated_tokens == 24
+    with SimServer(SimNVML("a100-40g", state_path=None), **FAST) as s:
+        info = detect(s.url)
+        assert (info.kind, info.api, info.total_slots, info.simulated) == ("llamacpp", "llamacpp", 4, True)
+        assert info.build_info and info.model_path
+        assert detect(s.url, "openai-chat").api == "openai-chat"
+    with pytest.raises(ServerUnreachable):
+        detect(f"http://127.0.0.1:{dead_port()}")
+
+
+# --- failures -------------------------------------------------------------------------------------
+
+
+def _failed_then_ok(recs, reason):
+    assert [r.status for r in recs] == ["failed", "ok"]
+    bad = recs[0]
+    assert reason in bad.error
+    assert bad.generated_tokens == 0 and bad.event_t_ns == () and bad.decode_tok_s is None
+    assert recs[1].attempt == 2 and recs[1].request_id == bad.request_id
+
+
+def test_http_error_is_recorded_and_retried(srv):
+    srv.inject("http_error", status=500)
+    recs = run_load(srv.url, builtin_prompts("short"), 1, 1, QUICK, warmup=0, policy=NO_RETRY_WAIT)
+    _failed_then_ok(recs, "HTTP 500")
+    assert recs[0].http_status == 500
+
+
+def test_truncated_stream_is_a_failure(srv):
+    srv.inject("drop", after_tokens=3)
+    recs = run_load(srv.url, builtin_prompts("short"), 1, 1, QUICK, warmup=0, policy=NO_RETRY_WAIT)
+    assert "truncated" in recs[0].error or "closed" in recs[0].error
+    _failed_then_ok(recs, "")
+
+
+def test_malformed_json_is_a_failure(srv):
+    srv.inject("malformed", after_tokens=2)
+    recs = run_load(srv.url, builtin_prompts("short"), 1, 1, QUICK, warmup=0, policy=NO_RETRY_WAIT)
+    _failed_then_ok(recs, "malformed JSON")
+
+
+def test_stall_times_out(srv):
+    srv.inject("stall", after_tokens=2, seconds=3.0)
+    params = RequestParams(max_tokens=24, stall_timeout_s=0.5, first_token_timeout_s=5)
+    recs = run_load(srv.url, builtin_prompts("short"), 1, 1, params, warmup=0, policy=NO_RETRY_WAIT)
+    _failed_then_ok(recs, "timeout")
+
+
+def test_connection_refused_exhausts_retries_and_stops_cleanly(srv):
+    info = detect(srv.url)
+    from dataclasses import replace
+
+    gone = replace(info, base_url=f"http://127.0.0.1:{dead_port()}")
+    with pytest.raises(LoadAborted, match="failed 3 times.*connection refused") as e:
+        run_load(gone, builtin_prompts("short"), 2, 1, QUICK, warmup=0, policy=NO_RETRY_WAIT)
+    assert len(e.value.records) == 3 and all(not r.ok for r in e.value.records)
+
+
+def test_too_many_failures_stop_the_run(srv):
+    srv.inject("http_error", status=503, count=100)
+    policy = LoadPolicy(max_attempts=3, max_failed_attempts=2, retry_backoff_s=0.01)
+    with pytest.raises(LoadAborted, match="too many failed requests"):
+        run_load(srv.url, builtin_prompts("short"), 4, 2, QUICK, warmup=0, policy=policy)
+
+
+def test_server_dying_mid_run_fails_requests_and_stops():
+    s = SimServer(SimNVML("a100-40g", state_path=None), decode_tok_s=100.0).start()
+    try:
+        info = detect(s.url)
+        timer = threading.Timer(0.25, s.kill)
+        timer.start()
+        with pytest.raises(LoadAborted) as e:
+            run_load(info, builtin_prompts("short"), 6, 2, RequestParams(max_tokens=100, connect_timeout_s=2), warmup=0,
+                     policy=NO_RETRY_WAIT)
+        timer.join()
+        failed = [r for r in e.value.records if not r.ok]
+        assert failed and all(r.generated_tokens == 0 for r in failed)
+    finally:
+        s.stop()
+
+
+def test_single_request_never_raises_on_refusal():
+    from powerprof.workload.client import ServerInfo
+
+    server = ServerInfo(f"http://127.0.0.1:{dead_port()}", "llamacpp", "llamacpp")
+
+    async def go():
+        async with aiohttp.ClientSession() as s:
+            return await send_request(s, server, "hi", QUICK)
+
+    r = asyncio.run(go())
+    assert r.status == "failed" and "connection refused" in r.error
+
+
+# --- prompts ----------------------------------------------------------------------------------------
+
+
+def test_prompt_file_errors_name_the_line(tmp_path):
+    f = tmp_path / "p.jsonl"
+    f.write_text('{"prompt": "a"}\n{"prompt": "b", "id": "x"}\n{"text": 3}\n')
+    with pytest.raises(PromptFileError, match=r"p.jsonl:3: needs a non-empty string"):
+        load_prompts(f)
+    f.write_text('{"prompt": "a"}\nnot json\n')
+    with pytest.raises(PromptFileError, match=r"p.jsonl:2: not valid JSON"):
+        load_prompts(f)
+    f.write_text('{"prompt": "a", "id": 1}\n\n{"prompt": "b", "max_tokens": 5}\n')
+    ps = load_prompts(f)
+    assert [(p.id, p.max_tokens) for p in ps] == [("1", None), ("line-3", 5)]
+
+
+# --- the measure command ------------------------------------------------------------------------------
+
+
+def test_measure_simulated_writes_windows_with_energy(tmp_path, monkeypatch):
+    import powerprof.workload.measure as m
+
+    real = m.run_measure
+    monkeypatch.setattr(m, "run_measure", lambda **kw: real(**kw, sim_decode_tok_s=300.0, interval_s=0.2))
+    out = tmp_path / "run"
+    res = CliRunner().invoke(
+        main, ["measure", "--simulate", "a100-40g", "--requests", "2", "--concurrency", "1,2", "--max-tokens", "16", "--out", str(out)]
+    )
+    assert res.exit_code == 0, res.output
+    assert "simulated" in res.output and "decode tok/s" in res.output
+    t = pq.read_table(out / "windows.parquet").to_pylist()
+    req = [r for r in t if r["window_kind"] == "request" and not r["warmup"]]
+    batch = [r for r in t if r["window_kind"] == "batch"]
+    assert len(req) == 4 and len(batch) == 1 and len([r for r in t if r["warmup"]]) == 1
+    for r in req + batch:
+        assert r["status"] == "ok" and r["gpu_energy_j"] > 0 and r["energy_method"] == "counter"
+        assert r["gpu_j_per_token"] == pytest.approx(r["gpu_energy_j"] / r["decode_tokens"])
+    assert all(r["decode_tokens"] == 15 for r in req)
+    assert all(r["prompt_text"] is None and r["completion_text"] is None for r in t)
+    # A second run into the same folder is refused and changes nothing.
+    before = (out / "windows.parquet").read_bytes()
+    res = CliRunner().invoke(main, ["measure", "--simulate", "a100-40g", "--out", str(out)])
+    assert res.exit_code != 0 and "not empty" in res.output
+    assert (out / "windows.parquet").read_bytes() == before
+
+
+def test_measure_without_gpu_still_runs(tmp_path, srv):
+    pynvml = pytest.importorskip("pynvml")
+    try:
+        pynvml.nvmlInit()
+        pynvml.nvmlShutdown()
+        pytest.skip("this machine has a working NVIDIA driver: the no-GPU path cannot be shown here")
+    except pynvml.NVMLError:
+        pass
+    out = tmp_path / "run"
+    res = CliRunner().invoke(main, ["measure", "--server", srv.url, "--requests", "2", "--max-tokens", "8", "--out", str(out)])
+    assert res.exit_code == 0, res.output
+    assert "no GPU readable here" in res.output
+    t = pq.read_table(out / "windows.parquet").to_pylist()
+    assert all(r["gpu_energy_j"] is None for r in t)
+    assert all(r["decode_tok_s"] > 0 for r in t if r["status"] == "ok")
+
+
+def test_measure_bad_input_is_a_clear_error(tmp_path):
+    f = tmp_path / "p.jsonl"
+    f.write_text("{}\n")
+    r = CliRunner().invoke(main, ["measure", "--simulate", "--prompts", str(f), "--out", str(tmp_path / "o")])
+    assert r.exit_code == 2 and "p.jsonl:1" in r.output and not (tmp_path / "o").exists()
+    r = CliRunner().invoke(main, ["measure", "--simulate", "--concurrency", "1,x"])
+    assert r.exit_code == 2 and "comma-separated" in r.output
+    r = CliRunner().invoke(main, ["measure", "--server", f"http://127.0.0.1:{dead_port()}", "--out", str(tmp_path / "o2")])
+    assert r.exit_code == 1 and "no server answers" in r.output
+
+
+def test_decode_window_of_a_record_matches_the_pure_function(srv):
+    (r,) = run_load(srv.url, builtin_prompts("short")[:1], 1, 1, QUICK, warmup=0)
+    w = decode_window(*r.arrivals(), r.generated_tokens)
+    assert (w.t_first_ns, w.t_last_ns, w.decode_tokens) == (r.t_first_ns, r.t_last_ns, r.decode_tokens)
