@@ -200,3 +200,25 @@ def test_unreachable_upstream_gives_502_and_sighup_keeps_a_good_config(tmp_path)
     assert "flush_interval_s=0.25" in out
     reqs = read_dataset(tmp_path / "data", "requests")
     assert list(reqs["status"]) == [502] * 3 and set(reqs["outcome"]) == {"upstream_unreachable"}
+
+
+def test_a_limit_left_by_a_crashed_sweep_is_restored_at_start_and_logged(tmp_path, monkeypatch):
+    from powerprof.control.restore import default_restore_path, new_record, write_json_atomic
+
+    env = sim_env(tmp_path)
+    monkeypatch.setenv("POWERPROF_SIM_STATE", env["POWERPROF_SIM_STATE"])
+    nvml = SimNVML("seed-16g")  # shares the state file with the daemon's simulator
+    nvml.nvmlInit()
+    h = nvml.nvmlDeviceGetHandleByIndex(0)
+    uuid = nvml.nvmlDeviceGetUUID(h)
+    nvml.nvmlDeviceSetPowerManagementLimit(h, 180_000)  # what a killed sweep leaves behind
+    rec = new_record({uuid: {"index": 0, "name": "sim", "original_limit_mw": 300_000, "default_limit_mw": 300_000,
+                             "clocks_locked": False}}, {"profile": "seed-16g", "count": 1})
+    path = default_restore_path([uuid])
+    write_json_atomic(path, rec)
+    d = DaemonProc(tmp_path / "data", "--simulate", "seed-16g", env=env)
+    rc = d.stop()
+    assert rc == 0
+    assert "restore at start" in d.output() and "300 W" in d.output()
+    assert nvml.nvmlDeviceGetPowerManagementLimit(h) == 300_000
+    assert not path.exists()
