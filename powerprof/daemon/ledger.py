@@ -290,7 +290,7 @@ class Ledger:
             if r.ev_t and r.ev_t[0] < t_end:
                 j = int(np.searchsorted(r.ev_t, t_end))
                 del r.ev_t[:j], r.ev_n[:j]
-        self._account(t, per_gpu, gpu, cpu, a)
+        self._account(t, per_gpu, gpu, cpu, a, methods)
         self._interval_rows(edges, t, gpu, cpu, methods, a, server)
         rows = []
         for r, d in zip(reqs, done):
@@ -321,7 +321,7 @@ class Ledger:
                 self._debit = max(0.0, self._debit - self._credit.popleft())
         return out
 
-    def _account(self, t, per_gpu, gpu, cpu, a: attr.Attribution) -> None:
+    def _account(self, t, per_gpu, gpu, cpu, a: attr.Attribution, methods: list[str]) -> None:
         self._gpu_total = self._gpu_total + np.nan_to_num(per_gpu).sum(axis=0)
         if not np.isnan(cpu).all():
             self._cpu_total = (self._cpu_total or 0.0) + float(np.nansum(cpu))
@@ -335,7 +335,7 @@ class Ledger:
         e = sum(x[1] for x in self._recent)
         n = sum(x[2] for x in self._recent)
         for tag in list(self.tags.values()) + self.closed_tags:
-            self._tag_add(tag, t, gpu, cpu, a)
+            self._tag_add(tag, t, gpu, cpu, a, methods)
         self.totals = Totals(
             gpu_energy_j=tuple(float(x) for x in self._gpu_total),
             cpu_energy_j=self._cpu_total,
@@ -344,7 +344,7 @@ class Ledger:
             j_per_token=e / n if n > 0 else None,
         )
 
-    def _tag_add(self, tag: _Tag, t, gpu, cpu, a) -> None:
+    def _tag_add(self, tag: _Tag, t, gpu, cpu, a, methods) -> None:
         mid = (t[:-1] + t[1:]) // 2
         end = tag.t1_ns if tag.t1_ns is not None else attr.NEVER
         inside = (mid >= tag.t0_ns) & (mid < end)
@@ -354,6 +354,7 @@ class Ledger:
         if not np.isnan(cpu[inside]).all():
             tag.cpu_j = (tag.cpu_j or 0.0) + float(np.nansum(cpu[inside]))
         tag.tokens += float(a.tokens[inside].sum())
+        tag.methods.update(m for m, i in zip(methods, inside) if i)
 
     def _emit_tags(self, force: bool = False) -> None:
         last_closed = self.edges[0].t_ns if self.edges else None
@@ -361,7 +362,7 @@ class Ledger:
         if not ready:
             return
         self.closed_tags = [tg for tg in self.closed_tags if tg not in ready]
-        self.emit("tags", [self._tag_row(tg) for tg in ready])
+        self.emit("tags", [self.tag_row(tg) for tg in ready])
 
     def _expire(self, now_ns: int) -> None:
         old = [rid for rid, r in self.requests.items() if now_ns - r.trace.arrival_ns > MAX_OPEN_S * 1e9]
@@ -432,7 +433,7 @@ class Ledger:
             "recorder_error": tr.recorder_error,
         }
 
-    def _tag_row(self, tg: _Tag) -> dict:
+    def tag_row(self, tg: _Tag) -> dict:
         dur = (tg.t1_ns - tg.t0_ns) / 1e9 if tg.t1_ns is not None else None
         return {
             "daemon_id": self.daemon_id,
@@ -442,7 +443,7 @@ class Ledger:
             "duration_s": dur,
             "gpu_energy_j": tg.gpu_j,
             "cpu_energy_j": tg.cpu_j,
-            "energy_method": "counter",
+            "energy_method": next((m for m in ("none", "power_integration", "counter") if m in tg.methods), None),
             "proxy_tokens": tg.tokens,
             "gpu_j_per_token": tg.gpu_j / tg.tokens if tg.tokens > 0 else None,
             "closed_by": tg.closed_by,

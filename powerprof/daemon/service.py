@@ -147,7 +147,7 @@ class Daemon:
         deadline = time.monotonic() + 3 * self.cfg.get("daemon", "interval_s") + 2
         while tag in self.ledger.closed_tags and time.monotonic() < deadline:
             await asyncio.sleep(0.05)
-        row = self.ledger._tag_row(tag)
+        row = self.ledger.tag_row(tag)
         log.info("tag %s stopped: %.1f J over %.1f s", name, row["gpu_energy_j"], row["duration_s"] or 0)
         return {k: row[k] for k in ("name", "duration_s", "gpu_energy_j", "cpu_energy_j", "proxy_tokens", "gpu_j_per_token")}
 
