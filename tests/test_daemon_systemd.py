@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import configparser
 import shutil
 import subprocess
 import sys

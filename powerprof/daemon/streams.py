@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from powerprof.workload.stream import APIS, StreamParser, parse_response
+from powerprof.workload.stream import StreamParser, TokenEvent, parse_response
 
 
 def api_for_path(path: str) -> str | None:
@@ -24,15 +24,9 @@ def api_for_path(path: str) -> str | None:
     return None
 
 
-def event_tokens(ev) -> int:
-    """Token count carried by one TokenEvent, whatever the field is called."""
-    for name in ("tokens", "n_tokens", "count", "n"):
-        v = getattr(ev, name, None)
-        if isinstance(v, int):
-            return v
-        if isinstance(v, (list, tuple)):
-            return len(v)
-    return 1
+def event_tokens(ev: TokenEvent) -> int:
+    """Tokens one event carried (several under batching or speculative decode): count tokens, not events."""
+    return ev.n_tokens
 
 
 @dataclass(frozen=True)
