@@ -150,3 +150,84 @@ ANALYSIS = pa.schema(
 )
 
 TABLES = {"samples": SAMPLES, "windows": WINDOWS, "levels": LEVELS, "analysis": ANALYSIS}
+
+# --- daemon datasets (hive-partitioned by date=YYYY-MM-DD; the partition column is not in the files)
+
+# One row per proxied request. Never prompt or completion text.
+DAEMON_REQUESTS = pa.schema(
+    [
+        ("daemon_id", pa.string()),  # one daemon process: request_id is unique within it
+        ("request_id", pa.int64()),
+        ("t_arrival_utc", TS),
+        ("t_first_utc", TS),  # first generated token passed through the proxy
+        ("t_last_utc", TS),  # last generated token
+        ("t_end_utc", TS),  # response finished (or failed)
+        ("ttft_s", pa.float64()),
+        ("decode_s", pa.float64()),  # t_last - t_first, monotonic clock
+        ("method", pa.string()),
+        ("endpoint", pa.string()),  # URL path, no query string
+        ("api", pa.string()),  # llamacpp | openai-completions | openai-chat | null (not parsed)
+        ("model", pa.string()),
+        ("stream", pa.bool_()),
+        ("tag", pa.string()),  # client tag header, truncated to 128 characters
+        ("status", pa.int32()),  # HTTP status sent to the client
+        ("outcome", pa.string()),  # ok | client_disconnected | upstream_error | upstream_unreachable | interrupted
+        ("error", pa.string()),
+        ("prompt_tokens", pa.int32()),
+        ("generated_tokens", pa.int32()),
+        ("decode_tokens", pa.int32()),  # generated - 1
+        ("token_source", pa.string()),  # usage | timings | counted | none
+        ("stop_reason", pa.string()),
+        ("response_bytes", pa.int64()),
+        ("gpu_energy_j", pa.float64()),  # share of decode-interval GPU energy attributed to it
+        ("cpu_energy_j", pa.float64()),  # same split of RAPL package+DRAM energy
+        ("attributed_tokens", pa.float64()),  # its tokens inside decode intervals
+        ("gpu_j_per_token", pa.float64()),  # gpu_energy_j / attributed_tokens
+        ("recorder_error", pa.string()),  # recording failed (traffic still flowed)
+    ]
+)
+
+# One row per sample interval: the energy between two consecutive GPU samples and who used it.
+DAEMON_INTERVALS = pa.schema(
+    [
+        ("daemon_id", pa.string()),
+        ("t_start_utc", TS),
+        ("t_end_utc", TS),
+        ("t_start_mono_s", pa.float64()),  # monotonic seconds since the daemon started
+        ("duration_s", pa.float64()),
+        ("kind", pa.string()),  # idle | decode | prefill (prefill or mixed) | unproxied
+        ("gpu_energy_j", pa.float64()),  # all sampled GPUs
+        ("cpu_energy_j", pa.float64()),  # RAPL package + DRAM, null without RAPL
+        ("energy_method", pa.string()),  # counter | power_integration | none (weakest of the GPUs)
+        ("avg_gpu_power_w", pa.float64()),
+        ("proxy_tokens", pa.float64()),  # tokens that passed through the proxy in the interval
+        ("server_tokens", pa.float64()),  # tokens the server's own metrics counted (null: not scraped)
+        ("n_prefill", pa.int32()),  # requests in prefill during the interval
+        ("n_decoding", pa.int32()),  # requests decoding during the interval
+    ]
+)
+
+# One row per application-defined tag window (powerprof tag start|stop NAME).
+DAEMON_TAGS = pa.schema(
+    [
+        ("daemon_id", pa.string()),
+        ("name", pa.string()),
+        ("t_start_utc", TS),
+        ("t_end_utc", TS),
+        ("duration_s", pa.float64()),
+        ("gpu_energy_j", pa.float64()),  # counter read on demand at both edges
+        ("cpu_energy_j", pa.float64()),
+        ("energy_method", pa.string()),
+        ("proxy_tokens", pa.float64()),  # tokens through the proxy inside the window
+        ("gpu_j_per_token", pa.float64()),
+        ("closed_by", pa.string()),  # stop | shutdown
+    ]
+)
+
+DAEMON_TABLES = {
+    "samples": SAMPLES,
+    "requests": DAEMON_REQUESTS,
+    "intervals": DAEMON_INTERVALS,
+    "tags": DAEMON_TAGS,
+}
+TABLES.update({"daemon_requests": DAEMON_REQUESTS, "daemon_intervals": DAEMON_INTERVALS, "daemon_tags": DAEMON_TAGS})

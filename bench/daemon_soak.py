@@ -1,0 +1,92 @@
+"""Daemon soak: CPU % and RSS of `powerprof daemon --simulate` over N minutes at 1 Hz with 8 GPUs.
+
+    .venv/bin/python bench/daemon_soak.py --minutes 10 --gpus 8
+
+Prints the daemon's CPU use (share of one core) and resident memory per minute, and the
+totals; `--rps` adds streamed requests through the proxy (their simulated server runs inside
+the daemon process, so that figure includes the simulated server's own cost).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+import urllib.request
+from pathlib import Path
+
+import psutil
+
+
+def traffic(url: str, rps: float, stop: threading.Event) -> None:
+    body = json.dumps({"prompt": "soak", "n_predict": 32, "stream": True}).encode()
+    while not stop.wait(1.0 / rps):
+        try:
+            urllib.request.urlopen(urllib.request.Request(url + "/completion", data=body, method="POST"), timeout=30).read()
+        except OSError:
+            pass
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--minutes", type=float, default=10.0)
+    ap.add_argument("--gpus", type=int, default=8)
+    ap.add_argument("--interval", type=float, default=1.0)
+    ap.add_argument("--rps", type=float, default=0.0)
+    a = ap.parse_args()
+    tmp = Path(tempfile.mkdtemp(prefix="powerprof-soak-"))
+    data = tmp / "data"
+    env = {**os.environ, "POWERPROF_SIM_STATE": str(tmp / "sim.json")}
+    cmd = [sys.executable, "-m", "powerprof.cli", "daemon", "--simulate", "a100-40g", "--sim-gpus", str(a.gpus),
+           "--interval", str(a.interval), "--data-dir", str(data), "--listen", "127.0.0.1:0",
+           "--metrics-listen", "127.0.0.1:0", "--tag-socket", str(tmp / "tags.sock")]
+    proc = subprocess.Popen(cmd, stdout=open(tmp / "daemon.log", "wb"), stderr=subprocess.STDOUT, env=env)
+    info = None
+    for _ in range(600):
+        try:
+            info = json.loads((data / "daemon.json").read_text())
+            break
+        except (OSError, ValueError):
+            time.sleep(0.05)
+    if info is None:
+        proc.kill()
+        sys.exit(f"daemon did not start; log in {tmp / 'daemon.log'}")
+    stop = threading.Event()
+    if a.rps > 0:
+        threading.Thread(target=traffic, args=(info["proxy"], a.rps, stop), daemon=True).start()
+    p = psutil.Process(proc.pid)
+    print(f"daemon pid {proc.pid}: {a.gpus} simulated GPUs every {a.interval} s, {a.rps} req/s, {a.minutes} min")
+    print("minute  cpu_%_of_one_core  rss_MiB")
+    t0 = time.monotonic()
+    cpu0 = sum(p.cpu_times()[:2])
+    rss = []
+    last_t, last_cpu = t0, cpu0
+    minute = 0
+    try:
+        while time.monotonic() - t0 < a.minutes * 60:
+            time.sleep(min(60.0, a.minutes * 60 - (time.monotonic() - t0)) if a.minutes >= 1 else a.minutes * 60)
+            now, cpu = time.monotonic(), sum(p.cpu_times()[:2])
+            r = p.memory_info().rss / 2**20
+            rss.append(r)
+            minute += 1
+            print(f"{minute:6d}  {100 * (cpu - last_cpu) / (now - last_t):17.2f}  {r:7.1f}", flush=True)
+            last_t, last_cpu = now, cpu
+        total_cpu = sum(p.cpu_times()[:2]) - cpu0
+        elapsed = time.monotonic() - t0
+    finally:
+        stop.set()
+        proc.terminate()
+        proc.wait(60)
+    files = list(data.rglob("*.parquet"))
+    print(f"mean CPU {100 * total_cpu / elapsed:.2f} % of one core over {elapsed / 60:.1f} min; "
+          f"RSS first {rss[0]:.1f} MiB, last {rss[-1]:.1f} MiB, max {max(rss):.1f} MiB; "
+          f"{len(files)} Parquet files, {sum(f.stat().st_size for f in files) / 1024:.0f} KiB; exit {proc.returncode}")
+
+
+if __name__ == "__main__":
+    main()

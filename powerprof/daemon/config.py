@@ -1,0 +1,292 @@
+"""Daemon configuration: TOML file, then POWERPROF_<SECTION>_<KEY> environment, then CLI flags.
+
+Every key is declared once in SPEC with its type, default and check. Unknown keys and bad values
+are rejected at start (and at SIGHUP reload) with a message naming the key, before anything runs.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable
+from urllib.parse import urlsplit
+
+if sys.version_info >= (3, 11):
+    import tomllib
+else:  # pragma: no cover
+    import tomli as tomllib
+
+ENV_PREFIX = "POWERPROF_"
+
+
+class ConfigError(ValueError):
+    """A bad config: the message names the key and says what is accepted."""
+
+
+def _listen(v: str) -> str:
+    if v == "":
+        return v
+    if v.startswith("unix:"):
+        return v
+    host, sep, port = v.rpartition(":")
+    if not sep or not port.isdigit() or not 0 <= int(port) <= 65535 or not host:
+        raise ValueError("expected HOST:PORT (port 0-65535), e.g. 127.0.0.1:9464, or empty to disable")
+    return v
+
+
+def _url(v: str) -> str:
+    if v == "":
+        return v
+    u = urlsplit(v)
+    if u.scheme not in ("http", "https") or not u.hostname:
+        raise ValueError("expected an http:// or https:// URL, e.g. http://127.0.0.1:8080")
+    return v.rstrip("/")
+
+
+def _positive(lo: float = 0.0, hi: float = float("inf"), inclusive_lo: bool = False):
+    def check(v):
+        if not ((v >= lo if inclusive_lo else v > lo) and v <= hi):
+            bound = f"{'>=' if inclusive_lo else '>'} {lo}" + (f" and <= {hi}" if hi != float("inf") else "")
+            raise ValueError(f"must be {bound}")
+        return v
+
+    return check
+
+
+def _choice(*options):
+    def check(v):
+        if v not in options:
+            raise ValueError(f"must be one of {', '.join(options)}")
+        return v
+
+    return check
+
+
+def _header(v: str) -> str:
+    if not v or any(c in v for c in " :\r\n\t"):
+        raise ValueError("must be an HTTP header name without spaces or colons")
+    return v
+
+
+def _int_list(v):
+    if not all(isinstance(x, int) and x >= 0 for x in v):
+        raise ValueError("must be a list of GPU indexes (integers >= 0)")
+    return v
+
+
+def _str_list(v):
+    if not all(isinstance(x, str) and x for x in v):
+        raise ValueError("must be a list of non-empty strings")
+    return v
+
+
+def _ident(v):
+    return v
+
+
+@dataclass(frozen=True)
+class Key:
+    type: type
+    default: Any
+    check: Callable = _ident
+    reloadable: bool = False
+    help: str = ""
+
+
+SPEC: dict[str, dict[str, Key]] = {
+    "daemon": {
+        "interval_s": Key(float, 1.0, _positive(0.02, 10.0, True), help="sampling period (0.02-10 s)"),
+        "data_dir": Key(str, "", help="dataset root; default $STATE_DIRECTORY, then the user state folder"),
+        "flush_interval_s": Key(float, 30.0, _positive(0.05, 3600), True, "seconds between Parquet flushes"),
+        "compact_interval_s": Key(float, 3600.0, _positive(1, 86400 * 7, True), True, "seconds between compactions"),
+        "retention_days": Key(float, 30.0, _positive(0, 36500, True), True, "delete partitions older; 0 = keep"),
+        "retention_max_mb": Key(float, 0.0, _positive(0, 1e9, True), True, "cap on dataset size; 0 = none"),
+        "max_buffered_rows": Key(int, 500_000, _positive(100, 1e9, True), True, "rows kept in memory per dataset while writes fail"),
+        "gpus": Key(list, [], _int_list, help="NVML indexes to sample; empty = all visible"),
+        "log_level": Key(str, "info", _choice("debug", "info", "warning", "error"), True),
+        "restore_on_start": Key(bool, True, help="restore limits left by a crashed sweep"),
+    },
+    "proxy": {
+        "listen": Key(str, "127.0.0.1:8081", _listen, help="proxy address; empty disables the proxy"),
+        "upstream": Key(str, "", _url, help="inference server URL the proxy forwards to"),
+        "tag_header": Key(str, "X-Powerprof-Tag", _header, help="request header carrying the client tag"),
+        "read_timeout_s": Key(float, 600.0, _positive(0, 86400)),
+        "connect_timeout_s": Key(float, 10.0, _positive(0, 600)),
+        "max_connections": Key(int, 1024, _positive(0, 100000)),
+    },
+    "scrape": {
+        "server": Key(str, "auto", _choice("auto", "vllm", "sglang", "llamacpp", "none")),
+        "url": Key(str, "", _url, help="server to scrape; default the proxy upstream"),
+        "interval_s": Key(float, 1.0, _positive(0.1, 3600, True), True),
+    },
+    "metrics": {
+        "listen": Key(str, "127.0.0.1:9464", _listen, help="Prometheus /metrics address; empty disables"),
+        "tags": Key(list, [], _str_list, True, "tag label allow-list; others count as 'other'"),
+        "max_tags": Key(int, 20, _positive(0, 1000), True, "distinct tag label values before 'other'"),
+        "jpt_window_s": Key(float, 60.0, _positive(1, 86400), True, "window of the rolling J/token gauge"),
+    },
+    "tags": {
+        "socket": Key(str, "", help="tag API Unix socket; default $RUNTIME_DIRECTORY or the data dir"),
+    },
+}
+
+
+def _coerce(section: str, key: str, spec: Key, value: Any, from_env: bool) -> Any:
+    name = f"{section}.{key}"
+    try:
+        if from_env:
+            value = _from_text(spec.type, value)
+        if spec.type is float and isinstance(value, int) and not isinstance(value, bool):
+            value = float(value)
+        if spec.type is bool and not isinstance(value, bool):
+            raise ValueError("must be true or false")
+        if not isinstance(value, spec.type) or (spec.type is int and isinstance(value, bool)):
+            raise ValueError(f"must be of type {spec.type.__name__}, got {type(value).__name__}")
+        return spec.check(value)
+    except ValueError as e:
+        raise ConfigError(f"config key {name} = {value!r}: {e}") from None
+
+
+def _from_text(t: type, text: str):
+    if t is str:
+        return text
+    if t is bool:
+        low = text.strip().lower()
+        if low in ("1", "true", "yes", "on"):
+            return True
+        if low in ("0", "false", "no", "off"):
+            return False
+        raise ValueError("must be true or false")
+    if t is int:
+        return int(text)
+    if t is float:
+        return float(text)
+    if t is list:
+        items = [x.strip() for x in text.split(",") if x.strip()]
+        return [int(x) if x.isdigit() else x for x in items]
+    raise ValueError(f"unsupported type {t}")
+
+
+@dataclass(frozen=True)
+class Config:
+    values: dict  # {section: {key: value}}
+    source: str  # where it came from, for logs
+
+    def get(self, section: str, key: str):
+        return self.values[section][key]
+
+    def data_dir(self) -> Path:
+        d = self.get("daemon", "data_dir")
+        if d:
+            return Path(d)
+        if os.environ.get("STATE_DIRECTORY"):
+            return Path(os.environ["STATE_DIRECTORY"].split(":")[0])
+        base = os.environ.get("POWERPROF_STATE_DIR")
+        if base:
+            return Path(base) / "daemon"
+        xdg = os.environ.get("XDG_STATE_HOME") or os.path.join(os.path.expanduser("~"), ".local", "state")
+        return Path(xdg) / "powerprof" / "daemon"
+
+    def tag_socket(self) -> Path:
+        s = self.get("tags", "socket")
+        if s:
+            return Path(s)
+        return default_tag_socket(self.data_dir())
+
+    def reload_changes(self, new: "Config") -> tuple[dict, list[str]]:
+        """(changes that apply live, names of changed keys that need a restart)."""
+        live, restart = {}, []
+        for section, keys in SPEC.items():
+            for key, spec in keys.items():
+                a, b = self.get(section, key), new.get(section, key)
+                if a != b:
+                    if spec.reloadable:
+                        live[f"{section}.{key}"] = b
+                    else:
+                        restart.append(f"{section}.{key}")
+        return live, restart
+
+
+def default_tag_socket(data_dir: Path) -> Path:
+    run = os.environ.get("RUNTIME_DIRECTORY")
+    if run:
+        return Path(run.split(":")[0]) / "powerprof.sock"
+    return Path(data_dir) / "powerprof.sock"
+
+
+def load_config(path: str | os.PathLike | None = None, env: dict | None = None, overrides: dict | None = None) -> Config:
+    """File (optional) → env → overrides {"section.key": value}; raises ConfigError naming the key."""
+    env = os.environ if env is None else env
+    values = {s: {k: spec.default for k, spec in keys.items()} for s, keys in SPEC.items()}
+    sources = ["defaults"]
+    if path is not None:
+        p = Path(path)
+        try:
+            raw = tomllib.loads(p.read_text())
+        except FileNotFoundError:
+            raise ConfigError(f"config file {p} does not exist") from None
+        except PermissionError:
+            raise ConfigError(f"config file {p} is not readable (permission denied)") from None
+        except tomllib.TOMLDecodeError as e:
+            raise ConfigError(f"config file {p} is not valid TOML: {e}") from None
+        for section, table in raw.items():
+            if section not in SPEC:
+                raise ConfigError(f"unknown config section [{section}] in {p}; known: {', '.join(SPEC)}")
+            if not isinstance(table, dict):
+                raise ConfigError(f"config key {section} in {p} must be a [{section}] table")
+            for key, value in table.items():
+                if key not in SPEC[section]:
+                    raise ConfigError(
+                        f"unknown config key {section}.{key} in {p}; known keys of [{section}]: {', '.join(SPEC[section])}"
+                    )
+                values[section][key] = _coerce(section, key, SPEC[section][key], value, from_env=False)
+        sources.append(str(p))
+    for name, text in env.items():
+        if not name.startswith(ENV_PREFIX):
+            continue
+        rest = name[len(ENV_PREFIX):].lower()
+        section = next((s for s in SPEC if rest.startswith(s + "_")), None)
+        if section is None:
+            continue  # other POWERPROF_* variables (simulator, state dir) are not daemon config
+        key = rest[len(section) + 1:]
+        if key not in SPEC[section]:
+            raise ConfigError(f"unknown config key {section}.{key} from environment variable {name}")
+        values[section][key] = _coerce(section, key, SPEC[section][key], text, from_env=True)
+        sources.append(name)
+    for dotted, value in (overrides or {}).items():
+        if value is None:
+            continue
+        section, _, key = dotted.partition(".")
+        if section not in SPEC or key not in SPEC[section]:
+            raise ConfigError(f"unknown config key {dotted}")
+        values[section][key] = _coerce(section, key, SPEC[section][key], value, from_env=False)
+        sources.append(f"--{key}")
+    if values["daemon"]["flush_interval_s"] > values["daemon"]["compact_interval_s"]:
+        raise ConfigError("config key daemon.flush_interval_s must not exceed daemon.compact_interval_s")
+    return Config(values, ", ".join(sources))
+
+
+def example_toml() -> str:
+    """The annotated example config, generated from SPEC so the two cannot drift."""
+    lines = ["# powerprof daemon configuration. Every key is optional; shown with its default.",
+             "# Environment overrides: POWERPROF_<SECTION>_<KEY>, e.g. POWERPROF_PROXY_UPSTREAM.", ""]
+    for section, keys in SPEC.items():
+        lines.append(f"[{section}]")
+        for key, spec in keys.items():
+            if spec.help:
+                lines.append(f"# {spec.help}{' (reloaded on SIGHUP)' if spec.reloadable else ''}")
+            lines.append(f"{key} = {_toml_value(spec.default)}")
+        lines.append("")
+    return "\n".join(lines)
+
+
+def _toml_value(v) -> str:
+    if isinstance(v, bool):
+        return "true" if v else "false"
+    if isinstance(v, str):
+        return '"' + v.replace("\\", "\\\\").replace('"', '\\"') + '"'
+    if isinstance(v, list):
+        return "[" + ", ".join(_toml_value(x) for x in v) + "]"
+    return repr(v)

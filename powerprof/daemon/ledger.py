@@ -1,0 +1,450 @@
+"""The daemon's live accounts: requests, sample edges, tag windows → interval, request and tag rows.
+
+Runs in the event loop's thread only (the proxy calls it there; samples arrive through a queue).
+GPU samples are the interval edges. Once an edge is older than `grace_s` (so every token event
+before it has been seen), the intervals up to it are closed: their energy is split by
+`attribution.attribute`, and requests whose response ended before the edge are emitted with
+their energy. Memory stays bounded: closed intervals, emitted requests and used token events
+are dropped.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Callable
+
+import numpy as np
+
+from powerprof.energy import interp_at, unwrap_resets
+
+from . import attribution as attr
+from .proxy import RequestTrace
+
+log = logging.getLogger("powerprof.daemon.ledger")
+
+# A request that never ends (a stuck stream) is dropped from the accounts after this long.
+MAX_OPEN_S = 6 * 3600
+MAX_OPEN_TAGS = 256
+SPREAD_EVENTS = 64  # a non-streamed response's tokens are spread as this many events
+
+
+@dataclass
+class _Edge:
+    t_ns: int
+    wall_ns: int
+    counter_j: np.ndarray  # (G,) NaN where missing
+    power_w: np.ndarray  # (G,)
+
+
+@dataclass
+class _Req:
+    trace: RequestTrace
+    ev_t: list = field(default_factory=list)
+    ev_n: list = field(default_factory=list)
+    gpu_j: float = 0.0
+    cpu_j: float = 0.0
+    cpu_known: bool = False
+    tokens: float = 0.0
+
+
+@dataclass
+class _Tag:
+    name: str
+    t0_ns: int
+    wall0_ns: int
+    t1_ns: int | None = None
+    wall1_ns: int | None = None
+    gpu_j: float = 0.0
+    cpu_j: float | None = None
+    tokens: float = 0.0
+    methods: set = field(default_factory=set)
+    closed_by: str = "stop"
+
+
+@dataclass
+class Totals:
+    """Running totals for the metrics endpoint (read by another thread: replaced, not mutated)."""
+
+    gpu_energy_j: tuple = ()
+    cpu_energy_j: float | None = None
+    energy_by_kind_j: tuple = (0.0, 0.0, 0.0, 0.0)
+    tokens: float = 0.0
+    j_per_token: float | None = None
+
+
+class Ledger:
+    def __init__(
+        self,
+        daemon_id: str,
+        t0_ns: int,
+        n_gpus: int,
+        emit: Callable[[str, list[dict]], None],
+        grace_s: float = 0.3,
+        jpt_window_s: float = 60.0,
+        max_hold_s: float = 120.0,
+    ):
+        self.daemon_id = daemon_id
+        self.t0_ns = t0_ns
+        self.n_gpus = n_gpus
+        self.emit = emit
+        self.grace_ns = int(grace_s * 1e9)
+        self.max_hold_ns = int(max_hold_s * 1e9)
+        self.jpt_window_ns = int(jpt_window_s * 1e9)
+        self.edges: list[_Edge] = []
+        self.requests: dict[int, _Req] = {}
+        self.tags: dict[str, _Tag] = {}
+        self.closed_tags: list[_Tag] = []
+        self.cpu_t: deque = deque(maxlen=4096)
+        self.cpu_e: deque = deque(maxlen=4096)
+        self.server_t: list[int] = []
+        self.server_n: list[float] = []
+        self.server_seen = False
+        self._credit: deque = deque()  # proxied tokens per recent interval, not yet seen by the server
+        self._debit = 0.0
+        self._gpu_total = np.zeros(n_gpus)
+        self._cpu_total: float | None = None
+        self._by_kind = np.zeros(4)
+        self._tokens_total = 0.0
+        self._recent: deque = deque()  # (t_end_ns, decode J, decode tokens)
+        self.totals = Totals(gpu_energy_j=(0.0,) * n_gpus)
+
+    # --- recorder interface (called by the proxy) ------------------------------------------
+
+    def on_start(self, trace: RequestTrace) -> None:
+        self.requests[trace.request_id] = _Req(trace)
+
+    def on_tokens(self, trace: RequestTrace, t_ns: int, n: int) -> None:
+        r = self.requests.get(trace.request_id)
+        if r is not None:
+            r.ev_t.append(t_ns)
+            r.ev_n.append(n)
+
+    def on_end(self, trace: RequestTrace) -> None:
+        r = self.requests.get(trace.request_id)
+        if r is None:
+            return
+        if trace.extra.get("spread") and trace.first_ns is not None and trace.last_ns is not None:
+            # A non-streamed body arrives at once: assume its tokens came evenly over its decode time.
+            n = float(trace.tokens_seen)
+            ts = np.linspace(trace.first_ns, trace.last_ns, SPREAD_EVENTS).astype(np.int64)
+            r.ev_t = ts.tolist()
+            r.ev_n = [n / SPREAD_EVENTS] * SPREAD_EVENTS
+
+    # --- inputs from the sampler and the scraper ----------------------------------------------
+
+    def add_gpu_sample(self, t_ns: int, wall_ns: int, readings) -> None:
+        counter = np.array([np.nan if r.energy_j is None else r.energy_j for r in readings], dtype=float)
+        power = np.array(
+            [np.nan if (r.power_w if r.power_w is not None else r.power_avg_w) is None
+             else (r.power_w if r.power_w is not None else r.power_avg_w) for r in readings],
+            dtype=float,
+        )
+        edge = _Edge(t_ns, wall_ns, counter, power)
+        if self.edges and t_ns <= self.edges[-1].t_ns:
+            # An on-demand sample read in another thread may be published late: keep edges ordered.
+            ts = [e.t_ns for e in self.edges]
+            i = int(np.searchsorted(ts, t_ns))
+            if i < len(ts) and ts[i] == t_ns:
+                return
+            if i == 0:
+                return  # before everything already closed: nothing to attribute it to
+            self.edges.insert(i, edge)
+        else:
+            self.edges.append(edge)
+
+    def add_cpu_sample(self, t_ns: int, energy_j: float | None) -> None:
+        if energy_j is not None:
+            self.cpu_t.append(t_ns)
+            self.cpu_e.append(energy_j)
+
+    def add_server_tokens(self, t_ns: int, delta: float) -> None:
+        self.server_seen = True
+        if delta > 0:
+            self.server_t.append(t_ns)
+            self.server_n.append(delta)
+
+    # --- tags --------------------------------------------------------------------------------
+
+    def open_tag(self, name: str, t_ns: int, wall_ns: int) -> None:
+        if name in self.tags:
+            raise ValueError(f"tag {name!r} is already open")
+        if len(self.tags) >= MAX_OPEN_TAGS:
+            raise ValueError(f"too many open tags ({MAX_OPEN_TAGS}); stop some first")
+        self.tags[name] = _Tag(name, t_ns, wall_ns)
+
+    def close_tag(self, name: str, t_ns: int, wall_ns: int, closed_by: str = "stop") -> None:
+        tag = self.tags.pop(name, None)
+        if tag is None:
+            raise ValueError(f"tag {name!r} is not open")
+        tag.t1_ns, tag.wall1_ns, tag.closed_by = t_ns, wall_ns, closed_by
+        self.closed_tags.append(tag)
+
+    def open_tag_names(self) -> list[str]:
+        return sorted(self.tags)
+
+    # --- closing intervals -------------------------------------------------------------------
+
+    def advance(self, now_ns: int) -> None:
+        """Close every interval whose end edge is older than the grace period."""
+        horizon = now_ns - self.grace_ns
+        # A non-streamed response reveals its tokens only at its end: hold the intervals it
+        # overlaps until then (bounded), or its decode would be taken for prefill.
+        waiting = [r.trace.arrival_ns for r in self.requests.values()
+                   if r.trace.end_ns is None and r.trace.api is not None and r.trace.stream is not True]
+        if waiting:
+            horizon = max(min(horizon, min(waiting)), now_ns - self.max_hold_ns)
+        n = 0
+        while n + 1 < len(self.edges) and self.edges[n + 1].t_ns <= horizon:
+            n += 1
+        if n >= 1:
+            self._close(self.edges[: n + 1])
+            del self.edges[:n]
+        self._emit_tags()
+        self._expire(now_ns)
+
+    def close_all(self, now_ns: int) -> None:
+        """At shutdown: close every interval; open requests and tags are emitted as interrupted."""
+        if len(self.edges) >= 2:
+            self._close(self.edges)
+            del self.edges[:-1]
+        end = self.edges[-1] if self.edges else None
+        for name in list(self.tags):
+            self.close_tag(name, end.t_ns if end else now_ns, end.wall_ns if end else 0, closed_by="shutdown")
+        self._emit_tags(force=True)
+        rows = []
+        for rid, r in list(self.requests.items()):
+            if r.trace.end_ns is None:
+                r.trace.outcome = "interrupted"
+            rows.append(self._request_row(r))
+            del self.requests[rid]
+        self.emit("requests", rows)
+
+    def _energy(self, edges: list[_Edge]) -> tuple[np.ndarray, np.ndarray, list[str]]:
+        t = np.array([e.t_ns for e in edges], dtype=np.int64)
+        counters = np.stack([e.counter_j for e in edges]) if self.n_gpus else np.zeros((len(edges), 0))
+        powers = np.stack([e.power_w for e in edges]) if self.n_gpus else np.zeros((len(edges), 0))
+        per_gpu = np.zeros((len(edges) - 1, self.n_gpus))
+        exact = np.ones((len(edges) - 1, self.n_gpus), bool)
+        for g in range(self.n_gpus):
+            per_gpu[:, g], exact[:, g] = attr.interval_energy_j(counters[:, g], t, powers[:, g])
+        methods = []
+        for k in range(len(edges) - 1):
+            if np.isnan(per_gpu[k]).any():
+                methods.append("none")
+            else:
+                methods.append("counter" if exact[k].all() else "power_integration")
+        return t, per_gpu, methods
+
+    def _cpu_energy(self, t: np.ndarray) -> np.ndarray:
+        if len(self.cpu_t) < 2:
+            return np.full(t.size - 1, np.nan)
+        ct = np.fromiter(self.cpu_t, dtype=np.int64)
+        ce = unwrap_resets(np.fromiter(self.cpu_e, dtype=float))
+        cum = np.array([interp_at(ct, ce, int(x)) for x in t])
+        return np.diff(cum)
+
+    def _close(self, edges: list[_Edge]) -> None:
+        t, per_gpu, methods = self._energy(edges)
+        gpu = np.nansum(per_gpu, axis=1) if self.n_gpus else np.zeros(t.size - 1)
+        cpu = self._cpu_energy(t)
+        t_end = int(t[-1])
+        reqs = [r for r in self.requests.values() if r.trace.arrival_ns < t_end]
+        never = attr.NEVER
+
+        def ns(v, done):
+            return v if (v is not None and done) else never
+
+        arrival = np.array([r.trace.arrival_ns for r in reqs], dtype=np.int64)
+        first = np.array([r.trace.first_ns if r.trace.first_ns is not None else never for r in reqs], dtype=np.int64)
+        done = [r.trace.end_ns is not None and r.trace.end_ns <= t_end for r in reqs]
+        last = np.array([ns(r.trace.last_ns, d) for r, d in zip(reqs, done)], dtype=np.int64)
+        end = np.array([ns(r.trace.end_ns, d) for r, d in zip(reqs, done)], dtype=np.int64)
+        ev_t, ev_r, ev_n = [], [], []
+        for i, r in enumerate(reqs):
+            ev_t.extend(r.ev_t)
+            ev_r.extend([i] * len(r.ev_t))
+            ev_n.extend(r.ev_n)
+        server = excess = None
+        ev_t_a, ev_r_a, ev_n_a = np.array(ev_t, dtype=np.int64), np.array(ev_r, dtype=np.int64), np.array(ev_n, dtype=float)
+        if self.server_seen:
+            st = np.array(self.server_t, dtype=np.int64)
+            k = np.searchsorted(t, st, side="right") - 1
+            server = np.zeros(t.size - 1)
+            ok = (k >= 0) & (k < t.size - 1)
+            np.add.at(server, k[ok], np.array(self.server_n)[ok])
+            keep = st >= t_end
+            self.server_t = st[keep].tolist()
+            self.server_n = np.array(self.server_n)[keep].tolist()
+            proxied = attr.interval_tokens(t, ev_t_a, np.zeros_like(ev_r_a), ev_n_a, 1)[0]
+            excess = self._server_excess(server, proxied)
+        energy = np.column_stack([gpu, np.nan_to_num(cpu)])
+        a = attr.attribute(t, energy, arrival, first, last, end, ev_t_a, ev_r_a, ev_n_a, excess)
+        for i, r in enumerate(reqs):
+            r.gpu_j += a.request_energy[i, 0]
+            r.cpu_j += a.request_energy[i, 1]
+            r.cpu_known = r.cpu_known or not np.isnan(cpu).all()
+            r.tokens += a.request_tokens[i]
+            # Token events before the closed edge are spent.
+            if r.ev_t and r.ev_t[0] < t_end:
+                j = int(np.searchsorted(r.ev_t, t_end))
+                del r.ev_t[:j], r.ev_n[:j]
+        self._account(t, per_gpu, gpu, cpu, a, methods)
+        self._interval_rows(edges, t, gpu, cpu, methods, a, server)
+        rows = []
+        for r, d in zip(reqs, done):
+            if d:
+                rows.append(self._request_row(r))
+                del self.requests[r.trace.request_id]
+        self.emit("requests", rows)
+
+    def _server_excess(self, server: np.ndarray, proxied: np.ndarray) -> np.ndarray:
+        """Server-counted tokens beyond what the proxy saw: bypass traffic.
+
+        The server's counter lags the stream by up to a scrape, so proxied tokens not yet
+        matched are carried as credit, for a few intervals only (a server that under-counts,
+        such as llama.cpp's /slots missing short requests, must not hide bypass traffic forever).
+        """
+        out = np.zeros_like(server)
+        for k in range(server.size):
+            self._credit.append(float(proxied[k]))
+            balance = sum(self._credit) - self._debit
+            diff = server[k] - balance
+            if diff > 0:
+                out[k] = diff
+                self._credit.clear()
+                self._debit = 0.0
+            else:
+                self._debit += server[k]
+            if len(self._credit) > 3:
+                self._debit = max(0.0, self._debit - self._credit.popleft())
+        return out
+
+    def _account(self, t, per_gpu, gpu, cpu, a: attr.Attribution, methods: list[str]) -> None:
+        self._gpu_total = self._gpu_total + np.nan_to_num(per_gpu).sum(axis=0)
+        if not np.isnan(cpu).all():
+            self._cpu_total = (self._cpu_total or 0.0) + float(np.nansum(cpu))
+        self._by_kind = self._by_kind + a.by_kind[:, 0]
+        self._tokens_total += float(a.tokens.sum())
+        for k in range(t.size - 1):
+            if a.kind[k] == attr.DECODE:
+                self._recent.append((int(t[k + 1]), float(gpu[k]), float(a.tokens[k])))
+        while self._recent and self._recent[0][0] < int(t[-1]) - self.jpt_window_ns:
+            self._recent.popleft()
+        e = sum(x[1] for x in self._recent)
+        n = sum(x[2] for x in self._recent)
+        for tag in list(self.tags.values()) + self.closed_tags:
+            self._tag_add(tag, t, gpu, cpu, a, methods)
+        self.totals = Totals(
+            gpu_energy_j=tuple(float(x) for x in self._gpu_total),
+            cpu_energy_j=self._cpu_total,
+            energy_by_kind_j=tuple(float(x) for x in self._by_kind),
+            tokens=self._tokens_total,
+            j_per_token=e / n if n > 0 else None,
+        )
+
+    def _tag_add(self, tag: _Tag, t, gpu, cpu, a, methods) -> None:
+        mid = (t[:-1] + t[1:]) // 2
+        end = tag.t1_ns if tag.t1_ns is not None else attr.NEVER
+        inside = (mid >= tag.t0_ns) & (mid < end)
+        if not inside.any():
+            return
+        tag.gpu_j += float(gpu[inside].sum())
+        if not np.isnan(cpu[inside]).all():
+            tag.cpu_j = (tag.cpu_j or 0.0) + float(np.nansum(cpu[inside]))
+        tag.tokens += float(a.tokens[inside].sum())
+        tag.methods.update(m for m, i in zip(methods, inside) if i)
+
+    def _emit_tags(self, force: bool = False) -> None:
+        last_closed = self.edges[0].t_ns if self.edges else None
+        ready = [tg for tg in self.closed_tags if force or (last_closed is not None and last_closed >= tg.t1_ns)]
+        if not ready:
+            return
+        self.closed_tags = [tg for tg in self.closed_tags if tg not in ready]
+        self.emit("tags", [self.tag_row(tg) for tg in ready])
+
+    def _expire(self, now_ns: int) -> None:
+        old = [rid for rid, r in self.requests.items() if now_ns - r.trace.arrival_ns > MAX_OPEN_S * 1e9]
+        for rid in old:
+            r = self.requests.pop(rid)
+            r.trace.outcome = "expired"
+            self.emit("requests", [self._request_row(r)])
+
+    # --- rows --------------------------------------------------------------------------------
+
+    def _interval_rows(self, edges, t, gpu, cpu, methods, a: attr.Attribution, server) -> None:
+        rows = []
+        for k in range(t.size - 1):
+            dur = (t[k + 1] - t[k]) / 1e9
+            rows.append(
+                {
+                    "daemon_id": self.daemon_id,
+                    "t_start_utc": edges[k].wall_ns,
+                    "t_end_utc": edges[k + 1].wall_ns,
+                    "t_start_mono_s": (int(t[k]) - self.t0_ns) / 1e9,
+                    "duration_s": dur,
+                    "kind": attr.KIND_NAMES[a.kind[k]],
+                    "gpu_energy_j": float(gpu[k]),
+                    "cpu_energy_j": None if np.isnan(cpu[k]) else float(cpu[k]),
+                    "energy_method": methods[k],
+                    "avg_gpu_power_w": float(gpu[k]) / dur if dur > 0 else None,
+                    "proxy_tokens": float(a.tokens[k]),
+                    "server_tokens": None if server is None else float(server[k]),
+                    "n_prefill": int(a.n_prefill[k]),
+                    "n_decoding": int(a.n_decoding[k]),
+                }
+            )
+        self.emit("intervals", rows)
+
+    def _request_row(self, r: _Req) -> dict:
+        tr = r.trace
+        c = tr.counts
+        gen = c.generated_tokens if c is not None and c.generated_tokens is not None else (tr.tokens_seen or None)
+        decode_s = (tr.last_ns - tr.first_ns) / 1e9 if tr.first_ns is not None and tr.last_ns is not None else None
+        return {
+            "daemon_id": self.daemon_id,
+            "request_id": tr.request_id,
+            "t_arrival_utc": tr.arrival_wall_ns,
+            "t_first_utc": tr.first_wall_ns,
+            "t_last_utc": tr.last_wall_ns,
+            "t_end_utc": tr.end_wall_ns,
+            "ttft_s": (tr.first_ns - tr.arrival_ns) / 1e9 if tr.first_ns is not None else None,
+            "decode_s": decode_s,
+            "method": tr.method,
+            "endpoint": tr.endpoint,
+            "api": tr.api,
+            "model": (c.model if c is not None and c.model else None) or tr.model,
+            "stream": tr.stream,
+            "tag": tr.tag,
+            "status": tr.status,
+            "outcome": tr.outcome,
+            "error": tr.error,
+            "prompt_tokens": c.prompt_tokens if c is not None else None,
+            "generated_tokens": gen,
+            "decode_tokens": max(gen - 1, 0) if gen else None,
+            "token_source": c.token_source if c is not None else ("counted" if tr.tokens_seen else "none"),
+            "stop_reason": c.stop_reason if c is not None else None,
+            "response_bytes": tr.response_bytes,
+            "gpu_energy_j": r.gpu_j,
+            "cpu_energy_j": r.cpu_j if r.cpu_known else None,
+            "attributed_tokens": r.tokens,
+            "gpu_j_per_token": float(attr.per_token(r.gpu_j, r.tokens)) if r.tokens > 0 else None,
+            "recorder_error": tr.recorder_error,
+        }
+
+    def tag_row(self, tg: _Tag) -> dict:
+        dur = (tg.t1_ns - tg.t0_ns) / 1e9 if tg.t1_ns is not None else None
+        return {
+            "daemon_id": self.daemon_id,
+            "name": tg.name,
+            "t_start_utc": tg.wall0_ns,
+            "t_end_utc": tg.wall1_ns,
+            "duration_s": dur,
+            "gpu_energy_j": tg.gpu_j,
+            "cpu_energy_j": tg.cpu_j,
+            "energy_method": next((m for m in ("none", "power_integration", "counter") if m in tg.methods), None),
+            "proxy_tokens": tg.tokens,
+            "gpu_j_per_token": tg.gpu_j / tg.tokens if tg.tokens > 0 else None,
+            "closed_by": tg.closed_by,
+        }

@@ -1,0 +1,139 @@
+"""Prometheus exposition: a custom collector over the daemon's latest immutable snapshot.
+
+Names follow Prometheus conventions (base units, `_total` counters). Labels are bounded: GPU
+identity, and a tag label passed through `TagLimiter` (allow-list or first-N, the rest "other").
+Never request ids or PIDs. The daemon's own CPU and memory come from prometheus_client's
+process collector (`process_cpu_seconds_total`, `process_resident_memory_bytes`).
+"""
+
+from __future__ import annotations
+
+import threading
+from dataclasses import dataclass, field
+
+from prometheus_client import CollectorRegistry, ProcessCollector, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+OTHER = "other"
+NONE = "none"
+
+
+class TagLimiter:
+    """Maps free-form client tags onto a bounded label set."""
+
+    def __init__(self, allow: list[str] | None = None, max_tags: int = 20):
+        self.allow = frozenset(allow or ())
+        self.max_tags = max_tags
+        self._seen: set[str] = set()
+        self._lock = threading.Lock()
+
+    def label(self, tag: str | None) -> str:
+        if not tag:
+            return NONE
+        if self.allow:
+            return tag if tag in self.allow else OTHER
+        with self._lock:
+            if tag in self._seen:
+                return tag
+            if len(self._seen) < self.max_tags:
+                self._seen.add(tag)
+                return tag
+        return OTHER
+
+
+@dataclass(frozen=True)
+class GpuSnapshot:
+    index: int
+    uuid: str
+    name: str
+    power_w: float | None
+    sm_clock_mhz: float | None
+    mem_clock_mhz: float | None
+    power_limit_w: float | None
+    energy_j: float  # accumulated by the daemon since it started
+
+
+@dataclass(frozen=True)
+class Snapshot:
+    gpus: tuple[GpuSnapshot, ...] = ()
+    cpu_energy_j: float | None = None
+    energy_by_kind_j: tuple = (0.0, 0.0, 0.0, 0.0)
+    joules_per_token: float | None = None
+    tokens_by_tag: dict = field(default_factory=dict)
+    requests_by_tag: dict = field(default_factory=dict)  # {(tag, outcome): n}
+    server_tokens: float | None = None
+    buffered_rows: int = 0
+    dropped_rows: int = 0
+    flush_errors: int = 0
+    proxy_recorder_failures: int = 0
+    proxy_upstream_failures: int = 0
+    proxy_active: int = 0
+
+
+class SnapshotCollector:
+    """Reads `holder.snapshot` (replaced whole by the daemon, never mutated) at scrape time."""
+
+    def __init__(self, holder):
+        self.holder = holder
+
+    def collect(self):
+        s: Snapshot = self.holder.snapshot
+        labels = ["gpu", "gpu_uuid", "gpu_name"]
+
+        def gauge(name, doc, unit_scale, attr):
+            g = GaugeMetricFamily(name, doc, labels=labels)
+            for x in s.gpus:
+                v = getattr(x, attr)
+                if v is not None:
+                    g.add_metric([str(x.index), x.uuid, x.name], v * unit_scale)
+            return g
+
+        yield gauge("powerprof_gpu_power_watts", "GPU board power (instant where supported)", 1.0, "power_w")
+        yield gauge("powerprof_gpu_sm_clock_hertz", "GPU SM clock", 1e6, "sm_clock_mhz")
+        yield gauge("powerprof_gpu_mem_clock_hertz", "GPU memory clock", 1e6, "mem_clock_mhz")
+        yield gauge("powerprof_gpu_power_limit_watts", "GPU power management limit", 1.0, "power_limit_w")
+        c = CounterMetricFamily("powerprof_gpu_energy_joules", "GPU energy since the daemon started", labels=labels)
+        for x in s.gpus:
+            c.add_metric([str(x.index), x.uuid, x.name], x.energy_j)
+        yield c
+        if s.cpu_energy_j is not None:
+            yield CounterMetricFamily("powerprof_cpu_energy_joules", "CPU package+DRAM energy (RAPL) since start",
+                                      value=s.cpu_energy_j)
+        k = CounterMetricFamily("powerprof_gpu_energy_by_kind_joules",
+                                "GPU energy by interval kind (idle, decode, prefill, unproxied)", labels=["kind"])
+        for name, v in zip(("idle", "decode", "prefill", "unproxied"), s.energy_by_kind_j):
+            k.add_metric([name], v)
+        yield k
+        t = CounterMetricFamily("powerprof_tokens_generated", "Tokens generated through the proxy", labels=["tag"])
+        for tag, v in sorted(s.tokens_by_tag.items()):
+            t.add_metric([tag], v)
+        yield t
+        r = CounterMetricFamily("powerprof_requests", "Requests through the proxy", labels=["tag", "outcome"])
+        for (tag, outcome), v in sorted(s.requests_by_tag.items()):
+            r.add_metric([tag, outcome], v)
+        yield r
+        if s.joules_per_token is not None:
+            yield GaugeMetricFamily("powerprof_joules_per_token",
+                                    "GPU J per generated token over the recent decode intervals", value=s.joules_per_token)
+        if s.server_tokens is not None:
+            yield CounterMetricFamily("powerprof_server_tokens_generated",
+                                      "Tokens the server's own metrics counted (cross-check)", value=s.server_tokens)
+        yield GaugeMetricFamily("powerprof_buffered_rows", "Rows waiting to be written to Parquet", value=s.buffered_rows)
+        yield CounterMetricFamily("powerprof_dropped_rows", "Rows dropped because writes kept failing", value=s.dropped_rows)
+        yield CounterMetricFamily("powerprof_flush_errors", "Failed Parquet writes", value=s.flush_errors)
+        yield CounterMetricFamily("powerprof_proxy_recorder_failures",
+                                  "Requests whose recording failed (traffic unaffected)", value=s.proxy_recorder_failures)
+        yield CounterMetricFamily("powerprof_proxy_upstream_failures", "Upstream unreachable (502 sent)",
+                                  value=s.proxy_upstream_failures)
+        yield GaugeMetricFamily("powerprof_proxy_active_requests", "Requests in flight", value=s.proxy_active)
+
+
+def make_registry(holder) -> CollectorRegistry:
+    reg = CollectorRegistry(auto_describe=False)
+    reg.register(SnapshotCollector(holder))
+    ProcessCollector(registry=reg)
+    return reg
+
+
+def render(registry: CollectorRegistry) -> bytes:
+    return generate_latest(registry)

@@ -1,0 +1,318 @@
+"""Transparent streaming reverse proxy that records per-request token timing, never text.
+
+Every request (any method, any path) is forwarded to the upstream and every response byte is
+written to the client as it arrives, unchanged and unbuffered. On the side, the bytes of
+generation endpoints go through the stream parser to timestamp token-bearing chunks. Recording
+is fail-open: an exception in parsing or in the recorder marks the request's record broken and
+the bytes keep flowing. A client that disconnects closes the upstream connection, which is how
+llama.cpp, vLLM and SGLang learn to stop generating.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import time
+from dataclasses import dataclass, field
+from typing import Protocol
+
+import aiohttp
+import yarl
+from aiohttp import web
+from multidict import CIMultiDict
+
+from . import streams
+
+log = logging.getLogger("powerprof.daemon.proxy")
+
+HOP_BY_HOP = frozenset(
+    h.lower()
+    for h in (
+        "Connection", "Keep-Alive", "Proxy-Authenticate", "Proxy-Authorization", "TE", "Trailer",
+        "Trailers", "Transfer-Encoding", "Upgrade", "Proxy-Connection",
+    )
+)
+# Request bodies up to this size are read whole, to learn `model` and `stream`; bigger ones are streamed.
+INSPECT_MAX_BYTES = 1 << 20
+# Non-streamed responses are copied (for their usage block) up to this size; only counts are kept.
+BODY_COPY_MAX_BYTES = 4 << 20
+TAG_MAX_CHARS = 128
+
+
+@dataclass
+class RequestTrace:
+    """What the proxy learns about one request. Monotonic ns for arithmetic, wall ns for storage."""
+
+    request_id: int
+    method: str
+    endpoint: str
+    tag: str | None
+    arrival_ns: int
+    arrival_wall_ns: int
+    api: str | None = None
+    model: str | None = None
+    stream: bool | None = None
+    status: int | None = None
+    first_ns: int | None = None
+    first_wall_ns: int | None = None
+    last_ns: int | None = None
+    last_wall_ns: int | None = None
+    end_ns: int | None = None
+    end_wall_ns: int | None = None
+    tokens_seen: int = 0
+    counts: streams.Counts | None = None
+    outcome: str = "ok"
+    error: str | None = None
+    response_bytes: int = 0
+    recorder_error: str | None = None
+    extra: dict = field(default_factory=dict)
+
+
+class Recorder(Protocol):
+    def on_start(self, trace: RequestTrace) -> None: ...
+    def on_tokens(self, trace: RequestTrace, t_ns: int, n: int) -> None: ...
+    def on_end(self, trace: RequestTrace) -> None: ...
+
+
+class NullRecorder:
+    def on_start(self, trace: RequestTrace) -> None:
+        pass
+
+    def on_tokens(self, trace: RequestTrace, t_ns: int, n: int) -> None:
+        pass
+
+    def on_end(self, trace: RequestTrace) -> None:
+        pass
+
+
+def forward_headers(headers, drop=()) -> CIMultiDict:
+    """Headers minus hop-by-hop ones (and those the Connection header names)."""
+    named = {h.strip().lower() for v in headers.getall("Connection", []) for h in v.split(",")}
+    skip = HOP_BY_HOP | named | {d.lower() for d in drop}
+    return CIMultiDict((k, v) for k, v in headers.items() if k.lower() not in skip)
+
+
+def inspect_request_body(body: bytes) -> tuple[str | None, bool | None]:
+    """(model, stream) from a JSON request body; the prompt is never looked at beyond parsing."""
+    try:
+        doc = json.loads(body)
+    except (ValueError, UnicodeDecodeError):
+        return None, None
+    if not isinstance(doc, dict):
+        return None, None
+    model = doc.get("model")
+    stream = doc.get("stream")
+    return (model if isinstance(model, str) else None), (bool(stream) if stream is not None else None)
+
+
+class Proxy:
+    """The aiohttp application. `Proxy(upstream_url, recorder).app()`; the session opens on startup."""
+
+    def __init__(
+        self,
+        upstream: str,
+        recorder: Recorder | None = None,
+        tag_header: str = "X-Powerprof-Tag",
+        read_timeout_s: float = 600.0,
+        connect_timeout_s: float = 10.0,
+        max_connections: int = 1024,
+    ):
+        self.upstream = upstream.rstrip("/")
+        self.recorder = recorder or NullRecorder()
+        self.tag_header = tag_header
+        self.timeout = aiohttp.ClientTimeout(total=None, sock_connect=connect_timeout_s, sock_read=read_timeout_s)
+        self.max_connections = max_connections
+        self.session: aiohttp.ClientSession | None = None
+        self._next_id = 0
+        self.recorder_failures = 0
+        self.upstream_failures = 0
+        self.active = 0
+
+    def app(self) -> web.Application:
+        app = web.Application(client_max_size=1 << 40)
+        app.router.add_route("*", "/{tail:.*}", self.handle)
+        app.on_startup.append(self._open)
+        app.on_cleanup.append(self._close)
+        return app
+
+    async def _open(self, _app) -> None:
+        self.session = aiohttp.ClientSession(
+            connector=aiohttp.TCPConnector(limit=self.max_connections, force_close=False),
+            timeout=self.timeout,
+            auto_decompress=False,  # bytes pass unchanged; compressed bodies are simply not parsed
+            skip_auto_headers=("User-Agent", "Accept-Encoding", "Accept", "Content-Type"),
+        )
+
+    async def _close(self, _app) -> None:
+        if self.session is not None:
+            await self.session.close()
+
+    # --- fail-open recording -----------------------------------------------------------------
+
+    def _safe(self, trace: RequestTrace | None, fn, *args) -> None:
+        if trace is None or trace.recorder_error is not None:
+            return
+        try:
+            fn(trace, *args)
+        except Exception as e:  # recording must never touch the traffic
+            trace.recorder_error = f"{type(e).__name__}: {e}"[:300]
+            self.recorder_failures += 1
+            if self.recorder_failures <= 5 or self.recorder_failures % 1000 == 0:
+                log.warning("recording failed (traffic unaffected, %d so far): %s", self.recorder_failures, trace.recorder_error)
+
+    # --- the handler -------------------------------------------------------------------------
+
+    async def handle(self, request: web.Request) -> web.StreamResponse:
+        self._next_id += 1
+        trace = None
+        try:
+            tag = request.headers.get(self.tag_header)
+            trace = RequestTrace(
+                request_id=self._next_id,
+                method=request.method,
+                endpoint=request.path[:200],
+                tag=tag[:TAG_MAX_CHARS] if tag else None,
+                arrival_ns=time.monotonic_ns(),
+                arrival_wall_ns=time.time_ns(),
+                api=streams.api_for_path(request.path),
+            )
+        except Exception as e:
+            self.recorder_failures += 1
+            log.warning("cannot trace request: %s", e)
+        self.active += 1
+        try:
+            return await self._forward(request, trace)
+        finally:
+            self.active -= 1
+            if trace is not None:
+                trace.end_ns = time.monotonic_ns()
+                trace.end_wall_ns = time.time_ns()
+                self._safe(trace, self.recorder.on_end)
+
+    async def _forward(self, request: web.Request, trace: RequestTrace | None) -> web.StreamResponse:
+        assert self.session is not None
+        headers = forward_headers(request.headers, drop=("Host", "Content-Length"))
+        length = request.content_length
+        if request.body_exists and length is not None and length <= INSPECT_MAX_BYTES:
+            data = await request.read()
+            headers["Content-Length"] = str(len(data))
+            if trace is not None and trace.api is not None:
+                try:
+                    trace.model, trace.stream = inspect_request_body(data)
+                except Exception:
+                    pass
+        elif request.body_exists:
+            data = request.content.iter_any()
+        else:
+            data = None
+            if length is not None:
+                headers["Content-Length"] = str(length)
+        self._safe(trace, self.recorder.on_start)
+        url = yarl.URL(self.upstream + request.raw_path, encoded=True)  # path and query byte for byte
+        try:
+            upstream = await self.session.request(
+                request.method, url, headers=headers, data=data, allow_redirects=False, compress=None
+            )
+        except (aiohttp.ClientError, asyncio.TimeoutError, OSError) as e:
+            self.upstream_failures += 1
+            msg = f"powerprof proxy: upstream {self.upstream} unreachable: {type(e).__name__}: {e}"
+            if self.upstream_failures <= 5 or self.upstream_failures % 100 == 0:
+                log.error("%s (%d failures so far)", msg, self.upstream_failures)
+            if trace is not None:
+                trace.status, trace.outcome, trace.error = 502, "upstream_unreachable", msg[:300]
+            body = json.dumps({"error": {"message": msg, "type": "bad_gateway", "code": 502}}).encode()
+            return web.Response(status=502, body=body, content_type="application/json")
+        try:
+            return await self._relay(request, upstream, trace)
+        finally:
+            upstream.release()
+
+    async def _relay(self, request: web.Request, upstream: aiohttp.ClientResponse, trace) -> web.StreamResponse:
+        resp = web.StreamResponse(status=upstream.status, reason=upstream.reason)
+        resp.headers.extend(forward_headers(upstream.headers))
+        if upstream.headers.get("Content-Length") is not None and request.method != "HEAD":
+            resp.content_length = int(upstream.headers["Content-Length"])
+        ctype = upstream.headers.get("Content-Type", "")
+        parser = None
+        body_copy: bytearray | None = None
+        if trace is not None:
+            trace.status = upstream.status
+            if trace.api is not None and upstream.status < 400:
+                is_sse = "text/event-stream" in ctype or (trace.stream and "json" not in ctype)
+                try:
+                    if is_sse:
+                        parser = streams.new_parser(trace.api)
+                        trace.stream = True
+                    else:
+                        body_copy = bytearray()
+                        trace.stream = False if trace.stream is None else trace.stream
+                except Exception as e:
+                    trace.recorder_error = f"parser: {e}"
+        try:
+            await resp.prepare(request)
+            async for chunk in upstream.content.iter_any():
+                if trace is not None:
+                    trace.response_bytes += len(chunk)
+                    if parser is not None and trace.recorder_error is None:
+                        self._parse(trace, parser, chunk)
+                    elif body_copy is not None and len(body_copy) + len(chunk) <= BODY_COPY_MAX_BYTES:
+                        body_copy += chunk
+                await resp.write(chunk)
+            await resp.write_eof()
+        except (ConnectionResetError, aiohttp.ClientConnectionResetError, asyncio.CancelledError) as e:
+            if trace is not None:
+                trace.outcome = "client_disconnected"
+            upstream.close()  # the server sees the disconnect and stops generating
+            if isinstance(e, asyncio.CancelledError):
+                raise
+            return resp
+        except (aiohttp.ClientError, asyncio.TimeoutError) as e:
+            # The upstream broke mid-response: the client gets what came; the connection is cut.
+            if trace is not None:
+                trace.outcome, trace.error = "upstream_error", f"{type(e).__name__}: {e}"[:300]
+            if request.transport is not None:
+                request.transport.close()
+            return resp
+        if trace is not None and trace.recorder_error is None:
+            try:
+                if parser is not None:
+                    trace.counts = streams.summary_counts(parser.finish())
+                elif body_copy is not None:
+                    self._body_done(trace, bytes(body_copy))
+            except Exception as e:
+                trace.recorder_error = f"summary: {type(e).__name__}: {e}"[:300]
+        return resp
+
+    def _parse(self, trace: RequestTrace, parser, chunk: bytes) -> None:
+        try:
+            events = parser.feed(chunk)
+            n = sum(streams.event_tokens(ev) for ev in events)
+        except Exception as e:
+            trace.recorder_error = f"parser: {type(e).__name__}: {e}"[:300]
+            self.recorder_failures += 1
+            return
+        if n <= 0:
+            return
+        now, wall = time.monotonic_ns(), time.time_ns()
+        if trace.first_ns is None:
+            trace.first_ns, trace.first_wall_ns = now, wall
+        trace.last_ns, trace.last_wall_ns = now, wall
+        trace.tokens_seen += n
+        self._safe(trace, self.recorder.on_tokens, now, n)
+
+    def _body_done(self, trace: RequestTrace, body: bytes) -> None:
+        """A non-streamed generation: its tokens are spread over its decode time (see docs)."""
+        counts = streams.body_counts(trace.api, body)
+        trace.counts = counts
+        n = counts.generated_tokens or 0
+        if n <= 0:
+            return
+        now, wall = time.monotonic_ns(), time.time_ns()
+        span_ns = now - trace.arrival_ns
+        if counts.predicted_ms is not None and counts.predicted_ms >= 0:
+            span_ns = min(span_ns, int(counts.predicted_ms * 1e6))
+        trace.first_ns, trace.first_wall_ns = now - span_ns, wall - span_ns
+        trace.last_ns, trace.last_wall_ns = now, wall
+        trace.tokens_seen = n
+        trace.extra["spread"] = True  # the recorder spreads the n tokens over [first, last]

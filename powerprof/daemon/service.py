@@ -1,0 +1,447 @@
+"""The daemon process: wires sampler, proxy, scraper, tag API, ledger, datasets and /metrics together.
+
+Threads: one sampler thread per collector (they only append to a queue), one flush thread (file
+I/O). Everything else (proxy, ledger, tag API, scraping, /metrics) runs in one asyncio loop, so
+the ledger needs no locks. SIGTERM/SIGINT: stop accepting, close every interval, flush, exit 0.
+SIGHUP: re-read and re-validate the config; keep the old one on error.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import signal
+import stat
+import time
+import uuid
+from collections import Counter, deque
+from pathlib import Path
+
+import aiohttp
+from aiohttp import web
+
+from powerprof.collectors.sources import open_sources
+from powerprof.collectors.sampler import Sample, Sampler
+from powerprof.profiler import cpu_energy_from_rapl
+
+from .config import Config, ConfigError, load_config
+from .ledger import Ledger
+from .metrics import GpuSnapshot, Snapshot, TagLimiter, make_registry, render
+from .proxy import Proxy, RequestTrace
+from .rows import sample_rows
+from .scrape import Scraper
+from .store import Dataset, DatasetStore, Flusher
+from .tagapi import tag_app
+
+log = logging.getLogger("powerprof.daemon")
+
+EXIT_OK, EXIT_RUNTIME, EXIT_CONFIG = 0, 1, 2
+
+
+class StartupError(RuntimeError):
+    """Something outside the config stops the daemon from starting (port taken, no NVML)."""
+
+
+def datasets() -> list[Dataset]:
+    from powerprof.storage.schema import DAEMON_INTERVALS, DAEMON_REQUESTS, DAEMON_TAGS, SAMPLES
+
+    return [
+        Dataset("samples", SAMPLES, "time_utc"),
+        Dataset("requests", DAEMON_REQUESTS, "t_arrival_utc"),
+        Dataset("intervals", DAEMON_INTERVALS, "t_start_utc"),
+        Dataset("tags", DAEMON_TAGS, "t_start_utc"),
+    ]
+
+
+def restore_pending(simulate: str | None) -> None:
+    """Put back power limits a crashed sweep left behind, and say so in the log."""
+    from powerprof.control.restore import restore_from_file
+
+    try:
+        report = restore_from_file(simulate=simulate)
+    except Exception as e:
+        log.error("restoring the limits left by a crashed sweep failed: %s: %s", type(e).__name__, e)
+        return
+    if report.outcomes:
+        level = logging.WARNING if report.ok else logging.ERROR
+        for line in report.lines():
+            log.log(level, "restore at start: %s", line)
+    else:
+        log.info("restore at start: %s", " ".join(report.lines()))
+
+
+def _split_listen(v: str) -> tuple[str, int]:
+    host, _, port = v.rpartition(":")
+    return host.strip("[]"), int(port)
+
+
+class Daemon:
+    def __init__(
+        self,
+        cfg: Config,
+        nvml,
+        extra_collectors=(),
+        config_path: str | None = None,
+        overrides: dict | None = None,
+        simulate: str | None = None,
+        store_write=None,
+    ):
+        self.cfg = cfg
+        self.nvml = nvml
+        self.extra_collectors = list(extra_collectors)
+        self.config_path = config_path
+        self.overrides = overrides or {}
+        self.simulate = simulate
+        self.store_write = store_write
+        self.daemon_id = uuid.uuid4().hex[:12]
+        self.samples: deque[Sample] = deque()
+        self.snapshot = Snapshot()
+        self.tokens_by_tag: Counter = Counter()
+        self.requests_by_tag: Counter = Counter()
+        self.stop_event: asyncio.Event | None = None
+        self.reload_requested = False
+        self.urls: dict[str, str] = {}
+        self._runners: list[web.AppRunner] = []
+        self.sim = None
+
+    # --- recorder: the ledger plus the metric counters -----------------------------------------
+
+    def on_start(self, trace: RequestTrace) -> None:
+        self.ledger.on_start(trace)
+
+    def on_tokens(self, trace: RequestTrace, t_ns: int, n: int) -> None:
+        self.tokens_by_tag[self.tags.label(trace.tag)] += n
+        self.ledger.on_tokens(trace, t_ns, n)
+
+    def on_end(self, trace: RequestTrace) -> None:
+        if trace.extra.get("spread"):
+            self.tokens_by_tag[self.tags.label(trace.tag)] += trace.tokens_seen
+        self.requests_by_tag[(self.tags.label(trace.tag), trace.outcome)] += 1
+        self.ledger.on_end(trace)
+
+    # --- tag API ---------------------------------------------------------------------------------
+
+    async def _edge(self, label: str) -> tuple[int, int]:
+        loop = asyncio.get_running_loop()
+        got = await loop.run_in_executor(None, lambda: self.sampler.sample_now(label, sources=["nvml"]))
+        s = got.get("nvml")
+        if s is None or s.data is None:
+            return time.monotonic_ns(), time.time_ns()
+        return s.t_mono_ns, s.t_wall_ns
+
+    async def tag_start(self, name: str) -> dict:
+        if name in self.ledger.tags:
+            raise ValueError(f"tag {name!r} is already open")
+        t, wall = await self._edge(f"tag-start:{name}")
+        self.ledger.open_tag(name, t, wall)
+        log.info("tag %s started", name)
+        return {"name": name, "started": True}
+
+    async def tag_stop(self, name: str) -> dict:
+        if name not in self.ledger.tags:
+            raise ValueError(f"tag {name!r} is not open")
+        t, wall = await self._edge(f"tag-stop:{name}")
+        self.ledger.close_tag(name, t, wall)
+        tag = self.ledger.closed_tags[-1]
+        deadline = time.monotonic() + 3 * self.cfg.get("daemon", "interval_s") + 2
+        while tag in self.ledger.closed_tags and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)
+        row = self.ledger.tag_row(tag)
+        log.info("tag %s stopped: %.1f J over %.1f s", name, row["gpu_energy_j"], row["duration_s"] or 0)
+        return {k: row[k] for k in ("name", "duration_s", "gpu_energy_j", "cpu_energy_j", "proxy_tokens", "gpu_j_per_token")}
+
+    def tag_list(self) -> list[str]:
+        return self.ledger.open_tag_names()
+
+    # --- the loop ----------------------------------------------------------------------------------
+
+    def _on_sample(self, s: Sample) -> None:
+        self.samples.append(s)  # sampler threads: only append (deque appends are thread-safe)
+
+    def _drain(self) -> None:
+        rows = []
+        while self.samples:
+            s = self.samples.popleft()
+            try:
+                rows.extend(sample_rows(s, self.t0_ns, self.gpu_uuids))
+            except Exception as e:
+                log.debug("sample row failed: %s", e)
+            if s.data is None:
+                continue
+            if s.source == "nvml":
+                self.ledger.add_gpu_sample(s.t_mono_ns, s.t_wall_ns, s.data)
+                self.latest_gpu = s
+            elif s.source == "rapl":
+                self.ledger.add_cpu_sample(s.t_mono_ns, cpu_energy_from_rapl(s.data))
+        self.store.append("samples", rows)
+
+    def _update_snapshot(self) -> None:
+        tot = self.ledger.totals
+        gpus = []
+        latest = self.latest_gpu.data if self.latest_gpu is not None else ()
+        for k, info in enumerate(self.collector.infos):
+            r = latest[k] if k < len(latest) else None
+            gpus.append(
+                GpuSnapshot(
+                    index=info.index,
+                    uuid=info.uuid,
+                    name=info.name,
+                    power_w=(r.power_w if r.power_w is not None else r.power_avg_w) if r else None,
+                    sm_clock_mhz=r.sm_clock_mhz if r else None,
+                    mem_clock_mhz=r.mem_clock_mhz if r else None,
+                    power_limit_w=r.power_limit_w if r else None,
+                    energy_j=tot.gpu_energy_j[k] if k < len(tot.gpu_energy_j) else 0.0,
+                )
+            )
+        self.snapshot = Snapshot(
+            gpus=tuple(gpus),
+            cpu_energy_j=tot.cpu_energy_j,
+            energy_by_kind_j=tot.energy_by_kind_j,
+            joules_per_token=tot.j_per_token,
+            tokens_by_tag=dict(self.tokens_by_tag),
+            requests_by_tag=dict(self.requests_by_tag),
+            server_tokens=self.scraper.total if self.scraper is not None and self.scraper.kind else None,
+            buffered_rows=self.store.buffered(),
+            dropped_rows=sum(self.store.dropped_rows.values()),
+            flush_errors=self.store.flush_errors,
+            proxy_recorder_failures=self.proxy.recorder_failures if self.proxy else 0,
+            proxy_upstream_failures=self.proxy.upstream_failures if self.proxy else 0,
+            proxy_active=self.proxy.active if self.proxy else 0,
+        )
+
+    async def _tick_loop(self) -> None:
+        period = min(0.1, self.cfg.get("daemon", "interval_s") / 4)
+        while not self.stop_event.is_set():
+            try:
+                self._drain()
+                self.ledger.advance(time.monotonic_ns())
+                self._update_snapshot()
+            except Exception:
+                log.exception("accounting step failed; continuing")
+            if self.reload_requested:
+                self.reload_requested = False
+                self.reload()
+            try:
+                await asyncio.wait_for(self.stop_event.wait(), period)
+            except asyncio.TimeoutError:
+                pass
+
+    async def _scrape_loop(self) -> None:
+        while not self.stop_event.is_set():
+            t = time.monotonic_ns()
+            delta = await self.scraper.scrape()
+            if delta is not None:
+                self.ledger.add_server_tokens(t, delta)
+            try:
+                await asyncio.wait_for(self.stop_event.wait(), self.cfg.get("scrape", "interval_s"))
+            except asyncio.TimeoutError:
+                pass
+
+    # --- reload ------------------------------------------------------------------------------------
+
+    def reload(self) -> None:
+        try:
+            new = load_config(self.config_path, overrides=self.overrides)
+        except ConfigError as e:
+            log.error("SIGHUP: new config rejected, keeping the running one: %s", e)
+            return
+        live, restart = self.cfg.reload_changes(new)
+        self.cfg = new
+        self._apply(live)
+        if restart:
+            log.warning("SIGHUP: %s changed; these take effect after a restart", ", ".join(restart))
+        log.info("SIGHUP: config reloaded (%s)", ", ".join(f"{k}={v}" for k, v in live.items()) or "no live changes")
+
+    def _apply(self, live: dict) -> None:
+        c = self.cfg
+        logging.getLogger("powerprof").setLevel(c.get("daemon", "log_level").upper())
+        self.flusher.interval_s = c.get("daemon", "flush_interval_s")
+        self.flusher.compact_interval_s = c.get("daemon", "compact_interval_s")
+        self.store.retention_days = c.get("daemon", "retention_days") or None
+        self.store.retention_max_bytes = int(c.get("daemon", "retention_max_mb") * 1e6) or None
+        self.store.max_buffered_rows = c.get("daemon", "max_buffered_rows")
+        self.ledger.jpt_window_ns = int(c.get("metrics", "jpt_window_s") * 1e9)
+        if any(k.startswith("metrics.tags") or k == "metrics.max_tags" for k in live):
+            self.tags = TagLimiter(c.get("metrics", "tags"), c.get("metrics", "max_tags"))
+
+    # --- start and stop ----------------------------------------------------------------------------
+
+    async def _serve(self, app: web.Application, listen: str, what: str) -> str:
+        runner = web.AppRunner(app, access_log=None, shutdown_timeout=2.0)
+        await runner.setup()
+        self._runners.append(runner)
+        try:
+            if listen.startswith("unix:"):
+                site = web.UnixSite(runner, listen[5:])
+            else:
+                host, port = _split_listen(listen)
+                site = web.TCPSite(runner, host, port, reuse_address=True)
+            await site.start()
+        except OSError as e:
+            raise StartupError(f"cannot listen on {listen} for the {what}: {e.strerror or e}") from None
+        if listen.startswith("unix:"):
+            return listen
+        sock = runner.addresses[-1]  # the real port when 0 was asked
+        return f"http://{sock[0]}:{sock[1]}"
+
+    async def _serve_tags(self) -> None:
+        path = self.cfg.tag_socket()
+        try:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            if path.exists() or path.is_socket():
+                path.unlink()  # a socket left by a killed daemon
+            await self._serve(tag_app(self), f"unix:{path}", "tag API")
+            os.chmod(path, stat.S_IRUSR | stat.S_IWUSR | stat.S_IRGRP | stat.S_IWGRP)
+            self.urls["tags"] = str(path)
+        except (OSError, StartupError) as e:
+            log.error("tag API disabled: cannot open %s: %s", path, e)
+
+    async def run(self) -> int:
+        self.stop_event = asyncio.Event()
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(sig, self.stop_event.set)
+        loop.add_signal_handler(signal.SIGHUP, lambda: setattr(self, "reload_requested", True))
+        cfg = self.cfg
+        logging.getLogger("powerprof").setLevel(cfg.get("daemon", "log_level").upper())
+        if cfg.get("daemon", "restore_on_start"):
+            restore_pending(self.simulate)
+        try:
+            self.sources = open_sources(self.simulate, cfg.get("daemon", "gpus") or None, nvml=self.nvml)
+        except ValueError as e:
+            raise StartupError(str(e)) from None
+        for p in self.sources.problems:
+            log.warning("%s: %s%s", p.source, p.message, f" (fix: {p.fix})" if p.fix else "")
+        if self.sources.nvml is None:
+            self.sources.close()
+            raise StartupError("no GPU to sample: " + "; ".join(p.message for p in self.sources.problems if p.source == "nvml"))
+        self.collector = self.sources.nvml
+        self.gpu_uuids = {i.index: i.uuid for i in self.collector.infos}
+        self.latest_gpu = None
+        self.t0_ns = time.monotonic_ns()
+        data_dir = cfg.data_dir()
+        kwargs = {"write_file": self.store_write} if self.store_write else {}
+        self.store = DatasetStore(
+            data_dir,
+            datasets(),
+            max_buffered_rows=cfg.get("daemon", "max_buffered_rows"),
+            retention_days=cfg.get("daemon", "retention_days") or None,
+            retention_max_bytes=int(cfg.get("daemon", "retention_max_mb") * 1e6) or None,
+            **kwargs,
+        )
+        self.ledger = Ledger(self.daemon_id, self.t0_ns, len(self.collector.infos), self.store.append,
+                             jpt_window_s=cfg.get("metrics", "jpt_window_s"))
+        self.tags = TagLimiter(cfg.get("metrics", "tags"), cfg.get("metrics", "max_tags"))
+        self.flusher = Flusher(self.store, cfg.get("daemon", "flush_interval_s"), cfg.get("daemon", "compact_interval_s"))
+        self.sampler = Sampler(self.sources.collectors + self.extra_collectors, interval_s=cfg.get("daemon", "interval_s"))
+        self.sampler.subscribe(self._on_sample)
+        self.proxy = None
+        self.scraper = None
+        session = aiohttp.ClientSession()
+        tasks = []
+        try:
+            upstream = cfg.get("proxy", "upstream")
+            if self.simulate and not upstream:
+                from powerprof.sim.server import SimServer
+
+                # Its own thread and loop, as a separate server would be; it drives our simulated GPUs.
+                self.sim = SimServer(nvml=self.collector.nvml, flavour="vllm", n_slots=64).start()
+                upstream = self.sim.url
+                self.urls["sim_upstream"] = upstream
+            listen = cfg.get("proxy", "listen")
+            if listen and upstream:
+                self.proxy = Proxy(
+                    upstream,
+                    recorder=self,
+                    tag_header=cfg.get("proxy", "tag_header"),
+                    read_timeout_s=cfg.get("proxy", "read_timeout_s"),
+                    connect_timeout_s=cfg.get("proxy", "connect_timeout_s"),
+                    max_connections=cfg.get("proxy", "max_connections"),
+                )
+                self.urls["proxy"] = await self._serve(self.proxy.app(), listen, "proxy")
+            elif listen:
+                log.warning("proxy disabled: no proxy.upstream configured")
+            if cfg.get("metrics", "listen"):
+                registry = make_registry(self)
+
+                async def metrics(_request):
+                    body = await asyncio.get_running_loop().run_in_executor(None, render, registry)
+                    return web.Response(body=body, headers={"Content-Type": "text/plain; version=0.0.4; charset=utf-8"})
+
+                mapp = web.Application()
+                mapp.router.add_get("/metrics", metrics)
+                self.urls["metrics"] = await self._serve(mapp, cfg.get("metrics", "listen"), "metrics endpoint")
+            scrape_url = cfg.get("scrape", "url") or upstream
+            if scrape_url and cfg.get("scrape", "server") != "none":
+                self.scraper = Scraper(session, scrape_url, cfg.get("scrape", "server"))
+            await self._serve_tags()
+            self.sampler.start()
+            self.flusher.start()
+            tasks.append(asyncio.create_task(self._tick_loop()))
+            if self.scraper is not None:
+                tasks.append(asyncio.create_task(self._scrape_loop()))
+            log.info(
+                "powerprof daemon %s running: %d GPU(s), every %.2f s, data in %s, %s",
+                self.daemon_id, len(self.collector.infos), cfg.get("daemon", "interval_s"), data_dir,
+                ", ".join(f"{k} {v}" for k, v in self.urls.items()),
+            )
+            self._write_urls(data_dir)
+            await self.stop_event.wait()
+            log.info("stopping: flushing data")
+        finally:
+            self.stop_event.set()
+            for t in tasks:
+                try:
+                    await asyncio.wait_for(t, 5)
+                except (asyncio.TimeoutError, asyncio.CancelledError):
+                    pass
+                except Exception:
+                    log.exception("task failed at shutdown")
+            for r in reversed(self._runners):
+                try:
+                    await r.cleanup()
+                except Exception:
+                    log.exception("closing a listener failed")
+            await session.close()
+            if hasattr(self, "sampler") and self.sampler._threads:
+                self.sampler.stop()
+                try:
+                    self.sampler.sample_now("shutdown", sources=["nvml"])
+                except Exception:
+                    pass
+            if hasattr(self, "flusher"):
+                self._drain()
+                self.ledger.close_all(time.monotonic_ns())
+                self.flusher.stop()
+                if self.store.buffered():
+                    log.error("%d rows could not be written at shutdown (%s)", self.store.buffered(), self.store.last_error)
+            if self.sim is not None:
+                self.sim.stop()
+            if hasattr(self, "sources"):
+                self.sources.close()
+        log.info("stopped")
+        return EXIT_OK
+
+    def _write_urls(self, data_dir: Path) -> None:
+        """Where each listener ended up (port 0 picks one): for tests, scripts and the operator."""
+        import json
+
+        try:
+            p = Path(data_dir) / "daemon.json"
+            tmp = p.with_name(".daemon.json.tmp")
+            tmp.write_text(json.dumps({"pid": os.getpid(), "daemon_id": self.daemon_id, **self.urls}))
+            os.replace(tmp, p)
+        except OSError as e:
+            log.warning("cannot write %s: %s", Path(data_dir) / "daemon.json", e)
+
+
+def main(cfg: Config, nvml, config_path=None, overrides=None, simulate: str | None = None, extra_collectors=()) -> int:
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s powerprof[%(process)d] %(levelname)s %(name)s: %(message)s")
+    d = Daemon(cfg, nvml, extra_collectors=extra_collectors, config_path=config_path, overrides=overrides,
+               simulate=simulate)
+    try:
+        return asyncio.run(d.run())
+    except StartupError as e:
+        log.error("%s", e)
+        return EXIT_RUNTIME

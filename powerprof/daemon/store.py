@@ -1,0 +1,352 @@
+"""Crash-safe hive-partitioned Parquet datasets: buffered rows, atomic small files, compaction, retention.
+
+Layout: `<root>/<dataset>/date=YYYY-MM-DD/part-<utc>-<pid>-<seq>.parquet`. Every file is written
+under a dot-prefixed temporary name (ignored by pyarrow, DuckDB's `*.parquet` globs and Spark),
+fsynced, renamed into place, and the directory fsynced: a reader or a crash sees a whole file or
+none. `kill -9` loses only rows buffered since the last flush.
+
+Compaction merges a partition's small files into one. It writes a journal naming the sources
+and the target before renaming the target into place; a restart that finds a journal either
+finishes deleting the sources (target present) or drops the unfinished target (absent), so rows
+are never lost nor left doubled.
+
+A failed flush (full disk, read-only mount) keeps the rows in memory, up to a bound per dataset
+beyond which the oldest are dropped and counted, and is retried at the next flush.
+"""
+
+from __future__ import annotations
+
+import errno
+import json
+import logging
+import os
+import shutil
+import threading
+import time
+from collections import deque
+from dataclasses import dataclass
+from datetime import datetime, timedelta, timezone
+from pathlib import Path
+from typing import Callable
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+from powerprof.storage.runs import fsync_dir
+
+log = logging.getLogger("powerprof.daemon.store")
+
+JOURNAL = ".compact-journal.json"
+PART_PREFIX = "part-"
+COMPACT_PREFIX = "compact-"
+
+
+def to_table(schema: pa.Schema, rows: list[dict]) -> pa.Table:
+    """Rows → table; timestamp columns take integer nanoseconds (UTC), missing keys are null."""
+    cols = {}
+    for f in schema:
+        vals = [r.get(f.name) for r in rows]
+        if pa.types.is_timestamp(f.type):
+            cols[f.name] = pa.array([None if v is None else v // 1000 for v in vals], pa.int64()).cast(f.type)
+        else:
+            cols[f.name] = pa.array(vals, f.type)
+    return pa.Table.from_pydict(cols, schema=schema)
+
+
+def write_file_atomic(path: Path, table: pa.Table) -> None:
+    tmp = path.with_name(f".{path.name}.tmp")
+    try:
+        with open(tmp, "wb") as f:
+            pq.write_table(table, f, compression="zstd")
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        try:
+            tmp.unlink()
+        except OSError:
+            pass
+        raise
+    fsync_dir(path.parent)
+
+
+def date_of(ns: int | None) -> str:
+    ts = time.time_ns() if ns is None else ns
+    return datetime.fromtimestamp(ts / 1e9, tz=timezone.utc).strftime("%Y-%m-%d")
+
+
+@dataclass(frozen=True)
+class Dataset:
+    name: str
+    schema: pa.Schema
+    time_column: str  # which wall-clock column picks the date partition
+
+
+class DatasetStore:
+    """Buffers rows per dataset and writes them as small atomic files. Thread-safe."""
+
+    def __init__(
+        self,
+        root: Path,
+        datasets: list[Dataset],
+        max_buffered_rows: int = 500_000,
+        retention_days: float | None = 30.0,
+        retention_max_bytes: int | None = None,
+        write_file: Callable[[Path, pa.Table], None] = write_file_atomic,
+    ):
+        self.root = Path(root)
+        self.datasets = {d.name: d for d in datasets}
+        self.max_buffered_rows = max_buffered_rows
+        self.retention_days = retention_days
+        self.retention_max_bytes = retention_max_bytes
+        self._write_file = write_file
+        self._lock = threading.Lock()
+        self._io_lock = threading.Lock()  # one writer of files at a time (flush, compaction, retention)
+        self._buf: dict[str, deque] = {d.name: deque() for d in datasets}
+        self._seq = 0
+        self.dropped_rows = {d.name: 0 for d in datasets}
+        self.written_rows = {d.name: 0 for d in datasets}
+        self.flush_errors = 0
+        self.last_error: str | None = None
+        self._failing = False
+        self._warm_up()
+        try:
+            self.root.mkdir(parents=True, exist_ok=True)
+            for d in datasets:
+                (self.root / d.name).mkdir(exist_ok=True)
+            self.recover()
+        except OSError as e:
+            # Keep running (and proxying): rows wait in memory and every flush tries again.
+            self.last_error = str(e)
+            log.error("dataset folder %s is not usable: %s; keeping rows in memory and retrying", self.root, e)
+
+    def _warm_up(self) -> None:
+        """Pay pyarrow's first-write costs (lazy imports, about a second) now, not at the first flush,
+        so the first flush after start is as quick as the others and a crash then loses no more."""
+        import io
+
+        for d in self.datasets.values():
+            pq.write_table(to_table(d.schema, [{}]), io.BytesIO(), compression="zstd")
+
+    # --- rows in ----------------------------------------------------------------------------
+
+    def append(self, name: str, rows: list[dict]) -> None:
+        if not rows:
+            return
+        with self._lock:
+            buf = self._buf[name]
+            buf.extend(rows)
+            over = len(buf) - self.max_buffered_rows
+            if over > 0:
+                for _ in range(over):
+                    buf.popleft()
+                self.dropped_rows[name] += over
+
+    def buffered(self) -> int:
+        with self._lock:
+            return sum(len(b) for b in self._buf.values())
+
+    # --- flush ------------------------------------------------------------------------------
+
+    def flush(self) -> bool:
+        """Write every buffered row; True when all were written. Never raises for I/O errors."""
+        ok = True
+        with self._io_lock:
+            for name, ds in self.datasets.items():
+                with self._lock:
+                    rows = list(self._buf[name])
+                    dropped_before = self.dropped_rows[name]
+                if not rows:
+                    continue
+                try:
+                    self._write_rows(ds, rows)
+                except OSError as e:
+                    ok = False
+                    self._flush_failed(name, e)
+                    continue
+                with self._lock:
+                    # Drop exactly what was written; rows appended meanwhile stay.
+                    buf = self._buf[name]
+                    # Rows dropped for the memory bound meanwhile were taken from the front already.
+                    gone = self.dropped_rows[name] - dropped_before
+                    for _ in range(max(0, min(len(rows) - gone, len(buf)))):
+                        buf.popleft()
+                    self.written_rows[name] += len(rows)
+        if ok and self._failing:
+            self._failing = False
+            log.warning("writing Parquet works again; buffered rows were written")
+        return ok
+
+    def _flush_failed(self, name: str, e: OSError) -> None:
+        self.flush_errors += 1
+        self.last_error = f"{name}: {e}"
+        hint = " (disk full)" if e.errno == errno.ENOSPC else ""
+        if not self._failing or self.flush_errors % 100 == 0:
+            log.error(
+                "cannot write dataset %s under %s%s: %s; keeping up to %d rows in memory and retrying",
+                name, self.root, hint, e, self.max_buffered_rows,
+            )
+        self._failing = True
+
+    def _write_rows(self, ds: Dataset, rows: list[dict]) -> None:
+        by_date: dict[str, list[dict]] = {}
+        for r in rows:
+            by_date.setdefault(date_of(r.get(ds.time_column)), []).append(r)
+        for day, part in sorted(by_date.items()):
+            d = self.root / ds.name / f"date={day}"
+            if not d.exists():
+                d.mkdir(parents=True, exist_ok=True)
+                fsync_dir(d.parent)
+            self._seq += 1
+            stamp = datetime.now(timezone.utc).strftime("%Y%m%dT%H%M%S%f")
+            self._write_file(d / f"{PART_PREFIX}{stamp}-{os.getpid()}-{self._seq:06d}.parquet", to_table(ds.schema, part))
+
+    # --- recovery, compaction, retention -----------------------------------------------------
+
+    def partitions(self, name: str) -> list[Path]:
+        base = self.root / name
+        return sorted(p for p in base.glob("date=*") if p.is_dir())
+
+    def recover(self) -> None:
+        """Undo what a crash left: temporary files and half-done compactions."""
+        for name in self.datasets:
+            for part in self.partitions(name):
+                journal = part / JOURNAL
+                if journal.exists():
+                    self._finish_compaction(part, journal)
+                for tmp in part.glob(".*.tmp"):
+                    tmp.unlink(missing_ok=True)
+
+    def _finish_compaction(self, part: Path, journal: Path) -> None:
+        try:
+            j = json.loads(journal.read_text())
+        except (OSError, ValueError):
+            j = None
+        if j and (part / j["target"]).exists():
+            for src in j["sources"]:
+                (part / src).unlink(missing_ok=True)
+            log.warning("finished an interrupted compaction in %s", part)
+        elif j:
+            (part / f".{j['target']}.tmp").unlink(missing_ok=True)
+        journal.unlink(missing_ok=True)
+        fsync_dir(part)
+
+    def compact(self, min_files: int = 2) -> int:
+        """Merge each partition's files into one; returns how many partitions were compacted."""
+        done = 0
+        with self._io_lock:
+            for name, ds in self.datasets.items():
+                for part in self.partitions(name):
+                    files = sorted(p for p in part.glob("*.parquet") if not p.name.startswith("."))
+                    if len(files) < min_files:
+                        continue
+                    try:
+                        self._compact_partition(ds, part, files)
+                        done += 1
+                    except OSError as e:
+                        log.error("compaction of %s failed, files left as they were: %s", part, e)
+        return done
+
+    def _compact_partition(self, ds: Dataset, part: Path, files: list[Path]) -> None:
+        tables = []
+        for f in files:
+            try:
+                tables.append(pq.read_table(f, schema=ds.schema))
+            except (pa.ArrowInvalid, OSError) as e:
+                log.error("skipping unreadable file %s in compaction: %s", f, e)
+                files = [x for x in files if x != f]
+        if len(files) < 2:
+            return
+        stamp = datetime.now(timezone.utc).strftime("%Y%m%dT%H%M%S%f")
+        target = f"{COMPACT_PREFIX}{stamp}-{os.getpid()}.parquet"
+        journal = part / JOURNAL
+        jtmp = part / f"{JOURNAL}.tmp"
+        jtmp.write_text(json.dumps({"target": target, "sources": [f.name for f in files]}))
+        with open(jtmp, "rb+") as fh:
+            os.fsync(fh.fileno())
+        os.replace(jtmp, journal)
+        fsync_dir(part)
+        table = pa.concat_tables(tables)
+        sort_col = ds.time_column
+        if sort_col in table.column_names:
+            table = table.sort_by(sort_col)
+        try:
+            self._write_file(part / target, table)
+        except BaseException:
+            journal.unlink(missing_ok=True)
+            raise
+        for f in files:
+            f.unlink(missing_ok=True)
+        journal.unlink(missing_ok=True)
+        fsync_dir(part)
+
+    def enforce_retention(self, now_utc: datetime | None = None) -> int:
+        """Delete whole partitions older than the age limit, then oldest files over the size limit."""
+        removed = 0
+        now_utc = now_utc or datetime.now(timezone.utc)
+        with self._io_lock:
+            if self.retention_days is not None:
+                cutoff = (now_utc - timedelta(days=self.retention_days)).strftime("%Y-%m-%d")
+                for name in self.datasets:
+                    for part in self.partitions(name):
+                        if part.name[len("date="):] < cutoff:
+                            shutil.rmtree(part, ignore_errors=True)
+                            removed += 1
+            if self.retention_max_bytes is not None:
+                files = []
+                for name in self.datasets:
+                    for part in self.partitions(name):
+                        for f in part.glob("*.parquet"):
+                            if not f.name.startswith("."):
+                                st = f.stat()
+                                files.append((part.name, st.st_mtime_ns, st.st_size, f))
+                total = sum(x[2] for x in files)
+                for _, _, size, f in sorted(files, key=lambda x: (x[0], x[1])):
+                    if total <= self.retention_max_bytes:
+                        break
+                    f.unlink(missing_ok=True)
+                    total -= size
+                    removed += 1
+                for name in self.datasets:
+                    for part in self.partitions(name):
+                        if not any(part.iterdir()):
+                            part.rmdir()
+        return removed
+
+
+class Flusher:
+    """A thread that flushes every `interval_s` and compacts/retains every `compact_interval_s`."""
+
+    def __init__(self, store: DatasetStore, interval_s: float = 30.0, compact_interval_s: float = 3600.0):
+        self.store = store
+        self.interval_s = interval_s
+        self.compact_interval_s = compact_interval_s
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    def start(self) -> "Flusher":
+        self._thread = threading.Thread(target=self._run, name="powerprof-flush", daemon=True)
+        self._thread.start()
+        return self
+
+    def _run(self) -> None:
+        next_flush = time.monotonic() + self.interval_s
+        next_compact = time.monotonic() + self.compact_interval_s
+        while not self._stop.wait(max(0.0, min(next_flush, next_compact) - time.monotonic())):
+            now = time.monotonic()
+            if now >= next_flush:
+                self.store.flush()
+                next_flush = max(next_flush + self.interval_s, now + self.interval_s / 2)
+            if now >= next_compact:
+                try:
+                    self.store.compact()
+                    self.store.enforce_retention()
+                except Exception:
+                    log.exception("compaction/retention failed; will retry")
+                next_compact = now + self.compact_interval_s
+
+    def stop(self) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(30)
+        self.store.flush()

@@ -1,0 +1,69 @@
+"""Adapter between the proxy and the one stream parser (powerprof.workload.stream): counts only.
+
+The proxy runs `StreamParser(api)` on the bytes it forwards and `parse_response` on
+non-streamed bodies; this module keeps what the daemon stores of their results. Nothing here
+keeps prompt or completion text: only counts, model, stop reason.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from powerprof.workload.stream import StreamParser, TokenEvent, parse_response
+
+
+def api_for_path(path: str) -> str | None:
+    """Which stream dialect a request path speaks; None for paths without generated tokens."""
+    p = path.rstrip("/")
+    if p.endswith("/chat/completions"):
+        return "openai-chat"
+    if p.endswith("/v1/completions"):
+        return "openai-completions"
+    if p in ("/completion", "/completions") or p.endswith("/completion"):
+        return "llamacpp"
+    return None
+
+
+def event_tokens(ev: TokenEvent) -> int:
+    """Tokens one event carried (several under batching or speculative decode): count tokens, not events."""
+    return ev.n_tokens
+
+
+@dataclass(frozen=True)
+class Counts:
+    """What the recorder keeps of a finished response."""
+
+    generated_tokens: int | None
+    prompt_tokens: int | None
+    model: str | None
+    stop_reason: str | None
+    token_source: str
+    predicted_ms: float | None = None
+    complete: bool | None = None
+    error: str | None = None
+
+
+def summary_counts(summary) -> Counts:
+    """What the daemon keeps of a StreamSummary."""
+    timings = summary.timings or {}
+    gen = summary.generated_tokens
+    return Counts(
+        generated_tokens=gen if gen or summary.counted_tokens else None,
+        prompt_tokens=summary.prompt_tokens,
+        model=summary.model,
+        stop_reason=summary.stop_reason,
+        token_source=summary.token_source if gen else "none",
+        predicted_ms=timings.get("predicted_ms") if isinstance(timings.get("predicted_ms"), (int, float)) else None,
+        complete=summary.complete,
+        error=summary.error,
+    )
+
+
+def new_parser(api: str) -> StreamParser:
+    return StreamParser(api)
+
+
+def body_counts(api: str, body: bytes) -> Counts:
+    """Counts from a non-streamed JSON response (usage or llama.cpp timings)."""
+    _events, summary = parse_response(api, body)
+    return summary_counts(summary)

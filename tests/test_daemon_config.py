@@ -1,0 +1,86 @@
+"""Daemon config: file, environment and flags; bad input rejected naming the key."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+
+from powerprof.daemon.config import SPEC, ConfigError, example_toml, load_config
+
+if sys.version_info >= (3, 11):
+    import tomllib
+else:  # pragma: no cover
+    import tomli as tomllib
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _write(tmp_path, text):
+    p = tmp_path / "powerprof.toml"
+    p.write_text(text)
+    return p
+
+
+def test_precedence_file_then_environment_then_flags(tmp_path):
+    p = _write(tmp_path, '[proxy]\nupstream = "http://127.0.0.1:8080"\nlisten = "127.0.0.1:9000"\n[daemon]\ninterval_s = 2\n')
+    env = {"POWERPROF_PROXY_LISTEN": "127.0.0.1:9001", "POWERPROF_DAEMON_GPUS": "0,2", "POWERPROF_SIM_STATE": "x"}
+    cfg = load_config(p, env=env, overrides={"proxy.listen": "127.0.0.1:9002", "daemon.data_dir": None})
+    assert cfg.get("proxy", "upstream") == "http://127.0.0.1:8080"
+    assert cfg.get("proxy", "listen") == "127.0.0.1:9002"
+    assert cfg.get("daemon", "interval_s") == 2.0
+    assert cfg.get("daemon", "gpus") == [0, 2]
+    assert load_config(p, env=env).get("proxy", "listen") == "127.0.0.1:9001"
+
+
+@pytest.mark.parametrize(
+    "text, key",
+    [
+        ("[proxy]\nupstrem = 'http://x'\n", "proxy.upstrem"),
+        ("[daemon]\ninterval_s = 0\n", "daemon.interval_s"),
+        ("[daemon]\ninterval_s = 'fast'\n", "daemon.interval_s"),
+        ("[proxy]\nupstream = 'ftp://host'\n", "proxy.upstream"),
+        ("[metrics]\nlisten = '127.0.0.1'\n", "metrics.listen"),
+        ("[scrape]\nserver = 'tgi'\n", "scrape.server"),
+        ("[daemon]\ngpus = [-1]\n", "daemon.gpus"),
+        ("[daemon]\nrestore_on_start = 1\n", "daemon.restore_on_start"),
+        ("[proxy]\ntag_header = 'X Tag'\n", "proxy.tag_header"),
+        ("[sampler]\nx = 1\n", "[sampler]"),
+    ],
+)
+def test_bad_values_and_unknown_keys_are_rejected_naming_the_key(tmp_path, text, key):
+    with pytest.raises(ConfigError) as e:
+        load_config(_write(tmp_path, text), env={})
+    assert key in str(e.value)
+
+
+def test_bad_environment_values_name_the_key():
+    with pytest.raises(ConfigError, match="daemon.flush_interval_s"):
+        load_config(None, env={"POWERPROF_DAEMON_FLUSH_INTERVAL_S": "soon"})
+    with pytest.raises(ConfigError, match="proxy.colour.*POWERPROF_PROXY_COLOUR"):
+        load_config(None, env={"POWERPROF_PROXY_COLOUR": "red"})
+
+
+def test_missing_or_broken_file_is_a_clear_error(tmp_path):
+    with pytest.raises(ConfigError, match="does not exist"):
+        load_config(tmp_path / "nope.toml", env={})
+    with pytest.raises(ConfigError, match="not valid TOML"):
+        load_config(_write(tmp_path, "[proxy\n"), env={})
+
+
+def test_shipped_example_configs_load_and_cover_every_key(tmp_path):
+    generated = tomllib.loads(example_toml())
+    assert {s: set(k) for s, k in generated.items()} == {s: set(k) for s, k in SPEC.items()}
+    load_config(_write(tmp_path, example_toml()), env={})
+    shipped = ROOT / "systemd" / "powerprof.toml"
+    cfg = load_config(shipped, env={})
+    assert cfg.get("metrics", "listen").startswith("127.0.0.1:")
+
+
+def test_reload_separates_live_changes_from_restart_ones(tmp_path):
+    a = load_config(None, env={})
+    b = load_config(None, env={}, overrides={"daemon.flush_interval_s": 5.0, "proxy.listen": "127.0.0.1:1"})
+    live, restart = a.reload_changes(b)
+    assert live == {"daemon.flush_interval_s": 5.0}
+    assert restart == ["proxy.listen"]

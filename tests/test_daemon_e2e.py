@@ -1,0 +1,224 @@
+"""The daemon as a real subprocess on the simulator with the simulated server behind its proxy."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import random
+import re
+import signal
+import subprocess
+import sys
+import time
+import urllib.request
+
+import aiohttp
+import pytest
+from aiohttp import web
+
+from daemon_helpers import DaemonProc, read_dataset, sim_env
+from powerprof.sim.nvml import SimNVML
+from powerprof.sim.server import SimServer
+
+pytestmark = pytest.mark.slow
+
+APIS = [
+    ("/completion", lambda n: {"prompt": "p" * 40, "n_predict": n, "stream": True}),
+    ("/v1/completions", lambda n: {"prompt": "q" * 60, "max_tokens": n, "stream": True,
+                                   "stream_options": {"include_usage": True}}),
+    ("/v1/chat/completions", lambda n: {"messages": [{"role": "user", "content": "r" * 30}], "max_tokens": n,
+                                        "stream": True}),
+    ("/v1/chat/completions", lambda n: {"messages": [{"role": "user", "content": "s" * 30}], "max_tokens": n}),
+]
+
+
+class ByteTap:
+    """Records every byte the simulated server (running in this process) writes, per X-Sim-Nonce."""
+
+    def __init__(self, monkeypatch):
+        self.sent: dict[str, bytearray] = {}
+        tap = self
+        orig_write, orig_eof = web.StreamResponse.write, web.StreamResponse.write_eof
+
+        async def write(resp, data):
+            tap._note(resp, data)
+            return await orig_write(resp, data)
+
+        async def write_eof(resp, data=b""):
+            if data and not resp._eof_sent:
+                tap._note(resp, data)
+            return await orig_eof(resp, data)
+
+        monkeypatch.setattr(web.StreamResponse, "write", write)
+        monkeypatch.setattr(web.StreamResponse, "write_eof", write_eof)
+
+    def _note(self, resp, data) -> None:
+        req = getattr(resp, "_req", None)
+        nonce = req.headers.get("X-Sim-Nonce") if req is not None else None
+        if nonce:
+            self.sent.setdefault(nonce, bytearray()).extend(bytes(data))
+
+
+async def _traffic(proxy: str, n: int, seed: int = 7, cut_share: float = 0.25, tokens=(40, 120)):
+    rng = random.Random(seed)
+    plans = []
+    for i in range(n):
+        path, body = APIS[i % len(APIS)]
+        cut = rng.random() < cut_share and body(1).get("stream")
+        plans.append((i, path, body(rng.randint(*tokens)), rng.randint(200, 2000) if cut else None))
+
+    async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0)) as s:
+        async def one(i, path, body, cut):
+            headers = {"X-Sim-Nonce": f"n{i}", "X-Powerprof-Tag": f"team{i % 3}"}
+            r = await s.post(proxy + path, json=body, headers=headers)
+            status, ctype = r.status, r.headers.get("Content-Type")
+            if cut is None:
+                data = await r.read()
+            else:
+                data = b""
+                while len(data) < cut:
+                    chunk = await r.content.readany()
+                    if not chunk:
+                        break
+                    data += chunk
+                r.close()  # the client goes away mid-stream
+            return i, status, ctype, data, cut
+
+        return await asyncio.gather(*(one(*p) for p in plans))
+
+
+def test_proxy_is_byte_transparent_under_64_streams_with_disconnects(tmp_path, monkeypatch):
+    tap = ByteTap(monkeypatch)
+    with SimServer(nvml=SimNVML("seed-16g", state_path=None), n_slots=64) as srv:
+        d = DaemonProc(tmp_path / "data", "--simulate", "--upstream", srv.url, "--flush-interval", "0.5",
+                       env=sim_env(tmp_path))
+        try:
+            results = asyncio.run(asyncio.wait_for(_traffic(d.info["proxy"], 64), 120))
+            time.sleep(0.3)
+        finally:
+            rc = d.stop()
+    assert rc == 0, d.output()
+    cut_count = 0
+    for i, status, ctype, body, cut in results:
+        assert status == 200
+        sent = bytes(tap.sent[f"n{i}"])
+        if cut is None:
+            assert body == sent, f"request {i}: bytes through the proxy differ from what the server sent"
+        else:
+            cut_count += 1
+            assert sent.startswith(body)
+    assert cut_count >= 5
+    reqs = read_dataset(tmp_path / "data", "requests")
+    # SIGTERM lost nothing: every request is there, once, with what the stream said.
+    assert len(reqs) == 64 and reqs["request_id"].is_unique
+    assert (reqs["outcome"] == "client_disconnected").sum() == cut_count
+    ok = reqs[reqs["outcome"] == "ok"]
+    assert (ok["generated_tokens"] > 0).all() and ok["model"].notna().all()
+    assert set(reqs["tag"]) == {"team0", "team1", "team2"}
+
+
+def test_energy_of_requests_idle_and_prefill_adds_up_to_the_measured_total(tmp_path):
+    data = tmp_path / "data"
+    d = DaemonProc(data, "--simulate", "seed-16g", "--sim-gpus", "2", "--interval", "0.25", "--flush-interval", "0.5",
+                   env=sim_env(tmp_path))
+    try:
+        sock = d.info["tags"]
+        tag = [sys.executable, "-m", "powerprof.cli", "tag"]
+        subprocess.run(tag + ["start", "burst", "--socket", sock], check=True, capture_output=True, timeout=30)
+        asyncio.run(asyncio.wait_for(_traffic(d.info["proxy"], 32, seed=3, cut_share=0.1, tokens=(60, 150)), 120))
+        stop = subprocess.run(tag + ["stop", "burst", "--socket", sock], check=True, capture_output=True, text=True,
+                              timeout=30)
+        assert re.search(r"tag burst: [\d.]+ s, GPU [\d.]+ J", stop.stdout)
+        time.sleep(0.6)
+        metrics = urllib.request.urlopen(d.info["metrics"] + "/metrics", timeout=10).read().decode()
+    finally:
+        rc = d.stop()
+    assert rc == 0, d.output()
+
+    for name in ("powerprof_gpu_power_watts", "powerprof_gpu_energy_joules_total", "powerprof_gpu_sm_clock_hertz",
+                 "powerprof_gpu_mem_clock_hertz", "powerprof_gpu_power_limit_watts", "powerprof_tokens_generated_total",
+                 "powerprof_joules_per_token", "powerprof_requests_total", "powerprof_cpu_energy_joules_total",
+                 "process_resident_memory_bytes", "process_cpu_seconds_total"):
+        assert name in metrics, name
+    assert 'tag="team1"' in metrics and "request_id" not in metrics
+
+    reqs = read_dataset(data, "requests")
+    intervals = read_dataset(data, "intervals")
+    samples = read_dataset(data, "samples")
+    tags = read_dataset(data, "tags")
+    assert len(reqs) == 32
+    # Energy: requests + idle + prefill + unproxied = the total the GPU counters measured.
+    gpu = samples[samples["source"] == "nvml"]
+    measured = sum(g["energy_j"].max() - g["energy_j"].min() for _, g in gpu.groupby("gpu_index"))
+    by_kind = intervals.groupby("kind")["gpu_energy_j"].sum()
+    assert intervals["gpu_energy_j"].sum() == pytest.approx(measured, rel=1e-6)
+    rest = sum(by_kind.get(k, 0.0) for k in ("idle", "prefill", "unproxied"))
+    assert reqs["gpu_energy_j"].sum() > 0.2 * measured
+    assert reqs["gpu_energy_j"].sum() + rest == pytest.approx(measured, rel=0.01)
+    assert reqs["cpu_energy_j"].notna().any()  # simulated RAPL is split the same way
+    # The tag window covered the burst: its energy is the intervals' energy inside it.
+    t = tags.iloc[0]
+    assert t["name"] == "burst" and t["closed_by"] == "stop" and t["proxy_tokens"] > 0
+    inside = intervals[(intervals["t_start_utc"] >= t["t_start_utc"]) & (intervals["t_end_utc"] <= t["t_end_utc"])]
+    assert t["gpu_energy_j"] == pytest.approx(inside["gpu_energy_j"].sum(), rel=1e-6)
+
+
+def test_bad_config_exits_2_naming_the_key(tmp_path):
+    bad = tmp_path / "bad.toml"
+    bad.write_text("[proxy]\nupstream = 'http://127.0.0.1:8080'\nlisten = 'nowhere'\n")
+    p = subprocess.run([sys.executable, "-m", "powerprof.cli", "daemon", "--config", str(bad), "--simulate"],
+                       capture_output=True, text=True, timeout=60)
+    assert p.returncode == 2 and "proxy.listen" in p.stderr
+    assert not (tmp_path / "state" / "powerprof" / "daemon").exists()
+
+
+def test_unreachable_upstream_gives_502_and_sighup_keeps_a_good_config(tmp_path):
+    cfg = tmp_path / "p.toml"
+    cfg.write_text("[daemon]\nflush_interval_s = 0.5\n")
+    d = DaemonProc(tmp_path / "data", "--config", str(cfg), "--simulate", "--upstream", "http://127.0.0.1:9",
+                   env=sim_env(tmp_path))
+    try:
+        for _ in range(3):
+            req = urllib.request.Request(d.info["proxy"] + "/v1/completions", data=b'{"prompt":"x"}', method="POST")
+            with pytest.raises(urllib.error.HTTPError) as e:
+                urllib.request.urlopen(req, timeout=20)
+            assert e.value.code == 502 and b"unreachable" in e.value.read()
+        cfg.write_text("[daemon]\nflush_interval_s = 'often'\n")
+        d.signal(signal.SIGHUP)
+        time.sleep(1.0)
+        assert d.proc.poll() is None
+        cfg.write_text("[daemon]\nflush_interval_s = 0.25\n")
+        d.signal(signal.SIGHUP)
+        time.sleep(1.0)
+        metrics = urllib.request.urlopen(d.info["metrics"] + "/metrics", timeout=10).read().decode()
+        assert "powerprof_proxy_upstream_failures_total 3.0" in metrics
+    finally:
+        rc = d.stop()
+    out = d.output()
+    assert rc == 0
+    assert "new config rejected" in out and "daemon.flush_interval_s" in out
+    assert "flush_interval_s=0.25" in out
+    reqs = read_dataset(tmp_path / "data", "requests")
+    assert list(reqs["status"]) == [502] * 3 and set(reqs["outcome"]) == {"upstream_unreachable"}
+
+
+def test_a_limit_left_by_a_crashed_sweep_is_restored_at_start_and_logged(tmp_path, monkeypatch):
+    from powerprof.control.restore import default_restore_path, new_record, write_json_atomic
+
+    env = sim_env(tmp_path)
+    monkeypatch.setenv("POWERPROF_SIM_STATE", env["POWERPROF_SIM_STATE"])
+    nvml = SimNVML("seed-16g")  # shares the state file with the daemon's simulator
+    nvml.nvmlInit()
+    h = nvml.nvmlDeviceGetHandleByIndex(0)
+    uuid = nvml.nvmlDeviceGetUUID(h)
+    nvml.nvmlDeviceSetPowerManagementLimit(h, 180_000)  # what a killed sweep leaves behind
+    rec = new_record({uuid: {"index": 0, "name": "sim", "original_limit_mw": 300_000, "default_limit_mw": 300_000,
+                             "clocks_locked": False}}, {"profile": "seed-16g", "count": 1})
+    path = default_restore_path([uuid])
+    write_json_atomic(path, rec)
+    d = DaemonProc(tmp_path / "data", "--simulate", "seed-16g", env=env)
+    rc = d.stop()
+    assert rc == 0
+    assert "restore at start" in d.output() and "300 W" in d.output()
+    assert nvml.nvmlDeviceGetPowerManagementLimit(h) == 300_000
+    assert not path.exists()

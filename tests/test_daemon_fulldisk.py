@@ -1,0 +1,58 @@
+"""A full disk: writes fail, the daemon logs it, keeps rows in memory, and the proxy keeps passing traffic."""
+
+from __future__ import annotations
+
+import asyncio
+import errno
+import logging
+
+import aiohttp
+
+from powerprof.daemon.config import load_config
+from powerprof.daemon.service import Daemon
+from powerprof.daemon.store import write_file_atomic
+from powerprof.sim.nvml import SimNVML
+
+
+def test_enospc_is_logged_rows_wait_in_memory_and_traffic_flows(tmp_path, caplog):
+    disk_full = {"on": True}
+
+    def writer(path, table):
+        if disk_full["on"]:
+            raise OSError(errno.ENOSPC, "No space left on device")
+        write_file_atomic(path, table)
+
+    cfg = load_config(None, env={}, overrides={
+        "daemon.data_dir": str(tmp_path / "data"), "daemon.interval_s": 0.1, "daemon.flush_interval_s": 0.1,
+        "proxy.listen": "127.0.0.1:0", "metrics.listen": "", "daemon.restore_on_start": False,
+    })
+    d = Daemon(cfg, SimNVML("a100-40g", state_path=None), simulate="a100-40g", store_write=writer)
+
+    async def main():
+        task = asyncio.create_task(d.run())
+        for _ in range(200):
+            if "proxy" in d.urls:
+                break
+            await asyncio.sleep(0.05)
+        statuses = []
+        async with aiohttp.ClientSession() as s:
+            for i in range(6):
+                async with s.post(d.urls["proxy"] + "/completion", json={"prompt": "x", "n_predict": 5, "stream": i % 2 == 0}) as r:
+                    statuses.append(r.status)
+                    await r.read()
+        await asyncio.sleep(0.5)
+        failing = (d.store.flush_errors, d.store.buffered())
+        disk_full["on"] = False
+        await asyncio.sleep(0.6)
+        d.stop_event.set()
+        rc = await task
+        return statuses, failing, rc
+
+    with caplog.at_level(logging.ERROR, logger="powerprof.daemon.store"):
+        statuses, (errors, buffered), rc = asyncio.run(asyncio.wait_for(main(), 60))
+    assert statuses == [200] * 6 and rc == 0
+    assert errors > 0 and buffered > 0
+    assert any("disk full" in r.getMessage() for r in caplog.records)
+    # One log line per failing spell, not one per flush.
+    assert sum("disk full" in r.getMessage() for r in caplog.records) < errors
+    assert d.store.buffered() == 0 and d.store.written_rows["requests"] == 6

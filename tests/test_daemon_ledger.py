@@ -1,0 +1,122 @@
+"""The ledger: closing intervals as samples arrive, per-request and per-tag accounts, bypass traffic."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import pytest
+
+from powerprof.daemon.ledger import Ledger
+from powerprof.daemon.proxy import RequestTrace
+
+S = 1_000_000_000
+
+
+@dataclass
+class R:  # the fields of a GpuReading the ledger uses
+    energy_j: float | None
+    power_w: float | None
+    power_avg_w: float | None = None
+
+
+class Sink:
+    def __init__(self):
+        self.rows = {"requests": [], "intervals": [], "tags": []}
+
+    def __call__(self, name, rows):
+        self.rows[name].extend(rows)
+
+
+def _trace(rid, arrival_s, stream=True):
+    return RequestTrace(rid, "POST", "/completion", "t", int(arrival_s * S), 0, api="llamacpp", stream=stream)
+
+
+def _feed(ledger, t_s, energy_j, power_w=200.0):
+    ledger.add_gpu_sample(int(t_s * S), int(t_s * S), [R(energy_j, power_w)])
+
+
+def test_requests_are_emitted_with_their_energy_once_their_intervals_close():
+    sink = Sink()
+    led = Ledger("d", 0, 1, sink, grace_s=0.1)
+    a, b = _trace(1, 0.1), _trace(2, 0.2)
+    for tr in (a, b):
+        led.on_start(tr)
+    _feed(led, 0.0, 1000.0)
+    _feed(led, 1.0, 1100.0)  # prefill of both inside [0, 1)
+    for k in range(10):  # decode in [1, 2): a gets 3 tokens per b's 1
+        t = int((1.0 + 0.09 * k) * S)
+        led.on_tokens(a, t, 3)
+        led.on_tokens(b, t, 1)
+    a.first_ns = b.first_ns = int(1.0 * S)  # prefill ended exactly at the edge
+    a.last_ns = b.last_ns = int(1.81 * S)
+    a.end_ns = b.end_ns = int(1.9 * S)
+    led.on_end(a)
+    led.on_end(b)
+    _feed(led, 2.0, 1300.0)
+    led.advance(int(2.05 * S))
+    assert sink.rows["requests"] == []  # the closing edge is still inside the grace period
+    led.advance(int(2.2 * S))
+    kinds = [r["kind"] for r in sink.rows["intervals"]]
+    assert kinds == ["prefill", "decode"]
+    got = {r["request_id"]: r for r in sink.rows["requests"]}
+    assert got[1]["gpu_energy_j"] == pytest.approx(150.0) and got[2]["gpu_energy_j"] == pytest.approx(50.0)
+    assert got[1]["attributed_tokens"] == 30 and got[1]["gpu_j_per_token"] == pytest.approx(5.0)
+    assert led.totals.energy_by_kind_j[2] == pytest.approx(100.0) and led.totals.j_per_token == pytest.approx(5.0)
+
+
+def test_intervals_wait_for_a_non_streamed_response_then_count_it_as_decode():
+    sink = Sink()
+    led = Ledger("d", 0, 1, sink, grace_s=0.1)
+    tr = _trace(1, 0.5, stream=False)
+    led.on_start(tr)
+    for k in range(4):
+        _feed(led, float(k), 100.0 * k)
+    led.advance(int(3.5 * S))
+    assert sink.rows["intervals"] == []  # [0,1) holds too: the request arrived inside it
+    # It ends at 3.2 s; the server's timings say it decoded for the last 2.6 s.
+    tr.first_ns, tr.last_ns, tr.end_ns, tr.tokens_seen = int(0.6 * S), int(3.2 * S), int(3.2 * S), 52
+    tr.extra["spread"] = True
+    led.on_end(tr)
+    _feed(led, 4.0, 400.0)
+    led.advance(int(4.5 * S))
+    # Its prefill (0.5-0.6 s) makes [0,1) prefill; the tokens are spread evenly over 0.6-3.2 s.
+    assert [r["kind"] for r in sink.rows["intervals"]] == ["prefill", "decode", "decode", "decode"]
+    (row,) = sink.rows["requests"]
+    spread = np.linspace(0.6, 3.2, 64)
+    assert row["gpu_energy_j"] == pytest.approx(300.0)
+    assert row["attributed_tokens"] == pytest.approx(52 / 64 * (spread >= 1.0).sum())
+
+
+def test_tag_windows_and_server_tokens_beyond_the_proxy():
+    sink = Sink()
+    led = Ledger("d", 0, 1, sink, grace_s=0.1)
+    _feed(led, 0.0, 0.0)
+    led.open_tag("job", int(1.0 * S), 1)
+    with pytest.raises(ValueError, match="already open"):
+        led.open_tag("job", int(1.0 * S), 1)
+    for k in range(1, 5):
+        _feed(led, float(k), 50.0 * k)
+    led.add_server_tokens(int(2.5 * S), 40)  # nobody went through the proxy: bypass traffic
+    led.close_tag("job", int(3.0 * S), 3)
+    led.advance(int(4.5 * S))
+    kinds = [r["kind"] for r in sink.rows["intervals"]]
+    assert kinds == ["idle", "idle", "unproxied", "idle"]
+    assert sink.rows["intervals"][2]["server_tokens"] == 40
+    (tag,) = sink.rows["tags"]
+    assert tag["name"] == "job" and tag["gpu_energy_j"] == pytest.approx(100.0) and tag["duration_s"] == 2.0
+    assert tag["energy_method"] == "counter"
+
+
+def test_shutdown_writes_open_requests_as_interrupted():
+    sink = Sink()
+    led = Ledger("d", 0, 1, sink)
+    tr = _trace(7, 0.2)
+    led.on_start(tr)
+    _feed(led, 0.0, 0.0)
+    _feed(led, 1.0, 10.0)
+    led.open_tag("open-one", int(0.5 * S), 1)
+    led.close_all(int(1.0 * S))
+    (row,) = sink.rows["requests"]
+    assert row["outcome"] == "interrupted"
+    assert sink.rows["tags"][0]["closed_by"] == "shutdown"

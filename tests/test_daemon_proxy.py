@@ -1,0 +1,222 @@
+"""The proxy in-process against a small upstream: bytes unchanged, recording fail-open, disconnects."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import random
+
+import aiohttp
+from aiohttp import web
+
+from powerprof.daemon.proxy import Proxy, RequestTrace
+
+
+class Upstream:
+    """Deterministic streams in random-sized chunks; notes requests cut off by the client."""
+
+    def __init__(self):
+        self.cancelled = 0
+        self.seen_headers = []
+
+    def app(self):
+        app = web.Application()
+        app.router.add_post("/completion", self.completion)
+        app.router.add_post("/v1/chat/completions", self.chat)
+        app.router.add_route("*", "/echo/{tail:.*}", self.echo)
+        return app
+
+    async def echo(self, request):
+        body = await request.read()
+        self.seen_headers.append(dict(request.headers))
+        return web.Response(
+            status=201, body=json.dumps({"method": request.method, "qs": request.query_string, "path": request.raw_path,
+                                         "len": len(body)}).encode(),
+            headers={"X-Custom": "yes", "Set-Cookie": "a=1"}, content_type="application/json")
+
+    async def completion(self, request):
+        doc = await request.json()
+        n = doc.get("n_predict", 8)
+        rng = random.Random(doc.get("seed", 0))
+        payload = b"".join(
+            b"data: " + json.dumps({"content": f"w{i} ", "tokens": [i, i + 1] if i % 3 == 0 else [i], "stop": False}).encode()
+            + b"\n\n" for i in range(n)
+        ) + b'data: {"content":"","stop":true,"tokens_predicted":%d,"timings":{"predicted_n":%d,"prompt_n":4}}\n\n' % (
+            n + (n + 2) // 3, n + (n + 2) // 3)
+        if not doc.get("stream"):
+            return web.json_response({"content": "x" * n, "tokens_predicted": n, "tokens_evaluated": 3,
+                                      "timings": {"predicted_n": n, "predicted_ms": 5.0}})
+        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        await resp.prepare(request)
+        i = 0
+        try:
+            while i < len(payload):
+                k = rng.randint(1, 40)
+                await resp.write(payload[i:i + k])
+                i += k
+                await asyncio.sleep(doc.get("delay", 0.001))
+        except (ConnectionResetError, asyncio.CancelledError):
+            self.cancelled += 1
+            raise
+        await resp.write_eof()
+        return resp
+
+    async def chat(self, request):
+        return web.Response(status=503, body=b'{"error":"loading"}', content_type="application/json")
+
+
+async def _serve(app):
+    runner = web.AppRunner(app)
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", 0)
+    await site.start()
+    host, port = runner.addresses[0][:2]
+    return runner, f"http://{host}:{port}"
+
+
+class Rec:
+    def __init__(self, fail=False):
+        self.fail = fail
+        self.ended: list[RequestTrace] = []
+        self.events = []
+
+    def on_start(self, trace):
+        if self.fail:
+            raise RuntimeError("recorder broke")
+
+    def on_tokens(self, trace, t, n):
+        self.events.append((trace.request_id, t, n))
+
+    def on_end(self, trace):
+        self.ended.append(trace)
+
+
+def _run(coro):
+    return asyncio.run(asyncio.wait_for(coro, 60))
+
+
+async def _setup(rec, upstream_url=None):
+    up = Upstream()
+    up_runner, up_url = await _serve(up.app())
+    proxy = Proxy(upstream_url or up_url, recorder=rec)
+    px_runner, px_url = await _serve(proxy.app())
+    return up, up_url, up_runner, proxy, px_url, px_runner
+
+
+def test_streams_pass_byte_for_byte_and_tokens_are_counted_not_events():
+    async def main():
+        rec = Rec()
+        up, up_url, r1, proxy, px_url, r2 = await _setup(rec)
+        async with aiohttp.ClientSession() as s:
+            async def get(base, seed):
+                body = {"prompt": "secret prompt", "n_predict": 12, "stream": True, "seed": seed}
+                async with s.post(base + "/completion", json=body, headers={"X-Powerprof-Tag": "team-a"}) as r:
+                    return r.status, r.headers.get("Content-Type"), await r.read()
+            for seed in range(5):
+                assert await get(px_url, seed) == await get(up_url, seed)
+        await r2.cleanup()
+        await r1.cleanup()
+        return rec
+
+    rec = _run(main())
+    assert len(rec.ended) == 5
+    t = rec.ended[0]
+    assert (t.api, t.endpoint, t.tag, t.status, t.outcome, t.stream) == ("llamacpp", "/completion", "team-a", 200, "ok", True)
+    # 12 events, every third carrying 2 tokens: 16 tokens, not 12 events.
+    assert t.tokens_seen == 16 and t.counts.generated_tokens == 16 and t.counts.prompt_tokens == 4
+    assert t.first_ns is not None and t.arrival_ns <= t.first_ns <= t.last_ns <= t.end_ns
+    assert "secret" not in repr(t)
+
+
+def test_other_methods_paths_queries_statuses_and_headers_pass_through():
+    async def main():
+        rec = Rec()
+        up, up_url, r1, proxy, px_url, r2 = await _setup(rec)
+        out = []
+        async with aiohttp.ClientSession() as s:
+            for base in (up_url, px_url):
+                async with s.put(base + "/echo/a%2Fb?x=1&y=%20z", data=b"\x00" * 3000, headers={"X-Other": "1"}) as r:
+                    out.append((r.status, await r.read(), r.headers.get("X-Custom"), r.headers.get("Set-Cookie")))
+                async with s.post(base + "/v1/chat/completions", json={"messages": []}) as r:
+                    out.append((r.status, await r.read()))
+        await r2.cleanup()
+        await r1.cleanup()
+        return out, up
+
+    out, up = _run(main())
+    assert out[0] == out[2] and out[1] == out[3]
+    assert json.loads(out[0][1]) == {"method": "PUT", "qs": "x=1&y= z", "path": "/echo/a%2Fb?x=1&y=%20z", "len": 3000}
+    assert up.seen_headers[1]["X-Other"] == "1"
+
+
+def test_recorder_failure_never_touches_the_traffic():
+    async def main():
+        rec = Rec(fail=True)
+        up, up_url, r1, proxy, px_url, r2 = await _setup(rec)
+        async with aiohttp.ClientSession() as s:
+            body = {"n_predict": 20, "stream": True}
+            async with s.post(px_url + "/completion", json=body) as r:
+                via = await r.read()
+            async with s.post(up_url + "/completion", json=body) as r:
+                direct = await r.read()
+        await r2.cleanup()
+        await r1.cleanup()
+        return via, direct, proxy, rec
+
+    via, direct, proxy, rec = _run(main())
+    assert via == direct
+    assert proxy.recorder_failures == 1 and rec.ended == []
+
+
+def test_unreachable_upstream_answers_502_and_the_proxy_keeps_serving():
+    async def main():
+        rec = Rec()
+        proxy = Proxy("http://127.0.0.1:9", recorder=rec, connect_timeout_s=2)  # port 9 (discard): closed
+        runner, url = await _serve(proxy.app())
+        async with aiohttp.ClientSession() as s:
+            for _ in range(3):
+                async with s.post(url + "/completion", json={"stream": True}) as r:
+                    status, body = r.status, await r.json()
+        await runner.cleanup()
+        return status, body, rec
+
+    status, body, rec = _run(main())
+    assert status == 502 and "unreachable" in body["error"]["message"]
+    assert [t.outcome for t in rec.ended] == ["upstream_unreachable"] * 3
+
+
+def test_client_disconnect_cancels_the_upstream_stream():
+    async def main():
+        rec = Rec()
+        up, up_url, r1, proxy, px_url, r2 = await _setup(rec)
+        async with aiohttp.ClientSession() as s:
+            r = await s.post(px_url + "/completion", json={"n_predict": 500, "stream": True, "delay": 0.01})
+            await r.content.read(100)
+            r.close()  # drop the connection mid-stream
+        for _ in range(100):
+            if up.cancelled and rec.ended:
+                break
+            await asyncio.sleep(0.05)
+        await r2.cleanup()
+        await r1.cleanup()
+        return up, rec
+
+    up, rec = _run(main())
+    assert up.cancelled == 1
+    assert rec.ended[0].outcome == "client_disconnected"
+
+
+def test_non_streamed_generation_is_recorded_with_spread_tokens():
+    async def main():
+        rec = Rec()
+        up, up_url, r1, proxy, px_url, r2 = await _setup(rec)
+        async with aiohttp.ClientSession() as s:
+            async with s.post(px_url + "/completion", json={"n_predict": 7, "model": "m1"}) as r:
+                await r.read()
+        await r2.cleanup()
+        await r1.cleanup()
+        return rec
+
+    t = _run(main()).ended[0]
+    assert t.stream is False and t.model == "m1" and t.counts.generated_tokens == 7 and t.extra.get("spread")
+    assert t.counts.prompt_tokens == 3

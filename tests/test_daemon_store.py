@@ -1,0 +1,135 @@
+"""Crash-safe datasets: atomic small files, compaction that survives a crash, retention, full disk."""
+
+from __future__ import annotations
+
+import errno
+import json
+import os
+from datetime import datetime, timezone
+
+import duckdb
+import pyarrow as pa
+import pyarrow.dataset as pads
+import pytest
+
+from powerprof.daemon.store import JOURNAL, Dataset, DatasetStore, write_file_atomic
+
+SCHEMA = pa.schema([("t_utc", pa.timestamp("us", tz="UTC")), ("value", pa.float64()), ("name", pa.string())])
+DAY1 = int(datetime(2026, 1, 1, 12, tzinfo=timezone.utc).timestamp() * 1e9)
+DAY2 = int(datetime(2026, 1, 2, 12, tzinfo=timezone.utc).timestamp() * 1e9)
+
+
+def _store(root, **kw):
+    return DatasetStore(root, [Dataset("things", SCHEMA, "t_utc")], **kw)
+
+
+def _rows(n, t0=DAY1, start=0):
+    return [{"t_utc": t0 + i * 1_000_000, "value": float(start + i), "name": f"r{start + i}"} for i in range(n)]
+
+
+def _read(root):
+    d = pads.dataset(root / "things", format="parquet", partitioning="hive")
+    return d.to_table()
+
+
+def test_flush_writes_hive_partitions_that_duckdb_reads(tmp_path):
+    s = _store(tmp_path)
+    s.append("things", _rows(5) + _rows(3, DAY2, 5))
+    assert s.flush()
+    assert sorted(p.name for p in s.partitions("things")) == ["date=2026-01-01", "date=2026-01-02"]
+    got = duckdb.sql(
+        f"select date, count(*) from read_parquet('{tmp_path}/things/**/*.parquet', hive_partitioning=true) group by date order by date"
+    ).fetchall()
+    assert [(str(d), n) for d, n in got] == [("2026-01-01", 5), ("2026-01-02", 3)]
+    assert s.buffered() == 0
+
+
+def test_a_crash_mid_write_leaves_only_a_hidden_temp_file_that_restart_removes(tmp_path):
+    s = _store(tmp_path)
+    part = tmp_path / "things" / "date=2026-01-01"
+    part.mkdir(parents=True)
+    (part / ".part-x.parquet.tmp").write_bytes(b"PAR1 half a file")
+    assert _read(tmp_path).num_rows == 0  # readers ignore dot files
+    _store(tmp_path)
+    assert not list(part.glob(".*"))
+
+
+def test_compaction_merges_files_and_keeps_every_row(tmp_path):
+    s = _store(tmp_path)
+    for k in range(5):
+        s.append("things", _rows(4, start=4 * k))
+        s.flush()
+    part = s.partitions("things")[0]
+    assert len(list(part.glob("*.parquet"))) == 5
+    assert s.compact() == 1
+    files = list(part.glob("*.parquet"))
+    assert len(files) == 1 and files[0].name.startswith("compact-")
+    assert sorted(_read(tmp_path).column("value").to_pylist()) == [float(i) for i in range(20)]
+
+
+@pytest.mark.parametrize("target_written", [True, False])
+def test_a_crash_during_compaction_neither_loses_nor_doubles_rows(tmp_path, target_written):
+    s = _store(tmp_path)
+    for k in range(3):
+        s.append("things", _rows(2, start=2 * k))
+        s.flush()
+    part = s.partitions("things")[0]
+    sources = sorted(p.name for p in part.glob("*.parquet"))
+    target = "compact-crash.parquet"
+    (part / JOURNAL).write_text(json.dumps({"target": target, "sources": sources}))
+    if target_written:
+        # The crash came after the merged file was renamed in, before the sources were deleted.
+        write_file_atomic(part / target, _read(tmp_path).drop(["date"]).cast(SCHEMA))
+        os.unlink(part / sources[0])
+    else:
+        (part / f".{target}.tmp").write_bytes(b"partial")
+    _store(tmp_path)  # restart: recovery
+    assert not (part / JOURNAL).exists()
+    assert sorted(_read(tmp_path).column("value").to_pylist()) == [float(i) for i in range(6)]
+
+
+def test_retention_by_age_and_by_size(tmp_path):
+    s = _store(tmp_path, retention_days=30)
+    s.append("things", _rows(3) + _rows(3, DAY2, 3))
+    s.flush()
+    s.enforce_retention(now_utc=datetime(2026, 2, 1, 6, tzinfo=timezone.utc))  # day 1 is 31 days old
+    assert sorted(_read(tmp_path).column("value").to_pylist()) == [3.0, 4.0, 5.0]
+    s.retention_days = None
+    for k in range(4):
+        s.append("things", _rows(50, DAY2, 100 * (k + 1)))
+        s.flush()
+    size = lambda: sum(f.stat().st_size for f in (tmp_path / "things").rglob("*.parquet"))  # noqa: E731
+    one = max(f.stat().st_size for f in (tmp_path / "things").rglob("*.parquet"))
+    s.retention_max_bytes = size() - 1
+    s.enforce_retention()
+    assert size() <= s.retention_max_bytes and size() >= s.retention_max_bytes - 2 * one
+    vals = _read(tmp_path).column("value").to_pylist()
+    assert 449.0 in vals and 3.0 not in vals  # the oldest file went first
+
+
+def test_full_disk_keeps_rows_in_memory_up_to_a_bound_and_writes_them_later(tmp_path):
+    fail = {"on": True}
+
+    def writer(path, table):
+        if fail["on"]:
+            raise OSError(errno.ENOSPC, "No space left on device")
+        write_file_atomic(path, table)
+
+    s = _store(tmp_path, max_buffered_rows=100, write_file=writer)
+    s.append("things", _rows(60))
+    assert s.flush() is False
+    s.append("things", _rows(60, start=60))
+    assert s.flush() is False
+    assert s.buffered() == 100 and s.dropped_rows["things"] == 20 and s.flush_errors == 2
+    assert "No space" in s.last_error
+    fail["on"] = False
+    assert s.flush() is True
+    assert sorted(_read(tmp_path).column("value").to_pylist()) == [float(i) for i in range(20, 120)]
+
+
+def test_unwritable_data_dir_at_start_is_not_fatal(tmp_path):
+    blocker = tmp_path / "file"
+    blocker.write_text("x")
+    s = _store(blocker / "sub")  # cannot be created: a file is in the way
+    s.append("things", _rows(2))
+    assert s.flush() is False and s.buffered() == 2

@@ -1,0 +1,77 @@
+"""The shipped systemd unit: hardened as promised, and `systemd-analyze verify` clean where available."""
+
+from __future__ import annotations
+
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from click.testing import CliRunner
+
+from powerprof.cli import main
+
+ROOT = Path(__file__).resolve().parents[1]
+UNIT = ROOT / "systemd" / "powerprof.service"
+
+
+def _unit() -> dict[str, list[str]]:
+    out: dict[str, list[str]] = {}
+    section = None
+    for line in UNIT.read_text().splitlines():
+        line = line.strip()
+        if not line or line.startswith("#"):
+            continue
+        if line.startswith("["):
+            section = line.strip("[]")
+            continue
+        k, _, v = line.partition("=")
+        out.setdefault(f"{section}.{k}", []).append(v)
+    return out
+
+
+def test_unit_is_hardened_and_does_not_crash_loop():
+    u = _unit()
+    for key, want in {
+        "Service.ProtectSystem": "strict", "Service.NoNewPrivileges": "yes", "Service.StateDirectory": "powerprof",
+        "Service.DevicePolicy": "closed", "Service.Restart": "on-failure", "Service.RestartPreventExitStatus": "2",
+    }.items():
+        assert u[key] == [want], key
+    assert all("nvidia" in d for d in u["Service.DeviceAllow"])
+    assert u["Service.MemoryMax"] and int(u["Unit.StartLimitBurst"][0]) <= 10
+    assert any(v.startswith("+") and "energy_uj" in v for v in u["Service.ExecStartPre"])
+    assert "daemon --config /etc/powerprof/powerprof.toml" in u["Service.ExecStart"][0]
+
+
+@pytest.mark.skipif(shutil.which("systemd-analyze") is None, reason="systemd-analyze is not installed here")
+def test_systemd_analyze_verify_is_clean(tmp_path):
+    # verify checks that ExecStart's binary exists: point it at this checkout's entry point.
+    exe = shutil.which("powerprof", path=str(Path(sys.executable).parent)) or sys.executable
+    unit = tmp_path / "powerprof.service"
+    unit.write_text(UNIT.read_text().replace("/usr/local/bin/powerprof", exe))
+    p = subprocess.run(["systemd-analyze", "verify", str(unit)], capture_output=True, text=True, timeout=60)
+    assert p.returncode == 0 and "powerprof.service" not in p.stderr, p.stderr
+
+
+def test_grafana_dashboard_uses_only_exported_metrics():
+    import json
+
+    dash = json.loads((ROOT / "systemd" / "grafana-powerprof.json").read_text())
+    exprs = [t["expr"] for p in dash["panels"] for t in p.get("targets", [])]
+    assert exprs
+    names = {"powerprof_gpu_power_watts", "powerprof_gpu_energy_joules_total", "powerprof_cpu_energy_joules_total",
+             "powerprof_gpu_sm_clock_hertz", "powerprof_gpu_mem_clock_hertz", "powerprof_gpu_power_limit_watts",
+             "powerprof_tokens_generated_total", "powerprof_joules_per_token", "powerprof_requests_total",
+             "powerprof_gpu_energy_by_kind_joules_total", "process_resident_memory_bytes", "process_cpu_seconds_total"}
+    import re
+
+    used = {m for e in exprs for m in re.findall(r"(?:powerprof|process)_[a-z_]+", e)}
+    assert used <= names, used - names
+
+
+def test_tag_cli_without_a_daemon_says_so(tmp_path):
+    r = CliRunner().invoke(main, ["tag", "start", "x", "--socket", str(tmp_path / "none.sock")])
+    assert r.exit_code == 1 and "is `powerprof daemon` running" in r.output
+    r = CliRunner().invoke(main, ["tag", "start", "bad name!", "--socket", str(tmp_path / "none.sock")])
+    assert r.exit_code == 1 and "tag name" in r.output
