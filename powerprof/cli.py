@@ -373,7 +373,7 @@ def sweep(limits, clocks, url, launch, simulate, gpus, repeats, order, target_ci
 
     from powerprof.control.errors import ControlError
     from powerprof.control.levels import LevelError
-    from powerprof.progress import RichSweepUI, levels_table
+    from powerprof.progress import RichSweepUI, levels_table, result_console
     from powerprof.sweep import SweepError, run_sweep
     from powerprof.workload.client import RequestParams, ServerUnreachable
     from powerprof.workload.launcher import LaunchError
@@ -393,7 +393,7 @@ def sweep(limits, clocks, url, launch, simulate, gpus, repeats, order, target_ci
         prompts = load_prompts(prompts_file) if prompts_file else builtin_prompts(prompt_set)
     except PromptFileError as e:
         raise click.UsageError(str(e)) from None
-    out = Console()
+    out = result_console()
     ui = RichSweepUI(Console(stderr=True), min_requests)
     try:
         with ui:

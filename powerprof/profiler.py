@@ -24,9 +24,11 @@ from powerprof.collectors.nvml import NvmlCollector
 from powerprof.collectors.sampler import Clock, Sample, Sampler
 from powerprof.energy import counter_energy_j, integrate_power_j, shift_average_power
 
-# The GPU's sensor sees only part of each 100 ms and its counter refreshes every 10-100 ms
-# (field notes): shorter windows are reported, but flagged.
-LOW_CONFIDENCE_S = 3.0
+# Below these window lengths a figure is reported but flagged low-confidence. From
+# bench/window_accuracy.py (docs/benchmarks.md, "Energy windows"): the counter's p95 error is under
+# 1% from ~3 s at a 20 ms refresh; the shifted 1 s average needs ~30 s; instant power sampled at
+# 1 Hz misses the load's changes between samples and is never better than a few percent.
+LOW_CONFIDENCE_S = {"counter": 3.0, "avg_power_integration": 30.0, "power_integration": float("inf"), "none": float("inf")}
 
 METHOD_COUNTER = "counter"
 METHOD_POWER = "power_integration"
@@ -68,7 +70,7 @@ class EnergyResult:
 
     @property
     def low_confidence(self) -> bool:
-        return self.duration_s < LOW_CONFIDENCE_S
+        return self.duration_s < LOW_CONFIDENCE_S[self.method]
 
 
 @dataclass
@@ -151,18 +153,15 @@ class EnergyTimeline:
         return EnergyResult(t0_ns, t1_ns, tuple(gpu_e), tuple(methods), None if np.isnan(cpu) else cpu)
 
     def _gpu_energy(self, k: int, t0: int, t1: int) -> tuple[float | None, str]:
+        # Counter first; then the trailing average (it has seen every moment of its window, which
+        # beats instant readings taken once a second); instant power last.
         t, y = self.gpu_energy[k].arrays()
         if t.size >= 2:
             e = counter_energy_j(t, y, t0, t1)
             if not np.isnan(e):
                 return e, METHOD_COUNTER
-        t, y = self.gpu_power[k].arrays()
-        if t.size >= 2:
-            e = integrate_power_j(t, y, t0, t1)
-            if not np.isnan(e):
-                return e, METHOD_POWER
         t, y = self.gpu_avg_power[k].arrays()
-        if t.size >= 2:
+        if t.size >= 2 and self.avg_windows_s[k] > 0:
             half = int(self.avg_windows_s[k] * 1e9 / 2)
             t = shift_average_power(t, self.avg_windows_s[k])
             # The last reading speaks for the half-window after its shifted time too.
@@ -170,6 +169,12 @@ class EnergyTimeline:
             e = integrate_power_j(t, y, t0, t1)
             if not np.isnan(e):
                 return e, METHOD_AVG_POWER
+        for series in (self.gpu_power[k], self.gpu_avg_power[k]):
+            t, y = series.arrays()
+            if t.size >= 2:
+                e = integrate_power_j(t, y, t0, t1)
+                if not np.isnan(e):
+                    return e, METHOD_POWER
         return None, METHOD_NONE
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from rich import box
 from rich.console import Console
 from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
@@ -67,11 +68,18 @@ class RichSweepUI(UI):
         self.console.log(text)
 
 
+def result_console() -> Console:
+    """stdout; a log file or pipe gets 120 columns so the table is not squeezed to 80."""
+    c = Console()
+    return c if c.is_terminal else Console(width=120)
+
+
 def levels_table(levels, unit: str = "W") -> Table:
     """The per-level result table printed at the end of a sweep."""
-    t = Table(title="powerprof sweep", show_lines=False)
-    for col in ("level", "enforced", "tok/s", "speed loss", "J/tok GPU", "±CI", "J/tok GPU+CPU", "saving", "SM MHz", "mem MHz", "flags"):
-        t.add_column(col, justify="right" if col != "flags" else "left")
+    t = Table(title="powerprof sweep: decode only, medians over requests", box=box.SIMPLE_HEAD, show_lines=False)
+    heads = ("level", "enforced", "tok/s", "slower", "J/tok GPU", "±CI", "J/tok +CPU", "saving", "SM MHz", "mem MHz", "flags")
+    for col in heads:
+        t.add_column(col, justify="right" if col != "flags" else "left", no_wrap=col != "flags")
     for r in levels.to_pylist():
         t.add_row(
             f"{r['level_value']:g} {unit}" + (" (ref)" if r.get("reference") else ""),

@@ -304,6 +304,13 @@ class Sweep:
             self._bid = max(r.batch_id for r in recs if r.batch_id is not None) + 1
         return recs
 
+    def round_size(self) -> int:
+        """Requests in one pass over the prompt set, in whole batches. A level stops only at the end
+        of a round, so every level measures the same prompts the same number of times: with greedy
+        decoding the levels then differ by the setting alone (a paired comparison)."""
+        c = self.s.concurrency
+        return -(-len(self.prompts) // c) * c
+
     async def _measure(self, visit: LevelVisit) -> None:
         from powerprof.workload.load import LoadAborted, LoadPolicy
 
@@ -311,6 +318,7 @@ class Sweep:
         t_start = time.monotonic()
         warmup = self.s.warmup_requests
         jpt: list[float] = []
+        attempted = 0
         while True:
             try:
                 recs = await self._batch(self.s.concurrency, warmup)
@@ -319,12 +327,15 @@ class Sweep:
                 self.flush()
                 raise SweepError(f"level {visit.level_value:g}: {e}") from None
             warmup = 0
+            attempted += self.s.concurrency
             for row in self._add_rows(visit, recs):
                 if self._counts(row):
                     jpt.append(row["gpu_j_per_token"] if row["gpu_j_per_token"] is not None else np.nan)
                     visit.n_measured += 1
             visit.elapsed_s = time.monotonic() - t_start
             self.ui.level_progress(visit, self._live(visit))
+            if attempted % self.round_size():
+                continue
             visit.stop = stop_reason(np.asarray(jpt, dtype=float), visit.elapsed_s, self.s)
             if visit.stop is None and not np.isfinite(jpt).any() and visit.n_measured >= self.s.min_requests:
                 visit.stop = "no-energy"  # no GPU energy readable: J/token can never converge

@@ -17,6 +17,7 @@ from typing import Sequence
 import aiohttp
 import numpy as np
 
+from powerprof.profiler import LOW_CONFIDENCE_S
 from powerprof.windows import concurrent_throughput
 
 from .client import RequestParams, RequestRecord, ServerInfo, detect_server
@@ -142,7 +143,7 @@ def request_row(r: RequestRecord, energy=None, run_id: str = "", server: ServerI
         "draft_n": r.draft_n,
         "draft_n_accepted": r.draft_n_accepted,
         "stop_reason": r.stop_reason,
-        "low_confidence": energy.low_confidence if energy is not None else (r.decode_s or 0) < 3.0,
+        "low_confidence": energy.low_confidence if energy is not None else True,
         "attempt": r.attempt,
         "http_status": r.http_status,
         "token_source": r.token_source,
@@ -209,7 +210,7 @@ def batch_row(b: BatchWindow, recs: Sequence[RequestRecord], profiler, run_id: s
         "total_j_per_token": _div(total, b.decode_tokens),
         "draft_n": _sum_or_none(r.draft_n for r in ok),
         "draft_n_accepted": _sum_or_none(r.draft_n_accepted for r in ok),
-        "low_confidence": b.measured_s < 3.0,
+        "low_confidence": b.measured_s < LOW_CONFIDENCE_S.get(method, float("inf")),
         "server_kind": server.kind,
     }
 
