@@ -16,7 +16,6 @@ from __future__ import annotations
 import asyncio
 import json
 import multiprocessing as mp
-import socket
 import time
 
 import aiohttp

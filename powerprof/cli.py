@@ -332,6 +332,103 @@ def export(src, fmt, time_from, time_to, columns, tz, out):
         click.echo(str(p))
 
 
+# --- sweep (issue 5) ----------------------------------------------------------------------------
+
+
+def _fraction_option(ctx, param, value):
+    v = _fraction(value)
+    if not 0 < v < 1:
+        raise click.BadParameter(f"{value!r} must be between 0 and 100%")
+    return v
+
+
+@main.command()
+@click.option("--limits", "limits", default=None, help="Power limits to step through: 180,220W,60% (of the default).")
+@click.option("--clocks", "clocks", default=None, help="Locked SM clocks (MHz) to step through instead of power limits.")
+@click.option("--server", "url", default=None, help="Inference server base URL (llama.cpp, vLLM, SGLang, OpenAI-compatible).")
+@click.option("--launch", default=None, help="Start the server with this command (needs --server for its URL); stopped at the end.")
+@simulate_option
+@click.option("--gpus", default=None, help="NVML indexes of the GPUs serving the model (all take the same level).")
+@click.option("--repeats", default=1, show_default=True, type=click.IntRange(1, 100), help="Passes over all levels, interleaved.")
+@click.option("--order", default="desc", show_default=True, type=click.Choice(["desc", "asc", "random"]))
+@click.option("--target-ci", default="2%", show_default=True, callback=_fraction_option, help="Stop a level when the 95% CI of J/token is within this.")
+@click.option("--min-requests", default=5, show_default=True, type=click.IntRange(2, 10000))
+@click.option("--max-requests", default=200, show_default=True, type=click.IntRange(2, 100000))
+@click.option("--max-time", "max_time_s", default=120.0, show_default=True, type=click.FloatRange(1, 86400), help="Seconds per level at most.")
+@click.option("--warmup", default=2, show_default=True, type=click.IntRange(0, 100), help="Warm-up requests per level (discarded).")
+@click.option("--idle-s", default=5.0, show_default=True, type=click.FloatRange(0, 3600), help="Idle baseline before the first level.")
+@click.option("--concurrency", default=1, show_default=True, type=click.IntRange(1, 1024))
+@click.option("--max-tokens", default=256, show_default=True, type=click.IntRange(2, 100000))
+@click.option("--prompts", "prompts_file", default=None, type=click.Path(dir_okay=False), help="JSONL prompt file.")
+@click.option("--prompt-set", default="short", show_default=True, type=click.Choice(["short", "medium", "long"]))
+@click.option("--api", default=None, type=click.Choice(["llamacpp", "openai-completions", "openai-chat"]))
+@click.option("--interval", "interval_s", default=1.0, show_default=True, type=click.FloatRange(0.02, 10), help="Sampling interval (s).")
+@click.option("--out", "out_dir", default=None, type=click.Path(file_okay=False), help="Run directory (default runs/<UTC time>-<gpu>).")
+@click.option("--max-slowdown", default="10%", show_default=True, callback=_fraction_option, help="Slowdown budget for the recommendation.")
+@click.option("--dry-run", is_flag=True, help="Validate and print the plan; touch nothing.")
+def sweep(limits, clocks, url, launch, simulate, gpus, repeats, order, target_ci, min_requests, max_requests, max_time_s,
+          warmup, idle_s, concurrency, max_tokens, prompts_file, prompt_set, api, interval_s, out_dir, max_slowdown, dry_run):
+    """Step the GPU power limit (or locked SM clock) across levels; J/token and speed loss per level."""
+    from rich.console import Console
+
+    from powerprof.control.errors import ControlError
+    from powerprof.control.levels import LevelError
+    from powerprof.progress import RichSweepUI, levels_table
+    from powerprof.sweep import SweepError, run_sweep
+    from powerprof.workload.client import RequestParams, ServerUnreachable
+    from powerprof.workload.launcher import LaunchError
+    from powerprof.workload.load import PromptFileError, builtin_prompts, load_prompts
+
+    if bool(limits) == bool(clocks):
+        raise click.UsageError("give exactly one of --limits or --clocks")
+    if sum(bool(x) for x in (url and not launch, launch, simulate)) != 1:
+        raise click.UsageError("give exactly one of --server URL, --launch CMD --server URL, or --simulate")
+    if max_requests < min_requests:
+        raise click.UsageError("--max-requests must not be below --min-requests")
+    try:
+        gpu_list = [int(g) for g in gpus.split(",")] if gpus else None
+    except ValueError:
+        raise click.UsageError(f"--gpus must be comma-separated NVML indexes, not {gpus!r}") from None
+    try:
+        prompts = load_prompts(prompts_file) if prompts_file else builtin_prompts(prompt_set)
+    except PromptFileError as e:
+        raise click.UsageError(str(e)) from None
+    out = Console()
+    ui = RichSweepUI(Console(stderr=True), min_requests)
+    try:
+        with ui:
+            outcome = run_sweep(
+                levels_spec=limits or clocks, level_kind="power_limit" if limits else "sm_clock", url=url, launch=launch,
+                simulate=simulate, gpus=gpu_list, out_dir=out_dir, prompts=prompts,
+                params=RequestParams(max_tokens=max_tokens), api=api, interval_s=interval_s, dry_run=dry_run,
+                command_line=" ".join(sys.argv), ui=ui, repeats=repeats, order=order, target_ci=target_ci,
+                min_requests=min_requests, max_requests=max_requests, max_time_s=max_time_s, warmup_requests=warmup,
+                idle_s=idle_s, concurrency=concurrency,
+            )
+    except LevelError as e:
+        raise click.UsageError(str(e)) from None
+    except (ControlError, SweepError, ServerUnreachable, LaunchError, FileExistsError) as e:
+        raise click.ClickException(str(e)) from None
+    if dry_run:
+        for line in outcome.plan_lines:
+            out.print(line)
+        return
+    for note in outcome.notes:
+        out.print(f"[yellow]note:[/] {note}")
+    out.print(levels_table(outcome.levels, "W" if limits else "MHz"))
+    out.print(f"run directory: {outcome.run_dir}")
+    from powerprof.analysis.loading import AnalysisError
+    from powerprof.analysis.report import analyze_run, console_summary
+
+    try:
+        result = analyze_run([outcome.run_dir], max_slowdown=max_slowdown)
+    except AnalysisError as e:
+        out.print(f"[red]analysis failed:[/] {e}")
+        sys.exit(1)
+    out.print(console_summary(result), highlight=False)
+    out.print(f"report: {outcome.run_dir / 'analysis' / 'report.html'}")
+
+
 # --- daemon (issue 7): always-on sampling, tagging proxy, Prometheus, tag API -----------------
 
 

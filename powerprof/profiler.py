@@ -184,8 +184,11 @@ class Profiler:
         extra_collectors=(),
         interval_s: float = 1.0,
         clock: Clock | None = None,
+        gpu_collector: NvmlCollector | None = None,
     ):
-        self.gpu = NvmlCollector(nvml, gpus) if nvml is not None else None
+        # An already-open collector (from collectors.sources) or one opened here on `nvml`.
+        self.gpu = gpu_collector if gpu_collector is not None else (NvmlCollector(nvml, gpus) if nvml is not None else None)
+        self._owns_gpu = gpu_collector is None
         self.rapl = rapl
         collectors = [c for c in (self.gpu, rapl) if c is not None] + list(extra_collectors)
         self.sampler = Sampler(collectors, interval_s=interval_s, clock=clock)
@@ -207,7 +210,7 @@ class Profiler:
 
     def close(self) -> None:
         self.stop()
-        if self.gpu:
+        if self.gpu and self._owns_gpu:
             self.gpu.close()
 
     def __enter__(self) -> "Profiler":

@@ -15,7 +15,8 @@ from powerprof.profiler import Profiler
 
 REASON_SW_POWER_CAP = 0x4
 REASON_THERMAL = 0x20 | 0x40  # SwThermal | HwThermal
-CAP_ENGAGED_FRACTION = 0.9  # average power below 90% of the limit with no SwPowerCap: cap did nothing
+CAP_AT_LIMIT_FRACTION = 0.98  # drawing this close to the limit, the cap binds whatever the reason bits say
+CAP_ENGAGED_FRACTION = 0.9  # without reason bits: average power below 90% of the limit means the cap did nothing
 
 
 @dataclass(frozen=True)
@@ -93,11 +94,12 @@ def stop_reason(j_per_token: np.ndarray, elapsed_s: float, s: SweepSettings) -> 
     return None
 
 
-def level_sample_stats(samples: list[Sample], t0_ns: int, t1_ns: int) -> dict:
-    """What the sensors said during a level's measured span: clocks, power and clock-event reasons."""
-    sm, mem, pw, reasons, temps = [], [], [], 0, []
+def level_sample_stats(samples: list[Sample], spans: list[tuple[int, int]]) -> dict:
+    """What the sensors said during a level's measured spans: clocks, power and clock-event reasons."""
+    sm, mem, pw, temps = [], [], [], []
+    reasons: int | None = None
     for s in samples:
-        if s.source != "nvml" or s.data is None or not t0_ns <= s.t_mono_ns <= t1_ns:
+        if s.source != "nvml" or s.data is None or not any(t0 <= s.t_mono_ns <= t1 for t0, t1 in spans):
             continue
         for r in s.data:
             if r.sm_clock_mhz is not None:
@@ -108,7 +110,7 @@ def level_sample_stats(samples: list[Sample], t0_ns: int, t1_ns: int) -> dict:
             if p is not None:
                 pw.append(p)
             if r.clock_event_reasons is not None:
-                reasons |= r.clock_event_reasons
+                reasons = (reasons or 0) | r.clock_event_reasons
             if r.temperature_c is not None:
                 temps.append(r.temperature_c)
     med = lambda xs: float(np.median(xs)) if xs else None  # noqa: E731
@@ -122,38 +124,499 @@ def level_sample_stats(samples: list[Sample], t0_ns: int, t1_ns: int) -> dict:
     }
 
 
-def cap_not_engaged(avg_power_w: float | None, limit_w: float | None, reasons: int, n_gpus: int = 1) -> bool:
-    """A cap that never bound: power well under it and the driver never reported SwPowerCap."""
+def cap_not_engaged(avg_power_w: float | None, limit_w: float | None, reasons: int | None, n_gpus: int = 1) -> bool:
+    """A cap that never bound: the driver never reported SwPowerCap while power stayed under it.
+
+    reasons: the OR of the clock-event reasons seen during the level, None where the GPU cannot
+    report them; then only power can tell, and only a clear gap (under 90%) counts.
+    """
     if avg_power_w is None or limit_w is None:
         return False
-    return (avg_power_w / max(n_gpus, 1)) < CAP_ENGAGED_FRACTION * limit_w and not (reasons & REASON_SW_POWER_CAP)
+    per_gpu = avg_power_w / max(n_gpus, 1)
+    if reasons is None:
+        return per_gpu < CAP_ENGAGED_FRACTION * limit_w
+    return not (reasons & REASON_SW_POWER_CAP) and per_gpu < CAP_AT_LIMIT_FRACTION * limit_w
 
 
-class SampleLog:
-    """Keeps every Sample of the run (subscriber); the sweep writes them to samples.parquet."""
+class SweepError(RuntimeError):
+    """The sweep could not run or had to stop; the message says why. Limits are restored."""
 
-    def __init__(self):
-        self._lock = threading.Lock()
-        self.samples: list[Sample] = []
-        self.levels: list[tuple[int, str | None, float | None]] = []  # (t_mono_ns, kind, value)
 
-    def __call__(self, s: Sample) -> None:
-        with self._lock:
-            self.samples.append(s)
+@dataclass
+class LevelVisit:
+    """One pass over one level (a level is visited once per repeat)."""
 
-    def snapshot(self) -> list[Sample]:
-        with self._lock:
-            return list(self.samples)
+    level_value: float
+    repeat: int
+    readback: object | None = None  # control.LimitReadback for power levels
+    settle_s: float = 0.0
+    spans: list[tuple[int, int]] = field(default_factory=list)  # measured decode spans, monotonic ns
+    n_measured: int = 0
+    stop: str | None = None
+    elapsed_s: float = 0.0
 
-    def set_level(self, kind: str | None, value: float | None, t_ns: int) -> None:
-        with self._lock:
-            self.levels.append((t_ns, kind, value))
 
-    def level_at(self, t_ns: int) -> tuple[str | None, float | None]:
-        kind, value = None, None
-        for t, k, v in self.levels:
-            if t <= t_ns:
-                kind, value = k, v
-            else:
+class UI:
+    """What the sweep tells the user while it runs; the CLI passes a rich implementation."""
+
+    def idle(self, seconds: float) -> None: ...
+    def level_start(self, i: int, n: int, visit: LevelVisit, unit: str) -> None: ...
+    def level_progress(self, visit: LevelVisit, live: dict) -> None: ...
+    def level_done(self, visit: LevelVisit, live: dict) -> None: ...
+    def note(self, text: str) -> None: ...
+
+
+class Sweep:
+    """Runs the levels. Owns nothing it did not create: the caller opens and closes the
+    controller, profiler, server and writer (see run_sweep)."""
+
+    def __init__(
+        self,
+        settings: SweepSettings,
+        *,
+        profiler: Profiler,
+        controller,
+        server,
+        prompts,
+        params,
+        writer,
+        timeline,
+        run_id: str,
+        reference_value: float | None,
+        ui: UI | None = None,
+        policy=None,
+    ):
+        self.s = settings
+        self.prof = profiler
+        self.ctl = controller
+        self.server = server
+        self.prompts = list(prompts)
+        self.params = params
+        self.writer = writer
+        self.timeline = timeline
+        self.run_id = run_id
+        self.reference_value = reference_value
+        self.ui = ui or UI()
+        self.policy = policy
+        self.rows: list[dict] = []
+        self.records: list[tuple[float, object]] = []  # (level value, RequestRecord): monotonic times
+        self.visits: list[LevelVisit] = []
+        self.idle_power_w: float | None = None
+        self._rid = 0
+        self._bid = 0
+        self._prompt_k = 0
+
+    # --- the run -----------------------------------------------------------------------------
+
+    def run(self) -> None:
+        import asyncio
+
+        asyncio.run(self._run())
+
+    async def _run(self) -> None:
+        import aiohttp
+
+        order = visit_order(self.s.levels, self.s.repeats, self.s.order, self.s.seed)
+        async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0)) as session:
+            self.session = session
+            await self._idle_baseline()
+            for i, (value, rep) in enumerate(order):
+                visit = LevelVisit(value, rep)
+                self.visits.append(visit)
+                self._prompt_k = 0
+                self._set_level(visit)
+                unit = "W" if self.s.level_kind == "power_limit" else "MHz"
+                self.ui.level_start(i, len(order), visit, unit)
+                visit.settle_s = await self._settle(visit)
+                await self._measure(visit)
+                self.flush()
+                self.ui.level_done(visit, self._live(visit))
+
+    async def _idle_baseline(self) -> None:
+        import asyncio
+
+        if self.s.idle_s <= 0:
+            return
+        self.timeline.set_tags(level_kind="idle", level_value=None)
+        self.ui.idle(self.s.idle_s)
+        with self.prof.window("idle") as w:
+            await asyncio.sleep(self.s.idle_s)
+        e = w.result.gpu_energy_total_j
+        self.idle_power_w = e / w.result.duration_s if e is not None and w.result.duration_s > 0 else None
+
+    def _set_level(self, visit: LevelVisit) -> None:
+        if self.s.level_kind == "power_limit":
+            visit.readback = self.ctl.set_power_limit_w(visit.level_value)
+        else:
+            self.ctl.lock_sm_clock_mhz(int(visit.level_value))
+        self.timeline.set_tags(level_kind=self.s.level_kind, level_value=float(visit.level_value))
+
+    async def _settle(self, visit: LevelVisit) -> float:
+        """Wait until the enforced limit reads back as set and power and SM clock hold steady
+        across two reads, or the bounded wait runs out. Warm-up requests follow either way."""
+        import asyncio
+
+        t0 = time.monotonic()
+        prev = None
+        while time.monotonic() - t0 < self.s.settle_timeout_s:
+            now = self.prof.gpu.read()
+            if prev is not None and all(self._steady(a, b, visit) for a, b in zip(prev, now)):
                 break
-        return kind, value
+            prev = now
+            await asyncio.sleep(0.2)
+        return time.monotonic() - t0
+
+    def _steady(self, a, b, visit: LevelVisit) -> bool:
+        tol = self.s.settle_tolerance
+        if self.s.level_kind == "power_limit" and b.enforced_limit_w is not None:
+            if abs(b.enforced_limit_w - visit.level_value) > max(2.0, tol * visit.level_value):
+                return False
+        for x, y in ((a.power_w or a.power_avg_w, b.power_w or b.power_avg_w), (a.sm_clock_mhz, b.sm_clock_mhz)):
+            if x is not None and y is not None and abs(x - y) > tol * max(abs(x), 1e-9):
+                return False
+        return True
+
+    def _next_prompts(self, n: int):
+        # Every level walks the prompt set from its start, so request j of each level sends the same
+        # prompt: with greedy decoding the levels then differ only by the setting, not by the text.
+        k = self._prompt_k % len(self.prompts)
+        self._prompt_k += n
+        return self.prompts[k:] + self.prompts[:k]
+
+    async def _batch(self, n_requests: int, warmup: int):
+        from powerprof.workload.load import run_load_async
+
+        recs = await run_load_async(
+            self.server,
+            self._next_prompts(n_requests),
+            n_requests,
+            self.s.concurrency,
+            self.params,
+            self.prof.mark,
+            warmup,
+            self.policy,
+            self.session,
+            self._rid,
+            self._bid,
+        )
+        if recs:
+            self._rid = max(r.request_id for r in recs) + 1
+            self._bid = max(r.batch_id for r in recs if r.batch_id is not None) + 1
+        return recs
+
+    async def _measure(self, visit: LevelVisit) -> None:
+        from powerprof.workload.load import LoadAborted, LoadPolicy
+
+        self.policy = self.policy or LoadPolicy(max_failed_attempts=self.s.max_failures)
+        t_start = time.monotonic()
+        warmup = self.s.warmup_requests
+        jpt: list[float] = []
+        while True:
+            try:
+                recs = await self._batch(self.s.concurrency, warmup)
+            except LoadAborted as e:
+                self._add_rows(visit, e.records)
+                self.flush()
+                raise SweepError(f"level {visit.level_value:g}: {e}") from None
+            warmup = 0
+            for row in self._add_rows(visit, recs):
+                if self._counts(row):
+                    jpt.append(row["gpu_j_per_token"] if row["gpu_j_per_token"] is not None else np.nan)
+                    visit.n_measured += 1
+            visit.elapsed_s = time.monotonic() - t_start
+            self.ui.level_progress(visit, self._live(visit))
+            visit.stop = stop_reason(np.asarray(jpt, dtype=float), visit.elapsed_s, self.s)
+            if visit.stop is None and not np.isfinite(jpt).any() and visit.n_measured >= self.s.min_requests:
+                visit.stop = "no-energy"  # no GPU energy readable: J/token can never converge
+            if visit.stop:
+                return
+
+    def _counts(self, row: dict) -> bool:
+        kind = "request" if self.s.concurrency == 1 else "batch"
+        return row["window_kind"] == kind and not row["warmup"] and row["status"] == "ok"
+
+    def _add_rows(self, visit: LevelVisit, recs) -> list[dict]:
+        from powerprof.workload.measure import batch_row, batch_windows, request_row
+
+        new = []
+        for r in recs:
+            e = self.prof.energy_between(r.t_first_ns, r.t_last_ns) if r.ok and r.t_last_ns else None
+            row = request_row(r, e, self.run_id, self.server)
+            self.records.append((visit.level_value, r))
+            if r.ok and not r.warmup and self.s.concurrency == 1:
+                visit.spans.append((r.t_first_ns, r.t_last_ns))
+            new.append(row)
+        for b in batch_windows(recs):
+            batch_recs = [r for r in recs if r.batch_id == b.batch_id]
+            new.append(batch_row(b, batch_recs, self.prof, self.run_id, self.server))
+            visit.spans.extend((int(t0), int(t1)) for t0, t1 in b.intervals)
+        for row in new:
+            row.update(level_kind=self.s.level_kind, level_value=float(visit.level_value), repeat=visit.repeat)
+            self._above_idle(row)
+        self.rows.extend(new)
+        return new
+
+    def _above_idle(self, row: dict) -> None:
+        row["idle_gpu_power_w"] = self.idle_power_w
+        e, d, n = row.get("gpu_energy_j"), row.get("decode_s"), row.get("decode_tokens")
+        if self.idle_power_w is not None and e is not None and d and n:
+            row["above_idle_gpu_j_per_token"] = (e - self.idle_power_w * d) / n
+
+    def _live(self, visit: LevelVisit) -> dict:
+        rows = [r for r in self.rows if r["level_value"] == visit.level_value and r["repeat"] == visit.repeat and self._counts(r)]
+        rates = [r["decode_tok_s"] for r in rows if r["decode_tok_s"]]
+        jpt = np.asarray([r["gpu_j_per_token"] for r in rows if r["gpu_j_per_token"] is not None], dtype=float)
+        pw = [r["avg_gpu_power_w"] for r in rows if r["avg_gpu_power_w"] is not None]
+        return {
+            "requests": visit.n_measured,
+            "tok_s": float(np.median(rates)) if rates else None,
+            "power_w": float(np.mean(pw)) if pw else None,
+            "j_per_token": float(np.median(jpt)) if jpt.size else None,
+            "ci_pct": 100 * median_ci_halfwidth_frac(jpt) if jpt.size >= 2 else None,
+            "stop": visit.stop,
+        }
+
+    # --- output ------------------------------------------------------------------------------
+
+    def level_extras(self) -> dict:
+        """Sensor-derived figures per level for levels.parquet (the windows give the rest)."""
+        samples = self.timeline.samples("nvml")
+        out = {}
+        n_gpus = len(self.prof.gpu.indexes) if self.prof.gpu else 1
+        for value in sorted({v.level_value for v in self.visits}):
+            visits = [v for v in self.visits if v.level_value == value]
+            spans = [sp for v in visits for sp in v.spans]
+            st = level_sample_stats(samples, spans)
+            rows = [r for r in self.rows if r["level_value"] == value and self._counts(r)]
+            e = [r["gpu_energy_j"] for r in rows if r["gpu_energy_j"] is not None]
+            c = [r["cpu_energy_j"] for r in rows if r["cpu_energy_j"] is not None]
+            d = sum(r["decode_s"] or 0 for r in rows if r["gpu_energy_j"] is not None)
+            dc = sum(r["decode_s"] or 0 for r in rows if r["cpu_energy_j"] is not None)
+            avg_w = sum(e) / d if e and d > 0 else None
+            rb = [v.readback for v in visits if v.readback is not None]
+            enforced = float(np.mean([g.enforced_w for b in rb for g in b.gpus])) if rb else None
+            requested = float(value) if self.s.level_kind == "power_limit" else None
+            not_engaged = (
+                cap_not_engaged(avg_w, enforced or requested, st["reasons"], n_gpus) if self.s.level_kind == "power_limit" else False
+            )
+            out[(self.s.level_kind, float(value))] = {
+                "requested_limit_w": requested,
+                "enforced_limit_w": enforced,
+                "locked_sm_clock_mhz": float(value) if self.s.level_kind == "sm_clock" else None,
+                "avg_gpu_power_w": avg_w,
+                "avg_cpu_power_w": sum(c) / dc if c and dc > 0 else None,
+                "sm_clock_mhz": st["sm_clock_mhz"],
+                "mem_clock_mhz": st["mem_clock_mhz"],
+                "cap_not_engaged": not_engaged,
+                "thermal_throttle": bool((st["reasons"] or 0) & REASON_THERMAL),
+            }
+        return out
+
+    def windows_table(self):
+        from powerprof.storage.runs import table_from_rows
+
+        return table_from_rows("windows", self.rows)
+
+    def levels_table(self):
+        from powerprof.analysis.stats import summarize_levels
+
+        windows = self.windows_table()
+        if not any(self._counts(r) for r in self.rows):
+            from powerprof.storage.runs import table_from_rows
+
+            return table_from_rows("levels", [])
+        return summarize_levels(windows, self.reference_value, run_id=self.run_id, extra=self.level_extras())
+
+    def flush(self) -> None:
+        """Rewrite the run's tables (atomically): a crash keeps every finished level."""
+        self.writer.write("windows", self.windows_table())
+        self.writer.write("samples", self.timeline.to_table())
+        self.writer.write("levels", self.levels_table())
+        self.writer.write_json(idle_gpu_power_w=self.idle_power_w, levels_done=[(v.level_value, v.repeat) for v in self.visits if v.stop])
+
+
+# --- wiring: what `powerprof sweep` runs ---------------------------------------------------------
+
+SIM_CPU_IDLE_W = 18.0  # simulated CPU package power with the server idle
+
+
+@dataclass
+class SweepOutcome:
+    run_dir: object
+    sweep: Sweep | None
+    levels: object | None  # pyarrow Table (levels.parquet)
+    plan_lines: list[str] = field(default_factory=list)
+    notes: list[str] = field(default_factory=list)
+
+
+def run_sweep(
+    settings: SweepSettings | None = None,
+    *,
+    levels_spec: str,
+    level_kind: str = "power_limit",
+    url: str | None = None,
+    launch: str | None = None,
+    simulate: str | None = None,
+    gpus: list[int] | None = None,
+    out_dir=None,
+    runs_base="runs",
+    prompts=None,
+    params=None,
+    api: str | None = None,
+    interval_s: float = 1.0,
+    dry_run: bool = False,
+    command_line: str = "",
+    ui: UI | None = None,
+    sim_nvml=None,
+    launch_timeout_s: float = 300.0,
+    **settings_kw,
+) -> SweepOutcome:
+    """Open everything, validate before touching anything, run, and put every GPU back.
+
+    Order matters: levels are parsed against the device's range before the server is started
+    or a limit changes, so bad input costs nothing and changes nothing.
+    """
+    import uuid
+    from contextlib import ExitStack
+    from pathlib import Path
+
+    from powerprof import __version__
+    from powerprof.collectors.sources import open_sources
+    from powerprof.control.controller import LimitController
+    from powerprof.control.device import read_devices
+    from powerprof.control.levels import parse_clock_levels, parse_power_levels
+    from powerprof.control.plan import make_plan
+    from powerprof.storage.runs import RunWriter, default_run_dir
+    from powerprof.storage.samples import Timeline
+    from powerprof.workload.client import RequestParams
+    from powerprof.workload.launcher import ServerLauncher
+    from powerprof.workload.load import builtin_prompts, detect
+
+    if sum(x is not None for x in (url if not launch else None, launch, simulate)) != 1 and not (launch and url):
+        raise SweepError("give exactly one of --server URL, --launch CMD (with --server for its URL) or --simulate")
+    prompts = prompts or builtin_prompts("short")
+    params = params or RequestParams()
+    notes: list[str] = []
+    with ExitStack() as stack:
+        busy = [False]
+        profile = None
+        if simulate:
+            from powerprof.sim.nvml import SimNVML
+            from powerprof.sim.profiles import get_profile
+
+            profile = get_profile(simulate)
+            count = max(gpus) + 1 if gpus else 1
+            sim_nvml = sim_nvml or SimNVML(profile, count=count)
+            cpu_w = profile.workload.cpu_busy_w
+            src = open_sources(simulate, gpus, nvml=sim_nvml, sim_cpu_power_w_fn=lambda: SIM_CPU_IDLE_W + (cpu_w if busy[0] else 0.0))
+            notes.append(f"simulated GPU ({simulate}) and simulated server: the figures demonstrate the method, not your hardware")
+        else:
+            src = open_sources(None, gpus)
+        stack.callback(src.close)
+        if src.nvml is None:
+            why = "; ".join(p.message + (f" (fix: {p.fix})" if p.fix else "") for p in src.problems if p.source == "nvml")
+            raise SweepError(f"a sweep needs a GPU whose power limit it can set: {why or 'no GPU found'}")
+        nvml = src.nvml.nvml
+        indexes = src.nvml.indexes
+        nvml.nvmlInit()
+        try:
+            devices = read_devices(nvml, indexes)
+        finally:
+            nvml.nvmlShutdown()
+        if level_kind == "power_limit":
+            values = parse_power_levels(levels_spec, devices)
+        else:
+            values = parse_clock_levels(levels_spec, devices)
+        settings = settings or SweepSettings(level_kind, tuple(float(v) for v in values), **settings_kw)
+        if dry_run:
+            plan = make_plan(
+                nvml, indexes, levels_spec if level_kind == "power_limit" else None, levels_spec if level_kind == "sm_clock" else None
+            )
+            return SweepOutcome(None, None, None, plan.lines(), notes)
+
+        if simulate:
+            from powerprof.sim.server import SimServer
+
+            server = stack.enter_context(SimServer(sim_nvml))
+            server.on_busy(lambda b: busy.__setitem__(0, b))
+            url = server.url
+        elif launch:
+            if not url:
+                raise SweepError("--launch needs --server URL: where the launched server will listen")
+            stack.enter_context(ServerLauncher(launch, url, timeout_s=launch_timeout_s))
+        server_info = detect(url, api)
+
+        ctl = stack.enter_context(LimitController(nvml, indexes))
+        profiler = stack.enter_context(
+            Profiler(gpu_collector=src.nvml, rapl=src.rapl, extra_collectors=[src.host] if src.host else [], interval_s=interval_s)
+        )
+        for p in src.problems:
+            if p.source == "rapl":
+                notes.append(f"CPU energy not measured: {p.message}" + (f" (fix: {p.fix})" if p.fix else ""))
+        timeline = Timeline(gpu_uuids=src.gpu_uuids)
+        profiler.sampler.subscribe(timeline)
+
+        infos = src.nvml.infos
+        label = infos[0].name.replace("Simulated ", "sim-") if infos else "gpu"
+        run_dir = Path(out_dir) if out_dir else default_run_dir(Path(runs_base), label)
+        run_id = uuid.uuid4().hex[:12]
+        default_w = devices[0].default_w if len({d.default_w for d in devices}) == 1 else None
+        reference = default_w if level_kind == "power_limit" and default_w in settings.levels else None
+        meta = {
+            "kind": "sweep",
+            "run_id": run_id,
+            "version": __version__,
+            "command_line": command_line,
+            "simulated": bool(simulate),
+            "sim_profile": simulate,
+            "server": {
+                "url": server_info.base_url,
+                "kind": server_info.kind,
+                "api": server_info.api,
+                "model": server_info.model,
+                "build_info": server_info.build_info,
+                "model_path": server_info.model_path,
+                "total_slots": server_info.total_slots,
+            },
+            "gpus": [
+                {
+                    "index": i.index,
+                    "uuid": i.uuid,
+                    "name": i.name,
+                    "driver": i.driver_version,
+                    "min_limit_w": i.limit_min_w,
+                    "max_limit_w": i.limit_max_w,
+                    "default_limit_w": i.limit_default_w,
+                }
+                for i in infos
+            ],
+            "original_limits_w": list(ctl.original_limits_w),
+            "settings": {k: (list(v) if isinstance(v, tuple) else v) for k, v in settings.__dict__.items()},
+            "params": {k: v for k, v in params.__dict__.items() if not k.endswith("_timeout_s")},
+            "interval_s": interval_s,
+            "notes": notes,
+        }
+        writer = RunWriter(run_dir, meta)
+        sweep = Sweep(
+            settings,
+            profiler=profiler,
+            controller=ctl,
+            server=server_info,
+            prompts=prompts,
+            params=params,
+            writer=writer,
+            timeline=timeline,
+            run_id=run_id,
+            reference_value=reference,
+            ui=ui,
+        )
+        try:
+            sweep.run()
+        finally:
+            # Restore before the last write, so the final samples show the original limit back.
+            ctl.restore()
+            sweep.timeline.set_tags()
+            profiler.sampler.sample_now("restored")
+            sweep.flush()
+        levels = sweep.levels_table()
+    return SweepOutcome(run_dir, sweep, levels, [], notes)

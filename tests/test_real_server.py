@@ -1,6 +1,6 @@
 """Against a real OpenAI-compatible server: llama-cpp-python serving a tiny random-weight GGUF model.
 
-The model is written here with the `gguf` package (two layers, 64 wide, byte-level vocabulary),
+The model is written here with the `gguf` package (four layers, 256 wide, byte-level vocabulary; about 1 ms a token on one core, so tokens arrive one by one),
 so nothing is downloaded. The output token for EOS is zeroed so greedy decoding never stops
 early. The server itself tells us what it did: its log prints llama.cpp's perf lines after
 every request ("eval time = X ms / N runs"), and a non-streaming request returns `usage`.
@@ -29,7 +29,7 @@ pytestmark = [pytest.mark.realserver, pytest.mark.slow]
 EVAL_RE = re.compile(r"^llama_perf_context_print:\s+eval time =\s+([\d.]+) ms /\s+(\d+) runs", re.M)
 
 
-def write_tiny_llama(path, n_embd=64, n_layer=2, n_head=4, n_ff=128, seed=0) -> None:
+def write_tiny_llama(path, n_embd=256, n_layer=4, n_head=4, n_ff=768, seed=0) -> None:
     import gguf
 
     rng = np.random.default_rng(seed)
@@ -91,6 +91,8 @@ def real_server(tmp_path_factory):
            # truncated stream); queue them instead, like a one-slot llama-server.
            "--interrupt_requests", "False"]
     with ServerLauncher(cmd, f"http://127.0.0.1:{port}", timeout_s=120, poll_s=0.2, log_path=d / "server.log") as la:
+        # The first request after loading is slow and its stream comes out in one burst: warm up.
+        asyncio.run(_non_streaming(la.base_url, "openai-completions", "warm up", 8))
         yield la
 
 
@@ -129,9 +131,12 @@ def test_token_counts_and_windows_agree_with_the_server(real_server, api):
         assert r.stop_reason == "length"
         # It ran n − 1 decode steps after the one that came out of prompt processing.
         assert r.decode_tokens == runs == r.generated_tokens - 1
-        # Our window spans the server's decode compute (plus its HTTP/Python overhead, never less).
-        assert r.decode_s * 1000 >= eval_ms * 0.95
-        assert r.t_first_ns > r.t_send_ns and r.t_last_ns > r.t_first_ns
+        # The window lies inside the request, and the request lasted at least the server's decode
+        # compute. (llama-cpp-python hands tokens to its HTTP side in bursts when the machine is
+        # busy, so the window itself may be shorter than its eval time: a property of that server,
+        # which is why the server's own timings are kept beside ours when it sends them.)
+        assert r.t_send_ns < r.t_first_ns < r.t_last_ns <= r.t_end_ns
+        assert (r.t_end_ns - r.t_send_ns) / 1e6 >= eval_ms * 0.95
 
 
 def test_concurrent_batch_against_the_real_server(real_server):
@@ -140,10 +145,11 @@ def test_concurrent_batch_against_the_real_server(real_server):
     from powerprof.workload.measure import batch_windows
 
     info = detect(real_server.base_url)
-    recs = run_load(info, [Prompt("a", "to the GPU watt")], 3, 3, RequestParams(max_tokens=32), warmup=0)
+    # Enough tokens that each stream spans many reads even though the tiny model is fast.
+    recs = run_load(info, [Prompt("a", "to the GPU watt")], 3, 3, RequestParams(max_tokens=48), warmup=0)
     assert all(r.ok for r in recs), [r.error for r in recs]
     (b,) = batch_windows(recs)
-    assert b.tok_s is not None
+    assert b.tok_s is not None, b
     single = max(r.decode_tok_s for r in recs)
     assert b.tok_s <= single * 1.1
     assert b.sum_of_request_rates > 2 * b.tok_s

@@ -34,7 +34,10 @@ def test_bad_settings_are_refused(kw):
 
 
 def test_cap_not_engaged_needs_low_power_and_no_powercap_reason():
-    assert cap_not_engaged(275.0, 320.0, 0)
-    assert not cap_not_engaged(275.0, 300.0, 0)  # within 10% of the cap
+    assert cap_not_engaged(275.0, 300.0, 0)  # the seed card at 300 W: never capped
+    assert not cap_not_engaged(299.0, 300.0, 0)  # at the limit the cap binds, whatever the bits say
     assert not cap_not_engaged(200.0, 320.0, 0x4)  # the driver says the cap held the clock
-    assert cap_not_engaged(2 * 275.0, 320.0, 0, n_gpus=2)
+    assert cap_not_engaged(2 * 275.0, 300.0, 0, n_gpus=2)
+    # A GPU that cannot report reasons: only a clear gap counts.
+    assert not cap_not_engaged(275.0, 300.0, None)
+    assert cap_not_engaged(200.0, 300.0, None)

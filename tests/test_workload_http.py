@@ -244,6 +244,9 @@ def test_measure_simulated_writes_windows_with_energy(tmp_path, monkeypatch):
     for r in req + batch:
         assert r["status"] == "ok" and r["gpu_energy_j"] > 0 and r["energy_method"] == "counter"
         assert r["gpu_j_per_token"] == pytest.approx(r["gpu_energy_j"] / r["decode_tokens"])
+        # Simulated RAPL: CPU energy over the same window, so GPU+CPU per token is there too.
+        assert r["cpu_energy_j"] > 0
+        assert r["total_j_per_token"] == pytest.approx((r["gpu_energy_j"] + r["cpu_energy_j"]) / r["decode_tokens"])
     assert all(r["decode_tokens"] == 15 for r in req)
     assert all(r["prompt_text"] is None and r["completion_text"] is None for r in t)
     # A second run into the same folder is refused and changes nothing.
@@ -285,3 +288,19 @@ def test_decode_window_of_a_record_matches_the_pure_function(srv):
     (r,) = run_load(srv.url, builtin_prompts("short")[:1], 1, 1, QUICK, warmup=0)
     w = decode_window(*r.arrivals(), r.generated_tokens)
     assert (w.t_first_ns, w.t_last_ns, w.decode_tokens) == (r.t_first_ns, r.t_last_ns, r.decode_tokens)
+
+
+def test_measure_launches_the_server_and_stops_it(tmp_path):
+    import shlex
+    import sys
+
+    port = dead_port()
+    cmd = f"{shlex.quote(sys.executable)} -m powerprof.sim.server --port {port} --profile a100-40g --decode-tok-s 400"
+    url = f"http://127.0.0.1:{port}"
+    res = CliRunner().invoke(
+        main, ["measure", "--server", url, "--launch", cmd, "--requests", "2", "--max-tokens", "8", "--out", str(tmp_path / "o")]
+    )
+    assert res.exit_code == 0, res.output
+    assert "[simulated]" in res.output
+    with pytest.raises(ServerUnreachable):
+        detect(url)  # stopped at the end

@@ -50,6 +50,7 @@ class SimGpu:
         clock_ns: Callable[[], int] = time.monotonic_ns,
         limit_w: float | None = None,
         locked_clocks_mhz: tuple[int, int] | None = None,
+        record_history: bool = False,
     ):
         self.profile = profile
         self.index = index
@@ -74,6 +75,8 @@ class SimGpu:
         # (t_start_ns, power_w, energy_at_start_j): history for the sensors that look back in time.
         self._segments: deque[tuple[int, float, float]] = deque()
         self._state: tuple[float, float, int] = (0.0, 0.0, 0)
+        # Ground truth for accuracy tests: every segment since start (unbounded, so opt-in).
+        self._history: list[tuple[int, float, float]] | None = [] if record_history else None
         self._recompute(now)
 
     # --- the model -------------------------------------------------------------------------
@@ -131,6 +134,8 @@ class SimGpu:
         self._advance(now_ns)
         self._state = self._choose(self._phase)
         self._segments.append((now_ns, self._state[1], self._energy_j))
+        if self._history is not None:
+            self._history.append(self._segments[-1])
         horizon = now_ns - int(max(self.profile.power_avg_window_s, 1.0) * 2e9)
         while len(self._segments) > 1 and self._segments[1][0] <= horizon:
             self._segments.popleft()
@@ -198,6 +203,17 @@ class SimGpu:
         with self._lock:
             self._advance(self._clock_ns())
             return self._energy_j
+
+    def true_energy_at_j(self, t_ns: int) -> float:
+        """True cumulative energy at a past instant (needs record_history=True)."""
+        if self._history is None:
+            raise RuntimeError("SimGpu was created without record_history=True")
+        with self._lock:
+            self._advance(self._clock_ns())
+            for t0, pw, e0 in reversed(self._history):
+                if t0 <= t_ns:
+                    return e0 + pw * (t_ns - t0) / 1e9
+            return self._history[0][2]
 
     def true_power_w(self) -> float:
         return self._state[1]

@@ -122,6 +122,7 @@ class SimNVML:
         clock_ns: Callable[[], int] = time.monotonic_ns,
         state_path: Path | str | None | bool = True,
         privileged: bool | None = None,
+        record_history: bool = False,
     ):
         self.profile = get_profile(profile) if isinstance(profile, str) else profile
         if state_path is True:
@@ -145,6 +146,7 @@ class SimNVML:
                     clock_ns=clock_ns,
                     limit_w=limit_mw / 1000 if limit_mw else None,
                     locked_clocks_mhz=tuple(locked) if locked else None,
+                    record_history=record_history,
                 )
             )
         self._initialised = 0

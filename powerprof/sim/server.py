@@ -84,6 +84,9 @@ class _Req:
     stop_type: str = "limit"
 
 
+STEP_CATCH_UP_NS = 50_000_000  # late by more than this: start the step schedule afresh
+
+
 class SimServer:
     """The simulated server in its own thread and event loop. Context manager; `.url`."""
 
@@ -132,6 +135,7 @@ class SimServer:
         self._thread: threading.Thread | None = None
         self._runner: web.AppRunner | None = None
         self._started_ns = 0
+        self._t_step_end_ns = 0
         self._next_rid = 0
         self._waiting: list[_Req] = []
         self._active: list[_Req] = []
@@ -309,11 +313,20 @@ class SimServer:
             else:
                 await self._decode_step([r for r in self._active])
 
+    async def _step(self, seconds: float) -> None:
+        """Sleep one GPU step on an absolute schedule: event-loop lateness in one step is taken
+        out of the next instead of piling up, so the mean token rate is the model's, not the
+        machine's load. After a long stall (or idle) the schedule restarts from now."""
+        now = time.monotonic_ns()
+        base = self._t_step_end_ns if now - self._t_step_end_ns < STEP_CATCH_UP_NS else now
+        self._t_step_end_ns = base + int(seconds * 1e9)
+        await asyncio.sleep(max(0.0, (self._t_step_end_ns - time.monotonic_ns()) / 1e9))
+
     async def _prefill(self, req: _Req) -> None:
         req.t_prefill_start_ns = time.monotonic_ns()
         todo = max(req.prompt_tokens - req.cached, 1)
         speed = self._phase("prefill", PREFILL_COMPUTE_SHARE)
-        await asyncio.sleep(todo / self.prefill_tok_s / speed)
+        await self._step(todo / self.prefill_tok_s / speed)
         req.t_prefill_end_ns = time.monotonic_ns()
         self._emit(req, 1)
         self._log_step(req.t_prefill_start_ns, req.t_prefill_end_ns, "prefill", 1, 1)
@@ -326,7 +339,7 @@ class SimServer:
         share = c_b / ((1.0 - c) + c_b)
         speed = self._phase("decode", share)
         t0 = time.monotonic_ns()
-        await asyncio.sleep(t_fmax / speed)
+        await self._step(t_fmax / speed)
         before = sum(r.generated for r in batch)
         for req in batch:
             if req.cancelled:

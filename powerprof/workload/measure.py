@@ -23,6 +23,7 @@ from .client import RequestParams, RequestRecord, ServerInfo, detect_server
 from .load import LoadAborted, LoadPolicy, Prompt, run_load_async
 
 NO_GPU_NOTE = "no GPU readable here: GPU energy columns are empty; decode tok/s {cpu}"
+SIM_CPU_IDLE_W = 30.0  # simulated CPU package power with the server idle
 
 
 @dataclass(frozen=True)
@@ -294,21 +295,6 @@ def measure(
     return MeasureResult(server, records, rows, summarise(rows), aborted=aborted)
 
 
-def _open_rapl():
-    """The RAPL collector where the collectors package has one and the counters are readable."""
-    try:
-        from powerprof.collectors import rapl  # written by the collectors area; absent on some branches
-    except ImportError:
-        return None, "RAPL collector not available in this build"
-    opener = getattr(rapl, "open_rapl", None)
-    if opener is None:
-        return None, "RAPL collector has no open_rapl()"
-    try:
-        return opener(), None
-    except Exception as e:  # unreadable counters are a note, never a failure of measure
-        return None, f"CPU energy not readable: {e}"
-
-
 def run_measure(
     *,
     url: str | None,
@@ -331,7 +317,7 @@ def run_measure(
     from contextlib import ExitStack
 
     from powerprof import __version__
-    from powerprof.collectors.nvml import open_nvml
+    from powerprof.collectors.sources import open_sources
     from powerprof.profiler import Profiler
     from powerprof.storage.runs import RunWriter, table_from_rows
 
@@ -341,32 +327,36 @@ def run_measure(
         raise FileExistsError(f"output directory {out_dir} already exists and is not empty; choose another --out")
     notes: list[str] = []
     with ExitStack() as stack:
-        nvml = None
+        busy = [False]
+        cpu_busy_w = 0.0
+        if simulate:
+            from powerprof.sim.profiles import get_profile
+
+            cpu_busy_w = get_profile(simulate).workload.cpu_busy_w
+        # Simulated CPU package power follows the simulated server's busy flag.
+        src = open_sources(
+            simulate=simulate, host=False, sim_cpu_power_w_fn=(lambda: SIM_CPU_IDLE_W + (cpu_busy_w if busy[0] else 0.0))
+        )
+        stack.callback(src.close)
         if simulate:
             from powerprof.sim.server import SimServer
 
-            nvml = open_nvml(simulate=simulate)
-            srv = stack.enter_context(SimServer(nvml, decode_tok_s=sim_decode_tok_s))
+            srv = stack.enter_context(SimServer(src.sim_nvml, decode_tok_s=sim_decode_tok_s))
+            srv.on_busy(lambda b: busy.__setitem__(0, b))
             url = srv.url
             notes.append(f"simulated GPU ({simulate}) and simulated server: figures demonstrate the method only")
         elif launch:
             stack.enter_context(ServerLauncher(launch, url, timeout_s=launch_timeout_s))
-        rapl, rapl_note = _open_rapl()
+        for p in src.problems:
+            if p.source == "nvml" and src.nvml is None:
+                cpu = "and CPU energy" if src.rapl is not None else "only"
+                notes.append(NO_GPU_NOTE.format(cpu=cpu) + f" ({p.message})")
+            elif p.source == "rapl":
+                notes.append(f"{p.message}" + (f"; fix: {p.fix}" if p.fix else ""))
         profiler = None
-        if nvml is None:
-            try:
-                import pynvml
-
-                profiler = Profiler(pynvml, None, rapl, interval_s=interval_s)
-            except Exception as e:
-                cpu = "and CPU energy only" if rapl is not None else "only"
-                notes.append(NO_GPU_NOTE.format(cpu=cpu) + f" ({type(e).__name__}: {e})")
-                profiler = Profiler(None, None, rapl, interval_s=interval_s) if rapl is not None else None
-        else:
-            profiler = Profiler(nvml, None, rapl, interval_s=interval_s)
-        if rapl_note:
-            notes.append(rapl_note)
-        if profiler is not None:
+        if src.nvml is not None or src.rapl is not None:
+            nv = src.nvml
+            profiler = Profiler(nv.nvml if nv else None, nv.indexes if nv else None, src.rapl, interval_s=interval_s)
             stack.enter_context(profiler)
         run_id = uuid.uuid4().hex[:12]
         result = measure(

@@ -1,0 +1,184 @@
+"""`powerprof sweep` end to end on the simulator: accuracy against ground truth, the seed's figures,
+crash safety and the files users open."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import pyarrow.parquet as pq
+import pytest
+
+from powerprof.sim.nvml import SimNVML
+from powerprof.sim.gpu import step_time_factor
+from powerprof.sweep import run_sweep
+from powerprof.workload.client import RequestParams
+
+
+@pytest.fixture(scope="module")
+def seed_sweep(tmp_path_factory):
+    """One sweep over the seed card's levels, shared by the accuracy tests (it takes ~40 s)."""
+    state = tmp_path_factory.mktemp("state")
+    os.environ["POWERPROF_SIM_STATE"] = str(state / "sim.json")
+    os.environ["POWERPROF_STATE_DIR"] = str(state / "pp")
+    sim = SimNVML("seed-16g", record_history=True, state_path=state / "sim.json")
+    out = tmp_path_factory.mktemp("run") / "run"
+    outcome = run_sweep(
+        levels_spec="180,220,260,300",
+        simulate="seed-16g",
+        sim_nvml=sim,
+        out_dir=out,
+        params=RequestParams(max_tokens=160),
+        idle_s=1.0,
+        interval_s=0.5,
+        min_requests=6,
+        max_requests=6,
+        warmup_requests=1,
+    )
+    return sim, outcome
+
+
+def _measured(windows):
+    return windows[(windows.window_kind == "request") & (~windows.warmup) & (windows.status == "ok")]
+
+
+def test_j_per_token_within_1pct_of_ground_truth(seed_sweep):
+    sim, outcome = seed_sweep
+    g = sim.gpus[0]
+    w = outcome.sweep.rows
+    recs = [r for r in w if r["window_kind"] == "request" and not r["warmup"] and r["status"] == "ok"]
+    assert len(recs) == 24
+    # Ground truth: the simulator's true energy over each window, from its monotonic timestamps.
+    rows = {r["request_id"]: r for r in recs}
+    by_level: dict[float, list[tuple[float, float]]] = {}
+    for value, rec in outcome.sweep.records:
+        if rec.request_id not in rows:
+            continue
+        true_e = g.true_energy_at_j(rec.t_last_ns) - g.true_energy_at_j(rec.t_first_ns)
+        row = rows[rec.request_id]
+        by_level.setdefault(value, []).append((row["gpu_j_per_token"], true_e / rec.decode_tokens))
+    levels = pq.read_table(outcome.run_dir / "levels.parquet").to_pandas().set_index("level_value")
+    for value, pairs in by_level.items():
+        measured = np.median([m for m, _ in pairs])
+        truth = np.median([t for _, t in pairs])
+        assert measured == pytest.approx(truth, rel=0.01), value
+        assert levels.loc[value, "gpu_j_per_token"] == pytest.approx(measured, rel=1e-9)
+
+
+def test_speed_loss_within_1pp_of_truth_and_the_seed_figures(seed_sweep):
+    sim, outcome = seed_sweep
+    levels = pq.read_table(outcome.run_dir / "levels.parquet").to_pandas().set_index("level_value")
+    g = sim.gpus[0]
+    c = g.profile.workload.decode_compute_share
+    truth_sf = {}
+    for value in (180.0, 220.0, 260.0, 300.0):
+        g.set_limit_w(value)
+        truth_sf[value] = g.speed_factor(c)
+    g.set_limit_w(300)
+    assert bool(levels.loc[300.0, "reference"])  # the default limit was measured: it is the reference
+    for value in (180.0, 220.0, 260.0):
+        truth_loss_pct = 100 * (1 - truth_sf[value] / truth_sf[300.0])
+        assert abs(levels.loc[value, "speed_loss_pct"] - truth_loss_pct) < 1.0, value
+    # Seed 000: 220 W about 7% slower and about 14% less energy per token than 300 W.
+    assert 5.0 < levels.loc[220.0, "speed_loss_pct"] < 9.0
+    assert 12.0 < levels.loc[220.0, "energy_saving_pct"] < 17.0
+    assert levels.loc[180.0, "speed_loss_pct"] > 10.0
+    # At 300 W the card draws ~275 W and the driver never caps it: the level is flagged.
+    assert bool(levels.loc[300.0, "cap_not_engaged"])
+    assert not bool(levels.loc[220.0, "cap_not_engaged"])
+
+
+def test_sweet_spot_under_a_10pct_budget_is_220w(seed_sweep):
+    from powerprof.analysis.report import analyze_run
+
+    _, outcome = seed_sweep
+    result = analyze_run([outcome.run_dir], out_dir=outcome.run_dir / "analysis-test", max_slowdown=0.10, n_boot=500)
+    budget = result.main.choices["budget"]
+    assert budget.level_value == 220.0
+    assert (outcome.run_dir / "analysis-test" / "report.html").exists()
+
+
+def test_run_directory_opens_as_is_in_pyarrow_pandas_and_duckdb(seed_sweep):
+    import duckdb
+    import pandas as pd
+
+    _, outcome = seed_sweep
+    run = outcome.run_dir
+    meta = json.loads((run / "run.json").read_text())
+    assert meta["simulated"] is True and meta["gpus"][0]["default_limit_w"] == 300.0
+    for name in ("samples", "windows", "levels"):
+        t = pq.read_table(run / f"{name}.parquet")
+        assert t.num_rows > 0
+        assert b"powerprof" in t.schema.metadata
+        assert len(pd.read_parquet(run / f"{name}.parquet")) == t.num_rows
+        n = duckdb.sql(f"select count(*) from read_parquet('{run / f'{name}.parquet'}')").fetchall()[0][0]
+        assert n == t.num_rows
+    samples = pq.read_table(run / "samples.parquet").to_pandas()
+    # Samples carry the level in force, so a spreadsheet can pivot power and clocks by level.
+    gpu = samples[samples.source == "nvml"]
+    assert set(gpu.level_value.dropna()) == {180.0, 220.0, 260.0, 300.0}
+    assert gpu[gpu.level_value == 180.0].power_w.max() <= 180.0 + 1e-6
+    # After the sweep the card is back at its original limit.
+    assert gpu.sort_values("t_mono_s").power_limit_w.iloc[-1] == 300.0
+
+
+def _powerprof(*args, env=None, **kw):
+    return subprocess.run([sys.executable, "-m", "powerprof.cli", *args], capture_output=True, text=True, env=env, **kw)
+
+
+def test_bad_levels_change_nothing_and_exit_nonzero(tmp_path):
+    for bad in ("100,220", "abc", "220,220", "", "-5", "999W"):
+        r = _powerprof("sweep", "--limits", bad, "--simulate", "--out", str(tmp_path / "x"), "--idle-s", "0")
+        assert r.returncode != 0, bad
+        assert "150" in r.stderr and "320" in r.stderr or "Error" in r.stderr, r.stderr
+        assert not (tmp_path / "x").exists()
+    sim = SimNVML("seed-16g")
+    sim.nvmlInit()
+    assert sim.nvmlDeviceGetPowerManagementLimit(sim.nvmlDeviceGetHandleByIndex(0)) == 300_000
+
+
+def test_dry_run_prints_the_plan_and_touches_nothing(tmp_path):
+    r = _powerprof("sweep", "--limits", "200,80%", "--simulate", "--dry-run", "--out", str(tmp_path / "x"))
+    assert r.returncode == 0, r.stderr
+    assert "200" in r.stdout and "240" in r.stdout, r.stdout
+    assert not (tmp_path / "x").exists()
+
+
+def test_kill_9_mid_sweep_keeps_finished_levels_and_restore_brings_the_limit_back(tmp_path):
+    out = tmp_path / "run"
+    env = dict(os.environ)
+    cmd = [sys.executable, "-m", "powerprof.cli", "sweep", "--limits", "180,220,260,300", "--order", "asc",
+           "--simulate", "--out", str(out), "--idle-s", "0.5", "--max-tokens", "48", "--min-requests", "3",
+           "--max-requests", "3", "--warmup", "0", "--interval", "0.5"]
+    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        deadline = time.monotonic() + 90
+        while time.monotonic() < deadline:
+            lv = out / "levels.parquet"
+            if lv.exists() and pq.read_table(lv).num_rows >= 1:
+                break
+            time.sleep(0.05)
+        else:
+            pytest.fail("the sweep never finished a level")
+        time.sleep(0.3)  # somewhere inside the second level
+        proc.send_signal(signal.SIGKILL)
+        proc.wait(10)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    levels = pq.read_table(out / "levels.parquet").to_pandas()
+    assert 180.0 in set(levels.level_value)
+    assert pq.read_table(out / "windows.parquet").num_rows >= 3
+    sim = SimNVML("seed-16g")
+    sim.nvmlInit()
+    h = sim.nvmlDeviceGetHandleByIndex(0)
+    assert sim.nvmlDeviceGetPowerManagementLimit(h) != 300_000  # killed while capped
+    r = _powerprof("restore", "--simulate", env=env)
+    assert r.returncode == 0, r.stderr
+    assert sim.nvmlDeviceGetPowerManagementLimit(h) == 300_000
