@@ -182,3 +182,41 @@ def test_kill_9_mid_sweep_keeps_finished_levels_and_restore_brings_the_limit_bac
     r = _powerprof("restore", "--simulate", env=env)
     assert r.returncode == 0, r.stderr
     assert sim.nvmlDeviceGetPowerManagementLimit(h) == 300_000
+
+
+def test_clock_sweep_where_the_power_cap_never_binds(tmp_path):
+    # On an H200-like card decode draws far under any cap; locking the SM clock is the knob that works.
+    sim = SimNVML("h200-141g")
+    out = tmp_path / "clocks"
+    outcome = run_sweep(levels_spec="1980,1200", level_kind="sm_clock", simulate="h200-141g", sim_nvml=sim,
+                        out_dir=out, params=RequestParams(max_tokens=64), idle_s=0, interval_s=0.5,
+                        min_requests=3, max_requests=3, warmup_requests=0)
+    levels = pq.read_table(out / "levels.parquet").to_pandas().set_index("level_value")
+    assert set(levels.index) == {1980.0, 1200.0}
+    assert levels.loc[1200.0, "sm_clock_mhz"] <= 1200.0
+    assert levels.loc[1200.0, "avg_gpu_power_w"] < levels.loc[1980.0, "avg_gpu_power_w"]
+    assert levels.loc[1200.0, "speed_loss_pct"] > 0
+    assert sim.locked_clocks_mhz(0) is None  # released at the end
+
+
+def test_concurrent_sweep_uses_wall_clock_batches(tmp_path):
+    sim = SimNVML("a100-40g")
+    out = tmp_path / "conc"
+    outcome = run_sweep(levels_spec="400,250", simulate="a100-40g", sim_nvml=sim, out_dir=out,
+                        params=RequestParams(max_tokens=48), idle_s=0, interval_s=0.5, concurrency=3,
+                        min_requests=2, max_requests=2, warmup_requests=0)
+    w = pq.read_table(out / "windows.parquet").to_pandas()
+    batches = w[w.window_kind == "batch"]
+    assert len(batches) == 4 and (batches.status == "ok").all()
+    levels = pq.read_table(out / "levels.parquet").to_pandas().set_index("level_value")
+    for value in (400.0, 250.0):
+        b = batches[batches.level_value == value]
+        single = w[(w.window_kind == "request") & (w.level_value == value)].decode_tok_s.median()
+        # Three streams decoding together: the wall-clock aggregate exceeds one stream's rate, and the
+        # batch's energy covers exactly its measured intervals.
+        assert (b.decode_tok_s > 1.5 * single).all()
+        assert (b.gpu_j_per_token == b.gpu_energy_j / b.decode_tokens).all()
+        assert int(levels.loc[value, "concurrency"]) == 3
+        assert levels.loc[value, "decode_tok_s"] == pytest.approx(b.decode_tokens.sum() / b.decode_s.sum(), rel=0.05)
+    sim.nvmlInit()
+    assert sim.nvmlDeviceGetPowerManagementLimit(sim.nvmlDeviceGetHandleByIndex(0)) == 400_000
