@@ -222,3 +222,16 @@ def test_a_limit_left_by_a_crashed_sweep_is_restored_at_start_and_logged(tmp_pat
     assert "restore at start" in d.output() and "300 W" in d.output()
     assert nvml.nvmlDeviceGetPowerManagementLimit(h) == 300_000
     assert not path.exists()
+
+
+def test_sigterm_mid_stream_exits_0_and_records_the_request_as_interrupted(tmp_path):
+    d = DaemonProc(tmp_path / "data", "--simulate", "--flush-interval", "5", env=sim_env(tmp_path))
+    body = json.dumps({"prompt": "long", "n_predict": 5000, "ignore_eos": True, "stream": True}).encode()
+    r = urllib.request.urlopen(urllib.request.Request(d.info["proxy"] + "/completion", data=body, method="POST"),
+                               timeout=30)
+    r.read1(200)  # the stream is flowing
+    t0 = time.monotonic()
+    rc = d.stop()
+    assert rc == 0 and time.monotonic() - t0 < 15
+    reqs = read_dataset(tmp_path / "data", "requests")  # flushed at exit although the interval is 5 s
+    assert list(reqs["outcome"]) == ["interrupted"] and reqs["generated_tokens"].iloc[0] > 0

@@ -133,3 +133,17 @@ def test_unwritable_data_dir_at_start_is_not_fatal(tmp_path):
     s = _store(blocker / "sub")  # cannot be created: a file is in the way
     s.append("things", _rows(2))
     assert s.flush() is False and s.buffered() == 2
+
+
+def test_compaction_merges_files_written_before_a_column_was_appended(tmp_path):
+    old = pa.schema(list(SCHEMA)[:2])  # a file from an older version, without `name`
+    part = tmp_path / "things" / "date=2026-01-01"
+    part.mkdir(parents=True)
+    write_file_atomic(part / "part-old.parquet", pa.table({"t_utc": pa.array([DAY1 // 1000], pa.int64()).cast(SCHEMA[0].type),
+                                                           "value": [7.0]}, schema=old))
+    s = _store(tmp_path)
+    s.append("things", _rows(2))
+    s.flush()
+    assert s.compact() == 1
+    t = _read(tmp_path).sort_by("value")
+    assert t.column("value").to_pylist() == [0.0, 1.0, 7.0] and t.column("name").to_pylist() == ["r0", "r1", None]

@@ -128,11 +128,13 @@ class Proxy:
         self.recorder_failures = 0
         self.upstream_failures = 0
         self.active = 0
+        self.closing = False
 
     def app(self) -> web.Application:
         app = web.Application(client_max_size=1 << 40)
         app.router.add_route("*", "/{tail:.*}", self.handle)
         app.on_startup.append(self._open)
+        app.on_shutdown.append(self._closing)
         app.on_cleanup.append(self._close)
         return app
 
@@ -143,6 +145,9 @@ class Proxy:
             auto_decompress=False,  # bytes pass unchanged; compressed bodies are simply not parsed
             skip_auto_headers=("User-Agent", "Accept-Encoding", "Accept", "Content-Type"),
         )
+
+    async def _closing(self, _app) -> None:
+        self.closing = True  # requests cut from here on were interrupted by us, not by the client
 
     async def _close(self, _app) -> None:
         if self.session is not None:
@@ -252,17 +257,19 @@ class Proxy:
         try:
             await resp.prepare(request)
             async for chunk in upstream.content.iter_any():
+                # The chunk goes out first; it is parsed after, stamped with its arrival time.
+                now, wall = time.monotonic_ns(), time.time_ns()
+                await resp.write(chunk)
                 if trace is not None:
                     trace.response_bytes += len(chunk)
                     if parser is not None and trace.recorder_error is None:
-                        self._parse(trace, parser, chunk)
+                        self._parse(trace, parser, chunk, now, wall)
                     elif body_copy is not None and len(body_copy) + len(chunk) <= BODY_COPY_MAX_BYTES:
                         body_copy += chunk
-                await resp.write(chunk)
             await resp.write_eof()
         except (ConnectionResetError, aiohttp.ClientConnectionResetError, asyncio.CancelledError) as e:
             if trace is not None:
-                trace.outcome = "client_disconnected"
+                trace.outcome = "interrupted" if self.closing else "client_disconnected"
             upstream.close()  # the server sees the disconnect and stops generating
             if isinstance(e, asyncio.CancelledError):
                 raise
@@ -278,13 +285,15 @@ class Proxy:
             try:
                 if parser is not None:
                     trace.counts = streams.summary_counts(parser.finish())
+                    if self.closing and not trace.counts.complete:
+                        trace.outcome = "interrupted"  # our shutdown closed the upstream mid-stream
                 elif body_copy is not None:
                     self._body_done(trace, bytes(body_copy))
             except Exception as e:
                 trace.recorder_error = f"summary: {type(e).__name__}: {e}"[:300]
         return resp
 
-    def _parse(self, trace: RequestTrace, parser, chunk: bytes) -> None:
+    def _parse(self, trace: RequestTrace, parser, chunk: bytes, now: int, wall: int) -> None:
         try:
             events = parser.feed(chunk)
             n = sum(streams.event_tokens(ev) for ev in events)
@@ -294,7 +303,6 @@ class Proxy:
             return
         if n <= 0:
             return
-        now, wall = time.monotonic_ns(), time.time_ns()
         if trace.first_ns is None:
             trace.first_ns, trace.first_wall_ns = now, wall
         trace.last_ns, trace.last_wall_ns = now, wall
