@@ -21,6 +21,8 @@ import pyarrow.csv as pacsv
 import pyarrow.dataset as ds
 import pyarrow.parquet as pq
 
+from powerprof.storage.atomic import atomic_path
+
 FORMATS = ("csv", "xlsx", "parquet")
 XLSX_MAX_ROWS = 1_048_575  # one row of the sheet's 1,048,576 holds the header
 BATCH_ROWS = 65_536
@@ -218,19 +220,10 @@ def export(src, fmt: str, out=None, time_from: str | None = None, time_to: str |
     written = []
     for name, scan in scans.items():
         path = out if single else out / f"{name}.{fmt}"
-        _atomic(path, lambda tmp, sc=scan: (_write_csv if fmt == "csv" else _write_parquet)(sc, tmp, tz))
+        with atomic_path(path) as tmp:
+            (_write_csv if fmt == "csv" else _write_parquet)(scan, tmp, tz)
         written.append(path)
     return written
-
-
-def _atomic(path: Path, write) -> None:
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    try:
-        write(tmp)
-        os.replace(tmp, path)
-    finally:
-        if tmp.exists():
-            tmp.unlink()
 
 
 def _csv_ready(t: pa.Table) -> pa.Table:
@@ -288,23 +281,21 @@ def _write_parquet(scan: ds.Scanner, path: Path, tz: str) -> None:
 def _write_xlsx(scans: dict[str, ds.Scanner], path: Path, tz: str) -> Path:
     from openpyxl import Workbook  # noqa: PLC0415  (only this format needs it)
 
-    def write(tmp: Path) -> None:
-        wb = Workbook(write_only=True)
-        for name, scan in scans.items():
-            ws = wb.create_sheet(title=name[:31])
-            head = None
-            for batch in scan.to_batches():
-                t = _with_local_times(batch, tz)
-                if head is None:
-                    head = [header(c, tz) for c in t.column_names]
-                    ws.append(head)
-                for row in zip(*(_xlsx_values(c) for c in t.columns)):
-                    ws.append(row)
+    wb = Workbook(write_only=True)
+    for name, scan in scans.items():
+        ws = wb.create_sheet(title=name[:31])
+        head = None
+        for batch in scan.to_batches():
+            t = _with_local_times(batch, tz)
             if head is None:
-                ws.append([header(c, tz) for c in _with_local_times(_empty_batch(scan), tz).column_names])
+                head = [header(c, tz) for c in t.column_names]
+                ws.append(head)
+            for row in zip(*(_xlsx_values(c) for c in t.columns)):
+                ws.append(row)
+        if head is None:
+            ws.append([header(c, tz) for c in _with_local_times(_empty_batch(scan), tz).column_names])
+    with atomic_path(path) as tmp:
         wb.save(tmp)
-
-    _atomic(path, write)
     return path
 
 

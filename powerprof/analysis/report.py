@@ -15,7 +15,8 @@ from pathlib import Path
 import numpy as np
 
 from powerprof import __version__
-from powerprof.storage.runs import atomic_write_bytes, atomic_write_table
+from powerprof.storage.atomic import atomic_path, atomic_write_bytes
+from powerprof.storage.runs import atomic_write_table
 
 from .analyze import AnalysisResult, SeriesResult, analyze
 from .loading import (AnalysisError, check_compatible, read_run_info, read_windows, scan_samples,
@@ -108,9 +109,8 @@ def write_outputs(result: AnalysisResult, out: Path, formats=FORMATS, plots: boo
 
 
 def _atomic_png(path: Path, draw) -> Path:
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    draw(tmp)
-    os.replace(tmp, path)
+    with atomic_path(path) as tmp:
+        draw(tmp)
     return path
 
 

@@ -14,6 +14,8 @@ import tempfile
 from dataclasses import asdict, dataclass, field
 from typing import Callable
 
+from powerprof.privilege import has_admin_privilege
+
 from .host import HostCollector
 from .nvml import NvmlCollector, visible_indexes
 from .rapl import DEFAULT_ROOT, PERMISSION_FIX, UNAVAILABLE_FIX, RaplCollector, RaplPermissionError, RaplUnavailableError
@@ -23,7 +25,6 @@ ROOT_FIX = (
     "changing power limits and clocks (sweep, restore) needs root or CAP_SYS_ADMIN: run those with sudo, or "
     "give the service AmbientCapabilities=CAP_SYS_ADMIN; devices, monitor and measure need neither"
 )
-CAP_SYS_ADMIN = 21
 
 
 @dataclass(frozen=True)
@@ -71,19 +72,6 @@ class Sources:
 
     def __exit__(self, *exc) -> None:
         self.close()
-
-
-def has_root_or_cap_sys_admin(status_path: str = "/proc/self/status") -> bool:
-    if os.geteuid() == 0:
-        return True
-    try:
-        with open(status_path) as f:
-            for line in f:
-                if line.startswith("CapEff:"):
-                    return bool(int(line.split()[1], 16) >> CAP_SYS_ADMIN & 1)
-    except (OSError, ValueError, IndexError):
-        pass
-    return False
 
 
 def _nvml_error(e: Exception) -> str:
@@ -153,7 +141,7 @@ def _open_gpus(src: Sources, simulate, gpus, nvml) -> None:
         return
     src.nvml = NvmlCollector(nvml, indexes)
     priv = getattr(nvml, "privileged", None)
-    src.can_set_limits = bool(priv) if priv is not None else has_root_or_cap_sys_admin()
+    src.can_set_limits = bool(priv) if priv is not None else has_admin_privilege()
     if not src.can_set_limits:
         src.problems.append(Problem("nvml", "no permission to change power limits or clocks", ROOT_FIX))
     for info in src.nvml.infos:

@@ -2,28 +2,15 @@
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterable, Sequence
 
+from powerprof.privilege import has_admin_privilege
+
 from .device import read_devices
 from .levels import DeviceRange, parse_clock_levels, parse_power_levels
 from .restore import default_restore_path, state_dir
-
-
-def has_admin_privilege(status_path: str = "/proc/self/status") -> bool:
-    """root, or CAP_SYS_ADMIN (bit 21) in the effective capability set."""
-    if os.geteuid() == 0:
-        return True
-    try:
-        with open(status_path) as f:
-            for line in f:
-                if line.startswith("CapEff:"):
-                    return bool(int(line.split()[1], 16) & (1 << 21))
-    except (OSError, ValueError, IndexError):
-        pass
-    return False
 
 
 @dataclass(frozen=True)

@@ -7,10 +7,11 @@ import hashlib
 import json
 import os
 import sys
-import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, Sequence
+
+from powerprof.storage.atomic import atomic_path, fsync_dir
 
 from .device import nvml_error_code
 from .errors import ControlError, ControlPermissionError, GpuBusyError, RestoreError, permission_message
@@ -41,36 +42,15 @@ def default_restore_path(uuids: Sequence[str], directory: Path | None = None) ->
     return (state_dir() if directory is None else Path(directory)) / f"restore-{h}.json"
 
 
-def _fsync_dir(d: Path) -> None:
-    try:
-        fd = os.open(d, os.O_RDONLY | os.O_DIRECTORY)
-    except OSError:
-        return
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
 def write_json_atomic(path: Path, obj) -> None:
     """tmp + fsync + rename + fsync(dir): after a crash the file is either the old or the new one, whole."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    # A dot-prefixed temporary never matches restore-*.json, so a kill mid-write leaves nothing to misread.
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-    try:
-        with os.fdopen(fd, "w") as f:
+    # The dot-prefixed temporary never matches restore-*.json, so a kill mid-write leaves nothing to misread.
+    with atomic_path(path) as tmp:
+        # Owner-only, as it always was: only the controller that wrote it and `restore` read it.
+        with os.fdopen(os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600), "w") as f:
             json.dump(obj, f, indent=1, sort_keys=True)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        try:
-            os.unlink(tmp)
-        except OSError:
-            pass
-        raise
-    _fsync_dir(path.parent)
 
 
 def remove_file(path: Path) -> None:
@@ -78,7 +58,7 @@ def remove_file(path: Path) -> None:
         os.unlink(path)
     except FileNotFoundError:
         return
-    _fsync_dir(Path(path).parent)
+    fsync_dir(Path(path).parent)
 
 
 def new_record(gpus: dict, simulated: dict | None) -> dict:

@@ -24,6 +24,7 @@ from aiohttp import web
 from powerprof.collectors.sources import open_sources
 from powerprof.collectors.sampler import Sample, Sampler
 from powerprof.profiler import cpu_energy_from_rapl
+from powerprof.storage.atomic import atomic_path
 
 from .config import Config, ConfigError, load_config
 from .ledger import Ledger
@@ -429,9 +430,8 @@ class Daemon:
 
         try:
             p = Path(data_dir) / "daemon.json"
-            tmp = p.with_name(".daemon.json.tmp")
-            tmp.write_text(json.dumps({"pid": os.getpid(), "daemon_id": self.daemon_id, **self.urls}))
-            os.replace(tmp, p)
+            with atomic_path(p) as tmp:
+                tmp.write_text(json.dumps({"pid": os.getpid(), "daemon_id": self.daemon_id, **self.urls}))
         except OSError as e:
             log.warning("cannot write %s: %s", Path(data_dir) / "daemon.json", e)
 

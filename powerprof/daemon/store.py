@@ -32,7 +32,7 @@ from typing import Callable
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from powerprof.storage.runs import fsync_dir
+from powerprof.storage.atomic import atomic_path, fsync_dir
 
 log = logging.getLogger("powerprof.daemon.store")
 
@@ -54,20 +54,9 @@ def to_table(schema: pa.Schema, rows: list[dict]) -> pa.Table:
 
 
 def write_file_atomic(path: Path, table: pa.Table) -> None:
-    tmp = path.with_name(f".{path.name}.tmp")
-    try:
-        with open(tmp, "wb") as f:
-            pq.write_table(table, f, compression="zstd")
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        try:
-            tmp.unlink()
-        except OSError:
-            pass
-        raise
-    fsync_dir(path.parent)
+    # Recovery removes `.<target>.tmp` of an unfinished compaction by that exact name.
+    with atomic_path(path, tmp_name=f".{path.name}.tmp") as tmp, open(tmp, "wb") as f:
+        pq.write_table(table, f, compression="zstd")
 
 
 def date_of(ns: int | None) -> str:
@@ -260,12 +249,8 @@ class DatasetStore:
         stamp = datetime.now(timezone.utc).strftime("%Y%m%dT%H%M%S%f")
         target = f"{COMPACT_PREFIX}{stamp}-{os.getpid()}.parquet"
         journal = part / JOURNAL
-        jtmp = part / f"{JOURNAL}.tmp"
-        jtmp.write_text(json.dumps({"target": target, "sources": [f.name for f in files]}))
-        with open(jtmp, "rb+") as fh:
-            os.fsync(fh.fileno())
-        os.replace(jtmp, journal)
-        fsync_dir(part)
+        with atomic_path(journal, tmp_name=f"{JOURNAL}.tmp") as jtmp:
+            jtmp.write_text(json.dumps({"target": target, "sources": [f.name for f in files]}))
         table = pa.concat_tables(tables)
         sort_col = ds.time_column
         if sort_col in table.column_names:

@@ -3,34 +3,16 @@
 from __future__ import annotations
 
 import json
-import os
 from datetime import datetime, timezone
 from pathlib import Path
 
 import pyarrow as pa
 import pyarrow.parquet as pq
 
+from .atomic import atomic_path, atomic_write_bytes
 from .schema import TABLES
 
 RUN_JSON = "run.json"
-
-
-def fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def atomic_write_bytes(path: Path, data: bytes) -> None:
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    with open(tmp, "wb") as f:
-        f.write(data)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
-    fsync_dir(path.parent)
 
 
 def atomic_write_table(path: Path, table: pa.Table, metadata: dict | None = None) -> None:
@@ -39,12 +21,8 @@ def atomic_write_table(path: Path, table: pa.Table, metadata: dict | None = None
         meta = dict(table.schema.metadata or {})
         meta.update({k.encode(): (v if isinstance(v, str) else json.dumps(v)).encode() for k, v in metadata.items()})
         table = table.replace_schema_metadata(meta)
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    pq.write_table(table, tmp, compression="zstd")
-    with open(tmp, "rb+") as f:
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
-    fsync_dir(path.parent)
+    with atomic_path(path) as tmp:
+        pq.write_table(table, tmp, compression="zstd")
 
 
 def table_from_rows(name: str, rows: list[dict]) -> pa.Table:

@@ -9,7 +9,6 @@ device and the reason in `error`.
 from __future__ import annotations
 
 import os
-import tempfile
 import threading
 from pathlib import Path
 from typing import Iterable, Mapping
@@ -21,6 +20,7 @@ from powerprof.collectors.nvml import GpuReading
 from powerprof.collectors.rapl import RaplReading
 from powerprof.collectors.sampler import Sample
 
+from .atomic import atomic_path
 from .schema import SAMPLES
 
 FORMATS = (".parquet", ".csv")
@@ -180,24 +180,13 @@ def write_table(table: pa.Table, path: str | os.PathLike, metadata: Mapping[str,
         md = dict(table.schema.metadata or {})
         md.update({str(k).encode(): str(v).encode() for k, v in metadata.items()})
         table = table.replace_schema_metadata(md)
-    fd, tmp = tempfile.mkstemp(prefix=f".{p.name}.", suffix=".tmp", dir=p.parent if str(p.parent) else ".")
-    try:
-        with os.fdopen(fd, "wb") as f:
-            if p.suffix.lower() == ".parquet":
-                import pyarrow.parquet as pq
+    with atomic_path(p) as tmp, open(tmp, "wb") as f:
+        if p.suffix.lower() == ".parquet":
+            import pyarrow.parquet as pq
 
-                pq.write_table(table, f)
-            else:
-                import pyarrow.csv as pcsv
+            pq.write_table(table, f)
+        else:
+            import pyarrow.csv as pcsv
 
-                pcsv.write_csv(table, f)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, p)
-    except BaseException:
-        try:
-            os.unlink(tmp)
-        except OSError:
-            pass
-        raise
+            pcsv.write_csv(table, f)
     return p
