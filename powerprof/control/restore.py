@@ -171,7 +171,7 @@ def restore_gpu(nvml, handle, index: int, uuid: str, entry: dict, nvidia_smi: Nv
 @dataclass(frozen=True)
 class FileOutcome:
     path: Path
-    status: str  # "restored" | "in_use" | "failed" | "refused"
+    status: str  # "restored" | "in_use" | "failed" | "refused" | "missing"
     message: str
     gpus: tuple[GpuRestored, ...] = ()
 
@@ -224,12 +224,17 @@ def restore_from_file(
     Each GPU's lock is taken first, so a controller that is still running is left alone. A file is
     removed only when every GPU in it is back; otherwise it stays for the next attempt. With
     `simulate`, only records of simulated GPUs are restored (a real GPU is never 'restored' on the
-    simulator and its record then deleted).
+    simulator and its record then deleted). A named `path` that does not exist is a failure, not
+    "nothing to restore".
     """
     if path is not None:
         path = Path(path)
         if not path.exists():
-            return RestoreReport((), notes=(f"Nothing to restore ({path} does not exist).",))
+            # A file the user named is expected to exist: a typo must not read as "all is well".
+            return RestoreReport(
+                (FileOutcome(path, "missing", f"Not restored: the restore file {path} does not exist."),),
+                searched=path,
+            )
         files = [path]
         lock_dir = Path(directory) if directory is not None else state_dir()
         searched = path

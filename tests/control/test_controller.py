@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import os
 import signal
+import subprocess
 import sys
 
 import pynvml
@@ -393,8 +394,20 @@ def test_restore_command_exit_codes(originals):
         r = CliRunner().invoke(cli, ["restore", "--simulate"])
         assert r.exit_code == 1 and f"controlled by powerprof process {os.getpid()}" in r.output
     r = CliRunner().invoke(cli, ["restore", "--restore-file", "/nonexistent/restore-x.json"])
-    assert r.exit_code == 0 and "does not exist" in r.output
+    assert r.exit_code == 1 and "/nonexistent/restore-x.json does not exist" in r.output
     path = _leave_pending_record()
     r = CliRunner().invoke(cli, ["restore", "--restore-file", str(path)])
     assert r.exit_code == 0 and "GPU 0" in r.output and "original 280 W" in r.output and "clock lock released" in r.output
     assert_untouched()
+
+
+def test_restore_of_a_named_file_that_does_not_exist_fails(tmp_path):
+    # A mistyped --restore-file must not report "nothing to restore" and exit 0: the GPU may still be changed.
+    missing = tmp_path / "restore-typo.json"
+    r = subprocess.run(
+        [sys.executable, "-m", "powerprof.cli", "restore", "--simulate", "--restore-file", str(missing)],
+        capture_output=True, text=True, timeout=60,
+    )
+    assert r.returncode == 1, r.stdout + r.stderr
+    assert f"{missing} does not exist" in r.stderr
+    assert "Nothing to restore" not in r.stdout + r.stderr
