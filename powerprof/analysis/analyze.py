@@ -14,7 +14,7 @@ from powerprof.storage.schema import ANALYSIS
 
 from .checks import Finding, choice_findings, edge_findings, fit_findings, level_findings
 from .fits import ModelFit, fit_series
-from .loading import SAMPLE_LEVEL_COLUMNS, RunInfo, Timeline
+from .loading import SWEEP_LEVEL_COLUMNS, RunInfo, Timeline
 from .stats import WIDE_CI_PCT, LevelSeries, level_series, levels_table
 from .sweetspot import POLICIES, PRIMARY_POLICY, Choice, PolicyParams, choose_all
 
@@ -135,9 +135,10 @@ def analyze(
     if not any(np.isfinite(s.j_per_token).any() for s in all_series):
         raise ValueError("no window has a GPU energy (energy_method none everywhere): J/token cannot be computed")
     all_series = [s for s in all_series if np.isfinite(s.j_per_token).any()]
-    extra = {k: {c: v for c, v in d.items() if c in SAMPLE_LEVEL_COLUMNS} for k, d in (level_figures or {}).items()}
+    extra = {k: {c: v for c, v in d.items() if c in SWEEP_LEVEL_COLUMNS} for k, d in (level_figures or {}).items()}
     run_ids = "+".join(dict.fromkeys(r.run_id for r in runs)) or None
     n_runs = _runs_per_level(windows)
+    sweep = sweep_settings(runs)
     results, findings = [], []
     for s in all_series:
         card = _card_range(runs, s.level_kind)
@@ -154,10 +155,31 @@ def analyze(
         results.append(SeriesResult(s, table, fits, choices, primary))
         not_engaged = {r["level_value"] for r in table.to_pylist() if r.get("cap_not_engaged")}
         prefix = "" if len(all_series) == 1 else f"[{results[-1].label}] "
-        for f in (level_findings(table) + edge_findings(s, choices, card, not_engaged) + choice_findings(choices)
+        for f in (level_findings(table, **sweep) + edge_findings(s, choices, card, not_engaged) + choice_findings(choices)
                   + fit_findings(fits)):
             findings.append(Finding(f.kind, prefix + f.message, f.levels))
     return AnalysisResult(runs, results, findings, params, list(timelines or []))
+
+
+def sweep_settings(runs: list[RunInfo]) -> dict:
+    """The sweep settings (run.json `settings`) the wide-CI advice needs, as level_findings keywords.
+
+    Pooled runs: the strictest target, and the longest time and request limits (advice must ask
+    for more than any run had). Absent settings (old or synthetic runs) stay None."""
+    def vals(key):
+        out = []
+        for r in runs:
+            v = (r.meta.get("settings") or {}).get(key) if isinstance(r.meta.get("settings"), dict) else None
+            if isinstance(v, (int, float)) and not isinstance(v, bool) and v > 0:
+                out.append(float(v))
+        return out
+    target, max_time, max_req, repeats = vals("target_ci"), vals("max_time_s"), vals("max_requests"), vals("repeats")
+    return {
+        "target_ci_pct": min(target) * 100 if target else None,
+        "max_time_s": max(max_time) if max_time else None,
+        "max_requests": int(max(max_req)) if max_req else None,
+        "repeats": int(max(repeats)) if repeats else 1,
+    }
 
 
 def _runs_per_level(windows: pa.Table) -> dict:

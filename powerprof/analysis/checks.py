@@ -83,8 +83,12 @@ def edge_findings(series: LevelSeries, choices: dict[str, Choice], card_range=(N
     return out
 
 
-def level_findings(levels: pa.Table) -> list[Finding]:
-    """Per-level problems: cap not engaged, wide CIs, thermal throttling, failed requests."""
+def level_findings(levels: pa.Table, target_ci_pct: float | None = None, max_time_s: float | None = None,
+                   max_requests: int | None = None, repeats: int = 1) -> list[Finding]:
+    """Per-level problems: cap not engaged, wide CIs, thermal throttling, failed requests.
+
+    target_ci_pct, max_time_s, max_requests, repeats: the sweep's settings (run.json), so the advice
+    for a wide CI aims at the run's own target and names the limit that stopped the level."""
     rows = levels.to_pylist()
     out = []
     unit = _unit(rows[0]["level_kind"]) if rows else "W"
@@ -98,13 +102,10 @@ def level_findings(levels: pa.Table) -> list[Finding]:
             f"({power}) and never reported a power-cap clock event, so these levels measure the same thing. "
             "Lower the limits, or lock the SM clock instead (powerprof sweep --clocks)."), vals))
     wide = [r for r in rows if r.get("ci_reached_pct") is not None and r["flags"] and "wide-ci" in r["flags"]]
+    target = target_ci_pct if target_ci_pct else TARGET_CI_PCT
     for r in wide:
-        n = max(int(r["n_requests"] or 0), 2)
-        need = int(math.ceil(n * (r["ci_reached_pct"] / TARGET_CI_PCT) ** 2))
-        out.append(Finding("wide-ci", (
-            f"{_fmt(r['level_value'], unit)}: J/token known only to ±{r['ci_reached_pct']:.1f}% "
-            f"({n} requests); about {need} requests would reach ±{TARGET_CI_PCT:g}% (--max-requests {need})."),
-            (r["level_value"],)))
+        out.append(Finding("wide-ci", _wide_ci_message(r, unit, target, max_time_s, max_requests, repeats),
+                           (r["level_value"],)))
     th = [r["level_value"] for r in rows if r.get("thermal_throttle")]
     if th:
         out.append(Finding("thermal", (
@@ -117,6 +118,38 @@ def level_findings(levels: pa.Table) -> list[Finding]:
             f"{_fmt(r['level_value'], unit)}: {r['n_failed']}" for r in failed) + ".",
             tuple(r["level_value"] for r in failed)))
     return out
+
+
+def _wide_ci_message(r: dict, unit: str, target_pct: float, max_time_s: float | None,
+                     max_requests: int | None, repeats: int) -> str:
+    n = max(int(r["n_requests"] or 0), 2)
+    ci = r["ci_reached_pct"]
+    # The CI half-width shrinks as 1/sqrt(n): (ci/target)^2 times the requests reach the target.
+    scale = (ci / target_pct) ** 2
+    need = int(math.ceil(n * scale))
+    head = (f"{_fmt(r['level_value'], unit)}: J/token known only to ±{ci:.1f}% ({n} requests); "
+            f"about {need} requests would reach ±{target_pct:g}%")
+    rules = set(filter(None, (r.get("stop_rule") or "").split(",")))
+    advice = []
+    if "max-time" in rules:
+        if max_time_s:
+            # Requests per second the level achieved over all its visits (repeats x pooled runs),
+            # and the time per visit that, at that rate, gathers `need` requests in all.
+            visits = max(int(repeats or 1), 1) * max(int(r.get("n_runs") or 1), 1)
+            rate = n / (max_time_s * visits)
+            secs = int(math.ceil(need / rate / visits))
+            advice.append(f"stopped by --max-time {max_time_s:g} s at about {rate:.2g} requests/s: "
+                          f"--max-time {secs} would fit them")
+        else:
+            advice.append(f"stopped by --max-time: raise it about {scale:.1f}-fold")
+    if "max-requests" in rules or ("max-time" in rules and max_requests and need > max_requests):
+        advice.append(f"--max-requests {need}")
+    if not advice and rules == {"ci-reached"}:
+        # The sweep's own check passed; the analysis' bootstrap is wider. Force more requests.
+        advice.append(f"the sweep judged its target reached; --min-requests {need} forces more")
+    if not advice:
+        advice.append(f"--max-requests {need}")
+    return f"{head} ({'; '.join(advice)})."
 
 
 def choice_findings(choices: dict[str, Choice]) -> list[Finding]:

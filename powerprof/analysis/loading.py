@@ -150,6 +150,8 @@ def _set_column(t: pa.Table, name: str, arr: pa.Array) -> pa.Table:
 
 SAMPLE_LEVEL_COLUMNS = ("enforced_limit_w", "avg_cpu_power_w", "sm_clock_mhz", "mem_clock_mhz", "cap_not_engaged",
                         "thermal_throttle")
+# What only the sweep knows about a level, carried from levels.parquet into the analysis.
+SWEEP_LEVEL_COLUMNS = SAMPLE_LEVEL_COLUMNS + ("stop_rule",)
 
 
 @dataclass
@@ -354,9 +356,18 @@ def _level_figures(acc: dict) -> dict:
     return out
 
 
+def _pool(v: list):
+    if isinstance(v[0], bool):
+        return any(v)
+    if isinstance(v[0], str):
+        return ",".join(dict.fromkeys(x for s in v for x in s.split(",") if x))
+    return float(np.mean(v))
+
+
 def sweep_level_figures(runs: list[RunInfo]) -> dict:
     """The sensor columns the sweep already wrote to levels.parquet, pooled over runs:
-    numbers averaged, flags OR-ed. {(level_kind, level_value): {column: value}}."""
+    numbers averaged, flags OR-ed, strings (stop_rule) joined once each.
+    {(level_kind, level_value): {column: value}}."""
     pooled: dict[tuple, dict[str, list]] = {}
     for r in runs:
         p = r.path / "levels.parquet"
@@ -366,7 +377,7 @@ def sweep_level_figures(runs: list[RunInfo]) -> dict:
             t = pq.read_table(p)
         except (pa.ArrowInvalid, OSError) as e:
             raise AnalysisError(f"{p}: cannot be read as Parquet ({e})") from None
-        cols = [c for c in SAMPLE_LEVEL_COLUMNS if c in t.column_names and c in LEVELS.names]
+        cols = [c for c in SWEEP_LEVEL_COLUMNS if c in t.column_names and c in LEVELS.names]
         for row in t.select([c for c in ("level_kind", "level_value", *cols) if c in t.column_names]).to_pylist():
             d = pooled.setdefault((row.get("level_kind"), row.get("level_value")), {})
             for c in cols:
@@ -374,5 +385,5 @@ def sweep_level_figures(runs: list[RunInfo]) -> dict:
                     d.setdefault(c, []).append(row[c])
     out = {}
     for key, d in pooled.items():
-        out[key] = {c: (any(v) if isinstance(v[0], bool) else float(np.mean(v))) for c, v in d.items()}
+        out[key] = {c: _pool(v) for c, v in d.items()}
     return out

@@ -149,10 +149,19 @@ def recommendation_line(result: AnalysisResult) -> str:
     line = (f"Recommended {what}: {c.recommended_value:g} {u} ({DESCRIPTIONS[c.policy]}"
             + (f", ≤ {c.params['max_slowdown']:.0%} slower" if c.policy == "budget" else "")
             + f"): {c.speed_loss_pct:.1f}% slower, {c.energy_saving_pct:.1f}% less energy per token than "
-            f"{sr.series.reference_value:g} {u}; 95% of resamples choose {c.ci_low:g}–{c.ci_high:g} {u}.")
+            f"{sr.series.reference_value:g} {u}; " + _choice_range_text(sr, c, u))
     if result.simulated:
         line += " (simulated)"
     return line
+
+
+def _choice_range_text(sr: SeriesResult, c, u: str) -> str:
+    """Where the bootstrap puts the choice; a range covering every measured level says nothing."""
+    lv = sr.series.level_values
+    if lv.size > 1 and c.ci_low <= float(lv.min()) and c.ci_high >= float(lv.max()):
+        return (f"uncertain choice: resamples choose levels across the whole measured range "
+                f"({c.ci_low:g}–{c.ci_high:g} {u}); more requests per level would settle it.")
+    return f"95% of resamples choose {c.ci_low:g}–{c.ci_high:g} {u}."
 
 
 def _levels_rows(sr: SeriesResult) -> tuple[list[str], list[list[str]]]:

@@ -1,0 +1,105 @@
+"""Advice the analysis gives: wide-CI warnings name the limit that stopped the level and the run's own
+CI target; the recommendation line does not pass off the whole measured range as a confident range."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+
+from powerprof.analysis.analyze import AnalysisResult
+from powerprof.analysis.checks import level_findings
+from powerprof.analysis.report import analyze_run, recommendation_line
+from powerprof.analysis.synthetic import make_run, seed_truth
+from powerprof.storage.schema import LEVELS
+
+
+def _levels(**row) -> pa.Table:
+    base = {"level_kind": "power_limit", "level_value": 200.0, "n_requests": 20, "ci_reached_pct": 4.0,
+            "flags": "wide-ci"}
+    base.update(row)
+    return pa.Table.from_pylist([base], schema=LEVELS)
+
+
+def _wide(findings) -> str:
+    (f,) = [f for f in findings if f.kind == "wide-ci"]
+    return f.message
+
+
+def test_max_time_stop_suggests_a_longer_max_time_from_the_rate_achieved():
+    # 20 requests in 60 s (1/3 request/s) reached ±4%; ±2% needs (4/2)^2 x 20 = 80 requests = 240 s.
+    msg = _wide(level_findings(_levels(stop_rule="max-time"), target_ci_pct=2.0, max_time_s=60.0, max_requests=200))
+    assert "--max-time 240" in msg and "80 requests" in msg and "0.33 requests/s" in msg
+    assert "--max-requests" not in msg  # 80 fit under the run's --max-requests 200
+
+
+def test_max_time_advice_counts_every_visit_of_the_level():
+    # Two repeats of 60 s gathered the 20 requests: 1/6 request/s; 80 requests still need 240 s per visit.
+    msg = _wide(level_findings(_levels(stop_rule="max-time"), target_ci_pct=2.0, max_time_s=60.0, repeats=2))
+    assert "--max-time 240" in msg and "0.17 requests/s" in msg
+
+
+def test_max_time_advice_also_raises_max_requests_when_it_would_bind_next():
+    msg = _wide(level_findings(_levels(stop_rule="max-time"), target_ci_pct=2.0, max_time_s=60.0, max_requests=50))
+    assert "--max-time 240" in msg and "--max-requests 80" in msg
+
+
+def test_max_requests_stop_suggests_max_requests_at_the_runs_target():
+    # Target ±1%: (4/1)^2 x 20 = 320 requests.
+    msg = _wide(level_findings(_levels(stop_rule="max-requests"), target_ci_pct=1.0, max_time_s=60.0))
+    assert "--max-requests 320" in msg and "±1%" in msg and "--max-time" not in msg
+
+
+def test_without_settings_or_stop_rule_the_advice_falls_back_to_two_percent():
+    msg = _wide(level_findings(_levels()))
+    assert "±2%" in msg and "--max-requests 80" in msg
+
+
+def test_target_reached_by_the_sweep_suggests_min_requests():
+    msg = _wide(level_findings(_levels(stop_rule="ci-reached"), target_ci_pct=2.0))
+    assert "--min-requests 80" in msg and "--max-requests" not in msg
+
+
+def test_analyze_reads_stop_rule_and_settings_from_the_run(tmp_path):
+    run = make_run(tmp_path / "run", seed_truth(), levels=(200, 240, 280), n_requests=5, noise=0.08)
+    levels = pq.read_table(run / "levels.parquet")
+    levels = levels.set_column(levels.schema.get_field_index("stop_rule"), "stop_rule",
+                               pa.array(["max-time"] * levels.num_rows, pa.string()))
+    pq.write_table(levels, run / "levels.parquet")
+    meta = json.loads((run / "run.json").read_text())
+    meta["settings"] = {"target_ci": 0.05, "max_time_s": 30.0, "max_requests": 200, "repeats": 1}
+    (run / "run.json").write_text(json.dumps(meta))
+    res = analyze_run([run], tmp_path / "out", n_boot=300, plots=False)
+    wide = [w for w in res.warnings if w.kind == "wide-ci"]
+    assert wide, "8% noise over 5 requests leaves some level's CI wider than ±5%"
+    for w in wide:
+        assert "±5%" in w.message and "--max-time " in w.message and "--max-requests" not in w.message
+    assert set(res.table.column("stop_rule").to_pylist()) == {"max-time"}
+
+
+@pytest.fixture(scope="module")
+def seed_result(tmp_path_factory):
+    run = make_run(tmp_path_factory.mktemp("seed") / "run", seed_truth(), levels=(180, 220, 260, 300),
+                   n_requests=40)
+    return analyze_run([run], n_boot=300, plots=False)
+
+
+def _with_range(res: AnalysisResult, lo: float, hi: float) -> AnalysisResult:
+    sr = res.main
+    choices = dict(sr.choices)
+    choices[sr.primary] = dataclasses.replace(choices[sr.primary], ci_low=lo, ci_high=hi)
+    return dataclasses.replace(res, series=[dataclasses.replace(sr, choices=choices)])
+
+
+def test_recommendation_line_keeps_a_range_narrower_than_the_levels(seed_result):
+    line = recommendation_line(_with_range(seed_result, 220.0, 260.0))
+    assert "95% of resamples choose 220–260 W." in line and "uncertain" not in line
+
+
+def test_recommendation_line_calls_a_whole_range_choice_uncertain(seed_result):
+    line = recommendation_line(_with_range(seed_result, 180.0, 300.0))
+    assert "uncertain choice" in line and "more requests per level would settle it" in line
+    assert "95% of resamples choose" not in line
