@@ -3,12 +3,17 @@
 from __future__ import annotations
 
 import os
+import signal
 import socket
+import subprocess
 import sys
+import textwrap
+import threading
 import time
 
 import pytest
 
+from powerprof.sim.nvml import SimNVML
 from powerprof.workload.launcher import LaunchError, ServerLauncher
 from powerprof.workload.load import detect
 
@@ -76,3 +81,101 @@ def test_exception_inside_the_block_stops_the_server(tmp_path):
 def test_missing_program_is_a_clear_error():
     with pytest.raises(LaunchError, match="cannot start"):
         ServerLauncher("/nonexistent/llama-server -m x", "http://127.0.0.1:1").start()
+
+
+# A tiny server: /health answers 200; with --ignore-term it shrugs off SIGTERM like a slow-to-exit server.
+TINY_SERVER = textwrap.dedent("""
+    import http.server, signal, sys
+    if "--ignore-term" in sys.argv:
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    class H(http.server.BaseHTTPRequestHandler):
+        def do_GET(self):
+            self.send_response(200); self.send_header("Content-Length", "2"); self.end_headers(); self.wfile.write(b"ok")
+        def log_message(self, *a):
+            pass
+    print("listening", flush=True)
+    http.server.HTTPServer(("127.0.0.1", int(sys.argv[1])), H).serve_forever()
+""")
+
+
+def group_gone(pgid: int, wait_s: float = 5.0) -> bool:
+    deadline = time.monotonic() + wait_s
+    while True:
+        try:
+            os.killpg(pgid, 0)
+        except ProcessLookupError:
+            return True
+        if time.monotonic() >= deadline:
+            return False
+        time.sleep(0.05)
+
+
+class Interrupt(Exception):
+    """Stands in for KeyboardInterrupt, which would stop pytest itself."""
+
+
+def test_interrupt_during_stop_still_kills_a_server_that_ignores_sigterm(tmp_path):
+    script = tmp_path / "tiny.py"
+    script.write_text(TINY_SERVER)
+    port = free_port()
+    la = ServerLauncher([sys.executable, str(script), str(port), "--ignore-term"], f"http://127.0.0.1:{port}",
+                        timeout_s=20, poll_s=0.05, stop_grace_s=1.5)
+    la.start()
+    pgid = la.proc.pid
+
+    def interrupt(signum, frame):
+        raise Interrupt
+
+    old = signal.signal(signal.SIGINT, interrupt)
+    timer = threading.Timer(0.3, os.kill, (os.getpid(), signal.SIGINT))  # Ctrl-C while stop waits the grace period
+    try:
+        timer.start()
+        with pytest.raises(Interrupt):  # the interrupt is not lost: it arrives once the server is gone
+            la.stop()
+        assert group_gone(pgid, wait_s=2)
+    finally:
+        timer.cancel()
+        signal.signal(signal.SIGINT, old)
+        try:
+            os.killpg(pgid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        la.proc.wait(5)
+    assert signal.getsignal(signal.SIGTERM) is not None and signal.getsignal(signal.SIGINT) is old
+
+
+def test_sigterm_under_limit_controller_restores_gpu_stops_server_and_exits_143(tmp_path):
+    # LimitController passes SIGTERM on to the launcher's handler: the process must still exit 128 + 15,
+    # without a traceback, with the GPU put back and the launched server's process group gone.
+    server = tmp_path / "tiny.py"
+    server.write_text(TINY_SERVER)
+    state = tmp_path / "sim.json"
+    child = tmp_path / "child.py"
+    child.write_text(textwrap.dedent(f"""
+        import os, signal, sys, time
+        from powerprof.control import LimitController
+        from powerprof.sim.nvml import SimNVML
+        from powerprof.workload.launcher import ServerLauncher
+        port = {free_port()}
+        nvml = SimNVML("seed-16g", count=1, state_path={str(state)!r})
+        with ServerLauncher([sys.executable, {str(server)!r}, str(port)], f"http://127.0.0.1:{{port}}",
+                            timeout_s=20, poll_s=0.05, stop_grace_s=5) as la:
+            with LimitController(nvml, [0]) as ctl:
+                ctl.set_power_limit_w(150)
+                print("SERVER", la.proc.pid, flush=True)
+                os.kill(os.getpid(), signal.SIGTERM)
+                time.sleep(20)
+        print("NOT REACHED", flush=True)
+    """))
+    original = SimNVML("seed-16g", count=1, state_path=state)
+    original.nvmlInit()
+    h = original.nvmlDeviceGetHandleByIndex(0)
+    original_mw = original.nvmlDeviceGetPowerManagementLimit(h)
+    r = subprocess.run([sys.executable, str(child)], capture_output=True, text=True, timeout=60)
+    assert r.returncode == 128 + signal.SIGTERM, r.stdout + r.stderr
+    assert "Traceback" not in r.stderr and "NOT REACHED" not in r.stdout
+    server_pid = int(r.stdout.split("SERVER", 1)[1].split()[0])
+    assert group_gone(server_pid)
+    after = SimNVML("seed-16g", count=1, state_path=state)
+    after.nvmlInit()
+    assert after.nvmlDeviceGetPowerManagementLimit(after.nvmlDeviceGetHandleByIndex(0)) == original_mw != 150_000

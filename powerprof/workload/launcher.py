@@ -3,9 +3,11 @@
 The command runs in its own process group with its output in a log file; readiness is
 `/health` answering 200 (or, for servers without `/health`, `/v1/models`). On a timeout or
 an early exit the error shows the tail of the log. Leaving the context — normally, on an
-exception or on Ctrl-C — sends SIGTERM to the whole group, then SIGKILL after a grace period.
-SIGTERM/SIGHUP sent to powerprof itself are turned into an exception while the server runs,
-so they stop it too; an atexit hook is the last line of defence.
+exception or on Ctrl-C — sends SIGTERM to the whole group, then SIGKILL after a grace period; a
+signal arriving during that stop waits until the group is gone. SIGTERM/SIGHUP sent to powerprof
+itself are turned into `Terminated` (a SystemExit with code 128 + signum) while the server runs,
+so they stop it too and powerprof exits like a signalled program; an atexit hook is the last line
+of defence.
 """
 
 from __future__ import annotations
@@ -28,8 +30,16 @@ class LaunchError(RuntimeError):
     """The server did not become healthy; the message carries the tail of its log."""
 
 
-class Terminated(BaseException):
-    """powerprof received SIGTERM or SIGHUP while a launched server ran."""
+class Terminated(SystemExit):
+    """powerprof received SIGTERM or SIGHUP while a launched server ran: exit with 128 + signum.
+
+    A SystemExit so that any caller (the CLI, a script) exits with the conventional status and no
+    traceback, the same status LimitController uses when it owns the signal.
+    """
+
+    def __init__(self, signum: int):
+        super().__init__(128 + signum)
+        self.signum = signum
 
 
 def tail(path: Path, n_lines: int = 30, max_bytes: int = 16384) -> str:
@@ -135,7 +145,7 @@ class ServerLauncher:
             return
 
         def handler(signum, frame):
-            raise Terminated(f"received signal {signum}")
+            raise Terminated(signum)
 
         for sig in (signal.SIGTERM, signal.SIGHUP):
             try:
@@ -156,32 +166,81 @@ class ServerLauncher:
         return self.proc is not None and self.proc.poll() is None
 
     def stop(self) -> None:
-        """SIGTERM to the process group, SIGKILL after the grace period. Safe to call twice."""
-        p = self.proc
-        if p is not None:
-            # start_new_session made the server the leader of a group whose id is its pid.
-            _signal_group(p.pid, signal.SIGTERM)
-            try:
-                p.wait(self.stop_grace_s)
-            except subprocess.TimeoutExpired:
-                pass
-            # The leader may be gone while children of the group live on: kill the group.
-            _signal_group(p.pid, signal.SIGKILL)
-            try:
-                p.wait(5)
-            except subprocess.TimeoutExpired:
-                pass
-        self._restore_signal_handlers()
+        """SIGTERM to the process group, SIGKILL after the grace period. Safe to call twice.
+
+        Ctrl-C, SIGTERM or SIGHUP arriving meanwhile are held and re-delivered once the group is
+        killed, so a second Ctrl-C cannot leave a slow-to-exit server running.
+        """
+        pending: list[int] = []
+        held = _hold_signals(pending)
         try:
-            atexit.unregister(self.stop)
-        except Exception:
-            pass
+            p = self.proc
+            if p is not None:
+                try:
+                    # start_new_session made the server the leader of a group whose id is its pid.
+                    _signal_group(p.pid, signal.SIGTERM)
+                    try:
+                        p.wait(self.stop_grace_s)
+                    except subprocess.TimeoutExpired:
+                        pass
+                finally:
+                    # Unconditional: the leader may be gone while children of the group live on,
+                    # or the wait may have been cut short by an exception.
+                    _signal_group(p.pid, signal.SIGKILL)
+                    try:
+                        p.wait(5)
+                    except subprocess.TimeoutExpired:
+                        pass
+        finally:
+            _release_signals(held)
+            self._restore_signal_handlers()
+            try:
+                atexit.unregister(self.stop)
+            except Exception:
+                pass
+            if pending:
+                # Now the handler that was in place before the launch decides (KeyboardInterrupt, exit...).
+                signal.raise_signal(pending[0])
 
     def __enter__(self) -> "ServerLauncher":
         return self.start()
 
     def __exit__(self, *exc) -> None:
         self.stop()
+
+
+def _hold_signals(pending: list[int]) -> dict:
+    """Replace the Python handlers of SIGINT/SIGTERM/SIGHUP by one that only records the signal.
+
+    Swapping handlers rather than blocking with pthread_sigmask: the mask is per thread, and with
+    other threads running the kernel hands the signal to one of them, after which Python still runs
+    the handler in the main thread. Only possible from the main thread; elsewhere nothing is held.
+    """
+    if threading.current_thread() is not threading.main_thread():
+        return {}
+
+    def record(signum, frame):
+        pending.append(signum)
+
+    held = {}
+    for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
+        try:
+            old = signal.getsignal(sig)
+            if old is None or old is signal.SIG_IGN:
+                continue  # installed outside Python (cannot be put back) or ignored on purpose
+            signal.signal(sig, record)
+            held[sig] = old
+        except (ValueError, OSError):
+            pass
+    return held
+
+
+def _release_signals(held: dict) -> None:
+    for sig, old in held.items():
+        try:
+            signal.signal(sig, old)
+        except (ValueError, OSError, TypeError):
+            pass
 
 
 def _signal_group(pgid: int, sig: int) -> None:
