@@ -2,7 +2,12 @@
 
 from __future__ import annotations
 
+import os
+import signal
+import subprocess
+import sys
 from collections import namedtuple
+from pathlib import Path
 from types import SimpleNamespace
 
 import pynvml
@@ -143,3 +148,43 @@ def test_host_collector_on_this_machine():
     h = HostCollector()
     r = h.read()
     assert r.mem_total_bytes > 0 and (r.cpu_util_pct is None or 0.0 <= r.cpu_util_pct <= 100.0)
+
+
+def test_simulated_powercap_tree_lives_in_the_state_folder_and_dead_processes_trees_are_removed(tmp_path):
+    state = Path(os.environ["POWERPROF_STATE_DIR"])
+    child = subprocess.Popen(
+        [sys.executable, "-c",
+         "import sys, time\n"
+         "from powerprof.collectors.sources import open_sources\n"
+         "src = open_sources(simulate='seed-16g')\n"
+         "print(src._tmpdir, flush=True)\n"
+         "time.sleep(60)\n"],
+        stdout=subprocess.PIPE, text=True,
+    )
+    try:
+        leaked = Path(child.stdout.readline().strip())
+    finally:
+        child.send_signal(signal.SIGKILL)
+        child.wait(timeout=10)
+        child.stdout.close()
+    assert leaked.parent == state and leaked.name.startswith(f"powerprof-powercap-{child.pid}-")
+    assert leaked.is_dir(), "SIGKILL skips close(): the tree is left behind"
+    alive = state / f"powerprof-powercap-{os.getppid()}-keep"  # a live process's tree
+    legacy = state / "powerprof-powercap-abc123"  # no pid in the name: cannot tell, keep it
+    alive.mkdir()
+    legacy.mkdir()
+    with open_sources(simulate="seed-16g") as src:
+        mine = Path(src._tmpdir)
+        assert mine.parent == state and mine.name.startswith(f"powerprof-powercap-{os.getpid()}-")
+        assert not leaked.exists()
+        assert alive.is_dir() and legacy.is_dir()
+    assert not mine.exists()
+
+
+def test_simulated_powercap_tree_falls_back_to_the_temp_folder(monkeypatch, tmp_path):
+    from powerprof.collectors.sources import sim_powercap_parent
+
+    assert sim_powercap_parent({"POWERPROF_STATE_DIR": "/s", "XDG_STATE_HOME": "/x"}) == "/s"
+    assert sim_powercap_parent({"XDG_STATE_HOME": "/x"}) == "/x/powerprof"
+    monkeypatch.setattr("tempfile.tempdir", str(tmp_path))
+    assert sim_powercap_parent({}) == str(tmp_path)

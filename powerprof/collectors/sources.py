@@ -3,16 +3,21 @@
 `open_sources()` is what `devices`, `monitor` and later `sweep`/`daemon` call: NVML, RAPL and
 host collectors where they work, and a `Problem` (message + fix) where they don't, so a machine
 without a GPU or without RAPL permission still gets the rest. With `simulate=PROFILE` the GPUs
-are SimNVML and RAPL is a SimPowercap tree in a temporary folder, updated in the background.
+are SimNVML and RAPL is a SimPowercap tree, updated in the background, in a pid-named folder under
+the state folder (POWERPROF_STATE_DIR, else $XDG_STATE_HOME/powerprof) or else the temp folder;
+trees of processes that died without closing are removed when the next one is made.
 """
 
 from __future__ import annotations
 
 import os
+import re
 import shutil
 import tempfile
 from dataclasses import asdict, dataclass, field
 from typing import Callable
+
+import psutil
 
 from powerprof.privilege import has_admin_privilege
 
@@ -156,13 +161,57 @@ def _open_gpus(src: Sources, simulate, gpus, nvml) -> None:
             )
 
 
+SIM_POWERCAP_PREFIX = "powerprof-powercap-"
+_SIM_POWERCAP_RE = re.compile(re.escape(SIM_POWERCAP_PREFIX) + r"(\d+)-")
+
+
+def sim_powercap_parent(env=None) -> str:
+    """Where simulated powercap trees go: the state folder when one is set (so a test's tree goes
+    with its tmp_path), else the system temp folder."""
+    env = os.environ if env is None else env
+    if env.get("POWERPROF_STATE_DIR"):
+        return env["POWERPROF_STATE_DIR"]
+    if env.get("XDG_STATE_HOME"):
+        return os.path.join(env["XDG_STATE_HOME"], "powerprof")
+    return tempfile.gettempdir()
+
+
+def remove_stale_sim_powercap_dirs(parent: str) -> list[str]:
+    """Remove our simulated powercap trees whose process is gone (a SIGKILL skips close())."""
+    removed = []
+    try:
+        entries = list(os.scandir(parent))
+    except OSError:
+        return removed
+    for e in entries:
+        m = _SIM_POWERCAP_RE.match(e.name)
+        if not m or int(m.group(1)) == os.getpid() or psutil.pid_exists(int(m.group(1))):
+            continue
+        try:
+            if not e.is_dir(follow_symlinks=False) or e.stat(follow_symlinks=False).st_uid != os.getuid():
+                continue  # another user's tree (shared /tmp) is not ours to remove
+        except OSError:
+            continue
+        shutil.rmtree(e.path, ignore_errors=True)
+        removed.append(e.path)
+    return removed
+
+
+def make_sim_powercap_dir(env=None) -> str:
+    """A fresh folder for a simulated powercap tree, named with our pid; clears dead processes' trees."""
+    parent = sim_powercap_parent(env)
+    os.makedirs(parent, exist_ok=True)
+    remove_stale_sim_powercap_dirs(parent)
+    return tempfile.mkdtemp(prefix=f"{SIM_POWERCAP_PREFIX}{os.getpid()}-", dir=parent)
+
+
 def _open_rapl(src: Sources, simulate, rapl_root, backend, power_w_fn) -> None:
     opener = open
     if simulate:
         from powerprof.sim.nvml import UNPRIVILEGED_ENV
         from powerprof.sim.powercap import SimPowercap
 
-        src._tmpdir = tempfile.mkdtemp(prefix="powerprof-powercap-")
+        src._tmpdir = make_sim_powercap_dir()
         unpriv = os.environ.get(UNPRIVILEGED_ENV) == "1"
         pc = SimPowercap(src._tmpdir, power_w_fn=power_w_fn, unreadable=unpriv).start()
         src.sim_powercap = pc
