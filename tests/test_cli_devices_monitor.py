@@ -3,7 +3,12 @@
 from __future__ import annotations
 
 import json
+import os
+import signal
+import subprocess
 import sys
+import threading
+from pathlib import Path
 from types import SimpleNamespace
 
 import pyarrow as pa
@@ -136,3 +141,32 @@ def test_monitor_rows_show_energy_since_start_and_the_cap_reason_by_name():
     assert gpu["energy_j"] == pytest.approx(gpu["power_w"] * 0.4, rel=0.1)
     assert last["cpus"][0]["energy_j"] > 0 and last["host"] is not None
     assert {s.source for s in timeline.samples()} == {"nvml", "rapl", "host"}
+
+
+def test_devices_warns_while_a_killed_sweep_left_a_limit_to_restore():
+    # A controller process sets a limit and is SIGKILLed: its restore file stays behind.
+    child = Path(__file__).parent / "control" / "control_child.py"
+    p = subprocess.Popen([sys.executable, str(child), "--count", "1", "--gpus", "0", "--levels", "200", "--repeat", "0"],
+                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    timer = threading.Timer(20, p.kill)  # bound the wait even if the child never steps
+    timer.start()
+    try:
+        assert any(line.startswith("STEPPED 200") for line in p.stdout), p.stderr.read()
+    finally:
+        timer.cancel()
+        p.send_signal(signal.SIGKILL)
+        p.communicate(timeout=20)
+    (rfile,) = Path(os.environ["POWERPROF_STATE_DIR"]).glob("restore-*.json")
+
+    r = run("devices", "--simulate")
+    assert r.exit_code == 0, r.output
+    assert f"Warning: powerprof (pid {p.pid}" in r.output and "simulated GPU" in r.output
+    assert f"powerprof restore --restore-file {rfile}" in r.output
+    assert r.output.index("Warning:") < r.output.index("gpu0")  # the warning comes first
+    r = run("devices", "--simulate", "--json")
+    note = json.loads(r.output)["restore_note"]
+    assert f"pid {p.pid}" in note and "original power limit 300 W" in note
+
+    assert run("restore", "--simulate", "--restore-file", str(rfile)).exit_code == 0
+    r = run("devices", "--simulate", "--json")
+    assert json.loads(r.output)["restore_note"] is None and json.loads(r.output)["gpus"][0]["power_limit_w"] == 300
