@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import asyncio
+import logging
 import re
+import time
 
 import aiohttp
 
@@ -68,3 +70,30 @@ def test_speculative_profile_reports_drafts_and_multi_token_events():
     assert r.ok and r.generated_tokens == 40
     assert r.draft_n and 0 < r.draft_n_accepted < r.draft_n
     assert max(r.event_tokens) > 1 and len(r.event_tokens) < 40
+
+
+async def _read_then_hang_up(url: str, body: dict, events: int) -> None:
+    async with aiohttp.ClientSession() as s:
+        async with s.post(url + "/completion", json=body) as r:
+            seen = 0
+            async for line in r.content:
+                if line.startswith(b"data:"):
+                    seen += 1
+                    if seen == events:
+                        break  # leaving the block unread closes the connection, as an interrupted sweep does
+
+
+def test_client_hanging_up_mid_stream_is_no_error_and_frees_the_slot(caplog):
+    nvml = SimNVML("a100-40g", state_path=None)
+    body = {"prompt": "hi", "n_predict": 5000, "stream": True, "ignore_eos": True}
+    with caplog.at_level(logging.DEBUG, logger="aiohttp"):
+        with SimServer(nvml, decode_tok_s=500) as s:
+            asyncio.run(_read_then_hang_up(s.url, body, 3))
+            for _ in range(200):  # the server notices at its next write, within a few token events
+                if not s.busy:
+                    break
+                time.sleep(0.01)
+            assert not s.busy  # the request was dropped, not decoded to the end for nobody
+            assert nvml.gpus[0].read()["phase"].kind == "idle"
+    errors = [r for r in caplog.records if r.levelno >= logging.ERROR]
+    assert errors == [], [r.getMessage() for r in errors]

@@ -594,7 +594,18 @@ class SimServer:
         resp = web.StreamResponse(
             headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache", "X-Powerprof-Simulated": "1"}
         )
-        await resp.prepare(request)
+        try:
+            await resp.prepare(request)
+            await self._write_stream(resp, request, api, req, fault, opts)
+        except ConnectionResetError:  # aiohttp.ClientConnectionResetError is one
+            # The client hung up (an interrupted sweep, a closed terminal): ordinary for a server, so
+            # no "Error handling request" traceback; the engine drops the request as a real one does.
+            # CancelledError is left to propagate: aiohttp handles it quietly and _serve marks the request.
+            req.cancelled = True
+        return resp
+
+    async def _write_stream(self, resp: web.StreamResponse, request: web.Request, api: str, req: _Req,
+                            fault: Fault | None, opts: dict) -> None:
         chat = api == "openai-chat"
         oid = f"sim-{req.rid}"
         obj_name = "chat.completion.chunk" if chat else "text_completion"
@@ -619,14 +630,14 @@ class SimServer:
             kind, payload = item
             if kind == "dead":
                 _abort(request)
-                return resp
+                return
             if kind == "tokens":
                 ids, text = payload
                 if fault is not None and n_events == fault.after_tokens:
                     if fault.kind == "drop":
                         req.cancelled = True
                         _abort(request)
-                        return resp
+                        return
                     if fault.kind == "malformed":
                         await resp.write(b'data: {"content": "broken\n\n')
                     if fault.kind == "stall":
@@ -671,7 +682,7 @@ class SimServer:
                         await resp.write(b"data: " + json.dumps(d).encode() + b"\n\n")
                     await resp.write(b"data: [DONE]\n\n")
                 await resp.write_eof()
-                return resp
+                return
 
 
 def _sent_total(req: _Req, n_events: int) -> int:
