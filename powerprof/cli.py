@@ -348,7 +348,7 @@ def _fraction_option(ctx, param, value):
 @click.option("--server", "url", default=None, help="Inference server base URL (llama.cpp, vLLM, SGLang, OpenAI-compatible).")
 @click.option("--launch", default=None, help="Start the server with this command (needs --server for its URL); stopped at the end.")
 @simulate_option
-@click.option("--gpus", default=None, help="NVML indexes of the GPUs serving the model (all take the same level).")
+@click.option("--gpus", callback=_parse_gpus, help="NVML indexes of the GPUs serving the model (all take the same level).")
 @click.option("--repeats", default=1, show_default=True, type=click.IntRange(1, 100), help="Passes over all levels, interleaved.")
 @click.option("--order", default="desc", show_default=True, type=click.Choice(["desc", "asc", "random"]))
 @click.option("--target-ci", default="2%", show_default=True, callback=_fraction_option, help="Stop a level when the 95% CI of J/token is within this.")
@@ -386,10 +386,6 @@ def sweep(limits, clocks, url, launch, simulate, gpus, repeats, order, target_ci
     if max_requests < min_requests:
         raise click.UsageError("--max-requests must not be below --min-requests")
     try:
-        gpu_list = [int(g) for g in gpus.split(",")] if gpus else None
-    except ValueError:
-        raise click.UsageError(f"--gpus must be comma-separated NVML indexes, not {gpus!r}") from None
-    try:
         prompts = load_prompts(prompts_file) if prompts_file else builtin_prompts(prompt_set)
     except PromptFileError as e:
         raise click.UsageError(str(e)) from None
@@ -399,16 +395,19 @@ def sweep(limits, clocks, url, launch, simulate, gpus, repeats, order, target_ci
         with ui:
             outcome = run_sweep(
                 levels_spec=limits or clocks, level_kind="power_limit" if limits else "sm_clock", url=url, launch=launch,
-                simulate=simulate, gpus=gpu_list, out_dir=out_dir, prompts=prompts,
+                simulate=simulate, gpus=gpus, out_dir=out_dir, prompts=prompts,
                 params=RequestParams(max_tokens=max_tokens), api=api, interval_s=interval_s, dry_run=dry_run,
                 command_line=" ".join(sys.argv), ui=ui, repeats=repeats, order=order, target_ci=target_ci,
                 min_requests=min_requests, max_requests=max_requests, max_time_s=max_time_s, warmup_requests=warmup,
                 idle_s=idle_s, concurrency=concurrency,
             )
-    except LevelError as e:
+    except (LevelError, ValueError) as e:
         raise click.UsageError(str(e)) from None
-    except (ControlError, SweepError, ServerUnreachable, LaunchError, FileExistsError) as e:
+    except (ControlError, SweepError, ServerUnreachable, LaunchError, OSError) as e:
         raise click.ClickException(str(e)) from None
+    except KeyboardInterrupt:
+        click.echo("interrupted: every GPU is back at its original limit; finished levels are in the run directory", err=True)
+        sys.exit(130)
     if dry_run:
         for line in outcome.plan_lines:
             out.print(line)
@@ -426,7 +425,6 @@ def sweep(limits, clocks, url, launch, simulate, gpus, repeats, order, target_ci
         out.print(f"[red]analysis failed:[/] {e}")
         sys.exit(1)
     out.print(console_summary(result), highlight=False)
-    out.print(f"report: {outcome.run_dir / 'analysis' / 'report.html'}")
 
 
 # --- daemon (issue 7): always-on sampling, tagging proxy, Prometheus, tag API -----------------

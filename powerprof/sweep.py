@@ -69,15 +69,16 @@ def visit_order(levels, repeats: int, order: str, seed: int = 0) -> list[tuple[f
     return out
 
 
-def median_ci_halfwidth_frac(values: np.ndarray, n_boot: int = 1000, seed: int = 0) -> float:
-    """Half-width of the bootstrap 95% CI of the median, relative to the median."""
+def median_ci_halfwidth_frac(values: np.ndarray, n_boot: int = 2000, seed: int = 0) -> float:
+    """Half-width of the bootstrap 95% CI of the median, relative to the median: the same statistic
+    the analysis reports as ci_reached_pct, so the live figure and the table agree."""
+    from powerprof.analysis.stats import bootstrap_ci
+
     v = np.asarray(values, dtype=float)
     v = v[np.isfinite(v)]
     if v.size < 2:
         return float("inf")
-    rng = np.random.default_rng(seed)
-    meds = np.median(v[rng.integers(0, v.size, size=(n_boot, v.size))], axis=1)
-    lo, hi = np.percentile(meds, [2.5, 97.5])
+    lo, hi = bootstrap_ci(v, np.median, n_boot=n_boot, seed=seed)
     med = float(np.median(v))
     return float((hi - lo) / 2 / abs(med)) if med else float("inf")
 
@@ -420,6 +421,7 @@ class Sweep:
                 "mem_clock_mhz": st["mem_clock_mhz"],
                 "cap_not_engaged": not_engaged,
                 "thermal_throttle": bool((st["reasons"] or 0) & REASON_THERMAL),
+                "stop_rule": ",".join(dict.fromkeys(v.stop for v in visits if v.stop)) or None,
             }
         return out
 
@@ -458,6 +460,13 @@ class SweepOutcome:
     levels: object | None  # pyarrow Table (levels.parquet)
     plan_lines: list[str] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)
+
+
+def _remove_if_empty(path) -> None:
+    try:
+        path.rmdir()  # only succeeds when empty
+    except OSError:
+        pass
 
 
 def run_sweep(
@@ -539,11 +548,22 @@ def run_sweep(
         else:
             values = parse_clock_levels(levels_spec, devices)
         settings = settings or SweepSettings(level_kind, tuple(float(v) for v in values), **settings_kw)
+        infos = src.nvml.infos
+        label = infos[0].name.replace("Simulated ", "sim-") if infos else "gpu"
+        run_dir = Path(out_dir) if out_dir else default_run_dir(Path(runs_base), label)
         if dry_run:
             plan = make_plan(
                 nvml, indexes, levels_spec if level_kind == "power_limit" else None, levels_spec if level_kind == "sm_clock" else None
             )
             return SweepOutcome(None, None, None, plan.lines(), notes)
+        # Refuse an unusable --out before a server is launched or a GPU is locked.
+        if run_dir.exists() and (not run_dir.is_dir() or any(run_dir.iterdir())):
+            raise SweepError(f"run directory {run_dir} already exists and is not empty; choose another --out")
+        try:
+            run_dir.mkdir(parents=True, exist_ok=True)
+        except OSError as e:
+            raise SweepError(f"cannot create the run directory {run_dir}: {e.strerror or e}") from None
+        stack.callback(_remove_if_empty, run_dir)  # a sweep that fails before writing leaves nothing
 
         if simulate:
             from powerprof.sim.server import SimServer
@@ -567,9 +587,6 @@ def run_sweep(
         timeline = Timeline(gpu_uuids=src.gpu_uuids)
         profiler.sampler.subscribe(timeline)
 
-        infos = src.nvml.infos
-        label = infos[0].name.replace("Simulated ", "sim-") if infos else "gpu"
-        run_dir = Path(out_dir) if out_dir else default_run_dir(Path(runs_base), label)
         run_id = uuid.uuid4().hex[:12]
         default_w = devices[0].default_w if len({d.default_w for d in devices}) == 1 else None
         reference = default_w if level_kind == "power_limit" and default_w in settings.levels else None
@@ -625,9 +642,13 @@ def run_sweep(
             sweep.run()
         finally:
             # Restore before the last write, so the final samples show the original limit back.
-            ctl.restore()
-            sweep.timeline.set_tags()
-            profiler.sampler.sample_now("restored")
-            sweep.flush()
+            # If restoring fails the controller keeps its restore file (and retries on close);
+            # the finished levels are written either way.
+            try:
+                ctl.restore()
+            finally:
+                sweep.timeline.set_tags()
+                profiler.sampler.sample_now("restored")
+                sweep.flush()
         levels = sweep.levels_table()
     return SweepOutcome(run_dir, sweep, levels, [], notes)

@@ -25,8 +25,14 @@ from powerprof.workload.client import RequestParams
 def seed_sweep(tmp_path_factory):
     """One sweep over the seed card's levels, shared by the accuracy tests (it takes ~40 s)."""
     state = tmp_path_factory.mktemp("state")
-    os.environ["POWERPROF_SIM_STATE"] = str(state / "sim.json")
-    os.environ["POWERPROF_STATE_DIR"] = str(state / "pp")
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("POWERPROF_SIM_STATE", str(state / "sim.json"))
+        mp.setenv("POWERPROF_STATE_DIR", str(state / "pp"))
+        mp.setenv("XDG_STATE_HOME", str(state))
+        return _run_seed_sweep(tmp_path_factory, state)
+
+
+def _run_seed_sweep(tmp_path_factory, state):
     sim = SimNVML("seed-16g", record_history=True, state_path=state / "sim.json")
     out = tmp_path_factory.mktemp("run") / "run"
     outcome = run_sweep(
@@ -220,3 +226,22 @@ def test_concurrent_sweep_uses_wall_clock_batches(tmp_path):
         assert levels.loc[value, "decode_tok_s"] == pytest.approx(b.decode_tokens.sum() / b.decode_s.sum(), rel=0.05)
     sim.nvmlInit()
     assert sim.nvmlDeviceGetPowerManagementLimit(sim.nvmlDeviceGetHandleByIndex(0)) == 400_000
+
+
+@pytest.mark.parametrize(
+    "args,needle",
+    [
+        (["--limits", "200", "--out", "/proc/powerprof-cannot-create"], "cannot create the run directory"),
+        (["--limits", "200", "--gpus", "-1"], "--gpus"),
+        (["--limits", "200", "--clocks", "900"], "exactly one of --limits or --clocks"),
+        (["--limits", "200", "--server", "http://127.0.0.1:9"], "exactly one of"),
+    ],
+)
+def test_bad_sweep_arguments_fail_cleanly_without_touching_the_gpu(args, needle):
+    r = _powerprof("sweep", "--simulate", "--idle-s", "0", *args)
+    assert r.returncode != 0
+    assert needle in r.stderr, r.stderr
+    assert "Traceback" not in r.stderr
+    sim = SimNVML("seed-16g")
+    sim.nvmlInit()
+    assert sim.nvmlDeviceGetPowerManagementLimit(sim.nvmlDeviceGetHandleByIndex(0)) == 300_000

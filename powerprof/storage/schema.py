@@ -132,6 +132,9 @@ LEVELS = pa.schema(
         ("speed_loss_pct_ci_high", pa.float64()),
         ("energy_saving_pct_ci_low", pa.float64()),
         ("energy_saving_pct_ci_high", pa.float64()),
+        # Appended by the sweep: why measuring the level stopped (ci-reached | max-time |
+        # max-requests | no-energy), so advice can name the knob that would have helped.
+        ("stop_rule", pa.string()),
     ]
 )
 
