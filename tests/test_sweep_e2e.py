@@ -156,23 +156,32 @@ def test_dry_run_prints_the_plan_and_touches_nothing(tmp_path):
     assert not (tmp_path / "x").exists()
 
 
+def _start_sweep_and_wait_for_a_level(out):
+    cmd = [sys.executable, "-m", "powerprof.cli", "sweep", "--limits", "180,220,260,300", "--order", "asc",
+           "--simulate", "--out", str(out), "--idle-s", "0.5", "--max-tokens", "48", "--min-requests", "4",
+           "--max-requests", "4", "--warmup", "0", "--interval", "0.5"]
+    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + 90
+    while time.monotonic() < deadline:
+        lv = out / "levels.parquet"
+        if lv.exists() and pq.read_table(lv).num_rows >= 1:
+            time.sleep(0.3)  # somewhere inside the second level
+            return proc
+        time.sleep(0.05)
+    proc.kill()
+    pytest.fail("the sweep never finished a level")
+
+
+def _limit_w():
+    sim = SimNVML("seed-16g")
+    sim.nvmlInit()
+    return sim.nvmlDeviceGetPowerManagementLimit(sim.nvmlDeviceGetHandleByIndex(0)) / 1000
+
+
 def test_kill_9_mid_sweep_keeps_finished_levels_and_restore_brings_the_limit_back(tmp_path):
     out = tmp_path / "run"
-    env = dict(os.environ)
-    cmd = [sys.executable, "-m", "powerprof.cli", "sweep", "--limits", "180,220,260,300", "--order", "asc",
-           "--simulate", "--out", str(out), "--idle-s", "0.5", "--max-tokens", "48", "--min-requests", "3",
-           "--max-requests", "3", "--warmup", "0", "--interval", "0.5"]
-    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    proc = _start_sweep_and_wait_for_a_level(out)
     try:
-        deadline = time.monotonic() + 90
-        while time.monotonic() < deadline:
-            lv = out / "levels.parquet"
-            if lv.exists() and pq.read_table(lv).num_rows >= 1:
-                break
-            time.sleep(0.05)
-        else:
-            pytest.fail("the sweep never finished a level")
-        time.sleep(0.3)  # somewhere inside the second level
         proc.send_signal(signal.SIGKILL)
         proc.wait(10)
     finally:
@@ -180,14 +189,27 @@ def test_kill_9_mid_sweep_keeps_finished_levels_and_restore_brings_the_limit_bac
             proc.kill()
     levels = pq.read_table(out / "levels.parquet").to_pandas()
     assert 180.0 in set(levels.level_value)
-    assert pq.read_table(out / "windows.parquet").num_rows >= 3
-    sim = SimNVML("seed-16g")
-    sim.nvmlInit()
-    h = sim.nvmlDeviceGetHandleByIndex(0)
-    assert sim.nvmlDeviceGetPowerManagementLimit(h) != 300_000  # killed while capped
-    r = _powerprof("restore", "--simulate", env=env)
+    assert pq.read_table(out / "windows.parquet").num_rows >= 4
+    assert _limit_w() != 300.0  # killed while capped
+    r = _powerprof("restore", "--simulate")
     assert r.returncode == 0, r.stderr
-    assert sim.nvmlDeviceGetPowerManagementLimit(h) == 300_000
+    assert _limit_w() == 300.0
+
+
+@pytest.mark.parametrize("sig,code", [(signal.SIGTERM, 128 + signal.SIGTERM), (signal.SIGINT, 130), (signal.SIGHUP, 128 + signal.SIGHUP)])
+def test_signals_mid_sweep_restore_the_limit_and_keep_finished_levels(tmp_path, sig, code):
+    out = tmp_path / "run"
+    proc = _start_sweep_and_wait_for_a_level(out)
+    try:
+        proc.send_signal(sig)
+        _, err = proc.communicate(timeout=30)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == code, err
+    assert "Traceback" not in err, err
+    assert _limit_w() == 300.0  # put back by the sweep itself, no `powerprof restore` needed
+    assert 180.0 in set(pq.read_table(out / "levels.parquet").to_pandas().level_value)
 
 
 def test_clock_sweep_where_the_power_cap_never_binds(tmp_path):
