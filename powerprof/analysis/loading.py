@@ -176,6 +176,7 @@ class _LevelAcc:
     mem_sum: float = 0.0
     mem_n: int = 0
     reasons: int = 0
+    reasons_seen: bool = False  # False: the GPU never reported clock-event reasons (rule on power alone)
     thermal: bool = False
     enforced: float | None = None
 
@@ -312,6 +313,8 @@ def _accumulate_levels(acc, tb, power, clock, starts, ends) -> None:
     if not inside.any():
         return
     mem = _np(tb, "mem_clock_mhz")
+    has_reasons = (tb.column("clock_event_reasons").is_valid().to_numpy(zero_copy_only=False)
+                   if "clock_event_reasons" in tb.column_names else np.zeros(tb.num_rows, bool))
     reasons = (pc.cast(tb.column("clock_event_reasons"), pa.int64()).fill_null(0).to_numpy(zero_copy_only=False)
                if "clock_event_reasons" in tb.column_names else np.zeros(tb.num_rows, np.int64))
     enforced = _np(tb, "enforced_limit_w")
@@ -332,6 +335,7 @@ def _accumulate_levels(acc, tb, power, clock, starts, ends) -> None:
         a.mem_sum += float(np.nansum(m))
         a.mem_n += int(np.isfinite(m).sum())
         a.reasons |= int(np.bitwise_or.reduce(reasons[sel]))
+        a.reasons_seen |= bool(has_reasons[sel].any())
         a.thermal |= bool(np.any(reasons[sel] & (REASON_THERMAL | REASON_HW_SLOWDOWN)))
         e = enforced[sel]
         if np.isfinite(e).any():
@@ -349,7 +353,8 @@ def _level_figures(acc: dict) -> dict:
             "sm_clock_mhz": a.clock_sum / a.clock_n if a.clock_n else None,
             "mem_clock_mhz": a.mem_sum / a.mem_n if a.mem_n else None,
             # Per GPU power against the per GPU limit (the powers are averaged over devices already).
-            "cap_not_engaged": cap_not_engaged(per_gpu_power, limit, a.reasons) if kind == "power_limit" else None,
+            "cap_not_engaged": (cap_not_engaged(per_gpu_power, limit, a.reasons if a.reasons_seen else None)
+                                if kind == "power_limit" else None),
             "thermal_throttle": a.thermal,
             "power_cap_seen": bool(a.reasons & REASON_SW_POWER_CAP),
         }
