@@ -49,15 +49,21 @@ def bench_sets(d: Path, rounds: int = 30) -> None:
     print(f"restore() (2 GPUs, file removed):               median {med(restore) * 1e3:.2f} ms")
 
 
+def _stepped_child(d: Path) -> subprocess.Popen:
+    """A child controller that has changed the limit (it printed STEPPED) and keeps stepping."""
+    p = subprocess.Popen([sys.executable, str(CHILD), "--repeat", "0", "--dwell", "0.05"], stdout=subprocess.PIPE,
+                         text=True, env=_env(d))
+    for line in p.stdout:
+        if line.startswith("STEPPED"):
+            break
+    return p
+
+
 def bench_signal(d: Path, rounds: int = 8) -> None:
     """SIGTERM → child exited with every GPU back (the child restores before it exits)."""
     out = []
     for _ in range(rounds):
-        p = subprocess.Popen([sys.executable, str(CHILD), "--repeat", "0", "--dwell", "0.05"], stdout=subprocess.PIPE,
-                             text=True, env=_env(d))
-        for line in p.stdout:
-            if line.startswith("STEPPED"):
-                break
+        p = _stepped_child(d)
         t0 = time.perf_counter()
         p.send_signal(signal.SIGTERM)
         p.wait(timeout=20)
@@ -69,11 +75,7 @@ def bench_signal(d: Path, rounds: int = 8) -> None:
 def bench_cli_restore(d: Path, rounds: int = 5) -> None:
     out = []
     for _ in range(rounds):
-        p = subprocess.Popen([sys.executable, str(CHILD), "--repeat", "0", "--dwell", "0.05"], stdout=subprocess.PIPE,
-                             text=True, env=_env(d))
-        for line in p.stdout:
-            if line.startswith("STEPPED"):
-                break
+        p = _stepped_child(d)
         p.kill()
         p.wait(timeout=20)
         t0 = time.perf_counter()
