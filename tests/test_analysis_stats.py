@@ -99,3 +99,90 @@ def test_bootstrap_replicates_of_tok_s_and_j_come_from_the_same_requests():
     rows = [_req(300, t, 300.0 / t) for t in tok]
     s = level_series(_windows(rows), n_boot=300)[0]
     assert np.corrcoef(s.boot_tok_s[:, 0], s.boot_j_per_token[:, 0])[0, 1] < -0.95
+
+
+# --- paired (by prompt) bootstrap of loss and saving ------------------------------------------
+
+_LOSS = {200: 0.12, 250: 0.08, 300: 0.0}  # true speed loss per level
+_SAVING = {200: 0.25, 250: 0.15, 300: 0.0}
+
+
+def _rounds(n_prompts=6, rounds=3, levels=(200, 250, 300), seed=0, drop=None):
+    """Whole rounds of the same prompts per level: prompts differ by ±6%, the level ratio is exact
+    up to 0.2% window noise."""
+    rng = np.random.default_rng(seed)
+    factor = np.exp(rng.uniform(-0.06, 0.06, n_prompts))
+    rows = []
+    for level in levels:
+        for _ in range(rounds):
+            for p in range(n_prompts):
+                if drop == (level, p):
+                    continue
+                tok = 100.0 * (1 - _LOSS[level]) / factor[p] * np.exp(rng.normal(0, 0.002))
+                j = 3.0 * (1 - _SAVING[level]) * factor[p] * np.exp(rng.normal(0, 0.002))
+                rows.append(_req(level, tok, j, prompt_id=f"p{p}"))
+    return rows
+
+
+def _by_level(rows, **kw):
+    return {r["level_value"]: r for r in summarize_levels(_windows(rows), n_boot=1000, **kw).to_pylist()}
+
+
+def test_same_prompts_at_every_level_give_paired_loss_and_saving_cis_that_are_narrow_and_cover_the_truth():
+    rows = _rounds()
+    paired = _by_level(rows)
+    indep = _by_level([{**r, "prompt_id": None} for r in rows])
+    assert level_series(_windows(rows), n_boot=100)[0].bootstrap == "paired-by-prompt"
+    assert level_series(_windows([{**r, "prompt_id": None} for r in rows]), n_boot=100)[0].bootstrap == "independent"
+    for level in (200, 250):
+        p, i = paired[level], indep[level]
+        for col, truth in (("speed_loss_pct", _LOSS[level] * 100), ("energy_saving_pct", _SAVING[level] * 100)):
+            lo, hi = p[col + "_ci_low"], p[col + "_ci_high"]
+            assert hi - lo < 1.0 and lo - 0.1 <= truth <= hi + 0.1, (level, col, lo, hi)
+            assert i[col + "_ci_high"] - i[col + "_ci_low"] > 4.0, (level, col)  # prompt mix, not the effect
+            assert p[col] == pytest.approx(i[col])  # point estimates do not depend on the resampling
+        # A level's own CI still resamples its requests: the same with or without prompt ids.
+        assert p["ci_reached_pct"] == i["ci_reached_pct"]
+        assert p["gpu_j_per_token_ci_low"] == i["gpu_j_per_token_ci_low"]
+        assert p["decode_tok_s_ci_high"] == i["decode_tok_s_ci_high"]
+
+
+def test_policies_see_the_paired_replicates_so_a_clear_choice_is_stable():
+    from powerprof.analysis.sweetspot import PolicyParams, choose
+
+    rows = _rounds()
+    params = PolicyParams(max_slowdown=0.10, p_max_w=300.0)
+    paired = choose(level_series(_windows(rows), n_boot=1000)[0], "budget", params)
+    indep = choose(level_series(_windows([{**r, "prompt_id": None} for r in rows]), n_boot=1000)[0], "budget", params)
+    assert paired.level_value == indep.level_value == 250
+    assert paired.stability == 1.0 and (paired.ci_low, paired.ci_high) == (250, 250)
+    assert indep.stability < 0.9
+
+
+@pytest.mark.parametrize("case", ["prompt-missing-at-one-level", "three-prompts", "some-windows-without-id"])
+def test_bootstrap_falls_back_to_independent_when_levels_do_not_share_enough_prompts(case):
+    if case == "prompt-missing-at-one-level":
+        rows = _rounds(rounds=1, drop=(250, 2))
+    elif case == "three-prompts":
+        rows = _rounds(n_prompts=3)
+    else:
+        rows = _rounds()
+        rows[0] = {**rows[0], "prompt_id": None}
+    s = level_series(_windows(rows), n_boot=200)[0]
+    assert s.bootstrap == "independent"
+    assert s.boot_j_per_token is s.level_boot_j_per_token  # comparisons use the per-level resamples
+    t = _by_level(rows)
+    assert t[200]["speed_loss_pct_ci_high"] - t[200]["speed_loss_pct_ci_low"] > 2.0
+
+
+def test_paired_replicates_are_reproducible_and_each_is_a_median_of_the_levels_windows():
+    rows = _rounds(n_prompts=5, rounds=2)
+    a = level_series(_windows(rows), n_boot=300, seed=4)[0]
+    b = level_series(_windows(rows), n_boot=300, seed=4)[0]
+    assert a.bootstrap == "paired-by-prompt"
+    np.testing.assert_array_equal(a.boot_tok_s, b.boot_tok_s)
+    for li, level in enumerate(a.level_values):
+        tok = np.array([r["decode_tok_s"] for r in rows if r["level_value"] == level])
+        # A median of an even count averages two windows; anything else would be outside this set.
+        mids = {(x + y) / 2 for x in tok for y in tok}
+        assert all(any(np.isclose(v, m) for m in mids) for v in np.unique(a.boot_tok_s[:, li]))

@@ -1,8 +1,12 @@
-"""Per-level statistics of decode windows: medians, bootstrap CIs over requests, loss and saving vs a reference.
+"""Per-level statistics of decode windows: medians, bootstrap CIs, loss and saving vs a reference.
 
 Only measured windows count: never warm-up, never failed; request rows at concurrency 1, batch
 rows (wall-clock aggregates over the measured intervals) at concurrency > 1. A level is one
 (level_kind, level_value, concurrency); runs and repeats of the same level pool their windows.
+
+Each level's own CI resamples its requests. Comparisons between levels (loss, saving, the
+policies' choices) resample by prompt when every level ran the same prompt set: a prompt's
+J/token and tok/s differ from another's by far more than the ratio between levels does.
 """
 
 from __future__ import annotations
@@ -19,6 +23,9 @@ from powerprof.storage.schema import LEVELS
 # Each bootstrap chunk holds at most this many resampled values, so 100k windows stay in tens of MB.
 _BOOT_CHUNK_ELEMS = 1 << 22
 WIDE_CI_PCT = 5.0  # J/token CI half-width above this share of the median: warn, suggest more requests
+# Fewer distinct prompts make a cluster bootstrap degenerate (3 prompts: 10 distinct resamples).
+MIN_PAIRED_PROMPTS = 4
+PAIRED, INDEPENDENT = "paired-by-prompt", "independent"
 
 
 def bootstrap_replicates(
@@ -109,6 +116,11 @@ class LevelSeries:
 
     The replicate arrays have shape (n_boot, n_levels); row b of tok_s and j_per_token come from
     the same resampled requests, so a policy applied row by row sees consistent data.
+    boot_*: the replicates that compare levels (loss, saving, policies). With `bootstrap` ==
+    'paired-by-prompt' row b of every level uses the same resampled prompts; 'independent':
+    each level's requests are resampled on their own.
+    level_boot_*: each level resampled on its own requests, for that level's own CI (the same
+    arrays as boot_* when independent; None means boot_*).
     """
 
     level_kind: str
@@ -126,6 +138,9 @@ class LevelSeries:
     n_failed: np.ndarray  # (L,)
     energy_methods: tuple[str, ...]
     ref_index: int
+    bootstrap: str = INDEPENDENT
+    level_boot_tok_s: np.ndarray | None = None  # (B, L)
+    level_boot_j_per_token: np.ndarray | None = None  # (B, L)
 
     @property
     def reference_value(self) -> float:
@@ -184,6 +199,7 @@ def level_series(
     tot = _col(windows, "total_j_per_token")
     above = _col(windows, "above_idle_gpu_j_per_token")
     methods = _col(windows, "energy_method", object)
+    prompts = _col(windows, "prompt_id", object)
     rng = np.random.default_rng(seed)
     out = []
     keys = sorted({(k, int(c)) for k, c, m in zip(kinds, conc, measured | counted | failed) if m}, key=lambda kc: (kc[0], kc[1]))
@@ -192,7 +208,7 @@ def level_series(
         lv = np.unique(values[in_series & np.isfinite(values)])
         if kind == "none" and lv.size == 0:
             lv = np.array([np.nan])
-        cols = {k: [] for k in ("tok", "j", "btok", "bj", "p", "tot", "above", "nw", "nr", "nf")}
+        cols = {k: [] for k in ("tok", "j", "btok", "bj", "p", "tot", "above", "nw", "nr", "nf", "both")}
         meths: set[str] = set()
         for v in lv:
             at = in_series & (np.isnan(values) if np.isnan(v) else values == v)
@@ -210,8 +226,13 @@ def level_series(
             bt, bj = _joint_replicates(tok[both], jpt[both], tok[m], n_boot, rng)
             cols["btok"].append(bt)
             cols["bj"].append(bj)
+            cols["both"].append((tok[both], jpt[both], prompts[both]))
         if not lv.size:
             continue
+        level_bt, level_bj = np.column_stack(cols["btok"]), np.column_stack(cols["bj"])
+        # A child stream: the independent replicates stay what they were before pairing existed.
+        paired = _paired_replicates(cols["both"], n_boot, rng.spawn(1)[0])
+        bt, bj = paired if paired is not None else (level_bt, level_bj)
         out.append(
             LevelSeries(
                 level_kind=str(kind),
@@ -219,8 +240,8 @@ def level_series(
                 level_values=lv,
                 tok_s=np.array(cols["tok"]),
                 j_per_token=np.array(cols["j"]),
-                boot_tok_s=np.column_stack(cols["btok"]),
-                boot_j_per_token=np.column_stack(cols["bj"]),
+                boot_tok_s=bt,
+                boot_j_per_token=bj,
                 power_w=np.array(cols["p"]),
                 total_j_per_token=np.array(cols["tot"]),
                 above_idle_j_per_token=np.array(cols["above"]),
@@ -231,6 +252,9 @@ def level_series(
                 # The default limit is a power limit: a clock series is referenced to its highest clock.
                 ref_index=choose_reference(np.nan_to_num(lv, nan=0.0),
                                            reference_value if kind == "power_limit" else None),
+                bootstrap=PAIRED if paired is not None else INDEPENDENT,
+                level_boot_tok_s=level_bt,
+                level_boot_j_per_token=level_bj,
             )
         )
     return out
@@ -249,6 +273,51 @@ def _joint_replicates(tok_both, j_both, tok_all, n_boot, rng) -> tuple[np.ndarra
     if t.size == 0:
         return nan, nan.copy()
     return bootstrap_replicates(t, np.median, n_boot, rng=rng), nan
+
+
+def _paired_replicates(levels, n_boot, rng) -> tuple[np.ndarray, np.ndarray] | None:
+    """Cluster bootstrap by prompt: (tok/s, J/token) replicates of shape (n_boot, L), or None when
+    the levels do not share one prompt set of at least MIN_PAIRED_PROMPTS ids.
+
+    levels: per level (tok/s, J/token, prompt_id) of the windows with both figures. Replicate b
+    draws the prompt ids with replacement once; every level takes the median over all its windows
+    of the drawn prompts (a prompt drawn twice counts twice), so the level ratio stays paired."""
+    ids = []
+    for _, _, p in levels:
+        if p.size == 0 or any(not isinstance(x, str) or not x for x in p):
+            return None
+        ids.append(set(p))
+    common = ids[0]
+    if len(common) < MIN_PAIRED_PROMPTS or any(i != common for i in ids[1:]):
+        return None
+    names = np.array(sorted(common), dtype=object)
+    n = names.size
+    # How often each prompt is drawn in each resample: the same law as n draws with replacement.
+    counts = rng.multinomial(n, np.full(n, 1.0 / n), size=n_boot)
+    bt, bj = [], []
+    for tok, j, p in levels:
+        code = np.searchsorted(names, p)  # window -> its prompt's column of counts
+        bt.append(_weighted_median(tok, counts, code))
+        bj.append(_weighted_median(j, counts, code))
+    return np.column_stack(bt), np.column_stack(bj)
+
+
+def _weighted_median(values: np.ndarray, counts: np.ndarray, code: np.ndarray) -> np.ndarray:
+    """Row-wise np.median of `values` with window i repeated counts[b, code[i]] times; shape (B,).
+
+    Every row must keep at least one window. Rows go in chunks so memory stays bounded."""
+    order = np.argsort(values, kind="stable")
+    v, code = values[order], code[order]
+    out = []
+    chunk = max(1, _BOOT_CHUNK_ELEMS // max(v.size, 1))
+    for start in range(0, counts.shape[0], chunk):
+        cw = np.cumsum(counts[start : start + chunk][:, code], axis=1)
+        total = cw[:, -1:]
+        # The k-th (0-based) of the expanded sorted values is v[number of cumulative weights <= k].
+        lo = (cw <= (total - 1) // 2).sum(axis=1)
+        hi = (cw <= total // 2).sum(axis=1)
+        out.append((v[lo] + v[hi]) / 2)
+    return np.concatenate(out) if out else np.zeros(0)
 
 
 def summarize_levels(
@@ -281,9 +350,11 @@ def levels_table(
         loss_b = s.speed_loss(s.boot_tok_s) * 100
         save_b = s.energy_saving(s.boot_j_per_token) * 100
         loss, save = s.speed_loss() * 100, s.energy_saving() * 100
+        level_tok = s.boot_tok_s if s.level_boot_tok_s is None else s.level_boot_tok_s
+        level_j = s.boot_j_per_token if s.level_boot_j_per_token is None else s.level_boot_j_per_token
         for i, v in enumerate(s.level_values):
-            tok_lo, tok_hi = percentile_interval(s.boot_tok_s[:, i], ci)
-            j_lo, j_hi = percentile_interval(s.boot_j_per_token[:, i], ci)
+            tok_lo, tok_hi = percentile_interval(level_tok[:, i], ci)
+            j_lo, j_hi = percentile_interval(level_j[:, i], ci)
             j = s.j_per_token[i]
             half_pct = (j_hi - j_lo) / 2 / j * 100 if np.isfinite(j) and j else float("nan")
             flags = []
