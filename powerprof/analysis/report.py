@@ -218,6 +218,12 @@ def _fit_rows(sr: SeriesResult) -> tuple[list[str], list[list[str]]]:
     return head, rows
 
 
+def _resampling(sr: SeriesResult) -> str:
+    if getattr(sr.series, "bootstrap", "independent") == "paired-by-prompt":
+        return "bootstrap resamples of the prompts, the same draw at every level (paired)"
+    return "bootstrap resamples of the requests, each level on its own"
+
+
 def _md_table(head, rows) -> str:
     esc = [[c.replace("|", "\\|") for c in r] for r in rows]
     return "\n".join(["| " + " | ".join(head) + " |", "|" + "---|" * len(head)] + ["| " + " | ".join(r) + " |" for r in esc])
@@ -237,7 +243,7 @@ def render_markdown(result: AnalysisResult, images: dict[str, Path] | None = Non
         out += ["", f"## {sr.label.capitalize()} (reference {sr.series.reference_value:g} {_unit(sr)})", "",
                 "### Levels", "", _md_table(*_levels_rows(sr)), "", "### Sweet spots", "",
                 _md_table(*_choice_rows(sr)), "", "★ the recommended policy. CI: the levels chosen in 95% of "
-                "bootstrap resamples of the requests; stability: the share choosing the same level.", "",
+                + _resampling(sr) + "; stability: the share choosing the same level.", "",
                 "### Fits", "", _md_table(*_fit_rows(sr))]
         for key in (f"j_per_token{sr.suffix}", f"tok_s{sr.suffix}", f"saving_vs_loss{sr.suffix}"):
             if images and key in images:
