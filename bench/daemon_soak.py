@@ -22,6 +22,8 @@ from pathlib import Path
 
 import psutil
 
+from _daemon import wait_for_daemon_info  # bench/ is on sys.path when a bench runs
+
 
 def traffic(url: str, rps: float, stop: threading.Event) -> None:
     body = json.dumps({"prompt": "soak", "n_predict": 32, "stream": True}).encode()
@@ -46,13 +48,7 @@ def main() -> None:
            "--interval", str(a.interval), "--data-dir", str(data), "--listen", "127.0.0.1:0",
            "--metrics-listen", "127.0.0.1:0", "--tag-socket", str(tmp / "tags.sock")]
     proc = subprocess.Popen(cmd, stdout=open(tmp / "daemon.log", "wb"), stderr=subprocess.STDOUT, env=env)
-    info = None
-    for _ in range(600):
-        try:
-            info = json.loads((data / "daemon.json").read_text())
-            break
-        except (OSError, ValueError):
-            time.sleep(0.05)
+    info = wait_for_daemon_info(data)
     if info is None:
         proc.kill()
         sys.exit(f"daemon did not start; log in {tmp / 'daemon.log'}")

@@ -22,6 +22,8 @@ import tempfile
 import time
 from pathlib import Path
 
+from _daemon import wait_for_daemon_info  # bench/ is on sys.path when a bench runs
+
 TOKENS = 32
 GAP_S = 0.002
 
@@ -103,13 +105,7 @@ def main() -> None:
             [sys.executable, "-m", "powerprof.cli", "daemon", "--simulate", "--upstream", direct, "--data-dir",
              str(data), "--listen", "127.0.0.1:0", "--metrics-listen", "", "--tag-socket", str(tmp / "t.sock")],
             stdout=open(tmp / "daemon.log", "wb"), stderr=subprocess.STDOUT, env=env)
-        info = None
-        for _ in range(600):
-            try:
-                info = json.loads((data / "daemon.json").read_text())
-                break
-            except (OSError, ValueError):
-                time.sleep(0.05)
+        info = wait_for_daemon_info(data)
         proxy = info["proxy"]
         asyncio.run(load(direct, 4, 2))
         asyncio.run(load(proxy, 4, 2))  # warm both paths
