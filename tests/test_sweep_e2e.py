@@ -25,11 +25,25 @@ from powerprof.workload.client import RequestParams
 def seed_sweep(tmp_path_factory):
     """One sweep over the seed card's levels, shared by the accuracy tests (it takes ~40 s)."""
     state = tmp_path_factory.mktemp("state")
+    import powerprof.sim.server as sim_server
+
+    servers = []
+
+    class RecordingSimServer(sim_server.SimServer):
+        """The sweep's own simulated server, kept so tests can read its true emission times."""
+
+        def __init__(self, *a, **kw):
+            super().__init__(*a, **kw)
+            servers.append(self)
+
     with pytest.MonkeyPatch.context() as mp:
         mp.setenv("POWERPROF_SIM_STATE", str(state / "sim.json"))
         mp.setenv("POWERPROF_STATE_DIR", str(state / "pp"))
         mp.setenv("XDG_STATE_HOME", str(state))
-        return _run_seed_sweep(tmp_path_factory, state)
+        mp.setattr(sim_server, "SimServer", RecordingSimServer)
+        sim, outcome = _run_seed_sweep(tmp_path_factory, state)
+    (server,) = servers
+    return sim, outcome, server
 
 
 def _run_seed_sweep(tmp_path_factory, state):
@@ -55,7 +69,7 @@ def _measured(windows):
 
 
 def test_j_per_token_within_1pct_of_ground_truth(seed_sweep):
-    sim, outcome = seed_sweep
+    sim, outcome, server = seed_sweep
     g = sim.gpus[0]
     w = outcome.sweep.rows
     recs = [r for r in w if r["window_kind"] == "request" and not r["warmup"] and r["status"] == "ok"]
@@ -77,20 +91,48 @@ def test_j_per_token_within_1pct_of_ground_truth(seed_sweep):
         assert levels.loc[value, "gpu_j_per_token"] == pytest.approx(measured, rel=1e-9)
 
 
+def _true_decode_rates(server, outcome) -> dict[float, list[float]]:
+    """Per measured request, decode tok/s from the simulated server's own emission times.
+
+    Requests run one at a time, so each client record belongs to the last request whose first
+    token the server emitted before the client received it."""
+    starts = sorted((t["emissions"][0][0], t) for t in server.truth if len(t["emissions"]) > 1)
+    t0s = np.array([s for s, _ in starts])
+    measured = {r["request_id"] for r in outcome.sweep.rows if r["window_kind"] == "request" and not r["warmup"] and r["status"] == "ok"}
+    rates: dict[float, list[float]] = {}
+    for value, rec in outcome.sweep.records:
+        if rec.request_id not in measured:
+            continue
+        em = starts[int(np.searchsorted(t0s, rec.t_first_ns, side="right")) - 1][1]["emissions"]
+        rates.setdefault(value, []).append(sum(n for _, n in em[1:]) / ((em[-1][0] - em[0][0]) / 1e9))
+    return rates
+
+
 def test_speed_loss_within_1pp_of_truth_and_the_seed_figures(seed_sweep):
-    sim, outcome = seed_sweep
+    sim, outcome, server = seed_sweep
     levels = pq.read_table(outcome.run_dir / "levels.parquet").to_pandas().set_index("level_value")
+    assert bool(levels.loc[300.0, "reference"])  # the default limit was measured: it is the reference
+    # Truth is what the simulated GPU did: the server's emission times, with the same estimator
+    # (median decode tok/s per level). Comparing against the steady-state model instead would
+    # also charge the measurement for the CI machine's stalls of the simulator itself.
+    rates = _true_decode_rates(server, outcome)
+    assert {v: len(r) for v, r in rates.items()} == {180.0: 4, 220.0: 4, 260.0: 4, 300.0: 4}
+    truth_ref = np.median(rates[300.0])
+    for value in (180.0, 220.0, 260.0):
+        truth_loss_pct = 100 * (1 - np.median(rates[value]) / truth_ref)
+        assert abs(levels.loc[value, "speed_loss_pct"] - truth_loss_pct) < 1.0, value
+    # The simulator itself follows its DVFS model (a looser bound: host stalls over 1 s restart
+    # its step schedule).
     g = sim.gpus[0]
     c = g.profile.workload.decode_compute_share
-    truth_sf = {}
+    model_sf = {}
     for value in (180.0, 220.0, 260.0, 300.0):
         g.set_limit_w(value)
-        truth_sf[value] = g.speed_factor(c)
+        model_sf[value] = g.speed_factor(c)
     g.set_limit_w(300)
-    assert bool(levels.loc[300.0, "reference"])  # the default limit was measured: it is the reference
     for value in (180.0, 220.0, 260.0):
-        truth_loss_pct = 100 * (1 - truth_sf[value] / truth_sf[300.0])
-        assert abs(levels.loc[value, "speed_loss_pct"] - truth_loss_pct) < 1.0, value
+        model_loss_pct = 100 * (1 - model_sf[value] / model_sf[300.0])
+        assert abs(100 * (1 - np.median(rates[value]) / truth_ref) - model_loss_pct) < 1.5, value
     # Seed 000: 220 W about 7% slower and about 14% less energy per token than 300 W.
     assert 5.0 < levels.loc[220.0, "speed_loss_pct"] < 9.0
     assert 12.0 < levels.loc[220.0, "energy_saving_pct"] < 17.0
@@ -103,7 +145,7 @@ def test_speed_loss_within_1pp_of_truth_and_the_seed_figures(seed_sweep):
 def test_sweet_spot_under_a_10pct_budget_is_220w(seed_sweep):
     from powerprof.analysis.report import analyze_run
 
-    _, outcome = seed_sweep
+    _, outcome, _ = seed_sweep
     result = analyze_run([outcome.run_dir], out_dir=outcome.run_dir / "analysis-test", max_slowdown=0.10, n_boot=500)
     budget = result.main.choices["budget"]
     assert budget.level_value == 220.0
@@ -114,7 +156,7 @@ def test_run_directory_opens_as_is_in_pyarrow_pandas_and_duckdb(seed_sweep):
     import duckdb
     import pandas as pd
 
-    _, outcome = seed_sweep
+    _, outcome, _ = seed_sweep
     run = outcome.run_dir
     meta = json.loads((run / "run.json").read_text())
     assert meta["simulated"] is True and meta["gpus"][0]["default_limit_w"] == 300.0

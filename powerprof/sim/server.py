@@ -84,7 +84,10 @@ class _Req:
     stop_type: str = "limit"
 
 
-STEP_CATCH_UP_NS = 50_000_000  # late by more than this: start the step schedule afresh
+# Late by more than this (the process was stopped, say): start the step schedule afresh rather
+# than emit a long burst. Shorter stalls (GIL contention, a slow CI machine) are caught up, so
+# the simulated GPU's token rate does not depend on how busy the host running it is.
+STEP_CATCH_UP_NS = 1_000_000_000
 
 
 class SimServer:
@@ -305,6 +308,7 @@ class SimServer:
                 self._set_busy(False)
                 self._wake.clear()
                 await self._wake.wait()
+                self._t_step_end_ns = time.monotonic_ns()  # busy again: the schedule starts now
                 continue
             self._set_busy(True)
             pending = [r for r in self._active if r.t_prefill_end_ns == 0]
@@ -316,7 +320,7 @@ class SimServer:
     async def _step(self, seconds: float) -> None:
         """Sleep one GPU step on an absolute schedule: event-loop lateness in one step is taken
         out of the next instead of piling up, so the mean token rate is the model's, not the
-        machine's load. After a long stall (or idle) the schedule restarts from now."""
+        machine's load. After idle, or a stall beyond STEP_CATCH_UP_NS, it restarts from now."""
         now = time.monotonic_ns()
         base = self._t_step_end_ns if now - self._t_step_end_ns < STEP_CATCH_UP_NS else now
         self._t_step_end_ns = base + int(seconds * 1e9)
