@@ -3,10 +3,8 @@
 from __future__ import annotations
 
 import random
-import threading
 import time
-from dataclasses import dataclass, field, replace
-from typing import Callable
+from dataclasses import dataclass, field
 
 import numpy as np
 

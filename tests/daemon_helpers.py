@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pyarrow.dataset as pads
 
-READY_TIMEOUT_S = 30
+READY_TIMEOUT_S = 60  # a loaded CI machine can take this long to import and bind
 
 
 class DaemonProc:

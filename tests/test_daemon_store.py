@@ -45,7 +45,7 @@ def test_flush_writes_hive_partitions_that_duckdb_reads(tmp_path):
 
 
 def test_a_crash_mid_write_leaves_only_a_hidden_temp_file_that_restart_removes(tmp_path):
-    s = _store(tmp_path)
+    _store(tmp_path)  # the first run made the folders
     part = tmp_path / "things" / "date=2026-01-01"
     part.mkdir(parents=True)
     (part / ".part-x.parquet.tmp").write_bytes(b"PAR1 half a file")

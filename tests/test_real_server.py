@@ -17,7 +17,6 @@ import socket
 import sys
 
 import aiohttp
-import numpy as np
 import pytest
 
 if os.environ.get("CI") == "true":
@@ -32,61 +31,11 @@ else:
 from powerprof.workload.client import RequestParams  # noqa: E402
 from powerprof.workload.launcher import ServerLauncher  # noqa: E402
 from powerprof.workload.load import Prompt, detect, run_load  # noqa: E402
+from tiny_gguf import write_tiny_llama  # noqa: E402
 
 pytestmark = [pytest.mark.realserver, pytest.mark.slow]
 
 EVAL_RE = re.compile(r"^llama_perf_context_print:\s+eval time =\s+([\d.]+) ms /\s+(\d+) runs", re.M)
-
-
-def write_tiny_llama(path, n_embd=512, n_layer=4, n_head=4, n_ff=1536, seed=0) -> None:
-    import gguf
-
-    rng = np.random.default_rng(seed)
-    words = "the of and to in is that for it as with on was power energy token GPU watt clock speed".split()
-    tokens = ["<unk>", "<s>", "</s>"] + [f"<0x{b:02X}>" for b in range(256)] + ["\u2581" + w for w in words] + words
-    types = [2, 3, 3] + [6] * 256 + [1] * (2 * len(words))
-    scores = [0.0] * 259 + [-float(i) for i in range(2 * len(words))]
-    w = gguf.GGUFWriter(str(path), "llama")
-    w.add_name("powerprof-tiny-random")
-    w.add_context_length(512)
-    w.add_embedding_length(n_embd)
-    w.add_block_count(n_layer)
-    w.add_feed_forward_length(n_ff)
-    w.add_head_count(n_head)
-    w.add_head_count_kv(n_head)
-    w.add_rope_dimension_count(n_embd // n_head)
-    w.add_layer_norm_rms_eps(1e-5)
-    w.add_tokenizer_model("llama")
-    w.add_token_list(tokens)
-    w.add_token_scores(scores)
-    w.add_token_types(types)
-    w.add_bos_token_id(1)
-    w.add_eos_token_id(2)
-    w.add_unk_token_id(0)
-
-    def rand(*shape):
-        return (rng.standard_normal(shape) * 0.5).astype(np.float32)
-
-    w.add_tensor("token_embd.weight", rand(len(tokens), n_embd))
-    w.add_tensor("output_norm.weight", np.ones(n_embd, np.float32))
-    out = rand(len(tokens), n_embd)
-    # EOS and the byte tokens get logit 0 while the best of ~40 random word logits is above it:
-    # greedy decoding never stops early, and every token is a whole word, so the server streams
-    # one token per chunk (byte tokens can be held back and merged into one chunk).
-    out[2:259] = 0.0
-    w.add_tensor("output.weight", out)
-    for i in range(n_layer):
-        w.add_tensor(f"blk.{i}.attn_norm.weight", np.ones(n_embd, np.float32))
-        for name in ("q", "k", "v", "output"):
-            w.add_tensor(f"blk.{i}.attn_{name}.weight", rand(n_embd, n_embd))
-        w.add_tensor(f"blk.{i}.ffn_norm.weight", np.ones(n_embd, np.float32))
-        w.add_tensor(f"blk.{i}.ffn_gate.weight", rand(n_ff, n_embd))
-        w.add_tensor(f"blk.{i}.ffn_up.weight", rand(n_ff, n_embd))
-        w.add_tensor(f"blk.{i}.ffn_down.weight", rand(n_embd, n_ff))
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
 
 
 @pytest.fixture(scope="module")

@@ -41,13 +41,14 @@ async def _metric_during_stream(url: str, path: str, body: dict, name: str):
 
 
 def test_llamacpp_counter_grows_only_at_request_end_vllm_every_step():
-    body = {"prompt": "hi", "n_predict": 20, "max_tokens": 20, "stream": True, "ignore_eos": True}
+    # A 0.6 s stream: long enough that a /metrics read on a loaded machine still lands mid-stream.
+    body = {"prompt": "hi", "n_predict": 120, "max_tokens": 120, "stream": True, "ignore_eos": True}
     with SimServer(SimNVML("a100-40g", state_path=None), decode_tok_s=200) as s:
         mid, end = asyncio.run(_metric_during_stream(s.url, "/completion", body, "llamacpp:tokens_predicted_total"))
-        assert (mid, end) == (0.0, 20.0)
+        assert (mid, end) == (0.0, 120.0)
     with SimServer(SimNVML("a100-40g", state_path=None), flavour="vllm", decode_tok_s=200) as s:
         mid, end = asyncio.run(_metric_during_stream(s.url, "/v1/completions", body, "vllm:generation_tokens_total"))
-        assert 0 < mid < 20 and end == 20.0
+        assert 0 < mid < 120 and end == 120.0
 
 
 def test_busy_flag_follows_work_and_gpu_goes_idle():

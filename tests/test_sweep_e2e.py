@@ -4,19 +4,16 @@ crash safety and the files users open."""
 from __future__ import annotations
 
 import json
-import os
 import signal
 import subprocess
 import sys
 import time
-from pathlib import Path
 
 import numpy as np
 import pyarrow.parquet as pq
 import pytest
 
 from powerprof.sim.nvml import SimNVML
-from powerprof.sim.gpu import step_time_factor
 from powerprof.sweep import run_sweep
 from powerprof.workload.client import RequestParams
 
@@ -258,7 +255,7 @@ def test_clock_sweep_where_the_power_cap_never_binds(tmp_path):
     # On an H200-like card decode draws far under any cap; locking the SM clock is the knob that works.
     sim = SimNVML("h200-141g")
     out = tmp_path / "clocks"
-    outcome = run_sweep(levels_spec="1980,1200", level_kind="sm_clock", simulate="h200-141g", sim_nvml=sim,
+    run_sweep(levels_spec="1980,1200", level_kind="sm_clock", simulate="h200-141g", sim_nvml=sim,
                         out_dir=out, params=RequestParams(max_tokens=64), idle_s=0, interval_s=0.5,
                         min_requests=3, max_requests=3, warmup_requests=0)
     levels = pq.read_table(out / "levels.parquet").to_pandas().set_index("level_value")
@@ -272,7 +269,7 @@ def test_clock_sweep_where_the_power_cap_never_binds(tmp_path):
 def test_concurrent_sweep_uses_wall_clock_batches(tmp_path):
     sim = SimNVML("a100-40g")
     out = tmp_path / "conc"
-    outcome = run_sweep(levels_spec="400,250", simulate="a100-40g", sim_nvml=sim, out_dir=out,
+    run_sweep(levels_spec="400,250", simulate="a100-40g", sim_nvml=sim, out_dir=out,
                         params=RequestParams(max_tokens=48), idle_s=0, interval_s=0.5, concurrency=3,
                         min_requests=2, max_requests=2, warmup_requests=0)
     w = pq.read_table(out / "windows.parquet").to_pandas()

@@ -78,10 +78,7 @@ def plot_j_per_token(sr: SeriesResult, path: Path) -> Figure:
     fig = _figure()
     ax = fig.add_subplot()
     fits = sr.fits
-    fit = None
-    if fits["decode_tok_s"].ok and fits["avg_gpu_power_w"].ok:
-        def fit(x):
-            return fits["avg_gpu_power_w"].predict(x) / fits["decode_tok_s"].predict(x)
+    fit = _ratio_fit(fits["avg_gpu_power_w"], fits["decode_tok_s"])
     _curve(ax, sr, _arr(t, "gpu_j_per_token"), _arr(t, "gpu_j_per_token_ci_low"), _arr(t, "gpu_j_per_token_ci_high"),
            fit, "GPU energy per decode token (J/token)", f"J/token vs {_xlabel(sr).split(' (')[0]} ({sr.label})")
     _save(fig, path, sr)
@@ -167,3 +164,10 @@ def plot_timeline(tl: Timeline, path: Path) -> Figure:
 
 def _arr(t, name) -> np.ndarray:
     return np.asarray(t.column(name).to_numpy(zero_copy_only=False), dtype=float)
+
+
+def _ratio_fit(num, den):
+    """J/token from the power and throughput fits (power ÷ tok/s), or None where either failed."""
+    if not (num.ok and den.ok):
+        return None
+    return lambda x: num.predict(x) / den.predict(x)

