@@ -202,20 +202,22 @@ def _answers(url: str) -> bool:
         return False
 
 
-def _measure(tmp_path, url: str, cmd: str, *extra: str) -> subprocess.Popen:
-    return subprocess.Popen(
-        [sys.executable, "-m", "powerprof.cli", "measure", "--server", url, "--launch", cmd, "--launch-timeout", "120",
-         "--out", str(tmp_path / "out"), *extra],
-        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-    )
-
-
-def test_measure_launches_llama_server_measures_it_and_stops_it(tmp_path):
+def _measure(tmp_path, *extra: str) -> tuple[subprocess.Popen, str, int]:
+    """`powerprof measure --launch` of a llama-server on a fresh port, as a subprocess."""
     model = tmp_path / "tiny.gguf"
     write_tiny_llama(model)
     port = _free_port()
     url = f"http://127.0.0.1:{port}"
-    p = _measure(tmp_path, url, _llama_server_cmd(model, port), "--requests", "3", "--max-tokens", "64")
+    p = subprocess.Popen(
+        [sys.executable, "-m", "powerprof.cli", "measure", "--server", url, "--launch", _llama_server_cmd(model, port),
+         "--launch-timeout", "120", "--out", str(tmp_path / "out"), *extra],
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+    )
+    return p, url, port
+
+
+def test_measure_launches_llama_server_measures_it_and_stops_it(tmp_path):
+    p, url, _ = _measure(tmp_path, "--requests", "3", "--max-tokens", "64")
     out, _ = p.communicate(timeout=300)
     assert p.returncode == 0, out
     assert not _answers(url), "the launched llama-server is stopped at the end"
@@ -229,11 +231,7 @@ def test_measure_launches_llama_server_measures_it_and_stops_it(tmp_path):
 
 
 def test_sigterm_mid_measure_stops_the_launched_llama_server_and_exits_143(tmp_path):
-    model = tmp_path / "tiny.gguf"
-    write_tiny_llama(model)
-    port = _free_port()
-    url = f"http://127.0.0.1:{port}"
-    p = _measure(tmp_path, url, _llama_server_cmd(model, port), "--requests", "1000", "--max-tokens", "200")
+    p, url, port = _measure(tmp_path, "--requests", "1000", "--max-tokens", "200")
     deadline = time.monotonic() + 120
     while not _answers(url):
         assert p.poll() is None and time.monotonic() < deadline, p.communicate()[0]
