@@ -179,3 +179,30 @@ def test_sigterm_under_limit_controller_restores_gpu_stops_server_and_exits_143(
     after = SimNVML("seed-16g", count=1, state_path=state)
     after.nvmlInit()
     assert after.nvmlDeviceGetPowerManagementLimit(after.nvmlDeviceGetHandleByIndex(0)) == original_mw != 150_000
+
+
+def test_a_swallowed_sigterm_still_ends_the_load_before_its_next_request():
+    # Library code that catches broadly can swallow the exit the signal handler raises; the run
+    # must not go on sending requests while the user waits for it to stop.
+    from powerprof.termination import Terminated
+    from powerprof.workload.client import RequestParams
+    from powerprof.workload.load import Prompt, run_load
+
+    port = free_port()
+    cmd = [sys.executable, "-m", "powerprof.sim.server", "--port", str(port), "--profile", "a100-40g", "--decode-tok-s", "400"]
+    url = f"http://127.0.0.1:{port}"
+    with ServerLauncher(cmd, url, timeout_s=60, poll_s=0.05):
+        try:
+            os.kill(os.getpid(), signal.SIGTERM)
+            time.sleep(1)  # the handler runs here
+        except SystemExit:
+            pass  # swallowed, as a too-broad `except` in a library would
+        with pytest.raises(Terminated) as ei:
+            run_load(url, [Prompt("p", "hi")], 5, 1, RequestParams(max_tokens=4), warmup=0)
+        assert ei.value.code == 128 + signal.SIGTERM
+    # The launcher's run is over: the latch is cleared and a new run works.
+    from powerprof.sim.server import SimServer
+
+    with SimServer(SimNVML("a100-40g", state_path=None), decode_tok_s=400) as s:
+        recs = run_load(s.url, [Prompt("p", "hi")], 1, 1, RequestParams(max_tokens=4), warmup=0)
+    assert [r.status for r in recs] == ["ok"]

@@ -45,6 +45,10 @@ from tiny_gguf import write_tiny_llama  # noqa: E402
 pytestmark = [pytest.mark.realserver, pytest.mark.slow]
 
 N_TOKENS = 96
+# The timing comparison streams ~1.3 s per request (on one idle core): a loaded machine makes
+# llama-server flush tokens in bursts, and over a long window a late first or last token is a
+# small share of it.
+TIMED_TOKENS = 384
 
 
 def _free_port() -> int:
@@ -92,13 +96,13 @@ def test_detects_llama_server_through_props(llama_server):
 @pytest.mark.parametrize("api", ["llamacpp", "openai-completions", "openai-chat"])
 def test_streams_agree_with_the_servers_own_timings(llama_server, api):
     info = detect(llama_server.base_url, api)
-    recs = run_load(info, PROMPTS, 2, 1, RequestParams(max_tokens=N_TOKENS), warmup=0)
+    recs = run_load(info, PROMPTS, 2, 1, RequestParams(max_tokens=TIMED_TOKENS), warmup=0)
     assert [r.status for r in recs] == ["ok", "ok"], [r.error for r in recs]
     for r in recs:
         timings = r.server_timings
         # llama-server counts what it generated and what it read of the prompt; so do we, from the stream.
-        assert r.generated_tokens == timings["predicted_n"] == N_TOKENS
-        assert r.decode_tokens == N_TOKENS - 1
+        assert r.generated_tokens == timings["predicted_n"] == TIMED_TOKENS
+        assert r.decode_tokens == TIMED_TOKENS - 1
         assert r.prompt_tokens == timings["prompt_n"] + timings.get("cache_n", 0)
         assert r.stop_reason == "length"
         assert r.t_send_ns < r.t_first_ns < r.t_last_ns <= r.t_end_ns
@@ -225,7 +229,10 @@ def test_measure_launches_llama_server_measures_it_and_stops_it(tmp_path):
     measured = w[(w.window_kind == "request") & ~w.warmup]
     assert len(measured) == 3 and (measured.status == "ok").all()
     assert (measured.generated_tokens == 64).all() and (measured.decode_tokens == 63).all()
-    assert (measured.decode_tok_s > 0).all()
+    # A stream the server flushed in one burst (it can, on a loaded machine) has no decode window:
+    # its rate is missing, never made up.
+    rates = measured.decode_tok_s.dropna()
+    assert len(rates) >= 1 and (rates > 0).all()
     meta = json.loads((tmp_path / "out" / "run.json").read_text())
     assert meta["server"]["kind"] == "llamacpp" and not meta["simulated"]
 
@@ -238,7 +245,7 @@ def test_sigterm_mid_measure_stops_the_launched_llama_server_and_exits_143(tmp_p
         time.sleep(0.1)
     time.sleep(1.0)  # mid-run: requests are streaming
     p.send_signal(signal.SIGTERM)
-    out, _ = p.communicate(timeout=60)
+    out, _ = p.communicate(timeout=120)  # the server's stop grace is 10 s; a loaded machine adds more
     assert p.returncode == 143, out
     assert not _answers(url), "no llama-server left running after SIGTERM"
     left = [q for q in psutil.process_iter(["cmdline"]) if f"--port {port}" in " ".join(q.info["cmdline"] or [])]

@@ -12,6 +12,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterable, Sequence
 
+from powerprof.termination import clear, note
+
 from .device import nvml_error_code, read_devices
 from .errors import ControlError, ControlPermissionError, PendingRestoreError, RestoreError, permission_message
 from .gpulock import GpuLock
@@ -350,6 +352,8 @@ class LimitController:
                     signal.signal(s, prev if prev is not None else signal.SIG_DFL)
             except (ValueError, TypeError):
                 pass
+        if self._prev_handlers:
+            clear()  # this controller's run is over: a noted signal has been acted on
         self._prev_handlers.clear()
 
     def _on_signal(self, signum, frame) -> None:
@@ -361,6 +365,7 @@ class LimitController:
             self._restore_now()
         except Exception:
             pass  # close() and atexit retry; the restore file stays until one succeeds
+        note(signum)  # re-raised before the next request should this exit be swallowed
         prev = self._prev_handlers.get(signum)
         if callable(prev) and prev is not signal.default_int_handler:
             prev(signum, frame)

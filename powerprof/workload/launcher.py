@@ -6,8 +6,9 @@ an early exit the error shows the tail of the log. Leaving the context — norma
 exception or on Ctrl-C — sends SIGTERM to the whole group, then SIGKILL after a grace period; a
 signal arriving during that stop waits until the group is gone. SIGTERM/SIGHUP sent to powerprof
 itself are turned into `Terminated` (a SystemExit with code 128 + signum) while the server runs,
-so they stop it too and powerprof exits like a signalled program; an atexit hook is the last line
-of defence.
+so they stop it too and powerprof exits like a signalled program (and, should library code
+swallow that exit, before the next request: `powerprof.termination`); an atexit hook is the
+last line of defence.
 """
 
 from __future__ import annotations
@@ -25,21 +26,11 @@ from pathlib import Path
 
 import aiohttp
 
+from powerprof.termination import Terminated, clear, note
+
 
 class LaunchError(RuntimeError):
     """The server did not become healthy; the message carries the tail of its log."""
-
-
-class Terminated(SystemExit):
-    """powerprof received SIGTERM or SIGHUP while a launched server ran: exit with 128 + signum.
-
-    A SystemExit so that any caller (the CLI, a script) exits with the conventional status and no
-    traceback, the same status LimitController uses when it owns the signal.
-    """
-
-    def __init__(self, signum: int):
-        super().__init__(128 + signum)
-        self.signum = signum
 
 
 def tail(path: Path, n_lines: int = 30, max_bytes: int = 16384) -> str:
@@ -145,6 +136,7 @@ class ServerLauncher:
             return
 
         def handler(signum, frame):
+            note(signum)  # re-raised before the next request should this exit be swallowed
             raise Terminated(signum)
 
         for sig in (signal.SIGTERM, signal.SIGHUP):
@@ -159,6 +151,8 @@ class ServerLauncher:
                 signal.signal(sig, old)
             except (ValueError, OSError, TypeError):
                 pass
+        if self._old_handlers:
+            clear()  # the run this launcher served is over: a noted signal has been acted on
         self._old_handlers = {}
 
     @property

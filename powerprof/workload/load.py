@@ -14,6 +14,8 @@ from typing import Sequence
 
 import aiohttp
 
+from powerprof.termination import raise_if_terminated
+
 from .client import EdgeHook, RequestParams, RequestRecord, ServerInfo, detect_server, send_request
 
 
@@ -143,6 +145,7 @@ class _Run:
     async def one(self, rid: int, prompt: Prompt, batch_id: int, concurrency: int, warmup: bool) -> None:
         params = self.params if prompt.max_tokens is None else replace(self.params, max_tokens=prompt.max_tokens)
         for attempt in range(1, self.policy.max_attempts + 1):
+            raise_if_terminated()
             if self.abort:
                 return
             rec = await send_request(
