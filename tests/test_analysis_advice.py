@@ -103,3 +103,26 @@ def test_recommendation_line_calls_a_whole_range_choice_uncertain(seed_result):
     line = recommendation_line(_with_range(seed_result, 180.0, 300.0))
     assert "uncertain choice" in line and "more requests per level would settle it" in line
     assert "95% of resamples choose" not in line
+
+
+def test_wide_ci_over_repeated_prompts_says_more_rounds_speak_for_these_prompts_only():
+    msg = _wide(level_findings(_levels(stop_rule="max-time", n_prompts=4), target_ci_pct=2.0, max_time_s=60.0))
+    assert "repeat 4 distinct prompts" in msg and "--prompt-set mixed" in msg
+    # As many distinct prompts as requests: nothing repeats, no such advice.
+    msg = _wide(level_findings(_levels(stop_rule="max-time", n_prompts=20), target_ci_pct=2.0, max_time_s=60.0))
+    assert "distinct prompt" not in msg
+
+
+def test_levels_count_the_distinct_prompts_a_sweep_repeated():
+    from powerprof.analysis.stats import summarize_levels
+
+    rows = []
+    for level in (220.0, 300.0):
+        for rnd in range(3):
+            for p in ("a", "b"):
+                rows.append({"window_kind": "request", "warmup": False, "status": "ok", "level_kind": "power_limit",
+                             "level_value": level, "concurrency": 1, "prompt_id": p, "decode_tok_s": 80.0 + rnd,
+                             "gpu_j_per_token": 3.0 + 0.01 * rnd, "gpu_energy_j": 300.0, "decode_tokens": 100,
+                             "decode_s": 1.2, "energy_method": "counter"})
+    levels = summarize_levels(pa.Table.from_pylist(rows), reference_value=300.0, n_boot=50).to_pylist()
+    assert [(r["level_value"], r["n_requests"], r["n_prompts"]) for r in levels] == [(220.0, 6, 2), (300.0, 6, 2)]

@@ -149,7 +149,14 @@ def _wide_ci_message(r: dict, unit: str, target_pct: float, max_time_s: float | 
         advice.append(f"the sweep judged its target reached; --min-requests {need} forces more")
     if not advice:
         advice.append(f"--max-requests {need}")
-    return f"{head} ({'; '.join(advice)})."
+    msg = f"{head} ({'; '.join(advice)})."
+    k = r.get("n_prompts")
+    if k and k < n:
+        # Rounds repeat the same prompts: more of them pin down J/token for these prompts only.
+        msg += (f" The {n} requests repeat {k} distinct prompt{'s' if k > 1 else ''}: more rounds narrow this for "
+                "these prompts only; to speak for a wider workload, add distinct prompts (--prompt-set mixed, "
+                "--prompts FILE).")
+    return msg
 
 
 def choice_findings(choices: dict[str, Choice]) -> list[Finding]:

@@ -141,6 +141,7 @@ class LevelSeries:
     bootstrap: str = INDEPENDENT
     level_boot_tok_s: np.ndarray | None = None  # (B, L)
     level_boot_j_per_token: np.ndarray | None = None  # (B, L)
+    n_prompts: np.ndarray | None = None  # (L,) distinct prompt ids among the measured windows
 
     @property
     def reference_value(self) -> float:
@@ -208,7 +209,7 @@ def level_series(
         lv = np.unique(values[in_series & np.isfinite(values)])
         if kind == "none" and lv.size == 0:
             lv = np.array([np.nan])
-        cols = {k: [] for k in ("tok", "j", "btok", "bj", "p", "tot", "above", "nw", "nr", "nf", "both")}
+        cols = {k: [] for k in ("tok", "j", "btok", "bj", "p", "tot", "above", "nw", "nr", "nf", "np", "both")}
         meths: set[str] = set()
         for v in lv:
             at = in_series & (np.isnan(values) if np.isnan(v) else values == v)
@@ -222,6 +223,7 @@ def level_series(
             cols["nw"].append(int(m.sum()))
             cols["nr"].append(int((at & counted).sum()))
             cols["nf"].append(int((at & failed).sum()))
+            cols["np"].append(len({p for p in prompts[m] if p is not None}))
             meths.update(x for x in methods[m] if x)
             bt, bj = _joint_replicates(tok[both], jpt[both], tok[m], n_boot, rng)
             cols["btok"].append(bt)
@@ -255,6 +257,7 @@ def level_series(
                 bootstrap=PAIRED if paired is not None else INDEPENDENT,
                 level_boot_tok_s=level_bt,
                 level_boot_j_per_token=level_bj,
+                n_prompts=np.array(cols["np"]),
             )
         )
     return out
@@ -372,6 +375,7 @@ def levels_table(
                 "locked_sm_clock_mhz": float(v) if s.level_kind == "sm_clock" else None,
                 "n_requests": int(s.n_requests[i]),
                 "n_failed": int(s.n_failed[i]),
+                "n_prompts": int(s.n_prompts[i]) if s.n_prompts is not None else None,
                 "decode_tok_s": s.tok_s[i],
                 "decode_tok_s_ci_low": tok_lo,
                 "decode_tok_s_ci_high": tok_hi,

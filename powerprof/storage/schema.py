@@ -135,6 +135,9 @@ LEVELS = pa.schema(
         # Appended by the sweep: why measuring the level stopped (ci-reached | max-time |
         # max-requests | no-energy), so advice can name the knob that would have helped.
         ("stop_rule", pa.string()),
+        # Distinct prompts among the measured requests: with fewer prompts than requests, rounds
+        # repeat them, and more rounds say more about these prompts only (the wide-ci advice).
+        ("n_prompts", pa.int32()),
     ]
 )
 
