@@ -106,11 +106,12 @@ def test_recommendation_line_calls_a_whole_range_choice_uncertain(seed_result):
 
 
 def test_wide_ci_over_repeated_prompts_says_more_rounds_speak_for_these_prompts_only():
-    msg = _wide(level_findings(_levels(stop_rule="max-time", n_prompts=4), target_ci_pct=2.0, max_time_s=60.0))
-    assert "repeat 4 distinct prompts" in msg and "--prompt-set mixed" in msg
+    (f,) = [f for f in level_findings(_levels(stop_rule="max-time", n_prompts=4), target_ci_pct=2.0, max_time_s=60.0)
+            if f.kind == "few-prompts"]
+    assert "200 W repeat 4 distinct prompts" in f.message and "--prompt-set mixed" in f.message
     # As many distinct prompts as requests: nothing repeats, no such advice.
-    msg = _wide(level_findings(_levels(stop_rule="max-time", n_prompts=20), target_ci_pct=2.0, max_time_s=60.0))
-    assert "distinct prompt" not in msg
+    assert not [f for f in level_findings(_levels(stop_rule="max-time", n_prompts=20), target_ci_pct=2.0)
+                if f.kind == "few-prompts"]
 
 
 def test_levels_count_the_distinct_prompts_a_sweep_repeated():

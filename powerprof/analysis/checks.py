@@ -19,7 +19,7 @@ POOR_FIT_R2 = 0.9
 
 @dataclass(frozen=True)
 class Finding:
-    kind: str  # edge | between-levels | cap-not-engaged | wide-ci | unstable-choice | thermal | failed | fit
+    kind: str  # edge | between-levels | cap-not-engaged | wide-ci | few-prompts | unstable-choice | thermal | failed | fit
     message: str
     levels: tuple[float, ...] = ()
 
@@ -106,6 +106,15 @@ def level_findings(levels: pa.Table, target_ci_pct: float | None = None, max_tim
     for r in wide:
         out.append(Finding("wide-ci", _wide_ci_message(r, unit, target, max_time_s, max_requests, repeats),
                            (r["level_value"],)))
+    # Rounds of the same few prompts: more of them pin J/token down for these prompts only.
+    few = [r for r in wide if r.get("n_prompts") and r["n_prompts"] < (r.get("n_requests") or 0)]
+    if few:
+        k = max(r["n_prompts"] for r in few)
+        out.append(Finding("few-prompts", (
+            f"the requests at {', '.join(_fmt(r['level_value'], unit) for r in few)} repeat {k} distinct "
+            f"prompt{'s' if k > 1 else ''}: more rounds narrow the J/token CI for these prompts only; to speak for "
+            "a wider workload, add distinct prompts (--prompt-set mixed, --prompts FILE)."),
+            tuple(r["level_value"] for r in few)))
     th = [r["level_value"] for r in rows if r.get("thermal_throttle")]
     if th:
         out.append(Finding("thermal", (
@@ -149,14 +158,7 @@ def _wide_ci_message(r: dict, unit: str, target_pct: float, max_time_s: float | 
         advice.append(f"the sweep judged its target reached; --min-requests {need} forces more")
     if not advice:
         advice.append(f"--max-requests {need}")
-    msg = f"{head} ({'; '.join(advice)})."
-    k = r.get("n_prompts")
-    if k and k < n:
-        # Rounds repeat the same prompts: more of them pin down J/token for these prompts only.
-        msg += (f" The {n} requests repeat {k} distinct prompt{'s' if k > 1 else ''}: more rounds narrow this for "
-                "these prompts only; to speak for a wider workload, add distinct prompts (--prompt-set mixed, "
-                "--prompts FILE).")
-    return msg
+    return f"{head} ({'; '.join(advice)})."
 
 
 def choice_findings(choices: dict[str, Choice]) -> list[Finding]:
