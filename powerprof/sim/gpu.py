@@ -11,13 +11,9 @@ from typing import Callable
 
 import numpy as np
 
-from .profiles import GpuProfile
+from powerprof.collectors.clock_reasons import REASON_GPU_IDLE, REASON_HW_THERMAL, REASON_SW_POWER_CAP
 
-# Clock event reason bits (NVML nvmlClocksEventReason*).
-REASON_GPU_IDLE = 0x1
-REASON_SW_POWER_CAP = 0x4
-REASON_SW_THERMAL = 0x20
-REASON_HW_THERMAL = 0x40
+from .profiles import GpuProfile
 
 
 @dataclass(frozen=True)
