@@ -105,6 +105,20 @@ def merge_intervals(starts, ends) -> tuple[np.ndarray, np.ndarray]:
     return s[first], np.maximum.reduceat(e, first)
 
 
+def _bucketed(starts, ends) -> tuple[pa.Table, float]:
+    """Each disjoint interval once per time bucket it touches: (b, t_start, t_end) rows, and the
+    bucket width (the median interval length, so an interval spans about two buckets)."""
+    s, e = np.asarray(starts), np.asarray(ends)
+    if s.size == 0:
+        return pa.table({"b": pa.array([], pa.int64()), "t_start": s, "t_end": e}), 1.0
+    width = float(max(np.median(e - s), 1e-9 if s.dtype.kind == "f" else 1))
+    b0, b1 = np.floor(s / width).astype(np.int64), np.floor(e / width).astype(np.int64)
+    n = b1 - b0 + 1
+    idx = np.repeat(np.arange(s.size), n)
+    b = b0[idx] + (np.arange(idx.size) - np.repeat(np.cumsum(n) - n, n))
+    return pa.table({"b": b, "t_start": s[idx], "t_end": e[idx]}), width
+
+
 def level_sums(con, relation: str, intervals: tuple[np.ndarray, np.ndarray] | None = None,
                time_expr: str = "epoch_us(time_utc)") -> dict[tuple, LevelSums]:
     """{(level_kind, level_value): LevelSums} over the nvml samples of `relation` whose time
@@ -113,12 +127,14 @@ def level_sums(con, relation: str, intervals: tuple[np.ndarray, np.ndarray] | No
     where = "source = 'nvml' AND device IS NOT NULL AND level_value IS NOT NULL AND NOT isnan(level_value)"
     body = f"SELECT {time_expr} AS t, * FROM {relation} WHERE {where}"
     if intervals is not None:
-        starts, ends = (np.asarray(a) for a in intervals)
-        if starts.size == 0:
+        buckets, width = _bucketed(*intervals)
+        if buckets.num_rows == 0:
             return {}
-        con.register("intervals_in", pa.table({"t_start": starts, "t_end": ends}))
-        body = (f"SELECT s.* FROM ({body}) s ASOF JOIN intervals_in i ON s.t >= i.t_start "
-                f"WHERE s.t <= i.t_end")
+        # An equi-join on a time bucket, then the exact bounds: a hash join that streams the samples
+        # (an ASOF or range join would sort all of them first, several times slower).
+        con.register("intervals_in", buckets)
+        body = (f"SELECT s.* FROM ({body}) s JOIN intervals_in i ON i.b = CAST(floor(s.t / {width!r}) AS BIGINT) "
+                f"AND s.t >= i.t_start AND s.t <= i.t_end")
     rows = con.execute(f"""
         SELECT coalesce(level_kind, 'none'), level_value, count(*),
                sum(coalesce(power_w, power_avg_w)), count(coalesce(power_w, power_avg_w)),
@@ -170,21 +186,23 @@ def timeline_bins(con, relation: str, bins: int) -> dict | None:
     rows = con.execute(f"""
         SELECT {dev} AS d, {binexpr} AS b,
                avg(CASE WHEN isfinite(coalesce(power_w, power_avg_w)) THEN coalesce(power_w, power_avg_w) END),
-               avg(CASE WHEN isfinite(sm_clock_mhz) THEN sm_clock_mhz END)
+               avg(CASE WHEN isfinite(sm_clock_mhz) THEN sm_clock_mhz END),
+               max(t_mono_s) FILTER (WHERE level_value IS NOT NULL),
+               arg_max(level_value, t_mono_s) FILTER (WHERE level_value IS NOT NULL)
         {nv} GROUP BY 1, 2 ORDER BY 1""").fetchall()
     devices = list(dict.fromkeys(r[0] for r in rows))
     di = {d: i for i, d in enumerate(devices)}
     power = np.full((len(devices), bins), np.nan)
     clock = np.full((len(devices), bins), np.nan)
     filled = np.zeros(bins, bool)
-    for d, b, p, f in rows:
+    level = np.full(bins, np.nan)
+    level_t = np.full(bins, -np.inf)
+    for d, b, p, f, lt, lv in rows:
         power[di[d], b] = np.nan if p is None else p
         clock[di[d], b] = np.nan if f is None else f
         filled[b] |= p is not None or f is not None
-    level = np.full(bins, np.nan)
-    for b, v in con.execute(f"""SELECT {binexpr}, arg_max(level_value, t_mono_s) {nv}
-                                 AND level_value IS NOT NULL GROUP BY 1""").fetchall():
-        level[b] = v
+        if lt is not None and lt >= level_t[b]:  # the level of the bin's last tagged sample, any device
+            level[b], level_t[b] = lv, lt
     # A bin without samples continues the level before it; bins whose samples had no level stay NaN.
     for i in np.flatnonzero(~filled):
         if i > 0:

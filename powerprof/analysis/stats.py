@@ -267,15 +267,36 @@ def _joint_replicates(tok_both, j_both, tok_all, n_boot, rng) -> tuple[np.ndarra
     """Median tok/s and J/token of the same resampled requests; tok/s alone where energy is missing."""
     if tok_both.size >= 1:
         bt, bj = [], []
+        tok_rank, j_rank = _Ranks(tok_both), _Ranks(j_both)
         for i in _resample_indices(rng, tok_both.size, n_boot):
-            bt.append(np.median(tok_both[i], axis=1))
-            bj.append(np.median(j_both[i], axis=1))
+            bt.append(tok_rank.row_medians(i))
+            bj.append(j_rank.row_medians(i))
         return np.concatenate(bt), np.concatenate(bj)
     t = tok_all[np.isfinite(tok_all)]
     nan = np.full(n_boot, np.nan)
     if t.size == 0:
         return nan, nan.copy()
     return bootstrap_replicates(t, np.median, n_boot, rng=rng), nan
+
+
+class _Ranks:
+    """Finite values by rank, for exact resample medians partitioned as small integers (4x less
+    memory traffic than float64: the bootstrap of 10^5 windows is dominated by partitioning)."""
+
+    def __init__(self, values: np.ndarray):
+        order = np.argsort(values, kind="stable")
+        self.sorted = values[order]
+        self.rank = np.empty(values.size, np.int16 if values.size <= np.iinfo(np.int16).max else np.int32)
+        self.rank[order] = np.arange(values.size)
+
+    def row_medians(self, idx: np.ndarray) -> np.ndarray:
+        """np.median(values[idx], axis=1), the same numbers: the middle ranks pick the middle values."""
+        r = self.rank[idx]
+        m = r.shape[1]
+        if m % 2:
+            return self.sorted[np.partition(r, m // 2, axis=1)[:, m // 2]]
+        p = np.partition(r, [m // 2 - 1, m // 2], axis=1)
+        return (self.sorted[p[:, m // 2 - 1]] + self.sorted[p[:, m // 2]]) / 2
 
 
 def _paired_replicates(levels, n_boot, rng) -> tuple[np.ndarray, np.ndarray] | None:
