@@ -437,6 +437,9 @@ class Daemon:
 
 
 def main(cfg: Config, nvml, config_path=None, overrides=None, simulate: str | None = None, extra_collectors=()) -> int:
+    from .footprint import refuse_pandas
+
+    refuse_pandas()
     logging.basicConfig(level=logging.INFO, format="%(asctime)s powerprof[%(process)d] %(levelname)s %(name)s: %(message)s")
     logging.getLogger("aiohttp.access").setLevel(logging.WARNING)  # one line per proxied request is noise
     d = Daemon(cfg, nvml, extra_collectors=extra_collectors, config_path=config_path, overrides=overrides,
