@@ -286,9 +286,10 @@ def _fraction(text: str) -> float:
 
 
 @main.command()
-@click.argument("run_dirs", nargs=-1, required=True, type=click.Path(file_okay=False, path_type=str))
+@click.argument("run_dirs", nargs=-1, required=True, type=str)
 @click.option("--out", "out_dir", type=click.Path(file_okay=False), default=None,
-              help="Folder for the report, plots and analysis.parquet (default: RUN_DIR/analysis).")
+              help="Folder for the report, plots and analysis.parquet (default: RUN_DIR/analysis); "
+                   "for daemon datasets, the folder for fleet.parquet (default: none written).")
 @click.option("--max-slowdown", default="10%", show_default=True,
               help="Slowdown budget for the recommended limit, vs the reference level (10% or 0.1).")
 @click.option("--eta", type=float, default=0.5, show_default=True,
@@ -298,21 +299,37 @@ def _fraction(text: str) -> float:
 @click.option("--bootstrap", "n_boot", type=click.IntRange(100, 100_000), default=2000, show_default=True,
               help="Bootstrap resamples for the confidence intervals.")
 def analyze(run_dirs, out_dir, max_slowdown, eta, formats, force, n_boot):
-    """Curve fits, sweet spot under several policies, report (Markdown/HTML) and PNG plots."""
+    """Curve fits, sweet spot under several policies, report (Markdown/HTML) and PNG plots.
+
+    RUN_DIRS are sweep run folders or globs of them. Daemon data folders (several nodes'; globs;
+    s3://, gs://, https:// URIs) get the per-host fleet summary instead (docs/fleet.md)."""
+    from powerprof.analysis import fleet
     from powerprof.analysis.loading import AnalysisError
     from powerprof.analysis.report import analyze_run, console_summary
 
     fmts = tuple(f.strip() for f in formats.split(",") if f.strip())
     try:
-        result = analyze_run(list(run_dirs), out_dir, max_slowdown=_fraction(max_slowdown), eta=eta, formats=fmts,
+        sources = fleet.expand_sources(run_dirs)
+        if all(fleet.is_daemon_dataset(s) for s in sources):
+            table = fleet.fleet_summary(sources)
+            if out_dir is not None:
+                from powerprof.storage.runs import atomic_write_table
+
+                Path(out_dir).mkdir(parents=True, exist_ok=True)
+                atomic_write_table(Path(out_dir) / "fleet.parquet", table)
+            click.echo(fleet.render_summary(table))
+            return
+        if any(fleet.is_uri(s) for s in sources):
+            raise AnalysisError("sweep runs are read from local folders; object-store URIs are for daemon datasets")
+        result = analyze_run(sources, out_dir, max_slowdown=_fraction(max_slowdown), eta=eta, formats=fmts,
                              force=force, n_boot=n_boot)
-    except AnalysisError as e:
+    except (AnalysisError, fleet.FleetError) as e:
         raise click.ClickException(str(e)) from None
     click.echo(console_summary(result))
 
 
 @main.command()
-@click.argument("src", type=click.Path(path_type=str))
+@click.argument("src", nargs=-1, required=True, type=str)
 @click.option("--format", "fmt", type=click.Choice(["csv", "xlsx", "parquet"]), required=True)
 @click.option("--from", "time_from", default=None, help="Only rows at or after this ISO 8601 time (local unless it has an offset).")
 @click.option("--to", "time_to", default=None, help="Only rows before this ISO 8601 time.")
@@ -320,12 +337,15 @@ def analyze(run_dirs, out_dir, max_slowdown, eta, formats, force, n_boot):
 @click.option("--tz", default=None, help="Time zone of the *_local columns and of --from/--to without offset (IANA name; default: this machine's).")
 @click.option("--out", default=None, type=click.Path(), help="Output file (xlsx; or one-table csv/parquet) or folder.")
 def export(src, fmt, time_from, time_to, columns, tz, out):
-    """Spreadsheet-ready CSV, xlsx or Parquet from a run directory or a daemon dataset."""
+    """Spreadsheet-ready CSV, xlsx or Parquet from run directories or daemon datasets.
+
+    SRC: one or more run directories, daemon data folders (several nodes' export as one table
+    each, rows carry `host`), .parquet files, globs, or URIs (s3://, gs://, abfs://, file://)."""
     from powerprof.analysis.export import ExportError, export as run_export
 
     cols = [c.strip() for c in columns.split(",") if c.strip()] if columns else None
     try:
-        paths = run_export(src, fmt, out, time_from, time_to, cols, tz)
+        paths = run_export(list(src), fmt, out, time_from, time_to, cols, tz)
     except ExportError as e:
         raise click.ClickException(str(e)) from None
     for p in paths:

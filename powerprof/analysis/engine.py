@@ -47,6 +47,13 @@ def connect(memory_limit: str = MEMORY_LIMIT, threads: int = THREADS):
         shutil.rmtree(spill, ignore_errors=True)
 
 
+def to_arrow(con, sql: str) -> pa.Table:
+    """A query's result as an Arrow table (DuckDB 2 names it to_arrow_table, 1.x arrow)."""
+    rel = con.sql(sql)
+    fn = getattr(rel, "to_arrow_table", None) or rel.arrow
+    return fn()
+
+
 def _quote(s: str) -> str:
     return "'" + s.replace("'", "''") + "'"
 

@@ -107,6 +107,7 @@ SPEC: dict[str, dict[str, Key]] = {
         "gpus": Key(list, [], _int_list, help="NVML indexes to sample; empty = all visible"),
         "log_level": Key(str, "info", _choice("debug", "info", "warning", "error"), True),
         "restore_on_start": Key(bool, True, help="restore limits left by a crashed sweep"),
+        "host": Key(str, "", help="the host column of every dataset row; default the machine's host name"),
     },
     "proxy": {
         "listen": Key(str, "127.0.0.1:8081", _listen, help="proxy address; empty disables the proxy"),
@@ -176,6 +177,12 @@ class Config:
 
     def get(self, section: str, key: str):
         return self.values[section][key]
+
+    def host(self) -> str:
+        """What every dataset row names as its machine: daemon.host, else the host name."""
+        import socket
+
+        return self.get("daemon", "host") or socket.gethostname()
 
     def data_dir(self) -> Path:
         d = self.get("daemon", "data_dir")

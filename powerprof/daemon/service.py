@@ -45,10 +45,10 @@ class StartupError(RuntimeError):
 
 
 def datasets() -> list[Dataset]:
-    from powerprof.storage.schema import DAEMON_INTERVALS, DAEMON_REQUESTS, DAEMON_TAGS, SAMPLES
+    from powerprof.storage.schema import DAEMON_INTERVALS, DAEMON_REQUESTS, DAEMON_SAMPLES, DAEMON_TAGS
 
     return [
-        Dataset("samples", SAMPLES, "time_utc"),
+        Dataset("samples", DAEMON_SAMPLES, "time_utc"),
         Dataset("requests", DAEMON_REQUESTS, "t_arrival_utc"),
         Dataset("intervals", DAEMON_INTERVALS, "t_start_utc"),
         Dataset("tags", DAEMON_TAGS, "t_start_utc"),
@@ -329,6 +329,7 @@ class Daemon:
             max_buffered_rows=cfg.get("daemon", "max_buffered_rows"),
             retention_days=cfg.get("daemon", "retention_days") or None,
             retention_max_bytes=int(cfg.get("daemon", "retention_max_mb") * 1e6) or None,
+            host=cfg.host(),
             **kwargs,
         )
         self.ledger = Ledger(self.daemon_id, self.t0_ns, len(self.collector.infos), self.store.append,

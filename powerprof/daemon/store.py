@@ -41,11 +41,13 @@ PART_PREFIX = "part-"
 COMPACT_PREFIX = "compact-"
 
 
-def to_table(schema: pa.Schema, rows: list[dict]) -> pa.Table:
-    """Rows → table; timestamp columns take integer nanoseconds (UTC), missing keys are null."""
+def to_table(schema: pa.Schema, rows: list[dict], fill: dict | None = None) -> pa.Table:
+    """Rows → table; timestamp columns take integer nanoseconds (UTC), missing keys are null
+    (or their value in `fill`: columns every row shares, such as the host)."""
     cols = {}
+    fill = fill or {}
     for f in schema:
-        vals = [r.get(f.name) for r in rows]
+        vals = [r.get(f.name, fill.get(f.name)) for r in rows]
         if pa.types.is_timestamp(f.type):
             # Integers straight into the timestamp type: a cast would load pyarrow.compute (~10 MiB).
             cols[f.name] = pa.array([None if v is None else v // 1000 for v in vals], f.type)
@@ -83,8 +85,10 @@ class DatasetStore:
         retention_days: float | None = 30.0,
         retention_max_bytes: int | None = None,
         write_file: Callable[[Path, pa.Table], None] = write_file_atomic,
+        host: str | None = None,
     ):
         self.root = Path(root)
+        self.fill = {"host": host} if host else {}
         self.datasets = {d.name: d for d in datasets}
         self.max_buffered_rows = max_buffered_rows
         self.retention_days = retention_days
@@ -189,7 +193,7 @@ class DatasetStore:
                 fsync_dir(d.parent)
             self._seq += 1
             stamp = datetime.now(timezone.utc).strftime("%Y%m%dT%H%M%S%f")
-            self._write_file(d / f"{PART_PREFIX}{stamp}-{os.getpid()}-{self._seq:06d}.parquet", to_table(ds.schema, part))
+            self._write_file(d / f"{PART_PREFIX}{stamp}-{os.getpid()}-{self._seq:06d}.parquet", to_table(ds.schema, part, self.fill))
 
     # --- recovery, compaction, retention -----------------------------------------------------
 

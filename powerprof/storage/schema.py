@@ -158,6 +158,8 @@ ANALYSIS = pa.schema(
 TABLES = {"samples": SAMPLES, "windows": WINDOWS, "levels": LEVELS, "analysis": ANALYSIS}
 
 # --- daemon datasets (hive-partitioned by date=YYYY-MM-DD; the partition column is not in the files)
+# Every daemon row carries the machine that recorded it, so many nodes' datasets read as one.
+HOST = pa.field("host", pa.string())  # daemon.host, default the machine's host name
 
 # One row per proxied request. Never prompt or completion text.
 DAEMON_REQUESTS = pa.schema(
@@ -190,6 +192,7 @@ DAEMON_REQUESTS = pa.schema(
         ("attributed_tokens", pa.float64()),  # its tokens inside decode intervals
         ("gpu_j_per_token", pa.float64()),  # gpu_energy_j / attributed_tokens
         ("recorder_error", pa.string()),  # recording failed (traffic still flowed)
+        HOST,
     ]
 )
 
@@ -210,6 +213,7 @@ DAEMON_INTERVALS = pa.schema(
         ("server_tokens", pa.float64()),  # tokens the server's own metrics counted (null: not scraped)
         ("n_prefill", pa.int32()),  # requests in prefill during the interval
         ("n_decoding", pa.int32()),  # requests decoding during the interval
+        HOST,
     ]
 )
 
@@ -227,11 +231,15 @@ DAEMON_TAGS = pa.schema(
         ("proxy_tokens", pa.float64()),  # tokens through the proxy inside the window
         ("gpu_j_per_token", pa.float64()),
         ("closed_by", pa.string()),  # stop | shutdown
+        HOST,
     ]
 )
 
+# The daemon's samples: the sweep's SAMPLES columns, then the host.
+DAEMON_SAMPLES = pa.schema(list(SAMPLES) + [HOST])
+
 DAEMON_TABLES = {
-    "samples": SAMPLES,
+    "samples": DAEMON_SAMPLES,
     "requests": DAEMON_REQUESTS,
     "intervals": DAEMON_INTERVALS,
     "tags": DAEMON_TAGS,
