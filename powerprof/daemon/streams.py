@@ -60,7 +60,8 @@ def summary_counts(summary) -> Counts:
 
 
 def new_parser(api: str) -> StreamParser:
-    return StreamParser(api)
+    """A counting parser: plain token chunks are counted from their bytes, not parsed (see StreamParser)."""
+    return StreamParser(api, count_only=True)
 
 
 def body_counts(api: str, body: bytes) -> Counts:

@@ -90,7 +90,11 @@ class _State:
 class StreamParser:
     """Parses one streamed (SSE) response incrementally. `feed(bytes)` → events; `finish()` → summary."""
 
-    def __init__(self, api: str):
+    def __init__(self, api: str, count_only: bool = False):
+        """count_only: the caller needs counts, not text (the daemon's proxy). Plain token chunks
+        are then counted from their bytes (`_quick_count`) and not parsed as JSON; their events
+        carry no text. The first event and every one with usage, finish_reason, timings, stop,
+        logprobs or an error are still parsed whole, so the summary is the same."""
         if api not in APIS:
             raise ValueError(f"unknown api {api!r}; choose one of: {', '.join(APIS)}")
         self.api = api
@@ -98,6 +102,8 @@ class StreamParser:
         self._pending: list[bytes] = []  # data lines of an event not yet dispatched
         self._s = _State()
         self._handle = self._llamacpp if api == "llamacpp" else self._openai
+        self._quick = count_only
+        self._parsed_one = False
 
     @property
     def ended(self) -> bool:
@@ -175,6 +181,15 @@ class StreamParser:
         if payload == b"[DONE]":
             self._s.done = True
             return
+        if self._quick and self._parsed_one:
+            n = self._quick_count(payload)
+            if n is not None:
+                if n > 0:
+                    self._s.counted += n
+                    self._s.n_events += 1
+                    out.append(TokenEvent(n))
+                return
+        self._parsed_one = True
         try:
             obj = json.loads(payload)
         except (ValueError, UnicodeDecodeError):
@@ -187,6 +202,34 @@ class StreamParser:
             self._handle(obj, out)
         except Exception as e:  # never raise on garbage: a proxy forwards these bytes
             self._error(f"unexpected event shape: {type(e).__name__}: {e}")
+
+    def _quick_count(self, v: bytes) -> int | None:
+        """Tokens in a plain token chunk, read from its bytes; None when the chunk needs the full
+        parse. Only compact JSON (as llama.cpp, vLLM and SGLang write it) of the commonest shapes
+        qualifies, and only where the full parse's rule is plain: llama.cpp `len(tokens)` of an
+        event with `"stop":false`; OpenAI one token for one choice with a non-empty text or content,
+        `"finish_reason":null` and no usage, logprobs, timings, role or tool calls. The quoted keys
+        cannot match inside a string value: quotes there are escaped. tests/test_stream_parser.py
+        checks that both paths agree on every shape."""
+        if b'": ' in v or b'"error"' in v or b'"timings"' in v or (self._s.model is None and b'"model"' in v):
+            return None
+        if self.api == "llamacpp":
+            i = v.find(b'"tokens":[')
+            if i < 0 or b'"stop":false' not in v:
+                return None
+            j = v.find(b"]", i + 10)
+            seg = v[i + 10 : j].strip() if j > 0 else None
+            if seg is None or b"[" in seg:
+                return None
+            return seg.count(b",") + 1 if seg else 0
+        if (v.count(b'"finish_reason":null') != 1 or b'"usage":{' in v or b'"logprobs":{' in v
+                or b'"logprobs":[' in v or b'"role"' in v or b'"tool_calls"' in v):
+            return None
+        key = b'"content":"' if self.api == "openai-chat" else b'"text":"'
+        i = v.find(key)
+        if i < 0 or v[i + len(key) : i + len(key) + 1] == b'"' or v.find(key, i + 1) >= 0:
+            return None
+        return 1
 
     def _error(self, msg: str) -> None:
         if len(self._s.errors) < _MAX_ERRORS:
