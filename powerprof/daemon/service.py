@@ -23,7 +23,6 @@ from aiohttp import web
 
 from powerprof.collectors.sources import open_sources
 from powerprof.collectors.sampler import Sample, Sampler
-from powerprof.profiler import cpu_energy_from_rapl
 from powerprof.storage.atomic import atomic_path
 
 from .config import Config, ConfigError, load_config
@@ -174,7 +173,7 @@ class Daemon:
                 self.ledger.add_gpu_sample(s.t_mono_ns, s.t_wall_ns, s.data)
                 self.latest_gpu = s
             elif s.source == "rapl":
-                self.ledger.add_cpu_sample(s.t_mono_ns, cpu_energy_from_rapl(s.data))
+                self.ledger.add_rapl_sample(s.t_mono_ns, s.data)
         self.store.append("samples", rows)
 
     def _update_snapshot(self) -> None:

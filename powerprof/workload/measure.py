@@ -17,7 +17,7 @@ from typing import Sequence
 import aiohttp
 import numpy as np
 
-from powerprof.profiler import LOW_CONFIDENCE_S
+from powerprof.profiler import LOW_CONFIDENCE_S, weakest_method
 from powerprof.windows import concurrent_throughput
 
 from .client import RequestParams, RequestRecord, ServerInfo, detect_server
@@ -171,9 +171,7 @@ def _energy_over(profiler, intervals: np.ndarray):
             cpu_ok = False
         else:
             cpu += e.cpu_energy_j
-    rank = ["counter", "power_integration", "avg_power_integration", "none"]
-    method = max(methods, key=lambda m: rank.index(m) if m in rank else len(rank))
-    return (gpu if gpu_ok else None), (cpu if cpu_ok else None), method
+    return (gpu if gpu_ok else None), (cpu if cpu_ok else None), weakest_method(methods)
 
 
 def batch_row(b: BatchWindow, recs: Sequence[RequestRecord], profiler, run_id: str, server: ServerInfo) -> dict:
