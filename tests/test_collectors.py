@@ -32,7 +32,6 @@ def test_pascal_card_reports_missing_energy_and_instant_power_not_zero():
     (r,) = c.read()
     assert r.energy_j is None and r.power_w is None
     assert r.power_avg_w is not None and r.power_avg_w > 0
-    assert c.read_energy_j() == (None,)
     # ... and they stay null, not 0, once stored.
     t = samples_to_table([Sample("nvml", 0, 1, 1_700_000_000_000_000_000, (r,))], gpu_uuids={0: info.uuid})
     row = t.to_pylist()[0]

@@ -214,15 +214,6 @@ class NvmlCollector:
             clock_event_reasons=int(reasons) if reasons is not None else None,
         )
 
-    def read_energy_j(self) -> tuple[float | None, ...]:
-        """Only the energy counters: the cheap read taken at window edges."""
-        n = self.nvml
-        out = []
-        for h, info in zip(self.handles, self.infos):
-            mj = self._try(n.nvmlDeviceGetTotalEnergyConsumption, h) if info.supports["energy_counter"] else None
-            out.append(mj / 1000 if mj is not None else None)
-        return tuple(out)
-
 
 def power_average_window_s(nvml, arch: int | None, name: str) -> float:
     """nvmlDeviceGetPowerUsage is a 1 s trailing average on Ampere and newer except GA100."""
