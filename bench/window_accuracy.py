@@ -195,7 +195,7 @@ def main() -> None:
     print("|error of window energy vs ground truth|: median / p95 / mean signed (bias), % of true energy")
     print()
     head = " | ".join(f"{LABELS[m]} median | p95 | bias" for m, _ in METHODS)
-    print(f"| window | flagged (< {LOW_CONFIDENCE_S:g} s) | {head} |")
+    print(f"| window | flagged (< {LOW_CONFIDENCE_S[METHOD_COUNTER]:g} s) | {head} |")
     print("|---:|:---:|" + "---:|" * (3 * len(METHODS)))
     for L in args.lengths:
         cells = []
