@@ -181,7 +181,7 @@ def monitor(duration, interval, output, gpus, rapl_backend, simulate):
             click.echo(f"wrote {len(timeline)} samples to {path}", err=True)
 
 
-# --- control: power-limit and clock restore (issue 3) ----------------------------------------
+# --- control: power-limit and clock restore ------------------------------------------------
 
 
 @main.command()
@@ -278,7 +278,7 @@ def measure(url, simulate, out_dir, api, n_requests, concurrency, max_tokens, pr
         raise click.ClickException(f"stopped early: {res.aborted} (what was measured is in {res.out_path})")
 
 
-# --- analysis (issue 6): analyze, export -------------------------------------------------------
+# --- analysis: analyze, export ----------------------------------------------------------------
 
 
 def _fraction(text: str) -> float:
@@ -338,7 +338,7 @@ def export(src, fmt, time_from, time_to, columns, tz, out):
         click.echo(str(p))
 
 
-# --- sweep (issue 5) ----------------------------------------------------------------------------
+# --- sweep -------------------------------------------------------------------------------------
 
 
 def _fraction_option(ctx, param, value):
@@ -434,7 +434,7 @@ def sweep(limits, clocks, url, launch, simulate, gpus, repeats, order, target_ci
     out.print(console_summary(result), highlight=False)
 
 
-# --- daemon (issue 7): always-on sampling, tagging proxy, Prometheus, tag API -----------------
+# --- daemon: always-on sampling, tagging proxy, Prometheus, tag API -----------------
 
 
 @main.command("daemon")

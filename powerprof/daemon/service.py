@@ -22,7 +22,6 @@ import aiohttp
 from aiohttp import web
 
 from powerprof.collectors.sampler import Sample, Sampler
-from powerprof.profiler import cpu_energy_from_rapl
 from powerprof.storage.atomic import atomic_path
 from powerprof.storage.samples import sample_rows
 
@@ -170,7 +169,7 @@ class Daemon:
                 self.ledger.add_gpu_sample(s.t_mono_ns, s.t_wall_ns, s.data)
                 self.latest_gpu = s
             elif s.source == "rapl":
-                self.ledger.add_cpu_sample(s.t_mono_ns, cpu_energy_from_rapl(s.data))
+                self.ledger.add_rapl_sample(s.t_mono_ns, s.data)
         self.store.append("samples", rows)
 
     def _update_snapshot(self) -> None:

@@ -55,10 +55,3 @@ class RunWriter:
         path = self.path / f"{name}.parquet"
         atomic_write_table(path, table, {"powerprof": self.metadata})
         return path
-
-
-def read_run_metadata(run_dir: Path) -> dict:
-    p = Path(run_dir) / RUN_JSON
-    if not p.exists():
-        raise FileNotFoundError(f"{run_dir} is not a powerprof run directory (no {RUN_JSON})")
-    return json.loads(p.read_text())

@@ -8,7 +8,7 @@ from typing import Sequence
 
 import numpy as np
 
-from powerprof.profiler import LOW_CONFIDENCE_S
+from powerprof.profiler import LOW_CONFIDENCE_S, weakest_method
 from powerprof.windows import concurrent_throughput
 
 from .client import RequestRecord, ServerInfo
@@ -149,9 +149,7 @@ def _energy_over(profiler, intervals: np.ndarray):
             cpu_ok = False
         else:
             cpu += e.cpu_energy_j
-    rank = ["counter", "power_integration", "avg_power_integration", "none"]
-    method = max(methods, key=lambda m: rank.index(m) if m in rank else len(rank))
-    return (gpu if gpu_ok else None), (cpu if cpu_ok else None), method
+    return (gpu if gpu_ok else None), (cpu if cpu_ok else None), weakest_method(methods)
 
 
 def batch_row(
