@@ -46,13 +46,17 @@ def _parse_gpus(ctx, param, value):
     return list(dict.fromkeys(out))
 
 
-def _open_sources_or_exit(simulate, gpus, rapl_backend):
-    from powerprof.collectors.sources import open_sources
+def _open_rig_or_exit(simulate, gpus=None, rapl_backend="sysfs", host=True):
+    """The one door, with its collectors open: a GPU index that does not exist is a usage error."""
+    from powerprof.rig import Rig
 
+    rig = Rig(simulate, gpus=gpus, rapl_backend=rapl_backend, host=host)
     try:
-        return open_sources(simulate=simulate, gpus=gpus, rapl_backend=rapl_backend)
+        rig.sources
     except ValueError as e:
+        rig.close()
         raise click.UsageError(str(e)) from None
+    return rig
 
 
 def _rapl_backend_option(f):
@@ -74,10 +78,8 @@ def devices(as_json, gpus, rapl_backend, simulate):
     """GPUs, their power limits and capabilities, RAPL zones, permissions and how to fix them."""
     import json
 
-    from powerprof.collectors.sources import describe
-
-    with _open_sources_or_exit(simulate, gpus, rapl_backend) as src:
-        info = describe(src)
+    with _open_rig_or_exit(simulate, gpus, rapl_backend) as rig:
+        info = rig.describe()
     if as_json:
         click.echo(json.dumps(info, indent=2))
         return
@@ -148,7 +150,8 @@ def monitor(duration, interval, output, gpus, rapl_backend, simulate):
         except ValueError as e:
             raise click.BadParameter(str(e), param_hint="--output") from None
     console = Console()
-    with _open_sources_or_exit(simulate, gpus, rapl_backend) as src:
+    with _open_rig_or_exit(simulate, gpus, rapl_backend) as rig:
+        src = rig.sources
         timeline = Timeline(gpu_uuids=src.gpu_uuids)
         for p in src.problems:
             click.secho(f"problem ({p.source}): {p.message}", fg="yellow", err=True)
@@ -171,14 +174,14 @@ def monitor(duration, interval, output, gpus, rapl_backend, simulate):
         except KeyboardInterrupt:
             click.echo("interrupted", err=True)  # still write what was sampled
         if output is not None:
-            meta = {"powerprof_command": "monitor", "simulated": str(src.simulated).lower(),
+            meta = {"powerprof_command": "monitor", "simulated": str(rig.simulated).lower(),
                     "gpus": json.dumps([{"index": i.index, "uuid": i.uuid, "name": i.name}
                                         for i in (src.nvml.infos if src.nvml else [])])}
             path = write_table(timeline.to_table(), output, metadata=meta)
             click.echo(f"wrote {len(timeline)} samples to {path}", err=True)
 
 
-# --- control: power-limit and clock restore (issue 3) ----------------------------------------
+# --- control: power-limit and clock restore ------------------------------------------------
 
 
 @main.command()
@@ -191,9 +194,10 @@ def monitor(duration, interval, output, gpus, rapl_backend, simulate):
 )
 def restore(simulate: str | None, restore_file: Path | None) -> None:
     """Put back every power limit and clock lock a crashed or killed powerprof left changed."""
-    from powerprof.control.restore import restore_from_file
+    from powerprof.rig import Rig
 
-    report = restore_from_file(restore_file, simulate=simulate)
+    with Rig(simulate) as rig:
+        report = rig.restore(restore_file)
     for line in report.lines():
         click.echo(line, err=not report.ok)
     if not report.ok:
@@ -237,6 +241,7 @@ def measure(url, simulate, out_dir, api, n_requests, concurrency, max_tokens, pr
     from powerprof.workload.client import RequestParams, ServerUnreachable
     from powerprof.workload.launcher import LaunchError
     from powerprof.workload.load import PromptFileError, builtin_prompts, load_prompts
+    from powerprof.rig import Rig
     from powerprof.workload.measure import run_measure
 
     if bool(url) == bool(simulate):
@@ -250,9 +255,10 @@ def measure(url, simulate, out_dir, api, n_requests, concurrency, max_tokens, pr
     out = Path(out_dir) if out_dir else default_run_dir(Path("runs"), "measure")
     params = RequestParams(max_tokens=max_tokens, seed=seed, prompt_cache=prompt_cache, keep_text=keep_text)
     try:
-        res = run_measure(url=url, simulate=simulate, out_dir=out, prompts=prompts, n_requests=n_requests,
-                          concurrencies=concurrency, params=params, warmup=warmup, api=api, launch=launch,
-                          launch_timeout_s=launch_timeout, command_line=" ".join(sys.argv))
+        with Rig(simulate, host=False) as rig:
+            res = run_measure(rig, url=url, out_dir=out, prompts=prompts, n_requests=n_requests,
+                              concurrencies=concurrency, params=params, warmup=warmup, api=api, launch=launch,
+                              launch_timeout_s=launch_timeout, command_line=" ".join(sys.argv))
     except (ServerUnreachable, LaunchError, FileExistsError, ValueError) as e:
         raise click.ClickException(str(e)) from None
     s = res.server
@@ -272,7 +278,7 @@ def measure(url, simulate, out_dir, api, n_requests, concurrency, max_tokens, pr
         raise click.ClickException(f"stopped early: {res.aborted} (what was measured is in {res.out_path})")
 
 
-# --- analysis (issue 6): analyze, export -------------------------------------------------------
+# --- analysis: analyze, export ----------------------------------------------------------------
 
 
 def _fraction(text: str) -> float:
@@ -352,7 +358,7 @@ def export(src, fmt, time_from, time_to, columns, tz, out):
         click.echo(str(p))
 
 
-# --- sweep (issue 5) ----------------------------------------------------------------------------
+# --- sweep -------------------------------------------------------------------------------------
 
 
 def _fraction_option(ctx, param, value):
@@ -394,6 +400,7 @@ def sweep(limits, clocks, url, launch, simulate, gpus, repeats, order, target_ci
     from powerprof.control.errors import ControlError
     from powerprof.control.levels import LevelError
     from powerprof.progress import RichSweepUI, levels_table, result_console
+    from powerprof.rig import Rig
     from powerprof.sweep import SweepError, run_sweep
     from powerprof.workload.client import RequestParams, ServerUnreachable
     from powerprof.workload.launcher import LaunchError
@@ -412,10 +419,10 @@ def sweep(limits, clocks, url, launch, simulate, gpus, repeats, order, target_ci
     out = result_console()
     ui = RichSweepUI(Console(stderr=True), min_requests)
     try:
-        with ui:
+        with ui, Rig(simulate, gpus=gpus) as rig:
             outcome = run_sweep(
-                levels_spec=limits or clocks, level_kind="power_limit" if limits else "sm_clock", url=url, launch=launch,
-                simulate=simulate, gpus=gpus, out_dir=out_dir, prompts=prompts,
+                rig, levels_spec=limits or clocks, level_kind="power_limit" if limits else "sm_clock", url=url,
+                launch=launch, out_dir=out_dir, prompts=prompts,
                 params=RequestParams(max_tokens=max_tokens), api=api, interval_s=interval_s, dry_run=dry_run,
                 command_line=" ".join(sys.argv), ui=ui, repeats=repeats, order=order, target_ci=target_ci,
                 min_requests=min_requests, max_requests=max_requests, max_time_s=max_time_s, warmup_requests=warmup,
@@ -447,7 +454,7 @@ def sweep(limits, clocks, url, launch, simulate, gpus, repeats, order, target_ci
     out.print(console_summary(result), highlight=False)
 
 
-# --- daemon (issue 7): always-on sampling, tagging proxy, Prometheus, tag API -----------------
+# --- daemon: always-on sampling, tagging proxy, Prometheus, tag API -----------------
 
 
 @main.command("daemon")
@@ -487,14 +494,10 @@ def daemon_cmd(config_path, simulate, sim_gpus, listen, upstream, metrics_listen
     if check:
         click.echo(f"config OK ({cfg.source})")
         return
-    from powerprof.collectors.nvml import open_nvml
+    from powerprof.rig import Rig
 
-    try:
-        nvml = open_nvml(simulate=simulate, count=sim_gpus)
-    except Exception as e:
-        click.echo(f"powerprof daemon: cannot load NVML: {e}", err=True)
-        sys.exit(service.EXIT_RUNTIME)
-    sys.exit(service.main(cfg, nvml, config_path=config_path, overrides=overrides, simulate=simulate))
+    rig = Rig(simulate, gpus=cfg.get("daemon", "gpus") or None, sim_gpu_count=sim_gpus)
+    sys.exit(service.main(cfg, rig, config_path=config_path, overrides=overrides))
 
 
 @main.group("tag")

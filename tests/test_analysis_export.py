@@ -13,7 +13,7 @@ from click.testing import CliRunner
 from openpyxl import load_workbook
 
 from powerprof.analysis import export as ex
-from powerprof.analysis.synthetic import make_run, seed_truth
+from synthetic_runs import make_run, seed_truth
 from powerprof.cli import main
 from powerprof.storage.schema import SAMPLES
 

@@ -16,7 +16,7 @@ from PIL import Image
 from powerprof.analysis import plots
 from powerprof.analysis.loading import AnalysisError
 from powerprof.analysis.report import analyze_run, console_summary
-from powerprof.analysis.synthetic import bowl_truth, make_run, seed_truth
+from synthetic_runs import bowl_truth, make_run, seed_truth
 from powerprof.cli import main
 from powerprof.storage.schema import ANALYSIS
 

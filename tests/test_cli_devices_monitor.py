@@ -123,13 +123,14 @@ def test_monitor_unknown_profile_fails_clearly():
 
 
 def test_monitor_rows_show_energy_since_start_and_the_cap_reason_by_name():
-    from powerprof.collectors.sources import open_sources
     from powerprof.monitor import run_monitor
+    from powerprof.rig import Rig
     from powerprof.sim.gpu import Phase
 
     ticks = []
-    with open_sources(simulate="seed-16g") as src:
-        g = src.sim_nvml.gpus[0]
+    with Rig("seed-16g") as rig:
+        src = rig.sources
+        g = rig.nvml.gpus[0]
         g.set_limit_w(180)  # on the simulated card directly: nothing persisted, nothing to restore
         g.set_phase(Phase("decode", 0.45))
         timeline = run_monitor(src, interval_s=0.2, duration_s=0.4, on_tick=lambda k, rows: ticks.append((k, rows)))

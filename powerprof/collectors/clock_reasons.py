@@ -1,7 +1,7 @@
 """NVML clock-event reason bits and the two rules read from them: did the power cap bind, was it heat.
 
-Stated once here; the NVML collector names the bits, the sweep and the analysis apply the rules,
-the simulator sets the same bits.
+Stated once here: the bits are NVIDIA's (pynvml's constants, which the simulator sets too); the
+NVML collector names them, the sweep and the analysis apply the rules.
 
 Thermal means SwThermal | HwThermal. HwSlowdown (0x8) alone is not counted: NVML sets it for heat,
 for an external power-brake assertion (HwPowerBrake, 0x80) and for fast-trigger power protection,
@@ -11,16 +11,19 @@ and every driver that sets it for heat also sets HwThermal (0x40), which is the 
 
 from __future__ import annotations
 
-# nvmlDeviceGetCurrentClocksEventReasons bits (nvml.h nvmlClocksEventReason*).
-REASON_GPU_IDLE = 0x1
-REASON_APP_CLOCKS = 0x2
-REASON_SW_POWER_CAP = 0x4
-REASON_HW_SLOWDOWN = 0x8
-REASON_SYNC_BOOST = 0x10
-REASON_SW_THERMAL = 0x20
-REASON_HW_THERMAL = 0x40
-REASON_HW_POWER_BRAKE = 0x80
-REASON_DISPLAY_CLOCK = 0x100
+import pynvml
+
+# nvmlDeviceGetCurrentClocksEventReasons bits, from NVIDIA's own bindings (nvml.h
+# nvmlClocksEventReason*); the simulator sets the same constants.
+REASON_GPU_IDLE = pynvml.nvmlClocksEventReasonGpuIdle  # 0x1
+REASON_APP_CLOCKS = pynvml.nvmlClocksEventReasonApplicationsClocksSetting  # 0x2
+REASON_SW_POWER_CAP = pynvml.nvmlClocksEventReasonSwPowerCap  # 0x4
+REASON_HW_SLOWDOWN = pynvml.nvmlClocksEventReasonHwSlowdown  # 0x8
+REASON_SYNC_BOOST = pynvml.nvmlClocksEventReasonSyncBoost  # 0x10
+REASON_SW_THERMAL = pynvml.nvmlClocksEventReasonSwThermalSlowdown  # 0x20
+REASON_HW_THERMAL = pynvml.nvmlClocksEventReasonHwThermalSlowdown  # 0x40
+REASON_HW_POWER_BRAKE = pynvml.nvmlClocksEventReasonHwPowerBrakeSlowdown  # 0x80
+REASON_DISPLAY_CLOCK = pynvml.nvmlClocksEventReasonDisplayClockSetting  # 0x100
 
 CLOCK_EVENT_REASONS = (
     (REASON_GPU_IDLE, "GpuIdle"),

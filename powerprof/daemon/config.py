@@ -13,6 +13,8 @@ from pathlib import Path
 from typing import Any, Callable
 from urllib.parse import urlsplit
 
+from powerprof.paths import STATE_DIR_ENV, user_state_home
+
 if sys.version_info >= (3, 11):
     import tomllib
 else:  # pragma: no cover
@@ -190,11 +192,8 @@ class Config:
             return Path(d)
         if os.environ.get("STATE_DIRECTORY"):
             return Path(os.environ["STATE_DIRECTORY"].split(":")[0])
-        base = os.environ.get("POWERPROF_STATE_DIR")
-        if base:
-            return Path(base) / "daemon"
-        xdg = os.environ.get("XDG_STATE_HOME") or os.path.join(os.path.expanduser("~"), ".local", "state")
-        return Path(xdg) / "powerprof" / "daemon"
+        base = os.environ.get(STATE_DIR_ENV)
+        return (Path(base) if base else user_state_home() / "powerprof") / "daemon"
 
     def tag_socket(self) -> Path:
         s = self.get("tags", "socket")

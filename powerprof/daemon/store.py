@@ -33,27 +33,13 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from powerprof.storage.atomic import atomic_path, fsync_dir
+from powerprof.storage.schema import rows_to_table
 
 log = logging.getLogger("powerprof.daemon.store")
 
 JOURNAL = ".compact-journal.json"
 PART_PREFIX = "part-"
 COMPACT_PREFIX = "compact-"
-
-
-def to_table(schema: pa.Schema, rows: list[dict], fill: dict | None = None) -> pa.Table:
-    """Rows → table; timestamp columns take integer nanoseconds (UTC), missing keys are null
-    (or their value in `fill`: columns every row shares, such as the host)."""
-    cols = {}
-    fill = fill or {}
-    for f in schema:
-        vals = [r.get(f.name, fill.get(f.name)) for r in rows]
-        if pa.types.is_timestamp(f.type):
-            # Integers straight into the timestamp type: a cast would load pyarrow.compute (~10 MiB).
-            cols[f.name] = pa.array([None if v is None else v // 1000 for v in vals], f.type)
-        else:
-            cols[f.name] = pa.array(vals, f.type)
-    return pa.Table.from_pydict(cols, schema=schema)
 
 
 def write_file_atomic(path: Path, table: pa.Table) -> None:
@@ -120,7 +106,7 @@ class DatasetStore:
         import io
 
         for d in self.datasets.values():
-            pq.write_table(to_table(d.schema, [{}]), io.BytesIO(), compression="zstd")
+            pq.write_table(rows_to_table(d.schema, [{}]), io.BytesIO(), compression="zstd")
 
     # --- rows in ----------------------------------------------------------------------------
 
@@ -193,7 +179,8 @@ class DatasetStore:
                 fsync_dir(d.parent)
             self._seq += 1
             stamp = datetime.now(timezone.utc).strftime("%Y%m%dT%H%M%S%f")
-            self._write_file(d / f"{PART_PREFIX}{stamp}-{os.getpid()}-{self._seq:06d}.parquet", to_table(ds.schema, part, self.fill))
+            self._write_file(d / f"{PART_PREFIX}{stamp}-{os.getpid()}-{self._seq:06d}.parquet",
+                             rows_to_table(ds.schema, part, self.fill))
 
     # --- recovery, compaction, retention -----------------------------------------------------
 

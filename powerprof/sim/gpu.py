@@ -10,8 +10,9 @@ from dataclasses import dataclass
 from typing import Callable
 
 import numpy as np
-
-from powerprof.collectors.clock_reasons import REASON_GPU_IDLE, REASON_HW_THERMAL, REASON_SW_POWER_CAP
+from pynvml import nvmlClocksEventReasonGpuIdle as REASON_GPU_IDLE
+from pynvml import nvmlClocksEventReasonHwThermalSlowdown as REASON_HW_THERMAL
+from pynvml import nvmlClocksEventReasonSwPowerCap as REASON_SW_POWER_CAP
 
 from .profiles import GpuProfile
 
