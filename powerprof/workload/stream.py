@@ -16,6 +16,7 @@ APIs:
 from __future__ import annotations
 
 import json
+import re
 from dataclasses import dataclass, field
 
 APIS = ("llamacpp", "openai-completions", "openai-chat")
@@ -23,6 +24,10 @@ APIS = ("llamacpp", "openai-completions", "openai-chat")
 # A proxy feeds arbitrary traffic through this: keep what we hold bounded.
 _MAX_ERRORS = 8
 _MAX_PENDING_BYTES = 4 * 1024 * 1024
+
+# What sends a chunk to the full JSON parse in count-only mode (StreamParser._quick_count): spaced
+# (non-compact) JSON, and every key whose value the counting rules read beyond "one more token".
+_NEEDS_PARSE = re.compile(rb'": |"(?:error|timings|role|tool_calls)"|"usage":\{|"logprobs":[{\[]')
 
 # llama.cpp's stop_type words mapped onto OpenAI's finish_reason vocabulary.
 _LLAMACPP_STOP = {"limit": "length", "eos": "stop", "word": "stop", "none": None}
@@ -211,7 +216,7 @@ class StreamParser:
         `"finish_reason":null` and no usage, logprobs, timings, role or tool calls. The quoted keys
         cannot match inside a string value: quotes there are escaped. tests/test_stream_parser.py
         checks that both paths agree on every shape."""
-        if b'": ' in v or b'"error"' in v or b'"timings"' in v or (self._s.model is None and b'"model"' in v):
+        if _NEEDS_PARSE.search(v) is not None or (self._s.model is None and b'"model"' in v):
             return None
         if self.api == "llamacpp":
             i = v.find(b'"tokens":[')
@@ -222,8 +227,7 @@ class StreamParser:
             if seg is None or b"[" in seg:
                 return None
             return seg.count(b",") + 1 if seg else 0
-        if (v.count(b'"finish_reason":null') != 1 or b'"usage":{' in v or b'"logprobs":{' in v
-                or b'"logprobs":[' in v or b'"role"' in v or b'"tool_calls"' in v):
+        if v.count(b'"finish_reason":null') != 1:
             return None
         key = b'"content":"' if self.api == "openai-chat" else b'"text":"'
         i = v.find(key)
