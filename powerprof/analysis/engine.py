@@ -11,6 +11,7 @@ and counts merge across files, runs and spill partitions, so memory stays flat w
 
 from __future__ import annotations
 
+import os
 import shutil
 import tempfile
 from contextlib import contextmanager
@@ -22,7 +23,7 @@ import pyarrow as pa
 from powerprof.collectors.clock_reasons import REASON_SW_POWER_CAP, cap_not_engaged, thermal
 
 MEMORY_LIMIT = "256MB"  # DuckDB's own buffers; beyond this it spills to the temp folder
-THREADS = 2
+THREADS = min(4, os.cpu_count() or 1)  # more threads each hold buffers: 4 keeps 256 MB enough
 
 # Columns the queries read; a file that lacks one (older writers) reads it as NULL.
 _SAMPLE_COLUMNS = {
