@@ -89,6 +89,13 @@ def generate(path: Path, n_samples: int, n_windows: int, seed: int = 0) -> None:
 def child(step: str, run: str, out: str) -> None:
     import tracemalloc
 
+    prepared = None
+    if step == "sample-scan":
+        # Windows read beforehand: the stage compared with the DuckDB query is the scan of the samples.
+        from powerprof.analysis.loading import read_run_info, read_windows, sample_level_figures
+
+        runs = [read_run_info(run)]
+        prepared = (runs, read_windows(runs))
     if TRACEMALLOC:
         tracemalloc.start()  # slows Python-level allocation several fold: wall times are then not comparable
     t = time.perf_counter()
@@ -111,10 +118,7 @@ def child(step: str, run: str, out: str) -> None:
             FROM read_parquet('{Path(run) / "samples.parquet"}') WHERE source = 'nvml'
             GROUP BY 1, 2""").fetchall()
     elif step == "sample-scan":
-        from powerprof.analysis.loading import read_run_info, read_windows, sample_level_figures
-
-        runs = [read_run_info(run)]
-        sample_level_figures(runs, read_windows(runs))
+        sample_level_figures(*prepared)
     wall = time.perf_counter() - t
     _, peak = tracemalloc.get_traced_memory() if TRACEMALLOC else (0, float("nan"))
     print(json.dumps({"step": step, "wall_s": wall, "maxrss_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss

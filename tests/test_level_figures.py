@@ -95,3 +95,25 @@ def test_analysis_does_not_import_the_sweep():
         for node in ast.walk(tree):
             if isinstance(node, ast.ImportFrom) and node.module:
                 assert not node.module.startswith("powerprof.sweep"), f"{path.name} imports {node.module}"
+
+
+def test_one_scan_gives_the_level_sums_and_the_timeline():
+    """The analysis's single pass: the timeline bins every nvml sample (inside the windows or not),
+    the level sums only those inside; each bin's level is its last tagged sample's."""
+    rows = []
+    for k in range(16):
+        for dev, base in (("gpu0", 100.0), ("gpu1", 200.0)):
+            rows.append({"t_mono_s": float(k), "device": dev, "power_w": base + k, "sm_clock_mhz": 1000.0 + k,
+                         "level_value": 300.0 if k < 8 else 250.0})
+    t = _samples(rows)
+    with engine.connect() as con:
+        rel = engine.samples_relation(con, t)
+        sums, tl = engine.scan(con, rel, (np.array([2.0]), np.array([5.0])), time_expr="t_mono_s", bins=4)
+    assert set(sums) == {("power_limit", 300.0)} and sums[("power_limit", 300.0)].n == 8  # t = 2..5, 2 GPUs
+    assert tl["bins"] == 4 and tl["devices"] == ("gpu0", "gpu1")
+    width = 15 / 4
+    for b in range(4):
+        ks = [k for k in range(16) if min(int(k / width), 3) == b]
+        assert tl["power_w"][0, b] == pytest.approx(100 + np.mean(ks))
+        assert tl["power_w"][1, b] == pytest.approx(200 + np.mean(ks))
+        assert tl["level_value"][b] == (300.0 if max(ks) < 8 else 250.0)

@@ -127,32 +127,44 @@ def _bucketed(starts, ends) -> tuple[pa.Table, float]:
     return pa.table({"b": b, "t_start": s[idx], "t_end": e[idx]}), width
 
 
-def level_sums(con, relation: str, intervals: tuple[np.ndarray, np.ndarray] | None = None,
-               time_expr: str = "epoch_us(time_utc)") -> dict[tuple, LevelSums]:
-    """{(level_kind, level_value): LevelSums} over the nvml samples of `relation` whose time
-    (`time_expr`, same unit as `intervals`) falls inside one of the sorted, disjoint [start, end]
-    intervals; every tagged sample when `intervals` is None."""
-    where = "source = 'nvml' AND device IS NOT NULL AND level_value IS NOT NULL AND NOT isnan(level_value)"
-    body = f"SELECT {time_expr} AS t, * FROM {relation} WHERE {where}"
+_LEVEL_SUMS = ("count(*)", "sum(p)", "count(p)", "sum(sm_clock_mhz)", "count(sm_clock_mhz)", "sum(mem_clock_mhz)",
+               "count(mem_clock_mhz)", "bit_or(clock_event_reasons)", "count(clock_event_reasons)",
+               "sum(enforced_limit_w)", "count(enforced_limit_w)")
+
+
+def _level_sums_row(r) -> LevelSums:
+    return LevelSums(int(r[0]), r[1] or 0.0, int(r[2]), r[3] or 0.0, int(r[4]), r[5] or 0.0, int(r[6]),
+                     int(r[7] or 0), int(r[8]), r[9] or 0.0, int(r[10]))
+
+
+def scan(con, relation: str, intervals: tuple[np.ndarray, np.ndarray] | None = None,
+         time_expr: str = "epoch_us(time_utc)", bins: int | None = None) -> tuple[dict[tuple, LevelSums], dict | None]:
+    """Per-level sums of the nvml samples of `relation` and, when `bins` is given, their binned
+    timeline (see timeline_bins). Returns ({(level_kind, level_value): LevelSums}, timeline or None).
+
+    The level sums take the samples tagged with a level whose time (`time_expr`, same unit as
+    `intervals`) falls inside one of the sorted, disjoint [start, end] intervals, every tagged
+    sample when `intervals` is None. The timeline takes every nvml sample. Two grouped scans: one
+    query with both as grouping sets computes every aggregate for both and is slower."""
+    body = (f"SELECT {time_expr} AS t, *, coalesce(power_w, power_avg_w) AS p FROM {relation} "
+            "WHERE source = 'nvml' AND device IS NOT NULL AND level_value IS NOT NULL AND NOT isnan(level_value)")
     if intervals is not None:
         buckets, width = _bucketed(*intervals)
-        if buckets.num_rows == 0:
-            return {}
         # An equi-join on a time bucket, then the exact bounds: a hash join that streams the samples
         # (an ASOF or range join would sort all of them first, several times slower).
         con.register("intervals_in", buckets)
         body = (f"SELECT s.* FROM ({body}) s JOIN intervals_in i ON i.b = CAST(floor(s.t / {width!r}) AS BIGINT) "
                 f"AND s.t >= i.t_start AND s.t <= i.t_end")
-    rows = con.execute(f"""
-        SELECT coalesce(level_kind, 'none'), level_value, count(*),
-               sum(coalesce(power_w, power_avg_w)), count(coalesce(power_w, power_avg_w)),
-               sum(sm_clock_mhz), count(sm_clock_mhz), sum(mem_clock_mhz), count(mem_clock_mhz),
-               bit_or(clock_event_reasons), count(clock_event_reasons),
-               sum(enforced_limit_w), count(enforced_limit_w)
-        FROM ({body}) GROUP BY 1, 2""").fetchall()
-    return {(r[0], float(r[1])): LevelSums(int(r[2]), r[3] or 0.0, int(r[4]), r[5] or 0.0, int(r[6]), r[7] or 0.0,
-                                           int(r[8]), int(r[9] or 0), int(r[10]), r[11] or 0.0, int(r[12]))
-            for r in rows}
+    rows = con.execute(f"""SELECT coalesce(level_kind, 'none'), level_value, {', '.join(_LEVEL_SUMS)}
+                           FROM ({body}) GROUP BY 1, 2""").fetchall()
+    sums = {(r[0], float(r[1])): _level_sums_row(r[2:]) for r in rows}
+    return sums, (None if bins is None else timeline_bins(con, relation, bins))
+
+
+def level_sums(con, relation: str, intervals: tuple[np.ndarray, np.ndarray] | None = None,
+               time_expr: str = "epoch_us(time_utc)") -> dict[tuple, LevelSums]:
+    """{(level_kind, level_value): LevelSums}: the level part of `scan` (what the sweep needs)."""
+    return scan(con, relation, intervals, time_expr)[0]
 
 
 def level_figures(sums: dict[tuple, LevelSums]) -> dict[tuple, dict]:
@@ -182,30 +194,34 @@ def timeline_bins(con, relation: str, bins: int) -> dict | None:
     """Power and SM clock averaged per (device, time bin) over the nvml samples, and the level each
     bin ends in. None without timed samples. Returns {t_min, width, bins, devices, power_w,
     sm_clock_mhz (devices x bins, NaN where empty), level_value (bins,)}."""
-    n, t_min, t_max = con.execute(f"SELECT count(*), min(t_mono_s), max(t_mono_s) FROM {relation}").fetchone()
+    n, t_min, t_max = con.execute(f"SELECT count(*), min(t_mono_s), max(t_mono_s) FROM {relation}").fetchall()[0]
     if t_min is None or not np.isfinite(t_min):
         return None
     # No more bins than about one sample each (per device and source), so bins are rarely empty.
     bins = int(np.clip(n // 4, 1, bins))
     width = max((t_max - t_min) / bins, 1e-9)
     binexpr = f"least(greatest(CAST(floor((t_mono_s - {t_min!r}) / {width!r}) AS BIGINT), 0), {bins - 1})"
-    nv = f"FROM {relation} WHERE source = 'nvml' AND t_mono_s IS NOT NULL"
-    dev = "coalesce(device, 'gpu')"
-    rows = con.execute(f"""
-        SELECT {dev} AS d, {binexpr} AS b,
+    cells = con.execute(f"""
+        SELECT coalesce(device, 'gpu') AS d, {binexpr} AS b,
                avg(CASE WHEN isfinite(coalesce(power_w, power_avg_w)) THEN coalesce(power_w, power_avg_w) END),
                avg(CASE WHEN isfinite(sm_clock_mhz) THEN sm_clock_mhz END),
                max(t_mono_s) FILTER (WHERE level_value IS NOT NULL),
                arg_max(level_value, t_mono_s) FILTER (WHERE level_value IS NOT NULL)
-        {nv} GROUP BY 1, 2 ORDER BY 1""").fetchall()
-    devices = list(dict.fromkeys(r[0] for r in rows))
+        FROM {relation} WHERE source = 'nvml' AND t_mono_s IS NOT NULL
+        GROUP BY 1, 2 ORDER BY 1, 2""").fetchall()
+    return _timeline(cells, t_min, width, bins)
+
+
+def _timeline(cells, t_min: float, width: float, bins: int) -> dict:
+    """The timeline arrays from (device, bin, power, clock, last tagged time, its level) cells."""
+    devices = list(dict.fromkeys(c[0] for c in cells))
     di = {d: i for i, d in enumerate(devices)}
     power = np.full((len(devices), bins), np.nan)
     clock = np.full((len(devices), bins), np.nan)
     filled = np.zeros(bins, bool)
     level = np.full(bins, np.nan)
     level_t = np.full(bins, -np.inf)
-    for d, b, p, f, lt, lv in rows:
+    for d, b, p, f, lt, lv in cells:
         power[di[d], b] = np.nan if p is None else p
         clock[di[d], b] = np.nan if f is None else f
         filled[b] |= p is not None or f is not None

@@ -187,8 +187,7 @@ def scan_samples(run: RunInfo, windows: pa.Table | None = None, bins: int = TIME
     rel = engine.samples_relation(con, path)
     starts, ends = _measured_intervals_us(windows, run.run_id)
     # Without measured windows (a run stopped early) every tagged sample counts, as before.
-    sums = engine.level_sums(con, rel, (starts, ends) if starts.size else None)
-    tb = engine.timeline_bins(con, rel, bins)
+    sums, tb = engine.scan(con, rel, (starts, ends) if starts.size else None, bins=bins)
     if tb is None:
         return sums, None
     tl = Timeline(
