@@ -189,11 +189,26 @@ def monitor(duration, interval, output, gpus, rapl_backend, simulate):
     default=None,
     help="Restore from this file instead of every restore file in the state folder.",
 )
-def restore(simulate: str | None, restore_file: Path | None) -> None:
+@click.option(
+    "--force-default",
+    is_flag=True,
+    help="For a restore file that is damaged or not written by this user: set the GPUs it names to their "
+    "default power limit, release clock locks, and remove it.",
+)
+def restore(simulate: str | None, restore_file: Path | None, force_default: bool) -> None:
     """Put back every power limit and clock lock a crashed or killed powerprof left changed."""
-    from powerprof.control.restore import restore_from_file
+    from powerprof.collectors.nvml import open_nvml
+    from powerprof.control.restore import RestoreReport, force_default as force_default_file, restore_from_file
 
     report = restore_from_file(restore_file, simulate=simulate)
+    if force_default:
+        # The simulator needs as many GPUs as a damaged file may name; the real NVML has what it has.
+        outcomes = tuple(
+            force_default_file(o.path, open_nvml(simulate=simulate, count=8)) if o.status in ("damaged", "untrusted")
+            else o
+            for o in report.outcomes
+        )
+        report = RestoreReport(outcomes, searched=report.searched, notes=report.notes)
     for line in report.lines():
         click.echo(line, err=not report.ok)
     if not report.ok:
@@ -402,6 +417,8 @@ def sweep(limits, clocks, url, launch, simulate, gpus, repeats, order, target_ci
                 idle_s=idle_s, concurrency=concurrency,
             )
     except (LevelError, ValueError) as e:
+        if type(e).__module__.startswith("pyarrow"):  # ArrowInvalid is a ValueError, but not the user's mistake
+            raise click.ClickException(f"writing the run failed: {e}") from None
         raise click.UsageError(str(e)) from None
     except (ControlError, SweepError, ServerUnreachable, LaunchError, OSError) as e:
         raise click.ClickException(str(e)) from None

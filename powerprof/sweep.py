@@ -204,6 +204,7 @@ class Sweep:
         self._rid = 0
         self._bid = 0
         self._prompt_k = 0
+        self.unstored_rows = 0
 
     # --- the run -----------------------------------------------------------------------------
 
@@ -439,7 +440,17 @@ class Sweep:
         return summarize_levels(windows, self.reference_value, run_id=self.run_id, extra=self.level_extras())
 
     def flush(self) -> None:
-        """Rewrite the run's tables (atomically): a crash keeps every finished level."""
+        """Rewrite the run's tables (atomically): a crash keeps every finished level.
+
+        A row its column cannot hold is left out (and out of every figure), said in run.json and on
+        screen, rather than failing the write and losing the levels already finished."""
+        from powerprof.storage.runs import split_storable
+
+        self.rows, bad, err = split_storable("windows", self.rows)
+        if bad:
+            self.unstored_rows += len(bad)
+            self.ui.note(f"{len(bad)} window row(s) could not be stored and are left out of every figure: {err}")
+            self.writer.write_json(unstored_window_rows=self.unstored_rows, unstored_error=err)
         self.writer.write("windows", self.windows_table())
         self.writer.write("samples", self.timeline.to_table())
         self.writer.write("levels", self.levels_table())

@@ -320,7 +320,7 @@ def run_measure(
     from powerprof import __version__
     from powerprof.collectors.sources import open_sources
     from powerprof.profiler import Profiler
-    from powerprof.storage.runs import RunWriter, table_from_rows
+    from powerprof.storage.runs import RunWriter, split_storable, table_from_rows
 
     from .launcher import ServerLauncher
 
@@ -402,6 +402,9 @@ def run_measure(
         "notes": notes,
         "aborted": result.aborted,
     }
+    result.rows, bad, err = split_storable("windows", result.rows)
+    if bad:
+        notes.append(f"{len(bad)} window row(s) could not be stored and are left out of every figure ({err})")
     writer = RunWriter(out_dir, meta)
     writer.write("windows", table_from_rows("windows", result.rows))
     result.notes = notes
