@@ -97,6 +97,17 @@ def forward_headers(headers, drop=()) -> CIMultiDict:
     return CIMultiDict((k, v) for k, v in headers.items() if k.lower() not in skip)
 
 
+@web.middleware
+async def origin_form_only(request: web.Request, handler):
+    """400 for absolute-form, authority-form (CONNECT) and `*` targets, before routing: we forward to one
+    upstream only, never to a host a client names."""
+    if request.method == "CONNECT" or not request.raw_path.startswith("/"):
+        body = json.dumps({"error": {"message": "powerprof proxy: only origin-form request targets (/path) are "
+                                      "accepted", "type": "bad_request", "code": 400}}).encode()
+        return web.Response(status=400, body=body, content_type="application/json")
+    return await handler(request)
+
+
 async def _body_chunks(content, timeout_s: float):
     """A streamed request body; a silence of `timeout_s` between chunks ends it with a TimeoutError."""
     while True:
@@ -146,7 +157,7 @@ class Proxy:
         self.closing = False
 
     def app(self) -> web.Application:
-        app = web.Application(client_max_size=1 << 40)
+        app = web.Application(client_max_size=1 << 40, middlewares=[origin_form_only])
         app.router.add_route("*", "/{tail:.*}", self.handle)
         app.on_startup.append(self._open)
         app.on_shutdown.append(self._closing)
@@ -184,11 +195,6 @@ class Proxy:
     # --- the handler -------------------------------------------------------------------------
 
     async def handle(self, request: web.Request) -> web.StreamResponse:
-        if request.method == "CONNECT" or not request.raw_path.startswith("/"):
-            # Absolute-form or authority-form target: we forward to one upstream only, never elsewhere.
-            body = json.dumps({"error": {"message": "powerprof proxy: only origin-form request targets (/path) are "
-                                          "accepted", "type": "bad_request", "code": 400}}).encode()
-            return web.Response(status=400, body=body, content_type="application/json")
         self._next_id += 1
         trace = None
         try:
