@@ -32,6 +32,8 @@ HOSTILE_RAW = {
     "oversized-event": b"data: {\"content\": \"" + b"x" * (6 << 20),
 }
 
+OVERSIZED_JSON_BYTES = 4 << 20  # tests lower the client's cap below this rather than send 64 MiB
+
 
 class HostileServer:
     def __init__(self, endless_props: bool = False, metrics_text: str = "", slots: object = None):
@@ -64,6 +66,10 @@ class HostileServer:
     async def completion(self, request: web.Request) -> web.StreamResponse:
         body = await request.json()
         prompt = str(body.get("prompt", ""))
+        if prompt == "oversized-json":  # a non-streamed answer far larger than any real completion
+            body = b'{"content": "' + b"x" * (OVERSIZED_JSON_BYTES - 20) + b'", "stop": true}'
+            self.bytes_sent[prompt] += len(body)
+            return web.Response(body=body, content_type="application/json")
         resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
         await resp.prepare(request)
         try:

@@ -560,7 +560,7 @@ def main(cfg: Config, nvml, config_path=None, overrides=None, simulate: str | No
     # Until run() installs the loop's handlers, a SIGINT is only noted (then stops the daemon cleanly): the
     # default handler would raise KeyboardInterrupt mid-startup, with a traceback and orphaned tasks.
     early: list[int] = []
-    previous = signal.signal(signal.SIGINT, lambda signum, _frame: early.append(signum))
+    signal.signal(signal.SIGINT, lambda signum, _frame: early.append(signum))
     d = Daemon(cfg, nvml, extra_collectors=extra_collectors, config_path=config_path, overrides=overrides,
                simulate=simulate)
     d.early_signals = early
@@ -573,4 +573,6 @@ def main(cfg: Config, nvml, config_path=None, overrides=None, simulate: str | No
         log.info("interrupted")
         return 128 + signal.SIGINT
     finally:
-        signal.signal(signal.SIGINT, previous)
+        # Shut down already: a further Ctrl-C (a second press, a process-group signal) has nothing left to
+        # stop. SIG_IGN, not a Python handler: the interpreter resets those to the default at exit.
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
