@@ -283,7 +283,7 @@ class Daemon:
             sdnotify.notify("WATCHDOG=1")
         elif not self._wd_bad:
             self._wd_bad = True
-            why = "died" if not (self.flusher._thread and self.flusher._thread.is_alive()) else "is stuck"
+            why = "is stuck" if self.flusher.running else "died"
             log.error("the Parquet writer thread %s (last error: %s); no more watchdog pings, so systemd restarts "
                       "the daemon", why, self.flusher.last_error or self.store.last_error)
             sdnotify.notify(f"STATUS=Parquet writer {why}; waiting for the watchdog restart")
@@ -295,9 +295,9 @@ class Daemon:
                 self._drain()
                 self.ledger.advance(time.monotonic_ns())
                 self._update_snapshot()
-                self._watchdog(time.monotonic())
             except Exception:
                 log.exception("accounting step failed; continuing")
+            self._watchdog(time.monotonic())
             if self.reload_requested:
                 self.reload_requested = False
                 self.reload()

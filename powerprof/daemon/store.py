@@ -371,6 +371,8 @@ class DatasetStore:
 class Flusher:
     """A thread that flushes every `interval_s` and compacts/retains every `compact_interval_s`."""
 
+    BEAT_S = 5.0  # the loop turns at least this often, so a heartbeat older than a few of these means stuck
+
     def __init__(self, store: DatasetStore, interval_s: float = 30.0, compact_interval_s: float = 3600.0):
         self.store = store
         self.interval_s = interval_s
@@ -402,8 +404,6 @@ class Flusher:
                 next_compact = now + self.compact_interval_s
             self.beat = time.monotonic()
 
-    BEAT_S = 5.0
-
     def _step(self, what: str, fn) -> None:
         try:
             fn()
@@ -414,10 +414,13 @@ class Flusher:
             if first:
                 log.exception("%s failed; retrying at the next turn (powerprof_writer_errors_total)", what)
 
+    @property
+    def running(self) -> bool:
+        return self._thread is not None and self._thread.is_alive()
+
     def alive(self, stuck_after_s: float) -> bool:
         """The thread runs and its loop turned within `stuck_after_s`: what the watchdog and /metrics report."""
-        t = self._thread
-        return t is not None and t.is_alive() and time.monotonic() - self.beat < stuck_after_s
+        return self.running and time.monotonic() - self.beat < stuck_after_s
 
     def stop(self) -> None:
         self._stop.set()
