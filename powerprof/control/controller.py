@@ -171,7 +171,7 @@ class LimitController:
         if self._restore_path_arg is not None and self._restore_path_arg.exists():
             candidates.append(self._restore_path_arg)
         for path in candidates:
-            bad = check_restore_file(path)
+            bad = check_restore_file(path, root_too=True)
             if bad is not None:
                 # A damaged or foreign file may hold this GPU's original: reading the current (maybe capped)
                 # limit as the original would lose it for good. Block until an operator decides.

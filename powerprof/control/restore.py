@@ -93,15 +93,17 @@ def load_record(path: Path) -> dict:
     return rec
 
 
-def untrusted_reason(path: Path, euid: int | None = None) -> str | None:
+def untrusted_reason(path: Path, euid: int | None = None, root_too: bool = False) -> str | None:
     """Why this process must not act on the restore file `path`; None when only it (or root) could have written it.
 
     Root acts only on a file owned by root; an unprivileged user (the simulator, a capability
-    holder) only on its own. Neither the file nor its folder may be writable by group or others,
-    and the file must not be a symlink.
+    holder) only on its own, or also on root's with `root_too` (to *believe* a pending record,
+    never to apply it). Neither the file nor its folder may be writable by group or others, and
+    the file must not be a symlink.
     """
     euid = os.geteuid() if euid is None else euid
-    who = "root" if euid == 0 else f"uid {euid}"
+    owners = {euid, 0} if root_too else {euid}
+    who = "root" if euid == 0 else f"uid {euid}" + (" or root" if root_too else "")
     try:
         st = os.lstat(path)
         dst = os.stat(Path(path).parent)
@@ -109,7 +111,7 @@ def untrusted_reason(path: Path, euid: int | None = None) -> str | None:
         return f"cannot inspect {path}: {e.strerror or e}"
     if not stat.S_ISREG(st.st_mode):
         return f"{path} is not a regular file (a symlink?)"
-    if st.st_uid != euid:
+    if st.st_uid not in owners:
         return f"{path} is owned by uid {st.st_uid}, not {who}"
     if st.st_mode & 0o022:
         return f"{path} is writable by group or others (mode {stat.S_IMODE(st.st_mode):o})"
@@ -153,7 +155,7 @@ def pending_restore_note(directory: Path | None = None) -> str | None:
         return None
     lines = []
     for path in files:
-        reason = untrusted_reason(path)
+        reason = untrusted_reason(path, root_too=True)
         try:
             if reason is not None:
                 raise RestoreError(f"restore file refused: {reason}")
@@ -359,10 +361,11 @@ def _restore_one_file(path, simulate, nvml_factory, nvidia_smi, lock_dir, tolera
 # --- files that cannot be trusted or read ----------------------------------------------------
 
 
-def check_restore_file(path: Path) -> FileOutcome | None:
-    """The outcome for a file `restore` must not apply (refused: someone else could write it; damaged: it
-    cannot be parsed, so the original limit is unknown); None when it may be applied."""
-    reason = untrusted_reason(path)
+def check_restore_file(path: Path, root_too: bool = False) -> FileOutcome | None:
+    """The outcome for a file `restore` must not apply (untrusted: someone else could write it; damaged: it
+    cannot be parsed, so the original limit is unknown); None when it may be applied. `root_too`: a
+    root-owned file is believed too (a controller checking for pending records, not applying them)."""
+    reason = untrusted_reason(path, root_too=root_too)
     if reason is not None:
         return FileOutcome(path, "untrusted", f"Not restored: {reason}; powerprof applies only restore files that "
                                             f"no one else could have written. Inspect it; {force_default_help(path)}.")
