@@ -33,7 +33,7 @@ def test_devices_json_on_the_simulator():
     assert info["simulated"] is True
     (g,) = info["gpus"]
     assert g["name"].startswith("Simulated") and g["uuid"].startswith("GPU-")
-    assert (g["limit_min_w"], g["limit_max_w"], g["limit_default_w"], g["power_limit_w"]) == (150, 320, 300, 300)
+    assert (g["min_limit_w"], g["max_limit_w"], g["default_limit_w"], g["power_limit_w"]) == (150, 320, 300, 300)
     assert g["supports"]["energy_counter"] is True
     kinds = {z["zone"]: z["kind"] for z in info["rapl"]["zones"]}
     assert kinds == {"package-0": "package", "dram-0": "dram"}

@@ -104,8 +104,13 @@ def write_outputs(result: AnalysisResult, out: Path, formats=FORMATS, plots: boo
         files["report.html"] = str(out / "report.html")
     files["analysis.json"] = str(out / "analysis.json")
     result.files = files
-    atomic_write_bytes(out / "analysis.json", json.dumps(result.to_dict(), indent=2, default=_json_default).encode())
+    atomic_write_bytes(out / "analysis.json", result_json(result).encode())
     return files
+
+
+def result_json(result: AnalysisResult) -> str:
+    """analysis.json's text, which `analyze --json` prints too."""
+    return json.dumps(result.to_dict(), indent=2, default=_json_default)
 
 
 def _atomic_png(path: Path, draw) -> Path:
@@ -303,8 +308,10 @@ def render_html(result: AnalysisResult, images: dict[str, Path] | None = None) -
     return "\n".join(parts)
 
 
-def console_summary(result: AnalysisResult) -> str:
-    """A compact plain-text summary (levels, sweet spots, recommendation, warnings) for the terminal."""
+def console_summary(result: AnalysisResult, table: bool = True) -> str:
+    """A compact plain-text summary (levels, sweet spots, recommendation, warnings) for the terminal.
+
+    table=False leaves the levels out, for a caller (the sweep) that has printed its own table."""
     sr = result.main
     u = _unit(sr)
     lines = [f"{'level':>8}  {'tok/s':>7}  {'J/token':>8}  {'±CI%':>5}  {'slower':>7}  {'saving':>7}  chosen by"]
@@ -314,7 +321,9 @@ def console_summary(result: AnalysisResult) -> str:
             f"{_f(r['gpu_j_per_token'], '8.3f'):>8}  {_f(r['ci_reached_pct'], '5.1f'):>5}  "
             f"{_f(r['speed_loss_pct'], '6.1f'):>6}%  {_f(r['energy_saving_pct'], '6.1f'):>6}%  {r['chosen_by'] or ''}"
             + ("  [" + r["flags"] + "]" if r["flags"] else ""))
-    lines += ["", recommendation_line(result)]
+    if not table:
+        lines = []
+    lines += ["", recommendation_line(result)] if table else [recommendation_line(result)]
     others = [f"{p} {c.level_value:g}" for p, c in sr.choices.items() if p != sr.primary]
     lines.append("Other policies: " + ", ".join(others) + ".")
     if len(result.series) > 1:
