@@ -371,7 +371,8 @@ def analyze(run_dirs, out_dir, max_slowdown, eta, formats, force, n_boot, as_jso
 
 @main.command()
 @click.argument("src", type=click.Path(path_type=str))
-@click.option("--format", "fmt", type=click.Choice(["csv", "xlsx", "parquet"]), required=True)
+@click.option("--format", "fmt", type=click.Choice(["csv", "xlsx", "parquet"]), required=True,
+              help="csv (one file per table), xlsx (one workbook, a summary sheet first) or parquet.")
 @click.option("--from", "time_from", default=None, help="Only rows at or after this ISO 8601 time (local unless it has an offset).")
 @click.option("--to", "time_to", default=None, help="Only rows before this ISO 8601 time.")
 @click.option("--columns", default=None, help="Comma-separated columns to keep (default: all).")
@@ -579,6 +580,7 @@ def _tag_call(action, name, socket, config_path):
 _tag_opts = [
     click.option("--socket", help="The daemon's tag socket (default: from the config)."),
     click.option("--config", "config_path", type=click.Path(dir_okay=False), help="The daemon's TOML config."),
+    click.option("--json", "as_json", is_flag=True, help=JSON_HELP),
 ]
 
 
@@ -591,18 +593,25 @@ def _with_tag_opts(f):
 @tag_group.command("start")
 @click.argument("name")
 @_with_tag_opts
-def tag_start(name, socket, config_path):
+def tag_start(name, socket, config_path, as_json):
     """Open the window NAME now."""
     _tag_call("start", name, socket, config_path)
+    if as_json:
+        _echo_json({"name": name, "started": True})
+        return
     click.echo(f"tag {name} started")
 
 
 @tag_group.command("stop")
 @click.argument("name")
 @_with_tag_opts
-def tag_stop(name, socket, config_path):
+def tag_stop(name, socket, config_path, as_json):
     """Close the window NAME and print its energy."""
     r = _tag_call("stop", name, socket, config_path)
+    if as_json:
+        _echo_json({"name": name, **{k: r.get(k) for k in ("duration_s", "gpu_energy_j", "cpu_energy_j",
+                                                            "proxy_tokens", "gpu_j_per_token")}})
+        return
     jpt = r.get("gpu_j_per_token")
     click.echo(
         f"tag {name}: {r.get('duration_s') or 0:.2f} s, GPU {r.get('gpu_energy_j') or 0:.1f} J, "
@@ -612,10 +621,20 @@ def tag_stop(name, socket, config_path):
 
 @tag_group.command("list")
 @_with_tag_opts
-def tag_list(socket, config_path):
+def tag_list(socket, config_path, as_json):
     """List open windows."""
-    for n in _tag_call("list", None, socket, config_path).get("open", []):
+    names = _tag_call("list", None, socket, config_path).get("open", [])
+    if as_json:
+        _echo_json({"open": names})
+        return
+    for n in names:
         click.echo(n)
+
+
+def _echo_json(obj) -> None:
+    import json
+
+    click.echo(json.dumps(obj, indent=2))
 
 
 if __name__ == "__main__":
