@@ -98,36 +98,75 @@ def result_console() -> Console:
     return c if c.is_terminal else Console(width=120)
 
 
-def levels_table(levels, unit: str = "W", recommended: float | None = None) -> Table:
+# (header, cell) per column; the optional ones go first, in this order, when the terminal is narrow.
+_COLUMNS = (
+    ("level", lambda r, u: f"{r['level_value']:g} {u}" + (" (ref)" if r.get("reference") else "")),
+    ("enforced\nW", lambda r, u: _f(r.get("enforced_limit_w"), ".0f")),
+    ("tok/s", lambda r, u: _f(r.get("decode_tok_s"), ".1f")),
+    ("slower", lambda r, u: _f(r.get("speed_loss_pct"), ".1f") + "%"),
+    ("J/tok\nGPU", lambda r, u: _f(r.get("gpu_j_per_token"), ".3f")),
+    ("±CI", lambda r, u: _f(r.get("ci_reached_pct"), ".1f") + "%"),
+    ("J/tok\n+CPU", lambda r, u: _f(r.get("total_j_per_token"), ".3f")),
+    ("saving", lambda r, u: _f(r.get("energy_saving_pct"), ".1f") + "%"),
+    ("SM\nMHz", lambda r, u: _f(r.get("sm_clock_mhz"), ".0f")),
+    ("mem\nMHz", lambda r, u: _f(r.get("mem_clock_mhz"), ".0f")),
+    ("flags", lambda r, u: ", ".join(f for f in (r.get("flags") or "").split(",") if f)),
+)
+_DROP_ORDER = ("mem\nMHz", "enforced\nW", "J/tok\n+CPU", "SM\nMHz")
+TITLE = "powerprof sweep: decode only, medians over requests"
+
+
+class LevelsTable:
     """The per-level result table printed at the end of a sweep; `recommended` gets a ★.
 
     Flags are joined with ", " and the column folds, so a long flag list wraps onto more lines
-    instead of being cut with an ellipsis."""
-    t = Table(title="powerprof sweep: decode only, medians over requests", box=box.SIMPLE_HEAD, show_lines=False,
-              padding=(0, 1), collapse_padding=True)
-    heads = ("level", "enforced\nW", "tok/s", "slower", "J/tok\nGPU", "±CI", "J/tok\n+CPU", "saving", "SM\nMHz",
-             "mem\nMHz", "flags")
-    for col in heads:
-        if col == "flags":
-            t.add_column(col, justify="left", overflow="fold", min_width=12)
-        else:
-            t.add_column(col, justify="right", no_wrap=True)
-    for r in levels.to_pylist():
-        mark = f" {CHOSEN}" if recommended is not None and r["level_value"] == recommended else ""
-        t.add_row(
-            f"{r['level_value']:g} {unit}" + (" (ref)" if r.get("reference") else "") + mark,
-            _f(r.get("enforced_limit_w"), ".0f"),
-            _f(r.get("decode_tok_s"), ".1f"),
-            _f(r.get("speed_loss_pct"), ".1f") + "%",
-            _f(r.get("gpu_j_per_token"), ".3f"),
-            _f(r.get("ci_reached_pct"), ".1f") + "%",
-            _f(r.get("total_j_per_token"), ".3f"),
-            _f(r.get("energy_saving_pct"), ".1f") + "%",
-            _f(r.get("sm_clock_mhz"), ".0f"),
-            _f(r.get("mem_clock_mhz"), ".0f"),
-            ", ".join(f for f in (r.get("flags") or "").split(",") if f),
-        )
-    return t
+    instead of being cut with an ellipsis. Where the terminal is too narrow for every column,
+    the least needed ones are left out (and the caption names them) rather than numbers cut."""
+
+    def __init__(self, levels, unit: str = "W", recommended: float | None = None):
+        self.rows = levels.to_pylist()
+        self.unit = unit
+        self.recommended = recommended
+
+    def table(self, dropped: tuple[str, ...] = ()) -> Table:
+        cols = [c for c in _COLUMNS if c[0] not in dropped]
+        caption = ("left out for width: " + ", ".join(d.replace("\n", " ") for d in dropped)) if dropped else None
+        t = Table(title=TITLE, caption=caption, box=box.SIMPLE_HEAD, padding=(0, 1), collapse_padding=True)
+        for head, _ in cols:
+            if head == "flags":
+                t.add_column(head, justify="left", overflow="fold", min_width=12)
+            else:
+                t.add_column(head, justify="right", no_wrap=True)
+        for r in self.rows:
+            cells = [cell(r, self.unit) for _, cell in cols]
+            if self.recommended is not None and r["level_value"] == self.recommended:
+                cells[0] += f" {CHOSEN}"
+            t.add_row(*cells)
+        return t
+
+    def width_needed(self, dropped: tuple[str, ...] = ()) -> int:
+        """Columns at full width (flags at their longest single flag), one space each side, and the edges."""
+        total = 2
+        for head, cell in _COLUMNS:
+            if head in dropped:
+                continue
+            cells = [cell(r, self.unit) + (f" {CHOSEN}" if head == "level" else "") for r in self.rows]
+            if head == "flags":
+                w = max([12] + [len(f) + 1 for c in cells for f in c.split(", ")])
+            else:
+                w = max([len(x) for x in head.split("\n")] + [len(c) for c in cells])
+            total += w + 2
+        return total
+
+    def __rich_console__(self, console, options):
+        for k in range(len(_DROP_ORDER) + 1):
+            if self.width_needed(_DROP_ORDER[:k]) <= options.max_width:
+                break
+        yield self.table(_DROP_ORDER[:k])
+
+
+def levels_table(levels, unit: str = "W", recommended: float | None = None) -> LevelsTable:
+    return LevelsTable(levels, unit, recommended)
 
 
 def curves(result) -> Curves:
@@ -137,9 +176,10 @@ def curves(result) -> Curves:
     rows = sr.table.to_pylist()
     x = tuple(float(r["level_value"]) for r in rows)
     rec = sr.recommendation
+    what = f"SM clock ({unit})" if unit == "MHz" else f"limit ({unit})"
     panels = [
-        Panel("GPU J/token (lower is better)", x, tuple(r["gpu_j_per_token"] for r in rows), rec.level_value, unit),
-        Panel("decode tok/s (higher is better)", x, tuple(r["decode_tok_s"] for r in rows), rec.level_value, unit,
+        Panel(f"GPU J/token vs {what}", x, tuple(r["gpu_j_per_token"] for r in rows), rec.level_value, unit),
+        Panel(f"decode tok/s vs {what}", x, tuple(r["decode_tok_s"] for r in rows), rec.level_value, unit,
               y_format=".4g"),
     ]
     legend = (f"[bold red]{CHOSEN}[/] recommended {rec.recommended_value:g} {unit} ({rec.policy})   "
