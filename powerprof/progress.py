@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import os
 import time
 
 from rich import box
@@ -93,9 +94,10 @@ class RichSweepUI(UI):
 
 
 def result_console() -> Console:
-    """stdout; a log file or pipe gets 120 columns so the table is not squeezed to 80."""
+    """stdout; a log file or pipe gets 120 columns so the table is not squeezed to 80, unless
+    $COLUMNS says otherwise."""
     c = Console()
-    return c if c.is_terminal else Console(width=120)
+    return c if c.is_terminal or os.environ.get("COLUMNS") else Console(width=120)
 
 
 # (header, cell) per column; the optional ones go first, in this order, when the terminal is narrow.

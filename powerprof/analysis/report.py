@@ -284,7 +284,7 @@ def _html_table(head, rows) -> str:
 
 def _img(path: Path, alt: str) -> str:
     data = base64.b64encode(Path(path).read_bytes()).decode()
-    return f'<figure><img alt="{html.escape(alt)}" src="data:image/png;base64,{data}"></figure>'
+    return f'<figure id="{html.escape(alt)}"><img alt="{html.escape(alt)}" src="data:image/png;base64,{data}"></figure>'
 
 
 # Plots fill the text column (up to their 990 px native width), whatever the window size.
