@@ -196,6 +196,6 @@ def end_screen(levels, result, unit: str) -> Group:
     rec = result.main.recommendation.level_value if result.series else None
     parts = [levels_table(levels, unit, recommended=rec)]
     if result.series:
-        parts += [curves(result), Text("")]
+        parts += [Text(""), curves(result), Text("")]
     parts.append(Text(console_summary(result, table=False)))
     return Group(*parts)
