@@ -249,6 +249,8 @@ def _workload_options(f):
     for o in reversed(_WORKLOAD_OPTIONS):
         f = o(f)
     return f
+
+
 # --- workload: measure (inference-server clients, simulated server, launcher) ------------------
 
 
