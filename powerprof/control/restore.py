@@ -189,6 +189,20 @@ class RestoreReport:
                 out.append(f"  GPU {g.index} ({g.uuid}): power limit {g.limit_w:g} W (original {g.original_w:g} W){clocks}")
         return out
 
+    def to_dict(self) -> dict:
+        """`powerprof restore --json`: stable keys, one entry per restore file."""
+        return {
+            "ok": self.ok,
+            "searched": None if self.searched is None else str(self.searched),
+            "notes": list(self.notes),
+            "files": [
+                {"path": str(o.path), "status": o.status, "message": o.message,
+                 "gpus": [{"index": g.index, "uuid": g.uuid, "limit_w": g.limit_w, "original_limit_w": g.original_w,
+                           "clocks_released": g.clocks_released} for g in o.gpus]}
+                for o in self.outcomes
+            ],
+        }
+
 
 def _real_nvml(record: dict):
     import pynvml

@@ -425,8 +425,28 @@ class Daemon:
             log.warning("cannot write %s: %s", Path(data_dir) / "daemon.json", e)
 
 
+TERMINAL_LOG_FORMAT = "%(asctime)s powerprof[%(process)d] %(levelname)s %(name)s: %(message)s"
+JOURNAL_LOG_FORMAT = "%(levelname)s %(name)s: %(message)s"  # journald stamps time, unit and PID itself
+
+
+def under_journald(env=None, stderr_fd: int = 2) -> bool:
+    """True when stderr is the journal's stream: systemd sets JOURNAL_STREAM to its device:inode
+    (a child that inherits the variable but writes elsewhere, e.g. a terminal, does not match)."""
+    env = os.environ if env is None else env
+    want = env.get("JOURNAL_STREAM", "")
+    try:
+        st = os.fstat(stderr_fd)
+    except OSError:
+        return False
+    return bool(want) and want == f"{st.st_dev}:{st.st_ino}"
+
+
+def log_format(env=None, stderr_fd: int = 2) -> str:
+    return JOURNAL_LOG_FORMAT if under_journald(env, stderr_fd) else TERMINAL_LOG_FORMAT
+
+
 def main(cfg: Config, rig, config_path=None, overrides=None, extra_collectors=()) -> int:
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s powerprof[%(process)d] %(levelname)s %(name)s: %(message)s")
+    logging.basicConfig(level=logging.INFO, format=log_format())
     logging.getLogger("aiohttp.access").setLevel(logging.WARNING)  # one line per proxied request is noise
     d = Daemon(cfg, rig, extra_collectors=extra_collectors, config_path=config_path, overrides=overrides)
     try:

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import uuid
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Sequence
 
@@ -45,6 +45,18 @@ class MeasureResult:
     notes: list[str] = field(default_factory=list)
     out_path: Path | None = None
     aborted: str | None = None
+
+    def to_dict(self) -> dict:
+        """`powerprof measure --json`: stable keys; per-request rows stay in windows.parquet."""
+        s = self.server
+        return {
+            "server": {"kind": s.kind, "api": s.api, "model": s.model, "build_info": s.build_info,
+                       "base_url": s.base_url, "simulated": s.simulated},
+            "concurrencies": [asdict(m) for m in self.summaries],
+            "notes": list(self.notes),
+            "windows_path": None if self.out_path is None else str(self.out_path / "windows.parquet"),
+            "aborted": self.aborted,
+        }
 
 
 def summarise(rows: list[dict]) -> list[Summary]:
