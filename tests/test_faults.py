@@ -31,11 +31,13 @@ from daemon_helpers import DaemonProc, read_dataset, sim_env
 from powerprof.cli import main
 from powerprof.control.controller import LimitController
 from powerprof.control.errors import PendingRestoreError
-from powerprof.control.restore import ROOT_STATE_DIR, default_restore_path, restore_from_file
+from powerprof.control.restore import default_restore_path, restore_from_file
+from powerprof.paths import ROOT_STATE_DIR
 from powerprof.daemon.config import ConfigError, load_config
 from powerprof.daemon.proxy import Proxy
 from powerprof.daemon.service import Daemon, datasets
 from powerprof.daemon.store import ROW_BYTES_EST, Dataset, DatasetStore, Flusher, buffer_cap_rows
+from powerprof.rig import Rig
 from powerprof.sim.nvml import SimNVML
 from powerprof.storage.schema import DAEMON_REQUESTS
 from powerprof.workload.client import RequestParams, ServerInfo, detect_server, send_request
@@ -242,11 +244,11 @@ def test_f2_sweep_keeps_finished_levels_when_the_server_sends_an_overflowing_cou
 
     monkeypatch.setattr(sim_server, "SimServer", Overflowing)
     out = tmp_path / "run"
-    outcome = run_sweep(
-        levels_spec="200,300", simulate="seed-16g", sim_nvml=SimNVML("seed-16g", state_path=tmp_path / "sim.json"),
-        out_dir=out, params=RequestParams(max_tokens=16), idle_s=0, interval_s=0.2, min_requests=4, max_requests=4,
-        warmup_requests=1,
-    )
+    with Rig("seed-16g", nvml=SimNVML("seed-16g", state_path=tmp_path / "sim.json")) as rig:
+        outcome = run_sweep(
+            rig, levels_spec="200,300", out_dir=out, params=RequestParams(max_tokens=16), idle_s=0, interval_s=0.2,
+            min_requests=4, max_requests=4, warmup_requests=1,
+        )
     assert Overflowing.n >= 8
     levels = pq.read_table(out / "levels.parquet").to_pylist()
     assert sorted(r["level_value"] for r in levels) == [200.0, 300.0]
@@ -261,9 +263,10 @@ def test_f2_measure_records_the_bad_request_as_failed_and_writes_the_rest(tmp_pa
     from powerprof.workload.load import Prompt
     from powerprof.workload.measure import run_measure
 
-    res = run_measure(url=hostile.url, simulate=None, out_dir=tmp_path / "m", api="llamacpp",
-                      prompts=[Prompt("n", "normal"), Prompt("h", "huge")], n_requests=2, concurrencies=[1],
-                      params=QUICK, warmup=0)
+    with Rig(None) as rig:
+        res = run_measure(rig, url=hostile.url, out_dir=tmp_path / "m", api="llamacpp",
+                          prompts=[Prompt("n", "normal"), Prompt("h", "huge")], n_requests=2, concurrencies=[1],
+                          params=QUICK, warmup=0)
     rows = pq.read_table(res.out_path / "windows.parquet").to_pylist()
     st = {r["prompt_id"]: r for r in rows if r["window_kind"] == "request" and r["attempt"] == 1}
     assert st["h"]["status"] == "failed" and "invalid tokens_predicted" in st["h"]["error"]
@@ -566,7 +569,7 @@ def test_slow_request_heads_are_cut_after_the_header_timeout(tmp_path):
 def test_buffered_rows_fit_within_half_the_units_memory_max():
     import tracemalloc
 
-    from powerprof.daemon.ledger import Ledger
+    from powerprof.daemon.ledger import Ledger, _Req
     from powerprof.daemon.proxy import RequestTrace
 
     mem_max = 512 << 20
@@ -582,8 +585,7 @@ def test_buffered_rows_fit_within_half_the_units_memory_max():
         tr = RequestTrace(i, "POST", "/v1/completions", f"tag-{i % 7}", time.monotonic_ns(), time.time_ns(),
                           api="openai-completions", model="some-model-name", status=200, first_ns=1, first_wall_ns=1,
                           last_ns=2, last_wall_ns=2, end_ns=3, end_wall_ns=3, tokens_seen=100, response_bytes=12345)
-        rows.append(led._request_row(type("R", (), {"trace": tr, "gpu_j": 1.5, "cpu_j": 0.5, "cpu_known": True,
-                                                     "tokens": 99.0})()))
+        rows.append(led._request_row(_Req(tr, gpu_j=1.5, cpu_j=0.5, cpu_known=True, tokens=99.0)))
     per_row = (tracemalloc.get_traced_memory()[0] - base) / 2000
     tracemalloc.stop()
     assert per_row < ROW_BYTES_EST, per_row
@@ -629,7 +631,7 @@ def test_watchdog_pings_only_while_the_writer_lives(tmp_path, monkeypatch):
     monkeypatch.setenv("WATCHDOG_USEC", "200000")
     monkeypatch.delenv("WATCHDOG_PID", raising=False)
     try:
-        d = Daemon(load_config(None, env={}), nvml=None)
+        d = Daemon(load_config(None, env={}), rig=None)
         assert d._wd_period == pytest.approx(0.1)
         store = DatasetStore(tmp_path / "data", [Dataset("requests", DAEMON_REQUESTS, "t_arrival_utc")])
         d.store, d.flusher = store, Flusher(store, interval_s=0.05).start()

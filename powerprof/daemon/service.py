@@ -26,10 +26,9 @@ from pathlib import Path
 import aiohttp
 from aiohttp import web
 
-from powerprof.collectors.sources import open_sources
 from powerprof.collectors.sampler import Sample, Sampler
-from powerprof.profiler import cpu_energy_from_rapl
 from powerprof.storage.atomic import atomic_path
+from powerprof.storage.samples import sample_rows
 
 from . import sdnotify
 from .config import Config, ConfigError, is_loopback, listen_host, load_config
@@ -37,7 +36,6 @@ from .guard import ConnectionGuard
 from .ledger import Ledger
 from .metrics import GpuSnapshot, Snapshot, TagLimiter, make_registry, render
 from .proxy import Proxy, RequestTrace
-from .rows import sample_rows
 from .scrape import Scraper
 from .store import Dataset, DatasetStore, Flusher, buffer_cap_rows
 from .tagapi import tag_app
@@ -62,12 +60,10 @@ def datasets() -> list[Dataset]:
     ]
 
 
-def restore_pending(simulate: str | None) -> None:
+def restore_pending(rig) -> None:
     """Put back power limits a crashed sweep left behind, and say so in the log."""
-    from powerprof.control.restore import restore_from_file
-
     try:
-        report = restore_from_file(simulate=simulate)
+        report = rig.restore()
     except Exception as e:
         log.error("restoring the limits left by a crashed sweep failed: %s: %s", type(e).__name__, e)
         return
@@ -126,19 +122,19 @@ class Daemon:
     def __init__(
         self,
         cfg: Config,
-        nvml,
+        rig,
         extra_collectors=(),
         config_path: str | None = None,
         overrides: dict | None = None,
-        simulate: str | None = None,
         store_write=None,
     ):
+        """`rig`: the door (powerprof.rig.Rig) that opens the GPUs, RAPL and, where it has one, a
+        default upstream; the daemon never knows whether they are real."""
         self.cfg = cfg
-        self.nvml = nvml
+        self.rig = rig
         self.extra_collectors = list(extra_collectors)
         self.config_path = config_path
         self.overrides = overrides or {}
-        self.simulate = simulate
         self.store_write = store_write
         self.daemon_id = uuid.uuid4().hex[:12]
         self.samples: deque[Sample] = deque()
@@ -149,7 +145,6 @@ class Daemon:
         self.reload_requested = False
         self.urls: dict[str, str] = {}
         self._runners: list[web.AppRunner] = []
-        self.sim = None
         self.guard: ConnectionGuard | None = None
         self._lock_fd: int | None = None
         self._wd_period = sdnotify.watchdog_period_s()
@@ -225,7 +220,7 @@ class Daemon:
                 self.ledger.add_gpu_sample(s.t_mono_ns, s.t_wall_ns, s.data)
                 self.latest_gpu = s
             elif s.source == "rapl":
-                self.ledger.add_cpu_sample(s.t_mono_ns, cpu_energy_from_rapl(s.data))
+                self.ledger.add_rapl_sample(s.t_mono_ns, s.data)
         self.store.append("samples", rows)
 
     def _update_snapshot(self) -> None:
@@ -409,9 +404,9 @@ class Daemon:
         cfg = self.cfg
         logging.getLogger("powerprof").setLevel(cfg.get("daemon", "log_level").upper())
         if cfg.get("daemon", "restore_on_start"):
-            restore_pending(self.simulate)
+            restore_pending(self.rig)
         try:
-            self.sources = open_sources(self.simulate, cfg.get("daemon", "gpus") or None, nvml=self.nvml)
+            self.sources = self.rig.sources
         except ValueError as e:
             raise StartupError(str(e)) from None
         for p in self.sources.problems:
@@ -420,13 +415,13 @@ class Daemon:
         try:
             self._lock_fd = lock_data_dir(data_dir)
         except OSError as e:
-            self.sources.close()
+            self.rig.close()
             raise StartupError(f"cannot use data dir {data_dir}: {e}") from None
         except StartupError:
-            self.sources.close()
+            self.rig.close()
             raise
         if self.sources.nvml is None:
-            self.sources.close()
+            self.rig.close()
             raise StartupError("no GPU to sample: " + "; ".join(p.message for p in self.sources.problems if p.source == "nvml"))
         self.collector = self.sources.nvml
         self.gpu_uuids = {i.index: i.uuid for i in self.collector.infos}
@@ -454,13 +449,10 @@ class Daemon:
         self.guard = ConnectionGuard(cfg.get("proxy", "header_timeout_s"), cfg.get("proxy", "idle_timeout_s"))
         try:
             upstream = cfg.get("proxy", "upstream")
-            if self.simulate and not upstream:
-                from powerprof.sim.server import SimServer
-
-                # Its own thread and loop, as a separate server would be; it drives our simulated GPUs.
-                self.sim = SimServer(nvml=self.collector.nvml, flavour="vllm", n_slots=64).start()
-                upstream = self.sim.url
-                self.urls["sim_upstream"] = upstream
+            if not upstream:
+                upstream = self.rig.default_upstream()
+                if upstream:
+                    self.urls["sim_upstream"] = upstream
             listen = cfg.get("proxy", "listen")
             if listen and upstream:
                 self.proxy = Proxy(
@@ -532,10 +524,7 @@ class Daemon:
                 self.flusher.stop()
                 if self.store.buffered():
                     log.error("%d rows could not be written at shutdown (%s)", self.store.buffered(), self.store.last_error)
-            if self.sim is not None:
-                self.sim.stop()
-            if hasattr(self, "sources"):
-                self.sources.close()
+            self.rig.close()
             if self._lock_fd is not None:
                 os.close(self._lock_fd)
                 self._lock_fd = None
@@ -554,15 +543,34 @@ class Daemon:
             log.warning("cannot write %s: %s", Path(data_dir) / "daemon.json", e)
 
 
-def main(cfg: Config, nvml, config_path=None, overrides=None, simulate: str | None = None, extra_collectors=()) -> int:
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s powerprof[%(process)d] %(levelname)s %(name)s: %(message)s")
+TERMINAL_LOG_FORMAT = "%(asctime)s powerprof[%(process)d] %(levelname)s %(name)s: %(message)s"
+JOURNAL_LOG_FORMAT = "%(levelname)s %(name)s: %(message)s"  # journald stamps time, unit and PID itself
+
+
+def under_journald(env=None, stderr_fd: int = 2) -> bool:
+    """True when stderr is the journal's stream: systemd sets JOURNAL_STREAM to its device:inode
+    (a child that inherits the variable but writes elsewhere, e.g. a terminal, does not match)."""
+    env = os.environ if env is None else env
+    want = env.get("JOURNAL_STREAM", "")
+    try:
+        st = os.fstat(stderr_fd)
+    except OSError:
+        return False
+    return bool(want) and want == f"{st.st_dev}:{st.st_ino}"
+
+
+def log_format(env=None, stderr_fd: int = 2) -> str:
+    return JOURNAL_LOG_FORMAT if under_journald(env, stderr_fd) else TERMINAL_LOG_FORMAT
+
+
+def main(cfg: Config, rig, config_path=None, overrides=None, extra_collectors=()) -> int:
+    logging.basicConfig(level=logging.INFO, format=log_format())
     logging.getLogger("aiohttp.access").setLevel(logging.WARNING)  # one line per proxied request is noise
     # Until run() installs the loop's handlers, a SIGINT is only noted (then stops the daemon cleanly): the
     # default handler would raise KeyboardInterrupt mid-startup, with a traceback and orphaned tasks.
     early: list[int] = []
     signal.signal(signal.SIGINT, lambda signum, _frame: early.append(signum))
-    d = Daemon(cfg, nvml, extra_collectors=extra_collectors, config_path=config_path, overrides=overrides,
-               simulate=simulate)
+    d = Daemon(cfg, rig, extra_collectors=extra_collectors, config_path=config_path, overrides=overrides)
     d.early_signals = early
     try:
         return asyncio.run(d.run())

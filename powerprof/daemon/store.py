@@ -37,6 +37,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from powerprof.storage.atomic import atomic_path, fsync_dir
+from powerprof.storage.schema import rows_to_table
 
 log = logging.getLogger("powerprof.daemon.store")
 
@@ -47,18 +48,6 @@ ROW_BYTES_EST = 2048
 MAX_BUFFERED_ROWS = 500_000
 PART_PREFIX = "part-"
 COMPACT_PREFIX = "compact-"
-
-
-def to_table(schema: pa.Schema, rows: list[dict]) -> pa.Table:
-    """Rows → table; timestamp columns take integer nanoseconds (UTC), missing keys are null."""
-    cols = {}
-    for f in schema:
-        vals = [r.get(f.name) for r in rows]
-        if pa.types.is_timestamp(f.type):
-            cols[f.name] = pa.array([None if v is None else v // 1000 for v in vals], pa.int64()).cast(f.type)
-        else:
-            cols[f.name] = pa.array(vals, f.type)
-    return pa.Table.from_pydict(cols, schema=schema)
 
 
 def buffer_cap_rows(memory_max_bytes: int | None, n_datasets: int, share: float = 0.5) -> int:
@@ -133,7 +122,7 @@ class DatasetStore:
         import io
 
         for d in self.datasets.values():
-            pq.write_table(to_table(d.schema, [{}]), io.BytesIO(), compression="zstd")
+            pq.write_table(rows_to_table(d.schema, [{}]), io.BytesIO(), compression="zstd")
 
     # --- rows in ----------------------------------------------------------------------------
 
@@ -197,7 +186,7 @@ class DatasetStore:
         bad = []
         for r in rows:
             try:
-                to_table(ds.schema, [r])
+                rows_to_table(ds.schema, [r])
             except Exception:
                 bad.append(r)
         ids = {id(r) for r in bad}
@@ -249,7 +238,7 @@ class DatasetStore:
             by_date.setdefault(date_of(r.get(ds.time_column)), []).append(r)
         # Every table is built before any file is written: a row that cannot convert fails the batch
         # before part of it is on disk (its retry would write that part twice).
-        tables = [(day, to_table(ds.schema, part)) for day, part in sorted(by_date.items())]
+        tables = [(day, rows_to_table(ds.schema, part)) for day, part in sorted(by_date.items())]
         for day, table in tables:
             d = self.root / ds.name / f"date={day}"
             if not d.exists():
