@@ -59,7 +59,7 @@ class HostileServer:
             for _ in range(200):  # 200 MiB if the client reads it all
                 await resp.write(chunk)
                 self.bytes_sent["props"] += len(chunk)
-        except (ConnectionResetError, RuntimeError):
+        except (ConnectionError, RuntimeError):
             pass
         return resp
 
@@ -84,7 +84,7 @@ class HostileServer:
                      "tokens_evaluated": 4, "timings": {"predicted_n": 3, "prompt_n": 4, "predicted_ms": 10.0}}
             final.update(HOSTILE_FINALS.get(prompt, {}))
             await resp.write(f"data: {json.dumps(final)}\n\n".encode())
-        except (ConnectionResetError, RuntimeError):
+        except (ConnectionError, RuntimeError):
             pass
         return resp
 
