@@ -151,6 +151,20 @@ class Daemon:
         self._wd_next = 0.0
         self._wd_bad = False
         self.early_signals: list[int] = []  # SIGINTs that came before the loop's handlers
+        # Opened by run(): collectors, the store and its writer, the ledger, the sampler, listeners.
+        self.sources = None
+        self.collector = None
+        self.gpu_uuids: dict[int, str] = {}
+        self.t0_ns = 0
+        self.store: DatasetStore | None = None
+        self.ledger: Ledger | None = None
+        self.tags: TagLimiter | None = None
+        self.flusher: Flusher | None = None
+        self.sampler: Sampler | None = None
+        self.proxy: Proxy | None = None
+        self.scraper: Scraper | None = None
+        self.latest_gpu: Sample | None = None
+        self._tasks: list[asyncio.Task] = []
 
     # --- recorder: the ledger plus the metric counters -----------------------------------------
 
@@ -393,6 +407,22 @@ class Daemon:
             log.error("tag API disabled: cannot open %s: %s", path, e)
 
     async def run(self) -> int:
+        """Open everything, serve until SIGTERM/SIGINT, then close every interval, flush and exit 0."""
+        self._install_signal_handlers()
+        logging.getLogger("powerprof").setLevel(self.cfg.get("daemon", "log_level").upper())
+        data_dir = self._open()
+        session = aiohttp.ClientSession()
+        self.guard = ConnectionGuard(self.cfg.get("proxy", "header_timeout_s"), self.cfg.get("proxy", "idle_timeout_s"))
+        try:
+            await self._start(session, data_dir)
+            await self.stop_event.wait()
+            log.info("stopping: flushing data")
+        finally:
+            await self._shutdown(session)
+        log.info("stopped")
+        return EXIT_OK
+
+    def _install_signal_handlers(self) -> None:
         self.stop_event = asyncio.Event()
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGTERM, signal.SIGINT):
@@ -401,8 +431,11 @@ class Daemon:
         if self.early_signals:
             log.info("signal received during start-up: stopping")
             self.stop_event.set()
+
+    def _open(self) -> Path:
+        """Restore what a crashed sweep left, open the collectors, lock the data dir, build the
+        store, ledger and sampler. StartupError (with everything closed again) when it cannot."""
         cfg = self.cfg
-        logging.getLogger("powerprof").setLevel(cfg.get("daemon", "log_level").upper())
         if cfg.get("daemon", "restore_on_start"):
             restore_pending(self.rig)
         try:
@@ -425,7 +458,6 @@ class Daemon:
             raise StartupError("no GPU to sample: " + "; ".join(p.message for p in self.sources.problems if p.source == "nvml"))
         self.collector = self.sources.nvml
         self.gpu_uuids = {i.index: i.uuid for i in self.collector.infos}
-        self.latest_gpu = None
         self.t0_ns = time.monotonic_ns()
         kwargs = {"write_file": self.store_write} if self.store_write else {}
         self.store = DatasetStore(
@@ -442,94 +474,94 @@ class Daemon:
         self.flusher = Flusher(self.store, cfg.get("daemon", "flush_interval_s"), cfg.get("daemon", "compact_interval_s"))
         self.sampler = Sampler(self.sources.collectors + self.extra_collectors, interval_s=cfg.get("daemon", "interval_s"))
         self.sampler.subscribe(self._on_sample)
-        self.proxy = None
-        self.scraper = None
-        session = aiohttp.ClientSession()
-        tasks = []
-        self.guard = ConnectionGuard(cfg.get("proxy", "header_timeout_s"), cfg.get("proxy", "idle_timeout_s"))
-        try:
-            upstream = cfg.get("proxy", "upstream")
-            if not upstream:
-                upstream = self.rig.default_upstream()
-                if upstream:
-                    self.urls["sim_upstream"] = upstream
-            listen = cfg.get("proxy", "listen")
-            if listen and upstream:
-                self.proxy = Proxy(
-                    upstream,
-                    recorder=self,
-                    tag_header=cfg.get("proxy", "tag_header"),
-                    read_timeout_s=cfg.get("proxy", "read_timeout_s"),
-                    connect_timeout_s=cfg.get("proxy", "connect_timeout_s"),
-                    max_connections=cfg.get("proxy", "max_connections"),
-                    body_timeout_s=cfg.get("proxy", "body_timeout_s"),
-                )
-                self.urls["proxy"] = await self._serve(self.proxy.app(), listen, "proxy")
-            elif listen:
-                log.warning("proxy disabled: no proxy.upstream configured")
-            if cfg.get("metrics", "listen"):
-                registry = make_registry(self)
+        return data_dir
 
-                async def metrics(_request):
-                    body = await asyncio.get_running_loop().run_in_executor(None, render, registry)
-                    return web.Response(body=body, headers={"Content-Type": "text/plain; version=0.0.4; charset=utf-8"})
-
-                mapp = web.Application()
-                mapp.router.add_get("/metrics", metrics)
-                self.urls["metrics"] = await self._serve(mapp, cfg.get("metrics", "listen"), "metrics endpoint")
-            scrape_url = cfg.get("scrape", "url") or upstream
-            if scrape_url and cfg.get("scrape", "server") != "none":
-                self.scraper = Scraper(session, scrape_url, cfg.get("scrape", "server"))
-            await self._serve_tags()
-            self.sampler.start()
-            self.flusher.start()
-            tasks.append(asyncio.create_task(self._tick_loop()))
-            if self.scraper is not None:
-                tasks.append(asyncio.create_task(self._scrape_loop()))
-            log.info(
-                "powerprof daemon %s running: %d GPU(s), every %.2f s, data in %s, %s",
-                self.daemon_id, len(self.collector.infos), cfg.get("daemon", "interval_s"), data_dir,
-                ", ".join(f"{k} {v}" for k, v in self.urls.items()),
+    async def _start(self, session: aiohttp.ClientSession, data_dir: Path) -> None:
+        """Listeners (proxy, /metrics, tag socket), the sampler, the writer and the loops."""
+        cfg = self.cfg
+        upstream = cfg.get("proxy", "upstream")
+        if not upstream:
+            upstream = self.rig.default_upstream()
+            if upstream:
+                self.urls["sim_upstream"] = upstream
+        listen = cfg.get("proxy", "listen")
+        if listen and upstream:
+            self.proxy = Proxy(
+                upstream,
+                recorder=self,
+                tag_header=cfg.get("proxy", "tag_header"),
+                read_timeout_s=cfg.get("proxy", "read_timeout_s"),
+                connect_timeout_s=cfg.get("proxy", "connect_timeout_s"),
+                max_connections=cfg.get("proxy", "max_connections"),
+                body_timeout_s=cfg.get("proxy", "body_timeout_s"),
             )
-            self._write_urls(data_dir)
-            sdnotify.notify("READY=1")
-            await self.stop_event.wait()
-            log.info("stopping: flushing data")
-        finally:
-            self.stop_event.set()
-            for t in tasks:
-                try:
-                    await asyncio.wait_for(t, 5)
-                except (asyncio.TimeoutError, asyncio.CancelledError):
-                    pass
-                except Exception:
-                    log.exception("task failed at shutdown")
-            sdnotify.notify("STOPPING=1")
-            await self.guard.stop()
-            for r in reversed(self._runners):
-                try:
-                    await r.cleanup()
-                except Exception:
-                    log.exception("closing a listener failed")
-            await session.close()
-            if hasattr(self, "sampler") and self.sampler._threads:
-                self.sampler.stop()
-                try:
-                    self.sampler.sample_now("shutdown", sources=["nvml"])
-                except Exception:
-                    pass
-            if hasattr(self, "flusher"):
-                self._drain()
-                self.ledger.close_all(time.monotonic_ns())
-                self.flusher.stop()
-                if self.store.buffered():
-                    log.error("%d rows could not be written at shutdown (%s)", self.store.buffered(), self.store.last_error)
-            self.rig.close()
-            if self._lock_fd is not None:
-                os.close(self._lock_fd)
-                self._lock_fd = None
-        log.info("stopped")
-        return EXIT_OK
+            self.urls["proxy"] = await self._serve(self.proxy.app(), listen, "proxy")
+        elif listen:
+            log.warning("proxy disabled: no proxy.upstream configured")
+        if cfg.get("metrics", "listen"):
+            self.urls["metrics"] = await self._serve(self._metrics_app(), cfg.get("metrics", "listen"), "metrics endpoint")
+        scrape_url = cfg.get("scrape", "url") or upstream
+        if scrape_url and cfg.get("scrape", "server") != "none":
+            self.scraper = Scraper(session, scrape_url, cfg.get("scrape", "server"))
+        await self._serve_tags()
+        self.sampler.start()
+        self.flusher.start()
+        self._tasks.append(asyncio.create_task(self._tick_loop()))
+        if self.scraper is not None:
+            self._tasks.append(asyncio.create_task(self._scrape_loop()))
+        log.info(
+            "powerprof daemon %s running: %d GPU(s), every %.2f s, data in %s, %s",
+            self.daemon_id, len(self.collector.infos), cfg.get("daemon", "interval_s"), data_dir,
+            ", ".join(f"{k} {v}" for k, v in self.urls.items()),
+        )
+        self._write_urls(data_dir)
+        sdnotify.notify("READY=1")
+
+    def _metrics_app(self) -> web.Application:
+        registry = make_registry(self)
+
+        async def metrics(_request):
+            body = await asyncio.get_running_loop().run_in_executor(None, render, registry)
+            return web.Response(body=body, headers={"Content-Type": "text/plain; version=0.0.4; charset=utf-8"})
+
+        app = web.Application()
+        app.router.add_get("/metrics", metrics)
+        return app
+
+    async def _shutdown(self, session: aiohttp.ClientSession) -> None:
+        """Stop the loops and listeners, take a last sample, close every interval, flush, release."""
+        self.stop_event.set()
+        for t in self._tasks:
+            try:
+                await asyncio.wait_for(t, 5)
+            except (asyncio.TimeoutError, asyncio.CancelledError):
+                pass
+            except Exception:
+                log.exception("task failed at shutdown")
+        sdnotify.notify("STOPPING=1")
+        await self.guard.stop()
+        for r in reversed(self._runners):
+            try:
+                await r.cleanup()
+            except Exception:
+                log.exception("closing a listener failed")
+        await session.close()
+        if self.sampler is not None and self.sampler._threads:
+            self.sampler.stop()
+            try:
+                self.sampler.sample_now("shutdown", sources=["nvml"])
+            except Exception:
+                pass
+        if self.flusher is not None:
+            self._drain()
+            self.ledger.close_all(time.monotonic_ns())
+            self.flusher.stop()
+            if self.store.buffered():
+                log.error("%d rows could not be written at shutdown (%s)", self.store.buffered(), self.store.last_error)
+        self.rig.close()
+        if self._lock_fd is not None:
+            os.close(self._lock_fd)
+            self._lock_fd = None
 
     def _write_urls(self, data_dir: Path) -> None:
         """Where each listener ended up (port 0 picks one): for tests, scripts and the operator."""
