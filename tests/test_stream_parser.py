@@ -202,6 +202,8 @@ COUNT_ONLY_CASES = {
         {"content": "", "tokens": [], "stop": False, "tokens_predicted": 3},
         {"content": "x\"tokens\":[1,2]", "tokens": [4], "stop": False},
         {"content": "old", "stop": False, "tokens_predicted": 6},  # old build: no tokens array
+        {"content": "z", "tokens": [9], "stop": False, "tokens_predicted": -3},  # invalid: recorded
+        {"content": "z", "tokens": [9], "stop": False, "tokens_predicted": 7.5},
         {"content": "", "tokens": [], "stop": True, "stop_type": "eos", "model": "m.gguf", "tokens_predicted": 7,
          "timings": {"prompt_n": 3, "predicted_n": 7}},
     ),

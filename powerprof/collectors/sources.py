@@ -163,9 +163,10 @@ def describe(src: Sources) -> dict:
                     "memory_total_bytes": info.memory_total_bytes,
                     "power_limit_w": r.power_limit_w,
                     "enforced_limit_w": r.enforced_limit_w,
-                    "limit_default_w": info.limit_default_w,
-                    "limit_min_w": info.limit_min_w,
-                    "limit_max_w": info.limit_max_w,
+                    # The same names as run.json's, so one script reads both.
+                    "default_limit_w": info.limit_default_w,
+                    "min_limit_w": info.limit_min_w,
+                    "max_limit_w": info.limit_max_w,
                     "supports": dict(info.supports),
                 }
             )

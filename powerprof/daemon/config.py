@@ -6,6 +6,7 @@ are rejected at start (and at SIGHUP reload) with a message naming the key, befo
 
 from __future__ import annotations
 
+import ipaddress
 import os
 import sys
 from dataclasses import dataclass
@@ -24,7 +25,18 @@ ENV_PREFIX = "POWERPROF_"
 
 
 class ConfigError(ValueError):
-    """A bad config: the message names the key and says what is accepted."""
+    """A bad config: the message names the key and says what is accepted (every bad key, one per line)."""
+
+    def __init__(self, message: str, errors: list[str] | None = None):
+        super().__init__(message)
+        self.errors = errors or [message]
+
+
+def _raise_all(errors: list[str]) -> None:
+    if len(errors) == 1:
+        raise ConfigError(errors[0])
+    if errors:
+        raise ConfigError(f"{len(errors)} config errors:\n  " + "\n  ".join(errors), errors)
 
 
 def _listen(v: str) -> str:
@@ -35,7 +47,26 @@ def _listen(v: str) -> str:
     host, sep, port = v.rpartition(":")
     if not sep or not port.isdigit() or not 0 <= int(port) <= 65535 or not host:
         raise ValueError("expected HOST:PORT (port 0-65535), e.g. 127.0.0.1:9464, or empty to disable")
+    if ":" in host and not (host.startswith("[") and host.endswith("]")):
+        raise ValueError("an IPv6 address takes brackets: [::1]:9464")
     return v
+
+
+def listen_host(listen: str) -> str | None:
+    """The host of a HOST:PORT listen address without IPv6 brackets; None for unix: or empty."""
+    if not listen or listen.startswith("unix:"):
+        return None
+    return listen.rpartition(":")[0].strip("[]")
+
+
+def is_loopback(host: str) -> bool:
+    """Only this machine can connect. A host name other than localhost may resolve anywhere: not loopback."""
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
 
 
 def _url(v: str) -> str:
@@ -84,6 +115,13 @@ def _str_list(v):
     return v
 
 
+def _zero_or(check):
+    def inner(v):
+        return v if v == 0 else check(v)
+
+    return inner
+
+
 def _ident(v):
     return v
 
@@ -105,7 +143,10 @@ SPEC: dict[str, dict[str, Key]] = {
         "compact_interval_s": Key(float, 3600.0, _positive(1, 86400 * 7, True), True, "seconds between compactions"),
         "retention_days": Key(float, 30.0, _positive(0, 36500, True), True, "delete partitions older; 0 = keep"),
         "retention_max_mb": Key(float, 0.0, _positive(0, 1e9, True), True, "cap on dataset size; 0 = none"),
-        "max_buffered_rows": Key(int, 500_000, _positive(100, 1e9, True), True, "rows kept in memory per dataset while writes fail"),
+        "max_buffered_rows": Key(int, 0, _zero_or(_positive(100, 1e9, True)), True,
+                                 "rows kept in memory per dataset while writes fail; 0 = derived from the memory limit"),
+        "listen_beyond_loopback": Key(bool, False, help="allow proxy/metrics listen addresses other than loopback "
+                                      "(the proxy has no authentication: firewall it)"),
         "gpus": Key(list, [], _int_list, help="NVML indexes to sample; empty = all visible"),
         "log_level": Key(str, "info", _choice("debug", "info", "warning", "error"), True),
         "restore_on_start": Key(bool, True, help="restore limits left by a crashed sweep"),
@@ -115,9 +156,15 @@ SPEC: dict[str, dict[str, Key]] = {
         "listen": Key(str, "127.0.0.1:8081", _listen, help="proxy address; empty disables the proxy"),
         "upstream": Key(str, "", _url, help="inference server URL the proxy forwards to"),
         "tag_header": Key(str, "X-Powerprof-Tag", _header, help="request header carrying the client tag"),
-        "read_timeout_s": Key(float, 600.0, _positive(0, 86400)),
-        "connect_timeout_s": Key(float, 10.0, _positive(0, 600)),
-        "max_connections": Key(int, 1024, _positive(0, 100000)),
+        "read_timeout_s": Key(float, 600.0, _positive(0, 86400), help="upstream silence before a response is cut"),
+        "connect_timeout_s": Key(float, 10.0, _positive(0, 600), help="connecting to the upstream"),
+        "max_connections": Key(int, 1024, _positive(0, 100000, True), help="upstream connection pool; 0 = unlimited"),
+        "header_timeout_s": Key(float, 10.0, _positive(0, 3600),
+                                help="a client connection must send a whole request head within this (slowloris)"),
+        "idle_timeout_s": Key(float, 75.0, _positive(0, 86400),
+                              help="an idle keep-alive client connection is closed after this"),
+        "body_timeout_s": Key(float, 60.0, _positive(0, 86400),
+                              help="longest silence while reading a request body (408 after)"),
     },
     "scrape": {
         "server": Key(str, "auto", _choice("auto", "vllm", "sglang", "llamacpp", "none")),
@@ -222,9 +269,21 @@ def default_tag_socket(data_dir: Path) -> Path:
     return Path(data_dir) / "powerprof.sock"
 
 
-def load_config(path: str | os.PathLike | None = None, env: dict | None = None, overrides: dict | None = None) -> Config:
-    """File (optional) → env → overrides {"section.key": value}; raises ConfigError naming the key."""
+def load_config(path: str | os.PathLike | None = None, env: dict | None = None, overrides: dict | None = None,
+                flags: dict | None = None) -> Config:
+    """File (optional) → env → overrides {"section.key": value}; raises ConfigError naming every bad key.
+
+    flags: the command-line flag each override came from ({"daemon.data_dir": "--data-dir"}), so
+    Config.source names what the user typed."""
     env = os.environ if env is None else env
+    errors: list[str] = []
+
+    def coerce(section, key, value, from_env):
+        try:
+            values[section][key] = _coerce(section, key, SPEC[section][key], value, from_env=from_env)
+        except ConfigError as e:
+            errors.append(str(e))
+
     values = {s: {k: spec.default for k, spec in keys.items()} for s, keys in SPEC.items()}
     sources = ["defaults"]
     if path is not None:
@@ -239,15 +298,18 @@ def load_config(path: str | os.PathLike | None = None, env: dict | None = None, 
             raise ConfigError(f"config file {p} is not valid TOML: {e}") from None
         for section, table in raw.items():
             if section not in SPEC:
-                raise ConfigError(f"unknown config section [{section}] in {p}; known: {', '.join(SPEC)}")
+                errors.append(f"unknown config section [{section}] in {p}; known: {', '.join(SPEC)}")
+                continue
             if not isinstance(table, dict):
-                raise ConfigError(f"config key {section} in {p} must be a [{section}] table")
+                errors.append(f"config key {section} in {p} must be a [{section}] table")
+                continue
             for key, value in table.items():
                 if key not in SPEC[section]:
-                    raise ConfigError(
+                    errors.append(
                         f"unknown config key {section}.{key} in {p}; known keys of [{section}]: {', '.join(SPEC[section])}"
                     )
-                values[section][key] = _coerce(section, key, SPEC[section][key], value, from_env=False)
+                    continue
+                coerce(section, key, value, False)
         sources.append(str(p))
     for name, text in env.items():
         if not name.startswith(ENV_PREFIX):
@@ -258,19 +320,31 @@ def load_config(path: str | os.PathLike | None = None, env: dict | None = None, 
             continue  # other POWERPROF_* variables (simulator, state dir) are not daemon config
         key = rest[len(section) + 1:]
         if key not in SPEC[section]:
-            raise ConfigError(f"unknown config key {section}.{key} from environment variable {name}")
-        values[section][key] = _coerce(section, key, SPEC[section][key], text, from_env=True)
+            errors.append(f"unknown config key {section}.{key} from environment variable {name}")
+            continue
+        coerce(section, key, text, True)
         sources.append(name)
     for dotted, value in (overrides or {}).items():
         if value is None:
             continue
         section, _, key = dotted.partition(".")
         if section not in SPEC or key not in SPEC[section]:
-            raise ConfigError(f"unknown config key {dotted}")
-        values[section][key] = _coerce(section, key, SPEC[section][key], value, from_env=False)
-        sources.append(f"--{key}")
+            errors.append(f"unknown config key {dotted}")
+            continue
+        coerce(section, key, value, False)
+        sources.append((flags or {}).get(dotted, dotted))
+    for section in ("proxy", "metrics"):
+        listen = values[section]["listen"]
+        host = listen_host(listen) if isinstance(listen, str) else None
+        if host is not None and not is_loopback(host) and not values["daemon"]["listen_beyond_loopback"]:
+            errors.append(
+                f"config key {section}.listen = {listen!r} is reachable from other machines; "
+                "the proxy and /metrics have no authentication. Listen on 127.0.0.1 or [::1], or set "
+                "daemon.listen_beyond_loopback = true (and firewall it)"
+            )
     if values["daemon"]["flush_interval_s"] > values["daemon"]["compact_interval_s"]:
-        raise ConfigError("config key daemon.flush_interval_s must not exceed daemon.compact_interval_s")
+        errors.append("config key daemon.flush_interval_s must not exceed daemon.compact_interval_s")
+    _raise_all(errors)
     return Config(values, ", ".join(sources))
 
 

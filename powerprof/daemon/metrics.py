@@ -1,21 +1,27 @@
 """Prometheus exposition: a custom collector over the daemon's latest immutable snapshot.
 
-Names follow Prometheus conventions (base units, `_total` counters). Labels are bounded: GPU
-identity, and a tag label passed through `TagLimiter` (allow-list or first-N, the rest "other").
-Never request ids or PIDs. The daemon's own CPU and memory come from prometheus_client's
+Names follow Prometheus conventions (base units, `_total` counters, no label names inside metric
+names). Labels are bounded: GPU identity, and a tag label passed through `TagLimiter` (allow-list
+or first-N, the rest "other"); untagged traffic has an empty tag, which Prometheus treats as no
+label, as Parquet stores NULL. Never request ids or PIDs. `powerprof_build_info` (value 1) names
+the version, Python and host, for dashboards to select by host. The daemon's own CPU and memory come from prometheus_client's
 process collector (`process_cpu_seconds_total`, `process_resident_memory_bytes`).
 """
 
 from __future__ import annotations
 
+import platform
+import socket
 import threading
 from dataclasses import dataclass, field
 
 from prometheus_client import CollectorRegistry, ProcessCollector, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
+from powerprof import __version__
+
 OTHER = "other"
-NONE = "none"
+NONE = ""  # untagged: an empty label is no label in Prometheus, and NULL in Parquet
 
 
 class TagLimiter:
@@ -65,6 +71,11 @@ class Snapshot:
     buffered_rows: int = 0
     dropped_rows: int = 0
     flush_errors: int = 0
+    quarantined_rows: int = 0
+    buffer_cap_rows: int = 0
+    writer_up: bool = True
+    writer_errors: int = 0
+    writer_beat_age_s: float = 0.0
     proxy_recorder_failures: int = 0
     proxy_upstream_failures: int = 0
     proxy_active: int = 0
@@ -99,7 +110,7 @@ class SnapshotCollector:
         if s.cpu_energy_j is not None:
             yield CounterMetricFamily("powerprof_cpu_energy_joules", "CPU package+DRAM energy (RAPL) since start",
                                       value=s.cpu_energy_j)
-        k = CounterMetricFamily("powerprof_gpu_energy_by_kind_joules",
+        k = CounterMetricFamily("powerprof_gpu_interval_energy_joules",
                                 "GPU energy by interval kind (idle, decode, prefill, unproxied)", labels=["kind"])
         for name, v in zip(("idle", "decode", "prefill", "unproxied"), s.energy_by_kind_j):
             k.add_metric([name], v)
@@ -120,12 +131,32 @@ class SnapshotCollector:
                                       "Tokens the server's own metrics counted (cross-check)", value=s.server_tokens)
         yield GaugeMetricFamily("powerprof_buffered_rows", "Rows waiting to be written to Parquet", value=s.buffered_rows)
         yield CounterMetricFamily("powerprof_dropped_rows", "Rows dropped because writes kept failing", value=s.dropped_rows)
-        yield CounterMetricFamily("powerprof_flush_errors", "Failed Parquet writes", value=s.flush_errors)
+        yield CounterMetricFamily("powerprof_flush_errors", "Failed Parquet writes (disk errors and rows a column "
+                                  "cannot hold)", value=s.flush_errors)
+        yield CounterMetricFamily("powerprof_quarantined_rows", "Rows that could not be stored, kept as JSON lines in "
+                                  "<data_dir>/_quarantine", value=s.quarantined_rows)
+        yield GaugeMetricFamily("powerprof_buffer_cap_rows", "Rows kept per dataset while writes fail; older ones are "
+                                "dropped (powerprof_dropped_rows_total)", value=s.buffer_cap_rows)
+        yield GaugeMetricFamily("powerprof_writer_up", "1 while the Parquet writer thread runs and is not stuck",
+                                value=1 if s.writer_up else 0)
+        yield CounterMetricFamily("powerprof_writer_errors", "Exceptions the writer thread caught and survived",
+                                  value=s.writer_errors)
+        yield GaugeMetricFamily("powerprof_writer_heartbeat_age_seconds", "Seconds since the writer thread's loop "
+                                "last turned", value=s.writer_beat_age_s)
         yield CounterMetricFamily("powerprof_proxy_recorder_failures",
                                   "Requests whose recording failed (traffic unaffected)", value=s.proxy_recorder_failures)
         yield CounterMetricFamily("powerprof_proxy_upstream_failures", "Upstream unreachable (502 sent)",
                                   value=s.proxy_upstream_failures)
         yield GaugeMetricFamily("powerprof_proxy_active_requests", "Requests in flight", value=s.proxy_active)
+        yield build_info(getattr(self.holder, "host", None))
+
+
+def build_info(host: str | None = None) -> GaugeMetricFamily:
+    """host: the name the daemon's Parquet rows carry (daemon.host); default the host name."""
+    b = GaugeMetricFamily("powerprof_build_info", "powerprof version, Python and host (always 1)",
+                          labels=["version", "python", "host"])
+    b.add_metric([__version__, platform.python_version(), host or socket.gethostname()], 1)
+    return b
 
 
 def make_registry(holder) -> CollectorRegistry:
