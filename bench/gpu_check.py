@@ -21,7 +21,7 @@ What it does (docs/hardware.md says what each figure means):
    such calls (there must be none) and compares every limit before and after.
 
 One process, plus CLI subprocesses of powerprof (run through `gpu_check.py cli ...` so they carry the
-same guard) and the decode server. A time budget (default 280 s) skips what would overrun, saying so.
+same guard) and the decode server. A time budget (default 270 s) skips what would overrun, saying so.
 """
 
 from __future__ import annotations
@@ -609,6 +609,14 @@ def wait_server(ctx, proc, timeout_s: float) -> dict:
     raise RuntimeError(f"decode server not ready after {timeout_s:g} s")
 
 
+def write_reports(report: dict, out: Path) -> None:
+    """Both files, rewritten after every part: a run killed by its timeout still leaves what it measured."""
+    tmp = out / ".gpu_check.json.tmp"
+    tmp.write_text(json.dumps(report, indent=1, default=str))
+    os.replace(tmp, out / "gpu_check.json")
+    (out / "gpu_check.md").write_text(markdown(report))
+
+
 def section(report: dict, name: str, budget: Budget, need_s: float, fn, *args):
     """Run one part; record its result, its error, or why it was skipped."""
     if budget.left() < need_s:
@@ -623,6 +631,7 @@ def section(report: dict, name: str, budget: Budget, need_s: float, fn, *args):
         res = {"error": f"{type(e).__name__}: {e}", "traceback": traceback.format_exc()[-3000:]}
     res["section_s"] = round(time.monotonic() - t0, 2)
     report[name] = res
+    write_reports(report, report["meta"]["out"])
     print(f"[gpu_check] {name} done in {res['section_s']:.1f} s" + (f": {res['error']}" if "error" in res else ""), flush=True)
     return res
 
@@ -654,7 +663,7 @@ def run_check(a) -> dict:
         "powerprof_gpu_check": 1, "simulated": bool(a.simulate), "profile": a.simulate, "quick": q,
         "argv": sys.argv[1:], "started_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
         "host": platform.node(), "python": platform.python_version(), "gpu_index": a.gpu,
-        "setters_guarded": len(patched),
+        "setters_guarded": len(patched), "out": out, "complete": False,
     }}
     from powerprof import __version__
 
@@ -733,8 +742,8 @@ def run_check(a) -> dict:
                         "ok": not calls and settings_before == settings_after}
     ctx.nvml.nvmlShutdown()
     report["meta"]["elapsed_s"] = round(budget.elapsed(), 1)
-    (out / "gpu_check.json").write_text(json.dumps(report, indent=1, default=str))
-    (out / "gpu_check.md").write_text(markdown(report))
+    report["meta"]["complete"] = True
+    write_reports(report, out)
     return report
 
 
@@ -770,6 +779,8 @@ def _status(sec) -> list[str]:
 def markdown(r: dict) -> str:
     m = r["meta"]
     L = [f"# powerprof hardware check: {m.get('gpu_name')}", ""]
+    if not m.get("complete"):
+        L += ["**Incomplete:** the run stopped before its end (timeout or crash); what is below was measured.", ""]
     if m["simulated"]:
         L += [f"**Simulated** ({m['profile']}): these figures exercise the check, they say nothing about real hardware.", ""]
     L += _table(["what", "value"], [["GPU", f"{m.get('gpu_name')} (NVML index {m['gpu_index']})"],
@@ -883,7 +894,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--model", choices=["tiny", "1b", "3b", "8b"], default=None,
                     help="Decode server model shape (default 8b on a GPU; with --simulate: the simulated server).")
     ap.add_argument("--quick", action="store_true", help="Shorter phases (the simulator test).")
-    ap.add_argument("--budget-s", type=float, default=280.0, help="Skip parts that would overrun this many seconds.")
+    ap.add_argument("--budget-s", type=float, default=270.0, help="Skip parts that would overrun this many seconds.")
     ap.add_argument("--server-timeout-s", type=float, default=180.0, help="Longest wait for the model to load.")
     a = ap.parse_args(argv)
     report = run_check(a)
