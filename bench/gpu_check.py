@@ -445,6 +445,90 @@ class BackgroundLoad:
         self._thread.join(timeout=30)
 
 
+def fresh_counter_mj(nvml, h, wait_s: float = 0.3) -> tuple[float, int]:
+    """The counter the moment it refreshes: a read taken just after an update carries no lag."""
+    first = nvml.nvmlDeviceGetTotalEnergyConsumption(h)
+    end = time.monotonic_ns() + int(wait_s * 1e9)
+    while time.monotonic_ns() < end:
+        v = nvml.nvmlDeviceGetTotalEnergyConsumption(h)
+        if v != first:
+            return float(v), time.monotonic_ns()
+    return float(first), time.monotonic_ns()
+
+
+def sim_pulse(gpu, on_ms: float, period_ms: float, seconds: float, phase_ms: float = 0.0) -> dict:
+    """The simulated GPU's square-wave load (the server's /gpu_check/pulse on a real one)."""
+    from powerprof.sim.gpu import IDLE, Phase
+
+    period_ns, on_ns = int(period_ms * 1e6), int(on_ms * 1e6)
+    t0 = time.monotonic_ns() + int(phase_ms * 1e6)
+    n = max(1, int(seconds * 1e3 / period_ms))
+    busy = 0
+    for k in range(n):
+        while (left := t0 + k * period_ns - time.monotonic_ns()) > 0:
+            time.sleep(left / 1e9)
+        b0 = time.monotonic_ns()
+        gpu.set_phase(Phase("decode", 1.0))
+        while (left := b0 + on_ns - time.monotonic_ns()) > 0:
+            time.sleep(left / 1e9)
+        gpu.set_phase(IDLE)
+        busy += time.monotonic_ns() - b0
+    return {"bursts": n, "busy_s": busy / 1e9}
+
+
+def http_pulse(url: str):
+    import urllib.request
+
+    def pulse(on_ms, period_ms, seconds, phase_ms=0.0):
+        body = json.dumps({"on_ms": on_ms, "period_ms": period_ms, "seconds": seconds, "phase_ms": phase_ms}).encode()
+        req = urllib.request.Request(url + "/gpu_check/pulse", data=body, headers={"Content-Type": "application/json"})
+        with urllib.request.urlopen(req, timeout=seconds + 60) as r:
+            return json.load(r)
+
+    return pulse
+
+
+def check_sensor_coverage(ctx) -> dict:
+    """Short bursts at several phases of a 100 ms period: does the counter see every burst alike?
+
+    Yang et al. (SC'24) found the A100/H100 sensor averages ~25 ms of every ~100 ms: the same burst
+    then counts fully or not at all depending on its phase. A counter that integrates everything gives
+    every phase the same energy per burst, equal to what continuous load predicts for its busy time.
+    """
+    n, h = ctx.nvml, ctx.nvml.nvmlDeviceGetHandleByIndex(ctx.index)
+
+    def energy_of(fn):
+        e0, t0 = fresh_counter_mj(n, h)
+        res = fn()
+        time.sleep(0.15)  # the last burst's tail reaches the counter
+        e1, t1 = fresh_counter_mj(n, h)
+        return (e1 - e0) / 1e3, t0, t1, res
+
+    idle_j, a, b, _ = energy_of(lambda: time.sleep(1.0))
+    idle_w = idle_j / ((b - a) / 1e9)
+    period = ctx.pulse_period_ms
+    cont_j, a, b, cont = energy_of(lambda: ctx.pulse(period, period, ctx.pulse_s, 0.0))
+    busy_excess_w = (cont_j - idle_w * (b - a) / 1e9) / cont["busy_s"]
+    runs = []
+    for k in range(ctx.pulse_phases):
+        phase = k * period / ctx.pulse_phases
+        j, a, b, res = energy_of(lambda: ctx.pulse(ctx.pulse_on_ms, period, ctx.pulse_s, phase))
+        excess = j - idle_w * (b - a) / 1e9
+        expected = busy_excess_w * res["busy_s"]
+        run = {"phase_ms": _num(phase, 1), "bursts": res["bursts"], "busy_s": _num(res["busy_s"], 4),
+               "excess_j": _num(excess), "seen_vs_expected": _num(excess / expected, 3) if expected > 0 else None}
+        if ctx.truth_fn is not None:
+            run["counter_vs_true"] = _num(j / ctx.truth_fn(a, b), 4)
+        runs.append(run)
+    seen = [r["seen_vs_expected"] for r in runs if r["seen_vs_expected"] is not None]
+    return {
+        "period_ms": period, "on_ms": ctx.pulse_on_ms, "run_s": ctx.pulse_s,
+        "idle_w": _num(idle_w, 2), "continuous_busy_excess_w": _num(busy_excess_w, 2), "runs": runs,
+        "seen_vs_expected_median": _num(statistics.median(seen), 3) if seen else None,
+        "seen_vs_expected_min_max": [_num(min(seen), 3), _num(max(seen), 3)] if seen else None,
+    }
+
+
 # --- 4. decode load and measure ----------------------------------------------------------------------
 
 
@@ -653,6 +737,8 @@ def run_check(a) -> dict:
     ctx.energy_s = 4.0 if q else 10.0
     ctx.poll_s = 0.5 if q else 2.0
     ctx.n_requests = 8
+    ctx.pulse_period_ms, ctx.pulse_on_ms = 100.0, 20.0 if q else 10.0
+    ctx.pulse_s, ctx.pulse_phases = (0.6, 3) if q else (2.0, 6)
     ctx.max_tokens = 64 if q else 128
     ctx.cli_env = dict(os.environ, **{SETTER_LOG_ENV: str(log)})
     ctx.sim_flag = ["--simulate", a.simulate] if a.simulate else []
@@ -712,6 +798,15 @@ def run_check(a) -> dict:
             report["server"] = {"error": f"{type(e).__name__}: {e}"}
         section(report, "nvml_cost", budget, 10, check_nvml_cost, ctx)
         section(report, "energy_idle", budget, ctx.energy_s + ctx.poll_s + 3, check_energy, ctx, "idle (model loaded)")
+        if a.simulate:
+            ctx.pulse = lambda *args: sim_pulse(ctx.nvml.gpus[a.gpu], *args)
+        elif ctx.url:
+            ctx.pulse = http_pulse(ctx.url)
+        if a.simulate or ctx.url:
+            need = (ctx.pulse_phases + 1) * (ctx.pulse_s + 0.6) + 2
+            section(report, "sensor_coverage", budget, need, check_sensor_coverage, ctx)
+        else:
+            report["sensor_coverage"] = {"skipped": "no decode server to run the GPU load"}
         if ctx.url:
             def loaded():
                 with BackgroundLoad(ctx.url, 8, 2048 if not q else 256) as load:
@@ -840,6 +935,16 @@ def markdown(r: dict) -> str:
                      "average/counter", "counter W", "counter/true (sim)"], rows)
         L += ["Observed update interval (tight polling; instant power from the driver's own sample timestamps):", ""]
         L += _table(["state", "reading", "changes", "median ms", "p10 – p90 ms"], upd)
+    sc = r.get("sensor_coverage")
+    L += ["### Does the sensor see every burst?", ""] + _status(sc)
+    if sc and "runs" in sc:
+        L += [f"Bursts of {sc['on_ms']} ms every {sc['period_ms']} ms for {sc['run_s']} s at {len(sc['runs'])} phases; "
+              f"idle {sc['idle_w']} W, continuous load {sc['continuous_busy_excess_w']} W above idle. "
+              f"seen/expected = the counter's energy above idle ÷ what continuous load predicts for the busy time "
+              f"(1: every burst counted; a sensor that sees 25% of each period spreads it between ~0 and ~4 by phase).", ""]
+        L += _table(["phase ms", "bursts", "busy s", "excess J", "seen/expected", "counter/true (sim)"],
+                    [[x["phase_ms"], x["bursts"], x["busy_s"], x["excess_j"], x["seen_vs_expected"], x.get("counter_vs_true")]
+                     for x in sc["runs"]])
     d = r.get("decode")
     L += ["## 4. Decode load and measure", ""]
     sv = r.get("server") or {}

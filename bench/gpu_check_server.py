@@ -8,7 +8,8 @@ batch (static batching: `powerprof measure` sends each concurrency level as one 
 generated token is streamed the moment the generator hands it over.
 
 Endpoints: GET /health, GET /v1/models, POST /v1/completions and /v1/chat/completions (stream or not,
-`stream_options.include_usage`), GET /gpu_check/batches (the generator's own timing per batch). The last
+`stream_options.include_usage`), GET /gpu_check/batches (the generator's own timing per batch), POST
+/gpu_check/pulse (a square-wave matmul load for the sensor-coverage part). The last
 token's chunk carries llama.cpp-style `timings` taken by the generator itself (prompt_ms: request start
 to first token; predicted_ms: first to last token), which `powerprof measure` stores next to its own
 stream timing.
@@ -151,6 +152,7 @@ class Engine:
         self.max_batch, self.gather_s = max_batch, gather_s
         self.jobs: queue.Queue[Job | None] = queue.Queue()
         self.batches: list[dict] = []  # the generator's own timing of each batch
+        self._pulse_x = None
         self._thread = threading.Thread(target=self._run, name="gpu-check-engine", daemon=True)
 
     def start(self) -> "Engine":
@@ -186,6 +188,37 @@ class Engine:
                 print(f"gpu_check_server: batch failed: {type(e).__name__}: {e}", file=sys.stderr, flush=True)
                 for job in batch:
                     job.loop.call_soon_threadsafe(job.out.put_nowait, e)
+
+    def pulse(self, on_ms: float, period_ms: float, seconds: float, phase_ms: float = 0.0) -> dict:
+        """Square-wave load: matmuls for on_ms at the start of every period, idle otherwise.
+
+        For the sensor-coverage part of the check: a power sensor that sees only part of each period
+        (Yang et al., SC'24) reports different energy for the same bursts at different phases.
+        """
+        import torch
+
+        if self._pulse_x is None:
+            n = 4096 if self.device.startswith("cuda") else 256
+            self._pulse_x = torch.randn(n, n, device=self.device, dtype=self.model.dtype)
+        x = self._pulse_x
+        sync = torch.cuda.synchronize if self.device.startswith("cuda") else (lambda: None)
+        period_ns, on_ns = int(period_ms * 1e6), int(on_ms * 1e6)
+        t0 = time.monotonic_ns() + int(phase_ms * 1e6)
+        n_periods = max(1, int(seconds * 1e3 / period_ms))
+        busy_ns = 0
+        matmuls = 0
+        with torch.inference_mode():
+            for k in range(n_periods):
+                start = t0 + k * period_ns
+                while (left := start - time.monotonic_ns()) > 0:
+                    time.sleep(left / 1e9)
+                b0 = time.monotonic_ns()
+                while time.monotonic_ns() - b0 < on_ns:
+                    x @ x
+                    sync()
+                    matmuls += 1
+                busy_ns += time.monotonic_ns() - b0
+        return {"bursts": n_periods, "busy_s": busy_ns / 1e9, "matmuls": matmuls}
 
     def _generate(self, batch: list[Job]) -> None:
         import torch
@@ -227,6 +260,7 @@ class Server:
         app.router.add_post("/v1/completions", self.completions)
         app.router.add_post("/v1/chat/completions", self.chat)
         app.router.add_get("/gpu_check/batches", self.batches)
+        app.router.add_post("/gpu_check/pulse", self.pulse)
         return app
 
     async def health(self, request):
@@ -238,6 +272,12 @@ class Server:
 
     async def batches(self, request):
         return web.json_response({"batches": self.engine.batches})
+
+    async def pulse(self, request):
+        b = await request.json()
+        res = await asyncio.to_thread(self.engine.pulse, float(b["on_ms"]), float(b["period_ms"]), float(b["seconds"]),
+                                      float(b.get("phase_ms", 0.0)))
+        return web.json_response(res)
 
     async def completions(self, request):
         return await self._serve(request, chat=False)

@@ -20,7 +20,7 @@ ROOT = Path(__file__).resolve().parents[1]
 CHECK = ROOT / "bench" / "gpu_check.py"
 SERVER = ROOT / "bench" / "gpu_check_server.py"
 PROFILE = "h200-141g"
-SECTIONS = ("devices_monitor", "nvml_cost", "energy_idle", "energy_load", "decode", "cli_measure", "sweep_dry_run")
+SECTIONS = ("devices_monitor", "nvml_cost", "energy_idle", "sensor_coverage", "energy_load", "decode", "cli_measure", "sweep_dry_run")
 
 # Installed before anything else in every process of the run (the check, its CLI subprocesses): each
 # simulator and pynvml setter records the call to a file and raises. It is the test's own trap, made
@@ -154,6 +154,13 @@ def test_check_runs_on_the_simulator_read_only(trap_env, tmp_path, _isolated_sta
     assert idle["at_50hz"]["counter_avg_power_w"] == pytest.approx(truth.idle_power_w, rel=0.03)
     assert load["at_50hz"]["counter_avg_power_w"] > truth.idle_power_w + 100
     assert load["load_tokens"] > 0
+
+    # The simulated counter integrates everything: every phase of the bursts counts in full.
+    sc = r["sensor_coverage"]
+    assert len(sc["runs"]) >= 3 and sc["continuous_busy_excess_w"] > 100
+    for x in sc["runs"]:
+        assert x["seen_vs_expected"] == pytest.approx(1, abs=0.15), sc
+        assert x["counter_vs_true"] == pytest.approx(1, abs=0.03), sc
 
     # 4. Decode load and measure at concurrency 1 and 8.
     d = {x["concurrency"]: x for x in r["decode"]["concurrency"]}
