@@ -406,6 +406,7 @@ class BackgroundLoad:
         self.tokens = 0
         self.errors: list[str] = []
         self._stop = threading.Event()
+        self._flowing = threading.Event()  # set when the first token of any stream arrives
         self._thread = threading.Thread(target=lambda: asyncio.run(self._run()), daemon=True)
 
     async def _run(self):
@@ -419,7 +420,8 @@ class BackgroundLoad:
 
             async def one(k):
                 while not self._stop.is_set():
-                    r = await send_request(s, server, f"Background load stream {k}: tell a long story.", params)
+                    r = await send_request(s, server, f"Background load stream {k}: tell a long story.", params,
+                                           edge_hook=lambda label: self._flowing.set())
                     self.tokens += r.generated_tokens
                     if r.error:
                         self.errors.append(r.error)
@@ -434,9 +436,8 @@ class BackgroundLoad:
 
     def __enter__(self):
         self._thread.start()
-        t_end = time.monotonic() + 60
-        while self.tokens == 0 and time.monotonic() < t_end and not self.errors:
-            time.sleep(0.05)
+        if not self._flowing.wait(60):
+            raise RuntimeError(f"background load: no token in 60 s ({'; '.join(self.errors[:3]) or 'no error'})")
         time.sleep(1.0)  # let power settle past its first ramp
         return self
 
@@ -811,7 +812,7 @@ def run_check(a) -> dict:
             def loaded():
                 with BackgroundLoad(ctx.url, 8, 2048 if not q else 256) as load:
                     r = check_energy(ctx, "decode load, 8 streams")
-                r["load_tokens"], r["load_errors"] = load.tokens, load.errors[:5]
+                r["load_requests_finished_tokens"], r["load_errors"] = load.tokens, load.errors[:5]
                 return r
 
             section(report, "energy_load", budget, ctx.energy_s + ctx.poll_s + 10, loaded)

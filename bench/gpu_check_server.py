@@ -3,7 +3,7 @@
 Not part of the product: it exists so the hardware check can put a real decode load on a GPU with no
 network and no model download. The model is built in memory from a `transformers` LlamaConfig with
 random weights (bf16 on a GPU, float32 and tiny on a CPU); tokens are bytes of the prompt in, ids out,
-so no tokenizer is needed. Requests that arrive within `--gather-ms` of each other are decoded as one
+so no tokenizer is needed. Requests that arrive within `--gather-ms` (100 ms) of each other are decoded as one
 batch (static batching: `powerprof measure` sends each concurrency level as one batch), and every
 generated token is streamed the moment the generator hands it over.
 
@@ -31,6 +31,11 @@ import uuid
 from dataclasses import dataclass, field
 
 from aiohttp import web
+
+try:  # generate() only calls put() and end(), but some versions check the base class
+    from transformers.generation.streamers import BaseStreamer
+except ImportError:  # transformers missing: main() says so when it builds the model
+    BaseStreamer = object
 
 # Llama-architecture shapes (Llama 3.x family); random weights, so only the shapes matter.
 SIZES = {
@@ -112,7 +117,7 @@ class _AllGone(Exception):
     """Every client of a batch disconnected: generate() is stopped by raising through the streamer."""
 
 
-class _Streamer:
+class _Streamer(BaseStreamer):
     """transformers streamer: generate() calls put() with the prompt once, then each step's (batch,) tokens."""
 
     def __init__(self, jobs: list[Job], on_step):
@@ -147,7 +152,7 @@ class _Streamer:
 class Engine:
     """One generator thread: gathers requests into a batch, runs generate(), streams tokens out."""
 
-    def __init__(self, model, device: str, max_batch: int = 8, gather_s: float = 0.03):
+    def __init__(self, model, device: str, max_batch: int = 8, gather_s: float = 0.1):
         self.model, self.device = model, device
         self.max_batch, self.gather_s = max_batch, gather_s
         self.jobs: queue.Queue[Job | None] = queue.Queue()
@@ -377,7 +382,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--host", default="127.0.0.1")
     ap.add_argument("--port", type=int, default=0, help="0: any free port (written to --ready-file).")
     ap.add_argument("--max-batch", type=int, default=8)
-    ap.add_argument("--gather-ms", type=float, default=30.0, help="How long a batch waits for more requests.")
+    ap.add_argument("--gather-ms", type=float, default=100.0,
+                    help="How long a batch waits for more requests (it starts at once when full).")
     ap.add_argument("--ready-file", default=None, help="Write {url, ...} here as JSON once serving.")
     a = ap.parse_args(argv)
     import torch
