@@ -32,6 +32,7 @@ import json
 import os
 import platform
 import re
+import signal
 import statistics
 import subprocess
 import sys
@@ -726,6 +727,8 @@ def run_check(a) -> dict:
     out.mkdir(parents=True, exist_ok=True)
     log = out / "setter_calls.jsonl"
     log.unlink(missing_ok=True)
+    # A timeout's SIGTERM unwinds like an exception, so the decode server is stopped on the way out.
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     budget = Budget(a.budget_s)
     patched = install_guard(log)
     ctx = Ctx()
@@ -782,6 +785,7 @@ def run_check(a) -> dict:
     if model != "sim":
         device = "cpu" if a.simulate else "cuda"
         proc = start_decode_server(ctx, model, device)
+        (out / "server.pid").write_text(str(proc.pid))  # gpu_check_run.sh ends it if we are killed
     try:
         # monitor runs while the model loads (its first seconds show the load); idle figures come after.
         section(report, "devices_monitor", budget, ctx.monitor_s + 10, check_devices_monitor, ctx)
@@ -831,6 +835,7 @@ def run_check(a) -> dict:
                 proc.wait(timeout=20)
             except subprocess.TimeoutExpired:
                 proc.kill()
+            (out / "server.pid").unlink(missing_ok=True)
     settings_after = read_settings(ctx.nvml, [a.gpu])
     calls = setter_calls(log)
     report["safety"] = {"setters_guarded": len(patched), "setter_calls": calls, "settings_before": settings_before,
@@ -872,6 +877,72 @@ def _status(sec) -> list[str]:
     return []
 
 
+def _get(r: dict, *path):
+    for k in path:
+        if isinstance(r, dict):
+            r = r.get(k)
+        elif isinstance(r, list) and isinstance(k, int) and -len(r) <= k < len(r):
+            r = r[k]
+        else:
+            return None
+    return r
+
+
+def _call(r: dict, name: str) -> str | None:
+    for x in _get(r, "nvml_cost", "calls") or []:
+        if x["call"].startswith(name + "("):
+            return f"{_cell(x['median_us'])} / {_cell(x['p99_us'])}"
+    return None
+
+
+def _pair(*vals) -> str | None:
+    return None if all(v is None for v in vals) else " / ".join(_cell(v) for v in vals)
+
+
+def summary_rows(r: dict) -> list[list]:
+    """The headline figures, in the order of docs/hardware.md's results table."""
+    m = r["meta"]
+    upd = lambda state, k: _get(r, state, "update_intervals", k, "interval_ms_median")  # noqa: E731
+    dec = {x["concurrency"]: x for x in _get(r, "decode", "concurrency") or []}
+    dd = lambda c, k: _get(dec.get(c) or {}, "during_decode", k)  # noqa: E731
+    sc = _get(r, "sensor_coverage", "seen_vs_expected_min_max")
+    sw = _get(r, "sweep_dry_run", "stdout") or ""
+    levels = next((ln.split(":", 1)[1].strip() for ln in sw.splitlines() if ln.startswith("Power limit levels")), None)
+    s = r.get("safety") or {}
+    return [
+        ["GPU, driver", f"{m.get('gpu_name')}, {m.get('driver_version')}"],
+        ["readings supported", f"{sum(bool(v) for v in (m.get('supports') or {}).values())} of {len(m.get('supports') or {})}"],
+        ["NVML µs median / p99: FieldValues(186)", _call(r, "nvmlDeviceGetFieldValues")],
+        ["NVML µs median / p99: TotalEnergyConsumption", _call(r, "nvmlDeviceGetTotalEnergyConsumption")],
+        ["NVML µs median / p99: PowerUsage", _call(r, "nvmlDeviceGetPowerUsage")],
+        ["NVML µs median / p99: CurrentClocksEventReasons", _call(r, "nvmlDeviceGetCurrentClocksEventReasons")],
+        ["calls per tick; read() wall median / p99 µs", _pair(_get(r, "nvml_cost", "tick_calls_per_gpu"),
+                                                             _get(r, "nvml_cost", "read_one_gpu", "wall_median_us"),
+                                                             _get(r, "nvml_cost", "read_one_gpu", "wall_p99_us"))],
+        ["sampler CPU per tick at 50 Hz µs; CPU % at 1 Hz", _pair(_get(r, "nvml_cost", "sampler_50hz", "cpu_per_tick_us"),
+                                                                 _get(r, "nvml_cost", "sampler_50hz", "cpu_pct_at_1hz"))],
+        ["counter update interval ms, idle / load", _pair(upd("energy_idle", "counter"), upd("energy_load", "counter"))],
+        ["instant power update ms (value / driver timestamp), load",
+         _pair(upd("energy_load", "instant_power"), upd("energy_load", "instant_power_timestamp"))],
+        ["idle power by counter W", _get(r, "energy_idle", "at_50hz", "counter_avg_power_w")],
+        ["instant/counter, average/counter at 50 Hz, load", _pair(_get(r, "energy_load", "at_50hz", "instant_vs_counter"),
+                                                                  _get(r, "energy_load", "at_50hz", "average_vs_counter"))],
+        ["instant/counter, average/counter at 1 Hz, load", _pair(_get(r, "energy_load", "at_1hz", "instant_vs_counter"),
+                                                                 _get(r, "energy_load", "at_1hz", "average_vs_counter"))],
+        ["bursts: seen/expected across phases, min – max", _cell(sc) if sc else None],
+        ["decode model, load s", _pair(_get(r, "server", "size") or _get(r, "server", "kind"), _get(r, "server", "load_s"))],
+        ["decode tok/s c=1, measure / generator", _pair(_get(dec, 1, "decode_tok_s"), _get(dec, 1, "generator", "tok_s"))],
+        ["decode tok/s c=8, measure / generator", _pair(_get(dec, 8, "decode_tok_s"), _get(dec, 8, "generator", "tok_s"))],
+        ["GPU J/token c=1 / c=8", _pair(_get(dec, 1, "gpu_j_per_token"), _get(dec, 8, "gpu_j_per_token"))],
+        ["power while decoding W c=1 / c=8; enforced limit", _pair(dd(1, "instant_power_w_median"), dd(8, "instant_power_w_median"),
+                                                                  dd(8, "enforced_limit_w"))],
+        ["cap binds c=1 / c=8; reasons at c=8", _pair(dd(1, "cap_binds"), dd(8, "cap_binds"), dd(8, "clock_event_reasons_share"))],
+        ["sweep --dry-run levels", levels],
+        ["read-only verdict", None if not s else ("OK" if s.get("ok") else "VIOLATION")
+         + f" ({len(s.get('setter_calls', []))} setter calls, settings unchanged: {s.get('settings_unchanged')})"],
+    ]
+
+
 def markdown(r: dict) -> str:
     m = r["meta"]
     L = [f"# powerprof hardware check: {m.get('gpu_name')}", ""]
@@ -884,6 +955,8 @@ def markdown(r: dict) -> str:
                                     ["started (UTC)", m["started_utc"]], ["took", f"{m.get('elapsed_s')} s"],
                                     ["readings supported", ", ".join(k for k, v in (m.get("supports") or {}).items() if v)],
                                     ["average power window", f"{m.get('power_avg_window_s')} s"]])
+    L += ["## Summary (the rows of docs/hardware.md's results table)", ""]
+    L += _table(["figure", "value"], summary_rows(r))
     s = r.get("safety", {})
     L += ["## 6. Read-only", ""]
     L += _table(["setters guarded", "setter calls", "settings unchanged", "verdict"],

@@ -57,5 +57,7 @@ cd "$RES"
 timeout -k 15 "${GPU_CHECK_TIMEOUT_S:-300}" "$RUNPY" "$ROOT/bench/gpu_check.py" --out "$RES" "$@"
 rc=$?
 echo "gpu_check exit $rc"
+# Killed past its cleanup: end the decode server it started (by its recorded pid only).
+if [[ -f "$RES/server.pid" ]]; then kill "$(cat "$RES/server.pid")" 2>/dev/null && echo "stopped the leftover decode server"; fi
 nvidia-smi --query-gpu=power.limit,enforced.power.limit,clocks.sm,power.draw --format=csv >> "$RES/nvidia-smi.txt" 2>&1 || true
 exit $rc
