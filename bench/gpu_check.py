@@ -768,10 +768,17 @@ def run_check(a) -> dict:
         import pynvml
 
         ctx.nvml = pynvml
-    ctx.nvml.nvmlInit()
     from powerprof.collectors.nvml import NvmlCollector
 
-    probe = NvmlCollector(ctx.nvml, [a.gpu])
+    try:
+        ctx.nvml.nvmlInit()
+        probe = NvmlCollector(ctx.nvml, [a.gpu])
+    except Exception as e:
+        # Nothing below can run without the GPU; say why instead of leaving no report at all.
+        report["meta"]["error"] = f"GPU {a.gpu} not reachable through NVML: {type(e).__name__}: {e}"
+        report["meta"]["elapsed_s"] = round(budget.elapsed(), 1)
+        write_reports(report, out)
+        return report
     ctx.avg_window_s = probe.infos[0].power_avg_window_s
     report["meta"]["gpu_name"] = probe.infos[0].name
     report["meta"]["driver_version"] = probe.infos[0].driver_version
@@ -945,8 +952,10 @@ def summary_rows(r: dict) -> list[list]:
 
 def markdown(r: dict) -> str:
     m = r["meta"]
-    L = [f"# powerprof hardware check: {m.get('gpu_name')}", ""]
-    if not m.get("complete"):
+    L = [f"# powerprof hardware check: {m.get('gpu_name') or 'no GPU'}", ""]
+    if m.get("error"):
+        L += [f"**Failed to start:** {m['error']}", ""]
+    elif not m.get("complete"):
         L += ["**Incomplete:** the run stopped before its end (timeout or crash); what is below was measured.", ""]
     if m["simulated"]:
         L += [f"**Simulated** ({m['profile']}): these figures exercise the check, they say nothing about real hardware.", ""]
@@ -1077,6 +1086,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--server-timeout-s", type=float, default=180.0, help="Longest wait for the model to load.")
     a = ap.parse_args(argv)
     report = run_check(a)
+    if "error" in report["meta"]:
+        print(f"[gpu_check] {report['meta']['error']}; wrote {Path(a.out) / 'gpu_check.md'}", flush=True)
+        return 3
     s = report["safety"]
     print(f"[gpu_check] wrote {Path(a.out) / 'gpu_check.json'} and gpu_check.md in {report['meta']['elapsed_s']} s; "
           f"read-only: {'OK' if s['ok'] else 'VIOLATION'}", flush=True)

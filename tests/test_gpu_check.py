@@ -183,6 +183,27 @@ def test_check_runs_on_the_simulator_read_only(trap_env, tmp_path, _isolated_sta
     assert sw["rc"] == 0 and "Dry run: nothing will be changed" in sw["stdout"] and "Restore file" in sw["stdout"]
 
 
+def _nvml_works() -> bool:
+    import pynvml
+
+    try:
+        pynvml.nvmlInit()
+    except pynvml.NVMLError:
+        return False
+    pynvml.nvmlShutdown()
+    return True
+
+
+@pytest.mark.skipif(_nvml_works(), reason="this machine has a GPU: the check would run for real")
+def test_without_a_gpu_it_says_why_and_exits_non_zero(tmp_path):
+    p = subprocess.run([sys.executable, str(CHECK), "--out", str(tmp_path / "out")], capture_output=True, text=True,
+                       timeout=120, env=dict(os.environ, PYTHONPATH=str(ROOT)))
+    assert p.returncode == 3 and "not reachable through NVML" in p.stdout
+    r = json.loads((tmp_path / "out" / "gpu_check.json").read_text())
+    assert "not reachable through NVML" in r["meta"]["error"]
+    assert "Failed to start" in (tmp_path / "out" / "gpu_check.md").read_text()
+
+
 def _has_torch() -> bool:
     return importlib.util.find_spec("torch") is not None and importlib.util.find_spec("transformers") is not None
 
