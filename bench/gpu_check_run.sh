@@ -42,9 +42,14 @@ if "$PY" -m venv --system-site-packages "$VENV" 2>"$RES/venv.err"; then
   fi
   ls .gpu-wheels/duckdb-*.whl >/dev/null 2>&1 && "$VENV/bin/python" -m pip install -q --no-index --no-deps .gpu-wheels/duckdb-*.whl
   [[ -n "$RUNPY" ]] && "$RUNPY" -m pip check > "$RES/pip-check.txt" 2>&1
+  # A venv over a Python that is itself a venv or conda env does not see that env's packages.
+  if [[ -n "$RUNPY" ]] && ! "$RUNPY" -c "import torch, transformers, pynvml, numpy, pyarrow, aiohttp, powerprof" 2>>"$RES/venv.err"; then
+    echo "the venv does not see the machine's packages (see venv.err)"
+    RUNPY=""
+  fi
 fi
 if [[ -z "$RUNPY" ]]; then
-  echo "no venv (see venv.err): unpacking the wheels onto PYTHONPATH"
+  echo "no usable venv (see venv.err): the machine's Python with the wheels unpacked onto PYTHONPATH"
   SITE=/tmp/powerprof-gpu-check-site
   rm -rf "$SITE" && mkdir -p "$SITE"
   for w in .gpu-wheels/*.whl; do "$PY" -m zipfile -e "$w" "$SITE"; done
