@@ -40,6 +40,7 @@ import threading
 import time
 import traceback
 from pathlib import Path
+from types import SimpleNamespace
 
 import numpy as np
 
@@ -209,7 +210,7 @@ class RecordingNVML:
         return call
 
 
-def _describe_args(nvml, args) -> str:
+def _describe_args(args) -> str:
     out = []
     for a in args:
         if isinstance(a, (list, tuple)):
@@ -251,12 +252,12 @@ def check_nvml_cost(ctx) -> dict:
     for phase, name, args in rec.calls:
         if name in ("nvmlInit", "nvmlShutdown"):
             continue
-        phases = used.setdefault((name, _describe_args(ctx.nvml, args)), [])
+        phases = used.setdefault((name, _describe_args(args)), [])
         if phase not in phases:
             phases.append(phase)
     firsts = {}
     for phase, name, args in rec.calls:
-        firsts.setdefault((name, _describe_args(ctx.nvml, args)), args)
+        firsts.setdefault((name, _describe_args(args)), args)
     calls = []
     for (name, shown), phases in used.items():
         r = time_call(getattr(ctx.nvml, name), firsts[(name, shown)], ctx.n_calls)
@@ -664,10 +665,6 @@ def check_sweep_dry_run(ctx) -> dict:
 # --- the run ----------------------------------------------------------------------------------------------
 
 
-class Ctx:
-    pass
-
-
 def start_decode_server(ctx, size: str | None, device: str) -> subprocess.Popen:
     ready = ctx.out / "server_ready.json"
     ready.unlink(missing_ok=True)
@@ -731,7 +728,7 @@ def run_check(a) -> dict:
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     budget = Budget(a.budget_s)
     patched = install_guard(log)
-    ctx = Ctx()
+    ctx = SimpleNamespace()  # what every part needs: NVML, GPU index, server URL, durations
     ctx.out, ctx.index, ctx.simulate = out, a.gpu, a.simulate
     q = a.quick
     ctx.monitor_s = 3.0 if q else 20.0
@@ -809,7 +806,8 @@ def run_check(a) -> dict:
         except Exception as e:
             report["server"] = {"error": f"{type(e).__name__}: {e}"}
         section(report, "nvml_cost", budget, 10, check_nvml_cost, ctx)
-        section(report, "energy_idle", budget, ctx.energy_s + ctx.poll_s + 3, check_energy, ctx, "idle (model loaded)")
+        section(report, "energy_idle", budget, ctx.energy_s + ctx.poll_s + 3, check_energy, ctx,
+                "idle (decode model loaded)" if proc is not None else "idle")
         if a.simulate:
             ctx.pulse = lambda *args: sim_pulse(ctx.nvml.gpus[a.gpu], *args)
         elif ctx.url:
