@@ -674,7 +674,9 @@ def start_decode_server(ctx, size: str | None, device: str) -> subprocess.Popen:
     env = os.environ.copy()
     if device != "cpu":
         # The server's cuda:0 is the NVML index we measure.
-        env.update(CUDA_DEVICE_ORDER="PCI_BUS_ID", CUDA_VISIBLE_DEVICES=str(ctx.index))
+        if env.get("CUDA_VISIBLE_DEVICES") is None:
+            env.update(CUDA_DEVICE_ORDER="PCI_BUS_ID", CUDA_VISIBLE_DEVICES=str(ctx.index))
+        # else: whoever set it chose the GPU; the check measures the first one it makes visible
     log = open(ctx.out / "server.log", "w")
     return subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env)
 
@@ -758,6 +760,7 @@ def run_check(a) -> dict:
     if a.simulate:
         from powerprof.sim.nvml import SimNVML
 
+        a.gpu = a.gpu or 0
         ctx.nvml = SimNVML(a.simulate, count=a.gpu + 1, record_history=True)
         gpu = ctx.nvml.gpus[a.gpu]
         ctx.truth_fn = lambda t0, t1: gpu.true_energy_at_j(t1) - gpu.true_energy_at_j(t0)
@@ -769,10 +772,19 @@ def run_check(a) -> dict:
 
     try:
         ctx.nvml.nvmlInit()
+        if a.gpu is None:  # the first GPU CUDA_VISIBLE_DEVICES lets this process use, as NVML numbers it
+            from powerprof.collectors.nvml import visible_indexes
+
+            visible = visible_indexes(ctx.nvml)
+            if not visible:
+                raise RuntimeError("no visible GPU (NVML sees none, or CUDA_VISIBLE_DEVICES hides them all)")
+            a.gpu = visible[0]
+        ctx.index = report["meta"]["gpu_index"] = a.gpu
         probe = NvmlCollector(ctx.nvml, [a.gpu])
     except Exception as e:
         # Nothing below can run without the GPU; say why instead of leaving no report at all.
-        report["meta"]["error"] = f"GPU {a.gpu} not reachable through NVML: {type(e).__name__}: {e}"
+        which = "the GPU" if a.gpu is None else f"GPU {a.gpu}"
+        report["meta"]["error"] = f"{which} not reachable through NVML: {type(e).__name__}: {e}"
         report["meta"]["elapsed_s"] = round(budget.elapsed(), 1)
         write_reports(report, out)
         return report
@@ -1074,7 +1086,8 @@ def main(argv: list[str] | None = None) -> int:
         return cli_main(argv[1:])
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", required=True, help="Folder for gpu_check.json, gpu_check.md and the logs.")
-    ap.add_argument("--gpu", type=int, default=0, help="NVML index of the GPU to check.")
+    ap.add_argument("--gpu", type=int, default=None,
+                    help="NVML index of the GPU to check (default: the first one CUDA_VISIBLE_DEVICES allows).")
     ap.add_argument("--simulate", nargs="?", const=DEFAULT_PROFILE, default=None,
                     help=f"Simulated GPU profile (default {DEFAULT_PROFILE}) and, unless --model, the simulated server.")
     ap.add_argument("--model", choices=["tiny", "1b", "3b", "8b"], default=None,
