@@ -356,6 +356,8 @@ class Server:
                             "usage": self._usage(job)})
             await resp.write(b"data: [DONE]\n\n")
             await resp.write_eof()
+        except ConnectionError:  # the client left (the check's background load stops this way)
+            pass
         finally:
             job.gone = True  # finished or disconnected: either way its tokens are no longer wanted
         return resp
