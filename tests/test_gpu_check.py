@@ -96,6 +96,32 @@ def test_setter_names_are_recognised():
                 assert not gc.is_setter(name), name
 
 
+def test_energy_comparison_against_an_exact_series():
+    # Power 100 + 50 sin(2πt/3) W sampled at 50 Hz for 10 s: the counter is its exact integral and the
+    # "average" reading its exact 1 s trailing mean, so every method must agree with the counter.
+    import numpy as np
+
+    gc = load_check()
+    t = np.arange(0, 10.0001, 0.02)
+    w = 2 * np.pi / 3
+    power = 100 + 50 * np.sin(w * t)
+    def integral(x):
+        return 100 * x + 50 / w * (1 - np.cos(w * x))
+
+    energy = integral(t)
+    avg = integral(t) - integral(t - 1)  # joules over the last second = its mean power
+    series = {"t": (t * 1e9).astype(np.int64) + 10**12, "e": energy + 5000.0, "p": power, "a": avg}
+    at50 = gc.compare_energy(series, 1, 1.0)
+    assert at50["samples"] == 501 and at50["interval_s"] == pytest.approx(9.5, abs=0.021)
+    assert at50["instant_vs_counter"] == pytest.approx(1, abs=1e-3)
+    assert at50["average_vs_counter"] == pytest.approx(1, abs=0.01)
+    assert at50["counter_avg_power_w"] == pytest.approx(100, abs=3)
+    at1 = gc.compare_energy(series, 50, 1.0)
+    assert at1["samples"] == 11 and at1["interval_s"] == pytest.approx(9.5, abs=0.021)
+    # 1 Hz samples of a 3 s sine: the trapezoid misses some of the curve, and the check shows by how much.
+    assert at1["instant_vs_counter"] == pytest.approx(1, abs=0.05) and at1["instant_vs_counter"] != at50["instant_vs_counter"]
+
+
 @pytest.mark.slow
 def test_check_runs_on_the_simulator_read_only(trap_env, tmp_path, _isolated_state):
     out = tmp_path / "out"
