@@ -648,7 +648,8 @@ def _power_figures(readings, max_sm, reason_names) -> dict:
 
 
 def check_cli_measure(ctx) -> dict:
-    args = ["measure", "--requests", "3", "--max-tokens", "64", "--concurrency", "1", "--out", str(ctx.out / "cli_measure")]
+    args = ["measure", "--requests", "8", "--max-tokens", "32" if ctx.quick else "64", "--concurrency", "1,8",
+            "--out", str(ctx.out / "cli_measure")]
     args += ctx.sim_flag if ctx.sim_server is not None else ["--server", ctx.url]
     return run_cli(args, ctx.out, 120, ctx.cli_env)
 
@@ -731,7 +732,7 @@ def run_check(a) -> dict:
     budget = Budget(a.budget_s)
     patched = install_guard(log)
     ctx = SimpleNamespace()  # what every part needs: NVML, GPU index, server URL, durations
-    ctx.out, ctx.index, ctx.simulate = out, a.gpu, a.simulate
+    ctx.out, ctx.index, ctx.simulate, ctx.quick = out, a.gpu, a.simulate, a.quick
     q = a.quick
     ctx.monitor_s = 3.0 if q else 20.0
     ctx.n_calls = 1000
@@ -838,7 +839,7 @@ def run_check(a) -> dict:
 
             section(report, "energy_load", budget, ctx.energy_s + ctx.poll_s + 10, loaded)
             section(report, "decode", budget, 40 if q else 90, check_decode, ctx)
-            section(report, "cli_measure", budget, 20, check_cli_measure, ctx)
+            section(report, "cli_measure", budget, 20 if q else 40, check_cli_measure, ctx)
         else:
             for name in ("energy_load", "decode", "cli_measure"):
                 report[name] = {"skipped": "no decode server: " + report["server"].get("error", "")}

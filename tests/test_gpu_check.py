@@ -202,7 +202,10 @@ def test_check_runs_on_the_simulator_read_only(trap_env, tmp_path, _isolated_sta
         assert "SwPowerCap" not in (dd["clock_event_reasons_share"] or {})
     assert d[8]["batch_size"] == 8 and d[8]["decode_tok_s"] > 2 * d[1]["decode_tok_s"]
     assert d[8]["gpu_j_per_token"] < d[1]["gpu_j_per_token"]
-    assert r["cli_measure"]["rc"] == 0 and "counter" in r["cli_measure"]["stdout"]
+    cli = r["cli_measure"]
+    assert cli["rc"] == 0, cli
+    rows = [ln.split() for ln in cli["stdout"].splitlines() if ln.strip().startswith(("1 ", "8 "))]
+    assert [(x[0], x[1], x[-1]) for x in rows] == [("1", "8", "counter"), ("8", "8", "counter")], cli["stdout"]
 
     # 5. sweep --dry-run: the plan, the permission check and the restore-file path, and nothing changed.
     sw = r["sweep_dry_run"]
