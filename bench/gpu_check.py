@@ -546,12 +546,36 @@ def _generator_rates(ctx, batch_size: int, since_ns: int) -> dict:
     import urllib.request
 
     with urllib.request.urlopen(ctx.url + "/gpu_check/batches", timeout=10) as r:
-        batches = [b for b in json.load(r)["batches"] if b["batch_size"] == batch_size and b["t_start_ns"] >= since_ns]
+        batches = [b for b in json.load(r)["batches"]
+                   if b["batch_size"] == batch_size and b["t_start_ns"] >= since_ns and not b.get("aborted")]
     rates = [b["decode_tok_s"] for b in batches if b.get("decode_tok_s")]
     steps_ms = [b["step_ms_median"] for b in batches if b.get("step_ms_median")]
     return {"source": "generator batch log", "batches": len(rates),
             "tok_s": _num(statistics.median(rates), 2) if rates else None,
             "step_ms_median": _num(statistics.median(steps_ms), 3) if steps_ms else None}
+
+
+def fit_max_tokens(ctx, left_s: float) -> tuple[int, str | None]:
+    """Tokens per request that let both measures finish in the time left, from the load's own step rate."""
+    if ctx.sim_server is not None:
+        return ctx.max_tokens, None
+    import urllib.request
+
+    try:
+        with urllib.request.urlopen(ctx.url + "/gpu_check/batches", timeout=10) as r:
+            steps_ms = [b["step_ms_median"] for b in json.load(r)["batches"] if b.get("step_ms_median")]
+    except Exception:
+        return ctx.max_tokens, None
+    if not steps_ms:
+        return ctx.max_tokens, None
+    step_s = max(steps_ms) / 1e3  # the slowest batch seen: a bound on one request's step
+    # This part: warm-up + n requests at c=1 + n/8 batches at c=8; the CLI measure after it: about half that.
+    per_token_s = step_s * ((1 + ctx.n_requests) + ctx.n_requests / 8) * 1.5
+    fit = int((left_s - 45) / per_token_s)
+    if fit >= ctx.max_tokens:
+        return ctx.max_tokens, None
+    n = max(32, fit)
+    return n, f"max_tokens cut from {ctx.max_tokens} to {n}: a decode step takes {step_s * 1e3:.0f} ms here"
 
 
 def check_decode(ctx) -> dict:
@@ -565,11 +589,14 @@ def check_decode(ctx) -> dict:
     profiler = Profiler(ctx.nvml, [ctx.index], interval_s=0.1)
     profiler.sampler.subscribe(lambda s: readings.append((s.t_mono_ns, s.data[0])) if s.source == "nvml" and s.data else None)
     t_start = time.monotonic_ns()
+    max_tokens, why = fit_max_tokens(ctx, ctx.budget.left())
+    ctx.cli_max_tokens = min(ctx.cli_max_tokens, max(16, max_tokens // 2))
     with profiler:
         res = measure(ctx.url, prompts=builtin_prompts("short"), n_requests=ctx.n_requests, concurrencies=(1, 8),
-                      params=RequestParams(max_tokens=ctx.max_tokens), warmup=1, profiler=profiler)
+                      params=RequestParams(max_tokens=max_tokens), warmup=1, profiler=profiler)
     out = {"server": {"kind": res.server.kind, "api": res.server.api, "model": res.server.model},
-           "aborted": res.aborted, "concurrency": []}
+           "max_tokens": max_tokens, "n_requests": ctx.n_requests, "note": why, "aborted": res.aborted,
+           "concurrency": []}
     h = ctx.nvml.nvmlDeviceGetHandleByIndex(ctx.index)
     max_sm = _try(ctx.nvml.nvmlDeviceGetMaxClockInfo, h, ctx.nvml.NVML_CLOCK_SM)
     for summ in res.summaries:
@@ -648,7 +675,7 @@ def _power_figures(readings, max_sm, reason_names) -> dict:
 
 
 def check_cli_measure(ctx) -> dict:
-    args = ["measure", "--requests", "8", "--max-tokens", "32" if ctx.quick else "64", "--concurrency", "1,8",
+    args = ["measure", "--requests", "8", "--max-tokens", str(ctx.cli_max_tokens), "--concurrency", "1,8",
             "--out", str(ctx.out / "cli_measure")]
     args += ctx.sim_flag if ctx.sim_server is not None else ["--server", ctx.url]
     return run_cli(args, ctx.out, 120, ctx.cli_env)
@@ -732,7 +759,7 @@ def run_check(a) -> dict:
     budget = Budget(a.budget_s)
     patched = install_guard(log)
     ctx = SimpleNamespace()  # what every part needs: NVML, GPU index, server URL, durations
-    ctx.out, ctx.index, ctx.simulate, ctx.quick = out, a.gpu, a.simulate, a.quick
+    ctx.out, ctx.index, ctx.simulate, ctx.quick, ctx.budget = out, a.gpu, a.simulate, a.quick, budget
     q = a.quick
     ctx.monitor_s = 3.0 if q else 20.0
     ctx.n_calls = 1000
@@ -744,6 +771,7 @@ def run_check(a) -> dict:
     ctx.pulse_period_ms, ctx.pulse_on_ms = 100.0, 20.0 if q else 10.0
     ctx.pulse_s, ctx.pulse_phases = (0.6, 3) if q else (2.0, 6)
     ctx.max_tokens = 64 if q else 128
+    ctx.cli_max_tokens = 32 if q else 64
     ctx.cli_env = dict(os.environ, **{SETTER_LOG_ENV: str(log)})
     ctx.sim_flag = ["--simulate", a.simulate] if a.simulate else []
     ctx.truth_fn = None
@@ -1044,6 +1072,8 @@ def markdown(r: dict) -> str:
     sv = r.get("server") or {}
     L += [f"Server: `{json.dumps({k: v for k, v in sv.items() if k != 'url'})}`", ""] + _status(d)
     if d and "concurrency" in d:
+        L += [f"{d['n_requests']} requests of {d['max_tokens']} tokens per concurrency"
+              + (f" ({d['note']})" if d.get("note") else "") + ".", ""]
         L += _table(["concurrency", "ok", "decode tok/s (measure)", "generator tok/s", "measure/generator",
                      "server timings tok/s", "GPU J/token", "true J/token (sim)", "method", "low-confidence windows"],
                     [[x["concurrency"], x["n_ok"], x["decode_tok_s"], (x.get("generator") or {}).get("tok_s"),

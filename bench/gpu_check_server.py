@@ -238,18 +238,25 @@ class Engine:
         steps: list[int] = []
         streamer = _Streamer(batch, steps.append)
         t0 = time.monotonic_ns()
-        with torch.inference_mode():
-            # min_new_tokens keeps EOS out, so every request gets exactly what it asked for.
-            self.model.generate(input_ids=ids.to(self.device), attention_mask=mask.to(self.device), do_sample=False,
-                                max_new_tokens=n_new, min_new_tokens=n_new, streamer=streamer, pad_token_id=PAD_ID)
-        rec = {"batch_size": len(batch), "prompt_tokens_max": width, "steps": len(steps),
-               "t_start_ns": t0, "t_first_ns": steps[0] if steps else None, "t_last_ns": steps[-1] if steps else None}
-        if len(steps) > 1:
-            span = (steps[-1] - steps[0]) / 1e9
-            rec["decode_s"] = span
-            rec["decode_tok_s"] = len(batch) * (len(steps) - 1) / span
-            rec["step_ms_median"] = sorted(b - a for a, b in zip(steps, steps[1:]))[(len(steps) - 1) // 2] / 1e6
-        self.batches.append(rec)
+        aborted = False
+        try:
+            with torch.inference_mode():
+                # min_new_tokens keeps EOS out, so every request gets exactly what it asked for.
+                self.model.generate(input_ids=ids.to(self.device), attention_mask=mask.to(self.device), do_sample=False,
+                                    max_new_tokens=n_new, min_new_tokens=n_new, streamer=streamer, pad_token_id=PAD_ID)
+        except _AllGone:
+            aborted = True  # its timing up to here is still the generator's own, so it is logged
+            raise
+        finally:
+            rec = {"batch_size": len(batch), "prompt_tokens_max": width, "steps": len(steps), "aborted": aborted,
+                   "t_start_ns": t0, "t_first_ns": steps[0] if steps else None, "t_last_ns": steps[-1] if steps else None}
+            if len(steps) > 1:
+                span = (steps[-1] - steps[0]) / 1e9
+                rec["decode_s"] = span
+                # Every row of a batch decodes every step (same max_tokens, as powerprof's measure sends).
+                rec["decode_tok_s"] = len(batch) * (len(steps) - 1) / span
+                rec["step_ms_median"] = sorted(b - a for a, b in zip(steps, steps[1:]))[(len(steps) - 1) // 2] / 1e6
+            self.batches.append(rec)
 
 
 class Server:
