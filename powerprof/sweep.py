@@ -346,22 +346,17 @@ class Sweep:
         return row["window_kind"] == kind and not row["warmup"] and row["status"] == "ok"
 
     def _add_rows(self, visit: LevelVisit, recs) -> list[dict]:
-        from powerprof.workload.measure import batch_row, batch_windows, request_row
+        from powerprof.workload.rows import Level, window_rows
 
-        new = []
+        level = Level(self.s.level_kind, float(visit.level_value), visit.repeat)
+        new, batches = window_rows(recs, self.prof, self.run_id, self.server, level)
         for r in recs:
-            e = self.prof.energy_between(r.t_first_ns, r.t_last_ns) if r.ok and r.t_last_ns else None
-            row = request_row(r, e, self.run_id, self.server)
             self.records.append((visit.level_value, r))
             if r.ok and not r.warmup and self.s.concurrency == 1:
                 visit.spans.append((r.t_first_ns, r.t_last_ns))
-            new.append(row)
-        for b in batch_windows(recs):
-            batch_recs = [r for r in recs if r.batch_id == b.batch_id]
-            new.append(batch_row(b, batch_recs, self.prof, self.run_id, self.server))
+        for b in batches:
             visit.spans.extend((int(t0), int(t1)) for t0, t1 in b.intervals)
         for row in new:
-            row.update(level_kind=self.s.level_kind, level_value=float(visit.level_value), repeat=visit.repeat)
             self._above_idle(row)
         self.rows.extend(new)
         return new
@@ -448,8 +443,6 @@ class Sweep:
 
 # --- wiring: what `powerprof sweep` runs ---------------------------------------------------------
 
-SIM_CPU_IDLE_W = 18.0  # simulated CPU package power with the server idle
-
 
 @dataclass
 class SweepOutcome:
@@ -468,14 +461,13 @@ def _remove_if_empty(path) -> None:
 
 
 def run_sweep(
+    rig,
     settings: SweepSettings | None = None,
     *,
     levels_spec: str,
     level_kind: str = "power_limit",
     url: str | None = None,
     launch: str | None = None,
-    simulate: str | None = None,
-    gpus: list[int] | None = None,
     out_dir=None,
     runs_base="runs",
     prompts=None,
@@ -485,11 +477,11 @@ def run_sweep(
     dry_run: bool = False,
     command_line: str = "",
     ui: UI | None = None,
-    sim_nvml=None,
     launch_timeout_s: float = 300.0,
     **settings_kw,
 ) -> SweepOutcome:
-    """Open everything, validate before touching anything, run, and put every GPU back.
+    """Sweep on the `rig` (powerprof.rig.Rig: its GPUs, RAPL and server, whatever they are): open
+    everything, validate before touching anything, run, and put every GPU back.
 
     Order matters: levels are parsed against the device's range before the server is started
     or a limit changes, so bad input costs nothing and changes nothing.
@@ -499,38 +491,22 @@ def run_sweep(
     from pathlib import Path
 
     from powerprof import __version__
-    from powerprof.collectors.sources import open_sources
-    from powerprof.control.controller import LimitController
     from powerprof.control.device import read_devices
     from powerprof.control.levels import parse_clock_levels, parse_power_levels
-    from powerprof.control.plan import make_plan
     from powerprof.storage.runs import RunWriter, default_run_dir
     from powerprof.storage.samples import Timeline
     from powerprof.workload.client import RequestParams
-    from powerprof.workload.launcher import ServerLauncher
     from powerprof.workload.load import builtin_prompts, detect
 
-    if sum(x is not None for x in (url if not launch else None, launch, simulate)) != 1 and not (launch and url):
-        raise SweepError("give exactly one of --server URL, --launch CMD (with --server for its URL) or --simulate")
+    try:
+        rig.check_server(url, launch)
+    except ValueError as e:
+        raise SweepError(str(e)) from None
     prompts = prompts or builtin_prompts("short")
     params = params or RequestParams()
     notes: list[str] = []
     with ExitStack() as stack:
-        busy = [False]
-        profile = None
-        if simulate:
-            from powerprof.sim.nvml import SimNVML
-            from powerprof.sim.profiles import get_profile
-
-            profile = get_profile(simulate)
-            count = max(gpus) + 1 if gpus else 1
-            sim_nvml = sim_nvml or SimNVML(profile, count=count)
-            cpu_w = profile.workload.cpu_busy_w
-            src = open_sources(simulate, gpus, nvml=sim_nvml, sim_cpu_power_w_fn=lambda: SIM_CPU_IDLE_W + (cpu_w if busy[0] else 0.0))
-            notes.append(f"simulated GPU ({simulate}) and simulated server: the figures demonstrate the method, not your hardware")
-        else:
-            src = open_sources(None, gpus)
-        stack.callback(src.close)
+        src = rig.sources
         if src.nvml is None:
             why = "; ".join(p.message + (f" (fix: {p.fix})" if p.fix else "") for p in src.problems if p.source == "nvml")
             raise SweepError(f"a sweep needs a GPU whose power limit it can set: {why or 'no GPU found'}")
@@ -550,10 +526,9 @@ def run_sweep(
         label = infos[0].name.replace("Simulated ", "sim-") if infos else "gpu"
         run_dir = Path(out_dir) if out_dir else default_run_dir(Path(runs_base), label)
         if dry_run:
-            plan = make_plan(
-                nvml, indexes, levels_spec if level_kind == "power_limit" else None, levels_spec if level_kind == "sm_clock" else None
-            )
-            return SweepOutcome(None, None, None, plan.lines(), notes)
+            spec = levels_spec
+            plan = rig.plan(indexes, spec if level_kind == "power_limit" else None, spec if level_kind == "sm_clock" else None)
+            return SweepOutcome(None, None, None, plan.lines(), rig.notes)
         # Refuse an unusable --out before a server is launched or a GPU is locked.
         if run_dir.exists() and (not run_dir.is_dir() or any(run_dir.iterdir())):
             raise SweepError(f"run directory {run_dir} already exists and is not empty; choose another --out")
@@ -563,19 +538,11 @@ def run_sweep(
             raise SweepError(f"cannot create the run directory {run_dir}: {e.strerror or e}") from None
         stack.callback(_remove_if_empty, run_dir)  # a sweep that fails before writing leaves nothing
 
-        if simulate:
-            from powerprof.sim.server import SimServer
-
-            server = stack.enter_context(SimServer(sim_nvml))
-            server.on_busy(lambda b: busy.__setitem__(0, b))
-            url = server.url
-        elif launch:
-            if not url:
-                raise SweepError("--launch needs --server URL: where the launched server will listen")
-            stack.enter_context(ServerLauncher(launch, url, timeout_s=launch_timeout_s))
+        url = stack.enter_context(rig.server(url, launch, launch_timeout_s=launch_timeout_s))
+        notes.extend(rig.notes)
         server_info = detect(url, api)
 
-        ctl = stack.enter_context(LimitController(nvml, indexes))
+        ctl = stack.enter_context(rig.controller(indexes))
         profiler = stack.enter_context(
             Profiler(gpu_collector=src.nvml, rapl=src.rapl, extra_collectors=[src.host] if src.host else [], interval_s=interval_s)
         )
@@ -593,17 +560,8 @@ def run_sweep(
             "run_id": run_id,
             "version": __version__,
             "command_line": command_line,
-            "simulated": bool(simulate),
-            "sim_profile": simulate,
-            "server": {
-                "url": server_info.base_url,
-                "kind": server_info.kind,
-                "api": server_info.api,
-                "model": server_info.model,
-                "build_info": server_info.build_info,
-                "model_path": server_info.model_path,
-                "total_slots": server_info.total_slots,
-            },
+            **rig.meta(),
+            "server": server_info.meta(),
             "gpus": [
                 {
                     "index": i.index,
