@@ -210,8 +210,14 @@ def monitor(duration, interval, output, gpus, plain, as_json, rapl_backend, simu
     default=None,
     help="Restore from this file instead of every restore file in the state folder.",
 )
+@click.option(
+    "--force-default",
+    is_flag=True,
+    help="For a restore file that is damaged or not written by this user: set the GPUs it names to their "
+    "default power limit, release clock locks, and remove it.",
+)
 @click.option("--json", "as_json", is_flag=True, help=JSON_HELP)
-def restore(simulate: str | None, restore_file: Path | None, as_json: bool) -> None:
+def restore(simulate: str | None, restore_file: Path | None, force_default: bool, as_json: bool) -> None:
     """Put back every power limit and clock lock a crashed or killed powerprof left changed.
 
     Exits 1 when anything could not be restored."""
@@ -219,8 +225,11 @@ def restore(simulate: str | None, restore_file: Path | None, as_json: bool) -> N
 
     from powerprof.rig import Rig
 
-    with Rig(simulate) as rig:
+    # A damaged file may name any of several simulated GPUs; the real NVML has what it has.
+    with Rig(simulate, sim_gpu_count=8 if force_default else None) as rig:
         report = rig.restore(restore_file)
+        if force_default:
+            report = rig.force_default(report)
     if as_json:
         click.echo(json.dumps(report.to_dict(), indent=2))
     else:
@@ -481,6 +490,8 @@ def sweep(limits, clocks, url, launch, simulate, gpus, repeats, order, target_ci
                 idle_s=idle_s, concurrency=concurrency,
             )
     except (LevelError, ValueError) as e:
+        if type(e).__module__.startswith("pyarrow"):  # ArrowInvalid is a ValueError, but not the user's mistake
+            raise click.ClickException(f"writing the run failed: {e}") from None
         raise click.UsageError(str(e)) from None
     except (ControlError, SweepError, ServerUnreachable, LaunchError, OSError) as e:
         raise click.ClickException(str(e)) from None

@@ -6,7 +6,10 @@ import os
 from pathlib import Path
 
 STATE_DIR_ENV = "POWERPROF_STATE_DIR"
-ROOT_STATE_DIR = Path("/var/lib/powerprof")
+# Root's restore files and GPU locks: a root-owned folder (0755) of its own. Not the daemon's
+# StateDirectory (/var/lib/powerprof, owned by the unprivileged daemon user), whose owner could
+# otherwise forge the limits root applies at every start.
+ROOT_STATE_DIR = Path("/var/lib/powerprof-control")
 
 
 def user_state_home(env: dict | None = None) -> Path:
@@ -16,7 +19,7 @@ def user_state_home(env: dict | None = None) -> Path:
 
 
 def state_dir(env: dict | None = None, euid: int | None = None) -> Path:
-    """POWERPROF_STATE_DIR if set, else /var/lib/powerprof as root, else $XDG_STATE_HOME/powerprof."""
+    """POWERPROF_STATE_DIR if set, else /var/lib/powerprof-control as root, else $XDG_STATE_HOME/powerprof."""
     env = os.environ if env is None else env
     if env.get(STATE_DIR_ENV):
         return Path(env[STATE_DIR_ENV])

@@ -214,6 +214,15 @@ class Rig:
 
         return restore_from_file(path, nvml_factory=_nvml_for_record, refuse=self._refuse_record, **kw)
 
+    def force_default(self, report):
+        """`powerprof restore --force-default`: each damaged or untrusted file of `report` is replaced by the
+        outcome of setting the GPUs it names (on this rig) to their default limit and removing it."""
+        from powerprof.control.restore import RestoreReport, force_default
+
+        outcomes = tuple(force_default(o.path, self.nvml) if o.status in ("damaged", "untrusted") else o
+                         for o in report.outcomes)
+        return RestoreReport(outcomes, searched=report.searched, notes=report.notes)
+
     def _refuse_record(self, record: dict) -> str | None:
         if self.simulated and not record.get("simulated"):
             return "records a real GPU; run `powerprof restore` without --simulate."

@@ -2,14 +2,28 @@
 
 from __future__ import annotations
 
+import asyncio
 import random
 import time
+import uuid
+from contextlib import ExitStack
 from dataclasses import dataclass, field
+from pathlib import Path
 
+import aiohttp
 import numpy as np
 
+from powerprof import __version__
+from powerprof.analysis.stats import bootstrap_ci, summarize_levels
 from powerprof.collectors.sampler import Sample
+from powerprof.control.device import read_devices
+from powerprof.control.levels import parse_clock_levels, parse_power_levels
 from powerprof.profiler import Profiler
+from powerprof.storage.runs import RunWriter, default_run_dir, table_from_rows
+from powerprof.storage.samples import Timeline
+from powerprof.workload.client import RequestParams
+from powerprof.workload.load import LoadAborted, LoadPolicy, builtin_prompts, detect, run_load_async
+from powerprof.workload.rows import Level, window_rows
 
 REASON_SW_POWER_CAP = 0x4
 REASON_THERMAL = 0x20 | 0x40  # SwThermal | HwThermal
@@ -70,7 +84,6 @@ def visit_order(levels, repeats: int, order: str, seed: int = 0) -> list[tuple[f
 def median_ci_halfwidth_frac(values: np.ndarray, n_boot: int = 2000, seed: int = 0) -> float:
     """Half-width of the bootstrap 95% CI of the median, relative to the median: the same statistic
     the analysis reports as ci_reached_pct, so the live figure and the table agree."""
-    from powerprof.analysis.stats import bootstrap_ci
 
     v = np.asarray(values, dtype=float)
     v = v[np.isfinite(v)]
@@ -204,16 +217,15 @@ class Sweep:
         self._rid = 0
         self._bid = 0
         self._prompt_k = 0
+        self.unstored_rows = 0
 
     # --- the run -----------------------------------------------------------------------------
 
     def run(self) -> None:
-        import asyncio
 
         asyncio.run(self._run())
 
     async def _run(self) -> None:
-        import aiohttp
 
         order = visit_order(self.s.levels, self.s.repeats, self.s.order, self.s.seed)
         async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0)) as session:
@@ -232,7 +244,6 @@ class Sweep:
                 self.ui.level_done(visit, self._live(visit))
 
     async def _idle_baseline(self) -> None:
-        import asyncio
 
         if self.s.idle_s <= 0:
             return
@@ -253,7 +264,6 @@ class Sweep:
     async def _settle(self, visit: LevelVisit) -> float:
         """Wait until the enforced limit reads back as set and power and SM clock hold steady
         across two reads, or the bounded wait runs out. Warm-up requests follow either way."""
-        import asyncio
 
         t0 = time.monotonic()
         prev = None
@@ -283,7 +293,6 @@ class Sweep:
         return self.prompts[k:] + self.prompts[:k]
 
     async def _batch(self, n_requests: int, warmup: int):
-        from powerprof.workload.load import run_load_async
 
         recs = await run_load_async(
             self.server,
@@ -311,7 +320,6 @@ class Sweep:
         return -(-len(self.prompts) // c) * c
 
     async def _measure(self, visit: LevelVisit) -> None:
-        from powerprof.workload.load import LoadAborted, LoadPolicy
 
         self.policy = self.policy or LoadPolicy(max_failed_attempts=self.s.max_failures)
         t_start = time.monotonic()
@@ -346,7 +354,6 @@ class Sweep:
         return row["window_kind"] == kind and not row["warmup"] and row["status"] == "ok"
 
     def _add_rows(self, visit: LevelVisit, recs) -> list[dict]:
-        from powerprof.workload.rows import Level, window_rows
 
         level = Level(self.s.level_kind, float(visit.level_value), visit.repeat)
         new, batches = window_rows(recs, self.prof, self.run_id, self.server, level)
@@ -419,22 +426,29 @@ class Sweep:
         return out
 
     def windows_table(self):
-        from powerprof.storage.runs import table_from_rows
 
         return table_from_rows("windows", self.rows)
 
     def levels_table(self):
-        from powerprof.analysis.stats import summarize_levels
 
         windows = self.windows_table()
         if not any(self._counts(r) for r in self.rows):
-            from powerprof.storage.runs import table_from_rows
 
             return table_from_rows("levels", [])
         return summarize_levels(windows, self.reference_value, run_id=self.run_id, extra=self.level_extras())
 
     def flush(self) -> None:
-        """Rewrite the run's tables (atomically): a crash keeps every finished level."""
+        """Rewrite the run's tables (atomically): a crash keeps every finished level.
+
+        A row its column cannot hold is left out (and out of every figure), said in run.json and on
+        screen, rather than failing the write and losing the levels already finished."""
+        from powerprof.storage.runs import split_storable
+
+        self.rows, bad, err = split_storable("windows", self.rows)
+        if bad:
+            self.unstored_rows += len(bad)
+            self.ui.note(f"{len(bad)} window row(s) could not be stored and are left out of every figure: {err}")
+            self.writer.write_json(unstored_window_rows=self.unstored_rows, unstored_error=err)
         self.writer.write("windows", self.windows_table())
         self.writer.write("samples", self.timeline.to_table())
         self.writer.write("levels", self.levels_table())
@@ -486,17 +500,7 @@ def run_sweep(
     Order matters: levels are parsed against the device's range before the server is started
     or a limit changes, so bad input costs nothing and changes nothing.
     """
-    import uuid
-    from contextlib import ExitStack
-    from pathlib import Path
 
-    from powerprof import __version__
-    from powerprof.control.device import read_devices
-    from powerprof.control.levels import parse_clock_levels, parse_power_levels
-    from powerprof.storage.runs import RunWriter, default_run_dir
-    from powerprof.storage.samples import Timeline
-    from powerprof.workload.client import RequestParams
-    from powerprof.workload.load import builtin_prompts, detect
 
     try:
         rig.check_server(url, launch)

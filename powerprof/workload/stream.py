@@ -3,6 +3,8 @@
 Pure: no I/O, no clock. The client and the daemon's proxy feed the bytes as they arrive and
 stamp the returned events with their own arrival time. A parser never raises on garbage; it
 records an error and keeps going, so a proxy forwarding the same bytes is never disturbed.
+Every count and timing a server sends is checked here (type, sign, range: `limits`); a bad one is
+not used, and the summary's `invalid` says which, so the request is reported failed.
 
 APIs:
 - "llamacpp": llama.cpp's native `/completion` (one `data:` event per token or group of
@@ -18,11 +20,18 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass, field
 
+from .limits import MAX_COUNT, MAX_MS, bad_amount, bad_count
+
 APIS = ("llamacpp", "openai-completions", "openai-chat")
 
 # A proxy feeds arbitrary traffic through this: keep what we hold bounded.
 _MAX_ERRORS = 8
 _MAX_PENDING_BYTES = 4 * 1024 * 1024
+
+# llama.cpp `timings` fields kept: counts, and durations (ms) or rates checked as amounts.
+_TIMING_COUNTS = ("prompt_n", "predicted_n", "cache_n", "draft_n", "draft_n_accepted")
+_TIMING_AMOUNTS = ("prompt_ms", "predicted_ms", "prompt_per_token_ms", "predicted_per_token_ms",
+                   "prompt_per_second", "predicted_per_second")
 
 # llama.cpp's stop_type words mapped onto OpenAI's finish_reason vocabulary.
 _LLAMACPP_STOP = {"limit": "length", "eos": "stop", "word": "stop", "none": None}
@@ -58,6 +67,7 @@ class StreamSummary:
     error: str | None  # first problems seen, joined; None when clean
     n_events: int  # token-bearing events
     n_comments: int  # SSE comment (keep-alive) lines
+    invalid: str | None = None  # the first count or timing out of type/sign/range: the request failed
 
 
 def _int(v) -> int | None:
@@ -85,6 +95,7 @@ class _State:
     complete: bool = False
     done: bool = False
     errors: list = field(default_factory=list)
+    invalid: str | None = None
 
 
 class StreamParser:
@@ -192,6 +203,23 @@ class StreamParser:
         if len(self._s.errors) < _MAX_ERRORS:
             self._s.errors.append(msg)
 
+    def _invalid(self, what: str, why: str) -> None:
+        msg = f"server sent an invalid {what}: {why}"
+        if self._s.invalid is None:
+            self._s.invalid = msg
+        self._error(msg)
+
+    def _count(self, d: dict, key: str) -> int | None:
+        """d[key] as a token count; None when absent (or null), or invalid (recorded)."""
+        v = d.get(key)
+        if v is None:
+            return None
+        why = bad_count(v)
+        if why is not None:
+            self._invalid(key, why)
+            return None
+        return int(v)
+
     def _server_error(self, obj: dict) -> bool:
         err = obj.get("error")
         if err is None:
@@ -204,11 +232,34 @@ class StreamParser:
         return True
 
     def _timings(self, t) -> None:
-        if isinstance(t, dict):
-            self._s.timings = dict(t)
-            p = _int(t.get("prompt_n"))
-            if p is not None:
-                self._s.prompt_tokens = p
+        if not isinstance(t, dict):
+            return
+        kept: dict = {}
+        for k in _TIMING_COUNTS:
+            n = self._count(t, k)
+            if n is not None:
+                kept[k] = n
+        for k in _TIMING_AMOUNTS:
+            v = t.get(k)
+            if v is None:
+                continue
+            why = bad_amount(v, MAX_MS)
+            if why is not None:
+                self._invalid(f"timings.{k}", why)
+            else:
+                kept[k] = float(v)
+        self._s.timings = kept
+        if "prompt_n" in kept:
+            self._s.prompt_tokens = kept["prompt_n"]
+
+    def _add(self, n: int, out: list[TokenEvent], text: str, total: int | None) -> None:
+        s = self._s
+        if s.counted + n > MAX_COUNT:
+            self._invalid("token count", f"the stream's total passes {MAX_COUNT}")
+            return
+        s.counted += n
+        s.n_events += 1
+        out.append(TokenEvent(n, text, total))
 
     def _llamacpp(self, obj: dict, out: list[TokenEvent]) -> None:
         s = self._s
@@ -219,7 +270,7 @@ class StreamParser:
         content = obj.get("content")
         content = content if isinstance(content, str) else ""
         tokens = obj.get("tokens")
-        predicted = _int(obj.get("tokens_predicted"))
+        predicted = self._count(obj, "tokens_predicted")
         if isinstance(tokens, list):
             n = len(tokens)
         elif predicted is not None:
@@ -236,13 +287,11 @@ class StreamParser:
             if predicted is not None:
                 s.predicted_total = predicted
             self._timings(obj.get("timings"))
-            ev = _int(obj.get("tokens_evaluated"))
+            ev = self._count(obj, "tokens_evaluated")
             if s.prompt_tokens is None and ev is not None:
                 s.prompt_tokens = ev
         if n > 0:
-            s.counted += n
-            s.n_events += 1
-            out.append(TokenEvent(n, content, predicted))
+            self._add(n, out, content, predicted)
 
     def _openai(self, obj: dict, out: list[TokenEvent]) -> None:
         s = self._s
@@ -255,10 +304,10 @@ class StreamParser:
         usage = obj.get("usage")
         usage_total = None
         if isinstance(usage, dict):
-            usage_total = _int(usage.get("completion_tokens"))
+            usage_total = self._count(usage, "completion_tokens")
             if usage_total is not None:
                 s.usage_completion = usage_total
-            p = _int(usage.get("prompt_tokens"))
+            p = self._count(usage, "prompt_tokens")
             if p is not None:
                 s.usage_prompt = p
         choices = obj.get("choices")
@@ -310,9 +359,7 @@ class StreamParser:
             # Without counts a content chunk stands for one token; usage at the end corrects
             # the total, and the summary says which source it used.
             n = 1
-        s.counted += n
-        s.n_events += 1
-        out.append(TokenEvent(n, "".join(texts), usage_total))
+        self._add(n, out, "".join(texts), usage_total)
 
     def _summary(self) -> StreamSummary:
         s = self._s
@@ -322,8 +369,8 @@ class StreamParser:
             generated, source = s.usage_completion, "usage"
         elif s.predicted_total is not None:
             generated, source = s.predicted_total, "timings"
-        elif _int(t.get("predicted_n")) is not None:
-            generated, source = int(t["predicted_n"]), "timings"
+        elif "predicted_n" in t:
+            generated, source = t["predicted_n"], "timings"
         prompt = s.usage_prompt if s.usage_prompt is not None else s.prompt_tokens
         return StreamSummary(
             api=self.api,
@@ -332,8 +379,8 @@ class StreamParser:
             prompt_tokens=prompt,
             token_source=source,
             timings=dict(t),
-            draft_n=_int(t.get("draft_n")),
-            draft_n_accepted=_int(t.get("draft_n_accepted")),
+            draft_n=t.get("draft_n"),
+            draft_n_accepted=t.get("draft_n_accepted"),
             stop_reason=s.stop_reason,
             model=s.model,
             complete=s.complete,
@@ -341,6 +388,7 @@ class StreamParser:
             error="; ".join(s.errors) if s.errors else None,
             n_events=s.n_events,
             n_comments=s.n_comments,
+            invalid=s.invalid,
         )
 
 
@@ -364,7 +412,7 @@ def parse_response(api: str, body: bytes) -> tuple[list[TokenEvent], StreamSumma
             obj = dict(obj, choices=[{**c, "delta": c.get("message") or {}} for c in obj["choices"] if isinstance(c, dict)])
         if api == "llamacpp" and "stop" not in obj and "content" in obj:
             obj = dict(obj, stop=True)
-        if api == "llamacpp" and isinstance(obj.get("tokens"), list) is False and _int(obj.get("tokens_predicted")) is None:
+        if api == "llamacpp" and isinstance(obj.get("tokens"), list) is False and obj.get("tokens_predicted") is None:
             # Non-streaming answers carry the whole text in one `content`: count from timings.
             pn = _int((obj.get("timings") or {}).get("predicted_n")) if isinstance(obj.get("timings"), dict) else None
             if pn is not None:
