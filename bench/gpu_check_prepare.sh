@@ -17,8 +17,12 @@ mkdir -p "$DEST"
 PLAT=(--python-version 3.12 --implementation cp --abi cp312 --only-binary=:all:
       --platform manylinux2014_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux_2_28_x86_64)
 
-# powerprof itself, built from this tree (pure Python).
+# powerprof itself, built from this tree (pure Python); setuptools' build/ and egg-info go afterwards
+# unless they were there before.
+leftovers=()
+for d in build powerprof.egg-info; do [[ -e "$d" ]] || leftovers+=("$d"); done
 "$PY" -m pip wheel --no-deps --no-build-isolation -q -w "$DEST" . 2>/dev/null || "$PY" -m pip wheel --no-deps -q -w "$DEST" .
+for d in ${leftovers[@]+"${leftovers[@]}"}; do rm -rf "$d"; done
 
 # What the device lacks, by name, without dependencies it already has (pyRAPL and openpyxl need only et-xmlfile).
 "$PY" -m pip download -q --no-deps "${PLAT[@]}" -d "$DEST" openpyxl et-xmlfile pyRAPL
