@@ -38,4 +38,4 @@ if (( total_kib > LIMIT_MIB * 1024 )); then
   total_kib=$(du -sk "$DEST" | cut -f1)
 fi
 ls -l "$DEST"
-echo "total: $((total_kib / 1024)) MiB in $DEST (carry limit 64 MiB)"
+echo "total: $(awk "BEGIN{printf \"%.1f\", $total_kib/1024}") MiB in $DEST (carry limit 64 MiB)"
