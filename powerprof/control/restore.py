@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Callable, Sequence
 
 from powerprof.collectors.gateway import gateway
-from powerprof.paths import state_dir
+from powerprof.paths import legacy_state_dirs, state_dir
 from powerprof.storage.atomic import atomic_path, fsync_dir
 
 from .device import nvml_error_code
@@ -129,11 +129,17 @@ def force_default_help(path: Path) -> str:
 
 
 def pending_restore_files(directory: Path | None = None) -> list[Path]:
+    """Restore files in `directory`; in root's default state folder, also those an older powerprof left
+    in its former folder (`paths.legacy_state_dirs`), which then fail the trust check and are reported."""
     d = state_dir() if directory is None else Path(directory)
-    try:
-        return sorted(p for p in d.glob(RESTORE_GLOB) if p.is_file())
-    except OSError:
-        return []
+    folders = [d] + ([p for p in legacy_state_dirs() if p != d] if d == state_dir() else [])
+    out: list[Path] = []
+    for f in folders:
+        try:
+            out.extend(sorted(p for p in f.glob(RESTORE_GLOB) if p.is_file()))
+        except OSError:
+            continue
+    return out
 
 
 def pending_restore_note(directory: Path | None = None) -> str | None:
