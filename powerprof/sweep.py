@@ -17,6 +17,7 @@ from powerprof import __version__
 from powerprof.analysis import engine
 from powerprof.analysis.stats import bootstrap_ci, summarize_levels
 from powerprof.collectors.clock_reasons import cap_not_engaged, thermal
+from powerprof.collectors.gateway import gateway
 from powerprof.control.device import read_devices
 from powerprof.control.levels import parse_clock_levels, parse_power_levels
 from powerprof.profiler import Profiler
@@ -479,11 +480,8 @@ def run_sweep(
             raise SweepError(f"a sweep needs a GPU whose power limit it can set: {why or 'no GPU found'}")
         nvml = src.nvml.nvml
         indexes = src.nvml.indexes
-        nvml.nvmlInit()
-        try:
+        with gateway(nvml).session():
             devices = read_devices(nvml, indexes)
-        finally:
-            nvml.nvmlShutdown()
         if level_kind == "power_limit":
             values = parse_power_levels(levels_spec, devices)
         else:

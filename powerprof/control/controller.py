@@ -112,7 +112,7 @@ class LimitController:
         if self._active:
             return
         try:
-            self.nvml.nvmlInit()
+            gateway(self.nvml).init()
             self._nvml_open = True
             self.devices = read_devices(self.nvml, self.indexes)
             self._handles = [gateway(self.nvml).call("nvmlDeviceGetHandleByIndex", i) for i in self.indexes]
@@ -160,7 +160,7 @@ class LimitController:
         if self._nvml_open:
             self._nvml_open = False
             try:
-                self.nvml.nvmlShutdown()
+                gateway(self.nvml).shutdown()
             except Exception:
                 pass
 

@@ -6,6 +6,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterable, Sequence
 
+from powerprof.collectors.gateway import gateway
 from powerprof.paths import state_dir
 
 from .device import read_devices
@@ -58,14 +59,8 @@ def make_plan(
 
     `permitted`: whether this process may change limits (the door knows: root, or the simulator's
     privilege); `label` names what kind of GPUs these are in the plan's first line."""
-    nvml.nvmlInit()
-    try:
+    with gateway(nvml).session():
         devices = read_devices(nvml, indexes)
-    finally:
-        try:
-            nvml.nvmlShutdown()
-        except Exception:
-            pass
     watts = tuple(parse_power_levels(power_levels, devices)) if power_levels is not None else ()
     clocks = tuple(parse_clock_levels(clock_levels, devices)) if clock_levels is not None else ()
     path = Path(restore_path) if restore_path is not None else default_restore_path([d.uuid for d in devices], state_dir())

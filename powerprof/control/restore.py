@@ -321,7 +321,7 @@ def _restore_one_file(path, refuse, nvml_factory, nvidia_smi, lock_dir, toleranc
             lock.acquire()
             locks.append(lock)
         nvml = nvml_factory(rec)
-        nvml.nvmlInit()
+        gateway(nvml).init()
         done, problems = [], []
         for uuid, g in sorted(rec["gpus"].items(), key=lambda kv: kv[1].get("index", 0)):
             try:
@@ -353,7 +353,7 @@ def _restore_one_file(path, refuse, nvml_factory, nvidia_smi, lock_dir, toleranc
     finally:
         if nvml is not None:
             try:
-                nvml.nvmlShutdown()
+                gateway(nvml).shutdown()
             except Exception:
                 pass
         for lock in locks:
