@@ -488,7 +488,7 @@ def run_sweep(
             values = parse_clock_levels(levels_spec, devices)
         settings = settings or SweepSettings(level_kind, tuple(float(v) for v in values), **settings_kw)
         infos = src.nvml.infos
-        label = infos[0].name.replace("Simulated ", "sim-") if infos else "gpu"
+        label = rig.run_label(infos[0].name) if infos else "gpu"
         run_dir = Path(out_dir) if out_dir else default_run_dir(Path(runs_base), label)
         if dry_run:
             spec = levels_spec
