@@ -301,3 +301,44 @@ def test_silent_upstream_hits_the_read_timeout_and_a_departed_client_closes_it()
     assert t1.outcome == "upstream_error" and "silent" in t1.error
     assert closed_after < 10  # the proxy checks its client on the upstream's timer (every second)
     assert t2.outcome == "client_disconnected"
+
+
+def test_a_request_body_that_goes_silent_gets_408_small_or_streamed():
+    async def echo(request):
+        return web.Response(text=str(len(await request.read())))
+
+    def send_part(port, length):
+        import socket
+
+        with socket.create_connection(("127.0.0.1", port), timeout=10) as s:
+            s.sendall(b"POST /echo HTTP/1.1\r\nHost: x\r\nContent-Length: %d\r\n\r\n" % length + b"x" * 100)
+            out = b""
+            while b"\r\n\r\n" not in out:
+                chunk = s.recv(4096)
+                if not chunk:
+                    break
+                out += chunk
+            return out
+
+    async def main():
+        app = web.Application(client_max_size=1 << 30)
+        app.router.add_post("/echo", echo)
+        ur = web.AppRunner(app)
+        await ur.setup()
+        await web.TCPSite(ur, "127.0.0.1", 0).start()
+        rec, proxy, runner, url = await _proxy(f"http://127.0.0.1:{ur.addresses[0][1]}", body_timeout_s=0.3)
+        port = runner.addresses[0][1]
+        loop = asyncio.get_running_loop()
+        small = await loop.run_in_executor(None, send_part, port, 1000)  # read whole before forwarding
+        big = await loop.run_in_executor(None, send_part, port, 5 << 20)  # streamed on to the upstream
+        for _ in range(100):
+            if len(rec.ended) == 2:
+                break
+            await asyncio.sleep(0.05)
+        await runner.cleanup()
+        await ur.cleanup()
+        return small, big, rec
+
+    small, big, rec = _run(main())
+    assert small.startswith(b"HTTP/1.1 408") and big.startswith(b"HTTP/1.1 408"), (small, big)
+    assert [t.outcome for t in rec.ended] == ["client_timeout", "client_timeout"]

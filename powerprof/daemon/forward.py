@@ -240,7 +240,7 @@ class Exchange(asyncio.Protocol):
     def _begin(self, version: str, status: int, reason: str, headers: CIMultiDict) -> None:
         self.status, self.headers = status, headers
         conn = ",".join(headers.getall("Connection", ())).lower()
-        self.reusable = version == "HTTP/1.1" and "close" not in conn
+        self.reusable = version == "HTTP/1.1" and "close" not in conn and status != 101
         te = ",".join(headers.getall("Transfer-Encoding", ())).lower()
         if self.head_method == "HEAD" or status in (204, 304) or status < 200:
             self._mode = "end"
@@ -385,8 +385,10 @@ class UpstreamPool:
         try:
             while self._idle:
                 ex = self._idle.pop()
-                if not ex.lost and ex.transport is not None and not ex.transport.is_closing():
+                if ex.reusable and not ex.lost and ex.transport is not None and not ex.transport.is_closing():
                     return ex
+                if ex.transport is not None:
+                    ex.transport.close()
             _t, ex = await asyncio.wait_for(
                 self.loop.create_connection(lambda: Exchange(self), self.host, self.port, ssl=self._ssl,
                                             server_hostname=self.host if self._ssl else None),
