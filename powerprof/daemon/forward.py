@@ -332,6 +332,11 @@ class Exchange(asyncio.Protocol):
         if self._write_ok is not None and not self._write_ok.done():
             await self._write_ok
 
+    def take_early(self) -> bytes:
+        """The body that came with the response head, before attach() (to send with the client's head)."""
+        early, self._early = self._early, []
+        return early[0] if len(early) == 1 else b"".join(early)
+
     def attach(self, on_body) -> None:
         """From now on every read of the body goes to on_body(bytes), in the socket callback."""
         early, self._early = self._early, []

@@ -237,7 +237,10 @@ class Proxy:
         streamed = False
         if request.body_exists and length is not None and length <= INSPECT_MAX_BYTES:
             try:
-                body = await asyncio.wait_for(request.read(), self.body_timeout_s)
+                if request.content.is_eof():  # all here already (the usual small POST): no timer task
+                    body = await request.read()
+                else:
+                    body = await asyncio.wait_for(request.read(), self.body_timeout_s)
             except asyncio.TimeoutError:
                 return self._body_timeout(trace)
             headers["Content-Length"] = str(len(body))
@@ -321,7 +324,14 @@ class Proxy:
                     trace.recorder_error = f"parser: {e}"
         try:
             writer = await resp.prepare(request)
-            writer.send_headers()
+            early = ex.take_early()
+            if early:
+                # What came with the upstream's head goes out with ours: one write, not two.
+                now, wall = time.monotonic_ns(), time.time_ns()
+                await resp.write(early)
+                sink.account(early, now, wall)
+            else:
+                writer.send_headers()
             sink.transport = request.transport
             sink.writer = writer
             sink.chunked = writer.chunked
@@ -425,6 +435,9 @@ class _ClientSink:
             self._draining = True
             self.ex.pause()  # a slow client: stop reading the upstream until its buffer drains
             asyncio.get_running_loop().create_task(self._drain())
+        self.account(piece, now, wall)
+
+    def account(self, piece: bytes, now: int, wall: int) -> None:
         trace = self.trace
         if trace is None:
             return
