@@ -302,7 +302,9 @@ def test_f5_a_damaged_restore_file_blocks_changes_until_force_default(tmp_path, 
         text = path.read_text()
         ctl._record = None  # the process "dies" here: the GPU stays capped, the file stays
     assert _limit_w(tmp_path) == default_w - 50
-    path.write_text(text[: len(text) // 2])  # truncated: the original limit is unreadable
+    # Truncated before the original limit: the GPU's UUID is still readable (the simulated rig acts
+    # only on files that name its own GPUs), the limit it held is not.
+    path.write_text(text[: text.index('"original_limit_mw"')])
     with pytest.raises(PendingRestoreError, match="force-default"):
         LimitController(_sim(tmp_path), [0]).open()
     assert _limit_w(tmp_path) == default_w - 50 and path.exists()
@@ -314,6 +316,42 @@ def test_f5_a_damaged_restore_file_blocks_changes_until_force_default(tmp_path, 
     assert list(state.glob("restore-*.json")) == []
     with LimitController(_sim(tmp_path), [0]) as ctl:  # and changes are allowed again
         assert ctl.original_limits_w == (default_w,)
+
+
+def test_force_default_on_the_simulator_never_touches_a_real_gpus_file(tmp_path, monkeypatch):
+    # A damaged file that names no readable GPU, or a GPU that is not the simulator's, may hold a real
+    # GPU's original limit: `restore --simulate --force-default` refuses it and keeps it.
+    state = Path(os.environ["POWERPROF_STATE_DIR"])
+    state.mkdir(parents=True, exist_ok=True)
+    unreadable = state / "restore-aaaaaaaaaaaa.json"
+    unreadable.write_text('{"format": 1, "gpus": {"GPU-aaaa')
+    real = state / "restore-bbbbbbbbbbbb.json"
+    real.write_text('{"format": 1, "gpus": {"GPU-12345678-1234-1234-1234-123456789abc": {"index": 0')
+    for f in (unreadable, real):
+        os.chmod(f, 0o600)
+    r = CliRunner().invoke(main, ["restore", "--simulate", "seed-16g", "--force-default"])
+    assert r.exit_code == 1, r.output
+    assert unreadable.exists() and real.exists()
+    assert "names no GPU that can be read" in r.output and "not this simulator's" in r.output
+    assert "without --simulate" in r.output
+
+
+def test_a_restore_file_left_in_the_old_root_folder_is_found_after_an_upgrade(tmp_path, monkeypatch):
+    # Root's state folder moved; a crashed sweep's file in the old one (also the daemon's writable state
+    # directory) must be reported, never "Nothing to restore", and never applied as it is.
+    import powerprof.control.restore as restore_mod
+
+    legacy = tmp_path / "old-var-lib-powerprof"
+    legacy.mkdir(mode=0o777)
+    os.chmod(legacy, 0o777)  # as writable as a folder another user owns
+    p = _foreign_restore_file(tmp_path, owner_uid=os.geteuid())
+    moved = legacy / p.name
+    p.rename(moved)
+    monkeypatch.setattr(restore_mod, "legacy_state_dirs", lambda: [legacy])
+    report = restore_mod.restore_from_file()
+    assert [o.path for o in report.outcomes] == [moved], report.lines()
+    assert report.outcomes[0].status == "untrusted" and "force-default" in report.lines()[0]
+    assert moved.exists()
 
 
 def _foreign_restore_file(tmp_path, owner_uid: int, mode: int = 0o600) -> Path:
@@ -659,3 +697,16 @@ def test_systemd_analyze_security_exposure_at_most_2(tmp_path):
         pytest.skip(f"this systemd-analyze cannot check a unit file offline: {p.stderr.strip()[:200]}")
     assert m, p.stdout + p.stderr
     assert float(m.group(1)) <= 2.0
+
+
+def test_dry_run_says_what_would_stop_the_real_run(tmp_path):
+    # A damaged restore file blocks every change; the dry run, which is how a user checks a plan,
+    # must say so rather than print a clean plan that the real run then refuses.
+    state = Path(os.environ["POWERPROF_STATE_DIR"])
+    state.mkdir(parents=True, exist_ok=True)
+    damaged = state / "restore-cccccccccccc.json"
+    damaged.write_text('{"format": 1, "gpus": {')
+    os.chmod(damaged, 0o600)
+    r = CliRunner().invoke(main, ["sweep", "--simulate", "seed-16g", "--limits", "200,250", "--dry-run"])
+    assert r.exit_code == 0, r.output
+    assert "would stop before any change" in r.output and "force-default" in r.output

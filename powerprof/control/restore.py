@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Callable, Sequence
 
 from powerprof.collectors.gateway import gateway
-from powerprof.paths import state_dir
+from powerprof.paths import legacy_state_dirs, state_dir
 from powerprof.storage.atomic import atomic_path, fsync_dir
 
 from .device import nvml_error_code
@@ -129,11 +129,17 @@ def force_default_help(path: Path) -> str:
 
 
 def pending_restore_files(directory: Path | None = None) -> list[Path]:
+    """Restore files in `directory`; in root's default state folder, also those an older powerprof left
+    in its former folder (`paths.legacy_state_dirs`), which then fail the trust check and are reported."""
     d = state_dir() if directory is None else Path(directory)
-    try:
-        return sorted(p for p in d.glob(RESTORE_GLOB) if p.is_file())
-    except OSError:
-        return []
+    folders = [d] + ([p for p in legacy_state_dirs() if p != d] if d == state_dir() else [])
+    out: list[Path] = []
+    for f in folders:
+        try:
+            out.extend(sorted(p for p in f.glob(RESTORE_GLOB) if p.is_file()))
+        except OSError:
+            continue
+    return out
 
 
 def pending_restore_note(directory: Path | None = None) -> str | None:
@@ -315,7 +321,7 @@ def _restore_one_file(path, refuse, nvml_factory, nvidia_smi, lock_dir, toleranc
             lock.acquire()
             locks.append(lock)
         nvml = nvml_factory(rec)
-        nvml.nvmlInit()
+        gateway(nvml).init()
         done, problems = [], []
         for uuid, g in sorted(rec["gpus"].items(), key=lambda kv: kv[1].get("index", 0)):
             try:
@@ -347,7 +353,7 @@ def _restore_one_file(path, refuse, nvml_factory, nvidia_smi, lock_dir, toleranc
     finally:
         if nvml is not None:
             try:
-                nvml.nvmlShutdown()
+                gateway(nvml).shutdown()
             except Exception:
                 pass
         for lock in locks:
@@ -355,6 +361,26 @@ def _restore_one_file(path, refuse, nvml_factory, nvidia_smi, lock_dir, toleranc
 
 
 # --- files that cannot be trusted or read ----------------------------------------------------
+
+
+def pending_blocker(uuids, directory: Path, extra: Sequence[Path] = ()) -> str | None:
+    """Why no limit of these GPUs may be changed now, or None. A damaged or foreign restore file may hold
+    one's original (reading the current, maybe capped, limit as the original would lose it for good), and
+    a readable record naming one means it was never put back. Used by the controller before any change
+    and by the dry-run plan, so the plan shows what would stop the real run."""
+    devices = set(uuids)
+    for path in [*pending_restore_files(directory), *extra]:
+        bad = check_restore_file(path, root_too=True)
+        if bad is not None:
+            return f"{bad.message.removeprefix('Not restored: ')} Nothing was changed."
+        rec = load_record(path)
+        hit = sorted(((g.get("index"), u) for u, g in rec["gpus"].items() if u in devices), key=lambda x: (x[0] is None, x[0]))
+        if hit:
+            gpus = ", ".join(f"GPU {i}" for i, _ in hit)
+            return (f"{gpus} still has settings changed by an earlier powerprof run (pid {rec.get('pid')}, "
+                    f"{rec.get('created_utc')}) that were never put back, so its current limit is not its original. "
+                    f"Run `powerprof restore --restore-file {path}` first. Nothing was changed.")
+    return None
 
 
 def check_restore_file(path: Path, root_too: bool = False) -> FileOutcome | None:
