@@ -98,8 +98,8 @@ class Exchange(asyncio.Protocol):
         self.reusable = False
         self.pool._forget(self)
         if self._write_ok is not None and not self._write_ok.done():
-            self._write_ok.set_exception(UpstreamError("upstream closed the connection"))
-        if self._mode == "close":
+            self._write_ok.set_result(None)  # a waiting write_body finds the connection lost
+        if self._mode == "close" and exc is None:
             self._finish()
         elif self._mode not in ("", "end"):
             self._fail(UpstreamError(f"upstream closed the connection mid-response{f': {exc}' if exc else ''}"))
@@ -331,6 +331,8 @@ class Exchange(asyncio.Protocol):
         self._last = time.monotonic()
         if self._write_ok is not None and not self._write_ok.done():
             await self._write_ok
+            if self.lost:
+                raise UpstreamError("upstream closed the connection")
 
     def take_early(self) -> bytes:
         """The body that came with the response head, before attach() (to send with the client's head)."""

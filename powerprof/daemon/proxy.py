@@ -418,23 +418,28 @@ class _ClientSink:
         self.ex: Exchange | None = None
         self.gone = False
         self._draining = False
+        self._drain_task: asyncio.Task | None = None
 
     def on_body(self, piece: bytes, framed: bytes | None) -> None:
         # In the upstream socket's callback: no task wake-up per read. The piece goes out first; it is
         # parsed after, stamped with its arrival time.
         now, wall = time.monotonic_ns(), time.time_ns()
         transport = self.transport
-        if transport.is_closing():
+        try:
+            if transport.is_closing():
+                self._client_gone()
+                return
+            if self.chunked:
+                transport.write(framed if framed is not None else b"%x\r\n%b\r\n" % (len(piece), piece))
+            else:
+                transport.write(piece)
+            if not self._draining and transport.get_write_buffer_size() > self.WRITE_BUFFER_MAX_BYTES:
+                self._draining = True
+                self.ex.pause()  # a slow client: stop reading the upstream until its buffer drains
+                self._drain_task = asyncio.get_running_loop().create_task(self._drain())  # held: not collected
+        except Exception:  # the client's socket failed: as if it left
             self._client_gone()
             return
-        if self.chunked:
-            transport.write(framed if framed is not None else b"%x\r\n%b\r\n" % (len(piece), piece))
-        else:
-            transport.write(piece)
-        if not self._draining and transport.get_write_buffer_size() > self.WRITE_BUFFER_MAX_BYTES:
-            self._draining = True
-            self.ex.pause()  # a slow client: stop reading the upstream until its buffer drains
-            asyncio.get_running_loop().create_task(self._drain())
         self.account(piece, now, wall)
 
     def account(self, piece: bytes, now: int, wall: int) -> None:
