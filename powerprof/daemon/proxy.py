@@ -1,7 +1,8 @@
 """Transparent streaming reverse proxy that records per-request token timing, never text.
 
 Every request (any method, any path) is forwarded to the upstream and every response byte is
-written to the client as it arrives, unchanged and unbuffered. On the side, the bytes of
+written to the client as it arrives, unchanged and unbuffered: from the upstream socket's own
+callback (`forward.py`), with no task woken per chunk. On the side, the bytes of
 generation endpoints go through the stream parser to timestamp token-bearing chunks. Recording
 is fail-open: an exception in parsing or in the recorder marks the request's record broken and
 the bytes keep flowing. A client that disconnects closes the upstream connection, which is how
