@@ -332,6 +332,87 @@ def measure(url, simulate, out_dir, n_requests, concurrency, warmup, launch, api
         raise click.ClickException(f"stopped early: {res.aborted} (what was measured is in {res.out_path})")
 
 
+@main.command()
+@click.argument("trace_path", metavar="TRACE", type=click.Path(dir_okay=False))
+@click.option("--server", "url", metavar="URL", help="Inference server base URL.")
+@simulate_option
+@click.option("--launch", metavar="CMD", help="Start the server with CMD, wait for /health, stop it at the end.")
+@click.option("--api", type=click.Choice(API_NAMES), default=None, help="Protocol the requests use (default: detected).")
+@click.option("--time-scale", type=click.FloatRange(min=0, min_open=True), default=1.0, show_default=True,
+              help="Divide the trace's arrival times by this (2 = twice as fast).")
+@click.option("--duration", "duration_s", type=click.FloatRange(min=0, min_open=True), default=None,
+              help="Replay only the requests arriving in the first this many seconds (after scaling).")
+@click.option("--tag-header", default="X-Powerprof-Tag", show_default=True, help="Header carrying a record's tag.")
+@click.option("--json", "as_json", is_flag=True, help=JSON_HELP)
+def replay(trace_path, url, simulate, launch, api, time_scale, duration_s, tag_header, as_json):
+    """Drive a server with a trace's arrival times and token counts (Azure CSV or JSONL); latency and throughput."""
+    import asyncio
+    import json
+
+    import aiohttp
+
+    from powerprof.rig import Rig
+    from powerprof.workload.client import RequestParams, ServerUnreachable, detect_server
+    from powerprof.workload.launcher import LaunchError
+    from powerprof.workload.replay import replay_async, summarize
+    from powerprof.workload.trace import TraceError, read_trace, shape
+
+    if bool(url) == bool(simulate):
+        raise click.UsageError("give exactly one of --server URL or --simulate")
+    try:
+        trace = shape(read_trace(trace_path), time_scale, duration_s)
+    except TraceError as e:
+        raise click.UsageError(str(e)) from None
+    if not trace:
+        raise click.UsageError(f"no request of {trace_path} arrives within --duration {duration_s:g} s")
+
+    async def go(base):
+        async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0)) as s:
+            server = await detect_server(s, base, api)
+            return server, await replay_async(s, server, trace, RequestParams(), tag_header)
+
+    try:
+        with Rig(simulate, host=False) as rig, rig.server(url, launch) as base:
+            server, records = asyncio.run(go(base))
+    except (ServerUnreachable, LaunchError, ValueError) as e:
+        raise click.ClickException(str(e)) from None
+    sm = summarize(records)
+    if as_json:
+        click.echo(json.dumps({"server": server.meta(), **sm.to_dict()}, indent=2))
+    else:
+        def f(v):
+            return "-" if v is None else f"{v:.3f}"
+
+        click.echo(f"server: {server.kind} ({server.api})" + (" [simulated]" if server.simulated else ""))
+        click.echo(f"requests: {sm.ok} ok, {sm.failed} failed, in {sm.duration_s:.1f} s; "
+                   f"{sm.generated_tokens} tokens generated ({sm.generated_tokens / sm.duration_s if sm.duration_s else 0:.1f}/s), "
+                   f"{sm.prompt_tokens} prompt tokens")
+        click.echo(f"TTFT p50 {f(sm.ttft_p50_s)} s, p95 {f(sm.ttft_p95_s)} s; latency p50 {f(sm.latency_p50_s)} s, "
+                   f"p95 {f(sm.latency_p95_s)} s; time per output token p50 {f(sm.tpot_p50_s)} s")
+        if sm.late_p95_s > 0.05:
+            click.echo(f"note: requests were sent late (p95 {sm.late_p95_s:.2f} s): this machine could not keep the trace's pace")
+    if sm.failed:
+        errs = sorted({r.record.error for r in records if not r.record.ok})[:3]
+        raise click.ClickException(f"{sm.failed} of {sm.n} requests failed: " + "; ".join(e or "?" for e in errs))
+
+
+@main.command("trace")
+@click.argument("out_path", metavar="OUT.jsonl", type=click.Path(dir_okay=False))
+@click.option("--requests", "n", type=click.IntRange(1), default=1000, show_default=True)
+@click.option("--rate", "rate", type=click.FloatRange(min=0, min_open=True), default=5.0, show_default=True, help="Requests per second on average.")
+@click.option("--arrivals", type=click.Choice(["poisson", "bursty"]), default="poisson", show_default=True)
+@click.option("--prompt-median", type=click.FloatRange(1), default=400.0, show_default=True, help="Median prompt tokens (lognormal).")
+@click.option("--output-median", type=click.FloatRange(1), default=80.0, show_default=True, help="Median output tokens (lognormal).")
+@click.option("--seed", type=int, default=0, show_default=True)
+def trace_cmd(out_path, n, rate, arrivals, prompt_median, output_median, seed):
+    """Write a synthetic trace (JSONL) for `replay`: Poisson or bursty arrivals, lognormal lengths."""
+    from powerprof.workload.trace import synthetic, write_jsonl
+
+    tr = synthetic(n, rate, arrivals, prompt_median=prompt_median, output_median=output_median, seed=seed)
+    write_jsonl(tr, out_path)
+    click.echo(f"{out_path}: {len(tr)} requests over {tr[-1].t_s:.1f} s")
+
+
 # --- analysis: analyze, export ----------------------------------------------------------------
 
 
