@@ -117,7 +117,8 @@ class Ledger:
         self.cpu_t: deque = deque(maxlen=4096)
         self.cpu_e: deque = deque(maxlen=4096)
         self.cpu_epoch: deque = deque(maxlen=4096)
-        self.server_spans: list[tuple[int, int, float]] = []  # (t0, t1, tokens) a scrape's delta covers
+        self.server_spans: list[list] = []  # [t0, t1, server tokens, bypass tokens or None] per scrape
+        self._proxied: deque = deque()  # (t_ns, tokens) of every proxied token event, for the scrape windows
         self.server_seen = False
         self.server_upto_ns: int | None = None
         self._credit: deque = deque()  # proxied tokens per recent interval, not yet seen by the server
@@ -141,6 +142,8 @@ class Ledger:
         if r is not None:
             r.ev_t.append(t_ns)
             r.ev_n.append(n)
+            if self.server_seen:
+                self._proxied.append((t_ns, n))
 
     def on_end(self, trace: RequestTrace) -> None:
         r = self.requests.get(trace.request_id)
@@ -152,6 +155,8 @@ class Ledger:
             ts = np.linspace(trace.first_ns, trace.last_ns, SPREAD_EVENTS).astype(np.int64)
             r.ev_t = ts.tolist()
             r.ev_n = [n / SPREAD_EVENTS] * SPREAD_EVENTS
+            if self.server_seen:
+                self._proxied.extend(zip(r.ev_t, r.ev_n))
 
     # --- inputs from the sampler and the scraper ----------------------------------------------
 
@@ -192,9 +197,8 @@ class Ledger:
         evenly over that time, so bypass tokens land in the intervals where they were generated."""
         self.server_seen = True
         self.server_upto_ns = t_ns
-        if delta > 0:
-            t0 = since_ns if since_ns is not None and since_ns < t_ns else t_ns - 1
-            self.server_spans.append((int(t0), int(t_ns), float(delta)))
+        t0 = since_ns if since_ns is not None and since_ns < t_ns else t_ns - 1
+        self.server_spans.append([int(t0), int(t_ns), float(delta), None])
 
     # --- tags --------------------------------------------------------------------------------
 
@@ -313,12 +317,10 @@ class Ledger:
             ev_n.extend(r.ev_n)
             before = r.spent + np.cumsum(r.ev_n) - np.asarray(r.ev_n, dtype=float) if r.ev_n else []
             ev_c.extend(prompt[i] + np.asarray(before, dtype=float))
-        server = excess = None
+        excess = None
         ev_t_a, ev_r_a, ev_n_a = np.array(ev_t, dtype=np.int64), np.array(ev_r, dtype=np.int64), np.array(ev_n, dtype=float)
         if self.server_seen:
-            server = self._server_tokens(t)
-            proxied = attr.interval_tokens(t, ev_t_a, np.zeros_like(ev_r_a), ev_n_a, 1)[0]
-            excess = self._server_excess(server, proxied)
+            excess = self._bypass_tokens(t)
         setting = edges[-1].setting
         costs = self.learner.costs(setting)
         # The third column marks intervals without CPU energy: a request given a share of one
@@ -342,7 +344,7 @@ class Ledger:
                 r.spent += float(sum(r.ev_n[:j]))
                 del r.ev_t[:j], r.ev_n[:j]
         self._account(t, per_gpu, gpu, cpu, a, methods, costs)
-        self._interval_rows(edges, t, gpu, cpu, methods, a, server, costs)
+        self._interval_rows(edges, t, gpu, cpu, methods, a, excess, costs)
         rows = []
         for r, d in zip(reqs, done):
             if d:
@@ -350,21 +352,34 @@ class Ledger:
                 del self.requests[r.trace.request_id]
         self.emit("requests", rows)
 
-    def _server_tokens(self, t: np.ndarray) -> np.ndarray:
-        """(K,) server-counted tokens in each interval: each scrape's delta spread over the time it covers."""
+    def _bypass_tokens(self, t: np.ndarray) -> np.ndarray:
+        """(K,) tokens the server counted beyond the proxy's in each interval (bypass traffic).
+
+        Compared scrape by scrape (the server's counter and the proxy's tokens over the same
+        window, which is exact), then each window's excess is spread evenly over the time it covers."""
+        fresh = [sp for sp in self.server_spans if sp[3] is None]
+        if fresh:
+            pt = np.fromiter((x[0] for x in self._proxied), dtype=np.int64, count=len(self._proxied))
+            pn = np.fromiter((x[1] for x in self._proxied), dtype=float, count=len(self._proxied))
+            proxied = np.array([pn[(pt > sp[0]) & (pt <= sp[1])].sum() for sp in fresh])
+            for sp, ex in zip(fresh, self._server_excess(np.array([sp[2] for sp in fresh]), proxied)):
+                sp[3] = float(ex)
         out = np.zeros(t.size - 1)
-        if not self.server_spans:
-            return out
-        sp = np.array(self.server_spans, dtype=float)
-        t0, t1, n = sp[:, 0].astype(np.int64), sp[:, 1].astype(np.int64), sp[:, 2]
-        over = attr.span_overlap_s(t, t0, t1)
-        out = (over * (n / ((t1 - t0) / 1e9))[:, None]).sum(axis=0)
-        # Tokens before the first edge have no interval left to land in; later ones wait.
-        self.server_spans = [s for s in self.server_spans if s[1] > t[-1]]
+        spans = [sp for sp in self.server_spans if sp[3] > 0]
+        if spans:
+            sp = np.array([x[:2] for x in spans], dtype=np.int64)
+            ex = np.array([x[3] for x in spans])
+            over = attr.span_overlap_s(t, sp[:, 0], sp[:, 1])
+            out = (over * (ex / ((sp[:, 1] - sp[:, 0]) / 1e9))[:, None]).sum(axis=0)
+        # Spans ending inside the closed intervals are spent; later ones (and their events) wait.
+        self.server_spans = [x for x in self.server_spans if x[1] > t[-1]]
+        keep_from = min([x[0] for x in self.server_spans], default=int(t[-1]))
+        while self._proxied and self._proxied[0][0] <= keep_from - int(SCRAPE_HOLD_S * 1e9):
+            self._proxied.popleft()
         return out
 
     def _server_excess(self, server: np.ndarray, proxied: np.ndarray) -> np.ndarray:
-        """Server-counted tokens beyond what the proxy saw: bypass traffic.
+        """Server-counted tokens beyond what the proxy saw, per scrape window: bypass traffic.
 
         The server's counter lags the stream by up to a scrape, so proxied tokens not yet
         matched are carried as credit, for a few intervals only (a server that under-counts,

@@ -140,7 +140,7 @@ class SnapshotCollector:
             for key, name, doc in (
                 ("prefill_per_decode", "powerprof_work_prefill_per_decode_ratio", "Cost of a prompt token over a decoded token (in use)"),
                 ("idle_w", "powerprof_idle_power_watts", "Idle GPU power the work model uses"),
-                ("r2", "powerprof_work_model_r2", "R² of the latest cost fit over busy intervals"),
+                ("r2", "powerprof_work_model_r_squared", "R² of the latest cost fit over busy intervals"),
             ):
                 if wc.get(key) is not None:
                     yield GaugeMetricFamily(name, doc, value=wc[key])
