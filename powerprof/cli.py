@@ -517,9 +517,15 @@ def _fraction_option(ctx, param, value):
 @click.option("--max-slowdown", default="10%", show_default=True, callback=_fraction_option,
               help="Slowdown budget for the recommendation, vs the reference level (10% or 0.1).")
 @click.option("--dry-run", is_flag=True, help="Validate and print the plan; touch nothing.")
+@click.option("--trace", "trace_path", default=None, type=click.Path(dir_okay=False),
+              help="Replay this trace (Azure CSV or JSONL) at each level instead: J/token and latency for that traffic mix.")
+@click.option("--time-scale", type=click.FloatRange(min=0, min_open=True), default=1.0, show_default=True,
+              help="With --trace: divide its arrival times by this.")
+@click.option("--duration", "duration_s", type=click.FloatRange(min=0, min_open=True), default=None,
+              help="With --trace: replay only the requests arriving in the first this many seconds.")
 def sweep(limits, clocks, url, launch, simulate, gpus, repeats, order, target_ci, min_requests, max_requests, max_time_s,
           warmup, idle_s, concurrency, api, max_tokens, prompts_file, prompt_set, prompt_cache, seed, keep_text,
-          launch_timeout, interval_s, out_dir, max_slowdown, dry_run):
+          launch_timeout, interval_s, out_dir, max_slowdown, dry_run, trace_path, time_scale, duration_s):
     """Step the GPU power limit (or locked SM clock) across levels; J/token and speed loss per level."""
     from rich.console import Console
 
@@ -538,6 +544,10 @@ def sweep(limits, clocks, url, launch, simulate, gpus, repeats, order, target_ci
         raise click.UsageError("give exactly one of --server URL, --launch CMD --server URL, or --simulate")
     if max_requests < min_requests:
         raise click.UsageError("--max-requests must not be below --min-requests")
+    if trace_path:
+        _trace_sweep(trace_path, time_scale, duration_s, limits, clocks, url, launch, simulate, gpus, api, interval_s,
+                     launch_timeout)
+        return
     try:
         prompts = load_prompts(prompts_file) if prompts_file else builtin_prompts(prompt_set)
     except PromptFileError as e:
@@ -587,6 +597,54 @@ def sweep(limits, clocks, url, launch, simulate, gpus, repeats, order, target_ci
         sys.exit(1)
     out.print(end_screen(outcome.levels, result, unit), highlight=False)
     out.print(f"run directory: {outcome.run_dir}")
+
+
+def _trace_sweep(trace_path, time_scale, duration_s, limits, clocks, url, launch, simulate, gpus, api, interval_s,
+                 launch_timeout) -> None:
+    """`sweep --trace`: the whole trace at each level; J/token and latency per level."""
+    from powerprof.control.errors import ControlError
+    from powerprof.control.levels import LevelError
+    from powerprof.rig import Rig
+    from powerprof.sweep import SweepError, run_trace_sweep
+    from powerprof.workload.client import ServerUnreachable
+    from powerprof.workload.launcher import LaunchError
+    from powerprof.workload.trace import TraceError, read_trace, shape
+
+    try:
+        trace = shape(read_trace(trace_path), time_scale, duration_s)
+    except TraceError as e:
+        raise click.UsageError(str(e)) from None
+    if not trace:
+        raise click.UsageError(f"no request of {trace_path} arrives within --duration {duration_s:g} s")
+    unit = "W" if limits else "MHz"
+
+    def f(v, spec):
+        return "-" if v is None else format(v, spec)
+
+    click.echo(f"trace {trace_path}: {len(trace)} requests over {trace[-1].t_s:.1f} s, each level replays all of it")
+    click.echo(f"{'level':>8} {'ok':>5} {'failed':>6} {'tokens':>7} {'GPU J/tok':>9} {'tok/s':>7} {'TTFT p50':>8} "
+               f"{'TTFT p95':>8} {'lat p50':>7} {'lat p95':>7}  method")
+
+    def show(lv):
+        click.echo(f"{lv.level_value:>6g}{unit:<2} {lv.n_ok:>5} {lv.n_failed:>6} {lv.generated_tokens:>7} "
+                   f"{f(lv.gpu_j_per_token, '9.3f')} {f(lv.tok_s, '7.1f')} {f(lv.ttft_p50_s, '8.3f')} "
+                   f"{f(lv.ttft_p95_s, '8.3f')} {f(lv.latency_p50_s, '7.2f')} {f(lv.latency_p95_s, '7.2f')}  {lv.energy_method}")
+
+    try:
+        with Rig(simulate, gpus=gpus) as rig:
+            _levels, notes = run_trace_sweep(rig, levels_spec=limits or clocks,
+                                             level_kind="power_limit" if limits else "sm_clock", trace=trace, url=url,
+                                             launch=launch, api=api, interval_s=interval_s,
+                                             launch_timeout_s=launch_timeout, on_level=show)
+    except (LevelError, ValueError) as e:
+        raise click.UsageError(str(e)) from None
+    except (ControlError, SweepError, ServerUnreachable, LaunchError, OSError) as e:
+        raise click.ClickException(str(e)) from None
+    except KeyboardInterrupt:
+        click.echo("interrupted: every GPU is back at its original limit", err=True)
+        sys.exit(130)
+    for n in notes:
+        click.echo(f"note: {n}")
 
 
 # --- daemon: always-on sampling, tagging proxy, Prometheus, tag API -----------------
