@@ -34,6 +34,7 @@ def main() -> None:
     ap.add_argument("--interval", type=float, default=1.0)
     ap.add_argument("--seed", type=int, default=7)
     ap.add_argument("--json", action="store_true")
+    ap.add_argument("--keep", metavar="DIR", help="keep the daemon's datasets in DIR (default: a temporary folder)")
     a = ap.parse_args()
     n = a.requests or (300 if a.quick else 2000)
     trace = synthetic(n, a.rate, "bursty", prompt_median=300, output_median=60, tags=("chat", "rag", "batch"),
@@ -41,7 +42,7 @@ def main() -> None:
     bypass = set(range(7, n, 10))
     tail = [TraceRequest(0.0, 200, 64, "probe")] * 6
     t = time.monotonic()
-    o = run(trace, bypass=bypass, interval_s=a.interval, tail=tail)
+    o = run(trace, bypass=bypass, interval_s=a.interval, tail=tail, data_dir=Path(a.keep) if a.keep else None)
     s = score(o)
     s["bench_s"] = time.monotonic() - t
     if a.json:

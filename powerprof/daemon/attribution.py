@@ -63,7 +63,7 @@ class Attribution:
     request_tokens: np.ndarray  # (R,) each request's tokens (all of them: every token is attributed)
     by_kind: np.ndarray  # (4, C) total energy per interval kind
     dest: np.ndarray  # (K, 3, C) each interval's energy to requests, idle, unproxied
-    features: np.ndarray  # (K, 5) duration_s, steps, decode tokens, prefill tokens, context·tokens/1000
+    features: np.ndarray  # (K, 5) duration_s, steps, tokens (bypass included), prefill tokens, context·tokens/1000
 
     @property
     def total(self) -> np.ndarray:
@@ -154,18 +154,30 @@ def prefill_tokens(edges_ns: np.ndarray, arrival_ns: np.ndarray, prefill_end_ns:
     return frac * p[:, None]
 
 
-def request_work(costs: WorkCosts, tok: np.ndarray, pre: np.ndarray, ctx: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """(R, K) each request's work (in joules at `costs`) in each interval, and (K,) the step counts.
+def request_work(costs: WorkCosts, tok: np.ndarray, pre: np.ndarray, ctx: np.ndarray,
+                 bypass: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """(R, K) each request's work (in joules at `costs`) in each interval, (K,) the bypass tokens'
+    work, and (K,) the step counts.
 
     The per-step cost is shared by the requests in the steps: each interval's steps are estimated
     as the most tokens any request got there (a sequence decoding through the whole interval gets
-    one per step), and split among the requests by their tokens (a prefilling request counts one)."""
-    steps = tok.max(axis=0) if tok.size else np.zeros(tok.shape[1])
-    part = tok + (pre > 0)
-    part_sum = part.sum(axis=0)
-    step_share = np.divide(part, part_sum[None, :], out=np.zeros_like(part), where=part_sum[None, :] > 0)
-    work = costs.step_j * steps[None, :] * step_share + costs.decode_j * tok + costs.prefill_j * pre + costs.ctx_j * ctx
-    return work, steps
+    one per step), and split among the requests by their tokens. A request still waiting for its
+    first token takes no share: it may sit in a queue, outside the engine's steps.
+
+    Bypass tokens (the server's beyond the proxy's) share the steps too, and cost what the proxied
+    ones do on average for their prompts and context (which the proxy never saw)."""
+    k_count = tok.shape[1]
+    byp = np.zeros(k_count) if bypass is None else np.asarray(bypass, dtype=float)
+    steps = tok.max(axis=0) if tok.size else np.zeros(k_count)
+    steps = np.where((steps == 0) & (byp > 0), 1.0, steps)  # bypass alone: at least one step ran
+    part_sum = tok.sum(axis=0) + byp
+    step_per_tok = np.divide(costs.step_j * steps, part_sum, out=np.zeros(k_count), where=part_sum > 0)
+    own = costs.prefill_j * pre + costs.ctx_j * ctx
+    work = step_per_tok[None, :] * tok + costs.decode_j * tok + own
+    n_tok = tok.sum(axis=0)
+    own_per_tok = np.divide(own.sum(axis=0), n_tok, out=np.zeros(k_count), where=n_tok > 0)
+    bypass_work = byp * (step_per_tok + costs.decode_j + own_per_tok)
+    return work, bypass_work, steps
 
 
 def attribute(
@@ -239,15 +251,13 @@ def attribute(
     kind[any_live & ~any_prefill] = DECODE
     kind[any_prefill] = PREFILL
 
-    work, steps = request_work(costs, tok, pre, ctx)
+    work, unprox_work, steps = request_work(costs, tok, pre, ctx, server)
     # A live request with no measurable work (queued, or a slow step straddling the interval)
     # still holds the engine: equal shares among the live ones where nobody has work.
     no_work = any_live & (work.sum(axis=0) <= 0)
     work[:, no_work] = live[:, no_work].astype(float)
     req_work = work.sum(axis=0)
     total_tok = tok.sum(axis=0)
-    per_tok = np.divide(req_work, total_tok, out=np.zeros(k_count), where=total_tok > 0)
-    unprox_work = np.where(any_live, server * np.where(per_tok > 0, per_tok, costs.decode_j + costs.step_j), server)
 
     busy_s = union_busy_s(edges, arrival, np.where(end != NEVER, end, edges[-1])) if r_count else np.zeros(k_count)
     e = energy[:, 0]
@@ -266,7 +276,7 @@ def attribute(
     dest = np.stack([share.sum(axis=0), f_idle, f_unprox], axis=1)[:, :, None] * energy[:, None, :]
     by_kind = np.zeros((4, energy.shape[1]))
     np.add.at(by_kind, kind, energy)
-    features = np.column_stack([dur_s, steps, total_tok, pre.sum(axis=0), ctx.sum(axis=0)])
+    features = np.column_stack([dur_s, steps, total_tok + server, pre.sum(axis=0), ctx.sum(axis=0)])
     return Attribution(
         kind=kind,
         tokens=total_tok,

@@ -34,6 +34,7 @@ MAX_OPEN_S = 6 * 3600
 MAX_OPEN_TAGS = 256
 SPREAD_EVENTS = 64  # a non-streamed response's tokens are spread as this many events
 PROMPT_HOLD_S = 30.0  # hold intervals this long at most for a live request's prompt length
+BYPASS_FIT_SHARE = 0.25  # intervals whose bypass tokens exceed this share of the proxied ones stay out of the fit
 SCRAPE_HOLD_S = 10.0  # and this long at most for the server's counter to be scraped past them
 
 
@@ -328,7 +329,11 @@ class Ledger:
         energy = np.column_stack([gpu, np.nan_to_num(cpu), np.isnan(cpu)])
         a = attr.attribute(t, energy, arrival, first, last, end, ev_t_a, ev_r_a, ev_n_a, excess,
                            prompt_tokens=prompt, tok_ctx=np.array(ev_c, dtype=float), costs=costs)
-        usable = np.array([m == "counter" for m in methods]) & (excess <= 0 if excess is not None else True)
+        # Bypass tokens' prompts are unseen: an interval mostly of bypass work would bias the fit.
+        usable = np.array([m == "counter" for m in methods])
+        if excess is not None:
+            usable &= excess <= BYPASS_FIT_SHARE * a.tokens
+
         fit = self.learner.add(setting, a.features, gpu, usable)
         if fit is not None:
             self.emit("costs", [self._costs_row(edges[-1], setting, fit)])

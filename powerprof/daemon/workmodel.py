@@ -6,7 +6,7 @@ Each interval's counter energy is modelled as
 
 (ctx_ktokens: Σ over decoded tokens of their context in thousands of tokens), fitted by
 non-negative least squares (`scipy.optimize.nnls`) over a rolling window of the most recent
-intervals that have an exact counter and no bypass traffic, separately for each setting of the
+intervals that have an exact counter and little bypass traffic, separately for each setting of the
 sampled GPUs (their power limits: a cap changes what a token costs). The fit is used once it is
 mature (enough busy intervals, R² high enough); until then `attribution.WorkCosts()` (the
 documented fixed ratio) splits the intervals. Idle power is the median of the window's idle
@@ -25,7 +25,7 @@ from .attribution import WorkCosts
 
 FEATURES = ("duration_s", "steps", "decode_tokens", "prefill_tokens", "ctx_ktokens")
 WINDOW = 900  # intervals: 15 minutes at 1 Hz
-MIN_BUSY = 60  # busy intervals in the window before the fit is used
+MIN_BUSY = 30  # busy intervals in the window before the fit is used
 MIN_R2 = 0.9  # over the window's busy intervals
 MIN_IDLE = 5  # idle intervals before their median power is the idle power
 REFIT_EVERY = 10  # intervals added between fits
