@@ -10,7 +10,8 @@ intervals that have an exact counter and little bypass traffic, separately for e
 sampled GPUs (their power limits: a cap changes what a token costs). The fit is used once it is
 mature (enough busy intervals, R² high enough); until then `attribution.WorkCosts()` (the
 documented fixed ratio) splits the intervals. Idle power is the median of the window's idle
-intervals (measured, not fitted) where there are some, else the fit's intercept.
+intervals (measured, not fitted) where there are some, and the fit's intercept is held at it;
+without idle intervals the intercept is fitted too.
 """
 
 from __future__ import annotations
@@ -42,20 +43,34 @@ class Fit:
     reason: str  # why not mature ("" when it is)
 
 
-def fit_costs(x: np.ndarray, y: np.ndarray, min_busy: int = MIN_BUSY, min_r2: float = MIN_R2) -> Fit:
-    """NNLS of interval energy `y` on `x` (columns FEATURES); quality over the busy rows."""
+def _nnls(x: np.ndarray, y: np.ndarray) -> np.ndarray:
+    # Columns scaled to unit norm: token counts and seconds differ by orders of magnitude.
+    norm = np.linalg.norm(x, axis=0)
+    use = norm > 0
+    coef = np.zeros(x.shape[1])
+    if use.any():
+        sol, _ = nnls(x[:, use] / norm[use], y)
+        coef[use] = sol / norm[use]
+    return coef
+
+
+def fit_costs(x: np.ndarray, y: np.ndarray, min_busy: int = MIN_BUSY, min_r2: float = MIN_R2,
+              idle_w: float | None = None) -> Fit:
+    """NNLS of interval energy `y` on `x` (columns FEATURES); quality over the busy rows.
+
+    With `idle_w` (measured on idle intervals) the intercept is held at it and only the costs of
+    work are fitted: busy intervals far outnumber idle ones and would otherwise trade intercept
+    against the costs."""
     x = np.asarray(x, dtype=float)
     y = np.asarray(y, dtype=float)
     busy = (x[:, 2] > 0) | (x[:, 3] > 0)
     n_busy = int(busy.sum())
     if x.shape[0] < 2:
         return Fit((0.0,) * len(FEATURES), x.shape[0], n_busy, None, None, False, "no intervals yet")
-    # Columns scaled to unit norm: token counts and seconds differ by orders of magnitude.
-    norm = np.linalg.norm(x, axis=0)
-    use = norm > 0
-    coef = np.zeros(x.shape[1])
-    sol, _ = nnls(x[:, use] / norm[use], y)
-    coef[use] = sol / norm[use]
+    if idle_w is not None:
+        coef = np.concatenate([[idle_w], _nnls(x[:, 1:], y - idle_w * x[:, 0])])
+    else:
+        coef = _nnls(x, y)
     r2 = rel = None
     if n_busy >= 2:
         res = y[busy] - x[busy] @ coef
@@ -101,19 +116,24 @@ class CostLearner:
         if self._since[setting] < REFIT_EVERY or not xs:
             return None
         self._since[setting] = 0
-        fit = fit_costs(np.array(xs), np.array(ys), self.min_busy, self.min_r2)
+        fit = fit_costs(np.array(xs), np.array(ys), self.min_busy, self.min_r2, idle_w=self._idle_median(setting))
         self.fits[setting] = fit
         return fit
 
-    def idle_w(self, setting) -> float | None:
+    def _idle_median(self, setting) -> float | None:
+        """Median power of the window's idle intervals (measured), None with fewer than MIN_IDLE."""
         xs = self._x.get(setting)
         if not xs:
             return None
         x = np.array(xs)
         y = np.array(self._y[setting])
         idle = (x[:, 1:] == 0).all(axis=1) & (x[:, 0] > 0)
-        if idle.sum() >= MIN_IDLE:
-            return float(np.median(y[idle] / x[idle, 0]))
+        return float(np.median(y[idle] / x[idle, 0])) if idle.sum() >= MIN_IDLE else None
+
+    def idle_w(self, setting) -> float | None:
+        measured = self._idle_median(setting)
+        if measured is not None:
+            return measured
         fit = self.fits.get(setting)
         return fit.coef[0] if fit is not None and fit.mature else None
 
