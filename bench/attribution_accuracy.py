@@ -30,14 +30,14 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true", help="300 requests instead of 2000")
     ap.add_argument("--requests", type=int, default=None)
-    ap.add_argument("--rate", type=float, default=6.0, help="trace arrivals per second (time-scaled)")
+    ap.add_argument("--rate", type=float, default=8.0, help="trace arrivals per second (time-scaled)")
     ap.add_argument("--interval", type=float, default=1.0)
     ap.add_argument("--seed", type=int, default=7)
     ap.add_argument("--json", action="store_true")
     ap.add_argument("--keep", metavar="DIR", help="keep the daemon's datasets in DIR (default: a temporary folder)")
     a = ap.parse_args()
     n = a.requests or (300 if a.quick else 2000)
-    trace = synthetic(n, a.rate, "bursty", prompt_median=300, output_median=50, tags=("chat", "rag", "batch"),
+    trace = synthetic(n, a.rate, "bursty", prompt_median=300, output_median=60, tags=("chat", "rag", "batch"),
                       seed=a.seed)
     bypass = set(range(7, n, 10))
     tail = [TraceRequest(0.0, 200, 64, "probe")] * 6

@@ -53,7 +53,7 @@ def test_requests_are_emitted_with_their_energy_once_their_intervals_close():
         t = int((1.0 + 0.09 * k) * S)
         led.on_tokens(a, t, 3)
         led.on_tokens(b, t, 1)
-    a.first_ns = b.first_ns = int(0.99 * S)  # prefill ended just before the edge
+    a.first_ns = b.first_ns = int(1.0 * S)  # prefill ended exactly at the edge
     a.last_ns = b.last_ns = int(1.81 * S)
     led.advance(int(1.95 * S))
     assert sink.rows["intervals"] == []  # held: their prompt lengths are not known yet

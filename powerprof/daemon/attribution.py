@@ -134,18 +134,24 @@ def union_busy_s(edges_ns: np.ndarray, start_ns: np.ndarray, end_ns: np.ndarray)
     return span_overlap_s(edges, m[:, 0], m[:, 1]).sum(axis=0)
 
 
-def prefill_tokens(edges_ns: np.ndarray, prefill_end_ns: np.ndarray, prompt_tokens: np.ndarray) -> np.ndarray:
-    """(R, K) prompt tokens prefilled in each interval: all of a prompt in the interval of its
-    first token. Prefill ends there; the wait between arrival and prefill (a queue, other
-    prompts' chunks) is not its work, and is unknown, so the prompt is not spread back over it."""
+def prefill_tokens(edges_ns: np.ndarray, arrival_ns: np.ndarray, prefill_end_ns: np.ndarray,
+                   prompt_tokens: np.ndarray) -> np.ndarray:
+    """(R, K) prompt tokens prefilled in each interval: spread evenly over arrival → first token
+    (all of it in the interval of the first token when the two coincide)."""
     edges = np.asarray(edges_ns, dtype=np.int64)
+    arr = np.asarray(arrival_ns, dtype=np.int64)
     end = np.asarray(prefill_end_ns, dtype=np.int64)
     p = np.nan_to_num(np.asarray(prompt_tokens, dtype=float))
-    out = np.zeros((end.size, max(edges.size - 1, 0)))
-    k = np.searchsorted(edges, end, side="right") - 1
-    ok = (k >= 0) & (k < edges.size - 1) & (p > 0)
-    out[np.flatnonzero(ok), k[ok]] = p[ok]
-    return out
+    span = (end - arr) / 1e9
+    frac = np.divide(span_overlap_s(edges, arr, end), span[:, None], out=np.zeros((arr.size, edges.size - 1)),
+                     where=span[:, None] > 0)
+    point = span <= 0
+    if point.any():
+        k = np.searchsorted(edges, end[point], side="right") - 1
+        ok = (k >= 0) & (k < edges.size - 1)
+        rows = np.flatnonzero(point)[ok]
+        frac[rows, k[ok]] = 1.0
+    return frac * p[:, None]
 
 
 def request_work(costs: WorkCosts, tok: np.ndarray, pre: np.ndarray, ctx: np.ndarray,
@@ -233,9 +239,9 @@ def attribute(
     in_decode |= tok > 0  # a token inside an interval is proof of decoding there
     live = overlaps(edges, arrival, end, closed_end=True) | in_decode if r_count else np.zeros((0, k_count), bool)
     p_tok = np.zeros(r_count) if prompt_tokens is None else np.nan_to_num(np.asarray(prompt_tokens, dtype=float))
-    # (The ledger gives a prompt count only to requests past their first token: each prompt is
-    # counted once, in the interval of its first token.)
-    pre = prefill_tokens(edges, prefill_end, p_tok) if r_count else np.zeros((0, k_count))
+    pre = prefill_tokens(edges, arrival, np.minimum(prefill_end, edges[-1]), p_tok) if r_count else np.zeros((0, k_count))
+    # (The ledger gives a prompt count only to requests past their first token, so a prompt is
+    # spread once, over its whole prefill.)
 
     any_prefill = in_prefill.any(axis=0)
     any_live = live.any(axis=0)

@@ -213,7 +213,7 @@ DAEMON_INTERVALS = pa.schema(
         ("requests_energy_j", pa.float64()),  # given to the requests live in it, by their work
         ("idle_energy_j", pa.float64()),  # the part no request was live in, at the idle power
         ("unproxied_energy_j", pa.float64()),  # to server-counted tokens beyond the proxy's
-        ("prefill_tokens", pa.float64()),  # prompt tokens prefilled in it (each prompt in the interval of its first token)
+        ("prefill_tokens", pa.float64()),  # prompt tokens prefilled in it (spread over arrival → first token)
         ("work_costs", pa.string()),  # fixed (documented ratio) | fitted: the costs that split it
     ]
 )
