@@ -87,3 +87,19 @@ def test_replay_cli_rejects_a_bad_trace_and_reports_a_good_one(tmp_path):
     assert p.returncode == 0, p.stderr
     out = json.loads(p.stdout)
     assert out["ok"] == 6 and out["generated_tokens"] > 0 and out["latency_p50_s"] > 0
+
+
+def test_sweep_trace_reports_j_per_token_and_latency_per_level_and_restores(tmp_path):
+    good = tmp_path / "t.jsonl"
+    write_jsonl(synthetic(8, 10.0, prompt_median=30, output_median=20, seed=4), good)
+    env = {**__import__("os").environ, "POWERPROF_SIM_STATE": str(tmp_path / "sim-state.json")}
+    p = subprocess.run([sys.executable, "-m", "powerprof.cli", "sweep", "--simulate", "a100-40g", "--limits", "400,200",
+                        "--trace", str(good), "--time-scale", "2"], capture_output=True, text=True, timeout=300, env=env)
+    assert p.returncode == 0, p.stderr
+    rows = [ln.split() for ln in p.stdout.splitlines() if ln.strip().startswith(("400W", "200W"))]
+    assert [r[0] for r in rows] == ["400W", "200W"]
+    jpt = {r[0]: float(r[4]) for r in rows}
+    assert all(r[1] == "8" and r[2] == "0" for r in rows)
+    assert jpt["200W"] < jpt["400W"]  # the simulated card is more efficient capped
+    state = json.loads((tmp_path / "sim-state.json").read_text())
+    assert all(v == {} for v in state.values())  # every GPU back at its default: nothing left set

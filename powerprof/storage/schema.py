@@ -158,6 +158,8 @@ ANALYSIS = pa.schema(
 TABLES = {"samples": SAMPLES, "windows": WINDOWS, "levels": LEVELS, "analysis": ANALYSIS}
 
 # --- daemon datasets (hive-partitioned by date=YYYY-MM-DD; the partition column is not in the files)
+# Every daemon row carries the machine that recorded it, so many nodes' datasets read as one.
+HOST = pa.field("host", pa.string())  # daemon.host, default the machine's host name
 
 # One row per proxied request. Never prompt or completion text.
 DAEMON_REQUESTS = pa.schema(
@@ -190,6 +192,7 @@ DAEMON_REQUESTS = pa.schema(
         ("attributed_tokens", pa.float64()),  # its tokens inside closed intervals (all of them)
         ("gpu_j_per_token", pa.float64()),  # gpu_energy_j / attributed_tokens
         ("recorder_error", pa.string()),  # recording failed (traffic still flowed)
+        HOST,
     ]
 )
 
@@ -215,6 +218,7 @@ DAEMON_INTERVALS = pa.schema(
         ("unproxied_energy_j", pa.float64()),  # to server-counted tokens beyond the proxy's
         ("prefill_tokens", pa.float64()),  # prompt tokens prefilled in it (spread over arrival → first token)
         ("work_costs", pa.string()),  # fixed (documented ratio) | fitted: the costs that split it
+        HOST,
     ]
 )
 
@@ -235,6 +239,7 @@ DAEMON_COSTS = pa.schema(
         ("rel_rmse", pa.float64()),  # RMS residual / mean busy-interval energy
         ("mature", pa.bool_()),  # used to split intervals (else the fixed ratio is)
         ("not_mature_reason", pa.string()),
+        HOST,
     ]
 )
 
@@ -252,11 +257,15 @@ DAEMON_TAGS = pa.schema(
         ("proxy_tokens", pa.float64()),  # tokens through the proxy inside the window
         ("gpu_j_per_token", pa.float64()),
         ("closed_by", pa.string()),  # stop | shutdown
+        HOST,
     ]
 )
 
+# The daemon's samples: the sweep's SAMPLES columns, then the host.
+DAEMON_SAMPLES = pa.schema(list(SAMPLES) + [HOST])
+
 DAEMON_TABLES = {
-    "samples": SAMPLES,
+    "samples": DAEMON_SAMPLES,
     "requests": DAEMON_REQUESTS,
     "intervals": DAEMON_INTERVALS,
     "tags": DAEMON_TAGS,
@@ -266,18 +275,22 @@ TABLES.update({"daemon_requests": DAEMON_REQUESTS, "daemon_intervals": DAEMON_IN
                "daemon_costs": DAEMON_COSTS})
 
 
-def rows_to_table(schema: pa.Schema, rows) -> pa.Table:
-    """Rows (dicts keyed by column name; missing keys are null) → a table of `schema`: the one converter.
+def rows_to_table(schema: pa.Schema, rows, fill: dict | None = None) -> pa.Table:
+    """Rows (dicts keyed by column name; missing keys are null, or their value in `fill`: columns
+    every row shares, such as the daemon's host) → a table of `schema`: the one converter.
 
     Timestamps travel as integer nanoseconds since the epoch (UTC), as the sampler and the clocks
     give them, and are truncated to the schema's microseconds only here; datetime objects are
     accepted too."""
     rows = list(rows)
     cols = {}
+    fill = fill or {}
     for f in schema:
-        vals = [r.get(f.name) for r in rows]
+        vals = [r.get(f.name, fill.get(f.name)) for r in rows]
         if pa.types.is_timestamp(f.type) and any(isinstance(v, int) for v in vals):
-            cols[f.name] = pa.array([None if v is None else _ns(v) // 1000 for v in vals], pa.int64()).cast(f.type)
+            # Integer µs straight into the timestamp type (every schema here is µs, TS): a cast
+            # would load pyarrow.compute (~10 MiB) into the daemon.
+            cols[f.name] = pa.array([None if v is None else _ns(v) // 1000 for v in vals], f.type)
         else:
             cols[f.name] = pa.array(vals, f.type)
     return pa.Table.from_pydict(cols, schema=schema)

@@ -50,8 +50,7 @@ class MeasureResult:
         """`powerprof measure --json`: stable keys; per-request rows stay in windows.parquet."""
         s = self.server
         return {
-            "server": {"kind": s.kind, "api": s.api, "model": s.model, "build_info": s.build_info,
-                       "base_url": s.base_url, "simulated": s.simulated},
+            "server": {**s.meta(), "simulated": s.simulated},
             "concurrencies": [asdict(m) for m in self.summaries],
             "notes": list(self.notes),
             "windows_path": None if self.out_path is None else str(self.out_path / "windows.parquet"),
@@ -153,7 +152,7 @@ def run_measure(
 
     from powerprof import __version__
     from powerprof.profiler import Profiler
-    from powerprof.storage.runs import RunWriter, table_from_rows
+    from powerprof.storage.runs import RunWriter, split_storable, table_from_rows
 
     if out_dir.exists() and any(out_dir.iterdir()):
         raise FileExistsError(f"output directory {out_dir} already exists and is not empty; choose another --out")
@@ -209,6 +208,9 @@ def run_measure(
         "aborted": result.aborted,
     }
     meta["simulated"] = meta["simulated"] or s.simulated
+    result.rows, bad, err = split_storable("windows", result.rows)
+    if bad:
+        notes.append(f"{len(bad)} window row(s) could not be stored and are left out of every figure ({err})")
     writer = RunWriter(out_dir, meta)
     writer.write("windows", table_from_rows("windows", result.rows))
     result.notes = notes
