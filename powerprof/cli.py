@@ -407,12 +407,13 @@ def replay(trace_path, url, simulate, launch, api, time_scale, duration_s, tag_h
 
 @main.command("trace")
 @click.argument("out_path", metavar="OUT.jsonl", type=click.Path(dir_okay=False))
-@click.option("--requests", "n", type=click.IntRange(1), default=1000, show_default=True)
+@click.option("--requests", "n", type=click.IntRange(1), default=1000, show_default=True, help="Requests in the trace.")
 @click.option("--rate", "rate", type=click.FloatRange(min=0, min_open=True), default=5.0, show_default=True, help="Requests per second on average.")
-@click.option("--arrivals", type=click.Choice(["poisson", "bursty"]), default="poisson", show_default=True)
+@click.option("--arrivals", type=click.Choice(["poisson", "bursty"]), default="poisson", show_default=True,
+              help="Poisson arrivals, or Poisson bursts of about 8 requests within 50 ms.")
 @click.option("--prompt-median", type=click.FloatRange(1), default=400.0, show_default=True, help="Median prompt tokens (lognormal).")
 @click.option("--output-median", type=click.FloatRange(1), default=80.0, show_default=True, help="Median output tokens (lognormal).")
-@click.option("--seed", type=int, default=0, show_default=True)
+@click.option("--seed", type=int, default=0, show_default=True, help="Random seed (the same seed gives the same trace).")
 def trace_cmd(out_path, n, rate, arrivals, prompt_median, output_median, seed):
     """Write a synthetic trace (JSONL) for `replay`: Poisson or bursty arrivals, lognormal lengths."""
     from powerprof.workload.trace import synthetic, write_jsonl
