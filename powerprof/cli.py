@@ -341,6 +341,88 @@ def measure(url, simulate, out_dir, n_requests, concurrency, warmup, launch, api
         raise click.ClickException(f"stopped early: {res.aborted} (what was measured is in {res.out_path})")
 
 
+@main.command()
+@click.argument("trace_path", metavar="TRACE", type=click.Path(dir_okay=False))
+@click.option("--server", "url", metavar="URL", help="Inference server base URL.")
+@simulate_option
+@click.option("--launch", metavar="CMD", help="Start the server with CMD, wait for /health, stop it at the end.")
+@click.option("--api", type=click.Choice(API_NAMES), default=None, help="Protocol the requests use (default: detected).")
+@click.option("--time-scale", type=click.FloatRange(min=0, min_open=True), default=1.0, show_default=True,
+              help="Divide the trace's arrival times by this (2 = twice as fast).")
+@click.option("--duration", "duration_s", type=click.FloatRange(min=0, min_open=True), default=None,
+              help="Replay only the requests arriving in the first this many seconds (after scaling).")
+@click.option("--tag-header", default="X-Powerprof-Tag", show_default=True, help="Header carrying a record's tag.")
+@click.option("--json", "as_json", is_flag=True, help=JSON_HELP)
+def replay(trace_path, url, simulate, launch, api, time_scale, duration_s, tag_header, as_json):
+    """Drive a server with a trace's arrival times and token counts (Azure CSV or JSONL); latency and throughput."""
+    import asyncio
+    import json
+
+    import aiohttp
+
+    from powerprof.rig import Rig
+    from powerprof.workload.client import RequestParams, ServerUnreachable, detect_server
+    from powerprof.workload.launcher import LaunchError
+    from powerprof.workload.replay import replay_async, summarize
+    from powerprof.workload.trace import TraceError, read_trace, shape
+
+    if bool(url) == bool(simulate):
+        raise click.UsageError("give exactly one of --server URL or --simulate")
+    try:
+        trace = shape(read_trace(trace_path), time_scale, duration_s)
+    except TraceError as e:
+        raise click.UsageError(str(e)) from None
+    if not trace:
+        raise click.UsageError(f"no request of {trace_path} arrives within --duration {duration_s:g} s")
+
+    async def go(base):
+        async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0)) as s:
+            server = await detect_server(s, base, api)
+            return server, await replay_async(s, server, trace, RequestParams(), tag_header)
+
+    try:
+        with Rig(simulate, host=False) as rig, rig.server(url, launch) as base:
+            server, records = asyncio.run(go(base))
+    except (ServerUnreachable, LaunchError, ValueError) as e:
+        raise click.ClickException(str(e)) from None
+    sm = summarize(records)
+    if as_json:
+        click.echo(json.dumps({"server": server.meta(), **sm.to_dict()}, indent=2))
+    else:
+        def f(v):
+            return "-" if v is None else f"{v:.3f}"
+
+        click.echo(f"server: {server.kind} ({server.api})" + (" [simulated]" if server.simulated else ""))
+        click.echo(f"requests: {sm.ok} ok, {sm.failed} failed, in {sm.duration_s:.1f} s; "
+                   f"{sm.generated_tokens} tokens generated ({sm.generated_tokens / sm.duration_s if sm.duration_s else 0:.1f}/s), "
+                   f"{sm.prompt_tokens} prompt tokens")
+        click.echo(f"TTFT p50 {f(sm.ttft_p50_s)} s, p95 {f(sm.ttft_p95_s)} s; latency p50 {f(sm.latency_p50_s)} s, "
+                   f"p95 {f(sm.latency_p95_s)} s; time per output token p50 {f(sm.tpot_p50_s)} s")
+        if sm.late_p95_s > 0.05:
+            click.echo(f"note: requests were sent late (p95 {sm.late_p95_s:.2f} s): this machine could not keep the trace's pace")
+    if sm.failed:
+        errs = sorted({r.record.error for r in records if not r.record.ok})[:3]
+        raise click.ClickException(f"{sm.failed} of {sm.n} requests failed: " + "; ".join(e or "?" for e in errs))
+
+
+@main.command("trace")
+@click.argument("out_path", metavar="OUT.jsonl", type=click.Path(dir_okay=False))
+@click.option("--requests", "n", type=click.IntRange(1), default=1000, show_default=True, help="Requests in the trace.")
+@click.option("--rate", "rate", type=click.FloatRange(min=0, min_open=True), default=5.0, show_default=True, help="Requests per second on average.")
+@click.option("--arrivals", type=click.Choice(["poisson", "bursty"]), default="poisson", show_default=True,
+              help="Poisson arrivals, or Poisson bursts of about 8 requests within 50 ms.")
+@click.option("--prompt-median", type=click.FloatRange(1), default=400.0, show_default=True, help="Median prompt tokens (lognormal).")
+@click.option("--output-median", type=click.FloatRange(1), default=80.0, show_default=True, help="Median output tokens (lognormal).")
+@click.option("--seed", type=int, default=0, show_default=True, help="Random seed (the same seed gives the same trace).")
+def trace_cmd(out_path, n, rate, arrivals, prompt_median, output_median, seed):
+    """Write a synthetic trace (JSONL) for `replay`: Poisson or bursty arrivals, lognormal lengths."""
+    from powerprof.workload.trace import synthetic, write_jsonl
+
+    tr = synthetic(n, rate, arrivals, prompt_median=prompt_median, output_median=output_median, seed=seed)
+    write_jsonl(tr, out_path)
+    click.echo(f"{out_path}: {len(tr)} requests over {tr[-1].t_s:.1f} s")
+
+
 # --- analysis: analyze, export ----------------------------------------------------------------
 
 
@@ -470,9 +552,15 @@ def _fraction_option(ctx, param, value):
 @click.option("--max-slowdown", default="10%", show_default=True, callback=_fraction_option,
               help="Slowdown budget for the recommendation, vs the reference level (10% or 0.1).")
 @click.option("--dry-run", is_flag=True, help="Validate and print the plan; touch nothing.")
+@click.option("--trace", "trace_path", default=None, type=click.Path(dir_okay=False),
+              help="Replay this trace (Azure CSV or JSONL) at each level instead: J/token and latency for that traffic mix.")
+@click.option("--time-scale", type=click.FloatRange(min=0, min_open=True), default=1.0, show_default=True,
+              help="With --trace: divide its arrival times by this.")
+@click.option("--duration", "duration_s", type=click.FloatRange(min=0, min_open=True), default=None,
+              help="With --trace: replay only the requests arriving in the first this many seconds.")
 def sweep(limits, clocks, url, launch, simulate, gpus, repeats, order, target_ci, min_requests, max_requests, max_time_s,
           warmup, idle_s, concurrency, api, max_tokens, prompts_file, prompt_set, prompt_cache, seed, keep_text,
-          launch_timeout, interval_s, out_dir, max_slowdown, dry_run):
+          launch_timeout, interval_s, out_dir, max_slowdown, dry_run, trace_path, time_scale, duration_s):
     """Step the GPU power limit (or locked SM clock) across levels; J/token and speed loss per level."""
     from rich.console import Console
 
@@ -491,6 +579,10 @@ def sweep(limits, clocks, url, launch, simulate, gpus, repeats, order, target_ci
         raise click.UsageError("give exactly one of --server URL, --launch CMD --server URL, or --simulate")
     if max_requests < min_requests:
         raise click.UsageError("--max-requests must not be below --min-requests")
+    if trace_path:
+        _trace_sweep(trace_path, time_scale, duration_s, limits, clocks, url, launch, simulate, gpus, api, interval_s,
+                     launch_timeout)
+        return
     try:
         prompts = load_prompts(prompts_file) if prompts_file else builtin_prompts(prompt_set)
     except PromptFileError as e:
@@ -542,6 +634,54 @@ def sweep(limits, clocks, url, launch, simulate, gpus, repeats, order, target_ci
         sys.exit(1)
     out.print(end_screen(outcome.levels, result, unit), highlight=False)
     out.print(f"run directory: {outcome.run_dir}")
+
+
+def _trace_sweep(trace_path, time_scale, duration_s, limits, clocks, url, launch, simulate, gpus, api, interval_s,
+                 launch_timeout) -> None:
+    """`sweep --trace`: the whole trace at each level; J/token and latency per level."""
+    from powerprof.control.errors import ControlError
+    from powerprof.control.levels import LevelError
+    from powerprof.rig import Rig
+    from powerprof.sweep import SweepError, run_trace_sweep
+    from powerprof.workload.client import ServerUnreachable
+    from powerprof.workload.launcher import LaunchError
+    from powerprof.workload.trace import TraceError, read_trace, shape
+
+    try:
+        trace = shape(read_trace(trace_path), time_scale, duration_s)
+    except TraceError as e:
+        raise click.UsageError(str(e)) from None
+    if not trace:
+        raise click.UsageError(f"no request of {trace_path} arrives within --duration {duration_s:g} s")
+    unit = "W" if limits else "MHz"
+
+    def f(v, spec):
+        return "-" if v is None else format(v, spec)
+
+    click.echo(f"trace {trace_path}: {len(trace)} requests over {trace[-1].t_s:.1f} s, each level replays all of it")
+    click.echo(f"{'level':>8} {'ok':>5} {'failed':>6} {'tokens':>7} {'GPU J/tok':>9} {'tok/s':>7} {'TTFT p50':>8} "
+               f"{'TTFT p95':>8} {'lat p50':>7} {'lat p95':>7}  method")
+
+    def show(lv):
+        click.echo(f"{lv.level_value:>6g}{unit:<2} {lv.n_ok:>5} {lv.n_failed:>6} {lv.generated_tokens:>7} "
+                   f"{f(lv.gpu_j_per_token, '9.3f')} {f(lv.tok_s, '7.1f')} {f(lv.ttft_p50_s, '8.3f')} "
+                   f"{f(lv.ttft_p95_s, '8.3f')} {f(lv.latency_p50_s, '7.2f')} {f(lv.latency_p95_s, '7.2f')}  {lv.energy_method}")
+
+    try:
+        with Rig(simulate, gpus=gpus) as rig:
+            _levels, notes = run_trace_sweep(rig, levels_spec=limits or clocks,
+                                             level_kind="power_limit" if limits else "sm_clock", trace=trace, url=url,
+                                             launch=launch, api=api, interval_s=interval_s,
+                                             launch_timeout_s=launch_timeout, on_level=show)
+    except (LevelError, ValueError) as e:
+        raise click.UsageError(str(e)) from None
+    except (ControlError, SweepError, ServerUnreachable, LaunchError, OSError) as e:
+        raise click.ClickException(str(e)) from None
+    except KeyboardInterrupt:
+        click.echo("interrupted: every GPU is back at its original limit", err=True)
+        sys.exit(130)
+    for n in notes:
+        click.echo(f"note: {n}")
 
 
 # --- daemon: always-on sampling, tagging proxy, Prometheus, tag API -----------------

@@ -188,11 +188,11 @@ class Rig:
         return srv
 
     def default_upstream(self) -> str | None:
-        """For the daemon: a simulated server (vLLM flavour, 64 slots, its own thread) when the rig is
+        """For the daemon: a simulated server (vLLM flavour, 64 slots, continuous batching, its own thread) when the rig is
         simulated and no upstream is configured; None on real hardware. Stopped by close()."""
         if not self.simulated:
             return None
-        srv = self.sim_server(flavour="vllm", n_slots=64).start()
+        srv = self.sim_server(flavour="vllm", n_slots=64, batching="continuous").start()
         self._sim_servers.append(srv)
         return srv.url
 

@@ -566,3 +566,108 @@ def run_sweep(
                 sweep.flush()
         levels = sweep.levels_table()
     return SweepOutcome(run_dir, sweep, levels, [], notes)
+
+
+@dataclass(frozen=True)
+class TraceLevel:
+    """One level of `sweep --trace`: the whole trace replayed at that setting."""
+
+    level_value: float
+    n_ok: int
+    n_failed: int
+    generated_tokens: int
+    duration_s: float
+    gpu_energy_j: float | None
+    energy_method: str
+    gpu_j_per_token: float | None
+    tok_s: float | None
+    ttft_p50_s: float | None
+    ttft_p95_s: float | None
+    latency_p50_s: float | None
+    latency_p95_s: float | None
+    tpot_p50_s: float | None
+    late_p95_s: float
+
+    def to_dict(self) -> dict:
+        return dict(self.__dict__)
+
+
+def run_trace_sweep(
+    rig,
+    *,
+    levels_spec: str,
+    trace,
+    level_kind: str = "power_limit",
+    url: str | None = None,
+    launch: str | None = None,
+    api: str | None = None,
+    interval_s: float = 1.0,
+    settle_s: float = 2.0,
+    launch_timeout_s: float = 300.0,
+    on_level=None,
+) -> tuple[list[TraceLevel], list[str]]:
+    """For each level: set it, wait `settle_s`, replay the whole trace inside one energy window
+    (counter read at both edges), and report J/token and latency for that traffic mix. Every GPU
+    is put back afterwards, also on error or Ctrl-C."""
+    import asyncio
+    from contextlib import ExitStack
+
+    import aiohttp
+
+    from powerprof.control.levels import parse_clock_levels, parse_power_levels
+    from powerprof.storage.samples import Timeline
+    from powerprof.workload.client import RequestParams, detect_server
+    from powerprof.workload.replay import replay_async, summarize
+
+    rig.check_server(url, launch)
+    if not trace:
+        raise SweepError("the trace has no requests")
+    notes: list[str] = []
+    out: list[TraceLevel] = []
+    with ExitStack() as stack:
+        src = rig.sources
+        if src.nvml is None:
+            raise SweepError("a sweep needs a GPU whose power limit it can set: no GPU found")
+        nvml = src.nvml.nvml
+        with gateway(nvml).session():
+            devices = read_devices(nvml, src.nvml.indexes)
+        parse = parse_power_levels if level_kind == "power_limit" else parse_clock_levels
+        values = [float(v) for v in parse(levels_spec, devices)]
+        base = stack.enter_context(rig.server(url, launch, launch_timeout_s=launch_timeout_s))
+        notes.extend(rig.notes)
+        ctl = stack.enter_context(rig.controller(src.nvml.indexes))
+        profiler = stack.enter_context(Profiler(gpu_collector=src.nvml, rapl=src.rapl, interval_s=interval_s))
+        timeline = Timeline(gpu_uuids=src.gpu_uuids)
+        profiler.sampler.subscribe(timeline)
+
+        async def one_level():
+            async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0)) as s:
+                server = await detect_server(s, base, api)
+                with profiler.window("trace") as w:
+                    recs = await replay_async(s, server, trace, RequestParams())
+                return recs, w.result
+
+        try:
+            for v in values:
+                if level_kind == "power_limit":
+                    ctl.set_power_limit_w(v)
+                else:
+                    ctl.lock_sm_clock_mhz(int(v))
+                time.sleep(settle_s)
+                recs, res = asyncio.run(one_level())
+                sm = summarize(recs)
+                e = res.gpu_energy_total_j
+                lvl = TraceLevel(
+                    level_value=v, n_ok=sm.ok, n_failed=sm.failed, generated_tokens=sm.generated_tokens,
+                    duration_s=res.duration_s, gpu_energy_j=e, energy_method=res.method,
+                    gpu_j_per_token=e / sm.generated_tokens if e is not None and sm.generated_tokens else None,
+                    tok_s=sm.generated_tokens / res.duration_s if res.duration_s > 0 else None,
+                    ttft_p50_s=sm.ttft_p50_s, ttft_p95_s=sm.ttft_p95_s, latency_p50_s=sm.latency_p50_s,
+                    latency_p95_s=sm.latency_p95_s, tpot_p50_s=sm.tpot_p50_s, late_p95_s=sm.late_p95_s,
+                )
+                out.append(lvl)
+                if on_level is not None:
+                    on_level(lvl)
+        finally:
+            ctl.restore()
+    return out, notes

@@ -1,4 +1,4 @@
-"""Energy attribution: every joule lands in exactly one place, split by tokens where decoding."""
+"""Energy attribution: every joule lands in exactly one place; busy intervals are split by work."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ S = 1_000_000_000
 NEVER = A.NEVER
 
 
-def _run(edges_s, energy, reqs, tokens, server=None):
+def _run(edges_s, energy, reqs, tokens, server=None, prompt=None, ctx=None, costs=None):
     """reqs: (arrival, first, last, end) in seconds, None = not yet; tokens: (t, req, n)."""
     conv = lambda v: NEVER if v is None else int(v * S)  # noqa: E731
     cols = list(zip(*reqs)) if reqs else [(), (), (), ()]
@@ -19,7 +19,8 @@ def _run(edges_s, energy, reqs, tokens, server=None):
     t = np.array([int(x[0] * S) for x in tokens], dtype=np.int64)
     r = np.array([x[1] for x in tokens], dtype=np.int64)
     n = np.array([x[2] for x in tokens], dtype=float)
-    return A.attribute(np.array([int(e * S) for e in edges_s]), np.array(energy, float), *arr, t, r, n, server)
+    return A.attribute(np.array([int(e * S) for e in edges_s]), np.array(energy, float), *arr, t, r, n, server,
+                       prompt_tokens=prompt, tok_ctx=None if ctx is None else np.array(ctx, float), costs=costs)
 
 
 def test_decode_energy_splits_by_tokens_in_each_interval():
@@ -32,7 +33,7 @@ def test_decode_energy_splits_by_tokens_in_each_interval():
     assert a.request_tokens == pytest.approx([4, 2])
 
 
-def test_prefill_idle_and_requests_sum_to_the_total():
+def test_requests_idle_and_unproxied_sum_to_the_total_and_every_token_is_attributed():
     rng = np.random.default_rng(3)
     edges = np.arange(0, 31, dtype=float)
     energy = rng.uniform(20, 300, size=30)
@@ -44,34 +45,55 @@ def test_prefill_idle_and_requests_sum_to_the_total():
         reqs.append((arr, first, last, last + 0.01))
         for tt in np.linspace(first, last, 10):
             toks.append((tt, i, int(rng.integers(1, 4))))
-    a = _run(edges, energy, reqs, toks)
-    assert a.request_energy[:, 0].sum() + a.by_kind[A.IDLE, 0] + a.by_kind[A.PREFILL, 0] == pytest.approx(energy.sum())
-    assert a.by_kind[A.DECODE, 0] == pytest.approx(a.request_energy[:, 0].sum())
-    assert a.total[0] == pytest.approx(energy.sum())
+    server = np.where(rng.uniform(size=30) < 0.3, 5.0, 0.0)
+    for costs in (None, A.WorkCosts(step_j=2.0, decode_j=0.5, prefill_j=0.01, ctx_j=0.1, idle_w=30.0)):
+        a = _run(edges, energy, reqs, toks, server=server, prompt=rng.integers(1, 3000, 40), costs=costs)
+        d = a.by_dest[:, 0]
+        assert a.request_energy[:, 0].sum() == pytest.approx(d[A.TO_REQUESTS])
+        assert d.sum() == pytest.approx(energy.sum())
+        assert a.dest[:, :, 0].sum(axis=1) == pytest.approx(energy)  # exact in every interval
+        assert a.request_tokens.sum() == pytest.approx(sum(x[2] for x in toks))
+        assert d[A.TO_UNPROXIED] > 0
 
 
-def test_an_interval_with_any_prefill_is_prefill_and_gives_no_request_energy():
-    reqs = [(0.2, 1.5, 2.5, 2.6), (-1, -0.5, 0.9, 0.95)]
-    toks = [(0.3, 1, 1), (0.8, 1, 1), (1.5, 0, 1), (2.5, 0, 1)]
-    a = _run([0, 1, 2, 3], [50.0, 40.0, 30.0], reqs, toks)
-    assert list(a.kind) == [A.PREFILL, A.PREFILL, A.DECODE]
-    assert a.request_energy[:, 0] == pytest.approx([30.0, 0.0])
-    assert a.by_kind[A.PREFILL, 0] == pytest.approx(90.0)
+def test_a_prefill_interval_is_split_by_work_not_kept_aside():
+    # Request 1 decodes 10 tokens in [0,1) while request 0 prefills 1000 prompt tokens there.
+    reqs = [(0.2, 0.9, 2.5, 2.6), (-1, -0.5, 0.95, 0.96)]
+    toks = [(0.05 + 0.09 * i, 1, 1) for i in range(10)] + [(0.9, 0, 1), (1.5, 0, 1), (2.5, 0, 1)]
+    costs = A.WorkCosts(decode_j=1.0, prefill_j=0.01)
+    a = _run([0, 1, 3], [50.0, 40.0], reqs, toks, prompt=[1000, 0], costs=costs)
+    assert list(a.kind) == [A.PREFILL, A.DECODE]
+    # [0,1): work 1000·0.01 + 1 (its first token) = 11 against 10.
+    assert a.request_energy[:, 0] == pytest.approx([50 * 11 / 21 + 40.0, 50 * 10 / 21])
+    assert a.features[0, 3] == pytest.approx(1000.0)
 
 
-def test_decoding_without_a_token_in_the_interval_splits_equally():
-    # A slow step straddles [1,2): both requests are mid-decode but no token arrives there.
-    reqs = [(-1, -0.5, 2.5, 2.6), (-1, -0.5, None, None)]
-    toks = [(0.5, 0, 1), (0.6, 1, 1), (2.2, 0, 1)]
-    a = _run([0, 1, 2], [10.0, 8.0], reqs, toks)
-    assert a.kind[1] == A.DECODE
-    assert a.request_energy[:, 0] == pytest.approx([5 + 4, 5 + 4])
+def test_the_context_term_and_the_step_term_weigh_work():
+    reqs = [(-1, -0.5, 0.9, 0.95), (-1, -0.5, 0.9, 0.95)]
+    toks = [(0.1, 0, 1), (0.1, 1, 1), (0.5, 0, 1), (0.5, 1, 1)]
+    ctx = [4000, 0, 4001, 1]  # request 0 decodes at a long context
+    a = _run([0, 1], [100.0], reqs, toks, ctx=ctx, costs=A.WorkCosts(step_j=2.0, decode_j=1.0, ctx_j=0.25))
+    w0 = 2.0 * 2 * 0.5 + 2 * 1.0 + 0.25 * (4.0 + 4.001)
+    w1 = 2.0 * 2 * 0.5 + 2 * 1.0 + 0.25 * (0.0 + 0.001)
+    assert a.request_energy[:, 0] == pytest.approx([100 * w0 / (w0 + w1), 100 * w1 / (w0 + w1)])
+    assert a.features[0, 1] == pytest.approx(2.0)  # two steps: the most tokens any request got
 
 
-def test_idle_and_unproxied_intervals():
-    a = _run([0, 1, 2, 3], [20.0, 21.0, 22.0], [], [], server=np.array([0.0, 5.0, 0.0]))
-    assert list(a.kind) == [A.IDLE, A.UNPROXIED, A.IDLE]
-    assert a.by_kind[:, 0] == pytest.approx([42.0, 0.0, 0.0, 21.0])
+def test_time_no_request_was_live_in_is_idle_at_the_idle_power():
+    # One short request from 0.2 s to 0.5 s in a 1 s interval of 100 J; idle power 40 W.
+    reqs = [(0.2, 0.3, 0.45, 0.5)]
+    toks = [(0.3, 0, 1), (0.45, 0, 9)]
+    a = _run([0, 1], [100.0], reqs, toks, costs=A.WorkCosts(idle_w=40.0))
+    assert a.by_dest[A.TO_IDLE, 0] == pytest.approx(40.0 * 0.7)
+    assert a.request_energy[0, 0] == pytest.approx(100.0 - 28.0)
+
+
+def test_bypass_tokens_in_a_busy_interval_get_their_share():
+    reqs = [(-1, -0.5, 0.9, 0.95)]
+    toks = [(0.1, 0, 5), (0.5, 0, 5)]
+    a = _run([0, 1], [90.0], reqs, toks, server=np.array([20.0]))
+    assert a.by_dest[A.TO_UNPROXIED, 0] == pytest.approx(60.0)
+    assert a.request_energy[0, 0] == pytest.approx(30.0)
 
 
 def test_several_energy_columns_share_weights():

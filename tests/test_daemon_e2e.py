@@ -117,7 +117,7 @@ def test_proxy_is_byte_transparent_under_64_streams_with_disconnects(tmp_path, m
     assert set(reqs["tag"]) == {"team0", "team1", "team2"}
 
 
-def test_energy_of_requests_idle_and_prefill_adds_up_to_the_measured_total(tmp_path):
+def test_energy_of_requests_idle_and_unproxied_adds_up_to_the_measured_total(tmp_path):
     data = tmp_path / "data"
     d = DaemonProc(data, "--simulate", "seed-16g", "--sim-gpus", "2", "--interval", "0.25", "--flush-interval", "0.5",
                    env=sim_env(tmp_path))
@@ -147,14 +147,18 @@ def test_energy_of_requests_idle_and_prefill_adds_up_to_the_measured_total(tmp_p
     samples = read_dataset(data, "samples")
     tags = read_dataset(data, "tags")
     assert len(reqs) == 32
-    # Energy: requests + idle + prefill + unproxied = the total the GPU counters measured.
+    # Energy: requests + idle + unproxied = the total the GPU counters measured.
     gpu = samples[samples["source"] == "nvml"]
     measured = sum(g["energy_j"].max() - g["energy_j"].min() for _, g in gpu.groupby("gpu_index"))
-    by_kind = intervals.groupby("kind")["gpu_energy_j"].sum()
     assert intervals["gpu_energy_j"].sum() == pytest.approx(measured, rel=1e-6)
-    rest = sum(by_kind.get(k, 0.0) for k in ("idle", "prefill", "unproxied"))
+    parts = intervals[["requests_energy_j", "idle_energy_j", "unproxied_energy_j"]].sum(axis=1)
+    assert parts.to_numpy() == pytest.approx(intervals["gpu_energy_j"].to_numpy(), rel=1e-9, abs=1e-9)
+    rest = intervals["idle_energy_j"].sum() + intervals["unproxied_energy_j"].sum()
     assert reqs["gpu_energy_j"].sum() > 0.2 * measured
     assert reqs["gpu_energy_j"].sum() + rest == pytest.approx(measured, rel=0.01)
+    # Every token the proxy saw is attributed (no prefill sink).
+    assert reqs["attributed_tokens"].sum() == pytest.approx(intervals["proxy_tokens"].sum())
+    assert "powerprof_gpu_energy_attributed_joules_total" in metrics
     assert reqs["cpu_energy_j"].notna().any()  # simulated RAPL is split the same way
     # The tag window covered the burst: its energy is the intervals' energy inside it.
     t = tags.iloc[0]

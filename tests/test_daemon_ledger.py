@@ -12,6 +12,7 @@ import pytest
 from powerprof.collectors.rapl import RaplCollector
 from powerprof.daemon.ledger import Ledger
 from powerprof.daemon.proxy import RequestTrace
+from powerprof.daemon.streams import Counts
 from powerprof.sim.powercap import SimPowercap
 
 S = 1_000_000_000
@@ -26,7 +27,7 @@ class R:  # the fields of a GpuReading the ledger uses
 
 class Sink:
     def __init__(self):
-        self.rows = {"requests": [], "intervals": [], "tags": []}
+        self.rows = {"requests": [], "intervals": [], "tags": [], "costs": []}
 
     def __call__(self, name, rows):
         self.rows[name].extend(rows)
@@ -54,7 +55,11 @@ def test_requests_are_emitted_with_their_energy_once_their_intervals_close():
         led.on_tokens(b, t, 1)
     a.first_ns = b.first_ns = int(1.0 * S)  # prefill ended exactly at the edge
     a.last_ns = b.last_ns = int(1.81 * S)
+    led.advance(int(1.95 * S))
+    assert sink.rows["intervals"] == []  # held: their prompt lengths are not known yet
     a.end_ns = b.end_ns = int(1.9 * S)
+    a.counts = Counts(generated_tokens=30, prompt_tokens=100, model=None, stop_reason=None, token_source="usage")
+    b.counts = Counts(generated_tokens=10, prompt_tokens=300, model=None, stop_reason=None, token_source="usage")
     led.on_end(a)
     led.on_end(b)
     _feed(led, 2.0, 1300.0)
@@ -64,9 +69,13 @@ def test_requests_are_emitted_with_their_energy_once_their_intervals_close():
     kinds = [r["kind"] for r in sink.rows["intervals"]]
     assert kinds == ["prefill", "decode"]
     got = {r["request_id"]: r for r in sink.rows["requests"]}
-    assert got[1]["gpu_energy_j"] == pytest.approx(150.0) and got[2]["gpu_energy_j"] == pytest.approx(50.0)
-    assert got[1]["attributed_tokens"] == 30 and got[1]["gpu_j_per_token"] == pytest.approx(5.0)
+    # [0,1): prefill of 100 and 300 prompt tokens (the fixed ratio); [1,2): 3:1 tokens.
+    assert got[1]["gpu_energy_j"] == pytest.approx(25.0 + 150.0) and got[2]["gpu_energy_j"] == pytest.approx(75.0 + 50.0)
+    assert got[1]["attributed_tokens"] == 30 and got[1]["gpu_j_per_token"] == pytest.approx(175.0 / 30)
+    assert sink.rows["intervals"][0]["prefill_tokens"] == pytest.approx(400.0)
     assert led.totals.energy_by_kind_j[2] == pytest.approx(100.0) and led.totals.j_per_token == pytest.approx(5.0)
+    assert led.totals.energy_by_dest_j == pytest.approx((300.0, 0.0, 0.0))
+    assert led.totals.tokens_attributed == led.totals.tokens == 40
 
 
 def test_intervals_wait_for_a_non_streamed_response_then_count_it_as_decode():
@@ -84,12 +93,12 @@ def test_intervals_wait_for_a_non_streamed_response_then_count_it_as_decode():
     led.on_end(tr)
     _feed(led, 4.0, 400.0)
     led.advance(int(4.5 * S))
-    # Its prefill (0.5-0.6 s) makes [0,1) prefill; the tokens are spread evenly over 0.6-3.2 s.
+    # Its prefill (0.5-0.6 s) labels [0,1) prefill; the tokens are spread evenly over 0.6-3.2 s.
+    # All four intervals are its (no idle power known yet), and so are all its tokens.
     assert [r["kind"] for r in sink.rows["intervals"]] == ["prefill", "decode", "decode", "decode"]
     (row,) = sink.rows["requests"]
-    spread = np.linspace(0.6, 3.2, 64)
-    assert row["gpu_energy_j"] == pytest.approx(300.0)
-    assert row["attributed_tokens"] == pytest.approx(52 / 64 * (spread >= 1.0).sum())
+    assert row["gpu_energy_j"] == pytest.approx(400.0)
+    assert row["attributed_tokens"] == pytest.approx(52)
 
 
 def test_tag_windows_and_server_tokens_beyond_the_proxy():
@@ -103,6 +112,9 @@ def test_tag_windows_and_server_tokens_beyond_the_proxy():
         _feed(led, float(k), 50.0 * k)
     led.add_server_tokens(int(2.5 * S), 40)  # nobody went through the proxy: bypass traffic
     led.close_tag("job", int(3.0 * S), 3)
+    led.advance(int(4.5 * S))
+    assert len(sink.rows["intervals"]) == 2  # held until the server is scraped past them
+    led.add_server_tokens(int(4.45 * S), 0, int(2.5 * S))
     led.advance(int(4.5 * S))
     kinds = [r["kind"] for r in sink.rows["intervals"]]
     assert kinds == ["idle", "idle", "unproxied", "idle"]
@@ -162,7 +174,7 @@ def test_cpu_energy_across_a_dropped_rapl_delta_is_missing_in_intervals_requests
     assert [r["cpu_energy_j"] for r in sink.rows["intervals"]] == [pytest.approx(20.0), pytest.approx(20.0), None,
                                                                     pytest.approx(20.0)]
     got = {r["request_id"]: r for r in sink.rows["requests"]}
-    assert got[1]["cpu_energy_j"] == pytest.approx(10.0)  # half of [0.5, 1.0): same tokens as the other
+    assert got[1]["cpu_energy_j"] == pytest.approx(20.0)  # half of [0, 0.5) and of [0.5, 1.0): same work as the other
     assert got[2]["cpu_energy_j"] is None  # not 30 J: it decoded through the dropped delta
     assert got[2]["gpu_energy_j"] > 0
     tags = {r["name"]: r for r in sink.rows["tags"]}

@@ -20,8 +20,11 @@ DASHBOARD = ROOT / "systemd" / "grafana-powerprof.json"
 
 # What each exported series measures once a query has turned it into a plotted value.
 _UNIT_OF = [
-    (r"rate\(powerprof_(gpu|cpu)_energy_joules_total|powerprof_gpu_interval_energy_joules_total", "W"),
-    (r"powerprof_gpu_power(_limit)?_watts", "W"),
+    (r"rate\(powerprof_(gpu|cpu)_energy_joules_total|powerprof_gpu_(interval|attributed)_energy_joules_total"
+     r"|powerprof_gpu_energy_attributed_joules_total", "W"),
+    (r"powerprof_gpu_power(_limit)?_watts|powerprof_idle_power_watts", "W"),
+    (r"powerprof_(requests_energy|attributed_tokens|work_prefill_per_decode)_ratio|powerprof_work_model_(r_squared|fitted)", "ratio"),
+    (r"powerprof_work_cost_joules", "J"),
     (r"powerprof_joules_per_token", "J/token"),
     (r"powerprof_tokens_generated_total", "tokens/s"),
     (r"powerprof_requests_total", "requests/s"),
@@ -30,6 +33,12 @@ _UNIT_OF = [
     (r"_bytes", "bytes"),
     (r"powerprof_(dropped_rows|flush_errors|proxy_recorder_failures|proxy_upstream_failures)_total", "events/s"),
 ]
+
+
+# A snapshot with the work model fitted: every attribution metric is exported.
+_WORK_MODEL = dict(energy_by_dest_j=(80.0, 15.0, 5.0), tokens_closed=100.0, tokens_attributed=100.0,
+                   work_costs={"source": "fitted", "idle_w": 60.0, "step_j": 0.9, "decode_j": 0.2,
+                               "prefill_per_decode": 0.04, "r2": 0.99, "rel_rmse": 0.03})
 
 
 def _dashboard() -> dict:
@@ -79,7 +88,8 @@ def test_health_panel_and_host_variable():
 
 def test_dashboard_queries_only_exported_metrics():
     names = set(_exposition(gpus=(GpuSnapshot(0, "GPU-x", "gpu", 100.0, 1.0, 1.0, 300.0, 5.0),), cpu_energy_j=1.0,
-                            joules_per_token=0.5, tokens_by_tag={"a": 1}, requests_by_tag={("a", "ok"): 1}))
+                            joules_per_token=0.5, tokens_by_tag={"a": 1}, requests_by_tag={("a", "ok"): 1},
+                            **_WORK_MODEL))
     exported = {n + "_total" for n in names} | names
     used = {m for p in _dashboard()["panels"] for t in p["targets"]
             for m in re.findall(r"(?:powerprof|process)_[a-z_]+", t["expr"])}
@@ -92,7 +102,7 @@ def test_dashboard_queries_only_exported_metrics():
 def test_metric_names_carry_no_label_names_and_the_docs_list_them_all():
     fams = _exposition(gpus=(GpuSnapshot(0, "GPU-x", "gpu", 100.0, 1.0, 1.0, 300.0, 5.0),), cpu_energy_j=1.0,
                        joules_per_token=0.5, server_tokens=3.0, tokens_by_tag={"a": 1},
-                       requests_by_tag={("a", "ok"): 1})
+                       requests_by_tag={("a", "ok"): 1}, **_WORK_MODEL)
     docs = (ROOT / "docs" / "daemon.md").read_text()
     for name, f in fams.items():
         if not name.startswith("powerprof_"):

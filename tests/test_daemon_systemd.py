@@ -65,7 +65,11 @@ def test_grafana_dashboard_uses_only_exported_metrics():
              "powerprof_tokens_generated_total", "powerprof_joules_per_token", "powerprof_requests_total",
              "powerprof_gpu_interval_energy_joules_total", "powerprof_build_info", "process_resident_memory_bytes",
              "process_cpu_seconds_total", "powerprof_dropped_rows_total", "powerprof_flush_errors_total",
-             "powerprof_proxy_recorder_failures_total", "powerprof_proxy_upstream_failures_total"}
+             "powerprof_proxy_recorder_failures_total", "powerprof_proxy_upstream_failures_total",
+             # the work model's (docs/daemon.md, Attribution)
+             "powerprof_gpu_energy_attributed_joules_total", "powerprof_requests_energy_ratio",
+             "powerprof_attributed_tokens_ratio", "powerprof_work_model_fitted", "powerprof_work_cost_joules",
+             "powerprof_work_prefill_per_decode_ratio", "powerprof_idle_power_watts", "powerprof_work_model_r_squared"}
     import re
 
     used = {m for e in exprs for m in re.findall(r"(?:powerprof|process)_[a-z_]+", e)}

@@ -192,6 +192,21 @@ def test_daemon_proxies_and_scrapes_llama_server(llama_server, tmp_path):
     server = float(re.search(r"^powerprof_server_tokens_generated_total (\S+)$", metrics, re.M).group(1))
     proxy = float(re.search(r'^powerprof_tokens_generated_total\{tag="bench"\} (\S+)$', metrics, re.M).group(1))
     assert proxy == 600 and server == pytest.approx(1200, abs=2)
+    # Every token the proxy saw is attributed to its request, and every joule lands somewhere:
+    # requests + idle + unproxied = the GPU counters' total.
+    assert reqs["attributed_tokens"].sum() == pytest.approx(600)
+    intervals = read_dataset(data, "intervals")
+    samples = read_dataset(data, "samples")
+    gpu = samples[samples["source"] == "nvml"]
+    measured = sum(g["energy_j"].max() - g["energy_j"].min() for _, g in gpu.groupby("gpu_index"))
+    parts = reqs["gpu_energy_j"].sum() + intervals["idle_energy_j"].sum() + intervals["unproxied_energy_j"].sum()
+    assert parts == pytest.approx(measured, rel=1e-3)
+    assert (reqs["gpu_energy_j"] > 0).all()
+    # The direct requests ran while no proxied one did: the server's extra tokens are bypass traffic
+    # (llama.cpp's finished-request counter jumps at a request's end, so a few proxied tokens can
+    # pass for bypass at the boundary between the /slots and the counter reading).
+    assert intervals["server_tokens"].sum() == pytest.approx(600, rel=0.05)
+    assert intervals["unproxied_energy_j"].sum() > 0
 
 
 def _llama_server_cmd(model, port: int) -> str:

@@ -1,16 +1,18 @@
-"""Energy attribution: pure functions splitting each sample interval's energy among live requests.
+"""Energy attribution: pure functions splitting each sample interval's energy among live requests by their work.
 
-An interval is the time between two consecutive GPU samples. Its kind decides where its energy
-goes, and every joule goes to exactly one place, so requests + idle + prefill + unproxied = total:
+An interval is the time between two consecutive GPU samples. Every joule goes to exactly one of
+three places, so requests + idle + unproxied = total:
 
-- prefill: some request was in prefill (arrival → first token) during it. Prefill and decode of
-  other requests are mixed in one batch there and cannot be told apart by power; reported apart.
-- decode: requests were decoding (first → last token) and none was in prefill. The energy is
-  split among them in proportion to the tokens each produced inside the interval (equally
-  among the decoding ones if none produced a token in it, e.g. a slow step straddling it).
-- unproxied: no proxied request was live but the server's own metrics counted tokens: traffic
-  that bypassed the proxy.
-- idle: nothing ran.
+- the requests live in it (arrival → end of response), in proportion to their work there: prompt
+  tokens prefilled, tokens decoded, the context those tokens were decoded at, and a share of the
+  engine's per-step cost (`WorkCosts`, learned online by `daemon.workmodel`);
+- unproxied: tokens the server counted beyond the proxy's (bypass traffic), at the cost of an
+  average proxied token of the same interval;
+- idle: the part of the interval no request was live in, at the idle power; a whole interval
+  with nothing live.
+
+Each interval also gets a kind, a label only: prefill (some request was prefilling: mixed
+batches), decode, unproxied (only bypass traffic), idle.
 """
 
 from __future__ import annotations
@@ -26,19 +28,51 @@ KIND_NAMES = ("idle", "decode", "prefill", "unproxied")
 NEVER = np.iinfo(np.int64).max
 
 
+# Where a joule went (Attribution.by_dest columns).
+TO_REQUESTS, TO_IDLE, TO_UNPROXIED = 0, 1, 2
+DEST_NAMES = ("requests", "idle", "unproxied")
+
+# Until the fit is mature: a prompt token costs this fraction of a decode token. Prefill runs
+# tens to hundreds of prompt tokens per second for every decode token of a single stream
+# (compute-bound matmuls over the whole prompt against one weight read per decode step), so
+# 1/20 is in the range of common servers and cards; `workmodel` replaces it with the fit.
+DEFAULT_PREFILL_PER_DECODE = 0.05
+
+
+@dataclass(frozen=True)
+class WorkCosts:
+    """Energy per unit of work. step_j: the engine's per-step cost (shared by the sequences in the
+    step); decode_j: per decoded token; prefill_j: per prompt token; ctx_j: per decoded token per
+    token of context. idle_w: idle power (None: unknown, so no part of a busy interval is idle)."""
+
+    step_j: float = 0.0
+    decode_j: float = 1.0
+    prefill_j: float = DEFAULT_PREFILL_PER_DECODE
+    ctx_j: float = 0.0
+    idle_w: float | None = None
+    source: str = "fixed"  # fixed (the documented ratio) | fitted
+
+
 @dataclass(frozen=True)
 class Attribution:
-    kind: np.ndarray  # (K,) IDLE | DECODE | PREFILL | UNPROXIED
+    kind: np.ndarray  # (K,) IDLE | DECODE | PREFILL | UNPROXIED (a label)
     tokens: np.ndarray  # (K,) proxied tokens produced in each interval
     n_prefill: np.ndarray  # (K,) requests in prefill in each interval
     n_decoding: np.ndarray  # (K,) requests decoding in each interval
     request_energy: np.ndarray  # (R, C) energy given to each request, per energy column
-    request_tokens: np.ndarray  # (R,) each request's tokens inside decode intervals
-    by_kind: np.ndarray  # (4, C) total energy per kind
+    request_tokens: np.ndarray  # (R,) each request's tokens (all of them: every token is attributed)
+    by_kind: np.ndarray  # (4, C) total energy per interval kind
+    dest: np.ndarray  # (K, 3, C) each interval's energy to requests, idle, unproxied
+    features: np.ndarray  # (K, 5) duration_s, steps, tokens (bypass included), prefill tokens, context·tokens/1000
 
     @property
     def total(self) -> np.ndarray:
         return self.by_kind.sum(axis=0)
+
+    @property
+    def by_dest(self) -> np.ndarray:
+        """(3, C): requests, idle, unproxied."""
+        return self.dest.sum(axis=0)
 
 
 def interval_tokens(edges_ns: np.ndarray, tok_t_ns: np.ndarray, tok_req: np.ndarray, tok_n: np.ndarray,
@@ -66,6 +100,86 @@ def overlaps(edges_ns: np.ndarray, start_ns: np.ndarray, end_ns: np.ndarray, clo
     return (s < b) & after_start & (s < e if not closed_end else s <= e)
 
 
+def span_overlap_s(edges_ns: np.ndarray, start_ns: np.ndarray, end_ns: np.ndarray) -> np.ndarray:
+    """(R, K) seconds of span r [s, e) inside interval k."""
+    edges = np.asarray(edges_ns, dtype=np.int64)
+    a, b = edges[:-1][None, :], edges[1:][None, :]
+    s = np.asarray(start_ns, dtype=np.int64)[:, None]
+    e = np.asarray(end_ns, dtype=np.int64)[:, None]
+    return np.clip(np.minimum(e, b) - np.maximum(s, a), 0, None) / 1e9
+
+
+def union_busy_s(edges_ns: np.ndarray, start_ns: np.ndarray, end_ns: np.ndarray) -> np.ndarray:
+    """(K,) seconds of each interval covered by at least one span [s, e)."""
+    edges = np.asarray(edges_ns, dtype=np.int64)
+    out = np.zeros(max(edges.size - 1, 0))
+    s = np.asarray(start_ns, dtype=np.int64)
+    e = np.minimum(np.asarray(end_ns, dtype=np.int64), edges[-1] if edges.size else 0)
+    keep = e > s
+    s, e = s[keep], e[keep]
+    if s.size == 0 or out.size == 0:
+        return out
+    order = np.argsort(s)
+    s, e = s[order], e[order]
+    merged = []
+    cs, ce = int(s[0]), int(e[0])
+    for a, b in zip(s[1:], e[1:]):
+        if a <= ce:
+            ce = max(ce, int(b))
+        else:
+            merged.append((cs, ce))
+            cs, ce = int(a), int(b)
+    merged.append((cs, ce))
+    m = np.array(merged, dtype=np.int64)
+    return span_overlap_s(edges, m[:, 0], m[:, 1]).sum(axis=0)
+
+
+def prefill_tokens(edges_ns: np.ndarray, arrival_ns: np.ndarray, prefill_end_ns: np.ndarray,
+                   prompt_tokens: np.ndarray) -> np.ndarray:
+    """(R, K) prompt tokens prefilled in each interval: spread evenly over arrival → first token
+    (all of it in the interval of the first token when the two coincide)."""
+    edges = np.asarray(edges_ns, dtype=np.int64)
+    arr = np.asarray(arrival_ns, dtype=np.int64)
+    end = np.asarray(prefill_end_ns, dtype=np.int64)
+    p = np.nan_to_num(np.asarray(prompt_tokens, dtype=float))
+    span = (end - arr) / 1e9
+    frac = np.divide(span_overlap_s(edges, arr, end), span[:, None], out=np.zeros((arr.size, edges.size - 1)),
+                     where=span[:, None] > 0)
+    point = span <= 0
+    if point.any():
+        k = np.searchsorted(edges, end[point], side="right") - 1
+        ok = (k >= 0) & (k < edges.size - 1)
+        rows = np.flatnonzero(point)[ok]
+        frac[rows, k[ok]] = 1.0
+    return frac * p[:, None]
+
+
+def request_work(costs: WorkCosts, tok: np.ndarray, pre: np.ndarray, ctx: np.ndarray,
+                 bypass: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """(R, K) each request's work (in joules at `costs`) in each interval, (K,) the bypass tokens'
+    work, and (K,) the step counts.
+
+    The per-step cost is shared by the requests in the steps: each interval's steps are estimated
+    as the most tokens any request got there (a sequence decoding through the whole interval gets
+    one per step), and split among the requests by their tokens. A request still waiting for its
+    first token takes no share: it may sit in a queue, outside the engine's steps.
+
+    Bypass tokens (the server's beyond the proxy's) share the steps too, and cost what the proxied
+    ones do on average for their prompts and context (which the proxy never saw)."""
+    k_count = tok.shape[1]
+    byp = np.zeros(k_count) if bypass is None else np.asarray(bypass, dtype=float)
+    steps = tok.max(axis=0) if tok.size else np.zeros(k_count)
+    steps = np.where((steps == 0) & (byp > 0), 1.0, steps)  # bypass alone: at least one step ran
+    part_sum = tok.sum(axis=0) + byp
+    step_per_tok = np.divide(costs.step_j * steps, part_sum, out=np.zeros(k_count), where=part_sum > 0)
+    own = costs.prefill_j * pre + costs.ctx_j * ctx
+    work = step_per_tok[None, :] * tok + costs.decode_j * tok + own
+    n_tok = tok.sum(axis=0)
+    own_per_tok = np.divide(own.sum(axis=0), n_tok, out=np.zeros(k_count), where=n_tok > 0)
+    bypass_work = byp * (step_per_tok + costs.decode_j + own_per_tok)
+    return work, bypass_work, steps
+
+
 def attribute(
     edges_ns: np.ndarray,
     energy_j: np.ndarray,
@@ -77,18 +191,23 @@ def attribute(
     tok_req: np.ndarray,
     tok_n: np.ndarray,
     server_tokens: np.ndarray | None = None,
+    prompt_tokens: np.ndarray | None = None,
+    tok_ctx: np.ndarray | None = None,
+    costs: WorkCosts | None = None,
 ) -> Attribution:
-    """Split the energy of K intervals (edges: K+1 instants) among R requests.
+    """Split the energy of K intervals (edges: K+1 instants) among R requests by their work.
 
-    energy_j: (K,) or (K, C), e.g. GPU and CPU columns, split with the same weights.
-    Per request r: arrival, first token, last token, end of response (NEVER where not yet).
-    Token events: instant, request index, token count (a chunk may carry several tokens).
-    server_tokens: (K,) tokens the server's metrics counted per interval, to spot bypass traffic.
+    energy_j: (K,) or (K, C), e.g. GPU and CPU columns, split with the same weights (those of the
+    first column's energy). Per request r: arrival, first token, last token, end of response
+    (NEVER where not yet), prompt tokens (NaN or 0 where unknown: no prefill work is counted).
+    Token events: instant, request index, token count (a chunk may carry several), and the
+    context each was decoded at (prompt + tokens before it; None: no context term).
+    server_tokens: (K,) tokens the server counted beyond the proxy's in each interval (bypass).
     """
+    costs = costs or WorkCosts()
     edges = np.asarray(edges_ns, dtype=np.int64)
     energy = np.asarray(energy_j, dtype=float)
-    one_col = energy.ndim == 1
-    if one_col:
+    if energy.ndim == 1:
         energy = energy[:, None]
     k_count = edges.size - 1
     if energy.shape[0] != k_count:
@@ -101,8 +220,12 @@ def attribute(
     end = np.asarray(end_ns, dtype=np.int64)
     r_count = arrival.size
     energy = np.nan_to_num(energy, nan=0.0)
+    dur_s = np.diff(edges) / 1e9
 
     tok = interval_tokens(edges, tok_t_ns, tok_req, tok_n, r_count)
+    ctx_w = np.asarray(tok_n, dtype=float) * (np.asarray(tok_ctx, dtype=float) / 1000.0) if tok_ctx is not None else None
+    ctx = (interval_tokens(edges, tok_t_ns, tok_req, ctx_w, r_count) if ctx_w is not None
+           else np.zeros((r_count, k_count)))
     # Prefill runs from arrival to the first token, or to the end for a request that never got one.
     prefill_end = np.where(first != NEVER, first, end)
     in_prefill = overlaps(edges, arrival, prefill_end, closed_end=False) if r_count else np.zeros((0, k_count), bool)
@@ -114,32 +237,56 @@ def attribute(
         else np.zeros((0, k_count), bool)
     )
     in_decode |= tok > 0  # a token inside an interval is proof of decoding there
+    live = overlaps(edges, arrival, end, closed_end=True) | in_decode if r_count else np.zeros((0, k_count), bool)
+    p_tok = np.zeros(r_count) if prompt_tokens is None else np.nan_to_num(np.asarray(prompt_tokens, dtype=float))
+    pre = prefill_tokens(edges, arrival, np.minimum(prefill_end, edges[-1]), p_tok) if r_count else np.zeros((0, k_count))
+    # (The ledger gives a prompt count only to requests past their first token, so a prompt is
+    # spread once, over its whole prefill.)
 
     any_prefill = in_prefill.any(axis=0)
-    any_decode = in_decode.any(axis=0)
+    any_live = live.any(axis=0)
     server = np.zeros(k_count) if server_tokens is None else np.nan_to_num(np.asarray(server_tokens, dtype=float))
     kind = np.full(k_count, IDLE, dtype=np.int8)
-    kind[(server > 0) & ~any_prefill & ~any_decode] = UNPROXIED
-    kind[any_decode & ~any_prefill] = DECODE
+    kind[(server > 0) & ~any_live] = UNPROXIED
+    kind[any_live & ~any_prefill] = DECODE
     kind[any_prefill] = PREFILL
 
-    is_decode = kind == DECODE
-    weights = np.where(is_decode[None, :], tok, 0.0)
-    no_tokens = is_decode & (weights.sum(axis=0) == 0)
-    weights[:, no_tokens] = in_decode[:, no_tokens].astype(float)
-    col_sum = weights.sum(axis=0)
-    share = np.divide(weights, col_sum[None, :], out=np.zeros_like(weights), where=col_sum[None, :] > 0)
+    work, unprox_work, steps = request_work(costs, tok, pre, ctx, server)
+    # A live request with no measurable work (queued, or a slow step straddling the interval)
+    # still holds the engine: equal shares among the live ones where nobody has work.
+    no_work = any_live & (work.sum(axis=0) <= 0)
+    work[:, no_work] = live[:, no_work].astype(float)
+    req_work = work.sum(axis=0)
+    total_tok = tok.sum(axis=0)
+
+    busy_s = union_busy_s(edges, arrival, np.where(end != NEVER, end, edges[-1])) if r_count else np.zeros(k_count)
+    e = energy[:, 0]
+    idle_j = np.zeros(k_count)
+    if costs.idle_w is not None:
+        # Part of a busy interval no request was live in is idle, at the idle power; not where the
+        # server counted bypass tokens (their timing is unknown).
+        idle_j = np.where(any_live & (server <= 0), np.minimum(e, costs.idle_w * np.clip(dur_s - busy_s, 0, None)), 0.0)
+    idle_j = np.where(~any_live & (server <= 0), e, idle_j)
+    denom = req_work + unprox_work
+    f_idle = np.divide(idle_j, e, out=np.where(~any_live & (server <= 0), 1.0, 0.0), where=e > 0)
+    f_busy = 1.0 - f_idle
+    f_unprox = f_busy * np.divide(unprox_work, denom, out=np.zeros(k_count), where=denom > 0)
+    share = f_busy[None, :] * np.divide(work, denom[None, :], out=np.zeros_like(work), where=denom[None, :] > 0)
     request_energy = share @ energy
+    dest = np.stack([share.sum(axis=0), f_idle, f_unprox], axis=1)[:, :, None] * energy[:, None, :]
     by_kind = np.zeros((4, energy.shape[1]))
     np.add.at(by_kind, kind, energy)
+    features = np.column_stack([dur_s, steps, total_tok + server, pre.sum(axis=0), ctx.sum(axis=0)])
     return Attribution(
         kind=kind,
-        tokens=tok.sum(axis=0),
+        tokens=total_tok,
         n_prefill=in_prefill.sum(axis=0),
         n_decoding=in_decode.sum(axis=0),
         request_energy=request_energy,
-        request_tokens=np.where(is_decode[None, :], tok, 0.0).sum(axis=1),
+        request_tokens=tok.sum(axis=1),
         by_kind=by_kind,
+        dest=dest,
+        features=features,
     )
 
 

@@ -180,6 +180,11 @@ SPEC: dict[str, dict[str, Key]] = {
     "tags": {
         "socket": Key(str, "", help="tag API Unix socket; default $RUNTIME_DIRECTORY or the data dir"),
     },
+    "attribution": {
+        "edge_max_inflight": Key(int, 4, _positive(0, 100000), True,
+                                 "read the GPU counter at a request's arrival, first token and end while at most this many are in flight; 0 = never"),
+        "edge_max_per_s": Key(float, 20.0, _positive(0.1, 1000), True, "at most this many such reads a second"),
+    },
 }
 
 

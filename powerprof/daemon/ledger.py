@@ -3,9 +3,11 @@
 Runs in the event loop's thread only (the proxy calls it there; samples arrive through a queue).
 GPU samples are the interval edges. Once an edge is older than `grace_s` (so every token event
 before it has been seen), the intervals up to it are closed: their energy is split by
-`attribution.attribute`, and requests whose response ended before the edge are emitted with
-their energy. Memory stays bounded: closed intervals, emitted requests and used token events
-are dropped.
+`attribution.attribute` with the costs `workmodel.CostLearner` has learned for the GPUs' setting,
+and requests whose response ended before the edge are emitted with their energy. Intervals are
+held (at most `prompt_hold_s`) while a request live in them has not yet told its prompt length,
+and until the server's token counter has been scraped past them. Memory stays bounded: closed
+intervals, emitted requests and used token events are dropped.
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ from powerprof.profiler import weakest_method
 
 from . import attribution as attr
 from .proxy import RequestTrace
+from .workmodel import FEATURES, CostLearner
 
 log = logging.getLogger("powerprof.daemon.ledger")
 
@@ -30,6 +33,9 @@ log = logging.getLogger("powerprof.daemon.ledger")
 MAX_OPEN_S = 6 * 3600
 MAX_OPEN_TAGS = 256
 SPREAD_EVENTS = 64  # a non-streamed response's tokens are spread as this many events
+PROMPT_HOLD_S = 30.0  # hold intervals this long at most for a live request's prompt length
+BYPASS_FIT_SHARE = 0.25  # intervals whose bypass tokens exceed this share of the proxied ones stay out of the fit
+SCRAPE_HOLD_S = 10.0  # and this long at most for the server's counter to be scraped past them
 
 
 @dataclass
@@ -38,6 +44,7 @@ class _Edge:
     wall_ns: int
     counter_j: np.ndarray  # (G,) NaN where missing
     power_w: np.ndarray  # (G,)
+    setting: tuple = ()  # the GPUs' power limits: costs are learned per setting
 
 
 @dataclass
@@ -50,6 +57,7 @@ class _Req:
     cpu_known: bool = False
     cpu_missing: bool = False  # given a share of an interval whose CPU energy is unknown
     tokens: float = 0.0
+    spent: float = 0.0  # tokens of events already closed (the context of later ones)
 
 
 @dataclass
@@ -76,6 +84,9 @@ class Totals:
     energy_by_kind_j: tuple = (0.0, 0.0, 0.0, 0.0)
     tokens: float = 0.0
     j_per_token: float | None = None
+    energy_by_dest_j: tuple = (0.0, 0.0, 0.0)  # requests, idle, unproxied
+    tokens_attributed: float = 0.0
+    costs: dict = field(default_factory=dict)  # the costs in use and the latest fit's quality
 
 
 class Ledger:
@@ -88,6 +99,8 @@ class Ledger:
         grace_s: float = 0.3,
         jpt_window_s: float = 60.0,
         max_hold_s: float = 120.0,
+        prompt_hold_s: float = PROMPT_HOLD_S,
+        learner: CostLearner | None = None,
     ):
         self.daemon_id = daemon_id
         self.t0_ns = t0_ns
@@ -95,6 +108,8 @@ class Ledger:
         self.emit = emit
         self.grace_ns = int(grace_s * 1e9)
         self.max_hold_ns = int(max_hold_s * 1e9)
+        self.prompt_hold_ns = int(prompt_hold_s * 1e9)
+        self.learner = learner or CostLearner()
         self.jpt_window_ns = int(jpt_window_s * 1e9)
         self.edges: list[_Edge] = []
         self.requests: dict[int, _Req] = {}
@@ -103,16 +118,19 @@ class Ledger:
         self.cpu_t: deque = deque(maxlen=4096)
         self.cpu_e: deque = deque(maxlen=4096)
         self.cpu_epoch: deque = deque(maxlen=4096)
-        self.server_t: list[int] = []
-        self.server_n: list[float] = []
+        self.server_spans: list[list] = []  # [t0, t1, server tokens, bypass tokens or None] per scrape
+        self._proxied: deque = deque()  # (t_ns, tokens) of every proxied token event, for the scrape windows
         self.server_seen = False
+        self.server_upto_ns: int | None = None
         self._credit: deque = deque()  # proxied tokens per recent interval, not yet seen by the server
         self._debit = 0.0
         self._gpu_total = np.zeros(n_gpus)
         self._cpu_total: float | None = None
         self._by_kind = np.zeros(4)
+        self._by_dest = np.zeros(3)
         self._tokens_total = 0.0
-        self._recent: deque = deque()  # (t_end_ns, decode J, decode tokens)
+        self._tokens_attributed = 0.0
+        self._recent: deque = deque()  # (t_end_ns, requests' J, their tokens)
         self.totals = Totals(gpu_energy_j=(0.0,) * n_gpus)
 
     # --- recorder interface (called by the proxy) ------------------------------------------
@@ -125,6 +143,8 @@ class Ledger:
         if r is not None:
             r.ev_t.append(t_ns)
             r.ev_n.append(n)
+            if self.server_seen:
+                self._proxied.append((t_ns, n))
 
     def on_end(self, trace: RequestTrace) -> None:
         r = self.requests.get(trace.request_id)
@@ -136,6 +156,8 @@ class Ledger:
             ts = np.linspace(trace.first_ns, trace.last_ns, SPREAD_EVENTS).astype(np.int64)
             r.ev_t = ts.tolist()
             r.ev_n = [n / SPREAD_EVENTS] * SPREAD_EVENTS
+            if self.server_seen:
+                self._proxied.extend(zip(r.ev_t, r.ev_n))
 
     # --- inputs from the sampler and the scraper ----------------------------------------------
 
@@ -146,7 +168,8 @@ class Ledger:
              else (r.power_w if r.power_w is not None else r.power_avg_w) for r in readings],
             dtype=float,
         )
-        edge = _Edge(t_ns, wall_ns, counter, power)
+        setting = tuple(getattr(r, "power_limit_w", None) for r in readings)
+        edge = _Edge(t_ns, wall_ns, counter, power, setting)
         if self.edges and t_ns <= self.edges[-1].t_ns:
             # An on-demand sample read in another thread may be published late: keep edges ordered.
             ts = [e.t_ns for e in self.edges]
@@ -170,11 +193,13 @@ class Ledger:
         self.cpu_e.append(energy_j)
         self.cpu_epoch.append(epoch)
 
-    def add_server_tokens(self, t_ns: int, delta: float) -> None:
+    def add_server_tokens(self, t_ns: int, delta: float, since_ns: int | None = None) -> None:
+        """Tokens the server counted between the previous scrape (`since_ns`) and this one: spread
+        evenly over that time, so bypass tokens land in the intervals where they were generated."""
         self.server_seen = True
-        if delta > 0:
-            self.server_t.append(t_ns)
-            self.server_n.append(delta)
+        self.server_upto_ns = t_ns
+        t0 = since_ns if since_ns is not None and since_ns < t_ns else t_ns - 1
+        self.server_spans.append([int(t0), int(t_ns), float(delta), None])
 
     # --- tags --------------------------------------------------------------------------------
 
@@ -206,6 +231,15 @@ class Ledger:
                    if r.trace.end_ns is None and r.trace.api is not None and r.trace.stream is not True]
         if waiting:
             horizon = max(min(horizon, min(waiting)), now_ns - self.max_hold_ns)
+        # A prompt's length comes with usage/timings, mostly at the end: hold the intervals of its
+        # prefill until then (bounded), so they are split by work, not by guess.
+        unknown = [r.trace.arrival_ns for r in self.requests.values()
+                   if r.trace.end_ns is None and r.trace.api is not None and _prompt_tokens(r) is None]
+        if unknown:
+            horizon = max(min(horizon, min(unknown)), now_ns - self.prompt_hold_ns)
+        if self.server_upto_ns is not None:
+            # Bypass tokens are known once the server's counter has been scraped past the interval.
+            horizon = max(min(horizon, self.server_upto_ns), now_ns - int(SCRAPE_HOLD_S * 1e9))
         n = 0
         while n + 1 < len(self.edges) and self.edges[n + 1].t_ns <= horizon:
             n += 1
@@ -274,28 +308,35 @@ class Ledger:
         done = [r.trace.end_ns is not None and r.trace.end_ns <= t_end for r in reqs]
         last = np.array([ns(r.trace.last_ns, d) for r, d in zip(reqs, done)], dtype=np.int64)
         end = np.array([ns(r.trace.end_ns, d) for r, d in zip(reqs, done)], dtype=np.int64)
-        ev_t, ev_r, ev_n = [], [], []
+        # A prompt counts once its first token is known: it is spread over arrival → first token.
+        prompt = np.array([(_prompt_tokens(r) or 0.0) if r.trace.first_ns is not None or d else 0.0
+                           for r, d in zip(reqs, done)], dtype=float)
+        ev_t, ev_r, ev_n, ev_c = [], [], [], []
         for i, r in enumerate(reqs):
             ev_t.extend(r.ev_t)
             ev_r.extend([i] * len(r.ev_t))
             ev_n.extend(r.ev_n)
-        server = excess = None
+            before = r.spent + np.cumsum(r.ev_n) - np.asarray(r.ev_n, dtype=float) if r.ev_n else []
+            ev_c.extend(prompt[i] + np.asarray(before, dtype=float))
+        excess = None
         ev_t_a, ev_r_a, ev_n_a = np.array(ev_t, dtype=np.int64), np.array(ev_r, dtype=np.int64), np.array(ev_n, dtype=float)
         if self.server_seen:
-            st = np.array(self.server_t, dtype=np.int64)
-            k = np.searchsorted(t, st, side="right") - 1
-            server = np.zeros(t.size - 1)
-            ok = (k >= 0) & (k < t.size - 1)
-            np.add.at(server, k[ok], np.array(self.server_n)[ok])
-            keep = st >= t_end
-            self.server_t = st[keep].tolist()
-            self.server_n = np.array(self.server_n)[keep].tolist()
-            proxied = attr.interval_tokens(t, ev_t_a, np.zeros_like(ev_r_a), ev_n_a, 1)[0]
-            excess = self._server_excess(server, proxied)
+            excess = self._bypass_tokens(t)
+        setting = edges[-1].setting
+        costs = self.learner.costs(setting)
         # The third column marks intervals without CPU energy: a request given a share of one
         # has no CPU figure (rather than a partial, smaller one).
         energy = np.column_stack([gpu, np.nan_to_num(cpu), np.isnan(cpu)])
-        a = attr.attribute(t, energy, arrival, first, last, end, ev_t_a, ev_r_a, ev_n_a, excess)
+        a = attr.attribute(t, energy, arrival, first, last, end, ev_t_a, ev_r_a, ev_n_a, excess,
+                           prompt_tokens=prompt, tok_ctx=np.array(ev_c, dtype=float), costs=costs)
+        # Bypass tokens' prompts are unseen: an interval mostly of bypass work would bias the fit.
+        usable = np.array([m == "counter" for m in methods])
+        if excess is not None:
+            usable &= excess <= BYPASS_FIT_SHARE * a.tokens
+
+        fit = self.learner.add(setting, a.features, gpu, usable)
+        if fit is not None:
+            self.emit("costs", [self._costs_row(edges[-1], setting, fit)])
         for i, r in enumerate(reqs):
             r.gpu_j += a.request_energy[i, 0]
             r.cpu_j += a.request_energy[i, 1]
@@ -305,9 +346,10 @@ class Ledger:
             # Token events before the closed edge are spent.
             if r.ev_t and r.ev_t[0] < t_end:
                 j = int(np.searchsorted(r.ev_t, t_end))
+                r.spent += float(sum(r.ev_n[:j]))
                 del r.ev_t[:j], r.ev_n[:j]
-        self._account(t, per_gpu, gpu, cpu, a, methods)
-        self._interval_rows(edges, t, gpu, cpu, methods, a, server)
+        self._account(t, per_gpu, gpu, cpu, a, methods, costs)
+        self._interval_rows(edges, t, gpu, cpu, methods, a, excess, costs)
         rows = []
         for r, d in zip(reqs, done):
             if d:
@@ -315,8 +357,34 @@ class Ledger:
                 del self.requests[r.trace.request_id]
         self.emit("requests", rows)
 
+    def _bypass_tokens(self, t: np.ndarray) -> np.ndarray:
+        """(K,) tokens the server counted beyond the proxy's in each interval (bypass traffic).
+
+        Compared scrape by scrape (the server's counter and the proxy's tokens over the same
+        window, which is exact), then each window's excess is spread evenly over the time it covers."""
+        fresh = [sp for sp in self.server_spans if sp[3] is None]
+        if fresh:
+            pt = np.fromiter((x[0] for x in self._proxied), dtype=np.int64, count=len(self._proxied))
+            pn = np.fromiter((x[1] for x in self._proxied), dtype=float, count=len(self._proxied))
+            proxied = np.array([pn[(pt > sp[0]) & (pt <= sp[1])].sum() for sp in fresh])
+            for sp, ex in zip(fresh, self._server_excess(np.array([sp[2] for sp in fresh]), proxied)):
+                sp[3] = float(ex)
+        out = np.zeros(t.size - 1)
+        spans = [sp for sp in self.server_spans if sp[3] > 0]
+        if spans:
+            sp = np.array([x[:2] for x in spans], dtype=np.int64)
+            ex = np.array([x[3] for x in spans])
+            over = attr.span_overlap_s(t, sp[:, 0], sp[:, 1])
+            out = (over * (ex / ((sp[:, 1] - sp[:, 0]) / 1e9))[:, None]).sum(axis=0)
+        # Spans ending inside the closed intervals are spent; later ones (and their events) wait.
+        self.server_spans = [x for x in self.server_spans if x[1] > t[-1]]
+        keep_from = min([x[0] for x in self.server_spans], default=int(t[-1]))
+        while self._proxied and self._proxied[0][0] <= keep_from - int(SCRAPE_HOLD_S * 1e9):
+            self._proxied.popleft()
+        return out
+
     def _server_excess(self, server: np.ndarray, proxied: np.ndarray) -> np.ndarray:
-        """Server-counted tokens beyond what the proxy saw: bypass traffic.
+        """Server-counted tokens beyond what the proxy saw, per scrape window: bypass traffic.
 
         The server's counter lags the stream by up to a scrape, so proxied tokens not yet
         matched are carried as credit, for a few intervals only (a server that under-counts,
@@ -337,15 +405,17 @@ class Ledger:
                 self._debit = max(0.0, self._debit - self._credit.popleft())
         return out
 
-    def _account(self, t, per_gpu, gpu, cpu, a: attr.Attribution, methods: list[str]) -> None:
+    def _account(self, t, per_gpu, gpu, cpu, a: attr.Attribution, methods: list[str], costs: attr.WorkCosts) -> None:
         self._gpu_total = self._gpu_total + np.nan_to_num(per_gpu).sum(axis=0)
         if not np.isnan(cpu).all():
             self._cpu_total = (self._cpu_total or 0.0) + float(np.nansum(cpu))
         self._by_kind = self._by_kind + a.by_kind[:, 0]
+        self._by_dest = self._by_dest + a.by_dest[:, 0]
         self._tokens_total += float(a.tokens.sum())
+        self._tokens_attributed += float(a.request_tokens.sum())
         for k in range(t.size - 1):
-            if a.kind[k] == attr.DECODE:
-                self._recent.append((int(t[k + 1]), float(gpu[k]), float(a.tokens[k])))
+            if a.tokens[k] > 0:
+                self._recent.append((int(t[k + 1]), float(a.dest[k, attr.TO_REQUESTS, 0]), float(a.tokens[k])))
         while self._recent and self._recent[0][0] < int(t[-1]) - self.jpt_window_ns:
             self._recent.popleft()
         e = sum(x[1] for x in self._recent)
@@ -358,7 +428,39 @@ class Ledger:
             energy_by_kind_j=tuple(float(x) for x in self._by_kind),
             tokens=self._tokens_total,
             j_per_token=e / n if n > 0 else None,
+            energy_by_dest_j=tuple(float(x) for x in self._by_dest),
+            tokens_attributed=self._tokens_attributed,
+            costs=self._costs_state(costs),
         )
+
+    def _costs_state(self, costs: attr.WorkCosts) -> dict:
+        fit = next(reversed(self.learner.fits.values()), None) if self.learner.fits else None
+        return {
+            "source": costs.source,
+            "idle_w": costs.idle_w,
+            "step_j": costs.step_j if costs.source == "fitted" else None,
+            "decode_j": costs.decode_j if costs.source == "fitted" else None,
+            "prefill_per_decode": costs.prefill_j / costs.decode_j if costs.decode_j > 0 else None,
+            "r2": fit.r2 if fit is not None else None,
+            "rel_rmse": fit.rel_rmse if fit is not None else None,
+        }
+
+    def _costs_row(self, edge: _Edge, setting: tuple, fit) -> dict:
+        row = {
+            "daemon_id": self.daemon_id,
+            "time_utc": edge.wall_ns,
+            "power_limits_w": ",".join("" if x is None else f"{x:g}" for x in setting),
+            "n_intervals": fit.n,
+            "n_busy": fit.n_busy,
+            "r2": fit.r2,
+            "rel_rmse": fit.rel_rmse,
+            "mature": fit.mature,
+            "not_mature_reason": fit.reason or None,
+        }
+        names = ("idle_w", "step_j", "decode_j", "prefill_j", "ctx_j_per_ktoken")
+        assert len(names) == len(FEATURES)
+        row.update(dict(zip(names, fit.coef)))
+        return row
 
     def _tag_add(self, tag: _Tag, t, gpu, cpu, a, methods) -> None:
         mid = (t[:-1] + t[1:]) // 2
@@ -390,7 +492,7 @@ class Ledger:
 
     # --- rows --------------------------------------------------------------------------------
 
-    def _interval_rows(self, edges, t, gpu, cpu, methods, a: attr.Attribution, server) -> None:
+    def _interval_rows(self, edges, t, gpu, cpu, methods, a: attr.Attribution, server, costs) -> None:
         rows = []
         for k in range(t.size - 1):
             dur = (t[k + 1] - t[k]) / 1e9
@@ -410,6 +512,11 @@ class Ledger:
                     "server_tokens": None if server is None else float(server[k]),
                     "n_prefill": int(a.n_prefill[k]),
                     "n_decoding": int(a.n_decoding[k]),
+                    "requests_energy_j": float(a.dest[k, attr.TO_REQUESTS, 0]),
+                    "idle_energy_j": float(a.dest[k, attr.TO_IDLE, 0]),
+                    "unproxied_energy_j": float(a.dest[k, attr.TO_UNPROXIED, 0]),
+                    "prefill_tokens": float(a.features[k, 3]),
+                    "work_costs": costs.source,
                 }
             )
         self.emit("intervals", rows)
@@ -465,3 +572,12 @@ class Ledger:
             "gpu_j_per_token": tg.gpu_j / tg.tokens if tg.tokens > 0 else None,
             "closed_by": tg.closed_by,
         }
+
+
+def _prompt_tokens(r: _Req) -> float | None:
+    """The request's prompt length once the server has told it (usage or timings), else None."""
+    c = r.trace.counts
+    if c is not None and c.prompt_tokens is not None:
+        return float(c.prompt_tokens)
+    p = r.trace.extra.get("prompt_tokens")
+    return float(p) if p is not None else None

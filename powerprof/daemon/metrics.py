@@ -64,6 +64,10 @@ class Snapshot:
     gpus: tuple[GpuSnapshot, ...] = ()
     cpu_energy_j: float | None = None
     energy_by_kind_j: tuple = (0.0, 0.0, 0.0, 0.0)
+    energy_by_dest_j: tuple = (0.0, 0.0, 0.0)  # requests, idle, unproxied
+    tokens_closed: float = 0.0  # proxied tokens in closed intervals
+    tokens_attributed: float = 0.0  # of which attributed to requests
+    work_costs: dict = field(default_factory=dict)  # ledger.Ledger._costs_state
     joules_per_token: float | None = None
     tokens_by_tag: dict = field(default_factory=dict)
     requests_by_tag: dict = field(default_factory=dict)  # {(tag, outcome): n}
@@ -115,6 +119,36 @@ class SnapshotCollector:
         for name, v in zip(("idle", "decode", "prefill", "unproxied"), s.energy_by_kind_j):
             k.add_metric([name], v)
         yield k
+        d = CounterMetricFamily("powerprof_gpu_energy_attributed_joules",
+                                "GPU energy by where it went: requests (by their work), idle, unproxied", labels=["to"])
+        for name, v in zip(("requests", "idle", "unproxied"), s.energy_by_dest_j):
+            d.add_metric([name], v)
+        yield d
+        total = sum(s.energy_by_dest_j)
+        if total > 0:
+            yield GaugeMetricFamily("powerprof_requests_energy_ratio",
+                                    "Share of GPU energy since start given to proxied requests", value=s.energy_by_dest_j[0] / total)
+        if s.tokens_closed > 0:
+            yield GaugeMetricFamily("powerprof_attributed_tokens_ratio",
+                                    "Share of proxied tokens (closed intervals) attributed to requests",
+                                    value=s.tokens_attributed / s.tokens_closed)
+        wc = s.work_costs or {}
+        if wc:
+            yield GaugeMetricFamily("powerprof_work_model_fitted",
+                                    "1 when the learned costs split intervals, 0 while the fixed ratio does",
+                                    value=1.0 if wc.get("source") == "fitted" else 0.0)
+            g = GaugeMetricFamily("powerprof_work_cost_joules", "Learned GPU energy per unit of work", labels=["work"])
+            for key, name in (("step_j", "step"), ("decode_j", "decode_token")):
+                if wc.get(key) is not None:
+                    g.add_metric([name], wc[key])
+            yield g
+            for key, name, doc in (
+                ("prefill_per_decode", "powerprof_work_prefill_per_decode_ratio", "Cost of a prompt token over a decoded token (in use)"),
+                ("idle_w", "powerprof_idle_power_watts", "Idle GPU power the work model uses"),
+                ("r2", "powerprof_work_model_r_squared", "R² of the latest cost fit over busy intervals"),
+            ):
+                if wc.get(key) is not None:
+                    yield GaugeMetricFamily(name, doc, value=wc[key])
         t = CounterMetricFamily("powerprof_tokens_generated", "Tokens generated through the proxy", labels=["tag"])
         for tag, v in sorted(s.tokens_by_tag.items()):
             t.add_metric([tag], v)

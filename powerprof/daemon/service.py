@@ -50,13 +50,14 @@ class StartupError(RuntimeError):
 
 
 def datasets() -> list[Dataset]:
-    from powerprof.storage.schema import DAEMON_INTERVALS, DAEMON_REQUESTS, DAEMON_SAMPLES, DAEMON_TAGS
+    from powerprof.storage.schema import DAEMON_COSTS, DAEMON_INTERVALS, DAEMON_REQUESTS, DAEMON_SAMPLES, DAEMON_TAGS
 
     return [
         Dataset("samples", DAEMON_SAMPLES, "time_utc"),
         Dataset("requests", DAEMON_REQUESTS, "t_arrival_utc"),
         Dataset("intervals", DAEMON_INTERVALS, "t_start_utc"),
         Dataset("tags", DAEMON_TAGS, "t_start_utc"),
+        Dataset("costs", DAEMON_COSTS, "time_utc"),
     ]
 
 
@@ -146,6 +147,8 @@ class Daemon:
         self.reload_requested = False
         self.urls: dict[str, str] = {}
         self._runners: list[web.AppRunner] = []
+        self._last_edge_s = 0.0
+        self.edge_reads = 0  # on-demand counter reads at short requests' edges
         self.guard: ConnectionGuard | None = None
         self._lock_fd: int | None = None
         self._wd_period = sdnotify.watchdog_period_s()
@@ -171,16 +174,35 @@ class Daemon:
 
     def on_start(self, trace: RequestTrace) -> None:
         self.ledger.on_start(trace)
+        self._request_edge("request-arrival")
 
     def on_tokens(self, trace: RequestTrace, t_ns: int, n: int) -> None:
         self.tokens_by_tag[self.tags.label(trace.tag)] += n
         self.ledger.on_tokens(trace, t_ns, n)
+        if trace.first_ns == t_ns:
+            self._request_edge("request-first-token")
 
     def on_end(self, trace: RequestTrace) -> None:
         if trace.extra.get("spread"):
             self.tokens_by_tag[self.tags.label(trace.tag)] += trace.tokens_seen
         self.requests_by_tag[(self.tags.label(trace.tag), trace.outcome)] += 1
         self.ledger.on_end(trace)
+        self._request_edge("request-end")
+
+    def _request_edge(self, label: str) -> None:
+        """With few requests in flight, read the GPU counter now (an interval edge of the request's
+        own), at a bounded rate: a short request is then measured over its span, not over a whole
+        sampling interval shared with idle time (docs/daemon.md, Short requests)."""
+        if self.proxy is None or self.sampler is None or not self.sampler._threads:
+            return
+        if self.proxy.active > self.cfg.get("attribution", "edge_max_inflight"):
+            return
+        now = time.monotonic()
+        if now - self._last_edge_s < 1.0 / self.cfg.get("attribution", "edge_max_per_s"):
+            return
+        self._last_edge_s = now
+        self.edge_reads += 1
+        asyncio.get_running_loop().run_in_executor(None, lambda: self.sampler.sample_now(label, sources=["nvml"]))
 
     # --- tag API ---------------------------------------------------------------------------------
 
@@ -260,6 +282,10 @@ class Daemon:
             gpus=tuple(gpus),
             cpu_energy_j=tot.cpu_energy_j,
             energy_by_kind_j=tot.energy_by_kind_j,
+            energy_by_dest_j=tot.energy_by_dest_j,
+            tokens_closed=tot.tokens,
+            tokens_attributed=tot.tokens_attributed,
+            work_costs=tot.costs,
             joules_per_token=tot.j_per_token,
             tokens_by_tag=dict(self.tokens_by_tag),
             requests_by_tag=dict(self.requests_by_tag),
@@ -319,11 +345,15 @@ class Daemon:
                 pass
 
     async def _scrape_loop(self) -> None:
+        since = None
         while not self.stop_event.is_set():
-            t = time.monotonic_ns()
+            t0 = time.monotonic_ns()
             delta = await self.scraper.scrape()
+            t = (t0 + time.monotonic_ns()) // 2  # the counter was read somewhere in the request
             if delta is not None:
-                self.ledger.add_server_tokens(t, delta)
+                # The delta covers the time since the previous scrape: spread over it (docs/daemon.md).
+                self.ledger.add_server_tokens(t, delta, since)
+                since = t
             try:
                 await asyncio.wait_for(self.stop_event.wait(), self.cfg.get("scrape", "interval_s"))
             except asyncio.TimeoutError:

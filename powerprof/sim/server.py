@@ -33,6 +33,7 @@ import numpy as np
 from aiohttp import web
 from prometheus_client import CollectorRegistry, Counter, Gauge, generate_latest
 
+from . import batching
 from .gpu import Phase
 from .nvml import SimNVML
 from .profiles import DEFAULT_PROFILE
@@ -83,6 +84,9 @@ class _Req:
     emissions: list = field(default_factory=list)  # (t_ns, n_tokens)
     cancelled: bool = False
     stop_type: str = "limit"
+    prefilled: int = 0  # prompt tokens prefilled so far (continuous batching)
+    true_energy_j: float = 0.0  # its share of each step's energy (continuous batching)
+    client_id: str | None = None  # the X-Sim-Request-Id header, to match truth to a client's request
 
 
 # Late by more than this (the process was stopped, say): start the step schedule afresh rather
@@ -109,9 +113,15 @@ class SimServer:
         keepalive_s: float | None = None,
         loading_s: float = 0.0,
         seed: int = 0,
+        batching: str = "serial",
     ):
+        """batching: "serial" (a prefill pauses decoding; one prompt at a time) or "continuous"
+        (every step prefills a chunk and decodes every running sequence; records each request's
+        true energy: sim/batching.py)."""
         if flavour not in ("llamacpp", "vllm"):
             raise ValueError("flavour must be llamacpp or vllm")
+        if batching not in ("serial", "continuous"):
+            raise ValueError("batching must be serial or continuous")
         self.nvml = nvml if nvml is not None else SimNVML(profile, state_path=None)
         self.gpus = self.nvml.gpus
         wl = self.gpus[0].profile.workload
@@ -125,6 +135,9 @@ class SimServer:
         self.speculative = wl.speculative
         self.draft_n_max = wl.draft_n_max
         self.draft_acceptance = wl.draft_acceptance
+        self.batching = batching
+        self.costs = batching_costs(self)
+        self._truth_e: float | None = None
         self.model = model
         self.keepalive_s = keepalive_s
         self.loading_s = loading_s
@@ -311,8 +324,12 @@ class SimServer:
                 self._wake.clear()
                 await self._wake.wait()
                 self._t_step_end_ns = time.monotonic_ns()  # busy again: the schedule starts now
+                self._truth_e = None
                 continue
             self._set_busy(True)
+            if self.batching == "continuous":
+                await self._continuous_step()
+                continue
             pending = [r for r in self._active if r.t_prefill_end_ns == 0]
             if pending:
                 await self._prefill(pending[0])
@@ -350,19 +367,60 @@ class SimServer:
         for req in batch:
             if req.cancelled:
                 continue
-            n = 1
-            if self.speculative and self.draft_n_max > 0:
-                acc = 0
-                for _ in range(self.draft_n_max):
-                    if req.rng.random() < self.draft_acceptance:
-                        acc += 1
-                    else:
-                        break
-                req.draft_n += self.draft_n_max
-                req.draft_accepted += acc
-                n = 1 + acc
-            self._emit(req, n)
+            self._emit(req, self._draw_tokens(req))
         self._log_step(t0, time.monotonic_ns(), "decode", b, sum(r.generated for r in batch) - before)
+
+    def _draw_tokens(self, req: _Req) -> int:
+        """Tokens one decode step gives a sequence: 1, plus accepted drafts when speculative."""
+        if not (self.speculative and self.draft_n_max > 0):
+            return 1
+        acc = 0
+        for _ in range(self.draft_n_max):
+            if req.rng.random() < self.draft_acceptance:
+                acc += 1
+            else:
+                break
+        req.draft_n += self.draft_n_max
+        req.draft_accepted += acc
+        return 1 + acc
+
+    async def _continuous_step(self) -> None:
+        """One continuous-batching step (sim/batching.py): a prefill chunk for the sequences still
+        in prefill plus one decode step of every other; its true energy is shared by cost."""
+        pre = [r for r in self._active if r.t_prefill_end_ns == 0]
+        dec = [r for r in self._active if r.t_prefill_end_ns != 0]
+        need = [max(r.prompt_tokens - r.cached, 1) for r in pre]
+        chunk = batching.plan_prefill([n - r.prefilled for n, r in zip(need, pre)])
+        pre_in = [(r, n, k) for r, n, k in zip(pre, need, chunk) if k > 0]
+        seqs = [r for r, _, _ in pre_in] + dec
+        p = np.array([k for _, _, k in pre_in] + [0] * len(dec), dtype=float)
+        ctx = np.array([0] * len(pre_in) + [r.prompt_tokens + r.generated for r in dec], dtype=float)
+        c = self.compute_share
+        c_b = c * (1.0 + self.batch_growth * (max(len(dec), 1) - 1))
+        kind, share = self.costs.compute_share(p, c_b / ((1.0 - c) + c_b))
+        speed = self._phase(kind, share)
+        t0 = time.monotonic_ns()
+        e0 = self._truth_e if self._truth_e is not None else self._true_energy_j()
+        for r, _, _ in pre_in:
+            r.t_prefill_start_ns = r.t_prefill_start_ns or t0
+        await self._step(self.costs.step_s(p, ctx) / speed)
+        e1 = self._true_energy_j()
+        for r, e in zip(seqs, batching.shares(self.costs.seq_costs_s(p, ctx), e1 - e0)):
+            r.true_energy_j += e
+        self._truth_e = e1
+        before = sum(r.generated for r in seqs)
+        for r, n, k in pre_in:
+            r.prefilled += k
+            if r.prefilled >= n and not r.cancelled:
+                r.t_prefill_end_ns = time.monotonic_ns()
+                self._emit(r, 1)
+        for r in dec:
+            if not r.cancelled:
+                self._emit(r, self._draw_tokens(r))
+        self._log_step(t0, time.monotonic_ns(), kind, len(seqs), sum(r.generated for r in seqs) - before)
+
+    def _true_energy_j(self) -> float:
+        return float(sum(g.true_energy_j() for g in self.gpus))
 
     def _log_step(self, t0: int, t1: int, kind: str, batch: int, tokens: int) -> None:
         if len(self.steps) < 100_000:  # ground truth for tests and benches; bounded for long demos
@@ -416,6 +474,8 @@ class SimServer:
                 "emissions": list(req.emissions),
                 "generated": req.generated,
                 "timings": timings,
+                "energy_j": req.true_energy_j if self.batching == "continuous" else None,
+                "client_id": req.client_id,
             }
         )
         req.queue.put_nowait(("done", timings))
@@ -533,6 +593,7 @@ class SimServer:
             bool(body.get("cache_prompt", default_cache)),
             int(body.get("seed", 0) or 0),
         )
+        req.client_id = request.headers.get("X-Sim-Request-Id")
         stream = bool(body.get("stream", False))
         opts = body.get("stream_options") if isinstance(body.get("stream_options"), dict) else {}
         try:
@@ -689,6 +750,11 @@ class SimServer:
                     await resp.write(b"data: [DONE]\n\n")
                 await resp.write_eof()
                 return
+
+
+def batching_costs(srv: SimServer) -> batching.StepCosts:
+    """The continuous engine's step costs from the server's speeds (kept apart from the serial engine)."""
+    return batching.StepCosts.from_workload(srv.decode_tok_s, srv.prefill_tok_s, srv.compute_share, srv.batch_growth)
 
 
 def _sent_total(req: _Req, n_events: int) -> int:

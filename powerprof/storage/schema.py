@@ -187,9 +187,9 @@ DAEMON_REQUESTS = pa.schema(
         ("token_source", pa.string()),  # usage | timings | counted | none
         ("stop_reason", pa.string()),
         ("response_bytes", pa.int64()),
-        ("gpu_energy_j", pa.float64()),  # share of decode-interval GPU energy attributed to it
+        ("gpu_energy_j", pa.float64()),  # its share of every interval it was live in, by its work there
         ("cpu_energy_j", pa.float64()),  # same split of RAPL package+DRAM energy
-        ("attributed_tokens", pa.float64()),  # its tokens inside decode intervals
+        ("attributed_tokens", pa.float64()),  # its tokens inside closed intervals (all of them)
         ("gpu_j_per_token", pa.float64()),  # gpu_energy_j / attributed_tokens
         ("recorder_error", pa.string()),  # recording failed (traffic still flowed)
         HOST,
@@ -204,7 +204,7 @@ DAEMON_INTERVALS = pa.schema(
         ("t_end_utc", TS),
         ("t_start_mono_s", pa.float64()),  # monotonic seconds since the daemon started
         ("duration_s", pa.float64()),
-        ("kind", pa.string()),  # idle | decode | prefill (prefill or mixed) | unproxied
+        ("kind", pa.string()),  # idle | decode | prefill (prefill or mixed) | unproxied: a label
         ("gpu_energy_j", pa.float64()),  # all sampled GPUs
         ("cpu_energy_j", pa.float64()),  # RAPL package + DRAM, null without RAPL
         ("energy_method", pa.string()),  # counter | power_integration | none (weakest of the GPUs)
@@ -213,6 +213,32 @@ DAEMON_INTERVALS = pa.schema(
         ("server_tokens", pa.float64()),  # tokens the server's own metrics counted (null: not scraped)
         ("n_prefill", pa.int32()),  # requests in prefill during the interval
         ("n_decoding", pa.int32()),  # requests decoding during the interval
+        ("requests_energy_j", pa.float64()),  # given to the requests live in it, by their work
+        ("idle_energy_j", pa.float64()),  # the part no request was live in, at the idle power
+        ("unproxied_energy_j", pa.float64()),  # to server-counted tokens beyond the proxy's
+        ("prefill_tokens", pa.float64()),  # prompt tokens prefilled in it (spread over arrival → first token)
+        ("work_costs", pa.string()),  # fixed (documented ratio) | fitted: the costs that split it
+        HOST,
+    ]
+)
+
+# One row per fit of the work model's costs (daemon/workmodel.py), per GPU setting.
+DAEMON_COSTS = pa.schema(
+    [
+        ("daemon_id", pa.string()),
+        ("time_utc", TS),  # end of the last interval in the window
+        ("power_limits_w", pa.string()),  # the setting: each sampled GPU's limit, comma separated
+        ("n_intervals", pa.int32()),  # intervals in the rolling window
+        ("n_busy", pa.int32()),  # of which with work
+        ("idle_w", pa.float64()),  # intercept: power with nothing running
+        ("step_j", pa.float64()),  # per engine step (shared by the sequences in it)
+        ("decode_j", pa.float64()),  # per generated token
+        ("prefill_j", pa.float64()),  # per prompt token
+        ("ctx_j_per_ktoken", pa.float64()),  # per generated token per 1000 tokens of context
+        ("r2", pa.float64()),  # over the window's busy intervals
+        ("rel_rmse", pa.float64()),  # RMS residual / mean busy-interval energy
+        ("mature", pa.bool_()),  # used to split intervals (else the fixed ratio is)
+        ("not_mature_reason", pa.string()),
         HOST,
     ]
 )
@@ -243,8 +269,10 @@ DAEMON_TABLES = {
     "requests": DAEMON_REQUESTS,
     "intervals": DAEMON_INTERVALS,
     "tags": DAEMON_TAGS,
+    "costs": DAEMON_COSTS,
 }
-TABLES.update({"daemon_requests": DAEMON_REQUESTS, "daemon_intervals": DAEMON_INTERVALS, "daemon_tags": DAEMON_TAGS})
+TABLES.update({"daemon_requests": DAEMON_REQUESTS, "daemon_intervals": DAEMON_INTERVALS, "daemon_tags": DAEMON_TAGS,
+               "daemon_costs": DAEMON_COSTS})
 
 
 def rows_to_table(schema: pa.Schema, rows, fill: dict | None = None) -> pa.Table:

@@ -153,6 +153,8 @@ def build_body(server: ServerInfo, prompt: str, params: RequestParams) -> dict:
     body["stream_options"] = opts
     if params.ignore_eos and server.kind in _IGNORE_EOS:
         body["ignore_eos"] = True
+    if params.ignore_eos and server.kind == "vllm":
+        body["min_tokens"] = params.max_tokens  # the length asked for, even past an end-of-text token
     if server.kind == "llamacpp":
         body["cache_prompt"] = params.prompt_cache
     return body
@@ -262,6 +264,7 @@ async def send_request(
     concurrency: int = 1,
     edge_hook: EdgeHook | None = None,
     clock_ns: Callable[[], int] = time.monotonic_ns,
+    headers: dict | None = None,
 ) -> RequestRecord:
     """Send one streaming request and record it. Never raises for server or network trouble.
 
@@ -294,7 +297,7 @@ async def send_request(
         total=None, connect=params.connect_timeout_s, sock_read=max(params.first_token_timeout_s, params.stall_timeout_s)
     )
     try:
-        async with session.post(server.endpoint, json=body, timeout=timeout) as resp:
+        async with session.post(server.endpoint, json=body, timeout=timeout, headers=headers) as resp:
             http_status = resp.status
             if resp.status != 200:
                 text = (await resp.content.read(MAX_ERROR_BYTES)).decode("utf-8", "replace")

@@ -1,0 +1,146 @@
+"""Learns what each kind of work costs in energy, online, per GPU setting, from closed intervals (NNLS).
+
+Each interval's counter energy is modelled as
+
+    E = idle_w·duration + step_j·steps + decode_j·tokens + prefill_j·prompt_tokens + ctx_j·ctx_ktokens
+
+(ctx_ktokens: Σ over decoded tokens of their context in thousands of tokens), fitted by
+non-negative least squares (`scipy.optimize.nnls`) over a rolling window of the most recent
+intervals that have an exact counter and little bypass traffic, separately for each setting of the
+sampled GPUs (their power limits: a cap changes what a token costs). The fit is used once it is
+mature (enough busy intervals, R² high enough); until then `attribution.WorkCosts()` (the
+documented fixed ratio) splits the intervals. Idle power is the median of the window's idle
+intervals (measured, not fitted) where there are some, and the fit's intercept is held at it;
+without idle intervals the intercept is fitted too.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass
+
+import numpy as np
+from scipy.optimize import nnls
+
+from .attribution import WorkCosts
+
+FEATURES = ("duration_s", "steps", "decode_tokens", "prefill_tokens", "ctx_ktokens")
+WINDOW = 900  # intervals: 15 minutes at 1 Hz
+MIN_BUSY = 30  # busy intervals in the window before the fit is used
+MIN_R2 = 0.9  # over the window's busy intervals
+MIN_IDLE = 5  # idle intervals before their median power is the idle power
+REFIT_EVERY = 10  # intervals added between fits
+
+
+@dataclass(frozen=True)
+class Fit:
+    coef: tuple  # per FEATURES: W (idle), J/step, J/token, J/prompt token, J/(token·ktoken of context)
+    n: int
+    n_busy: int
+    r2: float | None
+    rel_rmse: float | None
+    mature: bool
+    reason: str  # why not mature ("" when it is)
+
+
+def _nnls(x: np.ndarray, y: np.ndarray) -> np.ndarray:
+    # Columns scaled to unit norm: token counts and seconds differ by orders of magnitude.
+    norm = np.linalg.norm(x, axis=0)
+    use = norm > 0
+    coef = np.zeros(x.shape[1])
+    if use.any():
+        sol, _ = nnls(x[:, use] / norm[use], y)
+        coef[use] = sol / norm[use]
+    return coef
+
+
+def fit_costs(x: np.ndarray, y: np.ndarray, min_busy: int = MIN_BUSY, min_r2: float = MIN_R2,
+              idle_w: float | None = None) -> Fit:
+    """NNLS of interval energy `y` on `x` (columns FEATURES); quality over the busy rows.
+
+    With `idle_w` (measured on idle intervals) the intercept is held at it and only the costs of
+    work are fitted: busy intervals far outnumber idle ones and would otherwise trade intercept
+    against the costs."""
+    x = np.asarray(x, dtype=float)
+    y = np.asarray(y, dtype=float)
+    busy = (x[:, 2] > 0) | (x[:, 3] > 0)
+    n_busy = int(busy.sum())
+    if x.shape[0] < 2:
+        return Fit((0.0,) * len(FEATURES), x.shape[0], n_busy, None, None, False, "no intervals yet")
+    if idle_w is not None:
+        coef = np.concatenate([[idle_w], _nnls(x[:, 1:], y - idle_w * x[:, 0])])
+    else:
+        coef = _nnls(x, y)
+    r2 = rel = None
+    if n_busy >= 2:
+        res = y[busy] - x[busy] @ coef
+        tot = y[busy] - y[busy].mean()
+        ss_tot = float(tot @ tot)
+        r2 = 1.0 - float(res @ res) / ss_tot if ss_tot > 0 else None
+        mean = float(y[busy].mean())
+        rel = float(np.sqrt(np.mean(res**2))) / mean if mean > 0 else None
+    if n_busy < min_busy:
+        reason = f"{n_busy} busy intervals of {min_busy}"
+    elif r2 is None or r2 < min_r2:
+        reason = f"R² {r2 if r2 is None else round(r2, 3)} below {min_r2}"
+    elif coef[1] + coef[2] <= 0:
+        reason = "no per-token cost found"
+    else:
+        reason = ""
+    return Fit(tuple(float(c) for c in coef), int(x.shape[0]), n_busy, r2, rel, reason == "", reason)
+
+
+class CostLearner:
+    """Rolling windows of (features, energy) per setting; `costs(setting)` → the WorkCosts to split with."""
+
+    def __init__(self, window: int = WINDOW, min_busy: int = MIN_BUSY, min_r2: float = MIN_R2):
+        self.window = window
+        self.min_busy = min_busy
+        self.min_r2 = min_r2
+        self._x: dict = {}
+        self._y: dict = {}
+        self._since: dict = {}
+        self.fits: dict = {}
+
+    def add(self, setting, features: np.ndarray, energy_j: np.ndarray, usable: np.ndarray) -> Fit | None:
+        """Add intervals of one setting; returns a new Fit when one was made (every REFIT_EVERY)."""
+        xs = self._x.setdefault(setting, deque(maxlen=self.window))
+        ys = self._y.setdefault(setting, deque(maxlen=self.window))
+        added = 0
+        for f, e, ok in zip(np.asarray(features, dtype=float), np.asarray(energy_j, dtype=float), usable):
+            if ok and np.isfinite(e) and np.all(np.isfinite(f)):
+                xs.append(f)
+                ys.append(float(e))
+                added += 1
+        self._since[setting] = self._since.get(setting, 0) + added
+        if self._since[setting] < REFIT_EVERY or not xs:
+            return None
+        self._since[setting] = 0
+        fit = fit_costs(np.array(xs), np.array(ys), self.min_busy, self.min_r2, idle_w=self._idle_median(setting))
+        self.fits[setting] = fit
+        return fit
+
+    def _idle_median(self, setting) -> float | None:
+        """Median power of the window's idle intervals (measured), None with fewer than MIN_IDLE."""
+        xs = self._x.get(setting)
+        if not xs:
+            return None
+        x = np.array(xs)
+        y = np.array(self._y[setting])
+        idle = (x[:, 1:] == 0).all(axis=1) & (x[:, 0] > 0)
+        return float(np.median(y[idle] / x[idle, 0])) if idle.sum() >= MIN_IDLE else None
+
+    def idle_w(self, setting) -> float | None:
+        measured = self._idle_median(setting)
+        if measured is not None:
+            return measured
+        fit = self.fits.get(setting)
+        return fit.coef[0] if fit is not None and fit.mature else None
+
+    def costs(self, setting) -> WorkCosts:
+        fit = self.fits.get(setting)
+        idle = self.idle_w(setting)
+        if fit is None or not fit.mature:
+            return WorkCosts(idle_w=idle)
+        _, step, dec, pre, ctx = fit.coef
+        return WorkCosts(step_j=step, decode_j=dec, prefill_j=pre, ctx_j=ctx, idle_w=idle, source="fitted")

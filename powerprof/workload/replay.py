@@ -1,0 +1,124 @@
+"""Replays a request trace against a server: each request at its arrival time, with its prompt and output lengths.
+
+Prompts are built to the trace's length (`prompt_text`: one word per token after the BOS on
+common tokenizers; exact on the simulator) and start with the request's index, so no two share
+a cached prefix; `max_tokens` is the trace's output length, with ignore-EOS (llama.cpp, vLLM,
+SGLang) and `min_tokens` (vLLM) so the server generates all of it. Arrivals follow the trace's
+times divided by a time scale, on the monotonic clock; a request sent late (the event loop was
+busy) records its lateness. Every request gives one `ReplayRecord`; failures are records too.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from dataclasses import dataclass, replace
+
+import aiohttp
+import numpy as np
+
+from .client import RequestParams, RequestRecord, ServerInfo, detect_server, send_request
+from .trace import TraceRequest
+
+
+def prompt_text(n_tokens: int, index: int) -> str:
+    """About `n_tokens` tokens: the BOS, a marker unique to the request, then repeated words."""
+    return " ".join([f"r{index}"] + ["hello"] * max(n_tokens - 2, 0))
+
+
+@dataclass(frozen=True)
+class ReplayRecord:
+    index: int  # position in the trace
+    trace: TraceRequest
+    late_s: float  # sent this long after its scheduled time
+    record: RequestRecord
+
+    @property
+    def latency_s(self) -> float:
+        return (self.record.t_end_ns - self.record.t_send_ns) / 1e9
+
+
+@dataclass(frozen=True)
+class ReplaySummary:
+    n: int
+    ok: int
+    failed: int
+    generated_tokens: int
+    prompt_tokens: int
+    duration_s: float
+    ttft_p50_s: float | None
+    ttft_p95_s: float | None
+    latency_p50_s: float | None
+    latency_p95_s: float | None
+    tpot_p50_s: float | None  # time per output token after the first
+    late_p95_s: float
+
+    def to_dict(self) -> dict:
+        return dict(self.__dict__)
+
+
+def _pct(v, q):
+    return float(np.percentile(v, q)) if len(v) else None
+
+
+def summarize(records: list[ReplayRecord]) -> ReplaySummary:
+    ok = [r for r in records if r.record.ok]
+    ttft = [r.record.ttft_s for r in ok if r.record.ttft_s is not None]
+    lat = [r.latency_s for r in ok]
+    tpot = [r.record.decode_s / r.record.decode_tokens for r in ok if r.record.decode_s and r.record.decode_tokens]
+    t0 = min((r.record.t_send_ns for r in records), default=0)
+    t1 = max((r.record.t_end_ns for r in records), default=0)
+    return ReplaySummary(
+        n=len(records), ok=len(ok), failed=len(records) - len(ok),
+        generated_tokens=int(sum(r.record.generated_tokens for r in ok)),
+        prompt_tokens=int(sum(r.record.prompt_tokens or 0 for r in ok)),
+        duration_s=(t1 - t0) / 1e9,
+        ttft_p50_s=_pct(ttft, 50), ttft_p95_s=_pct(ttft, 95),
+        latency_p50_s=_pct(lat, 50), latency_p95_s=_pct(lat, 95), tpot_p50_s=_pct(tpot, 50),
+        late_p95_s=_pct([r.late_s for r in records], 95) or 0.0,
+    )
+
+
+async def replay_async(
+    session: aiohttp.ClientSession,
+    server: ServerInfo,
+    trace: list[TraceRequest],
+    params: RequestParams = RequestParams(),
+    tag_header: str = "X-Powerprof-Tag",
+    extra_headers=None,
+    clock_ns=time.monotonic_ns,
+) -> list[ReplayRecord]:
+    """Send every request of `trace` at its time (offsets from now). extra_headers(index) → dict."""
+    start = clock_ns() + 50_000_000
+    out: list[ReplayRecord | None] = [None] * len(trace)
+
+    async def one(i: int, r: TraceRequest, late_s: float) -> None:
+        headers = dict(extra_headers(i)) if extra_headers else {}
+        if r.tag is not None:
+            headers[tag_header] = r.tag
+        rec = await send_request(session, server, prompt_text(r.prompt_tokens, i),
+                                 replace(params, max_tokens=max(1, r.output_tokens)), request_id=i,
+                                 prompt_id=f"trace-{i}", headers=headers or None, clock_ns=clock_ns)
+        out[i] = ReplayRecord(i, r, late_s, rec)
+
+    tasks = []
+    for i, r in enumerate(trace):
+        due = start + int(r.t_s * 1e9)
+        wait = (due - clock_ns()) / 1e9
+        if wait > 0:
+            await asyncio.sleep(wait)
+        tasks.append(asyncio.create_task(one(i, r, max(0.0, (clock_ns() - due) / 1e9))))
+    await asyncio.gather(*tasks)
+    return [r for r in out if r is not None]
+
+
+def replay(url: str, trace: list[TraceRequest], params: RequestParams = RequestParams(), api: str | None = None,
+           tag_header: str = "X-Powerprof-Tag") -> tuple[ServerInfo, list[ReplayRecord]]:
+    """Synchronous replay against a URL (the server kind is detected)."""
+
+    async def go():
+        async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0)) as s:
+            server = await detect_server(s, url, api)
+            return server, await replay_async(s, server, trace, params, tag_header)
+
+    return asyncio.run(go())

@@ -1,0 +1,156 @@
+"""Request traces: read Azure LLM-inference CSVs and plain JSONL, write JSONL, and make synthetic ones.
+
+A trace is a list of `TraceRequest` (arrival offset in seconds from the first request, prompt
+tokens, output tokens, optional tag). Formats:
+
+- Azure (2023 public traces): CSV with header `TIMESTAMP,ContextTokens,GeneratedTokens`,
+  TIMESTAMP a date-time (`2023-11-16 18:15:46.6805900`, 7 fractional digits allowed) or seconds;
+- JSONL: one object a line with `t_s` (or `timestamp`, seconds), `prompt_tokens`,
+  `output_tokens` and optionally `tag`.
+
+`synthetic` makes traces for tests and benches: Poisson or bursty (Poisson bursts of
+back-to-back arrivals) with lognormal prompt and output lengths.
+"""
+
+from __future__ import annotations
+
+import csv
+import json
+import math
+from dataclasses import dataclass
+from datetime import datetime
+from pathlib import Path
+
+import numpy as np
+
+
+class TraceError(ValueError):
+    """A trace file that cannot be read; the message names the file and line."""
+
+
+@dataclass(frozen=True)
+class TraceRequest:
+    t_s: float  # arrival, seconds after the trace's first request
+    prompt_tokens: int
+    output_tokens: int
+    tag: str | None = None
+
+
+def _when(text: str) -> float:
+    text = text.strip()
+    try:
+        return float(text)
+    except ValueError:
+        pass
+    head, _, frac = text.partition(".")
+    base = datetime.fromisoformat(head.replace("T", " ")).timestamp()
+    return base + (float("0." + frac) if frac else 0.0)
+
+
+def _positive_int(v, what: str) -> int:
+    n = int(v)
+    if n < 0 or n != float(v):
+        raise ValueError(f"{what} must be a non-negative integer, got {v!r}")
+    return n
+
+
+def read_trace(path: str | Path) -> list[TraceRequest]:
+    """A trace file (Azure CSV or JSONL, told by its first line), sorted by arrival, offsets from 0."""
+    p = Path(path)
+    try:
+        text = p.read_text()
+    except OSError as e:
+        raise TraceError(f"cannot read trace {p}: {e.strerror or e}") from None
+    lines = text.splitlines()
+    first = next((ln for ln in lines if ln.strip()), "")
+    out: list[tuple[float, int, int, str | None]] = []
+    if first.lstrip().startswith("{"):
+        for i, line in enumerate(lines, 1):
+            if not line.strip():
+                continue
+            try:
+                d = json.loads(line)
+                t = d["t_s"] if "t_s" in d else d["timestamp"]
+                t = _when(str(t)) if isinstance(t, str) else float(t)
+                tag = d.get("tag")
+                out.append((t, _positive_int(d["prompt_tokens"], "prompt_tokens"),
+                            _positive_int(d["output_tokens"], "output_tokens"), None if tag is None else str(tag)))
+            except (ValueError, KeyError, TypeError) as e:
+                raise TraceError(f"{p}:{i}: not a trace record ({type(e).__name__}: {e}); "
+                                 "want {\"t_s\", \"prompt_tokens\", \"output_tokens\"[, \"tag\"]}") from None
+    else:
+        rows = csv.reader(lines)
+        header = [h.strip() for h in next(rows, [])]
+        want = ("TIMESTAMP", "ContextTokens", "GeneratedTokens")
+        if not all(w in header for w in want):
+            raise TraceError(f"{p}: not an Azure trace: the header must name {', '.join(want)} (got {', '.join(header)})")
+        ix = [header.index(w) for w in want]
+        for i, row in enumerate(rows, 2):
+            if not row or not "".join(row).strip():
+                continue
+            try:
+                out.append((_when(row[ix[0]]), _positive_int(row[ix[1]], "ContextTokens"),
+                            _positive_int(row[ix[2]], "GeneratedTokens"), None))
+            except (ValueError, IndexError) as e:
+                raise TraceError(f"{p}:{i}: bad row ({e})") from None
+    if not out:
+        raise TraceError(f"{p}: the trace has no requests")
+    out.sort(key=lambda r: r[0])
+    t0 = out[0][0]
+    return [TraceRequest(t - t0, pt, ot, tag) for t, pt, ot, tag in out]
+
+
+def write_jsonl(trace: list[TraceRequest], path: str | Path) -> None:
+    with open(path, "w") as f:
+        for r in trace:
+            d = {"t_s": round(r.t_s, 6), "prompt_tokens": r.prompt_tokens, "output_tokens": r.output_tokens}
+            if r.tag is not None:
+                d["tag"] = r.tag
+            f.write(json.dumps(d) + "\n")
+
+
+def shape(trace: list[TraceRequest], time_scale: float = 1.0, duration_s: float | None = None) -> list[TraceRequest]:
+    """Arrivals divided by `time_scale` (2 = twice as fast), then only those before `duration_s`."""
+    if time_scale <= 0:
+        raise ValueError("time scale must be positive")
+    out = [TraceRequest(r.t_s / time_scale, r.prompt_tokens, r.output_tokens, r.tag) for r in trace]
+    return [r for r in out if duration_s is None or r.t_s < duration_s]
+
+
+def synthetic(
+    n: int,
+    rate_per_s: float,
+    arrivals: str = "poisson",
+    prompt_median: float = 400.0,
+    prompt_sigma: float = 1.0,
+    output_median: float = 80.0,
+    output_sigma: float = 0.8,
+    prompt_range: tuple[int, int] = (4, 4096),
+    output_range: tuple[int, int] = (8, 600),
+    burst_size: float = 8.0,
+    tags: tuple[str, ...] = (),
+    seed: int = 0,
+) -> list[TraceRequest]:
+    """`n` requests at `rate_per_s` on average. arrivals: poisson, or bursty (bursts of a geometric
+    number of requests, mean `burst_size`, arriving within 50 ms, the bursts Poisson). Lengths are
+    lognormal around the medians, clipped to the ranges; tags, if given, are drawn uniformly."""
+    if n < 1 or rate_per_s <= 0:
+        raise ValueError("n must be at least 1 and the rate positive")
+    if arrivals not in ("poisson", "bursty"):
+        raise ValueError("arrivals must be poisson or bursty")
+    rng = np.random.default_rng(seed)
+    if arrivals == "poisson":
+        t = np.cumsum(rng.exponential(1.0 / rate_per_s, n))
+    else:
+        t = []
+        now = 0.0
+        while len(t) < n:
+            now += rng.exponential(burst_size / rate_per_s)
+            k = int(rng.geometric(1.0 / burst_size))
+            t.extend(now + np.sort(rng.uniform(0, 0.05, k)))
+        t = np.array(t[:n])
+    t = t - t[0]
+    p = np.clip(np.round(rng.lognormal(math.log(prompt_median), prompt_sigma, n)), *prompt_range).astype(int)
+    o = np.clip(np.round(rng.lognormal(math.log(output_median), output_sigma, n)), *output_range).astype(int)
+    tg = [tags[i] for i in rng.integers(0, len(tags), n)] if tags else [None] * n
+    return [TraceRequest(float(a), int(b), int(c), d) for a, b, c, d in zip(t, p, o, tg)]

@@ -1,0 +1,57 @@
+"""The work model: NNLS recovers known costs from interval energy, and is used only once mature."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from powerprof.daemon.workmodel import MIN_BUSY, CostLearner, fit_costs
+
+TRUE = np.array([60.0, 0.8, 0.3, 0.02, 0.05])  # W idle, J/step, J/token, J/prompt token, J/token/ktoken
+
+
+def _intervals(n, rng, idle_share=0.2):
+    dur = rng.uniform(0.8, 1.2, n)
+    busy = rng.uniform(size=n) > idle_share
+    steps = np.where(busy, rng.integers(5, 40, n), 0)
+    batch = rng.integers(1, 32, n)
+    tokens = steps * batch
+    prompt = np.where(busy & (rng.uniform(size=n) < 0.6), rng.integers(10, 4000, n), 0)
+    ctx = tokens * rng.uniform(0.1, 3.0, n)
+    x = np.column_stack([dur, steps, tokens, prompt, ctx]).astype(float)
+    return x, x @ TRUE
+
+
+def test_nnls_recovers_the_costs_that_made_the_energy():
+    x, y = _intervals(400, np.random.default_rng(1))
+    y = y * (1 + np.random.default_rng(2).normal(0, 0.005, y.size))  # counter noise
+    fit = fit_costs(x, y)
+    assert fit.mature and fit.r2 > 0.99
+    assert np.array(fit.coef) == pytest.approx(TRUE, rel=0.05)
+
+
+def test_the_fixed_ratio_is_used_until_the_fit_is_mature_then_the_fit():
+    rng = np.random.default_rng(3)
+    learner = CostLearner()
+    x, y = _intervals(MIN_BUSY // 2, rng, idle_share=0.0)
+    learner.add((300.0,), x, y, np.ones(len(y), bool))
+    c = learner.costs((300.0,))
+    assert c.source == "fixed" and not learner.fits[(300.0,)].mature
+    assert "busy intervals" in learner.fits[(300.0,)].reason
+    x, y = _intervals(300, rng)
+    learner.add((300.0,), x, y, np.ones(len(y), bool))
+    c = learner.costs((300.0,))
+    assert c.source == "fitted"
+    assert c.prefill_j / c.decode_j == pytest.approx(TRUE[3] / TRUE[2], rel=0.05)
+    assert c.idle_w == pytest.approx(60.0, rel=0.01)  # the median of the idle intervals
+    assert learner.costs((200.0,)).source == "fixed"  # another setting learns on its own
+
+
+def test_unusable_intervals_stay_out_of_the_fit():
+    rng = np.random.default_rng(4)
+    learner = CostLearner()
+    x, y = _intervals(300, rng)
+    bad = rng.uniform(size=300) < 0.3
+    y_bad = np.where(bad, y * 5, y)  # bypass traffic or a power-integrated interval
+    learner.add("s", x, y_bad, ~bad)
+    assert learner.fits["s"].r2 > 0.99
