@@ -20,6 +20,8 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 from powerprof import __version__
 
+from .attribution import DEST_NAMES, KIND_NAMES
+
 OTHER = "other"
 NONE = ""  # untagged: an empty label is no label in Prometheus, and NULL in Parquet
 
@@ -116,12 +118,12 @@ class SnapshotCollector:
                                       value=s.cpu_energy_j)
         k = CounterMetricFamily("powerprof_gpu_interval_energy_joules",
                                 "GPU energy by interval kind (idle, decode, prefill, unproxied)", labels=["kind"])
-        for name, v in zip(("idle", "decode", "prefill", "unproxied"), s.energy_by_kind_j):
+        for name, v in zip(KIND_NAMES, s.energy_by_kind_j):
             k.add_metric([name], v)
         yield k
         d = CounterMetricFamily("powerprof_gpu_energy_attributed_joules",
                                 "GPU energy by where it went: requests (by their work), idle, unproxied", labels=["to"])
-        for name, v in zip(("requests", "idle", "unproxied"), s.energy_by_dest_j):
+        for name, v in zip(DEST_NAMES, s.energy_by_dest_j):
             d.add_metric([name], v)
         yield d
         total = sum(s.energy_by_dest_j)
