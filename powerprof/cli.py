@@ -263,13 +263,17 @@ def measure(url, simulate, out_dir, api, n_requests, concurrency, max_tokens, pr
     def fmt(v, spec):
         return "-" if v is None else format(v, spec)
 
-    click.echo(f"{'concurrency':>11} {'ok':>4} {'failed':>6} {'decode tok/s':>12} {'GPU J/tok':>10} {'GPU+CPU J/tok':>13}  method")
+    click.echo(f"{'concurrency':>11} {'ok':>4} {'failed':>6} {'used':>4} {'decode tok/s':>12} {'GPU J/tok':>10} {'GPU+CPU J/tok':>13}  method")
     for m in res.summaries:
-        click.echo(f"{m.concurrency:>11} {m.n_ok:>4} {m.n_failed:>6} {fmt(m.decode_tok_s, '12.1f')} "
+        click.echo(f"{m.concurrency:>11} {m.n_ok:>4} {m.n_failed:>6} {m.n_trusted:>4} {fmt(m.decode_tok_s, '12.1f')} "
                    f"{fmt(m.gpu_j_per_token, '10.3f')} {fmt(m.total_j_per_token, '13.3f')}  {m.energy_method}")
     click.echo(f"windows: {res.out_path / 'windows.parquet'}")
     if res.aborted:
         raise click.ClickException(f"stopped early: {res.aborted} (what was measured is in {res.out_path})")
+    if res.excluded is not None:
+        if not any(m.n_trusted for m in res.summaries):
+            raise click.ClickException(f"no window could be trusted: {res.excluded.message()}")
+        click.echo(f"warning: {res.excluded.message()}", err=True)
 
 
 # --- analysis (issue 6): analyze, export -------------------------------------------------------

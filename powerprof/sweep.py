@@ -151,6 +151,7 @@ class LevelVisit:
     settle_s: float = 0.0
     spans: list[tuple[int, int]] = field(default_factory=list)  # measured decode spans, monotonic ns
     n_measured: int = 0
+    n_untrusted: int = 0  # measured windows left out: their timing cannot be trusted
     stop: str | None = None
     elapsed_s: float = 0.0
 
@@ -331,35 +332,55 @@ class Sweep:
                 if self._counts(row):
                     jpt.append(row["gpu_j_per_token"] if row["gpu_j_per_token"] is not None else np.nan)
                     visit.n_measured += 1
+                elif self._measured(row):
+                    visit.n_untrusted += 1
             visit.elapsed_s = time.monotonic() - t_start
             self.ui.level_progress(visit, self._live(visit))
             if attempted % self.round_size():
                 continue
+            if visit.n_measured == 0 and visit.n_untrusted >= self.s.min_requests:
+                ex = self.excluded()
+                self.flush()
+                raise SweepError(f"level {visit.level_value:g}: no window could be trusted: {ex.message() if ex else ''}")
             visit.stop = stop_reason(np.asarray(jpt, dtype=float), visit.elapsed_s, self.s)
+            if visit.stop is None and attempted >= self.s.max_requests:
+                visit.stop = "max-requests"  # untrusted windows count against the budget too
             if visit.stop is None and not np.isfinite(jpt).any() and visit.n_measured >= self.s.min_requests:
                 visit.stop = "no-energy"  # no GPU energy readable: J/token can never converge
             if visit.stop:
                 return
 
-    def _counts(self, row: dict) -> bool:
+    def _measured(self, row: dict) -> bool:
         kind = "request" if self.s.concurrency == 1 else "batch"
         return row["window_kind"] == kind and not row["warmup"] and row["status"] == "ok"
 
+    def _counts(self, row: dict) -> bool:
+        """A window the level's figures use: measured, and timed by a rule that can be trusted."""
+        return self._measured(row) and row.get("timing") != "untrusted"
+
+    def excluded(self):
+        """Measured windows the figures left out (untrusted timing), for the notes; None if none."""
+        from powerprof.workload.measure import excluded_windows
+
+        kind = "request" if self.s.concurrency == 1 else "batch"
+        return excluded_windows(self.rows, counted_kind=lambda r: kind)
+
     def _add_rows(self, visit: LevelVisit, recs) -> list[dict]:
-        from powerprof.workload.measure import batch_row, batch_windows, request_row
+        from powerprof.workload.measure import batch_row, batch_windows, request_energy, request_row, request_timing
 
         new = []
         for r in recs:
-            e = self.prof.energy_between(r.t_first_ns, r.t_last_ns) if r.ok and r.t_last_ns else None
-            row = request_row(r, e, self.run_id, self.server)
+            _, edges = request_timing(r)
+            row = request_row(r, request_energy(self.prof, r), self.run_id, self.server)
             self.records.append((visit.level_value, r))
-            if r.ok and not r.warmup and self.s.concurrency == 1:
-                visit.spans.append((r.t_first_ns, r.t_last_ns))
+            if edges is not None and not r.warmup and self.s.concurrency == 1:
+                visit.spans.append(edges)
             new.append(row)
         for b in batch_windows(recs):
             batch_recs = [r for r in recs if r.batch_id == b.batch_id]
             new.append(batch_row(b, batch_recs, self.prof, self.run_id, self.server))
-            visit.spans.extend((int(t0), int(t1)) for t0, t1 in b.intervals)
+            if new[-1].get("timing") != "untrusted":
+                visit.spans.extend((int(t0), int(t1)) for t0, t1 in b.intervals)
         for row in new:
             row.update(level_kind=self.s.level_kind, level_value=float(visit.level_value), repeat=visit.repeat)
             self._above_idle(row)
@@ -649,4 +670,7 @@ def run_sweep(
                 profiler.sampler.sample_now("restored")
                 sweep.flush()
         levels = sweep.levels_table()
+    ex = sweep.excluded()
+    if ex is not None:
+        notes.append(ex.message())
     return SweepOutcome(run_dir, sweep, levels, [], notes)

@@ -88,8 +88,9 @@ def _col(t: pa.Table, name: str, dtype=float, fill=np.nan) -> np.ndarray:
 def window_masks(windows: pa.Table) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """(measured, counted_request, failed_request) boolean masks over the rows of a windows table.
 
-    measured: the rows a level's statistics come from. counted_request / failed_request: request
-    rows (not warm-up) that succeeded / failed, for n_requests and n_failed."""
+    measured: the rows a level's statistics come from (untrusted timing excluded).
+    counted_request / failed_request: request rows (not warm-up) that succeeded / failed, for
+    n_requests and n_failed."""
     n = windows.num_rows
     warm = _col(windows, "warmup", bool)
     status = _col(windows, "status", object)
@@ -98,7 +99,10 @@ def window_masks(windows: pa.Table) -> tuple[np.ndarray, np.ndarray, np.ndarray]
     conc = _concurrency(windows)
     is_req = np.array([k in (None, "request") for k in kind], dtype=bool) if n else np.zeros(0, bool)
     is_batch = np.array([k == "batch" for k in kind], dtype=bool) if n else np.zeros(0, bool)
-    measured = ~warm & ok & np.where(conc > 1, is_batch, is_req)
+    # Windows the timing rule could not trust (powerprof/arrival.py) count in no figure.
+    timing = _col(windows, "timing", object)
+    trusted = np.array([t != "untrusted" for t in timing], dtype=bool) if n else np.zeros(0, bool)
+    measured = ~warm & ok & trusted & np.where(conc > 1, is_batch, is_req)
     return measured, ~warm & ok & is_req, ~warm & ~ok & is_req
 
 

@@ -17,7 +17,7 @@ from typing import Callable
 import aiohttp
 import numpy as np
 
-from powerprof.windows import decode_window
+from powerprof.arrival import ArrivalQuality, Timing, arrival_quality, classify
 
 from .stream import APIS, StreamParser, parse_response
 
@@ -87,9 +87,9 @@ class RequestRecord:
     t_last_ns: int | None
     prompt_tokens: int | None
     generated_tokens: int  # the server's count when given, else counted; 0 for failures
-    decode_tokens: int  # generated − 1
-    decode_s: float | None
-    decode_tok_s: float | None
+    decode_tokens: int  # tokens that arrived after the first read (generated − 1 on a smooth stream)
+    decode_s: float | None  # last read − first read, as the stream saw it
+    decode_tok_s: float | None  # decode_tokens / decode_s, as the stream saw it
     token_source: str | None  # usage | timings | counted
     server_timings: dict = field(default_factory=dict)
     draft_n: int | None = None
@@ -101,10 +101,30 @@ class RequestRecord:
     concurrency: int = 1
     prompt_text: str | None = None
     completion_text: str | None = None
+    # Worst lateness of the client's event loop around the window edges (load.py measures it):
+    # a read can be no fresher than the loop that takes it.
+    client_lag_s: float | None = None
+    client_lag_max_s: float | None = None  # over the whole window
+    # The server's own timing of this request's decode, where it gave one.
+    server_decode_s: float | None = None
+    server_decode_tokens: int | None = None
+    server_timing_source: str | None = None  # llamacpp-timings | vllm-metrics
+    truncated: str | None = None  # why fewer tokens came than were asked for (context length)
 
     @property
     def ok(self) -> bool:
         return self.status == "ok"
+
+    @property
+    def quality(self) -> ArrivalQuality:
+        return arrival_quality(self.event_t_ns, self.event_tokens, self.generated_tokens if self.ok else None)
+
+    @property
+    def timing(self) -> Timing | None:
+        """How this attempt's window is timed (the rule in powerprof/arrival.py); None for failures."""
+        if not self.ok:
+            return None
+        return classify(self.quality, self.generated_tokens, self.server_decode_s, self.server_decode_tokens, self.client_lag_s)
 
     @property
     def ttft_s(self) -> float | None:
@@ -213,6 +233,17 @@ async def detect_server(session: aiohttp.ClientSession, base_url: str, api: str 
     return ServerInfo(base, kind, api or "openai-completions", model=model, build_info=build, simulated=simulated)
 
 
+def server_decode(timings: dict) -> tuple[float | None, int | None, str | None]:
+    """llama.cpp's own decode timing of one request: (seconds, decode tokens, source).
+
+    `predicted_ms` runs from the first sampled token to the last, so it spans predicted_n − 1
+    decode steps (its `predicted_per_second` divides by n, which is why ours is computed)."""
+    ms, n = timings.get("predicted_ms"), timings.get("predicted_n")
+    if isinstance(ms, (int, float)) and isinstance(n, int) and not isinstance(n, bool) and ms > 0 and n > 1:
+        return ms / 1e3, n - 1, "llamacpp-timings"
+    return None, None, None
+
+
 def _failed(base: dict, error: str, http_status: int | None, t_end_ns: int) -> RequestRecord:
     return RequestRecord(
         **base,
@@ -261,6 +292,7 @@ async def send_request(
     http_status = None
     error = None
     first_called = False
+    closing_t = None  # arrival of an OpenAI closing chunk that carried no counted token
     t_send_wall = time.time_ns()
     t_send = clock_ns()
     base = dict(
@@ -308,6 +340,9 @@ async def send_request(
                         break
                     t = clock_ns()
                     for e in parser.feed(chunk):
+                        if e.closing:
+                            closing_t = t
+                            continue
                         times.append(t)
                         counts.append(e.n_tokens)
                         if params.keep_text:
@@ -341,7 +376,18 @@ async def send_request(
     if error is not None:
         # Partial streams are kept out of every count: what the server did is not known.
         return _failed(base, error, http_status, t_end)
-    w = decode_window(np.asarray(times, dtype=np.int64), np.asarray(counts, dtype=np.int64), summary.generated_tokens)
+    deficit = summary.generated_tokens - summary.counted_tokens
+    if deficit > 0 and closing_t is not None:
+        # vLLM's closing chat chunk (empty content, finish_reason) carries the last token: `usage`
+        # says so at the end; it arrived with that chunk.
+        times.append(closing_t)
+        counts.append(deficit)
+    q = arrival_quality(np.asarray(times, dtype=np.int64), np.asarray(counts, dtype=np.int64), summary.generated_tokens)
+    dur_s = (q.t_last_ns - q.t_first_ns) / 1e9 if q.t_first_ns is not None else None
+    sd_s, sd_n, sd_src = server_decode(summary.timings)
+    truncated = None
+    if summary.stop_reason == "length" and summary.generated_tokens < params.max_tokens:
+        truncated = f"{summary.generated_tokens} of {params.max_tokens} tokens: cut by the context length"
     return RequestRecord(
         **base,
         status="ok",
@@ -350,13 +396,13 @@ async def send_request(
         t_end_ns=t_end,
         event_t_ns=tuple(times),
         event_tokens=tuple(counts),
-        t_first_ns=w.t_first_ns,
-        t_last_ns=w.t_last_ns,
+        t_first_ns=q.t_first_ns,
+        t_last_ns=q.t_last_ns,
         prompt_tokens=summary.prompt_tokens,
-        generated_tokens=w.generated_tokens,
-        decode_tokens=w.decode_tokens,
-        decode_s=w.decode_s,
-        decode_tok_s=w.decode_tok_s,
+        generated_tokens=summary.generated_tokens,
+        decode_tokens=q.window_tokens,
+        decode_s=dur_s,
+        decode_tok_s=q.window_tokens / dur_s if dur_s and q.window_tokens > 0 else None,
         token_source=summary.token_source,
         server_timings=summary.timings,
         draft_n=summary.draft_n,
@@ -364,5 +410,9 @@ async def send_request(
         stop_reason=summary.stop_reason,
         model=summary.model or server.model,
         completion_text="".join(texts) if params.keep_text else None,
+        server_decode_s=sd_s,
+        server_decode_tokens=sd_n,
+        server_timing_source=sd_src,
+        truncated=truncated,
     )
 

@@ -79,6 +79,7 @@ class Summary:
     gpu_j_per_token: float | None
     total_j_per_token: float | None
     energy_method: str
+    n_trusted: int = 0  # windows the figures come from (request rows at 1, batch rows above)
 
 
 @dataclass
@@ -90,6 +91,7 @@ class MeasureResult:
     notes: list[str] = field(default_factory=list)
     out_path: Path | None = None
     aborted: str | None = None
+    excluded: Excluded | None = None
 
 
 def _utc(ns: int | None):
@@ -100,12 +102,35 @@ def _div(a, b):
     return a / b if a is not None and b else None
 
 
+def request_timing(r: RequestRecord):
+    """The record's Timing (powerprof/arrival.py) and the energy window edges it implies (None: no energy)."""
+    tm = r.timing
+    if tm is None or tm.kind == "untrusted" or tm.t0_ns is None:
+        return tm, None
+    return tm, (tm.t0_ns, tm.t1_ns)
+
+
+def request_energy(profiler, r: RequestRecord):
+    """The Profiler's energy over the window the record's timing uses; None when it has none."""
+    _, edges = request_timing(r)
+    if profiler is None or edges is None or edges[1] <= edges[0]:
+        return None
+    return profiler.energy_between(*edges)
+
+
 def request_row(r: RequestRecord, energy=None, run_id: str = "", server: ServerInfo | None = None) -> dict:
-    """A WINDOWS row for one attempt; `energy` is the Profiler's EnergyResult over its window."""
-    gpu_e = energy.gpu_energy_total_j if energy is not None else None
-    cpu_e = energy.cpu_energy_j if energy is not None else None
+    """A WINDOWS row for one attempt; `energy` is the Profiler's EnergyResult over its window
+    (`request_energy`: the edges follow the timing used)."""
+    tm = r.timing
+    trusted = tm is not None and tm.kind != "untrusted"
+    gpu_e = energy.gpu_energy_total_j if energy is not None and trusted else None
+    cpu_e = energy.cpu_energy_j if energy is not None and trusted else None
     total = gpu_e + cpu_e if gpu_e is not None and cpu_e is not None else None
     t = r.server_timings
+    q = r.quality if r.ok else None
+    decode_s = tm.decode_s if trusted else r.decode_s
+    decode_n = tm.decode_tokens if trusted else (r.decode_tokens if r.ok else None)
+    server_rate = _div(r.server_decode_tokens, r.server_decode_s)
     return {
         "run_id": run_id,
         "level_kind": "none",
@@ -124,17 +149,18 @@ def request_row(r: RequestRecord, energy=None, run_id: str = "", server: ServerI
         "t_first_utc": _utc(r.to_wall_ns(r.t_first_ns)),
         "t_last_utc": _utc(r.to_wall_ns(r.t_last_ns)),
         "ttft_s": r.ttft_s,
-        "decode_s": r.decode_s,
+        "decode_s": decode_s,
         "prompt_tokens": r.prompt_tokens,
         "generated_tokens": r.generated_tokens if r.ok else None,
-        "decode_tokens": r.decode_tokens if r.ok else None,
-        "decode_tok_s": r.decode_tok_s,
+        "decode_tokens": decode_n,
+        # An untrusted window has no rate and no J/token: a number there would be a wrong one.
+        "decode_tok_s": _div(decode_n, decode_s) if trusted else None,
         "gpu_energy_j": gpu_e,
         "cpu_energy_j": cpu_e,
-        "energy_method": energy.method if energy is not None else "none",
-        "avg_gpu_power_w": energy.avg_gpu_power_w if energy is not None else None,
-        "gpu_j_per_token": _div(gpu_e, r.decode_tokens) if r.ok else None,
-        "total_j_per_token": _div(total, r.decode_tokens) if r.ok else None,
+        "energy_method": energy.method if energy is not None and trusted else "none",
+        "avg_gpu_power_w": energy.avg_gpu_power_w if energy is not None and trusted else None,
+        "gpu_j_per_token": _div(gpu_e, decode_n) if trusted else None,
+        "total_j_per_token": _div(total, decode_n) if trusted else None,
         "server_prompt_n": t.get("prompt_n"),
         "server_predicted_n": t.get("predicted_n"),
         "server_prompt_ms": t.get("prompt_ms"),
@@ -143,7 +169,7 @@ def request_row(r: RequestRecord, energy=None, run_id: str = "", server: ServerI
         "draft_n": r.draft_n,
         "draft_n_accepted": r.draft_n_accepted,
         "stop_reason": r.stop_reason,
-        "low_confidence": energy.low_confidence if energy is not None else True,
+        "low_confidence": energy.low_confidence if energy is not None and trusted else True,
         "attempt": r.attempt,
         "http_status": r.http_status,
         "token_source": r.token_source,
@@ -151,7 +177,30 @@ def request_row(r: RequestRecord, energy=None, run_id: str = "", server: ServerI
         # Text only when the user asked for it (--keep-text); the record holds none otherwise.
         "prompt_text": r.prompt_text,
         "completion_text": r.completion_text,
+        "timing": tm.kind if tm is not None else None,
+        "timing_reason": tm.reason if tm is not None else None,
+        "stream_decode_s": r.decode_s,
+        "stream_decode_tok_s": r.decode_tok_s,
+        "stream_error_bound_pct": _pct(tm.stream_error_bound) if tm is not None else None,
+        "n_reads": q.n_reads if q else None,
+        "n_token_events": q.n_events if q else None,
+        "max_read_share": q.max_read_share if q else None,
+        "max_events_per_read": q.max_events_per_read if q else None,
+        "read_gap_p50_s": q.gap_p50_s if q else None,
+        "read_gap_max_s": q.gap_max_s if q else None,
+        "client_lag_edge_s": r.client_lag_s,
+        "client_lag_max_s": r.client_lag_max_s,
+        "server_decode_s": r.server_decode_s,
+        "server_decode_tokens": r.server_decode_tokens,
+        "server_decode_tok_s": server_rate,
+        "server_timing_source": r.server_timing_source,
+        "stream_vs_server_pct": _pct(tm.disagreement) if tm is not None else None,
+        "truncated": r.truncated,
     }
+
+
+def _pct(x):
+    return None if x is None or not np.isfinite(x) else 100.0 * x
 
 
 def _energy_over(profiler, intervals: np.ndarray):
@@ -183,6 +232,11 @@ def batch_row(b: BatchWindow, recs: Sequence[RequestRecord], profiler, run_id: s
     t1 = int(b.intervals[-1, 1]) if b.intervals.size else None
     ref = recs[0]
     ok = [r for r in recs if r.ok]
+    # The batch's intervals come from arrival times: every member's stream must be trusted.
+    bad = [tm for tm in (r.timing for r in ok) if tm is not None and tm.kind != "stream"]
+    timing, reason = ("untrusted", f"{len(bad)} of {len(ok)} streams not stream-timed: {bad[0].reason}") if bad else ("stream", None)
+    if bad:
+        gpu_e = cpu_e = total = None
     return {
         "run_id": run_id,
         "level_kind": "none",
@@ -201,23 +255,79 @@ def batch_row(b: BatchWindow, recs: Sequence[RequestRecord], profiler, run_id: s
         "decode_s": b.measured_s,
         "generated_tokens": int(sum(r.generated_tokens for r in ok)),
         "decode_tokens": int(round(b.decode_tokens)),
-        "decode_tok_s": b.tok_s,
+        "decode_tok_s": b.tok_s if not bad else None,
         "gpu_energy_j": gpu_e,
         "cpu_energy_j": cpu_e,
-        "energy_method": method,
-        "avg_gpu_power_w": _div(gpu_e, b.measured_s),
+        "energy_method": method if not bad else "none",
+        "avg_gpu_power_w": _div(gpu_e, b.measured_s) if gpu_e is not None else None,
         "gpu_j_per_token": _div(gpu_e, b.decode_tokens),
         "total_j_per_token": _div(total, b.decode_tokens),
         "draft_n": _sum_or_none(r.draft_n for r in ok),
         "draft_n_accepted": _sum_or_none(r.draft_n_accepted for r in ok),
         "low_confidence": b.measured_s < LOW_CONFIDENCE_S.get(method, float("inf")),
         "server_kind": server.kind,
+        "timing": timing,
+        "timing_reason": reason,
     }
 
 
 def _sum_or_none(vals):
     vals = list(vals)
     return None if not vals or any(v is None for v in vals) else int(sum(vals))
+
+
+def trusted(row: dict) -> bool:
+    """A window whose figures can be used: not untrusted by the timing rule (old rows have no timing)."""
+    return row.get("timing") != "untrusted"
+
+
+@dataclass(frozen=True)
+class Excluded:
+    """Windows left out of every figure because their timing cannot be trusted."""
+
+    n: int
+    n_windows: int  # windows that would otherwise have counted
+    reasons: dict  # reason → count
+    fix: str
+
+    def message(self) -> str:
+        top = max(self.reasons, key=self.reasons.get)
+        return (
+            f"{self.n} of {self.n_windows} windows left out of the figures: their token timing cannot be trusted "
+            f"({top}); fix: {self.fix}"
+        )
+
+
+def excluded_windows(rows: Sequence[dict], counted_kind=None) -> Excluded | None:
+    """What the figures left out: measured (non-warm-up, ok) windows that are untrusted."""
+    from powerprof.arrival import fix_for
+
+    def measured(r):
+        kind = counted_kind(r) if counted_kind else ("request" if r["concurrency"] == 1 else "batch")
+        return r["window_kind"] == kind and not r["warmup"] and r["status"] == "ok"
+
+    cand = [r for r in rows if measured(r)]
+    bad = [r for r in cand if not trusted(r)]
+    if not bad:
+        return None
+    reasons: dict = {}
+    for r in bad:
+        key = _reason_key(r.get("timing_reason"))
+        reasons[key] = reasons.get(key, 0) + 1
+    top = max(reasons, key=reasons.get)
+    return Excluded(len(bad), len(cand), reasons, fix_for(top))
+
+
+def _reason_key(reason: str | None) -> str:
+    """Reasons carry per-window figures; group them by their words."""
+    r = reason or "unknown"
+    if "bursts" in r:
+        return "tokens were delivered in bursts, not streamed"
+    if "edges may be off" in r:
+        return r.split("(", 1)[-1].rstrip(")") if "(" in r else r
+    if "not stream-timed" in r:
+        return _reason_key(r.split(": ", 1)[-1])
+    return r
 
 
 def summarise(rows: list[dict]) -> list[Summary]:
@@ -227,6 +337,7 @@ def summarise(rows: list[dict]) -> list[Summary]:
         ok = [r for r in req if r["status"] == "ok"]
         failed = len(req) - len(ok)
         basis = ok if c == 1 else [r for r in rows if r["concurrency"] == c and r["window_kind"] == "batch" and r["status"] == "ok"]
+        basis = [r for r in basis if trusted(r)]
         if c == 1:
             rates = [r["decode_tok_s"] for r in basis if r["decode_tok_s"]]
             tok_s = float(np.median(rates)) if rates else None
@@ -243,7 +354,8 @@ def summarise(rows: list[dict]) -> list[Summary]:
             else None
         )
         methods = {r["energy_method"] for r in basis} or {"none"}
-        out.append(Summary(c, len(ok), failed, tok_s, gpu_jpt, tot_jpt, ",".join(sorted(methods))))
+        n_trusted = len([r for r in ok if trusted(r)]) if c == 1 else len(basis)
+        out.append(Summary(c, len(ok), failed, tok_s, gpu_jpt, tot_jpt, ",".join(sorted(methods)), n_trusted))
     return out
 
 
@@ -288,12 +400,11 @@ def measure(
     server, records, aborted = asyncio.run(go())
     rows = []
     for r in records:
-        e = profiler.energy_between(r.t_first_ns, r.t_last_ns) if profiler is not None and r.ok and r.t_last_ns else None
-        rows.append(request_row(r, e, run_id, server))
+        rows.append(request_row(r, request_energy(profiler, r), run_id, server))
     for b in batch_windows(records):
         recs = [r for r in records if r.batch_id == b.batch_id]
         rows.append(batch_row(b, recs, profiler, run_id, server))
-    return MeasureResult(server, records, rows, summarise(rows), aborted=aborted)
+    return MeasureResult(server, records, rows, summarise(rows), aborted=aborted, excluded=excluded_windows(rows))
 
 
 def run_measure(

@@ -1,0 +1,172 @@
+"""How one request's tokens arrived, and the rule that says how its decode window is timed.
+
+Pure functions over token-bearing events (arrival ns, tokens, grouped into socket reads by
+their shared arrival time). A read is one chunk the client took off the socket: the events in it
+arrived together, whatever the server meant. The window's rate is tokens that arrived after the
+first read ÷ (last read − first read), so what matters is that both edge reads are fresh: a read
+that held back several events (a buffering proxy, a client starved of CPU) can be late by about
+the time those events took to produce, and an event-loop stall at an edge delays it by as much.
+
+Classification (docs/workload.md, "The timing rule"):
+- `stream`: at least MIN_WINDOW_READS reads after the first, no read holding more than
+  MAX_READ_SHARE of the window's tokens, and the estimated edge error ≤ STREAM_ERROR_BOUND.
+- `server`: not stream-timed, but the server gave its own decode time for this request.
+- `untrusted`: neither: the window counts in no figure.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+MIN_WINDOW_READS = 4  # reads after the first: fewer and the window is a handful of instants
+MAX_READ_SHARE = 0.25  # of the window's tokens in one read: more is a burst, not a stream
+STREAM_ERROR_BOUND = 0.01  # estimated error of the stream rate from stale edge reads (fraction)
+# Lateness of the client's loop below this is timer granularity (epoll waits in whole
+# milliseconds), seen on an idle machine too; a read, woken by the socket, is not late by it.
+LAG_FLOOR_S = 0.002
+SERVER_DISAGREE_BOUND = 0.05  # stream and server rates further apart than this: said, server's used
+
+TIMINGS = ("stream", "server", "untrusted")
+
+
+@dataclass(frozen=True)
+class ArrivalQuality:
+    """How the tokens of one request arrived (all over token-bearing reads)."""
+
+    n_reads: int  # distinct reads that carried tokens
+    n_events: int  # token-bearing server events
+    max_read_share: float | None  # largest share of the generated tokens in one read
+    max_events_per_read: int
+    gap_p50_s: float | None  # median gap between consecutive token-bearing reads
+    gap_max_s: float | None
+    t_first_ns: int | None  # first read
+    t_last_ns: int | None  # last read
+    window_tokens: int  # tokens after the first read (the first read's are prefill and before)
+    window_reads: int  # reads after the first
+    window_max_share: float | None  # largest share of window_tokens in one read after the first
+    edge_held_s: float  # estimated staleness of the two edge reads from the events they held
+
+
+def reads(arrival_ns, tokens, events=None) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """(read time ns, tokens, events) per distinct arrival time, token-less events dropped."""
+    t = np.asarray(arrival_ns, dtype=np.int64)
+    k = np.asarray(tokens, dtype=np.int64)
+    e = np.ones_like(k) if events is None else np.asarray(events, dtype=np.int64)
+    keep = k > 0
+    t, k, e = t[keep], k[keep], e[keep]
+    if t.size == 0:
+        return t, k, e
+    ut, inv = np.unique(t, return_inverse=True)
+    return ut, np.bincount(inv, weights=k).astype(np.int64), np.bincount(inv, weights=e).astype(np.int64)
+
+
+def arrival_quality(arrival_ns, tokens, generated: int | None = None) -> ArrivalQuality:
+    """Arrival statistics of one request's token events; `generated` is the server's own total."""
+    rt, rk, re_ = reads(arrival_ns, tokens)
+    counted = int(rk.sum())
+    total = counted if generated is None else max(int(generated), counted)
+    if rt.size == 0:
+        return ArrivalQuality(0, 0, None, 0, None, None, None, None, 0, 0, None, 0.0)
+    gaps = np.diff(rt) / 1e9
+    # Tokens the server counted but the stream never showed arrived with the last read at best.
+    rk_tot = rk.copy()
+    rk_tot[-1] += total - counted
+    window = int(rk_tot[1:].sum())
+    wshare = float(rk_tot[1:].max() / window) if window > 0 else None
+    # A read holding k events was ready for about (k − 1) typical gaps before it was taken.
+    gap = float(np.median(gaps)) if gaps.size else 0.0
+    held = gap * (max(int(re_[0]) - 1, 0) + max(int(re_[-1]) - 1, 0)) if rt.size > 1 else 0.0
+    return ArrivalQuality(
+        n_reads=int(rt.size),
+        n_events=int(re_.sum()),
+        max_read_share=float(rk_tot.max() / total) if total > 0 else None,
+        max_events_per_read=int(re_.max()),
+        gap_p50_s=gap if gaps.size else None,
+        gap_max_s=float(gaps.max()) if gaps.size else None,
+        t_first_ns=int(rt[0]),
+        t_last_ns=int(rt[-1]),
+        window_tokens=window,
+        window_reads=int(rt.size - 1),
+        window_max_share=wshare,
+        edge_held_s=held,
+    )
+
+
+@dataclass(frozen=True)
+class Timing:
+    """The timing a window's figures use, and why."""
+
+    kind: str  # stream | server | untrusted
+    reason: str | None  # why not stream-timed (None when it is)
+    stream_error_bound: float | None  # estimated error of the stream rate (fraction)
+    decode_s: float | None
+    decode_tokens: int
+    t0_ns: int | None  # energy window edges, consistent with the timing used
+    t1_ns: int | None
+    disagreement: float | None = None  # stream rate ÷ server rate − 1, when both exist
+
+
+def stream_problem(q: ArrivalQuality, client_lag_s: float | None = None) -> tuple[str | None, float | None]:
+    """(why the stream cannot time this window or None, its estimated error bound)."""
+    if q.n_reads == 0 or q.t_first_ns is None:
+        return "no token arrived", None
+    if q.window_reads < MIN_WINDOW_READS:
+        return (
+            f"tokens arrived in {q.n_reads} read{'s' if q.n_reads != 1 else ''} "
+            f"(largest {100 * (q.max_read_share or 0):.0f}% of them): delivered in bursts, not streamed",
+            None,
+        )
+    dur_s = (q.t_last_ns - q.t_first_ns) / 1e9
+    lag = max((client_lag_s or 0.0) - LAG_FLOOR_S, 0.0)
+    bound = (q.edge_held_s + lag) / dur_s if dur_s > 0 else float("inf")
+    if q.window_max_share is not None and q.window_max_share > MAX_READ_SHARE:
+        return f"one read carried {100 * q.window_max_share:.0f}% of the decode tokens: delivered in bursts", bound
+    if bound > STREAM_ERROR_BOUND:
+        why = "the client was late reading" if lag >= q.edge_held_s else "events were held back and arrived together"
+        return f"window edges may be off by {100 * bound:.1f}% ({why})", bound
+    return None, bound
+
+
+def classify(
+    q: ArrivalQuality,
+    generated: int,
+    server_decode_s: float | None = None,
+    server_decode_tokens: int | None = None,
+    client_lag_s: float | None = None,
+) -> Timing:
+    """The timing rule: stream when the stream can be trusted, else the server's own figures, else untrusted.
+
+    When both exist and disagree by more than SERVER_DISAGREE_BOUND the server's figure is used
+    (a smooth stream can still hide a steady client-side delay; the server timed itself)."""
+    problem, bound = stream_problem(q, client_lag_s)
+    has_server = server_decode_s is not None and server_decode_s > 0 and (server_decode_tokens or 0) > 0
+    stream_s = (q.t_last_ns - q.t_first_ns) / 1e9 if q.t_first_ns is not None else None
+    disagree = None
+    if has_server and problem is None and stream_s and q.window_tokens > 0:
+        disagree = (q.window_tokens / stream_s) / (server_decode_tokens / server_decode_s) - 1.0
+    if problem is None and (disagree is None or abs(disagree) <= SERVER_DISAGREE_BOUND):
+        return Timing("stream", None, bound, stream_s, q.window_tokens, q.t_first_ns, q.t_last_ns, disagree)
+    if has_server and q.t_last_ns is not None:
+        # The server's decode ended when its last token left; the last read is the closest instant we saw.
+        if problem is None:
+            problem = f"stream and server rates differ by {100 * disagree:+.1f}% (bound ±{100 * SERVER_DISAGREE_BOUND:.0f}%)"
+        t0 = q.t_last_ns - int(server_decode_s * 1e9)
+        return Timing("server", problem, bound, server_decode_s, int(server_decode_tokens), t0, q.t_last_ns, disagree)
+    return Timing("untrusted", problem, bound, stream_s, q.window_tokens, q.t_first_ns, q.t_last_ns, disagree)
+
+
+def fix_for(reason: str | None) -> str:
+    """The advice that goes with a reason for leaving windows out."""
+    r = reason or ""
+    if "bursts" in r or "held back" in r or "no token" in r:
+        return (
+            "a buffering proxy sits between powerprof and the server, or the server sends tokens in large groups: "
+            "point --server at the server itself, or turn buffering off (nginx: proxy_buffering off)"
+        )
+    if "client was late" in r:
+        return "powerprof was starved of CPU: run it on a less busy host or core (e.g. taskset, nice -n -5)"
+    if "differ" in r:
+        return "check for a proxy or a busy client between powerprof and the server"
+    return "see docs/workload.md, 'The timing rule'"
