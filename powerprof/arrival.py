@@ -2,14 +2,17 @@
 
 Pure functions over token-bearing events (arrival ns, tokens, grouped into socket reads by
 their shared arrival time). A read is one chunk the client took off the socket: the events in it
-arrived together, whatever the server meant. The window's rate is tokens that arrived after the
+arrived together, whatever the server meant. The window's rate is tokens that arrived after its
 first read ÷ (last read − first read), so what matters is that both edge reads are fresh: a read
-that held back several events (a buffering proxy, a client starved of CPU) can be late by about
-the time those events took to produce, and an event-loop stall at an edge delays it by as much.
+that holds several events (a buffering proxy, a client starved of CPU) can be late by any amount,
+and so can one that follows an unusually long silence. Mid-window bursts do not matter: their
+tokens are inside the window either way. So the window's edges are its outermost fresh reads,
+and an event-loop stall at an edge (measured by the client) bounds what is left.
 
 Classification (docs/workload.md, "The timing rule"):
-- `stream`: at least MIN_WINDOW_READS reads after the first, no read holding more than
-  MAX_READ_SHARE of the window's tokens, and the estimated edge error ≤ STREAM_ERROR_BOUND.
+- `stream`: every token counted by the stream, at least MIN_WINDOW_READS reads and
+  MIN_WINDOW_SHARE of the decode tokens between fresh edges, no read holding more than
+  MAX_READ_SHARE of them, and client lag at the edges ≤ STREAM_ERROR_BOUND of the window.
 - `server`: not stream-timed, but the server gave its own decode time for this request.
 - `untrusted`: neither: the window counts in no figure.
 """
@@ -33,7 +36,7 @@ TIMINGS = ("stream", "server", "untrusted")
 
 @dataclass(frozen=True)
 class ArrivalQuality:
-    """How the tokens of one request arrived (all over token-bearing reads)."""
+    """How the tokens of one request arrived (all over token-bearing reads), and its window."""
 
     n_reads: int  # distinct reads that carried tokens
     n_events: int  # token-bearing server events
@@ -41,12 +44,17 @@ class ArrivalQuality:
     max_events_per_read: int
     gap_p50_s: float | None  # median gap between consecutive token-bearing reads
     gap_max_s: float | None
-    t_first_ns: int | None  # first read
-    t_last_ns: int | None  # last read
-    window_tokens: int  # tokens after the first read (the first read's are prefill and before)
-    window_reads: int  # reads after the first
-    window_max_share: float | None  # largest share of window_tokens in one read after the first
-    edge_held_s: float  # estimated staleness of the two edge reads from the events they held
+    t_first_ns: int | None  # window start: the first read, or the first fresh one after it
+    t_last_ns: int | None  # window end: the last fresh read
+    window_tokens: int  # tokens that arrived in (t_first, t_last]
+    window_reads: int  # reads in (t_first, t_last]
+    window_max_share: float | None  # largest share of window_tokens in one of those reads
+    window_share: float  # window_tokens ÷ the tokens after the first read: how much the trimming kept
+    trimmed: bool  # an edge moved inwards past a read that was not fresh
+    uncounted: int  # tokens the server counted that no event showed (their arrival is unknown)
+
+
+FRESH_GAP = (0.5, 2.0)  # a fresh read follows its predecessor by this many median gaps
 
 
 def reads(arrival_ns, tokens, events=None) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
@@ -62,35 +70,62 @@ def reads(arrival_ns, tokens, events=None) -> tuple[np.ndarray, np.ndarray, np.n
     return ut, np.bincount(inv, weights=k).astype(np.int64), np.bincount(inv, weights=e).astype(np.int64)
 
 
-def arrival_quality(arrival_ns, tokens, generated: int | None = None) -> ArrivalQuality:
-    """Arrival statistics of one request's token events; `generated` is the server's own total."""
-    rt, rk, re_ = reads(arrival_ns, tokens)
+def fresh_reads(t_ns: np.ndarray, events: np.ndarray) -> np.ndarray:
+    """Reads whose arrival time can be trusted as an edge: one server event, on the stream's beat.
+
+    A read that holds several events was held back (proxy, starved client): its newest event may
+    be stale by any amount. A single event after an unusually long gap may have been held too
+    (the generation ended while the client was stalled); after an unusually short one, its
+    predecessor was late. The first read (prefill output) has no gap before it: it is fresh when
+    it holds one event and the next read is not a catch-up."""
+    n = t_ns.size
+    fresh = events == 1
+    if n < 2:
+        return fresh
+    gaps = np.diff(t_ns).astype(float)
+    g = float(np.median(gaps))
+    lo, hi = FRESH_GAP
+    on_beat = (gaps >= lo * g) & (gaps <= hi * g)
+    fresh[1:] &= on_beat
+    fresh[0] &= bool(gaps[0] >= lo * g)
+    return fresh
+
+
+def arrival_quality(arrival_ns, tokens, generated: int | None = None, events=None) -> ArrivalQuality:
+    """Arrival statistics of one request's token events and its decode window.
+
+    The window runs between the outermost fresh reads (`fresh_reads`); its tokens are those that
+    arrived after its first read. On a smooth stream that is first read → last read and
+    generated − 1 tokens. `generated` is the server's own total."""
+    rt, rk, re_ = reads(arrival_ns, tokens, events)
     counted = int(rk.sum())
     total = counted if generated is None else max(int(generated), counted)
     if rt.size == 0:
-        return ArrivalQuality(0, 0, None, 0, None, None, None, None, 0, 0, None, 0.0)
+        return ArrivalQuality(0, 0, None, 0, None, None, None, None, 0, 0, None, 0.0, False, total - counted)
     gaps = np.diff(rt) / 1e9
-    # Tokens the server counted but the stream never showed arrived with the last read at best.
-    rk_tot = rk.copy()
-    rk_tot[-1] += total - counted
-    window = int(rk_tot[1:].sum())
-    wshare = float(rk_tot[1:].max() / window) if window > 0 else None
-    # A read holding k events was ready for about (k − 1) typical gaps before it was taken.
-    gap = float(np.median(gaps)) if gaps.size else 0.0
-    held = gap * (max(int(re_[0]) - 1, 0) + max(int(re_[-1]) - 1, 0)) if rt.size > 1 else 0.0
+    fresh = fresh_reads(rt, re_)
+    idx = np.flatnonzero(fresh)
+    a, b = (int(idx[0]), int(idx[-1])) if idx.size else (0, 0)
+    # Tokens the server counted that no event showed are taken to lie inside the window (the
+    # rule then does not trust the stream's timing: where they arrived is unknown).
+    win = rk[a + 1 : b + 1]
+    window = int(win.sum()) + (total - counted)
+    after_first = int(rk[1:].sum()) + (total - counted)
     return ArrivalQuality(
         n_reads=int(rt.size),
         n_events=int(re_.sum()),
-        max_read_share=float(rk_tot.max() / total) if total > 0 else None,
+        max_read_share=float(rk.max() / total) if total > 0 else None,
         max_events_per_read=int(re_.max()),
-        gap_p50_s=gap if gaps.size else None,
+        gap_p50_s=float(np.median(gaps)) if gaps.size else None,
         gap_max_s=float(gaps.max()) if gaps.size else None,
-        t_first_ns=int(rt[0]),
-        t_last_ns=int(rt[-1]),
+        t_first_ns=int(rt[a]),
+        t_last_ns=int(rt[b]),
         window_tokens=window,
-        window_reads=int(rt.size - 1),
-        window_max_share=wshare,
-        edge_held_s=held,
+        window_reads=int(b - a),
+        window_max_share=float(win.max() / window) if window > 0 else None,
+        window_share=window / after_first if after_first > 0 else 0.0,
+        trimmed=bool(a != 0 or b != rt.size - 1),
+        uncounted=total - counted,
     )
 
 
@@ -108,24 +143,29 @@ class Timing:
     disagreement: float | None = None  # stream rate ÷ server rate − 1, when both exist
 
 
+MIN_WINDOW_SHARE = 0.5  # the fresh-edged window must hold at least half the decode tokens
+
+
 def stream_problem(q: ArrivalQuality, client_lag_s: float | None = None) -> tuple[str | None, float | None]:
     """(why the stream cannot time this window or None, its estimated error bound)."""
     if q.n_reads == 0 or q.t_first_ns is None:
         return "no token arrived", None
-    if q.window_reads < MIN_WINDOW_READS:
+    if q.uncounted > 0:
+        return f"{q.uncounted} tokens the server counted arrived in chunks that did not say how many they held", None
+    if q.window_reads < MIN_WINDOW_READS or q.window_share < MIN_WINDOW_SHARE:
         return (
             f"tokens arrived in {q.n_reads} read{'s' if q.n_reads != 1 else ''} "
-            f"(largest {100 * (q.max_read_share or 0):.0f}% of them): delivered in bursts, not streamed",
+            f"(largest {100 * (q.max_read_share or 0):.0f}% of them, up to {q.max_events_per_read} events held together): "
+            "delivered in bursts, not streamed",
             None,
         )
     dur_s = (q.t_last_ns - q.t_first_ns) / 1e9
     lag = max((client_lag_s or 0.0) - LAG_FLOOR_S, 0.0)
-    bound = (q.edge_held_s + lag) / dur_s if dur_s > 0 else float("inf")
+    bound = lag / dur_s if dur_s > 0 else float("inf")
     if q.window_max_share is not None and q.window_max_share > MAX_READ_SHARE:
         return f"one read carried {100 * q.window_max_share:.0f}% of the decode tokens: delivered in bursts", bound
     if bound > STREAM_ERROR_BOUND:
-        why = "the client was late reading" if lag >= q.edge_held_s else "events were held back and arrived together"
-        return f"window edges may be off by {100 * bound:.1f}% ({why})", bound
+        return f"window edges may be off by {100 * bound:.1f}% (the client was late reading: its loop stalled {1e3 * (client_lag_s or 0):.0f} ms)", bound
     return None, bound
 
 
@@ -160,7 +200,7 @@ def classify(
 def fix_for(reason: str | None) -> str:
     """The advice that goes with a reason for leaving windows out."""
     r = reason or ""
-    if "bursts" in r or "held back" in r or "no token" in r:
+    if "bursts" in r or "did not say" in r or "no token" in r:
         return (
             "a buffering proxy sits between powerprof and the server, or the server sends tokens in large groups: "
             "point --server at the server itself, or turn buffering off (nginx: proxy_buffering off)"

@@ -49,7 +49,8 @@ def test_decode_window_excludes_prefill_and_holds_n_minus_one_tokens(srv, api):
         # The first token arrives only after the prefill the server did for this request.
         assert r.t_first_ns >= truth["t_prefill_end_ns"]
         assert truth["t_prefill_end_ns"] - truth["t_prefill_start_ns"] > 50_000_000  # a real prefill
-        assert r.generated_tokens == 96 and r.decode_tokens == 95
+        # 95 decode tokens; fewer only when a loaded machine made an edge read stale (trimmed).
+        assert r.generated_tokens == 96 and (r.decode_tokens == 95 if not r.quality.trimmed else r.decode_tokens >= 48)
         assert r.stop_reason == "length"
         em = np.array([t for t, _ in truth["emissions"]])
         true_rate = 95 / ((em[-1] - em[0]) / 1e9)
@@ -296,7 +297,9 @@ def test_measure_bad_input_is_a_clear_error(tmp_path):
 def test_decode_window_of_a_record_matches_the_pure_function(srv):
     (r,) = run_load(srv.url, builtin_prompts("short")[:1], 1, 1, QUICK, warmup=0)
     w = decode_window(*r.arrivals(), r.generated_tokens)
-    assert (w.t_first_ns, w.t_last_ns, w.decode_tokens) == (r.t_first_ns, r.t_last_ns, r.decode_tokens)
+    q = r.quality  # the window runs between fresh reads: the record's first/last read unless trimmed
+    assert (w.t_first_ns, w.t_last_ns, w.decode_tokens, w.decode_tok_s) == (q.t_first_ns, q.t_last_ns, r.decode_tokens, r.decode_tok_s)
+    assert r.t_first_ns <= q.t_first_ns < q.t_last_ns <= r.t_last_ns
 
 
 def test_measure_launches_the_server_and_stops_it(tmp_path):

@@ -83,8 +83,8 @@ class RequestRecord:
     t_send_wall_ns: int  # time.time_ns() at t_send_ns, to convert for storage
     event_t_ns: tuple[int, ...]  # arrival of every token-bearing event
     event_tokens: tuple[int, ...]  # tokens each of those events carried
-    t_first_ns: int | None
-    t_last_ns: int | None
+    t_first_ns: int | None  # first read that carried tokens (the decode window may start later: arrival.py)
+    t_last_ns: int | None  # last read that carried tokens
     prompt_tokens: int | None
     generated_tokens: int  # the server's count when given, else counted; 0 for failures
     decode_tokens: int  # tokens that arrived after the first read (generated − 1 on a smooth stream)
@@ -396,8 +396,8 @@ async def send_request(
         t_end_ns=t_end,
         event_t_ns=tuple(times),
         event_tokens=tuple(counts),
-        t_first_ns=q.t_first_ns,
-        t_last_ns=q.t_last_ns,
+        t_first_ns=min(times) if times else None,
+        t_last_ns=max(times) if times else None,
         prompt_tokens=summary.prompt_tokens,
         generated_tokens=summary.generated_tokens,
         decode_tokens=q.window_tokens,

@@ -185,8 +185,9 @@ class LagMonitor:
     def annotate(self, rec: RequestRecord) -> RequestRecord:
         if not rec.ok or rec.t_first_ns is None:
             return rec
-        edge = max(self.lag_at(rec.t_first_ns), self.lag_at(rec.t_last_ns))
-        return replace(rec, client_lag_s=edge, client_lag_max_s=self.lag_over(rec.t_first_ns, rec.t_last_ns))
+        q = rec.quality  # the lag that matters is at the edges the window uses
+        edge = max(self.lag_at(q.t_first_ns), self.lag_at(q.t_last_ns))
+        return replace(rec, client_lag_s=edge, client_lag_max_s=self.lag_over(q.t_first_ns, q.t_last_ns))
 
 
 def _not_retryable(rec: RequestRecord) -> bool:

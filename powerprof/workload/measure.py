@@ -233,8 +233,10 @@ def batch_row(b: BatchWindow, recs: Sequence[RequestRecord], profiler, run_id: s
     ref = recs[0]
     ok = [r for r in recs if r.ok]
     # The batch's intervals come from arrival times: every member's stream must be trusted.
-    bad = [tm for tm in (r.timing for r in ok) if tm is not None and tm.kind != "stream"]
-    timing, reason = ("untrusted", f"{len(bad)} of {len(ok)} streams not stream-timed: {bad[0].reason}") if bad else ("stream", None)
+    # Its intervals start at each stream's first read, so those must be fresh too (not trimmed).
+    bad = [_batch_problem(r) for r in ok]
+    bad = [b for b in bad if b]
+    timing, reason = ("untrusted", f"{len(bad)} of {len(ok)} streams not stream-timed: {bad[0]}") if bad else ("stream", None)
     if bad:
         gpu_e = cpu_e = total = None
     return {
@@ -269,6 +271,15 @@ def batch_row(b: BatchWindow, recs: Sequence[RequestRecord], profiler, run_id: s
         "timing": timing,
         "timing_reason": reason,
     }
+
+
+def _batch_problem(r: RequestRecord) -> str | None:
+    tm = r.timing
+    if tm is not None and tm.kind != "stream":
+        return tm.reason
+    if r.quality.trimmed:
+        return "a stream's first or last read was not fresh (tokens delivered in bursts at its edges)"
+    return None
 
 
 def _sum_or_none(vals):
