@@ -244,6 +244,60 @@ def server_decode(timings: dict) -> tuple[float | None, int | None, str | None]:
     return None, None, None
 
 
+# vLLM's /metrics: the decode-phase histogram (every version since v0), and the per-token
+# latency histogram under its current name or the v0 one (0.32 has only the first).
+VLLM_DECODE = "vllm:request_decode_time_seconds"
+VLLM_ITL = ("vllm:inter_token_latency_seconds", "vllm:time_per_output_token_seconds")
+
+
+def vllm_timing_totals(text: str) -> dict:
+    """Sums and counts of vLLM's decode and inter-token histograms (over all label sets)."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    out: dict = {}
+    try:
+        fams = list(text_string_to_metric_families(text))
+    except Exception:  # not Prometheus text: no server timing, never an error
+        return out
+    for fam in fams:
+        key = "decode" if fam.name == VLLM_DECODE else "itl" if fam.name in VLLM_ITL else None
+        if key is None:
+            continue
+        out[key + "_name"] = fam.name
+        for smp in fam.samples:
+            if smp.name.endswith("_sum"):
+                out[key + "_sum"] = out.get(key + "_sum", 0.0) + smp.value
+            elif smp.name.endswith("_count"):
+                out[key + "_count"] = out.get(key + "_count", 0.0) + smp.value
+    return out
+
+
+def vllm_decode_delta(before: dict, after: dict) -> tuple[float | None, int | None, str | None]:
+    """The server's decode timing of the one request that ran between two /metrics snapshots.
+
+    `request_decode_time_seconds` (first to last token) when exactly one request finished in
+    between: it spans (its tokens − 1) steps, counted by the inter-token histogram. Without it,
+    the inter-token histogram alone: its sum over its count."""
+    d = lambda k: after.get(k, 0.0) - before.get(k, 0.0)  # noqa: E731
+    n_itl = int(round(d("itl_count")))
+    if "decode_sum" in after and round(d("decode_count")) == 1 and n_itl > 0 and d("decode_sum") > 0:
+        return d("decode_sum"), n_itl, "vllm-metrics"
+    if n_itl > 0 and d("itl_sum") > 0:
+        return d("itl_sum"), n_itl, "vllm-metrics"
+    return None, None, None
+
+
+async def fetch_metrics(session: aiohttp.ClientSession, base_url: str) -> dict | None:
+    """vLLM timing totals from /metrics, or None when it does not answer."""
+    try:
+        async with session.get(base_url.rstrip("/") + "/metrics", timeout=aiohttp.ClientTimeout(total=5)) as r:
+            if r.status != 200:
+                return None
+            return vllm_timing_totals(await r.text())
+    except (aiohttp.ClientError, asyncio.TimeoutError, OSError, UnicodeDecodeError):
+        return None
+
+
 def _failed(base: dict, error: str, http_status: int | None, t_end_ns: int) -> RequestRecord:
     return RequestRecord(
         **base,

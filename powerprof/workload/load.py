@@ -18,7 +18,16 @@ import numpy as np
 
 from powerprof.termination import raise_if_terminated
 
-from .client import EdgeHook, RequestParams, RequestRecord, ServerInfo, detect_server, send_request
+from .client import (
+    EdgeHook,
+    RequestParams,
+    RequestRecord,
+    ServerInfo,
+    detect_server,
+    fetch_metrics,
+    send_request,
+    vllm_decode_delta,
+)
 
 
 @dataclass(frozen=True)
@@ -220,6 +229,10 @@ class _Run:
             raise_if_terminated()
             if self.abort:
                 return
+            # vLLM times each request itself, visible as /metrics deltas; they belong to this request
+            # only when it runs alone (concurrency 1).
+            probe = self.server.kind == "vllm" and concurrency == 1
+            before = await fetch_metrics(self.session, self.server.base_url) if probe else None
             rec = await send_request(
                 self.session,
                 self.server,
@@ -233,6 +246,11 @@ class _Run:
                 concurrency=concurrency,
                 edge_hook=self.edge_hook,
             )
+            if before is not None and rec.ok:
+                after = await fetch_metrics(self.session, self.server.base_url)
+                sd_s, sd_n, src = vllm_decode_delta(before, after or {})
+                if sd_s is not None:
+                    rec = replace(rec, server_decode_s=sd_s, server_decode_tokens=sd_n, server_timing_source=src)
             self.records.append(rec)
             if rec.ok:
                 return
