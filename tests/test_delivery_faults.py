@@ -125,3 +125,39 @@ def test_partly_untrusted_run_says_how_many_were_left_out():
     ex = excluded_windows(rows)
     assert ex.n == 1 and ex.n_windows == 2
     assert "1 of 2 windows left out" in ex.message() and "buffering" in ex.message()
+
+
+# --- saturation, truncation, refusals (issue 10, item 5) -----------------------------------------
+
+QUICK = RequestParams(max_tokens=24, stall_timeout_s=5, first_token_timeout_s=10, connect_timeout_s=2)
+
+
+def test_context_length_refusal_fails_at_once_naming_the_prompt_and_the_message():
+    from powerprof.workload.load import LoadAborted, Prompt, run_load
+
+    with SimServer(SimNVML("a100-40g", state_path=None), **SIM, flavour="vllm", n_ctx=40) as srv:
+        prompts = [Prompt("tiny", "hi"), Prompt("too-long", "word " * 60)]
+        with pytest.raises(LoadAborted) as e:
+            run_load(srv.url, prompts, 2, 1, QUICK, warmup=0)
+    msg = str(e.value)
+    assert "too-long" in msg and "maximum context length is 40 tokens" in msg and "not retried" in msg
+    # One attempt only: asking again would get the same answer.
+    assert [r.attempt for r in e.value.records if r.prompt_id == "too-long"] == [1]
+
+
+def test_generation_cut_by_the_context_length_is_noted():
+    with SimServer(SimNVML("a100-40g", state_path=None), **SIM, n_ctx=30) as srv:
+        res = measure(srv.url, prompts=builtin_prompts("short")[:1], n_requests=1, params=QUICK, warmup=0)
+    (row,) = [r for r in res.rows if r["window_kind"] == "request"]
+    assert row["status"] == "ok" and row["generated_tokens"] < 24
+    assert "cut by the context length" in row["truncated"]
+    assert any("cut by the context length" in n for n in res.notes)
+
+
+def test_more_streams_than_slots_warns():
+    with SimServer(SimNVML("a100-40g", state_path=None), decode_tok_s=400.0, prefill_tok_s=2000.0, n_slots=2) as srv:
+        res = measure(srv.url, prompts=builtin_prompts("short"), n_requests=4, concurrencies=(4,), params=QUICK, warmup=0)
+    assert any("exceeds the server's 2 slots" in n for n in res.notes)
+    with SimServer(SimNVML("a100-40g", state_path=None), decode_tok_s=100.0, prefill_tok_s=2000.0, n_slots=2, flavour="vllm") as srv:
+        res = measure(srv.url, prompts=builtin_prompts("short"), n_requests=4, concurrencies=(4,), params=QUICK, warmup=0)
+    assert any("vLLM queued up to" in n for n in res.notes)

@@ -119,6 +119,7 @@ class SimServer:
         vllm_empty_final: bool = True,
         vllm_metrics: str = "current",
         serve_metrics: bool = True,
+        n_ctx: int | None = None,
     ):
         if flavour not in ("llamacpp", "vllm"):
             raise ValueError("flavour must be llamacpp or vllm")
@@ -151,6 +152,7 @@ class SimServer:
         self.stall_every_s = stall_every_s
         self.vllm_empty_final = vllm_empty_final
         self.vllm_metrics = vllm_metrics
+        self.n_ctx = n_ctx  # context length: llama.cpp stops there, vLLM refuses with 400
         self.serve_metrics = serve_metrics  # False: /metrics answers 404 (hidden by a proxy, or an old server)
         self.truth: list[dict] = []  # one dict per finished request, in finishing order
         self.steps: list[tuple[int, int, str, int, int]] = []  # (t0_ns, t1_ns, kind, batch, tokens)
@@ -562,6 +564,13 @@ class SimServer:
         if fault is not None and fault.kind == "http_error":
             return self._json({"error": {"code": fault.status, "message": "injected failure", "type": "server_error"}}, fault.status)
         default_cache = api == "llamacpp"
+        if self.n_ctx is not None:
+            n_prompt = count_prompt_tokens(prompt)
+            if self.flavour == "vllm" and n_prompt + n_predict > self.n_ctx:
+                msg = (f"This model's maximum context length is {self.n_ctx} tokens. However, you requested "
+                       f"{n_prompt + n_predict} tokens ({n_prompt} in the messages, {n_predict} in the completion).")
+                return self._json({"object": "error", "message": msg, "type": "BadRequestError", "code": 400}, 400)
+            n_predict = max(1, min(n_predict, self.n_ctx - n_prompt))
         req = self._submit(
             prompt,
             n_predict,

@@ -260,6 +260,9 @@ def vllm_timing_totals(text: str) -> dict:
     except Exception:  # not Prometheus text: no server timing, never an error
         return out
     for fam in fams:
+        if fam.name == "vllm:num_requests_waiting":
+            out["waiting"] = sum(smp.value for smp in fam.samples)
+            continue
         key = "decode" if fam.name == VLLM_DECODE else "itl" if fam.name in VLLM_ITL else None
         if key is None:
             continue

@@ -388,6 +388,8 @@ def measure(
     run_id = run_id or uuid.uuid4().hex[:12]
     hook = profiler.mark if profiler is not None else None
 
+    notes: list[str] = []
+
     async def go():
         records: list[RequestRecord] = []
         aborted = None
@@ -395,6 +397,10 @@ def measure(
             server = await detect_server(s, url, api)
             rid = bid = 0
             for k, c in enumerate(concurrencies):
+                note = saturation_note(server, c)
+                if note:
+                    notes.append(note)
+                probe = asyncio.get_running_loop().create_task(_max_waiting(s, server)) if c > 1 and server.kind == "vllm" else None
                 try:
                     recs = await run_load_async(
                         server, prompts, n_requests, c, params, hook, warmup if k == 0 else 0, policy, s, rid, bid
@@ -403,6 +409,13 @@ def measure(
                     records += e.records
                     aborted = str(e)
                     break
+                finally:
+                    waiting = await _stop(probe)
+                if waiting:
+                    notes.append(
+                        f"concurrency {c}: vLLM queued up to {waiting:g} requests (more streams than it runs at once): "
+                        "queued time is excluded from the windows, but this is not the server's steady state at this concurrency"
+                    )
                 records += recs
                 rid = max(r.request_id for r in records) + 1
                 bid = max(r.batch_id for r in records) + 1
@@ -415,7 +428,42 @@ def measure(
     for b in batch_windows(records):
         recs = [r for r in records if r.batch_id == b.batch_id]
         rows.append(batch_row(b, recs, profiler, run_id, server))
-    return MeasureResult(server, records, rows, summarise(rows), aborted=aborted, excluded=excluded_windows(rows))
+    notes += [f"request {r.request_id} ({r.prompt_id}): {r.truncated}" for r in records if r.ok and r.truncated and not r.warmup][:5]
+    return MeasureResult(server, records, rows, summarise(rows), notes=notes, aborted=aborted, excluded=excluded_windows(rows))
+
+
+def saturation_note(server: ServerInfo, concurrency: int) -> str | None:
+    """More streams than llama.cpp has slots: the rest wait in its queue (a warning, said once)."""
+    if server.total_slots and concurrency > server.total_slots:
+        return (
+            f"concurrency {concurrency} exceeds the server's {server.total_slots} slots: requests queue; only intervals where "
+            "every active request decodes are measured, and they show the server saturated"
+        )
+    return None
+
+
+async def _max_waiting(session, server: ServerInfo) -> float:
+    """Polls vLLM's `num_requests_waiting` until cancelled; returns the most seen (in CancelledError's place)."""
+    from .client import fetch_metrics
+
+    most = 0.0
+    try:
+        while True:
+            m = await fetch_metrics(session, server.base_url)
+            most = max(most, (m or {}).get("waiting", 0.0))
+            await asyncio.sleep(0.25)
+    except asyncio.CancelledError:
+        return most
+
+
+async def _stop(task) -> float:
+    if task is None:
+        return 0.0
+    task.cancel()
+    try:
+        return await task
+    except asyncio.CancelledError:
+        return 0.0
 
 
 def run_measure(
@@ -521,11 +569,11 @@ def run_measure(
             "concurrency": list(concurrencies),
             "warmup": warmup,
         },
-        "notes": notes,
+        "notes": notes + result.notes,
         "aborted": result.aborted,
     }
     writer = RunWriter(out_dir, meta)
     writer.write("windows", table_from_rows("windows", result.rows))
-    result.notes = notes
+    result.notes = notes + result.notes
     result.out_path = out_dir
     return result
