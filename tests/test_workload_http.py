@@ -247,7 +247,7 @@ def test_measure_simulated_writes_windows_with_energy(tmp_path, monkeypatch):
     assert len(req) == 4 and len(batch) == 1 and len([r for r in t if r["warmup"]]) == 1
     # Requests are stream- or server-timed (the simulated llama.cpp gives its timings); a batch's
     # 50 ms window on a loaded machine may be untrusted: then it carries no figure, and says why.
-    assert all(r["timing"] in ("stream", "server") for r in req)
+    assert all(r["timing"] in ("stream", "server") for r in req), [(r["status"], r["timing"], r["timing_reason"], r["error"]) for r in req]
     for r in batch:
         if r["timing"] == "untrusted":
             assert r["timing_reason"] and r["gpu_energy_j"] is None and r["decode_tok_s"] is None and r["gpu_j_per_token"] is None
@@ -257,7 +257,8 @@ def test_measure_simulated_writes_windows_with_energy(tmp_path, monkeypatch):
         # Simulated RAPL: CPU energy over the same window, so GPU+CPU per token is there too.
         assert r["cpu_energy_j"] > 0
         assert r["total_j_per_token"] == pytest.approx((r["gpu_energy_j"] + r["cpu_energy_j"]) / r["decode_tokens"])
-    assert all(r["decode_tokens"] == 15 for r in req)
+    # generated − 1 decode tokens; fewer when a stale edge read was trimmed (at least half are kept).
+    assert all(r["generated_tokens"] == 16 and 8 <= r["decode_tokens"] <= 15 for r in req)
     assert all(r["prompt_text"] is None and r["completion_text"] is None for r in t)
     # A second run into the same folder is refused and changes nothing.
     before = (out / "windows.parquet").read_bytes()
