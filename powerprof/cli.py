@@ -385,8 +385,9 @@ def sweep(limits, clocks, url, launch, simulate, gpus, repeats, order, target_ci
 
     if bool(limits) == bool(clocks):
         raise click.UsageError("give exactly one of --limits or --clocks")
-    if sum(bool(x) for x in (url and not launch, launch, simulate)) != 1:
-        raise click.UsageError("give exactly one of --server URL, --launch CMD --server URL, or --simulate")
+    if not (url or launch or simulate) or (launch and not url):
+        raise click.UsageError("give --server URL (with --launch CMD to start it), --simulate, or --simulate with --server URL "
+                               "(a simulated GPU beside a real server)")
     if max_requests < min_requests:
         raise click.UsageError("--max-requests must not be below --min-requests")
     try:

@@ -531,8 +531,9 @@ def run_sweep(
     from powerprof.workload.launcher import ServerLauncher
     from powerprof.workload.load import builtin_prompts, detect
 
-    if sum(x is not None for x in (url if not launch else None, launch, simulate)) != 1 and not (launch and url):
-        raise SweepError("give exactly one of --server URL, --launch CMD (with --server for its URL) or --simulate")
+    # --simulate alone: simulated GPU and server; with --server (or --launch): a simulated GPU beside a real server.
+    if not (simulate or url or launch):
+        raise SweepError("give --server URL, --launch CMD (with --server for its URL) or --simulate")
     prompts = prompts or builtin_prompts("short")
     params = params or RequestParams()
     notes: list[str] = []
@@ -548,7 +549,13 @@ def run_sweep(
             sim_nvml = sim_nvml or SimNVML(profile, count=count)
             cpu_w = profile.workload.cpu_busy_w
             src = open_sources(simulate, gpus, nvml=sim_nvml, sim_cpu_power_w_fn=lambda: SIM_CPU_IDLE_W + (cpu_w if busy[0] else 0.0))
-            notes.append(f"simulated GPU ({simulate}) and simulated server: the figures demonstrate the method, not your hardware")
+            if url or launch:
+                notes.append(
+                    f"SIMULATED GPU ({simulate}) with the real server at {url}: token timing is real, every energy and power "
+                    "figure is the simulator's (its GPU does not see this server's work), not your hardware's"
+                )
+            else:
+                notes.append(f"simulated GPU ({simulate}) and simulated server: the figures demonstrate the method, not your hardware")
         else:
             src = open_sources(None, gpus)
         stack.callback(src.close)
@@ -584,7 +591,7 @@ def run_sweep(
             raise SweepError(f"cannot create the run directory {run_dir}: {e.strerror or e}") from None
         stack.callback(_remove_if_empty, run_dir)  # a sweep that fails before writing leaves nothing
 
-        if simulate:
+        if simulate and not (url or launch):
             from powerprof.sim.server import SimServer
 
             server = stack.enter_context(SimServer(sim_nvml))

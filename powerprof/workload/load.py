@@ -148,7 +148,7 @@ class LagMonitor:
     stopped process) shows here as lateness, and a window edge read right after such a stall is
     late by as much (arrival.py uses it in the timing rule)."""
 
-    def __init__(self, period_s: float = 0.01, keep: int = 200_000):
+    def __init__(self, period_s: float = 0.005, keep: int = 400_000):
         self.period_ns = int(period_s * 1e9)
         self.keep = keep
         self.due: list[int] = []
@@ -179,11 +179,13 @@ class LagMonitor:
                 pass
 
     def lag_at(self, t_ns: int) -> float:
-        """Worst lateness (s) of a loop stall that ended around t_ns (the read at t_ns came after it)."""
+        """How long the loop had been unavailable when the read at t_ns ran (s): data that came
+        in meanwhile waited that long. A stall that starts with the read (its own processing, an
+        edge hook reading sensors) does not count: the read was on time."""
         d = np.asarray(self.due, dtype=np.int64)
         r = np.asarray(self.ran, dtype=np.int64)
-        hit = (d <= t_ns) & (t_ns <= r + 2 * self.period_ns)
-        return float((r[hit] - d[hit]).max() / 1e9) if hit.any() else 0.0
+        hit = (d <= t_ns) & (t_ns <= r)
+        return float((t_ns - d[hit]).max() / 1e9) if hit.any() else 0.0
 
     def lag_over(self, t0_ns: int, t1_ns: int) -> float:
         d = np.asarray(self.due, dtype=np.int64)
