@@ -18,8 +18,9 @@ CORPUS = [
 ] * 20
 
 
-def build(path: Path, vocab_size: int = 512, hidden: int = 64, layers: int = 2, heads: int = 4, max_pos: int = 1024) -> Path:
-    """Write config, weights and tokenizer into `path` (created); returns it."""
+def build(path: Path, vocab_size: int = 512, hidden: int = 128, layers: int = 2, heads: int = 2, max_pos: int = 1024) -> Path:
+    """Write config, weights and tokenizer into `path` (created); returns it. Head size 64: vLLM's CPU
+    attention supports 32, 64, 80, ... (16 is refused)."""
     import torch
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
