@@ -340,6 +340,8 @@ def export(src, fmt, time_from, time_to, columns, tz, out):
 
 
 def _fraction_option(ctx, param, value):
+    if value is None:
+        return None
     v = _fraction(value)
     if not 0 < v < 1:
         raise click.BadParameter(f"{value!r} must be between 0 and 100%")
@@ -356,6 +358,8 @@ def _fraction_option(ctx, param, value):
 @click.option("--repeats", default=1, show_default=True, type=click.IntRange(1, 100), help="Passes over all levels, interleaved.")
 @click.option("--order", default="desc", show_default=True, type=click.Choice(["desc", "asc", "random"]))
 @click.option("--target-ci", default="2%", show_default=True, callback=_fraction_option, help="Stop a level when the 95% CI of J/token is within this.")
+@click.option("--target-paired-ci", default=None, callback=_fraction_option,
+              help="Also stop a level when its energy saving vs the reference is known within this (e.g. 0.5%: ±0.5 pp), paired by prompt.")
 @click.option("--min-requests", default=5, show_default=True, type=click.IntRange(2, 10000))
 @click.option("--max-requests", default=200, show_default=True, type=click.IntRange(2, 100000))
 @click.option("--max-time", "max_time_s", default=120.0, show_default=True, type=click.FloatRange(1, 86400), help="Seconds per level at most.")
@@ -370,7 +374,7 @@ def _fraction_option(ctx, param, value):
 @click.option("--out", "out_dir", default=None, type=click.Path(file_okay=False), help="Run directory (default runs/<UTC time>-<gpu>).")
 @click.option("--max-slowdown", default="10%", show_default=True, callback=_fraction_option, help="Slowdown budget for the recommendation.")
 @click.option("--dry-run", is_flag=True, help="Validate and print the plan; touch nothing.")
-def sweep(limits, clocks, url, launch, simulate, gpus, repeats, order, target_ci, min_requests, max_requests, max_time_s,
+def sweep(limits, clocks, url, launch, simulate, gpus, repeats, order, target_ci, target_paired_ci, min_requests, max_requests, max_time_s,
           warmup, idle_s, concurrency, max_tokens, prompts_file, prompt_set, api, interval_s, out_dir, max_slowdown, dry_run):
     """Step the GPU power limit (or locked SM clock) across levels; J/token and speed loss per level."""
     from rich.console import Console
@@ -403,6 +407,7 @@ def sweep(limits, clocks, url, launch, simulate, gpus, repeats, order, target_ci
                 simulate=simulate, gpus=gpus, out_dir=out_dir, prompts=prompts,
                 params=RequestParams(max_tokens=max_tokens), api=api, interval_s=interval_s, dry_run=dry_run,
                 command_line=" ".join(sys.argv), ui=ui, repeats=repeats, order=order, target_ci=target_ci,
+                target_paired_ci=target_paired_ci,
                 min_requests=min_requests, max_requests=max_requests, max_time_s=max_time_s, warmup_requests=warmup,
                 idle_s=idle_s, concurrency=concurrency,
             )

@@ -29,6 +29,9 @@ class SweepSettings:
     max_requests: int = 200
     max_time_s: float = 120.0
     target_ci: float = 0.02  # half-width of the 95% CI of J/token, as a fraction of the median
+    # Also stop a level once its energy saving against the reference is known to ± this (a fraction:
+    # 0.005 = ±0.5 percentage point), paired by prompt; None: only target_ci decides.
+    target_paired_ci: float | None = None
     concurrency: int = 1
     idle_s: float = 5.0
     settle_timeout_s: float = 10.0
@@ -44,6 +47,8 @@ class SweepSettings:
             raise ValueError("--repeats must be at least 1")
         if not 0 < self.target_ci < 1:
             raise ValueError("--target-ci must be a fraction between 0 and 1 (e.g. 0.02 for ±2%)")
+        if self.target_paired_ci is not None and not 0 < self.target_paired_ci < 1:
+            raise ValueError("--target-paired-ci must be a fraction between 0 and 1 (e.g. 0.005 for ±0.5 pp)")
         if self.min_requests < 2:
             raise ValueError("--min-requests must be at least 2: a confidence interval needs two requests")
         if self.max_requests < self.min_requests:
@@ -342,13 +347,35 @@ class Sweep:
                 ex = self.excluded()
                 self.flush()
                 raise SweepError(f"level {visit.level_value:g}: no window could be trusted: {ex.message() if ex else ''}")
-            visit.stop = stop_reason(np.asarray(jpt, dtype=float), visit.elapsed_s, self.s)
+            visit.stop = stop_reason(np.asarray(jpt, dtype=float), visit.elapsed_s, self.s) or self._paired_stop(visit)
             if visit.stop is None and attempted >= self.s.max_requests:
                 visit.stop = "max-requests"  # untrusted windows count against the budget too
             if visit.stop is None and not np.isfinite(jpt).any() and visit.n_measured >= self.s.min_requests:
                 visit.stop = "no-energy"  # no GPU energy readable: J/token can never converge
             if visit.stop:
                 return
+
+    def _paired_stop(self, visit: LevelVisit) -> str | None:
+        """'paired-ci-reached' when this level's saving against the reference (already measured in
+        this pass) is known to ±target_paired_ci, paired by prompt (analysis.stats)."""
+        from powerprof.analysis.stats import choose_reference, paired_saving_halfwidth
+
+        ref = self.s.levels[choose_reference(self.s.levels, self.reference_value)]  # as the analysis picks it
+        if self.s.target_paired_ci is None or ref is None or float(visit.level_value) == float(ref):
+            return None
+        if visit.n_measured < self.s.min_requests:
+            return None
+
+        def level(value):
+            rows = [r for r in self.rows if r["level_value"] == float(value) and r["repeat"] == visit.repeat and self._counts(r)]
+            return [r["gpu_j_per_token"] if r["gpu_j_per_token"] is not None else np.nan for r in rows], [r["prompt_id"] for r in rows]
+
+        ref_j, ref_p = level(ref)
+        if not ref_j:
+            return None  # the reference comes later in this pass: only the level's own CI can decide
+        lvl_j, lvl_p = level(visit.level_value)
+        hw = paired_saving_halfwidth(ref_j, ref_p, lvl_j, lvl_p)
+        return "paired-ci-reached" if hw <= self.s.target_paired_ci else None
 
     def _measured(self, row: dict) -> bool:
         kind = "request" if self.s.concurrency == 1 else "batch"

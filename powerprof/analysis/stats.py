@@ -309,6 +309,25 @@ def _paired_replicates(levels, n_boot, rng) -> tuple[np.ndarray, np.ndarray] | N
     return np.column_stack(bt), np.column_stack(bj)
 
 
+def paired_saving_halfwidth(ref_j, ref_prompts, level_j, level_prompts, n_boot: int = 2000, seed=0) -> float:
+    """Half-width of the 95% CI of a level's energy saving against the reference (a fraction: 0.01
+    is ±1 percentage point), bootstrapped by prompt as the analysis does; inf when the two do not
+    share one prompt set of at least MIN_PAIRED_PROMPTS ids."""
+    levels = []
+    for j, p in ((ref_j, ref_prompts), (level_j, level_prompts)):
+        j = np.asarray(j, dtype=float)
+        p = np.asarray(p, dtype=object)
+        keep = np.isfinite(j)
+        levels.append((j[keep], j[keep], p[keep]))
+    rep = _paired_replicates(levels, n_boot, np.random.default_rng(seed))
+    if rep is None:
+        return float("inf")
+    _, bj = rep
+    saving = 1.0 - bj[:, 1] / bj[:, 0]
+    lo, hi = percentile_interval(saving)
+    return float((hi - lo) / 2)
+
+
 def _weighted_median(values: np.ndarray, counts: np.ndarray, code: np.ndarray) -> np.ndarray:
     """Row-wise np.median of `values` with window i repeated counts[b, code[i]] times; shape (B,).
 
