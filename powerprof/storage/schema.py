@@ -153,7 +153,7 @@ LEVELS = pa.schema(
         ("energy_saving_pct_ci_low", pa.float64()),
         ("energy_saving_pct_ci_high", pa.float64()),
         # Appended by the sweep: why measuring the level stopped (ci-reached | max-time |
-        # max-requests | no-energy), so advice can name the knob that would have helped.
+        # max-requests | no-energy | paired-ci-reached), so advice can name the knob that would have helped.
         ("stop_rule", pa.string()),
         # Distinct prompts among the measured requests: with fewer prompts than requests, rounds
         # repeat them, and more rounds say more about these prompts only (the wide-ci advice).
