@@ -197,15 +197,29 @@ def classify(
     return Timing("untrusted", problem, bound, stream_s, q.window_tokens, q.t_first_ns, q.t_last_ns, disagree)
 
 
+def reason_group(reason: str | None) -> str:
+    """A window's reason without its own figures, so that reasons can be counted together."""
+    r = reason or "unknown"
+    if "bursts" in r:
+        return "tokens were delivered in bursts, not streamed"
+    if "edges may be off" in r:
+        return "the client was late reading (starved of CPU)"
+    if "did not say" in r:
+        return "chunks held several tokens without saying how many"
+    if "not stream-timed" in r:
+        return reason_group(r.split(": ", 1)[-1])
+    return r
+
+
 def fix_for(reason: str | None) -> str:
     """The advice that goes with a reason for leaving windows out."""
     r = reason or ""
-    if "bursts" in r or "did not say" in r or "no token" in r:
+    if "bursts" in r or "did not say" in r or "without saying" in r or "no token" in r:
         return (
             "a buffering proxy sits between powerprof and the server, or the server sends tokens in large groups: "
             "point --server at the server itself, or turn buffering off (nginx: proxy_buffering off)"
         )
-    if "client was late" in r:
+    if "client was late" in r or "starved" in r:
         return "powerprof was starved of CPU: run it on a less busy host or core (e.g. taskset, nice -n -5)"
     if "differ" in r:
         return "check for a proxy or a busy client between powerprof and the server"

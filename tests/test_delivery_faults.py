@@ -161,3 +161,19 @@ def test_more_streams_than_slots_warns():
     with SimServer(SimNVML("a100-40g", state_path=None), decode_tok_s=100.0, prefill_tok_s=2000.0, n_slots=2, flavour="vllm") as srv:
         res = measure(srv.url, prompts=builtin_prompts("short"), n_requests=4, concurrencies=(4,), params=QUICK, warmup=0)
     assert any("vLLM queued up to" in n for n in res.notes)
+
+
+def test_analysis_leaves_untrusted_windows_out_and_says_so():
+    import pyarrow as pa
+
+    from powerprof.analysis.checks import timing_findings
+    from powerprof.analysis.stats import window_masks
+
+    rows = {"window_kind": ["request"] * 3, "concurrency": [1, 1, 1], "warmup": [False] * 3, "status": ["ok"] * 3,
+            "timing": ["stream", "server", "untrusted"],
+            "timing_reason": [None, "x", "tokens arrived in 1 read (largest 100% of them): delivered in bursts, not streamed"]}
+    t = pa.table(rows)
+    measured, counted, _ = window_masks(t)
+    assert measured.tolist() == [True, True, False] and counted.tolist() == [True, True, True]
+    (f,) = timing_findings(t)
+    assert f.kind == "untrusted-timing" and "1 of 3 windows left out" in f.message and "proxy_buffering off" in f.message

@@ -314,7 +314,7 @@ class Excluded:
 
 def excluded_windows(rows: Sequence[dict], counted_kind=None) -> Excluded | None:
     """What the figures left out: measured (non-warm-up, ok) windows that are untrusted."""
-    from powerprof.arrival import fix_for
+    from powerprof.arrival import fix_for, reason_group
 
     def measured(r):
         kind = counted_kind(r) if counted_kind else ("request" if r["concurrency"] == 1 else "batch")
@@ -326,22 +326,10 @@ def excluded_windows(rows: Sequence[dict], counted_kind=None) -> Excluded | None
         return None
     reasons: dict = {}
     for r in bad:
-        key = _reason_key(r.get("timing_reason"))
+        key = reason_group(r.get("timing_reason"))
         reasons[key] = reasons.get(key, 0) + 1
     top = max(reasons, key=reasons.get)
     return Excluded(len(bad), len(cand), reasons, fix_for(top))
-
-
-def _reason_key(reason: str | None) -> str:
-    """Reasons carry per-window figures; group them by their words."""
-    r = reason or "unknown"
-    if "bursts" in r:
-        return "tokens were delivered in bursts, not streamed"
-    if "edges may be off" in r:
-        return r.split("(", 1)[-1].rstrip(")") if "(" in r else r
-    if "not stream-timed" in r:
-        return _reason_key(r.split(": ", 1)[-1])
-    return r
 
 
 def summarise(rows: list[dict]) -> list[Summary]:
