@@ -39,11 +39,11 @@ LENGTHS_S = (0.5, 1, 2, 5, 10, 30, 60)
 T_START_NS = 1_000_000_000_000  # arbitrary origin of the virtual monotonic clock
 LEAD_NS = 2_000_000_000  # ticks before a window's start that the timeline already holds
 
-# (method, what a reading keeps): the timeline falls back counter -> power -> avg power, so each
-# method is selected by withholding the sources above it.
+# (method, what a reading withholds): the timeline falls back through profiler.ENERGY_METHODS
+# (counter -> avg power -> instant power), so each method is selected by withholding the others.
 METHODS = (
     (METHOD_COUNTER, {}),
-    (METHOD_POWER, {"energy_j": None}),
+    (METHOD_POWER, {"energy_j": None, "power_avg_w": None}),
     (METHOD_AVG_POWER, {"energy_j": None, "power_w": None}),
 )
 LABELS = {METHOD_COUNTER: "counter", METHOD_POWER: "instant power", METHOD_AVG_POWER: "1 s avg power"}
@@ -195,7 +195,7 @@ def main() -> None:
     print("|error of window energy vs ground truth|: median / p95 / mean signed (bias), % of true energy")
     print()
     head = " | ".join(f"{LABELS[m]} median | p95 | bias" for m, _ in METHODS)
-    print(f"| window | flagged (< {LOW_CONFIDENCE_S:g} s) | {head} |")
+    print(f"| window | flagged (< {LOW_CONFIDENCE_S[METHOD_COUNTER]:g} s) | {head} |")
     print("|---:|:---:|" + "---:|" * (3 * len(METHODS)))
     for L in args.lengths:
         cells = []

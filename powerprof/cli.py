@@ -11,6 +11,12 @@ from powerprof import __version__
 from powerprof.sim.profiles import DEFAULT_PROFILE, PROFILES
 
 SIMULATE_HELP = f"Use a simulated GPU (profiles: {', '.join(PROFILES)}; default {DEFAULT_PROFILE})."
+CONTEXT_SETTINGS = {"help_option_names": ["-h", "--help"]}  # inherited by every subcommand
+DEFAULT_MAX_TOKENS = 256  # one default for sweep and measure: long enough for multi-second decode windows
+PROMPT_SET_NAMES = ("short", "medium", "long", "mixed")  # powerprof.workload.load.PROMPT_SETS (a test checks)
+API_NAMES = ("llamacpp", "openai-completions", "openai-chat")
+EXIT_NO_DEVICE = 1  # `devices`: no usable GPU and no RAPL
+JSON_HELP = "Print one JSON object (stable keys) instead of text."
 
 
 def simulate_option(f):
@@ -25,7 +31,7 @@ def simulate_option(f):
     )(f)
 
 
-@click.group()
+@click.group(context_settings=CONTEXT_SETTINGS)
 @click.version_option(__version__, prog_name="powerprof")
 def main() -> None:
     """Power and efficiency profiler for GPUs serving LLMs."""
@@ -46,13 +52,17 @@ def _parse_gpus(ctx, param, value):
     return list(dict.fromkeys(out))
 
 
-def _open_sources_or_exit(simulate, gpus, rapl_backend):
-    from powerprof.collectors.sources import open_sources
+def _open_rig_or_exit(simulate, gpus=None, rapl_backend="sysfs", host=True):
+    """The one door, with its collectors open: a GPU index that does not exist is a usage error."""
+    from powerprof.rig import Rig
 
+    rig = Rig(simulate, gpus=gpus, rapl_backend=rapl_backend, host=host)
     try:
-        return open_sources(simulate=simulate, gpus=gpus, rapl_backend=rapl_backend)
+        rig.sources
     except ValueError as e:
+        rig.close()
         raise click.UsageError(str(e)) from None
+    return rig
 
 
 def _rapl_backend_option(f):
@@ -66,22 +76,26 @@ def _rapl_backend_option(f):
 
 
 @main.command()
-@click.option("--json", "as_json", is_flag=True, help="Print JSON instead of text.")
+@click.option("--json", "as_json", is_flag=True, help=JSON_HELP)
 @click.option("--gpus", callback=_parse_gpus, help="NVML indexes to show, e.g. 0,1 (default: all visible).")
 @_rapl_backend_option
 @simulate_option
 def devices(as_json, gpus, rapl_backend, simulate):
-    """GPUs, their power limits and capabilities, RAPL zones, permissions and how to fix them."""
+    """GPUs, their power limits and capabilities, RAPL zones, permissions and how to fix them.
+
+    Exits 1 when it finds no usable GPU and no RAPL zone (nothing powerprof could measure)."""
     import json
 
-    from powerprof.collectors.sources import describe
-
-    with _open_sources_or_exit(simulate, gpus, rapl_backend) as src:
-        info = describe(src)
+    with _open_rig_or_exit(simulate, gpus, rapl_backend) as rig:
+        info = rig.describe()
     if as_json:
         click.echo(json.dumps(info, indent=2))
-        return
-    _print_devices(info)
+    else:
+        _print_devices(info)
+    if not info["gpus"] and not info["rapl"]:
+        click.echo("powerprof devices: no usable GPU and no RAPL zone: nothing to measure (see the problems above)",
+                   err=True)
+        sys.exit(EXIT_NO_DEVICE)
 
 
 def _w(v):
@@ -97,7 +111,7 @@ def _print_devices(info):
         click.echo(f"gpu{g['index']}  {g['name']}  {g['uuid']}  driver {g['driver_version']}")
         click.echo(
             f"  power limit {_w(g['power_limit_w'])} (enforced {_w(g['enforced_limit_w'])}), "
-            f"default {_w(g['limit_default_w'])}, range {_w(g['limit_min_w'])} - {_w(g['limit_max_w'])}"
+            f"default {_w(g['default_limit_w'])}, range {_w(g['min_limit_w'])} - {_w(g['max_limit_w'])}"
         )
         sup = [k for k, ok in g["supports"].items() if ok]
         nosup = [k for k, ok in g["supports"].items() if not ok]
@@ -130,10 +144,13 @@ def _print_devices(info):
 @click.option("--output", type=click.Path(dir_okay=False), default=None,
               help="Also write every sample to FILE.parquet or FILE.csv (samples schema).")
 @click.option("--gpus", callback=_parse_gpus, help="NVML indexes to show, e.g. 0,1 (default: all visible).")
+@click.option("--plain", is_flag=True,
+              help="One text line per GPU per interval, even on a terminal (default: live panels on a terminal, lines in a pipe).")
+@click.option("--json", "as_json", is_flag=True, help="One JSON object per interval (JSON lines, stable keys) for scripts.")
 @_rapl_backend_option
 @simulate_option
-def monitor(duration, interval, output, gpus, rapl_backend, simulate):
-    """Live table once per interval: GPU power, energy, clocks, utilisation, limit, reasons; CPU power."""
+def monitor(duration, interval, output, gpus, plain, as_json, rapl_backend, simulate):
+    """Live view once per interval: GPU name, load, memory, power and temperature with bars; clocks, energy, reasons; CPU power."""
     import json
 
     from rich.console import Console
@@ -148,14 +165,18 @@ def monitor(duration, interval, output, gpus, rapl_backend, simulate):
         except ValueError as e:
             raise click.BadParameter(str(e), param_hint="--output") from None
     console = Console()
-    with _open_sources_or_exit(simulate, gpus, rapl_backend) as src:
+    with _open_rig_or_exit(simulate, gpus, rapl_backend) as rig:
+        src = rig.sources
         timeline = Timeline(gpu_uuids=src.gpu_uuids)
         for p in src.problems:
             click.secho(f"problem ({p.source}): {p.message}", fg="yellow", err=True)
         if not src.collectors:
             raise click.ClickException("nothing to monitor")
         try:
-            if console.is_terminal:
+            if as_json:
+                mon.run_monitor(src, interval, duration, timeline=timeline,
+                                on_tick=lambda k, rows: click.echo(mon.json_line(k, rows, interval)))
+            elif console.is_terminal and not plain:
                 with Live(console=console, auto_refresh=False) as live:
                     mon.run_monitor(
                         src, interval, duration, timeline=timeline,
@@ -171,14 +192,14 @@ def monitor(duration, interval, output, gpus, rapl_backend, simulate):
         except KeyboardInterrupt:
             click.echo("interrupted", err=True)  # still write what was sampled
         if output is not None:
-            meta = {"powerprof_command": "monitor", "simulated": str(src.simulated).lower(),
+            meta = {"powerprof_command": "monitor", "simulated": str(rig.simulated).lower(),
                     "gpus": json.dumps([{"index": i.index, "uuid": i.uuid, "name": i.name}
                                         for i in (src.nvml.infos if src.nvml else [])])}
             path = write_table(timeline.to_table(), output, metadata=meta)
             click.echo(f"wrote {len(timeline)} samples to {path}", err=True)
 
 
-# --- control: power-limit and clock restore (issue 3) ----------------------------------------
+# --- control: power-limit and clock restore ------------------------------------------------
 
 
 @main.command()
@@ -189,15 +210,51 @@ def monitor(duration, interval, output, gpus, rapl_backend, simulate):
     default=None,
     help="Restore from this file instead of every restore file in the state folder.",
 )
-def restore(simulate: str | None, restore_file: Path | None) -> None:
-    """Put back every power limit and clock lock a crashed or killed powerprof left changed."""
-    from powerprof.control.restore import restore_from_file
+@click.option("--json", "as_json", is_flag=True, help=JSON_HELP)
+def restore(simulate: str | None, restore_file: Path | None, as_json: bool) -> None:
+    """Put back every power limit and clock lock a crashed or killed powerprof left changed.
 
-    report = restore_from_file(restore_file, simulate=simulate)
-    for line in report.lines():
-        click.echo(line, err=not report.ok)
+    Exits 1 when anything could not be restored."""
+    import json
+
+    from powerprof.rig import Rig
+
+    with Rig(simulate) as rig:
+        report = rig.restore(restore_file)
+    if as_json:
+        click.echo(json.dumps(report.to_dict(), indent=2))
+    else:
+        for line in report.lines():
+            click.echo(line, err=not report.ok)
     if not report.ok:
         sys.exit(1)
+
+
+# Options measure and sweep share: one definition, one default.
+_WORKLOAD_OPTIONS = [
+    click.option("--api", default=None, type=click.Choice(API_NAMES),
+                 help="Protocol the requests use (default: detected from the server)."),
+    click.option("--max-tokens", type=click.IntRange(2), default=DEFAULT_MAX_TOKENS, show_default=True,
+                 help="Tokens generated per request (ignore-EOS where the server supports it)."),
+    click.option("--prompts", "prompts_file", default=None, type=click.Path(dir_okay=False),
+                 help='JSONL prompt file, one {"prompt": ...} per line (default: the built-in --prompt-set).'),
+    click.option("--prompt-set", type=click.Choice(PROMPT_SET_NAMES), default="short", show_default=True,
+                 help="Built-in prompts: short, medium, long, or mixed (some of each)."),
+    click.option("--prompt-cache/--no-prompt-cache", default=False, show_default=True,
+                 help="Let llama.cpp reuse cached prompt prefixes."),
+    click.option("--seed", type=int, default=42, show_default=True, help="Sampling seed sent with every request."),
+    click.option("--keep-text", is_flag=True, help="Store prompt and completion text in windows.parquet (default: not)."),
+    click.option("--launch-timeout", type=click.FloatRange(1), default=300.0, show_default=True,
+                 help="Seconds to wait for the --launch'ed server's /health."),
+]
+
+
+def _workload_options(f):
+    for o in reversed(_WORKLOAD_OPTIONS):
+        f = o(f)
+    return f
+
+
 # --- workload: measure (inference-server clients, simulated server, launcher) ------------------
 
 
@@ -215,20 +272,14 @@ def _int_list(ctx, param, value: str) -> list[int]:
 @click.option("--server", "url", metavar="URL", help="Inference server base URL, e.g. http://127.0.0.1:8080.")
 @simulate_option
 @click.option("--out", "out_dir", type=click.Path(file_okay=False), help="Output directory (default runs/<time>-measure).")
-@click.option("--api", type=click.Choice(["llamacpp", "openai-completions", "openai-chat"]), help="Protocol; default detected.")
 @click.option("--requests", "n_requests", type=click.IntRange(1), default=8, show_default=True, help="Measured requests per concurrency.")
 @click.option("--concurrency", default="1", callback=_int_list, show_default=True, help="Streams at once, e.g. 1,4.")
-@click.option("--max-tokens", type=click.IntRange(2), default=128, show_default=True, help="Tokens per request (ignore-EOS where supported).")
-@click.option("--prompts", "prompts_file", type=click.Path(dir_okay=False), help="JSONL file: {\"prompt\": ...} per line.")
-@click.option("--prompt-set", type=click.Choice(["short", "medium", "long", "mixed"]), default="short", show_default=True)
 @click.option("--warmup", type=click.IntRange(0), default=1, show_default=True, help="Warm-up requests (recorded, flagged, not counted).")
-@click.option("--prompt-cache/--no-prompt-cache", default=False, show_default=True, help="Let llama.cpp reuse cached prompt prefixes.")
-@click.option("--seed", type=int, default=42, show_default=True)
-@click.option("--keep-text", is_flag=True, help="Store prompt and completion text in windows.parquet.")
 @click.option("--launch", metavar="CMD", help="Start the server with CMD, wait for /health, stop it at the end.")
-@click.option("--launch-timeout", type=click.FloatRange(1), default=300.0, show_default=True, help="Seconds to wait for /health.")
-def measure(url, simulate, out_dir, api, n_requests, concurrency, max_tokens, prompts_file, prompt_set, warmup,
-            prompt_cache, seed, keep_text, launch, launch_timeout):
+@_workload_options
+@click.option("--json", "as_json", is_flag=True, help=JSON_HELP)
+def measure(url, simulate, out_dir, n_requests, concurrency, warmup, launch, api, max_tokens, prompts_file, prompt_set,
+            prompt_cache, seed, keep_text, launch_timeout, as_json):
     """J/token and decode tok/s at the current settings. Changes nothing; needs no root."""
     import sys
     from pathlib import Path
@@ -237,6 +288,7 @@ def measure(url, simulate, out_dir, api, n_requests, concurrency, max_tokens, pr
     from powerprof.workload.client import RequestParams, ServerUnreachable
     from powerprof.workload.launcher import LaunchError
     from powerprof.workload.load import PromptFileError, builtin_prompts, load_prompts
+    from powerprof.rig import Rig
     from powerprof.workload.measure import run_measure
 
     if bool(url) == bool(simulate):
@@ -250,11 +302,22 @@ def measure(url, simulate, out_dir, api, n_requests, concurrency, max_tokens, pr
     out = Path(out_dir) if out_dir else default_run_dir(Path("runs"), "measure")
     params = RequestParams(max_tokens=max_tokens, seed=seed, prompt_cache=prompt_cache, keep_text=keep_text)
     try:
-        res = run_measure(url=url, simulate=simulate, out_dir=out, prompts=prompts, n_requests=n_requests,
-                          concurrencies=concurrency, params=params, warmup=warmup, api=api, launch=launch,
-                          launch_timeout_s=launch_timeout, command_line=" ".join(sys.argv))
+        with Rig(simulate, host=False) as rig:
+            res = run_measure(rig, url=url, out_dir=out, prompts=prompts, n_requests=n_requests,
+                              concurrencies=concurrency, params=params, warmup=warmup, api=api, launch=launch,
+                              launch_timeout_s=launch_timeout, command_line=" ".join(sys.argv))
     except (ServerUnreachable, LaunchError, FileExistsError, ValueError) as e:
         raise click.ClickException(str(e)) from None
+    if as_json:
+        import json
+
+        click.echo(json.dumps(res.to_dict(), indent=2))
+        if res.excluded is not None and not any(m.n_trusted for m in res.summaries):
+            click.echo(f"Error: no window could be trusted: {res.excluded.message()}", err=True)
+            sys.exit(1)
+        if res.aborted:
+            sys.exit(1)
+        return
     s = res.server
     click.echo(f"server: {s.kind} ({s.api}) model={s.model} build={s.build_info}" + (" [simulated]" if s.simulated else ""))
     for note in res.notes:
@@ -276,7 +339,7 @@ def measure(url, simulate, out_dir, api, n_requests, concurrency, max_tokens, pr
         click.echo(f"warning: {res.excluded.message()}", err=True)
 
 
-# --- analysis (issue 6): analyze, export -------------------------------------------------------
+# --- analysis: analyze, export ----------------------------------------------------------------
 
 
 def _fraction(text: str) -> float:
@@ -296,12 +359,13 @@ def _fraction(text: str) -> float:
 @click.option("--max-slowdown", default="10%", show_default=True,
               help="Slowdown budget for the recommended limit, vs the reference level (10% or 0.1).")
 @click.option("--eta", type=float, default=0.5, show_default=True,
-              help="Weight of energy in the weighted-cost policy eta*E + (1-eta)*Pmax*T (1: energy only).")
+              help="Weight of energy in the weighted-cost policy eta*E + (1-eta)*Pmax/T (1: energy only).")
 @click.option("--format", "formats", default="md,html", show_default=True, help="Report formats: md, html or both.")
 @click.option("--force", is_flag=True, help="Pool runs even if their GPU model or server model differ.")
 @click.option("--bootstrap", "n_boot", type=click.IntRange(100, 100_000), default=2000, show_default=True,
               help="Bootstrap resamples for the confidence intervals.")
-def analyze(run_dirs, out_dir, max_slowdown, eta, formats, force, n_boot):
+@click.option("--json", "as_json", is_flag=True, help=JSON_HELP + " The same as analysis.json.")
+def analyze(run_dirs, out_dir, max_slowdown, eta, formats, force, n_boot, as_json):
     """Curve fits, sweet spot under several policies, report (Markdown/HTML) and PNG plots."""
     from powerprof.analysis.loading import AnalysisError
     from powerprof.analysis.report import analyze_run, console_summary
@@ -312,12 +376,18 @@ def analyze(run_dirs, out_dir, max_slowdown, eta, formats, force, n_boot):
                              force=force, n_boot=n_boot)
     except AnalysisError as e:
         raise click.ClickException(str(e)) from None
+    if as_json:
+        from powerprof.analysis.report import result_json
+
+        click.echo(result_json(result))
+        return
     click.echo(console_summary(result))
 
 
 @main.command()
 @click.argument("src", type=click.Path(path_type=str))
-@click.option("--format", "fmt", type=click.Choice(["csv", "xlsx", "parquet"]), required=True)
+@click.option("--format", "fmt", type=click.Choice(["csv", "xlsx", "parquet"]), required=True,
+              help="csv (one file per table), xlsx (one workbook, a summary sheet first) or parquet.")
 @click.option("--from", "time_from", default=None, help="Only rows at or after this ISO 8601 time (local unless it has an offset).")
 @click.option("--to", "time_to", default=None, help="Only rows before this ISO 8601 time.")
 @click.option("--columns", default=None, help="Comma-separated columns to keep (default: all).")
@@ -336,7 +406,7 @@ def export(src, fmt, time_from, time_to, columns, tz, out):
         click.echo(str(p))
 
 
-# --- sweep (issue 5) ----------------------------------------------------------------------------
+# --- sweep -------------------------------------------------------------------------------------
 
 
 def _fraction_option(ctx, param, value):
@@ -356,33 +426,38 @@ def _fraction_option(ctx, param, value):
 @simulate_option
 @click.option("--gpus", callback=_parse_gpus, help="NVML indexes of the GPUs serving the model (all take the same level).")
 @click.option("--repeats", default=1, show_default=True, type=click.IntRange(1, 100), help="Passes over all levels, interleaved.")
-@click.option("--order", default="desc", show_default=True, type=click.Choice(["desc", "asc", "random"]))
-@click.option("--target-ci", default="2%", show_default=True, callback=_fraction_option, help="Stop a level when the 95% CI of J/token is within this.")
+@click.option("--order", default="desc", show_default=True, type=click.Choice(["desc", "asc", "random"]),
+              help="Order of the levels in each pass: high to low, low to high, or shuffled.")
+@click.option("--target-ci", default="2%", show_default=True, callback=_fraction_option,
+              help="Stop a level when the 95% CI half-width of J/token is within this share of the median (2% or 0.02).")
 @click.option("--target-paired-ci", default=None, callback=_fraction_option,
-              help="Also stop a level when its energy saving vs the reference is known within this (e.g. 0.5%: ±0.5 pp), paired by prompt.")
-@click.option("--min-requests", default=5, show_default=True, type=click.IntRange(2, 10000))
-@click.option("--max-requests", default=200, show_default=True, type=click.IntRange(2, 100000))
+              help="Also stop a level once its energy saving vs the reference is known within this (0.5%: ±0.5 percentage point), paired by prompt.")
+@click.option("--min-requests", default=5, show_default=True, type=click.IntRange(2, 10000),
+              help="Measured requests per level before the CI target may stop it.")
+@click.option("--max-requests", default=200, show_default=True, type=click.IntRange(2, 100000),
+              help="Measured requests per level at most.")
 @click.option("--max-time", "max_time_s", default=120.0, show_default=True, type=click.FloatRange(1, 86400), help="Seconds per level at most.")
 @click.option("--warmup", default=2, show_default=True, type=click.IntRange(0, 100), help="Warm-up requests per level (discarded).")
-@click.option("--idle-s", default=5.0, show_default=True, type=click.FloatRange(0, 3600), help="Idle baseline before the first level.")
-@click.option("--concurrency", default=1, show_default=True, type=click.IntRange(1, 1024))
-@click.option("--max-tokens", default=256, show_default=True, type=click.IntRange(2, 100000))
-@click.option("--prompts", "prompts_file", default=None, type=click.Path(dir_okay=False), help="JSONL prompt file.")
-@click.option("--prompt-set", default="short", show_default=True, type=click.Choice(["short", "medium", "long"]))
-@click.option("--api", default=None, type=click.Choice(["llamacpp", "openai-completions", "openai-chat"]))
-@click.option("--interval", "interval_s", default=1.0, show_default=True, type=click.FloatRange(0.02, 10), help="Sampling interval (s).")
+@click.option("--idle-s", default=5.0, show_default=True, type=click.FloatRange(0, 3600), help="Seconds of idle baseline before the first level.")
+@click.option("--concurrency", default=1, show_default=True, type=click.IntRange(1, 1024),
+              help="Requests in flight at once (streams).")
+@_workload_options
+@click.option("--interval", "interval_s", default=1.0, show_default=True, type=click.FloatRange(0.02, 10), help="Sampling interval in seconds.")
 @click.option("--out", "out_dir", default=None, type=click.Path(file_okay=False), help="Run directory (default runs/<UTC time>-<gpu>).")
-@click.option("--max-slowdown", default="10%", show_default=True, callback=_fraction_option, help="Slowdown budget for the recommendation.")
+@click.option("--max-slowdown", default="10%", show_default=True, callback=_fraction_option,
+              help="Slowdown budget for the recommendation, vs the reference level (10% or 0.1).")
 @click.option("--dry-run", is_flag=True, help="Validate and print the plan; touch nothing.")
 def sweep(limits, clocks, url, launch, simulate, gpus, repeats, order, target_ci, target_paired_ci, min_requests, max_requests, max_time_s,
-          warmup, idle_s, concurrency, max_tokens, prompts_file, prompt_set, api, interval_s, out_dir, max_slowdown, dry_run):
+          warmup, idle_s, concurrency, api, max_tokens, prompts_file, prompt_set, prompt_cache, seed, keep_text,
+          launch_timeout, interval_s, out_dir, max_slowdown, dry_run):
     """Step the GPU power limit (or locked SM clock) across levels; J/token and speed loss per level."""
     from rich.console import Console
 
     from powerprof.control.errors import ControlError
     from powerprof.control.levels import LevelError
-    from powerprof.progress import RichSweepUI, levels_table, result_console
-    from powerprof.sweep import SweepError, run_sweep
+    from powerprof.progress import RichSweepUI, end_screen, levels_table, result_console
+    from powerprof.rig import Rig
+    from powerprof.sweep import SweepError, SweepSettings, run_sweep
     from powerprof.workload.client import RequestParams, ServerUnreachable
     from powerprof.workload.launcher import LaunchError
     from powerprof.workload.load import PromptFileError, builtin_prompts, load_prompts
@@ -399,13 +474,20 @@ def sweep(limits, clocks, url, launch, simulate, gpus, repeats, order, target_ci
     except PromptFileError as e:
         raise click.UsageError(str(e)) from None
     out = result_console()
-    ui = RichSweepUI(Console(stderr=True), min_requests)
     try:
-        with ui:
+        # What the progress bar measures against: the same stopping rule the sweep applies.
+        bar_rule = SweepSettings(level_kind="power_limit", levels=(1.0,), min_requests=min_requests,
+                                 max_requests=max_requests, max_time_s=max_time_s, target_ci=target_ci)
+    except ValueError as e:
+        raise click.UsageError(str(e)) from None
+    ui = RichSweepUI(Console(stderr=True), bar_rule)
+    try:
+        with ui, Rig(simulate, gpus=gpus) as rig:
             outcome = run_sweep(
-                levels_spec=limits or clocks, level_kind="power_limit" if limits else "sm_clock", url=url, launch=launch,
-                simulate=simulate, gpus=gpus, out_dir=out_dir, prompts=prompts,
-                params=RequestParams(max_tokens=max_tokens), api=api, interval_s=interval_s, dry_run=dry_run,
+                rig, levels_spec=limits or clocks, level_kind="power_limit" if limits else "sm_clock", url=url,
+                launch=launch, out_dir=out_dir, prompts=prompts,
+                params=RequestParams(max_tokens=max_tokens, seed=seed, prompt_cache=prompt_cache, keep_text=keep_text),
+                launch_timeout_s=launch_timeout, api=api, interval_s=interval_s, dry_run=dry_run,
                 command_line=" ".join(sys.argv), ui=ui, repeats=repeats, order=order, target_ci=target_ci,
                 target_paired_ci=target_paired_ci,
                 min_requests=min_requests, max_requests=max_requests, max_time_s=max_time_s, warmup_requests=warmup,
@@ -424,20 +506,22 @@ def sweep(limits, clocks, url, launch, simulate, gpus, repeats, order, target_ci
         return
     for note in outcome.notes:
         out.print(f"[yellow]note:[/] {note}")
-    out.print(levels_table(outcome.levels, "W" if limits else "MHz"))
-    out.print(f"run directory: {outcome.run_dir}")
+    unit = "W" if limits else "MHz"
     from powerprof.analysis.loading import AnalysisError
-    from powerprof.analysis.report import analyze_run, console_summary
+    from powerprof.analysis.report import analyze_run
 
     try:
         result = analyze_run([outcome.run_dir], max_slowdown=max_slowdown)
     except AnalysisError as e:
+        out.print(levels_table(outcome.levels, unit))
+        out.print(f"run directory: {outcome.run_dir}")
         out.print(f"[red]analysis failed:[/] {e}")
         sys.exit(1)
-    out.print(console_summary(result), highlight=False)
+    out.print(end_screen(outcome.levels, result, unit), highlight=False)
+    out.print(f"run directory: {outcome.run_dir}")
 
 
-# --- daemon (issue 7): always-on sampling, tagging proxy, Prometheus, tag API -----------------
+# --- daemon: always-on sampling, tagging proxy, Prometheus, tag API -----------------
 
 
 @main.command("daemon")
@@ -464,27 +548,26 @@ def daemon_cmd(config_path, simulate, sim_gpus, listen, upstream, metrics_listen
     if print_config:
         click.echo(dconfig.example_toml())
         return
-    overrides = {
-        "proxy.listen": listen, "proxy.upstream": upstream, "metrics.listen": metrics_listen,
-        "daemon.data_dir": data_dir, "daemon.interval_s": interval, "daemon.flush_interval_s": flush_interval,
-        "tags.socket": tag_socket,
+    flags = {
+        "proxy.listen": "--listen", "proxy.upstream": "--upstream", "metrics.listen": "--metrics-listen",
+        "daemon.data_dir": "--data-dir", "daemon.interval_s": "--interval", "daemon.flush_interval_s": "--flush-interval",
+        "tags.socket": "--tag-socket",
     }
+    given = {"--listen": listen, "--upstream": upstream, "--metrics-listen": metrics_listen, "--data-dir": data_dir,
+             "--interval": interval, "--flush-interval": flush_interval, "--tag-socket": tag_socket}
+    overrides = {key: given[flag] for key, flag in flags.items()}
     try:
-        cfg = dconfig.load_config(config_path, overrides=overrides)
+        cfg = dconfig.load_config(config_path, overrides=overrides, flags=flags)
     except dconfig.ConfigError as e:
         click.echo(f"powerprof daemon: {e}", err=True)
         sys.exit(service.EXIT_CONFIG)
     if check:
         click.echo(f"config OK ({cfg.source})")
         return
-    from powerprof.collectors.nvml import open_nvml
+    from powerprof.rig import Rig
 
-    try:
-        nvml = open_nvml(simulate=simulate, count=sim_gpus)
-    except Exception as e:
-        click.echo(f"powerprof daemon: cannot load NVML: {e}", err=True)
-        sys.exit(service.EXIT_RUNTIME)
-    sys.exit(service.main(cfg, nvml, config_path=config_path, overrides=overrides, simulate=simulate))
+    rig = Rig(simulate, gpus=cfg.get("daemon", "gpus") or None, sim_gpu_count=sim_gpus)
+    sys.exit(service.main(cfg, rig, config_path=config_path, overrides=overrides))
 
 
 @main.group("tag")
@@ -515,6 +598,7 @@ def _tag_call(action, name, socket, config_path):
 _tag_opts = [
     click.option("--socket", help="The daemon's tag socket (default: from the config)."),
     click.option("--config", "config_path", type=click.Path(dir_okay=False), help="The daemon's TOML config."),
+    click.option("--json", "as_json", is_flag=True, help=JSON_HELP),
 ]
 
 
@@ -527,18 +611,25 @@ def _with_tag_opts(f):
 @tag_group.command("start")
 @click.argument("name")
 @_with_tag_opts
-def tag_start(name, socket, config_path):
+def tag_start(name, socket, config_path, as_json):
     """Open the window NAME now."""
     _tag_call("start", name, socket, config_path)
+    if as_json:
+        _echo_json({"name": name, "started": True})
+        return
     click.echo(f"tag {name} started")
 
 
 @tag_group.command("stop")
 @click.argument("name")
 @_with_tag_opts
-def tag_stop(name, socket, config_path):
+def tag_stop(name, socket, config_path, as_json):
     """Close the window NAME and print its energy."""
     r = _tag_call("stop", name, socket, config_path)
+    if as_json:
+        _echo_json({"name": name, **{k: r.get(k) for k in ("duration_s", "gpu_energy_j", "cpu_energy_j",
+                                                            "proxy_tokens", "gpu_j_per_token")}})
+        return
     jpt = r.get("gpu_j_per_token")
     click.echo(
         f"tag {name}: {r.get('duration_s') or 0:.2f} s, GPU {r.get('gpu_energy_j') or 0:.1f} J, "
@@ -548,10 +639,20 @@ def tag_stop(name, socket, config_path):
 
 @tag_group.command("list")
 @_with_tag_opts
-def tag_list(socket, config_path):
+def tag_list(socket, config_path, as_json):
     """List open windows."""
-    for n in _tag_call("list", None, socket, config_path).get("open", []):
+    names = _tag_call("list", None, socket, config_path).get("open", [])
+    if as_json:
+        _echo_json({"open": names})
+        return
+    for n in names:
         click.echo(n)
+
+
+def _echo_json(obj) -> None:
+    import json
+
+    click.echo(json.dumps(obj, indent=2))
 
 
 if __name__ == "__main__":

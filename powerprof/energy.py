@@ -32,8 +32,27 @@ def interp_at(t_ns: np.ndarray, y: np.ndarray, at_ns: float) -> float:
     return float(np.interp(float(at_ns - t[0]), (t - t[0]).astype(float), np.asarray(y, dtype=float)))
 
 
-def counter_energy_j(t_ns: np.ndarray, e_j: np.ndarray, t0_ns: int, t1_ns: int) -> float:
-    """Energy between two instants from a cumulative counter read at (or around) them."""
+def epoch_broken(t_ns: np.ndarray, epoch: np.ndarray, t0_ns, t1_ns) -> np.ndarray:
+    """Whether [t0, t1] reaches across a change of epoch (bumped whenever a counter delta was dropped).
+
+    The reads used at the edges are the last at or before t0 and the first at or after t1. The
+    energy of a dropped delta was never counted, so a difference across it would be a smaller,
+    real-looking number: such a window is missing instead. Vectorised over t0/t1.
+    """
+    t = np.asarray(t_ns, dtype=np.int64)
+    ep = np.asarray(epoch)
+    i = np.clip(np.searchsorted(t, t0_ns, side="right") - 1, 0, t.size - 1)
+    j = np.clip(np.searchsorted(t, t1_ns, side="left"), 0, t.size - 1)
+    return ep[i] != ep[j]
+
+
+def counter_energy_j(t_ns: np.ndarray, e_j: np.ndarray, t0_ns: int, t1_ns: int, epoch: np.ndarray | None = None) -> float:
+    """Energy between two instants from a cumulative counter read at (or around) them.
+
+    NaN across an epoch break (see `epoch_broken`) when the reads carry an epoch.
+    """
+    if epoch is not None and np.size(t_ns) and epoch_broken(t_ns, epoch, t0_ns, t1_ns):
+        return float("nan")
     e = unwrap_resets(e_j)
     return interp_at(t_ns, e, t1_ns) - interp_at(t_ns, e, t0_ns)
 

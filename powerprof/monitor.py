@@ -1,4 +1,9 @@
-"""Live monitor: runs the sampler over open sources and turns each completed tick into display rows."""
+"""Live monitor: runs the sampler over open sources and turns each completed tick into display rows.
+
+Three views of the same rows: `render` (a rich panel per GPU, nvitop-style: name, memory used/total,
+bars, load and temperature coloured), `lines` (plain text for pipes and logs) and `json_line`
+(one JSON object per tick for scripts). Bars are drawn with █/░, so they read without colour too.
+"""
 
 from __future__ import annotations
 
@@ -6,8 +11,11 @@ import threading
 import time
 from typing import Callable
 
+import json
+
 from rich import box
 from rich.console import Group
+from rich.panel import Panel
 from rich.table import Table
 from rich.text import Text
 
@@ -63,14 +71,19 @@ def run_monitor(
     stop = stop or threading.Event()
     last = None if duration_s is None else int(duration_s / interval_s + 1e-6)
     baseline: dict[str, float] = {}
+    infos = {i.index: i for i in sources.nvml.infos} if sources.nvml is not None else {}
     sampler.start()
     try:
         k = 0
         while not stop.is_set():
             next_due_s = (sampler.t0_ns + (k + 1) * sampler.interval_ns - time.monotonic_ns()) / 1e9
+            if last is not None and k >= last:
+                # No later tick will show it: give the last one a grace period before the sampler stops,
+                # or a loaded machine's --duration output loses its final sample.
+                next_due_s += max(interval_s, 1.0)
             watcher.wait_tick(k, next_due_s)
             if on_tick is not None:
-                on_tick(k, display_rows(sampler.latest, baseline))
+                on_tick(k, display_rows(sampler.latest, baseline, infos))
             if last is not None and k >= last:
                 break
             k += 1
@@ -85,9 +98,11 @@ def _fmt(v, nd=0, unit=""):
     return f"{v:.{nd}f}{unit}"
 
 
-def display_rows(latest: dict[str, Sample], baseline: dict[str, float]) -> dict:
+def display_rows(latest: dict[str, Sample], baseline: dict[str, float], infos: dict | None = None) -> dict:
     """What one tick shows: GPU rows, CPU (RAPL) rows, a host line. Energies count from the first
-    tick shown (`baseline` remembers each device's first value)."""
+    tick shown (`baseline` remembers each device's first value); `infos` (NVML index → GpuInfo)
+    adds each GPU's name and memory size."""
+    infos = infos or {}
     gpus, cpus, host = [], [], None
     s = latest.get("nvml")
     if s is not None and s.data is not None:
@@ -95,9 +110,13 @@ def display_rows(latest: dict[str, Sample], baseline: dict[str, float]) -> dict:
             key = f"gpu{r.index}"
             if r.energy_j is not None:
                 baseline.setdefault(key, r.energy_j)
+            info = infos.get(r.index)
             gpus.append(
                 {
                     "device": key,
+                    "name": info.name if info is not None else None,
+                    "mem_used_bytes": r.mem_used_bytes,
+                    "mem_total_bytes": info.memory_total_bytes if info is not None else None,
                     "power_w": r.power_w,
                     "power_avg_w": r.power_avg_w,
                     "energy_j": r.energy_j - baseline[key] if r.energy_j is not None else None,
@@ -127,8 +146,82 @@ def display_rows(latest: dict[str, Sample], baseline: dict[str, float]) -> dict:
     return {"gpus": gpus, "cpus": cpus, "host": host}
 
 
+LOAD_LEVELS = ((50.0, "green"), (80.0, "yellow"), (float("inf"), "red"))  # % of capacity → colour
+TEMP_LEVELS_C = ((60.0, "green"), (80.0, "yellow"), (float("inf"), "red"))
+BAR_W = 18
+MAX_PANELS = 4
+
+
+def level_style(value: float | None, levels) -> str:
+    """The colour of a value: the first threshold it stays below."""
+    if value is None:
+        return "dim"
+    return next(style for limit, style in levels if value < limit)
+
+
+def bar(pct: float | None, width: int = BAR_W) -> Text:
+    """█ for the used share, ░ for the rest, coloured by load; an unknown value is an empty dim bar."""
+    if pct is None:
+        return Text("░" * width, style="dim")
+    n = round(max(0.0, min(100.0, pct)) / 100 * width)
+    return Text.assemble(("█" * n, level_style(pct, LOAD_LEVELS)), ("░" * (width - n), "dim"))
+
+
+def _gib(b) -> str:
+    return "-" if b is None else f"{b / 2**30:.1f}"
+
+
+def _pct(a, b) -> float | None:
+    return 100.0 * a / b if a is not None and b else None
+
+
+def gpu_panel(g: dict) -> Panel | Text:
+    """One GPU as nvitop shows it: name and temperature on top, then load, memory and power bars."""
+    if "error" in g:
+        return Text(f"{g['device']}: {g['error']}", style="red")
+    temp = g["temperature_c"]
+    head = Text.assemble((f"{g['device']} ", "bold"), (g.get("name") or "", "bold cyan"))
+    t = Table.grid(padding=(0, 1))
+    for _ in range(4):
+        t.add_column(no_wrap=True)
+    mem_pct = _pct(g.get("mem_used_bytes"), g.get("mem_total_bytes"))
+    pwr = g["power_w"] if g["power_w"] is not None else g["power_avg_w"]
+    pwr_pct = _pct(pwr, g["enforced_limit_w"])
+    t.add_row(Text("UTIL", style="bold"), bar(g["gpu_util_pct"]),
+              Text(_fmt(g["gpu_util_pct"], 0, "%").rjust(4), style=level_style(g["gpu_util_pct"], LOAD_LEVELS)),
+              Text.assemble("temp ", (_fmt(temp, 0, "°C"), level_style(temp, TEMP_LEVELS_C))))
+    t.add_row(Text("MEM", style="bold"), bar(mem_pct),
+              Text(_fmt(mem_pct, 0, "%").rjust(4), style=level_style(mem_pct, LOAD_LEVELS)),
+              f"{_gib(g.get('mem_used_bytes'))} / {_gib(g.get('mem_total_bytes'))} GiB")
+    t.add_row(Text("PWR", style="bold"), bar(pwr_pct),
+              Text(_fmt(pwr_pct, 0, "%").rjust(4), style=level_style(pwr_pct, LOAD_LEVELS)),
+              f"{_fmt(pwr, 1)} / {_fmt(g['enforced_limit_w'], 0)} W  avg {_fmt(g['power_avg_w'], 1)} W")
+    foot = Text(f"SM {_fmt(g['sm_clock_mhz'], 0, ' MHz')}  mem {_fmt(g['mem_clock_mhz'], 0, ' MHz')}  "
+                f"energy {_fmt(g['energy_j'], 1, ' J')}  reasons {_reasons(g['reasons'])}", style="dim")
+    return Panel(Group(t, foot), title=head, title_align="left", box=box.ROUNDED, padding=(0, 1), expand=False)
+
+
 def render(k: int, rows: dict, interval_s: float) -> Group:
-    """A rich renderable for a terminal."""
+    """A rich renderable for a terminal: a panel per GPU, then the CPU line (the compact table
+    beyond MAX_PANELS GPUs, where panels would not fit a screen)."""
+    if len(rows["gpus"]) > MAX_PANELS:
+        return render_table(k, rows, interval_s)
+    parts: list = [Text(f"powerprof monitor  t={k * interval_s:.1f} s  (every {interval_s:g} s, Ctrl-C to stop)",
+                        style="bold")]
+    parts += [gpu_panel(g) for g in rows["gpus"]]
+    cpu = _cpu_line(rows)
+    if cpu:
+        parts.append(Text(cpu))
+    return Group(*parts)
+
+
+def json_line(k: int, rows: dict, interval_s: float) -> str:
+    """`monitor --json`: one object per tick with stable keys (t_s, gpus, cpus, host)."""
+    return json.dumps({"t_s": round(k * interval_s, 6), **rows}, separators=(",", ":"))
+
+
+def render_table(k: int, rows: dict, interval_s: float) -> Group:
+    """The compact table (one row per GPU), for many GPUs at once."""
     t = Table(title=f"powerprof monitor  t={k * interval_s:.1f}s", title_justify="left", box=box.SIMPLE_HEAD,
               padding=(0, 1), collapse_padding=True, pad_edge=False)
     # Two-line headers and no vertical rules: the table fits an 80-column terminal without eliding numbers.

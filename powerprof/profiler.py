@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from powerprof.collectors.nvml import NvmlCollector
+from powerprof.collectors.rapl import cpu_energy_j
 from powerprof.collectors.sampler import Clock, Sample, Sampler
 from powerprof.energy import counter_energy_j, integrate_power_j, shift_average_power
 
@@ -34,9 +35,15 @@ METHOD_COUNTER = "counter"
 METHOD_POWER = "power_integration"
 METHOD_AVG_POWER = "avg_power_integration"
 METHOD_NONE = "none"
-_METHOD_RANK = {METHOD_COUNTER: 0, METHOD_POWER: 1, METHOD_AVG_POWER: 2, METHOD_NONE: 3}
+# Best first: the order a GPU's energy falls back through, and the rank that says which method a
+# sum of windows can claim. The 1 s trailing average has seen every moment of its window, which
+# beats instant readings taken once a second (bench/window_accuracy.py).
+ENERGY_METHODS = (METHOD_COUNTER, METHOD_AVG_POWER, METHOD_POWER, METHOD_NONE)
 
-CPU_ENERGY_KINDS = ("package", "dram")
+
+def weakest_method(methods) -> str:
+    """The worst of several windows' methods: what a figure built from all of them can claim."""
+    return max(methods, key=ENERGY_METHODS.index, default=METHOD_NONE)
 
 
 @dataclass(frozen=True)
@@ -59,9 +66,7 @@ class EnergyResult:
     @property
     def method(self) -> str:
         """The weakest method used for any GPU: what the number as a whole can claim."""
-        if not self.gpu_methods:
-            return METHOD_NONE
-        return max(self.gpu_methods, key=_METHOD_RANK.__getitem__)
+        return weakest_method(self.gpu_methods)
 
     @property
     def avg_gpu_power_w(self) -> float | None:
@@ -85,29 +90,21 @@ class Window:
 class _Series:
     t_ns: list = field(default_factory=list)
     y: list = field(default_factory=list)
+    epoch: list = field(default_factory=list)  # of a counter: see energy.epoch_broken
 
-    def add(self, t: int, v: float | None) -> None:
+    def add(self, t: int, v: float | None, epoch: int = 0) -> None:
         if v is None:
             return
         # On-demand and tick samples come from different threads: keep the series ordered.
+        i = len(self.t_ns)
         if self.t_ns and t < self.t_ns[-1]:
             i = int(np.searchsorted(np.asarray(self.t_ns), t, side="right"))
-            self.t_ns.insert(i, t)
-            self.y.insert(i, v)
-        else:
-            self.t_ns.append(t)
-            self.y.append(v)
+        self.t_ns.insert(i, t)
+        self.y.insert(i, v)
+        self.epoch.insert(i, epoch)
 
     def arrays(self) -> tuple[np.ndarray, np.ndarray]:
         return np.asarray(self.t_ns, dtype=np.int64), np.asarray(self.y, dtype=float)
-
-
-def cpu_energy_from_rapl(data) -> float | None:
-    """Package + DRAM cumulative energy from one RAPL reading (psys and core overlap them)."""
-    if not data:
-        return None
-    vals = [r.energy_j for r in data if getattr(r, "kind", "package") in CPU_ENERGY_KINDS and r.energy_j is not None]
-    return float(sum(vals)) if vals else None
 
 
 class EnergyTimeline:
@@ -131,7 +128,7 @@ class EnergyTimeline:
                     self.gpu_power[k].add(sample.t_mono_ns, r.power_w)
                     self.gpu_avg_power[k].add(sample.t_mono_ns, r.power_avg_w)
             elif sample.source == "rapl":
-                self.cpu_energy.add(sample.t_mono_ns, cpu_energy_from_rapl(sample.data))
+                self.cpu_energy.add(sample.t_mono_ns, *cpu_energy_j(sample.data))
 
     def latest_ns(self) -> int | None:
         with self._lock:
@@ -149,33 +146,41 @@ class EnergyTimeline:
                 gpu_e.append(e)
                 methods.append(m)
             t, y = self.cpu_energy.arrays()
-            cpu = counter_energy_j(t, y, t0_ns, t1_ns) if t.size >= 2 else float("nan")
+            cpu = counter_energy_j(t, y, t0_ns, t1_ns, self.cpu_energy.epoch) if t.size >= 2 else float("nan")
         return EnergyResult(t0_ns, t1_ns, tuple(gpu_e), tuple(methods), None if np.isnan(cpu) else cpu)
 
     def _gpu_energy(self, k: int, t0: int, t1: int) -> tuple[float | None, str]:
-        # Counter first; then the trailing average (it has seen every moment of its window, which
-        # beats instant readings taken once a second); instant power last.
+        for method in ENERGY_METHODS[:-1]:
+            e = self._by_method[method](self, k, t0, t1)
+            if not np.isnan(e):
+                return e, method
+        return None, METHOD_NONE
+
+    def _counter(self, k: int, t0: int, t1: int) -> float:
         t, y = self.gpu_energy[k].arrays()
-        if t.size >= 2:
-            e = counter_energy_j(t, y, t0, t1)
-            if not np.isnan(e):
-                return e, METHOD_COUNTER
+        return counter_energy_j(t, y, t0, t1) if t.size >= 2 else float("nan")
+
+    def _avg_power(self, k: int, t0: int, t1: int) -> float:
         t, y = self.gpu_avg_power[k].arrays()
-        if t.size >= 2 and self.avg_windows_s[k] > 0:
-            half = int(self.avg_windows_s[k] * 1e9 / 2)
-            t = shift_average_power(t, self.avg_windows_s[k])
-            # The last reading speaks for the half-window after its shifted time too.
-            t, y = np.append(t, t[-1] + half), np.append(y, y[-1])
-            e = integrate_power_j(t, y, t0, t1)
-            if not np.isnan(e):
-                return e, METHOD_AVG_POWER
+        if t.size < 2 or self.avg_windows_s[k] <= 0:
+            return float("nan")
+        half = int(self.avg_windows_s[k] * 1e9 / 2)
+        t = shift_average_power(t, self.avg_windows_s[k])
+        # The last reading speaks for the half-window after its shifted time too.
+        t, y = np.append(t, t[-1] + half), np.append(y, y[-1])
+        return integrate_power_j(t, y, t0, t1)
+
+    def _instant_power(self, k: int, t0: int, t1: int) -> float:
+        # Without a trailing average (window 0) the "average" reading is instant power too.
         for series in (self.gpu_power[k], self.gpu_avg_power[k]):
             t, y = series.arrays()
             if t.size >= 2:
                 e = integrate_power_j(t, y, t0, t1)
                 if not np.isnan(e):
-                    return e, METHOD_POWER
-        return None, METHOD_NONE
+                    return e
+        return float("nan")
+
+    _by_method = {METHOD_COUNTER: _counter, METHOD_AVG_POWER: _avg_power, METHOD_POWER: _instant_power}
 
 
 class Profiler:

@@ -1,25 +1,45 @@
-"""Rich progress and tables on the terminal for `powerprof sweep` (presentation only)."""
+"""Rich progress, the result table and the end screen on the terminal for `powerprof sweep` (presentation only)."""
 
 from __future__ import annotations
 
+import math
+import os
+import time
+
 from rich import box
-from rich.console import Console
+from rich.console import Console, Group
 from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
+from rich.text import Text
 
-from powerprof.sweep import UI, LevelVisit
+from powerprof.sweep import UI, LevelVisit, SweepSettings
+from powerprof.terminal_plot import CHOSEN, LINE, POINT, Curves, Panel
+
+BAR_STEPS = 1000  # the bar's total: the fraction of the level done, in thousandths
 
 
 def _f(v, spec: str, none: str = "-") -> str:
     return none if v is None else format(v, spec)
 
 
-class RichSweepUI(UI):
-    """One progress line per level: level i/n, requests, live tok/s, W, J/token, CI."""
+def level_fraction(requests: int, elapsed_s: float, ci_pct: float | None, s: SweepSettings) -> float:
+    """How far a level is towards its stopping rule, 0..1: whichever of time, request count or CI
+    target is nearest to stopping it. The CI part counts only once --min-requests are in (before that
+    the CI cannot stop the level), and it is target/CI, reaching 1 as the CI narrows to the target."""
+    parts = [elapsed_s / s.max_time_s, requests / s.max_requests]
+    if requests >= s.min_requests and ci_pct is not None and math.isfinite(ci_pct) and ci_pct > 0:
+        parts.append(100 * s.target_ci / ci_pct)
+    return max(0.0, min(1.0, max(parts)))
 
-    def __init__(self, console: Console | None = None, min_requests: int = 5):
+
+class RichSweepUI(UI):
+    """One progress line per level: level i/n, requests, live tok/s, W, J/token, CI.
+
+    The bar follows the sweep's stopping rule (level_fraction), so it fills when the level ends."""
+
+    def __init__(self, console: Console | None = None, settings: SweepSettings | None = None):
         self.console = console or Console(stderr=True)
-        self.min_requests = min_requests
+        self.settings = settings or SweepSettings(level_kind="power_limit", levels=(1.0,))
         self.progress = Progress(
             TextColumn("{task.description}"),
             BarColumn(bar_width=20),
@@ -38,14 +58,18 @@ class RichSweepUI(UI):
     def __exit__(self, *exc):
         self.progress.stop()
 
+    def _log(self, text: str) -> None:
+        # Not console.log: it ends every line with the source file and line (progress.py:42).
+        self.console.print(Text.assemble((time.strftime("[%H:%M:%S] "), "dim"), text))
+
     def idle(self, seconds: float) -> None:
-        self.console.log(f"idle baseline: {seconds:g} s with no load")
+        self._log(f"idle baseline: {seconds:g} s with no load")
 
     def level_start(self, i: int, n: int, visit: LevelVisit, unit: str) -> None:
         self._unit = unit
         rep = f" (repeat {visit.repeat + 1})" if visit.repeat else ""
         self._task = self.progress.add_task(
-            f"level {i + 1}/{n}: {visit.level_value:g} {unit}{rep}", total=self.min_requests, info="settling"
+            f"level {i + 1}/{n}: {visit.level_value:g} {unit}{rep}", total=BAR_STEPS, info="settling"
         )
 
     def _info(self, live: dict) -> str:
@@ -57,41 +81,121 @@ class RichSweepUI(UI):
 
     def level_progress(self, visit: LevelVisit, live: dict) -> None:
         if self._task is not None:
-            total = max(self.min_requests, live["requests"])
-            self.progress.update(self._task, completed=live["requests"], total=total, info=self._info(live))
+            f = level_fraction(live["requests"], visit.elapsed_s, live.get("ci_pct"), self.settings)
+            # A level ends only at a round's end, so a full bar waits for the round: hold it just short.
+            self.progress.update(self._task, completed=min(f, 0.99) * BAR_STEPS, info=self._info(live))
 
     def level_done(self, visit: LevelVisit, live: dict) -> None:
         if self._task is not None:
-            self.progress.update(self._task, completed=1, total=1, info=self._info(live) + f"  [{visit.stop}]")
+            self.progress.update(self._task, completed=BAR_STEPS, info=self._info(live) + f"  [{visit.stop}]")
 
     def note(self, text: str) -> None:
-        self.console.log(text)
+        self._log(text)
 
 
 def result_console() -> Console:
-    """stdout; a log file or pipe gets 120 columns so the table is not squeezed to 80."""
+    """stdout; a log file or pipe gets 120 columns so the table is not squeezed to 80, unless
+    $COLUMNS says otherwise."""
     c = Console()
-    return c if c.is_terminal else Console(width=120)
+    return c if c.is_terminal or os.environ.get("COLUMNS") else Console(width=120)
 
 
-def levels_table(levels, unit: str = "W") -> Table:
-    """The per-level result table printed at the end of a sweep."""
-    t = Table(title="powerprof sweep: decode only, medians over requests", box=box.SIMPLE_HEAD, show_lines=False)
-    heads = ("level", "enforced", "tok/s", "slower", "J/tok GPU", "±CI", "J/tok +CPU", "saving", "SM MHz", "mem MHz", "flags")
-    for col in heads:
-        t.add_column(col, justify="right" if col != "flags" else "left", no_wrap=col != "flags")
-    for r in levels.to_pylist():
-        t.add_row(
-            f"{r['level_value']:g} {unit}" + (" (ref)" if r.get("reference") else ""),
-            _f(r.get("enforced_limit_w"), ".0f"),
-            _f(r.get("decode_tok_s"), ".1f"),
-            _f(r.get("speed_loss_pct"), ".1f") + "%",
-            _f(r.get("gpu_j_per_token"), ".3f"),
-            _f(r.get("ci_reached_pct"), ".1f") + "%",
-            _f(r.get("total_j_per_token"), ".3f"),
-            _f(r.get("energy_saving_pct"), ".1f") + "%",
-            _f(r.get("sm_clock_mhz"), ".0f"),
-            _f(r.get("mem_clock_mhz"), ".0f"),
-            r.get("flags") or "",
-        )
-    return t
+# (header, cell) per column; the optional ones go first, in this order, when the terminal is narrow.
+_COLUMNS = (
+    ("level", lambda r, u: f"{r['level_value']:g} {u}" + (" (ref)" if r.get("reference") else "")),
+    ("enforced\nW", lambda r, u: _f(r.get("enforced_limit_w"), ".0f")),
+    ("tok/s", lambda r, u: _f(r.get("decode_tok_s"), ".1f")),
+    ("slower", lambda r, u: _f(r.get("speed_loss_pct"), ".1f") + "%"),
+    ("J/tok\nGPU", lambda r, u: _f(r.get("gpu_j_per_token"), ".3f")),
+    ("±CI", lambda r, u: _f(r.get("ci_reached_pct"), ".1f") + "%"),
+    ("J/tok\n+CPU", lambda r, u: _f(r.get("total_j_per_token"), ".3f")),
+    ("saving", lambda r, u: _f(r.get("energy_saving_pct"), ".1f") + "%"),
+    ("SM\nMHz", lambda r, u: _f(r.get("sm_clock_mhz"), ".0f")),
+    ("mem\nMHz", lambda r, u: _f(r.get("mem_clock_mhz"), ".0f")),
+    ("flags", lambda r, u: ", ".join(f for f in (r.get("flags") or "").split(",") if f)),
+)
+_DROP_ORDER = ("mem\nMHz", "enforced\nW", "J/tok\n+CPU", "SM\nMHz")
+TITLE = "powerprof sweep: decode only, medians over requests"
+
+
+class LevelsTable:
+    """The per-level result table printed at the end of a sweep; `recommended` gets a ★.
+
+    Flags are joined with ", " and the column folds, so a long flag list wraps onto more lines
+    instead of being cut with an ellipsis. Where the terminal is too narrow for every column,
+    the least needed ones are left out (and the caption names them) rather than numbers cut."""
+
+    def __init__(self, levels, unit: str = "W", recommended: float | None = None):
+        self.rows = levels.to_pylist()
+        self.unit = unit
+        self.recommended = recommended
+
+    def table(self, dropped: tuple[str, ...] = ()) -> Table:
+        cols = [c for c in _COLUMNS if c[0] not in dropped]
+        caption = ("left out for width: " + ", ".join(d.replace("\n", " ") for d in dropped)) if dropped else None
+        t = Table(title=TITLE, caption=caption, box=box.SIMPLE_HEAD, padding=(0, 1), collapse_padding=True)
+        for head, _ in cols:
+            if head == "flags":
+                t.add_column(head, justify="left", overflow="fold", min_width=12)
+            else:
+                t.add_column(head, justify="right", no_wrap=True)
+        for r in self.rows:
+            cells = [cell(r, self.unit) for _, cell in cols]
+            if self.recommended is not None and r["level_value"] == self.recommended:
+                cells[0] += f" {CHOSEN}"
+            t.add_row(*cells)
+        return t
+
+    def width_needed(self, dropped: tuple[str, ...] = ()) -> int:
+        """Columns at full width (flags at their longest single flag), one space each side, and the edges."""
+        total = 2
+        for head, cell in _COLUMNS:
+            if head in dropped:
+                continue
+            cells = [cell(r, self.unit) + (f" {CHOSEN}" if head == "level" else "") for r in self.rows]
+            if head == "flags":
+                w = max([12] + [len(f) + 1 for c in cells for f in c.split(", ")])
+            else:
+                w = max([len(x) for x in head.split("\n")] + [len(c) for c in cells])
+            total += w + 2
+        return total
+
+    def __rich_console__(self, console, options):
+        for k in range(len(_DROP_ORDER) + 1):
+            if self.width_needed(_DROP_ORDER[:k]) <= options.max_width:
+                break
+        yield self.table(_DROP_ORDER[:k])
+
+
+def levels_table(levels, unit: str = "W", recommended: float | None = None) -> LevelsTable:
+    return LevelsTable(levels, unit, recommended)
+
+
+def curves(result) -> Curves:
+    """J/token and tok/s against the level for the analysis' main series, the recommendation marked."""
+    sr = result.main
+    unit = "MHz" if sr.series.level_kind == "sm_clock" else "W"
+    rows = sr.table.to_pylist()
+    x = tuple(float(r["level_value"]) for r in rows)
+    rec = sr.recommendation
+    what = f"SM clock ({unit})" if unit == "MHz" else f"limit ({unit})"
+    panels = [
+        Panel(f"GPU J/token vs {what}", x, tuple(r["gpu_j_per_token"] for r in rows), rec.level_value, unit),
+        Panel(f"decode tok/s vs {what}", x, tuple(r["decode_tok_s"] for r in rows), rec.level_value, unit,
+              y_format=".4g"),
+    ]
+    legend = (f"[bold red]{CHOSEN}[/] recommended {rec.recommended_value:g} {unit} ({rec.policy})   "
+              f"[cyan]{POINT}[/] measured level   [dim]{LINE}[/] straight line between levels")
+    return Curves(panels, legend)
+
+
+def end_screen(levels, result, unit: str) -> Group:
+    """What a finished sweep prints: one table, the curves, then the recommendation and findings."""
+    from powerprof.analysis.report import console_summary
+
+    rec = result.main.recommendation.level_value if result.series else None
+    parts = [levels_table(levels, unit, recommended=rec)]
+    if result.series:
+        parts += [Text(""), curves(result), Text("")]
+    parts.append(Text(console_summary(result, table=False)))
+    return Group(*parts)

@@ -2,14 +2,28 @@
 
 from __future__ import annotations
 
+import asyncio
 import random
 import time
+import uuid
+from contextlib import ExitStack
 from dataclasses import dataclass, field
+from pathlib import Path
 
+import aiohttp
 import numpy as np
 
+from powerprof import __version__
+from powerprof.analysis.stats import bootstrap_ci, summarize_levels
 from powerprof.collectors.sampler import Sample
+from powerprof.control.device import read_devices
+from powerprof.control.levels import parse_clock_levels, parse_power_levels
 from powerprof.profiler import Profiler
+from powerprof.storage.runs import RunWriter, default_run_dir, table_from_rows
+from powerprof.storage.samples import Timeline
+from powerprof.workload.client import RequestParams
+from powerprof.workload.load import LoadAborted, LoadPolicy, builtin_prompts, detect, run_load_async
+from powerprof.workload.rows import Level, request_timing, window_rows
 
 REASON_SW_POWER_CAP = 0x4
 REASON_THERMAL = 0x20 | 0x40  # SwThermal | HwThermal
@@ -75,7 +89,6 @@ def visit_order(levels, repeats: int, order: str, seed: int = 0) -> list[tuple[f
 def median_ci_halfwidth_frac(values: np.ndarray, n_boot: int = 2000, seed: int = 0) -> float:
     """Half-width of the bootstrap 95% CI of the median, relative to the median: the same statistic
     the analysis reports as ci_reached_pct, so the live figure and the table agree."""
-    from powerprof.analysis.stats import bootstrap_ci
 
     v = np.asarray(values, dtype=float)
     v = v[np.isfinite(v)]
@@ -214,12 +227,10 @@ class Sweep:
     # --- the run -----------------------------------------------------------------------------
 
     def run(self) -> None:
-        import asyncio
 
         asyncio.run(self._run())
 
     async def _run(self) -> None:
-        import aiohttp
 
         order = visit_order(self.s.levels, self.s.repeats, self.s.order, self.s.seed)
         async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0)) as session:
@@ -238,7 +249,6 @@ class Sweep:
                 self.ui.level_done(visit, self._live(visit))
 
     async def _idle_baseline(self) -> None:
-        import asyncio
 
         if self.s.idle_s <= 0:
             return
@@ -259,7 +269,6 @@ class Sweep:
     async def _settle(self, visit: LevelVisit) -> float:
         """Wait until the enforced limit reads back as set and power and SM clock hold steady
         across two reads, or the bounded wait runs out. Warm-up requests follow either way."""
-        import asyncio
 
         t0 = time.monotonic()
         prev = None
@@ -289,7 +298,6 @@ class Sweep:
         return self.prompts[k:] + self.prompts[:k]
 
     async def _batch(self, n_requests: int, warmup: int):
-        from powerprof.workload.load import run_load_async
 
         recs = await run_load_async(
             self.server,
@@ -317,7 +325,6 @@ class Sweep:
         return -(-len(self.prompts) // c) * c
 
     async def _measure(self, visit: LevelVisit) -> None:
-        from powerprof.workload.load import LoadAborted, LoadPolicy
 
         self.policy = self.policy or LoadPolicy(max_failed_attempts=self.s.max_failures)
         t_start = time.monotonic()
@@ -393,23 +400,17 @@ class Sweep:
         return excluded_windows(self.rows, counted_kind=lambda r: kind)
 
     def _add_rows(self, visit: LevelVisit, recs) -> list[dict]:
-        from powerprof.workload.measure import batch_row, batch_windows, request_energy, request_row, request_timing
-
-        new = []
+        level = Level(self.s.level_kind, float(visit.level_value), visit.repeat)
+        new, batches = window_rows(recs, self.prof, self.run_id, self.server, level)
         for r in recs:
-            _, edges = request_timing(r)
-            row = request_row(r, request_energy(self.prof, r), self.run_id, self.server)
             self.records.append((visit.level_value, r))
+            _, edges = request_timing(r)
             if edges is not None and not r.warmup and self.s.concurrency == 1:
                 visit.spans.append(edges)
-            new.append(row)
-        for b in batch_windows(recs):
-            batch_recs = [r for r in recs if r.batch_id == b.batch_id]
-            new.append(batch_row(b, batch_recs, self.prof, self.run_id, self.server))
-            if new[-1].get("timing") != "untrusted":
+        for b, row in zip(batches, [x for x in new if x["window_kind"] == "batch"]):
+            if row.get("timing") != "untrusted":
                 visit.spans.extend((int(t0), int(t1)) for t0, t1 in b.intervals)
         for row in new:
-            row.update(level_kind=self.s.level_kind, level_value=float(visit.level_value), repeat=visit.repeat)
             self._above_idle(row)
         self.rows.extend(new)
         return new
@@ -472,16 +473,13 @@ class Sweep:
         return out
 
     def windows_table(self):
-        from powerprof.storage.runs import table_from_rows
 
         return table_from_rows("windows", self.rows)
 
     def levels_table(self):
-        from powerprof.analysis.stats import summarize_levels
 
         windows = self.windows_table()
         if not any(self._counts(r) for r in self.rows):
-            from powerprof.storage.runs import table_from_rows
 
             return table_from_rows("levels", [])
         return summarize_levels(windows, self.reference_value, run_id=self.run_id, extra=self.level_extras())
@@ -495,8 +493,6 @@ class Sweep:
 
 
 # --- wiring: what `powerprof sweep` runs ---------------------------------------------------------
-
-SIM_CPU_IDLE_W = 18.0  # simulated CPU package power with the server idle
 
 
 @dataclass
@@ -516,14 +512,13 @@ def _remove_if_empty(path) -> None:
 
 
 def run_sweep(
+    rig,
     settings: SweepSettings | None = None,
     *,
     levels_spec: str,
     level_kind: str = "power_limit",
     url: str | None = None,
     launch: str | None = None,
-    simulate: str | None = None,
-    gpus: list[int] | None = None,
     out_dir=None,
     runs_base="runs",
     prompts=None,
@@ -533,59 +528,26 @@ def run_sweep(
     dry_run: bool = False,
     command_line: str = "",
     ui: UI | None = None,
-    sim_nvml=None,
     launch_timeout_s: float = 300.0,
     **settings_kw,
 ) -> SweepOutcome:
-    """Open everything, validate before touching anything, run, and put every GPU back.
+    """Sweep on the `rig` (powerprof.rig.Rig: its GPUs, RAPL and server, whatever they are): open
+    everything, validate before touching anything, run, and put every GPU back.
 
     Order matters: levels are parsed against the device's range before the server is started
     or a limit changes, so bad input costs nothing and changes nothing.
     """
-    import uuid
-    from contextlib import ExitStack
-    from pathlib import Path
 
-    from powerprof import __version__
-    from powerprof.collectors.sources import open_sources
-    from powerprof.control.controller import LimitController
-    from powerprof.control.device import read_devices
-    from powerprof.control.levels import parse_clock_levels, parse_power_levels
-    from powerprof.control.plan import make_plan
-    from powerprof.storage.runs import RunWriter, default_run_dir
-    from powerprof.storage.samples import Timeline
-    from powerprof.workload.client import RequestParams
-    from powerprof.workload.launcher import ServerLauncher
-    from powerprof.workload.load import builtin_prompts, detect
 
-    # --simulate alone: simulated GPU and server; with --server (or --launch): a simulated GPU beside a real server.
-    if not (simulate or url or launch):
-        raise SweepError("give --server URL, --launch CMD (with --server for its URL) or --simulate")
+    try:
+        rig.check_server(url, launch)
+    except ValueError as e:
+        raise SweepError(str(e)) from None
     prompts = prompts or builtin_prompts("short")
     params = params or RequestParams()
     notes: list[str] = []
     with ExitStack() as stack:
-        busy = [False]
-        profile = None
-        if simulate:
-            from powerprof.sim.nvml import SimNVML
-            from powerprof.sim.profiles import get_profile
-
-            profile = get_profile(simulate)
-            count = max(gpus) + 1 if gpus else 1
-            sim_nvml = sim_nvml or SimNVML(profile, count=count)
-            cpu_w = profile.workload.cpu_busy_w
-            src = open_sources(simulate, gpus, nvml=sim_nvml, sim_cpu_power_w_fn=lambda: SIM_CPU_IDLE_W + (cpu_w if busy[0] else 0.0))
-            if url or launch:
-                notes.append(
-                    f"SIMULATED GPU ({simulate}) with the real server at {url}: token timing is real, every energy and power "
-                    "figure is the simulator's (its GPU does not see this server's work), not your hardware's"
-                )
-            else:
-                notes.append(f"simulated GPU ({simulate}) and simulated server: the figures demonstrate the method, not your hardware")
-        else:
-            src = open_sources(None, gpus)
-        stack.callback(src.close)
+        src = rig.sources
         if src.nvml is None:
             why = "; ".join(p.message + (f" (fix: {p.fix})" if p.fix else "") for p in src.problems if p.source == "nvml")
             raise SweepError(f"a sweep needs a GPU whose power limit it can set: {why or 'no GPU found'}")
@@ -605,10 +567,9 @@ def run_sweep(
         label = infos[0].name.replace("Simulated ", "sim-") if infos else "gpu"
         run_dir = Path(out_dir) if out_dir else default_run_dir(Path(runs_base), label)
         if dry_run:
-            plan = make_plan(
-                nvml, indexes, levels_spec if level_kind == "power_limit" else None, levels_spec if level_kind == "sm_clock" else None
-            )
-            return SweepOutcome(None, None, None, plan.lines(), notes)
+            spec = levels_spec
+            plan = rig.plan(indexes, spec if level_kind == "power_limit" else None, spec if level_kind == "sm_clock" else None)
+            return SweepOutcome(None, None, None, plan.lines(), rig.notes)
         # Refuse an unusable --out before a server is launched or a GPU is locked.
         if run_dir.exists() and (not run_dir.is_dir() or any(run_dir.iterdir())):
             raise SweepError(f"run directory {run_dir} already exists and is not empty; choose another --out")
@@ -618,19 +579,11 @@ def run_sweep(
             raise SweepError(f"cannot create the run directory {run_dir}: {e.strerror or e}") from None
         stack.callback(_remove_if_empty, run_dir)  # a sweep that fails before writing leaves nothing
 
-        if simulate and not (url or launch):
-            from powerprof.sim.server import SimServer
-
-            server = stack.enter_context(SimServer(sim_nvml))
-            server.on_busy(lambda b: busy.__setitem__(0, b))
-            url = server.url
-        elif launch:
-            if not url:
-                raise SweepError("--launch needs --server URL: where the launched server will listen")
-            stack.enter_context(ServerLauncher(launch, url, timeout_s=launch_timeout_s))
+        url = stack.enter_context(rig.server(url, launch, launch_timeout_s=launch_timeout_s))
+        notes.extend(rig.notes)
         server_info = detect(url, api)
 
-        ctl = stack.enter_context(LimitController(nvml, indexes))
+        ctl = stack.enter_context(rig.controller(indexes))
         profiler = stack.enter_context(
             Profiler(gpu_collector=src.nvml, rapl=src.rapl, extra_collectors=[src.host] if src.host else [], interval_s=interval_s)
         )
@@ -648,17 +601,8 @@ def run_sweep(
             "run_id": run_id,
             "version": __version__,
             "command_line": command_line,
-            "simulated": bool(simulate),
-            "sim_profile": simulate,
-            "server": {
-                "url": server_info.base_url,
-                "kind": server_info.kind,
-                "api": server_info.api,
-                "model": server_info.model,
-                "build_info": server_info.build_info,
-                "model_path": server_info.model_path,
-                "total_slots": server_info.total_slots,
-            },
+            **rig.meta(),
+            "server": server_info.meta(),
             "gpus": [
                 {
                     "index": i.index,

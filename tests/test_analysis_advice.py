@@ -13,7 +13,7 @@ import pytest
 from powerprof.analysis.analyze import AnalysisResult
 from powerprof.analysis.checks import level_findings
 from powerprof.analysis.report import analyze_run, recommendation_line
-from powerprof.analysis.synthetic import make_run, seed_truth
+from synthetic_runs import make_run, seed_truth
 from powerprof.storage.schema import LEVELS
 
 

@@ -13,7 +13,7 @@ from click.testing import CliRunner
 from openpyxl import load_workbook
 
 from powerprof.analysis import export as ex
-from powerprof.analysis.synthetic import make_run, seed_truth
+from synthetic_runs import make_run, seed_truth
 from powerprof.cli import main
 from powerprof.storage.schema import SAMPLES
 
@@ -62,13 +62,64 @@ def test_csv_opens_as_is_header_units_iso_times(run, tmp_path):
 def test_xlsx_has_one_sheet_per_table_with_dated_cells(run, tmp_path):
     (path,) = ex.export(run, "xlsx", tmp_path / "run.xlsx", tz="UTC")
     wb = load_workbook(path, read_only=True)
-    assert wb.sheetnames == ["levels", "samples", "windows"]
+    assert wb.sheetnames == ["summary", "levels", "samples", "windows"]
     ws = wb["samples"]
     rows = list(ws.iter_rows(values_only=True))
     assert rows[0][:2] == ("time_utc (UTC)", "time_local (UTC)") and "power_w (W)" in rows[0]
     assert isinstance(rows[1][0], datetime)
     lv = list(wb["levels"].iter_rows(values_only=True))
     assert "gpu_j_per_token (J/token)" in lv[0] and len(lv) == 3
+
+
+def test_xlsx_opens_ready_to_read(run, tmp_path):
+    """Frozen header, autofilter, column widths, millisecond time cells (issue 15, item 4)."""
+    (path,) = ex.export(run, "xlsx", tmp_path / "run.xlsx", tz="UTC")
+    wb = load_workbook(path)
+    for name in ("levels", "samples", "windows"):
+        ws = wb[name]
+        assert ws.freeze_panes == "A2", name
+        head = [c.value for c in ws[1]]
+        last = ws.cell(row=1, column=len(head)).column_letter
+        assert ws.auto_filter.ref == f"A1:{last}{ws.max_row}", name
+        for i, h in enumerate(head):
+            w = ws.column_dimensions[ws.cell(row=1, column=i + 1).column_letter].width
+            assert w >= min(len(h), ex.XLSX_MAX_COL_W), (name, h, w)
+    t = wb["samples"]["A2"]
+    assert t.number_format == ex.XLSX_TIME_FORMAT and "ss.000" in t.number_format
+    first = pq.read_table(run / "samples.parquet", columns=["time_utc"]).column(0)[0].as_py()
+    assert abs(t.value - first.replace(tzinfo=None)) < timedelta(milliseconds=1)  # the cell keeps the sub-second part
+
+
+def test_xlsx_headers_carry_units_for_ci_bounds_and_token_counts(run, tmp_path):
+    (path,) = ex.export(run, "xlsx", tmp_path / "run.xlsx", tz="UTC")
+    wb = load_workbook(path, read_only=True)
+    lv = next(wb["levels"].iter_rows(values_only=True))
+    assert "gpu_j_per_token_ci_low (J/token)" in lv and "decode_tok_s_ci_high (tokens/s)" in lv
+    w = next(wb["windows"].iter_rows(values_only=True))
+    assert "decode_tokens (tokens)" in w
+    assert ex.header("speed_loss_pct_ci_low", "UTC") == "speed_loss_pct_ci_low (%)"
+
+
+def test_xlsx_summary_sheet_has_the_recommendation_and_run_details(tmp_path):
+    from powerprof.analysis.report import analyze_run
+
+    run_dir = make_run(tmp_path / "run", seed_truth(), levels=(220, 300), n_requests=6)
+    res = analyze_run([run_dir], n_boot=200, plots=False, formats=())
+    (path,) = ex.export(run_dir, "xlsx", tmp_path / "run.xlsx", tz="UTC")
+    wb = load_workbook(path, read_only=True)
+    assert wb.sheetnames[0] == "summary"
+    items = dict(list(wb["summary"].iter_rows(values_only=True))[1:])
+    assert items["recommended power limit (W)"] == res.main.recommendation.recommended_value
+    assert items["policy"].startswith("budget")
+    assert items["run_id"] and items["exported from"] == str(run_dir.resolve())
+
+
+def test_xlsx_has_no_workbook_protection_element(run, tmp_path):
+    import zipfile
+
+    (path,) = ex.export(run, "xlsx", tmp_path / "run.xlsx", tz="UTC")
+    with zipfile.ZipFile(path) as z:
+        assert b"workbookProtection" not in z.read("xl/workbook.xml")
 
 
 def test_xlsx_refuses_a_selection_larger_than_a_sheet(run, tmp_path, monkeypatch):

@@ -16,7 +16,7 @@ from PIL import Image
 from powerprof.analysis import plots
 from powerprof.analysis.loading import AnalysisError
 from powerprof.analysis.report import analyze_run, console_summary
-from powerprof.analysis.synthetic import bowl_truth, make_run, seed_truth
+from synthetic_runs import bowl_truth, make_run, seed_truth
 from powerprof.cli import main
 from powerprof.storage.schema import ANALYSIS
 
@@ -170,3 +170,84 @@ def test_windows_without_energy_are_refused_with_the_reason(tmp_path):
     pq.write_table(w, run / "windows.parquet")
     with pytest.raises(AnalysisError, match="J/token cannot be computed"):
         analyze_run([run], tmp_path / "out")
+
+
+# --- issue 15, item 5: plots a person can read -------------------------------------------------
+
+
+def _marker_centres_px(fig, gid_prefix="choice-"):
+    """Where each policy marker is drawn, in display pixels (after any offset transform)."""
+    fig.canvas.draw()
+    out = {}
+    for ax in fig.axes:
+        for a in ax.get_children():
+            gid = a.get_gid() or ""
+            if gid.startswith(gid_prefix):
+                out[gid] = a.get_transform().transform((a.get_xdata()[0], a.get_ydata()[0]))
+    return out
+
+
+@pytest.mark.parametrize("plot", ["plot_j_per_token", "plot_tok_s", "plot_tradeoff"])
+def test_policy_markers_do_not_hide_each_other(seed_result, tmp_path, plot):
+    _, res = seed_result
+    sr = res.main
+    assert len({c.level_value for c in sr.choices.values()}) < len(sr.choices)  # some policies share a level
+    fig = getattr(plots, plot)(sr, tmp_path / "p.png")
+    centres = _marker_centres_px(fig)
+    assert len(centres) == 6
+    px_per_pt = fig.dpi / 72
+    min_gap_px = plots.MARKER_PT * px_per_pt  # centres at least a marker apart: outlines do not overlap
+    pts = list(centres.values())
+    for i in range(len(pts)):
+        for j in range(i + 1, len(pts)):
+            assert np.hypot(*(pts[i] - pts[j])) >= min_gap_px * 0.99
+
+
+def test_titles_say_each_thing_once(seed_result, tmp_path):
+    _, res = seed_result
+    sr = res.main
+    for plot in (plots.plot_j_per_token, plots.plot_tok_s, plots.plot_tradeoff):
+        title = plot(sr, tmp_path / "p.png").axes[0].get_title()
+        assert title.count("power limit") <= 1 and title.count("concurrency") == 1, title
+
+
+def test_power_clock_plot_labels_levels_with_units_and_the_idle_baseline(tmp_path):
+    run = make_run(tmp_path / "run", seed_truth(), levels=(220, 300), n_requests=6)
+    res = analyze_run([run], n_boot=200, formats=())
+    fig = plots.plot_timeline(res.timelines[0], tmp_path / "pc.png", level_unit="W", idle_power_w=25.0)
+    ax_p = fig.axes[0]
+    texts = [t.get_text() for t in ax_p.texts]
+    assert "220 W" in texts and "300 W" in texts
+    assert all(t.get_fontsize() >= 9 for t in ax_p.texts)
+    idle = [a for a in ax_p.get_children() if a.get_gid() == "idle-baseline"]
+    assert idle and "idle baseline 25 W" in [t.get_text() for t in ax_p.get_legend().get_texts()]
+
+
+def test_report_power_clock_gets_the_runs_idle_power(tmp_path, monkeypatch):
+    run = make_run(tmp_path / "run", seed_truth(), levels=(220, 300), n_requests=6)
+    meta = json.loads((run / "run.json").read_text())
+    meta["idle_gpu_power_w"] = 31.0
+    (run / "run.json").write_text(json.dumps(meta))
+    seen = {}
+    real = plots.plot_timeline
+
+    def spy(tl, path, **kw):
+        seen.update(kw)
+        return real(tl, path, **kw)
+
+    monkeypatch.setattr(plots, "plot_timeline", spy)
+    analyze_run([run], n_boot=200, formats=("md",))
+    assert seen == {"level_unit": "W", "idle_power_w": 31.0}
+
+
+def test_html_report_shows_plots_full_width_and_the_footnotes(seed_result):
+    run, res = seed_result
+    html = (run / "analysis" / "report.html").read_text()
+    md = (run / "analysis" / "report.md").read_text()
+    assert "figure img{width:100%" in html
+    footnote = next(line for line in md.splitlines() if line.startswith("★"))
+    import html as h
+
+    assert h.escape(footnote) in html
+    assert "statistics and policies: docs/analysis.md" in html
+    assert Image.open(run / "analysis" / "j_per_token.png").size[0] >= 900  # drawn for the width it is shown at

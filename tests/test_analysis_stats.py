@@ -6,7 +6,7 @@ import numpy as np
 import pyarrow as pa
 import pytest
 
-from powerprof.analysis.stats import bootstrap_ci, level_series, summarize_levels
+from powerprof.analysis.stats import bootstrap_ci, bootstrap_replicates, level_series, percentile_interval, summarize_levels
 from powerprof.storage.schema import LEVELS, WINDOWS
 
 
@@ -22,14 +22,30 @@ def _req(level, tok, j, **kw):
     return row
 
 
-def test_bootstrap_ci_covers_the_true_median_about_95_percent_of_the_time():
-    rng = np.random.default_rng(1)
+def test_bootstrap_ci_covers_the_true_median_95_percent_of_the_time():
+    """Coverage by simulation: 1200 datasets of 51 requests, each given the product's 95% CI (the
+    same resampling and interval as a level's J/token and tok/s CIs); the truth must fall inside
+    95% ± 2 pp of the time. A 90% interval (the 5%/95% quantiles) covers ~89%.
+
+    The bootstrap CI of a median is discrete (its ends are order statistics), so its coverage
+    swings between ~92.5% and 96% with the sample size; at 51 it is 95.1% (binomial, exact), so
+    the test checks the interval's level, not that swing. Vectorised: each batch of datasets
+    shares the resampled index matrices and the statistic takes all their medians at once.
+    """
+    n, n_datasets, batch, n_boot = 51, 1200, 200, 1000
+    rng = np.random.default_rng(18)  # over 12k datasets (10 seeds) the coverage is 94.75%, SD 0.7 pp per 1200
     hits = 0
-    for k in range(200):
-        x = rng.normal(10.0, 1.0, 40)
-        lo, hi = bootstrap_ci(x, n_boot=500, seed=k)
-        hits += lo <= 10.0 <= hi
-    assert 0.88 <= hits / 200 <= 0.99
+    for _ in range(n_datasets // batch):
+        x = rng.lognormal(0.0, 0.5, (batch, n))  # skewed, like per-request J/token; median 1.0
+
+        def medians(idx, axis):  # idx: (chunk, n) resampled positions -> (chunk, batch)
+            return np.median(x[:, idx.astype(int)], axis=axis + 1).T
+
+        reps = bootstrap_replicates(np.arange(n), medians, n_boot, rng=rng)  # (n_boot, batch)
+        for d in range(batch):
+            lo, hi = percentile_interval(reps[:, d])
+            hits += lo <= 1.0 <= hi
+    assert 0.93 <= hits / n_datasets <= 0.97, hits / n_datasets
 
 
 def test_bootstrap_ci_is_reproducible_drops_nans_and_handles_degenerate_input():

@@ -9,7 +9,7 @@ from scipy.optimize import minimize_scalar
 
 from powerprof.analysis.stats import level_series
 from powerprof.analysis.sweetspot import PolicyParams, accepted_value, choose, choose_all
-from powerprof.analysis.synthetic import Truth, bowl_truth, make_run, seed_truth
+from synthetic_runs import Truth, bowl_truth, make_run, seed_truth
 
 BOWL_LEVELS = tuple(range(150, 351, 20))
 

@@ -11,6 +11,7 @@ import aiohttp
 from powerprof.daemon.config import load_config
 from powerprof.daemon.service import Daemon
 from powerprof.daemon.store import write_file_atomic
+from powerprof.rig import Rig
 from powerprof.sim.nvml import SimNVML
 
 
@@ -26,7 +27,7 @@ def test_enospc_is_logged_rows_wait_in_memory_and_traffic_flows(tmp_path, caplog
         "daemon.data_dir": str(tmp_path / "data"), "daemon.interval_s": 0.1, "daemon.flush_interval_s": 0.1,
         "proxy.listen": "127.0.0.1:0", "metrics.listen": "", "daemon.restore_on_start": False,
     })
-    d = Daemon(cfg, SimNVML("a100-40g", state_path=None), simulate="a100-40g", store_write=writer)
+    d = Daemon(cfg, Rig("a100-40g", nvml=SimNVML("a100-40g", state_path=None)), store_write=writer)
 
     async def main():
         task = asyncio.create_task(d.run())

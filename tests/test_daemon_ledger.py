@@ -2,13 +2,17 @@
 
 from __future__ import annotations
 
+import logging
+import os
 from dataclasses import dataclass
 
 import numpy as np
 import pytest
 
+from powerprof.collectors.rapl import RaplCollector
 from powerprof.daemon.ledger import Ledger
 from powerprof.daemon.proxy import RequestTrace
+from powerprof.sim.powercap import SimPowercap
 
 S = 1_000_000_000
 
@@ -120,3 +124,48 @@ def test_shutdown_writes_open_requests_as_interrupted():
     (row,) = sink.rows["requests"]
     assert row["outcome"] == "interrupted"
     assert sink.rows["tags"][0]["closed_by"] == "shutdown"
+
+
+def test_cpu_energy_across_a_dropped_rapl_delta_is_missing_in_intervals_requests_and_tags(tmp_path, caplog):
+    now = [0]
+    # 40 W on a 50 J counter whose range is unknown: the wrap in [1.0, 1.5] s looks like going
+    # backwards, so the collector drops that delta.
+    pc = SimPowercap(tmp_path / "powercap", clock_ns=lambda: now[0], dram=False, power_w_fn=lambda: 40.0,
+                     max_energy_range_uj=50_000_000, start_energy_uj=0)
+    os.unlink(pc.root / "intel-rapl:0" / "max_energy_range_uj")
+    rc = RaplCollector(pc.root, clock_ns=lambda: now[0], opener=pc.opener)
+    sink = Sink()
+    led = Ledger("d", 0, 1, sink, grace_s=0.1)
+    early, late = _trace(1, 0.05), _trace(2, 0.1)
+    for tr in (early, late):
+        led.on_start(tr)
+        tr.first_ns = int(0.5 * S)
+    led.open_tag("all", 0, 0)
+    led.open_tag("before", 0, 0)
+    for k in range(5):  # edges every 0.5 s, RAPL read at each
+        now[0] = k * S // 2
+        pc.update()
+        with caplog.at_level(logging.WARNING, logger="powerprof.daemon.ledger"):
+            led.add_rapl_sample(now[0], rc.read())
+        _feed(led, now[0] / S, 100.0 * k)
+        if k == 2:
+            led.close_tag("before", now[0], now[0])
+    for j in range(4):  # early decodes in [0.5, 1.0), late in [0.5, 2.0)
+        led.on_tokens(early, int((0.6 + 0.1 * j) * S), 1)
+    for j in range(14):
+        led.on_tokens(late, int((0.6 + 0.1 * j) * S), 1)
+    early.last_ns, early.end_ns = int(0.9 * S), int(0.95 * S)
+    late.last_ns, late.end_ns = int(1.9 * S), int(1.95 * S)
+    led.close_tag("all", 2 * S, 2 * S)
+    led.advance(int(2.5 * S))
+
+    assert [r["cpu_energy_j"] for r in sink.rows["intervals"]] == [pytest.approx(20.0), pytest.approx(20.0), None,
+                                                                    pytest.approx(20.0)]
+    got = {r["request_id"]: r for r in sink.rows["requests"]}
+    assert got[1]["cpu_energy_j"] == pytest.approx(10.0)  # half of [0.5, 1.0): same tokens as the other
+    assert got[2]["cpu_energy_j"] is None  # not 30 J: it decoded through the dropped delta
+    assert got[2]["gpu_energy_j"] > 0
+    tags = {r["name"]: r for r in sink.rows["tags"]}
+    assert tags["before"]["cpu_energy_j"] == pytest.approx(40.0)
+    assert tags["all"]["cpu_energy_j"] is None  # not 60 J of the 80 J used
+    assert any("dropped a delta" in m and "backwards" in m for m in caplog.messages)

@@ -63,7 +63,9 @@ def test_grafana_dashboard_uses_only_exported_metrics():
     names = {"powerprof_gpu_power_watts", "powerprof_gpu_energy_joules_total", "powerprof_cpu_energy_joules_total",
              "powerprof_gpu_sm_clock_hertz", "powerprof_gpu_mem_clock_hertz", "powerprof_gpu_power_limit_watts",
              "powerprof_tokens_generated_total", "powerprof_joules_per_token", "powerprof_requests_total",
-             "powerprof_gpu_energy_by_kind_joules_total", "process_resident_memory_bytes", "process_cpu_seconds_total"}
+             "powerprof_gpu_interval_energy_joules_total", "powerprof_build_info", "process_resident_memory_bytes",
+             "process_cpu_seconds_total", "powerprof_dropped_rows_total", "powerprof_flush_errors_total",
+             "powerprof_proxy_recorder_failures_total", "powerprof_proxy_upstream_failures_total"}
     import re
 
     used = {m for e in exprs for m in re.findall(r"(?:powerprof|process)_[a-z_]+", e)}

@@ -3,16 +3,20 @@
 from __future__ import annotations
 
 import dataclasses
+import os
 import threading
 import time
 
 import numpy as np
 import pytest
 
+from powerprof.collectors.rapl import RaplCollector
+from powerprof.collectors.sampler import Sample
 from powerprof.energy import counter_energy_j, integrate_power_j, unwrap_resets
-from powerprof.profiler import METHOD_COUNTER, METHOD_POWER, Profiler
-from powerprof.sim.gpu import Phase
+from powerprof.profiler import METHOD_AVG_POWER, METHOD_COUNTER, METHOD_POWER, EnergyTimeline, Profiler
+from powerprof.sim.gpu import IDLE, Phase, SimGpu
 from powerprof.sim.nvml import SimNVML
+from powerprof.sim.powercap import SimPowercap
 from powerprof.sim.profiles import get_profile
 
 
@@ -71,3 +75,96 @@ def test_window_energy_matches_ground_truth(profile, counter_update_s, method, t
         else:
             assert r.gpu_energy_j[k] == pytest.approx(truth, rel=tol)
     assert r.low_confidence  # 1.2 s is shorter than any method resolves well
+
+
+class _HandClock:
+    """A Clock (and RAPL clock) the test moves by hand: no ticks, only the marks it takes."""
+
+    def __init__(self):
+        self.t = 5_000_000_000
+
+    def __call__(self):
+        return self.t
+
+    monotonic_ns = wall_ns = __call__
+
+    def sleep_until(self, t_mono_ns, stop):
+        return False
+
+
+def test_cpu_window_across_a_dropped_rapl_delta_is_missing_not_smaller(tmp_path):
+    clock = _HandClock()
+    # 40 W on a 50 J counter whose range is unknown: a wrap looks like going backwards, so the
+    # collector drops that delta (and bumps the zone's epoch).
+    pc = SimPowercap(tmp_path / "powercap", clock_ns=clock, dram=False, power_w_fn=lambda: 40.0,
+                     max_energy_range_uj=50_000_000, start_energy_uj=0)
+    os.unlink(pc.root / "intel-rapl:0" / "max_energy_range_uj")
+    prof = Profiler(rapl=RaplCollector(pc.root, clock_ns=clock, opener=pc.opener), clock=clock)
+    marks = [prof.mark()]
+    for _ in range(4):  # 20 J per 0.5 s: counter 0, 20, 40, 10 (wrapped: dropped), 30
+        clock.t += 500_000_000
+        pc.update()
+        marks.append(prof.mark())
+
+    def cpu_j(t0, t1):
+        return prof.energy_between(t0, t1).cpu_energy_j
+
+    assert cpu_j(marks[0], marks[2]) == pytest.approx(40.0)
+    assert cpu_j(marks[3], marks[4]) == pytest.approx(20.0)
+    assert cpu_j(marks[3] + 50_000_000, marks[4] - 50_000_000) == pytest.approx(16.0)
+    # 80 J were used from 0 to 4; summing across the dropped delta would say 60 J.
+    assert cpu_j(marks[0], marks[4]) is None
+    assert cpu_j(marks[2], marks[3]) is None
+    assert cpu_j(marks[2] + 100_000_000, marks[2] + 400_000_000) is None
+    assert cpu_j(marks[1] + 250_000_000, marks[3] + 250_000_000) is None
+
+
+@dataclasses.dataclass
+class _AvgOnly:  # a GPU reading with only the trailing-average power (no counter, no instant power)
+    power_avg_w: float
+    energy_j: None = None
+    power_w: None = None
+
+
+def test_trailing_average_shifted_by_half_its_window_gives_the_true_energy_of_a_step_load():
+    """The simulator's sensor model (a trailing average over the profile's window) under a step
+    load, read every 50 ms: shifted back by half the window, its integral is exact for any window
+    whose edges are half a window away from a step, and off by at most ΔP·W/8 per edge anywhere.
+    """
+    clock = _HandClock()
+    p = get_profile("seed-16g")
+    w_ns = int(p.power_avg_window_s * 1e9)
+    assert w_ns == 1_000_000_000
+    gpu = SimGpu(p, 0, "GPU-sim", clock_ns=clock, record_history=True)
+    start = clock.t
+    # Three steps of different sizes: idle to prefill, a lower power limit, back to idle.
+    steps = {3_000_000_000: lambda: gpu.set_phase(Phase("prefill", 0.9)), 8_000_000_000: lambda: gpu.set_limit_w(120.0),
+             11_000_000_000: lambda: gpu.set_phase(IDLE)}
+    levels_w = [gpu.true_power_w()]
+    tl = EnergyTimeline(1, (p.power_avg_window_s,))
+    for k in range(16 * 20 + 1):
+        clock.t = start + k * 50_000_000
+        if clock.t - start in steps:
+            steps[clock.t - start]()
+            levels_w.append(gpu.true_power_w())
+        tl.add(Sample("nvml", k, clock.t, clock.t, (_AvgOnly(gpu.average_power_w()),)))
+    jumps_w = np.abs(np.diff(levels_w))
+    assert jumps_w.min() > 50.0 and np.diff(np.sort(jumps_w)).min() > 20.0, levels_w
+
+    step_t = np.array(sorted(steps)) + start
+    edges = start + np.arange(1_000_000_000, 15_000_000_001, 100_000_000)
+    checked_far = 0
+    for i, t0 in enumerate(edges):
+        for t1 in edges[i + 10 :: 3]:
+            r = tl.energy_between(int(t0), int(t1))
+            assert r.gpu_methods == (METHOD_AVG_POWER,)
+            err_j = r.gpu_energy_j[0] - (gpu.true_energy_at_j(int(t1)) - gpu.true_energy_at_j(int(t0)))
+            near = [np.argmin(np.abs(step_t - t)) for t in (t0, t1)]
+            gap = [abs(step_t[n] - t) for n, t in zip(near, (t0, t1))]
+            if min(gap) >= w_ns // 2:
+                checked_far += 1
+                assert abs(err_j) < 1e-6 * (jumps_w.max() * p.power_avg_window_s), (t0 - start, t1 - start, err_j)
+            else:
+                bound = sum(jumps_w[n] * p.power_avg_window_s / 8 for n, g in zip(near, gap) if g < w_ns // 2)
+                assert abs(err_j) <= bound * (1 + 1e-6) + 1e-6, (t0 - start, t1 - start, err_j, bound)
+    assert checked_far > 100

@@ -103,7 +103,7 @@ def test_token_counts_and_windows_agree_with_the_server(real_server, api):
 def test_concurrent_batch_against_the_real_server(real_server):
     # llama-cpp-python serves one request at a time: the wall-clock aggregate must stay near the
     # single-stream rate while the sum of per-request rates counts it several times over.
-    from powerprof.workload.measure import batch_windows
+    from powerprof.workload.rows import batch_windows
 
     info = detect(real_server.base_url)
     # Enough tokens that each stream spans many reads even though the tiny model is fast.

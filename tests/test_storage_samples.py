@@ -27,7 +27,7 @@ def _rapl(seq, e):
 def test_rows_one_per_device_and_missing_sample_keeps_its_reason():
     rows = sample_rows(_rapl(1, 31.0), T0)
     assert [(r["device"], r["energy_j"], r["t_mono_s"]) for r in rows] == [("package-0", 31.0, 1.0), ("dram-0", 3.1, 1.0)]
-    assert rows[0]["time_utc"] == (WALL + 10**9) // 1000
+    assert rows[0]["time_utc"] == WALL + 10**9  # integer ns until the one converter
     missing = sample_rows(Sample("nvml", 3, T0 + 3 * 10**9, WALL, None, "missed: source too slow"), T0)
     assert len(missing) == 1 and missing[0]["device"] is None and "missed" in missing[0]["error"]
     with pytest.raises(TypeError, match="no SAMPLES row mapping"):

@@ -13,8 +13,9 @@ import numpy as np
 import pyarrow.parquet as pq
 import pytest
 
+from powerprof.rig import Rig
 from powerprof.sim.nvml import SimNVML
-from powerprof.sweep import run_sweep
+from powerprof.sweep import run_sweep as _run_sweep
 from powerprof.workload.client import RequestParams
 
 
@@ -43,13 +44,18 @@ def seed_sweep(tmp_path_factory):
     return sim, outcome, server
 
 
+def run_sweep(*, sim, **kw):
+    """A sweep through the door on the simulated GPU `sim` (a SimNVML the test can inspect)."""
+    with Rig(sim.profile.key, nvml=sim) as rig:
+        return _run_sweep(rig, **kw)
+
+
 def _run_seed_sweep(tmp_path_factory, state):
     sim = SimNVML("seed-16g", record_history=True, state_path=state / "sim.json")
     out = tmp_path_factory.mktemp("run") / "run"
     outcome = run_sweep(
         levels_spec="180,220,260,300",
-        simulate="seed-16g",
-        sim_nvml=sim,
+        sim=sim,
         out_dir=out,
         params=RequestParams(max_tokens=256),  # ~3 s windows: arrival jitter on a loaded machine stays small
         idle_s=1.0,
@@ -255,7 +261,7 @@ def test_clock_sweep_where_the_power_cap_never_binds(tmp_path):
     # On an H200-like card decode draws far under any cap; locking the SM clock is the knob that works.
     sim = SimNVML("h200-141g")
     out = tmp_path / "clocks"
-    run_sweep(levels_spec="1980,1200", level_kind="sm_clock", simulate="h200-141g", sim_nvml=sim,
+    run_sweep(levels_spec="1980,1200", level_kind="sm_clock", sim=sim,
                         out_dir=out, params=RequestParams(max_tokens=64), idle_s=0, interval_s=0.5,
                         min_requests=3, max_requests=3, warmup_requests=0)
     levels = pq.read_table(out / "levels.parquet").to_pandas().set_index("level_value")
@@ -269,7 +275,7 @@ def test_clock_sweep_where_the_power_cap_never_binds(tmp_path):
 def test_concurrent_sweep_uses_wall_clock_batches(tmp_path):
     sim = SimNVML("a100-40g")
     out = tmp_path / "conc"
-    run_sweep(levels_spec="400,250", simulate="a100-40g", sim_nvml=sim, out_dir=out,
+    run_sweep(levels_spec="400,250", sim=sim, out_dir=out,
                         params=RequestParams(max_tokens=48), idle_s=0, interval_s=0.5, concurrency=3,
                         min_requests=2, max_requests=2, warmup_requests=0)
     w = pq.read_table(out / "windows.parquet").to_pandas()
@@ -318,6 +324,6 @@ def test_simulated_gpu_beside_a_real_server_is_allowed_and_labelled(tmp_path):
                        "--max-tokens", "32", "--min-requests", "2", "--max-requests", "2", "--warmup", "0",
                        "--out", str(tmp_path / "mixed"))
     assert r.returncode == 0, r.stderr
-    assert "SIMULATED GPU (a100-40g) with the real server at " + srv.url in r.stdout.replace("\n", " ")
+    assert "SIMULATED GPU (a100-40g) beside a real server" in " ".join(r.stdout.split())
     assert (tmp_path / "mixed" / "levels.parquet").exists()
     assert json.loads((tmp_path / "mixed" / "run.json").read_text())["simulated"] is True

@@ -63,15 +63,17 @@ def test_paired_saving_ci_is_known_long_before_a_levels_own_ci():
 def test_sweep_stops_a_level_on_the_paired_ci(tmp_path):
     import pyarrow.parquet as pq
 
+    from powerprof.rig import Rig
     from powerprof.sim.nvml import SimNVML
     from powerprof.sweep import run_sweep
     from powerprof.workload.client import RequestParams
 
     out = tmp_path / "paired"
     # An own-CI target no level can meet within 8 requests; the paired one is met after the first round.
-    run_sweep(levels_spec="400,250", simulate="a100-40g", sim_nvml=SimNVML("a100-40g"), out_dir=out,
-              params=RequestParams(max_tokens=48), idle_s=0, interval_s=0.5, min_requests=4, max_requests=8,
-              warmup_requests=0, target_ci=0.0001, target_paired_ci=0.05)
+    with Rig("a100-40g", nvml=SimNVML("a100-40g")) as rig:
+        run_sweep(rig, levels_spec="400,250", out_dir=out, params=RequestParams(max_tokens=48), idle_s=0,
+                  interval_s=0.5, min_requests=4, max_requests=8, warmup_requests=0, target_ci=0.0001,
+                  target_paired_ci=0.05)
     levels = pq.read_table(out / "levels.parquet").to_pandas().set_index("level_value")
     assert levels.loc[250.0, "stop_rule"] == "paired-ci-reached"
     assert levels.loc[400.0, "stop_rule"] == "max-requests"  # the reference has nothing to pair with

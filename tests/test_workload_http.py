@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import re
 import socket
 import threading
 
@@ -66,7 +67,7 @@ def test_concurrent_aggregate_matches_wall_clock_truth_not_sum_of_rates():
     with SimServer(SimNVML("a100-40g", state_path=None), n_slots=2, **FAST) as s:
         recs = run_load(s.url, builtin_prompts("short"), 4, 4, RequestParams(max_tokens=160), warmup=0)
         steps = list(s.steps)
-    from powerprof.workload.measure import batch_windows
+    from powerprof.workload.rows import batch_windows
 
     assert all(r.ok for r in recs)
     (b,) = batch_windows(recs)
@@ -85,7 +86,22 @@ def test_power_cap_mid_run_slows_the_simulated_stream():
         slow = run_load(info, builtin_prompts("short")[:1], 2, 1, QUICK, warmup=0)
     r_fast = np.median([r.decode_tok_s for r in fast])
     r_slow = np.median([r.decode_tok_s for r in slow])
-    assert r_slow < 0.9 * r_fast
+    # What the server emitted (its own clock) slowed under the cap ...
+    emitted = [_emitted_tok_s(t) for t in s.truth]
+    assert np.median(emitted[2:]) < 0.9 * np.median(emitted[:2])
+    # ... and the client saw it: its rates follow the emitted ones within the jitter a loaded
+    # machine adds to 80 ms windows, so the comparison itself is not left to that jitter.
+    for seen, truth in zip([r.decode_tok_s for r in fast + slow], emitted):
+        assert seen == pytest.approx(truth, rel=0.35)
+    assert r_slow < r_fast
+
+
+def _emitted_tok_s(truth: dict) -> float:
+    """Decode tok/s from the simulator's emission times: n - 1 tokens over first to last."""
+    em = truth["emissions"]
+    t = [e[0] if isinstance(e, (tuple, list)) else e for e in em]
+    n = sum(e[1] if isinstance(e, (tuple, list)) else 1 for e in em)
+    return (n - 1) / ((t[-1] - t[0]) / 1e9)
 
 
 def test_edge_hook_fires_at_first_token_and_end(srv):
@@ -131,9 +147,10 @@ def test_server_detection():
 
 
 def _failed_then_ok(recs, reason):
+    """`reason`: a regular expression the failed attempt's error must contain."""
     assert [r.status for r in recs] == ["failed", "ok"]
     bad = recs[0]
-    assert reason in bad.error
+    assert re.search(reason, bad.error), bad.error
     assert bad.generated_tokens == 0 and bad.event_t_ns == () and bad.decode_tok_s is None
     assert recs[1].attempt == 2 and recs[1].request_id == bad.request_id
 
@@ -148,8 +165,8 @@ def test_http_error_is_recorded_and_retried(srv):
 def test_truncated_stream_is_a_failure(srv):
     srv.inject("drop", after_tokens=3)
     recs = run_load(srv.url, builtin_prompts("short"), 1, 1, QUICK, warmup=0, policy=NO_RETRY_WAIT)
-    assert "truncated" in recs[0].error or "closed" in recs[0].error
-    _failed_then_ok(recs, "")
+    # Which one depends on whether the server's close reaches the client before its last read.
+    _failed_then_ok(recs, r"^truncated stream: ended after \d+ tokens|^server closed the stream: ")
 
 
 def test_malformed_json_is_a_failure(srv):
@@ -234,7 +251,7 @@ def test_measure_simulated_writes_windows_with_energy(tmp_path, monkeypatch):
     import powerprof.workload.measure as m
 
     real = m.run_measure
-    monkeypatch.setattr(m, "run_measure", lambda **kw: real(**kw, sim_decode_tok_s=300.0, interval_s=0.2))
+    monkeypatch.setattr(m, "run_measure", lambda rig, **kw: real(rig, **kw, sim_decode_tok_s=300.0, interval_s=0.2))
     out = tmp_path / "run"
     res = CliRunner().invoke(
         main, ["measure", "--simulate", "a100-40g", "--requests", "2", "--concurrency", "1,2", "--max-tokens", "16", "--out", str(out)]

@@ -3,12 +3,15 @@
 Streams record batches from `pyarrow.dataset` (hive partitions for the daemon's
 `samples/date=YYYY-MM-DD/*.parquet`), so a dataset larger than memory exports in bounded memory.
 Every timestamp column gets a local-time twin; headers carry units (`power_w (W)`); CSV times are
-ISO 8601 (`2026-01-15 12:00:00.000`) that spreadsheets read as dates. Files are written under a
-temporary name and renamed, so a failed export leaves nothing half-written.
+ISO 8601 (`2026-01-15 12:00:00.000`) that spreadsheets read as dates. An xlsx opens ready to read:
+a `summary` sheet first (the recommendation and run details), then one sheet per table with a
+frozen header row, an autofilter, column widths from the headers and millisecond time cells.
+Files are written under a temporary name and renamed, so a failed export leaves nothing half-written.
 """
 
 from __future__ import annotations
 
+import json
 import os
 from dataclasses import dataclass
 from datetime import date, datetime, timezone
@@ -30,8 +33,12 @@ BATCH_ROWS = 65_536
 # Column-name suffix → unit shown in headers; the longest matching suffix wins.
 UNITS = {
     "_j_per_token": "J/token", "_tok_s": "tokens/s", "_mhz": "MHz", "_bytes": "bytes", "_pct": "%",
-    "_utc": "UTC", "_ms": "ms", "_uj": "uJ", "_w": "W", "_j": "J", "_s": "s", "_c": "degC",
+    "_utc": "UTC", "_ms": "ms", "_uj": "uJ", "_w": "W", "_j": "J", "_s": "s", "_c": "degC", "_tokens": "tokens",
 }
+# A confidence bound has its quantity's unit: gpu_j_per_token_ci_low is in J/token.
+BOUND_SUFFIXES = ("_ci_low", "_ci_high")
+XLSX_TIME_FORMAT = "yyyy-mm-dd hh:mm:ss.000"  # Excel's default date-time format hides the milliseconds
+XLSX_MAX_COL_W = 40
 
 
 class ExportError(ValueError):
@@ -152,8 +159,9 @@ def local_name(col: str) -> str:
 def header(col: str, tz: str) -> str:
     if col.endswith("_local"):
         return f"{col} ({tz})"
+    base = next((col[: -len(b)] for b in BOUND_SUFFIXES if col.endswith(b)), col)
     for suffix in sorted(UNITS, key=len, reverse=True):
-        if col.endswith(suffix):
+        if base.endswith(suffix):
             return f"{col} ({UNITS[suffix]})"
     return col
 
@@ -213,7 +221,7 @@ def export(src, fmt: str, out=None, time_from: str | None = None, time_to: str |
             if n > XLSX_MAX_ROWS:
                 raise ExportError(f"table {s.name} has {n} rows in the selection; a sheet holds {XLSX_MAX_ROWS}. "
                                   "Narrow it with --from/--to or --columns, or export csv or parquet.")
-        return [_write_xlsx(scans, out, tz)]
+        return [_write_xlsx(scans, out, tz, summary_rows(src_path, tz, time_from, time_to))]
     single = len(sources) == 1 and out.suffix == f".{fmt}"
     if not single:
         out.mkdir(parents=True, exist_ok=True)
@@ -278,25 +286,121 @@ def _write_parquet(scan: ds.Scanner, path: Path, tz: str) -> None:
             writer.close()
 
 
-def _write_xlsx(scans: dict[str, ds.Scanner], path: Path, tz: str) -> Path:
+def summary_rows(src: Path, tz: str, time_from: str | None, time_to: str | None) -> list[tuple[str, object]]:
+    """(item, value) rows for the xlsx summary sheet: the recommendation (from analysis/analysis.json)
+    and the run's details (run.json), when the source is a run directory; always what was exported."""
+    from powerprof import __version__  # noqa: PLC0415
+
+    rows: list[tuple[str, object]] = [
+        ("exported from", str(src.resolve())),
+        ("exported at (UTC)", datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M:%S")),
+        ("local time zone", tz),
+        ("rows from", time_from or "(all)"),
+        ("rows to", time_to or "(all)"),
+        ("powerprof", __version__),
+    ]
+    analysis = _read_json(src / "analysis" / "analysis.json") if src.is_dir() else None
+    rec = (analysis or {}).get("recommendation")
+    if rec:
+        kind = next((x.get("level_kind") for x in analysis.get("series", [])), None)
+        unit = {"power_limit": "power limit (W)", "sm_clock": "SM clock lock (MHz)"}.get(kind, "level")
+        rows = [
+            (f"recommended {unit}", rec.get("recommended_value")),
+            ("policy", f"{rec.get('policy')}: {rec.get('description')}"),
+            ("speed loss (%)", rec.get("speed_loss_pct")),
+            ("energy saving per token (%)", rec.get("energy_saving_pct")),
+            ("95% of resamples choose", f"{rec.get('ci_low'):g} to {rec.get('ci_high'):g}"
+             if rec.get("ci_low") is not None and rec.get("ci_high") is not None else None),
+        ] + [("warning", f"{w.get('kind')}: {w.get('message')}") for w in analysis.get("warnings", [])] + rows
+    run = _read_json(src / "run.json") if src.is_dir() else None
+    if run:
+        rows += [(k, v) for k, v in _flatten(run) if k not in ("levels_done",)]
+    return rows
+
+
+def _read_json(path: Path) -> dict | None:
+    try:
+        return json.loads(path.read_text())
+    except (OSError, ValueError):
+        return None
+
+
+def _flatten(d: dict, prefix: str = "") -> list[tuple[str, object]]:
+    """run.json as dotted keys with scalar values (lists of scalars joined), for one sheet column."""
+    out: list[tuple[str, object]] = []
+    for k, v in d.items():
+        key = f"{prefix}{k}"
+        if isinstance(v, dict):
+            out += _flatten(v, key + ".")
+        elif isinstance(v, list) and v and all(isinstance(x, dict) for x in v):
+            for i, x in enumerate(v):
+                out += _flatten(x, f"{key}.{i}.")
+        elif isinstance(v, list):
+            out.append((key, ", ".join(str(x) for x in v)))
+        else:
+            out.append((key, v))
+    return out
+
+
+def _col_letter(i: int) -> str:
+    from openpyxl.utils import get_column_letter  # noqa: PLC0415
+
+    return get_column_letter(i + 1)
+
+
+def _write_xlsx(scans: dict[str, ds.Scanner], path: Path, tz: str,
+                summary: list[tuple[str, object]] | None = None) -> Path:
     from openpyxl import Workbook  # noqa: PLC0415  (only this format needs it)
+    from openpyxl.cell import WriteOnlyCell  # noqa: PLC0415
 
     wb = Workbook(write_only=True)
+    wb.security = None  # else an empty <workbookProtection/>, which gnumeric warns about
+    if summary:
+        ws = wb.create_sheet(title="summary")
+        ws.column_dimensions["A"].width = 30
+        ws.column_dimensions["B"].width = 80
+        ws.freeze_panes = "A2"
+        ws.append(["item", "value"])
+        for k, v in summary:
+            ws.append([k, v if v is None or isinstance(v, (int, float, str)) else str(v)])
     for name, scan in scans.items():
         ws = wb.create_sheet(title=name[:31])
         head = None
+        n_rows = 0
         for batch in scan.to_batches():
             t = _with_local_times(batch, tz)
             if head is None:
-                head = [header(c, tz) for c in t.column_names]
-                ws.append(head)
+                head = _xlsx_header(ws, t, tz)
+            times = [pa.types.is_timestamp(c.type) for c in t.columns]
             for row in zip(*(_xlsx_values(c) for c in t.columns)):
-                ws.append(row)
+                ws.append([_time_cell(ws, v, WriteOnlyCell) if is_t and v is not None else v
+                           for v, is_t in zip(row, times)])
+            n_rows += t.num_rows
         if head is None:
-            ws.append([header(c, tz) for c in _with_local_times(_empty_batch(scan), tz).column_names])
+            head = _xlsx_header(ws, _with_local_times(_empty_batch(scan), tz), tz)
+        ws.auto_filter.ref = f"A1:{_col_letter(len(head) - 1)}{n_rows + 1}"
     with atomic_path(path) as tmp:
         wb.save(tmp)
     return path
+
+
+def _xlsx_header(ws, t: pa.Table, tz: str) -> list[str]:
+    """Write the header row, frozen, with each column as wide as its header (times: their format).
+
+    A write-only sheet writes its views and column widths with the first row, so they go first."""
+    head = [header(c, tz) for c in t.column_names]
+    for i, (h, typ) in enumerate(zip(head, t.schema.types)):
+        w = len(XLSX_TIME_FORMAT) + 2 if pa.types.is_timestamp(typ) else len(h) + 2
+        ws.column_dimensions[_col_letter(i)].width = max(10, min(XLSX_MAX_COL_W, max(w, len(h) + 2)))
+    ws.freeze_panes = "A2"
+    ws.append(head)
+    return head
+
+
+def _time_cell(ws, value, cell_cls):
+    c = cell_cls(ws, value=value)
+    c.number_format = XLSX_TIME_FORMAT
+    return c
 
 
 def _xlsx_values(arr: pa.ChunkedArray) -> list:

@@ -2,7 +2,8 @@
 
 Every marker of a policy's choice has the gid `choice-<policy>` and the recommended level the gid
 `recommended`, so tests (and anyone) can check that the plot marks what was computed. The PNG
-carries the recommendation in its text metadata too.
+carries the recommendation in its text metadata too. Policies that choose the same level get
+their markers side by side above the point (a fixed offset in points), so none hides another.
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ from pathlib import Path
 import numpy as np
 from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.figure import Figure
+from matplotlib.transforms import offset_copy
 
 from .analyze import SeriesResult
 from .fits import pchip_grid
@@ -22,8 +24,12 @@ COLORS = {"min_energy": "tab:green", "budget": "tab:red", "edp": "tab:purple", "
           "knee": "tab:orange", "weighted": "tab:cyan"}
 
 
-def _figure(w=7.0, h=4.2) -> Figure:
-    fig = Figure(figsize=(w, h), dpi=100)
+MARKER_PT = 11  # marker size; neighbours sit this far apart (+3 pt) so their outlines do not touch
+STACK_DY_PT = 16  # the row of policy markers sits this far above the measured point
+
+
+def _figure(w=9.0, h=5.0) -> Figure:
+    fig = Figure(figsize=(w, h), dpi=110)
     FigureCanvasAgg(fig)
     return fig
 
@@ -41,6 +47,30 @@ def _xlabel(sr: SeriesResult) -> str:
     return "SM clock lock (MHz)" if sr.series.level_kind == "sm_clock" else "power limit (W)"
 
 
+def _title(what: str, sr: SeriesResult) -> str:
+    """`J/token vs power limit (concurrency 1)`: the level kind once, in the x label's words."""
+    return f"{what} vs {_xlabel(sr).split(' (')[0]} (concurrency {sr.series.concurrency})"
+
+
+def _policy_markers(ax, sr: SeriesResult, xs, ys, unit: str = "") -> None:
+    """One marker per policy at its chosen level; those sharing a level sit side by side above it."""
+    lv = sr.series.level_values
+    by_level: dict[int, list[str]] = {}
+    for p, c in sr.choices.items():
+        by_level.setdefault(int(np.flatnonzero(lv == c.level_value)[0]), []).append(p)
+    fig = ax.figure
+    for i, ps in by_level.items():
+        if not (np.isfinite(xs[i]) and np.isfinite(ys[i])):
+            continue
+        for k, p in enumerate(ps):
+            dx = (k - (len(ps) - 1) / 2) * (MARKER_PT + 3)
+            tr = offset_copy(ax.transData, fig=fig, x=dx, y=STACK_DY_PT, units="points")
+            c = sr.choices[p]
+            ax.plot([xs[i]], [ys[i]], MARKERS[p], color=COLORS[p], ms=MARKER_PT, mfc="none", mew=2,
+                    gid=f"choice-{p}", label=f"{p}: {c.level_value:g}{(' ' + unit) if unit else ''}", zorder=4,
+                    transform=tr, clip_on=False)
+
+
 def _curve(ax, sr: SeriesResult, y, lo, hi, fit_y, ylabel: str, title: str):
     s = sr.series
     lv = s.level_values
@@ -56,21 +86,20 @@ def _curve(ax, sr: SeriesResult, y, lo, hi, fit_y, ylabel: str, title: str):
         fy = fit_y(grid)
         if np.isfinite(fy).any():
             ax.plot(grid, fy, "--", color="tab:blue", lw=1, label="model fit")
-    for p, c in sr.choices.items():
-        i = int(np.flatnonzero(lv == c.level_value)[0])
-        ax.plot([c.level_value], [y[i]], MARKERS[p], color=COLORS[p], ms=11, mfc="none", mew=2, gid=f"choice-{p}",
-                label=f"{p}: {c.level_value:g}", zorder=4)
+    _policy_markers(ax, sr, lv, y, _unit(sr))
     rec = sr.recommendation
     ri = int(np.flatnonzero(lv == rec.level_value)[0])
     ax.axvline(rec.level_value, color="tab:red", lw=1, alpha=0.4, gid="recommended",
-               label=f"recommended {rec.recommended_value:g}")
-    ax.annotate("recommended", (rec.level_value, y[ri]), textcoords="offset points", xytext=(6, 10),
-                color="tab:red", fontsize=8)
-    ax.set_xlabel(_xlabel(sr))
-    ax.set_ylabel(ylabel)
-    ax.set_title(title)
+               label=f"recommended {rec.recommended_value:g} {_unit(sr)}")
+    ax.annotate("recommended", (rec.level_value, y[ri]), textcoords="offset points", xytext=(6, -16),
+                color="tab:red", fontsize=9)
+    ax.margins(y=0.18)  # room for the row of policy markers above the highest point
+    ax.set_xlabel(_xlabel(sr), fontsize=10)
+    ax.set_ylabel(ylabel, fontsize=10)
+    ax.set_title(title, fontsize=11)
     ax.grid(alpha=0.3)
-    ax.legend(fontsize=7, loc="best")
+    ax.legend(fontsize=8, loc="center left", bbox_to_anchor=(1.01, 0.5), frameon=False)
+    ax.figure.tight_layout()
 
 
 def plot_j_per_token(sr: SeriesResult, path: Path) -> Figure:
@@ -80,7 +109,7 @@ def plot_j_per_token(sr: SeriesResult, path: Path) -> Figure:
     fits = sr.fits
     fit = _ratio_fit(fits["avg_gpu_power_w"], fits["decode_tok_s"])
     _curve(ax, sr, _arr(t, "gpu_j_per_token"), _arr(t, "gpu_j_per_token_ci_low"), _arr(t, "gpu_j_per_token_ci_high"),
-           fit, "GPU energy per decode token (J/token)", f"J/token vs {_xlabel(sr).split(' (')[0]} ({sr.label})")
+           fit, "GPU energy per decode token (J/token)", _title("J/token", sr))
     _save(fig, path, sr)
     return fig
 
@@ -91,8 +120,7 @@ def plot_tok_s(sr: SeriesResult, path: Path) -> Figure:
     ax = fig.add_subplot()
     f = sr.fits["decode_tok_s"]
     _curve(ax, sr, _arr(t, "decode_tok_s"), _arr(t, "decode_tok_s_ci_low"), _arr(t, "decode_tok_s_ci_high"),
-           f.predict if f.ok else None, "decode speed (tokens/s)",
-           f"Decode tok/s vs {_xlabel(sr).split(' (')[0]} ({sr.label})")
+           f.predict if f.ok else None, "decode speed (tokens/s)", _title("Decode tok/s", sr))
     _save(fig, path, sr)
     return fig
 
@@ -106,14 +134,11 @@ def plot_tradeoff(sr: SeriesResult, path: Path) -> Figure:
     yl, yh = _arr(t, "energy_saving_pct_ci_low"), _arr(t, "energy_saving_pct_ci_high")
     ax.errorbar(x, y, xerr=[np.maximum(x - xl, 0), np.maximum(xh - x, 0)], yerr=[np.maximum(y - yl, 0),
                 np.maximum(yh - y, 0)], fmt="o-", color="k", capsize=3, lw=1, label="levels, 95% CI", zorder=3)
-    unit = "MHz" if sr.series.level_kind == "sm_clock" else "W"
+    unit = _unit(sr)
     for v, xi, yi in zip(sr.series.level_values, x, y):
-        ax.annotate(f"{v:g} {unit}", (xi, yi), textcoords="offset points", xytext=(5, -12), fontsize=8)
+        ax.annotate(f"{v:g} {unit}", (xi, yi), textcoords="offset points", xytext=(6, -14), fontsize=9)
     lv = sr.series.level_values
-    for p, c in sr.choices.items():
-        i = int(np.flatnonzero(lv == c.level_value)[0])
-        ax.plot([x[i]], [y[i]], MARKERS[p], color=COLORS[p], ms=12, mfc="none", mew=2, gid=f"choice-{p}",
-                label=f"{p}: {c.level_value:g} {unit}", zorder=4)
+    _policy_markers(ax, sr, x, y, unit)
     budget = sr.choices.get("budget")
     if budget is not None:
         ax.axvline(budget.params["max_slowdown"] * 100, color="tab:red", ls=":", lw=1,
@@ -121,17 +146,22 @@ def plot_tradeoff(sr: SeriesResult, path: Path) -> Figure:
     rec = sr.recommendation
     ri = int(np.flatnonzero(lv == rec.level_value)[0])
     ax.plot([x[ri]], [y[ri]], "o", color="tab:red", ms=5, gid="recommended", zorder=5)
-    ax.set_xlabel("speed loss vs reference (%)")
-    ax.set_ylabel("energy saving per token vs reference (%)")
-    ax.set_title(f"Energy saving vs speed loss ({sr.label}; reference {sr.series.reference_value:g} {unit})")
+    ax.margins(y=0.18)
+    ax.set_xlabel("speed loss vs reference (%)", fontsize=10)
+    ax.set_ylabel("energy saving per token vs reference (%)", fontsize=10)
+    ax.set_title(f"Energy saving vs speed loss (concurrency {sr.series.concurrency}; reference "
+                 f"{sr.series.reference_value:g} {unit})", fontsize=11)
     ax.grid(alpha=0.3)
-    ax.legend(fontsize=7, loc="lower right")
+    ax.legend(fontsize=8, loc="center left", bbox_to_anchor=(1.01, 0.5), frameon=False)
+    fig.tight_layout()
     _save(fig, path, sr)
     return fig
 
 
-def plot_timeline(tl: Timeline, path: Path) -> Figure:
-    fig = _figure(8.0, 5.0)
+def plot_timeline(tl: Timeline, path: Path, level_unit: str = "W", idle_power_w: float | None = None) -> Figure:
+    """Power and SM clock over the run, each level's stretch shaded and named with its unit; the idle
+    baseline (measured before the first level) as a labelled line."""
+    fig = _figure(10.0, 5.5)
     ax_p, ax_f = fig.subplots(2, 1, sharex=True)
     for d, dev in enumerate(tl.devices):
         for ax, y in ((ax_p, tl.power_w[d]), (ax_f, tl.sm_clock_mhz[d])):
@@ -143,23 +173,34 @@ def plot_timeline(tl: Timeline, path: Path) -> Figure:
     edges = np.concatenate([[0], change, [lvl.size]])
     width = tl.t_s[1] - tl.t_s[0] if tl.t_s.size > 1 else 1.0
     for k, (a, b) in enumerate(zip(edges[:-1], edges[1:])):
-        if not np.isfinite(lvl[a]):
-            continue
         x0, x1 = tl.t_s[a] - width / 2, tl.t_s[b - 1] + width / 2
+        if not np.isfinite(lvl[a]):
+            if k == 0 and len(edges) > 2:  # before the first level: the idle baseline
+                ax_p.text((x0 + x1) / 2, 1.0, "idle", transform=ax_p.get_xaxis_transform(), ha="center",
+                          va="bottom", fontsize=9, color="tab:green")
+            continue
         for ax in (ax_p, ax_f):
             ax.axvspan(x0, x1, color="0.85" if k % 2 else "0.93", zorder=0)
-        ax_p.text((x0 + x1) / 2, 1.0, f"{lvl[a]:g}", transform=ax_p.get_xaxis_transform(), ha="center",
-                  va="bottom", fontsize=7)
-    ax_p.set_ylabel("GPU power (W)")
-    ax_f.set_ylabel("SM clock (MHz)")
-    ax_f.set_xlabel("time since the run's first sample (s)")
-    ax_p.set_title(f"Power and SM clock over time, per level (run {tl.run_id})", pad=14)
+        ax_p.text((x0 + x1) / 2, 1.0, f"{lvl[a]:g} {level_unit}", transform=ax_p.get_xaxis_transform(),
+                  ha="center", va="bottom", fontsize=9)
+    if idle_power_w is not None and np.isfinite(idle_power_w):
+        ax_p.axhline(idle_power_w, color="tab:green", ls="--", lw=1, gid="idle-baseline",
+                     label=f"idle baseline {idle_power_w:.0f} W")
+    ax_p.set_ylabel("GPU power (W)", fontsize=10)
+    ax_f.set_ylabel("SM clock (MHz)", fontsize=10)
+    ax_f.set_xlabel("time since the run's first sample (s)", fontsize=10)
+    ax_p.set_title(f"Power and SM clock over time, per level (run {tl.run_id})", pad=18, fontsize=11)
     for ax in (ax_p, ax_f):
         ax.grid(alpha=0.3)
-    if len(tl.devices) > 1:
-        ax_p.legend(fontsize=7)
+    if len(tl.devices) > 1 or idle_power_w is not None:
+        ax_p.legend(fontsize=8, loc="lower left")
+    fig.tight_layout()
     _save(fig, path)
     return fig
+
+
+def _unit(sr: SeriesResult) -> str:
+    return "MHz" if sr.series.level_kind == "sm_clock" else "W"
 
 
 def _arr(t, name) -> np.ndarray:

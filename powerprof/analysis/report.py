@@ -91,7 +91,10 @@ def write_outputs(result: AnalysisResult, out: Path, formats=FORMATS, plots: boo
                 images[f"{name}{sr.suffix}"] = _atomic_png(out / f"{name}{sr.suffix}.png", lambda p: fn(sr, p))
         for tl in result.timelines:
             key = "power_clock" if len(result.timelines) == 1 else f"power_clock_{_safe(tl.run_id)}"
-            images[key] = _atomic_png(out / f"{key}.png", lambda p: P.plot_timeline(tl, p))
+            meta = next((r.meta for r in result.runs if r.run_id == tl.run_id), {})
+            unit = "MHz" if (meta.get("settings") or {}).get("level_kind") == "sm_clock" else "W"
+            images[key] = _atomic_png(out / f"{key}.png", lambda p: P.plot_timeline(
+                tl, p, level_unit=unit, idle_power_w=meta.get("idle_gpu_power_w")))
     files.update({k: str(v) for k, v in images.items()})
     meta = {"powerprof_analysis": json.dumps(result.to_dict(), default=_json_default)}
     atomic_write_table(out / "analysis.parquet", result.table, meta)
@@ -104,8 +107,13 @@ def write_outputs(result: AnalysisResult, out: Path, formats=FORMATS, plots: boo
         files["report.html"] = str(out / "report.html")
     files["analysis.json"] = str(out / "analysis.json")
     result.files = files
-    atomic_write_bytes(out / "analysis.json", json.dumps(result.to_dict(), indent=2, default=_json_default).encode())
+    atomic_write_bytes(out / "analysis.json", result_json(result).encode())
     return files
+
+
+def result_json(result: AnalysisResult) -> str:
+    """analysis.json's text, which `analyze --json` prints too."""
+    return json.dumps(result.to_dict(), indent=2, default=_json_default)
 
 
 def _atomic_png(path: Path, draw) -> Path:
@@ -242,8 +250,7 @@ def render_markdown(result: AnalysisResult, images: dict[str, Path] | None = Non
     for sr in result.series:
         out += ["", f"## {sr.label.capitalize()} (reference {sr.series.reference_value:g} {_unit(sr)})", "",
                 "### Levels", "", _md_table(*_levels_rows(sr)), "", "### Sweet spots", "",
-                _md_table(*_choice_rows(sr)), "", "★ the recommended policy. CI: the levels chosen in 95% of "
-                + _resampling(sr) + "; stability: the share choosing the same level.", "",
+                _md_table(*_choice_rows(sr)), "", _choice_footnote(sr), "",
                 "### Fits", "", _md_table(*_fit_rows(sr))]
         for key in (f"j_per_token{sr.suffix}", f"tok_s{sr.suffix}", f"saving_vs_loss{sr.suffix}"):
             if images and key in images:
@@ -252,8 +259,17 @@ def render_markdown(result: AnalysisResult, images: dict[str, Path] | None = Non
         out += ["", "## Warnings", ""] + [f"- **{w.kind}**: {w.message}" for w in result.warnings]
     for key in sorted(k for k in (images or {}) if k.startswith("power_clock")):
         out += ["", "## Power and SM clock over time", "", f"![{key}]({_rel(images[key], base)})"]
-    out += ["", f"_powerprof {__version__}; statistics and policies: docs/analysis.md._", ""]
+    out += ["", f"_{_colophon()}_", ""]
     return "\n".join(out)
+
+
+def _choice_footnote(sr: SeriesResult) -> str:
+    return ("★ the recommended policy. CI: the levels chosen in 95% of " + _resampling(sr)
+            + "; stability: the share choosing the same level.")
+
+
+def _colophon() -> str:
+    return f"powerprof {__version__}; statistics and policies: docs/analysis.md."
 
 
 def _rel(p: Path, base: Path | None) -> str:
@@ -268,13 +284,15 @@ def _html_table(head, rows) -> str:
 
 def _img(path: Path, alt: str) -> str:
     data = base64.b64encode(Path(path).read_bytes()).decode()
-    return f'<figure><img alt="{html.escape(alt)}" src="data:image/png;base64,{data}"></figure>'
+    return f'<figure id="{html.escape(alt)}"><img alt="{html.escape(alt)}" src="data:image/png;base64,{data}"></figure>'
 
 
-_CSS = """body{font-family:system-ui,sans-serif;max-width:1100px;margin:2em auto;padding:0 1em;color:#222}
+# Plots fill the text column (up to their 990 px native width), whatever the window size.
+_CSS = """body{font-family:system-ui,sans-serif;max-width:1200px;margin:2em auto;padding:0 1em;color:#222}
+figure{margin:1em 0}figure img{width:100%;max-width:990px;height:auto;display:block}.note{color:#555}
 table{border-collapse:collapse;font-size:0.85em;margin:0.5em 0}td,th{border:1px solid #ccc;padding:3px 6px;
 text-align:left}th{background:#f3f3f3}.rec{font-size:1.1em;background:#eef6ee;padding:0.6em;border-left:4px solid
-#393}.sim{background:#fff3cd;padding:0.5em}img{max-width:100%}li{margin:0.3em 0}"""
+#393}.sim{background:#fff3cd;padding:0.5em}li{margin:0.3em 0}"""
 
 
 def render_html(result: AnalysisResult, images: dict[str, Path] | None = None) -> str:
@@ -289,7 +307,8 @@ def render_html(result: AnalysisResult, images: dict[str, Path] | None = None) -
     for sr in result.series:
         parts.append(f"<h2>{html.escape(sr.label.capitalize())} (reference {sr.series.reference_value:g} "
                      f"{_unit(sr)})</h2><h3>Levels</h3>{_html_table(*_levels_rows(sr))}")
-        parts.append(f"<h3>Sweet spots</h3>{_html_table(*_choice_rows(sr))}<p>★ the recommended policy.</p>")
+        parts.append(f"<h3>Sweet spots</h3>{_html_table(*_choice_rows(sr))}"
+                     f"<p class='note'>{html.escape(_choice_footnote(sr))}</p>")
         parts.append(f"<h3>Fits</h3>{_html_table(*_fit_rows(sr))}")
         for key in (f"j_per_token{sr.suffix}", f"tok_s{sr.suffix}", f"saving_vs_loss{sr.suffix}"):
             if key in images:
@@ -299,12 +318,14 @@ def render_html(result: AnalysisResult, images: dict[str, Path] | None = None) -
             f"<li><b>{html.escape(w.kind)}</b>: {html.escape(w.message)}</li>" for w in result.warnings) + "</ul>")
     for key in sorted(k for k in images if k.startswith("power_clock")):
         parts.append(f"<h2>Power and SM clock over time</h2>{_img(images[key], key)}")
-    parts.append(f"<p><small>powerprof {html.escape(__version__)}</small></p></body></html>")
+    parts.append(f"<p><small><i>{html.escape(_colophon())}</i></small></p></body></html>")
     return "\n".join(parts)
 
 
-def console_summary(result: AnalysisResult) -> str:
-    """A compact plain-text summary (levels, sweet spots, recommendation, warnings) for the terminal."""
+def console_summary(result: AnalysisResult, table: bool = True) -> str:
+    """A compact plain-text summary (levels, sweet spots, recommendation, warnings) for the terminal.
+
+    table=False leaves the levels out, for a caller (the sweep) that has printed its own table."""
     sr = result.main
     u = _unit(sr)
     lines = [f"{'level':>8}  {'tok/s':>7}  {'J/token':>8}  {'±CI%':>5}  {'slower':>7}  {'saving':>7}  chosen by"]
@@ -314,7 +335,9 @@ def console_summary(result: AnalysisResult) -> str:
             f"{_f(r['gpu_j_per_token'], '8.3f'):>8}  {_f(r['ci_reached_pct'], '5.1f'):>5}  "
             f"{_f(r['speed_loss_pct'], '6.1f'):>6}%  {_f(r['energy_saving_pct'], '6.1f'):>6}%  {r['chosen_by'] or ''}"
             + ("  [" + r["flags"] + "]" if r["flags"] else ""))
-    lines += ["", recommendation_line(result)]
+    if not table:
+        lines = []
+    lines += ["", recommendation_line(result)] if table else [recommendation_line(result)]
     others = [f"{p} {c.level_value:g}" for p, c in sr.choices.items() if p != sr.primary]
     lines.append("Other policies: " + ", ".join(others) + ".")
     if len(result.series) > 1:

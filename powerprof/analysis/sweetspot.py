@@ -30,7 +30,7 @@ DESCRIPTIONS = {
     "edp": "least energy-delay product (J/token × s/token)",
     "ed2p": "least energy-delay² product (J/token × (s/token)²)",
     "knee": "knee of energy saving vs speed loss",
-    "weighted": "least weighted cost η·E + (1−η)·P_max·T",
+    "weighted": "least weighted cost η·E + (1−η)·P_max/T",
 }
 
 

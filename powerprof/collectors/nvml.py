@@ -5,6 +5,8 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass, fields
 
+from .gateway import as_text, gateway
+
 SUPPORT_KEYS = (
     "power_instant",
     "power_average",
@@ -104,7 +106,7 @@ def visible_indexes(nvml, env: dict | None = None) -> list[int]:
             out.append(i)
             continue
         if uuids is None:
-            uuids = [_str(nvml.nvmlDeviceGetUUID(nvml.nvmlDeviceGetHandleByIndex(i))) for i in range(count)]
+            uuids = [as_text(nvml.nvmlDeviceGetUUID(nvml.nvmlDeviceGetHandleByIndex(i))) for i in range(count)]
         want = item if item.startswith(("GPU-", "MIG-")) else "GPU-" + item
         match = [i for i, u in enumerate(uuids) if u.startswith(want)]
         if len(match) != 1:
@@ -113,38 +115,25 @@ def visible_indexes(nvml, env: dict | None = None) -> list[int]:
     return list(dict.fromkeys(out))
 
 
-def _str(v) -> str:
-    return v.decode() if isinstance(v, bytes) else str(v)
-
-
 class NvmlCollector:
-    """Reads a set of GPUs through an injected NVML-like object (the `pynvml` module or SimNVML)."""
+    """Reads a set of GPUs through the NVML gateway around an injected library (`pynvml` or the simulator)."""
 
     source = "nvml"
 
     def __init__(self, nvml, indexes: list[int] | None = None):
-        self.nvml = nvml
-        nvml.nvmlInit()
-        self.indexes = visible_indexes(nvml) if indexes is None else list(indexes)
-        self.handles = [nvml.nvmlDeviceGetHandleByIndex(i) for i in self.indexes]
+        self.gw = gateway(nvml)
+        self.nvml = self.gw.lib
+        self.gw.init()
+        self.indexes = visible_indexes(self.nvml) if indexes is None else list(indexes)
+        self.handles = [self.gw.call("nvmlDeviceGetHandleByIndex", i) for i in self.indexes]
         self.infos = [self._probe(i, h) for i, h in zip(self.indexes, self.handles)]
 
     def close(self) -> None:
-        try:
-            self.nvml.nvmlShutdown()
-        except Exception:
-            pass
-
-    def _try(self, fn, *args):
-        try:
-            return fn(*args)
-        except self.nvml.NVMLError:
-            return None
+        self.gw.shutdown()
 
     def _instant_field(self, h, field_id):
-        try:
-            vals = self.nvml.nvmlDeviceGetFieldValues(h, [field_id])
-        except self.nvml.NVMLError:
+        vals = self.gw.query("nvmlDeviceGetFieldValues", h, [field_id])
+        if not vals:
             return None
         v = vals[0]
         if v.nvmlReturn != self.nvml.NVML_SUCCESS:
@@ -152,33 +141,34 @@ class NvmlCollector:
         return _field_value(self.nvml, v)
 
     def _probe(self, index: int, h) -> GpuInfo:
-        n = self.nvml
-        limits = self._try(n.nvmlDeviceGetPowerManagementLimitConstraints, h)
-        default = self._try(n.nvmlDeviceGetPowerManagementDefaultLimit, h)
-        mem = self._try(n.nvmlDeviceGetMemoryInfo, h)
+        n, q = self.nvml, self.gw.query
+        limits = q("nvmlDeviceGetPowerManagementLimitConstraints", h)
+        default = q("nvmlDeviceGetPowerManagementDefaultLimit", h)
+        mem = q("nvmlDeviceGetMemoryInfo", h)
         supports = {
             "power_instant": self._instant_field(h, n.NVML_FI_DEV_POWER_INSTANT) is not None,
-            "power_average": self._try(n.nvmlDeviceGetPowerUsage, h) is not None,
-            "energy_counter": self._try(n.nvmlDeviceGetTotalEnergyConsumption, h) is not None,
-            "clocks": self._try(n.nvmlDeviceGetClockInfo, h, n.NVML_CLOCK_SM) is not None,
-            "utilization": self._try(n.nvmlDeviceGetUtilizationRates, h) is not None,
+            "power_average": q("nvmlDeviceGetPowerUsage", h) is not None,
+            "energy_counter": q("nvmlDeviceGetTotalEnergyConsumption", h) is not None,
+            "clocks": q("nvmlDeviceGetClockInfo", h, n.NVML_CLOCK_SM) is not None,
+            "utilization": q("nvmlDeviceGetUtilizationRates", h) is not None,
             "memory": mem is not None,
-            "temperature": self._try(n.nvmlDeviceGetTemperature, h, n.NVML_TEMPERATURE_GPU) is not None,
-            "power_limit": self._try(n.nvmlDeviceGetPowerManagementLimit, h) is not None,
-            "clock_event_reasons": self._try(n.nvmlDeviceGetCurrentClocksEventReasons, h) is not None,
+            "temperature": q("nvmlDeviceGetTemperature", h, n.NVML_TEMPERATURE_GPU) is not None,
+            "power_limit": q("nvmlDeviceGetPowerManagementLimit", h) is not None,
+            "clock_event_reasons": q("nvmlDeviceGetCurrentClocksEventReasons", h) is not None,
         }
-        arch = self._try(getattr(n, "nvmlDeviceGetArchitecture", lambda _h: None), h)
+        arch = q("nvmlDeviceGetArchitecture", h)
+        name = self.gw.call("nvmlDeviceGetName", h)
         return GpuInfo(
             index=index,
-            uuid=_str(n.nvmlDeviceGetUUID(h)),
-            name=_str(n.nvmlDeviceGetName(h)),
-            driver_version=_str(self._try(n.nvmlSystemGetDriverVersion) or ""),
+            uuid=self.gw.call("nvmlDeviceGetUUID", h),
+            name=name,
+            driver_version=q("nvmlSystemGetDriverVersion", default=""),
             memory_total_bytes=int(mem.total) if mem is not None else None,
             limit_min_w=limits[0] / 1000 if limits else None,
             limit_max_w=limits[1] / 1000 if limits else None,
             limit_default_w=default / 1000 if default is not None else None,
             supports=supports,
-            power_avg_window_s=power_average_window_s(n, arch, _str(n.nvmlDeviceGetName(h))),
+            power_avg_window_s=power_average_window_s(n, arch, name),
         )
 
     def read(self) -> tuple[GpuReading, ...]:
@@ -186,18 +176,18 @@ class NvmlCollector:
 
     def read_one(self, k: int) -> GpuReading:
         n, h, s = self.nvml, self.handles[k], self.infos[k].supports
-        t = self._try
+        t = self.gw.query
         power_mw = self._instant_field(h, n.NVML_FI_DEV_POWER_INSTANT) if s["power_instant"] else None
-        avg_mw = t(n.nvmlDeviceGetPowerUsage, h) if s["power_average"] else None
-        energy_mj = t(n.nvmlDeviceGetTotalEnergyConsumption, h) if s["energy_counter"] else None
-        sm = t(n.nvmlDeviceGetClockInfo, h, n.NVML_CLOCK_SM) if s["clocks"] else None
-        memclk = t(n.nvmlDeviceGetClockInfo, h, n.NVML_CLOCK_MEM) if s["clocks"] else None
-        util = t(n.nvmlDeviceGetUtilizationRates, h) if s["utilization"] else None
-        mem = t(n.nvmlDeviceGetMemoryInfo, h) if s["memory"] else None
-        temp = t(n.nvmlDeviceGetTemperature, h, n.NVML_TEMPERATURE_GPU) if s["temperature"] else None
-        limit = t(n.nvmlDeviceGetPowerManagementLimit, h) if s["power_limit"] else None
-        enforced = t(n.nvmlDeviceGetEnforcedPowerLimit, h) if s["power_limit"] else None
-        reasons = t(n.nvmlDeviceGetCurrentClocksEventReasons, h) if s["clock_event_reasons"] else None
+        avg_mw = t("nvmlDeviceGetPowerUsage", h) if s["power_average"] else None
+        energy_mj = t("nvmlDeviceGetTotalEnergyConsumption", h) if s["energy_counter"] else None
+        sm = t("nvmlDeviceGetClockInfo", h, n.NVML_CLOCK_SM) if s["clocks"] else None
+        memclk = t("nvmlDeviceGetClockInfo", h, n.NVML_CLOCK_MEM) if s["clocks"] else None
+        util = t("nvmlDeviceGetUtilizationRates", h) if s["utilization"] else None
+        mem = t("nvmlDeviceGetMemoryInfo", h) if s["memory"] else None
+        temp = t("nvmlDeviceGetTemperature", h, n.NVML_TEMPERATURE_GPU) if s["temperature"] else None
+        limit = t("nvmlDeviceGetPowerManagementLimit", h) if s["power_limit"] else None
+        enforced = t("nvmlDeviceGetEnforcedPowerLimit", h) if s["power_limit"] else None
+        reasons = t("nvmlDeviceGetCurrentClocksEventReasons", h) if s["clock_event_reasons"] else None
         return GpuReading(
             index=self.indexes[k],
             power_w=power_mw / 1000 if power_mw is not None else None,
@@ -213,15 +203,6 @@ class NvmlCollector:
             enforced_limit_w=enforced / 1000 if enforced is not None else None,
             clock_event_reasons=int(reasons) if reasons is not None else None,
         )
-
-    def read_energy_j(self) -> tuple[float | None, ...]:
-        """Only the energy counters: the cheap read taken at window edges."""
-        n = self.nvml
-        out = []
-        for h, info in zip(self.handles, self.infos):
-            mj = self._try(n.nvmlDeviceGetTotalEnergyConsumption, h) if info.supports["energy_counter"] else None
-            out.append(mj / 1000 if mj is not None else None)
-        return tuple(out)
 
 
 def power_average_window_s(nvml, arch: int | None, name: str) -> float:
@@ -246,14 +227,3 @@ def _field_value(nvml, v):
         getattr(nvml, "NVML_VALUE_TYPE_UNSIGNED_SHORT", 6): "usVal",
     }.get(vt)
     return getattr(v.value, member) if member else None
-
-
-def open_nvml(simulate: str | None = None, count: int = 1):
-    """The NVML-like object for this run: the real `pynvml` module, or a simulator."""
-    if simulate:
-        from powerprof.sim.nvml import SimNVML
-
-        return SimNVML(profile=simulate, count=count)
-    import pynvml
-
-    return pynvml

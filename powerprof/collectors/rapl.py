@@ -28,6 +28,9 @@ from typing import Callable, Iterable, Sequence
 DEFAULT_ROOT = "/sys/class/powercap"
 BACKENDS = ("sysfs", "pyrapl")
 
+# The zones whose sum is "CPU energy": core/uncore lie inside their package, psys holds everything.
+CPU_ENERGY_KINDS = ("package", "dram")
+
 # Used for the wrap period only when a zone publishes no power constraint; generous on purpose,
 # since a too-high figure merely asks for more frequent reads.
 ASSUMED_MAX_POWER_W = {"package": 500.0, "psys": 1000.0, "dram": 150.0, "core": 500.0, "uncore": 200.0}
@@ -214,27 +217,20 @@ def wrap_delta_uj(prev_uj: int, now_uj: int, max_range_uj: int | None) -> int | 
     return d + max_range_uj
 
 
-def window_energy_j(
-    start: Sequence[RaplReading], end: Sequence[RaplReading], kinds: Iterable[str] = ("package", "dram")
-) -> float | None:
-    """CPU energy between two reads: the sum over zones of the given kinds (package + DRAM by default).
+def cpu_energy_j(readings: Sequence[RaplReading], kinds: Iterable[str] = CPU_ENERGY_KINDS) -> tuple[float | None, int]:
+    """Cumulative CPU energy of one read (package + DRAM by default) and the epoch it belongs to.
 
-    core/uncore lie inside their package and psys contains everything, so they are not added by
-    default. None when no zone of those kinds exists or any of them is missing or crossed a
-    dropped delta: a partial sum would look like a real, smaller number.
+    The energy is None when no zone of those kinds exists or any of them is unreadable: a partial
+    sum would look like a counter reset. The epoch (the sum of the zones' epochs) goes up whenever
+    any zone dropped a delta: reads of different epochs are never subtracted (the rule is
+    `energy.epoch_broken`).
     """
     kinds = set(kinds)
-    s = {r.zone: r for r in start if r.kind in kinds}
-    e = {r.zone: r for r in end if r.kind in kinds}
-    if not s or s.keys() != e.keys():
-        return None
-    total = 0.0
-    for zone, a in s.items():
-        b = e[zone]
-        if a.energy_j is None or b.energy_j is None or a.epoch != b.epoch:
-            return None
-        total += b.energy_j - a.energy_j
-    return total
+    zones = [r for r in readings if r.kind in kinds]
+    epoch = sum(r.epoch for r in zones)
+    if not zones or any(r.energy_j is None for r in zones):
+        return None, epoch
+    return float(sum(r.energy_j for r in zones)), epoch
 
 
 # --- backends ----------------------------------------------------------------------------------

@@ -110,10 +110,6 @@ class Sampler:
             self._subscribers = self._subscribers + (fn,)
         return fn
 
-    def unsubscribe(self, fn: Subscriber) -> None:
-        with self._publish_lock:
-            self._subscribers = tuple(s for s in self._subscribers if s is not fn)
-
     def _publish(self, sample: Sample) -> None:
         with self._publish_lock:
             latest = dict(self.latest)

@@ -1,23 +1,16 @@
-"""Opens this machine's collectors (or the simulator's) together and reports what is missing, with the fix.
+"""Opens the collectors it is given (NVML-like object, powercap root) together and reports what is missing, with the fix.
 
-`open_sources()` is what `devices`, `monitor` and later `sweep`/`daemon` call: NVML, RAPL and
-host collectors where they work, and a `Problem` (message + fix) where they don't, so a machine
-without a GPU or without RAPL permission still gets the rest. With `simulate=PROFILE` the GPUs
-are SimNVML and RAPL is a SimPowercap tree, updated in the background, in a pid-named folder under
-the state folder (POWERPROF_STATE_DIR, else $XDG_STATE_HOME/powerprof) or else the temp folder;
-trees of processes that died without closing are removed when the next one is made.
+`open_sources()` gives NVML, RAPL and host collectors where they work, and a `Problem`
+(message + fix) where they don't, so a machine without a GPU or without RAPL permission still
+gets the rest. It never decides what is real: the door (`powerprof.rig`) hands it the NVML-like
+object, the powercap root and opener, and how to tell whether limits may be changed.
 """
 
 from __future__ import annotations
 
 import os
-import re
-import shutil
-import tempfile
 from dataclasses import asdict, dataclass, field
 from typing import Callable
-
-import psutil
 
 from powerprof.privilege import has_admin_privilege
 
@@ -41,17 +34,13 @@ class Problem:
 
 @dataclass
 class Sources:
-    """The open collectors; `close()` releases them (and stops a simulated powercap tree)."""
+    """The open collectors; `close()` releases them."""
 
     nvml: NvmlCollector | None = None
     rapl: RaplCollector | None = None
     host: HostCollector | None = None
     problems: list[Problem] = field(default_factory=list)
-    simulated: bool = False
     can_set_limits: bool | None = None  # None: no GPU
-    sim_nvml: object | None = None  # SimNVML when simulated
-    sim_powercap: object | None = None  # SimPowercap when simulated
-    _tmpdir: str | None = None
 
     @property
     def collectors(self) -> list:
@@ -66,11 +55,6 @@ class Sources:
             self.rapl.close()
         if self.nvml is not None:
             self.nvml.close()
-        if self.sim_powercap is not None:
-            self.sim_powercap.close()
-        if self._tmpdir:
-            shutil.rmtree(self._tmpdir, ignore_errors=True)
-            self._tmpdir = None
 
     def __enter__(self) -> "Sources":
         return self
@@ -84,25 +68,26 @@ def _nvml_error(e: Exception) -> str:
 
 
 def open_sources(
-    simulate: str | None = None,
+    nvml=None,
     gpus: list[int] | None = None,
     *,
     rapl_root: str | os.PathLike = DEFAULT_ROOT,
+    rapl_opener: Callable = open,
     rapl_backend: str = "sysfs",
-    nvml=None,
     host: bool = True,
     ps=None,
-    sim_cpu_power_w_fn: Callable[[], float] | None = None,
+    privileged: Callable[[], bool] = has_admin_privilege,
 ) -> Sources:
     """Collectors for the GPUs `gpus` (NVML indexes; default: those CUDA_VISIBLE_DEVICES allows), RAPL, host.
 
-    Raises ValueError for a GPU index that does not exist (bad input); everything the machine
-    lacks becomes a Problem instead. `nvml` injects an NVML-like object (tests).
+    `nvml` is the NVML-like object to read (default: the real `pynvml` module); `privileged()`
+    says whether this process may change limits. Raises ValueError for a GPU index that does not
+    exist (bad input); everything the machine lacks becomes a Problem instead.
     """
-    src = Sources(simulated=bool(simulate))
+    src = Sources()
     try:
-        _open_gpus(src, simulate, gpus, nvml)
-        _open_rapl(src, simulate, rapl_root, rapl_backend, sim_cpu_power_w_fn)
+        _open_gpus(src, gpus, nvml, privileged)
+        _open_rapl(src, rapl_root, rapl_opener, rapl_backend)
         if host:
             src.host = HostCollector(ps)
     except BaseException:
@@ -111,19 +96,13 @@ def open_sources(
     return src
 
 
-def _open_gpus(src: Sources, simulate, gpus, nvml) -> None:
+def _open_gpus(src: Sources, gpus, nvml, privileged: Callable[[], bool]) -> None:
     if nvml is None:
-        if simulate:
-            from powerprof.sim.nvml import SimNVML
-
-            count = max(gpus) + 1 if gpus else 1
-            nvml = src.sim_nvml = SimNVML(profile=simulate, count=count)
-        else:
-            try:
-                import pynvml as nvml
-            except ImportError as e:  # the dependency is declared; a broken install is still possible
-                src.problems.append(Problem("nvml", f"NVML bindings missing: {e}", "pip install nvidia-ml-py"))
-                return
+        try:
+            import pynvml as nvml
+        except ImportError as e:  # the dependency is declared; a broken install is still possible
+            src.problems.append(Problem("nvml", f"NVML bindings missing: {e}", "pip install nvidia-ml-py"))
+            return
     try:
         nvml.nvmlInit()
     except Exception as e:
@@ -145,8 +124,7 @@ def _open_gpus(src: Sources, simulate, gpus, nvml) -> None:
         src.problems.append(Problem("nvml", why, NO_GPU_FIX if not count else "unset or fix CUDA_VISIBLE_DEVICES"))
         return
     src.nvml = NvmlCollector(nvml, indexes)
-    priv = getattr(nvml, "privileged", None)
-    src.can_set_limits = bool(priv) if priv is not None else has_admin_privilege()
+    src.can_set_limits = bool(privileged())
     if not src.can_set_limits:
         src.problems.append(Problem("nvml", "no permission to change power limits or clocks", ROOT_FIX))
     for info in src.nvml.infos:
@@ -161,61 +139,7 @@ def _open_gpus(src: Sources, simulate, gpus, nvml) -> None:
             )
 
 
-SIM_POWERCAP_PREFIX = "powerprof-powercap-"
-_SIM_POWERCAP_RE = re.compile(re.escape(SIM_POWERCAP_PREFIX) + r"(\d+)-")
-
-
-def sim_powercap_parent(env=None) -> str:
-    """Where simulated powercap trees go: the state folder when one is set (so a test's tree goes
-    with its tmp_path), else the system temp folder."""
-    env = os.environ if env is None else env
-    if env.get("POWERPROF_STATE_DIR"):
-        return env["POWERPROF_STATE_DIR"]
-    if env.get("XDG_STATE_HOME"):
-        return os.path.join(env["XDG_STATE_HOME"], "powerprof")
-    return tempfile.gettempdir()
-
-
-def remove_stale_sim_powercap_dirs(parent: str) -> list[str]:
-    """Remove our simulated powercap trees whose process is gone (a SIGKILL skips close())."""
-    removed = []
-    try:
-        entries = list(os.scandir(parent))
-    except OSError:
-        return removed
-    for e in entries:
-        m = _SIM_POWERCAP_RE.match(e.name)
-        if not m or int(m.group(1)) == os.getpid() or psutil.pid_exists(int(m.group(1))):
-            continue
-        try:
-            if not e.is_dir(follow_symlinks=False) or e.stat(follow_symlinks=False).st_uid != os.getuid():
-                continue  # another user's tree (shared /tmp) is not ours to remove
-        except OSError:
-            continue
-        shutil.rmtree(e.path, ignore_errors=True)
-        removed.append(e.path)
-    return removed
-
-
-def make_sim_powercap_dir(env=None) -> str:
-    """A fresh folder for a simulated powercap tree, named with our pid; clears dead processes' trees."""
-    parent = sim_powercap_parent(env)
-    os.makedirs(parent, exist_ok=True)
-    remove_stale_sim_powercap_dirs(parent)
-    return tempfile.mkdtemp(prefix=f"{SIM_POWERCAP_PREFIX}{os.getpid()}-", dir=parent)
-
-
-def _open_rapl(src: Sources, simulate, rapl_root, backend, power_w_fn) -> None:
-    opener = open
-    if simulate:
-        from powerprof.sim.nvml import UNPRIVILEGED_ENV
-        from powerprof.sim.powercap import SimPowercap
-
-        src._tmpdir = make_sim_powercap_dir()
-        unpriv = os.environ.get(UNPRIVILEGED_ENV) == "1"
-        pc = SimPowercap(src._tmpdir, power_w_fn=power_w_fn, unreadable=unpriv).start()
-        src.sim_powercap = pc
-        rapl_root, opener = src._tmpdir, pc.opener
+def _open_rapl(src: Sources, rapl_root, opener, backend) -> None:
     try:
         src.rapl = RaplCollector(rapl_root, backend=backend, opener=opener)
     except RaplPermissionError as e:
@@ -224,18 +148,9 @@ def _open_rapl(src: Sources, simulate, rapl_root, backend, power_w_fn) -> None:
         src.problems.append(Problem("rapl", f"no RAPL zones under {rapl_root}", UNAVAILABLE_FIX))
 
 
-def pending_restore_note() -> str | None:
-    """The control layer's warning that a restore file is pending (a crashed sweep left a GPU capped)."""
-    try:
-        from powerprof.control.restore import pending_restore_note as note
-    except ImportError:
-        return None
-    return note()
-
-
 def describe(src: Sources) -> dict:
-    """Everything `powerprof devices` shows, JSON-ready."""
-    out: dict = {"simulated": src.simulated, "gpus": [], "rapl": None, "host": None}
+    """Everything `powerprof devices` shows, JSON-ready (the door adds whether it is simulated)."""
+    out: dict = {"gpus": [], "rapl": None, "host": None}
     if src.nvml is not None:
         readings = src.nvml.read()
         for info, r in zip(src.nvml.infos, readings):
@@ -248,9 +163,10 @@ def describe(src: Sources) -> dict:
                     "memory_total_bytes": info.memory_total_bytes,
                     "power_limit_w": r.power_limit_w,
                     "enforced_limit_w": r.enforced_limit_w,
-                    "limit_default_w": info.limit_default_w,
-                    "limit_min_w": info.limit_min_w,
-                    "limit_max_w": info.limit_max_w,
+                    # The same names as run.json's, so one script reads both.
+                    "default_limit_w": info.limit_default_w,
+                    "min_limit_w": info.limit_min_w,
+                    "max_limit_w": info.limit_max_w,
                     "supports": dict(info.supports),
                 }
             )
@@ -278,5 +194,4 @@ def describe(src: Sources) -> dict:
         h = src.host.read()
         out["host"] = {"cpu_count": os.cpu_count(), "mem_total_bytes": h.mem_total_bytes, "cpu_freq_mhz": h.cpu_freq_mhz}
     out["problems"] = [asdict(p) for p in src.problems]
-    out["restore_note"] = pending_restore_note()
     return out

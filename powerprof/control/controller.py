@@ -12,6 +12,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterable, Sequence
 
+from powerprof.collectors.gateway import gateway
+from powerprof.paths import state_dir
 from powerprof.termination import clear, note
 
 from .device import nvml_error_code, read_devices
@@ -27,7 +29,6 @@ from .restore import (
     pending_restore_files,
     remove_file,
     restore_gpu,
-    state_dir,
     write_json_atomic,
 )
 from .setter import GpuReadback, NvidiaSmi, check_applied, lock_sm_clocks, reset_sm_clocks, run_nvidia_smi
@@ -44,12 +45,6 @@ class LimitReadback:
     gpus: tuple[GpuReadback, ...]
     t_mono_ns: int
     t_utc: _dt.datetime
-
-
-def simulated_info(nvml) -> dict | None:
-    if not getattr(nvml, "simulated", False):
-        return None
-    return {"profile": nvml.profile.key, "count": len(nvml.gpus)}
 
 
 class LimitController:
@@ -75,7 +70,10 @@ class LimitController:
         nvidia_smi: NvidiaSmi = run_nvidia_smi,
         tolerance_w: float = DEFAULT_TOLERANCE_W,
         handle_signals: bool = True,
+        origin: dict | None = None,
     ):
+        """`origin`: how `restore` reopens these GPUs after a crash (the door's words, stored in the
+        restore file as they are; None for real GPUs through pynvml)."""
         if not indexes:
             raise LevelError(["no GPU selected"], "Select at least one GPU.")
         self.nvml = nvml
@@ -86,6 +84,7 @@ class LimitController:
         self.nvidia_smi = nvidia_smi
         self.tolerance_w = float(tolerance_w)
         self.handle_signals = handle_signals
+        self.origin = origin
         self.devices: tuple[DeviceRange, ...] = ()
         self._handles: list = []
         self._locks: list[GpuLock] = []
@@ -115,7 +114,7 @@ class LimitController:
             self.nvml.nvmlInit()
             self._nvml_open = True
             self.devices = read_devices(self.nvml, self.indexes)
-            self._handles = [self.nvml.nvmlDeviceGetHandleByIndex(i) for i in self.indexes]
+            self._handles = [gateway(self.nvml).call("nvmlDeviceGetHandleByIndex", i) for i in self.indexes]
             for d in self.devices:
                 lock = GpuLock(self.state_dir, d.uuid, d.index)
                 lock.acquire()
@@ -187,7 +186,7 @@ class LimitController:
         """Setting each GPU's limit to its current value proves permission without changing anything."""
         for h, d in zip(self._handles, self.devices):
             try:
-                self.nvml.nvmlDeviceSetPowerManagementLimit(h, int(round(d.limit_w * 1000)))
+                gateway(self.nvml).call("nvmlDeviceSetPowerManagementLimit", h, int(round(d.limit_w * 1000)))
             except self.nvml.NVMLError as e:
                 code = nvml_error_code(self.nvml, e)
                 if code == self.nvml.NVML_ERROR_NO_PERMISSION:
@@ -283,7 +282,7 @@ class LimitController:
             }
             for d in self.devices
         }
-        record = new_record(gpus, simulated_info(self.nvml))
+        record = new_record(gpus, self.origin)
         write_json_atomic(self.restore_path, record)
         self._record = record
 

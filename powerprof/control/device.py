@@ -4,50 +4,44 @@ from __future__ import annotations
 
 from typing import Sequence
 
+from powerprof.collectors.gateway import gateway
+
 from .errors import ControlError
 from .levels import DeviceRange
 
 
-def _str(v) -> str:
-    return v.decode() if isinstance(v, bytes) else str(v)
-
-
 def nvml_error_code(nvml, exc: BaseException) -> int | None:
-    return getattr(exc, "value", None) if isinstance(exc, nvml.NVMLError) else None
+    return gateway(nvml).error_code(exc)
 
 
-def _clock_range(nvml, h) -> tuple[int | None, int | None]:
-    try:
-        mem_mhz = nvml.nvmlDeviceGetMaxClockInfo(h, nvml.NVML_CLOCK_MEM)
-        clocks = [int(c) for c in nvml.nvmlDeviceGetSupportedGraphicsClocks(h, mem_mhz)]
-    except nvml.NVMLError:
-        return None, None
+def _clock_range(gw, h) -> tuple[int | None, int | None]:
+    mem_mhz = gw.query("nvmlDeviceGetMaxClockInfo", h, gw.NVML_CLOCK_MEM)
+    clocks = gw.query("nvmlDeviceGetSupportedGraphicsClocks", h, mem_mhz) if mem_mhz is not None else None
     if not clocks:
         return None, None
+    clocks = [int(c) for c in clocks]
     return min(clocks), max(clocks)
 
 
 def read_device(nvml, index: int, handle=None) -> DeviceRange:
     """One GPU's limit range, default, current and enforced limit, and SM clock range."""
-    h = nvml.nvmlDeviceGetHandleByIndex(index) if handle is None else handle
-    name = _str(nvml.nvmlDeviceGetName(h))
+    gw = gateway(nvml)
+    h = gw.call("nvmlDeviceGetHandleByIndex", index) if handle is None else handle
+    name = gw.call("nvmlDeviceGetName", h)
     try:
-        lo_mw, hi_mw = nvml.nvmlDeviceGetPowerManagementLimitConstraints(h)
-        default_mw = nvml.nvmlDeviceGetPowerManagementDefaultLimit(h)
-        limit_mw = nvml.nvmlDeviceGetPowerManagementLimit(h)
-    except nvml.NVMLError as e:
+        lo_mw, hi_mw = gw.call("nvmlDeviceGetPowerManagementLimitConstraints", h)
+        default_mw = gw.call("nvmlDeviceGetPowerManagementDefaultLimit", h)
+        limit_mw = gw.call("nvmlDeviceGetPowerManagementLimit", h)
+    except gw.NVMLError as e:
         raise ControlError(
             f"GPU {index} ({name}) does not report its power-limit range, default and current limit "
             f"(NVML: {e}); powerprof will not change a limit it cannot put back."
         ) from e
-    try:
-        enforced_mw = nvml.nvmlDeviceGetEnforcedPowerLimit(h)
-    except nvml.NVMLError:
-        enforced_mw = None
-    clock_lo, clock_hi = _clock_range(nvml, h)
+    enforced_mw = gw.query("nvmlDeviceGetEnforcedPowerLimit", h)
+    clock_lo, clock_hi = _clock_range(gw, h)
     return DeviceRange(
         index=index,
-        uuid=_str(nvml.nvmlDeviceGetUUID(h)),
+        uuid=gw.call("nvmlDeviceGetUUID", h),
         name=name,
         min_w=lo_mw / 1000,
         max_w=hi_mw / 1000,
@@ -60,7 +54,7 @@ def read_device(nvml, index: int, handle=None) -> DeviceRange:
 
 
 def read_devices(nvml, indexes: Sequence[int]) -> tuple[DeviceRange, ...]:
-    count = nvml.nvmlDeviceGetCount()
+    count = gateway(nvml).call("nvmlDeviceGetCount")
     bad = [i for i in indexes if not 0 <= i < count]
     if bad:
         raise ControlError(f"GPU {', '.join(map(str, bad))} does not exist; NVML sees {count} GPU(s).")

@@ -6,11 +6,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterable, Sequence
 
-from powerprof.privilege import has_admin_privilege
+from powerprof.paths import state_dir
 
 from .device import read_devices
 from .levels import DeviceRange, parse_clock_levels, parse_power_levels
-from .restore import default_restore_path, state_dir
+from .restore import default_restore_path
 
 
 @dataclass(frozen=True)
@@ -20,11 +20,11 @@ class Plan:
     clock_levels_mhz: tuple[int, ...]
     restore_path: Path
     permitted: bool  # whether this process looks allowed to change limits (root / CAP_SYS_ADMIN)
-    simulated: bool
+    label: str = ""  # what the door says these GPUs are, e.g. "simulated"
 
     def lines(self) -> list[str]:
-        sim = " (simulated)" if self.simulated else ""
-        out = [f"Dry run: nothing will be changed{sim}."]
+        what = f" ({self.label})" if self.label else ""
+        out = [f"Dry run: nothing will be changed{what}."]
         for d in self.devices:
             out.append(
                 f"GPU {d.index} {d.name} ({d.uuid}): limit now {d.limit_w:g} W"
@@ -50,8 +50,14 @@ def make_plan(
     power_levels: str | Iterable | None = None,
     clock_levels: str | Iterable | None = None,
     restore_path: Path | str | None = None,
+    *,
+    permitted: bool,
+    label: str = "",
 ) -> Plan:
-    """Validates the levels (LevelError on bad input) and describes the run. Calls only NVML getters."""
+    """Validates the levels (LevelError on bad input) and describes the run. Calls only NVML getters.
+
+    `permitted`: whether this process may change limits (the door knows: root, or the simulator's
+    privilege); `label` names what kind of GPUs these are in the plan's first line."""
     nvml.nvmlInit()
     try:
         devices = read_devices(nvml, indexes)
@@ -62,7 +68,5 @@ def make_plan(
             pass
     watts = tuple(parse_power_levels(power_levels, devices)) if power_levels is not None else ()
     clocks = tuple(parse_clock_levels(clock_levels, devices)) if clock_levels is not None else ()
-    simulated = bool(getattr(nvml, "simulated", False))
-    permitted = bool(getattr(nvml, "privileged", True)) if simulated else has_admin_privilege()
     path = Path(restore_path) if restore_path is not None else default_restore_path([d.uuid for d in devices], state_dir())
-    return Plan(devices, watts, clocks, path, permitted, simulated)
+    return Plan(devices, watts, clocks, path, permitted, label)

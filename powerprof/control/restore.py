@@ -11,6 +11,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, Sequence
 
+from powerprof.collectors.gateway import gateway
+from powerprof.paths import state_dir
 from powerprof.storage.atomic import atomic_path, fsync_dir
 
 from .device import nvml_error_code
@@ -18,22 +20,9 @@ from .errors import ControlError, ControlPermissionError, GpuBusyError, RestoreE
 from .gpulock import GpuLock, is_held, lock_path, read_holder_pid
 from .setter import NvidiaSmi, check_applied, reset_sm_clocks, run_nvidia_smi, set_power_limit
 
-STATE_DIR_ENV = "POWERPROF_STATE_DIR"
-ROOT_STATE_DIR = Path("/var/lib/powerprof")
 RESTORE_GLOB = "restore-*.json"
 FORMAT = 1
 DEFAULT_TOLERANCE_W = 2.0
-
-
-def state_dir(env: dict | None = None, euid: int | None = None) -> Path:
-    """POWERPROF_STATE_DIR if set, else /var/lib/powerprof as root, else $XDG_STATE_HOME/powerprof."""
-    env = os.environ if env is None else env
-    if env.get(STATE_DIR_ENV):
-        return Path(env[STATE_DIR_ENV])
-    if (os.geteuid() if euid is None else euid) == 0:
-        return ROOT_STATE_DIR
-    base = env.get("XDG_STATE_HOME") or os.path.join(os.path.expanduser("~"), ".local", "state")
-    return Path(base) / "powerprof"
 
 
 def default_restore_path(uuids: Sequence[str], directory: Path | None = None) -> Path:
@@ -61,15 +50,18 @@ def remove_file(path: Path) -> None:
     fsync_dir(Path(path).parent)
 
 
-def new_record(gpus: dict, simulated: dict | None) -> dict:
-    """gpus: UUID → {index, name, original_limit_mw, default_limit_mw, clocks_locked}."""
+def new_record(gpus: dict, origin: dict | None) -> dict:
+    """gpus: UUID → {index, name, original_limit_mw, default_limit_mw, clocks_locked}.
+
+    origin: how to reopen these GPUs (the door's words; None = real GPUs), kept under the key
+    "simulated" that older restore files already use."""
     return {
         "format": FORMAT,
         "pid": os.getpid(),
         "created_utc": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
         "host": os.uname().nodename,
         "argv": list(sys.argv),
-        "simulated": simulated,
+        "simulated": origin,
         "gpus": gpus,
     }
 
@@ -197,14 +189,22 @@ class RestoreReport:
                 out.append(f"  GPU {g.index} ({g.uuid}): power limit {g.limit_w:g} W (original {g.original_w:g} W){clocks}")
         return out
 
+    def to_dict(self) -> dict:
+        """`powerprof restore --json`: stable keys, one entry per restore file."""
+        return {
+            "ok": self.ok,
+            "searched": None if self.searched is None else str(self.searched),
+            "notes": list(self.notes),
+            "files": [
+                {"path": str(o.path), "status": o.status, "message": o.message,
+                 "gpus": [{"index": g.index, "uuid": g.uuid, "limit_w": g.limit_w, "original_limit_w": g.original_w,
+                           "clocks_released": g.clocks_released} for g in o.gpus]}
+                for o in self.outcomes
+            ],
+        }
 
-def open_nvml_for(record: dict):
-    """The NVML the record was made with: the simulator with the same profile and GPU count, or pynvml."""
-    sim = record.get("simulated")
-    if sim:
-        from powerprof.sim.nvml import SimNVML
 
-        return SimNVML(profile=sim["profile"], count=int(sim["count"]))
+def _real_nvml(record: dict):
     import pynvml
 
     return pynvml
@@ -213,8 +213,8 @@ def open_nvml_for(record: dict):
 def restore_from_file(
     path: Path | str | None = None,
     *,
-    simulate: str | None = None,
-    nvml_factory: Callable[[dict], object] = open_nvml_for,
+    nvml_factory: Callable[[dict], object] = _real_nvml,
+    refuse: Callable[[dict], str | None] = lambda record: None,
     nvidia_smi: NvidiaSmi = run_nvidia_smi,
     directory: Path | None = None,
     tolerance_w: float = DEFAULT_TOLERANCE_W,
@@ -222,10 +222,10 @@ def restore_from_file(
     """Puts back everything recorded in `path` (default: every restore file in the state folder).
 
     Each GPU's lock is taken first, so a controller that is still running is left alone. A file is
-    removed only when every GPU in it is back; otherwise it stays for the next attempt. With
-    `simulate`, only records of simulated GPUs are restored (a real GPU is never 'restored' on the
-    simulator and its record then deleted). A named `path` that does not exist is a failure, not
-    "nothing to restore".
+    removed only when every GPU in it is back; otherwise it stays for the next attempt.
+    `nvml_factory(record)` opens the NVML the record was made with (the door decides: pynvml or a
+    simulator); `refuse(record)` returns why a record must be left alone, or None. A named `path`
+    that does not exist is a failure, not "nothing to restore".
     """
     if path is not None:
         path = Path(path)
@@ -243,20 +243,19 @@ def restore_from_file(
         files = pending_restore_files(lock_dir)
         searched = lock_dir
     return RestoreReport(
-        tuple(_restore_one_file(f, simulate, nvml_factory, nvidia_smi, lock_dir, tolerance_w) for f in files),
+        tuple(_restore_one_file(f, refuse, nvml_factory, nvidia_smi, lock_dir, tolerance_w) for f in files),
         searched=searched,
     )
 
 
-def _restore_one_file(path, simulate, nvml_factory, nvidia_smi, lock_dir, tolerance_w) -> FileOutcome:
+def _restore_one_file(path, refuse, nvml_factory, nvidia_smi, lock_dir, tolerance_w) -> FileOutcome:
     try:
         rec = load_record(path)
     except RestoreError as e:
         return FileOutcome(path, "failed", f"Not restored: {e}.")
-    if simulate and not rec.get("simulated"):
-        return FileOutcome(
-            path, "refused", f"Not restored: {path} records a real GPU; run `powerprof restore` without --simulate."
-        )
+    why = refuse(rec)
+    if why:
+        return FileOutcome(path, "refused", f"Not restored: {path} {why}")
     locks: list[GpuLock] = []
     nvml = None
     try:
@@ -270,8 +269,8 @@ def _restore_one_file(path, simulate, nvml_factory, nvidia_smi, lock_dir, tolera
         for uuid, g in sorted(rec["gpus"].items(), key=lambda kv: kv[1].get("index", 0)):
             try:
                 try:
-                    h = nvml.nvmlDeviceGetHandleByUUID(uuid)
-                    index = int(nvml.nvmlDeviceGetIndex(h))
+                    h = gateway(nvml).call("nvmlDeviceGetHandleByUUID", uuid)
+                    index = int(gateway(nvml).call("nvmlDeviceGetIndex", h))
                 except nvml.NVMLError as e:
                     if nvml_error_code(nvml, e) == nvml.NVML_ERROR_NOT_FOUND:
                         raise ControlError(

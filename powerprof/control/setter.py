@@ -6,6 +6,8 @@ import subprocess
 from dataclasses import dataclass
 from typing import Callable, Sequence
 
+from powerprof.collectors.gateway import gateway
+
 from .device import nvml_error_code
 from .errors import ControlError, ControlPermissionError, LimitNotAppliedError, permission_message
 
@@ -61,7 +63,7 @@ def set_power_limit(nvml, handle, index: int, uuid: str, watts: float, nvidia_sm
     """v1 setter (the v2 Python wrapper ignores errors), nvidia-smi only where NVML says NotSupported."""
     method = "nvml"
     try:
-        nvml.nvmlDeviceSetPowerManagementLimit(handle, int(round(watts * 1000)))
+        gateway(nvml).call("nvmlDeviceSetPowerManagementLimit", handle, int(round(watts * 1000)))
     except nvml.NVMLError as e:
         code = nvml_error_code(nvml, e)
         if code == nvml.NVML_ERROR_NO_PERMISSION:
@@ -74,18 +76,18 @@ def set_power_limit(nvml, handle, index: int, uuid: str, watts: float, nvidia_sm
 
 
 def read_back(nvml, handle, index: int, uuid: str, requested_w: float, method: str) -> GpuReadback:
+    gw = gateway(nvml)
+
     def get(fn):
-        try:
-            return fn(handle) / 1000
-        except nvml.NVMLError:
-            return None
+        mw = gw.query(fn, handle)
+        return mw / 1000 if mw is not None else None
 
     return GpuReadback(
         index=index,
         uuid=uuid,
         requested_w=float(requested_w),
-        limit_w=get(nvml.nvmlDeviceGetPowerManagementLimit),
-        enforced_w=get(nvml.nvmlDeviceGetEnforcedPowerLimit),
+        limit_w=get("nvmlDeviceGetPowerManagementLimit"),
+        enforced_w=get("nvmlDeviceGetEnforcedPowerLimit"),
         method=method,
     )
 
@@ -100,7 +102,7 @@ def check_applied(readbacks: Sequence[GpuReadback], tolerance_w: float, enforced
 
 def lock_sm_clocks(nvml, handle, index: int, lo_mhz: int, hi_mhz: int) -> None:
     try:
-        nvml.nvmlDeviceSetGpuLockedClocks(handle, int(lo_mhz), int(hi_mhz))
+        gateway(nvml).call("nvmlDeviceSetGpuLockedClocks", handle, int(lo_mhz), int(hi_mhz))
     except nvml.NVMLError as e:
         code = nvml_error_code(nvml, e)
         if code == nvml.NVML_ERROR_NO_PERMISSION:
@@ -112,7 +114,7 @@ def lock_sm_clocks(nvml, handle, index: int, lo_mhz: int, hi_mhz: int) -> None:
 
 def reset_sm_clocks(nvml, handle, index: int) -> None:
     try:
-        nvml.nvmlDeviceResetGpuLockedClocks(handle)
+        gateway(nvml).call("nvmlDeviceResetGpuLockedClocks", handle)
     except nvml.NVMLError as e:
         if nvml_error_code(nvml, e) == nvml.NVML_ERROR_NO_PERMISSION:
             raise ControlPermissionError(permission_message("release locked GPU clocks", False)) from e

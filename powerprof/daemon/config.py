@@ -13,6 +13,8 @@ from pathlib import Path
 from typing import Any, Callable
 from urllib.parse import urlsplit
 
+from powerprof.paths import STATE_DIR_ENV, user_state_home
+
 if sys.version_info >= (3, 11):
     import tomllib
 else:  # pragma: no cover
@@ -22,7 +24,18 @@ ENV_PREFIX = "POWERPROF_"
 
 
 class ConfigError(ValueError):
-    """A bad config: the message names the key and says what is accepted."""
+    """A bad config: the message names the key and says what is accepted (every bad key, one per line)."""
+
+    def __init__(self, message: str, errors: list[str] | None = None):
+        super().__init__(message)
+        self.errors = errors or [message]
+
+
+def _raise_all(errors: list[str]) -> None:
+    if len(errors) == 1:
+        raise ConfigError(errors[0])
+    if errors:
+        raise ConfigError(f"{len(errors)} config errors:\n  " + "\n  ".join(errors), errors)
 
 
 def _listen(v: str) -> str:
@@ -183,11 +196,8 @@ class Config:
             return Path(d)
         if os.environ.get("STATE_DIRECTORY"):
             return Path(os.environ["STATE_DIRECTORY"].split(":")[0])
-        base = os.environ.get("POWERPROF_STATE_DIR")
-        if base:
-            return Path(base) / "daemon"
-        xdg = os.environ.get("XDG_STATE_HOME") or os.path.join(os.path.expanduser("~"), ".local", "state")
-        return Path(xdg) / "powerprof" / "daemon"
+        base = os.environ.get(STATE_DIR_ENV)
+        return (Path(base) if base else user_state_home() / "powerprof") / "daemon"
 
     def tag_socket(self) -> Path:
         s = self.get("tags", "socket")
@@ -216,9 +226,21 @@ def default_tag_socket(data_dir: Path) -> Path:
     return Path(data_dir) / "powerprof.sock"
 
 
-def load_config(path: str | os.PathLike | None = None, env: dict | None = None, overrides: dict | None = None) -> Config:
-    """File (optional) → env → overrides {"section.key": value}; raises ConfigError naming the key."""
+def load_config(path: str | os.PathLike | None = None, env: dict | None = None, overrides: dict | None = None,
+                flags: dict | None = None) -> Config:
+    """File (optional) → env → overrides {"section.key": value}; raises ConfigError naming every bad key.
+
+    flags: the command-line flag each override came from ({"daemon.data_dir": "--data-dir"}), so
+    Config.source names what the user typed."""
     env = os.environ if env is None else env
+    errors: list[str] = []
+
+    def coerce(section, key, value, from_env):
+        try:
+            values[section][key] = _coerce(section, key, SPEC[section][key], value, from_env=from_env)
+        except ConfigError as e:
+            errors.append(str(e))
+
     values = {s: {k: spec.default for k, spec in keys.items()} for s, keys in SPEC.items()}
     sources = ["defaults"]
     if path is not None:
@@ -233,15 +255,18 @@ def load_config(path: str | os.PathLike | None = None, env: dict | None = None, 
             raise ConfigError(f"config file {p} is not valid TOML: {e}") from None
         for section, table in raw.items():
             if section not in SPEC:
-                raise ConfigError(f"unknown config section [{section}] in {p}; known: {', '.join(SPEC)}")
+                errors.append(f"unknown config section [{section}] in {p}; known: {', '.join(SPEC)}")
+                continue
             if not isinstance(table, dict):
-                raise ConfigError(f"config key {section} in {p} must be a [{section}] table")
+                errors.append(f"config key {section} in {p} must be a [{section}] table")
+                continue
             for key, value in table.items():
                 if key not in SPEC[section]:
-                    raise ConfigError(
+                    errors.append(
                         f"unknown config key {section}.{key} in {p}; known keys of [{section}]: {', '.join(SPEC[section])}"
                     )
-                values[section][key] = _coerce(section, key, SPEC[section][key], value, from_env=False)
+                    continue
+                coerce(section, key, value, False)
         sources.append(str(p))
     for name, text in env.items():
         if not name.startswith(ENV_PREFIX):
@@ -252,19 +277,22 @@ def load_config(path: str | os.PathLike | None = None, env: dict | None = None, 
             continue  # other POWERPROF_* variables (simulator, state dir) are not daemon config
         key = rest[len(section) + 1:]
         if key not in SPEC[section]:
-            raise ConfigError(f"unknown config key {section}.{key} from environment variable {name}")
-        values[section][key] = _coerce(section, key, SPEC[section][key], text, from_env=True)
+            errors.append(f"unknown config key {section}.{key} from environment variable {name}")
+            continue
+        coerce(section, key, text, True)
         sources.append(name)
     for dotted, value in (overrides or {}).items():
         if value is None:
             continue
         section, _, key = dotted.partition(".")
         if section not in SPEC or key not in SPEC[section]:
-            raise ConfigError(f"unknown config key {dotted}")
-        values[section][key] = _coerce(section, key, SPEC[section][key], value, from_env=False)
-        sources.append(f"--{key}")
+            errors.append(f"unknown config key {dotted}")
+            continue
+        coerce(section, key, value, False)
+        sources.append((flags or {}).get(dotted, dotted))
     if values["daemon"]["flush_interval_s"] > values["daemon"]["compact_interval_s"]:
-        raise ConfigError("config key daemon.flush_interval_s must not exceed daemon.compact_interval_s")
+        errors.append("config key daemon.flush_interval_s must not exceed daemon.compact_interval_s")
+    _raise_all(errors)
     return Config(values, ", ".join(sources))
 
 

@@ -17,7 +17,9 @@ from typing import Callable
 
 import numpy as np
 
-from powerprof.energy import interp_at, unwrap_resets
+from powerprof.collectors.rapl import cpu_energy_j
+from powerprof.energy import epoch_broken, interp_at, unwrap_resets
+from powerprof.profiler import weakest_method
 
 from . import attribution as attr
 from .proxy import RequestTrace
@@ -46,6 +48,7 @@ class _Req:
     gpu_j: float = 0.0
     cpu_j: float = 0.0
     cpu_known: bool = False
+    cpu_missing: bool = False  # given a share of an interval whose CPU energy is unknown
     tokens: float = 0.0
 
 
@@ -58,6 +61,7 @@ class _Tag:
     wall1_ns: int | None = None
     gpu_j: float = 0.0
     cpu_j: float | None = None
+    cpu_missing: bool = False  # an interval inside had no CPU energy: the sum would be too small
     tokens: float = 0.0
     methods: set = field(default_factory=set)
     closed_by: str = "stop"
@@ -98,6 +102,7 @@ class Ledger:
         self.closed_tags: list[_Tag] = []
         self.cpu_t: deque = deque(maxlen=4096)
         self.cpu_e: deque = deque(maxlen=4096)
+        self.cpu_epoch: deque = deque(maxlen=4096)
         self.server_t: list[int] = []
         self.server_n: list[float] = []
         self.server_seen = False
@@ -154,10 +159,16 @@ class Ledger:
         else:
             self.edges.append(edge)
 
-    def add_cpu_sample(self, t_ns: int, energy_j: float | None) -> None:
-        if energy_j is not None:
-            self.cpu_t.append(t_ns)
-            self.cpu_e.append(energy_j)
+    def add_rapl_sample(self, t_ns: int, readings) -> None:
+        energy_j, epoch = cpu_energy_j(readings)
+        if energy_j is None:
+            return
+        if self.cpu_epoch and epoch != self.cpu_epoch[-1]:
+            notes = "; ".join(sorted({r.note for r in readings if r.note}))
+            log.warning("RAPL dropped a delta (%s): CPU energy of the intervals across it is unknown", notes or "epoch changed")
+        self.cpu_t.append(t_ns)
+        self.cpu_e.append(energy_j)
+        self.cpu_epoch.append(epoch)
 
     def add_server_tokens(self, t_ns: int, delta: float) -> None:
         self.server_seen = True
@@ -243,7 +254,9 @@ class Ledger:
         ct = np.fromiter(self.cpu_t, dtype=np.int64)
         ce = unwrap_resets(np.fromiter(self.cpu_e, dtype=float))
         cum = np.array([interp_at(ct, ce, int(x)) for x in t])
-        return np.diff(cum)
+        out = np.diff(cum)
+        out[epoch_broken(ct, np.fromiter(self.cpu_epoch, dtype=np.int64), t[:-1], t[1:])] = np.nan
+        return out
 
     def _close(self, edges: list[_Edge]) -> None:
         t, per_gpu, methods = self._energy(edges)
@@ -279,12 +292,15 @@ class Ledger:
             self.server_n = np.array(self.server_n)[keep].tolist()
             proxied = attr.interval_tokens(t, ev_t_a, np.zeros_like(ev_r_a), ev_n_a, 1)[0]
             excess = self._server_excess(server, proxied)
-        energy = np.column_stack([gpu, np.nan_to_num(cpu)])
+        # The third column marks intervals without CPU energy: a request given a share of one
+        # has no CPU figure (rather than a partial, smaller one).
+        energy = np.column_stack([gpu, np.nan_to_num(cpu), np.isnan(cpu)])
         a = attr.attribute(t, energy, arrival, first, last, end, ev_t_a, ev_r_a, ev_n_a, excess)
         for i, r in enumerate(reqs):
             r.gpu_j += a.request_energy[i, 0]
             r.cpu_j += a.request_energy[i, 1]
             r.cpu_known = r.cpu_known or not np.isnan(cpu).all()
+            r.cpu_missing = r.cpu_missing or a.request_energy[i, 2] > 0
             r.tokens += a.request_tokens[i]
             # Token events before the closed edge are spent.
             if r.ev_t and r.ev_t[0] < t_end:
@@ -353,6 +369,7 @@ class Ledger:
         tag.gpu_j += float(gpu[inside].sum())
         if not np.isnan(cpu[inside]).all():
             tag.cpu_j = (tag.cpu_j or 0.0) + float(np.nansum(cpu[inside]))
+        tag.cpu_missing = tag.cpu_missing or bool(np.isnan(cpu[inside]).any())
         tag.tokens += float(a.tokens[inside].sum())
         tag.methods.update(m for m, i in zip(methods, inside) if i)
 
@@ -427,7 +444,7 @@ class Ledger:
             "stop_reason": c.stop_reason if c is not None else None,
             "response_bytes": tr.response_bytes,
             "gpu_energy_j": r.gpu_j,
-            "cpu_energy_j": r.cpu_j if r.cpu_known else None,
+            "cpu_energy_j": r.cpu_j if r.cpu_known and not r.cpu_missing else None,
             "attributed_tokens": r.tokens,
             "gpu_j_per_token": float(attr.per_token(r.gpu_j, r.tokens)) if r.tokens > 0 else None,
             "recorder_error": tr.recorder_error,
@@ -442,8 +459,8 @@ class Ledger:
             "t_end_utc": tg.wall1_ns,
             "duration_s": dur,
             "gpu_energy_j": tg.gpu_j,
-            "cpu_energy_j": tg.cpu_j,
-            "energy_method": next((m for m in ("none", "power_integration", "counter") if m in tg.methods), None),
+            "cpu_energy_j": None if tg.cpu_missing else tg.cpu_j,
+            "energy_method": weakest_method(tg.methods) if tg.methods else None,
             "proxy_tokens": tg.tokens,
             "gpu_j_per_token": tg.gpu_j / tg.tokens if tg.tokens > 0 else None,
             "closed_by": tg.closed_by,

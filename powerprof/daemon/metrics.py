@@ -1,21 +1,27 @@
 """Prometheus exposition: a custom collector over the daemon's latest immutable snapshot.
 
-Names follow Prometheus conventions (base units, `_total` counters). Labels are bounded: GPU
-identity, and a tag label passed through `TagLimiter` (allow-list or first-N, the rest "other").
-Never request ids or PIDs. The daemon's own CPU and memory come from prometheus_client's
+Names follow Prometheus conventions (base units, `_total` counters, no label names inside metric
+names). Labels are bounded: GPU identity, and a tag label passed through `TagLimiter` (allow-list
+or first-N, the rest "other"); untagged traffic has an empty tag, which Prometheus treats as no
+label, as Parquet stores NULL. Never request ids or PIDs. `powerprof_build_info` (value 1) names
+the version, Python and host, for dashboards to select by host. The daemon's own CPU and memory come from prometheus_client's
 process collector (`process_cpu_seconds_total`, `process_resident_memory_bytes`).
 """
 
 from __future__ import annotations
 
+import platform
+import socket
 import threading
 from dataclasses import dataclass, field
 
 from prometheus_client import CollectorRegistry, ProcessCollector, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
+from powerprof import __version__
+
 OTHER = "other"
-NONE = "none"
+NONE = ""  # untagged: an empty label is no label in Prometheus, and NULL in Parquet
 
 
 class TagLimiter:
@@ -99,7 +105,7 @@ class SnapshotCollector:
         if s.cpu_energy_j is not None:
             yield CounterMetricFamily("powerprof_cpu_energy_joules", "CPU package+DRAM energy (RAPL) since start",
                                       value=s.cpu_energy_j)
-        k = CounterMetricFamily("powerprof_gpu_energy_by_kind_joules",
+        k = CounterMetricFamily("powerprof_gpu_interval_energy_joules",
                                 "GPU energy by interval kind (idle, decode, prefill, unproxied)", labels=["kind"])
         for name, v in zip(("idle", "decode", "prefill", "unproxied"), s.energy_by_kind_j):
             k.add_metric([name], v)
@@ -126,6 +132,14 @@ class SnapshotCollector:
         yield CounterMetricFamily("powerprof_proxy_upstream_failures", "Upstream unreachable (502 sent)",
                                   value=s.proxy_upstream_failures)
         yield GaugeMetricFamily("powerprof_proxy_active_requests", "Requests in flight", value=s.proxy_active)
+        yield build_info()
+
+
+def build_info() -> GaugeMetricFamily:
+    b = GaugeMetricFamily("powerprof_build_info", "powerprof version, Python and host (always 1)",
+                          labels=["version", "python", "host"])
+    b.add_metric([__version__, platform.python_version(), socket.gethostname()], 1)
+    return b
 
 
 def make_registry(holder) -> CollectorRegistry:

@@ -21,16 +21,14 @@ from pathlib import Path
 import aiohttp
 from aiohttp import web
 
-from powerprof.collectors.sources import open_sources
 from powerprof.collectors.sampler import Sample, Sampler
-from powerprof.profiler import cpu_energy_from_rapl
 from powerprof.storage.atomic import atomic_path
+from powerprof.storage.samples import sample_rows
 
 from .config import Config, ConfigError, load_config
 from .ledger import Ledger
 from .metrics import GpuSnapshot, Snapshot, TagLimiter, make_registry, render
 from .proxy import Proxy, RequestTrace
-from .rows import sample_rows
 from .scrape import Scraper
 from .store import Dataset, DatasetStore, Flusher
 from .tagapi import tag_app
@@ -55,12 +53,10 @@ def datasets() -> list[Dataset]:
     ]
 
 
-def restore_pending(simulate: str | None) -> None:
+def restore_pending(rig) -> None:
     """Put back power limits a crashed sweep left behind, and say so in the log."""
-    from powerprof.control.restore import restore_from_file
-
     try:
-        report = restore_from_file(simulate=simulate)
+        report = rig.restore()
     except Exception as e:
         log.error("restoring the limits left by a crashed sweep failed: %s: %s", type(e).__name__, e)
         return
@@ -81,19 +77,19 @@ class Daemon:
     def __init__(
         self,
         cfg: Config,
-        nvml,
+        rig,
         extra_collectors=(),
         config_path: str | None = None,
         overrides: dict | None = None,
-        simulate: str | None = None,
         store_write=None,
     ):
+        """`rig`: the door (powerprof.rig.Rig) that opens the GPUs, RAPL and, where it has one, a
+        default upstream; the daemon never knows whether they are real."""
         self.cfg = cfg
-        self.nvml = nvml
+        self.rig = rig
         self.extra_collectors = list(extra_collectors)
         self.config_path = config_path
         self.overrides = overrides or {}
-        self.simulate = simulate
         self.store_write = store_write
         self.daemon_id = uuid.uuid4().hex[:12]
         self.samples: deque[Sample] = deque()
@@ -104,7 +100,6 @@ class Daemon:
         self.reload_requested = False
         self.urls: dict[str, str] = {}
         self._runners: list[web.AppRunner] = []
-        self.sim = None
 
     # --- recorder: the ledger plus the metric counters -----------------------------------------
 
@@ -174,7 +169,7 @@ class Daemon:
                 self.ledger.add_gpu_sample(s.t_mono_ns, s.t_wall_ns, s.data)
                 self.latest_gpu = s
             elif s.source == "rapl":
-                self.ledger.add_cpu_sample(s.t_mono_ns, cpu_energy_from_rapl(s.data))
+                self.ledger.add_rapl_sample(s.t_mono_ns, s.data)
         self.store.append("samples", rows)
 
     def _update_snapshot(self) -> None:
@@ -307,15 +302,15 @@ class Daemon:
         cfg = self.cfg
         logging.getLogger("powerprof").setLevel(cfg.get("daemon", "log_level").upper())
         if cfg.get("daemon", "restore_on_start"):
-            restore_pending(self.simulate)
+            restore_pending(self.rig)
         try:
-            self.sources = open_sources(self.simulate, cfg.get("daemon", "gpus") or None, nvml=self.nvml)
+            self.sources = self.rig.sources
         except ValueError as e:
             raise StartupError(str(e)) from None
         for p in self.sources.problems:
             log.warning("%s: %s%s", p.source, p.message, f" (fix: {p.fix})" if p.fix else "")
         if self.sources.nvml is None:
-            self.sources.close()
+            self.rig.close()
             raise StartupError("no GPU to sample: " + "; ".join(p.message for p in self.sources.problems if p.source == "nvml"))
         self.collector = self.sources.nvml
         self.gpu_uuids = {i.index: i.uuid for i in self.collector.infos}
@@ -343,13 +338,10 @@ class Daemon:
         tasks = []
         try:
             upstream = cfg.get("proxy", "upstream")
-            if self.simulate and not upstream:
-                from powerprof.sim.server import SimServer
-
-                # Its own thread and loop, as a separate server would be; it drives our simulated GPUs.
-                self.sim = SimServer(nvml=self.collector.nvml, flavour="vllm", n_slots=64).start()
-                upstream = self.sim.url
-                self.urls["sim_upstream"] = upstream
+            if not upstream:
+                upstream = self.rig.default_upstream()
+                if upstream:
+                    self.urls["sim_upstream"] = upstream
             listen = cfg.get("proxy", "listen")
             if listen and upstream:
                 self.proxy = Proxy(
@@ -417,10 +409,7 @@ class Daemon:
                 self.flusher.stop()
                 if self.store.buffered():
                     log.error("%d rows could not be written at shutdown (%s)", self.store.buffered(), self.store.last_error)
-            if self.sim is not None:
-                self.sim.stop()
-            if hasattr(self, "sources"):
-                self.sources.close()
+            self.rig.close()
         log.info("stopped")
         return EXIT_OK
 
@@ -436,11 +425,30 @@ class Daemon:
             log.warning("cannot write %s: %s", Path(data_dir) / "daemon.json", e)
 
 
-def main(cfg: Config, nvml, config_path=None, overrides=None, simulate: str | None = None, extra_collectors=()) -> int:
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s powerprof[%(process)d] %(levelname)s %(name)s: %(message)s")
+TERMINAL_LOG_FORMAT = "%(asctime)s powerprof[%(process)d] %(levelname)s %(name)s: %(message)s"
+JOURNAL_LOG_FORMAT = "%(levelname)s %(name)s: %(message)s"  # journald stamps time, unit and PID itself
+
+
+def under_journald(env=None, stderr_fd: int = 2) -> bool:
+    """True when stderr is the journal's stream: systemd sets JOURNAL_STREAM to its device:inode
+    (a child that inherits the variable but writes elsewhere, e.g. a terminal, does not match)."""
+    env = os.environ if env is None else env
+    want = env.get("JOURNAL_STREAM", "")
+    try:
+        st = os.fstat(stderr_fd)
+    except OSError:
+        return False
+    return bool(want) and want == f"{st.st_dev}:{st.st_ino}"
+
+
+def log_format(env=None, stderr_fd: int = 2) -> str:
+    return JOURNAL_LOG_FORMAT if under_journald(env, stderr_fd) else TERMINAL_LOG_FORMAT
+
+
+def main(cfg: Config, rig, config_path=None, overrides=None, extra_collectors=()) -> int:
+    logging.basicConfig(level=logging.INFO, format=log_format())
     logging.getLogger("aiohttp.access").setLevel(logging.WARNING)  # one line per proxied request is noise
-    d = Daemon(cfg, nvml, extra_collectors=extra_collectors, config_path=config_path, overrides=overrides,
-               simulate=simulate)
+    d = Daemon(cfg, rig, extra_collectors=extra_collectors, config_path=config_path, overrides=overrides)
     try:
         return asyncio.run(d.run())
     except StartupError as e:

@@ -33,24 +33,13 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from powerprof.storage.atomic import atomic_path, fsync_dir
+from powerprof.storage.schema import rows_to_table
 
 log = logging.getLogger("powerprof.daemon.store")
 
 JOURNAL = ".compact-journal.json"
 PART_PREFIX = "part-"
 COMPACT_PREFIX = "compact-"
-
-
-def to_table(schema: pa.Schema, rows: list[dict]) -> pa.Table:
-    """Rows → table; timestamp columns take integer nanoseconds (UTC), missing keys are null."""
-    cols = {}
-    for f in schema:
-        vals = [r.get(f.name) for r in rows]
-        if pa.types.is_timestamp(f.type):
-            cols[f.name] = pa.array([None if v is None else v // 1000 for v in vals], pa.int64()).cast(f.type)
-        else:
-            cols[f.name] = pa.array(vals, f.type)
-    return pa.Table.from_pydict(cols, schema=schema)
 
 
 def write_file_atomic(path: Path, table: pa.Table) -> None:
@@ -115,7 +104,7 @@ class DatasetStore:
         import io
 
         for d in self.datasets.values():
-            pq.write_table(to_table(d.schema, [{}]), io.BytesIO(), compression="zstd")
+            pq.write_table(rows_to_table(d.schema, [{}]), io.BytesIO(), compression="zstd")
 
     # --- rows in ----------------------------------------------------------------------------
 
@@ -188,7 +177,7 @@ class DatasetStore:
                 fsync_dir(d.parent)
             self._seq += 1
             stamp = datetime.now(timezone.utc).strftime("%Y%m%dT%H%M%S%f")
-            self._write_file(d / f"{PART_PREFIX}{stamp}-{os.getpid()}-{self._seq:06d}.parquet", to_table(ds.schema, part))
+            self._write_file(d / f"{PART_PREFIX}{stamp}-{os.getpid()}-{self._seq:06d}.parquet", rows_to_table(ds.schema, part))
 
     # --- recovery, compaction, retention -----------------------------------------------------
 

@@ -21,6 +21,8 @@ from typing import Callable
 
 import pynvml
 
+from powerprof.paths import user_state_home
+
 from .gpu import SimGpu
 from .profiles import DEFAULT_PROFILE, GpuProfile, get_profile
 
@@ -31,8 +33,7 @@ UNPRIVILEGED_ENV = "POWERPROF_SIM_UNPRIVILEGED"
 def default_state_path() -> Path:
     if os.environ.get(STATE_ENV):
         return Path(os.environ[STATE_ENV])
-    base = os.environ.get("XDG_STATE_HOME") or os.path.join(os.path.expanduser("~"), ".local", "state")
-    return Path(base) / "powerprof" / "sim-state.json"
+    return user_state_home() / "powerprof" / "sim-state.json"
 
 
 def sim_uuid(profile_key: str, index: int) -> str:

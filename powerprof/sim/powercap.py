@@ -11,12 +11,19 @@ from __future__ import annotations
 
 import errno
 import os
+import re
+import shutil
 import stat
+import tempfile
 import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
+
+import psutil
+
+from powerprof.paths import configured_state_dir
 
 DEFAULT_MAX_ENERGY_RANGE_UJ = 262_143_328_850  # what Intel client and server parts report
 DEFAULT_PACKAGE_W = 30.0  # per package zone, idle-ish desktop/server part
@@ -258,3 +265,45 @@ class SimPowercap:
 
     def __exit__(self, *exc) -> None:
         self.close()
+
+
+# --- folders for simulated trees: one per process, cleaned up after processes that died ---------
+
+SIM_POWERCAP_PREFIX = "powerprof-powercap-"
+_SIM_POWERCAP_RE = re.compile(re.escape(SIM_POWERCAP_PREFIX) + r"(\d+)-")
+
+
+def sim_powercap_parent(env=None) -> str:
+    """Where simulated powercap trees go: the state folder when one is set (so a test's tree goes
+    with its tmp_path), else the system temp folder."""
+    named = configured_state_dir(env)
+    return str(named) if named is not None else tempfile.gettempdir()
+
+
+def remove_stale_sim_powercap_dirs(parent: str) -> list[str]:
+    """Remove our simulated powercap trees whose process is gone (a SIGKILL skips close())."""
+    removed = []
+    try:
+        entries = list(os.scandir(parent))
+    except OSError:
+        return removed
+    for e in entries:
+        m = _SIM_POWERCAP_RE.match(e.name)
+        if not m or int(m.group(1)) == os.getpid() or psutil.pid_exists(int(m.group(1))):
+            continue
+        try:
+            if not e.is_dir(follow_symlinks=False) or e.stat(follow_symlinks=False).st_uid != os.getuid():
+                continue  # another user's tree (shared /tmp) is not ours to remove
+        except OSError:
+            continue
+        shutil.rmtree(e.path, ignore_errors=True)
+        removed.append(e.path)
+    return removed
+
+
+def make_sim_powercap_dir(env=None) -> str:
+    """A fresh folder for a simulated powercap tree, named with our pid; clears dead processes' trees."""
+    parent = sim_powercap_parent(env)
+    os.makedirs(parent, exist_ok=True)
+    remove_stale_sim_powercap_dirs(parent)
+    return tempfile.mkdtemp(prefix=f"{SIM_POWERCAP_PREFIX}{os.getpid()}-", dir=parent)

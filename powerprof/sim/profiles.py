@@ -18,6 +18,7 @@ class WorkloadDefaults:
     draft_n_max: int = 0
     draft_acceptance: float = 0.0
     batch_compute_growth: float = 0.6  # extra compute share per additional concurrent stream
+    cpu_idle_w: float = 18.0  # CPU package power with the server idle
     cpu_busy_w: float = 25.0  # CPU package power above idle while the server works
 
 

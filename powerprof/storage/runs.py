@@ -10,7 +10,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from .atomic import atomic_path, atomic_write_bytes
-from .schema import TABLES
+from .schema import TABLES, rows_to_table
 
 RUN_JSON = "run.json"
 
@@ -27,9 +27,7 @@ def atomic_write_table(path: Path, table: pa.Table, metadata: dict | None = None
 
 def table_from_rows(name: str, rows: list[dict]) -> pa.Table:
     """Rows (dicts keyed by column name; missing keys are null) → a table of the named schema."""
-    schema = TABLES[name]
-    cols = {f.name: [r.get(f.name) for r in rows] for f in schema}
-    return pa.Table.from_pydict(cols, schema=schema)
+    return rows_to_table(TABLES[name], rows)
 
 
 def default_run_dir(base: Path, gpu_label: str) -> Path:
@@ -57,10 +55,3 @@ class RunWriter:
         path = self.path / f"{name}.parquet"
         atomic_write_table(path, table, {"powerprof": self.metadata})
         return path
-
-
-def read_run_metadata(run_dir: Path) -> dict:
-    p = Path(run_dir) / RUN_JSON
-    if not p.exists():
-        raise FileNotFoundError(f"{run_dir} is not a powerprof run directory (no {RUN_JSON})")
-    return json.loads(p.read_text())

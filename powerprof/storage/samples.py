@@ -21,7 +21,7 @@ from powerprof.collectors.rapl import RaplReading
 from powerprof.collectors.sampler import Sample
 
 from .atomic import atomic_path
-from .schema import SAMPLES
+from .schema import SAMPLES, rows_to_table
 
 FORMATS = (".parquet", ".csv")
 TAG_COLUMNS = ("level_kind", "level_value")  # set by whoever runs levels (sweep), copied onto rows
@@ -50,7 +50,7 @@ def sample_rows(
 ) -> list[dict]:
     """Rows (dicts keyed by SAMPLES column names; absent keys are null) for one Sample."""
     base = {
-        "time_utc": sample.t_wall_ns // 1000,
+        "time_utc": sample.t_wall_ns,
         "t_mono_s": (sample.t_mono_ns - t0_mono_ns) / 1e9,
         "seq": sample.seq,
         "label": sample.label,
@@ -90,12 +90,6 @@ def sample_rows(
     return rows
 
 
-def rows_to_table(rows: Iterable[Mapping], schema: pa.Schema = SAMPLES) -> pa.Table:
-    rows = list(rows)
-    cols = {f.name: pa.array([r.get(f.name) for r in rows], type=f.type) for f in schema}
-    return pa.Table.from_pydict(cols, schema=schema)
-
-
 def samples_to_table(
     samples: Iterable[Sample],
     t0_mono_ns: int | None = None,
@@ -105,7 +99,7 @@ def samples_to_table(
     if t0_mono_ns is None:
         t0_mono_ns = min((s.t_mono_ns for s in samples), default=0)
     rows = [row for s in samples for row in sample_rows(s, t0_mono_ns, gpu_uuids)]
-    return rows_to_table(rows)
+    return rows_to_table(SAMPLES, rows)
 
 
 class Timeline:
@@ -152,7 +146,7 @@ class Timeline:
             items = list(self._items) if items is None else items
             t0 = self.t0_mono_ns if self.t0_mono_ns is not None else 0
         rows = [row for s, tags in items for row in sample_rows(s, t0, self.gpu_uuids, tags)]
-        return rows_to_table(rows)
+        return rows_to_table(SAMPLES, rows)
 
 
 def check_output_path(path: str | os.PathLike) -> Path:

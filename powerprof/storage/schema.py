@@ -257,3 +257,26 @@ DAEMON_TABLES = {
     "tags": DAEMON_TAGS,
 }
 TABLES.update({"daemon_requests": DAEMON_REQUESTS, "daemon_intervals": DAEMON_INTERVALS, "daemon_tags": DAEMON_TAGS})
+
+
+def rows_to_table(schema: pa.Schema, rows) -> pa.Table:
+    """Rows (dicts keyed by column name; missing keys are null) → a table of `schema`: the one converter.
+
+    Timestamps travel as integer nanoseconds since the epoch (UTC), as the sampler and the clocks
+    give them, and are truncated to the schema's microseconds only here; datetime objects are
+    accepted too."""
+    rows = list(rows)
+    cols = {}
+    for f in schema:
+        vals = [r.get(f.name) for r in rows]
+        if pa.types.is_timestamp(f.type) and any(isinstance(v, int) for v in vals):
+            cols[f.name] = pa.array([None if v is None else _ns(v) // 1000 for v in vals], pa.int64()).cast(f.type)
+        else:
+            cols[f.name] = pa.array(vals, f.type)
+    return pa.Table.from_pydict(cols, schema=schema)
+
+
+def _ns(v) -> int:
+    if isinstance(v, int):
+        return v
+    return int(v.timestamp() * 1_000_000) * 1000  # a datetime among integer nanoseconds

@@ -51,6 +51,18 @@ class ServerInfo:
         path = {"llamacpp": "/completion", "openai-completions": "/v1/completions", "openai-chat": "/v1/chat/completions"}
         return self.base_url.rstrip("/") + path[self.api]
 
+    def meta(self) -> dict:
+        """The run.json "server" entry."""
+        return {
+            "url": self.base_url,
+            "kind": self.kind,
+            "api": self.api,
+            "model": self.model,
+            "build_info": self.build_info,
+            "model_path": self.model_path,
+            "total_slots": self.total_slots,
+        }
+
 
 @dataclass(frozen=True)
 class RequestParams:

@@ -9,71 +9,18 @@ from __future__ import annotations
 
 import asyncio
 import uuid
-from dataclasses import dataclass, field
-from datetime import datetime, timezone
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Sequence
 
 import aiohttp
 import numpy as np
 
-from powerprof.profiler import LOW_CONFIDENCE_S
-from powerprof.windows import concurrent_throughput
-
 from .client import RequestParams, RequestRecord, ServerInfo, detect_server
 from .load import LoadAborted, LoadPolicy, Prompt, run_load_async
+from .rows import window_rows
 
 NO_GPU_NOTE = "no GPU readable here: GPU energy columns are empty; decode tok/s {cpu}"
-SIM_CPU_IDLE_W = 30.0  # simulated CPU package power with the server idle
-
-
-@dataclass(frozen=True)
-class BatchWindow:
-    """A concurrent batch measured over the intervals where all its active requests decode."""
-
-    batch_id: int
-    concurrency: int
-    intervals: np.ndarray  # (k, 2) t0_ns, t1_ns
-    measured_s: float
-    decode_tokens: float
-    tok_s: float | None
-    sum_of_request_rates: float  # shown beside tok_s so nobody mistakes it for throughput
-
-
-def batch_windows(records: Sequence[RequestRecord]) -> list[BatchWindow]:
-    """Aggregate throughput of every concurrent batch (concurrency > 1, warm-ups excluded).
-
-    Failed attempts block the time they spanned: what the server did for them is unknown.
-    """
-    by_batch: dict[int, list[RequestRecord]] = {}
-    for r in records:
-        if r.batch_id is not None and r.concurrency > 1 and not r.warmup:
-            by_batch.setdefault(r.batch_id, []).append(r)
-    out = []
-    for bid, recs in sorted(by_batch.items()):
-        ok = [r for r in recs if r.ok]
-        blocked = [(r.t_send_ns, r.t_end_ns) for r in recs if not r.ok]
-        # A stream's reads outside its fresh edges (arrival.py) came late by an unknown amount: the
-        # time they span is blocked like a failed attempt's, so no interval relies on them.
-        for r in ok:
-            q = r.quality
-            if q.t_first_ns is not None and q.t_first_ns > r.t_first_ns:
-                blocked.append((r.t_first_ns, q.t_first_ns))
-            if q.t_last_ns is not None and q.t_last_ns < r.t_last_ns:
-                blocked.append((q.t_last_ns, r.t_last_ns))
-        agg = concurrent_throughput([(r.t_send_ns, *r.arrivals(), r.generated_tokens) for r in ok], blocked)
-        out.append(
-            BatchWindow(
-                bid,
-                recs[0].concurrency,
-                agg.intervals,
-                agg.measured_s,
-                agg.decode_tokens,
-                agg.tok_s,
-                float(sum(r.decode_tok_s for r in ok if r.decode_tok_s)),
-            )
-        )
-    return out
 
 
 @dataclass
@@ -101,193 +48,19 @@ class MeasureResult:
     aborted: str | None = None
     excluded: Excluded | None = None
 
-
-def _utc(ns: int | None):
-    return None if ns is None else datetime.fromtimestamp(ns / 1e9, tz=timezone.utc)
-
-
-def _div(a, b):
-    return a / b if a is not None and b else None
-
-
-def request_timing(r: RequestRecord):
-    """The record's Timing (powerprof/arrival.py) and the energy window edges it implies (None: no energy)."""
-    tm = r.timing
-    if tm is None or tm.kind == "untrusted" or tm.t0_ns is None:
-        return tm, None
-    return tm, (tm.t0_ns, tm.t1_ns)
-
-
-def request_energy(profiler, r: RequestRecord):
-    """The Profiler's energy over the window the record's timing uses; None when it has none."""
-    _, edges = request_timing(r)
-    if profiler is None or edges is None or edges[1] <= edges[0]:
-        return None
-    return profiler.energy_between(*edges)
-
-
-def request_row(r: RequestRecord, energy=None, run_id: str = "", server: ServerInfo | None = None) -> dict:
-    """A WINDOWS row for one attempt; `energy` is the Profiler's EnergyResult over its window
-    (`request_energy`: the edges follow the timing used)."""
-    tm = r.timing
-    trusted = tm is not None and tm.kind != "untrusted"
-    gpu_e = energy.gpu_energy_total_j if energy is not None and trusted else None
-    cpu_e = energy.cpu_energy_j if energy is not None and trusted else None
-    total = gpu_e + cpu_e if gpu_e is not None and cpu_e is not None else None
-    t = r.server_timings
-    q = r.quality if r.ok else None
-    decode_s = tm.decode_s if trusted else r.decode_s
-    decode_n = tm.decode_tokens if trusted else (r.decode_tokens if r.ok else None)
-    server_rate = _div(r.server_decode_tokens, r.server_decode_s)
-    return {
-        "run_id": run_id,
-        "level_kind": "none",
-        "repeat": 0,
-        "window_kind": "request",
-        "request_id": r.request_id,
-        "batch_id": r.batch_id,
-        "concurrency": r.concurrency,
-        "warmup": r.warmup,
-        "status": r.status,
-        "error": r.error,
-        "api": r.api,
-        "model": r.model or (server.model if server else None),
-        "prompt_id": r.prompt_id,
-        "t_send_utc": _utc(r.t_send_wall_ns),
-        "t_first_utc": _utc(r.to_wall_ns(r.t_first_ns)),
-        "t_last_utc": _utc(r.to_wall_ns(r.t_last_ns)),
-        "ttft_s": r.ttft_s,
-        "decode_s": decode_s,
-        "prompt_tokens": r.prompt_tokens,
-        "generated_tokens": r.generated_tokens if r.ok else None,
-        "decode_tokens": decode_n,
-        # An untrusted window has no rate and no J/token: a number there would be a wrong one.
-        "decode_tok_s": _div(decode_n, decode_s) if trusted else None,
-        "gpu_energy_j": gpu_e,
-        "cpu_energy_j": cpu_e,
-        "energy_method": energy.method if energy is not None and trusted else "none",
-        "avg_gpu_power_w": energy.avg_gpu_power_w if energy is not None and trusted else None,
-        "gpu_j_per_token": _div(gpu_e, decode_n) if trusted else None,
-        "total_j_per_token": _div(total, decode_n) if trusted else None,
-        "server_prompt_n": t.get("prompt_n"),
-        "server_predicted_n": t.get("predicted_n"),
-        "server_prompt_ms": t.get("prompt_ms"),
-        "server_predicted_ms": t.get("predicted_ms"),
-        "server_predicted_per_second": t.get("predicted_per_second"),
-        "draft_n": r.draft_n,
-        "draft_n_accepted": r.draft_n_accepted,
-        "stop_reason": r.stop_reason,
-        "low_confidence": energy.low_confidence if energy is not None and trusted else True,
-        "attempt": r.attempt,
-        "http_status": r.http_status,
-        "token_source": r.token_source,
-        "server_kind": server.kind if server else None,
-        # Text only when the user asked for it (--keep-text); the record holds none otherwise.
-        "prompt_text": r.prompt_text,
-        "completion_text": r.completion_text,
-        "timing": tm.kind if tm is not None else None,
-        "timing_reason": tm.reason if tm is not None else None,
-        "stream_decode_s": r.decode_s,
-        "stream_decode_tok_s": r.decode_tok_s,
-        "stream_error_bound_pct": _pct(tm.stream_error_bound) if tm is not None else None,
-        "n_reads": q.n_reads if q else None,
-        "n_token_events": q.n_events if q else None,
-        "max_read_share": q.max_read_share if q else None,
-        "max_events_per_read": q.max_events_per_read if q else None,
-        "read_gap_p50_s": q.gap_p50_s if q else None,
-        "read_gap_max_s": q.gap_max_s if q else None,
-        "client_lag_edge_s": r.client_lag_s,
-        "client_lag_max_s": r.client_lag_max_s,
-        "server_decode_s": r.server_decode_s,
-        "server_decode_tokens": r.server_decode_tokens,
-        "server_decode_tok_s": server_rate,
-        "server_timing_source": r.server_timing_source,
-        "stream_vs_server_pct": _pct(tm.disagreement) if tm is not None else None,
-        "truncated": r.truncated,
-    }
-
-
-def _pct(x):
-    return None if x is None or not np.isfinite(x) else 100.0 * x
-
-
-def _energy_over(profiler, intervals: np.ndarray):
-    """Sum of the Profiler's energy over several intervals; None when nothing is readable."""
-    if profiler is None or intervals.size == 0:
-        return None, None, "none"
-    gpu, cpu, methods = 0.0, 0.0, set()
-    gpu_ok = cpu_ok = True
-    for t0, t1 in intervals:
-        e = profiler.energy_between(int(t0), int(t1))
-        methods.add(e.method)
-        if e.gpu_energy_total_j is None:
-            gpu_ok = False
-        else:
-            gpu += e.gpu_energy_total_j
-        if e.cpu_energy_j is None:
-            cpu_ok = False
-        else:
-            cpu += e.cpu_energy_j
-    rank = ["counter", "power_integration", "avg_power_integration", "none"]
-    method = max(methods, key=lambda m: rank.index(m) if m in rank else len(rank))
-    return (gpu if gpu_ok else None), (cpu if cpu_ok else None), method
-
-
-def batch_row(b: BatchWindow, recs: Sequence[RequestRecord], profiler, run_id: str, server: ServerInfo) -> dict:
-    gpu_e, cpu_e, method = _energy_over(profiler, b.intervals)
-    total = gpu_e + cpu_e if gpu_e is not None and cpu_e is not None else None
-    t0 = int(b.intervals[0, 0]) if b.intervals.size else None
-    t1 = int(b.intervals[-1, 1]) if b.intervals.size else None
-    ref = recs[0]
-    ok = [r for r in recs if r.ok]
-    # The batch's intervals come from arrival times: every member's stream must be trusted.
-    bad = [_batch_problem(r) for r in ok]
-    bad = [b for b in bad if b]
-    timing, reason = ("untrusted", f"{len(bad)} of {len(ok)} streams not stream-timed: {bad[0]}") if bad else ("stream", None)
-    if bad:
-        gpu_e = cpu_e = total = None
-    return {
-        "run_id": run_id,
-        "level_kind": "none",
-        "repeat": 0,
-        "window_kind": "batch",
-        "batch_id": b.batch_id,
-        "concurrency": b.concurrency,
-        "warmup": False,
-        "status": "ok" if b.tok_s is not None and len(ok) == len({r.request_id for r in recs}) else "failed",
-        "error": None if b.tok_s is not None else "no interval where every active request decoded",
-        "api": ref.api,
-        "model": ref.model or server.model,
-        "t_send_utc": _utc(min(r.t_send_wall_ns for r in recs)),
-        "t_first_utc": _utc(ref.to_wall_ns(t0)),
-        "t_last_utc": _utc(ref.to_wall_ns(t1)),
-        "decode_s": b.measured_s,
-        "generated_tokens": int(sum(r.generated_tokens for r in ok)),
-        "decode_tokens": int(round(b.decode_tokens)),
-        "decode_tok_s": b.tok_s if not bad else None,
-        "gpu_energy_j": gpu_e,
-        "cpu_energy_j": cpu_e,
-        "energy_method": method if not bad else "none",
-        "avg_gpu_power_w": _div(gpu_e, b.measured_s) if gpu_e is not None else None,
-        "gpu_j_per_token": _div(gpu_e, b.decode_tokens),
-        "total_j_per_token": _div(total, b.decode_tokens),
-        "draft_n": _sum_or_none(r.draft_n for r in ok),
-        "draft_n_accepted": _sum_or_none(r.draft_n_accepted for r in ok),
-        "low_confidence": b.measured_s < LOW_CONFIDENCE_S.get(method, float("inf")),
-        "server_kind": server.kind,
-        "timing": timing,
-        "timing_reason": reason,
-    }
-
-
-def _batch_problem(r: RequestRecord) -> str | None:
-    tm = r.timing
-    return tm.reason if tm is not None and tm.kind != "stream" else None
-
-
-def _sum_or_none(vals):
-    vals = list(vals)
-    return None if not vals or any(v is None for v in vals) else int(sum(vals))
+    def to_dict(self) -> dict:
+        """`powerprof measure --json`: stable keys; per-request rows stay in windows.parquet."""
+        s = self.server
+        return {
+            "server": {"kind": s.kind, "api": s.api, "model": s.model, "build_info": s.build_info,
+                       "base_url": s.base_url, "simulated": s.simulated},
+            "concurrencies": [asdict(m) for m in self.summaries],
+            "notes": list(self.notes),
+            "windows_path": None if self.out_path is None else str(self.out_path / "windows.parquet"),
+            "aborted": self.aborted,
+            "excluded": None if self.excluded is None else {"n": self.excluded.n, "n_windows": self.excluded.n_windows,
+                                                            "reasons": self.excluded.reasons, "fix": self.excluded.fix},
+        }
 
 
 def trusted(row: dict) -> bool:
@@ -413,12 +186,7 @@ def measure(
         return server, records, aborted
 
     server, records, aborted = asyncio.run(go())
-    rows = []
-    for r in records:
-        rows.append(request_row(r, request_energy(profiler, r), run_id, server))
-    for b in batch_windows(records):
-        recs = [r for r in records if r.batch_id == b.batch_id]
-        rows.append(batch_row(b, recs, profiler, run_id, server))
+    rows, _ = window_rows(records, profiler, run_id, server)
     notes += [f"request {r.request_id} ({r.prompt_id}): {r.truncated}" for r in records if r.ok and r.truncated and not r.warmup][:5]
     return MeasureResult(server, records, rows, summarise(rows), notes=notes, aborted=aborted, excluded=excluded_windows(rows))
 
@@ -458,9 +226,9 @@ async def _stop(task) -> float:
 
 
 def run_measure(
+    rig,
     *,
     url: str | None,
-    simulate: str | None,
     out_dir: Path,
     prompts: Sequence[Prompt],
     n_requests: int,
@@ -474,41 +242,22 @@ def run_measure(
     command_line: str = "",
     sim_decode_tok_s: float | None = None,
 ) -> MeasureResult:
-    """Everything `powerprof measure` does: server (simulated, launched or given), Profiler, load,
-    windows.parquet and run.json in `out_dir`. Reads counters only; changes no setting."""
+    """Everything `powerprof measure` does on the `rig` (powerprof.rig.Rig: its GPUs, RAPL and
+    server, whatever they are): Profiler, load, windows.parquet and run.json in `out_dir`. Reads
+    counters only; changes no setting."""
     from contextlib import ExitStack
 
     from powerprof import __version__
-    from powerprof.collectors.sources import open_sources
     from powerprof.profiler import Profiler
     from powerprof.storage.runs import RunWriter, table_from_rows
-
-    from .launcher import ServerLauncher
 
     if out_dir.exists() and any(out_dir.iterdir()):
         raise FileExistsError(f"output directory {out_dir} already exists and is not empty; choose another --out")
     notes: list[str] = []
     with ExitStack() as stack:
-        busy = [False]
-        cpu_busy_w = 0.0
-        if simulate:
-            from powerprof.sim.profiles import get_profile
-
-            cpu_busy_w = get_profile(simulate).workload.cpu_busy_w
-        # Simulated CPU package power follows the simulated server's busy flag.
-        src = open_sources(
-            simulate=simulate, host=False, sim_cpu_power_w_fn=(lambda: SIM_CPU_IDLE_W + (cpu_busy_w if busy[0] else 0.0))
-        )
-        stack.callback(src.close)
-        if simulate:
-            from powerprof.sim.server import SimServer
-
-            srv = stack.enter_context(SimServer(src.sim_nvml, decode_tok_s=sim_decode_tok_s))
-            srv.on_busy(lambda b: busy.__setitem__(0, b))
-            url = srv.url
-            notes.append(f"simulated GPU ({simulate}) and simulated server: figures demonstrate the method only")
-        elif launch:
-            stack.enter_context(ServerLauncher(launch, url, timeout_s=launch_timeout_s))
+        src = rig.sources
+        url = stack.enter_context(rig.server(url, launch, launch_timeout_s=launch_timeout_s, sim_decode_tok_s=sim_decode_tok_s))
+        notes.extend(rig.notes)
         for p in src.problems:
             if p.source == "nvml" and src.nvml is None:
                 cpu = "and CPU energy" if src.rapl is not None else "only"
@@ -539,16 +288,8 @@ def run_measure(
         "run_id": run_id,
         "version": __version__,
         "command_line": command_line,
-        "simulated": bool(simulate) or s.simulated,
-        "server": {
-            "url": s.base_url,
-            "kind": s.kind,
-            "api": s.api,
-            "model": s.model,
-            "build_info": s.build_info,
-            "model_path": s.model_path,
-            "total_slots": s.total_slots,
-        },
+        **rig.meta(),
+        "server": s.meta(),
         "gpus": gpus,
         "params": {
             "max_tokens": params.max_tokens,
@@ -563,6 +304,7 @@ def run_measure(
         "notes": notes + result.notes,
         "aborted": result.aborted,
     }
+    meta["simulated"] = meta["simulated"] or s.simulated
     writer = RunWriter(out_dir, meta)
     writer.write("windows", table_from_rows("windows", result.rows))
     result.notes = notes + result.notes

@@ -57,3 +57,18 @@ def originals():
     preset_originals()
     assert_untouched()
     return ORIGINAL_W
+
+
+def door_controller(nvml, indexes, **kw):
+    """A LimitController opened through the door (powerprof.rig), as every command opens one: its
+    restore file then says how to reopen the simulator after a crash."""
+    from powerprof.rig import Rig
+
+    return Rig(nvml.profile.key, nvml=nvml).controller(indexes, **kw)
+
+
+def door_restore(path=None, sim_profile=None, **kw):
+    """`powerprof restore [--simulate PROFILE]` as a function: restore through the door."""
+    from powerprof.rig import Rig
+
+    return Rig(sim_profile).restore(path, **kw)

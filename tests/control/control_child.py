@@ -11,8 +11,9 @@ import signal
 import sys
 import time
 
-from powerprof.control import ControlError, LevelError, LimitController
+from powerprof.control import ControlError, LevelError
 from powerprof.control.levels import parse_gpu_indexes
+from powerprof.rig import Rig
 from powerprof.sim.nvml import SimNVML
 
 
@@ -32,7 +33,7 @@ def main(argv: list[str] | None = None) -> int:
     nvml = SimNVML(a.profile, count=a.count)
     try:
         indexes = parse_gpu_indexes(a.gpus, a.count)
-        with LimitController(nvml, indexes, restore_path=a.restore_file) as ctl:
+        with Rig(a.profile, nvml=nvml).controller(indexes, restore_path=a.restore_file) as ctl:
             watts = ctl.parse_power_levels(a.levels)
             clocks = ctl.parse_clock_levels(a.clocks) if a.clocks else []
             print("READY", flush=True)

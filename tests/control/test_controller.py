@@ -25,7 +25,7 @@ from powerprof.control import (
 )
 from powerprof.sim.nvml import SimNVML
 
-from conftest import HERE, ORIGINAL_W, Wrap, assert_untouched, restore_files, sim_state
+from conftest import HERE, ORIGINAL_W, Wrap, assert_untouched, door_controller, door_restore, restore_files, sim_state
 
 sys.path.insert(0, str(HERE))
 import control_child  # noqa: E402
@@ -36,7 +36,7 @@ def sim(**kw):
 
 
 def test_levels_are_applied_read_back_and_everything_put_back(originals):
-    with LimitController(sim(), [0, 1]) as ctl:
+    with door_controller(sim(), [0, 1]) as ctl:
         assert ctl.original_limits_w == ORIGINAL_W
         for w in ctl.parse_power_levels("180,220W,80%"):
             rb = ctl.set_power_limit_w(w)
@@ -64,7 +64,7 @@ def test_restore_file_holds_the_originals_before_the_first_change(originals):
                 assert rec["pid"] == os.getpid() and rec["simulated"] == {"profile": "seed-16g", "count": 2}
             return self.inner.nvmlDeviceSetPowerManagementLimit(h, mw)
 
-    with LimitController(Checking(sim()), [0, 1]) as ctl:
+    with door_controller(Checking(sim()), [0, 1]) as ctl:
         ctl.set_power_limit_w(200)
     assert any(mw == 200000 for mw, _ in seen)
     assert_untouched()
@@ -72,7 +72,7 @@ def test_restore_file_holds_the_originals_before_the_first_change(originals):
 
 def test_exception_mid_level_restores_and_propagates(originals):
     with pytest.raises(RuntimeError, match="server died"):
-        with LimitController(sim(), [0, 1]) as ctl:
+        with door_controller(sim(), [0, 1]) as ctl:
             ctl.set_power_limit_w(180)
             ctl.lock_sm_clock_mhz(1200, 1500)
             raise RuntimeError("server died")
@@ -87,7 +87,7 @@ def test_a_set_that_does_not_take_effect_is_an_error_and_restores(originals):
                 return None  # the driver says success but nothing changes
             return self.inner.nvmlDeviceSetPowerManagementLimit(h, mw)
 
-    with LimitController(Ignoring(sim()), [0, 1]) as ctl:
+    with door_controller(Ignoring(sim()), [0, 1]) as ctl:
         with pytest.raises(LimitNotAppliedError, match="GPU 1: asked for 200 W, the limit reads 300 W"):
             ctl.set_power_limit_w(200)
         assert_untouched()  # GPU 0 had taken 200 W: already put back
@@ -100,7 +100,7 @@ def test_an_enforced_limit_off_the_requested_one_is_an_error(originals):
         def nvmlDeviceGetEnforcedPowerLimit(self, h):
             return min(self.inner.nvmlDeviceGetEnforcedPowerLimit(h), 240000)  # some other limiter at 240 W
 
-    with LimitController(Overridden(sim()), [0, 1]) as ctl:
+    with door_controller(Overridden(sim()), [0, 1]) as ctl:
         ctl.set_power_limit_w(200)  # under the other limiter: fine
         with pytest.raises(LimitNotAppliedError, match="enforced limit is 240 W"):
             ctl.set_power_limit_w(260)
@@ -121,7 +121,7 @@ def test_nvidia_smi_fallback_where_nvml_cannot_set(originals):
         assert args[0] == "-i" and args[2] == "-pl"
         inner.nvmlDeviceSetPowerManagementLimit(inner.nvmlDeviceGetHandleByIndex(int(args[1])), int(float(args[3]) * 1000))
 
-    with LimitController(NoSetter(inner), [0, 1], nvidia_smi=fake_smi) as ctl:
+    with door_controller(NoSetter(inner), [0, 1], nvidia_smi=fake_smi) as ctl:
         rb = ctl.set_power_limit_w(220)
         assert [g.method for g in rb.gpus] == ["nvidia-smi"] * 2
         assert [g.limit_w for g in rb.gpus] == [220.0, 220.0]
@@ -143,7 +143,7 @@ def test_a_failing_nvidia_smi_is_an_error_and_restores(originals):
             raise ControlError("`nvidia-smi -i 1 -pl 200` failed: Unknown Error")
         inner.nvmlDeviceSetPowerManagementLimit(inner.nvmlDeviceGetHandleByIndex(i), int(w * 1000))
 
-    with LimitController(NoSetter(inner), [0, 1], nvidia_smi=smi) as ctl:
+    with door_controller(NoSetter(inner), [0, 1], nvidia_smi=smi) as ctl:
         with pytest.raises(ControlError, match="Unknown Error"):
             ctl.set_power_limit_w(200)
         assert_untouched()
@@ -151,20 +151,20 @@ def test_a_failing_nvidia_smi_is_an_error_and_restores(originals):
 
 def test_no_permission_is_a_clear_error_before_anything_changes(originals):
     with pytest.raises(ControlPermissionError) as ei:
-        LimitController(sim(privileged=False), [0, 1]).open()
+        door_controller(sim(privileged=False), [0, 1]).open()
     msg = str(ei.value)
     assert "root or CAP_SYS_ADMIN" in msg and "sudo" in msg and "powerprof measure" in msg and "Nothing was changed" in msg
     assert_untouched()
     assert restore_files() == []
-    with LimitController(sim(), [0, 1]):  # the failed attempt left no lock behind
+    with door_controller(sim(), [0, 1]):  # the failed attempt left no lock behind
         pass
 
 
 def test_second_controller_on_a_gpu_fails_naming_the_holder_and_first_is_unaffected(originals):
-    with LimitController(sim(), [0, 1]) as first:
+    with door_controller(sim(), [0, 1]) as first:
         first.set_power_limit_w(200)
         with pytest.raises(GpuBusyError) as ei:
-            LimitController(sim(), [1]).open()
+            door_controller(sim(), [1]).open()
         assert f"controlled by powerprof process {os.getpid()}" in str(ei.value)
         assert ei.value.holder_pid == os.getpid()
         assert sim_state() == [(200.0, None)] * 2  # the failed second one changed nothing
@@ -172,12 +172,12 @@ def test_second_controller_on_a_gpu_fails_naming_the_holder_and_first_is_unaffec
         first.set_power_limit_w(240)
         assert sim_state() == [(240.0, None)] * 2
     assert_untouched()
-    with LimitController(sim(), [1]):
+    with door_controller(sim(), [1]):
         pass
 
 
 def test_controllers_on_disjoint_gpus_coexist(originals):
-    with LimitController(sim(), [0]) as a, LimitController(sim(), [1]) as b:
+    with door_controller(sim(), [0]) as a, door_controller(sim(), [1]) as b:
         a.set_power_limit_w(200)
         b.set_power_limit_w(250)
         assert len(restore_files()) == 2
@@ -186,7 +186,7 @@ def test_controllers_on_disjoint_gpus_coexist(originals):
 
 
 def test_bad_values_passed_to_the_controller_change_nothing(originals):
-    with LimitController(sim(), [0, 1]) as ctl:
+    with door_controller(sim(), [0, 1]) as ctl:
         with pytest.raises(LevelError, match="400 W is outside the allowed range"):
             ctl.set_power_limit_w(400)
         with pytest.raises(LevelError, match="outside the allowed range 510-2790 MHz"):
@@ -224,7 +224,7 @@ def test_bad_gpu_list_and_clock_list_exit_non_zero(originals, capsys):
 
 
 def test_clock_lock_and_release(originals):
-    with LimitController(sim(), [0, 1]) as ctl:
+    with door_controller(sim(), [0, 1]) as ctl:
         ctl.lock_sm_clock_mhz(1200, 1500)
         assert [c for _, c in sim_state()] == [(1200, 1500)] * 2
         rec = json.loads(restore_files()[0].read_text())
@@ -242,20 +242,25 @@ def test_plan_validates_and_touches_nothing(originals):
 
         nvmlDeviceSetGpuLockedClocks = nvmlDeviceResetGpuLockedClocks = nvmlDeviceSetPowerManagementLimit
 
-    plan = make_plan(ReadOnly(sim()), [0, 1], "180,220W,80%", "1500")
+    plan = make_plan(ReadOnly(sim()), [0, 1], "180,220W,80%", "1500", permitted=True)
     assert plan.power_levels_w == (180.0, 220.0, 240.0) and plan.clock_levels_mhz == (1500,)
     text = "\n".join(plan.lines())
     assert "nothing will be changed" in text and "GPU 0 to 280 W, GPU 1 to 300 W" in text and "180 W, 220 W, 240 W" in text
     with pytest.raises(LevelError):
-        make_plan(ReadOnly(sim()), [0, 1], "999")
-    assert "sudo" in "\n".join(make_plan(sim(privileged=False), [0], "200").lines())
+        make_plan(ReadOnly(sim()), [0, 1], "999", permitted=True)
+    assert "sudo" in "\n".join(make_plan(sim(), [0], "200", permitted=False).lines())
+    # Through the door, the simulator's own privilege decides, and the plan says what the GPUs are.
+    from powerprof.rig import Rig
+
+    door = Rig("seed-16g", nvml=sim(privileged=False)).plan([0], "200")
+    assert "sudo" in "\n".join(door.lines()) and "(simulated seed-16g)" in door.lines()[0]
     assert_untouched()
     assert restore_files() == []
 
 
 def _leave_pending_record():
     """What a kill -9 leaves: the limit changed and the restore file in place."""
-    with LimitController(sim(), [0, 1]) as ctl:
+    with door_controller(sim(), [0, 1]) as ctl:
         ctl.set_power_limit_w(190)
         ctl.lock_sm_clock_mhz(1500)
         saved = restore_files()[0].read_bytes()
@@ -276,9 +281,9 @@ def test_a_pending_record_blocks_new_runs_and_restore_puts_everything_back(origi
     assert note and "GPU 0" in note and "original power limit 280 W" in note and "SM clocks locked" in note
     assert f"powerprof restore --restore-file {path}" in note
     with pytest.raises(PendingRestoreError, match="powerprof restore"):
-        LimitController(sim(), [1]).open()
+        door_controller(sim(), [1]).open()
     assert sim_state() == [(190.0, (1500, 1500))] * 2
-    report = restore_from_file()
+    report = door_restore()
     assert report.ok, report.lines()
     assert "Restored from" in report.lines()[0]
     assert_untouched()
@@ -286,9 +291,9 @@ def test_a_pending_record_blocks_new_runs_and_restore_puts_everything_back(origi
 
 
 def test_restore_leaves_a_running_controller_alone(originals):
-    with LimitController(sim(), [0, 1]) as ctl:
+    with door_controller(sim(), [0, 1]) as ctl:
         ctl.set_power_limit_w(200)
-        report = restore_from_file()
+        report = door_restore()
         assert not report.ok and report.outcomes[0].status == "in_use"
         assert sim_state() == [(200.0, None)] * 2 and len(restore_files()) == 1
         assert "still running" in pending_restore_note()
@@ -300,7 +305,7 @@ def test_restore_without_permission_keeps_the_file(originals):
     report = restore_from_file(nvml_factory=lambda rec: sim(privileged=False))
     assert not report.ok and "CAP_SYS_ADMIN" in report.lines()[0] and "kept" in report.lines()[0]
     assert path.exists()
-    assert restore_from_file(path).ok
+    assert door_restore(path).ok
     assert_untouched()
 
 
@@ -309,7 +314,7 @@ def test_restore_simulate_refuses_a_real_gpu_record(originals):
     rec = json.loads(path.read_text())
     rec["simulated"] = None
     path.write_text(json.dumps(rec))
-    report = restore_from_file(simulate="seed-16g")
+    report = door_restore(sim_profile="seed-16g")
     assert report.outcomes[0].status == "refused" and path.exists()
     assert sim_state() == [(190.0, (1500, 1500))] * 2
 
@@ -317,7 +322,7 @@ def test_restore_simulate_refuses_a_real_gpu_record(originals):
 def test_signal_inside_a_with_block_restores_and_exits_128_plus_signum(originals):
     prev = signal.getsignal(signal.SIGTERM)
     with pytest.raises(SystemExit) as ei:
-        with LimitController(sim(), [0, 1]) as ctl:
+        with door_controller(sim(), [0, 1]) as ctl:
             ctl.set_power_limit_w(200)
             signal.raise_signal(signal.SIGTERM)
             pytest.fail("the signal did not stop the run")
@@ -338,7 +343,7 @@ def test_signal_during_a_set_waits_until_the_set_is_complete(originals):
                 signal.raise_signal(signal.SIGHUP)  # between GPU 0 and GPU 1
 
     with pytest.raises(SystemExit) as ei:
-        with LimitController(SignalMidSet(sim()), [0, 1]) as ctl:
+        with door_controller(SignalMidSet(sim()), [0, 1]) as ctl:
             ctl.set_power_limit_w(200)
             pytest.fail("the deferred signal was lost")
     assert ei.value.code == 128 + signal.SIGHUP
@@ -351,7 +356,7 @@ def test_signal_during_a_set_waits_until_the_set_is_complete(originals):
 def test_an_ignored_signal_stays_ignored(originals):
     prev = signal.signal(signal.SIGHUP, signal.SIG_IGN)  # as under nohup
     try:
-        with LimitController(sim(), [0]) as ctl:
+        with door_controller(sim(), [0]) as ctl:
             assert signal.getsignal(signal.SIGHUP) is signal.SIG_IGN
             assert signal.getsignal(signal.SIGTERM) == ctl._on_signal
     finally:
@@ -368,7 +373,7 @@ def test_clocks_are_released_even_when_the_limit_cannot_be_put_back(originals):
             return self.inner.nvmlDeviceSetPowerManagementLimit(h, mw)
 
     nvml = StuckLimit(sim())
-    ctl = LimitController(nvml, [0, 1])
+    ctl = door_controller(nvml, [0, 1])
     ctl.open()
     ctl.set_power_limit_w(200)
     ctl.lock_sm_clock_mhz(1500)
@@ -378,7 +383,7 @@ def test_clocks_are_released_even_when_the_limit_cannot_be_put_back(originals):
     assert "powerprof restore --restore-file" in str(ei.value)
     assert sim_state() == [(200.0, None)] * 2  # clocks released although the limits are stuck
     assert len(restore_files()) == 1  # kept for `powerprof restore`
-    assert restore_from_file().ok
+    assert door_restore().ok
     assert_untouched()
 
 
@@ -389,7 +394,7 @@ def test_restore_command_exit_codes(originals):
 
     r = CliRunner().invoke(cli, ["restore"])
     assert r.exit_code == 0 and "Nothing to restore" in r.output
-    with LimitController(sim(), [0, 1]) as ctl:
+    with door_controller(sim(), [0, 1]) as ctl:
         ctl.set_power_limit_w(200)
         r = CliRunner().invoke(cli, ["restore", "--simulate"])
         assert r.exit_code == 1 and f"controlled by powerprof process {os.getpid()}" in r.output

@@ -1,4 +1,4 @@
-"""Synthetic sweep run directories with a known truth, for tests, benches and demos of the analysis.
+"""Synthetic sweep run directories with a known truth: a test fixture for the analysis.
 
 A `Truth` gives decode tok/s, GPU power and SM clock as functions of the level; requests scatter
 around it with multiplicative noise. Warm-up and failed rows carry absurd values on purpose:
@@ -20,7 +20,7 @@ from powerprof.sim.profiles import get_profile
 from powerprof.storage.runs import RunWriter
 from powerprof.storage.schema import SAMPLES, WINDOWS
 
-from .stats import summarize_levels
+from powerprof.analysis.stats import summarize_levels
 
 
 @dataclass(frozen=True)
@@ -167,7 +167,7 @@ def make_run(
         "run_id": run_id, "gpu_name": truth.gpu_name, "gpu_uuid": "GPU-synthetic-0", "model": model,
         "min_limit_w": truth.min_limit_w, "max_limit_w": truth.max_limit_w,
         "default_limit_w": truth.default_limit_w, "level_kind": "power_limit", "levels": [float(x) for x in lv],
-        "simulated": True, "synthetic": True, "command": "powerprof.analysis.synthetic.make_run",
+        "simulated": True, "synthetic": True, "command": "tests/synthetic_runs.py:make_run",
         "started_utc": t0.isoformat(),
     }
     writer = RunWriter(Path(out_dir), meta)

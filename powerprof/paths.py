@@ -1,0 +1,36 @@
+"""Where powerprof keeps state on this machine: the one state-folder lookup every layer uses."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+STATE_DIR_ENV = "POWERPROF_STATE_DIR"
+ROOT_STATE_DIR = Path("/var/lib/powerprof")
+
+
+def user_state_home(env: dict | None = None) -> Path:
+    """$XDG_STATE_HOME, else ~/.local/state (the XDG base-directory default)."""
+    env = os.environ if env is None else env
+    return Path(env.get("XDG_STATE_HOME") or os.path.join(os.path.expanduser("~"), ".local", "state"))
+
+
+def state_dir(env: dict | None = None, euid: int | None = None) -> Path:
+    """POWERPROF_STATE_DIR if set, else /var/lib/powerprof as root, else $XDG_STATE_HOME/powerprof."""
+    env = os.environ if env is None else env
+    if env.get(STATE_DIR_ENV):
+        return Path(env[STATE_DIR_ENV])
+    if (os.geteuid() if euid is None else euid) == 0:
+        return ROOT_STATE_DIR
+    return user_state_home(env) / "powerprof"
+
+
+def configured_state_dir(env: dict | None = None) -> Path | None:
+    """The state folder only where the user named one (POWERPROF_STATE_DIR or XDG_STATE_HOME), else None:
+    for scratch files that should follow a named folder but otherwise belong in the temp folder."""
+    env = os.environ if env is None else env
+    if env.get(STATE_DIR_ENV):
+        return Path(env[STATE_DIR_ENV])
+    if env.get("XDG_STATE_HOME"):
+        return Path(env["XDG_STATE_HOME"]) / "powerprof"
+    return None

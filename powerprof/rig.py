@@ -1,0 +1,264 @@
+"""The one door: the only module that decides whether the GPU, the CPU energy source and the server are real, simulated, given or launched.
+
+Every command opens one `Rig` and hands it down; no layer below imports `powerprof.sim` or takes
+a `simulate` parameter (Kepler chooses its fake meter with one key in one place; so do we).
+
+    with Rig(sim_profile="seed-16g") as rig:          # or Rig() for this machine's hardware
+        src = rig.sources                              # NVML, RAPL and host collectors
+        with rig.server(url, launch) as server_url:    # given, launched, or the simulated server
+            ...
+
+Simulated means: GPUs are `SimNVML` (the same calls and constants as pynvml), RAPL is a
+`SimPowercap` tree whose package power follows the simulated server's busy flag, and the server is
+`SimServer` speaking the real protocols. Every output says so (`rig.simulated`, `rig.notes`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import shutil
+from typing import Iterator
+
+from powerprof.collectors.sources import Sources, describe, open_sources
+from powerprof.privilege import has_admin_privilege
+
+
+class Rig:
+    """Opened hardware and server for one command; `close()` (or leaving the `with`) releases all of it."""
+
+    def __init__(
+        self,
+        sim_profile: str | None = None,
+        *,
+        gpus: list[int] | None = None,
+        sim_gpu_count: int | None = None,
+        rapl_backend: str = "sysfs",
+        host: bool = True,
+        nvml=None,
+    ):
+        """sim_profile: a simulator profile key, or None for this machine's hardware.
+        gpus: NVML indexes (default: what CUDA_VISIBLE_DEVICES allows). nvml: an NVML-like object
+        to use as given (tests hand in a SimNVML they control)."""
+        self.sim_profile = sim_profile
+        self.gpus = gpus
+        self.rapl_backend = rapl_backend
+        self.host = host
+        self._busy = False
+        self._sources: Sources | None = None
+        self._powercap = None
+        self._powercap_dir: str | None = None
+        self._sim_servers: list = []
+        self._sim_server_used = False
+        self._real_server_used = False
+        self._sim_gpu_count = max(gpus) + 1 if gpus else (sim_gpu_count or 1)
+        self._nvml = nvml
+
+    @property
+    def nvml(self):
+        """The NVML-like object: as given, the simulator (made on first use), or the real pynvml module."""
+        if self._nvml is None:
+            if self.simulated:
+                from powerprof.sim.nvml import SimNVML
+
+                self._nvml = SimNVML(profile=self.sim_profile, count=self._sim_gpu_count)
+            else:
+                self._nvml = _pynvml()
+        return self._nvml
+
+    @property
+    def profile(self):
+        """The simulated card's profile (None on real hardware)."""
+        return self.nvml.profile if self.simulated else None
+
+    # --- what it is ------------------------------------------------------------------------------
+
+    @property
+    def simulated(self) -> bool:
+        return self.sim_profile is not None
+
+    @property
+    def label(self) -> str:
+        """How every output names these GPUs: "" for real hardware."""
+        return f"simulated {self.sim_profile}" if self.simulated else ""
+
+    @property
+    def notes(self) -> list[str]:
+        """What every output must say about the rig (empty on real hardware with a real server)."""
+        if not self.simulated:
+            return []
+        if self._real_server_used:
+            # A simulated GPU beside a real server: its GPU does not see the server's work.
+            return [f"SIMULATED GPU ({self.sim_profile}) beside a real server: token timing is real, every energy and "
+                    "power figure is the simulator's, not your hardware's"]
+        what = "simulated GPU and simulated server" if self._sim_server_used else "simulated GPU"
+        return [f"{what} ({self.sim_profile}): the figures demonstrate the method, not your hardware"]
+
+    @property
+    def origin(self) -> dict | None:
+        """What a restore file records so `restore` can reopen these GPUs after a crash."""
+        if not self.simulated:
+            return None
+        return {"profile": self.profile.key, "count": len(self.nvml.gpus)}
+
+    def meta(self) -> dict:
+        """The run.json keys that say what was measured."""
+        return {"simulated": self.simulated, "sim_profile": self.sim_profile}
+
+    def may_set_limits(self) -> bool:
+        if self.simulated:
+            return bool(self.nvml.privileged)
+        return has_admin_privilege()
+
+    # --- opening ---------------------------------------------------------------------------------
+
+    @property
+    def sources(self) -> Sources:
+        """The collectors, opened on first use. ValueError for a GPU index that does not exist."""
+        if self._sources is None:
+            kw: dict = {}
+            if self.simulated:
+                kw = self._open_sim_powercap()
+            self._sources = open_sources(
+                self._nvml if not self.simulated else self.nvml, self.gpus, rapl_backend=self.rapl_backend, host=self.host, privileged=self.may_set_limits, **kw
+            )
+        return self._sources
+
+    @property
+    def sim_powercap(self):
+        """The simulated powercap tree (its `root`, true energies), once sources are open; None on real hardware."""
+        return self._powercap
+
+    def _open_sim_powercap(self) -> dict:
+        from powerprof.sim.nvml import UNPRIVILEGED_ENV
+        from powerprof.sim.powercap import SimPowercap, make_sim_powercap_dir
+
+        wl = self.profile.workload
+        self._powercap_dir = make_sim_powercap_dir()
+        self._powercap = SimPowercap(
+            self._powercap_dir,
+            power_w_fn=lambda: wl.cpu_idle_w + (wl.cpu_busy_w if self._busy else 0.0),
+            unreadable=os.environ.get(UNPRIVILEGED_ENV) == "1",
+        ).start()
+        return {"rapl_root": self._powercap_dir, "rapl_opener": self._powercap.opener}
+
+    def describe(self) -> dict:
+        """Everything `powerprof devices` shows, JSON-ready."""
+        from powerprof.control.restore import pending_restore_note
+
+        return {"simulated": self.simulated, **describe(self.sources), "restore_note": pending_restore_note()}
+
+    def check_server(self, url: str | None, launch: str | None) -> None:
+        """ValueError, before anything is opened, when `server()` could not give a server."""
+        if launch and not url:
+            raise ValueError("--launch needs --server URL: where the launched server will listen")
+        if not url and not self.simulated:
+            raise ValueError("no inference server: give --server URL (or --launch CMD --server URL)")
+
+    @contextlib.contextmanager
+    def server(
+        self,
+        url: str | None = None,
+        launch: str | None = None,
+        *,
+        launch_timeout_s: float = 300.0,
+        sim_decode_tok_s: float | None = None,
+    ) -> Iterator[str]:
+        """The inference server's base URL while the block runs: the given one, one launched with
+        `launch` (stopped afterwards, also on error), or the simulated server (on the simulated rig,
+        when no URL is given)."""
+        self.check_server(url, launch)
+        self._real_server_used = bool(url)
+        if launch:
+            from powerprof.workload.launcher import ServerLauncher
+
+            with ServerLauncher(launch, url, timeout_s=launch_timeout_s):
+                yield url
+        elif url:
+            yield url
+        else:
+            with self.sim_server(decode_tok_s=sim_decode_tok_s) as srv:
+                yield srv.url
+
+    def sim_server(self, **kw):
+        """A simulated server driving this rig's simulated GPUs; its busy flag drives the simulated CPU power."""
+        from powerprof.sim.server import SimServer
+
+        srv = SimServer(self.nvml, **kw)
+        srv.on_busy(self._set_busy)
+        self._sim_server_used = True
+        return srv
+
+    def default_upstream(self) -> str | None:
+        """For the daemon: a simulated server (vLLM flavour, 64 slots, its own thread) when the rig is
+        simulated and no upstream is configured; None on real hardware. Stopped by close()."""
+        if not self.simulated:
+            return None
+        srv = self.sim_server(flavour="vllm", n_slots=64).start()
+        self._sim_servers.append(srv)
+        return srv.url
+
+    def _set_busy(self, busy: bool) -> None:
+        self._busy = busy
+
+    # --- control -------------------------------------------------------------------------------
+
+    def controller(self, indexes, **kw):
+        from powerprof.control.controller import LimitController
+
+        return LimitController(self.nvml, indexes, origin=self.origin, **kw)
+
+    def plan(self, indexes, power_levels=None, clock_levels=None):
+        from powerprof.control.plan import make_plan
+
+        return make_plan(self.nvml, indexes, power_levels, clock_levels, permitted=self.may_set_limits(), label=self.label)
+
+    def restore(self, path=None, **kw):
+        """`powerprof restore`: on the simulated rig only simulated GPUs' records are touched (a real
+        GPU is never 'restored' on the simulator and its record then deleted)."""
+        from powerprof.control.restore import restore_from_file
+
+        return restore_from_file(path, nvml_factory=_nvml_for_record, refuse=self._refuse_record, **kw)
+
+    def _refuse_record(self, record: dict) -> str | None:
+        if self.simulated and not record.get("simulated"):
+            return "records a real GPU; run `powerprof restore` without --simulate."
+        return None
+
+    # --- life cycle ------------------------------------------------------------------------------
+
+    def close(self) -> None:
+        for srv in self._sim_servers:
+            srv.stop()
+        self._sim_servers.clear()
+        if self._sources is not None:
+            self._sources.close()
+            self._sources = None
+        if self._powercap is not None:
+            self._powercap.close()
+            self._powercap = None
+        if self._powercap_dir:
+            shutil.rmtree(self._powercap_dir, ignore_errors=True)
+            self._powercap_dir = None
+
+    def __enter__(self) -> "Rig":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+def _pynvml():
+    import pynvml
+
+    return pynvml
+
+
+def _nvml_for_record(record: dict):
+    """The NVML a restore record was made with: the simulator with its profile and GPU count, or pynvml."""
+    sim = record.get("simulated")
+    if sim:
+        from powerprof.sim.nvml import SimNVML
+
+        return SimNVML(profile=sim["profile"], count=int(sim["count"]))
+    return _pynvml()

@@ -1,0 +1,211 @@
+"""What a new user meets first (issue 15, items 1 and 2): advice that names flags the command accepts,
+labels that match the code, -h everywhere, --json where scripts need it, help on every option, one
+default per shared option, exit status that says "nothing to measure", every config error at once."""
+
+from __future__ import annotations
+
+import json
+import re
+import sys
+from types import SimpleNamespace
+
+import click
+import pyarrow as pa
+import pynvml
+import pytest
+from click.testing import CliRunner
+
+from powerprof.analysis.checks import level_findings
+from powerprof.cli import DEFAULT_MAX_TOKENS, EXIT_NO_DEVICE, PROMPT_SET_NAMES, main
+from powerprof.daemon.config import ConfigError, load_config
+from powerprof.storage.schema import LEVELS
+
+
+def run(*args, **kw):
+    return CliRunner().invoke(main, list(args), catch_exceptions=False, **kw)
+
+
+def _commands(group: click.Group = main, prefix: tuple[str, ...] = ()):
+    for name, cmd in group.commands.items():
+        yield prefix + (name,), cmd
+        if isinstance(cmd, click.Group):
+            yield from _commands(cmd, prefix + (name,))
+
+
+def _levels(**row) -> pa.Table:
+    base = {"level_kind": "power_limit", "level_value": 200.0, "n_requests": 20, "ci_reached_pct": 4.0,
+            "flags": "wide-ci", "stop_rule": "max-time"}
+    base.update(row)
+    return pa.Table.from_pylist([base], schema=LEVELS)
+
+
+# --- item 1: wrong advice and labels -----------------------------------------------------------
+
+
+def test_few_prompts_advice_names_prompt_sets_that_sweep_accepts(tmp_path):
+    (f,) = [f for f in level_findings(_levels(n_prompts=4), target_ci_pct=2.0, max_time_s=60.0)
+            if f.kind == "few-prompts"]
+    for value in re.findall(r"--prompt-set (\w+)", f.message):
+        r = CliRunner().invoke(main, ["sweep", "--simulate", "--limits", "200", "--dry-run", "--prompt-set", value,
+                                      "--out", str(tmp_path / "x")])
+        assert r.exit_code == 0, (value, r.output)
+
+
+def test_prompt_set_choices_are_the_built_in_sets():
+    from powerprof.workload.load import PROMPT_SETS
+
+    assert PROMPT_SET_NAMES == tuple(PROMPT_SETS)
+
+
+def test_weighted_policy_is_described_as_the_code_computes_it():
+    from powerprof.analysis.sweetspot import DESCRIPTIONS, PolicyParams, policy_index
+    import numpy as np
+
+    # P_max/T (time per token priced at P_max) picks level 0 here; P_max·T would pick level 1.
+    t, e = np.array([10.0, 1.0]), np.array([2.0, 1.5])
+    assert int(policy_index("weighted", t, e, 0, PolicyParams(eta=0.5, p_max_w=10.0))) == 0
+    assert "P_max/T" in DESCRIPTIONS["weighted"] and "P_max·T" not in DESCRIPTIONS["weighted"]
+    assert "Pmax/T" in run("analyze", "-h").output
+
+
+def test_cap_not_engaged_does_not_claim_the_levels_measure_the_same_thing():
+    rows = [{"level_kind": "power_limit", "level_value": v, "n_requests": 5, "flags": "cap-not-engaged",
+             "cap_not_engaged": True, "avg_gpu_power_w": p} for v, p in ((300.0, 250.0), (280.0, 262.0))]
+    (f,) = [f for f in level_findings(pa.Table.from_pylist(rows, schema=LEVELS)) if f.kind == "cap-not-engaged"]
+    assert "measure the same thing" not in f.message
+    assert "not the limit's effect" in f.message and "--clocks" in f.message
+
+
+def test_daemon_check_names_the_flags_as_typed(tmp_path):
+    r = run("daemon", "--check", "--data-dir", str(tmp_path), "--flush-interval", "5")
+    assert r.exit_code == 0, r.output
+    assert "--data-dir" in r.output and "--flush-interval" in r.output
+    assert "--data_dir" not in r.output and "--flush_interval" not in r.output
+
+
+def test_devices_json_uses_run_json_key_names():
+    info = json.loads(run("devices", "--simulate", "--json").output)
+    (g,) = info["gpus"]
+    assert {"default_limit_w", "min_limit_w", "max_limit_w"} <= set(g)
+    assert not [k for k in g if k.startswith("limit_")]
+
+
+# --- item 2: conventions -----------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("path", [p for p, _ in _commands()], ids=" ".join)
+def test_dash_h_shows_help_for_every_command(path):
+    r = CliRunner().invoke(main, [*path, "-h"])
+    assert r.exit_code == 0, r.output
+    assert r.output.startswith("Usage:")
+
+
+def test_every_option_has_help_text():
+    missing = [f"{' '.join(path)} {o.opts[0]}" for path, cmd in _commands() for o in cmd.params
+               if isinstance(o, click.Option) and not (o.help or "").strip()]
+    assert missing == []
+
+
+@pytest.mark.parametrize("path", [("measure",), ("analyze",), ("tag", "start"), ("tag", "stop"), ("tag", "list"),
+                                  ("restore",), ("devices",), ("monitor",)], ids=" ".join)
+def test_json_option_where_scripts_need_it(path):
+    assert "--json" in run(*path, "-h").output
+
+
+def test_measure_json_prints_one_object_with_stable_keys(tmp_path):
+    r = run("measure", "--simulate", "--requests", "2", "--max-tokens", "16", "--warmup", "0", "--out",
+            str(tmp_path / "m"), "--json")
+    assert r.exit_code == 0, r.output
+    d = json.loads(r.output)
+    assert set(d) == {"server", "concurrencies", "notes", "windows_path", "aborted"}
+    (c,) = d["concurrencies"]
+    assert c["concurrency"] == 1 and c["n_ok"] == 2 and c["gpu_j_per_token"] > 0
+
+
+def test_restore_json_with_nothing_to_restore(tmp_path):
+    r = run("restore", "--json")
+    assert r.exit_code == 0, r.output
+    d = json.loads(r.output)
+    assert d["ok"] is True and d["files"] == [] and "searched" in d
+
+
+def test_analyze_json_is_analysis_json(tmp_path):
+    from synthetic_runs import make_run, seed_truth
+
+    run_dir = make_run(tmp_path / "run", seed_truth())
+    r = run("analyze", str(run_dir), "--bootstrap", "200", "--format", "md", "--json")
+    assert r.exit_code == 0, r.output
+    d = json.loads(r.output)
+    assert d == json.loads((run_dir / "analysis" / "analysis.json").read_text())
+    assert d["recommendation"]["policy"] == "budget"
+
+
+def test_tag_json_output(monkeypatch):
+    import powerprof.daemon.tagapi as tagapi
+
+    answers = {"start": {"ok": True}, "stop": {"ok": True, "duration_s": 2.0, "gpu_energy_j": 50.0,
+                                                "proxy_tokens": 100, "gpu_j_per_token": 0.5},
+               "list": {"ok": True, "open": ["a"]}}
+    monkeypatch.setattr(tagapi, "send_tag", lambda socket, action, name: answers[action])
+    stop = json.loads(run("tag", "stop", "x", "--socket", "/nonexistent", "--json").output)
+    assert stop["name"] == "x" and stop["gpu_j_per_token"] == 0.5 and stop["gpu_energy_j"] == 50.0
+    assert json.loads(run("tag", "list", "--socket", "/nonexistent", "--json").output) == {"open": ["a"]}
+    assert json.loads(run("tag", "start", "x", "--socket", "/nonexistent", "--json").output) == {"name": "x",
+                                                                                                "started": True}
+
+
+def test_devices_exits_1_when_there_is_nothing_to_measure(monkeypatch):
+    import powerprof.collectors.sources as sources
+
+    def fail():
+        raise pynvml.NVMLError(pynvml.NVML_ERROR_DRIVER_NOT_LOADED)
+
+    monkeypatch.setitem(sys.modules, "pynvml", SimpleNamespace(nvmlInit=fail))
+    monkeypatch.setattr(sources, "_open_rapl", lambda *a, **kw: None)  # and no RAPL either
+    r = CliRunner().invoke(main, ["devices"])
+    assert r.exit_code == EXIT_NO_DEVICE == 1, r.output
+    assert "nothing to measure" in r.output
+    r = CliRunner().invoke(main, ["devices", "--json"])
+    assert r.exit_code == 1
+    # The simulator has a GPU and RAPL: success.
+    monkeypatch.undo()
+    assert run("devices", "--simulate").exit_code == 0
+
+
+def test_max_tokens_default_is_the_same_in_sweep_and_measure():
+    def default(cmd):
+        (o,) = [p for p in main.commands[cmd].params if p.name == "max_tokens"]
+        return o.default
+
+    assert default("sweep") == default("measure") == DEFAULT_MAX_TOKENS
+
+
+def test_sweep_has_measures_request_options():
+    def opts(cmd):
+        return {o for p in main.commands[cmd].params for o in p.opts}
+
+    for flag in ("--seed", "--keep-text", "--prompt-cache", "--launch-timeout", "--api", "--prompts", "--prompt-set"):
+        assert flag in opts("sweep") and flag in opts("measure"), flag
+
+
+def test_sweep_passes_seed_and_keep_text_to_the_requests(tmp_path):
+    out = tmp_path / "run"
+    r = CliRunner().invoke(main, ["sweep", "--simulate", "--limits", "300", "--idle-s", "0", "--min-requests", "2",
+                                  "--max-requests", "2", "--warmup", "0", "--max-tokens", "16", "--seed", "7",
+                                  "--keep-text", "--out", str(out)])
+    assert r.exit_code == 0, r.output
+    params = json.loads((out / "run.json").read_text())["params"]
+    assert params["seed"] == 7 and params["keep_text"] is True and params["max_tokens"] == 16
+
+
+def test_config_with_several_errors_reports_all_of_them(tmp_path):
+    p = tmp_path / "c.toml"
+    p.write_text("[daemon]\ninterval_s = 0\nflush_interval_s = 'soon'\n[proxy]\nupstrem = 'http://x'\n[bogus]\n")
+    with pytest.raises(ConfigError) as e:
+        load_config(p, env={"POWERPROF_DAEMON_NOPE": "1"})
+    msg = str(e.value)
+    for key in ("daemon.interval_s", "daemon.flush_interval_s", "proxy.upstrem", "[bogus]", "daemon.nope"):
+        assert key in msg, key
+    assert len(e.value.errors) == 5 and msg.startswith("5 config errors")
+    r = run("daemon", "--check", "--config", str(p))
+    assert r.exit_code == 2 and "daemon.interval_s" in r.output and "proxy.upstrem" in r.output

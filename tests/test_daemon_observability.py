@@ -1,0 +1,140 @@
+"""What operators see of the daemon (issue 15, items 6-8): a Grafana dashboard that works with any
+scrape interval and keeps units apart, metric names by the Prometheus conventions with build info,
+untagged traffic stated one way, and log lines that journald does not stamp twice."""
+
+from __future__ import annotations
+
+import json
+import logging
+import re
+from pathlib import Path
+
+from prometheus_client.parser import text_string_to_metric_families
+
+from powerprof import __version__
+from powerprof.daemon import service
+from powerprof.daemon.metrics import GpuSnapshot, Snapshot, TagLimiter, make_registry, render
+
+ROOT = Path(__file__).resolve().parents[1]
+DASHBOARD = ROOT / "systemd" / "grafana-powerprof.json"
+
+# What each exported series measures once a query has turned it into a plotted value.
+_UNIT_OF = [
+    (r"rate\(powerprof_(gpu|cpu)_energy_joules_total|powerprof_gpu_interval_energy_joules_total", "W"),
+    (r"powerprof_gpu_power(_limit)?_watts", "W"),
+    (r"powerprof_joules_per_token", "J/token"),
+    (r"powerprof_tokens_generated_total", "tokens/s"),
+    (r"powerprof_requests_total", "requests/s"),
+    (r"_hertz", "Hz"),
+    (r"process_cpu_seconds_total", "cores"),
+    (r"_bytes", "bytes"),
+    (r"powerprof_(dropped_rows|flush_errors|proxy_recorder_failures|proxy_upstream_failures)_total", "events/s"),
+]
+
+
+def _dashboard() -> dict:
+    return json.loads(DASHBOARD.read_text())
+
+
+def _unit(expr: str) -> str:
+    for pattern, unit in _UNIT_OF:
+        if re.search(pattern, expr):
+            return unit
+    raise AssertionError(f"no unit known for {expr}")
+
+
+def _exposition(**snap) -> dict:
+    holder = type("H", (), {})()
+    holder.snapshot = Snapshot(**snap)
+    text = render(make_registry(holder)).decode()
+    return {f.name: f for f in text_string_to_metric_families(text)}
+
+
+# --- item 6: Grafana ---------------------------------------------------------------------------
+
+
+def test_every_range_uses_rate_interval():
+    exprs = [t["expr"] for p in _dashboard()["panels"] for t in p["targets"]]
+    ranges = [r for e in exprs for r in re.findall(r"\[([^\]]+)\]", e)]
+    assert ranges and set(ranges) == {"$__rate_interval"}
+
+
+def test_no_panel_mixes_units():
+    for p in _dashboard()["panels"]:
+        units = {_unit(t["expr"]) for t in p["targets"]}
+        assert len(units) == 1, (p["title"], units)
+        assert p["fieldConfig"]["defaults"].get("unit"), p["title"]
+
+
+def test_health_panel_and_host_variable():
+    d = _dashboard()
+    exprs = " ".join(t["expr"] for p in d["panels"] for t in p["targets"])
+    for m in ("powerprof_dropped_rows_total", "powerprof_flush_errors_total", "powerprof_proxy_recorder_failures_total",
+              "powerprof_proxy_upstream_failures_total"):
+        assert m in exprs, m
+    variables = {v["name"]: v for v in d["templating"]["list"]}
+    assert "host" in variables and "powerprof_build_info" in variables["host"]["query"]
+    assert "$host" in variables["instance"]["query"]
+
+
+def test_dashboard_queries_only_exported_metrics():
+    names = set(_exposition(gpus=(GpuSnapshot(0, "GPU-x", "gpu", 100.0, 1.0, 1.0, 300.0, 5.0),), cpu_energy_j=1.0,
+                            joules_per_token=0.5, tokens_by_tag={"a": 1}, requests_by_tag={("a", "ok"): 1}))
+    exported = {n + "_total" for n in names} | names
+    used = {m for p in _dashboard()["panels"] for t in p["targets"]
+            for m in re.findall(r"(?:powerprof|process)_[a-z_]+", t["expr"])}
+    assert used <= exported, used - exported
+
+
+# --- item 7: Prometheus ------------------------------------------------------------------------
+
+
+def test_metric_names_carry_no_label_names_and_the_docs_list_them_all():
+    fams = _exposition(gpus=(GpuSnapshot(0, "GPU-x", "gpu", 100.0, 1.0, 1.0, 300.0, 5.0),), cpu_energy_j=1.0,
+                       joules_per_token=0.5, server_tokens=3.0, tokens_by_tag={"a": 1},
+                       requests_by_tag={("a", "ok"): 1})
+    docs = (ROOT / "docs" / "daemon.md").read_text()
+    for name, f in fams.items():
+        if not name.startswith("powerprof_"):
+            continue
+        assert "_by_" not in name, name
+        shown = name + "_total" if f.type == "counter" else name
+        assert shown in docs, shown
+    assert "powerprof_gpu_interval_energy_joules" in fams
+    assert "| `powerprof_gpu_energy_by_kind" not in docs  # named only as the old name
+
+
+def test_build_info():
+    (s,) = _exposition()["powerprof_build_info"].samples
+    assert s.value == 1 and s.labels["version"] == __version__ and s.labels["host"] and s.labels["python"]
+
+
+def test_untagged_traffic_has_no_tag_label_as_parquet_has_null():
+    limiter = TagLimiter()
+    assert limiter.label(None) == "" and limiter.label("") == ""
+    assert limiter.label("none") == "none"  # a client's own tag named "none" is not confused with no tag
+    fams = _exposition(tokens_by_tag={limiter.label(None): 7.0, "a": 2.0})
+    by_tag = {s.labels.get("tag", ""): s.value for s in fams["powerprof_tokens_generated"].samples
+              if s.name.endswith("_total")}
+    assert by_tag == {"": 7.0, "a": 2.0}  # tag="" is the same series as no tag label in Prometheus
+
+
+# --- item 8: log lines under journald ----------------------------------------------------------
+
+
+def test_journald_gets_no_timestamps_a_terminal_does(tmp_path):
+    import os
+
+    with open(tmp_path / "stream", "w") as f:
+        st = os.fstat(f.fileno())
+        journal = {"JOURNAL_STREAM": f"{st.st_dev}:{st.st_ino}"}
+        assert service.under_journald(journal, f.fileno())
+        assert service.log_format(journal, f.fileno()) == service.JOURNAL_LOG_FORMAT
+        # Inherited by a process whose stderr went elsewhere: not the journal.
+        assert not service.under_journald({"JOURNAL_STREAM": "1:2"}, f.fileno())
+        assert service.log_format({}, f.fileno()) == service.TERMINAL_LOG_FORMAT
+    rec = logging.LogRecord("powerprof.daemon", logging.INFO, __file__, 1, "started", None, None)
+    journal_line = logging.Formatter(service.JOURNAL_LOG_FORMAT).format(rec)
+    terminal_line = logging.Formatter(service.TERMINAL_LOG_FORMAT).format(rec)
+    assert journal_line == "INFO powerprof.daemon: started"
+    assert re.match(r"\d{4}-\d\d-\d\d \d\d:\d\d:\d\d", terminal_line)

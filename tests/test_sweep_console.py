@@ -1,0 +1,153 @@
+"""The sweep on the terminal (issue 15, item 3 and the end screen): whole flags, no source-file
+suffixes, a progress bar that follows the stopping rule, one result table, and the curve drawn in
+the terminal with the chosen level marked, in 80 columns and without colour."""
+
+from __future__ import annotations
+
+import io
+import re
+
+import pyarrow as pa
+import pytest
+from click.testing import CliRunner
+from rich.console import Console
+
+from powerprof.cli import main
+from powerprof.progress import RichSweepUI, curves, end_screen, level_fraction, levels_table
+from powerprof.storage.schema import LEVELS
+from powerprof.sweep import LevelVisit, SweepSettings
+from powerprof.terminal_plot import CHOSEN, POINT, Curves, Panel, panel_lines
+
+
+def _text(renderable, width: int, color: bool = False) -> str:
+    c = Console(width=width, file=io.StringIO(), record=True, color_system="standard" if color else None,
+                force_terminal=color)
+    c.print(renderable)
+    return c.export_text(styles=False)
+
+
+def _levels(flags="wide-ci,cap-not-engaged") -> pa.Table:
+    rows = [{"level_kind": "power_limit", "level_value": v, "enforced_limit_w": v, "decode_tok_s": 80.0 + v / 10,
+             "speed_loss_pct": 3.0, "gpu_j_per_token": 2.5 + v / 1000, "ci_reached_pct": 3.1,
+             "total_j_per_token": 3.1, "energy_saving_pct": 5.0, "sm_clock_mhz": 2790.0, "mem_clock_mhz": 10251.0,
+             "reference": v == 300.0, "flags": flags} for v in (300.0, 250.0, 200.0)]
+    return pa.Table.from_pylist(rows, schema=LEVELS)
+
+
+@pytest.mark.parametrize("width", [80, 120])
+def test_flags_are_never_cut(width):
+    text = _text(levels_table(_levels(), "W"), width)
+    assert "…" not in text
+    flat = re.sub(r"\s+", " ", text)
+    assert "wide-ci, cap-not-engaged" in flat or ("wide-ci," in text and "cap-not-engaged" in text)
+    assert max(len(line) for line in text.splitlines()) <= width
+    if width == 120:
+        assert text.count("wide-ci, cap-not-engaged") == 3  # whole, on one line, in 120 columns
+        assert "left out" not in text
+    else:  # no number cut either: columns left out instead, and said so
+        assert "2.700" in text and "left out for width" in text
+
+
+def test_log_lines_do_not_end_with_the_source_file():
+    buf = io.StringIO()
+    ui = RichSweepUI(Console(file=buf, width=100, color_system=None), SweepSettings("power_limit", (300.0,)))
+    ui.idle(5.0)
+    ui.note("GPU 0 settled at 250 W")
+    out = buf.getvalue()
+    assert "idle baseline: 5 s" in out and "settled at 250 W" in out
+    assert ".py:" not in out
+
+
+def test_progress_follows_the_stopping_rule_not_min_requests():
+    s = SweepSettings("power_limit", (300.0,), min_requests=5, max_requests=200, max_time_s=120.0, target_ci=0.02)
+    # min-requests reached but the CI is wide and little time has gone: far from done (the old bar was full).
+    assert level_fraction(5, 10.0, 10.0, s) < 0.25
+    # Time is the nearest rule: half the time, half the bar.
+    assert level_fraction(6, 60.0, 10.0, s) == pytest.approx(0.5)
+    # The CI closing on its target fills the bar.
+    assert level_fraction(8, 10.0, 2.2, s) == pytest.approx(2.0 / 2.2)
+    # Before --min-requests the CI cannot stop the level, so it does not count.
+    assert level_fraction(2, 1.0, 1.0, s) < 0.05
+    assert level_fraction(200, 1.0, None, s) == 1.0
+
+
+def test_progress_bar_shows_the_fraction_of_the_level():
+    buf = io.StringIO()
+    s = SweepSettings("power_limit", (300.0,), min_requests=5, max_time_s=100.0)
+    ui = RichSweepUI(Console(file=buf, width=100, color_system=None), s)
+    visit = LevelVisit(300.0, 0)
+    ui.level_start(0, 1, visit, "W")
+    visit.elapsed_s = 25.0
+    ui.level_progress(visit, {"requests": 6, "tok_s": 80.0, "power_w": 250.0, "j_per_token": 3.0, "ci_pct": 20.0})
+    task = ui.progress.tasks[0]
+    assert task.percentage == pytest.approx(25.0)
+
+
+def _sweep_cli(tmp_path, *extra):
+    return CliRunner().invoke(main, ["sweep", "--simulate", "--limits", "300,200", "--idle-s", "0", "--min-requests",
+                                     "2", "--max-requests", "2", "--warmup", "0", "--max-tokens", "32", "--out",
+                                     str(tmp_path / "run"), *extra])
+
+
+def test_sweep_prints_one_table_then_the_curves(tmp_path):
+    r = _sweep_cli(tmp_path)
+    assert r.exit_code == 0, r.output
+    out = r.output
+    assert out.count("powerprof sweep: decode only") == 1
+    assert out.count("J/token") >= 1 and "chosen by" not in out  # the analysis' own table is not printed again
+    assert "GPU J/token" in out and "decode tok/s" in out and f"{CHOSEN} recommended" in out
+    assert "Recommended limit:" in out and "run directory:" in out
+
+
+# --- the curve in the terminal -----------------------------------------------------------------
+
+
+def _panel(chosen=200.0):
+    return Panel("GPU J/token", (150.0, 200.0, 250.0, 300.0), (2.2, 2.6, 3.0, 3.2), chosen, "W")
+
+
+def _star_columns(lines):
+    return [(i, line.index(CHOSEN)) for i, line in enumerate(lines) if CHOSEN in line]
+
+
+def test_chosen_level_is_a_star_above_its_label():
+    lines = [t.plain for t in panel_lines(_panel(), 40, height=8)]
+    assert all(len(line) <= 40 for line in lines)
+    (row, col), = _star_columns(lines)
+    labels = lines[-1]
+    # The level value printed under the star's column, and the other levels as points.
+    assert labels[col - 1: col + 3].strip().startswith("200") or labels[col - 2: col + 2].strip() == "200"
+    assert sum(line.count(POINT) for line in lines) == 3
+    # J/token rises with the limit: 150 W's point is on the bottom row, 300 W's on the top row.
+    plot = lines[1:9]
+    assert POINT in plot[-1][:12] and POINT in plot[0][-4:]
+
+
+def test_end_screen_fits_80_columns_without_colour(tmp_path):
+    from powerprof.analysis.report import analyze_run
+    from synthetic_runs import make_run, seed_truth
+
+    import pyarrow.parquet as pq
+
+    run_dir = make_run(tmp_path / "run", seed_truth())
+    result = analyze_run([run_dir], n_boot=200, plots=False, formats=())
+    levels = pq.read_table(run_dir / "levels.parquet")
+    text = _text(end_screen(levels, result, "W"), 80)
+    lines = text.splitlines()
+    assert max(len(line) for line in lines) <= 80
+    rec = result.main.recommendation
+    assert f"{CHOSEN} recommended {rec.recommended_value:g} W" in text
+    assert text.count(CHOSEN) >= 4  # the table row, both curves, the legend
+    assert text.count("powerprof sweep: decode only") == 1
+    # The same with colour: the star is styled, the glyphs unchanged.
+    c = Console(width=80, file=io.StringIO(), record=True, color_system="truecolor", force_terminal=True)
+    c.print(curves(result))
+    assert "\x1b[" in c.export_text(styles=True, clear=False) and CHOSEN in c.export_text()
+
+
+def test_curves_stack_when_the_terminal_is_narrow():
+    cv = Curves([_panel(), Panel("tok/s", (150.0, 200.0, 250.0, 300.0), (68.0, 77.0, 82.0, 85.0), 200.0, "W")])
+    wide = _text(cv, 100).splitlines()
+    narrow = _text(cv, 50).splitlines()
+    assert sum("GPU J/token" in line and "tok/s" in line for line in wide) == 1  # side by side
+    assert len(narrow) > len(wide) and max(len(line) for line in narrow) <= 50
