@@ -13,12 +13,12 @@ import os
 import socket
 import subprocess
 import sys
-import threading
 from pathlib import Path
 
 import numpy as np
 import pytest
 
+from proxy_helpers import buffering_proxy, serve_in_thread
 from powerprof.workload.client import RequestParams, detect_server
 from powerprof.workload.launcher import ServerLauncher
 from powerprof.workload.load import builtin_prompts, detect, run_load, run_load_async
@@ -71,61 +71,6 @@ def vllm_url(tmp_path_factory):
            "--dtype", "float32"]
     with ServerLauncher(cmd, url, timeout_s=600, env=env, log_path=model / "vllm.log"):
         yield url
-
-
-def _serve_in_thread(app_factory):
-    """Run an aiohttp app (built inside its own loop) on a loopback port; returns (url, stop)."""
-    from aiohttp import web
-
-    ready, box = threading.Event(), {}
-
-    def run():
-        loop = asyncio.new_event_loop()
-        asyncio.set_event_loop(loop)
-
-        async def start():
-            runner = web.AppRunner(app_factory(), handle_signals=False)
-            await runner.setup()
-            site = web.TCPSite(runner, "127.0.0.1", 0)
-            await site.start()
-            box["url"] = f"http://127.0.0.1:{runner.addresses[0][1]}"
-            box["runner"] = runner
-
-        loop.run_until_complete(start())
-        box["loop"] = loop
-        ready.set()
-        loop.run_forever()
-        loop.run_until_complete(box["runner"].cleanup())
-
-    t = threading.Thread(target=run, daemon=True)
-    t.start()
-    ready.wait(30)
-
-    def stop():
-        box["loop"].call_soon_threadsafe(box["loop"].stop)
-        t.join(30)
-
-    return box["url"], stop
-
-
-def _buffering_proxy(upstream: str):
-    """What nginx does by default: read the whole upstream answer, then send it."""
-    import aiohttp
-    from aiohttp import web
-
-    def factory():
-        async def handle(request):
-            async with aiohttp.ClientSession() as s:
-                async with s.request(request.method, upstream + request.path_qs, data=await request.read(),
-                                     headers={"Content-Type": request.headers.get("Content-Type", "application/json")}) as r:
-                    body = await r.read()
-                    return web.Response(body=body, status=r.status, headers={"Content-Type": r.headers.get("Content-Type", "")})
-
-        app = web.Application()
-        app.router.add_route("*", "/{tail:.*}", handle)
-        return app
-
-    return _serve_in_thread(factory)
 
 
 def test_detection(vllm_url):
@@ -213,7 +158,7 @@ def test_more_streams_than_max_num_seqs_warns(vllm_url):
 
 
 def test_a_buffering_proxy_in_front_is_flagged(vllm_url):
-    url, stop = _buffering_proxy(vllm_url)
+    url, stop = buffering_proxy(vllm_url)
     try:
         res = measure(url, prompts=builtin_prompts("short")[:1], n_requests=2, params=PARAMS, warmup=0, api="openai-chat")
     finally:
@@ -228,7 +173,7 @@ def test_a_buffering_proxy_in_front_is_flagged(vllm_url):
 def test_through_the_daemons_proxy_the_stream_stays_timed(vllm_url):
     from powerprof.daemon.proxy import Proxy
 
-    url, stop = _serve_in_thread(lambda: Proxy(vllm_url).app())
+    url, stop = serve_in_thread(lambda: Proxy(vllm_url).app())
     try:
         res = measure(url, prompts=builtin_prompts("short")[:1], n_requests=2, params=RequestParams(max_tokens=600),
                       warmup=0, api="openai-chat")

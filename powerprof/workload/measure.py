@@ -188,7 +188,25 @@ def measure(
     server, records, aborted = asyncio.run(go())
     rows, _ = window_rows(records, profiler, run_id, server)
     notes += [f"request {r.request_id} ({r.prompt_id}): {r.truncated}" for r in records if r.ok and r.truncated and not r.warmup][:5]
+    note = server_timed_note(rows)
+    if note:
+        notes.append(note)
     return MeasureResult(server, records, rows, summarise(rows), notes=notes, aborted=aborted, excluded=excluded_windows(rows))
+
+
+def server_timed_note(rows: Sequence[dict]) -> str | None:
+    """How many request windows took the server's own timing instead of the stream's, and why."""
+    from collections import Counter
+
+    from powerprof.arrival import fix_for, reason_group
+
+    req = [r for r in rows if r["window_kind"] == "request" and not r["warmup"] and r["status"] == "ok"]
+    srv = [r for r in req if r.get("timing") == "server"]
+    if not srv:
+        return None
+    top, _ = Counter(reason_group(r.get("timing_reason")) for r in srv).most_common(1)[0]
+    return (f"{len(srv)} of {len(req)} request windows are timed by the server's own figures, not the stream ({top}); "
+            f"fix: {fix_for(top)}")
 
 
 def saturation_note(server: ServerInfo, concurrency: int) -> str | None:
