@@ -179,3 +179,28 @@ def test_analysis_leaves_untrusted_windows_out_and_says_so():
     assert measured.tolist() == [True, True, False] and counted.tolist() == [True, True, True]
     (f,) = timing_findings(t)
     assert f.kind == "untrusted-timing" and "1 of 3 windows left out" in f.message and "proxy_buffering off" in f.message
+
+
+def test_lag_monitor_counts_a_stall_before_a_read_not_one_that_starts_with_it():
+    import asyncio
+    import time
+
+    from powerprof.workload.load import LagMonitor
+
+    async def go():
+        lag = LagMonitor(period_s=0.005)
+        lag.start()
+        await asyncio.sleep(0.05)
+        time.sleep(0.08)  # the loop is blocked: data arriving now waits
+        t_late_read = time.monotonic_ns()  # the read that runs when the loop is free again
+        await asyncio.sleep(0.05)
+        t_prompt_read = time.monotonic_ns()  # a read on time, whose own processing then blocks
+        time.sleep(0.08)
+        await asyncio.sleep(0.05)
+        await lag.stop()
+        return lag, t_late_read, t_prompt_read
+
+    lag, late, prompt = asyncio.run(go())
+    assert lag.lag_at(late) >= 0.07
+    assert lag.lag_at(prompt) < 0.05  # not the 80 ms stall that followed it (a loaded host may add a little)
+    assert lag.lag_over(late - 100_000_000, prompt + 100_000_000) >= 0.07

@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import json
 import time
+from collections import deque
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Sequence
@@ -148,11 +149,13 @@ class LagMonitor:
     stopped process) shows here as lateness, and a window edge read right after such a stall is
     late by as much (arrival.py uses it in the timing rule)."""
 
-    def __init__(self, period_s: float = 0.005, keep: int = 400_000):
+    def __init__(self, period_s: float = 0.005, keep_s: float = 600.0):
         self.period_ns = int(period_s * 1e9)
-        self.keep = keep
-        self.due: list[int] = []
-        self.ran: list[int] = []
+        # The last keep_s of ticks (records are annotated after every batch; a request longer than
+        # this has its first edge's lag unknown: lag_at says None, and the stream is not vouched for).
+        n = int(keep_s / period_s)
+        self.due: deque[int] = deque(maxlen=n)
+        self.ran: deque[int] = deque(maxlen=n)
         self._task: asyncio.Task | None = None
 
     async def _tick(self) -> None:
@@ -161,9 +164,8 @@ class LagMonitor:
             due += self.period_ns
             await asyncio.sleep(max(0.0, (due - time.monotonic_ns()) / 1e9))
             now = time.monotonic_ns()
-            if len(self.due) < self.keep:
-                self.due.append(due)
-                self.ran.append(now)
+            self.due.append(due)
+            self.ran.append(now)
             if now - due > self.period_ns:
                 due = now  # restart the schedule: one stall is one lateness, not a train of them
 
@@ -182,6 +184,8 @@ class LagMonitor:
         """How long the loop had been unavailable when the read at t_ns ran (s): data that came
         in meanwhile waited that long. A stall that starts with the read (its own processing, an
         edge hook reading sensors) does not count: the read was on time."""
+        if not self.due or t_ns < self.due[0]:
+            return None  # before the first tick kept: unknown
         d = np.asarray(self.due, dtype=np.int64)
         r = np.asarray(self.ran, dtype=np.int64)
         hit = (d <= t_ns) & (t_ns <= r)
@@ -197,7 +201,9 @@ class LagMonitor:
         if not rec.ok or rec.t_first_ns is None:
             return rec
         q = rec.quality  # the lag that matters is at the edges the window uses
-        edge = max(self.lag_at(q.t_first_ns), self.lag_at(q.t_last_ns))
+        lags = [self.lag_at(q.t_first_ns), self.lag_at(q.t_last_ns)]
+        # Unknown (a request longer than the ticks kept): not a stream the rule can vouch for.
+        edge = max(x if x is not None else float("inf") for x in lags)
         return replace(rec, client_lag_s=edge, client_lag_max_s=self.lag_over(q.t_first_ns, q.t_last_ns))
 
 
