@@ -54,11 +54,13 @@ class ArrivalQuality:
     uncounted: int  # tokens the server counted that no event showed (their arrival is unknown)
 
 
-FRESH_GAP = (0.5, 2.0)  # a fresh read follows its predecessor by this many median gaps
+FRESH_GAP = (0.5, 2.0)
+SAME_DELIVERY_NS = 1_000_000  # chunks closer than this are one delivery (one server write, split)  # a fresh read follows its predecessor by this many median gaps
 
 
 def reads(arrival_ns, tokens, events=None) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """(read time ns, tokens, events) per distinct arrival time, token-less events dropped."""
+    """(read time ns, tokens, events) per read, token-less events dropped; chunks under
+    SAME_DELIVERY_NS apart count as one read."""
     t = np.asarray(arrival_ns, dtype=np.int64)
     k = np.asarray(tokens, dtype=np.int64)
     e = np.ones_like(k) if events is None else np.asarray(events, dtype=np.int64)
@@ -66,20 +68,31 @@ def reads(arrival_ns, tokens, events=None) -> tuple[np.ndarray, np.ndarray, np.n
     t, k, e = t[keep], k[keep], e[keep]
     if t.size == 0:
         return t, k, e
-    ut, inv = np.unique(t, return_inverse=True)
-    return ut, np.bincount(inv, weights=k).astype(np.int64), np.bincount(inv, weights=e).astype(np.int64)
+    order = np.argsort(t, kind="stable")
+    t, k, e = t[order], k[order], e[order]
+    # One server write can reach the client as two chunks a fraction of a millisecond apart
+    # (llama-server's speculative steps: the first token, then the accepted drafts): such chunks
+    # are one delivery, timed when its last part came.
+    new = np.concatenate([[True], np.diff(t) > SAME_DELIVERY_NS])
+    starts = np.flatnonzero(new)
+    ends = np.concatenate([starts[1:], [t.size]]) - 1
+    return t[ends], np.add.reduceat(k, starts).astype(np.int64), np.add.reduceat(e, starts).astype(np.int64)
 
 
 def fresh_reads(t_ns: np.ndarray, events: np.ndarray) -> np.ndarray:
-    """Reads whose arrival time can be trusted as an edge: one server event, on the stream's beat.
+    """Reads whose arrival time can be trusted as an edge: on the stream's beat, holding no pile.
 
-    A read that holds several events was held back (proxy, starved client): its newest event may
-    be stale by any amount. A single event after an unusually long gap may have been held too
-    (the generation ended while the client was stalled); after an unusually short one, its
-    predecessor was late. The first read (prefill output) has no gap before it: it is fresh when
-    it holds one event and the next read is not a catch-up."""
+    A read that follows an unusually long silence (over FRESH_GAP[1] median gaps) may have been
+    held back — by a proxy, or by a client that was not reading — and its newest event may be
+    stale by any amount (the generation can end while it is held). After an unusually short one,
+    its predecessor was late. A read holding more than twice the usual number of events is a
+    pile that gathered somewhere. Several events per read on every read is the server's own
+    grouping (speculative decoding sends each step's tokens at once): those stay fresh. The
+    first read (prefill output) has no gap before it: it is fresh when it holds no pile and the
+    next read is no catch-up."""
     n = t_ns.size
-    fresh = events == 1
+    usual = max(2.0, 2.0 * float(np.median(events))) if n else 2.0
+    fresh = events <= usual
     if n < 2:
         return fresh
     gaps = np.diff(t_ns).astype(float)
