@@ -14,8 +14,9 @@ import aiohttp
 import numpy as np
 
 from powerprof import __version__
+from powerprof.analysis import engine
 from powerprof.analysis.stats import bootstrap_ci, summarize_levels
-from powerprof.collectors.sampler import Sample
+from powerprof.collectors.clock_reasons import cap_not_engaged, thermal
 from powerprof.control.device import read_devices
 from powerprof.control.levels import parse_clock_levels, parse_power_levels
 from powerprof.profiler import Profiler
@@ -24,11 +25,6 @@ from powerprof.storage.samples import Timeline
 from powerprof.workload.client import RequestParams
 from powerprof.workload.load import LoadAborted, LoadPolicy, builtin_prompts, detect, run_load_async
 from powerprof.workload.rows import Level, request_timing, window_rows
-
-REASON_SW_POWER_CAP = 0x4
-REASON_THERMAL = 0x20 | 0x40  # SwThermal | HwThermal
-CAP_AT_LIMIT_FRACTION = 0.98  # drawing this close to the limit, the cap binds whatever the reason bits say
-CAP_ENGAGED_FRACTION = 0.9  # without reason bits: average power below 90% of the limit means the cap did nothing
 
 
 @dataclass(frozen=True)
@@ -111,50 +107,6 @@ def stop_reason(j_per_token: np.ndarray, elapsed_s: float, s: SweepSettings) -> 
     return None
 
 
-def level_sample_stats(samples: list[Sample], spans: list[tuple[int, int]]) -> dict:
-    """What the sensors said during a level's measured spans: clocks, power and clock-event reasons."""
-    sm, mem, pw, temps = [], [], [], []
-    reasons: int | None = None
-    for s in samples:
-        if s.source != "nvml" or s.data is None or not any(t0 <= s.t_mono_ns <= t1 for t0, t1 in spans):
-            continue
-        for r in s.data:
-            if r.sm_clock_mhz is not None:
-                sm.append(r.sm_clock_mhz)
-            if r.mem_clock_mhz is not None:
-                mem.append(r.mem_clock_mhz)
-            p = r.power_w if r.power_w is not None else r.power_avg_w
-            if p is not None:
-                pw.append(p)
-            if r.clock_event_reasons is not None:
-                reasons = (reasons or 0) | r.clock_event_reasons
-            if r.temperature_c is not None:
-                temps.append(r.temperature_c)
-    med = lambda xs: float(np.median(xs)) if xs else None  # noqa: E731
-    return {
-        "sm_clock_mhz": med(sm),
-        "mem_clock_mhz": med(mem),
-        "sample_power_w": med(pw),
-        "reasons": reasons,
-        "max_temperature_c": max(temps) if temps else None,
-        "n_samples": len(sm),
-    }
-
-
-def cap_not_engaged(avg_power_w: float | None, limit_w: float | None, reasons: int | None, n_gpus: int = 1) -> bool:
-    """A cap that never bound: the driver never reported SwPowerCap while power stayed under it.
-
-    reasons: the OR of the clock-event reasons seen during the level, None where the GPU cannot
-    report them; then only power can tell, and only a clear gap (under 90%) counts.
-    """
-    if avg_power_w is None or limit_w is None:
-        return False
-    per_gpu = avg_power_w / max(n_gpus, 1)
-    if reasons is None:
-        return per_gpu < CAP_ENGAGED_FRACTION * limit_w
-    return not (reasons & REASON_SW_POWER_CAP) and per_gpu < CAP_AT_LIMIT_FRACTION * limit_w
-
-
 class SweepError(RuntimeError):
     """The sweep could not run or had to stop; the message says why. Limits are restored."""
 
@@ -223,6 +175,7 @@ class Sweep:
         self._rid = 0
         self._bid = 0
         self._prompt_k = 0
+        self.unstored_rows = 0
 
     # --- the run -----------------------------------------------------------------------------
 
@@ -437,15 +390,24 @@ class Sweep:
 
     # --- output ------------------------------------------------------------------------------
 
-    def level_extras(self) -> dict:
-        """Sensor-derived figures per level for levels.parquet (the windows give the rest)."""
-        samples = self.timeline.samples("nvml")
+    def level_extras(self, samples=None) -> dict:
+        """Sensor-derived figures per level for levels.parquet (the windows give the rest).
+
+        samples: the run's samples table (the one flush writes); the figures come from the same
+        implementation the analysis runs over samples.parquet (analysis/engine.py)."""
+        samples = self.timeline.to_table() if samples is None else samples
+        t0 = self.timeline.t0_mono_ns or 0
+        spans = [sp for v in self.visits for sp in v.spans]
+        starts, ends = engine.merge_intervals(np.array([(a - t0) / 1e9 for a, _ in spans], float),
+                                              np.array([(b - t0) / 1e9 for _, b in spans], float))
+        with engine.connect() as con:
+            figures = engine.level_figures(engine.level_sums(con, engine.samples_relation(con, samples),
+                                                             (starts, ends), time_expr="t_mono_s"))
         out = {}
         n_gpus = len(self.prof.gpu.indexes) if self.prof.gpu else 1
         for value in sorted({v.level_value for v in self.visits}):
             visits = [v for v in self.visits if v.level_value == value]
-            spans = [sp for v in visits for sp in v.spans]
-            st = level_sample_stats(samples, spans)
+            st = figures.get((self.s.level_kind, float(value)), {})
             rows = [r for r in self.rows if r["level_value"] == value and self._counts(r)]
             e = [r["gpu_energy_j"] for r in rows if r["gpu_energy_j"] is not None]
             c = [r["cpu_energy_j"] for r in rows if r["cpu_energy_j"] is not None]
@@ -456,7 +418,8 @@ class Sweep:
             enforced = float(np.mean([g.enforced_w for b in rb for g in b.gpus])) if rb else None
             requested = float(value) if self.s.level_kind == "power_limit" else None
             not_engaged = (
-                cap_not_engaged(avg_w, enforced or requested, st["reasons"], n_gpus) if self.s.level_kind == "power_limit" else False
+                cap_not_engaged(avg_w, enforced or requested, st.get("clock_event_reasons"), n_gpus)
+                if self.s.level_kind == "power_limit" else False
             )
             out[(self.s.level_kind, float(value))] = {
                 "requested_limit_w": requested,
@@ -464,10 +427,10 @@ class Sweep:
                 "locked_sm_clock_mhz": float(value) if self.s.level_kind == "sm_clock" else None,
                 "avg_gpu_power_w": avg_w,
                 "avg_cpu_power_w": sum(c) / dc if c and dc > 0 else None,
-                "sm_clock_mhz": st["sm_clock_mhz"],
-                "mem_clock_mhz": st["mem_clock_mhz"],
+                "sm_clock_mhz": st.get("sm_clock_mhz"),
+                "mem_clock_mhz": st.get("mem_clock_mhz"),
                 "cap_not_engaged": not_engaged,
-                "thermal_throttle": bool((st["reasons"] or 0) & REASON_THERMAL),
+                "thermal_throttle": thermal(st.get("clock_event_reasons")),
                 "stop_rule": ",".join(dict.fromkeys(v.stop for v in visits if v.stop)) or None,
             }
         return out
@@ -476,19 +439,30 @@ class Sweep:
 
         return table_from_rows("windows", self.rows)
 
-    def levels_table(self):
+    def levels_table(self, samples=None):
 
         windows = self.windows_table()
         if not any(self._counts(r) for r in self.rows):
 
             return table_from_rows("levels", [])
-        return summarize_levels(windows, self.reference_value, run_id=self.run_id, extra=self.level_extras())
+        return summarize_levels(windows, self.reference_value, run_id=self.run_id, extra=self.level_extras(samples))
 
     def flush(self) -> None:
-        """Rewrite the run's tables (atomically): a crash keeps every finished level."""
+        """Rewrite the run's tables (atomically): a crash keeps every finished level.
+
+        A row its column cannot hold is left out (and out of every figure), said in run.json and on
+        screen, rather than failing the write and losing the levels already finished."""
+        from powerprof.storage.runs import split_storable
+
+        self.rows, bad, err = split_storable("windows", self.rows)
+        if bad:
+            self.unstored_rows += len(bad)
+            self.ui.note(f"{len(bad)} window row(s) could not be stored and are left out of every figure: {err}")
+            self.writer.write_json(unstored_window_rows=self.unstored_rows, unstored_error=err)
         self.writer.write("windows", self.windows_table())
-        self.writer.write("samples", self.timeline.to_table())
-        self.writer.write("levels", self.levels_table())
+        samples = self.timeline.to_table()
+        self.writer.write("samples", samples)
+        self.writer.write("levels", self.levels_table(samples))
         self.writer.write_json(idle_gpu_power_w=self.idle_power_w, levels_done=[(v.level_value, v.repeat) for v in self.visits if v.stop])
 
 

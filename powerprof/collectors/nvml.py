@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass, fields
 
+from .clock_reasons import CLOCK_EVENT_REASONS, clock_event_reason_names  # noqa: F401  (re-exported: monitor, tests)
 from .gateway import as_text, gateway
 
 SUPPORT_KEYS = (
@@ -56,31 +57,6 @@ class GpuReading:
 
 
 READING_FIELDS = tuple(f.name for f in fields(GpuReading))
-
-# nvmlDeviceGetCurrentClocksEventReasons bits (nvml.h nvmlClocksEventReason*).
-CLOCK_EVENT_REASONS = (
-    (0x1, "GpuIdle"),
-    (0x2, "AppClocks"),
-    (0x4, "SwPowerCap"),
-    (0x8, "HwSlowdown"),
-    (0x10, "SyncBoost"),
-    (0x20, "SwThermal"),
-    (0x40, "HwThermal"),
-    (0x80, "HwPowerBrake"),
-    (0x100, "DisplayClock"),
-)
-
-
-def clock_event_reason_names(bits: int | None) -> list[str] | None:
-    """Names of the set bits, unknown bits as hex; None stays None (not supported)."""
-    if bits is None:
-        return None
-    names = [name for bit, name in CLOCK_EVENT_REASONS if bits & bit]
-    rest = bits & ~sum(bit for bit, _ in CLOCK_EVENT_REASONS)
-    if rest:
-        names.append(hex(rest))
-    return names
-
 
 def visible_indexes(nvml, env: dict | None = None) -> list[int]:
     """NVML indexes of the GPUs this process may use, honouring CUDA_VISIBLE_DEVICES.

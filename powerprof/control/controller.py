@@ -23,6 +23,7 @@ from .levels import DeviceRange, LevelError, common_power_range, describe_power_
 from .levels import parse_clock_levels, parse_power_levels
 from .restore import (
     DEFAULT_TOLERANCE_W,
+    check_restore_file,
     default_restore_path,
     load_record,
     new_record,
@@ -169,10 +170,14 @@ class LimitController:
         if self._restore_path_arg is not None and self._restore_path_arg.exists():
             candidates.append(self._restore_path_arg)
         for path in candidates:
-            try:
-                rec = load_record(path)
-            except RestoreError:
-                continue
+            bad = check_restore_file(path, root_too=True)
+            if bad is not None:
+                # A damaged or foreign file may hold this GPU's original: reading the current (maybe capped)
+                # limit as the original would lose it for good. Block until an operator decides.
+                raise PendingRestoreError(
+                    f"{bad.message.removeprefix('Not restored: ')} Nothing was changed."
+                )
+            rec = load_record(path)
             hit = [ours[u] for u in rec["gpus"] if u in ours]
             if hit:
                 gpus = ", ".join(f"GPU {d.index}" for d in hit)

@@ -36,6 +36,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, gene
 from .gpu import Phase
 from .nvml import SimNVML
 from .profiles import DEFAULT_PROFILE
+from .threads import name_this_thread
 
 PREFILL_COMPUTE_SHARE = 0.9
 # stream: every event written when its tokens exist. buffered: the whole body at the end (a
@@ -205,6 +206,7 @@ class SimServer:
         errors: list[BaseException] = []
 
         def run():
+            name_this_thread("sim-server")
             loop = asyncio.new_event_loop()
             self._loop = loop
             asyncio.set_event_loop(loop)
