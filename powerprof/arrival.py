@@ -13,6 +13,8 @@ Classification (docs/workload.md, "The timing rule"):
 - `stream`: every token counted by the stream, at least MIN_WINDOW_READS reads and
   MIN_WINDOW_SHARE of the decode tokens between fresh edges, no read holding more than
   MAX_READ_SHARE of them, and client lag at the edges ≤ STREAM_ERROR_BOUND of the window.
+  What is left after the beat rules is about one production interval per edge (a fresh read's
+  newest event is at most that old), i.e. ≈ 1/window_reads of the window.
 - `server`: not stream-timed, but the server gave its own decode time for this request.
 - `untrusted`: neither: the window counts in no figure.
 """
@@ -25,7 +27,11 @@ import numpy as np
 
 MIN_WINDOW_READS = 4  # reads after the first: fewer and the window is a handful of instants
 MAX_READ_SHARE = 0.25  # of the window's tokens in one read: more is a burst, not a stream
-STREAM_ERROR_BOUND = 0.01  # estimated error of the stream rate from stale edge reads (fraction)
+# A stall of the client's loop delays the reads after it; one longer than two beats leaves a
+# long silence or a pile, which the beat rules already see (a catch-up read is a pile, the read
+# after a stall follows a long gap), so an on-beat edge read can only have waited up to two
+# beats. Lag beyond that at a fresh edge is a contradiction the rule does not vouch for.
+STREAM_ERROR_BOUND = 0.01  # edge lag beyond two beats (and the 2 ms floor), as a share of the window
 # Lateness of the client's loop below this is timer granularity (epoll waits in whole
 # milliseconds), seen on an idle machine too; a read, woken by the socket, is not late by it.
 LAG_FLOOR_S = 0.002
@@ -173,7 +179,7 @@ def stream_problem(q: ArrivalQuality, client_lag_s: float | None = None) -> tupl
             None,
         )
     dur_s = (q.t_last_ns - q.t_first_ns) / 1e9
-    lag = max((client_lag_s or 0.0) - LAG_FLOOR_S, 0.0)
+    lag = max((client_lag_s or 0.0) - max(LAG_FLOOR_S, 2.0 * (q.gap_p50_s or 0.0)), 0.0)
     bound = lag / dur_s if dur_s > 0 else float("inf")
     if q.window_max_share is not None and q.window_max_share > MAX_READ_SHARE:
         return f"one read carried {100 * q.window_max_share:.0f}% of the decode tokens: delivered in bursts", bound

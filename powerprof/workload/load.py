@@ -170,6 +170,9 @@ class LagMonitor:
                 due = now  # restart the schedule: one stall is one lateness, not a train of them
 
     def start(self) -> None:
+        now = time.monotonic_ns()  # watched from now: a read before the first tick is not "unknown"
+        self.due.append(now)
+        self.ran.append(now)
         self._task = asyncio.get_running_loop().create_task(self._tick())
 
     async def stop(self) -> None:
