@@ -697,3 +697,16 @@ def test_systemd_analyze_security_exposure_at_most_2(tmp_path):
         pytest.skip(f"this systemd-analyze cannot check a unit file offline: {p.stderr.strip()[:200]}")
     assert m, p.stdout + p.stderr
     assert float(m.group(1)) <= 2.0
+
+
+def test_dry_run_says_what_would_stop_the_real_run(tmp_path):
+    # A damaged restore file blocks every change; the dry run, which is how a user checks a plan,
+    # must say so rather than print a clean plan that the real run then refuses.
+    state = Path(os.environ["POWERPROF_STATE_DIR"])
+    state.mkdir(parents=True, exist_ok=True)
+    damaged = state / "restore-cccccccccccc.json"
+    damaged.write_text('{"format": 1, "gpus": {')
+    os.chmod(damaged, 0o600)
+    r = CliRunner().invoke(main, ["sweep", "--simulate", "seed-16g", "--limits", "200,250", "--dry-run"])
+    assert r.exit_code == 0, r.output
+    assert "would stop before any change" in r.output and "force-default" in r.output

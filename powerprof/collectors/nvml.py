@@ -6,7 +6,7 @@ import os
 from dataclasses import dataclass, fields
 
 from .clock_reasons import CLOCK_EVENT_REASONS, clock_event_reason_names  # noqa: F401  (re-exported: monitor, tests)
-from .gateway import as_text, gateway
+from .gateway import gateway
 
 SUPPORT_KEYS = (
     "power_instant",
@@ -66,7 +66,8 @@ def visible_indexes(nvml, env: dict | None = None) -> list[int]:
     people mean when they set the variable next to nvidia-smi's numbering.
     """
     env = os.environ if env is None else env
-    count = nvml.nvmlDeviceGetCount()
+    gw = gateway(nvml)
+    count = gw.call("nvmlDeviceGetCount")
     spec = env.get("CUDA_VISIBLE_DEVICES")
     if spec is None or spec.strip() == "":
         return list(range(count)) if spec is None else []
@@ -82,7 +83,7 @@ def visible_indexes(nvml, env: dict | None = None) -> list[int]:
             out.append(i)
             continue
         if uuids is None:
-            uuids = [as_text(nvml.nvmlDeviceGetUUID(nvml.nvmlDeviceGetHandleByIndex(i))) for i in range(count)]
+            uuids = [gw.call("nvmlDeviceGetUUID", gw.call("nvmlDeviceGetHandleByIndex", i)) for i in range(count)]
         want = item if item.startswith(("GPU-", "MIG-")) else "GPU-" + item
         match = [i for i, u in enumerate(uuids) if u.startswith(want)]
         if len(match) != 1:

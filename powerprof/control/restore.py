@@ -321,7 +321,7 @@ def _restore_one_file(path, refuse, nvml_factory, nvidia_smi, lock_dir, toleranc
             lock.acquire()
             locks.append(lock)
         nvml = nvml_factory(rec)
-        nvml.nvmlInit()
+        gateway(nvml).init()
         done, problems = [], []
         for uuid, g in sorted(rec["gpus"].items(), key=lambda kv: kv[1].get("index", 0)):
             try:
@@ -353,7 +353,7 @@ def _restore_one_file(path, refuse, nvml_factory, nvidia_smi, lock_dir, toleranc
     finally:
         if nvml is not None:
             try:
-                nvml.nvmlShutdown()
+                gateway(nvml).shutdown()
             except Exception:
                 pass
         for lock in locks:
@@ -361,6 +361,26 @@ def _restore_one_file(path, refuse, nvml_factory, nvidia_smi, lock_dir, toleranc
 
 
 # --- files that cannot be trusted or read ----------------------------------------------------
+
+
+def pending_blocker(uuids, directory: Path, extra: Sequence[Path] = ()) -> str | None:
+    """Why no limit of these GPUs may be changed now, or None. A damaged or foreign restore file may hold
+    one's original (reading the current, maybe capped, limit as the original would lose it for good), and
+    a readable record naming one means it was never put back. Used by the controller before any change
+    and by the dry-run plan, so the plan shows what would stop the real run."""
+    devices = set(uuids)
+    for path in [*pending_restore_files(directory), *extra]:
+        bad = check_restore_file(path, root_too=True)
+        if bad is not None:
+            return f"{bad.message.removeprefix('Not restored: ')} Nothing was changed."
+        rec = load_record(path)
+        hit = sorted(((g.get("index"), u) for u, g in rec["gpus"].items() if u in devices), key=lambda x: (x[0] is None, x[0]))
+        if hit:
+            gpus = ", ".join(f"GPU {i}" for i, _ in hit)
+            return (f"{gpus} still has settings changed by an earlier powerprof run (pid {rec.get('pid')}, "
+                    f"{rec.get('created_utc')}) that were never put back, so its current limit is not its original. "
+                    f"Run `powerprof restore --restore-file {path}` first. Nothing was changed.")
+    return None
 
 
 def check_restore_file(path: Path, root_too: bool = False) -> FileOutcome | None:
