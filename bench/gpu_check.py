@@ -629,8 +629,10 @@ def check_decode(ctx) -> dict:
             if ctx.truth_fn is not None and summ.gpu_j_per_token is not None:
                 # The simulator's true energy over exactly the intervals measure counted.
                 if c == 1:
-                    true_j = sum(ctx.truth_fn(r.t_first_ns, r.t_last_ns) for r in recs)
-                    toks = sum(r.decode_tokens for r in recs)
+                    # Over the window each figure used (the timing rule's edges and tokens), trusted ones only.
+                    tms = [tm for tm in (r.timing for r in recs) if tm is not None and tm.kind != "untrusted"]
+                    true_j = sum(ctx.truth_fn(tm.t0_ns, tm.t1_ns) for tm in tms)
+                    toks = sum(tm.decode_tokens for tm in tms)
                 else:
                     bws = [b for b in batch_windows(recs) if b.intervals.size]
                     true_j = sum(ctx.truth_fn(int(t0), int(t1)) for b in bws for t0, t1 in b.intervals)

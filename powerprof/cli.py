@@ -321,6 +321,9 @@ def measure(url, simulate, out_dir, n_requests, concurrency, warmup, launch, api
         import json
 
         click.echo(json.dumps(res.to_dict(), indent=2))
+        if res.excluded is not None and not any(m.n_trusted for m in res.summaries):
+            click.echo(f"Error: no window could be trusted: {res.excluded.message()}", err=True)
+            sys.exit(1)
         if res.aborted:
             sys.exit(1)
         return
@@ -332,13 +335,17 @@ def measure(url, simulate, out_dir, n_requests, concurrency, warmup, launch, api
     def fmt(v, spec):
         return "-" if v is None else format(v, spec)
 
-    click.echo(f"{'concurrency':>11} {'ok':>4} {'failed':>6} {'decode tok/s':>12} {'GPU J/tok':>10} {'GPU+CPU J/tok':>13}  method")
+    click.echo(f"{'concurrency':>11} {'ok':>4} {'failed':>6} {'used':>4} {'decode tok/s':>12} {'GPU J/tok':>10} {'GPU+CPU J/tok':>13}  method")
     for m in res.summaries:
-        click.echo(f"{m.concurrency:>11} {m.n_ok:>4} {m.n_failed:>6} {fmt(m.decode_tok_s, '12.1f')} "
+        click.echo(f"{m.concurrency:>11} {m.n_ok:>4} {m.n_failed:>6} {m.n_trusted:>4} {fmt(m.decode_tok_s, '12.1f')} "
                    f"{fmt(m.gpu_j_per_token, '10.3f')} {fmt(m.total_j_per_token, '13.3f')}  {m.energy_method}")
     click.echo(f"windows: {res.out_path / 'windows.parquet'}")
     if res.aborted:
         raise click.ClickException(f"stopped early: {res.aborted} (what was measured is in {res.out_path})")
+    if res.excluded is not None:
+        if not any(m.n_trusted for m in res.summaries):
+            raise click.ClickException(f"no window could be trusted: {res.excluded.message()}")
+        click.echo(f"warning: {res.excluded.message()}", err=True)
 
 
 @main.command()
@@ -519,6 +526,8 @@ def export(src, fmt, time_from, time_to, columns, tz, out):
 
 
 def _fraction_option(ctx, param, value):
+    if value is None:
+        return None
     v = _fraction(value)
     if not 0 < v < 1:
         raise click.BadParameter(f"{value!r} must be between 0 and 100%")
@@ -537,6 +546,8 @@ def _fraction_option(ctx, param, value):
               help="Order of the levels in each pass: high to low, low to high, or shuffled.")
 @click.option("--target-ci", default="2%", show_default=True, callback=_fraction_option,
               help="Stop a level when the 95% CI half-width of J/token is within this share of the median (2% or 0.02).")
+@click.option("--target-paired-ci", default=None, callback=_fraction_option,
+              help="Also stop a level once its energy saving vs the reference is known within this (0.5%: ±0.5 percentage point), paired by prompt.")
 @click.option("--min-requests", default=5, show_default=True, type=click.IntRange(2, 10000),
               help="Measured requests per level before the CI target may stop it.")
 @click.option("--max-requests", default=200, show_default=True, type=click.IntRange(2, 100000),
@@ -558,7 +569,7 @@ def _fraction_option(ctx, param, value):
               help="With --trace: divide its arrival times by this.")
 @click.option("--duration", "duration_s", type=click.FloatRange(min=0, min_open=True), default=None,
               help="With --trace: replay only the requests arriving in the first this many seconds.")
-def sweep(limits, clocks, url, launch, simulate, gpus, repeats, order, target_ci, min_requests, max_requests, max_time_s,
+def sweep(limits, clocks, url, launch, simulate, gpus, repeats, order, target_ci, target_paired_ci, min_requests, max_requests, max_time_s,
           warmup, idle_s, concurrency, api, max_tokens, prompts_file, prompt_set, prompt_cache, seed, keep_text,
           launch_timeout, interval_s, out_dir, max_slowdown, dry_run, trace_path, time_scale, duration_s):
     """Step the GPU power limit (or locked SM clock) across levels; J/token and speed loss per level."""
@@ -575,8 +586,9 @@ def sweep(limits, clocks, url, launch, simulate, gpus, repeats, order, target_ci
 
     if bool(limits) == bool(clocks):
         raise click.UsageError("give exactly one of --limits or --clocks")
-    if sum(bool(x) for x in (url and not launch, launch, simulate)) != 1:
-        raise click.UsageError("give exactly one of --server URL, --launch CMD --server URL, or --simulate")
+    if not (url or launch or simulate) or (launch and not url):
+        raise click.UsageError("give --server URL (with --launch CMD to start it), --simulate, or --simulate with --server URL "
+                               "(a simulated GPU beside a real server)")
     if max_requests < min_requests:
         raise click.UsageError("--max-requests must not be below --min-requests")
     if trace_path:
@@ -603,6 +615,7 @@ def sweep(limits, clocks, url, launch, simulate, gpus, repeats, order, target_ci
                 params=RequestParams(max_tokens=max_tokens, seed=seed, prompt_cache=prompt_cache, keep_text=keep_text),
                 launch_timeout_s=launch_timeout, api=api, interval_s=interval_s, dry_run=dry_run,
                 command_line=" ".join(sys.argv), ui=ui, repeats=repeats, order=order, target_ci=target_ci,
+                target_paired_ci=target_paired_ci,
                 min_requests=min_requests, max_requests=max_requests, max_time_s=max_time_s, warmup_requests=warmup,
                 idle_s=idle_s, concurrency=concurrency,
             )

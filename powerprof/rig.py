@@ -50,6 +50,7 @@ class Rig:
         self._powercap_dir: str | None = None
         self._sim_servers: list = []
         self._sim_server_used = False
+        self._real_server_used = False
         self._sim_gpu_count = max(gpus) + 1 if gpus else (sim_gpu_count or 1)
         self._nvml = nvml
 
@@ -86,6 +87,10 @@ class Rig:
         """What every output must say about the rig (empty on real hardware with a real server)."""
         if not self.simulated:
             return []
+        if self._real_server_used:
+            # A simulated GPU beside a real server: its GPU does not see the server's work.
+            return [f"SIMULATED GPU ({self.sim_profile}) beside a real server: token timing is real, every energy and "
+                    "power figure is the simulator's, not your hardware's"]
         what = "simulated GPU and simulated server" if self._sim_server_used else "simulated GPU"
         return [f"{what} ({self.sim_profile}): the figures demonstrate the method, not your hardware"]
 
@@ -167,6 +172,7 @@ class Rig:
         `launch` (stopped afterwards, also on error), or the simulated server (on the simulated rig,
         when no URL is given)."""
         self.check_server(url, launch)
+        self._real_server_used = bool(url)
         if launch:
             from powerprof.workload.launcher import ServerLauncher
 

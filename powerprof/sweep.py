@@ -25,7 +25,7 @@ from powerprof.storage.runs import RunWriter, default_run_dir, table_from_rows
 from powerprof.storage.samples import Timeline
 from powerprof.workload.client import RequestParams
 from powerprof.workload.load import LoadAborted, LoadPolicy, builtin_prompts, detect, run_load_async
-from powerprof.workload.rows import Level, window_rows
+from powerprof.workload.rows import Level, request_timing, window_rows
 
 
 @dataclass(frozen=True)
@@ -40,6 +40,9 @@ class SweepSettings:
     max_requests: int = 200
     max_time_s: float = 120.0
     target_ci: float = 0.02  # half-width of the 95% CI of J/token, as a fraction of the median
+    # Also stop a level once its energy saving against the reference is known to ± this (a fraction:
+    # 0.005 = ±0.5 percentage point), paired by prompt; None: only target_ci decides.
+    target_paired_ci: float | None = None
     concurrency: int = 1
     idle_s: float = 5.0
     settle_timeout_s: float = 10.0
@@ -55,6 +58,8 @@ class SweepSettings:
             raise ValueError("--repeats must be at least 1")
         if not 0 < self.target_ci < 1:
             raise ValueError("--target-ci must be a fraction between 0 and 1 (e.g. 0.02 for ±2%)")
+        if self.target_paired_ci is not None and not 0 < self.target_paired_ci < 1:
+            raise ValueError("--target-paired-ci must be a fraction between 0 and 1 (e.g. 0.005 for ±0.5 pp)")
         if self.min_requests < 2:
             raise ValueError("--min-requests must be at least 2: a confidence interval needs two requests")
         if self.max_requests < self.min_requests:
@@ -110,6 +115,7 @@ class LevelVisit:
     settle_s: float = 0.0
     spans: list[tuple[int, int]] = field(default_factory=list)  # measured decode spans, monotonic ns
     n_measured: int = 0
+    n_untrusted: int = 0  # measured windows left out: their timing cannot be trusted
     stop: str | None = None
     elapsed_s: float = 0.0
 
@@ -285,30 +291,72 @@ class Sweep:
                 if self._counts(row):
                     jpt.append(row["gpu_j_per_token"] if row["gpu_j_per_token"] is not None else np.nan)
                     visit.n_measured += 1
+                elif self._measured(row):
+                    visit.n_untrusted += 1
             visit.elapsed_s = time.monotonic() - t_start
             self.ui.level_progress(visit, self._live(visit))
             if attempted % self.round_size():
                 continue
-            visit.stop = stop_reason(np.asarray(jpt, dtype=float), visit.elapsed_s, self.s, visit.level_value)
+            if visit.n_measured == 0 and visit.n_untrusted >= self.s.min_requests:
+                ex = self.excluded()
+                self.flush()
+                raise SweepError(f"level {visit.level_value:g}: no window could be trusted: {ex.message() if ex else ''}")
+            visit.stop = stop_reason(np.asarray(jpt, dtype=float), visit.elapsed_s, self.s, visit.level_value) or self._paired_stop(visit)
+            if visit.stop is None and attempted >= self.s.max_requests:
+                visit.stop = "max-requests"  # untrusted windows count against the budget too
             if visit.stop is None and not np.isfinite(jpt).any() and visit.n_measured >= self.s.min_requests:
                 visit.stop = "no-energy"  # no GPU energy readable: J/token can never converge
             if visit.stop:
                 return
 
-    def _counts(self, row: dict) -> bool:
+    def _paired_stop(self, visit: LevelVisit) -> str | None:
+        """'paired-ci-reached' when this level's saving against the reference (already measured in
+        this pass) is known to ±target_paired_ci, paired by prompt (analysis.stats)."""
+        from powerprof.analysis.stats import choose_reference, paired_saving_halfwidth
+
+        ref = self.s.levels[choose_reference(self.s.levels, self.reference_value)]  # as the analysis picks it
+        if self.s.target_paired_ci is None or ref is None or float(visit.level_value) == float(ref):
+            return None
+        if visit.n_measured < self.s.min_requests:
+            return None
+
+        def level(value):
+            rows = [r for r in self.rows if r["level_value"] == float(value) and r["repeat"] == visit.repeat and self._counts(r)]
+            return [r["gpu_j_per_token"] if r["gpu_j_per_token"] is not None else np.nan for r in rows], [r["prompt_id"] for r in rows]
+
+        ref_j, ref_p = level(ref)
+        if not ref_j:
+            return None  # the reference comes later in this pass: only the level's own CI can decide
+        lvl_j, lvl_p = level(visit.level_value)
+        hw = paired_saving_halfwidth(ref_j, ref_p, lvl_j, lvl_p)
+        return "paired-ci-reached" if hw <= self.s.target_paired_ci else None
+
+    def _measured(self, row: dict) -> bool:
         kind = "request" if self.s.concurrency == 1 else "batch"
         return row["window_kind"] == kind and not row["warmup"] and row["status"] == "ok"
 
-    def _add_rows(self, visit: LevelVisit, recs) -> list[dict]:
+    def _counts(self, row: dict) -> bool:
+        """A window the level's figures use: measured, and timed by a rule that can be trusted."""
+        return self._measured(row) and row.get("timing") != "untrusted"
 
+    def excluded(self):
+        """Measured windows the figures left out (untrusted timing), for the notes; None if none."""
+        from powerprof.workload.measure import excluded_windows
+
+        kind = "request" if self.s.concurrency == 1 else "batch"
+        return excluded_windows(self.rows, counted_kind=lambda r: kind)
+
+    def _add_rows(self, visit: LevelVisit, recs) -> list[dict]:
         level = Level(self.s.level_kind, float(visit.level_value), visit.repeat)
         new, batches = window_rows(recs, self.prof, self.run_id, self.server, level)
         for r in recs:
             self.records.append((visit.level_value, r))
-            if r.ok and not r.warmup and self.s.concurrency == 1:
-                visit.spans.append((r.t_first_ns, r.t_last_ns))
-        for b in batches:
-            visit.spans.extend((int(t0), int(t1)) for t0, t1 in b.intervals)
+            _, edges = request_timing(r)
+            if edges is not None and not r.warmup and self.s.concurrency == 1:
+                visit.spans.append(edges)
+        for b, row in zip(batches, [x for x in new if x["window_kind"] == "batch"]):
+            if row.get("timing") != "untrusted":
+                visit.spans.extend((int(t0), int(t1)) for t0, t1 in b.intervals)
         for row in new:
             self._above_idle(row)
         self.rows.extend(new)
@@ -565,6 +613,9 @@ def run_sweep(
                 profiler.sampler.sample_now("restored")
                 sweep.flush()
         levels = sweep.levels_table()
+    ex = sweep.excluded()
+    if ex is not None:
+        notes.append(ex.message())
     return SweepOutcome(run_dir, sweep, levels, [], notes)
 
 

@@ -1,7 +1,8 @@
 """Decode windows: pure functions over token arrival times (monotonic ns) and token counts.
 
-One request: its decode window runs from the arrival of the first generated token (which
-comes out of prefill) to the arrival of the last; it holds generated − 1 decode tokens.
+One request: its decode window runs from the first read that carried generated tokens (the
+first comes out of prefill) to the last read; it holds the tokens that arrived after the first
+read (generated − 1 when tokens come one per read).
 
 Concurrent requests: the measured intervals are those where at least one request is decoding
 and none is in prefill (nor in an attempt whose phase is unknown). Aggregate throughput =
@@ -17,13 +18,15 @@ from typing import Sequence
 
 import numpy as np
 
+from powerprof.arrival import arrival_quality, reads
+
 
 @dataclass(frozen=True)
 class DecodeWindow:
     t_first_ns: int | None
     t_last_ns: int | None
     generated_tokens: int
-    decode_tokens: int  # generated − 1 (0 when nothing was generated)
+    decode_tokens: int  # tokens after the first read: generated − 1 when tokens come one per read
     decode_s: float | None
     decode_tok_s: float | None  # None when the window is empty (fewer than two tokens or zero length)
 
@@ -31,39 +34,38 @@ class DecodeWindow:
 def decode_window(arrival_ns: np.ndarray, tokens: np.ndarray, generated: int | None = None) -> DecodeWindow:
     """Decode window of one request from its token-bearing events.
 
-    `generated` overrides the counted total when the server reported its own count (usage,
-    timings): event counts can be estimates (one per content chunk) while the total is exact.
+    It runs from the first read that carried tokens to the last; its tokens are those that
+    arrived after the first read (the first read's came out of prefill, or were produced before
+    it and held back: either way not inside the window). `generated` is the server's own total
+    (usage, timings) when it gave one; tokens it counted that the stream never showed are taken
+    to have come with the last read.
     """
-    arrival_ns = np.asarray(arrival_ns, dtype=np.int64)
-    tokens = np.asarray(tokens, dtype=np.int64)
-    has = tokens > 0
-    n = int(tokens.sum()) if generated is None else int(generated)
-    if not has.any():
-        return DecodeWindow(None, None, n, max(n - 1, 0), None, None)
-    t_first = int(arrival_ns[has][0])
-    t_last = int(arrival_ns[has][-1])
-    decode = max(n - 1, 0)
-    dur_s = (t_last - t_first) / 1e9
-    rate = decode / dur_s if decode > 0 and dur_s > 0 else None
-    return DecodeWindow(t_first, t_last, n, decode, dur_s, rate)
+    q = arrival_quality(arrival_ns, tokens, generated)
+    n = q.window_tokens
+    gen = int(np.asarray(tokens, dtype=np.int64).sum()) if generated is None else int(generated)
+    if q.t_first_ns is None:
+        return DecodeWindow(None, None, gen, max(gen - 1, 0), None, None)
+    dur_s = (q.t_last_ns - q.t_first_ns) / 1e9
+    rate = n / dur_s if n > 0 and dur_s > 0 else None
+    return DecodeWindow(q.t_first_ns, q.t_last_ns, gen, n, dur_s, rate)
 
 
 def decode_arrivals(arrival_ns: np.ndarray, tokens: np.ndarray, generated: int | None = None) -> tuple[np.ndarray, np.ndarray]:
-    """Arrival times and token counts of one request's decode tokens only.
+    """Arrival times and token counts of one request's decode tokens only (per read).
 
-    Drops the first token (it comes out of prefill). When the server's total differs from the
-    counted one, counts are scaled so that they add up to the server's generated − 1.
+    Drops the first read (its tokens come out of prefill or before the window). When the
+    server's total differs from the counted one, counts are scaled so that they add up to the
+    server's total less the first read.
     """
-    t = np.asarray(arrival_ns, dtype=np.int64)
-    k = np.asarray(tokens, dtype=float).copy()
-    keep = k > 0
-    t, k = t[keep], k[keep]
+    t, k, _ = reads(arrival_ns, tokens)
+    k = k.astype(float)
     if k.size == 0:
         return t, k
-    k[0] -= 1.0
+    first = k[0]
+    k[0] = 0.0
     counted = k.sum()
-    if generated is not None and counted > 0 and generated - 1 != counted:
-        k *= max(generated - 1, 0) / counted
+    if generated is not None and counted > 0 and generated - first != counted:
+        k *= max(generated - first, 0) / counted
     return t, k
 
 

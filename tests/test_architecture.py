@@ -12,6 +12,7 @@ PKG = Path(__file__).resolve().parent.parent / "powerprof"
 # Lower layers never import higher ones; areas on one layer are siblings and do not import each other.
 # Data flows collectors → sampler → windows/energy → storage → analysis → report; commands sit on top.
 LAYERS = [
+    {"arrival"},  # how tokens arrived and the timing rule: pure, imports nothing of ours; windows builds on it
     {"powerprof", "paths", "privilege", "termination", "energy", "windows", "terminal_plot"},  # pure helpers, no state
     {"collectors", "sim"},  # read one source each; the simulator imports only the helpers
     {"profiler", "storage"},

@@ -117,7 +117,7 @@ def test_measure_json_prints_one_object_with_stable_keys(tmp_path):
             str(tmp_path / "m"), "--json")
     assert r.exit_code == 0, r.output
     d = json.loads(r.output)
-    assert set(d) == {"server", "concurrencies", "notes", "windows_path", "aborted"}
+    assert set(d) == {"server", "concurrencies", "notes", "windows_path", "aborted", "excluded"}
     (c,) = d["concurrencies"]
     assert c["concurrency"] == 1 and c["n_ok"] == 2 and c["gpu_j_per_token"] > 0
 

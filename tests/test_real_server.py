@@ -28,6 +28,7 @@ else:
         reason="llama-cpp-python is not installed (it is in the test extra); with CI=true this is a failure, not a skip",
     )
 
+from powerprof.arrival import reads  # noqa: E402
 from powerprof.workload.client import RequestParams  # noqa: E402
 from powerprof.workload.launcher import ServerLauncher  # noqa: E402
 from powerprof.workload.load import Prompt, detect, run_load  # noqa: E402
@@ -91,7 +92,10 @@ def test_token_counts_and_windows_agree_with_the_server(real_server, api):
         assert r.generated_tokens == usage["completion_tokens"] >= n_tok
         assert r.stop_reason == "length"
         # It ran n − 1 decode steps after the one that came out of prompt processing.
-        assert r.decode_tokens == runs == r.generated_tokens - 1
+        assert runs == r.generated_tokens - 1
+        # The stream's window holds them all unless its edge reads were stale and trimmed (arrival.py).
+        first_read = int(reads(r.event_t_ns, r.event_tokens)[1][0])  # a busy host can deliver a decode token with it
+        assert r.decode_tokens == r.generated_tokens - first_read if not r.quality.trimmed else 0 < r.decode_tokens <= runs
         # The window lies inside the request, and the request lasted at least the server's decode
         # compute. (llama-cpp-python hands tokens to its HTTP side in bursts when the machine is
         # busy, so the window itself may be shorter than its eval time: a property of that server,

@@ -24,7 +24,8 @@ def feed_all(api, data: bytes, split: int | None = None):
     else:
         for i in range(0, len(data), split):
             events += p.feed(data[i : i + split])
-    return events, p.finish()
+    # Closing chunks that carried no token are markers (their arrival time is kept), not tokens.
+    return [e for e in events if not e.closing], p.finish()
 
 
 LLAMA = sse(
@@ -186,6 +187,45 @@ def test_non_streaming_responses():
 def test_unknown_api_is_a_clear_error():
     with pytest.raises(ValueError, match="unknown api"):
         StreamParser("grpc")
+
+
+# --- tokens counted per chunk (issue 10) ------------------------------------------------------
+
+
+def _chunk(content, finish=None, usage=None):
+    d = {"choices": [{"index": 0, "delta": {} if content is None else {"content": content}, "finish_reason": finish}]}
+    if usage is not None:
+        d["usage"] = {"prompt_tokens": 5, "completion_tokens": usage}
+    return d
+
+
+def test_vllm_final_empty_chunk_is_a_token_when_continuous_usage_says_so():
+    # vLLM: 3 content chunks, then the closing chunk with empty content that carries token 4.
+    data = sse(
+        {"choices": [{"index": 0, "delta": {"role": "assistant", "content": ""}, "finish_reason": None}], "usage": {"completion_tokens": 0}},
+        _chunk("a", usage=1), _chunk("b", usage=2), _chunk("c", usage=3), _chunk("", "length", usage=4),
+        {"choices": [], "usage": {"prompt_tokens": 5, "completion_tokens": 4}},
+    ) + b"data: [DONE]\n\n"
+    for split in (None, 7):
+        events, s = feed_all("openai-chat", data, split)
+        assert [e.n_tokens for e in events] == [1, 1, 1, 1]
+        assert s.counted_tokens == s.generated_tokens == 4
+
+
+def test_closing_chunk_without_usage_is_kept_as_a_marker_for_the_last_token():
+    data = sse(_chunk("a"), _chunk("b"), _chunk("", "length"), {"choices": [], "usage": {"completion_tokens": 3}}) + b"data: [DONE]\n\n"
+    p = StreamParser("openai-chat")
+    evs = p.feed(data)
+    assert [(e.n_tokens, e.closing) for e in evs] == [(1, False), (1, False), (0, True)]
+    s = p.finish()
+    assert (s.counted_tokens, s.generated_tokens) == (2, 3)
+
+
+def test_several_tokens_in_one_chunk_from_continuous_usage():
+    data = sse(_chunk("abcd", usage=4), _chunk("efgh", usage=8), _chunk("", "length", usage=8)) + b"data: [DONE]\n\n"
+    events, s = feed_all("openai-completions".replace("completions", "chat"), data)
+    assert [e.n_tokens for e in events] == [4, 4]
+    assert s.generated_tokens == 8
 
 
 def _compact(*objs) -> bytes:

@@ -301,7 +301,8 @@ def test_concurrent_sweep_uses_wall_clock_batches(tmp_path):
         (["--limits", "200", "--out", "/proc/powerprof-cannot-create"], "cannot create the run directory"),
         (["--limits", "200", "--gpus", "-1"], "--gpus"),
         (["--limits", "200", "--clocks", "900"], "exactly one of --limits or --clocks"),
-        (["--limits", "200", "--server", "http://127.0.0.1:9"], "exactly one of"),
+        # --simulate with --server is a simulated GPU beside a real server: here nothing answers.
+        (["--limits", "200", "--server", "http://127.0.0.1:9"], "no server answers at http://127.0.0.1:9"),
     ],
 )
 def test_bad_sweep_arguments_fail_cleanly_without_touching_the_gpu(args, needle):
@@ -312,6 +313,20 @@ def test_bad_sweep_arguments_fail_cleanly_without_touching_the_gpu(args, needle)
     sim = SimNVML("seed-16g")
     sim.nvmlInit()
     assert sim.nvmlDeviceGetPowerManagementLimit(sim.nvmlDeviceGetHandleByIndex(0)) == 300_000
+
+
+def test_simulated_gpu_beside_a_real_server_is_allowed_and_labelled(tmp_path):
+    """`sweep --simulate --server URL`: the hint for a machine without a GPU works, and says the GPU is simulated."""
+    from powerprof.sim.server import SimServer
+
+    with SimServer(SimNVML("a100-40g", state_path=None), decode_tok_s=200.0) as srv:  # stands in for a real server
+        r = _powerprof("sweep", "--limits", "400,250", "--simulate", "a100-40g", "--server", srv.url, "--idle-s", "0",
+                       "--max-tokens", "32", "--min-requests", "2", "--max-requests", "2", "--warmup", "0",
+                       "--out", str(tmp_path / "mixed"))
+    assert r.returncode == 0, r.stderr
+    assert "SIMULATED GPU (a100-40g) beside a real server" in " ".join(r.stdout.split())
+    assert (tmp_path / "mixed" / "levels.parquet").exists()
+    assert json.loads((tmp_path / "mixed" / "run.json").read_text())["simulated"] is True
 
 
 def test_the_live_ci_is_the_tables_ci(tmp_path):

@@ -42,3 +42,40 @@ def test_cap_not_engaged_needs_low_power_and_no_powercap_reason():
     # A GPU that cannot report reasons: only a clear gap counts.
     assert not cap_not_engaged(275.0, 300.0, None)
     assert cap_not_engaged(200.0, 300.0, None)
+
+
+def test_paired_saving_ci_is_known_long_before_a_levels_own_ci():
+    """Prompts differ a lot in J/token, the setting shifts them all alike: the paired saving is
+    tight after one round while the level's own CI is still wide (issue 10, item 6)."""
+    from powerprof.analysis.stats import paired_saving_halfwidth
+
+    rng = np.random.default_rng(0)
+    prompts = [f"p{i}" for i in range(4)] * 2  # two rounds of four prompts
+    base = np.array([1.0, 2.0, 3.0, 4.0] * 2)
+    ref = base * (1 + 0.002 * rng.standard_normal(8))
+    level = 0.9 * base * (1 + 0.002 * rng.standard_normal(8))
+    assert median_ci_halfwidth_frac(level) > 0.1
+    hw = paired_saving_halfwidth(ref, prompts, level, prompts)
+    assert hw < 0.005
+    # Different prompt sets cannot be paired: the rule never fires on them.
+    assert paired_saving_halfwidth(ref, prompts, level, [f"q{i}" for i in range(8)]) == float("inf")
+
+
+def test_sweep_stops_a_level_on_the_paired_ci(tmp_path):
+    import pyarrow.parquet as pq
+
+    from powerprof.rig import Rig
+    from powerprof.sim.nvml import SimNVML
+    from powerprof.sweep import run_sweep
+    from powerprof.workload.client import RequestParams
+
+    out = tmp_path / "paired"
+    # An own-CI target no level can meet within 8 requests; the paired one is met after the first round.
+    with Rig("a100-40g", nvml=SimNVML("a100-40g")) as rig:
+        run_sweep(rig, levels_spec="400,250", out_dir=out, params=RequestParams(max_tokens=48), idle_s=0,
+                  interval_s=0.5, min_requests=4, max_requests=8, warmup_requests=0, target_ci=0.0001,
+                  target_paired_ci=0.05)
+    levels = pq.read_table(out / "levels.parquet").to_pandas().set_index("level_value")
+    assert levels.loc[250.0, "stop_rule"] == "paired-ci-reached"
+    assert levels.loc[400.0, "stop_rule"] == "max-requests"  # the reference has nothing to pair with
+    assert levels.loc[250.0, "n_requests"] < levels.loc[400.0, "n_requests"]

@@ -13,6 +13,7 @@ import pyarrow.parquet as pq
 import pytest
 from click.testing import CliRunner
 
+from powerprof.arrival import reads
 from powerprof.cli import main
 from powerprof.sim.nvml import SimNVML
 from powerprof.sim.server import SimServer
@@ -50,7 +51,9 @@ def test_decode_window_excludes_prefill_and_holds_n_minus_one_tokens(srv, api):
         # The first token arrives only after the prefill the server did for this request.
         assert r.t_first_ns >= truth["t_prefill_end_ns"]
         assert truth["t_prefill_end_ns"] - truth["t_prefill_start_ns"] > 50_000_000  # a real prefill
-        assert r.generated_tokens == 96 and r.decode_tokens == 95
+        # 95 decode tokens; fewer only when a loaded machine made an edge read stale (trimmed).
+        first_read = int(reads(r.event_t_ns, r.event_tokens)[1][0])  # a busy host can deliver a decode token with it
+        assert r.generated_tokens == 96 and (r.decode_tokens == 96 - first_read if not r.quality.trimmed else r.decode_tokens >= 48)
         assert r.stop_reason == "length"
         em = np.array([t for t, _ in truth["emissions"]])
         true_rate = 95 / ((em[-1] - em[0]) / 1e9)
@@ -261,13 +264,20 @@ def test_measure_simulated_writes_windows_with_energy(tmp_path, monkeypatch):
     req = [r for r in t if r["window_kind"] == "request" and not r["warmup"]]
     batch = [r for r in t if r["window_kind"] == "batch"]
     assert len(req) == 4 and len(batch) == 1 and len([r for r in t if r["warmup"]]) == 1
-    for r in req + batch:
+    # Requests are stream- or server-timed (the simulated llama.cpp gives its timings); a batch's
+    # 50 ms window on a loaded machine may be untrusted: then it carries no figure, and says why.
+    assert all(r["timing"] in ("stream", "server") for r in req), [(r["status"], r["timing"], r["timing_reason"], r["error"]) for r in req]
+    for r in batch:
+        if r["timing"] == "untrusted":
+            assert r["timing_reason"] and r["gpu_energy_j"] is None and r["decode_tok_s"] is None and r["gpu_j_per_token"] is None
+    for r in req + [b for b in batch if b["timing"] != "untrusted"]:
         assert r["status"] == "ok" and r["gpu_energy_j"] > 0 and r["energy_method"] == "counter"
         assert r["gpu_j_per_token"] == pytest.approx(r["gpu_energy_j"] / r["decode_tokens"])
         # Simulated RAPL: CPU energy over the same window, so GPU+CPU per token is there too.
         assert r["cpu_energy_j"] > 0
         assert r["total_j_per_token"] == pytest.approx((r["gpu_energy_j"] + r["cpu_energy_j"]) / r["decode_tokens"])
-    assert all(r["decode_tokens"] == 15 for r in req)
+    # generated − 1 decode tokens; fewer when a stale edge read was trimmed (at least half are kept).
+    assert all(r["generated_tokens"] == 16 and 8 <= r["decode_tokens"] <= 15 for r in req)
     assert all(r["prompt_text"] is None and r["completion_text"] is None for r in t)
     # A second run into the same folder is refused and changes nothing.
     before = (out / "windows.parquet").read_bytes()
@@ -307,7 +317,9 @@ def test_measure_bad_input_is_a_clear_error(tmp_path):
 def test_decode_window_of_a_record_matches_the_pure_function(srv):
     (r,) = run_load(srv.url, builtin_prompts("short")[:1], 1, 1, QUICK, warmup=0)
     w = decode_window(*r.arrivals(), r.generated_tokens)
-    assert (w.t_first_ns, w.t_last_ns, w.decode_tokens) == (r.t_first_ns, r.t_last_ns, r.decode_tokens)
+    q = r.quality  # the window runs between fresh reads: the record's first/last read unless trimmed
+    assert (w.t_first_ns, w.t_last_ns, w.decode_tokens, w.decode_tok_s) == (q.t_first_ns, q.t_last_ns, r.decode_tokens, r.decode_tok_s)
+    assert r.t_first_ns <= q.t_first_ns < q.t_last_ns <= r.t_last_ns
 
 
 def test_measure_launches_the_server_and_stops_it(tmp_path):

@@ -19,7 +19,7 @@ POOR_FIT_R2 = 0.9
 
 @dataclass(frozen=True)
 class Finding:
-    kind: str  # edge | between-levels | cap-not-engaged | wide-ci | few-prompts | unstable-choice | thermal | failed | fit | unstored
+    kind: str  # edge | between-levels | cap-not-engaged | wide-ci | few-prompts | unstable-choice | thermal | failed | fit | unstored | untrusted-timing
     message: str
     levels: tuple[float, ...] = ()
 
@@ -171,6 +171,32 @@ def choice_findings(choices: dict[str, Choice]) -> list[Finding]:
                 f"95% of them between {c.ci_low:g} and {c.ci_high:g}; more requests per level would settle it."),
                 (c.ci_low, c.ci_high)))
     return out
+
+
+def timing_findings(windows) -> list[Finding]:
+    """Windows left out of every figure because their token timing could not be trusted (arrival.py)."""
+    from collections import Counter
+
+    from powerprof.arrival import fix_for, reason_group
+
+    from .stats import _col, _concurrency, window_masks
+
+    measured, _, _ = window_masks(windows)
+    timing = _col(windows, "timing", object)
+    reasons = _col(windows, "timing_reason", object)
+    warm = _col(windows, "warmup", bool)
+    status = _col(windows, "status", object)
+    kind = _col(windows, "window_kind", object)
+    conc = _concurrency(windows)
+    # Only windows of the kind the figures use (requests at concurrency 1, batches above).
+    bad = [i for i in range(windows.num_rows) if timing[i] == "untrusted" and not warm[i] and status[i] in (None, "ok")
+           and kind[i] == ("batch" if conc[i] > 1 else "request")]
+    if not bad:
+        return []
+    top, _ = Counter(reason_group(reasons[i]) for i in bad).most_common(1)[0]
+    n = len(bad) + int(measured.sum())
+    return [Finding("untrusted-timing", f"{len(bad)} of {n} windows left out of every figure: their token timing cannot be "
+                    f"trusted ({top}); fix: {fix_for(top)}")]
 
 
 def fit_findings(fits: dict[str, ModelFit]) -> list[Finding]:

@@ -88,8 +88,9 @@ def _col(t: pa.Table, name: str, dtype=float, fill=np.nan) -> np.ndarray:
 def window_masks(windows: pa.Table) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """(measured, counted_request, failed_request) boolean masks over the rows of a windows table.
 
-    measured: the rows a level's statistics come from. counted_request / failed_request: request
-    rows (not warm-up) that succeeded / failed, for n_requests and n_failed."""
+    measured: the rows a level's statistics come from (untrusted timing excluded).
+    counted_request / failed_request: request rows (not warm-up) that succeeded / failed, for
+    n_requests and n_failed."""
     n = windows.num_rows
     warm = _col(windows, "warmup", bool)
     status = _col(windows, "status", object)
@@ -98,7 +99,10 @@ def window_masks(windows: pa.Table) -> tuple[np.ndarray, np.ndarray, np.ndarray]
     conc = _concurrency(windows)
     is_req = np.array([k in (None, "request") for k in kind], dtype=bool) if n else np.zeros(0, bool)
     is_batch = np.array([k == "batch" for k in kind], dtype=bool) if n else np.zeros(0, bool)
-    measured = ~warm & ok & np.where(conc > 1, is_batch, is_req)
+    # Windows the timing rule could not trust (powerprof/arrival.py) count in no figure.
+    timing = _col(windows, "timing", object)
+    trusted = np.array([t != "untrusted" for t in timing], dtype=bool) if n else np.zeros(0, bool)
+    measured = ~warm & ok & trusted & np.where(conc > 1, is_batch, is_req)
     return measured, ~warm & ok & is_req, ~warm & ~ok & is_req
 
 
@@ -389,6 +393,25 @@ def _paired_replicates(levels, n_boot, rng) -> tuple[np.ndarray, np.ndarray] | N
         bt.append(_weighted_median(tok, counts, code))
         bj.append(_weighted_median(j, counts, code))
     return np.column_stack(bt), np.column_stack(bj)
+
+
+def paired_saving_halfwidth(ref_j, ref_prompts, level_j, level_prompts, n_boot: int = 2000, seed=0) -> float:
+    """Half-width of the 95% CI of a level's energy saving against the reference (a fraction: 0.01
+    is ±1 percentage point), bootstrapped by prompt as the analysis does; inf when the two do not
+    share one prompt set of at least MIN_PAIRED_PROMPTS ids."""
+    levels = []
+    for j, p in ((ref_j, ref_prompts), (level_j, level_prompts)):
+        j = np.asarray(j, dtype=float)
+        p = np.asarray(p, dtype=object)
+        keep = np.isfinite(j)
+        levels.append((j[keep], j[keep], p[keep]))
+    rep = _paired_replicates(levels, n_boot, np.random.default_rng(seed))
+    if rep is None:
+        return float("inf")
+    _, bj = rep
+    saving = 1.0 - bj[:, 1] / bj[:, 0]
+    lo, hi = percentile_interval(saving)
+    return float((hi - lo) / 2)
 
 
 def _weighted_median(values: np.ndarray, counts: np.ndarray, code: np.ndarray) -> np.ndarray:

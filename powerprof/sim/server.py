@@ -31,7 +31,7 @@ from typing import Callable
 
 import numpy as np
 from aiohttp import web
-from prometheus_client import CollectorRegistry, Counter, Gauge, generate_latest
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
 from . import batching
 from .gpu import Phase
@@ -40,6 +40,10 @@ from .profiles import DEFAULT_PROFILE
 from .threads import name_this_thread
 
 PREFILL_COMPUTE_SHARE = 0.9
+# stream: every event written when its tokens exist. buffered: the whole body at the end (a
+# buffering proxy). stalls: the client is starved for stall_s out of every stall_every_s, so what
+# the server sent meanwhile reaches it in one read (the end included).
+DELIVERIES = ("stream", "buffered", "stalls")
 _WORD = re.compile(r"\w+|[^\w\s]")
 _VOCAB = (
     "the of and to in is that for it as with on was by be this are from at or an which not have "
@@ -114,6 +118,14 @@ class SimServer:
         loading_s: float = 0.0,
         seed: int = 0,
         batching: str = "serial",
+        delivery: str = "stream",
+        tokens_per_event: int = 1,
+        stall_s: float = 0.2,
+        stall_every_s: float = 0.5,
+        vllm_empty_final: bool = True,
+        vllm_metrics: str = "current",
+        serve_metrics: bool = True,
+        n_ctx: int | None = None,
     ):
         """batching: "serial" (a prefill pauses decoding; one prompt at a time) or "continuous"
         (every step prefills a chunk and decodes every running sequence; records each request's
@@ -122,6 +134,10 @@ class SimServer:
             raise ValueError("flavour must be llamacpp or vllm")
         if batching not in ("serial", "continuous"):
             raise ValueError("batching must be serial or continuous")
+        if delivery not in DELIVERIES:
+            raise ValueError(f"delivery must be one of {', '.join(DELIVERIES)}")
+        if vllm_metrics not in ("current", "legacy"):
+            raise ValueError("vllm_metrics must be current or legacy")
         self.nvml = nvml if nvml is not None else SimNVML(profile, state_path=None)
         self.gpus = self.nvml.gpus
         wl = self.gpus[0].profile.workload
@@ -143,6 +159,15 @@ class SimServer:
         self.loading_s = loading_s
         self.seed = seed
         self.faults: list[Fault] = []
+        # How responses reach the client (docs/workload.md, delivery faults): settable between requests.
+        self.delivery = delivery
+        self.tokens_per_event = max(1, int(tokens_per_event))
+        self.stall_s = stall_s
+        self.stall_every_s = stall_every_s
+        self.vllm_empty_final = vllm_empty_final
+        self.vllm_metrics = vllm_metrics
+        self.n_ctx = n_ctx  # context length: llama.cpp stops there, vLLM refuses with 400
+        self.serve_metrics = serve_metrics  # False: /metrics answers 404 (hidden by a proxy, or an old server)
         self.truth: list[dict] = []  # one dict per finished request, in finishing order
         self.steps: list[tuple[int, int, str, int, int]] = []  # (t0_ns, t1_ns, kind, batch, tokens)
         self.busy = False
@@ -168,6 +193,12 @@ class SimServer:
             self._m_tokens = Counter("vllm:generation_tokens", "Generated tokens (every step)", registry=self._registry)
             self._m_running = Gauge("vllm:num_requests_running", "Requests running", registry=self._registry)
             self._m_waiting = Gauge("vllm:num_requests_waiting", "Requests waiting", registry=self._registry)
+            # vLLM ≥ 0.11 names (0.32 has no time_per_output_token); "legacy": the v0 names.
+            self._m_decode = Histogram("vllm:request_decode_time_seconds", "Decode phase per request", registry=self._registry)
+            self._m_gen = Histogram("vllm:request_generation_tokens", "Generated tokens per request", registry=self._registry,
+                                    buckets=(1, 16, 64, 256, 1024, 4096))
+            itl = "vllm:inter_token_latency_seconds" if vllm_metrics == "current" else "vllm:time_per_output_token_seconds"
+            self._m_itl = Histogram(itl, "Inter-token latency", registry=self._registry)
 
     # --- life cycle ---------------------------------------------------------------------------
 
@@ -432,12 +463,16 @@ class SimServer:
         t = time.monotonic_ns()
         start = req.generated
         req.generated += n
-        req.emissions.append((t, n))
         if self.flavour == "vllm":
             self._m_tokens.inc(n)
+            if req.emissions and n > 0:
+                gap = (t - req.emissions[-1][0]) / 1e9
+                for _ in range(n):
+                    self._m_itl.observe(gap / n)
+        req.emissions.append((t, n))
         ids = [(req.text_seed + 7919 * (start + k)) % 32000 for k in range(n)]
         text = "".join(" " + _VOCAB[i % len(_VOCAB)] for i in ids)
-        req.queue.put_nowait(("tokens", (ids, text)))
+        req.queue.put_nowait(("tokens", (ids, text, req.generated >= limit)))
         if req.generated >= limit:
             req.stop_type = "limit" if req.generated >= req.n_predict else "eos"
             self._finish(req)
@@ -449,6 +484,9 @@ class SimServer:
             self._m_tokens.inc(req.generated)
         t_first = req.emissions[0][0]
         t_last = req.emissions[-1][0]
+        if self.flavour == "vllm":
+            self._m_decode.observe((t_last - t_first) / 1e9)
+            self._m_gen.observe(req.generated)
         timings = {
             "cache_n": req.cached,
             "prompt_n": req.prompt_tokens - req.cached,
@@ -538,6 +576,8 @@ class SimServer:
         )
 
     async def _metrics(self, request: web.Request) -> web.Response:
+        if not self.serve_metrics:
+            raise web.HTTPNotFound()
         return web.Response(body=generate_latest(self._registry), content_type="text/plain", charset="utf-8")
 
     async def _models(self, request: web.Request) -> web.Response:
@@ -586,6 +626,13 @@ class SimServer:
         if fault is not None and fault.kind == "http_error":
             return self._json({"error": {"code": fault.status, "message": "injected failure", "type": "server_error"}}, fault.status)
         default_cache = api == "llamacpp"
+        if self.n_ctx is not None:
+            n_prompt = count_prompt_tokens(prompt)
+            if self.flavour == "vllm" and n_prompt + n_predict > self.n_ctx:
+                msg = (f"This model's maximum context length is {self.n_ctx} tokens. However, you requested "
+                       f"{n_prompt + n_predict} tokens ({n_prompt} in the messages, {n_predict} in the completion).")
+                return self._json({"object": "error", "message": msg, "type": "BadRequestError", "code": 400}, 400)
+            n_predict = max(1, min(n_predict, self.n_ctx - n_prompt))
         req = self._submit(
             prompt,
             n_predict,
@@ -677,79 +724,144 @@ class SimServer:
         oid = f"sim-{req.rid}"
         obj_name = "chat.completion.chunk" if chat else "text_completion"
         continuous = self.flavour == "vllm" and bool(opts.get("continuous_usage_stats"))
+        # vLLM sends the last token in its closing chunk, with empty content (the usage says so).
+        empty_final = self.flavour == "vllm" and self.vllm_empty_final and api != "llamacpp"
+        out = _Delivery(resp, self.delivery, self.stall_s, self.stall_every_s)
         n_events = 0
+        sent = 0  # tokens written so far
+        group_ids: list = []
+        group_text = ""
 
         def oai_chunk(choice: dict, **extra) -> bytes:
             d = {"id": oid, "object": obj_name, "created": 0, "model": self.model, "choices": [choice], **extra}
             return b"data: " + json.dumps(d).encode() + b"\n\n"
 
-        if chat:
-            await resp.write(oai_chunk({"index": 0, "delta": {"role": "assistant", "content": None}, "finish_reason": None}))
-        while True:
-            try:
-                if self.keepalive_s:
-                    item = await asyncio.wait_for(req.queue.get(), self.keepalive_s)
-                else:
-                    item = await req.queue.get()
-            except asyncio.TimeoutError:
-                await resp.write(b": keep-alive\n\n")
-                continue
-            kind, payload = item
-            if kind == "dead":
-                _abort(request)
+        async def send_tokens(ids: list, text: str, finish: str | None = None) -> None:
+            nonlocal n_events, sent
+            if fault is not None and n_events == fault.after_tokens:
+                if fault.kind == "drop":
+                    req.cancelled = True
+                    _abort(request)
+                    raise _Dropped()
+                if fault.kind == "malformed":
+                    await out.send(b'data: {"content": "broken\n\n')
+                if fault.kind == "stall":
+                    await asyncio.sleep(fault.seconds)
+            n_events += 1
+            sent += len(ids)
+            if api == "llamacpp":
+                ev = {"index": 0, "content": text, "tokens": ids, "stop": False, "id_slot": req.slot,
+                      "tokens_predicted": sent, "tokens_evaluated": req.prompt_tokens}
+                await out.send(b"data: " + json.dumps(ev).encode() + b"\n\n")
                 return
-            if kind == "tokens":
-                ids, text = payload
-                if fault is not None and n_events == fault.after_tokens:
-                    if fault.kind == "drop":
-                        req.cancelled = True
-                        _abort(request)
-                        return
-                    if fault.kind == "malformed":
-                        await resp.write(b'data: {"content": "broken\n\n')
-                    if fault.kind == "stall":
-                        await asyncio.sleep(fault.seconds)
-                n_events += 1
-                if api == "llamacpp":
-                    ev = {
-                        "index": 0,
-                        "content": text,
-                        "tokens": ids,
-                        "stop": False,
-                        "id_slot": req.slot,
-                        "tokens_predicted": req.generated,
-                        "tokens_evaluated": req.prompt_tokens,
-                    }
-                    await resp.write(b"data: " + json.dumps(ev).encode() + b"\n\n")
-                else:
-                    choice = {"index": 0, "finish_reason": None}
-                    if chat:
-                        choice["delta"] = {"content": text}
+            choice = {"index": 0, "finish_reason": finish}
+            if chat:
+                choice["delta"] = {"content": text}
+            else:
+                choice["text"] = text
+            extra = {}
+            if continuous:
+                extra["usage"] = {"prompt_tokens": req.prompt_tokens, "completion_tokens": sent}
+            await out.send(oai_chunk(choice, **extra))
+
+        try:
+            if chat:
+                await out.send(oai_chunk({"index": 0, "delta": {"role": "assistant", "content": None}, "finish_reason": None}))
+            closed = False
+            while True:
+                try:
+                    if self.keepalive_s:
+                        item = await asyncio.wait_for(req.queue.get(), self.keepalive_s)
                     else:
-                        choice["text"] = text
-                    extra = {}
-                    if continuous:
-                        extra["usage"] = {"prompt_tokens": req.prompt_tokens, "completion_tokens": _sent_total(req, n_events)}
-                    await resp.write(oai_chunk(choice, **extra))
-            elif kind == "done":
-                timings = payload
-                if api == "llamacpp":
-                    await resp.write(b"data: " + json.dumps(self._llama_final(req, timings)).encode() + b"\n\n")
-                else:
+                        item = await req.queue.get()
+                except asyncio.TimeoutError:
+                    await out.send(b": keep-alive\n\n")
+                    continue
+                kind, payload = item
+                if kind == "dead":
+                    _abort(request)
+                    return
+                if kind == "tokens":
+                    ids, text, last = payload
+                    group_ids, group_text = group_ids + ids, group_text + text
                     fr = "length" if req.stop_type == "limit" else "stop"
-                    last = {"index": 0, "finish_reason": fr}
-                    if chat:
-                        last["delta"] = {}
+                    if last and empty_final:
+                        if len(group_ids) > 1:
+                            await send_tokens(group_ids[:-1], group_text)
+                        await send_tokens(group_ids[-1:], "", finish=fr)
+                        group_ids, group_text, closed = [], "", True
+                    elif n_events == 0 or len(group_ids) >= self.tokens_per_event or last:
+                        # The first token goes out at once; then groups of tokens_per_event.
+                        await send_tokens(group_ids, group_text)
+                        group_ids, group_text = [], ""
+                elif kind == "done":
+                    timings = payload
+                    if api == "llamacpp":
+                        await out.send(b"data: " + json.dumps(self._llama_final(req, timings)).encode() + b"\n\n")
                     else:
-                        last["text"] = ""
-                    extra = {"timings": timings} if self.flavour == "llamacpp" else {}
-                    await resp.write(oai_chunk(last, **extra))
-                    if opts.get("include_usage"):
-                        d = {"id": oid, "object": obj_name, "created": 0, "model": self.model, "choices": [], "usage": self._usage(req)}
-                        await resp.write(b"data: " + json.dumps(d).encode() + b"\n\n")
-                    await resp.write(b"data: [DONE]\n\n")
-                await resp.write_eof()
-                return
+                        fr = "length" if req.stop_type == "limit" else "stop"
+                        if not closed:
+                            last = {"index": 0, "finish_reason": fr}
+                            if chat:
+                                last["delta"] = {}
+                            else:
+                                last["text"] = ""
+                            extra = {"timings": timings} if self.flavour == "llamacpp" else {}
+                            await out.send(oai_chunk(last, **extra))
+                        if opts.get("include_usage"):
+                            d = {"id": oid, "object": obj_name, "created": 0, "model": self.model, "choices": [], "usage": self._usage(req)}
+                            await out.send(b"data: " + json.dumps(d).encode() + b"\n\n")
+                        await out.send(b"data: [DONE]\n\n")
+                    await out.close()
+                    await resp.write_eof()
+                    return
+        except _Dropped:
+            return
+
+
+class _Dropped(Exception):
+    """An injected drop fault cut the stream."""
+
+
+class _Delivery:
+    """Writes a response's bytes as the configured delivery says (see DELIVERIES)."""
+
+    def __init__(self, resp: web.StreamResponse, mode: str, stall_s: float, every_s: float):
+        self.resp, self.mode, self.stall_s, self.every_s = resp, mode, stall_s, every_s
+        self.t0 = time.monotonic()
+        self.buf = bytearray()
+        self.release: asyncio.Task | None = None
+
+    async def send(self, data: bytes) -> None:
+        if self.mode == "stream":
+            await self.resp.write(data)
+            return
+        if self.mode == "buffered":
+            self.buf += data
+            return
+        phase = (time.monotonic() - self.t0) % self.every_s
+        if phase < self.stall_s:  # the client is not reading: the bytes wait in its socket buffer
+            self.buf += data
+            if self.release is None:
+                self.release = asyncio.get_running_loop().create_task(self._release(self.stall_s - phase))
+            return
+        if self.release is not None:
+            await self.release
+        await self.resp.write(data)
+
+    async def _release(self, delay_s: float) -> None:
+        await asyncio.sleep(delay_s)
+        data, self.buf = bytes(self.buf), bytearray()
+        self.release = None
+        if data:
+            await self.resp.write(data)
+
+    async def close(self) -> None:
+        if self.release is not None:
+            await self.release
+        if self.buf:
+            data, self.buf = bytes(self.buf), bytearray()
+            await self.resp.write(data)
 
 
 def batching_costs(srv: SimServer) -> batching.StepCosts:

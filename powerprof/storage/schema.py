@@ -91,6 +91,26 @@ WINDOWS = pa.schema(
         ("server_kind", pa.string()),  # llamacpp | vllm | sglang | tgi | openai
         ("prompt_text", pa.string()),  # only with --keep-text
         ("completion_text", pa.string()),  # only with --keep-text
+        # Appended by issue 10: how the tokens arrived and how the window is timed.
+        ("timing", pa.string()),  # how the window's figures are timed: stream, server, untrusted
+        ("timing_reason", pa.string()),  # why the window is not stream-timed
+        ("stream_decode_s", pa.float64()),  # s: last read − first read as the stream saw it
+        ("stream_decode_tok_s", pa.float64()),  # tokens/s: tokens after the first read ÷ stream_decode_s, whatever the timing use
+        ("stream_error_bound_pct", pa.float64()),  # %: estimated error of the stream rate from stale edge reads and client la
+        ("n_reads", pa.int32()),  # reads: distinct socket reads that carried tokens
+        ("n_token_events", pa.int32()),  # events: server events that carried tokens
+        ("max_read_share", pa.float64()),  # fraction: largest share of the generated tokens that arrived in one read
+        ("max_events_per_read", pa.int32()),  # events: most server events that arrived in one read
+        ("read_gap_p50_s", pa.float64()),  # s: median gap between consecutive token-bearing reads
+        ("read_gap_max_s", pa.float64()),  # s: largest gap between consecutive token-bearing reads
+        ("client_lag_edge_s", pa.float64()),  # s: worst lateness of the client's event loop at the window edges
+        ("client_lag_max_s", pa.float64()),  # s: worst lateness of the client's event loop during the window
+        ("server_decode_s", pa.float64()),  # s: the server's own decode time of this request
+        ("server_decode_tokens", pa.int32()),  # tokens: decode tokens the server's decode time covers
+        ("server_decode_tok_s", pa.float64()),  # tokens/s: server_decode_tokens / server_decode_s
+        ("server_timing_source", pa.string()),  # llamacpp-timings or vllm-metrics
+        ("stream_vs_server_pct", pa.float64()),  # %: stream rate ÷ server rate − 1, when both exist
+        ("truncated", pa.string()),  # the generation stopped short of max_tokens at the context length: how 
     ]
 )
 
@@ -133,7 +153,7 @@ LEVELS = pa.schema(
         ("energy_saving_pct_ci_low", pa.float64()),
         ("energy_saving_pct_ci_high", pa.float64()),
         # Appended by the sweep: why measuring the level stopped (ci-reached | max-time |
-        # max-requests | no-energy), so advice can name the knob that would have helped.
+        # max-requests | no-energy | paired-ci-reached), so advice can name the knob that would have helped.
         ("stop_rule", pa.string()),
         # Distinct prompts among the measured requests: with fewer prompts than requests, rounds
         # repeat them, and more rounds say more about these prompts only (the wide-ci advice).

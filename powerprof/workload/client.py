@@ -18,7 +18,7 @@ from typing import Callable
 import aiohttp
 import numpy as np
 
-from powerprof.windows import decode_window
+from powerprof.arrival import ArrivalQuality, Timing, arrival_quality, classify
 
 from .limits import MAX_ERROR_BYTES, MAX_INFO_BYTES, MAX_RESPONSE_BYTES, BodyTooLarge, bad_count, read_capped
 from .stream import APIS, StreamParser, parse_response
@@ -97,13 +97,13 @@ class RequestRecord:
     t_send_wall_ns: int  # time.time_ns() at t_send_ns, to convert for storage
     event_t_ns: tuple[int, ...]  # arrival of every token-bearing event
     event_tokens: tuple[int, ...]  # tokens each of those events carried
-    t_first_ns: int | None
-    t_last_ns: int | None
+    t_first_ns: int | None  # first read that carried tokens (the decode window may start later: arrival.py)
+    t_last_ns: int | None  # last read that carried tokens
     prompt_tokens: int | None
     generated_tokens: int  # the server's count when given, else counted; 0 for failures
-    decode_tokens: int  # generated − 1
-    decode_s: float | None
-    decode_tok_s: float | None
+    decode_tokens: int  # tokens that arrived after the first read (generated − 1 on a smooth stream)
+    decode_s: float | None  # last read − first read, as the stream saw it
+    decode_tok_s: float | None  # decode_tokens / decode_s, as the stream saw it
     token_source: str | None  # usage | timings | counted
     server_timings: dict = field(default_factory=dict)
     draft_n: int | None = None
@@ -115,10 +115,30 @@ class RequestRecord:
     concurrency: int = 1
     prompt_text: str | None = None
     completion_text: str | None = None
+    # Worst lateness of the client's event loop around the window edges (load.py measures it):
+    # a read can be no fresher than the loop that takes it.
+    client_lag_s: float | None = None
+    client_lag_max_s: float | None = None  # over the whole window
+    # The server's own timing of this request's decode, where it gave one.
+    server_decode_s: float | None = None
+    server_decode_tokens: int | None = None
+    server_timing_source: str | None = None  # llamacpp-timings | vllm-metrics
+    truncated: str | None = None  # why fewer tokens came than were asked for (context length)
 
     @property
     def ok(self) -> bool:
         return self.status == "ok"
+
+    @property
+    def quality(self) -> ArrivalQuality:
+        return arrival_quality(self.event_t_ns, self.event_tokens, self.generated_tokens if self.ok else None)
+
+    @property
+    def timing(self) -> Timing | None:
+        """How this attempt's window is timed (the rule in powerprof/arrival.py); None for failures."""
+        if not self.ok:
+            return None
+        return classify(self.quality, self.generated_tokens, self.server_decode_s, self.server_decode_tokens, self.client_lag_s)
 
     @property
     def ttft_s(self) -> float | None:
@@ -230,6 +250,74 @@ async def detect_server(session: aiohttp.ClientSession, base_url: str, api: str 
     return ServerInfo(base, kind, api or "openai-completions", model=model, build_info=build, simulated=simulated)
 
 
+def server_decode(timings: dict) -> tuple[float | None, int | None, str | None]:
+    """llama.cpp's own decode timing of one request: (seconds, decode tokens, source).
+
+    `predicted_ms` runs from the first sampled token to the last, so it spans predicted_n − 1
+    decode steps (its `predicted_per_second` divides by n, which is why ours is computed)."""
+    ms, n = timings.get("predicted_ms"), timings.get("predicted_n")
+    if isinstance(ms, (int, float)) and isinstance(n, int) and not isinstance(n, bool) and ms > 0 and n > 1:
+        return ms / 1e3, n - 1, "llamacpp-timings"
+    return None, None, None
+
+
+# vLLM's /metrics: the decode-phase histogram (every version since v0), and the per-token
+# latency histogram under its current name or the v0 one (0.32 has only the first).
+VLLM_DECODE = "vllm:request_decode_time_seconds"
+VLLM_ITL = ("vllm:inter_token_latency_seconds", "vllm:time_per_output_token_seconds")
+
+
+def vllm_timing_totals(text: str) -> dict:
+    """Sums and counts of vLLM's decode and inter-token histograms (over all label sets)."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    out: dict = {}
+    try:
+        fams = list(text_string_to_metric_families(text))
+    except Exception:  # not Prometheus text: no server timing, never an error
+        return out
+    for fam in fams:
+        if fam.name == "vllm:num_requests_waiting":
+            out["waiting"] = sum(smp.value for smp in fam.samples)
+            continue
+        key = "decode" if fam.name == VLLM_DECODE else "itl" if fam.name in VLLM_ITL else None
+        if key is None:
+            continue
+        out[key + "_name"] = fam.name
+        for smp in fam.samples:
+            if smp.name.endswith("_sum"):
+                out[key + "_sum"] = out.get(key + "_sum", 0.0) + smp.value
+            elif smp.name.endswith("_count"):
+                out[key + "_count"] = out.get(key + "_count", 0.0) + smp.value
+    return out
+
+
+def vllm_decode_delta(before: dict, after: dict) -> tuple[float | None, int | None, str | None]:
+    """The server's decode timing of the one request that ran between two /metrics snapshots.
+
+    `request_decode_time_seconds` (first to last token) when exactly one request finished in
+    between: it spans (its tokens − 1) steps, counted by the inter-token histogram. Without it,
+    the inter-token histogram alone: its sum over its count."""
+    d = lambda k: after.get(k, 0.0) - before.get(k, 0.0)  # noqa: E731
+    n_itl = int(round(d("itl_count")))
+    if "decode_sum" in after and round(d("decode_count")) == 1 and n_itl > 0 and d("decode_sum") > 0:
+        return d("decode_sum"), n_itl, "vllm-metrics"
+    if n_itl > 0 and d("itl_sum") > 0:
+        return d("itl_sum"), n_itl, "vllm-metrics"
+    return None, None, None
+
+
+async def fetch_metrics(session: aiohttp.ClientSession, base_url: str) -> dict | None:
+    """vLLM timing totals from /metrics, or None when it does not answer."""
+    try:
+        async with session.get(base_url.rstrip("/") + "/metrics", timeout=aiohttp.ClientTimeout(total=5)) as r:
+            if r.status != 200:
+                return None
+            return vllm_timing_totals(await r.text())
+    except (aiohttp.ClientError, asyncio.TimeoutError, OSError, UnicodeDecodeError):
+        return None
+
+
 def _failed(base: dict, error: str, http_status: int | None, t_end_ns: int) -> RequestRecord:
     return RequestRecord(
         **base,
@@ -279,6 +367,7 @@ async def send_request(
     http_status = None
     error = None
     first_called = False
+    closing_t = None  # arrival of an OpenAI closing chunk that carried no counted token
     t_send_wall = time.time_ns()
     t_send = clock_ns()
     base = dict(
@@ -329,6 +418,9 @@ async def send_request(
                         break
                     t = clock_ns()
                     for e in parser.feed(chunk):
+                        if e.closing:
+                            closing_t = t
+                            continue
                         times.append(t)
                         counts.append(e.n_tokens)
                         if params.keep_text:
@@ -362,7 +454,18 @@ async def send_request(
     if error is not None:
         # Partial streams are kept out of every count: what the server did is not known.
         return _failed(base, error, http_status, t_end)
-    w = decode_window(np.asarray(times, dtype=np.int64), np.asarray(counts, dtype=np.int64), summary.generated_tokens)
+    deficit = summary.generated_tokens - summary.counted_tokens
+    if deficit > 0 and closing_t is not None:
+        # vLLM's closing chat chunk (empty content, finish_reason) carries the last token: `usage`
+        # says so at the end; it arrived with that chunk.
+        times.append(closing_t)
+        counts.append(deficit)
+    q = arrival_quality(np.asarray(times, dtype=np.int64), np.asarray(counts, dtype=np.int64), summary.generated_tokens)
+    dur_s = (q.t_last_ns - q.t_first_ns) / 1e9 if q.t_first_ns is not None else None
+    sd_s, sd_n, sd_src = server_decode(summary.timings)
+    truncated = None
+    if summary.stop_reason == "length" and summary.generated_tokens < params.max_tokens:
+        truncated = f"{summary.generated_tokens} of {params.max_tokens} tokens: cut by the context length"
     return RequestRecord(
         **base,
         status="ok",
@@ -371,13 +474,13 @@ async def send_request(
         t_end_ns=t_end,
         event_t_ns=tuple(times),
         event_tokens=tuple(counts),
-        t_first_ns=w.t_first_ns,
-        t_last_ns=w.t_last_ns,
+        t_first_ns=min(times) if times else None,
+        t_last_ns=max(times) if times else None,
         prompt_tokens=summary.prompt_tokens,
-        generated_tokens=w.generated_tokens,
-        decode_tokens=w.decode_tokens,
-        decode_s=w.decode_s,
-        decode_tok_s=w.decode_tok_s,
+        generated_tokens=summary.generated_tokens,
+        decode_tokens=q.window_tokens,
+        decode_s=dur_s,
+        decode_tok_s=q.window_tokens / dur_s if dur_s and q.window_tokens > 0 else None,
         token_source=summary.token_source,
         server_timings=summary.timings,
         draft_n=summary.draft_n,
@@ -385,5 +488,9 @@ async def send_request(
         stop_reason=summary.stop_reason,
         model=summary.model or server.model,
         completion_text="".join(texts) if params.keep_text else None,
+        server_decode_s=sd_s,
+        server_decode_tokens=sd_n,
+        server_timing_source=sd_src,
+        truncated=truncated,
     )
 

@@ -8,15 +8,27 @@ from __future__ import annotations
 
 import asyncio
 import json
+import time
+from collections import deque
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Sequence
 
 import aiohttp
+import numpy as np
 
 from powerprof.termination import raise_if_terminated
 
-from .client import EdgeHook, RequestParams, RequestRecord, ServerInfo, detect_server, send_request
+from .client import (
+    EdgeHook,
+    RequestParams,
+    RequestRecord,
+    ServerInfo,
+    detect_server,
+    fetch_metrics,
+    send_request,
+    vllm_decode_delta,
+)
 
 
 @dataclass(frozen=True)
@@ -130,6 +142,80 @@ class LoadPolicy:
     retry_backoff_s: float = 0.2  # doubled per retry of the same request
 
 
+class LagMonitor:
+    """Measures how late the client's event loop runs: a tick every `period_s`, its lateness kept.
+
+    A token read can be no fresher than the loop that takes it: a starved client (a busy host, a
+    stopped process) shows here as lateness, and a window edge read right after such a stall is
+    late by as much (arrival.py uses it in the timing rule)."""
+
+    def __init__(self, period_s: float = 0.005, keep_s: float = 600.0):
+        self.period_ns = int(period_s * 1e9)
+        # The last keep_s of ticks (records are annotated after every batch; a request longer than
+        # this has its first edge's lag unknown: lag_at says None, and the stream is not vouched for).
+        n = int(keep_s / period_s)
+        self.due: deque[int] = deque(maxlen=n)
+        self.ran: deque[int] = deque(maxlen=n)
+        self._task: asyncio.Task | None = None
+
+    async def _tick(self) -> None:
+        due = time.monotonic_ns()
+        while True:
+            due += self.period_ns
+            await asyncio.sleep(max(0.0, (due - time.monotonic_ns()) / 1e9))
+            now = time.monotonic_ns()
+            self.due.append(due)
+            self.ran.append(now)
+            if now - due > self.period_ns:
+                due = now  # restart the schedule: one stall is one lateness, not a train of them
+
+    def start(self) -> None:
+        now = time.monotonic_ns()  # watched from now: a read before the first tick is not "unknown"
+        self.due.append(now)
+        self.ran.append(now)
+        self._task = asyncio.get_running_loop().create_task(self._tick())
+
+    async def stop(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            try:
+                await self._task
+            except asyncio.CancelledError:
+                pass
+
+    def lag_at(self, t_ns: int) -> float:
+        """How long the loop had been unavailable when the read at t_ns ran (s): data that came
+        in meanwhile waited that long. A stall that starts with the read (its own processing, an
+        edge hook reading sensors) does not count: the read was on time."""
+        if not self.due or t_ns < self.due[0]:
+            return None  # before the first tick kept: unknown
+        d = np.asarray(self.due, dtype=np.int64)
+        r = np.asarray(self.ran, dtype=np.int64)
+        hit = (d <= t_ns) & (t_ns <= r)
+        return float((t_ns - d[hit]).max() / 1e9) if hit.any() else 0.0
+
+    def lag_over(self, t0_ns: int, t1_ns: int) -> float:
+        d = np.asarray(self.due, dtype=np.int64)
+        r = np.asarray(self.ran, dtype=np.int64)
+        hit = (r >= t0_ns) & (d <= t1_ns)
+        return float((r[hit] - d[hit]).max() / 1e9) if hit.any() else 0.0
+
+    def annotate(self, rec: RequestRecord) -> RequestRecord:
+        if not rec.ok or rec.t_first_ns is None:
+            return rec
+        q = rec.quality  # the lag that matters is at the edges the window uses
+        lags = [self.lag_at(q.t_first_ns), self.lag_at(q.t_last_ns)]
+        # Unknown (a request longer than the ticks kept): not a stream the rule can vouch for.
+        edge = max(x if x is not None else float("inf") for x in lags)
+        return replace(rec, client_lag_s=edge, client_lag_max_s=self.lag_over(q.t_first_ns, q.t_last_ns))
+
+
+def _not_retryable(rec: RequestRecord) -> bool:
+    """A 4xx answer (context length exceeded, bad parameter) says the request itself is wrong:
+    asking again gets the same answer. 408 and 429 are about timing and are retried."""
+    return rec.http_status is not None and 400 <= rec.http_status < 500 and rec.http_status not in (408, 429)
+
+
 class _Run:
     def __init__(self, session, server, params, policy, n_requests, edge_hook):
         self.session = session
@@ -141,6 +227,12 @@ class _Run:
         self.failed = 0
         self.limit = policy.max_failed_attempts if policy.max_failed_attempts is not None else max(3, n_requests // 2)
         self.abort: str | None = None
+        self.lag = LagMonitor()
+
+    async def annotate(self) -> None:
+        """Client lag for the records made so far (after a yield, so the tick that follows a stall has run)."""
+        await asyncio.sleep(0)
+        self.records[:] = [self.lag.annotate(r) if r.client_lag_s is None else r for r in self.records]
 
     async def one(self, rid: int, prompt: Prompt, batch_id: int, concurrency: int, warmup: bool) -> None:
         params = self.params if prompt.max_tokens is None else replace(self.params, max_tokens=prompt.max_tokens)
@@ -148,6 +240,10 @@ class _Run:
             raise_if_terminated()
             if self.abort:
                 return
+            # vLLM times each request itself, visible as /metrics deltas; they belong to this request
+            # only when it runs alone (concurrency 1).
+            probe = self.server.kind == "vllm" and concurrency == 1
+            before = await fetch_metrics(self.session, self.server.base_url) if probe else None
             rec = await send_request(
                 self.session,
                 self.server,
@@ -161,10 +257,18 @@ class _Run:
                 concurrency=concurrency,
                 edge_hook=self.edge_hook,
             )
+            if before is not None and rec.ok:
+                after = await fetch_metrics(self.session, self.server.base_url)
+                sd_s, sd_n, src = vllm_decode_delta(before, after or {})
+                if sd_s is not None:
+                    rec = replace(rec, server_decode_s=sd_s, server_decode_tokens=sd_n, server_timing_source=src)
             self.records.append(rec)
             if rec.ok:
                 return
             self.failed += 1
+            if _not_retryable(rec):
+                self.abort = f"request {rid} (prompt {prompt.id}) was refused by the server, not retried: {rec.error}"
+                return
             if self.failed > self.limit:
                 self.abort = f"too many failed requests ({self.failed}); last error: {rec.error}"
                 return
@@ -196,6 +300,7 @@ async def run_load_async(
     if own:
         session = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0))
     run = _Run(session, server, params, policy, n_requests + warmup, edge_hook)
+    run.lag.start()
     try:
         rid = first_request_id
         batch = first_batch_id
@@ -203,6 +308,7 @@ async def run_load_async(
             await run.one(rid, prompts[k % len(prompts)], batch, 1, True)
             rid += 1
             batch += 1
+            await run.annotate()
             if run.abort:
                 raise LoadAborted(run.abort, run.records)
         done = 0
@@ -214,9 +320,11 @@ async def run_load_async(
             rid += n
             batch += 1
             done += n
+            await run.annotate()
             if run.abort:
                 raise LoadAborted(run.abort, run.records)
     finally:
+        await run.lag.stop()
         if own:
             await session.close()
     return run.records

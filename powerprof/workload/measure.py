@@ -34,6 +34,7 @@ class Summary:
     gpu_j_per_token: float | None
     total_j_per_token: float | None
     energy_method: str
+    n_trusted: int = 0  # windows the figures come from (request rows at 1, batch rows above)
 
 
 @dataclass
@@ -45,6 +46,7 @@ class MeasureResult:
     notes: list[str] = field(default_factory=list)
     out_path: Path | None = None
     aborted: str | None = None
+    excluded: Excluded | None = None
 
     def to_dict(self) -> dict:
         """`powerprof measure --json`: stable keys; per-request rows stay in windows.parquet."""
@@ -55,7 +57,51 @@ class MeasureResult:
             "notes": list(self.notes),
             "windows_path": None if self.out_path is None else str(self.out_path / "windows.parquet"),
             "aborted": self.aborted,
+            "excluded": None if self.excluded is None else {"n": self.excluded.n, "n_windows": self.excluded.n_windows,
+                                                            "reasons": self.excluded.reasons, "fix": self.excluded.fix},
         }
+
+
+def trusted(row: dict) -> bool:
+    """A window whose figures can be used: not untrusted by the timing rule (old rows have no timing)."""
+    return row.get("timing") != "untrusted"
+
+
+@dataclass(frozen=True)
+class Excluded:
+    """Windows left out of every figure because their timing cannot be trusted."""
+
+    n: int
+    n_windows: int  # windows that would otherwise have counted
+    reasons: dict  # reason → count
+    fix: str
+
+    def message(self) -> str:
+        top = max(self.reasons, key=self.reasons.get)
+        return (
+            f"{self.n} of {self.n_windows} windows left out of the figures: their token timing cannot be trusted "
+            f"({top}); fix: {self.fix}"
+        )
+
+
+def excluded_windows(rows: Sequence[dict], counted_kind=None) -> Excluded | None:
+    """What the figures left out: measured (non-warm-up, ok) windows that are untrusted."""
+    from powerprof.arrival import fix_for, reason_group
+
+    def measured(r):
+        kind = counted_kind(r) if counted_kind else ("request" if r["concurrency"] == 1 else "batch")
+        return r["window_kind"] == kind and not r["warmup"] and r["status"] == "ok"
+
+    cand = [r for r in rows if measured(r)]
+    bad = [r for r in cand if not trusted(r)]
+    if not bad:
+        return None
+    reasons: dict = {}
+    for r in bad:
+        key = reason_group(r.get("timing_reason"))
+        reasons[key] = reasons.get(key, 0) + 1
+    top = max(reasons, key=reasons.get)
+    return Excluded(len(bad), len(cand), reasons, fix_for(top))
 
 
 def summarise(rows: list[dict]) -> list[Summary]:
@@ -65,6 +111,7 @@ def summarise(rows: list[dict]) -> list[Summary]:
         ok = [r for r in req if r["status"] == "ok"]
         failed = len(req) - len(ok)
         basis = ok if c == 1 else [r for r in rows if r["concurrency"] == c and r["window_kind"] == "batch" and r["status"] == "ok"]
+        basis = [r for r in basis if trusted(r)]
         if c == 1:
             rates = [r["decode_tok_s"] for r in basis if r["decode_tok_s"]]
             tok_s = float(np.median(rates)) if rates else None
@@ -81,7 +128,8 @@ def summarise(rows: list[dict]) -> list[Summary]:
             else None
         )
         methods = {r["energy_method"] for r in basis} or {"none"}
-        out.append(Summary(c, len(ok), failed, tok_s, gpu_jpt, tot_jpt, ",".join(sorted(methods))))
+        n_trusted = len([r for r in ok if trusted(r)]) if c == 1 else len(basis)
+        out.append(Summary(c, len(ok), failed, tok_s, gpu_jpt, tot_jpt, ",".join(sorted(methods)), n_trusted))
     return out
 
 
@@ -103,6 +151,8 @@ def measure(
     run_id = run_id or uuid.uuid4().hex[:12]
     hook = profiler.mark if profiler is not None else None
 
+    notes: list[str] = []
+
     async def go():
         records: list[RequestRecord] = []
         aborted = None
@@ -110,6 +160,10 @@ def measure(
             server = await detect_server(s, url, api)
             rid = bid = 0
             for k, c in enumerate(concurrencies):
+                note = saturation_note(server, c)
+                if note:
+                    notes.append(note)
+                probe = asyncio.get_running_loop().create_task(_max_waiting(s, server)) if c > 1 and server.kind == "vllm" else None
                 try:
                     recs = await run_load_async(
                         server, prompts, n_requests, c, params, hook, warmup if k == 0 else 0, policy, s, rid, bid
@@ -118,6 +172,13 @@ def measure(
                     records += e.records
                     aborted = str(e)
                     break
+                finally:
+                    waiting = await _stop(probe)
+                if waiting:
+                    notes.append(
+                        f"concurrency {c}: vLLM queued up to {waiting:g} requests (more streams than it runs at once): "
+                        "queued time is excluded from the windows, but this is not the server's steady state at this concurrency"
+                    )
                 records += recs
                 rid = max(r.request_id for r in records) + 1
                 bid = max(r.batch_id for r in records) + 1
@@ -125,7 +186,60 @@ def measure(
 
     server, records, aborted = asyncio.run(go())
     rows, _ = window_rows(records, profiler, run_id, server)
-    return MeasureResult(server, records, rows, summarise(rows), aborted=aborted)
+    notes += [f"request {r.request_id} ({r.prompt_id}): {r.truncated}" for r in records if r.ok and r.truncated and not r.warmup][:5]
+    note = server_timed_note(rows)
+    if note:
+        notes.append(note)
+    return MeasureResult(server, records, rows, summarise(rows), notes=notes, aborted=aborted, excluded=excluded_windows(rows))
+
+
+def server_timed_note(rows: Sequence[dict]) -> str | None:
+    """How many request windows took the server's own timing instead of the stream's, and why."""
+    from collections import Counter
+
+    from powerprof.arrival import fix_for, reason_group
+
+    req = [r for r in rows if r["window_kind"] == "request" and not r["warmup"] and r["status"] == "ok"]
+    srv = [r for r in req if r.get("timing") == "server"]
+    if not srv:
+        return None
+    top, _ = Counter(reason_group(r.get("timing_reason")) for r in srv).most_common(1)[0]
+    return (f"{len(srv)} of {len(req)} request windows are timed by the server's own figures, not the stream ({top}); "
+            f"fix: {fix_for(top)}")
+
+
+def saturation_note(server: ServerInfo, concurrency: int) -> str | None:
+    """More streams than llama.cpp has slots: the rest wait in its queue (a warning, said once)."""
+    if server.total_slots and concurrency > server.total_slots:
+        return (
+            f"concurrency {concurrency} exceeds the server's {server.total_slots} slots: requests queue; only intervals where "
+            "every active request decodes are measured, and they show the server saturated"
+        )
+    return None
+
+
+async def _max_waiting(session, server: ServerInfo) -> float:
+    """Polls vLLM's `num_requests_waiting` until cancelled; returns the most seen (in CancelledError's place)."""
+    from .client import fetch_metrics
+
+    most = 0.0
+    try:
+        while True:
+            m = await fetch_metrics(session, server.base_url)
+            most = max(most, (m or {}).get("waiting", 0.0))
+            await asyncio.sleep(0.25)
+    except asyncio.CancelledError:
+        return most
+
+
+async def _stop(task) -> float:
+    if task is None:
+        return 0.0
+    task.cancel()
+    try:
+        return await task
+    except asyncio.CancelledError:
+        return 0.0
 
 
 def run_measure(
@@ -204,7 +318,7 @@ def run_measure(
             "concurrency": list(concurrencies),
             "warmup": warmup,
         },
-        "notes": notes,
+        "notes": notes + result.notes,
         "aborted": result.aborted,
     }
     meta["simulated"] = meta["simulated"] or s.simulated
@@ -213,6 +327,6 @@ def run_measure(
         notes.append(f"{len(bad)} window row(s) could not be stored and are left out of every figure ({err})")
     writer = RunWriter(out_dir, meta)
     writer.write("windows", table_from_rows("windows", result.rows))
-    result.notes = notes
+    result.notes = notes + result.notes
     result.out_path = out_dir
     return result

@@ -52,6 +52,14 @@ def batch_windows(records: Sequence[RequestRecord]) -> list[BatchWindow]:
     for bid, recs in sorted(by_batch.items()):
         ok = [r for r in recs if r.ok]
         blocked = [(r.t_send_ns, r.t_end_ns) for r in recs if not r.ok]
+        # A stream's reads outside its fresh edges (arrival.py) came late by an unknown amount: the
+        # time they span is blocked like a failed attempt's, so no interval relies on them.
+        for r in ok:
+            q = r.quality
+            if q.t_first_ns is not None and q.t_first_ns > r.t_first_ns:
+                blocked.append((r.t_first_ns, q.t_first_ns))
+            if q.t_last_ns is not None and q.t_last_ns < r.t_last_ns:
+                blocked.append((q.t_last_ns, r.t_last_ns))
         agg = concurrent_throughput([(r.t_send_ns, *r.arrivals(), r.generated_tokens) for r in ok], blocked)
         out.append(
             BatchWindow(
@@ -75,14 +83,37 @@ def _div(a, b):
     return a / b if a is not None and b else None
 
 
+def request_timing(r: RequestRecord):
+    """The record's Timing (powerprof/arrival.py) and the energy window edges it implies (None: no energy)."""
+    tm = r.timing
+    if tm is None or tm.kind == "untrusted" or tm.t0_ns is None:
+        return tm, None
+    return tm, (tm.t0_ns, tm.t1_ns)
+
+
+def request_energy(profiler, r: RequestRecord):
+    """The Profiler's energy over the window the record's timing uses; None when it has none."""
+    _, edges = request_timing(r)
+    if profiler is None or edges is None or edges[1] <= edges[0]:
+        return None
+    return profiler.energy_between(*edges)
+
+
 def request_row(
     r: RequestRecord, energy=None, run_id: str = "", server: ServerInfo | None = None, level: Level = NO_LEVEL
 ) -> dict:
-    """A WINDOWS row for one attempt; `energy` is the Profiler's EnergyResult over its window."""
-    gpu_e = energy.gpu_energy_total_j if energy is not None else None
-    cpu_e = energy.cpu_energy_j if energy is not None else None
+    """A WINDOWS row for one attempt; `energy` is the Profiler's EnergyResult over its window
+    (`request_energy`: the edges follow the timing used)."""
+    tm = r.timing
+    trusted = tm is not None and tm.kind != "untrusted"
+    gpu_e = energy.gpu_energy_total_j if energy is not None and trusted else None
+    cpu_e = energy.cpu_energy_j if energy is not None and trusted else None
     total = gpu_e + cpu_e if gpu_e is not None and cpu_e is not None else None
     t = r.server_timings
+    q = r.quality if r.ok else None
+    decode_s = tm.decode_s if trusted else r.decode_s
+    decode_n = tm.decode_tokens if trusted else (r.decode_tokens if r.ok else None)
+    server_rate = _div(r.server_decode_tokens, r.server_decode_s)
     return {
         "run_id": run_id,
         "level_kind": level.kind,
@@ -102,17 +133,18 @@ def request_row(
         "t_first_utc": _utc(r.to_wall_ns(r.t_first_ns)),
         "t_last_utc": _utc(r.to_wall_ns(r.t_last_ns)),
         "ttft_s": r.ttft_s,
-        "decode_s": r.decode_s,
+        "decode_s": decode_s,
         "prompt_tokens": r.prompt_tokens,
         "generated_tokens": r.generated_tokens if r.ok else None,
-        "decode_tokens": r.decode_tokens if r.ok else None,
-        "decode_tok_s": r.decode_tok_s,
+        "decode_tokens": decode_n,
+        # An untrusted window has no rate and no J/token: a number there would be a wrong one.
+        "decode_tok_s": _div(decode_n, decode_s) if trusted else None,
         "gpu_energy_j": gpu_e,
         "cpu_energy_j": cpu_e,
-        "energy_method": energy.method if energy is not None else "none",
-        "avg_gpu_power_w": energy.avg_gpu_power_w if energy is not None else None,
-        "gpu_j_per_token": _div(gpu_e, r.decode_tokens) if r.ok else None,
-        "total_j_per_token": _div(total, r.decode_tokens) if r.ok else None,
+        "energy_method": energy.method if energy is not None and trusted else "none",
+        "avg_gpu_power_w": energy.avg_gpu_power_w if energy is not None and trusted else None,
+        "gpu_j_per_token": _div(gpu_e, decode_n) if trusted else None,
+        "total_j_per_token": _div(total, decode_n) if trusted else None,
         "server_prompt_n": t.get("prompt_n"),
         "server_predicted_n": t.get("predicted_n"),
         "server_prompt_ms": t.get("prompt_ms"),
@@ -121,7 +153,7 @@ def request_row(
         "draft_n": r.draft_n,
         "draft_n_accepted": r.draft_n_accepted,
         "stop_reason": r.stop_reason,
-        "low_confidence": energy.low_confidence if energy is not None else True,
+        "low_confidence": energy.low_confidence if energy is not None and trusted else True,
         "attempt": r.attempt,
         "http_status": r.http_status,
         "token_source": r.token_source,
@@ -129,7 +161,30 @@ def request_row(
         # Text only when the user asked for it (--keep-text); the record holds none otherwise.
         "prompt_text": r.prompt_text,
         "completion_text": r.completion_text,
+        "timing": tm.kind if tm is not None else None,
+        "timing_reason": tm.reason if tm is not None else None,
+        "stream_decode_s": r.decode_s,
+        "stream_decode_tok_s": r.decode_tok_s,
+        "stream_error_bound_pct": _pct(tm.stream_error_bound) if tm is not None else None,
+        "n_reads": q.n_reads if q else None,
+        "n_token_events": q.n_events if q else None,
+        "max_read_share": q.max_read_share if q else None,
+        "max_events_per_read": q.max_events_per_read if q else None,
+        "read_gap_p50_s": q.gap_p50_s if q else None,
+        "read_gap_max_s": q.gap_max_s if q else None,
+        "client_lag_edge_s": r.client_lag_s,
+        "client_lag_max_s": r.client_lag_max_s,
+        "server_decode_s": r.server_decode_s,
+        "server_decode_tokens": r.server_decode_tokens,
+        "server_decode_tok_s": server_rate,
+        "server_timing_source": r.server_timing_source,
+        "stream_vs_server_pct": _pct(tm.disagreement) if tm is not None else None,
+        "truncated": r.truncated,
     }
+
+
+def _pct(x):
+    return None if x is None or not np.isfinite(x) else 100.0 * x
 
 
 def _energy_over(profiler, intervals: np.ndarray):
@@ -161,6 +216,12 @@ def batch_row(
     t1 = int(b.intervals[-1, 1]) if b.intervals.size else None
     ref = recs[0]
     ok = [r for r in recs if r.ok]
+    # The batch's intervals come from arrival times: every member's stream must be trusted.
+    bad = [_batch_problem(r) for r in ok]
+    bad = [b for b in bad if b]
+    timing, reason = ("untrusted", f"{len(bad)} of {len(ok)} streams not stream-timed: {bad[0]}") if bad else ("stream", None)
+    if bad:
+        gpu_e = cpu_e = total = None
     return {
         "run_id": run_id,
         "level_kind": level.kind,
@@ -180,18 +241,25 @@ def batch_row(
         "decode_s": b.measured_s,
         "generated_tokens": int(sum(r.generated_tokens for r in ok)),
         "decode_tokens": int(round(b.decode_tokens)),
-        "decode_tok_s": b.tok_s,
+        "decode_tok_s": b.tok_s if not bad else None,
         "gpu_energy_j": gpu_e,
         "cpu_energy_j": cpu_e,
-        "energy_method": method,
-        "avg_gpu_power_w": _div(gpu_e, b.measured_s),
+        "energy_method": method if not bad else "none",
+        "avg_gpu_power_w": _div(gpu_e, b.measured_s) if gpu_e is not None else None,
         "gpu_j_per_token": _div(gpu_e, b.decode_tokens),
         "total_j_per_token": _div(total, b.decode_tokens),
         "draft_n": _sum_or_none(r.draft_n for r in ok),
         "draft_n_accepted": _sum_or_none(r.draft_n_accepted for r in ok),
         "low_confidence": b.measured_s < LOW_CONFIDENCE_S.get(method, float("inf")),
         "server_kind": server.kind,
+        "timing": timing,
+        "timing_reason": reason,
     }
+
+
+def _batch_problem(r: RequestRecord) -> str | None:
+    tm = r.timing
+    return tm.reason if tm is not None and tm.kind != "stream" else None
 
 
 def _sum_or_none(vals):
@@ -202,10 +270,7 @@ def _sum_or_none(vals):
 def window_rows(records: Sequence[RequestRecord], profiler, run_id: str, server: ServerInfo, level: Level = NO_LEVEL):
     """Every row these records make: one per attempt, then one per concurrent batch, and the batches
     themselves (their measured intervals are what a sweep's sensor figures are taken over)."""
-    rows = []
-    for r in records:
-        e = profiler.energy_between(r.t_first_ns, r.t_last_ns) if profiler is not None and r.ok and r.t_last_ns else None
-        rows.append(request_row(r, e, run_id, server, level))
+    rows = [request_row(r, request_energy(profiler, r), run_id, server, level) for r in records]
     batches = batch_windows(records)
     for b in batches:
         recs = [r for r in records if r.batch_id == b.batch_id]

@@ -52,6 +52,10 @@ class TokenEvent:
     # Cumulative count the server reported with this event (llama.cpp tokens_predicted, vLLM
     # continuous usage), when it did: lets a consumer check its own count.
     server_total: int | None = None
+    # An OpenAI closing chunk (finish_reason, empty delta) that carried no counted token: its
+    # arrival is kept because vLLM's closing chunk can hold the last token, which only the final
+    # `usage` reveals (the client then places the missing token here).
+    closing: bool = False
 
 
 @dataclass(frozen=True)
@@ -382,6 +386,7 @@ class StreamParser:
             return
         texts: list[str] = []
         is_token = False
+        closing = False  # this chunk carries a finish_reason
         n_logprobs = 0
         for ch in choices:
             if not isinstance(ch, dict):
@@ -411,15 +416,21 @@ class StreamParser:
                 if isinstance(toks, list):
                     n_logprobs += len(toks)
             if finished:
-                s.complete = True
+                s.complete = closing = True
                 s.stop_reason = fr
-        if not is_token and n_logprobs == 0:
-            return
-        if usage_total is not None:
-            # vLLM/SGLang continuous usage stats: the running total says how many this chunk holds.
+        if usage_total is not None and (is_token or n_logprobs or closing):
+            # vLLM/SGLang continuous usage stats: the running total says how many this chunk holds,
+            # whatever its text: vLLM's closing chunk (empty content, finish_reason) can carry the
+            # last token, and a speculative or batched chunk several.
             n = usage_total - s.counted
             if n <= 0:
+                if closing and not is_token:
+                    out.append(TokenEvent(0, "", usage_total, closing=True))
                 return
+        elif not is_token and n_logprobs == 0:
+            if closing:
+                out.append(TokenEvent(0, "", None, closing=True))
+            return
         elif n_logprobs:
             n = n_logprobs
         else:

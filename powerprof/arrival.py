@@ -1,0 +1,245 @@
+"""How one request's tokens arrived, and the rule that says how its decode window is timed.
+
+Pure functions over token-bearing events (arrival ns, tokens, grouped into socket reads by
+their shared arrival time). A read is one chunk the client took off the socket: the events in it
+arrived together, whatever the server meant. The window's rate is tokens that arrived after its
+first read ÷ (last read − first read), so what matters is that both edge reads are fresh: a read
+that holds several events (a buffering proxy, a client starved of CPU) can be late by any amount,
+and so can one that follows an unusually long silence. Mid-window bursts do not matter: their
+tokens are inside the window either way. So the window's edges are its outermost fresh reads,
+and an event-loop stall at an edge (measured by the client) bounds what is left.
+
+Classification (docs/workload.md, "The timing rule"):
+- `stream`: every token counted by the stream, at least MIN_WINDOW_READS reads and
+  MIN_WINDOW_SHARE of the decode tokens between fresh edges, no read holding more than
+  MAX_READ_SHARE of them, and client lag at the edges ≤ STREAM_ERROR_BOUND of the window.
+  What is left after the beat rules is about one production interval per edge (a fresh read's
+  newest event is at most that old), i.e. ≈ 1/window_reads of the window.
+- `server`: not stream-timed, but the server gave its own decode time for this request.
+- `untrusted`: neither: the window counts in no figure.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+MIN_WINDOW_READS = 4  # reads after the first: fewer and the window is a handful of instants
+MAX_READ_SHARE = 0.25  # of the window's tokens in one read: more is a burst, not a stream
+# A stall of the client's loop delays the reads after it; one longer than two beats leaves a
+# long silence or a pile, which the beat rules already see (a catch-up read is a pile, the read
+# after a stall follows a long gap), so an on-beat edge read can only have waited up to two
+# beats. Lag beyond that at a fresh edge is a contradiction the rule does not vouch for.
+STREAM_ERROR_BOUND = 0.01  # edge lag beyond two beats (and the 2 ms floor), as a share of the window
+# Lateness of the client's loop below this is timer granularity (epoll waits in whole
+# milliseconds), seen on an idle machine too; a read, woken by the socket, is not late by it.
+LAG_FLOOR_S = 0.002
+SERVER_DISAGREE_BOUND = 0.05  # stream and server rates further apart than this: said, server's used
+
+TIMINGS = ("stream", "server", "untrusted")
+
+
+@dataclass(frozen=True)
+class ArrivalQuality:
+    """How the tokens of one request arrived (all over token-bearing reads), and its window."""
+
+    n_reads: int  # distinct reads that carried tokens
+    n_events: int  # token-bearing server events
+    max_read_share: float | None  # largest share of the generated tokens in one read
+    max_events_per_read: int
+    gap_p50_s: float | None  # median gap between consecutive token-bearing reads
+    gap_max_s: float | None
+    t_first_ns: int | None  # window start: the first read, or the first fresh one after it
+    t_last_ns: int | None  # window end: the last fresh read
+    window_tokens: int  # tokens that arrived in (t_first, t_last]
+    window_reads: int  # reads in (t_first, t_last]
+    window_max_share: float | None  # largest share of window_tokens in one of those reads
+    window_share: float  # window_tokens ÷ the tokens after the first read: how much the trimming kept
+    trimmed: bool  # an edge moved inwards past a read that was not fresh
+    uncounted: int  # tokens the server counted that no event showed (their arrival is unknown)
+
+
+FRESH_GAP = (0.5, 2.0)
+SAME_DELIVERY_NS = 1_000_000  # chunks closer than this are one delivery (one server write, split)  # a fresh read follows its predecessor by this many median gaps
+
+
+def reads(arrival_ns, tokens, events=None) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """(read time ns, tokens, events) per read, token-less events dropped; chunks under
+    SAME_DELIVERY_NS apart count as one read."""
+    t = np.asarray(arrival_ns, dtype=np.int64)
+    k = np.asarray(tokens, dtype=np.int64)
+    e = np.ones_like(k) if events is None else np.asarray(events, dtype=np.int64)
+    keep = k > 0
+    t, k, e = t[keep], k[keep], e[keep]
+    if t.size == 0:
+        return t, k, e
+    order = np.argsort(t, kind="stable")
+    t, k, e = t[order], k[order], e[order]
+    # One server write can reach the client as two chunks a fraction of a millisecond apart
+    # (llama-server's speculative steps: the first token, then the accepted drafts): such chunks
+    # are one delivery, timed when its last part came.
+    new = np.concatenate([[True], np.diff(t) > SAME_DELIVERY_NS])
+    starts = np.flatnonzero(new)
+    ends = np.concatenate([starts[1:], [t.size]]) - 1
+    return t[ends], np.add.reduceat(k, starts).astype(np.int64), np.add.reduceat(e, starts).astype(np.int64)
+
+
+def fresh_reads(t_ns: np.ndarray, events: np.ndarray) -> np.ndarray:
+    """Reads whose arrival time can be trusted as an edge: on the stream's beat, holding no pile.
+
+    A read that follows an unusually long silence (over FRESH_GAP[1] median gaps) may have been
+    held back — by a proxy, or by a client that was not reading — and its newest event may be
+    stale by any amount (the generation can end while it is held). After an unusually short one,
+    its predecessor was late. A read holding more than twice the usual number of events is a
+    pile that gathered somewhere. Several events per read on every read is the server's own
+    grouping (speculative decoding sends each step's tokens at once): those stay fresh. The
+    first read (prefill output) has no gap before it: it is fresh when it holds no pile and the
+    next read is no catch-up."""
+    n = t_ns.size
+    usual = max(2.0, 2.0 * float(np.median(events))) if n else 2.0
+    fresh = events <= usual
+    if n < 2:
+        return fresh
+    gaps = np.diff(t_ns).astype(float)
+    g = float(np.median(gaps))
+    lo, hi = FRESH_GAP
+    on_beat = (gaps >= lo * g) & (gaps <= hi * g)
+    fresh[1:] &= on_beat
+    fresh[0] &= bool(gaps[0] >= lo * g)
+    return fresh
+
+
+def arrival_quality(arrival_ns, tokens, generated: int | None = None, events=None) -> ArrivalQuality:
+    """Arrival statistics of one request's token events and its decode window.
+
+    The window runs between the outermost fresh reads (`fresh_reads`); its tokens are those that
+    arrived after its first read. On a smooth stream that is first read → last read and
+    generated − 1 tokens. `generated` is the server's own total."""
+    rt, rk, re_ = reads(arrival_ns, tokens, events)
+    counted = int(rk.sum())
+    total = counted if generated is None else max(int(generated), counted)
+    if rt.size == 0:
+        return ArrivalQuality(0, 0, None, 0, None, None, None, None, 0, 0, None, 0.0, False, total - counted)
+    gaps = np.diff(rt) / 1e9
+    fresh = fresh_reads(rt, re_)
+    idx = np.flatnonzero(fresh)
+    a, b = (int(idx[0]), int(idx[-1])) if idx.size else (0, 0)
+    # Tokens the server counted that no event showed are taken to lie inside the window (the
+    # rule then does not trust the stream's timing: where they arrived is unknown).
+    win = rk[a + 1 : b + 1]
+    window = int(win.sum()) + (total - counted)
+    after_first = int(rk[1:].sum()) + (total - counted)
+    return ArrivalQuality(
+        n_reads=int(rt.size),
+        n_events=int(re_.sum()),
+        max_read_share=float(rk.max() / total) if total > 0 else None,
+        max_events_per_read=int(re_.max()),
+        gap_p50_s=float(np.median(gaps)) if gaps.size else None,
+        gap_max_s=float(gaps.max()) if gaps.size else None,
+        t_first_ns=int(rt[a]),
+        t_last_ns=int(rt[b]),
+        window_tokens=window,
+        window_reads=int(b - a),
+        window_max_share=float(win.max() / window) if window > 0 else None,
+        window_share=window / after_first if after_first > 0 else 0.0,
+        trimmed=bool(a != 0 or b != rt.size - 1),
+        uncounted=total - counted,
+    )
+
+
+@dataclass(frozen=True)
+class Timing:
+    """The timing a window's figures use, and why."""
+
+    kind: str  # stream | server | untrusted
+    reason: str | None  # why not stream-timed (None when it is)
+    stream_error_bound: float | None  # estimated error of the stream rate (fraction)
+    decode_s: float | None
+    decode_tokens: int
+    t0_ns: int | None  # energy window edges, consistent with the timing used
+    t1_ns: int | None
+    disagreement: float | None = None  # stream rate ÷ server rate − 1, when both exist
+
+
+MIN_WINDOW_SHARE = 0.5  # the fresh-edged window must hold at least half the decode tokens
+
+
+def stream_problem(q: ArrivalQuality, client_lag_s: float | None = None) -> tuple[str | None, float | None]:
+    """(why the stream cannot time this window or None, its estimated error bound)."""
+    if q.n_reads == 0 or q.t_first_ns is None:
+        return "no token arrived", None
+    if q.uncounted > 0:
+        return f"{q.uncounted} tokens the server counted arrived in chunks that did not say how many they held", None
+    if q.window_reads < MIN_WINDOW_READS or q.window_share < MIN_WINDOW_SHARE:
+        return (
+            f"tokens arrived in {q.n_reads} read{'s' if q.n_reads != 1 else ''} "
+            f"(largest {100 * (q.max_read_share or 0):.0f}% of them, up to {q.max_events_per_read} events held together): "
+            "delivered in bursts, not streamed",
+            None,
+        )
+    dur_s = (q.t_last_ns - q.t_first_ns) / 1e9
+    lag = max((client_lag_s or 0.0) - max(LAG_FLOOR_S, 2.0 * (q.gap_p50_s or 0.0)), 0.0)
+    bound = lag / dur_s if dur_s > 0 else float("inf")
+    if q.window_max_share is not None and q.window_max_share > MAX_READ_SHARE:
+        return f"one read carried {100 * q.window_max_share:.0f}% of the decode tokens: delivered in bursts", bound
+    if bound > STREAM_ERROR_BOUND:
+        return f"window edges may be off by {100 * bound:.1f}% (the client was late reading: its loop stalled {1e3 * (client_lag_s or 0):.0f} ms)", bound
+    return None, bound
+
+
+def classify(
+    q: ArrivalQuality,
+    generated: int,
+    server_decode_s: float | None = None,
+    server_decode_tokens: int | None = None,
+    client_lag_s: float | None = None,
+) -> Timing:
+    """The timing rule: stream when the stream can be trusted, else the server's own figures, else untrusted.
+
+    When both exist and disagree by more than SERVER_DISAGREE_BOUND the server's figure is used
+    (a smooth stream can still hide a steady client-side delay; the server timed itself)."""
+    problem, bound = stream_problem(q, client_lag_s)
+    has_server = server_decode_s is not None and server_decode_s > 0 and (server_decode_tokens or 0) > 0
+    stream_s = (q.t_last_ns - q.t_first_ns) / 1e9 if q.t_first_ns is not None else None
+    disagree = None
+    if has_server and problem is None and stream_s and q.window_tokens > 0:
+        disagree = (q.window_tokens / stream_s) / (server_decode_tokens / server_decode_s) - 1.0
+    if problem is None and (disagree is None or abs(disagree) <= SERVER_DISAGREE_BOUND):
+        return Timing("stream", None, bound, stream_s, q.window_tokens, q.t_first_ns, q.t_last_ns, disagree)
+    if has_server and q.t_last_ns is not None:
+        # The server's decode ended when its last token left; the last read is the closest instant we saw.
+        if problem is None:
+            problem = f"stream and server rates differ by {100 * disagree:+.1f}% (bound ±{100 * SERVER_DISAGREE_BOUND:.0f}%)"
+        t0 = q.t_last_ns - int(server_decode_s * 1e9)
+        return Timing("server", problem, bound, server_decode_s, int(server_decode_tokens), t0, q.t_last_ns, disagree)
+    return Timing("untrusted", problem, bound, stream_s, q.window_tokens, q.t_first_ns, q.t_last_ns, disagree)
+
+
+def reason_group(reason: str | None) -> str:
+    """A window's reason without its own figures, so that reasons can be counted together."""
+    r = reason or "unknown"
+    if "bursts" in r:
+        return "tokens were delivered in bursts, not streamed"
+    if "edges may be off" in r:
+        return "the client was late reading (starved of CPU)"
+    if "did not say" in r:
+        return "chunks held several tokens without saying how many"
+    if "not stream-timed" in r:
+        return reason_group(r.split(": ", 1)[-1])
+    return r
+
+
+def fix_for(reason: str | None) -> str:
+    """The advice that goes with a reason for leaving windows out."""
+    r = reason or ""
+    if "bursts" in r or "did not say" in r or "without saying" in r or "no token" in r:
+        return (
+            "a buffering proxy sits between powerprof and the server, or the server sends tokens in large groups: "
+            "point --server at the server itself, or turn buffering off (nginx: proxy_buffering off)"
+        )
+    if "client was late" in r or "starved" in r:
+        return "powerprof was starved of CPU: run it on a less busy host or core (e.g. taskset, nice -n -5)"
+    if "differ" in r:
+        return "check for a proxy or a busy client between powerprof and the server"
+    return "see docs/workload.md, 'The timing rule'"

