@@ -33,6 +33,7 @@ import numpy as np
 from aiohttp import web
 from prometheus_client import CollectorRegistry, Counter, Gauge, generate_latest
 
+from . import knobs
 from .gpu import Phase
 from .nvml import SimNVML
 from .profiles import DEFAULT_PROFILE
@@ -108,7 +109,12 @@ class SimServer:
         keepalive_s: float | None = None,
         loading_s: float = 0.0,
         seed: int = 0,
+        draft_n_max: int | None = None,
+        n_ctx: int | None = None,
     ):
+        """decode_tok_s: single-stream speed at the profile's own draft count and a short context;
+        draft_n_max (the server's draft count, 0 for none) and the context change it (sim/knobs.py).
+        n_ctx: context tokens in all, split among the slots; a longer prompt is refused (as llama.cpp)."""
         if flavour not in ("llamacpp", "vllm"):
             raise ValueError("flavour must be llamacpp or vllm")
         self.nvml = nvml if nvml is not None else SimNVML(profile, state_path=None)
@@ -121,9 +127,12 @@ class SimServer:
         self.prefill_tok_s = prefill_tok_s or wl.prefill_tok_s
         self.compute_share = wl.decode_compute_share if compute_share is None else compute_share
         self.batch_growth = wl.batch_compute_growth
-        self.speculative = wl.speculative
-        self.draft_n_max = wl.draft_n_max
-        self.draft_acceptance = wl.draft_acceptance
+        self.workload = wl
+        self.draft_n_max = wl.draft_n_max if draft_n_max is None else int(draft_n_max)
+        self.speculative = wl.speculative and self.draft_n_max > 0
+        # Speed of a plain (draft-free) step at f_max: decode_tok_s is quoted at the profile's own draft.
+        self._plain_tok_s = self.decode_tok_s / knobs.relative_speed(wl, wl.draft_n_max if wl.speculative else 0)
+        self.n_ctx = n_ctx
         self.model = model
         self.keepalive_s = keepalive_s
         self.loading_s = loading_s
@@ -154,6 +163,8 @@ class SimServer:
             self._m_tokens = Counter("vllm:generation_tokens", "Generated tokens (every step)", registry=self._registry)
             self._m_running = Gauge("vllm:num_requests_running", "Requests running", registry=self._registry)
             self._m_waiting = Gauge("vllm:num_requests_waiting", "Requests waiting", registry=self._registry)
+            self._m_drafts = Counter("vllm:spec_decode_num_draft_tokens", "Draft tokens proposed", registry=self._registry)
+            self._m_accepted = Counter("vllm:spec_decode_num_accepted_tokens", "Draft tokens accepted", registry=self._registry)
 
     # --- life cycle ---------------------------------------------------------------------------
 
@@ -241,6 +252,7 @@ class SimServer:
         r.add_get("/metrics", self._metrics)
         r.add_get("/v1/models", self._models)
         r.add_get("/version", self._version)
+        r.add_post("/tokenize", self._tokenize)
         r.add_post("/completion", self._completion)
         r.add_post("/completions", self._completion)
         r.add_post("/v1/completions", self._oai_completions)
@@ -286,11 +298,11 @@ class SimServer:
             g.set_phase(ph)
         return min(g.speed_factor(share) for g in self.gpus)
 
-    def _expected_tokens_per_step(self) -> float:
-        if not self.speculative or self.draft_n_max <= 0:
-            return 1.0
-        a = self.draft_acceptance
-        return float(sum(a**k for k in range(self.draft_n_max + 1)))
+    def _step_time_fmax_s(self, batch: list[_Req]) -> float:
+        """One single-stream decode step at f_max: draft cost and the batch's context (sim/knobs.py)."""
+        d = self.draft_n_max if self.speculative else 0
+        ctx = sum(r.prompt_tokens + r.generated for r in batch)
+        return knobs.step_cost(self.workload, d) / self._plain_tok_s * knobs.context_factor(self.workload, ctx)
 
     async def _engine(self) -> None:
         while True:
@@ -339,7 +351,7 @@ class SimServer:
         b = len(batch)
         c = self.compute_share
         c_b = c * (1.0 + self.batch_growth * (b - 1))
-        t_fmax = self._expected_tokens_per_step() / self.decode_tok_s * ((1.0 - c) + c_b)
+        t_fmax = self._step_time_fmax_s(batch) * ((1.0 - c) + c_b)
         share = c_b / ((1.0 - c) + c_b)
         speed = self._phase("decode", share)
         t0 = time.monotonic_ns()
@@ -349,15 +361,18 @@ class SimServer:
             if req.cancelled:
                 continue
             n = 1
-            if self.speculative and self.draft_n_max > 0:
+            if self.speculative:
                 acc = 0
-                for _ in range(self.draft_n_max):
-                    if req.rng.random() < self.draft_acceptance:
+                for a in knobs.acceptance_chain(self.workload, self.draft_n_max):
+                    if req.rng.random() < a:
                         acc += 1
                     else:
                         break
                 req.draft_n += self.draft_n_max
                 req.draft_accepted += acc
+                if self.flavour == "vllm":
+                    self._m_drafts.inc(self.draft_n_max)
+                    self._m_accepted.inc(acc)
                 n = 1 + acc
             self._emit(req, n)
         self._log_step(t0, time.monotonic_ns(), "decode", b, sum(r.generated for r in batch) - before)
@@ -400,7 +415,7 @@ class SimServer:
         timings["predicted_per_second"] = (
             req.generated / timings["predicted_ms"] * 1e3 if timings["predicted_ms"] > 0 else 0.0
         )
-        if self.speculative and self.draft_n_max > 0:
+        if self.speculative:
             timings["draft_n"] = req.draft_n
             timings["draft_n_accepted"] = req.draft_accepted
         self.truth.append(
@@ -458,7 +473,7 @@ class SimServer:
                 "build_info": "simulated (powerprof)",
                 "model_path": self.model,
                 "total_slots": self.n_slots,
-                "default_generation_settings": {"n_ctx": 4096},
+                "default_generation_settings": {"n_ctx": self.n_ctx // self.n_slots if self.n_ctx else 4096},
                 "simulated": True,
                 "gpu": self.gpus[0].profile.name,
             }
@@ -486,6 +501,34 @@ class SimServer:
         if self.flavour != "vllm":
             raise web.HTTPNotFound()
         return self._json({"version": "simulated"})
+
+    async def _tokenize(self, request: web.Request) -> web.Response:
+        """llama.cpp `/tokenize` ({"content"} → {"tokens"}) or vLLM's ({"prompt"} → {"tokens", "count"})."""
+        body = await self._body(request)
+        if self.flavour == "llamacpp":
+            text = str(body.get("content", ""))
+            special = bool(body.get("add_special", False))
+        else:
+            text = str(body.get("prompt", ""))
+            special = bool(body.get("add_special_tokens", True))
+        n = count_prompt_tokens(text) - (0 if special else 1)
+        ids = [(zlib.crc32(w.encode()) % 32000) for w in _WORD.findall(text)]
+        ids = ([1] if special else []) + ids
+        assert len(ids) == n
+        if self.flavour == "llamacpp":
+            return self._json({"tokens": ids})
+        return self._json({"count": n, "max_model_len": self.n_ctx or 4096, "tokens": ids})
+
+    def _context_refusal(self, prompt: str) -> web.Response | None:
+        """A prompt longer than a slot's context is refused with llama.cpp's error (only with n_ctx set)."""
+        if not self.n_ctx:
+            return None
+        per_slot = self.n_ctx // self.n_slots
+        n = count_prompt_tokens(prompt)
+        if n < per_slot:
+            return None
+        msg = f"the request exceeds the available context size, try increasing it (n_prompt_tokens {n}, n_ctx {per_slot})"
+        return self._json({"error": {"code": 400, "message": msg, "type": "exceed_context_size_error"}}, 400)
 
     async def _body(self, request: web.Request) -> dict:
         try:
@@ -523,6 +566,9 @@ class SimServer:
         fault = self._take_fault()
         if fault is not None and fault.kind == "http_error":
             return self._json({"error": {"code": fault.status, "message": "injected failure", "type": "server_error"}}, fault.status)
+        too_long = self._context_refusal(prompt)
+        if too_long is not None:
+            return too_long
         default_cache = api == "llamacpp"
         req = self._submit(
             prompt,
