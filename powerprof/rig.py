@@ -158,15 +158,18 @@ class Rig:
         *,
         launch_timeout_s: float = 300.0,
         sim_decode_tok_s: float | None = None,
+        log_path=None,
     ) -> Iterator[str]:
         """The inference server's base URL while the block runs: the given one, one launched with
         `launch` (stopped afterwards, also on error), or the simulated server (on the simulated rig,
-        when no URL is given)."""
+        when no URL is given). log_path: where a launched server's output goes (default: a temp file).
+        On the simulated rig a launched `python -m powerprof.sim.serve` drives the simulated GPUs
+        through the shared state file."""
         self.check_server(url, launch)
         if launch:
             from powerprof.workload.launcher import ServerLauncher
 
-            with ServerLauncher(launch, url, timeout_s=launch_timeout_s):
+            with ServerLauncher(launch, url, timeout_s=launch_timeout_s, log_path=log_path):
                 yield url
         elif url:
             yield url

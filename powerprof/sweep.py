@@ -19,7 +19,7 @@ CAP_ENGAGED_FRACTION = 0.9  # without reason bits: average power below 90% of th
 
 @dataclass(frozen=True)
 class SweepSettings:
-    level_kind: str  # power_limit | sm_clock
+    level_kind: str  # power_limit | sm_clock | none (the settings as they are: a configuration sweep alone)
     levels: tuple[float, ...]
     repeats: int = 1
     order: str = "desc"  # desc | asc | random
@@ -36,7 +36,7 @@ class SweepSettings:
     max_failures: int = 10
 
     def __post_init__(self):
-        if self.level_kind not in ("power_limit", "sm_clock"):
+        if self.level_kind not in ("power_limit", "sm_clock", "none"):
             raise ValueError(f"unknown level kind {self.level_kind!r}")
         if self.order not in ("desc", "asc", "random"):
             raise ValueError(f"--order must be desc, asc or random, not {self.order!r}")
@@ -184,8 +184,11 @@ class Sweep:
         reference_value: float | None,
         ui: UI | None = None,
         policy=None,
+        row_extras: dict | None = None,
     ):
+        """row_extras: columns every windows row carries (a configuration sweep's knobs)."""
         self.s = settings
+        self.row_extras = dict(row_extras or {})
         self.prof = profiler
         self.ctl = controller
         self.server = server
@@ -215,7 +218,10 @@ class Sweep:
     async def _run(self) -> None:
         import aiohttp
 
-        order = visit_order(self.s.levels, self.s.repeats, self.s.order, self.s.seed)
+        if self.s.level_kind == "none":
+            order = [(None, r) for r in range(self.s.repeats)]
+        else:
+            order = visit_order(self.s.levels, self.s.repeats, self.s.order, self.s.seed)
         async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0)) as session:
             self.session = session
             await self._idle_baseline()
@@ -244,6 +250,9 @@ class Sweep:
         self.idle_power_w = e / w.result.duration_s if e is not None and w.result.duration_s > 0 else None
 
     def _set_level(self, visit: LevelVisit) -> None:
+        if self.s.level_kind == "none":
+            self.timeline.set_tags(level_kind="none", level_value=None)
+            return
         if self.s.level_kind == "power_limit":
             visit.readback = self.ctl.set_power_limit_w(visit.level_value)
         else:
@@ -348,8 +357,11 @@ class Sweep:
     def _add_rows(self, visit: LevelVisit, recs) -> list[dict]:
         from powerprof.workload.rows import Level, window_rows
 
-        level = Level(self.s.level_kind, float(visit.level_value), visit.repeat)
+        value = None if visit.level_value is None else float(visit.level_value)
+        level = Level(self.s.level_kind, value, visit.repeat)
         new, batches = window_rows(recs, self.prof, self.run_id, self.server, level)
+        for row in new:
+            row.update(self.row_extras)
         for r in recs:
             self.records.append((visit.level_value, r))
             if r.ok and not r.warmup and self.s.concurrency == 1:
@@ -388,7 +400,7 @@ class Sweep:
         samples = self.timeline.samples("nvml")
         out = {}
         n_gpus = len(self.prof.gpu.indexes) if self.prof.gpu else 1
-        for value in sorted({v.level_value for v in self.visits}):
+        for value in sorted({v.level_value for v in self.visits}, key=lambda v: -1.0 if v is None else v):
             visits = [v for v in self.visits if v.level_value == value]
             spans = [sp for v in visits for sp in v.spans]
             st = level_sample_stats(samples, spans)
@@ -404,7 +416,7 @@ class Sweep:
             not_engaged = (
                 cap_not_engaged(avg_w, enforced or requested, st["reasons"], n_gpus) if self.s.level_kind == "power_limit" else False
             )
-            out[(self.s.level_kind, float(value))] = {
+            out[(self.s.level_kind, None if value is None else float(value))] = {
                 "requested_limit_w": requested,
                 "enforced_limit_w": enforced,
                 "locked_sm_clock_mhz": float(value) if self.s.level_kind == "sm_clock" else None,
@@ -478,6 +490,8 @@ def run_sweep(
     command_line: str = "",
     ui: UI | None = None,
     launch_timeout_s: float = 300.0,
+    runner=None,
+    plan_lines: list[str] | None = None,
     **settings_kw,
 ) -> SweepOutcome:
     """Sweep on the `rig` (powerprof.rig.Rig: its GPUs, RAPL and server, whatever they are): open
@@ -485,6 +499,11 @@ def run_sweep(
 
     Order matters: levels are parsed against the device's range before the server is started
     or a limit changes, so bad input costs nothing and changes nothing.
+
+    runner: for a configuration sweep (powerprof.grid), a callable taking the opened run's parts
+    (keywords: settings, profiler, controller, timeline, writer, run_id, reference_value, ui) and
+    returning an object with run(), flush() and levels_table() that launches its own servers.
+    level_kind "none": measure at the settings as they are (no controller, no privilege needed).
     """
     import uuid
     from contextlib import ExitStack
@@ -519,8 +538,10 @@ def run_sweep(
             nvml.nvmlShutdown()
         if level_kind == "power_limit":
             values = parse_power_levels(levels_spec, devices)
-        else:
+        elif level_kind == "sm_clock":
             values = parse_clock_levels(levels_spec, devices)
+        else:
+            values = ()
         settings = settings or SweepSettings(level_kind, tuple(float(v) for v in values), **settings_kw)
         infos = src.nvml.infos
         label = infos[0].name.replace("Simulated ", "sim-") if infos else "gpu"
@@ -528,7 +549,8 @@ def run_sweep(
         if dry_run:
             spec = levels_spec
             plan = rig.plan(indexes, spec if level_kind == "power_limit" else None, spec if level_kind == "sm_clock" else None)
-            return SweepOutcome(None, None, None, plan.lines(), rig.notes)
+            lines = (plan.lines() if level_kind != "none" else ["levels: none (the settings as they are)"]) + list(plan_lines or [])
+            return SweepOutcome(None, None, None, lines, rig.notes)
         # Refuse an unusable --out before a server is launched or a GPU is locked.
         if run_dir.exists() and (not run_dir.is_dir() or any(run_dir.iterdir())):
             raise SweepError(f"run directory {run_dir} already exists and is not empty; choose another --out")
@@ -538,11 +560,13 @@ def run_sweep(
             raise SweepError(f"cannot create the run directory {run_dir}: {e.strerror or e}") from None
         stack.callback(_remove_if_empty, run_dir)  # a sweep that fails before writing leaves nothing
 
-        url = stack.enter_context(rig.server(url, launch, launch_timeout_s=launch_timeout_s))
+        server_info = None
+        if runner is None:  # a configuration sweep launches a server per configuration
+            url = stack.enter_context(rig.server(url, launch, launch_timeout_s=launch_timeout_s))
+            server_info = detect(url, api)
         notes.extend(rig.notes)
-        server_info = detect(url, api)
 
-        ctl = stack.enter_context(rig.controller(indexes))
+        ctl = stack.enter_context(rig.controller(indexes)) if level_kind != "none" else None
         profiler = stack.enter_context(
             Profiler(gpu_collector=src.nvml, rapl=src.rapl, extra_collectors=[src.host] if src.host else [], interval_s=interval_s)
         )
@@ -561,7 +585,7 @@ def run_sweep(
             "version": __version__,
             "command_line": command_line,
             **rig.meta(),
-            "server": server_info.meta(),
+            "server": server_info.meta() if server_info is not None else None,
             "gpus": [
                 {
                     "index": i.index,
@@ -574,26 +598,19 @@ def run_sweep(
                 }
                 for i in infos
             ],
-            "original_limits_w": list(ctl.original_limits_w),
+            "original_limits_w": list(ctl.original_limits_w) if ctl is not None else None,
             "settings": {k: (list(v) if isinstance(v, tuple) else v) for k, v in settings.__dict__.items()},
             "params": {k: v for k, v in params.__dict__.items() if not k.endswith("_timeout_s")},
             "interval_s": interval_s,
             "notes": notes,
         }
         writer = RunWriter(run_dir, meta)
-        sweep = Sweep(
-            settings,
-            profiler=profiler,
-            controller=ctl,
-            server=server_info,
-            prompts=prompts,
-            params=params,
-            writer=writer,
-            timeline=timeline,
-            run_id=run_id,
-            reference_value=reference,
-            ui=ui,
-        )
+        parts = dict(settings=settings, profiler=profiler, controller=ctl, timeline=timeline, writer=writer,
+                     run_id=run_id, reference_value=reference, ui=ui)
+        if runner is not None:
+            sweep = runner(**parts)
+        else:
+            sweep = Sweep(server=server_info, prompts=prompts, params=params, **parts)
         try:
             sweep.run()
         finally:
@@ -601,7 +618,8 @@ def run_sweep(
             # If restoring fails the controller keeps its restore file (and retries on close);
             # the finished levels are written either way.
             try:
-                ctl.restore()
+                if ctl is not None:
+                    ctl.restore()
             finally:
                 sweep.timeline.set_tags()
                 profiler.sampler.sample_now("restored")

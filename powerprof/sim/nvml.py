@@ -145,6 +145,7 @@ class _LoadFile:
             return None
 
     def publish(self, phases: dict) -> None:
+        self.path.parent.mkdir(parents=True, exist_ok=True)
         tmp = self.path.with_name(f".{self.path.name}.{os.getpid()}.{threading.get_ident()}.tmp")
         tmp.write_text(json.dumps(phases))
         os.replace(tmp, self.path)
