@@ -35,6 +35,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("-c", "--ctx-size", dest="ctx_size", type=int, default=16384, help="context tokens, all slots together")
     ap.add_argument("--loading-s", type=float, default=0.0, help="seconds /health answers 503 (model loading)")
     ap.add_argument("--decode-tok-s", type=float, default=None, help="single-stream speed at the profile's draft count")
+    ap.add_argument("--prefill-tok-s", type=float, default=None, help="prompt tokens per second (default: the profile's)")
     a = ap.parse_args(argv)
     if a.n_slots < 1 or a.ctx_size < 1 or (a.draft is not None and a.draft < 0):
         ap.error("-np and -c must be at least 1 and the draft count at least 0")
@@ -60,7 +61,7 @@ def main(argv: list[str] | None = None) -> int:
     for s in (signal.SIGINT, signal.SIGTERM):
         signal.signal(s, lambda *_: stop.set())
     srv = SimServer(nvml, flavour=a.flavour, host=a.host, port=a.port, n_slots=a.n_slots, loading_s=a.loading_s,
-                    decode_tok_s=a.decode_tok_s, draft_n_max=draft, n_ctx=a.ctx_size)
+                    decode_tok_s=a.decode_tok_s, prefill_tok_s=a.prefill_tok_s, draft_n_max=draft, n_ctx=a.ctx_size)
     with srv:
         print(f"simulated server listening on {srv.url}", flush=True)
         while not stop.wait(SETTINGS_POLL_S):
