@@ -1,11 +1,17 @@
 """Bench: `powerprof analyze` and `powerprof export` on 10 million sample rows and 100,000 windows.
 
 Writes a synthetic run directory (8 power-limit levels, 4 GPUs sampled ~8 Hz), then runs each
-step in a fresh process and prints wall time, the process's peak RSS (ru_maxrss), numpy/Python
-peak (tracemalloc) and Arrow's peak pool allocation. The baseline step loads samples.parquet
-whole, side by side, to show what streaming saves.
+step in a fresh process and prints wall time, the process's peak RSS (ru_maxrss), Arrow's peak pool
+allocation and, with --tracemalloc, the numpy/Python peak (tracing slows the steps, so it is off
+by default). Side by side: `load-whole` loads
+samples.parquet whole (what streaming saves); `duckdb-query` is the engine baseline, one plain
+DuckDB GROUP BY over the file (per-level means, medians, energy span, OR of clock reasons, no
+window filter); `sample-scan` is the analysis's own sample stage (per-level figures inside the
+measured windows plus the timeline, analysis/loading.sample_level_figures); `analyze` is the
+whole command.
 
     .venv/bin/python bench/analysis_scale.py [--samples 10000000] [--windows 100000] [--dir /tmp/pp-bench]
+        [--steps load-whole,duckdb-query,sample-scan,analyze,export-csv] [--keep]
 """
 
 from __future__ import annotations
@@ -83,7 +89,15 @@ def generate(path: Path, n_samples: int, n_windows: int, seed: int = 0) -> None:
 def child(step: str, run: str, out: str) -> None:
     import tracemalloc
 
-    tracemalloc.start()
+    prepared = None
+    if step == "sample-scan":
+        # Windows read beforehand: the stage compared with the DuckDB query is the scan of the samples.
+        from powerprof.analysis.loading import read_run_info, read_windows, sample_level_figures
+
+        runs = [read_run_info(run)]
+        prepared = (runs, read_windows(runs))
+    if TRACEMALLOC:
+        tracemalloc.start()  # slows Python-level allocation several fold: wall times are then not comparable
     t = time.perf_counter()
     if step == "analyze":
         from powerprof.analysis.report import analyze_run
@@ -95,11 +109,24 @@ def child(step: str, run: str, out: str) -> None:
         export(Path(run) / "samples.parquet", "csv", Path(out) / "samples.csv", tz="UTC")
     elif step == "load-whole":
         pq.read_table(Path(run) / "samples.parquet")
+    elif step == "duckdb-query":
+        import duckdb
+
+        duckdb.connect().execute(f"""
+            SELECT level_kind, level_value, avg(power_w), median(power_w), avg(sm_clock_mhz), median(sm_clock_mhz),
+                   max(energy_j) - min(energy_j), bit_or(clock_event_reasons), count(*)
+            FROM read_parquet('{Path(run) / "samples.parquet"}') WHERE source = 'nvml'
+            GROUP BY 1, 2""").fetchall()
+    elif step == "sample-scan":
+        sample_level_figures(*prepared)
     wall = time.perf_counter() - t
-    _, peak = tracemalloc.get_traced_memory()
+    _, peak = tracemalloc.get_traced_memory() if TRACEMALLOC else (0, float("nan"))
     print(json.dumps({"step": step, "wall_s": wall, "maxrss_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
                       / 1024, "tracemalloc_peak_mib": peak / 2**20,
                       "arrow_peak_mib": pa.default_memory_pool().max_memory() / 2**20}))
+
+
+TRACEMALLOC = "--tracemalloc" in sys.argv
 
 
 def main() -> None:
@@ -107,32 +134,46 @@ def main() -> None:
     ap.add_argument("--samples", type=int, default=10_000_000)
     ap.add_argument("--windows", type=int, default=100_000)
     ap.add_argument("--dir", default="/tmp/powerprof-bench-analysis")
+    ap.add_argument("--steps", default="load-whole,duckdb-query,sample-scan,analyze,export-csv")
+    ap.add_argument("--keep", action="store_true", help="keep (and reuse) the generated run directory")
+    ap.add_argument("--tracemalloc", action="store_true", help="also report the numpy/Python peak (slows the steps)")
     ap.add_argument("--child", nargs=3)
     a = ap.parse_args()
     if a.child:
         child(*a.child)
         return
     base = Path(a.dir)
-    shutil.rmtree(base, ignore_errors=True)
-    base.mkdir(parents=True)
     run = base / "run"
-    t = time.perf_counter()
-    generate(run, a.samples, a.windows)
-    print(f"generated {a.samples:,} sample rows, {a.windows:,} windows in {time.perf_counter() - t:.1f} s; "
-          f"samples.parquet {(run / 'samples.parquet').stat().st_size / 2**20:.0f} MiB")
+    if not (a.keep and (run / "samples.parquet").exists()):
+        shutil.rmtree(base, ignore_errors=True)
+        base.mkdir(parents=True)
+        t = time.perf_counter()
+        generate(run, a.samples, a.windows)
+        print(f"generated {a.samples:,} sample rows, {a.windows:,} windows in {time.perf_counter() - t:.1f} s; "
+              f"samples.parquet {(run / 'samples.parquet').stat().st_size / 2**20:.0f} MiB")
     results = {}
-    for step in ("load-whole", "analyze", "export-csv"):
+    for step in a.steps.split(","):
         out = base / step
+        shutil.rmtree(out, ignore_errors=True)
         out.mkdir()
-        p = subprocess.run([sys.executable, __file__, "--child", step, str(run), str(out)], capture_output=True,
-                           text=True, check=True, timeout=1800)
+        p = subprocess.run([sys.executable, __file__, "--child", step, str(run), str(out)]
+                           + (["--tracemalloc"] if a.tracemalloc else []), capture_output=True,
+                           text=True, timeout=3600)
+        if p.returncode != 0:
+            print(f"{step:12s} FAILED (exit {p.returncode}): {p.stderr.strip().splitlines()[-1:]}")
+            continue
         results[step] = json.loads(p.stdout.strip().splitlines()[-1])
         r = results[step]
-        print(f"{step:11s} wall {r['wall_s']:7.1f} s  peak RSS {r['maxrss_mib']:7.0f} MiB  "
+        print(f"{step:12s} wall {r['wall_s']:7.1f} s  peak RSS {r['maxrss_mib']:7.0f} MiB  "
               f"tracemalloc peak {r['tracemalloc_peak_mib']:6.0f} MiB  arrow peak {r['arrow_peak_mib']:6.0f} MiB")
-    ratio = results["load-whole"]["maxrss_mib"] / results["analyze"]["maxrss_mib"]
-    print(f"peak RSS, loading samples whole vs the whole streaming analysis: {ratio:.1f}x")
-    shutil.rmtree(base, ignore_errors=True)
+    if {"load-whole", "analyze"} <= set(results):
+        ratio = results["load-whole"]["maxrss_mib"] / results["analyze"]["maxrss_mib"]
+        print(f"peak RSS, loading samples whole vs the whole analysis: {ratio:.1f}x")
+    if {"duckdb-query", "sample-scan"} <= set(results):
+        ratio = results["sample-scan"]["wall_s"] / results["duckdb-query"]["wall_s"]
+        print(f"sample-scan vs the plain DuckDB query over the same file: {ratio:.2f}x the wall time")
+    if not a.keep:
+        shutil.rmtree(base, ignore_errors=True)
 
 
 if __name__ == "__main__":

@@ -3,8 +3,12 @@
     .venv/bin/python bench/daemon_soak.py --minutes 10 --gpus 8
 
 Prints the daemon's CPU use (share of one core) and resident memory per minute, and the
-totals; `--rps` adds streamed requests through the proxy (their simulated server runs inside
-the daemon process, so that figure includes the simulated server's own cost).
+totals. The simulator's threads (the simulated server and RAPL, named `sim-*` at the OS level,
+powerprof/sim/threads.py) run inside the daemon process: their CPU is read per thread from
+/proc and printed apart, so `own` is the daemon without its simulated hardware. The simulated
+GPUs' physics runs inside the NVML calls of the sampler thread and stays in `own` (an
+overestimate). RSS is split into anonymous memory and file-backed pages (shared library code).
+`--rps` adds streamed requests through the proxy.
 """
 
 from __future__ import annotations
@@ -34,6 +38,34 @@ def traffic(url: str, rps: float, stop: threading.Event) -> None:
             pass
 
 
+def thread_cpu_s(pid: int) -> dict[str, float]:
+    """CPU seconds (user + system) per OS thread name of `pid`, from /proc/<pid>/task."""
+    tick = os.sysconf("SC_CLK_TCK")
+    out: dict[str, float] = {}
+    for task in Path(f"/proc/{pid}/task").iterdir():
+        try:
+            name = (task / "comm").read_text().strip()
+            fields = (task / "stat").read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue  # the thread ended
+        out[name] = out.get(name, 0.0) + (int(fields[11]) + int(fields[12])) / tick
+    return out
+
+
+def sim_cpu_s(pid: int) -> float:
+    return sum(v for k, v in thread_cpu_s(pid).items() if k.startswith("sim-"))
+
+
+def rss_split_mib(pid: int) -> tuple[float, float]:
+    """(anonymous, file-backed) resident MiB from /proc/<pid>/status."""
+    vals = {}
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        k, _, v = line.partition(":")
+        if k in ("RssAnon", "RssFile", "RssShmem"):
+            vals[k] = int(v.split()[0]) / 1024
+    return vals.get("RssAnon", 0.0), vals.get("RssFile", 0.0) + vals.get("RssShmem", 0.0)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--minutes", type=float, default=10.0)
@@ -57,28 +89,37 @@ def main() -> None:
         threading.Thread(target=traffic, args=(info["proxy"], a.rps, stop), daemon=True).start()
     p = psutil.Process(proc.pid)
     print(f"daemon pid {proc.pid}: {a.gpus} simulated GPUs every {a.interval} s, {a.rps} req/s, {a.minutes} min")
-    print("minute  cpu_%_of_one_core  rss_MiB")
+    print("minute  cpu_%_of_one_core  own_%  sim_threads_%  rss_MiB  anon_MiB  file_MiB")
     t0 = time.monotonic()
     cpu0 = sum(p.cpu_times()[:2])
+    sim0 = sim_cpu_s(proc.pid)
     rss = []
-    last_t, last_cpu = t0, cpu0
+    last_t, last_cpu, last_sim = t0, cpu0, sim0
     minute = 0
     try:
         while time.monotonic() - t0 < a.minutes * 60:
             time.sleep(min(60.0, a.minutes * 60 - (time.monotonic() - t0)) if a.minutes >= 1 else a.minutes * 60)
-            now, cpu = time.monotonic(), sum(p.cpu_times()[:2])
+            now, cpu, sim = time.monotonic(), sum(p.cpu_times()[:2]), sim_cpu_s(proc.pid)
             r = p.memory_info().rss / 2**20
+            anon, filed = rss_split_mib(proc.pid)
             rss.append(r)
             minute += 1
-            print(f"{minute:6d}  {100 * (cpu - last_cpu) / (now - last_t):17.2f}  {r:7.1f}", flush=True)
-            last_t, last_cpu = now, cpu
+            dt = now - last_t
+            print(f"{minute:6d}  {100 * (cpu - last_cpu) / dt:17.2f}  {100 * (cpu - last_cpu - sim + last_sim) / dt:5.2f}"
+                  f"  {100 * (sim - last_sim) / dt:13.2f}  {r:7.1f}  {anon:8.1f}  {filed:8.1f}", flush=True)
+            last_t, last_cpu, last_sim = now, cpu, sim
         total_cpu = sum(p.cpu_times()[:2]) - cpu0
+        total_sim = sim_cpu_s(proc.pid) - sim0
+        per_thread = thread_cpu_s(proc.pid)
         elapsed = time.monotonic() - t0
     finally:
         stop.set()
         proc.terminate()
         proc.wait(60)
     files = list(data.rglob("*.parquet"))
+    print("CPU s per thread name since start: " + ", ".join(f"{k} {v:.1f}" for k, v in sorted(per_thread.items())))
+    print(f"own CPU (without the sim-* threads) {100 * (total_cpu - total_sim) / elapsed:.2f} % of one core; "
+          f"simulator threads {100 * total_sim / elapsed:.2f} %")
     print(f"mean CPU {100 * total_cpu / elapsed:.2f} % of one core over {elapsed / 60:.1f} min; "
           f"RSS first {rss[0]:.1f} MiB, last {rss[-1]:.1f} MiB, max {max(rss):.1f} MiB; "
           f"{len(files)} Parquet files, {sum(f.stat().st_size for f in files) / 1024:.0f} KiB; exit {proc.returncode}")

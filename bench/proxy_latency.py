@@ -1,12 +1,18 @@
-"""Proxy cost: latency added per request and throughput, direct vs through the daemon's proxy.
+"""Proxy cost: latency added per request, throughput, and the proxy's own CPU per token and request.
 
-    .venv/bin/python bench/proxy_latency.py [--streams 1,32,256] [--requests-per-stream 8]
+    .venv/bin/python bench/proxy_latency.py [--streams 1,64,256] [--pace 256x25] [--requests-per-stream 8]
 
-An upstream process serves deterministic SSE streams (32 tokens, 2 ms apart); the real daemon
+An upstream process serves deterministic SSE streams (32 tokens per response); the real daemon
 (`powerprof daemon --simulate --upstream URL`, recording and attribution on) runs in another
-process. For each concurrency the same load goes direct and through the proxy, alternating,
-and the table gives median/p95 time to first byte and total time, and requests and tokens per
-second. Machine noise affects both sides alike; read the ratios.
+process. For each case the same load goes direct and through the proxy, alternating, and the
+table gives median/p95 time to first byte and total time, and requests and tokens per second.
+Machine noise affects both sides alike; read the ratios.
+
+Cases: the stress bench (`--streams`: tokens 2 ms apart, every process sharing the machine's
+cores) and a GPU-like pace (`--pace STREAMSxGAP_MS`: 256 streams at 25 ms per token, about
+40 tokens/s each, as a batched GPU server emits them). CPU: the daemon process's user+system time
+during the proxied runs, minus its simulator threads (`sim-*`) and minus its idle rate measured
+before (sampling, flushes), divided by the tokens and requests that passed.
 """
 
 from __future__ import annotations
@@ -32,12 +38,13 @@ def upstream_main(port_file: str) -> None:
     from aiohttp import web
 
     async def completion(request):
-        await request.read()
+        doc = json.loads(await request.read())
+        gap_s = float(doc.get("gap_ms", GAP_S * 1e3)) / 1e3
         resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
         await resp.prepare(request)
         for i in range(TOKENS):
             await resp.write(b'data: {"content":"tok ","tokens":[%d],"stop":false}\n\n' % i)
-            await asyncio.sleep(GAP_S)
+            await asyncio.sleep(gap_s)
         await resp.write(b'data: {"content":"","stop":true,"tokens_predicted":%d}\n\n' % TOKENS)
         await resp.write_eof()
         return resp
@@ -55,11 +62,11 @@ def upstream_main(port_file: str) -> None:
     asyncio.run(run())
 
 
-async def load(url: str, streams: int, per_stream: int) -> dict:
+async def load(url: str, streams: int, per_stream: int, gap_s: float = GAP_S) -> dict:
     import aiohttp
 
     ttfb, total = [], []
-    body = json.dumps({"prompt": "bench", "n_predict": TOKENS, "stream": True})
+    body = json.dumps({"prompt": "bench", "n_predict": TOKENS, "stream": True, "gap_ms": gap_s * 1e3})
     async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0)) as s:
         async def worker():
             for _ in range(per_stream):
@@ -83,11 +90,57 @@ async def load(url: str, streams: int, per_stream: int) -> dict:
             "req_s": n / wall, "tok_s": n * TOKENS / wall}
 
 
+class CpuMeter:
+    """The daemon's CPU seconds without its simulator threads, per thread from /proc/<pid>/task/*/schedstat
+    (nanoseconds on the CPU; the clock-tick counts of /proc/<pid>/stat are too coarse for one request)."""
+
+    def __init__(self, pid: int):
+        self.pid = pid
+
+    def own_s(self) -> float:
+        total = 0
+        for task in Path(f"/proc/{self.pid}/task").iterdir():
+            try:
+                if (task / "comm").read_text().startswith("sim-"):
+                    continue
+                total += int((task / "schedstat").read_text().split()[0])
+            except (OSError, ValueError, IndexError):
+                continue  # the thread ended
+        return total / 1e9
+
+
+def run_case(label: str, direct: str, proxy: str, streams: int, per_stream: int, gap_s: float, rounds: int,
+             meter: CpuMeter, idle_rate: float) -> dict:
+    res = {"direct": [], "proxy": []}
+    cpu_s = 0.0
+    for _ in range(rounds):
+        for name, url in (("direct", direct), ("proxy", proxy)):
+            c0, t0 = meter.own_s(), time.perf_counter()
+            res[name].append(asyncio.run(load(url, streams, per_stream, gap_s)))
+            if name == "proxy":
+                cpu_s += max(0.0, meter.own_s() - c0 - idle_rate * (time.perf_counter() - t0))
+    med = {k: {m: statistics.median(r[m] for r in v) for m in v[0]} for k, v in res.items()}
+    for name in ("direct", "proxy"):
+        m = med[name]
+        print(f"{label:>9s}  {name:6s}  {m['ttfb_p50_ms']:11.2f}  {m['ttfb_p95_ms']:11.2f}  "
+              f"{m['total_p50_ms']:12.2f}  {m['total_p95_ms']:12.2f}  {m['req_s']:7.1f}  {m['tok_s']:7.0f}")
+    d, p = med["direct"], med["proxy"]
+    n_req = rounds * streams * per_stream
+    out = {"ratio": p["tok_s"] / d["tok_s"], "ttfb_ms": p["ttfb_p50_ms"] - d["ttfb_p50_ms"],
+           "per_token_ms": (p["total_p50_ms"] - d["total_p50_ms"]) / TOKENS,
+           "cpu_us_token": 1e6 * cpu_s / (n_req * TOKENS), "cpu_us_request": 1e6 * cpu_s / n_req}
+    print(f"{label:>9s}  added   ttfb {out['ttfb_ms']:+.2f} ms, {out['per_token_ms']:+.3f} ms per token (p50); "
+          f"throughput proxy/direct {out['ratio']:.2f}; proxy CPU {out['cpu_us_token']:.1f} us/token, "
+          f"{out['cpu_us_request']:.0f} us/request")
+    return out
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--streams", default="1,32,256")
+    ap.add_argument("--streams", default="1,64,256", help="stress cases: concurrent streams, tokens 2 ms apart")
+    ap.add_argument("--pace", default="256x25", help="GPU-like case STREAMSxGAP_MS; empty to skip")
     ap.add_argument("--requests-per-stream", type=int, default=8)
-    ap.add_argument("--rounds", type=int, default=2, help="direct/proxy alternations per concurrency")
+    ap.add_argument("--rounds", type=int, default=2, help="direct/proxy alternations per case")
     a = ap.parse_args()
     tmp = Path(tempfile.mkdtemp(prefix="powerprof-bench-"))
     port_file = tmp / "port"
@@ -109,23 +162,30 @@ def main() -> None:
         proxy = info["proxy"]
         asyncio.run(load(direct, 4, 2))
         asyncio.run(load(proxy, 4, 2))  # warm both paths
-        print(f"{TOKENS} tokens per streamed response, {GAP_S * 1e3:.0f} ms apart; "
-              f"{a.requests_per_stream} requests per stream; medians of {a.rounds} alternating rounds")
-        print("streams  path    ttfb_p50_ms  ttfb_p95_ms  total_p50_ms  total_p95_ms    req_s    tok_s")
-        for streams in [int(x) for x in a.streams.split(",")]:
-            res = {"direct": [], "proxy": []}
-            for _ in range(a.rounds):
-                for name, url in (("direct", direct), ("proxy", proxy)):
-                    res[name].append(asyncio.run(load(url, streams, a.requests_per_stream)))
-            med = {k: {m: statistics.median(r[m] for r in v) for m in v[0]} for k, v in res.items()}
-            for name in ("direct", "proxy"):
-                m = med[name]
-                print(f"{streams:7d}  {name:6s}  {m['ttfb_p50_ms']:11.2f}  {m['ttfb_p95_ms']:11.2f}  "
-                      f"{m['total_p50_ms']:12.2f}  {m['total_p95_ms']:12.2f}  {m['req_s']:7.1f}  {m['tok_s']:7.0f}")
-            d, p = med["direct"], med["proxy"]
-            print(f"{streams:7d}  added   ttfb {p['ttfb_p50_ms'] - d['ttfb_p50_ms']:+.2f} ms, total "
-                  f"{p['total_p50_ms'] - d['total_p50_ms']:+.2f} ms per request (median); "
-                  f"throughput proxy/direct {p['tok_s'] / d['tok_s']:.2f}")
+        meter = CpuMeter(daemon.pid)
+        c0, t0 = meter.own_s(), time.perf_counter()
+        time.sleep(3.0)
+        idle_rate = (meter.own_s() - c0) / (time.perf_counter() - t0)
+        print(f"{TOKENS} tokens per streamed response; {a.requests_per_stream} requests per stream; medians of "
+              f"{a.rounds} alternating rounds; daemon idle CPU {100 * idle_rate:.2f} % of a core (subtracted)")
+        print("     case  path    ttfb_p50_ms  ttfb_p95_ms  total_p50_ms  total_p95_ms    req_s    tok_s")
+        results = {}
+        for streams in [int(x) for x in a.streams.split(",") if x]:
+            results[f"{streams}@{GAP_S * 1e3:g}ms"] = run_case(
+                f"{streams}@{GAP_S * 1e3:g}ms", direct, proxy, streams, a.requests_per_stream, GAP_S, a.rounds,
+                meter, idle_rate)
+        if a.pace:
+            n, gap_ms = (float(x) for x in a.pace.split("x"))
+            results["pace"] = run_case(f"{int(n)}@{gap_ms:g}ms", direct, proxy, int(n), a.requests_per_stream,
+                                       gap_ms / 1e3, a.rounds, meter, idle_rate)
+        print("summary (issue 13 targets in brackets):")
+        for k, r in results.items():
+            note = "  [stress: >= 0.90; before this change 0.62 at 64 streams]" if k.startswith("64@") else ""
+            if k == "pace":
+                note = "  [>= 0.99x, ttfb <= +0.5 ms, <= +0.2 ms per token]"
+            print(f"  {k:>10s}: throughput {r['ratio']:.2f}x direct, ttfb {r['ttfb_ms']:+.2f} ms, "
+                  f"{r['per_token_ms']:+.3f} ms/token, proxy CPU {r['cpu_us_token']:.1f} us/token "
+                  f"[<= 10], {r['cpu_us_request']:.0f} us/request{note}")
     finally:
         if daemon is not None:
             daemon.terminate()

@@ -210,8 +210,14 @@ def monitor(duration, interval, output, gpus, plain, as_json, rapl_backend, simu
     default=None,
     help="Restore from this file instead of every restore file in the state folder.",
 )
+@click.option(
+    "--force-default",
+    is_flag=True,
+    help="For a restore file that is damaged or not written by this user: set the GPUs it names to their "
+    "default power limit, release clock locks, and remove it.",
+)
 @click.option("--json", "as_json", is_flag=True, help=JSON_HELP)
-def restore(simulate: str | None, restore_file: Path | None, as_json: bool) -> None:
+def restore(simulate: str | None, restore_file: Path | None, force_default: bool, as_json: bool) -> None:
     """Put back every power limit and clock lock a crashed or killed powerprof left changed.
 
     Exits 1 when anything could not be restored."""
@@ -219,8 +225,11 @@ def restore(simulate: str | None, restore_file: Path | None, as_json: bool) -> N
 
     from powerprof.rig import Rig
 
-    with Rig(simulate) as rig:
+    # A damaged file may name any of several simulated GPUs; the real NVML has what it has.
+    with Rig(simulate, sim_gpu_count=8 if force_default else None) as rig:
         report = rig.restore(restore_file)
+        if force_default:
+            report = rig.force_default(report)
     if as_json:
         click.echo(json.dumps(report.to_dict(), indent=2))
     else:
@@ -346,9 +355,10 @@ def _fraction(text: str) -> float:
 
 
 @main.command()
-@click.argument("run_dirs", nargs=-1, required=True, type=click.Path(file_okay=False, path_type=str))
+@click.argument("run_dirs", nargs=-1, required=True, type=str)
 @click.option("--out", "out_dir", type=click.Path(file_okay=False), default=None,
-              help="Folder for the report, plots and analysis.parquet (default: RUN_DIR/analysis).")
+              help="Folder for the report, plots and analysis.parquet (default: RUN_DIR/analysis); "
+                   "for daemon datasets, the folder for fleet.parquet (default: none written).")
 @click.option("--max-slowdown", default="10%", show_default=True,
               help="Slowdown budget for the recommended limit, vs the reference level (10% or 0.1).")
 @click.option("--eta", type=float, default=0.5, show_default=True,
@@ -359,15 +369,36 @@ def _fraction(text: str) -> float:
               help="Bootstrap resamples for the confidence intervals.")
 @click.option("--json", "as_json", is_flag=True, help=JSON_HELP + " The same as analysis.json.")
 def analyze(run_dirs, out_dir, max_slowdown, eta, formats, force, n_boot, as_json):
-    """Curve fits, sweet spot under several policies, report (Markdown/HTML) and PNG plots."""
+    """Curve fits, sweet spot under several policies, report (Markdown/HTML) and PNG plots.
+
+    RUN_DIRS are sweep run folders or globs of them. Daemon data folders (several nodes'; globs;
+    s3://, gs://, https:// URIs) get the per-host fleet summary instead (docs/fleet.md)."""
+    from powerprof.analysis import fleet
     from powerprof.analysis.loading import AnalysisError
     from powerprof.analysis.report import analyze_run, console_summary
 
     fmts = tuple(f.strip() for f in formats.split(",") if f.strip())
     try:
-        result = analyze_run(list(run_dirs), out_dir, max_slowdown=_fraction(max_slowdown), eta=eta, formats=fmts,
+        sources = fleet.expand_sources(run_dirs)
+        if all(fleet.is_daemon_dataset(s) for s in sources):
+            table = fleet.fleet_summary(sources)
+            if out_dir is not None:
+                from powerprof.storage.runs import atomic_write_table
+
+                Path(out_dir).mkdir(parents=True, exist_ok=True)
+                atomic_write_table(Path(out_dir) / "fleet.parquet", table)
+            if as_json:
+                import json
+
+                click.echo(json.dumps(table.to_pylist(), default=str, indent=2))
+            else:
+                click.echo(fleet.render_summary(table))
+            return
+        if any(fleet.is_uri(s) for s in sources):
+            raise AnalysisError("sweep runs are read from local folders; object-store URIs are for daemon datasets")
+        result = analyze_run(sources, out_dir, max_slowdown=_fraction(max_slowdown), eta=eta, formats=fmts,
                              force=force, n_boot=n_boot)
-    except AnalysisError as e:
+    except (AnalysisError, fleet.FleetError) as e:
         raise click.ClickException(str(e)) from None
     if as_json:
         from powerprof.analysis.report import result_json
@@ -378,7 +409,7 @@ def analyze(run_dirs, out_dir, max_slowdown, eta, formats, force, n_boot, as_jso
 
 
 @main.command()
-@click.argument("src", type=click.Path(path_type=str))
+@click.argument("src", nargs=-1, required=True, type=str)
 @click.option("--format", "fmt", type=click.Choice(["csv", "xlsx", "parquet"]), required=True,
               help="csv (one file per table), xlsx (one workbook, a summary sheet first) or parquet.")
 @click.option("--from", "time_from", default=None, help="Only rows at or after this ISO 8601 time (local unless it has an offset).")
@@ -387,12 +418,15 @@ def analyze(run_dirs, out_dir, max_slowdown, eta, formats, force, n_boot, as_jso
 @click.option("--tz", default=None, help="Time zone of the *_local columns and of --from/--to without offset (IANA name; default: this machine's).")
 @click.option("--out", default=None, type=click.Path(), help="Output file (xlsx; or one-table csv/parquet) or folder.")
 def export(src, fmt, time_from, time_to, columns, tz, out):
-    """Spreadsheet-ready CSV, xlsx or Parquet from a run directory or a daemon dataset."""
+    """Spreadsheet-ready CSV, xlsx or Parquet from run directories or daemon datasets.
+
+    SRC: one or more run directories, daemon data folders (several nodes' export as one table
+    each, rows carry `host`), .parquet files, globs, or URIs (s3://, gs://, abfs://, file://)."""
     from powerprof.analysis.export import ExportError, export as run_export
 
     cols = [c.strip() for c in columns.split(",") if c.strip()] if columns else None
     try:
-        paths = run_export(src, fmt, out, time_from, time_to, cols, tz)
+        paths = run_export(list(src), fmt, out, time_from, time_to, cols, tz)
     except ExportError as e:
         raise click.ClickException(str(e)) from None
     for p in paths:
@@ -504,6 +538,8 @@ def sweep(limits, clocks, url, launch, vary, context_tokens, simulate, gpus, rep
                 idle_s=idle_s, concurrency=concurrency,
             )
     except (LevelError, ValueError) as e:
+        if type(e).__module__.startswith("pyarrow"):  # ArrowInvalid is a ValueError, but not the user's mistake
+            raise click.ClickException(f"writing the run failed: {e}") from None
         raise click.UsageError(str(e)) from None
     except (ControlError, SweepError, ServerUnreachable, LaunchError, OSError) as e:
         raise click.ClickException(str(e)) from None

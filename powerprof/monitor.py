@@ -77,6 +77,10 @@ def run_monitor(
         k = 0
         while not stop.is_set():
             next_due_s = (sampler.t0_ns + (k + 1) * sampler.interval_ns - time.monotonic_ns()) / 1e9
+            if last is not None and k >= last:
+                # No later tick will show it: give the last one a grace period before the sampler stops,
+                # or a loaded machine's --duration output loses its final sample.
+                next_due_s += max(interval_s, 1.0)
             watcher.wait_tick(k, next_due_s)
             if on_tick is not None:
                 on_tick(k, display_rows(sampler.latest, baseline, infos))

@@ -6,7 +6,13 @@ import os
 from pathlib import Path
 
 STATE_DIR_ENV = "POWERPROF_STATE_DIR"
-ROOT_STATE_DIR = Path("/var/lib/powerprof")
+# Root's restore files and GPU locks: a root-owned folder (0755) of its own. Not the daemon's
+# StateDirectory (/var/lib/powerprof, owned by the unprivileged daemon user), whose owner could
+# otherwise forge the limits root applies at every start.
+ROOT_STATE_DIR = Path("/var/lib/powerprof-control")
+# Root's state folder before 0.2: also the daemon's StateDirectory, so files there are never trusted,
+# but a restore file left there by a crashed sweep must still be found and reported after an upgrade.
+LEGACY_ROOT_STATE_DIR = Path("/var/lib/powerprof")
 
 
 def user_state_home(env: dict | None = None) -> Path:
@@ -16,7 +22,7 @@ def user_state_home(env: dict | None = None) -> Path:
 
 
 def state_dir(env: dict | None = None, euid: int | None = None) -> Path:
-    """POWERPROF_STATE_DIR if set, else /var/lib/powerprof as root, else $XDG_STATE_HOME/powerprof."""
+    """POWERPROF_STATE_DIR if set, else /var/lib/powerprof-control as root, else $XDG_STATE_HOME/powerprof."""
     env = os.environ if env is None else env
     if env.get(STATE_DIR_ENV):
         return Path(env[STATE_DIR_ENV])
@@ -34,3 +40,11 @@ def configured_state_dir(env: dict | None = None) -> Path | None:
     if env.get("XDG_STATE_HOME"):
         return Path(env["XDG_STATE_HOME"]) / "powerprof"
     return None
+
+
+def legacy_state_dirs(env: dict | None = None, euid: int | None = None) -> list[Path]:
+    """Older state folders still to be searched for pending restore files (root's default only)."""
+    env = os.environ if env is None else env
+    if env.get(STATE_DIR_ENV) or (os.geteuid() if euid is None else euid) != 0:
+        return []
+    return [LEGACY_ROOT_STATE_DIR]

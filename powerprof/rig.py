@@ -217,6 +217,31 @@ class Rig:
 
         return restore_from_file(path, nvml_factory=_nvml_for_record, refuse=self._refuse_record, **kw)
 
+    def force_default(self, report):
+        """`powerprof restore --force-default`: each damaged or untrusted file of `report` is replaced by the
+        outcome of setting the GPUs it names (on this rig) to their default limit and removing it."""
+        from powerprof.control.restore import RestoreReport, force_default
+
+        outcomes = tuple(self._force_default_one(o, force_default) if o.status in ("damaged", "untrusted") else o
+                         for o in report.outcomes)
+        return RestoreReport(outcomes, searched=report.searched, notes=report.notes)
+
+    def _force_default_one(self, outcome, force_default):
+        """On the simulated rig only a file that names nothing but this simulator's GPUs is touched: a
+        damaged file of a real GPU must never be 'defaulted' on the simulator and then deleted."""
+        from powerprof.control.restore import FileOutcome, uuids_named_in
+
+        if self.simulated:
+            named = set(uuids_named_in(outcome.path))
+            ours = {g.uuid for g in self.nvml.gpus}
+            if not named or not named <= ours:
+                why = ("names no GPU that can be read" if not named
+                       else f"names GPUs that are not this simulator's ({', '.join(sorted(named - ours))})")
+                return FileOutcome(outcome.path, "refused",
+                                   f"Not changed: {outcome.path} {why}; it may hold a real GPU's original limit. "
+                                   "Run `powerprof restore --force-default` without --simulate on the GPU's host.")
+        return force_default(outcome.path, self.nvml)
+
     def _refuse_record(self, record: dict) -> str | None:
         if self.simulated and not record.get("simulated"):
             return "records a real GPU; run `powerprof restore` without --simulate."

@@ -2,19 +2,30 @@
 
 from __future__ import annotations
 
+import asyncio
 import random
 import time
+import uuid
+from contextlib import ExitStack
 from dataclasses import dataclass, field
+from pathlib import Path
 
+import aiohttp
 import numpy as np
 
-from powerprof.collectors.sampler import Sample
+from powerprof import __version__
+from powerprof.analysis import engine
+from powerprof.analysis.stats import bootstrap_ci, summarize_levels
+from powerprof.collectors.clock_reasons import cap_not_engaged, thermal
+from powerprof.collectors.gateway import gateway
+from powerprof.control.device import read_devices
+from powerprof.control.levels import parse_clock_levels, parse_power_levels
 from powerprof.profiler import Profiler
-
-REASON_SW_POWER_CAP = 0x4
-REASON_THERMAL = 0x20 | 0x40  # SwThermal | HwThermal
-CAP_AT_LIMIT_FRACTION = 0.98  # drawing this close to the limit, the cap binds whatever the reason bits say
-CAP_ENGAGED_FRACTION = 0.9  # without reason bits: average power below 90% of the limit means the cap did nothing
+from powerprof.storage.runs import RunWriter, default_run_dir, table_from_rows
+from powerprof.storage.samples import Timeline
+from powerprof.workload.client import RequestParams
+from powerprof.workload.load import LoadAborted, LoadPolicy, builtin_prompts, detect, run_load_async
+from powerprof.workload.rows import Level, window_rows
 
 
 @dataclass(frozen=True)
@@ -70,7 +81,6 @@ def visit_order(levels, repeats: int, order: str, seed: int = 0) -> list[tuple[f
 def median_ci_halfwidth_frac(values: np.ndarray, n_boot: int = 2000, seed: int = 0) -> float:
     """Half-width of the bootstrap 95% CI of the median, relative to the median: the same statistic
     the analysis reports as ci_reached_pct, so the live figure and the table agree."""
-    from powerprof.analysis.stats import bootstrap_ci
 
     v = np.asarray(values, dtype=float)
     v = v[np.isfinite(v)]
@@ -91,50 +101,6 @@ def stop_reason(j_per_token: np.ndarray, elapsed_s: float, s: SweepSettings) -> 
     if n >= s.min_requests and median_ci_halfwidth_frac(j_per_token) <= s.target_ci:
         return "ci-reached"
     return None
-
-
-def level_sample_stats(samples: list[Sample], spans: list[tuple[int, int]]) -> dict:
-    """What the sensors said during a level's measured spans: clocks, power and clock-event reasons."""
-    sm, mem, pw, temps = [], [], [], []
-    reasons: int | None = None
-    for s in samples:
-        if s.source != "nvml" or s.data is None or not any(t0 <= s.t_mono_ns <= t1 for t0, t1 in spans):
-            continue
-        for r in s.data:
-            if r.sm_clock_mhz is not None:
-                sm.append(r.sm_clock_mhz)
-            if r.mem_clock_mhz is not None:
-                mem.append(r.mem_clock_mhz)
-            p = r.power_w if r.power_w is not None else r.power_avg_w
-            if p is not None:
-                pw.append(p)
-            if r.clock_event_reasons is not None:
-                reasons = (reasons or 0) | r.clock_event_reasons
-            if r.temperature_c is not None:
-                temps.append(r.temperature_c)
-    med = lambda xs: float(np.median(xs)) if xs else None  # noqa: E731
-    return {
-        "sm_clock_mhz": med(sm),
-        "mem_clock_mhz": med(mem),
-        "sample_power_w": med(pw),
-        "reasons": reasons,
-        "max_temperature_c": max(temps) if temps else None,
-        "n_samples": len(sm),
-    }
-
-
-def cap_not_engaged(avg_power_w: float | None, limit_w: float | None, reasons: int | None, n_gpus: int = 1) -> bool:
-    """A cap that never bound: the driver never reported SwPowerCap while power stayed under it.
-
-    reasons: the OR of the clock-event reasons seen during the level, None where the GPU cannot
-    report them; then only power can tell, and only a clear gap (under 90%) counts.
-    """
-    if avg_power_w is None or limit_w is None:
-        return False
-    per_gpu = avg_power_w / max(n_gpus, 1)
-    if reasons is None:
-        return per_gpu < CAP_ENGAGED_FRACTION * limit_w
-    return not (reasons & REASON_SW_POWER_CAP) and per_gpu < CAP_AT_LIMIT_FRACTION * limit_w
 
 
 class SweepError(RuntimeError):
@@ -207,16 +173,15 @@ class Sweep:
         self._rid = 0
         self._bid = 0
         self._prompt_k = 0
+        self.unstored_rows = 0
 
     # --- the run -----------------------------------------------------------------------------
 
     def run(self) -> None:
-        import asyncio
 
         asyncio.run(self._run())
 
     async def _run(self) -> None:
-        import aiohttp
 
         if self.s.level_kind == "none":
             order = [(None, r) for r in range(self.s.repeats)]
@@ -238,7 +203,6 @@ class Sweep:
                 self.ui.level_done(visit, self._live(visit))
 
     async def _idle_baseline(self) -> None:
-        import asyncio
 
         if self.s.idle_s <= 0:
             return
@@ -262,7 +226,6 @@ class Sweep:
     async def _settle(self, visit: LevelVisit) -> float:
         """Wait until the enforced limit reads back as set and power and SM clock hold steady
         across two reads, or the bounded wait runs out. Warm-up requests follow either way."""
-        import asyncio
 
         t0 = time.monotonic()
         prev = None
@@ -292,7 +255,6 @@ class Sweep:
         return self.prompts[k:] + self.prompts[:k]
 
     async def _batch(self, n_requests: int, warmup: int):
-        from powerprof.workload.load import run_load_async
 
         recs = await run_load_async(
             self.server,
@@ -320,7 +282,6 @@ class Sweep:
         return -(-len(self.prompts) // c) * c
 
     async def _measure(self, visit: LevelVisit) -> None:
-        from powerprof.workload.load import LoadAborted, LoadPolicy
 
         self.policy = self.policy or LoadPolicy(max_failed_attempts=self.s.max_failures)
         t_start = time.monotonic()
@@ -355,7 +316,6 @@ class Sweep:
         return row["window_kind"] == kind and not row["warmup"] and row["status"] == "ok"
 
     def _add_rows(self, visit: LevelVisit, recs) -> list[dict]:
-        from powerprof.workload.rows import Level, window_rows
 
         value = None if visit.level_value is None else float(visit.level_value)
         level = Level(self.s.level_kind, value, visit.repeat)
@@ -395,15 +355,24 @@ class Sweep:
 
     # --- output ------------------------------------------------------------------------------
 
-    def level_extras(self) -> dict:
-        """Sensor-derived figures per level for levels.parquet (the windows give the rest)."""
-        samples = self.timeline.samples("nvml")
+    def level_extras(self, samples=None) -> dict:
+        """Sensor-derived figures per level for levels.parquet (the windows give the rest).
+
+        samples: the run's samples table (the one flush writes); the figures come from the same
+        implementation the analysis runs over samples.parquet (analysis/engine.py)."""
+        samples = self.timeline.to_table() if samples is None else samples
+        t0 = self.timeline.t0_mono_ns or 0
+        spans = [sp for v in self.visits for sp in v.spans]
+        starts, ends = engine.merge_intervals(np.array([(a - t0) / 1e9 for a, _ in spans], float),
+                                              np.array([(b - t0) / 1e9 for _, b in spans], float))
+        with engine.connect() as con:
+            figures = engine.level_figures(engine.level_sums(con, engine.samples_relation(con, samples),
+                                                             (starts, ends), time_expr="t_mono_s"))
         out = {}
         n_gpus = len(self.prof.gpu.indexes) if self.prof.gpu else 1
         for value in sorted({v.level_value for v in self.visits}, key=lambda v: -1.0 if v is None else v):
             visits = [v for v in self.visits if v.level_value == value]
-            spans = [sp for v in visits for sp in v.spans]
-            st = level_sample_stats(samples, spans)
+            st = figures.get((self.s.level_kind, float(value)), {})
             rows = [r for r in self.rows if r["level_value"] == value and self._counts(r)]
             e = [r["gpu_energy_j"] for r in rows if r["gpu_energy_j"] is not None]
             c = [r["cpu_energy_j"] for r in rows if r["cpu_energy_j"] is not None]
@@ -414,7 +383,8 @@ class Sweep:
             enforced = float(np.mean([g.enforced_w for b in rb for g in b.gpus])) if rb else None
             requested = float(value) if self.s.level_kind == "power_limit" else None
             not_engaged = (
-                cap_not_engaged(avg_w, enforced or requested, st["reasons"], n_gpus) if self.s.level_kind == "power_limit" else False
+                cap_not_engaged(avg_w, enforced or requested, st.get("clock_event_reasons"), n_gpus)
+                if self.s.level_kind == "power_limit" else False
             )
             out[(self.s.level_kind, None if value is None else float(value))] = {
                 "requested_limit_w": requested,
@@ -422,34 +392,42 @@ class Sweep:
                 "locked_sm_clock_mhz": float(value) if self.s.level_kind == "sm_clock" else None,
                 "avg_gpu_power_w": avg_w,
                 "avg_cpu_power_w": sum(c) / dc if c and dc > 0 else None,
-                "sm_clock_mhz": st["sm_clock_mhz"],
-                "mem_clock_mhz": st["mem_clock_mhz"],
+                "sm_clock_mhz": st.get("sm_clock_mhz"),
+                "mem_clock_mhz": st.get("mem_clock_mhz"),
                 "cap_not_engaged": not_engaged,
-                "thermal_throttle": bool((st["reasons"] or 0) & REASON_THERMAL),
+                "thermal_throttle": thermal(st.get("clock_event_reasons")),
                 "stop_rule": ",".join(dict.fromkeys(v.stop for v in visits if v.stop)) or None,
             }
         return out
 
     def windows_table(self):
-        from powerprof.storage.runs import table_from_rows
 
         return table_from_rows("windows", self.rows)
 
-    def levels_table(self):
-        from powerprof.analysis.stats import summarize_levels
+    def levels_table(self, samples=None):
 
         windows = self.windows_table()
         if not any(self._counts(r) for r in self.rows):
-            from powerprof.storage.runs import table_from_rows
 
             return table_from_rows("levels", [])
-        return summarize_levels(windows, self.reference_value, run_id=self.run_id, extra=self.level_extras())
+        return summarize_levels(windows, self.reference_value, run_id=self.run_id, extra=self.level_extras(samples))
 
     def flush(self) -> None:
-        """Rewrite the run's tables (atomically): a crash keeps every finished level."""
+        """Rewrite the run's tables (atomically): a crash keeps every finished level.
+
+        A row its column cannot hold is left out (and out of every figure), said in run.json and on
+        screen, rather than failing the write and losing the levels already finished."""
+        from powerprof.storage.runs import split_storable
+
+        self.rows, bad, err = split_storable("windows", self.rows)
+        if bad:
+            self.unstored_rows += len(bad)
+            self.ui.note(f"{len(bad)} window row(s) could not be stored and are left out of every figure: {err}")
+            self.writer.write_json(unstored_window_rows=self.unstored_rows, unstored_error=err)
         self.writer.write("windows", self.windows_table())
-        self.writer.write("samples", self.timeline.to_table())
-        self.writer.write("levels", self.levels_table())
+        samples = self.timeline.to_table()
+        self.writer.write("samples", samples)
+        self.writer.write("levels", self.levels_table(samples))
         self.writer.write_json(idle_gpu_power_w=self.idle_power_w, levels_done=[(v.level_value, v.repeat) for v in self.visits if v.stop])
 
 
@@ -505,17 +483,7 @@ def run_sweep(
     returning an object with run(), flush() and levels_table() that launches its own servers.
     level_kind "none": measure at the settings as they are (no controller, no privilege needed).
     """
-    import uuid
-    from contextlib import ExitStack
-    from pathlib import Path
 
-    from powerprof import __version__
-    from powerprof.control.device import read_devices
-    from powerprof.control.levels import parse_clock_levels, parse_power_levels
-    from powerprof.storage.runs import RunWriter, default_run_dir
-    from powerprof.storage.samples import Timeline
-    from powerprof.workload.client import RequestParams
-    from powerprof.workload.load import builtin_prompts, detect
 
     try:
         rig.check_server(url, launch)
@@ -531,11 +499,8 @@ def run_sweep(
             raise SweepError(f"a sweep needs a GPU whose power limit it can set: {why or 'no GPU found'}")
         nvml = src.nvml.nvml
         indexes = src.nvml.indexes
-        nvml.nvmlInit()
-        try:
+        with gateway(nvml).session():
             devices = read_devices(nvml, indexes)
-        finally:
-            nvml.nvmlShutdown()
         if level_kind == "power_limit":
             values = parse_power_levels(levels_spec, devices)
         elif level_kind == "sm_clock":

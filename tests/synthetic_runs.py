@@ -15,7 +15,8 @@ from typing import Callable
 import numpy as np
 import pyarrow as pa
 
-from powerprof.sim.gpu import REASON_HW_THERMAL, REASON_SW_POWER_CAP, Phase, SimGpu
+from powerprof.collectors.clock_reasons import REASON_HW_THERMAL, REASON_SW_POWER_CAP
+from powerprof.sim.gpu import Phase, SimGpu
 from powerprof.sim.profiles import get_profile
 from powerprof.storage.runs import RunWriter
 from powerprof.storage.schema import SAMPLES, WINDOWS

@@ -112,6 +112,18 @@ def test_runs_of_the_same_gpu_pool_their_requests(tmp_path):
     assert rows[0]["run_id"] == "synthetic-1+synthetic-2"
 
 
+def test_cli_analyze_takes_a_glob_of_runs_and_pools_them(tmp_path):
+    make_run(tmp_path / "run-a", seed_truth(), levels=SEED_LEVELS, n_requests=10, seed=1)
+    make_run(tmp_path / "run-b", seed_truth(), levels=SEED_LEVELS, n_requests=12, seed=2)
+    r = CliRunner().invoke(main, ["analyze", str(tmp_path / "run-*"), "--out", str(tmp_path / "o"), "--format", "md",
+                                  "--bootstrap", "200"])
+    assert r.exit_code == 0, r.output
+    rows = pq.read_table(tmp_path / "o" / "analysis.parquet").to_pylist()
+    assert all(row["n_requests"] == 22 and row["n_runs"] == 2 for row in rows)
+    r = CliRunner().invoke(main, ["analyze", str(tmp_path / "nothing-*")])
+    assert r.exit_code != 0 and "matches nothing" in r.output
+
+
 def test_runs_of_different_gpus_are_refused_unless_forced(tmp_path):
     a = make_run(tmp_path / "a", seed_truth(), levels=SEED_LEVELS, n_requests=5)
     b = make_run(tmp_path / "b", bowl_truth(), levels=SEED_LEVELS, n_requests=5)

@@ -202,3 +202,21 @@ def test_paired_replicates_are_reproducible_and_each_is_a_median_of_the_levels_w
         # A median of an even count averages two windows; anything else would be outside this set.
         mids = {(x + y) / 2 for x in tok for y in tok}
         assert all(any(np.isclose(v, m) for m in mids) for v in np.unique(a.boot_tok_s[:, li]))
+
+
+@pytest.mark.parametrize("n", [1, 2, 3, 10, 999, 5000, 12_001, 12_500])
+def test_resample_medians_by_rank_equal_numpy_medians(n):
+    """The bootstrap's fast medians (int ranks: partition, or counting in a window for large n)
+    are exactly np.median of the same resamples, ties and all."""
+    from powerprof.analysis.stats import _Ranks, _resample_indices
+
+    rng = np.random.default_rng(n)
+    v = np.round(rng.lognormal(0, 0.3, n), 2)  # rounded: many ties
+    ranks = _Ranks(v)
+    for idx in _resample_indices(np.random.default_rng(7), n, 300):
+        assert np.array_equal(ranks.row_medians(idx), np.median(v[idx], axis=1))
+    # A resample squeezed to one end puts the middle outside the window: the fallback answers.
+    idx = np.zeros((3, n), np.int64)
+    idx[1] = np.argmax(v)
+    idx[2, : n // 2 + 1] = np.argmax(v)
+    assert np.array_equal(ranks.row_medians(idx), np.median(v[idx], axis=1))

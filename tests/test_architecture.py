@@ -114,3 +114,16 @@ def test_every_module_says_its_one_job_first(path, module, is_pkg):
     if is_pkg and not path.read_text().strip():
         return  # an empty package marker
     assert doc and doc.strip(), f"{module} has no docstring saying what it does"
+
+
+def test_every_nvml_call_goes_through_the_gateway():
+    """No `x.nvmlSomething(...)` call outside collectors/gateway.py (and the simulator, which is NVML):
+    readings use gw.query (None where NVML cannot answer), must-haves and setters gw.call."""
+    bad = []
+    for p, m, _ in MODULES:
+        if m == "powerprof.collectors.gateway" or _area(m) == "sim":
+            continue
+        for node in ast.walk(ast.parse(p.read_text())):
+            if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr.startswith("nvml"):
+                bad.append(f"{m}:{node.lineno} calls .{node.func.attr}()")
+    assert not bad, "call NVML through powerprof.collectors.gateway:\n" + "\n".join(bad)

@@ -268,3 +268,19 @@ def test_permission_lost_after_start_is_a_counted_sampler_error(tmp_path):
     s = sampler.sample_now("after")["rapl"]
     assert not s.ok and "RaplPermissionError" in s.error and "ExecStartPre=+" in s.error
     assert sampler.errors["rapl"] == 1
+
+
+def test_back_to_back_reads_have_no_power_figure_never_a_false_zero(tmp_path):
+    # An on-demand edge sample a few ms after a tick spans less than the counter's update step: the
+    # counter may not have moved, and 0 W (or a spike) over that interval is not a measurement.
+    clock = FakeClock()
+    pc = _tree(tmp_path, clock, power_w_fn=lambda: 40.0)
+    rc = _collector(pc, clock)
+    rc.read()
+    clock.advance(1.0)
+    pc.update()
+    full = _by_zone(rc.read())["package-0"]
+    clock.advance(0.002)  # no counter update in between: the delta is 0
+    quick = _by_zone(rc.read())["package-0"]
+    assert full.power_w == pytest.approx(40.0, rel=1e-6)
+    assert quick.power_w is None and quick.energy_j == full.energy_j

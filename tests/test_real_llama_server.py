@@ -226,8 +226,11 @@ def test_measure_launches_llama_server_measures_it_and_stops_it(tmp_path):
     assert p.returncode == 0, out
     assert not _answers(url), "the launched llama-server is stopped at the end"
     w = pq.read_table(tmp_path / "out" / "windows.parquet").to_pandas()
-    measured = w[(w.window_kind == "request") & ~w.warmup]
-    assert len(measured) == 3 and (measured.status == "ok").all()
+    attempts = w[(w.window_kind == "request") & ~w.warmup]
+    measured = attempts[attempts.status == "ok"]
+    # A loaded machine can make an attempt time out; it is recorded with its reason and retried.
+    failed = attempts[attempts.status != "ok"]
+    assert len(measured) == 3 and failed.error.notna().all(), attempts[["status", "error", "attempt"]].to_string()
     assert (measured.generated_tokens == 64).all() and (measured.decode_tokens == 63).all()
     # A stream the server flushed in one burst (it can, on a loaded machine) has no decode window:
     # its rate is missing, never made up.

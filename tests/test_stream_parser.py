@@ -186,3 +186,81 @@ def test_non_streaming_responses():
 def test_unknown_api_is_a_clear_error():
     with pytest.raises(ValueError, match="unknown api"):
         StreamParser("grpc")
+
+
+def _compact(*objs) -> bytes:
+    return b"".join(b"data: " + (o if isinstance(o, bytes) else json.dumps(o, separators=(",", ":")).encode()) + b"\n\n"
+                    for o in objs)
+
+
+_CHAT = {"id": "c1", "object": "chat.completion.chunk", "created": 1, "model": "qwen"}
+_CMPL = {"id": "c2", "object": "text_completion", "created": 1, "model": "qwen"}
+COUNT_ONLY_CASES = {
+    "llamacpp": _compact(
+        {"content": "Hel", "tokens": [1], "stop": False, "id_slot": 0, "tokens_predicted": 1},
+        {"content": "lo", "tokens": [2, 3], "stop": False, "tokens_predicted": 3},
+        {"content": "", "tokens": [], "stop": False, "tokens_predicted": 3},
+        {"content": "x\"tokens\":[1,2]", "tokens": [4], "stop": False},
+        {"content": "old", "stop": False, "tokens_predicted": 6},  # old build: no tokens array
+        {"content": "z", "tokens": [9], "stop": False, "tokens_predicted": -3},  # invalid: recorded
+        {"content": "z", "tokens": [9], "stop": False, "tokens_predicted": 7.5},
+        {"content": "", "tokens": [], "stop": True, "stop_type": "eos", "model": "m.gguf", "tokens_predicted": 7,
+         "timings": {"prompt_n": 3, "predicted_n": 7}},
+    ),
+    "openai-chat": _compact(
+        {**_CHAT, "choices": [{"index": 0, "delta": {"role": "assistant", "content": ""}, "finish_reason": None}]},
+        {**_CHAT, "choices": [{"index": 0, "delta": {"content": "Hi"}, "logprobs": None, "finish_reason": None}],
+         "usage": None},
+        {**_CHAT, "choices": [{"index": 0, "delta": {"content": ""}, "finish_reason": None}]},  # half a UTF-8 char
+        {**_CHAT, "choices": [{"index": 0, "delta": {"content": "say \"finish_reason\":\"stop\""},
+                               "finish_reason": None}]},
+        {**_CHAT, "choices": [{"index": 0, "delta": {"reasoning_content": "hmm"}, "finish_reason": None}]},
+        {**_CHAT, "choices": [{"index": 0, "delta": {"content": "a"}, "finish_reason": None},
+                              {"index": 1, "delta": {"content": "b"}, "finish_reason": None}]},
+        {**_CHAT, "choices": [{"index": 0, "delta": {"content": "ab"},
+                               "logprobs": {"content": [{"token": "a"}, {"token": "b"}]}, "finish_reason": None}]},
+        {**_CHAT, "choices": [{"index": 0, "delta": {"tool_calls": [{"index": 0, "function": {"arguments": "{"}}]},
+                               "finish_reason": None}]},
+        {**_CHAT, "choices": [{"index": 0, "delta": {"content": "x"}, "finish_reason": None}],
+         "usage": {"prompt_tokens": 5, "completion_tokens": 9}},
+        {**_CHAT, "choices": [{"index": 0, "delta": {"content": "!"}, "finish_reason": "length"}]},
+        {**_CHAT, "choices": [], "usage": {"prompt_tokens": 5, "completion_tokens": 11}},
+        b"[DONE]",
+    ),
+    "openai-completions": _compact(
+        {**_CMPL, "choices": [{"index": 0, "text": "a", "logprobs": None, "finish_reason": None}]},
+        {**_CMPL, "choices": [{"index": 0, "text": "", "finish_reason": None}]},
+        {**_CMPL, "choices": [{"index": 0, "text": "bc", "logprobs": {"tokens": ["b", "c"]}, "finish_reason": None}]},
+        {**_CMPL, "choices": [{"index": 0, "text": "d", "finish_reason": None, "stop_reason": None}],
+         "timings": {"predicted_n": 4}},
+        {**_CMPL, "choices": [{"index": 0, "text": "", "finish_reason": "stop"}]},
+        b"[DONE]",
+    ),
+}
+
+
+@pytest.mark.parametrize("api", sorted(COUNT_ONLY_CASES))
+@pytest.mark.parametrize("split", [None, 1, 9])
+def test_count_only_parser_counts_what_the_full_parser_counts(api, split):
+    """The proxy's parser counts plain token chunks from their bytes: the counts, the summary and
+    each chunk's arrival must be exactly the full parser's."""
+    data = COUNT_ONLY_CASES[api]
+    full, quick = StreamParser(api), StreamParser(api, count_only=True)
+    step = len(data) if split is None else split
+    for i in range(0, len(data), step):
+        a = [e.n_tokens for e in full.feed(data[i : i + step])]
+        b = [e.n_tokens for e in quick.feed(data[i : i + step])]
+        assert a == b, (i, a, b)
+    assert full.finish() == quick.finish()
+    assert quick._parsed_one
+
+
+def test_count_only_parser_skips_json_for_plain_chunks():
+    """The quick path is taken for compact chunks (it would otherwise cost a JSON parse per token)."""
+    p = StreamParser("openai-chat", count_only=True)
+    chunk = _compact({**_CHAT, "choices": [{"index": 0, "delta": {"content": "t"}, "finish_reason": None}]})
+    p.feed(chunk)
+    assert p._quick_count(chunk[6:-2]) == 1
+    p = StreamParser("llamacpp", count_only=True)
+    assert p._quick_count(b'{"content":"ab","tokens":[5,6],"stop":false}') == 2
+    assert p._quick_count(b'{"content":"","tokens":[],"stop":true}') is None

@@ -5,7 +5,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from powerprof.sweep import SweepSettings, cap_not_engaged, median_ci_halfwidth_frac, stop_reason, visit_order
+from powerprof.collectors.clock_reasons import cap_not_engaged
+from powerprof.sweep import SweepSettings, median_ci_halfwidth_frac, stop_reason, visit_order
 
 
 def test_repeats_interleave_levels():

@@ -1,4 +1,4 @@
-"""`powerprof export`: spreadsheet-ready CSV, xlsx or Parquet from a run directory or a daemon dataset.
+"""`powerprof export`: spreadsheet-ready CSV, xlsx or Parquet from run directories or daemon datasets.
 
 Streams record batches from `pyarrow.dataset` (hive partitions for the daemon's
 `samples/date=YYYY-MM-DD/*.parquet`), so a dataset larger than memory exports in bounded memory.
@@ -86,9 +86,90 @@ def parse_time(text: str | None, tz: str) -> datetime | None:
     return t.astimezone(timezone.utc)
 
 
+def is_uri(src) -> bool:
+    """An object-store (or file://) URI, read through pyarrow's filesystems."""
+    return "://" in str(src)
+
+
+def expand(srcs) -> list[str]:
+    """Sources as given: one or several paths, local globs (expanded, sorted) and URIs."""
+    import glob
+
+    out: list[str] = []
+    for s in [srcs] if isinstance(srcs, (str, os.PathLike)) else list(srcs):
+        s = str(s)
+        if not is_uri(s) and glob.has_magic(s):
+            hits = sorted(glob.glob(s))
+            if not hits:
+                raise ExportError(f"{s}: the pattern matches nothing")
+            out.extend(hits)
+        else:
+            out.append(s)
+    if not out:
+        raise ExportError("give at least one source: a run directory, a daemon dataset folder, a .parquet file")
+    return out
+
+
+def union_sources(groups: list[list[Source]]) -> list[Source]:
+    """Tables of the same name from several sources (nodes, runs) as one dataset each: columns
+    matched by name, a column missing from some files reads as null."""
+    by_name: dict[str, list[Source]] = {}
+    for g in groups:
+        for s in g:
+            by_name.setdefault(s.name, []).append(s)
+    out = []
+    for name, same in by_name.items():
+        if len(same) == 1:
+            out.append(same[0])
+            continue
+        try:
+            schema = pa.unify_schemas([s.dataset.schema for s in same], promote_options="permissive")
+            union = ds.dataset([s.dataset for s in same], schema=schema)
+        except (pa.ArrowInvalid, pa.ArrowTypeError) as e:
+            raise ExportError(f"table {name}: the sources' columns do not agree ({e})") from None
+        out.append(Source(name, union, same[0].partition_fields))
+    return out
+
+
+def _uri_sources(uri: str) -> list[Source]:
+    """A daemon dataset folder, one of its tables, or one Parquet file behind a URI (s3://, gs://,
+    abfs://, hdfs://, file://), through pyarrow.fs."""
+    import pyarrow.fs as pafs
+
+    try:
+        fs, path = pafs.FileSystem.from_uri(uri)
+        info = fs.get_file_info(path)
+    except (pa.ArrowInvalid, OSError) as e:
+        raise ExportError(f"{uri}: cannot open ({e})") from None
+    if info.type == pafs.FileType.NotFound:
+        raise ExportError(f"{uri}: no such file or folder")
+    name = path.rstrip("/").rsplit("/", 1)[-1]
+
+    def dataset(p, hive):
+        try:
+            return ds.dataset(p, filesystem=fs, format="parquet", partitioning="hive" if hive else None)
+        except (pa.ArrowInvalid, OSError) as e:
+            raise ExportError(f"{uri}: cannot be read as Parquet ({e})") from None
+
+    if info.type == pafs.FileType.File:
+        return [Source(name.removesuffix(".parquet"), dataset(path, False))]
+    subs = [i for i in fs.get_file_info(pafs.FileSelector(path)) if i.type == pafs.FileType.Directory
+            and not i.base_name.startswith((".", "_"))]
+    if subs and all(i.base_name.startswith("date=") for i in subs):
+        subs = []  # the URI names one table (requests/), not the data folder above it
+    out = []
+    for sub in subs or [info]:
+        d = dataset(sub.path, True)
+        parts = tuple(d.partitioning.schema.names) if d.partitioning is not None else ()
+        out.append(Source(sub.base_name if subs else name, d, parts))
+    return out
+
+
 def find_sources(src) -> list[Source]:
     """Tables of a run directory (top-level *.parquet, plus analysis/analysis.parquet), of a daemon
-    dataset (one hive-partitioned dataset per sub-folder), or of a single Parquet file."""
+    dataset (one hive-partitioned dataset per sub-folder), of a single Parquet file, or of a URI."""
+    if is_uri(src):
+        return _uri_sources(str(src))
     p = Path(src)
     if not p.exists():
         raise ExportError(f"{p}: no such file or directory")
@@ -195,7 +276,10 @@ def _plan(sources: list[Source], columns: list[str] | None) -> dict[str, list[st
 
 def export(src, fmt: str, out=None, time_from: str | None = None, time_to: str | None = None,
            columns: list[str] | None = None, tz: str | None = None, batch_rows: int = BATCH_ROWS) -> list[Path]:
-    """Export every table of `src` in `fmt`; returns the files written. Raises ExportError on bad input."""
+    """Export every table of `src` in `fmt`; returns the files written. Raises ExportError on bad input.
+
+    src: one source or several (paths, globs, URIs); tables of the same name are exported as one
+    (daemon datasets of several nodes: their rows carry `host`)."""
     if fmt not in FORMATS:
         raise ExportError(f"unknown format {fmt!r}; choose one of: {', '.join(FORMATS)}")
     tz = tz or local_tz_name()
@@ -203,13 +287,17 @@ def export(src, fmt: str, out=None, time_from: str | None = None, time_to: str |
     t_from, t_to = parse_time(time_from, tz), parse_time(time_to, tz)
     if t_from and t_to and t_from >= t_to:
         raise ExportError(f"--from ({time_from}) must be before --to ({time_to})")
-    sources = find_sources(src)
+    srcs = expand(src)
+    sources = union_sources([find_sources(s) for s in srcs])
     plan = _plan(sources, columns)
     sources = [s for s in sources if s.name in plan]
-    src_path = Path(src)
-    default_stem = src_path.stem if src_path.is_file() else src_path.resolve().name
+    if len(srcs) == 1 and not is_uri(srcs[0]):
+        src_path = Path(srcs[0])
+        default_stem = src_path.stem if src_path.is_file() else src_path.resolve().name
+    else:
+        default_stem = "export"
     out = Path(out) if out is not None else Path.cwd() / (default_stem + (".xlsx" if fmt == "xlsx" else f"-{fmt}"))
-    if out.resolve() == src_path.resolve():
+    if any(not is_uri(s) and out.resolve() == Path(s).resolve() for s in srcs):
         raise ExportError("--out must not be the source itself")
     # Little read-ahead: memory stays near one row group per table however large the dataset.
     scans = {s.name: s.dataset.scanner(columns=plan[s.name], filter=_filter(s, t_from, t_to), batch_size=batch_rows,

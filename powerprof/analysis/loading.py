@@ -2,7 +2,7 @@
 
 Several runs (or repeats) of the same GPU model and server model pool their windows; runs of
 different GPUs or models are refused unless forced, because their levels are not comparable.
-samples.parquet is streamed in record batches, so ten million rows never sit in memory at once.
+samples.parquet is scanned by DuckDB (engine.py) within a memory limit, so 100 M rows never sit in memory at once.
 """
 
 from __future__ import annotations
@@ -18,11 +18,10 @@ import pyarrow.parquet as pq
 
 from powerprof.storage.runs import RUN_JSON
 from powerprof.storage.schema import LEVELS
-from powerprof.sweep import REASON_SW_POWER_CAP, REASON_THERMAL, cap_not_engaged
 
-REASON_HW_SLOWDOWN = 0x8
+from . import engine
+
 TIMELINE_BINS = 1500  # points per device in the power/clock plot: enough for a page-wide figure
-BATCH_ROWS = 1 << 20
 
 
 class AnalysisError(ValueError):
@@ -166,108 +165,55 @@ class Timeline:
     level_value: np.ndarray  # (bins,) the level the bin belongs to (last seen), NaN outside levels
 
 
-@dataclass
-class _LevelAcc:
-    n: int = 0
-    power_sum: float = 0.0
-    power_n: int = 0
-    clock_sum: float = 0.0
-    clock_n: int = 0
-    mem_sum: float = 0.0
-    mem_n: int = 0
-    reasons: int = 0
-    reasons_seen: bool = False  # False: the GPU never reported clock-event reasons (rule on power alone)
-    thermal: bool = False
-    enforced: float | None = None
-
-
 def scan_samples(run: RunInfo, windows: pa.Table | None = None, bins: int = TIMELINE_BINS,
-                 batch_rows: int = BATCH_ROWS) -> tuple[dict, Timeline | None]:
-    """Per-level sensor figures inside the run's measured decode windows, and a binned timeline.
+                 con=None) -> tuple[dict, Timeline | None]:
+    """What the samples say per level inside the run's measured decode windows, and a binned timeline.
 
-    Returns ({(level_kind, level_value): {column: value}}, Timeline or None without samples).
-    Two streaming passes over samples.parquet: the time range, then the sums; memory stays flat.
+    Returns ({(level_kind, level_value): engine.LevelSums}, Timeline or None without samples);
+    pool the sums over runs, then engine.level_figures. DuckDB does the scans out of core (engine.py).
     """
     path = run.path / "samples.parquet"
     if not path.exists():
         return {}, None
     try:
-        pf = pq.ParquetFile(path)
+        names = set(pq.read_schema(path).names)
     except (pa.ArrowInvalid, OSError) as e:
         raise AnalysisError(f"{path}: cannot be read as Parquet ({e})") from None
-    names = set(pf.schema_arrow.names)
-    want = [c for c in ("time_utc", "t_mono_s", "source", "device", "power_w", "power_avg_w", "sm_clock_mhz",
-                        "mem_clock_mhz", "clock_event_reasons", "level_kind", "level_value", "enforced_limit_w",
-                        "power_limit_w") if c in names]
     if "t_mono_s" not in names:
         return {}, None
-    t_min, t_max = np.inf, -np.inf
-    for b in pf.iter_batches(batch_size=batch_rows, columns=["t_mono_s"]):
-        t = b.column(0).to_numpy(zero_copy_only=False)
-        if t.size:
-            t_min, t_max = min(t_min, np.nanmin(t)), max(t_max, np.nanmax(t))
-    if not np.isfinite(t_min):
-        return {}, None
-    # No more bins than about one sample each (per device and source), so bins are rarely empty.
-    bins = int(np.clip(pf.metadata.num_rows // 4, 1, bins))
+    if con is None:
+        with engine.connect() as c:
+            return scan_samples(run, windows, bins, c)
+    rel = engine.samples_relation(con, path)
     starts, ends = _measured_intervals_us(windows, run.run_id)
-    width = max((t_max - t_min) / bins, 1e-9)
-    dev_index: dict[str, int] = {}
-    sums = {k: np.zeros((0, bins)) for k in ("p", "pn", "f", "fn")}
-    bin_level = np.full(bins, np.nan)
-    acc: dict[tuple, _LevelAcc] = {}
-    for b in pf.iter_batches(batch_size=batch_rows, columns=want):
-        tb = pa.Table.from_batches([b])
-        src = tb.column("source") if "source" in tb.column_names else None
-        if src is not None:
-            tb = tb.filter(pc.equal(src, "nvml"))
-        if tb.num_rows == 0:
-            continue
-        t = _np(tb, "t_mono_s")
-        power = _np(tb, "power_w")
-        if "power_avg_w" in tb.column_names:
-            power = np.where(np.isfinite(power), power, _np(tb, "power_avg_w"))
-        clock = _np(tb, "sm_clock_mhz")
-        dev_codes, dev_names = _codes(tb, "device", "gpu")
-        for d in dev_names:
-            if d not in dev_index:
-                dev_index[d] = len(dev_index)
-                for k in sums:
-                    sums[k] = np.vstack([sums[k], np.zeros(bins)])
-        di = np.array([dev_index[d] for d in dev_names], dtype=np.int64)[dev_codes]
-        bi = np.clip(((t - t_min) / width).astype(np.int64), 0, bins - 1)
-        flat = di * bins + bi
-        size = len(dev_index) * bins
-        okp, okf = np.isfinite(power), np.isfinite(clock)
-        sums["p"] += np.bincount(flat[okp], power[okp], size).reshape(-1, bins)
-        sums["pn"] += np.bincount(flat[okp], minlength=size).reshape(-1, bins)
-        sums["f"] += np.bincount(flat[okf], clock[okf], size).reshape(-1, bins)
-        sums["fn"] += np.bincount(flat[okf], minlength=size).reshape(-1, bins)
-        lvl = _np(tb, "level_value")
-        has = np.isfinite(lvl)
-        bin_level[bi[has]] = lvl[has]  # later samples overwrite: the level a bin ends in
-        _accumulate_levels(acc, tb, power, clock, starts, ends)
-    # A bin without samples continues the level before it; bins whose samples had no level stay NaN.
-    empty = sums["pn"].sum(axis=0) + sums["fn"].sum(axis=0) == 0 if dev_index else np.ones(bins, bool)
-    for i in np.flatnonzero(empty):
-        if i > 0:
-            bin_level[i] = bin_level[i - 1]
-    with np.errstate(invalid="ignore", divide="ignore"):
-        tl = Timeline(
-            run_id=run.run_id,
-            t_s=(np.arange(bins) + 0.5) * width,
-            devices=tuple(dev_index),
-            power_w=sums["p"] / sums["pn"],
-            sm_clock_mhz=sums["f"] / sums["fn"],
-            level_value=bin_level,
-        )
-    return _level_figures(acc), tl
+    # Without measured windows (a run stopped early) every tagged sample counts, as before.
+    sums, tb = engine.scan(con, rel, (starts, ends) if starts.size else None, bins=bins)
+    if tb is None:
+        return sums, None
+    tl = Timeline(
+        run_id=run.run_id,
+        t_s=(np.arange(tb["bins"]) + 0.5) * tb["width"],
+        devices=tb["devices"],
+        power_w=tb["power_w"],
+        sm_clock_mhz=tb["sm_clock_mhz"],
+        level_value=tb["level_value"],
+    )
+    return sums, tl
 
 
-def _np(t: pa.Table, name: str) -> np.ndarray:
-    if name not in t.column_names:
-        return np.full(t.num_rows, np.nan)
-    return np.asarray(pc.cast(t.column(name), pa.float64()).fill_null(np.nan).to_numpy(zero_copy_only=False))
+def sample_level_figures(runs: list[RunInfo], windows: pa.Table | None) -> tuple[dict, list[Timeline]]:
+    """Per-level sensor figures pooled over the runs' samples (sums added, then divided once),
+    and one timeline per run that has samples."""
+    pooled: dict[tuple, engine.LevelSums] = {}
+    timelines = []
+    with engine.connect() as con:
+        for r in runs:
+            sums, tl = scan_samples(r, windows, con=con)
+            if tl is not None:
+                timelines.append(tl)
+            for key, s in sums.items():
+                pooled.setdefault(key, engine.LevelSums()).add(s)
+    return engine.level_figures(pooled), timelines
 
 
 def _measured_intervals_us(windows: pa.Table | None, run_id: str) -> tuple[np.ndarray, np.ndarray]:
@@ -278,87 +224,12 @@ def _measured_intervals_us(windows: pa.Table | None, run_id: str) -> tuple[np.nd
         return np.zeros(0, np.int64), np.zeros(0, np.int64)
     measured = window_masks(windows)[0]
     if "run_id" in windows.column_names:
-        measured &= np.asarray([r == run_id for r in windows.column("run_id").to_pylist()], dtype=bool)
+        measured &= pc.equal(windows.column("run_id"), run_id).fill_null(False).to_numpy(zero_copy_only=False)
     sub = windows.filter(pa.array(measured))
     s = pc.cast(sub.column("t_first_utc"), pa.int64()).to_numpy(zero_copy_only=False)
     e = pc.cast(sub.column("t_last_utc"), pa.int64()).to_numpy(zero_copy_only=False)
     ok = (s > 0) & (e >= s) if s.size else np.zeros(0, bool)
-    s, e = s[ok], e[ok]
-    if s.size == 0:
-        return s, e
-    order = np.argsort(s, kind="stable")
-    s, e = s[order], e[order]
-    # Merge overlaps (concurrent requests): a span starts where its start exceeds every end so far.
-    new = np.concatenate([[True], s[1:] > np.maximum.accumulate(e)[:-1]])
-    first = np.flatnonzero(new)
-    return s[first], np.maximum.reduceat(e, first)
-
-
-def _codes(t: pa.Table, name: str, fill: str) -> tuple[np.ndarray, list]:
-    """Integer codes and their labels for a string column (dictionary encoding, no Python per row)."""
-    if name not in t.column_names:
-        return np.zeros(t.num_rows, np.int64), [fill]
-    enc = pc.dictionary_encode(t.column(name).fill_null(fill)).combine_chunks()
-    return enc.indices.to_numpy(zero_copy_only=False).astype(np.int64), enc.dictionary.to_pylist()
-
-
-def _accumulate_levels(acc, tb, power, clock, starts, ends) -> None:
-    kind_codes, kind_names = _codes(tb, "level_kind", "none")
-    lvl = _np(tb, "level_value")
-    inside = np.isfinite(lvl)
-    if starts.size and "time_utc" in tb.column_names:
-        tu = pc.cast(tb.column("time_utc"), pa.int64()).fill_null(0).to_numpy(zero_copy_only=False)
-        k = np.searchsorted(starts, tu, side="right") - 1
-        inside &= (k >= 0) & (tu <= ends[np.maximum(k, 0)])
-    if not inside.any():
-        return
-    mem = _np(tb, "mem_clock_mhz")
-    has_reasons = (tb.column("clock_event_reasons").is_valid().to_numpy(zero_copy_only=False)
-                   if "clock_event_reasons" in tb.column_names else np.zeros(tb.num_rows, bool))
-    reasons = (pc.cast(tb.column("clock_event_reasons"), pa.int64()).fill_null(0).to_numpy(zero_copy_only=False)
-               if "clock_event_reasons" in tb.column_names else np.zeros(tb.num_rows, np.int64))
-    enforced = _np(tb, "enforced_limit_w")
-    idx = np.flatnonzero(inside)
-    groups = []
-    for code in np.unique(kind_codes[idx]):
-        of_kind = idx[kind_codes[idx] == code]
-        values, inverse = np.unique(lvl[of_kind], return_inverse=True)
-        groups += [(kind_names[int(code)], float(v), of_kind[np.ravel(inverse) == j]) for j, v in enumerate(values)]
-    for kind, value, sel in groups:
-        a = acc.setdefault((kind, value), _LevelAcc())
-        a.n += sel.size
-        p, f, m = power[sel], clock[sel], mem[sel]
-        a.power_sum += float(np.nansum(p))
-        a.power_n += int(np.isfinite(p).sum())
-        a.clock_sum += float(np.nansum(f))
-        a.clock_n += int(np.isfinite(f).sum())
-        a.mem_sum += float(np.nansum(m))
-        a.mem_n += int(np.isfinite(m).sum())
-        a.reasons |= int(np.bitwise_or.reduce(reasons[sel]))
-        a.reasons_seen |= bool(has_reasons[sel].any())
-        a.thermal |= bool(np.any(reasons[sel] & (REASON_THERMAL | REASON_HW_SLOWDOWN)))
-        e = enforced[sel]
-        if np.isfinite(e).any():
-            a.enforced = float(np.nanmedian(e))
-
-
-def _level_figures(acc: dict) -> dict:
-    out = {}
-    for (kind, val), a in acc.items():
-        per_gpu_power = a.power_sum / a.power_n if a.power_n else None
-        limit = a.enforced if a.enforced is not None else (val if kind == "power_limit" else None)
-        out[(kind, val)] = {
-            "sample_power_w": per_gpu_power,
-            "enforced_limit_w": a.enforced,
-            "sm_clock_mhz": a.clock_sum / a.clock_n if a.clock_n else None,
-            "mem_clock_mhz": a.mem_sum / a.mem_n if a.mem_n else None,
-            # Per GPU power against the per GPU limit (the powers are averaged over devices already).
-            "cap_not_engaged": (cap_not_engaged(per_gpu_power, limit, a.reasons if a.reasons_seen else None)
-                                if kind == "power_limit" else None),
-            "thermal_throttle": a.thermal,
-            "power_cap_seen": bool(a.reasons & REASON_SW_POWER_CAP),
-        }
-    return out
+    return engine.merge_intervals(s[ok], e[ok])
 
 
 def _pool(v: list):

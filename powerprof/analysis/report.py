@@ -19,7 +19,7 @@ from powerprof.storage.atomic import atomic_path, atomic_write_bytes
 from powerprof.storage.runs import atomic_write_table
 
 from .analyze import AnalysisResult, SeriesResult, analyze
-from .loading import (AnalysisError, check_compatible, read_run_info, read_windows, scan_samples,
+from .loading import (AnalysisError, check_compatible, read_run_info, read_windows, sample_level_figures,
                       sweep_level_figures)
 from .sweetspot import DESCRIPTIONS, POLICIES, PolicyParams
 
@@ -62,17 +62,13 @@ def analyze_run(
         # A configuration sweep: the power analysis is that of the J/token-optimal configuration only.
         windows = windows.filter(_matches(windows, where))
     figures = sweep_level_figures(runs, where)
-    timelines = []
-    for r in runs:
-        scanned, tl = scan_samples(r, windows)
-        if tl is not None:
-            timelines.append(tl)
-        for key, d in scanned.items():
-            merged = figures.setdefault(key, {})
-            for c, v in d.items():
-                # The sweep's own figures win; samples fill what it did not write.
-                if merged.get(c) is None and v is not None:
-                    merged[c] = v
+    scanned, timelines = sample_level_figures(runs, windows)
+    for key, d in scanned.items():
+        merged = figures.setdefault(key, {})
+        for c, v in d.items():
+            # The sweep's own figures win; samples fill what it did not write.
+            if merged.get(c) is None and v is not None:
+                merged[c] = v
     try:
         if knob_result is not None and not _has_levels(windows):
             result = AnalysisResult(runs, [], [], params, timelines)

@@ -267,15 +267,69 @@ def _joint_replicates(tok_both, j_both, tok_all, n_boot, rng) -> tuple[np.ndarra
     """Median tok/s and J/token of the same resampled requests; tok/s alone where energy is missing."""
     if tok_both.size >= 1:
         bt, bj = [], []
+        tok_rank, j_rank = _Ranks(tok_both), _Ranks(j_both)
         for i in _resample_indices(rng, tok_both.size, n_boot):
-            bt.append(np.median(tok_both[i], axis=1))
-            bj.append(np.median(j_both[i], axis=1))
+            bt.append(tok_rank.row_medians(i))
+            bj.append(j_rank.row_medians(i))
         return np.concatenate(bt), np.concatenate(bj)
     t = tok_all[np.isfinite(tok_all)]
     nan = np.full(n_boot, np.nan)
     if t.size == 0:
         return nan, nan.copy()
     return bootstrap_replicates(t, np.median, n_boot, rng=rng), nan
+
+
+_WINDOW_MIN = 5000  # below this many windows, partitioning is as fast as counting
+
+
+class _Ranks:
+    """Finite values by rank, for exact resample medians partitioned as small integers (4x less
+    memory traffic than float64: the bootstrap of 10^5 windows is dominated by partitioning)."""
+
+    def __init__(self, values: np.ndarray):
+        order = np.argsort(values, kind="stable")
+        self.sorted = values[order]
+        self.rank = np.empty(values.size, np.int16 if values.size <= np.iinfo(np.int16).max else np.int32)
+        self.rank[order] = np.arange(values.size)
+
+    def row_medians(self, idx: np.ndarray) -> np.ndarray:
+        """np.median(values[idx], axis=1), the same numbers: the middle ranks pick the middle values."""
+        r = self.rank[idx]
+        if self.sorted.size >= _WINDOW_MIN and r.shape[1] == self.sorted.size:
+            return self._window_medians(idx, r)
+        return self._partition_medians(r)
+
+    def _partition_medians(self, r: np.ndarray) -> np.ndarray:
+        m = r.shape[1]
+        if m % 2:
+            return self.sorted[np.partition(r, m // 2, axis=1)[:, m // 2]]
+        p = np.partition(r, [m // 2 - 1, m // 2], axis=1)
+        return (self.sorted[p[:, m // 2 - 1]] + self.sorted[p[:, m // 2]]) / 2
+
+    def _window_medians(self, idx: np.ndarray, r: np.ndarray) -> np.ndarray:
+        """The same medians by counting: a resample's median rank lies within a few sqrt(n) of n/2
+        (its sd is about sqrt(n)/2), so count the ranks below a window of 8 sd around n/2 and
+        histogram only those inside it. Rows whose middle falls outside (practically none) are
+        partitioned. About twice as fast as partitioning for 10^4 windows per level."""
+        c, n = r.shape
+        ks = [n // 2] if n % 2 else [n // 2 - 1, n // 2]
+        half = int(4 * np.sqrt(n)) + 2
+        lo, hi = max(0, n // 2 - half), min(n, n // 2 + half)
+        w = hi - lo
+        below = np.count_nonzero(r < lo, axis=1)
+        rows, cols = np.nonzero((r >= lo) & (r < hi))
+        counts = np.bincount(rows * w + (r[rows, cols].astype(np.int64) - lo), minlength=c * w).reshape(c, w)
+        cum = np.cumsum(counts, axis=1)
+        vals, outside = [], np.zeros(c, bool)
+        for k in ks:
+            kk = k - below  # the k-th smallest is the kk-th of the window's ranks
+            pos = np.count_nonzero(cum <= kk[:, None], axis=1)
+            outside |= (kk < 0) | (pos >= w)
+            vals.append(self.sorted[lo + np.minimum(pos, w - 1)])
+        out = vals[0] if len(vals) == 1 else (vals[0] + vals[1]) / 2
+        if outside.any():
+            out[outside] = self._partition_medians(r[outside])
+        return out
 
 
 def _paired_replicates(levels, n_boot, rng) -> tuple[np.ndarray, np.ndarray] | None:

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import threading
+import weakref
 from typing import Any
 
 
@@ -80,6 +81,20 @@ class NvmlGateway:
         return getattr(exc, "value", None) if isinstance(exc, self.lib.NVMLError) else None
 
 
+_GATEWAYS: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
+_GATEWAYS_LOCK = threading.Lock()
+
+
 def gateway(nvml) -> NvmlGateway:
-    """The gateway for `nvml` (a library, or a gateway already)."""
-    return nvml if isinstance(nvml, NvmlGateway) else NvmlGateway(nvml)
+    """The one gateway for the library `nvml` (the same object for every caller, so init/shutdown
+    are counted across them); a gateway is returned as it is."""
+    if isinstance(nvml, NvmlGateway):
+        return nvml
+    with _GATEWAYS_LOCK:
+        try:
+            gw = _GATEWAYS.get(nvml)
+        except TypeError:  # not weak-referenceable: a gateway of its own
+            return NvmlGateway(nvml)
+        if gw is None:
+            gw = _GATEWAYS[nvml] = NvmlGateway(nvml)
+        return gw

@@ -5,7 +5,8 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass, fields
 
-from .gateway import as_text, gateway
+from .clock_reasons import CLOCK_EVENT_REASONS, clock_event_reason_names  # noqa: F401  (re-exported: monitor, tests)
+from .gateway import gateway
 
 SUPPORT_KEYS = (
     "power_instant",
@@ -57,31 +58,6 @@ class GpuReading:
 
 READING_FIELDS = tuple(f.name for f in fields(GpuReading))
 
-# nvmlDeviceGetCurrentClocksEventReasons bits (nvml.h nvmlClocksEventReason*).
-CLOCK_EVENT_REASONS = (
-    (0x1, "GpuIdle"),
-    (0x2, "AppClocks"),
-    (0x4, "SwPowerCap"),
-    (0x8, "HwSlowdown"),
-    (0x10, "SyncBoost"),
-    (0x20, "SwThermal"),
-    (0x40, "HwThermal"),
-    (0x80, "HwPowerBrake"),
-    (0x100, "DisplayClock"),
-)
-
-
-def clock_event_reason_names(bits: int | None) -> list[str] | None:
-    """Names of the set bits, unknown bits as hex; None stays None (not supported)."""
-    if bits is None:
-        return None
-    names = [name for bit, name in CLOCK_EVENT_REASONS if bits & bit]
-    rest = bits & ~sum(bit for bit, _ in CLOCK_EVENT_REASONS)
-    if rest:
-        names.append(hex(rest))
-    return names
-
-
 def visible_indexes(nvml, env: dict | None = None) -> list[int]:
     """NVML indexes of the GPUs this process may use, honouring CUDA_VISIBLE_DEVICES.
 
@@ -90,7 +66,8 @@ def visible_indexes(nvml, env: dict | None = None) -> list[int]:
     people mean when they set the variable next to nvidia-smi's numbering.
     """
     env = os.environ if env is None else env
-    count = nvml.nvmlDeviceGetCount()
+    gw = gateway(nvml)
+    count = gw.call("nvmlDeviceGetCount")
     spec = env.get("CUDA_VISIBLE_DEVICES")
     if spec is None or spec.strip() == "":
         return list(range(count)) if spec is None else []
@@ -106,7 +83,7 @@ def visible_indexes(nvml, env: dict | None = None) -> list[int]:
             out.append(i)
             continue
         if uuids is None:
-            uuids = [as_text(nvml.nvmlDeviceGetUUID(nvml.nvmlDeviceGetHandleByIndex(i))) for i in range(count)]
+            uuids = [gw.call("nvmlDeviceGetUUID", gw.call("nvmlDeviceGetHandleByIndex", i)) for i in range(count)]
         want = item if item.startswith(("GPU-", "MIG-")) else "GPU-" + item
         match = [i for i, u in enumerate(uuids) if u.startswith(want)]
         if len(match) != 1:

@@ -31,6 +31,10 @@ BACKENDS = ("sysfs", "pyrapl")
 # The zones whose sum is "CPU energy": core/uncore lie inside their package, psys holds everything.
 CPU_ENERGY_KINDS = ("package", "dram")
 
+# Interval power is reported only over at least this long: RAPL counters step about every 1 ms on
+# hardware (10 ms in the simulated tree), so shorter intervals give noise or a false 0 W.
+MIN_POWER_INTERVAL_S = 0.05
+
 # Used for the wrap period only when a zone publishes no power constraint; generous on purpose,
 # since a too-high figure merely asks for more frequent reads.
 ASSUMED_MAX_POWER_W = {"package": 500.0, "psys": 1000.0, "dram": 150.0, "core": 500.0, "uncore": 200.0}
@@ -391,7 +395,9 @@ class RaplCollector:
             self._epoch[k] += 1
             return RaplReading(z.device, z.kind, z.socket, self._energy_j[k], None, z.die, self._epoch[k], note)
         self._energy_j[k] += d / 1e6
-        power = d / 1e6 / elapsed_s if elapsed_s > 0 else None
+        # Back-to-back reads (an on-demand edge sample right after a tick) span less than the counter's
+        # update step: their quotient is noise or a false 0 W, so such an interval has no power figure.
+        power = d / 1e6 / elapsed_s if elapsed_s >= MIN_POWER_INTERVAL_S else None
         return RaplReading(z.device, z.kind, z.socket, self._energy_j[k], power, z.die, self._epoch[k])
 
     def close(self) -> None:

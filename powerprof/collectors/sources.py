@@ -14,6 +14,7 @@ from typing import Callable
 
 from powerprof.privilege import has_admin_privilege
 
+from .gateway import gateway
 from .host import HostCollector
 from .nvml import NvmlCollector, visible_indexes
 from .rapl import DEFAULT_ROOT, PERMISSION_FIX, UNAVAILABLE_FIX, RaplCollector, RaplPermissionError, RaplUnavailableError
@@ -103,13 +104,14 @@ def _open_gpus(src: Sources, gpus, nvml, privileged: Callable[[], bool]) -> None
         except ImportError as e:  # the dependency is declared; a broken install is still possible
             src.problems.append(Problem("nvml", f"NVML bindings missing: {e}", "pip install nvidia-ml-py"))
             return
+    gw = gateway(nvml)
     try:
-        nvml.nvmlInit()
+        gw.init()
     except Exception as e:
         src.problems.append(Problem("nvml", f"no NVIDIA GPU reachable through NVML ({_nvml_error(e)})", NO_GPU_FIX))
         return
     try:
-        count = nvml.nvmlDeviceGetCount()
+        count = gw.call("nvmlDeviceGetCount")
         if gpus is not None:
             bad = [g for g in gpus if not 0 <= g < count]
             if bad:
@@ -118,7 +120,7 @@ def _open_gpus(src: Sources, gpus, nvml, privileged: Callable[[], bool]) -> None
         else:
             indexes = visible_indexes(nvml)
     finally:
-        nvml.nvmlShutdown()
+        gw.shutdown()
     if not indexes:
         why = "CUDA_VISIBLE_DEVICES hides every GPU" if count else "NVML sees no GPU"
         src.problems.append(Problem("nvml", why, NO_GPU_FIX if not count else "unset or fix CUDA_VISIBLE_DEVICES"))

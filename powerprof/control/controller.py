@@ -24,9 +24,8 @@ from .levels import parse_clock_levels, parse_power_levels
 from .restore import (
     DEFAULT_TOLERANCE_W,
     default_restore_path,
-    load_record,
     new_record,
-    pending_restore_files,
+    pending_blocker,
     remove_file,
     restore_gpu,
     write_json_atomic,
@@ -111,7 +110,7 @@ class LimitController:
         if self._active:
             return
         try:
-            self.nvml.nvmlInit()
+            gateway(self.nvml).init()
             self._nvml_open = True
             self.devices = read_devices(self.nvml, self.indexes)
             self._handles = [gateway(self.nvml).call("nvmlDeviceGetHandleByIndex", i) for i in self.indexes]
@@ -159,28 +158,15 @@ class LimitController:
         if self._nvml_open:
             self._nvml_open = False
             try:
-                self.nvml.nvmlShutdown()
+                gateway(self.nvml).shutdown()
             except Exception:
                 pass
 
     def _refuse_if_pending_restore(self) -> None:
-        ours = {d.uuid: d for d in self.devices}
-        candidates = pending_restore_files(self.state_dir)
-        if self._restore_path_arg is not None and self._restore_path_arg.exists():
-            candidates.append(self._restore_path_arg)
-        for path in candidates:
-            try:
-                rec = load_record(path)
-            except RestoreError:
-                continue
-            hit = [ours[u] for u in rec["gpus"] if u in ours]
-            if hit:
-                gpus = ", ".join(f"GPU {d.index}" for d in hit)
-                raise PendingRestoreError(
-                    f"{gpus} still has settings changed by an earlier powerprof run (pid {rec.get('pid')}, "
-                    f"{rec.get('created_utc')}) that were never put back, so its current limit is not its original. "
-                    f"Run `powerprof restore --restore-file {path}` first. Nothing was changed."
-                )
+        extra = [self._restore_path_arg] if self._restore_path_arg is not None and self._restore_path_arg.exists() else []
+        why = pending_blocker([d.uuid for d in self.devices], self.state_dir, extra)
+        if why:
+            raise PendingRestoreError(why)
 
     def _check_permission(self) -> None:
         """Setting each GPU's limit to its current value proves permission without changing anything."""

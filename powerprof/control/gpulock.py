@@ -12,6 +12,22 @@ from pathlib import Path
 from .errors import GpuBusyError
 
 
+def make_dirs(path: Path, mode: int = 0o755) -> None:
+    """mkdir -p where every folder created gets exactly `mode` (whatever the umask): the state folder and its
+    locks must never come out writable by group or others."""
+    path = Path(path)
+    missing = []
+    while not path.exists():
+        missing.append(path)
+        path = path.parent
+    for d in reversed(missing):
+        try:
+            os.mkdir(d, mode)
+        except FileExistsError:
+            continue
+        os.chmod(d, mode)
+
+
 def lock_path(state_dir: Path, uuid: str) -> Path:
     safe = re.sub(r"[^A-Za-z0-9_.-]", "_", uuid)
     return Path(state_dir) / "locks" / f"{safe}.lock"
@@ -37,7 +53,7 @@ class GpuLock:
     def acquire(self) -> None:
         if self._fd is not None:
             return
-        self.path.parent.mkdir(parents=True, exist_ok=True)
+        make_dirs(self.path.parent)
         # O_CLOEXEC (Python's default) keeps a launched inference server from inheriting the lock.
         fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
         try:

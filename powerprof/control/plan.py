@@ -6,11 +6,12 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterable, Sequence
 
+from powerprof.collectors.gateway import gateway
 from powerprof.paths import state_dir
 
 from .device import read_devices
 from .levels import DeviceRange, parse_clock_levels, parse_power_levels
-from .restore import default_restore_path
+from .restore import default_restore_path, pending_blocker
 
 
 @dataclass(frozen=True)
@@ -21,6 +22,7 @@ class Plan:
     restore_path: Path
     permitted: bool  # whether this process looks allowed to change limits (root / CAP_SYS_ADMIN)
     label: str = ""  # what the door says these GPUs are, e.g. "simulated"
+    blocker: str | None = None  # what would stop the real run before any change (a pending restore file)
 
     def lines(self) -> list[str]:
         what = f" ({self.label})" if self.label else ""
@@ -39,6 +41,8 @@ class Plan:
         back = ", ".join(f"GPU {d.index} to {d.limit_w:g} W" for d in self.devices)
         out.append(f"Afterwards (also on error, Ctrl-C, SIGTERM, SIGHUP): {back}" + (", clock locks released" if self.clock_levels_mhz else "") + ".")
         out.append(f"Restore file (written before the first change): {self.restore_path}")
+        if self.blocker:
+            out.append(f"The real run would stop before any change: {self.blocker}")
         if not self.permitted:
             out.append("This process is not root and lacks CAP_SYS_ADMIN: the real run would stop with a permission error; run it with sudo.")
         return out
@@ -58,15 +62,10 @@ def make_plan(
 
     `permitted`: whether this process may change limits (the door knows: root, or the simulator's
     privilege); `label` names what kind of GPUs these are in the plan's first line."""
-    nvml.nvmlInit()
-    try:
+    with gateway(nvml).session():
         devices = read_devices(nvml, indexes)
-    finally:
-        try:
-            nvml.nvmlShutdown()
-        except Exception:
-            pass
     watts = tuple(parse_power_levels(power_levels, devices)) if power_levels is not None else ()
     clocks = tuple(parse_clock_levels(clock_levels, devices)) if clock_levels is not None else ()
     path = Path(restore_path) if restore_path is not None else default_restore_path([d.uuid for d in devices], state_dir())
-    return Plan(devices, watts, clocks, path, permitted, label)
+    blocker = pending_blocker([d.uuid for d in devices], state_dir())
+    return Plan(devices, watts, clocks, path, permitted, label, blocker)

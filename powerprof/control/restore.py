@@ -6,18 +6,20 @@ import datetime as _dt
 import hashlib
 import json
 import os
+import re
+import stat
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, Sequence
 
 from powerprof.collectors.gateway import gateway
-from powerprof.paths import state_dir
+from powerprof.paths import legacy_state_dirs, state_dir
 from powerprof.storage.atomic import atomic_path, fsync_dir
 
 from .device import nvml_error_code
 from .errors import ControlError, ControlPermissionError, GpuBusyError, RestoreError, permission_message
-from .gpulock import GpuLock, is_held, lock_path, read_holder_pid
+from .gpulock import GpuLock, is_held, lock_path, make_dirs, read_holder_pid
 from .setter import NvidiaSmi, check_applied, reset_sm_clocks, run_nvidia_smi, set_power_limit
 
 RESTORE_GLOB = "restore-*.json"
@@ -34,7 +36,7 @@ def default_restore_path(uuids: Sequence[str], directory: Path | None = None) ->
 def write_json_atomic(path: Path, obj) -> None:
     """tmp + fsync + rename + fsync(dir): after a crash the file is either the old or the new one, whole."""
     path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
+    make_dirs(path.parent)
     # The dot-prefixed temporary never matches restore-*.json, so a kill mid-write leaves nothing to misread.
     with atomic_path(path) as tmp:
         # Owner-only, as it always was: only the controller that wrote it and `restore` read it.
@@ -80,12 +82,64 @@ def load_record(path: Path) -> dict:
     return rec
 
 
-def pending_restore_files(directory: Path | None = None) -> list[Path]:
-    d = state_dir() if directory is None else Path(directory)
+def untrusted_reason(path: Path, euid: int | None = None, root_too: bool = False) -> str | None:
+    """Why this process must not act on the restore file `path`; None when only it (or root) could have written it.
+
+    Root acts only on a file owned by root; an unprivileged user (the simulator, a capability
+    holder) only on its own, or also on root's with `root_too` (to *believe* a pending record,
+    never to apply it). Neither the file nor its folder may be writable by group or others, and
+    the file must not be a symlink.
+    """
+    euid = os.geteuid() if euid is None else euid
+    owners = {euid, 0} if root_too else {euid}
+    who = "root" if euid == 0 else f"uid {euid}" + (" or root" if root_too else "")
     try:
-        return sorted(p for p in d.glob(RESTORE_GLOB) if p.is_file())
+        st = os.lstat(path)
+        dst = os.stat(Path(path).parent)
+    except OSError as e:
+        return f"cannot inspect {path}: {e.strerror or e}"
+    if not stat.S_ISREG(st.st_mode):
+        return f"{path} is not a regular file (a symlink?)"
+    if st.st_uid not in owners:
+        return f"{path} is owned by uid {st.st_uid}, not {who}"
+    if st.st_mode & 0o022:
+        return f"{path} is writable by group or others (mode {stat.S_IMODE(st.st_mode):o})"
+    if dst.st_uid not in (0, euid):
+        return f"its folder {Path(path).parent} is owned by uid {dst.st_uid}, not {who}"
+    if dst.st_mode & 0o022:
+        return f"its folder {Path(path).parent} is writable by group or others (mode {stat.S_IMODE(dst.st_mode):o})"
+    return None
+
+
+_UUID_RE = re.compile(rb"GPU-[0-9A-Fa-f]{8}(?:-[0-9A-Fa-f]{4}){3}-[0-9A-Fa-f]{12}")
+
+
+def uuids_named_in(path: Path) -> list[str]:
+    """GPU UUIDs found in a (possibly damaged) restore file's bytes; [] when none can be read."""
+    try:
+        raw = Path(path).read_bytes()[: 1 << 20]
     except OSError:
         return []
+    return sorted({m.decode() for m in _UUID_RE.findall(raw)})
+
+
+def force_default_help(path: Path) -> str:
+    return (f"`powerprof restore --force-default --restore-file {path}` sets every GPU it names (every GPU when "
+            f"none can be read) to its default power limit, releases clock locks, and removes the file")
+
+
+def pending_restore_files(directory: Path | None = None) -> list[Path]:
+    """Restore files in `directory`; in root's default state folder, also those an older powerprof left
+    in its former folder (`paths.legacy_state_dirs`), which then fail the trust check and are reported."""
+    d = state_dir() if directory is None else Path(directory)
+    folders = [d] + ([p for p in legacy_state_dirs() if p != d] if d == state_dir() else [])
+    out: list[Path] = []
+    for f in folders:
+        try:
+            out.extend(sorted(p for p in f.glob(RESTORE_GLOB) if p.is_file()))
+        except OSError:
+            continue
+    return out
 
 
 def pending_restore_note(directory: Path | None = None) -> str | None:
@@ -96,10 +150,13 @@ def pending_restore_note(directory: Path | None = None) -> str | None:
         return None
     lines = []
     for path in files:
+        reason = untrusted_reason(path, root_too=True)
         try:
+            if reason is not None:
+                raise RestoreError(f"restore file refused: {reason}")
             rec = load_record(path)
         except RestoreError as e:
-            lines.append(f"Warning: {e}. Inspect it; delete it once every GPU is back at its original limit.")
+            lines.append(f"Warning: {e}. No GPU change is allowed until an operator decides: {force_default_help(path)}.")
             continue
         sim = rec.get("simulated")
         what = "simulated GPU" if sim else "GPU"
@@ -163,7 +220,7 @@ def restore_gpu(nvml, handle, index: int, uuid: str, entry: dict, nvidia_smi: Nv
 @dataclass(frozen=True)
 class FileOutcome:
     path: Path
-    status: str  # "restored" | "in_use" | "failed" | "refused" | "missing"
+    status: str  # "restored" | "defaulted" | "in_use" | "failed" | "refused" | "untrusted" | "damaged" | "missing"
     message: str
     gpus: tuple[GpuRestored, ...] = ()
 
@@ -176,7 +233,7 @@ class RestoreReport:
 
     @property
     def ok(self) -> bool:
-        return all(o.status == "restored" for o in self.outcomes)
+        return all(o.status in ("restored", "defaulted") for o in self.outcomes)
 
     def lines(self) -> list[str]:
         if not self.outcomes:
@@ -249,10 +306,10 @@ def restore_from_file(
 
 
 def _restore_one_file(path, refuse, nvml_factory, nvidia_smi, lock_dir, tolerance_w) -> FileOutcome:
-    try:
-        rec = load_record(path)
-    except RestoreError as e:
-        return FileOutcome(path, "failed", f"Not restored: {e}.")
+    early = check_restore_file(path)
+    if early is not None:
+        return early
+    rec = load_record(path)
     why = refuse(rec)
     if why:
         return FileOutcome(path, "refused", f"Not restored: {path} {why}")
@@ -264,7 +321,7 @@ def _restore_one_file(path, refuse, nvml_factory, nvidia_smi, lock_dir, toleranc
             lock.acquire()
             locks.append(lock)
         nvml = nvml_factory(rec)
-        nvml.nvmlInit()
+        gateway(nvml).init()
         done, problems = [], []
         for uuid, g in sorted(rec["gpus"].items(), key=lambda kv: kv[1].get("index", 0)):
             try:
@@ -296,8 +353,116 @@ def _restore_one_file(path, refuse, nvml_factory, nvidia_smi, lock_dir, toleranc
     finally:
         if nvml is not None:
             try:
-                nvml.nvmlShutdown()
+                gateway(nvml).shutdown()
             except Exception:
                 pass
+        for lock in locks:
+            lock.release()
+
+
+# --- files that cannot be trusted or read ----------------------------------------------------
+
+
+def pending_blocker(uuids, directory: Path, extra: Sequence[Path] = ()) -> str | None:
+    """Why no limit of these GPUs may be changed now, or None. A damaged or foreign restore file may hold
+    one's original (reading the current, maybe capped, limit as the original would lose it for good), and
+    a readable record naming one means it was never put back. Used by the controller before any change
+    and by the dry-run plan, so the plan shows what would stop the real run."""
+    devices = set(uuids)
+    for path in [*pending_restore_files(directory), *extra]:
+        bad = check_restore_file(path, root_too=True)
+        if bad is not None:
+            return f"{bad.message.removeprefix('Not restored: ')} Nothing was changed."
+        rec = load_record(path)
+        hit = sorted(((g.get("index"), u) for u, g in rec["gpus"].items() if u in devices), key=lambda x: (x[0] is None, x[0]))
+        if hit:
+            gpus = ", ".join(f"GPU {i}" for i, _ in hit)
+            return (f"{gpus} still has settings changed by an earlier powerprof run (pid {rec.get('pid')}, "
+                    f"{rec.get('created_utc')}) that were never put back, so its current limit is not its original. "
+                    f"Run `powerprof restore --restore-file {path}` first. Nothing was changed.")
+    return None
+
+
+def check_restore_file(path: Path, root_too: bool = False) -> FileOutcome | None:
+    """The outcome for a file `restore` must not apply (untrusted: someone else could write it; damaged: it
+    cannot be parsed, so the original limit is unknown); None when it may be applied. `root_too`: a
+    root-owned file is believed too (a controller checking for pending records, not applying them)."""
+    reason = untrusted_reason(path, root_too=root_too)
+    if reason is not None:
+        return FileOutcome(path, "untrusted", f"Not restored: {reason}; powerprof applies only restore files that "
+                                            f"no one else could have written. Inspect it; {force_default_help(path)}.")
+    try:
+        load_record(path)
+    except RestoreError as e:
+        return FileOutcome(path, "damaged", f"Not restored: {e}. The original limit it held is unknown, so no GPU "
+                                            f"change is allowed until you decide: {force_default_help(path)}.")
+    return None
+
+
+def force_default(
+    path: Path,
+    nvml,
+    *,
+    nvidia_smi: NvidiaSmi = run_nvidia_smi,
+    directory: Path | None = None,
+    tolerance_w: float = DEFAULT_TOLERANCE_W,
+) -> FileOutcome:
+    """The operator's way out of a damaged or refused restore file: every GPU it names (all GPUs when no UUID
+    can be read from it) goes to its default power limit with clock locks released, then the file is removed.
+    Nothing in the file is trusted beyond the UUIDs it names."""
+    path = Path(path)
+    lock_dir = Path(directory) if directory is not None else state_dir()
+    named = uuids_named_in(path)
+    gw = gateway(nvml)
+    locks: list[GpuLock] = []
+    done: list[GpuRestored] = []
+    gw.init()
+    try:
+        handles = []
+        if named:
+            for uuid in named:
+                try:
+                    handles.append((uuid, gw.call("nvmlDeviceGetHandleByUUID", uuid)))
+                except nvml.NVMLError:
+                    continue  # a GPU that is gone, or a stray match: nothing to put back
+            if not handles:
+                return FileOutcome(path, "failed", f"Not changed; {path} is kept: none of the GPUs it names "
+                                                   f"({', '.join(named)}) is present. Delete it by hand if they were removed.")
+        else:
+            for i in range(int(gw.call("nvmlDeviceGetCount"))):
+                h = gw.call("nvmlDeviceGetHandleByIndex", i)
+                handles.append((gw.call("nvmlDeviceGetUUID", h), h))
+        for uuid, h in handles:
+            lock = GpuLock(lock_dir, uuid, int(gw.call("nvmlDeviceGetIndex", h)))
+            lock.acquire()
+            locks.append(lock)
+        problems = []
+        for uuid, h in handles:
+            index = int(gw.call("nvmlDeviceGetIndex", h))
+            entry = {"original_limit_mw": int(gw.call("nvmlDeviceGetPowerManagementDefaultLimit", h)),
+                     "clocks_locked": False}
+            try:
+                r = restore_gpu(nvml, h, index, uuid, entry, nvidia_smi, tolerance_w)
+            except ControlError as e:
+                problems.append(str(e))
+                continue
+            try:
+                reset_sm_clocks(nvml, h, index)  # whether or not a lock was made: the file cannot say
+                r = GpuRestored(r.index, r.uuid, r.limit_w, r.original_w, True)
+            except ControlPermissionError as e:
+                problems.append(str(e))
+            except ControlError:
+                pass  # no clock locking on this GPU: nothing to release
+            done.append(r)
+        if problems:
+            return FileOutcome(path, "failed", f"Not fully set to defaults; {path} is kept: " + " ".join(problems), tuple(done))
+        remove_file(path)
+        return FileOutcome(path, "defaulted", f"Set to default limits and removed {path}:", tuple(done))
+    except GpuBusyError as e:
+        return FileOutcome(path, "in_use", f"Not changed: {e}")
+    except Exception as e:
+        return FileOutcome(path, "failed", f"Not changed; {path} is kept: {type(e).__name__}: {e}")
+    finally:
+        gw.shutdown()
         for lock in locks:
             lock.release()

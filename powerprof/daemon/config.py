@@ -6,6 +6,7 @@ are rejected at start (and at SIGHUP reload) with a message naming the key, befo
 
 from __future__ import annotations
 
+import ipaddress
 import os
 import sys
 from dataclasses import dataclass
@@ -46,7 +47,26 @@ def _listen(v: str) -> str:
     host, sep, port = v.rpartition(":")
     if not sep or not port.isdigit() or not 0 <= int(port) <= 65535 or not host:
         raise ValueError("expected HOST:PORT (port 0-65535), e.g. 127.0.0.1:9464, or empty to disable")
+    if ":" in host and not (host.startswith("[") and host.endswith("]")):
+        raise ValueError("an IPv6 address takes brackets: [::1]:9464")
     return v
+
+
+def listen_host(listen: str) -> str | None:
+    """The host of a HOST:PORT listen address without IPv6 brackets; None for unix: or empty."""
+    if not listen or listen.startswith("unix:"):
+        return None
+    return listen.rpartition(":")[0].strip("[]")
+
+
+def is_loopback(host: str) -> bool:
+    """Only this machine can connect. A host name other than localhost may resolve anywhere: not loopback."""
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
 
 
 def _url(v: str) -> str:
@@ -95,6 +115,13 @@ def _str_list(v):
     return v
 
 
+def _zero_or(check):
+    def inner(v):
+        return v if v == 0 else check(v)
+
+    return inner
+
+
 def _ident(v):
     return v
 
@@ -116,18 +143,28 @@ SPEC: dict[str, dict[str, Key]] = {
         "compact_interval_s": Key(float, 3600.0, _positive(1, 86400 * 7, True), True, "seconds between compactions"),
         "retention_days": Key(float, 30.0, _positive(0, 36500, True), True, "delete partitions older; 0 = keep"),
         "retention_max_mb": Key(float, 0.0, _positive(0, 1e9, True), True, "cap on dataset size; 0 = none"),
-        "max_buffered_rows": Key(int, 500_000, _positive(100, 1e9, True), True, "rows kept in memory per dataset while writes fail"),
+        "max_buffered_rows": Key(int, 0, _zero_or(_positive(100, 1e9, True)), True,
+                                 "rows kept in memory per dataset while writes fail; 0 = derived from the memory limit"),
+        "listen_beyond_loopback": Key(bool, False, help="allow proxy/metrics listen addresses other than loopback "
+                                      "(the proxy has no authentication: firewall it)"),
         "gpus": Key(list, [], _int_list, help="NVML indexes to sample; empty = all visible"),
         "log_level": Key(str, "info", _choice("debug", "info", "warning", "error"), True),
         "restore_on_start": Key(bool, True, help="restore limits left by a crashed sweep"),
+        "host": Key(str, "", help="the host column of every dataset row; default the machine's host name"),
     },
     "proxy": {
         "listen": Key(str, "127.0.0.1:8081", _listen, help="proxy address; empty disables the proxy"),
         "upstream": Key(str, "", _url, help="inference server URL the proxy forwards to"),
         "tag_header": Key(str, "X-Powerprof-Tag", _header, help="request header carrying the client tag"),
-        "read_timeout_s": Key(float, 600.0, _positive(0, 86400)),
-        "connect_timeout_s": Key(float, 10.0, _positive(0, 600)),
-        "max_connections": Key(int, 1024, _positive(0, 100000)),
+        "read_timeout_s": Key(float, 600.0, _positive(0, 86400), help="upstream silence before a response is cut"),
+        "connect_timeout_s": Key(float, 10.0, _positive(0, 600), help="connecting to the upstream"),
+        "max_connections": Key(int, 1024, _positive(0, 100000, True), help="upstream connection pool; 0 = unlimited"),
+        "header_timeout_s": Key(float, 10.0, _positive(0, 3600),
+                                help="a client connection must send a whole request head within this (slowloris)"),
+        "idle_timeout_s": Key(float, 75.0, _positive(0, 86400),
+                              help="an idle keep-alive client connection is closed after this"),
+        "body_timeout_s": Key(float, 60.0, _positive(0, 86400),
+                              help="longest silence while reading a request body (408 after)"),
     },
     "scrape": {
         "server": Key(str, "auto", _choice("auto", "vllm", "sglang", "llamacpp", "none")),
@@ -189,6 +226,12 @@ class Config:
 
     def get(self, section: str, key: str):
         return self.values[section][key]
+
+    def host(self) -> str:
+        """What every dataset row names as its machine: daemon.host, else the host name."""
+        import socket
+
+        return self.get("daemon", "host") or socket.gethostname()
 
     def data_dir(self) -> Path:
         d = self.get("daemon", "data_dir")
@@ -290,6 +333,15 @@ def load_config(path: str | os.PathLike | None = None, env: dict | None = None, 
             continue
         coerce(section, key, value, False)
         sources.append((flags or {}).get(dotted, dotted))
+    for section in ("proxy", "metrics"):
+        listen = values[section]["listen"]
+        host = listen_host(listen) if isinstance(listen, str) else None
+        if host is not None and not is_loopback(host) and not values["daemon"]["listen_beyond_loopback"]:
+            errors.append(
+                f"config key {section}.listen = {listen!r} is reachable from other machines; "
+                "the proxy and /metrics have no authentication. Listen on 127.0.0.1 or [::1], or set "
+                "daemon.listen_beyond_loopback = true (and firewall it)"
+            )
     if values["daemon"]["flush_interval_s"] > values["daemon"]["compact_interval_s"]:
         errors.append("config key daemon.flush_interval_s must not exceed daemon.compact_interval_s")
     _raise_all(errors)

@@ -71,6 +71,11 @@ class Snapshot:
     buffered_rows: int = 0
     dropped_rows: int = 0
     flush_errors: int = 0
+    quarantined_rows: int = 0
+    buffer_cap_rows: int = 0
+    writer_up: bool = True
+    writer_errors: int = 0
+    writer_beat_age_s: float = 0.0
     proxy_recorder_failures: int = 0
     proxy_upstream_failures: int = 0
     proxy_active: int = 0
@@ -126,19 +131,31 @@ class SnapshotCollector:
                                       "Tokens the server's own metrics counted (cross-check)", value=s.server_tokens)
         yield GaugeMetricFamily("powerprof_buffered_rows", "Rows waiting to be written to Parquet", value=s.buffered_rows)
         yield CounterMetricFamily("powerprof_dropped_rows", "Rows dropped because writes kept failing", value=s.dropped_rows)
-        yield CounterMetricFamily("powerprof_flush_errors", "Failed Parquet writes", value=s.flush_errors)
+        yield CounterMetricFamily("powerprof_flush_errors", "Failed Parquet writes (disk errors and rows a column "
+                                  "cannot hold)", value=s.flush_errors)
+        yield CounterMetricFamily("powerprof_quarantined_rows", "Rows that could not be stored, kept as JSON lines in "
+                                  "<data_dir>/_quarantine", value=s.quarantined_rows)
+        yield GaugeMetricFamily("powerprof_buffer_cap_rows", "Rows kept per dataset while writes fail; older ones are "
+                                "dropped (powerprof_dropped_rows_total)", value=s.buffer_cap_rows)
+        yield GaugeMetricFamily("powerprof_writer_up", "1 while the Parquet writer thread runs and is not stuck",
+                                value=1 if s.writer_up else 0)
+        yield CounterMetricFamily("powerprof_writer_errors", "Exceptions the writer thread caught and survived",
+                                  value=s.writer_errors)
+        yield GaugeMetricFamily("powerprof_writer_heartbeat_age_seconds", "Seconds since the writer thread's loop "
+                                "last turned", value=s.writer_beat_age_s)
         yield CounterMetricFamily("powerprof_proxy_recorder_failures",
                                   "Requests whose recording failed (traffic unaffected)", value=s.proxy_recorder_failures)
         yield CounterMetricFamily("powerprof_proxy_upstream_failures", "Upstream unreachable (502 sent)",
                                   value=s.proxy_upstream_failures)
         yield GaugeMetricFamily("powerprof_proxy_active_requests", "Requests in flight", value=s.proxy_active)
-        yield build_info()
+        yield build_info(getattr(self.holder, "host", None))
 
 
-def build_info() -> GaugeMetricFamily:
+def build_info(host: str | None = None) -> GaugeMetricFamily:
+    """host: the name the daemon's Parquet rows carry (daemon.host); default the host name."""
     b = GaugeMetricFamily("powerprof_build_info", "powerprof version, Python and host (always 1)",
                           labels=["version", "python", "host"])
-    b.add_metric([__version__, platform.python_version(), socket.gethostname()], 1)
+    b.add_metric([__version__, platform.python_version(), host or socket.gethostname()], 1)
     return b
 
 

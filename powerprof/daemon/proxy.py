@@ -6,6 +6,10 @@ generation endpoints go through the stream parser to timestamp token-bearing chu
 is fail-open: an exception in parsing or in the recorder marks the request's record broken and
 the bytes keep flowing. A client that disconnects closes the upstream connection, which is how
 llama.cpp, vLLM and SGLang learn to stop generating.
+
+Only origin-form targets (`/path?query`) are forwarded: an absolute-form target
+(`GET http://host/x`), CONNECT or `*` gets a 400, so the proxy is never an open forward proxy.
+A request body that goes silent for `body_timeout_s` gets a 408.
 """
 
 from __future__ import annotations
@@ -93,6 +97,26 @@ def forward_headers(headers, drop=()) -> CIMultiDict:
     return CIMultiDict((k, v) for k, v in headers.items() if k.lower() not in skip)
 
 
+@web.middleware
+async def origin_form_only(request: web.Request, handler):
+    """400 for absolute-form, authority-form (CONNECT) and `*` targets, before routing: we forward to one
+    upstream only, never to a host a client names."""
+    if request.method == "CONNECT" or not request.raw_path.startswith("/"):
+        body = json.dumps({"error": {"message": "powerprof proxy: only origin-form request targets (/path) are "
+                                      "accepted", "type": "bad_request", "code": 400}}).encode()
+        return web.Response(status=400, body=body, content_type="application/json")
+    return await handler(request)
+
+
+async def _body_chunks(content, timeout_s: float):
+    """A streamed request body; a silence of `timeout_s` between chunks ends it with a TimeoutError."""
+    while True:
+        chunk = await asyncio.wait_for(content.readany(), timeout_s)
+        if not chunk:
+            return
+        yield chunk
+
+
 def inspect_request_body(body: bytes) -> tuple[str | None, bool | None]:
     """(model, stream) from a JSON request body; the prompt is never looked at beyond parsing."""
     try:
@@ -117,12 +141,14 @@ class Proxy:
         read_timeout_s: float = 600.0,
         connect_timeout_s: float = 10.0,
         max_connections: int = 1024,
+        body_timeout_s: float = 60.0,
     ):
         self.upstream = upstream.rstrip("/")
         self.recorder = recorder or NullRecorder()
         self.tag_header = tag_header
         self.timeout = aiohttp.ClientTimeout(total=None, sock_connect=connect_timeout_s, sock_read=read_timeout_s)
-        self.max_connections = max_connections
+        self.max_connections = max_connections  # 0: unlimited (aiohttp's TCPConnector reads 0 so)
+        self.body_timeout_s = body_timeout_s
         self.session: aiohttp.ClientSession | None = None
         self._next_id = 0
         self.recorder_failures = 0
@@ -131,7 +157,7 @@ class Proxy:
         self.closing = False
 
     def app(self) -> web.Application:
-        app = web.Application(client_max_size=1 << 40)
+        app = web.Application(client_max_size=1 << 40, middlewares=[origin_form_only])
         app.router.add_route("*", "/{tail:.*}", self.handle)
         app.on_startup.append(self._open)
         app.on_shutdown.append(self._closing)
@@ -193,6 +219,9 @@ class Proxy:
             if trace is not None:
                 trace.end_ns = time.monotonic_ns()
                 trace.end_wall_ns = time.time_ns()
+                if trace.counts is not None and trace.counts.invalid and trace.outcome == "ok":
+                    # The server's own figures are out of range: the request is recorded as failed, with why.
+                    trace.outcome, trace.error = "invalid_response", trace.counts.invalid[:300]
                 self._safe(trace, self.recorder.on_end)
 
     async def _forward(self, request: web.Request, trace: RequestTrace | None) -> web.StreamResponse:
@@ -200,7 +229,13 @@ class Proxy:
         headers = forward_headers(request.headers, drop=("Host", "Content-Length"))
         length = request.content_length
         if request.body_exists and length is not None and length <= INSPECT_MAX_BYTES:
-            data = await request.read()
+            try:
+                data = await asyncio.wait_for(request.read(), self.body_timeout_s)
+            except asyncio.TimeoutError:
+                if trace is not None:
+                    trace.status, trace.outcome, trace.error = 408, "client_timeout", "request body too slow"
+                return web.Response(status=408, text=f"powerprof proxy: request body not received within "
+                                                     f"{self.body_timeout_s:g} s\n")
             headers["Content-Length"] = str(len(data))
             if trace is not None and trace.api is not None:
                 try:
@@ -208,7 +243,7 @@ class Proxy:
                 except Exception:
                     pass
         elif request.body_exists:
-            data = request.content.iter_any()
+            data = _body_chunks(request.content, self.body_timeout_s)
         else:
             data = None
             if length is not None:

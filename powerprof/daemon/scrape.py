@@ -9,7 +9,8 @@
   request's tokens after the last scrape before it ends (said in the log).
 
 Parsing is pure (text/JSON in, numbers out); `Scraper` does the HTTP and keeps the state needed
-to turn snapshots into token deltas.
+to turn snapshots into token deltas. Bodies are read up to MAX_METRICS_BYTES; a counter that is not
+finite and non-negative, or a slot's n_decoded that is not a count, fails that scrape with the reason.
 """
 
 from __future__ import annotations
@@ -19,6 +20,8 @@ import logging
 
 import aiohttp
 from prometheus_client.parser import text_string_to_metric_families
+
+from powerprof.workload.limits import MAX_COUNTER, MAX_METRICS_BYTES, bad_amount, bad_count, read_capped
 
 log = logging.getLogger("powerprof.daemon.scrape")
 
@@ -38,6 +41,8 @@ def counter_total(text: str, name: str) -> float | None:
             if s.name == name or (s.name == base and fam.type != "counter"):
                 total += s.value
                 seen = True
+    if seen and (why := bad_amount(total, MAX_COUNTER)) is not None:
+        raise ValueError(f"{name} {why}")
     return total if seen else None
 
 
@@ -54,6 +59,8 @@ def slot_progress(slots) -> dict[int, tuple[object, int]]:
         n = s.get("n_decoded")
         if n is None:
             n = (s.get("next_token") or [{}])[0].get("n_decoded") if isinstance(s.get("next_token"), list) else None
+        if n is not None and (why := bad_count(n)) is not None:
+            raise ValueError(f"/slots n_decoded {why}")
         if isinstance(sid, int) and isinstance(n, (int, float)):
             # Older servers keep the last request's n_decoded on an idle slot: it is not in flight.
             busy = s.get("is_processing", s.get("state", 1) != 0)
@@ -99,7 +106,9 @@ class Scraper:
 
     async def _get(self, path: str) -> tuple[int, str]:
         async with self.session.get(self.base + path, timeout=aiohttp.ClientTimeout(total=2)) as r:
-            return r.status, await r.text()
+            if r.status != 200:
+                return r.status, ""
+            return r.status, (await read_capped(r, MAX_METRICS_BYTES)).decode("utf-8", "replace")
 
     async def _detect(self) -> str | None:
         try:
@@ -136,7 +145,7 @@ class Scraper:
                 prev, self._last_total = self._last_total, total
                 # A restart of the server zeroes its counter: count from zero again.
                 delta = 0.0 if prev is None else (total - prev if total >= prev else total)
-        except (aiohttp.ClientError, OSError, ValueError, TimeoutError) as e:
+        except Exception as e:  # a server's answer never ends the scrape loop: counted and logged
             self.errors += 1
             self.last_error = f"{type(e).__name__}: {e}"
             if self.errors <= 3 or self.errors % 100 == 0:

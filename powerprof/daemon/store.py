@@ -11,7 +11,11 @@ finishes deleting the sources (target present) or drops the unfinished target (a
 are never lost nor left doubled.
 
 A failed flush (full disk, read-only mount) keeps the rows in memory, up to a bound per dataset
-beyond which the oldest are dropped and counted, and is retried at the next flush.
+beyond which the oldest are dropped and counted, and is retried at the next flush. A row that
+cannot become a Parquet row (a value its column cannot hold) is not retried forever: it is moved
+to `<root>/_quarantine/<dataset>-*.jsonl`, counted, and the rest of the batch is written. The
+flush thread survives any exception (counted, logged once with its cause) and beats a heartbeat
+that /metrics and the systemd watchdog read, so a dead or stuck writer is visible.
 """
 
 from __future__ import annotations
@@ -38,8 +42,20 @@ from powerprof.storage.schema import rows_to_table
 log = logging.getLogger("powerprof.daemon.store")
 
 JOURNAL = ".compact-journal.json"
+QUARANTINE_DIR = "_quarantine"  # "_" prefix: pyarrow and DuckDB dataset globs skip it
+# Memory one buffered row costs (a dict of ~25 columns), measured with tracemalloc: see buffer_cap_rows.
+ROW_BYTES_EST = 2048
+MAX_BUFFERED_ROWS = 500_000
 PART_PREFIX = "part-"
 COMPACT_PREFIX = "compact-"
+
+
+def buffer_cap_rows(memory_max_bytes: int | None, n_datasets: int, share: float = 0.5) -> int:
+    """Rows to keep per dataset while writes fail, so that all datasets together stay within `share` of
+    the process's memory limit (the unit's MemoryMax); MAX_BUFFERED_ROWS without a limit."""
+    if not memory_max_bytes:
+        return MAX_BUFFERED_ROWS
+    return max(100, min(MAX_BUFFERED_ROWS, int(memory_max_bytes * share / (ROW_BYTES_EST * max(1, n_datasets)))))
 
 
 def write_file_atomic(path: Path, table: pa.Table) -> None:
@@ -67,12 +83,14 @@ class DatasetStore:
         self,
         root: Path,
         datasets: list[Dataset],
-        max_buffered_rows: int = 500_000,
+        max_buffered_rows: int = MAX_BUFFERED_ROWS,
         retention_days: float | None = 30.0,
         retention_max_bytes: int | None = None,
         write_file: Callable[[Path, pa.Table], None] = write_file_atomic,
+        host: str | None = None,
     ):
         self.root = Path(root)
+        self.fill = {"host": host} if host else {}
         self.datasets = {d.name: d for d in datasets}
         self.max_buffered_rows = max_buffered_rows
         self.retention_days = retention_days
@@ -84,9 +102,11 @@ class DatasetStore:
         self._seq = 0
         self.dropped_rows = {d.name: 0 for d in datasets}
         self.written_rows = {d.name: 0 for d in datasets}
+        self.quarantined_rows = {d.name: 0 for d in datasets}
         self.flush_errors = 0
         self.last_error: str | None = None
         self._failing = False
+        self._data_errors_logged: set[tuple[str, str]] = set()
         self._warm_up()
         try:
             self.root.mkdir(parents=True, exist_ok=True)
@@ -136,12 +156,20 @@ class DatasetStore:
                     dropped_before = self.dropped_rows[name]
                 if not rows:
                     continue
+                written = len(rows)
                 try:
                     self._write_rows(ds, rows)
                 except OSError as e:
                     ok = False
                     self._flush_failed(name, e)
                     continue
+                except Exception as e:  # not the disk: a row its schema cannot hold (ArrowInvalid, TypeError, ...)
+                    try:
+                        written = self._write_around_bad_rows(ds, rows, e)
+                    except OSError as e2:
+                        ok = False
+                        self._flush_failed(name, e2)
+                        continue
                 with self._lock:
                     # Drop exactly what was written; rows appended meanwhile stay.
                     buf = self._buf[name]
@@ -149,11 +177,51 @@ class DatasetStore:
                     gone = self.dropped_rows[name] - dropped_before
                     for _ in range(max(0, min(len(rows) - gone, len(buf)))):
                         buf.popleft()
-                    self.written_rows[name] += len(rows)
+                    self.written_rows[name] += written
         if ok and self._failing:
             self._failing = False
             log.warning("writing Parquet works again; buffered rows were written")
         return ok
+
+    def _write_around_bad_rows(self, ds: Dataset, rows: list[dict], cause: Exception) -> int:
+        """Write the rows that convert; quarantine (JSON lines, counted, logged once per cause) those that do not."""
+        bad = []
+        for r in rows:
+            try:
+                rows_to_table(ds.schema, [r])
+            except Exception:
+                bad.append(r)
+        ids = {id(r) for r in bad}
+        good = [r for r in rows if id(r) not in ids] if bad else []
+        bad = bad or rows  # the batch failed yet no single row does: keep all of it aside rather than loop
+        self.flush_errors += 1
+        why = f"{type(cause).__name__}: {cause}"[:300]
+        self.last_error = f"{ds.name}: {why}"
+        if good:
+            self._write_rows(ds, good)
+        path = self._quarantine(ds, bad)
+        self.quarantined_rows[ds.name] += len(bad)
+        key = (ds.name, type(cause).__name__)
+        if key not in self._data_errors_logged:
+            self._data_errors_logged.add(key)
+            log.error("dataset %s: %d row(s) cannot be stored (%s); moved to %s, the other %d written. "
+                      "Further rows failing the same way are counted in powerprof_quarantined_rows_total.",
+                      ds.name, len(bad), why, path or "nowhere (the quarantine file could not be written)", len(good))
+        return len(good)
+
+    def _quarantine(self, ds: Dataset, rows: list[dict]) -> Path | None:
+        d = self.root / QUARANTINE_DIR
+        stamp = datetime.now(timezone.utc).strftime("%Y%m%dT%H%M%S%f")
+        path = d / f"{ds.name}-{stamp}-{os.getpid()}.jsonl"
+        try:
+            d.mkdir(parents=True, exist_ok=True)
+            with atomic_path(path) as tmp, open(tmp, "w") as f:
+                for r in rows:
+                    f.write(json.dumps(r, default=repr) + "\n")
+        except OSError as e:
+            log.error("cannot write quarantined rows of %s to %s: %s", ds.name, path, e)
+            return None
+        return path
 
     def _flush_failed(self, name: str, e: OSError) -> None:
         self.flush_errors += 1
@@ -170,14 +238,17 @@ class DatasetStore:
         by_date: dict[str, list[dict]] = {}
         for r in rows:
             by_date.setdefault(date_of(r.get(ds.time_column)), []).append(r)
-        for day, part in sorted(by_date.items()):
+        # Every table is built before any file is written: a row that cannot convert fails the batch
+        # before part of it is on disk (its retry would write that part twice).
+        tables = [(day, rows_to_table(ds.schema, part, self.fill)) for day, part in sorted(by_date.items())]
+        for day, table in tables:
             d = self.root / ds.name / f"date={day}"
             if not d.exists():
                 d.mkdir(parents=True, exist_ok=True)
                 fsync_dir(d.parent)
             self._seq += 1
             stamp = datetime.now(timezone.utc).strftime("%Y%m%dT%H%M%S%f")
-            self._write_file(d / f"{PART_PREFIX}{stamp}-{os.getpid()}-{self._seq:06d}.parquet", rows_to_table(ds.schema, part))
+            self._write_file(d / f"{PART_PREFIX}{stamp}-{os.getpid()}-{self._seq:06d}.parquet", table)
 
     # --- recovery, compaction, retention -----------------------------------------------------
 
@@ -291,12 +362,17 @@ class DatasetStore:
 class Flusher:
     """A thread that flushes every `interval_s` and compacts/retains every `compact_interval_s`."""
 
+    BEAT_S = 5.0  # the loop turns at least this often, so a heartbeat older than a few of these means stuck
+
     def __init__(self, store: DatasetStore, interval_s: float = 30.0, compact_interval_s: float = 3600.0):
         self.store = store
         self.interval_s = interval_s
         self.compact_interval_s = compact_interval_s
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
+        self.errors = 0  # exceptions the loop caught (the store counts its own write failures)
+        self.last_error: str | None = None
+        self.beat = time.monotonic()  # the loop's last turn; a stuck flush stops it moving
 
     def start(self) -> "Flusher":
         self._thread = threading.Thread(target=self._run, name="powerprof-flush", daemon=True)
@@ -306,18 +382,36 @@ class Flusher:
     def _run(self) -> None:
         next_flush = time.monotonic() + self.interval_s
         next_compact = time.monotonic() + self.compact_interval_s
-        while not self._stop.wait(max(0.0, min(next_flush, next_compact) - time.monotonic())):
+        # Wake at least every BEAT_S so the heartbeat moves while idle.
+        while not self._stop.wait(max(0.0, min(next_flush, next_compact, time.monotonic() + self.BEAT_S) - time.monotonic())):
             now = time.monotonic()
+            self.beat = now
             if now >= next_flush:
-                self.store.flush()
+                self._step("flush", self.store.flush)
                 next_flush = max(next_flush + self.interval_s, now + self.interval_s / 2)
             if now >= next_compact:
-                try:
-                    self.store.compact()
-                    self.store.enforce_retention()
-                except Exception:
-                    log.exception("compaction/retention failed; will retry")
+                self._step("compaction", self.store.compact)
+                self._step("retention", self.store.enforce_retention)
                 next_compact = now + self.compact_interval_s
+            self.beat = time.monotonic()
+
+    def _step(self, what: str, fn) -> None:
+        try:
+            fn()
+        except Exception as e:  # the thread must outlive any bug: counted, logged once per kind, retried next turn
+            self.errors += 1
+            first = self.last_error is None or not self.last_error.startswith(f"{what}: {type(e).__name__}")
+            self.last_error = f"{what}: {type(e).__name__}: {e}"[:300]
+            if first:
+                log.exception("%s failed; retrying at the next turn (powerprof_writer_errors_total)", what)
+
+    @property
+    def running(self) -> bool:
+        return self._thread is not None and self._thread.is_alive()
+
+    def alive(self, stuck_after_s: float) -> bool:
+        """The thread runs and its loop turned within `stuck_after_s`: what the watchdog and /metrics report."""
+        return self.running and time.monotonic() - self.beat < stuck_after_s
 
     def stop(self) -> None:
         self._stop.set()

@@ -41,10 +41,14 @@ class Counts:
     predicted_ms: float | None = None
     complete: bool | None = None
     error: str | None = None
+    invalid: str | None = None  # a count or timing out of range: none of its counts are kept
 
 
 def summary_counts(summary) -> Counts:
-    """What the daemon keeps of a StreamSummary."""
+    """What the daemon keeps of a StreamSummary; nothing of one that sent an invalid value."""
+    if summary.invalid is not None:
+        return Counts(None, None, summary.model, summary.stop_reason, "none", complete=summary.complete,
+                      error=summary.error, invalid=summary.invalid)
     timings = summary.timings or {}
     gen = summary.generated_tokens
     return Counts(
@@ -60,7 +64,8 @@ def summary_counts(summary) -> Counts:
 
 
 def new_parser(api: str) -> StreamParser:
-    return StreamParser(api)
+    """A counting parser: plain token chunks are counted from their bytes, not parsed (see StreamParser)."""
+    return StreamParser(api, count_only=True)
 
 
 def body_counts(api: str, body: bytes) -> Counts:

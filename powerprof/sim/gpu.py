@@ -10,14 +10,11 @@ from dataclasses import dataclass
 from typing import Callable
 
 import numpy as np
+from pynvml import nvmlClocksEventReasonGpuIdle as REASON_GPU_IDLE
+from pynvml import nvmlClocksEventReasonHwThermalSlowdown as REASON_HW_THERMAL
+from pynvml import nvmlClocksEventReasonSwPowerCap as REASON_SW_POWER_CAP
 
 from .profiles import GpuProfile
-
-# Clock event reason bits (NVML nvmlClocksEventReason*).
-REASON_GPU_IDLE = 0x1
-REASON_SW_POWER_CAP = 0x4
-REASON_SW_THERMAL = 0x20
-REASON_HW_THERMAL = 0x40
 
 
 @dataclass(frozen=True)

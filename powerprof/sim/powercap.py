@@ -241,6 +241,9 @@ class SimPowercap:
         return self
 
     def _run(self) -> None:
+        from .threads import name_this_thread
+
+        name_this_thread("sim-powercap")
         while not self._stop.wait(self.update_interval_s):
             self.update()
 

@@ -37,6 +37,7 @@ from . import knobs
 from .gpu import Phase
 from .nvml import SimNVML
 from .profiles import DEFAULT_PROFILE
+from .threads import name_this_thread
 
 PREFILL_COMPUTE_SHARE = 0.9
 _WORD = re.compile(r"\w+|[^\w\s]")
@@ -185,6 +186,7 @@ class SimServer:
         errors: list[BaseException] = []
 
         def run():
+            name_this_thread("sim-server")
             loop = asyncio.new_event_loop()
             self._loop = loop
             asyncio.set_event_loop(loop)

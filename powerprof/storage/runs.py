@@ -30,6 +30,24 @@ def table_from_rows(name: str, rows: list[dict]) -> pa.Table:
     return rows_to_table(TABLES[name], rows)
 
 
+def split_storable(name: str, rows: list[dict]) -> tuple[list[dict], list[dict], str | None]:
+    """(rows that fit the named schema, rows that do not, the first error): one bad value must not take the
+    whole table, and every finished level in it, down with it."""
+    try:
+        table_from_rows(name, rows)
+        return rows, [], None
+    except (pa.ArrowException, TypeError, ValueError, OverflowError) as e:
+        err = f"{type(e).__name__}: {e}"[:300]
+    good, bad = [], []
+    for r in rows:
+        try:
+            table_from_rows(name, [r])
+            good.append(r)
+        except (pa.ArrowException, TypeError, ValueError, OverflowError):
+            bad.append(r)
+    return good, bad, err
+
+
 def default_run_dir(base: Path, gpu_label: str) -> Path:
     stamp = datetime.now(timezone.utc).strftime("%Y%m%dT%H%M%SZ")
     safe = "".join(ch if ch.isalnum() or ch in "-_" else "-" for ch in gpu_label).strip("-") or "gpu"

@@ -171,6 +171,8 @@ ANALYSIS = pa.schema(
 TABLES = {"samples": SAMPLES, "windows": WINDOWS, "levels": LEVELS, "analysis": ANALYSIS}
 
 # --- daemon datasets (hive-partitioned by date=YYYY-MM-DD; the partition column is not in the files)
+# Every daemon row carries the machine that recorded it, so many nodes' datasets read as one.
+HOST = pa.field("host", pa.string())  # daemon.host, default the machine's host name
 
 # One row per proxied request. Never prompt or completion text.
 DAEMON_REQUESTS = pa.schema(
@@ -203,6 +205,7 @@ DAEMON_REQUESTS = pa.schema(
         ("attributed_tokens", pa.float64()),  # its tokens inside decode intervals
         ("gpu_j_per_token", pa.float64()),  # gpu_energy_j / attributed_tokens
         ("recorder_error", pa.string()),  # recording failed (traffic still flowed)
+        HOST,
     ]
 )
 
@@ -223,6 +226,7 @@ DAEMON_INTERVALS = pa.schema(
         ("server_tokens", pa.float64()),  # tokens the server's own metrics counted (null: not scraped)
         ("n_prefill", pa.int32()),  # requests in prefill during the interval
         ("n_decoding", pa.int32()),  # requests decoding during the interval
+        HOST,
     ]
 )
 
@@ -240,11 +244,15 @@ DAEMON_TAGS = pa.schema(
         ("proxy_tokens", pa.float64()),  # tokens through the proxy inside the window
         ("gpu_j_per_token", pa.float64()),
         ("closed_by", pa.string()),  # stop | shutdown
+        HOST,
     ]
 )
 
+# The daemon's samples: the sweep's SAMPLES columns, then the host.
+DAEMON_SAMPLES = pa.schema(list(SAMPLES) + [HOST])
+
 DAEMON_TABLES = {
-    "samples": SAMPLES,
+    "samples": DAEMON_SAMPLES,
     "requests": DAEMON_REQUESTS,
     "intervals": DAEMON_INTERVALS,
     "tags": DAEMON_TAGS,
@@ -274,18 +282,22 @@ def with_knob_columns(table: pa.Table, rows) -> pa.Table:
     return table
 
 
-def rows_to_table(schema: pa.Schema, rows) -> pa.Table:
-    """Rows (dicts keyed by column name; missing keys are null) → a table of `schema`: the one converter.
+def rows_to_table(schema: pa.Schema, rows, fill: dict | None = None) -> pa.Table:
+    """Rows (dicts keyed by column name; missing keys are null, or their value in `fill`: columns
+    every row shares, such as the daemon's host) → a table of `schema`: the one converter.
 
     Timestamps travel as integer nanoseconds since the epoch (UTC), as the sampler and the clocks
     give them, and are truncated to the schema's microseconds only here; datetime objects are
     accepted too."""
     rows = list(rows)
     cols = {}
+    fill = fill or {}
     for f in schema:
-        vals = [r.get(f.name) for r in rows]
+        vals = [r.get(f.name, fill.get(f.name)) for r in rows]
         if pa.types.is_timestamp(f.type) and any(isinstance(v, int) for v in vals):
-            cols[f.name] = pa.array([None if v is None else _ns(v) // 1000 for v in vals], pa.int64()).cast(f.type)
+            # Integer µs straight into the timestamp type (every schema here is µs, TS): a cast
+            # would load pyarrow.compute (~10 MiB) into the daemon.
+            cols[f.name] = pa.array([None if v is None else _ns(v) // 1000 for v in vals], f.type)
         else:
             cols[f.name] = pa.array(vals, f.type)
     return pa.Table.from_pydict(cols, schema=schema)

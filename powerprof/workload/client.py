@@ -10,6 +10,7 @@ with status "failed" and the reason, never an exception and never counted tokens
 from __future__ import annotations
 
 import asyncio
+import json
 import time
 from dataclasses import dataclass, field
 from typing import Callable
@@ -19,6 +20,7 @@ import numpy as np
 
 from powerprof.windows import decode_window
 
+from .limits import MAX_ERROR_BYTES, MAX_INFO_BYTES, MAX_RESPONSE_BYTES, BodyTooLarge, bad_count, read_capped
 from .stream import APIS, StreamParser, parse_response
 
 # Server kinds and what each accepts beyond the OpenAI basics.
@@ -157,13 +159,14 @@ def build_body(server: ServerInfo, prompt: str, params: RequestParams) -> dict:
 
 
 async def _get_json(session: aiohttp.ClientSession, url: str):
+    """(status, parsed JSON or None). A body over MAX_INFO_BYTES is not read further and counts as no answer."""
     try:
         async with session.get(url, timeout=aiohttp.ClientTimeout(total=10)) as r:
             if r.status != 200:
                 return r.status, None
             try:
-                return r.status, await r.json(content_type=None)
-            except (ValueError, aiohttp.ContentTypeError):
+                return r.status, json.loads(await read_capped(r, MAX_INFO_BYTES))
+            except (ValueError, UnicodeDecodeError):  # BodyTooLarge is a ValueError
                 return r.status, None
     except (aiohttp.ClientError, asyncio.TimeoutError, OSError):
         return None, None
@@ -195,7 +198,7 @@ async def detect_server(session: aiohttp.ClientSession, base_url: str, api: str 
             model=model,
             build_info=str(props.get("build_info")) if props.get("build_info") is not None else None,
             model_path=props.get("model_path") if isinstance(props.get("model_path"), str) else None,
-            total_slots=slots if isinstance(slots, int) else None,
+            total_slots=int(slots) if slots is not None and bad_count(slots) is None and slots > 0 else None,
             simulated=bool(props.get("simulated")) or simulated,
         )
     kind = "openai"
@@ -294,11 +297,14 @@ async def send_request(
         async with session.post(server.endpoint, json=body, timeout=timeout) as resp:
             http_status = resp.status
             if resp.status != 200:
-                text = (await resp.read())[:300].decode("utf-8", "replace")
+                text = (await resp.content.read(MAX_ERROR_BYTES)).decode("utf-8", "replace")
                 return _failed(base, f"HTTP {resp.status}: {text.strip()}", resp.status, clock_ns())
             ctype = resp.headers.get("Content-Type", "")
             if "text/event-stream" not in ctype and "json" in ctype:
-                raw = await resp.read()
+                try:
+                    raw = await read_capped(resp, MAX_RESPONSE_BYTES)
+                except BodyTooLarge as e:
+                    return _failed(base, f"response too large: {e}", resp.status, clock_ns())
                 t = clock_ns()
                 evs, summary = parse_response(server.api, raw)
                 for e in evs:

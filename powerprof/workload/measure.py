@@ -153,7 +153,7 @@ def run_measure(
 
     from powerprof import __version__
     from powerprof.profiler import Profiler
-    from powerprof.storage.runs import RunWriter, table_from_rows
+    from powerprof.storage.runs import RunWriter, split_storable, table_from_rows
 
     if out_dir.exists() and any(out_dir.iterdir()):
         raise FileExistsError(f"output directory {out_dir} already exists and is not empty; choose another --out")
@@ -209,6 +209,9 @@ def run_measure(
         "aborted": result.aborted,
     }
     meta["simulated"] = meta["simulated"] or s.simulated
+    result.rows, bad, err = split_storable("windows", result.rows)
+    if bad:
+        notes.append(f"{len(bad)} window row(s) could not be stored and are left out of every figure ({err})")
     writer = RunWriter(out_dir, meta)
     writer.write("windows", table_from_rows("windows", result.rows))
     result.notes = notes

@@ -3,6 +3,8 @@
 Pure: no I/O, no clock. The client and the daemon's proxy feed the bytes as they arrive and
 stamp the returned events with their own arrival time. A parser never raises on garbage; it
 records an error and keeps going, so a proxy forwarding the same bytes is never disturbed.
+Every count and timing a server sends is checked here (type, sign, range: `limits`); a bad one is
+not used, and the summary's `invalid` says which, so the request is reported failed.
 
 APIs:
 - "llamacpp": llama.cpp's native `/completion` (one `data:` event per token or group of
@@ -16,13 +18,26 @@ APIs:
 from __future__ import annotations
 
 import json
+import re
 from dataclasses import dataclass, field
+
+from .limits import MAX_COUNT, MAX_MS, bad_amount, bad_count
 
 APIS = ("llamacpp", "openai-completions", "openai-chat")
 
 # A proxy feeds arbitrary traffic through this: keep what we hold bounded.
 _MAX_ERRORS = 8
 _MAX_PENDING_BYTES = 4 * 1024 * 1024
+
+# What sends a chunk to the full JSON parse in count-only mode (StreamParser._quick_count): spaced
+# (non-compact) JSON, and every key whose value the counting rules read beyond "one more token".
+_NEEDS_PARSE = re.compile(rb'": |"(?:error|timings|role|tool_calls)"|"usage":\{|"logprobs":[{\[]')
+_PREDICTED = re.compile(rb'"tokens_predicted":([^,}\]]*)')
+
+# llama.cpp `timings` fields kept: counts, and durations (ms) or rates checked as amounts.
+_TIMING_COUNTS = ("prompt_n", "predicted_n", "cache_n", "draft_n", "draft_n_accepted")
+_TIMING_AMOUNTS = ("prompt_ms", "predicted_ms", "prompt_per_token_ms", "predicted_per_token_ms",
+                   "prompt_per_second", "predicted_per_second")
 
 # llama.cpp's stop_type words mapped onto OpenAI's finish_reason vocabulary.
 _LLAMACPP_STOP = {"limit": "length", "eos": "stop", "word": "stop", "none": None}
@@ -58,6 +73,7 @@ class StreamSummary:
     error: str | None  # first problems seen, joined; None when clean
     n_events: int  # token-bearing events
     n_comments: int  # SSE comment (keep-alive) lines
+    invalid: str | None = None  # the first count or timing out of type/sign/range: the request failed
 
 
 def _int(v) -> int | None:
@@ -85,12 +101,17 @@ class _State:
     complete: bool = False
     done: bool = False
     errors: list = field(default_factory=list)
+    invalid: str | None = None
 
 
 class StreamParser:
     """Parses one streamed (SSE) response incrementally. `feed(bytes)` → events; `finish()` → summary."""
 
-    def __init__(self, api: str):
+    def __init__(self, api: str, count_only: bool = False):
+        """count_only: the caller needs counts, not text (the daemon's proxy). Plain token chunks
+        are then counted from their bytes (`_quick_count`) and not parsed as JSON; their events
+        carry no text. The first event and every one with usage, finish_reason, timings, stop,
+        logprobs or an error are still parsed whole, so the summary is the same."""
         if api not in APIS:
             raise ValueError(f"unknown api {api!r}; choose one of: {', '.join(APIS)}")
         self.api = api
@@ -98,6 +119,8 @@ class StreamParser:
         self._pending: list[bytes] = []  # data lines of an event not yet dispatched
         self._s = _State()
         self._handle = self._llamacpp if api == "llamacpp" else self._openai
+        self._quick = count_only
+        self._parsed_one = False
 
     @property
     def ended(self) -> bool:
@@ -175,6 +198,13 @@ class StreamParser:
         if payload == b"[DONE]":
             self._s.done = True
             return
+        if self._quick and self._parsed_one:
+            n = self._quick_count(payload)
+            if n is not None:
+                if n > 0:
+                    self._add(n, out, "", None)
+                return
+        self._parsed_one = True
         try:
             obj = json.loads(payload)
         except (ValueError, UnicodeDecodeError):
@@ -188,9 +218,58 @@ class StreamParser:
         except Exception as e:  # never raise on garbage: a proxy forwards these bytes
             self._error(f"unexpected event shape: {type(e).__name__}: {e}")
 
+    def _quick_count(self, v: bytes) -> int | None:
+        """Tokens in a plain token chunk, read from its bytes; None when the chunk needs the full
+        parse. Only compact JSON (as llama.cpp, vLLM and SGLang write it) of the commonest shapes
+        qualifies, and only where the full parse's rule is plain: llama.cpp `len(tokens)` of an
+        event with `"stop":false`; OpenAI one token for one choice with a non-empty text or content,
+        `"finish_reason":null` and no usage, logprobs, timings, role or tool calls. The quoted keys
+        cannot match inside a string value: quotes there are escaped. tests/test_stream_parser.py
+        checks that both paths agree on every shape."""
+        if _NEEDS_PARSE.search(v) is not None or (self._s.model is None and b'"model"' in v):
+            return None
+        if self.api == "llamacpp":
+            i = v.find(b'"tokens":[')
+            if i < 0 or b'"stop":false' not in v:
+                return None
+            # The full parse checks tokens_predicted (a count in range): anything but plain digits
+            # in range goes there, so an invalid value is recorded the same way.
+            m = _PREDICTED.search(v)
+            if m is not None and not (m.group(1).isdigit() and len(m.group(1)) <= 10 and int(m.group(1)) <= MAX_COUNT):
+                return None
+            j = v.find(b"]", i + 10)
+            seg = v[i + 10 : j].strip() if j > 0 else None
+            if seg is None or b"[" in seg:
+                return None
+            return seg.count(b",") + 1 if seg else 0
+        if v.count(b'"finish_reason":null') != 1:
+            return None
+        key = b'"content":"' if self.api == "openai-chat" else b'"text":"'
+        i = v.find(key)
+        if i < 0 or v[i + len(key) : i + len(key) + 1] == b'"' or v.find(key, i + 1) >= 0:
+            return None
+        return 1
+
     def _error(self, msg: str) -> None:
         if len(self._s.errors) < _MAX_ERRORS:
             self._s.errors.append(msg)
+
+    def _invalid(self, what: str, why: str) -> None:
+        msg = f"server sent an invalid {what}: {why}"
+        if self._s.invalid is None:
+            self._s.invalid = msg
+        self._error(msg)
+
+    def _count(self, d: dict, key: str) -> int | None:
+        """d[key] as a token count; None when absent (or null), or invalid (recorded)."""
+        v = d.get(key)
+        if v is None:
+            return None
+        why = bad_count(v)
+        if why is not None:
+            self._invalid(key, why)
+            return None
+        return int(v)
 
     def _server_error(self, obj: dict) -> bool:
         err = obj.get("error")
@@ -204,11 +283,34 @@ class StreamParser:
         return True
 
     def _timings(self, t) -> None:
-        if isinstance(t, dict):
-            self._s.timings = dict(t)
-            p = _int(t.get("prompt_n"))
-            if p is not None:
-                self._s.prompt_tokens = p
+        if not isinstance(t, dict):
+            return
+        kept: dict = {}
+        for k in _TIMING_COUNTS:
+            n = self._count(t, k)
+            if n is not None:
+                kept[k] = n
+        for k in _TIMING_AMOUNTS:
+            v = t.get(k)
+            if v is None:
+                continue
+            why = bad_amount(v, MAX_MS)
+            if why is not None:
+                self._invalid(f"timings.{k}", why)
+            else:
+                kept[k] = float(v)
+        self._s.timings = kept
+        if "prompt_n" in kept:
+            self._s.prompt_tokens = kept["prompt_n"]
+
+    def _add(self, n: int, out: list[TokenEvent], text: str, total: int | None) -> None:
+        s = self._s
+        if s.counted + n > MAX_COUNT:
+            self._invalid("token count", f"the stream's total passes {MAX_COUNT}")
+            return
+        s.counted += n
+        s.n_events += 1
+        out.append(TokenEvent(n, text, total))
 
     def _llamacpp(self, obj: dict, out: list[TokenEvent]) -> None:
         s = self._s
@@ -219,7 +321,7 @@ class StreamParser:
         content = obj.get("content")
         content = content if isinstance(content, str) else ""
         tokens = obj.get("tokens")
-        predicted = _int(obj.get("tokens_predicted"))
+        predicted = self._count(obj, "tokens_predicted")
         if isinstance(tokens, list):
             n = len(tokens)
         elif predicted is not None:
@@ -236,13 +338,11 @@ class StreamParser:
             if predicted is not None:
                 s.predicted_total = predicted
             self._timings(obj.get("timings"))
-            ev = _int(obj.get("tokens_evaluated"))
+            ev = self._count(obj, "tokens_evaluated")
             if s.prompt_tokens is None and ev is not None:
                 s.prompt_tokens = ev
         if n > 0:
-            s.counted += n
-            s.n_events += 1
-            out.append(TokenEvent(n, content, predicted))
+            self._add(n, out, content, predicted)
 
     def _openai(self, obj: dict, out: list[TokenEvent]) -> None:
         s = self._s
@@ -255,10 +355,10 @@ class StreamParser:
         usage = obj.get("usage")
         usage_total = None
         if isinstance(usage, dict):
-            usage_total = _int(usage.get("completion_tokens"))
+            usage_total = self._count(usage, "completion_tokens")
             if usage_total is not None:
                 s.usage_completion = usage_total
-            p = _int(usage.get("prompt_tokens"))
+            p = self._count(usage, "prompt_tokens")
             if p is not None:
                 s.usage_prompt = p
         choices = obj.get("choices")
@@ -310,9 +410,7 @@ class StreamParser:
             # Without counts a content chunk stands for one token; usage at the end corrects
             # the total, and the summary says which source it used.
             n = 1
-        s.counted += n
-        s.n_events += 1
-        out.append(TokenEvent(n, "".join(texts), usage_total))
+        self._add(n, out, "".join(texts), usage_total)
 
     def _summary(self) -> StreamSummary:
         s = self._s
@@ -322,8 +420,8 @@ class StreamParser:
             generated, source = s.usage_completion, "usage"
         elif s.predicted_total is not None:
             generated, source = s.predicted_total, "timings"
-        elif _int(t.get("predicted_n")) is not None:
-            generated, source = int(t["predicted_n"]), "timings"
+        elif "predicted_n" in t:
+            generated, source = t["predicted_n"], "timings"
         prompt = s.usage_prompt if s.usage_prompt is not None else s.prompt_tokens
         return StreamSummary(
             api=self.api,
@@ -332,8 +430,8 @@ class StreamParser:
             prompt_tokens=prompt,
             token_source=source,
             timings=dict(t),
-            draft_n=_int(t.get("draft_n")),
-            draft_n_accepted=_int(t.get("draft_n_accepted")),
+            draft_n=t.get("draft_n"),
+            draft_n_accepted=t.get("draft_n_accepted"),
             stop_reason=s.stop_reason,
             model=s.model,
             complete=s.complete,
@@ -341,6 +439,7 @@ class StreamParser:
             error="; ".join(s.errors) if s.errors else None,
             n_events=s.n_events,
             n_comments=s.n_comments,
+            invalid=s.invalid,
         )
 
 
@@ -364,7 +463,7 @@ def parse_response(api: str, body: bytes) -> tuple[list[TokenEvent], StreamSumma
             obj = dict(obj, choices=[{**c, "delta": c.get("message") or {}} for c in obj["choices"] if isinstance(c, dict)])
         if api == "llamacpp" and "stop" not in obj and "content" in obj:
             obj = dict(obj, stop=True)
-        if api == "llamacpp" and isinstance(obj.get("tokens"), list) is False and _int(obj.get("tokens_predicted")) is None:
+        if api == "llamacpp" and isinstance(obj.get("tokens"), list) is False and obj.get("tokens_predicted") is None:
             # Non-streaming answers carry the whole text in one `content`: count from timings.
             pn = _int((obj.get("timings") or {}).get("predicted_n")) if isinstance(obj.get("timings"), dict) else None
             if pn is not None:

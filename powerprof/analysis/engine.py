@@ -1,0 +1,235 @@
+"""The sample engine: per-level sensor figures and the binned power/clock timeline as DuckDB queries.
+
+One implementation for the sweep (an in-memory Arrow table, rewritten per level) and the analysis
+(samples.parquet files, globs or object-store URIs). DuckDB scans the columns it needs in parallel
+and out of core: a memory limit and a spill folder keep 100 M rows within a fixed budget.
+
+Per-level figures are means over the nvml samples inside the measured decode spans, grouped by
+the (level_kind, level_value) tags the sweep put on each sample. Means rather than medians: sums
+and counts merge across files, runs and spill partitions, so memory stays flat whatever the size.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import tempfile
+from contextlib import contextmanager
+from dataclasses import dataclass
+
+import numpy as np
+import pyarrow as pa
+
+from powerprof.collectors.clock_reasons import REASON_SW_POWER_CAP, cap_not_engaged, thermal
+
+MEMORY_LIMIT = "256MB"  # DuckDB's own buffers; beyond this it spills to the temp folder
+THREADS = min(4, os.cpu_count() or 1)  # more threads each hold buffers: 4 keeps 256 MB enough
+
+# Columns the queries read; a file that lacks one (older writers) reads it as NULL.
+_SAMPLE_COLUMNS = {
+    "time_utc": "TIMESTAMPTZ", "t_mono_s": "DOUBLE", "source": "VARCHAR", "device": "VARCHAR",
+    "power_w": "DOUBLE", "power_avg_w": "DOUBLE", "sm_clock_mhz": "DOUBLE", "mem_clock_mhz": "DOUBLE",
+    "clock_event_reasons": "BIGINT", "enforced_limit_w": "DOUBLE", "level_kind": "VARCHAR", "level_value": "DOUBLE",
+}
+
+
+@contextmanager
+def connect(memory_limit: str = MEMORY_LIMIT, threads: int = THREADS):
+    """A DuckDB connection with a memory limit and its own spill folder (removed afterwards)."""
+    import duckdb  # noqa: PLC0415  (only analysis and the sweep's flush need it; keeps the daemon small)
+
+    spill = tempfile.mkdtemp(prefix="powerprof-duckdb-")
+    con = duckdb.connect(config={"memory_limit": memory_limit, "threads": threads, "temp_directory": spill,
+                                 "preserve_insertion_order": False})
+    try:
+        yield con
+    finally:
+        con.close()
+        shutil.rmtree(spill, ignore_errors=True)
+
+
+def to_arrow(con, sql: str) -> pa.Table:
+    """A query's result as an Arrow table (DuckDB 2 names it to_arrow_table, 1.x arrow)."""
+    rel = con.sql(sql)
+    fn = getattr(rel, "to_arrow_table", None) or rel.arrow
+    return fn()
+
+
+def _quote(s: str) -> str:
+    return "'" + s.replace("'", "''") + "'"
+
+
+def samples_relation(con, source) -> str:
+    """Register `source` as the view `samples` with every column the queries use; returns its name.
+
+    source: a pyarrow Table, or one or more Parquet paths, globs or URIs (DuckDB reads s3://,
+    gs://, https:// through its httpfs extension)."""
+    if isinstance(source, pa.Table):
+        con.register("samples_in", source)
+        names = set(source.column_names)
+        src = "samples_in"
+    else:
+        paths = [str(source)] if isinstance(source, (str, bytes)) or not hasattr(source, "__iter__") else [
+            str(p) for p in source]
+        src = f"read_parquet([{', '.join(_quote(p) for p in paths)}], union_by_name = true)"
+        names = {r[0] for r in con.execute(f"DESCRIBE SELECT * FROM {src}").fetchall()}
+    cols = ", ".join(c if c in names else f"CAST(NULL AS {t}) AS {c}" for c, t in _SAMPLE_COLUMNS.items())
+    con.execute(f"CREATE OR REPLACE TEMP VIEW samples AS SELECT {cols} FROM {src}")
+    return "samples"
+
+
+@dataclass
+class LevelSums:
+    """Sums and counts of one level's samples: they add across runs, then divide once."""
+
+    n: int = 0
+    power_sum: float = 0.0
+    power_n: int = 0
+    clock_sum: float = 0.0
+    clock_n: int = 0
+    mem_sum: float = 0.0
+    mem_n: int = 0
+    reasons: int = 0
+    reasons_n: int = 0  # samples that reported reasons; 0: the GPU cannot tell, the rule falls back on power
+    enforced_sum: float = 0.0
+    enforced_n: int = 0
+
+    def add(self, o: "LevelSums") -> None:
+        for f in ("n", "power_sum", "power_n", "clock_sum", "clock_n", "mem_sum", "mem_n", "reasons_n",
+                  "enforced_sum", "enforced_n"):
+            setattr(self, f, getattr(self, f) + getattr(o, f))
+        self.reasons |= o.reasons
+
+
+def merge_intervals(starts, ends) -> tuple[np.ndarray, np.ndarray]:
+    """Sorted, disjoint [start, end] spans covering the given ones (concurrent requests overlap)."""
+    s, e = np.asarray(starts), np.asarray(ends)
+    if s.size == 0:
+        return s, e
+    order = np.argsort(s, kind="stable")
+    s, e = s[order], e[order]
+    # A merged span starts where a start exceeds every end so far.
+    first = np.flatnonzero(np.concatenate([[True], s[1:] > np.maximum.accumulate(e)[:-1]]))
+    return s[first], np.maximum.reduceat(e, first)
+
+
+def _bucketed(starts, ends) -> tuple[pa.Table, float]:
+    """Each disjoint interval once per time bucket it touches: (b, t_start, t_end) rows, and the
+    bucket width (the median interval length, so an interval spans about two buckets)."""
+    s, e = np.asarray(starts), np.asarray(ends)
+    if s.size == 0:
+        return pa.table({"b": pa.array([], pa.int64()), "t_start": s, "t_end": e}), 1.0
+    width = float(max(np.median(e - s), 1e-9 if s.dtype.kind == "f" else 1))
+    b0, b1 = np.floor(s / width).astype(np.int64), np.floor(e / width).astype(np.int64)
+    n = b1 - b0 + 1
+    idx = np.repeat(np.arange(s.size), n)
+    b = b0[idx] + (np.arange(idx.size) - np.repeat(np.cumsum(n) - n, n))
+    return pa.table({"b": b, "t_start": s[idx], "t_end": e[idx]}), width
+
+
+_LEVEL_SUMS = ("count(*)", "sum(p)", "count(p)", "sum(sm_clock_mhz)", "count(sm_clock_mhz)", "sum(mem_clock_mhz)",
+               "count(mem_clock_mhz)", "bit_or(clock_event_reasons)", "count(clock_event_reasons)",
+               "sum(enforced_limit_w)", "count(enforced_limit_w)")
+
+
+def _level_sums_row(r) -> LevelSums:
+    return LevelSums(int(r[0]), r[1] or 0.0, int(r[2]), r[3] or 0.0, int(r[4]), r[5] or 0.0, int(r[6]),
+                     int(r[7] or 0), int(r[8]), r[9] or 0.0, int(r[10]))
+
+
+def scan(con, relation: str, intervals: tuple[np.ndarray, np.ndarray] | None = None,
+         time_expr: str = "epoch_us(time_utc)", bins: int | None = None) -> tuple[dict[tuple, LevelSums], dict | None]:
+    """Per-level sums of the nvml samples of `relation` and, when `bins` is given, their binned
+    timeline (see timeline_bins). Returns ({(level_kind, level_value): LevelSums}, timeline or None).
+
+    The level sums take the samples tagged with a level whose time (`time_expr`, same unit as
+    `intervals`) falls inside one of the sorted, disjoint [start, end] intervals, every tagged
+    sample when `intervals` is None. The timeline takes every nvml sample. Two grouped scans: one
+    query with both as grouping sets computes every aggregate for both and is slower."""
+    body = (f"SELECT {time_expr} AS t, *, coalesce(power_w, power_avg_w) AS p FROM {relation} "
+            "WHERE source = 'nvml' AND device IS NOT NULL AND level_value IS NOT NULL AND NOT isnan(level_value)")
+    if intervals is not None:
+        buckets, width = _bucketed(*intervals)
+        # An equi-join on a time bucket, then the exact bounds: a hash join that streams the samples
+        # (an ASOF or range join would sort all of them first, several times slower).
+        con.register("intervals_in", buckets)
+        body = (f"SELECT s.* FROM ({body}) s JOIN intervals_in i ON i.b = CAST(floor(s.t / {width!r}) AS BIGINT) "
+                f"AND s.t >= i.t_start AND s.t <= i.t_end")
+    rows = con.execute(f"""SELECT coalesce(level_kind, 'none'), level_value, {', '.join(_LEVEL_SUMS)}
+                           FROM ({body}) GROUP BY 1, 2""").fetchall()
+    sums = {(r[0], float(r[1])): _level_sums_row(r[2:]) for r in rows}
+    return sums, (None if bins is None else timeline_bins(con, relation, bins))
+
+
+def level_sums(con, relation: str, intervals: tuple[np.ndarray, np.ndarray] | None = None,
+               time_expr: str = "epoch_us(time_utc)") -> dict[tuple, LevelSums]:
+    """{(level_kind, level_value): LevelSums}: the level part of `scan` (what the sweep needs)."""
+    return scan(con, relation, intervals, time_expr)[0]
+
+
+def level_figures(sums: dict[tuple, LevelSums]) -> dict[tuple, dict]:
+    """The per-level figures from pooled sums: means, the OR of the reasons and the two rules
+    (collectors/clock_reasons.py). Powers are per GPU: every sample is one GPU's reading."""
+    out = {}
+    for (kind, value), a in sums.items():
+        power = a.power_sum / a.power_n if a.power_n else None
+        enforced = a.enforced_sum / a.enforced_n if a.enforced_n else None
+        reasons = a.reasons if a.reasons_n else None
+        limit = enforced if enforced is not None else (value if kind == "power_limit" else None)
+        out[(kind, value)] = {
+            "sample_power_w": power,
+            "enforced_limit_w": enforced,
+            "sm_clock_mhz": a.clock_sum / a.clock_n if a.clock_n else None,
+            "mem_clock_mhz": a.mem_sum / a.mem_n if a.mem_n else None,
+            "clock_event_reasons": reasons,
+            "cap_not_engaged": cap_not_engaged(power, limit, reasons) if kind == "power_limit" else None,
+            "thermal_throttle": thermal(reasons),
+            "power_cap_seen": bool((reasons or 0) & REASON_SW_POWER_CAP),
+            "n_samples": a.n,
+        }
+    return out
+
+
+def timeline_bins(con, relation: str, bins: int) -> dict | None:
+    """Power and SM clock averaged per (device, time bin) over the nvml samples, and the level each
+    bin ends in. None without timed samples. Returns {t_min, width, bins, devices, power_w,
+    sm_clock_mhz (devices x bins, NaN where empty), level_value (bins,)}."""
+    n, t_min, t_max = con.execute(f"SELECT count(*), min(t_mono_s), max(t_mono_s) FROM {relation}").fetchall()[0]
+    if t_min is None or not np.isfinite(t_min):
+        return None
+    # No more bins than about one sample each (per device and source), so bins are rarely empty.
+    bins = int(np.clip(n // 4, 1, bins))
+    width = max((t_max - t_min) / bins, 1e-9)
+    binexpr = f"least(greatest(CAST(floor((t_mono_s - {t_min!r}) / {width!r}) AS BIGINT), 0), {bins - 1})"
+    cells = con.execute(f"""
+        SELECT coalesce(device, 'gpu') AS d, {binexpr} AS b,
+               avg(CASE WHEN isfinite(coalesce(power_w, power_avg_w)) THEN coalesce(power_w, power_avg_w) END),
+               avg(CASE WHEN isfinite(sm_clock_mhz) THEN sm_clock_mhz END),
+               max(t_mono_s) FILTER (WHERE level_value IS NOT NULL),
+               arg_max(level_value, t_mono_s) FILTER (WHERE level_value IS NOT NULL)
+        FROM {relation} WHERE source = 'nvml' AND t_mono_s IS NOT NULL
+        GROUP BY 1, 2 ORDER BY 1, 2""").fetchall()
+    return _timeline(cells, t_min, width, bins)
+
+
+def _timeline(cells, t_min: float, width: float, bins: int) -> dict:
+    """The timeline arrays from (device, bin, power, clock, last tagged time, its level) cells."""
+    devices = list(dict.fromkeys(c[0] for c in cells))
+    di = {d: i for i, d in enumerate(devices)}
+    power = np.full((len(devices), bins), np.nan)
+    clock = np.full((len(devices), bins), np.nan)
+    filled = np.zeros(bins, bool)
+    level = np.full(bins, np.nan)
+    level_t = np.full(bins, -np.inf)
+    for d, b, p, f, lt, lv in cells:
+        power[di[d], b] = np.nan if p is None else p
+        clock[di[d], b] = np.nan if f is None else f
+        filled[b] |= p is not None or f is not None
+        if lt is not None and lt >= level_t[b]:  # the level of the bin's last tagged sample, any device
+            level[b], level_t[b] = lv, lt
+    # A bin without samples continues the level before it; bins whose samples had no level stay NaN.
+    for i in np.flatnonzero(~filled):
+        if i > 0:
+            level[i] = level[i - 1]
+    return {"t_min": t_min, "width": width, "bins": bins, "devices": tuple(devices), "power_w": power,
+            "sm_clock_mhz": clock, "level_value": level}

@@ -1,0 +1,88 @@
+"""Client-connection timeouts for the daemon's HTTP listeners: a slow request head or an idle connection is closed.
+
+aiohttp's server has no deadline for receiving a request head, so a client trickling header bytes
+(slowloris) holds a connection for ever. The guard closes a connection that has no request in
+progress once it has waited `header_timeout_s` since it opened, or `idle_timeout_s` since its
+last response ended, for its next request head. Requests in progress are left alone (the proxy
+bounds body reads and the upstream itself). Uses only aiohttp's public API: `Server.connections`,
+`request.protocol`, a middleware.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+
+from aiohttp import web
+
+log = logging.getLogger("powerprof.daemon.guard")
+
+
+class ConnectionGuard:
+    def __init__(self, header_timeout_s: float, idle_timeout_s: float, period_s: float | None = None):
+        self.header_timeout_s = header_timeout_s
+        self.idle_timeout_s = idle_timeout_s
+        self.period_s = period_s or max(0.05, min(1.0, header_timeout_s / 4))
+        self._busy: dict[int, int] = {}  # id(protocol) → requests in progress
+        self._since: dict[int, tuple[float, float]] = {}  # id(protocol) → (waiting since, its deadline span)
+        self.closed = 0
+        self._servers: list[web.Server] = []
+        self._task: asyncio.Task | None = None
+
+    @web.middleware
+    async def middleware(self, request: web.Request, handler):
+        key = id(request.protocol)
+        self._busy[key] = self._busy.get(key, 0) + 1
+        try:
+            return await handler(request)
+        finally:
+            self._busy[key] -= 1
+            if self._busy[key] <= 0:
+                del self._busy[key]
+                self._since[key] = (time.monotonic(), self.idle_timeout_s)
+
+    def watch(self, server: web.Server) -> None:
+        self._servers.append(server)
+        if self._task is None:
+            self._task = asyncio.get_running_loop().create_task(self._loop(), name="powerprof-connection-guard")
+
+    async def stop(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            try:
+                await self._task
+            except asyncio.CancelledError:
+                pass
+            self._task = None
+
+    async def _loop(self) -> None:
+        while True:
+            await asyncio.sleep(self.period_s)
+            try:
+                self.sweep(time.monotonic())
+            except Exception:  # the guard must not die; the next turn tries again
+                log.exception("connection guard sweep failed")
+
+    def sweep(self, now: float) -> int:
+        """Close connections waiting too long for a request head; returns how many were closed."""
+        live = set()
+        n = 0
+        for server in self._servers:
+            for proto in list(server.connections):
+                key = id(proto)
+                live.add(key)
+                if key in self._busy:
+                    continue
+                since, span = self._since.setdefault(key, (now, self.header_timeout_s))
+                if now - since > span:
+                    transport = proto.transport
+                    if transport is not None:
+                        transport.close()
+                        n += 1
+                    self._since.pop(key, None)
+        for key in list(self._since):
+            if key not in live:
+                del self._since[key]
+        self.closed += n
+        return n

@@ -1,0 +1,117 @@
+"""Fleet scale: 8 simulated nodes' daemon datasets analysed and exported in one call; every row
+carries its host; docs/fleet.md's DuckDB query gives the same per-host figures."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import duckdb
+import pyarrow.parquet as pq
+import pytest
+from click.testing import CliRunner
+
+from powerprof.analysis.export import export
+from powerprof.analysis.fleet import FleetError, fleet_summary
+from powerprof.cli import main
+from powerprof.daemon.service import datasets
+from powerprof.daemon.store import DatasetStore
+
+ROOT = Path(__file__).resolve().parents[1]
+NODES = 8
+T0_NS = 1_768_478_400 * 10**9  # 2026-01-15 12:00 UTC
+
+
+def _node(root: Path, k: int) -> dict:
+    """One node's daemon data folder written by the daemon's own store; returns its true totals."""
+    store = DatasetStore(root, datasets(), host=f"node-{k}")
+    n_req = 10 + k
+    reqs = [{"daemon_id": f"d{k}", "request_id": i, "t_arrival_utc": T0_NS + i * 10**9, "outcome": "ok" if i else "client_disconnected",
+             "generated_tokens": 100 + k, "gpu_energy_j": 50.0 + k, "attributed_tokens": 100.0 + k, "ttft_s": 0.1}
+            for i in range(n_req)]
+    ivals = [{"daemon_id": f"d{k}", "t_start_utc": T0_NS + i * 10**9, "t_end_utc": T0_NS + (i + 1) * 10**9,
+              "duration_s": 1.0, "kind": "idle" if i % 4 == 0 else "decode", "gpu_energy_j": 300.0 + k}
+             for i in range(40)]
+    store.append("requests", reqs)
+    store.append("intervals", ivals)
+    store.append("samples", [{"time_utc": T0_NS, "t_mono_s": 0.0, "source": "nvml", "device": "gpu0", "power_w": 300.0}])
+    assert store.flush()
+    return {"requests": n_req, "failed": 1, "tokens": n_req * (100 + k), "gpu_j": 40 * (300.0 + k),
+            "idle_j": 10 * (300.0 + k), "jpt": (50.0 + k) / (100.0 + k)}
+
+
+@pytest.fixture(scope="module")
+def fleet(tmp_path_factory):
+    base = tmp_path_factory.mktemp("fleet")
+    truth = {f"node-{k}": _node(base / f"node-{k}", k) for k in range(NODES)}
+    return base, truth
+
+
+def _check(rows: list[dict], truth: dict) -> None:
+    assert [r["host"] for r in rows] == sorted(truth)
+    for r in rows:
+        t = truth[r["host"]]
+        assert r["requests"] == t["requests"] and r["failed_requests"] == t["failed"]
+        assert r["generated_tokens"] == t["tokens"]
+        assert r["gpu_energy_j"] == pytest.approx(t["gpu_j"]) and r["idle_gpu_energy_j"] == pytest.approx(t["idle_j"])
+        assert r["gpu_j_per_token"] == pytest.approx(t["jpt"])
+
+
+def test_every_daemon_row_carries_its_host(fleet):
+    base, _ = fleet
+    for table in ("samples", "requests", "intervals"):
+        t = pq.read_table(next((base / "node-3" / table).rglob("*.parquet")))
+        assert set(t.column("host").to_pylist()) == {"node-3"}, table
+
+
+def test_eight_nodes_in_one_call(fleet):
+    base, truth = fleet
+    _check(fleet_summary([str(base / "node-*")]).to_pylist(), truth)
+
+
+def test_analyze_cli_takes_a_glob_of_node_datasets(fleet, tmp_path):
+    base, truth = fleet
+    res = CliRunner().invoke(main, ["analyze", str(base / "node-*"), "--out", str(tmp_path)])
+    assert res.exit_code == 0, res.output
+    assert all(h in res.output for h in truth) and f"all {NODES} hosts" in res.output
+    _check(pq.read_table(tmp_path / "fleet.parquet").to_pylist(), truth)
+
+
+def test_export_unions_the_nodes_tables(fleet, tmp_path):
+    base, truth = fleet
+    files = export([str(base / f"node-{k}") for k in range(NODES)], "parquet", tmp_path / "out", columns=["host", "request_id"])
+    req = pq.read_table(tmp_path / "out" / "requests.parquet")
+    assert req.num_rows == sum(t["requests"] for t in truth.values())
+    assert set(req.column("host").to_pylist()) == set(truth)
+    assert {p.name for p in files} >= {"requests.parquet", "intervals.parquet", "samples.parquet"}
+
+
+def test_export_reads_a_uri_through_pyarrow_filesystems(fleet, tmp_path):
+    base, truth = fleet
+    export([(base / "node-2").as_uri()], "csv", tmp_path / "uri")
+    text = (tmp_path / "uri" / "requests.csv").read_text()
+    assert text.count("node-2") == truth["node-2"]["requests"]
+
+
+def test_docs_duckdb_query_gives_the_same_figures(fleet):
+    """The DuckDB form in docs/fleet.md, run as written over the 8 nodes."""
+    base, truth = fleet
+    doc = (ROOT / "docs" / "fleet.md").read_text()
+    sql = re.search(r"```sql duckdb\n(.*?)```", doc, re.S).group(1)
+    sql = sql.replace("/var/lib/powerprof-fleet", str(base))
+    con = duckdb.connect()
+    rows = con.execute(sql).fetchall()
+    cols = [d[0] for d in con.description]
+    rows = [dict(zip(cols, r)) for r in rows]
+    assert [r["host"] for r in rows] == sorted(truth)
+    for r in rows:
+        assert r["gpu_j_per_token"] == pytest.approx(truth[r["host"]]["jpt"])
+        assert r["gpu_energy_j"] == pytest.approx(truth[r["host"]]["gpu_j"])
+
+
+def test_not_a_daemon_dataset_is_a_clear_error(tmp_path):
+    with pytest.raises(FleetError, match="matches nothing"):
+        fleet_summary([str(tmp_path / "nothing-*")])
+    (tmp_path / "x").mkdir()
+    with pytest.raises(FleetError, match="not a daemon dataset"):
+        fleet_summary([str(tmp_path / "x")])

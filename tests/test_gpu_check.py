@@ -1,0 +1,268 @@
+"""bench/gpu_check.py, the one-shot hardware check, end to end on the simulator with every NVML setter trapped."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+import textwrap
+import time
+import urllib.request
+from pathlib import Path
+
+import pytest
+
+from powerprof.sim.profiles import get_profile
+
+ROOT = Path(__file__).resolve().parents[1]
+CHECK = ROOT / "bench" / "gpu_check.py"
+SERVER = ROOT / "bench" / "gpu_check_server.py"
+PROFILE = "h200-141g"
+SECTIONS = ("devices_monitor", "nvml_cost", "energy_idle", "sensor_coverage", "energy_load", "decode", "cli_measure", "sweep_dry_run")
+
+# Installed before anything else in every process of the run (the check, its CLI subprocesses): each
+# simulator and pynvml setter records the call to a file and raises. It is the test's own trap, made
+# independently of the check's guard, so a setter the guard failed to recognise is still caught.
+TRAP = textwrap.dedent(
+    """
+    import json, os
+    import pynvml
+    from powerprof.sim.nvml import SimNVML
+
+    def _trap(name):
+        def setter(*a, **k):
+            with open(os.environ["GPU_CHECK_TEST_TRAP"], "a") as f:
+                f.write(json.dumps({"call": name, "pid": os.getpid()}) + "\\n")
+            raise RuntimeError("setter called: " + name)
+        return setter
+
+    for _target in (SimNVML, pynvml):
+        for _name in dir(_target):
+            if _name.startswith(("nvmlDeviceSet", "nvmlDeviceReset", "nvmlDeviceClear")):
+                setattr(_target, _name, _trap(_name))
+    """
+)
+
+
+def load_check():
+    spec = importlib.util.spec_from_file_location("gpu_check", CHECK)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+@pytest.fixture
+def trap_env(tmp_path, _isolated_state):
+    d = tmp_path / "trap"
+    d.mkdir()
+    (d / "sitecustomize.py").write_text(TRAP)
+    env = os.environ.copy()
+    env["PYTHONPATH"] = os.pathsep.join([str(d), str(ROOT), env.get("PYTHONPATH", "")])
+    env["GPU_CHECK_TEST_TRAP"] = str(tmp_path / "trap.jsonl")
+    return env
+
+
+def test_trap_catches_a_setter_in_a_subprocess(trap_env, tmp_path):
+    # Without this the end-to-end test below could pass with a trap that never loaded.
+    code = "from powerprof.sim.nvml import SimNVML; n = SimNVML(); n.nvmlInit(); " \
+           "n.nvmlDeviceSetPowerManagementLimit(n.nvmlDeviceGetHandleByIndex(0), 300000)"
+    p = subprocess.run([sys.executable, "-c", code], env=trap_env, capture_output=True, text=True, timeout=60)
+    assert p.returncode != 0 and "setter called" in p.stderr
+    calls = [json.loads(x) for x in (tmp_path / "trap.jsonl").read_text().splitlines()]
+    assert [c["call"] for c in calls] == ["nvmlDeviceSetPowerManagementLimit"]
+
+
+def test_setter_names_are_recognised():
+    gc = load_check()
+    import pynvml
+
+    from powerprof.sim.nvml import SimNVML
+
+    for name in ("nvmlDeviceSetPowerManagementLimit", "nvmlDeviceSetGpuLockedClocks", "nvmlDeviceResetGpuLockedClocks",
+                 "nvmlDeviceClearEccErrorCounts", "nvmlDeviceSetPersistenceMode", "nvmlDeviceSetMigMode",
+                 "nvmlDeviceSetApplicationsClocks", "nvmlDeviceResetApplicationsClocks", "nvmlGpuInstanceCreateComputeInstance"):
+        assert gc.is_setter(name), name
+    for name in ("nvmlDeviceGetPowerManagementLimit", "nvmlDeviceGetResetStatus", "nvmlInit", "nvmlShutdown",
+                 "nvmlDeviceGetFieldValues", "NVML_FI_DEV_POWER_INSTANT", "nvmlDeviceGetCurrentClocksEventReasons"):
+        assert not gc.is_setter(name), name
+    # Every entry point of the bindings and the simulator that sets or resets something is covered.
+    for target in (pynvml, SimNVML):
+        for name in dir(target):
+            if name.startswith(("nvmlDeviceSet", "nvmlDeviceReset", "nvmlDeviceClear")):
+                assert gc.is_setter(name), name
+            if name.startswith("nvmlDeviceGet"):
+                assert not gc.is_setter(name), name
+
+
+def test_energy_comparison_against_an_exact_series():
+    # Power 100 + 50 sin(2πt/3) W sampled at 50 Hz for 10 s: the counter is its exact integral and the
+    # "average" reading its exact 1 s trailing mean, so every method must agree with the counter.
+    import numpy as np
+
+    gc = load_check()
+    t = np.arange(0, 10.0001, 0.02)
+    w = 2 * np.pi / 3
+    power = 100 + 50 * np.sin(w * t)
+    def integral(x):
+        return 100 * x + 50 / w * (1 - np.cos(w * x))
+
+    energy = integral(t)
+    avg = integral(t) - integral(t - 1)  # joules over the last second = its mean power
+    series = {"t": (t * 1e9).astype(np.int64) + 10**12, "e": energy + 5000.0, "p": power, "a": avg}
+    at50 = gc.compare_energy(series, 1, 1.0)
+    assert at50["samples"] == 501 and at50["interval_s"] == pytest.approx(9.5, abs=0.021)
+    assert at50["instant_vs_counter"] == pytest.approx(1, abs=1e-3)
+    assert at50["average_vs_counter"] == pytest.approx(1, abs=0.01)
+    assert at50["counter_avg_power_w"] == pytest.approx(100, abs=3)
+    at1 = gc.compare_energy(series, 50, 1.0)
+    assert at1["samples"] == 11 and at1["interval_s"] == pytest.approx(9.5, abs=0.021)
+    # 1 Hz samples of a 3 s sine: the trapezoid misses some of the curve, and the check shows by how much.
+    assert at1["instant_vs_counter"] == pytest.approx(1, abs=0.05) and at1["instant_vs_counter"] != at50["instant_vs_counter"]
+
+
+@pytest.mark.slow
+def test_check_runs_on_the_simulator_read_only(trap_env, tmp_path, _isolated_state):
+    out = tmp_path / "out"
+    t0 = time.monotonic()
+    p = subprocess.run([sys.executable, str(CHECK), "--out", str(out), "--simulate", PROFILE, "--quick"],
+                       env=trap_env, capture_output=True, text=True, timeout=240)
+    elapsed = time.monotonic() - t0
+    assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
+    assert elapsed < 120, f"the simulator check took {elapsed:.0f} s (acceptance: under 2 minutes)"
+
+    # 6. No setter ran: not in the check's own log, not in the test's trap, and no simulated limit moved.
+    assert not (tmp_path / "trap.jsonl").exists(), (tmp_path / "trap.jsonl").read_text()
+    assert not (_isolated_state / "sim-state.json").exists()
+    r = json.loads((out / "gpu_check.json").read_text())
+    s = r["safety"]
+    assert s["ok"] and s["setter_calls"] == [] and s["settings_unchanged"] and s["setters_guarded"] >= 3
+    assert s["settings_before"][0]["power_limit_w"] == get_profile(PROFILE).default_limit_w
+
+    assert r["meta"]["complete"] and r["meta"]["simulated"]
+    for name in SECTIONS:
+        assert name in r, name
+        assert "error" not in r[name] and "skipped" not in r[name], (name, r[name])
+    md = (out / "gpu_check.md").read_text()
+    for head in ("## 1.", "## 2.", "## 3.", "## 4.", "## 5.", "## 6.", "**Simulated**"):
+        assert head in md, head
+    assert "VIOLATION" not in md and "Failed" not in md
+
+    truth = get_profile(PROFILE)
+    # 1. devices --json and monitor, as printed.
+    dm = r["devices_monitor"]
+    assert dm["devices"]["rc"] == 0 and dm["devices"]["json"]["gpus"][0]["name"] == truth.name
+    assert dm["monitor"]["rc"] == 0 and dm["monitor"]["stdout"].count("gpu0 power=") >= 2
+
+    # 2. Every call the collector makes per tick is timed, with sane figures.
+    c = r["nvml_cost"]
+    timed = {x["call"].split("(")[0] for x in c["calls"] if "tick" in x["phases"]}
+    assert timed == {"nvmlDeviceGetFieldValues", "nvmlDeviceGetPowerUsage", "nvmlDeviceGetTotalEnergyConsumption",
+                     "nvmlDeviceGetClockInfo", "nvmlDeviceGetUtilizationRates", "nvmlDeviceGetMemoryInfo",
+                     "nvmlDeviceGetTemperature", "nvmlDeviceGetPowerManagementLimit", "nvmlDeviceGetEnforcedPowerLimit",
+                     "nvmlDeviceGetCurrentClocksEventReasons"}
+    assert c["tick_calls_per_gpu"] == 11  # two clock reads
+    for x in c["calls"]:
+        assert x["error"] is None and 0 < x["median_us"] <= x["p99_us"], x
+    assert c["read_one_gpu"]["wall_median_us"] > 0 and c["sampler_50hz"]["cpu_per_tick_us"] > 0
+
+    # 3. Counter against power, against the simulator's true energy.
+    idle, load = r["energy_idle"], r["energy_load"]
+    for e in (idle, load):
+        for rate in ("at_50hz", "at_1hz"):
+            x = e[rate]
+            assert x["counter_vs_true"] == pytest.approx(1, abs=0.02), (e["state"], rate, x)
+            assert x["instant_vs_counter"] == pytest.approx(1, abs=0.03), (e["state"], rate, x)
+            assert x["average_vs_counter"] == pytest.approx(1, abs=0.05), (e["state"], rate, x)
+        upd = e["update_intervals"]["counter"]["interval_ms_median"]
+        assert upd == pytest.approx(truth.energy_counter_update_s * 1e3, rel=0.5), e["update_intervals"]
+    assert idle["at_50hz"]["counter_avg_power_w"] == pytest.approx(truth.idle_power_w, rel=0.03)
+    assert load["at_50hz"]["counter_avg_power_w"] > truth.idle_power_w + 100
+    assert load["load_errors"] == []
+
+    # The simulated counter integrates everything: every phase of the bursts counts in full.
+    sc = r["sensor_coverage"]
+    assert len(sc["runs"]) >= 3 and sc["continuous_busy_excess_w"] > 100
+    for x in sc["runs"]:
+        assert x["seen_vs_expected"] == pytest.approx(1, abs=0.15), sc
+        assert x["counter_vs_true"] == pytest.approx(1, abs=0.03), sc
+
+    # 4. Decode load and measure at concurrency 1 and 8.
+    d = {x["concurrency"]: x for x in r["decode"]["concurrency"]}
+    assert set(d) == {1, 8}
+    for x in d.values():
+        assert x["n_ok"] == 8 and x["n_failed"] == 0 and x["energy_method"] == "counter"
+        assert x["measured_vs_generator"] == pytest.approx(1, abs=0.1), x
+        assert x["gpu_j_per_token"] == pytest.approx(x["true_j_per_token"], rel=0.1), x
+        dd = x["during_decode"]
+        # The simulated H200 decodes far below its 700 W limit: the cap does not bind.
+        assert dd["samples"] > 0 and dd["enforced_limit_w"] == truth.default_limit_w
+        assert 0 < dd["power_over_limit_median"] < 0.8 and dd["cap_binds"] is False
+        assert "SwPowerCap" not in (dd["clock_event_reasons_share"] or {})
+    assert d[8]["batch_size"] == 8 and d[8]["decode_tok_s"] > 2 * d[1]["decode_tok_s"]
+    assert d[8]["gpu_j_per_token"] < d[1]["gpu_j_per_token"]
+    cli = r["cli_measure"]
+    assert cli["rc"] == 0, cli
+    rows = [ln.split() for ln in cli["stdout"].splitlines() if ln.strip().startswith(("1 ", "8 "))]
+    assert [(x[0], x[1], x[-1]) for x in rows] == [("1", "8", "counter"), ("8", "8", "counter")], cli["stdout"]
+
+    # 5. sweep --dry-run: the plan, the permission check and the restore-file path, and nothing changed.
+    sw = r["sweep_dry_run"]
+    assert sw["rc"] == 0 and "Dry run: nothing will be changed" in sw["stdout"] and "Restore file" in sw["stdout"]
+
+
+def _nvml_works() -> bool:
+    import pynvml
+
+    try:
+        pynvml.nvmlInit()
+    except pynvml.NVMLError:
+        return False
+    pynvml.nvmlShutdown()
+    return True
+
+
+@pytest.mark.skipif(_nvml_works(), reason="this machine has a GPU: the check would run for real")
+def test_without_a_gpu_it_says_why_and_exits_non_zero(tmp_path):
+    p = subprocess.run([sys.executable, str(CHECK), "--out", str(tmp_path / "out")], capture_output=True, text=True,
+                       timeout=120, env=dict(os.environ, PYTHONPATH=str(ROOT)))
+    assert p.returncode == 3 and "not reachable through NVML" in p.stdout
+    r = json.loads((tmp_path / "out" / "gpu_check.json").read_text())
+    assert "not reachable through NVML" in r["meta"]["error"]
+    assert "Failed to start" in (tmp_path / "out" / "gpu_check.md").read_text()
+
+
+def _has_torch() -> bool:
+    return importlib.util.find_spec("torch") is not None and importlib.util.find_spec("transformers") is not None
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not _has_torch(), reason="torch and transformers are not installed (the GPU machine has them)")
+def test_server_streams_batches_and_times_a_tiny_model(tmp_path):
+    ready = tmp_path / "ready.json"
+    proc = subprocess.Popen([sys.executable, str(SERVER), "--size", "tiny", "--device", "cpu", "--ready-file", str(ready)],
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        t_end = time.monotonic() + 180
+        while not ready.exists():
+            assert proc.poll() is None, proc.stdout.read()
+            assert time.monotonic() < t_end, "tiny model server not ready in 180 s"
+            time.sleep(0.2)
+        url = json.loads(ready.read_text())["url"]
+        from powerprof.workload.client import RequestParams
+        from powerprof.workload.load import builtin_prompts
+        from powerprof.workload.measure import measure
+
+        res = measure(url, prompts=builtin_prompts("short"), n_requests=4, concurrencies=(1, 4),
+                      params=RequestParams(max_tokens=16), warmup=0)
+        assert res.server.kind == "openai" and res.server.model == "random-llama-tiny"
+        ok = [x for x in res.records if x.ok]
+        assert len(ok) == 8 and all(x.generated_tokens == 16 and x.token_source == "usage" for x in ok)
+        assert all(x.server_timings["predicted_n"] == 16 for x in ok)
+        with urllib.request.urlopen(url + "/gpu_check/batches", timeout=10) as f:
+            sizes = [b["batch_size"] for b in json.load(f)["batches"]]
+        assert sizes == [1, 1, 1, 1, 4]  # concurrency 4 decoded as one batch
+    finally:
+        proc.terminate()
+        proc.wait(timeout=30)
