@@ -196,6 +196,7 @@ class GridRun:
     records: list[ConfigRecord] = field(default_factory=list)
     done: list = field(default_factory=list)  # (ConfigRecord, Sweep) measured
     idle_power_w: float | None = None
+    _finished_levels: dict = field(default_factory=dict)  # id(Sweep) → its levels rows (bootstraps are not free)
 
     def run(self) -> None:
         configs = self.spec.configs
@@ -284,16 +285,24 @@ class GridRun:
         pairs = list(self.done) + ([current] if current is not None and current not in self.done else [])
         return [r for _, sw in pairs for r in sw.rows]
 
+    def _sweep_levels(self, rec: ConfigRecord, sw) -> list[dict]:
+        rows = []
+        for row in sw.levels_table().to_pylist():
+            at = [r for r in sw.rows if sw._counts(r) and r["level_value"] == row["level_value"]
+                  and r["level_kind"] == row["level_kind"]]
+            row.update(rec.columns(), config_status=rec.status, config_error=rec.error,
+                       **spec_columns(at, rec.spec_metrics))
+            rows.append(row)
+        return rows
+
     def levels_rows(self, current=None) -> list[dict]:
         pairs = list(self.done) + ([current] if current is not None and current not in self.done else [])
         out = []
         for rec, sw in pairs:
-            for row in sw.levels_table().to_pylist():
-                at = [r for r in sw.rows if sw._counts(r) and r["level_value"] == row["level_value"]
-                      and r["level_kind"] == row["level_kind"]]
-                row.update(rec.columns(), config_status=rec.status, config_error=rec.error,
-                           **spec_columns(at, rec.spec_metrics))
-                out.append(row)
+            finished = (rec, sw) in self.done
+            if finished and id(sw) not in self._finished_levels:
+                self._finished_levels[id(sw)] = self._sweep_levels(rec, sw)  # a finished sweep's rows never change
+            out.extend(self._finished_levels[id(sw)] if finished else self._sweep_levels(rec, sw))
             if not sw.rows or rec.status != "ok":
                 if not any(r.get("config_id") == rec.config_id and r.get("context_tokens") == rec.context_tokens for r in out):
                     out.append({"run_id": self.run_id, **rec.columns(), "config_status": rec.status, "config_error": rec.error})
