@@ -56,7 +56,7 @@ def main() -> None:
     for r in lv:
         if r["level_value"] not in (top, None):
             continue
-        f = lambda x, fmt: "–" if x is None else format(x, fmt)  # noqa: E731
+        f = lambda x, fmt: format("–", ">" + fmt.split(".")[0]) if x is None else format(x, fmt)  # noqa: E731
         print(f"{r['config_id']:<14}{r['config_status']:<15}{f(r['decode_tok_s'], '8.1f')}{f(r['gpu_j_per_token'], '9.3f')}"
               f"{f(r['ci_reached_pct'], '6.1f')}{f(r['draft_acceptance'] and 100 * r['draft_acceptance'], '7.0f')}%")
     print("\nmean over np (one stream), tok/s and J/token by draft count:")

@@ -132,10 +132,14 @@ class Rig:
         self._powercap_dir = make_sim_powercap_dir()
         self._powercap = SimPowercap(
             self._powercap_dir,
-            power_w_fn=lambda: wl.cpu_idle_w + (wl.cpu_busy_w if self._busy else 0.0),
+            power_w_fn=lambda: wl.cpu_idle_w + (wl.cpu_busy_w if self._busy or self._sim_gpus_busy() else 0.0),
             unreadable=os.environ.get(UNPRIVILEGED_ENV) == "1",
         ).start()
         return {"rapl_root": self._powercap_dir, "rapl_opener": self._powercap.opener}
+
+    def _sim_gpus_busy(self) -> bool:
+        """A launched simulated server (another process) works the GPUs: the host CPU is busy too."""
+        return any(g.read()["phase"].kind != "idle" for g in self.nvml.gpus)
 
     def describe(self) -> dict:
         """Everything `powerprof devices` shows, JSON-ready."""
