@@ -372,7 +372,7 @@ class Sweep:
         n_gpus = len(self.prof.gpu.indexes) if self.prof.gpu else 1
         for value in sorted({v.level_value for v in self.visits}, key=lambda v: -1.0 if v is None else v):
             visits = [v for v in self.visits if v.level_value == value]
-            st = figures.get((self.s.level_kind, float(value)), {})
+            st = figures.get((self.s.level_kind, None if value is None else float(value)), {})
             rows = [r for r in self.rows if r["level_value"] == value and self._counts(r)]
             e = [r["gpu_energy_j"] for r in rows if r["gpu_energy_j"] is not None]
             c = [r["cpu_energy_j"] for r in rows if r["cpu_energy_j"] is not None]
