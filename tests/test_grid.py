@@ -53,6 +53,7 @@ def _sim_template(port: int, decode_tok_s: float = 2000, extra: str = "") -> str
 FAST = dict(idle_s=0.5, min_requests=3, max_requests=6, warmup_requests=1, target_ci=0.5, max_time_s=20, settle_timeout_s=2)
 
 
+@pytest.mark.slow  # 20 server launches: about a minute here, longer on a loaded machine
 def test_seed_card_grid_reproduces_the_seed_then_finds_the_power_sweet_spot(tmp_path):
     """Acceptance: draft 1-5 x np 1-4 on the simulated seed card: draft 3 fastest for one stream,
     draft 5 at np 4 rejected as not fitting; the J/token-optimal configuration, then its sweet-spot limit."""
