@@ -40,12 +40,13 @@ def upstream_main(port_file: str) -> None:
     async def completion(request):
         doc = json.loads(await request.read())
         gap_s = float(doc.get("gap_ms", GAP_S * 1e3)) / 1e3
+        tokens = int(doc.get("n_predict", TOKENS))
         resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
         await resp.prepare(request)
-        for i in range(TOKENS):
+        for i in range(tokens):
             await resp.write(b'data: {"content":"tok ","tokens":[%d],"stop":false}\n\n' % i)
             await asyncio.sleep(gap_s)
-        await resp.write(b'data: {"content":"","stop":true,"tokens_predicted":%d}\n\n' % TOKENS)
+        await resp.write(b'data: {"content":"","stop":true,"tokens_predicted":%d}\n\n' % tokens)
         await resp.write_eof()
         return resp
 
@@ -62,11 +63,11 @@ def upstream_main(port_file: str) -> None:
     asyncio.run(run())
 
 
-async def load(url: str, streams: int, per_stream: int, gap_s: float = GAP_S) -> dict:
+async def load(url: str, streams: int, per_stream: int, gap_s: float = GAP_S, tokens: int = TOKENS) -> dict:
     import aiohttp
 
     ttfb, total = [], []
-    body = json.dumps({"prompt": "bench", "n_predict": TOKENS, "stream": True, "gap_ms": gap_s * 1e3})
+    body = json.dumps({"prompt": "bench", "n_predict": tokens, "stream": True, "gap_ms": gap_s * 1e3})
     async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0)) as s:
         async def worker():
             for _ in range(per_stream):
@@ -87,7 +88,7 @@ async def load(url: str, streams: int, per_stream: int, gap_s: float = GAP_S) ->
     n = streams * per_stream
     return {"ttfb_p50_ms": 1e3 * statistics.median(ttfb), "ttfb_p95_ms": 1e3 * q(ttfb, 0.95),
             "total_p50_ms": 1e3 * statistics.median(total), "total_p95_ms": 1e3 * q(total, 0.95),
-            "req_s": n / wall, "tok_s": n * TOKENS / wall}
+            "req_s": n / wall, "tok_s": n * tokens / wall}
 
 
 class CpuMeter:

@@ -96,6 +96,10 @@ class Rig:
             return None
         return {"profile": self.profile.key, "count": len(self.nvml.gpus)}
 
+    def run_label(self, gpu_name: str) -> str:
+        """The GPU's part of a default run-directory name."""
+        return ("sim-" + gpu_name.removeprefix("Simulated ")) if self.simulated else gpu_name
+
     def meta(self) -> dict:
         """The run.json keys that say what was measured."""
         return {"simulated": self.simulated, "sim_profile": self.sim_profile}

@@ -15,7 +15,7 @@ import numpy as np
 
 from powerprof import __version__
 from powerprof.analysis import engine
-from powerprof.analysis.stats import bootstrap_ci, summarize_levels
+from powerprof.analysis.stats import level_j_ci_halfwidth_frac, summarize_levels
 from powerprof.collectors.clock_reasons import cap_not_engaged, thermal
 from powerprof.collectors.gateway import gateway
 from powerprof.control.device import read_devices
@@ -78,27 +78,20 @@ def visit_order(levels, repeats: int, order: str, seed: int = 0) -> list[tuple[f
     return out
 
 
-def median_ci_halfwidth_frac(values: np.ndarray, n_boot: int = 2000, seed: int = 0) -> float:
-    """Half-width of the bootstrap 95% CI of the median, relative to the median: the same statistic
-    the analysis reports as ci_reached_pct, so the live figure and the table agree."""
-
-    v = np.asarray(values, dtype=float)
-    v = v[np.isfinite(v)]
-    if v.size < 2:
-        return float("inf")
-    lo, hi = bootstrap_ci(v, np.median, n_boot=n_boot, seed=seed)
-    med = float(np.median(v))
-    return float((hi - lo) / 2 / abs(med)) if med else float("inf")
+def median_ci_halfwidth_frac(values: np.ndarray, level_value: float | None = None) -> float:
+    """Half-width of the level's J/token 95% CI relative to its median: the very computation (same
+    resamples) the table reports as ci_reached_pct, so the live figure and the table agree."""
+    return level_j_ci_halfwidth_frac(values, level_value)
 
 
-def stop_reason(j_per_token: np.ndarray, elapsed_s: float, s: SweepSettings) -> str | None:
+def stop_reason(j_per_token: np.ndarray, elapsed_s: float, s: SweepSettings, level_value: float | None = None) -> str | None:
     """Why measuring this level can stop now, or None to go on."""
     n = int(np.isfinite(np.asarray(j_per_token, dtype=float)).sum())
     if n >= s.max_requests:
         return "max-requests"
     if elapsed_s >= s.max_time_s and n >= 2:
         return "max-time"
-    if n >= s.min_requests and median_ci_halfwidth_frac(j_per_token) <= s.target_ci:
+    if n >= s.min_requests and median_ci_halfwidth_frac(j_per_token, level_value) <= s.target_ci:
         return "ci-reached"
     return None
 
@@ -305,7 +298,7 @@ class Sweep:
             self.ui.level_progress(visit, self._live(visit))
             if attempted % self.round_size():
                 continue
-            visit.stop = stop_reason(np.asarray(jpt, dtype=float), visit.elapsed_s, self.s)
+            visit.stop = stop_reason(np.asarray(jpt, dtype=float), visit.elapsed_s, self.s, visit.level_value)
             if visit.stop is None and not np.isfinite(jpt).any() and visit.n_measured >= self.s.min_requests:
                 visit.stop = "no-energy"  # no GPU energy readable: J/token can never converge
             if visit.stop:
@@ -349,7 +342,7 @@ class Sweep:
             "tok_s": float(np.median(rates)) if rates else None,
             "power_w": float(np.mean(pw)) if pw else None,
             "j_per_token": float(np.median(jpt)) if jpt.size else None,
-            "ci_pct": 100 * median_ci_halfwidth_frac(jpt) if jpt.size >= 2 else None,
+            "ci_pct": 100 * median_ci_halfwidth_frac(jpt, visit.level_value) if jpt.size >= 2 else None,
             "stop": visit.stop,
         }
 
@@ -509,7 +502,7 @@ def run_sweep(
             values = ()
         settings = settings or SweepSettings(level_kind, tuple(float(v) for v in values), **settings_kw)
         infos = src.nvml.infos
-        label = infos[0].name.replace("Simulated ", "sim-") if infos else "gpu"
+        label = rig.run_label(infos[0].name) if infos else "gpu"
         run_dir = Path(out_dir) if out_dir else default_run_dir(Path(runs_base), label)
         if dry_run:
             spec = levels_spec

@@ -127,3 +127,14 @@ def test_levels_count_the_distinct_prompts_a_sweep_repeated():
                              "decode_s": 1.2, "energy_method": "counter"})
     levels = summarize_levels(pa.Table.from_pylist(rows), reference_value=300.0, n_boot=50).to_pylist()
     assert [(r["level_value"], r["n_requests"], r["n_prompts"]) for r in levels] == [(220.0, 6, 2), (300.0, 6, 2)]
+
+
+def test_windows_a_sweep_could_not_store_are_said_out_loud(tmp_path):
+    run = make_run(tmp_path / "run", seed_truth())
+    meta = json.loads((run / "run.json").read_text())
+    meta.update(unstored_window_rows=2, unstored_error="tokens_predicted: value too large for int32")
+    (run / "run.json").write_text(json.dumps(meta))
+    result = analyze_run([str(run)], str(tmp_path / "out"), formats=("md",))
+    unstored = [f for f in result.warnings if f.kind == "unstored"]
+    assert len(unstored) == 1 and "2 measured window row(s) could not be stored" in unstored[0].message
+    assert "computed without them" in (tmp_path / "out" / "report.md").read_text()

@@ -186,7 +186,8 @@ def test_bootstrap_falls_back_to_independent_when_levels_do_not_share_enough_pro
         rows[0] = {**rows[0], "prompt_id": None}
     s = level_series(_windows(rows), n_boot=200)[0]
     assert s.bootstrap == "independent"
-    assert s.boot_j_per_token is s.level_boot_j_per_token  # comparisons use the per-level resamples
+    # Comparisons use each level's own (joint tok/s and J/token) resamples, not prompt-paired ones.
+    np.testing.assert_array_equal(s.boot_tok_s, s.level_boot_tok_s)
     t = _by_level(rows)
     assert t[200]["speed_loss_pct_ci_high"] - t[200]["speed_loss_pct_ci_low"] > 2.0
 

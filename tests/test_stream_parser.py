@@ -240,18 +240,25 @@ COUNT_ONLY_CASES = {
 
 
 @pytest.mark.parametrize("api", sorted(COUNT_ONLY_CASES))
-@pytest.mark.parametrize("split", [None, 1, 9])
+@pytest.mark.parametrize("split", [None, 1, 9, "event"])
 def test_count_only_parser_counts_what_the_full_parser_counts(api, split):
-    """The proxy's parser counts plain token chunks from their bytes: the counts, the summary and
-    each chunk's arrival must be exactly the full parser's."""
+    """The proxy's parser counts plain token chunks from their bytes (`count`, or `feed` in count-only
+    mode): the counts, the summary and each chunk's arrival must be exactly the full parser's.
+    "event": one chunk per SSE event, as servers write tokens (count's fast path)."""
     data = COUNT_ONLY_CASES[api]
-    full, quick = StreamParser(api), StreamParser(api, count_only=True)
-    step = len(data) if split is None else split
-    for i in range(0, len(data), step):
-        a = [e.n_tokens for e in full.feed(data[i : i + step])]
-        b = [e.n_tokens for e in quick.feed(data[i : i + step])]
+    full, quick, counter = StreamParser(api), StreamParser(api, count_only=True), StreamParser(api, count_only=True)
+    if split == "event":
+        pieces = [e + b"\n\n" for e in data.split(b"\n\n") if e]
+        assert b"".join(pieces) == data
+    else:
+        step = len(data) if split is None else split
+        pieces = [data[i : i + step] for i in range(0, len(data), step)]
+    for i, piece in enumerate(pieces):
+        a = [e.n_tokens for e in full.feed(piece)]
+        b = [e.n_tokens for e in quick.feed(piece)]
         assert a == b, (i, a, b)
-    assert full.finish() == quick.finish()
+        assert counter.count(piece) == sum(a), (i, piece)
+    assert full.finish() == quick.finish() == counter.finish()
     assert quick._parsed_one
 
 
@@ -261,6 +268,8 @@ def test_count_only_parser_skips_json_for_plain_chunks():
     chunk = _compact({**_CHAT, "choices": [{"index": 0, "delta": {"content": "t"}, "finish_reason": None}]})
     p.feed(chunk)
     assert p._quick_count(chunk[6:-2]) == 1
+    p.feed = None  # count() takes a whole plain event without the line framing (or the event objects)
+    assert p.count(chunk) == 1
     p = StreamParser("llamacpp", count_only=True)
     assert p._quick_count(b'{"content":"ab","tokens":[5,6],"stop":false}') == 2
     assert p._quick_count(b'{"content":"","tokens":[],"stop":true}') is None

@@ -312,3 +312,24 @@ def test_bad_sweep_arguments_fail_cleanly_without_touching_the_gpu(args, needle)
     sim = SimNVML("seed-16g")
     sim.nvmlInit()
     assert sim.nvmlDeviceGetPowerManagementLimit(sim.nvmlDeviceGetHandleByIndex(0)) == 300_000
+
+
+def test_the_live_ci_is_the_tables_ci(tmp_path):
+    # One level's ±CI is one number: the progress line, the stopping rule and levels.parquet compute it
+    # from the same windows with the same resamples.
+    from powerprof.sweep import UI
+
+    class Recorder(UI):
+        done: dict = {}
+
+        def level_done(self, visit, live):
+            Recorder.done[visit.level_value] = live["ci_pct"]
+
+    sim = SimNVML("a100-40g")
+    out = tmp_path / "ci"
+    run_sweep(levels_spec="400,250", sim=sim, out_dir=out, params=RequestParams(max_tokens=24), idle_s=0,
+              interval_s=0.5, min_requests=6, max_requests=6, warmup_requests=0, ui=Recorder())
+    levels = pq.read_table(out / "levels.parquet").to_pandas().set_index("level_value")
+    assert set(Recorder.done) == {400.0, 250.0}
+    for value, live_pct in Recorder.done.items():
+        assert live_pct == pytest.approx(levels.loc[value, "ci_reached_pct"], rel=1e-9), value

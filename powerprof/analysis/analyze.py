@@ -165,7 +165,21 @@ def analyze(
         for f in (level_findings(table, **sweep) + edge_findings(s, choices, card, not_engaged) + choice_findings(choices)
                   + fit_findings(fits)):
             findings.append(Finding(f.kind, prefix + f.message, f.levels))
+    findings.extend(unstored_findings(runs))
     return AnalysisResult(runs, results, findings, params, list(timelines or []))
+
+
+def unstored_findings(runs: list[RunInfo]) -> list[Finding]:
+    """Windows a sweep measured but could not store (a server value its column cannot hold): the
+    figures are computed without them, and the report says so."""
+    out = []
+    for r in runs:
+        n = r.meta.get("unstored_window_rows")
+        if isinstance(n, int) and not isinstance(n, bool) and n > 0:
+            why = r.meta.get("unstored_error") or "a value its column cannot hold"
+            out.append(Finding("unstored", f"{r.path}: {n} measured window row(s) could not be stored ({why}); "
+                                           "every figure here is computed without them."))
+    return out
 
 
 def sweep_settings(runs: list[RunInfo]) -> dict:

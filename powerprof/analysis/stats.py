@@ -209,7 +209,7 @@ def level_series(
         lv = np.unique(values[in_series & np.isfinite(values)])
         if kind == "none" and lv.size == 0:
             lv = np.array([np.nan])
-        cols = {k: [] for k in ("tok", "j", "btok", "bj", "p", "tot", "above", "nw", "nr", "nf", "np", "both")}
+        cols = {k: [] for k in ("tok", "j", "btok", "bj", "bjl", "p", "tot", "above", "nw", "nr", "nf", "np", "both")}
         meths: set[str] = set()
         for v in lv:
             at = in_series & (np.isnan(values) if np.isnan(v) else values == v)
@@ -228,13 +228,16 @@ def level_series(
             bt, bj = _joint_replicates(tok[both], jpt[both], tok[m], n_boot, rng)
             cols["btok"].append(bt)
             cols["bj"].append(bj)
+            cols["bjl"].append(level_j_replicates(jpt[m], v, n_boot, seed))
             cols["both"].append((tok[both], jpt[both], prompts[both]))
         if not lv.size:
             continue
-        level_bt, level_bj = np.column_stack(cols["btok"]), np.column_stack(cols["bj"])
+        joint_bt, joint_bj = np.column_stack(cols["btok"]), np.column_stack(cols["bj"])
+        # Each level's own J/token CI: its own resamples, seeded by the level (the sweep's live CI).
+        level_bt, level_bj = joint_bt, np.column_stack(cols["bjl"])
         # A child stream: the independent replicates stay what they were before pairing existed.
         paired = _paired_replicates(cols["both"], n_boot, rng.spawn(1)[0])
-        bt, bj = paired if paired is not None else (level_bt, level_bj)
+        bt, bj = paired if paired is not None else (joint_bt, joint_bj)
         out.append(
             LevelSeries(
                 level_kind=str(kind),
@@ -261,6 +264,35 @@ def level_series(
             )
         )
     return out
+
+
+def level_rng(seed, level_value) -> np.random.Generator:
+    """The random stream of one level's own bootstrap, fixed by the seed and the level alone, so the
+    sweep's live CI and the table's CI of the same windows are the same numbers."""
+    v = 0 if level_value is None or not np.isfinite(level_value) else int(round(float(level_value) * 1000)) & 0xFFFFFFFF
+    return np.random.default_rng([int(seed) & 0xFFFFFFFF, v])
+
+
+def level_j_replicates(j: np.ndarray, level_value=None, n_boot: int = 2000, seed=0) -> np.ndarray:
+    """Bootstrap medians of one level's J/token values (finite ones, in window order): what its CI,
+    `ci_reached_pct` and the sweep's stopping rule are all computed from."""
+    j = np.asarray(j, dtype=float)
+    j = j[np.isfinite(j)]
+    if j.size == 0:
+        return np.full(n_boot, np.nan)
+    ranks = _Ranks(j)
+    return np.concatenate([ranks.row_medians(i) for i in _resample_indices(level_rng(seed, level_value), j.size, n_boot)])
+
+
+def level_j_ci_halfwidth_frac(j: np.ndarray, level_value=None, n_boot: int = 2000, seed=0, ci: float = 0.95) -> float:
+    """Half-width of a level's J/token 95% CI relative to its median (inf below two values)."""
+    j = np.asarray(j, dtype=float)
+    j = j[np.isfinite(j)]
+    if j.size < 2:
+        return float("inf")
+    lo, hi = percentile_interval(level_j_replicates(j, level_value, n_boot, seed), ci)
+    med = float(np.median(j))
+    return float((hi - lo) / 2 / abs(med)) if med else float("inf")
 
 
 def _joint_replicates(tok_both, j_both, tok_all, n_boot, rng) -> tuple[np.ndarray, np.ndarray]:

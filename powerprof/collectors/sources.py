@@ -152,7 +152,7 @@ def _open_rapl(src: Sources, rapl_root, opener, backend) -> None:
 
 def describe(src: Sources) -> dict:
     """Everything `powerprof devices` shows, JSON-ready (the door adds whether it is simulated)."""
-    out: dict = {"gpus": [], "rapl": None, "host": None}
+    out: dict = {"gpus": [], "can_set_limits": src.can_set_limits, "rapl": None, "host": None}
     if src.nvml is not None:
         readings = src.nvml.read()
         for info, r in zip(src.nvml.infos, readings):

@@ -1,7 +1,8 @@
 """Transparent streaming reverse proxy that records per-request token timing, never text.
 
 Every request (any method, any path) is forwarded to the upstream and every response byte is
-written to the client as it arrives, unchanged and unbuffered. On the side, the bytes of
+written to the client as it arrives, unchanged and unbuffered: from the upstream socket's own
+callback (`forward.py`), with no task woken per chunk. On the side, the bytes of
 generation endpoints go through the stream parser to timestamp token-bearing chunks. Recording
 is fail-open: an exception in parsing or in the recorder marks the request's record broken and
 the bytes keep flowing. A client that disconnects closes the upstream connection, which is how
@@ -22,11 +23,11 @@ from dataclasses import dataclass, field
 from typing import Protocol
 
 import aiohttp
-import yarl
 from aiohttp import web
 from multidict import CIMultiDict
 
 from . import streams
+from .forward import Exchange, UpstreamError, UpstreamPool
 
 log = logging.getLogger("powerprof.daemon.proxy")
 
@@ -117,6 +118,14 @@ async def _body_chunks(content, timeout_s: float):
         yield chunk
 
 
+def request_head(method: str, target: str, host: str, headers) -> bytes:
+    """An HTTP/1.1 request head; header bytes as the client sent them (aiohttp decodes them surrogate-escaped)."""
+    lines = [f"{method} {target} HTTP/1.1", f"Host: {host}"]
+    lines += [f"{k}: {v}" for k, v in headers.items()]
+    lines.append("\r\n")
+    return "\r\n".join(lines).encode("utf-8", "surrogateescape")
+
+
 def inspect_request_body(body: bytes) -> tuple[str | None, bool | None]:
     """(model, stream) from a JSON request body; the prompt is never looked at beyond parsing."""
     try:
@@ -131,7 +140,7 @@ def inspect_request_body(body: bytes) -> tuple[str | None, bool | None]:
 
 
 class Proxy:
-    """The aiohttp application. `Proxy(upstream_url, recorder).app()`; the session opens on startup."""
+    """The aiohttp application. `Proxy(upstream_url, recorder).app()`; the upstream pool opens on startup."""
 
     def __init__(
         self,
@@ -146,10 +155,11 @@ class Proxy:
         self.upstream = upstream.rstrip("/")
         self.recorder = recorder or NullRecorder()
         self.tag_header = tag_header
-        self.timeout = aiohttp.ClientTimeout(total=None, sock_connect=connect_timeout_s, sock_read=read_timeout_s)
-        self.max_connections = max_connections  # 0: unlimited (aiohttp's TCPConnector reads 0 so)
+        self.read_timeout_s = read_timeout_s
+        self.connect_timeout_s = connect_timeout_s
+        self.max_connections = max_connections  # 0: unlimited
         self.body_timeout_s = body_timeout_s
-        self.session: aiohttp.ClientSession | None = None
+        self.pool: UpstreamPool | None = None
         self._next_id = 0
         self.recorder_failures = 0
         self.upstream_failures = 0
@@ -165,19 +175,15 @@ class Proxy:
         return app
 
     async def _open(self, _app) -> None:
-        self.session = aiohttp.ClientSession(
-            connector=aiohttp.TCPConnector(limit=self.max_connections, force_close=False),
-            timeout=self.timeout,
-            auto_decompress=False,  # bytes pass unchanged; compressed bodies are simply not parsed
-            skip_auto_headers=("User-Agent", "Accept-Encoding", "Accept", "Content-Type"),
-        )
+        # Bytes pass unchanged (no decompression, no added headers); compressed bodies are simply not parsed.
+        self.pool = UpstreamPool(self.upstream, self.connect_timeout_s, self.read_timeout_s, self.max_connections)
 
     async def _closing(self, _app) -> None:
         self.closing = True  # requests cut from here on were interrupted by us, not by the client
 
     async def _close(self, _app) -> None:
-        if self.session is not None:
-            await self.session.close()
+        if self.pool is not None:
+            self.pool.close()
 
     # --- fail-open recording -----------------------------------------------------------------
 
@@ -225,36 +231,50 @@ class Proxy:
                 self._safe(trace, self.recorder.on_end)
 
     async def _forward(self, request: web.Request, trace: RequestTrace | None) -> web.StreamResponse:
-        assert self.session is not None
+        assert self.pool is not None
         headers = forward_headers(request.headers, drop=("Host", "Content-Length"))
         length = request.content_length
+        body: bytes | None = None
+        streamed = False
         if request.body_exists and length is not None and length <= INSPECT_MAX_BYTES:
             try:
-                data = await asyncio.wait_for(request.read(), self.body_timeout_s)
+                if request.content.is_eof():  # all here already (the usual small POST): no timer task
+                    body = await request.read()
+                else:
+                    body = await asyncio.wait_for(request.read(), self.body_timeout_s)
             except asyncio.TimeoutError:
-                if trace is not None:
-                    trace.status, trace.outcome, trace.error = 408, "client_timeout", "request body too slow"
-                return web.Response(status=408, text=f"powerprof proxy: request body not received within "
-                                                     f"{self.body_timeout_s:g} s\n")
-            headers["Content-Length"] = str(len(data))
+                return self._body_timeout(trace)
+            headers["Content-Length"] = str(len(body))
             if trace is not None and trace.api is not None:
                 try:
-                    trace.model, trace.stream = inspect_request_body(data)
+                    trace.model, trace.stream = inspect_request_body(body)
                 except Exception:
                     pass
         elif request.body_exists:
-            data = _body_chunks(request.content, self.body_timeout_s)
-        else:
-            data = None
-            if length is not None:
-                headers["Content-Length"] = str(length)
+            streamed = True
+            headers["Transfer-Encoding"] = "chunked"
+        elif length is not None:
+            headers["Content-Length"] = str(length)
         self._safe(trace, self.recorder.on_start)
-        url = yarl.URL(self.upstream + request.raw_path, encoded=True)  # path and query byte for byte
+        head = request_head(request.method, self.pool.prefix + request.raw_path, self.pool.host_header, headers)
+        ex = None
         try:
-            upstream = await self.session.request(
-                request.method, url, headers=headers, data=data, allow_redirects=False, compress=None
-            )
-        except (aiohttp.ClientError, asyncio.TimeoutError, OSError) as e:
+            ex = await self.pool.acquire()
+            if body:
+                head += body  # one write for head and a small body
+            ex.start(request.method, head)
+            if streamed:
+                try:
+                    async for chunk in _body_chunks(request.content, self.body_timeout_s):
+                        await ex.write_body(b"%x\r\n%b\r\n" % (len(chunk), chunk))
+                except asyncio.TimeoutError:
+                    self._drop(ex)
+                    return self._body_timeout(trace)
+                await ex.write_body(b"0\r\n\r\n")
+            status, reason, up_headers = await ex.response_head
+        except (UpstreamError, asyncio.TimeoutError, OSError) as e:
+            if ex is not None:
+                self._drop(ex)
             self.upstream_failures += 1
             msg = f"powerprof proxy: upstream {self.upstream} unreachable: {type(e).__name__}: {e}"
             if self.upstream_failures <= 5 or self.upstream_failures % 100 == 0:
@@ -263,53 +283,76 @@ class Proxy:
                 trace.status, trace.outcome, trace.error = 502, "upstream_unreachable", msg[:300]
             body = json.dumps({"error": {"message": msg, "type": "bad_gateway", "code": 502}}).encode()
             return web.Response(status=502, body=body, content_type="application/json")
+        except BaseException:
+            if ex is not None:
+                self._drop(ex)
+            raise
         try:
-            return await self._relay(request, upstream, trace)
+            return await self._relay(request, ex, status, reason, up_headers, trace)
         finally:
-            upstream.release()
+            self.pool.release(ex)
 
-    async def _relay(self, request: web.Request, upstream: aiohttp.ClientResponse, trace) -> web.StreamResponse:
-        resp = web.StreamResponse(status=upstream.status, reason=upstream.reason)
-        resp.headers.extend(forward_headers(upstream.headers))
-        if upstream.headers.get("Content-Length") is not None and request.method != "HEAD":
-            resp.content_length = int(upstream.headers["Content-Length"])
-        ctype = upstream.headers.get("Content-Type", "")
-        parser = None
-        body_copy: bytearray | None = None
+    def _drop(self, ex: Exchange) -> None:
+        ex.abort()
+        self.pool.release(ex)
+
+    def _body_timeout(self, trace: RequestTrace | None) -> web.Response:
         if trace is not None:
-            trace.status = upstream.status
-            if trace.api is not None and upstream.status < 400:
+            trace.status, trace.outcome, trace.error = 408, "client_timeout", "request body too slow"
+        return web.Response(status=408, text=f"powerprof proxy: request body not received within "
+                                             f"{self.body_timeout_s:g} s\n")
+
+    async def _relay(self, request: web.Request, ex: Exchange, status: int, reason: str, up_headers,
+                     trace: RequestTrace | None) -> web.StreamResponse:
+        resp = web.StreamResponse(status=status, reason=reason)
+        resp.headers.extend(forward_headers(up_headers))
+        if up_headers.get("Content-Length") is not None and request.method != "HEAD":
+            resp.content_length = int(up_headers["Content-Length"])
+        ctype = up_headers.get("Content-Type", "")
+        sink = _ClientSink(self, trace)
+        if trace is not None:
+            trace.status = status
+            if trace.api is not None and status < 400:
                 is_sse = "text/event-stream" in ctype or (trace.stream and "json" not in ctype)
                 try:
                     if is_sse:
-                        parser = streams.new_parser(trace.api)
+                        sink.parser = streams.new_parser(trace.api)
                         trace.stream = True
                     else:
-                        body_copy = bytearray()
+                        sink.body_copy = bytearray()
                         trace.stream = False if trace.stream is None else trace.stream
                 except Exception as e:
                     trace.recorder_error = f"parser: {e}"
         try:
-            await resp.prepare(request)
-            async for chunk in upstream.content.iter_any():
-                # The chunk goes out first; it is parsed after, stamped with its arrival time.
+            writer = await resp.prepare(request)
+            early = ex.take_early()
+            if early:
+                # What came with the upstream's head goes out with ours: one write, not two.
                 now, wall = time.monotonic_ns(), time.time_ns()
-                await resp.write(chunk)
-                if trace is not None:
-                    trace.response_bytes += len(chunk)
-                    if parser is not None and trace.recorder_error is None:
-                        self._parse(trace, parser, chunk, now, wall)
-                    elif body_copy is not None and len(body_copy) + len(chunk) <= BODY_COPY_MAX_BYTES:
-                        body_copy += chunk
+                await resp.write(early)
+                sink.account(early, now, wall)
+            else:
+                writer.send_headers()
+            sink.transport = request.transport
+            sink.writer = writer
+            sink.chunked = writer.chunked
+            sink.ex = ex
+            if sink.transport is None or sink.transport.is_closing():
+                raise ConnectionResetError("client gone")
+            ex.on_tick = sink.check_client
+            ex.attach(sink.on_body)
+            await ex.done
+            if sink.gone:
+                raise ConnectionResetError("client gone")
             await resp.write_eof()
         except (ConnectionResetError, aiohttp.ClientConnectionResetError, asyncio.CancelledError) as e:
             if trace is not None:
                 trace.outcome = "interrupted" if self.closing else "client_disconnected"
-            upstream.close()  # the server sees the disconnect and stops generating
+            ex.abort()  # the server sees the disconnect and stops generating
             if isinstance(e, asyncio.CancelledError):
                 raise
             return resp
-        except (aiohttp.ClientError, asyncio.TimeoutError) as e:
+        except (UpstreamError, asyncio.TimeoutError, OSError) as e:
             # The upstream broke mid-response: the client gets what came; the connection is cut.
             if trace is not None:
                 trace.outcome, trace.error = "upstream_error", f"{type(e).__name__}: {e}"[:300]
@@ -318,20 +361,19 @@ class Proxy:
             return resp
         if trace is not None and trace.recorder_error is None:
             try:
-                if parser is not None:
-                    trace.counts = streams.summary_counts(parser.finish())
+                if sink.parser is not None:
+                    trace.counts = streams.summary_counts(sink.parser.finish())
                     if self.closing and not trace.counts.complete:
                         trace.outcome = "interrupted"  # our shutdown closed the upstream mid-stream
-                elif body_copy is not None:
-                    self._body_done(trace, bytes(body_copy))
+                elif sink.body_copy is not None:
+                    self._body_done(trace, bytes(sink.body_copy))
             except Exception as e:
                 trace.recorder_error = f"summary: {type(e).__name__}: {e}"[:300]
         return resp
 
     def _parse(self, trace: RequestTrace, parser, chunk: bytes, now: int, wall: int) -> None:
         try:
-            events = parser.feed(chunk)
-            n = sum(streams.event_tokens(ev) for ev in events)
+            n = parser.count(chunk)
         except Exception as e:
             trace.recorder_error = f"parser: {type(e).__name__}: {e}"[:300]
             self.recorder_failures += 1
@@ -359,3 +401,80 @@ class Proxy:
         trace.last_ns, trace.last_wall_ns = now, wall
         trace.tokens_seen = n
         trace.extra["spread"] = True  # the recorder spreads the n tokens over [first, last]
+
+
+class _ClientSink:
+    """The client's side of one response: each upstream read is written out, then counted (fail-open)."""
+
+    WRITE_BUFFER_MAX_BYTES = 1 << 16
+
+    def __init__(self, proxy: Proxy, trace: RequestTrace | None):
+        self.proxy = proxy
+        self.trace = trace
+        self.parser = None
+        self.body_copy: bytearray | None = None
+        self.transport = None
+        self.writer = None
+        self.chunked = False
+        self.ex: Exchange | None = None
+        self.gone = False
+        self._draining = False
+        self._drain_task: asyncio.Task | None = None
+
+    def on_body(self, piece: bytes, framed: bytes | None) -> None:
+        # In the upstream socket's callback: no task wake-up per read. The piece goes out first; it is
+        # parsed after, stamped with its arrival time.
+        now, wall = time.monotonic_ns(), time.time_ns()
+        transport = self.transport
+        try:
+            if transport.is_closing():
+                self._client_gone()
+                return
+            if self.chunked:
+                transport.write(framed if framed is not None else b"%x\r\n%b\r\n" % (len(piece), piece))
+            else:
+                transport.write(piece)
+            if not self._draining and transport.get_write_buffer_size() > self.WRITE_BUFFER_MAX_BYTES:
+                self._draining = True
+                self.ex.pause()  # a slow client: stop reading the upstream until its buffer drains
+                self._drain_task = asyncio.get_running_loop().create_task(self._drain())  # held: not collected
+        except Exception:  # the client's socket failed: as if it left
+            self._client_gone()
+            return
+        self.account(piece, now, wall)
+
+    def account(self, piece: bytes, now: int, wall: int) -> None:
+        trace = self.trace
+        if trace is None:
+            return
+        try:
+            trace.response_bytes += len(piece)
+            if self.parser is not None:
+                if trace.recorder_error is None:
+                    self.proxy._parse(trace, self.parser, piece, now, wall)
+            elif self.body_copy is not None and len(self.body_copy) + len(piece) <= BODY_COPY_MAX_BYTES:
+                self.body_copy += piece
+        except Exception as e:  # accounting never stops the bytes
+            trace.recorder_error = f"proxy: {type(e).__name__}: {e}"[:300]
+
+    async def _drain(self) -> None:
+        try:
+            await self.writer.drain()
+        except Exception:
+            self._client_gone()
+            return
+        finally:
+            self._draining = False
+        if self.ex is not None:
+            self.ex.resume()
+
+    def check_client(self) -> None:
+        """On the upstream's timer: a client that left while the upstream is silent ends the request too."""
+        if self.transport is None or self.transport.is_closing():
+            self._client_gone()
+
+    def _client_gone(self) -> None:
+        if not self.gone:
+            self.gone = True
+            if self.ex is not None:
+                self.ex.abort()

@@ -1,15 +1,16 @@
 """Adapter between the proxy and the one stream parser (powerprof.workload.stream): counts only.
 
-The proxy runs `StreamParser(api)` on the bytes it forwards and `parse_response` on
-non-streamed bodies; this module keeps what the daemon stores of their results. Nothing here
-keeps prompt or completion text: only counts, model, stop reason.
+The proxy runs `StreamParser(api).count` on the bytes it forwards (tokens, not events: several
+under batching or speculative decode) and `parse_response` on non-streamed bodies; this module
+keeps what the daemon stores of their results. Nothing here keeps prompt or completion text: only
+counts, model, stop reason.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-from powerprof.workload.stream import StreamParser, TokenEvent, parse_response
+from powerprof.workload.stream import StreamParser, parse_response
 
 
 def api_for_path(path: str) -> str | None:
@@ -22,11 +23,6 @@ def api_for_path(path: str) -> str | None:
     if p in ("/completion", "/completions") or p.endswith("/completion"):
         return "llamacpp"
     return None
-
-
-def event_tokens(ev: TokenEvent) -> int:
-    """Tokens one event carried (several under batching or speculative decode): count tokens, not events."""
-    return ev.n_tokens
 
 
 @dataclass(frozen=True)

@@ -50,8 +50,7 @@ class MeasureResult:
         """`powerprof measure --json`: stable keys; per-request rows stay in windows.parquet."""
         s = self.server
         return {
-            "server": {"kind": s.kind, "api": s.api, "model": s.model, "build_info": s.build_info,
-                       "base_url": s.base_url, "simulated": s.simulated},
+            "server": {**s.meta(), "simulated": s.simulated},
             "concurrencies": [asdict(m) for m in self.summaries],
             "notes": list(self.notes),
             "windows_path": None if self.out_path is None else str(self.out_path / "windows.parquet"),

@@ -177,6 +177,17 @@ class StreamParser:
                 self._error(f"unexpected line in stream: {line[:80].decode('utf-8', 'replace')!r}")
         return out
 
+    def count(self, chunk: bytes) -> int:
+        """Tokens in `chunk`, the same as `sum(e.n_tokens for e in feed(chunk))`. In count-only mode a
+        chunk that is exactly one compact `data: {...}` event, with nothing buffered before it (how
+        servers write a token), is counted without building the event."""
+        if (self._quick and self._parsed_one and not self._buf and not self._pending
+                and chunk[:7] == b"data: {" and chunk[-3:] == b"}\n\n" and chunk.count(b"\n") == 2):
+            n = self._quick_count(chunk[6:-2])
+            if n is not None:
+                return n if n > 0 and self._counted(n) else 0
+        return sum(e.n_tokens for e in self.feed(chunk))
+
     def finish(self) -> StreamSummary:
         """End of the byte stream. Flushes what is buffered and summarises."""
         out: list[TokenEvent] = []
@@ -304,13 +315,18 @@ class StreamParser:
             self._s.prompt_tokens = kept["prompt_n"]
 
     def _add(self, n: int, out: list[TokenEvent], text: str, total: int | None) -> None:
+        if self._counted(n):
+            out.append(TokenEvent(n, text, total))
+
+    def _counted(self, n: int) -> bool:
+        """Adds one event's n tokens to the stream's count; False (and the stream invalid) past MAX_COUNT."""
         s = self._s
         if s.counted + n > MAX_COUNT:
             self._invalid("token count", f"the stream's total passes {MAX_COUNT}")
-            return
+            return False
         s.counted += n
         s.n_events += 1
-        out.append(TokenEvent(n, text, total))
+        return True
 
     def _llamacpp(self, obj: dict, out: list[TokenEvent]) -> None:
         s = self._s

@@ -1,0 +1,147 @@
+"""The floor under the proxy's CPU per token: a bare TCP relay next to the proxy alone, user and system time apart.
+
+    .venv/bin/python bench/proxy_floor.py [--streams 64] [--rounds 2] [--tokens 8,32,128]
+
+The upstream of bench/proxy_latency.py (SSE events 2 ms apart, one chunk each, 8/32/128 per response)
+in one process; in another, either a bare relay (uvloop protocols: each read written to the other
+side, no HTTP, no parsing) or `Proxy` with a null recorder (no ledger); the load generator in a
+third. CPU per chunk (tokens + 1 per response) from the relay process's /proc schedstat, split into user
+and system time from /proc/<pid>/stat (clock ticks: read over seconds, not per request). The bare
+relay's system time is what the kernel charges for one recv and one send per chunk on this
+machine; no forwarder in one process gets below it with one chunk per token. A straight line
+through the proxy's CPU per response against chunks per response splits it into a cost per chunk
+and a cost per request.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import proxy_latency as pl  # bench/ is on sys.path when a bench runs
+
+
+def relay_main(up_port: int, port_file: str, kind: str) -> None:
+    import uvloop
+
+    async def run():
+        loop = asyncio.get_running_loop()
+        if kind == "bare":
+            class Up(asyncio.Protocol):
+                def __init__(self, down):
+                    self.down = down
+
+                def connection_made(self, t):
+                    self.t = t
+
+                def data_received(self, d):
+                    self.down.t.write(d)
+
+                def connection_lost(self, e):
+                    self.down.t.close()
+
+            class Down(asyncio.Protocol):
+                def connection_made(self, t):
+                    self.t, self.up, self.early = t, None, []
+                    loop.create_task(self.connect())
+
+                async def connect(self):
+                    _, self.up = await loop.create_connection(lambda: Up(self), "127.0.0.1", up_port)
+                    for b in self.early:
+                        self.up.t.write(b)
+
+                def data_received(self, d):
+                    if self.up is None:
+                        self.early.append(d)
+                    else:
+                        self.up.t.write(d)
+
+                def connection_lost(self, e):
+                    if self.up is not None:
+                        self.up.t.close()
+
+            srv = await loop.create_server(Down, "127.0.0.1", 0, backlog=1024)
+            port = srv.sockets[0].getsockname()[1]
+        else:
+            from aiohttp import web
+
+            from powerprof.daemon.proxy import Proxy
+
+            runner = web.AppRunner(Proxy(f"http://127.0.0.1:{up_port}").app(), access_log=None)
+            await runner.setup()
+            await web.TCPSite(runner, "127.0.0.1", 0, backlog=1024).start()
+            port = runner.addresses[0][1]
+        Path(port_file).write_text(str(port))
+        await asyncio.Event().wait()
+
+    uvloop.run(run())
+
+
+def _user_sys_ticks(pid: int) -> tuple[int, int]:
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return int(fields[11]), int(fields[12])
+
+
+def _wait_port(path: Path) -> int:
+    for _ in range(600):
+        if path.exists() and path.read_text():
+            return int(path.read_text())
+        time.sleep(0.05)
+    raise SystemExit(f"no port in {path}")
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--streams", type=int, default=64)
+    ap.add_argument("--rounds", type=int, default=2)
+    ap.add_argument("--tokens", default="8,32,128", help="tokens per response, one case each")
+    a = ap.parse_args()
+    tmp = Path(tempfile.mkdtemp(prefix="powerprof-floor-"))
+    procs = [subprocess.Popen([sys.executable, pl.__file__, "--upstream", str(tmp / "up")])]
+    hz = os.sysconf("SC_CLK_TCK")
+    try:
+        up_port = _wait_port(tmp / "up")
+        print(f"{a.streams} streams, 8 requests per stream; CPU per chunk of the relaying process (best of "
+              f"{a.rounds})")
+        print("relay  tokens  total_us  user_us  sys_us   tok_s")
+        per_response = {}
+        for kind in ("bare", "proxy"):
+            procs.append(subprocess.Popen([sys.executable, __file__, "--relay", str(up_port), str(tmp / kind), kind]))
+            url = f"http://127.0.0.1:{_wait_port(tmp / kind)}"
+            meter = pl.CpuMeter(procs[-1].pid)
+            asyncio.run(pl.load(url, 4, 2))
+            for tokens in [int(x) for x in a.tokens.split(",")]:
+                best = None
+                for _ in range(a.rounds):
+                    c0, t0 = meter.own_s(), _user_sys_ticks(procs[-1].pid)
+                    r = asyncio.run(pl.load(url, a.streams, 8, tokens=tokens))
+                    c1, t1 = meter.own_s(), _user_sys_ticks(procs[-1].pid)
+                    n = a.streams * 8 * (tokens + 1)
+                    row = (1e6 * (c1 - c0) / n, 1e6 * (t1[0] - t0[0]) / hz / n, 1e6 * (t1[1] - t0[1]) / hz / n,
+                           r["tok_s"])
+                    best = row if best is None or row[0] < best[0] else best
+                per_response.setdefault(kind, []).append((tokens + 1, best[0] * (tokens + 1)))
+                print(f"{kind:6s} {tokens:6d}  {best[0]:8.1f}  {best[1]:7.1f}  {best[2]:6.1f}  {best[3]:6.0f}")
+        for kind, pts in per_response.items():
+            if len(pts) >= 2:
+                (x0, y0), (x1, y1) = pts[0], pts[-1]
+                slope = (y1 - y0) / (x1 - x0)
+                print(f"{kind}: {slope:.1f} us per chunk + {y0 - slope * x0:.0f} us per request "
+                      f"(line through {x0 - 1} and {x1 - 1} tokens)")
+    finally:
+        for p in procs:
+            p.terminate()
+            p.wait(10)
+
+
+if __name__ == "__main__":
+    if len(sys.argv) == 5 and sys.argv[1] == "--relay":
+        relay_main(int(sys.argv[2]), sys.argv[3], sys.argv[4])
+    else:
+        main()

@@ -1,0 +1,430 @@
+"""Upstream HTTP/1.1 connections for the proxy: a response body is handed on from the socket's callback.
+
+aiohttp's client wakes a task for every chunk it receives (parser → StreamReader → future → task
+→ `iter_any`), which cost the proxy about half of its CPU per token. Here the response head is
+parsed once, then every `data_received` call decodes the body framing (Content-Length, chunked or
+until close) and hands everything that arrived in that read to `on_body(payload, framed)` as one piece, in the same
+callback: no task, no future, one client write per read (see docs/benchmarks.md, proxy). `framed`
+is the read itself when it is exactly one chunk of chunked framing (the usual case on a token
+stream), so a chunked client gets it unchanged; otherwise None.
+
+`UpstreamPool(url, ...)` keeps idle keep-alive connections; `Exchange` is one request on one
+connection: `send`, `response_head` (awaitable), then `attach(on_body)` and await `done`.
+Timeouts: connecting (`connect_timeout_s`) and upstream silence (`read_timeout_s`) while a
+request is in flight; `on_tick` is called on the same timer so the proxy can notice a client that
+left while the upstream is silent.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import ssl
+import time
+from collections import deque
+from urllib.parse import urlsplit
+
+from multidict import CIMultiDict
+
+HEAD_MAX_BYTES = 64 << 10
+CHUNK_LINE_MAX_BYTES = 4 << 10
+TICK_MAX_S = 1.0
+
+
+_HEX = frozenset(b"0123456789abcdefABCDEF")
+
+
+def _hex_size(s: bytes) -> int:
+    """A chunk size line's number; -1 unless it is plain hex digits (int() would also take 0x, _ and signs)."""
+    if not s or len(s) > 16 or not _HEX.issuperset(s):
+        return -1
+    return int(s, 16)
+
+
+class UpstreamError(Exception):
+    """The upstream broke the HTTP exchange (closed early, bad framing, silence past the read timeout)."""
+
+
+def _parse_head(head: bytes) -> tuple[str, int, str, CIMultiDict]:
+    lines = head.split(b"\r\n")
+    parts = lines[0].split(b" ", 2)
+    if len(parts) < 2 or not parts[0].startswith(b"HTTP/1.") or not parts[1].isdigit() or len(parts[1]) != 3:
+        raise UpstreamError(f"bad status line from upstream: {lines[0][:80]!r}")
+    headers: CIMultiDict = CIMultiDict()
+    for line in lines[1:]:
+        if not line:
+            continue
+        name, sep, value = line.partition(b":")
+        if not sep or not name or name != name.strip():
+            raise UpstreamError(f"bad header line from upstream: {line[:80]!r}")
+        headers.add(name.decode("latin-1"), value.strip().decode("latin-1"))
+    reason = parts[2].decode("latin-1") if len(parts) > 2 else ""
+    return parts[0].decode("ascii"), int(parts[1]), reason, headers
+
+
+class Exchange(asyncio.Protocol):
+    """One upstream connection; one request at a time on it (HTTP/1.1 keep-alive, no pipelining)."""
+
+    def __init__(self, pool: UpstreamPool):
+        self.pool = pool
+        self.loop = pool.loop
+        self.transport: asyncio.Transport | None = None
+        self.lost = False
+        self.reusable = False
+        self._write_ok: asyncio.Future | None = None
+        self._reset()
+
+    def _reset(self) -> None:
+        self.head_method = "GET"
+        self.response_head: asyncio.Future | None = None
+        self.done: asyncio.Future | None = None
+        self.status = 0
+        self.headers: CIMultiDict | None = None
+        self._buf = b""
+        self._mode = ""  # head, length, chunked, close, trailer, end
+        self._left = 0  # length: body bytes to come; chunked: bytes left of this chunk's data (-1: a size line next)
+        self._early: list[bytes] = []  # body that came before attach()
+        self.on_body = None
+        self.on_tick = None
+        self._last = 0.0
+        self._timer: asyncio.TimerHandle | None = None
+
+    # --- protocol callbacks ------------------------------------------------------------------
+
+    def connection_made(self, transport) -> None:
+        self.transport = transport
+
+    def connection_lost(self, exc) -> None:
+        self.lost = True
+        self.reusable = False
+        self.pool._forget(self)
+        if self._write_ok is not None and not self._write_ok.done():
+            self._write_ok.set_result(None)  # a waiting write_body finds the connection lost
+        if self._mode == "close" and exc is None:
+            self._finish()
+        elif self._mode not in ("", "end"):
+            self._fail(UpstreamError(f"upstream closed the connection mid-response{f': {exc}' if exc else ''}"))
+
+    def eof_received(self):
+        return False  # close our side too; connection_lost decides whether the body was complete
+
+    def pause_writing(self) -> None:
+        if self._write_ok is None or self._write_ok.done():
+            self._write_ok = self.loop.create_future()
+
+    def resume_writing(self) -> None:
+        if self._write_ok is not None and not self._write_ok.done():
+            self._write_ok.set_result(None)
+
+    def data_received(self, data: bytes) -> None:
+        self._last = time.monotonic()
+        mode = self._mode
+        if mode == "chunked" and self._left == -1 and not self._buf:
+            # The common case on a stream: one read holds exactly one whole chunk. Its bytes are
+            # already the framing the client gets, so they go out as they came.
+            end = data.find(b"\r\n", 0, 18)
+            if end > 0:
+                size = _hex_size(data[:end])
+                stop = end + 2 + size
+                if size > 0 and len(data) == stop + 2 and data[stop:] == b"\r\n":
+                    self._emit(data[end + 2 : stop], data)
+                    return
+        if mode == "length":
+            n = len(data)
+            if n > self._left:
+                self._fail(UpstreamError("upstream sent more than its Content-Length"))
+                return
+            self._left -= n
+            self._emit(data)
+            if self._left == 0:
+                self._finish()
+            return
+        if mode == "close":
+            self._emit(data)
+            return
+        try:
+            self._slow(data)
+        except UpstreamError as e:
+            self._fail(e)
+
+    # --- framing -----------------------------------------------------------------------------
+
+    def _slow(self, data: bytes) -> None:
+        buf = self._buf + data if self._buf else data
+        self._buf = b""
+        pos = 0
+        if self._mode == "head":
+            while True:
+                end = buf.find(b"\r\n\r\n", pos)
+                if end < 0:
+                    if len(buf) - pos > HEAD_MAX_BYTES:
+                        raise UpstreamError("upstream response head larger than 64 KiB")
+                    self._buf = buf[pos:]
+                    return
+                version, status, reason, headers = _parse_head(buf[pos:end])
+                pos = end + 4
+                if 100 <= status < 200 and status != 101:
+                    continue  # interim (100 Continue, 103 Early Hints): not forwarded
+                break
+            self._begin(version, status, reason, headers)
+            if self._mode == "end":
+                self._finish()
+                if pos < len(buf):
+                    self.reusable = False
+                return
+        pieces: list[bytes] = []
+        n = len(buf)
+        while pos < n:
+            mode = self._mode
+            if mode == "length":
+                take = n - pos
+                if take > self._left:
+                    raise UpstreamError("upstream sent more than its Content-Length")
+                pieces.append(buf[pos:] if pos else buf)
+                self._left -= take
+                pos = n
+            elif mode == "close":
+                pieces.append(buf[pos:] if pos else buf)
+                pos = n
+            elif mode == "chunked":
+                if self._left > 0:
+                    take = min(self._left, n - pos)
+                    pieces.append(buf[pos : pos + take])
+                    self._left -= take
+                    pos += take
+                    if self._left == 0:
+                        self._left = -2  # the CRLF after the data
+                    continue
+                if self._left == -2:
+                    if n - pos < 2:
+                        self._buf = buf[pos:]
+                        break
+                    if buf[pos : pos + 2] != b"\r\n":
+                        raise UpstreamError("bad chunked framing from upstream: no CRLF after a chunk")
+                    pos += 2
+                    self._left = -1
+                    continue
+                end = buf.find(b"\r\n", pos)
+                if end < 0:
+                    if n - pos > CHUNK_LINE_MAX_BYTES:
+                        raise UpstreamError("bad chunked framing from upstream: size line too long")
+                    self._buf = buf[pos:]
+                    break
+                size_s = buf[pos:end].split(b";", 1)[0].strip()
+                size = _hex_size(size_s)
+                if size < 0:
+                    raise UpstreamError(f"bad chunk size from upstream: {size_s[:20]!r}")
+                pos = end + 2
+                if size == 0:
+                    self._mode = "trailer"
+                else:
+                    self._left = size
+            elif mode == "trailer":
+                end = buf.find(b"\r\n", pos)
+                if end < 0:
+                    if n - pos > HEAD_MAX_BYTES:
+                        raise UpstreamError("upstream trailers larger than 64 KiB")
+                    self._buf = buf[pos:]
+                    break
+                line = buf[pos:end]
+                pos = end + 2
+                if not line:
+                    self._mode = "end"  # trailers are hop-by-hop: not forwarded
+            else:  # end: bytes after a complete response
+                self.reusable = False
+                break
+        if pieces:
+            self._emit(pieces[0] if len(pieces) == 1 else b"".join(pieces))
+        if self._mode == "end" or (self._mode == "length" and self._left == 0):
+            self._finish()
+
+    def _begin(self, version: str, status: int, reason: str, headers: CIMultiDict) -> None:
+        self.status, self.headers = status, headers
+        conn = ",".join(headers.getall("Connection", ())).lower()
+        self.reusable = version == "HTTP/1.1" and "close" not in conn and status != 101
+        te = ",".join(headers.getall("Transfer-Encoding", ())).lower()
+        if self.head_method == "HEAD" or status in (204, 304) or status < 200:
+            self._mode = "end"
+        elif te:
+            if te.rsplit(",", 1)[-1].strip() != "chunked":
+                self._mode, self.reusable = "close", False
+            else:
+                self._mode, self._left = "chunked", -1
+        elif "Content-Length" in headers:
+            values = set(headers.getall("Content-Length"))
+            value = values.pop()
+            if values or not value.isascii() or not value.isdigit():
+                raise UpstreamError(f"bad Content-Length from upstream: {headers['Content-Length'][:20]!r}")
+            self._left = int(value)
+            self._mode = "length" if self._left else "end"
+        else:
+            self._mode, self.reusable = "close", False
+        if self.response_head is not None and not self.response_head.done():
+            self.response_head.set_result((status, reason, headers))
+
+    def _emit(self, piece: bytes, framed: bytes | None = None) -> None:
+        if self.on_body is not None:
+            self.on_body(piece, framed)
+        else:
+            self._early.append(piece)
+
+    def _finish(self) -> None:
+        mode, self._mode = self._mode, "end"
+        if mode == "close":
+            self.reusable = False
+        self._stop_timer()
+        if self.done is not None and not self.done.done():
+            self.done.set_result(None)
+
+    def _fail(self, exc: BaseException) -> None:
+        self.reusable = False
+        self._mode = "end"
+        self._stop_timer()
+        if self.response_head is not None and not self.response_head.done():
+            self.response_head.set_exception(exc)
+            if self.done is not None and not self.done.done():
+                self.done.cancel()  # nobody awaits the body of a response that never began
+        elif self.done is not None and not self.done.done():
+            self.done.set_exception(exc)
+        if self.transport is not None:
+            self.transport.close()
+
+    # --- timer -------------------------------------------------------------------------------
+
+    def _tick(self) -> None:
+        self._timer = None
+        if self._mode in ("", "end"):
+            return
+        if time.monotonic() - self._last > self.pool.read_timeout_s:
+            self._fail(asyncio.TimeoutError(f"upstream silent for {self.pool.read_timeout_s:g} s"))
+            return
+        if self.on_tick is not None:
+            self.on_tick()
+        if self._mode not in ("", "end"):
+            self._timer = self.loop.call_later(min(TICK_MAX_S, self.pool.read_timeout_s), self._tick)
+
+    def _stop_timer(self) -> None:
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
+
+    # --- the caller's side -------------------------------------------------------------------
+
+    def start(self, method: str, head: bytes) -> None:
+        """Send a request head (and a small body with it); the response head is awaited next."""
+        self._reset()
+        self.head_method = method
+        self.response_head = self.loop.create_future()
+        self.done = self.loop.create_future()
+        self._mode = "head"
+        self._last = time.monotonic()
+        self._timer = self.loop.call_later(min(TICK_MAX_S, self.pool.read_timeout_s), self._tick)
+        if self.lost or self.transport is None or self.transport.is_closing():
+            self._fail(UpstreamError("upstream connection closed"))
+            return
+        self.transport.write(head)
+
+    async def write_body(self, data: bytes) -> None:
+        """A piece of a streamed request body (the caller frames it); waits while the upstream is slow to read."""
+        if self.lost or self.transport is None:
+            raise UpstreamError("upstream closed the connection")
+        self.transport.write(data)
+        self._last = time.monotonic()
+        if self._write_ok is not None and not self._write_ok.done():
+            await self._write_ok
+            if self.lost:
+                raise UpstreamError("upstream closed the connection")
+
+    def take_early(self) -> bytes:
+        """The body that came with the response head, before attach() (to send with the client's head)."""
+        early, self._early = self._early, []
+        return early[0] if len(early) == 1 else b"".join(early)
+
+    def attach(self, on_body) -> None:
+        """From now on every read of the body goes to on_body(bytes), in the socket callback."""
+        early, self._early = self._early, []
+        self.on_body = on_body
+        if early:
+            on_body(early[0] if len(early) == 1 else b"".join(early), None)
+
+    def pause(self) -> None:
+        if self.transport is not None and not self.transport.is_closing():
+            self.transport.pause_reading()
+
+    def resume(self) -> None:
+        if self.transport is not None and not self.transport.is_closing():
+            self.transport.resume_reading()
+
+    def abort(self) -> None:
+        """Close the connection now: the server sees the client's disconnect and stops generating."""
+        self.reusable = False
+        self._stop_timer()
+        self.on_body = None
+        if self.transport is not None:
+            self.transport.close()
+        if self.response_head is not None and not self.response_head.done():
+            self.response_head.cancel()
+        if self.done is not None and not self.done.done():
+            self.done.set_result(None)  # the caller knows why it aborted
+
+
+class UpstreamPool:
+    """Connections to one upstream (`http://` or `https://host:port[/prefix]`), kept alive between requests."""
+
+    def __init__(self, url: str, connect_timeout_s: float, read_timeout_s: float, max_connections: int):
+        u = urlsplit(url)
+        self.scheme = u.scheme
+        self.host = u.hostname or "127.0.0.1"
+        self.port = u.port or (443 if u.scheme == "https" else 80)
+        self.prefix = u.path.rstrip("/")
+        default_port = self.port == (443 if u.scheme == "https" else 80)
+        host = f"[{self.host}]" if ":" in self.host else self.host
+        self.host_header = host if default_port else f"{host}:{self.port}"
+        self.connect_timeout_s = connect_timeout_s
+        self.read_timeout_s = read_timeout_s
+        self.limit = asyncio.Semaphore(max_connections) if max_connections > 0 else None
+        self.loop = asyncio.get_running_loop()
+        self._idle: deque[Exchange] = deque()
+        self._ssl = ssl.create_default_context() if u.scheme == "https" else None
+
+    async def acquire(self) -> Exchange:
+        if self.limit is not None:
+            await self.limit.acquire()
+        try:
+            while self._idle:
+                ex = self._idle.pop()
+                if ex.reusable and not ex.lost and ex.transport is not None and not ex.transport.is_closing():
+                    return ex
+                if ex.transport is not None:
+                    ex.transport.close()
+            _t, ex = await asyncio.wait_for(
+                self.loop.create_connection(lambda: Exchange(self), self.host, self.port, ssl=self._ssl,
+                                            server_hostname=self.host if self._ssl else None),
+                self.connect_timeout_s)
+            return ex
+        except BaseException:
+            if self.limit is not None:
+                self.limit.release()
+            raise
+
+    def release(self, ex: Exchange) -> None:
+        """Back to the pool if its response ended cleanly and the upstream keeps it open; closed otherwise."""
+        if self.limit is not None:
+            self.limit.release()
+        ex.on_body = ex.on_tick = None
+        if ex.reusable and ex._mode == "end" and not ex.lost and ex.transport is not None:
+            ex.transport.resume_reading()
+            self._idle.append(ex)
+        elif ex.transport is not None:
+            ex.transport.close()
+
+    def _forget(self, ex: Exchange) -> None:
+        try:
+            self._idle.remove(ex)
+        except ValueError:
+            pass
+
+    def close(self) -> None:
+        while self._idle:
+            ex = self._idle.pop()
+            if ex.transport is not None:
+                ex.transport.close()

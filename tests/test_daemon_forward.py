@@ -1,0 +1,344 @@
+"""The proxy's own upstream connections: every HTTP/1.1 body framing decoded at any split, and through the
+proxy (odd framing, big uploads, slow clients, broken and silent upstreams, keep-alive) bytes stay identical."""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import random
+
+import aiohttp
+import pytest
+from aiohttp import web
+
+from powerprof.daemon.forward import Exchange, UpstreamPool
+from powerprof.daemon.proxy import Proxy, RequestTrace
+
+
+def _run(coro, timeout=60):
+    return asyncio.run(asyncio.wait_for(coro, timeout))
+
+
+class FakeTransport:
+    def __init__(self):
+        self.sent = []
+        self.closed = False
+
+    def write(self, data):
+        self.sent.append(data)
+
+    def is_closing(self):
+        return self.closed
+
+    def close(self):
+        self.closed = True
+
+    def pause_reading(self):
+        pass
+
+    def resume_reading(self):
+        pass
+
+
+CHUNKED_SSE = (b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\nTransfer-Encoding: chunked\r\n\r\n"
+               b"7\r\ndata: a\r\n"  # an ordinary chunk
+               b"A;ext=1\r\n\n\ndata: bc\r\n"  # upper-case size and a chunk extension
+               b"2\r\n\n\n\r\n"
+               b"0\r\nX-Trailer: t\r\n\r\n")
+CASES = {
+    "chunked": ("GET", CHUNKED_SSE, b"data: a\n\ndata: bc\n\n", True),
+    "length": ("GET", b"HTTP/1.1 200 OK\r\nContent-Length: 11\r\n\r\nhello world", b"hello world", True),
+    "interim": ("POST", b"HTTP/1.1 100 Continue\r\n\r\nHTTP/1.1 103 Early Hints\r\nLink: </a>\r\n\r\n"
+                        b"HTTP/1.1 201 Created\r\nContent-Length: 2\r\n\r\nok", b"ok", True),
+    "head": ("HEAD", b"HTTP/1.1 200 OK\r\nContent-Length: 99\r\n\r\n", b"", True),
+    "no content": ("DELETE", b"HTTP/1.1 204 No Content\r\n\r\n", b"", True),
+    "close delimited": ("GET", b"HTTP/1.1 200 OK\r\nContent-Type: text/plain\r\n\r\nuntil the end", b"until the end",
+                        False),
+    "http/1.0": ("GET", b"HTTP/1.0 200 OK\r\nContent-Length: 3\r\n\r\nabc", b"abc", False),
+    "connection close": ("GET", b"HTTP/1.1 200 OK\r\nConnection: close\r\nContent-Length: 1\r\n\r\nz", b"z", False),
+}
+
+
+@pytest.mark.parametrize("name", sorted(CASES))
+def test_every_body_framing_is_decoded_at_any_split(name):
+    method, raw, payload, reusable = CASES[name]
+
+    async def one(pieces):
+        pool = UpstreamPool("http://127.0.0.1:1", 1.0, 60.0, 0)
+        ex = Exchange(pool)
+        ex.connection_made(FakeTransport())
+        ex.start(method, b"")
+        got = []
+        for p in pieces:
+            ex.data_received(p)
+            if ex.response_head.done() and ex.on_body is None:
+                ex.attach(lambda body, framed: got.append(body))
+        if name == "close delimited":
+            ex.connection_lost(None)
+        await asyncio.wait_for(ex.done, 1)
+        status, _reason, headers = ex.response_head.result()
+        return status, b"".join(got), ex.reusable
+
+    rng = random.Random(name)
+    splits = [[raw], [raw[i:i + 1] for i in range(len(raw))]]
+    splits += [[raw[:i], raw[i:]] for i in range(1, len(raw))]
+    for _ in range(20):
+        cuts = sorted(rng.sample(range(1, len(raw)), 4))
+        splits.append([raw[a:b] for a, b in zip([0] + cuts, cuts + [len(raw)])])
+    for pieces in splits:
+        status, body, reuse = _run(one(pieces))
+        assert body == payload, pieces
+        assert reuse == reusable
+        assert status == (201 if name == "interim" else 204 if name == "no content" else 200)
+
+
+def test_bad_framing_fails_the_exchange_instead_of_guessing():
+    async def one(raw):
+        ex = Exchange(UpstreamPool("http://127.0.0.1:1", 1.0, 60.0, 0))
+        ex.connection_made(FakeTransport())
+        ex.start("GET", b"")
+        ex.data_received(raw)
+        await asyncio.wait_for(ex.response_head, 1)
+        ex.attach(lambda body, framed: None)
+        try:
+            await asyncio.wait_for(ex.done, 1)
+        except Exception as e:
+            return type(e).__name__, str(e), ex.transport.closed
+        return None
+
+    for raw in (b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n0x5\r\nhello\r\n",
+                b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n5\r\nhelloXX",
+                b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\n\r\nabc"):
+        name, msg, closed = _run(one(raw))
+        assert name == "UpstreamError" and closed, (raw, msg)
+    with pytest.raises(Exception, match="Content-Length"):
+        _run(one(b"HTTP/1.1 200 OK\r\nContent-Length: +2\r\n\r\nab"))
+
+
+# --- through the proxy ------------------------------------------------------------------------
+
+
+class RawUpstream:
+    """An upstream that writes exactly the bytes a test gives, per path; counts connections."""
+
+    def __init__(self, responses):
+        self.responses = responses
+        self.connections = 0
+        self.closed_early = asyncio.Event()
+
+    async def handle(self, reader, writer):
+        self.connections += 1
+        try:
+            while True:
+                head = await reader.readuntil(b"\r\n\r\n")
+                path = head.split(b" ", 2)[1].decode()
+                length = 0
+                for line in head.split(b"\r\n"):
+                    if line.lower().startswith(b"content-length:"):
+                        length = int(line.split(b":")[1])
+                if length:
+                    await reader.readexactly(length)
+                for part in self.responses[path]:
+                    if isinstance(part, float):
+                        await asyncio.sleep(part)
+                    elif part is None:
+                        writer.close()
+                        return
+                    elif part == "eof":  # say nothing more; note when the proxy closes the connection
+                        if await reader.read(1) == b"":
+                            self.closed_early.set()
+                        return
+                    else:
+                        writer.write(part)
+                        await writer.drain()
+        except (asyncio.IncompleteReadError, ConnectionError):
+            self.closed_early.set()
+        finally:
+            writer.close()
+
+    async def start(self):
+        self.server = await asyncio.start_server(self.handle, "127.0.0.1", 0)
+        return f"http://127.0.0.1:{self.server.sockets[0].getsockname()[1]}"
+
+
+class Rec:
+    def __init__(self):
+        self.ended: list[RequestTrace] = []
+
+    def on_start(self, trace):
+        pass
+
+    def on_tokens(self, trace, t, n):
+        pass
+
+    def on_end(self, trace):
+        self.ended.append(trace)
+
+
+async def _proxy(upstream_url, **kw):
+    rec = Rec()
+    proxy = Proxy(upstream_url, recorder=rec, **kw)
+    runner = web.AppRunner(proxy.app())
+    await runner.setup()
+    await web.TCPSite(runner, "127.0.0.1", 0).start()
+    return rec, proxy, runner, f"http://127.0.0.1:{runner.addresses[0][1]}"
+
+
+def test_odd_framing_keepalive_and_a_broken_upstream_through_the_proxy():
+    ev1 = b'data: {"content":"a","tokens":[1],"stop":false}\n\n'
+    ev2 = b'data: {"content":"b","tokens":[2,3],"stop":false}\n\n'
+    sse = (b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\nTransfer-Encoding: chunked\r\n\r\n"
+           b"%x\r\n%b\r\n" % (len(ev1), ev1))
+    responses = {
+        "/completion": [sse, 0.01, b"%04X;x=y\r\n%b\r\n" % (len(ev2), ev2),  # leading zeros, upper case, extension
+                        b"1\r\n\n\r\n0\r\nX-T: 1\r\n\r\n"],
+        "/plain": [b"HTTP/1.1 200 OK\r\nContent-Length: 5\r\n\r\nhel", 0.01, b"lo"],
+        "/broken": [sse, 0.01, None],
+    }
+
+    async def main():
+        up = RawUpstream(responses)
+        up_url = await up.start()
+        rec, proxy, runner, url = await _proxy(up_url)
+        out = []
+        async with aiohttp.ClientSession() as s:
+            for path in ("/completion", "/plain", "/completion"):
+                async with s.post(url + path, json={"stream": True}) as r:
+                    out.append((r.status, await r.read()))
+            async with s.post(url + "/broken", json={"stream": True}) as r:
+                with pytest.raises(aiohttp.ClientPayloadError):
+                    await r.read()
+        await runner.cleanup()
+        up.server.close()
+        return out, up, rec
+
+    out, up, rec = _run(main())
+    stream = b'data: {"content":"a","tokens":[1],"stop":false}\n\n' b'data: {"content":"b","tokens":[2,3],"stop":false}\n\n\n'
+    assert out == [(200, stream), (200, b"hello"), (200, stream)]
+    assert [t.tokens_seen for t in rec.ended[:3]] == [3, 0, 3]
+    assert up.connections == 1  # all four requests on one kept-alive connection
+    assert rec.ended[3].outcome == "upstream_error"
+
+
+def test_big_upload_and_a_slow_client_pass_every_byte():
+    blob = random.Random(1).randbytes(3 << 20)  # above the proxy's inspect size: the body is streamed
+
+    async def echo(request):
+        data = await request.read()
+        return web.json_response({"len": len(data), "sha": hashlib.sha256(data).hexdigest()})
+
+    async def big(request):
+        resp = web.StreamResponse()
+        await resp.prepare(request)
+        for i in range(0, len(blob), 1 << 16):
+            await resp.write(blob[i:i + (1 << 16)])
+        await resp.write_eof()
+        return resp
+
+    async def main():
+        app = web.Application(client_max_size=1 << 30)
+        app.router.add_post("/echo", echo)
+        app.router.add_get("/big", big)
+        ur = web.AppRunner(app)
+        await ur.setup()
+        await web.TCPSite(ur, "127.0.0.1", 0).start()
+        rec, proxy, runner, url = await _proxy(f"http://127.0.0.1:{ur.addresses[0][1]}")
+        async with aiohttp.ClientSession() as s:
+            async def chunks():
+                for i in range(0, len(blob), 100_000):
+                    yield blob[i:i + 100_000]
+            async with s.post(url + "/echo", data=chunks()) as r:
+                echoed = await r.json()
+            got = bytearray()
+            async with s.get(url + "/big") as r:
+                while chunk := await r.content.read(1 << 16):
+                    got += chunk
+                    await asyncio.sleep(0.002)  # slower than the upstream: the proxy must hold back, not drop
+        await runner.cleanup()
+        await ur.cleanup()
+        return echoed, bytes(got)
+
+    echoed, got = _run(main())
+    assert echoed == {"len": len(blob), "sha": hashlib.sha256(blob).hexdigest()}
+    assert got == blob
+
+
+def test_silent_upstream_hits_the_read_timeout_and_a_departed_client_closes_it():
+    head = b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\nTransfer-Encoding: chunked\r\n\r\n5\r\nhello\r\n"
+    responses = {"/silent": [head, 30.0], "/left": [head, "eof"]}
+
+    async def main():
+        up = RawUpstream(responses)
+        up_url = await up.start()
+        rec, proxy, runner, url = await _proxy(up_url, read_timeout_s=0.5)
+        t0 = asyncio.get_running_loop().time()
+        async with aiohttp.ClientSession() as s:
+            async with s.get(url + "/silent") as r:
+                with pytest.raises(aiohttp.ClientPayloadError):
+                    await r.read()
+        timed_out_after = asyncio.get_running_loop().time() - t0
+        await runner.cleanup()
+
+        up2 = RawUpstream(responses)
+        up_url = await up2.start()
+        rec2, proxy, runner, url = await _proxy(up_url, read_timeout_s=60)
+        async with aiohttp.ClientSession() as s:
+            r = await s.get(url + "/left")
+            await r.content.readexactly(5)
+            r.close()  # the client leaves while the upstream says nothing
+        t0 = asyncio.get_running_loop().time()
+        await asyncio.wait_for(up2.closed_early.wait(), 10)
+        closed_after = asyncio.get_running_loop().time() - t0
+        for _ in range(100):
+            if rec2.ended:
+                break
+            await asyncio.sleep(0.05)
+        await runner.cleanup()
+        return timed_out_after, rec.ended[0], closed_after, rec2.ended[0]
+
+    timed_out_after, t1, closed_after, t2 = _run(main())
+    assert 0.4 < timed_out_after < 10
+    assert t1.outcome == "upstream_error" and "silent" in t1.error
+    assert closed_after < 10  # the proxy checks its client on the upstream's timer (every second)
+    assert t2.outcome == "client_disconnected"
+
+
+def test_a_request_body_that_goes_silent_gets_408_small_or_streamed():
+    async def echo(request):
+        return web.Response(text=str(len(await request.read())))
+
+    def send_part(port, length):
+        import socket
+
+        with socket.create_connection(("127.0.0.1", port), timeout=10) as s:
+            s.sendall(b"POST /echo HTTP/1.1\r\nHost: x\r\nContent-Length: %d\r\n\r\n" % length + b"x" * 100)
+            out = b""
+            while b"\r\n\r\n" not in out:
+                chunk = s.recv(4096)
+                if not chunk:
+                    break
+                out += chunk
+            return out
+
+    async def main():
+        app = web.Application(client_max_size=1 << 30)
+        app.router.add_post("/echo", echo)
+        ur = web.AppRunner(app)
+        await ur.setup()
+        await web.TCPSite(ur, "127.0.0.1", 0).start()
+        rec, proxy, runner, url = await _proxy(f"http://127.0.0.1:{ur.addresses[0][1]}", body_timeout_s=0.3)
+        port = runner.addresses[0][1]
+        loop = asyncio.get_running_loop()
+        small = await loop.run_in_executor(None, send_part, port, 1000)  # read whole before forwarding
+        big = await loop.run_in_executor(None, send_part, port, 5 << 20)  # streamed on to the upstream
+        for _ in range(100):
+            if len(rec.ended) == 2:
+                break
+            await asyncio.sleep(0.05)
+        await runner.cleanup()
+        await ur.cleanup()
+        return small, big, rec
+
+    small, big, rec = _run(main())
+    assert small.startswith(b"HTTP/1.1 408") and big.startswith(b"HTTP/1.1 408"), (small, big)
+    assert [t.outcome for t in rec.ended] == ["client_timeout", "client_timeout"]
