@@ -127,3 +127,17 @@ def test_serve_process_drives_the_sweeping_process_gpu_and_follows_its_limit(tmp
         follower.nvmlDeviceSetPowerManagementLimit(h, 300_000)
         p.terminate()
         p.wait(30)
+
+
+def test_vllm_speculative_counters_come_through_the_metrics():
+    from powerprof.workload.specdecode import spec_decode_counts
+
+    with SimServer(SimNVML("seed-16g", state_path=None), flavour="vllm", decode_tok_s=400, draft_n_max=3) as s:
+        assert spec_decode_counts(s.url) == (0.0, 0.0)
+        body = json.dumps({"prompt": "hello there", "max_tokens": 60, "ignore_eos": True}).encode()
+        req = urllib.request.Request(s.url + "/v1/completions", body, {"Content-Type": "application/json"})
+        urllib.request.urlopen(req, timeout=60).read()
+        drafts, accepted = spec_decode_counts(s.url)
+        assert drafts > 0 and drafts % 3 == 0 and 0 < accepted < drafts
+    with SimServer(SimNVML("a100-40g", state_path=None), flavour="llamacpp", decode_tok_s=400) as s:
+        assert spec_decode_counts(s.url) is None  # no such counters: no figure, not a zero
