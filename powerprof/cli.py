@@ -538,7 +538,12 @@ def _fraction_option(ctx, param, value):
 @click.option("--limits", "limits", default=None, help="Power limits to step through: 180,220W,60% (of the default).")
 @click.option("--clocks", "clocks", default=None, help="Locked SM clocks (MHz) to step through instead of power limits.")
 @click.option("--server", "url", default=None, help="Inference server base URL (llama.cpp, vLLM, SGLang, OpenAI-compatible).")
-@click.option("--launch", default=None, help="Start the server with this command (needs --server for its URL); stopped at the end.")
+@click.option("--launch", default=None, help="Start the server with this command (needs --server for its URL); stopped at the end. "
+              "With --vary, a template: {NAME} takes each value of --vary NAME=...")
+@click.option("--vary", multiple=True, metavar="NAME=V1,V2,...",
+              help="A server knob to sweep through the --launch template (repeatable; every combination is launched once).")
+@click.option("--context-tokens", default=None, metavar="N,N,...",
+              help="Context lengths to measure, e.g. 512,8k,32k: prompts of that many tokens, counted by the server's /tokenize.")
 @simulate_option
 @click.option("--gpus", callback=_parse_gpus, help="NVML indexes of the GPUs serving the model (all take the same level).")
 @click.option("--repeats", default=1, show_default=True, type=click.IntRange(1, 100), help="Passes over all levels, interleaved.")
@@ -569,7 +574,7 @@ def _fraction_option(ctx, param, value):
               help="With --trace: divide its arrival times by this.")
 @click.option("--duration", "duration_s", type=click.FloatRange(min=0, min_open=True), default=None,
               help="With --trace: replay only the requests arriving in the first this many seconds.")
-def sweep(limits, clocks, url, launch, simulate, gpus, repeats, order, target_ci, target_paired_ci, min_requests, max_requests, max_time_s,
+def sweep(limits, clocks, url, launch, vary, context_tokens, simulate, gpus, repeats, order, target_ci, target_paired_ci, min_requests, max_requests, max_time_s,
           warmup, idle_s, concurrency, api, max_tokens, prompts_file, prompt_set, prompt_cache, seed, keep_text,
           launch_timeout, interval_s, out_dir, max_slowdown, dry_run, trace_path, time_scale, duration_s):
     """Step the GPU power limit (or locked SM clock) across levels; J/token and speed loss per level."""
@@ -584,9 +589,23 @@ def sweep(limits, clocks, url, launch, simulate, gpus, repeats, order, target_ci
     from powerprof.workload.launcher import LaunchError
     from powerprof.workload.load import PromptFileError, builtin_prompts, load_prompts
 
-    if bool(limits) == bool(clocks):
-        raise click.UsageError("give exactly one of --limits or --clocks")
-    if not (url or launch or simulate) or (launch and not url):
+    from powerprof.grid import GridSpec, parse_vary, run_grid
+    from powerprof.workload.context import parse_context_tokens
+
+    grid = None
+    if vary or context_tokens:
+        try:
+            grid = GridSpec(launch, tuple(parse_vary(vary)),
+                            tuple(parse_context_tokens(context_tokens)) if context_tokens else ())
+        except ValueError as e:
+            raise click.UsageError(str(e)) from None
+    if limits and clocks or not (limits or clocks or grid):
+        raise click.UsageError("give exactly one of --limits or --clocks (optional with --vary or --context-tokens)")
+    if launch and not url:
+        raise click.UsageError("--launch needs --server URL: where the launched server will listen")
+    if not (url or simulate):
+        # --simulate with --server: a simulated GPU beside a real server (every output says so);
+        # --simulate with --launch: the simulated GPU, driven by a launched `python -m powerprof.sim.serve`.
         raise click.UsageError("give --server URL (with --launch CMD to start it), --simulate, or --simulate with --server URL "
                                "(a simulated GPU beside a real server)")
     if max_requests < min_requests:
@@ -609,9 +628,14 @@ def sweep(limits, clocks, url, launch, simulate, gpus, repeats, order, target_ci
     ui = RichSweepUI(Console(stderr=True), bar_rule)
     try:
         with ui, Rig(simulate, gpus=gpus) as rig:
-            outcome = run_sweep(
-                rig, levels_spec=limits or clocks, level_kind="power_limit" if limits else "sm_clock", url=url,
-                launch=launch, out_dir=out_dir, prompts=prompts,
+            kind = "power_limit" if limits else "sm_clock" if clocks else "none"
+            common = dict(levels_spec=limits or clocks or "", level_kind=kind, url=url)
+            if grid is not None:
+                sweep_fn = lambda rig, **kw: run_grid(rig, grid, **common, **kw)  # noqa: E731
+            else:
+                sweep_fn = lambda rig, **kw: run_sweep(rig, launch=launch, **common, **kw)  # noqa: E731
+            outcome = sweep_fn(
+                rig, out_dir=out_dir, prompts=prompts,
                 params=RequestParams(max_tokens=max_tokens, seed=seed, prompt_cache=prompt_cache, keep_text=keep_text),
                 launch_timeout_s=launch_timeout, api=api, interval_s=interval_s, dry_run=dry_run,
                 command_line=" ".join(sys.argv), ui=ui, repeats=repeats, order=order, target_ci=target_ci,
@@ -636,16 +660,21 @@ def sweep(limits, clocks, url, launch, simulate, gpus, repeats, order, target_ci
         out.print(f"[yellow]note:[/] {note}")
     unit = "W" if limits else "MHz"
     from powerprof.analysis.loading import AnalysisError
+    from powerprof.analysis.report import console_summary
     from powerprof.analysis.report import analyze_run
 
     try:
         result = analyze_run([outcome.run_dir], max_slowdown=max_slowdown)
     except AnalysisError as e:
-        out.print(levels_table(outcome.levels, unit))
+        if grid is None:
+            out.print(levels_table(outcome.levels, unit))
         out.print(f"run directory: {outcome.run_dir}")
         out.print(f"[red]analysis failed:[/] {e}")
         sys.exit(1)
-    out.print(end_screen(outcome.levels, result, unit), highlight=False)
+    if result.knobs is not None:
+        out.print(console_summary(result), highlight=False, markup=False)
+    else:
+        out.print(end_screen(outcome.levels, result, unit), highlight=False)
     out.print(f"run directory: {outcome.run_dir}")
 
 

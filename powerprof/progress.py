@@ -22,6 +22,10 @@ def _f(v, spec: str, none: str = "-") -> str:
     return none if v is None else format(v, spec)
 
 
+def _level_text(value, unit: str) -> str:
+    return "settings as they are" if value is None else f"{value:g} {unit}"
+
+
 def level_fraction(requests: int, elapsed_s: float, ci_pct: float | None, s: SweepSettings) -> float:
     """How far a level is towards its stopping rule, 0..1: whichever of time, request count or CI
     target is nearest to stopping it. The CI part counts only once --min-requests are in (before that
@@ -69,7 +73,7 @@ class RichSweepUI(UI):
         self._unit = unit
         rep = f" (repeat {visit.repeat + 1})" if visit.repeat else ""
         self._task = self.progress.add_task(
-            f"level {i + 1}/{n}: {visit.level_value:g} {unit}{rep}", total=BAR_STEPS, info="settling"
+            f"level {i + 1}/{n}: {_level_text(visit.level_value, unit)}{rep}", total=BAR_STEPS, info="settling"
         )
 
     def _info(self, live: dict) -> str:

@@ -141,10 +141,14 @@ class Rig:
         self._powercap_dir = make_sim_powercap_dir()
         self._powercap = SimPowercap(
             self._powercap_dir,
-            power_w_fn=lambda: wl.cpu_idle_w + (wl.cpu_busy_w if self._busy else 0.0),
+            power_w_fn=lambda: wl.cpu_idle_w + (wl.cpu_busy_w if self._busy or self._sim_gpus_busy() else 0.0),
             unreadable=os.environ.get(UNPRIVILEGED_ENV) == "1",
         ).start()
         return {"rapl_root": self._powercap_dir, "rapl_opener": self._powercap.opener}
+
+    def _sim_gpus_busy(self) -> bool:
+        """A launched simulated server (another process) works the GPUs: the host CPU is busy too."""
+        return any(g.read()["phase"].kind != "idle" for g in self.nvml.gpus)
 
     def describe(self) -> dict:
         """Everything `powerprof devices` shows, JSON-ready."""
@@ -167,16 +171,19 @@ class Rig:
         *,
         launch_timeout_s: float = 300.0,
         sim_decode_tok_s: float | None = None,
+        log_path=None,
     ) -> Iterator[str]:
         """The inference server's base URL while the block runs: the given one, one launched with
         `launch` (stopped afterwards, also on error), or the simulated server (on the simulated rig,
-        when no URL is given)."""
+        when no URL is given). log_path: where a launched server's output goes (default: a temp file).
+        On the simulated rig a launched `python -m powerprof.sim.serve` drives the simulated GPUs
+        through the shared state file."""
         self.check_server(url, launch)
         self._real_server_used = bool(url)
         if launch:
             from powerprof.workload.launcher import ServerLauncher
 
-            with ServerLauncher(launch, url, timeout_s=launch_timeout_s):
+            with ServerLauncher(launch, url, timeout_s=launch_timeout_s, log_path=log_path):
                 yield url
         elif url:
             yield url

@@ -30,7 +30,7 @@ from powerprof.workload.rows import Level, request_timing, window_rows
 
 @dataclass(frozen=True)
 class SweepSettings:
-    level_kind: str  # power_limit | sm_clock
+    level_kind: str  # power_limit | sm_clock | none (the settings as they are: a configuration sweep alone)
     levels: tuple[float, ...]
     repeats: int = 1
     order: str = "desc"  # desc | asc | random
@@ -50,7 +50,7 @@ class SweepSettings:
     max_failures: int = 10
 
     def __post_init__(self):
-        if self.level_kind not in ("power_limit", "sm_clock"):
+        if self.level_kind not in ("power_limit", "sm_clock", "none"):
             raise ValueError(f"unknown level kind {self.level_kind!r}")
         if self.order not in ("desc", "asc", "random"):
             raise ValueError(f"--order must be desc, asc or random, not {self.order!r}")
@@ -149,8 +149,11 @@ class Sweep:
         reference_value: float | None,
         ui: UI | None = None,
         policy=None,
+        row_extras: dict | None = None,
     ):
+        """row_extras: columns every windows row carries (a configuration sweep's knobs)."""
         self.s = settings
+        self.row_extras = dict(row_extras or {})
         self.prof = profiler
         self.ctl = controller
         self.server = server
@@ -179,7 +182,10 @@ class Sweep:
 
     async def _run(self) -> None:
 
-        order = visit_order(self.s.levels, self.s.repeats, self.s.order, self.s.seed)
+        if self.s.level_kind == "none":
+            order = [(None, r) for r in range(self.s.repeats)]
+        else:
+            order = visit_order(self.s.levels, self.s.repeats, self.s.order, self.s.seed)
         async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0)) as session:
             self.session = session
             await self._idle_baseline()
@@ -207,6 +213,9 @@ class Sweep:
         self.idle_power_w = e / w.result.duration_s if e is not None and w.result.duration_s > 0 else None
 
     def _set_level(self, visit: LevelVisit) -> None:
+        if self.s.level_kind == "none":
+            self.timeline.set_tags(level_kind="none", level_value=None)
+            return
         if self.s.level_kind == "power_limit":
             visit.readback = self.ctl.set_power_limit_w(visit.level_value)
         else:
@@ -347,8 +356,11 @@ class Sweep:
         return excluded_windows(self.rows, counted_kind=lambda r: kind)
 
     def _add_rows(self, visit: LevelVisit, recs) -> list[dict]:
-        level = Level(self.s.level_kind, float(visit.level_value), visit.repeat)
+        value = None if visit.level_value is None else float(visit.level_value)
+        level = Level(self.s.level_kind, value, visit.repeat)
         new, batches = window_rows(recs, self.prof, self.run_id, self.server, level)
+        for row in new:
+            row.update(self.row_extras)
         for r in recs:
             self.records.append((visit.level_value, r))
             _, edges = request_timing(r)
@@ -399,9 +411,9 @@ class Sweep:
                                                              (starts, ends), time_expr="t_mono_s"))
         out = {}
         n_gpus = len(self.prof.gpu.indexes) if self.prof.gpu else 1
-        for value in sorted({v.level_value for v in self.visits}):
+        for value in sorted({v.level_value for v in self.visits}, key=lambda v: -1.0 if v is None else v):
             visits = [v for v in self.visits if v.level_value == value]
-            st = figures.get((self.s.level_kind, float(value)), {})
+            st = figures.get((self.s.level_kind, None if value is None else float(value)), {})
             rows = [r for r in self.rows if r["level_value"] == value and self._counts(r)]
             e = [r["gpu_energy_j"] for r in rows if r["gpu_energy_j"] is not None]
             c = [r["cpu_energy_j"] for r in rows if r["cpu_energy_j"] is not None]
@@ -415,7 +427,7 @@ class Sweep:
                 cap_not_engaged(avg_w, enforced or requested, st.get("clock_event_reasons"), n_gpus)
                 if self.s.level_kind == "power_limit" else False
             )
-            out[(self.s.level_kind, float(value))] = {
+            out[(self.s.level_kind, None if value is None else float(value))] = {
                 "requested_limit_w": requested,
                 "enforced_limit_w": enforced,
                 "locked_sm_clock_mhz": float(value) if self.s.level_kind == "sm_clock" else None,
@@ -497,6 +509,8 @@ def run_sweep(
     command_line: str = "",
     ui: UI | None = None,
     launch_timeout_s: float = 300.0,
+    runner=None,
+    plan_lines: list[str] | None = None,
     **settings_kw,
 ) -> SweepOutcome:
     """Sweep on the `rig` (powerprof.rig.Rig: its GPUs, RAPL and server, whatever they are): open
@@ -504,6 +518,11 @@ def run_sweep(
 
     Order matters: levels are parsed against the device's range before the server is started
     or a limit changes, so bad input costs nothing and changes nothing.
+
+    runner: for a configuration sweep (powerprof.grid), a callable taking the opened run's parts
+    (keywords: settings, profiler, controller, timeline, writer, run_id, reference_value, ui) and
+    returning an object with run(), flush() and levels_table() that launches its own servers.
+    level_kind "none": measure at the settings as they are (no controller, no privilege needed).
     """
 
 
@@ -525,8 +544,10 @@ def run_sweep(
             devices = read_devices(nvml, indexes)
         if level_kind == "power_limit":
             values = parse_power_levels(levels_spec, devices)
-        else:
+        elif level_kind == "sm_clock":
             values = parse_clock_levels(levels_spec, devices)
+        else:
+            values = ()
         settings = settings or SweepSettings(level_kind, tuple(float(v) for v in values), **settings_kw)
         infos = src.nvml.infos
         label = rig.run_label(infos[0].name) if infos else "gpu"
@@ -534,7 +555,8 @@ def run_sweep(
         if dry_run:
             spec = levels_spec
             plan = rig.plan(indexes, spec if level_kind == "power_limit" else None, spec if level_kind == "sm_clock" else None)
-            return SweepOutcome(None, None, None, plan.lines(), rig.notes)
+            lines = (plan.lines() if level_kind != "none" else ["levels: none (the settings as they are)"]) + list(plan_lines or [])
+            return SweepOutcome(None, None, None, lines, rig.notes)
         # Refuse an unusable --out before a server is launched or a GPU is locked.
         if run_dir.exists() and (not run_dir.is_dir() or any(run_dir.iterdir())):
             raise SweepError(f"run directory {run_dir} already exists and is not empty; choose another --out")
@@ -544,11 +566,13 @@ def run_sweep(
             raise SweepError(f"cannot create the run directory {run_dir}: {e.strerror or e}") from None
         stack.callback(_remove_if_empty, run_dir)  # a sweep that fails before writing leaves nothing
 
-        url = stack.enter_context(rig.server(url, launch, launch_timeout_s=launch_timeout_s))
+        server_info = None
+        if runner is None:  # a configuration sweep launches a server per configuration
+            url = stack.enter_context(rig.server(url, launch, launch_timeout_s=launch_timeout_s))
+            server_info = detect(url, api)
         notes.extend(rig.notes)
-        server_info = detect(url, api)
 
-        ctl = stack.enter_context(rig.controller(indexes))
+        ctl = stack.enter_context(rig.controller(indexes)) if level_kind != "none" else None
         profiler = stack.enter_context(
             Profiler(gpu_collector=src.nvml, rapl=src.rapl, extra_collectors=[src.host] if src.host else [], interval_s=interval_s)
         )
@@ -567,7 +591,7 @@ def run_sweep(
             "version": __version__,
             "command_line": command_line,
             **rig.meta(),
-            "server": server_info.meta(),
+            "server": server_info.meta() if server_info is not None else None,
             "gpus": [
                 {
                     "index": i.index,
@@ -580,26 +604,19 @@ def run_sweep(
                 }
                 for i in infos
             ],
-            "original_limits_w": list(ctl.original_limits_w),
+            "original_limits_w": list(ctl.original_limits_w) if ctl is not None else None,
             "settings": {k: (list(v) if isinstance(v, tuple) else v) for k, v in settings.__dict__.items()},
             "params": {k: v for k, v in params.__dict__.items() if not k.endswith("_timeout_s")},
             "interval_s": interval_s,
             "notes": notes,
         }
         writer = RunWriter(run_dir, meta)
-        sweep = Sweep(
-            settings,
-            profiler=profiler,
-            controller=ctl,
-            server=server_info,
-            prompts=prompts,
-            params=params,
-            writer=writer,
-            timeline=timeline,
-            run_id=run_id,
-            reference_value=reference,
-            ui=ui,
-        )
+        parts = dict(settings=settings, profiler=profiler, controller=ctl, timeline=timeline, writer=writer,
+                     run_id=run_id, reference_value=reference, ui=ui)
+        if runner is not None:
+            sweep = runner(**parts)
+        else:
+            sweep = Sweep(server=server_info, prompts=prompts, params=params, **parts)
         try:
             sweep.run()
         finally:
@@ -607,7 +624,8 @@ def run_sweep(
             # If restoring fails the controller keeps its restore file (and retries on close);
             # the finished levels are written either way.
             try:
-                ctl.restore()
+                if ctl is not None:
+                    ctl.restore()
             finally:
                 sweep.timeline.set_tags()
                 profiler.sampler.sample_now("restored")

@@ -19,6 +19,7 @@ LAYERS = [
     {"workload", "control"},
     {"analysis", "daemon"},
     {"sweep", "monitor"},
+    {"grid"},  # configuration sweeps: a Sweep per server configuration
     {"progress"},  # what sweep shows on a terminal
     {"rig"},  # the one door
     {"cli"},

@@ -105,8 +105,9 @@ def test_proxy_is_byte_transparent_under_64_streams_with_disconnects(tmp_path, m
         if cut is None:
             assert body == sent, f"request {i}: bytes through the proxy differ from what the server sent"
         else:
-            cut_count += 1
             assert sent.startswith(body)
+            if len(body) < len(sent):  # a stream shorter than its cut point was read whole: no disconnect
+                cut_count += 1
     assert cut_count >= 5
     reqs = read_dataset(tmp_path / "data", "requests")
     # SIGTERM lost nothing: every request is there, once, with what the stream said.

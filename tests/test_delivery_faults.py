@@ -149,7 +149,8 @@ def test_context_length_refusal_fails_at_once_naming_the_prompt_and_the_message(
 
 
 def test_generation_cut_by_the_context_length_is_noted():
-    with SimServer(SimNVML("a100-40g", state_path=None), **SIM, n_ctx=30) as srv:
+    # One slot: llama.cpp splits n_ctx among its slots.
+    with SimServer(SimNVML("a100-40g", state_path=None), **SIM, n_ctx=30, n_slots=1) as srv:
         res = measure(srv.url, prompts=builtin_prompts("short")[:1], n_requests=1, params=QUICK, warmup=0)
     (row,) = [r for r in res.rows if r["window_kind"] == "request"]
     assert row["status"] == "ok" and row["generated_tokens"] < 24

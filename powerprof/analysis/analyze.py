@@ -53,6 +53,12 @@ class AnalysisResult:
     params: PolicyParams
     timelines: list[Timeline] = field(default_factory=list)
     files: dict[str, str] = field(default_factory=dict)
+    knobs: object | None = None  # knobs.KnobResult of a configuration sweep
+
+    @property
+    def has_levels(self) -> bool:
+        """Whether there is a level series to recommend from (a configuration sweep may step none)."""
+        return bool(self.series)
 
     @property
     def main(self) -> SeriesResult:
@@ -92,6 +98,7 @@ class AnalysisResult:
             ],
             "warnings": [w.to_dict() for w in self.warnings],
             "files": self.files,
+            "configurations": self.knobs.to_dict() if self.knobs is not None else None,
         }
 
 

@@ -240,10 +240,11 @@ def _pool(v: list):
     return float(np.mean(v))
 
 
-def sweep_level_figures(runs: list[RunInfo]) -> dict:
+def sweep_level_figures(runs: list[RunInfo], where: dict | None = None) -> dict:
     """The sensor columns the sweep already wrote to levels.parquet, pooled over runs:
     numbers averaged, flags OR-ed, strings (stop_rule) joined once each.
-    {(level_kind, level_value): {column: value}}."""
+    {(level_kind, level_value): {column: value}}. where: only rows with these values (one
+    configuration of a configuration sweep: {"config_id": ..., "context_tokens": ...})."""
     pooled: dict[tuple, dict[str, list]] = {}
     for r in runs:
         p = r.path / "levels.parquet"
@@ -254,7 +255,10 @@ def sweep_level_figures(runs: list[RunInfo]) -> dict:
         except (pa.ArrowInvalid, OSError) as e:
             raise AnalysisError(f"{p}: cannot be read as Parquet ({e})") from None
         cols = [c for c in SWEEP_LEVEL_COLUMNS if c in t.column_names and c in LEVELS.names]
-        for row in t.select([c for c in ("level_kind", "level_value", *cols) if c in t.column_names]).to_pylist():
+        keys = tuple(where or ())
+        for row in t.select([c for c in ("level_kind", "level_value", *keys, *cols) if c in t.column_names]).to_pylist():
+            if any(row.get(k) != v for k, v in (where or {}).items()):
+                continue
             d = pooled.setdefault((row.get("level_kind"), row.get("level_value")), {})
             for c in cols:
                 if row.get(c) is not None:

@@ -212,3 +212,39 @@ def _ratio_fit(num, den):
     if not (num.ok and den.ok):
         return None
     return lambda x: num.predict(x) / den.predict(x)
+
+
+def plot_knob_heatmap(result, x: str, y: str, path: Path, context=None) -> Figure:
+    """J/token and decode tok/s over two knobs (analysis/knobs.py), side by side; configurations
+    that were not measured are marked with their status instead of a colour."""
+    from .knobs import heatmap_grid
+
+    fig = _figure(11.0, 4.8)
+    fixed = {}
+    for k, (metric, title, cmap, fmt) in enumerate((("j", "GPU J/token", "viridis_r", ".3f"),
+                                                    ("tok", "decode tok/s", "viridis", ".1f"))):
+        xs, ys, val, status, fixed = heatmap_grid(result, x, y, metric, context)
+        ax = fig.add_subplot(1, 2, k + 1)
+        im = ax.imshow(np.ma.masked_invalid(val), cmap=cmap, origin="lower", aspect="auto")
+        fig.colorbar(im, ax=ax, shrink=0.85)
+        ax.set_xticks(range(len(xs)), [str(v) for v in xs])
+        ax.set_yticks(range(len(ys)), [str(v) for v in ys])
+        ax.set_xlabel(x, fontsize=11)
+        ax.set_ylabel(y, fontsize=11)
+        ax.set_title(title, fontsize=12)
+        for i in range(len(ys)):
+            for j in range(len(xs)):
+                text = format(val[i, j], fmt) if np.isfinite(val[i, j]) else {
+                    "out-of-memory": "OOM", "failed-to-start": "no start", "failed": "failed", "": ""}.get(status[i, j], status[i, j])
+                if np.isfinite(val[i, j]):
+                    r, g, b, _ = im.cmap(im.norm(val[i, j]))
+                    color = "black" if 0.299 * r + 0.587 * g + 0.114 * b > 0.5 else "white"  # readable on the cell
+                else:
+                    color = "tab:red"
+                ax.text(j, i, text, ha="center", va="center", fontsize=9, color=color, gid=f"cell-{metric}-{i}-{j}")
+    suffix = ", ".join(f"{k}={v}" for k, v in fixed.items())
+    ctx = "" if context is None else f" at {context} context tokens"
+    fig.suptitle(f"configurations{ctx}" + (f" ({suffix})" if suffix else ""), fontsize=12)
+    fig.tight_layout()
+    _save(fig, path)
+    return fig

@@ -57,7 +57,11 @@ def analyze_run(
     runs = [read_run_info(p) for p in run_dirs]
     check_compatible(runs, force)
     windows = read_windows(runs)
-    figures = sweep_level_figures(runs)
+    knob_result, where = _configurations(runs, max_slowdown)
+    if where is not None:
+        # A configuration sweep: the power analysis is that of the J/token-optimal configuration only.
+        windows = windows.filter(_matches(windows, where))
+    figures = sweep_level_figures(runs, where)
     scanned, timelines = sample_level_figures(runs, windows)
     for key, d in scanned.items():
         merged = figures.setdefault(key, {})
@@ -66,12 +70,63 @@ def analyze_run(
             if merged.get(c) is None and v is not None:
                 merged[c] = v
     try:
-        result = analyze(windows, runs, figures, timelines, params, n_boot=n_boot, seed=seed, primary=primary)
+        if knob_result is not None and not _has_levels(windows):
+            result = AnalysisResult(runs, [], [], params, timelines)
+        else:
+            result = analyze(windows, runs, figures, timelines, params, n_boot=n_boot, seed=seed, primary=primary)
     except ValueError as e:
         raise AnalysisError(f"{', '.join(map(str, run_dirs))}: {e}") from None
+    if knob_result is not None:
+        result.knobs = knob_result
+        result.warnings = list(knob_result.warnings) + [
+            type(w)(w.kind, f"[{where['config_id']}] {w.message}", w.levels) for w in result.warnings]
     out = Path(out_dir) if out_dir is not None else run_dirs[0] / "analysis"
     write_outputs(result, out, formats, plots)
     return result
+
+
+def _configurations(runs, max_slowdown: float):
+    """(KnobResult, {config_id, context_tokens} of the J/token-optimal configuration) for a
+    configuration sweep; (None, None) otherwise."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    from .knobs import analyze_knobs, is_grid
+
+    tables = []
+    for r in runs:
+        p = r.path / "levels.parquet"
+        if p.exists():
+            try:
+                tables.append(pq.read_table(p).replace_schema_metadata(None))
+            except (pa.ArrowInvalid, OSError) as e:
+                raise AnalysisError(f"{p}: cannot be read as Parquet ({e})") from None
+    if not tables:
+        return None, None
+    levels = pa.concat_tables(tables, promote_options="permissive")
+    if not is_grid(levels):
+        return None, None
+    kr = analyze_knobs(levels, max_slowdown)
+    if kr.chosen is None:
+        raise AnalysisError("no configuration of the sweep was measured: "
+                            + "; ".join(f"{p.config_id}: {p.status}" for p in kr.points))
+    return kr, {"config_id": kr.chosen.config_id, "context_tokens": kr.chosen.context_tokens}
+
+
+def _matches(windows, where: dict):
+    import pyarrow as pa
+    import pyarrow.compute as pc
+
+    mask = pa.array([True] * windows.num_rows)
+    for k, v in where.items():
+        col = windows.column(k)
+        mask = pc.and_(mask, pc.is_null(col) if v is None else pc.fill_null(pc.equal(col, v), False))
+    return mask
+
+
+def _has_levels(windows) -> bool:
+    kinds = set(windows.column("level_kind").to_pylist()) if windows.num_rows else set()
+    return bool(kinds & {"power_limit", "sm_clock"})
 
 
 def write_outputs(result: AnalysisResult, out: Path, formats=FORMATS, plots: bool = True) -> dict[str, str]:
@@ -85,6 +140,14 @@ def write_outputs(result: AnalysisResult, out: Path, formats=FORMATS, plots: boo
             for name, fn in (("j_per_token", P.plot_j_per_token), ("tok_s", P.plot_tok_s),
                              ("saving_vs_loss", P.plot_tradeoff)):
                 images[f"{name}{sr.suffix}"] = _atomic_png(out / f"{name}{sr.suffix}.png", lambda p: fn(sr, p))
+        if result.knobs is not None:
+            from .knobs import heatmap_axes
+
+            axes = heatmap_axes(result.knobs)
+            if axes is not None:
+                for ctx in result.knobs.by_context:
+                    key = "config_heatmap" + ("" if ctx is None else f"_ctx{ctx}")
+                    images[key] = _atomic_png(out / f"{key}.png", lambda p: P.plot_knob_heatmap(result.knobs, *axes, p, ctx))
         for tl in result.timelines:
             key = "power_clock" if len(result.timelines) == 1 else f"power_clock_{_safe(tl.run_id)}"
             meta = next((r.meta for r in result.runs if r.run_id == tl.run_id), {})
@@ -145,7 +208,20 @@ def _f(x, fmt=".3g", none="–") -> str:
     return format(x, fmt)
 
 
+def _knob_head(result: AnalysisResult) -> list[str]:
+    from .knobs import summary_lines
+
+    if result.knobs is None:
+        return []
+    c = result.knobs.chosen
+    tail = (f"; its power levels follow" if result.has_levels else
+            "; no power levels were stepped (add --limits to find its sweet-spot power limit)")
+    return [f"J/token-optimal configuration: {c.label()}{tail}."] + summary_lines(result.knobs)
+
+
 def recommendation_line(result: AnalysisResult) -> str:
+    if not result.has_levels:
+        return _knob_head(result)[0] if result.knobs is not None else "No levels to recommend from."
     sr = result.main
     c = sr.recommendation
     u = _unit(sr)
@@ -243,6 +319,16 @@ def render_markdown(result: AnalysisResult, images: dict[str, Path] | None = Non
     if result.simulated:
         out += ["> **Simulated**: these figures come from the simulated GPU, not from hardware.", ""]
     out += [f"**{recommendation_line(result)}**", "", "Runs pooled:", ""] + [f"- {x}" for x in _runs_lines(result)]
+    if result.knobs is not None:
+        from .knobs import markdown_lines
+
+        out += ["", "## Configurations", ""] + [f"- {x}" for x in _knob_head(result)] + [""] + markdown_lines(result.knobs)
+        out += ["", "Each configuration at its reference level (the default limit, else the highest measured; "
+                "'as is' when no levels were stepped)."]
+        for key in sorted(k for k in (images or {}) if k.startswith("config_heatmap")):
+            out += ["", f"![{key}]({_rel(images[key], base)})"]
+        if result.has_levels:
+            out += ["", f"## Power levels of {result.knobs.chosen.label()}"]
     for sr in result.series:
         out += ["", f"## {sr.label.capitalize()} (reference {sr.series.reference_value:g} {_unit(sr)})", "",
                 "### Levels", "", _md_table(*_levels_rows(sr)), "", "### Sweet spots", "",
@@ -300,6 +386,14 @@ def render_html(result: AnalysisResult, images: dict[str, Path] | None = None) -
     parts.append(f"<p class='rec'>{html.escape(recommendation_line(result))}</p><p>Runs pooled:</p><ul>")
     parts += [f"<li>{html.escape(x)}</li>" for x in _runs_lines(result)]
     parts.append("</ul>")
+    if result.knobs is not None:
+        from .knobs import markdown_lines
+
+        rows = [[c.strip() for c in line.strip("|").split("|")] for line in markdown_lines(result.knobs)]
+        parts.append("<h2>Configurations</h2><ul>" + "".join(f"<li>{html.escape(x)}</li>" for x in _knob_head(result))
+                     + "</ul>" + _html_table(rows[0], rows[2:]))
+        for key in sorted(k for k in images if k.startswith("config_heatmap")):
+            parts.append(_img(images[key], key))
     for sr in result.series:
         parts.append(f"<h2>{html.escape(sr.label.capitalize())} (reference {sr.series.reference_value:g} "
                      f"{_unit(sr)})</h2><h3>Levels</h3>{_html_table(*_levels_rows(sr))}")
@@ -322,6 +416,18 @@ def console_summary(result: AnalysisResult, table: bool = True) -> str:
     """A compact plain-text summary (levels, sweet spots, recommendation, warnings) for the terminal.
 
     table=False leaves the levels out, for a caller (the sweep) that has printed its own table."""
+    if result.knobs is not None:
+        head = _knob_head(result)
+        if not result.has_levels:
+            lines = head + [f"! {w.kind}: {w.message}" for w in result.warnings]
+            if result.files.get("report.html"):
+                lines.append(f"Report: {result.files['report.html']}")
+            return "\n".join(lines)
+        return "\n".join(head + ["", _levels_summary(result, table)])
+    return _levels_summary(result, table)
+
+
+def _levels_summary(result: AnalysisResult, table: bool) -> str:
     sr = result.main
     u = _unit(sr)
     lines = [f"{'level':>8}  {'tok/s':>7}  {'J/token':>8}  {'±CI%':>5}  {'slower':>7}  {'saving':>7}  chosen by"]

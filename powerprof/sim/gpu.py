@@ -74,6 +74,7 @@ class SimGpu:
         self._state: tuple[float, float, int] = (0.0, 0.0, 0)
         # Ground truth for accuracy tests: every segment since start (unbounded, so opt-in).
         self._history: list[tuple[int, float, float]] | None = [] if record_history else None
+        self._phase_listeners: list[Callable[["SimGpu", Phase, int], None]] = []
         self._recompute(now)
 
     # --- the model -------------------------------------------------------------------------
@@ -139,11 +140,21 @@ class SimGpu:
 
     # --- what the simulated server drives ---------------------------------------------------
 
-    def set_phase(self, phase: Phase) -> None:
+    def set_phase(self, phase: Phase, t_ns: int | None = None) -> None:
+        """Run `phase` from now (or from `t_ns`, a moment another process reported, never before the
+        last instant already accounted for)."""
         with self._lock:
-            if phase != self._phase:
-                self._phase = phase
-                self._recompute(self._clock_ns())
+            if phase == self._phase:
+                return
+            self._phase = phase
+            t = self._clock_ns() if t_ns is None else max(int(t_ns), self._t_last_ns)
+            self._recompute(t)
+        for cb in self._phase_listeners:
+            cb(self, phase, t)
+
+    def on_phase(self, callback: Callable[["SimGpu", Phase, int], None]) -> None:
+        """Call `callback(gpu, phase, t_ns)` after every phase change (to share it with other processes)."""
+        self._phase_listeners.append(callback)
 
     def speed_factor(self, compute_share: float | None = None) -> float:
         """Throughput now relative to the same work at f_max (1.0 = no slowdown)."""

@@ -3,7 +3,10 @@
 Constants and error classes are pynvml's own (the package is a dependency even without a GPU),
 so code written against the real module runs unchanged. Settings a process changes (power
 limits, locked clocks) are kept in a state file shared between processes, so a later
-`powerprof restore --simulate` sees what a killed sweep left behind.
+`powerprof restore --simulate` sees what a killed sweep left behind. A simulated server running
+as its own process (`python -m powerprof.sim.serve`) publishes what its GPUs run (the phase) in
+a load file beside it, and every other SimNVML on that state file follows it: the sweeping
+process then reads the power and energy of the work the launched server does.
 """
 
 from __future__ import annotations
@@ -113,6 +116,41 @@ class _StateFile:
             os.replace(tmp, self.path)
 
 
+class _LoadFile:
+    """The phase each simulated GPU runs, published by the process whose server drives it.
+
+    {uuid: {"kind", "share", "t_ns", "pid"}}, replaced atomically; t_ns is CLOCK_MONOTONIC, which
+    every process on the machine shares, so a follower applies the change at the moment it happened."""
+
+    def __init__(self, state_path: Path):
+        self.path = state_path.with_name(state_path.name + ".load")
+        self._seen: tuple[int, int] | None = self._stamp()  # what was there before us is history
+
+    def _stamp(self) -> tuple[int, int] | None:
+        try:
+            st = self.path.stat()
+        except OSError:
+            return None
+        return st.st_mtime_ns, st.st_ino
+
+    def changes(self) -> dict | None:
+        """The published phases if the file changed since the last look, else None."""
+        stamp = self._stamp()
+        if stamp is None or stamp == self._seen:
+            return None
+        self._seen = stamp
+        try:
+            return json.loads(self.path.read_text())
+        except (OSError, ValueError):
+            return None
+
+    def publish(self, phases: dict) -> None:
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = self.path.with_name(f".{self.path.name}.{os.getpid()}.{threading.get_ident()}.tmp")
+        tmp.write_text(json.dumps(phases))
+        os.replace(tmp, self.path)
+
+
 class SimNVML:
     """Drop-in for the `pynvml` module. `SimNVML(profile="seed-16g", count=2)`."""
 
@@ -152,6 +190,41 @@ class SimNVML:
             )
         self._initialised = 0
         self.simulated = True
+        self._load = _LoadFile(self._state.path) if self._state.path is not None else None
+        self._follow = self._load is not None
+        self._published: dict = {}
+
+    # --- sharing the GPUs' load between processes ---------------------------------------------
+
+    def publish_load(self) -> None:
+        """This process runs the server: publish every phase change of its GPUs (and follow none)."""
+        if self._load is None:
+            raise ValueError("publishing the simulated GPU load needs a state file")
+        self._follow = False
+        pub_lock = threading.Lock()
+
+        def publish(gpu: SimGpu, phase, t_ns: int) -> None:
+            with pub_lock:
+                self._published[gpu.uuid] = {"kind": phase.kind, "share": phase.compute_share, "t_ns": t_ns, "pid": os.getpid()}
+                self._load.publish(dict(self._published))
+
+        for g in self.gpus:
+            g.on_phase(publish)
+
+    def sync_settings(self) -> None:
+        """Pick up limits and locked clocks another process set (a server process polls this)."""
+        self._sync_settings()
+
+    def _follow_load(self) -> None:
+        from .gpu import Phase
+
+        phases = self._load.changes()
+        if not phases:
+            return
+        for g in self.gpus:
+            e = phases.get(g.uuid)
+            if isinstance(e, dict) and e.get("kind") in ("idle", "prefill", "decode"):
+                g.set_phase(Phase(e["kind"], float(e.get("share") or 0.0)), t_ns=int(e.get("t_ns") or 0))
 
     def __getattr__(self, name):
         # Constants (NVML_*, nvmlClocksEventReason*) and error classes come from the real module.
@@ -182,6 +255,8 @@ class SimNVML:
             raise pynvml.NVMLError(pynvml.NVML_ERROR_UNINITIALIZED)
         if not isinstance(handle, SimHandle) or not 0 <= handle.index < len(self.gpus):
             raise pynvml.NVMLError(pynvml.NVML_ERROR_INVALID_ARGUMENT)
+        if self._follow:
+            self._follow_load()
         return self.gpus[handle.index]
 
     def _need_root(self) -> None:

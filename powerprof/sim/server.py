@@ -34,6 +34,7 @@ from aiohttp import web
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
 from . import batching
+from . import knobs
 from .gpu import Phase
 from .nvml import SimNVML
 from .profiles import DEFAULT_PROFILE
@@ -125,11 +126,17 @@ class SimServer:
         vllm_empty_final: bool = True,
         vllm_metrics: str = "current",
         serve_metrics: bool = True,
+        draft_n_max: int | None = None,
         n_ctx: int | None = None,
     ):
         """batching: "serial" (a prefill pauses decoding; one prompt at a time) or "continuous"
         (every step prefills a chunk and decodes every running sequence; records each request's
-        true energy: sim/batching.py)."""
+        true energy: sim/batching.py).
+        decode_tok_s: single-stream speed at the profile's own draft count and a short context;
+        draft_n_max (the server's draft count, 0 for none) and the context change it (sim/knobs.py).
+        n_ctx: context tokens in all (llama.cpp splits them among the slots and refuses a longer
+        prompt; vLLM refuses prompt + max_tokens beyond it with a 400); a generation that reaches the
+        context stops there."""
         if flavour not in ("llamacpp", "vllm"):
             raise ValueError("flavour must be llamacpp or vllm")
         if batching not in ("serial", "continuous"):
@@ -148,9 +155,12 @@ class SimServer:
         self.prefill_tok_s = prefill_tok_s or wl.prefill_tok_s
         self.compute_share = wl.decode_compute_share if compute_share is None else compute_share
         self.batch_growth = wl.batch_compute_growth
-        self.speculative = wl.speculative
-        self.draft_n_max = wl.draft_n_max
-        self.draft_acceptance = wl.draft_acceptance
+        self.workload = wl
+        self.draft_n_max = wl.draft_n_max if draft_n_max is None else int(draft_n_max)
+        self.speculative = wl.speculative and self.draft_n_max > 0
+        # Speed of a plain (draft-free) step at f_max: decode_tok_s is quoted at the profile's own draft.
+        self._plain_tok_s = self.decode_tok_s / knobs.relative_speed(wl, wl.draft_n_max if wl.speculative else 0)
+        self.n_ctx = n_ctx  # context length: llama.cpp (per slot) stops there, vLLM refuses with 400
         self.batching = batching
         self.costs = batching_costs(self)
         self._truth_e: float | None = None
@@ -166,7 +176,6 @@ class SimServer:
         self.stall_every_s = stall_every_s
         self.vllm_empty_final = vllm_empty_final
         self.vllm_metrics = vllm_metrics
-        self.n_ctx = n_ctx  # context length: llama.cpp stops there, vLLM refuses with 400
         self.serve_metrics = serve_metrics  # False: /metrics answers 404 (hidden by a proxy, or an old server)
         self.truth: list[dict] = []  # one dict per finished request, in finishing order
         self.steps: list[tuple[int, int, str, int, int]] = []  # (t0_ns, t1_ns, kind, batch, tokens)
@@ -199,6 +208,8 @@ class SimServer:
                                     buckets=(1, 16, 64, 256, 1024, 4096))
             itl = "vllm:inter_token_latency_seconds" if vllm_metrics == "current" else "vllm:time_per_output_token_seconds"
             self._m_itl = Histogram(itl, "Inter-token latency", registry=self._registry)
+            self._m_drafts = Counter("vllm:spec_decode_num_draft_tokens", "Draft tokens proposed", registry=self._registry)
+            self._m_accepted = Counter("vllm:spec_decode_num_accepted_tokens", "Draft tokens accepted", registry=self._registry)
 
     # --- life cycle ---------------------------------------------------------------------------
 
@@ -287,6 +298,7 @@ class SimServer:
         r.add_get("/metrics", self._metrics)
         r.add_get("/v1/models", self._models)
         r.add_get("/version", self._version)
+        r.add_post("/tokenize", self._tokenize)
         r.add_post("/completion", self._completion)
         r.add_post("/completions", self._completion)
         r.add_post("/v1/completions", self._oai_completions)
@@ -332,11 +344,11 @@ class SimServer:
             g.set_phase(ph)
         return min(g.speed_factor(share) for g in self.gpus)
 
-    def _expected_tokens_per_step(self) -> float:
-        if not self.speculative or self.draft_n_max <= 0:
-            return 1.0
-        a = self.draft_acceptance
-        return float(sum(a**k for k in range(self.draft_n_max + 1)))
+    def _step_time_fmax_s(self, batch: list[_Req]) -> float:
+        """One single-stream decode step at f_max: draft cost and the batch's context (sim/knobs.py)."""
+        d = self.draft_n_max if self.speculative else 0
+        ctx = sum(r.prompt_tokens + r.generated for r in batch)
+        return knobs.step_cost(self.workload, d) / self._plain_tok_s * knobs.context_factor(self.workload, ctx)
 
     async def _engine(self) -> None:
         while True:
@@ -389,7 +401,7 @@ class SimServer:
         b = len(batch)
         c = self.compute_share
         c_b = c * (1.0 + self.batch_growth * (b - 1))
-        t_fmax = self._expected_tokens_per_step() / self.decode_tok_s * ((1.0 - c) + c_b)
+        t_fmax = self._step_time_fmax_s(batch) * ((1.0 - c) + c_b)
         share = c_b / ((1.0 - c) + c_b)
         speed = self._phase("decode", share)
         t0 = time.monotonic_ns()
@@ -402,17 +414,21 @@ class SimServer:
         self._log_step(t0, time.monotonic_ns(), "decode", b, sum(r.generated for r in batch) - before)
 
     def _draw_tokens(self, req: _Req) -> int:
-        """Tokens one decode step gives a sequence: 1, plus accepted drafts when speculative."""
+        """Tokens one decode step gives a sequence: 1, plus accepted drafts when speculative (each
+        draft position accepted with its own, falling probability: sim/knobs.py)."""
         if not (self.speculative and self.draft_n_max > 0):
             return 1
         acc = 0
-        for _ in range(self.draft_n_max):
-            if req.rng.random() < self.draft_acceptance:
+        for a in knobs.acceptance_chain(self.workload, self.draft_n_max):
+            if req.rng.random() < a:
                 acc += 1
             else:
                 break
         req.draft_n += self.draft_n_max
         req.draft_accepted += acc
+        if self.flavour == "vllm":
+            self._m_drafts.inc(self.draft_n_max)
+            self._m_accepted.inc(acc)
         return 1 + acc
 
     async def _continuous_step(self) -> None:
@@ -498,7 +514,7 @@ class SimServer:
         timings["predicted_per_second"] = (
             req.generated / timings["predicted_ms"] * 1e3 if timings["predicted_ms"] > 0 else 0.0
         )
-        if self.speculative and self.draft_n_max > 0:
+        if self.speculative:
             timings["draft_n"] = req.draft_n
             timings["draft_n_accepted"] = req.draft_accepted
         self.truth.append(
@@ -558,7 +574,7 @@ class SimServer:
                 "build_info": "simulated (powerprof)",
                 "model_path": self.model,
                 "total_slots": self.n_slots,
-                "default_generation_settings": {"n_ctx": 4096},
+                "default_generation_settings": {"n_ctx": self.n_ctx // self.n_slots if self.n_ctx else 4096},
                 "simulated": True,
                 "gpu": self.gpus[0].profile.name,
             }
@@ -588,6 +604,35 @@ class SimServer:
         if self.flavour != "vllm":
             raise web.HTTPNotFound()
         return self._json({"version": "simulated"})
+
+    async def _tokenize(self, request: web.Request) -> web.Response:
+        """llama.cpp `/tokenize` ({"content"} → {"tokens"}) or vLLM's ({"prompt"} → {"tokens", "count"})."""
+        body = await self._body(request)
+        if self.flavour == "llamacpp":
+            text = str(body.get("content", ""))
+            special = bool(body.get("add_special", False))
+        else:
+            text = str(body.get("prompt", ""))
+            special = bool(body.get("add_special_tokens", True))
+        n = count_prompt_tokens(text) - (0 if special else 1)
+        ids = [(zlib.crc32(w.encode()) % 32000) for w in _WORD.findall(text)]
+        ids = ([1] if special else []) + ids
+        assert len(ids) == n
+        if self.flavour == "llamacpp":
+            return self._json({"tokens": ids})
+        return self._json({"count": n, "max_model_len": self.n_ctx or 4096, "tokens": ids})
+
+    def _context_refusal(self, prompt: str) -> web.Response | None:
+        """A prompt longer than a slot's context is refused with llama.cpp's error (only with n_ctx set;
+        vLLM's own refusal, which counts max_tokens too, is in _serve)."""
+        if not self.n_ctx or self.flavour != "llamacpp":
+            return None
+        per_slot = self.n_ctx // self.n_slots
+        n = count_prompt_tokens(prompt)
+        if n < per_slot:
+            return None
+        msg = f"the request exceeds the available context size, try increasing it (n_prompt_tokens {n}, n_ctx {per_slot})"
+        return self._json({"error": {"code": 400, "message": msg, "type": "exceed_context_size_error"}}, 400)
 
     async def _body(self, request: web.Request) -> dict:
         try:
@@ -625,6 +670,9 @@ class SimServer:
         fault = self._take_fault()
         if fault is not None and fault.kind == "http_error":
             return self._json({"error": {"code": fault.status, "message": "injected failure", "type": "server_error"}}, fault.status)
+        too_long = self._context_refusal(prompt)
+        if too_long is not None:
+            return too_long
         default_cache = api == "llamacpp"
         if self.n_ctx is not None:
             n_prompt = count_prompt_tokens(prompt)
@@ -632,7 +680,8 @@ class SimServer:
                 msg = (f"This model's maximum context length is {self.n_ctx} tokens. However, you requested "
                        f"{n_prompt + n_predict} tokens ({n_prompt} in the messages, {n_predict} in the completion).")
                 return self._json({"object": "error", "message": msg, "type": "BadRequestError", "code": 400}, 400)
-            n_predict = max(1, min(n_predict, self.n_ctx - n_prompt))
+            ctx = self.n_ctx // self.n_slots if self.flavour == "llamacpp" else self.n_ctx  # llama.cpp: per slot
+            n_predict = max(1, min(n_predict, ctx - n_prompt))
         req = self._submit(
             prompt,
             n_predict,

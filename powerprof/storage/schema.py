@@ -111,6 +111,10 @@ WINDOWS = pa.schema(
         ("server_timing_source", pa.string()),  # llamacpp-timings or vllm-metrics
         ("stream_vs_server_pct", pa.float64()),  # %: stream rate ÷ server rate − 1, when both exist
         ("truncated", pa.string()),  # the generation stopped short of max_tokens at the context length: how 
+        # Appended by configuration sweeps (--vary, --context-tokens); each knob also gets a
+        # knob_<name> column (see KNOB_PREFIX).
+        ("config_id", pa.string()),  # the server configuration: "draft=3,np=2"
+        ("context_tokens", pa.int32()),  # the context length the prompt was built to (--context-tokens)
     ]
 )
 
@@ -158,6 +162,15 @@ LEVELS = pa.schema(
         # Distinct prompts among the measured requests: with fewer prompts than requests, rounds
         # repeat them, and more rounds say more about these prompts only (the wide-ci advice).
         ("n_prompts", pa.int32()),
+        # Appended by configuration sweeps (--vary, --context-tokens), with a knob_<name> column per knob.
+        ("config_id", pa.string()),
+        ("config_status", pa.string()),  # ok | out-of-memory | failed-to-start | failed
+        ("config_error", pa.string()),  # why a configuration was not measured: the message and the server log's tail
+        ("context_tokens", pa.int32()),
+        ("draft_n", pa.int64()),  # draft tokens proposed over the level's measured requests
+        ("draft_n_accepted", pa.int64()),
+        ("draft_acceptance", pa.float64()),  # draft_n_accepted / draft_n
+        ("draft_source", pa.string()),  # timings (llama.cpp, per request) | metrics (vLLM counters, whole config)
     ]
 )
 
@@ -293,6 +306,28 @@ DAEMON_TABLES = {
 }
 TABLES.update({"daemon_requests": DAEMON_REQUESTS, "daemon_intervals": DAEMON_INTERVALS, "daemon_tags": DAEMON_TAGS,
                "daemon_costs": DAEMON_COSTS})
+
+
+KNOB_PREFIX = "knob_"  # a configuration sweep's knobs: one column each, named by the user (--vary draft=... → knob_draft)
+
+
+def with_knob_columns(table: pa.Table, rows) -> pa.Table:
+    """Append a column for every knob_* key the rows carry: int64 when every value is an integer,
+    float64 when every value is a number, string otherwise."""
+    rows = list(rows)
+    names = sorted({k for r in rows for k in r if k.startswith(KNOB_PREFIX)})
+    for name in names:
+        vals = [r.get(name) for r in rows]
+        present = [v for v in vals if v is not None]
+        if all(isinstance(v, int) and not isinstance(v, bool) for v in present):
+            typ = pa.int64()
+        elif all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in present):
+            typ = pa.float64()
+        else:
+            typ = pa.string()
+            vals = [None if v is None else str(v) for v in vals]
+        table = table.append_column(pa.field(name, typ), pa.array(vals, typ))
+    return table
 
 
 def rows_to_table(schema: pa.Schema, rows, fill: dict | None = None) -> pa.Table:

@@ -1,0 +1,353 @@
+"""Configuration sweeps: launch the server once per combination of its knobs, measure it at each context length and level.
+
+    sweep --launch "llama-server ... --spec-draft-n-max {draft} -np {np}" --server URL \\
+          --vary draft=1,2,3,4,5 --vary np=1,2,4 [--context-tokens 512,8k] [--limits 220,300]
+
+For each configuration (the cross product of the --vary values, in the order given): render the
+template, launch, wait for health, then for each context length run a `Sweep` over the levels
+(launch once, step the levels), stop the server. A configuration that fails to start (out of
+memory, a bad flag, no health) is recorded with its log tail and the grid goes on; so is one
+whose measurement fails. One run directory holds the grid: every windows and levels row carries
+`config_id`, `context_tokens` and a `knob_<name>` column per knob.
+"""
+
+from __future__ import annotations
+
+import itertools
+import re
+from dataclasses import dataclass, field
+from pathlib import Path
+
+OOM_PATTERN = re.compile(r"out of memory|cudaMalloc failed|\bOOM\b|CUDA_ERROR_OUT_OF_MEMORY|OutOfMemoryError", re.I)
+_FIELD = re.compile(r"\{([A-Za-z_]\w*)\}")
+
+
+@dataclass(frozen=True)
+class Knob:
+    name: str
+    values: tuple  # int, float or str each, as typed on the command line
+
+
+def _typed(text: str):
+    for cast in (int, float):
+        try:
+            return cast(text)
+        except ValueError:
+            pass
+    return text
+
+
+def parse_vary(specs) -> list[Knob]:
+    """["draft=1,2,3", "np=1,2,4"] → knobs. ValueError with a one-line reason on bad input."""
+    knobs: list[Knob] = []
+    for spec in specs:
+        name, sep, vals = spec.partition("=")
+        name = name.strip()
+        if not sep or not re.fullmatch(r"[A-Za-z_]\w*", name):
+            raise ValueError(f"--vary {spec!r}: write NAME=V1,V2,... with NAME a word (letters, digits, _)")
+        values = tuple(_typed(v.strip()) for v in vals.split(",") if v.strip())
+        if not values:
+            raise ValueError(f"--vary {spec!r}: no values")
+        if len(set(values)) != len(values):
+            raise ValueError(f"--vary {spec!r}: a value repeats")
+        if any(k.name == name for k in knobs):
+            raise ValueError(f"--vary {name} given twice")
+        knobs.append(Knob(name, values))
+    return knobs
+
+
+def template_fields(template: str) -> set[str]:
+    """The {name} placeholders of a launch template (JSON braces such as {"method": ...} are not placeholders)."""
+    return set(_FIELD.findall(template))
+
+
+def check_template(template: str, knobs: list[Knob]) -> None:
+    names = {k.name for k in knobs}
+    unknown = template_fields(template) - names
+    if unknown:
+        raise ValueError(f"--launch names {', '.join('{' + u + '}' for u in sorted(unknown))}, which no --vary gives")
+    unused = names - template_fields(template)
+    if unused:
+        raise ValueError(f"--vary {', '.join(sorted(unused))}: the --launch template has no "
+                         + ", ".join("{" + u + "}" for u in sorted(unused)))
+
+
+def render(template: str, config: dict) -> str:
+    return _FIELD.sub(lambda m: str(config[m.group(1)]) if m.group(1) in config else m.group(0), template)
+
+
+def configurations(knobs: list[Knob]) -> list[dict]:
+    """Every combination, the first knob varying slowest."""
+    return [dict(zip([k.name for k in knobs], combo)) for combo in itertools.product(*[k.values for k in knobs])] or [{}]
+
+
+def config_id(config: dict) -> str:
+    return ",".join(f"{k}={v}" for k, v in config.items()) or "as-launched"
+
+
+def launch_status(message: str) -> str:
+    """out-of-memory when the server's words say so, else failed-to-start."""
+    return "out-of-memory" if OOM_PATTERN.search(message) else "failed-to-start"
+
+
+@dataclass(frozen=True)
+class GridSpec:
+    """What varies: the knobs of the launch template and the context lengths (tokens; empty: the prompt set)."""
+
+    template: str | None
+    knobs: tuple[Knob, ...] = ()
+    contexts: tuple[int, ...] = ()
+
+    def __post_init__(self):
+        if self.knobs and not self.template:
+            raise ValueError("--vary needs --launch: a template whose {name} placeholders take the values")
+        if self.template and self.knobs:
+            check_template(self.template, list(self.knobs))
+
+    @property
+    def configs(self) -> list[dict]:
+        return configurations(list(self.knobs))
+
+    def plan_lines(self) -> list[str]:
+        out = [f"{len(self.configs)} configuration(s) × {max(len(self.contexts), 1)} context length(s):"]
+        for c in self.configs:
+            out.append(f"  {config_id(c)}: " + (render(self.template, c) if self.template else "(the given server)"))
+        if self.contexts:
+            out.append("  context tokens: " + ", ".join(str(n) for n in self.contexts))
+        return out
+
+
+@dataclass
+class ConfigRecord:
+    """What happened to one configuration (and context length)."""
+
+    config: dict
+    context_tokens: int | None
+    status: str  # ok | out-of-memory | failed-to-start | failed
+    error: str | None = None
+    command: str | None = None
+    log_path: str | None = None
+    prompt_tokens: int | None = None
+    counted_by: str | None = None
+    spec_metrics: tuple[float, float] | None = None  # vLLM counters' difference over the configuration
+
+    @property
+    def config_id(self) -> str:
+        return config_id(self.config)
+
+    def columns(self) -> dict:
+        from powerprof.storage.schema import KNOB_PREFIX
+
+        return {"config_id": self.config_id, "context_tokens": self.context_tokens,
+                **{KNOB_PREFIX + k: v for k, v in self.config.items()}}
+
+    def to_dict(self) -> dict:
+        return {"config_id": self.config_id, "config": self.config, "context_tokens": self.context_tokens,
+                "status": self.status, "error": self.error, "command": self.command, "log": self.log_path,
+                "prompt_tokens": self.prompt_tokens, "counted_by": self.counted_by}
+
+
+def spec_columns(rows: list[dict], metrics: tuple[float, float] | None) -> dict:
+    """draft_n, draft_n_accepted, draft_acceptance and their source for a level's measured windows."""
+    d = [r["draft_n"] for r in rows if r.get("draft_n") is not None]
+    a = [r["draft_n_accepted"] for r in rows if r.get("draft_n_accepted") is not None]
+    if d and sum(d) > 0:
+        return {"draft_n": int(sum(d)), "draft_n_accepted": int(sum(a)), "draft_acceptance": sum(a) / sum(d),
+                "draft_source": "timings"}
+    if metrics is not None and metrics[0] > 0:
+        return {"draft_n": int(metrics[0]), "draft_n_accepted": int(metrics[1]),
+                "draft_acceptance": metrics[1] / metrics[0], "draft_source": "metrics"}
+    return {}
+
+
+class _GridWriter:
+    """Handed to each Sweep as its writer: its per-level flushes rewrite the whole grid's tables."""
+
+    def __init__(self, grid: "GridRun", sweep_ref: list):
+        self.grid = grid
+        self.sweep_ref = sweep_ref
+
+    def write(self, name, table) -> None:
+        pass  # the grid writes every table once per flush, from all sweeps
+
+    def write_json(self, **extra) -> None:
+        self.grid.flush(current=self.sweep_ref[0] if self.sweep_ref else None)
+
+
+@dataclass
+class GridRun:
+    """Runs the grid on an open rig, profiler, controller and timeline (see sweep.run_sweep)."""
+
+    spec: GridSpec
+    settings: object  # SweepSettings
+    rig: object
+    url: str
+    api: str | None
+    prompts: list
+    params: object
+    profiler: object
+    controller: object | None
+    timeline: object
+    writer: object  # RunWriter
+    run_id: str
+    reference_value: float | None
+    ui: object | None
+    launch_timeout_s: float = 300.0
+    records: list[ConfigRecord] = field(default_factory=list)
+    done: list = field(default_factory=list)  # (ConfigRecord, Sweep) measured
+    idle_power_w: float | None = None
+    _finished_levels: dict = field(default_factory=dict)  # id(Sweep) → its levels rows (bootstraps are not free)
+
+    def run(self) -> None:
+        configs = self.spec.configs
+        for i, cfg in enumerate(configs):
+            self._note(f"configuration {i + 1}/{len(configs)}: {config_id(cfg)}")
+            self._run_config(cfg)
+            self.flush()
+
+    def _note(self, text: str) -> None:
+        if self.ui is not None:
+            self.ui.note(text)
+
+    def _run_config(self, cfg: dict) -> None:
+        import contextlib
+
+        from powerprof.workload.launcher import LaunchError, tail
+
+        cmd = render(self.spec.template, cfg) if self.spec.template else None
+        log = None
+        if cmd:
+            logs = Path(self.writer.path) / "server-logs"
+            logs.mkdir(exist_ok=True)
+            log = logs / (re.sub(r"[^\w=.,-]", "_", config_id(cfg)) + ".log")
+        contexts = list(self.spec.contexts) or [None]
+        try:
+            server_cm = self.rig.server(self.url, cmd, launch_timeout_s=self.launch_timeout_s, log_path=log)
+            url = server_cm.__enter__()
+        except LaunchError as e:
+            status = launch_status(str(e))
+            self._note(f"  {config_id(cfg)}: {status}")
+            for ctx in contexts:
+                self.records.append(ConfigRecord(cfg, ctx, status, str(e), cmd, str(log) if log else None))
+            return
+        with contextlib.ExitStack() as stack:
+            stack.push(server_cm.__exit__)
+            for ctx in contexts:
+                rec = ConfigRecord(cfg, ctx, "ok", None, cmd, str(log) if log else None)
+                self.records.append(rec)
+                self._measure(rec, url)
+                if rec.status != "ok" and log is not None:
+                    rec.error = (rec.error or "") + f"\nlast lines of {log}:\n{tail(log)}"
+
+    def _measure(self, rec: ConfigRecord, url: str) -> None:
+        from powerprof.sweep import Sweep, SweepError
+        from powerprof.workload.client import ServerUnreachable
+        from powerprof.workload.context import TokenizeError, context_prompt
+        from powerprof.workload.load import detect
+        from powerprof.workload.specdecode import spec_decode_counts
+
+        try:
+            server = detect(url, self.api)
+            prompts = self.prompts
+            if rec.context_tokens is not None:
+                cp = context_prompt(server, rec.context_tokens)
+                prompts, rec.prompt_tokens, rec.counted_by = [cp.prompt], cp.tokens, cp.counted_by
+        except (ServerUnreachable, TokenizeError, OSError) as e:
+            rec.status, rec.error = "failed", str(e)
+            return
+        ref: list = []
+        sweep = Sweep(
+            self.settings, profiler=self.profiler, controller=self.controller, server=server, prompts=prompts,
+            params=self.params, writer=_GridWriter(self, ref), timeline=self.timeline, run_id=self.run_id,
+            reference_value=self.reference_value, ui=self.ui, row_extras=rec.columns(),
+        )
+        ref.append((rec, sweep))
+        if self.done or self.idle_power_w is not None:
+            # One idle baseline for the grid: the GPU idles the same whichever server is loaded.
+            sweep.s = _without_idle(self.settings)
+            sweep.idle_power_w = self.idle_power_w
+        before = spec_decode_counts(url) if server.kind == "vllm" else None
+        try:
+            sweep.run()
+        except SweepError as e:
+            rec.status, rec.error = "failed", str(e)
+        finally:
+            after = spec_decode_counts(url) if before is not None else None
+            if before is not None and after is not None:
+                rec.spec_metrics = (after[0] - before[0], after[1] - before[1])
+            if self.idle_power_w is None:
+                self.idle_power_w = sweep.idle_power_w
+            self.done.append((rec, sweep))
+
+    # --- the run directory ------------------------------------------------------------------
+
+    def windows_rows(self, current=None) -> list[dict]:
+        pairs = list(self.done) + ([current] if current is not None and current not in self.done else [])
+        return [r for _, sw in pairs for r in sw.rows]
+
+    def _sweep_levels(self, rec: ConfigRecord, sw) -> list[dict]:
+        rows = []
+        for row in sw.levels_table().to_pylist():
+            at = [r for r in sw.rows if sw._counts(r) and r["level_value"] == row["level_value"]
+                  and r["level_kind"] == row["level_kind"]]
+            row.update(rec.columns(), config_status=rec.status, config_error=rec.error,
+                       **spec_columns(at, rec.spec_metrics))
+            rows.append(row)
+        return rows
+
+    def levels_rows(self, current=None) -> list[dict]:
+        pairs = list(self.done) + ([current] if current is not None and current not in self.done else [])
+        out = []
+        for rec, sw in pairs:
+            finished = (rec, sw) in self.done
+            if finished and id(sw) not in self._finished_levels:
+                self._finished_levels[id(sw)] = self._sweep_levels(rec, sw)  # a finished sweep's rows never change
+            out.extend(self._finished_levels[id(sw)] if finished else self._sweep_levels(rec, sw))
+            if not sw.rows or rec.status != "ok":
+                if not any(r.get("config_id") == rec.config_id and r.get("context_tokens") == rec.context_tokens for r in out):
+                    out.append({"run_id": self.run_id, **rec.columns(), "config_status": rec.status, "config_error": rec.error})
+        measured = {id(rec) for rec, _ in pairs}
+        for rec in self.records:
+            if id(rec) not in measured and rec.status != "ok":
+                out.append({"run_id": self.run_id, "level_kind": None, **rec.columns(), "config_status": rec.status,
+                            "config_error": rec.error})
+        return out
+
+    def flush(self, current=None) -> None:
+        from powerprof.storage.schema import LEVELS, WINDOWS, rows_to_table, with_knob_columns
+
+        w = self.windows_rows(current)
+        lv = self.levels_rows(current)
+        self.writer.write("windows", with_knob_columns(rows_to_table(WINDOWS, w), w))
+        self.writer.write("samples", self.timeline.to_table())
+        self.writer.write("levels", with_knob_columns(rows_to_table(LEVELS, lv), lv))
+        self.writer.write_json(idle_gpu_power_w=self.idle_power_w, configs=[r.to_dict() for r in self.records])
+
+    def levels_table(self):
+        from powerprof.storage.schema import LEVELS, rows_to_table, with_knob_columns
+
+        lv = self.levels_rows()
+        return with_knob_columns(rows_to_table(LEVELS, lv), lv)
+
+
+def run_grid(rig, spec: GridSpec, *, url: str, api: str | None = None, prompts=None, params=None,
+             launch_timeout_s: float = 300.0, **sweep_kw):
+    """`powerprof sweep --vary/--context-tokens`: `run_sweep` with a GridRun as its runner."""
+    from functools import partial
+
+    from powerprof.sweep import run_sweep
+    from powerprof.workload.client import RequestParams
+    from powerprof.workload.load import builtin_prompts
+
+    prompts = prompts or builtin_prompts("short")
+    params = params or RequestParams()
+    runner = partial(GridRun, spec=spec, rig=rig, url=url, api=api, prompts=prompts, params=params,
+                     launch_timeout_s=launch_timeout_s)
+    return run_sweep(rig, url=url, launch=spec.template, api=api, prompts=prompts, params=params,
+                     launch_timeout_s=launch_timeout_s, runner=runner, plan_lines=spec.plan_lines(), **sweep_kw)
+
+
+def _without_idle(settings):
+    from dataclasses import replace
+
+    return replace(settings, idle_s=0.0)

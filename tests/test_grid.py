@@ -1,0 +1,124 @@
+"""Configuration sweeps: knobs through a launch template, crossed with levels; what did not fit is recorded."""
+
+from __future__ import annotations
+
+import json
+import socket
+import sys
+import time
+
+import pyarrow.parquet as pq
+import pytest
+
+from powerprof.analysis.report import analyze_run
+from powerprof.grid import GridSpec, launch_status, parse_vary, render, run_grid
+from powerprof.rig import Rig
+from powerprof.workload.client import RequestParams
+from powerprof.workload.context import parse_context_tokens
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_vary_and_template_parse_and_refuse_bad_input():
+    knobs = parse_vary(["draft=1,2,3", "np=1,4", "kv=q8_0,f16"])
+    assert [k.values for k in knobs] == [(1, 2, 3), (1, 4), ("q8_0", "f16")]
+    spec = GridSpec("srv --n {draft} -np {np} --spec '{\"k\": {draft}}' -ctk {kv}", tuple(knobs))
+    assert len(spec.configs) == 12 and spec.configs[0] == {"draft": 1, "np": 1, "kv": "q8_0"}
+    assert render(spec.template, spec.configs[-1]) == "srv --n 3 -np 4 --spec '{\"k\": 3}' -ctk f16"
+    for bad, why in ((["draft"], "NAME=V1"), (["draft=1,1"], "repeats"), (["d=1", "d=2"], "twice")):
+        with pytest.raises(ValueError, match=why):
+            parse_vary(bad)
+    with pytest.raises(ValueError, match=r"\{np\}, which no --vary"):
+        GridSpec("srv {draft} {np}", tuple(parse_vary(["draft=1"])))
+    with pytest.raises(ValueError, match=r"no \{np\}"):
+        GridSpec("srv {draft}", tuple(parse_vary(["draft=1", "np=2"])))
+    with pytest.raises(ValueError, match="needs --launch"):
+        GridSpec(None, tuple(parse_vary(["draft=1"])))
+    assert parse_context_tokens("512,8k,128K") == [512, 8192, 131072]
+    with pytest.raises(ValueError):
+        parse_context_tokens("512,lots")
+    assert launch_status("cudaMalloc failed: out of memory") == "out-of-memory"
+    assert launch_status("error: invalid argument: x") == "failed-to-start"
+
+
+def _sim_template(port: int, decode_tok_s: float = 2000, extra: str = "") -> str:
+    return (f"{sys.executable} -m powerprof.sim.serve --profile seed-16g --port {port} --decode-tok-s {decode_tok_s} "
+            f"{extra} " "--draft {draft} -np {np}")
+
+
+FAST = dict(idle_s=0.5, min_requests=3, max_requests=6, warmup_requests=1, target_ci=0.5, max_time_s=20, settle_timeout_s=2)
+
+
+@pytest.mark.slow  # 20 server launches: about a minute here, longer on a loaded machine
+def test_seed_card_grid_reproduces_the_seed_then_finds_the_power_sweet_spot(tmp_path):
+    """Acceptance: draft 1-5 x np 1-4 on the simulated seed card: draft 3 fastest for one stream,
+    draft 5 at np 4 rejected as not fitting; the J/token-optimal configuration, then its sweet-spot limit."""
+    port = _free_port()
+    spec = GridSpec(_sim_template(port, decode_tok_s=600), tuple(parse_vary(["draft=1,2,3,4,5", "np=1,2,3,4"])))
+    t0 = time.monotonic()
+    with Rig("seed-16g") as rig:
+        out = run_grid(rig, spec, url=f"http://127.0.0.1:{port}", levels_spec="220,300", level_kind="power_limit",
+                       out_dir=tmp_path / "run", params=RequestParams(max_tokens=128), **FAST)
+        limit_after = rig.nvml.nvmlDeviceGetPowerManagementLimit(rig.nvml.nvmlDeviceGetHandleByIndex(0))
+    elapsed = time.monotonic() - t0
+    assert limit_after == 300_000  # the GPU is back at its original limit
+    lv = pq.read_table(tmp_path / "run" / "levels.parquet").to_pylist()
+    status = {r["config_id"]: r["config_status"] for r in lv}
+    assert len(status) == 20
+    assert {c for c, s in status.items() if s != "ok"} == {"draft=5,np=4"}
+    oom = next(r for r in lv if r["config_id"] == "draft=5,np=4")
+    assert oom["config_status"] == "out-of-memory" and "RS buffer" in oom["config_error"]
+    # One stream (concurrency 1) at the full limit: the slots do not matter, the draft count does.
+    top = [r for r in lv if r["config_status"] == "ok" and r["level_value"] == 300]
+    by_draft = {d: sum(r["decode_tok_s"] for r in top if r["knob_draft"] == d) / len([r for r in top if r["knob_draft"] == d])
+                for d in range(1, 6)}
+    assert max(by_draft, key=by_draft.get) == 3, by_draft
+    acc = {d: [r["draft_acceptance"] for r in top if r["knob_draft"] == d] for d in (1, 5)}
+    assert min(acc[1]) > max(acc[5])  # acceptance falls with the draft count
+    assert all(r["draft_source"] == "timings" for r in top)
+    win = pq.read_table(tmp_path / "run" / "windows.parquet")
+    assert {"knob_draft", "knob_np", "config_id"} <= set(win.column_names)
+    run = json.loads((tmp_path / "run" / "run.json").read_text())
+    assert len(run["configs"]) == 20 and run["configs"][-1]["status"] == "out-of-memory"
+
+    res = analyze_run([tmp_path / "run"], max_slowdown=0.10)
+    chosen = res.knobs.chosen
+    # J/token-optimal: the least J/token at the reference level. Drafts 2-4 lie within a few percent
+    # (the analysis warns they are not distinguishable); drafts 1 and 5 are clearly worse.
+    assert chosen.j_per_token == min(r["gpu_j_per_token"] for r in top)
+    j_by_draft = {d: sum(r["gpu_j_per_token"] for r in top if r["knob_draft"] == d) for d in range(1, 6)}
+    assert j_by_draft[3] / 4 < min(j_by_draft[1] / 4, j_by_draft[5] / 3)
+    rec = res.recommendation
+    assert rec.level_value == 220  # the seed's sweet spot on its chosen configuration
+    assert any(w.kind == "config-not-measured" and "draft=5,np=4" in w.message for w in res.warnings)
+    md = (tmp_path / "run" / "analysis" / "report.md").read_text()
+    assert "## Configurations" in md and "config_heatmap.png" in md and "out-of-memory" in md
+    print(f"grid of 20 configurations x 2 levels in {elapsed:.0f} s")
+
+
+def test_failed_configuration_does_not_stop_the_grid_and_no_levels_needs_no_controller(tmp_path):
+    port = _free_port()
+    spec = GridSpec(_sim_template(port, decode_tok_s=300, extra="--prefill-tok-s 1e6 -c 65536"), tuple(parse_vary(["draft=3,bad", "np=1"])),
+                    (64, 32 * 1024))
+    with Rig("seed-16g") as rig:
+        out = run_grid(rig, spec, url=f"http://127.0.0.1:{port}", levels_spec="", level_kind="none",
+                       out_dir=tmp_path / "run", params=RequestParams(max_tokens=64), **FAST)
+    lv = out.levels.to_pylist()
+    ok = [r for r in lv if r["config_status"] == "ok"]
+    assert sorted(r["context_tokens"] for r in ok) == [64, 32 * 1024]
+    assert all(r["level_kind"] == "none" and r["level_value"] is None for r in ok)
+    bad = [r for r in lv if r["config_id"] == "draft=bad,np=1"]
+    assert bad and all(r["config_status"] == "failed-to-start" and "invalid int value" in r["config_error"] for r in bad)
+    win = pq.read_table(tmp_path / "run" / "windows.parquet").to_pylist()
+    measured = [w for w in win if not w["warmup"] and w["status"] == "ok"]
+    # Prompts built to the context length by the server's /tokenize: the server counted them so.
+    for ctx in (64, 32 * 1024):
+        n = {w["prompt_tokens"] for w in measured if w["context_tokens"] == ctx}
+        assert n and all(abs(x - ctx) <= max(2, 0.02 * ctx) for x in n), (ctx, n)
+    rates = {ctx: sorted(w["decode_tok_s"] for w in measured if w["context_tokens"] == ctx) for ctx in (64, 32 * 1024)}
+    # 32K context: every step reads (1 + 32K/160K) of the weights' bytes, so about 17% slower.
+    assert rates[32 * 1024][len(rates[32 * 1024]) // 2] < 0.93 * rates[64][len(rates[64]) // 2]
