@@ -198,6 +198,13 @@ class GridRun:
     idle_power_w: float | None = None
     _finished_levels: dict = field(default_factory=dict)  # id(Sweep) → its levels rows (bootstraps are not free)
 
+    def excluded(self):
+        """Measured windows of every configuration that the figures left out (untrusted timing); None if none."""
+        from powerprof.workload.measure import excluded_windows
+
+        kind = "request" if self.settings.concurrency == 1 else "batch"
+        return excluded_windows([r for _, sw in self.done for r in sw.rows], counted_kind=lambda r: kind)
+
     def run(self) -> None:
         configs = self.spec.configs
         for i, cfg in enumerate(configs):

@@ -101,6 +101,10 @@ def stop_reason(j_per_token: np.ndarray, elapsed_s: float, s: SweepSettings, lev
     return None
 
 
+def _level_name(visit) -> str:
+    return "the settings as they are" if visit.level_value is None else f"level {visit.level_value:g}"
+
+
 class SweepError(RuntimeError):
     """The sweep could not run or had to stop; the message says why. Limits are restored."""
 
@@ -293,7 +297,7 @@ class Sweep:
             except LoadAborted as e:
                 self._add_rows(visit, e.records)
                 self.flush()
-                raise SweepError(f"level {visit.level_value:g}: {e}") from None
+                raise SweepError(f"{_level_name(visit)}: {e}") from None
             warmup = 0
             attempted += self.s.concurrency
             for row in self._add_rows(visit, recs):
@@ -309,7 +313,7 @@ class Sweep:
             if visit.n_measured == 0 and visit.n_untrusted >= self.s.min_requests:
                 ex = self.excluded()
                 self.flush()
-                raise SweepError(f"level {visit.level_value:g}: no window could be trusted: {ex.message() if ex else ''}")
+                raise SweepError(f"{_level_name(visit)}: no window could be trusted: {ex.message() if ex else ''}")
             visit.stop = stop_reason(np.asarray(jpt, dtype=float), visit.elapsed_s, self.s, visit.level_value) or self._paired_stop(visit)
             if visit.stop is None and attempted >= self.s.max_requests:
                 visit.stop = "max-requests"  # untrusted windows count against the budget too
@@ -323,8 +327,10 @@ class Sweep:
         this pass) is known to ±target_paired_ci, paired by prompt (analysis.stats)."""
         from powerprof.analysis.stats import choose_reference, paired_saving_halfwidth
 
+        if self.s.target_paired_ci is None or len(self.s.levels) < 2 or visit.level_value is None:
+            return None  # no target, or nothing to compare with (one level, or the settings as they are)
         ref = self.s.levels[choose_reference(self.s.levels, self.reference_value)]  # as the analysis picks it
-        if self.s.target_paired_ci is None or ref is None or float(visit.level_value) == float(ref):
+        if ref is None or float(visit.level_value) == float(ref):
             return None
         if visit.n_measured < self.s.min_requests:
             return None
