@@ -348,6 +348,19 @@ def measure(url, simulate, out_dir, n_requests, concurrency, warmup, launch, api
         click.echo(f"warning: {res.excluded.message()}", err=True)
 
 
+def _load_trace(trace_path, time_scale, duration_s):
+    """The trace's requests, scaled and cut to --duration; a usage error when none is left."""
+    from powerprof.workload.trace import TraceError, read_trace, shape
+
+    try:
+        trace = shape(read_trace(trace_path), time_scale, duration_s)
+    except TraceError as e:
+        raise click.UsageError(str(e)) from None
+    if not trace:
+        raise click.UsageError(f"no request of {trace_path} arrives within --duration {duration_s:g} s")
+    return trace
+
+
 @main.command()
 @click.argument("trace_path", metavar="TRACE", type=click.Path(dir_okay=False))
 @click.option("--server", "url", metavar="URL", help="Inference server base URL.")
@@ -371,16 +384,10 @@ def replay(trace_path, url, simulate, launch, api, time_scale, duration_s, tag_h
     from powerprof.workload.client import RequestParams, ServerUnreachable, detect_server
     from powerprof.workload.launcher import LaunchError
     from powerprof.workload.replay import replay_async, summarize
-    from powerprof.workload.trace import TraceError, read_trace, shape
 
     if bool(url) == bool(simulate):
         raise click.UsageError("give exactly one of --server URL or --simulate")
-    try:
-        trace = shape(read_trace(trace_path), time_scale, duration_s)
-    except TraceError as e:
-        raise click.UsageError(str(e)) from None
-    if not trace:
-        raise click.UsageError(f"no request of {trace_path} arrives within --duration {duration_s:g} s")
+    trace = _load_trace(trace_path, time_scale, duration_s)
 
     async def go(base):
         async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0)) as s:
@@ -687,14 +694,8 @@ def _trace_sweep(trace_path, time_scale, duration_s, limits, clocks, url, launch
     from powerprof.sweep import SweepError, run_trace_sweep
     from powerprof.workload.client import ServerUnreachable
     from powerprof.workload.launcher import LaunchError
-    from powerprof.workload.trace import TraceError, read_trace, shape
 
-    try:
-        trace = shape(read_trace(trace_path), time_scale, duration_s)
-    except TraceError as e:
-        raise click.UsageError(str(e)) from None
-    if not trace:
-        raise click.UsageError(f"no request of {trace_path} arrives within --duration {duration_s:g} s")
+    trace = _load_trace(trace_path, time_scale, duration_s)
     unit = "W" if limits else "MHz"
 
     def f(v, spec):
