@@ -521,12 +521,15 @@ def export(src, fmt, time_from, time_to, columns, tz, out):
     from powerprof.analysis.export import ExportError, export as run_export
 
     cols = [c.strip() for c in columns.split(",") if c.strip()] if columns else None
+    notes: list[str] = []
     try:
-        paths = run_export(list(src), fmt, out, time_from, time_to, cols, tz)
+        paths = run_export(list(src), fmt, out, time_from, time_to, cols, tz, notes=notes)
     except ExportError as e:
         raise click.ClickException(str(e)) from None
     for p in paths:
         click.echo(str(p))
+    for n in notes:
+        click.echo(f"note: {n}", err=True)
 
 
 # --- sweep -------------------------------------------------------------------------------------

@@ -178,3 +178,23 @@ def test_cli_export_prints_the_files(run, tmp_path):
     assert r.exit_code == 0, r.output
     assert "windows.parquet" in r.output
     assert pq.read_table(tmp_path / "p" / "windows.parquet").column_names == ["level_value", "decode_tok_s"]
+
+
+def test_from_to_says_which_tables_it_cannot_filter(tmp_path):
+    # levels and analysis hold whole-run figures: a time selection must not pass them off as its own.
+    from click.testing import CliRunner
+
+    from powerprof.cli import main
+
+    run = make_run(tmp_path / "run", seed_truth())
+    r = CliRunner().invoke(main, ["export", str(run), "--format", "csv", "--out", str(tmp_path / "csv"),
+                                  "--from", "2030-01-01T00:00:00+00:00"])
+    assert r.exit_code == 0, r.output
+    assert "cannot filter levels" in r.output and "whole-run figures" in r.output
+    x = CliRunner().invoke(main, ["export", str(run), "--format", "xlsx", "--out", str(tmp_path / "r.xlsx"),
+                                  "--from", "2030-01-01T00:00:00+00:00"])
+    assert x.exit_code == 0, x.output
+    import openpyxl
+
+    summary = {row[0]: row[1] for row in openpyxl.load_workbook(tmp_path / "r.xlsx")["summary"].iter_rows(values_only=True)}
+    assert "whole-run figures" in str(summary.get("not filtered by --from/--to"))

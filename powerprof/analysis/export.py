@@ -275,11 +275,13 @@ def _plan(sources: list[Source], columns: list[str] | None) -> dict[str, list[st
 
 
 def export(src, fmt: str, out=None, time_from: str | None = None, time_to: str | None = None,
-           columns: list[str] | None = None, tz: str | None = None, batch_rows: int = BATCH_ROWS) -> list[Path]:
+           columns: list[str] | None = None, tz: str | None = None, batch_rows: int = BATCH_ROWS,
+           notes: list[str] | None = None) -> list[Path]:
     """Export every table of `src` in `fmt`; returns the files written. Raises ExportError on bad input.
 
     src: one source or several (paths, globs, URIs); tables of the same name are exported as one
-    (daemon datasets of several nodes: their rows carry `host`)."""
+    (daemon datasets of several nodes: their rows carry `host`). `notes` (when given) receives what
+    the reader must know, e.g. tables that --from/--to cannot filter."""
     if fmt not in FORMATS:
         raise ExportError(f"unknown format {fmt!r}; choose one of: {', '.join(FORMATS)}")
     tz = tz or local_tz_name()
@@ -291,10 +293,16 @@ def export(src, fmt: str, out=None, time_from: str | None = None, time_to: str |
     sources = union_sources([find_sources(s) for s in srcs])
     plan = _plan(sources, columns)
     sources = [s for s in sources if s.name in plan]
+    whole = sorted(s.name for s in sources if (t_from or t_to) and time_column(s.dataset.schema) is None)
+    note = (f"--from/--to cannot filter {', '.join(whole)}: they have no time column and hold whole-run "
+            "figures (every level), not figures of the selected time") if whole else None
+    if note and notes is not None:
+        notes.append(note)
     if len(srcs) == 1 and not is_uri(srcs[0]):
         src_path = Path(srcs[0])
         default_stem = src_path.stem if src_path.is_file() else src_path.resolve().name
     else:
+        src_path = Path(str(srcs[0]))  # several sources: the summary's run details come from the first
         default_stem = "export"
     out = Path(out) if out is not None else Path.cwd() / (default_stem + (".xlsx" if fmt == "xlsx" else f"-{fmt}"))
     if any(not is_uri(s) and out.resolve() == Path(s).resolve() for s in srcs):
@@ -309,7 +317,8 @@ def export(src, fmt: str, out=None, time_from: str | None = None, time_to: str |
             if n > XLSX_MAX_ROWS:
                 raise ExportError(f"table {s.name} has {n} rows in the selection; a sheet holds {XLSX_MAX_ROWS}. "
                                   "Narrow it with --from/--to or --columns, or export csv or parquet.")
-        return [_write_xlsx(scans, out, tz, summary_rows(src_path, tz, time_from, time_to))]
+        summary = summary_rows(src_path, tz, time_from, time_to) + ([("not filtered by --from/--to", note)] if note else [])
+        return [_write_xlsx(scans, out, tz, summary)]
     single = len(sources) == 1 and out.suffix == f".{fmt}"
     if not single:
         out.mkdir(parents=True, exist_ok=True)
