@@ -44,6 +44,7 @@ class Outcome:
     wall_s: float
     late_p95_s: float
     notes: list = field(default_factory=list)
+    truth: dict = field(default_factory=dict)  # the simulator's record per truth key (prefill span, emissions)
 
 
 def _read(data: Path, name: str) -> pd.DataFrame:
@@ -121,7 +122,7 @@ def run(trace: list[TraceRequest], bypass: set[int] = frozenset(), profile: str 
         requests=reqs, intervals=intervals, costs=costs, measured_j=measured, bypass_truth_j=bypass_truth,
         unproxied_j=float(intervals["unproxied_energy_j"].sum()),
         client_tokens=int(sum(r.record.generated_tokens for r in proxied_recs if r.record.ok)),
-        wall_s=wall, late_p95_s=float(np.percentile(late, 95)) if late else 0.0,
+        wall_s=wall, late_p95_s=float(np.percentile(late, 95)) if late else 0.0, truth=truth,
     )
 
 

@@ -188,3 +188,12 @@ def test_simulated_powercap_tree_falls_back_to_the_temp_folder(monkeypatch, tmp_
     assert sim_powercap_parent({"XDG_STATE_HOME": "/x"}) == "/x/powerprof"
     monkeypatch.setattr("tempfile.tempdir", str(tmp_path))
     assert sim_powercap_parent({}) == str(tmp_path)
+
+
+def test_the_energy_counters_alone_are_read_for_edges_or_none_without_a_counter():
+    nvml = SimNVML("h200-141g", count=2, state_path=None)
+    c = NvmlCollector(nvml)
+    full = c.read()
+    alone = c.read_energy_j()
+    assert len(alone) == 2 and all(a >= f.energy_j for a, f in zip(alone, full))
+    assert NvmlCollector(SimNVML("pascal-8g", state_path=None)).read_energy_j() is None  # no counter: no edge

@@ -122,3 +122,45 @@ def test_per_token_is_nan_without_tokens():
 def test_bad_edges_are_rejected():
     with pytest.raises(ValueError, match="increasing"):
         _run([0, 1, 1], [1.0, 1.0], [], [])
+
+
+def test_a_queued_prompt_is_prefilled_just_before_its_first_token_not_over_the_wait():
+    # Request 0 decodes through [0,3); request 1 arrives at 0.2, waits in the server's queue and
+    # gets its first token at 2.5: its 2000-token prompt ran in [2.3, 2.5) at 10k tokens/s, so the
+    # intervals of the wait are request 0's alone.
+    reqs = [(-1.0, -0.5, 2.95, 2.96), (0.2, 2.5, 2.9, 2.95)]
+    toks = [(0.1 * k, 0, 1) for k in range(30)] + [(2.5, 1, 1), (2.9, 1, 1)]
+    costs = A.WorkCosts(decode_j=1.0, prefill_j=0.01, prefill_tok_s=10_000.0)
+    a = _run([0, 1, 2, 3], [100.0, 100.0, 130.0], reqs, toks, prompt=[0, 2000], costs=costs)
+    assert a.dest[:2, A.TO_REQUESTS, 0] == pytest.approx([100.0, 100.0])
+    assert a.features[:, 3] == pytest.approx([0.0, 0.0, 2000.0])
+    share = 130.0 * (20 + 2) / (10 + 20 + 2)  # [2,3): 10 tokens of request 0; 2000 prompt tokens, 2 tokens
+    assert a.request_energy[1, 0] == pytest.approx(share)
+
+
+def test_a_prompt_whose_first_token_is_past_the_last_edge_is_counted_once_over_two_calls():
+    # The ledger closes intervals in batches: a first token after this batch's last edge leaves the
+    # prompt's later part to the next batch, never the whole prompt to both.
+    costs = A.WorkCosts(prefill_tok_s=1000.0)  # 1000 prompt tokens: [0.5, 1.5)
+    reqs = [(0.0, 1.5, 1.9, 1.95)]
+    first = _run([0, 1], [50.0], reqs, [], prompt=[1000], costs=costs)
+    second = _run([1, 2], [50.0], reqs, [(1.5, 0, 1), (1.9, 0, 1)], prompt=[1000], costs=costs)
+    assert first.features[0, 3] + second.features[0, 3] == pytest.approx(1000.0)
+    assert first.features[0, 3] == pytest.approx(500.0)
+
+
+def test_a_request_only_waiting_beside_bypass_work_gets_none_of_it():
+    # [0,1): request 0 waits in the queue (no tokens, prompt not placed there) while bypass traffic
+    # decodes: the interval's work is the bypass tokens', all of it unproxied.
+    reqs = [(0.5, 1.5, 1.9, 1.95)]
+    a = _run([0, 1, 2], [80.0, 60.0], reqs, [(1.5, 0, 1), (1.9, 0, 1)], server=[10.0, 0.0], prompt=[10],
+             costs=A.WorkCosts(prefill_tok_s=1000.0))
+    assert a.dest[0, A.TO_UNPROXIED, 0] == pytest.approx(80.0)
+    assert a.request_energy[0, 0] == pytest.approx(60.0)
+
+
+def test_where_nobody_has_work_the_live_requests_share_by_live_time():
+    # [0,1): neither request has a token or a prompt there; request 0 is live 0.8 s, request 1 0.2 s.
+    reqs = [(0.2, 1.2, 1.5, 1.6), (0.8, 1.2, 1.5, 1.6)]
+    a = _run([0, 1, 2], [50.0, 40.0], reqs, [(1.2, 0, 1), (1.5, 0, 1), (1.2, 1, 1), (1.5, 1, 1)])
+    assert a.request_energy[:, 0] == pytest.approx([40.0 + 20.0, 10.0 + 20.0])

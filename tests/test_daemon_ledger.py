@@ -174,10 +174,69 @@ def test_cpu_energy_across_a_dropped_rapl_delta_is_missing_in_intervals_requests
     assert [r["cpu_energy_j"] for r in sink.rows["intervals"]] == [pytest.approx(20.0), pytest.approx(20.0), None,
                                                                     pytest.approx(20.0)]
     got = {r["request_id"]: r for r in sink.rows["requests"]}
-    assert got[1]["cpu_energy_j"] == pytest.approx(20.0)  # half of [0, 0.5) and of [0.5, 1.0): same work as the other
+    # [0, 0.5) has no work: shared by live time (0.45 s of 0.85 s); [0.5, 1.0): same work as the other.
+    assert got[1]["cpu_energy_j"] == pytest.approx(20.0 * 0.45 / 0.85 + 10.0)
     assert got[2]["cpu_energy_j"] is None  # not 30 J: it decoded through the dropped delta
     assert got[2]["gpu_energy_j"] > 0
     tags = {r["name"]: r for r in sink.rows["tags"]}
     assert tags["before"]["cpu_energy_j"] == pytest.approx(40.0)
     assert tags["all"]["cpu_energy_j"] is None  # not 60 J of the 80 J used
     assert any("dropped a delta" in m and "backwards" in m for m in caplog.messages)
+
+
+def test_a_counter_only_edge_splits_an_interval_with_the_counter_difference():
+    # Short requests' edges read the energy counters alone (no power): they are edges all the same.
+    sink = Sink()
+    led = Ledger("d", 0, 1, sink, grace_s=0.1)
+    _feed(led, 0.0, 1000.0, power_w=300.0)
+    led.add_gpu_edge(int(0.4 * S), int(0.4 * S), (1040.0,))
+    led.add_gpu_edge(int(0.6 * S), int(0.6 * S), (float("nan"),))  # a failed read is no edge
+    _feed(led, 1.0, 1100.0, power_w=300.0)
+    led.advance(int(1.5 * S))
+    rows = sink.rows["intervals"]
+    assert [r["gpu_energy_j"] for r in rows] == [pytest.approx(40.0), pytest.approx(60.0)]
+    assert [r["energy_method"] for r in rows] == ["counter", "counter"]
+
+
+def test_a_prefill_only_request_gets_its_prompt_work_and_one_with_no_work_seen_says_so():
+    # Request 1 decodes through [0, 2); request 2 only prefills (its response ends at its first and
+    # only event, 0 tokens) and request 3 ends with no tokens and no prompt length: no work to see.
+    sink = Sink()
+    led = Ledger("d", 0, 1, sink, grace_s=0.1)
+    dec, pre, blind = _trace(1, 0.0), _trace(2, 0.5), _trace(3, 0.5)
+    for tr in (dec, pre, blind):
+        led.on_start(tr)
+    for k in range(20):
+        led.on_tokens(dec, int((0.05 + 0.1 * k) * S), 1)
+    dec.first_ns, dec.last_ns, dec.end_ns = int(0.05 * S), int(1.95 * S), int(1.96 * S)
+    pre.end_ns = blind.end_ns = int(0.8 * S)
+    dec.counts = Counts(generated_tokens=20, prompt_tokens=10, model=None, stop_reason=None, token_source="usage")
+    pre.counts = Counts(generated_tokens=0, prompt_tokens=2000, model=None, stop_reason=None, token_source="usage")
+    for tr in (dec, pre, blind):
+        led.on_end(tr)
+    _feed(led, 0.0, 1000.0)
+    _feed(led, 1.0, 1100.0)
+    _feed(led, 2.0, 1200.0)
+    led.advance(int(2.5 * S))
+    got = {r["request_id"]: r for r in sink.rows["requests"]}
+    # [0,1): 10 decode tokens (1 each at the fixed ratio), 10 + 2000 prompt tokens at 0.05.
+    assert got[2]["gpu_energy_j"] == pytest.approx(100.0 * 100 / 110.5) and got[2]["energy_note"] is None
+    assert got[3]["gpu_energy_j"] is None and "no prompt length" in got[3]["energy_note"]
+    assert got[1]["gpu_energy_j"] + got[2]["gpu_energy_j"] == pytest.approx(200.0)  # nothing lost
+
+
+def test_a_request_counted_one_token_per_chunk_is_marked_estimated():
+    sink = Sink()
+    led = Ledger("d", 0, 1, sink, grace_s=0.1)
+    oai = RequestTrace(1, "POST", "/v1/completions", None, 0, 0, api="openai-completions", stream=True)
+    led.on_start(oai)
+    led.on_tokens(oai, int(0.2 * S), 1)
+    oai.first_ns = oai.last_ns = int(0.2 * S)
+    oai.end_ns = int(0.3 * S)
+    oai.counts = Counts(generated_tokens=1, prompt_tokens=None, model=None, stop_reason=None, token_source="counted",
+                        tokens_estimated=True)
+    led.on_end(oai)
+    _feed(led, 0.0, 0.0)
+    _feed(led, 1.0, 10.0)
+    led.advance(int(1.5 * S))
+    assert sink.rows["requests"][0]["tokens_estimated"] is True

@@ -55,6 +55,7 @@ class Upstream:
                 await resp.write(payload[i:i + k])
                 i += k
                 await asyncio.sleep(doc.get("delay", 0.001))
+            await asyncio.sleep(doc.get("tail_delay", 0))  # the last event sent, the body not yet ended
         except (ConnectionResetError, asyncio.CancelledError):
             self.cancelled += 1
             raise
@@ -204,6 +205,32 @@ def test_client_disconnect_cancels_the_upstream_stream():
     up, rec = _run(main())
     assert up.cancelled == 1
     assert rec.ended[0].outcome == "client_disconnected"
+
+
+def test_a_client_leaving_after_the_last_event_keeps_the_streams_counts():
+    # Clients close on the stop event / [DONE]; the server's counts came with it (the prompt length
+    # here, from timings) and are kept, not lost with the disconnect.
+    async def main():
+        rec = Rec()
+        up, up_url, r1, proxy, px_url, r2 = await _setup(rec)
+        async with aiohttp.ClientSession() as s:
+            r = await s.post(px_url + "/completion", json={"n_predict": 5, "stream": True, "tail_delay": 5})
+            body = b""
+            while not (b'"stop":true' in body and body.endswith(b"\n\n")):
+                body += await r.content.readany()
+            r.close()
+        for _ in range(100):
+            if rec.ended:
+                break
+            await asyncio.sleep(0.05)
+        await r2.cleanup()
+        await r1.cleanup()
+        return rec
+
+    rec = _run(main())
+    tr = rec.ended[0]
+    assert tr.outcome == "client_disconnected"  # it left before the response's end
+    assert tr.counts is not None and tr.counts.prompt_tokens == 4 and tr.counts.complete
 
 
 def test_non_streamed_generation_is_recorded_with_spread_tokens():

@@ -5,6 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
+from powerprof.daemon import attribution as A
 from powerprof.daemon.workmodel import MIN_BUSY, CostLearner, fit_costs
 
 TRUE = np.array([60.0, 0.8, 0.3, 0.02, 0.05])  # W idle, J/step, J/token, J/prompt token, J/token/ktoken
@@ -45,6 +46,13 @@ def test_the_fixed_ratio_is_used_until_the_fit_is_mature_then_the_fit():
     assert c.prefill_j / c.decode_j == pytest.approx(TRUE[3] / TRUE[2], rel=0.05)
     assert c.idle_w == pytest.approx(60.0, rel=0.01)  # the median of the idle intervals
     assert learner.costs((200.0,)).source == "fixed"  # another setting learns on its own
+    # Where prompts run: their fitted cost against the busy power above idle gives the prefill rate.
+    x_all = np.array(learner._x[(300.0,)])
+    y_all = np.array(learner._y[(300.0,)])
+    busy = (x_all[:, 2] > 0) | (x_all[:, 3] > 0)
+    above_w = np.median(y_all[busy] / x_all[busy, 0]) - c.idle_w
+    assert c.prefill_tok_s == pytest.approx(above_w / c.prefill_j)
+    assert learner.costs((200.0,)).prefill_tok_s == A.DEFAULT_PREFILL_TOK_S
 
 
 def test_unusable_intervals_stay_out_of_the_fit():

@@ -313,3 +313,23 @@ def test_count_only_parser_skips_json_for_plain_chunks():
     p = StreamParser("llamacpp", count_only=True)
     assert p._quick_count(b'{"content":"ab","tokens":[5,6],"stop":false}') == 2
     assert p._quick_count(b'{"content":"","tokens":[],"stop":true}') is None
+
+
+# --- counts that are estimates (issue 11) ---------------------------------------------------
+
+
+@pytest.mark.parametrize("count_only", [False, True])
+def test_a_stream_without_counts_says_its_count_is_one_per_chunk_unless_the_server_confirms_it(count_only):
+    from powerprof.daemon.streams import summary_counts
+
+    chunks = [{"choices": [{"text": t, "finish_reason": None}], "model": "m"} for t in ("a", "b", "c")]
+    end = {"choices": [{"text": "", "finish_reason": "length"}]}
+    for usage, estimated in ((None, True), (3, False), (5, True)):
+        tail = [end] + ([{"choices": [], "usage": {"prompt_tokens": 2, "completion_tokens": usage}}] if usage else [])
+        p = StreamParser("openai-completions", count_only=count_only)
+        n = sum(p.count(sse(c)) for c in chunks + tail)
+        s = p.finish()
+        assert n == 3 and s.guessed_tokens == 3
+        assert summary_counts(s).tokens_estimated is estimated  # 5 from usage: the 3 attributed were guesses
+    _, s = feed_all("llamacpp", LLAMA)
+    assert s.guessed_tokens == 0 and not summary_counts(s).tokens_estimated  # llama.cpp sends its token ids

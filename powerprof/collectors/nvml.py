@@ -151,6 +151,19 @@ class NvmlCollector:
     def read(self) -> tuple[GpuReading, ...]:
         return tuple(self.read_one(k) for k in range(len(self.handles)))
 
+    def read_energy_j(self) -> tuple[float, ...] | None:
+        """The energy counters alone (one driver query per GPU: nvmlDeviceGetTotalEnergyConsumption),
+        for edges taken between the ticks; None unless every GPU has one and answered."""
+        if not all(i.supports["energy_counter"] for i in self.infos):
+            return None
+        out = []
+        for h in self.handles:
+            mj = self.gw.query("nvmlDeviceGetTotalEnergyConsumption", h)
+            if mj is None:
+                return None
+            out.append(mj / 1000)
+        return tuple(out)
+
     def read_one(self, k: int) -> GpuReading:
         n, h, s = self.nvml, self.handles[k], self.infos[k].supports
         t = self.gw.query

@@ -147,6 +147,12 @@ class Sampler:
                 out[c.source] = self._read(c, -1, label)
         return out
 
+    def read_with(self, source: str, fn: Callable[[], Any]) -> tuple[int, int, Any]:
+        """(monotonic ns, wall ns, fn()) for a partial read of `source` (such as the energy counters
+        alone) taken under its lock, so it is ordered with that source's ticks; not published."""
+        with self._read_locks[source]:
+            return self.clock.monotonic_ns(), self.clock.wall_ns(), fn()
+
     # --- the schedule ------------------------------------------------------------------------
 
     def _loop(self, collector: Collector) -> None:

@@ -4,10 +4,12 @@ An interval is the time between two consecutive GPU samples. Every joule goes to
 three places, so requests + idle + unproxied = total:
 
 - the requests live in it (arrival → end of response), in proportion to their work there: prompt
-  tokens prefilled, tokens decoded, the context those tokens were decoded at, and a share of the
-  engine's per-step cost (`WorkCosts`, learned online by `daemon.workmodel`);
-- unproxied: tokens the server counted beyond the proxy's (bypass traffic), at the cost of an
-  average proxied token of the same interval;
+  tokens prefilled (just before the first token, not over a queue wait), tokens decoded, the
+  context those tokens were decoded at, and a share of the engine's per-step cost (`WorkCosts`,
+  learned online by `daemon.workmodel`);
+- unproxied: tokens the server counted beyond the proxy's (bypass traffic), at the cost of a
+  proxied token decoded in the same interval plus the prompt work proxied requests carry per
+  generated token on average (the bypass prompts are unseen);
 - idle: the part of the interval no request was live in, at the idle power; a whole interval
   with nothing live.
 
@@ -37,6 +39,10 @@ DEST_NAMES = ("requests", "idle", "unproxied")
 # (compute-bound matmuls over the whole prompt against one weight read per decode step), so
 # 1/20 is in the range of common servers and cards; `workmodel` replaces it with the fit.
 DEFAULT_PREFILL_PER_DECODE = 0.05
+# Until the fit is mature: a prompt is prefilled at this many tokens a second, just before its
+# first token (common servers and cards prefill thousands to tens of thousands a second); with
+# a fit, `workmodel` derives the rate from the fitted prompt-token cost and the busy power.
+DEFAULT_PREFILL_TOK_S = 10_000.0
 
 
 @dataclass(frozen=True)
@@ -50,6 +56,7 @@ class WorkCosts:
     prefill_j: float = DEFAULT_PREFILL_PER_DECODE
     ctx_j: float = 0.0
     idle_w: float | None = None
+    prefill_tok_s: float = DEFAULT_PREFILL_TOK_S  # how fast a prompt is prefilled (where it is placed)
     source: str = "fixed"  # fixed (the documented ratio) | fitted
 
 
@@ -134,12 +141,25 @@ def union_busy_s(edges_ns: np.ndarray, start_ns: np.ndarray, end_ns: np.ndarray)
     return span_overlap_s(edges, m[:, 0], m[:, 1]).sum(axis=0)
 
 
-def prefill_tokens(edges_ns: np.ndarray, arrival_ns: np.ndarray, prefill_end_ns: np.ndarray,
-                   prompt_tokens: np.ndarray) -> np.ndarray:
-    """(R, K) prompt tokens prefilled in each interval: spread evenly over arrival → first token
-    (all of it in the interval of the first token when the two coincide)."""
-    edges = np.asarray(edges_ns, dtype=np.int64)
+def prefill_start_ns(arrival_ns: np.ndarray, prefill_end_ns: np.ndarray, prompt_tokens: np.ndarray,
+                     prefill_tok_s: float) -> np.ndarray:
+    """(R,) when each prompt's prefill began: its length at `prefill_tok_s` before the first token,
+    never before arrival. A server runs a prompt in the steps just before that prompt's first
+    token; the time before (a queue behind a full batch) is other requests' work."""
     arr = np.asarray(arrival_ns, dtype=np.int64)
+    end = np.asarray(prefill_end_ns, dtype=np.int64)
+    p = np.nan_to_num(np.asarray(prompt_tokens, dtype=float))
+    d_ns = np.minimum(p / max(prefill_tok_s, 1e-9) * 1e9, 1e15).astype(np.int64)
+    return np.where(end == NEVER, arr, np.maximum(arr, end - d_ns))
+
+
+def prefill_tokens(edges_ns: np.ndarray, start_ns: np.ndarray, prefill_end_ns: np.ndarray,
+                   prompt_tokens: np.ndarray) -> np.ndarray:
+    """(R, K) prompt tokens prefilled in each interval: spread evenly over start → first token
+    (all of it in the interval of the first token when the two coincide). Only the intervals
+    given get their part: a span running past the last edge keeps the rest for later ones."""
+    edges = np.asarray(edges_ns, dtype=np.int64)
+    arr = np.asarray(start_ns, dtype=np.int64)
     end = np.asarray(prefill_end_ns, dtype=np.int64)
     p = np.nan_to_num(np.asarray(prompt_tokens, dtype=float))
     span = (end - arr) / 1e9
@@ -155,7 +175,8 @@ def prefill_tokens(edges_ns: np.ndarray, arrival_ns: np.ndarray, prefill_end_ns:
 
 
 def request_work(costs: WorkCosts, tok: np.ndarray, pre: np.ndarray, ctx: np.ndarray,
-                 bypass: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+                 bypass: np.ndarray | None = None,
+                 bypass_prompt_per_token: float = 0.0) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """(R, K) each request's work (in joules at `costs`) in each interval, (K,) the bypass tokens'
     work, and (K,) the step counts.
 
@@ -164,19 +185,20 @@ def request_work(costs: WorkCosts, tok: np.ndarray, pre: np.ndarray, ctx: np.nda
     one per step), and split among the requests by their tokens. A request still waiting for its
     first token takes no share: it may sit in a queue, outside the engine's steps.
 
-    Bypass tokens (the server's beyond the proxy's) share the steps too, and cost what the proxied
-    ones do on average for their prompts and context (which the proxy never saw)."""
+    Bypass tokens (the server's beyond the proxy's) share the steps too, cost what a proxied token
+    of the interval does for its context, and carry `bypass_prompt_per_token` prompt tokens each
+    (the proxied traffic's long-run ratio: one interval's prompts are too lumpy to stand for
+    prompts the proxy never saw)."""
     k_count = tok.shape[1]
     byp = np.zeros(k_count) if bypass is None else np.asarray(bypass, dtype=float)
     steps = tok.max(axis=0) if tok.size else np.zeros(k_count)
     steps = np.where((steps == 0) & (byp > 0), 1.0, steps)  # bypass alone: at least one step ran
     part_sum = tok.sum(axis=0) + byp
     step_per_tok = np.divide(costs.step_j * steps, part_sum, out=np.zeros(k_count), where=part_sum > 0)
-    own = costs.prefill_j * pre + costs.ctx_j * ctx
-    work = step_per_tok[None, :] * tok + costs.decode_j * tok + own
+    work = step_per_tok[None, :] * tok + costs.decode_j * tok + costs.prefill_j * pre + costs.ctx_j * ctx
     n_tok = tok.sum(axis=0)
-    own_per_tok = np.divide(own.sum(axis=0), n_tok, out=np.zeros(k_count), where=n_tok > 0)
-    bypass_work = byp * (step_per_tok + costs.decode_j + own_per_tok)
+    ctx_per_tok = np.divide(costs.ctx_j * ctx.sum(axis=0), n_tok, out=np.zeros(k_count), where=n_tok > 0)
+    bypass_work = byp * (step_per_tok + costs.decode_j + ctx_per_tok + costs.prefill_j * bypass_prompt_per_token)
     return work, bypass_work, steps
 
 
@@ -194,6 +216,7 @@ def attribute(
     prompt_tokens: np.ndarray | None = None,
     tok_ctx: np.ndarray | None = None,
     costs: WorkCosts | None = None,
+    bypass_prompt_per_token: float = 0.0,
 ) -> Attribution:
     """Split the energy of K intervals (edges: K+1 instants) among R requests by their work.
 
@@ -202,7 +225,8 @@ def attribute(
     (NEVER where not yet), prompt tokens (NaN or 0 where unknown: no prefill work is counted).
     Token events: instant, request index, token count (a chunk may carry several), and the
     context each was decoded at (prompt + tokens before it; None: no context term).
-    server_tokens: (K,) tokens the server counted beyond the proxy's in each interval (bypass).
+    server_tokens: (K,) tokens the server counted beyond the proxy's in each interval (bypass),
+    each taken to carry `bypass_prompt_per_token` prompt tokens.
     """
     costs = costs or WorkCosts()
     edges = np.asarray(edges_ns, dtype=np.int64)
@@ -239,9 +263,10 @@ def attribute(
     in_decode |= tok > 0  # a token inside an interval is proof of decoding there
     live = overlaps(edges, arrival, end, closed_end=True) | in_decode if r_count else np.zeros((0, k_count), bool)
     p_tok = np.zeros(r_count) if prompt_tokens is None else np.nan_to_num(np.asarray(prompt_tokens, dtype=float))
-    pre = prefill_tokens(edges, arrival, np.minimum(prefill_end, edges[-1]), p_tok) if r_count else np.zeros((0, k_count))
-    # (The ledger gives a prompt count only to requests past their first token, so a prompt is
-    # spread once, over its whole prefill.)
+    # The prefill end is not clipped to these intervals: a first token after the last edge leaves
+    # the rest of the prompt to the next call, so a prompt is counted once in all.
+    pre_start = prefill_start_ns(arrival, prefill_end, p_tok, costs.prefill_tok_s)
+    pre = prefill_tokens(edges, pre_start, prefill_end, p_tok) if r_count else np.zeros((0, k_count))
 
     any_prefill = in_prefill.any(axis=0)
     any_live = live.any(axis=0)
@@ -251,11 +276,14 @@ def attribute(
     kind[any_live & ~any_prefill] = DECODE
     kind[any_prefill] = PREFILL
 
-    work, unprox_work, steps = request_work(costs, tok, pre, ctx, server)
-    # A live request with no measurable work (queued, or a slow step straddling the interval)
-    # still holds the engine: equal shares among the live ones where nobody has work.
-    no_work = any_live & (work.sum(axis=0) <= 0)
-    work[:, no_work] = live[:, no_work].astype(float)
+    work, unprox_work, steps = request_work(costs, tok, pre, ctx, server, bypass_prompt_per_token)
+    # Where nothing measurable happened (a slow step straddling the interval, a prompt of unknown
+    # length) the live requests share by their live time there. Not where bypass tokens did
+    # work: a request only waiting beside them did none (its seconds are not joules of work).
+    no_work = any_live & (work.sum(axis=0) <= 0) & (unprox_work <= 0)
+    if no_work.any():
+        live_s = span_overlap_s(edges, arrival, np.where(end != NEVER, end, edges[-1])) * live
+        work[:, no_work] = np.where(live_s[:, no_work].sum(axis=0) > 0, live_s[:, no_work], live[:, no_work])
     req_work = work.sum(axis=0)
     total_tok = tok.sum(axis=0)
 

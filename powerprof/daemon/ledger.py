@@ -36,6 +36,7 @@ SPREAD_EVENTS = 64  # a non-streamed response's tokens are spread as this many e
 PROMPT_HOLD_S = 30.0  # hold intervals this long at most for a live request's prompt length
 BYPASS_FIT_SHARE = 0.25  # intervals whose bypass tokens exceed this share of the proxied ones stay out of the fit
 SCRAPE_HOLD_S = 10.0  # and this long at most for the server's counter to be scraped past them
+PROMPT_RATIO_REQUESTS = 1000  # bypass prompts are guessed from the last this many proxied requests
 
 
 @dataclass
@@ -121,6 +122,7 @@ class Ledger:
         self.server_spans: list[list] = []  # [t0, t1, server tokens, bypass tokens or None] per scrape
         self._proxied: deque = deque()  # (t_ns, tokens) of every proxied token event, for the scrape windows
         self.server_seen = False
+        self._setting: tuple = ()  # the GPUs' power limits at the latest full sample
         self.server_upto_ns: int | None = None
         self._credit: deque = deque()  # proxied tokens per recent interval, not yet seen by the server
         self._debit = 0.0
@@ -131,6 +133,7 @@ class Ledger:
         self._tokens_total = 0.0
         self._tokens_attributed = 0.0
         self._recent: deque = deque()  # (t_end_ns, requests' J, their tokens)
+        self._prompt_ratio: deque = deque(maxlen=PROMPT_RATIO_REQUESTS)  # (prompt, generated) of ended requests
         self.totals = Totals(gpu_energy_j=(0.0,) * n_gpus)
 
     # --- recorder interface (called by the proxy) ------------------------------------------
@@ -169,7 +172,20 @@ class Ledger:
             dtype=float,
         )
         setting = tuple(getattr(r, "power_limit_w", None) for r in readings)
-        edge = _Edge(t_ns, wall_ns, counter, power, setting)
+        self._setting = setting
+        self._insert_edge(_Edge(t_ns, wall_ns, counter, power, setting))
+
+    def add_gpu_edge(self, t_ns: int, wall_ns: int, energy_j) -> None:
+        """An edge from the energy counters alone (a short request's arrival, first token or end):
+        no power reading, so its intervals need the counter at both ends; the GPUs' setting is
+        the last full sample's."""
+        counter = np.array(energy_j, dtype=float)
+        if counter.shape != (self.n_gpus,) or np.isnan(counter).any():
+            return
+        self._insert_edge(_Edge(t_ns, wall_ns, counter, np.full(self.n_gpus, np.nan), self._setting))
+
+    def _insert_edge(self, edge: _Edge) -> None:
+        t_ns = edge.t_ns
         if self.edges and t_ns <= self.edges[-1].t_ns:
             # An on-demand sample read in another thread may be published late: keep edges ordered.
             ts = [e.t_ns for e in self.edges]
@@ -328,7 +344,8 @@ class Ledger:
         # has no CPU figure (rather than a partial, smaller one).
         energy = np.column_stack([gpu, np.nan_to_num(cpu), np.isnan(cpu)])
         a = attr.attribute(t, energy, arrival, first, last, end, ev_t_a, ev_r_a, ev_n_a, excess,
-                           prompt_tokens=prompt, tok_ctx=np.array(ev_c, dtype=float), costs=costs)
+                           prompt_tokens=prompt, tok_ctx=np.array(ev_c, dtype=float), costs=costs,
+                           bypass_prompt_per_token=self._prompt_per_token())
         # Bypass tokens' prompts are unseen: an interval mostly of bypass work would bias the fit.
         usable = np.array([m == "counter" for m in methods])
         if excess is not None:
@@ -353,9 +370,17 @@ class Ledger:
         rows = []
         for r, d in zip(reqs, done):
             if d:
+                p = _prompt_tokens(r)
+                if p is not None and r.tokens > 0:
+                    self._prompt_ratio.append((p, r.tokens))
                 rows.append(self._request_row(r))
                 del self.requests[r.trace.request_id]
         self.emit("requests", rows)
+
+    def _prompt_per_token(self) -> float:
+        """Prompt tokens per generated token of recent proxied requests (0 before any ended)."""
+        n = sum(x[1] for x in self._prompt_ratio)
+        return sum(x[0] for x in self._prompt_ratio) / n if n > 0 else 0.0
 
     def _bypass_tokens(self, t: np.ndarray) -> np.ndarray:
         """(K,) tokens the server counted beyond the proxy's in each interval (bypass traffic).
@@ -548,10 +573,15 @@ class Ledger:
             "generated_tokens": gen,
             "decode_tokens": max(gen - 1, 0) if gen else None,
             "token_source": c.token_source if c is not None else ("counted" if tr.tokens_seen else "none"),
+            # Without a summary, an OpenAI-style stream's tokens were counted one per chunk.
+            "tokens_estimated": c.tokens_estimated if c is not None
+            else bool(tr.tokens_seen and tr.api is not None and tr.api.startswith("openai")),
             "stop_reason": c.stop_reason if c is not None else None,
             "response_bytes": tr.response_bytes,
-            "gpu_energy_j": r.gpu_j,
-            "cpu_energy_j": r.cpu_j if r.cpu_known and not r.cpu_missing else None,
+            # No share at all is not a measured zero: left empty, with the reason.
+            "gpu_energy_j": r.gpu_j if r.gpu_j > 0 else None,
+            "cpu_energy_j": r.cpu_j if r.cpu_known and not r.cpu_missing and r.gpu_j > 0 else None,
+            "energy_note": None if r.gpu_j > 0 else _no_energy_reason(r),
             "attributed_tokens": r.tokens,
             "gpu_j_per_token": float(attr.per_token(r.gpu_j, r.tokens)) if r.tokens > 0 else None,
             "recorder_error": tr.recorder_error,
@@ -572,6 +602,15 @@ class Ledger:
             "gpu_j_per_token": tg.gpu_j / tg.tokens if tg.tokens > 0 else None,
             "closed_by": tg.closed_by,
         }
+
+
+def _no_energy_reason(r: _Req) -> str:
+    """Why a request got no energy: what the work model could not see."""
+    if r.tokens > 0 or _prompt_tokens(r):
+        return "no share: its tokens and prompt were work of no cost at the costs in use (costs/), or in no interval with energy"
+    if _prompt_tokens(r) is None:
+        return "no share: no tokens and no prompt length (the response did not say it)"
+    return "no share: no tokens and an empty prompt"
 
 
 def _prompt_tokens(r: _Req) -> float | None:

@@ -348,6 +348,7 @@ class Proxy:
         except (ConnectionResetError, aiohttp.ClientConnectionResetError, asyncio.CancelledError) as e:
             if trace is not None:
                 trace.outcome = "interrupted" if self.closing else "client_disconnected"
+                self._counts_so_far(trace, sink, ex)
             ex.abort()  # the server sees the disconnect and stops generating
             if isinstance(e, asyncio.CancelledError):
                 raise
@@ -370,6 +371,22 @@ class Proxy:
             except Exception as e:
                 trace.recorder_error = f"summary: {type(e).__name__}: {e}"[:300]
         return resp
+
+    def _counts_so_far(self, trace: RequestTrace, sink: "_ClientSink", ex: Exchange) -> None:
+        """A client gone: what its stream said still counts (usage with the prompt length, sent before
+        `[DONE]`). One that left only after the whole response (the upstream finished, the stream
+        said it ended) was served: outcome ok."""
+        if sink.parser is None or trace.recorder_error is not None:
+            return
+        try:
+            trace.counts = streams.summary_counts(sink.parser.finish())
+        except Exception as e:
+            trace.recorder_error = f"summary: {type(e).__name__}: {e}"[:300]
+            return
+        done = ex.done  # also set when the proxy aborts the upstream for a client gone (sink.gone)
+        if not self.closing and not sink.gone and trace.counts.complete and done is not None and done.done() \
+                and not done.cancelled() and done.exception() is None:
+            trace.outcome = "ok"
 
     def _parse(self, trace: RequestTrace, parser, chunk: bytes, now: int, wall: int) -> None:
         try:

@@ -190,9 +190,9 @@ class Daemon:
         self._request_edge("request-end")
 
     def _request_edge(self, label: str) -> None:
-        """With few requests in flight, read the GPU counter now (an interval edge of the request's
-        own), at a bounded rate: a short request is then measured over its span, not over a whole
-        sampling interval shared with idle time (docs/daemon.md, Short requests)."""
+        """With few requests in flight, read the GPU energy counters alone now (an interval edge of
+        the request's own), at a bounded rate: a short request is then measured over its span, not
+        over a whole sampling interval shared with idle time (docs/daemon.md, Short requests)."""
         if self.proxy is None or self.sampler is None or not self.sampler._threads:
             return
         if self.proxy.active > self.cfg.get("attribution", "edge_max_inflight"):
@@ -202,7 +202,16 @@ class Daemon:
             return
         self._last_edge_s = now
         self.edge_reads += 1
-        asyncio.get_running_loop().run_in_executor(None, lambda: self.sampler.sample_now(label, sources=["nvml"]))
+        fut = asyncio.get_running_loop().run_in_executor(
+            None, lambda: self.sampler.read_with("nvml", self.collector.read_energy_j))
+        fut.add_done_callback(self._edge_read)  # in the loop's thread, where the ledger lives
+
+    def _edge_read(self, fut: asyncio.Future) -> None:
+        if fut.cancelled() or fut.exception() is not None or self.ledger is None:
+            return
+        t_ns, wall_ns, energy_j = fut.result()
+        if energy_j is not None:
+            self.ledger.add_gpu_edge(t_ns, wall_ns, energy_j)
 
     # --- tag API ---------------------------------------------------------------------------------
 

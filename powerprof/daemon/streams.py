@@ -38,6 +38,7 @@ class Counts:
     complete: bool | None = None
     error: str | None = None
     invalid: str | None = None  # a count or timing out of range: none of its counts are kept
+    tokens_estimated: bool = False  # the proxy's count rests on one token per chunk, unconfirmed by the server
 
 
 def summary_counts(summary) -> Counts:
@@ -56,6 +57,9 @@ def summary_counts(summary) -> Counts:
         predicted_ms=timings.get("predicted_ms") if isinstance(timings.get("predicted_ms"), (int, float)) else None,
         complete=summary.complete,
         error=summary.error,
+        # Confirmed where the server's own count (usage, timings) equals what the proxy counted.
+        tokens_estimated=summary.guessed_tokens > 0
+        and (summary.token_source == "counted" or gen != summary.counted_tokens),
     )
 
 

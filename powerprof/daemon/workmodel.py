@@ -11,7 +11,9 @@ sampled GPUs (their power limits: a cap changes what a token costs). The fit is 
 mature (enough busy intervals, R² high enough); until then `attribution.WorkCosts()` (the
 documented fixed ratio) splits the intervals. Idle power is the median of the window's idle
 intervals (measured, not fitted) where there are some, and the fit's intercept is held at it;
-without idle intervals the intercept is fitted too.
+without idle intervals the intercept is fitted too. How fast prompts are prefilled (where their
+work is placed: just before their first token) follows from the fit: the power the GPUs draw
+above idle when busy (the window's median) over the fitted energy of a prompt token.
 """
 
 from __future__ import annotations
@@ -22,7 +24,7 @@ from dataclasses import dataclass
 import numpy as np
 from scipy.optimize import nnls
 
-from .attribution import WorkCosts
+from .attribution import DEFAULT_PREFILL_TOK_S, WorkCosts
 
 FEATURES = ("duration_s", "steps", "decode_tokens", "prefill_tokens", "ctx_ktokens")
 WINDOW = 900  # intervals: 15 minutes at 1 Hz
@@ -137,10 +139,25 @@ class CostLearner:
         fit = self.fits.get(setting)
         return fit.coef[0] if fit is not None and fit.mature else None
 
+    def prefill_tok_s(self, setting, prefill_j: float, idle_w: float | None) -> float:
+        """Prompt tokens a second: the busy intervals' median power above idle over the energy of a
+        prompt token (the default rate where either is unknown)."""
+        xs = self._x.get(setting)
+        if not xs or idle_w is None or prefill_j <= 0:
+            return DEFAULT_PREFILL_TOK_S
+        x = np.array(xs)
+        y = np.array(self._y[setting])
+        busy = ((x[:, 2] > 0) | (x[:, 3] > 0)) & (x[:, 0] > 0)
+        if not busy.any():
+            return DEFAULT_PREFILL_TOK_S
+        above_w = float(np.median(y[busy] / x[busy, 0])) - idle_w
+        return above_w / prefill_j if above_w > 0 else DEFAULT_PREFILL_TOK_S
+
     def costs(self, setting) -> WorkCosts:
         fit = self.fits.get(setting)
         idle = self.idle_w(setting)
         if fit is None or not fit.mature:
             return WorkCosts(idle_w=idle)
         _, step, dec, pre, ctx = fit.coef
-        return WorkCosts(step_j=step, decode_j=dec, prefill_j=pre, ctx_j=ctx, idle_w=idle, source="fitted")
+        return WorkCosts(step_j=step, decode_j=dec, prefill_j=pre, ctx_j=ctx, idle_w=idle,
+                         prefill_tok_s=self.prefill_tok_s(setting, pre, idle), source="fitted")

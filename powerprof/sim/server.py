@@ -91,6 +91,7 @@ class _Req:
     stop_type: str = "limit"
     prefilled: int = 0  # prompt tokens prefilled so far (continuous batching)
     true_energy_j: float = 0.0  # its share of each step's energy (continuous batching)
+    true_prefill_j: float = 0.0  # the part of it in the steps that prefilled its prompt
     client_id: str | None = None  # the X-Sim-Request-Id header, to match truth to a client's request
 
 
@@ -452,8 +453,10 @@ class SimServer:
             r.t_prefill_start_ns = r.t_prefill_start_ns or t0
         await self._step(self.costs.step_s(p, ctx) / speed)
         e1 = self._true_energy_j()
-        for r, e in zip(seqs, batching.shares(self.costs.seq_costs_s(p, ctx), e1 - e0)):
+        for k, (r, e) in enumerate(zip(seqs, batching.shares(self.costs.seq_costs_s(p, ctx), e1 - e0))):
             r.true_energy_j += e
+            if k < len(pre_in):
+                r.true_prefill_j += e
         self._truth_e = e1
         before = sum(r.generated for r in seqs)
         for r, n, k in pre_in:
@@ -529,6 +532,7 @@ class SimServer:
                 "generated": req.generated,
                 "timings": timings,
                 "energy_j": req.true_energy_j if self.batching == "continuous" else None,
+                "prefill_energy_j": req.true_prefill_j if self.batching == "continuous" else None,
                 "client_id": req.client_id,
             }
         )

@@ -218,9 +218,11 @@ DAEMON_REQUESTS = pa.schema(
         ("generated_tokens", pa.int32()),
         ("decode_tokens", pa.int32()),  # generated - 1
         ("token_source", pa.string()),  # usage | timings | counted | none
+        ("tokens_estimated", pa.bool_()),  # counted one per chunk (the stream gave no counts), unconfirmed by the server
         ("stop_reason", pa.string()),
         ("response_bytes", pa.int64()),
-        ("gpu_energy_j", pa.float64()),  # its share of every interval it was live in, by its work there
+        ("gpu_energy_j", pa.float64()),  # its share of every interval it was live in, by its work there; null: no share (energy_note)
+        ("energy_note", pa.string()),  # why gpu_energy_j is empty (no work seen: no tokens, no prompt length)
         ("cpu_energy_j", pa.float64()),  # same split of RAPL package+DRAM energy
         ("attributed_tokens", pa.float64()),  # its tokens inside closed intervals (all of them)
         ("gpu_j_per_token", pa.float64()),  # gpu_energy_j / attributed_tokens

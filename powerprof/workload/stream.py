@@ -78,6 +78,7 @@ class StreamSummary:
     n_events: int  # token-bearing events
     n_comments: int  # SSE comment (keep-alive) lines
     invalid: str | None = None  # the first count or timing out of type/sign/range: the request failed
+    guessed_tokens: int = 0  # of counted_tokens, those counted one per chunk (the chunk gave no count)
 
 
 def _int(v) -> int | None:
@@ -93,6 +94,7 @@ def _int(v) -> int | None:
 @dataclass
 class _State:
     counted: int = 0
+    guessed: int = 0  # of them, counted one per chunk: the chunk said no count
     n_events: int = 0
     n_comments: int = 0
     prompt_tokens: int | None = None
@@ -263,6 +265,7 @@ class StreamParser:
         i = v.find(key)
         if i < 0 or v[i + len(key) : i + len(key) + 1] == b'"' or v.find(key, i + 1) >= 0:
             return None
+        self._s.guessed += 1  # the full parse's rule: a content chunk without counts is one token
         return 1
 
     def _error(self, msg: str) -> None:
@@ -437,6 +440,7 @@ class StreamParser:
             # Without counts a content chunk stands for one token; usage at the end corrects
             # the total, and the summary says which source it used.
             n = 1
+            self._s.guessed += 1
         self._add(n, out, "".join(texts), usage_total)
 
     def _summary(self) -> StreamSummary:
@@ -453,6 +457,7 @@ class StreamParser:
         return StreamSummary(
             api=self.api,
             counted_tokens=s.counted,
+            guessed_tokens=s.guessed,
             generated_tokens=generated,
             prompt_tokens=prompt,
             token_source=source,
