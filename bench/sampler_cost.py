@@ -6,6 +6,7 @@ Usage: python bench/sampler_cost.py [--ticks 300] [--seconds 4]
 2. The real Sampler at 50 Hz for a few seconds: process CPU time per tick including thread wake-ups,
    and what that means as CPU % at the default 1 Hz.
 3. RAPL backends side by side: sysfs (reopen per read) vs pyRAPL (files kept open).
+4. The daemon's short-request edges: the energy counters alone vs a full NVML read.
 
 The simulated NVML answers from Python, so its cost is not a real driver's (a real NVML call is a
 few to tens of microseconds); the RAPL and host reads are the real file and psutil work.
@@ -84,6 +85,29 @@ def main() -> None:
               f"pyrapl median {statistics.median(b):.1f} us (ratio {statistics.median(a) / statistics.median(b):.2f})")
         pyr.close()
         pc.close()
+
+        # 4. The daemon's short-request edges: the energy counters alone against a full NVML read,
+        # both on one GPU and on the 8, and as the daemon takes them (under the sampler's lock).
+        one = NvmlCollector(SimNVML("h200-141g", count=1, state_path=None))
+        for name, col in (("1 GPU", one), ("8 GPUs", gpus)):
+            full = _median_us(col.read, args.ticks)
+            alone = _median_us(col.read_energy_j, args.ticks)
+            print(f"edge read, {name}: counters alone median {alone:.1f} us, full read median {full:.1f} us "
+                  f"(ratio {full / alone:.1f}); at the 20/s cap: {alone * 20 / 1e6 * 100:.3f} % of a core")
+        s = Sampler([one], interval_s=1.0)
+        with s:
+            locked = _median_us(lambda: s.read_with("nvml", one.read_energy_j), args.ticks)
+        print(f"edge read as the daemon takes it (sampler lock, 1 GPU): median {locked:.1f} us")
+
+
+def _median_us(fn, n: int) -> float:
+    fn()
+    xs = []
+    for _ in range(n):
+        t = time.perf_counter_ns()
+        fn()
+        xs.append((time.perf_counter_ns() - t) / 1e3)
+    return statistics.median(xs)
 
 
 if __name__ == "__main__":

@@ -240,3 +240,30 @@ def test_a_request_counted_one_token_per_chunk_is_marked_estimated():
     _feed(led, 1.0, 10.0)
     led.advance(int(1.5 * S))
     assert sink.rows["requests"][0]["tokens_estimated"] is True
+
+
+def test_a_prompt_hold_is_not_cut_short_by_the_shorter_scrape_hold():
+    # A 20 s stream whose prompt length comes only at its end, with the server scraped all along:
+    # the scrape's 10 s cap must not release the intervals the prompt hold (30 s) still needs.
+    sink = Sink()
+    led = Ledger("d", 0, 1, sink, grace_s=0.1)
+    a = _trace(1, 0.5)
+    led.on_start(a)
+    for k in range(22):
+        _feed(led, float(k), 100.0 * k)
+        if k:
+            led.add_server_tokens(int(k * S), 0.0, int((k - 1) * S))
+        if k >= 1:
+            led.on_tokens(a, int((k + 0.5) * S), 1)
+            a.first_ns = a.first_ns or int(1.5 * S)
+            a.last_ns = int((k + 0.5) * S)
+        led.advance(int((k + 0.2) * S))
+    assert sink.rows["intervals"] == []  # 21 s in: still held for the prompt
+    a.end_ns = int(21.6 * S)
+    a.counts = Counts(generated_tokens=21, prompt_tokens=5000, model=None, stop_reason=None, token_source="usage")
+    led.on_end(a)
+    _feed(led, 22.0, 2200.0)
+    led.add_server_tokens(int(22 * S), 0.0, int(21 * S))
+    led.advance(int(22.5 * S))
+    rows = sink.rows["intervals"]
+    assert len(rows) == 22 and sum(r["prefill_tokens"] for r in rows) == pytest.approx(5000.0)

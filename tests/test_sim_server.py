@@ -8,6 +8,7 @@ import re
 import time
 
 import aiohttp
+import pytest
 
 from powerprof.sim.nvml import SimNVML
 from powerprof.sim.server import SimServer
@@ -98,3 +99,28 @@ def test_client_hanging_up_mid_stream_is_no_error_and_frees_the_slot(caplog):
             assert nvml.gpus[0].read()["phase"].kind == "idle"
     errors = [r for r in caplog.records if r.levelno >= logging.ERROR]
     assert errors == [], [r.getMessage() for r in errors]
+
+
+def test_continuous_batching_truth_gives_every_busy_joule_to_the_requests_in_its_steps():
+    # Truth (docs/simulator.md): each step's energy over its window on the engine's schedule, split
+    # among its sequences. The windows tile the busy time, so the requests' truths add up to the
+    # GPU's energy while busy, and a prompt's part is inside its request's.
+    nvml = SimNVML("h200-141g", state_path=None)
+    g = nvml.gpus[0]
+    with SimServer(nvml, flavour="vllm", n_slots=8, batching="continuous") as s:
+        e0 = g.true_energy_j()
+        t0 = time.monotonic_ns()
+        run_load(s.url, [Prompt("p", "word " * 300)], 8, 4, RequestParams(max_tokens=40, ignore_eos=True), warmup=0)
+        for _ in range(200):
+            if not s.busy:
+                break
+            time.sleep(0.01)
+        t1 = time.monotonic_ns()
+        e1 = g.true_energy_j()
+        truth = list(s.truth)
+    busy0 = min(t["t_prefill_start_ns"] for t in truth)
+    busy1 = max(t["emissions"][-1][0] for t in truth)
+    idle_j = g.profile.idle_power_w * ((busy0 - t0) + (t1 - busy1)) / 1e9
+    assert len(truth) == 8
+    assert sum(t["energy_j"] for t in truth) == pytest.approx(e1 - e0 - idle_j, rel=0.05)
+    assert all(0 < t["prefill_energy_j"] < t["energy_j"] for t in truth)

@@ -241,21 +241,23 @@ class Ledger:
     def advance(self, now_ns: int) -> None:
         """Close every interval whose end edge is older than the grace period."""
         horizon = now_ns - self.grace_ns
+        # Each hold bounds the horizon on its own, with its own cap: the tightest wins (a shorter
+        # cap must not release intervals another hold still needs).
         # A non-streamed response reveals its tokens only at its end: hold the intervals it
         # overlaps until then (bounded), or its decode would be taken for prefill.
         waiting = [r.trace.arrival_ns for r in self.requests.values()
                    if r.trace.end_ns is None and r.trace.api is not None and r.trace.stream is not True]
         if waiting:
-            horizon = max(min(horizon, min(waiting)), now_ns - self.max_hold_ns)
+            horizon = min(horizon, max(min(waiting), now_ns - self.max_hold_ns))
         # A prompt's length comes with usage/timings, mostly at the end: hold the intervals of its
         # prefill until then (bounded), so they are split by work, not by guess.
         unknown = [r.trace.arrival_ns for r in self.requests.values()
                    if r.trace.end_ns is None and r.trace.api is not None and _prompt_tokens(r) is None]
         if unknown:
-            horizon = max(min(horizon, min(unknown)), now_ns - self.prompt_hold_ns)
+            horizon = min(horizon, max(min(unknown), now_ns - self.prompt_hold_ns))
         if self.server_upto_ns is not None:
             # Bypass tokens are known once the server's counter has been scraped past the interval.
-            horizon = max(min(horizon, self.server_upto_ns), now_ns - int(SCRAPE_HOLD_S * 1e9))
+            horizon = min(horizon, max(self.server_upto_ns, now_ns - int(SCRAPE_HOLD_S * 1e9)))
         n = 0
         while n + 1 < len(self.edges) and self.edges[n + 1].t_ns <= horizon:
             n += 1

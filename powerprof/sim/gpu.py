@@ -223,6 +223,12 @@ class SimGpu:
                     return e0 + pw * (t_ns - t0) / 1e9
             return self._history[0][2]
 
+    def recent_energy_at_j(self, t_ns: int) -> float:
+        """True cumulative energy at an instant of the last two seconds (the sensors' history)."""
+        with self._lock:
+            self._advance(self._clock_ns())
+            return self._energy_at(t_ns)
+
     def true_power_w(self) -> float:
         return self._state[1]
 

@@ -164,7 +164,7 @@ class SimServer:
         self.n_ctx = n_ctx  # context length: llama.cpp (per slot) stops there, vLLM refuses with 400
         self.batching = batching
         self.costs = batching_costs(self)
-        self._truth_e: float | None = None
+        self._window_ns = (0, 0)  # the last step's window on the engine's schedule (truth)
         self.model = model
         self.keepalive_s = keepalive_s
         self.loading_s = loading_s
@@ -368,7 +368,6 @@ class SimServer:
                 self._wake.clear()
                 await self._wake.wait()
                 self._t_step_end_ns = time.monotonic_ns()  # busy again: the schedule starts now
-                self._truth_e = None
                 continue
             self._set_busy(True)
             if self.batching == "continuous":
@@ -387,6 +386,7 @@ class SimServer:
         now = time.monotonic_ns()
         base = self._t_step_end_ns if now - self._t_step_end_ns < STEP_CATCH_UP_NS else now
         self._t_step_end_ns = base + int(seconds * 1e9)
+        self._window_ns = (base, self._t_step_end_ns)
         await asyncio.sleep(max(0.0, (self._t_step_end_ns - time.monotonic_ns()) / 1e9))
 
     async def _prefill(self, req: _Req) -> None:
@@ -448,16 +448,18 @@ class SimServer:
         kind, share = self.costs.compute_share(p, c_b / ((1.0 - c) + c_b))
         speed = self._phase(kind, share)
         t0 = time.monotonic_ns()
-        e0 = self._truth_e if self._truth_e is not None else self._true_energy_j()
         for r, _, _ in pre_in:
             r.t_prefill_start_ns = r.t_prefill_start_ns or t0
         await self._step(self.costs.step_s(p, ctx) / speed)
-        e1 = self._true_energy_j()
+        # The step's truth is the energy of its window on the schedule, not of the wall time the
+        # event loop happened to take: a late step would take its successor's energy, and the
+        # catch-up step after it (squeezed to make the mean rate right) almost none.
+        w0, w1 = self._window_ns
+        e0, e1 = (sum(g.recent_energy_at_j(t) for g in self.gpus) for t in (w0, w1))
         for k, (r, e) in enumerate(zip(seqs, batching.shares(self.costs.seq_costs_s(p, ctx), e1 - e0))):
             r.true_energy_j += e
             if k < len(pre_in):
                 r.true_prefill_j += e
-        self._truth_e = e1
         before = sum(r.generated for r in seqs)
         for r, n, k in pre_in:
             r.prefilled += k
@@ -468,9 +470,6 @@ class SimServer:
             if not r.cancelled:
                 self._emit(r, self._draw_tokens(r))
         self._log_step(t0, time.monotonic_ns(), kind, len(seqs), sum(r.generated for r in seqs) - before)
-
-    def _true_energy_j(self) -> float:
-        return float(sum(g.true_energy_j() for g in self.gpus))
 
     def _log_step(self, t0: int, t1: int, kind: str, batch: int, tokens: int) -> None:
         if len(self.steps) < 100_000:  # ground truth for tests and benches; bounded for long demos
