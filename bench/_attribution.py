@@ -45,6 +45,7 @@ class Outcome:
     late_p95_s: float
     notes: list = field(default_factory=list)
     truth: dict = field(default_factory=dict)  # the simulator's record per truth key (prefill span, emissions)
+    edge_reads: int = 0  # energy-counter reads at short requests' edges
 
 
 def _read(data: Path, name: str) -> pd.DataFrame:
@@ -123,6 +124,7 @@ def run(trace: list[TraceRequest], bypass: set[int] = frozenset(), profile: str 
         unproxied_j=float(intervals["unproxied_energy_j"].sum()),
         client_tokens=int(sum(r.record.generated_tokens for r in proxied_recs if r.record.ok)),
         wall_s=wall, late_p95_s=float(np.percentile(late, 95)) if late else 0.0, truth=truth,
+        edge_reads=daemon.edge_reads,
     )
 
 

@@ -48,6 +48,18 @@ def test_the_work_model_beats_time_and_token_shares_against_truth(outcome):
     assert m["work model"]["p95_abs_err"] < m["token share"]["p95_abs_err"]
 
 
+def test_requests_alone_get_their_own_edges_from_the_energy_counter(outcome):
+    # Each probe runs alone: the counters are read at its arrival and (0.1 s after) its end, so it
+    # is measured over its own span, not a whole 1 s interval.
+    o, _ = outcome
+    probes = o.requests[o.requests["tail"]]
+    assert o.edge_reads >= 2 * len(probes)
+    iv = o.intervals
+    for _, p in probes.iterrows():
+        own = iv[(iv["t_start_utc"] < p["t_end_utc"]) & (iv["t_end_utc"] > p["t_arrival_utc"])]
+        assert own["duration_s"].sum() < 0.9  # the request took about 0.45 s
+
+
 def test_identical_requests_alone_get_the_same_j_per_token(outcome):
     # Four probes on a short run (the bench's 2000-request acceptance is 5%; measured 2.4-2.8% there):
     # one CI run of this small test gave 5.02%, so it allows 8%; the bench keeps the 5% bound.

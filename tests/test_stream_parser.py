@@ -333,3 +333,10 @@ def test_a_stream_without_counts_says_its_count_is_one_per_chunk_unless_the_serv
         assert summary_counts(s).tokens_estimated is estimated  # 5 from usage: the 3 attributed were guesses
     _, s = feed_all("llamacpp", LLAMA)
     assert s.guessed_tokens == 0 and not summary_counts(s).tokens_estimated  # llama.cpp sends its token ids
+
+
+def test_the_prompt_length_is_known_from_the_first_chunk_with_continuous_usage():
+    p = StreamParser("openai-completions", count_only=True)
+    assert p.prompt_tokens is None
+    p.count(sse({"choices": [{"text": "a", "finish_reason": None}], "usage": {"prompt_tokens": 7, "completion_tokens": 1}}))
+    assert p.prompt_tokens == 7

@@ -620,5 +620,7 @@ def _prompt_tokens(r: _Req) -> float | None:
     c = r.trace.counts
     if c is not None and c.prompt_tokens is not None:
         return float(c.prompt_tokens)
-    p = r.trace.extra.get("prompt_tokens")
+    if c is not None and c.invalid:
+        return None  # none of an invalid response's counts are kept, the early one included
+    p = r.trace.extra.get("prompt_tokens")  # said early in the stream (continuous usage)
     return float(p) if p is not None else None

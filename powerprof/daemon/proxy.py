@@ -395,6 +395,10 @@ class Proxy:
             trace.recorder_error = f"parser: {type(e).__name__}: {e}"[:300]
             self.recorder_failures += 1
             return
+        if "prompt_tokens" not in trace.extra:
+            p = parser.prompt_tokens  # early, from continuous usage: the ledger need not wait for the end
+            if p is not None:
+                trace.extra["prompt_tokens"] = p
         if n <= 0:
             return
         if trace.first_ns is None:

@@ -41,6 +41,9 @@ from .store import Dataset, DatasetStore, Flusher, buffer_cap_rows
 from .tagapi import tag_app
 
 log = logging.getLogger("powerprof.daemon")
+# A request's end edge is read this long after the end: the energy counter lags by up to its
+# refresh period (10-100 ms on current drivers).
+END_EDGE_DELAY_S = 0.1
 
 EXIT_OK, EXIT_RUNTIME, EXIT_CONFIG = 0, 1, 2
 
@@ -202,9 +205,20 @@ class Daemon:
             return
         self._last_edge_s = now
         self.edge_reads += 1
-        fut = asyncio.get_running_loop().run_in_executor(
-            None, lambda: self.sampler.read_with("nvml", self.collector.read_energy_j))
-        fut.add_done_callback(self._edge_read)  # in the loop's thread, where the ledger lives
+        loop = asyncio.get_running_loop()
+
+        def read() -> None:
+            if self.stop_event is not None and self.stop_event.is_set():
+                return  # shutting down: the last sample closes every interval
+            fut = loop.run_in_executor(None, lambda: self.sampler.read_with("nvml", self.collector.read_energy_j))
+            fut.add_done_callback(self._edge_read)  # in the loop's thread, where the ledger lives
+
+        # The driver refreshes the counter every 10-100 ms: read at an end that late, or the request's
+        # last joules land in the idle interval after it (the idle split takes the wait back out).
+        if label == "request-end":
+            loop.call_later(END_EDGE_DELAY_S, read)
+        else:
+            read()
 
     def _edge_read(self, fut: asyncio.Future) -> None:
         if fut.cancelled() or fut.exception() is not None or self.ledger is None:

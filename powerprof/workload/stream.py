@@ -129,6 +129,13 @@ class StreamParser:
         self._parsed_one = False
 
     @property
+    def prompt_tokens(self) -> int | None:
+        """The prompt's length as soon as the stream has said it (vLLM/SGLang continuous usage
+        carries it in every chunk; others only at the end)."""
+        s = self._s
+        return s.usage_prompt if s.usage_prompt is not None else s.prompt_tokens
+
+    @property
     def ended(self) -> bool:
         """Nothing more is expected: llama.cpp's stop event, or OpenAI's `[DONE]`."""
         return self._s.done or (self.api == "llamacpp" and self._s.complete)
