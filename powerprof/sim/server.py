@@ -92,6 +92,7 @@ class _Req:
     prefilled: int = 0  # prompt tokens prefilled so far (continuous batching)
     true_energy_j: float = 0.0  # its share of each step's energy (continuous batching)
     true_prefill_j: float = 0.0  # the part of it in the steps that prefilled its prompt
+    truth_row: dict | None = None  # its entry in SimServer.truth once finished
     client_id: str | None = None  # the X-Sim-Request-Id header, to match truth to a client's request
 
 
@@ -165,6 +166,7 @@ class SimServer:
         self.batching = batching
         self.costs = batching_costs(self)
         self._window_ns = (0, 0)  # the last step's window on the engine's schedule (truth)
+        self._last_step: tuple | None = None  # (sequences, their costs) of the last continuous step
         self.model = model
         self.keepalive_s = keepalive_s
         self.loading_s = loading_s
@@ -363,6 +365,7 @@ class SimServer:
             self._m_running.set(len(self._active))
             self._m_waiting.set(len(self._waiting))
             if not self._active:
+                self._truth_tail()
                 self._phase("idle", 0.0)
                 self._set_busy(False)
                 self._wake.clear()
@@ -384,9 +387,11 @@ class SimServer:
         out of the next instead of piling up, so the mean token rate is the model's, not the
         machine's load. After idle, or a stall beyond STEP_CATCH_UP_NS, it restarts from now."""
         now = time.monotonic_ns()
-        base = self._t_step_end_ns if now - self._t_step_end_ns < STEP_CATCH_UP_NS else now
+        prev = self._t_step_end_ns
+        base = prev if now - prev < STEP_CATCH_UP_NS else now
         self._t_step_end_ns = base + int(seconds * 1e9)
-        self._window_ns = (base, self._t_step_end_ns)
+        # Truth's window starts where the last one ended, a stall included: the GPUs drew power then.
+        self._window_ns = (prev, self._t_step_end_ns)
         await asyncio.sleep(max(0.0, (self._t_step_end_ns - time.monotonic_ns()) / 1e9))
 
     async def _prefill(self, req: _Req) -> None:
@@ -456,10 +461,12 @@ class SimServer:
         # catch-up step after it (squeezed to make the mean rate right) almost none.
         w0, w1 = self._window_ns
         e0, e1 = (sum(g.recent_energy_at_j(t) for g in self.gpus) for t in (w0, w1))
-        for k, (r, e) in enumerate(zip(seqs, batching.shares(self.costs.seq_costs_s(p, ctx), e1 - e0))):
+        seq_costs = self.costs.seq_costs_s(p, ctx)
+        for k, (r, e) in enumerate(zip(seqs, batching.shares(seq_costs, e1 - e0))):
             r.true_energy_j += e
             if k < len(pre_in):
                 r.true_prefill_j += e
+        self._last_step = (seqs, seq_costs)
         before = sum(r.generated for r in seqs)
         for r, n, k in pre_in:
             r.prefilled += k
@@ -470,6 +477,22 @@ class SimServer:
             if not r.cancelled:
                 self._emit(r, self._draw_tokens(r))
         self._log_step(t0, time.monotonic_ns(), kind, len(seqs), sum(r.generated for r in seqs) - before)
+
+    def _truth_tail(self) -> None:
+        """Going idle: the time from the last window's end to now (the event loop woke late; the GPUs
+        stayed in the last step's phase) is the last step's, so the windows tile the busy time."""
+        if self._last_step is None:
+            return
+        seqs, seq_costs = self._last_step
+        self._last_step = None
+        w1, now = self._window_ns[1], time.monotonic_ns()
+        if now <= w1:
+            return
+        tail = sum(g.recent_energy_at_j(now) - g.recent_energy_at_j(w1) for g in self.gpus)
+        for r, e in zip(seqs, batching.shares(seq_costs, tail)):
+            r.true_energy_j += e
+            if r.truth_row is not None:
+                r.truth_row["energy_j"] = r.true_energy_j
 
     def _log_step(self, t0: int, t1: int, kind: str, batch: int, tokens: int) -> None:
         if len(self.steps) < 100_000:  # ground truth for tests and benches; bounded for long demos
@@ -519,22 +542,21 @@ class SimServer:
         if self.speculative:
             timings["draft_n"] = req.draft_n
             timings["draft_n_accepted"] = req.draft_accepted
-        self.truth.append(
-            {
-                "rid": req.rid,
-                "prompt_tokens": req.prompt_tokens,
-                "cached_tokens": req.cached,
-                "t_arrive_ns": req.t_arrive_ns,
-                "t_prefill_start_ns": req.t_prefill_start_ns,
-                "t_prefill_end_ns": req.t_prefill_end_ns,
-                "emissions": list(req.emissions),
-                "generated": req.generated,
-                "timings": timings,
-                "energy_j": req.true_energy_j if self.batching == "continuous" else None,
-                "prefill_energy_j": req.true_prefill_j if self.batching == "continuous" else None,
-                "client_id": req.client_id,
-            }
-        )
+        req.truth_row = {
+            "rid": req.rid,
+            "prompt_tokens": req.prompt_tokens,
+            "cached_tokens": req.cached,
+            "t_arrive_ns": req.t_arrive_ns,
+            "t_prefill_start_ns": req.t_prefill_start_ns,
+            "t_prefill_end_ns": req.t_prefill_end_ns,
+            "emissions": list(req.emissions),
+            "generated": req.generated,
+            "timings": timings,
+            "energy_j": req.true_energy_j if self.batching == "continuous" else None,
+            "prefill_energy_j": req.true_prefill_j if self.batching == "continuous" else None,
+            "client_id": req.client_id,
+        }
+        self.truth.append(req.truth_row)
         req.queue.put_nowait(("done", timings))
 
     def _submit(self, prompt: str, n_predict: int, ignore_eos: bool, cache_prompt: bool, seed: int) -> _Req:
