@@ -55,9 +55,11 @@ def test_requests_alone_get_their_own_edges_from_the_energy_counter(outcome):
     probes = o.requests[o.requests["tail"]]
     assert o.edge_reads >= 2 * len(probes)
     iv = o.intervals
-    for _, p in probes.iterrows():
-        own = iv[(iv["t_start_utc"] < p["t_end_utc"]) & (iv["t_end_utc"] > p["t_arrival_utc"])]
-        assert own["duration_s"].sum() < 0.9  # the request took about 0.45 s
+    mids = (probes["t_arrival_utc"].astype("int64") + probes["t_end_utc"].astype("int64")) // 2
+    t0, t1 = iv["t_start_utc"].astype("int64"), iv["t_end_utc"].astype("int64")
+    for mid in mids:
+        own = iv[(t0 <= mid) & (t1 > mid)]
+        assert len(own) == 1 and own["duration_s"].iloc[0] < 0.9  # it took about 0.45 s: not a 1 s tick
 
 
 def test_identical_requests_alone_get_the_same_j_per_token(outcome):
@@ -69,4 +71,4 @@ def test_identical_requests_alone_get_the_same_j_per_token(outcome):
 
 def test_bypass_energy_goes_to_unproxied(outcome):
     _, s = outcome
-    assert 0.8 <= s["bypass_share_in_unproxied"] <= 1.3
+    assert 0.8 <= s["bypass_share_in_unproxied"] <= 1.3, s["bypass_share_in_unproxied"]
