@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 import re
 import signal
 import subprocess
@@ -250,8 +251,23 @@ def _measure(tmp_path, *extra: str) -> tuple[subprocess.Popen, str, int]:
         [sys.executable, "-m", "powerprof.cli", "measure", "--server", url, "--launch", _llama_server_cmd(model, port),
          "--launch-timeout", "120", "--out", str(tmp_path / "out"), *extra],
         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+        env={**os.environ, "PYTHONFAULTHANDLER": "1"},  # SIGABRT prints every thread's stack: see _communicate
     )
     return p, url, port
+
+
+def _communicate(p: subprocess.Popen, port: int, timeout_s: float, what: str) -> str:
+    """p's output; if it is still running after timeout_s, its stacks (faulthandler) in the failure, and no
+    llama-server left behind."""
+    try:
+        return p.communicate(timeout=timeout_s)[0]
+    except subprocess.TimeoutExpired:
+        p.send_signal(signal.SIGABRT)
+        out = p.communicate(timeout=30)[0]
+        for q in psutil.process_iter(["cmdline"]):
+            if f"--port {port}" in " ".join(q.info["cmdline"] or []):
+                q.kill()
+        pytest.fail(f"measure still running {timeout_s:g} s {what}; its output and stacks:\n{out[-8000:]}")
 
 
 def test_measure_launches_llama_server_measures_it_and_stops_it(tmp_path):
@@ -283,7 +299,7 @@ def test_sigterm_mid_measure_stops_the_launched_llama_server_and_exits_143(tmp_p
         time.sleep(0.1)
     time.sleep(1.0)  # mid-run: requests are streaming
     p.send_signal(signal.SIGTERM)
-    out, _ = p.communicate(timeout=120)  # the server's stop grace is 10 s; a loaded machine adds more
+    out = _communicate(p, port, 120, "after SIGTERM")  # the server's stop grace is 10 s; a loaded machine adds more
     assert p.returncode == 143, out
     assert not _answers(url), "no llama-server left running after SIGTERM"
     left = [q for q in psutil.process_iter(["cmdline"]) if f"--port {port}" in " ".join(q.info["cmdline"] or [])]
