@@ -43,7 +43,10 @@ def test_every_token_is_attributed_and_every_joule_lands_somewhere(outcome):
 def test_the_work_model_beats_time_and_token_shares_against_truth(outcome):
     _, s = outcome
     m = s["methods"]
-    assert m["work model"]["median_abs_err"] < 0.2
+    # Measured on this run's configuration: 2.9% / 8.5% (before the issue-11 placement work: 5.4% /
+    # 13.9%); the bounds leave room for a loaded CI machine, not for a regression to the old model.
+    assert m["work model"]["median_abs_err"] < 0.1
+    assert m["work model"]["p95_abs_err"] < 0.3
     assert m["work model"]["median_abs_err"] < 0.75 * min(m["time share"]["median_abs_err"], m["token share"]["median_abs_err"])
     assert m["work model"]["p95_abs_err"] < m["token share"]["p95_abs_err"]
 
@@ -63,12 +66,16 @@ def test_requests_alone_get_their_own_edges_from_the_energy_counter(outcome):
 
 
 def test_identical_requests_alone_get_the_same_j_per_token(outcome):
-    # Four probes on a short run (the bench's 2000-request acceptance is 5%; measured 2.4-2.8% there):
-    # one CI run of this small test gave 5.02%, so it allows 8%; the bench keeps the 5% bound.
+    # Four probes on a short run: 1.2% here (1.2-1.4% on the bench's 2000 requests, loaded or not),
+    # since each request alone is read at its arrival and 0.1 s after its end (the counter lags by
+    # its refresh); before that, 4.3% here and 5.02% once on a loaded CI run.
     _, s = outcome
-    assert s["methods"]["work model"]["identical_spread"] <= 0.08
+    assert s["methods"]["work model"]["identical_spread"] <= 0.05
 
 
 def test_bypass_energy_goes_to_unproxied(outcome):
     _, s = outcome
-    assert 0.8 <= s["bypass_share_in_unproxied"] <= 1.3, s["bypass_share_in_unproxied"]
+    # The issue's acceptance is the lower bound. Above: this short run's 24 bypass requests measured
+    # 1.23-1.33 (1.15-1.16 on the bench's 2000 requests): their tokens are spread over the scrape
+    # window and their prompts guessed from the proxied traffic's ratio (docs/daemon.md).
+    assert 0.8 <= s["bypass_share_in_unproxied"] <= 1.5, s["bypass_share_in_unproxied"]
