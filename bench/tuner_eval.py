@@ -1,0 +1,102 @@
+"""The tuner against every static power limit, the default and the best static level in hindsight, in virtual time.
+
+    python bench/tuner_eval.py            # seed card, 4 h stationary + 8 h diurnal with a regime shift (~1 min)
+    python bench/tuner_eval.py --json
+
+Simulated seed card (sim profile seed-16g), continuous batching with 64 slots
+(powerprof/sim/virtual.py: the simulator's step costs and DVFS under the cap, event to event
+in virtual time). Two traces: stationary chat traffic (Poisson 1 req/s, prompts ~400, outputs
+~80 tokens, 4 h) and a compressed day (8 h period, rate 0.4–1.2 req/s) whose second half is
+long-document traffic (prompts ~1500, outputs ~250 tokens, at 0.4× the rate). SLO: TPOT p95
+≤ 100 ms and TTFT p95 ≤ 5 s. SLO violations: the share of 5-minute windows whose p95 breaks
+either SLO (the SLO is a p95), and the share of requests over either threshold. The oracle is
+the static level with the least J/token among those within 1 point of the default's
+violations. Every acceptance figure of issue 17 is printed with PASS/FAIL; nothing is tuned to
+pass.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from _tuner import evaluate  # noqa: E402
+
+from powerprof.tuner.policy import TunerConfig  # noqa: E402
+from powerprof.workload.trace import LengthMix, diurnal, synthetic  # noqa: E402
+
+LEVELS_W = (150, 170, 190, 210, 230, 250, 270, 300)
+DEFAULT_W = 300
+SLO = {"tpot_p95_ms": 100.0, "ttft_p95_ms": 5000.0}
+
+
+def traces(seed: int, hours: float):
+    stationary = synthetic(int(hours * 3600 * 1.0), 1.0, prompt_median=400, output_median=80, seed=seed)
+    day = 2 * hours * 3600
+    shifted = diurnal(day, 0.8, amplitude=0.5, period_s=day, mix=LengthMix(400, 1.0, 80, 0.8),
+                      shift_at_s=day / 2, shift_mix=LengthMix(1500, 0.8, 250, 0.6), shift_rate_factor=0.4, seed=seed + 1)
+    return {"stationary": stationary, "diurnal_shift": shifted}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--hours", type=float, default=4.0, help="stationary trace length (the diurnal one is twice it)")
+    ap.add_argument("--seed", type=int, default=3)
+    ap.add_argument("--json", action="store_true")
+    a = ap.parse_args()
+    cfg = TunerConfig(levels=LEVELS_W, reference=DEFAULT_W, **SLO)
+    report = {}
+    t0 = time.perf_counter()
+    for name, tr in traces(a.seed, a.hours).items():
+        res = evaluate("seed-16g", tr, cfg, DEFAULT_W)
+        report[name] = res
+        if a.json:
+            continue
+        print(f"\n== {name}: {len(tr)} requests over {res['default'].duration_s / 3600:.1f} h (virtual) ==")
+        print(f"{'setting':14s} {'J/token':>8s} {'vs default':>10s} {'windows over SLO':>17s} {'requests over':>14s}")
+        d = res["default"]
+        rows = list(res["static"].values()) + [d, res["tuner"]]
+        for o in rows:
+            mark = "  ← oracle" if res["oracle"] is not None and o is res["static"].get(res["oracle"]) else ""
+            print(f"{o.name:14s} {o.j_per_token:8.3f} {o.j_per_token / d.j_per_token - 1:+10.1%} "
+                  f"{o.win_violation:17.1%} {o.req_violation:14.1%}{mark}")
+        t = res["tuner"]
+        print(f"tuner: {t.explore_s / 60:.0f} min exploring of {t.duration_s / 60:.0f} ({t.explore_s / t.duration_s:.1%}); "
+              f"{sum(1 for x in t.decisions if x.action == 'backoff')} back-offs; time per level (min): "
+              + ", ".join(f"{k:g}: {v / 60:.0f}" for k, v in sorted(t.level_time_s.items())))
+    if a.json:
+        print(json.dumps({k: _jsonable(v) for k, v in report.items()}, indent=1))
+        return
+    print("\n== acceptance (issue 17) ==")
+    for name, res in report.items():
+        t, d, oracle = res["tuner"], res["default"], res["oracle"]
+        o = res["static"][oracle] if oracle is not None else None
+        vs_oracle = t.j_per_token / o.j_per_token - 1 if o else float("nan")
+        if name == "stationary":
+            print(f"stationary: tuner vs best static ({oracle:g} W): {vs_oracle:+.1%} J/token (want within ±3%): "
+                  f"{'PASS' if vs_oracle <= 0.03 else 'FAIL'}")
+        else:
+            print(f"regime shift: tuner vs best static ({oracle:g} W): {vs_oracle:+.1%} J/token (want ≤ −5%): "
+                  f"{'PASS' if vs_oracle <= -0.05 else 'FAIL'}")
+        save = 1 - t.j_per_token / d.j_per_token
+        extra = t.win_violation - d.win_violation
+        print(f"{name}: tuner vs default: {save:.1%} less J/token (want ≥ 15%) with {extra * 100:+.1f} points of windows "
+              f"over the SLO (want ≤ +1): {'PASS' if save >= 0.15 and extra <= 0.01 else 'FAIL'}")
+    print(f"\n(bench ran in {time.perf_counter() - t0:.0f} s)")
+
+
+def _jsonable(res: dict) -> dict:
+    def o(x):
+        return {"j_per_token": x.j_per_token, "windows_over_slo": x.win_violation, "requests_over_slo": x.req_violation,
+                "explore_s": x.explore_s, "duration_s": x.duration_s}
+    return {"static": {str(k): o(v) for k, v in res["static"].items()}, "default": o(res["default"]),
+            "tuner": o(res["tuner"]), "oracle_w": res["oracle"]}
+
+
+if __name__ == "__main__":
+    main()
