@@ -48,6 +48,7 @@ def score(name: str, r: RunResult, tpot_ms: float | None, ttft_ms: float | None)
     # Per window of finished requests: does its p95 break either SLO?
     win = (r.last_s // SCORE_WINDOW_S).astype(int)
     bad = total = 0
+    bad_at: list[int] = []
     for k in np.unique(win):
         m = win == k
         if m.sum() < 5:
@@ -61,8 +62,12 @@ def score(name: str, r: RunResult, tpot_ms: float | None, ttft_ms: float | None)
         if ttft_ms is not None:
             broke |= np.percentile(ttft[m], 95) * 1000 > ttft_ms
         bad += bool(broke)
-    return Outcome(name, r.j_per_token, float(viol.mean()), bad / total if total else 0.0, duration_s=r.duration_s,
-                   level_time_s=dict(r.level_time_s))
+        if broke:
+            bad_at.append(int(k * SCORE_WINDOW_S))
+    o = Outcome(name, r.j_per_token, float(viol.mean()), bad / total if total else 0.0, duration_s=r.duration_s,
+                level_time_s=dict(r.level_time_s))
+    o.bad = bad_at
+    return o
 
 
 def evaluate(profile_key: str, trace, cfg: TunerConfig, default: float, tick_s: float = 10.0,

@@ -33,18 +33,22 @@ class TunerConfig:
     ttft_p95_ms: float | None = None
     knob: str = "power"  # power (limit in W) | clock (locked SM clock in MHz)
     tick_s: float = 10.0  # how often the runner reads the daemon (one Window per tick)
-    window_s: float = 60.0  # a judgement needs this much traffic at one level…
+    window_s: float = 300.0  # a judgement needs this much traffic at one level…
     min_requests: int = 30  # …and this many finished requests (up to 4 windows are pooled)
-    dwell_s: float = 120.0  # minimum time at a level before it is judged or left (the guard excepted)
-    accept_ratio: float = 0.9  # a level is kept only with p95 ≤ this × SLO: the headroom is the hysteresis
+    dwell_s: float = 300.0  # minimum time at a level before it is judged or left (the guard excepted)
+    accept_ratio: float = 0.6  # a trial level is kept only with its window's p95 ≤ this × SLO (the tail of window p95s is ~1.7× their median)
+    hold_ratio: float = 0.85  # a held level whose window p95 passes this × SLO goes one level up (the band is the hysteresis)
     guard_ratio: float = 1.0  # back off at once when the last guard_s's p95 exceeds this × SLO
-    guard_s: float = 60.0
-    guard_min_requests: int = 20
-    guard_ticks: int = 2  # consecutive ticks over it: one burst is not a threat
-    min_gain: float = 0.02  # a level above must save this share of J/token to be kept…
+    guard_s: float = 300.0  # the SLO's own window: shorter p95s swing far more than the SLO does
+    guard_min_requests: int = 30
+    guard_ticks: int = 1  # consecutive ticks over it before backing off
+    strikes: int = 2  # back-offs at one level within strike_s before it is barred (below it too) for reprobe_s
+    strike_s: float = 1800.0
+    min_gain: float = 0.05  # a level above must save this share of J/token to be kept…
     max_loss: float = 0.05  # …a level below is kept unless it costs more than this share (docs/tuner.md: the prior)
+    prefill_weight: float = 0.05  # a prompt token's work in generated tokens (the daemon's default ratio)
     max_step: int = 1  # levels per exploratory move
-    max_explore_share: float = 0.3  # of the last explore_horizon_s spent on trials
+    max_explore_share: float = 0.5  # of the last explore_horizon_s spent on trials
     explore_horizon_s: float = 3600.0
     reprobe_s: float = 1800.0  # a converged regime re-tries its neighbours this often
     backoff_s: float = 120.0  # hold the reference this long after a back-off
@@ -70,17 +74,18 @@ class TunerConfig:
         if self.knob not in ("power", "clock"):
             errs.append("tuner.knob: power or clock")
         for k in ("tick_s", "window_s", "dwell_s", "guard_s", "explore_horizon_s", "reprobe_s", "backoff_s",
-                  "regime_s", "stale_s"):
+                  "regime_s", "stale_s", "strike_s"):
             if not getattr(self, k) > 0:
                 errs.append(f"tuner.{k}: must be positive seconds")
-        if not 0 < self.accept_ratio <= self.guard_ratio:
-            errs.append("tuner.accept_ratio: must be in (0, guard_ratio]")
+        if not 0 < self.accept_ratio <= self.hold_ratio <= self.guard_ratio:
+            errs.append("tuner: want 0 < accept_ratio ≤ hold_ratio ≤ guard_ratio")
         if not 0 <= self.min_gain < 0.5 or not 0 <= self.max_loss < 0.5:
             errs.append("tuner.min_gain, tuner.max_loss: a share in [0, 0.5)")
         if not 0 <= self.max_explore_share <= 1:
             errs.append("tuner.max_explore_share: a share in [0, 1]")
-        if min(self.max_step, self.min_requests, self.guard_min_requests, self.guard_ticks) < 1:
-            errs.append("tuner.max_step, min_requests, guard_min_requests, guard_ticks: at least 1")
+        if min(self.max_step, self.min_requests, self.guard_min_requests, self.guard_ticks, self.strikes) < 1 \
+                or not 0 <= self.prefill_weight <= 10:
+            errs.append("tuner.max_step, min_requests, guard_min_requests, guard_ticks, strikes: at least 1; 0 ≤ prefill_weight ≤ 10")
         if not self.regime_ratio > 1 or not 0 <= self.regime_margin < 1:
             errs.append("tuner.regime_ratio > 1 and 0 ≤ regime_margin < 1")
         if errs:
@@ -159,6 +164,13 @@ def j_per_token(w: Window) -> float | None:
     return w.energy_j / w.tokens if w.tokens > 0 else None
 
 
+def j_per_work(w: Window, prefill_weight: float) -> float | None:
+    """Energy per unit of work, a prompt token counting `prefill_weight` of a generated one: what levels are
+    compared by. J/token alone swings with the prompts that happen to fall in a window (docs/tuner.md)."""
+    work = w.tokens + prefill_weight * w.prompt_tokens
+    return w.energy_j / work if work > 0 else None
+
+
 def slo_ratio(w: Window, cfg: TunerConfig) -> float | None:
     """The worst of p95 TTFT / its SLO and p95 TPOT / its SLO over the window (None without requests)."""
     worst = None
@@ -217,6 +229,7 @@ class _LevelStat:
     j_per_token: float
     slo_ratio: float
     t_s: float
+    j_per_work: float
 
 
 @dataclass
@@ -226,6 +239,7 @@ class _Regime:
     floor: int = 0  # lowest index not known to break the SLO
     floor_t: float = -math.inf  # when the floor was raised (it expires after reprobe_s)
     rejected: dict = field(default_factory=dict)  # index → time a trial of it was rejected
+    strikes: dict = field(default_factory=dict)  # index → times the guard backed off from it
     stats: dict = field(default_factory=dict)  # index → latest _LevelStat
     converged_t: float | None = None
 
@@ -352,7 +366,17 @@ class Tuner:
                 self._up_tried = False
                 self._enter("measure", t)
             else:
-                self._pending.clear()
+                # Held levels are judged too: headroom shrinking as the load grows moves one level up
+                # (the band between accept_ratio and the guard is the hysteresis).
+                stat = self._judge(t, out)
+                if stat is not None:
+                    r.stats[self.idx] = stat
+                    if stat.slo_ratio > cfg.hold_ratio and self.idx < len(cfg.levels) - 1:
+                        r.best = self.idx + 1
+                        out.append(self._move(t, "backoff", self.idx + 1,
+                                              f"p95 at {stat.slo_ratio:.0%} of the SLO, above the {cfg.hold_ratio:.0%} "
+                                              "a held level may reach: one level up", stat))
+                        r.converged_t = t
                 return
         judged = self._judge(t, out)
         if judged is None:
@@ -377,7 +401,7 @@ class Tuner:
             return
         if self.state == "trial":
             inc = self._incumbent
-            gain = 1.0 - stat.j_per_token / inc.j_per_token if inc and inc.j_per_token > 0 else 0.0
+            gain = 1.0 - stat.j_per_work / inc.j_per_work if inc and inc.j_per_work > 0 else 0.0
             ok = stat.slo_ratio <= cfg.accept_ratio
             down = self.idx < self._incumbent_idx
             need = -cfg.max_loss if down else cfg.min_gain
@@ -429,7 +453,8 @@ class Tuner:
             return None
         ratio = slo_ratio(w, cfg)
         self._pending = self._pending[-1:]
-        return _LevelStat(w.energy_j / w.tokens, ratio if ratio is not None else 0.0, t)
+        return _LevelStat(w.energy_j / w.tokens, ratio if ratio is not None else 0.0, t,
+                          j_per_work(w, cfg.prefill_weight) or w.energy_j / w.tokens)
 
     def _next_trial(self, t: float, out: list[Decision]) -> None:
         cfg, r = self.cfg, self.regime
@@ -445,8 +470,11 @@ class Tuner:
                     self._up_tried = True
                 continue
             if not self._budget_ok(t):
-                out.append(self._decide(t, "hold", self.idx, "exploration budget spent: hold"))
-                break
+                out.append(self._decide(t, "hold", self.idx, "exploration budget spent: hold until the reprobe time"))
+                self._enter("hold", t)
+                r.converged_t = t
+                self._direction = -1
+                return
             self._direction = d
             out.append(self._move(t, "explore", j, f"try {'down' if d < 0 else 'up'} one level (incumbent "
                                                    f"{self._incumbent.j_per_token:.3g} J/token)", self._incumbent))
@@ -471,13 +499,19 @@ class Tuner:
 
     def _threatened(self, t: float, ratio: float, out: list[Decision]) -> None:
         r = self.regime
+        cfg = self.cfg
         self._undo, self._ref_threatened = (r.floor, r.floor_t, r.best), False
-        r.floor, r.floor_t = max(r.floor, self.idx + 1), t
-        if r.best is not None and r.best < r.floor:
-            r.best = r.floor  # hysteresis: after the back-off, return one level above the one that threatened
+        hits = [x for x in r.strikes.get(self.idx, []) if x > t - cfg.strike_s] + [t]
+        r.strikes[self.idx] = hits
+        barred = len(hits) >= cfg.strikes or self.state == "trial"
+        if barred:
+            r.floor, r.floor_t = max(r.floor, self.idx + 1), t
+            if r.best is not None and r.best < r.floor:
+                r.best = r.floor  # hysteresis: after the back-off, return one level above the one that threatened
         self._end_trial(t)
+        then = "barred for now" if barred else f"strike {len(hits)} of {cfg.strikes}"
         out.append(self._move(t, "backoff", self.ref, f"SLO threatened: p95 at {ratio:.0%} of the SLO over the last "
-                                                      f"{self.cfg.guard_s:g} s; back to the reference at once"))
+                                                      f"{cfg.guard_s:g} s; back to the reference at once ({then})"))
         self._enter("backoff", t)
         self._direction, self._up_tried = -1, False
 
