@@ -38,6 +38,8 @@ class DaemonCounters:
     output_tokens: float
     ttft_cum: tuple[float, ...]  # cumulative bucket counts over LATENCY_EDGES_S, then +Inf
     tpot_cum: tuple[float, ...]
+    upstream_failures: float = 0.0  # requests the proxy could not deliver (the inference server is down)
+    gpu_energy_j: float = 0.0  # all GPU energy since the daemon started: it moves while the daemon samples
 
 
 def fetch_metrics(url: str, timeout_s: float = 5.0) -> str:
@@ -97,7 +99,9 @@ def parse_counters(text: str, t_s: float) -> DaemonCounters:
     tpot, _ = hist("powerprof_request_tpot_seconds")
     _, prompt = hist("powerprof_request_prompt_tokens")
     _, output = hist("powerprof_request_output_tokens")
-    return DaemonCounters(t_s, energy, tokens, finished, active, prompt, output, ttft, tpot)
+    upstream = sum(num(s.value) for s in need("powerprof_proxy_upstream_failures") if s.name.endswith("_total"))
+    gpu = sum(num(s.value) for s in need("powerprof_gpu_energy_joules") if s.name.endswith("_total"))
+    return DaemonCounters(t_s, energy, tokens, finished, active, prompt, output, ttft, tpot, upstream, gpu)
 
 
 def _le(x: str) -> float:

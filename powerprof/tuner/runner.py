@@ -9,6 +9,7 @@ reference level after `stale_s`; dry-run changes nothing and only records recomm
 
 from __future__ import annotations
 
+import dataclasses
 import datetime as _dt
 import logging
 import signal
@@ -136,17 +137,19 @@ class TuneRunner:
         now = self.clock()
         ds: list[Decision] = []
         try:
-            c = self.read()
-            c = DaemonCounters(now, *[getattr(c, f) for f in ("energy_j", "tokens", "finished", "active", "prompt_tokens",
-                                                                "output_tokens", "ttft_cum", "tpot_cum")])
-            if self._last is not None:
-                w = window_between(self._last, c, self.tuner.level)
+            c = dataclasses.replace(self.read(), t_s=now)
+            last, self._last = self._last, c
+            if last is not None:
+                if c.upstream_failures > last.upstream_failures:
+                    raise ObserveError(f"the inference server is failing ({c.upstream_failures - last.upstream_failures:.0f} "
+                                       "requests not delivered)")
+                if c.gpu_energy_j <= last.gpu_energy_j:
+                    raise ObserveError("the daemon's GPU energy has not moved (its sampling stalled?)")
+                w = window_between(last, c, self.tuner.level)
                 ds.extend(self.tuner.observe(w))
-            self._last = c
-            self._last_good_s = now
-            self.metrics.stale.set(0)
+                self._last_good_s = now
+                self.metrics.stale.set(0)
         except ObserveError as e:
-            self._last = None
             if now - self._last_good_s >= self.cfg.stale_s:
                 d = self.tuner.stale(now, f"no trustworthy figures for {now - self._last_good_s:.0f} s ({e})")
                 if d is not None:
