@@ -117,7 +117,7 @@ def window_between(a: DaemonCounters, b: DaemonCounters, level: float) -> Window
 
     def per_bucket(ca, cb):
         d = [y - x for x, y in zip(ca, cb)]
-        return tuple(int(round(d[0])),) + tuple(int(round(d[k] - d[k - 1])) for k in range(1, len(d)))
+        return (int(round(d[0])),) + tuple(int(round(d[k] - d[k - 1])) for k in range(1, len(d)))
 
     fin = b.finished - a.finished
     return Window(
