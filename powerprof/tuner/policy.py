@@ -37,12 +37,12 @@ class TunerConfig:
     min_requests: int = 30  # …and this many finished requests (up to 4 windows are pooled)
     dwell_s: float = 300.0  # minimum time at a level before it is judged or left (the guard excepted)
     accept_ratio: float = 0.6  # a trial level is kept only with its window's p95 ≤ this × SLO (the tail of window p95s is ~1.7× their median)
-    hold_ratio: float = 0.85  # a held level whose window p95 passes this × SLO goes one level up (the band is the hysteresis)
+    hold_ratio: float = 0.8  # a held level whose window p95 passes this × SLO goes one level up (the band is the hysteresis)
     guard_ratio: float = 1.0  # back off at once when the last guard_s's p95 exceeds this × SLO
     guard_s: float = 300.0  # the SLO's own window: shorter p95s swing far more than the SLO does
     guard_min_requests: int = 30
     guard_ticks: int = 1  # consecutive ticks over it before backing off
-    strikes: int = 2  # back-offs at one level within strike_s before it is barred (below it too) for reprobe_s
+    strikes: int = 1  # back-offs at one level within strike_s before it is barred (below it too) for reprobe_s
     strike_s: float = 1800.0
     min_gain: float = 0.05  # a level above must save this share of J/token to be kept…
     max_loss: float = 0.05  # …a level below is kept unless it costs more than this share (docs/tuner.md: the prior)
@@ -50,7 +50,7 @@ class TunerConfig:
     max_step: int = 1  # levels per exploratory move
     max_explore_share: float = 0.5  # of the last explore_horizon_s spent on trials
     explore_horizon_s: float = 3600.0
-    reprobe_s: float = 1800.0  # a converged regime re-tries its neighbours this often
+    reprobe_s: float = 3600.0  # a converged regime re-tries its neighbours this often
     backoff_s: float = 120.0  # hold the reference this long after a back-off
     regime_ratio: float = 1.6  # regime bins: arrival rate and mean lengths in steps of this factor
     regime_margin: float = 0.5  # of a bin: a shift must go this far past the bin's edge
@@ -310,7 +310,9 @@ class Tuner:
             self._guard.popleft()
         g = merge(list(self._guard))
         ratio = slo_ratio(g, self.cfg) if g.requests >= self.cfg.guard_min_requests else None
-        threat = ratio is not None and ratio > self.cfg.guard_ratio
+        # Over half the guard's window, or at once when far over: a p95 of a few seconds of traffic swings widely.
+        threat = ratio is not None and ratio > self.cfg.guard_ratio and (
+            g.duration_s >= self.cfg.guard_s / 2 or ratio > 2 * self.cfg.guard_ratio)
         self._threat_ticks = self._threat_ticks + 1 if threat else 0
         if threat and self.state == "backoff":
             self._ref_threatened = True
@@ -384,14 +386,15 @@ class Tuner:
         stat = judged
         r.stats[self.idx] = stat
         if self.state == "measure":
-            if stat.slo_ratio > cfg.accept_ratio and self.idx < len(cfg.levels) - 1:
+            # The level in force is judged against the holding band; only trials must show the full headroom.
+            if stat.slo_ratio > cfg.hold_ratio and self.idx < len(cfg.levels) - 1:
                 r.floor = max(r.floor, self.idx + 1)
                 r.floor_t = t
                 if r.best is not None and r.best <= self.idx:
                     r.best = None
                 out.append(self._move(t, "backoff", self.idx + 1,
-                                      f"p95 at {stat.slo_ratio:.0%} of the SLO, above the {cfg.accept_ratio:.0%} kept as headroom: one level up",
-                                      stat))
+                                      f"p95 at {stat.slo_ratio:.0%} of the SLO, above the {cfg.hold_ratio:.0%} a held level "
+                                      "may reach: one level up", stat))
                 self._enter("measure", t)
                 return
             self._incumbent, self._incumbent_idx = stat, self.idx
@@ -465,7 +468,12 @@ class Tuner:
                 continue
             j = self.idx + d * cfg.max_step
             j = max(0, min(len(cfg.levels) - 1, j))
-            if j == self.idx or j < r.floor or (j in r.rejected and t - r.rejected[j] < cfg.reprobe_s):
+            known = r.stats.get(j)
+            mine = r.stats.get(self.idx)
+            # Memory: a level above measured recently at more energy per unit of work needs no new trial.
+            costlier = (d > 0 and known is not None and mine is not None and t - known.t_s < cfg.reprobe_s
+                        and known.j_per_work >= mine.j_per_work * (1 - cfg.min_gain))
+            if j == self.idx or j < r.floor or costlier or (j in r.rejected and t - r.rejected[j] < cfg.reprobe_s):
                 if d > 0:
                     self._up_tried = True
                 continue
@@ -535,8 +543,12 @@ class Tuner:
         if w.t_end_s - self._cand_since < cfg.regime_s:
             return
         key = regime_key(feat, cfg.regime_ratio)
-        self._cand_since = None
-        old = self.regime_name
+        started, self._cand_since = self._cand_since, None
+        old, old_key = self.regime_name, self.regime.key
+        if self._undo is not None and self.regime.floor_t >= started - cfg.guard_s:
+            # A back-off while the traffic was already shifting is the new traffic's, not the old regime's.
+            self.regime.floor, self.regime.floor_t, self.regime.best = self._undo
+            self._undo = None
         self.regime = self._regime(key)
         self._end_trial(w.t_end_s)
         self._up_tried, self._direction = False, -1
@@ -546,6 +558,11 @@ class Tuner:
                                                                 f"before: its best level"))
             self._enter("hold", w.t_end_s)
             r.converged_t = w.t_end_s
+        elif old_key is not None and key[0] > old_key[0] and self.idx < len(cfg.levels) - 1:
+            # More load than the level was verified under, and nothing known: one level up before exploring.
+            out.append(self._move(w.t_end_s, "regime", self.idx + 1, f"traffic shifted from {old} to more requests: "
+                                                                    "one level up, then re-explore"))
+            self._enter("measure", w.t_end_s)
         else:
             out.append(self._move(w.t_end_s, "regime", self.idx, f"traffic shifted from {old}: re-explore from here"))
             self._enter("measure", w.t_end_s)
