@@ -1,7 +1,7 @@
 """The tuner against every static power limit, the default and the best static level in hindsight, in virtual time.
 
-    python bench/tuner_eval.py            # seed card, 4 h stationary + 8 h diurnal with a regime shift (~1 min)
-    python bench/tuner_eval.py --json
+    python bench/tuner_eval.py                    # seed card, 4 seeds × (4 h stationary + 8 h diurnal with a shift), ~1 min
+    python bench/tuner_eval.py --seeds 3 --json   # one seed, machine-readable
 
 Simulated seed card (sim profile seed-16g), continuous batching with 64 slots
 (powerprof/sim/virtual.py: the simulator's step costs and DVFS under the cap, event to event
@@ -11,8 +11,9 @@ long-document traffic (prompts ~1500, outputs ~250 tokens, at 0.4× the rate). S
 ≤ 100 ms and TTFT p95 ≤ 5 s. SLO violations: the share of 5-minute windows whose p95 breaks
 either SLO (the SLO is a p95), and the share of requests over either threshold. The oracle is
 the static level with the least J/token among those within 1 point of the default's
-violations. Every acceptance figure of issue 17 is printed with PASS/FAIL; nothing is tuned to
-pass.
+violations. The detailed table is printed for the first seed; the acceptance lines for every
+seed and their mean (one 5-minute window is 2.1 points of a 4 h trace, 1.0 of an 8 h one, so
+single seeds are coarse). Every acceptance figure of issue 17 is printed with PASS/FAIL.
 """
 
 from __future__ import annotations
@@ -46,48 +47,58 @@ def traces(seed: int, hours: float):
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--hours", type=float, default=4.0, help="stationary trace length (the diurnal one is twice it)")
-    ap.add_argument("--seed", type=int, default=3)
+    ap.add_argument("--seeds", default="3,5,7,9", help="comma-separated trace seeds")
     ap.add_argument("--json", action="store_true")
     a = ap.parse_args()
+    seeds = [int(x) for x in a.seeds.split(",")]
     cfg = TunerConfig(levels=LEVELS_W, reference=DEFAULT_W, **SLO)
-    report = {}
     t0 = time.perf_counter()
-    for name, tr in traces(a.seed, a.hours).items():
-        res = evaluate("seed-16g", tr, cfg, DEFAULT_W)
-        report[name] = res
-        if a.json:
-            continue
-        print(f"\n== {name}: {len(tr)} requests over {res['default'].duration_s / 3600:.1f} h (virtual) ==")
-        print(f"{'setting':14s} {'J/token':>8s} {'vs default':>10s} {'windows over SLO':>17s} {'requests over':>14s}")
-        d = res["default"]
-        rows = list(res["static"].values()) + [d, res["tuner"]]
-        for o in rows:
-            mark = "  ← oracle" if res["oracle"] is not None and o is res["static"].get(res["oracle"]) else ""
-            print(f"{o.name:14s} {o.j_per_token:8.3f} {o.j_per_token / d.j_per_token - 1:+10.1%} "
-                  f"{o.win_violation:17.1%} {o.req_violation:14.1%}{mark}")
-        t = res["tuner"]
-        print(f"tuner: {t.explore_s / 60:.0f} min exploring of {t.duration_s / 60:.0f} ({t.explore_s / t.duration_s:.1%}); "
-              f"{sum(1 for x in t.decisions if x.action == 'backoff')} back-offs; time per level (min): "
-              + ", ".join(f"{k:g}: {v / 60:.0f}" for k, v in sorted(t.level_time_s.items())))
+    runs = {}
+    for seed in seeds:
+        for name, tr in traces(seed, a.hours).items():
+            res = evaluate("seed-16g", tr, cfg, DEFAULT_W)
+            runs[(name, seed)] = res
+            if seed == seeds[0] and not a.json:
+                _table(name, seed, tr, res)
     if a.json:
-        print(json.dumps({k: _jsonable(v) for k, v in report.items()}, indent=1))
+        print(json.dumps({f"{n}/{s}": _jsonable(r) for (n, s), r in runs.items()}, indent=1))
         return
-    print("\n== acceptance (issue 17) ==")
-    for name, res in report.items():
-        t, d, oracle = res["tuner"], res["default"], res["oracle"]
-        o = res["static"][oracle] if oracle is not None else None
-        vs_oracle = t.j_per_token / o.j_per_token - 1 if o else float("nan")
+    print("\n== acceptance (issue 17), per seed ==")
+    print(f"{'trace':14s} {'seed':>4s} {'oracle':>6s} {'vs oracle':>9s} {'vs default':>10s} {'Δ windows':>9s} {'exploring':>9s}")
+    sums: dict = {}
+    for (name, seed), res in runs.items():
+        t, d = res["tuner"], res["default"]
+        o = res["static"][res["oracle"]]
+        row = (t.j_per_token / o.j_per_token - 1, 1 - t.j_per_token / d.j_per_token,
+               (t.win_violation - d.win_violation) * 100, t.explore_s / t.duration_s)
+        sums.setdefault(name, []).append(row)
+        print(f"{name:14s} {seed:4d} {res['oracle']:6g} {row[0]:+9.1%} {-row[1]:+10.1%} {row[2]:+8.1f}pp {row[3]:9.0%}")
+    print()
+    for name, rows in sums.items():
+        vo, vd, dv, ex = (sum(r[k] for r in rows) / len(rows) for k in range(4))
         if name == "stationary":
-            print(f"stationary: tuner vs best static ({oracle:g} W): {vs_oracle:+.1%} J/token (want within ±3%): "
-                  f"{'PASS' if vs_oracle <= 0.03 else 'FAIL'}")
+            print(f"stationary, mean of {len(rows)} seeds: tuner vs best static {vo:+.1%} J/token (want within ±3%): "
+                  f"{'PASS' if vo <= 0.03 else 'FAIL'}")
         else:
-            print(f"regime shift: tuner vs best static ({oracle:g} W): {vs_oracle:+.1%} J/token (want ≤ −5%): "
-                  f"{'PASS' if vs_oracle <= -0.05 else 'FAIL'}")
-        save = 1 - t.j_per_token / d.j_per_token
-        extra = t.win_violation - d.win_violation
-        print(f"{name}: tuner vs default: {save:.1%} less J/token (want ≥ 15%) with {extra * 100:+.1f} points of windows "
-              f"over the SLO (want ≤ +1): {'PASS' if save >= 0.15 and extra <= 0.01 else 'FAIL'}")
+            print(f"regime shift, mean of {len(rows)} seeds: tuner vs best static {vo:+.1%} J/token (want ≤ −5%): "
+                  f"{'PASS' if vo <= -0.05 else 'FAIL'}")
+        print(f"{name}, mean: {vd:.1%} less J/token than the default (want ≥ 15%), {dv:+.2f} points of 5-minute windows "
+              f"over the SLO (want ≤ +1): {'PASS' if vd >= 0.15 and dv <= 1.0 else 'FAIL'}; {ex:.0%} of the time exploring")
     print(f"\n(bench ran in {time.perf_counter() - t0:.0f} s)")
+
+
+def _table(name, seed, tr, res) -> None:
+    print(f"\n== {name} (seed {seed}): {len(tr)} requests over {res['default'].duration_s / 3600:.1f} h (virtual) ==")
+    print(f"{'setting':14s} {'J/token':>8s} {'vs default':>10s} {'windows over SLO':>17s} {'requests over':>14s}")
+    d = res["default"]
+    for o in list(res["static"].values()) + [d, res["tuner"]]:
+        mark = "  ← oracle" if res["oracle"] is not None and o is res["static"].get(res["oracle"]) else ""
+        print(f"{o.name:14s} {o.j_per_token:8.3f} {o.j_per_token / d.j_per_token - 1:+10.1%} "
+              f"{o.win_violation:17.1%} {o.req_violation:14.1%}{mark}")
+    t = res["tuner"]
+    print(f"tuner: {t.explore_s / 60:.0f} min exploring of {t.duration_s / 60:.0f} ({t.explore_s / t.duration_s:.1%}); "
+          f"{sum(1 for x in t.decisions if x.action == 'backoff')} back-offs; time per level (min): "
+          + ", ".join(f"{k:g}: {v / 60:.0f}" for k, v in sorted(t.level_time_s.items())))
 
 
 def _jsonable(res: dict) -> dict:
