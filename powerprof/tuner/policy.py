@@ -300,6 +300,7 @@ class Tuner:
         if self.state == "stale":
             out.append(self._decide(w.t_end_s, "resume", self.idx, "daemon figures are back: hold the reference, then resume"))
             self._enter("backoff", w.t_end_s)
+            self.since_s = w.t_end_s  # the back-off's hold counts from now
         if self.state == "trial":
             self.explore_s += w.duration_s
         self._track_regime(w, out)
