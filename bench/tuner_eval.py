@@ -34,12 +34,19 @@ from powerprof.workload.trace import LengthMix, diurnal, synthetic  # noqa: E402
 LEVELS_W = (150, 170, 190, 210, 230, 250, 270, 300)
 DEFAULT_W = 300
 SLO = {"tpot_p95_ms": 100.0, "ttft_p95_ms": 5000.0}
+# card: (profile, knob, levels, reference/default, SLO, traffic scale). The H200's cap barely binds in
+# decode: locked SM clocks (MHz) are its knob, and it serves three times the seed card's traffic.
+CARDS = {
+    "seed": ("seed-16g", "power", LEVELS_W, DEFAULT_W, SLO, 1.0),
+    "h200": ("h200-141g", "clock", (900, 1100, 1300, 1500, 1700, 1980), 1980,
+             {"tpot_p95_ms": 60.0, "ttft_p95_ms": 5000.0}, 3.0),
+}
 
 
-def traces(seed: int, hours: float):
-    stationary = synthetic(int(hours * 3600 * 1.0), 1.0, prompt_median=400, output_median=80, seed=seed)
+def traces(seed: int, hours: float, scale: float = 1.0):
+    stationary = synthetic(int(hours * 3600 * scale), scale, prompt_median=400, output_median=80, seed=seed)
     day = 2 * hours * 3600
-    shifted = diurnal(day, 0.8, amplitude=0.5, period_s=day, mix=LengthMix(400, 1.0, 80, 0.8),
+    shifted = diurnal(day, 0.8 * scale, amplitude=0.5, period_s=day, mix=LengthMix(400, 1.0, 80, 0.8),
                       shift_at_s=day / 2, shift_mix=LengthMix(1500, 0.8, 250, 0.6), shift_rate_factor=0.4, seed=seed + 1)
     return {"stationary": stationary, "diurnal_shift": shifted}
 
@@ -48,15 +55,21 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--hours", type=float, default=4.0, help="stationary trace length (the diurnal one is twice it)")
     ap.add_argument("--seeds", default="3,5,7,9", help="comma-separated trace seeds")
+    ap.add_argument("--card", choices=sorted(CARDS), default="seed",
+                    help="seed: seed-16g, power limits; h200: h200-141g, locked SM clocks, 3x the traffic")
     ap.add_argument("--json", action="store_true")
     a = ap.parse_args()
     seeds = [int(x) for x in a.seeds.split(",")]
-    cfg = TunerConfig(levels=LEVELS_W, reference=DEFAULT_W, **SLO)
+    profile, knob, levels, default, slo, scale = CARDS[a.card]
+    cfg = TunerConfig(levels=levels, reference=default, knob=knob, **slo)
+    if not a.json:
+        print(f"{profile}: {knob} levels {', '.join(map(str, levels))} {cfg.unit}, default {default}; SLO TPOT p95 ≤ "
+              f"{slo['tpot_p95_ms']:g} ms, TTFT p95 ≤ {slo['ttft_p95_ms']:g} ms; traffic ×{scale:g}")
     t0 = time.perf_counter()
     runs = {}
     for seed in seeds:
-        for name, tr in traces(seed, a.hours).items():
-            res = evaluate("seed-16g", tr, cfg, DEFAULT_W)
+        for name, tr in traces(seed, a.hours, scale).items():
+            res = evaluate(profile, tr, cfg, default)
             runs[(name, seed)] = res
             if seed == seeds[0] and not a.json:
                 _table(name, seed, tr, res)
