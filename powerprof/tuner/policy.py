@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import math
 from collections import deque
-from dataclasses import dataclass, field, fields, replace
+from dataclasses import dataclass, field, fields
 
 import numpy as np
 
@@ -324,6 +324,10 @@ class Tuner:
         self._step(w.t_end_s, out)
         return out
 
+    def note(self, t_s: float, action: str, reason: str) -> Decision:
+        """Record something the caller did at the current level (the start, say)."""
+        return self._decide(t_s, action, self.idx, reason)
+
     def kill(self, t_s: float, why: str = "kill switch (SIGUSR1)") -> Decision:
         d = self._move(t_s, "kill", self.ref, why + ": back to the reference and hold")
         self._enter("killed", t_s)
@@ -627,7 +631,3 @@ def config_from_table(table: dict, levels: list[float], reference: float | None 
     lv = sorted(float(x) for x in levels)
     ref = float(reference) if reference is not None else lv[-1]
     return TunerConfig(levels=tuple(lv), reference=ref, **kw)
-
-
-__all__ = ["TunerConfig", "TunerConfigError", "Window", "Decision", "Tuner", "merge", "histogram_counts",
-           "histogram_quantile", "j_per_token", "slo_ratio", "regime_features", "config_from_table", "replace"]

@@ -119,7 +119,7 @@ class TuneRunner:
 
     def start(self) -> None:
         """The reference level first: the tuner starts from the known-safe setting."""
-        d = self.tuner._decide(self.clock(), "start", self.tuner.ref, "tuner started at the reference level")
+        d = self.tuner.note(self.clock(), "start", "tuner started at the reference level")
         self._apply(self.tuner.level)
         self._record([d])
         self.metrics.level.labels(self.cfg.knob).set(self.tuner.level)
