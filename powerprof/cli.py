@@ -290,25 +290,42 @@ def tune(metrics_url, config_path, levels, reference, tpot_p95_ms, ttft_p95_ms, 
         table["reference"] = reference
     gpus = gpus or [0]
     stop = threading.Event()
+
+    def run_tuner(rig, ctl, resolve):
+        import time as _time
+
+        cfg = make_config(table, resolve)
+        runner = TuneRunner(cfg, lambda: parse_counters(fetch_metrics(metrics_url), _time.monotonic()),
+                            ctl=None if cfg.dry_run else ctl, gpus=gpus,
+                            out_dir=out_dir if out_dir is not None else state_dir() / "tuner")
+        install_kill_switch(runner)
+        if metrics_port is not None:
+            from prometheus_client import start_http_server
+
+            start_http_server(metrics_port, addr="127.0.0.1", registry=runner.metrics.registry)
+        for note in rig.notes:
+            click.echo(f"NOTE: {note}", err=True)
+        click.echo(f"tuning GPUs {','.join(map(str, gpus))}: levels {', '.join(f'{x:g}' for x in cfg.levels)} {cfg.unit}, "
+                   f"reference {cfg.reference:g}{' (dry run: recommendations only)' if cfg.dry_run else ''}", err=True)
+        runner.run(stop, duration_s)
+
     with Rig(simulate, gpus=gpus) as rig:
         try:
-            with rig.controller(gpus) as ctl:
-                cfg = make_config(table, ctl)
-                import time as _time
+            if table.get("dry_run") is True:
+                # Nothing will be set: no controller, no lock, no permission needed; levels checked read-only.
+                def plan_levels(knob, spec):
+                    p = rig.plan(gpus, power_levels=spec) if knob == "power" else rig.plan(gpus, clock_levels=spec)
+                    return list(p.power_levels_w) if knob == "power" else list(p.clock_levels_mhz)
 
-                runner = TuneRunner(cfg, lambda: parse_counters(fetch_metrics(metrics_url), _time.monotonic()),
-                                    ctl=None if cfg.dry_run else ctl, gpus=gpus,
-                                    out_dir=out_dir if out_dir is not None else state_dir() / "tuner")
-                install_kill_switch(runner)
-                if metrics_port is not None:
-                    from prometheus_client import start_http_server
+                import signal as _signal
 
-                    start_http_server(metrics_port, addr="127.0.0.1", registry=runner.metrics.registry)
-                for note in rig.notes:
-                    click.echo(f"NOTE: {note}", err=True)
-                click.echo(f"tuning GPUs {','.join(map(str, gpus))}: levels {', '.join(f'{x:g}' for x in cfg.levels)} {cfg.unit}, "
-                           f"reference {cfg.reference:g}{' (dry run: recommendations only)' if cfg.dry_run else ''}", err=True)
-                runner.run(stop, duration_s)
+                for sig in (_signal.SIGTERM, _signal.SIGINT):
+                    _signal.signal(sig, lambda *_: stop.set())  # nothing to put back: just stop
+                run_tuner(rig, None, plan_levels)
+            else:
+                with rig.controller(gpus) as ctl:
+                    run_tuner(rig, ctl, lambda knob, spec: ctl.parse_power_levels(spec) if knob == "power"
+                              else ctl.parse_clock_levels(spec))
         except (TunerConfigError, LevelError) as e:
             raise click.UsageError(str(e)) from None
         except ControlError as e:

@@ -207,3 +207,47 @@ def test_sigusr1_goes_to_the_reference_and_holds_while_running(tmp_path, operato
             proc.send_signal(signal.SIGTERM)
             proc.communicate(timeout=30)
     assert _sim_limit_w() == operator_limit
+
+
+def test_dry_run_needs_no_privilege_and_changes_nothing(tmp_path, monkeypatch):
+    monkeypatch.setenv("POWERPROF_SIM_UNPRIVILEGED", "1")  # the simulator refuses every set, as for a normal user
+    with FakeDaemon() as fd:
+        r = subprocess.run([sys.executable, "-m", "powerprof.cli", "tune", "--simulate", "--daemon-metrics", fd.url,
+                            "--levels", "150,200,250,300", "--tpot-p95-ms", "100", "--dry-run", "--duration", "1.5",
+                            "--out", str(tmp_path / "d")], capture_output=True, text=True, timeout=60)
+    assert r.returncode == 0, r.stderr
+    assert "dry run" in r.stderr
+    rows = pq.read_table(tmp_path / "d").to_pylist()
+    assert rows[0]["action"] == "start" and rows[0]["applied"] is False
+    assert _sim_limit_w() == 300.0
+
+
+@pytest.mark.parametrize("args,msg", [
+    (["--levels", "150,999", "--tpot-p95-ms", "100"], "999"),
+    (["--levels", "150,300"], "set an SLO"),
+    (["--levels", "150,300", "--tpot-p95-ms", "100", "--reference", "200"], "not one of the levels"),
+])
+def test_bad_tuner_settings_exit_2_and_change_nothing(tmp_path, args, msg):
+    r = subprocess.run([sys.executable, "-m", "powerprof.cli", "tune", "--simulate", "--daemon-metrics",
+                        "http://127.0.0.1:1/metrics", "--out", str(tmp_path / "d"), *args],
+                       capture_output=True, text=True, timeout=60)
+    assert r.returncode == 2, r.stderr
+    assert msg in r.stderr and "Traceback" not in r.stderr
+    assert _sim_limit_w() == 300.0 and not (tmp_path / "d").exists()
+
+
+def test_a_config_file_others_can_write_is_refused_as_root(tmp_path):
+    from powerprof.tuner.policy import TunerConfigError
+    from powerprof.tuner.setup import load_table
+
+    f = tmp_path / "tuner.toml"
+    f.write_text("[tuner]\ntpot_p95_ms = 100\n")
+    f.chmod(0o666)
+    with pytest.raises(TunerConfigError, match="owned by uid|writable by group or others"):
+        load_table(f, euid=0)
+    f.chmod(0o644)
+    if f.stat().st_uid == 0:
+        assert load_table(f, euid=0) == {"tpot_p95_ms": 100}
+    with pytest.raises(TunerConfigError, match="only \\[tuner\\]"):
+        f.write_text("[daemon]\nx = 1\n")
+        load_table(f, euid=f.stat().st_uid)

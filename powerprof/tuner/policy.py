@@ -261,7 +261,6 @@ class Tuner:
         self.state_since_s = t_s
         self.regimes: dict = {}
         self.regime = self._regime(None)
-        self._cand_key = None
         self._cand_since = None
         self._recent: deque[Window] = deque()  # every level, for the regime features
         self._guard: deque[Window] = deque()  # the current level's last guard_s
@@ -275,7 +274,7 @@ class Tuner:
         self._undo: tuple | None = None  # (floor, floor_t, best) before the last back-off
         self._trials: deque[tuple[float, float]] = deque()  # (start, end) of trials
         self.explore_s = 0.0  # total time spent on trials
-        self.decisions: list[Decision] = []
+        self.decisions: deque[Decision] = deque(maxlen=10_000)  # the latest, for callers; a live run keeps its dataset
 
     # --- what callers read ------------------------------------------------------------------
 

@@ -16,6 +16,7 @@ import signal
 import socket
 import threading
 import time
+from collections import deque
 from pathlib import Path
 from typing import Callable
 
@@ -37,7 +38,7 @@ class DecisionLog:
         self.out_dir = Path(out_dir) if out_dir is not None else None
         self.gpus = ",".join(str(g) for g in gpus)
         self.knob = knob
-        self.rows: list[dict] = []
+        self.rows: deque[dict] = deque(maxlen=1000)  # the latest, in memory; all of them in the dataset
         self._unflushed: list[dict] = []
         self.host = socket.gethostname()
 

@@ -41,13 +41,15 @@ def load_table(path: Path | None, euid: int | None = None) -> dict:
     return dict(t)
 
 
-def make_config(table: dict, ctl) -> TunerConfig:
-    """Levels (a spec string or a list) resolved by the controller against the GPUs' ranges, then the whole config checked."""
+def make_config(table: dict, resolve) -> TunerConfig:
+    """Levels (a spec string or a list) resolved against the GPUs' ranges by `resolve(knob, spec)` (the
+    controller's parser, or the read-only plan in dry-run), then the whole config checked."""
     spec = table.get("levels")
     if spec is None:
         raise TunerConfigError("tuner.levels: give the allowed levels (--levels or levels = ... in [tuner])")
     knob = table.get("knob", "power")
+    if knob not in ("power", "clock"):
+        raise TunerConfigError("tuner.knob: power or clock")
     if isinstance(spec, list):
         spec = ",".join(str(x) for x in spec)
-    levels = ctl.parse_power_levels(str(spec)) if knob == "power" else ctl.parse_clock_levels(str(spec))
-    return config_from_table(table, levels, table.get("reference"))
+    return config_from_table(table, resolve(knob, str(spec)), table.get("reference"))
