@@ -267,3 +267,21 @@ def test_a_prompt_hold_is_not_cut_short_by_the_shorter_scrape_hold():
     led.advance(int(22.5 * S))
     rows = sink.rows["intervals"]
     assert len(rows) == 22 and sum(r["prefill_tokens"] for r in rows) == pytest.approx(5000.0)
+
+
+def test_tokens_in_an_interval_without_energy_give_no_zero_j_per_token():
+    # The counter did not move over the request (a stale or stuck counter): no 0 J posing as a figure.
+    sink = Sink()
+    led = Ledger("d", 0, 1, sink, grace_s=0.1)
+    a = _trace(1, 0.1)
+    led.on_start(a)
+    led.on_tokens(a, int(0.5 * S), 3)
+    a.first_ns, a.last_ns, a.end_ns = int(0.5 * S), int(0.5 * S), int(0.6 * S)
+    a.counts = Counts(generated_tokens=3, prompt_tokens=10, model=None, stop_reason=None, token_source="usage")
+    led.on_end(a)
+    _feed(led, 0.0, 500.0)
+    _feed(led, 1.0, 500.0)
+    led.advance(int(1.5 * S))
+    row = sink.rows["requests"][0]
+    assert row["attributed_tokens"] == 3
+    assert row["gpu_energy_j"] is None and row["gpu_j_per_token"] is None and "no share" in row["energy_note"]

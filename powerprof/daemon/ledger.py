@@ -585,7 +585,7 @@ class Ledger:
             "cpu_energy_j": r.cpu_j if r.cpu_known and not r.cpu_missing and r.gpu_j > 0 else None,
             "energy_note": None if r.gpu_j > 0 else _no_energy_reason(r),
             "attributed_tokens": r.tokens,
-            "gpu_j_per_token": float(attr.per_token(r.gpu_j, r.tokens)) if r.tokens > 0 else None,
+            "gpu_j_per_token": float(attr.per_token(r.gpu_j, r.tokens)) if r.tokens > 0 and r.gpu_j > 0 else None,
             "recorder_error": tr.recorder_error,
         }
 
