@@ -280,7 +280,7 @@ class TuneRunner:
         if self.cfg.dry_run or self.ctl is None:
             to, why = self.tuner.level, "dry run stopped: nothing was set"
         else:
-            orig = self.ctl.original_limits_w() if self.cfg.knob == "power" else ()
+            orig = self.ctl.original_limits_w if self.cfg.knob == "power" else ()
             to = orig[0] if orig else self.tuner.level
             why = ("tuner stopped: the controller puts back the original limits "
                    f"({', '.join(f'{x:g} W' for x in orig)}) and releases clock locks")
