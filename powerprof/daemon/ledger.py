@@ -36,6 +36,7 @@ SPREAD_EVENTS = 64  # a non-streamed response's tokens are spread as this many e
 PROMPT_HOLD_S = 30.0  # hold intervals this long at most for a live request's prompt length
 BYPASS_FIT_SHARE = 0.25  # intervals whose bypass tokens exceed this share of the proxied ones stay out of the fit
 SCRAPE_HOLD_S = 10.0  # and this long at most for the server's counter to be scraped past them
+CREDIT_S = 3.0  # proxied tokens the server has not counted yet stay as credit this long (its counter lags)
 
 
 @dataclass
@@ -122,7 +123,7 @@ class Ledger:
         self._proxied: deque = deque()  # (t_ns, tokens) of every proxied token event, for the scrape windows
         self.server_seen = False
         self.server_upto_ns: int | None = None
-        self._credit: deque = deque()  # proxied tokens per recent interval, not yet seen by the server
+        self._credit: deque = deque()  # (window end, proxied tokens) of recent scrape windows, not yet seen by the server
         self._debit = 0.0
         self._gpu_total = np.zeros(n_gpus)
         self._cpu_total: float | None = None
@@ -318,17 +319,18 @@ class Ledger:
             ev_n.extend(r.ev_n)
             before = r.spent + np.cumsum(r.ev_n) - np.asarray(r.ev_n, dtype=float) if r.ev_n else []
             ev_c.extend(prompt[i] + np.asarray(before, dtype=float))
-        excess = None
+        excess = bypass_spans = None
         ev_t_a, ev_r_a, ev_n_a = np.array(ev_t, dtype=np.int64), np.array(ev_r, dtype=np.int64), np.array(ev_n, dtype=float)
         if self.server_seen:
-            excess = self._bypass_tokens(t)
+            excess, bypass_spans = self._bypass_tokens(t)
         setting = edges[-1].setting
         costs = self.learner.costs(setting)
         # The third column marks intervals without CPU energy: a request given a share of one
         # has no CPU figure (rather than a partial, smaller one).
         energy = np.column_stack([gpu, np.nan_to_num(cpu), np.isnan(cpu)])
         a = attr.attribute(t, energy, arrival, first, last, end, ev_t_a, ev_r_a, ev_n_a, excess,
-                           prompt_tokens=prompt, tok_ctx=np.array(ev_c, dtype=float), costs=costs)
+                           prompt_tokens=prompt, tok_ctx=np.array(ev_c, dtype=float), costs=costs,
+                           bypass_spans=bypass_spans)
         # Bypass tokens' prompts are unseen: an interval mostly of bypass work would bias the fit.
         usable = np.array([m == "counter" for m in methods])
         if excess is not None:
@@ -357,8 +359,9 @@ class Ledger:
                 del self.requests[r.trace.request_id]
         self.emit("requests", rows)
 
-    def _bypass_tokens(self, t: np.ndarray) -> np.ndarray:
-        """(K,) tokens the server counted beyond the proxy's in each interval (bypass traffic).
+    def _bypass_tokens(self, t: np.ndarray) -> tuple[np.ndarray, tuple[np.ndarray, np.ndarray]]:
+        """(K,) tokens the server counted beyond the proxy's in each interval (bypass traffic), and
+        the (start, end) of the scrape windows they came from (the time bypass traffic ran in).
 
         Compared scrape by scrape (the server's counter and the proxy's tokens over the same
         window, which is exact), then each window's excess is spread evenly over the time it covers."""
@@ -367,12 +370,13 @@ class Ledger:
             pt = np.fromiter((x[0] for x in self._proxied), dtype=np.int64, count=len(self._proxied))
             pn = np.fromiter((x[1] for x in self._proxied), dtype=float, count=len(self._proxied))
             proxied = np.array([pn[(pt > sp[0]) & (pt <= sp[1])].sum() for sp in fresh])
-            for sp, ex in zip(fresh, self._server_excess(np.array([sp[2] for sp in fresh]), proxied)):
+            ends = np.array([sp[1] for sp in fresh], dtype=np.int64)
+            for sp, ex in zip(fresh, self._server_excess(np.array([sp[2] for sp in fresh]), proxied, ends)):
                 sp[3] = float(ex)
         out = np.zeros(t.size - 1)
-        spans = [sp for sp in self.server_spans if sp[3] > 0]
+        spans = [sp for sp in self.server_spans if sp[3] > 0 and sp[1] > t[0] and sp[0] < t[-1]]
+        sp = np.array([x[:2] for x in spans], dtype=np.int64).reshape(-1, 2)
         if spans:
-            sp = np.array([x[:2] for x in spans], dtype=np.int64)
             ex = np.array([x[3] for x in spans])
             over = attr.span_overlap_s(t, sp[:, 0], sp[:, 1])
             out = (over * (ex / ((sp[:, 1] - sp[:, 0]) / 1e9))[:, None]).sum(axis=0)
@@ -381,19 +385,24 @@ class Ledger:
         keep_from = min([x[0] for x in self.server_spans], default=int(t[-1]))
         while self._proxied and self._proxied[0][0] <= keep_from - int(SCRAPE_HOLD_S * 1e9):
             self._proxied.popleft()
-        return out
+        return out, (sp[:, 0], sp[:, 1])
 
-    def _server_excess(self, server: np.ndarray, proxied: np.ndarray) -> np.ndarray:
+    def _server_excess(self, server: np.ndarray, proxied: np.ndarray, ends_ns: np.ndarray) -> np.ndarray:
         """Server-counted tokens beyond what the proxy saw, per scrape window: bypass traffic.
 
-        The server's counter lags the stream by up to a scrape, so proxied tokens not yet
-        matched are carried as credit, for a few intervals only (a server that under-counts,
-        such as llama.cpp's /slots missing short requests, must not hide bypass traffic forever).
+        The server counts a token when its step ends; the proxy sees it a little later, maybe in the
+        next window (later still on a loaded machine). So a window's proxied tokens not yet matched
+        by the server are carried as credit for CREDIT_S seconds (not longer: a server that
+        under-counts, such as llama.cpp's /slots missing short requests, must not hide bypass
+        traffic forever), and the server's count is matched against them first.
         """
         out = np.zeros_like(server)
+        credit_ns = int(CREDIT_S * 1e9)
         for k in range(server.size):
-            self._credit.append(float(proxied[k]))
-            balance = sum(self._credit) - self._debit
+            while self._credit and self._credit[0][0] < ends_ns[k] - credit_ns:
+                self._debit = max(0.0, self._debit - self._credit.popleft()[1])
+            self._credit.append((int(ends_ns[k]), float(proxied[k])))
+            balance = sum(c for _, c in self._credit) - self._debit
             diff = server[k] - balance
             if diff > 0:
                 out[k] = diff
@@ -401,8 +410,6 @@ class Ledger:
                 self._debit = 0.0
             else:
                 self._debit += server[k]
-            if len(self._credit) > 3:
-                self._debit = max(0.0, self._debit - self._credit.popleft())
         return out
 
     def _account(self, t, per_gpu, gpu, cpu, a: attr.Attribution, methods: list[str], costs: attr.WorkCosts) -> None:
