@@ -142,3 +142,13 @@ def test_sweep_trace_writes_a_run_directory_that_analyze_and_export_read(tmp_pat
                         str(tmp_path / "csv")], capture_output=True, text=True, timeout=300, env=env)
     assert e.returncode == 0, e.stderr
     assert "trace" in (tmp_path / "csv" / "windows.csv").read_text()
+    # Another trace's run is other traffic: not pooled with this one.
+    import shutil
+
+    other = tmp_path / "other"
+    shutil.copytree(run, other, ignore=shutil.ignore_patterns("analysis"))
+    meta["trace"]["sha256"] = "0" * 64
+    (other / "run.json").write_text(json.dumps(meta))
+    a = subprocess.run([sys.executable, "-m", "powerprof.cli", "analyze", str(run), str(other)], capture_output=True,
+                       text=True, timeout=300, env=env)
+    assert a.returncode != 0 and "differ in traffic" in a.stderr

@@ -36,7 +36,8 @@ SPREAD_EVENTS = 64  # a non-streamed response's tokens are spread as this many e
 PROMPT_HOLD_S = 30.0  # hold intervals this long at most for a live request's prompt length
 BYPASS_FIT_SHARE = 0.25  # intervals whose bypass tokens exceed this share of the proxied ones stay out of the fit
 SCRAPE_HOLD_S = 10.0  # and this long at most for the server's counter to be scraped past them
-CREDIT_S = 3.0  # proxied tokens the server has not counted yet stay as credit this long (its counter lags)
+LAG_S = 1.0  # the proxy may see a token this long after the server counted it (a loaded host)
+CREDIT_S = 3.0  # a higher server-minus-proxy level is held this long before a lower one replaces it
 
 
 @dataclass
@@ -123,8 +124,9 @@ class Ledger:
         self._proxied: deque = deque()  # (t_ns, tokens) of every proxied token event, for the scrape windows
         self.server_seen = False
         self.server_upto_ns: int | None = None
-        self._credit: deque = deque()  # (window end, proxied tokens) of recent scrape windows, not yet seen by the server
-        self._debit = 0.0
+        self._gap = 0.0  # server minus proxied tokens, cumulative, to the end of the last resolved window
+        self._levels: deque = deque()  # (window end, bypass level) of recent windows
+        self._level = 0.0  # the latest window's level
         self._gpu_total = np.zeros(n_gpus)
         self._cpu_total: float | None = None
         self._by_kind = np.zeros(4)
@@ -239,8 +241,11 @@ class Ledger:
         if unknown:
             horizon = max(min(horizon, min(unknown)), now_ns - self.prompt_hold_ns)
         if self.server_upto_ns is not None:
-            # Bypass tokens are known once the server's counter has been scraped past the interval.
-            horizon = max(min(horizon, self.server_upto_ns), now_ns - int(SCRAPE_HOLD_S * 1e9))
+            # Bypass tokens are known once the server's counter has been scraped past the interval
+            # and LAG_S beyond (the proxy's late view of the same tokens).
+            self._resolve_spans(self.server_upto_ns)
+            known = min((sp[0] for sp in self.server_spans if sp[3] is None), default=self.server_upto_ns)
+            horizon = max(min(horizon, known), now_ns - int(SCRAPE_HOLD_S * 1e9))
         n = 0
         while n + 1 < len(self.edges) and self.edges[n + 1].t_ns <= horizon:
             n += 1
@@ -363,18 +368,12 @@ class Ledger:
         """(K,) tokens the server counted beyond the proxy's in each interval (bypass traffic), and
         the (start, end) of the scrape windows they came from (the time bypass traffic ran in).
 
-        Compared scrape by scrape (the server's counter and the proxy's tokens over the same
-        window, which is exact), then each window's excess is spread evenly over the time it covers."""
-        fresh = [sp for sp in self.server_spans if sp[3] is None]
-        if fresh:
-            pt = np.fromiter((x[0] for x in self._proxied), dtype=np.int64, count=len(self._proxied))
-            pn = np.fromiter((x[1] for x in self._proxied), dtype=float, count=len(self._proxied))
-            proxied = np.array([pn[(pt > sp[0]) & (pt <= sp[1])].sum() for sp in fresh])
-            ends = np.array([sp[1] for sp in fresh], dtype=np.int64)
-            for sp, ex in zip(fresh, self._server_excess(np.array([sp[2] for sp in fresh]), proxied, ends)):
-                sp[3] = float(ex)
+        Each scrape window's bypass tokens (`_resolve_spans`) are spread evenly over the time it
+        covers. Windows overlapping these intervals are resolved now with what is known (their
+        lag margin is cut short only when the intervals could not be held longer)."""
+        self._resolve_spans(int(t[-1]), force=True)
         out = np.zeros(t.size - 1)
-        spans = [sp for sp in self.server_spans if sp[3] > 0 and sp[1] > t[0] and sp[0] < t[-1]]
+        spans = [sp for sp in self.server_spans if sp[3] is not None and sp[3] > 0 and sp[1] > t[0] and sp[0] < t[-1]]
         sp = np.array([x[:2] for x in spans], dtype=np.int64).reshape(-1, 2)
         if spans:
             ex = np.array([x[3] for x in spans])
@@ -387,30 +386,44 @@ class Ledger:
             self._proxied.popleft()
         return out, (sp[:, 0], sp[:, 1])
 
-    def _server_excess(self, server: np.ndarray, proxied: np.ndarray, ends_ns: np.ndarray) -> np.ndarray:
-        """Server-counted tokens beyond what the proxy saw, per scrape window: bypass traffic.
+    def _resolve_spans(self, upto_ns: int, force: bool = False) -> None:
+        """Bypass tokens of each scrape window: how far the server's count rose beyond the proxy's.
 
-        The server counts a token when its step ends; the proxy sees it a little later, maybe in the
-        next window (later still on a loaded machine). So a window's proxied tokens not yet matched
-        by the server are carried as credit for CREDIT_S seconds (not longer: a server that
-        under-counts, such as llama.cpp's /slots missing short requests, must not hide bypass
-        traffic forever), and the server's count is matched against them first.
-        """
-        out = np.zeros_like(server)
-        credit_ns = int(CREDIT_S * 1e9)
-        for k in range(server.size):
-            while self._credit and self._credit[0][0] < ends_ns[k] - credit_ns:
-                self._debit = max(0.0, self._debit - self._credit.popleft()[1])
-            self._credit.append((int(ends_ns[k]), float(proxied[k])))
-            balance = sum(c for _, c in self._credit) - self._debit
-            diff = server[k] - balance
-            if diff > 0:
-                out[k] = diff
-                self._credit.clear()
-                self._debit = 0.0
-            else:
-                self._debit += server[k]
-        return out
+        The gap G (server minus proxied tokens, cumulative) is bypass tokens B (never falling) plus
+        a lag L >= 0: the server counts a token when its step ends, the proxy sees it a little later
+        (later still on a loaded host), maybe in the next window. So a window's level is the lowest
+        gap over the LAG_S after its end (the lag gone, B still there), and its bypass tokens are
+        how far that level rises above the highest level of the last CREDIT_S (a lag longer than
+        LAG_S then only moves tokens between windows). Not longer: a server that under-counts
+        (llama.cpp's /slots without --metrics) lowers the gap for good and must not hide bypass
+        traffic for ever. A window is resolved once a scrape LAG_S after it exists, or, with
+        `force`, when it starts before `upto_ns` (its intervals are closing)."""
+        lag_ns, credit_ns = int(LAG_S * 1e9), int(CREDIT_S * 1e9)
+        todo = [sp for sp in self.server_spans if sp[3] is None]
+        if not todo:
+            return
+        # The proxy's tokens per window are counted now, not at the scrape: a token event may be
+        # recorded after a scrape that its timestamp precedes (a non-streamed body's, spread back).
+        pt = np.fromiter((x[0] for x in self._proxied), dtype=np.int64, count=len(self._proxied))
+        pn = np.fromiter((x[1] for x in self._proxied), dtype=float, count=len(self._proxied))
+        order = np.argsort(pt, kind="stable")
+        pt, cum = pt[order], np.concatenate([[0.0], np.cumsum(pn[order])])
+        t0 = np.searchsorted(pt, [sp[0] for sp in todo], side="right")
+        t1 = np.searchsorted(pt, [sp[1] for sp in todo], side="right")
+        gaps = self._gap + np.cumsum([sp[2] for sp in todo] - (cum[t1] - cum[t0]))
+        ends = np.array([sp[1] for sp in todo], dtype=np.int64)
+        last = self.server_spans[-1][1]
+        for k, sp in enumerate(todo):
+            if not (sp[1] + lag_ns <= last or (force and sp[0] < upto_ns)):
+                break
+            level = float(gaps[k:][ends[k:] <= sp[1] + lag_ns].min())
+            while self._levels and self._levels[0][0] < sp[1] - credit_ns:
+                self._levels.popleft()
+            ref = max([x[1] for x in self._levels], default=self._level)
+            sp[3] = max(0.0, level - ref)
+            self._levels.append((sp[1], level))
+            self._level = level
+            self._gap = float(gaps[k])
 
     def _account(self, t, per_gpu, gpu, cpu, a: attr.Attribution, methods: list[str], costs: attr.WorkCosts) -> None:
         self._gpu_total = self._gpu_total + np.nan_to_num(per_gpu).sum(axis=0)
