@@ -1125,8 +1125,9 @@ def main(argv: list[str] | None = None) -> int:
                     help="NVML index of the GPU to check (default: the first one CUDA_VISIBLE_DEVICES allows).")
     ap.add_argument("--simulate", nargs="?", const=DEFAULT_PROFILE, default=None,
                     help=f"Simulated GPU profile (default {DEFAULT_PROFILE}) and, unless --model, the simulated server.")
-    ap.add_argument("--model", choices=["tiny", "1b", "3b", "8b"], default=None,
-                    help="Decode server model shape (default 8b on a GPU; with --simulate: the simulated server).")
+    ap.add_argument("--model", choices=["tiny", "1b", "3b", "8b", "fake"], default=None,
+                    help="Decode server model shape (default 8b on a GPU; with --simulate: the simulated server). "
+                         "fake: bench/gpu_check_server.py without torch, a fixed time per step (tests its paths in CI).")
     ap.add_argument("--quick", action="store_true", help="Shorter phases (the simulator test).")
     ap.add_argument("--budget-s", type=float, default=270.0, help="Skip parts that would overrun this many seconds.")
     ap.add_argument("--server-timeout-s", type=float, default=180.0, help="Longest wait for the model to load.")

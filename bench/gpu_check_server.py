@@ -48,6 +48,9 @@ SIZES = {
     "8b": dict(hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32,
                num_key_value_heads=8, vocab_size=128256),
 }
+# No torch, no model: a fixed time per step. The server, batching, streaming and timing paths are the same,
+# so CI (which has no torch) runs them end to end; only the GPU load is missing.
+FAKE = "fake"
 PAD_ID, BOS_ID, EOS_ID, BYTE_OFFSET = 0, 1, 2, 3
 MAX_PROMPT_TOKENS = 2048
 OWNER = "powerprof-gpu-check"
@@ -111,6 +114,25 @@ def build_model(size: str, device: str):
     model.generation_config.pad_token_id = PAD_ID
     n_params = sum(p.numel() for p in model.parameters())
     return model, n_params, str(dtype).replace("torch.", "")
+
+
+class FakeModel:
+    """A torch-free stand-in for generate(): `step_ms` per decode step (more with a bigger batch), ids from the prompt."""
+
+    dtype = "none"
+
+    def __init__(self, step_ms: float = 8.0, per_seq_ms: float = 0.5, prefill_ms_per_token: float = 0.02):
+        self.step_s, self.per_seq_s, self.prefill_s = step_ms / 1e3, per_seq_ms / 1e3, prefill_ms_per_token / 1e3
+
+    def decode(self, batch: list["Job"], n_new: int, streamer) -> None:
+        import numpy as np
+
+        streamer.put(None)  # the prompt, as generate() hands it over first
+        time.sleep(self.prefill_s * sum(len(j.ids) for j in batch))
+        for k in range(n_new):
+            time.sleep(self.step_s + self.per_seq_s * len(batch))
+            streamer.put(np.array([BYTE_OFFSET + (len(j.ids) + k) % 256 for j in batch]))
+        streamer.end()
 
 
 class _AllGone(Exception):
@@ -200,6 +222,8 @@ class Engine:
         For the sensor-coverage part of the check: a power sensor that sees only part of each period
         (Yang et al., SC'24) reports different energy for the same bursts at different phases.
         """
+        if isinstance(self.model, FakeModel):
+            raise RuntimeError("the fake model puts no load on any device: no pulse")
         import torch
 
         if self._pulse_x is None:
@@ -226,24 +250,17 @@ class Engine:
         return {"bursts": n_periods, "busy_s": busy_ns / 1e9, "matmuls": matmuls}
 
     def _generate(self, batch: list[Job]) -> None:
-        import torch
-
         width = max(len(j.ids) for j in batch)
-        ids = torch.full((len(batch), width), PAD_ID, dtype=torch.long)
-        mask = torch.zeros((len(batch), width), dtype=torch.long)
-        for k, j in enumerate(batch):  # left padding: every row's last prompt token is aligned
-            ids[k, width - len(j.ids):] = torch.tensor(j.ids)
-            mask[k, width - len(j.ids):] = 1
         n_new = max(j.max_tokens for j in batch)
         steps: list[int] = []
         streamer = _Streamer(batch, steps.append)
         t0 = time.monotonic_ns()
         aborted = False
         try:
-            with torch.inference_mode():
-                # min_new_tokens keeps EOS out, so every request gets exactly what it asked for.
-                self.model.generate(input_ids=ids.to(self.device), attention_mask=mask.to(self.device), do_sample=False,
-                                    max_new_tokens=n_new, min_new_tokens=n_new, streamer=streamer, pad_token_id=PAD_ID)
+            if isinstance(self.model, FakeModel):
+                self.model.decode(batch, n_new, streamer)
+            else:
+                self._generate_torch(batch, width, n_new, streamer)
         except _AllGone:
             aborted = True  # its timing up to here is still the generator's own, so it is logged
             raise
@@ -257,6 +274,19 @@ class Engine:
                 rec["decode_tok_s"] = len(batch) * (len(steps) - 1) / span
                 rec["step_ms_median"] = sorted(b - a for a, b in zip(steps, steps[1:]))[(len(steps) - 1) // 2] / 1e6
             self.batches.append(rec)
+
+    def _generate_torch(self, batch: list[Job], width: int, n_new: int, streamer: "_Streamer") -> None:
+        import torch
+
+        ids = torch.full((len(batch), width), PAD_ID, dtype=torch.long)
+        mask = torch.zeros((len(batch), width), dtype=torch.long)
+        for k, j in enumerate(batch):  # left padding: every row's last prompt token is aligned
+            ids[k, width - len(j.ids):] = torch.tensor(j.ids)
+            mask[k, width - len(j.ids):] = 1
+        with torch.inference_mode():
+            # min_new_tokens keeps EOS out, so every request gets exactly what it asked for.
+            self.model.generate(input_ids=ids.to(self.device), attention_mask=mask.to(self.device), do_sample=False,
+                                max_new_tokens=n_new, min_new_tokens=n_new, streamer=streamer, pad_token_id=PAD_ID)
 
 
 class Server:
@@ -384,24 +414,13 @@ class Server:
             toks.append(item)
 
 
-def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--size", choices=sorted(SIZES), default=None, help="Model shape (default: 8b on a GPU, tiny on CPU).")
-    ap.add_argument("--device", default="auto", help="cuda, cuda:N, cpu or auto.")
-    ap.add_argument("--host", default="127.0.0.1")
-    ap.add_argument("--port", type=int, default=0, help="0: any free port (written to --ready-file).")
-    ap.add_argument("--max-batch", type=int, default=8)
-    ap.add_argument("--gather-ms", type=float, default=100.0,
-                    help="How long a batch waits for more requests (it starts at once when full).")
-    ap.add_argument("--ready-file", default=None, help="Write {url, ...} here as JSON once serving.")
-    a = ap.parse_args(argv)
+def _load(size: str | None, device: str, t0: float):
+    """Build and warm the random-weight model; its shape, dtype and load time for the report."""
     import torch
 
-    device = a.device
     if device == "auto":
         device = "cuda" if torch.cuda.is_available() else "cpu"
-    size = a.size or ("8b" if device.startswith("cuda") else "tiny")
-    t0 = time.monotonic()
+    size = size or ("8b" if device.startswith("cuda") else "tiny")
     torch.manual_seed(0)
     model, n_params, dtype = build_model(size, device)
     # One short generate compiles nothing but allocates the caches and loads the kernels.
@@ -410,11 +429,31 @@ def main(argv: list[str] | None = None) -> int:
     job = Job(encode("warm up"), 4, warm_loop, asyncio.Queue())
     warm._generate([job])
     warm_loop.close()
-    load_s = time.monotonic() - t0
-    info = {"size": size, "params": n_params, "dtype": dtype, "device": device, "load_s": round(load_s, 2),
+    info = {"size": size, "params": n_params, "dtype": dtype, "device": device, "load_s": round(time.monotonic() - t0, 2),
             "torch": torch.__version__, "transformers": __import__("transformers").__version__}
     if device.startswith("cuda"):
         info["cuda_device"] = torch.cuda.get_device_name(torch.device(device))
+    return size, device, model, info
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--size", choices=sorted(SIZES) + [FAKE], default=None,
+                    help=f"Model shape (default: 8b on a GPU, tiny on CPU); {FAKE}: no torch, a fixed time per step.")
+    ap.add_argument("--device", default="auto", help="cuda, cuda:N, cpu or auto.")
+    ap.add_argument("--host", default="127.0.0.1")
+    ap.add_argument("--port", type=int, default=0, help="0: any free port (written to --ready-file).")
+    ap.add_argument("--max-batch", type=int, default=8)
+    ap.add_argument("--gather-ms", type=float, default=100.0,
+                    help="How long a batch waits for more requests (it starts at once when full).")
+    ap.add_argument("--ready-file", default=None, help="Write {url, ...} here as JSON once serving.")
+    a = ap.parse_args(argv)
+    t0 = time.monotonic()
+    if a.size == FAKE:
+        size, device, model = FAKE, "none", FakeModel()
+        info = {"size": size, "params": 0, "dtype": model.dtype, "device": device, "load_s": 0.0}
+    else:
+        size, device, model, info = _load(a.size, a.device, t0)
     engine = Engine(model, device, a.max_batch, a.gather_ms / 1e3).start()
     server = Server(engine, f"random-llama-{size}", info)
 

@@ -11,6 +11,7 @@ import subprocess
 import sys
 import time
 import urllib.request
+from pathlib import Path
 
 import aiohttp
 import pytest
@@ -132,9 +133,14 @@ def test_energy_of_requests_idle_and_unproxied_adds_up_to_the_measured_total(tmp
         assert re.search(r"tag burst: [\d.]+ s, GPU [\d.]+ J", stop.stdout)
         time.sleep(0.6)
         metrics = urllib.request.urlopen(d.info["metrics"] + "/metrics", timeout=10).read().decode()
+        maps = Path(f"/proc/{d.proc.pid}/maps").read_text()
     finally:
         rc = d.stop()
     assert rc == 0, d.output()
+    # Footprint (docs/daemon.md): after traffic, attribution and Parquet flushes, none of the heavy libraries
+    # that only analysis uses is loaded (scipy.optimize alone is ~40 MiB resident, pandas ~45 MiB).
+    loaded = {m.group(1) for m in re.finditer(r"site-packages/([A-Za-z_]+)", maps)}
+    assert not loaded & {"scipy", "pandas", "duckdb", "matplotlib"}, sorted(loaded)
 
     for name in ("powerprof_gpu_power_watts", "powerprof_gpu_energy_joules_total", "powerprof_gpu_sm_clock_hertz",
                  "powerprof_gpu_mem_clock_hertz", "powerprof_gpu_power_limit_watts", "powerprof_tokens_generated_total",

@@ -30,6 +30,25 @@ def test_nnls_recovers_the_costs_that_made_the_energy():
     assert np.array(fit.coef) == pytest.approx(TRUE, rel=0.05)
 
 
+@pytest.mark.parametrize("seed", range(40))
+def test_the_daemons_nnls_matches_scipys(seed):
+    """The daemon solves NNLS itself (scipy.optimize costs it ~40 MiB): same optimum as scipy's on
+    problems whose answer has some costs pinned at zero, some not."""
+    from scipy.optimize import nnls
+
+    from powerprof.daemon.workmodel import _nnls
+
+    rng = np.random.default_rng(seed)
+    n, k = int(rng.integers(3, 60)), int(rng.integers(1, 6))
+    x = rng.uniform(0, 1, (n, k)) * 10.0 ** rng.integers(-2, 4, k)  # columns of very different scales
+    y = x @ rng.normal(0, 1, k) + rng.normal(0, 0.1, n)
+    ours = _nnls(x, y)
+    ref, _ = nnls(x, y)
+    assert (ours >= 0).all()
+    # The optimum's residual is unique (the solution may not be, with collinear columns).
+    assert np.linalg.norm(y - x @ ours) == pytest.approx(np.linalg.norm(y - x @ ref), rel=1e-6, abs=1e-9)
+
+
 def test_the_fixed_ratio_is_used_until_the_fit_is_mature_then_the_fit():
     rng = np.random.default_rng(3)
     learner = CostLearner()

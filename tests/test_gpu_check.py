@@ -5,6 +5,7 @@ from __future__ import annotations
 import importlib.util
 import json
 import os
+import statistics
 import subprocess
 import sys
 import textwrap
@@ -240,31 +241,44 @@ def _has_torch() -> bool:
 
 
 @pytest.mark.slow
-@pytest.mark.skipif(not _has_torch(), reason="torch and transformers are not installed (the GPU machine has them)")
-def test_server_streams_batches_and_times_a_tiny_model(tmp_path):
+@pytest.mark.parametrize("size", [
+    # fake: the same server, batching, streaming and timing code with a fixed time per step and no torch, so
+    # the check's real-GPU path (its own server, the generator's batch log) runs in CI too.
+    "fake",
+    pytest.param("tiny", marks=pytest.mark.skipif(
+        not _has_torch(), reason="torch and transformers are not installed (the GPU machine has them)")),
+])
+def test_server_streams_batches_and_times_a_model(tmp_path, size):
     ready = tmp_path / "ready.json"
-    proc = subprocess.Popen([sys.executable, str(SERVER), "--size", "tiny", "--device", "cpu", "--ready-file", str(ready)],
+    proc = subprocess.Popen([sys.executable, str(SERVER), "--size", size, "--device", "cpu", "--ready-file", str(ready)],
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:
         t_end = time.monotonic() + 180
         while not ready.exists():
             assert proc.poll() is None, proc.stdout.read()
-            assert time.monotonic() < t_end, "tiny model server not ready in 180 s"
+            assert time.monotonic() < t_end, f"{size} model server not ready in 180 s"
             time.sleep(0.2)
         url = json.loads(ready.read_text())["url"]
         from powerprof.workload.client import RequestParams
         from powerprof.workload.load import builtin_prompts
         from powerprof.workload.measure import measure
 
+        n = 64 if size == "fake" else 16  # fake steps are fast: a span long enough to time under load
         res = measure(url, prompts=builtin_prompts("short"), n_requests=4, concurrencies=(1, 4),
-                      params=RequestParams(max_tokens=16), warmup=0)
-        assert res.server.kind == "openai" and res.server.model == "random-llama-tiny"
+                      params=RequestParams(max_tokens=n), warmup=0)
+        assert res.server.kind == "openai" and res.server.model == f"random-llama-{size}"
         ok = [x for x in res.records if x.ok]
-        assert len(ok) == 8 and all(x.generated_tokens == 16 and x.token_source == "usage" for x in ok)
-        assert all(x.server_timings["predicted_n"] == 16 for x in ok)
+        assert len(ok) == 8 and all(x.generated_tokens == n and x.token_source == "usage" for x in ok)
+        assert all(x.server_timings["predicted_n"] == n for x in ok)
         with urllib.request.urlopen(url + "/gpu_check/batches", timeout=10) as f:
-            sizes = [b["batch_size"] for b in json.load(f)["batches"]]
+            batches = json.load(f)["batches"]
+        sizes = [b["batch_size"] for b in batches]
         assert sizes == [1, 1, 1, 1, 4]  # concurrency 4 decoded as one batch
+        if size == "fake":  # the rate seen in the streams against the generator's own step log
+            for summ in res.summaries:
+                gen = [b for b in batches if b["batch_size"] == summ.concurrency]
+                gen_tok_s = statistics.median(b["decode_tok_s"] for b in gen)
+                assert summ.decode_tok_s == pytest.approx(gen_tok_s, rel=0.15), (summ.concurrency, summ, gen)
     finally:
         proc.terminate()
         proc.wait(timeout=30)

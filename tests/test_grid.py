@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import socket
 import sys
 import time
 
@@ -15,12 +14,7 @@ from powerprof.grid import GridSpec, launch_status, parse_vary, render, run_grid
 from powerprof.rig import Rig
 from powerprof.workload.client import RequestParams
 from powerprof.workload.context import parse_context_tokens
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+from support import free_port
 
 
 def test_vary_and_template_parse_and_refuse_bad_input():
@@ -57,7 +51,7 @@ FAST = dict(idle_s=0.5, min_requests=3, max_requests=6, warmup_requests=1, targe
 def test_seed_card_grid_reproduces_the_seed_then_finds_the_power_sweet_spot(tmp_path):
     """Acceptance: draft 1-5 x np 1-4 on the simulated seed card: draft 3 fastest for one stream,
     draft 5 at np 4 rejected as not fitting; the J/token-optimal configuration, then its sweet-spot limit."""
-    port = _free_port()
+    port = free_port()
     spec = GridSpec(_sim_template(port, decode_tok_s=600), tuple(parse_vary(["draft=1,2,3,4,5", "np=1,2,3,4"])))
     t0 = time.monotonic()
     with Rig("seed-16g") as rig:
@@ -101,7 +95,7 @@ def test_seed_card_grid_reproduces_the_seed_then_finds_the_power_sweet_spot(tmp_
 
 
 def test_failed_configuration_does_not_stop_the_grid_and_no_levels_needs_no_controller(tmp_path):
-    port = _free_port()
+    port = free_port()
     spec = GridSpec(_sim_template(port, decode_tok_s=300, extra="--prefill-tok-s 1e6 -c 65536"), tuple(parse_vary(["draft=3,bad", "np=1"])),
                     (64, 32 * 1024))
     with Rig("seed-16g") as rig:

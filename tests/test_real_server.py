@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import os
 import re
 import socket
 import sys
@@ -19,14 +18,9 @@ import sys
 import aiohttp
 import pytest
 
-if os.environ.get("CI") == "true":
-    # CI installs the test extra, llama-cpp-python included: a failed build must fail here, not skip.
-    import llama_cpp  # noqa: F401
-else:
-    llama_cpp = pytest.importorskip(
-        "llama_cpp",
-        reason="llama-cpp-python is not installed (it is in the test extra); with CI=true this is a failure, not a skip",
-    )
+from support import require_package
+
+llama_cpp = require_package("llama_cpp", "llama-cpp-python")
 
 from powerprof.arrival import reads  # noqa: E402
 from powerprof.workload.client import RequestParams  # noqa: E402

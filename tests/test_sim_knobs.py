@@ -4,24 +4,17 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import subprocess
 import sys
 import time
 import urllib.request
 
-import pytest
 
 from powerprof.sim import knobs
 from powerprof.sim.nvml import SimNVML
 from powerprof.sim.profiles import get_profile
 from powerprof.sim.server import SimServer
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+from support import free_port
 
 
 def test_seed_card_draft_3_is_fastest_and_acceptance_falls_with_draft():
@@ -87,7 +80,7 @@ def _serve(args, tmp_path, **kw):
 
 
 def test_serve_process_that_does_not_fit_exits_with_oom(tmp_path):
-    p = _serve(["--profile", "seed-16g", "--port", str(_free_port()), "--draft", "5", "-np", "4"], tmp_path)
+    p = _serve(["--profile", "seed-16g", "--port", str(free_port()), "--draft", "5", "-np", "4"], tmp_path)
     out, _ = p.communicate(timeout=60)
     assert p.returncode == 1
     assert "out of memory" in out and "RS buffer size = 3600.00 MiB" in out
@@ -97,7 +90,7 @@ def test_serve_process_drives_the_sweeping_process_gpu_and_follows_its_limit(tmp
     follower = SimNVML("seed-16g")  # the conftest points the state file into tmp
     follower.nvmlInit()
     h = follower.nvmlDeviceGetHandleByIndex(0)
-    port = _free_port()
+    port = free_port()
     p = _serve(["--profile", "seed-16g", "--port", str(port), "--draft", "3", "-np", "1", "--decode-tok-s", "100"], tmp_path)
     try:
         deadline = time.monotonic() + 60

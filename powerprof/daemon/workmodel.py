@@ -5,7 +5,7 @@ Each interval's counter energy is modelled as
     E = idle_w·duration + step_j·steps + decode_j·tokens + prefill_j·prompt_tokens + ctx_j·ctx_ktokens
 
 (ctx_ktokens: Σ over decoded tokens of their context in thousands of tokens), fitted by
-non-negative least squares (`scipy.optimize.nnls`) over a rolling window of the most recent
+non-negative least squares (exact, by its active sets: see `_nnls`) over a rolling window of the most recent
 intervals that have an exact counter and little bypass traffic, separately for each setting of the
 sampled GPUs (their power limits: a cap changes what a token costs). The fit is used once it is
 mature (enough busy intervals, R² high enough); until then `attribution.WorkCosts()` (the
@@ -19,8 +19,9 @@ from __future__ import annotations
 from collections import deque
 from dataclasses import dataclass
 
+from itertools import combinations
+
 import numpy as np
-from scipy.optimize import nnls
 
 from .attribution import WorkCosts
 
@@ -44,13 +45,32 @@ class Fit:
 
 
 def _nnls(x: np.ndarray, y: np.ndarray) -> np.ndarray:
+    """Non-negative least squares, exact, for the few columns of FEATURES.
+
+    The optimum is the plain least-squares solution on its own support, so the feasible
+    (all ≥ 0) support-restricted solution with the least residual is it: 2^k small solves for k
+    columns. Not `scipy.optimize.nnls` because importing scipy.optimize costs the daemon ~40 MiB of
+    its resident memory (docs/benchmarks.md, Daemon), for a 5-column problem.
+    """
     # Columns scaled to unit norm: token counts and seconds differ by orders of magnitude.
     norm = np.linalg.norm(x, axis=0)
-    use = norm > 0
+    cols = np.flatnonzero(norm > 0)
     coef = np.zeros(x.shape[1])
-    if use.any():
-        sol, _ = nnls(x[:, use] / norm[use], y)
-        coef[use] = sol / norm[use]
+    if cols.size == 0:
+        return coef
+    xs = x[:, cols] / norm[cols]
+    best, best_rss = np.zeros(cols.size), float(y @ y)
+    for k in range(1, cols.size + 1):
+        for support in combinations(range(cols.size), k):
+            sol = np.linalg.lstsq(xs[:, support], y, rcond=None)[0]
+            if (sol < 0).any():
+                continue
+            r = y - xs[:, support] @ sol
+            rss = float(r @ r)
+            if rss < best_rss:
+                best_rss, best = rss, np.zeros(cols.size)
+                best[list(support)] = sol
+    coef[cols] = best / norm[cols]
     return coef
 
 
