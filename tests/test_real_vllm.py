@@ -9,15 +9,20 @@ installing it, so it lives in a venv of its own (docs/workload.md, "Against real
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 import socket
 import subprocess
 import sys
+import time
+import urllib.request
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import numpy as np
 import pytest
 
+from daemon_helpers import DaemonProc, read_dataset, sim_env
 from proxy_helpers import buffering_proxy, serve_in_thread
 from powerprof.workload.client import RequestParams, detect_server
 from powerprof.workload.launcher import ServerLauncher
@@ -193,9 +198,6 @@ def test_through_the_daemons_proxy_the_stream_stays_timed(vllm_url):
 
 def _complete(base: str, tag: str | None, n: int) -> int:
     """One streamed /v1/completions of exactly n tokens (ignore_eos); the tokens the usage reports."""
-    import json
-    import urllib.request
-
     body = {"model": "tiny", "prompt": "energy per token", "max_tokens": n, "min_tokens": n, "ignore_eos": True,
             "stream": True, "stream_options": {"include_usage": True}, "temperature": 0}
     req = urllib.request.Request(base + "/v1/completions", data=json.dumps(body).encode(), method="POST",
@@ -211,10 +213,6 @@ def test_daemon_attributes_every_token_and_puts_direct_traffic_in_unproxied(vllm
     # The daemon (simulated GPU) in front of vLLM, proxied and direct requests interleaved:
     # every proxied token attributed to its request, requests + idle + unproxied = the counters'
     # total, and vLLM's own counter (scraped) sees the direct tokens as bypass traffic.
-    from concurrent.futures import ThreadPoolExecutor
-
-    from daemon_helpers import DaemonProc, read_dataset, sim_env
-
     data = tmp_path / "data"
     cfg = tmp_path / "p.toml"
     cfg.write_text("[scrape]\ninterval_s = 0.25\n")
@@ -225,8 +223,6 @@ def test_daemon_attributes_every_token_and_puts_direct_traffic_in_unproxied(vllm
             proxied = [ex.submit(_complete, d.info["proxy"], "bench", 64) for _ in range(2)]
             direct = [ex.submit(_complete, vllm_url, None, 48) for _ in range(2)]
             got_p, got_d = [f.result() for f in proxied], [f.result() for f in direct]
-        import time
-
         time.sleep(1.5)  # scrapes after the last request ends
     finally:
         rc = d.stop()
