@@ -239,6 +239,100 @@ def restore(simulate: str | None, restore_file: Path | None, force_default: bool
         sys.exit(1)
 
 
+@main.command()
+@click.option("--daemon-metrics", "metrics_url", metavar="URL", required=True,
+              help="The daemon's /metrics, e.g. http://127.0.0.1:9464/metrics (loopback: it is read as untrusted input).")
+@click.option("--config", "config_path", type=click.Path(dir_okay=False, path_type=Path), default=None,
+              help="TOML file with a [tuner] section (as root: owned by root, not group/world-writable).")
+@click.option("--levels", default=None, help="Allowed levels, e.g. 180,200,220,240,260,280,300W or 60%,80%,100% (overrides the file).")
+@click.option("--reference", type=float, default=None, help="Reference level (default: the highest).")
+@click.option("--tpot-p95-ms", type=click.FloatRange(min=0, min_open=True), default=None, help="SLO: TPOT p95 in ms.")
+@click.option("--ttft-p95-ms", type=click.FloatRange(min=0, min_open=True), default=None, help="SLO: TTFT p95 in ms.")
+@click.option("--gpus", callback=_parse_gpus, help="NVML indexes to tune together (default: 0).")
+@click.option("--dry-run", is_flag=True, help="Only recommend: change nothing, record what would be done.")
+@click.option("--out", "out_dir", type=click.Path(file_okay=False, path_type=Path), default=None,
+              help="Decisions dataset folder (default: <state dir>/tuner).")
+@click.option("--duration", "duration_s", type=click.FloatRange(min=0, min_open=True), default=None,
+              help="Stop after this many seconds (default: run until SIGTERM/SIGINT).")
+@click.option("--metrics-port", type=click.IntRange(0, 65535), default=None,
+              help="Serve the tuner's own /metrics on 127.0.0.1:PORT.")
+@simulate_option
+def tune(metrics_url, config_path, levels, reference, tpot_p95_ms, ttft_p95_ms, gpus, dry_run, out_dir, duration_s,
+         metrics_port, simulate):
+    """Find and hold the power-limit sweet spot on live traffic under a latency SLO (docs/tuner.md).
+
+    Reads the daemon's /metrics every tick; sets levels through the controller (the original limit
+    comes back on every exit; `powerprof restore` after kill -9). SIGUSR1: back to the reference and hold."""
+    import threading
+
+    from powerprof.control.errors import ControlError
+    from powerprof.control.levels import LevelError
+    from powerprof.paths import state_dir
+    from powerprof.rig import Rig
+    from powerprof.tuner.observe import fetch_metrics, parse_counters
+    from powerprof.tuner.policy import TunerConfigError
+    from powerprof.tuner.runner import TuneRunner, install_kill_switch
+    from powerprof.tuner.setup import load_table, make_config
+
+    if not metrics_url.startswith(("http://", "https://")):
+        raise click.UsageError("--daemon-metrics must be an http:// or https:// URL")
+    try:
+        table = load_table(config_path)
+    except TunerConfigError as e:
+        raise click.UsageError(str(e)) from None
+    overrides = {k: v for k, v in (("tpot_p95_ms", tpot_p95_ms), ("ttft_p95_ms", ttft_p95_ms)) if v is not None}
+    if dry_run:
+        overrides["dry_run"] = True
+    table = {**table, **overrides}
+    if levels is not None:
+        table["levels"] = levels
+    if reference is not None:
+        table["reference"] = reference
+    gpus = gpus or [0]
+    stop = threading.Event()
+
+    def run_tuner(rig, ctl, resolve):
+        import time as _time
+
+        cfg = make_config(table, resolve)
+        runner = TuneRunner(cfg, lambda: parse_counters(fetch_metrics(metrics_url), _time.monotonic()),
+                            ctl=None if cfg.dry_run else ctl, gpus=gpus,
+                            out_dir=out_dir if out_dir is not None else state_dir() / "tuner")
+        install_kill_switch(runner)
+        if metrics_port is not None:
+            from prometheus_client import start_http_server
+
+            start_http_server(metrics_port, addr="127.0.0.1", registry=runner.metrics.registry)
+        for note in rig.notes:
+            click.echo(f"NOTE: {note}", err=True)
+        click.echo(f"tuning GPUs {','.join(map(str, gpus))}: levels {', '.join(f'{x:g}' for x in cfg.levels)} {cfg.unit}, "
+                   f"reference {cfg.reference:g}{' (dry run: recommendations only)' if cfg.dry_run else ''}", err=True)
+        runner.run(stop, duration_s)
+
+    with Rig(simulate, gpus=gpus) as rig:
+        try:
+            if table.get("dry_run") is True:
+                # Nothing will be set: no controller, no lock, no permission needed; levels checked read-only.
+                def plan_levels(knob, spec):
+                    p = rig.plan(gpus, power_levels=spec) if knob == "power" else rig.plan(gpus, clock_levels=spec)
+                    return list(p.power_levels_w) if knob == "power" else list(p.clock_levels_mhz)
+
+                import signal as _signal
+
+                for sig in (_signal.SIGTERM, _signal.SIGINT):
+                    _signal.signal(sig, lambda *_: stop.set())  # nothing to put back: just stop
+                run_tuner(rig, None, plan_levels)
+            else:
+                with rig.controller(gpus) as ctl:
+                    run_tuner(rig, ctl, lambda knob, spec: ctl.parse_power_levels(spec) if knob == "power"
+                              else ctl.parse_clock_levels(spec))
+        except (TunerConfigError, LevelError) as e:
+            raise click.UsageError(str(e)) from None
+        except ControlError as e:
+            click.echo(f"Error: {e}", err=True)
+            sys.exit(1)
+
+
 # Options measure and sweep share: one definition, one default.
 _WORKLOAD_OPTIONS = [
     click.option("--api", default=None, type=click.Choice(API_NAMES),

@@ -18,7 +18,7 @@ LAYERS = [
     {"profiler", "storage"},
     {"workload", "control"},
     {"analysis", "daemon"},
-    {"sweep", "monitor"},
+    {"sweep", "monitor", "tuner"},  # tuner: the live power-limit tuner (reads the daemon, drives control)
     {"grid"},  # configuration sweeps: a Sweep per server configuration
     {"progress"},  # what sweep shows on a terminal
     {"rig"},  # the one door

@@ -16,12 +16,18 @@ import threading
 from dataclasses import dataclass, field
 
 from prometheus_client import CollectorRegistry, ProcessCollector, generate_latest
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
 
 from powerprof import __version__
 
 from .attribution import DEST_NAMES, KIND_NAMES
 
+LATENCY_DOCS = {
+    "ttft_seconds": "Proxied requests' time to first token (arrival at the proxy to first token)",
+    "tpot_seconds": "Proxied requests' time per output token after the first ((last - first) / (tokens - 1))",
+    "prompt_tokens": "Proxied requests' prompt tokens (as the server reported them)",
+    "output_tokens": "Proxied requests' generated tokens",
+}
 OTHER = "other"
 NONE = ""  # untagged: an empty label is no label in Prometheus, and NULL in Parquet
 
@@ -85,6 +91,7 @@ class Snapshot:
     proxy_recorder_failures: int = 0
     proxy_upstream_failures: int = 0
     proxy_active: int = 0
+    latency: dict = field(default_factory=dict)  # name → latency.HistogramState
 
 
 class SnapshotCollector:
@@ -184,6 +191,13 @@ class SnapshotCollector:
         yield CounterMetricFamily("powerprof_proxy_upstream_failures", "Upstream unreachable (502 sent)",
                                   value=s.proxy_upstream_failures)
         yield GaugeMetricFamily("powerprof_proxy_active_requests", "Requests in flight", value=s.proxy_active)
+        for name, h in sorted((s.latency or {}).items()):
+            cum, buckets = 0, []
+            for edge, n in zip(h.edges, h.counts):
+                cum += n
+                buckets.append((repr(float(edge)), cum))
+            buckets.append(("+Inf", h.n))
+            yield HistogramMetricFamily(f"powerprof_request_{name}", LATENCY_DOCS[name], buckets=buckets, sum_value=h.total)
         yield build_info(getattr(self.holder, "host", None))
 
 

@@ -33,6 +33,7 @@ from powerprof.storage.samples import sample_rows
 from . import sdnotify
 from .config import Config, ConfigError, is_loopback, listen_host, load_config
 from .guard import ConnectionGuard
+from .latency import RequestLatency
 from .ledger import Ledger
 from .metrics import GpuSnapshot, Snapshot, TagLimiter, make_registry, render
 from .proxy import Proxy, RequestTrace
@@ -143,6 +144,7 @@ class Daemon:
         self.snapshot = Snapshot()
         self.tokens_by_tag: Counter = Counter()
         self.requests_by_tag: Counter = Counter()
+        self.latency = RequestLatency()  # the tuner's view of the traffic (docs/tuner.md)
         self.stop_event: asyncio.Event | None = None
         self.reload_requested = False
         self.urls: dict[str, str] = {}
@@ -186,6 +188,10 @@ class Daemon:
         if trace.extra.get("spread"):
             self.tokens_by_tag[self.tags.label(trace.tag)] += trace.tokens_seen
         self.requests_by_tag[(self.tags.label(trace.tag), trace.outcome)] += 1
+        c = trace.counts
+        self.latency.observe(trace.arrival_ns, trace.first_ns, trace.last_ns,
+                             (c.generated_tokens if c is not None and c.generated_tokens is not None else trace.tokens_seen),
+                             c.prompt_tokens if c is not None else None)
         self.ledger.on_end(trace)
         self._request_edge("request-end")
 
@@ -289,6 +295,7 @@ class Daemon:
             joules_per_token=tot.j_per_token,
             tokens_by_tag=dict(self.tokens_by_tag),
             requests_by_tag=dict(self.requests_by_tag),
+            latency=self.latency.states(),
             server_tokens=self.scraper.total if self.scraper is not None and self.scraper.kind else None,
             buffered_rows=self.store.buffered(),
             dropped_rows=sum(self.store.dropped_rows.values()),

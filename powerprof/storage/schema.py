@@ -255,6 +255,25 @@ DAEMON_INTERVALS = pa.schema(
     ]
 )
 
+# One row per tuner decision (`powerprof tune`, docs/tuner.md): every change of level and every verdict, with its reason.
+TUNER_DECISIONS = pa.schema(
+    [
+        ("time_utc", TS),
+        ("t_mono_s", pa.float64()),  # monotonic seconds since the tuner started
+        ("action", pa.string()),  # start | explore | accept | reject | backoff | restore | hold | regime | kill | stale | resume | thin | stop
+        ("knob", pa.string()),  # power | clock
+        ("from_level", pa.float64()),  # W or MHz
+        ("to_level", pa.float64()),
+        ("applied", pa.bool_()),  # false in dry-run mode: only recommended
+        ("reason", pa.string()),
+        ("regime", pa.string()),  # traffic regime the decision was taken in
+        ("j_per_token", pa.float64()),  # the judged window's figure behind the verdict, if any
+        ("slo_ratio", pa.float64()),  # its worst p95 over its SLO
+        ("gpus", pa.string()),  # comma-separated NVML indexes
+        HOST,
+    ]
+)
+
 # One row per fit of the work model's costs (daemon/workmodel.py), per GPU setting.
 DAEMON_COSTS = pa.schema(
     [

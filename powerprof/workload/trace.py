@@ -9,7 +9,9 @@ tokens, output tokens, optional tag). Formats:
   `output_tokens` and optionally `tag`.
 
 `synthetic` makes traces for tests and benches: Poisson or bursty (Poisson bursts of
-back-to-back arrivals) with lognormal prompt and output lengths.
+back-to-back arrivals) with lognormal prompt and output lengths. `diurnal` makes a day of
+traffic: Poisson arrivals whose rate follows a cosine over the period, with an optional shift
+of the length mix at a given time (the tuner's bench, docs/tuner.md).
 """
 
 from __future__ import annotations
@@ -150,7 +152,67 @@ def synthetic(
             t.extend(now + np.sort(rng.uniform(0, 0.05, k)))
         t = np.array(t[:n])
     t = t - t[0]
-    p = np.clip(np.round(rng.lognormal(math.log(prompt_median), prompt_sigma, n)), *prompt_range).astype(int)
-    o = np.clip(np.round(rng.lognormal(math.log(output_median), output_sigma, n)), *output_range).astype(int)
+    p, o = _lengths(rng, n, LengthMix(prompt_median, prompt_sigma, output_median, output_sigma), prompt_range, output_range)
     tg = [tags[i] for i in rng.integers(0, len(tags), n)] if tags else [None] * n
     return [TraceRequest(float(a), int(b), int(c), d) for a, b, c, d in zip(t, p, o, tg)]
+
+
+@dataclass(frozen=True)
+class LengthMix:
+    """Lognormal prompt and output lengths (tokens): medians and log-space spreads."""
+
+    prompt_median: float = 400.0
+    prompt_sigma: float = 1.0
+    output_median: float = 80.0
+    output_sigma: float = 0.8
+
+
+def _lengths(rng, n: int, mix: LengthMix, prompt_range, output_range) -> tuple[np.ndarray, np.ndarray]:
+    p = np.clip(np.round(rng.lognormal(math.log(mix.prompt_median), mix.prompt_sigma, n)), *prompt_range).astype(int)
+    o = np.clip(np.round(rng.lognormal(math.log(mix.output_median), mix.output_sigma, n)), *output_range).astype(int)
+    return p, o
+
+
+def diurnal_rate(t_s, mean_rate_per_s: float, amplitude: float, period_s: float, trough_s: float = 0.0):
+    """Arrival rate at `t_s`: mean·(1 − amplitude·cos(2π(t − trough)/period)), lowest at `trough_s`."""
+    return mean_rate_per_s * (1.0 - amplitude * np.cos(2 * np.pi * (np.asarray(t_s, dtype=float) - trough_s) / period_s))
+
+
+def diurnal(
+    duration_s: float,
+    mean_rate_per_s: float,
+    amplitude: float = 0.5,
+    period_s: float = 86400.0,
+    trough_s: float = 0.0,
+    mix: LengthMix = LengthMix(),
+    shift_at_s: float | None = None,
+    shift_mix: LengthMix | None = None,
+    shift_rate_factor: float = 1.0,
+    prompt_range: tuple[int, int] = (4, 4096),
+    output_range: tuple[int, int] = (8, 600),
+    seed: int = 0,
+) -> list[TraceRequest]:
+    """Poisson arrivals over `duration_s` at `diurnal_rate` (drawn by thinning), lengths from `mix`;
+    from `shift_at_s` on, lengths from `shift_mix` and the rate times `shift_rate_factor` (a shift in
+    the traffic's regime: say chat by day, long-document summaries by night)."""
+    if duration_s <= 0 or mean_rate_per_s <= 0 or not 0 <= amplitude < 1 or period_s <= 0:
+        raise ValueError("want a positive duration, rate and period, and 0 <= amplitude < 1")
+    if (shift_at_s is None) != (shift_mix is None) or shift_rate_factor <= 0:
+        raise ValueError("a shift needs both shift_at_s and shift_mix, and a positive rate factor")
+    rng = np.random.default_rng(seed)
+    top = mean_rate_per_s * (1 + amplitude) * max(1.0, shift_rate_factor)
+    t = np.cumsum(rng.exponential(1.0 / top, int(duration_s * top * 1.2) + 100))
+    t = t[t < duration_s]
+    rate = diurnal_rate(t, mean_rate_per_s, amplitude, period_s, trough_s)
+    late = t >= shift_at_s if shift_at_s is not None else np.zeros(t.size, bool)
+    rate = np.where(late, rate * shift_rate_factor, rate)
+    t = t[rng.uniform(0, top, t.size) < rate]
+    late = t >= shift_at_s if shift_at_s is not None else np.zeros(t.size, bool)
+    p, o = _lengths(rng, t.size, mix, prompt_range, output_range)
+    if shift_mix is not None and late.any():
+        p2, o2 = _lengths(rng, int(late.sum()), shift_mix, prompt_range, output_range)
+        p[late], o[late] = p2, o2
+    if t.size == 0:
+        raise ValueError("no request arrived: raise the rate or the duration")
+    t = t - t[0]
+    return [TraceRequest(float(a), int(b), int(c)) for a, b, c in zip(t, p, o)]

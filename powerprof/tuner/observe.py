@@ -1,0 +1,127 @@
+"""The tuner's input: the daemon's /metrics, read over HTTP as untrusted text (bounded, validated), turned into Windows.
+
+The daemon runs unprivileged and the tuner as root, so the tuner never opens a file the daemon
+wrote: it scrapes the daemon's Prometheus endpoint (loopback), reads at most MAX_BYTES, and
+refuses anything it cannot vouch for (a missing family, buckets that are not the daemon's,
+counters that went backwards, non-finite or negative values). Two scrapes make a Window.
+"""
+
+from __future__ import annotations
+
+import math
+import urllib.request
+from dataclasses import dataclass
+
+from prometheus_client.parser import text_string_to_metric_families
+
+from powerprof.daemon.latency import LATENCY_EDGES_S
+
+from .policy import Window
+
+MAX_BYTES = 4 * 1024 * 1024
+
+
+class ObserveError(RuntimeError):
+    """The daemon's figures cannot be read or trusted; the message says why."""
+
+
+@dataclass(frozen=True)
+class DaemonCounters:
+    """Cumulative counters of one scrape (t_s: the tuner's monotonic clock when it was read)."""
+
+    t_s: float
+    energy_j: float  # GPU energy given to requests and idle (the proxied traffic's share)
+    tokens: float
+    finished: float
+    active: float
+    prompt_tokens: float
+    output_tokens: float
+    ttft_cum: tuple[float, ...]  # cumulative bucket counts over LATENCY_EDGES_S, then +Inf
+    tpot_cum: tuple[float, ...]
+    upstream_failures: float = 0.0  # requests the proxy could not deliver (the inference server is down)
+    gpu_energy_j: float = 0.0  # all GPU energy since the daemon started: it moves while the daemon samples
+
+
+def fetch_metrics(url: str, timeout_s: float = 5.0) -> str:
+    """The exposition text, at most MAX_BYTES (ObserveError beyond, or on any failure)."""
+    try:
+        with urllib.request.urlopen(url, timeout=timeout_s) as r:  # noqa: S310 (http(s) checked by the caller)
+            body = r.read(MAX_BYTES + 1)
+    except Exception as e:  # noqa: BLE001 (every failure is the same to the tuner: no figures)
+        raise ObserveError(f"cannot read {url}: {e}") from None
+    if len(body) > MAX_BYTES:
+        raise ObserveError(f"{url} answered more than {MAX_BYTES} bytes: not the daemon's metrics")
+    try:
+        return body.decode("utf-8")
+    except UnicodeDecodeError:
+        raise ObserveError(f"{url} answered text that is not UTF-8") from None
+
+
+def parse_counters(text: str, t_s: float) -> DaemonCounters:
+    """The counters the tuner needs from one exposition; ObserveError if any is missing or implausible."""
+    fam = {}
+    try:
+        for f in text_string_to_metric_families(text):
+            fam[f.name] = f
+    except Exception as e:  # noqa: BLE001 (malformed exposition)
+        raise ObserveError(f"unreadable metrics: {e}") from None
+
+    def need(name):
+        if name not in fam:
+            raise ObserveError(f"the daemon's metrics lack {name} (a daemon older than the tuner?)")
+        return fam[name].samples
+
+    def num(v) -> float:
+        v = float(v)
+        if not math.isfinite(v) or v < 0:
+            raise ObserveError(f"implausible value {v!r} in the daemon's metrics")
+        return v
+
+    energy = sum(num(s.value) for s in need("powerprof_gpu_energy_attributed_joules")
+                 if s.name.endswith("_total") and s.labels.get("to") in ("requests", "idle"))
+    tokens = sum(num(s.value) for s in need("powerprof_tokens_generated") if s.name.endswith("_total"))
+    finished = sum(num(s.value) for s in need("powerprof_requests") if s.name.endswith("_total"))
+    active = sum(num(s.value) for s in need("powerprof_proxy_active_requests"))
+
+    def hist(name):
+        b = [(s.labels.get("le"), num(s.value)) for s in need(name) if s.name.endswith("_bucket")]
+        total = [num(s.value) for s in need(name) if s.name.endswith("_sum")]
+        les = [x for x, _ in b]
+        want = [repr(float(e)) for e in LATENCY_EDGES_S] + ["+Inf"]
+        if name.endswith("seconds") and [_le(x) for x in les] != [_le(x) for x in want]:
+            raise ObserveError(f"{name} has buckets the tuner does not know (daemon version mismatch)")
+        cum = tuple(v for _, v in b)
+        if any(b2 < b1 for b1, b2 in zip(cum, cum[1:])):
+            raise ObserveError(f"{name}: buckets are not cumulative")
+        return cum, (total[0] if total else 0.0)
+
+    ttft, _ = hist("powerprof_request_ttft_seconds")
+    tpot, _ = hist("powerprof_request_tpot_seconds")
+    _, prompt = hist("powerprof_request_prompt_tokens")
+    _, output = hist("powerprof_request_output_tokens")
+    upstream = sum(num(s.value) for s in need("powerprof_proxy_upstream_failures") if s.name.endswith("_total"))
+    gpu = sum(num(s.value) for s in need("powerprof_gpu_energy_joules") if s.name.endswith("_total"))
+    return DaemonCounters(t_s, energy, tokens, finished, active, prompt, output, ttft, tpot, upstream, gpu)
+
+
+def _le(x: str) -> float:
+    return math.inf if x == "+Inf" else round(float(x), 9)
+
+
+def window_between(a: DaemonCounters, b: DaemonCounters, level: float) -> Window:
+    """The traffic between two scrapes. ObserveError when a counter went backwards (the daemon restarted)."""
+    fields = ("energy_j", "tokens", "finished", "prompt_tokens", "output_tokens")
+    if b.t_s <= a.t_s or any(getattr(b, f) < getattr(a, f) for f in fields) or \
+            any(y < x for x, y in zip(a.ttft_cum + a.tpot_cum, b.ttft_cum + b.tpot_cum)):
+        raise ObserveError("the daemon's counters went backwards (restarted?): this window is not usable")
+
+    def per_bucket(ca, cb):
+        d = [y - x for x, y in zip(ca, cb)]
+        return (int(round(d[0])),) + tuple(int(round(d[k] - d[k - 1])) for k in range(1, len(d)))
+
+    fin = b.finished - a.finished
+    return Window(
+        t_end_s=b.t_s, duration_s=b.t_s - a.t_s, level=level, tokens=b.tokens - a.tokens, energy_j=b.energy_j - a.energy_j,
+        arrivals=max(0, int(round(fin + b.active - a.active))), requests=int(round(fin)),
+        prompt_tokens=b.prompt_tokens - a.prompt_tokens, output_tokens=b.output_tokens - a.output_tokens,
+        ttft_counts=per_bucket(a.ttft_cum, b.ttft_cum), tpot_counts=per_bucket(a.tpot_cum, b.tpot_cum))

@@ -1,0 +1,632 @@
+"""The tuner's policy: from windows of live traffic to the next level, with the reason (pure functions and one state class).
+
+The same object runs live (`tuner/runner.py`) and in virtual time on the simulator
+(`bench/tuner_eval.py`); it never reads a clock, it is told the time. The algorithm is in
+docs/tuner.md: a paired local search per traffic regime (measure the incumbent level, try one
+neighbour for a dwell, keep it only if it saves at least `min_gain` J/token with the SLO's
+headroom kept), a guard that backs off to the reference level at once when a window's p95
+threatens the SLO, bounded exploration, and a memory per regime (arrival rate × length mix).
+"""
+
+from __future__ import annotations
+
+import math
+from collections import deque
+from dataclasses import dataclass, field, fields
+
+import numpy as np
+
+from powerprof.daemon.latency import LATENCY_EDGES_S
+
+
+class TunerConfigError(ValueError):
+    """A bad [tuner] section: the message names the key and what is accepted."""
+
+
+@dataclass(frozen=True)
+class TunerConfig:
+    """The [tuner] section once its levels are resolved to numbers (W, or MHz for knob = "clock")."""
+
+    levels: tuple[float, ...]  # allowed levels, ascending
+    reference: float  # where the guard, the kill switch and every fault go; one of `levels`
+    tpot_p95_ms: float | None = None
+    ttft_p95_ms: float | None = None
+    knob: str = "power"  # power (limit in W) | clock (locked SM clock in MHz)
+    tick_s: float = 10.0  # how often the runner reads the daemon (one Window per tick)
+    window_s: float = 300.0  # a judgement needs this much traffic at one level…
+    min_requests: int = 30  # …and this many finished requests (up to 4 windows are pooled)
+    dwell_s: float = 300.0  # minimum time at a level before it is judged or left (the guard excepted)
+    accept_ratio: float = 0.6  # a trial level is kept only with its window's p95 ≤ this × SLO (the tail of window p95s is ~1.7× their median)
+    hold_ratio: float = 0.8  # a held level whose window p95 passes this × SLO goes one level up (the band is the hysteresis)
+    guard_ratio: float = 1.0  # back off at once when the last guard_s's p95 exceeds this × SLO
+    guard_s: float = 300.0  # the SLO's own window: shorter p95s swing far more than the SLO does
+    guard_min_requests: int = 30
+    guard_ticks: int = 1  # consecutive ticks over it before backing off
+    strikes: int = 1  # back-offs at one level within strike_s before it is barred (below it too) for reprobe_s
+    strike_s: float = 1800.0
+    min_gain: float = 0.05  # a level above must save this share of J/token to be kept…
+    max_loss: float = 0.05  # …a level below is kept unless it costs more than this share (docs/tuner.md: the prior)
+    prefill_weight: float = 0.05  # a prompt token's work in generated tokens (the daemon's default ratio)
+    max_step: int = 1  # levels per exploratory move
+    max_explore_share: float = 0.5  # of the last explore_horizon_s spent on trials
+    explore_horizon_s: float = 3600.0
+    reprobe_s: float = 3600.0  # a converged regime re-tries its neighbours this often
+    backoff_s: float = 120.0  # hold the reference this long after a back-off
+    regime_ratio: float = 1.6  # regime bins: arrival rate and mean lengths in steps of this factor
+    regime_margin: float = 0.5  # of a bin: a shift must go this far past the bin's edge
+    regime_s: float = 300.0  # a shift must hold this long before the regime changes
+    stale_s: float = 30.0  # no fresh daemon figures for this long: back to the reference
+    dry_run: bool = False
+
+    def __post_init__(self):
+        errs = []
+        lv = tuple(float(x) for x in self.levels)
+        if len(lv) < 2 or any(b <= a for a, b in zip(lv, lv[1:])):
+            errs.append("tuner.levels: want at least two distinct levels, ascending")
+        if self.reference not in lv:
+            errs.append(f"tuner.reference: {self.reference:g} is not one of the levels ({', '.join(f'{x:g}' for x in lv)})")
+        if self.tpot_p95_ms is None and self.ttft_p95_ms is None:
+            errs.append("tuner: set an SLO: tpot_p95_ms and/or ttft_p95_ms")
+        for k in ("tpot_p95_ms", "ttft_p95_ms"):
+            v = getattr(self, k)
+            if v is not None and not (math.isfinite(v) and v > 0):
+                errs.append(f"tuner.{k}: must be a positive number of milliseconds")
+        if self.knob not in ("power", "clock"):
+            errs.append("tuner.knob: power or clock")
+        for k in ("tick_s", "window_s", "dwell_s", "guard_s", "explore_horizon_s", "reprobe_s", "backoff_s",
+                  "regime_s", "stale_s", "strike_s"):
+            if not getattr(self, k) > 0:
+                errs.append(f"tuner.{k}: must be positive seconds")
+        if not 0 < self.accept_ratio <= self.hold_ratio <= self.guard_ratio:
+            errs.append("tuner: want 0 < accept_ratio ≤ hold_ratio ≤ guard_ratio")
+        if not 0 <= self.min_gain < 0.5 or not 0 <= self.max_loss < 0.5:
+            errs.append("tuner.min_gain, tuner.max_loss: a share in [0, 0.5)")
+        if not 0 <= self.max_explore_share <= 1:
+            errs.append("tuner.max_explore_share: a share in [0, 1]")
+        if min(self.max_step, self.min_requests, self.guard_min_requests, self.guard_ticks, self.strikes) < 1 \
+                or not 0 <= self.prefill_weight <= 10:
+            errs.append("tuner.max_step, min_requests, guard_min_requests, guard_ticks, strikes: at least 1; 0 ≤ prefill_weight ≤ 10")
+        if not self.regime_ratio > 1 or not 0 <= self.regime_margin < 1:
+            errs.append("tuner.regime_ratio > 1 and 0 ≤ regime_margin < 1")
+        if errs:
+            raise TunerConfigError("; ".join(errs))
+        object.__setattr__(self, "levels", lv)
+        object.__setattr__(self, "reference", float(self.reference))
+
+    @property
+    def unit(self) -> str:
+        return "W" if self.knob == "power" else "MHz"
+
+
+# Keys of the [tuner] TOML section, besides `levels` (a spec the controller resolves) and `reference`.
+CONFIG_KEYS = {f.name for f in fields(TunerConfig)} - {"levels", "reference"}
+
+
+@dataclass(frozen=True)
+class Window:
+    """The traffic of one stretch at one level: counts summed, latency as histogram counts over LATENCY_EDGES_S
+    (per bucket, the last one above the top edge), of the requests that finished in it."""
+
+    t_end_s: float
+    duration_s: float
+    level: float
+    tokens: float
+    energy_j: float
+    arrivals: int
+    requests: int
+    prompt_tokens: float  # summed over the finished requests
+    output_tokens: float
+    ttft_counts: tuple[int, ...]
+    tpot_counts: tuple[int, ...]
+
+
+def merge(ws: list[Window]) -> Window:
+    """Several windows as one (their level is the last one's: callers pool windows of one level)."""
+    return Window(
+        t_end_s=ws[-1].t_end_s,
+        duration_s=sum(w.duration_s for w in ws),
+        level=ws[-1].level,
+        tokens=sum(w.tokens for w in ws),
+        energy_j=sum(w.energy_j for w in ws),
+        arrivals=sum(w.arrivals for w in ws),
+        requests=sum(w.requests for w in ws),
+        prompt_tokens=sum(w.prompt_tokens for w in ws),
+        output_tokens=sum(w.output_tokens for w in ws),
+        ttft_counts=tuple(int(x) for x in np.sum([w.ttft_counts for w in ws], axis=0)),
+        tpot_counts=tuple(int(x) for x in np.sum([w.tpot_counts for w in ws], axis=0)),
+    )
+
+
+def histogram_counts(values_s, edges=LATENCY_EDGES_S) -> tuple[int, ...]:
+    """Per-bucket counts of `values_s` (the bench's exact latencies through the daemon's buckets)."""
+    idx = np.searchsorted(np.asarray(edges), np.asarray(values_s, dtype=float), side="left")
+    return tuple(int(x) for x in np.bincount(idx, minlength=len(edges) + 1))
+
+
+def histogram_quantile(counts, q: float, edges=LATENCY_EDGES_S) -> float | None:
+    """The q-quantile, linear within its bucket (as Prometheus's histogram_quantile); None without data.
+    Above the top edge it answers the top edge: a floor, flagged by being the largest value possible."""
+    c = np.asarray(counts, dtype=float)
+    n = c.sum()
+    if n <= 0:
+        return None
+    cum = np.cumsum(c)
+    rank = q * n
+    k = int(np.searchsorted(cum, rank, side="left"))
+    if k >= len(edges):
+        return float(edges[-1])
+    lo = 0.0 if k == 0 else edges[k - 1]
+    below = 0.0 if k == 0 else cum[k - 1]
+    return float(lo + (edges[k] - lo) * ((rank - below) / c[k] if c[k] > 0 else 1.0))
+
+
+def j_per_token(w: Window) -> float | None:
+    return w.energy_j / w.tokens if w.tokens > 0 else None
+
+
+def j_per_work(w: Window, prefill_weight: float) -> float | None:
+    """Energy per unit of work, a prompt token counting `prefill_weight` of a generated one: what levels are
+    compared by. J/token alone swings with the prompts that happen to fall in a window (docs/tuner.md)."""
+    work = w.tokens + prefill_weight * w.prompt_tokens
+    return w.energy_j / work if work > 0 else None
+
+
+def slo_ratio(w: Window, cfg: TunerConfig) -> float | None:
+    """The worst of p95 TTFT / its SLO and p95 TPOT / its SLO over the window (None without requests)."""
+    worst = None
+    for counts, slo_ms in ((w.tpot_counts, cfg.tpot_p95_ms), (w.ttft_counts, cfg.ttft_p95_ms)):
+        if slo_ms is None:
+            continue
+        p = histogram_quantile(counts, 0.95)
+        if p is not None:
+            r = p * 1000.0 / slo_ms
+            worst = r if worst is None else max(worst, r)
+    return worst
+
+
+def regime_features(w: Window) -> tuple[float, float, float] | None:
+    """(log arrival rate, log mean prompt tokens, log mean output tokens); None when too thin to say."""
+    if w.duration_s <= 0 or w.arrivals <= 0 or w.requests <= 0:
+        return None
+    return (math.log(w.arrivals / w.duration_s), math.log(max(w.prompt_tokens / w.requests, 1.0)),
+            math.log(max(w.output_tokens / w.requests, 1.0)))
+
+
+def regime_key(feat: tuple[float, ...], ratio: float) -> tuple[int, ...]:
+    step = math.log(ratio)
+    return tuple(int(math.floor(f / step)) for f in feat)
+
+
+def outside(feat: tuple[float, ...], key: tuple[int, ...], ratio: float, margin: float) -> bool:
+    """True when the features lie beyond `key`'s bin by more than `margin` of a bin on some axis."""
+    step = math.log(ratio)
+    return any(f / step < k - margin or f / step > k + 1 + margin for f, k in zip(feat, key))
+
+
+def describe_key(key: tuple[int, ...] | None, ratio: float) -> str:
+    if key is None:
+        return "unknown"
+    lo = [ratio**k for k in key]
+    return f"rate~{lo[0]:.2g}/s prompt~{lo[1]:.0f} out~{lo[2]:.0f}"
+
+
+@dataclass(frozen=True)
+class Decision:
+    """One thing the tuner did or concluded. `to_level` equals `from_level` for verdicts that move nothing."""
+
+    t_s: float
+    action: str  # start | explore | accept | reject | backoff | restore | hold | regime | kill | stale | resume | thin
+    from_level: float
+    to_level: float
+    reason: str
+    regime: str
+    j_per_token: float | None = None
+    slo_ratio: float | None = None
+
+
+@dataclass
+class _LevelStat:
+    j_per_token: float
+    slo_ratio: float
+    t_s: float
+    j_per_work: float
+
+
+@dataclass
+class _Regime:
+    key: tuple[int, ...] | None
+    best: int | None = None  # index of the level to hold
+    floor: int = 0  # lowest index not known to break the SLO
+    floor_t: float = -math.inf  # when the floor was raised (it expires after reprobe_s)
+    rejected: dict = field(default_factory=dict)  # index → time a trial of it was rejected
+    strikes: dict = field(default_factory=dict)  # index → times the guard backed off from it
+    stats: dict = field(default_factory=dict)  # index → latest _LevelStat
+    converged_t: float | None = None
+
+
+class Tuner:
+    """The state: current level, what it is doing (measure | trial | hold | backoff | killed | stale), per-regime memory.
+
+    Feed `observe(window)` one tick at a time (windows at one level: the caller splits at level
+    changes); it returns the decisions of that tick (often none). `level` is where the knob
+    should be. `kill()` pins the reference until `resume()`; `stale()` goes to the reference
+    until figures come back."""
+
+    def __init__(self, cfg: TunerConfig, t_s: float = 0.0):
+        self.cfg = cfg
+        self.ref = cfg.levels.index(cfg.reference)
+        self.idx = self.ref
+        self.state = "measure"
+        self.since_s = t_s  # the current level's start
+        self.state_since_s = t_s
+        self.regimes: dict = {}
+        self.regime = self._regime(None)
+        self._cand_since = None
+        self._recent: deque[Window] = deque()  # every level, for the regime features
+        self._guard: deque[Window] = deque()  # the current level's last guard_s
+        self._pending: list[Window] = []  # the current level's windows not yet judged
+        self._incumbent: _LevelStat | None = None  # the baseline a trial is compared with
+        self._incumbent_idx: int | None = None
+        self._direction = -1
+        self._up_tried = False
+        self._threat_ticks = 0
+        self._ref_threatened = False
+        self._undo: tuple | None = None  # (floor, floor_t, best) before the last back-off
+        self._trials: deque[tuple[float, float]] = deque()  # (start, end) of trials
+        self.explore_s = 0.0  # total time spent on trials
+        self.decisions: deque[Decision] = deque(maxlen=10_000)  # the latest, for callers; a live run keeps its dataset
+
+    # --- what callers read ------------------------------------------------------------------
+
+    @property
+    def level(self) -> float:
+        return self.cfg.levels[self.idx]
+
+    @property
+    def reference(self) -> float:
+        return self.cfg.reference
+
+    @property
+    def regime_name(self) -> str:
+        return describe_key(self.regime.key, self.cfg.regime_ratio)
+
+    # --- inputs -----------------------------------------------------------------------------
+
+    def observe(self, w: Window) -> list[Decision]:
+        out: list[Decision] = []
+        if self.state in ("killed",):
+            return out
+        if self.state == "stale":
+            out.append(self._decide(w.t_end_s, "resume", self.idx, "daemon figures are back: hold the reference, then resume"))
+            self._enter("backoff", w.t_end_s)
+            self.since_s = w.t_end_s  # the back-off's hold counts from now
+        if self.state == "trial":
+            self.explore_s += w.duration_s
+        self._track_regime(w, out)
+        if out and out[-1].action == "regime":
+            return out
+        self._guard.append(w)
+        while self._guard and self._guard[0].t_end_s <= w.t_end_s - self.cfg.guard_s:
+            self._guard.popleft()
+        g = merge(list(self._guard))
+        ratio = slo_ratio(g, self.cfg) if g.requests >= self.cfg.guard_min_requests else None
+        # Over half the guard's window, or at once when far over: a p95 of a few seconds of traffic swings widely.
+        threat = ratio is not None and ratio > self.cfg.guard_ratio and (
+            g.duration_s >= self.cfg.guard_s / 2 or ratio > 2 * self.cfg.guard_ratio)
+        self._threat_ticks = self._threat_ticks + 1 if threat else 0
+        if threat and self.state == "backoff":
+            self._ref_threatened = True
+        if self._threat_ticks >= self.cfg.guard_ticks and self.idx != self.ref:
+            self._threatened(w.t_end_s, ratio, out)
+            return out
+        self._pending.append(w)
+        self._step(w.t_end_s, out)
+        return out
+
+    def note(self, t_s: float, action: str, reason: str) -> Decision:
+        """Record something the caller did at the current level (the start, say)."""
+        return self._decide(t_s, action, self.idx, reason)
+
+    def kill(self, t_s: float, why: str = "kill switch (SIGUSR1)") -> Decision:
+        d = self._move(t_s, "kill", self.ref, why + ": back to the reference and hold")
+        self._enter("killed", t_s)
+        return d
+
+    def resume(self, t_s: float) -> Decision:
+        d = self._decide(t_s, "resume", self.idx, "resumed: measure from here")
+        self._enter("measure", t_s)
+        return d
+
+    def stale(self, t_s: float, why: str) -> Decision | None:
+        """No trustworthy figures (daemon down, metrics stalled): back to the reference until they return."""
+        if self.state in ("stale", "killed"):
+            return None
+        d = self._move(t_s, "stale", self.ref, why + ": back to the reference until figures return")
+        self._enter("stale", t_s)
+        return d
+
+    # --- the machine ------------------------------------------------------------------------
+
+    def _step(self, t: float, out: list[Decision]) -> None:
+        cfg = self.cfg
+        r = self.regime
+        if self.state == "backoff":
+            if t - self.since_s >= cfg.backoff_s:
+                if self._ref_threatened and self._undo is not None:
+                    # The reference broke the SLO too: the load did it, not the level; keep what was learnt.
+                    r.floor, r.floor_t, r.best = self._undo
+                    out.append(self._decide(t, "hold", self.idx, "the reference was over the SLO too during the "
+                                                                 "back-off: the load, not the level, is blamed"))
+                self._undo, self._ref_threatened = None, False
+                target = r.best if r.best is not None and r.best >= r.floor else None
+                if target is not None and target != self.idx:
+                    out.append(self._move(t, "restore", target, "back-off over: return to the regime's best level"))
+                    self._enter("hold", t)
+                    r.converged_t = t
+                else:
+                    self._enter("measure", t)
+            return
+        if self.state == "hold":
+            if r.converged_t is not None and t - r.converged_t >= cfg.reprobe_s:
+                r.rejected.clear()
+                self._up_tried = False
+                self._enter("measure", t)
+            else:
+                # Held levels are judged too: headroom shrinking as the load grows moves one level up
+                # (the band between accept_ratio and the guard is the hysteresis).
+                stat = self._judge(t, out)
+                if stat is not None:
+                    r.stats[self.idx] = stat
+                    if stat.slo_ratio > cfg.hold_ratio and self.idx < len(cfg.levels) - 1:
+                        r.best = self.idx + 1
+                        out.append(self._move(t, "backoff", self.idx + 1,
+                                              f"p95 at {stat.slo_ratio:.0%} of the SLO, above the {cfg.hold_ratio:.0%} "
+                                              "a held level may reach: one level up", stat))
+                        r.converged_t = t
+                return
+        judged = self._judge(t, out)
+        if judged is None:
+            return
+        stat = judged
+        r.stats[self.idx] = stat
+        if self.state == "measure":
+            # The level in force is judged against the holding band; only trials must show the full headroom.
+            if stat.slo_ratio > cfg.hold_ratio and self.idx < len(cfg.levels) - 1:
+                r.floor = max(r.floor, self.idx + 1)
+                r.floor_t = t
+                if r.best is not None and r.best <= self.idx:
+                    r.best = None
+                out.append(self._move(t, "backoff", self.idx + 1,
+                                      f"p95 at {stat.slo_ratio:.0%} of the SLO, above the {cfg.hold_ratio:.0%} a held level "
+                                      "may reach: one level up", stat))
+                self._enter("measure", t)
+                return
+            self._incumbent, self._incumbent_idx = stat, self.idx
+            if r.best is None or stat.slo_ratio <= cfg.accept_ratio:
+                r.best = self.idx
+            self._next_trial(t, out)
+            return
+        if self.state == "trial":
+            inc = self._incumbent
+            gain = 1.0 - stat.j_per_work / inc.j_per_work if inc and inc.j_per_work > 0 else 0.0
+            ok = stat.slo_ratio <= cfg.accept_ratio
+            down = self.idx < self._incumbent_idx
+            need = -cfg.max_loss if down else cfg.min_gain
+            if ok and gain >= need:
+                out.append(self._decide(t, "accept", self.idx,
+                                        f"{gain:+.1%} J/token saved against {self._fmt(cfg.levels[self._incumbent_idx])}, p95 at "
+                                        f"{stat.slo_ratio:.0%} of the SLO", stat))
+                r.best = self.idx
+                self._incumbent, self._incumbent_idx = stat, self.idx
+                self._end_trial(t)
+                self._enter("measure", t, keep_pending=True)
+                self._next_trial(t, out)
+                return
+            why = (f"p95 at {stat.slo_ratio:.0%} of the SLO (keep ≤ {cfg.accept_ratio:.0%})" if not ok
+                   else f"saves {gain:+.1%} J/token, under the {need:+.0%} needed")
+            if not ok and self.idx < self._incumbent_idx:
+                r.floor, r.floor_t = max(r.floor, self.idx + 1), t
+            r.rejected[self.idx] = t
+            back = self._incumbent_idx
+            self._end_trial(t)
+            out.append(self._move(t, "reject", back, f"trial rejected: {why}", stat))
+            self._enter("measure", t)
+            if self._direction < 0:
+                self._direction = +1
+            else:
+                self._up_tried = True
+
+    def _judge(self, t: float, out: list[Decision]) -> _LevelStat | None:
+        """A judgement once the level has been held for its dwell and the pooled windows are enough."""
+        cfg = self.cfg
+        if t - self.since_s < cfg.dwell_s:
+            return None
+        usable = self._pending[1:] if len(self._pending) > 1 else []  # the first window straddles the change
+        if not usable:
+            return None
+        w = merge(usable)
+        if w.duration_s < cfg.window_s:
+            return None
+        if w.requests < cfg.min_requests or w.tokens <= 0:
+            if w.duration_s < 4 * cfg.window_s:
+                return None
+            self._pending = self._pending[-1:]
+            if self.state == "trial":
+                back = self._incumbent_idx if self._incumbent_idx is not None else self.ref
+                self._end_trial(t)
+                out.append(self._move(t, "thin", back, f"only {w.requests} requests in {w.duration_s:.0f} s: too little to judge"))
+                self._enter("hold", t)
+                self.regime.converged_t = t
+            return None
+        ratio = slo_ratio(w, cfg)
+        self._pending = self._pending[-1:]
+        return _LevelStat(w.energy_j / w.tokens, ratio if ratio is not None else 0.0, t,
+                          j_per_work(w, cfg.prefill_weight) or w.energy_j / w.tokens)
+
+    def _next_trial(self, t: float, out: list[Decision]) -> None:
+        cfg, r = self.cfg, self.regime
+        if r.floor > 0 and t - r.floor_t >= cfg.reprobe_s:
+            r.floor = 0
+        for d in (self._direction, -self._direction):
+            if d > 0 and self._up_tried:
+                continue
+            j = self.idx + d * cfg.max_step
+            j = max(0, min(len(cfg.levels) - 1, j))
+            known = r.stats.get(j)
+            mine = r.stats.get(self.idx)
+            # Memory: a level above measured recently at more energy per unit of work needs no new trial.
+            costlier = (d > 0 and known is not None and mine is not None and t - known.t_s < cfg.reprobe_s
+                        and known.j_per_work >= mine.j_per_work * (1 - cfg.min_gain))
+            if j == self.idx or j < r.floor or costlier or (j in r.rejected and t - r.rejected[j] < cfg.reprobe_s):
+                if d > 0:
+                    self._up_tried = True
+                continue
+            if not self._budget_ok(t):
+                out.append(self._decide(t, "hold", self.idx, "exploration budget spent: hold until the reprobe time"))
+                self._enter("hold", t)
+                r.converged_t = t
+                self._direction = -1
+                return
+            self._direction = d
+            out.append(self._move(t, "explore", j, f"try {'down' if d < 0 else 'up'} one level (incumbent "
+                                                   f"{self._incumbent.j_per_token:.3g} J/token)", self._incumbent))
+            self._trials.append((t, math.inf))
+            self._enter("trial", t)
+            return
+        out.append(self._decide(t, "hold", self.idx, "converged: hold until the traffic shifts or the reprobe time"))
+        self._enter("hold", t)
+        r.converged_t = t
+        self._direction = -1
+
+    def _budget_ok(self, t: float) -> bool:
+        h = self.cfg.explore_horizon_s
+        while self._trials and self._trials[0][1] < t - h:
+            self._trials.popleft()
+        spent = sum(min(e, t) - max(s, t - h) for s, e in self._trials)
+        return spent <= self.cfg.max_explore_share * h - self.cfg.dwell_s
+
+    def _end_trial(self, t: float) -> None:
+        if self._trials and self._trials[-1][1] == math.inf:
+            self._trials[-1] = (self._trials[-1][0], t)
+
+    def _threatened(self, t: float, ratio: float, out: list[Decision]) -> None:
+        r = self.regime
+        cfg = self.cfg
+        self._undo, self._ref_threatened = (r.floor, r.floor_t, r.best), False
+        hits = [x for x in r.strikes.get(self.idx, []) if x > t - cfg.strike_s] + [t]
+        r.strikes[self.idx] = hits
+        barred = len(hits) >= cfg.strikes or self.state == "trial"
+        if barred:
+            r.floor, r.floor_t = max(r.floor, self.idx + 1), t
+            if r.best is not None and r.best < r.floor:
+                r.best = r.floor  # hysteresis: after the back-off, return one level above the one that threatened
+        self._end_trial(t)
+        then = "barred for now" if barred else f"strike {len(hits)} of {cfg.strikes}"
+        out.append(self._move(t, "backoff", self.ref, f"SLO threatened: p95 at {ratio:.0%} of the SLO over the last "
+                                                      f"{cfg.guard_s:g} s; back to the reference at once ({then})"))
+        self._enter("backoff", t)
+        self._direction, self._up_tried = -1, False
+
+    def _track_regime(self, w: Window, out: list[Decision]) -> None:
+        cfg = self.cfg
+        self._recent.append(w)
+        while self._recent and self._recent[0].t_end_s <= w.t_end_s - cfg.regime_s:
+            self._recent.popleft()
+        feat = regime_features(merge(list(self._recent)))
+        if feat is None:
+            return
+        if self.regime.key is None:
+            self.regime.key = regime_key(feat, cfg.regime_ratio)
+            self.regimes[self.regime.key] = self.regime
+            return
+        if not outside(feat, self.regime.key, cfg.regime_ratio, cfg.regime_margin):
+            self._cand_since = None
+            return
+        if self._cand_since is None:
+            self._cand_since = w.t_end_s
+        if w.t_end_s - self._cand_since < cfg.regime_s:
+            return
+        key = regime_key(feat, cfg.regime_ratio)
+        started, self._cand_since = self._cand_since, None
+        old, old_key = self.regime_name, self.regime.key
+        if self._undo is not None and self.regime.floor_t >= started - cfg.guard_s:
+            # A back-off while the traffic was already shifting is the new traffic's, not the old regime's.
+            self.regime.floor, self.regime.floor_t, self.regime.best = self._undo
+            self._undo = None
+        self.regime = self._regime(key)
+        self._end_trial(w.t_end_s)
+        self._up_tried, self._direction = False, -1
+        r = self.regime
+        if r.best is not None and r.best >= r.floor:
+            out.append(self._move(w.t_end_s, "regime", r.best, f"traffic shifted from {old}; this regime was seen "
+                                                                f"before: its best level"))
+            self._enter("hold", w.t_end_s)
+            r.converged_t = w.t_end_s
+        elif old_key is not None and key[0] > old_key[0] and self.idx < len(cfg.levels) - 1:
+            # More load than the level was verified under, and nothing known: one level up before exploring.
+            out.append(self._move(w.t_end_s, "regime", self.idx + 1, f"traffic shifted from {old} to more requests: "
+                                                                    "one level up, then re-explore"))
+            self._enter("measure", w.t_end_s)
+        else:
+            out.append(self._move(w.t_end_s, "regime", self.idx, f"traffic shifted from {old}: re-explore from here"))
+            self._enter("measure", w.t_end_s)
+
+    # --- helpers ----------------------------------------------------------------------------
+
+    def _regime(self, key) -> _Regime:
+        if key not in self.regimes:
+            self.regimes[key] = _Regime(key)
+        return self.regimes[key]
+
+    def _enter(self, state: str, t: float, keep_pending: bool = False) -> None:
+        self.state = state
+        self.state_since_s = t
+        if not keep_pending:
+            self._pending = []
+
+    def _fmt(self, v: float) -> str:
+        return f"{v:g} {self.cfg.unit}"
+
+    def _decide(self, t: float, action: str, to_idx: int, reason: str, stat: _LevelStat | None = None) -> Decision:
+        d = Decision(t, action, self.level, self.cfg.levels[to_idx], reason, self.regime_name,
+                     stat.j_per_token if stat else None, stat.slo_ratio if stat else None)
+        self.decisions.append(d)
+        return d
+
+    def _move(self, t: float, action: str, to_idx: int, reason: str, stat: _LevelStat | None = None) -> Decision:
+        d = self._decide(t, action, to_idx, reason, stat)
+        if to_idx != self.idx:
+            self.idx = to_idx
+            self.since_s = t
+            self._pending = []
+            self._guard.clear()
+        return d
+
+
+def config_from_table(table: dict, levels: list[float], reference: float | None = None) -> TunerConfig:
+    """A TunerConfig from a parsed [tuner] table (unknown keys rejected) and the resolved levels."""
+    unknown = sorted(set(table) - CONFIG_KEYS - {"levels", "reference"})
+    if unknown:
+        raise TunerConfigError(f"unknown key(s) in [tuner]: {', '.join(unknown)}; known: "
+                               f"levels, reference, {', '.join(sorted(CONFIG_KEYS))}")
+    kw = {}
+    types = {f.name: f.type for f in fields(TunerConfig)}
+    for k, v in table.items():
+        if k in ("levels", "reference"):
+            continue
+        want = types[k]
+        if "bool" in str(want):
+            if not isinstance(v, bool):
+                raise TunerConfigError(f"tuner.{k}: true or false")
+        elif "str" in str(want):
+            if not isinstance(v, str):
+                raise TunerConfigError(f"tuner.{k}: a string")
+        elif "int" in str(want):
+            if not isinstance(v, int) or isinstance(v, bool):
+                raise TunerConfigError(f"tuner.{k}: an integer")
+        elif not isinstance(v, (int, float)) or isinstance(v, bool):
+            raise TunerConfigError(f"tuner.{k}: a number")
+        kw[k] = v
+    lv = sorted(float(x) for x in levels)
+    ref = float(reference) if reference is not None else lv[-1]
+    return TunerConfig(levels=tuple(lv), reference=ref, **kw)

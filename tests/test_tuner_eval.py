@@ -1,0 +1,67 @@
+"""The tuner's bench pieces: the diurnal trace generator, the virtual-time server on the simulator's physics, and a short
+closed-loop run (the acceptance figures come from bench/tuner_eval.py)."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "bench"))
+
+from _tuner import evaluate  # noqa: E402
+
+from powerprof.sim.profiles import get_profile  # noqa: E402
+from powerprof.sim.virtual import VirtualServer, level_table  # noqa: E402
+from powerprof.tuner.policy import TunerConfig  # noqa: E402
+from powerprof.workload.trace import LengthMix, diurnal, synthetic  # noqa: E402
+
+
+def test_diurnal_rate_follows_the_day_and_the_length_mix_shifts_when_told():
+    day = 4000.0
+    tr = diurnal(day, 2.0, amplitude=0.6, period_s=day, shift_at_s=day / 2, shift_mix=LengthMix(2000, 0.3, 300, 0.3),
+                 seed=1)
+    t = np.array([r.t_s for r in tr])
+    night = ((t < day / 8) | (t > 7 * day / 8)).sum()
+    noon = ((t > 3 * day / 8) & (t < 5 * day / 8)).sum()
+    assert noon > 2.5 * night  # rate 0.8–3.2/s: the middle quarter carries far more than the two ends
+    p = np.array([r.prompt_tokens for r in tr])
+    assert np.median(p[t < day / 2 - 60]) < 600 < 1500 < np.median(p[t > day / 2 + 60])
+    assert tr == diurnal(day, 2.0, amplitude=0.6, period_s=day, shift_at_s=day / 2,
+                         shift_mix=LengthMix(2000, 0.3, 300, 0.3), seed=1)
+    with pytest.raises(ValueError):
+        diurnal(day, 2.0, amplitude=1.0)
+    with pytest.raises(ValueError):
+        diurnal(day, 2.0, shift_at_s=10.0)
+
+
+def test_the_virtual_server_keeps_the_simulators_physics():
+    p = get_profile("seed-16g")
+    capped, free = level_table(p, 200), level_table(p, 300)
+    s_cap, w_cap = capped.at(0.6)
+    s_free, w_free = free.at(0.6)
+    assert w_cap <= 200.5 and s_cap < s_free and w_cap < w_free
+    tr = synthetic(400, 1.0, prompt_median=300, output_median=60, seed=2)
+    a, pr, o = (np.array([getattr(r, k) for r in tr]) for k in ("t_s", "prompt_tokens", "output_tokens"))
+    vs = VirtualServer(p, [200, 300])
+    r200 = vs.run(a, pr, o, lambda tk: 200, 200)
+    r300 = vs.run(a, pr, o, lambda tk: 300, 300)
+    for r in (r200, r300):
+        assert r.tokens == pytest.approx(o.sum())  # every token generated once
+        assert np.all(r.first_s >= r.arrival_s) and np.all(r.last_s >= r.first_s)
+    assert r200.j_per_token < r300.j_per_token  # the seed card's trade: less energy…
+    assert np.nanmedian(r200.tpot_s) > np.nanmedian(r300.tpot_s)  # …for slower tokens
+    # Idle energy between requests is counted: the whole run never draws less than idle power.
+    assert r300.energy_j >= p.idle_power_w * r300.duration_s
+
+
+def test_closed_loop_tuner_saves_energy_with_only_allowed_levels():
+    cfg = TunerConfig(levels=(150, 200, 250, 300), reference=300, tpot_p95_ms=100.0, ttft_p95_ms=5000.0)
+    tr = synthetic(3600, 1.0, prompt_median=400, output_median=80, seed=5)
+    res = evaluate("seed-16g", tr, cfg, 300, statics=False)
+    t, d = res["tuner"], res["default"]
+    assert t.j_per_token < 0.95 * d.j_per_token
+    assert set(t.level_time_s) <= set(cfg.levels)
+    assert t.explore_s > 0 and any(x.action == "explore" for x in t.decisions)

@@ -1,0 +1,178 @@
+"""The tuner's policy on hand-made windows: where it goes, when it backs off, what it remembers, what it refuses."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+
+from powerprof.daemon.latency import LATENCY_EDGES_S
+from powerprof.tuner.policy import (
+    Tuner,
+    TunerConfig,
+    TunerConfigError,
+    Window,
+    config_from_table,
+    histogram_counts,
+    histogram_quantile,
+)
+
+LEVELS = (150, 200, 250, 300)
+
+
+def cfg(**kw):
+    base = dict(levels=LEVELS, reference=300, tpot_p95_ms=100.0, tick_s=10, window_s=30, dwell_s=30, min_requests=10,
+                guard_s=30, guard_min_requests=5, regime_s=60, max_explore_share=1.0, reprobe_s=10_000)
+    base.update(kw)
+    return TunerConfig(**base)
+
+
+def window(t, level, tpot_ms, j_per_token=1.0, rate=2.0, prompt=400, output=80, dur=10.0):
+    """One tick of traffic: every finished request at `tpot_ms`, energy `j_per_token` per token."""
+    n = int(rate * dur)
+    tokens = n * output
+    return Window(t, dur, level, tokens, j_per_token * tokens, n, n, n * prompt, n * output,
+                  histogram_counts([0.2] * n), histogram_counts([tpot_ms / 1000] * n))
+
+
+class Plant:
+    """A card whose J/token falls and latency rises as the level goes down (the seed card's shape)."""
+
+    def __init__(self, tpot_ms=None, j=None):
+        self.tpot_ms = tpot_ms or {150: 80.0, 200: 50.0, 250: 40.0, 300: 30.0}
+        self.j = j or {150: 0.8, 200: 0.9, 250: 1.0, 300: 1.1}
+
+    def run(self, tuner, t0, t1, rate=2.0, output=80, tpot_scale=1.0):
+        t = t0
+        levels = []
+        while t < t1:
+            t += 10
+            lv = tuner.level
+            tuner.observe(window(t, lv, self.tpot_ms[lv] * tpot_scale, self.j[lv], rate=rate, output=output))
+            levels.append(tuner.level)
+        return t, levels
+
+
+def test_it_walks_down_to_the_lowest_level_that_keeps_the_slo_headroom_and_holds_there():
+    tu = Tuner(cfg(), 0.0)
+    t, levels = Plant().run(tu, 0, 1500)
+    # 150 W has p95 at ~80% of the SLO (over the 60% kept as headroom): 200 W is the sweet spot.
+    assert tu.level == 200
+    assert levels[-30:] == [200] * 30
+    assert set(levels) <= set(LEVELS)
+    assert any(d.action == "reject" and d.to_level == 200 for d in tu.decisions)
+    # Exploration moves one level at a time.
+    for d in tu.decisions:
+        if d.action == "explore":
+            assert abs(LEVELS.index(d.to_level) - LEVELS.index(d.from_level)) == 1
+
+
+def test_a_threatened_slo_backs_off_to_the_reference_at_once_with_the_reason():
+    tu = Tuner(cfg(), 0.0)
+    t, _ = Plant().run(tu, 0, 1500)
+    assert tu.level == 200
+    ds = tu.observe(window(t + 10, 200, 150.0))  # p95 at 150% of the SLO
+    assert tu.level == 300
+    assert ds[-1].action == "backoff" and "SLO threatened" in ds[-1].reason
+    # It holds the reference for the back-off time (the dwell/hysteresis), not one tick.
+    _, levels = Plant().run(tu, t + 10, t + 100)
+    assert levels == [300] * len(levels)
+
+
+def test_one_strike_returns_to_the_level_two_bar_it():
+    tu = Tuner(cfg(backoff_s=30, strikes=2, strike_s=10_000), 0.0)
+    t, _ = Plant().run(tu, 0, 1500)
+    tu.observe(window(t + 10, 200, 150.0))
+    t, _ = Plant().run(tu, t + 10, t + 60)
+    assert tu.level == 200  # a single burst: back to the level after the back-off
+    tu.observe(window(t + 10, 200, 150.0))
+    t, _ = Plant().run(tu, t + 10, t + 200)
+    assert tu.level == 250  # the second strike: one level above it
+
+
+def test_kill_switch_pins_the_reference_whatever_the_traffic():
+    tu = Tuner(cfg(), 0.0)
+    t, _ = Plant().run(tu, 0, 1500)
+    assert tu.level != 300
+    d = tu.kill(t)
+    assert d.action == "kill" and tu.level == 300
+    _, levels = Plant().run(tu, t, t + 2000)
+    assert set(levels) == {300}
+
+
+def test_stale_figures_send_it_to_the_reference_until_they_return():
+    tu = Tuner(cfg(backoff_s=30), 0.0)
+    t, _ = Plant().run(tu, 0, 1500)
+    d = tu.stale(t, "metrics stalled")
+    assert tu.level == 300 and d.action == "stale"
+    assert tu.stale(t + 5, "still") is None  # recorded once
+    _, levels = Plant().run(tu, t, t + 20)
+    assert levels[0] == 300
+    assert any(x.action == "resume" for x in tu.decisions)
+
+
+def test_a_traffic_shift_is_detected_and_each_regime_keeps_its_own_best_level():
+    tu = Tuner(cfg(), 0.0)
+    light = Plant()
+    heavy = Plant(tpot_ms={150: 200.0, 200: 120.0, 250: 45.0, 300: 35.0})  # only 250 W keeps the headroom
+    t, _ = light.run(tu, 0, 1500, rate=2.0)
+    assert tu.level == 200
+    t, _ = heavy.run(tu, t, t + 3000, rate=8.0)
+    assert any(d.action == "regime" for d in tu.decisions)
+    assert tu.level == 250
+    n_before = len([d for d in tu.decisions if d.action == "explore"])
+    t, _ = light.run(tu, t, t + 600, rate=2.0)
+    # Back in the first regime: straight to its remembered level, no new exploration needed.
+    assert tu.level == 200
+    back = [d for d in tu.decisions if d.action == "regime"][-1]
+    assert "seen before" in back.reason
+    assert len([d for d in tu.decisions if d.action == "explore"]) == n_before
+
+
+def test_exploration_respects_its_budget():
+    tu = Tuner(cfg(max_explore_share=0.2, explore_horizon_s=3600, dwell_s=60, window_s=50), 0.0)
+    Plant().run(tu, 0, 3600)
+    assert tu.explore_s <= 0.2 * 3600 + 60
+
+
+def test_no_level_is_judged_on_too_little_traffic():
+    tu = Tuner(cfg(min_requests=50), 0.0)
+    t = 0.0
+    for _ in range(200):
+        t += 10
+        tu.observe(window(t, tu.level, 30.0, rate=0.1))  # one request per tick: 12 in the 4 windows pooled at most
+    assert tu.level == 300
+    assert not any(d.action in ("explore", "accept") for d in tu.decisions)
+
+
+@pytest.mark.parametrize("bad,msg", [
+    (dict(levels=(300,)), "at least two"),
+    (dict(levels=(300, 200)), "ascending"),
+    (dict(reference=275), "not one of the levels"),
+    (dict(tpot_p95_ms=None), "set an SLO"),
+    (dict(accept_ratio=1.5), "accept_ratio"),
+    (dict(dwell_s=0), "dwell_s"),
+])
+def test_bad_config_is_refused_with_the_key_named(bad, msg):
+    with pytest.raises(TunerConfigError, match=msg):
+        cfg(**bad)
+
+
+def test_config_table_rejects_unknown_keys_and_wrong_types():
+    with pytest.raises(TunerConfigError, match="unknown key"):
+        config_from_table({"tpot_p95_ms": 50, "dwel_s": 3}, [200, 300])
+    with pytest.raises(TunerConfigError, match="a number"):
+        config_from_table({"tpot_p95_ms": "fast"}, [200, 300])
+    c = config_from_table({"tpot_p95_ms": 50, "dry_run": True}, [300, 200])
+    assert c.levels == (200.0, 300.0) and c.reference == 300.0 and c.dry_run
+
+
+def test_histogram_quantile_is_within_a_bucket_of_the_truth():
+    rng = np.random.default_rng(1)
+    x = rng.lognormal(math.log(0.05), 0.6, 5000)
+    est = histogram_quantile(histogram_counts(x), 0.95)
+    true = float(np.quantile(x, 0.95))
+    assert abs(est / true - 1) < 2 ** (1 / 3) - 1
+    assert histogram_quantile(histogram_counts([]), 0.95) is None
+    assert histogram_quantile(histogram_counts([1e6]), 0.5) == LATENCY_EDGES_S[-1]

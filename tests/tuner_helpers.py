@@ -1,0 +1,82 @@
+"""A stand-in for the daemon's /metrics: the daemon's own exposition code over counters the test advances per scrape."""
+
+from __future__ import annotations
+
+import threading
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+from powerprof.daemon.latency import RequestLatency
+from powerprof.daemon.metrics import GpuSnapshot, Snapshot, make_registry, render
+
+
+class FakeDaemon:
+    """Each scrape adds `per_scrape` finished requests at `tpot_s` (80 tokens each) and the energy they cost.
+
+    mode: "ok" | "down" (HTTP 503) | "frozen" (nothing moves, as a daemon whose loop stalled) | "upstream" (the
+    inference server is failing: the proxy's upstream failures climb)."""
+
+    def __init__(self, per_scrape: int = 20, tpot_s: float = 0.03, j_per_token: float = 1.0):
+        self.per_scrape = per_scrape
+        self.tpot_s = tpot_s
+        self.j_per_token = j_per_token
+        self.mode = "ok"
+        self.latency = RequestLatency()
+        self.tokens = 0.0
+        self.energy = 0.0
+        self.finished = 0
+        self.upstream_failures = 0
+        self.gpu_energy = 0.0
+        self.scrapes = 0
+        self.snapshot = Snapshot()
+        self._lock = threading.Lock()
+        self._registry = make_registry(self)
+        fake = self
+
+        class Handler(BaseHTTPRequestHandler):
+            def do_GET(self):
+                body, code = fake._scrape()
+                self.send_response(code)
+                self.send_header("Content-Type", "text/plain; version=0.0.4")
+                self.send_header("Content-Length", str(len(body)))
+                self.end_headers()
+                self.wfile.write(body)
+
+            def log_message(self, *a):
+                pass
+
+        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.url = f"http://127.0.0.1:{self.server.server_address[1]}/metrics"
+        self._thread = threading.Thread(target=self.server.serve_forever, daemon=True)
+
+    def _scrape(self):
+        with self._lock:
+            self.scrapes += 1
+            if self.mode == "down":
+                return b"daemon unavailable\n", 503
+            if self.mode != "frozen":
+                for k in range(self.per_scrape):
+                    t0 = 10**9 * self.finished
+                    self.latency.observe(t0, t0 + 200_000_000, t0 + 200_000_000 + int(self.tpot_s * 79 * 1e9), 80, 400)
+                    self.finished += 1
+                self.tokens += 80 * self.per_scrape
+                self.energy += self.j_per_token * 80 * self.per_scrape
+                self.gpu_energy += self.j_per_token * 80 * self.per_scrape + 50.0  # plus idle power between requests
+                if self.mode == "upstream":
+                    self.upstream_failures += 5
+            self.snapshot = Snapshot(
+                gpus=(GpuSnapshot(0, "GPU-fake", "fake", 200.0, 1500.0, 9000.0, 300.0, self.gpu_energy),),
+                energy_by_dest_j=(self.energy, 0.0, 0.0),
+                tokens_by_tag={"": self.tokens},
+                requests_by_tag={("", "ok"): float(self.finished)},
+                proxy_upstream_failures=self.upstream_failures,
+                latency=self.latency.states(),
+            )
+            return render(self._registry), 200
+
+    def __enter__(self):
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc):
+        self.server.shutdown()
+        self.server.server_close()
