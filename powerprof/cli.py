@@ -580,7 +580,7 @@ def _fraction(text: str) -> float:
 @click.option("--eta", type=float, default=0.5, show_default=True,
               help="Weight of energy in the weighted-cost policy eta*E + (1-eta)*Pmax/T (1: energy only).")
 @click.option("--format", "formats", default="md,html", show_default=True, help="Report formats: md, html or both.")
-@click.option("--force", is_flag=True, help="Pool runs even if their GPU model or server model differ.")
+@click.option("--force", is_flag=True, help="Pool runs even if their GPU model, server model or traffic (trace) differ.")
 @click.option("--bootstrap", "n_boot", type=click.IntRange(100, 100_000), default=2000, show_default=True,
               help="Bootstrap resamples for the confidence intervals.")
 @click.option("--json", "as_json", is_flag=True, help=JSON_HELP + " The same as analysis.json.")
@@ -742,7 +742,7 @@ def sweep(limits, clocks, url, launch, vary, context_tokens, simulate, gpus, rep
         raise click.UsageError("--max-requests must not be below --min-requests")
     if trace_path:
         _trace_sweep(trace_path, time_scale, duration_s, limits, clocks, url, launch, simulate, gpus, api, interval_s,
-                     launch_timeout)
+                     launch_timeout, out_dir, idle_s, dry_run, repeats, order)
         return
     try:
         prompts = load_prompts(prompts_file) if prompts_file else builtin_prompts(prompt_set)
@@ -809,45 +809,61 @@ def sweep(limits, clocks, url, launch, vary, context_tokens, simulate, gpus, rep
 
 
 def _trace_sweep(trace_path, time_scale, duration_s, limits, clocks, url, launch, simulate, gpus, api, interval_s,
-                 launch_timeout) -> None:
-    """`sweep --trace`: the whole trace at each level; J/token and latency per level."""
+                 launch_timeout, out_dir, idle_s, dry_run, repeats, order) -> None:
+    """`sweep --trace`: the whole trace at each level; J/token and latency per level, in a run directory."""
+    import hashlib
+
     from powerprof.control.errors import ControlError
     from powerprof.control.levels import LevelError
     from powerprof.rig import Rig
-    from powerprof.sweep import SweepError, run_trace_sweep
+    from powerprof.sweep import SweepError, run_sweep
     from powerprof.workload.client import ServerUnreachable
     from powerprof.workload.launcher import LaunchError
 
     trace = _load_trace(trace_path, time_scale, duration_s)
+    try:
+        digest = hashlib.sha256(Path(trace_path).read_bytes()).hexdigest()
+    except OSError as e:
+        raise click.UsageError(f"cannot read {trace_path}: {e.strerror or e}") from None
+    meta = {"path": str(Path(trace_path).resolve()), "sha256": digest, "time_scale": time_scale,
+            "duration_s": duration_s, "span_s": trace[-1].t_s}
     unit = "W" if limits else "MHz"
 
     def f(v, spec):
         return "-" if v is None else format(v, spec)
-
-    click.echo(f"trace {trace_path}: {len(trace)} requests over {trace[-1].t_s:.1f} s, each level replays all of it")
-    click.echo(f"{'level':>8} {'ok':>5} {'failed':>6} {'tokens':>7} {'GPU J/tok':>9} {'tok/s':>7} {'TTFT p50':>8} "
-               f"{'TTFT p95':>8} {'lat p50':>7} {'lat p95':>7}  method")
 
     def show(lv):
         click.echo(f"{lv.level_value:>6g}{unit:<2} {lv.n_ok:>5} {lv.n_failed:>6} {lv.generated_tokens:>7} "
                    f"{f(lv.gpu_j_per_token, '9.3f')} {f(lv.tok_s, '7.1f')} {f(lv.ttft_p50_s, '8.3f')} "
                    f"{f(lv.ttft_p95_s, '8.3f')} {f(lv.latency_p50_s, '7.2f')} {f(lv.latency_p95_s, '7.2f')}  {lv.energy_method}")
 
+    if not dry_run:
+        click.echo(f"trace {trace_path}: {len(trace)} requests over {trace[-1].t_s:.1f} s, each level replays all of it")
+        click.echo(f"{'level':>8} {'ok':>5} {'failed':>6} {'tokens':>7} {'GPU J/tok':>9} {'tok/s':>7} {'TTFT p50':>8} "
+                   f"{'TTFT p95':>8} {'lat p50':>7} {'lat p95':>7}  method")
     try:
         with Rig(simulate, gpus=gpus) as rig:
-            _levels, notes = run_trace_sweep(rig, levels_spec=limits or clocks,
-                                             level_kind="power_limit" if limits else "sm_clock", trace=trace, url=url,
-                                             launch=launch, api=api, interval_s=interval_s,
-                                             launch_timeout_s=launch_timeout, on_level=show)
+            outcome = run_sweep(rig, levels_spec=limits or clocks, level_kind="power_limit" if limits else "sm_clock",
+                                url=url, launch=launch, api=api, interval_s=interval_s, out_dir=out_dir,
+                                launch_timeout_s=launch_timeout, command_line=" ".join(sys.argv), idle_s=idle_s,
+                                dry_run=dry_run, repeats=repeats, order=order, trace=trace, trace_meta=meta,
+                                on_level=show)
     except (LevelError, ValueError) as e:
+        if type(e).__module__.startswith("pyarrow"):
+            raise click.ClickException(f"writing the run failed: {e}") from None
         raise click.UsageError(str(e)) from None
     except (ControlError, SweepError, ServerUnreachable, LaunchError, OSError) as e:
         raise click.ClickException(str(e)) from None
     except KeyboardInterrupt:
-        click.echo("interrupted: every GPU is back at its original limit", err=True)
+        click.echo("interrupted: every GPU is back at its original limit; finished levels are in the run directory", err=True)
         sys.exit(130)
-    for n in notes:
+    if dry_run:
+        for line in outcome.plan_lines:
+            click.echo(line)
+        return
+    for n in outcome.notes:
         click.echo(f"note: {n}")
+    click.echo(f"run directory: {outcome.run_dir}")
 
 
 # --- daemon: always-on sampling, tagging proxy, Prometheus, tag API -----------------
