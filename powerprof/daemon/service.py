@@ -191,7 +191,9 @@ class Daemon:
         c = trace.counts
         self.latency.observe(trace.arrival_ns, trace.first_ns, trace.last_ns,
                              (c.generated_tokens if c is not None and c.generated_tokens is not None else trace.tokens_seen),
-                             c.prompt_tokens if c is not None else None)
+                             c.prompt_tokens if c is not None else None,
+                             # A non-streamed answer with no server timing is spread from its arrival.
+                             first_seen=not (trace.extra.get("spread") and trace.first_ns == trace.arrival_ns))
         self.ledger.on_end(trace)
         self._request_edge("request-end")
 
