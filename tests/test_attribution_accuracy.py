@@ -74,8 +74,9 @@ def test_identical_requests_alone_get_the_same_j_per_token(outcome):
 
 
 def test_bypass_energy_goes_to_unproxied(outcome):
+    # Measured 106.5% on this trace (112.9% before the scrape windows became busy time and the
+    # proxy's lag stopped passing for bypass traffic). The bypass requests' own per-token cost is
+    # unseen (they are charged the proxied tokens' cost), which alone moves the figure by the
+    # difference between the two mixes: on 24 bypass requests, several percent either way.
     _, s = outcome
-    # The issue's acceptance is the lower bound. Above: this short run's 24 bypass requests measured
-    # 1.23-1.33 (1.15-1.16 on the bench's 2000 requests): their tokens are spread over the scrape
-    # window and their prompts guessed from the proxied traffic's ratio (docs/daemon.md).
-    assert 0.8 <= s["bypass_share_in_unproxied"] <= 1.5, s["bypass_share_in_unproxied"]
+    assert 0.9 <= s["bypass_share_in_unproxied"] <= 1.15, s["bypass_share_in_unproxied"]
