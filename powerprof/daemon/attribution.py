@@ -7,9 +7,8 @@ three places, so requests + idle + unproxied = total:
   tokens prefilled (just before the first token, not over a queue wait), tokens decoded, the
   context those tokens were decoded at, and a share of the engine's per-step cost (`WorkCosts`,
   learned online by `daemon.workmodel`);
-- unproxied: tokens the server counted beyond the proxy's (bypass traffic), at the cost of a
-  proxied token decoded in the same interval plus the prompt work proxied requests carry per
-  generated token on average (the bypass prompts are unseen);
+- unproxied: tokens the server counted beyond the proxy's (bypass traffic), at the cost of an
+  average proxied token of the same interval;
 - idle: the part of the interval no request was live in, at the idle power; a whole interval
   with nothing live.
 
@@ -175,8 +174,7 @@ def prefill_tokens(edges_ns: np.ndarray, start_ns: np.ndarray, prefill_end_ns: n
 
 
 def request_work(costs: WorkCosts, tok: np.ndarray, pre: np.ndarray, ctx: np.ndarray,
-                 bypass: np.ndarray | None = None,
-                 bypass_prompt_per_token: float = 0.0) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+                 bypass: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """(R, K) each request's work (in joules at `costs`) in each interval, (K,) the bypass tokens'
     work, and (K,) the step counts.
 
@@ -185,20 +183,19 @@ def request_work(costs: WorkCosts, tok: np.ndarray, pre: np.ndarray, ctx: np.nda
     one per step), and split among the requests by their tokens. A request still waiting for its
     first token takes no share: it may sit in a queue, outside the engine's steps.
 
-    Bypass tokens (the server's beyond the proxy's) share the steps too, cost what a proxied token
-    of the interval does for its context, and carry `bypass_prompt_per_token` prompt tokens each
-    (the proxied traffic's long-run ratio: one interval's prompts are too lumpy to stand for
-    prompts the proxy never saw)."""
+    Bypass tokens (the server's beyond the proxy's) share the steps too, and cost what the proxied
+    ones do on average for their prompts and context (which the proxy never saw)."""
     k_count = tok.shape[1]
     byp = np.zeros(k_count) if bypass is None else np.asarray(bypass, dtype=float)
     steps = tok.max(axis=0) if tok.size else np.zeros(k_count)
     steps = np.where((steps == 0) & (byp > 0), 1.0, steps)  # bypass alone: at least one step ran
     part_sum = tok.sum(axis=0) + byp
     step_per_tok = np.divide(costs.step_j * steps, part_sum, out=np.zeros(k_count), where=part_sum > 0)
-    work = step_per_tok[None, :] * tok + costs.decode_j * tok + costs.prefill_j * pre + costs.ctx_j * ctx
+    own = costs.prefill_j * pre + costs.ctx_j * ctx
+    work = step_per_tok[None, :] * tok + costs.decode_j * tok + own
     n_tok = tok.sum(axis=0)
-    ctx_per_tok = np.divide(costs.ctx_j * ctx.sum(axis=0), n_tok, out=np.zeros(k_count), where=n_tok > 0)
-    bypass_work = byp * (step_per_tok + costs.decode_j + ctx_per_tok + costs.prefill_j * bypass_prompt_per_token)
+    own_per_tok = np.divide(own.sum(axis=0), n_tok, out=np.zeros(k_count), where=n_tok > 0)
+    bypass_work = byp * (step_per_tok + costs.decode_j + own_per_tok)
     return work, bypass_work, steps
 
 
@@ -216,7 +213,6 @@ def attribute(
     prompt_tokens: np.ndarray | None = None,
     tok_ctx: np.ndarray | None = None,
     costs: WorkCosts | None = None,
-    bypass_prompt_per_token: float = 0.0,
     bypass_spans: tuple[np.ndarray, np.ndarray] | None = None,
 ) -> Attribution:
     """Split the energy of K intervals (edges: K+1 instants) among R requests by their work.
@@ -226,8 +222,7 @@ def attribute(
     (NEVER where not yet), prompt tokens (NaN or 0 where unknown: no prefill work is counted).
     Token events: instant, request index, token count (a chunk may carry several), and the
     context each was decoded at (prompt + tokens before it; None: no context term).
-    server_tokens: (K,) tokens the server counted beyond the proxy's in each interval (bypass),
-    each taken to carry `bypass_prompt_per_token` prompt tokens.
+    server_tokens: (K,) tokens the server counted beyond the proxy's in each interval (bypass).
     bypass_spans: (start, end) of the times the server was seen doing bypass work (the scrape
     windows its excess came from); None: unknown, so no part of an interval with bypass tokens is idle.
     """
@@ -279,7 +274,7 @@ def attribute(
     kind[any_live & ~any_prefill] = DECODE
     kind[any_prefill] = PREFILL
 
-    work, unprox_work, steps = request_work(costs, tok, pre, ctx, server, bypass_prompt_per_token)
+    work, unprox_work, steps = request_work(costs, tok, pre, ctx, server)
     # Where nothing measurable happened (a slow step straddling the interval, a prompt of unknown
     # length) the live requests share by their live time there. Not where bypass tokens did
     # work: a request only waiting beside them did none (its seconds are not joules of work).

@@ -36,7 +36,6 @@ SPREAD_EVENTS = 64  # a non-streamed response's tokens are spread as this many e
 PROMPT_HOLD_S = 30.0  # hold intervals this long at most for a live request's prompt length
 BYPASS_FIT_SHARE = 0.25  # intervals whose bypass tokens exceed this share of the proxied ones stay out of the fit
 SCRAPE_HOLD_S = 10.0  # and this long at most for the server's counter to be scraped past them
-PROMPT_RATIO_REQUESTS = 1000  # bypass prompts are guessed from the last this many proxied requests
 LAG_S = 1.0  # the proxy may see a token this long after the server counted it (a loaded host)
 CREDIT_S = 3.0  # a higher server-minus-proxy level is held this long before a lower one replaces it
 
@@ -136,7 +135,6 @@ class Ledger:
         self._tokens_total = 0.0
         self._tokens_attributed = 0.0
         self._recent: deque = deque()  # (t_end_ns, requests' J, their tokens)
-        self._prompt_ratio: deque = deque(maxlen=PROMPT_RATIO_REQUESTS)  # (prompt, generated) of ended requests
         self.totals = Totals(gpu_energy_j=(0.0,) * n_gpus)
 
     # --- recorder interface (called by the proxy) ------------------------------------------
@@ -353,7 +351,7 @@ class Ledger:
         energy = np.column_stack([gpu, np.nan_to_num(cpu), np.isnan(cpu)])
         a = attr.attribute(t, energy, arrival, first, last, end, ev_t_a, ev_r_a, ev_n_a, excess,
                            prompt_tokens=prompt, tok_ctx=np.array(ev_c, dtype=float), costs=costs,
-                           bypass_prompt_per_token=self._prompt_per_token(), bypass_spans=bypass_spans)
+                           bypass_spans=bypass_spans)
         # Bypass tokens' prompts are unseen: an interval mostly of bypass work would bias the fit.
         usable = np.array([m == "counter" for m in methods])
         if excess is not None:
@@ -378,17 +376,9 @@ class Ledger:
         rows = []
         for r, d in zip(reqs, done):
             if d:
-                p = _prompt_tokens(r)
-                if p is not None and r.tokens > 0:
-                    self._prompt_ratio.append((p, r.tokens))
                 rows.append(self._request_row(r))
                 del self.requests[r.trace.request_id]
         self.emit("requests", rows)
-
-    def _prompt_per_token(self) -> float:
-        """Prompt tokens per generated token of recent proxied requests (0 before any ended)."""
-        n = sum(x[1] for x in self._prompt_ratio)
-        return sum(x[0] for x in self._prompt_ratio) / n if n > 0 else 0.0
 
     def _bypass_tokens(self, t: np.ndarray) -> tuple[np.ndarray, tuple[np.ndarray, np.ndarray]]:
         """(K,) tokens the server counted beyond the proxy's in each interval (bypass traffic), and
