@@ -184,6 +184,21 @@ def slo_ratio(w: Window, cfg: TunerConfig) -> float | None:
     return worst
 
 
+def predict_ratio(here: float, above: float | None = None) -> float:
+    """The p95/SLO ratio expected one level below, from the ratio measured here and (when known) one level above:
+    the step from above to here repeated (a geometric extrapolation: the tail grows at least as fast going
+    down, as queueing compounds the slower step), never less than here, and × 1.25 when only here is known."""
+    if above is None or above <= 0:
+        return here * 1.25
+    return here * max(here / above, 1.0)
+
+
+def work_rate(key: tuple[int, ...], cfg: TunerConfig) -> float:
+    """Work per second at a regime bin's centre: arrivals × (output + prefill_weight × prompt tokens)."""
+    rate, prompt, output = (cfg.regime_ratio ** (k + 0.5) for k in key)
+    return rate * (output + cfg.prefill_weight * prompt)
+
+
 def regime_features(w: Window) -> tuple[float, float, float] | None:
     """(log arrival rate, log mean prompt tokens, log mean output tokens); None when too thin to say."""
     if w.duration_s <= 0 or w.arrivals <= 0 or w.requests <= 0:
@@ -237,11 +252,25 @@ class _Regime:
     key: tuple[int, ...] | None
     best: int | None = None  # index of the level to hold
     floor: int = 0  # lowest index not known to break the SLO
-    floor_t: float = -math.inf  # when the floor was raised (it expires after reprobe_s)
+    floor_t: float = -math.inf  # when the floor was raised…
+    floor_s: float = 0.0  # …and for how long: reprobe_s, doubled each time the same level is found too slow again
+    bars: dict = field(default_factory=dict)  # index → times it was found too slow (the floor's backoff)
+    ratios: dict = field(default_factory=dict)  # index → deque of (t, p95/SLO) judgements, for predictions
+
+    def note(self, i: int, stat: _LevelStat) -> None:
+        self.stats[i] = stat
+        self.ratios.setdefault(i, deque(maxlen=12)).append((stat.t_s, stat.slo_ratio))
+
+    def typical_ratio(self, i: int, since_s: float) -> float | None:
+        """The median p95/SLO of level `i`'s judgements since `since_s` (one window's p95 is a noisy draw)."""
+        xs = [x for t, x in self.ratios.get(i, ()) if t >= since_s]
+        return float(np.median(xs)) if xs else None
     rejected: dict = field(default_factory=dict)  # index → time a trial of it was rejected
     strikes: dict = field(default_factory=dict)  # index → times the guard backed off from it
     stats: dict = field(default_factory=dict)  # index → latest _LevelStat
     converged_t: float | None = None
+    reprobe_from: int | None = None  # the level a re-probe started from…
+    quiet: int = 0  # …and how many re-probes in a row ended back there (each doubles the next interval)
 
 
 class Tuner:
@@ -271,7 +300,7 @@ class Tuner:
         self._up_tried = False
         self._threat_ticks = 0
         self._ref_threatened = False
-        self._undo: tuple | None = None  # (floor, floor_t, best) before the last back-off
+        self._undo: tuple | None = None  # (floor, floor_t, best, floor_s, bars) before the last back-off
         self._trials: deque[tuple[float, float]] = deque()  # (start, end) of trials
         self.explore_s = 0.0  # total time spent on trials
         self.decisions: deque[Decision] = deque(maxlen=10_000)  # the latest, for callers; a live run keeps its dataset
@@ -354,7 +383,7 @@ class Tuner:
             if t - self.since_s >= cfg.backoff_s:
                 if self._ref_threatened and self._undo is not None:
                     # The reference broke the SLO too: the load did it, not the level; keep what was learnt.
-                    r.floor, r.floor_t, r.best = self._undo
+                    r.floor, r.floor_t, r.best, r.floor_s, r.bars = self._undo
                     out.append(self._decide(t, "hold", self.idx, "the reference was over the SLO too during the "
                                                                  "back-off: the load, not the level, is blamed"))
                 self._undo, self._ref_threatened = None, False
@@ -367,16 +396,17 @@ class Tuner:
                     self._enter("measure", t)
             return
         if self.state == "hold":
-            if r.converged_t is not None and t - r.converged_t >= cfg.reprobe_s:
+            if r.converged_t is not None and t - r.converged_t >= cfg.reprobe_s * 2 ** min(r.quiet, 2):
                 r.rejected.clear()
                 self._up_tried = False
+                r.reprobe_from = self.idx
                 self._enter("measure", t)
             else:
                 # Held levels are judged too: headroom shrinking as the load grows moves one level up
                 # (the band between accept_ratio and the guard is the hysteresis).
                 stat = self._judge(t, out)
                 if stat is not None:
-                    r.stats[self.idx] = stat
+                    r.note(self.idx, stat)
                     if stat.slo_ratio > cfg.hold_ratio and self.idx < len(cfg.levels) - 1:
                         r.best = self.idx + 1
                         out.append(self._move(t, "backoff", self.idx + 1,
@@ -388,12 +418,11 @@ class Tuner:
         if judged is None:
             return
         stat = judged
-        r.stats[self.idx] = stat
+        r.note(self.idx, stat)
         if self.state == "measure":
             # The level in force is judged against the holding band; only trials must show the full headroom.
             if stat.slo_ratio > cfg.hold_ratio and self.idx < len(cfg.levels) - 1:
-                r.floor = max(r.floor, self.idx + 1)
-                r.floor_t = t
+                self._bar(r, self.idx, t)
                 if r.best is not None and r.best <= self.idx:
                     r.best = None
                 out.append(self._move(t, "backoff", self.idx + 1,
@@ -425,7 +454,7 @@ class Tuner:
             why = (f"p95 at {stat.slo_ratio:.0%} of the SLO (keep ≤ {cfg.accept_ratio:.0%})" if not ok
                    else f"saves {gain:+.1%} J/token, under the {need:+.0%} needed")
             if not ok and self.idx < self._incumbent_idx:
-                r.floor, r.floor_t = max(r.floor, self.idx + 1), t
+                self._bar(r, self.idx, t)
             r.rejected[self.idx] = t
             back = self._incumbent_idx
             self._end_trial(t)
@@ -465,8 +494,9 @@ class Tuner:
 
     def _next_trial(self, t: float, out: list[Decision]) -> None:
         cfg, r = self.cfg, self.regime
-        if r.floor > 0 and t - r.floor_t >= cfg.reprobe_s:
+        if r.floor > 0 and t - r.floor_t >= r.floor_s:
             r.floor = 0
+        skipped = ""
         for d in (self._direction, -self._direction):
             if d > 0 and self._up_tried:
                 continue
@@ -481,6 +511,13 @@ class Tuner:
                 if d > 0:
                     self._up_tried = True
                 continue
+            if d < 0:
+                here, above = (r.typical_ratio(i, t - cfg.reprobe_s) for i in (self.idx, self.idx + cfg.max_step))
+                guess = predict_ratio(here, above) if here is not None else None
+                if guess is not None and guess > cfg.guard_ratio:
+                    # Predicted to break the SLO outright: its trial would most likely only cost an SLO window.
+                    skipped = (f"{self._fmt(cfg.levels[j])} not tried: p95 predicted at {guess:.0%} of the SLO")
+                    continue
             if not self._budget_ok(t):
                 out.append(self._decide(t, "hold", self.idx, "exploration budget spent: hold until the reprobe time"))
                 self._enter("hold", t)
@@ -493,10 +530,24 @@ class Tuner:
             self._trials.append((t, math.inf))
             self._enter("trial", t)
             return
-        out.append(self._decide(t, "hold", self.idx, "converged: hold until the traffic shifts or the reprobe time"))
+        if r.reprobe_from is not None:
+            r.quiet = r.quiet + 1 if r.reprobe_from == self.idx else 0
+            r.reprobe_from = None
+        why = f"; {skipped}" if skipped else ""
+        out.append(self._decide(t, "hold", self.idx, f"converged: hold until the traffic shifts or the reprobe time{why}"))
         self._enter("hold", t)
         r.converged_t = t
         self._direction = -1
+
+    def _bar(self, r: _Regime, i: int, t: float) -> None:
+        """Level `i` (and every level below) found too slow: barred for reprobe_s, doubled for each earlier
+        time it was found so in this regime (up to 8×), so a level that keeps breaking the SLO is re-probed
+        ever more rarely rather than every hour."""
+        n = r.bars.get(i, 0) + 1
+        r.bars[i] = n
+        r.floor, r.floor_t = max(r.floor, i + 1), t
+        r.floor_s = self.cfg.reprobe_s * 2 ** min(n - 1, 3)
+        r.quiet, r.reprobe_from = 0, None
 
     def _budget_ok(self, t: float) -> bool:
         h = self.cfg.explore_horizon_s
@@ -512,12 +563,12 @@ class Tuner:
     def _threatened(self, t: float, ratio: float, out: list[Decision]) -> None:
         r = self.regime
         cfg = self.cfg
-        self._undo, self._ref_threatened = (r.floor, r.floor_t, r.best), False
+        self._undo, self._ref_threatened = (r.floor, r.floor_t, r.best, r.floor_s, dict(r.bars)), False
         hits = [x for x in r.strikes.get(self.idx, []) if x > t - cfg.strike_s] + [t]
         r.strikes[self.idx] = hits
         barred = len(hits) >= cfg.strikes or self.state == "trial"
         if barred:
-            r.floor, r.floor_t = max(r.floor, self.idx + 1), t
+            self._bar(r, self.idx, t)
             if r.best is not None and r.best < r.floor:
                 r.best = r.floor  # hysteresis: after the back-off, return one level above the one that threatened
         self._end_trial(t)
@@ -551,7 +602,8 @@ class Tuner:
         old, old_key = self.regime_name, self.regime.key
         if self._undo is not None and self.regime.floor_t >= started - cfg.guard_s:
             # A back-off while the traffic was already shifting is the new traffic's, not the old regime's.
-            self.regime.floor, self.regime.floor_t, self.regime.best = self._undo
+            r0 = self.regime
+            r0.floor, r0.floor_t, r0.best, r0.floor_s, r0.bars = self._undo
             self._undo = None
         self.regime = self._regime(key)
         self._end_trial(w.t_end_s)
@@ -562,16 +614,25 @@ class Tuner:
                                                                 f"before: its best level"))
             self._enter("hold", w.t_end_s)
             r.converged_t = w.t_end_s
-        elif old_key is not None and key[0] > old_key[0] and self.idx < len(cfg.levels) - 1:
-            # More load than the level was verified under, and nothing known: one level up before exploring.
-            out.append(self._move(w.t_end_s, "regime", self.idx + 1, f"traffic shifted from {old} to more requests: "
-                                                                    "one level up, then re-explore"))
+        elif old_key is not None and (up := self._shift_steps(old_key, key)) > 0 and self.idx < len(cfg.levels) - 1:
+            # More work per second than the level was verified under, and nothing known: up before exploring.
+            to = min(self.idx + up, len(cfg.levels) - 1)
+            out.append(self._move(w.t_end_s, "regime", to, f"traffic shifted from {old} to more work per second: "
+                                                          f"{to - self.idx} level(s) up, then re-explore"))
             self._enter("measure", w.t_end_s)
         else:
             out.append(self._move(w.t_end_s, "regime", self.idx, f"traffic shifted from {old}: re-explore from here"))
             self._enter("measure", w.t_end_s)
 
     # --- helpers ----------------------------------------------------------------------------
+
+    def _shift_steps(self, old_key: tuple[int, ...], key: tuple[int, ...]) -> int:
+        """Levels to go up on entering an unknown regime: one per bin (regime_ratio) of growth in work per
+        second (arrivals × (output + prefill_weight × prompt), at the bins' centres), at most max_step × 2."""
+        grow = work_rate(key, self.cfg) / work_rate(old_key, self.cfg)
+        if grow <= 1.0:
+            return 0
+        return min(max(1, int(math.log(grow) / math.log(self.cfg.regime_ratio) + 0.5)), 2 * self.cfg.max_step)
 
     def _regime(self, key) -> _Regime:
         if key not in self.regimes:
