@@ -197,16 +197,26 @@ def test_a_level_predicted_to_break_the_slo_is_not_tried():
     assert not any(d.action == "backoff" for d in tu.decisions)
 
 
-def test_a_level_found_too_slow_again_is_barred_twice_as_long():
+def test_a_level_found_too_slow_again_is_barred_twice_as_long_and_a_broken_slo_counts_double():
     tu = Tuner(cfg(reprobe_s=600), 0.0)
     r = tu.regime
-    tu._bar(r, 1, 100.0)
-    assert (r.floor, r.floor_s) == (2, 600)
-    tu._bar(r, 1, 900.0)
-    assert (r.floor, r.floor_t, r.floor_s) == (2, 900.0, 1200)
-    for t in (1000.0, 2000.0, 3000.0):
+    tu._bar(r, 1, 100.0)  # a trial over the headroom: an hour's worth (here 600 s)
+    assert r.floor == 2 and r.floor_at(699.0) == 2 and r.floor_at(701.0) == 0
+    tu._bar(r, 1, 1000.0)  # again: twice as long
+    assert r.floor_at(2199.0) == 2 and r.floor_at(2201.0) == 0
+    tu._bar(r, 0, 3000.0, hard=True)  # the guard backed off from it: its first bar is already doubled
+    assert r.floor_at(4199.0) == 1 and r.floor_at(4201.0) == 0
+    for t in (5000.0, 6000.0, 7000.0):
         tu._bar(r, 1, t)
-    assert r.floor_s == 600 * 8  # capped
+    assert r.floor_at(7000.0 + 600 * 8 - 1) == 2 and r.floor_at(7000.0 + 600 * 8 + 1) == 0  # capped at 8×
+
+
+def test_the_first_regime_is_named_from_minutes_of_traffic_not_the_first_tick():
+    tu = Tuner(cfg(regime_s=300), 0.0)
+    tu.observe(window(10, 300, 30.0, rate=0.3, output=500))  # three long requests in the first tick
+    assert tu.regime.key is None
+    Plant().run(tu, 10, 400)  # then minutes of the real traffic: no shift is seen, the regime is that traffic
+    assert tu.regime.key is not None and not any(d.action == "regime" for d in tu.decisions)
 
 
 def test_a_shift_to_more_work_per_second_goes_up_before_exploring_even_with_fewer_requests():

@@ -252,10 +252,13 @@ class _Regime:
     key: tuple[int, ...] | None
     best: int | None = None  # index of the level to hold
     floor: int = 0  # lowest index not known to break the SLO
-    floor_t: float = -math.inf  # when the floor was raised…
-    floor_s: float = 0.0  # …and for how long: reprobe_s, doubled each time the same level is found too slow again
-    bars: dict = field(default_factory=dict)  # index → times it was found too slow (the floor's backoff)
+    floor_t: float = -math.inf  # when the floor was last raised
+    bars: dict = field(default_factory=dict)  # index → (times found too slow, barred until): the floor's backoff
     ratios: dict = field(default_factory=dict)  # index → deque of (t, p95/SLO) judgements, for predictions
+
+    def floor_at(self, t: float) -> int:
+        """The lowest level above every level still barred at `t`."""
+        return 1 + max((i for i, (_, until) in self.bars.items() if until > t), default=-1)
 
     def note(self, i: int, stat: _LevelStat) -> None:
         self.stats[i] = stat
@@ -300,7 +303,7 @@ class Tuner:
         self._up_tried = False
         self._threat_ticks = 0
         self._ref_threatened = False
-        self._undo: tuple | None = None  # (floor, floor_t, best, floor_s, bars) before the last back-off
+        self._undo: tuple | None = None  # (floor, floor_t, best, bars) before the last back-off
         self._trials: deque[tuple[float, float]] = deque()  # (start, end) of trials
         self.explore_s = 0.0  # total time spent on trials
         self.decisions: deque[Decision] = deque(maxlen=10_000)  # the latest, for callers; a live run keeps its dataset
@@ -383,7 +386,7 @@ class Tuner:
             if t - self.since_s >= cfg.backoff_s:
                 if self._ref_threatened and self._undo is not None:
                     # The reference broke the SLO too: the load did it, not the level; keep what was learnt.
-                    r.floor, r.floor_t, r.best, r.floor_s, r.bars = self._undo
+                    r.floor, r.floor_t, r.best, r.bars = self._undo
                     out.append(self._decide(t, "hold", self.idx, "the reference was over the SLO too during the "
                                                                  "back-off: the load, not the level, is blamed"))
                 self._undo, self._ref_threatened = None, False
@@ -494,8 +497,7 @@ class Tuner:
 
     def _next_trial(self, t: float, out: list[Decision]) -> None:
         cfg, r = self.cfg, self.regime
-        if r.floor > 0 and t - r.floor_t >= r.floor_s:
-            r.floor = 0
+        r.floor = r.floor_at(t)
         skipped = ""
         for d in (self._direction, -self._direction):
             if d > 0 and self._up_tried:
@@ -539,14 +541,14 @@ class Tuner:
         r.converged_t = t
         self._direction = -1
 
-    def _bar(self, r: _Regime, i: int, t: float) -> None:
-        """Level `i` (and every level below) found too slow: barred for reprobe_s, doubled for each earlier
-        time it was found so in this regime (up to 8×), so a level that keeps breaking the SLO is re-probed
-        ever more rarely rather than every hour."""
-        n = r.bars.get(i, 0) + 1
-        r.bars[i] = n
+    def _bar(self, r: _Regime, i: int, t: float, hard: bool = False) -> None:
+        """Level `i` (and every level below) found too slow: `i` is barred for reprobe_s, doubled for each
+        earlier time it was found so in this regime and once more when it broke the SLO itself (`hard`, a
+        guard back-off), up to 8×: a level that keeps breaking the SLO is re-probed ever more rarely rather
+        than every hour (in stationary traffic it will break it again)."""
+        n = r.bars.get(i, (0, 0.0))[0] + (2 if hard else 1)
+        r.bars[i] = (n, t + self.cfg.reprobe_s * 2 ** min(n - 1, 3))
         r.floor, r.floor_t = max(r.floor, i + 1), t
-        r.floor_s = self.cfg.reprobe_s * 2 ** min(n - 1, 3)
         r.quiet, r.reprobe_from = 0, None
 
     def _budget_ok(self, t: float) -> bool:
@@ -563,12 +565,12 @@ class Tuner:
     def _threatened(self, t: float, ratio: float, out: list[Decision]) -> None:
         r = self.regime
         cfg = self.cfg
-        self._undo, self._ref_threatened = (r.floor, r.floor_t, r.best, r.floor_s, dict(r.bars)), False
+        self._undo, self._ref_threatened = (r.floor, r.floor_t, r.best, dict(r.bars)), False
         hits = [x for x in r.strikes.get(self.idx, []) if x > t - cfg.strike_s] + [t]
         r.strikes[self.idx] = hits
         barred = len(hits) >= cfg.strikes or self.state == "trial"
         if barred:
-            self._bar(r, self.idx, t)
+            self._bar(r, self.idx, t, hard=True)
             if r.best is not None and r.best < r.floor:
                 r.best = r.floor  # hysteresis: after the back-off, return one level above the one that threatened
         self._end_trial(t)
@@ -583,10 +585,13 @@ class Tuner:
         self._recent.append(w)
         while self._recent and self._recent[0].t_end_s <= w.t_end_s - cfg.regime_s:
             self._recent.popleft()
-        feat = regime_features(merge(list(self._recent)))
+        seen = merge(list(self._recent))
+        feat = regime_features(seen)
         if feat is None:
             return
         if self.regime.key is None:
+            if seen.duration_s < cfg.regime_s / 2:
+                return  # the first regime is named from minutes of traffic, not from the first tick's few requests
             self.regime.key = regime_key(feat, cfg.regime_ratio)
             self.regimes[self.regime.key] = self.regime
             return
@@ -603,7 +608,7 @@ class Tuner:
         if self._undo is not None and self.regime.floor_t >= started - cfg.guard_s:
             # A back-off while the traffic was already shifting is the new traffic's, not the old regime's.
             r0 = self.regime
-            r0.floor, r0.floor_t, r0.best, r0.floor_s, r0.bars = self._undo
+            r0.floor, r0.floor_t, r0.best, r0.bars = self._undo
             self._undo = None
         self.regime = self._regime(key)
         self._end_trial(w.t_end_s)
