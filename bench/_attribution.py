@@ -63,7 +63,7 @@ def run(trace: list[TraceRequest], bypass: set[int] = frozenset(), profile: str 
     cfg = load_config(None, env={}, overrides={
         "daemon.data_dir": str(tmp / "data"), "daemon.interval_s": interval_s, "daemon.flush_interval_s": 5.0,
         "proxy.listen": "127.0.0.1:0", "proxy.upstream": srv.url, "metrics.listen": "",
-        "daemon.restore_on_start": False, "tags.socket": str(tmp / "pp.sock"), "scrape.interval_s": 1.0,
+        "daemon.restore_on_start": False, "tags.socket": str(tmp / "pp.sock"),
     })
     daemon = Daemon(cfg, Rig(profile, nvml=nvml, host=False))
     full = list(trace)

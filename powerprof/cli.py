@@ -241,7 +241,8 @@ def restore(simulate: str | None, restore_file: Path | None, force_default: bool
 
 @main.command()
 @click.option("--daemon-metrics", "metrics_url", metavar="URL", required=True,
-              help="The daemon's /metrics, e.g. http://127.0.0.1:9464/metrics (loopback: it is read as untrusted input).")
+              help="The daemon's /metrics on loopback, e.g. http://127.0.0.1:9464/metrics (read as untrusted input; "
+                   "other hosts, redirects and proxies are refused).")
 @click.option("--config", "config_path", type=click.Path(dir_okay=False, path_type=Path), default=None,
               help="TOML file with a [tuner] section (as root: owned by root, not group/world-writable).")
 @click.option("--levels", default=None, help="Allowed levels, e.g. 180,200,220,240,260,280,300W or 60%,80%,100% (overrides the file).")
@@ -256,26 +257,33 @@ def restore(simulate: str | None, restore_file: Path | None, force_default: bool
               help="Stop after this many seconds (default: run until SIGTERM/SIGINT).")
 @click.option("--metrics-port", type=click.IntRange(0, 65535), default=None,
               help="Serve the tuner's own /metrics on 127.0.0.1:PORT.")
+@click.option("--resume", is_flag=True, help="Clear a kill switch persisted by SIGUSR1 and tune again.")
 @simulate_option
 def tune(metrics_url, config_path, levels, reference, tpot_p95_ms, ttft_p95_ms, gpus, dry_run, out_dir, duration_s,
-         metrics_port, simulate):
+         metrics_port, resume, simulate):
     """Find and hold the power-limit sweet spot on live traffic under a latency SLO (docs/tuner.md).
 
     Reads the daemon's /metrics every tick; sets levels through the controller (the original limit
-    comes back on every exit; `powerprof restore` after kill -9). SIGUSR1: back to the reference and hold."""
+    comes back on every exit; `powerprof restore` after kill -9). SIGUSR1: back to the reference and
+    hold, persisted until `tune --resume`."""
+    import signal as _signal
     import threading
+    import time as _time
+
+    from prometheus_client import CollectorRegistry
 
     from powerprof.control.errors import ControlError
     from powerprof.control.levels import LevelError
     from powerprof.paths import state_dir
     from powerprof.rig import Rig
-    from powerprof.tuner.observe import fetch_metrics, parse_counters
+    from powerprof.tuner.observe import fetch_metrics, loopback_reason, parse_counters
     from powerprof.tuner.policy import TunerConfigError
     from powerprof.tuner.runner import TuneRunner, install_kill_switch
-    from powerprof.tuner.setup import load_table, make_config
+    from powerprof.tuner.setup import check_bounds, check_out_dir, kill_file, load_table, make_config
 
-    if not metrics_url.startswith(("http://", "https://")):
-        raise click.UsageError("--daemon-metrics must be an http:// or https:// URL")
+    why = loopback_reason(metrics_url)
+    if why:
+        raise click.UsageError(why)
     try:
         table = load_table(config_path)
     except TunerConfigError as e:
@@ -289,48 +297,66 @@ def tune(metrics_url, config_path, levels, reference, tpot_p95_ms, ttft_p95_ms, 
     if reference is not None:
         table["reference"] = reference
     gpus = gpus or [0]
+    out_dir = out_dir if out_dir is not None else state_dir() / "tuner"
     stop = threading.Event()
+    caught: list[int] = []
 
-    def run_tuner(rig, ctl, resolve):
-        import time as _time
+    with Rig(simulate, gpus=gpus) as rig:
+        # Everything the user gave is checked before a controller opens (exit 2, nothing changed, no restart loop).
+        try:
+            def plan_levels(knob, spec):
+                p = rig.plan(gpus, power_levels=spec) if knob == "power" else rig.plan(gpus, clock_levels=spec)
+                return list(p.power_levels_w) if knob == "power" else list(p.clock_levels_mhz)
 
-        cfg = make_config(table, resolve)
-        runner = TuneRunner(cfg, lambda: parse_counters(fetch_metrics(metrics_url), _time.monotonic()),
-                            ctl=None if cfg.dry_run else ctl, gpus=gpus,
-                            out_dir=out_dir if out_dir is not None else state_dir() / "tuner")
-        install_kill_switch(runner)
+            cfg = make_config(table, plan_levels)
+            check_bounds(cfg)
+            check_out_dir(out_dir)
+            uuids = [d.uuid for d in rig.plan(gpus).devices]
+        except (TunerConfigError, LevelError) as e:
+            raise click.UsageError(str(e)) from None
+        registry = CollectorRegistry()
         if metrics_port is not None:
             from prometheus_client import start_http_server
 
-            start_http_server(metrics_port, addr="127.0.0.1", registry=runner.metrics.registry)
-        for note in rig.notes:
-            click.echo(f"NOTE: {note}", err=True)
-        click.echo(f"tuning GPUs {','.join(map(str, gpus))}: levels {', '.join(f'{x:g}' for x in cfg.levels)} {cfg.unit}, "
-                   f"reference {cfg.reference:g}{' (dry run: recommendations only)' if cfg.dry_run else ''}", err=True)
-        runner.run(stop, duration_s)
+            try:
+                start_http_server(metrics_port, addr="127.0.0.1", registry=registry)
+            except OSError as e:
+                raise click.UsageError(f"--metrics-port {metrics_port}: {e.strerror or e}") from None
 
-    with Rig(simulate, gpus=gpus) as rig:
+        def run_tuner(ctl):
+            runner = TuneRunner(cfg, lambda: parse_counters(fetch_metrics(metrics_url), _time.monotonic()), ctl=ctl,
+                                gpus=gpus, out_dir=out_dir, registry=registry, gpu_uuids=uuids,
+                                kill_path=None if cfg.dry_run else kill_file(), clear_kill=resume)
+            install_kill_switch(runner)
+            for note in rig.notes:
+                click.echo(f"NOTE: {note}", err=True)
+            click.echo(f"tuning GPUs {','.join(map(str, gpus))}: levels {', '.join(f'{x:g}' for x in cfg.levels)} "
+                       f"{cfg.unit}, reference {cfg.reference:g}{' (dry run: recommendations only)' if cfg.dry_run else ''}",
+                       err=True)
+            if cfg.reference != cfg.levels[-1]:
+                click.echo(f"WARNING: the reference {cfg.reference:g} {cfg.unit} is not the highest level: back-offs, "
+                           "faults and the kill switch go to it", err=True)
+            runner.run(stop, duration_s)
+
         try:
-            if table.get("dry_run") is True:
-                # Nothing will be set: no controller, no lock, no permission needed; levels checked read-only.
-                def plan_levels(knob, spec):
-                    p = rig.plan(gpus, power_levels=spec) if knob == "power" else rig.plan(gpus, clock_levels=spec)
-                    return list(p.power_levels_w) if knob == "power" else list(p.clock_levels_mhz)
+            if cfg.dry_run:
+                # Nothing will be set: no controller, no lock, no permission needed. A signal stops the run and
+                # exits 128+signal, as the controller does when it holds the GPUs.
+                def on_signal(signum, _frame):
+                    caught.append(signum)
+                    stop.set()
 
-                import signal as _signal
-
-                for sig in (_signal.SIGTERM, _signal.SIGINT):
-                    _signal.signal(sig, lambda *_: stop.set())  # nothing to put back: just stop
-                run_tuner(rig, None, plan_levels)
+                for sig in (_signal.SIGTERM, _signal.SIGINT, _signal.SIGHUP):
+                    _signal.signal(sig, on_signal)
+                run_tuner(None)
             else:
                 with rig.controller(gpus) as ctl:
-                    run_tuner(rig, ctl, lambda knob, spec: ctl.parse_power_levels(spec) if knob == "power"
-                              else ctl.parse_clock_levels(spec))
-        except (TunerConfigError, LevelError) as e:
-            raise click.UsageError(str(e)) from None
+                    run_tuner(ctl)
         except ControlError as e:
             click.echo(f"Error: {e}", err=True)
             sys.exit(1)
+    if caught:
+        sys.exit(128 + caught[0])
 
 
 # Options measure and sweep share: one definition, one default.
@@ -554,7 +580,7 @@ def _fraction(text: str) -> float:
 @click.option("--eta", type=float, default=0.5, show_default=True,
               help="Weight of energy in the weighted-cost policy eta*E + (1-eta)*Pmax/T (1: energy only).")
 @click.option("--format", "formats", default="md,html", show_default=True, help="Report formats: md, html or both.")
-@click.option("--force", is_flag=True, help="Pool runs even if their GPU model or server model differ.")
+@click.option("--force", is_flag=True, help="Pool runs even if their GPU model, server model or traffic (trace) differ.")
 @click.option("--bootstrap", "n_boot", type=click.IntRange(100, 100_000), default=2000, show_default=True,
               help="Bootstrap resamples for the confidence intervals.")
 @click.option("--json", "as_json", is_flag=True, help=JSON_HELP + " The same as analysis.json.")
@@ -716,7 +742,7 @@ def sweep(limits, clocks, url, launch, vary, context_tokens, simulate, gpus, rep
         raise click.UsageError("--max-requests must not be below --min-requests")
     if trace_path:
         _trace_sweep(trace_path, time_scale, duration_s, limits, clocks, url, launch, simulate, gpus, api, interval_s,
-                     launch_timeout)
+                     launch_timeout, out_dir, idle_s, dry_run, repeats, order)
         return
     try:
         prompts = load_prompts(prompts_file) if prompts_file else builtin_prompts(prompt_set)
@@ -783,45 +809,61 @@ def sweep(limits, clocks, url, launch, vary, context_tokens, simulate, gpus, rep
 
 
 def _trace_sweep(trace_path, time_scale, duration_s, limits, clocks, url, launch, simulate, gpus, api, interval_s,
-                 launch_timeout) -> None:
-    """`sweep --trace`: the whole trace at each level; J/token and latency per level."""
+                 launch_timeout, out_dir, idle_s, dry_run, repeats, order) -> None:
+    """`sweep --trace`: the whole trace at each level; J/token and latency per level, in a run directory."""
+    import hashlib
+
     from powerprof.control.errors import ControlError
     from powerprof.control.levels import LevelError
     from powerprof.rig import Rig
-    from powerprof.sweep import SweepError, run_trace_sweep
+    from powerprof.sweep import SweepError, run_sweep
     from powerprof.workload.client import ServerUnreachable
     from powerprof.workload.launcher import LaunchError
 
     trace = _load_trace(trace_path, time_scale, duration_s)
+    try:
+        digest = hashlib.sha256(Path(trace_path).read_bytes()).hexdigest()
+    except OSError as e:
+        raise click.UsageError(f"cannot read {trace_path}: {e.strerror or e}") from None
+    meta = {"path": str(Path(trace_path).resolve()), "sha256": digest, "time_scale": time_scale,
+            "duration_s": duration_s, "span_s": trace[-1].t_s}
     unit = "W" if limits else "MHz"
 
     def f(v, spec):
         return "-" if v is None else format(v, spec)
-
-    click.echo(f"trace {trace_path}: {len(trace)} requests over {trace[-1].t_s:.1f} s, each level replays all of it")
-    click.echo(f"{'level':>8} {'ok':>5} {'failed':>6} {'tokens':>7} {'GPU J/tok':>9} {'tok/s':>7} {'TTFT p50':>8} "
-               f"{'TTFT p95':>8} {'lat p50':>7} {'lat p95':>7}  method")
 
     def show(lv):
         click.echo(f"{lv.level_value:>6g}{unit:<2} {lv.n_ok:>5} {lv.n_failed:>6} {lv.generated_tokens:>7} "
                    f"{f(lv.gpu_j_per_token, '9.3f')} {f(lv.tok_s, '7.1f')} {f(lv.ttft_p50_s, '8.3f')} "
                    f"{f(lv.ttft_p95_s, '8.3f')} {f(lv.latency_p50_s, '7.2f')} {f(lv.latency_p95_s, '7.2f')}  {lv.energy_method}")
 
+    if not dry_run:
+        click.echo(f"trace {trace_path}: {len(trace)} requests over {trace[-1].t_s:.1f} s, each level replays all of it")
+        click.echo(f"{'level':>8} {'ok':>5} {'failed':>6} {'tokens':>7} {'GPU J/tok':>9} {'tok/s':>7} {'TTFT p50':>8} "
+                   f"{'TTFT p95':>8} {'lat p50':>7} {'lat p95':>7}  method")
     try:
         with Rig(simulate, gpus=gpus) as rig:
-            _levels, notes = run_trace_sweep(rig, levels_spec=limits or clocks,
-                                             level_kind="power_limit" if limits else "sm_clock", trace=trace, url=url,
-                                             launch=launch, api=api, interval_s=interval_s,
-                                             launch_timeout_s=launch_timeout, on_level=show)
+            outcome = run_sweep(rig, levels_spec=limits or clocks, level_kind="power_limit" if limits else "sm_clock",
+                                url=url, launch=launch, api=api, interval_s=interval_s, out_dir=out_dir,
+                                launch_timeout_s=launch_timeout, command_line=" ".join(sys.argv), idle_s=idle_s,
+                                dry_run=dry_run, repeats=repeats, order=order, trace=trace, trace_meta=meta,
+                                on_level=show)
     except (LevelError, ValueError) as e:
+        if type(e).__module__.startswith("pyarrow"):
+            raise click.ClickException(f"writing the run failed: {e}") from None
         raise click.UsageError(str(e)) from None
     except (ControlError, SweepError, ServerUnreachable, LaunchError, OSError) as e:
         raise click.ClickException(str(e)) from None
     except KeyboardInterrupt:
-        click.echo("interrupted: every GPU is back at its original limit", err=True)
+        click.echo("interrupted: every GPU is back at its original limit; finished levels are in the run directory", err=True)
         sys.exit(130)
-    for n in notes:
+    if dry_run:
+        for line in outcome.plan_lines:
+            click.echo(line)
+        return
+    for n in outcome.notes:
         click.echo(f"note: {n}")
+    click.echo(f"run directory: {outcome.run_dir}")
 
 
 # --- daemon: always-on sampling, tagging proxy, Prometheus, tag API -----------------

@@ -25,7 +25,7 @@ from powerprof.storage.runs import RunWriter, default_run_dir, table_from_rows
 from powerprof.storage.samples import Timeline
 from powerprof.workload.client import RequestParams
 from powerprof.workload.load import LoadAborted, LoadPolicy, builtin_prompts, detect, run_load_async
-from powerprof.workload.rows import Level, request_timing, window_rows
+from powerprof.workload.rows import Level, request_timing, trace_row, window_rows
 
 
 @dataclass(frozen=True)
@@ -478,6 +478,83 @@ class Sweep:
         self.writer.write_json(idle_gpu_power_w=self.idle_power_w, levels_done=[(v.level_value, v.repeat) for v in self.visits if v.stop])
 
 
+@dataclass(frozen=True)
+class TraceLevel:
+    """One level of `sweep --trace`: the whole trace replayed at that setting."""
+
+    level_value: float
+    n_ok: int
+    n_failed: int
+    generated_tokens: int
+    duration_s: float
+    gpu_energy_j: float | None
+    energy_method: str
+    gpu_j_per_token: float | None
+    tok_s: float | None
+    ttft_p50_s: float | None
+    ttft_p95_s: float | None
+    latency_p50_s: float | None
+    latency_p95_s: float | None
+    tpot_p50_s: float | None
+    late_p95_s: float
+
+    def to_dict(self) -> dict:
+        return dict(self.__dict__)
+
+
+class TraceSweep(Sweep):
+    """A sweep whose every level replays a whole trace (`sweep --trace`): one `trace` window per
+    level (its energy over the replay, every token generated: the traffic mix's J/token) beside a
+    request row per replayed request. Levels, settling, idle baseline and the run directory are the
+    normal sweep's."""
+
+    def __init__(self, trace, on_level=None, **kw):
+        super().__init__(prompts=[], **kw)
+        self.trace = list(trace)
+        self.on_level = on_level
+        self.levels_done: list[TraceLevel] = []
+
+    async def _measure(self, visit: LevelVisit) -> None:
+        from powerprof.workload.replay import replay_async, summarize
+
+        t_start = time.monotonic()
+        with self.prof.window("trace") as w:
+            recs = await replay_async(self.session, self.server, self.trace, self.params)
+        visit.elapsed_s = time.monotonic() - t_start
+        records = [r.record for r in recs]
+        value = None if visit.level_value is None else float(visit.level_value)
+        level = Level(self.s.level_kind, value, visit.repeat)
+        rows, _ = window_rows(records, self.prof, self.run_id, self.server, level)
+        for row in rows:  # the replay numbers its requests from 0 at every level
+            row["request_id"] = self._rid + row["request_id"]
+        self._rid += len(self.trace)
+        row = trace_row(records, w.result, self.run_id, self.server, level)
+        self._above_idle(row)
+        rows.append(row)
+        self.rows.extend(rows)
+        visit.spans.append((w.result.t0_ns, w.result.t1_ns))
+        visit.n_measured = 1 if self._counts(row) else 0
+        visit.stop = "trace-replayed"
+        sm = summarize(recs)
+        lvl = TraceLevel(
+            level_value=visit.level_value, n_ok=sm.ok, n_failed=sm.failed, generated_tokens=sm.generated_tokens,
+            duration_s=w.result.duration_s, gpu_energy_j=row["gpu_energy_j"], energy_method=row["energy_method"],
+            gpu_j_per_token=row["gpu_j_per_token"],
+            tok_s=sm.generated_tokens / w.result.duration_s if w.result.duration_s > 0 else None,
+            ttft_p50_s=sm.ttft_p50_s, ttft_p95_s=sm.ttft_p95_s, latency_p50_s=sm.latency_p50_s,
+            latency_p95_s=sm.latency_p95_s, tpot_p50_s=sm.tpot_p50_s, late_p95_s=sm.late_p95_s,
+        )
+        self.levels_done.append(lvl)
+        if self.on_level is not None:
+            self.on_level(lvl)
+
+    def _measured(self, row: dict) -> bool:
+        return row["window_kind"] == "trace" and not row["warmup"] and row["status"] == "ok"
+
+    def excluded(self):
+        return None  # a trace window's timing is its replay's edges: nothing to leave out
+
+
 # --- wiring: what `powerprof sweep` runs ---------------------------------------------------------
 
 
@@ -517,6 +594,9 @@ def run_sweep(
     launch_timeout_s: float = 300.0,
     runner=None,
     plan_lines: list[str] | None = None,
+    trace=None,
+    trace_meta: dict | None = None,
+    on_level=None,
     **settings_kw,
 ) -> SweepOutcome:
     """Sweep on the `rig` (powerprof.rig.Rig: its GPUs, RAPL and server, whatever they are): open
@@ -529,6 +609,8 @@ def run_sweep(
     (keywords: settings, profiler, controller, timeline, writer, run_id, reference_value, ui) and
     returning an object with run(), flush() and levels_table() that launches its own servers.
     level_kind "none": measure at the settings as they are (no controller, no privilege needed).
+    trace: replay these TraceRequests at every level instead of prompts (TraceSweep); trace_meta
+    (the trace's identity) goes into run.json; on_level(TraceLevel) after each level.
     """
 
 
@@ -536,6 +618,8 @@ def run_sweep(
         rig.check_server(url, launch)
     except ValueError as e:
         raise SweepError(str(e)) from None
+    if trace is not None and not trace:
+        raise SweepError("the trace has no requests")
     prompts = prompts or builtin_prompts("short")
     params = params or RequestParams()
     notes: list[str] = []
@@ -616,11 +700,15 @@ def run_sweep(
             "interval_s": interval_s,
             "notes": notes,
         }
+        if trace is not None:
+            meta["trace"] = dict(trace_meta or {}, requests=len(trace))
         writer = RunWriter(run_dir, meta)
         parts = dict(settings=settings, profiler=profiler, controller=ctl, timeline=timeline, writer=writer,
                      run_id=run_id, reference_value=reference, ui=ui)
         if runner is not None:
             sweep = runner(**parts)
+        elif trace is not None:
+            sweep = TraceSweep(trace, on_level, server=server_info, params=params, **parts)
         else:
             sweep = Sweep(server=server_info, prompts=prompts, params=params, **parts)
         try:
@@ -641,108 +729,3 @@ def run_sweep(
     if ex is not None:
         notes.append(ex.message())
     return SweepOutcome(run_dir, sweep, levels, [], notes)
-
-
-@dataclass(frozen=True)
-class TraceLevel:
-    """One level of `sweep --trace`: the whole trace replayed at that setting."""
-
-    level_value: float
-    n_ok: int
-    n_failed: int
-    generated_tokens: int
-    duration_s: float
-    gpu_energy_j: float | None
-    energy_method: str
-    gpu_j_per_token: float | None
-    tok_s: float | None
-    ttft_p50_s: float | None
-    ttft_p95_s: float | None
-    latency_p50_s: float | None
-    latency_p95_s: float | None
-    tpot_p50_s: float | None
-    late_p95_s: float
-
-    def to_dict(self) -> dict:
-        return dict(self.__dict__)
-
-
-def run_trace_sweep(
-    rig,
-    *,
-    levels_spec: str,
-    trace,
-    level_kind: str = "power_limit",
-    url: str | None = None,
-    launch: str | None = None,
-    api: str | None = None,
-    interval_s: float = 1.0,
-    settle_s: float = 2.0,
-    launch_timeout_s: float = 300.0,
-    on_level=None,
-) -> tuple[list[TraceLevel], list[str]]:
-    """For each level: set it, wait `settle_s`, replay the whole trace inside one energy window
-    (counter read at both edges), and report J/token and latency for that traffic mix. Every GPU
-    is put back afterwards, also on error or Ctrl-C."""
-    import asyncio
-    from contextlib import ExitStack
-
-    import aiohttp
-
-    from powerprof.control.levels import parse_clock_levels, parse_power_levels
-    from powerprof.storage.samples import Timeline
-    from powerprof.workload.client import RequestParams, detect_server
-    from powerprof.workload.replay import replay_async, summarize
-
-    rig.check_server(url, launch)
-    if not trace:
-        raise SweepError("the trace has no requests")
-    notes: list[str] = []
-    out: list[TraceLevel] = []
-    with ExitStack() as stack:
-        src = rig.sources
-        if src.nvml is None:
-            raise SweepError("a sweep needs a GPU whose power limit it can set: no GPU found")
-        nvml = src.nvml.nvml
-        with gateway(nvml).session():
-            devices = read_devices(nvml, src.nvml.indexes)
-        parse = parse_power_levels if level_kind == "power_limit" else parse_clock_levels
-        values = [float(v) for v in parse(levels_spec, devices)]
-        base = stack.enter_context(rig.server(url, launch, launch_timeout_s=launch_timeout_s))
-        notes.extend(rig.notes)
-        ctl = stack.enter_context(rig.controller(src.nvml.indexes))
-        profiler = stack.enter_context(Profiler(gpu_collector=src.nvml, rapl=src.rapl, interval_s=interval_s))
-        timeline = Timeline(gpu_uuids=src.gpu_uuids)
-        profiler.sampler.subscribe(timeline)
-
-        async def one_level():
-            async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0)) as s:
-                server = await detect_server(s, base, api)
-                with profiler.window("trace") as w:
-                    recs = await replay_async(s, server, trace, RequestParams())
-                return recs, w.result
-
-        try:
-            for v in values:
-                if level_kind == "power_limit":
-                    ctl.set_power_limit_w(v)
-                else:
-                    ctl.lock_sm_clock_mhz(int(v))
-                time.sleep(settle_s)
-                recs, res = asyncio.run(one_level())
-                sm = summarize(recs)
-                e = res.gpu_energy_total_j
-                lvl = TraceLevel(
-                    level_value=v, n_ok=sm.ok, n_failed=sm.failed, generated_tokens=sm.generated_tokens,
-                    duration_s=res.duration_s, gpu_energy_j=e, energy_method=res.method,
-                    gpu_j_per_token=e / sm.generated_tokens if e is not None and sm.generated_tokens else None,
-                    tok_s=sm.generated_tokens / res.duration_s if res.duration_s > 0 else None,
-                    ttft_p50_s=sm.ttft_p50_s, ttft_p95_s=sm.ttft_p95_s, latency_p50_s=sm.latency_p50_s,
-                    latency_p95_s=sm.latency_p95_s, tpot_p50_s=sm.tpot_p50_s, late_p95_s=sm.late_p95_s,
-                )
-                out.append(lvl)
-                if on_level is not None:
-                    on_level(lvl)
-        finally:
-            ctl.restore()
-    return out, notes

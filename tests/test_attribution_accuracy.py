@@ -56,5 +56,9 @@ def test_identical_requests_alone_get_the_same_j_per_token(outcome):
 
 
 def test_bypass_energy_goes_to_unproxied(outcome):
+    # Measured 106.5% on this trace (112.9% before the scrape windows became busy time and the
+    # proxy's lag stopped passing for bypass traffic). The bypass requests' own per-token cost is
+    # unseen (they are charged the proxied tokens' cost), which alone moves the figure by the
+    # difference between the two mixes: on 24 bypass requests, several percent either way.
     _, s = outcome
-    assert 0.8 <= s["bypass_share_in_unproxied"] <= 1.3
+    assert 0.9 <= s["bypass_share_in_unproxied"] <= 1.15

@@ -246,3 +246,18 @@ def test_sigterm_mid_stream_exits_0_and_records_the_request_as_interrupted(tmp_p
     assert rc == 0 and time.monotonic() - t0 < 15
     reqs = read_dataset(tmp_path / "data", "requests")  # flushed at exit although the interval is 5 s
     assert list(reqs["outcome"]) == ["interrupted"] and reqs["generated_tokens"].iloc[0] > 0
+
+
+def test_sigusr1_meant_for_the_tuner_is_logged_and_ignored(tmp_path):
+    # `kill -USR1 $(pidof powerprof)` can pick the daemon: its default action would end it.
+    d = DaemonProc(tmp_path / "data", "--simulate", "--upstream", "http://127.0.0.1:9", env=sim_env(tmp_path))
+    try:
+        d.signal(signal.SIGUSR1)
+        deadline = time.monotonic() + 30
+        while "SIGUSR1 ignored" not in d.output() and time.monotonic() < deadline and d.proc.poll() is None:
+            time.sleep(0.1)
+        assert d.proc.poll() is None, d.output()
+        assert "SIGUSR1 ignored" in d.output()
+    finally:
+        rc = d.stop()
+    assert rc == 0

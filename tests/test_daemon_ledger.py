@@ -115,13 +115,75 @@ def test_tag_windows_and_server_tokens_beyond_the_proxy():
     led.advance(int(4.5 * S))
     assert len(sink.rows["intervals"]) == 2  # held until the server is scraped past them
     led.add_server_tokens(int(4.45 * S), 0, int(2.5 * S))
-    led.advance(int(4.5 * S))
+    led.add_server_tokens(int(5.5 * S), 0, int(4.45 * S))  # and LAG_S beyond (the proxy sees tokens late)
+    led.advance(int(5.6 * S))
     kinds = [r["kind"] for r in sink.rows["intervals"]]
     assert kinds == ["idle", "idle", "unproxied", "idle"]
     assert sink.rows["intervals"][2]["server_tokens"] == 40
     (tag,) = sink.rows["tags"]
     assert tag["name"] == "job" and tag["gpu_energy_j"] == pytest.approx(100.0) and tag["duration_s"] == 2.0
     assert tag["energy_method"] == "counter"
+
+
+def _proxied_and_scraped(lag_s: float, server_share: float = 1.0):
+    """One proxied request decoding 10 tokens a second over 1-5 s, the proxy seeing each token
+    `lag_s` after the server counted it; the server scraped every 0.25 s, counting `server_share`
+    of what it generated (1: all). Returns the interval rows."""
+    sink = Sink()
+    led = Ledger("d", 0, 1, sink, grace_s=0.1)
+    tr = _trace(1, 0.9)
+    tr.extra["prompt_tokens"] = 8
+    led.on_start(tr)
+    gen = np.arange(10, 50) * (S // 10)  # when the server generated each token (ns)
+    seen = gen + int(lag_s * S)  # when the proxy saw it
+    for k in range(9):
+        _feed(led, float(k), 100.0 * k)
+    tr.first_ns = int(seen[0])
+    prev, counted = None, 0
+    for t in np.arange(1, 32) * (S // 4):
+        for ts in seen[(seen > t - S // 4) & (seen <= t)]:
+            led.on_tokens(tr, int(ts), 1)
+        n = int(np.floor(server_share * (gen <= t).sum()))
+        led.add_server_tokens(int(t), float(n - counted), prev)
+        prev, counted = int(t), n
+        if t >= seen[-1] and tr.end_ns is None:
+            tr.last_ns = tr.end_ns = int(seen[-1])
+        led.advance(int(t))
+    led.close_all(int(8.0 * S))
+    return sink.rows["intervals"]
+
+
+@pytest.mark.parametrize("lag_s", [0.01, 0.2, 0.6])
+def test_tokens_the_proxy_sees_after_the_server_counted_them_pass_for_bypass_once_at_most(lag_s):
+    # The lag is there all through the stream: the server is always lag_s·10 tokens ahead. Those
+    # are taken for bypass once, when the stream starts (nothing tells them from bypass tokens
+    # until the stream ends), never again in each window after (as a scrape-by-scrape comparison
+    # that forgets its credit did).
+    rows = _proxied_and_scraped(lag_s)
+    assert sum(r["server_tokens"] or 0 for r in rows) <= lag_s * 10 + 1e-9
+    assert sum(r["proxy_tokens"] for r in rows) == 40
+
+
+def test_a_server_that_under_counts_does_not_hide_later_bypass_tokens():
+    # The server counts half the proxied tokens (a /slots-only llama.cpp missing ends): its gap
+    # falls for good; bypass tokens counted CREDIT_S after it are bypass traffic again.
+    sink = Sink()
+    led = Ledger("d", 0, 1, sink, grace_s=0.1)
+    for k in range(12):
+        _feed(led, float(k), 100.0 * k)
+    led.add_server_tokens(int(0.5 * S), 0)  # the first scrape: the baseline
+    tr = _trace(1, 0.5)
+    led.on_start(tr)
+    for k in range(20):
+        led.on_tokens(tr, int((1.0 + 0.1 * k) * S), 1)
+    tr.first_ns, tr.last_ns, tr.end_ns = int(1.0 * S), int(2.9 * S), int(3.0 * S)
+    led.add_server_tokens(int(3.0 * S), 10, int(0.5 * S))  # 10 of the 20
+    led.add_server_tokens(int(7.0 * S), 0, int(3.0 * S))
+    led.add_server_tokens(int(8.0 * S), 15, int(7.0 * S))  # nobody proxied: bypass
+    led.add_server_tokens(int(10.0 * S), 0, int(8.0 * S))
+    led.advance(int(10.5 * S))
+    led.close_all(int(11.0 * S))
+    assert sum(r["server_tokens"] or 0 for r in sink.rows["intervals"]) == pytest.approx(15)
 
 
 def test_shutdown_writes_open_requests_as_interrupted():

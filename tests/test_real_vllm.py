@@ -9,15 +9,20 @@ installing it, so it lives in a venv of its own (docs/workload.md, "Against real
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 import socket
 import subprocess
 import sys
+import time
+import urllib.request
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import numpy as np
 import pytest
 
+from daemon_helpers import DaemonProc, read_dataset, sim_env
 from proxy_helpers import buffering_proxy, serve_in_thread
 from powerprof.workload.client import RequestParams, detect_server
 from powerprof.workload.launcher import ServerLauncher
@@ -189,3 +194,50 @@ def test_through_the_daemons_proxy_the_stream_stays_timed(vllm_url):
     for r in rows:
         if r["timing"] == "stream" and r["server_decode_tok_s"]:
             assert r["decode_tok_s"] == pytest.approx(r["server_decode_tok_s"], rel=0.05)
+
+
+def _complete(base: str, tag: str | None, n: int) -> int:
+    """One streamed /v1/completions of exactly n tokens (ignore_eos); the tokens the usage reports."""
+    body = {"model": "tiny", "prompt": "energy per token", "max_tokens": n, "min_tokens": n, "ignore_eos": True,
+            "stream": True, "stream_options": {"include_usage": True}, "temperature": 0}
+    req = urllib.request.Request(base + "/v1/completions", data=json.dumps(body).encode(), method="POST",
+                                 headers={"Content-Type": "application/json", **({"X-Powerprof-Tag": tag} if tag else {})})
+    usage = None
+    for line in urllib.request.urlopen(req, timeout=300).read().decode().splitlines():
+        if line.startswith("data: {"):
+            usage = json.loads(line[6:]).get("usage") or usage
+    return usage["completion_tokens"]
+
+
+def test_daemon_attributes_every_token_and_puts_direct_traffic_in_unproxied(vllm_url, tmp_path):
+    # The daemon (simulated GPU) in front of vLLM, proxied and direct requests interleaved:
+    # every proxied token attributed to its request, requests + idle + unproxied = the counters'
+    # total, and vLLM's own counter (scraped) sees the direct tokens as bypass traffic.
+    data = tmp_path / "data"
+    cfg = tmp_path / "p.toml"
+    cfg.write_text("[scrape]\ninterval_s = 0.25\n")
+    d = DaemonProc(data, "--config", str(cfg), "--simulate", "--upstream", vllm_url, "--interval", "0.5",
+                   "--flush-interval", "0.5", env=sim_env(tmp_path))
+    try:
+        with ThreadPoolExecutor(4) as ex:
+            proxied = [ex.submit(_complete, d.info["proxy"], "bench", 64) for _ in range(2)]
+            direct = [ex.submit(_complete, vllm_url, None, 48) for _ in range(2)]
+            got_p, got_d = [f.result() for f in proxied], [f.result() for f in direct]
+        time.sleep(1.5)  # scrapes after the last request ends
+    finally:
+        rc = d.stop()
+    assert rc == 0, d.output()
+    assert got_p == [64, 64] and got_d == [48, 48]
+    reqs = read_dataset(data, "requests")
+    assert len(reqs) == 2 and (reqs["outcome"] == "ok").all()
+    assert (reqs["attributed_tokens"] == reqs["generated_tokens"]).all() and reqs["attributed_tokens"].sum() == 128
+    intervals = read_dataset(data, "intervals")
+    samples = read_dataset(data, "samples")
+    gpu = samples[samples["source"] == "nvml"]
+    measured = sum(g["energy_j"].max() - g["energy_j"].min() for _, g in gpu.groupby("gpu_index"))
+    parts = reqs["gpu_energy_j"].sum() + intervals["idle_energy_j"].sum() + intervals["unproxied_energy_j"].sum()
+    assert parts == pytest.approx(measured, rel=1e-3)
+    assert (reqs["gpu_energy_j"] > 0).all()
+    # vLLM counts every step's tokens; what the proxy did not see is the direct requests'.
+    assert intervals["server_tokens"].sum() == pytest.approx(96, abs=4)
+    assert intervals["unproxied_energy_j"].sum() > 0

@@ -241,7 +241,9 @@ def test_kill_9_mid_sweep_keeps_finished_levels_and_restore_brings_the_limit_bac
     assert _limit_w() == 300.0
 
 
-@pytest.mark.parametrize("sig,code", [(signal.SIGTERM, 128 + signal.SIGTERM), (signal.SIGINT, 130), (signal.SIGHUP, 128 + signal.SIGHUP)])
+# SIGUSR1 too: `kill -USR1` aimed at the tuner must not leave a sweep's GPU capped (its default action kills outright).
+@pytest.mark.parametrize("sig,code", [(signal.SIGTERM, 128 + signal.SIGTERM), (signal.SIGINT, 130), (signal.SIGHUP, 128 + signal.SIGHUP),
+                                      (signal.SIGUSR1, 128 + signal.SIGUSR1)])
 def test_signals_mid_sweep_restore_the_limit_and_keep_finished_levels(tmp_path, sig, code):
     out = tmp_path / "run"
     proc = _start_sweep_and_wait_for_a_level(out)

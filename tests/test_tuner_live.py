@@ -17,7 +17,7 @@ from powerprof.sim.nvml import SimNVML
 from powerprof.tuner.observe import ObserveError, fetch_metrics, parse_counters, window_between
 from powerprof.tuner.policy import TunerConfig
 from powerprof.tuner.runner import TuneRunner
-from tuner_helpers import FakeDaemon
+from tuner_helpers import FakeDaemon, sim_gpu
 
 LEVELS = (150, 200, 250, 300)
 
@@ -72,9 +72,9 @@ def test_the_daemon_exposition_reads_back_as_the_window_it_describes():
 def test_lost_figures_send_the_gpu_back_to_the_reference_level(tmp_path, fault):
     nvml = SimNVML("seed-16g", state_path=None)
     clock = Clock()
-    with FakeDaemon() as fd, Rig("seed-16g", nvml=nvml) as rig, rig.controller([0]) as ctl:
+    with Rig("seed-16g", nvml=nvml) as rig, FakeDaemon(gpu=sim_gpu(nvml)) as fd, rig.controller([0]) as ctl:
         runner = TuneRunner(_cfg(), lambda: parse_counters(fetch_metrics(fd.url, 2), 0.0), ctl=ctl, gpus=[0],
-                            out_dir=tmp_path / "decisions", clock=clock)
+                            out_dir=tmp_path / "decisions", clock=clock, gpu_uuids=[nvml.gpus[0].uuid])
         runner.start()
         _below_reference(runner, clock, nvml)
         fd.mode = fault
@@ -98,9 +98,9 @@ def test_the_kill_switch_pins_the_reference_and_the_original_limit_comes_back(tm
     nvml = SimNVML("seed-16g", state_path=None)
     nvml.gpus[0].set_limit_w(280)  # the operator's own limit before the tuner
     clock = Clock()
-    with FakeDaemon() as fd, Rig("seed-16g", nvml=nvml) as rig, rig.controller([0]) as ctl:
+    with Rig("seed-16g", nvml=nvml) as rig, FakeDaemon(gpu=sim_gpu(nvml)) as fd, rig.controller([0]) as ctl:
         runner = TuneRunner(_cfg(), lambda: parse_counters(fetch_metrics(fd.url, 2), 0.0), ctl=ctl, gpus=[0],
-                            clock=clock)
+                            clock=clock, gpu_uuids=[nvml.gpus[0].uuid], kill_path=tmp_path / "killed")
         runner.start()
         _below_reference(runner, clock, nvml)
         runner.on_sigusr1()
@@ -108,21 +108,137 @@ def test_the_kill_switch_pins_the_reference_and_the_original_limit_comes_back(tm
         assert _limit_w(nvml) == 300
         _drive(runner, clock, 20)
         assert _limit_w(nvml) == 300
+        runner.stop_row()
     assert _limit_w(nvml) == 280
+    assert (tmp_path / "killed").exists()  # persisted: a restart must not silently clear it
+    with Rig("seed-16g", nvml=nvml) as rig, FakeDaemon(gpu=sim_gpu(nvml)) as fd, rig.controller([0]) as ctl:
+        again = TuneRunner(_cfg(), lambda: parse_counters(fetch_metrics(fd.url, 2), 0.0), ctl=ctl, gpus=[0],
+                           clock=clock, gpu_uuids=[nvml.gpus[0].uuid], kill_path=tmp_path / "killed")
+        again.start()
+        _drive(again, clock, 12)
+        assert _limit_w(nvml) == 300 and again.tuner.state == "killed"
+    assert [d.action for d in again.tuner.decisions][:2] == ["start", "kill"]
+    with Rig("seed-16g", nvml=nvml) as rig, FakeDaemon(gpu=sim_gpu(nvml)) as fd, rig.controller([0]) as ctl:
+        resumed = TuneRunner(_cfg(), lambda: parse_counters(fetch_metrics(fd.url, 2), 0.0), ctl=ctl, gpus=[0],
+                             clock=clock, gpu_uuids=[nvml.gpus[0].uuid], kill_path=tmp_path / "killed", clear_kill=True)
+        resumed.start()
+        _below_reference(resumed, clock, nvml)  # --resume: tuning again
+    assert not (tmp_path / "killed").exists()
 
 
-def test_dry_run_only_recommends(tmp_path):
+def test_dry_run_judges_only_the_limit_the_gpu_has_and_never_claims_a_level(tmp_path):
     nvml = SimNVML("seed-16g", state_path=None)
+    nvml.gpus[0].set_limit_w(250)  # the operator's limit: what every dry-run window really measures
     clock = Clock()
-    with FakeDaemon() as fd:
+    with FakeDaemon(gpu=sim_gpu(nvml)) as fd:
         runner = TuneRunner(_cfg(dry_run=True), lambda: parse_counters(fetch_metrics(fd.url, 2), 0.0), ctl=None,
-                            gpus=[0], out_dir=tmp_path / "d", clock=clock)
+                            gpus=[0], out_dir=tmp_path / "d", clock=clock, gpu_uuids=[nvml.gpus[0].uuid])
         runner.start()
         _drive(runner, clock, 12)
-    assert runner.tuner.level < 300  # what it would do…
-    assert _limit_w(nvml) == 300  # …done to nothing
+        runner.stop_row()
+    assert _limit_w(nvml) == 250  # nothing done
     rows = pq.read_table(tmp_path / "d").to_pylist()
-    assert any(r["action"] == "explore" for r in rows) and not any(r["applied"] for r in rows)
+    verdicts = [r for r in rows if r["action"] not in ("start", "stop")]
+    assert verdicts and not any(r["applied"] for r in rows)
+    # No trial is recommended (it would be measured at 250 W and judged as another level): only what the guard
+    # would do at 250 W, labelled 250 W.
+    assert {r["action"] for r in verdicts} == {"hold"}, verdicts
+    assert all(r["from_level"] == 250 and "dry run at the GPUs' 250 W" in r["reason"] for r in verdicts)
+    text = generate_latest(runner.metrics.registry).decode()
+    assert "powerprof_tuner_level{" not in text and 'powerprof_tuner_observed_level{knob="power"} 250.0' in text
+
+
+def test_a_window_at_another_limit_than_intended_is_not_judged(tmp_path):
+    nvml = SimNVML("seed-16g", state_path=None)
+    clock = Clock()
+    stuck = sim_gpu(nvml)
+    with Rig("seed-16g", nvml=nvml) as rig, FakeDaemon(gpu=lambda: (stuck()[0], 300.0)) as fd, \
+            rig.controller([0]) as ctl:  # the daemon keeps reading 300 W whatever is set (a limit that did not take)
+        runner = TuneRunner(_cfg(), lambda: parse_counters(fetch_metrics(fd.url, 2), 0.0), ctl=ctl, gpus=[0],
+                            clock=clock, gpu_uuids=[nvml.gpus[0].uuid])
+        runner.start()
+        _drive(runner, clock, 30)
+    ds = list(runner.tuner.decisions)
+    assert not any(d.action == "accept" for d in ds), [d.reason for d in ds]  # no verdict on a level never measured
+    assert any(d.action == "stale" and "not the" in d.reason and "intended" in d.reason for d in ds)
+
+
+def test_a_daemon_measuring_other_gpus_is_not_believed(tmp_path):
+    nvml = SimNVML("seed-16g", state_path=None)
+    clock = Clock()
+    with Rig("seed-16g", nvml=nvml) as rig, FakeDaemon() as fd, rig.controller([0]) as ctl:  # reports GPU-fake
+        runner = TuneRunner(_cfg(), lambda: parse_counters(fetch_metrics(fd.url, 2), 0.0), ctl=ctl, gpus=[0],
+                            clock=clock, gpu_uuids=[nvml.gpus[0].uuid])
+        runner.start()
+        _drive(runner, clock, 12)
+        assert _limit_w(nvml) == 300
+    assert [d.action for d in runner.tuner.decisions] == ["start", "stale"]
+    assert "measures GPUs GPU-fake" in runner.tuner.decisions[-1].reason
+
+
+def _dripping_server():
+    """An endpoint that sends its headers, then one byte every half second forever."""
+    import socket
+    import threading
+
+    srv = socket.socket()
+    srv.bind(("127.0.0.1", 0))
+    srv.listen()
+
+    def serve():
+        while True:
+            try:
+                c, _ = srv.accept()
+            except OSError:
+                return
+            threading.Thread(target=drip, args=(c,), daemon=True).start()
+
+    def drip(c):
+        try:
+            c.recv(1000)
+            c.sendall(b"HTTP/1.0 200 OK\r\nContent-Type: text/plain\r\n\r\n")
+            while True:
+                c.sendall(b"#")
+                time.sleep(0.5)
+        except OSError:
+            return
+
+    threading.Thread(target=serve, daemon=True).start()
+    return srv, f"http://127.0.0.1:{srv.getsockname()[1]}/metrics"
+
+
+def test_a_dripping_endpoint_neither_hangs_the_scrape_nor_holds_off_stale_and_kill(tmp_path):
+    import threading
+
+    srv, url = _dripping_server()
+    try:
+        t0 = time.monotonic()
+        with pytest.raises(ObserveError, match="took more than"):
+            fetch_metrics(url, timeout_s=1.0)
+        assert time.monotonic() - t0 < 15  # bounded by the deadline (+ one socket read), not by the endpoint
+        nvml = SimNVML("seed-16g", state_path=None)
+        with Rig("seed-16g", nvml=nvml) as rig, rig.controller([0]) as ctl:
+            # A read that never returns at all: the loop's own clock must still act.
+            never = threading.Event()
+            runner = TuneRunner(_cfg(tick_s=0.1, stale_s=0.5), lambda: never.wait(3600), ctl=ctl, gpus=[0],
+                                gpu_uuids=[nvml.gpus[0].uuid])
+            stop = threading.Event()
+            th = threading.Thread(target=runner.run, args=(stop,), daemon=True)
+            th.start()
+            deadline = time.monotonic() + 30
+            while runner.tuner.state != "stale" and time.monotonic() < deadline:
+                time.sleep(0.05)
+            assert runner.tuner.state == "stale"
+            runner.on_sigusr1()
+            while runner.tuner.state != "killed" and time.monotonic() < deadline:
+                time.sleep(0.05)
+            assert runner.tuner.state == "killed" and _limit_w(nvml) == 300
+            stop.set()
+            th.join(30)
+            assert not th.is_alive()
+            never.set()
+    finally:
+        srv.close()
 
 
 # --- the command, as a process -------------------------------------------------------------------
@@ -164,7 +280,7 @@ def operator_limit():
 
 
 def test_sigterm_ends_at_the_original_limit(tmp_path, operator_limit):
-    with FakeDaemon() as fd:
+    with FakeDaemon(gpu=sim_gpu()) as fd:
         proc, _ = _start_tune(tmp_path, fd)
         try:
             proc.send_signal(signal.SIGTERM)
@@ -178,21 +294,20 @@ def test_sigterm_ends_at_the_original_limit(tmp_path, operator_limit):
 
 
 def test_sigkill_then_restore_puts_the_original_limit_back(tmp_path, operator_limit):
-    with FakeDaemon() as fd:
-        proc, _ = _start_tune(tmp_path, fd)
-        deadline = time.monotonic() + 30
-        while _sim_limit_w() in (operator_limit, 300.0) and time.monotonic() < deadline:
-            time.sleep(0.05)  # until the exploration's level is on the GPU
+    with FakeDaemon(gpu=sim_gpu()) as fd:
+        proc, _ = _start_tune(tmp_path, fd)  # returns once it explored: a trial level was set
         proc.send_signal(signal.SIGKILL)
         proc.wait(10)
-    assert _sim_limit_w() not in (operator_limit, 300.0)  # killed while it held a trial level
+    # Killed while it held some level of its own (a trial, or 300 W after a back-off: ticks race the kill on a
+    # loaded machine), never the operator's: the restore file is what brings that back.
+    assert _sim_limit_w() != operator_limit
     r = subprocess.run([sys.executable, "-m", "powerprof.cli", "restore", "--simulate"], capture_output=True, text=True)
     assert r.returncode == 0, r.stderr
     assert _sim_limit_w() == operator_limit
 
 
 def test_sigusr1_goes_to_the_reference_and_holds_while_running(tmp_path, operator_limit):
-    with FakeDaemon() as fd:
+    with FakeDaemon(gpu=sim_gpu()) as fd:
         proc, out = _start_tune(tmp_path, fd)
         try:
             proc.send_signal(signal.SIGUSR1)
@@ -207,47 +322,144 @@ def test_sigusr1_goes_to_the_reference_and_holds_while_running(tmp_path, operato
             proc.send_signal(signal.SIGTERM)
             proc.communicate(timeout=30)
     assert _sim_limit_w() == operator_limit
+    rows = [r for f in sorted(out.rglob("*.parquet")) for r in pq.read_table(f).to_pylist()]
+    assert rows[-1]["action"] == "stop" and rows[-1]["to_level"] == operator_limit  # the final restore, recorded
 
 
-def test_dry_run_needs_no_privilege_and_changes_nothing(tmp_path, monkeypatch):
+_FAST = ('[tuner]\ntick_s = 0.2\nwindow_s = 0.3\ndwell_s = 0.4\nmin_requests = 5\nguard_s = 1\n'
+         'guard_min_requests = 5\nstale_s = 5\n')
+
+
+def test_dry_run_needs_no_privilege_and_changes_nothing(tmp_path, monkeypatch, operator_limit):
     monkeypatch.setenv("POWERPROF_SIM_UNPRIVILEGED", "1")  # the simulator refuses every set, as for a normal user
-    with FakeDaemon() as fd:
-        r = subprocess.run([sys.executable, "-m", "powerprof.cli", "tune", "--simulate", "--daemon-metrics", fd.url,
-                            "--levels", "150,200,250,300", "--tpot-p95-ms", "100", "--dry-run", "--duration", "1.5",
-                            "--out", str(tmp_path / "d")], capture_output=True, text=True, timeout=60)
-    assert r.returncode == 0, r.stderr
-    assert "dry run" in r.stderr
-    rows = pq.read_table(tmp_path / "d").to_pylist()
-    assert rows[0]["action"] == "start" and rows[0]["applied"] is False
-    assert _sim_limit_w() == 300.0
+    cfg = tmp_path / "fast.toml"
+    cfg.write_text(_FAST)
+    out = tmp_path / "d"
+    with FakeDaemon(gpu=sim_gpu()) as fd:
+        proc = subprocess.Popen([sys.executable, "-m", "powerprof.cli", "tune", "--simulate", "--daemon-metrics", fd.url,
+                                 "--config", str(cfg), "--levels", "150,200,250,300", "--tpot-p95-ms", "100", "--dry-run",
+                                 "--out", str(out)], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+        try:
+            deadline = time.monotonic() + 60
+            rows: list = []
+            while time.monotonic() < deadline and proc.poll() is None and not any(r["action"] == "hold" for r in rows):
+                time.sleep(0.1)
+                rows = [r for f in sorted(out.rglob("*.parquet")) for r in pq.read_table(f).to_pylist()]
+            proc.send_signal(signal.SIGTERM)
+            _, err = proc.communicate(timeout=30)
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+    assert proc.returncode == 128 + signal.SIGTERM, err  # as docs/tuner.md says for every run
+    assert "dry run" in err and "Traceback" not in err
+    rows = [r for f in sorted(out.rglob("*.parquet")) for r in pq.read_table(f).to_pylist()]
+    assert rows[0]["action"] == "start" and not any(r["applied"] for r in rows)
+    holds = [r for r in rows if r["action"] == "hold"]
+    assert holds and all(r["from_level"] == operator_limit for r in holds)  # judged at the limit really on the GPU
+    assert rows[-1]["action"] == "stop"
+    assert _sim_limit_w() == operator_limit
 
 
-@pytest.mark.parametrize("args,msg", [
-    (["--levels", "150,999", "--tpot-p95-ms", "100"], "999"),
-    (["--levels", "150,300"], "set an SLO"),
-    (["--levels", "150,300", "--tpot-p95-ms", "100", "--reference", "200"], "not one of the levels"),
+@pytest.mark.parametrize("args,toml,msg", [
+    (["--levels", "150,999", "--tpot-p95-ms", "100"], None, "999"),
+    (["--levels", "150,300"], None, "set an SLO"),
+    (["--levels", "150,300", "--tpot-p95-ms", "100", "--reference", "200"], None, "not one of the levels"),
+    (["--levels", "150,300", "--tpot-p95-ms", "100"], "[tuner]\ntick_s = inf\n", "tick_s"),
+    (["--levels", "150,300", "--tpot-p95-ms", "100"], "[tuner]\nstale_s = inf\n", "stale_s"),
+    (["--levels", "150,300", "--tpot-p95-ms", "100"], "[tuner]\nguard_ratio = 1e9\n", "guard_ratio"),
+    (["--levels", "150,300", "--tpot-p95-ms", "100"], "[tuner]\ntick_s = 20\n", "two ticks"),
+    (["--levels", "150,300", "--tpot-p95-ms", "100", "--out", "/proc/x"], None, "cannot write"),
+    (["--levels", "150,300", "--tpot-p95-ms", "100", "--metrics-port", "BUSY"], None, "--metrics-port"),
 ])
-def test_bad_tuner_settings_exit_2_and_change_nothing(tmp_path, args, msg):
-    r = subprocess.run([sys.executable, "-m", "powerprof.cli", "tune", "--simulate", "--daemon-metrics",
-                        "http://127.0.0.1:1/metrics", "--out", str(tmp_path / "d"), *args],
-                       capture_output=True, text=True, timeout=60)
+def test_bad_tuner_settings_exit_2_and_change_nothing(tmp_path, operator_limit, args, toml, msg):
+    import socket
+
+    busy = socket.socket()
+    busy.bind(("127.0.0.1", 0))
+    busy.listen()
+    args = [str(busy.getsockname()[1]) if a == "BUSY" else a for a in args]
+    if toml is not None:
+        (tmp_path / "t.toml").write_text(toml)
+        args += ["--config", str(tmp_path / "t.toml")]
+    if "--out" not in args:
+        args += ["--out", str(tmp_path / "d")]
+    try:
+        r = subprocess.run([sys.executable, "-m", "powerprof.cli", "tune", "--simulate", "--daemon-metrics",
+                            "http://127.0.0.1:1/metrics", *args], capture_output=True, text=True, timeout=60)
+    finally:
+        busy.close()
     assert r.returncode == 2, r.stderr
     assert msg in r.stderr and "Traceback" not in r.stderr
-    assert _sim_limit_w() == 300.0 and not (tmp_path / "d").exists()
+    assert _sim_limit_w() == operator_limit  # not even the reference was set
+    assert not list((tmp_path / "state").rglob("restore-*.json"))
+
+
+@pytest.mark.parametrize("url", ["http://10.0.0.1:9464/metrics", "http://example.com/metrics", "ftp://127.0.0.1/x"])
+def test_a_daemon_url_off_loopback_is_refused(url, operator_limit):
+    r = subprocess.run([sys.executable, "-m", "powerprof.cli", "tune", "--simulate", "--daemon-metrics", url,
+                        "--levels", "150,300", "--tpot-p95-ms", "100"], capture_output=True, text=True, timeout=60)
+    assert r.returncode == 2 and "Traceback" not in r.stderr, r.stderr
+    assert "loopback" in r.stderr or "http://" in r.stderr
+    assert _sim_limit_w() == operator_limit
+
+
+def test_the_scrape_follows_no_redirect_and_no_proxy(monkeypatch):
+    from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+    import threading
+
+    class Redirect(BaseHTTPRequestHandler):
+        def do_GET(self):
+            self.send_response(302)
+            self.send_header("Location", "http://10.0.0.1/metrics")
+            self.end_headers()
+
+        def log_message(self, *a):
+            pass
+
+    srv = ThreadingHTTPServer(("127.0.0.1", 0), Redirect)
+    threading.Thread(target=srv.serve_forever, daemon=True).start()
+    try:
+        with pytest.raises(ObserveError, match="redirect"):
+            fetch_metrics(f"http://127.0.0.1:{srv.server_address[1]}/metrics", timeout_s=5)
+    finally:
+        srv.shutdown()
+        srv.server_close()
+    monkeypatch.setenv("http_proxy", "http://127.0.0.1:1")  # a proxy that would refuse: unused, so the read works
+    with FakeDaemon() as fd:
+        assert "powerprof_tokens_generated" in fetch_metrics(fd.url, 5)
 
 
 def test_a_config_file_others_can_write_is_refused_as_root(tmp_path):
+    import os
+
+    from powerprof.control.restore import read_trusted
     from powerprof.tuner.policy import TunerConfigError
     from powerprof.tuner.setup import load_table
 
-    f = tmp_path / "tuner.toml"
+    me = os.geteuid()
+    conf = tmp_path / "conf"
+    conf.mkdir(mode=0o755)
+    conf.chmod(0o755)
+    f = conf / "tuner.toml"
     f.write_text("[tuner]\ntpot_p95_ms = 100\n")
     f.chmod(0o666)
     with pytest.raises(TunerConfigError, match="owned by uid|writable by group or others"):
         load_table(f, euid=0)
     f.chmod(0o644)
-    if f.stat().st_uid == 0:
+    assert read_trusted(f, euid=me) == b"[tuner]\ntpot_p95_ms = 100\n"  # the check itself, for whoever runs the tests
+    if me == 0:
         assert load_table(f, euid=0) == {"tpot_p95_ms": 100}
+    link = conf / "link.toml"
+    link.symlink_to(f)
+    with pytest.raises(OSError):
+        read_trusted(link, euid=me)  # never followed, even to a good file
+    if me == 0:  # as anyone else, load_table(euid=0) already refuses the user-owned folder
+        with pytest.raises(TunerConfigError, match="symlink"):
+            load_table(link, euid=0)
+    conf.chmod(0o775)  # someone in the group could swap the file
+    with pytest.raises(PermissionError, match="writable by group or others"):
+        read_trusted(f, euid=me)
+    conf.chmod(0o755)
     with pytest.raises(TunerConfigError, match="only \\[tuner\\]"):
         f.write_text("[daemon]\nx = 1\n")
         load_table(f, euid=f.stat().st_uid)

@@ -89,12 +89,18 @@ def test_replay_cli_rejects_a_bad_trace_and_reports_a_good_one(tmp_path):
     assert out["ok"] == 6 and out["generated_tokens"] > 0 and out["latency_p50_s"] > 0
 
 
-def test_sweep_trace_reports_j_per_token_and_latency_per_level_and_restores(tmp_path):
+def test_sweep_trace_writes_a_run_directory_that_analyze_and_export_read(tmp_path):
+    import hashlib
+
+    import pyarrow.parquet as pq
+
     good = tmp_path / "t.jsonl"
     write_jsonl(synthetic(8, 10.0, prompt_median=30, output_median=20, seed=4), good)
     env = {**__import__("os").environ, "POWERPROF_SIM_STATE": str(tmp_path / "sim-state.json")}
+    run = tmp_path / "run"
     p = subprocess.run([sys.executable, "-m", "powerprof.cli", "sweep", "--simulate", "a100-40g", "--limits", "400,200",
-                        "--trace", str(good), "--time-scale", "2"], capture_output=True, text=True, timeout=300, env=env)
+                        "--trace", str(good), "--time-scale", "2", "--idle-s", "1", "--out", str(run)],
+                       capture_output=True, text=True, timeout=300, env=env)
     assert p.returncode == 0, p.stderr
     rows = [ln.split() for ln in p.stdout.splitlines() if ln.strip().startswith(("400W", "200W"))]
     assert [r[0] for r in rows] == ["400W", "200W"]
@@ -103,3 +109,46 @@ def test_sweep_trace_reports_j_per_token_and_latency_per_level_and_restores(tmp_
     assert jpt["200W"] < jpt["400W"]  # the simulated card is more efficient capped
     state = json.loads((tmp_path / "sim-state.json").read_text())
     assert all(v == {} for v in state.values())  # every GPU back at its default: nothing left set
+
+    # The run directory: the trace's identity in run.json, one trace window per level (the figure
+    # printed) beside a row per replayed request, samples and levels like any sweep.
+    meta = json.loads((run / "run.json").read_text())
+    assert meta["trace"]["sha256"] == hashlib.sha256(good.read_bytes()).hexdigest()
+    assert meta["trace"]["requests"] == 8 and meta["trace"]["time_scale"] == 2.0
+    assert meta["trace"]["path"] == str(good.resolve())
+    w = pq.read_table(run / "windows.parquet").to_pylist()
+    traces = {r["level_value"]: r for r in w if r["window_kind"] == "trace"}
+    assert sorted(traces) == [200.0, 400.0]
+    for lv, r in traces.items():
+        assert r["gpu_j_per_token"] == pytest.approx(jpt[f"{lv:g}W"], abs=1e-3)
+        assert r["generated_tokens"] == sum(x["generated_tokens"] for x in w
+                                            if x["window_kind"] == "request" and x["level_value"] == lv)
+    assert sum(r["window_kind"] == "request" for r in w) == 16
+    assert len({r["request_id"] for r in w if r["window_kind"] == "request"}) == 16
+    assert pq.read_table(run / "samples.parquet").num_rows > 0
+    levels = pq.read_table(run / "levels.parquet").to_pylist()
+    assert {r["level_value"]: r["n_requests"] for r in levels} == {200.0: 8, 400.0: 8}
+    for r in levels:
+        # One window per level: the J/token is the trace's; no CI rather than a zero-width one.
+        assert r["gpu_j_per_token"] == pytest.approx(traces[r["level_value"]]["gpu_j_per_token"])
+        assert r["gpu_j_per_token_ci_low"] is None or r["gpu_j_per_token_ci_low"] != r["gpu_j_per_token_ci_low"]
+        assert "one-window" in r["flags"]
+
+    a = subprocess.run([sys.executable, "-m", "powerprof.cli", "analyze", str(run)], capture_output=True, text=True,
+                       timeout=300, env=env)
+    assert a.returncode == 0, a.stderr
+    assert "one window per level" in a.stdout and (run / "analysis" / "report.html").exists()
+    e = subprocess.run([sys.executable, "-m", "powerprof.cli", "export", str(run), "--format", "csv", "--out",
+                        str(tmp_path / "csv")], capture_output=True, text=True, timeout=300, env=env)
+    assert e.returncode == 0, e.stderr
+    assert "trace" in (tmp_path / "csv" / "windows.csv").read_text()
+    # Another trace's run is other traffic: not pooled with this one.
+    import shutil
+
+    other = tmp_path / "other"
+    shutil.copytree(run, other, ignore=shutil.ignore_patterns("analysis"))
+    meta["trace"]["sha256"] = "0" * 64
+    (other / "run.json").write_text(json.dumps(meta))
+    a = subprocess.run([sys.executable, "-m", "powerprof.cli", "analyze", str(run), str(other)], capture_output=True,
+                       text=True, timeout=300, env=env)
+    assert a.returncode != 0 and "differ in traffic" in a.stderr

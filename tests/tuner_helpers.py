@@ -15,7 +15,9 @@ class FakeDaemon:
     mode: "ok" | "down" (HTTP 503) | "frozen" (nothing moves, as a daemon whose loop stalled) | "upstream" (the
     inference server is failing: the proxy's upstream failures climb)."""
 
-    def __init__(self, per_scrape: int = 20, tpot_s: float = 0.03, j_per_token: float = 1.0):
+    def __init__(self, per_scrape: int = 20, tpot_s: float = 0.03, j_per_token: float = 1.0, gpu=None):
+        """gpu: () → (uuid, power limit W) the daemon reports for its one GPU (default a fixed GPU-fake at 300 W)."""
+        self.gpu = gpu or (lambda: ("GPU-fake", 300.0))
         self.per_scrape = per_scrape
         self.tpot_s = tpot_s
         self.j_per_token = j_per_token
@@ -63,8 +65,9 @@ class FakeDaemon:
                 self.gpu_energy += self.j_per_token * 80 * self.per_scrape + 50.0  # plus idle power between requests
                 if self.mode == "upstream":
                     self.upstream_failures += 5
+            uuid, limit_w = self.gpu()
             self.snapshot = Snapshot(
-                gpus=(GpuSnapshot(0, "GPU-fake", "fake", 200.0, 1500.0, 9000.0, 300.0, self.gpu_energy),),
+                gpus=(GpuSnapshot(0, uuid, "fake", 200.0, 1500.0, 9000.0, limit_w, self.gpu_energy),),
                 energy_by_dest_j=(self.energy, 0.0, 0.0),
                 tokens_by_tag={"": self.tokens},
                 requests_by_tag={("", "ok"): float(self.finished)},
@@ -80,3 +83,18 @@ class FakeDaemon:
     def __exit__(self, *exc):
         self.server.shutdown()
         self.server.server_close()
+
+
+def sim_gpu(nvml=None):
+    """FakeDaemon's `gpu` for the simulated seed card: `nvml`'s GPU 0, or the shared simulator state a subprocess uses."""
+    from powerprof.sim.nvml import SimNVML
+
+    def read():
+        if nvml is not None:
+            return nvml.gpus[0].uuid, nvml.gpus[0].limit_w
+        sim = SimNVML("seed-16g")
+        sim.nvmlInit()
+        h = sim.nvmlDeviceGetHandleByIndex(0)
+        return sim.nvmlDeviceGetUUID(h), sim.nvmlDeviceGetPowerManagementLimit(h) / 1000
+
+    return read

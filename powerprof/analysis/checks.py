@@ -19,7 +19,7 @@ POOR_FIT_R2 = 0.9
 
 @dataclass(frozen=True)
 class Finding:
-    kind: str  # edge | between-levels | cap-not-engaged | wide-ci | few-prompts | unstable-choice | thermal | failed | fit | unstored | untrusted-timing
+    kind: str  # edge | between-levels | cap-not-engaged | wide-ci | one-window | few-prompts | unstable-choice | thermal | failed | fit | unstored | untrusted-timing
     message: str
     levels: tuple[float, ...] = ()
 
@@ -116,6 +116,12 @@ def level_findings(levels: pa.Table, target_ci_pct: float | None = None, max_tim
             f"prompt{'s' if k > 1 else ''}: more rounds narrow the J/token CI for these prompts only; to speak for "
             "a wider workload, add distinct prompts (--prompt-set mixed, --prompts FILE)."),
             tuple(r["level_value"] for r in few)))
+    one = [r["level_value"] for r in rows if r["flags"] and "one-window" in r["flags"]]
+    if one:
+        out.append(Finding("one-window", (
+            f"one measured window at {', '.join(_fmt(v, unit) for v in one)} (a trace replayed once per level): "
+            "its J/token has no confidence interval and the recommendation no resampling spread; replay each "
+            "level more than once (--repeats 3) to get them."), tuple(one)))
     th = [r["level_value"] for r in rows if r.get("thermal_throttle")]
     if th:
         out.append(Finding("thermal", (

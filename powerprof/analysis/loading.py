@@ -119,6 +119,11 @@ def check_compatible(runs: list[RunInfo], force: bool = False) -> None:
                 f"runs differ in {what} ({detail}): their levels are not comparable. "
                 "Analyse them separately, or pass --force to pool them anyway."
             )
+    traffic = {r.path: (r.meta.get("trace") or {}).get("sha256", "the prompt set") for r in runs}
+    if len(set(traffic.values())) > 1:
+        detail = "; ".join(f"{p}: {'trace ' + t[:12] if t != 'the prompt set' else t}" for p, t in traffic.items())
+        raise AnalysisError(f"runs differ in traffic ({detail}): a trace replay's J/token is not comparable with "
+                            "another traffic's. Analyse them separately, or pass --force to pool them anyway.")
 
 
 def read_windows(runs: list[RunInfo]) -> pa.Table:

@@ -88,7 +88,9 @@ def _col(t: pa.Table, name: str, dtype=float, fill=np.nan) -> np.ndarray:
 def window_masks(windows: pa.Table) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """(measured, counted_request, failed_request) boolean masks over the rows of a windows table.
 
-    measured: the rows a level's statistics come from (untrusted timing excluded).
+    measured: the rows a level's statistics come from (untrusted timing excluded): requests at
+    concurrency 1, batches above, and in a run that replayed a trace (`sweep --trace`) its
+    `trace` rows only (one per level: the whole replay).
     counted_request / failed_request: request rows (not warm-up) that succeeded / failed, for
     n_requests and n_failed."""
     n = windows.num_rows
@@ -102,7 +104,11 @@ def window_masks(windows: pa.Table) -> tuple[np.ndarray, np.ndarray, np.ndarray]
     # Windows the timing rule could not trust (powerprof/arrival.py) count in no figure.
     timing = _col(windows, "timing", object)
     trusted = np.array([t != "untrusted" for t in timing], dtype=bool) if n else np.zeros(0, bool)
-    measured = ~warm & ok & trusted & np.where(conc > 1, is_batch, is_req)
+    is_trace = np.array([k == "trace" for k in kind], dtype=bool) if n else np.zeros(0, bool)
+    run = _col(windows, "run_id", object)
+    traced = set(run[is_trace])
+    in_trace_run = np.array([r in traced for r in run], dtype=bool) if n else np.zeros(0, bool)
+    measured = ~warm & ok & trusted & np.where(in_trace_run, is_trace, np.where(conc > 1, is_batch, is_req))
     return measured, ~warm & ok & is_req, ~warm & ~ok & is_req
 
 
@@ -467,9 +473,13 @@ def levels_table(
         for i, v in enumerate(s.level_values):
             tok_lo, tok_hi = percentile_interval(level_tok[:, i], ci)
             j_lo, j_hi = percentile_interval(level_j[:, i], ci)
+            flags = []
+            if s.n_windows[i] == 1:
+                # One window (a trace replayed once): resampling it says nothing; no CI, not a zero-width one.
+                tok_lo = tok_hi = j_lo = j_hi = float("nan")
+                flags.append("one-window")
             j = s.j_per_token[i]
             half_pct = (j_hi - j_lo) / 2 / j * 100 if np.isfinite(j) and j else float("nan")
-            flags = []
             if s.n_failed[i]:
                 flags.append("failed-requests")
             if np.isfinite(half_pct) and half_pct > wide_ci_pct:

@@ -33,7 +33,8 @@ from .restore import (
 from .setter import GpuReadback, NvidiaSmi, check_applied, lock_sm_clocks, reset_sm_clocks, run_nvidia_smi
 from .setter import set_power_limit
 
-HANDLED_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
+# SIGUSR1 too: its default action kills, and `kill -USR1` meant for the tuner can reach a sweep; restore, then exit.
+HANDLED_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGUSR1)
 
 
 @dataclass(frozen=True)

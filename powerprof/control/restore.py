@@ -92,23 +92,52 @@ def untrusted_reason(path: Path, euid: int | None = None, root_too: bool = False
     """
     euid = os.geteuid() if euid is None else euid
     owners = {euid, 0} if root_too else {euid}
-    who = "root" if euid == 0 else f"uid {euid}" + (" or root" if root_too else "")
     try:
         st = os.lstat(path)
         dst = os.stat(Path(path).parent)
     except OSError as e:
         return f"cannot inspect {path}: {e.strerror or e}"
+    return _file_reason(path, st, owners, euid, root_too) or _folder_reason(Path(path).parent, dst, euid)
+
+
+def _file_reason(path, st, owners, euid, root_too) -> str | None:
+    who = "root" if euid == 0 else f"uid {euid}" + (" or root" if root_too else "")
     if not stat.S_ISREG(st.st_mode):
         return f"{path} is not a regular file (a symlink?)"
     if st.st_uid not in owners:
         return f"{path} is owned by uid {st.st_uid}, not {who}"
     if st.st_mode & 0o022:
         return f"{path} is writable by group or others (mode {stat.S_IMODE(st.st_mode):o})"
-    if dst.st_uid not in (0, euid):
-        return f"its folder {Path(path).parent} is owned by uid {dst.st_uid}, not {who}"
-    if dst.st_mode & 0o022:
-        return f"its folder {Path(path).parent} is writable by group or others (mode {stat.S_IMODE(dst.st_mode):o})"
     return None
+
+
+def _folder_reason(folder: Path, dst, euid: int, sticky_ok: bool = False) -> str | None:
+    who = "root" if euid == 0 else f"uid {euid}"
+    if dst.st_uid not in (0, euid):
+        return f"its folder {folder} is owned by uid {dst.st_uid}, not {who}"
+    if dst.st_mode & 0o022 and not (sticky_ok and dst.st_mode & stat.S_ISVTX and dst.st_uid == 0):
+        return f"its folder {folder} is writable by group or others (mode {stat.S_IMODE(dst.st_mode):o})"
+    return None
+
+
+def read_trusted(path: Path, euid: int | None = None) -> bytes:
+    """The bytes of `path`, read only if no one but `euid` (or root) could have written them: opened without following
+    a symlink, checked on the open descriptor (no swap between check and read), every folder up to / owned by root or
+    `euid` and writable by no one else (root's sticky /tmp excepted: others cannot rename in it). OSError with the
+    reason otherwise (a config file that decides what root does to the GPUs)."""
+    euid = os.geteuid() if euid is None else euid
+    path = Path(path)
+    folder = Path(os.path.realpath(path.parent))
+    for d in (folder, *folder.parents):
+        why = _folder_reason(d, os.stat(d), euid, sticky_ok=True)
+        if why:
+            raise PermissionError(why)
+    fd = os.open(folder / path.name, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
+    with os.fdopen(fd, "rb") as f:
+        why = _file_reason(path, os.fstat(f.fileno()), {euid}, euid, False)
+        if why:
+            raise PermissionError(why)
+        return f.read()
 
 
 _UUID_RE = re.compile(rb"GPU-[0-9A-Fa-f]{8}(?:-[0-9A-Fa-f]{4}){3}-[0-9A-Fa-f]{12}")

@@ -194,6 +194,7 @@ def attribute(
     prompt_tokens: np.ndarray | None = None,
     tok_ctx: np.ndarray | None = None,
     costs: WorkCosts | None = None,
+    bypass_spans: tuple[np.ndarray, np.ndarray] | None = None,
 ) -> Attribution:
     """Split the energy of K intervals (edges: K+1 instants) among R requests by their work.
 
@@ -203,6 +204,8 @@ def attribute(
     Token events: instant, request index, token count (a chunk may carry several), and the
     context each was decoded at (prompt + tokens before it; None: no context term).
     server_tokens: (K,) tokens the server counted beyond the proxy's in each interval (bypass).
+    bypass_spans: (start, end) of the times the server was seen doing bypass work (the scrape
+    windows its excess came from); None: unknown, so no part of an interval with bypass tokens is idle.
     """
     costs = costs or WorkCosts()
     edges = np.asarray(edges_ns, dtype=np.int64)
@@ -259,13 +262,18 @@ def attribute(
     req_work = work.sum(axis=0)
     total_tok = tok.sum(axis=0)
 
-    busy_s = union_busy_s(edges, arrival, np.where(end != NEVER, end, edges[-1])) if r_count else np.zeros(k_count)
+    b0, b1 = (np.zeros(0, np.int64),) * 2 if bypass_spans is None else (np.asarray(x, np.int64) for x in bypass_spans)
+    starts = np.concatenate([arrival, b0])
+    busy_s = (union_busy_s(edges, starts, np.concatenate([np.where(end != NEVER, end, edges[-1]), b1]))
+              if starts.size else np.zeros(k_count))
     e = energy[:, 0]
     idle_j = np.zeros(k_count)
     if costs.idle_w is not None:
-        # Part of a busy interval no request was live in is idle, at the idle power; not where the
-        # server counted bypass tokens (their timing is unknown).
-        idle_j = np.where(any_live & (server <= 0), np.minimum(e, costs.idle_w * np.clip(dur_s - busy_s, 0, None)), 0.0)
+        # Part of a busy interval neither a request nor bypass traffic was live in is idle, at the
+        # idle power; where bypass tokens came without their spans their timing is unknown: none.
+        timed = (server <= 0) | (bypass_spans is not None)
+        idle_j = np.where((any_live | (server > 0)) & timed,
+                          np.minimum(e, costs.idle_w * np.clip(dur_s - busy_s, 0, None)), 0.0)
     idle_j = np.where(~any_live & (server <= 0), e, idle_j)
     denom = req_work + unprox_work
     f_idle = np.divide(idle_j, e, out=np.where(~any_live & (server <= 0), 1.0, 0.0), where=e > 0)

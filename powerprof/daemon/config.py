@@ -169,7 +169,8 @@ SPEC: dict[str, dict[str, Key]] = {
     "scrape": {
         "server": Key(str, "auto", _choice("auto", "vllm", "sglang", "llamacpp", "none")),
         "url": Key(str, "", _url, help="server to scrape; default the proxy upstream"),
-        "interval_s": Key(float, 1.0, _positive(0.1, 3600, True), True),
+        "interval_s": Key(float, 0.25, _positive(0.1, 3600, True), True,
+                          "scrape period: bypass tokens are placed within a window this long"),
     },
     "metrics": {
         "listen": Key(str, "127.0.0.1:9464", _listen, help="Prometheus /metrics address; empty disables"),

@@ -36,6 +36,8 @@ SPREAD_EVENTS = 64  # a non-streamed response's tokens are spread as this many e
 PROMPT_HOLD_S = 30.0  # hold intervals this long at most for a live request's prompt length
 BYPASS_FIT_SHARE = 0.25  # intervals whose bypass tokens exceed this share of the proxied ones stay out of the fit
 SCRAPE_HOLD_S = 10.0  # and this long at most for the server's counter to be scraped past them
+LAG_S = 1.0  # the proxy may see a token this long after the server counted it (a loaded host)
+CREDIT_S = 3.0  # a higher server-minus-proxy level is held this long before a lower one replaces it
 
 
 @dataclass
@@ -122,8 +124,9 @@ class Ledger:
         self._proxied: deque = deque()  # (t_ns, tokens) of every proxied token event, for the scrape windows
         self.server_seen = False
         self.server_upto_ns: int | None = None
-        self._credit: deque = deque()  # proxied tokens per recent interval, not yet seen by the server
-        self._debit = 0.0
+        self._gap = 0.0  # server minus proxied tokens, cumulative, to the end of the last resolved window
+        self._levels: deque = deque()  # (window end, bypass level) of recent windows
+        self._level = 0.0  # the latest window's level
         self._gpu_total = np.zeros(n_gpus)
         self._cpu_total: float | None = None
         self._by_kind = np.zeros(4)
@@ -238,8 +241,11 @@ class Ledger:
         if unknown:
             horizon = max(min(horizon, min(unknown)), now_ns - self.prompt_hold_ns)
         if self.server_upto_ns is not None:
-            # Bypass tokens are known once the server's counter has been scraped past the interval.
-            horizon = max(min(horizon, self.server_upto_ns), now_ns - int(SCRAPE_HOLD_S * 1e9))
+            # Bypass tokens are known once the server's counter has been scraped past the interval
+            # and LAG_S beyond (the proxy's late view of the same tokens).
+            self._resolve_spans(self.server_upto_ns)
+            known = min((sp[0] for sp in self.server_spans if sp[3] is None), default=self.server_upto_ns)
+            horizon = max(min(horizon, known), now_ns - int(SCRAPE_HOLD_S * 1e9))
         n = 0
         while n + 1 < len(self.edges) and self.edges[n + 1].t_ns <= horizon:
             n += 1
@@ -318,17 +324,18 @@ class Ledger:
             ev_n.extend(r.ev_n)
             before = r.spent + np.cumsum(r.ev_n) - np.asarray(r.ev_n, dtype=float) if r.ev_n else []
             ev_c.extend(prompt[i] + np.asarray(before, dtype=float))
-        excess = None
+        excess = bypass_spans = None
         ev_t_a, ev_r_a, ev_n_a = np.array(ev_t, dtype=np.int64), np.array(ev_r, dtype=np.int64), np.array(ev_n, dtype=float)
         if self.server_seen:
-            excess = self._bypass_tokens(t)
+            excess, bypass_spans = self._bypass_tokens(t)
         setting = edges[-1].setting
         costs = self.learner.costs(setting)
         # The third column marks intervals without CPU energy: a request given a share of one
         # has no CPU figure (rather than a partial, smaller one).
         energy = np.column_stack([gpu, np.nan_to_num(cpu), np.isnan(cpu)])
         a = attr.attribute(t, energy, arrival, first, last, end, ev_t_a, ev_r_a, ev_n_a, excess,
-                           prompt_tokens=prompt, tok_ctx=np.array(ev_c, dtype=float), costs=costs)
+                           prompt_tokens=prompt, tok_ctx=np.array(ev_c, dtype=float), costs=costs,
+                           bypass_spans=bypass_spans)
         # Bypass tokens' prompts are unseen: an interval mostly of bypass work would bias the fit.
         usable = np.array([m == "counter" for m in methods])
         if excess is not None:
@@ -357,22 +364,18 @@ class Ledger:
                 del self.requests[r.trace.request_id]
         self.emit("requests", rows)
 
-    def _bypass_tokens(self, t: np.ndarray) -> np.ndarray:
-        """(K,) tokens the server counted beyond the proxy's in each interval (bypass traffic).
+    def _bypass_tokens(self, t: np.ndarray) -> tuple[np.ndarray, tuple[np.ndarray, np.ndarray]]:
+        """(K,) tokens the server counted beyond the proxy's in each interval (bypass traffic), and
+        the (start, end) of the scrape windows they came from (the time bypass traffic ran in).
 
-        Compared scrape by scrape (the server's counter and the proxy's tokens over the same
-        window, which is exact), then each window's excess is spread evenly over the time it covers."""
-        fresh = [sp for sp in self.server_spans if sp[3] is None]
-        if fresh:
-            pt = np.fromiter((x[0] for x in self._proxied), dtype=np.int64, count=len(self._proxied))
-            pn = np.fromiter((x[1] for x in self._proxied), dtype=float, count=len(self._proxied))
-            proxied = np.array([pn[(pt > sp[0]) & (pt <= sp[1])].sum() for sp in fresh])
-            for sp, ex in zip(fresh, self._server_excess(np.array([sp[2] for sp in fresh]), proxied)):
-                sp[3] = float(ex)
+        Each scrape window's bypass tokens (`_resolve_spans`) are spread evenly over the time it
+        covers. Windows overlapping these intervals are resolved now with what is known (their
+        lag margin is cut short only when the intervals could not be held longer)."""
+        self._resolve_spans(int(t[-1]), force=True)
         out = np.zeros(t.size - 1)
-        spans = [sp for sp in self.server_spans if sp[3] > 0]
+        spans = [sp for sp in self.server_spans if sp[3] is not None and sp[3] > 0 and sp[1] > t[0] and sp[0] < t[-1]]
+        sp = np.array([x[:2] for x in spans], dtype=np.int64).reshape(-1, 2)
         if spans:
-            sp = np.array([x[:2] for x in spans], dtype=np.int64)
             ex = np.array([x[3] for x in spans])
             over = attr.span_overlap_s(t, sp[:, 0], sp[:, 1])
             out = (over * (ex / ((sp[:, 1] - sp[:, 0]) / 1e9))[:, None]).sum(axis=0)
@@ -381,29 +384,46 @@ class Ledger:
         keep_from = min([x[0] for x in self.server_spans], default=int(t[-1]))
         while self._proxied and self._proxied[0][0] <= keep_from - int(SCRAPE_HOLD_S * 1e9):
             self._proxied.popleft()
-        return out
+        return out, (sp[:, 0], sp[:, 1])
 
-    def _server_excess(self, server: np.ndarray, proxied: np.ndarray) -> np.ndarray:
-        """Server-counted tokens beyond what the proxy saw, per scrape window: bypass traffic.
+    def _resolve_spans(self, upto_ns: int, force: bool = False) -> None:
+        """Bypass tokens of each scrape window: how far the server's count rose beyond the proxy's.
 
-        The server's counter lags the stream by up to a scrape, so proxied tokens not yet
-        matched are carried as credit, for a few intervals only (a server that under-counts,
-        such as llama.cpp's /slots missing short requests, must not hide bypass traffic forever).
-        """
-        out = np.zeros_like(server)
-        for k in range(server.size):
-            self._credit.append(float(proxied[k]))
-            balance = sum(self._credit) - self._debit
-            diff = server[k] - balance
-            if diff > 0:
-                out[k] = diff
-                self._credit.clear()
-                self._debit = 0.0
-            else:
-                self._debit += server[k]
-            if len(self._credit) > 3:
-                self._debit = max(0.0, self._debit - self._credit.popleft())
-        return out
+        The gap G (server minus proxied tokens, cumulative) is bypass tokens B (never falling) plus
+        a lag L >= 0: the server counts a token when its step ends, the proxy sees it a little later
+        (later still on a loaded host), maybe in the next window. So a window's level is the lowest
+        gap over the LAG_S after its end (the lag gone, B still there), and its bypass tokens are
+        how far that level rises above the highest level of the last CREDIT_S (a lag longer than
+        LAG_S then only moves tokens between windows). Not longer: a server that under-counts
+        (llama.cpp's /slots without --metrics) lowers the gap for good and must not hide bypass
+        traffic for ever. A window is resolved once a scrape LAG_S after it exists, or, with
+        `force`, when it starts before `upto_ns` (its intervals are closing)."""
+        lag_ns, credit_ns = int(LAG_S * 1e9), int(CREDIT_S * 1e9)
+        todo = [sp for sp in self.server_spans if sp[3] is None]
+        if not todo:
+            return
+        # The proxy's tokens per window are counted now, not at the scrape: a token event may be
+        # recorded after a scrape that its timestamp precedes (a non-streamed body's, spread back).
+        pt = np.fromiter((x[0] for x in self._proxied), dtype=np.int64, count=len(self._proxied))
+        pn = np.fromiter((x[1] for x in self._proxied), dtype=float, count=len(self._proxied))
+        order = np.argsort(pt, kind="stable")
+        pt, cum = pt[order], np.concatenate([[0.0], np.cumsum(pn[order])])
+        t0 = np.searchsorted(pt, [sp[0] for sp in todo], side="right")
+        t1 = np.searchsorted(pt, [sp[1] for sp in todo], side="right")
+        gaps = self._gap + np.cumsum([sp[2] for sp in todo] - (cum[t1] - cum[t0]))
+        ends = np.array([sp[1] for sp in todo], dtype=np.int64)
+        last = self.server_spans[-1][1]
+        for k, sp in enumerate(todo):
+            if not (sp[1] + lag_ns <= last or (force and sp[0] < upto_ns)):
+                break
+            level = float(gaps[k:][ends[k:] <= sp[1] + lag_ns].min())
+            while self._levels and self._levels[0][0] < sp[1] - credit_ns:
+                self._levels.popleft()
+            ref = max([x[1] for x in self._levels], default=self._level)
+            sp[3] = max(0.0, level - ref)
+            self._levels.append((sp[1], level))
+            self._level = level
+            self._gap = float(gaps[k])
 
     def _account(self, t, per_gpu, gpu, cpu, a: attr.Attribution, methods: list[str], costs: attr.WorkCosts) -> None:
         self._gpu_total = self._gpu_total + np.nan_to_num(per_gpu).sum(axis=0)

@@ -191,7 +191,9 @@ class Daemon:
         c = trace.counts
         self.latency.observe(trace.arrival_ns, trace.first_ns, trace.last_ns,
                              (c.generated_tokens if c is not None and c.generated_tokens is not None else trace.tokens_seen),
-                             c.prompt_tokens if c is not None else None)
+                             c.prompt_tokens if c is not None else None,
+                             # A non-streamed answer with no server timing is spread from its arrival.
+                             first_seen=not (trace.extra.get("spread") and trace.first_ns == trace.arrival_ns))
         self.ledger.on_end(trace)
         self._request_edge("request-end")
 
@@ -468,6 +470,10 @@ class Daemon:
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, self.stop_event.set)
         loop.add_signal_handler(signal.SIGHUP, lambda: setattr(self, "reload_requested", True))
+        # SIGUSR1 is the tuner's kill switch; `kill -USR1 $(pidof powerprof)` may pick the daemon: log, do not die.
+        loop.add_signal_handler(signal.SIGUSR1, lambda: log.warning(
+            "SIGUSR1 ignored: the daemon has no use for it (the tuner's kill switch: systemctl kill -s USR1 "
+            "powerprof-tune.service)"))
         if self.early_signals:
             log.info("signal received during start-up: stopping")
             self.stop_event.set()
@@ -656,6 +662,7 @@ def main(cfg: Config, rig, config_path=None, overrides=None, extra_collectors=()
     # default handler would raise KeyboardInterrupt mid-startup, with a traceback and orphaned tasks.
     early: list[int] = []
     signal.signal(signal.SIGINT, lambda signum, _frame: early.append(signum))
+    signal.signal(signal.SIGUSR1, signal.SIG_IGN)  # until the loop's handler logs it: see _install_signal_handlers
     d = Daemon(cfg, rig, extra_collectors=extra_collectors, config_path=config_path, overrides=overrides)
     d.early_signals = early
     try:

@@ -49,7 +49,7 @@ WINDOWS = pa.schema(
         ("level_kind", pa.string()),  # power_limit | sm_clock | none (measure)
         ("level_value", pa.float64()),
         ("repeat", pa.int32()),
-        ("window_kind", pa.string()),  # request: one request's decode; batch: a concurrent batch's measured intervals
+        ("window_kind", pa.string()),  # request: one request's decode; batch: a concurrent batch's measured intervals; trace: a replayed trace
         ("request_id", pa.int64()),  # null for batch rows
         ("batch_id", pa.int64()),  # requests sent together at one concurrency  # requests sent together at one concurrency
         ("concurrency", pa.int32()),
@@ -147,7 +147,7 @@ LEVELS = pa.schema(
         ("reference", pa.bool_()),
         ("cap_not_engaged", pa.bool_()),
         ("thermal_throttle", pa.bool_()),
-        ("flags", pa.string()),  # comma-separated: cap-not-engaged, thermal, failed-requests, wide-ci
+        ("flags", pa.string()),  # comma-separated: cap-not-engaged, thermal, failed-requests, wide-ci, one-window
         ("energy_method", pa.string()),
         # Appended by the analysis (issue 6): levels at different concurrencies are different levels,
         # and loss/saving vs the reference carry their own bootstrap CIs.

@@ -8,9 +8,13 @@ counters that went backwards, non-finite or negative values). Two scrapes make a
 
 from __future__ import annotations
 
+import ipaddress
 import math
+import time
+import urllib.error
+import urllib.parse
 import urllib.request
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from prometheus_client.parser import text_string_to_metric_families
 
@@ -19,6 +23,7 @@ from powerprof.daemon.latency import LATENCY_EDGES_S
 from .policy import Window
 
 MAX_BYTES = 4 * 1024 * 1024
+SCRAPE_DEADLINE_S = 5.0  # the whole scrape, not each socket read: a dripping endpoint is a failed scrape
 
 
 class ObserveError(RuntimeError):
@@ -40,15 +45,57 @@ class DaemonCounters:
     tpot_cum: tuple[float, ...]
     upstream_failures: float = 0.0  # requests the proxy could not deliver (the inference server is down)
     gpu_energy_j: float = 0.0  # all GPU energy since the daemon started: it moves while the daemon samples
+    gpu_limits_w: dict = field(default_factory=dict)  # gpu_uuid → the power limit the daemon reads on it
 
 
-def fetch_metrics(url: str, timeout_s: float = 5.0) -> str:
-    """The exposition text, at most MAX_BYTES (ObserveError beyond, or on any failure)."""
+def loopback_reason(url: str) -> str | None:
+    """Why `url` is not a loopback http(s) URL the tuner may read (None when it is): root steers GPUs by its answer."""
+    u = urllib.parse.urlsplit(url)
+    if u.scheme not in ("http", "https") or not u.hostname:
+        return "--daemon-metrics must be an http:// or https:// URL"
+    host = u.hostname
+    if host != "localhost":
+        try:
+            if not ipaddress.ip_address(host).is_loopback:
+                return f"--daemon-metrics: {host} is not a loopback address (127.0.0.1, ::1 or localhost)"
+        except ValueError:
+            return f"--daemon-metrics: {host} is not a loopback address (127.0.0.1, ::1 or localhost)"
+    return None
+
+
+class _NoRedirect(urllib.request.HTTPRedirectHandler):
+    def redirect_request(self, req, fp, code, msg, headers, newurl):
+        raise urllib.error.HTTPError(req.full_url, code, f"redirect to {newurl} refused", headers, fp)
+
+
+# No proxies from the environment (http_proxy would send root's input through someone else), no redirects.
+_OPENER = urllib.request.build_opener(urllib.request.ProxyHandler({}), _NoRedirect())
+
+
+def fetch_metrics(url: str, timeout_s: float = SCRAPE_DEADLINE_S) -> str:
+    """The exposition text, at most MAX_BYTES, read within `timeout_s` in all (ObserveError beyond, or on any failure).
+
+    urlopen's timeout bounds each socket read, not the request: the body is read in chunks against a monotonic
+    deadline. (Headers dripped slower than the timeout can still hold this call: the runner reads in a worker
+    thread and keeps its own time, so stale figures and the kill switch never wait on it.)"""
+    deadline = time.monotonic() + timeout_s
+    chunks: list[bytes] = []
+    n = 0
     try:
-        with urllib.request.urlopen(url, timeout=timeout_s) as r:  # noqa: S310 (http(s) checked by the caller)
-            body = r.read(MAX_BYTES + 1)
+        with _OPENER.open(url, timeout=timeout_s) as r:  # noqa: S310 (loopback http(s) checked by the caller)
+            while n <= MAX_BYTES:
+                if time.monotonic() > deadline:
+                    raise ObserveError(f"{url} took more than {timeout_s:g} s to answer: not a usable scrape")
+                b = r.read1(65536)
+                if not b:
+                    break
+                chunks.append(b)
+                n += len(b)
+    except ObserveError:
+        raise
     except Exception as e:  # noqa: BLE001 (every failure is the same to the tuner: no figures)
         raise ObserveError(f"cannot read {url}: {e}") from None
+    body = b"".join(chunks)
     if len(body) > MAX_BYTES:
         raise ObserveError(f"{url} answered more than {MAX_BYTES} bytes: not the daemon's metrics")
     try:
@@ -101,7 +148,8 @@ def parse_counters(text: str, t_s: float) -> DaemonCounters:
     _, output = hist("powerprof_request_output_tokens")
     upstream = sum(num(s.value) for s in need("powerprof_proxy_upstream_failures") if s.name.endswith("_total"))
     gpu = sum(num(s.value) for s in need("powerprof_gpu_energy_joules") if s.name.endswith("_total"))
-    return DaemonCounters(t_s, energy, tokens, finished, active, prompt, output, ttft, tpot, upstream, gpu)
+    limits = {s.labels.get("gpu_uuid", ""): num(s.value) for s in need("powerprof_gpu_power_limit_watts")}
+    return DaemonCounters(t_s, energy, tokens, finished, active, prompt, output, ttft, tpot, upstream, gpu, limits)
 
 
 def _le(x: str) -> float:

@@ -2,9 +2,11 @@
 
 Safety (docs/tuner.md): levels change only through the LimitController the door gives
 (restore file before the first change, the original limit back on every exit, `powerprof
-restore` after kill -9); SIGUSR1 pins the reference level until the process ends; figures that
-stop coming (daemon down, a scrape failing, counters going backwards) send the GPUs to the
-reference level after `stale_s`; dry-run changes nothing and only records recommendations.
+restore` after kill -9); SIGUSR1 pins the reference level, persisted in a kill file until `tune
+--resume`; figures that stop coming (daemon down, a scrape failing or hanging, counters going
+backwards, the daemon reading another limit or other GPUs) send the GPUs to the reference level
+after `stale_s`, timed by the loop, never by the read; dry-run changes nothing and only reports
+what the guard would do at the limit the GPUs actually have.
 """
 
 from __future__ import annotations
@@ -26,7 +28,9 @@ from powerprof.storage.runs import atomic_write_table
 from powerprof.storage.schema import TUNER_DECISIONS, rows_to_table
 
 from .observe import DaemonCounters, ObserveError, window_between
-from .policy import Decision, Tuner, TunerConfig
+from .policy import Decision, Tuner, TunerConfig, Window, merge, slo_ratio
+
+LEVEL_TOLERANCE_W = 1.0  # the daemon's read-back of a limit the controller set (NVML rounds to its own step)
 
 log = logging.getLogger("powerprof.tune")
 
@@ -67,7 +71,10 @@ class TunerMetrics:
     def __init__(self, registry: CollectorRegistry | None = None):
         self.registry = registry if registry is not None else CollectorRegistry()
         r = self.registry
-        self.level = Gauge("powerprof_tuner_level", "Level the tuner holds (W for power, MHz for clock)", ["knob"], registry=r)
+        self.level = Gauge("powerprof_tuner_level", "Level the tuner holds (W for power, MHz for clock); absent in dry-run",
+                           ["knob"], registry=r)
+        self.observed = Gauge("powerprof_tuner_observed_level", "The power limit the daemon reads on the tuned GPUs (W)",
+                              ["knob"], registry=r)
         self.reference = Gauge("powerprof_tuner_reference_level", "The reference level", ["knob"], registry=r)
         self.decisions = Counter("powerprof_tuner_decisions", "Tuner decisions by action", ["action"], registry=r)
         self.dry_run = Gauge("powerprof_tuner_dry_run", "1 when the tuner only recommends", registry=r)
@@ -81,7 +88,11 @@ class TuneRunner:
 
     def __init__(self, cfg: TunerConfig, read: Callable[[], DaemonCounters], ctl=None, gpus: list[int] | None = None,
                  out_dir: Path | None = None, registry: CollectorRegistry | None = None,
-                 clock: Callable[[], float] = time.monotonic):
+                 clock: Callable[[], float] = time.monotonic, gpu_uuids: list[str] | None = None,
+                 kill_path: Path | None = None, clear_kill: bool = False):
+        """gpu_uuids: the tuned GPUs; the daemon must measure exactly these (None skips the check: tests of the
+        policy plumbing only). kill_path: the persisted kill switch (None: the kill lasts as long as the process);
+        clear_kill: `tune --resume`, remove it first."""
         if ctl is None and not cfg.dry_run:
             raise ValueError("a controller is needed unless dry_run")
         self.cfg = cfg
@@ -95,9 +106,15 @@ class TuneRunner:
         self.metrics.dry_run.set(1 if cfg.dry_run else 0)
         self.metrics.reference.labels(cfg.knob).set(cfg.reference)
         self.applied: float | None = None
+        self.gpu_uuids = sorted(gpu_uuids) if gpu_uuids is not None else None
+        self.kill_path = Path(kill_path) if kill_path is not None else None
+        self.clear_kill = clear_kill
         self.kill_requested = threading.Event()
         self._last: DaemonCounters | None = None
         self._last_good_s = self.t0_s
+        self._last_error = "no scrape yet"
+        self._dry: deque[Window] = deque()  # dry-run: the last guard_s at the GPUs' actual level
+        self._dry_said_s = -float("inf")
 
     def on_sigusr1(self, *_):
         self.kill_requested.set()
@@ -113,68 +130,199 @@ class TuneRunner:
 
     def _record(self, ds: list[Decision]) -> None:
         for d in ds:
-            self.log.add(d, self.t0_s, applied=not self.cfg.dry_run)
+            self.log.add(d, self.t0_s, applied=not self.cfg.dry_run and d.action != "stop")
             self.metrics.decisions.labels(d.action).inc()
         if ds:
             self.log.flush()
 
+    def _fmt(self, v: float) -> str:
+        return f"{v:g} {self.cfg.unit}"
+
+    def _show_level(self) -> None:
+        if not self.cfg.dry_run:  # in dry-run nothing is held: the gauge would claim a level that is not on the GPU
+            self.metrics.level.labels(self.cfg.knob).set(self.tuner.level)
+
     def start(self) -> None:
         """The reference level first: the tuner starts from the known-safe setting."""
-        d = self.tuner.note(self.clock(), "start", "tuner started at the reference level")
+        cfg = self.cfg
+        why = "tuner started at the reference level"
+        if cfg.dry_run:
+            why = "dry run started: nothing is set; each window is judged at the limit the GPUs have"
+        if cfg.reference != cfg.levels[-1]:
+            why += (f"; WARNING: the reference {self._fmt(cfg.reference)} is not the highest level "
+                    f"({self._fmt(cfg.levels[-1])}): back-offs, faults and the kill switch go to it")
+        d = self.tuner.note(self.clock(), "start", why)
         self._apply(self.tuner.level)
         self._record([d])
-        self.metrics.level.labels(self.cfg.knob).set(self.tuner.level)
+        self._show_level()
+        if self.kill_path is not None and self.clear_kill and self.kill_path.exists():
+            self.kill_path.unlink()
+            self._record([self.tuner.note(self.clock(), "resume", f"kill switch cleared by --resume ({self.kill_path})")])
+        if self.kill_path is not None and self.kill_path.exists():
+            self._kill(f"kill switch persisted in {self.kill_path} (clear it with `powerprof tune --resume`)")
+
+    def _kill(self, why: str) -> None:
+        d = self.tuner.kill(self.clock(), why)
+        self.metrics.killed.set(1)
+        self._apply(self.tuner.level)
+        self._record([d])
+        self._show_level()
 
     def check_kill(self) -> None:
         if self.kill_requested.is_set() and self.tuner.state != "killed":
-            d = self.tuner.kill(self.clock())
-            self.metrics.killed.set(1)
-            self._apply(self.tuner.level)
-            self._record([d])
-            self.metrics.level.labels(self.cfg.knob).set(self.tuner.level)
+            if self.kill_path is not None and not self.cfg.dry_run:
+                try:  # persisted first: a restart (systemd, Requires=) must not silently clear the pin
+                    self.kill_path.parent.mkdir(parents=True, exist_ok=True)
+                    self.kill_path.write_text(f"SIGUSR1 at {_dt.datetime.now(_dt.timezone.utc).isoformat()}\n")
+                except OSError as e:
+                    log.error("cannot persist the kill switch in %s: %s (held until the process ends)", self.kill_path, e)
+            self._kill("kill switch (SIGUSR1)")
 
-    def tick(self) -> None:
-        self.check_kill()
-        now = self.clock()
+    def check_stale(self, now: float) -> None:
+        """Back to the reference when no trustworthy window came for stale_s: timed here, never by a read."""
+        if now - self._last_good_s >= self.cfg.stale_s:
+            d = self.tuner.stale(now, f"no trustworthy figures for {now - self._last_good_s:.0f} s ({self._last_error})")
+            self.metrics.stale.set(1)
+            if d is not None:
+                self._apply(self.tuner.level)
+                self._record([d])
+                self._show_level()
+
+    def _actual_level(self, c: DaemonCounters) -> float | None:
+        """The limit the daemon reads on the tuned GPUs (ObserveError when it measures other GPUs or they differ);
+        None for the clock knob, whose lock the daemon does not expose."""
+        if self.gpu_uuids is not None and sorted(c.gpu_limits_w) != self.gpu_uuids:
+            raise ObserveError(f"the daemon measures GPUs {', '.join(sorted(c.gpu_limits_w)) or 'none'}, the tuner tunes "
+                               f"{', '.join(self.gpu_uuids)}: its energy is not these GPUs'")
+        if self.cfg.knob != "power" or self.gpu_uuids is None:
+            return None
+        limits = [c.gpu_limits_w[u] for u in self.gpu_uuids]
+        if max(limits) - min(limits) > LEVEL_TOLERANCE_W:
+            raise ObserveError(f"the tuned GPUs have different limits ({', '.join(f'{x:g}' for x in limits)} W)")
+        return limits[0]
+
+    def ingest(self, now: float, got: DaemonCounters | ObserveError) -> None:
+        """One scrape's result (its counters, or why there are none) at `now`, when the read started."""
         ds: list[Decision] = []
         try:
-            c = dataclasses.replace(self.read(), t_s=now)
+            if isinstance(got, ObserveError):
+                raise got
+            c = dataclasses.replace(got, t_s=now)
             last, self._last = self._last, c
+            actual = self._actual_level(c)
+            if actual is not None:
+                self.metrics.observed.labels(self.cfg.knob).set(actual)
             if last is not None:
                 if c.upstream_failures > last.upstream_failures:
                     raise ObserveError(f"the inference server is failing ({c.upstream_failures - last.upstream_failures:.0f} "
                                        "requests not delivered)")
                 if c.gpu_energy_j <= last.gpu_energy_j:
                     raise ObserveError("the daemon's GPU energy has not moved (its sampling stalled?)")
-                w = window_between(last, c, self.tuner.level)
-                ds.extend(self.tuner.observe(w))
+                before = self._actual_level(last)
+                level = self.tuner.level
+                if self.cfg.dry_run:
+                    level = actual if actual is not None else self.tuner.reference
+                if actual is not None and (abs(before - actual) > LEVEL_TOLERANCE_W or abs(actual - level) > LEVEL_TOLERANCE_W):
+                    # A window is judged only at the level that was on the GPUs all through it.
+                    raise ObserveError(f"the daemon reads {before:g} → {actual:g} W over this window, not the "
+                                       f"{level:g} W intended: not judged")
+                w = window_between(last, c, level)
+                if self.cfg.dry_run:
+                    if self.tuner.state == "stale":
+                        ds.append(self.tuner.resume(now))
+                    ds.extend(self._dry_verdict(w))
+                else:
+                    ds.extend(self.tuner.observe(w))
                 self._last_good_s = now
                 self.metrics.stale.set(0)
         except ObserveError as e:
-            if now - self._last_good_s >= self.cfg.stale_s:
-                d = self.tuner.stale(now, f"no trustworthy figures for {now - self._last_good_s:.0f} s ({e})")
-                if d is not None:
-                    ds.append(d)
-                self.metrics.stale.set(1)
+            self._last_error = str(e)
         self._apply(self.tuner.level)
         self._record(ds)
-        self.metrics.level.labels(self.cfg.knob).set(self.tuner.level)
+        self._show_level()
         self.metrics.explore_s.set(self.tuner.explore_s)
+        self.check_stale(now)
+
+    def _dry_verdict(self, w: Window) -> list[Decision]:
+        """Dry-run: what the guard would do at the level the GPUs have, once per window_s; no exploration (a trial
+        that is never applied measures nothing)."""
+        cfg = self.cfg
+        self._dry.append(w)
+        while self._dry and self._dry[0].t_end_s <= w.t_end_s - cfg.guard_s:
+            self._dry.popleft()
+        g = merge(list(self._dry))
+        if w.t_end_s - self._dry_said_s < cfg.window_s or g.duration_s < cfg.guard_s / 2 or g.requests < cfg.guard_min_requests:
+            return []
+        self._dry_said_s = w.t_end_s
+        ratio = slo_ratio(g, cfg)
+        jpt = g.energy_j / g.tokens if g.tokens > 0 else None
+        at = self._fmt(w.level)
+        if ratio is not None and ratio > cfg.guard_ratio and w.level != cfg.reference:
+            action, to, then = "backoff", cfg.reference, f"the guard would go back to the reference {self._fmt(cfg.reference)}"
+        else:
+            action, to, then = "hold", w.level, "the guard would hold"
+        why = (f"dry run at the GPUs' {at}: p95 at {ratio:.0%} of the SLO over the last {g.duration_s:.0f} s; {then}"
+               if ratio is not None else f"dry run at the GPUs' {at}: no latency in the last {g.duration_s:.0f} s")
+        return [Decision(w.t_end_s, action, w.level, to, why, "unknown", jpt, ratio)]
+
+    def tick(self) -> None:
+        """Read once, in this thread (tests drive it with a virtual clock); run() reads in a worker instead."""
+        self.check_kill()
+        now = self.clock()
+        try:
+            got = self.read()
+        except ObserveError as e:
+            got = e
+        self.ingest(now, got)
+
+    def stop_row(self) -> None:
+        """The last row: what the GPUs go back to as the tuner ends (the controller restores the originals)."""
+        if self.cfg.dry_run or self.ctl is None:
+            to, why = self.tuner.level, "dry run stopped: nothing was set"
+        else:
+            orig = self.ctl.original_limits_w if self.cfg.knob == "power" else ()
+            to = orig[0] if orig else self.tuner.level
+            why = ("tuner stopped: the controller puts back the original limits "
+                   f"({', '.join(f'{x:g} W' for x in orig)}) and releases clock locks")
+        self._record([Decision(self.clock(), "stop", self.tuner.level, to, why, self.tuner.regime_name)])
 
     def run(self, stop: threading.Event, duration_s: float | None = None) -> None:
+        """Tick until `stop` (or duration_s). Each read runs in a worker thread: a daemon that hangs or drips its answer
+        delays no kill switch and no stale fallback, which this loop times itself."""
         self.start()
         end = None if duration_s is None else self.t0_s + duration_s
         next_tick = self.t0_s + self.cfg.tick_s
-        while not stop.is_set():
-            now = self.clock()
-            if end is not None and now >= end:
-                break
-            self.check_kill()  # the kill switch acts within a fraction of a second, not at the next tick
-            if now >= next_tick:
-                self.tick()
-                next_tick = max(next_tick + self.cfg.tick_s, now)
-            stop.wait(min(0.2, max(0.0, next_tick - now)))
-        self.log.flush()
+        box: dict = {}
+        worker: threading.Thread | None = None
+        try:
+            while not stop.is_set():
+                now = self.clock()
+                if end is not None and now >= end:
+                    break
+                self.check_kill()  # the kill switch acts within a fraction of a second, not at the next tick
+                if worker is not None and not worker.is_alive():
+                    worker = None
+                    self.ingest(box["t"], box["got"])
+                if worker is None and now >= next_tick:
+                    box = {"t": now}
+                    worker = threading.Thread(target=self._read_into, args=(box,), daemon=True, name="tune-scrape")
+                    worker.start()
+                    next_tick = max(next_tick + self.cfg.tick_s, now)
+                self.check_stale(now)
+                stop.wait(min(0.2, max(0.01, next_tick - now)))
+        finally:
+            try:
+                self.stop_row()
+            finally:
+                self.log.flush()
+
+    def _read_into(self, box: dict) -> None:
+        try:
+            box["got"] = self.read()
+        except ObserveError as e:
+            box["got"] = e
+        except Exception as e:  # noqa: BLE001 (a bug in reading is no figures, not a dead loop)
+            box["got"] = ObserveError(f"reading the daemon failed: {e!r}")
 
 
 def install_kill_switch(runner: TuneRunner) -> None:

@@ -2,11 +2,15 @@
 
 from __future__ import annotations
 
+import errno
+import math
 import os
 import sys
+import tempfile
 from pathlib import Path
 
-from powerprof.control.restore import untrusted_reason
+from powerprof.control.restore import read_trusted
+from powerprof.paths import state_dir
 
 from .policy import TunerConfig, TunerConfigError, config_from_table
 
@@ -22,15 +26,17 @@ def load_table(path: Path | None, euid: int | None = None) -> dict:
     if path is None:
         return {}
     euid = os.geteuid() if euid is None else euid
-    if euid == 0:
-        why = untrusted_reason(Path(path), euid=0)
-        if why:
-            raise TunerConfigError(f"not using {path}: {why}")
     try:
-        raw = tomllib.loads(Path(path).read_text())
+        data = read_trusted(Path(path), euid=0) if euid == 0 else Path(path).read_bytes()
+    except PermissionError as e:
+        raise TunerConfigError(f"not using {path}: {e}") from None
     except OSError as e:
+        if e.errno == errno.ELOOP:
+            raise TunerConfigError(f"not using {path}: it is a symlink") from None
         raise TunerConfigError(f"cannot read {path}: {e.strerror or e}") from None
-    except tomllib.TOMLDecodeError as e:
+    try:
+        raw = tomllib.loads(data.decode("utf-8"))
+    except (UnicodeDecodeError, tomllib.TOMLDecodeError) as e:
         raise TunerConfigError(f"{path}: not valid TOML ({e})") from None
     extra = sorted(set(raw) - {"tuner"})
     if extra:
@@ -53,3 +59,38 @@ def make_config(table: dict, resolve) -> TunerConfig:
     if isinstance(spec, list):
         spec = ",".join(str(x) for x in spec)
     return config_from_table(table, resolve(knob, str(spec)), table.get("reference"))
+
+
+# Upper bounds the policy does not set: past them a setting is a typo, and inf would switch a safety off.
+MAX_SECONDS = 30 * 86400.0
+MAX_RATIO = 10.0
+_SECONDS = ("tick_s", "window_s", "dwell_s", "guard_s", "explore_horizon_s", "reprobe_s", "backoff_s", "regime_s",
+            "stale_s", "strike_s")
+
+
+def check_bounds(cfg: TunerConfig) -> None:
+    """Finite, sane settings for a live run (TunerConfigError naming the key): no infinite tick or stale time, a guard
+    that can fire, and stale_s at least two ticks (else every gap between two reads would count as stale)."""
+    errs = [f"tuner.{k}: at most {MAX_SECONDS:g} s" for k in _SECONDS
+            if not (math.isfinite(getattr(cfg, k)) and getattr(cfg, k) <= MAX_SECONDS)]
+    errs += [f"tuner.{k}: at most {MAX_RATIO:g}" for k in ("accept_ratio", "hold_ratio", "guard_ratio")
+             if not (math.isfinite(getattr(cfg, k)) and getattr(cfg, k) <= MAX_RATIO)]
+    if not errs and cfg.stale_s < 2 * cfg.tick_s:
+        errs.append(f"tuner.stale_s ({cfg.stale_s:g}) must be at least two ticks (tick_s {cfg.tick_s:g})")
+    if errs:
+        raise TunerConfigError("; ".join(errs))
+
+
+def check_out_dir(path: Path) -> None:
+    """The decisions folder exists (or is made) and takes a file: found now, not after the reference is set."""
+    try:
+        Path(path).mkdir(parents=True, exist_ok=True)
+        with tempfile.TemporaryFile(dir=path):
+            pass
+    except OSError as e:
+        raise TunerConfigError(f"--out {path}: cannot write there ({e.strerror or e})") from None
+
+
+def kill_file() -> Path:
+    """Where SIGUSR1's kill switch is persisted (the tuner's state folder, root's when root runs it)."""
+    return state_dir() / "tuner-killed"

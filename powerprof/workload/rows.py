@@ -1,4 +1,4 @@
-"""windows.parquet rows: the one builder of a request's or a concurrent batch's row, for sweep and measure alike."""
+"""windows.parquet rows: the one builder of a request's, a concurrent batch's or a replayed trace's row, for sweep and measure alike."""
 
 from __future__ import annotations
 
@@ -276,3 +276,52 @@ def window_rows(records: Sequence[RequestRecord], profiler, run_id: str, server:
         recs = [r for r in records if r.batch_id == b.batch_id]
         rows.append(batch_row(b, recs, profiler, run_id, server, level))
     return rows, batches
+
+
+def trace_row(records: Sequence[RequestRecord], energy, run_id: str, server: ServerInfo, level: Level = NO_LEVEL) -> dict:
+    """A WINDOWS row for a whole trace replayed at one level (`sweep --trace`): `energy` is the
+    Profiler's EnergyResult over the replay (from before the first request to after the last), over
+    every token generated: the traffic mix's J/token, idle gaps between requests included. Its
+    speed, `decode_tok_s`, is the median request's own decode rate: a trace's throughput is set by
+    its arrival times, not by the level."""
+    ok = [r for r in records if r.ok]
+    t0 = energy.t0_ns if energy is not None else min((r.t_send_ns for r in records), default=None)
+    t1 = energy.t1_ns if energy is not None else max((r.t_end_ns for r in records), default=None)
+    gpu_e = energy.gpu_energy_total_j if energy is not None else None
+    cpu_e = energy.cpu_energy_j if energy is not None else None
+    total = gpu_e + cpu_e if gpu_e is not None and cpu_e is not None else None
+    tokens = int(sum(r.generated_tokens for r in ok))
+    rates = [r.decode_tok_s for r in ok if r.decode_tok_s]
+    ttft = [r.ttft_s for r in ok if r.ttft_s is not None]
+    failed = len(records) - len(ok)
+    ref = records[0] if records else None
+    return {
+        "run_id": run_id,
+        "level_kind": level.kind,
+        "level_value": level.value,
+        "repeat": level.repeat,
+        "window_kind": "trace",
+        "concurrency": 1,
+        "warmup": False,
+        "status": "ok" if ok else "failed",
+        "error": f"{failed} of {len(records)} requests failed" if failed else None,
+        "api": ref.api if ref else None,
+        "model": (ref.model if ref else None) or (server.model if server else None),
+        "t_send_utc": _utc(ref.to_wall_ns(t0)) if ref else None,
+        "t_first_utc": _utc(ref.to_wall_ns(t0)) if ref else None,
+        "t_last_utc": _utc(ref.to_wall_ns(t1)) if ref else None,
+        "ttft_s": float(np.median(ttft)) if ttft else None,
+        "decode_s": (t1 - t0) / 1e9 if t0 is not None else None,
+        "prompt_tokens": int(sum(r.prompt_tokens or 0 for r in ok)),
+        "generated_tokens": tokens,
+        "decode_tokens": tokens,
+        "decode_tok_s": float(np.median(rates)) if rates else None,
+        "gpu_energy_j": gpu_e,
+        "cpu_energy_j": cpu_e,
+        "energy_method": energy.method if energy is not None else "none",
+        "avg_gpu_power_w": energy.avg_gpu_power_w if energy is not None else None,
+        "gpu_j_per_token": _div(gpu_e, tokens),
+        "total_j_per_token": _div(total, tokens),
+        "low_confidence": energy.low_confidence if energy is not None else True,
+        "server_kind": server.kind if server else None,
+    }
