@@ -229,3 +229,55 @@ def test_a_shift_to_more_work_per_second_goes_up_before_exploring_even_with_fewe
     Plant().run(tu, t, t + 400, rate=1.0, output=320)
     shift = [d for d in tu.decisions if d.action == "regime"][-1]
     assert shift.from_level == 200 and shift.to_level in (250, 300) and "more work per second" in shift.reason
+
+
+def test_a_missing_latency_figure_is_never_taken_as_meeting_the_slo():
+    # Traffic with requests but no TPOT (one-token answers, say): the SLO set cannot be judged, so no level
+    # below the reference is ever kept on it (it used to count as 0% of the SLO and walk to the bottom).
+    tu = Tuner(cfg(), 0.0)
+    t = 0.0
+    for _ in range(300):
+        t += 10
+        n = 20
+        tu.observe(Window(t, 10.0, tu.level, n * 80, 0.5 * n * 80, n, n, n * 400, n * 80,
+                          histogram_counts([0.2] * n), histogram_counts([])))
+    assert tu.level == 300
+    assert not any(d.action == "accept" for d in tu.decisions)
+    assert all(d.slo_ratio is None or d.slo_ratio > 0 for d in tu.decisions)
+
+
+def test_a_regime_shift_during_a_back_off_keeps_the_reference_for_the_whole_back_off():
+    tu = Tuner(cfg(backoff_s=120), 0.0)
+    plant = Plant()
+    t, _ = plant.run(tu, 0, 1500, rate=8.0)  # regime B: learnt
+    t, _ = plant.run(tu, t, t + 1500, rate=2.0)  # regime A: learnt
+    assert tu.level == 200
+    tu.observe(window(t + 10, 200, 150.0, rate=8.0))  # SLO threatened as the traffic turns back to B
+    assert tu.level == 300
+    t_backoff = t + 10
+    t, levels = plant.run(tu, t + 10, t_backoff + 110, rate=8.0)
+    assert levels == [300] * len(levels), [(d.t_s, d.action, d.to_level, d.reason) for d in tu.decisions[-4:]]
+    assert any(d.action == "regime" and "during a back-off" in d.reason for d in tu.decisions)
+
+
+def test_reference_in_the_levels_form_resolves_like_the_levels_and_nonsense_is_refused():
+    from powerprof.tuner.setup import make_config
+
+    def resolve(knob, spec):  # the controller's parser, for a 300 W card
+        out = []
+        for x in spec.split(","):
+            x = x.strip()
+            if x.endswith("%"):
+                out.append(300.0 * float(x[:-1]) / 100)
+            else:
+                try:
+                    out.append(float(x))
+                except ValueError:
+                    raise ValueError(f"not a level: {x!r}") from None
+        return out
+
+    c = make_config({"levels": "50%,80%,100%", "reference": "100%", "tpot_p95_ms": 100.0}, resolve)
+    assert c.reference == 300.0 and c.levels == (150.0, 240.0, 300.0)
+    for bad in ("fast", True, [1, 2]):
+        with pytest.raises(TunerConfigError, match="tuner.reference"):
+            make_config({"levels": "150,300", "reference": bad, "tpot_p95_ms": 100.0}, resolve)

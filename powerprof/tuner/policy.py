@@ -16,6 +16,7 @@ from dataclasses import dataclass, field, fields
 
 import numpy as np
 
+from powerprof.daemon.attribution import DEFAULT_PREFILL_PER_DECODE
 from powerprof.daemon.latency import LATENCY_EDGES_S
 
 
@@ -46,7 +47,7 @@ class TunerConfig:
     strike_s: float = 1800.0
     min_gain: float = 0.05  # a level above must save this share of J/token to be kept…
     max_loss: float = 0.05  # …a level below is kept unless it costs more than this share (docs/tuner.md: the prior)
-    prefill_weight: float = 0.05  # a prompt token's work in generated tokens (the daemon's default ratio)
+    prefill_weight: float = DEFAULT_PREFILL_PER_DECODE  # a prompt token's work in generated tokens
     max_step: int = 1  # levels per exploratory move
     max_explore_share: float = 0.5  # of the last explore_horizon_s spent on trials
     explore_horizon_s: float = 3600.0
@@ -171,16 +172,22 @@ def j_per_work(w: Window, prefill_weight: float) -> float | None:
     return w.energy_j / work if work > 0 else None
 
 
-def slo_ratio(w: Window, cfg: TunerConfig) -> float | None:
-    """The worst of p95 TTFT / its SLO and p95 TPOT / its SLO over the window (None without requests)."""
+def slo_ratio(w: Window, cfg: TunerConfig, complete: bool = False) -> float | None:
+    """The worst of p95 TTFT / its SLO and p95 TPOT / its SLO over the window (None without requests).
+
+    complete: None unless every SLO set has a figure (to judge a level); otherwise the worst of those
+    there are (for the guard, which acts on any breach it can see)."""
     worst = None
     for counts, slo_ms in ((w.tpot_counts, cfg.tpot_p95_ms), (w.ttft_counts, cfg.ttft_p95_ms)):
         if slo_ms is None:
             continue
         p = histogram_quantile(counts, 0.95)
-        if p is not None:
-            r = p * 1000.0 / slo_ms
-            worst = r if worst is None else max(worst, r)
+        if p is None:
+            if complete:
+                return None
+            continue
+        r = p * 1000.0 / slo_ms
+        worst = r if worst is None else max(worst, r)
     return worst
 
 
@@ -304,6 +311,7 @@ class Tuner:
         self._threat_ticks = 0
         self._ref_threatened = False
         self._undo: tuple | None = None  # (floor, floor_t, best, bars) before the last back-off
+        self._threat_idx: int | None = None  # the level the last back-off left
         self._trials: deque[tuple[float, float]] = deque()  # (start, end) of trials
         self.explore_s = 0.0  # total time spent on trials
         self.decisions: deque[Decision] = deque(maxlen=10_000)  # the latest, for callers; a live run keeps its dataset
@@ -335,7 +343,7 @@ class Tuner:
         if self.state == "trial":
             self.explore_s += w.duration_s
         self._track_regime(w, out)
-        if out and out[-1].action == "regime":
+        if out and out[-1].action == "regime" and self.state != "backoff":
             return out
         self._guard.append(w)
         while self._guard and self._guard[0].t_end_s <= w.t_end_s - self.cfg.guard_s:
@@ -479,21 +487,25 @@ class Tuner:
         w = merge(usable)
         if w.duration_s < cfg.window_s:
             return None
-        if w.requests < cfg.min_requests or w.tokens <= 0:
+        # Every configured SLO needs its own figure: a missing p95 (one-token answers, no first token seen)
+        # cannot be judged, and is never taken as 0% of the SLO.
+        ratio = slo_ratio(w, cfg, complete=True)
+        if w.requests < cfg.min_requests or w.tokens <= 0 or ratio is None:
             if w.duration_s < 4 * cfg.window_s:
                 return None
             self._pending = self._pending[-1:]
             if self.state == "trial":
                 back = self._incumbent_idx if self._incumbent_idx is not None else self.ref
                 self._end_trial(t)
-                out.append(self._move(t, "thin", back, f"only {w.requests} requests in {w.duration_s:.0f} s: too little to judge"))
+                why = (f"only {w.requests} requests in {w.duration_s:.0f} s: too little to judge"
+                       if w.requests < cfg.min_requests or w.tokens <= 0
+                       else f"no latency figure for every SLO set in {w.duration_s:.0f} s: cannot judge")
+                out.append(self._move(t, "thin", back, why))
                 self._enter("hold", t)
                 self.regime.converged_t = t
             return None
-        ratio = slo_ratio(w, cfg)
         self._pending = self._pending[-1:]
-        return _LevelStat(w.energy_j / w.tokens, ratio if ratio is not None else 0.0, t,
-                          j_per_work(w, cfg.prefill_weight) or w.energy_j / w.tokens)
+        return _LevelStat(w.energy_j / w.tokens, ratio, t, j_per_work(w, cfg.prefill_weight) or w.energy_j / w.tokens)
 
     def _next_trial(self, t: float, out: list[Decision]) -> None:
         cfg, r = self.cfg, self.regime
@@ -566,6 +578,7 @@ class Tuner:
         r = self.regime
         cfg = self.cfg
         self._undo, self._ref_threatened = (r.floor, r.floor_t, r.best, dict(r.bars)), False
+        self._threat_idx = self.idx
         hits = [x for x in r.strikes.get(self.idx, []) if x > t - cfg.strike_s] + [t]
         r.strikes[self.idx] = hits
         barred = len(hits) >= cfg.strikes or self.state == "trial"
@@ -605,12 +618,24 @@ class Tuner:
         key = regime_key(feat, cfg.regime_ratio)
         started, self._cand_since = self._cand_since, None
         old, old_key = self.regime_name, self.regime.key
+        moved_backoff = False
         if self._undo is not None and self.regime.floor_t >= started - cfg.guard_s:
             # A back-off while the traffic was already shifting is the new traffic's, not the old regime's.
             r0 = self.regime
             r0.floor, r0.floor_t, r0.best, r0.bars = self._undo
-            self._undo = None
+            self._undo, moved_backoff = None, True
         self.regime = self._regime(key)
+        if self.state == "backoff":
+            # The reference is held for backoff_s whatever the traffic does; at its end the new regime's best
+            # level (if any) is restored. A back-off moved off the old regime is charged to the new one.
+            if moved_backoff and self._threat_idx is not None:
+                self._bar(self.regime, self._threat_idx, w.t_end_s, hard=True)
+                if self.regime.best is not None and self.regime.best < self.regime.floor:
+                    self.regime.best = self.regime.floor
+            self._undo, self._ref_threatened = None, False
+            out.append(self._decide(w.t_end_s, "regime", self.idx, f"traffic shifted from {old} during a back-off: "
+                                                                  "the reference is held for the rest of it"))
+            return
         self._end_trial(w.t_end_s)
         self._up_tried, self._direction = False, -1
         r = self.regime
