@@ -29,6 +29,8 @@ class Outcome:
     duration_s: float = 0.0
     level_time_s: dict | None = None
     decisions: list | None = None
+    bad: list | None = None  # start (s) of each 5-minute window over the SLO
+    halves: tuple | None = None  # ((energy J, tokens) before split_s, the same after), for static runs
 
 
 def tick_window(tk: Tick, prompt, output) -> Window:
@@ -64,15 +66,14 @@ def score(name: str, r: RunResult, tpot_ms: float | None, ttft_ms: float | None)
         bad += bool(broke)
         if broke:
             bad_at.append(int(k * SCORE_WINDOW_S))
-    o = Outcome(name, r.j_per_token, float(viol.mean()), bad / total if total else 0.0, duration_s=r.duration_s,
-                level_time_s=dict(r.level_time_s))
-    o.bad = bad_at
-    return o
+    return Outcome(name, r.j_per_token, float(viol.mean()), bad / total if total else 0.0, duration_s=r.duration_s,
+                   level_time_s=dict(r.level_time_s), bad=bad_at)
 
 
 def evaluate(profile_key: str, trace, cfg: TunerConfig, default: float, tick_s: float = 10.0,
-             statics: bool = True) -> dict:
-    """{'static': {level: Outcome}, 'default': Outcome, 'tuner': Outcome, 'oracle': level|None}."""
+             statics: bool = True, split_s: float | None = None) -> dict:
+    """{'static': {level: Outcome}, 'default': Outcome, 'tuner': Outcome, 'oracle': level|None}; with `split_s`,
+    also 'pair': the best static level before and after it in hindsight (`best_pair`)."""
     arrival = np.array([r.t_s for r in trace])
     prompt = np.array([r.prompt_tokens for r in trace])
     output = np.maximum(np.array([r.output_tokens for r in trace]), 1)
@@ -82,8 +83,17 @@ def evaluate(profile_key: str, trace, cfg: TunerConfig, default: float, tick_s: 
     slo = (cfg.tpot_p95_ms, cfg.ttft_p95_ms)
     if statics:
         for lv in cfg.levels:
-            r = vs.run(arrival, prompt, output, lambda tk, lv=lv: lv, lv, tick_s)
+            acc = [[0.0, 0.0], [0.0, 0.0]]
+
+            def hold(tk: Tick, lv=lv, acc=acc) -> float:
+                h = int(split_s is not None and tk.t_end_s > split_s)
+                acc[h][0] += tk.energy_j
+                acc[h][1] += tk.tokens
+                return lv
+
+            r = vs.run(arrival, prompt, output, hold, lv, tick_s)
             out["static"][lv] = score(f"static {lv:g}", r, *slo)
+            out["static"][lv].halves = (tuple(acc[0]), tuple(acc[1]))
     r = vs.run(arrival, prompt, output, lambda tk: default, default, tick_s)
     out["default"] = score(f"default {default:g}", r, *slo)
     tuner = Tuner(cfg, 0.0)
@@ -99,4 +109,24 @@ def evaluate(profile_key: str, trace, cfg: TunerConfig, default: float, tick_s: 
     out["tuner"] = o
     ok = [lv for lv, s in out["static"].items() if s.win_violation <= out["default"].win_violation + 0.01]
     out["oracle"] = min(ok, key=lambda lv: out["static"][lv].j_per_token) if ok else None
+    if split_s is not None and statics:
+        out["pair"] = best_pair(out["static"], out["default"], split_s)
     return out
+
+
+def best_pair(static: dict, default: Outcome, split_s: float) -> tuple | None:
+    """(level before split_s, level after, J/token) with the least J/token among pairs of static levels whose
+    5-minute windows over the SLO (counted per half from each level's own run) are within 1 point of the
+    default's: the best one could do in hindsight with one static level per regime."""
+    n_win = max(1, int(round(default.duration_s / SCORE_WINDOW_S)))
+    bad = {lv: (sum(1 for b in o.bad if b < split_s), sum(1 for b in o.bad if b >= split_s)) for lv, o in static.items()}
+    allowed = len(default.bad) + 0.01 * n_win
+    best = None
+    for a, oa in static.items():
+        for b, ob in static.items():
+            if bad[a][0] + bad[b][1] > allowed:
+                continue
+            e, tok = oa.halves[0][0] + ob.halves[1][0], oa.halves[0][1] + ob.halves[1][1]
+            if tok > 0 and (best is None or e / tok < best[2]):
+                best = (a, b, e / tok)
+    return best

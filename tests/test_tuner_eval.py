@@ -65,3 +65,16 @@ def test_closed_loop_tuner_saves_energy_with_only_allowed_levels():
     assert t.j_per_token < 0.95 * d.j_per_token
     assert set(t.level_time_s) <= set(cfg.levels)
     assert t.explore_s > 0 and any(x.action == "explore" for x in t.decisions)
+
+
+def test_best_pair_takes_the_cheapest_static_level_per_half_that_keeps_the_slo_windows():
+    from _tuner import Outcome, best_pair
+
+    def o(bad, before, after):  # bad windows (start s); (energy J, tokens) per half
+        return Outcome("x", 0.0, 0.0, 0.0, duration_s=6000.0, bad=bad, halves=(before, after))
+
+    static = {150: o([600.0, 4200.0], (80.0, 100.0), (90.0, 100.0)),  # cheapest, but breaks the SLO in both halves
+              200: o([4500.0], (90.0, 100.0), (95.0, 100.0)),  # fine before 3000 s only
+              300: o([], (100.0, 100.0), (110.0, 100.0))}
+    lo, hi, j = best_pair(static, static[300], 3000.0)
+    assert (lo, hi) == (200, 300) and j == pytest.approx((90 + 110) / 200)

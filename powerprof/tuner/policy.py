@@ -16,6 +16,7 @@ from dataclasses import dataclass, field, fields
 
 import numpy as np
 
+from powerprof.daemon.attribution import DEFAULT_PREFILL_PER_DECODE
 from powerprof.daemon.latency import LATENCY_EDGES_S
 
 
@@ -46,7 +47,7 @@ class TunerConfig:
     strike_s: float = 1800.0
     min_gain: float = 0.05  # a level above must save this share of J/token to be kept…
     max_loss: float = 0.05  # …a level below is kept unless it costs more than this share (docs/tuner.md: the prior)
-    prefill_weight: float = 0.05  # a prompt token's work in generated tokens (the daemon's default ratio)
+    prefill_weight: float = DEFAULT_PREFILL_PER_DECODE  # a prompt token's work in generated tokens
     max_step: int = 1  # levels per exploratory move
     max_explore_share: float = 0.5  # of the last explore_horizon_s spent on trials
     explore_horizon_s: float = 3600.0
@@ -171,17 +172,38 @@ def j_per_work(w: Window, prefill_weight: float) -> float | None:
     return w.energy_j / work if work > 0 else None
 
 
-def slo_ratio(w: Window, cfg: TunerConfig) -> float | None:
-    """The worst of p95 TTFT / its SLO and p95 TPOT / its SLO over the window (None without requests)."""
+def slo_ratio(w: Window, cfg: TunerConfig, complete: bool = False) -> float | None:
+    """The worst of p95 TTFT / its SLO and p95 TPOT / its SLO over the window (None without requests).
+
+    complete: None unless every SLO set has a figure (to judge a level); otherwise the worst of those
+    there are (for the guard, which acts on any breach it can see)."""
     worst = None
     for counts, slo_ms in ((w.tpot_counts, cfg.tpot_p95_ms), (w.ttft_counts, cfg.ttft_p95_ms)):
         if slo_ms is None:
             continue
         p = histogram_quantile(counts, 0.95)
-        if p is not None:
-            r = p * 1000.0 / slo_ms
-            worst = r if worst is None else max(worst, r)
+        if p is None:
+            if complete:
+                return None
+            continue
+        r = p * 1000.0 / slo_ms
+        worst = r if worst is None else max(worst, r)
     return worst
+
+
+def predict_ratio(here: float, above: float | None = None) -> float:
+    """The p95/SLO ratio expected one level below, from the ratio measured here and (when known) one level above:
+    the step from above to here repeated (a geometric extrapolation: the tail grows at least as fast going
+    down, as queueing compounds the slower step), never less than here, and × 1.25 when only here is known."""
+    if above is None or above <= 0:
+        return here * 1.25
+    return here * max(here / above, 1.0)
+
+
+def work_rate(key: tuple[int, ...], cfg: TunerConfig) -> float:
+    """Work per second at a regime bin's centre: arrivals × (output + prefill_weight × prompt tokens)."""
+    rate, prompt, output = (cfg.regime_ratio ** (k + 0.5) for k in key)
+    return rate * (output + cfg.prefill_weight * prompt)
 
 
 def regime_features(w: Window) -> tuple[float, float, float] | None:
@@ -237,11 +259,28 @@ class _Regime:
     key: tuple[int, ...] | None
     best: int | None = None  # index of the level to hold
     floor: int = 0  # lowest index not known to break the SLO
-    floor_t: float = -math.inf  # when the floor was raised (it expires after reprobe_s)
+    floor_t: float = -math.inf  # when the floor was last raised
+    bars: dict = field(default_factory=dict)  # index → (times found too slow, barred until): the floor's backoff
+    ratios: dict = field(default_factory=dict)  # index → deque of (t, p95/SLO) judgements, for predictions
+
+    def floor_at(self, t: float) -> int:
+        """The lowest level above every level still barred at `t`."""
+        return 1 + max((i for i, (_, until) in self.bars.items() if until > t), default=-1)
+
+    def note(self, i: int, stat: _LevelStat) -> None:
+        self.stats[i] = stat
+        self.ratios.setdefault(i, deque(maxlen=12)).append((stat.t_s, stat.slo_ratio))
+
+    def typical_ratio(self, i: int, since_s: float) -> float | None:
+        """The median p95/SLO of level `i`'s judgements since `since_s` (one window's p95 is a noisy draw)."""
+        xs = [x for t, x in self.ratios.get(i, ()) if t >= since_s]
+        return float(np.median(xs)) if xs else None
     rejected: dict = field(default_factory=dict)  # index → time a trial of it was rejected
     strikes: dict = field(default_factory=dict)  # index → times the guard backed off from it
     stats: dict = field(default_factory=dict)  # index → latest _LevelStat
     converged_t: float | None = None
+    reprobe_from: int | None = None  # the level a re-probe started from…
+    quiet: int = 0  # …and how many re-probes in a row ended back there (each doubles the next interval)
 
 
 class Tuner:
@@ -271,7 +310,8 @@ class Tuner:
         self._up_tried = False
         self._threat_ticks = 0
         self._ref_threatened = False
-        self._undo: tuple | None = None  # (floor, floor_t, best) before the last back-off
+        self._undo: tuple | None = None  # (floor, floor_t, best, bars) before the last back-off
+        self._threat_idx: int | None = None  # the level the last back-off left
         self._trials: deque[tuple[float, float]] = deque()  # (start, end) of trials
         self.explore_s = 0.0  # total time spent on trials
         self.decisions: deque[Decision] = deque(maxlen=10_000)  # the latest, for callers; a live run keeps its dataset
@@ -303,7 +343,7 @@ class Tuner:
         if self.state == "trial":
             self.explore_s += w.duration_s
         self._track_regime(w, out)
-        if out and out[-1].action == "regime":
+        if out and out[-1].action == "regime" and self.state != "backoff":
             return out
         self._guard.append(w)
         while self._guard and self._guard[0].t_end_s <= w.t_end_s - self.cfg.guard_s:
@@ -354,7 +394,7 @@ class Tuner:
             if t - self.since_s >= cfg.backoff_s:
                 if self._ref_threatened and self._undo is not None:
                     # The reference broke the SLO too: the load did it, not the level; keep what was learnt.
-                    r.floor, r.floor_t, r.best = self._undo
+                    r.floor, r.floor_t, r.best, r.bars = self._undo
                     out.append(self._decide(t, "hold", self.idx, "the reference was over the SLO too during the "
                                                                  "back-off: the load, not the level, is blamed"))
                 self._undo, self._ref_threatened = None, False
@@ -367,16 +407,17 @@ class Tuner:
                     self._enter("measure", t)
             return
         if self.state == "hold":
-            if r.converged_t is not None and t - r.converged_t >= cfg.reprobe_s:
+            if r.converged_t is not None and t - r.converged_t >= cfg.reprobe_s * 2 ** min(r.quiet, 2):
                 r.rejected.clear()
                 self._up_tried = False
+                r.reprobe_from = self.idx
                 self._enter("measure", t)
             else:
                 # Held levels are judged too: headroom shrinking as the load grows moves one level up
                 # (the band between accept_ratio and the guard is the hysteresis).
                 stat = self._judge(t, out)
                 if stat is not None:
-                    r.stats[self.idx] = stat
+                    r.note(self.idx, stat)
                     if stat.slo_ratio > cfg.hold_ratio and self.idx < len(cfg.levels) - 1:
                         r.best = self.idx + 1
                         out.append(self._move(t, "backoff", self.idx + 1,
@@ -388,12 +429,11 @@ class Tuner:
         if judged is None:
             return
         stat = judged
-        r.stats[self.idx] = stat
+        r.note(self.idx, stat)
         if self.state == "measure":
             # The level in force is judged against the holding band; only trials must show the full headroom.
             if stat.slo_ratio > cfg.hold_ratio and self.idx < len(cfg.levels) - 1:
-                r.floor = max(r.floor, self.idx + 1)
-                r.floor_t = t
+                self._bar(r, self.idx, t)
                 if r.best is not None and r.best <= self.idx:
                     r.best = None
                 out.append(self._move(t, "backoff", self.idx + 1,
@@ -425,7 +465,7 @@ class Tuner:
             why = (f"p95 at {stat.slo_ratio:.0%} of the SLO (keep ≤ {cfg.accept_ratio:.0%})" if not ok
                    else f"saves {gain:+.1%} J/token, under the {need:+.0%} needed")
             if not ok and self.idx < self._incumbent_idx:
-                r.floor, r.floor_t = max(r.floor, self.idx + 1), t
+                self._bar(r, self.idx, t)
             r.rejected[self.idx] = t
             back = self._incumbent_idx
             self._end_trial(t)
@@ -447,26 +487,30 @@ class Tuner:
         w = merge(usable)
         if w.duration_s < cfg.window_s:
             return None
-        if w.requests < cfg.min_requests or w.tokens <= 0:
+        # Every configured SLO needs its own figure: a missing p95 (one-token answers, no first token seen)
+        # cannot be judged, and is never taken as 0% of the SLO.
+        ratio = slo_ratio(w, cfg, complete=True)
+        if w.requests < cfg.min_requests or w.tokens <= 0 or ratio is None:
             if w.duration_s < 4 * cfg.window_s:
                 return None
             self._pending = self._pending[-1:]
             if self.state == "trial":
                 back = self._incumbent_idx if self._incumbent_idx is not None else self.ref
                 self._end_trial(t)
-                out.append(self._move(t, "thin", back, f"only {w.requests} requests in {w.duration_s:.0f} s: too little to judge"))
+                why = (f"only {w.requests} requests in {w.duration_s:.0f} s: too little to judge"
+                       if w.requests < cfg.min_requests or w.tokens <= 0
+                       else f"no latency figure for every SLO set in {w.duration_s:.0f} s: cannot judge")
+                out.append(self._move(t, "thin", back, why))
                 self._enter("hold", t)
                 self.regime.converged_t = t
             return None
-        ratio = slo_ratio(w, cfg)
         self._pending = self._pending[-1:]
-        return _LevelStat(w.energy_j / w.tokens, ratio if ratio is not None else 0.0, t,
-                          j_per_work(w, cfg.prefill_weight) or w.energy_j / w.tokens)
+        return _LevelStat(w.energy_j / w.tokens, ratio, t, j_per_work(w, cfg.prefill_weight) or w.energy_j / w.tokens)
 
     def _next_trial(self, t: float, out: list[Decision]) -> None:
         cfg, r = self.cfg, self.regime
-        if r.floor > 0 and t - r.floor_t >= cfg.reprobe_s:
-            r.floor = 0
+        r.floor = r.floor_at(t)
+        skipped = ""
         for d in (self._direction, -self._direction):
             if d > 0 and self._up_tried:
                 continue
@@ -481,6 +525,13 @@ class Tuner:
                 if d > 0:
                     self._up_tried = True
                 continue
+            if d < 0:
+                here, above = (r.typical_ratio(i, t - cfg.reprobe_s) for i in (self.idx, self.idx + cfg.max_step))
+                guess = predict_ratio(here, above) if here is not None else None
+                if guess is not None and guess > cfg.guard_ratio:
+                    # Predicted to break the SLO outright: its trial would most likely only cost an SLO window.
+                    skipped = (f"{self._fmt(cfg.levels[j])} not tried: p95 predicted at {guess:.0%} of the SLO")
+                    continue
             if not self._budget_ok(t):
                 out.append(self._decide(t, "hold", self.idx, "exploration budget spent: hold until the reprobe time"))
                 self._enter("hold", t)
@@ -493,10 +544,24 @@ class Tuner:
             self._trials.append((t, math.inf))
             self._enter("trial", t)
             return
-        out.append(self._decide(t, "hold", self.idx, "converged: hold until the traffic shifts or the reprobe time"))
+        if r.reprobe_from is not None:
+            r.quiet = r.quiet + 1 if r.reprobe_from == self.idx else 0
+            r.reprobe_from = None
+        why = f"; {skipped}" if skipped else ""
+        out.append(self._decide(t, "hold", self.idx, f"converged: hold until the traffic shifts or the reprobe time{why}"))
         self._enter("hold", t)
         r.converged_t = t
         self._direction = -1
+
+    def _bar(self, r: _Regime, i: int, t: float, hard: bool = False) -> None:
+        """Level `i` (and every level below) found too slow: `i` is barred for reprobe_s, doubled for each
+        earlier time it was found so in this regime and once more when it broke the SLO itself (`hard`, a
+        guard back-off), up to 8×: a level that keeps breaking the SLO is re-probed ever more rarely rather
+        than every hour (in stationary traffic it will break it again)."""
+        n = r.bars.get(i, (0, 0.0))[0] + (2 if hard else 1)
+        r.bars[i] = (n, t + self.cfg.reprobe_s * 2 ** min(n - 1, 3))
+        r.floor, r.floor_t = max(r.floor, i + 1), t
+        r.quiet, r.reprobe_from = 0, None
 
     def _budget_ok(self, t: float) -> bool:
         h = self.cfg.explore_horizon_s
@@ -512,12 +577,13 @@ class Tuner:
     def _threatened(self, t: float, ratio: float, out: list[Decision]) -> None:
         r = self.regime
         cfg = self.cfg
-        self._undo, self._ref_threatened = (r.floor, r.floor_t, r.best), False
+        self._undo, self._ref_threatened = (r.floor, r.floor_t, r.best, dict(r.bars)), False
+        self._threat_idx = self.idx
         hits = [x for x in r.strikes.get(self.idx, []) if x > t - cfg.strike_s] + [t]
         r.strikes[self.idx] = hits
         barred = len(hits) >= cfg.strikes or self.state == "trial"
         if barred:
-            r.floor, r.floor_t = max(r.floor, self.idx + 1), t
+            self._bar(r, self.idx, t, hard=True)
             if r.best is not None and r.best < r.floor:
                 r.best = r.floor  # hysteresis: after the back-off, return one level above the one that threatened
         self._end_trial(t)
@@ -532,10 +598,13 @@ class Tuner:
         self._recent.append(w)
         while self._recent and self._recent[0].t_end_s <= w.t_end_s - cfg.regime_s:
             self._recent.popleft()
-        feat = regime_features(merge(list(self._recent)))
+        seen = merge(list(self._recent))
+        feat = regime_features(seen)
         if feat is None:
             return
         if self.regime.key is None:
+            if seen.duration_s < cfg.regime_s / 2:
+                return  # the first regime is named from minutes of traffic, not from the first tick's few requests
             self.regime.key = regime_key(feat, cfg.regime_ratio)
             self.regimes[self.regime.key] = self.regime
             return
@@ -549,11 +618,24 @@ class Tuner:
         key = regime_key(feat, cfg.regime_ratio)
         started, self._cand_since = self._cand_since, None
         old, old_key = self.regime_name, self.regime.key
+        moved_backoff = False
         if self._undo is not None and self.regime.floor_t >= started - cfg.guard_s:
             # A back-off while the traffic was already shifting is the new traffic's, not the old regime's.
-            self.regime.floor, self.regime.floor_t, self.regime.best = self._undo
-            self._undo = None
+            r0 = self.regime
+            r0.floor, r0.floor_t, r0.best, r0.bars = self._undo
+            self._undo, moved_backoff = None, True
         self.regime = self._regime(key)
+        if self.state == "backoff":
+            # The reference is held for backoff_s whatever the traffic does; at its end the new regime's best
+            # level (if any) is restored. A back-off moved off the old regime is charged to the new one.
+            if moved_backoff and self._threat_idx is not None:
+                self._bar(self.regime, self._threat_idx, w.t_end_s, hard=True)
+                if self.regime.best is not None and self.regime.best < self.regime.floor:
+                    self.regime.best = self.regime.floor
+            self._undo, self._ref_threatened = None, False
+            out.append(self._decide(w.t_end_s, "regime", self.idx, f"traffic shifted from {old} during a back-off: "
+                                                                  "the reference is held for the rest of it"))
+            return
         self._end_trial(w.t_end_s)
         self._up_tried, self._direction = False, -1
         r = self.regime
@@ -562,16 +644,25 @@ class Tuner:
                                                                 f"before: its best level"))
             self._enter("hold", w.t_end_s)
             r.converged_t = w.t_end_s
-        elif old_key is not None and key[0] > old_key[0] and self.idx < len(cfg.levels) - 1:
-            # More load than the level was verified under, and nothing known: one level up before exploring.
-            out.append(self._move(w.t_end_s, "regime", self.idx + 1, f"traffic shifted from {old} to more requests: "
-                                                                    "one level up, then re-explore"))
+        elif old_key is not None and (up := self._shift_steps(old_key, key)) > 0 and self.idx < len(cfg.levels) - 1:
+            # More work per second than the level was verified under, and nothing known: up before exploring.
+            to = min(self.idx + up, len(cfg.levels) - 1)
+            out.append(self._move(w.t_end_s, "regime", to, f"traffic shifted from {old} to more work per second: "
+                                                          f"{to - self.idx} level(s) up, then re-explore"))
             self._enter("measure", w.t_end_s)
         else:
             out.append(self._move(w.t_end_s, "regime", self.idx, f"traffic shifted from {old}: re-explore from here"))
             self._enter("measure", w.t_end_s)
 
     # --- helpers ----------------------------------------------------------------------------
+
+    def _shift_steps(self, old_key: tuple[int, ...], key: tuple[int, ...]) -> int:
+        """Levels to go up on entering an unknown regime: one per bin (regime_ratio) of growth in work per
+        second (arrivals × (output + prefill_weight × prompt), at the bins' centres), at most max_step × 2."""
+        grow = work_rate(key, self.cfg) / work_rate(old_key, self.cfg)
+        if grow <= 1.0:
+            return 0
+        return min(max(1, int(math.log(grow) / math.log(self.cfg.regime_ratio) + 0.5)), 2 * self.cfg.max_step)
 
     def _regime(self, key) -> _Regime:
         if key not in self.regimes:

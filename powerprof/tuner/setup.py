@@ -58,7 +58,15 @@ def make_config(table: dict, resolve) -> TunerConfig:
         raise TunerConfigError("tuner.knob: power or clock")
     if isinstance(spec, list):
         spec = ",".join(str(x) for x in spec)
-    return config_from_table(table, resolve(knob, str(spec)), table.get("reference"))
+    reference = table.get("reference")
+    if isinstance(reference, bool) or (reference is not None and not isinstance(reference, (int, float, str))):
+        raise TunerConfigError("tuner.reference: one of the levels, as a number or in the levels' form (\"80%\")")
+    if isinstance(reference, str):  # "80%", "250W": the same parser as the levels
+        try:
+            (reference,) = resolve(knob, reference)
+        except ValueError as e:
+            raise TunerConfigError(f"tuner.reference: {e}") from None
+    return config_from_table(table, resolve(knob, str(spec)), reference)
 
 
 # Upper bounds the policy does not set: past them a setting is a typo, and inf would switch a safety off.
