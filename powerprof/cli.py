@@ -495,11 +495,11 @@ def _load_trace(trace_path, time_scale, duration_s):
 @click.option("--json", "as_json", is_flag=True, help=JSON_HELP)
 def replay(trace_path, url, simulate, launch, api, time_scale, duration_s, tag_header, as_json):
     """Drive a server with a trace's arrival times and token counts (Azure CSV or JSONL); latency and throughput."""
-    import asyncio
     import json
 
     import aiohttp
 
+    from powerprof import termination
     from powerprof.rig import Rig
     from powerprof.workload.client import RequestParams, ServerUnreachable, detect_server
     from powerprof.workload.launcher import LaunchError
@@ -516,7 +516,7 @@ def replay(trace_path, url, simulate, launch, api, time_scale, duration_s, tag_h
 
     try:
         with Rig(simulate, host=False) as rig, rig.server(url, launch) as base:
-            server, records = asyncio.run(go(base))
+            server, records = termination.run(go(base))
     except (ServerUnreachable, LaunchError, ValueError) as e:
         raise click.ClickException(str(e)) from None
     sm = summarize(records)

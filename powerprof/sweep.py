@@ -13,6 +13,7 @@ from pathlib import Path
 import aiohttp
 import numpy as np
 
+from powerprof import termination
 from powerprof import __version__
 from powerprof.analysis import engine
 from powerprof.analysis.stats import level_j_ci_halfwidth_frac, summarize_levels
@@ -182,7 +183,7 @@ class Sweep:
 
     def run(self) -> None:
 
-        asyncio.run(self._run())
+        termination.run(self._run())
 
     async def _run(self) -> None:
 

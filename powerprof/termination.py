@@ -9,7 +9,9 @@ with the next request. The handlers also note the signal here, and the load loop
 
 from __future__ import annotations
 
+import asyncio
 import signal
+import threading
 
 _noted: list[int] = []
 
@@ -34,6 +36,59 @@ def raise_if_terminated() -> None:
         if _noted[0] == signal.SIGINT:
             raise KeyboardInterrupt
         raise Terminated(_noted[0])
+
+
+# The run-ending signals a handler of ours (the launcher's, the limit controller's) may be set for.
+_RUN_SIGNALS = (signal.SIGTERM, signal.SIGHUP, signal.SIGUSR1)
+
+
+def run(coro):
+    """`asyncio.run(coro)`, but a run-ending signal never raises inside the event loop's machinery.
+
+    A Python signal handler that raises runs wherever the main thread is; inside asyncio's own
+    bookkeeping (a task being woken or cancelled) the exception can leave a task "cancelling" for
+    ever and the run hung after SIGTERM (seen once under load: `measure --launch` still running
+    long after the signal). While the loop runs, each signal that has a Python handler is taken by
+    the loop instead (a normal callback): the signal is noted, the earlier handler is called there
+    (the limit controller restores the GPUs in it) with its exit held, the main task is cancelled,
+    and the exit is raised once the loop has unwound."""
+    if threading.current_thread() is not threading.main_thread():
+        return asyncio.run(coro)
+    held = {sig: h for sig in _RUN_SIGNALS if callable(h := signal.getsignal(sig))}
+    if not held:
+        return asyncio.run(coro)
+    fired: list[int] = []
+
+    async def main():
+        loop = asyncio.get_running_loop()
+        task = asyncio.current_task()
+
+        def on_signal(sig: int) -> None:
+            note(sig)
+            fired.append(sig)
+            try:
+                held[sig](sig, None)
+            except BaseException:  # its exit (Terminated, SystemExit) is raised below, outside the loop
+                pass
+            task.cancel()
+
+        for sig in held:
+            loop.add_signal_handler(sig, on_signal, sig)
+        try:
+            return await coro
+        except asyncio.CancelledError:
+            if fired:
+                return None  # unwound; the exit is raised once asyncio.run has returned
+            raise
+        finally:
+            for sig, h in held.items():
+                loop.remove_signal_handler(sig)
+                signal.signal(sig, h)
+
+    out = asyncio.run(main())
+    if fired:
+        raise_if_terminated()
+    return out
 
 
 def clear() -> None:

@@ -26,6 +26,7 @@ from pathlib import Path
 
 import aiohttp
 
+from powerprof import termination
 from powerprof.termination import Terminated, clear, note
 
 
@@ -120,7 +121,7 @@ class ServerLauncher:
                     f"server exited with code {code} before becoming healthy; last lines of {self.log_path}:\n"
                     f"{tail(self.log_path)}"
                 )
-            last = asyncio.run(_probe(self.base_url))
+            last = termination.run(_probe(self.base_url))
             if last == 200:
                 return
             if time.monotonic() >= deadline:

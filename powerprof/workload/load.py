@@ -17,6 +17,7 @@ from typing import Sequence
 import aiohttp
 import numpy as np
 
+from powerprof import termination
 from powerprof.termination import raise_if_terminated
 
 from .client import (
@@ -348,7 +349,7 @@ def run_load(
             server = target if isinstance(target, ServerInfo) else await detect_server(s, target, api)
             return await run_load_async(server, prompts, n_requests, concurrency, params, edge_hook, warmup, policy, s)
 
-    return asyncio.run(go())
+    return termination.run(go())
 
 
 def detect(url: str, api: str | None = None) -> ServerInfo:
@@ -358,4 +359,4 @@ def detect(url: str, api: str | None = None) -> ServerInfo:
         async with aiohttp.ClientSession() as s:
             return await detect_server(s, url, api)
 
-    return asyncio.run(go())
+    return termination.run(go())

@@ -15,6 +15,7 @@ from typing import Sequence
 
 import aiohttp
 import numpy as np
+from powerprof import termination
 
 from .client import RequestParams, RequestRecord, ServerInfo, detect_server
 from .load import LoadAborted, LoadPolicy, Prompt, run_load_async
@@ -184,7 +185,7 @@ def measure(
                 bid = max(r.batch_id for r in records) + 1
         return server, records, aborted
 
-    server, records, aborted = asyncio.run(go())
+    server, records, aborted = termination.run(go())
     rows, _ = window_rows(records, profiler, run_id, server)
     notes += [f"request {r.request_id} ({r.prompt_id}): {r.truncated}" for r in records if r.ok and r.truncated and not r.warmup][:5]
     note = server_timed_note(rows)

@@ -16,6 +16,7 @@ from dataclasses import dataclass, replace
 
 import aiohttp
 import numpy as np
+from powerprof import termination
 
 from .client import RequestParams, RequestRecord, ServerInfo, detect_server, send_request
 from .trace import TraceRequest
@@ -121,4 +122,4 @@ def replay(url: str, trace: list[TraceRequest], params: RequestParams = RequestP
             server = await detect_server(s, url, api)
             return server, await replay_async(s, server, trace, params, tag_header)
 
-    return asyncio.run(go())
+    return termination.run(go())
