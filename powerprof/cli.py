@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import sys
 from pathlib import Path
 
@@ -710,13 +711,10 @@ def sweep(limits, clocks, url, launch, vary, context_tokens, simulate, gpus, rep
     """Step the GPU power limit (or locked SM clock) across levels; J/token and speed loss per level."""
     from rich.console import Console
 
-    from powerprof.control.errors import ControlError
-    from powerprof.control.levels import LevelError
     from powerprof.progress import RichSweepUI, end_screen, levels_table, result_console
     from powerprof.rig import Rig
-    from powerprof.sweep import SweepError, SweepSettings, run_sweep
-    from powerprof.workload.client import RequestParams, ServerUnreachable
-    from powerprof.workload.launcher import LaunchError
+    from powerprof.sweep import SweepSettings, run_sweep
+    from powerprof.workload.client import RequestParams
     from powerprof.workload.load import PromptFileError, builtin_prompts, load_prompts
 
     from powerprof.grid import GridSpec, parse_vary, run_grid
@@ -756,7 +754,7 @@ def sweep(limits, clocks, url, launch, vary, context_tokens, simulate, gpus, rep
     except ValueError as e:
         raise click.UsageError(str(e)) from None
     ui = RichSweepUI(Console(stderr=True), bar_rule)
-    try:
+    with _sweep_exits():
         with ui, Rig(simulate, gpus=gpus) as rig:
             kind = "power_limit" if limits else "sm_clock" if clocks else "none"
             common = dict(levels_spec=limits or clocks or "", level_kind=kind, url=url)
@@ -773,15 +771,6 @@ def sweep(limits, clocks, url, launch, vary, context_tokens, simulate, gpus, rep
                 min_requests=min_requests, max_requests=max_requests, max_time_s=max_time_s, warmup_requests=warmup,
                 idle_s=idle_s, concurrency=concurrency,
             )
-    except (LevelError, ValueError) as e:
-        if type(e).__module__.startswith("pyarrow"):  # ArrowInvalid is a ValueError, but not the user's mistake
-            raise click.ClickException(f"writing the run failed: {e}") from None
-        raise click.UsageError(str(e)) from None
-    except (ControlError, SweepError, ServerUnreachable, LaunchError, OSError) as e:
-        raise click.ClickException(str(e)) from None
-    except KeyboardInterrupt:
-        click.echo("interrupted: every GPU is back at its original limit; finished levels are in the run directory", err=True)
-        sys.exit(130)
     if dry_run:
         for line in outcome.plan_lines:
             out.print(line)
@@ -808,17 +797,35 @@ def sweep(limits, clocks, url, launch, vary, context_tokens, simulate, gpus, rep
     out.print(f"run directory: {outcome.run_dir}")
 
 
+@contextlib.contextmanager
+def _sweep_exits():
+    """A sweep's exits: bad input 2, a failure 1 with its message, Ctrl-C 130 (the GPUs are back by then)."""
+    from powerprof.control.errors import ControlError
+    from powerprof.control.levels import LevelError
+    from powerprof.sweep import SweepError
+    from powerprof.workload.client import ServerUnreachable
+    from powerprof.workload.launcher import LaunchError
+
+    try:
+        yield
+    except (LevelError, ValueError) as e:
+        if type(e).__module__.startswith("pyarrow"):  # ArrowInvalid is a ValueError, but not the user's mistake
+            raise click.ClickException(f"writing the run failed: {e}") from None
+        raise click.UsageError(str(e)) from None
+    except (ControlError, SweepError, ServerUnreachable, LaunchError, OSError) as e:
+        raise click.ClickException(str(e)) from None
+    except KeyboardInterrupt:
+        click.echo("interrupted: every GPU is back at its original limit; finished levels are in the run directory", err=True)
+        sys.exit(130)
+
+
 def _trace_sweep(trace_path, time_scale, duration_s, limits, clocks, url, launch, simulate, gpus, api, interval_s,
                  launch_timeout, out_dir, idle_s, dry_run, repeats, order) -> None:
     """`sweep --trace`: the whole trace at each level; J/token and latency per level, in a run directory."""
     import hashlib
 
-    from powerprof.control.errors import ControlError
-    from powerprof.control.levels import LevelError
     from powerprof.rig import Rig
-    from powerprof.sweep import SweepError, run_sweep
-    from powerprof.workload.client import ServerUnreachable
-    from powerprof.workload.launcher import LaunchError
+    from powerprof.sweep import run_sweep
 
     trace = _load_trace(trace_path, time_scale, duration_s)
     try:
@@ -841,22 +848,13 @@ def _trace_sweep(trace_path, time_scale, duration_s, limits, clocks, url, launch
         click.echo(f"trace {trace_path}: {len(trace)} requests over {trace[-1].t_s:.1f} s, each level replays all of it")
         click.echo(f"{'level':>8} {'ok':>5} {'failed':>6} {'tokens':>7} {'GPU J/tok':>9} {'tok/s':>7} {'TTFT p50':>8} "
                    f"{'TTFT p95':>8} {'lat p50':>7} {'lat p95':>7}  method")
-    try:
+    with _sweep_exits():
         with Rig(simulate, gpus=gpus) as rig:
             outcome = run_sweep(rig, levels_spec=limits or clocks, level_kind="power_limit" if limits else "sm_clock",
                                 url=url, launch=launch, api=api, interval_s=interval_s, out_dir=out_dir,
                                 launch_timeout_s=launch_timeout, command_line=" ".join(sys.argv), idle_s=idle_s,
                                 dry_run=dry_run, repeats=repeats, order=order, trace=trace, trace_meta=meta,
                                 on_level=show)
-    except (LevelError, ValueError) as e:
-        if type(e).__module__.startswith("pyarrow"):
-            raise click.ClickException(f"writing the run failed: {e}") from None
-        raise click.UsageError(str(e)) from None
-    except (ControlError, SweepError, ServerUnreachable, LaunchError, OSError) as e:
-        raise click.ClickException(str(e)) from None
-    except KeyboardInterrupt:
-        click.echo("interrupted: every GPU is back at its original limit; finished levels are in the run directory", err=True)
-        sys.exit(130)
     if dry_run:
         for line in outcome.plan_lines:
             click.echo(line)
