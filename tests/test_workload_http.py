@@ -287,7 +287,7 @@ def test_measure_simulated_writes_windows_with_energy(tmp_path, monkeypatch):
 
 
 def test_measure_without_gpu_still_runs(tmp_path, srv):
-    pynvml = pytest.importorskip("pynvml")
+    pynvml = pytest.importorskip("pynvml", reason="nvidia-ml-py (a main dependency) is not importable here")
     try:
         pynvml.nvmlInit()
         pynvml.nvmlShutdown()
