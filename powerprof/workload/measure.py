@@ -150,7 +150,7 @@ def measure(
     """Run the load at each concurrency with `profiler` (a started Profiler, or None) marking
     every window edge; returns the rows for windows.parquet and a summary per concurrency."""
     run_id = run_id or uuid.uuid4().hex[:12]
-    hook = profiler.mark if profiler is not None else None
+    hook = profiler.edge if profiler is not None else None
 
     notes: list[str] = []
 
