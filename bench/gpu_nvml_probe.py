@@ -38,6 +38,7 @@ from gpu_check import install_guard  # noqa: E402
 FI_TOTAL_ENERGY = 83
 FI_ENERGY = 191
 FI_POWER_INSTANT = 186
+FI_SW_POWER_CAP_NS = 74  # time spent held by the power cap since boot: a counter, where sampled bits guess
 
 POLLERS = {  # name -> (call, rate_hz)
     "none": (None, 0.0),
@@ -71,7 +72,8 @@ def reader(nvml, h, name: str):
     if name == "enforced_limit":
         return lambda: nvml.nvmlDeviceGetEnforcedPowerLimit(h)
     fields = {"field83": [FI_TOTAL_ENERGY], "field191": [FI_ENERGY], "field186": [FI_POWER_INSTANT],
-              "field83_186": [FI_TOTAL_ENERGY, FI_POWER_INSTANT]}[name]
+              "field83_186": [FI_TOTAL_ENERGY, FI_POWER_INSTANT],
+              "field74": [FI_SW_POWER_CAP_NS]}[name]
 
     def read_fields():
         vals = nvml.nvmlDeviceGetFieldValues(h, fields)
@@ -218,10 +220,14 @@ def main() -> int:
     except Exception as e:
         report["gpu"] = {"error": type(e).__name__}
     names = ["total_energy", "field83", "field191", "field186", "field83_186", "power_usage", "power_limit",
-             "enforced_limit"]
+             "enforced_limit", "field74"]
     report["cost"] = {n: cost(reader(nvml, h, n), a.calls) for n in names}
     print("[probe] cost", json.dumps(report["cost"]), flush=True)
     report["refresh"] = {n: refresh(reader(nvml, h, n), 1.5) for n in ("total_energy", "field83", "field191")}
+    try:
+        report["sw_power_cap_ns_now"] = reader(nvml, h, "field74")()
+    except Exception as e:
+        report["sw_power_cap_ns_now"] = f"{type(e).__name__}: {e}"[:120]
     print("[probe] refresh", json.dumps(report["refresh"]), flush=True)
     (out / "nvml_probe.json").write_text(json.dumps(report, indent=1))
     if not a.no_decode:
