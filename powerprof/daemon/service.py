@@ -155,6 +155,7 @@ class Daemon:
         self._last_edge_s = 0.0
         self.edge_reads = 0  # on-demand counter reads at short requests' edges
         self.edge_cpu_s = 0.0  # the CPU one such read costs, smoothed over the latest reads
+        self.edge_cpu_total_s = 0.0
         self.guard: ConnectionGuard | None = None
         self._lock_fd: int | None = None
         self._wd_period = sdnotify.watchdog_period_s()
@@ -244,6 +245,7 @@ class Daemon:
         (t_ns, wall_ns, energy_j), cpu_s = fut.result()
         # The latest reads weigh most: the driver's cost can change (load, GPU count, firmware).
         self.edge_cpu_s = cpu_s if self.edge_cpu_s == 0 else 0.7 * self.edge_cpu_s + 0.3 * cpu_s
+        self.edge_cpu_total_s += cpu_s
         if energy_j is not None:
             self.ledger.add_gpu_edge(t_ns, wall_ns, energy_j)
 
@@ -342,6 +344,10 @@ class Daemon:
             writer_up=self.flusher.alive(self._stuck_after_s()),
             writer_errors=self.flusher.errors,
             writer_beat_age_s=max(0.0, time.monotonic() - self.flusher.beat),
+            sources={src: (n, self.sampler.read_cpu_s[src], self.sampler.missed[src], self.sampler.errors[src])
+                     for src, n in self.sampler.reads.items()} if self.sampler else {},
+            edge_reads=self.edge_reads,
+            edge_read_cpu_s=self.edge_cpu_total_s,
             proxy_recorder_failures=self.proxy.recorder_failures if self.proxy else 0,
             proxy_upstream_failures=self.proxy.upstream_failures if self.proxy else 0,
             proxy_active=self.proxy.active if self.proxy else 0,
