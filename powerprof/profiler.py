@@ -210,6 +210,7 @@ class Profiler:
         self._edge_sources = tuple(c.source for c in (self.gpu, rapl) if c is not None)
         self._edges: queue.Queue = queue.Queue()
         self._edge_thread: threading.Thread | None = None
+        self.edge_errors = 0
 
     @property
     def gpu_infos(self):
@@ -276,6 +277,8 @@ class Profiler:
                 stop = len(labels) < len(got)
                 if labels:
                     self.mark(labels[0])
+            except Exception:  # noqa: BLE001 - a failed edge leaves the window to the ticks; the thread must live on
+                self.edge_errors += 1
             finally:
                 for _ in got:
                     self._edges.task_done()

@@ -203,3 +203,18 @@ def test_edge_returns_before_the_read_and_edges_that_pile_up_share_one_read():
         assert len(prof.timeline.gpu_energy[0].t_ns) >= n_before + 2
         prof.edge("last")  # stop() serves an edge still queued before it ends
     assert len(reads) == 3
+
+
+def test_a_failing_edge_read_neither_kills_the_edge_thread_nor_hangs_the_flush():
+    nvml = SimNVML("seed-16g", count=1, state_path=None)
+    with Profiler(nvml, interval_s=10.0) as prof:
+        real = prof.mark
+        prof.mark = lambda label=None: (_ for _ in ()).throw(RuntimeError("sensor gone"))
+        prof.edge("first:0")
+        prof.flush_edges()
+        prof.mark = real
+        prof.edge("end:0")  # the same thread serves the next edge
+        done = threading.Event()
+        threading.Thread(target=lambda: (prof.flush_edges(), done.set()), daemon=True).start()
+        assert done.wait(10), "flush_edges hung after a failed edge read"
+        assert prof.edge_errors == 1
