@@ -155,6 +155,7 @@ def test_no_level_is_judged_on_too_little_traffic():
     (dict(tpot_p95_ms=None), "set an SLO"),
     (dict(accept_ratio=1.5), "accept_ratio"),
     (dict(dwell_s=0), "dwell_s"),
+    (dict(trial_guard_s=0), "trial_guard_s"),
 ])
 def test_bad_config_is_refused_with_the_key_named(bad, msg):
     with pytest.raises(TunerConfigError, match=msg):
