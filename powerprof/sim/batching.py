@@ -21,6 +21,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from powerprof.sim import knobs
+
 PREFILL_COMPUTE_SHARE = 0.9  # a prefill step is compute-bound
 PREFILL_BUDGET_TOKENS = 2048  # prompt tokens one step may prefill (chunked prefill)
 CONTEXT_SHARE_AT_4K = 0.2  # a sequence at 4096 tokens of context takes this much longer per step (batch 1)
@@ -36,16 +38,21 @@ class StepCosts:
     per_ctx_token_s: float
 
     @classmethod
-    def from_workload(cls, decode_tok_s: float, prefill_tok_s: float, compute_share: float,
-                      batch_growth: float) -> "StepCosts":
-        # Batch-1 decode takes 1/decode_tok_s; each extra stream adds compute_share·batch_growth of
-        # it (the serial engine's batch model), so both engines agree at every batch size.
-        step1 = 1.0 / decode_tok_s
-        per_seq = step1 * compute_share * batch_growth
+    def from_workload(cls, wl, draft: int, decode_tok_s: float | None = None, prefill_tok_s: float | None = None,
+                      compute_share: float | None = None) -> "StepCosts":
+        """Costs of an engine with `draft` draft tokens (0: plain decode) on workload `wl`; the
+        speeds and share default to the workload's."""
+        # Batch-1 decode takes the serial engine's single-stream step (sim/knobs.py: at the
+        # profile's own draft, expected tokens per step / decode_tok_s, so one stream decodes at
+        # decode_tok_s); each extra stream adds compute_share·batch_growth of it (the serial
+        # engine's batch model), so both engines agree at every batch size.
+        step1 = knobs.decode_step_s(wl, draft, decode_tok_s)
+        share = wl.decode_compute_share if compute_share is None else compute_share
+        per_seq = step1 * share * wl.batch_compute_growth
         return cls(
             base_s=step1 - per_seq,
             per_seq_s=per_seq,
-            per_prefill_token_s=1.0 / prefill_tok_s,
+            per_prefill_token_s=1.0 / (prefill_tok_s or wl.prefill_tok_s),
             per_ctx_token_s=step1 * CONTEXT_SHARE_AT_4K / 4096,
         )
 

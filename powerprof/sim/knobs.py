@@ -45,6 +45,18 @@ def relative_speed(wl, draft: int) -> float:
     return expected_tokens_per_step(wl, draft) / step_cost(wl, draft)
 
 
+def decode_step_s(wl, draft: int, decode_tok_s: float | None = None) -> float:
+    """One single-stream decode step at f_max and a short context, with `draft` draft tokens.
+
+    decode_tok_s (default the profile's) is quoted at the profile's own draft count, so a plain
+    step takes relative_speed(own)/decode_tok_s and a step at the profile's own draft takes
+    expected_tokens_per_step(own)/decode_tok_s: one stream decodes at decode_tok_s, whatever the
+    engine (serial or continuous batching)."""
+    own = wl.draft_n_max if wl.speculative else 0
+    plain_step_s = relative_speed(wl, own) / (decode_tok_s or wl.decode_tok_s)
+    return step_cost(wl, draft) * plain_step_s
+
+
 def context_factor(wl, context_tokens: float) -> float:
     """Step time relative to an empty context: KV reads of every sequence on top of the weights."""
     if not wl.ctx_tokens_double:

@@ -160,8 +160,7 @@ class SimServer:
         self.workload = wl
         self.draft_n_max = wl.draft_n_max if draft_n_max is None else int(draft_n_max)
         self.speculative = wl.speculative and self.draft_n_max > 0
-        # Speed of a plain (draft-free) step at f_max: decode_tok_s is quoted at the profile's own draft.
-        self._plain_tok_s = self.decode_tok_s / knobs.relative_speed(wl, wl.draft_n_max if wl.speculative else 0)
+        self._draft = self.draft_n_max if self.speculative else 0  # draft tokens a decode step really runs
         self.n_ctx = n_ctx  # context length: llama.cpp (per slot) stops there, vLLM refuses with 400
         self.batching = batching
         self.costs = batching_costs(self)
@@ -349,9 +348,8 @@ class SimServer:
 
     def _step_time_fmax_s(self, batch: list[_Req]) -> float:
         """One single-stream decode step at f_max: draft cost and the batch's context (sim/knobs.py)."""
-        d = self.draft_n_max if self.speculative else 0
         ctx = sum(r.prompt_tokens + r.generated for r in batch)
-        return knobs.step_cost(self.workload, d) / self._plain_tok_s * knobs.context_factor(self.workload, ctx)
+        return knobs.decode_step_s(self.workload, self._draft, self.decode_tok_s) * knobs.context_factor(self.workload, ctx)
 
     async def _engine(self) -> None:
         while True:
@@ -940,7 +938,8 @@ class _Delivery:
 
 def batching_costs(srv: SimServer) -> batching.StepCosts:
     """The continuous engine's step costs from the server's speeds (kept apart from the serial engine)."""
-    return batching.StepCosts.from_workload(srv.decode_tok_s, srv.prefill_tok_s, srv.compute_share, srv.batch_growth)
+    return batching.StepCosts.from_workload(srv.workload, srv._draft, srv.decode_tok_s, srv.prefill_tok_s,
+                                            srv.compute_share)
 
 
 def _sent_total(req: _Req, n_events: int) -> int:

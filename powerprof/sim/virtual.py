@@ -106,11 +106,10 @@ class VirtualServer:
         self.profile = profile
         self.knob = knob
         self.n_slots = n_slots
-        self.costs = batching.StepCosts.from_workload(wl.decode_tok_s, wl.prefill_tok_s, wl.decode_compute_share,
-                                                      wl.batch_compute_growth)
+        d = wl.draft_n_max if wl.speculative else 0
+        self.costs = batching.StepCosts.from_workload(wl, d)
         self.c = wl.decode_compute_share
         self.growth = wl.batch_compute_growth
-        d = wl.draft_n_max if wl.speculative else 0
         self.tokens_per_step = knobs.expected_tokens_per_step(wl, d)
         self.tables = {float(lv): level_table(profile, float(lv), knob) for lv in levels}
 
