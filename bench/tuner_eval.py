@@ -8,7 +8,7 @@ Simulated seed card (sim profile seed-16g), continuous batching with 64 slots
 in virtual time). Two traces: stationary chat traffic (Poisson 1 req/s, prompts ~400, outputs
 ~80 tokens, 4 h) and a compressed day (8 h period, rate 0.4–1.2 req/s) whose second half is
 long-document traffic (prompts ~1500, outputs ~250 tokens, at 0.4× the rate). SLO: TPOT p95
-≤ 100 ms and TTFT p95 ≤ 5 s. SLO violations: the share of 5-minute windows whose p95 breaks
+≤ 300 ms and TTFT p95 ≤ 5 s. SLO violations: the share of 5-minute windows whose p95 breaks
 either SLO (the SLO is a p95), and the share of requests over either threshold. The oracle is
 the static level with the least J/token among those within 1 point of the default's
 violations. For the regime-shift trace, also the best pair of static levels, one per half, in
@@ -34,7 +34,10 @@ from powerprof.workload.trace import LengthMix, diurnal, synthetic  # noqa: E402
 
 LEVELS_W = (150, 170, 190, 210, 230, 250, 270, 300)
 DEFAULT_W = 300
-SLO = {"tpot_p95_ms": 100.0, "ttft_p95_ms": 5000.0}
+# TPOT 300 ms: the default breaks it in one stationary 5-minute window of 193 on the tuning seeds, as it
+# broke 100 ms before the continuous engine's speculative step was fixed (docs/tuner.md: it then decoded
+# ~2.9 times too fast); TTFT (prefill-bound, unchanged by the fix) stays 5 s.
+SLO = {"tpot_p95_ms": 300.0, "ttft_p95_ms": 5000.0}
 # card: (profile, knob, levels, reference/default, SLO, traffic scale). The H200's cap barely binds in
 # decode: locked SM clocks (MHz) are its knob, and it serves three times the seed card's traffic.
 CARDS = {

@@ -12,6 +12,7 @@ import pytest
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "bench"))
 
 from _tuner import evaluate  # noqa: E402
+from tuner_eval import SLO  # noqa: E402
 
 from powerprof.sim.profiles import get_profile  # noqa: E402
 from powerprof.sim.virtual import VirtualServer, level_table  # noqa: E402
@@ -58,7 +59,7 @@ def test_the_virtual_server_keeps_the_simulators_physics():
 
 
 def test_closed_loop_tuner_saves_energy_with_only_allowed_levels():
-    cfg = TunerConfig(levels=(150, 200, 250, 300), reference=300, tpot_p95_ms=100.0, ttft_p95_ms=5000.0)
+    cfg = TunerConfig(levels=(150, 200, 250, 300), reference=300, **SLO)  # the bench's SLO for this card
     tr = synthetic(3600, 1.0, prompt_median=400, output_median=80, seed=5)
     res = evaluate("seed-16g", tr, cfg, 300, statics=False)
     t, d = res["tuner"], res["default"]
