@@ -382,6 +382,17 @@ class DatasetStore:
         return removed
 
 
+def _malloc_trim():
+    """glibc's malloc_trim, or None (another libc). A flush frees its rows and encoded pages; glibc keeps
+    the freed pages of its heap resident until trimmed (about 2 MiB of RSS here, bench/daemon_soak.py)."""
+    try:
+        import ctypes
+
+        return ctypes.CDLL(None).malloc_trim
+    except (OSError, AttributeError):
+        return None
+
+
 class Flusher:
     """A thread that flushes every `interval_s` and compacts/retains every `compact_interval_s`.
 
@@ -398,6 +409,7 @@ class Flusher:
         self.compact_interval_s = compact_interval_s
         self.compact_in_child = compact_in_child
         self._child: subprocess.Popen | None = None
+        self._trim = _malloc_trim()
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self.errors = 0  # exceptions the loop caught (the store counts its own write failures)
@@ -418,6 +430,8 @@ class Flusher:
             self.beat = now
             if now >= next_flush:
                 self._step("flush", self.store.flush)
+                if self._trim is not None:
+                    self._trim(0)
                 next_flush = max(next_flush + self.interval_s, now + self.interval_s / 2)
             if self._child is not None:
                 self._step("compaction", self._reap_child)
