@@ -444,6 +444,8 @@ class Flusher:
                     self._step("compaction", self._start_child)
                 next_compact = now + self.compact_interval_s
             self.beat = time.monotonic()
+        if self._child is not None:  # here, not in stop(): the child is killed when this thread ends
+            self._step("compaction", lambda: self._reap_child(self.CHILD_STOP_S))
 
     def _start_child(self) -> None:
         # Started from this thread: PR_SET_PDEATHSIG in the child fires when this thread ends.
@@ -487,8 +489,6 @@ class Flusher:
         self._stop.set()
         if self._thread is not None:
             self._thread.join(30)
-        if self._child is not None:
-            self._step("compaction", lambda: self._reap_child(self.CHILD_STOP_S))
         self.store.flush()
 
 
