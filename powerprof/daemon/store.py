@@ -449,8 +449,9 @@ class Flusher:
 
     def _start_child(self) -> None:
         # Started from this thread: PR_SET_PDEATHSIG in the child fires when this thread ends.
+        # Its own session: a Ctrl-C at the daemon's terminal stops the daemon, which lets the child finish.
         self._child = subprocess.Popen([sys.executable, "-m", "powerprof.daemon.store"], stdin=subprocess.PIPE,
-                                       stdout=subprocess.DEVNULL, text=True)
+                                       stdout=subprocess.DEVNULL, text=True, start_new_session=True)
         self._child.stdin.write(json.dumps(self.store.child_spec()))
         self._child.stdin.close()
 

@@ -152,9 +152,7 @@ def _str(v) -> bytes:
 
 
 def _bool(v) -> bool:
-    if isinstance(v, bool) or type(v).__name__ == "bool":  # numpy's bool scalar is named bool (2.x) or bool_
-        return bool(v)
-    if type(v).__name__ == "bool_":
+    if isinstance(v, bool) or type(v).__name__ in ("bool", "bool_"):  # numpy's bool scalar: bool (2.x) or bool_
         return bool(v)
     raise TypeError(f"{v!r} is not a bool")
 
