@@ -93,7 +93,8 @@ def main() -> None:
             full = _median_us(col.read, args.ticks)
             alone = _median_us(col.read_energy_j, args.ticks)
             print(f"edge read, {name}: counters alone median {alone:.1f} us, full read median {full:.1f} us "
-                  f"(ratio {full / alone:.1f}); at the 20/s cap: {alone * 20 / 1e6 * 100:.3f} % of a core")
+                  f"(ratio {full / alone:.1f}); at the 20/s cap: {alone * 20 / 1e6 * 100:.3f} % of a core; "
+                  f"under the daemon's 1% CPU budget: {min(20.0, 0.01 / (alone / 1e6)):.2f} reads/s")
         s = Sampler([one], interval_s=1.0)
         with s:
             locked = _median_us(lambda: s.read_with("nvml", one.read_energy_j), args.ticks)

@@ -266,7 +266,7 @@ class Sweep:
             n_requests,
             self.s.concurrency,
             self.params,
-            self.prof.mark,
+            self.prof.edge,
             warmup,
             self.policy,
             self.session,

@@ -16,6 +16,7 @@ from pathlib import Path
 import aiohttp
 import pytest
 from aiohttp import web
+from prometheus_client.parser import text_string_to_metric_families
 
 from daemon_helpers import DaemonProc, read_dataset, sim_env
 from powerprof.sim.nvml import SimNVML
@@ -149,6 +150,12 @@ def test_energy_of_requests_idle_and_unproxied_adds_up_to_the_measured_total(tmp
                  "process_resident_memory_bytes", "process_cpu_seconds_total"):
         assert name in metrics, name
     assert 'tag="team1"' in metrics and "request_id" not in metrics
+    # What reading the sensors costs the daemon is on /metrics, per source (docs/daemon.md).
+    fams = {f.name: f for f in text_string_to_metric_families(metrics)}
+    reads = {x.labels["source"]: x.value for x in fams["powerprof_sample_reads"].samples if x.name.endswith("_total")}
+    cpu = {x.labels["source"]: x.value for x in fams["powerprof_sample_read_cpu_seconds"].samples if x.name.endswith("_total")}
+    assert reads["nvml"] >= 2 and reads["rapl"] >= 2 and 0 < cpu["nvml"] < reads["nvml"] * 0.5, (reads, cpu)
+    assert "powerprof_edge_read_cpu_seconds_total" in metrics
 
     reqs = read_dataset(data, "requests")
     intervals = read_dataset(data, "intervals")

@@ -282,3 +282,21 @@ def test_server_streams_batches_and_times_a_model(tmp_path, size):
     finally:
         proc.terminate()
         proc.wait(timeout=30)
+
+
+def test_nvml_probe_runs_read_only_and_sees_the_counters_real_cost(tmp_path):
+    # bench/gpu_nvml_probe.py is the second script for a lent GPU: its NVML part must run as it
+    # will there. The simulated H200 reproduces what the real one showed: every way of reading the
+    # energy counter costs ~3 ms of CPU, average power about a microsecond (docs/hardware.md).
+    out = tmp_path / "probe"
+    r = subprocess.run([sys.executable, str(ROOT / "bench" / "gpu_nvml_probe.py"), "--out", str(out), "--simulate",
+                        "--no-decode", "--calls", "20"], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr[-2000:]
+    rep = json.loads((out / "nvml_probe.json").read_text())
+    assert rep["complete"] and rep["simulated"] and rep["setters_guarded"] > 10
+    c = rep["cost"]
+    for name in ("total_energy", "field83", "field191"):
+        assert c[name]["error"] is None and c[name]["cpu_us_median"] > 1000, (name, c[name])
+    assert c["power_usage"]["cpu_us_median"] < 200 and c["field186"]["error"] is None
+    for name in ("total_energy", "field83", "field191"):
+        assert rep["refresh"][name]["interval_ms_median"] == pytest.approx(100, rel=0.3), rep["refresh"]

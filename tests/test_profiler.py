@@ -168,3 +168,53 @@ def test_trailing_average_shifted_by_half_its_window_gives_the_true_energy_of_a_
                 bound = sum(jumps_w[n] * p.power_avg_window_s / 8 for n, g in zip(near, gap) if g < w_ns // 2)
                 assert abs(err_j) <= bound * (1 + 1e-6) + 1e-6, (t0 - start, t1 - start, err_j, bound)
     assert checked_far > 100
+
+
+def test_edge_returns_before_the_read_and_edges_that_pile_up_share_one_read():
+    # On a real H200 one energy-counter read costs 2-3 ms of CPU (15 ms at p99): a load generator's
+    # event loop that waited for it stamped the other streams' tokens late (docs/hardware.md).
+    nvml = SimNVML("seed-16g", count=1, state_path=None)
+    real = nvml.nvmlDeviceGetTotalEnergyConsumption
+    gate, reads = threading.Event(), []
+
+    def slow_counter(h):
+        if threading.current_thread().name != "powerprof-edges":
+            return real(h)  # a tick of the sampler's own (on a slow machine): not an edge
+        reads.append(h)
+        assert gate.wait(10), "the test never opened the gate"
+        return real(h)
+
+    with Profiler(nvml, interval_s=10.0) as prof:  # no tick during the test after the first
+        time.sleep(0.05)
+        nvml.nvmlDeviceGetTotalEnergyConsumption = slow_counter
+        n_before = len(prof.timeline.gpu_energy[0].t_ns)
+        prof.edge("first:0")  # the read starts in the profiler's thread and blocks there
+        deadline = time.monotonic() + 5
+        while not reads and time.monotonic() < deadline:
+            time.sleep(0.001)
+        assert len(reads) == 1
+        for k in range(5):  # the caller is never held up, while the read is still blocked
+            prof.edge(f"end:{k}")
+        assert len(reads) == 1
+        gate.set()
+        prof.flush_edges()
+        # The first read, then one read for the five edges that queued behind it.
+        assert len(reads) == 2
+        assert len(prof.timeline.gpu_energy[0].t_ns) >= n_before + 2
+        prof.edge("last")  # stop() serves an edge still queued before it ends
+    assert len(reads) == 3
+
+
+def test_a_failing_edge_read_neither_kills_the_edge_thread_nor_hangs_the_flush():
+    nvml = SimNVML("seed-16g", count=1, state_path=None)
+    with Profiler(nvml, interval_s=10.0) as prof:
+        real = prof.mark
+        prof.mark = lambda label=None: (_ for _ in ()).throw(RuntimeError("sensor gone"))
+        prof.edge("first:0")
+        prof.flush_edges()
+        prof.mark = real
+        prof.edge("end:0")  # the same thread serves the next edge
+        done = threading.Event()
+        threading.Thread(target=lambda: (prof.flush_edges(), done.set()), daemon=True).start()
+        assert done.wait(10), "flush_edges hung after a failed edge read"
+        assert prof.edge_errors == 1

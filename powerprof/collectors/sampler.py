@@ -101,6 +101,10 @@ class Sampler:
         self.t0_ns: int | None = None
         self.errors = {c.source: 0 for c in self.collectors}
         self.missed = {c.source: 0 for c in self.collectors}
+        # What reading costs this process, per source: a real H200's energy counter alone takes ~3 ms
+        # of CPU a read (docs/hardware.md), so the cost is reported, not assumed.
+        self.reads = {c.source: 0 for c in self.collectors}
+        self.read_cpu_s = {c.source: 0.0 for c in self.collectors}
         self.latest: dict[str, Sample] = {}  # replaced, never mutated: readers need no lock
 
     # --- wiring ------------------------------------------------------------------------------
@@ -129,11 +133,14 @@ class Sampler:
         with self._read_locks[collector.source]:
             t_mono = self.clock.monotonic_ns()
             t_wall = self.clock.wall_ns()
+            c0 = time.thread_time()
             try:
                 data, error = collector.read(), None
             except Exception as e:  # recorded as missing, counted, never fatal
                 data, error = None, f"{type(e).__name__}: {e}"
                 self.errors[collector.source] += 1
+            self.reads[collector.source] += 1
+            self.read_cpu_s[collector.source] += time.thread_time() - c0
             sample = Sample(collector.source, seq, t_mono, t_wall, data, error, label)
             self._publish(sample)
         return sample

@@ -185,6 +185,8 @@ SPEC: dict[str, dict[str, Key]] = {
         "edge_max_inflight": Key(int, 4, _positive(0, 100000), True,
                                  "read the GPU counter at a request's arrival, first token and end while at most this many are in flight; 0 = never"),
         "edge_max_per_s": Key(float, 20.0, _positive(0.1, 1000), True, "at most this many such reads a second"),
+        "edge_cpu_share": Key(float, 0.01, _positive(0.0001, 1), True,
+                              "and no more often than keeps their own measured CPU time under this share of one core"),
     },
 }
 

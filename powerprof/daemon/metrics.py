@@ -92,6 +92,9 @@ class Snapshot:
     proxy_upstream_failures: int = 0
     proxy_active: int = 0
     latency: dict = field(default_factory=dict)  # name → latency.HistogramState
+    sources: dict = field(default_factory=dict)  # source → (reads, read CPU s, missed ticks, errors)
+    edge_reads: int = 0
+    edge_read_cpu_s: float = 0.0
 
 
 class SnapshotCollector:
@@ -191,6 +194,21 @@ class SnapshotCollector:
         yield CounterMetricFamily("powerprof_proxy_upstream_failures", "Upstream unreachable (502 sent)",
                                   value=s.proxy_upstream_failures)
         yield GaugeMetricFamily("powerprof_proxy_active_requests", "Requests in flight", value=s.proxy_active)
+        for name, idx, doc in (
+            ("powerprof_sample_reads", 0, "Reads of each sensor source (ticks and edges)"),
+            ("powerprof_sample_read_cpu_seconds", 1, "CPU this process spent reading each source (a real H200's "
+             "energy counter costs ~3 ms a read)"),
+            ("powerprof_sample_missed", 2, "Ticks lost because a source's read overran its period"),
+            ("powerprof_sample_errors", 3, "Reads of a source that failed (the sample is missing)"),
+        ):
+            c = CounterMetricFamily(name, doc, labels=["source"])
+            for source, v in sorted(s.sources.items()):
+                c.add_metric([source], v[idx])
+            yield c
+        yield CounterMetricFamily("powerprof_edge_reads", "Energy-counter reads at short requests' own edges",
+                                  value=s.edge_reads)
+        yield CounterMetricFamily("powerprof_edge_read_cpu_seconds", "CPU those edge reads cost "
+                                  "(attribution.edge_cpu_share bounds it)", value=s.edge_read_cpu_s)
         for name, h in sorted((s.latency or {}).items()):
             cum, buckets = 0, []
             for edge, n in zip(h.edges, h.counts):

@@ -150,6 +150,8 @@ class Daemon:
         self._runners: list[web.AppRunner] = []
         self._last_edge_s = 0.0
         self.edge_reads = 0  # on-demand counter reads at short requests' edges
+        self.edge_cpu_s = 0.0  # the CPU one such read costs, smoothed over the latest reads
+        self.edge_cpu_total_s = 0.0
         self.guard: ConnectionGuard | None = None
         self._lock_fd: int | None = None
         self._wd_period = sdnotify.watchdog_period_s()
@@ -205,7 +207,11 @@ class Daemon:
         if self.proxy.active > self.cfg.get("attribution", "edge_max_inflight"):
             return
         now = time.monotonic()
-        if now - self._last_edge_s < 1.0 / self.cfg.get("attribution", "edge_max_per_s"):
+        # A real H200's counter read costs ~3 ms of CPU per GPU (docs/hardware.md): the reads' own
+        # measured cost, not only their count, sets how often they may run.
+        gap = max(1.0 / self.cfg.get("attribution", "edge_max_per_s"),
+                  self.edge_cpu_s / self.cfg.get("attribution", "edge_cpu_share"))
+        if now - self._last_edge_s < gap:
             return
         self._last_edge_s = now
         self.edge_reads += 1
@@ -214,7 +220,7 @@ class Daemon:
         def read() -> None:
             if self.stop_event is not None and self.stop_event.is_set():
                 return  # shutting down: the last sample closes every interval
-            fut = loop.run_in_executor(None, lambda: self.sampler.read_with("nvml", self.collector.read_energy_j))
+            fut = loop.run_in_executor(None, self._timed_edge_read)
             fut.add_done_callback(self._edge_read)  # in the loop's thread, where the ledger lives
 
         # The driver refreshes the counter every 10-100 ms: read at an end that late, or the request's
@@ -224,10 +230,18 @@ class Daemon:
         else:
             read()
 
+    def _timed_edge_read(self):
+        c0 = time.thread_time()
+        got = self.sampler.read_with("nvml", self.collector.read_energy_j)
+        return got, time.thread_time() - c0
+
     def _edge_read(self, fut: asyncio.Future) -> None:
         if fut.cancelled() or fut.exception() is not None or self.ledger is None:
             return
-        t_ns, wall_ns, energy_j = fut.result()
+        (t_ns, wall_ns, energy_j), cpu_s = fut.result()
+        # The latest reads weigh most: the driver's cost can change (load, GPU count, firmware).
+        self.edge_cpu_s = cpu_s if self.edge_cpu_s == 0 else 0.7 * self.edge_cpu_s + 0.3 * cpu_s
+        self.edge_cpu_total_s += cpu_s
         if energy_j is not None:
             self.ledger.add_gpu_edge(t_ns, wall_ns, energy_j)
 
@@ -326,6 +340,10 @@ class Daemon:
             writer_up=self.flusher.alive(self._stuck_after_s()),
             writer_errors=self.flusher.errors,
             writer_beat_age_s=max(0.0, time.monotonic() - self.flusher.beat),
+            sources={src: (n, self.sampler.read_cpu_s[src], self.sampler.missed[src], self.sampler.errors[src])
+                     for src, n in self.sampler.reads.items()} if self.sampler else {},
+            edge_reads=self.edge_reads,
+            edge_read_cpu_s=self.edge_cpu_total_s,
             proxy_recorder_failures=self.proxy.recorder_failures if self.proxy else 0,
             proxy_upstream_failures=self.proxy.upstream_failures if self.proxy else 0,
             proxy_active=self.proxy.active if self.proxy else 0,

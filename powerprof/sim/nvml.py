@@ -16,6 +16,7 @@ import fcntl
 import hashlib
 import json
 import os
+import random
 import threading
 import time
 from dataclasses import dataclass
@@ -42,6 +43,9 @@ def default_state_path() -> Path:
 def sim_uuid(profile_key: str, index: int) -> str:
     h = hashlib.sha1(f"{profile_key}/{index}".encode()).hexdigest()
     return f"GPU-{h[:8]}-{h[8:12]}-{h[12:16]}-{h[16:20]}-{h[20:32]}"
+
+
+_BURN = bytes(64 * 1024)  # ~50 µs of hashing, with the GIL released (hashlib does for > 2 KiB)
 
 
 @dataclass(frozen=True)
@@ -169,6 +173,7 @@ class SimNVML:
         self._state = _StateFile(Path(state_path) if state_path else None)
         self.privileged = (os.environ.get(UNPRIVILEGED_ENV) != "1") if privileged is None else privileged
         self._lock = threading.Lock()
+        self._cost_rng = random.Random(0x5EED)
         saved = self._state.load()
         self._state.changed()
         self.gpus: list[SimGpu] = []
@@ -320,7 +325,23 @@ class SimNVML:
         g = self._gpu(handle)
         if not g.profile.has_energy_counter:
             raise pynvml.NVMLError(pynvml.NVML_ERROR_NOT_SUPPORTED)
+        self._spend(g.profile.energy_counter_call_s)
         return int(g.counter_energy_j() * 1000)
+
+    def _spend(self, cost: tuple[float, float]) -> None:
+        """Burn the CPU a real read costs inside the driver: the median, and the p99 one call in 50.
+
+        Hashing a large buffer releases the GIL, as a real ctypes call into the driver does: the
+        caller's other threads run on meanwhile while this one keeps a core busy.
+        """
+        median_s, p99_s = cost
+        if median_s <= 0:
+            return
+        with self._lock:
+            slow = self._cost_rng.random() < 0.02
+        end = time.perf_counter() + (p99_s if slow else median_s)
+        while time.perf_counter() < end:
+            hashlib.blake2b(_BURN)
 
     def nvmlDeviceGetFieldValues(self, handle, field_ids):
         g = self._gpu(handle)
@@ -337,6 +358,12 @@ class SimNVML:
             elif fid == pynvml.NVML_FI_DEV_POWER_AVERAGE and g.profile.has_instant_power:
                 v.nvmlReturn = pynvml.NVML_SUCCESS
                 v.value.uiVal = int(round(g.average_power_w() * 1000))
+            elif fid in (pynvml.NVML_FI_DEV_TOTAL_ENERGY_CONSUMPTION, pynvml.NVML_FI_DEV_ENERGY) and g.profile.has_energy_counter:
+                # The same counter, at the same cost, as on a real H200 (docs/hardware.md).
+                self._spend(g.profile.energy_counter_call_s)
+                v.nvmlReturn = pynvml.NVML_SUCCESS
+                v.valueType = pynvml.NVML_VALUE_TYPE_UNSIGNED_LONG_LONG
+                v.value.ullVal = int(g.counter_energy_j() * 1000)
             else:
                 v.nvmlReturn = pynvml.NVML_ERROR_NOT_SUPPORTED
         return out

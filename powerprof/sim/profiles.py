@@ -56,6 +56,9 @@ class GpuProfile:
     has_instant_power: bool = True
     power_avg_window_s: float = 1.0  # nvmlDeviceGetPowerUsage is a trailing average on Ampere+
     energy_counter_update_s: float = 0.02  # the driver refreshes the counter every 10-100 ms
+    # What a read of the energy counter costs the caller: (median s, p99 s) of CPU, spent inside the
+    # driver. Zero where nothing was measured; the H200's is docs/hardware.md's real figure.
+    energy_counter_call_s: tuple[float, float] = (0.0, 0.0)
     ambient_c: float = 30.0
     thermal_resistance_c_per_w: float = 0.15
     thermal_time_constant_s: float = 40.0
@@ -151,7 +154,7 @@ _add(
         min_limit_w=200,
         max_limit_w=700,
         default_limit_w=700,
-        idle_power_w=75,
+        idle_power_w=78,
         static_power_w=90,
         mem_power_w=90,
         dyn_power_w=300,
@@ -164,6 +167,11 @@ _add(
         volt_min_v=0.67,
         volt_max_v=1.0,
         workload=WorkloadDefaults(decode_tok_s=150.0, prefill_tok_s=20000.0, decode_compute_share=0.12),
+        # Measured on a real H200 (driver 580.159.04, docs/hardware.md): the counter changes every
+        # 100 ms, and each read of it costs 2.3-2.9 ms of CPU (p99 15 ms), the same through
+        # nvmlDeviceGetFieldValues (fields 83 and 191); idle power 78 W at 345 MHz.
+        energy_counter_update_s=0.1,
+        energy_counter_call_s=(0.0029, 0.015),
     )
 )
 

@@ -16,6 +16,7 @@ from typing import Sequence
 import aiohttp
 import numpy as np
 from powerprof import termination
+from powerprof.profiler import LOW_CONFIDENCE_S
 
 from .client import RequestParams, RequestRecord, ServerInfo, detect_server
 from .load import LoadAborted, LoadPolicy, Prompt, run_load_async
@@ -36,6 +37,7 @@ class Summary:
     total_j_per_token: float | None
     energy_method: str
     n_trusted: int = 0  # windows the figures come from (request rows at 1, batch rows above)
+    measured_s: float = 0.0  # decode seconds the energy figure pools
 
 
 @dataclass
@@ -105,6 +107,20 @@ def excluded_windows(rows: Sequence[dict], counted_kind=None) -> Excluded | None
     return Excluded(len(bad), len(cand), reasons, fix_for(top))
 
 
+def short_figure_notes(summary: list[Summary]) -> list[str]:
+    """Say so where a level's energy figure pools less decode time than its method resolves well."""
+    out = []
+    for x in summary:
+        need = max((LOW_CONFIDENCE_S.get(m, float("inf")) for m in x.energy_method.split(",")), default=float("inf"))
+        if x.gpu_j_per_token is not None and x.measured_s < need:
+            out.append(
+                f"concurrency {x.concurrency}: the energy figure rests on {x.measured_s:.1f} s of decode, under the "
+                f"{need:g} s its method ({x.energy_method}) resolves to ~1% (a GPU's energy counter refreshes every "
+                "10-100 ms); fix: more requests (--requests) or longer ones (--max-tokens)"
+            )
+    return out
+
+
 def summarise(rows: list[dict]) -> list[Summary]:
     out = []
     for c in sorted({r["concurrency"] for r in rows if not r["warmup"]}):
@@ -130,7 +146,8 @@ def summarise(rows: list[dict]) -> list[Summary]:
         )
         methods = {r["energy_method"] for r in basis} or {"none"}
         n_trusted = len([r for r in ok if trusted(r)]) if c == 1 else len(basis)
-        out.append(Summary(c, len(ok), failed, tok_s, gpu_jpt, tot_jpt, ",".join(sorted(methods)), n_trusted))
+        out.append(Summary(c, len(ok), failed, tok_s, gpu_jpt, tot_jpt, ",".join(sorted(methods)), n_trusted,
+                           sum(r["decode_s"] or 0 for r in basis)))
     return out
 
 
@@ -150,7 +167,7 @@ def measure(
     """Run the load at each concurrency with `profiler` (a started Profiler, or None) marking
     every window edge; returns the rows for windows.parquet and a summary per concurrency."""
     run_id = run_id or uuid.uuid4().hex[:12]
-    hook = profiler.mark if profiler is not None else None
+    hook = profiler.edge if profiler is not None else None
 
     notes: list[str] = []
 
@@ -191,7 +208,9 @@ def measure(
     note = server_timed_note(rows)
     if note:
         notes.append(note)
-    return MeasureResult(server, records, rows, summarise(rows), notes=notes, aborted=aborted, excluded=excluded_windows(rows))
+    summary = summarise(rows)
+    notes += short_figure_notes(summary)
+    return MeasureResult(server, records, rows, summary, notes=notes, aborted=aborted, excluded=excluded_windows(rows))
 
 
 def server_timed_note(rows: Sequence[dict]) -> str | None:
