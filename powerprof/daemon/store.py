@@ -39,7 +39,7 @@ from collections import deque
 from dataclasses import dataclass
 from datetime import datetime, timedelta, timezone
 from pathlib import Path
-from typing import TYPE_CHECKING, Callable, Iterable
+from typing import TYPE_CHECKING, Callable
 
 from powerprof.storage import flatparquet
 from powerprof.storage.atomic import atomic_path, fsync_dir
@@ -384,7 +384,7 @@ class DatasetStore:
 
 def _malloc_trim():
     """glibc's malloc_trim, or None (another libc). A flush frees its rows and encoded pages; glibc keeps
-    the freed pages of its heap resident until trimmed (about 2 MiB of RSS here, bench/daemon_soak.py)."""
+    the freed pages of its heap resident until trimmed (about 2 MiB of RSS, docs/benchmarks.md, Daemon)."""
     try:
         import ctypes
 
