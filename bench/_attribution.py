@@ -46,7 +46,7 @@ class Outcome:
     notes: list = field(default_factory=list)
     truth: dict = field(default_factory=dict)  # the simulator's record per truth key (prefill span, emissions)
     edge_reads: int = 0  # energy-counter reads at short requests' edges
-    edge_cpu_s: float = 0.0  # the CPU one such read cost, as the daemon measured it
+    edge_cpu_s: float = 0.0  # the CPU those reads cost in all, as the daemon measured it
 
 
 def _read(data: Path, name: str) -> pd.DataFrame:
@@ -125,7 +125,7 @@ def run(trace: list[TraceRequest], bypass: set[int] = frozenset(), profile: str 
         unproxied_j=float(intervals["unproxied_energy_j"].sum()),
         client_tokens=int(sum(r.record.generated_tokens for r in proxied_recs if r.record.ok)),
         wall_s=wall, late_p95_s=float(np.percentile(late, 95)) if late else 0.0, truth=truth,
-        edge_reads=daemon.edge_reads, edge_cpu_s=daemon.edge_cpu_s,
+        edge_reads=daemon.edge_reads, edge_cpu_s=daemon.edge_cpu_total_s,
     )
 
 

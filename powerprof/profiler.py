@@ -31,6 +31,7 @@ from powerprof.energy import counter_energy_j, integrate_power_j, shift_average_
 # 1% from ~10 s at the 100 ms refresh a real H200 showed (docs/hardware.md; ~3 s would do at 20 ms,
 # but a card's refresh is not known in advance); the shifted 1 s average needs ~30 s; instant power
 # sampled at 1 Hz misses the load's changes between samples and is never better than a few percent.
+EDGE_STOP_S = 5.0  # longest wait for the edge thread's reads, as the sampler waits for its own
 LOW_CONFIDENCE_S = {"counter": 10.0, "avg_power_integration": 30.0, "power_integration": float("inf"), "none": float("inf")}
 
 METHOD_COUNTER = "counter"
@@ -210,21 +211,30 @@ class Profiler:
         self._edge_sources = tuple(c.source for c in (self.gpu, rapl) if c is not None)
         self._edges: queue.Queue = queue.Queue()
         self._edge_thread: threading.Thread | None = None
-        self.edge_errors = 0
+        self._edge_lock = threading.Lock()
+        self._edge_done = threading.Condition()
+        self._edges_pending = 0
+        self._stopped = False
+        self.edge_errors = 0  # edge reads that raised: measure says so
 
     @property
     def gpu_infos(self):
         return self.gpu.infos if self.gpu else []
 
     def start(self) -> "Profiler":
+        self._stopped = False
         self.sampler.start()
         return self
 
     def stop(self) -> None:
-        if self._edge_thread is not None:
+        with self._edge_lock:
+            self._stopped = True  # edge() is a no-op from here: nothing would stop a new thread
+            thread, self._edge_thread = self._edge_thread, None
+        if thread is not None:
             self._edges.put(None)
-            self._edge_thread.join()
-            self._edge_thread = None
+            # Bounded like the sampler's own stop: a driver call wedged in the thread must not
+            # hold up what runs after (a sweep restores the GPUs' limits next).
+            thread.join(EDGE_STOP_S)
         self.sampler.stop()
 
     def close(self) -> None:
@@ -252,16 +262,23 @@ class Profiler:
         2-3 ms of CPU, 15 ms at p99 (docs/hardware.md), and a loop that waited for it would stamp
         every other stream's tokens late. A window's edge is its event's own timestamp; the
         timeline only needs a reading close after it, and edges that pile up meanwhile share one.
+        After stop() it does nothing (the periodic ticks are over too).
         """
-        if self._edge_thread is None:
-            self._edge_thread = threading.Thread(target=self._edge_loop, name="powerprof-edges", daemon=True)
-            self._edge_thread.start()
-        self._edges.put(label)
+        with self._edge_lock:
+            if self._stopped:
+                return
+            if self._edge_thread is None:
+                self._edge_thread = threading.Thread(target=self._edge_loop, name="powerprof-edges", daemon=True)
+                self._edge_thread.start()
+            with self._edge_done:
+                self._edges_pending += 1
+            self._edges.put(label)
 
-    def flush_edges(self) -> None:
-        """Wait until every edge asked for so far has been read."""
-        if self._edge_thread is not None:
-            self._edges.join()
+    def flush_edges(self, timeout_s: float = EDGE_STOP_S) -> bool:
+        """Wait until every edge asked for so far has been read; False if that took over timeout_s
+        (a wedged driver call): the windows then rest on the readings there are."""
+        with self._edge_done:
+            return self._edge_done.wait_for(lambda: self._edges_pending == 0, timeout_s)
 
     def _edge_loop(self) -> None:
         stop = False
@@ -272,16 +289,17 @@ class Profiler:
                     got.append(self._edges.get_nowait())
                 except queue.Empty:
                     break
+            labels = [x for x in got if x is not None]
+            stop = len(labels) < len(got)
             try:
-                labels = [x for x in got if x is not None]
-                stop = len(labels) < len(got)
                 if labels:
                     self.mark(labels[0])
             except Exception:  # noqa: BLE001 - a failed edge leaves the window to the ticks; the thread must live on
                 self.edge_errors += 1
             finally:
-                for _ in got:
-                    self._edges.task_done()
+                with self._edge_done:
+                    self._edges_pending -= len(labels)
+                    self._edge_done.notify_all()
 
     def energy_between(self, t0_ns: int, t1_ns: int) -> EnergyResult:
         self.flush_edges()

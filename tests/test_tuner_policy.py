@@ -155,6 +155,7 @@ def test_no_level_is_judged_on_too_little_traffic():
     (dict(tpot_p95_ms=None), "set an SLO"),
     (dict(accept_ratio=1.5), "accept_ratio"),
     (dict(dwell_s=0), "dwell_s"),
+    (dict(trial_guard_s=0), "trial_guard_s"),
 ])
 def test_bad_config_is_refused_with_the_key_named(bad, msg):
     with pytest.raises(TunerConfigError, match=msg):
@@ -281,3 +282,17 @@ def test_reference_in_the_levels_form_resolves_like_the_levels_and_nonsense_is_r
     for bad in ("fast", True, [1, 2]):
         with pytest.raises(TunerConfigError, match="tuner.reference"):
             make_config({"levels": "150,300", "reference": bad, "tpot_p95_ms": 100.0}, resolve)
+
+
+def test_a_trial_past_the_holding_band_ends_early_back_at_its_incumbent_not_the_reference():
+    tu = Tuner(cfg(dwell_s=120, window_s=120, guard_s=120, trial_guard_s=30), 0.0)
+    plant = Plant(tpot_ms={150: 90.0, 200: 85.0, 250: 40.0, 300: 30.0})  # 200 W: 85% of the SLO, under the guard
+    t, levels = plant.run(tu, 0, 600)
+    trial = next(d for d in tu.decisions if d.action == "explore" and d.to_level == 200)
+    reject = next(d for d in tu.decisions if d.action == "reject" and d.from_level == 200)
+    # Ended after trial_guard_s (plus the tick whose window straddles the move), not after the 120 s dwell,
+    # and back at the incumbent: the guard (at 100% of the SLO) never fired.
+    assert reject.t_s - trial.t_s <= 50 and reject.to_level == 250
+    assert not any(d.action == "backoff" for d in tu.decisions)
+    assert 150 not in levels  # 200 is barred with every level below it
+

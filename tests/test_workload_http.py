@@ -345,7 +345,10 @@ def test_a_figure_pooling_less_decode_than_its_method_resolves_is_said_with_the_
     long_ = Summary(8, 8, 0, 490.0, 0.6, 0.7, "counter", 1, measured_s=12.0)
     no_figure = Summary(4, 8, 0, 300.0, None, None, "none", 0, measured_s=0.0)
     avg = Summary(2, 8, 0, 300.0, 1.0, None, "avg_power_integration", 2, measured_s=12.0)
-    notes = short_figure_notes([short, long_, no_figure, avg])
-    assert len(notes) == 2
+    instant = Summary(16, 8, 0, 300.0, 1.0, None, "counter,power_integration", 2, measured_s=300.0)
+    notes = short_figure_notes([short, long_, no_figure, avg, instant])
+    assert len(notes) == 3
     assert notes[0].startswith("concurrency 1:") and "3.4 s" in notes[0] and "--requests" in notes[0]
     assert notes[1].startswith("concurrency 2:") and "30 s" in notes[1]  # average power needs longer
+    # Instant power never resolves to ~1%: no "inf s", and no fix that cannot work.
+    assert notes[2].startswith("concurrency 16:") and "inf" not in notes[2] and "--requests" not in notes[2]

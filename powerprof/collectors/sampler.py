@@ -64,6 +64,17 @@ MIN_INTERVAL_S = 0.02  # 50 Hz
 MAX_INTERVAL_S = 10.0  # 0.1 Hz
 
 
+def _midpoint(clock: Clock, t0_mono_ns: int, t0_wall_ns: int) -> tuple[int, int]:
+    """The middle of a read that began at t0: a sample's instant.
+
+    A real H200's energy-counter read takes ~3 ms (15 ms at p99) and several GPUs are read one after
+    another (docs/hardware.md); stamping the start would date every value early, by up to the whole
+    read for the last GPU, and shift every window's energy by it. The middle is the unbiased guess.
+    """
+    half = (clock.monotonic_ns() - t0_mono_ns) // 2
+    return t0_mono_ns + half, t0_wall_ns + half
+
+
 class Sampler:
     """Runs collectors at `interval_s` on one schedule: tick k of every source is due at t0 + k*interval.
 
@@ -131,8 +142,7 @@ class Sampler:
         # Read and publish under the source's lock, so subscribers see each source's samples in
         # the order they were read (monotonic timestamps) even while sample_now() races a tick.
         with self._read_locks[collector.source]:
-            t_mono = self.clock.monotonic_ns()
-            t_wall = self.clock.wall_ns()
+            t0_mono, t0_wall = self.clock.monotonic_ns(), self.clock.wall_ns()
             c0 = time.thread_time()
             try:
                 data, error = collector.read(), None
@@ -141,6 +151,7 @@ class Sampler:
                 self.errors[collector.source] += 1
             self.reads[collector.source] += 1
             self.read_cpu_s[collector.source] += time.thread_time() - c0
+            t_mono, t_wall = _midpoint(self.clock, t0_mono, t0_wall)
             sample = Sample(collector.source, seq, t_mono, t_wall, data, error, label)
             self._publish(sample)
         return sample
@@ -158,7 +169,9 @@ class Sampler:
         """(monotonic ns, wall ns, fn()) for a partial read of `source` (such as the energy counters
         alone) taken under its lock, so it is ordered with that source's ticks; not published."""
         with self._read_locks[source]:
-            return self.clock.monotonic_ns(), self.clock.wall_ns(), fn()
+            t0_mono, t0_wall = self.clock.monotonic_ns(), self.clock.wall_ns()
+            got = fn()
+            return (*_midpoint(self.clock, t0_mono, t0_wall), got)
 
     # --- the schedule ------------------------------------------------------------------------
 

@@ -195,7 +195,8 @@ class SnapshotCollector:
                                   value=s.proxy_upstream_failures)
         yield GaugeMetricFamily("powerprof_proxy_active_requests", "Requests in flight", value=s.proxy_active)
         for name, idx, doc in (
-            ("powerprof_sample_reads", 0, "Reads of each sensor source (ticks and edges)"),
+            ("powerprof_sample_reads", 0, "Full reads of each sensor source (ticks and tag-API edges; "
+             "request edges are powerprof_edge_reads)"),
             ("powerprof_sample_read_cpu_seconds", 1, "CPU this process spent reading each source (a real H200's "
              "energy counter costs ~3 ms a read)"),
             ("powerprof_sample_missed", 2, "Ticks lost because a source's read overran its period"),
@@ -205,7 +206,7 @@ class SnapshotCollector:
             for source, v in sorted(s.sources.items()):
                 c.add_metric([source], v[idx])
             yield c
-        yield CounterMetricFamily("powerprof_edge_reads", "Energy-counter reads at short requests' own edges",
+        yield CounterMetricFamily("powerprof_edge_reads", "Energy-counter reads done at short requests' own edges",
                                   value=s.edge_reads)
         yield CounterMetricFamily("powerprof_edge_read_cpu_seconds", "CPU those edge reads cost "
                                   "(attribution.edge_cpu_share bounds it)", value=s.edge_read_cpu_s)

@@ -150,7 +150,7 @@ class Daemon:
         self._runners: list[web.AppRunner] = []
         self._last_edge_s = 0.0
         self.edge_reads = 0  # on-demand counter reads at short requests' edges
-        self.edge_cpu_s = 0.0  # the CPU one such read costs, smoothed over the latest reads
+        self._edge_costs: deque[float] = deque(maxlen=9)  # CPU s of the latest such reads
         self.edge_cpu_total_s = 0.0
         self.guard: ConnectionGuard | None = None
         self._lock_fd: int | None = None
@@ -209,12 +209,11 @@ class Daemon:
         now = time.monotonic()
         # A real H200's counter read costs ~3 ms of CPU per GPU (docs/hardware.md): the reads' own
         # measured cost, not only their count, sets how often they may run.
-        gap = max(1.0 / self.cfg.get("attribution", "edge_max_per_s"),
-                  self.edge_cpu_s / self.cfg.get("attribution", "edge_cpu_share"))
+        cost_s = sorted(self._edge_costs)[len(self._edge_costs) // 2] if self._edge_costs else 0.0  # the median
+        gap = max(1.0 / self.cfg.get("attribution", "edge_max_per_s"), cost_s / self.cfg.get("attribution", "edge_cpu_share"))
         if now - self._last_edge_s < gap:
             return
         self._last_edge_s = now
-        self.edge_reads += 1
         loop = asyncio.get_running_loop()
 
         def read() -> None:
@@ -239,8 +238,10 @@ class Daemon:
         if fut.cancelled() or fut.exception() is not None or self.ledger is None:
             return
         (t_ns, wall_ns, energy_j), cpu_s = fut.result()
-        # The latest reads weigh most: the driver's cost can change (load, GPU count, firmware).
-        self.edge_cpu_s = cpu_s if self.edge_cpu_s == 0 else 0.7 * self.edge_cpu_s + 0.3 * cpu_s
+        # The median of the latest reads: the driver's cost can change (load, GPU count, firmware),
+        # and one read stalled for a second must not space the next ones by minutes.
+        self._edge_costs.append(cpu_s)
+        self.edge_reads += 1
         self.edge_cpu_total_s += cpu_s
         if energy_j is not None:
             self.ledger.add_gpu_edge(t_ns, wall_ns, energy_j)

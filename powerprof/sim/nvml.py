@@ -48,6 +48,12 @@ def sim_uuid(profile_key: str, index: int) -> str:
 _BURN = bytes(64 * 1024)  # ~50 µs of hashing, with the GIL released (hashlib does for > 2 KiB)
 
 
+def _burn(seconds: float) -> None:
+    end = time.perf_counter() + seconds
+    while time.perf_counter() < end:
+        hashlib.blake2b(_BURN)
+
+
 @dataclass(frozen=True)
 class SimHandle:
     index: int
@@ -325,28 +331,32 @@ class SimNVML:
         g = self._gpu(handle)
         if not g.profile.has_energy_counter:
             raise pynvml.NVMLError(pynvml.NVML_ERROR_NOT_SUPPORTED)
-        self._spend(g.profile.energy_counter_call_s)
-        return int(g.counter_energy_j() * 1000)
+        return int(self._spend_around(g.profile.energy_counter_call_s, g.counter_energy_j) * 1000)
 
-    def _spend(self, cost: tuple[float, float]) -> None:
-        """Burn the CPU a real read costs inside the driver: the median, and the p99 one call in 50.
+    def _spend_around(self, cost: tuple[float, float], value: Callable[[], float]) -> float:
+        """Burn the CPU a real read costs inside the driver (the median; the p99 one call in 50) and
+        take the value halfway through: a real driver's instant within its ~3 ms call is unknown,
+        and the sampler dates a reading at the middle of its read.
 
         Hashing a large buffer releases the GIL, as a real ctypes call into the driver does: the
         caller's other threads run on meanwhile while this one keeps a core busy.
         """
         median_s, p99_s = cost
         if median_s <= 0:
-            return
+            return value()
         with self._lock:
             slow = self._cost_rng.random() < 0.02
-        end = time.perf_counter() + (p99_s if slow else median_s)
-        while time.perf_counter() < end:
-            hashlib.blake2b(_BURN)
+        half = (p99_s if slow else median_s) / 2
+        _burn(half)
+        v = value()
+        _burn(half)
+        return v
 
     def nvmlDeviceGetFieldValues(self, handle, field_ids):
         g = self._gpu(handle)
         out = (pynvml.c_nvmlFieldValue_t * len(field_ids))()
         now_us = time.time_ns() // 1000
+        counter_j = None
         for k, fid in enumerate(field_ids):
             v = out[k]
             v.fieldId = fid
@@ -360,10 +370,11 @@ class SimNVML:
                 v.value.uiVal = int(round(g.average_power_w() * 1000))
             elif fid in (pynvml.NVML_FI_DEV_TOTAL_ENERGY_CONSUMPTION, pynvml.NVML_FI_DEV_ENERGY) and g.profile.has_energy_counter:
                 # The same counter, at the same cost, as on a real H200 (docs/hardware.md).
-                self._spend(g.profile.energy_counter_call_s)
+                if counter_j is None:  # one driver query serves every energy field of the call
+                    counter_j = self._spend_around(g.profile.energy_counter_call_s, g.counter_energy_j)
                 v.nvmlReturn = pynvml.NVML_SUCCESS
                 v.valueType = pynvml.NVML_VALUE_TYPE_UNSIGNED_LONG_LONG
-                v.value.ullVal = int(g.counter_energy_j() * 1000)
+                v.value.ullVal = int(counter_j * 1000)
             else:
                 v.nvmlReturn = pynvml.NVML_ERROR_NOT_SUPPORTED
         return out

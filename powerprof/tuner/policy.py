@@ -43,6 +43,7 @@ class TunerConfig:
     guard_s: float = 300.0  # the SLO's own window: shorter p95s swing far more than the SLO does
     guard_min_requests: int = 30
     guard_ticks: int = 1  # consecutive ticks over it before backing off
+    trial_guard_s: float = 60.0  # a trial whose p95 over this long (with guard_min_requests) passes hold_ratio ends early
     strikes: int = 1  # back-offs at one level within strike_s before it is barred (below it too) for reprobe_s
     strike_s: float = 1800.0
     min_gain: float = 0.05  # a level above must save this share of J/token to be kept…
@@ -75,7 +76,7 @@ class TunerConfig:
         if self.knob not in ("power", "clock"):
             errs.append("tuner.knob: power or clock")
         for k in ("tick_s", "window_s", "dwell_s", "guard_s", "explore_horizon_s", "reprobe_s", "backoff_s",
-                  "regime_s", "stale_s", "strike_s"):
+                  "regime_s", "stale_s", "strike_s", "trial_guard_s"):
             if not getattr(self, k) > 0:
                 errs.append(f"tuner.{k}: must be positive seconds")
         if not 0 < self.accept_ratio <= self.hold_ratio <= self.guard_ratio:
@@ -359,6 +360,14 @@ class Tuner:
         if self._threat_ticks >= self.cfg.guard_ticks and self.idx != self.ref:
             self._threatened(w.t_end_s, ratio, out)
             return out
+        if self.state == "trial" and g.duration_s >= self.cfg.trial_guard_s and g.requests >= self.cfg.guard_min_requests:
+            # A trial is a bet on headroom: a p95 already past the holding band ends it before it costs a window
+            # over the SLO (a trial held for its whole dwell was the main source of those in the first descent).
+            early = slo_ratio(g, self.cfg)
+            if early is not None and early > self.cfg.hold_ratio:
+                self._reject(w.t_end_s, out, f"p95 at {early:.0%} of the SLO after {g.duration_s:.0f} s (a trial "
+                                             f"ends past {self.cfg.hold_ratio:.0%})", too_slow=True)
+                return out
         self._pending.append(w)
         self._step(w.t_end_s, out)
         return out
@@ -464,17 +473,22 @@ class Tuner:
                 return
             why = (f"p95 at {stat.slo_ratio:.0%} of the SLO (keep ≤ {cfg.accept_ratio:.0%})" if not ok
                    else f"saves {gain:+.1%} J/token, under the {need:+.0%} needed")
-            if not ok and self.idx < self._incumbent_idx:
-                self._bar(r, self.idx, t)
-            r.rejected[self.idx] = t
-            back = self._incumbent_idx
-            self._end_trial(t)
-            out.append(self._move(t, "reject", back, f"trial rejected: {why}", stat))
-            self._enter("measure", t)
-            if self._direction < 0:
-                self._direction = +1
-            else:
-                self._up_tried = True
+            self._reject(t, out, why, too_slow=not ok, stat=stat)
+
+    def _reject(self, t: float, out: list[Decision], why: str, too_slow: bool, stat: _LevelStat | None = None) -> None:
+        """End the trial in force: back to its incumbent; a level below it found too slow is barred."""
+        r = self.regime
+        if too_slow and self.idx < self._incumbent_idx:
+            self._bar(r, self.idx, t)
+        r.rejected[self.idx] = t
+        back = self._incumbent_idx
+        self._end_trial(t)
+        out.append(self._move(t, "reject", back, f"trial rejected: {why}", stat))
+        self._enter("measure", t)
+        if self._direction < 0:
+            self._direction = +1
+        else:
+            self._up_tried = True
 
     def _judge(self, t: float, out: list[Decision]) -> _LevelStat | None:
         """A judgement once the level has been held for its dwell and the pooled windows are enough."""

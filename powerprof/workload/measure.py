@@ -111,12 +111,22 @@ def short_figure_notes(summary: list[Summary]) -> list[str]:
     """Say so where a level's energy figure pools less decode time than its method resolves well."""
     out = []
     for x in summary:
+        if x.gpu_j_per_token is None:
+            continue
         need = max((LOW_CONFIDENCE_S.get(m, float("inf")) for m in x.energy_method.split(",")), default=float("inf"))
-        if x.gpu_j_per_token is not None and x.measured_s < need:
+        if need == float("inf"):
+            out.append(
+                f"concurrency {x.concurrency}: the energy figure integrates instant power sampled between the edges "
+                f"({x.energy_method}), which misses what happens between samples: a few % off however long it runs; "
+                "fix: a GPU with an energy counter (Volta and newer)"
+            )
+        elif x.measured_s < need:
+            why = ("a GPU's energy counter refreshes every 10-100 ms" if need == LOW_CONFIDENCE_S["counter"]
+                   else "the 1 s average power smears each edge over a second")
             out.append(
                 f"concurrency {x.concurrency}: the energy figure rests on {x.measured_s:.1f} s of decode, under the "
-                f"{need:g} s its method ({x.energy_method}) resolves to ~1% (a GPU's energy counter refreshes every "
-                "10-100 ms); fix: more requests (--requests) or longer ones (--max-tokens)"
+                f"{need:g} s its method ({x.energy_method}) resolves to ~1% ({why}); fix: more requests "
+                "(--requests) or longer ones (--max-tokens)"
             )
     return out
 
@@ -210,6 +220,9 @@ def measure(
         notes.append(note)
     summary = summarise(rows)
     notes += short_figure_notes(summary)
+    if profiler is not None and profiler.edge_errors:
+        notes.append(f"{profiler.edge_errors} window-edge sensor reads failed: those windows' edges rest on the "
+                     "nearest periodic readings (wider interpolation); fix: check the GPU driver (powerprof devices)")
     return MeasureResult(server, records, rows, summary, notes=notes, aborted=aborted, excluded=excluded_windows(rows))
 
 
