@@ -7,7 +7,9 @@ totals. The simulator's threads (the simulated server and RAPL, named `sim-*` at
 powerprof/sim/threads.py) run inside the daemon process: their CPU is read per thread from
 /proc and printed apart, so `own` is the daemon without its simulated hardware. The simulated
 GPUs' physics runs inside the NVML calls of the sampler thread and stays in `own` (an
-overestimate). RSS is split into anonymous memory and file-backed pages (shared library code).
+overestimate). RSS is split into anonymous memory and file-backed pages (shared library code), and
+PSS (shared pages divided among the processes that map them) and USS (pages only this process
+maps) are printed beside it: file-backed library pages are shared and reclaimable; RSS is the target.
 `--rps` adds streamed requests through the proxy.
 """
 
@@ -66,6 +68,15 @@ def rss_split_mib(pid: int) -> tuple[float, float]:
     return vals.get("RssAnon", 0.0), vals.get("RssFile", 0.0) + vals.get("RssShmem", 0.0)
 
 
+def pss_uss_mib(pid: int) -> tuple[float, float]:
+    """(PSS, USS) MiB from /proc/<pid>/smaps_rollup: USS = private clean + private dirty pages."""
+    vals = {}
+    for line in Path(f"/proc/{pid}/smaps_rollup").read_text().splitlines()[1:]:
+        k, _, v = line.partition(":")
+        vals[k] = int(v.split()[0]) / 1024
+    return vals.get("Pss", 0.0), vals.get("Private_Clean", 0.0) + vals.get("Private_Dirty", 0.0)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--minutes", type=float, default=10.0)
@@ -89,7 +100,7 @@ def main() -> None:
         threading.Thread(target=traffic, args=(info["proxy"], a.rps, stop), daemon=True).start()
     p = psutil.Process(proc.pid)
     print(f"daemon pid {proc.pid}: {a.gpus} simulated GPUs every {a.interval} s, {a.rps} req/s, {a.minutes} min")
-    print("minute  cpu_%_of_one_core  own_%  sim_threads_%  rss_MiB  anon_MiB  file_MiB")
+    print("minute  cpu_%_of_one_core  own_%  sim_threads_%  rss_MiB  anon_MiB  file_MiB  pss_MiB  uss_MiB")
     t0 = time.monotonic()
     cpu0 = sum(p.cpu_times()[:2])
     sim0 = sim_cpu_s(proc.pid)
@@ -102,11 +113,12 @@ def main() -> None:
             now, cpu, sim = time.monotonic(), sum(p.cpu_times()[:2]), sim_cpu_s(proc.pid)
             r = p.memory_info().rss / 2**20
             anon, filed = rss_split_mib(proc.pid)
+            pss, uss = pss_uss_mib(proc.pid)
             rss.append(r)
             minute += 1
             dt = now - last_t
             print(f"{minute:6d}  {100 * (cpu - last_cpu) / dt:17.2f}  {100 * (cpu - last_cpu - sim + last_sim) / dt:5.2f}"
-                  f"  {100 * (sim - last_sim) / dt:13.2f}  {r:7.1f}  {anon:8.1f}  {filed:8.1f}", flush=True)
+                  f"  {100 * (sim - last_sim) / dt:13.2f}  {r:7.1f}  {anon:8.1f}  {filed:8.1f}  {pss:7.1f}  {uss:7.1f}", flush=True)
             last_t, last_cpu, last_sim = now, cpu, sim
         total_cpu = sum(p.cpu_times()[:2]) - cpu0
         total_sim = sim_cpu_s(proc.pid) - sim0

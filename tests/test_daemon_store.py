@@ -5,6 +5,7 @@ from __future__ import annotations
 import errno
 import json
 import os
+import time
 from datetime import datetime, timezone
 
 import duckdb
@@ -12,7 +13,7 @@ import pyarrow as pa
 import pyarrow.dataset as pads
 import pytest
 
-from powerprof.daemon.store import JOURNAL, Dataset, DatasetStore, write_file_atomic
+from powerprof.daemon.store import JOURNAL, Dataset, DatasetStore, Flusher, write_file_atomic
 
 SCHEMA = pa.schema([("t_utc", pa.timestamp("us", tz="UTC")), ("value", pa.float64()), ("name", pa.string())])
 DAY1 = int(datetime(2026, 1, 1, 12, tzinfo=timezone.utc).timestamp() * 1e9)
@@ -147,3 +148,27 @@ def test_compaction_merges_files_written_before_a_column_was_appended(tmp_path):
     assert s.compact() == 1
     t = _read(tmp_path).sort_by("value")
     assert t.column("value").to_pylist() == [0.0, 1.0, 7.0] and t.column("name").to_pylist() == ["r0", "r1", None]
+
+
+def test_the_flusher_compacts_in_a_child_process_while_flushes_go_on(tmp_path):
+    # The daemon's way (pyarrow stays out of its process): the child merges the files it listed; rows
+    # flushed meanwhile land in new files; nothing is lost or doubled.
+    now = time.time_ns()
+    s = _store(tmp_path)
+    for k in range(3):
+        s.append("things", _rows(4, now, start=4 * k))
+        s.flush()
+    fl = Flusher(s, interval_s=0.05, compact_interval_s=0.3, compact_in_child=True).start()
+    part = s.partitions("things")[0]
+    deadline = time.monotonic() + 120  # a child starts Python and imports pyarrow: seconds on a loaded machine
+    k = 3
+    try:
+        while not any(p.name.startswith("compact-") for p in part.glob("*.parquet")):
+            assert time.monotonic() < deadline, "no compaction within 120 s"
+            s.append("things", _rows(4, now, start=4 * k))
+            k += 1
+            time.sleep(0.1)
+    finally:
+        fl.stop()
+    assert fl.errors == 0, fl.last_error
+    assert sorted(_read(tmp_path).column("value").to_pylist()) == [float(i) for i in range(4 * k)]

@@ -54,15 +54,11 @@ class StartupError(RuntimeError):
 
 
 def datasets() -> list[Dataset]:
-    from powerprof.storage.schema import DAEMON_COSTS, DAEMON_INTERVALS, DAEMON_REQUESTS, DAEMON_SAMPLES, DAEMON_TAGS
+    from powerprof.storage.schema import COLUMNS, DAEMON_DATASETS
 
-    return [
-        Dataset("samples", DAEMON_SAMPLES, "time_utc"),
-        Dataset("requests", DAEMON_REQUESTS, "t_arrival_utc"),
-        Dataset("intervals", DAEMON_INTERVALS, "t_start_utc"),
-        Dataset("tags", DAEMON_TAGS, "t_start_utc"),
-        Dataset("costs", DAEMON_COSTS, "time_utc"),
-    ]
+    time_column = {"samples": "time_utc", "requests": "t_arrival_utc", "intervals": "t_start_utc", "tags": "t_start_utc",
+                   "costs": "time_utc"}
+    return [Dataset(name, COLUMNS[table], time_column[name]) for name, table in DAEMON_DATASETS.items()]
 
 
 def restore_pending(rig) -> None:
@@ -560,7 +556,8 @@ class Daemon:
         self.ledger = Ledger(self.daemon_id, self.t0_ns, len(self.collector.infos), self.store.append,
                              jpt_window_s=cfg.get("metrics", "jpt_window_s"))
         self.tags = TagLimiter(cfg.get("metrics", "tags"), cfg.get("metrics", "max_tags"))
-        self.flusher = Flusher(self.store, cfg.get("daemon", "flush_interval_s"), cfg.get("daemon", "compact_interval_s"))
+        self.flusher = Flusher(self.store, cfg.get("daemon", "flush_interval_s"), cfg.get("daemon", "compact_interval_s"),
+                               compact_in_child=True)
         self.sampler = Sampler(self.sources.collectors + self.extra_collectors, interval_s=cfg.get("daemon", "interval_s"))
         self.sampler.subscribe(self._on_sample)
         return data_dir

@@ -5,6 +5,12 @@ under a dot-prefixed temporary name (ignored by pyarrow, DuckDB's `*.parquet` gl
 fsynced, renamed into place, and the directory fsynced: a reader or a crash sees a whole file or
 none. `kill -9` loses only rows buffered since the last flush.
 
+Flushes write Parquet with `storage/flatparquet.py` (standard library, GZIP pages), so the daemon
+never loads pyarrow (about 45 MiB resident). Compaction, which reads, sorts and rewrites with ZSTD,
+needs pyarrow: the daemon's Flusher runs it hourly in a short-lived child process
+(`python -m powerprof.daemon.store`), which the kernel kills if the daemon dies (PR_SET_PDEATHSIG).
+Flushes go on while it runs: it only merges and deletes the files it listed when it began.
+
 Compaction merges a partition's small files into one. It writes a journal naming the sources
 and the target before renaming the target into place; a restart that finds a journal either
 finishes deleting the sources (target present) or drops the unfinished target (absent), so rows
@@ -25,19 +31,22 @@ import json
 import logging
 import os
 import shutil
+import subprocess
+import sys
 import threading
 import time
 from collections import deque
 from dataclasses import dataclass
 from datetime import datetime, timedelta, timezone
 from pathlib import Path
-from typing import Callable
+from typing import TYPE_CHECKING, Callable
 
-import pyarrow as pa
-import pyarrow.parquet as pq
-
+from powerprof.storage import flatparquet
 from powerprof.storage.atomic import atomic_path, fsync_dir
-from powerprof.storage.schema import rows_to_table
+from powerprof.storage.schema import arrow_schema, columns_of
+
+if TYPE_CHECKING:
+    import pyarrow as pa
 
 log = logging.getLogger("powerprof.daemon.store")
 
@@ -58,10 +67,16 @@ def buffer_cap_rows(memory_max_bytes: int | None, n_datasets: int, share: float 
     return max(100, min(MAX_BUFFERED_ROWS, int(memory_max_bytes * share / (ROW_BYTES_EST * max(1, n_datasets)))))
 
 
-def write_file_atomic(path: Path, table: pa.Table) -> None:
+def write_file_atomic(path: Path, table: flatparquet.FlatTable | pa.Table) -> None:
+    """A flush's FlatTable (no pyarrow) or a compaction's pa.Table (ZSTD), written atomically."""
     # Recovery removes `.<target>.tmp` of an unfinished compaction by that exact name.
     with atomic_path(path, tmp_name=f".{path.name}.tmp") as tmp, open(tmp, "wb") as f:
-        pq.write_table(table, f, compression="zstd")
+        if isinstance(table, flatparquet.FlatTable):
+            f.write(flatparquet.to_bytes(table))
+        else:
+            import pyarrow.parquet as pq
+
+            pq.write_table(table, f, compression="zstd")
 
 
 def date_of(ns: int | None) -> str:
@@ -72,8 +87,12 @@ def date_of(ns: int | None) -> str:
 @dataclass(frozen=True)
 class Dataset:
     name: str
-    schema: pa.Schema
+    schema: list | pa.Schema  # (name, type) columns from storage/schema.py, or a pa.Schema of those types
     time_column: str  # which wall-clock column picks the date partition
+
+    @property
+    def columns(self) -> list[tuple[str, str]]:
+        return columns_of(self.schema)
 
 
 class DatasetStore:
@@ -86,7 +105,8 @@ class DatasetStore:
         max_buffered_rows: int = MAX_BUFFERED_ROWS,
         retention_days: float | None = 30.0,
         retention_max_bytes: int | None = None,
-        write_file: Callable[[Path, pa.Table], None] = write_file_atomic,
+        recover: bool = True,
+        write_file: Callable[[Path, flatparquet.FlatTable | pa.Table], None] = write_file_atomic,
         host: str | None = None,
     ):
         self.root = Path(root)
@@ -107,24 +127,16 @@ class DatasetStore:
         self.last_error: str | None = None
         self._failing = False
         self._data_errors_logged: set[tuple[str, str]] = set()
-        self._warm_up()
         try:
             self.root.mkdir(parents=True, exist_ok=True)
             for d in datasets:
                 (self.root / d.name).mkdir(exist_ok=True)
-            self.recover()
+            if recover:  # not in the compaction child: the daemon's own flushes are under way
+                self.recover()
         except OSError as e:
             # Keep running (and proxying): rows wait in memory and every flush tries again.
             self.last_error = str(e)
             log.error("dataset folder %s is not usable: %s; keeping rows in memory and retrying", self.root, e)
-
-    def _warm_up(self) -> None:
-        """Pay pyarrow's first-write costs (lazy imports, about a second) now, not at the first flush,
-        so the first flush after start is as quick as the others and a crash then loses no more."""
-        import io
-
-        for d in self.datasets.values():
-            pq.write_table(rows_to_table(d.schema, [{}]), io.BytesIO(), compression="zstd")
 
     # --- rows in ----------------------------------------------------------------------------
 
@@ -188,7 +200,7 @@ class DatasetStore:
         bad = []
         for r in rows:
             try:
-                rows_to_table(ds.schema, [r])
+                flatparquet.encode(ds.columns, [r], self.fill)
             except Exception:
                 bad.append(r)
         ids = {id(r) for r in bad}
@@ -240,7 +252,8 @@ class DatasetStore:
             by_date.setdefault(date_of(r.get(ds.time_column)), []).append(r)
         # Every table is built before any file is written: a row that cannot convert fails the batch
         # before part of it is on disk (its retry would write that part twice).
-        tables = [(day, rows_to_table(ds.schema, part, self.fill)) for day, part in sorted(by_date.items())]
+        columns = ds.columns
+        tables = [(day, flatparquet.encode(columns, part, self.fill)) for day, part in sorted(by_date.items())]
         for day, table in tables:
             d = self.root / ds.name / f"date={day}"
             if not d.exists():
@@ -296,11 +309,21 @@ class DatasetStore:
                         log.error("compaction of %s failed, files left as they were: %s", part, e)
         return done
 
+    def child_spec(self, min_files: int = 2) -> dict:
+        """What `python -m powerprof.daemon.store` needs to run `compact` in a child process."""
+        return {"root": str(self.root), "min_files": min_files, "parent_pid": os.getpid(),
+                "datasets": [{"name": d.name, "columns": d.columns, "time_column": d.time_column}
+                             for d in self.datasets.values()]}
+
     def _compact_partition(self, ds: Dataset, part: Path, files: list[Path]) -> None:
+        import pyarrow as pa
+        import pyarrow.parquet as pq
+
+        schema = arrow_schema(ds.columns)
         tables = []
         for f in files:
             try:
-                tables.append(pq.read_table(f, schema=ds.schema))
+                tables.append(pq.read_table(f, schema=schema))
             except (pa.ArrowInvalid, OSError) as e:
                 log.error("skipping unreadable file %s in compaction: %s", f, e)
                 files = [x for x in files if x != f]
@@ -359,15 +382,34 @@ class DatasetStore:
         return removed
 
 
+def _malloc_trim():
+    """glibc's malloc_trim, or None (another libc). A flush frees its rows and encoded pages; glibc keeps
+    the freed pages of its heap resident until trimmed (about 2 MiB of RSS, docs/benchmarks.md, Daemon)."""
+    try:
+        import ctypes
+
+        return ctypes.CDLL(None).malloc_trim
+    except (OSError, AttributeError):
+        return None
+
+
 class Flusher:
-    """A thread that flushes every `interval_s` and compacts/retains every `compact_interval_s`."""
+    """A thread that flushes every `interval_s` and compacts/retains every `compact_interval_s`.
+
+    With `compact_in_child`, compaction runs in a child process (pyarrow stays out of this one) while
+    the flushes go on; at most one child at a time, retention between children."""
 
     BEAT_S = 5.0  # the loop turns at least this often, so a heartbeat older than a few of these means stuck
+    CHILD_STOP_S = 10.0  # at stop, a running compaction child gets this long, then is killed (the journal recovers)
 
-    def __init__(self, store: DatasetStore, interval_s: float = 30.0, compact_interval_s: float = 3600.0):
+    def __init__(self, store: DatasetStore, interval_s: float = 30.0, compact_interval_s: float = 3600.0,
+                 compact_in_child: bool = False):
         self.store = store
         self.interval_s = interval_s
         self.compact_interval_s = compact_interval_s
+        self.compact_in_child = compact_in_child
+        self._child: subprocess.Popen | None = None
+        self._trim = _malloc_trim()
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self.errors = 0  # exceptions the loop caught (the store counts its own write failures)
@@ -388,12 +430,43 @@ class Flusher:
             self.beat = now
             if now >= next_flush:
                 self._step("flush", self.store.flush)
+                if self._trim is not None:
+                    self._trim(0)
                 next_flush = max(next_flush + self.interval_s, now + self.interval_s / 2)
+            if self._child is not None:
+                self._step("compaction", self._reap_child)
             if now >= next_compact:
-                self._step("compaction", self.store.compact)
-                self._step("retention", self.store.enforce_retention)
+                if not self.compact_in_child:
+                    self._step("compaction", self.store.compact)
+                    self._step("retention", self.store.enforce_retention)
+                elif self._child is None:
+                    self._step("retention", self.store.enforce_retention)
+                    self._step("compaction", self._start_child)
                 next_compact = now + self.compact_interval_s
             self.beat = time.monotonic()
+        if self._child is not None:  # here, not in stop(): the child is killed when this thread ends
+            self._step("compaction", lambda: self._reap_child(self.CHILD_STOP_S))
+
+    def _start_child(self) -> None:
+        # Started from this thread: PR_SET_PDEATHSIG in the child fires when this thread ends.
+        # Its own session: a Ctrl-C at the daemon's terminal stops the daemon, which lets the child finish.
+        self._child = subprocess.Popen([sys.executable, "-m", "powerprof.daemon.store"], stdin=subprocess.PIPE,
+                                       stdout=subprocess.DEVNULL, text=True, start_new_session=True)
+        self._child.stdin.write(json.dumps(self.store.child_spec()))
+        self._child.stdin.close()
+
+    def _reap_child(self, wait_s: float | None = None) -> None:
+        child = self._child
+        try:
+            rc = child.wait(wait_s) if wait_s is not None else child.poll()
+        except subprocess.TimeoutExpired:
+            child.kill()
+            rc = child.wait()
+        if rc is None:
+            return
+        self._child = None
+        if rc != 0:  # its own log lines (stderr, shared with this process) say why
+            raise RuntimeError(f"the compaction child exited with status {rc}; files left as they were")
 
     def _step(self, what: str, fn) -> None:
         try:
@@ -418,3 +491,25 @@ class Flusher:
         if self._thread is not None:
             self._thread.join(30)
         self.store.flush()
+
+
+def _compaction_child() -> int:
+    """`python -m powerprof.daemon.store`: compact the datasets the spec on stdin names (Flusher._start_child)."""
+    spec = json.load(sys.stdin)
+    try:
+        import ctypes
+
+        ctypes.CDLL(None, use_errno=True).prctl(1, 9)  # PR_SET_PDEATHSIG, SIGKILL: never outlive the daemon
+    except (OSError, AttributeError):
+        pass
+    if os.getppid() != spec["parent_pid"]:
+        return 1  # the daemon died before the line above
+    logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
+    datasets = [Dataset(d["name"], [tuple(c) for c in d["columns"]], d["time_column"]) for d in spec["datasets"]]
+    store = DatasetStore(Path(spec["root"]), datasets, retention_days=None, recover=False)
+    store.compact(spec["min_files"])
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(_compaction_child())

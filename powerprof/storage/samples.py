@@ -11,9 +11,7 @@ from __future__ import annotations
 import os
 import threading
 from pathlib import Path
-from typing import Iterable, Mapping
-
-import pyarrow as pa
+from typing import TYPE_CHECKING, Iterable, Mapping
 
 from powerprof.collectors.host import HostReading
 from powerprof.collectors.nvml import GpuReading
@@ -21,7 +19,9 @@ from powerprof.collectors.rapl import RaplReading
 from powerprof.collectors.sampler import Sample
 
 from .atomic import atomic_path
-from .schema import SAMPLES, rows_to_table
+
+if TYPE_CHECKING:
+    import pyarrow as pa
 
 FORMATS = (".parquet", ".csv")
 TAG_COLUMNS = ("level_kind", "level_value")  # set by whoever runs levels (sweep), copied onto rows
@@ -99,6 +99,8 @@ def samples_to_table(
     if t0_mono_ns is None:
         t0_mono_ns = min((s.t_mono_ns for s in samples), default=0)
     rows = [row for s in samples for row in sample_rows(s, t0_mono_ns, gpu_uuids)]
+    from .schema import SAMPLES, rows_to_table
+
     return rows_to_table(SAMPLES, rows)
 
 
@@ -146,6 +148,8 @@ class Timeline:
             items = list(self._items) if items is None else items
             t0 = self.t0_mono_ns if self.t0_mono_ns is not None else 0
         rows = [row for s, tags in items for row in sample_rows(s, t0, self.gpu_uuids, tags)]
+        from .schema import SAMPLES, rows_to_table
+
         return rows_to_table(SAMPLES, rows)
 
 
