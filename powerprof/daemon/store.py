@@ -79,9 +79,25 @@ def write_file_atomic(path: Path, table: flatparquet.FlatTable | pa.Table) -> No
             pq.write_table(table, f, compression="zstd")
 
 
-def date_of(ns: int | None) -> str:
-    ts = time.time_ns() if ns is None else ns
-    return datetime.fromtimestamp(ts / 1e9, tz=timezone.utc).strftime("%Y-%m-%d")
+def date_of(ns: int | datetime | None) -> str:
+    """The UTC date a row's time falls on, from whole microseconds as they are stored (a float of
+    seconds would round the last half microsecond before midnight into the next day)."""
+    if isinstance(ns, datetime):
+        aware = ns if ns.tzinfo is not None else ns.replace(tzinfo=timezone.utc)
+        return aware.astimezone(timezone.utc).strftime("%Y-%m-%d")
+    ts = time.time_ns() if ns is None else int(ns)
+    return (_EPOCH + timedelta(microseconds=ts // 1000)).strftime("%Y-%m-%d")
+
+
+_EPOCH = datetime(1970, 1, 1, tzinfo=timezone.utc)
+
+
+class PartialWrite(OSError):
+    """Some of a batch's daily files were written before one failed: those rows must not be written again."""
+
+    def __init__(self, cause: OSError, written: list[dict]):
+        super().__init__(cause.errno, cause.strerror or str(cause))
+        self.cause, self.written = cause, written
 
 
 @dataclass(frozen=True)
@@ -171,6 +187,14 @@ class DatasetStore:
                 written = len(rows)
                 try:
                     self._write_rows(ds, rows)
+                except PartialWrite as e:
+                    ok = False
+                    done = {id(r) for r in e.written}
+                    with self._lock:
+                        self._buf[name] = deque(r for r in self._buf[name] if id(r) not in done)
+                        self.written_rows[name] += len(e.written)
+                    self._flush_failed(name, e.cause)
+                    continue
                 except OSError as e:
                     ok = False
                     self._flush_failed(name, e)
@@ -254,20 +278,36 @@ class DatasetStore:
         # before part of it is on disk (its retry would write that part twice).
         columns = ds.columns
         tables = [(day, flatparquet.encode(columns, part, self.fill)) for day, part in sorted(by_date.items())]
+        written: list[dict] = []
         for day, table in tables:
-            d = self.root / ds.name / f"date={day}"
-            if not d.exists():
-                d.mkdir(parents=True, exist_ok=True)
-                fsync_dir(d.parent)
-            self._seq += 1
-            stamp = datetime.now(timezone.utc).strftime("%Y%m%dT%H%M%S%f")
-            self._write_file(d / f"{PART_PREFIX}{stamp}-{os.getpid()}-{self._seq:06d}.parquet", table)
+            try:
+                d = self.root / ds.name / f"date={day}"
+                if not d.exists():
+                    d.mkdir(parents=True, exist_ok=True)
+                    fsync_dir(d.parent)
+                self._seq += 1
+                stamp = datetime.now(timezone.utc).strftime("%Y%m%dT%H%M%S%f")
+                self._write_file(d / f"{PART_PREFIX}{stamp}-{os.getpid()}-{self._seq:06d}.parquet", table)
+            except OSError as e:
+                if written:  # a flush across midnight, or after a long outage: keep only what is not on disk
+                    raise PartialWrite(e, written) from e
+                raise
+            written += by_date[day]
 
     # --- recovery, compaction, retention -----------------------------------------------------
 
     def partitions(self, name: str) -> list[Path]:
         base = self.root / name
         return sorted(p for p in base.glob("date=*") if p.is_dir())
+
+    def finish_compactions(self) -> None:
+        """Finish what a compaction child that died left (its journal), under the writers' lock."""
+        with self._io_lock:
+            for name in self.datasets:
+                for part in self.partitions(name):
+                    journal = part / JOURNAL
+                    if journal.exists():
+                        self._finish_compaction(part, journal)
 
     def recover(self) -> None:
         """Undo what a crash left: temporary files and half-done compactions."""
@@ -294,12 +334,18 @@ class DatasetStore:
         fsync_dir(part)
 
     def compact(self, min_files: int = 2) -> int:
-        """Merge each partition's files into one; returns how many partitions were compacted."""
+        """Merge each partition's flush files into one; returns how many partitions were compacted."""
         done = 0
         with self._io_lock:
             for name, ds in self.datasets.items():
                 for part in self.partitions(name):
-                    files = sorted(p for p in part.glob("*.parquet") if not p.name.startswith("."))
+                    journal = part / JOURNAL
+                    if journal.exists():  # a compaction that died half-way: finish it before its sources count again
+                        self._finish_compaction(part, journal)
+                    # Only the flushes' small files: earlier compacted files stay as they are, so one run
+                    # holds about an hour of rows in memory, not the whole day (a day of 8 GPUs' samples
+                    # peaked at ~800 MiB when it was all rewritten each hour).
+                    files = sorted(p for p in part.glob(f"{PART_PREFIX}*.parquet"))
                     if len(files) < min_files:
                         continue
                     try:
@@ -466,7 +512,10 @@ class Flusher:
             return
         self._child = None
         if rc != 0:  # its own log lines (stderr, shared with this process) say why
-            raise RuntimeError(f"the compaction child exited with status {rc}; files left as they were")
+            # Killed between renaming its file into place and deleting the sources, it would leave
+            # rows twice over for every reader until a restart: finish its journal now.
+            self.store.finish_compactions()
+            raise RuntimeError(f"the compaction child exited with status {rc}; its journal, if any, was finished")
 
     def _step(self, what: str, fn) -> None:
         try:

@@ -139,6 +139,8 @@ def _int(v, lo_hi) -> int:
 def _float(v) -> float:
     if isinstance(v, (str, bytes)):
         raise TypeError(f"{v!r} is not a number")
+    if isinstance(v, int) and not -(2**53) <= v <= 2**53:
+        raise ValueError(f"integer {v} would lose precision as a double")  # as pyarrow refuses it
     return float(v)  # int, float, bool, numpy scalars (as pyarrow); anything else raises TypeError
 
 
@@ -191,8 +193,11 @@ def _plain(typ: str, vals: list) -> bytes:
     if typ == F64:
         return _le(array("d", vals))
     if typ == BOOL:
-        bits = sum(1 << i for i, v in enumerate(vals) if v)
-        return bits.to_bytes((len(vals) + 7) // 8, "little")
+        out = bytearray((len(vals) + 7) // 8)
+        for i, v in enumerate(vals):
+            if v:
+                out[i >> 3] |= 1 << (i & 7)
+        return bytes(out)
     pack = struct.Struct("<I").pack
     return b"".join(pack(len(b)) + b for b in vals)
 
