@@ -296,7 +296,8 @@ def test_nvml_probe_runs_read_only_and_sees_the_counters_real_cost(tmp_path):
     assert rep["complete"] and rep["simulated"] and rep["setters_guarded"] > 10
     c = rep["cost"]
     for name in ("total_energy", "field83", "field191"):
-        assert c[name]["error"] is None and c[name]["cpu_us_median"] > 1000, (name, c[name])
-    assert c["power_usage"]["cpu_us_median"] < 200 and c["field186"]["error"] is None
+        # Wall time: the simulated driver spins to a wall-clock deadline, so on a loaded machine its CPU time can be less.
+        assert c[name]["error"] is None and c[name]["wall_us_median"] > 2000, (name, c[name])
+    assert c["power_usage"]["wall_us_median"] < 1000 and c["field186"]["error"] is None
     for name in ("total_energy", "field83", "field191"):
         assert rep["refresh"][name]["interval_ms_median"] == pytest.approx(100, rel=0.3), rep["refresh"]
