@@ -1,4 +1,5 @@
-"""Small things many tests need: a free loopback port, and a real-server package that CI may not skip."""
+"""Small things many tests need: a free loopback port, a real-server package that CI may not skip, and the
+simulated GPU's power limit as another process left it."""
 
 from __future__ import annotations
 
@@ -24,3 +25,13 @@ def require_package(module: str, what: str):
         return importlib.import_module(module)
     return pytest.importorskip(module, reason=f"{what} is not installed (it is in the test extra); "
                                               "with CI=true this is a failure, not a skip")
+
+
+def sim_limit_w(profile: str = "seed-16g", index: int = 0) -> float:
+    """The simulated GPU's power limit (W) as the shared simulator state holds it now: what a
+    command in another process set, or put back."""
+    from powerprof.sim.nvml import SimNVML
+
+    sim = SimNVML(profile)
+    sim.nvmlInit()
+    return sim.nvmlDeviceGetPowerManagementLimit(sim.nvmlDeviceGetHandleByIndex(index)) / 1000

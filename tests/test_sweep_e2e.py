@@ -17,6 +17,7 @@ from powerprof.rig import Rig
 from powerprof.sim.nvml import SimNVML
 from powerprof.sweep import run_sweep as _run_sweep
 from powerprof.workload.client import RequestParams
+from support import sim_limit_w
 
 
 @pytest.fixture(scope="module")
@@ -217,12 +218,6 @@ def _start_sweep_and_wait_for_a_level(out):
     pytest.fail("the sweep never finished a level")
 
 
-def _limit_w():
-    sim = SimNVML("seed-16g")
-    sim.nvmlInit()
-    return sim.nvmlDeviceGetPowerManagementLimit(sim.nvmlDeviceGetHandleByIndex(0)) / 1000
-
-
 def test_kill_9_mid_sweep_keeps_finished_levels_and_restore_brings_the_limit_back(tmp_path):
     out = tmp_path / "run"
     proc = _start_sweep_and_wait_for_a_level(out)
@@ -235,10 +230,10 @@ def test_kill_9_mid_sweep_keeps_finished_levels_and_restore_brings_the_limit_bac
     levels = pq.read_table(out / "levels.parquet").to_pandas()
     assert 180.0 in set(levels.level_value)
     assert pq.read_table(out / "windows.parquet").num_rows >= 4
-    assert _limit_w() != 300.0  # killed while capped
+    assert sim_limit_w() != 300.0  # killed while capped
     r = _powerprof("restore", "--simulate")
     assert r.returncode == 0, r.stderr
-    assert _limit_w() == 300.0
+    assert sim_limit_w() == 300.0
 
 
 # SIGUSR1 too: `kill -USR1` aimed at the tuner must not leave a sweep's GPU capped (its default action kills outright).
@@ -255,7 +250,7 @@ def test_signals_mid_sweep_restore_the_limit_and_keep_finished_levels(tmp_path, 
             proc.kill()
     assert proc.returncode == code, err
     assert "Traceback" not in err, err
-    assert _limit_w() == 300.0  # put back by the sweep itself, no `powerprof restore` needed
+    assert sim_limit_w() == 300.0  # put back by the sweep itself, no `powerprof restore` needed
     assert 180.0 in set(pq.read_table(out / "levels.parquet").to_pandas().level_value)
 
 

@@ -17,6 +17,7 @@ from powerprof.sim.nvml import SimNVML
 from powerprof.tuner.observe import ObserveError, fetch_metrics, parse_counters, window_between
 from powerprof.tuner.policy import TunerConfig
 from powerprof.tuner.runner import TuneRunner
+from support import sim_limit_w
 from tuner_helpers import FakeDaemon, sim_gpu
 
 LEVELS = (150, 200, 250, 300)
@@ -264,18 +265,12 @@ def _start_tune(tmp_path, fd):
     pytest.fail("the tuner never explored")
 
 
-def _sim_limit_w():
-    sim = SimNVML("seed-16g")
-    sim.nvmlInit()
-    return sim.nvmlDeviceGetPowerManagementLimit(sim.nvmlDeviceGetHandleByIndex(0)) / 1000
-
-
 @pytest.fixture
 def operator_limit():
     sim = SimNVML("seed-16g")
     sim.nvmlInit()
     sim.nvmlDeviceSetPowerManagementLimit(sim.nvmlDeviceGetHandleByIndex(0), 280_000)
-    assert _sim_limit_w() == 280
+    assert sim_limit_w() == 280
     return 280.0
 
 
@@ -290,7 +285,7 @@ def test_sigterm_ends_at_the_original_limit(tmp_path, operator_limit):
                 proc.kill()
     assert proc.returncode == 128 + signal.SIGTERM, err
     assert "Traceback" not in err, err
-    assert _sim_limit_w() == operator_limit
+    assert sim_limit_w() == operator_limit
 
 
 def test_sigkill_then_restore_puts_the_original_limit_back(tmp_path, operator_limit):
@@ -300,10 +295,10 @@ def test_sigkill_then_restore_puts_the_original_limit_back(tmp_path, operator_li
         proc.wait(10)
     # Killed while it held some level of its own (a trial, or 300 W after a back-off: ticks race the kill on a
     # loaded machine), never the operator's: the restore file is what brings that back.
-    assert _sim_limit_w() != operator_limit
+    assert sim_limit_w() != operator_limit
     r = subprocess.run([sys.executable, "-m", "powerprof.cli", "restore", "--simulate"], capture_output=True, text=True)
     assert r.returncode == 0, r.stderr
-    assert _sim_limit_w() == operator_limit
+    assert sim_limit_w() == operator_limit
 
 
 def test_sigusr1_goes_to_the_reference_and_holds_while_running(tmp_path, operator_limit):
@@ -315,13 +310,13 @@ def test_sigusr1_goes_to_the_reference_and_holds_while_running(tmp_path, operato
             while time.monotonic() < deadline and not any(
                     r["action"] == "kill" for f in out.rglob("*.parquet") for r in pq.read_table(f).to_pylist()):
                 time.sleep(0.05)
-            assert _sim_limit_w() == 300.0
+            assert sim_limit_w() == 300.0
             time.sleep(1.5)  # ticks go on; the reference stays
-            assert _sim_limit_w() == 300.0 and proc.poll() is None
+            assert sim_limit_w() == 300.0 and proc.poll() is None
         finally:
             proc.send_signal(signal.SIGTERM)
             proc.communicate(timeout=30)
-    assert _sim_limit_w() == operator_limit
+    assert sim_limit_w() == operator_limit
     rows = [r for f in sorted(out.rglob("*.parquet")) for r in pq.read_table(f).to_pylist()]
     assert rows[-1]["action"] == "stop" and rows[-1]["to_level"] == operator_limit  # the final restore, recorded
 
@@ -357,7 +352,7 @@ def test_dry_run_needs_no_privilege_and_changes_nothing(tmp_path, monkeypatch, o
     holds = [r for r in rows if r["action"] == "hold"]
     assert holds and all(r["from_level"] == operator_limit for r in holds)  # judged at the limit really on the GPU
     assert rows[-1]["action"] == "stop"
-    assert _sim_limit_w() == operator_limit
+    assert sim_limit_w() == operator_limit
 
 
 @pytest.mark.parametrize("args,toml,msg", [
@@ -390,7 +385,7 @@ def test_bad_tuner_settings_exit_2_and_change_nothing(tmp_path, operator_limit, 
         busy.close()
     assert r.returncode == 2, r.stderr
     assert msg in r.stderr and "Traceback" not in r.stderr
-    assert _sim_limit_w() == operator_limit  # not even the reference was set
+    assert sim_limit_w() == operator_limit  # not even the reference was set
     assert not list((tmp_path / "state").rglob("restore-*.json"))
 
 
@@ -400,7 +395,7 @@ def test_a_daemon_url_off_loopback_is_refused(url, operator_limit):
                         "--levels", "150,300", "--tpot-p95-ms", "100"], capture_output=True, text=True, timeout=60)
     assert r.returncode == 2 and "Traceback" not in r.stderr, r.stderr
     assert "loopback" in r.stderr or "http://" in r.stderr
-    assert _sim_limit_w() == operator_limit
+    assert sim_limit_w() == operator_limit
 
 
 def test_the_scrape_follows_no_redirect_and_no_proxy(monkeypatch):
