@@ -296,3 +296,54 @@ def test_a_trial_past_the_holding_band_ends_early_back_at_its_incumbent_not_the_
     assert not any(d.action == "backoff" for d in tu.decisions)
     assert 150 not in levels  # 200 is barred with every level below it
 
+
+
+def feed_tail(tuner, t0, t1, n_high):
+    """Ticks at the level in force whose TPOT p95 reads just past hold_ratio (n_high = 1 of 20 at 90 ms, the rest
+    at 70 ms: 81% of the 100 ms SLO through the daemon's buckets) or past the band's middle (n_high = 2: 91%)."""
+    t = t0
+    while t < t1:
+        t += 10
+        w = window(t, tuner.level, 70.0)
+        tpot = histogram_counts([0.070] * (20 - n_high) + [0.090] * n_high)
+        tuner.observe(Window(w.t_end_s, w.duration_s, w.level, w.tokens, w.energy_j, w.arrivals, w.requests,
+                             w.prompt_tokens, w.output_tokens, w.ttft_counts, tpot))
+    return t
+
+
+@pytest.mark.parametrize("confirm", [1, 2])
+def test_a_held_level_moves_up_after_hold_confirm_judgements_past_the_band_or_at_once_past_its_middle(confirm):
+    for n_high, judgements in ((1, confirm), (2, 1)):
+        tu = Tuner(cfg(hold_confirm=confirm), 0.0)
+        t, _ = Plant().run(tu, 0, 1500)
+        assert tu.level == 200 and tu.state == "hold"
+        feed_tail(tu, t, t + 200, n_high)
+        up = next(d for d in tu.decisions if d.t_s > t and d.action == "backoff")
+        assert up.to_level == 250 and "one level up" in up.reason  # the band, not the guard
+        # Judgements of 200 W since the tail began, the last one being the move's (a quiet hold records no row).
+        judged = [x for s, x in tu.regime.ratios[LEVELS.index(200)] if t < s <= up.t_s]
+        assert len(judged) == judgements and all(x > 0.8 for x in judged), (n_high, judged)
+        assert (0.8 < up.slo_ratio < 0.9) if n_high == 1 else (0.9 < up.slo_ratio < 1.0)
+
+
+@pytest.mark.parametrize("ref_tpot_ms, back_to", [(60.0, 200), (30.0, 250)])
+def test_a_back_off_is_blamed_on_the_load_when_the_reference_itself_is_far_slower_than_usual(ref_tpot_ms, back_to):
+    tu = Tuner(cfg(backoff_s=60), 0.0)
+    t, _ = Plant().run(tu, 0, 1500)
+    assert tu.level == 200
+    tu.observe(window(t + 10, 200, 150.0))  # a burst: the guard backs off to 300 W
+    assert tu.level == 300
+    # During the back-off the reference runs at 60 ms (twice its usual 30 ms, past blame_ratio 1.7×: a burst, the
+    # level keeps its standing and is restored) or at its usual 30 ms (the level broke it: barred, one above).
+    Plant(tpot_ms={150: 80.0, 200: 50.0, 250: 40.0, 300: ref_tpot_ms}).run(tu, t + 10, t + 80)
+    t2, _ = Plant().run(tu, t + 80, t + 120)
+    assert tu.level == back_to
+    blamed = any("the load, not the level" in d.reason for d in tu.decisions if d.t_s > t)
+    assert blamed == (back_to == 200)
+
+
+def test_hold_confirm_and_blame_ratio_are_checked():
+    with pytest.raises(TunerConfigError, match="hold_confirm"):
+        cfg(hold_confirm=0)
+    with pytest.raises(TunerConfigError, match="blame_ratio"):
+        cfg(blame_ratio=0.5)

@@ -44,10 +44,14 @@ class TunerConfig:
     guard_min_requests: int = 30
     guard_ticks: int = 1  # consecutive ticks over it before backing off
     trial_guard_s: float = 60.0  # a trial whose p95 over this long (with guard_min_requests) passes hold_ratio ends early
+    hold_confirm: int = 2  # judgements in a row past hold_ratio before a held level moves up (one past the
+    # middle of the hold_ratio–guard_ratio band moves it at once): one 5-minute p95 is a single noisy draw
+    blame_ratio: float = 1.7  # the reference's own p95 during a back-off past this × its usual p95/SLO in the regime:
+    # a burst, and the load, not the level, is blamed (1.7: the 90th percentile of 5-minute p95s over their median)
     strikes: int = 1  # back-offs at one level within strike_s before it is barred (below it too) for reprobe_s
     strike_s: float = 1800.0
     min_gain: float = 0.05  # a level above must save this share of J/token to be kept…
-    max_loss: float = 0.05  # …a level below is kept unless it costs more than this share (docs/tuner.md: the prior)
+    max_loss: float = 0.08  # …a level below is kept unless it costs more than this share (docs/tuner.md: the prior)
     prefill_weight: float = DEFAULT_PREFILL_PER_DECODE  # a prompt token's work in generated tokens
     max_step: int = 1  # levels per exploratory move
     max_explore_share: float = 0.5  # of the last explore_horizon_s spent on trials
@@ -85,9 +89,13 @@ class TunerConfig:
             errs.append("tuner.min_gain, tuner.max_loss: a share in [0, 0.5)")
         if not 0 <= self.max_explore_share <= 1:
             errs.append("tuner.max_explore_share: a share in [0, 1]")
-        if min(self.max_step, self.min_requests, self.guard_min_requests, self.guard_ticks, self.strikes) < 1 \
+        if not 1 <= self.blame_ratio <= 10:
+            errs.append("tuner.blame_ratio: a ratio in [1, 10]")
+        if min(self.max_step, self.min_requests, self.guard_min_requests, self.guard_ticks, self.strikes,
+               self.hold_confirm) < 1 \
                 or not 0 <= self.prefill_weight <= 10:
-            errs.append("tuner.max_step, min_requests, guard_min_requests, guard_ticks, strikes: at least 1; 0 ≤ prefill_weight ≤ 10")
+            errs.append("tuner.max_step, min_requests, guard_min_requests, guard_ticks, strikes, hold_confirm: at least 1; "
+                        "0 ≤ prefill_weight ≤ 10")
         if not self.regime_ratio > 1 or not 0 <= self.regime_margin < 1:
             errs.append("tuner.regime_ratio > 1 and 0 ≤ regime_margin < 1")
         if errs:
@@ -313,6 +321,7 @@ class Tuner:
         self._ref_threatened = False
         self._undo: tuple | None = None  # (floor, floor_t, best, bars) before the last back-off
         self._threat_idx: int | None = None  # the level the last back-off left
+        self._ref_typical: float | None = None  # the reference's median p95/SLO in the regime, at the last back-off
         self._trials: deque[tuple[float, float]] = deque()  # (start, end) of trials
         self.explore_s = 0.0  # total time spent on trials
         self.decisions: deque[Decision] = deque(maxlen=10_000)  # the latest, for callers; a live run keeps its dataset
@@ -356,6 +365,11 @@ class Tuner:
             g.duration_s >= self.cfg.guard_s / 2 or ratio > 2 * self.cfg.guard_ratio)
         self._threat_ticks = self._threat_ticks + 1 if threat else 0
         if threat and self.state == "backoff":
+            self._ref_threatened = True
+        if self.state == "backoff" and ratio is not None and self.idx == self.ref and self._ref_typical is not None \
+                and ratio > self.cfg.blame_ratio * self._ref_typical:
+            # The reference itself far slower than usual: a burst. (Over the SLO it could only show after half the
+            # guard's window, longer than the back-off: that test alone never fired on steady traffic.)
             self._ref_threatened = True
         if self._threat_ticks >= self.cfg.guard_ticks and self.idx != self.ref:
             self._threatened(w.t_end_s, ratio, out)
@@ -427,7 +441,7 @@ class Tuner:
                 stat = self._judge(t, out)
                 if stat is not None:
                     r.note(self.idx, stat)
-                    if stat.slo_ratio > cfg.hold_ratio and self.idx < len(cfg.levels) - 1:
+                    if self._over_hold(r, stat) and self.idx < len(cfg.levels) - 1:
                         r.best = self.idx + 1
                         out.append(self._move(t, "backoff", self.idx + 1,
                                               f"p95 at {stat.slo_ratio:.0%} of the SLO, above the {cfg.hold_ratio:.0%} "
@@ -588,11 +602,23 @@ class Tuner:
         if self._trials and self._trials[-1][1] == math.inf:
             self._trials[-1] = (self._trials[-1][0], t)
 
+    def _over_hold(self, r: _Regime, stat: _LevelStat) -> bool:
+        """A held level leaves the holding band: this judgement past the middle of hold_ratio–guard_ratio, or the
+        last `hold_confirm` judgements since it was set all past hold_ratio (one window's p95 is a noisy draw)."""
+        if stat.slo_ratio <= self.cfg.hold_ratio:
+            return False
+        if stat.slo_ratio > (self.cfg.hold_ratio + self.cfg.guard_ratio) / 2:
+            return True
+        last = [x for t, x in r.ratios.get(self.idx, ()) if t > self.since_s][-self.cfg.hold_confirm:]
+        return len(last) >= self.cfg.hold_confirm and all(x > self.cfg.hold_ratio for x in last)
+
     def _threatened(self, t: float, ratio: float, out: list[Decision]) -> None:
         r = self.regime
         cfg = self.cfg
         self._undo, self._ref_threatened = (r.floor, r.floor_t, r.best, dict(r.bars)), False
         self._threat_idx = self.idx
+        xs = [x for _, x in r.ratios.get(self.ref, ())]
+        self._ref_typical = float(np.median(xs)) if xs else None
         hits = [x for x in r.strikes.get(self.idx, []) if x > t - cfg.strike_s] + [t]
         r.strikes[self.idx] = hits
         barred = len(hits) >= cfg.strikes or self.state == "trial"
