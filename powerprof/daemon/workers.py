@@ -263,6 +263,7 @@ class _Worker:
         self.stats = (0, 0, 0)  # its proxy's recorder and upstream failures, records it dropped
         self.base = (0, 0, 0)  # the same, summed over its earlier lives
         self.started_s = 0.0
+        self.served = 0  # requests it ended, over all its lives
 
 
 class ProxyWorkers:
@@ -276,6 +277,8 @@ class ProxyWorkers:
                  log_format: str = "%(levelname)s %(name)s: %(message)s"):
         self.n = n
         self.recorder = recorder
+        if proxy_kwargs.get("max_connections"):  # the upstream's bound holds for all workers together
+            proxy_kwargs = {**proxy_kwargs, "max_connections": -(-proxy_kwargs["max_connections"] // n)}
         self.host, self.port = listen_host, listen_port
         self.spec = {"upstream": upstream, "proxy": proxy_kwargs, "header_timeout_s": header_timeout_s,
                      "idle_timeout_s": idle_timeout_s, "urgent_max_active": urgent_max_active,
@@ -422,6 +425,7 @@ class ProxyWorkers:
              counts, extra) = e
             tr.counts = None if counts is None else streams.Counts(*counts)
             tr.extra.update(extra)
+            w.served += 1
             if tr.recorder_error is None:
                 tr.recorder_error = err  # as in-process: a request whose recording broke gets no on_end
             self._call(rec.on_end, tr)
@@ -509,6 +513,8 @@ class ProxyWorkers:
         if self._reserve is not None:
             self._reserve.close()
             self._reserve = None
+            log.info("proxy workers stopped; requests each served: %s (restarts: %d)",
+                     ", ".join(str(w.served) for w in self.workers), self.restarts)
 
 
 if __name__ == "__main__":
