@@ -26,7 +26,7 @@ TRACE_FIELDS = ("method", "endpoint", "tag", "arrival_ns", "arrival_wall_ns", "a
 
 
 def test_frames_survive_being_cut_anywhere():
-    msgs = [("hello", 42), ([(1, "POST", "/completion", None, 5, 6, "llamacpp", "m", True)], [], [(1, 7, 8, 3, -1)], [],
+    msgs = [("hello", 42), ([(1, "POST", "/completion", None, 5, 6, "llamacpp", "m", True)], [], [(1, 7, 3, -1)], [],
                             (0, 0, 0))]
     data = b"".join(frame(m) for m in msgs)
     for cut in range(len(data) + 1):

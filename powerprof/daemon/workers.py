@@ -39,7 +39,7 @@ from .proxy import Proxy, RequestTrace
 
 log = logging.getLogger("powerprof.daemon.workers")
 
-FLUSH_S = 0.01  # tokens of one request are coalesced over at most this long (their placement's resolution)
+FLUSH_S = 0.02  # tokens of one request are coalesced over at most this long (their placement's resolution)
 SEND_BUFFER_MAX_BYTES = 8 << 20  # a daemon that stops reading: records beyond this are dropped and counted
 FRAME_MAX_BYTES = 64 << 20
 HELLO_TIMEOUT_S = 60.0  # a loaded machine takes seconds to start Python and bind
@@ -102,7 +102,7 @@ class ShippingRecorder:
         self.proxy: Proxy | None = None
         self._starts: list = []
         self._firsts: list = []
-        self._tokens: dict = {}  # request id → [t_ns, wall_ns, n, trace]
+        self._tokens: dict = {}  # request id → [t_ns, n, trace]
         self._ends: list = []
         self._handle: asyncio.Handle | None = None
         self._urgent = False
@@ -119,12 +119,11 @@ class ShippingRecorder:
             return
         e = self._tokens.get(trace.request_id)
         if e is None:
-            self._tokens[trace.request_id] = [t_ns, trace.last_wall_ns, n, trace]
+            self._tokens[trace.request_id] = [t_ns, n, trace]
             self._schedule(urgent=False)
         else:
             e[0] = t_ns
-            e[1] = trace.last_wall_ns
-            e[2] += n
+            e[1] += n
 
     def on_end(self, trace: RequestTrace) -> None:
         self._ends.append(_end_record(trace))
@@ -144,9 +143,9 @@ class ShippingRecorder:
         if not (self._starts or self._firsts or self._tokens or self._ends):
             return
         toks = []
-        for rid, (t, wall, n, tr) in self._tokens.items():
+        for rid, (t, n, tr) in self._tokens.items():
             p = tr.extra.get("prompt_tokens")
-            toks.append((rid, t, wall, n, -1 if p is None else p))
+            toks.append((rid, t, n, -1 if p is None else p))
         p = self.proxy
         msg = (self._starts, self._firsts, toks, self._ends,
                (p.recorder_failures, p.upstream_failures, self.dropped) if p is not None else (0, 0, self.dropped))
@@ -407,11 +406,12 @@ class ProxyWorkers:
             if prompt is not None:
                 tr.extra["prompt_tokens"] = prompt
             self._call(rec.on_tokens, tr, t, n)
-        for rid, t, wall, n, prompt in toks:
+        wall_offset = time.time_ns() - time.monotonic_ns()  # wall stamps of later tokens: only rows read them,
+        for rid, t, n, prompt in toks:  # and the end record brings the exact last one
             tr = mirrors.get((w.index, rid))
             if tr is None:
                 continue
-            tr.last_ns, tr.last_wall_ns = t, wall
+            tr.last_ns, tr.last_wall_ns = t, t + wall_offset
             tr.tokens_seen += n
             if prompt >= 0 and "prompt_tokens" not in tr.extra:
                 tr.extra["prompt_tokens"] = prompt
