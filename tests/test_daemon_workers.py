@@ -18,7 +18,7 @@ from daemon_helpers import DaemonProc, energy_books_j, read_dataset, sim_env
 from powerprof.daemon import streams
 from powerprof.daemon.config import ConfigError, load_config
 from powerprof.daemon.proxy import Proxy
-from powerprof.daemon.workers import FLUSH_S, ProxyWorkers, ShippingRecorder, Unframer, frame
+from powerprof.daemon.workers import FLUSH_S, ProxyWorkers, ShippingRecorder, Unframer, WorkerProxy, frame
 from test_daemon_proxy import Rec, Upstream, _run, _serve
 
 TRACE_FIELDS = ("method", "endpoint", "tag", "arrival_ns", "arrival_wall_ns", "api", "model", "stream", "status",
@@ -70,6 +70,8 @@ class _Wire:
 
 
 class _Tee:
+    """Both recorders see the same calls; a request tagged `broken` breaks the recording at its first token."""
+
     def __init__(self, *recs):
         self.recs = recs
 
@@ -80,6 +82,8 @@ class _Tee:
     def on_tokens(self, trace, t, n):
         for r in self.recs:
             r.on_tokens(trace, t, n)
+        if trace.tag == "broken":
+            raise RuntimeError("recording broke")
 
     def on_end(self, trace):
         for r in self.recs:
@@ -91,7 +95,15 @@ def test_replayed_records_equal_what_the_proxy_recorded_with_tokens_coalesced(ur
     # The same proxy run feeds a recorder directly and, through the shipping recorder and the wire
     # format, the daemon's replay: every request's trace must come out the same, and its token events
     # the same tokens at the same or slightly later times (coalesced per request within FLUSH_S).
-    direct, replayed = Rec(), Rec()
+    class Replayed(Rec):
+        def __init__(self):
+            super().__init__()
+            self.started = []
+
+        def on_start(self, trace):
+            self.started.append(trace)
+
+    direct, replayed = Rec(), Replayed()
     workers = ProxyWorkers(1, "http://unused", "127.0.0.1", 0, recorder=replayed, proxy_kwargs={},
                            header_timeout_s=10, idle_timeout_s=10)
     shipper = ShippingRecorder(urgent_max_active)
@@ -101,7 +113,7 @@ def test_replayed_records_equal_what_the_proxy_recorded_with_tokens_coalesced(ur
     async def main():
         up = Upstream()
         r1, up_url = await _serve(up.app())
-        proxy = Proxy(up_url, recorder=_Tee(direct, shipper))
+        proxy = WorkerProxy(up_url, recorder=_Tee(direct, shipper))
         shipper.proxy, shipper.active = proxy, lambda: proxy.active
         r2, px_url = await _serve(proxy.app())
         async with aiohttp.ClientSession() as s:
@@ -125,9 +137,14 @@ def test_replayed_records_equal_what_the_proxy_recorded_with_tokens_coalesced(ur
                                   headers={"X-Powerprof-Tag": "503"}) as r:
                     return r.status
 
-            await asyncio.gather(*(stream(i) for i in range(6)), cut(), plain(), failing())
+            async def broken():
+                body = {"n_predict": 30, "stream": True, "seed": 9}
+                async with s.post(px_url + "/completion", json=body, headers={"X-Powerprof-Tag": "broken"}) as r:
+                    return await r.read()
+
+            await asyncio.gather(*(stream(i) for i in range(6)), cut(), plain(), failing(), broken())
         for _ in range(200):
-            if len(direct.ended) == 9:
+            if len(direct.ended) == 10:
                 break
             await asyncio.sleep(0.02)
         await asyncio.sleep(3 * FLUSH_S)
@@ -135,9 +152,13 @@ def test_replayed_records_equal_what_the_proxy_recorded_with_tokens_coalesced(ur
         await r1.cleanup()
 
     _run(main())
-    assert len(direct.ended) == 9 and len(replayed.ended) == 9
-    by_tag = {t.tag: t for t in replayed.ended}
-    assert len({t.request_id for t in replayed.ended}) == 9
+    assert len(direct.ended) == 10 and len(replayed.started) == 10
+    by_tag = {t.tag: t for t in replayed.started}
+    assert len({t.request_id for t in replayed.started}) == 10
+    # As in-process: a request whose recording broke is not ended through the recorder, but its trace is
+    # (the ledger emits it from there), and nothing stays open in the daemon.
+    assert {t.tag for t in replayed.ended} == set(by_tag) - {"broken"}
+    assert by_tag["broken"].recorder_error and by_tag["broken"].end_ns is not None
     n_events = n_replayed = 0
     for d in direct.ended:
         r = by_tag[d.tag]

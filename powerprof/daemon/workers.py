@@ -82,8 +82,10 @@ def _start_record(tr: RequestTrace) -> tuple:
 
 
 def _end_record(tr: RequestTrace) -> tuple:
+    # With its start's fields: a request can end without a start (a body that timed out before it was
+    # recorded), and the daemon counts those too, as the in-process proxy's recorder does.
     c = tr.counts
-    return (tr.request_id, tr.end_ns, tr.end_wall_ns, tr.status, tr.outcome, tr.error, tr.first_ns, tr.first_wall_ns,
+    return (_start_record(tr), tr.end_ns, tr.end_wall_ns, tr.status, tr.outcome, tr.error, tr.first_ns, tr.first_wall_ns,
             tr.last_ns, tr.last_wall_ns, tr.tokens_seen, tr.response_bytes, tr.recorder_error, tr.api, tr.model,
             tr.stream, None if c is None else astuple(c), dict(tr.extra))
 
@@ -158,6 +160,21 @@ class ShippingRecorder:
         tr.write(frame(msg))
 
 
+class WorkerProxy(Proxy):
+    """The proxy in a worker: a request whose recording broke still sends its end (in-process the ledger
+    sees the end on the shared trace; the daemon's copy needs the record), and the daemon skips its
+    recorder's on_end for it, as `Proxy._safe` does in-process."""
+
+    def _safe(self, trace, fn, *args) -> None:
+        if trace is not None and trace.recorder_error is not None and fn == self.recorder.on_end:
+            try:
+                fn(trace)
+            except Exception:
+                self.recorder_failures += 1
+            return
+        super()._safe(trace, fn, *args)
+
+
 class _ParentLink(asyncio.Protocol):
     """The worker's end of the socketpair: EOF means the daemon is gone."""
 
@@ -181,7 +198,7 @@ async def _serve(spec: dict, sock: socket.socket) -> int:
     shipper = ShippingRecorder(spec["urgent_max_active"])
     transport, _ = await loop.create_unix_connection(lambda: _ParentLink(stop), sock=sock)
     shipper.transport = transport
-    proxy = Proxy(spec["upstream"], recorder=shipper, **spec["proxy"])
+    proxy = WorkerProxy(spec["upstream"], recorder=shipper, **spec["proxy"])
     shipper.proxy = proxy
     shipper.active = lambda: proxy.active
     guard = ConnectionGuard(spec["header_timeout_s"], spec["idle_timeout_s"])
@@ -201,7 +218,8 @@ async def _serve(spec: dict, sock: socket.socket) -> int:
     await runner.cleanup()  # in-flight requests get shutdown_timeout, then are cut and recorded
     shipper.flush()
     if not transport.is_closing():
-        transport.write_eof() if transport.can_write_eof() else None
+        if transport.can_write_eof():
+            transport.write_eof()
         for _ in range(100):  # let the last frame leave
             if transport.get_write_buffer_size() == 0:
                 break
@@ -243,10 +261,14 @@ class _WorkerLink(asyncio.Protocol):
             msgs = self.unframer.feed(data)
         except Exception as e:
             self.owner._failed(f"unreadable frame from proxy worker {self.worker.index}: {e}")
-            self.worker.transport.close()
+            if self.worker.transport is not None:
+                self.worker.transport.close()
             return
         for m in msgs:
-            self.owner._replay(self.worker, m)
+            try:
+                self.owner._replay(self.worker, m)
+            except Exception as e:  # a bug here must not cost the link (and so the worker)
+                self.owner._failed(f"{type(e).__name__}: {e}")
 
     def connection_lost(self, exc) -> None:
         self.owner._lost(self.worker)
@@ -417,10 +439,12 @@ class ProxyWorkers:
                 tr.extra["prompt_tokens"] = prompt
             self._call(rec.on_tokens, tr, t, n)
         for e in ends:
-            tr = mirrors.pop((w.index, e[0]), None)
-            if tr is None:
-                continue
-            (_rid, tr.end_ns, tr.end_wall_ns, tr.status, tr.outcome, tr.error, tr.first_ns, tr.first_wall_ns,
+            tr = mirrors.pop((w.index, e[0][0]), None)
+            if tr is None:  # never started (or its start was dropped): recorded from the end's copy
+                rid, method, endpoint, tag, arr, arr_wall, api, model, stream = e[0]
+                tr = RequestTrace(request_id=next(self._ids), method=method, endpoint=endpoint, tag=tag,
+                                  arrival_ns=arr, arrival_wall_ns=arr_wall, api=api, model=model, stream=stream)
+            (_start, tr.end_ns, tr.end_wall_ns, tr.status, tr.outcome, tr.error, tr.first_ns, tr.first_wall_ns,
              tr.last_ns, tr.last_wall_ns, tr.tokens_seen, tr.response_bytes, err, tr.api, tr.model, tr.stream,
              counts, extra) = e
             tr.counts = None if counts is None else streams.Counts(*counts)
