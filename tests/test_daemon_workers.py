@@ -378,3 +378,21 @@ def test_an_end_without_a_start_is_still_counted():
     (got,) = rec.ended
     assert (got.tag, got.status, got.outcome, got.arrival_ns, got.end_ns) == ("slow", 408, "client_timeout", 10, 30)
     assert workers.active == 0
+
+
+@pytest.mark.slow
+def test_a_second_daemon_does_not_join_a_port_the_first_ones_workers_serve(tmp_path):
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    env = {**sim_env(tmp_path), "POWERPROF_PROXY_WORKERS": "2"}
+    first = DaemonProc(tmp_path / "a", "--simulate", "--listen", f"127.0.0.1:{port}", env=env)
+    try:
+        with pytest.raises(RuntimeError, match="exited with 1") as e:
+            DaemonProc(tmp_path / "b", "--simulate", "--listen", f"127.0.0.1:{port}",
+                       env={**env, "POWERPROF_SIM_STATE": str(tmp_path / "sim-b.json")})
+        assert f"cannot start the proxy workers on 127.0.0.1:{port}" in str(e.value)
+    finally:
+        assert first.stop() == 0

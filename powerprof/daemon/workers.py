@@ -330,6 +330,12 @@ class ProxyWorkers:
         """Bind the address (port 0 picks one, kept for the daemon's life), start the workers, wait until
         each listens. OSError when the address cannot be had; RuntimeError when a worker does not start."""
         fam = socket.AF_INET6 if ":" in self.host else socket.AF_INET
+        if self.port:
+            # Without SO_REUSEPORT first: a port another process (of this user) serves with SO_REUSEPORT,
+            # say a second daemon with workers, would otherwise be joined silently and its traffic split.
+            with socket.socket(fam, socket.SOCK_STREAM) as probe:
+                probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+                probe.bind((self.host, self.port))
         s = socket.socket(fam, socket.SOCK_STREAM)
         s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
