@@ -396,3 +396,24 @@ def test_a_second_daemon_does_not_join_a_port_the_first_ones_workers_serve(tmp_p
         assert f"cannot start the proxy workers on 127.0.0.1:{port}" in str(e.value)
     finally:
         assert first.stop() == 0
+
+
+@pytest.mark.slow
+def test_sigterm_mid_stream_drains_the_workers_and_records_the_request_as_interrupted(tmp_path):
+    import json
+
+    d = DaemonProc(tmp_path / "data", "--simulate", "--flush-interval", "5",
+                   env={**sim_env(tmp_path), "POWERPROF_PROXY_WORKERS": "2"})
+    procs = _workers(d.proc.pid)
+    body = json.dumps({"prompt": "long", "n_predict": 5000, "ignore_eos": True, "stream": True}).encode()
+    r = urllib.request.urlopen(urllib.request.Request(d.info["proxy"] + "/completion", data=body, method="POST"),
+                               timeout=30)
+    r.read1(200)  # the stream is flowing
+    t0 = time.monotonic()
+    rc = d.stop()
+    assert rc == 0 and time.monotonic() - t0 < 15, d.output()
+    _gone, alive = psutil.wait_procs(procs, timeout=5)
+    assert not alive
+    reqs = read_dataset(tmp_path / "data", "requests")  # the worker's last records reached the ledger
+    assert list(reqs["outcome"]) == ["interrupted"] and reqs["generated_tokens"].iloc[0] > 0
+    assert reqs["error"].isna().all()  # cut by the stop, not by a worker's death
