@@ -257,6 +257,7 @@ class _WorkerLink(asyncio.Protocol):
         self.owner, self.worker, self.unframer = owner, worker, Unframer()
 
     def data_received(self, data: bytes) -> None:
+        self.owner.record_bytes += len(data)
         try:
             msgs = self.unframer.feed(data)
         except Exception as e:
@@ -312,6 +313,7 @@ class ProxyWorkers:
         self.restarts = 0
         self.replay_failures = 0
         self.lost_requests = 0  # in flight in a worker that died
+        self.record_bytes = 0  # received from the workers
 
     # what the daemon reads, as of an in-process Proxy
     @property
