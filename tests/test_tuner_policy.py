@@ -285,7 +285,7 @@ def test_reference_in_the_levels_form_resolves_like_the_levels_and_nonsense_is_r
 
 
 def test_a_trial_past_the_holding_band_ends_early_back_at_its_incumbent_not_the_reference():
-    tu = Tuner(cfg(dwell_s=120, window_s=120, guard_s=120, trial_guard_s=30), 0.0)
+    tu = Tuner(cfg(dwell_s=120, window_s=120, guard_s=120, trial_guard_s=30, drain_s=0), 0.0)  # drain: its own test
     plant = Plant(tpot_ms={150: 90.0, 200: 85.0, 250: 40.0, 300: 30.0})  # 200 W: 85% of the SLO, under the guard
     t, levels = plant.run(tu, 0, 600)
     trial = next(d for d in tu.decisions if d.action == "explore" and d.to_level == 200)
@@ -475,7 +475,7 @@ def test_no_trial_below_while_the_load_ramps_unless_ramp_descend():
 
 @pytest.mark.parametrize("rate_after, restored", [(2.0, 250), (2.6, 300)])
 def test_a_back_off_while_the_load_ramps_returns_ramp_restore_above_levels_above_the_broken_one(rate_after, restored):
-    tu = Tuner(ramp_cfg(backoff_s=30), 0.0)
+    tu = Tuner(ramp_cfg(backoff_s=30, break_restore_above=1), 0.0)  # only the ramp's rule: the break's has its own test
     t, _ = Plant().run(tu, 0, 1500)
     assert tu.level == 200
     t = run_rate(tu, Plant(), t, t + 300, lambda _: 2.0)
@@ -491,7 +491,66 @@ def test_a_back_off_while_the_load_ramps_returns_ramp_restore_above_levels_above
 
 
 @pytest.mark.parametrize("bad", [dict(rise_ratio=0.5), dict(rise_ratio=1.1), dict(ramp_growth=0.9),
-                                 dict(ramp_restore_above=0), dict(trend_s=0)])
+                                 dict(ramp_restore_above=0), dict(trend_s=0), dict(break_restore_above=0),
+                                 dict(drain_s=-1.0), dict(drain_s=math.inf), dict(drain_s=math.nan)])
 def test_ramp_knobs_are_checked(bad):
     with pytest.raises(TunerConfigError, match=next(iter(bad))):
         cfg(**bad)
+
+
+def drain_cfg(**kw):
+    return cfg(dwell_s=120, window_s=120, guard_s=120, trial_guard_s=30, **kw)
+
+
+# 150 W: 90% of the SLO, past the holding band, so its trial ends early; 200 W keeps the headroom.
+DRAIN_PLANT = dict(tpot_ms={150: 90.0, 200: 50.0, 250: 40.0, 300: 30.0})
+
+
+@pytest.mark.parametrize("drain_s", [0.0, 60.0])
+def test_a_trial_ended_early_drains_its_slow_requests_one_level_above_its_incumbent_then_returns(drain_s):
+    tu = Tuner(drain_cfg(drain_s=drain_s), 0.0)
+    t, levels = Plant(**DRAIN_PLANT).run(tu, 0, 900)
+    reject = next(d for d in tu.decisions if d.action == "reject" and d.from_level == 150)
+    after = [d for d in tu.decisions if d.t_s > reject.t_s and d.to_level != d.from_level]
+    if drain_s:
+        # One level above the incumbent (200 W) while the trial's queue drains, then back to the incumbent.
+        assert reject.to_level == 250 and "drain" in reject.reason
+        assert after[0].action == "restore" and after[0].to_level == 200
+        assert drain_s <= after[0].t_s - reject.t_s <= drain_s + 10
+    else:
+        assert reject.to_level == 200
+    assert tu.level == 200  # either way it settles at the incumbent
+    assert not any(d.action == "backoff" for d in tu.decisions)
+    assert 150 not in levels[-20:]  # the trial's level stays barred
+
+
+def test_a_guard_while_draining_backs_off_but_does_not_bar_the_drain_level():
+    tu = Tuner(drain_cfg(drain_s=300.0, backoff_s=30), 0.0)
+    plant = Plant(**DRAIN_PLANT)
+    t = 0
+    while tu.state != "drain" and t < 900:
+        t, _ = plant.run(tu, t, t + 10)
+    assert tu.state == "drain" and tu.level == 250
+    while tu.level == 250:  # the ended trial's queue finishing slowly: the guard still fires at once
+        t += 10
+        ds = tu.observe(window(t, 250, 250.0))
+    assert tu.level == 300 and ds[-1].action == "backoff" and "not barred" in ds[-1].reason
+    assert LEVELS.index(250) not in tu.regime.bars and LEVELS.index(250) not in tu.regime.strikes
+    t, _ = plant.run(tu, t, t + 60)
+    assert tu.level == 200  # the back-off over: the regime's best (the incumbent), not above it
+
+
+@pytest.mark.parametrize("tpot_ms, restored", [(95.0, 250), (150.0, 300)])
+@pytest.mark.parametrize("above", [1, 2])
+def test_a_back_off_on_a_p95_past_the_buckets_error_restores_break_restore_above_levels_up(tpot_ms, restored, above):
+    tu = Tuner(cfg(backoff_s=30, break_restore_above=above), 0.0)
+    t, _ = Plant().run(tu, 0, 1500)
+    assert tu.level == 200 and tu.load_growth(t) is None  # no ramp rule in play
+    while tu.level == 200:  # p95 read at 100-101% of the SLO (within the buckets' ±13%) or at 160%
+        t += 10
+        tu.observe(window(t, 200, tpot_ms))
+    assert tu.level == 300
+    t, _ = Plant().run(tu, t, t + 40)
+    # A break within the buckets' error may not have been one: one level above it, as before; an outright break
+    # two (the level just above a broken one broke next, minutes later, on the stationary trace).
+    assert tu.level == (restored if above == 2 else 250)

@@ -59,6 +59,10 @@ class TunerConfig:
     # p95 passes this × SLO: a rising load breaks a held level within minutes, before its next judgement
     ramp_restore_above: int = 2  # a guard back-off restores this many levels above the one that broke (else 1)
     ramp_descend: bool = False  # no trial below (a level that passes now fails as the load keeps growing)
+    break_restore_above: int = 2  # a guard back-off on a p95 past the SLO by more than the buckets' error restores this
+    # many levels above the one that broke (a level that broke outright is next to one that breaks again)
+    drain_s: float = 120.0  # a trial below ended early: hold one level above its incumbent this long while its slow
+    # requests drain, then the incumbent (0: straight back to the incumbent)
     blame_ratio: float = 1.7  # the reference's own p95 during a back-off past this × its usual p95/SLO in the regime:
     # a burst, and the load, not the level, is blamed (1.7: the 90th percentile of 5-minute p95s over their median)
     strikes: int = 1  # back-offs at one level within strike_s before it is barred (below it too) for reprobe_s
@@ -97,6 +101,8 @@ class TunerConfig:
                   "regime_s", "stale_s", "strike_s", "trial_guard_s", "trend_s"):
             if not getattr(self, k) > 0:
                 errs.append(f"tuner.{k}: must be positive seconds")
+        if not 0 <= self.drain_s <= 30 * 86400:
+            errs.append("tuner.drain_s: seconds, 0 (off) to 30 days")
         if not 0 < self.accept_ratio <= self.hold_ratio <= self.guard_ratio:
             errs.append("tuner: want 0 < accept_ratio ≤ hold_ratio ≤ guard_ratio")
         if not 0 <= self.min_gain < 0.5 or not 0 <= self.max_loss < 0.5:
@@ -108,10 +114,12 @@ class TunerConfig:
         if not self.accept_ratio <= self.rise_ratio <= self.guard_ratio:
             errs.append("tuner.rise_ratio: want accept_ratio ≤ rise_ratio ≤ guard_ratio")
         if min(self.max_step, self.min_requests, self.guard_min_requests, self.guard_ticks, self.strikes,
-               self.hold_confirm, self.accept_windows, self.ramp_restore_above) < 1 \
+               self.hold_confirm, self.accept_windows, self.ramp_restore_above,
+               self.break_restore_above) < 1 \
                 or not 0 <= self.prefill_weight <= 10:
             errs.append("tuner.max_step, min_requests, guard_min_requests, guard_ticks, strikes, hold_confirm, "
-                        "accept_windows, ramp_restore_above: at least 1; 0 ≤ prefill_weight ≤ 10")
+                        "accept_windows, ramp_restore_above, break_restore_above: at least 1; "
+                        "0 ≤ prefill_weight ≤ 10")
         if not self.regime_ratio > 1 or not 0 <= self.regime_margin < 1:
             errs.append("tuner.regime_ratio > 1 and 0 ≤ regime_margin < 1")
         if errs:
@@ -310,7 +318,7 @@ class _Regime:
 
 
 class Tuner:
-    """The state: current level, what it is doing (measure | trial | hold | backoff | killed | stale), per-regime memory.
+    """The state: current level, what it is doing (measure | trial | drain | hold | backoff | killed | stale), per-regime memory.
 
     Feed `observe(window)` one tick at a time (windows at one level: the caller splits at level
     changes); it returns the decisions of that tick (often none). `level` is where the knob
@@ -409,7 +417,7 @@ class Tuner:
             early = slo_ratio(g, self.cfg)
             if early is not None and early > self.cfg.hold_ratio:
                 self._reject(w.t_end_s, out, f"p95 at {early:.0%} of the SLO after {g.duration_s:.0f} s (a trial "
-                                             f"ends past {self.cfg.hold_ratio:.0%})", too_slow=True)
+                                             f"ends past {self.cfg.hold_ratio:.0%})", too_slow=True, early=True)
                 return out
         self._pending.append(w)
         self._step(w.t_end_s, out)
@@ -464,6 +472,12 @@ class Tuner:
     def _step(self, t: float, out: list[Decision]) -> None:
         cfg = self.cfg
         r = self.regime
+        if self.state == "drain":
+            if t - self.since_s >= cfg.drain_s:
+                out.append(self._move(t, "restore", self._incumbent_idx, "the ended trial's slow requests have drained: "
+                                                                         "back to the incumbent"))
+                self._enter("measure", t)
+            return
         if self.state == "backoff":
             if t - self.since_s >= cfg.backoff_s:
                 tail = merge(self._backoff_tail) if self._backoff_tail else None
@@ -561,16 +575,25 @@ class Tuner:
                    else f"saves {gain:+.1%} J/token, under the {need:+.0%} needed")
             self._reject(t, out, why, too_slow=not ok, stat=stat)
 
-    def _reject(self, t: float, out: list[Decision], why: str, too_slow: bool, stat: _LevelStat | None = None) -> None:
-        """End the trial in force: back to its incumbent; a level below it found too slow is barred."""
-        r = self.regime
-        if too_slow and self.idx < self._incumbent_idx:
+    def _reject(self, t: float, out: list[Decision], why: str, too_slow: bool, stat: _LevelStat | None = None,
+                early: bool = False) -> None:
+        """End the trial in force: back to its incumbent; a level below it found too slow is barred. A trial below
+        ended early (`early`) leaves slow requests queued: with drain_s, one level above the incumbent drains them."""
+        r, cfg = self.regime, self.cfg
+        down = self.idx < self._incumbent_idx
+        if too_slow and down:
             self._bar(r, self.idx, t)
         r.rejected[self.idx] = t
         back = self._incumbent_idx
+        drain = early and down and cfg.drain_s > 0 and back < self.ref  # never above the reference
+        if drain:
+            # The trial's queue finishes at the incumbent otherwise: its slow requests still broke the SLO window, and
+            # could make the incumbent's own guard fire minutes later (docs/tuner.md, sixth version).
+            back += 1
+            why += f"; {self._fmt(cfg.levels[back])} for {cfg.drain_s:g} s while its slow requests drain"
         self._end_trial(t)
         out.append(self._move(t, "reject", back, f"trial rejected: {why}", stat))
-        self._enter("measure", t)
+        self._enter("drain" if drain else "measure", t)
         if self._direction < 0:
             self._direction = +1
         else:
@@ -696,24 +719,29 @@ class Tuner:
         r = self.regime
         cfg = self.cfg
         self._undo, self._ref_threatened = (r.floor, r.floor_t, r.best, dict(r.bars)), False
-        self._threat_idx = self.idx
+        self._threat_idx = self.idx if self.state != "drain" else None
         xs = [x for _, x in r.ratios.get(self.ref, ())]
         self._ref_typical = float(np.median(xs)) if xs else None
         self._backoff_tail = []
         hits = [x for x in r.strikes.get(self.idx, []) if x > t - cfg.strike_s] + [t]
-        r.strikes[self.idx] = hits
-        barred = len(hits) >= cfg.strikes or self.state == "trial"
+        if self.state != "drain":
+            r.strikes[self.idx] = hits
+        # While draining an ended trial's queue the slow requests are the trial's (already barred), not this level's.
+        barred = (len(hits) >= cfg.strikes or self.state == "trial") and self.state != "drain"
         if barred:
             # A p95 within the buckets' error of the SLO may not have broken it: barred as a level found too slow.
-            self._bar(r, self.idx, t, hard=ratio > cfg.guard_ratio * (1 + BUCKET_ERROR))
+            hard = ratio > cfg.guard_ratio * (1 + BUCKET_ERROR)
+            self._bar(r, self.idx, t, hard=hard)
             growth = self.load_growth(t)
-            above = cfg.ramp_restore_above if growth is not None and growth > cfg.ramp_growth else 1
+            above = max(cfg.ramp_restore_above if growth is not None and growth > cfg.ramp_growth else 1,
+                        cfg.break_restore_above if hard else 1)
             if r.best is not None and r.best < r.floor + above - 1:
                 # hysteresis: after the back-off, return one level above the one that threatened (more while the
                 # load ramps: the level just above it breaks next, minutes later)
                 r.best = min(r.floor + above - 1, len(cfg.levels) - 1)
         self._end_trial(t)
-        then = "barred for now" if barred else f"strike {len(hits)} of {cfg.strikes}"
+        then = ("barred for now" if barred else f"strike {len(hits)} of {cfg.strikes}") if self.state != "drain" \
+            else "the ended trial's queue, not this level: not barred"
         out.append(self._move(t, "backoff", self.ref, f"SLO threatened: p95 at {ratio:.0%} of the SLO over the last "
                                                       f"{cfg.guard_s:g} s; back to the reference at once ({then})"))
         self._enter("backoff", t)
