@@ -285,7 +285,7 @@ def test_reference_in_the_levels_form_resolves_like_the_levels_and_nonsense_is_r
 
 
 def test_a_trial_past_the_holding_band_ends_early_back_at_its_incumbent_not_the_reference():
-    tu = Tuner(cfg(dwell_s=120, window_s=120, guard_s=120, trial_guard_s=30, drain_s=0), 0.0)  # drain: its own test
+    tu = Tuner(cfg(dwell_s=120, window_s=120, guard_s=120, trial_guard_s=30, drain_s=0), 0.0)  # drain_s: its own test
     plant = Plant(tpot_ms={150: 90.0, 200: 85.0, 250: 40.0, 300: 30.0})  # 200 W: 85% of the SLO, under the guard
     t, levels = plant.run(tu, 0, 600)
     trial = next(d for d in tu.decisions if d.action == "explore" and d.to_level == 200)
@@ -475,7 +475,7 @@ def test_no_trial_below_while_the_load_ramps_unless_ramp_descend():
 
 @pytest.mark.parametrize("rate_after, restored", [(2.0, 250), (2.6, 300)])
 def test_a_back_off_while_the_load_ramps_returns_ramp_restore_above_levels_above_the_broken_one(rate_after, restored):
-    tu = Tuner(ramp_cfg(backoff_s=30, break_restore_above=1), 0.0)  # only the ramp's rule: the break's has its own test
+    tu = Tuner(ramp_cfg(backoff_s=30, break_restore_above=1), 0.0)  # only the ramp's rule
     t, _ = Plant().run(tu, 0, 1500)
     assert tu.level == 200
     t = run_rate(tu, Plant(), t, t + 300, lambda _: 2.0)

@@ -59,9 +59,10 @@ class TunerConfig:
     # p95 passes this × SLO: a rising load breaks a held level within minutes, before its next judgement
     ramp_restore_above: int = 2  # a guard back-off restores this many levels above the one that broke (else 1)
     ramp_descend: bool = False  # no trial below (a level that passes now fails as the load keeps growing)
-    break_restore_above: int = 2  # a guard back-off on a p95 past the SLO by more than the buckets' error restores this
-    # many levels above the one that broke (a level that broke outright is next to one that breaks again)
-    drain_s: float = 120.0  # a trial below ended early: hold one level above its incumbent this long while its slow
+    # Tried in the sixth version and left off (docs/tuner.md: no fewer windows beyond the tuning seeds' one):
+    break_restore_above: int = 1  # a guard back-off on a p95 past the SLO by more than the buckets' error restores this
+    # many levels above the one that broke (else one)
+    drain_s: float = 0.0  # a trial below ended early: hold one level above its incumbent this long while its slow
     # requests drain, then the incumbent (0: straight back to the incumbent)
     blame_ratio: float = 1.7  # the reference's own p95 during a back-off past this × its usual p95/SLO in the regime:
     # a burst, and the load, not the level, is blamed (1.7: the 90th percentile of 5-minute p95s over their median)
