@@ -2,6 +2,7 @@
 
     python bench/tuner_eval.py                    # seed card, 4 seeds × (4 h stationary + 8 h diurnal with a shift), ~1 min
     python bench/tuner_eval.py --seeds 3 --json   # one seed, machine-readable
+    python bench/tuner_eval.py --set drain_s=120 --set break_restore_above=2   # a variant of the [tuner] knobs
 
 Simulated seed card (sim profile seed-16g), continuous batching with 64 slots
 (powerprof/sim/virtual.py: the simulator's step costs and DVFS under the cap, event to event
@@ -23,13 +24,14 @@ import argparse
 import json
 import sys
 import time
+import tomllib
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from _tuner import evaluate  # noqa: E402
 
-from powerprof.tuner.policy import TunerConfig  # noqa: E402
+from powerprof.tuner.policy import TunerConfigError, config_from_table  # noqa: E402
 from powerprof.workload.trace import LengthMix, diurnal, synthetic  # noqa: E402
 
 LEVELS_W = (150, 170, 190, 210, 230, 250, 270, 300)
@@ -62,10 +64,16 @@ def main() -> None:
     ap.add_argument("--card", choices=sorted(CARDS), default="seed",
                     help="seed: seed-16g, power limits; h200: h200-141g, locked SM clocks, 3x the traffic")
     ap.add_argument("--json", action="store_true")
+    ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                    help="a [tuner] knob for this run, as TOML writes its value (drain_s=120, ramp_descend=true)")
     a = ap.parse_args()
     seeds = [int(x) for x in a.seeds.split(",")]
     profile, knob, levels, default, slo, scale = CARDS[a.card]
-    cfg = TunerConfig(levels=levels, reference=default, knob=knob, **slo)
+    try:
+        knobs = tomllib.loads("\n".join(a.set))
+        cfg = config_from_table({**slo, **knobs, "knob": knob}, list(levels), default)
+    except (tomllib.TOMLDecodeError, TunerConfigError) as e:
+        sys.exit(f"tuner_eval: --set: {e}")
     if not a.json:
         print(f"{profile}: {knob} levels {', '.join(map(str, levels))} {cfg.unit}, default {default}; SLO TPOT p95 ≤ "
               f"{slo['tpot_p95_ms']:g} ms, TTFT p95 ≤ {slo['ttft_p95_ms']:g} ms; traffic ×{scale:g}")
