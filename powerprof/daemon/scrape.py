@@ -9,7 +9,8 @@
   request's tokens after the last scrape before it ends (said in the log).
 
 Parsing is pure (text/JSON in, numbers out); `Scraper` does the HTTP and keeps the state needed
-to turn snapshots into token deltas. Bodies are read up to MAX_METRICS_BYTES; a counter that is not
+to turn snapshots into token deltas; `Cadence` says when to scrape (fast while anything moves,
+slow once the server and the proxy are both still). Bodies are read up to MAX_METRICS_BYTES; a counter that is not
 finite and non-negative, or a slot's n_decoded that is not a count, fails that scrape with the reason.
 """
 
@@ -87,6 +88,47 @@ def slots_delta(prev: dict[int, tuple[object, int]], now: dict[int, tuple[object
         else:
             d += n - old[1]
     return d
+
+
+STILL_S = 5.0  # the counter and the proxy this long without movement: scrape at the idle period
+
+
+class Cadence:
+    """When the next scrape is due: every `fast_s` while something moves (proxied requests held by
+    the ledger, or the server's counter rose within STILL_S), every `idle_s` once both are still.
+
+    An idle server's counter does not move, so the fast period there only costs CPU. A counter rise
+    seen by a slow scrape, or a proxied request, switches back to `fast_s` at once; what that costs is
+    the first idle window of a bypass burst that starts from stillness: its tokens are spread over up
+    to `idle_s` instead of `fast_s` (docs/daemon.md, Scraping). `idle_s <= fast_s` keeps it fast."""
+
+    def __init__(self, fast_s: float, idle_s: float, still_s: float | None = None):
+        self.fast_s = fast_s  # both may be changed between calls (a live config reload)
+        self.idle_s = idle_s
+        self.still_s = STILL_S if still_s is None else still_s
+        self._moved: float | None = None  # when something last moved (None: not yet: start fast)
+        self._last: float | None = None  # when the last scrape ran
+
+    def period_s(self, now: float) -> float:
+        """The scrape period in force at `now`."""
+        if self._moved is None or now - self._moved < self.still_s:
+            return self.fast_s
+        return max(self.fast_s, self.idle_s)
+
+    def due(self, now: float, busy: bool) -> bool:
+        """Whether to scrape at `now` (polled every `fast_s`); `busy`: proxied requests are live."""
+        if busy:
+            self._moved = now
+        if self._last is None:
+            return True
+        # Half a fast period of slack: the poll that lands just short of a period still scrapes.
+        return now - self._last >= self.period_s(now) - self.fast_s / 2
+
+    def scraped(self, now: float, delta: float | None) -> None:
+        """A scrape ran at `now` and the counter rose by `delta` (None: the scrape failed)."""
+        self._last = now
+        if self._moved is None or (delta is not None and delta > 0):
+            self._moved = now
 
 
 class Scraper:

@@ -37,7 +37,7 @@ from .latency import RequestLatency
 from .ledger import Ledger
 from .metrics import GpuSnapshot, Snapshot, TagLimiter, make_registry, render
 from .proxy import Proxy, RequestTrace
-from .scrape import Scraper
+from .scrape import Cadence, Scraper
 from .store import Dataset, DatasetStore, Flusher, buffer_cap_rows
 from .tagapi import tag_app
 
@@ -393,18 +393,22 @@ class Daemon:
 
     async def _scrape_loop(self) -> None:
         since = None
+        cadence = Cadence(self.cfg.get("scrape", "interval_s"), self.cfg.get("scrape", "idle_interval_s"))
         while not self.stop_event.is_set():
-            t0 = time.monotonic_ns()
-            delta = await self.scraper.scrape()
-            t = (t0 + time.monotonic_ns()) // 2  # the counter was read somewhere in the request
-            if delta is not None:
-                # The delta covers the time since the previous scrape: spread over it (docs/daemon.md).
-                self.ledger.add_server_tokens(t, delta, since)
-                since = t
-            try:
-                await asyncio.wait_for(self.stop_event.wait(), self.cfg.get("scrape", "interval_s"))
-            except asyncio.TimeoutError:
-                pass
+            cadence.fast_s, cadence.idle_s = self.cfg.get("scrape", "interval_s"), self.cfg.get("scrape", "idle_interval_s")
+            # Proxied requests and tags being measured keep the scrape fast (docs/daemon.md, Scraping).
+            led = self.ledger
+            if cadence.due(time.monotonic(), bool(led.requests or led.tags or led.closed_tags)):
+                t0 = time.monotonic_ns()
+                delta = await self.scraper.scrape()
+                t = (t0 + time.monotonic_ns()) // 2  # the counter was read somewhere in the request
+                cadence.scraped(time.monotonic(), delta)
+                if delta is not None:
+                    # The delta covers the time since the previous scrape: spread over it (docs/daemon.md).
+                    self.ledger.add_server_tokens(t, delta, since)
+                    since = t
+            # A bare sleep (no task per wait, as wait_for makes): it wakes every fast period to poll.
+            await asyncio.sleep(cadence.fast_s)
 
     # --- reload ------------------------------------------------------------------------------------
 
