@@ -7,7 +7,7 @@ import json
 import time
 import types
 
-from powerprof.daemon.scrape import Cadence, Scraper, counter_total, llamacpp_generated, slot_progress, slots_delta
+from powerprof.daemon.scrape import Cadence, Scraper, burst_start_ns, counter_total, llamacpp_generated, slot_progress, slots_delta
 
 VLLM = """# HELP vllm:generation_tokens_total Number of generation tokens processed.
 # TYPE vllm:generation_tokens_total counter
@@ -129,6 +129,15 @@ def test_cadence_slows_when_still_and_speeds_at_once_on_a_counter_rise_or_a_requ
     assert c.period_s(25.0) == 0.25
 
 
+def test_a_burst_after_stillness_is_placed_back_from_the_rate_that_follows():
+    s = 1_000_000_000
+    # 2 s window, 100 tokens, the next window runs 200 tokens/s: the burst began 0.5 s before its end.
+    assert burst_start_ns(0, 2 * s, 100.0, 200.0 / s) == 1.5 * s
+    assert burst_start_ns(0, 2 * s, 1000.0, 200.0 / s) == 0  # more than the rate allows: the whole window
+    assert burst_start_ns(0, 2 * s, 100.0, 0.0) == 0  # the burst ended within it: no rate, spread evenly
+    assert burst_start_ns(0, 2 * s, 0.0, 200.0 / s) == 0
+
+
 class _Cfg:
     def __init__(self, **scrape_keys):
         self.keys = scrape_keys
@@ -188,15 +197,20 @@ def test_the_daemon_scrape_loop_follows_the_cadence(monkeypatch):
             await asyncio.sleep(2.5)
             assert calls[-1] - calls[-2] >= idle_s - fast_s / 2 - 0.01
             n = len(calls)
-            deltas.append(40.0)
+            deltas.extend([40.0, 20.0])
             await until(lambda: len(calls) >= n + 4, 10.0)
             assert len(calls) >= n + 4 and calls[n + 3] - calls[n] < 3 * (idle_s - fast_s / 2), calls[n:]
         finally:
             me.stop_event.set()
             await asyncio.wait_for(task, 5)
         # Every scrape reached the ledger, each window starting where the previous one ended.
-        assert len(ledger.spans) == len(calls)
-        assert all(a[1] == b[0] for a, b in zip(ledger.spans, ledger.spans[1:]))
-        assert sum(s[2] for s in ledger.spans) == 40.0
+        spans = ledger.spans
+        assert all(a[1] == b[0] for a, b in zip(spans, spans[1:]))
+        assert sum(s[2] for s in spans) == 60.0
+        # The slow window's 40 tokens were placed where the next window's rate (20 per fast window)
+        # says the burst began: two next-windows before its end, the rest of it left empty.
+        k = next(i for i, s in enumerate(spans) if s[2] == 40.0)
+        (_, start, empty), (_, end, _), (_, t_next, _) = spans[k - 1], spans[k], spans[k + 1]
+        assert empty == 0.0 and abs((end - start) - 2 * (t_next - end)) <= 2, spans[k - 1: k + 2]
 
     asyncio.run(go())

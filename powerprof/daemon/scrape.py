@@ -131,6 +131,16 @@ class Cadence:
             self._moved = now
 
 
+def burst_start_ns(since_ns: int, t_ns: int, delta: float, next_rate_per_ns: float) -> int:
+    """Where the tokens of a slow window that ends a stillness began: a burst running at the rate the
+    next (fast) window shows took delta / rate before `t_ns`; never before the window's start.
+    Spread over the whole window instead, a burst's tokens (and the window's idle time with them)
+    would count as busy from the window's start (docs/daemon.md, Scraping)."""
+    if delta <= 0 or next_rate_per_ns <= 0:
+        return since_ns
+    return max(since_ns, t_ns - int(delta / next_rate_per_ns))
+
+
 class Scraper:
     """Polls one server. `await scrape()` → tokens generated since the previous call, or None."""
 
