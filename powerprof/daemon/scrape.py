@@ -94,8 +94,9 @@ STILL_S = 5.0  # the counter and the proxy this long without movement: scrape at
 
 
 class Cadence:
-    """When the next scrape is due: every `fast_s` while something moves (proxied requests held by
-    the ledger, or the server's counter rose within STILL_S), every `idle_s` once both are still.
+    """When the next scrape is due: every `fast_s` while something moves (the caller's `busy`: proxied
+    requests held by the ledger, tags; or the server's counter rose within STILL_S), every `idle_s`
+    once all are still.
 
     An idle server's counter does not move, so the fast period there only costs CPU. A counter rise
     seen by a slow scrape, or a proxied request, switches back to `fast_s` at once; what that costs is
