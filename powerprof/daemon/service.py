@@ -395,7 +395,8 @@ class Daemon:
         since = held = None
         cadence = Cadence(self.cfg.get("scrape", "interval_s"), self.cfg.get("scrape", "idle_interval_s"))
         while not self.stop_event.is_set():
-            cadence.fast_s, cadence.idle_s = self.cfg.get("scrape", "interval_s"), self.cfg.get("scrape", "idle_interval_s")
+            cadence.fast_s = self.cfg.get("scrape", "interval_s")  # both live on SIGHUP
+            cadence.idle_s = self.cfg.get("scrape", "idle_interval_s")
             # Proxied requests and tags being measured keep the scrape fast (docs/daemon.md, Scraping).
             led = self.ledger
             if cadence.due(time.monotonic(), bool(led.requests or led.tags or led.closed_tags)):
