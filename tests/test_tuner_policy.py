@@ -296,3 +296,113 @@ def test_a_trial_past_the_holding_band_ends_early_back_at_its_incumbent_not_the_
     assert not any(d.action == "backoff" for d in tu.decisions)
     assert 150 not in levels  # 200 is barred with every level below it
 
+
+
+def feed_tail(tuner, t0, t1, n_high):
+    """Ticks at the level in force whose TPOT p95 reads just past hold_ratio (n_high = 1 of 20 at 90 ms, the rest
+    at 70 ms: 81% of the 100 ms SLO through the daemon's buckets) or past the band's middle (n_high = 2: 91%)."""
+    t = t0
+    while t < t1:
+        t += 10
+        w = window(t, tuner.level, 70.0)
+        tpot = histogram_counts([0.070] * (20 - n_high) + [0.090] * n_high)
+        tuner.observe(Window(w.t_end_s, w.duration_s, w.level, w.tokens, w.energy_j, w.arrivals, w.requests,
+                             w.prompt_tokens, w.output_tokens, w.ttft_counts, tpot))
+    return t
+
+
+@pytest.mark.parametrize("confirm", [1, 2])
+def test_a_held_level_moves_up_after_hold_confirm_judgements_past_the_band_or_at_once_past_its_middle(confirm):
+    for n_high, judgements in ((1, confirm), (2, 1)):
+        tu = Tuner(cfg(hold_confirm=confirm), 0.0)
+        t, _ = Plant().run(tu, 0, 1500)
+        assert tu.level == 200 and tu.state == "hold"
+        feed_tail(tu, t, t + 200, n_high)
+        up = next(d for d in tu.decisions if d.t_s > t and d.action == "backoff")
+        assert up.to_level == 250 and "one level up" in up.reason  # the band, not the guard
+        # Judgements of 200 W since the tail began, the last one being the move's (a quiet hold records no row).
+        judged = [x for s, x in tu.regime.ratios[LEVELS.index(200)] if t < s <= up.t_s]
+        assert len(judged) == judgements and all(x > 0.8 for x in judged), (n_high, judged)
+        assert (0.8 < up.slo_ratio < 0.9) if n_high == 1 else (0.9 < up.slo_ratio < 1.0)
+
+
+@pytest.mark.parametrize("ref_tpot_ms, slow_until_s, back_to", [(60.0, 80, 200), (30.0, 80, 250), (60.0, 40, 250)])
+def test_a_back_off_is_blamed_on_the_load_when_the_reference_itself_is_far_slower_than_usual(ref_tpot_ms, slow_until_s,
+                                                                                             back_to):
+    tu = Tuner(cfg(backoff_s=60), 0.0)
+    t, _ = Plant().run(tu, 0, 1500)
+    assert tu.level == 200
+    tu.observe(window(t + 10, 200, 150.0))  # a burst: the guard backs off to 300 W
+    assert tu.level == 300
+    # During the back-off the reference runs at 60 ms (twice its usual 30 ms, past blame_ratio 1.7×: a burst, the
+    # level keeps its standing and is restored) or at its usual 30 ms (the level broke it: barred, one above).
+    # Slow only in the back-off's first half: the requests the level left behind, not a burst.
+    Plant(tpot_ms={150: 80.0, 200: 50.0, 250: 40.0, 300: ref_tpot_ms}).run(tu, t + 10, t + slow_until_s)
+    Plant().run(tu, t + slow_until_s, t + 80)
+    t2, _ = Plant().run(tu, t + 80, t + 120)
+    assert tu.level == back_to
+    blamed = any("the load, not the level" in d.reason for d in tu.decisions if d.t_s > t)
+    assert blamed == (back_to == 200)
+
+
+def test_hold_confirm_and_blame_ratio_are_checked():
+    with pytest.raises(TunerConfigError, match="hold_confirm"):
+        cfg(hold_confirm=0)
+    with pytest.raises(TunerConfigError, match="blame_ratio"):
+        cfg(blame_ratio=0.5)
+
+
+def test_a_trial_in_the_holding_band_is_judged_again_and_kept_or_refused_on_the_mean_of_its_windows():
+    # 200 W reads 80% of the SLO (70 ms through the buckets): past accept_ratio, inside the holding band.
+    plant = Plant(tpot_ms={150: 90.0, 200: 70.0, 250: 40.0, 300: 30.0})
+    spans = {}
+    for n in (1, 3):
+        tu = Tuner(cfg(accept_windows=n), 0.0)
+        plant.run(tu, 0, 600)
+        trial = next(d for d in tu.decisions if d.action == "explore" and d.to_level == 200)
+        reject = next(d for d in tu.decisions if d.action == "reject" and d.from_level == 200)
+        assert ("mean of 3 windows" in reject.reason) == (n == 3) and reject.to_level == 250
+        spans[n] = reject.t_s - trial.t_s
+    assert spans[3] >= spans[1] + 2 * 30  # two more windows of window_s
+    # A first window in the band and a second well inside the headroom: kept on their mean (80% and 32%).
+    tu = Tuner(cfg(accept_windows=3), 0.0)
+    t, _ = plant.run(tu, 0, 600)
+    trial = next(d for d in tu.decisions if d.action == "explore" and d.to_level == 200)
+    tu = Tuner(cfg(accept_windows=3), 0.0)
+    t, _ = plant.run(tu, 0, trial.t_s)
+    assert tu.level == 200 and tu.state == "trial"
+    t, _ = plant.run(tu, t, t + 40)  # the first judgement: 80%, judged again
+    assert tu.level == 200 and tu.state == "trial"
+    Plant(tpot_ms={150: 90.0, 200: 30.0, 250: 40.0, 300: 30.0}).run(tu, t, t + 40)
+    accept = next(d for d in tu.decisions if d.action == "accept" and d.to_level == 200)
+    assert "mean of 2 windows" in accept.reason and accept.t_s > t
+
+
+def test_a_held_level_moves_up_at_once_when_its_load_grew_past_hold_growth():
+    for rate, judgements in ((2.0, 2), (2.4, 1)):  # 20% more work per second than 200 W was judged fine under
+        tu = Tuner(cfg(), 0.0)
+        t, _ = Plant().run(tu, 0, 1500)
+        assert tu.level == 200 and tu.state == "hold"
+        tt = t
+        while tu.level == 200 and tt < t + 300:
+            tt += 10
+            w = window(tt, 200, 70.0, rate=rate)
+            tpot = histogram_counts([0.070] * 19 + [0.090])  # 81% of the SLO
+            tu.observe(Window(w.t_end_s, w.duration_s, w.level, w.tokens, w.energy_j, w.arrivals, w.requests,
+                              w.prompt_tokens, w.output_tokens, w.ttft_counts, tpot))
+        up = next(d for d in tu.decisions if d.t_s > t and d.action == "backoff")
+        assert up.to_level == 250 and 0.8 < up.slo_ratio < 0.9
+        assert len([x for s, x in tu.regime.ratios[LEVELS.index(200)] if t < s <= up.t_s]) == judgements, rate
+
+
+@pytest.mark.parametrize("tpot_ms, times, span", [(95.0, 1, 1), (150.0, 2, 2)])
+def test_a_back_off_within_the_buckets_error_of_the_slo_bars_the_level_as_too_slow_not_as_broken(tpot_ms, times, span):
+    tu = Tuner(cfg(reprobe_s=3000), 0.0)
+    t, _ = Plant().run(tu, 0, 1500)
+    assert tu.level == 200
+    while tu.level == 200 and t < 1600:  # until the guard's window reads p95 at 100-101% (within ±13%) or 160%
+        t += 10
+        ds = tu.observe(window(t, 200, tpot_ms))
+    assert ds[-1].action == "backoff" and tu.level == 300
+    n, until = tu.regime.bars[LEVELS.index(200)]
+    assert (n, until) == (times, t + 3000 * span)

@@ -220,9 +220,8 @@ def measure(
         notes.append(note)
     summary = summarise(rows)
     notes += short_figure_notes(summary)
-    if profiler is not None and profiler.edge_errors:
-        notes.append(f"{profiler.edge_errors} window-edge sensor reads failed: those windows' edges rest on the "
-                     "nearest periodic readings (wider interpolation); fix: check the GPU driver (powerprof devices)")
+    if profiler is not None:
+        notes += profiler.edge_notes()
     return MeasureResult(server, records, rows, summary, notes=notes, aborted=aborted, excluded=excluded_windows(rows))
 
 
