@@ -1,11 +1,13 @@
 """The floor under the proxy's CPU per token: a bare TCP relay next to the proxy alone, user and system time apart.
 
-    .venv/bin/python bench/proxy_floor.py [--streams 64] [--rounds 2] [--tokens 8,32,128]
+    .venv/bin/python bench/proxy_floor.py [--streams 64] [--rounds 2] [--tokens 8,32,128] [--kinds bare,proxy,worker]
 
 The upstream of bench/proxy_latency.py (SSE events 2 ms apart, one chunk each, 8/32/128 per response)
 in one process; in another, either a bare relay (uvloop protocols: each read written to the other
-side, no HTTP, no parsing) or `Proxy` with a null recorder (no ledger); the load generator in a
-third. CPU per chunk (tokens + 1 per response) from the relay process's /proc schedstat, split into user
+side, no HTTP, no parsing), `Proxy` with a null recorder (no ledger), or a proxy worker as
+`proxy.workers > 1` runs it (`WorkerProxy` with its shipping recorder, the records written to a
+socket that this process reads and discards: the daemon's replay is not counted); the load
+generator in a third. CPU per chunk (tokens + 1 per response) from the relay process's /proc schedstat, split into user
 and system time from /proc/<pid>/stat (clock ticks: read over seconds, not per request). The bare
 relay's system time is what the kernel charges for one recv and one send per chunk on this
 machine; no forwarder in one process gets below it with one chunk per token. A straight line
@@ -18,9 +20,11 @@ from __future__ import annotations
 import argparse
 import asyncio
 import os
+import socket
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 
@@ -73,7 +77,18 @@ def relay_main(up_port: int, port_file: str, kind: str) -> None:
 
             from powerprof.daemon.proxy import Proxy
 
-            runner = web.AppRunner(Proxy(f"http://127.0.0.1:{up_port}").app(), access_log=None)
+            proxy = Proxy(f"http://127.0.0.1:{up_port}")
+            if kind == "worker":
+                import socket
+
+                from powerprof.daemon.workers import ShippingRecorder, WorkerProxy
+
+                shipper = ShippingRecorder(4)
+                shipper.transport, _ = await loop.create_unix_connection(
+                    asyncio.Protocol, sock=socket.socket(fileno=int(os.environ["POWERPROF_FLOOR_FD"])))
+                proxy = WorkerProxy(f"http://127.0.0.1:{up_port}", recorder=shipper)
+                shipper.proxy, shipper.active = proxy, lambda: proxy.active
+            runner = web.AppRunner(proxy.app(), access_log=None)
             await runner.setup()
             await web.TCPSite(runner, "127.0.0.1", 0, backlog=1024).start()
             port = runner.addresses[0][1]
@@ -86,6 +101,11 @@ def relay_main(up_port: int, port_file: str, kind: str) -> None:
 def _user_sys_ticks(pid: int) -> tuple[int, int]:
     fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
     return int(fields[11]), int(fields[12])
+
+
+def _drain(sock, count: list) -> None:
+    while data := sock.recv(1 << 16):
+        count[0] += len(data)
 
 
 def _wait_port(path: Path) -> int:
@@ -101,33 +121,45 @@ def main() -> None:
     ap.add_argument("--streams", type=int, default=64)
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--tokens", default="8,32,128", help="tokens per response, one case each")
+    ap.add_argument("--kinds", default="bare,proxy,worker", help="relays to measure")
     a = ap.parse_args()
     tmp = Path(tempfile.mkdtemp(prefix="powerprof-floor-"))
     procs = [subprocess.Popen([sys.executable, pl.__file__, "--upstream", str(tmp / "up")])]
     hz = os.sysconf("SC_CLK_TCK")
+    shipped = [0]  # record bytes the worker relay sent
     try:
         up_port = _wait_port(tmp / "up")
         print(f"{a.streams} streams, 8 requests per stream; CPU per chunk of the relaying process (best of "
               f"{a.rounds})")
         print("relay  tokens  total_us  user_us  sys_us   tok_s")
         per_response = {}
-        for kind in ("bare", "proxy"):
-            procs.append(subprocess.Popen([sys.executable, __file__, "--relay", str(up_port), str(tmp / kind), kind]))
+        for kind in a.kinds.split(","):
+            fds, env = (), None
+            if kind == "worker":
+                ours, theirs = socket.socketpair()
+                fds, env = (theirs.fileno(),), {**os.environ, "POWERPROF_FLOOR_FD": str(theirs.fileno())}
+                threading.Thread(target=_drain, args=(ours, shipped), daemon=True).start()
+            procs.append(subprocess.Popen([sys.executable, __file__, "--relay", str(up_port), str(tmp / kind), kind],
+                                          pass_fds=fds, env=env))
+            if kind == "worker":
+                theirs.close()
             url = f"http://127.0.0.1:{_wait_port(tmp / kind)}"
             meter = pl.CpuMeter(procs[-1].pid)
             asyncio.run(pl.load(url, 4, 2))
             for tokens in [int(x) for x in a.tokens.split(",")]:
                 best = None
                 for _ in range(a.rounds):
-                    c0, t0 = meter.own_s(), _user_sys_ticks(procs[-1].pid)
+                    c0, t0, b0 = meter.own_s(), _user_sys_ticks(procs[-1].pid), shipped[0]
                     r = asyncio.run(pl.load(url, a.streams, 8, tokens=tokens))
+                    time.sleep(0.1)  # the last records
                     c1, t1 = meter.own_s(), _user_sys_ticks(procs[-1].pid)
                     n = a.streams * 8 * (tokens + 1)
                     row = (1e6 * (c1 - c0) / n, 1e6 * (t1[0] - t0[0]) / hz / n, 1e6 * (t1[1] - t0[1]) / hz / n,
-                           r["tok_s"])
+                           r["tok_s"], (shipped[0] - b0) / (a.streams * 8 * tokens))
                     best = row if best is None or row[0] < best[0] else best
                 per_response.setdefault(kind, []).append((tokens + 1, best[0] * (tokens + 1)))
-                print(f"{kind:6s} {tokens:6d}  {best[0]:8.1f}  {best[1]:7.1f}  {best[2]:6.1f}  {best[3]:6.0f}")
+                extra = f"  {best[4]:.1f} record bytes per token" if kind == "worker" else ""
+                print(f"{kind:6s} {tokens:6d}  {best[0]:8.1f}  {best[1]:7.1f}  {best[2]:6.1f}  {best[3]:6.0f}{extra}")
         for kind, pts in per_response.items():
             if len(pts) >= 2:
                 (x0, y0), (x1, y1) = pts[0], pts[-1]

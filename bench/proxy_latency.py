@@ -1,6 +1,7 @@
 """Proxy cost: latency added per request, throughput, and the proxy's own CPU per token and request.
 
     .venv/bin/python bench/proxy_latency.py [--streams 1,64,256] [--pace 256x25] [--requests-per-stream 8]
+                                            [--workers 1,2]
 
 An upstream process serves deterministic SSE streams (32 tokens per response); the real daemon
 (`powerprof daemon --simulate --upstream URL`, recording and attribution on) runs in another
@@ -13,6 +14,11 @@ cores) and a GPU-like pace (`--pace STREAMSxGAP_MS`: 256 streams at 25 ms per to
 40 tokens/s each, as a batched GPU server emits them). CPU: the daemon process's user+system time
 during the proxied runs, minus its simulator threads (`sim-*`) and minus its idle rate measured
 before (sampling, flushes), divided by the tokens and requests that passed.
+
+`--workers 1,2`: one daemon per value (`proxy.workers`: 1 = the proxy in the daemon, N > 1 = N
+proxy processes on SO_REUSEPORT whose records the daemon replays), all started at once; each
+round runs direct, then each daemon's proxy in turn. CPU then sums the daemon and its worker
+processes (all of them, per thread, minus the simulator's threads and the idle rate).
 """
 
 from __future__ import annotations
@@ -92,47 +98,80 @@ async def load(url: str, streams: int, per_stream: int, gap_s: float = GAP_S, to
 
 
 class CpuMeter:
-    """The daemon's CPU seconds without its simulator threads, per thread from /proc/<pid>/task/*/schedstat
-    (nanoseconds on the CPU; the clock-tick counts of /proc/<pid>/stat are too coarse for one request)."""
+    """The daemon's CPU seconds (and its proxy workers') without its simulator threads, per thread from
+    /proc/<pid>/task/*/schedstat (nanoseconds on the CPU; the clock-tick counts of /proc/<pid>/stat are too
+    coarse for one request). A worker restarted mid-run would lose its predecessor's time: none is expected."""
 
     def __init__(self, pid: int):
         self.pid = pid
 
-    def own_s(self) -> float:
-        total = 0
-        for task in Path(f"/proc/{self.pid}/task").iterdir():
-            try:
-                if (task / "comm").read_text().startswith("sim-"):
+    def pids(self) -> list[int]:
+        kids = []
+        for p in Path("/proc").iterdir():
+            if p.name.isdigit():
+                try:
+                    if int((p / "stat").read_text().rsplit(")", 1)[1].split()[1]) == self.pid:
+                        kids.append(int(p.name))
+                except (OSError, ValueError, IndexError):
                     continue
-                total += int((task / "schedstat").read_text().split()[0])
-            except (OSError, ValueError, IndexError):
-                continue  # the thread ended
-        return total / 1e9
+        return [self.pid, *kids]
+
+    def own_s(self) -> float:
+        return sum(self.split_s())
+
+    def split_s(self) -> tuple[float, float]:
+        """(the daemon's own process, its children summed)."""
+        out = [0, 0]
+        for pid in self.pids():
+            try:
+                tasks = list(Path(f"/proc/{pid}/task").iterdir())
+            except OSError:
+                continue
+            for task in tasks:
+                try:
+                    if (task / "comm").read_text().startswith("sim-"):
+                        continue
+                    out[pid != self.pid] += int((task / "schedstat").read_text().split()[0])
+                except (OSError, ValueError, IndexError):
+                    continue  # the thread ended
+        return out[0] / 1e9, out[1] / 1e9
 
 
-def run_case(label: str, direct: str, proxy: str, streams: int, per_stream: int, gap_s: float, rounds: int,
-             meter: CpuMeter, idle_rate: float) -> dict:
-    res = {"direct": [], "proxy": []}
-    cpu_s = 0.0
+def run_case(label: str, direct: str, proxies: dict, streams: int, per_stream: int, gap_s: float, rounds: int,
+             meters: dict, idle_rates: dict) -> dict:
+    """`proxies`, `meters`, `idle_rates`: by name (one per daemon). Returns by name: ratio to direct, added
+    ttfb and per-token time at p50, CPU per token and per request."""
+    res = {"direct": [], **{name: [] for name in proxies}}
+    cpu_s = dict.fromkeys(proxies, 0.0)
+    kids_s = dict.fromkeys(proxies, 0.0)  # of which the worker processes
     for _ in range(rounds):
-        for name, url in (("direct", direct), ("proxy", proxy)):
-            c0, t0 = meter.own_s(), time.perf_counter()
+        for name, url in (("direct", direct), *proxies.items()):
+            if name != "direct":
+                (p0, k0), t0 = meters[name].split_s(), time.perf_counter()
             res[name].append(asyncio.run(load(url, streams, per_stream, gap_s)))
-            if name == "proxy":
-                cpu_s += max(0.0, meter.own_s() - c0 - idle_rate * (time.perf_counter() - t0))
+            if name != "direct":
+                p1, k1 = meters[name].split_s()
+                cpu_s[name] += max(0.0, p1 + k1 - p0 - k0 - idle_rates[name] * (time.perf_counter() - t0))
+                kids_s[name] += k1 - k0
     med = {k: {m: statistics.median(r[m] for r in v) for m in v[0]} for k, v in res.items()}
-    for name in ("direct", "proxy"):
+    for name in res:
         m = med[name]
-        print(f"{label:>9s}  {name:6s}  {m['ttfb_p50_ms']:11.2f}  {m['ttfb_p95_ms']:11.2f}  "
+        print(f"{label:>9s}  {name:9s}  {m['ttfb_p50_ms']:11.2f}  {m['ttfb_p95_ms']:11.2f}  "
               f"{m['total_p50_ms']:12.2f}  {m['total_p95_ms']:12.2f}  {m['req_s']:7.1f}  {m['tok_s']:7.0f}")
-    d, p = med["direct"], med["proxy"]
+    d = med["direct"]
     n_req = rounds * streams * per_stream
-    out = {"ratio": p["tok_s"] / d["tok_s"], "ttfb_ms": p["ttfb_p50_ms"] - d["ttfb_p50_ms"],
-           "per_token_ms": (p["total_p50_ms"] - d["total_p50_ms"]) / TOKENS,
-           "cpu_us_token": 1e6 * cpu_s / (n_req * TOKENS), "cpu_us_request": 1e6 * cpu_s / n_req}
-    print(f"{label:>9s}  added   ttfb {out['ttfb_ms']:+.2f} ms, {out['per_token_ms']:+.3f} ms per token (p50); "
-          f"throughput proxy/direct {out['ratio']:.2f}; proxy CPU {out['cpu_us_token']:.1f} us/token, "
-          f"{out['cpu_us_request']:.0f} us/request")
+    out = {}
+    for name in proxies:
+        p = med[name]
+        out[name] = r = {"ratio": p["tok_s"] / d["tok_s"], "ttfb_ms": p["ttfb_p50_ms"] - d["ttfb_p50_ms"],
+                         "per_token_ms": (p["total_p50_ms"] - d["total_p50_ms"]) / TOKENS, "tok_s": p["tok_s"],
+                         "cpu_us_token": 1e6 * cpu_s[name] / (n_req * TOKENS), "cpu_us_request": 1e6 * cpu_s[name] / n_req,
+                         "workers_us_token": 1e6 * kids_s[name] / (n_req * TOKENS)}
+        split = (f" (workers {r['workers_us_token']:.1f}, the daemon's replay and accounts "
+                 f"{r['cpu_us_token'] - r['workers_us_token']:.1f})" if r["workers_us_token"] > 0 else "")
+        print(f"{label:>9s}  {name:9s} added ttfb {r['ttfb_ms']:+.2f} ms, {r['per_token_ms']:+.3f} ms per token (p50); "
+              f"throughput proxy/direct {r['ratio']:.2f}; proxy CPU {r['cpu_us_token']:.1f} us/token{split}, "
+              f"{r['cpu_us_request']:.0f} us/request")
     return out
 
 
@@ -142,55 +181,69 @@ def main() -> None:
     ap.add_argument("--pace", default="256x25", help="GPU-like case STREAMSxGAP_MS; empty to skip")
     ap.add_argument("--requests-per-stream", type=int, default=8)
     ap.add_argument("--rounds", type=int, default=2, help="direct/proxy alternations per case")
+    ap.add_argument("--workers", default="1", help="proxy.workers of each daemon to compare, e.g. 1,2")
     a = ap.parse_args()
+    workers = [int(x) for x in a.workers.split(",") if x]
     tmp = Path(tempfile.mkdtemp(prefix="powerprof-bench-"))
     port_file = tmp / "port"
     up = subprocess.Popen([sys.executable, __file__, "--upstream", str(port_file)])
-    daemon = None
+    daemons = {}
     try:
         for _ in range(400):
             if port_file.exists() and port_file.read_text():
                 break
             time.sleep(0.05)
         direct = f"http://127.0.0.1:{port_file.read_text()}"
-        data = tmp / "data"
-        env = {**os.environ, "POWERPROF_SIM_STATE": str(tmp / "sim.json")}
-        daemon = subprocess.Popen(
-            [sys.executable, "-m", "powerprof.cli", "daemon", "--simulate", "--upstream", direct, "--data-dir",
-             str(data), "--listen", "127.0.0.1:0", "--metrics-listen", "", "--tag-socket", str(tmp / "t.sock")],
-            stdout=open(tmp / "daemon.log", "wb"), stderr=subprocess.STDOUT, env=env)
-        info = wait_for_daemon_info(data)
-        proxy = info["proxy"]
+        infos = {}
+        for w in workers:
+            name = "proxy" if len(workers) == 1 else f"workers={w}"
+            data = tmp / f"data-{w}"
+            env = {**os.environ, "POWERPROF_SIM_STATE": str(tmp / f"sim-{w}.json"), "POWERPROF_PROXY_WORKERS": str(w)}
+            daemons[name] = subprocess.Popen(
+                [sys.executable, "-m", "powerprof.cli", "daemon", "--simulate", "--upstream", direct, "--data-dir",
+                 str(data), "--listen", "127.0.0.1:0", "--metrics-listen", "", "--tag-socket", str(tmp / f"t{w}.sock")],
+                stdout=open(tmp / f"daemon-{w}.log", "wb"), stderr=subprocess.STDOUT, env=env)
+            infos[name] = data
+        proxies = {name: wait_for_daemon_info(data)["proxy"] for name, data in infos.items()}
         asyncio.run(load(direct, 4, 2))
-        asyncio.run(load(proxy, 4, 2))  # warm both paths
-        meter = CpuMeter(daemon.pid)
-        c0, t0 = meter.own_s(), time.perf_counter()
+        for url in proxies.values():
+            asyncio.run(load(url, 4, 2))  # warm every path
+        meters = {name: CpuMeter(p.pid) for name, p in daemons.items()}
+        c0, t0 = {n: m.own_s() for n, m in meters.items()}, time.perf_counter()
         time.sleep(3.0)
-        idle_rate = (meter.own_s() - c0) / (time.perf_counter() - t0)
+        idle = {n: (m.own_s() - c0[n]) / (time.perf_counter() - t0) for n, m in meters.items()}
         print(f"{TOKENS} tokens per streamed response; {a.requests_per_stream} requests per stream; medians of "
-              f"{a.rounds} alternating rounds; daemon idle CPU {100 * idle_rate:.2f} % of a core (subtracted)")
-        print("     case  path    ttfb_p50_ms  ttfb_p95_ms  total_p50_ms  total_p95_ms    req_s    tok_s")
+              f"{a.rounds} alternating rounds; idle CPU (subtracted): "
+              + ", ".join(f"{n} {100 * r:.2f} % of a core" for n, r in idle.items())
+              + f"; {os.cpu_count()} CPUs shared by the upstream, the load generator and every daemon")
+        print("     case  path       ttfb_p50_ms  ttfb_p95_ms  total_p50_ms  total_p95_ms    req_s    tok_s")
         results = {}
         for streams in [int(x) for x in a.streams.split(",") if x]:
-            results[f"{streams}@{GAP_S * 1e3:g}ms"] = run_case(
-                f"{streams}@{GAP_S * 1e3:g}ms", direct, proxy, streams, a.requests_per_stream, GAP_S, a.rounds,
-                meter, idle_rate)
+            label = f"{streams}@{GAP_S * 1e3:g}ms"
+            results[label] = run_case(label, direct, proxies, streams, a.requests_per_stream, GAP_S, a.rounds,
+                                      meters, idle)
         if a.pace:
             n, gap_ms = (float(x) for x in a.pace.split("x"))
-            results["pace"] = run_case(f"{int(n)}@{gap_ms:g}ms", direct, proxy, int(n), a.requests_per_stream,
-                                       gap_ms / 1e3, a.rounds, meter, idle_rate)
+            results["pace"] = run_case(f"{int(n)}@{gap_ms:g}ms", direct, proxies, int(n), a.requests_per_stream,
+                                       gap_ms / 1e3, a.rounds, meters, idle)
         print("summary (issue 13 targets in brackets):")
-        for k, r in results.items():
+        for k, by in results.items():
             note = "  [stress: >= 0.90; before this change 0.62 at 64 streams]" if k.startswith("64@") else ""
             if k == "pace":
                 note = "  [>= 0.99x, ttfb <= +0.5 ms, <= +0.2 ms per token]"
-            print(f"  {k:>10s}: throughput {r['ratio']:.2f}x direct, ttfb {r['ttfb_ms']:+.2f} ms, "
-                  f"{r['per_token_ms']:+.3f} ms/token, proxy CPU {r['cpu_us_token']:.1f} us/token "
-                  f"[<= 10], {r['cpu_us_request']:.0f} us/request{note}")
+            for name, r in by.items():
+                print(f"  {k:>10s} {name:9s}: throughput {r['ratio']:.2f}x direct, ttfb {r['ttfb_ms']:+.2f} ms, "
+                      f"{r['per_token_ms']:+.3f} ms/token, proxy CPU {r['cpu_us_token']:.1f} us/token "
+                      f"[<= 10], {r['cpu_us_request']:.0f} us/request{note}")
+            if len(by) > 1:
+                (n1, r1), *rest = by.items()
+                print(f"  {k:>10s} " + "; ".join(f"{n}/{n1}: throughput {r['tok_s'] / r1['tok_s']:.2f}x, CPU per token "
+                                                 f"{r['cpu_us_token'] / r1['cpu_us_token']:.2f}x" for n, r in rest))
     finally:
-        if daemon is not None:
-            daemon.terminate()
-            daemon.wait(60)
+        for p in daemons.values():
+            p.terminate()
+        for p in daemons.values():
+            p.wait(60)
         up.terminate()
         up.wait(10)
 

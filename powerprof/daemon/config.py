@@ -165,6 +165,8 @@ SPEC: dict[str, dict[str, Key]] = {
                               help="an idle keep-alive client connection is closed after this"),
         "body_timeout_s": Key(float, 60.0, _positive(0, 86400),
                               help="longest silence while reading a request body (408 after)"),
+        "workers": Key(int, 1, _positive(1, 64, True),
+                       help="proxy processes on the listen port (SO_REUSEPORT); 1 = the proxy runs in the daemon"),
     },
     "scrape": {
         "server": Key(str, "auto", _choice("auto", "vllm", "sglang", "llamacpp", "none")),

@@ -478,12 +478,34 @@ class Daemon:
             self.guard.watch(runner.server)
         if listen.startswith("unix:"):
             return listen
-        host = listen_host(listen)
-        if not is_loopback(host):
-            log.warning("the %s listens on %s, reachable from other machines, without authentication: "
-                        "firewall it (daemon.listen_beyond_loopback is set)", what, listen)
+        self._warn_beyond_loopback(listen, what)
         sock = runner.addresses[-1]  # the real port when 0 was asked
         return http_url(sock[0], sock[1])
+
+    @staticmethod
+    def _warn_beyond_loopback(listen: str, what: str) -> None:
+        if not is_loopback(listen_host(listen)):
+            log.warning("the %s listens on %s, reachable from other machines, without authentication: "
+                        "firewall it (daemon.listen_beyond_loopback is set)", what, listen)
+
+    async def _serve_workers(self, upstream: str, listen: str, proxy_kwargs: dict) -> str:
+        """proxy.workers > 1: that many proxy processes on the address (SO_REUSEPORT), their records
+        replayed into this process's recorder (`daemon/workers.py`); stopped with the listeners."""
+        from .workers import ProxyWorkers
+
+        host, port = _split_listen(listen)
+        self.proxy = ProxyWorkers(
+            self.cfg.get("proxy", "workers"), upstream, host, port, recorder=self, proxy_kwargs=proxy_kwargs,
+            header_timeout_s=self.cfg.get("proxy", "header_timeout_s"),
+            idle_timeout_s=self.cfg.get("proxy", "idle_timeout_s"),
+            urgent_max_active=self.cfg.get("attribution", "edge_max_inflight"), log_format=log_format())
+        self._runners.append(self.proxy)  # its cleanup() stops the workers with the other listeners
+        try:
+            host, port = await self.proxy.start()
+        except (OSError, RuntimeError) as e:
+            raise StartupError(f"cannot start the proxy workers on {listen}: {getattr(e, 'strerror', None) or e}") from None
+        self._warn_beyond_loopback(listen, "proxy")
+        return http_url(host, port)
 
     async def _serve_tags(self) -> None:
         path = self.cfg.tag_socket()
@@ -589,16 +611,18 @@ class Daemon:
                 self.urls["sim_upstream"] = upstream
         listen = cfg.get("proxy", "listen")
         if listen and upstream:
-            self.proxy = Proxy(
-                upstream,
-                recorder=self,
+            proxy_kwargs = dict(
                 tag_header=cfg.get("proxy", "tag_header"),
                 read_timeout_s=cfg.get("proxy", "read_timeout_s"),
                 connect_timeout_s=cfg.get("proxy", "connect_timeout_s"),
                 max_connections=cfg.get("proxy", "max_connections"),
                 body_timeout_s=cfg.get("proxy", "body_timeout_s"),
             )
-            self.urls["proxy"] = await self._serve(self.proxy.app(), listen, "proxy")
+            if cfg.get("proxy", "workers") > 1:
+                self.urls["proxy"] = await self._serve_workers(upstream, listen, proxy_kwargs)
+            else:
+                self.proxy = Proxy(upstream, recorder=self, **proxy_kwargs)
+                self.urls["proxy"] = await self._serve(self.proxy.app(), listen, "proxy")
         elif listen:
             log.warning("proxy disabled: no proxy.upstream configured")
         if cfg.get("metrics", "listen"):
