@@ -399,8 +399,7 @@ class Daemon:
             cadence.idle_s = self.cfg.get("scrape", "idle_interval_s")
             # Proxied requests and tags being measured keep the scrape fast (docs/daemon.md, Scraping).
             led = self.ledger
-            busy = bool(led.requests or led.tags or led.closed_tags)
-            if cadence.due(time.monotonic(), busy):
+            if cadence.due(time.monotonic(), bool(led.requests or led.tags or led.closed_tags)):
                 t0 = time.monotonic_ns()
                 delta = await self.scraper.scrape()
                 t = (t0 + time.monotonic_ns()) // 2  # the counter was read somewhere in the request
@@ -413,11 +412,8 @@ class Daemon:
                             self.ledger.add_server_tokens(start, 0.0, h_since)
                         self.ledger.add_server_tokens(h_t, h_delta, start)
                         held = None
-                    # A slow window that ends a stillness with bypass tokens: placed at the next scrape. Not
-                    # with proxied requests in it: their tokens match the server's, and a start placed after
-                    # their first would pass those for bypass.
-                    if delta > 0 and not busy and since is not None and t - since > 1.5e9 * cadence.fast_s:
-                        held = (since, t, delta)
+                    if delta > 0 and since is not None and t - since > 1.5e9 * cadence.fast_s:
+                        held = (since, t, delta)  # a slow window ending a stillness: placed at the next scrape
                     else:
                         # The delta covers the time since the previous scrape: spread over it (docs/daemon.md).
                         self.ledger.add_server_tokens(t, delta, since)
