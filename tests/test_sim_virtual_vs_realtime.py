@@ -18,13 +18,18 @@ own emission times, within 12% plus 3 ms (scaled time): the acceptance draws mov
 request's TPOT by ~7% and p95s of ~90 requests rest on 4–5 of them; the 3 ms is the event
 loop's lateness on a loaded 2-core machine (a step ends when the loop wakes, not on
 schedule), which is about 20 ms of unscaled time. What the client sees adds the HTTP hop
-and its own loop: checked within 20% plus 6 ms.
+and its own loop: checked within 20% plus 6 ms. On a busier machine every bound widens by the
+process's measured lateness (`_Lateness`, p95 of a 5 ms sleep's oversleep; 0.7 ms with the
+suite's other worker beside it, 7.5 ms with three busy loops on 2 cores): the real-time side
+is only as exact as its loop, and the report prints the lateness used.
 """
 
 from __future__ import annotations
 
 import asyncio
 import dataclasses
+import threading
+import time
 
 import aiohttp
 import numpy as np
@@ -71,6 +76,34 @@ def _figures(ttft_s, tpot_s, energy_j, tokens, burst_tokens, burst_span_s) -> di
         "ttft_p50_s": float(np.percentile(ttft_s, 50)), "ttft_p95_s": float(np.percentile(ttft_s, 95)),
         "tpot_p50_s": float(np.nanpercentile(tpot_s, 50)), "tpot_p95_s": float(np.nanpercentile(tpot_s, 95)),
     }
+
+
+class _Lateness:
+    """How late this process wakes from a 5 ms sleep, sampled in a thread while the live servers
+    run: the same GIL and cores their event loops wait for. The real-time side is only as exact
+    as this; the checks widen by it rather than fail on a busy machine (or pass on luck)."""
+
+    def __init__(self):
+        self.late_s: list[float] = []
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def _run(self):
+        while not self._stop.is_set():
+            t = time.monotonic()
+            time.sleep(0.005)
+            self.late_s.append(time.monotonic() - t - 0.005)
+
+    def __enter__(self):
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc):
+        self._stop.set()
+        self._thread.join()
+
+    def p95_s(self) -> float:
+        return float(np.percentile(self.late_s, 95)) if self.late_s else 0.0
 
 
 def _tpot(first_s, last_s, tokens):
@@ -139,10 +172,12 @@ TOLERANCE = {"ttft_p50_s": (0.10, 0.003), "ttft_p95_s": (0.10, 0.003),
 CLIENT_EXTRA_S = {"ttft_p50_s": 0.003, "ttft_p95_s": 0.003, "tpot_p50_s": 0.0, "tpot_p95_s": 0.0}  # the HTTP hop
 
 
-def _compare(a: dict, b: dict, extra: dict | None = None) -> list[str]:
+def _compare(a: dict, b: dict, extra: dict | None = None, late_s: float = 0.0) -> list[str]:
     bad = []
     for k, (rel, abs_s) in TOLERANCE.items():
-        if abs(b[k] - a[k]) > rel * a[k] + abs_s + (extra or {}).get(k, 0.0):
+        # A first token is late by the loop's lateness; a TPOT spreads its last token's over the answer.
+        slack = 2 * late_s if k.startswith("ttft") else late_s / 4
+        if abs(b[k] - a[k]) > rel * a[k] + abs_s + (extra or {}).get(k, 0.0) + slack:
             bad.append(f"{k}: virtual {a[k] * 1e3:.3f} ms, live {b[k] * 1e3:.3f} ms ({b[k] / a[k] - 1:+.1%})")
     return bad
 
@@ -156,17 +191,21 @@ def test_virtual_time_server_agrees_with_the_real_time_simulated_server():
     async def all_levels():
         return await asyncio.gather(*[_live_level(profile, trace, lv) for lv in LEVELS_W])
 
-    live = dict(zip(LEVELS_W, asyncio.run(all_levels())))
-    report, bad = [], []
+    with _Lateness() as lateness:
+        live = dict(zip(LEVELS_W, asyncio.run(all_levels())))
+    late_s = lateness.p95_s()
+    report, bad = [f"process lateness p95 {late_s * 1e3:.1f} ms"], []
     for lv in LEVELS_W:
         v, (s, c) = virtual[lv], live[lv]
         report.append(f"{lv:g} W: " + ", ".join(
             f"{k} {v[k]:.4g}/{s[k]:.4g}/{c[k]:.4g}" for k in v))  # virtual / live server / live client
+        # The burst's span moves by its first and last tokens' lateness: 3% plus that share of it.
+        tol = {"j_per_token": 0.03, "burst_tok_s": 0.03 + 4 * late_s * v["burst_tok_s"] / (BURST_N * 200)}
         for k in ("j_per_token", "burst_tok_s"):
-            if abs(s[k] / v[k] - 1) > 0.03:
+            if abs(s[k] / v[k] - 1) > tol[k]:
                 bad.append(f"{lv:g} W {k}: virtual {v[k]:.4g}, live {s[k]:.4g} ({s[k] / v[k] - 1:+.1%})")
-        bad += [f"{lv:g} W server {x}" for x in _compare(v, s)]
-        bad += [f"{lv:g} W client {x}" for x in _compare(v, c, CLIENT_EXTRA_S)]
+        bad += [f"{lv:g} W server {x}" for x in _compare(v, s, late_s=late_s)]
+        bad += [f"{lv:g} W client {x}" for x in _compare(v, c, CLIENT_EXTRA_S, late_s)]
     print("\n" + "\n".join(report))
     assert not bad, "\n".join(bad + report)
     # The comparison has teeth: the levels differ by far more than the tolerance.
