@@ -101,7 +101,7 @@ class Cadence:
     An idle server's counter does not move, so the fast period there only costs CPU. A counter rise
     seen by a slow scrape, or a proxied request, switches back to `fast_s` at once; what that costs is
     the first idle window of a bypass burst that starts from stillness: its tokens are spread over up
-    to `idle_s` instead of `fast_s` (docs/daemon.md, Scraping). `idle_s <= fast_s` keeps it fast."""
+    to `idle_s` instead of `fast_s` (docs/daemon.md, Scrape cadence). `idle_s <= fast_s` keeps it fast."""
 
     def __init__(self, fast_s: float, idle_s: float, still_s: float | None = None):
         self.fast_s = fast_s  # both may be changed between calls (a live config reload)
@@ -136,7 +136,7 @@ def burst_start_ns(since_ns: int, t_ns: int, delta: float, next_rate_per_ns: flo
     """Where the tokens of a slow window that ends a stillness began: a burst running at the rate the
     next (fast) window shows took delta / rate before `t_ns`; never before the window's start.
     Spread over the whole window instead, a burst's tokens (and the window's idle time with them)
-    would count as busy from the window's start (docs/daemon.md, Scraping)."""
+    would count as busy from the window's start (docs/daemon.md, Scrape cadence)."""
     if delta <= 0 or next_rate_per_ns <= 0:
         return since_ns
     return max(since_ns, t_ns - int(delta / next_rate_per_ns))

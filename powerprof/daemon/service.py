@@ -397,7 +397,7 @@ class Daemon:
         while not self.stop_event.is_set():
             cadence.fast_s = self.cfg.get("scrape", "interval_s")  # both live on SIGHUP
             cadence.idle_s = self.cfg.get("scrape", "idle_interval_s")
-            # Proxied requests and tags being measured keep the scrape fast (docs/daemon.md, Scraping).
+            # Proxied requests and tags being measured keep the scrape fast (docs/daemon.md, Scrape cadence).
             led = self.ledger
             if cadence.due(time.monotonic(), bool(led.requests or led.tags or led.closed_tags)):
                 t0 = time.monotonic_ns()
