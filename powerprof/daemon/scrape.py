@@ -100,8 +100,9 @@ class Cadence:
 
     An idle server's counter does not move, so the fast period there only costs CPU. A counter rise
     seen by a slow scrape, or a proxied request, switches back to `fast_s` at once; what that costs is
-    the first idle window of a bypass burst that starts from stillness: its tokens are spread over up
-    to `idle_s` instead of `fast_s` (docs/daemon.md, Scrape cadence). `idle_s <= fast_s` keeps it fast."""
+    the first idle window of a bypass burst that starts from stillness: it is up to `idle_s` long, not
+    `fast_s` (the daemon places its tokens back with `burst_start_ns`; docs/daemon.md, Scrape cadence).
+    `idle_s <= fast_s` keeps it fast."""
 
     def __init__(self, fast_s: float, idle_s: float, still_s: float | None = None):
         self.fast_s = fast_s  # both may be changed between calls (a live config reload)
