@@ -28,7 +28,7 @@ TRACE_FIELDS = ("method", "endpoint", "tag", "arrival_ns", "arrival_wall_ns", "a
 
 def test_frames_survive_being_cut_anywhere():
     msgs = [("hello", 42), ([(1, "POST", "/completion", None, 5, 6, "llamacpp", "m", True)], [], [(1, 7, 3, -1)], [],
-                            (0, 0, 0))]
+                            (0, 0, 0), [], 8), ("beat", 9, [1], (0, 0, 0))]
     data = b"".join(frame(m) for m in msgs)
     for cut in range(len(data) + 1):
         u = Unframer()
@@ -373,7 +373,7 @@ def test_an_end_without_a_start_is_still_counted():
     rec = Rec()
     workers = ProxyWorkers(1, "http://unused", "127.0.0.1", 0, recorder=rec, proxy_kwargs={},
                            header_timeout_s=10, idle_timeout_s=10)
-    (msg,) = Unframer().feed(frame(([], [], [], [_end_record(tr)], (0, 0, 0))))
+    (msg,) = Unframer().feed(frame(([], [], [], [_end_record(tr)], (0, 0, 0), [], 0)))
     workers._replay(workers.workers[0], msg)
     (got,) = rec.ended
     assert (got.tag, got.status, got.outcome, got.arrival_ns, got.end_ns) == ("slow", 408, "client_timeout", 10, 30)

@@ -348,6 +348,9 @@ class Daemon:
             proxy_recorder_failures=self.proxy.recorder_failures if self.proxy else 0,
             proxy_upstream_failures=self.proxy.upstream_failures if self.proxy else 0,
             proxy_active=self.proxy.active if self.proxy else 0,
+            proxy_records_dropped=getattr(self.proxy, "records_dropped", 0),
+            proxy_worker_restarts=dict(getattr(self.proxy, "restarts", {})),
+            late_tokens=self.ledger.late_tokens,
         )
 
     def _stuck_after_s(self) -> float:
@@ -378,7 +381,7 @@ class Daemon:
         while not self.stop_event.is_set():
             try:
                 self._drain()
-                self.ledger.advance(time.monotonic_ns())
+                self.ledger.advance(time.monotonic_ns(), getattr(self.proxy, "watermark_ns", None))
                 self._update_snapshot()
             except Exception:
                 log.exception("accounting step failed; continuing")
