@@ -691,10 +691,13 @@ class ProxyWorkers:
         gone = [k for k in self.mirrors if k[0] == w.index and k[1] not in live]
         if not gone:
             return
-        now, wall = time.monotonic_ns(), time.time_ns()
         for k in gone:
             tr = self.mirrors.pop(k)
-            tr.end_ns, tr.end_wall_ns = now, wall
+            # Ended at the last we know of it: it takes no energy past that (its row says what is missing).
+            if tr.last_ns is not None:
+                tr.end_ns, tr.end_wall_ns = tr.last_ns, tr.last_wall_ns
+            else:
+                tr.end_ns, tr.end_wall_ns = tr.arrival_ns, tr.arrival_wall_ns
             tr.outcome = "interrupted"
             tr.error = (f"proxy worker {w.index} ended this request but its end record was dropped (the daemon "
                         "fell behind reading it); ended when its heartbeat no longer listed it")
