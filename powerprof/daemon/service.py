@@ -491,6 +491,10 @@ class Daemon:
         except (OSError, RuntimeError) as e:
             raise StartupError(f"cannot start the proxy workers on {listen}: {getattr(e, 'strerror', None) or e}") from None
         self._warn_beyond_loopback(listen, "proxy")
+        n, limit = self.cfg.get("proxy", "workers"), memory_limit_bytes()
+        if limit is not None and limit < (70 + 45 * n) << 20:  # the daemon, then ~40 MiB resident a worker
+            log.warning("%d proxy workers in a memory limit of %d MiB: each needs about 45 MiB beside the daemon's "
+                        "70 MiB; raise MemoryMax (and TasksMax) or lower proxy.workers", n, limit >> 20)
         return http_url(host, port)
 
     async def _serve_tags(self) -> None:
