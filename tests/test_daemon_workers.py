@@ -210,7 +210,12 @@ def test_a_daemon_that_stops_reading_costs_records_not_client_bytes():
         await r1.cleanup()
 
     _run(main())
-    assert shipper.dropped >= 3  # start, first token, end at least: counted, as recorder failures upstream
+    # Only coalesced token records are dropped (counted, their tokens marked on the request); the start, first
+    # token and end wait for the daemon to read again.
+    assert shipper.dropped >= 1
+    assert len(shipper._starts) == len(shipper._firsts) == len(shipper._ends) == 1
+    (rid, lost), = shipper._marks.items()
+    assert lost + shipper._firsts[0][3] == shipper._ends[0][10]  # every token but the first (held)
 
 
 # --- the daemon with worker processes ------------------------------------------------------------------
@@ -854,3 +859,25 @@ def test_a_stopped_worker_is_noticed_killed_restarted_and_counted(tmp_path):
     assert 'powerprof_proxy_worker_restarts_total{reason="exited"} 0.0' in metrics
     assert after == ["ok"] * 8
     assert rc == 0, d.output()
+
+
+def test_a_silent_worker_is_killed_but_not_after_our_own_loop_stalled():
+    w = ProxyWorkers(2, "http://unused", "127.0.0.1", 0, recorder=None, proxy_kwargs={}, header_timeout_s=10,
+                     idle_timeout_s=10)
+    killed = []
+
+    async def main():
+        now = time.monotonic()
+        for k, wk in enumerate(w.workers):
+            wk.proc = SimpleNamespace(pid=10 + k, kill=lambda k=k: killed.append(k))
+            wk.transport, wk.said_hello = object(), True
+            wk.heard_s = now - 20  # silent for 20 s ...
+        w._checked_s = now - 20  # ... while our loop did not run: their frames wait unread
+        w._check_silence()
+        assert killed == []
+        w.workers[0].heard_s = time.monotonic() - 11  # now one is silent while we run
+        w._check_silence()
+        w._watch.cancel()
+
+    asyncio.run(main())
+    assert killed == [0] and w.restarts["silent"] == 1

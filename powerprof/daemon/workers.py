@@ -1,21 +1,24 @@
-"""Proxy worker processes on one SO_REUSEPORT port, whose per-request records the daemon replays into its one ledger.
+"""Proxy worker processes on the daemon's own SO_REUSEPORT listening sockets, whose per-request records the daemon replays into its one ledger.
 
-With `proxy.workers = N > 1` the daemon serves no proxy traffic itself: it starts N children
-(`python -m powerprof.daemon.workers`), each running the same `Proxy` on the proxy address with
-SO_REUSEPORT (the kernel spreads connections over them), with a recorder that ships compact
-records over a socketpair instead of calling the ledger. Per request: a start (its fields), its
-first token on its own (exact time, for TTFT and the first-token edge), later tokens coalesced per
-request into one (time of the latest, count) entry per flush (at most `FLUSH_S` apart), and an end
-(counts, outcome, timings). A flush is one marshal'd frame; with few requests in flight it goes out
-at once, so the short-request edges are read on time. The daemon gives each record a request id
-of its own (unique across workers), mirrors the proxy's `RequestTrace` and calls its recorder
-(ledger, latency histograms, tag counters) exactly as the in-process proxy does.
+With `proxy.workers = N > 1` the daemon serves no proxy traffic itself: it binds and listens on N
+SO_REUSEPORT sockets (the kernel spreads connections over them) and keeps them for its whole life,
+so the port is never free; it starts N children (`powerprof.daemon.workers` in an isolated
+interpreter, `spawn.py`), each serving one socket it inherits with the same `Proxy`, with a
+recorder that ships compact records over a socketpair instead of calling the ledger. Per request:
+a start (its fields), its first token on its own (exact time, for TTFT and the first-token edge),
+later tokens coalesced per request into one (time of the latest, count) entry per flush (at most
+`FLUSH_S` apart), and an end (counts, outcome, timings). A flush is one marshal'd frame; with few
+requests in flight it goes out at once, so the short-request edges are read on time. Every
+`BEAT_S` a heartbeat carries the worker's clock (the ledger closes no interval its records may
+still reach) and its live request ids. The daemon checks each frame's types, gives each record a
+request id of its own (unique across workers), mirrors the proxy's `RequestTrace` and calls its
+recorder (ledger, latency histograms, tag counters) exactly as the in-process proxy does.
 
-Fail-open: a worker forwards on its own; a daemon that stops reading only fills the socket up to
-`SEND_BUFFER_MAX_BYTES`, beyond which records are dropped and counted, never the client's bytes.
-A worker that dies has its in-flight requests recorded as `interrupted` (the error says which
-worker) and is restarted. Workers exit when the daemon dies (PR_SET_PDEATHSIG, and the socket's
-EOF) and drain like the daemon on SIGTERM.
+Fail-open: a worker forwards on its own; a daemon that stops reading costs coalesced token records
+only (dropped, counted, their requests flagged), never the client's bytes; starts and ends wait.
+A worker that dies, or is silent for SILENT_S, has its in-flight requests recorded as
+`interrupted` (the error says which worker) and is restarted with backoff. Workers exit when the
+daemon dies (PR_SET_PDEATHSIG, and the socket's EOF) and drain like the daemon on SIGTERM.
 """
 
 from __future__ import annotations
@@ -457,12 +460,12 @@ class ProxyWorkers:
         self._ids = itertools.count(1)
         self.sockets: list[socket.socket] = []  # one listening socket per worker, open for our whole life
         self._watch: asyncio.TimerHandle | None = None
+        self._checked_s = 0.0  # when _check_silence last ran
         self.closing = False
         self.restarts = {"exited": 0, "silent": 0}
         self.replay_failures = 0
         self.lost_requests = 0  # in flight in a worker that died, or lost with its dropped records
         self.record_bytes = 0  # received from the workers
-        self._quiet_until = 0.0  # restart logging: at most one line per worker per backoff step
 
     # what the daemon reads, as of an in-process Proxy
     @property
@@ -532,6 +535,7 @@ class ProxyWorkers:
         except (asyncio.TimeoutError, RuntimeError) as e:
             await self.cleanup()
             raise RuntimeError(f"proxy workers did not start: {e or 'no answer in %g s' % HELLO_TIMEOUT_S}") from None
+        self._checked_s = time.monotonic()
         self._watch = asyncio.get_running_loop().call_later(1.0, self._check_silence)
         log.info("%d proxy workers listening on port %d (pids %s)", self.n, self.port,
                  ", ".join(str(w.proc.pid) for w in self.workers))
@@ -583,6 +587,12 @@ class ProxyWorkers:
         if self.closing:
             return
         now = time.monotonic()
+        if now - self._checked_s > 3.0:
+            # Our own loop stalled: what the workers sent meanwhile is unread, not missing (uvloop runs due
+            # timers before it reads sockets). Each gets a fresh window.
+            for w in self.workers:
+                w.heard_s = max(w.heard_s, now)
+        self._checked_s = now
         for w in self.workers:
             limit = SILENT_S if w.said_hello else HELLO_TIMEOUT_S
             if w.proc is not None and w.transport is not None and now - w.heard_s > limit:
