@@ -2,6 +2,7 @@
 
     python bench/tuner_diagnose.py                       # stationary trace, seeds 3,5,7,9, seed card
     python bench/tuner_diagnose.py --trace diurnal_shift --seeds 3
+    python bench/tuner_diagnose.py --windows --trace diurnal_shift --seeds 3,5   # the extra windows over the SLO
 
 For each seed: the tuner and the oracle (bench/tuner_eval.py's best static level in hindsight) run the
 same trace; every tick's energy above what the oracle spent per token in the same 5-minute window
@@ -110,6 +111,95 @@ def diagnose(profile, tr, cfg, default, tick_s=10.0, tuner_cls=Tuner):
             "decisions": list(tuner.decisions), "default": d}
 
 
+def window_p95_ratios(r, cfg) -> dict:
+    """Exact p95/SLO (the worse of TPOT and TTFT) per 5-minute window of finished requests, as score() judges them."""
+    win = (r.last_s // SCORE_WINDOW_S).astype(int)
+    tpot, ttft = r.tpot_s, r.ttft_s
+    out = {}
+    for k in np.unique(win):
+        m = win == k
+        if m.sum() < 5:
+            continue
+        x = 0.0
+        if cfg.tpot_p95_ms is not None:
+            t = tpot[m]
+            t = t[~np.isnan(t)]
+            if t.size:
+                x = max(x, np.percentile(t, 95) * 1000 / cfg.tpot_p95_ms)
+        if cfg.ttft_p95_ms is not None:
+            x = max(x, np.percentile(ttft[m], 95) * 1000 / cfg.ttft_p95_ms)
+        out[int(k * SCORE_WINDOW_S)] = x
+    return out
+
+
+def classify_window(start_s: float, ticks: list, moves: list, ref: float, default_ratio: float | None,
+                    rise: float = 1.1) -> tuple[str, str]:
+    """(class, detail) of one 5-minute window where the tuner broke the SLO and the default did not.
+
+    `ticks`: (t_end_s, level, state, work_per_s) per tick; `moves`: (t_s, action, from, to). Classes, first
+    that applies: `trial` (a trial ran in the window or the 2 minutes before: its requests finish in it),
+    `after move` (the level changed in the window or the 5 minutes before, so the guard's own window had not
+    filled), `held, load rising` (a level below the reference held while the work per second in the window
+    was more than `rise` × that of the two windows before), `held, steady load`; and `default near` when the
+    default's own p95 in that window was over 0.8 of the SLO (a window the default also nearly broke)."""
+    lo, hi = start_s - 120.0, start_s + SCORE_WINDOW_S
+    states = {s for t, _, s, _ in ticks if lo < t <= hi}
+    levels = sorted({lv for t, lv, _, _ in ticks if start_s - SCORE_WINDOW_S < t <= hi})
+    now = [w for t, _, _, w in ticks if start_s < t <= hi]
+    before = [w for t, _, _, w in ticks if start_s - 2 * SCORE_WINDOW_S < t <= start_s]
+    growth = (np.mean(now) / np.mean(before)) if now and before and np.mean(before) > 0 else 1.0
+    near = default_ratio is not None and default_ratio > 0.8
+    recent = [m for m in moves if start_s - SCORE_WINDOW_S < m[0] <= hi and m[2] != m[3]]
+    detail = (f"levels {'/'.join(f'{x:g}' for x in levels)}, work/s ×{growth:.2f} vs the 10 min before, "
+              f"default p95 at {default_ratio:.0%}" if default_ratio is not None else "default p95 n/a")
+    if recent:
+        detail += "; moves: " + ", ".join(f"{t / 60:.0f} min {a} {f:g}→{to:g}" for t, a, f, to in recent)
+    if "trial" in states:
+        cls = "trial"
+    elif recent and any(m[3] < m[2] or m[1] in ("restore", "regime") for m in recent):
+        cls = "after move"
+    elif all(lv >= ref for lv in levels):
+        cls = "at reference"
+    elif growth > rise:
+        cls = "held, load rising"
+    else:
+        cls = "held, steady load"
+    return cls + (" (default near)" if near else ""), detail
+
+
+def extra_windows(profile, tr, cfg, default, tick_s=10.0, tuner_cls=Tuner) -> list:
+    """The tuner's 5-minute windows over the SLO where the default's was not, each with classify_window's verdict."""
+    arr = np.array([r.t_s for r in tr])
+    prompt = np.array([r.prompt_tokens for r in tr])
+    output = np.maximum(np.array([r.output_tokens for r in tr]), 1)
+    vs = VirtualServer(get_profile(profile), sorted(set(cfg.levels) | {float(default)}), knob=cfg.knob)
+    slo = (cfg.tpot_p95_ms, cfg.ttft_p95_ms)
+    rd = vs.run(arr, prompt, output, lambda tk: default, default, tick_s)
+    d_ratio = window_p95_ratios(rd, cfg)
+    d_bad = set(score("default", rd, *slo).bad)
+    tuner = tuner_cls(cfg, 0.0)
+    ticks = []
+
+    def control(tk):
+        w = tick_window(tk, prompt, output)
+        ticks.append((tk.t_end_s, tk.level, tuner.state,
+                      (w.output_tokens + cfg.prefill_weight * w.prompt_tokens) / max(w.duration_s, 1e-9)))
+        tuner.observe(w)
+        return tuner.level
+
+    rt = vs.run(arr, prompt, output, control, cfg.reference, tick_s)
+    t = score("tuner", rt, *slo)
+    t_ratio = window_p95_ratios(rt, cfg)
+    moves = [(x.t_s, x.action, x.from_level, x.to_level) for x in tuner.decisions]
+    out = []
+    for b in t.bad:
+        if b in d_bad:
+            continue
+        cls, detail = classify_window(b, ticks, moves, float(cfg.reference), d_ratio.get(b))
+        out.append((b, t_ratio.get(b), cls, detail))
+    return out
+
+
 CATS = ("trial", "backoff", "measure below", "measure at", "measure above", "hold below", "hold at", "hold above")
 
 
@@ -120,9 +210,20 @@ def main() -> None:
     ap.add_argument("--card", choices=sorted(CARDS), default="seed")
     ap.add_argument("--hours", type=float, default=4.0)
     ap.add_argument("--decisions", action="store_true", help="print the tuner's decisions too")
+    ap.add_argument("--windows", action="store_true",
+                    help="instead: classify each 5-minute window the tuner broke and the default did not")
     a = ap.parse_args()
     profile, knob, levels, default, slo, scale = CARDS[a.card]
     cfg = TunerConfig(levels=levels, reference=default, knob=knob, **slo)
+    if a.windows:
+        counts: dict = defaultdict(int)
+        for seed in (int(x) for x in a.seeds.split(",")):
+            for b, ratio, cls, detail in extra_windows(profile, traces(seed, a.hours, scale)[a.trace], cfg, default):
+                counts[cls] += 1
+                print(f"seed {seed:3d} window {b / 60:5.0f}–{b / 60 + 5:.0f} min: p95 at {ratio:.0%} of the SLO; "
+                      f"{cls}: {detail}")
+        print("extra windows by class: " + (", ".join(f"{k} {v}" for k, v in sorted(counts.items())) or "none"))
+        return
     sums = defaultdict(float)
     n = 0
     for seed in (int(x) for x in a.seeds.split(",")):

@@ -79,3 +79,22 @@ def test_best_pair_takes_the_cheapest_static_level_per_half_that_keeps_the_slo_w
               300: o([], (100.0, 100.0), (110.0, 100.0))}
     lo, hi, j = best_pair(static, static[300], 3000.0)
     assert (lo, hi) == (200, 300) and j == pytest.approx((90 + 110) / 200)
+
+
+def test_an_extra_window_is_classified_by_what_the_tuner_was_doing_then():
+    from tuner_diagnose import classify_window
+
+    def ticks(level, state, work, t0=0.0, t1=1200.0):
+        return [(t, level, state, work) for t in np.arange(t0 + 10, t1 + 1, 10.0)]
+
+    steady = ticks(200, "hold", 100.0)
+    assert classify_window(900, steady, [], 300, 0.4)[0] == "held, steady load"
+    rising = ticks(200, "hold", 100.0, 0, 900) + ticks(200, "hold", 130.0, 900, 1200)
+    assert classify_window(900, rising, [], 300, 0.4)[0] == "held, load rising"
+    assert classify_window(900, rising, [], 300, 0.9)[0] == "held, load rising (default near)"
+    trial = ticks(200, "hold", 100.0, 0, 850) + ticks(180, "trial", 100.0, 850, 1200)
+    assert classify_window(900, trial, [], 300, 0.4)[0] == "trial"
+    restored = ticks(300, "backoff", 100.0, 0, 700) + ticks(200, "hold", 100.0, 700, 1200)
+    cls, detail = classify_window(900, restored, [(700.0, "restore", 300.0, 200.0)], 300, 0.4)
+    assert cls == "after move" and "restore 300→200" in detail
+    assert classify_window(900, ticks(300, "measure", 100.0), [], 300, 0.4)[0] == "at reference"

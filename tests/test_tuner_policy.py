@@ -406,3 +406,92 @@ def test_a_back_off_within_the_buckets_error_of_the_slo_bars_the_level_as_too_sl
     assert ds[-1].action == "backoff" and tu.level == 300
     n, until = tu.regime.bars[LEVELS.index(200)]
     assert (n, until) == (times, t + 3000 * span)
+
+
+def ramp_cfg(**kw):
+    return cfg(trend_s=300, **kw)
+
+
+def run_rate(tuner, plant, t0, t1, rate_at, tpot_scale=1.0):
+    """Plant.run with the arrival rate a function of time (a ramp)."""
+    t = t0
+    while t < t1:
+        t += 10
+        lv = tuner.level
+        tuner.observe(window(t, lv, plant.tpot_ms[lv] * tpot_scale, plant.j[lv], rate=rate_at(t)))
+    return t
+
+
+def test_load_growth_compares_the_last_trend_window_with_the_one_before():
+    tu = Tuner(ramp_cfg(), 0.0)
+    run_rate(tu, Plant(), 0, 300, lambda t: 2.0)
+    assert tu.load_growth(300.0) is None  # only one trend window seen: no trend yet
+    run_rate(tu, Plant(), 300, 600, lambda t: 2.4)
+    assert tu.load_growth(600.0) == pytest.approx(1.2)
+
+
+@pytest.mark.parametrize("second_rate, moves", [(2.0, False), (2.6, True)])
+def test_a_held_level_goes_up_before_its_judgement_when_the_load_ramps_and_its_p95_passes_rise_ratio(second_rate,
+                                                                                                      moves):
+    # The judgements' own ways up (hold_growth, hold_confirm) are put out of reach: only the tick's rise can move it.
+    tu = Tuner(ramp_cfg(hold_growth=10, hold_confirm=50), 0.0)
+    t, _ = Plant().run(tu, 0, 1500)
+    assert tu.level == 200 and tu.state == "hold"
+    # A trend window at 2 requests/s, then one at second_rate with the p95 well inside the band (50% of the SLO)…
+    t = run_rate(tu, Plant(), t, t + 300, lambda _: 2.0)
+    t = run_rate(tu, Plant(), t, t + 300, lambda _: second_rate)
+    assert tu.level == 200
+    # …then the same p95 (81% of the SLO, inside the guard) on the steady load and on the one 30% up.
+    t0 = t
+    for _ in range(20):
+        t += 10
+        w = window(t, tu.level, 70.0, rate=second_rate)
+        tpot = histogram_counts([0.070] * 19 + [0.090])
+        tu.observe(Window(w.t_end_s, w.duration_s, w.level, w.tokens, w.energy_j, w.arrivals, w.requests,
+                          w.prompt_tokens, w.output_tokens, w.ttft_counts, tpot))
+    ups = [d for d in tu.decisions if d.t_s > t0 and d.action == "backoff"]
+    if moves:
+        assert ups and ups[0].from_level == 200 and ups[0].to_level == 250 and "load rising" in ups[0].reason
+        assert ups[0].t_s - t0 <= 20  # at the first tick past rise_ratio, not at the level's next judgement
+        assert tu.regime.best >= LEVELS.index(250)  # the regime remembers the level it had to go up to
+    else:
+        assert not ups and tu.level == 200  # steady load: a p95 inside the band does not move a held level
+
+
+def test_no_trial_below_while_the_load_ramps_unless_ramp_descend():
+    for descend in (False, True):
+        # The first judgement (after a 600 s dwell) comes once two trend windows are seen: 1.05 then 1.3 requests/s
+        # (+24%, within one regime bin); every level keeps the SLO's headroom.
+        tu = Tuner(ramp_cfg(ramp_descend=descend, dwell_s=600, window_s=600), 0.0)
+        plant = Plant(tpot_ms={150: 40.0, 200: 35.0, 250: 32.0, 300: 30.0})
+        run_rate(tu, plant, 0, 700, lambda t: 1.05 if t <= 300 else 1.3)
+        explored = [d for d in tu.decisions if d.action == "explore"]
+        if descend:
+            assert explored and explored[0].to_level == 250
+        else:
+            assert not explored and tu.level == 300
+            assert any(d.action == "hold" and "the load is ramping" in d.reason for d in tu.decisions)
+
+
+@pytest.mark.parametrize("rate_after, restored", [(2.0, 250), (2.6, 300)])
+def test_a_back_off_while_the_load_ramps_returns_ramp_restore_above_levels_above_the_broken_one(rate_after, restored):
+    tu = Tuner(ramp_cfg(backoff_s=30), 0.0)
+    t, _ = Plant().run(tu, 0, 1500)
+    assert tu.level == 200
+    t = run_rate(tu, Plant(), t, t + 300, lambda _: 2.0)
+    t = run_rate(tu, Plant(), t, t + 300, lambda _: rate_after)
+    assert tu.level == 200
+    # The guard fires on a p95 at 150% of the SLO, with the load flat or 30% up on the trend window before.
+    while tu.level == 200:
+        t += 10
+        tu.observe(window(t, 200, 150.0, rate=rate_after))
+    assert tu.level == 300
+    t = run_rate(tu, Plant(), t, t + 60, lambda _: rate_after)
+    assert tu.level == restored
+
+
+@pytest.mark.parametrize("bad", [dict(rise_ratio=0.5), dict(rise_ratio=1.1), dict(ramp_growth=0.9),
+                                 dict(ramp_restore_above=0), dict(trend_s=0)])
+def test_ramp_knobs_are_checked(bad):
+    with pytest.raises(TunerConfigError, match=next(iter(bad))):
+        cfg(**bad)

@@ -53,6 +53,12 @@ class TunerConfig:
     # of the hold_ratio–guard_ratio band, or with the work per second grown past hold_growth × what the level was
     # judged fine under, moves it at once (a growing load does not wait for a second window)
     hold_growth: float = 1.1
+    trend_s: float = 1800.0  # the load's trend: work per second over the last trend_s against the trend_s before
+    ramp_growth: float = 1.10  # past this the load is ramping (a diurnal rise), and while it ramps:
+    rise_ratio: float = 0.8  # a level below the reference (held or measured) goes one up at any tick whose guard-window
+    # p95 passes this × SLO: a rising load breaks a held level within minutes, before its next judgement
+    ramp_restore_above: int = 2  # a guard back-off restores this many levels above the one that broke (else 1)
+    ramp_descend: bool = False  # no trial below (a level that passes now fails as the load keeps growing)
     blame_ratio: float = 1.7  # the reference's own p95 during a back-off past this × its usual p95/SLO in the regime:
     # a burst, and the load, not the level, is blamed (1.7: the 90th percentile of 5-minute p95s over their median)
     strikes: int = 1  # back-offs at one level within strike_s before it is barred (below it too) for reprobe_s
@@ -88,7 +94,7 @@ class TunerConfig:
         if self.knob not in ("power", "clock"):
             errs.append("tuner.knob: power or clock")
         for k in ("tick_s", "window_s", "dwell_s", "guard_s", "explore_horizon_s", "reprobe_s", "backoff_s",
-                  "regime_s", "stale_s", "strike_s", "trial_guard_s"):
+                  "regime_s", "stale_s", "strike_s", "trial_guard_s", "trend_s"):
             if not getattr(self, k) > 0:
                 errs.append(f"tuner.{k}: must be positive seconds")
         if not 0 < self.accept_ratio <= self.hold_ratio <= self.guard_ratio:
@@ -97,13 +103,15 @@ class TunerConfig:
             errs.append("tuner.min_gain, tuner.max_loss: a share in [0, 0.5)")
         if not 0 <= self.max_explore_share <= 1:
             errs.append("tuner.max_explore_share: a share in [0, 1]")
-        if not 1 <= self.blame_ratio <= 10 or not 1 <= self.hold_growth <= 10:
-            errs.append("tuner.blame_ratio, tuner.hold_growth: a ratio in [1, 10]")
+        if not 1 <= self.blame_ratio <= 10 or not 1 <= self.hold_growth <= 10 or not 1 <= self.ramp_growth <= 10:
+            errs.append("tuner.blame_ratio, tuner.hold_growth, tuner.ramp_growth: a ratio in [1, 10]")
+        if not self.accept_ratio <= self.rise_ratio <= self.guard_ratio:
+            errs.append("tuner.rise_ratio: want accept_ratio ≤ rise_ratio ≤ guard_ratio")
         if min(self.max_step, self.min_requests, self.guard_min_requests, self.guard_ticks, self.strikes,
-               self.hold_confirm, self.accept_windows) < 1 \
+               self.hold_confirm, self.accept_windows, self.ramp_restore_above) < 1 \
                 or not 0 <= self.prefill_weight <= 10:
             errs.append("tuner.max_step, min_requests, guard_min_requests, guard_ticks, strikes, hold_confirm, "
-                        "accept_windows: at least 1; 0 ≤ prefill_weight ≤ 10")
+                        "accept_windows, ramp_restore_above: at least 1; 0 ≤ prefill_weight ≤ 10")
         if not self.regime_ratio > 1 or not 0 <= self.regime_margin < 1:
             errs.append("tuner.regime_ratio > 1 and 0 ≤ regime_margin < 1")
         if errs:
@@ -332,6 +340,7 @@ class Tuner:
         self._threat_idx: int | None = None  # the level the last back-off left
         self._ref_typical: float | None = None  # the reference's median p95/SLO in the regime, at the last back-off
         self._trial_ratios: list[float] = []  # the trial's p95/SLO judgements so far
+        self._work: deque[tuple[float, float, float]] = deque()  # (t_end, duration, work) per tick, every level
         self._held_ok: list[_LevelStat] = []  # judgements of the current level within the holding band
         self._backoff_tail: list[Window] = []  # the reference's windows in the back-off's second half
         self._trials: deque[tuple[float, float]] = deque()  # (start, end) of trials
@@ -364,6 +373,9 @@ class Tuner:
             self.since_s = w.t_end_s  # the back-off's hold counts from now
         if self.state == "trial":
             self.explore_s += w.duration_s
+        self._work.append((w.t_end_s, w.duration_s, w.output_tokens + self.cfg.prefill_weight * w.prompt_tokens))
+        while self._work and self._work[0][0] <= w.t_end_s - 2 * self.cfg.trend_s:
+            self._work.popleft()
         self._track_regime(w, out)
         if out and out[-1].action == "regime" and self.state != "backoff":
             return out
@@ -385,6 +397,12 @@ class Tuner:
         if self._threat_ticks >= self.cfg.guard_ticks and self.idx != self.ref:
             self._threatened(w.t_end_s, ratio, out)
             return out
+        if self.state in ("hold", "measure") and ratio is not None and self.idx < self.ref \
+                and ratio > self.cfg.rise_ratio and g.duration_s >= self.cfg.guard_s / 2:
+            growth = self.load_growth(w.t_end_s)
+            if growth is not None and growth > self.cfg.ramp_growth:
+                self._rise(w.t_end_s, ratio, growth, out)
+                return out
         if self.state == "trial" and g.duration_s >= self.cfg.trial_guard_s and g.requests >= self.cfg.guard_min_requests:
             # A trial is a bet on headroom: a p95 already past the holding band ends it before it costs a window
             # over the SLO (a trial held for its whole dwell was the main source of those in the first descent).
@@ -396,6 +414,28 @@ class Tuner:
         self._pending.append(w)
         self._step(w.t_end_s, out)
         return out
+
+    def load_growth(self, t: float, h: float | None = None) -> float | None:
+        """Work per second over the last `h` (trend_s) against the `h` before it (None until both are seen)."""
+        h = self.cfg.trend_s if h is None else h
+        now = [(d, x) for te, d, x in self._work if te > t - h]
+        before = [(d, x) for te, d, x in self._work if t - 2 * h < te <= t - h]
+        dn, db = sum(d for d, _ in now), sum(d for d, _ in before)
+        if dn < h / 2 or db < h / 2:
+            return None
+        wb = sum(x for _, x in before) / db
+        return (sum(x for _, x in now) / dn) / wb if wb > 0 else None
+
+    def _rise(self, t: float, ratio: float, growth: float, out: list[Decision]) -> None:
+        """A rising load has taken the level's p95 past rise_ratio: one level up now, the regime's best with it."""
+        r = self.regime
+        r.best = self.idx + 1 if r.best is None else max(r.best, self.idx + 1)
+        out.append(self._move(t, "backoff", self.idx + 1, f"load rising: work per second ×{growth:.2f} on the "
+                                                          f"{self.cfg.trend_s:g} s before, p95 at {ratio:.0%} of the SLO "
+                                                          f"over the last {self.cfg.guard_s:g} s: one level up"))
+        if self.state == "hold":
+            r.converged_t = t
+        self._enter(self.state, t)
 
     def note(self, t_s: float, action: str, reason: str) -> Decision:
         """Record something the caller did at the current level (the start, say)."""
@@ -586,6 +626,9 @@ class Tuner:
                 if d > 0:
                     self._up_tried = True
                 continue
+            if d < 0 and not cfg.ramp_descend and (g := self.load_growth(t)) is not None and g > cfg.ramp_growth:
+                skipped = f"{self._fmt(cfg.levels[j])} not tried: the load is ramping (×{g:.2f} in {cfg.trend_s:g} s)"
+                continue
             if d < 0:
                 here, above = (r.typical_ratio(i, t - cfg.reprobe_s) for i in (self.idx, self.idx + cfg.max_step))
                 guess = predict_ratio(here, above) if here is not None else None
@@ -663,8 +706,12 @@ class Tuner:
         if barred:
             # A p95 within the buckets' error of the SLO may not have broken it: barred as a level found too slow.
             self._bar(r, self.idx, t, hard=ratio > cfg.guard_ratio * (1 + BUCKET_ERROR))
-            if r.best is not None and r.best < r.floor:
-                r.best = r.floor  # hysteresis: after the back-off, return one level above the one that threatened
+            growth = self.load_growth(t)
+            above = cfg.ramp_restore_above if growth is not None and growth > cfg.ramp_growth else 1
+            if r.best is not None and r.best < r.floor + above - 1:
+                # hysteresis: after the back-off, return one level above the one that threatened (more while the
+                # load ramps: the level just above it breaks next, minutes later)
+                r.best = min(r.floor + above - 1, len(cfg.levels) - 1)
         self._end_trial(t)
         then = "barred for now" if barred else f"strike {len(hits)} of {cfg.strikes}"
         out.append(self._move(t, "backoff", self.ref, f"SLO threatened: p95 at {ratio:.0%} of the SLO over the last "
