@@ -57,16 +57,18 @@ def _read(data: Path, name: str) -> pd.DataFrame:
 
 
 def run(trace: list[TraceRequest], bypass: set[int] = frozenset(), profile: str = "h200-141g", interval_s: float = 1.0,
-        n_slots: int = 64, tail: list[TraceRequest] = (), tail_gap_s: float = 1.5, data_dir: Path | None = None) -> Outcome:
+        n_slots: int = 64, tail: list[TraceRequest] = (), tail_gap_s: float = 1.5, data_dir: Path | None = None,
+        config: dict | None = None) -> Outcome:
     """Replay `trace` (indexes in `bypass` straight to the server, the rest through the proxy), then
-    `tail` one at a time with `tail_gap_s` between (identical requests, measured alone)."""
+    `tail` one at a time with `tail_gap_s` between (identical requests, measured alone). `config`:
+    more daemon settings ("section.key": value)."""
     tmp = Path(data_dir or tempfile.mkdtemp(prefix="pp-attr-"))
     nvml = SimNVML(profile, state_path=None)
     srv = SimServer(nvml, flavour="vllm", n_slots=n_slots, batching="continuous").start()
     cfg = load_config(None, env={}, overrides={
         "daemon.data_dir": str(tmp / "data"), "daemon.interval_s": interval_s, "daemon.flush_interval_s": 5.0,
         "proxy.listen": "127.0.0.1:0", "proxy.upstream": srv.url, "metrics.listen": "",
-        "daemon.restore_on_start": False, "tags.socket": str(tmp / "pp.sock"),
+        "daemon.restore_on_start": False, "tags.socket": str(tmp / "pp.sock"), **(config or {}),
     })
     daemon = Daemon(cfg, Rig(profile, nvml=nvml, host=False))
     full = list(trace)

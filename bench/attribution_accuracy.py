@@ -35,14 +35,23 @@ def main() -> None:
     ap.add_argument("--seed", type=int, default=7)
     ap.add_argument("--json", action="store_true")
     ap.add_argument("--keep", metavar="DIR", help="keep the daemon's datasets in DIR (default: a temporary folder)")
+    ap.add_argument("--scrape-idle", type=float, default=None, metavar="S",
+                    help="the daemon's scrape.idle_interval_s (0.25: scrape fast all the time, as before the cadence)")
+    ap.add_argument("--bypass-after-gap", type=float, default=None, metavar="S",
+                    help="also send straight to the server every request that comes S seconds or more after the one "
+                         "before it (bypass bursts that start from stillness, where the scrape is slow)")
     a = ap.parse_args()
     n = a.requests or (300 if a.quick else 2000)
     trace = synthetic(n, a.rate, "bursty", prompt_median=300, output_median=60, tags=("chat", "rag", "batch"),
                       seed=a.seed)
     bypass = set(range(7, n, 10))
+    if a.bypass_after_gap is not None:
+        bypass |= {i for i in range(1, n) if trace[i].t_s - trace[i - 1].t_s >= a.bypass_after_gap}
     tail = [TraceRequest(0.0, 200, 64, "probe")] * 6
     t = time.monotonic()
-    o = run(trace, bypass=bypass, interval_s=a.interval, tail=tail, data_dir=Path(a.keep) if a.keep else None)
+    config = {"scrape.idle_interval_s": a.scrape_idle} if a.scrape_idle is not None else None
+    o = run(trace, bypass=bypass, interval_s=a.interval, tail=tail, data_dir=Path(a.keep) if a.keep else None,
+            config=config)
     s = score(o)
     s["bench_s"] = time.monotonic() - t
     if a.json:
@@ -83,6 +92,7 @@ def main() -> None:
     ]
     for what, v, bound, ok in checks:
         print(f"{verdict(ok)}  {what:<40} {pct(v):>8}  (bound {bound})")
+    print(f"unproxied {o.unproxied_j:.0f} J against the bypass requests' true {o.bypass_truth_j:.0f} J")
     print("per-tag J/token error (work model): " + ", ".join(f"{k} {pct(v)}" for k, v in sorted(w["tag_err"].items())))
     c = o.costs[o.costs["mature"]] if len(o.costs) else o.costs
     if len(c):

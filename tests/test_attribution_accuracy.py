@@ -77,9 +77,12 @@ def test_edge_reads_keep_to_their_cpu_budget_at_the_real_counters_cost(outcome):
 def test_identical_requests_alone_get_the_same_j_per_token(outcome):
     # Four probes on a short run: 1.2% here (1.2-1.4% on the bench's 2000 requests, loaded or not),
     # since each request alone is read at its arrival and 0.1 s after its end (the counter lags by
-    # its refresh); before that, 4.3% here and 5.02% once on a loaded CI run.
+    # its refresh); before that, 4.3% here and 5.02% once on a loaded CI run. On a loaded machine
+    # the simulator's own truth for them spreads too (its engine runs on a late event loop), so
+    # the bound is 5% beyond what truth itself shows, not 5% of a spread that is really there.
     _, s = outcome
-    assert s["methods"]["work model"]["identical_spread"] <= 0.05
+    spread, truth = s["methods"]["work model"]["identical_spread"], s["identical_truth_spread"]
+    assert spread <= 0.05 + truth, (spread, truth)
 
 
 def test_bypass_energy_goes_to_unproxied(outcome):

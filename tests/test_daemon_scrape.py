@@ -1,11 +1,13 @@
-"""Parsing the servers' own token counters."""
+"""Parsing the servers' own token counters, and when the daemon scrapes them."""
 
 from __future__ import annotations
 
 import asyncio
 import json
+import time
+import types
 
-from powerprof.daemon.scrape import Scraper, counter_total, llamacpp_generated, slot_progress, slots_delta
+from powerprof.daemon.scrape import Cadence, Scraper, burst_start_ns, counter_total, llamacpp_generated, slot_progress, slots_delta
 
 VLLM = """# HELP vllm:generation_tokens_total Number of generation tokens processed.
 # TYPE vllm:generation_tokens_total counter
@@ -93,3 +95,122 @@ def test_llamacpp_restart_counts_from_zero_and_slots_only_still_works():
     assert _run(sc, 3) == [0.0, 50.0, 25.0]  # after a restart: everything since it
     only_slots = _Replay([(None, _slot(1, 10)), (None, _slot(1, 30)), (None, _slot(2, 7))])
     assert _run(only_slots, 3) == [0.0, 20.0, 7.0]
+
+
+# --- cadence: fast while something moves, slow once the server and the proxy are still ---------
+
+
+def test_cadence_slows_when_still_and_speeds_at_once_on_a_counter_rise_or_a_request():
+    c = Cadence(fast_s=0.25, idle_s=2.0, still_s=5.0)
+    assert c.due(0.0, busy=False)  # the first scrape at once
+    c.scraped(0.0, 0.0)  # the baseline counts as movement: fast for the first still_s
+    assert c.period_s(4.9) == 0.25 and c.due(0.25, busy=False)
+    for t in (0.25, 0.5, 4.75):
+        c.scraped(t, 0.0)  # the counter never moves
+    assert c.period_s(5.0) == 2.0
+    assert not c.due(5.0, busy=False) and not c.due(6.0, busy=False)
+    assert c.due(6.75, busy=False)  # one idle period after the last scrape
+    c.scraped(6.75, 0.0)
+    # A slow scrape sees the counter rise: the next one is one fast period later, not two seconds.
+    c.scraped(8.75, 12.0)
+    assert c.period_s(8.8) == 0.25 and c.due(9.0, busy=False)
+    c.scraped(9.0, 0.0)
+    assert c.period_s(13.7) == 0.25 and c.period_s(13.8) == 2.0  # still again 5 s after the rise
+    c.scraped(13.8, 0.0)
+    # A proxied request switches to fast at the next poll, the counter still unmoved.
+    assert not c.due(14.0, busy=False)
+    assert c.due(14.1, busy=True)
+    c.scraped(14.1, 0.0)
+    assert c.due(14.35, busy=False)  # and stays fast for still_s after the proxy went quiet
+    # A failed scrape (None) is no movement; idle_s at or below fast_s keeps the fast period.
+    c.scraped(25.0, None)
+    assert c.period_s(25.0) == 2.0
+    c.idle_s = 0.1
+    assert c.period_s(25.0) == 0.25
+
+
+def test_a_burst_after_stillness_is_placed_back_from_the_rate_that_follows():
+    s = 1_000_000_000
+    # 2 s window, 100 tokens, the next window runs 200 tokens/s: the burst began 0.5 s before its end.
+    assert burst_start_ns(0, 2 * s, 100.0, 200.0 / s) == 1.5 * s
+    assert burst_start_ns(0, 2 * s, 1000.0, 200.0 / s) == 0  # more than the rate allows: the whole window
+    assert burst_start_ns(0, 2 * s, 100.0, 0.0) == 0  # the burst ended within it: no rate, spread evenly
+    assert burst_start_ns(0, 2 * s, 0.0, 200.0 / s) == 0
+
+
+class _Cfg:
+    def __init__(self, **scrape_keys):
+        self.keys = scrape_keys
+
+    def get(self, section, key):
+        assert section == "scrape"
+        return self.keys[key]
+
+
+def test_the_daemon_scrape_loop_follows_the_cadence(monkeypatch):
+    """The daemon's own loop: slow while nothing moves, fast while the ledger holds proxied requests
+    and right after a counter rise. Bounds are counts and lower bounds on gaps (a loaded machine only
+    makes sleeps longer), and the fast cases are given far more time than fast needs."""
+    from powerprof.daemon import scrape as scrape_mod
+    from powerprof.daemon.service import Daemon
+
+    monkeypatch.setattr(scrape_mod, "STILL_S", 0.5)
+    fast_s, idle_s = 0.1, 1.0
+    calls: list[float] = []
+    deltas: list[float] = []  # scripted counter rises, taken one per scrape
+
+    class FakeScraper:
+        async def scrape(self):
+            calls.append(time.monotonic())
+            return deltas.pop(0) if deltas else 0.0
+
+    ledger = types.SimpleNamespace(requests={}, tags={}, closed_tags=[], spans=[])
+    ledger.add_server_tokens = lambda t, d, since: ledger.spans.append((since, t, d))
+    me = types.SimpleNamespace(cfg=_Cfg(interval_s=fast_s, idle_interval_s=idle_s), scraper=FakeScraper(),
+                               ledger=ledger, stop_event=None)
+
+    async def until(pred, limit_s):
+        t = time.monotonic()
+        while not pred() and time.monotonic() - t < limit_s:
+            await asyncio.sleep(0.02)
+
+    async def go():
+        me.stop_event = asyncio.Event()
+        task = asyncio.create_task(Daemon._scrape_loop(me))
+        try:
+            # Still: fast for STILL_S after the first scrape, then one scrape per idle period.
+            t0 = time.monotonic()
+            await asyncio.sleep(3.0)
+            still = [t for t in calls if t - calls[0] > 0.5 + fast_s]
+            span_s = time.monotonic() - t0
+            assert len(still) >= 1, calls
+            assert all(b - a >= idle_s - fast_s / 2 - 0.01 for a, b in zip(still, still[1:])), calls
+            # Always-fast would scrape ~30 times here; the cadence at most 6 + one per idle period.
+            assert len(calls) <= 0.5 / fast_s + 2 + span_s / (idle_s - fast_s / 2), calls
+            # Proxied requests in the ledger: fast at once. Six scrapes would take 4.75 s or more slow.
+            n, t1 = len(calls), time.monotonic()
+            ledger.requests[1] = object()
+            await until(lambda: len(calls) >= n + 6, 10.0)
+            assert len(calls) >= n + 6 and calls[n + 5] - t1 < 5 * (idle_s - fast_s / 2), calls[n:]
+            ledger.requests.clear()
+            # Still again, then the counter rises at one slow scrape: the next three follow fast.
+            await asyncio.sleep(2.5)
+            assert calls[-1] - calls[-2] >= idle_s - fast_s / 2 - 0.01
+            n = len(calls)
+            deltas.extend([40.0, 20.0])
+            await until(lambda: len(calls) >= n + 4, 10.0)
+            assert len(calls) >= n + 4 and calls[n + 3] - calls[n] < 3 * (idle_s - fast_s / 2), calls[n:]
+        finally:
+            me.stop_event.set()
+            await asyncio.wait_for(task, 5)
+        # Every scrape reached the ledger, each window starting where the previous one ended.
+        spans = ledger.spans
+        assert all(a[1] == b[0] for a, b in zip(spans, spans[1:]))
+        assert sum(s[2] for s in spans) == 60.0
+        # The slow window's 40 tokens were placed where the next window's rate (20 per fast window)
+        # says the burst began: two next-windows before its end, the rest of it left empty.
+        k = next(i for i, s in enumerate(spans) if s[2] == 40.0)
+        (_, start, empty), (_, end, _), (_, t_next, _) = spans[k - 1], spans[k], spans[k + 1]
+        assert empty == 0.0 and abs((end - start) - 2 * (t_next - end)) <= 2, spans[k - 1: k + 2]
+
+    asyncio.run(go())

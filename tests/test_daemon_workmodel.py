@@ -82,3 +82,23 @@ def test_unusable_intervals_stay_out_of_the_fit():
     y_bad = np.where(bad, y * 5, y)  # bypass traffic or a power-integrated interval
     learner.add("s", x, y_bad, ~bad)
     assert learner.fits["s"].r2 > 0.99
+
+
+def test_the_idle_power_kept_as_intervals_come_is_the_median_over_the_window():
+    # The idle median is kept incrementally (no pass over 900 intervals per close): it must equal the
+    # median of the idle intervals still in the window, through evictions and several settings.
+    rng = np.random.default_rng(3)
+    learner = CostLearner(window=50)
+    for k in range(40):
+        for setting in ((300.0,), (250.0,)):
+            n = int(rng.integers(1, 6))
+            x = np.zeros((n, 5))
+            x[:, 0] = rng.uniform(0.5, 1.5, n)
+            busy = rng.random(n) < 0.5
+            x[busy, 2] = rng.integers(1, 50, busy.sum())
+            e = x[:, 0] * rng.uniform(60, 80, n) + x[:, 2] * 0.3
+            learner.add(setting, x, e, rng.random(n) < 0.9)
+            xs, ys = np.array(learner._x[setting]), np.array(learner._y[setting])
+            idle = (xs[:, 1:] == 0).all(axis=1) & (xs[:, 0] > 0)
+            want = float(np.median(ys[idle] / xs[idle, 0])) if idle.sum() >= 5 else None
+            assert learner._idle_median(setting) == want

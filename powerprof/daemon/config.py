@@ -173,6 +173,8 @@ SPEC: dict[str, dict[str, Key]] = {
         "url": Key(str, "", _url, help="server to scrape; default the proxy upstream"),
         "interval_s": Key(float, 0.25, _positive(0.1, 3600, True), True,
                           "scrape period: bypass tokens are placed within a window this long"),
+        "idle_interval_s": Key(float, 2.0, _positive(0.1, 3600, True), True,
+                               "scrape period once the server's counter and the proxy are still"),
     },
     "metrics": {
         "listen": Key(str, "127.0.0.1:9464", _listen, help="Prometheus /metrics address; empty disables"),

@@ -130,6 +130,7 @@ class Ledger:
         self._levels: deque = deque()  # (window end, bypass level) of recent windows
         self._level = 0.0  # the latest window's level
         self.late_tokens = 0.0  # token events stamped before an interval already closed (not attributed)
+        self._resolved_last: int | None = None  # the last scrape's end at the latest resolving pass
         self._gpu_total = np.zeros(n_gpus)
         self._cpu_total: float | None = None
         self._by_kind = np.zeros(4)
@@ -429,6 +430,10 @@ class Ledger:
         todo = [sp for sp in self.server_spans if sp[3] is None]
         if not todo:
             return
+        last = self.server_spans[-1][1]
+        if last == self._resolved_last and not force:
+            return  # no scrape since the last pass: no window has become resolvable (4 passes a second)
+        self._resolved_last = last
         # The proxy's tokens per window are counted now, not at the scrape: a token event may be
         # recorded after a scrape that its timestamp precedes (a non-streamed body's, spread back).
         pt = np.fromiter((x[0] for x in self._proxied), dtype=np.int64, count=len(self._proxied))
@@ -439,7 +444,6 @@ class Ledger:
         t1 = np.searchsorted(pt, [sp[1] for sp in todo], side="right")
         gaps = self._gap + np.cumsum([sp[2] for sp in todo] - (cum[t1] - cum[t0]))
         ends = np.array([sp[1] for sp in todo], dtype=np.int64)
-        last = self.server_spans[-1][1]
         for k, sp in enumerate(todo):
             if not (sp[1] + lag_ns <= last or (force and sp[0] < upto_ns)):
                 break

@@ -9,7 +9,8 @@
   request's tokens after the last scrape before it ends (said in the log).
 
 Parsing is pure (text/JSON in, numbers out); `Scraper` does the HTTP and keeps the state needed
-to turn snapshots into token deltas. Bodies are read up to MAX_METRICS_BYTES; a counter that is not
+to turn snapshots into token deltas; `Cadence` says when to scrape (fast while anything moves,
+slow once the server and the proxy are both still). Bodies are read up to MAX_METRICS_BYTES; a counter that is not
 finite and non-negative, or a slot's n_decoded that is not a count, fails that scrape with the reason.
 """
 
@@ -87,6 +88,59 @@ def slots_delta(prev: dict[int, tuple[object, int]], now: dict[int, tuple[object
         else:
             d += n - old[1]
     return d
+
+
+STILL_S = 5.0  # the counter and the proxy this long without movement: scrape at the idle period
+
+
+class Cadence:
+    """When the next scrape is due: every `fast_s` while something moves (the caller's `busy`: proxied
+    requests held by the ledger, tags; or the server's counter rose within STILL_S), every `idle_s`
+    once all are still.
+
+    An idle server's counter does not move, so the fast period there only costs CPU. A counter rise
+    seen by a slow scrape, or a proxied request, switches back to `fast_s` at once; what that costs is
+    the first idle window of a bypass burst that starts from stillness: it is up to `idle_s` long, not
+    `fast_s` (the daemon places its tokens back with `burst_start_ns`; docs/daemon.md, Scrape cadence).
+    `idle_s <= fast_s` keeps it fast."""
+
+    def __init__(self, fast_s: float, idle_s: float, still_s: float | None = None):
+        self.fast_s = fast_s  # both may be changed between calls (a live config reload)
+        self.idle_s = idle_s
+        self.still_s = STILL_S if still_s is None else still_s
+        self._moved: float | None = None  # when something last moved (None: not yet: start fast)
+        self._last: float | None = None  # when the last scrape ran
+
+    def period_s(self, now: float) -> float:
+        """The scrape period in force at `now`."""
+        if self._moved is None or now - self._moved < self.still_s:
+            return self.fast_s
+        return max(self.fast_s, self.idle_s)
+
+    def due(self, now: float, busy: bool) -> bool:
+        """Whether to scrape at `now` (polled every `fast_s`); `busy`: proxied requests are live."""
+        if busy:
+            self._moved = now
+        if self._last is None:
+            return True
+        # Half a fast period of slack: the poll that lands just short of a period still scrapes.
+        return now - self._last >= self.period_s(now) - self.fast_s / 2
+
+    def scraped(self, now: float, delta: float | None) -> None:
+        """A scrape ran at `now` and the counter rose by `delta` (None: the scrape failed)."""
+        self._last = now
+        if self._moved is None or (delta is not None and delta > 0):
+            self._moved = now
+
+
+def burst_start_ns(since_ns: int, t_ns: int, delta: float, next_rate_per_ns: float) -> int:
+    """Where the tokens of a slow window that ends a stillness began: a burst running at the rate the
+    next (fast) window shows took delta / rate before `t_ns`; never before the window's start.
+    Spread over the whole window instead, a burst's tokens (and the window's idle time with them)
+    would count as busy from the window's start (docs/daemon.md, Scrape cadence)."""
+    if delta <= 0 or next_rate_per_ns <= 0:
+        return since_ns
+    return max(since_ns, t_ns - int(delta / next_rate_per_ns))
 
 
 class Scraper:

@@ -37,7 +37,7 @@ from .latency import RequestLatency
 from .ledger import Ledger
 from .metrics import GpuSnapshot, Snapshot, TagLimiter, make_registry, render
 from .proxy import Proxy, RequestTrace
-from .scrape import Scraper
+from .scrape import Cadence, Scraper, burst_start_ns
 from .store import Dataset, DatasetStore, Flusher, buffer_cap_rows
 from .tagapi import tag_app
 
@@ -395,19 +395,36 @@ class Daemon:
                 pass
 
     async def _scrape_loop(self) -> None:
-        since = None
+        since = held = None
+        cadence = Cadence(self.cfg.get("scrape", "interval_s"), self.cfg.get("scrape", "idle_interval_s"))
         while not self.stop_event.is_set():
-            t0 = time.monotonic_ns()
-            delta = await self.scraper.scrape()
-            t = (t0 + time.monotonic_ns()) // 2  # the counter was read somewhere in the request
-            if delta is not None:
-                # The delta covers the time since the previous scrape: spread over it (docs/daemon.md).
-                self.ledger.add_server_tokens(t, delta, since)
-                since = t
-            try:
-                await asyncio.wait_for(self.stop_event.wait(), self.cfg.get("scrape", "interval_s"))
-            except asyncio.TimeoutError:
-                pass
+            cadence.fast_s = self.cfg.get("scrape", "interval_s")  # both live on SIGHUP
+            cadence.idle_s = self.cfg.get("scrape", "idle_interval_s")
+            # Proxied requests and tags being measured keep the scrape fast (docs/daemon.md, Scrape cadence).
+            led = self.ledger
+            if cadence.due(time.monotonic(), bool(led.requests or led.tags or led.closed_tags)):
+                t0 = time.monotonic_ns()
+                delta = await self.scraper.scrape()
+                t = (t0 + time.monotonic_ns()) // 2  # the counter was read somewhere in the request
+                cadence.scraped(time.monotonic(), delta)
+                if delta is not None:
+                    if held is not None:  # the held slow window's burst began where this window's rate says
+                        h_since, h_t, h_delta = held
+                        start = burst_start_ns(h_since, h_t, h_delta, delta / max(1, t - h_t))
+                        if start > h_since:
+                            self.ledger.add_server_tokens(start, 0.0, h_since)
+                        self.ledger.add_server_tokens(h_t, h_delta, start)
+                        held = None
+                    if delta > 0 and since is not None and t - since > 1.5e9 * cadence.fast_s:
+                        held = (since, t, delta)  # a slow window ending a stillness: placed at the next scrape
+                    else:
+                        # The delta covers the time since the previous scrape: spread over it (docs/daemon.md).
+                        self.ledger.add_server_tokens(t, delta, since)
+                    since = t
+            # A bare sleep (no task per wait, as wait_for makes): it wakes every fast period to poll.
+            await asyncio.sleep(cadence.fast_s)
+        if held is not None:
+            self.ledger.add_server_tokens(held[1], held[2], held[0])
 
     # --- reload ------------------------------------------------------------------------------------
 

@@ -122,18 +122,27 @@ class CostLearner:
         self._x: dict = {}
         self._y: dict = {}
         self._since: dict = {}
+        self._n: dict = {}  # intervals ever added per setting (the window holds the last `window`)
+        self._idle: dict = {}  # (its number, its power) of each idle interval in the window
         self.fits: dict = {}
 
     def add(self, setting, features: np.ndarray, energy_j: np.ndarray, usable: np.ndarray) -> Fit | None:
         """Add intervals of one setting; returns a new Fit when one was made (every REFIT_EVERY)."""
         xs = self._x.setdefault(setting, deque(maxlen=self.window))
         ys = self._y.setdefault(setting, deque(maxlen=self.window))
+        idle = self._idle.setdefault(setting, deque())
         added = 0
         for f, e, ok in zip(np.asarray(features, dtype=float), np.asarray(energy_j, dtype=float), usable):
             if ok and np.isfinite(e) and np.all(np.isfinite(f)):
                 xs.append(f)
                 ys.append(float(e))
                 added += 1
+                self._n[setting] = n = self._n.get(setting, 0) + 1
+                # Kept as they come, so the idle median costs no pass over the whole window per interval.
+                if f[0] > 0 and not f[1:].any():
+                    idle.append((n, float(e) / f[0]))
+        while idle and idle[0][0] <= self._n.get(setting, 0) - self.window:
+            idle.popleft()  # left the window
         self._since[setting] = self._since.get(setting, 0) + added
         if self._since[setting] < REFIT_EVERY or not xs:
             return None
@@ -144,13 +153,10 @@ class CostLearner:
 
     def _idle_median(self, setting) -> float | None:
         """Median power of the window's idle intervals (measured), None with fewer than MIN_IDLE."""
-        xs = self._x.get(setting)
-        if not xs:
+        idle = self._idle.get(setting)
+        if not idle or len(idle) < MIN_IDLE:
             return None
-        x = np.array(xs)
-        y = np.array(self._y[setting])
-        idle = (x[:, 1:] == 0).all(axis=1) & (x[:, 0] > 0)
-        return float(np.median(y[idle] / x[idle, 0])) if idle.sum() >= MIN_IDLE else None
+        return float(np.median(np.fromiter((w for _, w in idle), dtype=float, count=len(idle))))
 
     def idle_w(self, setting) -> float | None:
         measured = self._idle_median(setting)
