@@ -239,3 +239,32 @@ def test_a_row_half_a_microsecond_before_midnight_lands_on_its_own_date():
     midnight = int(datetime(2026, 1, 1, tzinfo=timezone.utc).timestamp()) * 1_000_000_000
     assert date_of(midnight - 1) == "2025-12-31" and date_of(midnight) == "2026-01-01"
     assert date_of(datetime(2025, 12, 31, 23, 59, 59, 999999, tzinfo=timezone.utc)) == "2025-12-31"
+
+
+def _plant(where, marker):
+    """A `powerprof/` package in `where` that leaves `marker` behind if anything imports it."""
+    (where / "powerprof" / "daemon").mkdir(parents=True)
+    (where / "powerprof" / "__init__.py").write_text(f"open({str(marker)!r}, 'w').write('ran')\n")
+    (where / "powerprof" / "daemon" / "__init__.py").write_text("")
+    return where
+
+
+@pytest.mark.parametrize("pythonpath", [True, False], ids=["dev-PYTHONPATH", "no-PYTHONPATH"])
+def test_the_compaction_child_runs_no_code_from_the_daemons_working_directory(tmp_path, monkeypatch, pythonpath):
+    # `python -m` puts the working directory first on sys.path: root starting the daemon from /tmp would run a
+    # planted package. The child must import the parent's own powerprof, with or without PYTHONPATH.
+    marker = tmp_path / "PWNED"
+    evil = _plant(tmp_path / "cwd", marker)
+    s = _store(tmp_path / "data")
+    for k in range(3):
+        s.append("things", _rows(4, start=4 * k))
+        s.flush()
+    if not pythonpath:
+        monkeypatch.delenv("PYTHONPATH", raising=False)
+    monkeypatch.chdir(evil)
+    fl = Flusher(s, interval_s=60, compact_interval_s=60, compact_in_child=True)
+    fl._start_child()
+    fl._reap_child(120)  # raises when the child failed
+    assert not marker.exists(), "code from the daemon's working directory ran in the compaction child"
+    part = s.partitions("things")[0]
+    assert [p.name.startswith("compact-") for p in part.glob("*.parquet")] == [True]

@@ -354,6 +354,9 @@ def load_config(path: str | os.PathLike | None = None, env: dict | None = None, 
                 "the proxy and /metrics have no authentication. Listen on 127.0.0.1 or [::1], or set "
                 "daemon.listen_beyond_loopback = true (and firewall it)"
             )
+    if values["proxy"]["workers"] > 1 and str(values["proxy"]["listen"]).startswith("unix:"):
+        errors.append("config key proxy.workers > 1 needs a TCP proxy.listen (host:port); a unix: socket is "
+                      "served by the daemon itself (proxy.workers = 1)")
     if values["daemon"]["flush_interval_s"] > values["daemon"]["compact_interval_s"]:
         errors.append("config key daemon.flush_interval_s must not exceed daemon.compact_interval_s")
     _raise_all(errors)

@@ -60,6 +60,7 @@ class _Req:
     cpu_missing: bool = False  # given a share of an interval whose CPU energy is unknown
     tokens: float = 0.0
     spent: float = 0.0  # tokens of events already closed (the context of later ones)
+    late: float = 0.0  # tokens that came after their interval had closed: not attributed, flagged on the row
 
 
 @dataclass
@@ -128,6 +129,7 @@ class Ledger:
         self._gap = 0.0  # server minus proxied tokens, cumulative, to the end of the last resolved window
         self._levels: deque = deque()  # (window end, bypass level) of recent windows
         self._level = 0.0  # the latest window's level
+        self.late_tokens = 0.0  # token events stamped before an interval already closed (not attributed)
         self._resolved_last: int | None = None  # the last scrape's end at the latest resolving pass
         self._gpu_total = np.zeros(n_gpus)
         self._cpu_total: float | None = None
@@ -145,6 +147,12 @@ class Ledger:
 
     def on_tokens(self, trace: RequestTrace, t_ns: int, n: int) -> None:
         r = self.requests.get(trace.request_id)
+        if r is not None and self.edges and t_ns < self.edges[0].t_ns:
+            # Stamped before an interval that has closed (a proxy worker's record read late): it cannot
+            # be placed any more. Counted and flagged, never silently lost.
+            r.late += n
+            self.late_tokens += n
+            return
         if r is not None:
             r.ev_t.append(t_ns)
             r.ev_n.append(n)
@@ -240,9 +248,12 @@ class Ledger:
 
     # --- closing intervals -------------------------------------------------------------------
 
-    def advance(self, now_ns: int) -> None:
-        """Close every interval whose end edge is older than the grace period."""
+    def advance(self, now_ns: int, records_upto_ns: int | None = None) -> None:
+        """Close every interval whose end edge is older than the grace period, and (records_upto_ns:
+        proxy workers' records) whose tokens have all been read, held at most max_hold_s."""
         horizon = now_ns - self.grace_ns
+        if records_upto_ns is not None:
+            horizon = min(horizon, max(records_upto_ns, now_ns - self.max_hold_ns))
         # Each hold bounds the horizon on its own, with its own cap: the tightest wins (a shorter
         # cap must not release intervals another hold still needs).
         # A non-streamed response reveals its tokens only at its end: hold the intervals it
@@ -583,7 +594,7 @@ class Ledger:
             "tag": tr.tag,
             "status": tr.status,
             "outcome": tr.outcome,
-            "error": tr.error,
+            "error": _with_late(tr.error, r.late),
             "prompt_tokens": c.prompt_tokens if c is not None else None,
             "generated_tokens": gen,
             "decode_tokens": max(gen - 1, 0) if gen else None,
@@ -617,6 +628,13 @@ class Ledger:
             "gpu_j_per_token": tg.gpu_j / tg.tokens if tg.tokens > 0 else None,
             "closed_by": tg.closed_by,
         }
+
+
+def _with_late(error: str | None, late: float) -> str | None:
+    if not late:
+        return error
+    note = f"{late:g} token(s) arrived after their interval had closed and were not attributed"
+    return note if error is None else f"{error}; {note}"
 
 
 def _no_energy_reason(r: _Req) -> str:

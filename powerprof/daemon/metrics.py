@@ -91,6 +91,9 @@ class Snapshot:
     proxy_recorder_failures: int = 0
     proxy_upstream_failures: int = 0
     proxy_active: int = 0
+    proxy_records_dropped: int = 0  # proxy workers' records not shipped (the daemon did not read)
+    proxy_worker_restarts: dict = field(default_factory=dict)  # reason → count (proxy.workers > 1)
+    late_tokens: float = 0.0  # stamped before an interval already closed: not attributed
     latency: dict = field(default_factory=dict)  # name → latency.HistogramState
     sources: dict = field(default_factory=dict)  # source → (reads, read CPU s, missed ticks, errors)
     edge_reads: int = 0
@@ -194,6 +197,15 @@ class SnapshotCollector:
         yield CounterMetricFamily("powerprof_proxy_upstream_failures", "Upstream unreachable (502 sent)",
                                   value=s.proxy_upstream_failures)
         yield GaugeMetricFamily("powerprof_proxy_active_requests", "Requests in flight", value=s.proxy_active)
+        yield CounterMetricFamily("powerprof_proxy_records_dropped", "Proxy workers' records not shipped because "
+                                  "the daemon did not read (their requests' rows say so)", value=s.proxy_records_dropped)
+        yield CounterMetricFamily("powerprof_tokens_late", "Proxied tokens read after their interval had closed, "
+                                  "not attributed (their requests' rows say so)", value=s.late_tokens)
+        restarts = CounterMetricFamily("powerprof_proxy_worker_restarts", "Proxy workers restarted: exited, or "
+                                       "killed after sending nothing for 10 s (silent)", labels=["reason"])
+        for reason, n in sorted(s.proxy_worker_restarts.items()):
+            restarts.add_metric([reason], n)
+        yield restarts
         for name, idx, doc in (
             ("powerprof_sample_reads", 0, "Full reads of each sensor source (ticks and tag-API edges; "
              "request edges are powerprof_edge_reads)"),

@@ -348,6 +348,9 @@ class Daemon:
             proxy_recorder_failures=self.proxy.recorder_failures if self.proxy else 0,
             proxy_upstream_failures=self.proxy.upstream_failures if self.proxy else 0,
             proxy_active=self.proxy.active if self.proxy else 0,
+            proxy_records_dropped=getattr(self.proxy, "records_dropped", 0),
+            proxy_worker_restarts=dict(getattr(self.proxy, "restarts", {})),
+            late_tokens=self.ledger.late_tokens,
         )
 
     def _stuck_after_s(self) -> float:
@@ -378,7 +381,7 @@ class Daemon:
         while not self.stop_event.is_set():
             try:
                 self._drain()
-                self.ledger.advance(time.monotonic_ns())
+                self.ledger.advance(time.monotonic_ns(), getattr(self.proxy, "watermark_ns", None))
                 self._update_snapshot()
             except Exception:
                 log.exception("accounting step failed; continuing")
@@ -505,6 +508,10 @@ class Daemon:
         except (OSError, RuntimeError) as e:
             raise StartupError(f"cannot start the proxy workers on {listen}: {getattr(e, 'strerror', None) or e}") from None
         self._warn_beyond_loopback(listen, "proxy")
+        n, limit = self.cfg.get("proxy", "workers"), memory_limit_bytes()
+        if limit is not None and limit < (70 + 45 * n) << 20:  # the daemon, then ~40 MiB resident a worker
+            log.warning("%d proxy workers in a memory limit of %d MiB: each needs about 45 MiB beside the daemon's "
+                        "70 MiB; raise MemoryMax (and TasksMax) or lower proxy.workers", n, limit >> 20)
         return http_url(host, port)
 
     async def _serve_tags(self) -> None:

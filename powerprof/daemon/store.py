@@ -8,7 +8,7 @@ none. `kill -9` loses only rows buffered since the last flush.
 Flushes write Parquet with `storage/flatparquet.py` (standard library, GZIP pages), so the daemon
 never loads pyarrow (about 45 MiB resident). Compaction, which reads, sorts and rewrites with ZSTD,
 needs pyarrow: the daemon's Flusher runs it hourly in a short-lived child process
-(`python -m powerprof.daemon.store`), which the kernel kills if the daemon dies (PR_SET_PDEATHSIG).
+(`powerprof.daemon.store` in an isolated interpreter, `daemon/spawn.py`), which the kernel kills if the daemon dies (PR_SET_PDEATHSIG).
 Flushes go on while it runs: it only merges and deletes the files it listed when it began.
 
 Compaction merges a partition's small files into one. It writes a journal naming the sources
@@ -41,6 +41,7 @@ from datetime import datetime, timedelta, timezone
 from pathlib import Path
 from typing import TYPE_CHECKING, Callable
 
+from powerprof.daemon.spawn import isolated_argv
 from powerprof.storage import flatparquet
 from powerprof.storage.atomic import atomic_path, fsync_dir
 from powerprof.storage.schema import arrow_schema, columns_of
@@ -357,7 +358,7 @@ class DatasetStore:
 
     def child_spec(self, min_files: int = 2) -> dict:
         """What `python -m powerprof.daemon.store` needs to run `compact` in a child process."""
-        return {"root": str(self.root), "min_files": min_files, "parent_pid": os.getpid(),
+        return {"root": os.path.abspath(self.root), "min_files": min_files, "parent_pid": os.getpid(),
                 "datasets": [{"name": d.name, "columns": d.columns, "time_column": d.time_column}
                              for d in self.datasets.values()]}
 
@@ -496,8 +497,9 @@ class Flusher:
     def _start_child(self) -> None:
         # Started from this thread: PR_SET_PDEATHSIG in the child fires when this thread ends.
         # Its own session: a Ctrl-C at the daemon's terminal stops the daemon, which lets the child finish.
-        self._child = subprocess.Popen([sys.executable, "-m", "powerprof.daemon.store"], stdin=subprocess.PIPE,
-                                       stdout=subprocess.DEVNULL, text=True, start_new_session=True)
+        # Isolated, from "/": never code from the daemon's working directory or PYTHONPATH (daemon/spawn.py).
+        self._child = subprocess.Popen(isolated_argv("powerprof.daemon.store"), stdin=subprocess.PIPE,
+                                       stdout=subprocess.DEVNULL, text=True, start_new_session=True, cwd="/")
         self._child.stdin.write(json.dumps(self.store.child_spec()))
         self._child.stdin.close()
 

@@ -1,21 +1,24 @@
-"""Proxy worker processes on one SO_REUSEPORT port, whose per-request records the daemon replays into its one ledger.
+"""Proxy worker processes on the daemon's own SO_REUSEPORT listening sockets, whose per-request records the daemon replays into its one ledger.
 
-With `proxy.workers = N > 1` the daemon serves no proxy traffic itself: it starts N children
-(`python -m powerprof.daemon.workers`), each running the same `Proxy` on the proxy address with
-SO_REUSEPORT (the kernel spreads connections over them), with a recorder that ships compact
-records over a socketpair instead of calling the ledger. Per request: a start (its fields), its
-first token on its own (exact time, for TTFT and the first-token edge), later tokens coalesced per
-request into one (time of the latest, count) entry per flush (at most `FLUSH_S` apart), and an end
-(counts, outcome, timings). A flush is one marshal'd frame; with few requests in flight it goes out
-at once, so the short-request edges are read on time. The daemon gives each record a request id
-of its own (unique across workers), mirrors the proxy's `RequestTrace` and calls its recorder
-(ledger, latency histograms, tag counters) exactly as the in-process proxy does.
+With `proxy.workers = N > 1` the daemon serves no proxy traffic itself: it binds and listens on N
+SO_REUSEPORT sockets (the kernel spreads connections over them) and keeps them for its whole life,
+so the port is never free; it starts N children (`powerprof.daemon.workers` in an isolated
+interpreter, `spawn.py`), each serving one socket it inherits with the same `Proxy`, with a
+recorder that ships compact records over a socketpair instead of calling the ledger. Per request:
+a start (its fields), its first token on its own (exact time, for TTFT and the first-token edge),
+later tokens coalesced per request into one (time of the latest, count) entry per flush (at most
+`FLUSH_S` apart), and an end (counts, outcome, timings). A flush is one marshal'd frame; with few
+requests in flight it goes out at once, so the short-request edges are read on time. Every
+`BEAT_S` a heartbeat carries the worker's clock (the ledger closes no interval its records may
+still reach) and its live request ids. The daemon checks each frame's types, gives each record a
+request id of its own (unique across workers), mirrors the proxy's `RequestTrace` and calls its
+recorder (ledger, latency histograms, tag counters) exactly as the in-process proxy does.
 
-Fail-open: a worker forwards on its own; a daemon that stops reading only fills the socket up to
-`SEND_BUFFER_MAX_BYTES`, beyond which records are dropped and counted, never the client's bytes.
-A worker that dies has its in-flight requests recorded as `interrupted` (the error says which
-worker) and is restarted. Workers exit when the daemon dies (PR_SET_PDEATHSIG, and the socket's
-EOF) and drain like the daemon on SIGTERM.
+Fail-open: a worker forwards on its own; a daemon that stops reading costs coalesced token records
+only (dropped, counted, their requests flagged), never the client's bytes; starts and ends wait.
+A worker that dies, or is silent for SILENT_S, has its in-flight requests recorded as
+`interrupted` (the error says which worker) and is restarted with backoff. Workers exit when the
+daemon dies (PR_SET_PDEATHSIG, and the socket's EOF) and drain like the daemon on SIGTERM.
 """
 
 from __future__ import annotations
@@ -36,15 +39,21 @@ from dataclasses import astuple
 
 from . import streams
 from .proxy import Proxy, RequestTrace
+from .spawn import isolated_argv
 
 log = logging.getLogger("powerprof.daemon.workers")
 
 FLUSH_S = 0.02  # tokens of one request are coalesced over at most this long (their placement's resolution)
-SEND_BUFFER_MAX_BYTES = 8 << 20  # a daemon that stops reading: records beyond this are dropped and counted
+SEND_BUFFER_MAX_BYTES = 8 << 20  # a daemon that stops reading: beyond this, token records are dropped (marked)
+HELD_MAX_RECORDS = 200_000  # starts, first tokens and ends held for a daemon that does not read, at most
 FRAME_MAX_BYTES = 64 << 20
 HELLO_TIMEOUT_S = 60.0  # a loaded machine takes seconds to start Python and bind
 STOP_TIMEOUT_S = 10.0  # SIGTERM: a worker cuts its requests after 2 s (like the daemon) and sends their records
-RESTART_MIN_GAP_S = 1.0  # a worker that dies at once is restarted at most this often
+BEAT_S = 0.25  # a worker's heartbeat: its live requests and its clock (the ledger's horizon waits for it)
+SILENT_S = 10.0  # a worker silent this long (stopped, wedged) is killed and restarted
+RESTART_BACKOFF_S = (1.0, 60.0)  # a worker that keeps dying is restarted after 1, 2, 4 … 60 s
+STABLE_S = 60.0  # a worker that lived this long restarts after the shortest delay again
+LISTEN_BACKLOG = 1024
 _HEAD = struct.Struct("<I")
 
 
@@ -94,7 +103,13 @@ def _end_record(tr: RequestTrace) -> tuple:
 
 
 class ShippingRecorder:
-    """The worker's recorder: batches what the proxy records and writes it to the daemon as frames."""
+    """The worker's recorder: batches what the proxy records and writes it to the daemon as frames.
+
+    A daemon that does not read (its socket holds more than SEND_BUFFER_MAX_BYTES) costs coalesced
+    token records only: they are dropped, and the tokens dropped are sent per request with the next
+    frame that goes out, so its row is flagged. Starts, first tokens and ends are held until the
+    daemon reads again (at most HELD_MAX_RECORDS; beyond that the oldest go, counted, and the
+    heartbeat's live set lets the daemon end what it lost)."""
 
     def __init__(self, urgent_max_active: int, active=lambda: 0):
         self.urgent_max_active = urgent_max_active  # at most this many in flight: send at once (edges)
@@ -102,14 +117,18 @@ class ShippingRecorder:
         self.transport: asyncio.Transport | None = None
         self.dropped = 0  # records not sent: the daemon did not read
         self.proxy: Proxy | None = None
+        self.live: dict = {}  # request ids started and not ended (a dict: ordered, cheap to list)
         self._starts: list = []
         self._firsts: list = []
         self._tokens: dict = {}  # request id → [t_ns, n, trace]
         self._ends: list = []
+        self._marks: dict = {}  # request id → tokens of its dropped records, not yet told to the daemon
         self._handle: asyncio.Handle | None = None
         self._urgent = False
+        self.sent_ns = time.monotonic_ns()  # every record stamped before this has gone out (or was marked)
 
     def on_start(self, trace: RequestTrace) -> None:
+        self.live[trace.request_id] = None
         self._starts.append(_start_record(trace))
         self._schedule(urgent=True)
 
@@ -128,6 +147,7 @@ class ShippingRecorder:
             e[1] += n
 
     def on_end(self, trace: RequestTrace) -> None:
+        self.live.pop(trace.request_id, None)
         self._ends.append(_end_record(trace))
         self._schedule(urgent=True)
 
@@ -140,24 +160,73 @@ class ShippingRecorder:
         elif self._handle is None:
             self._handle = asyncio.get_running_loop().call_later(FLUSH_S, self.flush)
 
+    def _stats(self) -> tuple:
+        p = self.proxy
+        return (p.recorder_failures, p.upstream_failures, self.dropped) if p is not None else (0, 0, self.dropped)
+
+    def _writable(self) -> bool:
+        tr = self.transport
+        return tr is not None and not tr.is_closing() and tr.get_write_buffer_size() <= SEND_BUFFER_MAX_BYTES
+
     def flush(self) -> None:
         self._handle, self._urgent = None, False
-        if not (self._starts or self._firsts or self._tokens or self._ends):
+        if not (self._starts or self._firsts or self._tokens or self._ends or self._marks):
             return
         toks = []
         for rid, (t, n, tr) in self._tokens.items():
             p = tr.extra.get("prompt_tokens")
             toks.append((rid, t, n, -1 if p is None else p))
-        p = self.proxy
-        msg = (self._starts, self._firsts, toks, self._ends,
-               (p.recorder_failures, p.upstream_failures, self.dropped) if p is not None else (0, 0, self.dropped))
-        n_records = len(self._starts) + len(self._firsts) + len(toks) + len(self._ends)
-        self._starts, self._firsts, self._tokens, self._ends = [], [], {}, []
-        tr = self.transport
-        if tr is None or tr.is_closing() or tr.get_write_buffer_size() > SEND_BUFFER_MAX_BYTES:
-            self.dropped += n_records
+        self._tokens = {}
+        if not self._writable():
+            # Tokens can be lost here (counted, and their requests marked); the edges of a request cannot.
+            for rid, _t, n, _p in toks:
+                self._marks[rid] = self._marks.get(rid, 0) + n
+            self.dropped += len(toks)
+            self._bound_held()
             return
-        tr.write(frame(msg))
+        now = time.monotonic_ns()
+        msg = (self._starts, self._firsts, toks, self._ends, self._stats(), list(self._marks.items()), now)
+        self._starts, self._firsts, self._ends, self._marks = [], [], [], {}
+        self.transport.write(frame(msg))
+        self.sent_ns = now
+
+    def _bound_held(self) -> None:
+        over = len(self._starts) + len(self._firsts) + len(self._ends) - HELD_MAX_RECORDS
+        if over <= 0:
+            return
+        # The oldest go first: first tokens (their requests marked), then starts (the end carries a
+        # start's fields), then ends (the daemon ends those requests from the heartbeat's live set).
+        for name in ("_firsts", "_starts", "_ends"):
+            held = getattr(self, name)
+            k = min(over, len(held))
+            if name == "_firsts":
+                for f in held[:k]:
+                    self._marks[f[0]] = self._marks.get(f[0], 0) + f[3]
+            elif name == "_starts":
+                for st in held[:k]:
+                    self._marks.setdefault(st[0], 0)
+            del held[:k]
+            self.dropped += k
+            over -= k
+            if over <= 0:
+                return
+
+    def beat(self) -> None:
+        """The heartbeat: whatever waits goes first, then this worker's clock and its live requests
+        (with those whose end is still held: the daemon has not seen them end)."""
+        self.flush()
+        tr = self.transport
+        if tr is None or tr.is_closing():
+            return
+        live = list(self.live)
+        if self._ends:
+            live += [e[0][0] for e in self._ends]
+        held = self._starts or self._firsts or self._ends
+        if not held:
+            self.sent_ns = time.monotonic_ns()
+        # Written even when the daemon does not read (a few bytes): its clock, not its records, is the
+        # sign of life; a held end keeps its request in `live`, so the daemon ends nothing early.
+        tr.write(frame(("beat", self.sent_ns, live, self._stats())))
 
 
 class WorkerProxy(Proxy):
@@ -206,17 +275,23 @@ async def _serve(spec: dict, sock: socket.socket) -> int:
     app.middlewares.append(guard.middleware)
     runner = web.AppRunner(app, access_log=None, shutdown_timeout=2.0, keepalive_timeout=spec["idle_timeout_s"])
     await runner.setup()
-    try:
-        await web.TCPSite(runner, spec["host"], spec["port"], reuse_address=True, reuse_port=True).start()
-    except OSError as e:
-        log.error("proxy worker %d cannot listen on %s:%d: %s", spec["index"], spec["host"], spec["port"], e)
-        return 1
+    # The daemon's listening socket, open since before any worker started: serving it takes no bind.
+    await web.SockSite(runner, socket.socket(fileno=spec["listen_fd"])).start()
     guard.watch(runner.server)
     transport.write(frame(("hello", os.getpid())))
+
+    async def beats():
+        while True:
+            await asyncio.sleep(BEAT_S)
+            shipper.beat()
+
+    beating = asyncio.create_task(beats())
     await stop.wait()
+    beating.cancel()
     await guard.stop()
     await runner.cleanup()  # in-flight requests get shutdown_timeout, then are cut and recorded
     shipper.flush()
+    shipper.beat()  # the live set after the drain: requests cut by the stop have ended by now
     if not transport.is_closing():
         if transport.can_write_eof():
             transport.write_eof()
@@ -229,7 +304,8 @@ async def _serve(spec: dict, sock: socket.socket) -> int:
 
 
 def worker_main() -> int:
-    """`python -m powerprof.daemon.workers`: one proxy worker; its spec (JSON) on stdin, the socket's fd in it."""
+    """One proxy worker (`isolated_argv("powerprof.daemon.workers")`): its spec (JSON) on stdin, the fds of its
+    socket to the daemon and of the listening socket in it."""
     spec = json.load(sys.stdin)
     try:
         import ctypes
@@ -251,6 +327,68 @@ def worker_main() -> int:
 
 # --- the daemon's side ------------------------------------------------------------------------------------
 
+_I, _IN, _S, _SN, _BN, _FN = "int", "int?", "str", "str?", "bool?", "float?"
+_START = (_I, _S, _S, _SN, _I, _I, _SN, _SN, _BN)
+_FIRST = (_I, _I, _I, _I, _IN, _BN, _FN)
+_TOK = (_I, _I, _I, "float")
+_END_REST = (_IN, _IN, _IN, _SN, _SN, _IN, _IN, _IN, _IN, _I, _I, _SN, _SN, _SN, _BN)
+_COUNTS = (_IN, _IN, _SN, _SN, _S, _FN, _BN, _SN, _SN, "bool")
+
+
+def _ok(v, kind: str) -> bool:
+    if v is None:
+        return kind.endswith("?")
+    k = kind.rstrip("?")
+    if k == "int":
+        return type(v) is int or type(v) is bool
+    if k == "bool":
+        return type(v) is bool
+    if k == "float":
+        return type(v) in (int, float)
+    return type(v) is str
+
+
+def _check(rec, shape: tuple, what: str) -> None:
+    if type(rec) not in (tuple, list) or len(rec) != len(shape) or not all(_ok(v, k) for v, k in zip(rec, shape)):
+        raise ValueError(f"malformed {what} record {rec!r:.200}")
+
+
+def check_message(msg) -> None:
+    """A frame's shape and types, checked before any of it reaches the recorder (a string where a time
+    belongs would wedge the ledger's every later interval). ValueError says what is wrong."""
+    if type(msg) is not tuple or not msg:
+        raise ValueError(f"malformed message {msg!r:.200}")
+    if msg[0] == "hello":
+        return _check(msg, (_S, _I), "hello")
+    if msg[0] == "beat":
+        _check(msg[:2], (_S, _I), "beat")
+        if len(msg) != 4 or type(msg[2]) is not list or not all(type(r) is int for r in msg[2]):
+            raise ValueError(f"malformed beat {msg!r:.200}")
+        return _check(msg[3], (_I, _I, _I), "stats")
+    if len(msg) != 7:
+        raise ValueError(f"malformed message of {len(msg)} parts")
+    starts, firsts, toks, ends, stats, marks, watermark = msg
+    for part in (starts, firsts, toks, ends, marks):
+        if type(part) is not list:
+            raise ValueError(f"malformed message part {part!r:.200}")
+    for r in starts:
+        _check(r, _START, "start")
+    for r in firsts:
+        _check(r, _FIRST, "first-token")
+    for r in toks:
+        _check(r, _TOK, "token")
+    for e in ends:
+        if type(e) is not tuple or len(e) != 18 or type(e[17]) is not dict:
+            raise ValueError(f"malformed end record {e!r:.200}")
+        _check(e[0], _START, "end's start")
+        _check(e[1:16], _END_REST, "end")
+        if e[16] is not None:
+            _check(e[16], _COUNTS, "end's counts")
+    for m in marks:
+        _check(m, (_I, _I), "dropped-tokens")
+    _check(stats, (_I, _I, _I), "stats")
+    _check((watermark,), (_I,), "watermark")
+
 
 class _WorkerLink(asyncio.Protocol):
     def __init__(self, owner: "ProxyWorkers", worker: "_Worker"):
@@ -258,9 +396,14 @@ class _WorkerLink(asyncio.Protocol):
 
     def data_received(self, data: bytes) -> None:
         self.owner.record_bytes += len(data)
+        self.worker.heard_s = time.monotonic()
         try:
             msgs = self.unframer.feed(data)
+            for m in msgs:
+                check_message(m)
         except Exception as e:
+            # A worker that sends what it cannot have meant is broken: its link goes, its requests end
+            # marked (the failure path of a worker that dies), and it is restarted.
             self.owner._failed(f"unreadable frame from proxy worker {self.worker.index}: {e}")
             if self.worker.transport is not None:
                 self.worker.transport.close()
@@ -285,11 +428,17 @@ class _Worker:
         self.stats = (0, 0, 0)  # its proxy's recorder and upstream failures, records it dropped
         self.base = (0, 0, 0)  # the same, summed over its earlier lives
         self.started_s = 0.0
+        self.heard_s = 0.0  # when its socket last brought anything
+        self.said_hello = False
+        self.silenced = False  # killed for its silence (counted as that, not as an exit)
+        self.watermark_ns: int | None = None  # every token it stamped before this has reached us (or was marked)
         self.served = 0  # requests it ended, over all its lives
+        self.failures = 0  # deaths in a row, each within STABLE_S of its start (the restart backoff)
 
 
 class ProxyWorkers:
-    """The daemon's side: starts and restarts the workers, replays their records into `recorder`.
+    """The daemon's side: opens the listening sockets, starts and restarts the workers, replays their
+    records into `recorder`.
 
     Offers what the daemon reads of an in-process `Proxy` (`active`, `recorder_failures`,
     `upstream_failures`) and `cleanup()` like an aiohttp runner, so the daemon's shutdown stops it."""
@@ -300,19 +449,22 @@ class ProxyWorkers:
         self.n = n
         self.recorder = recorder
         if proxy_kwargs.get("max_connections"):  # the upstream's bound holds for all workers together
-            proxy_kwargs = {**proxy_kwargs, "max_connections": -(-proxy_kwargs["max_connections"] // n)}
+            proxy_kwargs = {**proxy_kwargs, "max_connections": max(1, proxy_kwargs["max_connections"] // n)}
         self.host, self.port = listen_host, listen_port
         self.spec = {"upstream": upstream, "proxy": proxy_kwargs, "header_timeout_s": header_timeout_s,
                      "idle_timeout_s": idle_timeout_s, "urgent_max_active": urgent_max_active,
                      "log_format": log_format}
         self.workers = [_Worker(k) for k in range(n)]
         self.mirrors: dict[tuple[int, int], RequestTrace] = {}
+        self.marked: dict[tuple[int, int], int] = {}  # (worker, request) → its tokens whose records were dropped
         self._ids = itertools.count(1)
-        self._reserve: socket.socket | None = None
+        self.sockets: list[socket.socket] = []  # one listening socket per worker, open for our whole life
+        self._watch: asyncio.TimerHandle | None = None
+        self._checked_s = 0.0  # when _check_silence last ran
         self.closing = False
-        self.restarts = 0
+        self.restarts = {"exited": 0, "silent": 0}
         self.replay_failures = 0
-        self.lost_requests = 0  # in flight in a worker that died
+        self.lost_requests = 0  # in flight in a worker that died, or lost with its dropped records
         self.record_bytes = 0  # received from the workers
 
     # what the daemon reads, as of an in-process Proxy
@@ -322,15 +474,29 @@ class ProxyWorkers:
 
     @property
     def recorder_failures(self) -> int:
-        return self.replay_failures + sum(w.base[0] + w.stats[0] + w.base[2] + w.stats[2] for w in self.workers)
+        """Requests whose replay or recording failed (the workers' and ours); records dropped are apart."""
+        return self.replay_failures + sum(w.base[0] + w.stats[0] for w in self.workers)
+
+    @property
+    def records_dropped(self) -> int:
+        """Records a worker could not ship (the daemon did not read): each marked on its request."""
+        return sum(w.base[2] + w.stats[2] for w in self.workers)
 
     @property
     def upstream_failures(self) -> int:
         return sum(w.base[1] + w.stats[1] for w in self.workers)
 
-    async def start(self) -> tuple[str, int]:
-        """Bind the address (port 0 picks one, kept for the daemon's life), start the workers, wait until
-        each listens. OSError when the address cannot be had; RuntimeError when a worker does not start."""
+    @property
+    def watermark_ns(self) -> int | None:
+        """Every worker's token records stamped before this have been replayed: the ledger's intervals
+        may close up to here. None: no worker is up (its lost tokens cannot come)."""
+        marks = [w.watermark_ns for w in self.workers if w.transport is not None and w.watermark_ns is not None]
+        return min(marks) if marks else None
+
+    def open_sockets(self) -> None:
+        """Bind and listen on the address, one SO_REUSEPORT socket per worker (port 0 picks one port for
+        all), before any worker starts; they stay open until cleanup(), so the port is never free for
+        another process to take, and connections wait in their queues while a worker restarts."""
         fam = socket.AF_INET6 if ":" in self.host else socket.AF_INET
         if self.port:
             # Without SO_REUSEPORT first: a port another process (of this user) serves with SO_REUSEPORT,
@@ -338,16 +504,29 @@ class ProxyWorkers:
             with socket.socket(fam, socket.SOCK_STREAM) as probe:
                 probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
                 probe.bind((self.host, self.port))
-        s = socket.socket(fam, socket.SOCK_STREAM)
-        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
         try:
-            s.bind((self.host, self.port))  # bound, never listening: it takes no connections
+            for _ in range(self.n):
+                s = socket.socket(fam, socket.SOCK_STREAM)
+                self.sockets.append(s)
+                s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+                s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
+                s.bind((self.host, self.port))
+                s.listen(LISTEN_BACKLOG)
+                s.set_inheritable(False)
+                self.port = s.getsockname()[1]
         except OSError:
-            s.close()
+            self.close_sockets()
             raise
-        self._reserve = s
-        self.port = s.getsockname()[1]
+
+    def close_sockets(self) -> None:
+        for s in self.sockets:
+            s.close()
+        self.sockets = []
+
+    async def start(self) -> tuple[str, int]:
+        """Open the listening sockets, start the workers, wait until each serves. OSError when the address
+        cannot be had; RuntimeError when a worker does not start."""
+        self.open_sockets()
         for w in self.workers:
             self._spawn(w)
         try:
@@ -356,6 +535,8 @@ class ProxyWorkers:
         except (asyncio.TimeoutError, RuntimeError) as e:
             await self.cleanup()
             raise RuntimeError(f"proxy workers did not start: {e or 'no answer in %g s' % HELLO_TIMEOUT_S}") from None
+        self._checked_s = time.monotonic()
+        self._watch = asyncio.get_running_loop().call_later(1.0, self._check_silence)
         log.info("%d proxy workers listening on port %d (pids %s)", self.n, self.port,
                  ", ".join(str(w.proc.pid) for w in self.workers))
         return self.host, self.port
@@ -363,20 +544,27 @@ class ProxyWorkers:
     def _spawn(self, w: _Worker) -> None:
         loop = asyncio.get_running_loop()
         ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
-        spec = {**self.spec, "host": self.host, "port": self.port, "index": w.index, "fd": theirs.fileno(),
+        listen = self.sockets[w.index]
+        spec = {**self.spec, "index": w.index, "fd": theirs.fileno(), "listen_fd": listen.fileno(),
                 "parent_pid": os.getpid(), "log_level": logging.getLogger("powerprof").getEffectiveLevel()}
         try:
             # Started from the loop's thread, which lives as long as the daemon (PR_SET_PDEATHSIG follows the
             # thread). Its own session: a Ctrl-C at the terminal reaches the daemon, which stops the workers.
-            w.proc = subprocess.Popen([sys.executable, "-m", "powerprof.daemon.workers"], stdin=subprocess.PIPE,
-                                      stdout=subprocess.DEVNULL, pass_fds=(theirs.fileno(),), text=True,
-                                      start_new_session=True)
-            w.proc.stdin.write(json.dumps(spec))
-            w.proc.stdin.close()
+            w.proc = subprocess.Popen(isolated_argv("powerprof.daemon.workers"), stdin=subprocess.PIPE,
+                                      stdout=subprocess.DEVNULL, pass_fds=(theirs.fileno(), listen.fileno()),
+                                      text=True, start_new_session=True, cwd="/")
+            try:
+                w.proc.stdin.write(json.dumps(spec))
+                w.proc.stdin.close()
+            except BrokenPipeError:  # it died at once: its socket's EOF follows, and with it the restart
+                pass
         finally:
             theirs.close()
-        w.started_s = time.monotonic()
+        w.started_s = w.heard_s = time.monotonic()
+        w.said_hello = False
+        w.watermark_ns = None
         w.hello = loop.create_future()
+        w.hello.add_done_callback(lambda f: f.cancelled() or f.exception())  # retrieved: only start() waits
         w.closed = loop.create_future()
         ours.setblocking(False)
         self._connect(w, ours)
@@ -392,6 +580,29 @@ class ProxyWorkers:
                 self._lost(w)
 
         asyncio.get_running_loop().create_task(connect()).add_done_callback(done)
+
+    def _check_silence(self) -> None:
+        """A worker that sends nothing (not even its heartbeat) for SILENT_S is stopped or wedged: its
+        clients wait for nothing. Killed, it is restarted like any worker that dies."""
+        if self.closing:
+            return
+        now = time.monotonic()
+        if now - self._checked_s > 3.0:
+            # Our own loop stalled: what the workers sent meanwhile is unread, not missing (uvloop runs due
+            # timers before it reads sockets). Each gets a fresh window.
+            for w in self.workers:
+                w.heard_s = max(w.heard_s, now)
+        self._checked_s = now
+        for w in self.workers:
+            limit = SILENT_S if w.said_hello else HELLO_TIMEOUT_S
+            if w.proc is not None and w.transport is not None and now - w.heard_s > limit:
+                self.restarts["silent"] += 1
+                log.error("proxy worker %d (pid %d) sent nothing for %.0f s (stopped or wedged): killing it",
+                          w.index, w.proc.pid, now - w.heard_s)
+                w.proc.kill()
+                w.silenced = True
+                w.heard_s = now  # once: its socket's EOF follows, then the restart
+        self._watch = asyncio.get_running_loop().call_later(1.0, self._check_silence)
 
     # --- replay ------------------------------------------------------------------------------------------
 
@@ -410,12 +621,24 @@ class ProxyWorkers:
             trace.recorder_error = f"{type(e).__name__}: {e}"[:300]
             self._failed(trace.recorder_error)
 
+    def _mark(self, tr: RequestTrace, n_tokens: int) -> None:
+        """Its row says that records of it were dropped, and how many of its tokens were not placed."""
+        note = (f"records of this request were dropped ({n_tokens} token(s) not attributed): the daemon fell behind "
+                "reading its proxy worker")
+        tr.error = note if tr.error is None else f"{tr.error}; {note}"
+
     def _replay(self, w: _Worker, msg) -> None:
         if msg[0] == "hello":
+            w.said_hello = True
             if not w.hello.done():
                 w.hello.set_result(msg[1])
             return
-        starts, firsts, toks, ends, stats = msg
+        if msg[0] == "beat":
+            _beat, w.watermark_ns, live, stats = msg
+            w.stats = tuple(stats)
+            self._reconcile(w, set(live))
+            return
+        starts, firsts, toks, ends, stats, marks, watermark = msg
         w.stats = tuple(stats)
         rec, mirrors = self.recorder, self.mirrors
         for rid, method, endpoint, tag, arr, arr_wall, api, model, stream in starts:
@@ -426,6 +649,7 @@ class ProxyWorkers:
         for rid, t, wall, n, status, stream, prompt in firsts:
             tr = mirrors.get((w.index, rid))
             if tr is None:
+                self.marked[(w.index, rid)] = self.marked.get((w.index, rid), 0) + n
                 continue
             tr.first_ns = tr.last_ns = t
             tr.first_wall_ns = tr.last_wall_ns = wall
@@ -440,27 +664,61 @@ class ProxyWorkers:
         for rid, t, n, prompt in toks:  # and the end record brings the exact last one
             tr = mirrors.get((w.index, rid))
             if tr is None:
+                self.marked[(w.index, rid)] = self.marked.get((w.index, rid), 0) + n
                 continue
             tr.last_ns, tr.last_wall_ns = t, t + wall_offset
             tr.tokens_seen += n
             if prompt >= 0 and "prompt_tokens" not in tr.extra:
                 tr.extra["prompt_tokens"] = prompt
             self._call(rec.on_tokens, tr, t, n)
+        for rid, n in marks:
+            self.marked[(w.index, rid)] = self.marked.get((w.index, rid), 0) + n
         for e in ends:
-            tr = mirrors.pop((w.index, e[0][0]), None)
+            key = (w.index, e[0][0])
+            tr = mirrors.pop(key, None)
             if tr is None:  # never started (or its start was dropped): recorded from the end's copy
                 rid, method, endpoint, tag, arr, arr_wall, api, model, stream = e[0]
                 tr = RequestTrace(request_id=next(self._ids), method=method, endpoint=endpoint, tag=tag,
                                   arrival_ns=arr, arrival_wall_ns=arr_wall, api=api, model=model, stream=stream)
+                if key in self.marked:  # its start was dropped, not absent: it gets its row, flagged
+                    self._call(rec.on_start, tr)
             (_start, tr.end_ns, tr.end_wall_ns, tr.status, tr.outcome, tr.error, tr.first_ns, tr.first_wall_ns,
              tr.last_ns, tr.last_wall_ns, tr.tokens_seen, tr.response_bytes, err, tr.api, tr.model, tr.stream,
              counts, extra) = e
             tr.counts = None if counts is None else streams.Counts(*counts)
             tr.extra.update(extra)
+            if key in self.marked:
+                self._mark(tr, self.marked.pop(key))
             w.served += 1
             if tr.recorder_error is None:
                 tr.recorder_error = err  # as in-process: a request whose recording broke gets no on_end
             self._call(rec.on_end, tr)
+        w.watermark_ns = watermark
+
+    def _reconcile(self, w: _Worker, live: set) -> None:
+        """A heartbeat lists the worker's requests in flight: one we still hold open that it does not
+        list ended in records it had to drop. Ended here, marked, so it takes no later energy."""
+        gone = [k for k in self.mirrors if k[0] == w.index and k[1] not in live]
+        if not gone:
+            return
+        for k in gone:
+            tr = self.mirrors.pop(k)
+            # Ended at the last we know of it: it takes no energy past that (its row says what is missing).
+            if tr.last_ns is not None:
+                tr.end_ns, tr.end_wall_ns = tr.last_ns, tr.last_wall_ns
+            else:
+                tr.end_ns, tr.end_wall_ns = tr.arrival_ns, tr.arrival_wall_ns
+            tr.outcome = "interrupted"
+            tr.error = (f"proxy worker {w.index} ended this request but its end record was dropped (the daemon "
+                        "fell behind reading it); ended when its heartbeat no longer listed it")
+            if k in self.marked:
+                self._mark(tr, self.marked.pop(k))
+            self._call(self.recorder.on_end, tr)
+        self.lost_requests += len(gone)
+        log.warning("proxy worker %d: %d request(s) whose end record was dropped ended from its heartbeat",
+                    w.index, len(gone))
+        for k in [k for k in self.marked if k[0] == w.index and k[1] not in live]:
+            del self.marked[k]  # tokens of requests we never saw start (nor end): counted in records_dropped
 
     # --- a worker that dies ------------------------------------------------------------------------------
 
@@ -482,9 +740,12 @@ class ProxyWorkers:
             tr.error = (f"proxy worker {w.index} (pid {pid}) exited while this request was in flight; what it "
                         "recorded after its last flush is lost")
             self._call(self.recorder.on_end, tr)
+        for k in [k for k in self.marked if k[0] == w.index]:
+            del self.marked[k]
         self.lost_requests += len(lost)
         w.base = tuple(a + b for a, b in zip(w.base, w.stats))
         w.stats = (0, 0, 0)
+        w.watermark_ns = None
         if lost:
             log.error("proxy worker %d (pid %s) is gone: %d request(s) in flight in it recorded as interrupted",
                       w.index, pid, len(lost))
@@ -505,28 +766,42 @@ class ProxyWorkers:
             w.hello.set_exception(RuntimeError(f"proxy worker {w.index} exited with status {rc}"))
         if w.closed is not None and not w.closed.done():
             w.closed.set_result(rc)
-        if rc != 0 or not self.closing:
-            log.log(logging.INFO if self.closing else logging.ERROR, "proxy worker %d exited with status %s%s",
-                    w.index, rc, "" if self.closing else "; restarting it")
-        if not self.closing:
-            delay = max(0.0, RESTART_MIN_GAP_S - (time.monotonic() - w.started_s))
-            asyncio.get_running_loop().call_later(delay, self._restart, w)
+        if self.closing:
+            if rc != 0:
+                log.info("proxy worker %d exited with status %s", w.index, rc)
+            return
+        # Backoff: a worker that keeps dying soon after its start waits 1, 2, 4 … 60 s; one that lived a
+        # stable minute starts again from 1 s.
+        w.failures = 1 if time.monotonic() - w.started_s >= STABLE_S else w.failures + 1
+        lo, hi = RESTART_BACKOFF_S
+        delay = min(hi, lo * 2 ** (w.failures - 1))
+        if not w.silenced:
+            self.restarts["exited"] += 1
+        w.silenced = False
+        if w.failures <= 3 or delay >= hi and w.failures % 10 == 0:
+            log.error("proxy worker %d exited with status %s; restarting it in %g s (%d in a row)%s", w.index, rc,
+                      delay, w.failures, "" if w.failures < 3 else "; this line is logged every 10th time from now")
+        asyncio.get_running_loop().call_later(delay, self._restart, w)
 
     def _restart(self, w: _Worker) -> None:
         if self.closing:
             return
-        self.restarts += 1
         try:
             self._spawn(w)
         except OSError as e:
-            log.error("cannot restart proxy worker %d: %s; retrying", w.index, e)
+            w.failures += 1
+            delay = min(RESTART_BACKOFF_S[1], RESTART_BACKOFF_S[0] * 2 ** (w.failures - 1))
+            if w.failures <= 3 or w.failures % 10 == 0:
+                log.error("cannot restart proxy worker %d: %s; retrying in %g s", w.index, e, delay)
             w.closed = None
-            asyncio.get_running_loop().call_later(RESTART_MIN_GAP_S, self._restart, w)
+            asyncio.get_running_loop().call_later(delay, self._restart, w)
 
     async def cleanup(self) -> None:
         """SIGTERM to every worker; their last records are replayed (requests cut by the stop as
-        `interrupted`), then the port is released."""
+        `interrupted`), then the listening sockets are closed."""
         self.closing = True
+        if self._watch is not None:
+            self._watch.cancel()
         for w in self.workers:
             if w.proc is not None and w.proc.poll() is None:
                 w.proc.send_signal(signal.SIGTERM)
@@ -542,11 +817,10 @@ class ProxyWorkers:
                     self._lost(w)
                     if w.proc is not None:
                         w.proc.wait()
-        if self._reserve is not None:
-            self._reserve.close()
-            self._reserve = None
-            log.info("proxy workers stopped; requests each served: %s (restarts: %d)",
-                     ", ".join(str(w.served) for w in self.workers), self.restarts)
+        if self.sockets:
+            self.close_sockets()
+            log.info("proxy workers stopped; requests each served: %s (restarts: %d after exiting, %d silent)",
+                     ", ".join(str(w.served) for w in self.workers), self.restarts["exited"], self.restarts["silent"])
 
 
 if __name__ == "__main__":
