@@ -268,3 +268,60 @@ def test_the_compaction_child_runs_no_code_from_the_daemons_working_directory(tm
     assert not marker.exists(), "code from the daemon's working directory ran in the compaction child"
     part = s.partitions("things")[0]
     assert [p.name.startswith("compact-") for p in part.glob("*.parquet")] == [True]
+
+
+_TERM_SCRIPT = """
+import pathlib, sys, time
+import pyarrow as pa
+from powerprof.daemon import store as st
+phase, root, ready = sys.argv[1], pathlib.Path(sys.argv[2]), pathlib.Path(sys.argv[3])
+s = st.DatasetStore(root, [st.Dataset("things", pa.schema([("t_utc", pa.timestamp("us", tz="UTC")), ("value", pa.float64()),
+                                                           ("name", pa.string())]), "t_utc")], recover=False)
+st._install_termination()
+if phase == "deleting":
+    real = pathlib.Path.unlink
+    def slow_unlink(self, *a, **k):
+        if self.name.startswith("part-"):
+            ready.touch()
+            time.sleep(0.3)
+        return real(self, *a, **k)
+    pathlib.Path.unlink = slow_unlink
+else:
+    def slow_write(*a, **k):
+        ready.touch()
+        time.sleep(30)
+    s._write_file = slow_write
+s.compact()
+"""
+
+
+@pytest.mark.parametrize("phase", ["deleting", "merging"])
+def test_a_compaction_child_told_to_stop_never_leaves_rows_twice(tmp_path, phase):
+    # The child gets SIGTERM when the daemon dies (PR_SET_PDEATHSIG) or overstays a stop. Mid-merge
+    # it stops at once (the sources stay, no target); after the merged file is in place it first
+    # deletes the sources: killed there, every row would be twice in the dataset for any reader
+    # until the daemon's next start.
+    import signal
+    import subprocess
+    import sys
+
+    s = _store(tmp_path)
+    for k in range(3):
+        s.append("things", _rows(2, start=2 * k))
+        s.flush()
+    part = s.partitions("things")[0]
+    ready = tmp_path / "ready"
+    p = subprocess.Popen([sys.executable, "-c", _TERM_SCRIPT, phase, str(tmp_path), str(ready)])
+    deadline = time.monotonic() + 60
+    while not ready.exists() and p.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert ready.exists(), "the child never reached the phase"
+    p.send_signal(signal.SIGTERM)
+    assert p.wait(30) == 128 + signal.SIGTERM
+    names = sorted(f.name for f in part.glob("*.parquet"))
+    if phase == "deleting":
+        assert len(names) == 1 and names[0].startswith("compact-") and not (part / JOURNAL).exists()
+    else:
+        assert len(names) == 3 and all(n.startswith("part-") for n in names)
+    # Either way every row is there exactly once, for a reader who looks before any restart.
+    assert sorted(_read(tmp_path).column("value").to_pylist()) == [float(i) for i in range(6)]

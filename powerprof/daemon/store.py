@@ -8,7 +8,7 @@ none. `kill -9` loses only rows buffered since the last flush.
 Flushes write Parquet with `storage/flatparquet.py` (standard library, GZIP pages), so the daemon
 never loads pyarrow (about 45 MiB resident). Compaction, which reads, sorts and rewrites with ZSTD,
 needs pyarrow: the daemon's Flusher runs it hourly in a short-lived child process
-(`powerprof.daemon.store` in an isolated interpreter, `daemon/spawn.py`), which the kernel kills if the daemon dies (PR_SET_PDEATHSIG).
+(`powerprof.daemon.store` in an isolated interpreter, `daemon/spawn.py`), which the kernel stops if the daemon dies (PR_SET_PDEATHSIG, SIGTERM: after finishing a deletion under way).
 Flushes go on while it runs: it only merges and deletes the files it listed when it began.
 
 Compaction merges a partition's small files into one. It writes a journal naming the sources
@@ -31,6 +31,7 @@ import json
 import logging
 import os
 import shutil
+import signal
 import subprocess
 import sys
 import threading
@@ -390,10 +391,11 @@ class DatasetStore:
         except BaseException:
             journal.unlink(missing_ok=True)
             raise
-        for f in files:
-            f.unlink(missing_ok=True)
-        journal.unlink(missing_ok=True)
-        fsync_dir(part)
+        with _finishing():  # the target is in place: a stop now would leave every row twice for readers
+            for f in files:
+                f.unlink(missing_ok=True)
+            journal.unlink(missing_ok=True)
+            fsync_dir(part)
 
     def enforce_retention(self, now_utc: datetime | None = None) -> int:
         """Delete whole partitions older than the age limit, then oldest files over the size limit."""
@@ -508,8 +510,12 @@ class Flusher:
         try:
             rc = child.wait(wait_s) if wait_s is not None else child.poll()
         except subprocess.TimeoutExpired:
-            child.kill()
-            rc = child.wait()
+            child.terminate()  # it stops at once, or after deleting a finished compaction's sources
+            try:
+                rc = child.wait(2.0)
+            except subprocess.TimeoutExpired:
+                child.kill()
+                rc = child.wait()
         if rc is None:
             return
         self._child = None
@@ -544,13 +550,52 @@ class Flusher:
         self.store.flush()
 
 
+class _Termination:
+    """SIGTERM in the compaction child: stop at once, except while a finished compaction deletes
+    its sources (milliseconds), which it completes first. Killed there, the merged file and its
+    sources would both stay visible, every row twice to any reader, until the daemon's next start."""
+
+    def __init__(self):
+        self.finishing = False
+        self.pending = False
+
+    def handle(self, signum, frame) -> None:
+        if self.finishing:
+            self.pending = True
+            return
+        raise SystemExit(128 + signum)  # mid-merge: the journal drops the unfinished target
+
+
+_TERMINATION: _Termination | None = None  # set only in the child process
+
+
+class _finishing:
+    def __enter__(self):
+        if _TERMINATION is not None:
+            _TERMINATION.finishing = True
+
+    def __exit__(self, *exc):
+        if _TERMINATION is not None:
+            _TERMINATION.finishing = False
+            if _TERMINATION.pending:
+                raise SystemExit(128 + signal.SIGTERM)
+
+
+def _install_termination() -> None:
+    global _TERMINATION
+    _TERMINATION = _Termination()
+    signal.signal(signal.SIGTERM, _TERMINATION.handle)
+
+
 def _compaction_child() -> int:
     """`python -m powerprof.daemon.store`: compact the datasets the spec on stdin names (Flusher._start_child)."""
     spec = json.load(sys.stdin)
+    _install_termination()
     try:
         import ctypes
 
-        ctypes.CDLL(None, use_errno=True).prctl(1, 9)  # PR_SET_PDEATHSIG, SIGKILL: never outlive the daemon
+        # PR_SET_PDEATHSIG, SIGTERM: never outlive the daemon (by more than a source deletion's few ms).
+        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM)
     except (OSError, AttributeError):
         pass
     if os.getppid() != spec["parent_pid"]:
