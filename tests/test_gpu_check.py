@@ -208,7 +208,11 @@ def test_check_runs_on_the_simulator_read_only(trap_env, tmp_path, _isolated_sta
     cli = r["cli_measure"]
     assert cli["rc"] == 0, cli
     rows = [ln.split() for ln in cli["stdout"].splitlines() if ln.strip().startswith(("1 ", "8 "))]
-    assert [(x[0], x[1], x[-1]) for x in rows] == [("1", "8", "counter"), ("8", "8", "counter")], cli["stdout"]
+    assert [(x[0], x[1]) for x in rows] == [("1", "8"), ("8", "8")] and rows[0][-1] == "counter", cli["stdout"]
+    # At concurrency 8 the CLI's own load generator shares the machine with the simulated server: on
+    # a very busy one (load average 65 seen) its streams arrive in bursts and the batch window is
+    # not trusted. Then there is no figure, and the output must say why; never a silent gap.
+    assert rows[1][-1] == "counter" or "delivered in bursts" in cli["stdout"], cli["stdout"]
 
     # 5. sweep --dry-run: the plan, the permission check and the restore-file path, and nothing changed.
     sw = r["sweep_dry_run"]
