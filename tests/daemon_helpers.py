@@ -8,6 +8,7 @@ import signal
 import subprocess
 import sys
 import time
+import urllib.request
 from pathlib import Path
 
 import pyarrow.dataset as pads
@@ -83,3 +84,11 @@ def energy_books_j(data_dir: Path) -> tuple[float, float]:
 
 def sim_env(tmp_path: Path) -> dict:
     return {"POWERPROF_SIM_STATE": str(tmp_path / "sim.json"), "PYTHONUNBUFFERED": "1"}
+
+
+def open_long_stream(proxy_url: str):
+    """A streamed 5000-token completion through the proxy, already flowing: a request in flight to stop the daemon under."""
+    body = json.dumps({"prompt": "long", "n_predict": 5000, "ignore_eos": True, "stream": True}).encode()
+    r = urllib.request.urlopen(urllib.request.Request(proxy_url + "/completion", data=body, method="POST"), timeout=30)
+    r.read1(200)
+    return r

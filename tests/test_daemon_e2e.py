@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-import json
 import random
 import re
 import signal
@@ -18,7 +17,7 @@ import pytest
 from aiohttp import web
 from prometheus_client.parser import text_string_to_metric_families
 
-from daemon_helpers import DaemonProc, read_dataset, sim_env
+from daemon_helpers import DaemonProc, open_long_stream, read_dataset, sim_env
 from powerprof.sim.nvml import SimNVML
 from powerprof.sim.server import SimServer
 
@@ -245,12 +244,10 @@ def test_a_limit_left_by_a_crashed_sweep_is_restored_at_start_and_logged(tmp_pat
 
 def test_sigterm_mid_stream_exits_0_and_records_the_request_as_interrupted(tmp_path):
     d = DaemonProc(tmp_path / "data", "--simulate", "--flush-interval", "5", env=sim_env(tmp_path))
-    body = json.dumps({"prompt": "long", "n_predict": 5000, "ignore_eos": True, "stream": True}).encode()
-    r = urllib.request.urlopen(urllib.request.Request(d.info["proxy"] + "/completion", data=body, method="POST"),
-                               timeout=30)
-    r.read1(200)  # the stream is flowing
+    stream = open_long_stream(d.info["proxy"])  # held open while the daemon stops
     t0 = time.monotonic()
     rc = d.stop()
+    stream.close()
     assert rc == 0 and time.monotonic() - t0 < 15
     reqs = read_dataset(tmp_path / "data", "requests")  # flushed at exit although the interval is 5 s
     assert list(reqs["outcome"]) == ["interrupted"] and reqs["generated_tokens"].iloc[0] > 0

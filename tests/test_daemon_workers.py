@@ -14,7 +14,7 @@ import aiohttp
 import psutil
 import pytest
 
-from daemon_helpers import DaemonProc, energy_books_j, read_dataset, sim_env
+from daemon_helpers import DaemonProc, energy_books_j, open_long_stream, read_dataset, sim_env
 from powerprof.daemon import streams
 from powerprof.daemon.config import ConfigError, load_config
 from powerprof.daemon.proxy import Proxy
@@ -405,17 +405,13 @@ def test_a_second_daemon_does_not_join_a_port_the_first_ones_workers_serve(tmp_p
 
 @pytest.mark.slow
 def test_sigterm_mid_stream_drains_the_workers_and_records_the_request_as_interrupted(tmp_path):
-    import json
-
     d = DaemonProc(tmp_path / "data", "--simulate", "--flush-interval", "5",
                    env={**sim_env(tmp_path), "POWERPROF_PROXY_WORKERS": "2"})
     procs = _workers(d.proc.pid)
-    body = json.dumps({"prompt": "long", "n_predict": 5000, "ignore_eos": True, "stream": True}).encode()
-    r = urllib.request.urlopen(urllib.request.Request(d.info["proxy"] + "/completion", data=body, method="POST"),
-                               timeout=30)
-    r.read1(200)  # the stream is flowing
+    stream = open_long_stream(d.info["proxy"])  # held open while the daemon stops
     t0 = time.monotonic()
     rc = d.stop()
+    stream.close()
     assert rc == 0 and time.monotonic() - t0 < 15, d.output()
     _gone, alive = psutil.wait_procs(procs, timeout=5)
     assert not alive
