@@ -81,7 +81,7 @@ def test_identical_requests_alone_get_the_same_j_per_token(outcome):
     # the simulator's own truth for them spreads too (its engine runs on a late event loop), so
     # the bound is beyond what truth itself shows, not a share of a spread that is really there.
     # Alone this run gives 0.06-0.3% (truth 0.1-0.2%); beside the suite's other xdist worker one
-    # probe of four came out 5.7% and 6.0% off in two of five full runs (truth 0.2%): the probes'
+    # probe of four came out 5.7% and 6.0% off in two of six full runs and one partial run (truth 0.2%): the probes'
     # edge reads wait for the CPU. 8% holds that; the cause is open (issue 13's note).
     _, s = outcome
     spread, truth = s["methods"]["work model"]["identical_spread"], s["identical_truth_spread"]
