@@ -15,6 +15,17 @@ cores) and a GPU-like pace (`--pace STREAMSxGAP_MS`: 256 streams at 25 ms per to
 during the proxied runs, minus its simulator threads (`sim-*`) and minus its idle rate measured
 before (sampling, flushes), divided by the tokens and requests that passed.
 
+`--arrivals herd,staggered` (the GPU-like case; stress cases are herds): herd = every stream's
+requests start at the same instant and, all taking the same time, stay in lockstep, so all
+streams' next requests arrive at once (each proxy's per-request cost is serialized across the
+herd: the hardest case for the first byte); staggered = each stream's first request waits a
+random time within one request's duration (same draws for direct and proxy), so arrivals spread
+out as under independent clients, while each batch's tokens still arrive together. Both are
+printed, labelled.
+
+`--baseline /work/main`: a second daemon runs from that source tree (`before`) beside this
+tree's (`after`), both measured in the same rounds.
+
 `--workers 1,2`: one daemon per value (`proxy.workers`: 1 = the proxy in the daemon, N > 1 = N
 proxy processes on SO_REUSEPORT whose records the daemon replays), all started at once; each
 round runs direct, then each daemon's proxy in turn. CPU then sums the daemon and its worker
@@ -69,13 +80,22 @@ def upstream_main(port_file: str) -> None:
     asyncio.run(run())
 
 
-async def load(url: str, streams: int, per_stream: int, gap_s: float = GAP_S, tokens: int = TOKENS) -> dict:
+async def load(url: str, streams: int, per_stream: int, gap_s: float = GAP_S, tokens: int = TOKENS,
+               stagger_s: float = 0.0, seed: int = 0) -> dict:
+    """`stagger_s` > 0: each stream's first request waits a random time in [0, stagger_s) (the same
+    draws for every path, by `seed`), so the streams' requests arrive spread out instead of as one herd."""
+    import random
+
     import aiohttp
 
     ttfb, total = [], []
+    rng = random.Random(seed)
+    delays = [rng.uniform(0.0, stagger_s) if stagger_s > 0 else 0.0 for _ in range(streams)]
     body = json.dumps({"prompt": "bench", "n_predict": tokens, "stream": True, "gap_ms": gap_s * 1e3})
     async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0)) as s:
-        async def worker():
+        async def worker(delay_s):
+            if delay_s:
+                await asyncio.sleep(delay_s)
             for _ in range(per_stream):
                 t0 = time.perf_counter()
                 async with s.post(url + "/completion", data=body) as r:
@@ -88,7 +108,7 @@ async def load(url: str, streams: int, per_stream: int, gap_s: float = GAP_S, to
                 total.append(t1 - t0)
 
         t0 = time.perf_counter()
-        await asyncio.gather(*(worker() for _ in range(streams)))
+        await asyncio.gather(*(worker(d) for d in delays))
         wall = time.perf_counter() - t0
     q = lambda xs, p: sorted(xs)[min(len(xs) - 1, int(p * len(xs)))]  # noqa: E731
     n = streams * per_stream
@@ -138,17 +158,17 @@ class CpuMeter:
 
 
 def run_case(label: str, direct: str, proxies: dict, streams: int, per_stream: int, gap_s: float, rounds: int,
-             meters: dict, idle_rates: dict) -> dict:
+             meters: dict, idle_rates: dict, stagger_s: float = 0.0) -> dict:
     """`proxies`, `meters`, `idle_rates`: by name (one per daemon). Returns by name: ratio to direct, added
     ttfb and per-token time at p50, CPU per token and per request."""
     res = {"direct": [], **{name: [] for name in proxies}}
     cpu_s = dict.fromkeys(proxies, 0.0)
     kids_s = dict.fromkeys(proxies, 0.0)  # of which the worker processes
-    for _ in range(rounds):
+    for i in range(rounds):
         for name, url in (("direct", direct), *proxies.items()):
             if name != "direct":
                 (p0, k0), t0 = meters[name].split_s(), time.perf_counter()
-            res[name].append(asyncio.run(load(url, streams, per_stream, gap_s)))
+            res[name].append(asyncio.run(load(url, streams, per_stream, gap_s, stagger_s=stagger_s, seed=i)))
             if name != "direct":
                 p1, k1 = meters[name].split_s()
                 cpu_s[name] += max(0.0, p1 + k1 - p0 - k0 - idle_rates[name] * (time.perf_counter() - t0))
@@ -156,7 +176,7 @@ def run_case(label: str, direct: str, proxies: dict, streams: int, per_stream: i
     med = {k: {m: statistics.median(r[m] for r in v) for m in v[0]} for k, v in res.items()}
     for name in res:
         m = med[name]
-        print(f"{label:>9s}  {name:9s}  {m['ttfb_p50_ms']:11.2f}  {m['ttfb_p95_ms']:11.2f}  "
+        print(f"{label:>18s}  {name:9s}  {m['ttfb_p50_ms']:11.2f}  {m['ttfb_p95_ms']:11.2f}  "
               f"{m['total_p50_ms']:12.2f}  {m['total_p95_ms']:12.2f}  {m['req_s']:7.1f}  {m['tok_s']:7.0f}")
     d = med["direct"]
     n_req = rounds * streams * per_stream
@@ -169,7 +189,7 @@ def run_case(label: str, direct: str, proxies: dict, streams: int, per_stream: i
                          "workers_us_token": 1e6 * kids_s[name] / (n_req * TOKENS)}
         split = (f" (workers {r['workers_us_token']:.1f}, the daemon's replay and accounts "
                  f"{r['cpu_us_token'] - r['workers_us_token']:.1f})" if r["workers_us_token"] > 0 else "")
-        print(f"{label:>9s}  {name:9s} added ttfb {r['ttfb_ms']:+.2f} ms, {r['per_token_ms']:+.3f} ms per token (p50); "
+        print(f"{label:>18s}  {name:9s} added ttfb {r['ttfb_ms']:+.2f} ms, {r['per_token_ms']:+.3f} ms per token (p50); "
               f"throughput proxy/direct {r['ratio']:.2f}; proxy CPU {r['cpu_us_token']:.1f} us/token{split}, "
               f"{r['cpu_us_request']:.0f} us/request")
     return out
@@ -182,8 +202,21 @@ def main() -> None:
     ap.add_argument("--requests-per-stream", type=int, default=8)
     ap.add_argument("--rounds", type=int, default=2, help="direct/proxy alternations per case")
     ap.add_argument("--workers", default="1", help="proxy.workers of each daemon to compare, e.g. 1,2")
+    ap.add_argument("--arrivals", default="herd,staggered",
+                    help="GPU-like case: herd (every stream's requests start at once and stay in lockstep), "
+                         "staggered (each stream starts at a random phase of one request's duration)")
+    ap.add_argument("--baseline", default="",
+                    help="a source tree (e.g. /work/main) whose daemon runs beside this one's, as 'before'")
     a = ap.parse_args()
     workers = [int(x) for x in a.workers.split(",") if x]
+    arrivals = [x for x in a.arrivals.split(",") if x]
+    if any(x not in ("herd", "staggered") for x in arrivals):
+        raise SystemExit(f"--arrivals: herd and/or staggered, not {a.arrivals!r}")
+    trees = [("", os.environ.get("PYTHONPATH", ""))]
+    if a.baseline:
+        if not (Path(a.baseline) / "powerprof" / "daemon" / "proxy.py").is_file():
+            raise SystemExit(f"--baseline {a.baseline}: no powerprof/daemon/proxy.py there")
+        trees = [("before", str(Path(a.baseline).resolve())), ("after", str(Path(__file__).resolve().parent.parent))]
     tmp = Path(tempfile.mkdtemp(prefix="powerprof-bench-"))
     port_file = tmp / "port"
     up = subprocess.Popen([sys.executable, __file__, "--upstream", str(port_file)])
@@ -195,15 +228,21 @@ def main() -> None:
             time.sleep(0.05)
         direct = f"http://127.0.0.1:{port_file.read_text()}"
         infos = {}
-        for w in workers:
-            name = "proxy" if len(workers) == 1 else f"workers={w}"
-            data = tmp / f"data-{w}"
-            env = {**os.environ, "POWERPROF_SIM_STATE": str(tmp / f"sim-{w}.json"), "POWERPROF_PROXY_WORKERS": str(w)}
-            daemons[name] = subprocess.Popen(
-                [sys.executable, "-m", "powerprof.cli", "daemon", "--simulate", "--upstream", direct, "--data-dir",
-                 str(data), "--listen", "127.0.0.1:0", "--metrics-listen", "", "--tag-socket", str(tmp / f"t{w}.sock")],
-                stdout=open(tmp / f"daemon-{w}.log", "wb"), stderr=subprocess.STDOUT, env=env)
-            infos[name] = data
+        for tree, pythonpath in trees:
+            for w in workers:
+                name = "proxy" if len(workers) == 1 else f"workers={w}"
+                name = f"{tree}:{name}" if tree and len(workers) > 1 else (tree or name)
+                key = f"{tree}{w}"
+                data = tmp / f"data-{key}"
+                env = {**os.environ, "POWERPROF_SIM_STATE": str(tmp / f"sim-{key}.json"),
+                       "POWERPROF_PROXY_WORKERS": str(w), "PYTHONPATH": pythonpath}
+                daemons[name] = subprocess.Popen(
+                    [sys.executable, "-m", "powerprof.cli", "daemon", "--simulate", "--upstream", direct, "--data-dir",
+                     str(data), "--listen", "127.0.0.1:0", "--metrics-listen", "", "--tag-socket",
+                     str(tmp / f"t{key}.sock")],
+                    stdout=open(tmp / f"daemon-{key}.log", "wb"), stderr=subprocess.STDOUT, env=env,
+                    cwd=pythonpath if tree else None)  # `-m` puts the working directory first on sys.path
+                infos[name] = data
         proxies = {name: wait_for_daemon_info(data)["proxy"] for name, data in infos.items()}
         asyncio.run(load(direct, 4, 2))
         for url in proxies.values():
@@ -216,7 +255,7 @@ def main() -> None:
               f"{a.rounds} alternating rounds; idle CPU (subtracted): "
               + ", ".join(f"{n} {100 * r:.2f} % of a core" for n, r in idle.items())
               + f"; {os.cpu_count()} CPUs shared by the upstream, the load generator and every daemon")
-        print("     case  path       ttfb_p50_ms  ttfb_p95_ms  total_p50_ms  total_p95_ms    req_s    tok_s")
+        print("              case  path       ttfb_p50_ms  ttfb_p95_ms  total_p50_ms  total_p95_ms    req_s    tok_s")
         results = {}
         for streams in [int(x) for x in a.streams.split(",") if x]:
             label = f"{streams}@{GAP_S * 1e3:g}ms"
@@ -224,20 +263,24 @@ def main() -> None:
                                       meters, idle)
         if a.pace:
             n, gap_ms = (float(x) for x in a.pace.split("x"))
-            results["pace"] = run_case(f"{int(n)}@{gap_ms:g}ms", direct, proxies, int(n), a.requests_per_stream,
-                                       gap_ms / 1e3, a.rounds, meters, idle)
+            for mode in arrivals:
+                # staggered: random phases over one request's duration, so arrivals are spread evenly
+                stagger_s = TOKENS * gap_ms / 1e3 if mode == "staggered" else 0.0
+                results[f"pace {mode}"] = run_case(f"{int(n)}@{gap_ms:g}ms {mode}", direct, proxies, int(n),
+                                                   a.requests_per_stream, gap_ms / 1e3, a.rounds, meters, idle,
+                                                   stagger_s=stagger_s)
         print("summary (issue 13 targets in brackets):")
         for k, by in results.items():
             note = "  [stress: >= 0.90; before this change 0.62 at 64 streams]" if k.startswith("64@") else ""
-            if k == "pace":
+            if k.startswith("pace"):
                 note = "  [>= 0.99x, ttfb <= +0.5 ms, <= +0.2 ms per token]"
             for name, r in by.items():
-                print(f"  {k:>10s} {name:9s}: throughput {r['ratio']:.2f}x direct, ttfb {r['ttfb_ms']:+.2f} ms, "
+                print(f"  {k:>14s} {name:9s}: throughput {r['ratio']:.2f}x direct, ttfb {r['ttfb_ms']:+.2f} ms, "
                       f"{r['per_token_ms']:+.3f} ms/token, proxy CPU {r['cpu_us_token']:.1f} us/token "
                       f"[<= 10], {r['cpu_us_request']:.0f} us/request{note}")
             if len(by) > 1:
                 (n1, r1), *rest = by.items()
-                print(f"  {k:>10s} " + "; ".join(f"{n}/{n1}: throughput {r['tok_s'] / r1['tok_s']:.2f}x, CPU per token "
+                print(f"  {k:>14s} " + "; ".join(f"{n}/{n1}: throughput {r['tok_s'] / r1['tok_s']:.2f}x, CPU per token "
                                                  f"{r['cpu_us_token'] / r1['cpu_us_token']:.2f}x" for n, r in rest))
     finally:
         for p in daemons.values():
