@@ -127,6 +127,10 @@ def test_streams_pass_byte_for_byte_and_tokens_are_counted_not_events():
     assert t.tokens_seen == 16 and t.counts.generated_tokens == 16 and t.counts.prompt_tokens == 4
     assert t.first_ns is not None and t.arrival_ns <= t.first_ns <= t.last_ns <= t.end_ns
     assert "secret" not in repr(t)
+    for t in rec.ended:  # stored wall times keep the order and the spans of the monotonic ones
+        walls = (t.arrival_wall_ns, t.first_wall_ns, t.last_wall_ns, t.end_wall_ns)
+        assert list(walls) == sorted(walls) and t.first_ns < t.last_ns
+        assert [w - t.arrival_wall_ns for w in walls] == [m - t.arrival_ns for m in (t.arrival_ns, t.first_ns, t.last_ns, t.end_ns)]
 
 
 def test_other_methods_paths_queries_statuses_and_headers_pass_through():
@@ -247,3 +251,33 @@ def test_non_streamed_generation_is_recorded_with_spread_tokens():
     t = _run(main()).ended[0]
     assert t.stream is False and t.model == "m1" and t.counts.generated_tokens == 7 and t.extra.get("spread")
     assert t.counts.prompt_tokens == 3
+
+
+def test_the_response_head_and_the_first_body_bytes_leave_in_one_write():
+    """The client is woken once for its first byte: the head waits for the body that came with the
+    upstream's head (aiohttp's StreamResponse sends its head alone at prepare otherwise)."""
+    from unittest import mock
+
+    from aiohttp.http_writer import StreamWriter
+    from aiohttp.test_utils import make_mocked_request
+
+    from powerprof.daemon.proxy import _RelayResponse
+
+    async def go():
+        transport = mock.Mock()
+        transport.is_closing.return_value = False
+        protocol = mock.Mock(transport=transport)
+        writer = StreamWriter(protocol, asyncio.get_running_loop())
+        req = make_mocked_request("POST", "/completion", writer=writer, protocol=protocol, transport=transport)
+        resp = _RelayResponse(status=200)
+        resp.headers["Content-Type"] = "text/event-stream"
+        resp.enable_chunked_encoding()
+        await resp.prepare(req)
+        assert transport.write.call_count == 0  # nothing sent yet: the head waits for the first bytes
+        await resp.write(b"data: {}\n\n")
+        return [c.args[0] for c in transport.write.call_args_list] + [
+            b"".join(c.args[0]) for c in transport.writelines.call_args_list]
+
+    writes = _run(go())
+    assert len(writes) == 1, writes
+    assert writes[0].startswith(b"HTTP/1.1 200 OK\r\n") and writes[0].endswith(b"\r\n\r\na\r\ndata: {}\n\n\r\n")

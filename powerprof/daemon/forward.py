@@ -11,8 +11,9 @@ stream), so a chunked client gets it unchanged; otherwise None.
 `UpstreamPool(url, ...)` keeps idle keep-alive connections; `Exchange` is one request on one
 connection: `send`, `response_head` (awaitable), then `attach(on_body)` and await `done`.
 Timeouts: connecting (`connect_timeout_s`) and upstream silence (`read_timeout_s`) while a
-request is in flight; `on_tick` is called on the same timer so the proxy can notice a client that
-left while the upstream is silent.
+request is in flight, checked on one timer per pool for all requests in flight (at most every
+second); `on_tick` is called on the same timer so the proxy can notice a client that left while
+the upstream is silent.
 """
 
 from __future__ import annotations
@@ -31,34 +32,46 @@ TICK_MAX_S = 1.0
 
 
 _HEX = frozenset(b"0123456789abcdefABCDEF")
+_SIZES: dict[bytes, int] = {}  # size lines seen (a stream repeats a few): one dict lookup per chunk
+_SIZES_MAX = 4096
 
 
 def _hex_size(s: bytes) -> int:
     """A chunk size line's number; -1 unless it is plain hex digits (int() would also take 0x, _ and signs)."""
+    size = _SIZES.get(s)
+    if size is not None:
+        return size
     if not s or len(s) > 16 or not _HEX.issuperset(s):
         return -1
-    return int(s, 16)
+    size = int(s, 16)
+    if len(_SIZES) < _SIZES_MAX:
+        _SIZES[s] = size
+    return size
 
 
 class UpstreamError(Exception):
     """The upstream broke the HTTP exchange (closed early, bad framing, silence past the read timeout)."""
 
 
+_WS = " \t\n\r\x0b\x0c"  # what bytes.strip() strips (str.strip() would also take \x85 and \xa0)
+
+
 def _parse_head(head: bytes) -> tuple[str, int, str, CIMultiDict]:
-    lines = head.split(b"\r\n")
+    lines = head.split(b"\r\n", 1)
     parts = lines[0].split(b" ", 2)
     if len(parts) < 2 or not parts[0].startswith(b"HTTP/1.") or not parts[1].isdigit() or len(parts[1]) != 3:
         raise UpstreamError(f"bad status line from upstream: {lines[0][:80]!r}")
-    headers: CIMultiDict = CIMultiDict()
-    for line in lines[1:]:
-        if not line:
-            continue
-        name, sep, value = line.partition(b":")
-        if not sep or not name or name != name.strip():
-            raise UpstreamError(f"bad header line from upstream: {line[:80]!r}")
-        headers.add(name.decode("latin-1"), value.strip().decode("latin-1"))
+    pairs = []
+    if len(lines) > 1:
+        for line in lines[1].decode("latin-1").split("\r\n"):  # one decode for the whole head
+            if not line:
+                continue
+            name, sep, value = line.partition(":")
+            if not sep or not name or name != name.strip(_WS):
+                raise UpstreamError(f"bad header line from upstream: {line[:80].encode('latin-1')!r}")
+            pairs.append((name, value.strip(_WS)))
     reason = parts[2].decode("latin-1") if len(parts) > 2 else ""
-    return parts[0].decode("ascii"), int(parts[1]), reason, headers
+    return parts[0].decode("ascii"), int(parts[1]), reason, CIMultiDict(pairs)
 
 
 class Exchange(asyncio.Protocol):
@@ -86,7 +99,6 @@ class Exchange(asyncio.Protocol):
         self.on_body = None
         self.on_tick = None
         self._last = 0.0
-        self._timer: asyncio.TimerHandle | None = None
 
     # --- protocol callbacks ------------------------------------------------------------------
 
@@ -126,7 +138,11 @@ class Exchange(asyncio.Protocol):
                 size = _hex_size(data[:end])
                 stop = end + 2 + size
                 if size > 0 and len(data) == stop + 2 and data[stop:] == b"\r\n":
-                    self._emit(data[end + 2 : stop], data)
+                    on_body = self.on_body
+                    if on_body is not None:
+                        on_body(data[end + 2 : stop], data)
+                    else:
+                        self._early.append(data[end + 2 : stop])
                     return
         if mode == "length":
             n = len(data)
@@ -290,22 +306,19 @@ class Exchange(asyncio.Protocol):
 
     # --- timer -------------------------------------------------------------------------------
 
-    def _tick(self) -> None:
-        self._timer = None
+    def _tick(self, now: float) -> None:
+        """On the pool's timer while a request is in flight."""
         if self._mode in ("", "end"):
+            self._stop_timer()
             return
-        if time.monotonic() - self._last > self.pool.read_timeout_s:
+        if now - self._last > self.pool.read_timeout_s:
             self._fail(asyncio.TimeoutError(f"upstream silent for {self.pool.read_timeout_s:g} s"))
             return
         if self.on_tick is not None:
             self.on_tick()
-        if self._mode not in ("", "end"):
-            self._timer = self.loop.call_later(min(TICK_MAX_S, self.pool.read_timeout_s), self._tick)
 
     def _stop_timer(self) -> None:
-        if self._timer is not None:
-            self._timer.cancel()
-            self._timer = None
+        self.pool._busy.discard(self)
 
     # --- the caller's side -------------------------------------------------------------------
 
@@ -317,7 +330,7 @@ class Exchange(asyncio.Protocol):
         self.done = self.loop.create_future()
         self._mode = "head"
         self._last = time.monotonic()
-        self._timer = self.loop.call_later(min(TICK_MAX_S, self.pool.read_timeout_s), self._tick)
+        self.pool._watch(self)
         if self.lost or self.transport is None or self.transport.is_closing():
             self._fail(UpstreamError("upstream connection closed"))
             return
@@ -384,6 +397,9 @@ class UpstreamPool:
         self.limit = asyncio.Semaphore(max_connections) if max_connections > 0 else None
         self.loop = asyncio.get_running_loop()
         self._idle: deque[Exchange] = deque()
+        # One timer for every request in flight (not one per request): read timeouts and on_tick.
+        self._busy: set[Exchange] = set()
+        self._timer: asyncio.TimerHandle | None = None
         self._ssl = ssl.create_default_context() if u.scheme == "https" else None
 
     async def acquire(self) -> Exchange:
@@ -406,6 +422,22 @@ class UpstreamPool:
                 self.limit.release()
             raise
 
+    def _watch(self, ex: Exchange) -> None:
+        self._busy.add(ex)
+        if self._timer is None:
+            self._timer = self.loop.call_later(min(TICK_MAX_S, self.read_timeout_s), self._tick)
+
+    def _tick(self) -> None:
+        self._timer = None
+        now = time.monotonic()
+        for ex in list(self._busy):
+            try:
+                ex._tick(now)
+            except Exception:  # one request's check must not stop the others'
+                ex._stop_timer()
+        if self._busy:
+            self._timer = self.loop.call_later(min(TICK_MAX_S, self.read_timeout_s), self._tick)
+
     def release(self, ex: Exchange) -> None:
         """Back to the pool if its response ended cleanly and the upstream keeps it open; closed otherwise."""
         if self.limit is not None:
@@ -424,6 +456,9 @@ class UpstreamPool:
             pass
 
     def close(self) -> None:
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
         while self._idle:
             ex = self._idle.pop()
             if ex.transport is not None:

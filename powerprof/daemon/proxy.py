@@ -47,7 +47,9 @@ TAG_MAX_CHARS = 128
 
 @dataclass
 class RequestTrace:
-    """What the proxy learns about one request. Monotonic ns for arithmetic, wall ns for storage."""
+    """What the proxy learns about one request. Monotonic ns for arithmetic, wall ns for storage: the
+    wall clock is read once, at arrival; later wall times are that plus the monotonic time since, so
+    arrival ≤ first ≤ last ≤ end holds in both clocks (no wall clock read per token chunk)."""
 
     request_id: int
     method: str
@@ -62,7 +64,7 @@ class RequestTrace:
     first_ns: int | None = None
     first_wall_ns: int | None = None
     last_ns: int | None = None
-    last_wall_ns: int | None = None
+    last_wall_ns: int | None = None  # set at the end, from last_ns
     end_ns: int | None = None
     end_wall_ns: int | None = None
     tokens_seen: int = 0
@@ -91,11 +93,19 @@ class NullRecorder:
         pass
 
 
-def forward_headers(headers, drop=()) -> CIMultiDict:
-    """Headers minus hop-by-hop ones (and those the Connection header names)."""
-    named = {h.strip().lower() for v in headers.getall("Connection", []) for h in v.split(",")}
-    skip = HOP_BY_HOP | named | {d.lower() for d in drop}
-    return CIMultiDict((k, v) for k, v in headers.items() if k.lower() not in skip)
+def forward_headers(headers, drop=frozenset()) -> CIMultiDict:
+    """Headers minus hop-by-hop ones (and those the Connection header names); `drop`: more names, lower case."""
+    return CIMultiDict(_kept_headers(headers, drop))
+
+
+def _kept_headers(headers, drop=frozenset()) -> list[tuple[str, str]]:
+    skip = HOP_BY_HOP | drop if drop else HOP_BY_HOP
+    if "Connection" in headers:
+        skip = skip | {h.strip().lower() for v in headers.getall("Connection") for h in v.split(",")}
+    return [(k, v) for k, v in headers.items() if k.lower() not in skip]
+
+
+_REQUEST_DROP = frozenset(("host", "content-length"))
 
 
 @web.middleware
@@ -119,9 +129,10 @@ async def _body_chunks(content, timeout_s: float):
 
 
 def request_head(method: str, target: str, host: str, headers) -> bytes:
-    """An HTTP/1.1 request head; header bytes as the client sent them (aiohttp decodes them surrogate-escaped)."""
+    """An HTTP/1.1 request head; header bytes as the client sent them (aiohttp decodes them surrogate-escaped).
+    `headers`: (name, value) pairs."""
     lines = [f"{method} {target} HTTP/1.1", f"Host: {host}"]
-    lines += [f"{k}: {v}" for k, v in headers.items()]
+    lines += [f"{k}: {v}" for k, v in headers]
     lines.append("\r\n")
     return "\r\n".join(lines).encode("utf-8", "surrogateescape")
 
@@ -193,10 +204,13 @@ class Proxy:
         try:
             fn(trace, *args)
         except Exception as e:  # recording must never touch the traffic
-            trace.recorder_error = f"{type(e).__name__}: {e}"[:300]
-            self.recorder_failures += 1
-            if self.recorder_failures <= 5 or self.recorder_failures % 1000 == 0:
-                log.warning("recording failed (traffic unaffected, %d so far): %s", self.recorder_failures, trace.recorder_error)
+            self._recording_failed(trace, e)
+
+    def _recording_failed(self, trace: RequestTrace, e: Exception) -> None:
+        trace.recorder_error = f"{type(e).__name__}: {e}"[:300]
+        self.recorder_failures += 1
+        if self.recorder_failures <= 5 or self.recorder_failures % 1000 == 0:
+            log.warning("recording failed (traffic unaffected, %d so far): %s", self.recorder_failures, trace.recorder_error)
 
     # --- the handler -------------------------------------------------------------------------
 
@@ -224,7 +238,10 @@ class Proxy:
             self.active -= 1
             if trace is not None:
                 trace.end_ns = time.monotonic_ns()
-                trace.end_wall_ns = time.time_ns()
+                wall_offset = trace.arrival_wall_ns - trace.arrival_ns
+                trace.end_wall_ns = trace.end_ns + wall_offset
+                if trace.last_ns is not None and trace.last_wall_ns is None:
+                    trace.last_wall_ns = trace.last_ns + wall_offset
                 if trace.counts is not None and trace.counts.invalid and trace.outcome == "ok":
                     # The server's own figures are out of range: the request is recorded as failed, with why.
                     trace.outcome, trace.error = "invalid_response", trace.counts.invalid[:300]
@@ -232,7 +249,7 @@ class Proxy:
 
     async def _forward(self, request: web.Request, trace: RequestTrace | None) -> web.StreamResponse:
         assert self.pool is not None
-        headers = forward_headers(request.headers, drop=("Host", "Content-Length"))
+        headers = _kept_headers(request.headers, _REQUEST_DROP)
         length = request.content_length
         body: bytes | None = None
         streamed = False
@@ -244,7 +261,7 @@ class Proxy:
                     body = await asyncio.wait_for(request.read(), self.body_timeout_s)
             except asyncio.TimeoutError:
                 return self._body_timeout(trace)
-            headers["Content-Length"] = str(len(body))
+            headers.append(("Content-Length", str(len(body))))
             if trace is not None and trace.api is not None:
                 try:
                     trace.model, trace.stream = inspect_request_body(body)
@@ -252,9 +269,9 @@ class Proxy:
                     pass
         elif request.body_exists:
             streamed = True
-            headers["Transfer-Encoding"] = "chunked"
+            headers.append(("Transfer-Encoding", "chunked"))
         elif length is not None:
-            headers["Content-Length"] = str(length)
+            headers.append(("Content-Length", str(length)))
         self._safe(trace, self.recorder.on_start)
         head = request_head(request.method, self.pool.prefix + request.raw_path, self.pool.host_header, headers)
         ex = None
@@ -304,8 +321,8 @@ class Proxy:
 
     async def _relay(self, request: web.Request, ex: Exchange, status: int, reason: str, up_headers,
                      trace: RequestTrace | None) -> web.StreamResponse:
-        resp = web.StreamResponse(status=status, reason=reason)
-        resp.headers.extend(forward_headers(up_headers))
+        resp = _RelayResponse(status=status, reason=reason)
+        resp.headers.extend(_kept_headers(up_headers))
         if up_headers.get("Content-Length") is not None and request.method != "HEAD":
             resp.content_length = int(up_headers["Content-Length"])
         ctype = up_headers.get("Content-Type", "")
@@ -328,9 +345,9 @@ class Proxy:
             early = ex.take_early()
             if early:
                 # What came with the upstream's head goes out with ours: one write, not two.
-                now, wall = time.monotonic_ns(), time.time_ns()
+                now = time.monotonic_ns()
                 await resp.write(early)
-                sink.account(early, now, wall)
+                sink.account(early, now)
             else:
                 writer.send_headers()
             sink.transport = request.transport
@@ -388,25 +405,6 @@ class Proxy:
                 and not done.cancelled() and done.exception() is None:
             trace.outcome = "ok"
 
-    def _parse(self, trace: RequestTrace, parser, chunk: bytes, now: int, wall: int) -> None:
-        try:
-            n = parser.count(chunk)
-        except Exception as e:
-            trace.recorder_error = f"parser: {type(e).__name__}: {e}"[:300]
-            self.recorder_failures += 1
-            return
-        if "prompt_tokens" not in trace.extra:
-            p = parser.prompt_tokens  # early, from continuous usage: the ledger need not wait for the end
-            if p is not None:
-                trace.extra["prompt_tokens"] = p
-        if n <= 0:
-            return
-        if trace.first_ns is None:
-            trace.first_ns, trace.first_wall_ns = now, wall
-        trace.last_ns, trace.last_wall_ns = now, wall
-        trace.tokens_seen += n
-        self._safe(trace, self.recorder.on_tokens, now, n)
-
     def _body_done(self, trace: RequestTrace, body: bytes) -> None:
         """A non-streamed generation: its tokens are spread over its decode time (see docs)."""
         counts = streams.body_counts(trace.api, body)
@@ -414,7 +412,8 @@ class Proxy:
         n = counts.generated_tokens or 0
         if n <= 0:
             return
-        now, wall = time.monotonic_ns(), time.time_ns()
+        now = time.monotonic_ns()
+        wall = now + trace.arrival_wall_ns - trace.arrival_ns
         span_ns = now - trace.arrival_ns
         if counts.predicted_ms is not None and counts.predicted_ms >= 0:
             span_ns = min(span_ns, int(counts.predicted_ms * 1e6))
@@ -422,6 +421,14 @@ class Proxy:
         trace.last_ns, trace.last_wall_ns = now, wall
         trace.tokens_seen = n
         trace.extra["spread"] = True  # the recorder spreads the n tokens over [first, last]
+
+
+class _RelayResponse(web.StreamResponse):
+    """aiohttp's StreamResponse with its head held until the first body bytes: the head and the body
+    that came with the upstream's head leave in one write (aiohttp sends a StreamResponse's head
+    alone, at prepare, unless told otherwise), so the client is woken once for its first byte."""
+
+    _send_headers_immediately = False
 
 
 class _ClientSink:
@@ -439,13 +446,14 @@ class _ClientSink:
         self.chunked = False
         self.ex: Exchange | None = None
         self.gone = False
+        self._prompt_known = False
         self._draining = False
         self._drain_task: asyncio.Task | None = None
 
     def on_body(self, piece: bytes, framed: bytes | None) -> None:
         # In the upstream socket's callback: no task wake-up per read. The piece goes out first; it is
         # parsed after, stamped with its arrival time.
-        now, wall = time.monotonic_ns(), time.time_ns()
+        now = time.monotonic_ns()
         transport = self.transport
         try:
             if transport.is_closing():
@@ -462,19 +470,43 @@ class _ClientSink:
         except Exception:  # the client's socket failed: as if it left
             self._client_gone()
             return
-        self.account(piece, now, wall)
+        self.account(piece, now)
 
-    def account(self, piece: bytes, now: int, wall: int) -> None:
+    def account(self, piece: bytes, now: int) -> None:
+        """Counts one piece's tokens (fail-open)."""
         trace = self.trace
         if trace is None:
             return
         try:
             trace.response_bytes += len(piece)
-            if self.parser is not None:
-                if trace.recorder_error is None:
-                    self.proxy._parse(trace, self.parser, piece, now, wall)
-            elif self.body_copy is not None and len(self.body_copy) + len(piece) <= BODY_COPY_MAX_BYTES:
-                self.body_copy += piece
+            parser = self.parser
+            if parser is None:
+                if self.body_copy is not None and len(self.body_copy) + len(piece) <= BODY_COPY_MAX_BYTES:
+                    self.body_copy += piece
+                return
+            if trace.recorder_error is not None:
+                return
+            try:
+                n = parser.count(piece)
+            except Exception as e:
+                trace.recorder_error = f"parser: {type(e).__name__}: {e}"[:300]
+                self.proxy.recorder_failures += 1
+                return
+            if not self._prompt_known:
+                p = parser.prompt_tokens  # early, from continuous usage: the ledger need not wait for the end
+                if p is not None:
+                    trace.extra.setdefault("prompt_tokens", p)
+                    self._prompt_known = True
+            if n <= 0:
+                return
+            if trace.first_ns is None:
+                trace.first_ns, trace.first_wall_ns = now, now + trace.arrival_wall_ns - trace.arrival_ns
+            trace.last_ns = now
+            trace.tokens_seen += n
+            try:
+                self.proxy.recorder.on_tokens(trace, now, n)
+            except Exception as e:  # recording must never touch the traffic
+                self.proxy._recording_failed(trace, e)
         except Exception as e:  # accounting never stops the bytes
             trace.recorder_error = f"proxy: {type(e).__name__}: {e}"[:300]
 

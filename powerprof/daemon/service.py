@@ -35,7 +35,7 @@ from .config import Config, ConfigError, is_loopback, listen_host, load_config
 from .guard import ConnectionGuard
 from .latency import RequestLatency
 from .ledger import Ledger
-from .metrics import GpuSnapshot, Snapshot, TagLimiter, make_registry, render
+from .metrics import NONE, GpuSnapshot, Snapshot, TagLimiter, make_registry, render
 from .proxy import Proxy, RequestTrace
 from .scrape import Cadence, Scraper, burst_start_ns
 from .store import Dataset, DatasetStore, Flusher, buffer_cap_rows
@@ -180,7 +180,8 @@ class Daemon:
         self._request_edge("request-arrival")
 
     def on_tokens(self, trace: RequestTrace, t_ns: int, n: int) -> None:
-        self.tokens_by_tag[self.tags.label(trace.tag)] += n
+        # Per token chunk: an untagged request's label without the limiter's call.
+        self.tokens_by_tag[self.tags.label(trace.tag) if trace.tag else NONE] += n
         self.ledger.on_tokens(trace, t_ns, n)
         if trace.first_ns == t_ns:
             self._request_edge("request-first-token")
