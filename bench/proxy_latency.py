@@ -15,13 +15,15 @@ cores) and a GPU-like pace (`--pace STREAMSxGAP_MS`: 256 streams at 25 ms per to
 during the proxied runs, minus its simulator threads (`sim-*`) and minus its idle rate measured
 before (sampling, flushes), divided by the tokens and requests that passed.
 
-`--arrivals herd,staggered` (the GPU-like case; stress cases are herds): herd = every stream's
-requests start at the same instant and, all taking the same time, stay in lockstep, so all
-streams' next requests arrive at once (each proxy's per-request cost is serialized across the
-herd: the hardest case for the first byte); staggered = each stream's first request waits a
+`--arrivals herd,staggered,batched` (the GPU-like case; stress cases are herds): herd = every
+stream's requests start at the same instant and, all taking the same time, stay in lockstep, so
+all streams' next requests arrive at once (each proxy's per-request cost is serialized across
+the herd: the hardest case for the first byte); staggered = each stream's first request waits a
 random time within one request's duration (same draws for direct and proxy), so arrivals spread
-out as under independent clients, while each batch's tokens still arrive together. Both are
-printed, labelled.
+out as under independent clients, each stream's tokens on its own 25 ms clock; batched =
+staggered starts, and every stream's tokens on one shared 25 ms clock, as a batching server
+emits a token for every running request at each decode step (the chunks reach the proxy
+together). All are printed, labelled.
 
 `--baseline /work/main`: a second daemon runs from that source tree (`before`) beside this
 tree's (`after`), both measured in the same rounds.
@@ -58,11 +60,12 @@ def upstream_main(port_file: str) -> None:
         doc = json.loads(await request.read())
         gap_s = float(doc.get("gap_ms", GAP_S * 1e3)) / 1e3
         tokens = int(doc.get("n_predict", TOKENS))
+        steps = bool(doc.get("steps"))  # tokens on one shared clock, as a batching server's decode steps
         resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
         await resp.prepare(request)
         for i in range(tokens):
             await resp.write(b'data: {"content":"tok ","tokens":[%d],"stop":false}\n\n' % i)
-            await asyncio.sleep(gap_s)
+            await asyncio.sleep(gap_s - time.monotonic() % gap_s if steps else gap_s)
         await resp.write(b'data: {"content":"","stop":true,"tokens_predicted":%d}\n\n' % tokens)
         await resp.write_eof()
         return resp
@@ -81,9 +84,10 @@ def upstream_main(port_file: str) -> None:
 
 
 async def load(url: str, streams: int, per_stream: int, gap_s: float = GAP_S, tokens: int = TOKENS,
-               stagger_s: float = 0.0, seed: int = 0) -> dict:
+               stagger_s: float = 0.0, seed: int = 0, steps: bool = False) -> dict:
     """`stagger_s` > 0: each stream's first request waits a random time in [0, stagger_s) (the same
-    draws for every path, by `seed`), so the streams' requests arrive spread out instead of as one herd."""
+    draws for every path, by `seed`), so the streams' requests arrive spread out instead of as one herd.
+    `steps`: the upstream sends every stream's tokens on one shared clock of `gap_s` (decode steps)."""
     import random
 
     import aiohttp
@@ -91,7 +95,7 @@ async def load(url: str, streams: int, per_stream: int, gap_s: float = GAP_S, to
     ttfb, total = [], []
     rng = random.Random(seed)
     delays = [rng.uniform(0.0, stagger_s) if stagger_s > 0 else 0.0 for _ in range(streams)]
-    body = json.dumps({"prompt": "bench", "n_predict": tokens, "stream": True, "gap_ms": gap_s * 1e3})
+    body = json.dumps({"prompt": "bench", "n_predict": tokens, "stream": True, "gap_ms": gap_s * 1e3, "steps": steps})
     async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0)) as s:
         async def worker(delay_s):
             if delay_s:
@@ -158,7 +162,7 @@ class CpuMeter:
 
 
 def run_case(label: str, direct: str, proxies: dict, streams: int, per_stream: int, gap_s: float, rounds: int,
-             meters: dict, idle_rates: dict, stagger_s: float = 0.0) -> dict:
+             meters: dict, idle_rates: dict, stagger_s: float = 0.0, steps: bool = False) -> dict:
     """`proxies`, `meters`, `idle_rates`: by name (one per daemon). Returns by name: ratio to direct, added
     ttfb and per-token time at p50, CPU per token and per request."""
     res = {"direct": [], **{name: [] for name in proxies}}
@@ -168,7 +172,7 @@ def run_case(label: str, direct: str, proxies: dict, streams: int, per_stream: i
         for name, url in (("direct", direct), *proxies.items()):
             if name != "direct":
                 (p0, k0), t0 = meters[name].split_s(), time.perf_counter()
-            res[name].append(asyncio.run(load(url, streams, per_stream, gap_s, stagger_s=stagger_s, seed=i)))
+            res[name].append(asyncio.run(load(url, streams, per_stream, gap_s, stagger_s=stagger_s, seed=i, steps=steps)))
             if name != "direct":
                 p1, k1 = meters[name].split_s()
                 cpu_s[name] += max(0.0, p1 + k1 - p0 - k0 - idle_rates[name] * (time.perf_counter() - t0))
@@ -202,16 +206,17 @@ def main() -> None:
     ap.add_argument("--requests-per-stream", type=int, default=8)
     ap.add_argument("--rounds", type=int, default=2, help="direct/proxy alternations per case")
     ap.add_argument("--workers", default="1", help="proxy.workers of each daemon to compare, e.g. 1,2")
-    ap.add_argument("--arrivals", default="herd,staggered",
+    ap.add_argument("--arrivals", default="herd,staggered,batched",
                     help="GPU-like case: herd (every stream's requests start at once and stay in lockstep), "
-                         "staggered (each stream starts at a random phase of one request's duration)")
+                         "staggered (each stream starts at a random phase of one request's duration), "
+                         "batched (staggered starts, every stream's tokens on one shared decode-step clock)")
     ap.add_argument("--baseline", default="",
                     help="a source tree (e.g. /work/main) whose daemon runs beside this one's, as 'before'")
     a = ap.parse_args()
     workers = [int(x) for x in a.workers.split(",") if x]
     arrivals = [x for x in a.arrivals.split(",") if x]
-    if any(x not in ("herd", "staggered") for x in arrivals):
-        raise SystemExit(f"--arrivals: herd and/or staggered, not {a.arrivals!r}")
+    if any(x not in ("herd", "staggered", "batched") for x in arrivals):
+        raise SystemExit(f"--arrivals: herd, staggered and/or batched, not {a.arrivals!r}")
     trees = [("", os.environ.get("PYTHONPATH", ""))]
     if a.baseline:
         if not (Path(a.baseline) / "powerprof" / "daemon" / "proxy.py").is_file():
@@ -265,10 +270,10 @@ def main() -> None:
             n, gap_ms = (float(x) for x in a.pace.split("x"))
             for mode in arrivals:
                 # staggered: random phases over one request's duration, so arrivals are spread evenly
-                stagger_s = TOKENS * gap_ms / 1e3 if mode == "staggered" else 0.0
+                stagger_s = TOKENS * gap_ms / 1e3 if mode != "herd" else 0.0
                 results[f"pace {mode}"] = run_case(f"{int(n)}@{gap_ms:g}ms {mode}", direct, proxies, int(n),
                                                    a.requests_per_stream, gap_ms / 1e3, a.rounds, meters, idle,
-                                                   stagger_s=stagger_s)
+                                                   stagger_s=stagger_s, steps=mode == "batched")
         print("summary (issue 13 targets in brackets):")
         for k, by in results.items():
             note = "  [stress: >= 0.90; before this change 0.62 at 64 streams]" if k.startswith("64@") else ""
