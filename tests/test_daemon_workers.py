@@ -877,3 +877,37 @@ def test_a_silent_worker_is_killed_but_not_after_our_own_loop_stalled():
 
     asyncio.run(main())
     assert killed == [0] and w.restarts["silent"] == 1
+
+
+@pytest.mark.parametrize("workers", ["1", "2"])
+def test_a_compressed_request_body_reaches_the_upstream_as_the_client_encoded_it(tmp_path, workers):
+    """aiohttp's server would decompress a `Content-Encoding: gzip` body and pass plain bytes still
+    labelled gzip; the daemon's proxy listener (in-process, and in each worker) passes the client's bytes."""
+    import gzip
+    import json
+
+    from aiohttp import web
+    from proxy_helpers import serve_in_thread
+
+    body = gzip.compress(json.dumps({"prompt": "p" * 5000, "n_predict": 1}).encode())
+
+    def app():
+        async def echo(request):
+            return web.json_response({"length": request.headers.get("Content-Length"),
+                                      "encoding": request.headers.get("Content-Encoding")})
+        a = web.Application()
+        a.router.add_post("/v1/embeddings", echo)
+        return a
+
+    up_url, stop_up = serve_in_thread(app)
+    d = DaemonProc(tmp_path / "data", "--simulate", "--upstream", up_url,
+                   env={**sim_env(tmp_path), "POWERPROF_PROXY_WORKERS": workers})
+    try:
+        req = urllib.request.Request(d.info["proxy"] + "/v1/embeddings", data=body, method="POST",
+                                     headers={"Content-Encoding": "gzip", "Content-Type": "application/json"})
+        with urllib.request.urlopen(req, timeout=30) as r:
+            seen = json.loads(r.read())
+    finally:
+        assert d.stop() == 0, d.output()
+        stop_up()
+    assert seen == {"length": str(len(body)), "encoding": "gzip"}

@@ -43,6 +43,10 @@ INSPECT_MAX_BYTES = 1 << 20
 # Non-streamed responses are copied (for their usage block) up to this size; only counts are kept.
 BODY_COPY_MAX_BYTES = 4 << 20
 TAG_MAX_CHARS = 128
+# aiohttp's server options for the proxy's listener: request bodies pass as the client encoded them
+# (aiohttp would otherwise decompress a `Content-Encoding: gzip` body and the upstream would get
+# plain bytes still labelled gzip).
+SERVER_OPTIONS = {"auto_decompress": False}
 
 
 @dataclass

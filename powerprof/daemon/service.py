@@ -36,7 +36,7 @@ from .guard import ConnectionGuard
 from .latency import RequestLatency
 from .ledger import Ledger
 from .metrics import NONE, GpuSnapshot, Snapshot, TagLimiter, make_registry, render
-from .proxy import Proxy, RequestTrace
+from .proxy import SERVER_OPTIONS, Proxy, RequestTrace
 from .scrape import Cadence, Scraper, burst_start_ns
 from .store import Dataset, DatasetStore, Flusher, buffer_cap_rows
 from .tagapi import tag_app
@@ -461,12 +461,12 @@ class Daemon:
         rows = self.cfg.get("daemon", "max_buffered_rows")
         return rows or buffer_cap_rows(memory_limit_bytes(), len(datasets()))
 
-    async def _serve(self, app: web.Application, listen: str, what: str) -> str:
+    async def _serve(self, app: web.Application, listen: str, what: str, server_options: dict | None = None) -> str:
         if self.guard is not None:
             app.middlewares.append(self.guard.middleware)
         # keepalive_timeout: aiohttp's own idle close, the same span as the guard's.
         runner = web.AppRunner(app, access_log=None, shutdown_timeout=2.0,
-                               keepalive_timeout=self.cfg.get("proxy", "idle_timeout_s"))
+                               keepalive_timeout=self.cfg.get("proxy", "idle_timeout_s"), **(server_options or {}))
         await runner.setup()
         self._runners.append(runner)
         try:
@@ -630,7 +630,7 @@ class Daemon:
                 self.urls["proxy"] = await self._serve_workers(upstream, listen, proxy_kwargs)
             else:
                 self.proxy = Proxy(upstream, recorder=self, **proxy_kwargs)
-                self.urls["proxy"] = await self._serve(self.proxy.app(), listen, "proxy")
+                self.urls["proxy"] = await self._serve(self.proxy.app(), listen, "proxy", SERVER_OPTIONS)
         elif listen:
             log.warning("proxy disabled: no proxy.upstream configured")
         if cfg.get("metrics", "listen"):

@@ -38,7 +38,7 @@ import time
 from dataclasses import astuple
 
 from . import streams
-from .proxy import Proxy, RequestTrace
+from .proxy import SERVER_OPTIONS, Proxy, RequestTrace
 from .spawn import isolated_argv
 
 log = logging.getLogger("powerprof.daemon.workers")
@@ -273,7 +273,8 @@ async def _serve(spec: dict, sock: socket.socket) -> int:
     guard = ConnectionGuard(spec["header_timeout_s"], spec["idle_timeout_s"])
     app = proxy.app()
     app.middlewares.append(guard.middleware)
-    runner = web.AppRunner(app, access_log=None, shutdown_timeout=2.0, keepalive_timeout=spec["idle_timeout_s"])
+    runner = web.AppRunner(app, access_log=None, shutdown_timeout=2.0, keepalive_timeout=spec["idle_timeout_s"],
+                           **SERVER_OPTIONS)
     await runner.setup()
     # The daemon's listening socket, open since before any worker started: serving it takes no bind.
     await web.SockSite(runner, socket.socket(fileno=spec["listen_fd"])).start()
