@@ -28,6 +28,10 @@ together). All are printed, labelled.
 `--baseline /work/main`: a second daemon runs from that source tree (`before`) beside this
 tree's (`after`), both measured in the same rounds.
 
+`--bare`: a bare TCP relay (bench/proxy_floor.py's: uvloop protocols, each read written on, no
+HTTP, no counting) in its own process is measured as one more path in the same rounds: what any
+forwarder in a separate process adds on this machine, whatever it does per byte.
+
 `--workers 1,2`: one daemon per value (`proxy.workers`: 1 = the proxy in the daemon, N > 1 = N
 proxy processes on SO_REUSEPORT whose records the daemon replays), all started at once; each
 round runs direct, then each daemon's proxy in turn. CPU then sums the daemon and its worker
@@ -212,6 +216,9 @@ def main() -> None:
                          "batched (staggered starts, every stream's tokens on one shared decode-step clock)")
     ap.add_argument("--baseline", default="",
                     help="a source tree (e.g. /work/main) whose daemon runs beside this one's, as 'before'")
+    ap.add_argument("--bare", action="store_true",
+                    help="also a bare TCP relay (bench/proxy_floor.py's: no HTTP, no counting) as one more path: "
+                         "the floor for any forwarder in its own process on this machine")
     a = ap.parse_args()
     workers = [int(x) for x in a.workers.split(",") if x]
     arrivals = [x for x in a.arrivals.split(",") if x]
@@ -249,6 +256,15 @@ def main() -> None:
                     cwd=pythonpath if tree else None)  # `-m` puts the working directory first on sys.path
                 infos[name] = data
         proxies = {name: wait_for_daemon_info(data)["proxy"] for name, data in infos.items()}
+        if a.bare:
+            bare_file = tmp / "bare-port"
+            daemons["bare"] = subprocess.Popen([sys.executable, str(Path(__file__).with_name("proxy_floor.py")), "--relay",
+                                                port_file.read_text(), str(bare_file), "bare"])
+            for _ in range(600):
+                if bare_file.exists() and bare_file.read_text():
+                    break
+                time.sleep(0.05)
+            proxies["bare"] = f"http://127.0.0.1:{bare_file.read_text()}"
         asyncio.run(load(direct, 4, 2))
         for url in proxies.values():
             asyncio.run(load(url, 4, 2))  # warm every path
