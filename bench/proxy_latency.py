@@ -172,8 +172,11 @@ def run_case(label: str, direct: str, proxies: dict, streams: int, per_stream: i
     res = {"direct": [], **{name: [] for name in proxies}}
     cpu_s = dict.fromkeys(proxies, 0.0)
     kids_s = dict.fromkeys(proxies, 0.0)  # of which the worker processes
+    names = list(proxies)
     for i in range(rounds):
-        for name, url in (("direct", direct), *proxies.items()):
+        # Direct first, then the proxies in an order rotated each round: none is always the last.
+        order = names[i % len(names):] + names[:i % len(names)]
+        for name, url in (("direct", direct), *((n, proxies[n]) for n in order)):
             if name != "direct":
                 (p0, k0), t0 = meters[name].split_s(), time.perf_counter()
             res[name].append(asyncio.run(load(url, streams, per_stream, gap_s, stagger_s=stagger_s, seed=i, steps=steps)))
