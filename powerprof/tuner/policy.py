@@ -153,10 +153,25 @@ class Window:
     output_tokens: float
     ttft_counts: tuple[int, ...]
     tpot_counts: tuple[int, ...]
+    # The queue, every request in flight and not only those that finished: time integrals (request-seconds) of
+    # the requests in flight and of those awaiting a first token, over queue_clock_s of the daemon's clock
+    # (None: no figure). in_flight_s / queue_clock_s is the mean number in flight.
+    in_flight_s: float | None = None
+    awaiting_s: float | None = None
+    queue_clock_s: float | None = None
+
+
+def mean_in_flight(w: Window) -> tuple[float, float] | None:
+    """(mean requests in flight, mean awaiting a first token) over the window; None without the figures."""
+    if w.in_flight_s is None or w.awaiting_s is None or not w.queue_clock_s:
+        return None
+    return w.in_flight_s / w.queue_clock_s, w.awaiting_s / w.queue_clock_s
 
 
 def merge(ws: list[Window]) -> Window:
     """Several windows as one (their level is the last one's: callers pool windows of one level)."""
+    q = None if any(w.queue_clock_s is None or w.in_flight_s is None or w.awaiting_s is None for w in ws) else \
+        (sum(w.in_flight_s for w in ws), sum(w.awaiting_s for w in ws), sum(w.queue_clock_s for w in ws))
     return Window(
         t_end_s=ws[-1].t_end_s,
         duration_s=sum(w.duration_s for w in ws),
@@ -169,6 +184,7 @@ def merge(ws: list[Window]) -> Window:
         output_tokens=sum(w.output_tokens for w in ws),
         ttft_counts=tuple(int(x) for x in np.sum([w.ttft_counts for w in ws], axis=0)),
         tpot_counts=tuple(int(x) for x in np.sum([w.tpot_counts for w in ws], axis=0)),
+        in_flight_s=q[0] if q else None, awaiting_s=q[1] if q else None, queue_clock_s=q[2] if q else None,
     )
 
 
