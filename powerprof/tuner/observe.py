@@ -186,6 +186,8 @@ def window_between(a: DaemonCounters, b: DaemonCounters, level: float) -> Window
     clock = b.queue_clock_s - a.queue_clock_s
     if clock > 2 * (b.t_s - a.t_s) + 1.0:
         raise ObserveError(f"the daemon's queue clock moved {clock:.1f} s in {b.t_s - a.t_s:.1f} s: not a clock")
+    if (b.awaiting_s - a.awaiting_s) > (b.in_flight_s - a.in_flight_s) + 1e-6:
+        raise ObserveError("more request-seconds awaiting a first token than in flight: not the daemon's figures")
     # The integrals' means must be counts the daemon could hold: at most every request seen in flight throughout.
     if clock > 0 and (b.in_flight_s - a.in_flight_s) > clock * (b.active + a.active + (b.finished - a.finished) + 1):
         raise ObserveError("the daemon's in-flight integral is larger than its requests could make it")
