@@ -68,7 +68,7 @@ class TunerConfig:
     # as the server falls behind, before any of them finishes late.
     queue_ratio: float = 0.0  # a level below the reference whose mean in flight over the last queue_s passes this ×
     # its usual (the median over its judged windows in the regime) goes one level up; a trial ends (0: off)
-    queue_s: float = 120.0
+    queue_s: float = 300.0
     blame_ratio: float = 1.7  # the reference's own p95 during a back-off past this × its usual p95/SLO in the regime:
     # a burst, and the load, not the level, is blamed (1.7: the 90th percentile of 5-minute p95s over their median)
     strikes: int = 1  # back-offs at one level within strike_s before it is barred (below it too) for reprobe_s
