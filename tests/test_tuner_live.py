@@ -99,6 +99,31 @@ def test_the_queue_integrals_read_back_as_exact_means_and_are_validated():
         window_between(a, dataclasses.replace(b, in_flight_s=a.in_flight_s + 10_000), 300.0)
 
 
+@pytest.mark.parametrize("queue_ratio", [0.0, 3.0])
+def test_a_queue_growing_at_the_daemon_moves_the_live_tuner_up_before_any_request_finishes_late(tmp_path, queue_ratio):
+    nvml = SimNVML("seed-16g", state_path=None)
+    clock = Clock()
+    with Rig("seed-16g", nvml=nvml) as rig, FakeDaemon(gpu=sim_gpu(nvml), in_flight=4.0) as fd, \
+            rig.controller([0]) as ctl:
+        runner = TuneRunner(_cfg(queue_ratio=queue_ratio, queue_s=30), lambda: parse_counters(fetch_metrics(fd.url, 2), 0.0),
+                            ctl=ctl, gpus=[0], out_dir=tmp_path / "decisions", clock=clock,
+                            gpu_uuids=[nvml.gpus[0].uuid])
+        runner.start()
+        _drive(runner, clock, 30)
+        before = _limit_w(nvml)
+        assert before < 300, [d.reason for d in runner.tuner.decisions]
+        fd.in_flight = 20.0  # five times the usual in flight; the requests that finish are as quick as ever
+        _drive(runner, clock, 3)
+        queue = [d for d in runner.tuner.decisions if "in flight" in d.reason]
+        if queue_ratio == 0:
+            assert not queue and _limit_w(nvml) <= before
+            return
+        assert queue and queue[0].from_level == before and queue[0].to_level > before
+        assert _limit_w(nvml) > before
+    rows = pq.read_table(tmp_path / "decisions").to_pylist()
+    assert any("in flight" in r["reason"] and r["applied"] for r in rows)
+
+
 @pytest.mark.parametrize("fault", ["down", "frozen", "upstream"])
 def test_lost_figures_send_the_gpu_back_to_the_reference_level(tmp_path, fault):
     nvml = SimNVML("seed-16g", state_path=None)
