@@ -584,7 +584,7 @@ class QueuePlant(Plant):
 @pytest.mark.parametrize("queue_ratio", [0.0, 3.0])
 def test_a_held_level_goes_up_when_its_queue_grows_past_queue_ratio_before_its_p95_moves(queue_ratio):
     plant = QueuePlant({150: 30.0, 200: 5.0, 250: 4.0, 300: 3.0})
-    tu = Tuner(cfg(queue_ratio=queue_ratio, queue_s=60), 0.0)
+    tu = Tuner(cfg(queue_ratio=queue_ratio, queue_s=30), 0.0)
     t, _ = plant.run(tu, 0, 1500)
     assert tu.level == 200 and tu.state == "hold"
     # The server falls behind: four times the usual in flight, while the requests that finish are still quick.
@@ -602,7 +602,7 @@ def test_a_trial_whose_queue_runs_away_ends_as_one_found_too_slow(queue_ratio):
     # 150 W: its finished requests look fine (45 ms, under the 60% a trial must show), but its queue runs to 8× its
     # incumbent's.
     plant = QueuePlant({150: 40.0, 200: 5.0, 250: 4.0, 300: 3.0}, tpot_ms={150: 45.0, 200: 44.0, 250: 40.0, 300: 30.0})
-    tu = Tuner(cfg(queue_ratio=queue_ratio, queue_s=60), 0.0)
+    tu = Tuner(cfg(queue_ratio=queue_ratio, queue_s=30), 0.0)
     plant.run(tu, 0, 1500)
     rejected = [d for d in tu.decisions if d.action == "reject" and d.from_level == 150]
     if queue_ratio == 0:
@@ -615,12 +615,13 @@ def test_a_trial_whose_queue_runs_away_ends_as_one_found_too_slow(queue_ratio):
 def test_the_queue_rule_needs_the_figures_and_half_its_span():
     # Windows without the daemon's queue figures (an older daemon in a replay): the rule stays silent.
     plant = Plant()
-    tu = Tuner(cfg(queue_ratio=1.5, queue_s=60), 0.0)
+    tu = Tuner(cfg(queue_ratio=1.5, queue_s=30), 0.0)
     plant.run(tu, 0, 1500)
     assert tu.level == 200 and not any("in flight" in d.reason for d in tu.decisions)
 
 
-@pytest.mark.parametrize("bad", [{"queue_ratio": 1.0}, {"queue_ratio": -1.0}, {"queue_ratio": 11.0}, {"queue_s": 0.0}])
+@pytest.mark.parametrize("bad", [{"queue_ratio": 1.0}, {"queue_ratio": -1.0}, {"queue_ratio": 11.0}, {"queue_s": 0.0},
+                                 {"queue_ratio": 3.0, "queue_s": 60.0}])  # longer than the guard's 30 s
 def test_queue_knobs_are_checked(bad):
     with pytest.raises(TunerConfigError, match="queue"):
         cfg(**bad)

@@ -109,8 +109,8 @@ class TunerConfig:
                 errs.append(f"tuner.{k}: must be positive seconds")
         if not (self.queue_ratio == 0 or 1 < self.queue_ratio <= 10):
             errs.append("tuner.queue_ratio: 0 (off) or a ratio in (1, 10]")
-        if not 0 < self.queue_s <= 30 * 86400:
-            errs.append("tuner.queue_s: positive seconds, at most 30 days")
+        if not 0 < self.queue_s <= 30 * 86400 or (self.queue_ratio > 0 and self.queue_s > self.guard_s):
+            errs.append("tuner.queue_s: positive seconds, at most guard_s (the queue is read from the guard's window)")
         if not 0 <= self.drain_s <= 30 * 86400:
             errs.append("tuner.drain_s: seconds, 0 (off) to 30 days")
         if not 0 < self.accept_ratio <= self.hold_ratio <= self.guard_ratio:
