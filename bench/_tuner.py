@@ -37,7 +37,8 @@ def tick_window(tk: Tick, prompt, output) -> Window:
     """What the daemon's /metrics would give the tuner for this tick."""
     f = tk.finished
     return Window(tk.t_end_s, tk.t_end_s - tk.t_start_s, tk.level, tk.tokens, tk.energy_j, tk.arrivals, int(f.size),
-                  float(prompt[f].sum()), float(output[f].sum()), histogram_counts(tk.ttft_s), histogram_counts(tk.tpot_s))
+                  float(prompt[f].sum()), float(output[f].sum()), histogram_counts(tk.ttft_s), histogram_counts(tk.tpot_s),
+                  in_flight_s=tk.in_flight_s, awaiting_s=tk.awaiting_s, queue_clock_s=tk.t_end_s - tk.t_start_s)
 
 
 def score(name: str, r: RunResult, tpot_ms: float | None, ttft_ms: float | None) -> Outcome:

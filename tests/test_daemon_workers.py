@@ -222,7 +222,16 @@ def test_a_daemon_that_stops_reading_costs_records_not_client_bytes():
 
 
 def _workers(pid: int) -> list[psutil.Process]:
-    return [c for c in psutil.Process(pid).children() if "powerprof.daemon.workers" in " ".join(c.cmdline())]
+    """The daemon's live worker processes: one just killed and not yet reaped (a zombie, whose command
+    line cannot be read) or already gone is not one."""
+    out = []
+    for c in psutil.Process(pid).children():
+        try:
+            if "powerprof.daemon.workers" in " ".join(c.cmdline()):
+                out.append(c)
+        except (psutil.ZombieProcess, psutil.NoSuchProcess):
+            continue
+    return out
 
 
 @pytest.mark.slow

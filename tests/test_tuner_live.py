@@ -3,6 +3,7 @@ the reference level or the original limit."""
 
 from __future__ import annotations
 
+import dataclasses
 import signal
 import subprocess
 import sys
@@ -67,6 +68,60 @@ def test_the_daemon_exposition_reads_back_as_the_window_it_describes():
         parse_counters("# nothing here\n", 0.0)
     with pytest.raises(ObserveError, match="cannot read"):
         fetch_metrics("http://127.0.0.1:1/metrics", timeout_s=1)
+
+
+def test_the_queue_integrals_read_back_as_exact_means_and_are_validated():
+    with FakeDaemon(in_flight=6.0, awaiting=2.0) as fd:
+        text_a = fetch_metrics(fd.url)
+        time.sleep(0.3)
+        text_b = fetch_metrics(fd.url)
+        fd.awaiting = 100.0  # more awaiting a first token than in flight: not the daemon's figures
+        time.sleep(0.1)
+        text_bad = fetch_metrics(fd.url)
+    a, b = parse_counters(text_a, 0.0), parse_counters(text_b, 0.3)
+    w = window_between(a, b, 300.0)
+    assert w.queue_clock_s == pytest.approx(0.3, abs=0.2)
+    assert w.in_flight_s / w.queue_clock_s == pytest.approx(6.0) and w.awaiting_s / w.queue_clock_s == pytest.approx(2.0)
+    with pytest.raises(ObserveError, match="exceeds"):
+        parse_counters(text_bad, 1.0)
+    for family in ("powerprof_requests_in_flight_seconds", "powerprof_requests_awaiting_first_token_seconds",
+                   "powerprof_requests_queue_clock_seconds"):
+        cut = "\n".join(x for x in text_b.splitlines() if not x.startswith(family) and family not in x) + "\n"
+        with pytest.raises(ObserveError, match="lack"):
+            parse_counters(cut, 0.3)
+    with pytest.raises(ObserveError, match="backwards"):
+        window_between(a, dataclasses.replace(b, in_flight_s=a.in_flight_s - 1), 300.0)
+    with pytest.raises(ObserveError, match="not a clock"):
+        window_between(a, dataclasses.replace(b, queue_clock_s=a.queue_clock_s + 100), 300.0)
+    with pytest.raises(ObserveError, match="awaiting"):
+        window_between(a, dataclasses.replace(b, awaiting_s=a.awaiting_s + w.in_flight_s + 1), 300.0)
+    with pytest.raises(ObserveError, match="larger than its requests"):
+        window_between(a, dataclasses.replace(b, in_flight_s=a.in_flight_s + 10_000), 300.0)
+
+
+@pytest.mark.parametrize("queue_ratio", [0.0, 3.0])
+def test_a_queue_growing_at_the_daemon_moves_the_live_tuner_up_before_any_request_finishes_late(tmp_path, queue_ratio):
+    nvml = SimNVML("seed-16g", state_path=None)
+    clock = Clock()
+    with Rig("seed-16g", nvml=nvml) as rig, FakeDaemon(gpu=sim_gpu(nvml), in_flight=4.0) as fd, \
+            rig.controller([0]) as ctl:
+        runner = TuneRunner(_cfg(queue_ratio=queue_ratio, queue_s=30), lambda: parse_counters(fetch_metrics(fd.url, 2), 0.0),
+                            ctl=ctl, gpus=[0], out_dir=tmp_path / "decisions", clock=clock,
+                            gpu_uuids=[nvml.gpus[0].uuid])
+        runner.start()
+        _drive(runner, clock, 30)
+        before = _limit_w(nvml)
+        assert before < 300, [d.reason for d in runner.tuner.decisions]
+        fd.in_flight = 20.0  # five times the usual in flight; the requests that finish are as quick as ever
+        _drive(runner, clock, 3)
+        queue = [d for d in runner.tuner.decisions if "in flight" in d.reason]
+        if queue_ratio == 0:
+            assert not queue and _limit_w(nvml) <= before
+            return
+        assert queue and queue[0].from_level == before and queue[0].to_level > before
+        assert _limit_w(nvml) > before
+    rows = pq.read_table(tmp_path / "decisions").to_pylist()
+    assert any("in flight" in r["reason"] and r["applied"] for r in rows)
 
 
 @pytest.mark.parametrize("fault", ["down", "frozen", "upstream"])

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import numpy as np
@@ -554,3 +555,73 @@ def test_a_back_off_on_a_p95_past_the_buckets_error_restores_break_restore_above
     # A break within the buckets' error may not have been one: one level above it, as before; an outright break
     # two (the level just above a broken one broke next, minutes later, on the stationary trace).
     assert tu.level == (restored if above == 2 else 250)
+
+
+def _queued(w: Window, in_flight: float, awaiting: float = 0.5) -> Window:
+    """The window with the daemon's queue figures: `in_flight` requests in flight on average over it."""
+    return dataclasses.replace(w, in_flight_s=in_flight * w.duration_s, awaiting_s=awaiting * w.duration_s,
+                               queue_clock_s=w.duration_s)
+
+
+class QueuePlant(Plant):
+    """Plant whose windows carry the requests in flight per level (more in flight as the level falls)."""
+
+    def __init__(self, in_flight, **kw):
+        super().__init__(**kw)
+        self.in_flight = in_flight
+
+    def run(self, tuner, t0, t1, rate=2.0, output=80, tpot_scale=1.0, flight_scale=1.0):
+        t, levels = t0, []
+        while t < t1:
+            t += 10
+            lv = tuner.level
+            w = window(t, lv, self.tpot_ms[lv] * tpot_scale, self.j[lv], rate=rate, output=output)
+            tuner.observe(_queued(w, self.in_flight[lv] * flight_scale))
+            levels.append(tuner.level)
+        return t, levels
+
+
+@pytest.mark.parametrize("queue_ratio", [0.0, 3.0])
+def test_a_held_level_goes_up_when_its_queue_grows_past_queue_ratio_before_its_p95_moves(queue_ratio):
+    plant = QueuePlant({150: 30.0, 200: 5.0, 250: 4.0, 300: 3.0})
+    tu = Tuner(cfg(queue_ratio=queue_ratio, queue_s=30), 0.0)
+    t, _ = plant.run(tu, 0, 1500)
+    assert tu.level == 200 and tu.state == "hold"
+    # The server falls behind: four times the usual in flight, while the requests that finish are still quick.
+    t, levels = plant.run(tu, t, t + 60, flight_scale=4.0)
+    if queue_ratio == 0:
+        assert levels == [200] * 6  # off: nothing moves until the finished requests' p95 does
+        return
+    assert 250 in levels[:4]
+    d = [d for d in tu.decisions if d.action == "backoff"][0]
+    assert d.from_level == 200 and d.to_level == 250 and "in flight" in d.reason and "usual 5.0" in d.reason
+
+
+@pytest.mark.parametrize("queue_ratio", [0.0, 3.0])
+def test_a_trial_whose_queue_runs_away_ends_as_one_found_too_slow(queue_ratio):
+    # 150 W: its finished requests look fine (45 ms, under the 60% a trial must show), but its queue runs to 8× its
+    # incumbent's.
+    plant = QueuePlant({150: 40.0, 200: 5.0, 250: 4.0, 300: 3.0}, tpot_ms={150: 45.0, 200: 44.0, 250: 40.0, 300: 30.0})
+    tu = Tuner(cfg(queue_ratio=queue_ratio, queue_s=30), 0.0)
+    plant.run(tu, 0, 1500)
+    rejected = [d for d in tu.decisions if d.action == "reject" and d.from_level == 150]
+    if queue_ratio == 0:
+        assert tu.level == 150 and not rejected
+        return
+    assert tu.level == 200 and rejected and "in flight" in rejected[0].reason
+    assert tu.regime.floor_at(1500) == LEVELS.index(200)  # barred, as any trial found too slow
+
+
+def test_the_queue_rule_needs_the_figures_and_half_its_span():
+    # Windows without the daemon's queue figures (an older daemon in a replay): the rule stays silent.
+    plant = Plant()
+    tu = Tuner(cfg(queue_ratio=1.5, queue_s=30), 0.0)
+    plant.run(tu, 0, 1500)
+    assert tu.level == 200 and not any("in flight" in d.reason for d in tu.decisions)
+
+
+@pytest.mark.parametrize("bad", [{"queue_ratio": 1.0}, {"queue_ratio": -1.0}, {"queue_ratio": 11.0}, {"queue_s": 0.0},
+                                 {"queue_ratio": 3.0, "queue_s": 60.0}])  # longer than the guard's 30 s
+def test_queue_knobs_are_checked(bad):
+    with pytest.raises(TunerConfigError, match="queue"):
+        cfg(**bad)

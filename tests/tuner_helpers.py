@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import threading
+import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
+from powerprof.daemon.inflight import InFlightState
 from powerprof.daemon.latency import RequestLatency
 from powerprof.daemon.metrics import GpuSnapshot, Snapshot, make_registry, render
 
@@ -15,8 +17,14 @@ class FakeDaemon:
     mode: "ok" | "down" (HTTP 503) | "frozen" (nothing moves, as a daemon whose loop stalled) | "upstream" (the
     inference server is failing: the proxy's upstream failures climb)."""
 
-    def __init__(self, per_scrape: int = 20, tpot_s: float = 0.03, j_per_token: float = 1.0, gpu=None):
-        """gpu: () → (uuid, power limit W) the daemon reports for its one GPU (default a fixed GPU-fake at 300 W)."""
+    def __init__(self, per_scrape: int = 20, tpot_s: float = 0.03, j_per_token: float = 1.0, gpu=None,
+                 in_flight: float = 4.0, awaiting: float = 1.0):
+        """gpu: () → (uuid, power limit W) the daemon reports for its one GPU (default a fixed GPU-fake at 300 W).
+        in_flight, awaiting: the requests in flight and awaiting a first token since the last scrape, on the
+        real clock as the daemon's (settable between scrapes)."""
+        self.in_flight, self.awaiting = in_flight, awaiting
+        self.queue = [0.0, 0.0, 0.0]  # the integrals and their clock
+        self._queue_t = time.monotonic()
         self.gpu = gpu or (lambda: ("GPU-fake", 300.0))
         self.per_scrape = per_scrape
         self.tpot_s = tpot_s
@@ -65,6 +73,11 @@ class FakeDaemon:
                 self.gpu_energy += self.j_per_token * 80 * self.per_scrape + 50.0  # plus idle power between requests
                 if self.mode == "upstream":
                     self.upstream_failures += 5
+                q, now = self.queue, time.monotonic()
+                q[0] += self.in_flight * (now - self._queue_t)
+                q[1] += self.awaiting * (now - self._queue_t)
+                q[2] += now - self._queue_t
+                self._queue_t = now
             uuid, limit_w = self.gpu()
             self.snapshot = Snapshot(
                 gpus=(GpuSnapshot(0, uuid, "fake", 200.0, 1500.0, 9000.0, limit_w, self.gpu_energy),),
@@ -73,6 +86,7 @@ class FakeDaemon:
                 requests_by_tag={("", "ok"): float(self.finished)},
                 proxy_upstream_failures=self.upstream_failures,
                 latency=self.latency.states(),
+                inflight=InFlightState(round(self.in_flight), round(self.awaiting), *self.queue),
             )
             return render(self._registry), 200
 

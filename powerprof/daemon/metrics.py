@@ -21,6 +21,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Histo
 from powerprof import __version__
 
 from .attribution import DEST_NAMES, KIND_NAMES
+from .inflight import InFlightState
 
 LATENCY_DOCS = {
     "ttft_seconds": "Proxied requests' time to first token (arrival at the proxy to first token)",
@@ -95,6 +96,7 @@ class Snapshot:
     proxy_worker_restarts: dict = field(default_factory=dict)  # reason → count (proxy.workers > 1)
     late_tokens: float = 0.0  # stamped before an interval already closed: not attributed
     latency: dict = field(default_factory=dict)  # name → latency.HistogramState
+    inflight: InFlightState | None = None  # recorded requests in flight / awaiting a first token, with integrals
     sources: dict = field(default_factory=dict)  # source → (reads, read CPU s, missed ticks, errors)
     edge_reads: int = 0
     edge_read_cpu_s: float = 0.0
@@ -197,6 +199,18 @@ class SnapshotCollector:
         yield CounterMetricFamily("powerprof_proxy_upstream_failures", "Upstream unreachable (502 sent)",
                                   value=s.proxy_upstream_failures)
         yield GaugeMetricFamily("powerprof_proxy_active_requests", "Requests in flight", value=s.proxy_active)
+        if s.inflight is not None:
+            q = s.inflight
+            yield GaugeMetricFamily("powerprof_requests_in_flight", "Proxied requests started and not ended "
+                                    "(as recorded)", value=q.in_flight)
+            yield GaugeMetricFamily("powerprof_requests_awaiting_first_token", "Proxied requests in flight with no "
+                                    "token seen yet (queued, in prefill, or a non-streamed answer)", value=q.awaiting_first)
+            yield CounterMetricFamily("powerprof_requests_in_flight_seconds", "Time integral of "
+                                      "powerprof_requests_in_flight (request-seconds)", value=q.in_flight_s)
+            yield CounterMetricFamily("powerprof_requests_awaiting_first_token_seconds", "Time integral of "
+                                      "powerprof_requests_awaiting_first_token (request-seconds)", value=q.awaiting_first_s)
+            yield CounterMetricFamily("powerprof_requests_queue_clock_seconds", "The time those two integrals span: "
+                                      "their differences over this one's are exact means", value=q.clock_s)
         yield CounterMetricFamily("powerprof_proxy_records_dropped", "Proxy workers' records not shipped because "
                                   "the daemon did not read (their requests' rows say so)", value=s.proxy_records_dropped)
         yield CounterMetricFamily("powerprof_tokens_late", "Proxied tokens read after their interval had closed, "

@@ -33,6 +33,7 @@ from powerprof.storage.samples import sample_rows
 from . import sdnotify
 from .config import Config, ConfigError, is_loopback, listen_host, load_config
 from .guard import ConnectionGuard
+from .inflight import InFlight
 from .latency import RequestLatency
 from .ledger import Ledger
 from .metrics import NONE, GpuSnapshot, Snapshot, TagLimiter, make_registry, render
@@ -144,6 +145,7 @@ class Daemon:
         self.tokens_by_tag: Counter = Counter()
         self.requests_by_tag: Counter = Counter()
         self.latency = RequestLatency()  # the tuner's view of the traffic (docs/tuner.md)
+        self.inflight = InFlight(time.monotonic_ns())  # …and its early signal: requests in flight, awaiting a token
         self.stop_event: asyncio.Event | None = None
         self.reload_requested = False
         self.urls: dict[str, str] = {}
@@ -176,17 +178,29 @@ class Daemon:
     # --- recorder: the ledger plus the metric counters -----------------------------------------
 
     def on_start(self, trace: RequestTrace) -> None:
-        self.ledger.on_start(trace)
-        self._request_edge("request-arrival")
+        self.inflight.start(trace.request_id, trace.arrival_ns)
+        try:
+            self.ledger.on_start(trace)
+            self._request_edge("request-arrival")
+        except BaseException:
+            # A failed recording gets no later calls (Proxy._safe): it would stay in flight for ever.
+            self.inflight.end(trace.request_id, time.monotonic_ns())
+            raise
 
     def on_tokens(self, trace: RequestTrace, t_ns: int, n: int) -> None:
-        # Per token chunk: an untagged request's label without the limiter's call.
-        self.tokens_by_tag[self.tags.label(trace.tag) if trace.tag else NONE] += n
-        self.ledger.on_tokens(trace, t_ns, n)
-        if trace.first_ns == t_ns:
-            self._request_edge("request-first-token")
+        self.inflight.first(trace.request_id, t_ns)
+        try:
+            # Per token chunk: an untagged request's label without the limiter's call.
+            self.tokens_by_tag[self.tags.label(trace.tag) if trace.tag else NONE] += n
+            self.ledger.on_tokens(trace, t_ns, n)
+            if trace.first_ns == t_ns:
+                self._request_edge("request-first-token")
+        except BaseException:
+            self.inflight.end(trace.request_id, time.monotonic_ns())
+            raise
 
     def on_end(self, trace: RequestTrace) -> None:
+        self.inflight.end(trace.request_id, trace.end_ns if trace.end_ns is not None else time.monotonic_ns())
         if trace.extra.get("spread"):
             self.tokens_by_tag[self.tags.label(trace.tag)] += trace.tokens_seen
         self.requests_by_tag[(self.tags.label(trace.tag), trace.outcome)] += 1
@@ -333,6 +347,7 @@ class Daemon:
             tokens_by_tag=dict(self.tokens_by_tag),
             requests_by_tag=dict(self.requests_by_tag),
             latency=self.latency.states(),
+            inflight=self.inflight.state(time.monotonic_ns()),
             server_tokens=self.scraper.total if self.scraper is not None and self.scraper.kind else None,
             buffered_rows=self.store.buffered(),
             dropped_rows=sum(self.store.dropped_rows.values()),

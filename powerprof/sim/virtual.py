@@ -66,6 +66,10 @@ class Tick:
     finished: np.ndarray  # indexes of the requests that finished in it
     ttft_s: np.ndarray  # of those requests
     tpot_s: np.ndarray  # of those with 2+ tokens
+    # Time integrals over the tick (request-seconds) of the requests arrived and not finished, and of those with
+    # no first token yet (queued or in prefill): what the daemon's proxy counts (daemon/inflight.py).
+    in_flight_s: float = 0.0
+    awaiting_s: float = 0.0
 
 
 @dataclass
@@ -143,13 +147,29 @@ class VirtualServer:
         tick_end = tick_s
         tick_t0, tick_e0, tick_tok0, tick_arr0 = 0.0, 0.0, 0.0, 0
         finished_in_tick: list[int] = []
+        # The queue's integrals, exact: ∫(arrived − finished) and ∫(arrived − first token seen) over each tick, from
+        # the counts at its start and the times of what happened in it (arrivals from the trace itself).
+        cum_arr = np.concatenate([[0.0], np.cumsum(arr)])
+        n_first = 0
+        firsts_in_tick: list[float] = []
+        ends_in_tick: list[float] = []
+        tick_first0 = tick_done0 = 0
 
         def close_tick(now: float) -> None:
             nonlocal tick_end, tick_t0, tick_e0, tick_tok0, tick_arr0, level, table, finished_in_tick
+            nonlocal firsts_in_tick, ends_in_tick, tick_first0, tick_done0
             f = np.array(finished_in_tick, dtype=int)
             multi = f[ot[f] > 1]
+            span = now - tick_t0
+            a0, a1 = (int(np.searchsorted(arr, x, side="right")) for x in (tick_t0, now))
+            arrived_s = a0 * span + (a1 - a0) * now - (cum_arr[a1] - cum_arr[a0])
+            firsts_s = tick_first0 * span + len(firsts_in_tick) * now - sum(firsts_in_tick)
+            ends_s = tick_done0 * span + len(ends_in_tick) * now - sum(ends_in_tick)
             tk = Tick(tick_t0, now, level, energy - tick_e0, tokens - tick_tok0, nxt - tick_arr0, f,
-                      first[f] - arr[f], (last[multi] - first[multi]) / (ot[multi] - 1))
+                      first[f] - arr[f], (last[multi] - first[multi]) / (ot[multi] - 1),
+                      max(0.0, arrived_s - ends_s), max(0.0, arrived_s - firsts_s))
+            tick_first0, tick_done0 = n_first, done
+            firsts_in_tick, ends_in_tick = [], []
             level_time[level] = level_time.get(level, 0.0) + (now - tick_t0)
             new = float(control(tk))
             if new != level:
@@ -194,11 +214,14 @@ class VirtualServer:
                     k += c
                     if k >= nd:
                         first[i] = t
+                        n_first += 1
+                        firsts_in_tick.append(t)
                         tokens += 1.0
                         if ot[i] <= 1:
                             last[i] = t
                             done += 1
                             finished_in_tick.append(i)
+                            ends_in_tick.append(t)
                         else:
                             dec_ids.append(i)
                             dec_rem = np.append(dec_rem, float(ot[i] - 1))
@@ -229,6 +252,7 @@ class VirtualServer:
                     i = dec_ids[j]
                     last[i] = t
                     finished_in_tick.append(i)
+                    ends_in_tick.append(t)
                 done += fin.size
                 keep = np.flatnonzero(dec_rem > 1e-9)
                 dec_ids = [dec_ids[j] for j in keep]

@@ -46,6 +46,11 @@ class DaemonCounters:
     upstream_failures: float = 0.0  # requests the proxy could not deliver (the inference server is down)
     gpu_energy_j: float = 0.0  # all GPU energy since the daemon started: it moves while the daemon samples
     gpu_limits_w: dict = field(default_factory=dict)  # gpu_uuid → the power limit the daemon reads on it
+    # Time integrals of the proxied requests in flight and awaiting a first token (request-seconds), over
+    # queue_clock_s seconds of the daemon's clock: the queue, seen before its requests finish late.
+    in_flight_s: float = 0.0
+    awaiting_s: float = 0.0
+    queue_clock_s: float = 0.0
 
 
 def loopback_reason(url: str) -> str | None:
@@ -149,7 +154,22 @@ def parse_counters(text: str, t_s: float) -> DaemonCounters:
     upstream = sum(num(s.value) for s in need("powerprof_proxy_upstream_failures") if s.name.endswith("_total"))
     gpu = sum(num(s.value) for s in need("powerprof_gpu_energy_joules") if s.name.endswith("_total"))
     limits = {s.labels.get("gpu_uuid", ""): num(s.value) for s in need("powerprof_gpu_power_limit_watts")}
-    return DaemonCounters(t_s, energy, tokens, finished, active, prompt, output, ttft, tpot, upstream, gpu, limits)
+
+    def one(name):
+        v = [num(s.value) for s in need(name) if s.name.endswith("_total")]
+        if len(v) != 1:
+            raise ObserveError(f"{name}: want one sample, got {len(v)}")
+        return v[0]
+
+    in_flight, awaiting, clock = (one(f"powerprof_requests_{k}_seconds")
+                                  for k in ("in_flight", "awaiting_first_token", "queue_clock"))
+    # Awaiting a first token is a part of being in flight: its integral cannot be the larger (1 µs of slack
+    # for the two floats' rounding).
+    if awaiting > in_flight + 1e-6:
+        raise ObserveError("powerprof_requests_awaiting_first_token_seconds_total exceeds "
+                           "powerprof_requests_in_flight_seconds_total: not the daemon's figures")
+    return DaemonCounters(t_s, energy, tokens, finished, active, prompt, output, ttft, tpot, upstream, gpu, limits,
+                          in_flight, awaiting, clock)
 
 
 def _le(x: str) -> float:
@@ -158,10 +178,19 @@ def _le(x: str) -> float:
 
 def window_between(a: DaemonCounters, b: DaemonCounters, level: float) -> Window:
     """The traffic between two scrapes. ObserveError when a counter went backwards (the daemon restarted)."""
-    fields = ("energy_j", "tokens", "finished", "prompt_tokens", "output_tokens")
+    fields = ("energy_j", "tokens", "finished", "prompt_tokens", "output_tokens", "in_flight_s", "awaiting_s",
+              "queue_clock_s")
     if b.t_s <= a.t_s or any(getattr(b, f) < getattr(a, f) for f in fields) or \
             any(y < x for x, y in zip(a.ttft_cum + a.tpot_cum, b.ttft_cum + b.tpot_cum)):
         raise ObserveError("the daemon's counters went backwards (restarted?): this window is not usable")
+    clock = b.queue_clock_s - a.queue_clock_s
+    if clock > 2 * (b.t_s - a.t_s) + 1.0:
+        raise ObserveError(f"the daemon's queue clock moved {clock:.1f} s in {b.t_s - a.t_s:.1f} s: not a clock")
+    if (b.awaiting_s - a.awaiting_s) > (b.in_flight_s - a.in_flight_s) + 1e-6:
+        raise ObserveError("more request-seconds awaiting a first token than in flight: not the daemon's figures")
+    # The integrals' means must be counts the daemon could hold: at most every request seen in flight throughout.
+    if clock > 0 and (b.in_flight_s - a.in_flight_s) > clock * (b.active + a.active + (b.finished - a.finished) + 1):
+        raise ObserveError("the daemon's in-flight integral is larger than its requests could make it")
 
     def per_bucket(ca, cb):
         d = [y - x for x, y in zip(ca, cb)]
@@ -172,4 +201,6 @@ def window_between(a: DaemonCounters, b: DaemonCounters, level: float) -> Window
         t_end_s=b.t_s, duration_s=b.t_s - a.t_s, level=level, tokens=b.tokens - a.tokens, energy_j=b.energy_j - a.energy_j,
         arrivals=max(0, int(round(fin + b.active - a.active))), requests=int(round(fin)),
         prompt_tokens=b.prompt_tokens - a.prompt_tokens, output_tokens=b.output_tokens - a.output_tokens,
-        ttft_counts=per_bucket(a.ttft_cum, b.ttft_cum), tpot_counts=per_bucket(a.tpot_cum, b.tpot_cum))
+        ttft_counts=per_bucket(a.ttft_cum, b.ttft_cum), tpot_counts=per_bucket(a.tpot_cum, b.tpot_cum),
+        in_flight_s=b.in_flight_s - a.in_flight_s, awaiting_s=b.awaiting_s - a.awaiting_s,
+        queue_clock_s=b.queue_clock_s - a.queue_clock_s)

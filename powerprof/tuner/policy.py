@@ -64,6 +64,11 @@ class TunerConfig:
     # many levels above the one that broke (else one)
     drain_s: float = 0.0  # a trial below ended early: hold one level above its incumbent this long while its slow
     # requests drain, then the incumbent (0: straight back to the incumbent)
+    # The early signal (off by default: docs/tuner.md, seventh version): the requests in flight, which grow as soon
+    # as the server falls behind, before any of them finishes late.
+    queue_ratio: float = 0.0  # a level below the reference whose mean in flight over the last queue_s passes this ×
+    # its usual (the median over its judged windows in the regime) goes one level up; a trial ends (0: off)
+    queue_s: float = 300.0
     blame_ratio: float = 1.7  # the reference's own p95 during a back-off past this × its usual p95/SLO in the regime:
     # a burst, and the load, not the level, is blamed (1.7: the 90th percentile of 5-minute p95s over their median)
     strikes: int = 1  # back-offs at one level within strike_s before it is barred (below it too) for reprobe_s
@@ -102,6 +107,10 @@ class TunerConfig:
                   "regime_s", "stale_s", "strike_s", "trial_guard_s", "trend_s"):
             if not getattr(self, k) > 0:
                 errs.append(f"tuner.{k}: must be positive seconds")
+        if not (self.queue_ratio == 0 or 1 < self.queue_ratio <= 10):
+            errs.append("tuner.queue_ratio: 0 (off) or a ratio in (1, 10]")
+        if not 0 < self.queue_s <= 30 * 86400 or (self.queue_ratio > 0 and self.queue_s > self.guard_s):
+            errs.append("tuner.queue_s: positive seconds, at most guard_s (the queue is read from the guard's window)")
         if not 0 <= self.drain_s <= 30 * 86400:
             errs.append("tuner.drain_s: seconds, 0 (off) to 30 days")
         if not 0 < self.accept_ratio <= self.hold_ratio <= self.guard_ratio:
@@ -153,10 +162,25 @@ class Window:
     output_tokens: float
     ttft_counts: tuple[int, ...]
     tpot_counts: tuple[int, ...]
+    # The queue, every request in flight and not only those that finished: time integrals (request-seconds) of
+    # the requests in flight and of those awaiting a first token, over queue_clock_s of the daemon's clock
+    # (None: no figure). in_flight_s / queue_clock_s is the mean number in flight.
+    in_flight_s: float | None = None
+    awaiting_s: float | None = None
+    queue_clock_s: float | None = None
+
+
+def mean_in_flight(w: Window) -> tuple[float, float] | None:
+    """(mean requests in flight, mean awaiting a first token) over the window; None without the figures."""
+    if w.in_flight_s is None or w.awaiting_s is None or not w.queue_clock_s:
+        return None
+    return w.in_flight_s / w.queue_clock_s, w.awaiting_s / w.queue_clock_s
 
 
 def merge(ws: list[Window]) -> Window:
     """Several windows as one (their level is the last one's: callers pool windows of one level)."""
+    q = None if any(w.queue_clock_s is None or w.in_flight_s is None or w.awaiting_s is None for w in ws) else \
+        (sum(w.in_flight_s for w in ws), sum(w.awaiting_s for w in ws), sum(w.queue_clock_s for w in ws))
     return Window(
         t_end_s=ws[-1].t_end_s,
         duration_s=sum(w.duration_s for w in ws),
@@ -169,6 +193,7 @@ def merge(ws: list[Window]) -> Window:
         output_tokens=sum(w.output_tokens for w in ws),
         ttft_counts=tuple(int(x) for x in np.sum([w.ttft_counts for w in ws], axis=0)),
         tpot_counts=tuple(int(x) for x in np.sum([w.tpot_counts for w in ws], axis=0)),
+        in_flight_s=q[0] if q else None, awaiting_s=q[1] if q else None, queue_clock_s=q[2] if q else None,
     )
 
 
@@ -287,6 +312,7 @@ class _LevelStat:
     t_s: float
     j_per_work: float
     work_per_s: float = 0.0  # the traffic judged: (output + prefill_weight × prompt tokens) of its requests / s
+    in_flight: float | None = None  # mean requests in flight over the judged windows (None: no figure)
 
 
 @dataclass
@@ -297,6 +323,7 @@ class _Regime:
     floor_t: float = -math.inf  # when the floor was last raised
     bars: dict = field(default_factory=dict)  # index → (times found too slow, barred until): the floor's backoff
     ratios: dict = field(default_factory=dict)  # index → deque of (t, p95/SLO) judgements, for predictions
+    queues: dict = field(default_factory=dict)  # index → deque of (t, mean in flight) of the same judgements
 
     def floor_at(self, t: float) -> int:
         """The lowest level above every level still barred at `t`."""
@@ -305,6 +332,13 @@ class _Regime:
     def note(self, i: int, stat: _LevelStat) -> None:
         self.stats[i] = stat
         self.ratios.setdefault(i, deque(maxlen=12)).append((stat.t_s, stat.slo_ratio))
+        if stat.in_flight is not None:
+            self.queues.setdefault(i, deque(maxlen=12)).append((stat.t_s, stat.in_flight))
+
+    def typical_in_flight(self, i: int, since_s: float) -> float | None:
+        """The median of level `i`'s judged windows' mean requests in flight since `since_s`."""
+        xs = [x for t, x in self.queues.get(i, ()) if t >= since_s]
+        return float(np.median(xs)) if xs else None
 
     def typical_ratio(self, i: int, since_s: float) -> float | None:
         """The median p95/SLO of level `i`'s judgements since `since_s` (one window's p95 is a noisy draw)."""
@@ -412,6 +446,9 @@ class Tuner:
             if growth is not None and growth > self.cfg.ramp_growth:
                 self._rise(w.t_end_s, ratio, growth, out)
                 return out
+        if self.cfg.queue_ratio > 0 and self.idx < self.ref and self.state in ("hold", "measure", "trial"):
+            if self._queue_threat(w.t_end_s, out):
+                return out
         if self.state == "trial" and g.duration_s >= self.cfg.trial_guard_s and g.requests >= self.cfg.guard_min_requests:
             # A trial is a bet on headroom: a p95 already past the holding band ends it before it costs a window
             # over the SLO (a trial held for its whole dwell was the main source of those in the first descent).
@@ -434,6 +471,34 @@ class Tuner:
             return None
         wb = sum(x for _, x in before) / db
         return (sum(x for _, x in now) / dn) / wb if wb > 0 else None
+
+    def _queue_threat(self, t: float, out: list[Decision]) -> bool:
+        """The early signal: the mean in flight over the last queue_s at this level (at least half of it seen) past
+        queue_ratio × its usual in this regime (a trial with no history of its own: its incumbent's). A held or
+        measured level goes one level up, a trial ends as one found too slow; True when it acted."""
+        cfg, r = self.cfg, self.regime
+        recent = [w for w in self._guard if w.t_end_s > t - cfg.queue_s]
+        if not recent or sum(w.duration_s for w in recent) < cfg.queue_s / 2:
+            return False
+        q = mean_in_flight(merge(recent))
+        if q is None:
+            return False
+        usual = r.typical_in_flight(self.idx, t - cfg.reprobe_s)
+        if usual is None and self.state == "trial" and self._incumbent_idx is not None:
+            usual = r.typical_in_flight(self._incumbent_idx, t - cfg.reprobe_s)
+        if usual is None or usual <= 0 or q[0] <= cfg.queue_ratio * usual:
+            return False
+        why = (f"{q[0]:.1f} requests in flight over the last {cfg.queue_s:g} s, {q[0] / usual:.1f}× this level's usual "
+               f"{usual:.1f} (past {cfg.queue_ratio:g}×)")
+        if self.state == "trial":
+            self._reject(t, out, why, too_slow=True, early=True)
+            return True
+        r.best = self.idx + 1 if r.best is None else max(r.best, self.idx + 1)
+        out.append(self._move(t, "backoff", self.idx + 1, f"queue growing: {why}: one level up"))
+        if self.state == "hold":
+            r.converged_t = t
+        self._enter(self.state, t)
+        return True
 
     def _rise(self, t: float, ratio: float, growth: float, out: list[Decision]) -> None:
         """A rising load has taken the level's p95 past rise_ratio: one level up now, the regime's best with it."""
@@ -629,8 +694,10 @@ class Tuner:
                 self.regime.converged_t = t
             return None
         self._pending = self._pending[-1:]
+        q = mean_in_flight(w)
         return _LevelStat(w.energy_j / w.tokens, ratio, t, j_per_work(w, cfg.prefill_weight) or w.energy_j / w.tokens,
-                          (w.output_tokens + cfg.prefill_weight * w.prompt_tokens) / w.duration_s)
+                          (w.output_tokens + cfg.prefill_weight * w.prompt_tokens) / w.duration_s,
+                          q[0] if q is not None else None)
 
     def _next_trial(self, t: float, out: list[Decision]) -> None:
         cfg, r = self.cfg, self.regime

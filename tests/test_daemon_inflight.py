@@ -1,0 +1,146 @@
+"""The daemon's requests in flight and awaiting a first token: gauges and time integrals the tuner reads as its early signal."""
+
+from __future__ import annotations
+
+import time
+import urllib.request
+
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from daemon_helpers import DaemonProc, open_long_stream, sim_env
+from powerprof.daemon.config import load_config
+from powerprof.daemon.inflight import InFlight
+from powerprof.daemon.metrics import Snapshot, TagLimiter, make_registry, render
+from powerprof.daemon.proxy import RequestTrace
+from powerprof.daemon.service import Daemon
+
+S = 1_000_000_000
+
+
+def test_the_integrals_are_the_exact_areas_under_the_counts():
+    q = InFlight(0)
+    q.start("a", 1 * S)  # a: in flight 1–9 s, first token at 3 s
+    q.start("b", 2 * S)  # b: in flight 2–5 s, never a token (ended while queued)
+    q.first("a", 3 * S)
+    q.end("b", 5 * S)
+    mid = q.state(6 * S)
+    assert (mid.in_flight, mid.awaiting_first) == (1, 0)
+    assert mid.in_flight_s == pytest.approx(5 + 3)  # a 1→6, b 2→5
+    assert mid.awaiting_first_s == pytest.approx(2 + 3)  # a 1→3, b 2→5
+    q.end("a", 9 * S)
+    end = q.state(10 * S)
+    assert (end.in_flight, end.awaiting_first, end.clock_s) == (0, 0, 10.0)
+    assert end.in_flight_s == pytest.approx(8 + 3) and end.awaiting_first_s == pytest.approx(5)
+    # Unknown ids and repeats change nothing.
+    q.end("zz", 11 * S)
+    q.first("a", 11 * S)
+    assert q.state(12 * S).in_flight_s == pytest.approx(11)
+
+
+def test_an_event_stamped_before_the_last_reading_never_takes_the_counters_back():
+    # A proxy worker's records arrive milliseconds after their stamps: the integral counts from the reading on.
+    q = InFlight(0)
+    q.start("a", 1 * S)
+    before = q.state(4 * S)
+    q.end("a", 2 * S)  # stamped before the reading at 4 s
+    after = q.state(5 * S)
+    assert after.in_flight_s >= before.in_flight_s == pytest.approx(3)
+    assert after.in_flight_s == pytest.approx(3) and after.in_flight == 0
+
+
+def _trace(rid, t_ns):
+    return RequestTrace(request_id=rid, method="POST", endpoint="/completion", tag=None, arrival_ns=t_ns,
+                        arrival_wall_ns=t_ns)
+
+
+class _Ledger:
+    def __init__(self, fail_on_tokens=False):
+        self.fail_on_tokens = fail_on_tokens
+
+    def on_start(self, trace):
+        pass
+
+    def on_tokens(self, trace, t_ns, n):
+        if self.fail_on_tokens:
+            raise RuntimeError("broken recording")
+
+    def on_end(self, trace):
+        pass
+
+
+def _families(d: Daemon, now_ns: int) -> dict:
+    d.snapshot = Snapshot(inflight=d.inflight.state(now_ns))
+    text = render(make_registry(d)).decode()
+    return {s.name: s.value for f in text_string_to_metric_families(text) for s in f.samples
+            if s.name.startswith("powerprof_requests_") and ("in_flight" in s.name or "awaiting" in s.name
+                                                              or "queue_clock" in s.name)}
+
+
+def test_the_daemon_recorder_counts_requests_and_exposes_them_on_metrics():
+    d = Daemon(load_config(None, env={}), rig=None)
+    d.inflight = InFlight(0)
+    d.ledger, d.tags = _Ledger(), TagLimiter()
+    a, b = _trace(1, 1 * S), _trace(2, 2 * S)
+    d.on_start(a)
+    d.on_start(b)
+    a.first_ns = 3 * S
+    d.on_tokens(a, 3 * S, 1)
+    m = _families(d, 4 * S)
+    assert m["powerprof_requests_in_flight"] == 2 and m["powerprof_requests_awaiting_first_token"] == 1
+    assert m["powerprof_requests_in_flight_seconds_total"] == pytest.approx(3 + 2)
+    assert m["powerprof_requests_awaiting_first_token_seconds_total"] == pytest.approx(2 + 2)
+    assert m["powerprof_requests_queue_clock_seconds_total"] == pytest.approx(4)
+    a.end_ns = 5 * S
+    d.on_end(a)
+    m = _families(d, 6 * S)
+    assert m["powerprof_requests_in_flight"] == 1 and m["powerprof_requests_awaiting_first_token"] == 1
+
+
+def test_a_request_whose_recording_failed_leaves_the_count():
+    # The proxy calls a failed recording no more (Proxy._safe): no end would ever come to take it out.
+    d = Daemon(load_config(None, env={}), rig=None)
+    d.inflight = InFlight(0)
+    d.ledger, d.tags = _Ledger(fail_on_tokens=True), TagLimiter()
+    a = _trace(1, 1 * S)
+    d.on_start(a)
+    with pytest.raises(RuntimeError):
+        d.on_tokens(a, 2 * S, 1)
+    assert d.inflight.state(3 * S).in_flight == 0
+
+
+def _scrape(url: str) -> dict:
+    text = urllib.request.urlopen(url, timeout=10).read().decode()
+    return {s.name: s.value for f in text_string_to_metric_families(text) for s in f.samples}
+
+
+@pytest.mark.slow
+def test_the_live_daemon_reports_a_stream_in_flight_and_its_exact_mean(tmp_path):
+    d = DaemonProc(tmp_path / "data", "--simulate", env=sim_env(tmp_path))
+    try:
+        url = d.info["metrics"] + "/metrics"
+        idle = _scrape(url)
+        assert idle["powerprof_requests_in_flight"] == 0
+        stream = open_long_stream(d.info["proxy"])  # flowing: its first token is already out
+        try:
+            deadline = time.monotonic() + 10
+            while (a := _scrape(url))["powerprof_requests_in_flight"] != 1 and time.monotonic() < deadline:
+                time.sleep(0.1)
+            assert a["powerprof_requests_in_flight"] == 1 and a["powerprof_requests_awaiting_first_token"] == 0
+            time.sleep(1.5)
+            b = _scrape(url)
+        finally:
+            stream.close()
+        clock = b["powerprof_requests_queue_clock_seconds_total"] - a["powerprof_requests_queue_clock_seconds_total"]
+        assert clock > 1.0
+        # One request in flight the whole time, none awaiting: the scrape-to-scrape mean is exactly 1 and 0.
+        mean = (b["powerprof_requests_in_flight_seconds_total"] - a["powerprof_requests_in_flight_seconds_total"]) / clock
+        assert mean == pytest.approx(1.0, abs=1e-6)
+        assert b["powerprof_requests_awaiting_first_token_seconds_total"] == \
+            a["powerprof_requests_awaiting_first_token_seconds_total"]
+        deadline = time.monotonic() + 10
+        while (c := _scrape(url))["powerprof_requests_in_flight"] != 0 and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert c["powerprof_requests_in_flight"] == 0
+    finally:
+        d.stop()
