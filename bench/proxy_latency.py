@@ -30,7 +30,9 @@ tree's (`after`), both measured in the same rounds.
 
 `--bare`: a bare TCP relay (bench/proxy_floor.py's: uvloop protocols, each read written on, no
 HTTP, no counting) in its own process is measured as one more path in the same rounds: what any
-forwarder in a separate process adds on this machine, whatever it does per byte.
+forwarder in a separate process adds on this machine, whatever it does per byte. `--proxy-alone`:
+`Proxy` with a null recorder in its own process (`alone`; no ledger, sampler or flushes), so
+what the daemon around the proxy adds shows apart.
 
 `--workers 1,2`: one daemon per value (`proxy.workers`: 1 = the proxy in the daemon, N > 1 = N
 proxy processes on SO_REUSEPORT whose records the daemon replays), all started at once; each
@@ -222,6 +224,9 @@ def main() -> None:
     ap.add_argument("--bare", action="store_true",
                     help="also a bare TCP relay (bench/proxy_floor.py's: no HTTP, no counting) as one more path: "
                          "the floor for any forwarder in its own process on this machine")
+    ap.add_argument("--proxy-alone", action="store_true",
+                    help="also `Proxy` with a null recorder in its own process (bench/proxy_floor.py's 'proxy'): "
+                         "the proxy without the daemon around it")
     a = ap.parse_args()
     workers = [int(x) for x in a.workers.split(",") if x]
     arrivals = [x for x in a.arrivals.split(",") if x]
@@ -259,15 +264,17 @@ def main() -> None:
                     cwd=pythonpath if tree else None)  # `-m` puts the working directory first on sys.path
                 infos[name] = data
         proxies = {name: wait_for_daemon_info(data)["proxy"] for name, data in infos.items()}
-        if a.bare:
-            bare_file = tmp / "bare-port"
-            daemons["bare"] = subprocess.Popen([sys.executable, str(Path(__file__).with_name("proxy_floor.py")), "--relay",
-                                                port_file.read_text(), str(bare_file), "bare"])
+        for name, kind, wanted in (("bare", "bare", a.bare), ("alone", "proxy", a.proxy_alone)):
+            if not wanted:
+                continue
+            relay_file = tmp / f"{name}-port"
+            daemons[name] = subprocess.Popen([sys.executable, str(Path(__file__).with_name("proxy_floor.py")), "--relay",
+                                              port_file.read_text(), str(relay_file), kind])
             for _ in range(600):
-                if bare_file.exists() and bare_file.read_text():
+                if relay_file.exists() and relay_file.read_text():
                     break
                 time.sleep(0.05)
-            proxies["bare"] = f"http://127.0.0.1:{bare_file.read_text()}"
+            proxies[name] = f"http://127.0.0.1:{relay_file.read_text()}"
         asyncio.run(load(direct, 4, 2))
         for url in proxies.values():
             asyncio.run(load(url, 4, 2))  # warm every path
