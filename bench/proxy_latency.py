@@ -1,7 +1,8 @@
 """Proxy cost: latency added per request, throughput, and the proxy's own CPU per token and request.
 
     .venv/bin/python bench/proxy_latency.py [--streams 1,64,256] [--pace 256x25] [--requests-per-stream 8]
-                                            [--workers 1,2]
+                                            [--workers 1,2] [--arrivals herd,staggered,batched] [--rounds 2]
+                                            [--baseline /work/main] [--bare] [--proxy-alone]
 
 An upstream process serves deterministic SSE streams (32 tokens per response); the real daemon
 (`powerprof daemon --simulate --upstream URL`, recording and attribution on) runs in another
