@@ -24,7 +24,6 @@ from typing import Protocol
 
 import aiohttp
 from aiohttp import web
-from multidict import CIMultiDict
 
 from . import streams
 from .forward import Exchange, UpstreamError, UpstreamPool
@@ -97,12 +96,9 @@ class NullRecorder:
         pass
 
 
-def forward_headers(headers, drop=frozenset()) -> CIMultiDict:
-    """Headers minus hop-by-hop ones (and those the Connection header names); `drop`: more names, lower case."""
-    return CIMultiDict(_kept_headers(headers, drop))
-
-
-def _kept_headers(headers, drop=frozenset()) -> list[tuple[str, str]]:
+def forward_headers(headers, drop=frozenset()) -> list[tuple[str, str]]:
+    """Headers minus hop-by-hop ones (and those the Connection header names), as (name, value) pairs;
+    `drop`: more names, lower case."""
     skip = HOP_BY_HOP | drop if drop else HOP_BY_HOP
     if "Connection" in headers:
         skip = skip | {h.strip().lower() for v in headers.getall("Connection") for h in v.split(",")}
@@ -253,7 +249,7 @@ class Proxy:
 
     async def _forward(self, request: web.Request, trace: RequestTrace | None) -> web.StreamResponse:
         assert self.pool is not None
-        headers = _kept_headers(request.headers, _REQUEST_DROP)
+        headers = forward_headers(request.headers, _REQUEST_DROP)
         length = request.content_length
         body: bytes | None = None
         streamed = False
@@ -326,7 +322,7 @@ class Proxy:
     async def _relay(self, request: web.Request, ex: Exchange, status: int, reason: str, up_headers,
                      trace: RequestTrace | None) -> web.StreamResponse:
         resp = _RelayResponse(status=status, reason=reason)
-        resp.headers.extend(_kept_headers(up_headers))
+        resp.headers.extend(forward_headers(up_headers))
         if up_headers.get("Content-Length") is not None and request.method != "HEAD":
             resp.content_length = int(up_headers["Content-Length"])
         ctype = up_headers.get("Content-Type", "")
