@@ -144,3 +144,44 @@ def test_the_live_daemon_reports_a_stream_in_flight_and_its_exact_mean(tmp_path)
         assert c["powerprof_requests_in_flight"] == 0
     finally:
         d.stop()
+
+
+def test_a_request_whose_parser_broke_still_leaves_the_count(monkeypatch):
+    # The proxy's own recording failure (a stream parser that raised) gets no on_end either (Proxy._safe), but
+    # the request ends: the gauge must not keep it in flight for ever (nor the tuner see a queue that is not there).
+    import asyncio
+
+    import aiohttp
+
+    from powerprof.daemon import streams
+    from powerprof.daemon.proxy import Proxy
+    from test_daemon_proxy import Upstream, _run, _serve
+
+    class Broken:
+        prompt_tokens = None
+
+        def count(self, piece):
+            raise ValueError("parser bug")
+
+    monkeypatch.setattr(streams, "new_parser", lambda api: Broken())
+    d = Daemon(load_config(None, env={}), rig=None)
+    d.inflight = InFlight(time.monotonic_ns())
+    d.ledger, d.tags = _Ledger(), TagLimiter()
+
+    async def main():
+        r1, up_url = await _serve(Upstream().app())
+        proxy = Proxy(up_url, recorder=d)
+        r2, px_url = await _serve(proxy.app())
+        async with aiohttp.ClientSession() as s:
+            for _ in range(3):
+                async with s.post(px_url + "/completion", json={"n_predict": 5, "stream": True}) as r:
+                    assert r.status == 200 and b"tokens_predicted" in await r.read()
+        await asyncio.sleep(0)
+        await r2.cleanup()
+        await r1.cleanup()
+        return proxy
+
+    proxy = _run(main())
+    assert proxy.recorder_failures == 3 and proxy.active == 0
+    q = d.inflight.state(time.monotonic_ns())
+    assert (q.in_flight, q.awaiting_first) == (0, 0)

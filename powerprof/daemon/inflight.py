@@ -7,7 +7,8 @@ the clock they span, so the difference of two scrapes gives the exact mean over 
 interval (Little's law: mean in flight = arrival rate × mean time in the server), not a point
 sample. Event times are the trace's own monotonic stamps, held to never run back before the
 last integration point (a proxy worker's records arrive a few milliseconds late): the counters
-never go backwards.
+never go backwards. A request whose recording broke gets no end call (`Proxy._safe`, the workers'
+replay) but its trace still gets its `end_ns`: each reading ends those first, at that stamp.
 """
 
 from __future__ import annotations
@@ -32,7 +33,7 @@ class InFlight:
     def __init__(self, t0_ns: int):
         self._t_ns = t0_ns  # the last integration point
         self._t0_ns = t0_ns
-        self._open: set = set()
+        self._open: dict = {}  # request id → its trace (or None): one whose end_ns is set has ended
         self._waiting: set = set()
         self._area_ns = 0  # request·ns, in flight
         self._wait_area_ns = 0
@@ -44,11 +45,11 @@ class InFlight:
             self._wait_area_ns += len(self._waiting) * dt
             self._t_ns = t_ns
 
-    def start(self, rid, t_ns: int) -> None:
+    def start(self, rid, t_ns: int, trace=None) -> None:
         if rid in self._open:
             return
         self._advance(t_ns)
-        self._open.add(rid)
+        self._open[rid] = trace
         self._waiting.add(rid)
 
     def first(self, rid, t_ns: int) -> None:
@@ -59,10 +60,13 @@ class InFlight:
     def end(self, rid, t_ns: int) -> None:
         if rid in self._open:
             self._advance(t_ns)
-            self._open.discard(rid)
+            del self._open[rid]
             self._waiting.discard(rid)
 
     def state(self, now_ns: int) -> InFlightState:
+        ended = sorted((tr.end_ns, rid) for rid, tr in self._open.items() if tr is not None and tr.end_ns is not None)
+        for end_ns, rid in ended:  # ended without an end call (its recording broke)
+            self.end(rid, end_ns)
         self._advance(now_ns)
         return InFlightState(len(self._open), len(self._waiting), self._area_ns / 1e9, self._wait_area_ns / 1e9,
                              (self._t_ns - self._t0_ns) / 1e9)

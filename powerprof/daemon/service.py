@@ -178,7 +178,7 @@ class Daemon:
     # --- recorder: the ledger plus the metric counters -----------------------------------------
 
     def on_start(self, trace: RequestTrace) -> None:
-        self.inflight.start(trace.request_id, trace.arrival_ns)
+        self.inflight.start(trace.request_id, trace.arrival_ns, trace)
         try:
             self.ledger.on_start(trace)
             self._request_edge("request-arrival")
