@@ -185,3 +185,17 @@ def test_a_request_whose_parser_broke_still_leaves_the_count(monkeypatch):
     assert proxy.recorder_failures == 3 and proxy.active == 0
     q = d.inflight.state(time.monotonic_ns())
     assert (q.in_flight, q.awaiting_first) == (0, 0)
+
+
+def test_a_trace_that_ended_without_an_end_call_leaves_at_the_next_reading():
+    q = InFlight(0)
+    a, b = _trace(1, 1 * S), _trace(2, 2 * S)
+    q.start(1, a.arrival_ns, a)
+    q.start(2, b.arrival_ns, b)
+    a.end_ns = 3 * S  # its recording broke: the proxy ended it but called no one
+    s = q.state(5 * S)
+    assert (s.in_flight, s.awaiting_first) == (1, 1)
+    assert s.in_flight_s == pytest.approx(2 + 3)  # a 1→3 exactly, b 2→5
+    assert q.state(6 * S).in_flight_s == pytest.approx(2 + 4)
+    q.end(1, 7 * S)  # a late end call changes nothing
+    assert q.state(8 * S).in_flight == 1

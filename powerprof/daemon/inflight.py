@@ -8,7 +8,8 @@ interval (Little's law: mean in flight = arrival rate × mean time in the server
 sample. Event times are the trace's own monotonic stamps, held to never run back before the
 last integration point (a proxy worker's records arrive a few milliseconds late): the counters
 never go backwards. A request whose recording broke gets no end call (`Proxy._safe`, the workers'
-replay) but its trace still gets its `end_ns`: each reading ends those first, at that stamp.
+replay) but its trace still gets its `end_ns`: each reading ends those first, at that stamp (held,
+like any event, to the last integration point: such a request may count a little past its end).
 """
 
 from __future__ import annotations
