@@ -281,3 +281,30 @@ def test_the_response_head_and_the_first_body_bytes_leave_in_one_write():
     writes = _run(go())
     assert len(writes) == 1, writes
     assert writes[0].startswith(b"HTTP/1.1 200 OK\r\n") and writes[0].endswith(b"\r\n\r\na\r\ndata: {}\n\n\r\n")
+
+
+def test_a_client_leaving_mid_body_is_a_client_disconnect_not_an_upstream_failure():
+    """A client that leaves while sending its body (small: read whole; large: streamed) is recorded as gone,
+    and not counted as an upstream failure (which the tuner reads as the inference server failing)."""
+
+    async def main():
+        rec = Rec()
+        up, up_url, r1, proxy, px_url, r2 = await _setup(rec)
+        port = int(px_url.rsplit(":", 1)[1])
+        for length in (100, 2_000_000):  # under and over the inspected size
+            _r, w = await asyncio.open_connection("127.0.0.1", port)
+            w.write(b"POST /echo/x HTTP/1.1\r\nHost: x\r\nContent-Length: %d\r\n\r\n0123456789" % length)
+            await w.drain()
+            await asyncio.sleep(0.2)  # the proxy is waiting for the rest
+            w.close()
+            for _ in range(250):
+                if len(rec.ended) == (1 if length == 100 else 2):
+                    break
+                await asyncio.sleep(0.02)
+        await r2.cleanup()
+        await r1.cleanup()
+        return proxy, rec
+
+    proxy, rec = _run(main())
+    assert [t.outcome for t in rec.ended] == ["client_disconnected", "client_disconnected"]
+    assert proxy.upstream_failures == 0

@@ -261,6 +261,8 @@ class Proxy:
                     body = await asyncio.wait_for(request.read(), self.body_timeout_s)
             except asyncio.TimeoutError:
                 return self._body_timeout(trace)
+            except OSError:  # the client left mid-body (aiohttp: ConnectionResetError)
+                return self._client_left(trace)
             headers.append(("Content-Length", str(len(body))))
             if trace is not None and trace.api is not None:
                 try:
@@ -287,6 +289,9 @@ class Proxy:
                 except asyncio.TimeoutError:
                     self._drop(ex)
                     return self._body_timeout(trace)
+                except OSError:  # from the client's side: write_body raises UpstreamError only
+                    self._drop(ex)
+                    return self._client_left(trace)
                 await ex.write_body(b"0\r\n\r\n")
             status, reason, up_headers = await ex.response_head
         except (UpstreamError, asyncio.TimeoutError, OSError) as e:
@@ -318,6 +323,12 @@ class Proxy:
             trace.status, trace.outcome, trace.error = 408, "client_timeout", "request body too slow"
         return web.Response(status=408, text=f"powerprof proxy: request body not received within "
                                              f"{self.body_timeout_s:g} s\n")
+
+    def _client_left(self, trace: RequestTrace | None) -> web.Response:
+        """The client left while sending its request body: not the upstream's failure."""
+        if trace is not None:
+            trace.outcome, trace.error = "client_disconnected", "the client left while sending its request body"
+        return web.Response(status=400)  # nobody reads it
 
     async def _relay(self, request: web.Request, ex: Exchange, status: int, reason: str, up_headers,
                      trace: RequestTrace | None) -> web.StreamResponse:
