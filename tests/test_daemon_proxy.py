@@ -308,3 +308,46 @@ def test_a_client_leaving_mid_body_is_a_client_disconnect_not_an_upstream_failur
     proxy, rec = _run(main())
     assert [t.outcome for t in rec.ended] == ["client_disconnected", "client_disconnected"]
     assert proxy.upstream_failures == 0
+
+
+def test_a_client_leaving_before_the_response_head_closes_the_upstream():
+    """A non-streamed generation sends its head only when done: a client that leaves while it runs must close
+    the upstream within about a second (the server stops generating), not when the answer comes."""
+
+    async def main():
+        cut = asyncio.Event()
+
+        async def slow(request):
+            await request.read()
+            try:
+                await asyncio.sleep(10)  # generating; the head comes with the answer
+            except asyncio.CancelledError:
+                cut.set()
+                raise
+            return web.json_response({"content": "x", "tokens_predicted": 1})
+
+        app = web.Application(handler_args={"handler_cancellation": True})
+        app.router.add_post("/completion", slow)
+        r1, up_url = await _serve(app)
+        rec = Rec()
+        proxy = Proxy(up_url, recorder=rec)
+        r2, px_url = await _serve(proxy.app())
+        port = int(px_url.rsplit(":", 1)[1])
+        _r, w = await asyncio.open_connection("127.0.0.1", port)
+        w.write(b'POST /completion HTTP/1.1\r\nHost: x\r\nContent-Length: 2\r\n\r\n{}')
+        await asyncio.sleep(0.3)
+        w.close()
+        t0 = asyncio.get_running_loop().time()
+        await asyncio.wait_for(cut.wait(), 5)  # 10 s without the check
+        waited = asyncio.get_running_loop().time() - t0
+        for _ in range(100):
+            if rec.ended:
+                break
+            await asyncio.sleep(0.02)
+        await r2.cleanup()
+        await r1.cleanup()
+        return proxy, rec, waited
+
+    proxy, rec, waited = _run(main())
+    assert waited < 5
+    assert [t.outcome for t in rec.ended] == ["client_disconnected"] and proxy.upstream_failures == 0

@@ -367,15 +367,19 @@ class Exchange(asyncio.Protocol):
         if self.transport is not None and not self.transport.is_closing():
             self.transport.resume_reading()
 
-    def abort(self) -> None:
-        """Close the connection now: the server sees the client's disconnect and stops generating."""
+    def abort(self, exc: BaseException | None = None) -> None:
+        """Close the connection now: the server sees the client's disconnect and stops generating. A response
+        head still awaited gets `exc` (cancelled without one)."""
         self.reusable = False
         self._stop_timer()
         self.on_body = None
         if self.transport is not None:
             self.transport.close()
         if self.response_head is not None and not self.response_head.done():
-            self.response_head.cancel()
+            if exc is None:
+                self.response_head.cancel()
+            else:
+                self.response_head.set_exception(exc)
         if self.done is not None and not self.done.done():
             self.done.set_result(None)  # the caller knows why it aborted
 

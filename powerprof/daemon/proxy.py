@@ -282,6 +282,9 @@ class Proxy:
             if body:
                 head += body  # one write for head and a small body
             ex.start(request.method, head)
+            # Until the head comes (a server sends a non-streamed answer's head only when done), the upstream's
+            # timer also checks the client: one that left closes the upstream, which stops generating.
+            ex.on_tick = lambda: _check_waiting_client(request, ex)
             if streamed:
                 try:
                     async for chunk in _body_chunks(request.content, self.body_timeout_s):
@@ -294,6 +297,9 @@ class Proxy:
                     return self._client_left(trace)
                 await ex.write_body(b"0\r\n\r\n")
             status, reason, up_headers = await ex.response_head
+        except _ClientLeft as e:
+            self._drop(ex)
+            return self._client_left(trace, str(e))
         except (UpstreamError, asyncio.TimeoutError, OSError) as e:
             if ex is not None:
                 self._drop(ex)
@@ -324,10 +330,11 @@ class Proxy:
         return web.Response(status=408, text=f"powerprof proxy: request body not received within "
                                              f"{self.body_timeout_s:g} s\n")
 
-    def _client_left(self, trace: RequestTrace | None) -> web.Response:
-        """The client left while sending its request body: not the upstream's failure."""
+    def _client_left(self, trace: RequestTrace | None, why: str = "the client left while sending its request body"
+                     ) -> web.Response:
+        """The client left before its response began: not the upstream's failure."""
         if trace is not None:
-            trace.outcome, trace.error = "client_disconnected", "the client left while sending its request body"
+            trace.outcome, trace.error = "client_disconnected", why
         return web.Response(status=400)  # nobody reads it
 
     async def _relay(self, request: web.Request, ex: Exchange, status: int, reason: str, up_headers,
@@ -432,6 +439,16 @@ class Proxy:
         trace.last_ns, trace.last_wall_ns = now, wall
         trace.tokens_seen = n
         trace.extra["spread"] = True  # the recorder spreads the n tokens over [first, last]
+
+
+class _ClientLeft(Exception):
+    """The client left while its response head was awaited."""
+
+
+def _check_waiting_client(request: web.Request, ex: Exchange) -> None:
+    transport = request.transport
+    if transport is None or transport.is_closing():
+        ex.abort(_ClientLeft("the client left before the response began"))
 
 
 class _RelayResponse(web.StreamResponse):
