@@ -342,3 +342,34 @@ def test_a_request_body_that_goes_silent_gets_408_small_or_streamed():
     small, big, rec = _run(main())
     assert small.startswith(b"HTTP/1.1 408") and big.startswith(b"HTTP/1.1 408"), (small, big)
     assert [t.outcome for t in rec.ended] == ["client_timeout", "client_timeout"]
+
+
+def test_response_header_bytes_pass_unchanged_and_a_head_the_client_cannot_get_is_a_502():
+    # A UTF-8 header value (a file name, say) reaches the client as the upstream sent it, not re-encoded; a
+    # control character in a value (which aiohttp refuses to send: the client got a 500 recorded as a 200 ok)
+    # fails the exchange like any bad header line.
+    responses = {
+        "/utf8": [b'HTTP/1.1 200 OK\r\nContent-Disposition: attachment; filename="caf\xc3\xa9.txt"\r\n'
+                  b"Content-Length: 2\r\n\r\nok"],
+        "/ctl": [b"HTTP/1.1 200 OK\r\nX-A: a\nb\r\nContent-Length: 2\r\n\r\nok"],
+    }
+
+    async def main():
+        up = RawUpstream(responses)
+        up_url = await up.start()
+        rec, proxy, runner, url = await _proxy(up_url)
+        port = int(url.rsplit(":", 1)[1])
+        heads = []
+        for path in ("/utf8", "/ctl"):
+            r, w = await asyncio.open_connection("127.0.0.1", port)
+            w.write(b"GET %s HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n" % path.encode())
+            heads.append(await r.read())
+            w.close()
+        await runner.cleanup()
+        up.server.close()
+        return heads, rec
+
+    (utf8, ctl), rec = _run(main())
+    assert b'filename="caf\xc3\xa9.txt"\r\n' in utf8 and utf8.endswith(b"\r\n\r\nok")
+    assert ctl.startswith(b"HTTP/1.1 502 ")
+    assert [(t.status, t.outcome) for t in rec.ended] == [(200, "ok"), (502, "upstream_unreachable")]

@@ -19,6 +19,7 @@ the upstream is silent.
 from __future__ import annotations
 
 import asyncio
+import re
 import ssl
 import time
 from collections import deque
@@ -54,6 +55,16 @@ class UpstreamError(Exception):
 
 
 _WS = " \t\n\r\x0b\x0c"  # what bytes.strip() strips (str.strip() would also take \x85 and \xa0)
+# Control characters in a head, CRLF line ends aside: aiohttp refuses to send them to the client.
+_CTL = re.compile(r"[\x00-\x08\x0b\x0c\x0e-\x1f\x7f]|\r(?!\n)|(?<!\r)\n")
+
+
+def _text(b: bytes) -> str:
+    """Head bytes as text that aiohttp's UTF-8 writer gives back unchanged (latin-1 where not UTF-8)."""
+    try:
+        return b.decode("utf-8")
+    except UnicodeDecodeError:
+        return b.decode("latin-1")
 
 
 def _parse_head(head: bytes) -> tuple[str, int, str, CIMultiDict]:
@@ -63,14 +74,19 @@ def _parse_head(head: bytes) -> tuple[str, int, str, CIMultiDict]:
         raise UpstreamError(f"bad status line from upstream: {lines[0][:80]!r}")
     pairs = []
     if len(lines) > 1:
-        for line in lines[1].decode("latin-1").split("\r\n"):  # one decode for the whole head
+        text = _text(lines[1])  # one decode for the whole head
+        if _CTL.search(text):
+            raise UpstreamError(f"control character in a header from upstream: {_CTL.search(text).group()!r}")
+        for line in text.split("\r\n"):
             if not line:
                 continue
             name, sep, value = line.partition(":")
             if not sep or not name or name != name.strip(_WS):
-                raise UpstreamError(f"bad header line from upstream: {line[:80].encode('latin-1')!r}")
+                raise UpstreamError(f"bad header line from upstream: {line[:80]!r}")
             pairs.append((name, value.strip(_WS)))
-    reason = parts[2].decode("latin-1") if len(parts) > 2 else ""
+    reason = _text(parts[2]) if len(parts) > 2 else ""
+    if _CTL.search(reason):
+        raise UpstreamError(f"control character in the status line from upstream: {lines[0][:80]!r}")
     return parts[0].decode("ascii"), int(parts[1]), reason, CIMultiDict(pairs)
 
 
