@@ -351,3 +351,29 @@ def test_a_client_leaving_before_the_response_head_closes_the_upstream():
     proxy, rec, waited = _run(main())
     assert waited < 5
     assert [t.outcome for t in rec.ended] == ["client_disconnected"] and proxy.upstream_failures == 0
+
+
+def test_every_recording_failure_is_counted(monkeypatch):
+    """powerprof_proxy_recorder_failures_total counts each request whose record is marked broken, whichever
+    step broke: the parser's start, its count, or the summary."""
+    from powerprof.daemon import proxy as proxy_mod
+
+    def broken(*_a):
+        raise ValueError("broken")
+
+    async def one(step):
+        with monkeypatch.context() as m:
+            m.setattr(proxy_mod.streams, step, broken)
+            rec = Rec()
+            up, up_url, r1, proxy, px_url, r2 = await _setup(rec)
+            async with aiohttp.ClientSession() as s:
+                async with s.post(px_url + "/completion", json={"n_predict": 5, "stream": True}) as r:
+                    assert b"tokens_predicted" in await r.read()
+            await r2.cleanup()
+            await r1.cleanup()
+            return proxy.recorder_failures, rec.ended
+
+    for step in ("new_parser", "summary_counts"):
+        failures, ended = _run(one(step))
+        assert failures == 1, step
+        assert ended == []  # as Proxy._safe: a broken record gets no on_end

@@ -358,6 +358,7 @@ class Proxy:
                         trace.stream = False if trace.stream is None else trace.stream
                 except Exception as e:
                     trace.recorder_error = f"parser: {e}"
+                    self.recorder_failures += 1
         try:
             writer = await resp.prepare(request)
             early = ex.take_early()
@@ -405,6 +406,7 @@ class Proxy:
                     self._body_done(trace, bytes(sink.body_copy))
             except Exception as e:
                 trace.recorder_error = f"summary: {type(e).__name__}: {e}"[:300]
+                self.recorder_failures += 1
         return resp
 
     def _counts_so_far(self, trace: RequestTrace, sink: "_ClientSink", ex: Exchange) -> None:
@@ -417,6 +419,7 @@ class Proxy:
             trace.counts = streams.summary_counts(sink.parser.finish())
         except Exception as e:
             trace.recorder_error = f"summary: {type(e).__name__}: {e}"[:300]
+            self.recorder_failures += 1
             return
         done = ex.done  # also set when the proxy aborts the upstream for a client gone (sink.gone)
         if not self.closing and not sink.gone and trace.counts.complete and done is not None and done.done() \
@@ -537,6 +540,7 @@ class _ClientSink:
                 self.proxy._recording_failed(trace, e)
         except Exception as e:  # accounting never stops the bytes
             trace.recorder_error = f"proxy: {type(e).__name__}: {e}"[:300]
+            self.proxy.recorder_failures += 1
 
     async def _drain(self) -> None:
         try:
