@@ -282,9 +282,6 @@ class Proxy:
             if body:
                 head += body  # one write for head and a small body
             ex.start(request.method, head)
-            # Until the head comes (a server sends a non-streamed answer's head only when done), the upstream's
-            # timer also checks the client: one that left closes the upstream, which stops generating.
-            ex.on_tick = lambda: _check_waiting_client(request, ex)
             if streamed:
                 try:
                     async for chunk in _body_chunks(request.content, self.body_timeout_s):
@@ -296,6 +293,10 @@ class Proxy:
                     self._drop(ex)
                     return self._client_left(trace)
                 await ex.write_body(b"0\r\n\r\n")
+            # Until the head comes (a server sends a non-streamed answer's head only when done), the upstream's
+            # timer also checks the client: one that left closes the upstream, which stops generating. (While
+            # a body is streamed, a client gone shows in reading it.)
+            ex.on_tick = lambda: _check_waiting_client(request, ex)
             status, reason, up_headers = await ex.response_head
         except _ClientLeft as e:
             self._drop(ex)
