@@ -14,6 +14,7 @@ from powerprof.daemon.inflight import InFlight
 from powerprof.daemon.metrics import Snapshot, TagLimiter, make_registry, render
 from powerprof.daemon.proxy import RequestTrace
 from powerprof.daemon.service import Daemon
+from powerprof.daemon.streams import api_for_path
 
 S = 1_000_000_000
 
@@ -49,9 +50,9 @@ def test_an_event_stamped_before_the_last_reading_never_takes_the_counters_back(
     assert after.in_flight_s == pytest.approx(3) and after.in_flight == 0
 
 
-def _trace(rid, t_ns):
-    return RequestTrace(request_id=rid, method="POST", endpoint="/completion", tag=None, arrival_ns=t_ns,
-                        arrival_wall_ns=t_ns)
+def _trace(rid, t_ns, endpoint="/completion"):
+    return RequestTrace(request_id=rid, method="POST", endpoint=endpoint, tag=None, arrival_ns=t_ns,
+                        arrival_wall_ns=t_ns, api=api_for_path(endpoint))
 
 
 class _Ledger:
@@ -95,6 +96,24 @@ def test_the_daemon_recorder_counts_requests_and_exposes_them_on_metrics():
     d.on_end(a)
     m = _families(d, 6 * S)
     assert m["powerprof_requests_in_flight"] == 1 and m["powerprof_requests_awaiting_first_token"] == 1
+
+
+def test_requests_that_generate_nothing_are_not_counted_in_the_queue():
+    # A health check or a model list held open (or polled) never gets a first token: counted, it would
+    # read as a request stuck in the server's queue.
+    d = Daemon(load_config(None, env={}), rig=None)
+    d.inflight = InFlight(0)
+    d.ledger, d.tags = _Ledger(), TagLimiter()
+    gen, health, models = _trace(1, 1 * S), _trace(2, 1 * S, "/health"), _trace(3, 1 * S, "/v1/models")
+    for t in (gen, health, models):
+        d.on_start(t)
+    m = _families(d, 3 * S)
+    assert m["powerprof_requests_in_flight"] == 1 and m["powerprof_requests_awaiting_first_token"] == 1
+    assert m["powerprof_requests_in_flight_seconds_total"] == pytest.approx(2)
+    for t in (health, models, gen):
+        t.end_ns = 4 * S
+        d.on_end(t)
+    assert d.inflight.state(5 * S).in_flight == 0
 
 
 def test_a_request_whose_recording_failed_leaves_the_count():

@@ -201,8 +201,8 @@ class SnapshotCollector:
         yield GaugeMetricFamily("powerprof_proxy_active_requests", "Requests in flight", value=s.proxy_active)
         if s.inflight is not None:
             q = s.inflight
-            yield GaugeMetricFamily("powerprof_requests_in_flight", "Proxied requests started and not ended "
-                                    "(as recorded)", value=q.in_flight)
+            yield GaugeMetricFamily("powerprof_requests_in_flight", "Proxied generation requests started and "
+                                    "not ended (as recorded)", value=q.in_flight)
             yield GaugeMetricFamily("powerprof_requests_awaiting_first_token", "Proxied requests in flight with no "
                                     "token seen yet (queued, in prefill, or a non-streamed answer)", value=q.awaiting_first)
             yield CounterMetricFamily("powerprof_requests_in_flight_seconds", "Time integral of "

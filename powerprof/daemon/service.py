@@ -178,7 +178,10 @@ class Daemon:
     # --- recorder: the ledger plus the metric counters -----------------------------------------
 
     def on_start(self, trace: RequestTrace) -> None:
-        self.inflight.start(trace.request_id, trace.arrival_ns, trace)
+        # Only generation requests are the queue's: a health check or a model list never gets a first
+        # token, and a poller would read as requests stuck awaiting one.
+        if trace.api is not None:
+            self.inflight.start(trace.request_id, trace.arrival_ns, trace)
         try:
             self.ledger.on_start(trace)
             self._request_edge("request-arrival")
