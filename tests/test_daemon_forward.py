@@ -373,3 +373,37 @@ def test_response_header_bytes_pass_unchanged_and_a_head_the_client_cannot_get_i
     assert b'filename="caf\xc3\xa9.txt"\r\n' in utf8 and utf8.endswith(b"\r\n\r\nok")
     assert ctl.startswith(b"HTTP/1.1 502 ")
     assert [(t.status, t.outcome) for t in rec.ended] == [(200, "ok"), (502, "upstream_unreachable")]
+
+
+def test_a_response_with_both_framings_reaches_the_client_as_chunked_and_the_next_one_in_step():
+    # Transfer-Encoding and Content-Length together (RFC 9112 §6.3): the body is the chunked one; the
+    # Content-Length passed on would have framed it with the wrong length (the client reads 5 bytes, then
+    # takes the rest for the next response's head). That upstream connection is not reused.
+    body = b"hello world, all of it"
+    responses = {
+        "/both": [b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\nContent-Length: 5\r\n\r\n"
+                  b"%x\r\n%b\r\n0\r\n\r\n" % (len(body), body)],
+        "/plain": [b"HTTP/1.1 200 OK\r\nContent-Length: 4\r\n\r\nnext"],
+    }
+
+    async def main():
+        up = RawUpstream(responses)
+        up_url = await up.start()
+        rec, proxy, runner, url = await _proxy(up_url)
+        port = int(url.rsplit(":", 1)[1])
+        r, w = await asyncio.open_connection("127.0.0.1", port)  # one keep-alive client connection, two requests
+        w.write(b"GET /both HTTP/1.1\r\nHost: x\r\n\r\nGET /plain HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n")
+        raw = await asyncio.wait_for(r.read(), 10)
+        w.close()
+        await runner.cleanup()
+        up.server.close()
+        return raw, rec, up
+
+    raw, rec, up = _run(main())
+    assert up.connections == 2  # the second request went on a new upstream connection
+    first, _, rest = raw.partition(b"\r\n\r\n")
+    assert b"content-length" not in first.lower() and b"transfer-encoding: chunked" in first.lower(), raw
+    assert rest.startswith(b"%x\r\n%b\r\n0\r\n\r\n" % (len(body), body)), raw
+    second = rest.split(b"0\r\n\r\n", 1)[1]
+    assert second.startswith(b"HTTP/1.1 200 ") and second.endswith(b"\r\n\r\nnext"), raw
+    assert [t.outcome for t in rec.ended] == ["ok", "ok"]

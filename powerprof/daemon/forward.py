@@ -281,6 +281,10 @@ class Exchange(asyncio.Protocol):
                 self._mode, self.reusable = "close", False
             else:
                 self._mode, self._left = "chunked", -1
+            if "Content-Length" in headers:
+                # Both framings (RFC 9112 §6.1): Transfer-Encoding wins, and the connection is not reused,
+                # as such a response may be an attempt at response splitting.
+                self.reusable = False
         elif "Content-Length" in headers:
             values = set(headers.getall("Content-Length"))
             value = values.pop()

@@ -106,6 +106,7 @@ def forward_headers(headers, drop=frozenset()) -> list[tuple[str, str]]:
 
 
 _REQUEST_DROP = frozenset(("host", "content-length"))
+_CONTENT_LENGTH = frozenset(("content-length",))
 
 
 @web.middleware
@@ -341,8 +342,13 @@ class Proxy:
     async def _relay(self, request: web.Request, ex: Exchange, status: int, reason: str, up_headers,
                      trace: RequestTrace | None) -> web.StreamResponse:
         resp = _RelayResponse(status=status, reason=reason)
-        resp.headers.extend(forward_headers(up_headers))
-        if up_headers.get("Content-Length") is not None and request.method != "HEAD":
+        # RFC 9112 §6.3: Transfer-Encoding overrides Content-Length (the body is decoded as chunked), and an
+        # intermediary removes the Content-Length before forwarding: passed on, it would frame the client's
+        # body with a length the body does not have, and a keep-alive client would read the next response
+        # out of step.
+        by_te = "Transfer-Encoding" in up_headers
+        resp.headers.extend(forward_headers(up_headers, _CONTENT_LENGTH if by_te else frozenset()))
+        if not by_te and up_headers.get("Content-Length") is not None and request.method != "HEAD":
             resp.content_length = int(up_headers["Content-Length"])
         ctype = up_headers.get("Content-Type", "")
         sink = _ClientSink(self, trace)
