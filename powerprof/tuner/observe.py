@@ -120,7 +120,8 @@ def parse_counters(text: str, t_s: float) -> DaemonCounters:
 
     def need(name):
         if name not in fam:
-            raise ObserveError(f"the daemon's metrics lack {name} (a daemon older than the tuner?)")
+            raise ObserveError(f"the daemon's metrics lack {name} (the daemon has not taken its first sample "
+                               "yet, or is older than the tuner)")
         return fam[name].samples
 
     def num(v) -> float:
