@@ -115,6 +115,27 @@ def test_bad_framing_fails_the_exchange_instead_of_guessing():
         _run(one(b"HTTP/1.1 200 OK\r\nContent-Length: +2\r\n\r\nab"))
 
 
+def test_a_response_head_over_64_kib_is_refused_however_it_arrives():
+    # The bound held only while the head was incomplete: a big head whose end came in the same read passed.
+    big = b"HTTP/1.1 200 OK\r\n" + b"X-Pad: %b\r\n" % (b"a" * 70_000) + b"Content-Length: 2\r\n\r\nok"
+
+    async def one(pieces):
+        ex = Exchange(UpstreamPool("http://127.0.0.1:1", 1.0, 60.0, 0))
+        ex.connection_made(FakeTransport())
+        ex.start("GET", b"")
+        try:
+            for p in pieces:
+                ex.data_received(p)
+            await asyncio.wait_for(ex.response_head, 1)
+        except Exception as e:
+            return str(e), ex.transport.closed
+        return None
+
+    for pieces in ([big], [big[:35_000], big[35_000:]]):
+        got = _run(one(pieces))
+        assert got is not None and "larger than 64 KiB" in got[0] and got[1], got
+
+
 # --- through the proxy ------------------------------------------------------------------------
 
 

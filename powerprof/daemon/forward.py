@@ -187,9 +187,10 @@ class Exchange(asyncio.Protocol):
         if self._mode == "head":
             while True:
                 end = buf.find(b"\r\n\r\n", pos)
+                if end - pos > HEAD_MAX_BYTES or (end < 0 and len(buf) - pos > HEAD_MAX_BYTES):
+                    # The same bound whether the head came in one read or in many.
+                    raise UpstreamError("upstream response head larger than 64 KiB")
                 if end < 0:
-                    if len(buf) - pos > HEAD_MAX_BYTES:
-                        raise UpstreamError("upstream response head larger than 64 KiB")
                     self._buf = buf[pos:]
                     return
                 version, status, reason, headers = _parse_head(buf[pos:end])
