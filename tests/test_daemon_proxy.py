@@ -377,3 +377,21 @@ def test_every_recording_failure_is_counted(monkeypatch):
         failures, ended = _run(one(step))
         assert failures == 1, step
         assert ended == []  # as Proxy._safe: a broken record gets no on_end
+
+
+def test_a_compressed_request_body_is_inspected_on_the_side_and_a_bomb_is_not():
+    import gzip
+    import zlib
+
+    from powerprof.daemon.proxy import INSPECT_MAX_BYTES, inspect_request_body
+
+    doc = json.dumps({"model": "m-1", "stream": True, "prompt": "p" * 3000}).encode()
+    assert inspect_request_body(doc) == ("m-1", True)
+    assert inspect_request_body(gzip.compress(doc), "gzip") == ("m-1", True)
+    assert inspect_request_body(zlib.compress(doc), "Deflate ") == ("m-1", True)
+    # Inflating beyond the inspection bound (a bomb: 20 MiB of zeros in ~20 KiB) stops there, uninspected.
+    bomb = gzip.compress(b'{"model": "m", "prompt": "' + b"0" * (20 * INSPECT_MAX_BYTES) + b'"}')
+    assert len(bomb) < INSPECT_MAX_BYTES // 10 and inspect_request_body(bomb, "gzip") == (None, None)
+    assert inspect_request_body(b"not gzip", "gzip") == (None, None)
+    assert inspect_request_body(gzip.compress(doc)[:-20], "gzip") == (None, None)  # truncated
+    assert inspect_request_body(doc, "br") == (None, None)  # an encoding not read here: not guessed

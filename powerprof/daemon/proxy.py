@@ -19,6 +19,7 @@ import asyncio
 import json
 import logging
 import time
+import zlib
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -138,8 +139,21 @@ def request_head(method: str, target: str, host: str, headers) -> bytes:
     return "\r\n".join(lines).encode("utf-8", "surrogateescape")
 
 
-def inspect_request_body(body: bytes) -> tuple[str | None, bool | None]:
-    """(model, stream) from a JSON request body; the prompt is never looked at beyond parsing."""
+def inspect_request_body(body: bytes, encoding: str = "") -> tuple[str | None, bool | None]:
+    """(model, stream) from a JSON request body; the prompt is never looked at beyond parsing. A gzip or
+    deflate body (`encoding`: its Content-Encoding) is inflated on the side, at most INSPECT_MAX_BYTES: the
+    upstream still gets the client's bytes, and a body that inflates beyond (a bomb) is not inspected."""
+    encoding = encoding.strip().lower()
+    if encoding in ("gzip", "x-gzip", "deflate"):
+        d = zlib.decompressobj(47)  # 32 + 15: a zlib or gzip header, detected
+        try:
+            body = d.decompress(body, INSPECT_MAX_BYTES)
+        except zlib.error:
+            return None, None
+        if d.unconsumed_tail or not d.eof:
+            return None, None
+    elif encoding not in ("", "identity"):
+        return None, None
     try:
         doc = json.loads(body)
     except (ValueError, UnicodeDecodeError):
@@ -267,7 +281,8 @@ class Proxy:
             headers.append(("Content-Length", str(len(body))))
             if trace is not None and trace.api is not None:
                 try:
-                    trace.model, trace.stream = inspect_request_body(body)
+                    encoding = request.headers.get("Content-Encoding", "")
+                    trace.model, trace.stream = inspect_request_body(body, encoding)
                 except Exception:
                     pass
         elif request.body_exists:
