@@ -365,6 +365,22 @@ def test_a_request_body_that_goes_silent_gets_408_small_or_streamed():
     assert [t.outcome for t in rec.ended] == ["client_timeout", "client_timeout"]
 
 
+async def _raw_clients(responses, sends: list[bytes]):
+    """Each of `sends` written by a raw client on its own connection through the proxy, to a RawUpstream
+    serving `responses`: (what each client read until close, the recorder, the upstream)."""
+    up = RawUpstream(responses)
+    rec, _proxy_obj, runner, url = await _proxy(await up.start())
+    got = []
+    for data in sends:
+        r, w = await asyncio.open_connection("127.0.0.1", int(url.rsplit(":", 1)[1]))
+        w.write(data)
+        got.append(await asyncio.wait_for(r.read(), 10))
+        w.close()
+    await runner.cleanup()
+    up.server.close()
+    return got, rec, up
+
+
 def test_response_header_bytes_pass_unchanged_and_a_head_the_client_cannot_get_is_a_502():
     # A UTF-8 header value (a file name, say) reaches the client as the upstream sent it, not re-encoded; a
     # control character in a value (which aiohttp refuses to send: the client got a 500 recorded as a 200 ok)
@@ -375,22 +391,8 @@ def test_response_header_bytes_pass_unchanged_and_a_head_the_client_cannot_get_i
         "/ctl": [b"HTTP/1.1 200 OK\r\nX-A: a\nb\r\nContent-Length: 2\r\n\r\nok"],
     }
 
-    async def main():
-        up = RawUpstream(responses)
-        up_url = await up.start()
-        rec, proxy, runner, url = await _proxy(up_url)
-        port = int(url.rsplit(":", 1)[1])
-        heads = []
-        for path in ("/utf8", "/ctl"):
-            r, w = await asyncio.open_connection("127.0.0.1", port)
-            w.write(b"GET %s HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n" % path.encode())
-            heads.append(await r.read())
-            w.close()
-        await runner.cleanup()
-        up.server.close()
-        return heads, rec
-
-    (utf8, ctl), rec = _run(main())
+    (utf8, ctl), rec, _ = _run(_raw_clients(responses, [b"GET %s HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n" % p
+                                                      for p in (b"/utf8", b"/ctl")]))
     assert b'filename="caf\xc3\xa9.txt"\r\n' in utf8 and utf8.endswith(b"\r\n\r\nok")
     assert ctl.startswith(b"HTTP/1.1 502 ")
     assert [(t.status, t.outcome) for t in rec.ended] == [(200, "ok"), (502, "upstream_unreachable")]
@@ -407,20 +409,9 @@ def test_a_response_with_both_framings_reaches_the_client_as_chunked_and_the_nex
         "/plain": [b"HTTP/1.1 200 OK\r\nContent-Length: 4\r\n\r\nnext"],
     }
 
-    async def main():
-        up = RawUpstream(responses)
-        up_url = await up.start()
-        rec, proxy, runner, url = await _proxy(up_url)
-        port = int(url.rsplit(":", 1)[1])
-        r, w = await asyncio.open_connection("127.0.0.1", port)  # one keep-alive client connection, two requests
-        w.write(b"GET /both HTTP/1.1\r\nHost: x\r\n\r\nGET /plain HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n")
-        raw = await asyncio.wait_for(r.read(), 10)
-        w.close()
-        await runner.cleanup()
-        up.server.close()
-        return raw, rec, up
-
-    raw, rec, up = _run(main())
+    # One keep-alive client connection, two requests.
+    (raw,), rec, up = _run(_raw_clients(responses, [b"GET /both HTTP/1.1\r\nHost: x\r\n\r\n"
+                                                    b"GET /plain HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n"]))
     assert up.connections == 2  # the second request went on a new upstream connection
     first, _, rest = raw.partition(b"\r\n\r\n")
     assert b"content-length" not in first.lower() and b"transfer-encoding: chunked" in first.lower(), raw
