@@ -2,9 +2,9 @@
 
     .venv/bin/python bench/proxy_latency.py [--streams 1,64,256] [--pace 256x25] [--requests-per-stream 8]
                                             [--workers 1,2] [--arrivals herd,staggered,batched] [--rounds 2]
-                                            [--baseline /work/main] [--bare] [--proxy-alone]
+                                            [--baseline /work/main] [--bare] [--proxy-alone] [--tokens 32]
 
-An upstream process serves deterministic SSE streams (32 tokens per response); the real daemon
+An upstream process serves deterministic SSE streams (`--tokens` per response, 32 unless told); the real daemon
 (`powerprof daemon --simulate --upstream URL`, recording and attribution on) runs in another
 process. For each case the same load goes direct and through the proxy, alternating, and the
 table gives median/p95 time to first byte and total time, and requests and tokens per second.
@@ -169,7 +169,7 @@ class CpuMeter:
 
 
 def run_case(label: str, direct: str, proxies: dict, streams: int, per_stream: int, gap_s: float, rounds: int,
-             meters: dict, idle_rates: dict, stagger_s: float = 0.0, steps: bool = False) -> dict:
+             meters: dict, idle_rates: dict, stagger_s: float = 0.0, steps: bool = False, tokens: int = TOKENS) -> dict:
     """`proxies`, `meters`, `idle_rates`: by name (one per daemon). Returns by name: ratio to direct, added
     ttfb and per-token time at p50, CPU per token and per request."""
     res = {"direct": [], **{name: [] for name in proxies}}
@@ -182,7 +182,7 @@ def run_case(label: str, direct: str, proxies: dict, streams: int, per_stream: i
         for name, url in (("direct", direct), *((n, proxies[n]) for n in order)):
             if name != "direct":
                 (p0, k0), t0 = meters[name].split_s(), time.perf_counter()
-            res[name].append(asyncio.run(load(url, streams, per_stream, gap_s, stagger_s=stagger_s, seed=i, steps=steps)))
+            res[name].append(asyncio.run(load(url, streams, per_stream, gap_s, tokens, stagger_s=stagger_s, seed=i, steps=steps)))
             if name != "direct":
                 p1, k1 = meters[name].split_s()
                 cpu_s[name] += max(0.0, p1 + k1 - p0 - k0 - idle_rates[name] * (time.perf_counter() - t0))
@@ -198,9 +198,9 @@ def run_case(label: str, direct: str, proxies: dict, streams: int, per_stream: i
     for name in proxies:
         p = med[name]
         out[name] = r = {"ratio": p["tok_s"] / d["tok_s"], "ttfb_ms": p["ttfb_p50_ms"] - d["ttfb_p50_ms"],
-                         "per_token_ms": (p["total_p50_ms"] - d["total_p50_ms"]) / TOKENS, "tok_s": p["tok_s"],
-                         "cpu_us_token": 1e6 * cpu_s[name] / (n_req * TOKENS), "cpu_us_request": 1e6 * cpu_s[name] / n_req,
-                         "workers_us_token": 1e6 * kids_s[name] / (n_req * TOKENS)}
+                         "per_token_ms": (p["total_p50_ms"] - d["total_p50_ms"]) / tokens, "tok_s": p["tok_s"],
+                         "cpu_us_token": 1e6 * cpu_s[name] / (n_req * tokens), "cpu_us_request": 1e6 * cpu_s[name] / n_req,
+                         "workers_us_token": 1e6 * kids_s[name] / (n_req * tokens)}
         split = (f" (workers {r['workers_us_token']:.1f}, the daemon's replay and accounts "
                  f"{r['cpu_us_token'] - r['workers_us_token']:.1f})" if r["workers_us_token"] > 0 else "")
         print(f"{label:>18s}  {name:9s} added ttfb {r['ttfb_ms']:+.2f} ms, {r['per_token_ms']:+.3f} ms per token (p50); "
@@ -214,6 +214,9 @@ def main() -> None:
     ap.add_argument("--streams", default="1,64,256", help="stress cases: concurrent streams, tokens 2 ms apart")
     ap.add_argument("--pace", default="256x25", help="GPU-like case STREAMSxGAP_MS; empty to skip")
     ap.add_argument("--requests-per-stream", type=int, default=8)
+    ap.add_argument("--tokens", type=int, default=TOKENS,
+                    help="tokens per streamed response (32: short answers, per-request work weighs most; "
+                         "256: a chat answer's length, per-request work spread over more tokens)")
     ap.add_argument("--rounds", type=int, default=2, help="direct/proxy alternations per case")
     ap.add_argument("--workers", default="1", help="proxy.workers of each daemon to compare, e.g. 1,2")
     ap.add_argument("--arrivals", default="herd,staggered,batched",
@@ -283,7 +286,7 @@ def main() -> None:
         c0, t0 = {n: m.own_s() for n, m in meters.items()}, time.perf_counter()
         time.sleep(3.0)
         idle = {n: (m.own_s() - c0[n]) / (time.perf_counter() - t0) for n, m in meters.items()}
-        print(f"{TOKENS} tokens per streamed response; {a.requests_per_stream} requests per stream; medians of "
+        print(f"{a.tokens} tokens per streamed response; {a.requests_per_stream} requests per stream; medians of "
               f"{a.rounds} alternating rounds; idle CPU (subtracted): "
               + ", ".join(f"{n} {100 * r:.2f} % of a core" for n, r in idle.items())
               + f"; {os.cpu_count()} CPUs shared by the upstream, the load generator and every daemon")
@@ -292,15 +295,15 @@ def main() -> None:
         for streams in [int(x) for x in a.streams.split(",") if x]:
             label = f"{streams}@{GAP_S * 1e3:g}ms"
             results[label] = run_case(label, direct, proxies, streams, a.requests_per_stream, GAP_S, a.rounds,
-                                      meters, idle)
+                                      meters, idle, tokens=a.tokens)
         if a.pace:
             n, gap_ms = (float(x) for x in a.pace.split("x"))
             for mode in arrivals:
                 # staggered: random phases over one request's duration, so arrivals are spread evenly
-                stagger_s = TOKENS * gap_ms / 1e3 if mode != "herd" else 0.0
+                stagger_s = a.tokens * gap_ms / 1e3 if mode != "herd" else 0.0
                 results[f"pace {mode}"] = run_case(f"{int(n)}@{gap_ms:g}ms {mode}", direct, proxies, int(n),
                                                    a.requests_per_stream, gap_ms / 1e3, a.rounds, meters, idle,
-                                                   stagger_s=stagger_s, steps=mode == "batched")
+                                                   stagger_s=stagger_s, steps=mode == "batched", tokens=a.tokens)
         print("summary (issue 13 targets in brackets):")
         for k, by in results.items():
             note = "  [stress: >= 0.90; before this change 0.62 at 64 streams]" if k.startswith("64@") else ""
