@@ -318,6 +318,26 @@ def test_f5_a_damaged_restore_file_blocks_changes_until_force_default(tmp_path, 
         assert ctl.original_limits_w == (default_w,)
 
 
+@pytest.mark.parametrize("text", ["[1]", "null", '"restore"', "42"])
+def test_a_restore_file_of_valid_json_but_no_object_is_damaged_not_a_crash(tmp_path, monkeypatch, text):
+    # JSON that parses but is not an object (an editor's leftover, a file of another tool) is a damaged
+    # restore file like a truncated one: it blocks changes with the fix, and no command dies on it.
+    monkeypatch.setenv("POWERPROF_SIM_STATE", str(tmp_path / "sim.json"))
+    state = Path(os.environ["POWERPROF_STATE_DIR"])
+    state.mkdir(parents=True, exist_ok=True)
+    path = state / "restore-cccccccccccc.json"
+    path.write_text(text)
+    os.chmod(path, 0o600)
+    with pytest.raises(PendingRestoreError, match="force-default"):
+        LimitController(_sim(tmp_path), [0]).open()
+    r = CliRunner().invoke(main, ["restore", "--simulate", "seed-16g", "--restore-file", str(path)])
+    assert r.exit_code == 1 and isinstance(r.exception, SystemExit), r.output
+    assert "force-default" in r.output and path.exists()
+    r = CliRunner().invoke(main, ["devices", "--simulate", "seed-16g"])
+    assert r.exit_code == 0 and r.exception is None, r.output
+    assert "restore" in r.output
+
+
 def test_force_default_on_the_simulator_never_touches_a_real_gpus_file(tmp_path, monkeypatch):
     # A damaged file that names no readable GPU, or a GPU that is not the simulator's, may hold a real
     # GPU's original limit: `restore --simulate --force-default` refuses it and keeps it.

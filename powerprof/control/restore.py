@@ -74,7 +74,7 @@ def load_record(path: Path) -> dict:
     except (OSError, ValueError) as e:
         raise RestoreError(f"cannot read restore file {path}: {e}") from e
     gpus = rec.get("gpus") if isinstance(rec, dict) else None
-    if rec.get("format") != FORMAT or not isinstance(gpus, dict):
+    if not isinstance(gpus, dict) or rec.get("format") != FORMAT:
         raise RestoreError(f"{path} is not a powerprof restore file (format {FORMAT}) or is damaged")
     for uuid, g in gpus.items():
         if not isinstance(g, dict) or not isinstance(g.get("original_limit_mw"), int):
