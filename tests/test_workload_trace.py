@@ -42,6 +42,25 @@ def test_jsonl_round_trips_and_bad_lines_name_the_line(tmp_path):
         read_trace(tmp_path / "bad.csv")
 
 
+@pytest.mark.parametrize("name, data, where", [
+    ("nan.jsonl", b'{"t_s": 0, "prompt_tokens": 4, "output_tokens": 5}\n{"t_s": NaN, "prompt_tokens": 4, "output_tokens": 5}\n',
+     "nan.jsonl:2"),
+    ("inf.jsonl", b'{"t_s": Infinity, "prompt_tokens": 4, "output_tokens": 5}\n', "inf.jsonl:1"),
+    ("nan.csv", b"TIMESTAMP,ContextTokens,GeneratedTokens\n0,4,5\nnan,4,5\n", "nan.csv:3"),
+    ("far.jsonl", b'{"t_s": 0, "prompt_tokens": 4, "output_tokens": 5}\n{"t_s": 1e300, "prompt_tokens": 4, "output_tokens": 5}\n',
+     "far.jsonl"),
+    ("binary.csv", b"\xff\xfe\x00\x01garbage\n", "binary.csv"),
+])
+def test_a_trace_the_replay_cannot_schedule_is_refused_with_its_line(tmp_path, name, data, where):
+    # A NaN or infinite arrival once reached the replay's scheduler (an OverflowError traceback, or
+    # "cannot convert float NaN to integer" after the server had started); a binary file a
+    # UnicodeDecodeError traceback. Each is a TraceError naming the file (and line), before anything starts.
+    p = tmp_path / name
+    p.write_bytes(data)
+    with pytest.raises(TraceError, match=where.replace(".", r"\.")):
+        read_trace(p)
+
+
 def test_synthetic_arrivals_and_lengths():
     p = synthetic(4000, 5.0, "poisson", seed=1)
     gaps = np.diff([r.t_s for r in p])

@@ -38,12 +38,23 @@ class TraceRequest:
     tag: str | None = None
 
 
+# A longer span is no trace in seconds (milliseconds or a typo), and its nanoseconds overflow the scheduler.
+MAX_SPAN_S = 1e9
+
+
+def _finite(t: float) -> float:
+    if not math.isfinite(t):
+        raise ValueError(f"arrival time {t!r} is not a finite number of seconds")
+    return t
+
+
 def _when(text: str) -> float:
     text = text.strip()
     try:
-        return float(text)
-    except ValueError:
-        pass
+        return _finite(float(text))
+    except ValueError as e:
+        if "finite" in str(e):
+            raise
     head, _, frac = text.partition(".")
     base = datetime.fromisoformat(head.replace("T", " ")).timestamp()
     return base + (float("0." + frac) if frac else 0.0)
@@ -63,6 +74,8 @@ def read_trace(path: str | Path) -> list[TraceRequest]:
         text = p.read_text()
     except OSError as e:
         raise TraceError(f"cannot read trace {p}: {e.strerror or e}") from None
+    except UnicodeDecodeError as e:
+        raise TraceError(f"{p}: not a text trace (byte {e.start} is not UTF-8); want an Azure CSV or JSONL") from None
     lines = text.splitlines()
     first = next((ln for ln in lines if ln.strip()), "")
     out: list[tuple[float, int, int, str | None]] = []
@@ -73,7 +86,7 @@ def read_trace(path: str | Path) -> list[TraceRequest]:
             try:
                 d = json.loads(line)
                 t = d["t_s"] if "t_s" in d else d["timestamp"]
-                t = _when(str(t)) if isinstance(t, str) else float(t)
+                t = _when(str(t)) if isinstance(t, str) else _finite(float(t))
                 tag = d.get("tag")
                 out.append((t, _positive_int(d["prompt_tokens"], "prompt_tokens"),
                             _positive_int(d["output_tokens"], "output_tokens"), None if tag is None else str(tag)))
@@ -99,6 +112,9 @@ def read_trace(path: str | Path) -> list[TraceRequest]:
         raise TraceError(f"{p}: the trace has no requests")
     out.sort(key=lambda r: r[0])
     t0 = out[0][0]
+    if out[-1][0] - t0 > MAX_SPAN_S:
+        raise TraceError(f"{p}: the arrivals span {out[-1][0] - t0:g} s, more than {MAX_SPAN_S:g} s: "
+                         "times must be seconds (or Azure date-times)")
     return [TraceRequest(t - t0, pt, ot, tag) for t, pt, ot, tag in out]
 
 
