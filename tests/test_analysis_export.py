@@ -198,3 +198,45 @@ def test_from_to_says_which_tables_it_cannot_filter(tmp_path):
 
     summary = {row[0]: row[1] for row in openpyxl.load_workbook(tmp_path / "r.xlsx")["summary"].iter_rows(values_only=True)}
     assert "whole-run figures" in str(summary.get("not filtered by --from/--to"))
+
+
+def _no_traceback(r):
+    assert r.exit_code == 1 and isinstance(r.exception, SystemExit), (r.output, r.exception)
+    assert "Traceback" not in r.output
+
+
+@pytest.mark.parametrize("fmt,out,msg", [
+    ("csv", "afile", "is a file"),  # an existing file where the tables' folder should go
+    ("csv", "afile/sub", "cannot create the folder"),  # a folder that cannot be made (under a file)
+    ("parquet", "two.parquet", "names one .parquet file"),  # several tables: a folder named two.parquet was made
+    ("xlsx", "afile/book.xlsx", "nothing written"),
+])
+def test_cli_export_to_a_path_it_cannot_use_says_why(run, tmp_path, fmt, out, msg):
+    # These died with FileExistsError/NotADirectoryError tracebacks (exit 1), or for x.parquet quietly
+    # wrote a folder of that name instead of the file asked for.
+    (tmp_path / "afile").write_text("keep")
+    r = CliRunner().invoke(main, ["export", str(run), "--format", fmt, "--out", str(tmp_path / out)])
+    _no_traceback(r)
+    assert msg in r.output
+    assert (tmp_path / "afile").read_text() == "keep" and not (tmp_path / "two.parquet").exists()
+
+
+@pytest.mark.parametrize("fmt", ["csv", "xlsx"])
+def test_cli_export_of_a_damaged_table_names_it_and_leaves_no_part_of_it(run, tmp_path, fmt):
+    # A table whose pages are damaged (the footer intact) failed mid-stream with an OSError traceback.
+    import shutil
+
+    src = tmp_path / "run"
+    shutil.copytree(run, src)
+    p = src / "windows.parquet"
+    b = bytearray(p.read_bytes())
+    b[4:40] = b"\xab" * 36  # the first page header: the footer still opens
+    p.write_bytes(bytes(b))
+    out = tmp_path / ("out.xlsx" if fmt == "xlsx" else "out")
+    r = CliRunner().invoke(main, ["export", str(src), "--format", fmt, "--out", str(out)])
+    _no_traceback(r)
+    if fmt == "xlsx":
+        assert "nothing written" in r.output and not out.exists()
+    else:
+        assert "table windows" in r.output and not (out / "windows.csv").exists()
+        assert [f.name for f in out.iterdir() if f.name.startswith(".")] == []  # no temporary left

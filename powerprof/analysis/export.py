@@ -318,17 +318,38 @@ def export(src, fmt: str, out=None, time_from: str | None = None, time_to: str |
                 raise ExportError(f"table {s.name} has {n} rows in the selection; a sheet holds {XLSX_MAX_ROWS}. "
                                   "Narrow it with --from/--to or --columns, or export csv or parquet.")
         summary = summary_rows(src_path, tz, time_from, time_to) + ([("not filtered by --from/--to", note)] if note else [])
-        return [_write_xlsx(scans, out, tz, summary)]
+        try:
+            return [_write_xlsx(scans, out, tz, summary)]
+        except (pa.ArrowInvalid, OSError) as e:
+            raise ExportError(f"export to {out} failed, nothing written: {_why(e)}") from None
     single = len(sources) == 1 and out.suffix == f".{fmt}"
+    if not single and out.suffix == f".{fmt}":
+        # A folder named x.csv holding several files is not the file the user asked for.
+        raise ExportError(f"--out {out} names one .{fmt} file, but the selection has {len(sources)} tables "
+                          f"({', '.join(scans)}): give a folder, or pick one table (its .parquet file, or --columns)")
     if not single:
-        out.mkdir(parents=True, exist_ok=True)
+        if out.exists() and not out.is_dir():
+            raise ExportError(f"--out {out} is a file: give a folder (one .{fmt} file per table), "
+                              f"or a name ending in .{fmt} for a single table")
+        try:
+            out.mkdir(parents=True, exist_ok=True)
+        except OSError as e:
+            raise ExportError(f"cannot create the folder {out}: {_why(e)}") from None
     written = []
     for name, scan in scans.items():
         path = out if single else out / f"{name}.{fmt}"
-        with atomic_path(path) as tmp:
-            (_write_csv if fmt == "csv" else _write_parquet)(scan, tmp, tz)
+        try:
+            with atomic_path(path) as tmp:
+                (_write_csv if fmt == "csv" else _write_parquet)(scan, tmp, tz)
+        except (pa.ArrowInvalid, OSError) as e:
+            done = f"; written before it (whole): {', '.join(map(str, written))}" if written else "; nothing written"
+            raise ExportError(f"table {name}: export to {path} failed: {_why(e)}{done}") from None
         written.append(path)
     return written
+
+
+def _why(e: Exception) -> str:
+    return (e.strerror if isinstance(e, OSError) and e.strerror else str(e)).strip()
 
 
 def _csv_ready(t: pa.Table) -> pa.Table:
@@ -460,24 +481,32 @@ def _write_xlsx(scans: dict[str, ds.Scanner], path: Path, tz: str,
         ws.append(["item", "value"])
         for k, v in summary:
             ws.append([k, v if v is None or isinstance(v, (int, float, str)) else str(v)])
-    for name, scan in scans.items():
-        ws = wb.create_sheet(title=name[:31])
-        head = None
-        n_rows = 0
-        for batch in scan.to_batches():
-            t = _with_local_times(batch, tz)
+    try:
+        for name, scan in scans.items():
+            ws = wb.create_sheet(title=name[:31])
+            head = None
+            n_rows = 0
+            for batch in scan.to_batches():
+                t = _with_local_times(batch, tz)
+                if head is None:
+                    head = _xlsx_header(ws, t, tz)
+                times = [pa.types.is_timestamp(c.type) for c in t.columns]
+                for row in zip(*(_xlsx_values(c) for c in t.columns)):
+                    ws.append([_time_cell(ws, v, WriteOnlyCell) if is_t and v is not None else v
+                               for v, is_t in zip(row, times)])
+                n_rows += t.num_rows
             if head is None:
-                head = _xlsx_header(ws, t, tz)
-            times = [pa.types.is_timestamp(c.type) for c in t.columns]
-            for row in zip(*(_xlsx_values(c) for c in t.columns)):
-                ws.append([_time_cell(ws, v, WriteOnlyCell) if is_t and v is not None else v
-                           for v, is_t in zip(row, times)])
-            n_rows += t.num_rows
-        if head is None:
-            head = _xlsx_header(ws, _with_local_times(_empty_batch(scan), tz), tz)
-        ws.auto_filter.ref = f"A1:{_col_letter(len(head) - 1)}{n_rows + 1}"
-    with atomic_path(path) as tmp:
-        wb.save(tmp)
+                head = _xlsx_header(ws, _with_local_times(_empty_batch(scan), tz), tz)
+            ws.auto_filter.ref = f"A1:{_col_letter(len(head) - 1)}{n_rows + 1}"
+        with atomic_path(path) as tmp:
+            wb.save(tmp)
+    except BaseException:
+        for ws in wb.worksheets:  # else each sheet's row writer dies noisily when it is collected
+            try:
+                ws.close()
+            except Exception:  # noqa: BLE001  (already failing: the first error is the one to report)
+                pass
+        raise
     return path
 
 
