@@ -156,6 +156,19 @@ def test_cli_analyze_bad_input_fails_cleanly(tmp_path, args, msg):
     assert not (run / "analysis").exists()
 
 
+def test_cli_analyze_of_damaged_samples_says_which_file_and_what_to_do(tmp_path):
+    # samples.parquet whose footer opens over a damaged page: DuckDB's error escaped as a traceback.
+    run = make_run(tmp_path / "run", seed_truth(), levels=SEED_LEVELS, n_requests=3)
+    p = run / "samples.parquet"
+    assert p.exists()
+    b = bytearray(p.read_bytes())
+    b[4:40] = b"\xab" * 36  # the first page header: the footer still opens
+    p.write_bytes(bytes(b))
+    r = CliRunner().invoke(main, ["analyze", str(run), "--bootstrap", "200"])
+    assert r.exit_code == 1 and isinstance(r.exception, SystemExit), (r.output, r.exception)
+    assert "samples.parquet: cannot be read as Parquet" in r.output and "move it aside" in r.output
+
+
 def test_a_directory_without_windows_is_not_a_run(tmp_path):
     (tmp_path / "empty").mkdir()
     with pytest.raises(AnalysisError, match="windows.parquet is missing"):

@@ -189,10 +189,16 @@ def scan_samples(run: RunInfo, windows: pa.Table | None = None, bins: int = TIME
     if con is None:
         with engine.connect() as c:
             return scan_samples(run, windows, bins, c)
-    rel = engine.samples_relation(con, path)
+    import duckdb  # noqa: PLC0415  (its error class: engine.py imports it lazily too)
+
     starts, ends = _measured_intervals_us(windows, run.run_id)
-    # Without measured windows (a run stopped early) every tagged sample counts, as before.
-    sums, tb = engine.scan(con, rel, (starts, ends) if starts.size else None, bins=bins)
+    try:
+        rel = engine.samples_relation(con, path)
+        # Without measured windows (a run stopped early) every tagged sample counts, as before.
+        sums, tb = engine.scan(con, rel, (starts, ends) if starts.size else None, bins=bins)
+    except duckdb.Error as e:  # a footer that opens over damaged pages
+        raise AnalysisError(f"{path}: cannot be read as Parquet ({str(e).strip()}); move it aside to analyse "
+                            "the windows without the sensor figures") from None
     if tb is None:
         return sums, None
     tl = Timeline(
