@@ -169,6 +169,26 @@ def test_cli_analyze_of_damaged_samples_says_which_file_and_what_to_do(tmp_path)
     assert "samples.parquet: cannot be read as Parquet" in r.output and "move it aside" in r.output
 
 
+def test_a_level_the_sweep_was_still_measuring_when_it_stopped_is_said(tmp_path):
+    # Ctrl-C (or SIGTERM, or too many failures) during a level keeps its windows in the run directory;
+    # `analyze` presented that part-round level like a finished one, recommendation and all.
+    run = make_run(tmp_path / "run", seed_truth(), levels=SEED_LEVELS, n_requests=6)
+    meta_path = run / "run.json"
+    meta = json.loads(meta_path.read_text())
+    finished = [[float(v), 0] for v in SEED_LEVELS if v != 180]
+    meta_path.write_text(json.dumps({**meta, "levels_done": finished}))
+    r = CliRunner().invoke(main, ["analyze", str(run), "--bootstrap", "200", "--out", str(tmp_path / "a")])
+    assert r.exit_code == 0, r.output
+    assert "interrupted" in r.output and "stopped while measuring 180 W (6 windows)" in r.output
+    assert "220 W" not in r.output.split("interrupted")[1].split("\n")[0]
+    warnings = json.loads((tmp_path / "a" / "analysis.json").read_text())["warnings"]
+    assert [w["levels"] for w in warnings if w["kind"] == "interrupted"] == [[180.0]]
+    # Every visit finished: nothing to say.
+    meta_path.write_text(json.dumps({**meta, "levels_done": finished + [[180.0, 0]]}))
+    r = CliRunner().invoke(main, ["analyze", str(run), "--bootstrap", "200", "--out", str(tmp_path / "b")])
+    assert r.exit_code == 0 and "interrupted" not in r.output, r.output
+
+
 def test_a_directory_without_windows_is_not_a_run(tmp_path):
     (tmp_path / "empty").mkdir()
     with pytest.raises(AnalysisError, match="windows.parquet is missing"):

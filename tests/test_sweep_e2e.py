@@ -164,6 +164,8 @@ def test_run_directory_opens_as_is_in_pyarrow_pandas_and_duckdb(seed_sweep):
     run = outcome.run_dir
     meta = json.loads((run / "run.json").read_text())
     assert meta["simulated"] is True and meta["gpus"][0]["default_limit_w"] == 300.0
+    # Every visit finished is listed: `analyze` says which levels a stopped run was still measuring.
+    assert sorted(map(tuple, meta["levels_done"])) == [(180.0, 0), (220.0, 0), (260.0, 0), (300.0, 0)]
     for name in ("samples", "windows", "levels"):
         t = pq.read_table(run / f"{name}.parquet")
         assert t.num_rows > 0

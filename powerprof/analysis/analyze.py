@@ -167,6 +167,7 @@ def analyze(
             findings.append(Finding(f.kind, prefix + f.message, f.levels))
     findings += timing_findings(windows)
     findings.extend(unstored_findings(runs))
+    findings.extend(interrupted_findings(runs, windows))
     return AnalysisResult(runs, results, findings, params, list(timelines or []))
 
 
@@ -180,6 +181,41 @@ def unstored_findings(runs: list[RunInfo]) -> list[Finding]:
             why = r.meta.get("unstored_error") or "a value its column cannot hold"
             out.append(Finding("unstored", f"{r.path}: {n} measured window row(s) could not be stored ({why}); "
                                            "every figure here is computed without them."))
+    return out
+
+
+def interrupted_findings(runs: list[RunInfo], windows: pa.Table) -> list[Finding]:
+    """Levels a sweep was still measuring when it stopped (Ctrl-C, a signal, too many failures): their
+    windows are stored and counted like the others', but they cover part of a round of the prompt set,
+    so they compare another prompt mix, over fewer requests, with the finished levels. run.json
+    `levels_done` lists the (level, repeat) visits that finished; runs without it are not judged."""
+    from .stats import _col, window_masks  # noqa: PLC0415
+
+    measured = window_masks(windows)[0]
+    run_id, value, repeat = _col(windows, "run_id", object), _col(windows, "level_value"), _col(windows, "repeat")
+    kind = _col(windows, "level_kind", object)
+    out = []
+    for r in runs:
+        done = r.meta.get("levels_done")
+        if not isinstance(done, list):
+            continue
+        finished = {(float(d[0]), int(d[1])) for d in done
+                    if isinstance(d, (list, tuple)) and len(d) == 2 and d[0] is not None and d[1] is not None}
+        cut: dict[float, int] = {}
+        unit = "W"
+        for i in np.flatnonzero(measured):
+            if run_id[i] in (r.run_id, None) and np.isfinite(value[i]):
+                rep = int(repeat[i]) if np.isfinite(repeat[i]) else 0
+                if (float(value[i]), rep) not in finished:
+                    cut[float(value[i])] = cut.get(float(value[i]), 0) + 1
+                    unit = "MHz" if kind[i] == "sm_clock" else "W"
+        if cut:
+            what = ", ".join(f"{v:g} {unit} ({n} window{'s' if n > 1 else ''})" for v, n in sorted(cut.items()))
+            out.append(Finding("interrupted", (
+                f"{r.path}: the run stopped while measuring {what}: those figures rest on the windows measured "
+                "before it stopped, part of a round of the prompt set, so they compare another prompt mix over "
+                "fewer requests with the finished levels. Measure those levels again before trusting them."),
+                tuple(sorted(cut))))
     return out
 
 
