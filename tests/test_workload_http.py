@@ -314,6 +314,15 @@ def test_measure_bad_input_is_a_clear_error(tmp_path):
     assert r.exit_code == 1 and "no server answers" in r.output
 
 
+def test_measure_refuses_an_out_it_cannot_create_before_measuring(tmp_path):
+    # It measured every request, then died on the folder with a NotADirectoryError traceback: the result lost.
+    (tmp_path / "afile").write_text("")
+    r = CliRunner().invoke(main, ["measure", "--simulate", "--requests", "1", "--max-tokens", "8",
+                                  "--out", str(tmp_path / "afile" / "run")])
+    assert r.exit_code == 1 and isinstance(r.exception, SystemExit), (r.output, r.exception)
+    assert "cannot create the output directory" in r.output and "server:" not in r.output
+
+
 def test_decode_window_of_a_record_matches_the_pure_function(srv):
     (r,) = run_load(srv.url, builtin_prompts("short")[:1], 1, 1, QUICK, warmup=0)
     w = decode_window(*r.arrivals(), r.generated_tokens)

@@ -300,10 +300,17 @@ def run_measure(
     from powerprof.profiler import Profiler
     from powerprof.storage.runs import RunWriter, split_storable, table_from_rows
 
-    if out_dir.exists() and any(out_dir.iterdir()):
+    if out_dir.exists() and (not out_dir.is_dir() or any(out_dir.iterdir())):
         raise FileExistsError(f"output directory {out_dir} already exists and is not empty; choose another --out")
+    # Made before any request, so an unusable --out costs nothing (not a finished measurement).
+    try:
+        out_dir.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise ValueError(f"cannot create the output directory {out_dir}: {e.strerror or e}") from None
     notes: list[str] = []
     with ExitStack() as stack:
+        # A measurement that fails before writing leaves nothing behind.
+        stack.push(lambda exc_type, *_: _remove_if_empty(out_dir) if exc_type is not None else None)
         src = rig.sources
         url = stack.enter_context(rig.server(url, launch, launch_timeout_s=launch_timeout_s, sim_decode_tok_s=sim_decode_tok_s))
         notes.extend(rig.notes)
@@ -362,3 +369,10 @@ def run_measure(
     result.notes = notes + result.notes
     result.out_path = out_dir
     return result
+
+
+def _remove_if_empty(path: Path) -> None:
+    try:
+        path.rmdir()  # only succeeds when empty
+    except OSError:
+        pass
