@@ -8,6 +8,7 @@ import pyarrow as pa
 import pyarrow.csv as pcsv
 import pyarrow.parquet as pq
 import pytest
+from pathlib import Path
 
 from powerprof.collectors.host import HostReading
 from powerprof.collectors.rapl import RaplReading
@@ -92,6 +93,18 @@ def test_bad_output_names_are_refused_before_anything_is_written(tmp_path):
     (tmp_path / "d.parquet").mkdir()
     with pytest.raises(ValueError, match="is a folder"):
         check_output_path(tmp_path / "d.parquet")
+
+
+
+@pytest.mark.skipif(not Path("/proc/self").is_dir(), reason="needs Linux /proc, a folder where no file can be made")
+def test_a_folder_where_no_file_can_be_made_is_refused_up_front(tmp_path):
+    # os.access says root may write /proc (or a read-only mount): `monitor --output` sampled for its whole
+    # duration, then lost every sample to a FileNotFoundError traceback at the end.
+    with pytest.raises(ValueError, match="not writable"):
+        check_output_path("/proc/powerprof-samples.csv")
+    (tmp_path / "out").mkdir()
+    check_output_path(tmp_path / "out" / "ok.csv")
+    assert list((tmp_path / "out").iterdir()) == []  # the probe leaves nothing
 
 
 def test_a_failed_write_leaves_the_previous_file_intact_and_no_temporary(tmp_path, monkeypatch):

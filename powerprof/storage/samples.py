@@ -161,11 +161,23 @@ def check_output_path(path: str | os.PathLike) -> Path:
     parent = p.parent if str(p.parent) else Path(".")
     if not parent.is_dir():
         raise ValueError(f"output {str(p)!r}: folder {str(parent)!r} does not exist")
-    if not os.access(parent, os.W_OK):
+    if not os.access(parent, os.W_OK) or not _can_create_in(parent):
         raise ValueError(f"output {str(p)!r}: folder {str(parent)!r} is not writable")
     if p.is_dir():
         raise ValueError(f"output {str(p)!r} is a folder")
     return p
+
+
+def _can_create_in(folder: Path) -> bool:
+    """Whether a file can be made there: os.access says yes to root on a read-only mount or /proc, and the
+    samples of a whole `monitor` run were lost at its end."""
+    import tempfile  # noqa: PLC0415
+
+    try:
+        with tempfile.NamedTemporaryFile(dir=folder, prefix=".powerprof-probe-"):
+            return True
+    except OSError:
+        return False
 
 
 def write_table(table: pa.Table, path: str | os.PathLike, metadata: Mapping[str, str] | None = None) -> Path:
