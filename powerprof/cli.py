@@ -738,6 +738,7 @@ def sweep(limits, clocks, url, launch, vary, context_tokens, simulate, gpus, rep
                                "(a simulated GPU beside a real server)")
     if max_requests < min_requests:
         raise click.UsageError("--max-requests must not be below --min-requests")
+    _check_trace_options(click.get_current_context(), trace_path)
     if trace_path:
         _trace_sweep(trace_path, time_scale, duration_s, limits, clocks, url, launch, simulate, gpus, api, interval_s,
                      launch_timeout, out_dir, idle_s, dry_run, repeats, order)
@@ -795,6 +796,32 @@ def sweep(limits, clocks, url, launch, vary, context_tokens, simulate, gpus, rep
     else:
         out.print(end_screen(outcome.levels, result, unit), highlight=False)
     out.print(f"run directory: {outcome.run_dir}")
+
+
+# Options only a prompt-set sweep uses, and those only --trace uses: given to the other kind, they would
+# be ignored without a word (--duration read as a time limit; a --vary template launched with its {NAME}).
+_PROMPT_SWEEP_ONLY = ("vary", "context_tokens", "concurrency", "warmup", "target_ci", "target_paired_ci", "min_requests",
+                      "max_requests", "max_time_s", "max_tokens", "prompts_file", "prompt_set", "prompt_cache", "seed",
+                      "keep_text", "max_slowdown")
+_TRACE_ONLY = ("time_scale", "duration_s")
+
+
+def _check_trace_options(ctx, trace_path) -> None:
+    from click.core import ParameterSource
+
+    def given(names):
+        opts = {p.name: p.opts[0] for p in ctx.command.params}
+        return [opts[n] for n in names if ctx.get_parameter_source(n) not in (ParameterSource.DEFAULT, None)]
+
+    if trace_path:
+        bad = given(_PROMPT_SWEEP_ONLY)
+        if bad:
+            raise click.UsageError(f"not used with --trace (the trace sets the requests, their lengths and arrivals; "
+                                   f"each level replays it once per --repeats): {', '.join(bad)}")
+    else:
+        bad = given(_TRACE_ONLY)
+        if bad:
+            raise click.UsageError(f"only used with --trace: {', '.join(bad)} (to limit a level's time, use --max-time)")
 
 
 @contextlib.contextmanager

@@ -302,10 +302,18 @@ def test_concurrent_sweep_uses_wall_clock_batches(tmp_path):
         (["--limits", "200", "--clocks", "900"], "exactly one of --limits or --clocks"),
         # --simulate with --server is a simulated GPU beside a real server: here nothing answers.
         (["--limits", "200", "--server", "http://127.0.0.1:9"], "no server answers at http://127.0.0.1:9"),
+        # Options of the other kind of sweep were ignored without a word: --duration is no time limit, and a
+        # --vary template with --trace was launched with its {NAME} in it.
+        (["--limits", "200", "--duration", "5"], "only used with --trace: --duration"),
+        (["--limits", "200", "--trace", "{trace}", "--concurrency", "4", "--max-time", "5"],
+         "not used with --trace (the trace sets the requests, their lengths and arrivals; each level replays it once "
+         "per --repeats): --concurrency, --max-time"),
     ],
 )
-def test_bad_sweep_arguments_fail_cleanly_without_touching_the_gpu(args, needle):
-    r = _powerprof("sweep", "--simulate", "--idle-s", "0", *args)
+def test_bad_sweep_arguments_fail_cleanly_without_touching_the_gpu(args, needle, tmp_path):
+    trace = tmp_path / "t.jsonl"
+    trace.write_text('{"t_s": 0, "prompt_tokens": 8, "output_tokens": 8}\n')
+    r = _powerprof("sweep", "--simulate", "--idle-s", "0", *[a.format(trace=trace) for a in args])
     assert r.returncode != 0
     assert needle in r.stderr, r.stderr
     assert "Traceback" not in r.stderr
