@@ -189,6 +189,18 @@ def test_a_level_the_sweep_was_still_measuring_when_it_stopped_is_said(tmp_path)
     assert r.exit_code == 0 and "interrupted" not in r.output, r.output
 
 
+def test_analyze_of_a_measure_run_says_what_it_is(tmp_path):
+    # It said "no measured windows at any level (all warm-up, failed, or missing)" of a run whose every
+    # window was measured and ok: measure's windows are at the settings as they were, not at levels.
+    out = tmp_path / "m"
+    r = CliRunner().invoke(main, ["measure", "--simulate", "--requests", "2", "--max-tokens", "16", "--warmup", "0",
+                                  "--out", str(out)])
+    assert r.exit_code == 0, r.output
+    r = CliRunner().invoke(main, ["analyze", str(out)])
+    assert r.exit_code == 1 and "measured at the settings as they were (powerprof measure)" in r.output, r.output
+    assert "all warm-up, failed, or missing" not in r.output
+
+
 def test_a_directory_without_windows_is_not_a_run(tmp_path):
     (tmp_path / "empty").mkdir()
     with pytest.raises(AnalysisError, match="windows.parquet is missing"):

@@ -136,7 +136,13 @@ def analyze(
     defaults = {r.default_limit_w for r in runs if r.default_limit_w is not None}
     reference = defaults.pop() if len(defaults) == 1 else None
     all_series = level_series(windows, reference, n_boot=n_boot, seed=seed)
+    unlevelled = [s for s in all_series if not np.isfinite(s.level_values).all()]
     all_series = [s for s in all_series if np.isfinite(s.level_values).all()]
+    if not all_series and unlevelled:
+        # `measure` (or a configuration sweep without levels): windows at the settings as they were.
+        raise ValueError("these windows were measured at the settings as they were (powerprof measure), not at "
+                         "levels: there is no curve or sweet spot to fit; `powerprof export` gives the windows, "
+                         "`powerprof sweep` measures levels")
     if not all_series:
         raise ValueError("no measured windows at any level (all warm-up, failed, or missing): nothing to analyse")
     if not any(np.isfinite(s.j_per_token).any() for s in all_series):
