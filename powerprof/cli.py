@@ -687,7 +687,8 @@ def _fraction_option(ctx, param, value):
 @click.option("--min-requests", default=5, show_default=True, type=click.IntRange(2, 10000),
               help="Measured requests per level before the CI target may stop it.")
 @click.option("--max-requests", default=200, show_default=True, type=click.IntRange(2, 100000),
-              help="Measured requests per level at most.")
+              help="Measured requests per level at most, rounded up to whole rounds of the prompt set (every level "
+                   "measures the same prompts).")
 @click.option("--max-time", "max_time_s", default=120.0, show_default=True, type=click.FloatRange(1, 86400), help="Seconds of measuring per level (after warm-up) before it stops even short of --target-ci; the round of prompts in progress still finishes.")
 @click.option("--warmup", default=2, show_default=True, type=click.IntRange(0, 100), help="Warm-up requests per level (discarded).")
 @click.option("--idle-s", default=5.0, show_default=True, type=click.FloatRange(0, 3600), help="Seconds of idle baseline before the first level.")

@@ -68,6 +68,17 @@ def test_weighted_policy_is_described_as_the_code_computes_it():
     assert "Pmax/T" in run("analyze", "-h").output
 
 
+def test_max_requests_help_says_a_level_ends_on_a_whole_round():
+    # `sweep --max-requests 2` on the 4 built-in prompts measures 4 (stop_rule max-requests): the help said
+    # "at most", the sweep rounds up to a round so every level measures the same prompts.
+    from powerprof.sweep import Sweep, SweepSettings
+
+    sweep = Sweep.__new__(Sweep)
+    sweep.s, sweep.prompts = SweepSettings("power_limit", (300.0,), max_requests=2, min_requests=2), [1, 2, 3, 4]
+    assert sweep.round_size() == 4
+    assert "rounded up to whole rounds" in " ".join(run("sweep", "-h").output.split())
+
+
 def test_cap_not_engaged_does_not_claim_the_levels_measure_the_same_thing():
     rows = [{"level_kind": "power_limit", "level_value": v, "n_requests": 5, "flags": "cap-not-engaged",
              "cap_not_engaged": True, "avg_gpu_power_w": p} for v, p in ((300.0, 250.0), (280.0, 262.0))]
