@@ -201,6 +201,15 @@ def test_analyze_of_a_measure_run_says_what_it_is(tmp_path):
     assert "all warm-up, failed, or missing" not in r.output
 
 
+def test_one_level_is_not_recommended_against_itself(tmp_path):
+    # `sweep --limits 300` ended "Recommended limit: 300 W ...: 0.0% slower, 0.0% less energy per token than 300 W".
+    run = make_run(tmp_path / "run", seed_truth(), levels=(300,), n_requests=5)
+    r = CliRunner().invoke(main, ["analyze", str(run), "--bootstrap", "200"])
+    assert r.exit_code == 0, r.output
+    assert "One level measured (300 W): nothing to compare it with" in r.output
+    assert "Recommended limit" not in r.output and "0.0% less energy" not in r.output
+
+
 def test_a_directory_without_windows_is_not_a_run(tmp_path):
     (tmp_path / "empty").mkdir()
     with pytest.raises(AnalysisError, match="windows.parquet is missing"):

@@ -226,6 +226,12 @@ def recommendation_line(result: AnalysisResult) -> str:
     c = sr.recommendation
     u = _unit(sr)
     what = "limit" if u == "W" else "SM clock lock"
+    if sr.series.level_values.size == 1:
+        # Its "0.0% slower, 0.0% less energy" would be against itself: no figure, so none is printed.
+        line = (f"One level measured ({c.level_value:g} {u}): nothing to compare it with, so no {what} is "
+                f"recommended; sweep several levels (e.g. --{'limits' if u == 'W' else 'clocks'} with four values) "
+                "to find the sweet spot.")
+        return line + (" (simulated)" if result.simulated else "")
     line = (f"Recommended {what}: {c.recommended_value:g} {u} ({DESCRIPTIONS[c.policy]}"
             + (f", ≤ {c.params['max_slowdown']:.0%} slower" if c.policy == "budget" else "")
             + f"): {c.speed_loss_pct:.1f}% slower, {c.energy_saving_pct:.1f}% less energy per token than "
