@@ -196,8 +196,10 @@ def monitor(duration, interval, output, gpus, plain, as_json, rapl_backend, simu
             meta = {"powerprof_command": "monitor", "simulated": str(rig.simulated).lower(),
                     "gpus": json.dumps([{"index": i.index, "uuid": i.uuid, "name": i.name}
                                         for i in (src.nvml.infos if src.nvml else [])])}
-            path = write_table(timeline.to_table(), output, metadata=meta)
-            click.echo(f"wrote {len(timeline)} samples to {path}", err=True)
+            table = timeline.to_table()
+            path = write_table(table, output, metadata=meta)
+            # Rows, as the file holds them: one read of RAPL gives a row per zone.
+            click.echo(f"wrote {table.num_rows} rows ({len(timeline)} reads) to {path}", err=True)
 
 
 # --- control: power-limit and clock restore ------------------------------------------------

@@ -77,6 +77,8 @@ def test_monitor_writes_typed_parquet(tmp_path):
     assert r.exit_code == 0, r.output
     assert "gpu0 power=" in r.output and "package-0" in r.output and "reasons=GpuIdle" in r.output
     t = pq.read_table(out)
+    # The count it prints is the file's rows (it printed reads: 12 for 16 rows, RAPL giving a row per zone).
+    assert f"wrote {t.num_rows} rows" in r.output
     assert t.schema.field("time_utc").type == pa.timestamp("us", tz="UTC")
     for name in ("power_w", "energy_j", "sm_clock_mhz", "temperature_c", "power_limit_w", "cpu_util_pct"):
         assert t.schema.field(name).type == pa.float64()
