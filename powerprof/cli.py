@@ -173,6 +173,8 @@ def monitor(duration, interval, output, gpus, plain, as_json, rapl_backend, simu
             click.secho(f"problem ({p.source}): {p.message}", fg="yellow", err=True)
         if not src.collectors:
             raise click.ClickException("nothing to monitor")
+        for note in mon.interval_notes(src, interval):
+            click.echo(f"note: {note}", err=True)
         try:
             if as_json:
                 mon.run_monitor(src, interval, duration, timeline=timeline,

@@ -27,6 +27,17 @@ from powerprof.storage.samples import Timeline
 TickFn = Callable[[int, dict], None]
 
 
+def interval_notes(sources: Sources, interval_s: float) -> list[str]:
+    """What this interval cannot show, said once at the start rather than as a column of '-'."""
+    from powerprof.collectors.rapl import MIN_POWER_INTERVAL_S  # noqa: PLC0415
+
+    if sources.rapl is not None and interval_s < MIN_POWER_INTERVAL_S:
+        return [f"CPU power needs at least {MIN_POWER_INTERVAL_S:g} s between RAPL reads (its counters step too "
+                f"coarsely for less): at --interval {interval_s:g} it shows as '-' and is empty in --output; the "
+                f"energy (J) is still counted. Use --interval {MIN_POWER_INTERVAL_S:g} or more to see it."]
+    return []
+
+
 class _TickWatcher:
     """Subscriber that lets the main thread wait until every source has delivered tick k."""
 

@@ -93,6 +93,18 @@ def test_monitor_writes_typed_parquet(tmp_path):
     assert t.schema.metadata[b"simulated"] == b"true"
 
 
+def test_monitor_says_why_cpu_power_is_missing_at_a_fast_interval(tmp_path):
+    # At --interval 0.02 (allowed) every RAPL power was '-' on screen and null in --output, without a word.
+    out = tmp_path / "fast.parquet"
+    r = run("monitor", "--simulate", "--duration", "0.2", "--interval", "0.02", "--plain", "--output", str(out))
+    assert r.exit_code == 0, r.output
+    assert "CPU power needs at least 0.05 s between RAPL reads" in r.output
+    d = pq.read_table(out).to_pydict()
+    assert all(p is None for p, src in zip(d["power_w"], d["source"]) if src == "rapl")  # what the note explains
+    r = run("monitor", "--simulate", "--duration", "0.2", "--interval", "0.1", "--plain")
+    assert r.exit_code == 0 and "CPU power needs" not in r.output
+
+
 def test_monitor_writes_csv_with_the_samples_columns(tmp_path):
     out = tmp_path / "x.csv"
     r = run("monitor", "--simulate", "a100-40g", "--duration", "0.2", "--interval", "0.1", "--output", str(out))
