@@ -240,3 +240,15 @@ def test_cli_export_of_a_damaged_table_names_it_and_leaves_no_part_of_it(run, tm
     else:
         assert "table windows" in r.output and not (out / "windows.csv").exists()
         assert [f.name for f in out.iterdir() if f.name.startswith(".")] == []  # no temporary left
+
+
+def test_xlsx_export_survives_control_characters_in_text(tmp_path):
+    # A server's error body with an ANSI colour or a NUL (windows.error, the daemon's requests.error)
+    # made openpyxl raise IllegalCharacterError: the whole export died with a traceback.
+    src = tmp_path / "errors.parquet"
+    pq.write_table(pa.table({"error": ["HTTP 500: \x1b[31mboom\x00", None], "power_w": [1.0, None]}), src)
+    out = tmp_path / "e.xlsx"
+    r = CliRunner().invoke(main, ["export", str(src), "--format", "xlsx", "--out", str(out)])
+    assert r.exit_code == 0, (r.output, r.exception)
+    rows = list(load_workbook(out)["errors"].iter_rows(values_only=True))
+    assert rows[1] == ("HTTP 500: \ufffd[31mboom\ufffd", 1)

@@ -530,7 +530,14 @@ def _time_cell(ws, value, cell_cls):
 
 
 def _xlsx_values(arr: pa.ChunkedArray) -> list:
-    """Cell values: Excel has no time zones, so timestamps become naive (UTC or local, per the header)."""
+    """Cell values: Excel has no time zones, so timestamps become naive (UTC or local, per the header).
+
+    A sheet cannot hold control characters (a server's error text may carry an ANSI colour or a NUL):
+    each becomes U+FFFD, rather than the whole export failing on one cell."""
     if pa.types.is_timestamp(arr.type) and arr.type.tz:
         arr = pc.local_timestamp(arr.cast(pa.timestamp(arr.type.unit, tz="UTC")))
+    if pa.types.is_string(arr.type) or pa.types.is_large_string(arr.type):
+        from openpyxl.cell.cell import ILLEGAL_CHARACTERS_RE  # noqa: PLC0415
+
+        return [v if v is None else ILLEGAL_CHARACTERS_RE.sub("\ufffd", v) for v in arr.to_pylist()]
     return arr.to_pylist()
