@@ -26,6 +26,17 @@ from .sweetspot import DESCRIPTIONS, POLICIES, PolicyParams
 FORMATS = ("md", "html")
 
 
+def _digest(path: Path) -> str | None:
+    import hashlib  # noqa: PLC0415
+
+    try:
+        with open(path, "rb") as f:
+            return hashlib.file_digest(f, "sha256").hexdigest() if hasattr(hashlib, "file_digest") else \
+                hashlib.sha256(f.read()).hexdigest()
+    except OSError:
+        return None
+
+
 def analyze_run(
     run_dirs,
     out_dir=None,
@@ -54,7 +65,20 @@ def analyze_run(
         params = PolicyParams(max_slowdown=max_slowdown, eta=eta)
     except ValueError as e:
         raise AnalysisError(str(e)) from None
+    # One directory named twice (a glob and a path, a trailing slash) would count its windows twice and
+    # narrow every CI by √2: each directory once, and a copy of a run (the same run_id) is refused.
+    unique: dict[Path, Path] = {}
+    for p in run_dirs:
+        unique.setdefault(p.resolve(), p)
+    run_dirs = list(unique.values())
     runs = [read_run_info(p) for p in run_dirs]
+    seen: dict[tuple, Path] = {}
+    for r in runs:
+        key = (r.run_id, _digest(r.path / "windows.parquet"))
+        if key in seen:
+            raise AnalysisError(f"{seen[key]} and {r.path} hold the same run (run_id {r.run_id}): pooled, its "
+                                "windows would count twice and every confidence interval be too narrow; give it once")
+        seen[key] = r.path
     check_compatible(runs, force)
     windows = read_windows(runs)
     knob_result, where = _configurations(runs, max_slowdown)
