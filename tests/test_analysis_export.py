@@ -252,3 +252,11 @@ def test_xlsx_export_survives_control_characters_in_text(tmp_path):
     assert r.exit_code == 0, (r.output, r.exception)
     rows = list(load_workbook(out)["errors"].iter_rows(values_only=True))
     assert rows[1] == ("HTTP 500: \ufffd[31mboom\ufffd", 1)
+
+
+def test_a_source_named_twice_is_exported_once(run, tmp_path):
+    # `export run run/` wrote every row twice (40 windows became 80).
+    n = pq.read_table(run / "windows.parquet").num_rows
+    r = CliRunner().invoke(main, ["export", str(run), str(run) + "/", "--format", "csv", "--out", str(tmp_path / "o")])
+    assert r.exit_code == 0, r.output
+    assert len(pd.read_csv(tmp_path / "o" / "windows.csv")) == n

@@ -107,7 +107,11 @@ def expand(srcs) -> list[str]:
             out.append(s)
     if not out:
         raise ExportError("give at least one source: a run directory, a daemon dataset folder, a .parquet file")
-    return out
+    # A source named twice (a glob and a path) would export its rows twice.
+    unique: dict[str, str] = {}
+    for s in out:
+        unique.setdefault(s if is_uri(s) else str(Path(s).resolve()), s)
+    return list(unique.values())
 
 
 def union_sources(groups: list[list[Source]]) -> list[Source]:
