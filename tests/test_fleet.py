@@ -77,6 +77,14 @@ def test_analyze_cli_takes_a_glob_of_node_datasets(fleet, tmp_path):
     _check(pq.read_table(tmp_path / "fleet.parquet").to_pylist(), truth)
 
 
+def test_a_node_named_twice_counts_once(fleet, tmp_path):
+    # `analyze node-3 node-3/` (or a glob plus a path) doubled that node's requests, tokens and energy.
+    base, truth = fleet
+    res = CliRunner().invoke(main, ["analyze", str(base / "node-*"), str(base / "node-3") + "/", "--out", str(tmp_path)])
+    assert res.exit_code == 0, res.output
+    _check(pq.read_table(tmp_path / "fleet.parquet").to_pylist(), truth)
+
+
 def test_export_unions_the_nodes_tables(fleet, tmp_path):
     base, truth = fleet
     files = export([str(base / f"node-{k}") for k in range(NODES)], "parquet", tmp_path / "out", columns=["host", "request_id"])

@@ -40,7 +40,11 @@ def expand_sources(sources) -> list[str]:
             out.extend(hits)
         else:
             out.append(s)
-    return out
+    # A source named twice (a glob and a path, a trailing slash) would count its rows twice.
+    unique: dict[str, str] = {}
+    for s in out:
+        unique.setdefault(s if is_uri(s) else str(Path(s).resolve()), s)
+    return list(unique.values())
 
 
 def is_daemon_dataset(path: str) -> bool:
