@@ -236,7 +236,9 @@ def fix_for(reason: str | None) -> str:
     if "bursts" in r or "did not say" in r or "without saying" in r or "no token" in r:
         return (
             "a buffering proxy sits between powerprof and the server, or the server sends tokens in large groups: "
-            "point --server at the server itself, or turn buffering off (nginx: proxy_buffering off)"
+            "point --server at the server itself, or turn buffering off (nginx: proxy_buffering off); with "
+            "speculative decoding (several tokens per event) short requests come in a few groups: generate more "
+            "tokens per request (--max-tokens)"
         )
     if "client was late" in r or "starved" in r:
         return "powerprof was starved of CPU: run it on a less busy host or core (e.g. taskset, nice -n -5)"

@@ -206,3 +206,13 @@ def test_lag_monitor_counts_a_stall_before_a_read_not_one_that_starts_with_it():
     assert lag.lag_at(late) >= 0.07
     assert lag.lag_at(prompt) < 0.05  # not the 80 ms stall that followed it (a loaded host may add a little)
     assert lag.lag_over(late - 100_000_000, prompt + 100_000_000) >= 0.07
+
+
+def test_burst_advice_names_short_speculative_requests_too():
+    # `measure --simulate --requests 4 --concurrency 4 --max-tokens 16` (no proxy anywhere): the seed card's
+    # speculative decode sends ~4 tokens an event, so 16 tokens come in a few groups, and the only advice
+    # was to remove a buffering proxy.
+    from powerprof.arrival import fix_for
+
+    fix = fix_for("4 of 4 streams not stream-timed: one read carried 27% of the decode tokens: delivered in bursts")
+    assert "proxy_buffering off" in fix and "--max-tokens" in fix and "speculative" in fix
