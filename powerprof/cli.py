@@ -406,7 +406,7 @@ def _int_list(ctx, param, value: str) -> list[int]:
 @click.option("--server", "url", metavar="URL", help="Inference server base URL, e.g. http://127.0.0.1:8080.")
 @simulate_option
 @click.option("--out", "out_dir", type=click.Path(file_okay=False), help="Output directory (default runs/<time>-measure).")
-@click.option("--requests", "n_requests", type=click.IntRange(1), default=8, show_default=True, help="Measured requests per concurrency.")
+@click.option("--requests", "n_requests", type=click.IntRange(1), default=8, show_default=True, help="Measured requests per concurrency (rounded up to whole batches of its streams).")
 @click.option("--concurrency", default="1", callback=_int_list, show_default=True, help="Streams at once, e.g. 1,4.")
 @click.option("--warmup", type=click.IntRange(0), default=1, show_default=True, help="Warm-up requests (recorded, flagged, not counted).")
 @click.option("--launch", metavar="CMD", help="Start the server with CMD, wait for /health, stop it at the end.")

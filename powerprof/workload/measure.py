@@ -192,9 +192,15 @@ def measure(
                 if note:
                     notes.append(note)
                 probe = asyncio.get_running_loop().create_task(_max_waiting(s, server)) if c > 1 and server.kind == "vllm" else None
+                # Whole batches only: a last batch of fewer streams (or --requests below the concurrency) would
+                # be measured at fewer streams and reported as this concurrency.
+                n = -(-n_requests // c) * c
+                if n != n_requests:
+                    notes.append(f"concurrency {c}: {n} requests (--requests {n_requests} rounded up to whole "
+                                 f"batches of {c} streams)")
                 try:
                     recs = await run_load_async(
-                        server, prompts, n_requests, c, params, hook, warmup if k == 0 else 0, policy, s, rid, bid
+                        server, prompts, n, c, params, hook, warmup if k == 0 else 0, policy, s, rid, bid
                     )
                 except LoadAborted as e:
                     records += e.records
