@@ -72,6 +72,7 @@ def analyze_run(
         unique.setdefault(p.resolve(), p)
     run_dirs = list(unique.values())
     runs = [read_run_info(p) for p in run_dirs]
+    check_compatible(runs, force)
     seen: dict[tuple, Path] = {}
     for r in runs:
         key = (r.run_id, _digest(r.path / "windows.parquet"))
@@ -79,7 +80,6 @@ def analyze_run(
             raise AnalysisError(f"{seen[key]} and {r.path} hold the same run (run_id {r.run_id}): pooled, its "
                                 "windows would count twice and every confidence interval be too narrow; give it once")
         seen[key] = r.path
-    check_compatible(runs, force)
     windows = read_windows(runs)
     knob_result, where = _configurations(runs, max_slowdown)
     if where is not None:
