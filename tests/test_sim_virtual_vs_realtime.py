@@ -20,8 +20,11 @@ loop's lateness on a loaded 2-core machine (a step ends when the loop wakes, not
 schedule), which is about 20 ms of unscaled time. What the client sees adds the HTTP hop
 and its own loop: checked within 20% plus 6 ms. On a busier machine every bound widens by the
 process's measured lateness (`_Lateness`, p95 of a 5 ms sleep's oversleep; 0.7 ms with the
-suite's other worker beside it, 7.5 ms with three busy loops on 2 cores): the real-time side
-is only as exact as its loop, and the report prints the lateness used.
+suite's other worker beside it, 7.5 ms with three busy loops on 2 cores), and what the client
+sees by its own loop's lateness (a 5 ms asyncio sleep's oversleep, measured in the clients'
+loop: one suite run on a loaded machine put a client TTFT p95 16% over the virtual one while
+the server's own was 4.5% over): the real-time side is only as exact as its loop, and the
+report prints the lateness used.
 """
 
 from __future__ import annotations
@@ -188,13 +191,32 @@ def test_virtual_time_server_agrees_with_the_real_time_simulated_server():
     trace = [dataclasses.replace(r, t_s=r.t_s / SCALE) for r in _trace()]
     virtual = _virtual(profile, trace)
 
+    loop_late_s: list[float] = []
+
     async def all_levels():
-        return await asyncio.gather(*[_live_level(profile, trace, lv) for lv in LEVELS_W])
+        # The clients stamp their times on this one loop, shared by the three replays: a callback
+        # queued behind the others' chunks is late by more than the process's oversleep (the thread
+        # above does not wait for the loop). Measured in the loop itself, for the client checks.
+        done = asyncio.Event()
+
+        async def probe():
+            while not done.is_set():
+                t = time.monotonic()
+                await asyncio.sleep(0.005)
+                loop_late_s.append(time.monotonic() - t - 0.005)
+
+        task = asyncio.create_task(probe())
+        try:
+            return await asyncio.gather(*[_live_level(profile, trace, lv) for lv in LEVELS_W])
+        finally:
+            done.set()
+            await task
 
     with _Lateness() as lateness:
         live = dict(zip(LEVELS_W, asyncio.run(all_levels())))
     late_s = lateness.p95_s()
-    report, bad = [f"process lateness p95 {late_s * 1e3:.1f} ms"], []
+    client_late_s = max(late_s, float(np.percentile(loop_late_s, 95)) if loop_late_s else 0.0)
+    report, bad = [f"process lateness p95 {late_s * 1e3:.1f} ms, client loop {client_late_s * 1e3:.1f} ms"], []
     for lv in LEVELS_W:
         v, (s, c) = virtual[lv], live[lv]
         report.append(f"{lv:g} W: " + ", ".join(
@@ -205,7 +227,7 @@ def test_virtual_time_server_agrees_with_the_real_time_simulated_server():
             if abs(s[k] / v[k] - 1) > tol[k]:
                 bad.append(f"{lv:g} W {k}: virtual {v[k]:.4g}, live {s[k]:.4g} ({s[k] / v[k] - 1:+.1%})")
         bad += [f"{lv:g} W server {x}" for x in _compare(v, s, late_s=late_s)]
-        bad += [f"{lv:g} W client {x}" for x in _compare(v, c, CLIENT_EXTRA_S, late_s)]
+        bad += [f"{lv:g} W client {x}" for x in _compare(v, c, CLIENT_EXTRA_S, client_late_s)]
     print("\n" + "\n".join(report))
     assert not bad, "\n".join(bad + report)
     # The comparison has teeth: the levels differ by far more than the tolerance.
