@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import gc
 import json
+import weakref
 
 import pytest
 
@@ -300,6 +302,26 @@ def test_count_only_parser_counts_what_the_full_parser_counts(api, split):
         assert counter.count(piece) == sum(a), (i, piece)
     assert full.finish() == quick.finish() == counter.finish()
     assert quick._parsed_one
+
+
+@pytest.mark.parametrize("api", sorted(COUNT_ONLY_CASES))
+def test_a_finished_parser_is_freed_at_once_not_by_the_garbage_collector(api):
+    """The proxy makes one parser per request: a parser caught in a reference cycle waits for Python's
+    cyclic collector, whose passes then grow with the traffic (docs/benchmarks.md, proxy)."""
+    enabled = gc.isenabled()
+    gc.disable()
+    try:
+        for count_only in (False, True):
+            p = StreamParser(api, count_only=count_only)
+            for piece in (e + b"\n\n" for e in COUNT_ONLY_CASES[api].split(b"\n\n") if e):
+                p.count(piece)
+            p.finish()
+            ref = weakref.ref(p)
+            del p
+            assert ref() is None, f"count_only={count_only}: the parser outlives its last reference"
+    finally:
+        if enabled:
+            gc.enable()
 
 
 def test_count_only_parser_skips_json_for_plain_chunks():

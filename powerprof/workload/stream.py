@@ -124,7 +124,7 @@ class StreamParser:
         self._buf = b""
         self._pending: list[bytes] = []  # data lines of an event not yet dispatched
         self._s = _State()
-        self._handle = self._llamacpp if api == "llamacpp" else self._openai
+        self._llamacpp_api = api == "llamacpp"
         self._quick = count_only
         self._parsed_one = False
 
@@ -217,6 +217,14 @@ class StreamParser:
         return self._summary()
 
     # --- payloads ------------------------------------------------------------------------------
+
+    def _handle(self, obj: dict, out: list[TokenEvent]) -> None:
+        # Chosen per call, not kept as a bound method on the instance: that would make every parser a
+        # reference cycle, freed only by the garbage collector (the proxy makes one per request).
+        if self._llamacpp_api:
+            self._llamacpp(obj, out)
+        else:
+            self._openai(obj, out)
 
     def _dispatch(self, payload: bytes, out: list[TokenEvent]) -> None:
         if payload == b"[DONE]":
