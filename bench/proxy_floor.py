@@ -3,10 +3,11 @@
     .venv/bin/python bench/proxy_floor.py [--streams 64] [--rounds 2] [--tokens 8,32,128] [--kinds bare,proxy,worker,nginx]
                                           [--gap-ms 2] [--staggered] [--requests-per-stream 8]
 
-The upstream of bench/proxy_latency.py (SSE events 2 ms apart, one chunk each, 8/32/128 per response;
-`--gap-ms 25 --streams 256 --staggered`: the GPU-like pace, each stream's first request at a random
-phase of one response's duration, where nearly every chunk is its own wake-up) in one process; in another, either a bare relay (uvloop protocols: each read written to the other
-side, no HTTP, no parsing), `Proxy` with a null recorder (no ledger), or a proxy worker as
+The upstream of bench/proxy_latency.py (SSE events 2 ms apart, one chunk each, 8/32/128 per
+response; `--gap-ms 25 --streams 256 --staggered`: the GPU-like pace, each stream's first request
+at a random phase of one response's duration, where nearly every chunk is its own wake-up) in one
+process; in another, either a bare relay (uvloop protocols: each read written to the other side,
+no HTTP, no parsing), `Proxy` with a null recorder (no ledger), or a proxy worker as
 `proxy.workers > 1` runs it (`WorkerProxy` with its shipping recorder, the records written to a
 socket that this process reads and discards: the daemon's replay is not counted), or nginx
 (`nginx`, bench/_nginx.py: one worker process, `proxy_buffering off`, keep-alive upstream; the
