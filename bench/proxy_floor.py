@@ -1,13 +1,18 @@
 """The floor under the proxy's CPU per token: a bare TCP relay next to the proxy alone, user and system time apart.
 
-    .venv/bin/python bench/proxy_floor.py [--streams 64] [--rounds 2] [--tokens 8,32,128] [--kinds bare,proxy,worker]
+    .venv/bin/python bench/proxy_floor.py [--streams 64] [--rounds 2] [--tokens 8,32,128] [--kinds bare,proxy,worker,nginx]
+                                          [--gap-ms 2] [--staggered] [--requests-per-stream 8]
 
-The upstream of bench/proxy_latency.py (SSE events 2 ms apart, one chunk each, 8/32/128 per response)
-in one process; in another, either a bare relay (uvloop protocols: each read written to the other
-side, no HTTP, no parsing), `Proxy` with a null recorder (no ledger), or a proxy worker as
+The upstream of bench/proxy_latency.py (SSE events 2 ms apart, one chunk each, 8/32/128 per
+response; `--gap-ms 25 --streams 256 --staggered`: the GPU-like pace, each stream's first request
+at a random phase of one response's duration, where nearly every chunk is its own wake-up) in one
+process; in another, either a bare relay (uvloop protocols: each read written to the other side,
+no HTTP, no parsing), `Proxy` with a null recorder (no ledger), or a proxy worker as
 `proxy.workers > 1` runs it (`WorkerProxy` with its shipping recorder, the records written to a
-socket that this process reads and discards: the daemon's replay is not counted); the load
-generator in a third. CPU per chunk (tokens + 1 per response) from the relay process's /proc schedstat, split into user
+socket that this process reads and discards: the daemon's replay is not counted), or nginx
+(`nginx`, bench/_nginx.py: one worker process, `proxy_buffering off`, keep-alive upstream; the
+native yardstick, skipped with a message where nginx is not installed); the load generator in a
+third. CPU per chunk (tokens + 1 per response) from the relay process's /proc schedstat, split into user
 and system time from /proc/<pid>/stat (clock ticks: read over seconds, not per request). The bare
 relay's system time is what the kernel charges for one recv and one send per chunk on this
 machine; no forwarder in one process gets below it with one chunk per token. A straight line
@@ -29,6 +34,7 @@ import time
 from pathlib import Path
 
 import proxy_latency as pl  # bench/ is on sys.path when a bench runs
+from _nginx import start_nginx
 
 
 def relay_main(up_port: int, port_file: str, kind: str) -> None:
@@ -98,9 +104,16 @@ def relay_main(up_port: int, port_file: str, kind: str) -> None:
     uvloop.run(run())
 
 
-def _user_sys_ticks(pid: int) -> tuple[int, int]:
-    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    return int(fields[11]), int(fields[12])
+def _user_sys_ticks(meter: "pl.CpuMeter") -> tuple[int, int]:
+    """User and system clock ticks of the relay's process and its children (nginx: master and worker)."""
+    user = system = 0
+    for pid in meter.pids():
+        try:
+            fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        user, system = user + int(fields[11]), system + int(fields[12])
+    return user, system
 
 
 def _drain(sock, count: list) -> None:
@@ -119,9 +132,13 @@ def _wait_port(path: Path) -> int:
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--streams", type=int, default=64)
+    ap.add_argument("--requests-per-stream", type=int, default=8)
+    ap.add_argument("--gap-ms", type=float, default=2.0, help="time between a response's tokens (25: GPU-like)")
+    ap.add_argument("--staggered", action="store_true",
+                    help="each stream's first request at a random phase of one response's duration")
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--tokens", default="8,32,128", help="tokens per response, one case each")
-    ap.add_argument("--kinds", default="bare,proxy,worker", help="relays to measure")
+    ap.add_argument("--kinds", default="bare,proxy,worker", help="relays to measure: bare, proxy, worker, nginx")
     a = ap.parse_args()
     tmp = Path(tempfile.mkdtemp(prefix="powerprof-floor-"))
     procs = [subprocess.Popen([sys.executable, pl.__file__, "--upstream", str(tmp / "up")])]
@@ -129,8 +146,8 @@ def main() -> None:
     shipped = [0]  # record bytes the worker relay sent
     try:
         up_port = _wait_port(tmp / "up")
-        print(f"{a.streams} streams, 8 requests per stream; CPU per chunk of the relaying process (best of "
-              f"{a.rounds})")
+        print(f"{a.streams} streams, {a.requests_per_stream} requests per stream, tokens {a.gap_ms:g} ms apart"
+              f"{', staggered starts' if a.staggered else ''}; CPU per chunk of the relaying process (best of {a.rounds})")
         print("relay  tokens  total_us  user_us  sys_us   tok_s")
         per_response = {}
         for kind in a.kinds.split(","):
@@ -139,23 +156,32 @@ def main() -> None:
                 ours, theirs = socket.socketpair()
                 fds, env = (theirs.fileno(),), {**os.environ, "POWERPROF_FLOOR_FD": str(theirs.fileno())}
                 threading.Thread(target=_drain, args=(ours, shipped), daemon=True).start()
-            procs.append(subprocess.Popen([sys.executable, __file__, "--relay", str(up_port), str(tmp / kind), kind],
-                                          pass_fds=fds, env=env))
-            if kind == "worker":
-                theirs.close()
-            url = f"http://127.0.0.1:{_wait_port(tmp / kind)}"
+            if kind == "nginx":
+                started = start_nginx(up_port, tmp)
+                if isinstance(started, str):
+                    print(f"nginx: {started}")
+                    continue
+                proc, url = started
+                procs.append(proc)
+            else:
+                procs.append(subprocess.Popen([sys.executable, __file__, "--relay", str(up_port), str(tmp / kind),
+                                               kind], pass_fds=fds, env=env))
+                if kind == "worker":
+                    theirs.close()
+                url = f"http://127.0.0.1:{_wait_port(tmp / kind)}"
             meter = pl.CpuMeter(procs[-1].pid)
             asyncio.run(pl.load(url, 4, 2))
             for tokens in [int(x) for x in a.tokens.split(",")]:
                 best = None
                 for _ in range(a.rounds):
-                    c0, t0, b0 = meter.own_s(), _user_sys_ticks(procs[-1].pid), shipped[0]
-                    r = asyncio.run(pl.load(url, a.streams, 8, tokens=tokens))
+                    c0, t0, b0 = meter.own_s(), _user_sys_ticks(meter), shipped[0]
+                    r = asyncio.run(pl.load(url, a.streams, a.requests_per_stream, a.gap_ms / 1e3, tokens=tokens,
+                                            stagger_s=tokens * a.gap_ms / 1e3 if a.staggered else 0.0))
                     time.sleep(0.1)  # the last records
-                    c1, t1 = meter.own_s(), _user_sys_ticks(procs[-1].pid)
-                    n = a.streams * 8 * (tokens + 1)
+                    c1, t1 = meter.own_s(), _user_sys_ticks(meter)
+                    n = a.streams * a.requests_per_stream * (tokens + 1)
                     row = (1e6 * (c1 - c0) / n, 1e6 * (t1[0] - t0[0]) / hz / n, 1e6 * (t1[1] - t0[1]) / hz / n,
-                           r["tok_s"], (shipped[0] - b0) / (a.streams * 8 * tokens))
+                           r["tok_s"], (shipped[0] - b0) / (a.streams * a.requests_per_stream * tokens))
                     best = row if best is None or row[0] < best[0] else best
                 per_response.setdefault(kind, []).append((tokens + 1, best[0] * (tokens + 1)))
                 extra = f"  {best[4]:.1f} record bytes per token" if kind == "worker" else ""

@@ -2,7 +2,7 @@
 
     .venv/bin/python bench/proxy_latency.py [--streams 1,64,256] [--pace 256x25] [--requests-per-stream 8]
                                             [--workers 1,2] [--arrivals herd,staggered,batched] [--rounds 2]
-                                            [--baseline /work/main] [--bare] [--proxy-alone] [--tokens 32]
+                                            [--baseline /work/main] [--bare] [--proxy-alone] [--nginx] [--tokens 32]
 
 An upstream process serves deterministic SSE streams (`--tokens` per response, 32 unless told); the real daemon
 (`powerprof daemon --simulate --upstream URL`, recording and attribution on) runs in another
@@ -33,7 +33,10 @@ tree's (`after`), both measured in the same rounds.
 HTTP, no counting) in its own process is measured as one more path in the same rounds: what any
 forwarder in a separate process adds on this machine, whatever it does per byte. `--proxy-alone`:
 `Proxy` with a null recorder in its own process (`alone`; no ledger, sampler or flushes), so
-what the daemon around the proxy adds shows apart.
+what the daemon around the proxy adds shows apart. `--nginx`: nginx (bench/_nginx.py: one worker process,
+`proxy_buffering off`, HTTP/1.1 keep-alive upstream, a config generated in the bench's temp dir, started
+and stopped by the bench; skipped, saying so, where nginx is not installed) as one more path: what a
+native forwarder costs per token on this machine, its worker's CPU read per thread like the others'.
 
 `--workers 1,2`: one daemon per value (`proxy.workers`: 1 = the proxy in the daemon, N > 1 = N
 proxy processes on SO_REUSEPORT whose records the daemon replays), all started at once; each
@@ -55,6 +58,7 @@ import time
 from pathlib import Path
 
 from _daemon import wait_for_daemon_info  # bench/ is on sys.path when a bench runs
+from _nginx import start_nginx
 
 TOKENS = 32
 GAP_S = 0.002
@@ -202,7 +206,8 @@ def run_case(label: str, direct: str, proxies: dict, streams: int, per_stream: i
                          "cpu_us_token": 1e6 * cpu_s[name] / (n_req * tokens), "cpu_us_request": 1e6 * cpu_s[name] / n_req,
                          "workers_us_token": 1e6 * kids_s[name] / (n_req * tokens)}
         split = (f" (workers {r['workers_us_token']:.1f}, the daemon's replay and accounts "
-                 f"{r['cpu_us_token'] - r['workers_us_token']:.1f})" if r["workers_us_token"] > 0 else "")
+                 f"{r['cpu_us_token'] - r['workers_us_token']:.1f})" if r["workers_us_token"] > 0 and name != "nginx"
+                 else "")  # nginx's CPU is its worker's (its master idles)
         print(f"{label:>18s}  {name:9s} added ttfb {r['ttfb_ms']:+.2f} ms, {r['per_token_ms']:+.3f} ms per token (p50); "
               f"throughput proxy/direct {r['ratio']:.2f}; proxy CPU {r['cpu_us_token']:.1f} us/token{split}, "
               f"{r['cpu_us_request']:.0f} us/request")
@@ -231,6 +236,9 @@ def main() -> None:
     ap.add_argument("--proxy-alone", action="store_true",
                     help="also `Proxy` with a null recorder in its own process (bench/proxy_floor.py's 'proxy'): "
                          "the proxy without the daemon around it")
+    ap.add_argument("--nginx", action="store_true",
+                    help="also nginx (one worker, proxy_buffering off, keep-alive upstream) as one more path: "
+                         "what a native forwarder costs per token here; skipped with a message if not installed")
     a = ap.parse_args()
     workers = [int(x) for x in a.workers.split(",") if x]
     arrivals = [x for x in a.arrivals.split(",") if x]
@@ -279,6 +287,12 @@ def main() -> None:
                     break
                 time.sleep(0.05)
             proxies[name] = f"http://127.0.0.1:{relay_file.read_text()}"
+        if a.nginx:
+            started = start_nginx(int(port_file.read_text()), tmp)
+            if isinstance(started, str):
+                print(f"--nginx: {started}")
+            else:  # the master's CPU and its worker's, summed (the master idles)
+                daemons["nginx"], proxies["nginx"] = started
         asyncio.run(load(direct, 4, 2))
         for url in proxies.values():
             asyncio.run(load(url, 4, 2))  # warm every path

@@ -92,6 +92,31 @@ def test_every_body_framing_is_decoded_at_any_split(name):
         assert status == (201 if name == "interim" else 204 if name == "no content" else 200)
 
 
+def test_a_read_of_several_whole_chunks_is_handed_on_as_it_came():
+    """A proxy that falls behind reads several chunks at once: their payload goes on in one piece with
+    the read itself as the client's framing (not decoded and framed afresh); a read with anything else
+    in it (an extension, the last chunk) takes the general path, with the same payload."""
+
+    async def go():
+        pool = UpstreamPool("http://127.0.0.1:1", 1.0, 60.0, 0)
+        ex = Exchange(pool)
+        ex.connection_made(FakeTransport())
+        ex.start("GET", b"")
+        ex.data_received(b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n")
+        got = []
+        ex.attach(lambda body, framed: got.append((body, framed)))
+        for read in (b"3\r\nabc\r\n2\r\nde\r\n", b"1\r\nf\r\n1;x=1\r\ng\r\n", b"2\r\nhi\r\n0\r\n\r\n"):
+            ex.data_received(read)
+        await asyncio.wait_for(ex.done, 1)
+        return got, ex.reusable
+
+    got, reusable = _run(go())
+    assert got[0] == (b"abcde", b"3\r\nabc\r\n2\r\nde\r\n")
+    assert b"".join(body for body, _ in got) == b"abcdefghi"
+    assert all(framed is None for _, framed in got[1:])
+    assert reusable
+
+
 def test_bad_framing_fails_the_exchange_instead_of_guessing():
     async def one(raw):
         ex = Exchange(UpstreamPool("http://127.0.0.1:1", 1.0, 60.0, 0))

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import gc
 import json
+import weakref
 
 import pytest
 
@@ -280,15 +282,18 @@ COUNT_ONLY_CASES = {
 
 
 @pytest.mark.parametrize("api", sorted(COUNT_ONLY_CASES))
-@pytest.mark.parametrize("split", [None, 1, 9, "event"])
+@pytest.mark.parametrize("split", [None, 1, 9, "event", "pairs", "triples"])
 def test_count_only_parser_counts_what_the_full_parser_counts(api, split):
     """The proxy's parser counts plain token chunks from their bytes (`count`, or `feed` in count-only
     mode): the counts, the summary and each chunk's arrival must be exactly the full parser's.
-    "event": one chunk per SSE event, as servers write tokens (count's fast path)."""
+    "event": one chunk per SSE event, as servers write tokens (count's fast path); "pairs", "triples":
+    several events per chunk, as a proxy that fell behind reads them."""
     data = COUNT_ONLY_CASES[api]
     full, quick, counter = StreamParser(api), StreamParser(api, count_only=True), StreamParser(api, count_only=True)
-    if split == "event":
-        pieces = [e + b"\n\n" for e in data.split(b"\n\n") if e]
+    if split in ("event", "pairs", "triples"):
+        events = [e + b"\n\n" for e in data.split(b"\n\n") if e]
+        k = {"event": 1, "pairs": 2, "triples": 3}[split]
+        pieces = [b"".join(events[i : i + k]) for i in range(0, len(events), k)]
         assert b"".join(pieces) == data
     else:
         step = len(data) if split is None else split
@@ -302,6 +307,26 @@ def test_count_only_parser_counts_what_the_full_parser_counts(api, split):
     assert quick._parsed_one
 
 
+@pytest.mark.parametrize("api", sorted(COUNT_ONLY_CASES))
+def test_a_finished_parser_is_freed_at_once_not_by_the_garbage_collector(api):
+    """The proxy makes one parser per request: a parser caught in a reference cycle waits for Python's
+    cyclic collector, whose passes then grow with the traffic (docs/benchmarks.md, proxy)."""
+    enabled = gc.isenabled()
+    gc.disable()
+    try:
+        for count_only in (False, True):
+            p = StreamParser(api, count_only=count_only)
+            for piece in (e + b"\n\n" for e in COUNT_ONLY_CASES[api].split(b"\n\n") if e):
+                p.count(piece)
+            p.finish()
+            ref = weakref.ref(p)
+            del p
+            assert ref() is None, f"count_only={count_only}: the parser outlives its last reference"
+    finally:
+        if enabled:
+            gc.enable()
+
+
 def test_count_only_parser_skips_json_for_plain_chunks():
     """The quick path is taken for compact chunks (it would otherwise cost a JSON parse per token)."""
     p = StreamParser("openai-chat", count_only=True)
@@ -312,6 +337,9 @@ def test_count_only_parser_skips_json_for_plain_chunks():
     assert p.count(chunk) == 1
     p = StreamParser("llamacpp", count_only=True)
     assert p._quick_count(b'{"content":"ab","tokens":[5,6],"stop":false}') == 2
+    p.count(b'data: {"content":"a","tokens":[1],"stop":false}\n\n')
+    p.feed = None  # several plain events in one chunk (a read that caught up): each counted from its bytes
+    assert p.count(b'data: {"content":"b","tokens":[2],"stop":false}\n\ndata: {"content":"cd","tokens":[3,4],"stop":false}\n\n') == 3
     assert p._quick_count(b'{"content":"","tokens":[],"stop":true}') is None
 
 

@@ -6,7 +6,7 @@ parsed once, then every `data_received` call decodes the body framing (Content-L
 until close) and hands everything that arrived in that read to `on_body(payload, framed)` as one piece, in the same
 callback: no task, no future, one client write per read (see docs/benchmarks.md, proxy). `framed`
 is the read itself when it is exactly one chunk of chunked framing (the usual case on a token
-stream), so a chunked client gets it unchanged; otherwise None.
+stream) or several whole ones, so a chunked client gets it unchanged; otherwise None.
 
 `UpstreamPool(url, ...)` keeps idle keep-alive connections; `Exchange` is one request on one
 connection: `send`, `response_head` (awaitable), then `attach(on_body)` and await `done`.
@@ -48,6 +48,24 @@ def _hex_size(s: bytes) -> int:
     if len(_SIZES) < _SIZES_MAX:
         _SIZES[s] = size
     return size
+
+
+def _whole_chunks(data: bytes, start: int, stop: int) -> bytes | None:
+    """The payload of `data` when it is nothing but whole chunks of data (the first one's payload is
+    data[start:stop]); None if anything else is in it (an extension, the last chunk, a partial chunk)."""
+    pieces = [data[start:stop]]
+    pos, n = stop + 2, len(data)
+    while pos < n:
+        end = data.find(b"\r\n", pos, pos + 18)
+        if end <= pos:
+            return None
+        size = _hex_size(data[pos:end])
+        stop = end + 2 + size
+        if size <= 0 or data[stop : stop + 2] != b"\r\n":
+            return None
+        pieces.append(data[end + 2 : stop])
+        pos = stop + 2
+    return b"".join(pieces)
 
 
 class UpstreamError(Exception):
@@ -153,13 +171,20 @@ class Exchange(asyncio.Protocol):
             if end > 0:
                 size = _hex_size(data[:end])
                 stop = end + 2 + size
-                if size > 0 and len(data) == stop + 2 and data[stop:] == b"\r\n":
-                    on_body = self.on_body
-                    if on_body is not None:
-                        on_body(data[end + 2 : stop], data)
+                if size > 0 and data[stop : stop + 2] == b"\r\n":
+                    if len(data) == stop + 2:
+                        piece = data[end + 2 : stop]
                     else:
-                        self._early.append(data[end + 2 : stop])
-                    return
+                        # Several whole chunks (a read that caught up with more than one token): also
+                        # passed on as they came, rather than re-decoded and framed afresh.
+                        piece = _whole_chunks(data, end + 2, stop)
+                    if piece is not None:
+                        on_body = self.on_body
+                        if on_body is not None:
+                            on_body(piece, data)
+                        else:
+                            self._early.append(piece)
+                        return
         if mode == "length":
             n = len(data)
             if n > self._left:

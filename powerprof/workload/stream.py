@@ -124,7 +124,7 @@ class StreamParser:
         self._buf = b""
         self._pending: list[bytes] = []  # data lines of an event not yet dispatched
         self._s = _State()
-        self._handle = self._llamacpp if api == "llamacpp" else self._openai
+        self._llamacpp_api = api == "llamacpp"
         self._quick = count_only
         self._parsed_one = False
 
@@ -195,11 +195,33 @@ class StreamParser:
         chunk that is exactly one compact `data: {...}` event, with nothing buffered before it (how
         servers write a token), is counted without building the event."""
         if (self._quick and self._parsed_one and not self._buf and not self._pending
-                and chunk[:7] == b"data: {" and chunk[-3:] == b"}\n\n" and chunk.count(b"\n") == 2):
+                and chunk[:7] == b"data: {" and chunk[-3:] == b"}\n\n"):
+            if chunk.count(b"\n") != 2:
+                return self._count_events(chunk)
             n = self._quick_count(chunk[6:-2])
             if n is not None:
                 return n if n > 0 and self._counted(n) else 0
         return sum(e.n_tokens for e in self.feed(chunk))
+
+    def _count_events(self, chunk: bytes) -> int:
+        """A chunk of several events (a read that caught up with more than one token): each whole plain
+        `data: {...}` event counted from its bytes, as `count` counts one; from the first that is not,
+        the rest goes through `feed` (nothing is buffered at an event's end, so the sum is feed's)."""
+        total, pos, size = 0, 0, len(chunk)
+        while pos < size:
+            end = chunk.find(b"\n\n", pos)
+            event = chunk[pos:end]
+            if end < 0 or event[:7] != b"data: {" or event[-1:] != b"}" or b"\n" in event:
+                break
+            n = self._quick_count(event[6:])
+            if n is None:
+                break
+            if n > 0 and self._counted(n):
+                total += n
+            pos = end + 2
+        if pos < size:
+            total += sum(e.n_tokens for e in self.feed(chunk[pos:]))
+        return total
 
     def finish(self) -> StreamSummary:
         """End of the byte stream. Flushes what is buffered and summarises."""
@@ -217,6 +239,14 @@ class StreamParser:
         return self._summary()
 
     # --- payloads ------------------------------------------------------------------------------
+
+    def _handle(self, obj: dict, out: list[TokenEvent]) -> None:
+        # Chosen per call, not kept as a bound method on the instance: that would make every parser a
+        # reference cycle, freed only by the garbage collector (the proxy makes one per request).
+        if self._llamacpp_api:
+            self._llamacpp(obj, out)
+        else:
+            self._openai(obj, out)
 
     def _dispatch(self, payload: bytes, out: list[TokenEvent]) -> None:
         if payload == b"[DONE]":
