@@ -175,8 +175,12 @@ def test_check_runs_on_the_simulator_read_only(trap_env, tmp_path, _isolated_sta
     for e in (idle, load):
         for rate in ("at_50hz", "at_1hz"):
             x = e[rate]
-            assert x["counter_vs_true"] == pytest.approx(1, abs=0.02), (e["state"], rate, x)
-            assert x["instant_vs_counter"] == pytest.approx(1, abs=0.03), (e["state"], rate, x)
+            # The counter refreshes every energy_counter_update_s: a read at either end of the interval may
+            # be up to one refresh old, so the counter's energy over it is exact only within that share of it
+            # (3.5 s of a 100 ms counter: 2.9%; a loaded run read 0.971 where the bound was a fixed 2%).
+            stale = truth.energy_counter_update_s / x["interval_s"]
+            assert x["counter_vs_true"] == pytest.approx(1, abs=max(0.02, 0.01 + stale)), (e["state"], rate, x)
+            assert x["instant_vs_counter"] == pytest.approx(1, abs=max(0.03, 0.02 + stale)), (e["state"], rate, x)
             assert x["average_vs_counter"] == pytest.approx(1, abs=0.05), (e["state"], rate, x)
         upd = e["update_intervals"]["counter"]["interval_ms_median"]
         assert upd == pytest.approx(truth.energy_counter_update_s * 1e3, rel=0.5), e["update_intervals"]
