@@ -10,6 +10,7 @@ import pytest
 
 from powerprof.daemon.latency import LATENCY_EDGES_S
 from powerprof.tuner.policy import (
+    LatencyModel,
     Tuner,
     TunerConfig,
     TunerConfigError,
@@ -625,3 +626,162 @@ def test_the_queue_rule_needs_the_figures_and_half_its_span():
 def test_queue_knobs_are_checked(bad):
     with pytest.raises(TunerConfigError, match="queue"):
         cfg(**bad)
+
+
+# --- the latency model (eighth attempt) ---------------------------------------------------------------------------
+
+
+def test_the_latency_model_fits_each_levels_offset_and_slope_and_keeps_lower_levels_slower():
+    m = LatencyModel(memory_s=1000.0, n_levels=4)
+    rng = np.random.default_rng(1)
+    for k, load in enumerate(np.geomspace(50, 200, 40)):
+        noise = rng.normal(0, 0.05)
+        # level 2: p95 at 30% of the SLO at 100 work/s, growing as load^1.5; level 3 (above) 0.8 of that
+        m.add(float(k), 2, load, 0.3 * (load / 100) ** 1.5 * math.exp(noise))
+        m.add(float(k), 3, load, 0.24 * (load / 100) ** 1.5 * math.exp(noise))
+    levels, pooled, sd = m.fit(40.0)
+    assert pooled == pytest.approx(1.5, abs=0.1) and levels[2][1] == pytest.approx(1.5, abs=0.1)
+    assert sd < 0.1 + 1e-9  # the noise is 0.05: the spread is floored at MIN_SD
+    mu2, _ = m.predict(40.0, 2, 150.0)
+    assert math.exp(mu2) == pytest.approx(0.3 * 1.5 ** 1.5, rel=0.05)
+    mu1, _ = m.predict(40.0, 1, 150.0)  # never seen: at least 1.25× the level above it, the step 3 → 2 repeated
+    assert mu1 >= mu2 + math.log(1.25) - 1e-9 and mu1 == pytest.approx(2 * mu2 - m.predict(40.0, 3, 150.0)[0], abs=1e-9)
+    assert m.predict(40.0, 0, 150.0)[0] > mu1
+    # A level above every level seen is taken as fast as the highest seen, never faster than the levels below it.
+    m.add(41.0, 1, 150.0, 0.1)  # one odd window: level 1 cannot read faster than level 2 above it
+    assert m.predict(41.0, 1, 150.0)[0] >= m.predict(41.0, 2, 150.0)[0]
+    assert m.count(41.0) == 81 and m.count(41.0, 1) == 1
+    assert m.count(1041.5) == 0 and m.predict(1041.5, 2, 150.0) is None  # windows older than memory_s are forgotten
+
+
+def test_the_latency_model_leans_on_the_default_spread_until_it_has_windows():
+    m = LatencyModel(memory_s=1000.0, n_levels=4)
+    m.add(0.0, 3, 100.0, 0.3)
+    assert m.fit(0.0)[2] == pytest.approx(LatencyModel.DEFAULT_SD, rel=0.1)
+    for bad in ((0.0, 0.3), (100.0, 0.0), (math.inf, 0.3), (100.0, math.nan)):
+        m.add(1.0, 2, *bad)  # no load, no latency, or not a number: not a window
+    assert m.count(1.0) == 1
+
+
+@pytest.mark.parametrize("descend", [False, True])
+def test_a_held_level_tries_below_once_the_model_expects_headroom_there_not_only_at_the_reprobe_time(descend):
+    # Judgements every 600 s; the load ramps (1.05, 1.3, then 1.65 requests/s) through the first two, then stays. No
+    # trial below while it ramps, the model's neither. Once it has stopped growing, the model (fitted on 300 W's
+    # windows, 250 W one step below) expects 250 W within the 60% a trial must show: with model_descend it is tried at
+    # the next held judgement, not at the reprobe time (10,000 s).
+    tu = Tuner(ramp_cfg(dwell_s=600, window_s=600, model_descend=descend, model_min_windows=1, regime_ratio=10), 0.0)
+    plant = Plant(tpot_ms={150: 40.0, 200: 35.0, 250: 32.0, 300: 30.0})
+    rate = lambda t: 1.05 if t <= 300 else 1.3 if t <= 900 else 1.65  # noqa: E731
+    t = run_rate(tu, plant, 0, 1300, rate)
+    assert tu.level == 300 and any("the load is ramping" in d.reason for d in tu.decisions)
+    assert len([d for d in tu.decisions if "latency model" in d.reason]) == 0  # while the load ramps: no descent
+    assert tu.regime.stats[tu.ref].t_s > 1200  # though the held level was judged again on the ramp
+    run_rate(tu, plant, t, 2500, rate)
+    explored = [d for d in tu.decisions if d.action == "explore"]
+    if not descend:
+        assert not explored and tu.level == 300
+        return
+    assert explored[0].from_level == 300 and explored[0].to_level == 250 and explored[0].t_s <= 1900
+    assert "the latency model expects 250 W" in explored[0].reason
+    assert any(d.action == "accept" and d.to_level == 250 for d in tu.decisions)  # judged as any trial
+
+
+def test_the_model_does_not_descend_to_a_level_it_expects_past_the_headroom_nor_one_refused_on_energy():
+    # As above, but 300 W reads 40% of the SLO: 250 W is expected at 50%, and 50% × the spread's margin (×1.35 while
+    # the model has few windows) is past the 60% a trial must show. Nothing is tried until the reprobe time.
+    tu = Tuner(ramp_cfg(dwell_s=600, window_s=600, model_descend=True, model_min_windows=1, regime_ratio=10), 0.0)
+    plant = Plant(tpot_ms={150: 60.0, 200: 50.0, 250: 45.0, 300: 40.0})
+    t = run_rate(tu, plant, 0, 700, lambda t: 1.05 if t <= 300 else 1.3)
+    run_rate(tu, plant, t, 3000, lambda t: 1.3)
+    assert tu.level == 300 and not [d for d in tu.decisions if d.action == "explore"]
+    # A level refused on energy is not re-tried by the model within reprobe_s: the model says nothing about energy.
+    cheap = Plant(tpot_ms={150: 80.0, 200: 32.0, 250: 31.0, 300: 30.0}, j={150: 0.8, 200: 1.5, 250: 1.0, 300: 1.1})
+    tu = Tuner(cfg(model_descend=True, model_min_windows=1, reprobe_s=10_000), 0.0)
+    cheap.run(tu, 0, 2000)
+    assert any(d.action == "reject" and d.from_level == 200 and "J/token" in d.reason for d in tu.decisions)
+    assert tu.level == 250 and len([d for d in tu.decisions if d.action == "explore" and d.to_level == 200]) == 1
+
+
+@pytest.mark.parametrize("skip, memory_s", [(False, 14400.0), (True, 14400.0), (True, 500.0)])
+def test_a_level_the_model_expects_past_the_headroom_is_not_tried_again_at_the_reprobe_time(skip, memory_s):
+    # 150 W reads 75% of the SLO: its trial is refused on the mean of three windows and barred for reprobe_s (600 s);
+    # at each re-probe it would be tried again. With model_skip its own windows say it will fail: not tried, unless
+    # they are older than model_memory_s.
+    plant = Plant(tpot_ms={150: 75.0, 200: 50.0, 250: 40.0, 300: 30.0})
+    tu = Tuner(cfg(reprobe_s=600, model_skip=skip, model_min_windows=1, model_memory_s=memory_s), 0.0)
+    plant.run(tu, 0, 4000)
+    trials = [d for d in tu.decisions if d.action == "explore" and d.to_level == 150]
+    assert tu.level == 200
+    if skip and memory_s > 4000:
+        assert len(trials) == 1
+        assert any(d.action == "hold" and "150 W not tried: the latency model expects p95 at 80%" in d.reason
+                   for d in tu.decisions)
+    else:
+        assert len(trials) >= 2
+
+
+class LoadPlant(Plant):
+    """TPOT grows with the arrival rate as (rate / 2)^k: a held level's headroom shrinks as the load rises."""
+
+    def run_rate(self, tuner, t0, t1, rate_at, k=2.0):
+        t, seen = t0, []
+        while t < t1:
+            t += 10
+            lv, rate = tuner.level, rate_at(t)
+            tpot = self.tpot_ms[lv] * (rate / 2.0) ** k
+            tuner.observe(window(t, lv, tpot, self.j[lv], rate=rate))
+            seen.append((t, lv, tpot))
+        return t, seen
+
+
+@pytest.mark.parametrize("rise", [False, True])
+def test_with_model_rise_a_held_level_goes_up_before_its_p95_passes_the_band_as_the_load_grows(rise):
+    # The load grows 5% per trend window (under ramp_growth's 10%), and the judgements' own ways up are out of
+    # reach: without the model, 200 W moves up only once a judgement reads past 90% of the SLO.
+    tu = Tuner(ramp_cfg(hold_growth=10, hold_confirm=50, model_rise=rise, model_min_windows=1, regime_ratio=10,
+                        model_horizon_s=300), 0.0)
+    plant = LoadPlant()
+    t, _ = plant.run(tu, 0, 1500)
+    assert tu.level == 200
+    t, seen = plant.run_rate(tu, t, t + 3000, lambda s: 2.0 * (1 + (s - 1500) / 6000))
+    up = next(d for d in tu.decisions if d.action == "backoff")
+    tpot_then = next(x[2] for x in seen if x[0] == up.t_s)
+    assert up.from_level == 200 and up.to_level == 250
+    if rise:
+        assert "the latency model expects p95" in up.reason and tpot_then < 70  # its p95 still under 70% of the SLO
+        assert tu.regime.best >= LEVELS.index(250)
+    else:
+        assert "above the 80% a held level may reach" in up.reason and tpot_then > 80
+
+
+@pytest.mark.parametrize("bad", [dict(model_z=-0.5), dict(model_z=6.0), dict(model_z=math.nan),
+                                 dict(model_horizon_s=-1.0), dict(model_horizon_s=math.inf),
+                                 dict(model_min_windows=0), dict(model_memory_s=0.0), dict(model_memory_s=math.nan)])
+def test_model_knobs_are_checked(bad):
+    with pytest.raises(TunerConfigError, match=next(iter(bad))):
+        cfg(**bad)
+
+
+def test_model_switches_are_booleans_in_the_config_table():
+    for k in ("model_descend", "model_skip", "model_rise"):
+        with pytest.raises(TunerConfigError, match=f"tuner.{k}: true or false"):
+            config_from_table({"tpot_p95_ms": 100.0, k: 1}, list(LEVELS))
+        assert getattr(config_from_table({"tpot_p95_ms": 100.0, k: True}, list(LEVELS)), k) is True
+    with pytest.raises(TunerConfigError, match="tuner.model_min_windows: an integer"):
+        config_from_table({"tpot_p95_ms": 100.0, "model_min_windows": 2.5}, list(LEVELS))
+
+
+def test_a_live_run_refuses_an_endless_model_memory():
+    from powerprof.tuner.setup import check_bounds
+
+    check_bounds(cfg(model_memory_s=86400.0))
+    for bad in (math.inf, 31 * 86400.0):
+        with pytest.raises(TunerConfigError, match="tuner.model_memory_s: at most"):
+            check_bounds(cfg(model_memory_s=bad))
+
+
+def test_the_latency_model_stays_bounded_by_its_memory_when_nothing_reads_it():
+    tu = Tuner(cfg(model_memory_s=600.0), 0.0)  # every model rule off: the model is fed, never asked
+    Plant().run(tu, 0, 5000)
+    (m,) = tu.models.values()
+    assert 0 < len(m.obs) and all(o[0] >= 5000 - 600 - 30 for o in m.obs)

@@ -69,6 +69,17 @@ class TunerConfig:
     queue_ratio: float = 0.0  # a level below the reference whose mean in flight over the last queue_s passes this ×
     # its usual (the median over its judged windows in the regime) goes one level up; a trial ends (0: off)
     queue_s: float = 300.0
+    # The latency model (eighth attempt): per length mix, log(p95/SLO) against the level and log(work per second), fitted
+    # from every judged window at any level (LatencyModel), and the load's trend extrapolated model_horizon_s ahead.
+    model_descend: bool = False  # a held level tries the level below as soon as the model puts that one within
+    # accept_ratio with model_z spreads to spare under the load expected (not while the load ramps, as any trial below)
+    model_skip: bool = False  # no trial below of a level seen in this length mix whose expected p95 is past accept_ratio
+    model_rise: bool = False  # a level below the reference goes one up once the model puts it past hold_ratio under the
+    # load expected (measured in the eighth attempt and left off: docs/tuner.md)
+    model_z: float = 1.0  # residual spreads of margin for a descent
+    model_horizon_s: float = 600.0  # how far ahead the load's trend is extrapolated (0: the load now)
+    model_min_windows: int = 8  # judged windows in the length mix before the model is used
+    model_memory_s: float = 14400.0  # windows older than this are forgotten
     blame_ratio: float = 1.7  # the reference's own p95 during a back-off past this × its usual p95/SLO in the regime:
     # a burst, and the load, not the level, is blamed (1.7: the 90th percentile of 5-minute p95s over their median)
     strikes: int = 1  # back-offs at one level within strike_s before it is barred (below it too) for reprobe_s
@@ -104,7 +115,7 @@ class TunerConfig:
         if self.knob not in ("power", "clock"):
             errs.append("tuner.knob: power or clock")
         for k in ("tick_s", "window_s", "dwell_s", "guard_s", "explore_horizon_s", "reprobe_s", "backoff_s",
-                  "regime_s", "stale_s", "strike_s", "trial_guard_s", "trend_s"):
+                  "regime_s", "stale_s", "strike_s", "trial_guard_s", "trend_s", "model_memory_s"):
             if not getattr(self, k) > 0:
                 errs.append(f"tuner.{k}: must be positive seconds")
         if not (self.queue_ratio == 0 or 1 < self.queue_ratio <= 10):
@@ -113,6 +124,10 @@ class TunerConfig:
             errs.append("tuner.queue_s: positive seconds, at most guard_s (the queue is read from the guard's window)")
         if not 0 <= self.drain_s <= 30 * 86400:
             errs.append("tuner.drain_s: seconds, 0 (off) to 30 days")
+        if not 0 <= self.model_horizon_s <= 30 * 86400:
+            errs.append("tuner.model_horizon_s: seconds, 0 (the load now) to 30 days")
+        if not 0 <= self.model_z <= 5:
+            errs.append("tuner.model_z: residual spreads in [0, 5]")
         if not 0 < self.accept_ratio <= self.hold_ratio <= self.guard_ratio:
             errs.append("tuner: want 0 < accept_ratio ≤ hold_ratio ≤ guard_ratio")
         if not 0 <= self.min_gain < 0.5 or not 0 <= self.max_loss < 0.5:
@@ -125,10 +140,10 @@ class TunerConfig:
             errs.append("tuner.rise_ratio: want accept_ratio ≤ rise_ratio ≤ guard_ratio")
         if min(self.max_step, self.min_requests, self.guard_min_requests, self.guard_ticks, self.strikes,
                self.hold_confirm, self.accept_windows, self.ramp_restore_above,
-               self.break_restore_above) < 1 \
+               self.break_restore_above, self.model_min_windows) < 1 \
                 or not 0 <= self.prefill_weight <= 10:
             errs.append("tuner.max_step, min_requests, guard_min_requests, guard_ticks, strikes, hold_confirm, "
-                        "accept_windows, ramp_restore_above, break_restore_above: at least 1; "
+                        "accept_windows, ramp_restore_above, break_restore_above, model_min_windows: at least 1; "
                         "0 ≤ prefill_weight ≤ 10")
         if not self.regime_ratio > 1 or not 0 <= self.regime_margin < 1:
             errs.append("tuner.regime_ratio > 1 and 0 ≤ regime_margin < 1")
@@ -259,6 +274,101 @@ def predict_ratio(here: float, above: float | None = None) -> float:
     return here * max(here / above, 1.0)
 
 
+class LatencyModel:
+    """How a length mix's window p95 depends on the level and the load, from every judged window at any level.
+
+    y = log(p95/SLO) against x = log(work per second), per level i: y = a_i + b_i x, each level's slope fitted
+    on its own windows and shrunk towards the slope pooled over every level (a level seen at one load only has
+    the pooled one), its offset the median of y − b_i x (robust to the odd burst). A level never seen is
+    interpolated between the levels seen on either side of it, taken as fast as the highest seen above them all,
+    and below them all the step between the two above it repeated (at least × 1.25); no level is predicted
+    faster than the one above it. The residual spread is 1.4826 × the median absolute residual, blended with
+    DEFAULT_SD while there are fewer than 20 windows, never under MIN_SD. Windows older than `memory_s` are
+    dropped. Pure: it is told the time."""
+
+    MAX_Y = math.log(4.0)  # a p95 four times the SLO or more is "far over": the top bucket's floor says no more
+    MIN_SD = 0.10
+    DEFAULT_SD = 0.30  # log spread of one window's p95 about its level's (docs/tuner.md: 0.15–0.35 on the simulator)
+
+    def __init__(self, memory_s: float, n_levels: int, shrink: float = 0.25):
+        self.memory_s = memory_s
+        self.n_levels = n_levels
+        self.shrink = shrink  # Σ(x − x̄)² worth of the pooled slope in a level's own fit
+        self.obs: deque[tuple[float, int, float, float]] = deque()  # (t, level index, x, y)
+        self._fit: tuple | None = None
+
+    def add(self, t: float, i: int, work_per_s: float, ratio: float) -> None:
+        if not (work_per_s > 0 and ratio > 0 and math.isfinite(work_per_s) and math.isfinite(ratio)):
+            return
+        self.obs.append((t, i, math.log(work_per_s), min(math.log(ratio), self.MAX_Y)))
+        self._fit = None
+        self._expire(t)  # bounded by memory_s even when nothing reads it
+
+    def _expire(self, t: float) -> None:
+        while self.obs and self.obs[0][0] < t - self.memory_s:
+            self.obs.popleft()
+            self._fit = None
+
+    def count(self, t: float, i: int | None = None) -> int:
+        self._expire(t)
+        return sum(1 for o in self.obs if i is None or o[1] == i)
+
+    def fit(self, t: float) -> tuple[dict, float, float]:
+        """({level: (offset, slope, windows)}, pooled slope, residual spread)."""
+        self._expire(t)
+        if self._fit is not None:
+            return self._fit
+        by: dict = {}
+        for _, i, x, y in self.obs:
+            by.setdefault(i, []).append((x, y))
+        sxx = sxy = 0.0
+        for pts in by.values():
+            if len(pts) < 2:
+                continue
+            xs, ys = np.array(pts).T
+            dx, dy = xs - xs.mean(), ys - np.median(ys)
+            sxx += float(dx @ dx)
+            sxy += float(dx @ dy)
+        pooled = max(0.0, sxy / sxx) if sxx > 1e-9 else 1.0
+        levels, res = {}, []
+        for i, pts in by.items():
+            xs, ys = np.array(pts).T
+            dx = xs - xs.mean()
+            b = max(0.0, (float(dx @ (ys - ys.mean())) + self.shrink * pooled) / (float(dx @ dx) + self.shrink))
+            a = float(np.median(ys - b * xs))
+            levels[i] = (a, b, len(pts))
+            res.extend(ys - a - b * xs)
+        n = len(res)
+        mad = 1.4826 * float(np.median(np.abs(res))) if n else self.DEFAULT_SD
+        # Few windows: their spread is not yet known; lean on the simulator's (shrunk away by 20 windows).
+        sd = max(self.MIN_SD, (n * mad + max(0, 20 - n) * self.DEFAULT_SD) / max(n + max(0, 20 - n), 1))
+        self._fit = (levels, pooled, sd)
+        return self._fit
+
+    def predict(self, t: float, i: int, work_per_s: float) -> tuple[float, float] | None:
+        """(expected log(p95/SLO) at level `i` under this load, residual spread); None with no window at all."""
+        levels, pooled, sd = self.fit(t)
+        if not levels or not work_per_s > 0:
+            return None
+        x = math.log(work_per_s)
+        known = {j: a + b * x for j, (a, b, _) in levels.items()}
+        ks = sorted(known)
+        mu: dict = {}
+        for j in range(self.n_levels - 1, -1, -1):
+            if j in known:
+                m = known[j]
+            elif j > ks[-1]:
+                m = known[ks[-1]]  # above every level seen: taken as fast as the highest seen (it is no slower)
+            elif j > ks[0]:  # between two levels seen: interpolated
+                lo, hi = max(k for k in ks if k < j), min(k for k in ks if k > j)
+                m = known[lo] + (known[hi] - known[lo]) * (j - lo) / (hi - lo)
+            else:  # below every level seen: the step from the two above repeated, at least × 1.25
+                step = mu[j + 1] - mu[j + 2] if j + 2 in mu else 0.0
+                m = mu[j + 1] + max(step, math.log(1.25))
+            mu[j] = max(m, mu.get(j + 1, -math.inf))  # a lower level is never faster
+        return min(mu[i], self.MAX_Y), sd
+
+
 def work_rate(key: tuple[int, ...], cfg: TunerConfig) -> float:
     """Work per second at a regime bin's centre: arrivals × (output + prefill_weight × prompt tokens)."""
     rate, prompt, output = (cfg.regime_ratio ** (k + 0.5) for k in key)
@@ -345,6 +455,7 @@ class _Regime:
         xs = [x for t, x in self.ratios.get(i, ()) if t >= since_s]
         return float(np.median(xs)) if xs else None
     rejected: dict = field(default_factory=dict)  # index → time a trial of it was rejected
+    costly: dict = field(default_factory=dict)  # index → time a trial of it was rejected on energy (not too slow)
     strikes: dict = field(default_factory=dict)  # index → times the guard backed off from it
     stats: dict = field(default_factory=dict)  # index → latest _LevelStat
     converged_t: float | None = None
@@ -387,6 +498,8 @@ class Tuner:
         self._held_ok: list[_LevelStat] = []  # judgements of the current level within the holding band
         self._backoff_tail: list[Window] = []  # the reference's windows in the back-off's second half
         self._trials: deque[tuple[float, float]] = deque()  # (start, end) of trials
+        self.models: dict = {}  # length mix (the regime key's prompt and output bins) → LatencyModel
+        self._mix_since: float | None = None  # when the current length mix began (the load forecast reads from then)
         self.explore_s = 0.0  # total time spent on trials
         self.decisions: deque[Decision] = deque(maxlen=10_000)  # the latest, for callers; a live run keeps its dataset
 
@@ -446,6 +559,9 @@ class Tuner:
             if growth is not None and growth > self.cfg.ramp_growth:
                 self._rise(w.t_end_s, ratio, growth, out)
                 return out
+        if self.cfg.model_rise and self.state in ("hold", "measure") and self.idx < self.ref \
+                and w.t_end_s - self.since_s >= self.cfg.guard_s / 2 and self._model_rise(w.t_end_s, out):
+            return out
         if self.cfg.queue_ratio > 0 and self.idx < self.ref and self.state in ("hold", "measure", "trial"):
             if self._queue_threat(w.t_end_s, out):
                 return out
@@ -471,6 +587,103 @@ class Tuner:
             return None
         wb = sum(x for _, x in before) / db
         return (sum(x for _, x in now) / dn) / wb if wb > 0 else None
+
+    # --- the latency model (eighth attempt) ------------------------------------------------------
+
+    def _model(self) -> LatencyModel | None:
+        """The current length mix's model (None before the first regime is named)."""
+        if self.regime.key is None:
+            return None
+        mix = self.regime.key[1:]
+        if mix not in self.models:
+            self.models[mix] = LatencyModel(self.cfg.model_memory_s, len(self.cfg.levels))
+        return self.models[mix]
+
+    def _note(self, r: _Regime, i: int, stat: _LevelStat) -> None:
+        r.note(i, stat)
+        if (m := self._model()) is not None and stat.work_per_s > 0:
+            m.add(stat.t_s, i, stat.work_per_s, stat.slo_ratio)
+
+    def load_expected(self, t: float) -> float | None:
+        """The most work per second expected between now and model_horizon_s ahead: this length mix's mean over the
+        last trend_s (at least guard_s/2 of it), which is the load trend_s/2 ago, carried forward at the load's trend
+        (load_growth) when one is known: to now when it falls, to the horizon when it grows."""
+        cfg = self.cfg
+        h = cfg.trend_s
+        since = self._mix_since if self._mix_since is not None else -math.inf
+        now = [(d, x) for te, d, x in self._work if te > max(t - h, since)]
+        dn = sum(d for d, _ in now)
+        if dn < cfg.guard_s / 2:
+            return None
+        w = sum(x for _, x in now) / dn
+        g = self.load_growth(t) if since <= t - 2 * h else None
+        if g is None or not g > 0:
+            return w
+        return w * g ** ((h / 2 + (cfg.model_horizon_s if g > 1 else 0.0)) / h)
+
+    def _model_predict(self, t: float, i: int, own: bool = False) -> tuple[float, float, float] | None:
+        """(expected p95/SLO at level `i` under the load expected, its log spread, the load) from the current length
+        mix's model once it has model_min_windows windows (and with `own`, one of level `i` itself); else None."""
+        m = self._model()
+        if m is None or m.count(t) < self.cfg.model_min_windows or (own and m.count(t, i) == 0):
+            return None
+        load = self.load_expected(t)
+        if load is None:
+            return None
+        p = m.predict(t, i, load)
+        return None if p is None else (math.exp(p[0]), p[1], load)
+
+    def _model_safe(self, t: float, j: int) -> tuple[bool, str]:
+        """Whether level `j` is expected within accept_ratio with model_z spreads to spare, and why."""
+        p = self._model_predict(t, j)
+        if p is None:
+            return False, "no latency model yet"
+        top = p[0] * math.exp(self.cfg.model_z * p[1])
+        return top <= self.cfg.accept_ratio, (f"the latency model expects {self._fmt(self.cfg.levels[j])} at {p[0]:.0%} "
+                                              f"of the SLO (×{math.exp(self.cfg.model_z * p[1]):.2f}: {top:.0%}) "
+                                              f"under {p[2]:.0f} work/s")
+
+    def _model_rise(self, t: float, out: list[Decision]) -> bool:
+        """Feed-forward: the level expected past hold_ratio under the load expected goes one level up before its p95
+        shows it (the regime's best with it); True when it moved."""
+        p = self._model_predict(t, self.idx, own=True)
+        if p is None or p[0] <= self.cfg.hold_ratio:
+            return False
+        r = self.regime
+        r.best = self.idx + 1 if r.best is None else max(r.best, self.idx + 1)
+        out.append(self._move(t, "backoff", self.idx + 1, f"the latency model expects p95 at {p[0]:.0%} of the SLO "
+                                                          f"here under {p[2]:.0f} work/s (past {self.cfg.hold_ratio:.0%}): "
+                                                          "one level up"))
+        if self.state == "hold":
+            r.converged_t = t
+        self._enter(self.state, t)
+        return True
+
+    def _model_descend(self, t: float, stat: _LevelStat, out: list[Decision]) -> bool:
+        """A held level, just judged within the band, tries the level below at once when the model expects that one
+        within accept_ratio with model_z spreads to spare (the held judgement is the trial's incumbent)."""
+        cfg, r = self.cfg, self.regime
+        j = self.idx - cfg.max_step
+        if j < 0 or j < r.floor_at(t) or stat.slo_ratio > cfg.hold_ratio or not self._budget_ok(t):
+            return False
+        if j in r.costly and t - r.costly[j] < cfg.reprobe_s:
+            return False  # refused on energy lately: the model says nothing about that
+        if not cfg.ramp_descend and (g := self.load_growth(t)) is not None and g > cfg.ramp_growth:
+            return False  # no trial below while the load ramps (item 6), whatever the model says
+        ok, why = self._model_safe(t, j)
+        if not ok:
+            return False
+        r.rejected.pop(j, None)
+        r.floor = r.floor_at(t)
+        r.reprobe_from = self.idx
+        self._incumbent, self._incumbent_idx = stat, self.idx
+        self._direction, self._up_tried = -1, True
+        out.append(self._move(t, "explore", j, f"try down one level: {why} (incumbent {stat.j_per_token:.3g} J/token)",
+                              stat))
+        self._trials.append((t, math.inf))
+        self._enter("trial", t)
+        self._trial_ratios = []
+        return True
 
     def _queue_threat(self, t: float, out: list[Decision]) -> bool:
         """The early signal: the mean in flight over the last queue_s at this level (at least half of it seen) past
@@ -579,7 +792,7 @@ class Tuner:
                 # (the band between accept_ratio and the guard is the hysteresis).
                 stat = self._judge(t, out)
                 if stat is not None:
-                    r.note(self.idx, stat)
+                    self._note(r, self.idx, stat)
                     over = self._over_hold(r, stat)
                     if not over and stat.slo_ratio <= cfg.hold_ratio:
                         self._held_ok.append(stat)
@@ -589,12 +802,14 @@ class Tuner:
                                               f"p95 at {stat.slo_ratio:.0%} of the SLO, above the {cfg.hold_ratio:.0%} "
                                               "a held level may reach: one level up", stat))
                         r.converged_t = t
+                    elif cfg.model_descend and not over:
+                        self._model_descend(t, stat, out)
                 return
         judged = self._judge(t, out)
         if judged is None:
             return
         stat = judged
-        r.note(self.idx, stat)
+        self._note(r, self.idx, stat)
         if stat.slo_ratio <= cfg.hold_ratio:
             self._held_ok.append(stat)
         if self.state == "measure":
@@ -650,6 +865,8 @@ class Tuner:
         if too_slow and down:
             self._bar(r, self.idx, t)
         r.rejected[self.idx] = t
+        if not too_slow:
+            r.costly[self.idx] = t
         back = self._incumbent_idx
         drain = early and down and cfg.drain_s > 0 and back < self.ref  # never above the reference
         if drain:
@@ -719,6 +936,11 @@ class Tuner:
                 continue
             if d < 0 and not cfg.ramp_descend and (g := self.load_growth(t)) is not None and g > cfg.ramp_growth:
                 skipped = f"{self._fmt(cfg.levels[j])} not tried: the load is ramping (×{g:.2f} in {cfg.trend_s:g} s)"
+                continue
+            if d < 0 and cfg.model_skip and (p := self._model_predict(t, j, own=True)) is not None \
+                    and p[0] > cfg.accept_ratio:
+                skipped = (f"{self._fmt(cfg.levels[j])} not tried: the latency model expects p95 at {p[0]:.0%} of the "
+                           f"SLO under {p[2]:.0f} work/s")
                 continue
             if d < 0:
                 here, above = (r.typical_ratio(i, t - cfg.reprobe_s) for i in (self.idx, self.idx + cfg.max_step))
@@ -847,6 +1069,8 @@ class Tuner:
             r0.floor, r0.floor_t, r0.best, r0.bars = self._undo
             self._undo, moved_backoff = None, True
         self.regime = self._regime(key)
+        if old_key is None or key[1:] != old_key[1:]:
+            self._mix_since = started  # another length mix: the load forecast starts again
         if self.state == "backoff":
             # The reference is held for backoff_s whatever the traffic does; at its end the new regime's best
             # level (if any) is restored. A back-off moved off the old regime is charged to the new one.

@@ -73,7 +73,7 @@ def make_config(table: dict, resolve) -> TunerConfig:
 MAX_SECONDS = 30 * 86400.0
 MAX_RATIO = 10.0
 _SECONDS = ("tick_s", "window_s", "dwell_s", "guard_s", "explore_horizon_s", "reprobe_s", "backoff_s", "regime_s",
-            "stale_s", "strike_s", "trial_guard_s", "trend_s")
+            "stale_s", "strike_s", "trial_guard_s", "trend_s", "model_memory_s")
 
 
 def check_bounds(cfg: TunerConfig) -> None:
