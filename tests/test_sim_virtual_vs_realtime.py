@@ -130,8 +130,9 @@ def _virtual(profile, trace) -> dict:
     return out
 
 
-async def _live_level(profile, trace, lv: float) -> tuple[dict, dict]:
-    """(figures from the server's own emission times, figures as the client saw them) at one level."""
+async def _live_level(profile, trace, lv: float) -> tuple[dict, dict, np.ndarray]:
+    """(figures from the server's own emission times, figures as the client saw them, each request's
+    client TTFT minus its server TTFT: the HTTP hop and the client's own lateness) at one level."""
     nvml = SimNVML(profile, state_path=None)
     nvml.gpus[0].set_limit_w(lv)
     srv = SimServer(nvml, flavour="vllm", n_slots=64, batching="continuous").start()
@@ -164,7 +165,7 @@ async def _live_level(profile, trace, lv: float) -> tuple[dict, dict]:
     c_end = np.array([r.t_end_ns for r in c]) / 1e9
     client = _figures((c_first - c_send)[:n], _tpot(c_first, c_last, gen)[:n], e1 - e0, tokens,
                       float(gen[n:].sum()), float(c_end[n:].max() - c_send[n:].min()))
-    return server, client
+    return server, client, ((c_first - c_send) - (first - arrive))[:n]
 
 
 # (relative, absolute s) per percentile. TTFT: loop lateness adds a few ms to a first token. TPOT: a
@@ -173,6 +174,12 @@ async def _live_level(profile, trace, lv: float) -> tuple[dict, dict]:
 TOLERANCE = {"ttft_p50_s": (0.10, 0.003), "ttft_p95_s": (0.10, 0.003),
              "tpot_p50_s": (0.10, 0.0003), "tpot_p95_s": (0.20, 0.0003)}
 CLIENT_EXTRA_S = {"ttft_p50_s": 0.003, "ttft_p95_s": 0.003, "tpot_p50_s": 0.0, "tpot_p95_s": 0.0}  # the HTTP hop
+# Above this client-loop lateness (p95) the client's first tokens wait behind several late wake-ups in
+# a row (its send, the server's read, the head, the chunk; and the GIL between them): a loaded run
+# (load 5.5 on 2 cores, lateness 10.5 ms) put the client's TTFT p50 32-43 ms over the server's while
+# the server's own agreed with virtual time. There the client's TTFT is not judged against virtual
+# time, only against the server's own per request (never before it), and the report says so.
+CLIENT_TTFT_JUDGED_MAX_LATE_S = 0.005
 
 
 def _compare(a: dict, b: dict, extra: dict | None = None, late_s: float = 0.0) -> list[str]:
@@ -217,8 +224,17 @@ def test_virtual_time_server_agrees_with_the_real_time_simulated_server():
     late_s = lateness.p95_s()
     client_late_s = max(late_s, float(np.percentile(loop_late_s, 95)) if loop_late_s else 0.0)
     report, bad = [f"process lateness p95 {late_s * 1e3:.1f} ms, client loop {client_late_s * 1e3:.1f} ms"], []
+    judge_client_ttft = client_late_s <= CLIENT_TTFT_JUDGED_MAX_LATE_S
+    if not judge_client_ttft:
+        report.append(f"client TTFT not judged against virtual time: client loop lateness p95 "
+                      f"{client_late_s * 1e3:.1f} ms > {CLIENT_TTFT_JUDGED_MAX_LATE_S * 1e3:g} ms (a loaded "
+                      f"machine); checked against the server's own TTFT per request instead")
     for lv in LEVELS_W:
-        v, (s, c) = virtual[lv], live[lv]
+        v, (s, c, hop) = virtual[lv], live[lv]
+        report.append(f"{lv:g} W: client TTFT - server TTFT per request p50 {np.median(hop) * 1e3:.1f} ms, "
+                      f"min {hop.min() * 1e3:.1f} ms")
+        if hop.min() < -0.001:  # a first token the client saw before the server sent it: a stamping bug
+            bad.append(f"{lv:g} W client saw a first token {-hop.min() * 1e3:.1f} ms before the server sent it")
         report.append(f"{lv:g} W: " + ", ".join(
             f"{k} {v[k]:.4g}/{s[k]:.4g}/{c[k]:.4g}" for k in v))  # virtual / live server / live client
         # The burst's span moves by its first and last tokens' lateness: 3% plus that share of it.
@@ -227,7 +243,8 @@ def test_virtual_time_server_agrees_with_the_real_time_simulated_server():
             if abs(s[k] / v[k] - 1) > tol[k]:
                 bad.append(f"{lv:g} W {k}: virtual {v[k]:.4g}, live {s[k]:.4g} ({s[k] / v[k] - 1:+.1%})")
         bad += [f"{lv:g} W server {x}" for x in _compare(v, s, late_s=late_s)]
-        bad += [f"{lv:g} W client {x}" for x in _compare(v, c, CLIENT_EXTRA_S, client_late_s)]
+        client_bad = _compare(v, c, CLIENT_EXTRA_S, client_late_s)
+        bad += [f"{lv:g} W client {x}" for x in client_bad if judge_client_ttft or not x.startswith("ttft")]
     print("\n" + "\n".join(report))
     assert not bad, "\n".join(bad + report)
     # The comparison has teeth: the levels differ by far more than the tolerance.
