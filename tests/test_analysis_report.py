@@ -211,6 +211,39 @@ def test_one_level_is_not_recommended_against_itself(tmp_path):
     assert "Recommended limit" not in r.output and "0.0% less energy" not in r.output
 
 
+def test_one_level_is_not_starred_or_chosen_in_any_output(tmp_path):
+    # The line was fixed, but report.md's policy table still starred it ("300 ★", "★ the recommended
+    # policy"), analysis.json and analysis.parquet called it recommended, and the plots marked it.
+    run = make_run(tmp_path / "run", seed_truth(), levels=(300,), n_requests=5)
+    r = CliRunner().invoke(main, ["analyze", str(run), "--bootstrap", "200"])
+    assert r.exit_code == 0, r.output
+    out = run / "analysis"
+    md, page = (out / "report.md").read_text(), (out / "report.html").read_text()
+    for text in (md, page, r.output):
+        assert "★" not in text and "recommended policy" not in text and "Other policies" not in text
+    assert "no sweet spot to choose" in md and "no sweet spot to choose" in page
+    ana = json.loads((out / "analysis.json").read_text())
+    assert ana["recommendation"] is None and "one level measured" in ana["recommendation_note"]
+    assert ana["series"][0]["choices"] == {} and ana["series"][0]["primary_policy"] is None
+    t = pq.read_table(out / "analysis.parquet").to_pylist()
+    assert [row["recommended"] for row in t] == [False] and [row["chosen_by"] for row in t] == [None]
+    for png in ("j_per_token.png", "tok_s.png", "saving_vs_loss.png"):
+        assert Image.open(out / png).info["Description"] == "one level measured: none recommended"
+    # The xlsx summary sheet says none was recommended and keeps the warnings.
+    from powerprof.analysis.export import summary_rows
+    rows = dict(summary_rows(run, "UTC", None, None))
+    assert rows["recommended"].startswith("none: one level measured") and "warning" in rows
+
+
+def test_one_level_plot_has_no_recommended_marker(tmp_path):
+    run = make_run(tmp_path / "run", seed_truth(), levels=(300,), n_requests=5)
+    result = analyze_run([run], n_boot=200, plots=False, formats=())
+    for draw in (plots.plot_j_per_token, plots.plot_tok_s, plots.plot_tradeoff):
+        fig = draw(result.main, tmp_path / "p.png")
+        gids = {a.get_gid() for ax in fig.axes for a in ax.get_children()}
+        assert "recommended" not in gids and not any(str(g).startswith("choice-") for g in gids)
+
+
 def test_a_run_given_twice_counts_once_and_a_copy_is_refused(tmp_path):
     # `analyze run run/` (or a glob that also matches a path given) pooled the run with itself: every
     # window twice, the J/token CI narrowed by about √2 (±3.7% shown as ±2.7% on the demo run).

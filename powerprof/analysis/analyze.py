@@ -34,6 +34,12 @@ class SeriesResult:
         return self.choices[self.primary]
 
     @property
+    def comparable(self) -> bool:
+        """Whether there is more than one level: a lone level is every policy's "choice" against
+        itself, so nothing is recommended, starred or said to be chosen for it."""
+        return self.series.level_values.size > 1
+
+    @property
     def label(self) -> str:
         kind = "power limit" if self.series.level_kind == "power_limit" else self.series.level_kind.replace("_", " ")
         return f"{kind}, concurrency {self.series.concurrency}"
@@ -84,14 +90,16 @@ class AnalysisResult:
                       "simulated": r.simulated} for r in self.runs],
             "params": {"max_slowdown": self.params.max_slowdown, "eta": self.params.eta,
                        "p_max_w": self.params.p_max_w},
-            "recommendation": self.recommendation.to_dict() if self.series else None,
+            "recommendation": self.recommendation.to_dict() if self.series and self.main.comparable else None,
+            "recommendation_note": (None if not self.series or self.main.comparable else
+                                    "one level measured: nothing to compare it with, so none is recommended"),
             "series": [
                 {
                     "level_kind": s.series.level_kind,
                     "concurrency": s.series.concurrency,
                     "reference_value": s.series.reference_value,
-                    "primary_policy": s.primary,
-                    "choices": {p: c.to_dict() for p, c in s.choices.items()},
+                    "primary_policy": s.primary if s.comparable else None,
+                    "choices": {p: c.to_dict() for p, c in s.choices.items()} if s.comparable else {},
                     "fits": {q: f.to_dict() for q, f in s.fits.items()},
                 }
                 for s in self.series
@@ -259,16 +267,17 @@ def _runs_per_level(windows: pa.Table) -> dict:
 def _analysis_table(base: pa.Table, s: LevelSeries, fits: dict[str, ModelFit], choices: dict[str, Choice],
                     primary: str, n_runs: dict) -> pa.Table:
     lv = s.level_values
+    alone = lv.size < 2  # a lone level is chosen by nothing: there is nothing to choose it over
     tok_fit = fits["decode_tok_s"].predict(lv)
     p_fit = fits["avg_gpu_power_w"].predict(lv)
-    chosen = [",".join(p for p, c in choices.items() if c.level_value == v) or None for v in lv]
+    chosen = [None if alone else ",".join(p for p, c in choices.items() if c.level_value == v) or None for v in lv]
     extra = {
         "n_runs": pa.array([n_runs.get((s.level_kind, float(v)), 1) for v in lv], pa.int32()),
         "fit_decode_tok_s": pa.array(_nan_none(tok_fit), pa.float64()),
         "fit_avg_gpu_power_w": pa.array(_nan_none(p_fit), pa.float64()),
         "fit_gpu_j_per_token": pa.array(_nan_none(p_fit / tok_fit), pa.float64()),
         "chosen_by": pa.array(chosen, pa.string()),
-        "recommended": pa.array([bool(v == choices[primary].level_value) for v in lv], pa.bool_()),
+        "recommended": pa.array([not alone and bool(v == choices[primary].level_value) for v in lv], pa.bool_()),
     }
     cols = [base.column(n) if n in base.column_names else extra[n] for n in ANALYSIS.names]
     return pa.Table.from_arrays(cols, schema=ANALYSIS)

@@ -423,17 +423,23 @@ def summary_rows(src: Path, tz: str, time_from: str | None, time_to: str | None)
     ]
     analysis = _read_json(src / "analysis" / "analysis.json") if src.is_dir() else None
     rec = (analysis or {}).get("recommendation")
+    head: list[tuple[str, object]] = []
     if rec:
         kind = next((x.get("level_kind") for x in analysis.get("series", [])), None)
         unit = {"power_limit": "power limit (W)", "sm_clock": "SM clock lock (MHz)"}.get(kind, "level")
-        rows = [
+        head = [
             (f"recommended {unit}", rec.get("recommended_value")),
             ("policy", f"{rec.get('policy')}: {rec.get('description')}"),
             ("speed loss (%)", rec.get("speed_loss_pct")),
             ("energy saving per token (%)", rec.get("energy_saving_pct")),
             ("95% of resamples choose", f"{rec.get('ci_low'):g} to {rec.get('ci_high'):g}"
              if rec.get("ci_low") is not None and rec.get("ci_high") is not None else None),
-        ] + [("warning", f"{w.get('kind')}: {w.get('message')}") for w in analysis.get("warnings", [])] + rows
+        ]
+    elif analysis and analysis.get("recommendation_note"):
+        head = [("recommended", f"none: {analysis['recommendation_note']}")]
+    if analysis:
+        head += [("warning", f"{w.get('kind')}: {w.get('message')}") for w in analysis.get("warnings", [])]
+    rows = head + rows
     run = _read_json(src / "run.json") if src.is_dir() else None
     if run:
         rows += [(k, v) for k, v in _flatten(run) if k not in ("levels_done",)]

@@ -250,7 +250,7 @@ def recommendation_line(result: AnalysisResult) -> str:
     c = sr.recommendation
     u = _unit(sr)
     what = "limit" if u == "W" else "SM clock lock"
-    if sr.series.level_values.size == 1:
+    if not sr.comparable:
         # Its "0.0% slower, 0.0% less energy" would be against itself: no figure, so none is printed.
         line = (f"One level measured ({c.level_value:g} {u}): nothing to compare it with, so no {what} is "
                 f"recommended; sweep several levels (e.g. --{'limits' if u == 'W' else 'clocks'} with four values) "
@@ -363,9 +363,9 @@ def render_markdown(result: AnalysisResult, images: dict[str, Path] | None = Non
             out += ["", f"## Power levels of {result.knobs.chosen.label()}"]
     for sr in result.series:
         out += ["", f"## {sr.label.capitalize()} (reference {sr.series.reference_value:g} {_unit(sr)})", "",
-                "### Levels", "", _md_table(*_levels_rows(sr)), "", "### Sweet spots", "",
-                _md_table(*_choice_rows(sr)), "", _choice_footnote(sr), "",
-                "### Fits", "", _md_table(*_fit_rows(sr))]
+                "### Levels", "", _md_table(*_levels_rows(sr)), "", "### Sweet spots", ""]
+        out += ([_md_table(*_choice_rows(sr)), "", _choice_footnote(sr)] if sr.comparable else [_ONE_LEVEL])
+        out += ["", "### Fits", "", _md_table(*_fit_rows(sr))]
         for key in (f"j_per_token{sr.suffix}", f"tok_s{sr.suffix}", f"saving_vs_loss{sr.suffix}"):
             if images and key in images:
                 out += ["", f"![{key}]({_rel(images[key], base)})"]
@@ -375,6 +375,9 @@ def render_markdown(result: AnalysisResult, images: dict[str, Path] | None = Non
         out += ["", "## Power and SM clock over time", "", f"![{key}]({_rel(images[key], base)})"]
     out += ["", f"_{_colophon()}_", ""]
     return "\n".join(out)
+
+
+_ONE_LEVEL = "One level measured: no sweet spot to choose (a policy compares levels); sweep several levels."
 
 
 def _choice_footnote(sr: SeriesResult) -> str:
@@ -430,7 +433,8 @@ def render_html(result: AnalysisResult, images: dict[str, Path] | None = None) -
         parts.append(f"<h2>{html.escape(sr.label.capitalize())} (reference {sr.series.reference_value:g} "
                      f"{_unit(sr)})</h2><h3>Levels</h3>{_html_table(*_levels_rows(sr))}")
         parts.append(f"<h3>Sweet spots</h3>{_html_table(*_choice_rows(sr))}"
-                     f"<p class='note'>{html.escape(_choice_footnote(sr))}</p>")
+                     f"<p class='note'>{html.escape(_choice_footnote(sr))}</p>" if sr.comparable else
+                     f"<h3>Sweet spots</h3><p class='note'>{html.escape(_ONE_LEVEL)}</p>")
         parts.append(f"<h3>Fits</h3>{_html_table(*_fit_rows(sr))}")
         for key in (f"j_per_token{sr.suffix}", f"tok_s{sr.suffix}", f"saving_vs_loss{sr.suffix}"):
             if key in images:
@@ -472,11 +476,13 @@ def _levels_summary(result: AnalysisResult, table: bool) -> str:
     if not table:
         lines = []
     lines += ["", recommendation_line(result)] if table else [recommendation_line(result)]
-    others = [f"{p} {c.level_value:g}" for p, c in sr.choices.items() if p != sr.primary]
-    lines.append("Other policies: " + ", ".join(others) + ".")
+    if sr.comparable:
+        others = [f"{p} {c.level_value:g}" for p, c in sr.choices.items() if p != sr.primary]
+        lines.append("Other policies: " + ", ".join(others) + ".")
     if len(result.series) > 1:
-        lines.append("Other series: " + "; ".join(f"{s.label}: {s.recommendation.level_value:g}"
-                                                   for s in result.series if s is not sr) + ".")
+        lines.append("Other series: " + "; ".join(
+            f"{s.label}: {s.recommendation.level_value:g}" if s.comparable else f"{s.label}: one level, none chosen"
+            for s in result.series if s is not sr) + ".")
     for w in result.warnings:
         lines.append(f"! {w.kind}: {w.message}")
     if result.files.get("report.html"):
