@@ -624,6 +624,10 @@ def analyze(run_dirs, out_dir, max_slowdown, eta, formats, force, n_boot, as_jso
     if as_json:
         from powerprof.analysis.report import result_json
 
+        # The JSON carries it in `warnings`; a pipe reading stdout would never show it to the person.
+        for w in result.warnings:
+            if w.kind == "forced-pool":
+                click.echo(f"warning: {w.message}", err=True)
         click.echo(result_json(result))
         return
     click.echo(console_summary(result))

@@ -15,7 +15,7 @@ from click.testing import CliRunner
 from PIL import Image
 
 from powerprof.analysis import plots
-from powerprof.analysis.loading import AnalysisError
+from powerprof.analysis.loading import AnalysisError, read_run_info
 from powerprof.analysis.report import analyze_run, console_summary
 from synthetic_runs import bowl_truth, make_run, seed_truth
 from powerprof.cli import main
@@ -133,6 +133,32 @@ def test_runs_of_different_gpus_are_refused_unless_forced(tmp_path):
     assert not (tmp_path / "out").exists()
     res = analyze_run([a, b], tmp_path / "out", force=True, n_boot=200, plots=False)
     assert len(res.runs) == 2
+
+
+def test_forced_pool_of_different_gpus_warns_naming_them(tmp_path):
+    # `analyze --force` across GPU models pooled them without a word anywhere.
+    a = make_run(tmp_path / "a", seed_truth(), levels=SEED_LEVELS, n_requests=5)
+    b = make_run(tmp_path / "b", bowl_truth(), levels=SEED_LEVELS, n_requests=5)
+    names = [read_run_info(d).gpu_name for d in (a, b)]
+    assert names[0] != names[1]
+    out = tmp_path / "out"
+    r = CliRunner().invoke(main, ["analyze", str(a), str(b), "--force", "--out", str(out), "--bootstrap", "200"])
+    assert r.exit_code == 0, r.output
+    line = next(x for x in r.output.splitlines() if x.startswith("! forced-pool:"))
+    assert "GPU model" in line and all(n in line for n in names) and "--force" in line
+    ana = json.loads((out / "analysis.json").read_text())
+    assert ana["warnings"][0]["kind"] == "forced-pool" and all(n in ana["warnings"][0]["message"] for n in names)
+    assert "forced-pool" in (out / "report.md").read_text() and "forced-pool" in (out / "report.html").read_text()
+    # --json: the JSON keeps it, and stderr says it to the person.
+    r = CliRunner().invoke(main, ["analyze", str(a), str(b), "--force", "--json", "--out",
+                                  str(out), "--bootstrap", "200"])
+    assert r.exit_code == 0, r.stderr
+    assert "forced-pool" in json.loads(r.stdout)["warnings"][0]["kind"]
+    assert "GPU model" in r.stderr and all(n in r.stderr for n in names)
+    # Without --force: refused, naming them, and nothing written.
+    r = CliRunner().invoke(main, ["analyze", str(a), str(b), "--out", str(tmp_path / "o2")])
+    assert r.exit_code != 0 and "GPU model" in r.output and "--force" in r.output
+    assert not (tmp_path / "o2").exists()
 
 
 def test_cli_analyze_prints_the_recommendation(tmp_path):

@@ -107,23 +107,26 @@ def _windows_model(path: Path) -> str | None:
     return vals[0] if len(vals) == 1 else None
 
 
-def check_compatible(runs: list[RunInfo], force: bool = False) -> None:
-    """Refuse to pool runs of different GPU models or server models (unless forced)."""
-    if force or len(runs) < 2:
-        return
+def check_compatible(runs: list[RunInfo], force: bool = False) -> list[str]:
+    """Refuse to pool runs of different GPU models, server models or traffic; with `force`, pool them
+    and return what differs (one sentence each), for the caller to warn with wherever it reports."""
+    if len(runs) < 2:
+        return []
+    differs = []
     for what, attr in (("GPU model", "gpu_name"), ("server model", "model")):
         seen = {getattr(r, attr) for r in runs if getattr(r, attr) is not None}
         if len(seen) > 1:
             detail = "; ".join(f"{r.path}: {getattr(r, attr)}" for r in runs)
-            raise AnalysisError(
-                f"runs differ in {what} ({detail}): their levels are not comparable. "
-                "Analyse them separately, or pass --force to pool them anyway."
-            )
+            differs.append(f"runs differ in {what} ({detail})")
     traffic = {r.path: (r.meta.get("trace") or {}).get("sha256", "the prompt set") for r in runs}
     if len(set(traffic.values())) > 1:
         detail = "; ".join(f"{p}: {'trace ' + t[:12] if t != 'the prompt set' else t}" for p, t in traffic.items())
-        raise AnalysisError(f"runs differ in traffic ({detail}): a trace replay's J/token is not comparable with "
-                            "another traffic's. Analyse them separately, or pass --force to pool them anyway.")
+        differs.append(f"runs differ in traffic ({detail})")
+    if differs and not force:
+        why = ("a trace replay's J/token is not comparable with another traffic's" if "traffic" in differs[0]
+               else "their levels are not comparable")
+        raise AnalysisError(f"{differs[0]}: {why}. Analyse them separately, or pass --force to pool them anyway.")
+    return differs
 
 
 def read_windows(runs: list[RunInfo]) -> pa.Table:

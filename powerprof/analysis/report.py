@@ -19,6 +19,7 @@ from powerprof.storage.atomic import atomic_path, atomic_write_bytes
 from powerprof.storage.runs import atomic_write_table
 
 from .analyze import AnalysisResult, SeriesResult, analyze
+from .checks import Finding
 from .loading import (AnalysisError, check_compatible, read_run_info, read_windows, sample_level_figures,
                       sweep_level_figures)
 from .sweetspot import DESCRIPTIONS, POLICIES, PolicyParams
@@ -72,7 +73,7 @@ def analyze_run(
         unique.setdefault(p.resolve(), p)
     run_dirs = list(unique.values())
     runs = [read_run_info(p) for p in run_dirs]
-    check_compatible(runs, force)
+    forced = check_compatible(runs, force)
     seen: dict[tuple, Path] = {}
     for r in runs:
         key = (r.run_id, _digest(r.path / "windows.parquet"))
@@ -104,6 +105,10 @@ def analyze_run(
         result.knobs = knob_result
         result.warnings = list(knob_result.warnings) + [
             type(w)(w.kind, f"[{where['config_id']}] {w.message}", w.levels) for w in result.warnings]
+    # First among the warnings: every figure after it mixes what the runs differ in.
+    result.warnings = [Finding("forced-pool", f"{d}, pooled anyway (--force): their levels are not comparable, so "
+                               "every figure here mixes them; analyse them separately to compare them.")
+                       for d in forced] + result.warnings
     out = Path(out_dir) if out_dir is not None else run_dirs[0] / "analysis"
     write_outputs(result, out, formats, plots)
     return result
