@@ -133,11 +133,14 @@ def analyze(
     seed=0,
     primary: str = PRIMARY_POLICY,
     wide_ci_pct: float = WIDE_CI_PCT,
+    judge_interrupted: bool = True,
 ) -> AnalysisResult:
     """Everything `powerprof analyze` computes, from pooled windows and the runs' metadata.
 
     level_figures: {(level_kind, level_value): {column: value}} of sensor figures per level
-    (from the sweep's levels.parquet or the samples); see loading.py."""
+    (from the sweep's levels.parquet or the samples); see loading.py.
+    judge_interrupted: False where the caller judges unfinished levels over more windows than these
+    (a configuration sweep's analysis gets only its chosen configuration's)."""
     if primary not in POLICIES:
         raise ValueError(f"unknown policy {primary!r}; choose one of: {', '.join(POLICIES)}")
     params = params or PolicyParams()
@@ -181,7 +184,7 @@ def analyze(
             findings.append(Finding(f.kind, prefix + f.message, f.levels))
     findings += timing_findings(windows)
     findings.extend(unstored_findings(runs))
-    findings.extend(interrupted_findings(runs, windows))
+    findings.extend(interrupted_findings(runs, windows) if judge_interrupted else [])
     return AnalysisResult(runs, results, findings, params, list(timelines or []))
 
 
@@ -202,35 +205,59 @@ def interrupted_findings(runs: list[RunInfo], windows: pa.Table) -> list[Finding
     """Levels a sweep was still measuring when it stopped (Ctrl-C, a signal, too many failures): their
     windows are stored and counted like the others', but they cover part of a round of the prompt set,
     so they compare another prompt mix, over fewer requests, with the finished levels. run.json
-    `levels_done` lists the (level, repeat) visits that finished; runs without it are not judged."""
+    `levels_done` lists the visits that finished: [level, repeat] for a sweep, [level, repeat,
+    config_id, context_tokens] for a configuration sweep (powerprof/grid.py), level null where the
+    settings were as they are. Runs without it are not judged."""
     from .stats import _col, window_masks  # noqa: PLC0415
 
     measured = window_masks(windows)[0]
     run_id, value, repeat = _col(windows, "run_id", object), _col(windows, "level_value"), _col(windows, "repeat")
     kind = _col(windows, "level_kind", object)
+    config, context = _col(windows, "config_id", object, None), _col(windows, "context_tokens")
     out = []
     for r in runs:
         done = r.meta.get("levels_done")
         if not isinstance(done, list):
             continue
-        finished = {(float(d[0]), int(d[1])) for d in done
-                    if isinstance(d, (list, tuple)) and len(d) == 2 and d[0] is not None and d[1] is not None}
-        cut: dict[float, int] = {}
+        finished = {_visit_key(*d, *([None] * (4 - len(d)))) for d in done
+                    if isinstance(d, (list, tuple)) and len(d) in (2, 4) and d[1] is not None}
+        cut: dict[tuple, int] = {}
         unit = "W"
         for i in np.flatnonzero(measured):
-            if run_id[i] in (r.run_id, None) and np.isfinite(value[i]):
-                rep = int(repeat[i]) if np.isfinite(repeat[i]) else 0
-                if (float(value[i]), rep) not in finished:
-                    cut[float(value[i])] = cut.get(float(value[i]), 0) + 1
-                    unit = "MHz" if kind[i] == "sm_clock" else "W"
+            if run_id[i] not in (r.run_id, None):
+                continue
+            rep = int(repeat[i]) if np.isfinite(repeat[i]) else 0
+            key = _visit_key(value[i], rep, config[i], context[i])
+            if key not in finished:
+                where = (key[2], key[3], key[0])
+                cut[where] = cut.get(where, 0) + 1
+                unit = "MHz" if kind[i] == "sm_clock" else "W"
         if cut:
-            what = ", ".join(f"{v:g} {unit} ({n} window{'s' if n > 1 else ''})" for v, n in sorted(cut.items()))
+            what = ", ".join(f"{_visit_name(c, n, v, unit)} ({k} window{'s' if k > 1 else ''})"
+                             for (c, n, v), k in sorted(cut.items(), key=lambda x: tuple(map(str, x[0]))))
             out.append(Finding("interrupted", (
                 f"{r.path}: the run stopped while measuring {what}: those figures rest on the windows measured "
                 "before it stopped, part of a round of the prompt set, so they compare another prompt mix over "
                 "fewer requests with the finished levels. Measure those levels again before trusting them."),
-                tuple(sorted(cut))))
+                tuple(sorted({v for _, _, v in cut if v is not None}))))
     return out
+
+
+def _visit_key(level, repeat, config_id=None, context_tokens=None) -> tuple:
+    """(level, repeat, config_id, context_tokens) with None for "none" (NaN, null), as run.json and the windows agree."""
+    def num(x):
+        return None if x is None or not np.isfinite(float(x)) else float(x)
+    ctx = num(context_tokens)
+    return num(level), int(repeat), config_id, None if ctx is None else int(ctx)
+
+
+def _visit_name(config_id, context_tokens, level, unit: str) -> str:
+    """`300 W`, or `draft=2,np=1 (8192 context tokens) at 300 W` in a configuration sweep."""
+    at = f"{level:g} {unit}" if level is not None else "the settings as they were"
+    if config_id is None and context_tokens is None:
+        return at
+    ctx = f" ({context_tokens} context tokens)" if context_tokens is not None else ""
+    return f"{config_id or 'the server as launched'}{ctx} at {at}"
 
 
 def sweep_settings(runs: list[RunInfo]) -> dict:

@@ -18,7 +18,7 @@ from powerprof import __version__
 from powerprof.storage.atomic import atomic_path, atomic_write_bytes
 from powerprof.storage.runs import atomic_write_table
 
-from .analyze import AnalysisResult, SeriesResult, analyze
+from .analyze import AnalysisResult, SeriesResult, analyze, interrupted_findings
 from .checks import Finding
 from .loading import (AnalysisError, check_compatible, read_run_info, read_windows, sample_level_figures,
                       sweep_level_figures)
@@ -83,6 +83,8 @@ def analyze_run(
         seen[key] = r.path
     windows = read_windows(runs)
     knob_result, where = _configurations(runs, max_slowdown)
+    # Judged over every configuration's windows: an interrupted one competes in the ranking too.
+    stopped = interrupted_findings(runs, windows) if knob_result is not None else []
     if where is not None:
         # A configuration sweep: the power analysis is that of the J/token-optimal configuration only.
         windows = windows.filter(_matches(windows, where))
@@ -98,13 +100,14 @@ def analyze_run(
         if knob_result is not None and not _has_levels(windows):
             result = AnalysisResult(runs, [], [], params, timelines)
         else:
-            result = analyze(windows, runs, figures, timelines, params, n_boot=n_boot, seed=seed, primary=primary)
+            result = analyze(windows, runs, figures, timelines, params, n_boot=n_boot, seed=seed, primary=primary,
+                             judge_interrupted=knob_result is None)
     except ValueError as e:
         raise AnalysisError(f"{', '.join(map(str, run_dirs))}: {e}") from None
     if knob_result is not None:
         result.knobs = knob_result
         result.warnings = list(knob_result.warnings) + [
-            type(w)(w.kind, f"[{where['config_id']}] {w.message}", w.levels) for w in result.warnings]
+            type(w)(w.kind, f"[{where['config_id']}] {w.message}", w.levels) for w in result.warnings] + stopped
     # First among the warnings: every figure after it mixes what the runs differ in.
     result.warnings = [Finding("forced-pool", f"{d}, pooled anyway (--force): their levels are not comparable, so "
                                "every figure here mixes them; analyse them separately to compare them.")
