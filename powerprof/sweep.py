@@ -8,6 +8,7 @@ import time
 import uuid
 from contextlib import ExitStack
 from dataclasses import dataclass, field
+from datetime import datetime, timezone
 from pathlib import Path
 
 import aiohttp
@@ -679,6 +680,7 @@ def run_sweep(
         meta = {
             "kind": "sweep",
             "run_id": run_id,
+            "started_utc": datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M:%S UTC"),
             "version": __version__,
             "command_line": command_line,
             **rig.meta(),

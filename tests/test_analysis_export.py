@@ -260,3 +260,22 @@ def test_a_source_named_twice_is_exported_once(run, tmp_path):
     r = CliRunner().invoke(main, ["export", str(run), str(run) + "/", "--format", "csv", "--out", str(tmp_path / "o")])
     assert r.exit_code == 0, r.output
     assert len(pd.read_csv(tmp_path / "o" / "windows.csv")) == n
+
+
+def test_export_of_a_run_stopped_before_its_first_level_says_so(tmp_path):
+    from support import stopped_before_first_level
+
+    run = stopped_before_first_level(tmp_path / "run")
+    # Ctrl-C: its tables are there and are exported, with a note that no level finished.
+    r = CliRunner().invoke(main, ["export", str(run), "--format", "csv", "--out", str(tmp_path / "a")])
+    assert r.exit_code == 0, r.output
+    assert f"note: {run}: a powerprof run with no finished level" in r.stderr
+    assert "its tables hold only what was measured before it stopped" in r.stderr
+    # kill -9 before the first flush: only run.json; it said "no Parquet tables found (expected a run directory ...)".
+    for f in run.glob("*.parquet"):
+        f.unlink()
+    r = CliRunner().invoke(main, ["export", str(run), "--format", "csv", "--out", str(tmp_path / "b")])
+    assert r.exit_code == 1 and isinstance(r.exception, SystemExit), r.output
+    assert f"{run}: a powerprof run with no finished level (stopped before its first level ended; started" in r.output
+    assert "nothing to export. Rerun the sweep" in r.output and "no Parquet tables found" not in r.output
+    assert not (tmp_path / "b").exists()

@@ -18,6 +18,7 @@ from powerprof.analysis import plots
 from powerprof.analysis.loading import AnalysisError, read_run_info
 from powerprof.analysis.report import analyze_run, console_summary
 from synthetic_runs import bowl_truth, make_run, seed_truth
+from support import stopped_before_first_level
 from powerprof.cli import main
 from powerprof.storage.schema import ANALYSIS
 
@@ -284,6 +285,23 @@ def test_a_run_given_twice_counts_once_and_a_copy_is_refused(tmp_path):
     shutil.copytree(run, tmp_path / "copy")
     with pytest.raises(AnalysisError, match="hold the same run"):
         analyze_run([run, tmp_path / "copy"], tmp_path / "c", n_boot=300, plots=False, formats=())
+
+
+@pytest.mark.parametrize("killed", [False, True], ids=["ctrl-c-in-idle", "kill-9-before-first-flush"])
+def test_a_run_stopped_before_its_first_level_says_so(tmp_path, killed):
+    # It read "not a powerprof run directory: windows.parquet is missing" (after kill -9), or
+    # "no measured windows at any level (all warm-up, failed, or missing)" (after Ctrl-C).
+    run = stopped_before_first_level(tmp_path / "run")
+    if killed:  # kill -9 leaves run.json alone: the tables are first written when a level ends
+        for f in run.glob("*.parquet"):
+            f.unlink()
+    started = json.loads((run / "run.json").read_text())["started_utc"]
+    r = CliRunner().invoke(main, ["analyze", str(run)])
+    assert r.exit_code == 1 and isinstance(r.exception, SystemExit), r.output
+    assert f"{run}: a powerprof run with no finished level (stopped before its first level ended; started {started})" \
+        in r.output
+    assert "Rerun the sweep" in r.output and "powerprof sweep --limits 180,300 --simulate" in r.output
+    assert "not a powerprof run directory" not in r.output and not (run / "analysis").exists()
 
 
 def test_a_directory_without_windows_is_not_a_run(tmp_path):

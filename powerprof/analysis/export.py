@@ -25,6 +25,7 @@ import pyarrow.dataset as ds
 import pyarrow.parquet as pq
 
 from powerprof.storage.atomic import atomic_path
+from powerprof.storage.runs import no_finished_level
 
 FORMATS = ("csv", "xlsx", "parquet")
 XLSX_MAX_ROWS = 1_048_575  # one row of the sheet's 1,048,576 holds the header
@@ -191,7 +192,8 @@ def find_sources(src) -> list[Source]:
                 parts = tuple(d.partitioning.schema.names) if d.partitioning is not None else ()
                 out.append(Source(sub.name, d, parts))
     if not out:
-        raise ExportError(f"{p}: no Parquet tables found (expected a run directory or a daemon dataset folder)")
+        raise ExportError(no_finished_level(p, "export")
+                          or f"{p}: no Parquet tables found (expected a run directory or a daemon dataset folder)")
     return out
 
 
@@ -295,6 +297,10 @@ def export(src, fmt: str, out=None, time_from: str | None = None, time_to: str |
         raise ExportError(f"--from ({time_from}) must be before --to ({time_to})")
     srcs = expand(src)
     sources = union_sources([find_sources(s) for s in srcs])
+    if notes is not None:
+        # Its tables are there (Ctrl-C in the first level flushes them) but hold no finished level.
+        notes.extend(f"{m}: its tables hold only what was measured before it stopped"
+                     for m in (no_finished_level(s, None) for s in srcs if not is_uri(s) and Path(s).is_dir()) if m)
     plan = _plan(sources, columns)
     sources = [s for s in sources if s.name in plan]
     whole = sorted(s.name for s in sources if (t_from or t_to) and time_column(s.dataset.schema) is None)

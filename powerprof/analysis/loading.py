@@ -16,7 +16,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
-from powerprof.storage.runs import RUN_JSON
+from powerprof.storage.runs import RUN_JSON, no_finished_level
 from powerprof.storage.schema import LEVELS
 
 from . import engine
@@ -78,7 +78,7 @@ def read_run_info(run_dir) -> RunInfo:
         except json.JSONDecodeError as e:
             raise AnalysisError(f"{meta_path}: not valid JSON ({e})") from None
     if not (path / "windows.parquet").exists():
-        raise AnalysisError(f"{path} is not a powerprof run directory: windows.parquet is missing")
+        raise AnalysisError(no_finished_level(path) or f"{path} is not a powerprof run directory: windows.parquet is missing")
     model = _get(meta, "model", "server.model", "server.model_path", "workload.model")
     if model is None:
         model = _windows_model(path / "windows.parquet")

@@ -16,7 +16,7 @@ import numpy as np
 
 from powerprof import __version__
 from powerprof.storage.atomic import atomic_path, atomic_write_bytes
-from powerprof.storage.runs import atomic_write_table
+from powerprof.storage.runs import atomic_write_table, no_finished_level
 
 from .analyze import AnalysisResult, SeriesResult, analyze, interrupted_findings
 from .checks import Finding
@@ -103,6 +103,10 @@ def analyze_run(
             result = analyze(windows, runs, figures, timelines, params, n_boot=n_boot, seed=seed, primary=primary,
                              judge_interrupted=knob_result is None)
     except ValueError as e:
+        # Ctrl-C in the idle baseline or the first warm-ups leaves tables with nothing measured in them.
+        empty = [no_finished_level(r.path) for r in runs]
+        if all(empty):
+            raise AnalysisError("\n".join(empty)) from None
         raise AnalysisError(f"{', '.join(map(str, run_dirs))}: {e}") from None
     if knob_result is not None:
         result.knobs = knob_result
