@@ -176,11 +176,14 @@ def test_cli_analyze_prints_the_recommendation(tmp_path):
     (["analyze", "{run}", "--max-slowdown", "fast"], "not a fraction"),
     (["analyze", "{run}", "--eta", "3"], "eta"),
     (["analyze", "{run}", "--format", "pdf"], "unknown report format"),
+    # A traceback (FileNotFoundError from mkdir) where no folder can be made.
+    (["analyze", "{run}", "--out", "/proc/powerprof-cannot-create"], "cannot write the analysis to /proc/powerprof-cannot-create"),
 ])
 def test_cli_analyze_bad_input_fails_cleanly(tmp_path, args, msg):
     run = make_run(tmp_path / "run", seed_truth(), levels=SEED_LEVELS, n_requests=3)
     r = CliRunner().invoke(main, [a.format(run=run) for a in args])
     assert r.exit_code != 0 and msg in r.output
+    assert r.exception is None or isinstance(r.exception, SystemExit), r.exception
     assert not (run / "analysis").exists()
 
 

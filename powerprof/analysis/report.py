@@ -117,7 +117,11 @@ def analyze_run(
                                "every figure here mixes them; analyse them separately to compare them.")
                        for d in forced] + result.warnings
     out = Path(out_dir) if out_dir is not None else run_dirs[0] / "analysis"
-    write_outputs(result, out, formats, plots)
+    try:
+        write_outputs(result, out, formats, plots)
+    except OSError as e:  # --out where no folder can be made or written (read-only, /proc, full disk)
+        raise AnalysisError(f"cannot write the analysis to {out}: {e.strerror or e}"
+                            + (f" ({e.filename})" if e.filename and str(e.filename) != str(out) else "")) from None
     return result
 
 
