@@ -290,11 +290,16 @@ def test_a_run_given_twice_counts_once_and_a_copy_is_refused(tmp_path):
         analyze_run([run, tmp_path / "copy"], tmp_path / "c", n_boot=300, plots=False, formats=())
 
 
-@pytest.mark.parametrize("killed", [False, True], ids=["ctrl-c-in-idle", "kill-9-before-first-flush"])
-def test_a_run_stopped_before_its_first_level_says_so(tmp_path, killed):
+@pytest.mark.parametrize("when,killed", [("idle", False), ("idle", True), ("first-level", False)],
+                         ids=["ctrl-c-in-idle", "kill-9-before-first-flush", "ctrl-c-in-first-level"])
+def test_a_run_stopped_before_its_first_level_says_so(tmp_path, when, killed):
     # It read "not a powerprof run directory: windows.parquet is missing" (after kill -9), or
-    # "no measured windows at any level (all warm-up, failed, or missing)" (after Ctrl-C).
-    run = stopped_before_first_level(tmp_path / "run")
+    # "no measured windows at any level (all warm-up, failed, or missing)" (after Ctrl-C), or, with
+    # part of the first level measured, a report of that one cut level "compared with the finished levels".
+    run = stopped_before_first_level(tmp_path / "run", when)
+    if when == "first-level":
+        win = pq.read_table(run / "windows.parquet").to_pylist()
+        assert any(not w["warmup"] and w["status"] == "ok" for w in win)  # measured windows are there
     if killed:  # kill -9 leaves run.json alone: the tables are first written when a level ends
         for f in run.glob("*.parquet"):
             f.unlink()

@@ -73,6 +73,10 @@ def analyze_run(
         unique.setdefault(p.resolve(), p)
     run_dirs = list(unique.values())
     runs = [read_run_info(p) for p in run_dirs]
+    for r in runs:
+        # Ctrl-C before the first level ended keeps its tables: at most part of one level, compared with nothing.
+        if (m := no_finished_level(r.path)) is not None:
+            raise AnalysisError(m)
     forced = check_compatible(runs, force)
     seen: dict[tuple, Path] = {}
     for r in runs:
@@ -103,10 +107,6 @@ def analyze_run(
             result = analyze(windows, runs, figures, timelines, params, n_boot=n_boot, seed=seed, primary=primary,
                              judge_interrupted=knob_result is None)
     except ValueError as e:
-        # Ctrl-C in the idle baseline or the first warm-ups leaves tables with nothing measured in them.
-        empty = [no_finished_level(r.path) for r in runs]
-        if all(empty):
-            raise AnalysisError("\n".join(empty)) from None
         raise AnalysisError(f"{', '.join(map(str, run_dirs))}: {e}") from None
     if knob_result is not None:
         result.knobs = knob_result

@@ -63,6 +63,8 @@ def no_finished_level(path, what: str | None = "analyse") -> str | None:
     done = meta.get("levels_done")
     if done or (done is None and (p / "windows.parquet").exists()):
         return None  # a level finished, or a run written before levels_done whose windows are there
+    if meta.get("configs") and (p / "levels.parquet").exists():
+        return None  # a configuration sweep whose servers never got to a level: its configs' outcomes are the report
     if meta.get("started_utc"):
         when = f"started {meta['started_utc']}"
     else:  # older runs: no start time kept; run.json is rewritten until the sweep stops
