@@ -851,7 +851,8 @@ def _sweep_exits():
     except (ControlError, SweepError, ServerUnreachable, LaunchError, OSError) as e:
         raise click.ClickException(str(e)) from None
     except KeyboardInterrupt:
-        click.echo("interrupted: every GPU is back at its original limit; finished levels are in the run directory", err=True)
+        # Where the finished levels are kept was said as the sweep stopped (a run may stop before it has a directory).
+        click.echo("interrupted: every GPU is back at its original limit", err=True)
         sys.exit(130)
 
 

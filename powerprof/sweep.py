@@ -569,6 +569,14 @@ class SweepOutcome:
     notes: list[str] = field(default_factory=list)
 
 
+def _kept_note(run_dir, levels_done: list) -> str:
+    """What a stopped sweep left: where, how many levels finished, and what can be done with them."""
+    n = len(levels_done)
+    if n == 0:
+        return f"stopped before any level finished: {run_dir} holds nothing to analyse"
+    return f"stopped: {n} finished level{'s' if n > 1 else ''} kept in {run_dir} (powerprof analyze {run_dir})"
+
+
 def _remove_if_empty(path) -> None:
     try:
         path.rmdir()  # only succeeds when empty
@@ -714,8 +722,12 @@ def run_sweep(
             sweep = TraceSweep(trace, on_level, server=server_info, params=params, **parts)
         else:
             sweep = Sweep(server=server_info, prompts=prompts, params=params, **parts)
+        stopped = False
         try:
             sweep.run()
+        except BaseException:
+            stopped = True  # Ctrl-C, a signal, or an error: the person must learn where the levels went
+            raise
         finally:
             # Restore before the last write, so the final samples show the original limit back.
             # If restoring fails the controller keeps its restore file (and retries on close);
@@ -727,6 +739,8 @@ def run_sweep(
                 sweep.timeline.set_tags()
                 profiler.sampler.sample_now("restored")
                 sweep.flush()
+                if stopped and ui is not None:
+                    ui.note(_kept_note(run_dir, writer.metadata.get("levels_done") or []))
         levels = sweep.levels_table()
     notes.extend(profiler.edge_notes())
     ex = sweep.excluded()

@@ -254,6 +254,10 @@ def test_signals_mid_sweep_restore_the_limit_and_keep_finished_levels(tmp_path, 
     assert "Traceback" not in err, err
     assert sim_limit_w() == 300.0  # put back by the sweep itself, no `powerprof restore` needed
     assert 180.0 in set(pq.read_table(out / "levels.parquet").to_pandas().level_value)
+    # It said nothing of where the levels went (SIGTERM), or "finished levels are in the run directory" (Ctrl-C).
+    done = len(json.loads((out / "run.json").read_text())["levels_done"])
+    flat = "".join(err.split())  # the console wraps a long path
+    assert "".join(f"stopped: {done} finished level{'s' if done > 1 else ''} kept in {out}".split()) in flat, err
 
 
 def test_clock_sweep_where_the_power_cap_never_binds(tmp_path):
