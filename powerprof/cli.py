@@ -435,6 +435,17 @@ def measure(url, simulate, out_dir, n_requests, concurrency, warmup, launch, api
         raise click.UsageError(str(e)) from None
     out = Path(out_dir) if out_dir else default_run_dir(Path("runs"), "measure")
     params = RequestParams(max_tokens=max_tokens, seed=seed, prompt_cache=prompt_cache, keep_text=keep_text)
+    import signal as _signal
+
+    from powerprof import termination
+
+    def on_signal(signum, _frame):
+        termination.note(signum)
+        raise termination.Terminated(signum)
+
+    # SIGTERM's default action killed it where it stood: the empty --out folder stayed, and no word was said.
+    # (A --launch server's launcher sets its own handlers over these, and stops the server in them.)
+    held = {sig: _signal.signal(sig, on_signal) for sig in (_signal.SIGTERM, _signal.SIGHUP)}
     try:
         with Rig(simulate, host=False) as rig:
             res = run_measure(rig, url=url, out_dir=out, prompts=prompts, n_requests=n_requests,
@@ -442,6 +453,15 @@ def measure(url, simulate, out_dir, n_requests, concurrency, warmup, launch, api
                               launch_timeout_s=launch_timeout, command_line=" ".join(sys.argv))
     except (ServerUnreachable, LaunchError, FileExistsError, ValueError) as e:
         raise click.ClickException(str(e)) from None
+    except (KeyboardInterrupt, termination.Terminated) as e:
+        # The windows are written once every request is done: a measurement stopped early keeps none.
+        how = "interrupted" if isinstance(e, KeyboardInterrupt) else f"stopped by {_signal.Signals(e.signum).name}"
+        click.echo(f"{how}: nothing was "
+                   f"written (measure writes {out} once its requests are done); nothing was changed", err=True)
+        sys.exit(130 if isinstance(e, KeyboardInterrupt) else e.code)
+    finally:
+        for sig, h in held.items():
+            _signal.signal(sig, h)
     if as_json:
         import json
 

@@ -359,3 +359,27 @@ def test_the_live_ci_is_the_tables_ci(tmp_path):
     assert set(Recorder.done) == {400.0, 250.0}
     for value, live_pct in Recorder.done.items():
         assert live_pct == pytest.approx(levels.loc[value, "ci_reached_pct"], rel=1e-9), value
+
+
+@pytest.mark.parametrize("sig,code", [(signal.SIGINT, 130), (signal.SIGTERM, 128 + signal.SIGTERM)])
+def test_measure_stopped_early_says_nothing_was_written_and_leaves_nothing(tmp_path, sig, code):
+    # Ctrl-C printed click's bare "Aborted!" with exit 1; SIGTERM killed it silently and left the empty --out folder.
+    out = tmp_path / "m"
+    proc = subprocess.Popen([sys.executable, "-m", "powerprof.cli", "measure", "--simulate", "--out", str(out),
+                             "--requests", "200", "--max-tokens", "48"],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 60
+        while not out.exists() and time.monotonic() < deadline:  # made just before the first request
+            time.sleep(0.05)
+        assert out.exists(), proc.stderr.read() if proc.poll() is not None else "measure never made --out"
+        time.sleep(1.0)
+        proc.send_signal(sig)
+        _, err = proc.communicate(timeout=30)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == code, err
+    assert "Traceback" not in err and "Aborted!" not in err, err
+    assert f"nothing was written (measure writes {out} once its requests are done)" in err
+    assert not out.exists()
