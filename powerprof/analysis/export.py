@@ -214,6 +214,21 @@ def time_column(schema: pa.Schema) -> str | None:
     return None
 
 
+def _time_span(src: Source) -> str:
+    """` (its rows span A to B UTC)`, streamed over the time column alone; empty for an empty table."""
+    col = time_column(src.dataset.schema)
+    lo = hi = None
+    for b in src.dataset.scanner(columns=[col], batch_readahead=1, fragment_readahead=1).to_batches():
+        mm = pc.min_max(b.column(0))
+        if mm["min"].is_valid:
+            lo = mm["min"].as_py() if lo is None else min(lo, mm["min"].as_py())
+            hi = mm["max"].as_py() if hi is None else max(hi, mm["max"].as_py())
+    if lo is None:
+        return " (it has no rows)"
+    fmt = "%Y-%m-%d %H:%M:%S"
+    return f" (its rows span {lo.strftime(fmt)} to {hi.strftime(fmt)}{' UTC' if lo.tzinfo else ''})"
+
+
 def _filter(src: Source, t_from: datetime | None, t_to: datetime | None):
     col = time_column(src.dataset.schema)
     if col is None or (t_from is None and t_to is None):
@@ -308,6 +323,11 @@ def export(src, fmt: str, out=None, time_from: str | None = None, time_to: str |
             "figures (every level), not figures of the selected time") if whole else None
     if note and notes is not None:
         notes.append(note)
+    if (t_from or t_to) and notes is not None:
+        # An empty selection (a mistyped date, another day's run) wrote header-only files without a word.
+        for s in sources:
+            if time_column(s.dataset.schema) is not None and not s.dataset.count_rows(filter=_filter(s, t_from, t_to)):
+                notes.append(f"--from/--to select no row of {s.name}" + _time_span(s))
     if len(srcs) == 1 and not is_uri(srcs[0]):
         src_path = Path(srcs[0])
         default_stem = src_path.stem if src_path.is_file() else src_path.resolve().name
@@ -322,6 +342,9 @@ def export(src, fmt: str, out=None, time_from: str | None = None, time_to: str |
                                        batch_readahead=1, fragment_readahead=1)
              for s in sources}
     if fmt == "xlsx":
+        if out.is_dir() or out.suffix.lower() != ".xlsx":
+            # A workbook named x.csv (or written into a folder's place) opens as garbage, or not at all.
+            raise ExportError(f"--out {out}: an xlsx export is one workbook; give a file name ending in .xlsx")
         for s in sources:
             n = s.dataset.count_rows(filter=_filter(s, t_from, t_to))
             if n > XLSX_MAX_ROWS:
