@@ -435,19 +435,12 @@ def measure(url, simulate, out_dir, n_requests, concurrency, warmup, launch, api
         raise click.UsageError(str(e)) from None
     out = Path(out_dir) if out_dir else default_run_dir(Path("runs"), "measure")
     params = RequestParams(max_tokens=max_tokens, seed=seed, prompt_cache=prompt_cache, keep_text=keep_text)
-    import signal as _signal
-
     from powerprof import termination
-
-    def on_signal(signum, _frame):
-        termination.note(signum)
-        raise termination.Terminated(signum)
 
     # SIGTERM's default action killed it where it stood: the empty --out folder stayed, and no word was said.
     # (A --launch server's launcher sets its own handlers over these, and stops the server in them.)
-    held = {sig: _signal.signal(sig, on_signal) for sig in (_signal.SIGTERM, _signal.SIGHUP)}
     try:
-        with Rig(simulate, host=False) as rig:
+        with _signals_raise(), Rig(simulate, host=False) as rig:
             res = run_measure(rig, url=url, out_dir=out, prompts=prompts, n_requests=n_requests,
                               concurrencies=concurrency, params=params, warmup=warmup, api=api, launch=launch,
                               launch_timeout_s=launch_timeout, command_line=" ".join(sys.argv))
@@ -455,13 +448,9 @@ def measure(url, simulate, out_dir, n_requests, concurrency, warmup, launch, api
         raise click.ClickException(str(e)) from None
     except (KeyboardInterrupt, termination.Terminated) as e:
         # The windows are written once every request is done: a measurement stopped early keeps none.
-        how = "interrupted" if isinstance(e, KeyboardInterrupt) else f"stopped by {_signal.Signals(e.signum).name}"
-        click.echo(f"{how}: nothing was "
-                   f"written (measure writes {out} once its requests are done); nothing was changed", err=True)
+        click.echo(f"{_stopped_how(e)}: nothing was written (measure writes {out} once its requests are done); "
+                   "nothing was changed", err=True)
         sys.exit(130 if isinstance(e, KeyboardInterrupt) else e.code)
-    finally:
-        for sig, h in held.items():
-            _signal.signal(sig, h)
     if as_json:
         import json
 
@@ -805,21 +794,28 @@ def sweep(limits, clocks, url, launch, vary, context_tokens, simulate, gpus, rep
         for line in outcome.plan_lines:
             out.print(line)
         return
-    for note in outcome.notes:
-        out.print(f"[yellow]note:[/] {note}")
-    unit = "W" if limits else "MHz"
+    from powerprof import termination
     from powerprof.analysis.loading import AnalysisError
-    from powerprof.analysis.report import console_summary
-    from powerprof.analysis.report import analyze_run
 
+    unit = "W" if limits else "MHz"
     try:
-        result = analyze_run([outcome.run_dir], max_slowdown=max_slowdown)
+        with _signals_raise():
+            for note in outcome.notes:
+                out.print(f"[yellow]note:[/] {note}")
+            from powerprof.analysis.report import analyze_run, console_summary  # scipy, matplotlib: seconds
+
+            result = analyze_run([outcome.run_dir], max_slowdown=max_slowdown)
     except AnalysisError as e:
         if grid is None:
             out.print(levels_table(outcome.levels, unit))
         out.print(f"run directory: {outcome.run_dir}")
         out.print(f"[red]analysis failed:[/] {e}")
         sys.exit(1)
+    except (KeyboardInterrupt, termination.Terminated) as e:
+        # Every level finished and is stored: only the report is missing, and it can be made again.
+        click.echo(f"{_stopped_how(e)} during the analysis: the run is complete in {outcome.run_dir}; "
+                   f"make its report with: powerprof analyze {outcome.run_dir}", err=True)
+        sys.exit(130 if isinstance(e, KeyboardInterrupt) else e.code)
     if result.knobs is not None:
         out.print(console_summary(result), highlight=False, markup=False)
     else:
@@ -851,6 +847,32 @@ def _check_trace_options(ctx, trace_path) -> None:
         bad = given(_TRACE_ONLY)
         if bad:
             raise click.UsageError(f"only used with --trace: {', '.join(bad)} (to limit a level's time, use --max-time)")
+
+
+@contextlib.contextmanager
+def _signals_raise():
+    """SIGTERM and SIGHUP raise termination.Terminated inside, as Ctrl-C raises KeyboardInterrupt, so the
+    caller can clean up and say what was kept; their earlier handlers are back afterwards."""
+    import signal
+
+    from powerprof import termination
+
+    def on_signal(signum, _frame):
+        termination.note(signum)
+        raise termination.Terminated(signum)
+
+    held = {sig: signal.signal(sig, on_signal) for sig in (signal.SIGTERM, signal.SIGHUP)}
+    try:
+        yield
+    finally:
+        for sig, h in held.items():
+            signal.signal(sig, h)
+
+
+def _stopped_how(e: BaseException) -> str:
+    import signal
+
+    return "interrupted" if isinstance(e, KeyboardInterrupt) else f"stopped by {signal.Signals(e.signum).name}"
 
 
 @contextlib.contextmanager

@@ -383,3 +383,24 @@ def test_measure_stopped_early_says_nothing_was_written_and_leaves_nothing(tmp_p
     assert "Traceback" not in err and "Aborted!" not in err, err
     assert f"nothing was written (measure writes {out} once its requests are done)" in err
     assert not out.exists()
+
+
+def test_ctrl_c_during_the_end_analysis_says_the_run_is_complete(tmp_path, monkeypatch):
+    # Ctrl-C while the finished sweep imported scipy or fitted its curves printed click's bare "Aborted!"
+    # (exit 1), though every level was stored and only the report was missing.
+    from click.testing import CliRunner
+
+    import powerprof.analysis.report as report
+    from powerprof.cli import main
+
+    def interrupted(*a, **k):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(report, "analyze_run", interrupted)
+    out = tmp_path / "run"
+    r = CliRunner().invoke(main, ["sweep", "--limits", "220,300", "--simulate", "--out", str(out), "--idle-s", "0",
+                                  "--max-tokens", "32", "--min-requests", "2", "--max-requests", "2", "--warmup", "0"])
+    assert r.exit_code == 130, r.output
+    assert f"interrupted during the analysis: the run is complete in {out}; make its report with: powerprof analyze " \
+           f"{out}" in " ".join(r.stderr.split())
+    assert len(json.loads((out / "run.json").read_text())["levels_done"]) == 2
