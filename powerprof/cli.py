@@ -811,16 +811,26 @@ def sweep(limits, clocks, url, launch, vary, context_tokens, simulate, gpus, rep
         out.print(f"run directory: {outcome.run_dir}")
         out.print(f"[red]analysis failed:[/] {e}")
         sys.exit(1)
+    except Exception as e:
+        # Ctrl-C while DuckDB scans the samples comes back as its error (termination.exit_inside).
+        stop = termination.exit_inside(e)
+        if stop is None:
+            raise
+        _analysis_stopped(stop, outcome.run_dir)
     except (KeyboardInterrupt, termination.Terminated) as e:
-        # Every level finished and is stored: only the report is missing, and it can be made again.
-        click.echo(f"{_stopped_how(e)} during the analysis: the run is complete in {outcome.run_dir}; "
-                   f"make its report with: powerprof analyze {outcome.run_dir}", err=True)
-        sys.exit(130 if isinstance(e, KeyboardInterrupt) else e.code)
+        _analysis_stopped(e, outcome.run_dir)
     if result.knobs is not None:
         out.print(console_summary(result), highlight=False, markup=False)
     else:
         out.print(end_screen(outcome.levels, result, unit), highlight=False)
     out.print(f"run directory: {outcome.run_dir}")
+
+
+def _analysis_stopped(e: BaseException, run_dir) -> None:
+    # Every level finished and is stored: only the report is missing, and it can be made again.
+    click.echo(f"{_stopped_how(e)} during the analysis: the run is complete in {run_dir}; "
+               f"make its report with: powerprof analyze {run_dir}", err=True)
+    sys.exit(130 if isinstance(e, KeyboardInterrupt) else e.code)
 
 
 # Options only a prompt-set sweep uses, and those only --trace uses: given to the other kind, they would
@@ -878,6 +888,7 @@ def _stopped_how(e: BaseException) -> str:
 @contextlib.contextmanager
 def _sweep_exits():
     """A sweep's exits: bad input 2, a failure 1 with its message, Ctrl-C 130 (the GPUs are back by then)."""
+    from powerprof import termination
     from powerprof.control.errors import ControlError
     from powerprof.control.levels import LevelError
     from powerprof.sweep import SweepError
@@ -893,9 +904,18 @@ def _sweep_exits():
     except (ControlError, SweepError, ServerUnreachable, LaunchError, OSError) as e:
         raise click.ClickException(str(e)) from None
     except KeyboardInterrupt:
-        # Where the finished levels are kept was said as the sweep stopped (a run may stop before it has a directory).
-        click.echo("interrupted: every GPU is back at its original limit", err=True)
-        sys.exit(130)
+        _sweep_interrupted()
+    except Exception as e:
+        # Ctrl-C while DuckDB computes the levels' sensor figures comes back as a DuckDB error: a traceback.
+        if not isinstance(termination.exit_inside(e), KeyboardInterrupt):
+            raise
+        _sweep_interrupted()
+
+
+def _sweep_interrupted():
+    # Where the finished levels are kept was said as the sweep stopped (a run may stop before it has a directory).
+    click.echo("interrupted: every GPU is back at its original limit", err=True)
+    sys.exit(130)
 
 
 def _trace_sweep(trace_path, time_scale, duration_s, limits, clocks, url, launch, simulate, gpus, api, interval_s,

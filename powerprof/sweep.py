@@ -722,26 +722,26 @@ def run_sweep(
             sweep = TraceSweep(trace, on_level, server=server_info, params=params, **parts)
         else:
             sweep = Sweep(server=server_info, prompts=prompts, params=params, **parts)
-        stopped = False
         try:
-            sweep.run()
-        except BaseException:
-            stopped = True  # Ctrl-C, a signal, or an error: the person must learn where the levels went
-            raise
-        finally:
-            # Restore before the last write, so the final samples show the original limit back.
-            # If restoring fails the controller keeps its restore file (and retries on close);
-            # the finished levels are written either way.
             try:
-                if ctl is not None:
-                    ctl.restore()
+                sweep.run()
             finally:
-                sweep.timeline.set_tags()
-                profiler.sampler.sample_now("restored")
-                sweep.flush()
-                if stopped and ui is not None:
-                    ui.note(_kept_note(run_dir, writer.metadata.get("levels_done") or []))
-        levels = sweep.levels_table()
+                # Restore before the last write, so the final samples show the original limit back.
+                # If restoring fails the controller keeps its restore file (and retries on close);
+                # the finished levels are written either way.
+                try:
+                    if ctl is not None:
+                        ctl.restore()
+                finally:
+                    sweep.timeline.set_tags()
+                    profiler.sampler.sample_now("restored")
+                    sweep.flush()
+            levels = sweep.levels_table()
+        except BaseException:
+            # Ctrl-C, a signal or an error, wherever it struck: the person must learn where the levels went.
+            if ui is not None:
+                ui.note(_kept_note(run_dir, writer.metadata.get("levels_done") or []))
+            raise
     notes.extend(profiler.edge_notes())
     ex = sweep.excluded()
     if ex is not None:

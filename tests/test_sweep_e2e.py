@@ -404,3 +404,28 @@ def test_ctrl_c_during_the_end_analysis_says_the_run_is_complete(tmp_path, monke
     assert f"interrupted during the analysis: the run is complete in {out}; make its report with: powerprof analyze " \
            f"{out}" in " ".join(r.stderr.split())
     assert len(json.loads((out / "run.json").read_text())["levels_done"]) == 2
+
+
+def test_ctrl_c_after_the_last_level_says_where_the_finished_run_is(tmp_path, monkeypatch):
+    # Ctrl-C between the last level and the analysis (the GPUs being put back, the last flush) said only
+    # "interrupted: ...": not that every level was kept, nor where; caught inside DuckDB it was a traceback.
+    from click.testing import CliRunner
+
+    from powerprof.cli import main
+    from powerprof.collectors import sampler
+
+    real = sampler.Sampler.sample_now
+
+    def ctrl_c_once_restored(self, label=None, sources=None):
+        if label == "restored":
+            raise KeyboardInterrupt
+        return real(self, label, sources)
+
+    monkeypatch.setattr(sampler.Sampler, "sample_now", ctrl_c_once_restored)
+    out = tmp_path / "run"
+    r = CliRunner().invoke(main, ["sweep", "--limits", "220,300", "--simulate", "--out", str(out), "--idle-s", "0",
+                                  "--max-tokens", "32", "--min-requests", "2", "--max-requests", "2", "--warmup", "0"])
+    assert r.exit_code == 130, r.output
+    flat = "".join(r.stderr.split())
+    assert "".join(f"stopped: 2 finished levels kept in {out} (powerprof analyze {out})".split()) in flat, r.stderr
+    assert "Traceback" not in r.output

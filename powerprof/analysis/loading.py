@@ -16,6 +16,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
+from powerprof import termination
 from powerprof.storage.runs import RUN_JSON, no_finished_level
 from powerprof.storage.schema import LEVELS
 
@@ -200,6 +201,8 @@ def scan_samples(run: RunInfo, windows: pa.Table | None = None, bins: int = TIME
         # Without measured windows (a run stopped early) every tagged sample counts, as before.
         sums, tb = engine.scan(con, rel, (starts, ends) if starts.size else None, bins=bins)
     except duckdb.Error as e:  # a footer that opens over damaged pages
+        if (stop := termination.exit_inside(e)) is not None:
+            raise stop from None
         raise AnalysisError(f"{path}: cannot be read as Parquet ({str(e).strip()}); move it aside to analyse "
                             "the windows without the sensor figures") from None
     if tb is None:
