@@ -630,6 +630,11 @@ def analyze(run_dirs, out_dir, max_slowdown, eta, formats, force, n_boot, as_jso
                              force=force, n_boot=n_boot)
     except (AnalysisError, fleet.FleetError) as e:
         raise click.ClickException(str(e)) from None
+    except KeyboardInterrupt:
+        # click's bare "Aborted!" (exit 1) read like a failure of the analysis itself.
+        click.echo("interrupted: the analysis did not finish (the runs are untouched); run it again for the report",
+                   err=True)
+        sys.exit(130)
     if as_json:
         from powerprof.analysis.report import result_json
 

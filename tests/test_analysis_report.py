@@ -232,6 +232,21 @@ def test_analyze_of_a_measure_run_says_what_it_is(tmp_path):
     assert "all warm-up, failed, or missing" not in r.output
 
 
+def test_ctrl_c_in_analyze_says_it_was_interrupted(tmp_path, monkeypatch):
+    # It printed click's bare "Aborted!" and exited 1, like a failed analysis.
+    import powerprof.analysis.report as report
+
+    run = make_run(tmp_path / "run", seed_truth(), levels=SEED_LEVELS, n_requests=3)
+
+    def interrupted(*a, **k):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(report, "analyze_run", interrupted)
+    r = CliRunner().invoke(main, ["analyze", str(run)])
+    assert r.exit_code == 130 and "interrupted: the analysis did not finish" in r.stderr, r.output
+    assert "Aborted" not in r.output
+
+
 def test_one_level_is_not_recommended_against_itself(tmp_path):
     # `sweep --limits 300` ended "Recommended limit: 300 W ...: 0.0% slower, 0.0% less energy per token than 300 W".
     run = make_run(tmp_path / "run", seed_truth(), levels=(300,), n_requests=5)
