@@ -232,6 +232,17 @@ def test_analyze_of_a_measure_run_says_what_it_is(tmp_path):
     assert "all warm-up, failed, or missing" not in r.output
 
 
+def test_the_reference_recommended_is_not_compared_with_itself(tmp_path):
+    # A budget no lower level meets read "Recommended limit: 300 W (...): 0.0% slower, 0.0% less energy
+    # per token than 300 W": the figures of the reference against itself.
+    run = make_run(tmp_path / "run", seed_truth(), levels=SEED_LEVELS, n_requests=20)
+    r = CliRunner().invoke(main, ["analyze", str(run), "--max-slowdown", "1%", "--bootstrap", "200"])
+    assert r.exit_code == 0, r.output
+    line = next(x for x in r.output.splitlines() if x.startswith("Recommended limit"))
+    assert line.startswith("Recommended limit: 300 W, the reference (") and "0.0% slower" not in line
+    assert "every lower level is slower than the budget allows (260 W: " in line
+
+
 def test_ctrl_c_in_analyze_says_it_was_interrupted(tmp_path, monkeypatch):
     # It printed click's bare "Aborted!" and exited 1, like a failed analysis.
     import powerprof.analysis.report as report

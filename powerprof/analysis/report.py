@@ -272,13 +272,29 @@ def recommendation_line(result: AnalysisResult) -> str:
                 f"recommended; sweep several levels (e.g. --{'limits' if u == 'W' else 'clocks'} with four values) "
                 "to find the sweet spot.")
         return line + (" (simulated)" if result.simulated else "")
-    line = (f"Recommended {what}: {c.recommended_value:g} {u} ({DESCRIPTIONS[c.policy]}"
-            + (f", ≤ {c.params['max_slowdown']:.0%} slower" if c.policy == "budget" else "")
-            + f"): {c.speed_loss_pct:.1f}% slower, {c.energy_saving_pct:.1f}% less energy per token than "
-            f"{sr.series.reference_value:g} {u}; " + _choice_range_text(sr, c, u))
+    head = (f"Recommended {what}: {c.recommended_value:g} {u}"
+            + (", the reference" if c.level_value == sr.series.reference_value else "")
+            + f" ({DESCRIPTIONS[c.policy]}" + (f", ≤ {c.params['max_slowdown']:.0%} slower" if c.policy == "budget" else "")
+            + "): ")
+    if c.level_value == sr.series.reference_value:
+        # "0.0% slower, 0.0% less energy per token than 300 W" would compare it with itself.
+        line = head + _why_the_reference(sr, c, u) + "; " + _choice_range_text(sr, c, u)
+    else:
+        line = (head + f"{c.speed_loss_pct:.1f}% slower, {c.energy_saving_pct:.1f}% less energy per token than "
+                f"{sr.series.reference_value:g} {u}; " + _choice_range_text(sr, c, u))
     if result.simulated:
         line += " (simulated)"
     return line
+
+
+def _why_the_reference(sr: SeriesResult, c, u: str) -> str:
+    """Why no level other than the reference was chosen: the nearest one below it, by the policy's measure."""
+    below = [r for r in sr.table.to_pylist() if r["level_value"] < sr.series.reference_value]
+    if c.policy == "budget" and below:
+        r = max(below, key=lambda r: r["level_value"])
+        return (f"every lower level is slower than the budget allows ({r['level_value']:g} {u}: "
+                f"{_f(r['speed_loss_pct'], '.1f')}% slower, {_f(r['energy_saving_pct'], '.1f')}% less energy per token)")
+    return "no other measured level does better by this measure"
 
 
 def _choice_range_text(sr: SeriesResult, c, u: str) -> str:
