@@ -435,13 +435,22 @@ def measure(url, simulate, out_dir, n_requests, concurrency, warmup, launch, api
         raise click.UsageError(str(e)) from None
     out = Path(out_dir) if out_dir else default_run_dir(Path("runs"), "measure")
     params = RequestParams(max_tokens=max_tokens, seed=seed, prompt_cache=prompt_cache, keep_text=keep_text)
+    from powerprof import termination
+
+    # SIGTERM's default action killed it where it stood: the empty --out folder stayed, and no word was said.
+    # (A --launch server's launcher sets its own handlers over these, and stops the server in them.)
     try:
-        with Rig(simulate, host=False) as rig:
+        with _signals_raise(), Rig(simulate, host=False) as rig:
             res = run_measure(rig, url=url, out_dir=out, prompts=prompts, n_requests=n_requests,
                               concurrencies=concurrency, params=params, warmup=warmup, api=api, launch=launch,
                               launch_timeout_s=launch_timeout, command_line=" ".join(sys.argv))
     except (ServerUnreachable, LaunchError, FileExistsError, ValueError) as e:
         raise click.ClickException(str(e)) from None
+    except (KeyboardInterrupt, termination.Terminated) as e:
+        # The windows are written once every request is done: a measurement stopped early keeps none.
+        click.echo(f"{_stopped_how(e)}: nothing was written (measure writes {out} once its requests are done); "
+                   "nothing was changed", err=True)
+        sys.exit(130 if isinstance(e, KeyboardInterrupt) else e.code)
     if as_json:
         import json
 
@@ -621,9 +630,18 @@ def analyze(run_dirs, out_dir, max_slowdown, eta, formats, force, n_boot, as_jso
                              force=force, n_boot=n_boot)
     except (AnalysisError, fleet.FleetError) as e:
         raise click.ClickException(str(e)) from None
+    except KeyboardInterrupt:
+        # click's bare "Aborted!" (exit 1) read like a failure of the analysis itself.
+        click.echo("interrupted: the analysis did not finish (the runs are untouched); run it again for the report",
+                   err=True)
+        sys.exit(130)
     if as_json:
         from powerprof.analysis.report import result_json
 
+        # The JSON carries it in `warnings`; a pipe reading stdout would never show it to the person.
+        for w in result.warnings:
+            if w.kind == "forced-pool":
+                click.echo(f"warning: {w.message}", err=True)
         click.echo(result_json(result))
         return
     click.echo(console_summary(result))
@@ -781,26 +799,43 @@ def sweep(limits, clocks, url, launch, vary, context_tokens, simulate, gpus, rep
         for line in outcome.plan_lines:
             out.print(line)
         return
-    for note in outcome.notes:
-        out.print(f"[yellow]note:[/] {note}")
-    unit = "W" if limits else "MHz"
+    from powerprof import termination
     from powerprof.analysis.loading import AnalysisError
-    from powerprof.analysis.report import console_summary
-    from powerprof.analysis.report import analyze_run
 
+    unit = "W" if limits else "MHz"
     try:
-        result = analyze_run([outcome.run_dir], max_slowdown=max_slowdown)
+        with _signals_raise():
+            for note in outcome.notes:
+                out.print(f"[yellow]note:[/] {note}")
+            from powerprof.analysis.report import analyze_run, console_summary  # scipy, matplotlib: seconds
+
+            result = analyze_run([outcome.run_dir], max_slowdown=max_slowdown)
     except AnalysisError as e:
         if grid is None:
             out.print(levels_table(outcome.levels, unit))
         out.print(f"run directory: {outcome.run_dir}")
         out.print(f"[red]analysis failed:[/] {e}")
         sys.exit(1)
+    except Exception as e:
+        # Ctrl-C while DuckDB scans the samples comes back as its error (termination.exit_inside).
+        stop = termination.exit_inside(e)
+        if stop is None:
+            raise
+        _analysis_stopped(stop, outcome.run_dir)
+    except (KeyboardInterrupt, termination.Terminated) as e:
+        _analysis_stopped(e, outcome.run_dir)
     if result.knobs is not None:
         out.print(console_summary(result), highlight=False, markup=False)
     else:
         out.print(end_screen(outcome.levels, result, unit), highlight=False)
     out.print(f"run directory: {outcome.run_dir}")
+
+
+def _analysis_stopped(e: BaseException, run_dir) -> None:
+    # Every level finished and is stored: only the report is missing, and it can be made again.
+    click.echo(f"{_stopped_how(e)} during the analysis: the run is complete in {run_dir}; "
+               f"make its report with: powerprof analyze {run_dir}", err=True)
+    sys.exit(130 if isinstance(e, KeyboardInterrupt) else e.code)
 
 
 # Options only a prompt-set sweep uses, and those only --trace uses: given to the other kind, they would
@@ -830,8 +865,35 @@ def _check_trace_options(ctx, trace_path) -> None:
 
 
 @contextlib.contextmanager
+def _signals_raise():
+    """SIGTERM and SIGHUP raise termination.Terminated inside, as Ctrl-C raises KeyboardInterrupt, so the
+    caller can clean up and say what was kept; their earlier handlers are back afterwards."""
+    import signal
+
+    from powerprof import termination
+
+    def on_signal(signum, _frame):
+        termination.note(signum)
+        raise termination.Terminated(signum)
+
+    held = {sig: signal.signal(sig, on_signal) for sig in (signal.SIGTERM, signal.SIGHUP)}
+    try:
+        yield
+    finally:
+        for sig, h in held.items():
+            signal.signal(sig, h)
+
+
+def _stopped_how(e: BaseException) -> str:
+    import signal
+
+    return "interrupted" if isinstance(e, KeyboardInterrupt) else f"stopped by {signal.Signals(e.signum).name}"
+
+
+@contextlib.contextmanager
 def _sweep_exits():
     """A sweep's exits: bad input 2, a failure 1 with its message, Ctrl-C 130 (the GPUs are back by then)."""
+    from powerprof import termination
     from powerprof.control.errors import ControlError
     from powerprof.control.levels import LevelError
     from powerprof.sweep import SweepError
@@ -847,8 +909,18 @@ def _sweep_exits():
     except (ControlError, SweepError, ServerUnreachable, LaunchError, OSError) as e:
         raise click.ClickException(str(e)) from None
     except KeyboardInterrupt:
-        click.echo("interrupted: every GPU is back at its original limit; finished levels are in the run directory", err=True)
-        sys.exit(130)
+        _sweep_interrupted()
+    except Exception as e:
+        # Ctrl-C while DuckDB computes the levels' sensor figures comes back as a DuckDB error: a traceback.
+        if not isinstance(termination.exit_inside(e), KeyboardInterrupt):
+            raise
+        _sweep_interrupted()
+
+
+def _sweep_interrupted():
+    # Where the finished levels are kept was said as the sweep stopped (a run may stop before it has a directory).
+    click.echo("interrupted: every GPU is back at its original limit", err=True)
+    sys.exit(130)
 
 
 def _trace_sweep(trace_path, time_scale, duration_s, limits, clocks, url, launch, simulate, gpus, api, interval_s,

@@ -328,7 +328,12 @@ class GridRun:
         self.writer.write("windows", with_knob_columns(rows_to_table(WINDOWS, w), w))
         self.writer.write("samples", self.timeline.to_table())
         self.writer.write("levels", with_knob_columns(rows_to_table(LEVELS, lv), lv))
-        self.writer.write_json(idle_gpu_power_w=self.idle_power_w, configs=[r.to_dict() for r in self.records])
+        # Without it an interrupted level reads like a finished one (analysis interrupted_findings).
+        pairs = list(self.done) + ([current] if current is not None and current not in self.done else [])
+        levels_done = [(v.level_value, v.repeat, rec.config_id, rec.context_tokens)
+                       for rec, sw in pairs for v in sw.visits if v.stop]
+        self.writer.write_json(idle_gpu_power_w=self.idle_power_w, configs=[r.to_dict() for r in self.records],
+                               levels_done=levels_done)
 
     def levels_table(self):
         from powerprof.storage.schema import LEVELS, rows_to_table, with_knob_columns

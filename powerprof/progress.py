@@ -181,15 +181,18 @@ def curves(result) -> Curves:
     unit = "MHz" if sr.series.level_kind == "sm_clock" else "W"
     rows = sr.table.to_pylist()
     x = tuple(float(r["level_value"]) for r in rows)
-    rec = sr.recommendation
+    rec = sr.recommendation if sr.comparable else None
+    chosen = rec.level_value if rec is not None else None
     what = f"SM clock ({unit})" if unit == "MHz" else f"limit ({unit})"
     panels = [
-        Panel(f"GPU J/token vs {what}", x, tuple(r["gpu_j_per_token"] for r in rows), rec.level_value, unit),
-        Panel(f"decode tok/s vs {what}", x, tuple(r["decode_tok_s"] for r in rows), rec.level_value, unit,
+        Panel(f"GPU J/token vs {what}", x, tuple(r["gpu_j_per_token"] for r in rows), chosen, unit),
+        Panel(f"decode tok/s vs {what}", x, tuple(r["decode_tok_s"] for r in rows), chosen, unit,
               y_format=".4g"),
     ]
-    legend = (f"[bold red]{CHOSEN}[/] recommended {rec.recommended_value:g} {unit} ({rec.policy})   "
-              f"[cyan]{POINT}[/] measured level   [dim]{LINE}[/] straight line between levels")
+    legend = ((f"[bold red]{CHOSEN}[/] recommended {rec.recommended_value:g} {unit} ({rec.policy})   "
+               if rec is not None else "")
+              + f"[cyan]{POINT}[/] measured level"
+              + (f"   [dim]{LINE}[/] straight line between levels" if len(x) > 1 else ""))
     return Curves(panels, legend)
 
 
@@ -197,7 +200,7 @@ def end_screen(levels, result, unit: str) -> Group:
     """What a finished sweep prints: one table, the curves, then the recommendation and findings."""
     from powerprof.analysis.report import console_summary
 
-    rec = result.main.recommendation.level_value if result.series else None
+    rec = result.main.recommendation.level_value if result.series and result.main.comparable else None
     parts = [levels_table(levels, unit, recommended=rec)]
     if result.series:
         parts += [Text(""), curves(result), Text("")]

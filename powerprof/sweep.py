@@ -8,6 +8,7 @@ import time
 import uuid
 from contextlib import ExitStack
 from dataclasses import dataclass, field
+from datetime import datetime, timezone
 from pathlib import Path
 
 import aiohttp
@@ -568,6 +569,14 @@ class SweepOutcome:
     notes: list[str] = field(default_factory=list)
 
 
+def _kept_note(run_dir, levels_done: list) -> str:
+    """What a stopped sweep left: where, how many levels finished, and what can be done with them."""
+    n = len(levels_done)
+    if n == 0:
+        return f"stopped before any level finished: {run_dir} holds nothing to analyse"
+    return f"stopped: {n} finished level{'s' if n > 1 else ''} kept in {run_dir} (powerprof analyze {run_dir})"
+
+
 def _remove_if_empty(path) -> None:
     try:
         path.rmdir()  # only succeeds when empty
@@ -679,6 +688,7 @@ def run_sweep(
         meta = {
             "kind": "sweep",
             "run_id": run_id,
+            "started_utc": datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M:%S UTC"),
             "version": __version__,
             "command_line": command_line,
             **rig.meta(),
@@ -713,19 +723,25 @@ def run_sweep(
         else:
             sweep = Sweep(server=server_info, prompts=prompts, params=params, **parts)
         try:
-            sweep.run()
-        finally:
-            # Restore before the last write, so the final samples show the original limit back.
-            # If restoring fails the controller keeps its restore file (and retries on close);
-            # the finished levels are written either way.
             try:
-                if ctl is not None:
-                    ctl.restore()
+                sweep.run()
             finally:
-                sweep.timeline.set_tags()
-                profiler.sampler.sample_now("restored")
-                sweep.flush()
-        levels = sweep.levels_table()
+                # Restore before the last write, so the final samples show the original limit back.
+                # If restoring fails the controller keeps its restore file (and retries on close);
+                # the finished levels are written either way.
+                try:
+                    if ctl is not None:
+                        ctl.restore()
+                finally:
+                    sweep.timeline.set_tags()
+                    profiler.sampler.sample_now("restored")
+                    sweep.flush()
+            levels = sweep.levels_table()
+        except BaseException:
+            # Ctrl-C, a signal or an error, wherever it struck: the person must learn where the levels went.
+            if ui is not None:
+                ui.note(_kept_note(run_dir, writer.metadata.get("levels_done") or []))
+            raise
     notes.extend(profiler.edge_notes())
     ex = sweep.excluded()
     if ex is not None:

@@ -91,6 +91,22 @@ def run(coro):
     return out
 
 
+def exit_inside(e: BaseException) -> BaseException | None:
+    """The exit a library turned into an error of its own, to raise in its place; None if `e` is none.
+
+    DuckDB reports a KeyboardInterrupt raised while it reads a registered Python object as an
+    InvalidInputException naming it, and Ctrl-C during a query as InterruptException or a
+    RuntimeError "Query interrupted": caught as
+    a read error, Ctrl-C would read "samples.parquet cannot be read: move it aside"."""
+    text = str(e)
+    if type(e).__name__ != "InterruptException" and not any(
+            x in text for x in ("KeyboardInterrupt", "Terminated", "Query interrupted")):
+        return None
+    if _noted and _noted[0] != signal.SIGINT:
+        return Terminated(_noted[0])
+    return KeyboardInterrupt()
+
+
 def clear() -> None:
     """Forget a noted signal (for a process that handled it and carries on, like a test runner)."""
     _noted.clear()

@@ -1,5 +1,5 @@
-"""Small things many tests need: a free loopback port, a real-server package that CI may not skip, and the
-simulated GPU's power limit as another process left it."""
+"""Small things many tests need: a free loopback port, a real-server package that CI may not skip, the
+simulated GPU's power limit as another process left it, and a sweep stopped before its first level."""
 
 from __future__ import annotations
 
@@ -35,3 +35,35 @@ def sim_limit_w(profile: str = "seed-16g", index: int = 0) -> float:
     sim = SimNVML(profile)
     sim.nvmlInit()
     return sim.nvmlDeviceGetPowerManagementLimit(sim.nvmlDeviceGetHandleByIndex(index)) / 1000
+
+
+class _CtrlC:
+    """A sweep UI that presses Ctrl-C in the idle baseline, or once the first level has measured a request."""
+
+    def __init__(self, when: str):
+        self.when = when
+
+    def idle(self, seconds):
+        if self.when == "idle":
+            raise KeyboardInterrupt
+
+    def level_progress(self, visit, live):
+        if self.when == "first-level" and visit.n_measured >= 1:
+            raise KeyboardInterrupt
+
+    def level_start(self, i, n, visit, unit): ...
+    def level_done(self, visit, live): ...
+    def note(self, text): ...
+
+
+def stopped_before_first_level(out, when: str = "idle"):
+    """A simulated sweep's run directory, Ctrl-C'd before its first level ended (`when`: "idle", in the
+    idle baseline, tables with nothing measured; "first-level", with part of its first level measured)."""
+    from powerprof.rig import Rig
+    from powerprof.sweep import run_sweep
+
+    with Rig("seed-16g") as rig:
+        with pytest.raises(KeyboardInterrupt):
+            run_sweep(rig, levels_spec="180,300", out_dir=out, idle_s=1, ui=_CtrlC(when), warmup_requests=1,
+                      command_line="powerprof sweep --limits 180,300 --simulate")
+    return out

@@ -200,6 +200,21 @@ def test_from_to_says_which_tables_it_cannot_filter(tmp_path):
     assert "whole-run figures" in str(summary.get("not filtered by --from/--to"))
 
 
+def test_a_time_selection_with_no_rows_says_so_and_where_the_rows_are(tmp_path):
+    # A mistyped --from wrote header-only CSVs, exit 0, without a word.
+    root = _daemon_dataset(tmp_path / "d")
+    r = CliRunner().invoke(main, ["export", str(root), "--format", "csv", "--out", str(tmp_path / "csv"),
+                                  "--from", "2062-01-14T00:00:00+00:00", "--tz", "UTC"])
+    assert r.exit_code == 0, r.output
+    assert "--from/--to select no row of samples (its rows span 2026-01-14 00:00:00 to 2026-01-16 23:00:00 UTC)" \
+        in r.stderr
+    assert "select no row of requests" in r.stderr
+    # A selection that has rows says nothing of the kind.
+    r = CliRunner().invoke(main, ["export", str(root), "--format", "csv", "--out", str(tmp_path / "csv2"),
+                                  "--from", "2026-01-15T00:00:00+00:00", "--tz", "UTC"])
+    assert r.exit_code == 0 and "select no row" not in r.stderr, r.output
+
+
 def _no_traceback(r):
     assert r.exit_code == 1 and isinstance(r.exception, SystemExit), (r.output, r.exception)
     assert "Traceback" not in r.output
@@ -210,15 +225,20 @@ def _no_traceback(r):
     ("csv", "afile/sub", "cannot create the folder"),  # a folder that cannot be made (under a file)
     ("parquet", "two.parquet", "names one .parquet file"),  # several tables: a folder named two.parquet was made
     ("xlsx", "afile/book.xlsx", "nothing written"),
+    # A workbook written as book.csv (Excel 2007+ bytes under a CSV name), or over a folder's name.
+    ("xlsx", "book.csv", "give a file name ending in .xlsx"),
+    ("xlsx", "adir", "give a file name ending in .xlsx"),
 ])
 def test_cli_export_to_a_path_it_cannot_use_says_why(run, tmp_path, fmt, out, msg):
     # These died with FileExistsError/NotADirectoryError tracebacks (exit 1), or for x.parquet quietly
     # wrote a folder of that name instead of the file asked for.
     (tmp_path / "afile").write_text("keep")
+    (tmp_path / "adir").mkdir()
     r = CliRunner().invoke(main, ["export", str(run), "--format", fmt, "--out", str(tmp_path / out)])
     _no_traceback(r)
     assert msg in r.output
     assert (tmp_path / "afile").read_text() == "keep" and not (tmp_path / "two.parquet").exists()
+    assert not (tmp_path / "book.csv").exists() and not any((tmp_path / "adir").iterdir())
 
 
 @pytest.mark.parametrize("fmt", ["csv", "xlsx"])
@@ -260,3 +280,22 @@ def test_a_source_named_twice_is_exported_once(run, tmp_path):
     r = CliRunner().invoke(main, ["export", str(run), str(run) + "/", "--format", "csv", "--out", str(tmp_path / "o")])
     assert r.exit_code == 0, r.output
     assert len(pd.read_csv(tmp_path / "o" / "windows.csv")) == n
+
+
+def test_export_of_a_run_stopped_before_its_first_level_says_so(tmp_path):
+    from support import stopped_before_first_level
+
+    run = stopped_before_first_level(tmp_path / "run")
+    # Ctrl-C: its tables are there and are exported, with a note that no level finished.
+    r = CliRunner().invoke(main, ["export", str(run), "--format", "csv", "--out", str(tmp_path / "a")])
+    assert r.exit_code == 0, r.output
+    assert f"note: {run}: a powerprof run with no finished level" in r.stderr
+    assert "its tables hold only what was measured before it stopped" in r.stderr
+    # kill -9 before the first flush: only run.json; it said "no Parquet tables found (expected a run directory ...)".
+    for f in run.glob("*.parquet"):
+        f.unlink()
+    r = CliRunner().invoke(main, ["export", str(run), "--format", "csv", "--out", str(tmp_path / "b")])
+    assert r.exit_code == 1 and isinstance(r.exception, SystemExit), r.output
+    assert f"{run}: a powerprof run with no finished level (stopped before its first level ended; started" in r.output
+    assert "nothing to export. Rerun the sweep" in r.output and "no Parquet tables found" not in r.output
+    assert not (tmp_path / "b").exists()

@@ -15,9 +15,10 @@ from click.testing import CliRunner
 from PIL import Image
 
 from powerprof.analysis import plots
-from powerprof.analysis.loading import AnalysisError
+from powerprof.analysis.loading import AnalysisError, read_run_info
 from powerprof.analysis.report import analyze_run, console_summary
 from synthetic_runs import bowl_truth, make_run, seed_truth
+from support import stopped_before_first_level
 from powerprof.cli import main
 from powerprof.storage.schema import ANALYSIS
 
@@ -135,6 +136,32 @@ def test_runs_of_different_gpus_are_refused_unless_forced(tmp_path):
     assert len(res.runs) == 2
 
 
+def test_forced_pool_of_different_gpus_warns_naming_them(tmp_path):
+    # `analyze --force` across GPU models pooled them without a word anywhere.
+    a = make_run(tmp_path / "a", seed_truth(), levels=SEED_LEVELS, n_requests=5)
+    b = make_run(tmp_path / "b", bowl_truth(), levels=SEED_LEVELS, n_requests=5)
+    names = [read_run_info(d).gpu_name for d in (a, b)]
+    assert names[0] != names[1]
+    out = tmp_path / "out"
+    r = CliRunner().invoke(main, ["analyze", str(a), str(b), "--force", "--out", str(out), "--bootstrap", "200"])
+    assert r.exit_code == 0, r.output
+    line = next(x for x in r.output.splitlines() if x.startswith("! forced-pool:"))
+    assert "GPU model" in line and all(n in line for n in names) and "--force" in line
+    ana = json.loads((out / "analysis.json").read_text())
+    assert ana["warnings"][0]["kind"] == "forced-pool" and all(n in ana["warnings"][0]["message"] for n in names)
+    assert "forced-pool" in (out / "report.md").read_text() and "forced-pool" in (out / "report.html").read_text()
+    # --json: the JSON keeps it, and stderr says it to the person.
+    r = CliRunner().invoke(main, ["analyze", str(a), str(b), "--force", "--json", "--out",
+                                  str(out), "--bootstrap", "200"])
+    assert r.exit_code == 0, r.stderr
+    assert "forced-pool" in json.loads(r.stdout)["warnings"][0]["kind"]
+    assert "GPU model" in r.stderr and all(n in r.stderr for n in names)
+    # Without --force: refused, naming them, and nothing written.
+    r = CliRunner().invoke(main, ["analyze", str(a), str(b), "--out", str(tmp_path / "o2")])
+    assert r.exit_code != 0 and "GPU model" in r.output and "--force" in r.output
+    assert not (tmp_path / "o2").exists()
+
+
 def test_cli_analyze_prints_the_recommendation(tmp_path):
     run = make_run(tmp_path / "run", seed_truth(), levels=SEED_LEVELS, n_requests=20)
     r = CliRunner().invoke(main, ["analyze", str(run), "--out", str(tmp_path / "o"), "--max-slowdown", "5%",
@@ -149,11 +176,14 @@ def test_cli_analyze_prints_the_recommendation(tmp_path):
     (["analyze", "{run}", "--max-slowdown", "fast"], "not a fraction"),
     (["analyze", "{run}", "--eta", "3"], "eta"),
     (["analyze", "{run}", "--format", "pdf"], "unknown report format"),
+    # A traceback (FileNotFoundError from mkdir) where no folder can be made.
+    (["analyze", "{run}", "--out", "/proc/powerprof-cannot-create"], "cannot write the analysis to /proc/powerprof-cannot-create"),
 ])
 def test_cli_analyze_bad_input_fails_cleanly(tmp_path, args, msg):
     run = make_run(tmp_path / "run", seed_truth(), levels=SEED_LEVELS, n_requests=3)
     r = CliRunner().invoke(main, [a.format(run=run) for a in args])
     assert r.exit_code != 0 and msg in r.output
+    assert r.exception is None or isinstance(r.exception, SystemExit), r.exception
     assert not (run / "analysis").exists()
 
 
@@ -202,6 +232,32 @@ def test_analyze_of_a_measure_run_says_what_it_is(tmp_path):
     assert "all warm-up, failed, or missing" not in r.output
 
 
+def test_the_reference_recommended_is_not_compared_with_itself(tmp_path):
+    # A budget no lower level meets read "Recommended limit: 300 W (...): 0.0% slower, 0.0% less energy
+    # per token than 300 W": the figures of the reference against itself.
+    run = make_run(tmp_path / "run", seed_truth(), levels=SEED_LEVELS, n_requests=20)
+    r = CliRunner().invoke(main, ["analyze", str(run), "--max-slowdown", "1%", "--bootstrap", "200"])
+    assert r.exit_code == 0, r.output
+    line = next(x for x in r.output.splitlines() if x.startswith("Recommended limit"))
+    assert line.startswith("Recommended limit: 300 W, the reference (") and "0.0% slower" not in line
+    assert "every lower level is slower than the budget allows (260 W: " in line
+
+
+def test_ctrl_c_in_analyze_says_it_was_interrupted(tmp_path, monkeypatch):
+    # It printed click's bare "Aborted!" and exited 1, like a failed analysis.
+    import powerprof.analysis.report as report
+
+    run = make_run(tmp_path / "run", seed_truth(), levels=SEED_LEVELS, n_requests=3)
+
+    def interrupted(*a, **k):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(report, "analyze_run", interrupted)
+    r = CliRunner().invoke(main, ["analyze", str(run)])
+    assert r.exit_code == 130 and "interrupted: the analysis did not finish" in r.stderr, r.output
+    assert "Aborted" not in r.output
+
+
 def test_one_level_is_not_recommended_against_itself(tmp_path):
     # `sweep --limits 300` ended "Recommended limit: 300 W ...: 0.0% slower, 0.0% less energy per token than 300 W".
     run = make_run(tmp_path / "run", seed_truth(), levels=(300,), n_requests=5)
@@ -209,6 +265,39 @@ def test_one_level_is_not_recommended_against_itself(tmp_path):
     assert r.exit_code == 0, r.output
     assert "One level measured (300 W): nothing to compare it with" in r.output
     assert "Recommended limit" not in r.output and "0.0% less energy" not in r.output
+
+
+def test_one_level_is_not_starred_or_chosen_in_any_output(tmp_path):
+    # The line was fixed, but report.md's policy table still starred it ("300 ★", "★ the recommended
+    # policy"), analysis.json and analysis.parquet called it recommended, and the plots marked it.
+    run = make_run(tmp_path / "run", seed_truth(), levels=(300,), n_requests=5)
+    r = CliRunner().invoke(main, ["analyze", str(run), "--bootstrap", "200"])
+    assert r.exit_code == 0, r.output
+    out = run / "analysis"
+    md, page = (out / "report.md").read_text(), (out / "report.html").read_text()
+    for text in (md, page, r.output):
+        assert "★" not in text and "recommended policy" not in text and "Other policies" not in text
+    assert "no sweet spot to choose" in md and "no sweet spot to choose" in page
+    ana = json.loads((out / "analysis.json").read_text())
+    assert ana["recommendation"] is None and "one level measured" in ana["recommendation_note"]
+    assert ana["series"][0]["choices"] == {} and ana["series"][0]["primary_policy"] is None
+    t = pq.read_table(out / "analysis.parquet").to_pylist()
+    assert [row["recommended"] for row in t] == [False] and [row["chosen_by"] for row in t] == [None]
+    for png in ("j_per_token.png", "tok_s.png", "saving_vs_loss.png"):
+        assert Image.open(out / png).info["Description"] == "one level measured: none recommended"
+    # The xlsx summary sheet says none was recommended and keeps the warnings.
+    from powerprof.analysis.export import summary_rows
+    rows = dict(summary_rows(run, "UTC", None, None))
+    assert rows["recommended"].startswith("none: one level measured") and "warning" in rows
+
+
+def test_one_level_plot_has_no_recommended_marker(tmp_path):
+    run = make_run(tmp_path / "run", seed_truth(), levels=(300,), n_requests=5)
+    result = analyze_run([run], n_boot=200, plots=False, formats=())
+    for draw in (plots.plot_j_per_token, plots.plot_tok_s, plots.plot_tradeoff):
+        fig = draw(result.main, tmp_path / "p.png")
+        gids = {a.get_gid() for ax in fig.axes for a in ax.get_children()}
+        assert "recommended" not in gids and not any(str(g).startswith("choice-") for g in gids)
 
 
 def test_a_run_given_twice_counts_once_and_a_copy_is_refused(tmp_path):
@@ -225,6 +314,28 @@ def test_a_run_given_twice_counts_once_and_a_copy_is_refused(tmp_path):
     shutil.copytree(run, tmp_path / "copy")
     with pytest.raises(AnalysisError, match="hold the same run"):
         analyze_run([run, tmp_path / "copy"], tmp_path / "c", n_boot=300, plots=False, formats=())
+
+
+@pytest.mark.parametrize("when,killed", [("idle", False), ("idle", True), ("first-level", False)],
+                         ids=["ctrl-c-in-idle", "kill-9-before-first-flush", "ctrl-c-in-first-level"])
+def test_a_run_stopped_before_its_first_level_says_so(tmp_path, when, killed):
+    # It read "not a powerprof run directory: windows.parquet is missing" (after kill -9), or
+    # "no measured windows at any level (all warm-up, failed, or missing)" (after Ctrl-C), or, with
+    # part of the first level measured, a report of that one cut level "compared with the finished levels".
+    run = stopped_before_first_level(tmp_path / "run", when)
+    if when == "first-level":
+        win = pq.read_table(run / "windows.parquet").to_pylist()
+        assert any(not w["warmup"] and w["status"] == "ok" for w in win)  # measured windows are there
+    if killed:  # kill -9 leaves run.json alone: the tables are first written when a level ends
+        for f in run.glob("*.parquet"):
+            f.unlink()
+    started = json.loads((run / "run.json").read_text())["started_utc"]
+    r = CliRunner().invoke(main, ["analyze", str(run)])
+    assert r.exit_code == 1 and isinstance(r.exception, SystemExit), r.output
+    assert f"{run}: a powerprof run with no finished level (stopped before its first level ended; started {started})" \
+        in r.output
+    assert "Rerun the sweep" in r.output and "powerprof sweep --limits 180,300 --simulate" in r.output
+    assert "not a powerprof run directory" not in r.output and not (run / "analysis").exists()
 
 
 def test_a_directory_without_windows_is_not_a_run(tmp_path):

@@ -87,6 +87,22 @@ def test_cap_not_engaged_does_not_claim_the_levels_measure_the_same_thing():
     assert "not the limit's effect" in f.message and "--clocks" in f.message
 
 
+def test_cap_not_engaged_at_a_lone_level_speaks_of_no_other_levels():
+    # `sweep --limits 300` read "what differs between these levels ... is not the limit's effect".
+    rows = [{"level_kind": "power_limit", "level_value": 300.0, "n_requests": 5, "flags": "cap-not-engaged",
+             "cap_not_engaged": True, "avg_gpu_power_w": 274.0}]
+    (f,) = [f for f in level_findings(pa.Table.from_pylist(rows, schema=LEVELS)) if f.kind == "cap-not-engaged"]
+    assert "these levels" not in f.message and "not this limit's" in f.message and "--clocks" in f.message
+
+
+def test_a_fit_short_of_levels_counts_them_in_english():
+    from powerprof.analysis.fits import fit_series
+    import numpy as np
+
+    fits = fit_series("power_limit", np.array([300.0]), np.array([85.0]), np.array([274.0]))
+    assert fits["decode_tok_s"].message.startswith("1 level: the ") and "1 levels" not in fits["decode_tok_s"].message
+
+
 def test_daemon_check_names_the_flags_as_typed(tmp_path):
     r = run("daemon", "--check", "--data-dir", str(tmp_path), "--flush-interval", "5")
     assert r.exit_code == 0, r.output

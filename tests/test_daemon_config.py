@@ -62,6 +62,51 @@ def test_bad_environment_values_name_the_key():
         load_config(None, env={"POWERPROF_PROXY_COLOUR": "red"})
 
 
+@pytest.mark.parametrize(
+    "name, text, expected",
+    [
+        ("POWERPROF_DAEMON_INTERVAL_S", "soon", "must be a number (e.g. 1.5)"),
+        ("POWERPROF_DAEMON_INTERVAL_S", "100", "must be >= 0.02 and <= 10.0"),
+        ("POWERPROF_PROXY_WORKERS", "2.5", "must be a whole number (e.g. 4)"),
+        ("POWERPROF_PROXY_WORKERS", "99", "must be >= 1 and <= 64"),
+        ("POWERPROF_DAEMON_RESTORE_ON_START", "maybe", "must be true or false"),
+        ("POWERPROF_DAEMON_GPUS", "0,x", "must be a list of GPU indexes"),
+        ("POWERPROF_PROXY_UPSTREAM", "ftp://host", "expected an http:// or https:// URL"),
+    ],
+)
+def test_bad_environment_values_name_the_variable_its_text_and_what_is_expected(name, text, expected):
+    # The message named only the key and Python's own words ("could not convert string to float: 'soon'"),
+    # so whoever set the variable in a systemd drop-in had to guess which one was meant.
+    with pytest.raises(ConfigError) as e:
+        load_config(None, env={name: text})
+    msg = str(e.value)
+    assert f"environment variable {name}={text!r}" in msg and expected in msg, msg
+    assert "could not convert" not in msg and "invalid literal" not in msg
+
+
+def test_a_bad_environment_variable_stops_the_daemon_naming_it(tmp_path):
+    from click.testing import CliRunner
+
+    from powerprof.cli import main
+
+    r = CliRunner().invoke(main, ["daemon", "--simulate", "--data-dir", str(tmp_path / "d")],
+                           env={"POWERPROF_DAEMON_INTERVAL_S": "fast"})
+    assert r.exit_code != 0 and isinstance(r.exception, SystemExit)
+    assert "POWERPROF_DAEMON_INTERVAL_S='fast'" in r.output and "must be a number" in r.output
+    assert not (tmp_path / "d").exists()  # nothing started, nothing written
+
+
+def test_checks_across_keys_name_the_variable_a_value_came_from():
+    with pytest.raises(ConfigError, match="from environment variable POWERPROF_PROXY_LISTEN"):
+        load_config(None, env={"POWERPROF_PROXY_LISTEN": "0.0.0.0:8081"})
+
+
+def test_bad_file_values_name_the_file(tmp_path):
+    p = _write(tmp_path, "[daemon]\ninterval_s = 100\n")
+    with pytest.raises(ConfigError, match=f"config key daemon.interval_s = 100.0 in {p}: must be >= 0.02"):
+        load_config(p, env={})
+
+
 def test_missing_or_broken_file_is_a_clear_error(tmp_path):
     with pytest.raises(ConfigError, match="does not exist"):
         load_config(tmp_path / "nope.toml", env={})

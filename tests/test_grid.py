@@ -116,3 +116,43 @@ def test_failed_configuration_does_not_stop_the_grid_and_no_levels_needs_no_cont
     rates = {ctx: sorted(w["decode_tok_s"] for w in measured if w["context_tokens"] == ctx) for ctx in (64, 32 * 1024)}
     # 32K context: every step reads (1 + 32K/160K) of the weights' bytes, so about 17% slower.
     assert rates[32 * 1024][len(rates[32 * 1024]) // 2] < 0.93 * rates[64][len(rates[64]) // 2]
+
+
+class _StopInSecondConfig:
+    """A sweep UI that presses Ctrl-C once the second configuration has measured a batch of its first level."""
+
+    def __init__(self):
+        self.configs = 0
+
+    def note(self, text):
+        if text.startswith("configuration "):
+            self.configs += 1
+
+    def level_progress(self, visit, live):
+        if self.configs == 2 and visit.n_measured >= 1:
+            raise KeyboardInterrupt
+
+    def idle(self, seconds): ...
+    def level_start(self, i, n, visit, unit): ...
+    def level_done(self, visit, live): ...
+
+
+def test_an_interrupted_grid_level_is_said_to_be_unfinished(tmp_path):
+    # run.json of a grid had no levels_done, so the level Ctrl-C cut short was analysed like a finished one.
+    port = free_port()
+    spec = GridSpec(_sim_template(port, decode_tok_s=600), tuple(parse_vary(["draft=1,2", "np=1"])))
+    with Rig("seed-16g") as rig:
+        with pytest.raises(KeyboardInterrupt):
+            run_grid(rig, spec, url=f"http://127.0.0.1:{port}", levels_spec="220,300", level_kind="power_limit",
+                     out_dir=tmp_path / "run", params=RequestParams(max_tokens=64), ui=_StopInSecondConfig(),
+                     **{**FAST, "target_ci": 0.001})
+    meta = json.loads((tmp_path / "run" / "run.json").read_text())
+    done = sorted(tuple(d) for d in meta["levels_done"])
+    assert done == [(220.0, 0, "draft=1,np=1", None), (300.0, 0, "draft=1,np=1", None)]
+    win = pq.read_table(tmp_path / "run" / "windows.parquet").to_pylist()
+    cut = [w for w in win if w["config_id"] == "draft=2,np=1" and not w["warmup"] and w["status"] == "ok"]
+    assert cut and {w["level_value"] for w in cut} == {300.0}
+    res = analyze_run([tmp_path / "run"], n_boot=200, plots=False)
+    stopped = [w for w in res.warnings if w.kind == "interrupted"]
+    assert len(stopped) == 1 and f"draft=2,np=1 at 300 W ({len(cut)} window" in stopped[0].message
+    assert "draft=1,np=1" not in stopped[0].message

@@ -145,6 +145,24 @@ def test_end_screen_fits_80_columns_without_colour(tmp_path):
     assert "\x1b[" in c.export_text(styles=True, clear=False) and CHOSEN in c.export_text()
 
 
+def test_end_screen_of_one_level_stars_nothing(tmp_path):
+    # `sweep --limits 300` starred 300 W in the table and both curves, and the legend read
+    # "★ recommended 300 W (budget)": one level is chosen over nothing.
+    from powerprof.analysis.report import analyze_run
+    from synthetic_runs import make_run, seed_truth
+
+    import pyarrow.parquet as pq
+
+    run_dir = make_run(tmp_path / "run", seed_truth(), levels=(300,), n_requests=5)
+    result = analyze_run([run_dir], n_boot=200, plots=False, formats=())
+    levels = pq.read_table(run_dir / "levels.parquet")
+    text = _text(end_screen(levels, result, "W"), 100)
+    assert CHOSEN not in text and "recommended 300" not in text and "Other policies" not in text
+    assert f"{POINT} measured level" in text and "straight line between levels" not in text
+    assert text.count(POINT) == 3  # both curves and the legend show the one point as measured
+    assert "One level measured (300 W)" in text
+
+
 def test_curves_stack_when_the_terminal_is_narrow():
     cv = Curves([_panel(), Panel("tok/s", (150.0, 200.0, 250.0, 300.0), (68.0, 77.0, 82.0, 85.0), 200.0, "W")])
     wide = _text(cv, 100).splitlines()

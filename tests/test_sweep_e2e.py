@@ -254,6 +254,10 @@ def test_signals_mid_sweep_restore_the_limit_and_keep_finished_levels(tmp_path, 
     assert "Traceback" not in err, err
     assert sim_limit_w() == 300.0  # put back by the sweep itself, no `powerprof restore` needed
     assert 180.0 in set(pq.read_table(out / "levels.parquet").to_pandas().level_value)
+    # It said nothing of where the levels went (SIGTERM), or "finished levels are in the run directory" (Ctrl-C).
+    done = len(json.loads((out / "run.json").read_text())["levels_done"])
+    flat = "".join(err.split())  # the console wraps a long path
+    assert "".join(f"stopped: {done} finished level{'s' if done > 1 else ''} kept in {out}".split()) in flat, err
 
 
 def test_clock_sweep_where_the_power_cap_never_binds(tmp_path):
@@ -355,3 +359,73 @@ def test_the_live_ci_is_the_tables_ci(tmp_path):
     assert set(Recorder.done) == {400.0, 250.0}
     for value, live_pct in Recorder.done.items():
         assert live_pct == pytest.approx(levels.loc[value, "ci_reached_pct"], rel=1e-9), value
+
+
+@pytest.mark.parametrize("sig,code", [(signal.SIGINT, 130), (signal.SIGTERM, 128 + signal.SIGTERM)])
+def test_measure_stopped_early_says_nothing_was_written_and_leaves_nothing(tmp_path, sig, code):
+    # Ctrl-C printed click's bare "Aborted!" with exit 1; SIGTERM killed it silently and left the empty --out folder.
+    out = tmp_path / "m"
+    proc = subprocess.Popen([sys.executable, "-m", "powerprof.cli", "measure", "--simulate", "--out", str(out),
+                             "--requests", "200", "--max-tokens", "48"],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 60
+        while not out.exists() and time.monotonic() < deadline:  # made just before the first request
+            time.sleep(0.05)
+        assert out.exists(), proc.stderr.read() if proc.poll() is not None else "measure never made --out"
+        time.sleep(1.0)
+        proc.send_signal(sig)
+        _, err = proc.communicate(timeout=30)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == code, err
+    assert "Traceback" not in err and "Aborted!" not in err, err
+    assert f"nothing was written (measure writes {out} once its requests are done)" in err
+    assert not out.exists()
+
+
+def test_ctrl_c_during_the_end_analysis_says_the_run_is_complete(tmp_path, monkeypatch):
+    # Ctrl-C while the finished sweep imported scipy or fitted its curves printed click's bare "Aborted!"
+    # (exit 1), though every level was stored and only the report was missing.
+    from click.testing import CliRunner
+
+    import powerprof.analysis.report as report
+    from powerprof.cli import main
+
+    def interrupted(*a, **k):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(report, "analyze_run", interrupted)
+    out = tmp_path / "run"
+    r = CliRunner().invoke(main, ["sweep", "--limits", "220,300", "--simulate", "--out", str(out), "--idle-s", "0",
+                                  "--max-tokens", "32", "--min-requests", "2", "--max-requests", "2", "--warmup", "0"])
+    assert r.exit_code == 130, r.output
+    assert f"interrupted during the analysis: the run is complete in {out}; make its report with: powerprof analyze " \
+           f"{out}" in " ".join(r.stderr.split())
+    assert len(json.loads((out / "run.json").read_text())["levels_done"]) == 2
+
+
+def test_ctrl_c_after_the_last_level_says_where_the_finished_run_is(tmp_path, monkeypatch):
+    # Ctrl-C between the last level and the analysis (the GPUs being put back, the last flush) said only
+    # "interrupted: ...": not that every level was kept, nor where; caught inside DuckDB it was a traceback.
+    from click.testing import CliRunner
+
+    from powerprof.cli import main
+    from powerprof.collectors import sampler
+
+    real = sampler.Sampler.sample_now
+
+    def ctrl_c_once_restored(self, label=None, sources=None):
+        if label == "restored":
+            raise KeyboardInterrupt
+        return real(self, label, sources)
+
+    monkeypatch.setattr(sampler.Sampler, "sample_now", ctrl_c_once_restored)
+    out = tmp_path / "run"
+    r = CliRunner().invoke(main, ["sweep", "--limits", "220,300", "--simulate", "--out", str(out), "--idle-s", "0",
+                                  "--max-tokens", "32", "--min-requests", "2", "--max-requests", "2", "--warmup", "0"])
+    assert r.exit_code == 130, r.output
+    flat = "".join(r.stderr.split())
+    assert "".join(f"stopped: 2 finished levels kept in {out} (powerprof analyze {out})".split()) in flat, r.stderr
+    assert "Traceback" not in r.output

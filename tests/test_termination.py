@@ -66,3 +66,33 @@ def test_without_a_handler_of_ours_it_is_plain_asyncio_run():
         assert signal.getsignal(signal.SIGTERM) is signal.SIG_DFL
     finally:
         signal.signal(signal.SIGTERM, old)
+
+
+def test_ctrl_c_inside_a_duckdb_read_is_not_taken_for_a_damaged_file(tmp_path, monkeypatch):
+    # DuckDB reports a KeyboardInterrupt raised while it reads a registered Arrow object as an
+    # InvalidInputException; `analyze` then said "samples.parquet: cannot be read as Parquet ... move it aside".
+    import duckdb
+    import pyarrow as pa
+    import pytest as _pytest
+
+    from powerprof.analysis import engine
+    from powerprof.analysis.report import analyze_run
+    from synthetic_runs import make_run, seed_truth
+
+    def ctrl_c_in_the_scan(con, rel, *a, **k):
+        def batches():
+            yield pa.record_batch({"x": [1]})
+            raise KeyboardInterrupt
+
+        con.register("stream", pa.RecordBatchReader.from_batches(pa.schema({"x": pa.int64()}), batches()))
+        con.execute("SELECT count(*) FROM stream").fetchall()
+
+    with _pytest.raises(duckdb.InvalidInputException):  # what DuckDB itself raises
+        ctrl_c_in_the_scan(duckdb.connect(), None)
+    run = make_run(tmp_path / "run", seed_truth(), levels=(220, 300), n_requests=3)
+    monkeypatch.setattr(engine, "scan", ctrl_c_in_the_scan)
+    with _pytest.raises(KeyboardInterrupt):
+        analyze_run([run], n_boot=100, plots=False)
+    assert termination.exit_inside(ValueError("column x: bad value")) is None
+    # Ctrl-C during a query itself: DuckDB raises a RuntimeError of its own.
+    assert isinstance(termination.exit_inside(RuntimeError("Query interrupted")), KeyboardInterrupt)

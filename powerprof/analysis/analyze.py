@@ -34,6 +34,12 @@ class SeriesResult:
         return self.choices[self.primary]
 
     @property
+    def comparable(self) -> bool:
+        """Whether there is more than one level: a lone level is every policy's "choice" against
+        itself, so nothing is recommended, starred or said to be chosen for it."""
+        return self.series.level_values.size > 1
+
+    @property
     def label(self) -> str:
         kind = "power limit" if self.series.level_kind == "power_limit" else self.series.level_kind.replace("_", " ")
         return f"{kind}, concurrency {self.series.concurrency}"
@@ -84,14 +90,16 @@ class AnalysisResult:
                       "simulated": r.simulated} for r in self.runs],
             "params": {"max_slowdown": self.params.max_slowdown, "eta": self.params.eta,
                        "p_max_w": self.params.p_max_w},
-            "recommendation": self.recommendation.to_dict() if self.series else None,
+            "recommendation": self.recommendation.to_dict() if self.series and self.main.comparable else None,
+            "recommendation_note": (None if not self.series or self.main.comparable else
+                                    "one level measured: nothing to compare it with, so none is recommended"),
             "series": [
                 {
                     "level_kind": s.series.level_kind,
                     "concurrency": s.series.concurrency,
                     "reference_value": s.series.reference_value,
-                    "primary_policy": s.primary,
-                    "choices": {p: c.to_dict() for p, c in s.choices.items()},
+                    "primary_policy": s.primary if s.comparable else None,
+                    "choices": {p: c.to_dict() for p, c in s.choices.items()} if s.comparable else {},
                     "fits": {q: f.to_dict() for q, f in s.fits.items()},
                 }
                 for s in self.series
@@ -125,11 +133,14 @@ def analyze(
     seed=0,
     primary: str = PRIMARY_POLICY,
     wide_ci_pct: float = WIDE_CI_PCT,
+    judge_interrupted: bool = True,
 ) -> AnalysisResult:
     """Everything `powerprof analyze` computes, from pooled windows and the runs' metadata.
 
     level_figures: {(level_kind, level_value): {column: value}} of sensor figures per level
-    (from the sweep's levels.parquet or the samples); see loading.py."""
+    (from the sweep's levels.parquet or the samples); see loading.py.
+    judge_interrupted: False where the caller judges unfinished levels over more windows than these
+    (a configuration sweep's analysis gets only its chosen configuration's)."""
     if primary not in POLICIES:
         raise ValueError(f"unknown policy {primary!r}; choose one of: {', '.join(POLICIES)}")
     params = params or PolicyParams()
@@ -173,7 +184,7 @@ def analyze(
             findings.append(Finding(f.kind, prefix + f.message, f.levels))
     findings += timing_findings(windows)
     findings.extend(unstored_findings(runs))
-    findings.extend(interrupted_findings(runs, windows))
+    findings.extend(interrupted_findings(runs, windows) if judge_interrupted else [])
     return AnalysisResult(runs, results, findings, params, list(timelines or []))
 
 
@@ -194,35 +205,59 @@ def interrupted_findings(runs: list[RunInfo], windows: pa.Table) -> list[Finding
     """Levels a sweep was still measuring when it stopped (Ctrl-C, a signal, too many failures): their
     windows are stored and counted like the others', but they cover part of a round of the prompt set,
     so they compare another prompt mix, over fewer requests, with the finished levels. run.json
-    `levels_done` lists the (level, repeat) visits that finished; runs without it are not judged."""
+    `levels_done` lists the visits that finished: [level, repeat] for a sweep, [level, repeat,
+    config_id, context_tokens] for a configuration sweep (powerprof/grid.py), level null where the
+    settings were as they are. Runs without it are not judged."""
     from .stats import _col, window_masks  # noqa: PLC0415
 
     measured = window_masks(windows)[0]
     run_id, value, repeat = _col(windows, "run_id", object), _col(windows, "level_value"), _col(windows, "repeat")
     kind = _col(windows, "level_kind", object)
+    config, context = _col(windows, "config_id", object, None), _col(windows, "context_tokens")
     out = []
     for r in runs:
         done = r.meta.get("levels_done")
         if not isinstance(done, list):
             continue
-        finished = {(float(d[0]), int(d[1])) for d in done
-                    if isinstance(d, (list, tuple)) and len(d) == 2 and d[0] is not None and d[1] is not None}
-        cut: dict[float, int] = {}
+        finished = {_visit_key(*d, *([None] * (4 - len(d)))) for d in done
+                    if isinstance(d, (list, tuple)) and len(d) in (2, 4) and d[1] is not None}
+        cut: dict[tuple, int] = {}
         unit = "W"
         for i in np.flatnonzero(measured):
-            if run_id[i] in (r.run_id, None) and np.isfinite(value[i]):
-                rep = int(repeat[i]) if np.isfinite(repeat[i]) else 0
-                if (float(value[i]), rep) not in finished:
-                    cut[float(value[i])] = cut.get(float(value[i]), 0) + 1
-                    unit = "MHz" if kind[i] == "sm_clock" else "W"
+            if run_id[i] not in (r.run_id, None):
+                continue
+            rep = int(repeat[i]) if np.isfinite(repeat[i]) else 0
+            key = _visit_key(value[i], rep, config[i], context[i])
+            if key not in finished:
+                where = (key[2], key[3], key[0])
+                cut[where] = cut.get(where, 0) + 1
+                unit = "MHz" if kind[i] == "sm_clock" else "W"
         if cut:
-            what = ", ".join(f"{v:g} {unit} ({n} window{'s' if n > 1 else ''})" for v, n in sorted(cut.items()))
+            what = ", ".join(f"{_visit_name(c, n, v, unit)} ({k} window{'s' if k > 1 else ''})"
+                             for (c, n, v), k in sorted(cut.items(), key=lambda x: tuple(map(str, x[0]))))
             out.append(Finding("interrupted", (
                 f"{r.path}: the run stopped while measuring {what}: those figures rest on the windows measured "
                 "before it stopped, part of a round of the prompt set, so they compare another prompt mix over "
                 "fewer requests with the finished levels. Measure those levels again before trusting them."),
-                tuple(sorted(cut))))
+                tuple(sorted({v for _, _, v in cut if v is not None}))))
     return out
+
+
+def _visit_key(level, repeat, config_id=None, context_tokens=None) -> tuple:
+    """(level, repeat, config_id, context_tokens) with None for "none" (NaN, null), as run.json and the windows agree."""
+    def num(x):
+        return None if x is None or not np.isfinite(float(x)) else float(x)
+    ctx = num(context_tokens)
+    return num(level), int(repeat), config_id, None if ctx is None else int(ctx)
+
+
+def _visit_name(config_id, context_tokens, level, unit: str) -> str:
+    """`300 W`, or `draft=2,np=1 (8192 context tokens) at 300 W` in a configuration sweep."""
+    at = f"{level:g} {unit}" if level is not None else "the settings as they were"
+    if config_id is None and context_tokens is None:
+        return at
+    ctx = f" ({context_tokens} context tokens)" if context_tokens is not None else ""
+    return f"{config_id or 'the server as launched'}{ctx} at {at}"
 
 
 def sweep_settings(runs: list[RunInfo]) -> dict:
@@ -259,16 +294,17 @@ def _runs_per_level(windows: pa.Table) -> dict:
 def _analysis_table(base: pa.Table, s: LevelSeries, fits: dict[str, ModelFit], choices: dict[str, Choice],
                     primary: str, n_runs: dict) -> pa.Table:
     lv = s.level_values
+    alone = lv.size < 2  # a lone level is chosen by nothing: there is nothing to choose it over
     tok_fit = fits["decode_tok_s"].predict(lv)
     p_fit = fits["avg_gpu_power_w"].predict(lv)
-    chosen = [",".join(p for p, c in choices.items() if c.level_value == v) or None for v in lv]
+    chosen = [None if alone else ",".join(p for p, c in choices.items() if c.level_value == v) or None for v in lv]
     extra = {
         "n_runs": pa.array([n_runs.get((s.level_kind, float(v)), 1) for v in lv], pa.int32()),
         "fit_decode_tok_s": pa.array(_nan_none(tok_fit), pa.float64()),
         "fit_avg_gpu_power_w": pa.array(_nan_none(p_fit), pa.float64()),
         "fit_gpu_j_per_token": pa.array(_nan_none(p_fit / tok_fit), pa.float64()),
         "chosen_by": pa.array(chosen, pa.string()),
-        "recommended": pa.array([bool(v == choices[primary].level_value) for v in lv], pa.bool_()),
+        "recommended": pa.array([not alone and bool(v == choices[primary].level_value) for v in lv], pa.bool_()),
     }
     cols = [base.column(n) if n in base.column_names else extra[n] for n in ANALYSIS.names]
     return pa.Table.from_arrays(cols, schema=ANALYSIS)

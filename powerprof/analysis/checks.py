@@ -19,7 +19,7 @@ POOR_FIT_R2 = 0.9
 
 @dataclass(frozen=True)
 class Finding:
-    kind: str  # edge | between-levels | cap-not-engaged | wide-ci | one-window | few-prompts | unstable-choice | thermal | failed | fit | unstored | untrusted-timing | interrupted
+    kind: str  # edge | between-levels | cap-not-engaged | wide-ci | one-window | few-prompts | unstable-choice | thermal | failed | fit | unstored | untrusted-timing | interrupted | forced-pool
     message: str
     levels: tuple[float, ...] = ()
 
@@ -100,8 +100,9 @@ def level_findings(levels: pa.Table, target_ci_pct: float | None = None, max_tim
         out.append(Finding("cap-not-engaged", (
             f"cap not engaged at {', '.join(_fmt(v, unit) for v in vals)}: the GPU drew less than the limit "
             f"({power}) and never reported a power-cap clock event, so the limit did not hold the GPU back there: "
-            "what differs between these levels (run-to-run variation, temperature, boost clocks) is not the "
-            "limit's effect. Lower the limits, or lock the SM clock instead (powerprof sweep --clocks)."), vals))
+            + ("what differs between these levels (run-to-run variation, temperature, boost clocks) is not the "
+               "limit's effect" if len(rows) > 1 else "its figures are the GPU's own, not this limit's")
+            + ". Lower the limits, or lock the SM clock instead (powerprof sweep --clocks)."), vals))
     wide = [r for r in rows if r.get("ci_reached_pct") is not None and r["flags"] and "wide-ci" in r["flags"]]
     target = target_ci_pct if target_ci_pct else TARGET_CI_PCT
     for r in wide:

@@ -25,6 +25,7 @@ import pyarrow.dataset as ds
 import pyarrow.parquet as pq
 
 from powerprof.storage.atomic import atomic_path
+from powerprof.storage.runs import no_finished_level
 
 FORMATS = ("csv", "xlsx", "parquet")
 XLSX_MAX_ROWS = 1_048_575  # one row of the sheet's 1,048,576 holds the header
@@ -191,7 +192,8 @@ def find_sources(src) -> list[Source]:
                 parts = tuple(d.partitioning.schema.names) if d.partitioning is not None else ()
                 out.append(Source(sub.name, d, parts))
     if not out:
-        raise ExportError(f"{p}: no Parquet tables found (expected a run directory or a daemon dataset folder)")
+        raise ExportError(no_finished_level(p, "export")
+                          or f"{p}: no Parquet tables found (expected a run directory or a daemon dataset folder)")
     return out
 
 
@@ -210,6 +212,21 @@ def time_column(schema: pa.Schema) -> str | None:
         if pa.types.is_timestamp(f.type):
             return f.name
     return None
+
+
+def _time_span(src: Source) -> str:
+    """` (its rows span A to B UTC)`, streamed over the time column alone; empty for an empty table."""
+    col = time_column(src.dataset.schema)
+    lo = hi = None
+    for b in src.dataset.scanner(columns=[col], batch_readahead=1, fragment_readahead=1).to_batches():
+        mm = pc.min_max(b.column(0))
+        if mm["min"].is_valid:
+            lo = mm["min"].as_py() if lo is None else min(lo, mm["min"].as_py())
+            hi = mm["max"].as_py() if hi is None else max(hi, mm["max"].as_py())
+    if lo is None:
+        return " (it has no rows)"
+    fmt = "%Y-%m-%d %H:%M:%S"
+    return f" (its rows span {lo.strftime(fmt)} to {hi.strftime(fmt)}{' UTC' if lo.tzinfo else ''})"
 
 
 def _filter(src: Source, t_from: datetime | None, t_to: datetime | None):
@@ -295,6 +312,10 @@ def export(src, fmt: str, out=None, time_from: str | None = None, time_to: str |
         raise ExportError(f"--from ({time_from}) must be before --to ({time_to})")
     srcs = expand(src)
     sources = union_sources([find_sources(s) for s in srcs])
+    if notes is not None:
+        # Its tables are there (Ctrl-C in the first level flushes them) but hold no finished level.
+        notes.extend(f"{m}: its tables hold only what was measured before it stopped"
+                     for m in (no_finished_level(s, None) for s in srcs if not is_uri(s) and Path(s).is_dir()) if m)
     plan = _plan(sources, columns)
     sources = [s for s in sources if s.name in plan]
     whole = sorted(s.name for s in sources if (t_from or t_to) and time_column(s.dataset.schema) is None)
@@ -302,6 +323,11 @@ def export(src, fmt: str, out=None, time_from: str | None = None, time_to: str |
             "figures (every level), not figures of the selected time") if whole else None
     if note and notes is not None:
         notes.append(note)
+    if (t_from or t_to) and notes is not None:
+        # An empty selection (a mistyped date, another day's run) wrote header-only files without a word.
+        for s in sources:
+            if time_column(s.dataset.schema) is not None and not s.dataset.count_rows(filter=_filter(s, t_from, t_to)):
+                notes.append(f"--from/--to select no row of {s.name}" + _time_span(s))
     if len(srcs) == 1 and not is_uri(srcs[0]):
         src_path = Path(srcs[0])
         default_stem = src_path.stem if src_path.is_file() else src_path.resolve().name
@@ -316,6 +342,9 @@ def export(src, fmt: str, out=None, time_from: str | None = None, time_to: str |
                                        batch_readahead=1, fragment_readahead=1)
              for s in sources}
     if fmt == "xlsx":
+        if out.is_dir() or out.suffix.lower() != ".xlsx":
+            # A workbook named x.csv (or written into a folder's place) opens as garbage, or not at all.
+            raise ExportError(f"--out {out}: an xlsx export is one workbook; give a file name ending in .xlsx")
         for s in sources:
             n = s.dataset.count_rows(filter=_filter(s, t_from, t_to))
             if n > XLSX_MAX_ROWS:
@@ -423,17 +452,23 @@ def summary_rows(src: Path, tz: str, time_from: str | None, time_to: str | None)
     ]
     analysis = _read_json(src / "analysis" / "analysis.json") if src.is_dir() else None
     rec = (analysis or {}).get("recommendation")
+    head: list[tuple[str, object]] = []
     if rec:
         kind = next((x.get("level_kind") for x in analysis.get("series", [])), None)
         unit = {"power_limit": "power limit (W)", "sm_clock": "SM clock lock (MHz)"}.get(kind, "level")
-        rows = [
+        head = [
             (f"recommended {unit}", rec.get("recommended_value")),
             ("policy", f"{rec.get('policy')}: {rec.get('description')}"),
             ("speed loss (%)", rec.get("speed_loss_pct")),
             ("energy saving per token (%)", rec.get("energy_saving_pct")),
             ("95% of resamples choose", f"{rec.get('ci_low'):g} to {rec.get('ci_high'):g}"
              if rec.get("ci_low") is not None and rec.get("ci_high") is not None else None),
-        ] + [("warning", f"{w.get('kind')}: {w.get('message')}") for w in analysis.get("warnings", [])] + rows
+        ]
+    elif analysis and analysis.get("recommendation_note"):
+        head = [("recommended", f"none: {analysis['recommendation_note']}")]
+    if analysis:
+        head += [("warning", f"{w.get('kind')}: {w.get('message')}") for w in analysis.get("warnings", [])]
+    rows = head + rows
     run = _read_json(src / "run.json") if src.is_dir() else None
     if run:
         rows += [(k, v) for k, v in _flatten(run) if k not in ("levels_done",)]

@@ -110,7 +110,9 @@ def fit_curve(quantity: str, level_kind: str, x, y, sigma=None) -> ModelFit:
     fn, names = MODELS[model]
     n_free = 3 if model == "saturating_power_law" else 2
     if np.unique(x).size < n_free + 1:
-        return ModelFit(quantity, model, False, f"{np.unique(x).size} levels: the {model} model needs at least {n_free + 1}")
+        n = np.unique(x).size
+        return ModelFit(quantity, model, False,
+                        f"{n} level{'s' if n != 1 else ''}: the {model} model needs at least {n_free + 1}")
     span = float(x.max() - x.min())
     softness = max(span * 0.01, 1e-6)
     f_ref = float(x.max())

@@ -131,6 +131,10 @@ def fleet_summary(sources) -> pa.Table:
         try:
             return to_arrow(con, FLEET_SQL.format(**parts))
         except Exception as e:  # duckdb.Error and IO errors: say which sources, keep the reason
+            from powerprof import termination  # noqa: PLC0415
+
+            if (stop := termination.exit_inside(e)) is not None:
+                raise stop from None
             raise FleetError(f"cannot read the datasets {', '.join(srcs)}: {e}") from None
 
 

@@ -16,7 +16,8 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
-from powerprof.storage.runs import RUN_JSON
+from powerprof import termination
+from powerprof.storage.runs import RUN_JSON, no_finished_level
 from powerprof.storage.schema import LEVELS
 
 from . import engine
@@ -78,7 +79,7 @@ def read_run_info(run_dir) -> RunInfo:
         except json.JSONDecodeError as e:
             raise AnalysisError(f"{meta_path}: not valid JSON ({e})") from None
     if not (path / "windows.parquet").exists():
-        raise AnalysisError(f"{path} is not a powerprof run directory: windows.parquet is missing")
+        raise AnalysisError(no_finished_level(path) or f"{path} is not a powerprof run directory: windows.parquet is missing")
     model = _get(meta, "model", "server.model", "server.model_path", "workload.model")
     if model is None:
         model = _windows_model(path / "windows.parquet")
@@ -107,23 +108,26 @@ def _windows_model(path: Path) -> str | None:
     return vals[0] if len(vals) == 1 else None
 
 
-def check_compatible(runs: list[RunInfo], force: bool = False) -> None:
-    """Refuse to pool runs of different GPU models or server models (unless forced)."""
-    if force or len(runs) < 2:
-        return
+def check_compatible(runs: list[RunInfo], force: bool = False) -> list[str]:
+    """Refuse to pool runs of different GPU models, server models or traffic; with `force`, pool them
+    and return what differs (one sentence each), for the caller to warn with wherever it reports."""
+    if len(runs) < 2:
+        return []
+    differs = []
     for what, attr in (("GPU model", "gpu_name"), ("server model", "model")):
         seen = {getattr(r, attr) for r in runs if getattr(r, attr) is not None}
         if len(seen) > 1:
             detail = "; ".join(f"{r.path}: {getattr(r, attr)}" for r in runs)
-            raise AnalysisError(
-                f"runs differ in {what} ({detail}): their levels are not comparable. "
-                "Analyse them separately, or pass --force to pool them anyway."
-            )
+            differs.append(f"runs differ in {what} ({detail})")
     traffic = {r.path: (r.meta.get("trace") or {}).get("sha256", "the prompt set") for r in runs}
     if len(set(traffic.values())) > 1:
         detail = "; ".join(f"{p}: {'trace ' + t[:12] if t != 'the prompt set' else t}" for p, t in traffic.items())
-        raise AnalysisError(f"runs differ in traffic ({detail}): a trace replay's J/token is not comparable with "
-                            "another traffic's. Analyse them separately, or pass --force to pool them anyway.")
+        differs.append(f"runs differ in traffic ({detail})")
+    if differs and not force:
+        why = ("a trace replay's J/token is not comparable with another traffic's" if "traffic" in differs[0]
+               else "their levels are not comparable")
+        raise AnalysisError(f"{differs[0]}: {why}. Analyse them separately, or pass --force to pool them anyway.")
+    return differs
 
 
 def read_windows(runs: list[RunInfo]) -> pa.Table:
@@ -197,6 +201,8 @@ def scan_samples(run: RunInfo, windows: pa.Table | None = None, bins: int = TIME
         # Without measured windows (a run stopped early) every tagged sample counts, as before.
         sums, tb = engine.scan(con, rel, (starts, ends) if starts.size else None, bins=bins)
     except duckdb.Error as e:  # a footer that opens over damaged pages
+        if (stop := termination.exit_inside(e)) is not None:
+            raise stop from None
         raise AnalysisError(f"{path}: cannot be read as Parquet ({str(e).strip()}); move it aside to analyse "
                             "the windows without the sensor figures") from None
     if tb is None:

@@ -36,9 +36,11 @@ def _figure(w=9.0, h=5.0) -> Figure:
 
 def _save(fig: Figure, path: Path, sr: SeriesResult | None = None) -> Path:
     meta = {"Software": "powerprof"}
-    if sr is not None:
+    if sr is not None and sr.comparable:
         rec = sr.recommendation
         meta["Description"] = f"recommended {rec.policy} {rec.level_value:g}"
+    elif sr is not None:
+        meta["Description"] = "one level measured: none recommended"
     fig.savefig(path, format="png", metadata=meta)
     return path
 
@@ -86,13 +88,14 @@ def _curve(ax, sr: SeriesResult, y, lo, hi, fit_y, ylabel: str, title: str):
         fy = fit_y(grid)
         if np.isfinite(fy).any():
             ax.plot(grid, fy, "--", color="tab:blue", lw=1, label="model fit")
-    _policy_markers(ax, sr, lv, y, _unit(sr))
-    rec = sr.recommendation
-    ri = int(np.flatnonzero(lv == rec.level_value)[0])
-    ax.axvline(rec.level_value, color="tab:red", lw=1, alpha=0.4, gid="recommended",
-               label=f"recommended {rec.recommended_value:g} {_unit(sr)}")
-    ax.annotate("recommended", (rec.level_value, y[ri]), textcoords="offset points", xytext=(6, -16),
-                color="tab:red", fontsize=9)
+    if sr.comparable:
+        _policy_markers(ax, sr, lv, y, _unit(sr))
+        rec = sr.recommendation
+        ri = int(np.flatnonzero(lv == rec.level_value)[0])
+        ax.axvline(rec.level_value, color="tab:red", lw=1, alpha=0.4, gid="recommended",
+                   label=f"recommended {rec.recommended_value:g} {_unit(sr)}")
+        ax.annotate("recommended", (rec.level_value, y[ri]), textcoords="offset points", xytext=(6, -16),
+                    color="tab:red", fontsize=9)
     ax.margins(y=0.18)  # room for the row of policy markers above the highest point
     ax.set_xlabel(_xlabel(sr), fontsize=10)
     ax.set_ylabel(ylabel, fontsize=10)
@@ -138,14 +141,15 @@ def plot_tradeoff(sr: SeriesResult, path: Path) -> Figure:
     for v, xi, yi in zip(sr.series.level_values, x, y):
         ax.annotate(f"{v:g} {unit}", (xi, yi), textcoords="offset points", xytext=(6, -14), fontsize=9)
     lv = sr.series.level_values
-    _policy_markers(ax, sr, x, y, unit)
     budget = sr.choices.get("budget")
     if budget is not None:
         ax.axvline(budget.params["max_slowdown"] * 100, color="tab:red", ls=":", lw=1,
                    label=f"slowdown budget {budget.params['max_slowdown']:.0%}")
-    rec = sr.recommendation
-    ri = int(np.flatnonzero(lv == rec.level_value)[0])
-    ax.plot([x[ri]], [y[ri]], "o", color="tab:red", ms=5, gid="recommended", zorder=5)
+    if sr.comparable:
+        _policy_markers(ax, sr, x, y, unit)
+        rec = sr.recommendation
+        ri = int(np.flatnonzero(lv == rec.level_value)[0])
+        ax.plot([x[ri]], [y[ri]], "o", color="tab:red", ms=5, gid="recommended", zorder=5)
     ax.margins(y=0.18)
     ax.set_xlabel("speed loss vs reference (%)", fontsize=10)
     ax.set_ylabel("energy saving per token vs reference (%)", fontsize=10)

@@ -16,9 +16,10 @@ import numpy as np
 
 from powerprof import __version__
 from powerprof.storage.atomic import atomic_path, atomic_write_bytes
-from powerprof.storage.runs import atomic_write_table
+from powerprof.storage.runs import atomic_write_table, no_finished_level
 
-from .analyze import AnalysisResult, SeriesResult, analyze
+from .analyze import AnalysisResult, SeriesResult, analyze, interrupted_findings
+from .checks import Finding
 from .loading import (AnalysisError, check_compatible, read_run_info, read_windows, sample_level_figures,
                       sweep_level_figures)
 from .sweetspot import DESCRIPTIONS, POLICIES, PolicyParams
@@ -72,7 +73,11 @@ def analyze_run(
         unique.setdefault(p.resolve(), p)
     run_dirs = list(unique.values())
     runs = [read_run_info(p) for p in run_dirs]
-    check_compatible(runs, force)
+    for r in runs:
+        # Ctrl-C before the first level ended keeps its tables: at most part of one level, compared with nothing.
+        if (m := no_finished_level(r.path)) is not None:
+            raise AnalysisError(m)
+    forced = check_compatible(runs, force)
     seen: dict[tuple, Path] = {}
     for r in runs:
         key = (r.run_id, _digest(r.path / "windows.parquet"))
@@ -82,6 +87,8 @@ def analyze_run(
         seen[key] = r.path
     windows = read_windows(runs)
     knob_result, where = _configurations(runs, max_slowdown)
+    # Judged over every configuration's windows: an interrupted one competes in the ranking too.
+    stopped = interrupted_findings(runs, windows) if knob_result is not None else []
     if where is not None:
         # A configuration sweep: the power analysis is that of the J/token-optimal configuration only.
         windows = windows.filter(_matches(windows, where))
@@ -97,15 +104,24 @@ def analyze_run(
         if knob_result is not None and not _has_levels(windows):
             result = AnalysisResult(runs, [], [], params, timelines)
         else:
-            result = analyze(windows, runs, figures, timelines, params, n_boot=n_boot, seed=seed, primary=primary)
+            result = analyze(windows, runs, figures, timelines, params, n_boot=n_boot, seed=seed, primary=primary,
+                             judge_interrupted=knob_result is None)
     except ValueError as e:
         raise AnalysisError(f"{', '.join(map(str, run_dirs))}: {e}") from None
     if knob_result is not None:
         result.knobs = knob_result
         result.warnings = list(knob_result.warnings) + [
-            type(w)(w.kind, f"[{where['config_id']}] {w.message}", w.levels) for w in result.warnings]
+            type(w)(w.kind, f"[{where['config_id']}] {w.message}", w.levels) for w in result.warnings] + stopped
+    # First among the warnings: every figure after it mixes what the runs differ in.
+    result.warnings = [Finding("forced-pool", f"{d}, pooled anyway (--force): their levels are not comparable, so "
+                               "every figure here mixes them; analyse them separately to compare them.")
+                       for d in forced] + result.warnings
     out = Path(out_dir) if out_dir is not None else run_dirs[0] / "analysis"
-    write_outputs(result, out, formats, plots)
+    try:
+        write_outputs(result, out, formats, plots)
+    except OSError as e:  # --out where no folder can be made or written (read-only, /proc, full disk)
+        raise AnalysisError(f"cannot write the analysis to {out}: {e.strerror or e}"
+                            + (f" ({e.filename})" if e.filename and str(e.filename) != str(out) else "")) from None
     return result
 
 
@@ -250,19 +266,35 @@ def recommendation_line(result: AnalysisResult) -> str:
     c = sr.recommendation
     u = _unit(sr)
     what = "limit" if u == "W" else "SM clock lock"
-    if sr.series.level_values.size == 1:
+    if not sr.comparable:
         # Its "0.0% slower, 0.0% less energy" would be against itself: no figure, so none is printed.
         line = (f"One level measured ({c.level_value:g} {u}): nothing to compare it with, so no {what} is "
                 f"recommended; sweep several levels (e.g. --{'limits' if u == 'W' else 'clocks'} with four values) "
                 "to find the sweet spot.")
         return line + (" (simulated)" if result.simulated else "")
-    line = (f"Recommended {what}: {c.recommended_value:g} {u} ({DESCRIPTIONS[c.policy]}"
-            + (f", ≤ {c.params['max_slowdown']:.0%} slower" if c.policy == "budget" else "")
-            + f"): {c.speed_loss_pct:.1f}% slower, {c.energy_saving_pct:.1f}% less energy per token than "
-            f"{sr.series.reference_value:g} {u}; " + _choice_range_text(sr, c, u))
+    head = (f"Recommended {what}: {c.recommended_value:g} {u}"
+            + (", the reference" if c.level_value == sr.series.reference_value else "")
+            + f" ({DESCRIPTIONS[c.policy]}" + (f", ≤ {c.params['max_slowdown']:.0%} slower" if c.policy == "budget" else "")
+            + "): ")
+    if c.level_value == sr.series.reference_value:
+        # "0.0% slower, 0.0% less energy per token than 300 W" would compare it with itself.
+        line = head + _why_the_reference(sr, c, u) + "; " + _choice_range_text(sr, c, u)
+    else:
+        line = (head + f"{c.speed_loss_pct:.1f}% slower, {c.energy_saving_pct:.1f}% less energy per token than "
+                f"{sr.series.reference_value:g} {u}; " + _choice_range_text(sr, c, u))
     if result.simulated:
         line += " (simulated)"
     return line
+
+
+def _why_the_reference(sr: SeriesResult, c, u: str) -> str:
+    """Why no level other than the reference was chosen: the nearest one below it, by the policy's measure."""
+    below = [r for r in sr.table.to_pylist() if r["level_value"] < sr.series.reference_value]
+    if c.policy == "budget" and below:
+        r = max(below, key=lambda r: r["level_value"])
+        return (f"every lower level is slower than the budget allows ({r['level_value']:g} {u}: "
+                f"{_f(r['speed_loss_pct'], '.1f')}% slower, {_f(r['energy_saving_pct'], '.1f')}% less energy per token)")
+    return "no other measured level does better by this measure"
 
 
 def _choice_range_text(sr: SeriesResult, c, u: str) -> str:
@@ -363,9 +395,9 @@ def render_markdown(result: AnalysisResult, images: dict[str, Path] | None = Non
             out += ["", f"## Power levels of {result.knobs.chosen.label()}"]
     for sr in result.series:
         out += ["", f"## {sr.label.capitalize()} (reference {sr.series.reference_value:g} {_unit(sr)})", "",
-                "### Levels", "", _md_table(*_levels_rows(sr)), "", "### Sweet spots", "",
-                _md_table(*_choice_rows(sr)), "", _choice_footnote(sr), "",
-                "### Fits", "", _md_table(*_fit_rows(sr))]
+                "### Levels", "", _md_table(*_levels_rows(sr)), "", "### Sweet spots", ""]
+        out += ([_md_table(*_choice_rows(sr)), "", _choice_footnote(sr)] if sr.comparable else [_ONE_LEVEL])
+        out += ["", "### Fits", "", _md_table(*_fit_rows(sr))]
         for key in (f"j_per_token{sr.suffix}", f"tok_s{sr.suffix}", f"saving_vs_loss{sr.suffix}"):
             if images and key in images:
                 out += ["", f"![{key}]({_rel(images[key], base)})"]
@@ -375,6 +407,9 @@ def render_markdown(result: AnalysisResult, images: dict[str, Path] | None = Non
         out += ["", "## Power and SM clock over time", "", f"![{key}]({_rel(images[key], base)})"]
     out += ["", f"_{_colophon()}_", ""]
     return "\n".join(out)
+
+
+_ONE_LEVEL = "One level measured: no sweet spot to choose (a policy compares levels); sweep several levels."
 
 
 def _choice_footnote(sr: SeriesResult) -> str:
@@ -430,7 +465,8 @@ def render_html(result: AnalysisResult, images: dict[str, Path] | None = None) -
         parts.append(f"<h2>{html.escape(sr.label.capitalize())} (reference {sr.series.reference_value:g} "
                      f"{_unit(sr)})</h2><h3>Levels</h3>{_html_table(*_levels_rows(sr))}")
         parts.append(f"<h3>Sweet spots</h3>{_html_table(*_choice_rows(sr))}"
-                     f"<p class='note'>{html.escape(_choice_footnote(sr))}</p>")
+                     f"<p class='note'>{html.escape(_choice_footnote(sr))}</p>" if sr.comparable else
+                     f"<h3>Sweet spots</h3><p class='note'>{html.escape(_ONE_LEVEL)}</p>")
         parts.append(f"<h3>Fits</h3>{_html_table(*_fit_rows(sr))}")
         for key in (f"j_per_token{sr.suffix}", f"tok_s{sr.suffix}", f"saving_vs_loss{sr.suffix}"):
             if key in images:
@@ -472,11 +508,13 @@ def _levels_summary(result: AnalysisResult, table: bool) -> str:
     if not table:
         lines = []
     lines += ["", recommendation_line(result)] if table else [recommendation_line(result)]
-    others = [f"{p} {c.level_value:g}" for p, c in sr.choices.items() if p != sr.primary]
-    lines.append("Other policies: " + ", ".join(others) + ".")
+    if sr.comparable:
+        others = [f"{p} {c.level_value:g}" for p, c in sr.choices.items() if p != sr.primary]
+        lines.append("Other policies: " + ", ".join(others) + ".")
     if len(result.series) > 1:
-        lines.append("Other series: " + "; ".join(f"{s.label}: {s.recommendation.level_value:g}"
-                                                   for s in result.series if s is not sr) + ".")
+        lines.append("Other series: " + "; ".join(
+            f"{s.label}: {s.recommendation.level_value:g}" if s.comparable else f"{s.label}: one level, none chosen"
+            for s in result.series if s is not sr) + ".")
     for w in result.warnings:
         lines.append(f"! {w.kind}: {w.message}")
     if result.files.get("report.html"):

@@ -195,11 +195,18 @@ SPEC: dict[str, dict[str, Key]] = {
 }
 
 
-def _coerce(section: str, key: str, spec: Key, value: Any, from_env: bool) -> Any:
+def _coerce(section: str, key: str, spec: Key, value: Any, from_env: str | None = None,
+            where: str | None = None) -> Any:
+    """The checked value; ConfigError naming the key and where it came from: the file (`where`), or
+    the environment variable `from_env` with the text it held, since that is what the user must fix."""
     name = f"{section}.{key}"
+    text = value
     try:
-        if from_env:
-            value = _from_text(spec.type, value)
+        if from_env is not None:
+            try:
+                value = _from_text(spec.type, value)
+            except ValueError:
+                raise ValueError(f"must be {_EXPECTED[spec.type]}") from None
         if spec.type is float and isinstance(value, int) and not isinstance(value, bool):
             value = float(value)
         if spec.type is bool and not isinstance(value, bool):
@@ -208,7 +215,19 @@ def _coerce(section: str, key: str, spec: Key, value: Any, from_env: bool) -> An
             raise ValueError(f"must be of type {spec.type.__name__}, got {type(value).__name__}")
         return spec.check(value)
     except ValueError as e:
-        raise ConfigError(f"config key {name} = {value!r}: {e}") from None
+        if from_env is not None:
+            raise ConfigError(f"environment variable {from_env}={text!r} (config key {name}): {e}") from None
+        raise ConfigError(f"config key {name} = {value!r}{f' {where}' if where else ''}: {e}") from None
+
+
+# What an environment variable's text must look like, by the key's type.
+_EXPECTED = {
+    float: "a number (e.g. 1.5)",
+    int: "a whole number (e.g. 4)",
+    bool: "true or false (or 1/0, yes/no, on/off)",
+    list: "a comma-separated list (e.g. 0,1)",
+    str: "text",
+}
 
 
 def _from_text(t: type, text: str):
@@ -290,11 +309,18 @@ def load_config(path: str | os.PathLike | None = None, env: dict | None = None, 
     env = os.environ if env is None else env
     errors: list[str] = []
 
-    def coerce(section, key, value, from_env):
+    origin: dict[str, str] = {}  # "section.key" → where its value came from, for the checks across keys
+
+    def coerce(section, key, value, from_env=None, where=None):
         try:
-            values[section][key] = _coerce(section, key, SPEC[section][key], value, from_env=from_env)
+            values[section][key] = _coerce(section, key, SPEC[section][key], value, from_env=from_env, where=where)
+            origin[f"{section}.{key}"] = f"environment variable {from_env}" if from_env else (where or "").split(" ", 1)[-1]
         except ConfigError as e:
             errors.append(str(e))
+
+    def came_from(*dotted) -> str:
+        said = [f"{d} from {origin[d]}" for d in dotted if origin.get(d)]
+        return f" ({'; '.join(said)})" if said else ""
 
     values = {s: {k: spec.default for k, spec in keys.items()} for s, keys in SPEC.items()}
     sources = ["defaults"]
@@ -321,7 +347,7 @@ def load_config(path: str | os.PathLike | None = None, env: dict | None = None, 
                         f"unknown config key {section}.{key} in {p}; known keys of [{section}]: {', '.join(SPEC[section])}"
                     )
                     continue
-                coerce(section, key, value, False)
+                coerce(section, key, value, where=f"in {p}")
         sources.append(str(p))
     for name, text in env.items():
         if not name.startswith(ENV_PREFIX):
@@ -334,7 +360,7 @@ def load_config(path: str | os.PathLike | None = None, env: dict | None = None, 
         if key not in SPEC[section]:
             errors.append(f"unknown config key {section}.{key} from environment variable {name}")
             continue
-        coerce(section, key, text, True)
+        coerce(section, key, text, from_env=name)
         sources.append(name)
     for dotted, value in (overrides or {}).items():
         if value is None:
@@ -343,22 +369,25 @@ def load_config(path: str | os.PathLike | None = None, env: dict | None = None, 
         if section not in SPEC or key not in SPEC[section]:
             errors.append(f"unknown config key {dotted}")
             continue
-        coerce(section, key, value, False)
+        flag = (flags or {}).get(dotted)
+        coerce(section, key, value, where=f"from {flag}" if flag else None)
         sources.append((flags or {}).get(dotted, dotted))
     for section in ("proxy", "metrics"):
         listen = values[section]["listen"]
         host = listen_host(listen) if isinstance(listen, str) else None
         if host is not None and not is_loopback(host) and not values["daemon"]["listen_beyond_loopback"]:
             errors.append(
-                f"config key {section}.listen = {listen!r} is reachable from other machines; "
+                f"config key {section}.listen = {listen!r}{came_from(section + '.listen')} is reachable from other machines; "
                 "the proxy and /metrics have no authentication. Listen on 127.0.0.1 or [::1], or set "
                 "daemon.listen_beyond_loopback = true (and firewall it)"
             )
     if values["proxy"]["workers"] > 1 and str(values["proxy"]["listen"]).startswith("unix:"):
         errors.append("config key proxy.workers > 1 needs a TCP proxy.listen (host:port); a unix: socket is "
-                      "served by the daemon itself (proxy.workers = 1)")
+                      "served by the daemon itself (proxy.workers = 1)" + came_from("proxy.workers", "proxy.listen"))
     if values["daemon"]["flush_interval_s"] > values["daemon"]["compact_interval_s"]:
-        errors.append("config key daemon.flush_interval_s must not exceed daemon.compact_interval_s")
+        errors.append(f"config key daemon.flush_interval_s = {values['daemon']['flush_interval_s']:g} must not exceed "
+                      f"daemon.compact_interval_s = {values['daemon']['compact_interval_s']:g}"
+                      + came_from("daemon.flush_interval_s", "daemon.compact_interval_s"))
     _raise_all(errors)
     return Config(values, ", ".join(sources))
 

@@ -48,6 +48,36 @@ def split_storable(name: str, rows: list[dict]) -> tuple[list[dict], list[dict],
     return good, bad, err
 
 
+def no_finished_level(path, what: str | None = "analyse") -> str | None:
+    """What to say of a sweep's run directory where no level finished (killed, or Ctrl-C, before its
+    first level ended): it is a run, only an empty one, so "not a run directory" would mislead.
+    `what` the command could not do ("analyse", "export"), with the fix; None: the fact alone. None when it is not a sweep's run.json,
+    or a level did finish."""
+    p = Path(path)
+    try:
+        meta = json.loads((p / RUN_JSON).read_text())
+    except (OSError, ValueError):
+        return None
+    if not isinstance(meta, dict) or meta.get("kind") != "sweep":
+        return None
+    done = meta.get("levels_done")
+    if done or (done is None and (p / "windows.parquet").exists()):
+        return None  # a level finished, or a run written before levels_done whose windows are there
+    if meta.get("configs") and (p / "levels.parquet").exists():
+        return None  # a configuration sweep whose servers never got to a level: its configs' outcomes are the report
+    if meta.get("started_utc"):
+        when = f"started {meta['started_utc']}"
+    else:  # older runs: no start time kept; run.json is rewritten until the sweep stops
+        mtime = datetime.fromtimestamp((p / RUN_JSON).stat().st_mtime, timezone.utc)
+        when = "run.json last written " + mtime.strftime("%Y-%m-%d %H:%M:%S UTC")
+    fact = f"{p}: a powerprof run with no finished level (stopped before its first level ended; {when})"
+    if what is None:
+        return fact
+    was = meta.get("command_line")
+    return (f"{fact}: nothing to {what}. Rerun the sweep with another --out (or after removing this directory)"
+            + (f"; it was: {was}" if was else ""))
+
+
 def default_run_dir(base: Path, gpu_label: str) -> Path:
     stamp = datetime.now(timezone.utc).strftime("%Y%m%dT%H%M%SZ")
     safe = "".join(ch if ch.isalnum() or ch in "-_" else "-" for ch in gpu_label).strip("-") or "gpu"
