@@ -51,7 +51,12 @@ def _run(case: dict, api=None, n=2):
             em = np.array([x for x, _ in t["emissions"]], dtype=np.int64)
             e = gpu.true_energy_at_j(int(em[-1])) - gpu.true_energy_at_j(int(em[0]))
             tokens = t["generated"] - 1
-            true.append((tokens / ((em[-1] - em[0]) / 1e9), e / tokens, e, tokens))
+            # The truth's edges are stamped when the simulator's loop got to them: on a loaded host
+            # one can be late on the GPU's schedule (a full-suite run: 99.96 tok/s measured, 96.33
+            # "true" from a late last stamp). That share of the span is the truth's own uncertainty.
+            late = t["emission_late_ns"]
+            true.append((tokens / ((em[-1] - em[0]) / 1e9), e / tokens, e, tokens,
+                         (late[0] + late[-1]) / (em[-1] - em[0])))
     return res, true
 
 
@@ -63,7 +68,7 @@ def test_every_window_is_true_within_1pct_or_flagged_and_excluded(name):
     rows = [r for r in res.rows if r["window_kind"] == "request" and not r["warmup"]]
     assert len(rows) == len(true) == 2 and all(r["status"] == "ok" for r in rows)
     trusted = []
-    for r, (tok_s, jpt, _, _) in zip(rows, true):
+    for r, (tok_s, jpt, _, _, truth_late) in zip(rows, true):
         # Every token the server generated was seen in the stream (the vLLM closing chunk included).
         assert r["generated_tokens"] == PARAMS.max_tokens
         if r["timing"] == "untrusted":
@@ -71,15 +76,17 @@ def test_every_window_is_true_within_1pct_or_flagged_and_excluded(name):
             assert r["decode_tok_s"] is None and r["gpu_j_per_token"] is None and r["gpu_energy_j"] is None
             continue
         trusted.append(r)
-        assert r["decode_tok_s"] == pytest.approx(tok_s, rel=TOL), (name, r["timing"], r["timing_reason"])
-        assert r["gpu_j_per_token"] == pytest.approx(jpt, rel=TOL), (name, r["timing"])
+        tol = TOL + truth_late
+        assert r["decode_tok_s"] == pytest.approx(tok_s, rel=tol), (name, r["timing"], r["timing_reason"], truth_late)
+        assert r["gpu_j_per_token"] == pytest.approx(jpt, rel=tol), (name, r["timing"], truth_late)
         assert r["gpu_j_per_token"] > 0 and r["gpu_energy_j"] > 0
     (summary,) = res.summaries
     if trusted:
         assert summary.n_trusted == len(trusted)
         used = [t for r, t in zip(rows, true) if r["timing"] != "untrusted"]
-        assert summary.decode_tok_s == pytest.approx(float(np.median([t[0] for t in used])), rel=TOL)
-        assert summary.gpu_j_per_token == pytest.approx(sum(t[2] for t in used) / sum(t[3] for t in used), rel=TOL)
+        tol = TOL + max(t[4] for t in used)
+        assert summary.decode_tok_s == pytest.approx(float(np.median([t[0] for t in used])), rel=tol)
+        assert summary.gpu_j_per_token == pytest.approx(sum(t[2] for t in used) / sum(t[3] for t in used), rel=tol)
     else:
         assert summary.decode_tok_s is None and summary.gpu_j_per_token is None
         assert res.excluded is not None and res.excluded.n == 2

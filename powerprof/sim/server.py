@@ -87,6 +87,9 @@ class _Req:
     t_prefill_start_ns: int = 0
     t_prefill_end_ns: int = 0
     emissions: list = field(default_factory=list)  # (t_ns, n_tokens)
+    # Per emission, how far after its step's end on the schedule the loop got to it: the truth's
+    # emission times carry that lateness (a loaded host), the GPU's schedule does not.
+    emission_late_ns: list = field(default_factory=list)
     cancelled: bool = False
     stop_type: str = "limit"
     prefilled: int = 0  # prompt tokens prefilled so far (continuous batching)
@@ -509,6 +512,7 @@ class SimServer:
                 for _ in range(n):
                     self._m_itl.observe(gap / n)
         req.emissions.append((t, n))
+        req.emission_late_ns.append(max(t - self._window_ns[1], 0))
         ids = [(req.text_seed + 7919 * (start + k)) % 32000 for k in range(n)]
         text = "".join(" " + _VOCAB[i % len(_VOCAB)] for i in ids)
         req.queue.put_nowait(("tokens", (ids, text, req.generated >= limit)))
@@ -548,6 +552,7 @@ class SimServer:
             "t_prefill_start_ns": req.t_prefill_start_ns,
             "t_prefill_end_ns": req.t_prefill_end_ns,
             "emissions": list(req.emissions),
+            "emission_late_ns": list(req.emission_late_ns),
             "generated": req.generated,
             "timings": timings,
             "energy_j": req.true_energy_j if self.batching == "continuous" else None,
