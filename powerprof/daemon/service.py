@@ -213,7 +213,9 @@ class Daemon:
                              c.prompt_tokens if c is not None else None,
                              # A non-streamed answer with no server timing is spread from its arrival.
                              first_seen=not (trace.extra.get("spread") and trace.first_ns == trace.arrival_ns))
-        self.ledger.on_end(trace)
+        added = self.ledger.on_end(trace)
+        if added:  # a stream counted one token per chunk, set to the server's final count
+            self.tokens_by_tag[self.tags.label(trace.tag) if trace.tag else NONE] += added
         self._request_edge("request-end")
 
     def _request_edge(self, label: str) -> None:
