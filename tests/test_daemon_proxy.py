@@ -487,3 +487,29 @@ def test_a_compressed_response_that_inflates_past_the_bound_is_counted_up_to_it_
     assert body == bomb and t.response_bytes == len(bomb)
     assert "inflates beyond 1 MiB: tokens after that were not counted" in t.error
     assert t.tokens_seen == 2  # the event before the bound was counted
+
+
+def test_a_5xx_answer_is_relayed_unchanged_and_recorded_as_an_upstream_error_not_ok():
+    # Before: a 503 (or 500) relayed whole was outcome `ok`, error empty, in the rows and in
+    # powerprof_requests_total{outcome="ok"}; and a non-streamed request's `stream` was left null.
+    async def main():
+        rec = Rec()
+        up, up_url, r1, proxy, px_url, r2 = await _setup(rec)
+        async with aiohttp.ClientSession() as s:
+            async with s.post(px_url + "/v1/chat/completions", json={"messages": []}) as r:
+                got = (r.status, await r.read())
+            async with s.post(px_url + "/v1/chat/completions", json={"messages": [], "stream": True}) as r:
+                await r.read()
+            async with s.post(px_url + "/completion", json={"n_predict": 3}) as r:
+                await r.read()
+        await r2.cleanup()
+        await r1.cleanup()
+        return rec, got
+
+    rec, got = _run(main())
+    assert got == (503, b'{"error":"loading"}')
+    plain, asked_stream, fine = rec.ended
+    for t in (plain, asked_stream):
+        assert t.status == 503 and t.outcome == "upstream_error" and "HTTP 503" in t.error
+        assert t.stream is False  # a JSON error answer, whatever was asked
+    assert fine.status == 200 and fine.outcome == "ok" and fine.error is None

@@ -392,6 +392,8 @@ class Proxy:
                 except Exception as e:
                     trace.recorder_error = f"parser: {e}"
                     self.recorder_failures += 1
+            elif trace.api is not None and status >= 400:
+                trace.stream = "text/event-stream" in ctype  # what the error answer was, not what was asked
         try:
             writer = await resp.prepare(request)
             early = ex.take_early()
@@ -440,6 +442,10 @@ class Proxy:
             except Exception as e:
                 trace.recorder_error = f"summary: {type(e).__name__}: {e}"[:300]
                 self.recorder_failures += 1
+        if trace is not None and status >= 500 and trace.outcome == "ok":
+            # Relayed whole, but the server failed it: not an `ok` in the requests' counts.
+            trace.outcome = "upstream_error"
+            trace.error = trace.error or f"the upstream answered HTTP {status} {reason}".rstrip()[:300]
         return resp
 
     def _counts_so_far(self, trace: RequestTrace, sink: "_ClientSink", ex: Exchange) -> None:
