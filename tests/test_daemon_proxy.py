@@ -513,3 +513,53 @@ def test_a_5xx_answer_is_relayed_unchanged_and_recorded_as_an_upstream_error_not
         assert t.status == 503 and t.outcome == "upstream_error" and "HTTP 503" in t.error
         assert t.stream is False  # a JSON error answer, whatever was asked
     assert fine.status == 200 and fine.outcome == "ok" and fine.error is None
+
+
+def test_a_tag_header_that_is_not_utf8_is_recorded_visibly_replaced_and_metrics_still_render():
+    # Before: aiohttp handed the bytes \xff\xfe over as lone surrogates; the tag label made every
+    # /metrics scrape a 500 for the daemon's life and the request's row went to quarantine.
+    from powerprof.daemon.metrics import TagLimiter
+
+    async def main():
+        rec = Rec()
+        up, up_url, r1, proxy, px_url, r2 = await _setup(rec)
+        host, port = px_url.removeprefix("http://").split(":")
+        reader, writer = await asyncio.open_connection(host, int(port))
+        body = b'{"n_predict": 2}'
+        writer.write(b"POST /completion%%FF HTTP/1.1\r\nHost: x\r\nX-Powerprof-Tag: caf\xc3\xa9 \xff\xfe\r\n"
+                     b"Content-Type: application/json\r\nContent-Length: %d\r\nConnection: close\r\n\r\n%s" % (len(body), body))
+        await writer.drain()
+        await reader.read()
+        writer.close()
+        await r2.cleanup()
+        await r1.cleanup()
+        return rec
+
+    (t,) = _run(main()).ended
+    assert t.tag == "caf\u00e9 \ufffd\ufffd"
+    t.tag.encode("utf-8")
+    t.endpoint.encode("utf-8")
+    tags = TagLimiter([], 20)
+    tags.label(t.tag).encode("utf-8")
+
+
+def test_a_request_row_with_a_lone_surrogate_from_json_is_written_not_quarantined(tmp_path):
+    from powerprof.daemon.ledger import Ledger
+    from powerprof.daemon.service import datasets
+    from powerprof.daemon.store import DatasetStore
+    from powerprof.daemon.streams import Counts
+
+    store = DatasetStore(tmp_path, datasets())
+    led = Ledger("d", 0, 1, store.append, grace_s=0.1)
+    tr = RequestTrace(1, "POST", "/completion", None, 100_000_000, 0, api="llamacpp", stream=True,
+                      model="m\ud800")  # {"model": "m\\ud800"}: valid JSON, not valid Unicode
+    led.on_start(tr)
+    tr.end_ns = 200_000_000
+    tr.counts = Counts(None, None, "up\udfff", "stop\ud801", "none")
+    led.on_end(tr)
+    led.close_all(300_000_000)
+    assert store.flush()
+    assert not (tmp_path / "_quarantine").exists()
+    import duckdb
+    got = duckdb.sql(f"select model, stop_reason from read_parquet('{tmp_path}/requests/**/*.parquet')").fetchall()
+    assert got == [("up\ufffd", "stop\ufffd")]

@@ -24,7 +24,7 @@ from powerprof.energy import epoch_broken, interp_at, unwrap_resets
 from powerprof.profiler import weakest_method
 
 from . import attribution as attr
-from .proxy import RequestTrace
+from .proxy import RequestTrace, valid_text
 from .workmodel import FEATURES, CostLearner
 
 log = logging.getLogger("powerprof.daemon.ledger")
@@ -613,6 +613,12 @@ class Ledger:
         self.emit("intervals", rows)
 
     def _request_row(self, r: _Req) -> dict:
+        row = self._request_fields(r)
+        # Strings from clients and the upstream (model, stop reason, errors) as valid Unicode: a lone
+        # surrogate (a JSON `\\ud800`) would send the whole row to quarantine.
+        return {k: valid_text(v) if isinstance(v, str) else v for k, v in row.items()}
+
+    def _request_fields(self, r: _Req) -> dict:
         tr = r.trace
         c = tr.counts
         gen = c.generated_tokens if c is not None and c.generated_tokens is not None else (tr.tokens_seen or None)

@@ -100,6 +100,18 @@ class NullRecorder:
         pass
 
 
+def valid_text(s: str) -> str:
+    """`s` as valid Unicode: aiohttp hands header bytes that are not UTF-8 over as lone surrogates (and JSON's
+    `\\udc80` escapes make them too), which no UTF-8 writer takes: a tag of them broke `/metrics` for the
+    daemon's life and sent the request's row to quarantine. Each such character becomes U+FFFD (visibly
+    replaced, never dropped)."""
+    try:
+        s.encode("utf-8")
+        return s
+    except UnicodeEncodeError:
+        return "".join("\ufffd" if "\ud800" <= c <= "\udfff" else c for c in s)
+
+
 def forward_headers(headers, drop=frozenset()) -> list[tuple[str, str]]:
     """Headers minus hop-by-hop ones (and those the Connection header names), as (name, value) pairs;
     `drop`: more names, lower case."""
@@ -240,8 +252,8 @@ class Proxy:
             trace = RequestTrace(
                 request_id=self._next_id,
                 method=request.method,
-                endpoint=request.path[:200],
-                tag=tag[:TAG_MAX_CHARS] if tag else None,
+                endpoint=valid_text(request.path[:200]),
+                tag=valid_text(tag[:TAG_MAX_CHARS]) if tag else None,
                 arrival_ns=time.monotonic_ns(),
                 arrival_wall_ns=time.time_ns(),
                 api=streams.api_for_path(request.path),
