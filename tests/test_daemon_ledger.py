@@ -444,3 +444,29 @@ def test_a_non_streamed_answer_longer_than_the_scrape_lag_is_not_also_taken_for_
     ivs = sink.rows["intervals"]
     assert sum(r["server_tokens"] or 0.0 for r in ivs) == pytest.approx(0.0, abs=1e-9)
     assert sum(r["unproxied_energy_j"] for r in ivs) == pytest.approx(0.0, abs=1e-9)
+
+
+def test_an_error_answer_with_no_work_takes_no_energy_and_its_time_stays_idle():
+    # Before: a 413 (or 503, or the proxy's 502) alone in an interval shared it "by live time": it was
+    # charged the idle GPU's energy over its life (31 J for one 413 on the simulator) and idle was short.
+    sink = Sink()
+    led = Ledger("d", 0, 1, sink, grace_s=0.1)
+    err = RequestTrace(1, "POST", "/completion", "t", int(0.2 * S), 0, api="llamacpp", stream=False)
+    ok = RequestTrace(2, "POST", "/completion", "t", int(2.2 * S), 0, api="llamacpp", stream=True)
+    for tr in (err, ok):
+        led.on_start(tr)
+    err.status, err.end_ns = 413, int(0.9 * S)
+    err.counts = Counts(None, None, None, None, "none")
+    led.on_end(err)
+    ok.status = 200  # a slow step: nothing measurable yet, but a request that was answered
+    ok.end_ns = int(2.8 * S)
+    ok.counts = Counts(None, None, None, None, "none")
+    led.on_end(ok)
+    for k in range(4):
+        _feed(led, float(k), 100.0 * k)
+    led.advance(int(3.5 * S))
+    rows = {r["request_id"]: r for r in sink.rows["requests"]}
+    assert rows[1]["gpu_energy_j"] is None and "error answer (HTTP 413)" in rows[1]["energy_note"]
+    assert rows[2]["gpu_energy_j"] == pytest.approx(100.0)  # a live request with no work seen still shares
+    first = sink.rows["intervals"][0]
+    assert first["kind"] == "idle" and first["idle_energy_j"] == pytest.approx(100.0) and first["requests_energy_j"] == 0.0

@@ -388,9 +388,10 @@ class Ledger:
         # The third column marks intervals without CPU energy: a request given a share of one
         # has no CPU figure (rather than a partial, smaller one).
         energy = np.column_stack([gpu, np.nan_to_num(cpu), np.isnan(cpu)])
+        passive = np.array([d and _passive(r) for r, d in zip(reqs, done)], dtype=bool)
         a = attr.attribute(t, energy, arrival, first, last, end, ev_t_a, ev_r_a, ev_n_a, excess,
                            prompt_tokens=prompt, tok_ctx=np.array(ev_c, dtype=float), costs=costs,
-                           bypass_spans=bypass_spans)
+                           bypass_spans=bypass_spans, passive=passive)
         # Bypass tokens' prompts are unseen: an interval mostly of bypass work would bias the fit.
         usable = np.array([m == "counter" for m in methods])
         if excess is not None:
@@ -683,8 +684,19 @@ def _with_late(error: str | None, late: float) -> str | None:
     return note if error is None else f"{error}; {note}"
 
 
+def _passive(r: _Req) -> bool:
+    """An error answer (HTTP 4xx/5xx, the proxy's own 502 included) with no token and no prompt length: no
+    GPU work of it was seen, so it takes no share by live time (its time is idle)."""
+    tr = r.trace
+    return (tr.status is not None and tr.status >= 400 and tr.tokens_seen == 0 and not r.ev_n and r.spent == 0
+            and _prompt_tokens(r) is None)
+
+
 def _no_energy_reason(r: _Req) -> str:
     """Why a request got no energy: what the work model could not see."""
+    if r.trace.end_ns is not None and _passive(r):
+        return (f"no share: an error answer (HTTP {r.trace.status}) with no token and no prompt length: no GPU "
+                "work of it was seen, and its time counts as idle")
     if r.tokens > 0 or _prompt_tokens(r):
         return "no share: its tokens and prompt were work of no cost at the costs in use (costs/), or in no interval with energy"
     if _prompt_tokens(r) is None:
