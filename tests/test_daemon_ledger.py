@@ -465,8 +465,19 @@ def test_an_error_answer_with_no_work_takes_no_energy_and_its_time_stays_idle():
     for k in range(4):
         _feed(led, float(k), 100.0 * k)
     led.advance(int(3.5 * S))
+    # Its head said 503 before its body was through (a slow upload): not live from then on either.
+    slow = RequestTrace(3, "PUT", "/upload", None, int(3.1 * S), 0)
+    led.on_start(slow)
+    slow.status = 503
+    _feed(led, 4.0, 400.0)
+    led.advance(int(4.5 * S))
+    slow.end_ns = int(4.6 * S)
+    led.on_end(slow)
+    _feed(led, 5.0, 500.0)
+    led.advance(int(5.5 * S))
     rows = {r["request_id"]: r for r in sink.rows["requests"]}
     assert rows[1]["gpu_energy_j"] is None and "error answer (HTTP 413)" in rows[1]["energy_note"]
+    assert rows[3]["gpu_energy_j"] is None and [r["kind"] for r in sink.rows["intervals"]][3:] == ["idle", "idle"]
     assert rows[2]["gpu_energy_j"] == pytest.approx(100.0)  # a live request with no work seen still shares
     first = sink.rows["intervals"][0]
     assert first["kind"] == "idle" and first["idle_energy_j"] == pytest.approx(100.0) and first["requests_energy_j"] == 0.0

@@ -388,7 +388,7 @@ class Ledger:
         # The third column marks intervals without CPU energy: a request given a share of one
         # has no CPU figure (rather than a partial, smaller one).
         energy = np.column_stack([gpu, np.nan_to_num(cpu), np.isnan(cpu)])
-        passive = np.array([d and _passive(r) for r, d in zip(reqs, done)], dtype=bool)
+        passive = np.array([_passive(r) for r in reqs], dtype=bool)  # its error status is known from its head
         a = attr.attribute(t, energy, arrival, first, last, end, ev_t_a, ev_r_a, ev_n_a, excess,
                            prompt_tokens=prompt, tok_ctx=np.array(ev_c, dtype=float), costs=costs,
                            bypass_spans=bypass_spans, passive=passive)
@@ -685,8 +685,9 @@ def _with_late(error: str | None, late: float) -> str | None:
 
 
 def _passive(r: _Req) -> bool:
-    """An error answer (HTTP 4xx/5xx, the proxy's own 502 included) with no token and no prompt length: no
-    GPU work of it was seen, so it takes no share by live time (its time is idle)."""
+    """An error answer (HTTP 4xx/5xx, the proxy's own 502 included; known from its head, before it ends) with
+    no token and no prompt length: no GPU work of it was seen, so it takes no share by live time (its
+    time is idle)."""
     tr = r.trace
     return (tr.status is not None and tr.status >= 400 and tr.tokens_seen == 0 and not r.ev_n and r.spent == 0
             and _prompt_tokens(r) is None)
