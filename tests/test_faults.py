@@ -769,3 +769,19 @@ def test_root_refuses_a_data_dir_owned_by_another_user_and_accepts_its_own(tmp_p
     fd = lock_data_dir(mine)
     os.close(fd)
     assert (mine / ".daemon.lock").read_text() == str(os.getpid())
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="the rule is root's: an unprivileged daemon may use its own shared folders")
+def test_root_opens_no_tag_socket_in_a_folder_others_can_write(tmp_path):
+    # Before: root unlinked a stale socket there and chmod-ed the new one by name, so a user who could
+    # write the folder could swap the name for a symlink between bind and chmod.
+    shared = tmp_path / "shared"
+    shared.mkdir()
+    shared.chmod(0o777)
+    d = DaemonProc(tmp_path / "data", "--simulate", "--tag-socket", str(shared / "t.sock"), env=sim_env(tmp_path))
+    try:
+        assert "tags" not in d.info
+    finally:
+        assert d.stop() == 0
+    assert not (shared / "t.sock").exists()
+    assert "refusing, as root, a socket folder another user could write" in d.output()

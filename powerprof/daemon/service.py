@@ -569,6 +569,11 @@ class Daemon:
         path = self.cfg.tag_socket()
         try:
             path.parent.mkdir(parents=True, exist_ok=True)
+            why = untrusted_data_dir(path.parent)
+            if why:
+                # Root replaces a stale socket there and chmods the new one by name: in a folder another
+                # user can write, that name could be swapped for a symlink to any file.
+                raise StartupError(f"refusing, as root, a socket folder another user could write: {why}")
             try:
                 st = os.lstat(path)
             except FileNotFoundError:
