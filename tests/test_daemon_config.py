@@ -87,7 +87,8 @@ def test_reload_separates_live_changes_from_restart_ones(tmp_path):
     assert restart == ["proxy.listen"]
 
 
-@pytest.mark.skipif(os.geteuid() != 0, reason="the rule is root's: an unprivileged daemon reads any config its user can")
+@pytest.mark.skipif(os.geteuid() != 0,
+                    reason="the rule is root's: an unprivileged daemon reads any config its user can")
 def test_root_uses_no_config_file_another_user_could_write(tmp_path):
     # Before: root followed a config anyone could write: its tags.socket could name any socket on the
     # machine (a stale one there is replaced) and its data_dir any folder.

@@ -527,7 +527,8 @@ def test_a_tag_header_that_is_not_utf8_is_recorded_visibly_replaced_and_metrics_
         reader, writer = await asyncio.open_connection(host, int(port))
         body = b'{"n_predict": 2}'
         writer.write(b"POST /completion%%FF HTTP/1.1\r\nHost: x\r\nX-Powerprof-Tag: caf\xc3\xa9 \xff\xfe\r\n"
-                     b"Content-Type: application/json\r\nContent-Length: %d\r\nConnection: close\r\n\r\n%s" % (len(body), body))
+                     b"Content-Type: application/json\r\nContent-Length: %d\r\nConnection: close\r\n\r\n%s"
+                     % (len(body), body))
         await writer.drain()
         await reader.read()
         writer.close()

@@ -335,12 +335,13 @@ def test_daemon_samples_carry_their_daemon_id_so_two_runs_t_mono_s_never_mix(tmp
 
     for did, energy in (("run-a", 1000.0), ("run-b", 5.0)):
         s = DatasetStore(tmp_path, datasets(), host="node1", daemon_id=did)
-        s.append("samples", [{"time_utc": DAY1 + k * 10**9 + (0 if did == "run-a" else 100 * 10**9), "t_mono_s": float(k),
-                              "source": "nvml", "device": "gpu0", "energy_j": energy + 10.0 * k} for k in range(3)])
+        t0 = DAY1 + (0 if did == "run-a" else 100 * 10**9)
+        s.append("samples", [{"time_utc": t0 + k * 10**9, "t_mono_s": float(k), "source": "nvml", "device": "gpu0",
+                              "energy_j": energy + 10.0 * k} for k in range(3)])
         s.append("requests", [{"daemon_id": did, "request_id": 1, "t_arrival_utc": DAY1}])
         assert s.flush()
-    got = duckdb.sql(f"select daemon_id, host, max(energy_j) - min(energy_j) from read_parquet('{tmp_path}/samples/**/*.parquet') "
-                     "group by all order by 1").fetchall()
+    got = duckdb.sql("select daemon_id, host, max(energy_j) - min(energy_j) "
+                     f"from read_parquet('{tmp_path}/samples/**/*.parquet') group by all order by 1").fetchall()
     assert got == [("run-a", "node1", 20.0), ("run-b", "node1", 20.0)]
     req = duckdb.sql(f"select daemon_id from read_parquet('{tmp_path}/requests/**/*.parquet') order by 1").fetchall()
     assert req == [("run-a",), ("run-b",)]  # a row's own daemon_id stands

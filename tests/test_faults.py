@@ -755,7 +755,8 @@ def test_root_refuses_a_data_dir_another_user_could_write_and_never_follows_a_lo
     assert victim.read_text() == "precious"
 
 
-@pytest.mark.skipif(os.geteuid() != 0, reason="needs root: chown to another user, and root's own folders as the trusted case")
+@pytest.mark.skipif(os.geteuid() != 0,
+                    reason="needs root: chown to another user, and root's own folders as the trusted case")
 def test_root_refuses_a_data_dir_owned_by_another_user_and_accepts_its_own(tmp_path):
     from powerprof.daemon.service import StartupError, lock_data_dir
 
@@ -771,7 +772,8 @@ def test_root_refuses_a_data_dir_owned_by_another_user_and_accepts_its_own(tmp_p
     assert (mine / ".daemon.lock").read_text() == str(os.getpid())
 
 
-@pytest.mark.skipif(os.geteuid() != 0, reason="the rule is root's: an unprivileged daemon may use its own shared folders")
+@pytest.mark.skipif(os.geteuid() != 0,
+                    reason="the rule is root's: an unprivileged daemon may use its own shared folders")
 def test_root_opens_no_tag_socket_in_a_folder_others_can_write(tmp_path):
     # Before: root unlinked a stale socket there and chmod-ed the new one by name, so a user who could
     # write the folder could swap the name for a symlink between bind and chmod.

@@ -389,7 +389,8 @@ class Proxy:
                 sink.inflate = zlib.decompressobj(47)  # 32 + 15: a zlib or gzip header, detected
             elif trace.api is not None and status < 400 and encoding not in ("", "identity"):
                 # Its tokens cannot be read: said on the row, not left as a silent null.
-                trace.error = f"response Content-Encoding {encoding[:40]!r} is not inspected: its tokens were not counted"
+                trace.error = (f"response Content-Encoding {encoding[:40]!r} is not inspected: "
+                               "its tokens were not counted")
             else:
                 encoding = ""
             if trace.api is not None and status < 400 and (not encoding or sink.inflate is not None):
