@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import sys
 from pathlib import Path
 
@@ -129,3 +130,23 @@ def test_reload_separates_live_changes_from_restart_ones(tmp_path):
     live, restart = a.reload_changes(b)
     assert live == {"daemon.flush_interval_s": 5.0}
     assert restart == ["proxy.listen"]
+
+
+@pytest.mark.skipif(os.geteuid() != 0,
+                    reason="the rule is root's: an unprivileged daemon reads any config its user can")
+def test_root_uses_no_config_file_another_user_could_write(tmp_path):
+    # Before: root followed a config anyone could write: its tags.socket could name any socket on the
+    # machine (a stale one there is replaced) and its data_dir any folder.
+    good = tmp_path / "ok.toml"
+    good.write_text("[daemon]\ninterval_s = 1.0\n")
+    good.chmod(0o644)
+    load_config(good, env={})
+    shared = tmp_path / "shared.toml"
+    shared.write_text("[tags]\nsocket = '/run/other.sock'\n")
+    shared.chmod(0o666)
+    with pytest.raises(ConfigError, match="not using config file .* as root: .*writable by group or others"):
+        load_config(shared, env={})
+    link = tmp_path / "link.toml"
+    link.symlink_to(good)
+    with pytest.raises(ConfigError, match="as root: it is a symlink"):
+        load_config(link, env={})

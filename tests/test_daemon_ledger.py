@@ -348,3 +348,137 @@ def test_tokens_in_an_interval_without_energy_give_no_zero_j_per_token():
     row = sink.rows["requests"][0]
     assert row["attributed_tokens"] == 3
     assert row["gpu_energy_j"] is None and row["gpu_j_per_token"] is None and "no share" in row["energy_note"]
+
+
+def _vllm_stream(chunks: int, usage_tokens: int) -> bytes:
+    """An OpenAI stream as vLLM sends it with `include_usage`: content chunks with no counts (under
+    speculative decoding each holds several tokens), then a usage-only chunk (`choices: []`)."""
+    import json
+    out = [b'data: {"id":"c","choices":[{"index":0,"text":"ab","finish_reason":null}]}\n\n'] * (chunks - 1)
+    out.append(b'data: {"id":"c","choices":[{"index":0,"text":"c","finish_reason":"length"}]}\n\n')
+    out.append(b"data: " + json.dumps({"id": "c", "choices": [], "usage": {
+        "prompt_tokens": 5, "completion_tokens": usage_tokens, "total_tokens": 5 + usage_tokens}}).encode() + b"\n\n")
+    return b"".join(out) + b"data: [DONE]\n\n"
+
+
+def test_a_stream_counted_per_chunk_takes_the_servers_final_count_and_leaves_nothing_unproxied():
+    # 10 chunks, 25 tokens (speculative decoding: 2.5 a chunk), the usage-only chunk at 2.6 s; the
+    # server's counter, scraped every 0.25 s while the stream runs, counts each chunk's tokens as it
+    # sends it. Before: the request was attributed 10 tokens and the other 15 (and their energy)
+    # went to `unproxied`, as if they had bypassed the proxy.
+    from powerprof.daemon import streams
+    parser = streams.new_parser("openai-completions")
+    sink = Sink()
+    led = Ledger("d", 0, 1, sink, grace_s=0.1)
+    tr = RequestTrace(1, "POST", "/v1/completions", "t", int(0.9 * S), 0, api="openai-completions", stream=True)
+    led.on_start(tr)
+    events = [e + b"\n\n" for e in _vllm_stream(10, 25).split(b"\n\n") if e]
+    ev_at = [int((1.0 + 0.15 * i) * S) for i in range(len(events))]
+    _feed(led, 0.0, 0.0)
+    led.add_server_tokens(int(0.5 * S), 0.0)  # the scraper runs from the start
+    prev, served, seen, added = int(0.5 * S), 0.0, 0, None
+    for step in range(11, 81):  # 0.55 s ... 4.0 s
+        now = step * S // 20
+        while events and ev_at[0] <= now:
+            t, ev = ev_at.pop(0), events.pop(0)
+            n = parser.count(ev)
+            if n:
+                tr.first_ns = tr.first_ns or t
+                tr.last_ns = t
+                tr.tokens_seen += n
+                led.on_tokens(tr, t, n)
+                seen += n
+            if not events:  # [DONE]: the response ended
+                tr.end_ns = t
+                tr.counts = streams.summary_counts(parser.finish())
+                added = led.on_end(tr)
+        if step % 5 == 0:  # every 0.25 s: the server counted each chunk's 2.5 tokens as it sent it
+            n = 2.5 * sum(1 for i in range(10) if 1.0 + 0.15 * i - 0.01 <= now / S)
+            led.add_server_tokens(now, n - served, prev)
+            prev, served = now, n
+        if step % 20 == 0:
+            _feed(led, now / S, 100.0 * now / S)
+        led.advance(now)
+    led.close_all(int(4.2 * S))
+    assert seen == 10 and tr.counts.generated_tokens == 25 and tr.counts.tokens_estimated
+    (row,) = sink.rows["requests"]
+    assert row["attributed_tokens"] == 25.0 and row["generated_tokens"] == 25
+    assert row["tokens_estimated"] is False  # the count is the server's, not one per chunk
+    assert added == pytest.approx(15.0)  # what the service adds to powerprof_tokens_generated_total
+    ivs = sink.rows["intervals"]
+    assert sum(r["proxy_tokens"] for r in ivs) == pytest.approx(25.0)
+    assert sum(r["server_tokens"] or 0.0 for r in ivs) == pytest.approx(0.0, abs=1e-9)
+    assert sum(r["unproxied_energy_j"] for r in ivs) == pytest.approx(0.0, abs=1e-9)
+
+
+def test_a_non_streamed_answer_longer_than_the_scrape_lag_is_not_also_taken_for_bypass():
+    # A non-streamed answer of 30 tokens over 1-3.5 s: the server counts them as it generates, the
+    # proxy sees them only at the end (spread back). Before: the windows resolved while it ran took
+    # its tokens for bypass traffic, and the request was attributed them too (counted twice).
+    sink = Sink()
+    led = Ledger("d", 0, 1, sink, grace_s=0.1)
+    tr = RequestTrace(1, "POST", "/v1/completions", None, int(0.9 * S), 0, api="openai-completions", stream=None)
+    led.on_start(tr)
+    _feed(led, 0.0, 0.0)
+    led.add_server_tokens(int(0.5 * S), 0.0)
+    prev, served = int(0.5 * S), 0.0
+    for step in range(11, 101):  # 0.55 s ... 5.0 s
+        now = step * S // 20
+        if step == 70:  # 3.5 s: the body, with usage
+            tr.stream = False
+            tr.first_ns, tr.last_ns, tr.end_ns = int(1.0 * S), now, now
+            tr.tokens_seen = 30
+            tr.extra["spread"] = True
+            tr.counts = Counts(generated_tokens=30, prompt_tokens=5, model=None, stop_reason=None, token_source="usage")
+            led.on_end(tr)
+        if step % 5 == 0:
+            n = float(min(max(round((now / S - 1.0) * 12), 0), 30))
+            led.add_server_tokens(now, n - served, prev)
+            prev, served = now, n
+        if step % 20 == 0:
+            _feed(led, now / S, 100.0 * now / S)
+        led.advance(now)
+    led.close_all(int(5.2 * S))
+    (row,) = sink.rows["requests"]
+    assert row["attributed_tokens"] == pytest.approx(30.0)
+    ivs = sink.rows["intervals"]
+    assert sum(r["server_tokens"] or 0.0 for r in ivs) == pytest.approx(0.0, abs=1e-9)
+    assert sum(r["unproxied_energy_j"] for r in ivs) == pytest.approx(0.0, abs=1e-9)
+
+
+def test_an_error_answer_with_no_work_takes_no_energy_and_its_time_stays_idle():
+    # Before: a 413 (or 503, or the proxy's 502) alone in an interval shared it "by live time": it was
+    # charged the idle GPU's energy over its life (31 J for one 413 on the simulator) and idle was short.
+    sink = Sink()
+    led = Ledger("d", 0, 1, sink, grace_s=0.1)
+    err = RequestTrace(1, "POST", "/completion", "t", int(0.2 * S), 0, api="llamacpp", stream=False)
+    ok = RequestTrace(2, "POST", "/completion", "t", int(2.2 * S), 0, api="llamacpp", stream=True)
+    for tr in (err, ok):
+        led.on_start(tr)
+    err.status, err.end_ns = 413, int(0.9 * S)
+    err.counts = Counts(None, None, None, None, "none")
+    led.on_end(err)
+    ok.status = 200  # a slow step: nothing measurable yet, but a request that was answered
+    ok.end_ns = int(2.8 * S)
+    ok.counts = Counts(None, None, None, None, "none")
+    led.on_end(ok)
+    for k in range(4):
+        _feed(led, float(k), 100.0 * k)
+    led.advance(int(3.5 * S))
+    # Its head said 503 before its body was through (a slow upload): not live from then on either.
+    slow = RequestTrace(3, "PUT", "/upload", None, int(3.1 * S), 0)
+    led.on_start(slow)
+    slow.status = 503
+    _feed(led, 4.0, 400.0)
+    led.advance(int(4.5 * S))
+    slow.end_ns = int(4.6 * S)
+    led.on_end(slow)
+    _feed(led, 5.0, 500.0)
+    led.advance(int(5.5 * S))
+    rows = {r["request_id"]: r for r in sink.rows["requests"]}
+    assert rows[1]["gpu_energy_j"] is None and "error answer (HTTP 413)" in rows[1]["energy_note"]
+    assert rows[3]["gpu_energy_j"] is None and [r["kind"] for r in sink.rows["intervals"]][3:] == ["idle", "idle"]
+    assert rows[2]["gpu_energy_j"] == pytest.approx(100.0)  # a live request with no work seen still shares
+    first = sink.rows["intervals"][0]
+    assert first["kind"] == "idle" and first["idle_energy_j"] == pytest.approx(100.0)
+    assert first["requests_energy_j"] == 0.0

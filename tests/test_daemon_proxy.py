@@ -395,3 +395,172 @@ def test_a_compressed_request_body_is_inspected_on_the_side_and_a_bomb_is_not():
     assert inspect_request_body(b"not gzip", "gzip") == (None, None)
     assert inspect_request_body(gzip.compress(doc)[:-20], "gzip") == (None, None)  # truncated
     assert inspect_request_body(doc, "br") == (None, None)  # an encoding not read here: not guessed
+
+
+def test_a_compressed_response_passes_unchanged_and_is_counted_from_a_copy_inflated_on_the_side():
+    # Before: a gzip response was fed compressed to the stream parser: 0 tokens, no counts, no reason on
+    # the row (a silent null), and its tokens went to `unproxied`. Now its counts are read from a copy
+    # inflated on the side; an encoding that cannot be read (br) is said in `error`.
+    import gzip
+    import zlib
+
+    events = b"".join(b'data: {"content":"w","tokens":[%d,%d],"stop":false}\n\n' % (i, i + 1) for i in range(5))
+    events += b'data: {"content":"","stop":true,"tokens_predicted":10,"tokens_evaluated":4}\n\n'
+    sent = {}
+
+    async def completion(request):
+        doc = await request.json()
+        enc = doc["enc"]
+        if not doc.get("stream"):
+            body = gzip.compress(json.dumps({"content": "x", "tokens_predicted": 6, "tokens_evaluated": 2}).encode())
+            sent[enc, False] = body
+            return web.Response(body=body, headers={"Content-Encoding": enc, "Content-Type": "application/json"})
+        resp = web.StreamResponse(headers={"Content-Encoding": enc, "Content-Type": "text/event-stream"})
+        await resp.prepare(request)
+        comp = zlib.compressobj(wbits=31 if enc == "gzip" else 15)
+        out = b""
+        for k in range(0, len(events), 37):  # compressed pieces, flushed as they go (as a server streams)
+            piece = comp.compress(events[k:k + 37]) + comp.flush(zlib.Z_SYNC_FLUSH)
+            out += piece
+            await resp.write(piece)
+            await asyncio.sleep(0.002)
+        tail = comp.flush()
+        await resp.write(tail)
+        sent[enc, True] = out + tail
+        return resp
+
+    async def main():
+        rec = Rec()
+        app = web.Application()
+        app.router.add_post("/completion", completion)
+        r1, up_url = await _serve(app)
+        proxy = Proxy(up_url, recorder=rec)
+        r2, px_url = await _serve(proxy.app())
+        got = {}
+        async with aiohttp.ClientSession(auto_decompress=False) as s:
+            for enc, stream in (("gzip", True), ("deflate", True), ("gzip", False), ("br", True)):
+                async with s.post(px_url + "/completion", json={"enc": enc, "stream": stream}) as r:
+                    got[enc, stream] = (await r.read(), r.headers.get("Content-Encoding"))
+        await r2.cleanup()
+        await r1.cleanup()
+        return rec, got
+
+    rec, got = _run(main())
+    gz, dfl, gz_body, br = rec.ended
+    for key in (("gzip", True), ("deflate", True), ("gzip", False)):
+        assert got[key] == (sent[key], key[0])  # byte for byte, still compressed
+    assert gz.counts.generated_tokens == 10 and gz.counts.prompt_tokens == 4 and gz.tokens_seen == 10
+    assert dfl.counts.generated_tokens == 10 and dfl.tokens_seen == 10 and gz.error is None
+    assert gz_body.counts.generated_tokens == 6 and gz_body.counts.prompt_tokens == 2
+    assert br.tokens_seen == 0 and "Content-Encoding 'br' is not inspected" in br.error
+
+
+def test_a_compressed_response_that_inflates_past_the_bound_is_counted_up_to_it_and_says_so(monkeypatch):
+    import zlib
+
+    from powerprof.daemon import proxy as proxy_mod
+
+    monkeypatch.setattr(proxy_mod, "INFLATE_MAX_BYTES", 1 << 20)
+    head = b'data: {"content":"w","tokens":[1,2],"stop":false}\n\n'
+    bomb = zlib.compress(head + b": " + b"x" * (4 << 20) + b"\n\n", 9)  # ~4 KiB that inflate to 4 MiB
+
+    async def completion(request):
+        await request.read()
+        return web.Response(body=bomb, headers={"Content-Encoding": "deflate", "Content-Type": "text/event-stream"})
+
+    async def main():
+        rec = Rec()
+        app = web.Application()
+        app.router.add_post("/completion", completion)
+        r1, up_url = await _serve(app)
+        proxy = Proxy(up_url, recorder=rec)
+        r2, px_url = await _serve(proxy.app())
+        async with aiohttp.ClientSession(auto_decompress=False) as s:
+            async with s.post(px_url + "/completion", json={"stream": True}) as r:
+                body = await r.read()
+        await r2.cleanup()
+        await r1.cleanup()
+        return rec, body
+
+    rec, body = _run(main())
+    (t,) = rec.ended
+    assert body == bomb and t.response_bytes == len(bomb)
+    assert "inflates beyond 1 MiB: tokens after that were not counted" in t.error
+    assert t.tokens_seen == 2  # the event before the bound was counted
+
+
+def test_a_5xx_answer_is_relayed_unchanged_and_recorded_as_an_upstream_error_not_ok():
+    # Before: a 503 (or 500) relayed whole was outcome `ok`, error empty, in the rows and in
+    # powerprof_requests_total{outcome="ok"}; and a non-streamed request's `stream` was left null.
+    async def main():
+        rec = Rec()
+        up, up_url, r1, proxy, px_url, r2 = await _setup(rec)
+        async with aiohttp.ClientSession() as s:
+            async with s.post(px_url + "/v1/chat/completions", json={"messages": []}) as r:
+                got = (r.status, await r.read())
+            async with s.post(px_url + "/v1/chat/completions", json={"messages": [], "stream": True}) as r:
+                await r.read()
+            async with s.post(px_url + "/completion", json={"n_predict": 3}) as r:
+                await r.read()
+        await r2.cleanup()
+        await r1.cleanup()
+        return rec, got
+
+    rec, got = _run(main())
+    assert got == (503, b'{"error":"loading"}')
+    plain, asked_stream, fine = rec.ended
+    for t in (plain, asked_stream):
+        assert t.status == 503 and t.outcome == "upstream_error" and "HTTP 503" in t.error
+        assert t.stream is False  # a JSON error answer, whatever was asked
+    assert fine.status == 200 and fine.outcome == "ok" and fine.error is None
+
+
+def test_a_tag_header_that_is_not_utf8_is_recorded_visibly_replaced_and_metrics_still_render():
+    # Before: aiohttp handed the bytes \xff\xfe over as lone surrogates; the tag label made every
+    # /metrics scrape a 500 for the daemon's life and the request's row went to quarantine.
+    from powerprof.daemon.metrics import TagLimiter
+
+    async def main():
+        rec = Rec()
+        up, up_url, r1, proxy, px_url, r2 = await _setup(rec)
+        host, port = px_url.removeprefix("http://").split(":")
+        reader, writer = await asyncio.open_connection(host, int(port))
+        body = b'{"n_predict": 2}'
+        writer.write(b"POST /completion%%FF HTTP/1.1\r\nHost: x\r\nX-Powerprof-Tag: caf\xc3\xa9 \xff\xfe\r\n"
+                     b"Content-Type: application/json\r\nContent-Length: %d\r\nConnection: close\r\n\r\n%s"
+                     % (len(body), body))
+        await writer.drain()
+        await reader.read()
+        writer.close()
+        await r2.cleanup()
+        await r1.cleanup()
+        return rec
+
+    (t,) = _run(main()).ended
+    assert t.tag == "caf\u00e9 \ufffd\ufffd"
+    t.tag.encode("utf-8")
+    t.endpoint.encode("utf-8")
+    tags = TagLimiter([], 20)
+    tags.label(t.tag).encode("utf-8")
+
+
+def test_a_request_row_with_a_lone_surrogate_from_json_is_written_not_quarantined(tmp_path):
+    from powerprof.daemon.ledger import Ledger
+    from powerprof.daemon.service import datasets
+    from powerprof.daemon.store import DatasetStore
+    from powerprof.daemon.streams import Counts
+
+    store = DatasetStore(tmp_path, datasets())
+    led = Ledger("d", 0, 1, store.append, grace_s=0.1)
+    tr = RequestTrace(1, "POST", "/completion", None, 100_000_000, 0, api="llamacpp", stream=True,
+                      model="m\ud800")  # {"model": "m\\ud800"}: valid JSON, not valid Unicode
+    led.on_start(tr)
+    tr.end_ns = 200_000_000
+    tr.counts = Counts(None, None, "up\udfff", "stop\ud801", "none")
+    led.on_end(tr)
+    led.close_all(300_000_000)
+    assert store.flush()
+    assert not (tmp_path / "_quarantine").exists()
+    import duckdb
+    got = duckdb.sql(f"select model, stop_reason from read_parquet('{tmp_path}/requests/**/*.parquet')").fetchall()
+    assert got == [("up\ufffd", "stop\ufffd")]

@@ -325,3 +325,23 @@ def test_a_compaction_child_told_to_stop_never_leaves_rows_twice(tmp_path, phase
         assert len(names) == 3 and all(n.startswith("part-") for n in names)
     # Either way every row is there exactly once, for a reader who looks before any restart.
     assert sorted(_read(tmp_path).column("value").to_pylist()) == [float(i) for i in range(6)]
+
+
+def test_daemon_samples_carry_their_daemon_id_so_two_runs_t_mono_s_never_mix(tmp_path):
+    # t_mono_s counts from each daemon's start. Before, samples had no daemon_id: two runs on one data
+    # dir (a restart) gave rows with the same t_mono_s and nothing to tell them apart, and a window's
+    # energy (subtract two rows of one device, ordered by t_mono_s) mixed the runs' counters.
+    from powerprof.daemon.service import datasets
+
+    for did, energy in (("run-a", 1000.0), ("run-b", 5.0)):
+        s = DatasetStore(tmp_path, datasets(), host="node1", daemon_id=did)
+        t0 = DAY1 + (0 if did == "run-a" else 100 * 10**9)
+        s.append("samples", [{"time_utc": t0 + k * 10**9, "t_mono_s": float(k), "source": "nvml", "device": "gpu0",
+                              "energy_j": energy + 10.0 * k} for k in range(3)])
+        s.append("requests", [{"daemon_id": did, "request_id": 1, "t_arrival_utc": DAY1}])
+        assert s.flush()
+    got = duckdb.sql("select daemon_id, host, max(energy_j) - min(energy_j) "
+                     f"from read_parquet('{tmp_path}/samples/**/*.parquet') group by all order by 1").fetchall()
+    assert got == [("run-a", "node1", 20.0), ("run-b", "node1", 20.0)]
+    req = duckdb.sql(f"select daemon_id from read_parquet('{tmp_path}/requests/**/*.parquet') order by 1").fetchall()
+    assert req == [("run-a",), ("run-b",)]  # a row's own daemon_id stands

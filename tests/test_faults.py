@@ -730,3 +730,60 @@ def test_dry_run_says_what_would_stop_the_real_run(tmp_path):
     r = CliRunner().invoke(main, ["sweep", "--simulate", "seed-16g", "--limits", "200,250", "--dry-run"])
     assert r.exit_code == 0, r.output
     assert "would stop before any change" in r.output and "force-default" in r.output
+
+
+def test_root_refuses_a_data_dir_another_user_could_write_and_never_follows_a_lock_symlink(tmp_path):
+    # Before: a root daemon on a folder others could write opened `.daemon.lock` through a symlink
+    # planted there, truncated its target and wrote its PID into it (any file on the machine).
+    from powerprof.daemon.service import StartupError, lock_data_dir
+
+    victim = tmp_path / "victim.txt"
+    victim.write_text("precious")
+    shared = tmp_path / "shared"
+    shared.mkdir()
+    shared.chmod(0o777)  # writable by others (under root's euid, owned by anyone)
+    (shared / ".daemon.lock").symlink_to(victim)
+    with pytest.raises(StartupError, match="refusing to run as root on data dir .*writable by group or others"):
+        lock_data_dir(shared, euid=0)
+    assert victim.read_text() == "precious"
+    # Whoever runs it, the lock is never opened through a symlink.
+    own = tmp_path / "own"
+    own.mkdir()
+    (own / ".daemon.lock").symlink_to(victim)
+    with pytest.raises(OSError):
+        lock_data_dir(own, euid=os.geteuid() or 1000)
+    assert victim.read_text() == "precious"
+
+
+@pytest.mark.skipif(os.geteuid() != 0,
+                    reason="needs root: chown to another user, and root's own folders as the trusted case")
+def test_root_refuses_a_data_dir_owned_by_another_user_and_accepts_its_own(tmp_path):
+    from powerprof.daemon.service import StartupError, lock_data_dir
+
+    theirs = tmp_path / "theirs"
+    theirs.mkdir(mode=0o755)
+    os.chown(theirs, 65534, 65534)
+    with pytest.raises(StartupError, match="owned by uid 65534, not root"):
+        lock_data_dir(theirs)
+    mine = tmp_path / "mine"
+    mine.mkdir(mode=0o755)
+    fd = lock_data_dir(mine)
+    os.close(fd)
+    assert (mine / ".daemon.lock").read_text() == str(os.getpid())
+
+
+@pytest.mark.skipif(os.geteuid() != 0,
+                    reason="the rule is root's: an unprivileged daemon may use its own shared folders")
+def test_root_opens_no_tag_socket_in_a_folder_others_can_write(tmp_path):
+    # Before: root unlinked a stale socket there and chmod-ed the new one by name, so a user who could
+    # write the folder could swap the name for a symlink between bind and chmod.
+    shared = tmp_path / "shared"
+    shared.mkdir()
+    shared.chmod(0o777)
+    d = DaemonProc(tmp_path / "data", "--simulate", "--tag-socket", str(shared / "t.sock"), env=sim_env(tmp_path))
+    try:
+        assert "tags" not in d.info
+    finally:
+        assert d.stop() == 0
+    assert not (shared / "t.sock").exists()
+    assert "refusing, as root, a socket folder another user could write" in d.output()

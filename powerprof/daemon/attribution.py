@@ -214,6 +214,7 @@ def attribute(
     tok_ctx: np.ndarray | None = None,
     costs: WorkCosts | None = None,
     bypass_spans: tuple[np.ndarray, np.ndarray] | None = None,
+    passive: np.ndarray | None = None,
 ) -> Attribution:
     """Split the energy of K intervals (edges: K+1 instants) among R requests by their work.
 
@@ -225,6 +226,8 @@ def attribute(
     server_tokens: (K,) tokens the server counted beyond the proxy's in each interval (bypass).
     bypass_spans: (start, end) of the times the server was seen doing bypass work (the scrape
     windows its excess came from); None: unknown, so no part of an interval with bypass tokens is idle.
+    passive: (R,) requests known to have done no GPU work (an error answer with no token and no prompt
+    length): never live, so they take no share by live time and their time is idle.
     """
     costs = costs or WorkCosts()
     edges = np.asarray(edges_ns, dtype=np.int64)
@@ -250,7 +253,9 @@ def attribute(
            else np.zeros((r_count, k_count)))
     # Prefill runs from arrival to the first token, or to the end for a request that never got one.
     prefill_end = np.where(first != NEVER, first, end)
-    in_prefill = overlaps(edges, arrival, prefill_end, closed_end=False) if r_count else np.zeros((0, k_count), bool)
+    active = np.ones(r_count, bool) if passive is None else ~np.asarray(passive, bool)
+    in_prefill = (overlaps(edges, arrival, prefill_end, closed_end=False) & active[:, None] if r_count
+                  else np.zeros((0, k_count), bool))
     has_first = first != NEVER
     decode_end = np.where(last != NEVER, last, end)
     in_decode = (
@@ -259,7 +264,8 @@ def attribute(
         else np.zeros((0, k_count), bool)
     )
     in_decode |= tok > 0  # a token inside an interval is proof of decoding there
-    live = overlaps(edges, arrival, end, closed_end=True) | in_decode if r_count else np.zeros((0, k_count), bool)
+    live = ((overlaps(edges, arrival, end, closed_end=True) & active[:, None]) | in_decode if r_count
+            else np.zeros((0, k_count), bool))
     p_tok = np.zeros(r_count) if prompt_tokens is None else np.nan_to_num(np.asarray(prompt_tokens, dtype=float))
     # The prefill end is not clipped to these intervals: a first token after the last edge leaves
     # the rest of the prompt to the next call, so a prompt is counted once in all.
@@ -286,8 +292,8 @@ def attribute(
     total_tok = tok.sum(axis=0)
 
     b0, b1 = (np.zeros(0, np.int64),) * 2 if bypass_spans is None else (np.asarray(x, np.int64) for x in bypass_spans)
-    starts = np.concatenate([arrival, b0])
-    busy_s = (union_busy_s(edges, starts, np.concatenate([np.where(end != NEVER, end, edges[-1]), b1]))
+    starts = np.concatenate([arrival[active], b0])
+    busy_s = (union_busy_s(edges, starts, np.concatenate([np.where(end != NEVER, end, edges[-1])[active], b1]))
               if starts.size else np.zeros(k_count))
     e = energy[:, 0]
     idle_j = np.zeros(k_count)

@@ -6,6 +6,7 @@ are rejected at start (and at SIGHUP reload) with a message naming the key, befo
 
 from __future__ import annotations
 
+import errno
 import ipaddress
 import os
 import sys
@@ -327,11 +328,25 @@ def load_config(path: str | os.PathLike | None = None, env: dict | None = None, 
     if path is not None:
         p = Path(path)
         try:
-            raw = tomllib.loads(p.read_text())
+            if os.geteuid() == 0:
+                # Root follows it: its data dir, socket (a stale one there is replaced) and upstream. A file
+                # another user could write (or a symlink, or one in a folder they can write) is not used.
+                from powerprof.control.restore import read_trusted
+
+                text = read_trusted(p, euid=0).decode("utf-8", "replace")
+            else:
+                text = p.read_text()
+            raw = tomllib.loads(text)
         except FileNotFoundError:
             raise ConfigError(f"config file {p} does not exist") from None
-        except PermissionError:
+        except PermissionError as e:
+            if os.geteuid() == 0 and e.filename is None:  # read_trusted's refusal: the reason is its message
+                raise ConfigError(f"not using config file {p} as root: {e}") from None
             raise ConfigError(f"config file {p} is not readable (permission denied)") from None
+        except OSError as e:
+            if e.errno == errno.ELOOP:
+                raise ConfigError(f"not using config file {p} as root: it is a symlink") from None
+            raise ConfigError(f"cannot read config file {p}: {e.strerror or e}") from None
         except tomllib.TOMLDecodeError as e:
             raise ConfigError(f"config file {p} is not valid TOML: {e}") from None
         for section, table in raw.items():

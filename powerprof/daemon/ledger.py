@@ -24,7 +24,7 @@ from powerprof.energy import epoch_broken, interp_at, unwrap_resets
 from powerprof.profiler import weakest_method
 
 from . import attribution as attr
-from .proxy import RequestTrace
+from .proxy import RequestTrace, valid_text
 from .workmodel import FEATURES, CostLearner
 
 log = logging.getLogger("powerprof.daemon.ledger")
@@ -61,6 +61,7 @@ class _Req:
     tokens: float = 0.0
     spent: float = 0.0  # tokens of events already closed (the context of later ones)
     late: float = 0.0  # tokens that came after their interval had closed: not attributed, flagged on the row
+    to_server: bool = False  # its chunk counts were scaled to the server's final count (usage)
 
 
 @dataclass
@@ -159,10 +160,16 @@ class Ledger:
             if self.server_seen:
                 self._proxied.append((t_ns, n))
 
-    def on_end(self, trace: RequestTrace) -> None:
+    def on_end(self, trace: RequestTrace) -> float:
+        """The request ended. Returns the tokens its end added to (or took from) what on_tokens had
+        placed: a stream counted one token per chunk whose final `usage` says otherwise."""
         r = self.requests.get(trace.request_id)
         if r is None:
-            return
+            return 0.0
+        c = trace.counts
+        if (c is not None and c.tokens_estimated and c.token_source == "usage" and c.invalid is None
+                and c.generated_tokens and not trace.extra.get("spread")):
+            return self._to_server_count(r, float(c.generated_tokens))
         if trace.extra.get("spread") and trace.first_ns is not None and trace.last_ns is not None:
             # A non-streamed body arrives at once: assume its tokens came evenly over its decode time.
             n = float(trace.tokens_seen)
@@ -171,6 +178,26 @@ class Ledger:
             r.ev_n = [n / SPREAD_EVENTS] * SPREAD_EVENTS
             if self.server_seen:
                 self._proxied.extend(zip(r.ev_t, r.ev_n))
+        return 0.0
+
+    def _to_server_count(self, r: _Req, total: float) -> float:
+        """A stream whose chunks carried no counts was counted one token per chunk; its final `usage`
+        gives the server's own count (more under speculative decoding or batched chunks). Its
+        chunks still open are scaled so the request's tokens add up to that count: each chunk
+        stands for its share of them, and the scraped server counter sees no surplus to give to
+        `unproxied`. Chunks in intervals already closed keep what they had."""
+        open_n = float(sum(r.ev_n))
+        target = total - r.spent - r.late
+        if open_n <= 0 or target <= 0 or target == open_n:
+            return 0.0
+        f = target / open_n
+        scaled = [n * f for n in r.ev_n]
+        scaled[-1] = target - sum(scaled[:-1])  # the request's tokens add up to the count exactly
+        if self.server_seen:
+            self._proxied.extend((t, new - n) for t, n, new in zip(r.ev_t, r.ev_n, scaled))
+        r.ev_n = scaled
+        r.to_server = True
+        return target - open_n
 
     # --- inputs from the sampler and the scraper ----------------------------------------------
 
@@ -361,9 +388,10 @@ class Ledger:
         # The third column marks intervals without CPU energy: a request given a share of one
         # has no CPU figure (rather than a partial, smaller one).
         energy = np.column_stack([gpu, np.nan_to_num(cpu), np.isnan(cpu)])
+        passive = np.array([_passive(r) for r in reqs], dtype=bool)  # its error status is known from its head
         a = attr.attribute(t, energy, arrival, first, last, end, ev_t_a, ev_r_a, ev_n_a, excess,
                            prompt_tokens=prompt, tok_ctx=np.array(ev_c, dtype=float), costs=costs,
-                           bypass_spans=bypass_spans)
+                           bypass_spans=bypass_spans, passive=passive)
         # Bypass tokens' prompts are unseen: an interval mostly of bypass work would bias the fit.
         usable = np.array([m == "counter" for m in methods])
         if excess is not None:
@@ -430,6 +458,17 @@ class Ledger:
         todo = [sp for sp in self.server_spans if sp[3] is None]
         if not todo:
             return
+        # A live request whose tokens are only placed at its end (a non-streamed body, spread back) or
+        # may still be corrected there (an OpenAI stream counted one token per chunk, until its final
+        # `usage`) would leave the server's count ahead of the proxy's in its windows: they wait for
+        # its end (bounded like the intervals' own holds), or those tokens would be taken for bypass
+        # traffic and attributed to the request as well.
+        pending = [r.trace.arrival_ns for r in self.requests.values()
+                   if r.trace.end_ns is None and r.trace.api is not None and (
+                       (r.trace.stream is not True and r.trace.arrival_ns >= upto_ns - self.max_hold_ns)
+                       or (r.trace.api.startswith("openai") and _prompt_tokens(r) is None
+                           and r.trace.arrival_ns >= upto_ns - self.prompt_hold_ns))]
+        pending_ns = min(pending, default=None)
         last = self.server_spans[-1][1]
         if last == self._resolved_last and not force:
             return  # no scrape since the last pass: no window has become resolvable (4 passes a second)
@@ -446,6 +485,8 @@ class Ledger:
         ends = np.array([sp[1] for sp in todo], dtype=np.int64)
         for k, sp in enumerate(todo):
             if not (sp[1] + lag_ns <= last or (force and sp[0] < upto_ns)):
+                break
+            if not force and pending_ns is not None and sp[1] > pending_ns:
                 break
             level = float(gaps[k:][ends[k:] <= sp[1] + lag_ns].min())
             while self._levels and self._levels[0][0] < sp[1] - credit_ns:
@@ -573,6 +614,12 @@ class Ledger:
         self.emit("intervals", rows)
 
     def _request_row(self, r: _Req) -> dict:
+        row = self._request_fields(r)
+        # Strings from clients and the upstream (model, stop reason, errors) as valid Unicode: a lone
+        # surrogate (a JSON `\\ud800`) would send the whole row to quarantine.
+        return {k: valid_text(v) if isinstance(v, str) else v for k, v in row.items()}
+
+    def _request_fields(self, r: _Req) -> dict:
         tr = r.trace
         c = tr.counts
         gen = c.generated_tokens if c is not None and c.generated_tokens is not None else (tr.tokens_seen or None)
@@ -600,7 +647,7 @@ class Ledger:
             "decode_tokens": max(gen - 1, 0) if gen else None,
             "token_source": c.token_source if c is not None else ("counted" if tr.tokens_seen else "none"),
             # Without a summary, an OpenAI-style stream's tokens were counted one per chunk.
-            "tokens_estimated": c.tokens_estimated if c is not None
+            "tokens_estimated": c.tokens_estimated and not r.to_server if c is not None
             else bool(tr.tokens_seen and tr.api is not None and tr.api.startswith("openai")),
             "stop_reason": c.stop_reason if c is not None else None,
             "response_bytes": tr.response_bytes,
@@ -637,8 +684,20 @@ def _with_late(error: str | None, late: float) -> str | None:
     return note if error is None else f"{error}; {note}"
 
 
+def _passive(r: _Req) -> bool:
+    """An error answer (HTTP 4xx/5xx, the proxy's own 502 included; known from its head, before it ends) with
+    no token and no prompt length: no GPU work of it was seen, so it takes no share by live time (its
+    time is idle)."""
+    tr = r.trace
+    return (tr.status is not None and tr.status >= 400 and tr.tokens_seen == 0 and not r.ev_n and r.spent == 0
+            and _prompt_tokens(r) is None)
+
+
 def _no_energy_reason(r: _Req) -> str:
     """Why a request got no energy: what the work model could not see."""
+    if r.trace.end_ns is not None and _passive(r):
+        return (f"no share: an error answer (HTTP {r.trace.status}) with no token and no prompt length: no GPU "
+                "work of it was seen, and its time counts as idle")
     if r.tokens > 0 or _prompt_tokens(r):
         return "no share: its tokens and prompt were work of no cost at the costs in use (costs/), or in no interval with energy"
     if _prompt_tokens(r) is None:

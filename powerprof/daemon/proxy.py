@@ -42,6 +42,9 @@ HOP_BY_HOP = frozenset(
 INSPECT_MAX_BYTES = 1 << 20
 # Non-streamed responses are copied (for their usage block) up to this size; only counts are kept.
 BODY_COPY_MAX_BYTES = 4 << 20
+# A gzip/deflate response is inflated on the side for its counts (the client gets the bytes as sent), at
+# most this much in all: a longer one is counted up to there, and its row says so.
+INFLATE_MAX_BYTES = 64 << 20
 TAG_MAX_CHARS = 128
 # aiohttp's server options for the proxy's listener: request bodies pass as the client encoded them
 # (aiohttp would otherwise decompress a `Content-Encoding: gzip` body and the upstream would get
@@ -95,6 +98,18 @@ class NullRecorder:
 
     def on_end(self, trace: RequestTrace) -> None:
         pass
+
+
+def valid_text(s: str) -> str:
+    """`s` as valid Unicode: aiohttp hands header bytes that are not UTF-8 over as lone surrogates (and JSON's
+    `\\udc80` escapes make them too), which no UTF-8 writer takes: a tag of them broke `/metrics` for the
+    daemon's life and sent the request's row to quarantine. Each such character becomes U+FFFD (visibly
+    replaced, never dropped)."""
+    try:
+        s.encode("utf-8")
+        return s
+    except UnicodeEncodeError:
+        return "".join("\ufffd" if "\ud800" <= c <= "\udfff" else c for c in s)
 
 
 def forward_headers(headers, drop=frozenset()) -> list[tuple[str, str]]:
@@ -237,8 +252,8 @@ class Proxy:
             trace = RequestTrace(
                 request_id=self._next_id,
                 method=request.method,
-                endpoint=request.path[:200],
-                tag=tag[:TAG_MAX_CHARS] if tag else None,
+                endpoint=valid_text(request.path[:200]),
+                tag=valid_text(tag[:TAG_MAX_CHARS]) if tag else None,
                 arrival_ns=time.monotonic_ns(),
                 arrival_wall_ns=time.time_ns(),
                 api=streams.api_for_path(request.path),
@@ -369,7 +384,16 @@ class Proxy:
         sink = _ClientSink(self, trace)
         if trace is not None:
             trace.status = status
-            if trace.api is not None and status < 400:
+            encoding = up_headers.get("Content-Encoding", "").strip().lower()
+            if trace.api is not None and status < 400 and encoding in ("gzip", "x-gzip", "deflate"):
+                sink.inflate = zlib.decompressobj(47)  # 32 + 15: a zlib or gzip header, detected
+            elif trace.api is not None and status < 400 and encoding not in ("", "identity"):
+                # Its tokens cannot be read: said on the row, not left as a silent null.
+                trace.error = (f"response Content-Encoding {encoding[:40]!r} is not inspected: "
+                               "its tokens were not counted")
+            else:
+                encoding = ""
+            if trace.api is not None and status < 400 and (not encoding or sink.inflate is not None):
                 is_sse = "text/event-stream" in ctype or (trace.stream and "json" not in ctype)
                 try:
                     if is_sse:
@@ -381,6 +405,8 @@ class Proxy:
                 except Exception as e:
                     trace.recorder_error = f"parser: {e}"
                     self.recorder_failures += 1
+            elif trace.api is not None and status >= 400:
+                trace.stream = "text/event-stream" in ctype  # what the error answer was, not what was asked
         try:
             writer = await resp.prepare(request)
             early = ex.take_early()
@@ -429,6 +455,10 @@ class Proxy:
             except Exception as e:
                 trace.recorder_error = f"summary: {type(e).__name__}: {e}"[:300]
                 self.recorder_failures += 1
+        if trace is not None and status >= 500 and trace.outcome == "ok":
+            # Relayed whole, but the server failed it: not an `ok` in the requests' counts.
+            trace.outcome = "upstream_error"
+            trace.error = trace.error or f"the upstream answered HTTP {status} {reason}".rstrip()[:300]
         return resp
 
     def _counts_so_far(self, trace: RequestTrace, sink: "_ClientSink", ex: Exchange) -> None:
@@ -500,6 +530,9 @@ class _ClientSink:
         self.ex: Exchange | None = None
         self.gone = False
         self._prompt_known = False
+        self.inflate = None  # zlib decompressobj of a gzip/deflate response: its counts are read inflated
+        self._inflated = 0
+        self._not_inspected = False
         self._draining = False
         self._drain_task: asyncio.Task | None = None
 
@@ -532,6 +565,10 @@ class _ClientSink:
             return
         try:
             trace.response_bytes += len(piece)
+            if self.inflate is not None:
+                piece = self._inflate(piece)
+            elif self._not_inspected:
+                return
             parser = self.parser
             if parser is None:
                 if self.body_copy is not None and len(self.body_copy) + len(piece) <= BODY_COPY_MAX_BYTES:
@@ -563,6 +600,25 @@ class _ClientSink:
         except Exception as e:  # accounting never stops the bytes
             trace.recorder_error = f"proxy: {type(e).__name__}: {e}"[:300]
             self.proxy.recorder_failures += 1
+
+    def _inflate(self, piece: bytes) -> bytes:
+        """A compressed response's piece, inflated for counting only (bounded: INFLATE_MAX_BYTES in all)."""
+        trace = self.trace
+        why = None
+        try:
+            out = self.inflate.decompress(piece, INFLATE_MAX_BYTES - self._inflated + 1)
+        except zlib.error as e:
+            out, why = b"", f"cannot be inflated ({e})"
+        budget = INFLATE_MAX_BYTES - self._inflated
+        self._inflated += len(out)
+        if why is None and (self.inflate.unconsumed_tail or self._inflated > INFLATE_MAX_BYTES):
+            out, why = out[:max(budget, 0)], f"inflates beyond {INFLATE_MAX_BYTES >> 20} MiB"
+        if why is not None:
+            # Counted up to here (what `out` still holds); the rest is not inspected, and the row says so.
+            self.inflate, self._not_inspected = None, True
+            if trace.error is None:
+                trace.error = f"compressed response {why}: tokens after that were not counted"
+        return out
 
     async def _drain(self) -> None:
         try:

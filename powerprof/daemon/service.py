@@ -99,11 +99,41 @@ def memory_limit_bytes(proc: Path = Path("/proc/self/cgroup"), cgroup_root: Path
     return None
 
 
-def lock_data_dir(data_dir: Path) -> int:
+def untrusted_data_dir(data_dir: Path, euid: int | None = None) -> str | None:
+    """Why root must not run on `data_dir`; None when only root could have written it (or this process
+    is not root). Root writes files, replaces them and deletes old partitions there: in a folder another
+    user can write, that user could point any of those names (a symlinked `.daemon.lock`) at any file
+    on the machine. The folder and every folder above it must be root's and writable by no one else
+    (root's sticky /tmp excepted: others cannot rename in it)."""
+    euid = os.geteuid() if euid is None else euid
+    if euid != 0:
+        return None
+    from powerprof.control.restore import _folder_reason
+
+    try:
+        if os.path.islink(data_dir):
+            return f"{data_dir} is a symlink"
+        folder = Path(os.path.realpath(data_dir))
+        why = _folder_reason(folder, os.stat(folder), euid)
+        for d in folder.parents:
+            why = why or _folder_reason(d, os.stat(d), euid, sticky_ok=True)
+    except OSError as e:
+        return f"cannot inspect {data_dir}: {e.strerror or e}"
+    return why and why.replace("its folder ", "", 1)
+
+
+def lock_data_dir(data_dir: Path, euid: int | None = None) -> int:
     """An exclusive flock held for the daemon's life, so two daemons never write one data dir (duplicate rows)."""
     data_dir.mkdir(parents=True, exist_ok=True)
+    why = untrusted_data_dir(data_dir, euid)
+    if why:
+        raise StartupError(
+            f"refusing to run as root on data dir {data_dir}: {why}; another user could make root write or "
+            f"delete any file through it. Run the daemon as the folder's owner (as the unit does: User=powerprof), "
+            f"or give root a folder of its own (chown root: and chmod go-w it and the folders above)")
     path = data_dir / ".daemon.lock"
-    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o640)
+    # Never through a symlink: the lock is truncated and rewritten.
+    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC | os.O_NOFOLLOW, 0o640)
     try:
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except OSError as e:
@@ -213,7 +243,9 @@ class Daemon:
                              c.prompt_tokens if c is not None else None,
                              # A non-streamed answer with no server timing is spread from its arrival.
                              first_seen=not (trace.extra.get("spread") and trace.first_ns == trace.arrival_ns))
-        self.ledger.on_end(trace)
+        added = self.ledger.on_end(trace)
+        if added:  # a stream counted one token per chunk, set to the server's final count
+            self.tokens_by_tag[self.tags.label(trace.tag) if trace.tag else NONE] += added
         self._request_edge("request-end")
 
     def _request_edge(self, label: str) -> None:
@@ -537,6 +569,11 @@ class Daemon:
         path = self.cfg.tag_socket()
         try:
             path.parent.mkdir(parents=True, exist_ok=True)
+            why = untrusted_data_dir(path.parent)
+            if why:
+                # Root replaces a stale socket there and chmods the new one by name: in a folder another
+                # user can write, that name could be swapped for a symlink to any file.
+                raise StartupError(f"refusing, as root, a socket folder another user could write: {why}")
             try:
                 st = os.lstat(path)
             except FileNotFoundError:
@@ -616,6 +653,7 @@ class Daemon:
             retention_days=cfg.get("daemon", "retention_days") or None,
             retention_max_bytes=int(cfg.get("daemon", "retention_max_mb") * 1e6) or None,
             host=self.host,
+            daemon_id=self.daemon_id,
             **kwargs,
         )
         self.ledger = Ledger(self.daemon_id, self.t0_ns, len(self.collector.infos), self.store.append,

@@ -300,8 +300,9 @@ DAEMON_TAGS_COLUMNS = [
     HOST,
 ]
 
-# The daemon's samples: the sweep's SAMPLES columns, then the host.
-DAEMON_SAMPLES_COLUMNS = SAMPLES_COLUMNS + [HOST]
+# The daemon's samples: the sweep's SAMPLES columns, then the host, then the daemon process (t_mono_s
+# restarts at each daemon start: it orders and subtracts only within one daemon_id).
+DAEMON_SAMPLES_COLUMNS = SAMPLES_COLUMNS + [HOST, ("daemon_id", STR)]
 
 # Column lists by table name. TABLES / DAEMON_TABLES and the upper-case names (SAMPLES, ...) are
 # the same tables as pa.Schema objects, built on first use (module __getattr__ below).
