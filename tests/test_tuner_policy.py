@@ -686,6 +686,32 @@ def test_a_held_level_tries_below_once_the_model_expects_headroom_there_not_only
     assert any(d.action == "accept" and d.to_level == 250 for d in tu.decisions)  # judged as any trial
 
 
+@pytest.mark.parametrize("load, trend_max, descends", [("flat", 1.0, True), ("falling", 1.0, True),
+                                                       ("rising", 1.0, False), ("rising", 1.10, True)])
+def test_the_model_descends_only_on_a_flat_or_falling_load(load, trend_max, descends):
+    # Ninth attempt. As above (a ramp first, so 300 W is held with no trial below), then the load is flat, falls 5% or
+    # grows 5% per trend window (300 s): under ramp_growth's 10%, so no ramp, and the model, whose 300 W windows read 30%
+    # of the SLO at every load, expects 250 W well within the 60% a trial must show either way. A model descent is made
+    # only while the load's trend is at most model_descend_trend_max (1.00: flat or falling).
+    tu = Tuner(ramp_cfg(dwell_s=600, window_s=600, model_descend=True, model_min_windows=1, regime_ratio=10,
+                        model_descend_trend_max=trend_max), 0.0)
+    plant = Plant(tpot_ms={150: 40.0, 200: 35.0, 250: 32.0, 300: 30.0})
+    step = {"flat": 1.0, "falling": 0.95, "rising": 1.05}[load]
+    rate = lambda t: 1.05 if t <= 300 else 1.3 if t <= 900 else 1.65 * step ** (max(0.0, t - 900) / 300)  # noqa: E731
+    t = run_rate(tu, plant, 0, 1300, rate)
+    assert tu.level == 300 and not [d for d in tu.decisions if d.action == "explore"]
+    run_rate(tu, plant, t, 3100, rate)
+    explored = [d for d in tu.decisions if d.action == "explore"]
+    g = tu.load_growth(3100)
+    assert g == pytest.approx(step, abs=0.04)  # the trend the rule read (requests per tick are whole)
+    if not descends:
+        assert not explored and tu.level == 300  # the reprobe time (10,000 s) is far off: nothing else tries below
+        return
+    assert explored and explored[0].from_level == 300 and explored[0].to_level == 250
+    assert "the latency model expects 250 W" in explored[0].reason and "the load ×" in explored[0].reason
+    assert float(explored[0].reason.split("the load ×")[1].split()[0]) <= trend_max
+
+
 def test_the_model_does_not_descend_to_a_level_it_expects_past_the_headroom_nor_one_refused_on_energy():
     # As above, but 300 W reads 40% of the SLO: 250 W is expected at 50%, and 50% × the spread's margin (×1.35 while
     # the model has few windows) is past the 60% a trial must show. Nothing is tried until the reprobe time.
@@ -756,7 +782,9 @@ def test_with_model_rise_a_held_level_goes_up_before_its_p95_passes_the_band_as_
 
 @pytest.mark.parametrize("bad", [dict(model_z=-0.5), dict(model_z=6.0), dict(model_z=math.nan),
                                  dict(model_horizon_s=-1.0), dict(model_horizon_s=math.inf),
-                                 dict(model_min_windows=0), dict(model_memory_s=0.0), dict(model_memory_s=math.nan)])
+                                 dict(model_min_windows=0), dict(model_memory_s=0.0), dict(model_memory_s=math.nan),
+                                 dict(model_descend_trend_max=0.4), dict(model_descend_trend_max=11.0),
+                                 dict(model_descend_trend_max=math.nan)])
 def test_model_knobs_are_checked(bad):
     with pytest.raises(TunerConfigError, match=next(iter(bad))):
         cfg(**bad)

@@ -73,6 +73,8 @@ class TunerConfig:
     # from every judged window at any level (LatencyModel), and the load's trend extrapolated model_horizon_s ahead.
     model_descend: bool = False  # a held level tries the level below as soon as the model puts that one within
     # accept_ratio with model_z spreads to spare under the load expected (not while the load ramps, as any trial below)
+    model_descend_trend_max: float = 1.0  # model descents only while the load's trend (load_growth) is at most this: a
+    # flat or falling load (ninth attempt: a descent on a rising load that has not yet read as a ramp broke later)
     model_skip: bool = False  # no trial below of a level seen in this length mix whose expected p95 is past accept_ratio
     model_rise: bool = False  # a level below the reference goes one up once the model puts it past hold_ratio under the
     # load expected (measured in the eighth attempt and left off: docs/tuner.md)
@@ -128,6 +130,8 @@ class TunerConfig:
             errs.append("tuner.model_horizon_s: seconds, 0 (the load now) to 30 days")
         if not 0 <= self.model_z <= 5:
             errs.append("tuner.model_z: residual spreads in [0, 5]")
+        if not 0.5 <= self.model_descend_trend_max <= 10:
+            errs.append("tuner.model_descend_trend_max: a ratio in [0.5, 10]")
         if not 0 < self.accept_ratio <= self.hold_ratio <= self.guard_ratio:
             errs.append("tuner: want 0 < accept_ratio ≤ hold_ratio ≤ guard_ratio")
         if not 0 <= self.min_gain < 0.5 or not 0 <= self.max_loss < 0.5:
@@ -668,11 +672,16 @@ class Tuner:
             return False
         if j in r.costly and t - r.costly[j] < cfg.reprobe_s:
             return False  # refused on energy lately: the model says nothing about that
-        if not cfg.ramp_descend and (g := self.load_growth(t)) is not None and g > cfg.ramp_growth:
+        g = self.load_growth(t)
+        if not cfg.ramp_descend and g is not None and g > cfg.ramp_growth:
             return False  # no trial below while the load ramps (item 6), whatever the model says
+        if g is not None and g > cfg.model_descend_trend_max:
+            return False  # only on a flat or falling load: a rise not yet read as a ramp breaks the level later
         ok, why = self._model_safe(t, j)
         if not ok:
             return False
+        if g is not None:
+            why += f", the load ×{g:.2f} in {cfg.trend_s:g} s"
         r.rejected.pop(j, None)
         r.floor = r.floor_at(t)
         r.reprobe_from = self.idx
