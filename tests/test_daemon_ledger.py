@@ -482,3 +482,36 @@ def test_an_error_answer_with_no_work_takes_no_energy_and_its_time_stays_idle():
     first = sink.rows["intervals"][0]
     assert first["kind"] == "idle" and first["idle_energy_j"] == pytest.approx(100.0)
     assert first["requests_energy_j"] == 0.0
+
+
+def test_a_count_less_stream_that_keeps_up_with_the_server_holds_no_scrape_window():
+    # An OpenAI stream with no counts (one token a chunk, the prompt length unknown until its end)
+    # whose chunks are one token each, as the server counts them: its windows show no surplus, so
+    # they resolve as the scrapes come, not when it ends. Before: every window waited for any such
+    # live stream (up to the 30 s prompt hold), and on a busy server the work model's fit matured
+    # late (a 240-request trace: 200 requests in its warm-up instead of 160).
+    sink = Sink()
+    led = Ledger("d", 0, 1, sink, grace_s=0.1)
+    tr = RequestTrace(1, "POST", "/v1/completions", None, int(0.9 * S), 0, api="openai-completions", stream=True)
+    led.on_start(tr)
+    _feed(led, 0.0, 0.0)
+    led.add_server_tokens(int(0.5 * S), 0.0)
+    prev, served = int(0.5 * S), 0
+    for step in range(11, 161):  # 0.55 s ... 8.0 s, a token every 50 ms from 1 s
+        now = step * S // 20
+        if now >= S:
+            tr.first_ns = tr.first_ns or now
+            tr.last_ns = now
+            tr.tokens_seen += 1
+            led.on_tokens(tr, now, 1)
+        if step % 5 == 0:
+            n = tr.tokens_seen
+            led.add_server_tokens(now, float(n - served), prev)
+            prev, served = now, n
+        if step % 20 == 0:
+            _feed(led, now / S, 100.0 * now / S)
+        led.advance(now)
+    assert tr.end_ns is None  # still streaming
+    resolved = [sp for sp in led.server_spans if sp[3] is not None]
+    assert resolved and max(sp[1] for sp in resolved) >= int(6.0 * S)
+    assert sum(sp[3] for sp in resolved) == pytest.approx(0.0, abs=1e-9)
