@@ -134,3 +134,29 @@ def test_vllm_speculative_counters_come_through_the_metrics():
         assert drafts > 0 and drafts % 3 == 0 and 0 < accepted < drafts
     with SimServer(SimNVML("a100-40g", state_path=None), flavour="llamacpp", decode_tok_s=400) as s:
         assert spec_decode_counts(s.url) is None  # no such counters: no figure, not a zero
+
+
+def test_until_signalled_ticks_until_sigterm_and_puts_the_old_handler_back():
+    # sim.serve's main loop: it must end on SIGTERM wherever the signal lands (an Event.set() in the
+    # handler once deadlocked it in a CI run) and leave the process's handlers as they were.
+    import os
+    import signal
+    import threading
+
+    from powerprof.sim.server import until_signalled
+
+    before = signal.getsignal(signal.SIGTERM)
+    for delay_s in (0.0, 0.003, 0.011, 0.05):
+        ticks, timers = [], []
+
+        def tick(delay_s=delay_s):
+            ticks.append(1)
+            if len(ticks) == 1:  # our handler is in place: the signal comes from another thread, at any point
+                timers.append(threading.Timer(delay_s, os.kill, (os.getpid(), signal.SIGTERM)))
+                timers[0].start()
+
+        t0 = time.monotonic()
+        until_signalled(0.002, tick)
+        timers[0].join()
+        assert time.monotonic() - t0 < delay_s + 1.0
+        assert signal.getsignal(signal.SIGTERM) is before

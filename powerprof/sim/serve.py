@@ -11,14 +11,12 @@ not fit the card's memory exits at start with llama.cpp's out-of-memory lines (s
 from __future__ import annotations
 
 import argparse
-import signal
 import sys
-import threading
 
 from . import knobs
 from .nvml import SimNVML
 from .profiles import DEFAULT_PROFILE, PROFILES, get_profile
-from .server import SimServer
+from .server import SimServer, until_signalled
 
 SETTINGS_POLL_S = 0.02  # how soon a power limit set by another process slows this server
 
@@ -57,15 +55,11 @@ def main(argv: list[str] | None = None) -> int:
         return 1
     nvml = SimNVML(profile.key)
     nvml.publish_load()
-    stop = threading.Event()
-    for s in (signal.SIGINT, signal.SIGTERM):
-        signal.signal(s, lambda *_: stop.set())
     srv = SimServer(nvml, flavour=a.flavour, host=a.host, port=a.port, n_slots=a.n_slots, loading_s=a.loading_s,
                     decode_tok_s=a.decode_tok_s, prefill_tok_s=a.prefill_tok_s, draft_n_max=draft, n_ctx=a.ctx_size)
     with srv:
         print(f"simulated server listening on {srv.url}", flush=True)
-        while not stop.wait(SETTINGS_POLL_S):
-            nvml.sync_settings()
+        until_signalled(SETTINGS_POLL_S, nvml.sync_settings)
     return 0
 
 

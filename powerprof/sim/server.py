@@ -957,6 +957,23 @@ def _abort(request: web.Request) -> None:
         tr.abort()
 
 
+def until_signalled(poll_s: float, tick: Callable[[], None] | None = None) -> None:
+    """Call `tick` every `poll_s` in the main thread until SIGINT or SIGTERM; the old handlers are
+    put back. The handler only appends to a list: a `threading.Event.set()` there deadlocks when the
+    signal lands while the main thread holds the Event's lock in `wait()` (it is not reentrant),
+    which hung `sim.serve` on SIGTERM once in a CI run (it polls every 20 ms)."""
+    stop: list[int] = []
+    old = {s: signal.signal(s, lambda signum, _frame: stop.append(signum)) for s in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        while not stop:
+            time.sleep(poll_s)
+            if not stop and tick is not None:
+                tick()
+    finally:
+        for s, h in old.items():
+            signal.signal(s, h)
+
+
 def main(argv: list[str] | None = None) -> None:
     """`python -m powerprof.sim.server --port 8080`: run until SIGINT/SIGTERM (for --launch demos)."""
     ap = argparse.ArgumentParser(description="powerprof simulated inference server")
@@ -967,14 +984,10 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--loading-s", type=float, default=0.0)
     ap.add_argument("--decode-tok-s", type=float, default=None)
     a = ap.parse_args(argv)
-    stop = threading.Event()
-    for s in (signal.SIGINT, signal.SIGTERM):
-        signal.signal(s, lambda *_: stop.set())
     nvml = SimNVML(a.profile)
     with SimServer(nvml, flavour=a.flavour, host=a.host, port=a.port, loading_s=a.loading_s, decode_tok_s=a.decode_tok_s) as srv:
         print(f"simulated server listening on {srv.url}", flush=True)
-        while not stop.wait(0.5):
-            pass
+        until_signalled(0.5)
 
 
 if __name__ == "__main__":
