@@ -349,7 +349,9 @@ def tune(metrics_url, config_path, levels, reference, tpot_p95_ms, ttft_p95_ms, 
                 # exits 128+signal, as the controller does when it holds the GPUs.
                 def on_signal(signum, _frame):
                     caught.append(signum)
-                    stop.set()
+                    # Not stop.set() here: the main thread may hold the Event's lock inside stop.wait()
+                    # when the signal lands (the lock is not reentrant: a deadlock). A thread waits for it.
+                    threading.Thread(target=stop.set, daemon=True).start()
 
                 for sig in (_signal.SIGTERM, _signal.SIGINT, _signal.SIGHUP):
                     _signal.signal(sig, on_signal)
