@@ -52,22 +52,22 @@ def _busy(gpu, stop):
 )
 def test_window_energy_matches_ground_truth(profile, counter_update_s, method, tol):
     p = dataclasses.replace(get_profile(profile), energy_counter_update_s=counter_update_s)
-    nvml = SimNVML(p, count=2, state_path=None)
+    nvml = SimNVML(p, count=2, state_path=None, record_history=True)
     stop = threading.Event()
     worker = threading.Thread(target=_busy, args=(nvml.gpus[0], stop))
     with Profiler(nvml, interval_s=0.1) as prof:
         time.sleep(0.3)
         worker.start()
-        truth0 = [g.true_energy_j() for g in nvml.gpus]
         with prof.window("w") as w:
             time.sleep(1.2)
-        truth1 = [g.true_energy_j() for g in nvml.gpus]
         stop.set()
         worker.join()
     r = w.result
     assert r.method == method
     for k in range(2):
-        truth = truth1[k] - truth0[k]
+        # The truth over the window's own edges: read around it, a loaded host's scheduling put a few
+        # ms of a 275 W GPU (0.46%) between the reads and the edges, beyond the 0.2% bound.
+        truth = nvml.gpus[k].true_energy_at_j(r.t1_ns) - nvml.gpus[k].true_energy_at_j(r.t0_ns)
         if tol is None:
             # A counter refreshed every 20 ms can be off by one refresh period at each edge.
             bound = 2 * counter_update_s * p.dyn_power_w + 2 * counter_update_s * p.static_power_w
