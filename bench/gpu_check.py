@@ -585,7 +585,7 @@ def check_decode(ctx) -> dict:
     from powerprof.workload.client import RequestParams
     from powerprof.workload.load import builtin_prompts
     from powerprof.workload.measure import measure
-    from powerprof.workload.rows import batch_windows
+    from powerprof.workload.rows import batch_problem, batch_windows
 
     readings = []
     profiler = Profiler(ctx.nvml, [ctx.index], interval_s=0.1)
@@ -634,7 +634,11 @@ def check_decode(ctx) -> dict:
                     true_j = sum(ctx.truth_fn(tm.t0_ns, tm.t1_ns) for tm in tms)
                     toks = sum(tm.decode_tokens for tm in tms)
                 else:
-                    bws = [b for b in batch_windows(recs) if b.intervals.size]
+                    # Trusted batches only, as the summary counts them: a batch with a member whose stream
+                    # could not be timed has no figure (a loaded CI run read 0.435 against a 'true' 0.395
+                    # J/token from every batch).
+                    bws = [b for b in batch_windows(recs) if b.intervals.size and not any(
+                        batch_problem(r) for r in recs if r.batch_id == b.batch_id and r.ok)]
                     true_j = sum(ctx.truth_fn(int(t0), int(t1)) for b in bws for t0, t1 in b.intervals)
                     toks = sum(b.decode_tokens for b in bws)
                 entry["true_j_per_token"] = _num(true_j / toks, 4) if toks else None

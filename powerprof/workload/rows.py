@@ -217,7 +217,7 @@ def batch_row(
     ref = recs[0]
     ok = [r for r in recs if r.ok]
     # The batch's intervals come from arrival times: every member's stream must be trusted.
-    bad = [_batch_problem(r) for r in ok]
+    bad = [batch_problem(r) for r in ok]
     bad = [b for b in bad if b]
     timing, reason = ("untrusted", f"{len(bad)} of {len(ok)} streams not stream-timed: {bad[0]}") if bad else ("stream", None)
     if bad:
@@ -257,7 +257,8 @@ def batch_row(
     }
 
 
-def _batch_problem(r: RequestRecord) -> str | None:
+def batch_problem(r: RequestRecord) -> str | None:
+    """Why a batch member's stream cannot time its batch (None when it can): its timing is not the stream's."""
     tm = r.timing
     return tm.reason if tm is not None and tm.kind != "stream" else None
 
