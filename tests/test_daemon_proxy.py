@@ -75,6 +75,16 @@ async def _serve(app):
     return runner, f"http://{host}:{port}"
 
 
+async def _proxy_for_completion(completion, rec):
+    """An upstream answering POST /completion with `completion`, and a proxy in front recording to
+    `rec`: (upstream runner, proxy runner, proxy URL)."""
+    app = web.Application()
+    app.router.add_post("/completion", completion)
+    r1, up_url = await _serve(app)
+    r2, px_url = await _serve(Proxy(up_url, recorder=rec).app())
+    return r1, r2, px_url
+
+
 class Rec:
     def __init__(self, fail=False):
         self.fail = fail
@@ -431,11 +441,7 @@ def test_a_compressed_response_passes_unchanged_and_is_counted_from_a_copy_infla
 
     async def main():
         rec = Rec()
-        app = web.Application()
-        app.router.add_post("/completion", completion)
-        r1, up_url = await _serve(app)
-        proxy = Proxy(up_url, recorder=rec)
-        r2, px_url = await _serve(proxy.app())
+        r1, r2, px_url = await _proxy_for_completion(completion, rec)
         got = {}
         async with aiohttp.ClientSession(auto_decompress=False) as s:
             for enc, stream in (("gzip", True), ("deflate", True), ("gzip", False), ("br", True)):
@@ -470,11 +476,7 @@ def test_a_compressed_response_that_inflates_past_the_bound_is_counted_up_to_it_
 
     async def main():
         rec = Rec()
-        app = web.Application()
-        app.router.add_post("/completion", completion)
-        r1, up_url = await _serve(app)
-        proxy = Proxy(up_url, recorder=rec)
-        r2, px_url = await _serve(proxy.app())
+        r1, r2, px_url = await _proxy_for_completion(completion, rec)
         async with aiohttp.ClientSession(auto_decompress=False) as s:
             async with s.post(px_url + "/completion", json={"stream": True}) as r:
                 body = await r.read()
