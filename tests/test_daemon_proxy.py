@@ -566,3 +566,56 @@ def test_a_request_row_with_a_lone_surrogate_from_json_is_written_not_quarantine
     import duckdb
     got = duckdb.sql(f"select model, stop_reason from read_parquet('{tmp_path}/requests/**/*.parquet')").fetchall()
     assert got == [("up\ufffd", "stop\ufffd")]
+
+
+def test_a_piece_that_arrives_after_the_client_left_is_counted_for_its_request():
+    # Before: the upstream's read that found the client gone was dropped uncounted: tokens the server
+    # generated for this request went to unproxied through the server's counter.
+    from powerprof.daemon import streams
+    from powerprof.daemon.proxy import _ClientSink
+
+    class Gone:
+        def is_closing(self):
+            return True
+
+    class Ex:
+        aborted = False
+
+        def abort(self):
+            self.aborted = True
+
+    rec = Rec()
+    proxy = Proxy("http://127.0.0.1:9", recorder=rec)
+    tr = RequestTrace(1, "POST", "/completion", None, 1, 1, api="llamacpp", stream=True)
+    sink = _ClientSink(proxy, tr)
+    sink.parser = streams.new_parser("llamacpp")
+    sink.transport, sink.ex = Gone(), Ex()
+    sink.on_body(b'data: {"content":"a","tokens":[1,2],"stop":false}\n\n', None)
+    assert sink.gone and sink.ex.aborted
+    assert tr.tokens_seen == 2 and [n for _i, _t, n in rec.events] == [2]
+
+
+def test_a_client_leaving_mid_stream_is_flagged_with_the_tokens_it_could_not_see():
+    async def main():
+        rec = Rec()
+        up, up_url, r1, proxy, px_url, r2 = await _setup(rec)
+        async with aiohttp.ClientSession() as s:
+            r = await s.post(px_url + "/completion", json={"n_predict": 500, "stream": True, "delay": 0.01})
+            await r.content.read(100)
+            r.close()
+            r = await s.post(px_url + "/completion", json={"n_predict": 5, "stream": True, "tail_delay": 5})
+            body = b""
+            while not (b'"stop":true' in body and body.endswith(b"\n\n")):
+                body += await r.content.readany()
+            r.close()  # after the stream's own end: nothing unseen
+        for _ in range(100):
+            if len(rec.ended) == 2:
+                break
+            await asyncio.sleep(0.05)
+        await r2.cleanup()
+        await r1.cleanup()
+        return rec
+
+    cut, whole = _run(main()).ended
+    assert cut.outcome == "client_disconnected" and "unproxied" in cut.error and "never seen" in cut.error
+    assert whole.outcome == "client_disconnected" and whole.error is None

@@ -367,6 +367,7 @@ class Proxy:
         """The client left before its response began: not the upstream's failure."""
         if trace is not None:
             trace.outcome, trace.error = "client_disconnected", why
+            _note_unseen_tail(trace)
         return web.Response(status=400)  # nobody reads it
 
     async def _relay(self, request: web.Request, ex: Exchange, status: int, reason: str, up_headers,
@@ -433,6 +434,8 @@ class Proxy:
             if trace is not None:
                 trace.outcome = "interrupted" if self.closing else "client_disconnected"
                 self._counts_so_far(trace, sink, ex)
+                if trace.outcome == "client_disconnected":
+                    _note_unseen_tail(trace)
             ex.abort()  # the server sees the disconnect and stops generating
             if isinstance(e, asyncio.CancelledError):
                 raise
@@ -496,6 +499,19 @@ class Proxy:
         trace.extra["spread"] = True  # the recorder spreads the n tokens over [first, last]
 
 
+UNSEEN_TAIL_NOTE = ("the client left before the response ended; the proxy closed the upstream so the server stops, but "
+                    "tokens it generated until it noticed were never seen here: the server's counter places them in "
+                    "the intervals' unproxied energy, not in this request's")
+
+
+def _note_unseen_tail(trace: RequestTrace) -> None:
+    """A generation cut by its client: what the server still generated for it is not in its row, and the row says so
+    (the stream's own end, `[DONE]` or the stop event, already seen: nothing is missing)."""
+    if trace.api is None or (trace.counts is not None and trace.counts.complete):
+        return
+    trace.error = UNSEEN_TAIL_NOTE if trace.error is None else f"{trace.error}; {UNSEEN_TAIL_NOTE}"[:600]
+
+
 class _ClientLeft(Exception):
     """The client left while its response head was awaited."""
 
@@ -543,7 +559,10 @@ class _ClientSink:
         transport = self.transport
         try:
             if transport.is_closing():
+                # The client left: this piece is not delivered, but the server generated it for this request, so
+                # it is counted (before, it was dropped uncounted and the server's counter gave it to unproxied).
                 self._client_gone()
+                self.account(piece, now)
                 return
             if self.chunked:
                 transport.write(framed if framed is not None else b"%x\r\n%b\r\n" % (len(piece), piece))
@@ -553,9 +572,8 @@ class _ClientSink:
                 self._draining = True
                 self.ex.pause()  # a slow client: stop reading the upstream until its buffer drains
                 self._drain_task = asyncio.get_running_loop().create_task(self._drain())  # held: not collected
-        except Exception:  # the client's socket failed: as if it left
+        except Exception:  # the client's socket failed: as if it left (the piece still counts, as above)
             self._client_gone()
-            return
         self.account(piece, now)
 
     def account(self, piece: bytes, now: int) -> None:
