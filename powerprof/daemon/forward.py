@@ -133,6 +133,7 @@ class Exchange(asyncio.Protocol):
         self.on_body = None
         self.on_tick = None
         self._last = 0.0
+        self.excess = 0  # bytes the upstream sent past the end of its response (beyond its Content-Length): dropped
 
     # --- protocol callbacks ------------------------------------------------------------------
 
@@ -188,8 +189,10 @@ class Exchange(asyncio.Protocol):
         if mode == "length":
             n = len(data)
             if n > self._left:
-                self._fail(UpstreamError("upstream sent more than its Content-Length"))
-                return
+                # More than its Content-Length: the declared body is forwarded, the rest dropped (as a proxy
+                # must: it cannot be the next response), counted, and the connection not reused.
+                data, self.excess, self.reusable = data[: self._left], self.excess + n - self._left, False
+                n = self._left
             self._left -= n
             self._emit(data)
             if self._left == 0:
@@ -228,6 +231,7 @@ class Exchange(asyncio.Protocol):
                 self._finish()
                 if pos < len(buf):
                     self.reusable = False
+                    self.excess += len(buf) - pos
                 return
         pieces: list[bytes] = []
         n = len(buf)
@@ -235,9 +239,11 @@ class Exchange(asyncio.Protocol):
             mode = self._mode
             if mode == "length":
                 take = n - pos
-                if take > self._left:
-                    raise UpstreamError("upstream sent more than its Content-Length")
-                pieces.append(buf[pos:] if pos else buf)
+                if take > self._left:  # past its Content-Length: dropped and counted (above)
+                    self.excess += take - self._left
+                    self.reusable = False
+                    take = self._left
+                pieces.append(buf[pos : pos + take] if pos or take < n else buf)
                 self._left -= take
                 pos = n
             elif mode == "close":
@@ -289,6 +295,7 @@ class Exchange(asyncio.Protocol):
                     self._mode = "end"  # trailers are hop-by-hop: not forwarded
             else:  # end: bytes after a complete response
                 self.reusable = False
+                self.excess += n - pos
                 break
         if pieces:
             self._emit(pieces[0] if len(pieces) == 1 else b"".join(pieces))

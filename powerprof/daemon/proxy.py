@@ -204,6 +204,7 @@ class Proxy:
         self._next_id = 0
         self.recorder_failures = 0
         self.upstream_failures = 0
+        self.upstream_excess = 0  # responses that sent bytes past their Content-Length (dropped, logged)
         self.active = 0
         self.closing = False
 
@@ -430,6 +431,8 @@ class Proxy:
             if sink.gone:
                 raise ConnectionResetError("client gone")
             await resp.write_eof()
+            if ex.excess:
+                self._excess(trace, ex.excess)
         except (ConnectionResetError, aiohttp.ClientConnectionResetError, asyncio.CancelledError) as e:
             if trace is not None:
                 trace.outcome = "interrupted" if self.closing else "client_disconnected"
@@ -463,6 +466,16 @@ class Proxy:
             trace.outcome = "upstream_error"
             trace.error = trace.error or f"the upstream answered HTTP {status} {reason}".rstrip()[:300]
         return resp
+
+    def _excess(self, trace: RequestTrace | None, n: int) -> None:
+        """The upstream sent bytes past its response's Content-Length: the client got the declared body (a
+        proxy cannot pass the rest: it is not part of this response, nor a next one); logged and on the row."""
+        self.upstream_excess += 1
+        note = f"the upstream sent {n} byte(s) past its Content-Length: not forwarded (its connection is not reused)"
+        if self.upstream_excess <= 5 or self.upstream_excess % 100 == 0:
+            log.warning("%s (%d such responses so far)", note, self.upstream_excess)
+        if trace is not None:
+            trace.error = note if trace.error is None else f"{trace.error}; {note}"[:600]
 
     def _counts_so_far(self, trace: RequestTrace, sink: "_ClientSink", ex: Exchange) -> None:
         """A client gone: what its stream said still counts (usage with the prompt length, sent before
