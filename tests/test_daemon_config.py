@@ -148,5 +148,43 @@ def test_root_uses_no_config_file_another_user_could_write(tmp_path):
         load_config(shared, env={})
     link = tmp_path / "link.toml"
     link.symlink_to(good)
-    with pytest.raises(ConfigError, match="as root: it is a symlink"):
+    os.lchown(link, 65534, 65534)  # a link another user owns: they could point it anywhere
+    with pytest.raises(ConfigError, match="as root: .*symlink .* is owned by uid 65534"):
         load_config(link, env={})
+
+
+@pytest.mark.skipif(os.geteuid() != 0,
+                    reason="the rule is root's: an unprivileged daemon reads any config its user can")
+def test_root_follows_a_config_symlink_only_root_could_have_made_as_on_nixos(tmp_path):
+    # Before: root refused any symlinked config, and NixOS's /etc/powerprof/config.toml is one: a chain of
+    # root-owned links into /nix/store (root-owned, read-only, a sticky folder).
+    store = tmp_path / "nix" / "store"
+    (store / "abc-etc" / "powerprof").mkdir(parents=True)
+    store.chmod(0o1775)  # /nix/store: root:nixbld rwxrwxr-t
+    real = store / "abc-etc" / "powerprof" / "config.toml"
+    real.write_text("[daemon]\ninterval_s = 2.0\n")
+    real.chmod(0o444)
+    etc = tmp_path / "etc"
+    etc.mkdir()
+    (etc / "static").symlink_to(store / "abc-etc")  # /etc/static -> /nix/store/…-etc
+    (etc / "powerprof").mkdir()
+    conf = etc / "powerprof" / "config.toml"
+    conf.symlink_to("../static/powerprof/config.toml")  # relative, through another link
+    assert load_config(conf, env={}).get("daemon", "interval_s") == 2.0
+    # Anything on the way another user could have written is still refused:
+    os.lchown(etc / "static", 65534, 65534)
+    with pytest.raises(ConfigError, match="symlink .*static on its way is owned by uid 65534"):
+        load_config(conf, env={})
+    os.lchown(etc / "static", 0, 0)
+    (store / "abc-etc").chmod(0o777)  # a folder on the resolved path that others can write
+    with pytest.raises(ConfigError, match="abc-etc is writable by group or others"):
+        load_config(conf, env={})
+    (store / "abc-etc").chmod(0o755)
+    os.chown(real, 65534, 65534)  # the target file itself
+    with pytest.raises(ConfigError, match="owned by uid 65534"):
+        load_config(conf, env={})
+    os.chown(real, 0, 0)
+    loop = etc / "loop.toml"
+    loop.symlink_to(loop)
+    with pytest.raises(ConfigError, match="too many levels of symlinks"):
+        load_config(loop, env={})

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import datetime as _dt
+import errno
 import hashlib
 import json
 import os
@@ -120,19 +121,61 @@ def _folder_reason(folder: Path, dst, euid: int, sticky_ok: bool = False) -> str
     return None
 
 
+MAX_SYMLINKS = 40  # as the kernel's own limit on one lookup
+
+
+def _trusted_target(path: Path, euid: int) -> str:
+    """The file `path` names, found component by component: every folder on the way (from /) owned by root or `euid`
+    and writable by no one else (a root-owned sticky folder excepted: /tmp, /nix/store), and every symlink on the way,
+    the file's own included, owned by root or `euid` (a symlink's mode means nothing; who may replace it is its
+    folder's, checked like the others). So a symlink into a read-only root-owned store (NixOS's /etc) is followed,
+    and nothing another user could have written or replaced is. PermissionError with the reason otherwise."""
+    who = "root" if euid == 0 else f"uid {euid}"
+    todo = list(reversed(Path(os.path.join(os.getcwd(), path)).parts[1:]))  # joined, not normalised: `..` as the kernel
+    cur, hops = "/", 0
+    why = _folder_reason(Path("/"), os.stat("/"), euid, sticky_ok=True)
+    if why:
+        raise PermissionError(why)
+    while todo:
+        name = todo.pop()
+        if name in ("", "."):
+            continue
+        if name == "..":
+            cur = os.path.dirname(cur)  # a folder already checked on the way down
+            continue
+        nxt = os.path.join(cur, name)
+        st = os.lstat(nxt)
+        if stat.S_ISLNK(st.st_mode):
+            if st.st_uid not in (0, euid):
+                raise PermissionError(f"{path}: the symlink {nxt} on its way is owned by uid {st.st_uid}, not {who}")
+            hops += 1
+            if hops > MAX_SYMLINKS:
+                raise OSError(errno.ELOOP, f"too many levels of symbolic links resolving {path}")
+            target = os.readlink(nxt)
+            if target.startswith("/"):
+                cur = "/"
+            todo.extend(reversed(Path(target).parts[1:] if target.startswith("/") else Path(target).parts))
+            continue
+        if todo:  # a folder on the way
+            if not stat.S_ISDIR(st.st_mode):
+                raise NotADirectoryError(errno.ENOTDIR, f"{nxt} is not a folder", str(path))
+            why = _folder_reason(Path(nxt), st, euid, sticky_ok=True)
+            if why:
+                raise PermissionError(why)
+        cur = nxt
+    return cur
+
+
 def read_trusted(path: Path, euid: int | None = None) -> bytes:
-    """The bytes of `path`, read only if no one but `euid` (or root) could have written them: opened without following
-    a symlink, checked on the open descriptor (no swap between check and read), every folder up to / owned by root or
-    `euid` and writable by no one else (root's sticky /tmp excepted: others cannot rename in it). OSError with the
-    reason otherwise (a config file that decides what root does to the GPUs)."""
+    """The bytes of `path`, read only if no one but `euid` (or root) could have written them: every folder up to /
+    owned by root or `euid` and writable by no one else (a root-owned sticky folder excepted: others cannot rename in
+    it), every symlink on the way owned by root or `euid` (`_trusted_target`), the file itself opened without following
+    a further symlink and checked on the open descriptor (no swap between check and read). OSError with the reason
+    otherwise (a config file that decides what root does to the GPUs)."""
     euid = os.geteuid() if euid is None else euid
     path = Path(path)
-    folder = Path(os.path.realpath(path.parent))
-    for d in (folder, *folder.parents):
-        why = _folder_reason(d, os.stat(d), euid, sticky_ok=True)
-        if why:
-            raise PermissionError(why)
-    fd = os.open(folder / path.name, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
+    target = _trusted_target(path, euid)
+    fd = os.open(target, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
     with os.fdopen(fd, "rb") as f:
         why = _file_reason(path, os.fstat(f.fileno()), {euid}, euid, False)
         if why:

@@ -330,7 +330,8 @@ def load_config(path: str | os.PathLike | None = None, env: dict | None = None, 
         try:
             if os.geteuid() == 0:
                 # Root follows it: its data dir, socket (a stale one there is replaced) and upstream. A file
-                # another user could write (or a symlink, or one in a folder they can write) is not used.
+                # another user could write (or a symlink another user owns, or one in a folder they can write,
+                # on the way to it) is not used.
                 from powerprof.control.restore import read_trusted
 
                 text = read_trusted(p, euid=0).decode("utf-8", "replace")
@@ -345,7 +346,7 @@ def load_config(path: str | os.PathLike | None = None, env: dict | None = None, 
             raise ConfigError(f"config file {p} is not readable (permission denied)") from None
         except OSError as e:
             if e.errno == errno.ELOOP:
-                raise ConfigError(f"not using config file {p} as root: it is a symlink") from None
+                raise ConfigError(f"not using config file {p} as root: too many levels of symlinks") from None
             raise ConfigError(f"cannot read config file {p}: {e.strerror or e}") from None
         except tomllib.TOMLDecodeError as e:
             raise ConfigError(f"config file {p} is not valid TOML: {e}") from None

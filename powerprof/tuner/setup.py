@@ -32,7 +32,7 @@ def load_table(path: Path | None, euid: int | None = None) -> dict:
         raise TunerConfigError(f"not using {path}: {e}") from None
     except OSError as e:
         if e.errno == errno.ELOOP:
-            raise TunerConfigError(f"not using {path}: it is a symlink") from None
+            raise TunerConfigError(f"not using {path}: too many levels of symlinks") from None
         raise TunerConfigError(f"cannot read {path}: {e.strerror or e}") from None
     try:
         raw = tomllib.loads(data.decode("utf-8"))
