@@ -515,3 +515,46 @@ def test_a_count_less_stream_that_keeps_up_with_the_server_holds_no_scrape_windo
     resolved = [sp for sp in led.server_spans if sp[3] is not None]
     assert resolved and max(sp[1] for sp in resolved) >= int(6.0 * S)
     assert sum(sp[3] for sp in resolved) == pytest.approx(0.0, abs=1e-9)
+
+
+def test_a_count_less_stream_the_server_counted_more_of_says_so_on_its_row():
+    # The same stream without its usage chunk (`include_usage` not asked for): 10 chunks, 25 tokens by
+    # the server's counter. Before: the row said 10 tokens, tokens_estimated and nothing more, while the
+    # server's counter had shown the proxy's count low all along; now the row says by how much.
+    from powerprof.daemon import streams
+    parser = streams.new_parser("openai-completions")
+    sink = Sink()
+    led = Ledger("d", 0, 1, sink, grace_s=0.1)
+    tr = RequestTrace(1, "POST", "/v1/completions", "t", int(0.9 * S), 0, api="openai-completions", stream=True)
+    led.on_start(tr)
+    events = [e + b"\n\n" for e in _vllm_stream(10, 25).split(b"\n\n") if e and b'"usage"' not in e]
+    ev_at = [int((1.0 + 0.15 * i) * S) for i in range(len(events))]
+    _feed(led, 0.0, 0.0)
+    led.add_server_tokens(int(0.5 * S), 0.0)
+    prev, served = int(0.5 * S), 0.0
+    for step in range(11, 121):  # 0.55 s ... 6.0 s
+        now = step * S // 20
+        while events and ev_at[0] <= now:
+            t, ev = ev_at.pop(0), events.pop(0)
+            n = parser.count(ev)
+            if n:
+                tr.first_ns = tr.first_ns or t
+                tr.last_ns = t
+                tr.tokens_seen += n
+                led.on_tokens(tr, t, n)
+            if not events:
+                tr.end_ns = t
+                tr.counts = streams.summary_counts(parser.finish())
+                led.on_end(tr)
+        if step % 5 == 0:
+            n = 2.5 * sum(1 for i in range(10) if 1.0 + 0.15 * i - 0.01 <= now / S)
+            led.add_server_tokens(now, n - served, prev)
+            prev, served = now, n
+        if step % 20 == 0:
+            _feed(led, now / S, 100.0 * now / S)
+        led.advance(now)
+    led.close_all(int(6.2 * S))
+    (row,) = sink.rows["requests"]
+    assert row["attributed_tokens"] == 10.0 and row["tokens_estimated"] is True
+    assert row["error"] is not None and "ran 15 token(s) ahead of the proxy's" in row["error"]
+    assert "unproxied" in row["error"]

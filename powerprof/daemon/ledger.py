@@ -62,6 +62,7 @@ class _Req:
     spent: float = 0.0  # tokens of events already closed (the context of later ones)
     late: float = 0.0  # tokens that came after their interval had closed: not attributed, flagged on the row
     to_server: bool = False  # its chunk counts were scaled to the server's final count (usage)
+    server_ahead: float = 0.0  # tokens the server counted beyond the proxy's in intervals it was live in
 
 
 @dataclass
@@ -411,6 +412,13 @@ class Ledger:
                 j = int(np.searchsorted(r.ev_t, t_end))
                 r.spent += float(sum(r.ev_n[:j]))
                 del r.ev_t[:j], r.ev_n[:j]
+        if excess is not None:
+            # A stream counted one token a chunk is low where the server sends several a chunk (speculative
+            # decoding): the server's counter then runs ahead of the proxy's while it is live. Noted for its row.
+            for i, r in enumerate(reqs):
+                if r.trace.stream is True and r.trace.api is not None and r.trace.api.startswith("openai"):
+                    live = (arrival[i] < t[1:]) & (end[i] > t[:-1])
+                    r.server_ahead += float(excess[live].sum())
         self._account(t, per_gpu, gpu, cpu, a, methods, costs)
         self._interval_rows(edges, t, gpu, cpu, methods, a, excess, costs)
         rows = []
@@ -632,6 +640,15 @@ class Ledger:
         c = tr.counts
         gen = c.generated_tokens if c is not None and c.generated_tokens is not None else (tr.tokens_seen or None)
         decode_s = (tr.last_ns - tr.first_ns) / 1e9 if tr.first_ns is not None and tr.last_ns is not None else None
+        estimated = (c.tokens_estimated and not r.to_server if c is not None
+                     else bool(tr.tokens_seen and tr.api is not None and tr.api.startswith("openai")))
+        error = _with_late(tr.error, r.late)
+        if estimated and r.server_ahead >= 0.5:
+            note = (f"tokens counted one a chunk (the stream carried no counts: ask for usage, stream_options "
+                    f"include_usage); the server's counter ran {r.server_ahead:.0f} token(s) ahead of the proxy's in "
+                    "the intervals it was live in (several tokens a chunk under speculative decoding, or bypass "
+                    "traffic): its count is likely low, and those tokens' energy is in unproxied")
+            error = note if error is None else f"{error}; {note}"
         return {
             "daemon_id": self.daemon_id,
             "request_id": tr.request_id,
@@ -649,14 +666,13 @@ class Ledger:
             "tag": tr.tag,
             "status": tr.status,
             "outcome": tr.outcome,
-            "error": _with_late(tr.error, r.late),
+            "error": error,
             "prompt_tokens": c.prompt_tokens if c is not None else None,
             "generated_tokens": gen,
             "decode_tokens": max(gen - 1, 0) if gen else None,
             "token_source": c.token_source if c is not None else ("counted" if tr.tokens_seen else "none"),
             # Without a summary, an OpenAI-style stream's tokens were counted one per chunk.
-            "tokens_estimated": c.tokens_estimated and not r.to_server if c is not None
-            else bool(tr.tokens_seen and tr.api is not None and tr.api.startswith("openai")),
+            "tokens_estimated": estimated,
             "stop_reason": c.stop_reason if c is not None else None,
             "response_bytes": tr.response_bytes,
             # No share at all is not a measured zero: left empty, with the reason.
