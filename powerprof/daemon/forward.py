@@ -117,6 +117,8 @@ class Exchange(asyncio.Protocol):
         self.transport: asyncio.Transport | None = None
         self.lost = False
         self.reusable = False
+        self.draining = False  # half_close: our side ended, the server's tail being read
+        self.drain_cut = False  # and the server was still sending when the drain's time was up
         self._write_ok: asyncio.Future | None = None
         self._reset()
 
@@ -419,6 +421,33 @@ class Exchange(asyncio.Protocol):
     def resume(self) -> None:
         if self.transport is not None and not self.transport.is_closing():
             self.transport.resume_reading()
+
+    def half_close(self, drain_s: float) -> bool:
+        """The client left mid-response: end our side of the upstream connection (FIN), which llama.cpp, vLLM,
+        SGLang and aiohttp servers take as the client gone and stop generating, but keep reading what the server
+        still sends until it closes, at most `drain_s` (then `abort`): the tokens it generated before it noticed
+        are counted for the request instead of being left to its counter alone. False where our side cannot be
+        ended on its own (TLS): the caller aborts."""
+        t = self.transport
+        if self.lost or t is None or t.is_closing() or self._mode in ("", "head", "end"):
+            return False
+        try:
+            if not t.can_write_eof():
+                return False
+            t.write_eof()
+        except Exception:
+            return False
+        self.reusable = False
+        self.draining = True
+        t.resume_reading()  # a slow client's pause no longer applies: nothing is forwarded
+        self.loop.call_later(drain_s, self._drain_over)
+        return True
+
+    def _drain_over(self) -> None:
+        """A server that ignored the end of our side for `drain_s`: cut (harmless once it has closed)."""
+        if not self.lost and self._mode not in ("", "end"):
+            self.drain_cut = True
+        self.abort()
 
     def abort(self, exc: BaseException | None = None) -> None:
         """Close the connection now: the server sees the client's disconnect and stops generating. A response

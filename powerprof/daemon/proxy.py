@@ -5,8 +5,9 @@ written to the client as it arrives, unchanged and unbuffered: from the upstream
 callback (`forward.py`), with no task woken per chunk. On the side, the bytes of
 generation endpoints go through the stream parser to timestamp token-bearing chunks. Recording
 is fail-open: an exception in parsing or in the recorder marks the request's record broken and
-the bytes keep flowing. A client that disconnects closes the upstream connection, which is how
-llama.cpp, vLLM and SGLang learn to stop generating.
+the bytes keep flowing. A client that disconnects ends the proxy's side of the upstream connection,
+which is how llama.cpp, vLLM and SGLang learn to stop generating; what the server still sends until it
+closes (at most DRAIN_S) is counted for the request, not forwarded.
 
 Only origin-form targets (`/path?query`) are forwarded: an absolute-form target
 (`GET http://host/x`), CONNECT or `*` gets a 400, so the proxy is never an open forward proxy.
@@ -46,6 +47,9 @@ BODY_COPY_MAX_BYTES = 4 << 20
 # most this much in all: a longer one is counted up to there, and its row says so.
 INFLATE_MAX_BYTES = 64 << 20
 TAG_MAX_CHARS = 128
+# A client gone mid-stream: what the upstream still sends before it notices (our side of its connection ended) is
+# read and counted for the request, for at most this long; then the connection is closed.
+DRAIN_S = 2.0
 # aiohttp's server options for the proxy's listener: request bodies pass as the client encoded them
 # (aiohttp would otherwise decompress a `Content-Encoding: gzip` body and the upstream would get
 # plain bytes still labelled gzip).
@@ -427,7 +431,12 @@ class Proxy:
                 raise ConnectionResetError("client gone")
             ex.on_tick = sink.check_client
             ex.attach(sink.on_body)
-            await ex.done
+            try:
+                await ex.done
+            except (UpstreamError, asyncio.TimeoutError, OSError):
+                if not sink.gone:
+                    raise
+                # The client had left and the upstream closed its side while the tail was read: as it should.
             if sink.gone:
                 raise ConnectionResetError("client gone")
             await resp.write_eof()
@@ -438,7 +447,7 @@ class Proxy:
                 trace.outcome = "interrupted" if self.closing else "client_disconnected"
                 self._counts_so_far(trace, sink, ex)
                 if trace.outcome == "client_disconnected":
-                    _note_unseen_tail(trace)
+                    _note_unseen_tail(trace, ex)
             ex.abort()  # the server sees the disconnect and stops generating
             if isinstance(e, asyncio.CancelledError):
                 raise
@@ -515,14 +524,26 @@ class Proxy:
 UNSEEN_TAIL_NOTE = ("the client left before the response ended; the proxy closed the upstream so the server stops, but "
                     "tokens it generated until it noticed were never seen here: the server's counter places them in "
                     "the intervals' unproxied energy, not in this request's")
+DRAINED_TAIL_NOTE = ("the client left before the response ended; the proxy ended its side of the upstream connection so "
+                     "the server stops, and counted for this request what the server still sent until it closed; tokens "
+                     "it generated and never sent are not in this row (the server's counter places them in unproxied)")
+CUT_TAIL_NOTE = ("the client left before the response ended, and the upstream kept sending for {s:g} s after the proxy "
+                 "ended its side of the connection, until the proxy closed it: what came until then is counted for this "
+                 "request; tokens the server generated after that are not (the server's counter places them in unproxied)")
 
 
-def _note_unseen_tail(trace: RequestTrace) -> None:
-    """A generation cut by its client: what the server still generated for it is not in its row, and the row says so
-    (the stream's own end, `[DONE]` or the stop event, already seen: nothing is missing)."""
+def _note_unseen_tail(trace: RequestTrace, ex: Exchange | None = None) -> None:
+    """A generation cut by its client: what the server still generated for it may not be in its row, and the row says
+    so (the stream's own end, `[DONE]` or the stop event, already seen: nothing is missing)."""
     if trace.api is None or (trace.counts is not None and trace.counts.complete):
         return
-    trace.error = UNSEEN_TAIL_NOTE if trace.error is None else f"{trace.error}; {UNSEEN_TAIL_NOTE}"[:600]
+    if ex is not None and ex.drain_cut:
+        note = CUT_TAIL_NOTE.format(s=DRAIN_S)
+    elif ex is not None and ex.draining:
+        note = DRAINED_TAIL_NOTE
+    else:
+        note = UNSEEN_TAIL_NOTE
+    trace.error = note if trace.error is None else f"{trace.error}; {note}"[:600]
 
 
 class _ClientLeft(Exception):
@@ -571,7 +592,7 @@ class _ClientSink:
         now = time.monotonic_ns()
         transport = self.transport
         try:
-            if transport.is_closing():
+            if self.gone or transport.is_closing():
                 # The client left: this piece is not delivered, but the server generated it for this request, so
                 # it is counted (before, it was dropped uncounted and the server's counter gave it to unproxied).
                 self._client_gone()
@@ -670,5 +691,5 @@ class _ClientSink:
     def _client_gone(self) -> None:
         if not self.gone:
             self.gone = True
-            if self.ex is not None:
+            if self.ex is not None and not self.ex.half_close(DRAIN_S):
                 self.ex.abort()
