@@ -187,6 +187,16 @@ def test_cli_analyze_bad_input_fails_cleanly(tmp_path, args, msg):
     assert not (run / "analysis").exists()
 
 
+@pytest.mark.parametrize("fmt", [",", "", " , "])
+def test_cli_analyze_refuses_an_empty_format_list(tmp_path, fmt):
+    # `--format ,` wrote no report and said nothing, exit 0.
+    run = make_run(tmp_path / "run", seed_truth(), levels=SEED_LEVELS, n_requests=3)
+    r = CliRunner().invoke(main, ["analyze", str(run), "--format", fmt, "--bootstrap", "200"])
+    assert r.exit_code == 2, r.output
+    assert "names no report format; choose one or more of md, html" in r.output
+    assert not (run / "analysis").exists()
+
+
 def test_cli_analyze_of_damaged_samples_says_which_file_and_what_to_do(tmp_path):
     # samples.parquet whose footer opens over a damaged page: DuckDB's error escaped as a traceback.
     run = make_run(tmp_path / "run", seed_truth(), levels=SEED_LEVELS, n_requests=3)
