@@ -586,16 +586,40 @@ def _fraction(text: str) -> float:
     return v / 100 if not t.endswith("%") and v > 1 else v
 
 
+def _max_slowdown_option(ctx, param, value):
+    """--max-slowdown of `sweep` and `analyze` alike, by the analysis' own rule (check_max_slowdown)."""
+    from powerprof.analysis.sweetspot import check_max_slowdown
+
+    v = _fraction(value)
+    try:
+        return check_max_slowdown(v)
+    except ValueError as e:
+        raise click.BadParameter(f"{value!r}: {e}") from None
+
+
+def _formats_option(ctx, param, value):
+    """--format of `analyze`: one or more of the report formats; an empty list would write no report and say nothing."""
+    from powerprof.analysis.report import FORMATS
+
+    fmts = tuple(dict.fromkeys(f.strip() for f in value.split(",") if f.strip()))
+    bad = [f for f in fmts if f not in FORMATS]
+    if bad or not fmts:
+        what = f"unknown report format(s) {', '.join(bad)}" if bad else f"{value!r} names no report format"
+        raise click.BadParameter(f"{what}; choose one or more of {', '.join(FORMATS)} (e.g. md,html)")
+    return fmts
+
+
 @main.command()
 @click.argument("run_dirs", nargs=-1, required=True, type=str)
 @click.option("--out", "out_dir", type=click.Path(file_okay=False), default=None,
               help="Folder for the report, plots and analysis.parquet (default: RUN_DIR/analysis); "
                    "for daemon datasets, the folder for fleet.parquet (default: none written).")
-@click.option("--max-slowdown", default="10%", show_default=True,
+@click.option("--max-slowdown", default="10%", show_default=True, callback=_max_slowdown_option,
               help="Slowdown budget for the recommended limit, vs the reference level (10% or 0.1).")
 @click.option("--eta", type=float, default=0.5, show_default=True,
               help="Weight of energy in the weighted-cost policy eta*E + (1-eta)*Pmax/T (1: energy only).")
-@click.option("--format", "formats", default="md,html", show_default=True, help="Report formats: md, html or both.")
+@click.option("--format", "formats", default="md,html", show_default=True, callback=_formats_option,
+              help="Report formats: md, html or both.")
 @click.option("--force", is_flag=True, help="Pool runs even if their GPU model, server model or traffic (trace) differ.")
 @click.option("--bootstrap", "n_boot", type=click.IntRange(100, 100_000), default=2000, show_default=True,
               help="Bootstrap resamples for the confidence intervals.")
@@ -609,7 +633,6 @@ def analyze(run_dirs, out_dir, max_slowdown, eta, formats, force, n_boot, as_jso
     from powerprof.analysis.loading import AnalysisError
     from powerprof.analysis.report import analyze_run, console_summary
 
-    fmts = tuple(f.strip() for f in formats.split(",") if f.strip())
     try:
         sources = fleet.expand_sources(run_dirs)
         if all(fleet.is_daemon_dataset(s) for s in sources):
@@ -628,7 +651,7 @@ def analyze(run_dirs, out_dir, max_slowdown, eta, formats, force, n_boot, as_jso
             return
         if any(fleet.is_uri(s) for s in sources):
             raise AnalysisError("sweep runs are read from local folders; object-store URIs are for daemon datasets")
-        result = analyze_run(sources, out_dir, max_slowdown=_fraction(max_slowdown), eta=eta, formats=fmts,
+        result = analyze_run(sources, out_dir, max_slowdown=max_slowdown, eta=eta, formats=formats,
                              force=force, n_boot=n_boot)
     except (AnalysisError, fleet.FleetError) as e:
         raise click.ClickException(str(e)) from None
@@ -721,7 +744,7 @@ def _fraction_option(ctx, param, value):
 @_workload_options
 @click.option("--interval", "interval_s", default=1.0, show_default=True, type=click.FloatRange(0.02, 10), help="Sampling interval in seconds.")
 @click.option("--out", "out_dir", default=None, type=click.Path(file_okay=False), help="Run directory (default runs/<UTC time>-<gpu>).")
-@click.option("--max-slowdown", default="10%", show_default=True, callback=_fraction_option,
+@click.option("--max-slowdown", default="10%", show_default=True, callback=_max_slowdown_option,
               help="Slowdown budget for the recommendation, vs the reference level (10% or 0.1).")
 @click.option("--dry-run", is_flag=True, help="Validate and print the plan; touch nothing.")
 @click.option("--trace", "trace_path", default=None, type=click.Path(dir_okay=False),

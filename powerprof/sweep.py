@@ -570,11 +570,17 @@ class SweepOutcome:
 
 
 def _kept_note(run_dir, levels_done: list) -> str:
-    """What a stopped sweep left: where, how many levels finished, and what can be done with them."""
+    """What a stopped sweep left: where, how many levels finished, and what can be done with them.
+
+    `levels_done` lists visits ([level, repeat], a grid's with its config and context after them):
+    with --repeats a level is visited once per pass, so the levels are the distinct ones, and the
+    visits are said beside them when they differ."""
     n = len(levels_done)
     if n == 0:
         return f"stopped before any level finished: {run_dir} holds nothing to analyse"
-    return f"stopped: {n} finished level{'s' if n > 1 else ''} kept in {run_dir} (powerprof analyze {run_dir})"
+    levels = len({(v[0], *v[2:]) for v in levels_done})
+    visits = f" ({n} visits)" if n != levels else ""
+    return f"stopped: {levels} finished level{'s' if levels > 1 else ''}{visits} kept in {run_dir} (powerprof analyze {run_dir})"
 
 
 def _remove_if_empty(path) -> None:

@@ -187,6 +187,34 @@ def test_cli_analyze_bad_input_fails_cleanly(tmp_path, args, msg):
     assert not (run / "analysis").exists()
 
 
+@pytest.mark.parametrize("fmt", [",", "", " , "])
+def test_cli_analyze_refuses_an_empty_format_list(tmp_path, fmt):
+    # `--format ,` wrote no report and said nothing, exit 0.
+    run = make_run(tmp_path / "run", seed_truth(), levels=SEED_LEVELS, n_requests=3)
+    r = CliRunner().invoke(main, ["analyze", str(run), "--format", fmt, "--bootstrap", "200"])
+    assert r.exit_code == 2, r.output
+    assert "names no report format; choose one or more of md, html" in r.output
+    assert not (run / "analysis").exists()
+
+
+def test_sweep_and_analyze_judge_max_slowdown_by_one_rule(tmp_path):
+    # analyze took 0 and sweep refused it ("must be between 0 and 100%", the --target-ci rule); a
+    # negative budget reached analyze's policy code and failed with exit 1 instead of a usage error.
+    run = make_run(tmp_path / "run", seed_truth(), levels=SEED_LEVELS, n_requests=3)
+    sweep = ["sweep", "--simulate", "--limits", "220", "--dry-run", "--out", str(tmp_path / "sw")]
+    for bad in ("100%", "-5%", "1.0"):
+        ra = CliRunner().invoke(main, ["analyze", str(run), "--max-slowdown", bad, "--bootstrap", "200"])
+        rs = CliRunner().invoke(main, sweep + ["--max-slowdown", bad])
+        assert ra.exit_code == rs.exit_code == 2, (ra.output, rs.output)
+        said = [next(x for x in r.output.splitlines() if "max-slowdown" in x) for r in (ra, rs)]
+        assert said[0] == said[1] and "from 0 up to, not including, 100%" in said[0], said
+    assert not (run / "analysis").exists()
+    r = CliRunner().invoke(main, ["analyze", str(run), "--max-slowdown", "0", "--format", "md", "--bootstrap", "200",
+                                  "--out", str(tmp_path / "o")])
+    assert r.exit_code == 0, r.output
+    assert CliRunner().invoke(main, sweep + ["--max-slowdown", "0"]).exit_code == 0
+
+
 def test_cli_analyze_of_damaged_samples_says_which_file_and_what_to_do(tmp_path):
     # samples.parquet whose footer opens over a damaged page: DuckDB's error escaped as a traceback.
     run = make_run(tmp_path / "run", seed_truth(), levels=SEED_LEVELS, n_requests=3)

@@ -85,6 +85,15 @@ def test_bad_environment_values_name_the_variable_its_text_and_what_is_expected(
     assert "could not convert" not in msg and "invalid literal" not in msg
 
 
+def test_a_numeric_tag_label_from_the_environment_is_the_text_it_reads():
+    # "2024" (or "7,beta") in POWERPROF_METRICS_TAGS was read as the number 2024 and refused as
+    # "must be a list of non-empty strings": a list's parts are parsed by the key's element type.
+    assert load_config(None, env={"POWERPROF_METRICS_TAGS": "2024"}).get("metrics", "tags") == ["2024"]
+    assert load_config(None, env={"POWERPROF_METRICS_TAGS": "7, beta"}).get("metrics", "tags") == ["7", "beta"]
+    assert load_config(None, env={"POWERPROF_DAEMON_GPUS": "0,2"}).get("daemon", "gpus") == [0, 2]
+    assert all(k.item in (int, str) for keys in SPEC.values() for k in keys.values() if k.type is list)
+
+
 def test_a_bad_environment_variable_stops_the_daemon_naming_it(tmp_path):
     from click.testing import CliRunner
 

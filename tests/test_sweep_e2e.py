@@ -220,6 +220,29 @@ def _start_sweep_and_wait_for_a_level(out):
     pytest.fail("the sweep never finished a level")
 
 
+def test_two_ctrl_cs_in_quick_succession_exit_cleanly_with_the_limit_back(tmp_path):
+    # Two Ctrl-Cs within ~10 ms: the second struck while the first's handler was putting the GPU back
+    # (a restore inside the restore: a hang on the simulator's lock, a traceback on real GPUs), or while
+    # the first's exit unwound through the sweep's last write. Which one it hits is down to timing: the
+    # controller tests pin both deterministically; this is the whole command's exit, end to end.
+    gap_s = 0.003
+    out = tmp_path / "run"
+    proc = _start_sweep_and_wait_for_a_level(out)
+    try:
+        proc.send_signal(signal.SIGINT)
+        time.sleep(gap_s)
+        proc.send_signal(signal.SIGINT)
+        _, err = proc.communicate(timeout=30)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 130, err
+    assert "Traceback" not in err and "Exception ignored" not in err, err
+    assert "interrupted: every GPU is back at its original limit" in err, err
+    assert sim_limit_w() == 300.0
+    assert 180.0 in set(pq.read_table(out / "levels.parquet").to_pandas().level_value)
+
+
 def test_kill_9_mid_sweep_keeps_finished_levels_and_restore_brings_the_limit_back(tmp_path):
     out = tmp_path / "run"
     proc = _start_sweep_and_wait_for_a_level(out)

@@ -79,3 +79,18 @@ def test_sweep_stops_a_level_on_the_paired_ci(tmp_path):
     assert levels.loc[250.0, "stop_rule"] == "paired-ci-reached"
     assert levels.loc[400.0, "stop_rule"] == "max-requests"  # the reference has nothing to pair with
     assert levels.loc[250.0, "n_requests"] < levels.loc[400.0, "n_requests"]
+
+
+def test_the_stopped_note_counts_distinct_levels_not_visits():
+    from powerprof.sweep import _kept_note
+
+    # --repeats 2 over 300,250,200: both passes of 300 and 250 finished, then 200 of the first pass.
+    done = [(300.0, 0), (250.0, 0), (200.0, 0), (300.0, 1), (250.0, 1)]
+    assert _kept_note("RUN", done) == "stopped: 3 finished levels (5 visits) kept in RUN (powerprof analyze RUN)"
+    assert _kept_note("RUN", [[300.0, 0], [300.0, 1]]) == \
+        "stopped: 1 finished level (2 visits) kept in RUN (powerprof analyze RUN)"  # as run.json reads them back
+    assert _kept_note("RUN", [(300.0, 0), (250.0, 0)]) == "stopped: 2 finished levels kept in RUN (powerprof analyze RUN)"
+    # A grid's visits carry their config and context: the same watts in two configs are two levels.
+    grid = [(300.0, 0, "c0", None), (300.0, 0, "c1", None), (300.0, 1, "c0", None)]
+    assert _kept_note("RUN", grid) == "stopped: 2 finished levels (3 visits) kept in RUN (powerprof analyze RUN)"
+    assert _kept_note("RUN", []) == "stopped before any level finished: RUN holds nothing to analyse"

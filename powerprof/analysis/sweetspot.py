@@ -34,6 +34,14 @@ DESCRIPTIONS = {
 }
 
 
+def check_max_slowdown(v: float) -> float:
+    """The one rule for a slowdown budget (the API's PolicyParams, and `sweep` and `analyze`'s --max-slowdown):
+    a share of the reference level's speed from 0 (no slowdown at all) up to, not including, 100%."""
+    if not 0 <= v < 1:
+        raise ValueError(f"max slowdown must be from 0 up to, not including, 100% (e.g. 10% or 0.1), got {v:g}")
+    return v
+
+
 @dataclass(frozen=True)
 class PolicyParams:
     max_slowdown: float = 0.10  # fraction
@@ -41,8 +49,7 @@ class PolicyParams:
     p_max_w: float | None = None  # prices time in the weighted cost; default: the highest level's power
 
     def __post_init__(self):
-        if not 0 <= self.max_slowdown < 1:
-            raise ValueError(f"max slowdown must be a fraction in [0, 1), got {self.max_slowdown}")
+        check_max_slowdown(self.max_slowdown)
         if not 0 <= self.eta <= 1:
             raise ValueError(f"eta must be in [0, 1], got {self.eta}")
 

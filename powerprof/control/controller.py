@@ -94,6 +94,7 @@ class LimitController:
         self._mutex = threading.RLock()
         self._busy = 0
         self._pending_signal: int | None = None
+        self._exit_raised = False  # this controller's handler has raised a run-ending exit
         self._prev_handlers: dict[int, object] = {}
         self._atexit_registered = False
 
@@ -129,6 +130,7 @@ class LimitController:
             self._release_resources()
             raise
         self._active = True
+        self._exit_raised = False
         self._install_handlers()
         atexit.register(self._atexit)
         self._atexit_registered = True
@@ -347,10 +349,25 @@ class LimitController:
             self._pending_signal = signum
             return
         # Not inside a change: restore right here, so the GPU is back even if a caller swallows the exception.
+        # Busy while it does: a second Ctrl-C within those milliseconds must not start a second restore inside
+        # the first (re-entering NVML from a signal handler: a hang on the simulator's lock, a traceback on
+        # real GPUs); it asks for the exit this handler raises just below, so it is dropped.
+        self._busy += 1
         try:
             self._restore_now()
         except Exception:
             pass  # close() and atexit retry; the restore file stays until one succeeds
+        finally:
+            self._busy -= 1
+            self._pending_signal = None
+        if self._exit_raised:
+            # A repeat signal while the first one's exit unwinds through cleanup (the sweep writing its
+            # finished levels, close() restoring): raising again would cut that cleanup short and end in a
+            # traceback. The GPUs are back (above); the exit already under way ends the run, and the latch
+            # re-raises it before the next request should a caller have swallowed it.
+            note(signum)
+            return
+        self._exit_raised = True
         note(signum)  # re-raised before the next request should this exit be swallowed
         prev = self._prev_handlers.get(signum)
         if callable(prev) and prev is not signal.default_int_handler:

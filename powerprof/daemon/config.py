@@ -134,6 +134,7 @@ class Key:
     check: Callable = _ident
     reloadable: bool = False
     help: str = ""
+    item: type | None = None  # a list key's element type: what each comma-separated part of its env text is
 
 
 SPEC: dict[str, dict[str, Key]] = {
@@ -148,7 +149,7 @@ SPEC: dict[str, dict[str, Key]] = {
                                  "rows kept in memory per dataset while writes fail; 0 = derived from the memory limit"),
         "listen_beyond_loopback": Key(bool, False, help="allow proxy/metrics listen addresses other than loopback "
                                       "(the proxy has no authentication: firewall it)"),
-        "gpus": Key(list, [], _int_list, help="NVML indexes to sample; empty = all visible"),
+        "gpus": Key(list, [], _int_list, help="NVML indexes to sample; empty = all visible", item=int),
         "log_level": Key(str, "info", _choice("debug", "info", "warning", "error"), True),
         "restore_on_start": Key(bool, True, help="restore limits left by a crashed sweep"),
         "host": Key(str, "", help="the host column of every dataset row; default the machine's host name"),
@@ -179,7 +180,7 @@ SPEC: dict[str, dict[str, Key]] = {
     },
     "metrics": {
         "listen": Key(str, "127.0.0.1:9464", _listen, help="Prometheus /metrics address; empty disables"),
-        "tags": Key(list, [], _str_list, True, "tag label allow-list; others count as 'other'"),
+        "tags": Key(list, [], _str_list, True, "tag label allow-list; others count as 'other'", item=str),
         "max_tags": Key(int, 20, _positive(0, 1000), True, "distinct tag label values before 'other'"),
         "jpt_window_s": Key(float, 60.0, _positive(1, 86400), True, "window of the rolling J/token gauge"),
     },
@@ -205,7 +206,7 @@ def _coerce(section: str, key: str, spec: Key, value: Any, from_env: str | None 
     try:
         if from_env is not None:
             try:
-                value = _from_text(spec.type, value)
+                value = _from_text(spec.type, value, spec.item)
             except ValueError:
                 raise ValueError(f"must be {_EXPECTED[spec.type]}") from None
         if spec.type is float and isinstance(value, int) and not isinstance(value, bool):
@@ -231,7 +232,7 @@ _EXPECTED = {
 }
 
 
-def _from_text(t: type, text: str):
+def _from_text(t: type, text: str, item: type | None = None):
     if t is str:
         return text
     if t is bool:
@@ -246,8 +247,11 @@ def _from_text(t: type, text: str):
     if t is float:
         return float(text)
     if t is list:
+        # By the key's element type, not by the look of each part: a tag label "2024" is text.
         items = [x.strip() for x in text.split(",") if x.strip()]
-        return [int(x) if x.isdigit() else x for x in items]
+        if item is str:
+            return items
+        return [int(x) if x.isdigit() else x for x in items]  # a part that is not one is named by the key's check
     raise ValueError(f"unsupported type {t}")
 
 

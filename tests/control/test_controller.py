@@ -353,6 +353,70 @@ def test_signal_during_a_set_waits_until_the_set_is_complete(originals):
     assert restore_files() == []
 
 
+def test_a_second_ctrl_c_during_the_handlers_restore_does_not_restore_inside_it(originals):
+    # Two Ctrl-Cs within ~10 ms: the second arrived while the first's handler was putting the GPUs back.
+    # It restored again inside that restore (NVML re-entered from a signal handler: a sweep hung on the
+    # simulator's lock, and real GPUs gave a traceback). Now it waits, and the first's exit is the one raised.
+    depth, calls, fired = [0], [], []
+
+    class SecondCtrlCMidRestore(Wrap):
+        def nvmlDeviceSetPowerManagementLimit(self, h, mw):
+            depth[0] += 1
+            try:
+                calls.append((h.index, mw, depth[0]))
+                if mw == int(ORIGINAL_W[h.index] * 1000) and len(calls) > 3 and not fired:
+                    fired.append(True)
+                    signal.raise_signal(signal.SIGINT)  # the second Ctrl-C, in the middle of the restore
+                self.inner.nvmlDeviceSetPowerManagementLimit(h, mw)
+            finally:
+                depth[0] -= 1
+
+    prev = signal.signal(signal.SIGINT, signal.default_int_handler)
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            with door_controller(SecondCtrlCMidRestore(sim()), [0, 1]) as ctl:
+                ctl.set_power_limit_w(200)
+                signal.raise_signal(signal.SIGINT)
+                pytest.fail("the first Ctrl-C did not stop the run")
+    finally:
+        signal.signal(signal.SIGINT, prev)
+    assert fired
+    assert max(d for _, _, d in calls) == 1, calls  # never a set inside a set
+    assert calls[-2:] == [(0, 280000, 1), (1, 300000, 1)]
+    assert_untouched()
+    assert restore_files() == []
+
+
+def test_a_repeat_signal_while_the_exit_unwinds_does_not_cut_the_cleanup_short(originals):
+    # The sweep writes its finished levels while the first Ctrl-C's exit unwinds; a second Ctrl-C there
+    # raised another KeyboardInterrupt in the middle of that write (and past it, a traceback).
+    cleaned = []
+    prev = signal.signal(signal.SIGINT, signal.default_int_handler)
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            with door_controller(sim(), [0, 1]) as ctl:
+                ctl.set_power_limit_w(200)
+                try:
+                    signal.raise_signal(signal.SIGINT)
+                finally:
+                    assert_untouched()  # the first one already put the GPUs back
+                    signal.raise_signal(signal.SIGINT)  # the second, during the cleanup
+                    signal.raise_signal(signal.SIGTERM)  # and a kill meant to hurry it along
+                    cleaned.append(True)
+    finally:
+        signal.signal(signal.SIGINT, prev)
+    assert cleaned == [True]
+    assert_untouched()
+    assert restore_files() == []
+    # The next run of a controller in this process acts on its signals again.
+    with pytest.raises(SystemExit) as ei:
+        with door_controller(sim(), [0]) as ctl:
+            ctl.set_power_limit_w(200)
+            signal.raise_signal(signal.SIGTERM)
+    assert ei.value.code == 128 + signal.SIGTERM
+    assert_untouched()
+
+
 def test_an_ignored_signal_stays_ignored(originals):
     prev = signal.signal(signal.SIGHUP, signal.SIG_IGN)  # as under nohup
     try:
