@@ -460,6 +460,27 @@ def test_a_held_level_goes_up_before_its_judgement_when_the_load_ramps_and_its_p
         assert not ups and tu.level == 200  # steady load: a p95 inside the band does not move a held level
 
 
+@pytest.mark.parametrize("steady_rise", [0.0, 0.8])
+def test_with_steady_rise_ratio_a_held_level_goes_up_at_the_first_tick_past_it_on_a_steady_load(steady_rise):
+    # Tenth attempt: the tick rise without a ramp. The judgements' own ways up are out of reach (as above).
+    tu = Tuner(cfg(hold_growth=10, hold_confirm=50, steady_rise_ratio=steady_rise), 0.0)
+    t, _ = Plant().run(tu, 0, 1500)
+    assert tu.level == 200 and tu.state == "hold"
+    t0 = t
+    for _ in range(20):  # a steady load, p95 at 81% of the SLO: inside the guard, past the band
+        t += 10
+        w = window(t, tu.level, 70.0)
+        tpot = histogram_counts([0.070] * 19 + [0.090])
+        tu.observe(Window(w.t_end_s, w.duration_s, w.level, w.tokens, w.energy_j, w.arrivals, w.requests,
+                          w.prompt_tokens, w.output_tokens, w.ttft_counts, tpot))
+    ups = [d for d in tu.decisions if d.t_s > t0 and d.action == "backoff"]
+    if steady_rise:
+        assert ups and ups[0].from_level == 200 and ups[0].to_level == 250 and "load rising" not in ups[0].reason
+        assert ups[0].t_s - t0 <= 20 and tu.regime.best >= LEVELS.index(250)
+    else:
+        assert not ups and tu.level == 200
+
+
 def test_no_trial_below_while_the_load_ramps_unless_ramp_descend():
     for descend in (False, True):
         # The first judgement (after a 600 s dwell) comes once two trend windows are seen: 1.05 then 1.3 requests/s
@@ -494,7 +515,8 @@ def test_a_back_off_while_the_load_ramps_returns_ramp_restore_above_levels_above
 
 @pytest.mark.parametrize("bad", [dict(rise_ratio=0.5), dict(rise_ratio=1.1), dict(ramp_growth=0.9),
                                  dict(ramp_restore_above=0), dict(trend_s=0), dict(break_restore_above=0),
-                                 dict(drain_s=-1.0), dict(drain_s=math.inf), dict(drain_s=math.nan)])
+                                 dict(drain_s=-1.0), dict(drain_s=math.inf), dict(drain_s=math.nan),
+                                 dict(steady_rise_ratio=0.5), dict(steady_rise_ratio=1.1)])
 def test_ramp_knobs_are_checked(bad):
     with pytest.raises(TunerConfigError, match=next(iter(bad))):
         cfg(**bad)

@@ -57,6 +57,8 @@ class TunerConfig:
     ramp_growth: float = 1.10  # past this the load is ramping (a diurnal rise), and while it ramps:
     rise_ratio: float = 0.8  # a level below the reference (held or measured) goes one up at any tick whose guard-window
     # p95 passes this × SLO: a rising load breaks a held level within minutes, before its next judgement
+    steady_rise_ratio: float = 0.0  # the same tick rise whether or not the load ramps, at this × SLO (0: off; tenth
+    # attempt, docs/tuner.md: a held level below the oracle breaks on a burst between two judgements)
     ramp_restore_above: int = 2  # a guard back-off restores this many levels above the one that broke (else 1)
     ramp_descend: bool = False  # no trial below (a level that passes now fails as the load keeps growing)
     # Tried in the sixth version and left off (docs/tuner.md: no fewer windows beyond the tuning seeds' one):
@@ -142,6 +144,8 @@ class TunerConfig:
             errs.append("tuner.blame_ratio, tuner.hold_growth, tuner.ramp_growth: a ratio in [1, 10]")
         if not self.accept_ratio <= self.rise_ratio <= self.guard_ratio:
             errs.append("tuner.rise_ratio: want accept_ratio ≤ rise_ratio ≤ guard_ratio")
+        if not (self.steady_rise_ratio == 0 or self.accept_ratio <= self.steady_rise_ratio <= self.guard_ratio):
+            errs.append("tuner.steady_rise_ratio: 0 (off) or accept_ratio ≤ steady_rise_ratio ≤ guard_ratio")
         if min(self.max_step, self.min_requests, self.guard_min_requests, self.guard_ticks, self.strikes,
                self.hold_confirm, self.accept_windows, self.ramp_restore_above,
                self.break_restore_above, self.model_min_windows) < 1 \
@@ -563,6 +567,11 @@ class Tuner:
             if growth is not None and growth > self.cfg.ramp_growth:
                 self._rise(w.t_end_s, ratio, growth, out)
                 return out
+        if self.cfg.steady_rise_ratio > 0 and self.state in ("hold", "measure") and ratio is not None \
+                and self.idx < self.ref and ratio > self.cfg.steady_rise_ratio and g.duration_s >= self.cfg.guard_s / 2:
+            # Tenth attempt: a burst takes a held level past the band between two judgements; one level up now.
+            self._rise(w.t_end_s, ratio, None, out)
+            return out
         if self.cfg.model_rise and self.state in ("hold", "measure") and self.idx < self.ref \
                 and w.t_end_s - self.since_s >= self.cfg.guard_s / 2 and self._model_rise(w.t_end_s, out):
             return out
@@ -722,13 +731,15 @@ class Tuner:
         self._enter(self.state, t)
         return True
 
-    def _rise(self, t: float, ratio: float, growth: float, out: list[Decision]) -> None:
-        """A rising load has taken the level's p95 past rise_ratio: one level up now, the regime's best with it."""
+    def _rise(self, t: float, ratio: float, growth: float | None, out: list[Decision]) -> None:
+        """A rising load (or, with growth None, steady_rise_ratio) has taken the level's p95 past rise_ratio: one level
+        up now, the regime's best with it."""
         r = self.regime
         r.best = self.idx + 1 if r.best is None else max(r.best, self.idx + 1)
-        out.append(self._move(t, "backoff", self.idx + 1, f"load rising: work per second ×{growth:.2f} on the "
-                                                          f"{self.cfg.trend_s:g} s before, p95 at {ratio:.0%} of the SLO "
-                                                          f"over the last {self.cfg.guard_s:g} s: one level up"))
+        why = (f"load rising: work per second ×{growth:.2f} on the {self.cfg.trend_s:g} s before, " if growth is not None
+               else "")
+        out.append(self._move(t, "backoff", self.idx + 1, f"{why}p95 at {ratio:.0%} of the SLO over the last "
+                                                          f"{self.cfg.guard_s:g} s: one level up"))
         if self.state == "hold":
             r.converged_t = t
         self._enter(self.state, t)
