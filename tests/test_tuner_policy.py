@@ -481,6 +481,24 @@ def test_with_steady_rise_ratio_a_held_level_goes_up_at_the_first_tick_past_it_o
         assert not ups and tu.level == 200
 
 
+@pytest.mark.parametrize("bar", [False, True])
+def test_with_steady_rise_bar_the_level_a_steady_rise_leaves_is_barred_like_a_back_off(bar):
+    # Eleventh attempt: the rise bars the level it leaves, so the next re-probe does not go below it.
+    tu = Tuner(cfg(hold_growth=10, hold_confirm=50, steady_rise_ratio=0.8, steady_rise_bar=bar), 0.0)
+    t, _ = Plant().run(tu, 0, 1500)
+    assert tu.level == 200 and tu.state == "hold" and LEVELS.index(200) not in tu.regime.bars
+    for _ in range(3):  # p95 at 81% of the SLO: past steady_rise_ratio, inside the guard
+        t += 10
+        w = window(t, tu.level, 70.0)
+        tu.observe(Window(w.t_end_s, w.duration_s, w.level, w.tokens, w.energy_j, w.arrivals, w.requests,
+                          w.prompt_tokens, w.output_tokens, w.ttft_counts, histogram_counts([0.070] * 19 + [0.090])))
+    assert tu.level == 250
+    if bar:
+        assert LEVELS.index(200) in tu.regime.bars and tu.regime.floor > LEVELS.index(200)
+    else:
+        assert LEVELS.index(200) not in tu.regime.bars
+
+
 def test_no_trial_below_while_the_load_ramps_unless_ramp_descend():
     for descend in (False, True):
         # The first judgement (after a 600 s dwell) comes once two trend windows are seen: 1.05 then 1.3 requests/s

@@ -59,6 +59,7 @@ class TunerConfig:
     # p95 passes this × SLO: a rising load breaks a held level within minutes, before its next judgement
     steady_rise_ratio: float = 0.0  # the same tick rise whether or not the load ramps, at this × SLO (0: off; tenth
     # attempt, docs/tuner.md: a held level below the oracle breaks on a burst between two judgements)
+    steady_rise_bar: bool = False  # that rise also bars the level it leaves, as a back-off does (eleventh attempt)
     ramp_restore_above: int = 2  # a guard back-off restores this many levels above the one that broke (else 1)
     ramp_descend: bool = False  # no trial below (a level that passes now fails as the load keeps growing)
     # Tried in the sixth version and left off (docs/tuner.md: no fewer windows beyond the tuning seeds' one):
@@ -570,6 +571,9 @@ class Tuner:
         if self.cfg.steady_rise_ratio > 0 and self.state in ("hold", "measure") and ratio is not None \
                 and self.idx < self.ref and ratio > self.cfg.steady_rise_ratio and g.duration_s >= self.cfg.guard_s / 2:
             # Tenth attempt: a burst takes a held level past the band between two judgements; one level up now.
+            if self.cfg.steady_rise_bar:
+                # Eleventh: barred as a back-off would bar it, so the next re-probe does not go lower than it.
+                self._bar(self.regime, self.idx, w.t_end_s)
             self._rise(w.t_end_s, ratio, None, out)
             return out
         if self.cfg.model_rise and self.state in ("hold", "measure") and self.idx < self.ref \
