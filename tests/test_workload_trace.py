@@ -171,3 +171,29 @@ def test_sweep_trace_writes_a_run_directory_that_analyze_and_export_read(tmp_pat
     a = subprocess.run([sys.executable, "-m", "powerprof.cli", "analyze", str(run), str(other)], capture_output=True,
                        text=True, timeout=300, env=env)
     assert a.returncode != 0 and "differ in traffic" in a.stderr
+
+
+@pytest.mark.parametrize("name, data, where", [
+    # Infinity tokens: an OverflowError traceback from int().
+    ("inftok.jsonl", b'{"t_s": 0, "prompt_tokens": Infinity, "output_tokens": 5}\n', "inftok.jsonl:1"),
+    # 1e12 output tokens: the replay generated for ever; as many prompt tokens built the text in memory.
+    ("hugeout.jsonl", b'{"t_s": 0, "prompt_tokens": 4, "output_tokens": 1e12}\n', "hugeout.jsonl:1"),
+    ("hugein.csv", b"TIMESTAMP,ContextTokens,GeneratedTokens\n0,1000000000000,5\n", "hugein.csv:2"),
+    ("bool.jsonl", b'{"t_s": true, "prompt_tokens": true, "output_tokens": 5}\n', "bool.jsonl:1"),
+    # An empty file read as "not an Azure trace: the header must name ... (got )".
+    ("empty.jsonl", b"", "empty.jsonl: the trace is empty"),
+    ("blank.csv", b"\n  \n", "blank.csv: the trace is empty"),
+])
+def test_a_trace_with_impossible_numbers_or_nothing_in_it_is_refused_clearly(tmp_path, name, data, where):
+    p = tmp_path / name
+    p.write_bytes(data)
+    with pytest.raises(TraceError, match=where.replace(".", r"\.")):
+        read_trace(p)
+
+
+def test_replay_cli_refuses_infinite_tokens_without_a_traceback(tmp_path):
+    bad = tmp_path / "inf.jsonl"
+    bad.write_bytes(b'{"t_s": 0, "prompt_tokens": Infinity, "output_tokens": 5}\n')
+    p = subprocess.run([sys.executable, "-m", "powerprof.cli", "replay", str(bad), "--simulate"],
+                       capture_output=True, text=True, timeout=60)
+    assert p.returncode == 2 and "Traceback" not in p.stderr and "inf.jsonl:1" in p.stderr

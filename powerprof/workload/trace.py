@@ -40,6 +40,9 @@ class TraceRequest:
 
 # A longer span is no trace in seconds (milliseconds or a typo), and its nanoseconds overflow the scheduler.
 MAX_SPAN_S = 1e9
+# More tokens in one request is no model's context (a typo or a unit slip): 1e12 output tokens kept a
+# replay generating for ever, and as many prompt tokens would build the prompt text in memory first.
+MAX_TOKENS = 10_000_000
 
 
 def _finite(t: float) -> float:
@@ -61,9 +64,16 @@ def _when(text: str) -> float:
 
 
 def _positive_int(v, what: str) -> int:
-    n = int(v)
+    if isinstance(v, bool):
+        raise ValueError(f"{what} must be a non-negative integer, got {v!r}")
+    try:
+        n = int(v)
+    except OverflowError:  # Infinity
+        raise ValueError(f"{what} must be a non-negative integer, got {v!r}") from None
     if n < 0 or n != float(v):
         raise ValueError(f"{what} must be a non-negative integer, got {v!r}")
+    if n > MAX_TOKENS:
+        raise ValueError(f"{what} {n} is more than {MAX_TOKENS:,} tokens in one request")
     return n
 
 
@@ -78,6 +88,9 @@ def read_trace(path: str | Path) -> list[TraceRequest]:
         raise TraceError(f"{p}: not a text trace (byte {e.start} is not UTF-8); want an Azure CSV or JSONL") from None
     lines = text.splitlines()
     first = next((ln for ln in lines if ln.strip()), "")
+    if not first:
+        raise TraceError(f"{p}: the trace is empty; want an Azure CSV or JSONL "
+                         "(`powerprof trace OUT.jsonl` writes a synthetic one)")
     out: list[tuple[float, int, int, str | None]] = []
     if first.lstrip().startswith("{"):
         for i, line in enumerate(lines, 1):
@@ -86,6 +99,8 @@ def read_trace(path: str | Path) -> list[TraceRequest]:
             try:
                 d = json.loads(line)
                 t = d["t_s"] if "t_s" in d else d["timestamp"]
+                if isinstance(t, bool):
+                    raise ValueError(f"arrival time {t!r} is not a number of seconds")
                 t = _when(str(t)) if isinstance(t, str) else _finite(float(t))
                 tag = d.get("tag")
                 out.append((t, _positive_int(d["prompt_tokens"], "prompt_tokens"),
