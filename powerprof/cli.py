@@ -564,12 +564,23 @@ def replay(trace_path, url, simulate, launch, api, time_scale, duration_s, tag_h
 @click.option("--prompt-median", type=click.FloatRange(1), default=400.0, show_default=True, help="Median prompt tokens (lognormal).")
 @click.option("--output-median", type=click.FloatRange(1), default=80.0, show_default=True, help="Median output tokens (lognormal).")
 @click.option("--seed", type=int, default=0, show_default=True, help="Random seed (the same seed gives the same trace).")
-def trace_cmd(out_path, n, rate, arrivals, prompt_median, output_median, seed):
+@click.option("--force", is_flag=True, help="Replace OUT.jsonl if it exists (default: refuse, it may be a real trace).")
+def trace_cmd(out_path, n, rate, arrivals, prompt_median, output_median, seed, force):
     """Write a synthetic trace (JSONL) for `replay`: Poisson or bursty arrivals, lognormal lengths."""
     from powerprof.workload.trace import synthetic, write_jsonl
 
+    out = Path(out_path)
+    parent = out.parent if str(out.parent) else Path(".")
+    if out.exists() and not force:
+        raise click.BadParameter(f"{out_path} exists (a trace of yours?); choose another name, or --force to replace it",
+                                 param_hint="OUT.jsonl")
+    if not parent.is_dir():
+        raise click.BadParameter(f"folder {str(parent)!r} does not exist", param_hint="OUT.jsonl")
     tr = synthetic(n, rate, arrivals, prompt_median=prompt_median, output_median=output_median, seed=seed)
-    write_jsonl(tr, out_path)
+    try:
+        write_jsonl(tr, out)
+    except OSError as e:
+        raise click.BadParameter(f"cannot write {out_path}: {e.strerror or e}", param_hint="OUT.jsonl") from None
     click.echo(f"{out_path}: {len(tr)} requests over {tr[-1].t_s:.1f} s")
 
 

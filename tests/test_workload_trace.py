@@ -197,3 +197,32 @@ def test_replay_cli_refuses_infinite_tokens_without_a_traceback(tmp_path):
     p = subprocess.run([sys.executable, "-m", "powerprof.cli", "replay", str(bad), "--simulate"],
                        capture_output=True, text=True, timeout=60)
     assert p.returncode == 2 and "Traceback" not in p.stderr and "inf.jsonl:1" in p.stderr
+
+
+def test_trace_cli_keeps_an_existing_file_and_says_why_it_cannot_write(tmp_path):
+    # It used to overwrite any file named (a user's real trace, `trace` taken for "show the trace"),
+    # and a missing folder was a FileNotFoundError traceback.
+    mine = tmp_path / "mine.jsonl"
+    mine.write_text('{"t_s": 0, "prompt_tokens": 4, "output_tokens": 5}\n')
+    cmd = [sys.executable, "-m", "powerprof.cli", "trace", "--requests", "3"]
+    p = subprocess.run(cmd + [str(mine)], capture_output=True, text=True, timeout=60)
+    assert p.returncode == 2 and "exists" in p.stderr and "--force" in p.stderr
+    assert mine.read_text() == '{"t_s": 0, "prompt_tokens": 4, "output_tokens": 5}\n'
+    p = subprocess.run(cmd + [str(mine), "--force"], capture_output=True, text=True, timeout=60)
+    assert p.returncode == 0 and len(read_trace(mine)) == 3
+    p = subprocess.run(cmd + [str(tmp_path / "no" / "t.jsonl")], capture_output=True, text=True, timeout=60)
+    assert p.returncode == 2 and "Traceback" not in p.stderr and "does not exist" in p.stderr
+
+
+def test_write_jsonl_interrupted_leaves_the_old_file_whole(tmp_path):
+    p = tmp_path / "t.jsonl"
+    p.write_text("old\n")
+
+    class Boom:
+        def __iter__(self):
+            yield synthetic(1, 1.0)[0]
+            raise KeyboardInterrupt
+
+    with pytest.raises(KeyboardInterrupt):
+        write_jsonl(Boom(), p)
+    assert p.read_text() == "old\n" and not list(tmp_path.glob(".t.jsonl*"))

@@ -134,7 +134,10 @@ def read_trace(path: str | Path) -> list[TraceRequest]:
 
 
 def write_jsonl(trace: list[TraceRequest], path: str | Path) -> None:
-    with open(path, "w") as f:
+    """Write `trace` as JSONL atomically: an interrupted write leaves `path` as it was, never half a trace."""
+    from powerprof.storage.atomic import atomic_path  # noqa: PLC0415
+
+    with atomic_path(path) as tmp, open(tmp, "w") as f:
         for r in trace:
             d = {"t_s": round(r.t_s, 6), "prompt_tokens": r.prompt_tokens, "output_tokens": r.output_tokens}
             if r.tag is not None:
