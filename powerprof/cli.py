@@ -175,25 +175,32 @@ def monitor(duration, interval, output, gpus, plain, as_json, rapl_backend, simu
             raise click.ClickException("nothing to monitor")
         for note in mon.interval_notes(src, interval):
             click.echo(f"note: {note}", err=True)
+        from powerprof import termination
+
+        stopped = None
         try:
-            if as_json:
-                mon.run_monitor(src, interval, duration, timeline=timeline,
-                                on_tick=lambda k, rows: click.echo(mon.json_line(k, rows, interval)))
-            elif console.is_terminal and not plain:
-                with Live(console=console, auto_refresh=False) as live:
+            with _signals_raise():  # SIGTERM/SIGHUP (kill, timeout, a closed terminal) keep the samples as Ctrl-C does
+                if as_json:
+                    mon.run_monitor(src, interval, duration, timeline=timeline,
+                                    on_tick=lambda k, rows: click.echo(mon.json_line(k, rows, interval)))
+                elif console.is_terminal and not plain:
+                    with Live(console=console, auto_refresh=False) as live:
+                        mon.run_monitor(
+                            src, interval, duration, timeline=timeline,
+                            on_tick=lambda k, rows: live.update(mon.render(k, rows, interval), refresh=True),
+                        )
+                else:
                     mon.run_monitor(
                         src, interval, duration, timeline=timeline,
-                        on_tick=lambda k, rows: live.update(mon.render(k, rows, interval), refresh=True),
+                        on_tick=lambda k, rows: [click.echo(line) for line in mon.lines(k, rows, interval)],
                     )
-            else:
-                mon.run_monitor(
-                    src, interval, duration, timeline=timeline,
-                    on_tick=lambda k, rows: [click.echo(line) for line in mon.lines(k, rows, interval)],
-                )
         except ValueError as e:  # e.g. an interval too long for the RAPL counters' wrap period
             raise click.UsageError(str(e)) from None
         except KeyboardInterrupt:
             click.echo("interrupted", err=True)  # still write what was sampled
+        except termination.Terminated as e:
+            stopped = e
+            click.echo(_stopped_how(e), err=True)  # still write what was sampled, then exit 128 + signum
         if output is not None:
             meta = {"powerprof_command": "monitor", "simulated": str(rig.simulated).lower(),
                     "gpus": json.dumps([{"index": i.index, "uuid": i.uuid, "name": i.name}
@@ -202,6 +209,8 @@ def monitor(duration, interval, output, gpus, plain, as_json, rapl_backend, simu
             path = write_table(table, output, metadata=meta)
             # Rows, as the file holds them: one read of RAPL gives a row per zone.
             click.echo(f"wrote {table.num_rows} rows ({len(timeline)} reads) to {path}", err=True)
+    if stopped is not None:
+        raise stopped
 
 
 # --- control: power-limit and clock restore ------------------------------------------------

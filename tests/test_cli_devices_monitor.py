@@ -188,3 +188,24 @@ def test_devices_warns_while_a_killed_sweep_left_a_limit_to_restore():
     assert run("restore", "--simulate", "--restore-file", str(rfile)).exit_code == 0
     r = run("devices", "--simulate", "--json")
     assert json.loads(r.output)["restore_note"] is None and json.loads(r.output)["gpus"][0]["power_limit_w"] == 300
+
+
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGHUP])
+def test_monitor_stopped_by_a_signal_still_writes_its_samples(tmp_path, sig):
+    # SIGTERM (kill, `timeout`, systemd) or SIGHUP (a closed terminal) used to end monitor with no
+    # file at all: every sample of the run was lost. Now they are written as on Ctrl-C, then 128 + signum.
+    out = tmp_path / "m.parquet"
+    p = subprocess.Popen([sys.executable, "-m", "powerprof.cli", "monitor", "--simulate", "--plain",
+                          "--interval", "0.1", "--output", str(out)],
+                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        for _ in range(3):
+            assert p.stdout.readline()
+        p.send_signal(sig)
+        _, err = p.communicate(timeout=60)
+    finally:
+        if p.poll() is None:
+            p.kill()
+    assert p.returncode == 128 + sig, err
+    assert "Traceback" not in err and f"stopped by {sig.name}" in err
+    assert pq.read_table(out).num_rows > 0
