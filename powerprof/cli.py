@@ -532,6 +532,8 @@ def replay(trace_path, url, simulate, launch, api, time_scale, duration_s, tag_h
 
     if bool(url) == bool(simulate):
         raise click.UsageError("give exactly one of --server URL or --simulate")
+    if launch and not url:
+        raise click.UsageError("--launch needs --server URL: where the launched server will listen")
     trace = _load_trace(trace_path, time_scale, duration_s)
 
     async def go(base):

@@ -226,3 +226,12 @@ def test_write_jsonl_interrupted_leaves_the_old_file_whole(tmp_path):
     with pytest.raises(KeyboardInterrupt):
         write_jsonl(Boom(), p)
     assert p.read_text() == "old\n" and not list(tmp_path.glob(".t.jsonl*"))
+
+
+def test_replay_launch_without_server_is_a_usage_error(tmp_path):
+    # It was exit 1 (a run failure) after opening the simulated rig; it is a usage error, found first.
+    good = tmp_path / "t.jsonl"
+    write_jsonl(synthetic(2, 10.0, seed=1), good)
+    p = subprocess.run([sys.executable, "-m", "powerprof.cli", "replay", str(good), "--simulate", "--launch", "sleep 100"],
+                       capture_output=True, text=True, timeout=60)
+    assert p.returncode == 2 and "--launch needs --server URL" in p.stderr
