@@ -20,6 +20,20 @@ EXIT_NO_DEVICE = 1  # `devices`: no usable GPU and no RAPL
 JSON_HELP = "Print one JSON object (stable keys) instead of text."
 
 
+class _FloatRange(click.FloatRange):
+    """click.FloatRange that also refuses nan and inf: nan passes every range check (comparisons are
+    false) and reached the commands (`trace --rate nan` wrote NaN arrival times; `monitor --duration
+    inf` was an OverflowError traceback)."""
+
+    def convert(self, value, param, ctx):
+        import math
+
+        rv = super().convert(value, param, ctx)
+        if not math.isfinite(rv):
+            self.fail(f"{value!r} is not a finite number", param, ctx)
+        return rv
+
+
 def simulate_option(f):
     return click.option(
         "--simulate",
@@ -138,9 +152,9 @@ def _print_devices(info):
 
 
 @main.command()
-@click.option("--duration", type=click.FloatRange(min=0, min_open=True), default=None,
+@click.option("--duration", type=_FloatRange(min=0, min_open=True), default=None,
               help="Seconds to run (default: until Ctrl-C).")
-@click.option("--interval", type=click.FloatRange(0.02, 10.0), default=1.0, show_default=True,
+@click.option("--interval", type=_FloatRange(0.02, 10.0), default=1.0, show_default=True,
               help="Seconds between samples (0.02-10, i.e. 50-0.1 Hz).")
 @click.option("--output", type=click.Path(dir_okay=False), default=None,
               help="Also write every sample to FILE.parquet or FILE.csv (samples schema).")
@@ -261,13 +275,13 @@ def restore(simulate: str | None, restore_file: Path | None, force_default: bool
               help="TOML file with a [tuner] section (as root: owned by root, not group/world-writable).")
 @click.option("--levels", default=None, help="Allowed levels, e.g. 180,200,220,240,260,280,300W or 60%,80%,100% (overrides the file).")
 @click.option("--reference", type=float, default=None, help="Reference level (default: the highest).")
-@click.option("--tpot-p95-ms", type=click.FloatRange(min=0, min_open=True), default=None, help="SLO: TPOT p95 in ms.")
-@click.option("--ttft-p95-ms", type=click.FloatRange(min=0, min_open=True), default=None, help="SLO: TTFT p95 in ms.")
+@click.option("--tpot-p95-ms", type=_FloatRange(min=0, min_open=True), default=None, help="SLO: TPOT p95 in ms.")
+@click.option("--ttft-p95-ms", type=_FloatRange(min=0, min_open=True), default=None, help="SLO: TTFT p95 in ms.")
 @click.option("--gpus", callback=_parse_gpus, help="NVML indexes to tune together (default: 0).")
 @click.option("--dry-run", is_flag=True, help="Only recommend: change nothing, record what would be done.")
 @click.option("--out", "out_dir", type=click.Path(file_okay=False, path_type=Path), default=None,
               help="Decisions dataset folder (default: <state dir>/tuner).")
-@click.option("--duration", "duration_s", type=click.FloatRange(min=0, min_open=True), default=None,
+@click.option("--duration", "duration_s", type=_FloatRange(min=0, min_open=True), default=None,
               help="Stop after this many seconds (default: run until SIGTERM/SIGINT).")
 @click.option("--metrics-port", type=click.IntRange(0, 65535), default=None,
               help="Serve the tuner's own /metrics on 127.0.0.1:PORT.")
@@ -389,7 +403,7 @@ _WORKLOAD_OPTIONS = [
                  help="Let llama.cpp reuse cached prompt prefixes."),
     click.option("--seed", type=int, default=42, show_default=True, help="Sampling seed sent with every request."),
     click.option("--keep-text", is_flag=True, help="Store prompt and completion text in windows.parquet (default: not)."),
-    click.option("--launch-timeout", type=click.FloatRange(1), default=300.0, show_default=True,
+    click.option("--launch-timeout", type=_FloatRange(1), default=300.0, show_default=True,
                  help="Seconds to wait for the --launch'ed server's /health."),
 ]
 
@@ -512,9 +526,9 @@ def _load_trace(trace_path, time_scale, duration_s):
 @simulate_option
 @click.option("--launch", metavar="CMD", help="Start the server with CMD, wait for /health, stop it at the end.")
 @click.option("--api", type=click.Choice(API_NAMES), default=None, help="Protocol the requests use (default: detected).")
-@click.option("--time-scale", type=click.FloatRange(min=0, min_open=True), default=1.0, show_default=True,
+@click.option("--time-scale", type=_FloatRange(min=0, min_open=True), default=1.0, show_default=True,
               help="Divide the trace's arrival times by this (2 = twice as fast).")
-@click.option("--duration", "duration_s", type=click.FloatRange(min=0, min_open=True), default=None,
+@click.option("--duration", "duration_s", type=_FloatRange(min=0, min_open=True), default=None,
               help="Replay only the requests arriving in the first this many seconds (after scaling).")
 @click.option("--tag-header", default="X-Powerprof-Tag", show_default=True, help="Header carrying a record's tag.")
 @click.option("--json", "as_json", is_flag=True, help=JSON_HELP)
@@ -569,11 +583,11 @@ def replay(trace_path, url, simulate, launch, api, time_scale, duration_s, tag_h
 @main.command("trace")
 @click.argument("out_path", metavar="OUT.jsonl", type=click.Path(dir_okay=False))
 @click.option("--requests", "n", type=click.IntRange(1), default=1000, show_default=True, help="Requests in the trace.")
-@click.option("--rate", "rate", type=click.FloatRange(min=0, min_open=True), default=5.0, show_default=True, help="Requests per second on average.")
+@click.option("--rate", "rate", type=_FloatRange(min=0, min_open=True), default=5.0, show_default=True, help="Requests per second on average.")
 @click.option("--arrivals", type=click.Choice(["poisson", "bursty"]), default="poisson", show_default=True,
               help="Poisson arrivals, or Poisson bursts of about 8 requests within 50 ms.")
-@click.option("--prompt-median", type=click.FloatRange(1), default=400.0, show_default=True, help="Median prompt tokens (lognormal).")
-@click.option("--output-median", type=click.FloatRange(1), default=80.0, show_default=True, help="Median output tokens (lognormal).")
+@click.option("--prompt-median", type=_FloatRange(1), default=400.0, show_default=True, help="Median prompt tokens (lognormal).")
+@click.option("--output-median", type=_FloatRange(1), default=80.0, show_default=True, help="Median output tokens (lognormal).")
 @click.option("--seed", type=int, default=0, show_default=True, help="Random seed (the same seed gives the same trace).")
 @click.option("--force", is_flag=True, help="Replace OUT.jsonl if it exists (default: refuse, it may be a real trace).")
 def trace_cmd(out_path, n, rate, arrivals, prompt_median, output_median, seed, force):
@@ -758,22 +772,22 @@ def _fraction_option(ctx, param, value):
 @click.option("--max-requests", default=200, show_default=True, type=click.IntRange(2, 100000),
               help="Measured requests per level at most, rounded up to whole rounds of the prompt set (every level "
                    "measures the same prompts).")
-@click.option("--max-time", "max_time_s", default=120.0, show_default=True, type=click.FloatRange(1, 86400), help="Seconds of measuring per level (after warm-up) before it stops even short of --target-ci; the round of prompts in progress still finishes.")
+@click.option("--max-time", "max_time_s", default=120.0, show_default=True, type=_FloatRange(1, 86400), help="Seconds of measuring per level (after warm-up) before it stops even short of --target-ci; the round of prompts in progress still finishes.")
 @click.option("--warmup", default=2, show_default=True, type=click.IntRange(0, 100), help="Warm-up requests per level (discarded).")
-@click.option("--idle-s", default=5.0, show_default=True, type=click.FloatRange(0, 3600), help="Seconds of idle baseline before the first level.")
+@click.option("--idle-s", default=5.0, show_default=True, type=_FloatRange(0, 3600), help="Seconds of idle baseline before the first level.")
 @click.option("--concurrency", default=1, show_default=True, type=click.IntRange(1, 1024),
               help="Requests in flight at once (streams).")
 @_workload_options
-@click.option("--interval", "interval_s", default=1.0, show_default=True, type=click.FloatRange(0.02, 10), help="Sampling interval in seconds.")
+@click.option("--interval", "interval_s", default=1.0, show_default=True, type=_FloatRange(0.02, 10), help="Sampling interval in seconds.")
 @click.option("--out", "out_dir", default=None, type=click.Path(file_okay=False), help="Run directory (default runs/<UTC time>-<gpu>).")
 @click.option("--max-slowdown", default="10%", show_default=True, callback=_max_slowdown_option,
               help="Slowdown budget for the recommendation, vs the reference level (10% or 0.1).")
 @click.option("--dry-run", is_flag=True, help="Validate and print the plan; touch nothing.")
 @click.option("--trace", "trace_path", default=None, type=click.Path(dir_okay=False),
               help="Replay this trace (Azure CSV or JSONL) at each level instead: J/token and latency for that traffic mix.")
-@click.option("--time-scale", type=click.FloatRange(min=0, min_open=True), default=1.0, show_default=True,
+@click.option("--time-scale", type=_FloatRange(min=0, min_open=True), default=1.0, show_default=True,
               help="With --trace: divide its arrival times by this.")
-@click.option("--duration", "duration_s", type=click.FloatRange(min=0, min_open=True), default=None,
+@click.option("--duration", "duration_s", type=_FloatRange(min=0, min_open=True), default=None,
               help="With --trace: replay only the requests arriving in the first this many seconds.")
 def sweep(limits, clocks, url, launch, vary, context_tokens, simulate, gpus, repeats, order, target_ci, target_paired_ci, min_requests, max_requests, max_time_s,
           warmup, idle_s, concurrency, api, max_tokens, prompts_file, prompt_set, prompt_cache, seed, keep_text,

@@ -209,3 +209,16 @@ def test_monitor_stopped_by_a_signal_still_writes_its_samples(tmp_path, sig):
     assert p.returncode == 128 + sig, err
     assert "Traceback" not in err and f"stopped by {sig.name}" in err
     assert pq.read_table(out).num_rows > 0
+
+
+@pytest.mark.parametrize("args", [
+    ["monitor", "--simulate", "--duration", "inf"],  # was an OverflowError traceback
+    ["monitor", "--simulate", "--duration", "nan"],
+    ["monitor", "--simulate", "--interval", "nan"],  # nan passes 0.02 <= x <= 10 (every comparison is false)
+    ["trace", "{tmp}/t.jsonl", "--rate", "nan"],  # wrote a trace of NaN arrival times, exit 0
+    ["replay", "{tmp}/t.jsonl", "--simulate", "--time-scale", "nan"],
+])
+def test_nan_and_inf_are_usage_errors_that_write_nothing(tmp_path, args):
+    r = CliRunner().invoke(main, [a.replace("{tmp}", str(tmp_path)) for a in args])
+    assert r.exit_code == 2 and "is not a finite number" in r.output, r.output
+    assert not (tmp_path / "t.jsonl").exists()
