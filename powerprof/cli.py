@@ -1138,10 +1138,16 @@ def tag_stop(name, socket, config_path, as_json):
         _echo_json({"name": name, **{k: r.get(k) for k in ("duration_s", "gpu_energy_j", "cpu_energy_j",
                                                             "proxy_tokens", "gpu_j_per_token")}})
         return
+    # A figure the daemon did not give (None) is printed as unknown, never as 0 (it read "GPU 0.0 J").
+    def fig(key: str, fmt: str, unit: str) -> str:
+        v = r.get(key)
+        return f"{v:{fmt}} {unit}" if v is not None else f"unknown {unit}"
+
     jpt = r.get("gpu_j_per_token")
     click.echo(
-        f"tag {name}: {r.get('duration_s') or 0:.2f} s, GPU {r.get('gpu_energy_j') or 0:.1f} J, "
-        f"{r.get('proxy_tokens') or 0:.0f} tokens" + (f", {jpt:.3f} J/token" if jpt else "")
+        f"tag {name}: {fig('duration_s', '.2f', 's')}, GPU {fig('gpu_energy_j', '.1f', 'J')}, "
+        f"{fig('proxy_tokens', '.0f', 'tokens')}"
+        + (f", {jpt:.3f} J/token" if jpt is not None else " (no J/token: no tokens were seen through the proxy)")
     )
 
 

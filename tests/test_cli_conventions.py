@@ -236,3 +236,15 @@ def test_config_with_several_errors_reports_all_of_them(tmp_path):
     assert len(e.value.errors) == 5 and msg.startswith("5 config errors")
     r = run("daemon", "--check", "--config", str(p))
     assert r.exit_code == 2 and "daemon.interval_s" in r.output and "proxy.upstrem" in r.output
+
+
+def test_tag_stop_text_prints_a_missing_figure_as_unknown_not_zero(monkeypatch):
+    # The text output did `value or 0`: a window whose energy the daemon could not give read "GPU 0.0 J".
+    import powerprof.daemon.tagapi as tagapi
+
+    monkeypatch.setattr(tagapi, "send_tag", lambda socket, action, name: {
+        "ok": True, "duration_s": 2.0, "gpu_energy_j": None, "proxy_tokens": 0.0, "gpu_j_per_token": None})
+    r = CliRunner().invoke(main, ["tag", "stop", "x", "--socket", "/nonexistent"])
+    assert r.exit_code == 0, r.output
+    assert "0.0 J" not in r.output and "GPU unknown J" in r.output and "2.00 s" in r.output
+    assert "no J/token" in r.output
