@@ -1136,7 +1136,7 @@ def tag_stop(name, socket, config_path, as_json):
     r = _tag_call("stop", name, socket, config_path)
     if as_json:
         _echo_json({"name": name, **{k: r.get(k) for k in ("duration_s", "gpu_energy_j", "cpu_energy_j",
-                                                            "proxy_tokens", "gpu_j_per_token")}})
+                                                            "proxy_tokens", "gpu_j_per_token", "note")}})
         return
     # A figure the daemon did not give (None) is printed as unknown, never as 0 (it read "GPU 0.0 J").
     def fig(key: str, fmt: str, unit: str) -> str:
@@ -1147,8 +1147,11 @@ def tag_stop(name, socket, config_path, as_json):
     click.echo(
         f"tag {name}: {fig('duration_s', '.2f', 's')}, GPU {fig('gpu_energy_j', '.1f', 'J')}, "
         f"{fig('proxy_tokens', '.0f', 'tokens')}"
-        + (f", {jpt:.3f} J/token" if jpt is not None else " (no J/token: no tokens were seen through the proxy)")
+        + (f", {jpt:.3f} J/token" if jpt is not None else
+           "" if r.get("note") else " (no J/token: no tokens were seen through the proxy)")
     )
+    if r.get("note"):
+        click.echo(f"note: {r['note']}", err=True)
 
 
 @tag_group.command("list")

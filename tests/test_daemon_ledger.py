@@ -558,3 +558,24 @@ def test_a_count_less_stream_the_server_counted_more_of_says_so_on_its_row():
     assert row["attributed_tokens"] == 10.0 and row["tokens_estimated"] is True
     assert row["error"] is not None and "ran 15 token(s) ahead of the proxy's" in row["error"]
     assert "unproxied" in row["error"]
+
+
+def test_tag_stop_answers_unknown_energy_while_the_window_is_not_final():
+    # tag_stop waits a few sample intervals for the window to close; past that it answered the sums
+    # so far (0.0 J with no sample after the edge) as the window's energy. Now None, with a note.
+    import asyncio
+    from types import SimpleNamespace
+
+    from powerprof.daemon.service import Daemon
+
+    led = Ledger("d", 0, 1, Sink(), grace_s=0.1)
+    S = 1_000_000_000
+
+    async def edge(label):
+        return (5 * S if "stop" in label else 1 * S), 0
+
+    fake = SimpleNamespace(ledger=led, _edge=edge, cfg=SimpleNamespace(get=lambda sec, key: 0.01))
+    asyncio.run(Daemon.tag_start(fake, "x"))
+    out = asyncio.run(Daemon.tag_stop(fake, "x"))
+    assert out["gpu_energy_j"] is None and out["gpu_j_per_token"] is None and "not final" in out["note"]
+    assert out["duration_s"] == pytest.approx(4.0)
