@@ -722,12 +722,14 @@ def export(src, fmt, time_from, time_to, columns, tz, out):
 
     SRC: one or more run directories, daemon data folders (several nodes' export as one table
     each, rows carry `host`), .parquet files, globs, or URIs (s3://, gs://, abfs://, file://)."""
-    from powerprof.analysis.export import ExportError, export as run_export
+    from powerprof.analysis.export import ExportError, ExportUsageError, export as run_export
 
     cols = [c.strip() for c in columns.split(",") if c.strip()] if columns else None
     notes: list[str] = []
     try:
         paths = run_export(list(src), fmt, out, time_from, time_to, cols, tz, notes=notes)
+    except ExportUsageError as e:  # an option as given cannot be used: exit 2, as click's own option errors
+        raise click.UsageError(str(e)) from None
     except ExportError as e:
         raise click.ClickException(str(e)) from None
     for p in paths:

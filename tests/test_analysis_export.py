@@ -299,3 +299,19 @@ def test_export_of_a_run_stopped_before_its_first_level_says_so(tmp_path):
     assert f"{run}: a powerprof run with no finished level (stopped before its first level ended; started" in r.output
     assert "nothing to export. Rerun the sweep" in r.output and "no Parquet tables found" not in r.output
     assert not (tmp_path / "b").exists()
+
+
+@pytest.mark.parametrize("args", [
+    ["--from", "last tuesday"],
+    ["--from", "2026-01-16", "--to", "2026-01-15"],
+    ["--columns", "power_kw"],
+    ["--tz", "Mars/Olympus"],
+])
+def test_cli_export_option_errors_are_usage_errors_exit_2(run, tmp_path, args):
+    # They exited 1, as a failed export does; a bad option is a usage error (2), as click's own are.
+    out = tmp_path / "out"
+    r = CliRunner().invoke(main, ["export", str(run), "--format", "csv", "--out", str(out)] + args)
+    assert r.exit_code == 2 and "Traceback" not in r.output, r.output
+    assert not out.exists()
+    r = CliRunner().invoke(main, ["export", "/nonexistent", "--format", "csv", "--out", str(out)])
+    assert r.exit_code == 1

@@ -46,6 +46,12 @@ class ExportError(ValueError):
     """Bad input to an export: the message says what and how to fix it."""
 
 
+class ExportUsageError(ExportError):
+    """An option value that cannot be used (time zone, time, columns, format): a usage error, exit 2.
+
+    An --out path it cannot use stays an ExportError (exit 1), like a failed write."""
+
+
 @dataclass(frozen=True)
 class Source:
     name: str  # table name: samples, windows, levels, requests...
@@ -71,7 +77,7 @@ def _check_tz(name: str) -> ZoneInfo:
     try:
         return ZoneInfo(name)
     except (ZoneInfoNotFoundError, ValueError):
-        raise ExportError(f"unknown time zone {name!r}: give an IANA name such as Europe/Berlin or UTC") from None
+        raise ExportUsageError(f"unknown time zone {name!r}: give an IANA name such as Europe/Berlin or UTC") from None
 
 
 def parse_time(text: str | None, tz: str) -> datetime | None:
@@ -81,7 +87,7 @@ def parse_time(text: str | None, tz: str) -> datetime | None:
     try:
         t = datetime.fromisoformat(text.strip().replace("Z", "+00:00"))
     except ValueError:
-        raise ExportError(f"cannot read {text!r} as an ISO 8601 time (e.g. 2026-01-15 or 2026-01-15T12:00:00Z)") from None
+        raise ExportUsageError(f"cannot read {text!r} as an ISO 8601 time (e.g. 2026-01-15 or 2026-01-15T12:00:00Z)") from None
     if t.tzinfo is None:
         t = t.replace(tzinfo=_check_tz(tz))
     return t.astimezone(timezone.utc)
@@ -291,7 +297,7 @@ def _plan(sources: list[Source], columns: list[str] | None) -> dict[str, list[st
         unknown = [c for c in columns if not any(c in cols for cols in plan.values())]
         if unknown:
             avail = sorted({n for s in sources for n in s.dataset.schema.names})
-            raise ExportError(f"unknown column(s) {', '.join(unknown)}; available: {', '.join(avail)}")
+            raise ExportUsageError(f"unknown column(s) {', '.join(unknown)}; available: {', '.join(avail)}")
     return {k: v for k, v in plan.items() if v}
 
 
@@ -304,12 +310,12 @@ def export(src, fmt: str, out=None, time_from: str | None = None, time_to: str |
     (daemon datasets of several nodes: their rows carry `host`). `notes` (when given) receives what
     the reader must know, e.g. tables that --from/--to cannot filter."""
     if fmt not in FORMATS:
-        raise ExportError(f"unknown format {fmt!r}; choose one of: {', '.join(FORMATS)}")
+        raise ExportUsageError(f"unknown format {fmt!r}; choose one of: {', '.join(FORMATS)}")
     tz = tz or local_tz_name()
     _check_tz(tz)
     t_from, t_to = parse_time(time_from, tz), parse_time(time_to, tz)
     if t_from and t_to and t_from >= t_to:
-        raise ExportError(f"--from ({time_from}) must be before --to ({time_to})")
+        raise ExportUsageError(f"--from ({time_from}) must be before --to ({time_to})")
     srcs = expand(src)
     sources = union_sources([find_sources(s) for s in srcs])
     if notes is not None:
