@@ -652,7 +652,7 @@ def _formats_option(ctx, param, value):
                    "for daemon datasets, the folder for fleet.parquet (default: none written).")
 @click.option("--max-slowdown", default="10%", show_default=True, callback=_max_slowdown_option,
               help="Slowdown budget for the recommended limit, vs the reference level (10% or 0.1).")
-@click.option("--eta", type=float, default=0.5, show_default=True,
+@click.option("--eta", type=_FloatRange(0, 1), default=0.5, show_default=True,
               help="Weight of energy in the weighted-cost policy eta*E + (1-eta)*Pmax/T (1: energy only).")
 @click.option("--format", "formats", default="md,html", show_default=True, callback=_formats_option,
               help="Report formats: md, html or both.")

@@ -217,6 +217,7 @@ def test_monitor_stopped_by_a_signal_still_writes_its_samples(tmp_path, sig):
     ["monitor", "--simulate", "--interval", "nan"],  # nan passes 0.02 <= x <= 10 (every comparison is false)
     ["trace", "{tmp}/t.jsonl", "--rate", "nan"],  # wrote a trace of NaN arrival times, exit 0
     ["replay", "{tmp}/t.jsonl", "--simulate", "--time-scale", "nan"],
+    ["analyze", "{tmp}", "--eta", "nan"],  # was a ValueError from the policy after the runs were read (exit 1)
 ])
 def test_nan_and_inf_are_usage_errors_that_write_nothing(tmp_path, args):
     r = CliRunner().invoke(main, [a.replace("{tmp}", str(tmp_path)) for a in args])
