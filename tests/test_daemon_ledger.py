@@ -361,23 +361,23 @@ def _vllm_stream(chunks: int, usage_tokens: int) -> bytes:
     return b"".join(out) + b"data: [DONE]\n\n"
 
 
-def test_a_stream_counted_per_chunk_takes_the_servers_final_count_and_leaves_nothing_unproxied():
-    # 10 chunks, 25 tokens (speculative decoding: 2.5 a chunk), the usage-only chunk at 2.6 s; the
-    # server's counter, scraped every 0.25 s while the stream runs, counts each chunk's tokens as it
-    # sends it. Before: the request was attributed 10 tokens and the other 15 (and their energy)
-    # went to `unproxied`, as if they had bypassed the proxy.
+def _play_speculative_stream(with_usage: bool, end_s: float):
+    """A streamed completion of 10 chunks, 25 tokens (speculative decoding: 2.5 a chunk) from 1 s, 0.15 s apart, its
+    usage-only chunk kept or left out, through a ledger whose scraper (every 0.25 s) sees the server count each
+    chunk's tokens as it sends it; closed at `end_s` + 0.2 s. (sink, trace, tokens the proxy counted, what on_end
+    returned)."""
     from powerprof.daemon import streams
     parser = streams.new_parser("openai-completions")
     sink = Sink()
     led = Ledger("d", 0, 1, sink, grace_s=0.1)
     tr = RequestTrace(1, "POST", "/v1/completions", "t", int(0.9 * S), 0, api="openai-completions", stream=True)
     led.on_start(tr)
-    events = [e + b"\n\n" for e in _vllm_stream(10, 25).split(b"\n\n") if e]
+    events = [e + b"\n\n" for e in _vllm_stream(10, 25).split(b"\n\n") if e and (with_usage or b'"usage"' not in e)]
     ev_at = [int((1.0 + 0.15 * i) * S) for i in range(len(events))]
     _feed(led, 0.0, 0.0)
     led.add_server_tokens(int(0.5 * S), 0.0)  # the scraper runs from the start
     prev, served, seen, added = int(0.5 * S), 0.0, 0, None
-    for step in range(11, 81):  # 0.55 s ... 4.0 s
+    for step in range(11, int(end_s * 20) + 1):  # every 50 ms from 0.55 s
         now = step * S // 20
         while events and ev_at[0] <= now:
             t, ev = ev_at.pop(0), events.pop(0)
@@ -392,14 +392,23 @@ def test_a_stream_counted_per_chunk_takes_the_servers_final_count_and_leaves_not
                 tr.end_ns = t
                 tr.counts = streams.summary_counts(parser.finish())
                 added = led.on_end(tr)
-        if step % 5 == 0:  # every 0.25 s: the server counted each chunk's 2.5 tokens as it sent it
+        if step % 5 == 0:
             n = 2.5 * sum(1 for i in range(10) if 1.0 + 0.15 * i - 0.01 <= now / S)
             led.add_server_tokens(now, n - served, prev)
             prev, served = now, n
         if step % 20 == 0:
             _feed(led, now / S, 100.0 * now / S)
         led.advance(now)
-    led.close_all(int(4.2 * S))
+    led.close_all(int((end_s + 0.2) * S))
+    return sink, tr, seen, added
+
+
+def test_a_stream_counted_per_chunk_takes_the_servers_final_count_and_leaves_nothing_unproxied():
+    # 10 chunks, 25 tokens (speculative decoding: 2.5 a chunk), the usage-only chunk at 2.6 s; the
+    # server's counter, scraped every 0.25 s while the stream runs, counts each chunk's tokens as it
+    # sends it. Before: the request was attributed 10 tokens and the other 15 (and their energy)
+    # went to `unproxied`, as if they had bypassed the proxy.
+    sink, tr, seen, added = _play_speculative_stream(with_usage=True, end_s=4.0)
     assert seen == 10 and tr.counts.generated_tokens == 25 and tr.counts.tokens_estimated
     (row,) = sink.rows["requests"]
     assert row["attributed_tokens"] == 25.0 and row["generated_tokens"] == 25
@@ -521,39 +530,7 @@ def test_a_count_less_stream_the_server_counted_more_of_says_so_on_its_row():
     # The same stream without its usage chunk (`include_usage` not asked for): 10 chunks, 25 tokens by
     # the server's counter. Before: the row said 10 tokens, tokens_estimated and nothing more, while the
     # server's counter had shown the proxy's count low all along; now the row says by how much.
-    from powerprof.daemon import streams
-    parser = streams.new_parser("openai-completions")
-    sink = Sink()
-    led = Ledger("d", 0, 1, sink, grace_s=0.1)
-    tr = RequestTrace(1, "POST", "/v1/completions", "t", int(0.9 * S), 0, api="openai-completions", stream=True)
-    led.on_start(tr)
-    events = [e + b"\n\n" for e in _vllm_stream(10, 25).split(b"\n\n") if e and b'"usage"' not in e]
-    ev_at = [int((1.0 + 0.15 * i) * S) for i in range(len(events))]
-    _feed(led, 0.0, 0.0)
-    led.add_server_tokens(int(0.5 * S), 0.0)
-    prev, served = int(0.5 * S), 0.0
-    for step in range(11, 121):  # 0.55 s ... 6.0 s
-        now = step * S // 20
-        while events and ev_at[0] <= now:
-            t, ev = ev_at.pop(0), events.pop(0)
-            n = parser.count(ev)
-            if n:
-                tr.first_ns = tr.first_ns or t
-                tr.last_ns = t
-                tr.tokens_seen += n
-                led.on_tokens(tr, t, n)
-            if not events:
-                tr.end_ns = t
-                tr.counts = streams.summary_counts(parser.finish())
-                led.on_end(tr)
-        if step % 5 == 0:
-            n = 2.5 * sum(1 for i in range(10) if 1.0 + 0.15 * i - 0.01 <= now / S)
-            led.add_server_tokens(now, n - served, prev)
-            prev, served = now, n
-        if step % 20 == 0:
-            _feed(led, now / S, 100.0 * now / S)
-        led.advance(now)
-    led.close_all(int(6.2 * S))
+    sink, _tr, _seen, _added = _play_speculative_stream(with_usage=False, end_s=6.0)
     (row,) = sink.rows["requests"]
     assert row["attributed_tokens"] == 10.0 and row["tokens_estimated"] is True
     assert row["error"] is not None and "ran 15 token(s) ahead of the proxy's" in row["error"]
