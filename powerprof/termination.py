@@ -38,8 +38,10 @@ def raise_if_terminated() -> None:
         raise Terminated(_noted[0])
 
 
-# The run-ending signals a handler of ours (the launcher's, the limit controller's) may be set for.
-_RUN_SIGNALS = (signal.SIGTERM, signal.SIGHUP, signal.SIGUSR1)
+# The run-ending signals a handler of ours (the launcher's, the limit controller's) may be set for. SIGINT too: its
+# KeyboardInterrupt raised inside a task's step ended the loop with the main task's exception never retrieved
+# (asyncio printed "Task exception was never retrieved" and a traceback on a Ctrl-C mid-sweep, seen in CI).
+_RUN_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGUSR1)
 
 
 def run(coro):
