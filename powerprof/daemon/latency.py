@@ -3,7 +3,7 @@
 Cumulative counters only (Prometheus histograms), so any reader can take the difference of two
 scrapes and get the distribution of the requests that finished in between: `powerprof tune`
 reads its windows' TTFT p95, TPOT p95 and length mix that way (docs/tuner.md). Fixed buckets:
-latency at 2^(1/3) steps from 1 ms to 128 s (a quantile read from them is within ±13% of the
+latency at 2^(1/3) steps from 1 ms to 131 s (a quantile read from them is within ±13% of the
 truth), token counts at powers of two.
 """
 
@@ -13,7 +13,7 @@ import bisect
 import math
 from dataclasses import dataclass
 
-LATENCY_EDGES_S: tuple[float, ...] = tuple(round(0.001 * 2 ** (k / 3), 9) for k in range(52))  # 1 ms … 128 s
+LATENCY_EDGES_S: tuple[float, ...] = tuple(round(0.001 * 2 ** (k / 3), 9) for k in range(52))  # 1 ms … 131 s (2^17 ms)
 TOKEN_EDGES: tuple[float, ...] = tuple(float(2**k) for k in range(18))  # 1 … 131072 tokens
 
 
