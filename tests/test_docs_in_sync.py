@@ -174,3 +174,30 @@ def test_links_between_the_docs_resolve(page):
         assert dest.exists(), f"{page.name} links to {target}, which does not exist"
         if anchor and dest.suffix == ".md":
             assert anchor in _anchors(dest), f"{page.name} links to {target}: no such heading in {dest.name}"
+
+
+# --- dependencies.md: exactly pyproject's dependencies, each with its reason --------------------------
+
+
+def _requirement_names(reqs: list[str]) -> set[str]:
+    return {re.match(r"[A-Za-z0-9_.-]+", r).group(0).lower() for r in reqs}
+
+
+def test_dependencies_md_lists_exactly_pyprojects_dependencies():
+    import sys
+
+    if sys.version_info >= (3, 11):
+        import tomllib
+    else:  # pragma: no cover
+        import tomli as tomllib
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+    page = (DOCS / "dependencies.md").read_text()
+    table = {}
+    for cells in _table(page.splitlines()):
+        for name in cells[0].split(","):
+            table[re.match(r"\s*([A-Za-z0-9_.-]+)", name).group(1).lower()] = cells[1]
+    assert set(table) == _requirement_names(project["dependencies"]), "dependencies.md's table and pyproject differ"
+    assert all(len(why) > 10 for why in table.values()), "every dependency says why it is there"
+    test_only = page.split("Test-only:", 1)[1].lower()
+    for name in _requirement_names(project["optional-dependencies"]["test"]):
+        assert name in test_only, f"test dependency {name} is not explained in dependencies.md"
