@@ -206,7 +206,7 @@ DAEMON_REQUESTS_COLUMNS = [
     ("stream", BOOL),
     ("tag", STR),  # client tag header, truncated to 128 characters
     ("status", I32),  # HTTP status sent to the client
-    ("outcome", STR),  # ok | client_disconnected | upstream_error | upstream_unreachable | interrupted
+    ("outcome", STR),  # ok | client_disconnected | upstream_error | upstream_unreachable | invalid_response | ... (data.md)
     ("error", STR),
     ("prompt_tokens", I32),
     ("generated_tokens", I32),
