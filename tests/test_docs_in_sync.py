@@ -201,3 +201,25 @@ def test_dependencies_md_lists_exactly_pyprojects_dependencies():
     test_only = page.split("Test-only:", 1)[1].lower()
     for name in _requirement_names(project["optional-dependencies"]["test"]):
         assert name in test_only, f"test dependency {name} is not explained in dependencies.md"
+
+
+# --- daemon.md: figures that follow from constants --------------------------------------------------
+
+
+def test_work_model_maturity_is_stated_as_the_code_has_it():
+    from powerprof.daemon.workmodel import MIN_BUSY, MIN_R2, WINDOW
+
+    text = " ".join((DOCS / "daemon.md").read_text().split())
+    assert f"at least {MIN_BUSY} busy intervals in the window, R² ≥ {MIN_R2:g}" in text
+    assert f"over the last {WINDOW} intervals" in text
+
+
+def test_buffer_cap_under_the_shipped_unit_is_the_one_daemon_md_gives():
+    from powerprof.daemon.service import datasets
+    from powerprof.daemon.store import MAX_BUFFERED_ROWS, buffer_cap_rows
+
+    unit = (ROOT / "systemd" / "powerprof.service").read_text()
+    memory_max_mib = int(re.search(r"^MemoryMax=(\d+)M$", unit, re.M).group(1))
+    cap = buffer_cap_rows(memory_max_mib << 20, len(datasets()))
+    text = " ".join((DOCS / "daemon.md").read_text().split())
+    assert f"i.e. {cap} rows per dataset under the shipped unit, {MAX_BUFFERED_ROWS} without a limit" in text
