@@ -223,3 +223,12 @@ def test_buffer_cap_under_the_shipped_unit_is_the_one_daemon_md_gives():
     cap = buffer_cap_rows(memory_max_mib << 20, len(datasets()))
     text = " ".join((DOCS / "daemon.md").read_text().split())
     assert f"i.e. {cap} rows per dataset under the shipped unit, {MAX_BUFFERED_ROWS} without a limit" in text
+
+
+@pytest.mark.parametrize("page", _PAGES, ids=lambda p: p.name)
+def test_files_the_docs_name_exist(page):
+    """A `powerprof/daemon/store.py`, `daemon/store.py`, `bench/x.py` or `tests/y.py` a page names is there."""
+    areas = "powerprof|bench|tests|daemon|sim|collectors|control|storage|analysis|workload|tuner"
+    named = re.findall(rf"`((?:{areas})/(?:[\w.-]+/)*[\w.-]+\.(?:py|sh)|systemd/[\w.-]+)`", page.read_text())
+    for rel in named:
+        assert (ROOT / rel).exists() or (ROOT / "powerprof" / rel).exists(), f"{page.name} names {rel}, which is not there"
