@@ -46,12 +46,29 @@ def epoch_broken(t_ns: np.ndarray, epoch: np.ndarray, t0_ns, t1_ns) -> np.ndarra
     return ep[i] != ep[j]
 
 
+def counter_went_back(t_ns: np.ndarray, e_j: np.ndarray, t0_ns, t1_ns) -> bool:
+    """Whether the counter fell anywhere between the reads used for [t0, t1] (see `epoch_broken`).
+
+    A reset (driver reload) loses the energy between the last read before it and the reset, and a
+    counter that steps back a little would, unwrapped, jump forward by everything it had counted:
+    a difference across either is a wrong number, so such a window has no counter energy."""
+    t = np.asarray(t_ns, dtype=np.int64)
+    if t.size < 2:
+        return False
+    i = int(np.clip(np.searchsorted(t, t0_ns, side="right") - 1, 0, t.size - 1))
+    j = int(np.clip(np.searchsorted(t, t1_ns, side="left"), 0, t.size - 1))
+    return bool(j > i and (np.diff(np.asarray(e_j, dtype=float)[i : j + 1]) < 0).any())
+
+
 def counter_energy_j(t_ns: np.ndarray, e_j: np.ndarray, t0_ns: int, t1_ns: int, epoch: np.ndarray | None = None) -> float:
     """Energy between two instants from a cumulative counter read at (or around) them.
 
-    NaN across an epoch break (see `epoch_broken`) when the reads carry an epoch.
+    NaN across an epoch break (see `epoch_broken`) when the reads carry an epoch, and where the
+    counter fell between the reads used (`counter_went_back`).
     """
     if epoch is not None and np.size(t_ns) and epoch_broken(t_ns, epoch, t0_ns, t1_ns):
+        return float("nan")
+    if counter_went_back(t_ns, e_j, t0_ns, t1_ns):
         return float("nan")
     e = unwrap_resets(e_j)
     return interp_at(t_ns, e, t1_ns) - interp_at(t_ns, e, t0_ns)

@@ -439,7 +439,8 @@ class Sweep:
                 "requested_limit_w": requested,
                 "enforced_limit_w": enforced,
                 "locked_sm_clock_mhz": float(value) if self.s.level_kind == "sm_clock" else None,
-                "avg_gpu_power_w": avg_w,
+                # avg_gpu_power_w stays the windows' median (docs/data.md), as analysis.parquet has it:
+                # the energy-weighted mean above only feeds the cap rule.
                 "avg_cpu_power_w": sum(c) / dc if c and dc > 0 else None,
                 "sm_clock_mhz": st.get("sm_clock_mhz"),
                 "mem_clock_mhz": st.get("mem_clock_mhz"),

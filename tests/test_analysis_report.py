@@ -17,7 +17,7 @@ from PIL import Image
 from powerprof.analysis import plots
 from powerprof.analysis.loading import AnalysisError, read_run_info
 from powerprof.analysis.report import analyze_run, console_summary
-from synthetic_runs import bowl_truth, make_run, seed_truth
+from synthetic_runs import Truth, bowl_truth, make_run, seed_truth
 from support import stopped_before_first_level
 from powerprof.cli import main
 from powerprof.storage.schema import ANALYSIS
@@ -88,8 +88,8 @@ def test_warnings_name_the_problem_and_the_fix(seed_result):
     _, res = seed_result
     kinds = {w.kind: w for w in res.warnings}
     assert "180 W" in kinds["thermal"].message
-    assert "160 W" in kinds["edge"].message  # least J/token at the lowest level: measure below it
-    assert kinds["between-levels"].levels  # budget optimum lies between 180 and 220 on the curve
+    # The thermal 180 W is left out of the interpolation too: no optimum is placed on its figures.
+    assert all(v >= 220 for w in res.warnings if w.kind == "between-levels" for v in w.levels)
     text = console_summary(res)
     assert "Recommended limit: 220 W" in text and "thermal" in text
 
@@ -112,6 +112,8 @@ def test_runs_of_the_same_gpu_pool_their_requests(tmp_path):
     rows = res.table.to_pylist()
     assert all(r["n_requests"] == 22 and r["n_runs"] == 2 for r in rows)
     assert rows[0]["run_id"] == "synthetic-1+synthetic-2"
+    between = [w for w in res.warnings if w.kind == "between-levels" and w.message.startswith("budget")]
+    assert between and 180 < between[0].levels[0] < 220  # the budget's optimum lies between 180 and 220 W
 
 
 def test_cli_analyze_takes_a_glob_of_runs_and_pools_them(tmp_path):
@@ -269,6 +271,8 @@ def test_the_reference_recommended_is_not_compared_with_itself(tmp_path):
     line = next(x for x in r.output.splitlines() if x.startswith("Recommended limit"))
     assert line.startswith("Recommended limit: 300 W, the reference (") and "0.0% slower" not in line
     assert "every lower level is slower than the budget allows (260 W: " in line
+    edge = next(x for x in r.output.splitlines() if x.startswith("! edge:"))
+    assert "160 W" in edge  # least J/token at the lowest level: measure below it
 
 
 def test_ctrl_c_in_analyze_says_it_was_interrupted(tmp_path, monkeypatch):
@@ -473,3 +477,46 @@ def test_html_report_shows_plots_full_width_and_the_footnotes(seed_result):
     assert h.escape(footnote) in html
     assert "statistics and policies: docs/analysis.md" in html
     assert Image.open(run / "analysis" / "j_per_token.png").size[0] >= 900  # drawn for the width it is shown at
+
+
+def test_a_thermally_throttled_level_is_never_chosen_and_every_output_names_it(seed_result):
+    # 180 W throttled for heat: its low J/token is the heat's doing, not the limit's, yet min_energy,
+    # edp and weighted chose it (warned about in a line below, but chosen).
+    run, res = seed_result
+    sr = res.main
+    assert all(c.level_value != 180 for c in sr.choices.values()), {p: c.level_value for p, c in sr.choices.items()}
+    assert sr.recommendation.left_out == {180.0: "thermal throttling"}
+    said = "Never chosen, whatever their figures: 180 W (thermal throttling)."
+    out = run / "analysis"
+    assert said in console_summary(res) and said in (out / "report.md").read_text()
+    assert said in (out / "report.html").read_text()
+    rec = json.loads((out / "analysis.json").read_text())["recommendation"]
+    assert rec["left_out"] == [{"level_value": 180.0, "why": "thermal throttling"}]
+    df = pd.read_parquet(out / "analysis.parquet").set_index("level_value")
+    assert pd.isna(df.loc[180.0, "chosen_by"]) and "thermal" in df.loc[180.0, "flags"]
+
+
+def test_an_interrupted_level_is_never_recommended(tmp_path):
+    # The sweep stopped while measuring 220 W, the level the budget picks on this card: its part-round
+    # figures were recommended with an 'interrupted' warning below them.
+    run = make_run(tmp_path / "run", seed_truth(), levels=SEED_LEVELS, n_requests=12)
+    meta = json.loads((run / "run.json").read_text())
+    (run / "run.json").write_text(json.dumps({**meta, "levels_done": [[float(v), 0] for v in SEED_LEVELS if v != 220]}))
+    res = analyze_run([run], tmp_path / "a", n_boot=200, plots=False)
+    assert res.recommendation.level_value == 260 and all(c.level_value != 220 for c in res.main.choices.values())
+    assert "220 W (interrupted)" in console_summary(res)
+
+
+def test_a_limit_that_never_bound_below_the_reference_is_not_recommended_as_a_saving(tmp_path):
+    # An H200-like card draws ~284 W whatever the limit from 400 W up: 400-600 W differ from 700 W by
+    # noise only, and the budget policy recommended whichever had the lowest noise ("1% less energy").
+    flat = Truth(tok_s=lambda L: np.full(np.shape(L), 150.0), power_w=lambda L: np.full(np.shape(L), 284.0),
+                 sm_clock_mhz=lambda L: np.full(np.shape(L), 1980.0), gpu_name="Flat GPU", min_limit_w=200.0,
+                 max_limit_w=700.0, default_limit_w=700.0)
+    run = make_run(tmp_path / "run", flat, levels=(400, 500, 600, 700), n_requests=20, noise=0.02, seed=3)
+    res = analyze_run([run], tmp_path / "a", n_boot=200, plots=False)
+    assert all(r["cap_not_engaged"] for r in res.table.to_pylist())
+    assert res.recommendation.level_value == 700
+    line = console_summary(res)
+    assert "Recommended limit: 700 W, the reference" in line and "every other level is left out" in line
+    assert "400 W (cap not engaged)" in line

@@ -221,3 +221,35 @@ def test_resample_medians_by_rank_equal_numpy_medians(n):
     idx[1] = np.argmax(v)
     idx[2, : n // 2 + 1] = np.argmax(v)
     assert np.array_equal(ranks.row_medians(idx), np.median(v[idx], axis=1))
+
+
+def test_a_reference_with_no_figures_gives_way_to_the_highest_level_that_has_them():
+    # Every request at 300 W (the default limit) failed: every loss and saving against it was NaN, and
+    # the budget policy, finding no level within the budget, "recommended" the lowest level (200 W).
+    from powerprof.analysis.analyze import reference_findings
+    from powerprof.analysis.sweetspot import PolicyParams, choose
+
+    rows = [r for r in _rounds() if r["level_value"] != 300.0] + [_req(300, 1e3, 1e-3, status="failed")]
+    s = level_series(_windows(rows), 300.0, n_boot=300)[0]
+    assert s.reference_value == 250.0
+    c = choose(s, "budget", PolicyParams(max_slowdown=0.10, p_max_w=300.0))
+    # 200 W against 250 W: 12% and 8% below 300 W, so 4.3% slower, within the budget.
+    assert c.level_value == 200.0 and c.speed_loss_pct == pytest.approx(100 * (1 - 0.88 / 0.92), abs=0.5)
+    f = reference_findings(s, 300.0)
+    assert f and "300 W, the default limit, has no measured figures" in f[0].message and "against 250 W" in f[0].message
+    t = {r["level_value"]: r for r in summarize_levels(_windows(rows), 300.0, n_boot=300).to_pylist()}
+    assert t[250.0]["reference"] and np.isfinite(t[200.0]["speed_loss_pct"])
+
+
+def test_a_level_without_figures_does_not_make_every_choice_certain():
+    # A level whose every request failed has NaN in every bootstrap replicate; requiring every level
+    # finite left no replicate, and each policy's CI collapsed onto its choice at 100% stability.
+    from powerprof.analysis.sweetspot import PolicyParams, choose
+
+    rows = [{**r, "prompt_id": None} for r in _rounds()]  # independent resamples: the choice is uncertain
+    params = PolicyParams(max_slowdown=0.10, p_max_w=300.0)
+    alive = choose(level_series(_windows(rows), 300.0, n_boot=500)[0], "budget", params)
+    dead = rows + [_req(150, 1e3, 1e-3, status="failed")]
+    c = choose(level_series(_windows(dead), 300.0, n_boot=500)[0], "budget", params)
+    assert alive.stability < 0.95
+    assert c.level_value == alive.level_value and c.stability == pytest.approx(alive.stability, abs=0.05)

@@ -20,12 +20,41 @@ from powerprof.sim.powercap import SimPowercap
 from powerprof.sim.profiles import get_profile
 
 
-def test_counter_reset_is_unwrapped_not_negative():
+def test_counter_reset_is_unwrapped_not_negative_and_no_window_spans_it():
     e = np.array([100.0, 150.0, 200.0, 5.0, 55.0])
     u = unwrap_resets(e)
     assert np.all(np.diff(u) >= 0)
     t = np.arange(5) * 1_000_000_000
-    assert counter_energy_j(t, e, 0, 4_000_000_000) == pytest.approx(155.0)
+    # What the GPU drew between the read of 200 J and the reset is unknown: no figure, not 155 J.
+    assert np.isnan(counter_energy_j(t, e, 0, 4_000_000_000))
+    assert counter_energy_j(t, e, 0, 2_000_000_000) == pytest.approx(100.0)
+    assert counter_energy_j(t, e, 3_000_000_000, 4_000_000_000) == pytest.approx(50.0)
+
+
+@dataclasses.dataclass
+class _Reading:
+    energy_j: float | None
+    power_w: float | None
+    power_avg_w: float | None
+
+
+def test_a_gpu_counter_that_steps_back_mid_window_gives_no_counter_figure():
+    """A 200 W GPU read every second whose energy counter steps back by 1 J at 5 s (a glitch, or a
+    reset that kept little): the counter difference over the window would have been the whole
+    counter's value too much (unwrapping adds what it had counted); the window's energy comes from
+    the power readings instead, and says so."""
+    tl = EnergyTimeline(1, (1.0,))
+    energy = 3.6e6
+    for k in range(11):
+        if k == 5:
+            energy -= 201.0  # this read is 1 J below the one before it
+        tl.add(Sample("nvml", k, k * 1_000_000_000, k * 1_000_000_000, (_Reading(energy, 200.0, 200.0),)))
+        energy += 200.0
+    across = tl.energy_between(2_000_000_000, 8_000_000_000)
+    assert across.gpu_methods != (METHOD_COUNTER,)
+    assert across.gpu_energy_j[0] == pytest.approx(1200.0, rel=0.01)
+    after = tl.energy_between(6_000_000_000, 8_000_000_000)
+    assert after.gpu_methods == (METHOD_COUNTER,) and after.gpu_energy_j[0] == pytest.approx(400.0)
 
 
 def test_power_integration_refuses_to_extrapolate():

@@ -374,3 +374,22 @@ def test_a_figure_pooling_less_decode_than_its_method_resolves_is_said_with_the_
     assert notes[1].startswith("concurrency 2:") and "30 s" in notes[1]  # average power needs longer
     # Instant power never resolves to ~1%: no "inf s", and no fix that cannot work.
     assert notes[2].startswith("concurrency 16:") and "inf" not in notes[2] and "--requests" not in notes[2]
+
+
+def test_a_non_finite_server_timing_times_nothing():
+    # Python's JSON reader takes NaN and Infinity (and Prometheus text +Inf): "predicted_ms": Infinity
+    # was taken as the request's decode time, and placing the window's edges from it raised an
+    # OverflowError that ended the sweep.
+    from powerprof.arrival import arrival_quality, classify
+    from powerprof.workload.client import server_decode, vllm_decode_delta
+
+    assert server_decode({"predicted_ms": float("inf"), "predicted_n": 100}) == (None, None, None)
+    assert server_decode({"predicted_ms": float("nan"), "predicted_n": 100}) == (None, None, None)
+    assert server_decode({"predicted_ms": 990.0, "predicted_n": 100}) == (0.99, 99, "llamacpp-timings")
+    before = {"itl_sum": 1.0, "itl_count": 10.0}
+    assert vllm_decode_delta(before, {"itl_sum": float("inf"), "itl_count": 20.0}) == (None, None, None)
+    assert vllm_decode_delta(before, {"itl_sum": 2.0, "itl_count": float("nan")}) == (None, None, None)
+    # Delivered in two bursts: not stream-timed, so the server's figure would be used.
+    q = arrival_quality(np.array([0, 10**9], np.int64), np.array([1, 99]), 100)
+    s, n, _ = server_decode({"predicted_ms": float("inf"), "predicted_n": 100})
+    assert classify(q, 100, s, n).kind == "untrusted"

@@ -164,6 +164,8 @@ def analyze(
     n_runs = _runs_per_level(windows)
     sweep = sweep_settings(runs)
     results, findings = [], []
+    stopped = interrupted_findings(runs, windows) if judge_interrupted else []
+    cut = {v for f in stopped for v in f.levels}
     for s in all_series:
         card = _card_range(runs, s.level_kind)
         p_max = params.p_max_w if params.p_max_w is not None else card[1]
@@ -174,18 +176,50 @@ def analyze(
             tok_sigma=_half_width(base.column("decode_tok_s_ci_low").to_numpy(zero_copy_only=False),
                                   base.column("decode_tok_s_ci_high").to_numpy(zero_copy_only=False)),
         )
-        choices = choose_all(s, sp, card)
+        choices = choose_all(s, sp, card, left_out=left_out_levels(base, cut))
         table = _analysis_table(base, s, fits, choices, primary, n_runs)
         results.append(SeriesResult(s, table, fits, choices, primary))
         not_engaged = {r["level_value"] for r in table.to_pylist() if r.get("cap_not_engaged")}
         prefix = "" if len(all_series) == 1 else f"[{results[-1].label}] "
-        for f in (level_findings(table, **sweep) + edge_findings(s, choices, card, not_engaged) + choice_findings(choices)
-                  + fit_findings(fits)):
+        for f in (reference_findings(s, reference) + level_findings(table, **sweep)
+                  + edge_findings(s, choices, card, not_engaged) + choice_findings(choices) + fit_findings(fits)):
             findings.append(Finding(f.kind, prefix + f.message, f.levels))
     findings += timing_findings(windows)
     findings.extend(unstored_findings(runs))
-    findings.extend(interrupted_findings(runs, windows) if judge_interrupted else [])
+    findings.extend(stopped)
     return AnalysisResult(runs, results, findings, params, list(timelines or []))
+
+
+def left_out_levels(levels: pa.Table, interrupted=frozenset()) -> dict[float, str]:
+    """{level: why} for the levels of a series that no policy may choose: their figures are not the
+    setting's effect. Thermal throttling (the clock fell for heat), a limit that never bound (below
+    the reference: its figures are the reference's plus noise, so a "saving" there is noise), a
+    level the sweep was still measuring when it stopped (part of a round of the prompt set). They
+    stay in the tables with their flags; the reference is never left out (choose keeps it)."""
+    out = {}
+    for r in levels.to_pylist():
+        why = [w for w, bad in (("thermal throttling", r.get("thermal_throttle")),
+                                ("cap not engaged", r.get("cap_not_engaged") and not r.get("reference")),
+                                ("interrupted", r["level_value"] in interrupted)) if bad]
+        if why and not r.get("reference"):
+            out[float(r["level_value"])] = ", ".join(why)
+    return out
+
+
+def reference_findings(s: LevelSeries, default_value: float | None) -> list[Finding]:
+    """The default limit was swept but has no figures (every request failed, or none was measured):
+    the comparisons are against another level, which the report must say."""
+    if s.level_kind != "power_limit" or default_value is None:
+        return []
+    hit = np.flatnonzero(np.isclose(s.level_values, float(default_value)))
+    if not hit.size or int(hit[0]) == s.ref_index:
+        return []
+    i = int(hit[0])
+    return [Finding("reference", (
+        f"{default_value:g} W, the default limit, has no measured figures ({s.n_windows[i]} measured windows, "
+        f"{s.n_failed[i]} failed requests): speed loss and energy saving are against {s.reference_value:g} W, the "
+        f"highest level with figures, not against the default. Measure {default_value:g} W again to compare with it."),
+        (float(default_value),))]
 
 
 def unstored_findings(runs: list[RunInfo]) -> list[Finding]:

@@ -19,7 +19,7 @@ POOR_FIT_R2 = 0.9
 
 @dataclass(frozen=True)
 class Finding:
-    kind: str  # edge | between-levels | cap-not-engaged | wide-ci | one-window | few-prompts | unstable-choice | thermal | failed | fit | unstored | untrusted-timing | interrupted | forced-pool
+    kind: str  # edge | between-levels | cap-not-engaged | wide-ci | one-window | few-prompts | unstable-choice | thermal | failed | fit | unstored | untrusted-timing | interrupted | forced-pool | reference
     message: str
     levels: tuple[float, ...] = ()
 

@@ -470,6 +470,9 @@ def summary_rows(src: Path, tz: str, time_from: str | None, time_to: str | None)
             ("95% of resamples choose", f"{rec.get('ci_low'):g} to {rec.get('ci_high'):g}"
              if rec.get("ci_low") is not None and rec.get("ci_high") is not None else None),
         ]
+        left = [x for x in rec.get("left_out") or [] if isinstance(x, dict)]
+        if left:
+            head.append(("never chosen", ", ".join(f"{x.get('level_value'):g} ({x.get('why')})" for x in left)))
     elif analysis and analysis.get("recommendation_note"):
         head = [("recommended", f"none: {analysis['recommendation_note']}")]
     if analysis:

@@ -282,14 +282,25 @@ def recommendation_line(result: AnalysisResult) -> str:
     else:
         line = (head + f"{c.speed_loss_pct:.1f}% slower, {c.energy_saving_pct:.1f}% less energy per token than "
                 f"{sr.series.reference_value:g} {u}; " + _choice_range_text(sr, c, u))
+    if c.left_out:
+        line += " " + left_out_text(c.left_out, u)
     if result.simulated:
         line += " (simulated)"
     return line
 
 
+def left_out_text(left_out: dict, unit: str) -> str:
+    """The sentence naming the levels no policy could choose, and why."""
+    return ("Never chosen, whatever their figures: "
+            + ", ".join(f"{v:g} {unit} ({why})" for v, why in left_out.items()) + ".")
+
+
 def _why_the_reference(sr: SeriesResult, c, u: str) -> str:
     """Why no level other than the reference was chosen: the nearest one below it, by the policy's measure."""
-    below = [r for r in sr.table.to_pylist() if r["level_value"] < sr.series.reference_value]
+    below = [r for r in sr.table.to_pylist() if r["level_value"] < sr.series.reference_value
+             and r["level_value"] not in c.left_out]
+    if not below and c.left_out:
+        return "every other level is left out"
     if c.policy == "budget" and below:
         r = max(below, key=lambda r: r["level_value"])
         return (f"every lower level is slower than the budget allows ({r['level_value']:g} {u}: "

@@ -184,15 +184,20 @@ def _median(v: np.ndarray) -> float:
     return float(np.median(v)) if v.size else float("nan")
 
 
-def choose_reference(level_values, reference_value: float | None = None) -> int:
+def choose_reference(level_values, reference_value: float | None = None, measured=None) -> int:
     """Index of the reference level: `reference_value` (the default limit) when it was measured,
-    else the highest level."""
+    else the highest level. measured: which levels have figures (tok/s and J/token); a level
+    without them cannot be one (every loss and saving against it would be NaN, and the budget
+    policy would then "choose" the lowest level), unless no level has them."""
     vals = np.asarray(level_values, dtype=float)
+    ok = np.ones(vals.size, bool) if measured is None else np.asarray(measured, bool)
+    if not ok.any():
+        ok = np.ones(vals.size, bool)
     if reference_value is not None:
-        hit = np.flatnonzero(np.isclose(vals, float(reference_value)))
+        hit = np.flatnonzero(np.isclose(vals, float(reference_value)) & ok)
         if hit.size:
             return int(hit[0])
-    return int(np.argmax(vals))
+    return int(np.flatnonzero(ok)[np.argmax(vals[ok])])
 
 
 def level_series(
@@ -266,7 +271,8 @@ def level_series(
                 energy_methods=tuple(sorted(meths)),
                 # The default limit is a power limit: a clock series is referenced to its highest clock.
                 ref_index=choose_reference(np.nan_to_num(lv, nan=0.0),
-                                           reference_value if kind == "power_limit" else None),
+                                           reference_value if kind == "power_limit" else None,
+                                           np.isfinite(cols["tok"]) & np.isfinite(cols["j"])),
                 bootstrap=PAIRED if paired is not None else INDEPENDENT,
                 level_boot_tok_s=level_bt,
                 level_boot_j_per_token=level_bj,

@@ -14,7 +14,7 @@ requests) and a dense PCHIP grid between the measured levels:
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import numpy as np
 
@@ -74,6 +74,9 @@ class Choice:
     level_kind: str = "power_limit"
     concurrency: int = 1
     params: dict = field(default_factory=dict)
+    # Levels no policy may choose, with why ({level: "thermal throttling"}): their figures are not
+    # the setting's effect (heat, a limit that never bound, a level cut short); shown, never chosen.
+    left_out: dict = field(default_factory=dict)
 
     @property
     def description(self) -> str:
@@ -81,6 +84,7 @@ class Choice:
 
     def to_dict(self) -> dict:
         d = {k: getattr(self, k) for k in self.__dataclass_fields__}
+        d["left_out"] = [{"level_value": v, "why": why} for v, why in self.left_out.items()]
         d["description"] = self.description
         return d
 
@@ -144,13 +148,24 @@ def choose(
     params: PolicyParams | None = None,
     card_range: tuple[float | None, float | None] = (None, None),
     ci: float = 0.95,
+    left_out: dict | None = None,
 ) -> Choice:
-    """One policy's choice among the measured levels of a series, with its bootstrap CI."""
+    """One policy's choice among the measured levels of a series, with its bootstrap CI.
+
+    left_out: {level value: why} for levels that may not be chosen (the reference always may): they
+    are taken out of the point estimates, every replicate and the interpolation alike."""
     params = _with_p_max(params or PolicyParams(), series)
     lv = series.level_values
+    left_out = {float(v): why for v, why in (left_out or {}).items() if float(v) != series.reference_value}
+    series = _without(series, left_out)
     i = int(policy_index(policy, series.tok_s, series.j_per_token, series.ref_index, params))
     boot = policy_index(policy, series.boot_tok_s, series.boot_j_per_token, series.ref_index, params)
-    valid = np.isfinite(series.boot_tok_s).all(axis=1) & np.isfinite(series.boot_j_per_token).all(axis=1)
+    # Replicates are judged over the levels with figures: a level with none (every request failed,
+    # no energy) has NaN in every replicate, and requiring all levels finite left no replicate at
+    # all, so the CI collapsed onto the point choice at 100% stability (a fake certainty).
+    usable = np.isfinite(series.tok_s) & np.isfinite(series.j_per_token)
+    valid = (np.isfinite(series.boot_tok_s[:, usable]).all(axis=1)
+             & np.isfinite(series.boot_j_per_token[:, usable]).all(axis=1))
     picked = lv[boot[valid]] if valid.any() else np.array([lv[i]])
     q = (1 - ci) / 2
     lo, hi = np.quantile(picked, [q, 1 - q], method="inverted_cdf")
@@ -172,7 +187,18 @@ def choose(
         level_kind=series.level_kind,
         concurrency=series.concurrency,
         params={"max_slowdown": params.max_slowdown, "eta": params.eta, "p_max_w": params.p_max_w},
+        left_out={v: left_out[v] for v in sorted(left_out) if np.isin(v, lv)},
     )
+
+
+def _without(series: LevelSeries, left_out: dict) -> LevelSeries:
+    """The series with the left-out levels' figures NaN, so no policy, replicate or curve can pick them."""
+    drop = np.isin(series.level_values, list(left_out))
+    if not drop.any():
+        return series
+    nan = lambda a: np.where(drop, np.nan, a)  # noqa: E731  (broadcasts over the replicates' rows)
+    return replace(series, tok_s=nan(series.tok_s), j_per_token=nan(series.j_per_token),
+                   boot_tok_s=nan(series.boot_tok_s), boot_j_per_token=nan(series.boot_j_per_token))
 
 
 def _with_p_max(params: PolicyParams, series: LevelSeries) -> PolicyParams:
@@ -201,5 +227,6 @@ def choose_all(
     params: PolicyParams | None = None,
     card_range: tuple[float | None, float | None] = (None, None),
     policies=POLICIES,
+    left_out: dict | None = None,
 ) -> dict[str, Choice]:
-    return {p: choose(series, p, params, card_range) for p in policies}
+    return {p: choose(series, p, params, card_range, left_out=left_out) for p in policies}

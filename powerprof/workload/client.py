@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import math
 import time
 from dataclasses import dataclass, field
 from typing import Callable
@@ -256,7 +257,10 @@ def server_decode(timings: dict) -> tuple[float | None, int | None, str | None]:
     `predicted_ms` runs from the first sampled token to the last, so it spans predicted_n − 1
     decode steps (its `predicted_per_second` divides by n, which is why ours is computed)."""
     ms, n = timings.get("predicted_ms"), timings.get("predicted_n")
-    if isinstance(ms, (int, float)) and isinstance(n, int) and not isinstance(n, bool) and ms > 0 and n > 1:
+    # Python's JSON reader takes NaN and Infinity: an infinite decode time passed `ms > 0` and ended
+    # the sweep with an OverflowError when the window's edges were placed from it.
+    if (isinstance(ms, (int, float)) and math.isfinite(ms) and isinstance(n, int) and not isinstance(n, bool)
+            and ms > 0 and n > 1):
         return ms / 1e3, n - 1, "llamacpp-timings"
     return None, None, None
 
@@ -299,6 +303,8 @@ def vllm_decode_delta(before: dict, after: dict) -> tuple[float | None, int | No
     between: it spans (its tokens − 1) steps, counted by the inter-token histogram. Without it,
     the inter-token histogram alone: its sum over its count."""
     d = lambda k: after.get(k, 0.0) - before.get(k, 0.0)  # noqa: E731
+    if not all(math.isfinite(d(k)) for k in ("itl_count", "itl_sum", "decode_count", "decode_sum")):
+        return None, None, None  # a NaN or +Inf sample (Prometheus text allows both) times nothing
     n_itl = int(round(d("itl_count")))
     if "decode_sum" in after and round(d("decode_count")) == 1 and n_itl > 0 and d("decode_sum") > 0:
         return d("decode_sum"), n_itl, "vllm-metrics"
