@@ -77,10 +77,16 @@ def run_monitor(
     timeline = timeline if timeline is not None else Timeline(gpu_uuids=sources.gpu_uuids)
     sampler = Sampler(collectors, interval_s=interval_s)
     watcher = _TickWatcher([c.source for c in collectors])
-    sampler.subscribe(timeline)
+    last = None if duration_s is None else int(duration_s / interval_s + 1e-6)
+
+    def through_last(s: Sample) -> None:
+        # A loaded machine can take tick last+1 before the sampler stops: --duration keeps ticks 0..last.
+        if s.seq <= last:
+            timeline(s)
+
+    sampler.subscribe(timeline if last is None else through_last)
     sampler.subscribe(watcher)
     stop = stop or threading.Event()
-    last = None if duration_s is None else int(duration_s / interval_s + 1e-6)
     baseline: dict[str, float] = {}
     infos = {i.index: i for i in sources.nvml.infos} if sources.nvml is not None else {}
     sampler.start()

@@ -8,6 +8,7 @@ import signal
 import subprocess
 import sys
 import threading
+import time
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -159,6 +160,22 @@ def test_monitor_rows_show_energy_since_start_and_the_cap_reason_by_name():
     assert gpu["energy_j"] == pytest.approx(gpu["power_w"] * 0.4, rel=0.1)
     assert last["cpus"][0]["energy_j"] > 0 and last["host"] is not None
     assert {s.source for s in timeline.samples()} == {"nvml", "rapl", "host"}
+
+
+def test_monitor_duration_keeps_its_ticks_when_the_caller_is_late_to_stop():
+    # A loaded machine: the caller is slow after the last tick, and the sampler takes tick 3 meanwhile.
+    # `--duration 0.2 --interval 0.1` is ticks 0..2; the late tick must not land in the output.
+    from powerprof.monitor import run_monitor
+    from powerprof.rig import Rig
+
+    def slow_after_last(k, _rows):
+        if k == 2:
+            time.sleep(0.35)
+
+    with Rig("a100-40g") as rig:
+        timeline = run_monitor(rig.sources, interval_s=0.1, duration_s=0.2, on_tick=slow_after_last)
+    seqs = sorted({s.seq for s in timeline.samples() if s.source == "nvml"})
+    assert seqs == [0, 1, 2]
 
 
 def test_devices_warns_while_a_killed_sweep_left_a_limit_to_restore():
