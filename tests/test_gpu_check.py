@@ -216,7 +216,8 @@ def test_check_runs_on_the_simulator_read_only(trap_env, tmp_path, _isolated_sta
     # At concurrency 8 the CLI's own load generator shares the machine with the simulated server: on
     # a very busy one (load average 65 seen) its streams arrive in bursts and the batch window is
     # not trusted. Then there is no figure, and the output must say why; never a silent gap.
-    assert rows[1][-1] == "counter" or "delivered in bursts" in cli["stdout"], cli["stdout"]
+    # Under load its 8 streams may also never decode together on the 4 slots: the note says that instead.
+    assert rows[1][-1] == "counter" or "concurrency 8: no J/token figure" in cli["stdout"], cli["stdout"]
 
     # 5. sweep --dry-run: the plan, the permission check and the restore-file path, and nothing changed.
     sw = r["sweep_dry_run"]

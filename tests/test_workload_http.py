@@ -376,6 +376,28 @@ def test_a_figure_pooling_less_decode_than_its_method_resolves_is_said_with_the_
     assert notes[2].startswith("concurrency 16:") and "inf" not in notes[2] and "--requests" not in notes[2]
 
 
+def test_a_concurrency_without_a_figure_says_why_and_the_fix():
+    # Seen in CI under load: concurrency 8 on a 4-slot server printed "8 0 - - - none" and not a word why.
+    from powerprof.workload.measure import missing_figure_notes, summarise
+    from powerprof.workload.rows import NO_DECODE_INTERVAL
+
+    def row(c, kind, status="ok", error=None, timing="stream", gpu=10.0):
+        return {"concurrency": c, "window_kind": kind, "warmup": False, "status": status, "error": error,
+                "timing": timing, "decode_tok_s": 100.0, "decode_s": 1.0, "decode_tokens": 100,
+                "gpu_energy_j": gpu, "cpu_energy_j": 1.0, "energy_method": "counter" if gpu else "none"}
+
+    rows = [row(1, "request")] * 4  # has its figure: no note
+    rows += [row(8, "request")] * 8 + [row(8, "batch", "failed", NO_DECODE_INTERVAL, gpu=None)] * 2
+    rows += [row(4, "request")] * 4 + [row(4, "batch", timing="untrusted", gpu=None)]
+    rows += [row(2, "request")] * 2 + [row(2, "batch", gpu=None)]
+    notes = missing_figure_notes(rows, summarise(rows))
+    assert len(notes) == 3, notes
+    by_c = {n.split(":")[0]: n for n in notes}
+    assert NO_DECODE_INTERVAL in by_c["concurrency 8"] and "parallel slots" in by_c["concurrency 8"]
+    assert "untrusted" in by_c["concurrency 4"]
+    assert "no energy reading" in by_c["concurrency 2"] and "powerprof devices" in by_c["concurrency 2"]
+
+
 def test_a_non_finite_server_timing_times_nothing():
     # Python's JSON reader takes NaN and Infinity (and Prometheus text +Inf): "predicted_ms": Infinity
     # was taken as the request's decode time, and placing the window's edges from it raised an

@@ -20,7 +20,7 @@ from powerprof.profiler import LOW_CONFIDENCE_S
 
 from .client import RequestParams, RequestRecord, ServerInfo, detect_server
 from .load import LoadAborted, LoadPolicy, Prompt, run_load_async
-from .rows import window_rows
+from .rows import NO_DECODE_INTERVAL, window_rows
 
 NO_GPU_NOTE = "no GPU readable here: GPU energy columns are empty; decode tok/s {cpu}"
 
@@ -131,6 +131,34 @@ def short_figure_notes(summary: list[Summary]) -> list[str]:
     return out
 
 
+def missing_figure_notes(rows: Sequence[dict], summary: list[Summary]) -> list[str]:
+    """Say why a concurrency has no J/token figure: a row of dashes must never stand unexplained."""
+    out = []
+    for x in summary:
+        if x.gpu_j_per_token is not None:
+            continue
+        kind = "request" if x.concurrency == 1 else "batch"
+        wins = [r for r in rows if r["concurrency"] == x.concurrency and r["window_kind"] == kind and not r["warmup"]]
+        ok = [r for r in wins if r["status"] == "ok"]
+        errors: dict = {}
+        for r in wins:
+            if r["status"] != "ok":
+                errors[r["error"] or r["status"]] = errors.get(r["error"] or r["status"], 0) + 1
+        if not wins:
+            why, fix = f"no {kind} window was measured", "more requests (--requests)"
+        elif not ok:
+            top = max(errors, key=errors.get)
+            why = f"none of its {len(wins)} {kind} windows could be measured ({top})"
+            fix = ("a concurrency at or under the server's parallel slots (llama.cpp -np, vLLM --max-num-seqs), so the "
+                   "streams decode together" if top == NO_DECODE_INTERVAL else "see the windows' error column")
+        elif not any(trusted(r) for r in ok):
+            why, fix = f"all {len(ok)} {kind} windows are left out as untrusted (above)", "as said above"
+        else:
+            why, fix = "no energy reading covers its windows", "`powerprof devices` says what the GPU can report"
+        out.append(f"concurrency {x.concurrency}: no J/token figure: {why}; fix: {fix}")
+    return out
+
+
 def summarise(rows: list[dict]) -> list[Summary]:
     out = []
     for c in sorted({r["concurrency"] for r in rows if not r["warmup"]}):
@@ -225,7 +253,7 @@ def measure(
     if note:
         notes.append(note)
     summary = summarise(rows)
-    notes += short_figure_notes(summary)
+    notes += short_figure_notes(summary) + missing_figure_notes(rows, summary)
     if profiler is not None:
         notes += profiler.edge_notes()
     return MeasureResult(server, records, rows, summary, notes=notes, aborted=aborted, excluded=excluded_windows(rows))

@@ -13,6 +13,9 @@ from powerprof.windows import concurrent_throughput
 
 from .client import RequestRecord, ServerInfo
 
+# A batch window's error where its streams never all decoded at once (queued behind the server's slots, staggered).
+NO_DECODE_INTERVAL = "no interval where every active request decoded"
+
 
 @dataclass(frozen=True)
 class Level:
@@ -232,7 +235,7 @@ def batch_row(
         "concurrency": b.concurrency,
         "warmup": False,
         "status": "ok" if b.tok_s is not None and len(ok) == len({r.request_id for r in recs}) else "failed",
-        "error": None if b.tok_s is not None else "no interval where every active request decoded",
+        "error": None if b.tok_s is not None else NO_DECODE_INTERVAL,
         "api": ref.api,
         "model": ref.model or server.model,
         "t_send_utc": _utc(min(r.t_send_wall_ns for r in recs)),
