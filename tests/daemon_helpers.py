@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pyarrow.dataset as pads
 
-READY_TIMEOUT_S = 60  # a loaded CI machine can take this long to import and bind
+READY_TIMEOUT_S = 180  # a loaded machine (CI beside other jobs on 2 cores) took over 60 s to import and bind
 
 
 class DaemonProc:
@@ -24,7 +24,10 @@ class DaemonProc:
         cmd = [sys.executable, "-m", "powerprof.cli", "daemon", "--data-dir", str(self.data_dir),
                "--listen", "127.0.0.1:0", "--metrics-listen", "127.0.0.1:0", *args]
         self.log = open(self.log_path, "wb")
-        self.proc = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT, env={**os.environ, **(env or {})})
+        # faulthandler: a daemon not ready in time is sent SIGABRT and its threads' stacks land in the log,
+        # telling a hang from a slow machine.
+        self.proc = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT,
+                                     env={**os.environ, "PYTHONFAULTHANDLER": "1", **(env or {})})
         self.info = self._wait_ready()
 
     def _wait_ready(self) -> dict:
@@ -39,8 +42,12 @@ class DaemonProc:
             except (OSError, ValueError):
                 pass
             time.sleep(0.05)
-        self.proc.kill()
-        raise RuntimeError(f"daemon not ready in {READY_TIMEOUT_S} s:\n{self.output()}")
+        self.proc.send_signal(signal.SIGABRT)
+        try:
+            self.proc.wait(10)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+        raise RuntimeError(f"daemon not ready in {READY_TIMEOUT_S} s; its output and stacks:\n{self.output()}")
 
     def output(self) -> str:
         if not self.log.closed:
