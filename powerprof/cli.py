@@ -472,14 +472,19 @@ def measure(url, simulate, out_dir, n_requests, concurrency, warmup, launch, api
     except (ServerUnreachable, LaunchError, FileExistsError, ValueError) as e:
         raise click.ClickException(str(e)) from None
     except (KeyboardInterrupt, termination.Terminated) as e:
-        # The windows are written once every request is done: a measurement stopped early keeps none.
-        click.echo(f"{_stopped_how(e)}: nothing was written (measure writes {out} once its requests are done); "
+        # Stopped before any measured request had finished (during start-up, warm-up or the first batch): a stop
+        # later keeps the finished batches and is reported by _measure_stop_line.
+        click.echo(f"{_stopped_how(e)}: nothing was written to {out} (no measured request had finished); "
                    "nothing was changed", err=True)
         sys.exit(130 if isinstance(e, KeyboardInterrupt) else e.code)
+    stop_code = None if res.stopped is None else (130 if isinstance(res.stopped, KeyboardInterrupt) else res.stopped.code)
     if as_json:
         import json
 
         click.echo(json.dumps(res.to_dict(), indent=2))
+        if stop_code is not None:
+            click.echo(_measure_stop_line(res), err=True)
+            sys.exit(stop_code)
         if res.excluded is not None and not any(m.n_trusted for m in res.summaries):
             click.echo(f"Error: no window could be trusted: {res.excluded.message()}", err=True)
             sys.exit(1)
@@ -495,16 +500,32 @@ def measure(url, simulate, out_dir, n_requests, concurrency, warmup, launch, api
         return "-" if v is None else format(v, spec)
 
     click.echo(f"{'concurrency':>11} {'ok':>4} {'failed':>6} {'used':>4} {'decode tok/s':>12} {'GPU J/tok':>10} {'GPU+CPU J/tok':>13}  method")
+    short = {x["concurrency"]: f"  stopped early: {x['requests_kept']} of {x['requests_planned']} requests"
+             for x in (res.interrupted or {}).get("concurrencies", []) if x["requests_kept"] < x["requests_planned"]}
     for m in res.summaries:
         click.echo(f"{m.concurrency:>11} {m.n_ok:>4} {m.n_failed:>6} {m.n_trusted:>4} {fmt(m.decode_tok_s, '12.1f')} "
-                   f"{fmt(m.gpu_j_per_token, '10.3f')} {fmt(m.total_j_per_token, '13.3f')}  {m.energy_method}")
+                   f"{fmt(m.gpu_j_per_token, '10.3f')} {fmt(m.total_j_per_token, '13.3f')}  {m.energy_method}"
+                   + short.get(m.concurrency, ""))
     click.echo(f"windows: {res.out_path / 'windows.parquet'}")
+    if stop_code is not None:
+        if res.excluded is not None:
+            click.echo(f"warning: {res.excluded.message()}", err=True)
+        click.echo(_measure_stop_line(res), err=True)
+        sys.exit(stop_code)
     if res.aborted:
         raise click.ClickException(f"stopped early: {res.aborted} (what was measured is in {res.out_path})")
     if res.excluded is not None:
         if not any(m.n_trusted for m in res.summaries):
             raise click.ClickException(f"no window could be trusted: {res.excluded.message()}")
         click.echo(f"warning: {res.excluded.message()}", err=True)
+
+
+def _measure_stop_line(res) -> str:
+    """What a measurement stopped by a signal kept (its exit status follows)."""
+    how = _stopped_how(res.stopped)
+    if res.interrupted is None:
+        return f"{how} after the measurement was complete: all of it is in {res.out_path}; nothing was changed"
+    return f"{how}: {res.interrupted['message']}; written to {res.out_path} (run.json \"interrupted\"); nothing was changed"
 
 
 def _load_trace(trace_path, time_scale, duration_s):

@@ -16,6 +16,7 @@ Simulated means: GPUs are `SimNVML` (the same calls and constants as pynvml), RA
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import shutil
 from typing import Iterator
@@ -259,7 +260,7 @@ class Rig:
     def _refuse_record(self, record: dict) -> str | None:
         if self.simulated and not record.get("simulated"):
             return "records a real GPU; run `powerprof restore` without --simulate."
-        return None
+        return _bad_origin(record.get("simulated"))
 
     # --- life cycle ------------------------------------------------------------------------------
 
@@ -290,11 +291,32 @@ def _pynvml():
     return pynvml
 
 
+MAX_SIM_GPUS = 64  # as `--sim-gpus`
+
+
+def _bad_origin(origin) -> str | None:
+    """Why a restore record's simulator origin cannot be reopened as written (a GPU count of true, 1e9 or -1
+    would be taken as 1, hang making a billion GPUs, or fail half-way); None when it can, or it names none."""
+    if not origin:
+        return None
+    from powerprof.sim.profiles import PROFILES
+
+    profile, count = origin.get("profile"), origin.get("count")
+    if not isinstance(profile, str) or profile not in PROFILES:
+        why = f'names the profile {json.dumps(profile)}, not one of {", ".join(sorted(PROFILES))}'
+    elif type(count) is not int or not 1 <= count <= MAX_SIM_GPUS:
+        why = f'has "count" {json.dumps(count)}, not a GPU count in 1..{MAX_SIM_GPUS}'
+    else:
+        return None
+    return (f'is damaged: its "simulated" {why}. It records simulated GPUs only: correct that field, or delete the '
+            "file (the simulator's limits are then as they are).")
+
+
 def _nvml_for_record(record: dict):
     """The NVML a restore record was made with: the simulator with its profile and GPU count, or pynvml."""
     sim = record.get("simulated")
     if sim:
         from powerprof.sim.nvml import SimNVML
 
-        return SimNVML(profile=sim["profile"], count=int(sim["count"]))
+        return SimNVML(profile=sim["profile"], count=sim["count"])  # checked by _bad_origin
     return _pynvml()

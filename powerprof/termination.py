@@ -10,6 +10,7 @@ with the next request. The handlers also note the signal here, and the load loop
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import signal
 import threading
 
@@ -91,6 +92,62 @@ def run(coro):
     if fired:
         raise_if_terminated()
     return out
+
+
+def exit_for(signum: int) -> BaseException:
+    """The exit a run-ending signal asks for: KeyboardInterrupt for SIGINT, else Terminated (128 + signum)."""
+    return KeyboardInterrupt() if signum == signal.SIGINT else Terminated(signum)
+
+
+_EXIT_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
+
+
+@contextlib.contextmanager
+def _handled_by(handler):
+    """`handler` for SIGINT, SIGTERM and SIGHUP inside (main thread only; an ignored one stays ignored, as nohup's
+    SIGHUP), the earlier handlers back afterwards."""
+    old = {}
+    try:
+        if threading.current_thread() is threading.main_thread():
+            for sig in _EXIT_SIGNALS:
+                if signal.getsignal(sig) is not signal.SIG_IGN:
+                    old[sig] = signal.signal(sig, handler)
+        yield
+    finally:
+        for sig, h in old.items():
+            signal.signal(sig, h if h is not None else signal.SIG_DFL)
+
+
+@contextlib.contextmanager
+def exits_latched():
+    """SIGINT, SIGTERM and SIGHUP raise the run's exit once; a repeat while that exit unwinds (the run keeping
+    what it finished) is only noted, as the limit controller's handler does: a second Ctrl-C must not cut the
+    keeping short."""
+    raised: list[int] = []
+
+    def on_signal(signum, _frame):
+        note(signum)
+        if not raised:
+            raised.append(signum)
+            raise exit_for(signum)
+
+    with _handled_by(on_signal):
+        yield
+
+
+@contextlib.contextmanager
+def exits_held():
+    """While the files a run keeps are written: SIGINT, SIGTERM and SIGHUP are noted, not raised, so a signal
+    cannot leave run.json without its table. Yields the signals that came in; the caller raises
+    `exit_for(first)` afterwards, or not when an exit is already under way."""
+    got: list[int] = []
+
+    def hold(signum, _frame):
+        note(signum)
+        got.append(signum)
+
+    with _handled_by(hold):
+        yield got
 
 
 def exit_inside(e: BaseException) -> BaseException | None:

@@ -286,6 +286,125 @@ def test_measure_simulated_writes_windows_with_energy(tmp_path, monkeypatch):
     assert (out / "windows.parquet").read_bytes() == before
 
 
+@pytest.fixture
+def stop_measure(monkeypatch):
+    """`powerprof measure` in-process, with a signal sent from inside request `at` (by request id: warm-up 0, then
+    1, 2, ...) once request `after` has finished; request `at` then stays in flight until it is cancelled."""
+    import json
+    import os
+    import signal
+
+    import powerprof.workload.load as load
+    import powerprof.workload.measure as m
+    from powerprof import termination
+
+    real_send, real_measure = load.send_request, m.run_measure
+    monkeypatch.setattr(m, "run_measure", lambda rig, **kw: real_measure(rig, **kw, sim_decode_tok_s=300.0, interval_s=0.2))
+
+    def run(tmp_path, args, sig, at, after=None):
+        finished = asyncio.Event() if after is not None else None
+
+        async def send(*a, **k):
+            if k["request_id"] == at:
+                if finished is not None:
+                    await finished.wait()
+                os.kill(os.getpid(), sig)
+                await asyncio.sleep(3600)  # in flight when the stop comes
+            rec = await real_send(*a, **k)
+            if k["request_id"] == after:
+                finished.set()
+            return rec
+
+        monkeypatch.setattr(load, "send_request", send)
+        out = tmp_path / "run"
+        try:
+            res = CliRunner().invoke(main, ["measure", "--simulate", "a100-40g", "--max-tokens", "16", "--out", str(out),
+                                            *args])
+        finally:
+            termination.clear()
+        meta = json.loads((out / "run.json").read_text()) if (out / "run.json").exists() else None
+        rows = pq.read_table(out / "windows.parquet").to_pylist() if (out / "windows.parquet").exists() else None
+        return res, out, meta, rows
+
+    return run
+
+
+@pytest.mark.parametrize("sig, code", [(2, 130), (15, 143)])
+def test_measure_stopped_mid_batch_keeps_the_whole_batches_and_says_so(stop_measure, tmp_path, sig, code):
+    # Stopped early, measure wrote nothing: minutes of finished requests were lost to a Ctrl-C.
+    # Concurrency 1: requests 1-4 (all finish); concurrency 2: batch 5+6 finishes, then request 8 sends the signal
+    # once its batch-mate 7 has finished: half a batch, dropped whole.
+    res, out, meta, rows = stop_measure(tmp_path, ["--requests", "4", "--concurrency", "1,2"], sig, at=8, after=7)
+    assert res.exit_code == code, res.output
+    assert "Traceback" not in res.output
+    assert meta["interrupted"]["exit_code"] == code
+    assert meta["interrupted"]["concurrencies"] == [
+        {"concurrency": 1, "requests_planned": 4, "requests_kept": 4},
+        {"concurrency": 2, "requests_planned": 4, "requests_kept": 2},
+    ]
+    req = sorted(r["request_id"] for r in rows if r["window_kind"] == "request")
+    assert req == [0, 1, 2, 3, 4, 5, 6]  # 7 finished, but its batch did not: not kept
+    assert [r["concurrency"] for r in rows if r["window_kind"] == "batch"] == [2]
+    assert "concurrency 2: 2 of 4 requests: the figures rest on fewer requests than asked for" in res.output
+    assert f"written to {out}" in res.output and any(n.startswith("stopped early by") for n in meta["notes"])
+    # The printed figure is the one the kept rows give: nothing from the dropped half batch.
+    from powerprof.workload.measure import summarise
+
+    line = [ln for ln in res.output.splitlines() if re.match(r"\s+2\s+2\s+0\s", ln)]
+    assert len(line) == 1 and line[0].endswith("stopped early: 2 of 4 requests"), res.output
+    s2 = [x for x in summarise(rows) if x.concurrency == 2][0]
+    assert s2.n_ok == 2
+    assert ("-" if s2.gpu_j_per_token is None else format(s2.gpu_j_per_token, "10.3f")) in line[0]
+
+
+def test_measure_stopped_before_a_measured_request_finished_writes_nothing(stop_measure, tmp_path):
+    res, out, meta, rows = stop_measure(tmp_path, ["--requests", "4"], 2, at=1)  # the first measured request
+    assert res.exit_code == 130, res.output
+    assert f"nothing was written to {out} (no measured request had finished)" in res.output
+    assert not out.exists()
+
+
+def test_measure_a_second_ctrl_c_while_the_finished_requests_are_kept_does_not_cut_it_short(stop_measure, tmp_path,
+                                                                                             monkeypatch):
+    import os
+    import signal
+
+    import powerprof.workload.measure as m
+
+    real_rows = m.window_rows
+
+    def rows_then_ctrl_c(*a, **k):
+        os.kill(os.getpid(), signal.SIGINT)  # the impatient second Ctrl-C, while the kept rows are computed
+        return real_rows(*a, **k)
+
+    monkeypatch.setattr(m, "window_rows", rows_then_ctrl_c)
+    res, out, meta, rows = stop_measure(tmp_path, ["--requests", "4"], 2, at=3)
+    assert res.exit_code == 130, res.output
+    assert meta["interrupted"]["concurrencies"] == [{"concurrency": 1, "requests_planned": 4, "requests_kept": 2}]
+    assert sorted(r["request_id"] for r in rows) == [0, 1, 2]
+
+
+def test_measure_a_ctrl_c_while_a_complete_run_is_written_leaves_both_files_and_exits_130(stop_measure, tmp_path,
+                                                                                          monkeypatch):
+    # Ctrl-C between run.json and windows.parquet left run.json alone, and the CLI said nothing was written.
+    import os
+    import signal
+
+    from powerprof.storage.runs import RunWriter
+
+    real_write = RunWriter.write
+
+    def ctrl_c_then_write(self, *a, **k):
+        os.kill(os.getpid(), signal.SIGINT)
+        return real_write(self, *a, **k)
+
+    monkeypatch.setattr(RunWriter, "write", ctrl_c_then_write)
+    res, out, meta, rows = stop_measure(tmp_path, ["--requests", "2"], 2, at=None)
+    assert res.exit_code == 130, res.output
+    assert meta["interrupted"] is None and len([r for r in rows if not r["warmup"]]) == 2
+    assert f"interrupted after the measurement was complete: all of it is in {out}" in res.output
+
+
 def test_measure_without_gpu_still_runs(tmp_path, srv):
     pynvml = pytest.importorskip("pynvml", reason="nvidia-ml-py (a main dependency) is not importable here")
     try:

@@ -121,4 +121,7 @@ def read_holder_pid(path: Path) -> int | None:
         text = Path(path).read_text().strip()
     except OSError:
         return None
-    return int(text) if text.isdigit() else None
+    # ASCII digits only ("²".isdigit() is true and int() raises on it), and never 0: the busy message says
+    # `kill PID`, and `kill 0` signals the reader's whole process group.
+    pid = int(text) if re.fullmatch(r"[0-9]{1,10}", text) else 0
+    return pid if 0 < pid < 2**31 else None

@@ -69,17 +69,60 @@ def new_record(gpus: dict, origin: dict | None) -> dict:
     }
 
 
+# What a recorded power limit may be: a whole number of milliwatts no GPU limit lies outside (H200: 200-700 W,
+# GB200: up to 1.2 kW). It also keeps the value far below 2^32, which pynvml's unsigned int would wrap into a
+# plausible small limit; each GPU's own [min, max] is checked before anything is set (`_out_of_range`).
+LIMIT_MW_RANGE = (1_000, 10_000_000)
+MAX_GPU_INDEX = 4095
+
+
+def _is_whole(v, lo: int, hi: int) -> bool:
+    """An int in [lo, hi]; not a bool (true is 1 to Python), a float, NaN or a string."""
+    return type(v) is int and lo <= v <= hi
+
+
+def record_problems(rec) -> list[str]:
+    """What makes a parsed restore record unusable: each field root would act on, or quote, named with its value."""
+    if not isinstance(rec, dict) or not isinstance(rec.get("gpus"), dict) or not _is_whole(rec.get("format"), FORMAT, FORMAT):
+        return [f"it is not a powerprof restore file (format {FORMAT})"]
+    lo, hi = LIMIT_MW_RANGE
+    out = []
+
+    def bad(where: str, key: str, v, want: str) -> None:
+        out.append(f"{where}\"{key}\" is {json.dumps(v)}, not {want}")
+
+    if "pid" in rec and not _is_whole(rec["pid"], 1, 2**31 - 1):
+        bad("", "pid", rec["pid"], "a process id")
+    if rec.get("simulated") is not None and not isinstance(rec["simulated"], dict):
+        bad("", "simulated", rec["simulated"], "null or an object")
+    for uuid, g in rec["gpus"].items():
+        where = f"GPU {uuid}: "
+        if not isinstance(g, dict) or "original_limit_mw" not in g:
+            out.append(f"GPU {uuid} has no original limit recorded")
+            continue
+        if not _is_whole(g["original_limit_mw"], lo, hi):
+            bad(where, "original_limit_mw", g["original_limit_mw"], f"a whole number of milliwatts in {lo}..{hi}")
+        if "default_limit_mw" in g and not _is_whole(g["default_limit_mw"], lo, hi):
+            bad(where, "default_limit_mw", g["default_limit_mw"], f"a whole number of milliwatts in {lo}..{hi}")
+        if "index" in g and not _is_whole(g["index"], 0, MAX_GPU_INDEX):
+            bad(where, "index", g["index"], f"a GPU index in 0..{MAX_GPU_INDEX}")
+        if "clocks_locked" in g and type(g["clocks_locked"]) is not bool:
+            bad(where, "clocks_locked", g["clocks_locked"], "true or false")
+    return out
+
+
 def load_record(path: Path) -> dict:
+    """The parsed restore file; RestoreError naming every unusable field (a bool, NaN, a negative or absurd
+    limit) when root must not act on it."""
     try:
         rec = json.loads(Path(path).read_text())
     except (OSError, ValueError) as e:
         raise RestoreError(f"cannot read restore file {path}: {e}") from e
-    gpus = rec.get("gpus") if isinstance(rec, dict) else None
-    if not isinstance(gpus, dict) or rec.get("format") != FORMAT:
+    problems = record_problems(rec)
+    if problems and problems[0].startswith("it is not"):
         raise RestoreError(f"{path} is not a powerprof restore file (format {FORMAT}) or is damaged")
-    for uuid, g in gpus.items():
-        if not isinstance(g, dict) or not isinstance(g.get("original_limit_mw"), int):
-            raise RestoreError(f"{path}: GPU {uuid} has no original limit recorded")
+    if problems:
+        raise RestoreError(f"{path} is damaged: " + "; ".join(problems[:5]) + (" ..." if len(problems) > 5 else ""))
     return rec
 
 
@@ -394,18 +437,25 @@ def _restore_one_file(path, refuse, nvml_factory, nvidia_smi, lock_dir, toleranc
             locks.append(lock)
         nvml = nvml_factory(rec)
         gateway(nvml).init()
-        done, problems = [], []
+        done, problems, found = [], [], []
         for uuid, g in sorted(rec["gpus"].items(), key=lambda kv: kv[1].get("index", 0)):
             try:
-                try:
-                    h = gateway(nvml).call("nvmlDeviceGetHandleByUUID", uuid)
-                    index = int(gateway(nvml).call("nvmlDeviceGetIndex", h))
-                except nvml.NVMLError as e:
-                    if nvml_error_code(nvml, e) == nvml.NVML_ERROR_NOT_FOUND:
-                        raise ControlError(
-                            f"GPU {uuid} is not present (NVML: {e}); if it was removed, delete {path} by hand"
-                        ) from e
-                    raise ControlError(f"GPU {uuid}: NVML: {e}") from e
+                h = gateway(nvml).call("nvmlDeviceGetHandleByUUID", uuid)
+                found.append((uuid, g, h, int(gateway(nvml).call("nvmlDeviceGetIndex", h))))
+            except nvml.NVMLError as e:
+                if nvml_error_code(nvml, e) == nvml.NVML_ERROR_NOT_FOUND:
+                    problems.append(f"GPU {uuid} is not present (NVML: {e}); if it was removed, delete {path} by hand")
+                else:
+                    problems.append(f"GPU {uuid}: NVML: {e}")
+        # Every GPU's recorded limit against its own range before any is set: a file that is wrong for one
+        # GPU changes none (NVML would refuse that one set, after the others were already changed).
+        wrong = [w for uuid, g, h, index in found if (w := _out_of_range(nvml, h, index, uuid, g))]
+        if wrong:
+            return FileOutcome(path, "damaged", f"Not restored; nothing was changed and {path} is kept: "
+                                                + " ".join(wrong) + f" If you know the original, correct the file "
+                                                f"(limits in whole milliwatts); or {force_default_help(path)}.")
+        for uuid, g, h, index in found:
+            try:
                 done.append(restore_gpu(nvml, h, index, uuid, g, nvidia_smi, tolerance_w))
             except ControlPermissionError:
                 problems.append(permission_message("put GPU settings back", False).replace("powerprof ...", "powerprof restore"))
@@ -430,6 +480,20 @@ def _restore_one_file(path, refuse, nvml_factory, nvidia_smi, lock_dir, toleranc
                 pass
         for lock in locks:
             lock.release()
+
+
+def _out_of_range(nvml, handle, index: int, uuid: str, entry: dict) -> str | None:
+    """Why this GPU must not be set to the recorded original limit (outside the range it accepts); None when
+    it may be, or when the GPU cannot say its range (the set is then checked by NVML and read back)."""
+    rng = gateway(nvml).query("nvmlDeviceGetPowerManagementLimitConstraints", handle)
+    if not rng:
+        return None
+    lo_mw, hi_mw = rng
+    mw = entry["original_limit_mw"]
+    if lo_mw <= mw <= hi_mw:
+        return None
+    return (f"GPU {index} ({uuid}): the recorded original limit {mw / 1000:g} W (\"original_limit_mw\": {mw}) is outside "
+            f"the {lo_mw / 1000:g}-{hi_mw / 1000:g} W this GPU accepts.")
 
 
 # --- files that cannot be trusted or read ----------------------------------------------------
@@ -467,7 +531,9 @@ def check_restore_file(path: Path, root_too: bool = False) -> FileOutcome | None
         load_record(path)
     except RestoreError as e:
         return FileOutcome(path, "damaged", f"Not restored: {e}. The original limit it held is unknown, so no GPU "
-                                            f"change is allowed until you decide: {force_default_help(path)}.")
+                                            f"change is allowed until you decide: if you know it, correct the file "
+                                            f"(limits in whole milliwatts) and run `powerprof restore` again; or "
+                                            f"{force_default_help(path)}.")
     return None
 
 

@@ -290,9 +290,12 @@ async def run_load_async(
     session: aiohttp.ClientSession | None = None,
     first_request_id: int = 0,
     first_batch_id: int = 0,
+    finished: list[RequestRecord] | None = None,
 ) -> list[RequestRecord]:
     """Warm-up requests (one at a time, flagged), then `n_requests` in batches of `concurrency`
-    sent at once; each batch finishes before the next starts. Prompts cycle in order."""
+    sent at once; each batch finishes before the next starts. Prompts cycle in order.
+    `finished`: each batch's records are appended to it once the whole batch is done and annotated,
+    so a run stopped by a signal knows what it can keep (never a part of a batch)."""
     if n_requests < 1 or concurrency < 1 or warmup < 0:
         raise ValueError("n_requests and concurrency must be at least 1, warmup at least 0")
     if not prompts:
@@ -302,6 +305,14 @@ async def run_load_async(
         session = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0))
     run = _Run(session, server, params, policy, n_requests + warmup, edge_hook)
     run.lag.start()
+    kept = 0
+
+    def batch_done() -> None:
+        nonlocal kept
+        if finished is not None:
+            finished.extend(run.records[kept:])
+        kept = len(run.records)
+
     try:
         rid = first_request_id
         batch = first_batch_id
@@ -312,6 +323,7 @@ async def run_load_async(
             await run.annotate()
             if run.abort:
                 raise LoadAborted(run.abort, run.records)
+            batch_done()
         done = 0
         while done < n_requests:
             n = min(concurrency, n_requests - done)
@@ -324,6 +336,7 @@ async def run_load_async(
             await run.annotate()
             if run.abort:
                 raise LoadAborted(run.abort, run.records)
+            batch_done()
     finally:
         await run.lag.stop()
         if own:

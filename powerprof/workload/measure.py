@@ -38,6 +38,7 @@ class Summary:
     energy_method: str
     n_trusted: int = 0  # windows the figures come from (request rows at 1, batch rows above)
     measured_s: float = 0.0  # decode seconds the energy figure pools
+    n_planned: int | None = None  # requests this concurrency was to send; more than n_ok + n_failed when stopped early
 
 
 @dataclass
@@ -50,6 +51,8 @@ class MeasureResult:
     out_path: Path | None = None
     aborted: str | None = None
     excluded: Excluded | None = None
+    stopped: BaseException | None = None  # the signal's exit (KeyboardInterrupt, Terminated), raised after writing
+    interrupted: dict | None = None  # run.json's record of what a stopped run kept
 
     def to_dict(self) -> dict:
         """`powerprof measure --json`: stable keys; per-request rows stay in windows.parquet."""
@@ -60,6 +63,7 @@ class MeasureResult:
             "notes": list(self.notes),
             "windows_path": None if self.out_path is None else str(self.out_path / "windows.parquet"),
             "aborted": self.aborted,
+            "interrupted": self.interrupted,
             "excluded": None if self.excluded is None else {"n": self.excluded.n, "n_windows": self.excluded.n_windows,
                                                             "reasons": self.excluded.reasons, "fix": self.excluded.fix},
         }
@@ -201,34 +205,43 @@ def measure(
     profiler=None,
     policy: LoadPolicy = LoadPolicy(),
     run_id: str | None = None,
+    keep_on_stop: bool = False,
 ) -> MeasureResult:
     """Run the load at each concurrency with `profiler` (a started Profiler, or None) marking
-    every window edge; returns the rows for windows.parquet and a summary per concurrency."""
+    every window edge; returns the rows for windows.parquet and a summary per concurrency.
+
+    keep_on_stop: a run-ending signal (Ctrl-C, SIGTERM, SIGHUP) returns what was finished, whole
+    batches only, with `stopped` (the exit, for the caller to raise once it has written them) and
+    `interrupted` set; when nothing measured had finished, or without it, the exit is raised."""
     run_id = run_id or uuid.uuid4().hex[:12]
     hook = profiler.edge if profiler is not None else None
 
     notes: list[str] = []
+    by_level: list[tuple[int, str]] = []  # notes about one concurrency: dropped if a stop keeps none of it
+    planned = {c: -(-n_requests // c) * c for c in concurrencies}
+    kept: list[RequestRecord] = []  # whole batches, as each one finishes
+    found: dict = {}
 
     async def go():
         records: list[RequestRecord] = []
         aborted = None
         async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0)) as s:
-            server = await detect_server(s, url, api)
+            server = found["server"] = await detect_server(s, url, api)
             rid = bid = 0
             for k, c in enumerate(concurrencies):
                 note = saturation_note(server, c)
                 if note:
-                    notes.append(note)
+                    by_level.append((c, note))
                 probe = asyncio.get_running_loop().create_task(_max_waiting(s, server)) if c > 1 and server.kind == "vllm" else None
                 # Whole batches only: a last batch of fewer streams (or --requests below the concurrency) would
                 # be measured at fewer streams and reported as this concurrency.
-                n = -(-n_requests // c) * c
+                n = planned[c]
                 if n != n_requests:
-                    notes.append(f"concurrency {c}: {n} requests (--requests {n_requests} rounded up to whole "
-                                 f"batches of {c} streams)")
+                    by_level.append((c, f"concurrency {c}: {n} requests (--requests {n_requests} rounded up to whole "
+                                        f"batches of {c} streams)"))
                 try:
                     recs = await run_load_async(
-                        server, prompts, n, c, params, hook, warmup if k == 0 else 0, policy, s, rid, bid
+                        server, prompts, n, c, params, hook, warmup if k == 0 else 0, policy, s, rid, bid, finished=kept
                     )
                 except LoadAborted as e:
                     records += e.records
@@ -237,26 +250,62 @@ def measure(
                 finally:
                     waiting = await _stop(probe)
                 if waiting:
-                    notes.append(
+                    by_level.append((c,
                         f"concurrency {c}: vLLM queued up to {waiting:g} requests (more streams than it runs at once): "
                         "queued time is excluded from the windows, but this is not the server's steady state at this concurrency"
-                    )
+                    ))
                 records += recs
                 rid = max(r.request_id for r in records) + 1
                 bid = max(r.batch_id for r in records) + 1
         return server, records, aborted
 
-    server, records, aborted = termination.run(go())
+    stopped = None
+    try:
+        server, records, aborted = termination.run(go())
+    except (KeyboardInterrupt, termination.Terminated) as e:
+        if not keep_on_stop or "server" not in found or all(r.warmup for r in kept):
+            raise
+        # Whole batches that finished and were annotated: each row is what a full run would have stored for it.
+        server, records, aborted, stopped = found["server"], list(kept), None, e
+    measured = {r.concurrency for r in records if not r.warmup}
+    notes[:0] = [n for c, n in by_level if stopped is None or c in measured]
     rows, _ = window_rows(records, profiler, run_id, server)
     notes += [f"request {r.request_id} ({r.prompt_id}): {r.truncated}" for r in records if r.ok and r.truncated and not r.warmup][:5]
     note = server_timed_note(rows)
     if note:
         notes.append(note)
     summary = summarise(rows)
+    for x in summary:
+        x.n_planned = planned.get(x.concurrency)
+    interrupted = None
+    if stopped is not None:
+        interrupted = interrupted_record(stopped, records, planned)
+        notes.insert(0, f"stopped early by {interrupted['signal']}: {interrupted['message']}")
     notes += short_figure_notes(summary) + missing_figure_notes(rows, summary)
     if profiler is not None:
         notes += profiler.edge_notes()
-    return MeasureResult(server, records, rows, summary, notes=notes, aborted=aborted, excluded=excluded_windows(rows))
+    return MeasureResult(server, records, rows, summary, notes=notes, aborted=aborted, excluded=excluded_windows(rows),
+                         stopped=stopped, interrupted=interrupted)
+
+
+def interrupted_record(stopped: BaseException, records: Sequence[RequestRecord], planned: dict[int, int]) -> dict:
+    """run.json's `interrupted`: the signal, the exit status, and per concurrency the requests kept of those planned
+    (a concurrency the stop came before, or whose first batch it cut, keeps 0)."""
+    import signal
+
+    signum = signal.SIGINT if isinstance(stopped, KeyboardInterrupt) else stopped.signum
+    name = signal.Signals(signum).name
+    levels = [{"concurrency": c, "requests_planned": n,
+               "requests_kept": len({r.request_id for r in records if r.concurrency == c and not r.warmup})}
+              for c, n in planned.items()]
+    total = sum(x["requests_kept"] for x in levels)
+    short = [f"concurrency {x['concurrency']}: {x['requests_kept']} of {x['requests_planned']} requests"
+             for x in levels if x["requests_kept"] < x["requests_planned"]]
+    message = f"the requests in flight were dropped and the {total} that had finished (whole batches) are kept; " + (
+        f"{', '.join(short)}: the figures rest on fewer requests than asked for (none where 0)" if short
+        else "every request had finished")
+    return {"signal": name, "exit_code": 130 if signum == signal.SIGINT else 128 + signum,
+            "concurrencies": levels, "message": message}
 
 
 def server_timed_note(rows: Sequence[dict]) -> str | None:
@@ -308,7 +357,14 @@ async def _stop(task) -> float:
         return 0.0
 
 
-def run_measure(
+def run_measure(rig, **kw) -> MeasureResult:
+    """Everything `powerprof measure` does on the `rig` (`_run_measure`). A signal's exit is raised once: a repeat
+    while a stopped run writes what it finished is only noted."""
+    with termination.exits_latched():
+        return _run_measure(rig, **kw)
+
+
+def _run_measure(
     rig,
     *,
     url: str | None,
@@ -370,6 +426,7 @@ def run_measure(
             api=api,
             profiler=profiler,
             run_id=run_id,
+            keep_on_stop=True,
         )
         gpus = [{"index": i.index, "uuid": i.uuid, "name": i.name, "driver": i.driver_version} for i in (profiler.gpu_infos if profiler else [])]
     s = result.server
@@ -393,15 +450,20 @@ def run_measure(
         },
         "notes": notes + result.notes,
         "aborted": result.aborted,
+        "interrupted": result.interrupted,  # null: every request was sent and answered
     }
     meta["simulated"] = meta["simulated"] or s.simulated
     result.rows, bad, err = split_storable("windows", result.rows)
     if bad:
         notes.append(f"{len(bad)} window row(s) could not be stored and are left out of every figure ({err})")
-    writer = RunWriter(out_dir, meta)
-    writer.write("windows", table_from_rows("windows", result.rows))
+    with termination.exits_held() as late:  # run.json and its table, or neither
+        writer = RunWriter(out_dir, meta)
+        writer.write("windows", table_from_rows("windows", result.rows))
     result.notes = notes + result.notes
     result.out_path = out_dir
+    if late and result.stopped is None:
+        # The measurement was complete and is written; the stop asked for is still its exit status.
+        result.stopped = termination.exit_for(late[0])
     return result
 
 

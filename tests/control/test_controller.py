@@ -480,3 +480,98 @@ def test_restore_of_a_named_file_that_does_not_exist_fails(tmp_path):
     assert r.returncode == 1, r.stdout + r.stderr
     assert f"{missing} does not exist" in r.stderr
     assert "Nothing to restore" not in r.stdout + r.stderr
+
+
+def _edit_record(path, edit):
+    rec = json.loads(path.read_text())
+    edit(rec, rec["gpus"][min(rec["gpus"], key=lambda u: rec["gpus"][u]["index"])])  # GPU 0's entry
+    path.write_text(json.dumps(rec))  # NaN and Infinity as Python's json writes them
+    return path
+
+
+@pytest.mark.parametrize("key, value, said", [
+    ("original_limit_mw", True, '"original_limit_mw" is true'),  # bool is an int to Python: it read as a 1 mW limit
+    ("original_limit_mw", False, '"original_limit_mw" is false'),
+    ("original_limit_mw", -280000, '"original_limit_mw" is -280000'),
+    ("original_limit_mw", 0, '"original_limit_mw" is 0'),
+    ("original_limit_mw", float("nan"), '"original_limit_mw" is NaN'),
+    ("original_limit_mw", float("inf"), '"original_limit_mw" is Infinity'),
+    ("original_limit_mw", 280000.0, '"original_limit_mw" is 280000.0'),
+    ("original_limit_mw", "280000", '"original_limit_mw" is "280000"'),
+    ("original_limit_mw", 2**32 + 280000, f'"original_limit_mw" is {2**32 + 280000}'),  # pynvml's uint would wrap it
+    ("default_limit_mw", True, '"default_limit_mw" is true'),
+    ("index", True, '"index" is true'),
+    ("index", -1, '"index" is -1'),
+    ("clocks_locked", "no", '"clocks_locked" is "no"'),
+])
+def test_restore_refuses_a_record_with_a_bool_nan_negative_or_absurd_field_and_changes_nothing(originals, key, value, said):
+    # `"original_limit_mw": true` passed `isinstance(x, int)`: restore asked for a 1 mW limit on GPU 0, released its
+    # clock lock, and put GPU 1 back, all from a record it should not have believed.
+    path = _edit_record(_leave_pending_record(), lambda rec, g: g.__setitem__(key, value))
+    left = sim_state()
+    from click.testing import CliRunner
+
+    from powerprof.cli import main as cli
+
+    r = CliRunner().invoke(cli, ["restore", "--restore-file", str(path)])
+    assert r.exit_code == 1, r.output
+    assert said in r.output and "force-default" in r.output and "correct the file" in r.output, r.output
+    assert sim_state() == left == [(190.0, (1500, 1500))] * 2  # no GPU touched, not even the one whose entry is fine
+    assert path.exists()
+    with pytest.raises(PendingRestoreError, match="force-default"):  # and it blocks new runs as a damaged file does
+        door_controller(sim(), [1]).open()
+
+
+@pytest.mark.parametrize("key, value", [("format", True), ("format", 1.0), ("pid", True), ("pid", 0)])
+def test_restore_refuses_a_record_whose_format_or_pid_is_not_a_whole_number(originals, key, value):
+    path = _leave_pending_record()
+    rec = json.loads(path.read_text())
+    rec[key] = value
+    path.write_text(json.dumps(rec))
+    report = door_restore(path)
+    assert [o.status for o in report.outcomes] == ["damaged"], report.lines()
+    assert sim_state() == [(190.0, (1500, 1500))] * 2 and path.exists()
+
+
+def test_restore_checks_every_gpus_range_before_setting_any(originals):
+    # 50 W is a whole number of milliwatts but below what the GPU accepts: NVML refused GPU 0's set after the
+    # record had already been applied to GPU 1 (and GPU 0's clock released), leaving the pair half restored.
+    path = _edit_record(_leave_pending_record(), lambda rec, g: g.__setitem__("original_limit_mw", 50_000))
+    report = door_restore(path)
+    assert [o.status for o in report.outcomes] == ["damaged"], report.lines()
+    text = "\n".join(report.lines())
+    assert "nothing was changed" in text and "50 W" in text and "force-default" in text, text
+    assert sim_state() == [(190.0, (1500, 1500))] * 2 and path.exists()
+    # The operator's way out still works on it: every GPU it names to its default, the file gone.
+    from powerprof.rig import Rig
+
+    with Rig("seed-16g", sim_gpu_count=2) as rig:
+        out = rig.force_default(door_restore(path))
+    assert out.ok, out.lines()
+    assert not path.exists() and all(c is None for _, c in sim_state())
+
+
+@pytest.mark.parametrize("origin", [{"profile": "seed-16g", "count": True}, {"profile": "seed-16g", "count": 10**9},
+                                    {"profile": "seed-16g", "count": -1}, {"profile": 7, "count": 2}])
+def test_restore_refuses_a_simulator_origin_it_cannot_reopen_as_written(originals, origin):
+    # count true read as 1 GPU (GPU 1's record then "not present"); 10**9 made a billion simulated GPUs.
+    path = _leave_pending_record()
+    rec = json.loads(path.read_text())
+    rec["simulated"] = origin
+    path.write_text(json.dumps(rec))
+    report = door_restore(path)
+    assert [o.status for o in report.outcomes] == ["refused"], report.lines()
+    assert '"simulated"' in report.lines()[0]
+    assert sim_state() == [(190.0, (1500, 1500))] * 2 and path.exists()
+
+
+@pytest.mark.parametrize("text", ["0", "\u00b2", "-5", "1e3", "99999999999"])
+def test_a_lock_files_pid_is_a_positive_ascii_number_or_unknown(tmp_path, text):
+    # "²".isdigit() is true and int() raised on it; "0" made the busy message say `kill 0` (the reader's whole group).
+    from powerprof.control.gpulock import read_holder_pid
+
+    p = tmp_path / "x.lock"
+    p.write_text(text + "\n")
+    assert read_holder_pid(p) is None
+    p.write_text("4242\n")
+    assert read_holder_pid(p) == 4242
