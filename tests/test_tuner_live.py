@@ -232,6 +232,66 @@ def test_a_daemon_measuring_other_gpus_is_not_believed(tmp_path):
     assert "measures GPUs GPU-fake" in runner.tuner.decisions[-1].reason
 
 
+def _add_after(prefix: str, line: str):
+    """A mutation of the exposition: `line` added after the sample line starting with `prefix`."""
+    def mutate(text: str) -> str:
+        out = []
+        for ln in text.splitlines():
+            out.append(ln)
+            if ln.startswith(prefix):
+                out.append(line)
+        return "\n".join(out) + "\n"
+    return mutate
+
+
+def _gpu_read_twice(text: str) -> str:
+    """The tuned GPU's limit read a second time, at 300 W, before the true reading."""
+    out = []
+    for ln in text.splitlines():
+        if ln.startswith("powerprof_gpu_power_limit_watts{"):
+            out.append(ln.replace('gpu="0"', 'gpu="1"').rsplit(" ", 1)[0] + " 300.0")
+        out.append(ln)
+    return "\n".join(out) + "\n"
+
+
+@pytest.mark.parametrize("mutate,why", [
+    # Each sample finite, their sum inf: the window's inf - inf crashed the loop (ValueError out of tick).
+    (_add_after("powerprof_requests_total{", 'powerprof_requests_total{outcome="ok",tag="a"} 1.7e308\n'
+                'powerprof_requests_total{outcome="ok",tag="b"} 1.7e308'), "implausible value"),
+    (_add_after("powerprof_tokens_generated_total{", 'powerprof_tokens_generated_total{tag="x"} 1e300'),
+     "implausible value"),  # finite but no count: was believed
+    (_add_after("powerprof_tokens_generated_total{", 'powerprof_tokens_generated_total{tag="x"} NaN'),
+     "implausible value"),
+    (_add_after("powerprof_tokens_generated_total{", 'powerprof_tokens_generated_total{tag="x"} -5'),
+     "implausible value"),
+    (_add_after("powerprof_tokens_generated_total{", 'powerprof_tokens_generated_total{tag="x"} +Inf'),
+     "implausible value"),
+    (_add_after("powerprof_tokens_generated_total{", 'powerprof_tokens_generated_total{tag="x"} true'),
+     "unreadable metrics"),
+    # The same GPU read twice: which one was believed depended on the order (the last one was).
+    (_gpu_read_twice,
+     "appears twice"),
+    # No _sum: was read as 0 prompt tokens and the window judged.
+    (lambda t: "\n".join(ln for ln in t.splitlines() if not ln.startswith("powerprof_request_prompt_tokens_sum")),
+     "want one _sum"),
+])
+def test_garbage_from_the_daemon_is_refused_with_its_reason_and_ends_at_the_reference(tmp_path, mutate, why):
+    nvml = SimNVML("seed-16g", state_path=None)
+    clock = Clock()
+    bad = []
+    with Rig("seed-16g", nvml=nvml) as rig, FakeDaemon(gpu=sim_gpu(nvml)) as fd, rig.controller([0]) as ctl:
+        runner = TuneRunner(_cfg(), lambda: parse_counters((bad[0] if bad else str)(fetch_metrics(fd.url, 2)), 0.0),
+                            ctl=ctl, gpus=[0], clock=clock, gpu_uuids=[nvml.gpus[0].uuid])
+        runner.start()
+        _below_reference(runner, clock, nvml)
+        bad.append(mutate)
+        _drive(runner, clock, 5)  # past stale_s (30 s): never a verdict on those figures, and no crash
+        assert _limit_w(nvml) == 300
+        d = runner.tuner.decisions[-1]
+        assert d.action == "stale" and d.to_level == 300 and why in d.reason, [x.reason for x in runner.tuner.decisions]
+    assert _limit_w(nvml) == 300  # the original limit
+
+
 def _dripping_server():
     """An endpoint that sends its headers, then one byte every half second forever."""
     import socket

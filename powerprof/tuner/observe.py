@@ -23,6 +23,10 @@ from powerprof.daemon.latency import LATENCY_EDGES_S
 from .policy import Window
 
 MAX_BYTES = 4 * 1024 * 1024
+# A counter past 2^53 is no count a float holds exactly, and 2^53 J is 28,000 years at 10 kW: larger is not the
+# daemon's. It also keeps every sum of the samples a body of MAX_BYTES can hold finite (two 1.7e308 made inf, and a
+# window of inf - inf crashed the tuner).
+MAX_COUNTER = float(2**53)
 SCRAPE_DEADLINE_S = 5.0  # the whole scrape, not each socket read: a dripping endpoint is a failed scrape
 
 
@@ -126,7 +130,7 @@ def parse_counters(text: str, t_s: float) -> DaemonCounters:
 
     def num(v) -> float:
         v = float(v)
-        if not math.isfinite(v) or v < 0:
+        if not math.isfinite(v) or v < 0 or v > MAX_COUNTER:
             raise ObserveError(f"implausible value {v!r} in the daemon's metrics")
         return v
 
@@ -146,7 +150,9 @@ def parse_counters(text: str, t_s: float) -> DaemonCounters:
         cum = tuple(v for _, v in b)
         if any(b2 < b1 for b1, b2 in zip(cum, cum[1:])):
             raise ObserveError(f"{name}: buckets are not cumulative")
-        return cum, (total[0] if total else 0.0)
+        if len(total) != 1:  # none would read as 0 tokens, several as one series' sum
+            raise ObserveError(f"{name}: want one _sum, got {len(total)}")
+        return cum, total[0]
 
     ttft, _ = hist("powerprof_request_ttft_seconds")
     tpot, _ = hist("powerprof_request_tpot_seconds")
@@ -154,7 +160,12 @@ def parse_counters(text: str, t_s: float) -> DaemonCounters:
     _, output = hist("powerprof_request_output_tokens")
     upstream = sum(num(s.value) for s in need("powerprof_proxy_upstream_failures") if s.name.endswith("_total"))
     gpu = sum(num(s.value) for s in need("powerprof_gpu_energy_joules") if s.name.endswith("_total"))
-    limits = {s.labels.get("gpu_uuid", ""): num(s.value) for s in need("powerprof_gpu_power_limit_watts")}
+    limits: dict = {}
+    for s in need("powerprof_gpu_power_limit_watts"):
+        u = s.labels.get("gpu_uuid", "")
+        if u in limits:  # two readings of one GPU: which is believed would be the exposition's order
+            raise ObserveError(f"powerprof_gpu_power_limit_watts: GPU {u or '(no gpu_uuid)'} appears twice")
+        limits[u] = num(s.value)
 
     def one(name):
         v = [num(s.value) for s in need(name) if s.name.endswith("_total")]
@@ -198,6 +209,8 @@ def window_between(a: DaemonCounters, b: DaemonCounters, level: float) -> Window
         return (int(round(d[0])),) + tuple(int(round(d[k] - d[k - 1])) for k in range(1, len(d)))
 
     fin = b.finished - a.finished
+    if not all(math.isfinite(getattr(b, f) - getattr(a, f)) for f in fields + ("active",)):
+        raise ObserveError("the daemon's counters are not finite numbers: this window is not usable")
     return Window(
         t_end_s=b.t_s, duration_s=b.t_s - a.t_s, level=level, tokens=b.tokens - a.tokens, energy_j=b.energy_j - a.energy_j,
         arrivals=max(0, int(round(fin + b.active - a.active))), requests=int(round(fin)),
