@@ -307,7 +307,7 @@ def tune(metrics_url, config_path, levels, reference, tpot_p95_ms, ttft_p95_ms, 
     from powerprof.tuner.observe import fetch_metrics, loopback_reason, parse_counters
     from powerprof.tuner.policy import TunerConfigError
     from powerprof.tuner.runner import TuneRunner, install_kill_switch
-    from powerprof.tuner.setup import check_bounds, check_out_dir, kill_file, load_table, make_config
+    from powerprof.tuner.setup import check_bounds, check_out_dir, check_root_folder, kill_file, load_table, make_config
 
     why = loopback_reason(metrics_url)
     if why:
@@ -339,6 +339,8 @@ def tune(metrics_url, config_path, levels, reference, tpot_p95_ms, ttft_p95_ms, 
             cfg = make_config(table, plan_levels)
             check_bounds(cfg)
             check_out_dir(out_dir)
+            if not cfg.dry_run:  # the kill switch's file, beside the controller's locks and restore files
+                check_root_folder(kill_file().parent, "state folder")
             uuids = [d.uuid for d in rig.plan(gpus).devices]
         except (TunerConfigError, LevelError) as e:
             raise click.UsageError(str(e)) from None

@@ -573,3 +573,39 @@ def test_a_config_file_others_can_write_is_refused_as_root(tmp_path):
     with pytest.raises(TunerConfigError, match="only \\[tuner\\]"):
         f.write_text("[daemon]\nx = 1\n")
         load_table(f, euid=f.stat().st_uid)
+
+
+def test_the_kill_switch_is_never_written_through_a_symlink(tmp_path):
+    """A kill file planted as a symlink (a folder another user could write) must not make root truncate its target."""
+    victim = tmp_path / "victim"
+    victim.write_text("precious\n")
+    (tmp_path / "killed").symlink_to(victim)
+    nvml = SimNVML("seed-16g", state_path=None)
+    clock = Clock()
+    with Rig("seed-16g", nvml=nvml) as rig, FakeDaemon(gpu=sim_gpu(nvml)) as fd, rig.controller([0]) as ctl:
+        runner = TuneRunner(_cfg(), lambda: parse_counters(fetch_metrics(fd.url, 2), 0.0), ctl=ctl, gpus=[0],
+                            clock=clock, gpu_uuids=[nvml.gpus[0].uuid], kill_path=tmp_path / "killed")
+        runner.kill_requested.set()
+        runner.check_kill()
+        assert runner.tuner.state == "killed" and _limit_w(nvml) == 300  # the pin holds all the same
+    assert victim.read_text() == "precious\n"
+
+
+@pytest.mark.skipif(sys.platform != "linux" or __import__("os").geteuid() != 0, reason="the check is root's")
+@pytest.mark.parametrize("which", ["out", "state"])
+def test_root_refuses_folders_another_user_could_write(tmp_path, monkeypatch, operator_limit, which):
+    """As root, the decisions folder and the state folder (kill switch, locks, restore file) must be root's alone:
+    a symlink planted in either would make root write anywhere. Refused before anything is set (exit 2)."""
+    shared = tmp_path / "shared"
+    shared.mkdir()
+    shared.chmod(0o1777 if which == "out" else 0o777)  # sticky or not: the folder itself must be root's alone
+    out = shared / "decisions" if which == "out" else tmp_path / "d"
+    if which == "state":
+        monkeypatch.setenv("POWERPROF_STATE_DIR", str(shared / "powerprof"))
+    r = subprocess.run([sys.executable, "-m", "powerprof.cli", "tune", "--simulate", "--daemon-metrics",
+                        "http://127.0.0.1:1/metrics", "--levels", "150,300", "--tpot-p95-ms", "100", "--out", str(out),
+                        "--duration", "1"], capture_output=True, text=True, timeout=60)
+    assert r.returncode == 2, r.stderr
+    assert "refusing to write there as root" in r.stderr and str(shared) in r.stderr and "Traceback" not in r.stderr
+    assert sim_limit_w() == operator_limit
+    assert not (shared / "decisions").exists() and not (shared / "powerprof").exists()  # nothing made there

@@ -14,6 +14,7 @@ from __future__ import annotations
 import dataclasses
 import datetime as _dt
 import logging
+import os
 import signal
 import socket
 import threading
@@ -173,7 +174,11 @@ class TuneRunner:
             if self.kill_path is not None and not self.cfg.dry_run:
                 try:  # persisted first: a restart (systemd, Requires=) must not silently clear the pin
                     self.kill_path.parent.mkdir(parents=True, exist_ok=True)
-                    self.kill_path.write_text(f"SIGUSR1 at {_dt.datetime.now(_dt.timezone.utc).isoformat()}\n")
+                    # Never through a symlink: root would truncate whatever file it names.
+                    fd = os.open(self.kill_path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW | os.O_CLOEXEC,
+                                 0o644)
+                    with os.fdopen(fd, "w") as f:
+                        f.write(f"SIGUSR1 at {_dt.datetime.now(_dt.timezone.utc).isoformat()}\n")
                 except OSError as e:
                     log.error("cannot persist the kill switch in %s: %s (held until the process ends)", self.kill_path, e)
             self._kill("kill switch (SIGUSR1)")

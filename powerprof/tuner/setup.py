@@ -9,6 +9,7 @@ import sys
 import tempfile
 from pathlib import Path
 
+from powerprof.control.gpulock import make_dirs
 from powerprof.control.restore import read_trusted
 from powerprof.paths import state_dir
 
@@ -89,14 +90,34 @@ def check_bounds(cfg: TunerConfig) -> None:
         raise TunerConfigError("; ".join(errs))
 
 
-def check_out_dir(path: Path) -> None:
-    """The decisions folder exists (or is made) and takes a file: found now, not after the reference is set."""
+def check_root_folder(path: Path, what: str, euid: int | None = None) -> None:
+    """As root, refuse a folder root will write in (`what` names it) that another user could write, or that has such
+    a folder above it: through a symlink planted there, root's next file would land anywhere on the machine. The
+    daemon's own data-dir rule (`untrusted_data_dir`), applied to the nearest folder that exists, so nothing is
+    created under a folder that fails it."""
+    from powerprof.daemon.service import untrusted_data_dir
+
+    euid = os.geteuid() if euid is None else euid
+    there = Path(os.path.abspath(path))
+    while not os.path.lexists(there) and there != there.parent:
+        there = there.parent
+    why = untrusted_data_dir(there, euid)
+    if why:
+        raise TunerConfigError(f"{what} {path}: refusing to write there as root: {why} (another user could make root "
+                               "write any file through it); give root a folder of its own (chown root:, chmod go-w)")
+
+
+def check_out_dir(path: Path, euid: int | None = None) -> None:
+    """The decisions folder exists (or is made) and takes a file: found now, not after the reference is set. As
+    root, only in a folder no one else could write (`check_root_folder`)."""
+    check_root_folder(path, "--out", euid)
     try:
-        Path(path).mkdir(parents=True, exist_ok=True)
+        make_dirs(Path(path))
         with tempfile.TemporaryFile(dir=path):
             pass
     except OSError as e:
         raise TunerConfigError(f"--out {path}: cannot write there ({e.strerror or e})") from None
+    check_root_folder(path, "--out", euid)  # the folder itself, made now or found
 
 
 def kill_file() -> Path:
