@@ -387,6 +387,11 @@ def tune(metrics_url, config_path, levels, reference, tpot_p95_ms, ttft_p95_ms, 
         except ControlError as e:
             click.echo(f"Error: {e}", err=True)
             sys.exit(1)
+        except KeyboardInterrupt:
+            # The controller has put the originals back by now; click's bare "Aborted!" exit 1 read as a failure
+            # (and broke the 128+signal every other stop gives).
+            click.echo("interrupted: the original limits are back", err=True)
+            sys.exit(130)
     if caught:
         sys.exit(128 + caught[0])
 

@@ -389,18 +389,21 @@ def operator_limit():
     return 280.0
 
 
-def test_sigterm_ends_at_the_original_limit(tmp_path, operator_limit):
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT, signal.SIGHUP])
+def test_a_stop_signal_ends_at_the_original_limit(tmp_path, operator_limit, sig):
     with FakeDaemon(gpu=sim_gpu()) as fd:
-        proc, _ = _start_tune(tmp_path, fd)
+        proc, out = _start_tune(tmp_path, fd)
         try:
-            proc.send_signal(signal.SIGTERM)
+            proc.send_signal(sig)
             _, err = proc.communicate(timeout=30)
         finally:
             if proc.poll() is None:
                 proc.kill()
-    assert proc.returncode == 128 + signal.SIGTERM, err
-    assert "Traceback" not in err, err
+    assert proc.returncode == 128 + sig, err  # SIGINT was click's "Aborted!", exit 1
+    assert "Traceback" not in err and "Aborted" not in err, err
     assert sim_limit_w() == operator_limit
+    rows = [r for f in sorted(out.rglob("*.parquet")) for r in pq.read_table(f).to_pylist()]
+    assert rows[-1]["action"] == "stop" and rows[-1]["to_level"] == operator_limit
 
 
 def test_sigkill_then_restore_puts_the_original_limit_back(tmp_path, operator_limit):
