@@ -612,3 +612,49 @@ def test_root_refuses_folders_another_user_could_write(tmp_path, monkeypatch, op
     assert "refusing to write there as root" in r.stderr and str(shared) in r.stderr and "Traceback" not in r.stderr
     assert sim_limit_w() == operator_limit
     assert not (shared / "decisions").exists() and not (shared / "powerprof").exists()  # nothing made there
+
+
+def test_an_exception_in_the_policy_ends_at_the_original_limit(tmp_path):
+    """A bug in the policy ends the run (a traceback, exit 1, systemd restarts it), never with the GPU left capped."""
+    import threading
+
+    nvml = SimNVML("seed-16g", state_path=None)
+    nvml.gpus[0].set_limit_w(280)
+    cfg = _cfg(tick_s=0.05, stale_s=5)
+    with Rig("seed-16g", nvml=nvml) as rig, FakeDaemon(gpu=sim_gpu(nvml)) as fd:
+        with pytest.raises(ZeroDivisionError), rig.controller([0]) as ctl:
+            runner = TuneRunner(cfg, lambda: parse_counters(fetch_metrics(fd.url, 2), time.monotonic()), ctl=ctl,
+                                gpus=[0], out_dir=tmp_path / "d", gpu_uuids=[nvml.gpus[0].uuid])
+
+            def broken(w):
+                ctl.set_power_limit_w(150)  # the bug strikes with the GPU at the lowest level
+                raise ZeroDivisionError("a policy bug")
+
+            runner.tuner.observe = broken
+            runner.run(threading.Event(), duration_s=60)
+        assert _limit_w(nvml) == 280
+    rows = pq.read_table(tmp_path / "d").to_pylist()
+    assert rows[-1]["action"] == "stop" and rows[-1]["to_level"] == 280
+
+
+def test_a_second_tune_on_the_same_gpu_changes_nothing_and_keeps_the_kill_switch(tmp_path, operator_limit):
+    with FakeDaemon(gpu=sim_gpu()) as fd:
+        proc, out = _start_tune(tmp_path, fd)
+        try:
+            proc.send_signal(signal.SIGUSR1)
+            killed = tmp_path / "state" / "powerprof" / "tuner-killed"
+            deadline = time.monotonic() + 20
+            while time.monotonic() < deadline and not killed.exists():
+                time.sleep(0.05)
+            assert killed.exists() and sim_limit_w() == 300.0
+            r = subprocess.run([sys.executable, "-m", "powerprof.cli", "tune", "--simulate", "--daemon-metrics", fd.url,
+                                "--config", str(tmp_path / "tune.toml"), "--out", str(tmp_path / "second"), "--resume"],
+                               capture_output=True, text=True, timeout=60)
+            assert r.returncode == 1 and "already being controlled" in r.stderr, r.stderr
+            assert killed.exists()  # --resume of a tune that never held the GPU clears nothing
+            assert sim_limit_w() == 300.0 and proc.poll() is None  # the first still holds the reference
+        finally:
+            proc.send_signal(signal.SIGTERM)
+            proc.communicate(timeout=30)
+    assert proc.returncode == 128 + signal.SIGTERM
+    assert sim_limit_w() == operator_limit
