@@ -306,9 +306,13 @@ def tune(metrics_url, config_path, levels, reference, tpot_p95_ms, ttft_p95_ms, 
     from powerprof.rig import Rig
     from powerprof.tuner.observe import fetch_metrics, loopback_reason, parse_counters
     from powerprof.tuner.policy import TunerConfigError
-    from powerprof.tuner.runner import TuneRunner, install_kill_switch
+    from powerprof.tuner.runner import KillSwitch, TuneRunner, install_kill_switch
     from powerprof.tuner.setup import check_bounds, check_out_dir, check_root_folder, kill_file, load_table, make_config
 
+    # SIGUSR1 is the kill switch from here on: by default it would end the process, and systemd would restart it
+    # tuning, the kill lost.
+    early_kill = KillSwitch()
+    _signal.signal(_signal.SIGUSR1, early_kill)
     why = loopback_reason(metrics_url)
     if why:
         raise click.UsageError(why)
@@ -341,6 +345,7 @@ def tune(metrics_url, config_path, levels, reference, tpot_p95_ms, ttft_p95_ms, 
             check_out_dir(out_dir)
             if not cfg.dry_run:  # the kill switch's file, beside the controller's locks and restore files
                 check_root_folder(kill_file().parent, "state folder")
+                early_kill.arm(kill_file())
             uuids = [d.uuid for d in rig.plan(gpus).devices]
         except (TunerConfigError, LevelError) as e:
             raise click.UsageError(str(e)) from None
@@ -356,7 +361,8 @@ def tune(metrics_url, config_path, levels, reference, tpot_p95_ms, ttft_p95_ms, 
         def run_tuner(ctl):
             runner = TuneRunner(cfg, lambda: parse_counters(fetch_metrics(metrics_url), _time.monotonic()), ctl=ctl,
                                 gpus=gpus, out_dir=out_dir, registry=registry, gpu_uuids=uuids,
-                                kill_path=None if cfg.dry_run else kill_file(), clear_kill=resume)
+                                kill_path=None if cfg.dry_run else kill_file(), clear_kill=resume,
+                                kill_requested=early_kill.requested)
             install_kill_switch(runner)
             for note in rig.notes:
                 click.echo(f"NOTE: {note}", err=True)

@@ -658,3 +658,42 @@ def test_a_second_tune_on_the_same_gpu_changes_nothing_and_keeps_the_kill_switch
             proc.communicate(timeout=30)
     assert proc.returncode == 128 + signal.SIGTERM
     assert sim_limit_w() == operator_limit
+
+
+def test_a_kill_switch_sent_while_the_tuner_starts_is_kept_and_persisted(tmp_path):
+    """`tune` installs a KillSwitch first: a SIGUSR1 before the config is read, or while the controller's handler holds
+    SIGUSR1 (it restores and exits 138, and systemd restarts the tuner), is persisted, so the restart starts killed.
+    Before, the first ended the process by SIGUSR1's default action and the second exited 138, the kill lost."""
+    import os
+
+    from powerprof.tuner.runner import KillSwitch
+
+    killed = tmp_path / "killed"
+    switch = KillSwitch()
+    prev = signal.signal(signal.SIGUSR1, switch)
+    try:
+        signal.raise_signal(signal.SIGUSR1)  # before the config says where the file goes (or that it is a dry run)
+        assert switch.requested.is_set() and not killed.exists()
+        switch.arm(killed)
+        assert killed.exists()
+        killed.unlink()
+        nvml = SimNVML("seed-16g", state_path=None)
+        nvml.gpus[0].set_limit_w(280)
+        with Rig("seed-16g", nvml=nvml) as rig:
+            with pytest.raises(SystemExit) as e, rig.controller([0]) as ctl:
+                ctl.set_power_limit_w(150)
+                signal.raise_signal(signal.SIGUSR1)  # the controller's handler, before the runner's is installed
+            assert e.value.code == 128 + signal.SIGUSR1 and _limit_w(nvml) == 280
+        assert killed.exists()
+        # The runner the CLI builds takes the same event: it starts killed.
+        clock = Clock()
+        with Rig("seed-16g", nvml=nvml) as rig, FakeDaemon(gpu=sim_gpu(nvml)) as fd, rig.controller([0]) as ctl:
+            os.unlink(killed)
+            runner = TuneRunner(_cfg(), lambda: parse_counters(fetch_metrics(fd.url, 2), 0.0), ctl=ctl, gpus=[0],
+                                clock=clock, gpu_uuids=[nvml.gpus[0].uuid], kill_path=killed,
+                                kill_requested=switch.requested)
+            runner.start()
+            _drive(runner, clock, 12)
+            assert runner.tuner.state == "killed" and _limit_w(nvml) == 300 and killed.exists()
+    finally:
+        signal.signal(signal.SIGUSR1, prev)

@@ -36,6 +36,39 @@ LEVEL_TOLERANCE_W = 1.0  # the daemon's read-back of a limit the controller set 
 log = logging.getLogger("powerprof.tune")
 
 
+def persist_kill(path: Path) -> None:
+    """Write the kill switch's file (a failure is logged: the pin then lasts as long as the process)."""
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        # Never through a symlink: root would truncate whatever file it names.
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644)
+        with os.fdopen(fd, "w") as f:
+            f.write(f"SIGUSR1 at {_dt.datetime.now(_dt.timezone.utc).isoformat()}\n")
+    except OSError as e:
+        log.error("cannot persist the kill switch in %s: %s (held until the process ends)", path, e)
+
+
+class KillSwitch:
+    """SIGUSR1 from the first line of `tune` on, before the loop's own handler: one that lands while the tuner starts
+    is kept (the loop starts killed) and, once `arm`ed with the kill file, persisted at once. Armed, it also persists
+    when the controller's handler (which holds SIGUSR1 from the moment it opens until the loop's handler replaces
+    it) calls it on the way to its exit 138: a restart then starts killed instead of tuning."""
+
+    def __init__(self):
+        self.requested = threading.Event()
+        self.path: Path | None = None
+
+    def __call__(self, *_):
+        self.requested.set()
+        if self.path is not None:
+            persist_kill(self.path)
+
+    def arm(self, path: Path) -> None:
+        self.path = Path(path)
+        if self.requested.is_set():
+            persist_kill(self.path)
+
+
 class DecisionLog:
     """Rows of TUNER_DECISIONS, written as one small Parquet file per flush under `out_dir` (None: kept in memory)."""
 
@@ -90,10 +123,11 @@ class TuneRunner:
     def __init__(self, cfg: TunerConfig, read: Callable[[], DaemonCounters], ctl=None, gpus: list[int] | None = None,
                  out_dir: Path | None = None, registry: CollectorRegistry | None = None,
                  clock: Callable[[], float] = time.monotonic, gpu_uuids: list[str] | None = None,
-                 kill_path: Path | None = None, clear_kill: bool = False):
+                 kill_path: Path | None = None, clear_kill: bool = False, kill_requested: threading.Event | None = None):
         """gpu_uuids: the tuned GPUs; the daemon must measure exactly these (None skips the check: tests of the
         policy plumbing only). kill_path: the persisted kill switch (None: the kill lasts as long as the process);
-        clear_kill: `tune --resume`, remove it first."""
+        clear_kill: `tune --resume`, remove it first. kill_requested: a KillSwitch's event (SIGUSR1 caught before
+        this runner existed)."""
         if ctl is None and not cfg.dry_run:
             raise ValueError("a controller is needed unless dry_run")
         self.cfg = cfg
@@ -110,7 +144,7 @@ class TuneRunner:
         self.gpu_uuids = sorted(gpu_uuids) if gpu_uuids is not None else None
         self.kill_path = Path(kill_path) if kill_path is not None else None
         self.clear_kill = clear_kill
-        self.kill_requested = threading.Event()
+        self.kill_requested = kill_requested if kill_requested is not None else threading.Event()
         self._last: DaemonCounters | None = None
         self._last_good_s = self.t0_s
         self._last_error = "no scrape yet"
@@ -172,15 +206,7 @@ class TuneRunner:
     def check_kill(self) -> None:
         if self.kill_requested.is_set() and self.tuner.state != "killed":
             if self.kill_path is not None and not self.cfg.dry_run:
-                try:  # persisted first: a restart (systemd, Requires=) must not silently clear the pin
-                    self.kill_path.parent.mkdir(parents=True, exist_ok=True)
-                    # Never through a symlink: root would truncate whatever file it names.
-                    fd = os.open(self.kill_path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW | os.O_CLOEXEC,
-                                 0o644)
-                    with os.fdopen(fd, "w") as f:
-                        f.write(f"SIGUSR1 at {_dt.datetime.now(_dt.timezone.utc).isoformat()}\n")
-                except OSError as e:
-                    log.error("cannot persist the kill switch in %s: %s (held until the process ends)", self.kill_path, e)
+                persist_kill(self.kill_path)  # first: a restart (systemd, Requires=) must not silently clear the pin
             self._kill("kill switch (SIGUSR1)")
 
     def check_stale(self, now: float) -> None:
