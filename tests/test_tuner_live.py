@@ -697,3 +697,19 @@ def test_a_kill_switch_sent_while_the_tuner_starts_is_kept_and_persisted(tmp_pat
             assert runner.tuner.state == "killed" and _limit_w(nvml) == 300 and killed.exists()
     finally:
         signal.signal(signal.SIGUSR1, prev)
+
+
+def test_the_daemons_words_reach_roots_log_and_dataset_as_one_short_line(tmp_path):
+    """A label the daemon sends (here its GPU's UUID) is quoted in the stale row's reason: never a newline that would
+    forge a line in root's journal, never kilobytes."""
+    nvml = SimNVML("seed-16g", state_path=None)
+    clock = Clock()
+    forged = "GPU-x\nroot: kill switch cleared by --resume " + "A" * 5000
+    with Rig("seed-16g", nvml=nvml) as rig, FakeDaemon(gpu=lambda: (forged, 300.0)) as fd, rig.controller([0]) as ctl:
+        runner = TuneRunner(_cfg(), lambda: parse_counters(fetch_metrics(fd.url, 2), 0.0), ctl=ctl, gpus=[0],
+                            clock=clock, gpu_uuids=[nvml.gpus[0].uuid], out_dir=tmp_path / "d")
+        runner.start()
+        _drive(runner, clock, 5)
+    d = runner.tuner.decisions[-1]
+    assert d.action == "stale" and "measures GPUs GPU-x\\nroot" in d.reason
+    assert "\n" not in d.reason and len(d.reason) < 700 and "its energy is not these GPUs" in d.reason, d.reason

@@ -36,6 +36,13 @@ LEVEL_TOLERANCE_W = 1.0  # the daemon's read-back of a limit the controller set 
 log = logging.getLogger("powerprof.tune")
 
 
+def one_line(text: str, limit: int = 500) -> str:
+    """Text that may carry the daemon's words (a GPU label, an HTTP reason, a parser's quote) as one printable line of
+    at most `limit` characters: it goes into root's log and the decisions dataset, where a newline would forge a line."""
+    s = "".join(ch if ch.isprintable() else ascii(ch)[1:-1] for ch in text)
+    return s if len(s) <= limit else s[: limit - 1] + "…"
+
+
 def persist_kill(path: Path) -> None:
     """Write the kill switch's file (a failure is logged: the pin then lasts as long as the process)."""
     try:
@@ -223,7 +230,9 @@ class TuneRunner:
         """The limit the daemon reads on the tuned GPUs (ObserveError when it measures other GPUs or they differ);
         None for the clock knob, whose lock the daemon does not expose."""
         if self.gpu_uuids is not None and sorted(c.gpu_limits_w) != self.gpu_uuids:
-            raise ObserveError(f"the daemon measures GPUs {', '.join(sorted(c.gpu_limits_w)) or 'none'}, the tuner tunes "
+            seen = sorted(c.gpu_limits_w)
+            named = ", ".join(one_line(u, 80) for u in seen[:8]) + (f" and {len(seen) - 8} more" if len(seen) > 8 else "")
+            raise ObserveError(f"the daemon measures GPUs {named or 'none'}, the tuner tunes "
                                f"{', '.join(self.gpu_uuids)}: its energy is not these GPUs'")
         if self.cfg.knob != "power" or self.gpu_uuids is None:
             return None
@@ -267,7 +276,7 @@ class TuneRunner:
                 self._last_good_s = now
                 self.metrics.stale.set(0)
         except ObserveError as e:
-            self._last_error = str(e)
+            self._last_error = one_line(str(e))
         self._apply(self.tuner.level)
         self._record(ds)
         self._show_level()
