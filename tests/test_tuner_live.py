@@ -481,6 +481,8 @@ def test_dry_run_needs_no_privilege_and_changes_nothing(tmp_path, monkeypatch, o
     (["--levels", "150,300", "--tpot-p95-ms", "100"], "[tuner]\nstale_s = inf\n", "stale_s"),
     (["--levels", "150,300", "--tpot-p95-ms", "100"], "[tuner]\nguard_ratio = 1e9\n", "guard_ratio"),
     (["--levels", "150,300", "--tpot-p95-ms", "100"], "[tuner]\ntick_s = 20\n", "two ticks"),
+    (["--levels", "150,300", "--tpot-p95-ms", "1e300"], None, "guard would never fire"),  # was accepted: no back-off
+    (["--levels", "150,300", "--ttft-p95-ms", "70000"], "[tuner]\nguard_ratio = 2.0\n", "under 65536 ms"),
     (["--levels", "150,300", "--tpot-p95-ms", "100", "--out", "/proc/x"], None, "cannot write"),
     (["--levels", "150,300", "--tpot-p95-ms", "100", "--metrics-port", "BUSY"], None, "--metrics-port"),
 ])
@@ -498,7 +500,8 @@ def test_bad_tuner_settings_exit_2_and_change_nothing(tmp_path, operator_limit, 
         args += ["--out", str(tmp_path / "d")]
     try:
         r = subprocess.run([sys.executable, "-m", "powerprof.cli", "tune", "--simulate", "--daemon-metrics",
-                            "http://127.0.0.1:1/metrics", *args], capture_output=True, text=True, timeout=60)
+                            "http://127.0.0.1:1/metrics", "--duration", "2", *args], capture_output=True, text=True,
+                           timeout=60)  # --duration: a setting wrongly accepted ends the run (exit 0), not the test
     finally:
         busy.close()
     assert r.returncode == 2, r.stderr

@@ -11,6 +11,7 @@ from pathlib import Path
 
 from powerprof.control.gpulock import make_dirs
 from powerprof.control.restore import read_trusted
+from powerprof.daemon.latency import LATENCY_EDGES_S
 from powerprof.paths import state_dir
 
 from .policy import TunerConfig, TunerConfigError, config_from_table
@@ -84,6 +85,12 @@ def check_bounds(cfg: TunerConfig) -> None:
             if not (math.isfinite(getattr(cfg, k)) and getattr(cfg, k) <= MAX_SECONDS)]
     errs += [f"tuner.{k}: at most {MAX_RATIO:g}" for k in ("accept_ratio", "hold_ratio", "guard_ratio")
              if not (math.isfinite(getattr(cfg, k)) and getattr(cfg, k) <= MAX_RATIO)]
+    # A p95 past the daemon's top bucket reads as that edge: an SLO whose guard threshold is at or past it never fires.
+    top_ms = LATENCY_EDGES_S[-1] * 1000
+    errs += [f"tuner.{k}: under {top_ms / cfg.guard_ratio:g} ms (the daemon's latency buckets end at {top_ms:g} ms: "
+             "past that no breach can be seen and the guard would never fire)"
+             for k in ("tpot_p95_ms", "ttft_p95_ms")
+             if getattr(cfg, k) is not None and math.isfinite(cfg.guard_ratio) and getattr(cfg, k) * cfg.guard_ratio >= top_ms]
     if not errs and cfg.stale_s < 2 * cfg.tick_s:
         errs.append(f"tuner.stale_s ({cfg.stale_s:g}) must be at least two ticks (tick_s {cfg.tick_s:g})")
     if errs:
