@@ -271,6 +271,10 @@ def _gpu_read_twice(text: str) -> str:
     # The same GPU read twice: which one was believed depended on the order (the last one was).
     (_gpu_read_twice,
      "appears twice"),
+    # The idle part of the energy missing (a renamed label): was read as free energy.
+    (lambda t: "\n".join(ln for ln in t.splitlines()
+                         if not ln.startswith('powerprof_gpu_energy_attributed_joules_total{to="idle"}')),
+     "want one sample each"),
     # No _sum: was read as 0 prompt tokens and the window judged.
     (lambda t: "\n".join(ln for ln in t.splitlines() if not ln.startswith("powerprof_request_prompt_tokens_sum")),
      "want one _sum"),

@@ -134,8 +134,12 @@ def parse_counters(text: str, t_s: float) -> DaemonCounters:
             raise ObserveError(f"implausible value {v!r} in the daemon's metrics")
         return v
 
-    energy = sum(num(s.value) for s in need("powerprof_gpu_energy_attributed_joules")
-                 if s.name.endswith("_total") and s.labels.get("to") in ("requests", "idle"))
+    parts = [(s.labels.get("to"), num(s.value)) for s in need("powerprof_gpu_energy_attributed_joules")
+             if s.name.endswith("_total") and s.labels.get("to") in ("requests", "idle")]
+    if sorted(to for to, _ in parts) != ["idle", "requests"]:  # a part missing would read as free energy
+        raise ObserveError("powerprof_gpu_energy_attributed_joules: want one sample each to=\"requests\" and "
+                           f"to=\"idle\", got {sorted(str(to) for to, _ in parts)}")
+    energy = sum(v for _, v in parts)
     tokens = sum(num(s.value) for s in need("powerprof_tokens_generated") if s.name.endswith("_total"))
     finished = sum(num(s.value) for s in need("powerprof_requests") if s.name.endswith("_total"))
     active = sum(num(s.value) for s in need("powerprof_proxy_active_requests"))
