@@ -164,6 +164,26 @@ def _folder_reason(folder: Path, dst, euid: int, sticky_ok: bool = False) -> str
     return None
 
 
+def untrusted_folder(folder: Path, euid: int | None = None) -> str | None:
+    """Why root must not write in `folder`; None when only root could have written it (or this process is not
+    root). In a folder another user can write, that user could point any name root writes, replaces or deletes
+    (a symlink) at any file on the machine. The folder and every folder above it must be root's and writable by no
+    one else (root's sticky /tmp excepted above it: others cannot rename in it); the folder itself not a symlink."""
+    euid = os.geteuid() if euid is None else euid
+    if euid != 0:
+        return None
+    try:
+        if os.path.islink(folder):
+            return f"{folder} is a symlink"
+        real = Path(os.path.realpath(folder))
+        why = _folder_reason(real, os.stat(real), euid)
+        for d in real.parents:
+            why = why or _folder_reason(d, os.stat(d), euid, sticky_ok=True)
+    except OSError as e:
+        return f"cannot inspect {folder}: {e.strerror or e}"
+    return why and why.replace("its folder ", "", 1)
+
+
 MAX_SYMLINKS = 40  # as the kernel's own limit on one lookup
 
 

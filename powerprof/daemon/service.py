@@ -105,21 +105,9 @@ def untrusted_data_dir(data_dir: Path, euid: int | None = None) -> str | None:
     user can write, that user could point any of those names (a symlinked `.daemon.lock`) at any file
     on the machine. The folder and every folder above it must be root's and writable by no one else
     (root's sticky /tmp excepted: others cannot rename in it)."""
-    euid = os.geteuid() if euid is None else euid
-    if euid != 0:
-        return None
-    from powerprof.control.restore import _folder_reason
+    from powerprof.control.restore import untrusted_folder
 
-    try:
-        if os.path.islink(data_dir):
-            return f"{data_dir} is a symlink"
-        folder = Path(os.path.realpath(data_dir))
-        why = _folder_reason(folder, os.stat(folder), euid)
-        for d in folder.parents:
-            why = why or _folder_reason(d, os.stat(d), euid, sticky_ok=True)
-    except OSError as e:
-        return f"cannot inspect {data_dir}: {e.strerror or e}"
-    return why and why.replace("its folder ", "", 1)
+    return untrusted_folder(data_dir, euid)
 
 
 def lock_data_dir(data_dir: Path, euid: int | None = None) -> int:

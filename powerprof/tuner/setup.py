@@ -10,7 +10,7 @@ import tempfile
 from pathlib import Path
 
 from powerprof.control.gpulock import make_dirs
-from powerprof.control.restore import read_trusted
+from powerprof.control.restore import read_trusted, untrusted_folder
 from powerprof.daemon.latency import LATENCY_EDGES_S
 from powerprof.paths import state_dir
 
@@ -100,15 +100,13 @@ def check_bounds(cfg: TunerConfig) -> None:
 def check_root_folder(path: Path, what: str, euid: int | None = None) -> None:
     """As root, refuse a folder root will write in (`what` names it) that another user could write, or that has such
     a folder above it: through a symlink planted there, root's next file would land anywhere on the machine. The
-    daemon's own data-dir rule (`untrusted_data_dir`), applied to the nearest folder that exists, so nothing is
+    daemon's own data-dir rule (`untrusted_folder`), applied to the nearest folder that exists, so nothing is
     created under a folder that fails it."""
-    from powerprof.daemon.service import untrusted_data_dir
-
     euid = os.geteuid() if euid is None else euid
     there = Path(os.path.abspath(path))
     while not os.path.lexists(there) and there != there.parent:
         there = there.parent
-    why = untrusted_data_dir(there, euid)
+    why = untrusted_folder(there, euid)
     if why:
         raise TunerConfigError(f"{what} {path}: refusing to write there as root: {why} (another user could make root "
                                "write any file through it); give root a folder of its own (chown root:, chmod go-w)")
