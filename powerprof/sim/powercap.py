@@ -169,6 +169,10 @@ class SimPowercap:
             z.fd = os.open(z.path / "energy_uj", os.O_WRONLY)
         if self._mmio_path is not None:
             self.zones[0].mirror_fds = (os.open(self._mmio_path, os.O_WRONLY),)
+        self._by_counter_path = {os.path.realpath(z.path / "energy_uj"): z for z in self.zones}
+        self._zone_of_path: dict[str, _Zone | None] = {}
+        if self._mmio_path is not None:
+            self._by_counter_path[os.path.realpath(self._mmio_path)] = self.zones[0]
         if self.unreadable:
             # Files are opened for writing first: the simulator keeps updating them, as the kernel does.
             for p in self.energy_paths():
@@ -198,12 +202,15 @@ class SimPowercap:
     def counter_uj(self, z: _Zone) -> int:
         return (z.start_uj + int(z.energy_j * 1e6)) % self.max_energy_range_uj
 
+    def _write(self, z: _Zone) -> None:
+        data = f"{self.counter_uj(z):0{_WIDTH}d}\n".encode()
+        os.pwrite(z.fd, data, 0)
+        for fd in z.mirror_fds:
+            os.pwrite(fd, data, 0)
+
     def _write_all(self) -> None:
         for z in self.zones:
-            data = f"{self.counter_uj(z):0{_WIDTH}d}\n".encode()
-            os.pwrite(z.fd, data, 0)
-            for fd in z.mirror_fds:
-                os.pwrite(fd, data, 0)
+            self._write(z)
 
     def _integrate_to(self, now_ns: int) -> None:
         dt = (now_ns - self._t_last_ns) / 1e9
@@ -219,11 +226,15 @@ class SimPowercap:
             self._set_powers()
             self._write_all()
 
-    def refresh(self) -> None:
-        """Advance the counters to now at the power held since the last update (what a read sees)."""
+    def refresh(self, zone: _Zone | None = None) -> None:
+        """Advance the counters to now at the power held since the last update (what a read sees);
+        rewrite that zone's file (a read needs only its own), or every file."""
         with self._lock:
             self._integrate_to(self._clock_ns())
-            self._write_all()
+            if zone is None:
+                self._write_all()
+            else:
+                self._write(zone)
 
     def true_energy_j(self) -> dict[str, float]:
         """Energy per zone (by sysfs id) since the simulator started, as of the last update or read."""
@@ -244,9 +255,16 @@ class SimPowercap:
             if not st.st_mode & stat.S_IROTH:
                 raise PermissionError(errno.EACCES, os.strerror(errno.EACCES), str(path))
         f = open(path, mode, *args, **kwargs)
-        if "r" in mode and os.path.basename(path) == "energy_uj":
-            return _LiveCounterFile(f, self.refresh)
+        zone = self._counter_zone(path) if "r" in mode else None
+        if zone is not None:
+            return _LiveCounterFile(f, lambda: self.refresh(zone))
         return f
+
+    def _counter_zone(self, path) -> _Zone | None:
+        key = os.fspath(path)
+        if key not in self._zone_of_path:  # realpath costs a few syscalls: once per name a reader uses
+            self._zone_of_path[key] = self._by_counter_path.get(os.path.realpath(key))
+        return self._zone_of_path[key]
 
     # --- background updates ------------------------------------------------------------------
 
