@@ -20,6 +20,7 @@ import aiohttp
 import numpy as np
 
 from powerprof.arrival import ArrivalQuality, Timing, arrival_quality, classify
+from powerprof.errtext import error_text
 
 from .limits import MAX_ERROR_BYTES, MAX_INFO_BYTES, MAX_RESPONSE_BYTES, BodyTooLarge, bad_count, read_capped
 from .stream import APIS, StreamParser, parse_response
@@ -446,7 +447,7 @@ async def send_request(
     except asyncio.TimeoutError:
         return _failed(base, "timeout while connecting or sending", http_status, clock_ns())
     except (aiohttp.ClientError, OSError) as e:
-        error = f"{type(e).__name__}: {e}"
+        error = error_text(e)
         summary = parser.finish()
     t_end = clock_ns()
     if first_called and edge_hook is not None:

@@ -21,6 +21,8 @@ import json
 import re
 from dataclasses import dataclass, field
 
+from powerprof.errtext import error_text
+
 from .limits import MAX_COUNT, MAX_MS, bad_amount, bad_count
 
 APIS = ("llamacpp", "openai-completions", "openai-chat")
@@ -270,7 +272,7 @@ class StreamParser:
         try:
             self._handle(obj, out)
         except Exception as e:  # never raise on garbage: a proxy forwards these bytes
-            self._error(f"unexpected event shape: {type(e).__name__}: {e}")
+            self._error(f"unexpected event shape: {error_text(e)}")
 
     def _quick_count(self, v: bytes) -> int | None:
         """Tokens in a plain token chunk, read from its bytes; None when the chunk needs the full
@@ -540,7 +542,7 @@ def parse_response(api: str, body: bytes) -> tuple[list[TokenEvent], StreamSumma
         try:
             p._handle(obj, out)
         except Exception as e:
-            p._error(f"unexpected response shape: {type(e).__name__}: {e}")
+            p._error(f"unexpected response shape: {error_text(e)}")
         # The usage block of a non-streaming OpenAI answer is the authoritative count.
         if out and p._s.usage_completion is not None and out[0].n_tokens != p._s.usage_completion:
             out = [TokenEvent(p._s.usage_completion, out[0].text, p._s.usage_completion)]
