@@ -19,7 +19,7 @@ from typing import Callable
 import aiohttp
 import numpy as np
 
-from powerprof.arrival import ArrivalQuality, Timing, arrival_quality, classify
+from powerprof.arrival import ArrivalQuality, Timing, arrival_quality, classify, count_problem
 from powerprof.errtext import error_text
 
 from .limits import MAX_ERROR_BYTES, MAX_INFO_BYTES, MAX_RESPONSE_BYTES, BodyTooLarge, bad_count, read_capped
@@ -147,6 +147,14 @@ class RequestRecord:
             return None
         return classify(self.quality, self.generated_tokens, self.server_decode_s, self.server_decode_tokens, self.client_lag_s,
                         self.stream_tokens, self.running_counts)
+
+    @property
+    def count_problem(self) -> str | None:
+        """Why the server's own token count cannot be believed beside its stream (arrival.count_problem); None for failures."""
+        if not self.ok:
+            return None
+        shown = sum(self.event_tokens) if self.stream_tokens is None else self.stream_tokens
+        return count_problem(shown, self.generated_tokens, self.running_counts)
 
     @property
     def ttft_s(self) -> float | None:
