@@ -615,6 +615,11 @@ def replay(trace_path, url, simulate, launch, api, time_scale, duration_s, tag_h
                    f"{sm.prompt_tokens} prompt tokens")
         click.echo(f"TTFT p50 {f(sm.ttft_p50_s)} s, p95 {f(sm.ttft_p95_s)} s; latency p50 {f(sm.latency_p50_s)} s, "
                    f"p95 {f(sm.latency_p95_s)} s; time per output token p50 {f(sm.tpot_p50_s)} s")
+        if sm.count_problems:
+            from powerprof.arrival import fix_for
+
+            click.echo(f"note: the token figures above are the server's own counts, and for {sm.count_problems} of {sm.ok} "
+                       f"requests they contradict its stream ({sm.count_problem}); fix: {fix_for(sm.count_problem)}")
         if sm.late_p95_s > 0.05:
             click.echo(f"note: requests were sent late (p95 {sm.late_p95_s:.2f} s): this machine could not keep the trace's pace")
     if sm.failed:
