@@ -78,6 +78,9 @@ class TunerConfig:
     # accept_ratio with model_z spreads to spare under the load expected (not while the load ramps, as any trial below)
     model_descend_trend_max: float = 1.0  # model descents only while the load's trend (load_growth) is at most this: a
     # flat or falling load (ninth attempt: a descent on a rising load that has not yet read as a ramp broke later)
+    model_no_redescend: bool = False  # no model descent to a level sent up (left for the level above by a held judgement,
+    # a rise, the queue, the model or a guard back-off) within reprobe_s (twelfth attempt: a descent onto a level sent up
+    # minutes before broke it again)
     model_skip: bool = False  # no trial below of a level seen in this length mix whose expected p95 is past accept_ratio
     model_rise: bool = False  # a level below the reference goes one up once the model puts it past hold_ratio under the
     # load expected (measured in the eighth attempt and left off: docs/tuner.md)
@@ -466,6 +469,7 @@ class _Regime:
     rejected: dict = field(default_factory=dict)  # index → time a trial of it was rejected
     costly: dict = field(default_factory=dict)  # index → time a trial of it was rejected on energy (not too slow)
     strikes: dict = field(default_factory=dict)  # index → times the guard backed off from it
+    sent_up: dict = field(default_factory=dict)  # index → last time it was left for a level above, as too slow
     stats: dict = field(default_factory=dict)  # index → latest _LevelStat
     converged_t: float | None = None
     reprobe_from: int | None = None  # the level a re-probe started from…
@@ -503,6 +507,7 @@ class Tuner:
         self._threat_idx: int | None = None  # the level the last back-off left
         self._ref_typical: float | None = None  # the reference's median p95/SLO in the regime, at the last back-off
         self._trial_ratios: list[float] = []  # the trial's p95/SLO judgements so far
+        self._model_search = False  # the search in progress began with a model descent (until it holds or backs off)
         self._work: deque[tuple[float, float, float]] = deque()  # (t_end, duration, work) per tick, every level
         self._held_ok: list[_LevelStat] = []  # judgements of the current level within the holding band
         self._backoff_tail: list[Window] = []  # the reference's windows in the back-off's second half
@@ -685,6 +690,8 @@ class Tuner:
             return False
         if j in r.costly and t - r.costly[j] < cfg.reprobe_s:
             return False  # refused on energy lately: the model says nothing about that
+        if self._sent_up_lately(j, t):
+            return False  # left as too slow lately: its own p95 said so, whatever the model now expects
         g = self.load_growth(t)
         if not cfg.ramp_descend and g is not None and g > cfg.ramp_growth:
             return False  # no trial below while the load ramps (item 6), whatever the model says
@@ -705,7 +712,13 @@ class Tuner:
         self._trials.append((t, math.inf))
         self._enter("trial", t)
         self._trial_ratios = []
+        self._model_search = True
         return True
+
+    def _sent_up_lately(self, j: int, t: float) -> bool:
+        """model_no_redescend: level `j` was left for a level above, as too slow, within reprobe_s."""
+        up = self.regime.sent_up.get(j)
+        return self.cfg.model_no_redescend and up is not None and t - up < self.cfg.reprobe_s
 
     def _queue_threat(self, t: float, out: list[Decision]) -> bool:
         """The early signal: the mean in flight over the last queue_s at this level (at least half of it seen) past
@@ -958,6 +971,10 @@ class Tuner:
                 if d > 0:
                     self._up_tried = True
                 continue
+            if d < 0 and self._model_search and self._sent_up_lately(j, t):
+                # A search the model began goes no further down than its own first step could.
+                skipped = f"{self._fmt(cfg.levels[j])} not tried: left as too slow within {cfg.reprobe_s:g} s"
+                continue
             if d < 0 and not cfg.ramp_descend and (g := self.load_growth(t)) is not None and g > cfg.ramp_growth:
                 skipped = f"{self._fmt(cfg.levels[j])} not tried: the load is ramping (×{g:.2f} in {cfg.trend_s:g} s)"
                 continue
@@ -1140,6 +1157,8 @@ class Tuner:
         return self.regimes[key]
 
     def _enter(self, state: str, t: float, keep_pending: bool = False) -> None:
+        if state in ("hold", "backoff", "killed", "stale"):
+            self._model_search = False
         self.state = state
         self.state_since_s = t
         if not keep_pending:
@@ -1156,6 +1175,9 @@ class Tuner:
 
     def _move(self, t: float, action: str, to_idx: int, reason: str, stat: _LevelStat | None = None) -> Decision:
         d = self._decide(t, action, to_idx, reason, stat)
+        if action == "backoff" and to_idx > self.idx and self.state != "drain":
+            # Every move up as too slow is a back-off row; a drain level's back-off is the ended trial's queue, not its own.
+            self.regime.sent_up[self.idx] = t
         if to_idx != self.idx:
             self.idx = to_idx
             self.since_s = t
