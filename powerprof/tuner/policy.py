@@ -58,16 +58,16 @@ class TunerConfig:
     rise_ratio: float = 0.8  # a level below the reference (held or measured) goes one up at any tick whose guard-window
     # p95 passes this × SLO: a rising load breaks a held level within minutes, before its next judgement
     steady_rise_ratio: float = 0.0  # the same tick rise whether or not the load ramps, at this × SLO (0: off; tenth
-    # attempt, docs/tuner.md: a held level below the oracle breaks on a burst between two judgements)
+    # attempt, docs/tuner-evaluation.md: a held level below the oracle breaks on a burst between two judgements)
     steady_rise_bar: bool = False  # that rise also bars the level it leaves, as a back-off does (eleventh attempt)
     ramp_restore_above: int = 2  # a guard back-off restores this many levels above the one that broke (else 1)
     ramp_descend: bool = False  # no trial below (a level that passes now fails as the load keeps growing)
-    # Tried in the sixth version and left off (docs/tuner.md: no fewer windows beyond the tuning seeds' one):
+    # Tried in the sixth version and left off (docs/tuner-evaluation.md: no fewer windows beyond the tuning seeds' one):
     break_restore_above: int = 1  # a guard back-off on a p95 past the SLO by more than the buckets' error restores this
     # many levels above the one that broke (else one)
     drain_s: float = 0.0  # a trial below ended early: hold one level above its incumbent this long while its slow
     # requests drain, then the incumbent (0: straight back to the incumbent)
-    # The early signal (off by default: docs/tuner.md, seventh version): the requests in flight, which grow as soon
+    # The early signal (off by default: docs/tuner-evaluation.md, seventh version): the requests in flight, which grow as soon
     # as the server falls behind, before any of them finishes late.
     queue_ratio: float = 0.0  # a level below the reference whose mean in flight over the last queue_s passes this ×
     # its usual (the median over its judged windows in the regime) goes one level up; a trial ends (0: off)
@@ -83,7 +83,7 @@ class TunerConfig:
     # left off, docs/tuner-evaluation.md: a net window more for 0.3 points of J/token on 40 held-out seeds)
     model_skip: bool = False  # no trial below of a level seen in this length mix whose expected p95 is past accept_ratio
     model_rise: bool = False  # a level below the reference goes one up once the model puts it past hold_ratio under the
-    # load expected (measured in the eighth attempt and left off: docs/tuner.md)
+    # load expected (measured in the eighth attempt and left off: docs/tuner-evaluation.md)
     model_z: float = 1.0  # residual spreads of margin for a descent
     model_horizon_s: float = 600.0  # how far ahead the load's trend is extrapolated (0: the load now)
     model_min_windows: int = 8  # judged windows in the length mix before the model is used
@@ -300,7 +300,9 @@ class LatencyModel:
 
     MAX_Y = math.log(4.0)  # a p95 four times the SLO or more is "far over": the top bucket's floor says no more
     MIN_SD = 0.10
-    DEFAULT_SD = 0.30  # log spread of one window's p95 about its level's (docs/tuner.md: 0.15–0.35 on the simulator)
+    # A window p95's log spread about its level's line: 0.13–0.47 per level on the simulator's stationary trace
+    # (docs/tuner-evaluation.md, eighth attempt).
+    DEFAULT_SD = 0.30
 
     def __init__(self, memory_s: float, n_levels: int, shrink: float = 0.25):
         self.memory_s = memory_s
@@ -908,7 +910,7 @@ class Tuner:
         drain = early and down and cfg.drain_s > 0 and back < self.ref  # never above the reference
         if drain:
             # The trial's queue finishes at the incumbent otherwise: its slow requests still broke the SLO window, and
-            # could make the incumbent's own guard fire minutes later (docs/tuner.md, sixth version).
+            # could make the incumbent's own guard fire minutes later (docs/tuner-evaluation.md, sixth version).
             back += 1
             why += f"; {self._fmt(cfg.levels[back])} for {cfg.drain_s:g} s while its slow requests drain"
         self._end_trial(t)
