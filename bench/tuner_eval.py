@@ -37,7 +37,7 @@ from powerprof.workload.trace import LengthMix, diurnal, synthetic  # noqa: E402
 LEVELS_W = (150, 170, 190, 210, 230, 250, 270, 300)
 DEFAULT_W = 300
 # TPOT 300 ms: the default breaks it in one stationary 5-minute window of 194 on the tuning seeds, as it
-# broke 100 ms (one of 193) before the continuous engine's speculative step was fixed (docs/tuner.md: it then decoded
+# broke 100 ms (one of 193) before the continuous engine's speculative step was fixed (docs/tuner-evaluation.md: it then decoded
 # ~2.9 times too fast); TTFT (prefill-bound, unchanged by the fix) stays 5 s.
 SLO = {"tpot_p95_ms": 300.0, "ttft_p95_ms": 5000.0}
 # card: (profile, knob, levels, reference/default, SLO, traffic scale). The H200's cap barely binds in

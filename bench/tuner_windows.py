@@ -1,6 +1,6 @@
 """The stationary trace's windows over the SLO, with what the tuner did around each: per seed, every 5-minute window
 over the SLO (EXTRA: not over it at the default), the tuner's level and state over the 10 minutes before it, and its
-decisions from 30 minutes before (the tenth attempt's diagnosis, docs/tuner.md).
+decisions from 30 minutes before (the tenth attempt's diagnosis, docs/tuner-evaluation.md).
 
     PYTHONPATH=. python bench/tuner_windows.py 107,109,111 [steady_rise_ratio=0.9 ...]   # knobs as TOML lines
 """

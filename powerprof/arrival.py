@@ -16,7 +16,9 @@ Classification (docs/workload.md, "The timing rule"):
   What is left after the beat rules is about one production interval per edge (a fresh read's
   newest event is at most that old), i.e. ≈ 1/window_reads of the window.
 - `server`: not stream-timed, but the server gave its own decode time for this request.
-- `untrusted`: neither: the window counts in no figure.
+- `untrusted`: neither, or the server's own count of generated tokens contradicts its stream
+  (`count_problem`): then neither the stream's tokens nor the server's figures can be believed,
+  and the window counts in no figure.
 """
 
 from __future__ import annotations
@@ -36,6 +38,11 @@ STREAM_ERROR_BOUND = 0.01  # edge lag beyond two beats (and the 2 ms floor), as 
 # milliseconds), seen on an idle machine too; a read, woken by the socket, is not late by it.
 LAG_FLOOR_S = 0.002
 SERVER_DISAGREE_BOUND = 0.05  # stream and server rates further apart than this: said, server's used
+# Tokens a server may count without ever streaming them, where its chunks carry its running count:
+# llama-server drops the bytes of an unfinished UTF-8 character at the end (a 4-byte character is
+# up to 3 byte tokens), and an end-of-generation token has no text. Measured on llama-server
+# b11434: every stream's count equalled `predicted_n` (native, completions; stop words; drafts).
+COUNT_SLACK_TOKENS = 3
 
 TIMINGS = ("stream", "server", "untrusted")
 
@@ -58,6 +65,7 @@ class ArrivalQuality:
     window_share: float  # window_tokens ÷ the tokens after the first read: how much the trimming kept
     trimmed: bool  # an edge moved inwards past a read that was not fresh
     uncounted: int  # tokens the server counted that no event showed (their arrival is unknown)
+    counted: int = 0  # tokens the events showed
 
 
 FRESH_GAP = (0.5, 2.0)
@@ -120,7 +128,7 @@ def arrival_quality(arrival_ns, tokens, generated: int | None = None, events=Non
     counted = int(rk.sum())
     total = counted if generated is None else max(int(generated), counted)
     if rt.size == 0:
-        return ArrivalQuality(0, 0, None, 0, None, None, None, None, 0, 0, None, 0.0, False, total - counted)
+        return ArrivalQuality(0, 0, None, 0, None, None, None, None, 0, 0, None, 0.0, False, total - counted, counted)
     gaps = np.diff(rt) / 1e9
     fresh = fresh_reads(rt, re_)
     idx = np.flatnonzero(fresh)
@@ -141,10 +149,12 @@ def arrival_quality(arrival_ns, tokens, generated: int | None = None, events=Non
         t_last_ns=int(rt[b]),
         window_tokens=window,
         window_reads=int(b - a),
-        window_max_share=float(win.max() / window) if window > 0 else None,
+        # One read and tokens the server counted beyond it: an empty window that still holds tokens.
+        window_max_share=float(win.max() / window) if window > 0 and win.size else None,
         window_share=window / after_first if after_first > 0 else 0.0,
         trimmed=bool(a != 0 or b != rt.size - 1),
         uncounted=total - counted,
+        counted=counted,
     )
 
 
@@ -188,20 +198,50 @@ def stream_problem(q: ArrivalQuality, client_lag_s: float | None = None) -> tupl
     return None, bound
 
 
+def count_problem(stream_tokens: int, server_tokens: int | None, running: bool = False) -> str | None:
+    """Why the server's own count of generated tokens cannot be believed beside its stream (None: it can).
+
+    The server's count (usage, llama.cpp `tokens_predicted`/`predicted_n`) is the authority on how
+    many tokens were generated; the stream can only show fewer: a server counts tokens it does not
+    send (llama-server holds back an unfinished UTF-8 character's bytes, its chat endpoint skips
+    tokens that add no text: 34 of 40 seen), and a chunk without counts may hold several. It can
+    never show more: tokens streamed beyond the server's count mean the count is wrong (or something
+    between rewrote the stream), and J/token would be off by their ratio. Where every chunk carried
+    the server's running count (`running`), the stream's count *is* the server's, and a final count
+    more than COUNT_SLACK_TOKENS above it contradicts the server's own figures."""
+    if server_tokens is None:
+        return None
+    if stream_tokens > server_tokens:
+        return (f"the server counted {server_tokens} generated tokens but its stream carried {stream_tokens}: "
+                "the server's token count cannot be believed")
+    if running and server_tokens - stream_tokens > COUNT_SLACK_TOKENS:
+        return (f"the server counted {server_tokens} generated tokens but its own running count in the stream "
+                f"reached {stream_tokens}: the server's token count cannot be believed")
+    return None
+
+
 def classify(
     q: ArrivalQuality,
-    generated: int,
+    generated: int | None,
     server_decode_s: float | None = None,
     server_decode_tokens: int | None = None,
     client_lag_s: float | None = None,
+    stream_tokens: int | None = None,
+    running_counts: bool = False,
 ) -> Timing:
     """The timing rule: stream when the stream can be trusted, else the server's own figures, else untrusted.
 
     When both exist and disagree by more than SERVER_DISAGREE_BOUND the server's figure is used
-    (a smooth stream can still hide a steady client-side delay; the server timed itself)."""
+    (a smooth stream can still hide a steady client-side delay; the server timed itself). First,
+    `generated` (the server's own count) is checked against the tokens the stream showed
+    (`stream_tokens`, default the events in `q`; `running_counts`: every chunk carried the server's
+    running count): a contradiction (`count_problem`) makes the window untrusted whatever else is known."""
+    stream_s = (q.t_last_ns - q.t_first_ns) / 1e9 if q.t_first_ns is not None else None
+    lie = count_problem(q.counted if stream_tokens is None else stream_tokens, generated, running_counts)
+    if lie is not None:
+        return Timing("untrusted", lie, None, stream_s, q.window_tokens, q.t_first_ns, q.t_last_ns)
     problem, bound = stream_problem(q, client_lag_s)
     has_server = server_decode_s is not None and server_decode_s > 0 and (server_decode_tokens or 0) > 0
-    stream_s = (q.t_last_ns - q.t_first_ns) / 1e9 if q.t_first_ns is not None else None
     disagree = None
     if has_server and problem is None and stream_s and q.window_tokens > 0:
         disagree = (q.window_tokens / stream_s) / (server_decode_tokens / server_decode_s) - 1.0
@@ -225,6 +265,8 @@ def reason_group(reason: str | None) -> str:
         return "the client was late reading (starved of CPU)"
     if "did not say" in r:
         return "chunks held several tokens without saying how many"
+    if "token count cannot be believed" in r:
+        return "the server's token count disagrees with its stream"
     if "not stream-timed" in r:
         return reason_group(r.split(": ", 1)[-1])
     return r
@@ -242,6 +284,12 @@ def fix_for(reason: str | None) -> str:
         )
     if "client was late" in r or "starved" in r:
         return "powerprof was starved of CPU: run it on a less busy host or core (e.g. taskset, nice -n -5)"
+    if "token count" in r:
+        return (
+            "the server's own count of generated tokens (usage, llama.cpp timings) does not match the tokens it "
+            "streamed, so no J/token from it can be right: point --server at the server itself (not a proxy that "
+            "rewrites streams), check the server build's usage reporting, and compare with its logs"
+        )
     if "differ" in r:
         return "check for a proxy or a busy client between powerprof and the server"
     return "see docs/workload.md, 'The timing rule'"

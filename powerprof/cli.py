@@ -46,7 +46,21 @@ def simulate_option(f):
     )(f)
 
 
-@click.group(context_settings=CONTEXT_SETTINGS)
+class _Main(click.Group):
+    def invoke(self, ctx):
+        try:
+            return super().invoke(ctx)
+        except BrokenPipeError:
+            from powerprof import pipes
+
+            # Our reader has gone (`| head`): exit as SIGPIPE would, quietly. click's own handling
+            # exits 1, which reads as a failure; an EPIPE from elsewhere (a socket) stays its error.
+            if pipes.silence_closed():
+                sys.exit(pipes.EXIT_PIPE)
+            raise
+
+
+@click.group(cls=_Main, context_settings=CONTEXT_SETTINGS)
 @click.version_option(__version__, prog_name="powerprof")
 def main() -> None:
     """Power and efficiency profiler for GPUs serving LLMs."""
@@ -189,9 +203,10 @@ def monitor(duration, interval, output, gpus, plain, as_json, rapl_backend, simu
             raise click.ClickException("nothing to monitor")
         for note in mon.interval_notes(src, interval):
             click.echo(f"note: {note}", err=True)
-        from powerprof import termination
+        from powerprof import pipes, termination
 
         stopped = None
+        pipe_closed = False
         try:
             with _signals_raise():  # SIGTERM/SIGHUP (kill, timeout, a closed terminal) keep the samples as Ctrl-C does
                 if as_json:
@@ -211,10 +226,14 @@ def monitor(duration, interval, output, gpus, plain, as_json, rapl_backend, simu
         except ValueError as e:  # e.g. an interval too long for the RAPL counters' wrap period
             raise click.UsageError(str(e)) from None
         except KeyboardInterrupt:
-            click.echo("interrupted", err=True)  # still write what was sampled
+            pipes.echo_err("interrupted")  # still write what was sampled (a `2>&1 | head` is gone too)
         except termination.Terminated as e:
             stopped = e
-            click.echo(_stopped_how(e), err=True)  # still write what was sampled, then exit 128 + signum
+            pipes.echo_err(_stopped_how(e))  # still write what was sampled, then exit 128 + signum
+        except BrokenPipeError:
+            if not pipes.silence_closed():
+                raise
+            pipe_closed = True  # the reader has gone (`| head -3`): stop, still write what was sampled
         if output is not None:
             meta = {"powerprof_command": "monitor", "simulated": str(rig.simulated).lower(),
                     "gpus": json.dumps([{"index": i.index, "uuid": i.uuid, "name": i.name}
@@ -222,9 +241,11 @@ def monitor(duration, interval, output, gpus, plain, as_json, rapl_backend, simu
             table = timeline.to_table()
             path = write_table(table, output, metadata=meta)
             # Rows, as the file holds them: one read of RAPL gives a row per zone.
-            click.echo(f"wrote {table.num_rows} rows ({len(timeline)} reads) to {path}", err=True)
+            pipes.echo_err(f"wrote {table.num_rows} rows ({len(timeline)} reads) to {path}")
     if stopped is not None:
         raise stopped
+    if pipe_closed:
+        sys.exit(pipes.EXIT_PIPE)
 
 
 # --- control: power-limit and clock restore ------------------------------------------------
@@ -607,6 +628,11 @@ def replay(trace_path, url, simulate, launch, api, time_scale, duration_s, tag_h
                    f"{sm.prompt_tokens} prompt tokens")
         click.echo(f"TTFT p50 {f(sm.ttft_p50_s)} s, p95 {f(sm.ttft_p95_s)} s; latency p50 {f(sm.latency_p50_s)} s, "
                    f"p95 {f(sm.latency_p95_s)} s; time per output token p50 {f(sm.tpot_p50_s)} s")
+        if sm.count_problems:
+            from powerprof.arrival import fix_for
+
+            click.echo(f"note: the token figures above are the server's own counts, and for {sm.count_problems} of {sm.ok} "
+                       f"requests they contradict its stream ({sm.count_problem}); fix: {fix_for(sm.count_problem)}")
         if sm.late_p95_s > 0.05:
             click.echo(f"note: requests were sent late (p95 {sm.late_p95_s:.2f} s): this machine could not keep the trace's pace")
     if sm.failed:
@@ -829,8 +855,7 @@ def sweep(limits, clocks, url, launch, vary, context_tokens, simulate, gpus, rep
           warmup, idle_s, concurrency, api, max_tokens, prompts_file, prompt_set, prompt_cache, seed, keep_text,
           launch_timeout, interval_s, out_dir, max_slowdown, dry_run, trace_path, time_scale, duration_s):
     """Step the GPU power limit (or locked SM clock) across levels; J/token and speed loss per level."""
-    from rich.console import Console
-
+    from powerprof.pipes import EXIT_PIPE, QuietPipeConsole
     from powerprof.progress import RichSweepUI, end_screen, levels_table, result_console
     from powerprof.rig import Rig
     from powerprof.sweep import SweepSettings, run_sweep
@@ -874,7 +899,8 @@ def sweep(limits, clocks, url, launch, vary, context_tokens, simulate, gpus, rep
                                  max_requests=max_requests, max_time_s=max_time_s, target_ci=target_ci)
     except ValueError as e:
         raise click.UsageError(str(e)) from None
-    ui = RichSweepUI(Console(stderr=True), bar_rule)
+    # A closed pipe (`2>&1 | head`) silences the progress, not the sweep: it finishes, then exits 141.
+    ui = RichSweepUI(QuietPipeConsole(stderr=True), bar_rule)
     with _sweep_exits():
         with ui, Rig(simulate, gpus=gpus) as rig:
             kind = "power_limit" if limits else "sm_clock" if clocks else "none"
@@ -895,6 +921,8 @@ def sweep(limits, clocks, url, launch, vary, context_tokens, simulate, gpus, rep
     if dry_run:
         for line in outcome.plan_lines:
             out.print(line)
+        if out.pipe_closed:
+            sys.exit(EXIT_PIPE)
         return
     from powerprof import termination
     from powerprof.analysis.loading import AnalysisError
@@ -926,6 +954,8 @@ def sweep(limits, clocks, url, launch, vary, context_tokens, simulate, gpus, rep
     else:
         out.print(end_screen(outcome.levels, result, unit), highlight=False)
     out.print(f"run directory: {outcome.run_dir}")
+    if out.pipe_closed or ui.console.pipe_closed:
+        sys.exit(EXIT_PIPE)
 
 
 def _analysis_stopped(e: BaseException, run_dir) -> None:
@@ -1037,18 +1067,26 @@ def _trace_sweep(trace_path, time_scale, duration_s, limits, clocks, url, launch
             "duration_s": duration_s, "span_s": trace[-1].t_s}
     unit = "W" if limits else "MHz"
 
+    from powerprof import pipes
+
     def f(v, spec):
         return "-" if v is None else format(v, spec)
 
+    # The levels print while the sweep runs: a reader gone (`| head`) silences them, the sweep goes on.
+    printed = [True]
+
+    def echo(line):
+        printed[0] = pipes.echo(line) and printed[0]
+
     def show(lv):
-        click.echo(f"{lv.level_value:>6g}{unit:<2} {lv.n_ok:>5} {lv.n_failed:>6} {lv.generated_tokens:>7} "
-                   f"{f(lv.gpu_j_per_token, '9.3f')} {f(lv.tok_s, '7.1f')} {f(lv.ttft_p50_s, '8.3f')} "
-                   f"{f(lv.ttft_p95_s, '8.3f')} {f(lv.latency_p50_s, '7.2f')} {f(lv.latency_p95_s, '7.2f')}  {lv.energy_method}")
+        echo(f"{lv.level_value:>6g}{unit:<2} {lv.n_ok:>5} {lv.n_failed:>6} {lv.generated_tokens:>7} "
+             f"{f(lv.gpu_j_per_token, '9.3f')} {f(lv.tok_s, '7.1f')} {f(lv.ttft_p50_s, '8.3f')} "
+             f"{f(lv.ttft_p95_s, '8.3f')} {f(lv.latency_p50_s, '7.2f')} {f(lv.latency_p95_s, '7.2f')}  {lv.energy_method}")
 
     if not dry_run:
-        click.echo(f"trace {trace_path}: {len(trace)} requests over {trace[-1].t_s:.1f} s, each level replays all of it")
-        click.echo(f"{'level':>8} {'ok':>5} {'failed':>6} {'tokens':>7} {'GPU J/tok':>9} {'tok/s':>7} {'TTFT p50':>8} "
-                   f"{'TTFT p95':>8} {'lat p50':>7} {'lat p95':>7}  method")
+        echo(f"trace {trace_path}: {len(trace)} requests over {trace[-1].t_s:.1f} s, each level replays all of it")
+        echo(f"{'level':>8} {'ok':>5} {'failed':>6} {'tokens':>7} {'GPU J/tok':>9} {'tok/s':>7} {'TTFT p50':>8} "
+             f"{'TTFT p95':>8} {'lat p50':>7} {'lat p95':>7}  method")
     with _sweep_exits():
         with Rig(simulate, gpus=gpus) as rig:
             outcome = run_sweep(rig, levels_spec=limits or clocks, level_kind="power_limit" if limits else "sm_clock",
@@ -1056,13 +1094,10 @@ def _trace_sweep(trace_path, time_scale, duration_s, limits, clocks, url, launch
                                 launch_timeout_s=launch_timeout, command_line=" ".join(sys.argv), idle_s=idle_s,
                                 dry_run=dry_run, repeats=repeats, order=order, trace=trace, trace_meta=meta,
                                 on_level=show)
-    if dry_run:
-        for line in outcome.plan_lines:
-            click.echo(line)
-        return
-    for n in outcome.notes:
-        click.echo(f"note: {n}")
-    click.echo(f"run directory: {outcome.run_dir}")
+    for line in outcome.plan_lines if dry_run else [*(f"note: {n}" for n in outcome.notes), f"run directory: {outcome.run_dir}"]:
+        echo(line)
+    if not printed[0]:
+        sys.exit(pipes.EXIT_PIPE)
 
 
 # --- daemon: always-on sampling, tagging proxy, Prometheus, tag API -----------------

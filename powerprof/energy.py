@@ -97,3 +97,30 @@ def integrate_power_j(t_ns: np.ndarray, p_w: np.ndarray, t0_ns: int, t1_ns: int)
 def shift_average_power(t_ns: np.ndarray, window_s: float) -> np.ndarray:
     """A trailing-average reading describes the middle of its window: move it back by half."""
     return np.asarray(t_ns, dtype=np.int64) - int(window_s * 1e9 / 2)
+
+
+# The coarsest refresh of a GPU energy counter: drivers refresh it every 10-100 ms, and a real H200
+# refreshed every 100 ms (docs/hardware.md). A card's own refresh is not known in advance.
+COUNTER_STEP_S = 0.1
+# Below this share a median's rounding is under the ~1% the counter resolves anyway (LOW_CONFIDENCE_S).
+ROUNDING_TOL = 0.01
+
+
+def counter_rounding_bound(window_s: float) -> float:
+    """Largest share by which the median J/token of decode windows about `window_s` long can miss
+    the truth on a counter that moves in COUNTER_STEP_S steps: a window of k·R + f reads k or k + 1
+    steps, and a median lands on one of the two instead of their mean, so up to R/(2L). The pooled
+    figure (energy summed ÷ tokens summed) is not biased by it: the rounding averages out over the
+    windows' phases against the refresh."""
+    return COUNTER_STEP_S / (2 * window_s) if np.isfinite(window_s) and window_s > 0 else float("inf")
+
+
+def median_off_by_rounding(median: float, pooled: float, half_width: float, window_s: float) -> bool:
+    """Whether a median J/token is off its pooled figure by more than its CI half-width (J/token;
+    NaN: no CI) and ROUNDING_TOL, by no more than the counter's rounding of windows `window_s` long
+    can explain: the median sits on one rounding of short windows and the CI cannot see it."""
+    if not (np.isfinite(median) and np.isfinite(pooled)) or pooled <= 0:
+        return False
+    gap = abs(median - pooled) / pooled
+    half = abs(half_width) / pooled if np.isfinite(half_width) else 0.0
+    return max(ROUNDING_TOL, half) < gap <= counter_rounding_bound(window_s)

@@ -12,6 +12,7 @@ from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 from rich.text import Text
 
+from powerprof.pipes import QuietPipeConsole
 from powerprof.sweep import UI, LevelVisit, SweepSettings
 from powerprof.terminal_plot import CHOSEN, LINE, POINT, Curves, Panel
 
@@ -97,11 +98,11 @@ class RichSweepUI(UI):
         self._log(text)
 
 
-def result_console() -> Console:
+def result_console() -> QuietPipeConsole:
     """stdout; a log file or pipe gets 120 columns so the table is not squeezed to 80, unless
-    $COLUMNS says otherwise."""
-    c = Console()
-    return c if c.is_terminal or os.environ.get("COLUMNS") else Console(width=120)
+    $COLUMNS says otherwise. A closed pipe silences it (`pipe_closed`) and the work goes on."""
+    c = QuietPipeConsole()
+    return c if c.is_terminal or os.environ.get("COLUMNS") else QuietPipeConsole(width=120)
 
 
 # (header, cell) per column; the optional ones go first, in this order, when the terminal is narrow.

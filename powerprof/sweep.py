@@ -543,7 +543,7 @@ class TraceSweep(Sweep):
             level_value=visit.level_value, n_ok=sm.ok, n_failed=sm.failed, generated_tokens=sm.generated_tokens,
             duration_s=w.result.duration_s, gpu_energy_j=row["gpu_energy_j"], energy_method=row["energy_method"],
             gpu_j_per_token=row["gpu_j_per_token"],
-            tok_s=sm.generated_tokens / w.result.duration_s if w.result.duration_s > 0 else None,
+            tok_s=sm.generated_tokens / w.result.duration_s if w.result.duration_s > 0 and self._counts(row) else None,
             ttft_p50_s=sm.ttft_p50_s, ttft_p95_s=sm.ttft_p95_s, latency_p50_s=sm.latency_p50_s,
             latency_p95_s=sm.latency_p95_s, tpot_p50_s=sm.tpot_p50_s, late_p95_s=sm.late_p95_s,
         )
@@ -555,7 +555,11 @@ class TraceSweep(Sweep):
         return row["window_kind"] == "trace" and not row["warmup"] and row["status"] == "ok"
 
     def excluded(self):
-        return None  # a trace window's timing is its replay's edges: nothing to leave out
+        """Trace windows left out: their timing is the replay's edges, but their tokens are the server's
+        counts, which a server contradicting its own stream leaves unknown (arrival.count_problem)."""
+        from powerprof.workload.measure import excluded_windows
+
+        return excluded_windows(self.rows, counted_kind=lambda r: "trace")
 
 
 # --- wiring: what `powerprof sweep` runs ---------------------------------------------------------

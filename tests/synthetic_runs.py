@@ -210,3 +210,46 @@ def _level_samples(L, t_start, t_end, power, clock, truth, period, thermal, rng,
         }
         for i, x in enumerate(ts)
     ]
+
+
+def counter_windows(profile: str, limit_w: float, window_s: float, n: int = 400, seed: int = 0,
+                    counter_step_s: float | None = None, run_id: str = "counter-0") -> tuple[list[dict], float]:
+    """Decode windows of about `window_s` each on the simulated card at `limit_w`, their energy read
+    from its energy counter at the edges as the profiler does (the counter moves in refresh steps),
+    in virtual time. Four prompts draw slightly different power; the client's turn and the prefill
+    before each window take random times, so windows start at any phase of the refresh. Returns (window rows, the true pooled
+    J/token: the simulator's true energy summed ÷ tokens summed)."""
+    import dataclasses
+
+    p = get_profile(profile)
+    if counter_step_s is not None:
+        p = dataclasses.replace(p, energy_counter_update_s=counter_step_s)
+    clock = [10**12]
+    gpu = SimGpu(p, 0, "GPU-counter", clock_ns=lambda: clock[0], limit_w=limit_w, record_history=True)
+    rng = np.random.default_rng(seed)
+    rows, true_j, tokens_all = [], 0.0, 0
+    for k in range(n):
+        share = p.workload.decode_compute_share * (1 + 0.2 * (k % 4))
+        # Back to back as a load generator sends them: the client's turn (idle), then the prefill.
+        clock[0] += int(rng.uniform(0.001, 0.005) * 1e9)
+        gpu.set_phase(Phase("prefill", 0.9))
+        clock[0] += int(rng.uniform(0.003, 0.03) * 1e9)
+        gpu.set_phase(Phase("decode", share))
+        tok_s = p.workload.decode_tok_s * gpu.speed_factor()
+        tokens = max(int(round(window_s * tok_s)), 1)
+        decode_s = tokens / tok_s
+        t0, e0 = clock[0], gpu.counter_energy_j()
+        clock[0] += int(decode_s * 1e9)
+        e = gpu.counter_energy_j() - e0
+        true_j += gpu.true_energy_at_j(clock[0]) - gpu.true_energy_at_j(t0)
+        tokens_all += tokens
+        gpu.set_phase(Phase("idle"))
+        rows.append({
+            "run_id": run_id, "level_kind": "power_limit", "level_value": float(limit_w), "repeat": 0,
+            "window_kind": "request", "request_id": k, "batch_id": k, "concurrency": 1, "warmup": False,
+            "status": "ok", "prompt_id": f"p{k % 4}", "decode_s": decode_s, "decode_tokens": tokens,
+            "generated_tokens": tokens + 1, "decode_tok_s": tok_s, "gpu_energy_j": e, "energy_method": "counter",
+            "avg_gpu_power_w": e / decode_s, "gpu_j_per_token": e / tokens, "cpu_energy_j": None,
+            "timing": "stream", "low_confidence": decode_s < 10.0,
+        })
+    return rows, true_j / tokens_all

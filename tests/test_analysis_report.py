@@ -520,3 +520,38 @@ def test_a_limit_that_never_bound_below_the_reference_is_not_recommended_as_a_sa
     line = console_summary(res)
     assert "Recommended limit: 700 W, the reference" in line and "every other level is left out" in line
     assert "400 W (cap not engaged)" in line
+
+
+def test_a_median_on_one_rounding_of_a_coarse_counter_is_said_and_never_chosen(tmp_path):
+    # The seed card with an H200's 100 ms counter refresh: 220 W measured with 0.32 s windows reads 3
+    # of the counter's steps in most windows, so its median J/token is 4% low, its "saving" 4 points
+    # high, and the budget policy's choice rested on that, with nothing said.
+    from synthetic_runs import counter_windows
+    import pyarrow as pa
+    from powerprof.storage.schema import WINDOWS
+
+    run = make_run(tmp_path / "run", seed_truth(), levels=SEED_LEVELS, n_requests=4)
+
+    def analyse(short_level):
+        rows = []
+        for k, level in enumerate(SEED_LEVELS):
+            rows += counter_windows("seed-16g", level, 0.32 if level == short_level else 3.0, n=40, seed=k,
+                                    counter_step_s=0.1, run_id="synthetic-0")[0]
+        pq.write_table(pa.Table.from_pylist(rows, schema=WINDOWS), run / "windows.parquet")
+        return analyze_run([run], tmp_path / f"a{short_level}", n_boot=300, plots=False)
+
+    assert analyse(None).recommendation.level_value == 220  # long windows everywhere: the budget's choice
+    res = analyse(220)
+    rows = {r["level_value"]: r for r in res.table.to_pylist()}
+    assert "energy-resolution" in rows[220.0]["flags"]
+    assert not any("energy-resolution" in (rows[v]["flags"] or "") for v in (180.0, 260.0, 300.0))
+    assert rows[220.0]["gpu_j_per_token"] < 0.97 * rows[220.0]["gpu_j_per_token_pooled"]
+    assert all(c.level_value != 220 for c in res.main.choices.values())
+    assert res.recommendation.left_out == {220.0: "energy counter rounding"}
+    said = console_summary(res)
+    assert "Never chosen, whatever their figures: 220 W (energy counter rounding)." in said
+    (warn,) = [w for w in res.warnings if w.kind == "energy-resolution"]
+    assert warn.levels == (220.0,) and "! energy-resolution: " + warn.message in said
+    assert "220 W: 2.6" in warn.message and "refresh" in warn.message and "--max-tokens 448 or more" in warn.message
+    df = pd.read_parquet(tmp_path / "a220" / "analysis.parquet").set_index("level_value")
+    assert df.loc[220.0, "gpu_j_per_token_pooled"] == pytest.approx(rows[220.0]["gpu_j_per_token_pooled"])

@@ -240,3 +240,29 @@ def test_nan_and_inf_are_usage_errors_that_write_nothing(tmp_path, args):
     r = CliRunner().invoke(main, [a.replace("{tmp}", str(tmp_path)) for a in args])
     assert r.exit_code == 2 and "is not a finite number" in r.output, r.output
     assert not (tmp_path / "t.jsonl").exists()
+
+
+@pytest.mark.parametrize("as_json", [True, False])
+@pytest.mark.parametrize("stderr_too", [False, True])
+def test_monitor_whose_reader_goes_away_still_writes_its_samples(tmp_path, as_json, stderr_too):
+    # `monitor --json --output F | head -3`: the closed pipe ended monitor before F was written, every
+    # sample lost. Now it is written as on Ctrl-C, and the exit is SIGPIPE's 141 with no traceback.
+    out = tmp_path / "m.csv"
+    p = subprocess.Popen([sys.executable, "-m", "powerprof.cli", "monitor", "--simulate", "--interval", "0.1",
+                          "--json" if as_json else "--plain", "--output", str(out)],
+                         stdout=subprocess.PIPE, stderr=subprocess.STDOUT if stderr_too else subprocess.PIPE, text=True)
+    try:
+        for _ in range(3):
+            assert p.stdout.readline()
+        p.stdout.close()  # what `head -3` does after its third line
+        err = "" if stderr_too else p.stderr.read()
+        p.wait(timeout=60)
+    finally:
+        if p.poll() is None:
+            p.kill()
+    assert p.returncode == 141, err
+    assert "Traceback" not in err and "Exception ignored" not in err, err
+    if not stderr_too:
+        assert "wrote" in err and str(out) in err
+    rows = pcsv.read_csv(out).num_rows
+    assert rows >= 3

@@ -483,3 +483,22 @@ def test_bytes_past_the_content_length_are_dropped_counted_and_the_declared_body
     over, ok = rec.ended
     assert over.outcome == "ok" and "5 byte(s) past its Content-Length" in over.error
     assert ok.outcome == "ok" and ok.error is None and proxy.upstream_excess == 1
+
+
+def test_a_connect_timeout_says_how_long_and_what_it_means(monkeypatch):
+    # asyncio.wait_for's TimeoutError has no message: the proxy logged "upstream ... unreachable: TimeoutError: ".
+    from powerprof.errtext import error_text
+
+    async def go():
+        pool = UpstreamPool("http://127.0.0.1:1", 0.05, 60.0, 0)
+
+        async def never(*a, **kw):
+            await asyncio.sleep(30)  # a SYN nobody answers
+
+        monkeypatch.setattr(pool.loop, "create_connection", never)
+        with pytest.raises(TimeoutError) as ei:
+            await pool.acquire()
+        return error_text(ei.value)
+
+    text = _run(go())
+    assert "within 0.05 s" in text and "proxy.connect_timeout_s" in text and "not listening" in text, text

@@ -214,3 +214,47 @@ def test_the_daemon_scrape_loop_follows_the_cadence(monkeypatch):
         assert empty == 0.0 and abs((end - start) - 2 * (t_next - end)) <= 2, spans[k - 1: k + 2]
 
     asyncio.run(go())
+
+
+# --- a failed scrape says what failed ---------------------------------------------------------------
+
+
+def test_a_scrape_that_times_out_says_where_how_long_and_what_it_means(monkeypatch, caplog):
+    # The daemon logged `TimeoutError: ` and nothing after it: aiohttp's total timeout has no message.
+    import aiohttp
+    from aiohttp import web
+
+    import powerprof.daemon.scrape as scrape
+
+    monkeypatch.setattr(scrape, "SCRAPE_TIMEOUT_S", 0.3, raising=False)
+
+    release = None
+
+    async def hang(request):
+        await release.wait()  # longer than any scrape timeout: let go only as the test ends
+        return web.Response(text="")
+
+    async def go():
+        nonlocal release
+        release = asyncio.Event()
+        app = web.Application()
+        app.router.add_get("/metrics", hang)
+        runner = web.AppRunner(app)
+        await runner.setup()
+        site = web.TCPSite(runner, "127.0.0.1", 0)
+        await site.start()
+        port = runner.addresses[0][1]
+        try:
+            async with aiohttp.ClientSession() as s:
+                sc = Scraper(s, f"http://127.0.0.1:{port}", "vllm")
+                return await sc.scrape(), sc, port
+        finally:
+            release.set()
+            await runner.cleanup()
+
+    with caplog.at_level("WARNING", logger="powerprof.daemon.scrape"):
+        delta, sc, port = asyncio.run(go())
+    assert delta is None and sc.errors == 1
+    for text in (sc.last_error, caplog.text):
+        assert f"GET http://127.0.0.1:{port}/metrics" in text and "within 0.3 s" in text, text
+        assert "busy or hung" in text and "retried" in text, text

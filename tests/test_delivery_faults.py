@@ -223,3 +223,150 @@ def test_burst_advice_names_short_speculative_requests_too():
 
     fix = fix_for("4 of 4 streams not stream-timed: one read carried 27% of the decode tokens: delivered in bursts")
     assert "proxy_buffering off" in fix and "--max-tokens" in fix and "speculative" in fix
+
+
+# --- a server whose own token count contradicts its stream --------------------------------------
+
+
+def test_a_stream_carrying_more_tokens_than_the_server_counted_is_untrusted_naming_both():
+    # 150 one-token events, the server said 100: before, the stream's 149 decode tokens were used
+    # with no flag, J/token off by 1.5x.
+    from powerprof.arrival import arrival_quality, classify, fix_for, reason_group
+
+    q = arrival_quality(np.arange(150) * 10_000_000, np.ones(150), 100)
+    tm = classify(q, 100)
+    assert tm.kind == "untrusted"
+    assert "100" in tm.reason and "150" in tm.reason
+    # Not even the server's own timing is used: its figures are the ones in doubt.
+    assert classify(q, 100, server_decode_s=1.49, server_decode_tokens=99).kind == "untrusted"
+    group = reason_group(f"1 of 4 streams not stream-timed: {tm.reason}")
+    assert group == reason_group(tm.reason) == "the server's token count disagrees with its stream"
+    assert "--server" in fix_for(group) and "usage" in fix_for(group)
+    # The honest stream is untouched.
+    assert classify(arrival_quality(np.arange(150) * 10_000_000, np.ones(150), 150), 150).kind == "stream"
+
+
+def test_a_server_counting_more_than_its_own_running_count_is_untrusted_but_slack_and_guesses_are_not():
+    from powerprof.arrival import COUNT_SLACK_TOKENS, arrival_quality, classify
+
+    t, k = np.arange(100) * 10_000_000, np.ones(100)
+    # Every chunk said the server's running count (llama.cpp tokens_predicted, vLLM continuous usage):
+    # a final count 25 above it contradicts the server itself.
+    q = arrival_quality(t, k, 125)
+    tm = classify(q, 125, stream_tokens=100, running_counts=True)
+    assert tm.kind == "untrusted" and "125" in tm.reason and "100" in tm.reason
+    # A few tokens counted and never streamed (an unfinished UTF-8 character at the end) are allowed:
+    # they are uncounted, so the stream does not time the window, and the server's timing does.
+    q = arrival_quality(t, k, 100 + COUNT_SLACK_TOKENS)
+    tm = classify(q, 100 + COUNT_SLACK_TOKENS, 0.99, 99 + COUNT_SLACK_TOKENS, stream_tokens=100, running_counts=True)
+    assert tm.kind == "server" and "did not say" in tm.reason
+    # Chunks without counts may each hold several tokens (llama-server's chat endpoint skipped 6 of 40):
+    # not a contradiction, the server's count and timing are used.
+    q = arrival_quality(t, k, 125)
+    assert classify(q, 125, 0.99, 124, stream_tokens=100, running_counts=False).kind == "server"
+
+
+def test_the_parser_counts_tokens_llama_server_held_back_for_an_unfinished_utf8_character():
+    # Seen on llama-server b11434 (logit_bias forcing the bytes of "€"): tokens held back while the
+    # text was an unfinished UTF-8 character were sent with the next event, whose `tokens` listed only
+    # the newest; its running count jumped 5 → 8.
+    import json
+
+    from powerprof.workload.stream import StreamParser
+
+    evs = [{"content": "a", "tokens": [1], "stop": False, "tokens_predicted": 5},
+           {"content": "\u20ac", "tokens": [175], "stop": False, "tokens_predicted": 8},
+           {"content": "", "tokens": [], "stop": True, "tokens_predicted": 8, "timings": {"predicted_n": 8}}]
+    data = b"".join(b"data: " + json.dumps(e, separators=(",", ":")).encode() + b"\n\n" for e in evs)
+    for count_only in (False, True):
+        p = StreamParser("llamacpp", count_only=count_only)
+        assert [p.count(e + b"\n\n") for e in data.split(b"\n\n") if e] == [5, 3, 0]
+        s = p.finish()
+        assert s.counted_tokens == s.generated_tokens == s.totalled_tokens == 8
+
+
+LYING = {
+    "llamacpp-undercount": (dict(count_factor=0.8), None),
+    "llamacpp-overcount": (dict(count_factor=1.25), None),
+    "vllm-chat-undercount": (dict(flavour="vllm", count_factor=0.8), "openai-chat"),
+    "vllm-chat-overcount": (dict(flavour="vllm", count_factor=1.25), "openai-chat"),
+}
+
+
+@pytest.mark.parametrize("name", list(LYING))
+def test_measure_against_a_server_lying_about_its_counts_flags_every_window_and_exits_1(name, tmp_path):
+    from click.testing import CliRunner
+
+    from powerprof.cli import main
+
+    case, api = LYING[name]
+    out = tmp_path / "run"
+    with SimServer(SimNVML("a100-40g", state_path=None), **SIM, **case) as srv:
+        res = CliRunner().invoke(main, ["measure", "--server", srv.url, "--requests", "2", "--max-tokens", "40",
+                                        "--warmup", "0", "--out", str(out), *(["--api", api] if api else [])])
+    assert res.exit_code == 1, res.output
+    text = " ".join(res.output.split())
+    assert "no window could be trusted" in text and "the server's token count disagrees with its stream" in text, text
+    import pyarrow.parquet as pq
+
+    rows = [w for w in pq.read_table(out / "windows.parquet").to_pylist() if w["window_kind"] == "request"]
+    assert len(rows) == 2
+    told = 32 if "under" in name else 50  # 40 tokens × 0.8 or × 1.25
+    for w in rows:
+        assert w["status"] == "ok" and w["timing"] == "untrusted"
+        assert f"counted {told} generated tokens" in w["timing_reason"] and "40" in w["timing_reason"]
+        assert w["decode_tok_s"] is None and w["gpu_j_per_token"] is None and w["gpu_energy_j"] is None
+
+
+def test_an_honest_server_is_not_flagged_on_any_protocol():
+    for case, api in ((dict(), None), (dict(), "openai-completions"), (dict(flavour="vllm"), "openai-chat")):
+        nvml = SimNVML("a100-40g", state_path=None)
+        with SimServer(nvml, **SIM, **case) as srv:
+            res = measure(srv.url, prompts=builtin_prompts("short")[:1], n_requests=2,
+                          params=RequestParams(max_tokens=40), warmup=0, api=api)
+        rows = [r for r in res.rows if r["window_kind"] == "request"]
+        assert all(r["timing"] != "untrusted" for r in rows), [r["timing_reason"] for r in rows]
+        assert res.excluded is None
+
+
+def test_a_sweep_against_a_lying_server_stops_and_says_why(tmp_path):
+    """`sweep --simulate GPU --server URL`: the level's windows are all flagged, so the sweep stops
+    naming the reason and its fix, and the limit is back."""
+    import os
+    import subprocess
+    import sys
+
+    env = dict(os.environ, POWERPROF_SIM_STATE=str(tmp_path / "sim.json"), POWERPROF_STATE_DIR=str(tmp_path / "pp"),
+               XDG_STATE_HOME=str(tmp_path))
+    with SimServer(SimNVML("a100-40g", state_path=None), **SIM, count_factor=0.8) as srv:
+        r = subprocess.run([sys.executable, "-m", "powerprof.cli", "sweep", "--limits", "400,250", "--simulate", "a100-40g",
+                            "--server", srv.url, "--idle-s", "0", "--max-tokens", "32", "--min-requests", "2",
+                            "--max-requests", "2", "--warmup", "0", "--out", str(tmp_path / "run")],
+                           capture_output=True, text=True, env=env, timeout=300)
+    err = " ".join(r.stderr.split())
+    assert r.returncode != 0, r.stdout
+    assert "no window could be trusted" in err and "the server's token count disagrees with its stream" in err, err
+    assert "usage reporting" in err
+    sim = SimNVML("a100-40g", state_path=tmp_path / "sim.json")
+    sim.nvmlInit()
+    assert sim.nvmlDeviceGetPowerManagementLimit(sim.nvmlDeviceGetHandleByIndex(0)) == 400_000
+
+
+def test_a_trace_replayed_against_a_lying_server_has_no_j_per_token_and_says_why(tmp_path):
+    from powerprof.workload.rows import trace_row
+    from powerprof.workload.replay import replay, summarize
+    from powerprof.workload.trace import TraceRequest
+
+    trace = [TraceRequest(0.0, 8, 24), TraceRequest(0.05, 8, 24)]
+    for factor, flagged in ((0.75, True), (1.0, False)):
+        with SimServer(SimNVML("a100-40g", state_path=None), **SIM, count_factor=factor) as srv:
+            server, recs = replay(srv.url, trace)
+        records = [r.record for r in recs]
+        row = trace_row(records, None, "run", server)
+        sm = summarize(recs)
+        if flagged:
+            assert row["timing"] == "untrusted" and "counted 18 generated tokens" in row["timing_reason"]
+            assert row["gpu_j_per_token"] is None and row["decode_tok_s"] is None
+            assert sm.count_problems == 2 and "24" in sm.count_problem
+        else:
+            assert row["timing"] is None and row["decode_tok_s"] is not None and sm.count_problems == 0

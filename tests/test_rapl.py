@@ -275,7 +275,8 @@ def test_back_to_back_reads_have_no_power_figure_never_a_false_zero(tmp_path):
     # counter may not have moved, and 0 W (or a spike) over that interval is not a measurement.
     clock = FakeClock()
     pc = _tree(tmp_path, clock, power_w_fn=lambda: 40.0)
-    rc = _collector(pc, clock)
+    # Plain open: the tree's opener brings the counter up to the read instant, hardware's steps.
+    rc = RaplCollector(pc.root, clock_ns=clock)
     rc.read()
     clock.advance(1.0)
     pc.update()
@@ -284,3 +285,74 @@ def test_back_to_back_reads_have_no_power_figure_never_a_false_zero(tmp_path):
     quick = _by_zone(rc.read())["package-0"]
     assert full.power_w == pytest.approx(40.0, rel=1e-6)
     assert quick.power_w is None and quick.energy_j == full.energy_j
+
+
+def test_a_stalled_updater_reads_what_hardware_would_never_a_jump(tmp_path):
+    # The daemon stalled ~19 s on a loaded machine; the simulated counter's updater thread stalled
+    # with it and caught up in one step, so one samples/ row showed 3118 W of CPU package power.
+    clock = FakeClock()
+    pc = _tree(tmp_path, clock, sockets=1, power_w_fn=lambda: 40.0, dram_w=3.0)
+    rc = _collector(pc, clock)
+    rc.read()
+    clock.advance(19.0)  # nothing updates the tree: its background thread is stalled too
+    after_stall = _by_zone(rc.read())
+    clock.advance(0.25)
+    pc.update()  # the updater wakes up
+    next_tick = _by_zone(rc.read())
+    for got in (after_stall, next_tick):
+        assert got["package-0"].power_w == pytest.approx(40.0, rel=1e-6)
+        assert got["dram-0"].power_w == pytest.approx(3.0, rel=1e-6)
+        assert all(r.note is None and r.epoch == 0 for r in got.values())
+    assert next_tick["package-0"].energy_j == pytest.approx(40.0 * 19.25, rel=1e-9)
+    assert pc.true_energy_j()["intel-rapl:0"] == pytest.approx(40.0 * 19.25, rel=1e-9)
+
+
+def test_pyrapl_backend_also_reads_the_counter_as_of_the_read(tmp_path):
+    clock = FakeClock()
+    pc = _tree(tmp_path, clock, dram=False, power_w_fn=lambda: 60.0)
+    rc = _collector(pc, clock, backend="pyrapl")
+    rc.read()
+    clock.advance(5.0)  # no update(): only the read can move the counter
+    assert rc.read()[0].power_w == pytest.approx(60.0, rel=1e-6)
+    rc.close()
+
+
+def _reset_counter(pc, z):
+    """The counter restarts at 0 (a driver reload, a resume): the reader sees it go backwards."""
+    z.start_uj = -int(z.energy_j * 1e6)
+
+
+@pytest.mark.parametrize("gap_s", [1.0, 0.002])
+def test_a_counter_jump_above_the_zones_maximum_is_dropped_with_a_reason(tmp_path, gap_s):
+    # A reset read as one wrap adds a whole max_energy_range_uj (262 kJ): stored, that is 262 kW.
+    clock = FakeClock()
+    pc = _tree(tmp_path, clock, dram=False, power_w_fn=lambda: 40.0, max_power_w=100.0, start_energy_uj=10**9)
+    rc = _collector(pc, clock)
+    rc.read()
+    clock.advance(1.0)
+    before = rc.read()[0]
+    _reset_counter(pc, pc.zones[0])
+    clock.advance(gap_s)
+    pc.update()
+    jumped = rc.read()[0]
+    assert jumped.power_w is None and jumped.energy_j == before.energy_j
+    assert "counter jumped" in jumped.note and "above 300 W" in jumped.note
+    assert jumped.epoch == before.epoch + 1, "windows across the jump must not be subtracted"
+    clock.advance(1.0)
+    ok = rc.read()[0]
+    assert ok.power_w == pytest.approx(40.0, rel=1e-6) and ok.note is None and ok.epoch == jumped.epoch
+
+
+def test_a_burst_up_to_the_zones_maximum_is_kept(tmp_path):
+    clock = FakeClock()
+    watts = iter([20.0, 100.0, 100.0, 100.0])  # at the published 100 W maximum: a real figure, not a jump
+    pc = _tree(tmp_path, clock, dram=False, power_w_fn=lambda: next(watts), max_power_w=100.0)
+    rc = _collector(pc, clock)
+    rc.read()
+    clock.advance(0.06)
+    pc.update()
+    assert rc.read()[0].power_w == pytest.approx(20.0, rel=1e-6)
+    clock.advance(0.06)
+    pc.update()
+    r = rc.read()[0]
+    assert r.power_w == pytest.approx(100.0, rel=1e-6) and r.note is None

@@ -98,6 +98,10 @@ def test_streams_agree_with_the_servers_own_timings(llama_server, api):
         timings = r.server_timings
         # llama-server counts what it generated and what it read of the prompt; so do we, from the stream.
         assert r.generated_tokens == timings["predicted_n"] == TIMED_TOKENS
+        # The stream never shows more than the server counted: native and completions streams show exactly
+        # as many, chat ones can show fewer (its deltas skip tokens that add no text); the rule flags none.
+        assert r.stream_tokens == TIMED_TOKENS if api != "openai-chat" else r.stream_tokens <= TIMED_TOKENS
+        assert r.count_problem is None and r.timing.kind != "untrusted", r.timing.reason
         # n − 1 decode tokens in the stream's window, fewer only when stale edge reads were trimmed
         # (docs/workload.md); trimmed to under half, the stream is not used: the server's timing is.
         tm = r.timing

@@ -462,3 +462,47 @@ def test_ctrl_c_after_the_last_level_says_where_the_finished_run_is(tmp_path, mo
     flat = "".join(r.stderr.split())
     assert "".join(f"stopped: 2 finished levels kept in {out} (powerprof analyze {out})".split()) in flat, r.stderr
     assert "Traceback" not in r.output
+
+
+def test_a_sweep_whose_reader_has_gone_still_finishes_and_writes_its_report(tmp_path):
+    # `sweep ... 2>&1 | true`: the first print after the levels (a note) hit the closed pipe and rich
+    # exited 1 there, before the analysis: no report, no word, the status of a failure. A closed pipe
+    # now silences the output, not the work: the sweep finishes, writes its report, and exits 141.
+    out = tmp_path / "run"
+    p = subprocess.Popen([sys.executable, "-m", "powerprof.cli", "sweep", "--limits", "180,300", "--simulate",
+                          "--out", str(out), "--idle-s", "0.5", "--max-tokens", "48", "--min-requests", "4",
+                          "--max-requests", "4", "--warmup", "0", "--interval", "0.5"],
+                         stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    p.stdout.close()  # the reader is gone before the first line
+    try:
+        assert p.wait(timeout=180) == 141
+    finally:
+        if p.poll() is None:
+            p.kill()
+    assert set(pq.read_table(out / "levels.parquet").to_pandas().level_value) == {180.0, 300.0}
+    assert (out / "analysis" / "report.md").exists()
+    assert sim_limit_w() == 300.0
+
+
+def test_a_trace_sweep_whose_reader_has_gone_keeps_sweeping(tmp_path):
+    # `sweep --trace ... | head -3`: the closed pipe stopped the sweep after its first level
+    # ("Error: [Errno 32] Broken pipe", exit 1), the other levels never measured.
+    trace = tmp_path / "t.jsonl"
+    trace.write_text("".join(f'{{"t_s": {0.05 * i}, "prompt_tokens": 8, "output_tokens": 8}}\n' for i in range(4)))
+    out = tmp_path / "run"
+    p = subprocess.Popen([sys.executable, "-m", "powerprof.cli", "sweep", "--trace", str(trace), "--limits", "180,240,300",
+                          "--simulate", "--out", str(out), "--idle-s", "0.5", "--interval", "0.5"],
+                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        for _ in range(3):  # the trace line, the header, the first level
+            assert p.stdout.readline()
+        p.stdout.close()
+        err = p.stderr.read()
+        p.wait(timeout=180)
+    finally:
+        if p.poll() is None:
+            p.kill()
+    assert p.returncode == 141, err
+    assert "Traceback" not in err and "Broken pipe" not in err, err
+    assert set(pq.read_table(out / "levels.parquet").to_pandas().level_value) == {180.0, 240.0, 300.0}
+    assert sim_limit_w() == 300.0

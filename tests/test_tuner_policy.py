@@ -768,6 +768,54 @@ def test_the_model_does_not_descend_to_a_level_it_expects_past_the_headroom_nor_
     assert tu.level == 250 and len([d for d in tu.decisions if d.action == "explore" and d.to_level == 200]) == 1
 
 
+@pytest.mark.parametrize("how", ["judgement", "steady rise"])
+@pytest.mark.parametrize("no_redescend", [False, True])
+def test_with_model_no_redescend_the_model_does_not_descend_to_a_level_sent_up_within_reprobe_s(how, no_redescend):
+    # Twelfth attempt. 200 W is held (150 W refused as too slow, barred), its windows at 35% of the SLO; then a burst
+    # reads 91% there (a held judgement past the band's middle, or a tick past steady_rise_ratio): one level up to 250 W.
+    # The model, fitted on 200 W's many quiet windows, expects it at ~39% of the SLO with its margin, within the 60% a
+    # trial must show: at 250 W's first held judgement it descends back onto the level just left, unless
+    # model_no_redescend, which keeps it off that level for reprobe_s.
+    extra = dict(steady_rise_ratio=0.85) if how == "steady rise" else {}
+    tu = Tuner(cfg(model_descend=True, model_min_windows=1, reprobe_s=10_000, model_no_redescend=no_redescend,
+                   **extra), 0.0)
+    plant = Plant(tpot_ms={150: 80.0, 200: 35.0, 250: 32.0, 300: 30.0})
+    t, _ = plant.run(tu, 0, 1500)
+    assert tu.level == 200 and tu.state == "hold"
+    while tu.level == 200:  # the burst lasts until 200 W is left
+        t = feed_tail(tu, t, t + 10, 2)
+    up = next(d for d in tu.decisions if d.action == "backoff" and d.from_level == 200)
+    assert up.to_level == 250
+    assert ("over the last" if how == "steady rise" else "a held level may reach") in up.reason
+    plant.run(tu, t, t + 2000)
+    down = [d for d in tu.decisions if d.action == "explore" and d.t_s > up.t_s and d.to_level == 200]
+    if not no_redescend:
+        assert down and "the latency model expects 200 W" in down[0].reason and down[0].t_s < up.t_s + 200
+    else:
+        assert not down and tu.level == 250
+        assert tu.regime.sent_up[LEVELS.index(200)] == up.t_s
+
+
+def test_with_model_no_redescend_a_search_the_model_began_stops_above_a_level_sent_up_within_reprobe_s():
+    # The model descends from 300 W to 250 W (never sent up); accepted, the search goes on down as any search does, but
+    # not onto 200 W, recorded as left for the level above an hour before the reprobe time (10,000 s) is up.
+    plant = Plant(tpot_ms={150: 80.0, 200: 35.0, 250: 32.0, 300: 30.0})
+    runs = {}
+    for no_redescend in (False, True):
+        tu = Tuner(ramp_cfg(dwell_s=600, window_s=600, model_descend=True, model_min_windows=1, regime_ratio=10,
+                            model_no_redescend=no_redescend), 0.0)
+        t = run_rate(tu, plant, 0, 1300, lambda t: 1.05 if t <= 300 else 1.3 if t <= 900 else 1.65)
+        assert tu.level == 300 and not [d for d in tu.decisions if d.action == "explore"]  # held through the ramp
+        tu.regime.sent_up[LEVELS.index(200)] = t - 600  # as a held judgement or a rise records it
+        run_rate(tu, plant, t, 4000, lambda t: 1.65)
+        runs[no_redescend] = [d for d in tu.decisions if d.action == "explore"]
+        first = runs[no_redescend][0]
+        assert (first.from_level, first.to_level) == (300, 250) and "the latency model expects" in first.reason
+    assert [d.to_level for d in runs[False]][:2] == [250, 200]
+    assert [d.to_level for d in runs[True]] == [250]
+    assert any("200 W not tried: left as too slow" in d.reason for d in tu.decisions if d.action == "hold")
+
+
 @pytest.mark.parametrize("skip, memory_s", [(False, 14400.0), (True, 14400.0), (True, 500.0)])
 def test_a_level_the_model_expects_past_the_headroom_is_not_tried_again_at_the_reprobe_time(skip, memory_s):
     # 150 W reads 75% of the SLO: its trial is refused on the mean of three windows and barred for reprobe_s (600 s);
@@ -831,7 +879,7 @@ def test_model_knobs_are_checked(bad):
 
 
 def test_model_switches_are_booleans_in_the_config_table():
-    for k in ("model_descend", "model_skip", "model_rise"):
+    for k in ("model_descend", "model_skip", "model_rise", "model_no_redescend"):
         with pytest.raises(TunerConfigError, match=f"tuner.{k}: true or false"):
             config_from_table({"tpot_p95_ms": 100.0, k: 1}, list(LEVELS))
         assert getattr(config_from_table({"tpot_p95_ms": 100.0, k: True}, list(LEVELS)), k) is True

@@ -517,6 +517,24 @@ def test_a_concurrency_without_a_figure_says_why_and_the_fix():
     assert "no energy reading" in by_c["concurrency 2"] and "powerprof devices" in by_c["concurrency 2"]
 
 
+def test_measure_says_when_its_windows_median_sits_on_one_rounding_of_the_counter():
+    # measure --simulate h200-141g --max-tokens 48: 0.31 s windows on a counter refreshed every 100 ms;
+    # the median of the windows' own J/token (windows.parquet) was 5% below the pooled figure printed,
+    # and nothing said so (the 40 windows pooled 12.5 s, over the 10 s the counter note asks for).
+    from powerprof.workload.measure import rounding_notes, summarise
+    from synthetic_runs import counter_windows
+
+    short, truth = counter_windows("h200-141g", 700.0, 0.32, n=40)
+    (s,) = summarise(short)
+    assert s.gpu_j_per_token == pytest.approx(truth, rel=0.03)
+    assert s.gpu_j_per_token_median < 0.97 * s.gpu_j_per_token and s.median_window_s == pytest.approx(0.32, abs=0.01)
+    (note,) = rounding_notes([s])
+    assert note.startswith("concurrency 1:") and "windows.parquet" in note and "0.32 s windows" in note
+    assert "--max-tokens 768 or more" in note  # 5 s windows at 150 tokens/s
+    long_, _ = counter_windows("h200-141g", 700.0, 1.7, n=40)
+    assert rounding_notes(summarise(long_)) == []
+
+
 def test_a_non_finite_server_timing_times_nothing():
     # Python's JSON reader takes NaN and Infinity (and Prometheus text +Inf): "predicted_ms": Infinity
     # was taken as the request's decode time, and placing the window's edges from it raised an

@@ -194,13 +194,17 @@ def left_out_levels(levels: pa.Table, interrupted=frozenset()) -> dict[float, st
     """{level: why} for the levels of a series that no policy may choose: their figures are not the
     setting's effect. Thermal throttling (the clock fell for heat), a limit that never bound (below
     the reference: its figures are the reference's plus noise, so a "saving" there is noise), a
-    level the sweep was still measuring when it stopped (part of a round of the prompt set). They
-    stay in the tables with their flags; the reference is never left out (choose keeps it)."""
+    level the sweep was still measuring when it stopped (part of a round of the prompt set), a
+    median J/token on one rounding of a coarse energy counter (energy-resolution: off by more than
+    its CI, which resampling cannot see). They stay in the tables with their flags; the reference
+    is never left out (choose keeps it)."""
     out = {}
     for r in levels.to_pylist():
+        flags = set((r.get("flags") or "").split(","))
         why = [w for w, bad in (("thermal throttling", r.get("thermal_throttle")),
                                 ("cap not engaged", r.get("cap_not_engaged") and not r.get("reference")),
-                                ("interrupted", r["level_value"] in interrupted)) if bad]
+                                ("interrupted", r["level_value"] in interrupted),
+                                ("energy counter rounding", "energy-resolution" in flags)) if bad]
         if why and not r.get("reference"):
             out[float(r["level_value"])] = ", ".join(why)
     return out

@@ -8,6 +8,8 @@ from dataclasses import dataclass
 import numpy as np
 import pyarrow as pa
 
+from powerprof.energy import COUNTER_STEP_S, ROUNDING_TOL
+
 from .fits import ModelFit
 from .stats import LevelSeries
 from .sweetspot import Choice
@@ -19,7 +21,7 @@ POOR_FIT_R2 = 0.9
 
 @dataclass(frozen=True)
 class Finding:
-    kind: str  # edge | between-levels | cap-not-engaged | wide-ci | one-window | few-prompts | unstable-choice | thermal | failed | fit | unstored | untrusted-timing | interrupted | forced-pool | reference
+    kind: str  # edge | between-levels | cap-not-engaged | energy-resolution | wide-ci | one-window | few-prompts | unstable-choice | thermal | failed | fit | unstored | untrusted-timing | interrupted | forced-pool | reference
     message: str
     levels: tuple[float, ...] = ()
 
@@ -103,6 +105,10 @@ def level_findings(levels: pa.Table, target_ci_pct: float | None = None, max_tim
             + ("what differs between these levels (run-to-run variation, temperature, boost clocks) is not the "
                "limit's effect" if len(rows) > 1 else "its figures are the GPU's own, not this limit's")
             + ". Lower the limits, or lock the SM clock instead (powerprof sweep --clocks)."), vals))
+    coarse = [r for r in rows if r["flags"] and "energy-resolution" in r["flags"].split(",")]
+    if coarse:
+        out.append(Finding("energy-resolution", _energy_resolution_message(coarse, unit),
+                           tuple(r["level_value"] for r in coarse)))
     wide = [r for r in rows if r.get("ci_reached_pct") is not None and r["flags"] and "wide-ci" in r["flags"]]
     target = target_ci_pct if target_ci_pct else TARGET_CI_PCT
     for r in wide:
@@ -135,6 +141,32 @@ def level_findings(levels: pa.Table, target_ci_pct: float | None = None, max_tim
             f"{_fmt(r['level_value'], unit)}: {r['n_failed']}" for r in failed) + ".",
             tuple(r["level_value"] for r in failed)))
     return out
+
+
+def _energy_resolution_message(rows: list[dict], unit: str) -> str:
+    """Why the median J/token of these levels is off (energy.counter_rounding_bound) and the fix."""
+    gaps = ", ".join(
+        f"{_fmt(r['level_value'], unit)}: {r['gpu_j_per_token']:.4g} vs {r['gpu_j_per_token_pooled']:.4g} "
+        f"({(r['gpu_j_per_token'] / r['gpu_j_per_token_pooled'] - 1) * 100:+.1f}%"
+        + (f", CI ±{r['ci_reached_pct']:.1f}%" if r.get("ci_reached_pct") is not None else "") + ")"
+        for r in rows)
+    # Windows of L = R / (2 · tol) keep the rounding under tol: 5 s at a 100 ms refresh.
+    window_s = COUNTER_STEP_S / (2 * ROUNDING_TOL)
+    rates = [r["decode_tok_s"] / max(int(r.get("concurrency") or 1), 1) for r in rows if r.get("decode_tok_s")]
+    need = int(math.ceil(window_s * max(rates) / 64) * 64) if rates else None
+    ref = [r for r in rows if r.get("reference")]
+    return (
+        f"median J/token off the pooled figure (energy summed ÷ tokens summed, gpu_j_per_token_pooled) by more "
+        f"than its CI: {gaps}. The decode windows are short against the GPU energy counter's refresh (10-100 ms): "
+        "each window reads a whole number of refresh steps, and the median of windows of one length lands on one "
+        "rounding instead of their mean, a bias the CI cannot see; the pooled figure averages it out. "
+        + "No policy chooses these levels"
+        + (" but the reference (keeping the default is always a choice), and every energy saving is against its "
+           "biased median" if ref else "")
+        + ". Fix: longer requests, so each window spans many refreshes: "
+        + (f"--max-tokens {need} or more ({window_s:g} s windows at {max(rates):.0f} tokens/s)." if need
+           else f"--max-tokens giving windows of {window_s:g} s or more.")
+    )
 
 
 def _wide_ci_message(r: dict, unit: str, target_pct: float, max_time_s: float | None,

@@ -18,6 +18,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 
+from powerprof.energy import median_off_by_rounding
 from powerprof.storage.schema import LEVELS
 
 # Each bootstrap chunk holds at most this many resampled values, so 100k windows stay in tens of MB.
@@ -152,6 +153,10 @@ class LevelSeries:
     level_boot_tok_s: np.ndarray | None = None  # (B, L)
     level_boot_j_per_token: np.ndarray | None = None  # (B, L)
     n_prompts: np.ndarray | None = None  # (L,) distinct prompt ids among the measured windows
+    # (L,) J/token: energy summed ÷ decode tokens summed over the windows the median uses. Not
+    # biased by a coarse counter's rounding, which the median of short windows is (energy.py).
+    j_per_token_pooled: np.ndarray | None = None
+    counter_window_s: np.ndarray | None = None  # (L,) median decode window read on a counter; NaN: none
 
     @property
     def reference_value(self) -> float:
@@ -215,6 +220,11 @@ def level_series(
     tot = _col(windows, "total_j_per_token")
     above = _col(windows, "above_idle_gpu_j_per_token")
     methods = _col(windows, "energy_method", object)
+    on_counter = np.array(["counter" in str(x or "").split(",") for x in methods], dtype=bool)
+    energy = _col(windows, "gpu_energy_j")
+    n_tok = _col(windows, "decode_tokens")
+    energy = np.where(np.isfinite(energy), energy, jpt * n_tok)
+    decode_s = _col(windows, "decode_s")
     prompts = _col(windows, "prompt_id", object)
     rng = np.random.default_rng(seed)
     out = []
@@ -224,7 +234,7 @@ def level_series(
         lv = np.unique(values[in_series & np.isfinite(values)])
         if kind == "none" and lv.size == 0:
             lv = np.array([np.nan])
-        cols = {k: [] for k in ("tok", "j", "btok", "bj", "bjl", "p", "tot", "above", "nw", "nr", "nf", "np", "both")}
+        cols = {k: [] for k in ("tok", "j", "btok", "bj", "bjl", "p", "tot", "above", "nw", "nr", "nf", "np", "both", "pool", "cw")}
         meths: set[str] = set()
         for v in lv:
             at = in_series & (np.isnan(values) if np.isnan(v) else values == v)
@@ -239,6 +249,9 @@ def level_series(
             cols["nr"].append(int((at & counted).sum()))
             cols["nf"].append(int((at & failed).sum()))
             cols["np"].append(len({p for p in prompts[m] if p is not None}))
+            used = m & np.isfinite(jpt) & np.isfinite(energy) & (n_tok > 0)
+            cols["pool"].append(energy[used].sum() / n_tok[used].sum() if used.any() else float("nan"))
+            cols["cw"].append(_median(decode_s[m & np.isfinite(jpt) & on_counter]))
             meths.update(x for x in methods[m] if x)
             bt, bj = _joint_replicates(tok[both], jpt[both], tok[m], n_boot, rng)
             cols["btok"].append(bt)
@@ -277,6 +290,8 @@ def level_series(
                 level_boot_tok_s=level_bt,
                 level_boot_j_per_token=level_bj,
                 n_prompts=np.array(cols["np"]),
+                j_per_token_pooled=np.array(cols["pool"], dtype=float),
+                counter_window_s=np.array(cols["cw"], dtype=float),
             )
         )
     return out
@@ -492,6 +507,10 @@ def levels_table(
                 flags.append("wide-ci")
             if s.n_windows[i] == 0:
                 flags.append("no-measured-windows")
+            pooled = s.j_per_token_pooled[i] if s.j_per_token_pooled is not None else float("nan")
+            if s.counter_window_s is not None and median_off_by_rounding(j, pooled, (j_hi - j_lo) / 2,
+                                                                          s.counter_window_s[i]):
+                flags.append("energy-resolution")
             row = {
                 "run_id": run_id,
                 "level_kind": s.level_kind,
@@ -507,6 +526,7 @@ def levels_table(
                 "gpu_j_per_token": j,
                 "gpu_j_per_token_ci_low": j_lo,
                 "gpu_j_per_token_ci_high": j_hi,
+                "gpu_j_per_token_pooled": pooled,
                 "total_j_per_token": s.total_j_per_token[i],
                 "above_idle_gpu_j_per_token": s.above_idle_j_per_token[i],
                 "ci_reached_pct": half_pct,

@@ -5,7 +5,9 @@ Zones are found under an injected sysfs root (default /sys/class/powercap): `int
 `uncore`, `dram`). `intel-rapl-mmio:*` zones re-expose package counters and are skipped so
 nothing is counted twice. Each `energy_uj` is a counter that wraps at `max_energy_range_uj`;
 one wrap between two reads is corrected, several cannot be detected, so the collector must be
-read at least once per wrap period (`min_wrap_period_s`, checked by `check_interval`).
+read at least once per wrap period (`min_wrap_period_s`, checked by `check_interval`). A delta
+above IMPLAUSIBLE_POWER_FACTOR x the zone's maximum power (a reset read as a wrap, a counter that
+jumped) is dropped with a note and a new epoch, never stored as a figure.
 
 Two backends read the counters: "sysfs" (ours, reopens each file per read) and "pyrapl"
 (pyRAPL 0.2.3.1's `PkgAPI` reader, which keeps the files open). pyRAPL's own discovery is not
@@ -38,6 +40,11 @@ MIN_POWER_INTERVAL_S = 0.05
 # Used for the wrap period only when a zone publishes no power constraint; generous on purpose,
 # since a too-high figure merely asks for more frequent reads.
 ASSUMED_MAX_POWER_W = {"package": 500.0, "psys": 1000.0, "dram": 150.0, "core": 500.0, "uncore": 200.0}
+
+# A delta worth more than this many times the zone's maximum power over its interval is not energy
+# but a counter jump: a reset read as a wrap (a whole max_energy_range_uj), or a counter that was
+# held back and caught up. Generous, so that a true burst past the published limits is never lost.
+IMPLAUSIBLE_POWER_FACTOR = 3.0
 
 PERMISSION_FIX = (
     "energy_uj is readable by root only (since CVE-2020-8694). Either run powerprof as root, or give a "
@@ -93,12 +100,16 @@ class RaplZone:
     max_power_w: float | None  # highest power constraint the zone publishes
 
     @property
+    def top_power_w(self) -> float:
+        """The most this zone can draw: its highest published constraint, else a generous guess."""
+        return self.max_power_w or ASSUMED_MAX_POWER_W.get(self.kind, 500.0)
+
+    @property
     def wrap_period_s(self) -> float:
         """Shortest time the counter can take to wrap (inf when the range is unknown)."""
         if not self.max_energy_range_uj:
             return math.inf
-        p = self.max_power_w or ASSUMED_MAX_POWER_W.get(self.kind, 500.0)
-        return self.max_energy_range_uj / 1e6 / p
+        return self.max_energy_range_uj / 1e6 / self.top_power_w
 
 
 @dataclass(frozen=True, slots=True)
@@ -264,7 +275,7 @@ class _SysfsCounters:
 class _PyraplCounters:
     """pyRAPL's PkgAPI reader pointed at our zones (one pyRAPL 'socket' slot per zone)."""
 
-    def __init__(self, zones: list[RaplZone]):
+    def __init__(self, zones: list[RaplZone], opener: Callable):
         import logging
 
         # On import pyRAPL calls logging.warning() about pymongo (an output we don't use), which
@@ -288,6 +299,10 @@ class _PyraplCounters:
 
             def _get_socket_directory_names(self):
                 return [(d, i) for i, d in enumerate(self._dirs)]
+
+            def _open_rapl_files(self):
+                # PkgAPI's own, with the injected opener in place of the builtin open.
+                return [opener(os.path.join(d, "energy_uj"), "r") for d in self._dirs]
 
         try:
             self.api = _ZoneAPI([z.path for z in zones])
@@ -347,7 +362,7 @@ class RaplCollector:
         # Probe with our reader first: a permission problem gets the same clear error on both backends.
         sysfs = _SysfsCounters(zones, opener)
         probe = sysfs.read_uj()
-        self._counters = sysfs if backend == "sysfs" else _PyraplCounters(zones)
+        self._counters = sysfs if backend == "sysfs" else _PyraplCounters(zones, opener)
         n = len(zones)
         now = clock_ns()
         self._prev_uj: list[int | None] = [v if isinstance(v, int) else None for v in probe]
@@ -391,6 +406,18 @@ class RaplCollector:
         elif elapsed_s > z.wrap_period_s:
             note = f"{elapsed_s:.3g} s since the last read, longer than the wrap period: delta dropped"
             d = None
+        else:
+            # Judged over at least the shortest interval that has a power figure, so back-to-back
+            # reads are held to the same bound without dividing by a few microseconds.
+            span_s = max(elapsed_s, MIN_POWER_INTERVAL_S)
+            limit_w = IMPLAUSIBLE_POWER_FACTOR * z.top_power_w
+            if d / 1e6 > limit_w * span_s:
+                note = (
+                    f"counter jumped {d / 1e6:.4g} J in {elapsed_s:.3g} s ({d / 1e6 / span_s:.4g} W), above "
+                    f"{limit_w:.4g} W ({IMPLAUSIBLE_POWER_FACTOR:g}x the zone's {z.top_power_w:.4g} W maximum): "
+                    "a counter reset or a stalled read, not energy; delta dropped"
+                )
+                d = None
         if d is None:
             self._epoch[k] += 1
             return RaplReading(z.device, z.kind, z.socket, self._energy_j[k], None, z.die, self._epoch[k], note)

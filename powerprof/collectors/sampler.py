@@ -7,6 +7,8 @@ import time
 from dataclasses import dataclass
 from typing import Any, Callable, Iterable, Protocol
 
+from powerprof.errtext import error_text
+
 
 class Clock(Protocol):
     def monotonic_ns(self) -> int: ...
@@ -147,7 +149,7 @@ class Sampler:
             try:
                 data, error = collector.read(), None
             except Exception as e:  # recorded as missing, counted, never fatal
-                data, error = None, f"{type(e).__name__}: {e}"
+                data, error = None, error_text(e)
                 self.errors[collector.source] += 1
             self.reads[collector.source] += 1
             self.read_cpu_s[collector.source] += time.thread_time() - c0

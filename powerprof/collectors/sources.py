@@ -12,6 +12,7 @@ import os
 from dataclasses import asdict, dataclass, field
 from typing import Callable
 
+from powerprof.errtext import error_text
 from powerprof.privilege import has_admin_privilege
 
 from .gateway import gateway
@@ -65,7 +66,7 @@ class Sources:
 
 
 def _nvml_error(e: Exception) -> str:
-    return f"{type(e).__name__}: {e}"
+    return error_text(e)
 
 
 def open_sources(

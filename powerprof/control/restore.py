@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Callable, Sequence
 
 from powerprof.collectors.gateway import gateway
+from powerprof.errtext import error_text
 from powerprof.paths import legacy_state_dirs, state_dir
 from powerprof.storage.atomic import atomic_path, fsync_dir
 
@@ -491,7 +492,7 @@ def _restore_one_file(path, refuse, nvml_factory, nvidia_smi, lock_dir, toleranc
     except GpuBusyError as e:
         return FileOutcome(path, "in_use", f"Not restored: {e}")
     except Exception as e:  # NVML missing, driver gone: report and keep the file
-        return FileOutcome(path, "failed", f"Not restored; {path} is kept: {type(e).__name__}: {e}")
+        return FileOutcome(path, "failed", f"Not restored; {path} is kept: {error_text(e)}")
     finally:
         if nvml is not None:
             try:
@@ -619,7 +620,7 @@ def force_default(
     except GpuBusyError as e:
         return FileOutcome(path, "in_use", f"Not changed: {e}")
     except Exception as e:
-        return FileOutcome(path, "failed", f"Not changed; {path} is kept: {type(e).__name__}: {e}")
+        return FileOutcome(path, "failed", f"Not changed; {path} is kept: {error_text(e)}")
     finally:
         gw.shutdown()
         for lock in locks:

@@ -498,10 +498,15 @@ class UpstreamPool:
                     return ex
                 if ex.transport is not None:
                     ex.transport.close()
-            _t, ex = await asyncio.wait_for(
-                self.loop.create_connection(lambda: Exchange(self), self.host, self.port, ssl=self._ssl,
-                                            server_hostname=self.host if self._ssl else None),
-                self.connect_timeout_s)
+            try:
+                _t, ex = await asyncio.wait_for(
+                    self.loop.create_connection(lambda: Exchange(self), self.host, self.port, ssl=self._ssl,
+                                                server_hostname=self.host if self._ssl else None),
+                    self.connect_timeout_s)
+            except TimeoutError:
+                # wait_for's has no message: the log said `unreachable: TimeoutError: ` and nothing else.
+                raise TimeoutError(f"no connection within {self.connect_timeout_s:g} s (proxy.connect_timeout_s): "
+                                   "the server is down, overloaded or not listening there") from None
             return ex
         except BaseException:
             if self.limit is not None:

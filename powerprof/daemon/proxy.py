@@ -27,6 +27,8 @@ from typing import Protocol
 import aiohttp
 from aiohttp import web
 
+from powerprof.errtext import error_text
+
 from . import streams
 from .forward import Exchange, UpstreamError, UpstreamPool
 
@@ -242,7 +244,7 @@ class Proxy:
             self._recording_failed(trace, e)
 
     def _recording_failed(self, trace: RequestTrace, e: Exception) -> None:
-        trace.recorder_error = f"{type(e).__name__}: {e}"[:300]
+        trace.recorder_error = error_text(e)[:300]
         self.recorder_failures += 1
         if self.recorder_failures <= 5 or self.recorder_failures % 1000 == 0:
             log.warning("recording failed (traffic unaffected, %d so far): %s", self.recorder_failures, trace.recorder_error)
@@ -265,7 +267,7 @@ class Proxy:
             )
         except Exception as e:
             self.recorder_failures += 1
-            log.warning("cannot trace request: %s", e)
+            log.warning("cannot trace request: %s", error_text(e))
         self.active += 1
         try:
             return await self._forward(request, trace)
@@ -341,7 +343,7 @@ class Proxy:
             if ex is not None:
                 self._drop(ex)
             self.upstream_failures += 1
-            msg = f"powerprof proxy: upstream {self.upstream} unreachable: {type(e).__name__}: {e}"
+            msg = f"powerprof proxy: upstream {self.upstream} unreachable: {error_text(e)}"
             if self.upstream_failures <= 5 or self.upstream_failures % 100 == 0:
                 log.error("%s (%d failures so far)", msg, self.upstream_failures)
             if trace is not None:
@@ -455,7 +457,7 @@ class Proxy:
         except (UpstreamError, asyncio.TimeoutError, OSError) as e:
             # The upstream broke mid-response: the client gets what came; the connection is cut.
             if trace is not None:
-                trace.outcome, trace.error = "upstream_error", f"{type(e).__name__}: {e}"[:300]
+                trace.outcome, trace.error = "upstream_error", error_text(e)[:300]
             if request.transport is not None:
                 request.transport.close()
             return resp
@@ -468,7 +470,7 @@ class Proxy:
                 elif sink.body_copy is not None:
                     self._body_done(trace, bytes(sink.body_copy))
             except Exception as e:
-                trace.recorder_error = f"summary: {type(e).__name__}: {e}"[:300]
+                trace.recorder_error = f"summary: {error_text(e)}"[:300]
                 self.recorder_failures += 1
         if trace is not None and status >= 500 and trace.outcome == "ok":
             # Relayed whole, but the server failed it: not an `ok` in the requests' counts.
@@ -495,7 +497,7 @@ class Proxy:
         try:
             trace.counts = streams.summary_counts(sink.parser.finish())
         except Exception as e:
-            trace.recorder_error = f"summary: {type(e).__name__}: {e}"[:300]
+            trace.recorder_error = f"summary: {error_text(e)}"[:300]
             self.recorder_failures += 1
             return
         done = ex.done  # also set when the proxy aborts the upstream for a client gone (sink.gone)
@@ -631,7 +633,7 @@ class _ClientSink:
             try:
                 n = parser.count(piece)
             except Exception as e:
-                trace.recorder_error = f"parser: {type(e).__name__}: {e}"[:300]
+                trace.recorder_error = f"parser: {error_text(e)}"[:300]
                 self.proxy.recorder_failures += 1
                 return
             if not self._prompt_known:
@@ -650,7 +652,7 @@ class _ClientSink:
             except Exception as e:  # recording must never touch the traffic
                 self.proxy._recording_failed(trace, e)
         except Exception as e:  # accounting never stops the bytes
-            trace.recorder_error = f"proxy: {type(e).__name__}: {e}"[:300]
+            trace.recorder_error = f"proxy: {error_text(e)}"[:300]
             self.proxy.recorder_failures += 1
 
     def _inflate(self, piece: bytes) -> bytes:

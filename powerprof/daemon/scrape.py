@@ -22,6 +22,7 @@ import logging
 import aiohttp
 from prometheus_client.parser import text_string_to_metric_families
 
+from powerprof.errtext import error_text
 from powerprof.workload.limits import MAX_COUNTER, MAX_METRICS_BYTES, bad_amount, bad_count, read_capped
 
 log = logging.getLogger("powerprof.daemon.scrape")
@@ -29,6 +30,7 @@ log = logging.getLogger("powerprof.daemon.scrape")
 SERVERS = ("auto", "vllm", "sglang", "llamacpp", "none")
 COUNTERS = {"vllm": "vllm:generation_tokens_total", "sglang": "sglang:generation_tokens_total"}
 LLAMACPP_COUNTER = "llamacpp:tokens_predicted_total"
+SCRAPE_TIMEOUT_S = 2.0  # one GET, whole: a server slower than this to say its counters is skipped for a scrape
 
 
 def counter_total(text: str, name: str) -> float | None:
@@ -162,10 +164,18 @@ class Scraper:
         self.last_error: str | None = None
 
     async def _get(self, path: str) -> tuple[int, str]:
-        async with self.session.get(self.base + path, timeout=aiohttp.ClientTimeout(total=2)) as r:
-            if r.status != 200:
-                return r.status, ""
-            return r.status, (await read_capped(r, MAX_METRICS_BYTES)).decode("utf-8", "replace")
+        url = self.base + path
+        try:
+            async with self.session.get(url, timeout=aiohttp.ClientTimeout(total=SCRAPE_TIMEOUT_S)) as r:
+                if r.status != 200:
+                    return r.status, ""
+                return r.status, (await read_capped(r, MAX_METRICS_BYTES)).decode("utf-8", "replace")
+        except TimeoutError as e:
+            # aiohttp's total timeout has no message: the log said `TimeoutError: ` and nothing else.
+            raise TimeoutError(
+                f"GET {url} gave no whole answer within {SCRAPE_TIMEOUT_S:g} s: the server is busy or hung. This "
+                "scrape is skipped and retried (a counter catches up at the next); the proxy's own figures are unaffected"
+            ) from e
 
     async def _detect(self) -> str | None:
         try:
@@ -204,7 +214,7 @@ class Scraper:
                 delta = 0.0 if prev is None else (total - prev if total >= prev else total)
         except Exception as e:  # a server's answer never ends the scrape loop: counted and logged
             self.errors += 1
-            self.last_error = f"{type(e).__name__}: {e}"
+            self.last_error = error_text(e)
             if self.errors <= 3 or self.errors % 100 == 0:
                 log.warning("scraping %s failed (%d so far): %s", self.base, self.errors, self.last_error)
             return None

@@ -27,6 +27,7 @@ import aiohttp
 from aiohttp import web
 
 from powerprof.collectors.sampler import Sample, Sampler
+from powerprof.errtext import error_text
 from powerprof.storage.atomic import atomic_path
 from powerprof.storage.samples import sample_rows
 
@@ -67,7 +68,7 @@ def restore_pending(rig) -> None:
     try:
         report = rig.restore()
     except Exception as e:
-        log.error("restoring the limits left by a crashed sweep failed: %s: %s", type(e).__name__, e)
+        log.error("restoring the limits left by a crashed sweep failed: %s", error_text(e))
         return
     if report.outcomes:
         level = logging.WARNING if report.ok else logging.ERROR
@@ -339,7 +340,7 @@ class Daemon:
             try:
                 rows.extend(sample_rows(s, self.t0_ns, self.gpu_uuids))
             except Exception as e:
-                log.debug("sample row failed: %s", e)
+                log.debug("sample row failed: %s", error_text(e))
             if s.data is None:
                 continue
             if s.source == "nvml":

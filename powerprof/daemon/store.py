@@ -43,6 +43,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Callable
 
 from powerprof.daemon.spawn import isolated_argv
+from powerprof.errtext import error_text
 from powerprof.storage import flatparquet
 from powerprof.storage.atomic import atomic_path, fsync_dir
 from powerprof.storage.schema import arrow_schema, columns_of
@@ -533,7 +534,7 @@ class Flusher:
         except Exception as e:  # the thread must outlive any bug: counted, logged once per kind, retried next turn
             self.errors += 1
             first = self.last_error is None or not self.last_error.startswith(f"{what}: {type(e).__name__}")
-            self.last_error = f"{what}: {type(e).__name__}: {e}"[:300]
+            self.last_error = f"{what}: {error_text(e)}"[:300]
             if first:
                 log.exception("%s failed; retrying at the next turn (powerprof_writer_errors_total)", what)
 

@@ -16,6 +16,8 @@ from typing import Awaitable, Callable, Protocol
 import aiohttp
 from aiohttp import web
 
+from powerprof.errtext import error_text
+
 NAME_RE = re.compile(r"^[A-Za-z0-9_.:@/-]{1,128}$")
 
 
@@ -87,4 +89,4 @@ def send_tag(socket_path: Path | str, action: str, name: str | None = None) -> d
     try:
         return asyncio.run(_send(p, method, path))
     except (aiohttp.ClientConnectionError, OSError) as e:
-        raise TagApiError(f"cannot reach the daemon at {p}: {e}") from None
+        raise TagApiError(f"cannot reach the daemon at {p}: {error_text(e)}") from None

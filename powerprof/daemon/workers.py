@@ -37,6 +37,8 @@ import sys
 import time
 from dataclasses import astuple
 
+from powerprof.errtext import error_text
+
 from . import streams
 from .proxy import SERVER_OPTIONS, Proxy, RequestTrace
 from .spawn import isolated_argv
@@ -405,7 +407,7 @@ class _WorkerLink(asyncio.Protocol):
         except Exception as e:
             # A worker that sends what it cannot have meant is broken: its link goes, its requests end
             # marked (the failure path of a worker that dies), and it is restarted.
-            self.owner._failed(f"unreadable frame from proxy worker {self.worker.index}: {e}")
+            self.owner._failed(f"unreadable frame from proxy worker {self.worker.index}: {error_text(e)}")
             if self.worker.transport is not None:
                 self.worker.transport.close()
             return
@@ -413,7 +415,7 @@ class _WorkerLink(asyncio.Protocol):
             try:
                 self.owner._replay(self.worker, m)
             except Exception as e:  # a bug here must not cost the link (and so the worker)
-                self.owner._failed(f"{type(e).__name__}: {e}")
+                self.owner._failed(error_text(e))
 
     def connection_lost(self, exc) -> None:
         self.owner._lost(self.worker)
@@ -619,7 +621,7 @@ class ProxyWorkers:
         try:
             fn(trace, *args)
         except Exception as e:  # like Proxy._safe: the record is marked, the rest goes on
-            trace.recorder_error = f"{type(e).__name__}: {e}"[:300]
+            trace.recorder_error = error_text(e)[:300]
             self._failed(trace.recorder_error)
 
     def _mark(self, tr: RequestTrace, n_tokens: int) -> None:

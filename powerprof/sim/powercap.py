@@ -5,6 +5,10 @@ Layout as the kernel makes it: zone directories under `intel-rapl/` with top-lev
 `psys`. Counters are written in place (same inode, like sysfs), zero-padded to a fixed width so
 a reader holding the file open (pyRAPL does) always sees a whole number, and wrap at
 `max_energy_range_uj`. The true cumulative energy of every zone is kept for tests.
+
+A hardware counter never falls behind, so a read through `opener` first integrates the energy up
+to the monotonic clock at that instant: a process stalled for seconds (the background updater
+included) still reads what a real counter would, never a jump that lands in one interval.
 """
 
 from __future__ import annotations
@@ -50,8 +54,9 @@ class SimPowercap:
     power_w_fn() returns the total CPU package power (W, all packages) at this instant; it is
     split evenly over the package zones. core = 60% of its package, dram = `dram_w` per package
     zone, psys = all packages + all dram + `platform_w`. Power is held constant between updates,
-    so the true energy is exact. Updates happen on `update()` or from a background thread
-    (`start()`/`stop()`) every `update_interval_s` (real RAPL refreshes about every 1 ms).
+    so the true energy is exact. The model is re-read on `update()` or from a background thread
+    (`start()`/`stop()`) every `update_interval_s`; the energy is also brought up to now (at the
+    power held since) whenever a file opened through `opener` is read, as hardware's always is.
     """
 
     def __init__(
@@ -164,6 +169,10 @@ class SimPowercap:
             z.fd = os.open(z.path / "energy_uj", os.O_WRONLY)
         if self._mmio_path is not None:
             self.zones[0].mirror_fds = (os.open(self._mmio_path, os.O_WRONLY),)
+        self._by_counter_path = {os.path.realpath(z.path / "energy_uj"): z for z in self.zones}
+        self._zone_of_path: dict[str, _Zone | None] = {}
+        if self._mmio_path is not None:
+            self._by_counter_path[os.path.realpath(self._mmio_path)] = self.zones[0]
         if self.unreadable:
             # Files are opened for writing first: the simulator keeps updating them, as the kernel does.
             for p in self.energy_paths():
@@ -193,27 +202,42 @@ class SimPowercap:
     def counter_uj(self, z: _Zone) -> int:
         return (z.start_uj + int(z.energy_j * 1e6)) % self.max_energy_range_uj
 
+    def _write(self, z: _Zone) -> None:
+        data = f"{self.counter_uj(z):0{_WIDTH}d}\n".encode()
+        os.pwrite(z.fd, data, 0)
+        for fd in z.mirror_fds:
+            os.pwrite(fd, data, 0)
+
     def _write_all(self) -> None:
         for z in self.zones:
-            data = f"{self.counter_uj(z):0{_WIDTH}d}\n".encode()
-            os.pwrite(z.fd, data, 0)
-            for fd in z.mirror_fds:
-                os.pwrite(fd, data, 0)
+            self._write(z)
+
+    def _integrate_to(self, now_ns: int) -> None:
+        dt = (now_ns - self._t_last_ns) / 1e9
+        if dt > 0:
+            for z in self.zones:
+                z.energy_j += z.power_w * dt
+            self._t_last_ns = now_ns
 
     def update(self, now_ns: int | None = None) -> None:
         """Advance the counters to now with the power set at the last update, then re-read the model."""
         with self._lock:
-            now = self._clock_ns() if now_ns is None else now_ns
-            dt = (now - self._t_last_ns) / 1e9
-            if dt > 0:
-                for z in self.zones:
-                    z.energy_j += z.power_w * dt
-                self._t_last_ns = now
+            self._integrate_to(self._clock_ns() if now_ns is None else now_ns)
             self._set_powers()
             self._write_all()
 
+    def refresh(self, zone: _Zone | None = None) -> None:
+        """Advance the counters to now at the power held since the last update (what a read sees);
+        rewrite that zone's file (a read needs only its own), or every file."""
+        with self._lock:
+            self._integrate_to(self._clock_ns())
+            if zone is None:
+                self._write_all()
+            else:
+                self._write(zone)
+
     def true_energy_j(self) -> dict[str, float]:
-        """Energy per zone (by sysfs id) since the simulator started, as of the last update."""
+        """Energy per zone (by sysfs id) since the simulator started, as of the last update or read."""
         with self._lock:
             return {z.sysfs_id: z.energy_j for z in self.zones}
 
@@ -224,12 +248,23 @@ class SimPowercap:
     # --- a non-root reader -------------------------------------------------------------------
 
     def opener(self, path, mode="r", *args, **kwargs):
-        """`open` as an unprivileged user sees it: tests run as root, where mode 0400 stops nobody."""
+        """`open` as an unprivileged user sees it (tests run as root, where mode 0400 stops nobody),
+        and an energy_uj file whose every read sees the counter as of that instant."""
         if self.unreadable and "r" in mode:
             st = os.stat(path)
             if not st.st_mode & stat.S_IROTH:
                 raise PermissionError(errno.EACCES, os.strerror(errno.EACCES), str(path))
-        return open(path, mode, *args, **kwargs)
+        f = open(path, mode, *args, **kwargs)
+        zone = self._counter_zone(path) if "r" in mode else None
+        if zone is not None:
+            return _LiveCounterFile(f, lambda: self.refresh(zone))
+        return f
+
+    def _counter_zone(self, path) -> _Zone | None:
+        key = os.fspath(path)
+        if key not in self._zone_of_path:  # realpath costs a few syscalls: once per name a reader uses
+            self._zone_of_path[key] = self._by_counter_path.get(os.path.realpath(key))
+        return self._zone_of_path[key]
 
     # --- background updates ------------------------------------------------------------------
 
@@ -268,6 +303,32 @@ class SimPowercap:
 
     def __exit__(self, *exc) -> None:
         self.close()
+
+
+class _LiveCounterFile:
+    """An open energy_uj whose reads first bring the counter up to now: the sysfs backend reads it
+    once after opening, pyRAPL keeps it open and re-reads after seek(0)."""
+
+    def __init__(self, f, refresh: Callable[[], None]):
+        self._f = f
+        self._refresh = refresh
+
+    def read(self, *args):
+        self._refresh()
+        return self._f.read(*args)
+
+    def readline(self, *args):
+        self._refresh()
+        return self._f.readline(*args)
+
+    def __getattr__(self, name):
+        return getattr(self._f, name)
+
+    def __enter__(self) -> "_LiveCounterFile":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._f.close()
 
 
 # --- folders for simulated trees: one per process, cleaned up after processes that died ---------

@@ -133,6 +133,7 @@ class SimServer:
         serve_metrics: bool = True,
         draft_n_max: int | None = None,
         n_ctx: int | None = None,
+        count_factor: float = 1.0,
     ):
         """batching: "serial" (a prefill pauses decoding; one prompt at a time) or "continuous"
         (every step prefills a chunk and decodes every running sequence; records each request's
@@ -141,7 +142,10 @@ class SimServer:
         draft_n_max (the server's draft count, 0 for none) and the context change it (sim/knobs.py).
         n_ctx: context tokens in all (llama.cpp splits them among the slots and refuses a longer
         prompt; vLLM refuses prompt + max_tokens beyond it with a 400); a generation that reaches the
-        context stops there."""
+        context stops there.
+        count_factor: a server that lies about its counts: the counts it gives once a request ends (usage,
+        `timings.predicted_n`, the final `tokens_predicted`) are the true count times this; what it streams
+        (and its running counts, /metrics, the truth) stays true."""
         if flavour not in ("llamacpp", "vllm"):
             raise ValueError("flavour must be llamacpp or vllm")
         if batching not in ("serial", "continuous"):
@@ -182,6 +186,7 @@ class SimServer:
         self.vllm_empty_final = vllm_empty_final
         self.vllm_metrics = vllm_metrics
         self.serve_metrics = serve_metrics  # False: /metrics answers 404 (hidden by a proxy, or an old server)
+        self.count_factor = float(count_factor)  # settable between requests, like delivery
         self.truth: list[dict] = []  # one dict per finished request, in finishing order
         self.steps: list[tuple[int, int, str, int, int]] = []  # (t0_ns, t1_ns, kind, batch, tokens)
         self.busy = False
@@ -560,7 +565,12 @@ class SimServer:
             "client_id": req.client_id,
         }
         self.truth.append(req.truth_row)
-        req.queue.put_nowait(("done", timings))
+        reported = dict(timings, predicted_n=self._reported(req.generated))  # the truth keeps the true count
+        req.queue.put_nowait(("done", reported))
+
+    def _reported(self, n: int) -> int:
+        """The generated count the server gives at the end: the truth unless it lies (count_factor)."""
+        return n if self.count_factor == 1.0 else int(round(n * self.count_factor))
 
     def _submit(self, prompt: str, n_predict: int, ignore_eos: bool, cache_prompt: bool, seed: int) -> _Req:
         rid = self._next_rid
@@ -763,7 +773,8 @@ class SimServer:
         return self._json(obj)
 
     def _usage(self, req: _Req) -> dict:
-        return {"prompt_tokens": req.prompt_tokens, "completion_tokens": req.generated, "total_tokens": req.prompt_tokens + req.generated}
+        n = self._reported(req.generated)
+        return {"prompt_tokens": req.prompt_tokens, "completion_tokens": n, "total_tokens": req.prompt_tokens + n}
 
     def _llama_final(self, req: _Req, timings: dict) -> dict:
         return {
@@ -773,7 +784,7 @@ class SimServer:
             "id_slot": req.slot,
             "stop": True,
             "model": self.model,
-            "tokens_predicted": req.generated,
+            "tokens_predicted": self._reported(req.generated),
             "tokens_evaluated": req.prompt_tokens,
             "stop_type": req.stop_type,
             "stopped_limit": req.stop_type == "limit",

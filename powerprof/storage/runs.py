@@ -9,6 +9,8 @@ from pathlib import Path
 import pyarrow as pa
 import pyarrow.parquet as pq
 
+from powerprof.errtext import error_text
+
 from .atomic import atomic_path, atomic_write_bytes
 from .schema import TABLES, rows_to_table
 
@@ -37,7 +39,7 @@ def split_storable(name: str, rows: list[dict]) -> tuple[list[dict], list[dict],
         table_from_rows(name, rows)
         return rows, [], None
     except (pa.ArrowException, TypeError, ValueError, OverflowError) as e:
-        err = f"{type(e).__name__}: {e}"[:300]
+        err = error_text(e)[:300]
     good, bad = [], []
     for r in rows:
         try:

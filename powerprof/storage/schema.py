@@ -147,7 +147,7 @@ LEVELS_COLUMNS = [
     ("reference", BOOL),
     ("cap_not_engaged", BOOL),
     ("thermal_throttle", BOOL),
-    ("flags", STR),  # comma-separated: cap-not-engaged, thermal, failed-requests, wide-ci, one-window
+    ("flags", STR),  # comma-separated: cap-not-engaged, thermal, failed-requests, wide-ci, one-window, energy-resolution
     ("energy_method", STR),
     # Appended by the analysis (issue 6): levels at different concurrencies are different levels,
     # and loss/saving vs the reference carry their own bootstrap CIs.
@@ -171,6 +171,9 @@ LEVELS_COLUMNS = [
     ("draft_n_accepted", I64),
     ("draft_acceptance", F64),  # draft_n_accepted / draft_n
     ("draft_source", STR),  # timings (llama.cpp, per request) | metrics (vLLM counters, whole config)
+    # J/token: GPU energy summed ÷ decode tokens summed over the windows of gpu_j_per_token (the
+    # median); the median of short windows on a coarse counter is biased, this is not (energy-resolution).
+    ("gpu_j_per_token_pooled", F64),
 ]
 
 # `powerprof analyze`: the merged levels of one or more runs, the fitted curves at each level and

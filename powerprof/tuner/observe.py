@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 from prometheus_client.parser import text_string_to_metric_families
 
 from powerprof.daemon.latency import LATENCY_EDGES_S
+from powerprof.errtext import error_text
 
 from .policy import Window
 
@@ -103,7 +104,7 @@ def fetch_metrics(url: str, timeout_s: float = SCRAPE_DEADLINE_S) -> str:
     except ObserveError:
         raise
     except Exception as e:  # noqa: BLE001 (every failure is the same to the tuner: no figures)
-        raise ObserveError(f"cannot read {url}: {e}") from None
+        raise ObserveError(f"cannot read {url}: {error_text(e)}") from None
     body = b"".join(chunks)
     if len(body) > MAX_BYTES:
         raise ObserveError(f"{url} answered more than {MAX_BYTES} bytes: not the daemon's metrics")
@@ -120,7 +121,7 @@ def parse_counters(text: str, t_s: float) -> DaemonCounters:
         for f in text_string_to_metric_families(text):
             fam[f.name] = f
     except Exception as e:  # noqa: BLE001 (malformed exposition)
-        raise ObserveError(f"unreadable metrics: {e}") from None
+        raise ObserveError(f"unreadable metrics: {error_text(e)}") from None
 
     def need(name):
         if name not in fam:

@@ -58,16 +58,16 @@ class TunerConfig:
     rise_ratio: float = 0.8  # a level below the reference (held or measured) goes one up at any tick whose guard-window
     # p95 passes this × SLO: a rising load breaks a held level within minutes, before its next judgement
     steady_rise_ratio: float = 0.0  # the same tick rise whether or not the load ramps, at this × SLO (0: off; tenth
-    # attempt, docs/tuner.md: a held level below the oracle breaks on a burst between two judgements)
+    # attempt, docs/tuner-evaluation.md: a held level below the oracle breaks on a burst between two judgements)
     steady_rise_bar: bool = False  # that rise also bars the level it leaves, as a back-off does (eleventh attempt)
     ramp_restore_above: int = 2  # a guard back-off restores this many levels above the one that broke (else 1)
     ramp_descend: bool = False  # no trial below (a level that passes now fails as the load keeps growing)
-    # Tried in the sixth version and left off (docs/tuner.md: no fewer windows beyond the tuning seeds' one):
+    # Tried in the sixth version and left off (docs/tuner-evaluation.md: no fewer windows beyond the tuning seeds' one):
     break_restore_above: int = 1  # a guard back-off on a p95 past the SLO by more than the buckets' error restores this
     # many levels above the one that broke (else one)
     drain_s: float = 0.0  # a trial below ended early: hold one level above its incumbent this long while its slow
     # requests drain, then the incumbent (0: straight back to the incumbent)
-    # The early signal (off by default: docs/tuner.md, seventh version): the requests in flight, which grow as soon
+    # The early signal (off by default: docs/tuner-evaluation.md, seventh version): the requests in flight, which grow as soon
     # as the server falls behind, before any of them finishes late.
     queue_ratio: float = 0.0  # a level below the reference whose mean in flight over the last queue_s passes this ×
     # its usual (the median over its judged windows in the regime) goes one level up; a trial ends (0: off)
@@ -78,9 +78,12 @@ class TunerConfig:
     # accept_ratio with model_z spreads to spare under the load expected (not while the load ramps, as any trial below)
     model_descend_trend_max: float = 1.0  # model descents only while the load's trend (load_growth) is at most this: a
     # flat or falling load (ninth attempt: a descent on a rising load that has not yet read as a ramp broke later)
+    model_no_redescend: bool = False  # no model descent (nor a search it began) to a level left for the one above as too
+    # slow within reprobe_s: a descent onto a level sent up minutes before broke it again (twelfth attempt; measured and
+    # left off, docs/tuner-evaluation.md: a net window more for 0.3 points of J/token on 40 held-out seeds)
     model_skip: bool = False  # no trial below of a level seen in this length mix whose expected p95 is past accept_ratio
     model_rise: bool = False  # a level below the reference goes one up once the model puts it past hold_ratio under the
-    # load expected (measured in the eighth attempt and left off: docs/tuner.md)
+    # load expected (measured in the eighth attempt and left off: docs/tuner-evaluation.md)
     model_z: float = 1.0  # residual spreads of margin for a descent
     model_horizon_s: float = 600.0  # how far ahead the load's trend is extrapolated (0: the load now)
     model_min_windows: int = 8  # judged windows in the length mix before the model is used
@@ -297,7 +300,9 @@ class LatencyModel:
 
     MAX_Y = math.log(4.0)  # a p95 four times the SLO or more is "far over": the top bucket's floor says no more
     MIN_SD = 0.10
-    DEFAULT_SD = 0.30  # log spread of one window's p95 about its level's (docs/tuner.md: 0.15–0.35 on the simulator)
+    # A window p95's log spread about its level's line: 0.13–0.47 per level on the simulator's stationary trace
+    # (docs/tuner-evaluation.md, eighth attempt).
+    DEFAULT_SD = 0.30
 
     def __init__(self, memory_s: float, n_levels: int, shrink: float = 0.25):
         self.memory_s = memory_s
@@ -466,6 +471,7 @@ class _Regime:
     rejected: dict = field(default_factory=dict)  # index → time a trial of it was rejected
     costly: dict = field(default_factory=dict)  # index → time a trial of it was rejected on energy (not too slow)
     strikes: dict = field(default_factory=dict)  # index → times the guard backed off from it
+    sent_up: dict = field(default_factory=dict)  # index → last time it was left for a level above, as too slow
     stats: dict = field(default_factory=dict)  # index → latest _LevelStat
     converged_t: float | None = None
     reprobe_from: int | None = None  # the level a re-probe started from…
@@ -503,6 +509,7 @@ class Tuner:
         self._threat_idx: int | None = None  # the level the last back-off left
         self._ref_typical: float | None = None  # the reference's median p95/SLO in the regime, at the last back-off
         self._trial_ratios: list[float] = []  # the trial's p95/SLO judgements so far
+        self._model_search = False  # the search in progress began with a model descent (until it holds or backs off)
         self._work: deque[tuple[float, float, float]] = deque()  # (t_end, duration, work) per tick, every level
         self._held_ok: list[_LevelStat] = []  # judgements of the current level within the holding band
         self._backoff_tail: list[Window] = []  # the reference's windows in the back-off's second half
@@ -685,6 +692,8 @@ class Tuner:
             return False
         if j in r.costly and t - r.costly[j] < cfg.reprobe_s:
             return False  # refused on energy lately: the model says nothing about that
+        if self._sent_up_lately(j, t):
+            return False  # left as too slow lately: its own p95 said so, whatever the model now expects
         g = self.load_growth(t)
         if not cfg.ramp_descend and g is not None and g > cfg.ramp_growth:
             return False  # no trial below while the load ramps (item 6), whatever the model says
@@ -705,7 +714,13 @@ class Tuner:
         self._trials.append((t, math.inf))
         self._enter("trial", t)
         self._trial_ratios = []
+        self._model_search = True
         return True
+
+    def _sent_up_lately(self, j: int, t: float) -> bool:
+        """model_no_redescend: level `j` was left for a level above, as too slow, within reprobe_s."""
+        up = self.regime.sent_up.get(j)
+        return self.cfg.model_no_redescend and up is not None and t - up < self.cfg.reprobe_s
 
     def _queue_threat(self, t: float, out: list[Decision]) -> bool:
         """The early signal: the mean in flight over the last queue_s at this level (at least half of it seen) past
@@ -895,7 +910,7 @@ class Tuner:
         drain = early and down and cfg.drain_s > 0 and back < self.ref  # never above the reference
         if drain:
             # The trial's queue finishes at the incumbent otherwise: its slow requests still broke the SLO window, and
-            # could make the incumbent's own guard fire minutes later (docs/tuner.md, sixth version).
+            # could make the incumbent's own guard fire minutes later (docs/tuner-evaluation.md, sixth version).
             back += 1
             why += f"; {self._fmt(cfg.levels[back])} for {cfg.drain_s:g} s while its slow requests drain"
         self._end_trial(t)
@@ -957,6 +972,10 @@ class Tuner:
             if j == self.idx or j < r.floor or costlier or (j in r.rejected and t - r.rejected[j] < cfg.reprobe_s):
                 if d > 0:
                     self._up_tried = True
+                continue
+            if d < 0 and self._model_search and self._sent_up_lately(j, t):
+                # A search the model began goes no further down than its own first step could.
+                skipped = f"{self._fmt(cfg.levels[j])} not tried: left as too slow within {cfg.reprobe_s:g} s"
                 continue
             if d < 0 and not cfg.ramp_descend and (g := self.load_growth(t)) is not None and g > cfg.ramp_growth:
                 skipped = f"{self._fmt(cfg.levels[j])} not tried: the load is ramping (×{g:.2f} in {cfg.trend_s:g} s)"
@@ -1140,6 +1159,8 @@ class Tuner:
         return self.regimes[key]
 
     def _enter(self, state: str, t: float, keep_pending: bool = False) -> None:
+        if state in ("hold", "backoff", "killed", "stale"):
+            self._model_search = False
         self.state = state
         self.state_since_s = t
         if not keep_pending:
@@ -1156,6 +1177,9 @@ class Tuner:
 
     def _move(self, t: float, action: str, to_idx: int, reason: str, stat: _LevelStat | None = None) -> Decision:
         d = self._decide(t, action, to_idx, reason, stat)
+        if action == "backoff" and to_idx > self.idx and self.state != "drain":
+            # Every move up as too slow is a back-off row; a drain level's back-off is the ended trial's queue, not its own.
+            self.regime.sent_up[self.idx] = t
         if to_idx != self.idx:
             self.idx = to_idx
             self.since_s = t

@@ -25,6 +25,7 @@ from typing import Callable
 
 from prometheus_client import CollectorRegistry, Counter, Gauge
 
+from powerprof.errtext import error_text
 from powerprof.storage.runs import atomic_write_table
 from powerprof.storage.schema import TUNER_DECISIONS, rows_to_table
 
@@ -362,7 +363,7 @@ class TuneRunner:
         except ObserveError as e:
             box["got"] = e
         except Exception as e:  # noqa: BLE001 (a bug in reading is no figures, not a dead loop)
-            box["got"] = ObserveError(f"reading the daemon failed: {e!r}")
+            box["got"] = ObserveError(f"reading the daemon failed: {error_text(e)}")
 
 
 def install_kill_switch(runner: TuneRunner) -> None:

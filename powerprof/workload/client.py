@@ -19,7 +19,8 @@ from typing import Callable
 import aiohttp
 import numpy as np
 
-from powerprof.arrival import ArrivalQuality, Timing, arrival_quality, classify
+from powerprof.arrival import ArrivalQuality, Timing, arrival_quality, classify, count_problem
+from powerprof.errtext import error_text
 
 from .limits import MAX_ERROR_BYTES, MAX_INFO_BYTES, MAX_RESPONSE_BYTES, BodyTooLarge, bad_count, read_capped
 from .stream import APIS, StreamParser, parse_response
@@ -125,6 +126,11 @@ class RequestRecord:
     server_decode_tokens: int | None = None
     server_timing_source: str | None = None  # llamacpp-timings | vllm-metrics
     truncated: str | None = None  # why fewer tokens came than were asked for (context length)
+    # Tokens the stream's chunks showed, before any the server's count placed (the vLLM closing
+    # chunk); None: the events' sum. running_counts: every chunk carried the server's running count.
+    # Checked against generated_tokens by the timing rule (arrival.count_problem).
+    stream_tokens: int | None = None
+    running_counts: bool = False
 
     @property
     def ok(self) -> bool:
@@ -139,7 +145,16 @@ class RequestRecord:
         """How this attempt's window is timed (the rule in powerprof/arrival.py); None for failures."""
         if not self.ok:
             return None
-        return classify(self.quality, self.generated_tokens, self.server_decode_s, self.server_decode_tokens, self.client_lag_s)
+        return classify(self.quality, self.generated_tokens, self.server_decode_s, self.server_decode_tokens, self.client_lag_s,
+                        self.stream_tokens, self.running_counts)
+
+    @property
+    def count_problem(self) -> str | None:
+        """Why the server's own token count cannot be believed beside its stream (arrival.count_problem); None for failures."""
+        if not self.ok:
+            return None
+        shown = sum(self.event_tokens) if self.stream_tokens is None else self.stream_tokens
+        return count_problem(shown, self.generated_tokens, self.running_counts)
 
     @property
     def ttft_s(self) -> float | None:
@@ -446,7 +461,7 @@ async def send_request(
     except asyncio.TimeoutError:
         return _failed(base, "timeout while connecting or sending", http_status, clock_ns())
     except (aiohttp.ClientError, OSError) as e:
-        error = f"{type(e).__name__}: {e}"
+        error = error_text(e)
         summary = parser.finish()
     t_end = clock_ns()
     if first_called and edge_hook is not None:
@@ -461,9 +476,10 @@ async def send_request(
         # Partial streams are kept out of every count: what the server did is not known.
         return _failed(base, error, http_status, t_end)
     deficit = summary.generated_tokens - summary.counted_tokens
-    if deficit > 0 and closing_t is not None:
+    if deficit == 1 and closing_t is not None:
         # vLLM's closing chat chunk (empty content, finish_reason) carries the last token: `usage`
-        # says so at the end; it arrived with that chunk.
+        # says so at the end; it arrived with that chunk. One token, no more: a larger shortfall
+        # placed there would pass for a stream whose last read held them all.
         times.append(closing_t)
         counts.append(deficit)
     q = arrival_quality(np.asarray(times, dtype=np.int64), np.asarray(counts, dtype=np.int64), summary.generated_tokens)
@@ -498,5 +514,7 @@ async def send_request(
         server_decode_tokens=sd_n,
         server_timing_source=sd_src,
         truncated=truncated,
+        stream_tokens=summary.counted_tokens,
+        running_counts=0 < summary.counted_tokens == summary.totalled_tokens,
     )
 

@@ -16,6 +16,7 @@ from typing import Sequence
 import aiohttp
 import numpy as np
 from powerprof import termination
+from powerprof.energy import COUNTER_STEP_S, ROUNDING_TOL, counter_rounding_bound, median_off_by_rounding
 from powerprof.profiler import LOW_CONFIDENCE_S
 
 from .client import RequestParams, RequestRecord, ServerInfo, detect_server
@@ -39,6 +40,10 @@ class Summary:
     n_trusted: int = 0  # windows the figures come from (request rows at 1, batch rows above)
     measured_s: float = 0.0  # decode seconds the energy figure pools
     n_planned: int | None = None  # requests this concurrency was to send; more than n_ok + n_failed when stopped early
+    # J/token: the median of the used windows' own figures, beside gpu_j_per_token (pooled). On short
+    # windows a coarse counter biases the median, not the pooled figure (rounding_notes).
+    gpu_j_per_token_median: float | None = None
+    median_window_s: float | None = None  # s: median decode window of the used windows with a GPU energy
 
 
 @dataclass
@@ -163,6 +168,31 @@ def missing_figure_notes(rows: Sequence[dict], summary: list[Summary]) -> list[s
     return out
 
 
+def rounding_notes(summary: list[Summary]) -> list[str]:
+    """Say so where the windows are short enough for the counter's steps to bias their own median
+    J/token (windows.parquet) off the pooled figure printed: the same rule as the analysis'
+    energy-resolution flag (energy.median_off_by_rounding), without a CI."""
+    out = []
+    for x in summary:
+        if "counter" not in x.energy_method.split(",") or x.gpu_j_per_token is None or x.median_window_s is None:
+            continue
+        med, pooled, w = x.gpu_j_per_token_median, x.gpu_j_per_token, x.median_window_s
+        if med is None or not median_off_by_rounding(med, pooled, float("nan"), w):
+            continue
+        window_s = COUNTER_STEP_S / (2 * ROUNDING_TOL)
+        per_request = (x.decode_tok_s or 0) / x.concurrency
+        need = int(np.ceil(window_s * per_request / 64) * 64)
+        out.append(
+            f"concurrency {x.concurrency}: the windows' own J/token (windows.parquet) read whole steps of the GPU "
+            f"energy counter (refreshed every 10-100 ms) over {w:.2f} s windows: their median {med:.4g} is "
+            f"{(med / pooled - 1) * 100:+.1f}% off the pooled figure printed ({pooled:.4g}, energy summed ÷ tokens "
+            f"summed, which averages the rounding out); a median over these windows can be off by up to "
+            f"{counter_rounding_bound(w) * 100:.0f}%. fix: longer requests"
+            + (f" (--max-tokens {need} or more: {window_s:g} s windows)" if need > 0 else f" ({window_s:g} s windows)")
+        )
+    return out
+
+
 def summarise(rows: list[dict]) -> list[Summary]:
     out = []
     for c in sorted({r["concurrency"] for r in rows if not r["warmup"]}):
@@ -188,8 +218,11 @@ def summarise(rows: list[dict]) -> list[Summary]:
         )
         methods = {r["energy_method"] for r in basis} or {"none"}
         n_trusted = len([r for r in ok if trusted(r)]) if c == 1 else len(basis)
+        with_j = [r for r in basis if r.get("gpu_j_per_token") is not None]
         out.append(Summary(c, len(ok), failed, tok_s, gpu_jpt, tot_jpt, ",".join(sorted(methods)), n_trusted,
-                           sum(r["decode_s"] or 0 for r in basis)))
+                           sum(r["decode_s"] or 0 for r in basis),
+                           gpu_j_per_token_median=float(np.median([r["gpu_j_per_token"] for r in with_j])) if with_j else None,
+                           median_window_s=float(np.median([r["decode_s"] or 0 for r in with_j])) if with_j else None))
     return out
 
 
@@ -281,7 +314,7 @@ def measure(
     if stopped is not None:
         interrupted = interrupted_record(stopped, records, planned)
         notes.insert(0, f"stopped early by {interrupted['signal']}: {interrupted['message']}")
-    notes += short_figure_notes(summary) + missing_figure_notes(rows, summary)
+    notes += short_figure_notes(summary) + missing_figure_notes(rows, summary) + rounding_notes(summary)
     if profiler is not None:
         notes += profiler.edge_notes()
     return MeasureResult(server, records, rows, summary, notes=notes, aborted=aborted, excluded=excluded_windows(rows),

@@ -53,6 +53,10 @@ class ReplaySummary:
     latency_p95_s: float | None
     tpot_p50_s: float | None  # time per output token after the first
     late_p95_s: float
+    # Requests whose server's own token count contradicts its stream (arrival.count_problem): the
+    # token figures above rest on those counts.
+    count_problems: int = 0
+    count_problem: str | None = None  # the first one's reason
 
     def to_dict(self) -> dict:
         return dict(self.__dict__)
@@ -69,6 +73,7 @@ def summarize(records: list[ReplayRecord]) -> ReplaySummary:
     tpot = [r.record.decode_s / r.record.decode_tokens for r in ok if r.record.decode_s and r.record.decode_tokens]
     t0 = min((r.record.t_send_ns for r in records), default=0)
     t1 = max((r.record.t_end_ns for r in records), default=0)
+    lies = [p for p in (r.record.count_problem for r in ok) if p]
     return ReplaySummary(
         n=len(records), ok=len(ok), failed=len(records) - len(ok),
         generated_tokens=int(sum(r.record.generated_tokens for r in ok)),
@@ -77,6 +82,8 @@ def summarize(records: list[ReplayRecord]) -> ReplaySummary:
         ttft_p50_s=_pct(ttft, 50), ttft_p95_s=_pct(ttft, 95),
         latency_p50_s=_pct(lat, 50), latency_p95_s=_pct(lat, 95), tpot_p50_s=_pct(tpot, 50),
         late_p95_s=_pct([r.late_s for r in records], 95) or 0.0,
+        count_problems=len(lies),
+        count_problem=lies[0] if lies else None,
     )
 
 

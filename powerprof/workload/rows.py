@@ -299,6 +299,11 @@ def trace_row(records: Sequence[RequestRecord], energy, run_id: str, server: Ser
     ttft = [r.ttft_s for r in ok if r.ttft_s is not None]
     failed = len(records) - len(ok)
     ref = records[0] if records else None
+    # The energy is the replay's whatever the server says, but its tokens are the server's counts: one
+    # that contradicts its stream leaves the per-token figures unknown.
+    lies = [p for p in (r.count_problem for r in ok) if p]
+    if lies:
+        rates = []
     return {
         "run_id": run_id,
         "level_kind": level.kind,
@@ -324,8 +329,10 @@ def trace_row(records: Sequence[RequestRecord], energy, run_id: str, server: Ser
         "cpu_energy_j": cpu_e,
         "energy_method": energy.method if energy is not None else "none",
         "avg_gpu_power_w": energy.avg_gpu_power_w if energy is not None else None,
-        "gpu_j_per_token": _div(gpu_e, tokens),
-        "total_j_per_token": _div(total, tokens),
+        "gpu_j_per_token": None if lies else _div(gpu_e, tokens),
+        "total_j_per_token": None if lies else _div(total, tokens),
         "low_confidence": energy.low_confidence if energy is not None else True,
         "server_kind": server.kind if server else None,
+        "timing": "untrusted" if lies else None,
+        "timing_reason": f"{len(lies)} of {len(ok)} requests: {lies[0]}" if lies else None,
     }

@@ -21,6 +21,8 @@ import json
 import re
 from dataclasses import dataclass, field
 
+from powerprof.errtext import error_text
+
 from .limits import MAX_COUNT, MAX_MS, bad_amount, bad_count
 
 APIS = ("llamacpp", "openai-completions", "openai-chat")
@@ -79,6 +81,9 @@ class StreamSummary:
     n_comments: int  # SSE comment (keep-alive) lines
     invalid: str | None = None  # the first count or timing out of type/sign/range: the request failed
     guessed_tokens: int = 0  # of counted_tokens, those counted one per chunk (the chunk gave no count)
+    # Of counted_tokens, those in chunks that carried the server's own running count (llama.cpp
+    # `tokens_predicted`, continuous usage): all of them, and the stream's count is the server's.
+    totalled_tokens: int = 0
 
 
 def _int(v) -> int | None:
@@ -95,6 +100,7 @@ def _int(v) -> int | None:
 class _State:
     counted: int = 0
     guessed: int = 0  # of them, counted one per chunk: the chunk said no count
+    totalled: int = 0  # of them, in chunks that carried the server's running count
     n_events: int = 0
     n_comments: int = 0
     prompt_tokens: int | None = None
@@ -270,7 +276,7 @@ class StreamParser:
         try:
             self._handle(obj, out)
         except Exception as e:  # never raise on garbage: a proxy forwards these bytes
-            self._error(f"unexpected event shape: {type(e).__name__}: {e}")
+            self._error(f"unexpected event shape: {error_text(e)}")
 
     def _quick_count(self, v: bytes) -> int | None:
         """Tokens in a plain token chunk, read from its bytes; None when the chunk needs the full
@@ -295,7 +301,13 @@ class StreamParser:
             seg = v[i + 10 : j].strip() if j > 0 else None
             if seg is None or b"[" in seg:
                 return None
-            return seg.count(b",") + 1 if seg else 0
+            n = seg.count(b",") + 1 if seg else 0
+            if m is None:
+                return n
+            n = max(n, int(m.group(1)) - self._s.counted)  # the full parse's rule (_llamacpp)
+            if n > 0:
+                self._s.totalled += n
+            return n
         if v.count(b'"finish_reason":null') != 1:
             return None
         key = b'"content":"' if self.api == "openai-chat" else b'"text":"'
@@ -384,6 +396,12 @@ class StreamParser:
         predicted = self._count(obj, "tokens_predicted")
         if isinstance(tokens, list):
             n = len(tokens)
+            if predicted is not None and obj.get("stop") is not True:
+                # llama-server holds back the tokens of an unfinished UTF-8 character and sends them
+                # with the next event, whose `tokens` lists only the newest one: its running count
+                # says how many arrived (seen on b11434: tokens [175], tokens_predicted 5 → 8). Not on
+                # the stop event: tokens counted there were never streamed (and a lie would hide).
+                n = max(n, predicted - s.counted)
         elif predicted is not None:
             # Older builds send no `tokens`: the cumulative count tells how many this event holds.
             n = max(0, predicted - s.counted)
@@ -402,7 +420,11 @@ class StreamParser:
             if s.prompt_tokens is None and ev is not None:
                 s.prompt_tokens = ev
         if n > 0:
-            self._add(n, out, content, predicted)
+            if predicted is not None and self._counted(n):
+                s.totalled += n
+                out.append(TokenEvent(n, content, predicted))
+            elif predicted is None:
+                self._add(n, out, content, predicted)
 
     def _openai(self, obj: dict, out: list[TokenEvent]) -> None:
         s = self._s
@@ -467,6 +489,10 @@ class StreamParser:
                 if closing and not is_token:
                     out.append(TokenEvent(0, "", usage_total, closing=True))
                 return
+            if self._counted(n):
+                s.totalled += n
+                out.append(TokenEvent(n, "".join(texts), usage_total))
+            return
         elif not is_token and n_logprobs == 0:
             if closing:
                 out.append(TokenEvent(0, "", None, closing=True))
@@ -495,6 +521,7 @@ class StreamParser:
             api=self.api,
             counted_tokens=s.counted,
             guessed_tokens=s.guessed,
+            totalled_tokens=s.totalled,
             generated_tokens=generated,
             prompt_tokens=prompt,
             token_source=source,
@@ -540,7 +567,7 @@ def parse_response(api: str, body: bytes) -> tuple[list[TokenEvent], StreamSumma
         try:
             p._handle(obj, out)
         except Exception as e:
-            p._error(f"unexpected response shape: {type(e).__name__}: {e}")
+            p._error(f"unexpected response shape: {error_text(e)}")
         # The usage block of a non-streaming OpenAI answer is the authoritative count.
         if out and p._s.usage_completion is not None and out[0].n_tokens != p._s.usage_completion:
             out = [TokenEvent(p._s.usage_completion, out[0].text, p._s.usage_completion)]

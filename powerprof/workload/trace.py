@@ -25,6 +25,8 @@ from pathlib import Path
 
 import numpy as np
 
+from powerprof.errtext import error_text
+
 
 class TraceError(ValueError):
     """A trace file that cannot be read; the message names the file and line."""
@@ -106,7 +108,7 @@ def read_trace(path: str | Path) -> list[TraceRequest]:
                 out.append((t, _positive_int(d["prompt_tokens"], "prompt_tokens"),
                             _positive_int(d["output_tokens"], "output_tokens"), None if tag is None else str(tag)))
             except (ValueError, KeyError, TypeError) as e:
-                raise TraceError(f"{p}:{i}: not a trace record ({type(e).__name__}: {e}); "
+                raise TraceError(f"{p}:{i}: not a trace record ({error_text(e)}); "
                                  "want {\"t_s\", \"prompt_tokens\", \"output_tokens\"[, \"tag\"]}") from None
     else:
         rows = csv.reader(lines)
