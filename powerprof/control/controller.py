@@ -28,6 +28,7 @@ from .restore import (
     pending_blocker,
     remove_file,
     restore_gpu,
+    untrusted_place,
     write_json_atomic,
 )
 from .setter import GpuReadback, NvidiaSmi, check_applied, lock_sm_clocks, reset_sm_clocks, run_nvidia_smi
@@ -107,6 +108,16 @@ class LimitController:
     def __exit__(self, exc_type, exc, tb) -> None:
         self.close()
 
+    def _refuse_untrusted_state_dir(self) -> None:
+        """As root: the locks and the restore file go where only root could have written (a symlink planted in a
+        folder others can write would lead root's writes anywhere, and a planted restore file would set limits)."""
+        why = untrusted_place(self.state_dir)
+        if why:
+            raise ControlError(
+                f"state folder {self.state_dir}: refusing to keep GPU locks and the restore file there as root: {why}; "
+                "another user could plant files or symlinks in it. Fix: point POWERPROF_STATE_DIR at a folder of "
+                "root's own (chown root: and chmod go-w it and every folder above it), or unset it")
+
     def open(self) -> None:
         """Lock the GPUs, read their originals, check permission. Changes nothing on the GPU."""
         if self._active:
@@ -116,6 +127,7 @@ class LimitController:
             self._nvml_open = True
             self.devices = read_devices(self.nvml, self.indexes)
             self._handles = [gateway(self.nvml).call("nvmlDeviceGetHandleByIndex", i) for i in self.indexes]
+            self._refuse_untrusted_state_dir()
             for d in self.devices:
                 lock = GpuLock(self.state_dir, d.uuid, d.index)
                 lock.acquire()

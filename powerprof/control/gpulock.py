@@ -54,8 +54,9 @@ class GpuLock:
         if self._fd is not None:
             return
         make_dirs(self.path.parent)
-        # O_CLOEXEC (Python's default) keeps a launched inference server from inheriting the lock.
-        fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+        # O_CLOEXEC (Python's default) keeps a launched inference server from inheriting the lock; O_NOFOLLOW: the
+        # file is truncated and written, so a symlink planted in its place must not lead root's write elsewhere.
+        fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW, 0o644)
         try:
             # A few short retries: `is_held` probes take the lock in shared mode for a moment.
             for attempt in range(4):

@@ -185,6 +185,15 @@ def untrusted_folder(folder: Path, euid: int | None = None) -> str | None:
     return why and why.replace("its folder ", "", 1)
 
 
+def untrusted_place(path: Path, euid: int | None = None) -> str | None:
+    """`untrusted_folder` of `path`, or of the nearest folder above it that exists: what root would create
+    there is checked before it is created."""
+    there = Path(os.path.abspath(path))
+    while not os.path.lexists(there) and there != there.parent:
+        there = there.parent
+    return untrusted_folder(there, euid)
+
+
 MAX_SYMLINKS = 40  # as the kernel's own limit on one lookup
 
 

@@ -10,7 +10,7 @@ import tempfile
 from pathlib import Path
 
 from powerprof.control.gpulock import make_dirs
-from powerprof.control.restore import read_trusted, untrusted_folder
+from powerprof.control.restore import read_trusted, untrusted_place
 from powerprof.daemon.latency import LATENCY_EDGES_S
 from powerprof.paths import state_dir
 
@@ -102,11 +102,7 @@ def check_root_folder(path: Path, what: str, euid: int | None = None) -> None:
     a folder above it: through a symlink planted there, root's next file would land anywhere on the machine. The
     daemon's own data-dir rule (`untrusted_folder`), applied to the nearest folder that exists, so nothing is
     created under a folder that fails it."""
-    euid = os.geteuid() if euid is None else euid
-    there = Path(os.path.abspath(path))
-    while not os.path.lexists(there) and there != there.parent:
-        there = there.parent
-    why = untrusted_folder(there, euid)
+    why = untrusted_place(path, euid)
     if why:
         raise TunerConfigError(f"{what} {path}: refusing to write there as root: {why} (another user could make root "
                                "write any file through it); give root a folder of its own (chown root:, chmod go-w)")

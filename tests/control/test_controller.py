@@ -575,3 +575,30 @@ def test_a_lock_files_pid_is_a_positive_ascii_number_or_unknown(tmp_path, text):
     assert read_holder_pid(p) is None
     p.write_text("4242\n")
     assert read_holder_pid(p) == 4242
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="the refusal is root's: as another user the folder is that user's own")
+def test_root_refuses_a_state_folder_others_can_write_and_never_follows_a_planted_lock_symlink(tmp_path, originals):
+    # POWERPROF_STATE_DIR in a folder anyone can write: another user could plant the restore file (limits root
+    # would set) or a symlink named as a lock file (truncated and written by root): refused before any change.
+    shared = tmp_path / "shared"
+    shared.mkdir()
+    os.chmod(shared, 0o777)
+    victim = tmp_path / "victim"
+    victim.write_text("precious\n")
+    state = shared / "state"
+    with pytest.raises(ControlError, match="refusing to keep GPU locks.*writable|POWERPROF_STATE_DIR"):
+        door_controller(sim(), [0, 1], state_dir_path=state).open()
+    assert not state.exists() and victim.read_text() == "precious\n"
+    assert_untouched()
+
+    # A lock file replaced by a symlink in root's own folder (say, by an earlier bug): not followed.
+    from powerprof.control.gpulock import GpuLock, lock_path
+
+    own = tmp_path / "own"
+    lock = lock_path(own, "GPU-x")
+    lock.parent.mkdir(parents=True)
+    lock.symlink_to(victim)
+    with pytest.raises(OSError):
+        GpuLock(own, "GPU-x").acquire()
+    assert victim.read_text() == "precious\n"
