@@ -253,3 +253,39 @@ def counter_windows(profile: str, limit_w: float, window_s: float, n: int = 400,
             "timing": "stream", "low_confidence": decode_s < 10.0,
         })
     return rows, true_j / tokens_all
+
+
+def make_grid_run(out_dir: Path, truths: dict, levels=(180, 220, 260, 300), n_requests: int = 12,
+                  level_edits=None, levels_done=None, seed: int = 0) -> Path:
+    """A configuration sweep's run directory (powerprof/grid.py) with one knob, `draft`: truths is
+    {draft value: Truth}; each configuration is a make_run at its own hour, its rows tagged as
+    the grid tags them. level_edits {(draft, level): {column: value}} overwrite levels rows (the
+    sweep's own flags: thermal_throttle, flags); levels_done [[level, repeat, config_id, None]]
+    replaces the list of finished visits (default: every one)."""
+    import json
+
+    import pyarrow.parquet as pq
+
+    from powerprof.storage.schema import LEVELS, rows_to_table, with_knob_columns
+
+    out_dir = Path(out_dir)
+    windows, lv, samples, meta = [], [], [], None
+    t0 = datetime(2026, 1, 15, 12, 0, tzinfo=timezone.utc)
+    for i, (draft, truth) in enumerate(truths.items()):
+        part = make_run(out_dir.parent / f".{out_dir.name}-draft{draft}", truth, levels=levels, n_requests=n_requests,
+                        seed=seed + i, run_id=f"grid-{seed}", start=t0 + timedelta(hours=i))
+        tag = {"config_id": f"draft={draft}", "context_tokens": None, "knob_draft": draft}
+        windows += [{**r, **tag} for r in pq.read_table(part / "windows.parquet").to_pylist()]
+        for r in pq.read_table(part / "levels.parquet").to_pylist():
+            r.update(tag, config_status="ok", **(level_edits or {}).get((draft, r["level_value"]), {}))
+            lv.append(r)
+        samples.append(pq.read_table(part / "samples.parquet"))
+        meta = meta or json.loads((part / "run.json").read_text())
+    done = levels_done if levels_done is not None else [
+        [float(v), 0, f"draft={d}", None] for d in truths for v in levels]
+    writer = RunWriter(out_dir, {**meta, "levels_done": done})
+    writer.write("samples", pa.concat_tables(samples))
+    writer.write("windows", with_knob_columns(pa.Table.from_pylist(
+        [{k: v for k, v in r.items() if k != "knob_draft"} for r in windows], schema=WINDOWS), windows))
+    writer.write("levels", with_knob_columns(rows_to_table(LEVELS, lv), lv))
+    return out_dir

@@ -8,8 +8,10 @@ import time
 
 import pyarrow.parquet as pq
 import pytest
+from click.testing import CliRunner
 
 from powerprof.analysis.report import analyze_run
+from powerprof.cli import main
 from powerprof.grid import GridSpec, launch_status, parse_vary, render, run_grid
 from powerprof.rig import Rig
 from powerprof.workload.client import RequestParams
@@ -156,3 +158,98 @@ def test_an_interrupted_grid_level_is_said_to_be_unfinished(tmp_path):
     stopped = [w for w in res.warnings if w.kind == "interrupted"]
     assert len(stopped) == 1 and f"draft=2,np=1 at 300 W ({len(cut)} window" in stopped[0].message
     assert "draft=1,np=1" not in stopped[0].message
+
+
+# --- the configuration choice leaves out what the level choice leaves out (analyze.left_out_reason) ---------
+
+
+def _grid_truths():
+    """draft=3 spends 12% less power for the same speed: the J/token-optimal configuration, unflagged."""
+    from dataclasses import replace
+
+    from synthetic_runs import seed_truth
+
+    seed = seed_truth()
+    return {1: seed, 3: replace(seed, power_w=lambda L: 0.88 * seed.power_w(L))}
+
+
+def test_a_throttled_configuration_is_never_chosen_and_every_output_names_it(tmp_path):
+    # draft=3 throttled for heat at its reference level: its low J/token is the heat's doing, yet the
+    # grid chose it (a thermal warning about its levels at most) and analysed its power levels.
+    from powerprof.analysis.export import summary_rows
+    from powerprof.analysis.report import console_summary
+    from synthetic_runs import make_grid_run
+
+    clean = analyze_run([make_grid_run(tmp_path / "clean", _grid_truths())], n_boot=200, plots=False)
+    assert clean.knobs.chosen.config_id == "draft=3"
+    run = make_grid_run(tmp_path / "run", _grid_truths(), level_edits={(3, 300.0): {"thermal_throttle": True}})
+    res = analyze_run([run], n_boot=200, plots=False)
+    kr = res.knobs
+    assert kr.chosen.config_id == "draft=1" and not clean.knobs.left_out
+    assert {k: v.config_id for k, v in kr.by_context[None].items() if k != "pareto"} == {
+        "fastest": "draft=1", "efficient": "draft=1", "min_j": "draft=1"}
+    assert [p.config_id for p in kr.by_context[None]["pareto"]] == ["draft=1"]
+    said = "Never chosen, whatever their figures: draft=3 at 300 W (thermal throttling)"
+    assert said in console_summary(res) and said in (run / "analysis" / "report.md").read_text()
+    assert said in (run / "analysis" / "report.html").read_text()
+    md = (run / "analysis" / "report.md").read_text()
+    assert "## Power levels of draft=1" in md
+    row = next(line for line in md.splitlines() if line.startswith("| draft=3 |"))
+    assert row.rstrip(" |").endswith("thermal throttling")
+    conf = json.loads((run / "analysis" / "analysis.json").read_text())["configurations"]
+    assert conf["chosen"] == "draft=1"
+    assert conf["left_out"] == [{"config_id": "draft=3", "context_tokens": None, "level_value": 300.0,
+                                 "why": "thermal throttling"}]
+    xlsx = dict(summary_rows(run, "UTC", None, None))
+    assert xlsx["chosen configuration"] == "draft=1"
+    assert xlsx["configurations never chosen"] == "draft=3 at 300 (thermal throttling)"
+
+
+def test_no_configuration_is_chosen_when_every_one_is_flagged_and_the_report_says_why(tmp_path):
+    # Both configurations' compared figures flagged: the grid still chose the lower J/token of the two.
+    from powerprof.analysis.report import console_summary
+    from synthetic_runs import make_grid_run
+
+    run = make_grid_run(tmp_path / "run", _grid_truths(), levels=(220, 300), level_edits={
+        (1, 300.0): {"thermal_throttle": True}, (3, 300.0): {"flags": "wide-ci,energy-resolution"}})
+    r = CliRunner().invoke(main, ["analyze", str(run), "--bootstrap", "200"])
+    assert r.exit_code == 0, r.output
+    res = analyze_run([run], n_boot=200, plots=False)
+    assert res.knobs.chosen is None and not res.has_levels and res.knobs.by_context == {}
+    why = ("every measured configuration is left out (draft=1 at 300 W: thermal throttling; "
+           "draft=3 at 300 W: energy counter rounding)")
+    assert res.knobs.not_chosen == {None: why}
+    out = console_summary(res)
+    assert out.startswith("No configuration could be chosen: every measured one is left out. Never chosen")
+    assert f"No configuration chosen: {why}." in out and "J/token-optimal" not in out
+    md = (run / "analysis" / "report.md").read_text()
+    assert "**No configuration could be chosen" in md and "## Power levels" not in md
+    conf = json.loads((run / "analysis" / "analysis.json").read_text())["configurations"]
+    assert conf["chosen"] is None and conf["not_chosen"] == [{"context_tokens": None, "why": why}]
+    assert [x["config_id"] for x in conf["left_out"]] == ["draft=1", "draft=3"]
+
+
+def test_an_interrupted_configuration_is_never_chosen(tmp_path):
+    # The grid stopped while measuring draft=3 at 300 W, its compared level: draft=3 was chosen on part
+    # of a round of the prompt set (an 'interrupted' warning below it).
+    from synthetic_runs import make_grid_run
+
+    done = [[float(v), 0, "draft=1", None] for v in (220, 300)] + [[220.0, 0, "draft=3", None]]
+    res = analyze_run([make_grid_run(tmp_path / "run", _grid_truths(), levels=(220, 300), levels_done=done)],
+                      n_boot=200, plots=False)
+    assert res.knobs.chosen.config_id == "draft=1"
+    assert [(p.config_id, p.left_out) for p in res.knobs.left_out] == [("draft=3", "interrupted")]
+
+
+def test_an_interrupted_level_of_the_chosen_configuration_is_never_recommended(tmp_path):
+    # A grid's level analysis judged no interruption (the grid judges it over every configuration, as
+    # a warning only): 220 W, cut short, the budget's pick on this card, was recommended.
+    from synthetic_runs import make_grid_run
+
+    levels = (180, 220, 260, 300)
+    done = [[float(v), 0, "draft=1", None] for v in levels if v != 220]
+    run = make_grid_run(tmp_path / "run", {1: _grid_truths()[1]}, levels=levels, levels_done=done)
+    res = analyze_run([run], n_boot=200, plots=False)
+    assert res.knobs.chosen.config_id == "draft=1"
+    assert res.recommendation.level_value == 260 and all(c.level_value != 220 for c in res.main.choices.values())
+    assert res.recommendation.left_out == {220.0: "interrupted"}

@@ -134,13 +134,15 @@ def analyze(
     primary: str = PRIMARY_POLICY,
     wide_ci_pct: float = WIDE_CI_PCT,
     judge_interrupted: bool = True,
+    interrupted_levels=(),
 ) -> AnalysisResult:
     """Everything `powerprof analyze` computes, from pooled windows and the runs' metadata.
 
     level_figures: {(level_kind, level_value): {column: value}} of sensor figures per level
     (from the sweep's levels.parquet or the samples); see loading.py.
     judge_interrupted: False where the caller judges unfinished levels over more windows than these
-    (a configuration sweep's analysis gets only its chosen configuration's)."""
+    (a configuration sweep's analysis gets only its chosen configuration's), which then gives
+    interrupted_levels: the levels of these windows it found unfinished (never chosen)."""
     if primary not in POLICIES:
         raise ValueError(f"unknown policy {primary!r}; choose one of: {', '.join(POLICIES)}")
     params = params or PolicyParams()
@@ -165,7 +167,7 @@ def analyze(
     sweep = sweep_settings(runs)
     results, findings = [], []
     stopped = interrupted_findings(runs, windows) if judge_interrupted else []
-    cut = {v for f in stopped for v in f.levels}
+    cut = {v for f in stopped for v in f.levels} | {float(v) for v in interrupted_levels if v is not None}
     for s in all_series:
         card = _card_range(runs, s.level_kind)
         p_max = params.p_max_w if params.p_max_w is not None else card[1]
@@ -191,23 +193,31 @@ def analyze(
 
 
 def left_out_levels(levels: pa.Table, interrupted=frozenset()) -> dict[float, str]:
-    """{level: why} for the levels of a series that no policy may choose: their figures are not the
-    setting's effect. Thermal throttling (the clock fell for heat), a limit that never bound (below
-    the reference: its figures are the reference's plus noise, so a "saving" there is noise), a
-    level the sweep was still measuring when it stopped (part of a round of the prompt set), a
-    median J/token on one rounding of a coarse energy counter (energy-resolution: off by more than
-    its CI, which resampling cannot see). They stay in the tables with their flags; the reference
-    is never left out (choose keeps it)."""
+    """{level: why} for the levels of a series that no policy may choose (left_out_reason); the
+    reference is never left out (choose keeps it: the others are compared with it). They stay in
+    the tables with their flags."""
     out = {}
     for r in levels.to_pylist():
-        flags = set((r.get("flags") or "").split(","))
-        why = [w for w, bad in (("thermal throttling", r.get("thermal_throttle")),
-                                ("cap not engaged", r.get("cap_not_engaged") and not r.get("reference")),
-                                ("interrupted", r["level_value"] in interrupted),
-                                ("energy counter rounding", "energy-resolution" in flags)) if bad]
+        why = left_out_reason(r, r["level_value"] in interrupted)
         if why and not r.get("reference"):
-            out[float(r["level_value"])] = ", ".join(why)
+            out[float(r["level_value"])] = why
     return out
+
+
+def left_out_reason(row: dict, interrupted: bool = False) -> str | None:
+    """Why a levels row's figures are not the setting's effect, so nothing may be chosen on them
+    (a level by the policies, a configuration by the configuration sweep's choice); None when they are.
+    Thermal throttling (the clock fell for heat), a limit that never bound (below the reference: its
+    figures are the reference's plus noise, so a "saving" there is noise), a level the sweep was
+    still measuring when it stopped (interrupted: part of a round of the prompt set), a median
+    J/token on one rounding of a coarse energy counter (energy-resolution: off by more than its CI,
+    which resampling cannot see)."""
+    flags = set((row.get("flags") or "").split(","))
+    why = [w for w, bad in (("thermal throttling", row.get("thermal_throttle")),
+                            ("cap not engaged", row.get("cap_not_engaged") and not row.get("reference")),
+                            ("interrupted", interrupted),
+                            ("energy counter rounding", "energy-resolution" in flags)) if bad]
+    return ", ".join(why) or None
 
 
 def reference_findings(s: LevelSeries, default_value: float | None) -> list[Finding]:
@@ -246,6 +256,26 @@ def interrupted_findings(runs: list[RunInfo], windows: pa.Table) -> list[Finding
     `levels_done` lists the visits that finished: [level, repeat] for a sweep, [level, repeat,
     config_id, context_tokens] for a configuration sweep (powerprof/grid.py), level null where the
     settings were as they are. Runs without it are not judged."""
+    out = []
+    for r, cut, unit in _unfinished(runs, windows):
+        what = ", ".join(f"{_visit_name(c, n, v, unit)} ({k} window{'s' if k > 1 else ''})"
+                         for (c, n, v), k in sorted(cut.items(), key=lambda x: tuple(map(str, x[0]))))
+        out.append(Finding("interrupted", (
+            f"{r.path}: the run stopped while measuring {what}: those figures rest on the windows measured "
+            "before it stopped, part of a round of the prompt set, so they compare another prompt mix over "
+            "fewer requests with the finished levels. Measure those levels again before trusting them."),
+            tuple(sorted({v for _, _, v in cut if v is not None}))))
+    return out
+
+
+def interrupted_cells(runs: list[RunInfo], windows: pa.Table) -> set[tuple]:
+    """{(config_id, context_tokens, level)} of the visits interrupted_findings names (None where a
+    plain sweep has no configuration or context, or no level was stepped)."""
+    return {cell for _, cut, _ in _unfinished(runs, windows) for cell in cut}
+
+
+def _unfinished(runs: list[RunInfo], windows: pa.Table) -> list[tuple[RunInfo, dict, str]]:
+    """(run, {(config_id, context_tokens, level): measured windows}, unit) per run with unfinished visits."""
     from .stats import _col, window_masks  # noqa: PLC0415
 
     measured = window_masks(windows)[0]
@@ -271,13 +301,7 @@ def interrupted_findings(runs: list[RunInfo], windows: pa.Table) -> list[Finding
                 cut[where] = cut.get(where, 0) + 1
                 unit = "MHz" if kind[i] == "sm_clock" else "W"
         if cut:
-            what = ", ".join(f"{_visit_name(c, n, v, unit)} ({k} window{'s' if k > 1 else ''})"
-                             for (c, n, v), k in sorted(cut.items(), key=lambda x: tuple(map(str, x[0]))))
-            out.append(Finding("interrupted", (
-                f"{r.path}: the run stopped while measuring {what}: those figures rest on the windows measured "
-                "before it stopped, part of a round of the prompt set, so they compare another prompt mix over "
-                "fewer requests with the finished levels. Measure those levels again before trusting them."),
-                tuple(sorted({v for _, _, v in cut if v is not None}))))
+            out.append((r, cut, unit))
     return out
 
 

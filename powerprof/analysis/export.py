@@ -475,6 +475,16 @@ def summary_rows(src: Path, tz: str, time_from: str | None, time_to: str | None)
             head.append(("never chosen", ", ".join(f"{x.get('level_value'):g} ({x.get('why')})" for x in left)))
     elif analysis and analysis.get("recommendation_note"):
         head = [("recommended", f"none: {analysis['recommendation_note']}")]
+    conf = (analysis or {}).get("configurations")
+    if isinstance(conf, dict):
+        why = "; ".join(f"{x.get('why')}" for x in conf.get("not_chosen") or [] if isinstance(x, dict))
+        head.append(("chosen configuration", conf.get("chosen") or f"none: {why}"))
+        left = [x for x in conf.get("left_out") or [] if isinstance(x, dict)]
+        if left:
+            head.append(("configurations never chosen", ", ".join(
+                f"{x.get('config_id')}" + (f" @ {x['context_tokens']} tokens" if x.get("context_tokens") is not None else "")
+                + (f" at {x['level_value']:g}" if isinstance(x.get("level_value"), (int, float)) else "")
+                + f" ({x.get('why')})" for x in left)))
     if analysis:
         head += [("warning", f"{w.get('kind')}: {w.get('message')}") for w in analysis.get("warnings", [])]
     rows = head + rows

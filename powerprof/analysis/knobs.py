@@ -4,7 +4,10 @@ Input is a configuration sweep's levels table (one row per configuration, contex
 level; `knob_<name>` columns). Configurations are compared at their reference level (the default
 power limit, else the highest measured; or the settings as they were when no levels were
 stepped), so a power limit never masquerades as a better configuration; the sweet-spot power
-limit of the chosen configuration comes from the ordinary analysis of its own levels.
+limit of the chosen configuration comes from the ordinary analysis of its own levels. A
+configuration whose compared figures are not its own effect (analyze.left_out_reason: thermal
+throttling, interrupted, energy counter rounding, ...) stays in the tables but is never chosen,
+named, or fastest: the choice falls to the best of the others.
 """
 
 from __future__ import annotations
@@ -16,6 +19,7 @@ import pyarrow as pa
 
 from powerprof.storage.schema import KNOB_PREFIX
 
+from .analyze import left_out_reason
 from .checks import Finding
 from .stats import WIDE_CI_PCT
 
@@ -36,10 +40,22 @@ class ConfigPoint:
     ci_pct: float | None = None
     acceptance: float | None = None
     error: str | None = None
+    left_out: str | None = None  # why its figures may not be chosen on (analyze.left_out_reason)
+    level_kind: str | None = None
 
     @property
     def measured(self) -> bool:
         return self.status == "ok" and self.tok_s is not None and self.j_per_token is not None
+
+    @property
+    def eligible(self) -> bool:
+        """Measured, and its figures are the configuration's effect: it may be chosen."""
+        return self.measured and self.left_out is None
+
+    def cell(self) -> str:
+        """`draft=3,np=1 @ 8192 tokens at 300 W`: the configuration × level the figures are from."""
+        unit = "MHz" if self.level_kind == "sm_clock" else "W"
+        return self.label() + (" as is" if self.level_value is None else f" at {self.level_value:g} {unit}")
 
     def label(self) -> str:
         return self.config_id + (f" @ {self.context_tokens} tokens" if self.context_tokens is not None else "")
@@ -48,7 +64,7 @@ class ConfigPoint:
         return {"config_id": self.config_id, "knobs": self.knobs, "context_tokens": self.context_tokens,
                 "status": self.status, "level_value": self.level_value, "decode_tok_s": self.tok_s,
                 "gpu_j_per_token": self.j_per_token, "ci_reached_pct": self.ci_pct,
-                "draft_acceptance": self.acceptance}
+                "draft_acceptance": self.acceptance, "left_out": self.left_out}
 
 
 @dataclass
@@ -58,6 +74,11 @@ class KnobResult:
     max_slowdown: float
     by_context: dict = field(default_factory=dict)  # context → {"fastest", "efficient", "min_j", "pareto"}
     warnings: list[Finding] = field(default_factory=list)
+    not_chosen: dict = field(default_factory=dict)  # context → why no configuration was chosen there
+
+    @property
+    def left_out(self) -> list[ConfigPoint]:
+        return [p for p in self.points if p.measured and p.left_out]
 
     @property
     def chosen(self) -> ConfigPoint | None:
@@ -78,6 +99,9 @@ class KnobResult:
                 for c, d in self.by_context.items()
             ],
             "chosen": self.chosen.config_id if self.chosen else None,
+            "left_out": [{"config_id": p.config_id, "context_tokens": p.context_tokens, "level_value": p.level_value,
+                          "why": p.left_out} for p in self.left_out],
+            "not_chosen": [{"context_tokens": c, "why": why} for c, why in self.not_chosen.items()],
             "warnings": [w.to_dict() for w in self.warnings],
         }
 
@@ -90,8 +114,11 @@ def _num(x) -> float | None:
     return None if x is None or (isinstance(x, float) and not np.isfinite(x)) else float(x)
 
 
-def config_points(levels: pa.Table) -> list[ConfigPoint]:
-    """One point per (configuration, context), at the reference row (else the highest level)."""
+def config_points(levels: pa.Table, interrupted=frozenset()) -> list[ConfigPoint]:
+    """One point per (configuration, context), at the reference row (else the highest level).
+
+    interrupted: {(config_id, context_tokens, level)} the sweep stopped while measuring
+    (analyze.interrupted_cells); such a point, like a throttled one, is left out of the choice."""
     rows = levels.to_pylist()
     knob_cols = [c for c in levels.column_names if c.startswith(KNOB_PREFIX)]
     groups: dict = {}
@@ -114,20 +141,23 @@ def config_points(levels: pa.Table) -> list[ConfigPoint]:
             cid, knobs, ctx, status, _num(ref.get("level_value")), _num(ref["decode_tok_s"]),
             (_num(ref.get("decode_tok_s_ci_low")), _num(ref.get("decode_tok_s_ci_high"))), _num(ref["gpu_j_per_token"]),
             (_num(ref.get("gpu_j_per_token_ci_low")), _num(ref.get("gpu_j_per_token_ci_high"))),
-            _num(ref.get("ci_reached_pct")), _num(ref.get("draft_acceptance")), error))
+            _num(ref.get("ci_reached_pct")), _num(ref.get("draft_acceptance")), error,
+            left_out_reason(ref, (cid, ctx, _num(ref.get("level_value"))) in interrupted), ref.get("level_kind")))
     return out
 
 
 def pareto(points: list[ConfigPoint]) -> list[ConfigPoint]:
-    """Measured points no other beats on both speed (higher) and J/token (lower), fastest first."""
-    m = [p for p in points if p.measured]
+    """Eligible points no other beats on both speed (higher) and J/token (lower), fastest first."""
+    m = [p for p in points if p.eligible]
     keep = [p for p in m if not any(q.tok_s >= p.tok_s and q.j_per_token <= p.j_per_token
                                     and (q.tok_s > p.tok_s or q.j_per_token < p.j_per_token) for q in m)]
     return sorted(keep, key=lambda p: -p.tok_s)
 
 
 def choose(points: list[ConfigPoint], max_slowdown: float) -> dict | None:
-    m = [p for p in points if p.measured]
+    """fastest, efficient (least J/token within max_slowdown of the fastest), min_j and pareto among
+    the eligible points; None when none is."""
+    m = [p for p in points if p.eligible]
     if not m:
         return None
     fastest = max(m, key=lambda p: p.tok_s)
@@ -163,8 +193,8 @@ def knob_findings(points: list[ConfigPoint], by_context: dict, knob_values: dict
             if len(nums) >= 2 and val in (min(nums), max(nums)):
                 out.append(Finding("edge", f"the most efficient configuration ({best.label()}) sits at the edge of "
                                    f"{name} ({'/'.join(map(str, vals))}): a value beyond it might be better; extend --vary {name}."))
-        rivals = [p for p in by_context[ctx]["pareto"] if p is not best and p.measured and _overlap(p.j_ci, best.j_ci)]
-        rivals += [p for p in points if p.measured and p.context_tokens == ctx and p is not best
+        rivals = [p for p in by_context[ctx]["pareto"] if p is not best and p.eligible and _overlap(p.j_ci, best.j_ci)]
+        rivals += [p for p in points if p.eligible and p.context_tokens == ctx and p is not best
                    and p not in rivals and _overlap(p.j_ci, best.j_ci)]
         if rivals:
             out.append(Finding("not-distinguishable", f"J/token of {best.label()} is within the 95% CI of "
@@ -172,16 +202,23 @@ def knob_findings(points: list[ConfigPoint], by_context: dict, knob_values: dict
     return out
 
 
-def analyze_knobs(levels: pa.Table, max_slowdown: float = 0.10, wide_ci_pct: float = WIDE_CI_PCT) -> KnobResult:
-    points = config_points(levels)
+def analyze_knobs(levels: pa.Table, max_slowdown: float = 0.10, wide_ci_pct: float = WIDE_CI_PCT,
+                  interrupted=frozenset()) -> KnobResult:
+    points = config_points(levels, interrupted)
     names = [c[len(KNOB_PREFIX):] for c in levels.column_names if c.startswith(KNOB_PREFIX)]
     values = {n: list(dict.fromkeys(v for v in levels.column(KNOB_PREFIX + n).to_pylist() if v is not None)) for n in names}
-    by_context = {}
+    by_context, not_chosen = {}, {}
     for ctx in sorted({p.context_tokens for p in points}, key=lambda c: -1 if c is None else c):
-        d = choose([p for p in points if p.context_tokens == ctx], max_slowdown)
+        at = [p for p in points if p.context_tokens == ctx]
+        d = choose(at, max_slowdown)
         if d is not None:
             by_context[ctx] = d
-    res = KnobResult(points, names, max_slowdown, by_context)
+        elif any(p.measured for p in at):
+            not_chosen[ctx] = "every measured configuration is left out (" + "; ".join(
+                f"{p.cell()}: {p.left_out}" for p in at if p.measured) + ")"
+        else:
+            not_chosen[ctx] = "no configuration was measured"
+    res = KnobResult(points, names, max_slowdown, by_context, not_chosen=not_chosen)
     res.warnings = knob_findings(points, by_context, values, wide_ci_pct)
     return res
 
@@ -196,7 +233,8 @@ def heatmap_axes(result: KnobResult) -> tuple[str, str] | None:
 def heatmap_grid(result: KnobResult, x: str, y: str, metric: str, context=None):
     """(x values, y values, matrix of the metric, matrix of status) for one context; other knobs at the best point's value."""
     pts = [p for p in result.points if p.context_tokens == context]
-    chosen = result.by_context.get(context, {}).get("min_j")
+    # Nothing chosen there (all left out): hold the other knobs at the first measured point's values.
+    chosen = result.by_context.get(context, {}).get("min_j") or next((p for p in pts if p.measured), None)
     fixed = {k: v for k, v in (chosen.knobs if chosen else {}).items() if k not in (x, y)}
     pts = [p for p in pts if all(p.knobs.get(k) == v for k, v in fixed.items())]
     xs = sorted({p.knobs.get(x) for p in pts}, key=_sort_key)
@@ -205,7 +243,7 @@ def heatmap_grid(result: KnobResult, x: str, y: str, metric: str, context=None):
     status = np.full((len(ys), len(xs)), "", dtype=object)
     for p in pts:
         i, j = ys.index(p.knobs.get(y)), xs.index(p.knobs.get(x))
-        status[i, j] = p.status if not p.measured else "ok"
+        status[i, j] = p.status if not p.measured else "ok" if p.eligible else "left-out"
         if p.measured:
             val[i, j] = p.j_per_token if metric == "j" else p.tok_s
     return xs, ys, val, status, fixed
@@ -217,7 +255,8 @@ def _sort_key(v):
 
 def markdown_lines(result: KnobResult) -> list[str]:
     """The configuration section of report.md."""
-    head = ["configuration", "context", "status", "level", "tok/s", "J/token", "±CI%", "acceptance", "chosen"]
+    head = ["configuration", "context", "status", "level", "tok/s", "J/token", "±CI%", "acceptance", "chosen",
+            "never chosen"]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for p in result.points:
         tags = [k for k, d in result.by_context.get(p.context_tokens, {}).items()
@@ -225,7 +264,8 @@ def markdown_lines(result: KnobResult) -> list[str]:
         cells = [p.config_id, "–" if p.context_tokens is None else str(p.context_tokens), p.status,
                  "as is" if p.level_value is None else f"{p.level_value:g}",
                  _f(p.tok_s, ".1f"), _f(p.j_per_token, ".3f"), _f(p.ci_pct, ".1f"),
-                 "–" if p.acceptance is None else f"{100 * p.acceptance:.0f}%", ", ".join(tags)]
+                 "–" if p.acceptance is None else f"{100 * p.acceptance:.0f}%", ", ".join(tags),
+                 (p.left_out or "") if p.measured else ""]
         lines.append("| " + " | ".join(cells) + " |")
     return lines
 
@@ -240,7 +280,17 @@ def summary_lines(result: KnobResult) -> list[str]:
                    f"{d['min_j'].tok_s:.1f} tok/s); within a {100 * result.max_slowdown:g}% slowdown of the fastest: "
                    f"{d['efficient'].config_id}.")
         out.append("Pareto set (fastest first): " + ", ".join(p.config_id for p in d["pareto"]) + ".")
+    for ctx, why in result.not_chosen.items():
+        out.append(f"No configuration chosen{'' if ctx is None else f' at {ctx} context tokens'}: {why}.")
     return out
+
+
+def left_out_text(result: KnobResult) -> str:
+    """The sentence naming the configurations no choice may fall on, and why ('' when none)."""
+    if not result.left_out:
+        return ""
+    return ("Never chosen, whatever their figures: " + ", ".join(f"{p.cell()} ({p.left_out})" for p in result.left_out)
+            + "; measure them again to compare them.")
 
 
 def _f(x, fmt) -> str:

@@ -240,6 +240,8 @@ def plot_knob_heatmap(result, x: str, y: str, path: Path, context=None) -> Figur
             for j in range(len(xs)):
                 text = format(val[i, j], fmt) if np.isfinite(val[i, j]) else {
                     "out-of-memory": "OOM", "failed-to-start": "no start", "failed": "failed", "": ""}.get(status[i, j], status[i, j])
+                if status[i, j] == "left-out":  # figures not its own (knobs.py): shown, never chosen
+                    text += "\n(left out)"
                 if np.isfinite(val[i, j]):
                     r, g, b, _ = im.cmap(im.norm(val[i, j]))
                     color = "black" if 0.299 * r + 0.587 * g + 0.114 * b > 0.5 else "white"  # readable on the cell

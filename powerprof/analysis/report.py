@@ -18,7 +18,7 @@ from powerprof import __version__
 from powerprof.storage.atomic import atomic_path, atomic_write_bytes
 from powerprof.storage.runs import atomic_write_table, no_finished_level
 
-from .analyze import AnalysisResult, SeriesResult, analyze, interrupted_findings
+from .analyze import AnalysisResult, SeriesResult, analyze, interrupted_cells, interrupted_findings
 from .checks import Finding
 from .loading import (AnalysisError, check_compatible, read_run_info, read_windows, sample_level_figures,
                       sweep_level_figures)
@@ -86,7 +86,7 @@ def analyze_run(
                                 "windows would count twice and every confidence interval be too narrow; give it once")
         seen[key] = r.path
     windows = read_windows(runs)
-    knob_result, where = _configurations(runs, max_slowdown)
+    knob_result, where = _configurations(runs, max_slowdown, windows)
     # Judged over every configuration's windows: an interrupted one competes in the ranking too.
     stopped = interrupted_findings(runs, windows) if knob_result is not None else []
     if where is not None:
@@ -101,17 +101,21 @@ def analyze_run(
             if merged.get(c) is None and v is not None:
                 merged[c] = v
     try:
-        if knob_result is not None and not _has_levels(windows):
+        if knob_result is not None and (where is None or not _has_levels(windows)):
+            # No configuration could be chosen (all left out), or none stepped levels: no power analysis.
             result = AnalysisResult(runs, [], [], params, timelines)
         else:
+            cut = ([v for c, n, v in interrupted_cells(runs, windows)
+                    if (c, n) == (where["config_id"], where["context_tokens"])] if where is not None else [])
             result = analyze(windows, runs, figures, timelines, params, n_boot=n_boot, seed=seed, primary=primary,
-                             judge_interrupted=knob_result is None)
+                             judge_interrupted=knob_result is None, interrupted_levels=cut)
     except ValueError as e:
         raise AnalysisError(f"{', '.join(map(str, run_dirs))}: {e}") from None
     if knob_result is not None:
         result.knobs = knob_result
         result.warnings = list(knob_result.warnings) + [
-            type(w)(w.kind, f"[{where['config_id']}] {w.message}", w.levels) for w in result.warnings] + stopped
+            type(w)(w.kind, f"[{where['config_id'] if where else '-'}] {w.message}", w.levels)
+            for w in result.warnings] + stopped
     # First among the warnings: every figure after it mixes what the runs differ in.
     result.warnings = [Finding("forced-pool", f"{d}, pooled anyway (--force): their levels are not comparable, so "
                                "every figure here mixes them; analyse them separately to compare them.")
@@ -125,9 +129,10 @@ def analyze_run(
     return result
 
 
-def _configurations(runs, max_slowdown: float):
+def _configurations(runs, max_slowdown: float, windows):
     """(KnobResult, {config_id, context_tokens} of the J/token-optimal configuration) for a
-    configuration sweep; (None, None) otherwise."""
+    configuration sweep, (KnobResult, None) when every measured one is left out; (None, None)
+    otherwise."""
     import pyarrow as pa
     import pyarrow.parquet as pq
 
@@ -146,10 +151,12 @@ def _configurations(runs, max_slowdown: float):
     levels = pa.concat_tables(tables, promote_options="permissive")
     if not is_grid(levels):
         return None, None
-    kr = analyze_knobs(levels, max_slowdown)
-    if kr.chosen is None:
+    kr = analyze_knobs(levels, max_slowdown, interrupted=interrupted_cells(runs, windows))
+    if not any(p.measured for p in kr.points):
         raise AnalysisError("no configuration of the sweep was measured: "
                             + "; ".join(f"{p.config_id}: {p.status}" for p in kr.points))
+    if kr.chosen is None:
+        return kr, None
     return kr, {"config_id": kr.chosen.config_id, "context_tokens": kr.chosen.context_tokens}
 
 
@@ -249,14 +256,19 @@ def _f(x, fmt=".3g", none="–") -> str:
 
 
 def _knob_head(result: AnalysisResult) -> list[str]:
-    from .knobs import summary_lines
+    from .knobs import left_out_text, summary_lines
 
     if result.knobs is None:
         return []
     c = result.knobs.chosen
-    tail = (f"; its power levels follow" if result.has_levels else
-            "; no power levels were stepped (add --limits to find its sweet-spot power limit)")
-    return [f"J/token-optimal configuration: {c.label()}{tail}."] + summary_lines(result.knobs)
+    never = left_out_text(result.knobs)
+    if c is None:
+        first = "No configuration could be chosen: every measured one is left out."
+    else:
+        tail = (f"; its power levels follow" if result.has_levels else
+                "; no power levels were stepped (add --limits to find its sweet-spot power limit)")
+        first = f"J/token-optimal configuration: {c.label()}{tail}."
+    return [first + (" " + never if never else "")] + summary_lines(result.knobs)
 
 
 def recommendation_line(result: AnalysisResult) -> str:
