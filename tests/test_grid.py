@@ -199,10 +199,10 @@ def test_a_throttled_configuration_is_never_chosen_and_every_output_names_it(tmp
     conf = json.loads((run / "analysis" / "analysis.json").read_text())["configurations"]
     assert conf["chosen"] == "draft=1"
     assert conf["left_out"] == [{"config_id": "draft=3", "context_tokens": None, "level_value": 300.0,
-                                 "why": "thermal throttling"}]
+                                 "level_kind": "power_limit", "why": "thermal throttling"}]
     xlsx = dict(summary_rows(run, "UTC", None, None))
     assert xlsx["chosen configuration"] == "draft=1"
-    assert xlsx["configurations never chosen"] == "draft=3 at 300 (thermal throttling)"
+    assert xlsx["configurations never chosen"] == "draft=3 at 300 W (thermal throttling)"
 
 
 def test_no_configuration_is_chosen_when_every_one_is_flagged_and_the_report_says_why(tmp_path):

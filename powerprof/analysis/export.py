@@ -483,7 +483,8 @@ def summary_rows(src: Path, tz: str, time_from: str | None, time_to: str | None)
         if left:
             head.append(("configurations never chosen", ", ".join(
                 f"{x.get('config_id')}" + (f" @ {x['context_tokens']} tokens" if x.get("context_tokens") is not None else "")
-                + (f" at {x['level_value']:g}" if isinstance(x.get("level_value"), (int, float)) else "")
+                + (f" at {x['level_value']:g} {'MHz' if x.get('level_kind') == 'sm_clock' else 'W'}"
+                   if isinstance(x.get("level_value"), (int, float)) else "")
                 + f" ({x.get('why')})" for x in left)))
     if analysis:
         head += [("warning", f"{w.get('kind')}: {w.get('message')}") for w in analysis.get("warnings", [])]

@@ -100,7 +100,7 @@ class KnobResult:
             ],
             "chosen": self.chosen.config_id if self.chosen else None,
             "left_out": [{"config_id": p.config_id, "context_tokens": p.context_tokens, "level_value": p.level_value,
-                          "why": p.left_out} for p in self.left_out],
+                          "level_kind": p.level_kind, "why": p.left_out} for p in self.left_out],
             "not_chosen": [{"context_tokens": c, "why": why} for c, why in self.not_chosen.items()],
             "warnings": [w.to_dict() for w in self.warnings],
         }
