@@ -361,18 +361,18 @@ def _vllm_stream(chunks: int, usage_tokens: int) -> bytes:
     return b"".join(out) + b"data: [DONE]\n\n"
 
 
-def _play_speculative_stream(with_usage: bool, end_s: float):
+def _play_speculative_stream(with_usage: bool, end_s: float, usage_tokens: int = 25):
     """A streamed completion of 10 chunks, 25 tokens (speculative decoding: 2.5 a chunk) from 1 s, 0.15 s apart, its
     usage-only chunk kept or left out, through a ledger whose scraper (every 0.25 s) sees the server count each
     chunk's tokens as it sends it; closed at `end_s` + 0.2 s. (sink, trace, tokens the proxy counted, what on_end
-    returned)."""
+    returned). `usage_tokens`: what the usage chunk (and the scraper) says of the 10 chunks."""
     from powerprof.daemon import streams
     parser = streams.new_parser("openai-completions")
     sink = Sink()
     led = Ledger("d", 0, 1, sink, grace_s=0.1)
     tr = RequestTrace(1, "POST", "/v1/completions", "t", int(0.9 * S), 0, api="openai-completions", stream=True)
     led.on_start(tr)
-    events = [e + b"\n\n" for e in _vllm_stream(10, 25).split(b"\n\n") if e and (with_usage or b'"usage"' not in e)]
+    events = [e + b"\n\n" for e in _vllm_stream(10, usage_tokens).split(b"\n\n") if e and (with_usage or b'"usage"' not in e)]
     ev_at = [int((1.0 + 0.15 * i) * S) for i in range(len(events))]
     _feed(led, 0.0, 0.0)
     led.add_server_tokens(int(0.5 * S), 0.0)  # the scraper runs from the start
@@ -393,7 +393,7 @@ def _play_speculative_stream(with_usage: bool, end_s: float):
                 tr.counts = streams.summary_counts(parser.finish())
                 added = led.on_end(tr)
         if step % 5 == 0:
-            n = 2.5 * sum(1 for i in range(10) if 1.0 + 0.15 * i - 0.01 <= now / S)
+            n = usage_tokens / 10 * sum(1 for i in range(10) if 1.0 + 0.15 * i - 0.01 <= now / S)
             led.add_server_tokens(now, n - served, prev)
             prev, served = now, n
         if step % 20 == 0:
@@ -418,6 +418,21 @@ def test_a_stream_counted_per_chunk_takes_the_servers_final_count_and_leaves_not
     assert sum(r["proxy_tokens"] for r in ivs) == pytest.approx(25.0)
     assert sum(r["server_tokens"] or 0.0 for r in ivs) == pytest.approx(0.0, abs=1e-9)
     assert sum(r["unproxied_energy_j"] for r in ivs) == pytest.approx(0.0, abs=1e-9)
+
+
+def test_a_stream_carrying_more_tokens_than_its_servers_usage_is_not_scaled_down_to_it_and_has_no_j_per_token():
+    # 10 content chunks (at least one token each) and a final usage of 8: the server's count contradicts its
+    # stream (arrival.count_problem). Before: the chunks were scaled down to 8, and the row stored 8
+    # generated tokens and J/token over 8, as if fine.
+    sink, tr, seen, added = _play_speculative_stream(with_usage=True, end_s=4.0, usage_tokens=8)
+    (row,) = sink.rows["requests"]
+    assert seen == 10
+    assert added == 0.0 and row["attributed_tokens"] == 10.0  # the proxy's own count, not the server's
+    assert row["outcome"] == "ok" and row["gpu_energy_j"] > 0  # the row and its energy share are kept
+    assert row["generated_tokens"] is None and row["decode_tokens"] is None and row["gpu_j_per_token"] is None
+    assert "counted 8 generated tokens but its stream carried 10" in row["error"] and "proxy.upstream" in row["error"]
+    assert row["tokens_estimated"] is True  # what is attributed is the one-per-chunk count
+    assert "counted 8 generated tokens but its stream carried 10" in tr.counts.count_problem
 
 
 def test_a_non_streamed_answer_longer_than_the_scrape_lag_is_not_also_taken_for_bypass():

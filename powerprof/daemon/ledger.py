@@ -29,6 +29,9 @@ from .workmodel import FEATURES, CostLearner
 
 log = logging.getLogger("powerprof.daemon.ledger")
 
+# What a row whose server count contradicts its stream says to do about it.
+COUNT_FIX = ("fix: point proxy.upstream at the server itself, not at a proxy that rewrites streams, and check the "
+             "server build's usage/timings reporting against its logs")
 # A request that never ends (a stuck stream) is dropped from the accounts after this long.
 MAX_OPEN_S = 6 * 3600
 MAX_OPEN_TAGS = 256
@@ -168,8 +171,9 @@ class Ledger:
         if r is None:
             return 0.0
         c = trace.counts
+        # Not to a count that contradicts the stream (count_problem): it cannot be believed.
         if (c is not None and c.tokens_estimated and c.token_source == "usage" and c.invalid is None
-                and c.generated_tokens and not trace.extra.get("spread")):
+                and c.count_problem is None and c.generated_tokens and not trace.extra.get("spread")):
             return self._to_server_count(r, float(c.generated_tokens))
         if trace.extra.get("spread") and trace.first_ns is not None and trace.last_ns is not None:
             # A non-streamed body arrives at once: assume its tokens came evenly over its decode time.
@@ -639,6 +643,11 @@ class Ledger:
         tr = r.trace
         c = tr.counts
         gen = c.generated_tokens if c is not None and c.generated_tokens is not None else (tr.tokens_seen or None)
+        lie = c.count_problem if c is not None else None
+        if lie is not None:
+            # The server's count contradicts its stream: neither is believed (the timing rule's), so no
+            # token count of it is stored as one, and it gives no J/token; both counts are in `error`.
+            gen = None
         decode_s = (tr.last_ns - tr.first_ns) / 1e9 if tr.first_ns is not None and tr.last_ns is not None else None
         estimated = (c.tokens_estimated and not r.to_server if c is not None
                      else bool(tr.tokens_seen and tr.api is not None and tr.api.startswith("openai")))
@@ -648,6 +657,9 @@ class Ledger:
                     f"include_usage); the server's counter ran {r.server_ahead:.0f} token(s) ahead of the proxy's in "
                     "the intervals it was live in (several tokens a chunk under speculative decoding, or bypass "
                     "traffic): its count is likely low, and those tokens' energy is in unproxied")
+            error = note if error is None else f"{error}; {note}"
+        if lie is not None:
+            note = f"{lie}: generated_tokens and J/token left empty ({COUNT_FIX})"
             error = note if error is None else f"{error}; {note}"
         return {
             "daemon_id": self.daemon_id,
@@ -680,7 +692,8 @@ class Ledger:
             "cpu_energy_j": r.cpu_j if r.cpu_known and not r.cpu_missing and r.gpu_j > 0 else None,
             "energy_note": None if r.gpu_j > 0 else _no_energy_reason(r),
             "attributed_tokens": r.tokens,
-            "gpu_j_per_token": float(attr.per_token(r.gpu_j, r.tokens)) if r.tokens > 0 and r.gpu_j > 0 else None,
+            "gpu_j_per_token": (float(attr.per_token(r.gpu_j, r.tokens)) if r.tokens > 0 and r.gpu_j > 0 and lie is None
+                                else None),
             "recorder_error": tr.recorder_error,
         }
 

@@ -80,6 +80,7 @@ class Snapshot:
     joules_per_token: float | None = None
     tokens_by_tag: dict = field(default_factory=dict)
     requests_by_tag: dict = field(default_factory=dict)  # {(tag, outcome): n}
+    count_contradictions: dict = field(default_factory=dict)  # {reason: n} (service.Daemon._count_contradicted)
     server_tokens: float | None = None
     buffered_rows: int = 0
     dropped_rows: int = 0
@@ -174,6 +175,13 @@ class SnapshotCollector:
         for (tag, outcome), v in sorted(s.requests_by_tag.items()):
             r.add_metric([tag, outcome], v)
         yield r
+        cc = CounterMetricFamily("powerprof_requests_token_count_contradicted", "Requests whose server's own token "
+                                 "count contradicts the stream it sent (stream_above_count: the stream carried more; "
+                                 "running_count_short: the final count is above the running count its chunks carried): "
+                                 "their rows have no generated_tokens or J/token", labels=["reason"])
+        for reason in ("stream_above_count", "running_count_short"):
+            cc.add_metric([reason], s.count_contradictions.get(reason, 0))
+        yield cc
         if s.joules_per_token is not None:
             yield GaugeMetricFamily("powerprof_joules_per_token",
                                     "GPU J per generated token over the recent decode intervals", value=s.joules_per_token)

@@ -163,6 +163,7 @@ class Daemon:
         self.snapshot = Snapshot()
         self.tokens_by_tag: Counter = Counter()
         self.requests_by_tag: Counter = Counter()
+        self.count_contradictions: Counter = Counter()  # {reason: requests whose server count contradicts its stream}
         self.latency = RequestLatency()  # the tuner's view of the traffic (docs/tuner.md)
         self.inflight = InFlight(time.monotonic_ns())  # …and its early signal: requests in flight, awaiting a token
         self.stop_event: asyncio.Event | None = None
@@ -227,8 +228,12 @@ class Daemon:
             self.tokens_by_tag[self.tags.label(trace.tag)] += trace.tokens_seen
         self.requests_by_tag[(self.tags.label(trace.tag), trace.outcome)] += 1
         c = trace.counts
+        if c is not None and c.count_problem is not None:
+            self._count_contradicted(trace)
+        gen = c.generated_tokens if c is not None and c.generated_tokens is not None else trace.tokens_seen
         self.latency.observe(trace.arrival_ns, trace.first_ns, trace.last_ns,
-                             (c.generated_tokens if c is not None and c.generated_tokens is not None else trace.tokens_seen),
+                             # A count that contradicts the stream sets no TPOT or output length.
+                             None if c is not None and c.count_problem is not None else gen,
                              c.prompt_tokens if c is not None else None,
                              # A non-streamed answer with no server timing is spread from its arrival.
                              first_seen=not (trace.extra.get("spread") and trace.first_ns == trace.arrival_ns))
@@ -236,6 +241,17 @@ class Daemon:
         if added:  # a stream counted one token per chunk, set to the server's final count
             self.tokens_by_tag[self.tags.label(trace.tag) if trace.tag else NONE] += added
         self._request_edge("request-end")
+
+    def _count_contradicted(self, trace: RequestTrace) -> None:
+        """A request whose server count contradicts its stream: counted on /metrics by which rule it broke, and
+        logged (the first few, then every 100th: a lying server does it for every request)."""
+        problem = trace.counts.count_problem
+        reason = "running_count_short" if "running count" in problem else "stream_above_count"
+        self.count_contradictions[reason] += 1
+        n = sum(self.count_contradictions.values())
+        if n <= 3 or n % 100 == 0:
+            log.warning("request %d: %s; its row has no generated_tokens or J/token (%d such requests so far)",
+                        trace.request_id, problem, n)
 
     def _request_edge(self, label: str) -> None:
         """With few requests in flight, read the GPU energy counters alone now (an interval edge of
@@ -379,6 +395,7 @@ class Daemon:
             joules_per_token=tot.j_per_token,
             tokens_by_tag=dict(self.tokens_by_tag),
             requests_by_tag=dict(self.requests_by_tag),
+            count_contradictions=dict(self.count_contradictions),
             latency=self.latency.states(),
             inflight=self.inflight.state(time.monotonic_ns()),
             server_tokens=self.scraper.total if self.scraper is not None and self.scraper.kind else None,

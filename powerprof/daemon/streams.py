@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from powerprof.arrival import count_problem
 from powerprof.workload.stream import StreamParser, parse_response
 
 
@@ -39,15 +40,24 @@ class Counts:
     error: str | None = None
     invalid: str | None = None  # a count or timing out of range: none of its counts are kept
     tokens_estimated: bool = False  # the proxy's count rests on one token per chunk, unconfirmed by the server
+    # Why the server's own count contradicts the stream it sent (arrival.count_problem, both counts
+    # named); None when it does not. Then neither count is believed: see ledger.py.
+    count_problem: str | None = None
 
 
-def summary_counts(summary) -> Counts:
-    """What the daemon keeps of a StreamSummary; nothing of one that sent an invalid value."""
+def summary_counts(summary, streamed: bool = True) -> Counts:
+    """What the daemon keeps of a StreamSummary; nothing of one that sent an invalid value. A stream's
+    server count is checked against the tokens it carried by the timing rule's own test
+    (arrival.count_problem); `streamed` False: a whole body, whose count is the only one."""
     if summary.invalid is not None:
         return Counts(None, None, summary.model, summary.stop_reason, "none", complete=summary.complete,
                       error=summary.error, invalid=summary.invalid)
     timings = summary.timings or {}
     gen = summary.generated_tokens
+    problem = None
+    if streamed:
+        running = 0 < summary.counted_tokens == summary.totalled_tokens  # every chunk carried the server's count
+        problem = count_problem(summary.counted_tokens, gen, running)
     return Counts(
         generated_tokens=gen if gen or summary.counted_tokens else None,
         prompt_tokens=summary.prompt_tokens,
@@ -60,6 +70,7 @@ def summary_counts(summary) -> Counts:
         # Confirmed where the server's own count (usage, timings) equals what the proxy counted.
         tokens_estimated=summary.guessed_tokens > 0
         and (summary.token_source == "counted" or gen != summary.counted_tokens),
+        count_problem=problem,
     )
 
 
@@ -71,4 +82,4 @@ def new_parser(api: str) -> StreamParser:
 def body_counts(api: str, body: bytes) -> Counts:
     """Counts from a non-streamed JSON response (usage or llama.cpp timings)."""
     _events, summary = parse_response(api, body)
-    return summary_counts(summary)
+    return summary_counts(summary, streamed=False)

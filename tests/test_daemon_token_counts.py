@@ -1,0 +1,70 @@
+"""The daemon against a server whose own token counts contradict the streams it sends (arrival.count_problem)."""
+
+from __future__ import annotations
+
+import json
+import time
+import urllib.request
+
+import pandas as pd
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from daemon_helpers import DaemonProc, read_dataset, sim_env
+from powerprof.sim.nvml import SimNVML
+from powerprof.sim.server import SimServer
+
+pytestmark = pytest.mark.slow
+
+NATIVE = ("/completion", {"prompt": "p" * 40, "n_predict": 40, "ignore_eos": True, "stream": True})
+CHAT = ("/v1/chat/completions", {"messages": [{"role": "user", "content": "r" * 30}], "max_tokens": 40,
+                                 "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True}})
+# (count_factor, request, flagged): the server's final counts (timings, tokens_predicted, usage) are the truth
+# times count_factor; its stream stays true (40 tokens). A chat stream counted one token a chunk may show fewer
+# tokens than the server counted (a chunk can hold several), so 50 of 40 there is no contradiction; llama.cpp's
+# native chunks carry its running count, which reached 40: a final 50 contradicts it.
+PLAN = [(1.0, NATIVE, None), (1.0, CHAT, None), (0.8, NATIVE, "stream_above_count"), (0.8, CHAT, "stream_above_count"),
+        (1.25, NATIVE, "running_count_short"), (1.25, CHAT, None)]
+
+
+@pytest.mark.parametrize("workers", ["1", "2"])  # 2: the flag crosses from the proxy workers to the daemon
+def test_requests_whose_server_count_contradicts_the_stream_are_flagged_and_counted_honest_ones_are_not(tmp_path, workers):
+    data = tmp_path / "data"
+    # No speculative decoding: one token a chunk, so the chat stream shows all 40.
+    with SimServer(SimNVML("seed-16g", state_path=None), decode_tok_s=80.0, draft_n_max=0) as srv:
+        d = DaemonProc(data, "--simulate", "--upstream", srv.url, "--interval", "0.25", "--flush-interval", "0.5",
+                       env={**sim_env(tmp_path), "POWERPROF_PROXY_WORKERS": workers})
+        try:
+            for factor, (path, body), _ in PLAN:
+                srv.count_factor = factor
+                req = urllib.request.Request(d.info["proxy"] + path, data=json.dumps(body).encode(), method="POST",
+                                             headers={"Content-Type": "application/json"})
+                with urllib.request.urlopen(req, timeout=60) as r:
+                    assert r.status == 200 and b"data:" in r.read()
+            time.sleep(0.6)
+            metrics = urllib.request.urlopen(d.info["metrics"] + "/metrics", timeout=10).read().decode()
+        finally:
+            rc = d.stop()
+    assert rc == 0, d.output()
+    reqs = read_dataset(data, "requests").sort_values("request_id").to_dict("records")
+    assert len(reqs) == len(PLAN)
+    for (factor, (path, _), flagged), row in zip(PLAN, reqs):
+        what = (factor, path, row["error"])
+        assert row["outcome"] == "ok" and row["endpoint"] == path, what  # the row is kept, served as it was
+        # What the proxy saw, never a contradicted count; a chat stream's per-chunk count set to the server's otherwise.
+        seen = 40 if flagged or path == NATIVE[0] else round(40 * factor)
+        assert row["attributed_tokens"] == pytest.approx(seen), what
+        if flagged is None:
+            assert pd.isna(row["error"]), what
+            assert row["generated_tokens"] == round(40 * factor) and row["gpu_j_per_token"] is not None, what
+        else:
+            told = round(40 * factor)
+            assert isinstance(row["error"], str) and f"the server counted {told} generated tokens" in row["error"] and "proxy.upstream" in row["error"], what
+            assert pd.isna(row["generated_tokens"]) and pd.isna(row["decode_tokens"]), what
+            assert pd.isna(row["gpu_j_per_token"]), what
+            assert row["gpu_energy_j"] > 0, what  # its energy share still counts in the books
+    fams = {f.name: f for f in text_string_to_metric_families(metrics)}
+    got = {s.labels["reason"]: s.value for s in fams["powerprof_requests_token_count_contradicted"].samples
+           if s.name.endswith("_total")}
+    assert got == {"stream_above_count": 2, "running_count_short": 1}, got
+    assert "cannot be believed" in d.output()  # logged, naming both counts
