@@ -112,10 +112,28 @@ def counter_rounding_bound(window_s: float) -> float:
     steps, and a median lands on one of the two instead of their mean, so up to R/(2L). The pooled
     figure (energy summed ÷ tokens summed) is not biased by it: the rounding averages out over the
     windows' phases against the refresh."""
-    return COUNTER_STEP_S / (2 * window_s) if np.isfinite(window_s) and window_s > 0 else float("inf")
+    # No counter-read window (power integration only): nothing was rounded by a counter.
+    return COUNTER_STEP_S / (2 * window_s) if np.isfinite(window_s) and window_s > 0 else 0.0
 
 
-def median_off_by_rounding(median: float, pooled: float, half_width: float, window_s: float) -> bool:
+def within_prompt_offset(j_per_token: np.ndarray, prompts: np.ndarray) -> float:
+    """Median of each window's J/token over its own prompt's mean, minus 1 (NaN without two windows of one
+    prompt). Windows of one prompt (same greedy tokens, same length) differ only by noise and the counter's
+    rounding, so this is off zero where the median sits on one rounding, but not where the median and the
+    pooled mean differ because prompts differ in cost (the prompt mix: no rounding in that). Windows
+    without a prompt id count as one prompt."""
+    j = np.asarray(j_per_token, dtype=float)
+    keys = np.array(["" if p is None else str(p) for p in prompts], dtype=object)
+    ratios = []
+    for key in set(keys):
+        g = j[keys == key]
+        if g.size >= 2 and np.mean(g) > 0:
+            ratios.append(g / np.mean(g))
+    return float(np.median(np.concatenate(ratios)) - 1) if ratios else float("nan")
+
+
+def median_off_by_rounding(median: float, pooled: float, half_width: float, window_s: float,
+                           prompt_offset: float = float("nan")) -> bool:
     """Whether a median J/token is off its pooled figure by more than its CI half-width (J/token;
     NaN: no CI) and ROUNDING_TOL, by no more than the counter's rounding of windows `window_s` long
     can explain: the median sits on one rounding of short windows and the CI cannot see it."""
@@ -123,4 +141,7 @@ def median_off_by_rounding(median: float, pooled: float, half_width: float, wind
         return False
     gap = abs(median - pooled) / pooled
     half = abs(half_width) / pooled if np.isfinite(half_width) else 0.0
-    return max(ROUNDING_TOL, half) < gap <= counter_rounding_bound(window_s)
+    if not max(ROUNDING_TOL, half) < gap <= counter_rounding_bound(window_s):
+        return False
+    # The same gap within prompts (`within_prompt_offset`), or it is the prompt mix's, not the counter's.
+    return not np.isfinite(prompt_offset) or abs(prompt_offset) > ROUNDING_TOL

@@ -18,7 +18,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 
-from powerprof.energy import median_off_by_rounding
+from powerprof.energy import median_off_by_rounding, within_prompt_offset
 from powerprof.storage.schema import LEVELS
 
 # Each bootstrap chunk holds at most this many resampled values, so 100k windows stay in tens of MB.
@@ -157,6 +157,7 @@ class LevelSeries:
     # biased by a coarse counter's rounding, which the median of short windows is (energy.py).
     j_per_token_pooled: np.ndarray | None = None
     counter_window_s: np.ndarray | None = None  # (L,) median decode window read on a counter; NaN: none
+    counter_prompt_offset: np.ndarray | None = None  # (L,) energy.within_prompt_offset of those windows
 
     @property
     def reference_value(self) -> float:
@@ -234,7 +235,7 @@ def level_series(
         lv = np.unique(values[in_series & np.isfinite(values)])
         if kind == "none" and lv.size == 0:
             lv = np.array([np.nan])
-        cols = {k: [] for k in ("tok", "j", "btok", "bj", "bjl", "p", "tot", "above", "nw", "nr", "nf", "np", "both", "pool", "cw")}
+        cols = {k: [] for k in ("tok", "j", "btok", "bj", "bjl", "p", "tot", "above", "nw", "nr", "nf", "np", "both", "pool", "cw", "wp")}
         meths: set[str] = set()
         for v in lv:
             at = in_series & (np.isnan(values) if np.isnan(v) else values == v)
@@ -252,6 +253,7 @@ def level_series(
             used = m & np.isfinite(jpt) & np.isfinite(energy) & (n_tok > 0)
             cols["pool"].append(energy[used].sum() / n_tok[used].sum() if used.any() else float("nan"))
             cols["cw"].append(_median(decode_s[m & np.isfinite(jpt) & on_counter]))
+            cols["wp"].append(within_prompt_offset(jpt[used & on_counter], prompts[used & on_counter]))
             meths.update(x for x in methods[m] if x)
             bt, bj = _joint_replicates(tok[both], jpt[both], tok[m], n_boot, rng)
             cols["btok"].append(bt)
@@ -292,6 +294,7 @@ def level_series(
                 n_prompts=np.array(cols["np"]),
                 j_per_token_pooled=np.array(cols["pool"], dtype=float),
                 counter_window_s=np.array(cols["cw"], dtype=float),
+                counter_prompt_offset=np.array(cols["wp"], dtype=float),
             )
         )
     return out
@@ -508,8 +511,9 @@ def levels_table(
             if s.n_windows[i] == 0:
                 flags.append("no-measured-windows")
             pooled = s.j_per_token_pooled[i] if s.j_per_token_pooled is not None else float("nan")
+            offset = s.counter_prompt_offset[i] if s.counter_prompt_offset is not None else float("nan")
             if s.counter_window_s is not None and median_off_by_rounding(j, pooled, (j_hi - j_lo) / 2,
-                                                                          s.counter_window_s[i]):
+                                                                          s.counter_window_s[i], offset):
                 flags.append("energy-resolution")
             row = {
                 "run_id": run_id,

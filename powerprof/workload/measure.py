@@ -16,7 +16,13 @@ from typing import Sequence
 import aiohttp
 import numpy as np
 from powerprof import termination
-from powerprof.energy import COUNTER_STEP_S, ROUNDING_TOL, counter_rounding_bound, median_off_by_rounding
+from powerprof.energy import (
+    COUNTER_STEP_S,
+    ROUNDING_TOL,
+    counter_rounding_bound,
+    median_off_by_rounding,
+    within_prompt_offset,
+)
 from powerprof.profiler import LOW_CONFIDENCE_S
 
 from .client import RequestParams, RequestRecord, ServerInfo, detect_server
@@ -44,6 +50,7 @@ class Summary:
     # windows a coarse counter biases the median, not the pooled figure (rounding_notes).
     gpu_j_per_token_median: float | None = None
     median_window_s: float | None = None  # s: median decode window of the used windows with a GPU energy
+    prompt_offset: float | None = None  # energy.within_prompt_offset of those windows (None: not computable)
 
 
 @dataclass
@@ -177,7 +184,8 @@ def rounding_notes(summary: list[Summary]) -> list[str]:
         if "counter" not in x.energy_method.split(",") or x.gpu_j_per_token is None or x.median_window_s is None:
             continue
         med, pooled, w = x.gpu_j_per_token_median, x.gpu_j_per_token, x.median_window_s
-        if med is None or not median_off_by_rounding(med, pooled, float("nan"), w):
+        offset = x.prompt_offset if x.prompt_offset is not None else float("nan")
+        if med is None or not median_off_by_rounding(med, pooled, float("nan"), w, offset):
             continue
         window_s = COUNTER_STEP_S / (2 * ROUNDING_TOL)
         per_request = (x.decode_tok_s or 0) / x.concurrency
@@ -222,7 +230,9 @@ def summarise(rows: list[dict]) -> list[Summary]:
         out.append(Summary(c, len(ok), failed, tok_s, gpu_jpt, tot_jpt, ",".join(sorted(methods)), n_trusted,
                            sum(r["decode_s"] or 0 for r in basis),
                            gpu_j_per_token_median=float(np.median([r["gpu_j_per_token"] for r in with_j])) if with_j else None,
-                           median_window_s=float(np.median([r["decode_s"] or 0 for r in with_j])) if with_j else None))
+                           median_window_s=float(np.median([r["decode_s"] or 0 for r in with_j])) if with_j else None,
+                           prompt_offset=within_prompt_offset([r["gpu_j_per_token"] for r in with_j],
+                                                              [r.get("prompt_id") for r in with_j]) if with_j else None))
     return out
 
 
