@@ -310,7 +310,7 @@ def test_count_only_parser_counts_what_the_full_parser_counts(api, split):
 @pytest.mark.parametrize("api", sorted(COUNT_ONLY_CASES))
 def test_a_finished_parser_is_freed_at_once_not_by_the_garbage_collector(api):
     """The proxy makes one parser per request: a parser caught in a reference cycle waits for Python's
-    cyclic collector, whose passes then grow with the traffic (docs/benchmarks.md, proxy)."""
+    cyclic collector, whose passes then grow with the traffic (docs/benchmarks-history.md, Proxy, fifth pass)."""
     enabled = gc.isenabled()
     gc.disable()
     try:

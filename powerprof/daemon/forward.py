@@ -4,7 +4,7 @@ aiohttp's client wakes a task for every chunk it receives (parser → StreamRead
 → `iter_any`), which cost the proxy about half of its CPU per token. Here the response head is
 parsed once, then every `data_received` call decodes the body framing (Content-Length, chunked or
 until close) and hands everything that arrived in that read to `on_body(payload, framed)` as one piece, in the same
-callback: no task, no future, one client write per read (see docs/benchmarks.md, proxy). `framed`
+callback: no task, no future, one client write per read (see docs/benchmarks-history.md, Proxy, second pass). `framed`
 is the read itself when it is exactly one chunk of chunked framing (the usual case on a token
 stream) or several whole ones, so a chunked client gets it unchanged; otherwise None.
 

@@ -436,7 +436,7 @@ class DatasetStore:
 
 def _malloc_trim():
     """glibc's malloc_trim, or None (another libc). A flush frees its rows and encoded pages; glibc keeps
-    the freed pages of its heap resident until trimmed (about 2 MiB of RSS, docs/benchmarks.md, Daemon)."""
+    the freed pages of its heap resident until trimmed (about 2 MiB of RSS, docs/benchmarks-history.md, Soak, third pass)."""
     try:
         import ctypes
 

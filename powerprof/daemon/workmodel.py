@@ -52,7 +52,7 @@ def _nnls(x: np.ndarray, y: np.ndarray) -> np.ndarray:
     The optimum is the plain least-squares solution on its own support, so the feasible
     (all ≥ 0) support-restricted solution with the least residual is it: 2^k small solves for k
     columns. Not `scipy.optimize.nnls` because importing scipy.optimize costs the daemon ~40 MiB of
-    its resident memory (docs/benchmarks.md, Daemon), for a 5-column problem.
+    its resident memory (docs/benchmarks-history.md, Soak, second pass), for a 5-column problem.
     """
     # Columns scaled to unit norm: token counts and seconds differ by orders of magnitude.
     norm = np.linalg.norm(x, axis=0)
