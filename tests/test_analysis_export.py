@@ -95,6 +95,7 @@ def test_xlsx_headers_carry_units_for_ci_bounds_and_token_counts(run, tmp_path):
     wb = load_workbook(path, read_only=True)
     lv = next(wb["levels"].iter_rows(values_only=True))
     assert "gpu_j_per_token_ci_low (J/token)" in lv and "decode_tok_s_ci_high (tokens/s)" in lv
+    assert "gpu_j_per_token_pooled (J/token)" in lv  # the pooled figure beside the median: a bare name before
     w = next(wb["windows"].iter_rows(values_only=True))
     assert "decode_tokens (tokens)" in w
     assert ex.header("speed_loss_pct_ci_low", "UTC") == "speed_loss_pct_ci_low (%)"

@@ -36,8 +36,9 @@ UNITS = {
     "_j_per_token": "J/token", "_tok_s": "tokens/s", "_mhz": "MHz", "_bytes": "bytes", "_pct": "%",
     "_utc": "UTC", "_ms": "ms", "_uj": "uJ", "_w": "W", "_j": "J", "_s": "s", "_c": "degC", "_tokens": "tokens",
 }
-# A confidence bound has its quantity's unit: gpu_j_per_token_ci_low is in J/token.
-BOUND_SUFFIXES = ("_ci_low", "_ci_high")
+# A confidence bound, or the pooled figure beside a median, has its quantity's unit: gpu_j_per_token_ci_low
+# and gpu_j_per_token_pooled are in J/token.
+BOUND_SUFFIXES = ("_ci_low", "_ci_high", "_pooled")
 XLSX_TIME_FORMAT = "yyyy-mm-dd hh:mm:ss.000"  # Excel's default date-time format hides the milliseconds
 XLSX_MAX_COL_W = 40
 
