@@ -139,6 +139,27 @@ def test_daemon_samples_are_the_samples_columns_then_host_then_daemon_id_as_data
     assert schema.DAEMON_SAMPLES_COLUMNS == schema.SAMPLES_COLUMNS + [("host", "string"), ("daemon_id", "string")]
 
 
+def _emitted_level_flags() -> set[str]:
+    """The flags stats.levels_table can write into a levels row's `flags`, read from its source."""
+    src = (ROOT / "powerprof" / "analysis" / "stats.py").read_text()
+    return set(re.findall(r'flags\.append\("([a-z-]+)"\)', src)) | set(
+        re.findall(r'\("([a-z-]+)", "(?:cap_not_engaged|thermal_throttle)"\)', src))
+
+
+def test_every_level_flag_is_named_in_the_schema_comment_and_data_md():
+    emitted = _emitted_level_flags()
+    assert {"one-window", "no-measured-windows", "cap-not-engaged", "thermal"} <= emitted, emitted
+    lines = (ROOT / "powerprof" / "storage" / "schema.py").read_text().splitlines()
+    at = next(i for i, ln in enumerate(lines) if ln.strip().startswith('("flags", STR)'))
+    comment = lines[at] if "#" in lines[at] else lines[at - 1]  # beside the column or on the line above it
+    named = set(re.findall(r"[a-z]+(?:-[a-z]+)*", comment.split("#", 1)[1].split(":", 1)[1]))
+    assert emitted <= named, f"schema.py's flags comment omits {sorted(emitted - named)}"
+    for section in ("## levels", "## analysis"):
+        row = next(c for c in _table(_section(DOCS / "data.md", section)) if c[0] == "flags")
+        documented = set(re.findall(r"[a-z]+(?:-[a-z]+)*", row[3].split(":", 1)[1].split("(")[0]))
+        assert emitted <= documented, f"data.md {section}: flags omits {sorted(emitted - documented)}"
+
+
 # --- links between the docs ---------------------------------------------------------------------
 
 

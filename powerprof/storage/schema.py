@@ -147,7 +147,8 @@ LEVELS_COLUMNS = [
     ("reference", BOOL),
     ("cap_not_engaged", BOOL),
     ("thermal_throttle", BOOL),
-    ("flags", STR),  # comma-separated: cap-not-engaged, thermal, failed-requests, wide-ci, one-window, energy-resolution
+    # comma-separated: cap-not-engaged, thermal, failed-requests, wide-ci, one-window, no-measured-windows, energy-resolution
+    ("flags", STR),
     ("energy_method", STR),
     # Appended by the analysis (issue 6): levels at different concurrencies are different levels,
     # and loss/saving vs the reference carry their own bootstrap CIs.
