@@ -507,6 +507,25 @@ def test_an_interrupted_level_is_never_recommended(tmp_path):
     assert "220 W (interrupted)" in console_summary(res)
 
 
+def test_the_tables_say_why_a_level_was_left_out(tmp_path):
+    # "interrupted" is no level flag: analysis.parquet and its CSV showed the cut-short 220 W with the best
+    # figures, an empty chosen_by and no reason at all (the reason was only in analysis.json and report.md).
+    from powerprof.analysis import export as ex
+
+    run = make_run(tmp_path / "run", seed_truth(), levels=SEED_LEVELS, n_requests=12, thermal_levels=(180,))
+    meta = json.loads((run / "run.json").read_text())
+    (run / "run.json").write_text(json.dumps({**meta, "levels_done": [[float(v), 0] for v in SEED_LEVELS if v != 220]}))
+    analyze_run([run], n_boot=200, plots=False, formats=())
+    df = pd.read_parquet(run / "analysis" / "analysis.parquet").set_index("level_value")
+    assert df.loc[220.0, "left_out"] == "interrupted" and pd.isna(df.loc[220.0, "chosen_by"])
+    assert not (df.loc[220.0, "flags"] or "").count("interrupt")  # the column is the only place the table says it
+    assert df.loc[180.0, "left_out"] == "thermal throttling"
+    assert df.loc[[260.0, 300.0], "left_out"].isna().all() and df.loc[260.0, "recommended"]
+    ex.export(run, "csv", tmp_path / "csv", tz="UTC")
+    rows = pd.read_csv(tmp_path / "csv" / "analysis.csv").set_index("level_value")
+    assert rows.loc[220.0, "left_out"] == "interrupted" and pd.isna(rows.loc[300.0, "left_out"])
+
+
 def test_a_limit_that_never_bound_below_the_reference_is_not_recommended_as_a_saving(tmp_path):
     # An H200-like card draws ~284 W whatever the limit from 400 W up: 400-600 W differ from 700 W by
     # noise only, and the budget policy recommended whichever had the lowest noise ("1% less energy").

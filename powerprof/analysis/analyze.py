@@ -367,6 +367,7 @@ def _analysis_table(base: pa.Table, s: LevelSeries, fits: dict[str, ModelFit], c
         "fit_gpu_j_per_token": pa.array(_nan_none(p_fit / tok_fit), pa.float64()),
         "chosen_by": pa.array(chosen, pa.string()),
         "recommended": pa.array([not alone and bool(v == choices[primary].level_value) for v in lv], pa.bool_()),
+        "left_out": pa.array([choices[primary].left_out.get(float(v)) for v in lv], pa.string()),
     }
     cols = [base.column(n) if n in base.column_names else extra[n] for n in ANALYSIS.names]
     return pa.Table.from_arrays(cols, schema=ANALYSIS)

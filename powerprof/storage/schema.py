@@ -186,6 +186,9 @@ ANALYSIS_COLUMNS = LEVELS_COLUMNS + [
     ("fit_gpu_j_per_token", F64),
     ("chosen_by", STR),  # comma-separated policies whose sweet spot is this level
     ("recommended", BOOL),  # the recommended level of its series
+    # Why no policy may choose this level (analyze.left_out_reason: "interrupted" is no flag, so the
+    # row's figures alone would not say it); null when it may be chosen.
+    ("left_out", STR),
 ]
 
 
