@@ -507,6 +507,29 @@ def test_an_interrupted_level_is_never_recommended(tmp_path):
     assert "220 W (interrupted)" in console_summary(res)
 
 
+def test_a_level_interrupted_at_one_concurrency_is_left_out_of_that_series_only(tmp_path):
+    # A sweep at concurrency 4 stopped while measuring 220 W, pooled with a finished concurrency-1 sweep:
+    # the cut levels were one set for every series, so 220 W at concurrency 1, fully measured, was
+    # never chosen either and the recommendation moved off the budget's choice.
+    import pyarrow.compute as pc
+
+    one = make_run(tmp_path / "c1", seed_truth(), levels=SEED_LEVELS, n_requests=12, run_id="c1")
+    four = make_run(tmp_path / "c4", seed_truth(), levels=SEED_LEVELS, n_requests=12, run_id="c4", concurrency=4)
+    w = pq.read_table(four / "windows.parquet")
+    pq.write_table(w.filter(pc.equal(w.column("concurrency"), 4)), four / "windows.parquet")  # a real run's: batches only
+    for run, done in ((one, SEED_LEVELS), (four, [v for v in SEED_LEVELS if v != 220])):
+        meta = json.loads((run / "run.json").read_text())
+        (run / "run.json").write_text(json.dumps({**meta, "levels_done": [[float(v), 0] for v in done]}))
+    res = analyze_run([one, four], tmp_path / "a", n_boot=200, plots=False, formats=())
+    by_c = {s.series.concurrency: s for s in res.series}
+    assert by_c[4].recommendation.left_out == {220.0: "interrupted"}
+    assert by_c[1].recommendation.left_out == {} and res.recommendation.level_value == 220
+    rows = {(r["concurrency"], r["level_value"]): r["left_out"] for r in res.table.to_pylist()}
+    assert rows[(4, 220.0)] == "interrupted" and rows[(1, 220.0)] is None
+    (warn,) = [w for w in res.warnings if w.kind == "interrupted"]
+    assert "c4" in warn.message and "220 W (" in warn.message
+
+
 def test_the_tables_say_why_a_level_was_left_out(tmp_path):
     # "interrupted" is no level flag: analysis.parquet and its CSV showed the cut-short 220 W with the best
     # figures, an empty chosen_by and no reason at all (the reason was only in analysis.json and report.md).

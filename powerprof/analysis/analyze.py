@@ -142,7 +142,8 @@ def analyze(
     (from the sweep's levels.parquet or the samples); see loading.py.
     judge_interrupted: False where the caller judges unfinished levels over more windows than these
     (a configuration sweep's analysis gets only its chosen configuration's), which then gives
-    interrupted_levels: the levels of these windows it found unfinished (never chosen)."""
+    interrupted_levels: (level_kind, concurrency, level_value) of the levels of these windows it found
+    unfinished (never chosen in that series only: another concurrency's 220 W is another level)."""
     if primary not in POLICIES:
         raise ValueError(f"unknown policy {primary!r}; choose one of: {', '.join(POLICIES)}")
     params = params or PolicyParams()
@@ -167,7 +168,8 @@ def analyze(
     sweep = sweep_settings(runs)
     results, findings = [], []
     stopped = interrupted_findings(runs, windows) if judge_interrupted else []
-    cut = {v for f in stopped for v in f.levels} | {float(v) for v in interrupted_levels if v is not None}
+    cut = (interrupted_series_levels(runs, windows) if judge_interrupted else set()) | {
+        (k, int(c), float(v)) for k, c, v in interrupted_levels if v is not None}
     for s in all_series:
         card = _card_range(runs, s.level_kind)
         p_max = params.p_max_w if params.p_max_w is not None else card[1]
@@ -178,7 +180,8 @@ def analyze(
             tok_sigma=_half_width(base.column("decode_tok_s_ci_low").to_numpy(zero_copy_only=False),
                                   base.column("decode_tok_s_ci_high").to_numpy(zero_copy_only=False)),
         )
-        choices = choose_all(s, sp, card, left_out=left_out_levels(base, cut))
+        in_series = {v for k, c, v in cut if (k, c) == (s.level_kind, s.concurrency)}
+        choices = choose_all(s, sp, card, left_out=left_out_levels(base, in_series))
         table = _analysis_table(base, s, fits, choices, primary, n_runs)
         results.append(SeriesResult(s, table, fits, choices, primary))
         not_engaged = {r["level_value"] for r in table.to_pylist() if r.get("cap_not_engaged")}
@@ -257,7 +260,10 @@ def interrupted_findings(runs: list[RunInfo], windows: pa.Table) -> list[Finding
     config_id, context_tokens] for a configuration sweep (powerprof/grid.py), level null where the
     settings were as they are. Runs without it are not judged."""
     out = []
-    for r, cut, unit in _unfinished(runs, windows):
+    for r, cells, unit in _unfinished(runs, windows):
+        cut: dict[tuple, int] = {}
+        for (c, n, v, _, _), k in cells.items():
+            cut[(c, n, v)] = cut.get((c, n, v), 0) + k
         what = ", ".join(f"{_visit_name(c, n, v, unit)} ({k} window{'s' if k > 1 else ''})"
                          for (c, n, v), k in sorted(cut.items(), key=lambda x: tuple(map(str, x[0]))))
         out.append(Finding("interrupted", (
@@ -271,16 +277,27 @@ def interrupted_findings(runs: list[RunInfo], windows: pa.Table) -> list[Finding
 def interrupted_cells(runs: list[RunInfo], windows: pa.Table) -> set[tuple]:
     """{(config_id, context_tokens, level)} of the visits interrupted_findings names (None where a
     plain sweep has no configuration or context, or no level was stepped)."""
-    return {cell for _, cut, _ in _unfinished(runs, windows) for cell in cut}
+    return {cell[:3] for _, cut, _ in _unfinished(runs, windows) for cell in cut}
+
+
+def interrupted_series_levels(runs: list[RunInfo], windows: pa.Table, config_id=None,
+                              context_tokens=None) -> set[tuple]:
+    """{(level_kind, concurrency, level)} of the unfinished visits, as stats.level_series names its series
+    (of one configuration and context when given): a level cut short at concurrency 8 is another level
+    than the same limit at concurrency 1, or a clock of the same number, and only it is left out."""
+    return {(kind, conc, v) for _, cut, _ in _unfinished(runs, windows) for c, n, v, kind, conc in cut
+            if v is not None and (config_id is None or (c, n) == (config_id, context_tokens))}
 
 
 def _unfinished(runs: list[RunInfo], windows: pa.Table) -> list[tuple[RunInfo, dict, str]]:
-    """(run, {(config_id, context_tokens, level): measured windows}, unit) per run with unfinished visits."""
-    from .stats import _col, window_masks  # noqa: PLC0415
+    """(run, {(config_id, context_tokens, level, level_kind, concurrency): measured windows}, unit) per run
+    with unfinished visits (level_kind "none" where it is null, as in stats.level_series)."""
+    from .stats import _col, _concurrency, window_masks  # noqa: PLC0415
 
     measured = window_masks(windows)[0]
     run_id, value, repeat = _col(windows, "run_id", object), _col(windows, "level_value"), _col(windows, "repeat")
     kind = _col(windows, "level_kind", object)
+    conc = _concurrency(windows)
     config, context = _col(windows, "config_id", object, None), _col(windows, "context_tokens")
     out = []
     for r in runs:
@@ -297,7 +314,7 @@ def _unfinished(runs: list[RunInfo], windows: pa.Table) -> list[tuple[RunInfo, d
             rep = int(repeat[i]) if np.isfinite(repeat[i]) else 0
             key = _visit_key(value[i], rep, config[i], context[i])
             if key not in finished:
-                where = (key[2], key[3], key[0])
+                where = (key[2], key[3], key[0], kind[i] if kind[i] is not None else "none", int(conc[i]))
                 cut[where] = cut.get(where, 0) + 1
                 unit = "MHz" if kind[i] == "sm_clock" else "W"
         if cut:

@@ -18,7 +18,8 @@ from powerprof import __version__
 from powerprof.storage.atomic import atomic_path, atomic_write_bytes
 from powerprof.storage.runs import atomic_write_table, no_finished_level
 
-from .analyze import AnalysisResult, SeriesResult, analyze, interrupted_cells, interrupted_findings
+from .analyze import (AnalysisResult, SeriesResult, analyze, interrupted_cells, interrupted_findings,
+                      interrupted_series_levels)
 from .checks import Finding
 from .loading import (AnalysisError, check_compatible, read_run_info, read_windows, sample_level_figures,
                       sweep_level_figures)
@@ -105,8 +106,8 @@ def analyze_run(
             # No configuration could be chosen (all left out), or none stepped levels: no power analysis.
             result = AnalysisResult(runs, [], [], params, timelines)
         else:
-            cut = ([v for c, n, v in interrupted_cells(runs, windows)
-                    if (c, n) == (where["config_id"], where["context_tokens"])] if where is not None else [])
+            cut = (interrupted_series_levels(runs, windows, where["config_id"], where["context_tokens"])
+                   if where is not None else set())
             result = analyze(windows, runs, figures, timelines, params, n_boot=n_boot, seed=seed, primary=primary,
                              judge_interrupted=knob_result is None, interrupted_levels=cut)
     except ValueError as e:
