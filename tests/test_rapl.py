@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 
 from powerprof.collectors.rapl import (
+    ASSUMED_MAX_POWER_W,
     RaplCollector,
     RaplPermissionError,
     RaplUnavailableError,
@@ -341,6 +342,38 @@ def test_a_counter_jump_above_the_zones_maximum_is_dropped_with_a_reason(tmp_pat
     clock.advance(1.0)
     ok = rc.read()[0]
     assert ok.power_w == pytest.approx(40.0, rel=1e-6) and ok.note is None and ok.epoch == jumped.epoch
+
+
+def test_an_operators_low_limit_is_no_bound_on_the_energy_kept(tmp_path):
+    # A zone that publishes no max_power_uw, its limits set to PL1 = PL2 = 35 W: the jump bound was
+    # 3 x 35 W, so 150 W drawn (the limits raised after the collector started, or not enforced) was
+    # dropped as a "counter jump", energy lost. The assumed maximum bounds it; a reset still trips it.
+    clock = FakeClock()
+    watts = iter([30.0, 150.0, 150.0, 150.0, 150.0])
+    pc = _tree(tmp_path, clock, dram=False, power_w_fn=lambda: next(watts), start_energy_uj=10**9)
+    (pkg,) = [z for z in pc.zones if z.kind == "package"]
+    for f in pkg.path.glob("constraint_*_max_power_uw"):
+        f.unlink()
+    for f in pkg.path.glob("constraint_*_power_limit_uw"):
+        f.write_text("35000000\n")
+    rc = _collector(pc, clock)
+    rc.read()
+    clock.advance(1.0)
+    pc.update()
+    assert rc.read()[0].power_w == pytest.approx(30.0, rel=1e-6)
+    clock.advance(1.0)
+    pc.update()
+    r = rc.read()[0]
+    assert r.power_w == pytest.approx(150.0, rel=1e-6) and r.note is None and r.energy_j == pytest.approx(180.0)
+    _reset_counter(pc, pc.zones[0])
+    clock.advance(1.0)
+    pc.update()
+    jumped = rc.read()[0]
+    assert jumped.power_w is None and "counter jumped" in jumped.note and "1500 W" in jumped.note
+    assert "assumed: it publishes none" in jumped.note
+    (zone,) = rc.zones
+    assert zone.max_power_w is None and zone.power_limit_w == 35.0
+    assert zone.top_power_w == ASSUMED_MAX_POWER_W["package"]
 
 
 def test_a_burst_up_to_the_zones_maximum_is_kept(tmp_path):

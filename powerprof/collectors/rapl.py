@@ -37,8 +37,9 @@ CPU_ENERGY_KINDS = ("package", "dram")
 # hardware (10 ms in the simulated tree), so shorter intervals give noise or a false 0 W.
 MIN_POWER_INTERVAL_S = 0.05
 
-# Used for the wrap period only when a zone publishes no power constraint; generous on purpose,
-# since a too-high figure merely asks for more frequent reads.
+# A zone's maximum power where it publishes no *_max_power_uw (for the wrap period and the
+# implausible-jump bound); generous on purpose, since a too-high figure merely asks for more
+# frequent reads and lets a bigger jump pass, where a too-low one drops real energy.
 ASSUMED_MAX_POWER_W = {"package": 500.0, "psys": 1000.0, "dram": 150.0, "core": 500.0, "uncore": 200.0}
 
 # A delta worth more than this many times the zone's maximum power over its interval is not energy
@@ -97,12 +98,17 @@ class RaplZone:
     socket: int | None
     die: int | None
     max_energy_range_uj: int | None  # None: unknown, so a counter that goes backwards is dropped
-    max_power_w: float | None  # highest power constraint the zone publishes
+    max_power_w: float | None  # highest *_max_power_uw the zone publishes: what the part can draw
+    power_limit_w: float | None = None  # highest *_power_limit_uw at discovery: an operator's setting
 
     @property
     def top_power_w(self) -> float:
-        """The most this zone can draw: its highest published constraint, else a generous guess."""
-        return self.max_power_w or ASSUMED_MAX_POWER_W.get(self.kind, 500.0)
+        """The most this zone can draw: its published maximum, else a generous guess; a power limit
+        above that raises it (PL2 bursts past a TDP-valued maximum), never lowers it: an operator
+        may set PL1 = PL2 = 35 W, or change the limits after discovery, and a bound of 3 x 35 W
+        would drop real energy as a "jump"."""
+        base = self.max_power_w or ASSUMED_MAX_POWER_W.get(self.kind, 500.0)
+        return max(base, self.power_limit_w or 0.0)
 
     @property
     def wrap_period_s(self) -> float:
@@ -145,13 +151,13 @@ def _read_int(opener, path) -> int | None:
         return None
 
 
-def _max_power_w(opener, d: Path) -> float | None:
+def _highest_w(opener, d: Path, suffix: str) -> float | None:
+    """The highest positive constraint_*<suffix> of a zone, in W (None: none published, or all 0)."""
     best = 0
-    for p in d.glob("constraint_*_*power*_uw"):
-        if p.name.endswith(("_power_limit_uw", "_max_power_uw")):
-            v = _read_int(opener, p)
-            if v and v > best:
-                best = v
+    for p in d.glob(f"constraint_*{suffix}"):
+        v = _read_int(opener, p)
+        if v and v > best:
+            best = v
     return best / 1e6 if best > 0 else None
 
 
@@ -211,7 +217,8 @@ def discover_zones(sysfs_root: str | os.PathLike = DEFAULT_ROOT, opener: Callabl
             socket=socket,
             die=die,
             max_energy_range_uj=_read_int(opener, p / "max_energy_range_uj") or None,
-            max_power_w=_max_power_w(opener, p),
+            max_power_w=_highest_w(opener, p, "_max_power_uw"),
+            power_limit_w=_highest_w(opener, p, "_power_limit_uw"),
         )
         if sub < 0:
             tops[n] = z
@@ -414,7 +421,8 @@ class RaplCollector:
             if d / 1e6 > limit_w * span_s:
                 note = (
                     f"counter jumped {d / 1e6:.4g} J in {elapsed_s:.3g} s ({d / 1e6 / span_s:.4g} W), above "
-                    f"{limit_w:.4g} W ({IMPLAUSIBLE_POWER_FACTOR:g}x the zone's {z.top_power_w:.4g} W maximum): "
+                    f"{limit_w:.4g} W ({IMPLAUSIBLE_POWER_FACTOR:g}x the zone's {z.top_power_w:.4g} W maximum"
+                    f"{'' if z.max_power_w else ', assumed: it publishes none'}): "
                     "a counter reset or a stalled read, not energy; delta dropped"
                 )
                 d = None
