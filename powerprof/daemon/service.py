@@ -246,8 +246,7 @@ class Daemon:
         """A request whose server count contradicts its stream: counted on /metrics by which rule it broke, and
         logged (the first few, then every 100th: a lying server does it for every request)."""
         problem = trace.counts.count_problem
-        reason = "running_count_short" if "running count" in problem else "stream_above_count"
-        self.count_contradictions[reason] += 1
+        self.count_contradictions[trace.counts.count_problem_kind] += 1
         n = sum(self.count_contradictions.values())
         if n <= 3 or n % 100 == 0:
             log.warning("request %d: %s; its row has no generated_tokens or J/token (%d such requests so far)",

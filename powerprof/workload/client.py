@@ -154,7 +154,8 @@ class RequestRecord:
         if not self.ok:
             return None
         shown = sum(self.event_tokens) if self.stream_tokens is None else self.stream_tokens
-        return count_problem(shown, self.generated_tokens, self.running_counts)
+        lie = count_problem(shown, self.generated_tokens, self.running_counts)
+        return lie.message if lie else None
 
     @property
     def ttft_s(self) -> float | None:
