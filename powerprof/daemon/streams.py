@@ -57,8 +57,7 @@ def summary_counts(summary, streamed: bool = True) -> Counts:
     gen = summary.generated_tokens
     problem = None
     if streamed:
-        running = 0 < summary.counted_tokens == summary.totalled_tokens  # every chunk carried the server's count
-        problem = count_problem(summary.counted_tokens, gen, running)
+        problem = count_problem(summary.counted_tokens, gen, summary.running_counts)
     return Counts(
         generated_tokens=gen if gen or summary.counted_tokens else None,
         prompt_tokens=summary.prompt_tokens,
