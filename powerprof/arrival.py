@@ -24,6 +24,7 @@ Classification (docs/workload.md, "The timing rule"):
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import numpy as np
 
@@ -45,6 +46,10 @@ SERVER_DISAGREE_BOUND = 0.05  # stream and server rates further apart than this:
 COUNT_SLACK_TOKENS = 3
 
 TIMINGS = ("stream", "server", "untrusted")
+# Which rule a server's count broke (count_problem): the daemon's /metrics label, so a name, not text.
+STREAM_ABOVE_COUNT = "stream_above_count"  # the stream carried more tokens than the server counted
+RUNNING_COUNT_SHORT = "running_count_short"  # the final count is above the running count the chunks carried
+COUNT_PROBLEM_KINDS = (STREAM_ABOVE_COUNT, RUNNING_COUNT_SHORT)
 
 
 @dataclass(frozen=True)
@@ -198,7 +203,14 @@ def stream_problem(q: ArrivalQuality, client_lag_s: float | None = None) -> tupl
     return None, bound
 
 
-def count_problem(stream_tokens: int, server_tokens: int | None, running: bool = False) -> str | None:
+class CountProblem(NamedTuple):
+    """Which rule a server's count broke (one of COUNT_PROBLEM_KINDS) and why, both counts named."""
+
+    kind: str
+    message: str
+
+
+def count_problem(stream_tokens: int, server_tokens: int | None, running: bool = False) -> CountProblem | None:
     """Why the server's own count of generated tokens cannot be believed beside its stream (None: it can).
 
     The server's count (usage, llama.cpp `tokens_predicted`/`predicted_n`) is the authority on how
@@ -212,11 +224,11 @@ def count_problem(stream_tokens: int, server_tokens: int | None, running: bool =
     if server_tokens is None:
         return None
     if stream_tokens > server_tokens:
-        return (f"the server counted {server_tokens} generated tokens but its stream carried {stream_tokens}: "
-                "the server's token count cannot be believed")
+        return CountProblem(STREAM_ABOVE_COUNT, f"the server counted {server_tokens} generated tokens but its stream "
+                            f"carried {stream_tokens}: the server's token count cannot be believed")
     if running and server_tokens - stream_tokens > COUNT_SLACK_TOKENS:
-        return (f"the server counted {server_tokens} generated tokens but its own running count in the stream "
-                f"reached {stream_tokens}: the server's token count cannot be believed")
+        return CountProblem(RUNNING_COUNT_SHORT, f"the server counted {server_tokens} generated tokens but its own "
+                            f"running count in the stream reached {stream_tokens}: the server's token count cannot be believed")
     return None
 
 
@@ -239,7 +251,7 @@ def classify(
     stream_s = (q.t_last_ns - q.t_first_ns) / 1e9 if q.t_first_ns is not None else None
     lie = count_problem(q.counted if stream_tokens is None else stream_tokens, generated, running_counts)
     if lie is not None:
-        return Timing("untrusted", lie, None, stream_s, q.window_tokens, q.t_first_ns, q.t_last_ns)
+        return Timing("untrusted", lie.message, None, stream_s, q.window_tokens, q.t_first_ns, q.t_last_ns)
     problem, bound = stream_problem(q, client_lag_s)
     has_server = server_decode_s is not None and server_decode_s > 0 and (server_decode_tokens or 0) > 0
     disagree = None

@@ -104,6 +104,14 @@ def shift_average_power(t_ns: np.ndarray, window_s: float) -> np.ndarray:
 COUNTER_STEP_S = 0.1
 # Below this share a median's rounding is under the ~1% the counter resolves anyway (LOW_CONFIDENCE_S).
 ROUNDING_TOL = 0.01
+# Windows of L = R / (2 · tol) keep that rounding under tol: 5 s at a 100 ms refresh.
+ROUNDED_WINDOW_S = COUNTER_STEP_S / (2 * ROUNDING_TOL)
+
+
+def max_tokens_for_windows(tok_s: float) -> int:
+    """The --max-tokens (a multiple of 64) that gives one request decoding at `tok_s` (its own rate, not the
+    batch's) a ROUNDED_WINDOW_S window; 0 at no rate."""
+    return int(np.ceil(ROUNDED_WINDOW_S * max(tok_s, 0.0) / 64) * 64)
 
 
 def counter_rounding_bound(window_s: float) -> float:

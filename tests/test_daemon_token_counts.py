@@ -67,4 +67,11 @@ def test_requests_whose_server_count_contradicts_the_stream_are_flagged_and_coun
     got = {s.labels["reason"]: s.value for s in fams["powerprof_requests_token_count_contradicted"].samples
            if s.name.endswith("_total")}
     assert got == {"stream_above_count": 2, "running_count_short": 1}, got
+    # Their timing is real: each adds a TPOT and output-length sample from the proxy's own count (40, what
+    # attribution uses), so the tuner's latency guard still sees them; the honest 1.25 chat one adds 50.
+    # Before, the contradicted three added none: 3 TPOT samples of 6.
+    hist = {s.name: s.value for f in fams.values() for s in f.samples}
+    assert hist["powerprof_request_tpot_seconds_count"] == len(PLAN), hist
+    assert hist["powerprof_request_output_tokens_count"] == len(PLAN)
+    assert hist["powerprof_request_output_tokens_sum"] == 5 * 40 + 50
     assert "cannot be believed" in d.output()  # logged, naming both counts

@@ -920,3 +920,24 @@ def test_a_compressed_request_body_reaches_the_upstream_as_the_client_encoded_it
         assert d.stop() == 0, d.output()
         stop_up()
     assert seen == {"length": str(len(body)), "encoding": "gzip"}
+
+
+def test_a_contradicted_counts_kind_crosses_the_link_and_an_unknown_kind_is_refused():
+    # The daemon's /metrics label was picked by matching "running count" in the message: the kind crosses
+    # the link as a name, and only a known one, beside its message, can become a label.
+    import dataclasses
+
+    from powerprof.arrival import RUNNING_COUNT_SHORT
+    from powerprof.daemon.workers import _end_record, check_message
+
+    tr = _trace(1, T + S // 10)
+    tr.end_ns = tr.end_wall_ns = T + S // 2
+    tr.counts = streams.Counts(50, 5, None, "stop", "timings", count_problem="the server counted 50 generated "
+                               "tokens but ...", count_problem_kind=RUNNING_COUNT_SHORT)
+    end = _end_record(tr)
+    check_message(([], [], [], [end], (0, 0, 0), [], T))
+    assert streams.Counts(*end[16]).count_problem_kind == RUNNING_COUNT_SHORT
+    for kind, problem in (("made_up", "x"), (None, "x"), (RUNNING_COUNT_SHORT, None)):
+        tr.counts = dataclasses.replace(tr.counts, count_problem=problem, count_problem_kind=kind)
+        with pytest.raises(ValueError, match="counts"):
+            check_message(([], [], [], [_end_record(tr)], (0, 0, 0), [], T))

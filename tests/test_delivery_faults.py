@@ -370,3 +370,20 @@ def test_a_trace_replayed_against_a_lying_server_has_no_j_per_token_and_says_why
             assert sm.count_problems == 2 and "24" in sm.count_problem
         else:
             assert row["timing"] is None and row["decode_tok_s"] is not None and sm.count_problems == 0
+
+
+def test_a_contradicted_count_names_the_rule_it_broke():
+    # The daemon labels its /metrics counter by the kind (it matched words in the message before).
+    from powerprof.arrival import RUNNING_COUNT_SHORT, STREAM_ABOVE_COUNT, count_problem
+    from powerprof.daemon.streams import summary_counts
+    from powerprof.workload.stream import StreamParser
+
+    assert count_problem(41, 40).kind == STREAM_ABOVE_COUNT and "carried 41" in count_problem(41, 40).message
+    assert count_problem(40, 50, running=True).kind == RUNNING_COUNT_SHORT
+    assert count_problem(40, 50) is None and count_problem(40, None) is None
+    p = StreamParser("llamacpp")
+    for i in range(1, 5):
+        p.feed(f'data: {{"content": "x", "tokens_predicted": {i}}}\n\n'.encode())
+    p.feed(b'data: {"content": "", "stop": true, "timings": {"predicted_n": 9}}\n\n')
+    c = summary_counts(p.finish())
+    assert c.count_problem_kind == RUNNING_COUNT_SHORT and "running count" in c.count_problem

@@ -8,7 +8,7 @@ from dataclasses import dataclass
 import numpy as np
 import pyarrow as pa
 
-from powerprof.energy import COUNTER_STEP_S, ROUNDING_TOL
+from powerprof.energy import ROUNDED_WINDOW_S, max_tokens_for_windows
 
 from .fits import ModelFit
 from .stats import LevelSeries
@@ -150,10 +150,9 @@ def _energy_resolution_message(rows: list[dict], unit: str) -> str:
         f"({(r['gpu_j_per_token'] / r['gpu_j_per_token_pooled'] - 1) * 100:+.1f}%"
         + (f", CI ±{r['ci_reached_pct']:.1f}%" if r.get("ci_reached_pct") is not None else "") + ")"
         for r in rows)
-    # Windows of L = R / (2 · tol) keep the rounding under tol: 5 s at a 100 ms refresh.
-    window_s = COUNTER_STEP_S / (2 * ROUNDING_TOL)
+    window_s = ROUNDED_WINDOW_S
     rates = [r["decode_tok_s"] / max(int(r.get("concurrency") or 1), 1) for r in rows if r.get("decode_tok_s")]
-    need = int(math.ceil(window_s * max(rates) / 64) * 64) if rates else None
+    need = max_tokens_for_windows(max(rates)) if rates else None
     ref = [r for r in rows if r.get("reference")]
     return (
         f"median J/token off the pooled figure (energy summed ÷ tokens summed, gpu_j_per_token_pooled) by more "

@@ -285,12 +285,13 @@ def summary_lines(result: KnobResult) -> list[str]:
     return out
 
 
-def left_out_text(result: KnobResult) -> str:
-    """The sentence naming the configurations no choice may fall on, and why ('' when none)."""
-    if not result.left_out:
+def left_out_text(left_out: dict[str, str], advice: str = "") -> str:
+    """The sentence naming what no choice may fall on ({name: why}: power levels or configurations), with
+    `advice` after; '' when none."""
+    if not left_out:
         return ""
-    return ("Never chosen, whatever their figures: " + ", ".join(f"{p.cell()} ({p.left_out})" for p in result.left_out)
-            + "; measure them again to compare them.")
+    return ("Never chosen, whatever their figures: " + ", ".join(f"{name} ({why})" for name, why in left_out.items())
+            + (f"; {advice}" if advice else "") + ".")
 
 
 def _f(x, fmt) -> str:

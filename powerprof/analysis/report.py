@@ -21,6 +21,7 @@ from powerprof.storage.runs import atomic_write_table, no_finished_level
 from .analyze import (AnalysisResult, SeriesResult, analyze, interrupted_cells, interrupted_findings,
                       interrupted_series_levels)
 from .checks import Finding
+from .knobs import analyze_knobs, is_grid, left_out_text, summary_lines
 from .loading import (AnalysisError, check_compatible, read_run_info, read_windows, sample_level_figures,
                       sweep_level_figures)
 from .sweetspot import DESCRIPTIONS, POLICIES, PolicyParams
@@ -136,8 +137,6 @@ def _configurations(runs, max_slowdown: float, windows):
     otherwise."""
     import pyarrow as pa
     import pyarrow.parquet as pq
-
-    from .knobs import analyze_knobs, is_grid
 
     tables = []
     for r in runs:
@@ -257,12 +256,10 @@ def _f(x, fmt=".3g", none="–") -> str:
 
 
 def _knob_head(result: AnalysisResult) -> list[str]:
-    from .knobs import left_out_text, summary_lines
-
     if result.knobs is None:
         return []
     c = result.knobs.chosen
-    never = left_out_text(result.knobs)
+    never = left_out_text({p.cell(): p.left_out for p in result.knobs.left_out}, "measure them again to compare them")
     if c is None:
         first = "No configuration could be chosen: every measured one is left out."
     else:
@@ -296,16 +293,10 @@ def recommendation_line(result: AnalysisResult) -> str:
         line = (head + f"{c.speed_loss_pct:.1f}% slower, {c.energy_saving_pct:.1f}% less energy per token than "
                 f"{sr.series.reference_value:g} {u}; " + _choice_range_text(sr, c, u))
     if c.left_out:
-        line += " " + left_out_text(c.left_out, u)
+        line += " " + left_out_text({f"{v:g} {u}": why for v, why in c.left_out.items()})
     if result.simulated:
         line += " (simulated)"
     return line
-
-
-def left_out_text(left_out: dict, unit: str) -> str:
-    """The sentence naming the levels no policy could choose, and why."""
-    return ("Never chosen, whatever their figures: "
-            + ", ".join(f"{v:g} {unit} ({why})" for v, why in left_out.items()) + ".")
 
 
 def _why_the_reference(sr: SeriesResult, c, u: str) -> str:

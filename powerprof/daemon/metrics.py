@@ -19,6 +19,7 @@ from prometheus_client import CollectorRegistry, ProcessCollector, generate_late
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
 
 from powerprof import __version__
+from powerprof.arrival import COUNT_PROBLEM_KINDS
 
 from .attribution import DEST_NAMES, KIND_NAMES
 from .inflight import InFlightState
@@ -179,7 +180,7 @@ class SnapshotCollector:
                                  "count contradicts the stream it sent (stream_above_count: the stream carried more; "
                                  "running_count_short: the final count is above the running count its chunks carried): "
                                  "their rows have no generated_tokens or J/token", labels=["reason"])
-        for reason in ("stream_above_count", "running_count_short"):
+        for reason in COUNT_PROBLEM_KINDS:
             cc.add_metric([reason], s.count_contradictions.get(reason, 0))
         yield cc
         if s.joules_per_token is not None:

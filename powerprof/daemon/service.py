@@ -228,12 +228,13 @@ class Daemon:
             self.tokens_by_tag[self.tags.label(trace.tag)] += trace.tokens_seen
         self.requests_by_tag[(self.tags.label(trace.tag), trace.outcome)] += 1
         c = trace.counts
+        gen = c.generated_tokens if c is not None and c.generated_tokens is not None else trace.tokens_seen
         if c is not None and c.count_problem is not None:
             self._count_contradicted(trace)
-        gen = c.generated_tokens if c is not None and c.generated_tokens is not None else trace.tokens_seen
-        self.latency.observe(trace.arrival_ns, trace.first_ns, trace.last_ns,
-                             # A count that contradicts the stream sets no TPOT or output length.
-                             None if c is not None and c.count_problem is not None else gen,
+            # Its timing is real and the tuner's guard reads these histograms: TPOT and output length from
+            # the proxy's own count (what attribution uses), not the server's contradicted one.
+            gen = trace.tokens_seen
+        self.latency.observe(trace.arrival_ns, trace.first_ns, trace.last_ns, gen,
                              c.prompt_tokens if c is not None else None,
                              # A non-streamed answer with no server timing is spread from its arrival.
                              first_seen=not (trace.extra.get("spread") and trace.first_ns == trace.arrival_ns))
@@ -246,8 +247,7 @@ class Daemon:
         """A request whose server count contradicts its stream: counted on /metrics by which rule it broke, and
         logged (the first few, then every 100th: a lying server does it for every request)."""
         problem = trace.counts.count_problem
-        reason = "running_count_short" if "running count" in problem else "stream_above_count"
-        self.count_contradictions[reason] += 1
+        self.count_contradictions[trace.counts.count_problem_kind] += 1
         n = sum(self.count_contradictions.values())
         if n <= 3 or n % 100 == 0:
             log.warning("request %d: %s; its row has no generated_tokens or J/token (%d such requests so far)",

@@ -43,6 +43,7 @@ class Counts:
     # Why the server's own count contradicts the stream it sent (arrival.count_problem, both counts
     # named); None when it does not. Then neither count is believed: see ledger.py.
     count_problem: str | None = None
+    count_problem_kind: str | None = None  # which rule it broke (arrival.COUNT_PROBLEM_KINDS): the metric's label
 
 
 def summary_counts(summary, streamed: bool = True) -> Counts:
@@ -56,8 +57,7 @@ def summary_counts(summary, streamed: bool = True) -> Counts:
     gen = summary.generated_tokens
     problem = None
     if streamed:
-        running = 0 < summary.counted_tokens == summary.totalled_tokens  # every chunk carried the server's count
-        problem = count_problem(summary.counted_tokens, gen, running)
+        problem = count_problem(summary.counted_tokens, gen, summary.running_counts)
     return Counts(
         generated_tokens=gen if gen or summary.counted_tokens else None,
         prompt_tokens=summary.prompt_tokens,
@@ -70,7 +70,8 @@ def summary_counts(summary, streamed: bool = True) -> Counts:
         # Confirmed where the server's own count (usage, timings) equals what the proxy counted.
         tokens_estimated=summary.guessed_tokens > 0
         and (summary.token_source == "counted" or gen != summary.counted_tokens),
-        count_problem=problem,
+        count_problem=problem.message if problem else None,
+        count_problem_kind=problem.kind if problem else None,
     )
 
 

@@ -37,6 +37,7 @@ import sys
 import time
 from dataclasses import astuple
 
+from powerprof.arrival import COUNT_PROBLEM_KINDS
 from powerprof.errtext import error_text
 
 from . import streams
@@ -335,7 +336,7 @@ _START = (_I, _S, _S, _SN, _I, _I, _SN, _SN, _BN)
 _FIRST = (_I, _I, _I, _I, _IN, _BN, _FN)
 _TOK = (_I, _I, _I, "float")
 _END_REST = (_IN, _IN, _IN, _SN, _SN, _IN, _IN, _IN, _IN, _I, _I, _SN, _SN, _SN, _BN)
-_COUNTS = (_IN, _IN, _SN, _SN, _S, _FN, _BN, _SN, _SN, "bool", _SN)
+_COUNTS = (_IN, _IN, _SN, _SN, _S, _FN, _BN, _SN, _SN, "bool", _SN, _SN)
 
 
 def _ok(v, kind: str) -> bool:
@@ -387,6 +388,9 @@ def check_message(msg) -> None:
         _check(e[1:16], _END_REST, "end")
         if e[16] is not None:
             _check(e[16], _COUNTS, "end's counts")
+            # The kind becomes a /metrics label: only a known one, and only beside its message.
+            if (e[16][11] is None) != (e[16][10] is None) or e[16][11] not in (None, *COUNT_PROBLEM_KINDS):
+                raise ValueError(f"malformed end's counts record {e[16]!r:.200}")
     for m in marks:
         _check(m, (_I, _I), "dropped-tokens")
     _check(stats, (_I, _I, _I), "stats")

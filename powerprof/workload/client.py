@@ -146,15 +146,20 @@ class RequestRecord:
         if not self.ok:
             return None
         return classify(self.quality, self.generated_tokens, self.server_decode_s, self.server_decode_tokens, self.client_lag_s,
-                        self.stream_tokens, self.running_counts)
+                        self.shown_tokens, self.running_counts)
+
+    @property
+    def shown_tokens(self) -> int:
+        """Tokens the stream showed, the one figure both the timing rule and count_problem check the server's count against."""
+        return int(sum(self.event_tokens)) if self.stream_tokens is None else self.stream_tokens
 
     @property
     def count_problem(self) -> str | None:
         """Why the server's own token count cannot be believed beside its stream (arrival.count_problem); None for failures."""
         if not self.ok:
             return None
-        shown = sum(self.event_tokens) if self.stream_tokens is None else self.stream_tokens
-        return count_problem(shown, self.generated_tokens, self.running_counts)
+        lie = count_problem(self.shown_tokens, self.generated_tokens, self.running_counts)
+        return lie.message if lie else None
 
     @property
     def ttft_s(self) -> float | None:
@@ -515,6 +520,6 @@ async def send_request(
         server_timing_source=sd_src,
         truncated=truncated,
         stream_tokens=summary.counted_tokens,
-        running_counts=0 < summary.counted_tokens == summary.totalled_tokens,
+        running_counts=summary.running_counts,
     )
 

@@ -17,9 +17,9 @@ import aiohttp
 import numpy as np
 from powerprof import termination
 from powerprof.energy import (
-    COUNTER_STEP_S,
-    ROUNDING_TOL,
+    ROUNDED_WINDOW_S,
     counter_rounding_bound,
+    max_tokens_for_windows,
     median_off_by_rounding,
     within_prompt_offset,
 )
@@ -187,9 +187,8 @@ def rounding_notes(summary: list[Summary]) -> list[str]:
         offset = x.prompt_offset if x.prompt_offset is not None else float("nan")
         if med is None or not median_off_by_rounding(med, pooled, float("nan"), w, offset):
             continue
-        window_s = COUNTER_STEP_S / (2 * ROUNDING_TOL)
-        per_request = (x.decode_tok_s or 0) / x.concurrency
-        need = int(np.ceil(window_s * per_request / 64) * 64)
+        window_s = ROUNDED_WINDOW_S
+        need = max_tokens_for_windows((x.decode_tok_s or 0) / x.concurrency)
         out.append(
             f"concurrency {x.concurrency}: the windows' own J/token (windows.parquet) read whole steps of the GPU "
             f"energy counter (refreshed every 10-100 ms) over {w:.2f} s windows: their median {med:.4g} is "

@@ -85,6 +85,11 @@ class StreamSummary:
     # `tokens_predicted`, continuous usage): all of them, and the stream's count is the server's.
     totalled_tokens: int = 0
 
+    @property
+    def running_counts(self) -> bool:
+        """Every chunk carried the server's running count: the stream's count is the server's own."""
+        return 0 < self.counted_tokens == self.totalled_tokens
+
 
 def _int(v) -> int | None:
     if isinstance(v, bool):
