@@ -744,6 +744,8 @@ def analyze(run_dirs, out_dir, max_slowdown, eta, formats, force, n_boot, as_jso
                 click.echo(json.dumps(table.to_pylist(), default=str, indent=2))
             else:
                 click.echo(fleet.render_summary(table))
+            for n in fleet.notes(table):
+                click.echo(f"note: {n}", err=True)
             return
         if any(fleet.is_uri(s) for s in sources):
             raise AnalysisError("sweep runs are read from local folders; object-store URIs are for daemon datasets")

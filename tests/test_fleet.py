@@ -123,3 +123,98 @@ def test_not_a_daemon_dataset_is_a_clear_error(tmp_path):
     (tmp_path / "x").mkdir()
     with pytest.raises(FleetError, match="not a daemon dataset"):
         fleet_summary([str(tmp_path / "x")])
+
+
+# --- overlapping and older datasets (review s29) --------------------------------------------------
+
+def _copy(src: Path, dst: Path) -> Path:
+    import shutil
+
+    shutil.copytree(src, dst)
+    return dst
+
+
+def test_a_copy_of_a_node_in_another_folder_counts_once(fleet, tmp_path):
+    # A backup copy of node-1 beside the fleet glob doubled node-1's requests, tokens and energy, silently.
+    base, truth = fleet
+    _copy(base / "node-1", tmp_path / "backup-node-1")
+    res = CliRunner().invoke(main, ["analyze", str(base / "node-*"), str(tmp_path / "backup-node-1"),
+                                    "--out", str(tmp_path / "out")])
+    assert res.exit_code == 0, res.output
+    _check(pq.read_table(tmp_path / "out" / "fleet.parquet").to_pylist(), truth)
+    assert "counted once" in res.output and "node-1" in res.output
+
+
+def test_files_compaction_merged_beside_the_merged_file_count_once(fleet, tmp_path):
+    # `aws s3 sync` without --delete keeps a node's flush files after compaction merged them into one:
+    # the copy holds every row twice (and a reader racing a compaction sees both for a moment).
+    base, truth = fleet
+    node = _copy(base / "node-2", tmp_path / "node-2")
+    for table in ("requests", "intervals"):
+        for f in list((node / table).rglob("part-*.parquet")):
+            f.with_name("compact-20260116T000000000000-1.parquet").write_bytes(f.read_bytes())
+    rows = fleet_summary([str(node)]).to_pylist()
+    _check(rows, {"node-2": truth["node-2"]})
+    assert rows[0]["duplicate_requests"] == truth["node-2"]["requests"] and rows[0]["duplicate_intervals"] == 40
+
+
+def test_a_host_key_in_a_folder_above_does_not_rename_the_nodes(fleet, tmp_path):
+    # DuckDB's hive partitioning read `host=laptop` in the path above the datasets as every row's host:
+    # all nodes became one host "laptop" with the fleet's sums.
+    base, truth = fleet
+    above = tmp_path / "host=laptop"
+    for k in range(NODES):
+        _copy(base / f"node-{k}", above / f"node-{k}")
+    _check(fleet_summary([str(above / "node-*")]).to_pylist(), truth)
+
+
+def _without_host(src: Path, dst: Path) -> Path:
+    """A node's requests and intervals as a daemon wrote them before the `host` column existed."""
+    for table in ("requests", "intervals"):
+        for f in (src / table).rglob("*.parquet"):
+            out = dst / f.relative_to(src)
+            out.parent.mkdir(parents=True, exist_ok=True)
+            pq.write_table(pq.read_table(f).drop_columns(["host"]), out)
+    return dst
+
+
+def test_nodes_written_before_the_host_column_stay_apart(fleet, tmp_path):
+    # Files without the column failed with a DuckDB binder error; with it null, two nodes merged into one
+    # "(unknown)" row whose J/token blended both.
+    base, truth = fleet
+    old = [_without_host(base / f"node-{k}", tmp_path / f"old-{k}") for k in (1, 5)]
+    rows = fleet_summary([str(p) for p in old]).to_pylist()
+    assert len(rows) == 2
+    for r, k in zip(rows, (1, 5)):
+        assert r["host"] == f"(unknown) {tmp_path / f'old-{k}'}"
+        assert r["requests"] == truth[f"node-{k}"]["requests"]
+        assert r["gpu_j_per_token"] == pytest.approx(truth[f"node-{k}"]["jpt"])
+        assert r["gpu_energy_j"] == pytest.approx(truth[f"node-{k}"]["gpu_j"])
+
+
+def test_older_files_under_host_partitions_take_the_partition_name(fleet, tmp_path):
+    base, truth = fleet
+    _without_host(base / "node-4", tmp_path / "host=node-4")
+    rows = fleet_summary([str(tmp_path / "host=node-4")]).to_pylist()
+    assert [r["host"] for r in rows] == ["node-4"]
+    assert rows[0]["gpu_energy_j"] == pytest.approx(truth["node-4"]["gpu_j"])
+
+
+def test_docs_duckdb_query_counts_a_copy_once_and_keeps_the_hosts(fleet, tmp_path):
+    """docs/fleet.md's query over a synced fleet that kept merged flush files, under a `host=` folder."""
+    base, truth = fleet
+    top = tmp_path / "host=analyst"
+    for k in range(NODES):
+        _copy(base / f"node-{k}", top / f"node-{k}")
+    for table in ("requests", "intervals"):
+        f = next((top / "node-0" / table).rglob("part-*.parquet"))
+        f.with_name("compact-20260116T000000000000-1.parquet").write_bytes(f.read_bytes())
+    sql = re.search(r"```sql duckdb\n(.*?)```", (ROOT / "docs" / "fleet.md").read_text(), re.S).group(1)
+    con = duckdb.connect()
+    rows = con.execute(sql.replace("/var/lib/powerprof-fleet", str(top))).fetchall()
+    cols = [d[0] for d in con.description]
+    rows = [dict(zip(cols, r)) for r in rows]
+    assert [r["host"] for r in rows] == sorted(truth)
+    for r in rows:
+        assert r["requests"] == truth[r["host"]]["requests"]
+        assert r["gpu_energy_j"] == pytest.approx(truth[r["host"]]["gpu_j"])

@@ -70,49 +70,90 @@ def _quote(s: str) -> str:
     return "'" + s.replace("'", "''") + "'"
 
 
+# The columns each table's query reads, with the type a file that lacks one (older writers) reads as NULL.
+COLUMNS = {
+    "requests": {"host": "VARCHAR", "daemon_id": "VARCHAR", "request_id": "BIGINT", "outcome": "VARCHAR",
+                 "generated_tokens": "BIGINT", "gpu_energy_j": "DOUBLE", "attributed_tokens": "DOUBLE",
+                 "ttft_s": "DOUBLE"},
+    "intervals": {"host": "VARCHAR", "daemon_id": "VARCHAR", "t_start_mono_s": "DOUBLE", "gpu_energy_j": "DOUBLE",
+                  "kind": "VARCHAR", "duration_s": "DOUBLE", "t_start_utc": "TIMESTAMPTZ",
+                  "t_end_utc": "TIMESTAMPTZ"},
+}
+# What makes a row one event: a daemon process numbers its requests, and its intervals start at distinct
+# monotonic (and wall-clock) times. The same key twice is the same row read twice (a copy of a node's folder, or flush files
+# beside the file compaction merged them into, as `aws s3 sync` without --delete leaves them).
+KEYS = {"requests": ("daemon_id", "request_id"), "intervals": ("daemon_id", "t_start_mono_s", "t_start_utc")}
+
+
 def read_sql(files: list[str]) -> str:
-    """DuckDB table expression over several datasets' files of one table: hive `date` partitions,
-    columns matched by name (files written before the `host` column read it as NULL)."""
-    return (f"read_parquet([{', '.join(_quote(f) for f in files)}], hive_partitioning = true, "
-            "union_by_name = true)")
+    """DuckDB table expression over several datasets' files of one table: columns matched by name, each
+    row with its file. No hive partitioning: DuckDB would read any `host=` folder in the path (one
+    above the datasets too) as every row's host, over the `host` the daemon wrote into the row."""
+    return (f"read_parquet([{', '.join(_quote(f) for f in files)}], hive_partitioning = false, "
+            "union_by_name = true, filename = true, file_row_number = true)")
+
+
+def _table_sql(con, table: str, files: list[str]) -> str:
+    """One row per event of `table` (copies counted once, in `copies`), each with the host it belongs to.
+
+    The host is the row's own; for rows written before the column existed, a `host=NAME` folder's NAME
+    (the layout docs/fleet.md gives for Trino), else `(unknown) <dataset folder>`: two older nodes
+    must not merge into one row whose J/token blends both."""
+    cols = COLUMNS[table]
+    if files:
+        src = read_sql(files)
+        names = {r[0] for r in con.execute(f"DESCRIBE SELECT * FROM {src}").fetchall()}
+        sel = ", ".join(c if c in names else f"CAST(NULL AS {t}) AS {c}" for c, t in cols.items())
+        raw = f"SELECT {sel}, filename, file_row_number FROM {src}"
+    else:
+        sel = ", ".join(f"CAST(NULL AS {t}) AS {c}" for c, t in cols.items())
+        raw = f"SELECT {sel}, NULL::VARCHAR AS filename, NULL::BIGINT AS file_row_number WHERE false"
+    # The file's dataset folder: minus the file, a date= folder, and the table's own folder name.
+    folder = (f"regexp_replace(regexp_replace(filename, '/(date=[^/]*/)?[^/]*$', ''), "
+              f"'^(.*)/{table}(/.*)?$', '\\1\\2')")
+    label = (f"coalesce(host, nullif(regexp_extract({folder}, '/host=([^/]+)$', 1), ''), "
+             f"'(unknown) ' || {folder})")
+    key = KEYS[table]
+    # No key (no daemon, or no place within it): every such row is its own, by its file and place in it.
+    keyless = f"{key[0]} IS NULL OR " + ("(" + " AND ".join(f"{c} IS NULL" for c in key[1:]) + ")")
+    aggs = ", ".join(f"any_value({c}) AS {c}" for c in cols if c not in ("host", *key))
+    return (f"(SELECT min(host) AS host, {', '.join(key)}, {aggs}, count(*) AS copies FROM ("
+            f"SELECT {label} AS host, {', '.join(c for c in cols if c != 'host')}, "
+            f"CASE WHEN {keyless} THEN filename END AS _file, CASE WHEN {keyless} THEN file_row_number END AS _row "
+            f"FROM ({raw})) GROUP BY {', '.join(key)}, _file, _row)")
 
 
 # One row per host: what its proxy served, what its GPUs spent, and what the two give per token.
-# The same statement, with read_parquet replaced by a table over the same hive layout, is the
-# Spark SQL / Trino query of docs/fleet.md.
+# The same statement, with the tables over the same files, is the Spark SQL / Trino query of docs/fleet.md.
 FLEET_SQL = """
 WITH r AS (
-    SELECT coalesce(host, '(unknown)') AS host,
+    SELECT host,
            count(*) AS requests,
            count(*) FILTER (WHERE outcome <> 'ok') AS failed_requests,
            CAST(sum(generated_tokens) AS BIGINT) AS generated_tokens,
            sum(gpu_energy_j) AS attributed_gpu_energy_j,
            sum(attributed_tokens) AS attributed_tokens,
-           approx_quantile(ttft_s, 0.5) AS ttft_p50_s
+           approx_quantile(ttft_s, 0.5) AS ttft_p50_s,
+           CAST(sum(copies - 1) AS BIGINT) AS duplicate_requests
     FROM {requests} GROUP BY 1
 ), i AS (
-    SELECT coalesce(host, '(unknown)') AS host,
+    SELECT host,
            sum(gpu_energy_j) AS gpu_energy_j,
            sum(gpu_energy_j) FILTER (WHERE kind = 'idle') AS idle_gpu_energy_j,
            sum(duration_s) / 3600 AS hours,
            min(t_start_utc) AS t_first_utc,
-           max(t_end_utc) AS t_last_utc
+           max(t_end_utc) AS t_last_utc,
+           CAST(sum(copies - 1) AS BIGINT) AS duplicate_intervals
     FROM {intervals} GROUP BY 1
 )
 SELECT host, requests, failed_requests, generated_tokens, gpu_energy_j, idle_gpu_energy_j,
        attributed_gpu_energy_j, attributed_tokens,
        attributed_gpu_energy_j / nullif(attributed_tokens, 0) AS gpu_j_per_token,
-       ttft_p50_s, hours, t_first_utc, t_last_utc
+       ttft_p50_s, hours, t_first_utc, t_last_utc,
+       coalesce(duplicate_requests, 0) AS duplicate_requests, coalesce(duplicate_intervals, 0) AS duplicate_intervals
 FROM i FULL OUTER JOIN r USING (host)
 ORDER BY host
 """
-
-_EMPTY = {"requests": "(SELECT NULL::VARCHAR AS host, NULL::VARCHAR AS outcome, NULL::INT AS generated_tokens, "
-                      "NULL::DOUBLE AS gpu_energy_j, NULL::DOUBLE AS attributed_tokens, NULL::DOUBLE AS ttft_s "
-                      "WHERE false)",
-          "intervals": "(SELECT NULL::VARCHAR AS host, NULL::DOUBLE AS gpu_energy_j, NULL::VARCHAR AS kind, "
-                       "NULL::DOUBLE AS duration_s, NULL::TIMESTAMPTZ AS t_start_utc, "
-                       "NULL::TIMESTAMPTZ AS t_end_utc WHERE false)"}
 
 
 def fleet_summary(sources) -> pa.Table:
@@ -123,37 +164,52 @@ def fleet_summary(sources) -> pa.Table:
     bad = [s for s in srcs if not is_daemon_dataset(s)]
     if bad:
         raise FleetError(f"{', '.join(bad)}: not a daemon dataset (no requests/ or intervals/ folder)")
-    parts = {}
-    for table in ("requests", "intervals"):
-        files = table_files(srcs, table)
-        parts[table] = read_sql(files) if files else _EMPTY[table]
     with connect() as con:
         try:
+            parts = {table: _table_sql(con, table, table_files(srcs, table)) for table in ("requests", "intervals")}
             return to_arrow(con, FLEET_SQL.format(**parts))
         except Exception as e:  # duckdb.Error and IO errors: say which sources, keep the reason
             from powerprof import termination  # noqa: PLC0415
 
             if (stop := termination.exit_inside(e)) is not None:
                 raise stop from None
-            raise FleetError(f"cannot read the datasets {', '.join(srcs)}: {e}") from None
+            why = str(e).split("\n\nLINE ")[0].strip()  # DuckDB's echo of our query says nothing to the user
+            raise FleetError(f"cannot read the datasets {', '.join(srcs)}: {why}") from None
+
+
+def notes(t: pa.Table) -> list[str]:
+    """What the reader of the summary must know: rows read twice and counted once, hosts named by folder."""
+    out = []
+    dup = [r for r in t.to_pylist() if r["duplicate_requests"] or r["duplicate_intervals"]]
+    if dup:
+        out.append("rows found more than once were counted once (the same daemon_id and request_id, or interval "
+                   "start: a copy of a node's folder among the sources, or a synced copy that kept the files "
+                   "compaction merged): " + "; ".join(f"{r['host']}: {r['duplicate_requests']} requests, "
+                                                       f"{r['duplicate_intervals']} intervals" for r in dup))
+    unknown = [r["host"] for r in t.to_pylist() if r["host"].startswith("(unknown) ")]
+    if unknown:
+        out.append(f"{len(unknown)} dataset(s) were written before rows carried their host; each is named by its "
+                   "folder")
+    return out
 
 
 def render_summary(t: pa.Table) -> str:
     """A plain-text table of the per-host summary, then the fleet's totals."""
     rows = t.to_pylist()
-    lines = [f"{'host':20s} {'requests':>9s} {'tokens':>11s} {'GPU kWh':>9s} {'idle %':>7s} {'J/token':>8s}"]
+    w = max([20] + [len(r["host"]) for r in rows])  # a host cut short could read as another
+    lines = [f"{'host':{w}s} {'requests':>9s} {'tokens':>11s} {'GPU kWh':>9s} {'idle %':>7s} {'J/token':>8s}"]
     tot_e = tot_idle = tot_att = tot_att_tok = 0.0
     tot_tok = tot_req = 0
     for r in rows:
         e, idle = r["gpu_energy_j"] or 0.0, r["idle_gpu_energy_j"] or 0.0
         jpt = r["gpu_j_per_token"]
-        lines.append(f"{r['host'][:20]:20s} {r['requests'] or 0:9d} {r['generated_tokens'] or 0:11d} {e / 3.6e6:9.3f} "
+        lines.append(f"{r['host']:{w}s} {r['requests'] or 0:9d} {r['generated_tokens'] or 0:11d} {e / 3.6e6:9.3f} "
                      f"{100 * idle / e if e else float('nan'):7.1f} {'-' if jpt is None else f'{jpt:.3f}':>8s}")
         tot_e, tot_idle = tot_e + e, tot_idle + idle
         tot_tok, tot_req = tot_tok + (r["generated_tokens"] or 0), tot_req + (r["requests"] or 0)
         tot_att += r["attributed_gpu_energy_j"] or 0.0
         tot_att_tok += r["attributed_tokens"] or 0.0
     jpt = f"{tot_att / tot_att_tok:.3f}" if tot_att_tok else "-"
-    lines.append(f"{'all ' + str(len(rows)) + ' hosts':20s} {tot_req:9d} {tot_tok:11d} {tot_e / 3.6e6:9.3f} "
+    lines.append(f"{'all ' + str(len(rows)) + ' hosts':{w}s} {tot_req:9d} {tot_tok:11d} {tot_e / 3.6e6:9.3f} "
                  f"{100 * tot_idle / tot_e if tot_e else float('nan'):7.1f} {jpt:>8s}")
     return "\n".join(lines)
