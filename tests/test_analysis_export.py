@@ -316,3 +316,15 @@ def test_cli_export_option_errors_are_usage_errors_exit_2(run, tmp_path, args):
     assert not out.exists()
     r = CliRunner().invoke(main, ["export", "/nonexistent", "--format", "csv", "--out", str(out)])
     assert r.exit_code == 1
+
+
+def test_xlsx_keeps_nan_and_infinity_visible(tmp_path):
+    # openpyxl writes NaN and ±inf as empty cells: in the sheet they read as a missing reading (null),
+    # while CSV and Parquet say nan / inf. A J/token of inf (zero tokens) vanished from the spreadsheet.
+    src = tmp_path / "odd.parquet"
+    pq.write_table(pa.table({"gpu_j_per_token": [float("nan"), float("inf"), float("-inf"), None, 2.5]}), src)
+    out = tmp_path / "o.xlsx"
+    r = CliRunner().invoke(main, ["export", str(src), "--format", "xlsx", "--out", str(out)])
+    assert r.exit_code == 0, (r.output, r.exception)
+    col = [row[0] for row in load_workbook(out)["odd"].iter_rows(min_row=2, values_only=True)]
+    assert col == ["NaN", "inf", "-inf", None, 2.5]

@@ -12,6 +12,7 @@ Files are written under a temporary name and renamed, so a failed export leaves 
 from __future__ import annotations
 
 import json
+import math
 import os
 from dataclasses import dataclass
 from datetime import date, datetime, timezone
@@ -592,6 +593,7 @@ def _time_cell(ws, value, cell_cls):
 def _xlsx_values(arr: pa.ChunkedArray) -> list:
     """Cell values: Excel has no time zones, so timestamps become naive (UTC or local, per the header).
 
+    NaN and ±inf become the text NaN, inf, -inf (a sheet has no such numbers; openpyxl left the cell empty).
     A sheet cannot hold control characters (a server's error text may carry an ANSI colour or a NUL):
     each becomes U+FFFD, rather than the whole export failing on one cell."""
     if pa.types.is_timestamp(arr.type) and arr.type.tz:
@@ -600,4 +602,11 @@ def _xlsx_values(arr: pa.ChunkedArray) -> list:
         from openpyxl.cell.cell import ILLEGAL_CHARACTERS_RE  # noqa: PLC0415
 
         return [v if v is None else ILLEGAL_CHARACTERS_RE.sub("\ufffd", v) for v in arr.to_pylist()]
+    if pa.types.is_floating(arr.type):
+        # openpyxl writes NaN and ±inf as empty cells, which read as a missing reading: as text they stay
+        # visible, as CSV's nan/inf do.
+        return [v if v is None or math.isfinite(v) else _NONFINITE[str(v)] for v in arr.to_pylist()]
     return arr.to_pylist()
+
+
+_NONFINITE = {"nan": "NaN", "inf": "inf", "-inf": "-inf"}
