@@ -597,3 +597,23 @@ def test_a_median_on_one_rounding_of_a_coarse_counter_is_said_and_never_chosen(t
     assert "220 W: 2.6" in warn.message and "refresh" in warn.message and "--max-tokens 448 or more" in warn.message
     df = pd.read_parquet(tmp_path / "a220" / "analysis.parquet").set_index("level_value")
     assert df.loc[220.0, "gpu_j_per_token_pooled"] == pytest.approx(rows[220.0]["gpu_j_per_token_pooled"])
+
+
+def test_an_analysis_stopped_while_writing_leaves_the_previous_one_whole(tmp_path, monkeypatch):
+    # Each file was replaced atomically, but one after another: Ctrl-C while report.html was rendered left
+    # the new analysis.parquet, report.md and plots beside the old report.html and analysis.json (whose
+    # recommendation the xlsx export's summary sheet shows): two analyses mixed, each file whole.
+    from powerprof.analysis import report
+
+    run = make_run(tmp_path / "run", seed_truth(), levels=(220, 300), n_requests=8)
+    analyze_run([run], n_boot=100, max_slowdown=0.10)
+    out = run / "analysis"
+    before = {f.name: f.read_bytes() for f in out.iterdir()}
+
+    def interrupted(*a, **k):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(report, "render_html", interrupted)
+    r = CliRunner().invoke(main, ["analyze", str(run), "--bootstrap", "100", "--max-slowdown", "1%"])
+    assert r.exit_code == 130, r.output
+    assert {f.name: f.read_bytes() for f in out.iterdir()} == before  # no temporary left either

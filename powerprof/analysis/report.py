@@ -15,8 +15,8 @@ from pathlib import Path
 import numpy as np
 
 from powerprof import __version__
-from powerprof.storage.atomic import atomic_path, atomic_write_bytes
-from powerprof.storage.runs import atomic_write_table, no_finished_level
+from powerprof.storage.atomic import atomic_group
+from powerprof.storage.runs import no_finished_level, write_table
 
 from .analyze import (AnalysisResult, SeriesResult, analyze, interrupted_cells, interrupted_findings,
                       interrupted_series_levels)
@@ -180,13 +180,23 @@ def write_outputs(result: AnalysisResult, out: Path, formats=FORMATS, plots: boo
     from . import plots as P  # noqa: PLC0415  (matplotlib is slow to import; only here)
 
     out.mkdir(parents=True, exist_ok=True)
+    # All or none: an interruption while the report renders must not leave new plots and tables beside
+    # the old report and analysis.json (the export's summary sheet reads its recommendation).
+    with atomic_group() as stage:
+        return _write_outputs(result, out, formats, plots, stage)
+
+
+def _write_outputs(result: AnalysisResult, out: Path, formats, plots: bool, stage) -> dict[str, str]:
+    from . import plots as P  # noqa: PLC0415
+
     files: dict[str, str] = {}
-    images: dict[str, Path] = {}
+    images: dict[str, Path] = {}  # final names, for the links
+    drawn: dict[Path, Path] = {}  # final name → its staged temporary, which the HTML embeds
     if plots:
         for sr in result.series:
             for name, fn in (("j_per_token", P.plot_j_per_token), ("tok_s", P.plot_tok_s),
                              ("saving_vs_loss", P.plot_tradeoff)):
-                images[f"{name}{sr.suffix}"] = _atomic_png(out / f"{name}{sr.suffix}.png", lambda p: fn(sr, p))
+                images[f"{name}{sr.suffix}"] = _staged_png(stage, drawn, out / f"{name}{sr.suffix}.png", lambda p: fn(sr, p))
         if result.knobs is not None:
             from .knobs import heatmap_axes
 
@@ -194,26 +204,26 @@ def write_outputs(result: AnalysisResult, out: Path, formats=FORMATS, plots: boo
             if axes is not None:
                 for ctx in result.knobs.by_context:
                     key = "config_heatmap" + ("" if ctx is None else f"_ctx{ctx}")
-                    images[key] = _atomic_png(out / f"{key}.png", lambda p: P.plot_knob_heatmap(result.knobs, *axes, p, ctx))
+                    images[key] = _staged_png(stage, drawn, out / f"{key}.png", lambda p: P.plot_knob_heatmap(result.knobs, *axes, p, ctx))
         for tl in result.timelines:
             key = "power_clock" if len(result.timelines) == 1 else f"power_clock_{_safe(tl.run_id)}"
             meta = next((r.meta for r in result.runs if r.run_id == tl.run_id), {})
             unit = "MHz" if (meta.get("settings") or {}).get("level_kind") == "sm_clock" else "W"
-            images[key] = _atomic_png(out / f"{key}.png", lambda p: P.plot_timeline(
+            images[key] = _staged_png(stage, drawn, out / f"{key}.png", lambda p: P.plot_timeline(
                 tl, p, level_unit=unit, idle_power_w=meta.get("idle_gpu_power_w")))
     files.update({k: str(v) for k, v in images.items()})
     meta = {"powerprof_analysis": json.dumps(result.to_dict(), default=_json_default)}
-    atomic_write_table(out / "analysis.parquet", result.table, meta)
+    write_table(stage(out / "analysis.parquet"), result.table, meta)
     files["analysis.parquet"] = str(out / "analysis.parquet")
     if "md" in formats:
-        atomic_write_bytes(out / "report.md", render_markdown(result, images, out).encode())
+        stage(out / "report.md").write_bytes(render_markdown(result, images, out).encode())
         files["report.md"] = str(out / "report.md")
     if "html" in formats:
-        atomic_write_bytes(out / "report.html", render_html(result, images).encode())
+        stage(out / "report.html").write_bytes(render_html(result, {k: drawn[v] for k, v in images.items()}).encode())
         files["report.html"] = str(out / "report.html")
     files["analysis.json"] = str(out / "analysis.json")
     result.files = files
-    atomic_write_bytes(out / "analysis.json", result_json(result).encode())
+    stage(out / "analysis.json").write_bytes(result_json(result).encode())
     return files
 
 
@@ -222,9 +232,9 @@ def result_json(result: AnalysisResult) -> str:
     return json.dumps(result.to_dict(), indent=2, default=_json_default)
 
 
-def _atomic_png(path: Path, draw) -> Path:
-    with atomic_path(path) as tmp:
-        draw(tmp)
+def _staged_png(stage, drawn: dict, path: Path, draw) -> Path:
+    drawn[path] = stage(path)
+    draw(drawn[path])
     return path
 
 

@@ -1,6 +1,8 @@
 """Atomic file replacement: write a temporary in the same folder, fsync, rename over the target, fsync the folder.
 
 A reader, or the file system after a crash, sees the old file or the new one, whole, never half.
+`atomic_group` replaces several files that belong together (an analysis' report, tables and plots) so
+that an interruption while they are made leaves every one of the old ones.
 Temporaries are dot-prefixed and end in `.tmp`, so `*.parquet`/`restore-*.json` globs and
 hive-partition readers (pyarrow, DuckDB, Spark) skip them.
 """
@@ -11,7 +13,9 @@ import os
 import secrets
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Iterator
+from typing import Callable, Iterator
+
+from powerprof import termination
 
 
 def fsync_dir(path: str | os.PathLike) -> None:
@@ -44,7 +48,7 @@ def atomic_path(path: str | os.PathLike, tmp_name: str | None = None) -> Iterato
     (a caller whose recovery looks for it); by default it is `.<name>.<pid>.<random>.tmp`.
     """
     path = Path(path)
-    tmp = path.with_name(tmp_name or f".{path.name}.{os.getpid()}.{secrets.token_hex(4)}.tmp")
+    tmp = path.with_name(tmp_name) if tmp_name else _tmp_name(path)
     try:
         yield tmp
         _fsync_file(tmp)
@@ -62,3 +66,41 @@ def atomic_write_bytes(path: str | os.PathLike, data: bytes) -> None:
     """Replace `path` with `data` atomically."""
     with atomic_path(path) as tmp:
         tmp.write_bytes(data)
+
+
+def _tmp_name(path: Path) -> Path:
+    return path.with_name(f".{path.name}.{os.getpid()}.{secrets.token_hex(4)}.tmp")
+
+
+@contextmanager
+def atomic_group() -> Iterator[Callable[[str | os.PathLike], Path]]:
+    """Yield `stage(path) -> temporary path` for several files that must change together.
+
+    Every file is written to its temporary first; only when all are written (and fsynced) are they
+    renamed into place, one quick pass with SIGINT/SIGTERM/SIGHUP held (the exit is raised after it).
+    On an exception before that, every temporary is removed and every file is left as it was."""
+    staged: list[tuple[Path, Path]] = []
+
+    def stage(path: str | os.PathLike) -> Path:
+        path = Path(path)
+        staged.append((_tmp_name(path), path))
+        return staged[-1][0]
+
+    try:
+        yield stage
+        for tmp, _ in staged:
+            _fsync_file(tmp)
+    except BaseException:
+        for tmp, _ in staged:
+            try:
+                tmp.unlink()
+            except OSError:
+                pass
+        raise
+    with termination.exits_held() as got:
+        for tmp, path in staged:
+            os.replace(tmp, path)
+        for folder in dict.fromkeys(path.parent for _, path in staged):
+            fsync_dir(folder)
+    if got:
+        raise termination.exit_for(got[0])

@@ -19,12 +19,17 @@ RUN_JSON = "run.json"
 
 def atomic_write_table(path: Path, table: pa.Table, metadata: dict | None = None) -> None:
     """Write a Parquet file so that a reader (or a crash) sees the old file or the new, never half."""
+    with atomic_path(path) as tmp:
+        write_table(tmp, table, metadata)
+
+
+def write_table(path: Path, table: pa.Table, metadata: dict | None = None) -> None:
+    """A Parquet file with `metadata` added to the table's key-value metadata (not atomic: a temporary's writer)."""
     if metadata:
         meta = dict(table.schema.metadata or {})
         meta.update({k.encode(): (v if isinstance(v, str) else json.dumps(v)).encode() for k, v in metadata.items()})
         table = table.replace_schema_metadata(meta)
-    with atomic_path(path) as tmp:
-        pq.write_table(table, tmp, compression="zstd")
+    pq.write_table(table, path, compression="zstd")
 
 
 def table_from_rows(name: str, rows: list[dict]) -> pa.Table:
