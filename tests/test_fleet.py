@@ -218,3 +218,23 @@ def test_docs_duckdb_query_counts_a_copy_once_and_keeps_the_hosts(fleet, tmp_pat
     for r in rows:
         assert r["requests"] == truth[r["host"]]["requests"]
         assert r["gpu_energy_j"] == pytest.approx(truth[r["host"]]["gpu_j"])
+
+
+def test_rows_with_impossible_energy_or_tokens_are_left_out_and_counted(tmp_path):
+    # A NaN interval made the host's energy NaN with no reason given; a negative one (a counter read
+    # across a driver reload by another tool) silently lowered it; so did NaN or negative request figures.
+    truth = _node(tmp_path / "n", 0)
+    store = DatasetStore(tmp_path / "n", datasets(), host="node-0")
+    store.append("intervals", [{"daemon_id": "d0", "t_start_utc": T0_NS + (100 + i) * 10**9,
+                                "t_end_utc": T0_NS + (101 + i) * 10**9, "duration_s": 1.0, "kind": "decode",
+                                "gpu_energy_j": v} for i, v in enumerate((float("nan"), -5e6, float("inf")))])
+    store.append("requests", [{"daemon_id": "d0", "request_id": 100 + i, "t_arrival_utc": T0_NS, "outcome": "ok",
+                               "generated_tokens": 100, "gpu_energy_j": e, "attributed_tokens": t, "ttft_s": 0.1}
+                              for i, (e, t) in enumerate(((float("nan"), 100.0), (-50.0, 100.0), (50.0, -3.0)))])
+    assert store.flush()
+    [r] = fleet_summary([str(tmp_path / "n")]).to_pylist()
+    assert r["gpu_energy_j"] == pytest.approx(truth["gpu_j"])
+    assert r["gpu_j_per_token"] == pytest.approx(truth["jpt"])
+    assert r["invalid_intervals"] == 3 and r["invalid_requests"] == 3
+    res = CliRunner().invoke(main, ["analyze", str(tmp_path / "n")])
+    assert res.exit_code == 0 and "left out" in res.stderr and "nan" not in res.stdout.lower(), res.output

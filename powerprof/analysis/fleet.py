@@ -123,37 +123,48 @@ def _table_sql(con, table: str, files: list[str]) -> str:
             f"FROM ({raw})) GROUP BY {', '.join(key)}, _file, _row)")
 
 
+def _sane(*cols: str) -> str:
+    """SQL: every column is missing (null: no share, not scraped) or a finite, non-negative amount."""
+    return " AND ".join(f"({c} IS NULL OR (isfinite({c}) AND {c} >= 0))" for c in cols)
+
+
 # One row per host: what its proxy served, what its GPUs spent, and what the two give per token.
+# A row whose energy or tokens cannot be (NaN, infinite, negative: a foreign or damaged file) is
+# left out of the sums and counted, rather than turning a host's total into NaN or lowering it.
 # The same statement, with the tables over the same files, is the Spark SQL / Trino query of docs/fleet.md.
 FLEET_SQL = """
 WITH r AS (
     SELECT host,
            count(*) AS requests,
            count(*) FILTER (WHERE outcome <> 'ok') AS failed_requests,
-           CAST(sum(generated_tokens) AS BIGINT) AS generated_tokens,
-           sum(gpu_energy_j) AS attributed_gpu_energy_j,
-           sum(attributed_tokens) AS attributed_tokens,
+           CAST(sum(generated_tokens) FILTER (WHERE {r_ok}) AS BIGINT) AS generated_tokens,
+           sum(gpu_energy_j) FILTER (WHERE {r_ok}) AS attributed_gpu_energy_j,
+           sum(attributed_tokens) FILTER (WHERE {r_ok}) AS attributed_tokens,
            approx_quantile(ttft_s, 0.5) AS ttft_p50_s,
-           CAST(sum(copies - 1) AS BIGINT) AS duplicate_requests
+           CAST(sum(copies - 1) AS BIGINT) AS duplicate_requests,
+           count(*) FILTER (WHERE NOT ({r_ok})) AS invalid_requests
     FROM {requests} GROUP BY 1
 ), i AS (
     SELECT host,
-           sum(gpu_energy_j) AS gpu_energy_j,
-           sum(gpu_energy_j) FILTER (WHERE kind = 'idle') AS idle_gpu_energy_j,
-           sum(duration_s) / 3600 AS hours,
+           sum(gpu_energy_j) FILTER (WHERE {i_ok}) AS gpu_energy_j,
+           sum(gpu_energy_j) FILTER (WHERE kind = 'idle' AND {i_ok}) AS idle_gpu_energy_j,
+           sum(duration_s) FILTER (WHERE {i_ok}) / 3600 AS hours,
            min(t_start_utc) AS t_first_utc,
            max(t_end_utc) AS t_last_utc,
-           CAST(sum(copies - 1) AS BIGINT) AS duplicate_intervals
+           CAST(sum(copies - 1) AS BIGINT) AS duplicate_intervals,
+           count(*) FILTER (WHERE NOT ({i_ok})) AS invalid_intervals
     FROM {intervals} GROUP BY 1
 )
 SELECT host, requests, failed_requests, generated_tokens, gpu_energy_j, idle_gpu_energy_j,
        attributed_gpu_energy_j, attributed_tokens,
        attributed_gpu_energy_j / nullif(attributed_tokens, 0) AS gpu_j_per_token,
        ttft_p50_s, hours, t_first_utc, t_last_utc,
-       coalesce(duplicate_requests, 0) AS duplicate_requests, coalesce(duplicate_intervals, 0) AS duplicate_intervals
+       coalesce(duplicate_requests, 0) AS duplicate_requests, coalesce(duplicate_intervals, 0) AS duplicate_intervals,
+       coalesce(invalid_requests, 0) AS invalid_requests, coalesce(invalid_intervals, 0) AS invalid_intervals
 FROM i FULL OUTER JOIN r USING (host)
 ORDER BY host
-"""
+""".replace("{r_ok}", _sane("gpu_energy_j", "attributed_tokens", "CAST(generated_tokens AS DOUBLE)")).replace(
+    "{i_ok}", _sane("gpu_energy_j", "duration_s"))
 
 
 def fleet_summary(sources) -> pa.Table:
@@ -178,7 +189,7 @@ def fleet_summary(sources) -> pa.Table:
 
 
 def notes(t: pa.Table) -> list[str]:
-    """What the reader of the summary must know: rows read twice and counted once, hosts named by folder."""
+    """What the reader of the summary must know: rows read twice and counted once, rows left out, hosts named by folder."""
     out = []
     dup = [r for r in t.to_pylist() if r["duplicate_requests"] or r["duplicate_intervals"]]
     if dup:
@@ -186,6 +197,11 @@ def notes(t: pa.Table) -> list[str]:
                    "start: a copy of a node's folder among the sources, or a synced copy that kept the files "
                    "compaction merged): " + "; ".join(f"{r['host']}: {r['duplicate_requests']} requests, "
                                                        f"{r['duplicate_intervals']} intervals" for r in dup))
+    bad = [r for r in t.to_pylist() if r["invalid_requests"] or r["invalid_intervals"]]
+    if bad:
+        out.append("rows whose energy or tokens are NaN, infinite or negative were left out of the sums "
+                   "(no energy or token count can be): " + "; ".join(
+                       f"{r['host']}: {r['invalid_requests']} requests, {r['invalid_intervals']} intervals" for r in bad))
     unknown = [r["host"] for r in t.to_pylist() if r["host"].startswith("(unknown) ")]
     if unknown:
         out.append(f"{len(unknown)} dataset(s) were written before rows carried their host; each is named by its "
