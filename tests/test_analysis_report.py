@@ -617,3 +617,31 @@ def test_an_analysis_stopped_while_writing_leaves_the_previous_one_whole(tmp_pat
     r = CliRunner().invoke(main, ["analyze", str(run), "--bootstrap", "100", "--max-slowdown", "1%"])
     assert r.exit_code == 130, r.output
     assert {f.name: f.read_bytes() for f in out.iterdir()} == before  # no temporary left either
+
+
+def test_windows_with_impossible_figures_count_in_no_figure_and_are_said(tmp_path):
+    # Negative energy at 260 W (7 of 12 windows: a windows.parquet edited or damaged) gave a median of
+    # -2.98 J/token, "193.8% less energy per token" and the recommendation; a window of zero tok/s pulled
+    # a level's speed down. Such windows are left out as untrusted timing is, and a warning says so.
+    import pyarrow as pa
+
+    run = make_run(tmp_path / "run", seed_truth(), levels=(180, 220, 260, 300), n_requests=12)
+    t = pq.read_table(run / "windows.parquet")
+    rows, hit = t.to_pylist(), {260.0: 0, 300.0: 0}
+    for r in rows:
+        if r["warmup"] or r["status"] != "ok" or r["level_value"] not in hit:
+            continue
+        if r["level_value"] == 260 and hit[260.0] < 7:
+            r["gpu_j_per_token"], r["gpu_energy_j"] = -abs(r["gpu_j_per_token"]), -abs(r["gpu_energy_j"])
+            hit[260.0] += 1
+        elif r["level_value"] == 300 and hit[300.0] < 6:
+            r["decode_tok_s"] = 0.0
+            hit[300.0] += 1
+    pq.write_table(pa.Table.from_pylist(rows, schema=t.schema).replace_schema_metadata(t.schema.metadata),
+                   run / "windows.parquet")
+    res = analyze_run([run], n_boot=200)
+    lv = {r["level_value"]: r for s in res.series for r in s.table.to_pylist()}
+    assert lv[260.0]["gpu_j_per_token"] > 0 and lv[260.0]["n_requests"] == 12
+    assert lv[300.0]["decode_tok_s"] > 80
+    [w] = [w for w in res.warnings if w.kind == "impossible-figures"]
+    assert "13 of" in w.message and "260 W" in w.message and "300 W" in w.message

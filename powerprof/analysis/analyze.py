@@ -12,7 +12,8 @@ import pyarrow as pa
 
 from powerprof.storage.schema import ANALYSIS
 
-from .checks import Finding, choice_findings, edge_findings, fit_findings, level_findings, timing_findings
+from .checks import (Finding, choice_findings, edge_findings, fit_findings, impossible_findings, level_findings,
+                     timing_findings)
 from .fits import ModelFit, fit_series
 from .loading import SWEEP_LEVEL_COLUMNS, RunInfo, Timeline
 from .stats import WIDE_CI_PCT, LevelSeries, level_series, levels_table
@@ -189,7 +190,7 @@ def analyze(
         for f in (reference_findings(s, reference) + level_findings(table, **sweep)
                   + edge_findings(s, choices, card, not_engaged) + choice_findings(choices) + fit_findings(fits)):
             findings.append(Finding(f.kind, prefix + f.message, f.levels))
-    findings += timing_findings(windows)
+    findings += timing_findings(windows) + impossible_findings(windows)
     findings.extend(unstored_findings(runs))
     findings.extend(stopped)
     return AnalysisResult(runs, results, findings, params, list(timelines or []))

@@ -21,7 +21,7 @@ POOR_FIT_R2 = 0.9
 
 @dataclass(frozen=True)
 class Finding:
-    kind: str  # edge | between-levels | cap-not-engaged | energy-resolution | wide-ci | one-window | few-prompts | unstable-choice | thermal | failed | fit | unstored | untrusted-timing | interrupted | forced-pool | reference
+    kind: str  # edge | between-levels | cap-not-engaged | energy-resolution | wide-ci | one-window | few-prompts | unstable-choice | thermal | failed | fit | unstored | untrusted-timing | impossible-figures | interrupted | forced-pool | reference
     message: str
     levels: tuple[float, ...] = ()
 
@@ -235,6 +235,31 @@ def timing_findings(windows) -> list[Finding]:
     n = len(bad) + int(measured.sum())
     return [Finding("untrusted-timing", f"{len(bad)} of {n} windows left out of every figure: their token timing cannot be "
                     f"trusted ({top}); fix: {fix_for(top)}")]
+
+
+def impossible_findings(windows) -> list[Finding]:
+    """Windows left out of every figure because a figure in them cannot be (stats.impossible_windows)."""
+    from .stats import _col, _concurrency, impossible_windows, window_masks
+
+    measured, _, _ = window_masks(windows)
+    warm = _col(windows, "warmup", bool)
+    status = _col(windows, "status", object)
+    kind = _col(windows, "window_kind", object)
+    conc = _concurrency(windows)
+    bad = impossible_windows(windows) & ~warm & np.array([st in (None, "ok") for st in status], dtype=bool) & np.array(
+        [k == ("batch" if c > 1 else "request") for k, c in zip(kind, conc)], dtype=bool)
+    if not bad.any():
+        return []
+    kinds = _col(windows, "level_kind", object)
+    values = _col(windows, "level_value")
+    per = {}
+    for k, v in zip(kinds[bad], values[bad]):
+        per[(k, v)] = per.get((k, v), 0) + 1
+    where = ", ".join(f"{_fmt(v, _unit(k))}: {n}" for (k, v), n in sorted(per.items(), key=lambda x: (str(x[0][0]), x[0][1])))
+    return [Finding("impossible-figures", (
+        f"{int(bad.sum())} of {int(bad.sum() + measured.sum())} windows left out of every figure: a speed that is not "
+        f"positive, or a negative or infinite energy, J/token or token count ({where}). No measurement writes these: "
+        "windows.parquet was changed or damaged; measure those levels again."), tuple(sorted({float(v) for v in values[bad]})))]
 
 
 def fit_findings(fits: dict[str, ModelFit]) -> list[Finding]:

@@ -89,7 +89,8 @@ def _col(t: pa.Table, name: str, dtype=float, fill=np.nan) -> np.ndarray:
 def window_masks(windows: pa.Table) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """(measured, counted_request, failed_request) boolean masks over the rows of a windows table.
 
-    measured: the rows a level's statistics come from (untrusted timing excluded): requests at
+    measured: the rows a level's statistics come from (untrusted timing and impossible figures
+    excluded): requests at
     concurrency 1, batches above, and in a run that replayed a trace (`sweep --trace`) its
     `trace` rows only (one per level: the whole replay).
     counted_request / failed_request: request rows (not warm-up) that succeeded / failed, for
@@ -109,8 +110,22 @@ def window_masks(windows: pa.Table) -> tuple[np.ndarray, np.ndarray, np.ndarray]
     run = _col(windows, "run_id", object)
     traced = set(run[is_trace])
     in_trace_run = np.array([r in traced for r in run], dtype=bool) if n else np.zeros(0, bool)
-    measured = ~warm & ok & trusted & np.where(in_trace_run, is_trace, np.where(conc > 1, is_batch, is_req))
+    measured = (~warm & ok & trusted & ~impossible_windows(windows)
+                & np.where(in_trace_run, is_trace, np.where(conc > 1, is_batch, is_req)))
     return measured, ~warm & ok & is_req, ~warm & ~ok & is_req
+
+
+def impossible_windows(windows: pa.Table) -> np.ndarray:
+    """Rows whose figures cannot be: a speed that is not positive or is infinite, a negative or infinite
+    energy, J/token or token count. No measurement writes them (a file edited or damaged does); counted
+    in a median, seven negative windows of twelve made a level's J/token negative and "chosen".
+    A missing value (null, NaN) is not impossible: the figures already skip it."""
+    tok = _col(windows, "decode_tok_s")
+    bad = np.isinf(tok) | (tok <= 0)
+    for c in ("gpu_j_per_token", "gpu_energy_j", "decode_tokens"):
+        v = _col(windows, c)
+        bad |= np.isinf(v) | (v < 0)
+    return bad
 
 
 def _concurrency(windows: pa.Table) -> np.ndarray:
