@@ -175,6 +175,8 @@ def test_cli_analyze_prints_the_recommendation(tmp_path):
 
 @pytest.mark.parametrize("args,msg", [
     (["analyze", "/nonexistent/run"], "no such run directory"),
+    # A file (the run's windows.parquet, a daemon part file) read "no such run directory", which it exists as.
+    (["analyze", "{run}/windows.parquet"], "is a file, not a run directory"),
     (["analyze", "{run}", "--max-slowdown", "fast"], "not a fraction"),
     (["analyze", "{run}", "--eta", "3"], "eta"),
     (["analyze", "{run}", "--format", "pdf"], "unknown report format"),

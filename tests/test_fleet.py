@@ -238,3 +238,13 @@ def test_rows_with_impossible_energy_or_tokens_are_left_out_and_counted(tmp_path
     assert r["invalid_intervals"] == 3 and r["invalid_requests"] == 3
     res = CliRunner().invoke(main, ["analyze", str(tmp_path / "n")])
     assert res.exit_code == 0 and "left out" in res.stderr and "nan" not in res.stdout.lower(), res.output
+
+
+def test_a_dataset_without_rows_says_so(tmp_path):
+    # A daemon folder with empty requests/ and intervals/ (a daemon that never flushed) printed
+    # "all 0 hosts ... nan" and exited 0.
+    for table in ("requests", "intervals"):
+        (tmp_path / "n" / table).mkdir(parents=True)
+    res = CliRunner().invoke(main, ["analyze", str(tmp_path / "n"), "--out", str(tmp_path / "out")])
+    assert res.exit_code == 1 and "no request or interval rows" in res.output, res.output
+    assert not (tmp_path / "out").exists()

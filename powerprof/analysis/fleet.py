@@ -178,7 +178,7 @@ def fleet_summary(sources) -> pa.Table:
     with connect() as con:
         try:
             parts = {table: _table_sql(con, table, table_files(srcs, table)) for table in ("requests", "intervals")}
-            return to_arrow(con, FLEET_SQL.format(**parts))
+            out = to_arrow(con, FLEET_SQL.format(**parts))
         except Exception as e:  # duckdb.Error and IO errors: say which sources, keep the reason
             from powerprof import termination  # noqa: PLC0415
 
@@ -186,6 +186,10 @@ def fleet_summary(sources) -> pa.Table:
                 raise stop from None
             why = str(e).split("\n\nLINE ")[0].strip()  # DuckDB's echo of our query says nothing to the user
             raise FleetError(f"cannot read the datasets {', '.join(srcs)}: {why}") from None
+    if not out.num_rows:
+        raise FleetError(f"{', '.join(srcs)}: no request or interval rows yet (the daemon writes them at each flush, "
+                         "daemon.flush_interval_s, 30 s by default): nothing to summarise")
+    return out
 
 
 def notes(t: pa.Table) -> list[str]:

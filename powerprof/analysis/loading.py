@@ -69,6 +69,9 @@ def _float(x) -> float | None:
 
 def read_run_info(run_dir) -> RunInfo:
     path = Path(run_dir)
+    if path.is_file():
+        raise AnalysisError(f"{path} is a file, not a run directory: give the folder that holds windows.parquet "
+                            "(a sweep's run), or a daemon data folder (requests/, intervals/)")
     if not path.is_dir():
         raise AnalysisError(f"{path}: no such run directory")
     meta_path = path / RUN_JSON
