@@ -327,13 +327,13 @@ def tune(metrics_url, config_path, levels, reference, tpot_p95_ms, ttft_p95_ms, 
     from powerprof.rig import Rig
     from powerprof.tuner.observe import fetch_metrics, loopback_reason, parse_counters
     from powerprof.tuner.policy import TunerConfigError
-    from powerprof.tuner.runner import KillSwitch, TuneRunner, install_kill_switch
+    from powerprof.tuner.runner import KillSwitch, OutDirError, TuneRunner, install_kill_switch
     from powerprof.tuner.setup import check_bounds, check_out_dir, check_root_folder, kill_file, load_table, make_config
 
-    # SIGUSR1 is the kill switch from here on: by default it would end the process, and systemd would restart it
-    # tuning, the kill lost.
+    # SIGUSR1 is the kill switch from here on (and from powerprof.entry's recorder before, whose catch it takes on): by
+    # default it would end the process, and systemd would restart it tuning, the kill lost.
     early_kill = KillSwitch()
-    _signal.signal(_signal.SIGUSR1, early_kill)
+    early_kill.install()
     why = loopback_reason(metrics_url)
     if why:
         raise click.UsageError(why)
@@ -414,6 +414,11 @@ def tune(metrics_url, config_path, levels, reference, tpot_p95_ms, ttft_p95_ms, 
         except ControlError as e:
             click.echo(f"Error: {e}", err=True)
             sys.exit(1)
+        except OutDirError as e:
+            # A day folder of --out refused (planted, or made writable by others, while the tuner ran): the
+            # controller has put the originals back; exit 2 as for a bad --out at start (systemd does not retry).
+            click.echo(f"Error: {e}; the original limits are back", err=True)
+            sys.exit(2)
         except KeyboardInterrupt:
             # The controller has put the originals back by now; click's bare "Aborted!" exit 1 read as a failure
             # (and broke the 128+signal every other stop gives).

@@ -23,6 +23,7 @@ LAYERS = [
     {"progress"},  # what sweep shows on a terminal
     {"rig"},  # the one door
     {"cli"},
+    {"entry"},  # the console command's first code: `tune`'s early SIGUSR1, then the CLI
 ]
 RANK = {area: i for i, areas in enumerate(LAYERS) for area in areas}
 DOOR = {"powerprof.rig", "powerprof.cli"}

@@ -128,6 +128,33 @@ def test_a_request_whose_recording_failed_leaves_the_count():
     assert d.inflight.state(3 * S).in_flight == 0
 
 
+def test_the_ages_of_unfinished_streamed_requests_are_exposed_and_non_streamed_answers_are_left_out():
+    """Requests that never finish never reach the latency histograms: the oldest streamed request still awaiting its
+    first token and the longest silence of a stream past its first are what show a stalled server to the tuner. A
+    non-streamed answer's first token is its whole answer: its wait says nothing of a stall."""
+    d = Daemon(load_config(None, env={}), rig=None)
+    d.inflight = InFlight(0)
+    d.ledger, d.tags = _Ledger(), TagLimiter()
+    waiting, flowing, plain = _trace(1, 1 * S), _trace(2, 2 * S), _trace(3, 0)
+    waiting.stream = flowing.stream = True
+    plain.stream = False
+    for t in (waiting, flowing, plain):
+        d.on_start(t)
+    for t_ns in (3 * S, 4 * S):  # the proxy stamps the trace, then records
+        flowing.first_ns = flowing.first_ns or t_ns
+        flowing.last_ns = t_ns
+        d.on_tokens(flowing, t_ns, 1)
+    d.snapshot = Snapshot(inflight=d.inflight.state(10 * S))
+    m = {s.name: s.value for f in text_string_to_metric_families(render(make_registry(d)).decode()) for s in f.samples}
+    assert m["powerprof_requests_oldest_awaiting_first_token_seconds"] == pytest.approx(9)  # not the plain one's 10
+    assert m["powerprof_requests_longest_stream_silence_seconds"] == pytest.approx(6)
+    for t in (waiting, flowing):
+        t.end_ns = 11 * S
+        d.on_end(t)
+    end = d.inflight.state(12 * S)
+    assert (end.oldest_awaiting_s, end.longest_silence_s) == (0.0, 0.0)
+
+
 def _scrape(url: str) -> dict:
     text = urllib.request.urlopen(url, timeout=10).read().decode()
     return {s.name: s.value for f in text_string_to_metric_families(text) for s in f.samples}

@@ -14,12 +14,13 @@ from powerprof.cli import main
 
 ROOT = Path(__file__).resolve().parents[1]
 UNIT = ROOT / "systemd" / "powerprof.service"
+TUNE_UNIT = ROOT / "systemd" / "powerprof-tune.service"
 
 
-def _unit() -> dict[str, list[str]]:
+def _unit(path: Path = UNIT) -> dict[str, list[str]]:
     out: dict[str, list[str]] = {}
     section = None
-    for line in UNIT.read_text().splitlines():
+    for line in path.read_text().splitlines():
         line = line.strip()
         if not line or line.startswith("#"):
             continue
@@ -52,6 +53,25 @@ def test_systemd_analyze_verify_is_clean(tmp_path):
     unit.write_text(UNIT.read_text().replace("/usr/local/bin/powerprof", exe))
     p = subprocess.run(["systemd-analyze", "verify", str(unit)], capture_output=True, text=True, timeout=60)
     assert p.returncode == 0 and "powerprof.service" not in p.stderr, p.stderr
+
+
+def test_the_tuner_unit_never_restarts_tuning_after_a_kill_switch_it_could_not_catch():
+    """A SIGUSR1 in the interpreter's start-up (before powerprof.entry catches it) ends the tuner by the signal's default
+    action: systemd must not restart it tuning, the kill lost. Bad input (exit 2) is not retried either."""
+    u = _unit(TUNE_UNIT)
+    assert set(u["Service.RestartPreventExitStatus"][0].split()) == {"2", "SIGUSR1"}
+    assert u["Service.Restart"] == ["on-failure"] and "143" in u["Service.SuccessExitStatus"][0].split()
+    assert u["Service.ExecStart"][0].startswith("/usr/local/bin/powerprof tune ")  # the console command: entry first
+
+
+@pytest.mark.skipif(shutil.which("systemd-analyze") is None, reason="systemd-analyze is not installed here")
+def test_systemd_analyze_verify_is_clean_for_the_tuner_unit(tmp_path):
+    exe = shutil.which("powerprof", path=str(Path(sys.executable).parent)) or sys.executable
+    for unit in (UNIT, TUNE_UNIT):
+        (tmp_path / unit.name).write_text(unit.read_text().replace("/usr/local/bin/powerprof", exe))
+    p = subprocess.run(["systemd-analyze", "verify", str(tmp_path / TUNE_UNIT.name)], capture_output=True, text=True,
+                       timeout=60, cwd=tmp_path)
+    assert p.returncode == 0 and "powerprof-tune.service" not in p.stderr, p.stderr
 
 
 def test_grafana_dashboard_uses_only_exported_metrics():

@@ -720,3 +720,227 @@ def test_the_daemons_words_reach_roots_log_and_dataset_as_one_short_line(tmp_pat
     d = runner.tuner.decisions[-1]
     assert d.action == "stale" and "measures GPUs GPU-x\\nroot" in d.reason
     assert "\n" not in d.reason and len(d.reason) < 700 and "its energy is not these GPUs" in d.reason, d.reason
+
+
+# --- SIGUSR1 before the CLI is imported ---------------------------------------------------------------------------
+
+_EARLY_CFG = ('[tuner]\nlevels = "150,200,250,300"\ntpot_p95_ms = 100\ntick_s = 0.2\nwindow_s = 0.3\ndwell_s = 0.4\n'
+              'min_requests = 5\nguard_s = 1\nguard_min_requests = 5\nstale_s = 5\nmax_explore_share = 1.0\n'
+              'explore_horizon_s = 60\nregime_s = 30\n')
+
+
+def _sigusr1_caught(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/status") as f:
+            for line in f:
+                if line.startswith("SigCgt:"):
+                    return bool(int(line.split()[1], 16) & (1 << (signal.SIGUSR1 - 1)))
+    except OSError:
+        pass
+    return False
+
+
+def _killed_from_the_start(tmp_path, proc, out, operator_limit):
+    """The tuner kept running, killed from its first row: the kill persisted, the reference held, no trial ever made;
+    SIGTERM then puts the operator's limit back."""
+    killed = tmp_path / "state" / "powerprof" / "tuner-killed"
+    try:
+        deadline = time.monotonic() + 60
+        rows: list = []
+        while time.monotonic() < deadline and not any(r["action"] == "kill" for r in rows):
+            assert proc.poll() is None, proc.stderr.read()
+            time.sleep(0.1)
+            rows = [r for f in sorted(out.rglob("*.parquet")) for r in pq.read_table(f).to_pylist()]
+        time.sleep(1.5)  # ticks go on: still no trial
+        rows = [r for f in sorted(out.rglob("*.parquet")) for r in pq.read_table(f).to_pylist()]
+        assert proc.poll() is None and killed.exists() and sim_limit_w() == 300.0
+        assert [r["action"] for r in rows][:2] == ["start", "kill"] and "explore" not in {r["action"] for r in rows}
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        _, err = proc.communicate(timeout=30)
+    assert proc.returncode == 128 + signal.SIGTERM, err
+    assert sim_limit_w() == operator_limit and killed.exists()
+
+
+def test_a_kill_switch_sent_while_the_cli_is_imported_is_kept_and_persisted(tmp_path, operator_limit):
+    """The console command (powerprof.entry) records SIGUSR1 before it imports the CLI; `tune`'s KillSwitch takes it
+    on. Here it lands exactly in that window, when click is being imported: before, SIGUSR1's default action ended
+    the process there (and systemd restarted it tuning, the kill lost)."""
+    cfg = tmp_path / "tune.toml"
+    cfg.write_text(_EARLY_CFG)
+    out = tmp_path / "decisions"
+    hook = ("import os, signal, sys\n"
+            "class AtClick:\n"
+            "    def find_spec(self, name, path=None, target=None):\n"
+            "        if name == 'click':\n"
+            "            sys.meta_path.remove(self)\n"
+            "            os.kill(os.getpid(), signal.SIGUSR1)\n"
+            "        return None\n"
+            "sys.meta_path.insert(0, AtClick())\n"
+            "sys.argv[0] = 'powerprof'\n"
+            "from powerprof.entry import main\n"
+            "sys.exit(main())\n")
+    with FakeDaemon(gpu=sim_gpu()) as fd:
+        proc = subprocess.Popen([sys.executable, "-c", hook, "tune", "--simulate", "--daemon-metrics", fd.url, "--config",
+                                 str(cfg), "--out", str(out)], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+        _killed_from_the_start(tmp_path, proc, out, operator_limit)
+
+
+def test_a_kill_switch_sent_right_after_spawn_is_kept_and_persisted(tmp_path, operator_limit):
+    """SIGUSR1 as soon as the new process catches it at all: the console command's first code, within tens of
+    milliseconds of the interpreter starting (before, the first line of `tune`, most of a second later)."""
+    import tomllib
+    from pathlib import Path
+
+    scripts = tomllib.loads((Path(__file__).resolve().parent.parent / "pyproject.toml").read_text())["project"]["scripts"]
+    assert scripts["powerprof"] == "powerprof.entry:main"  # the installed `powerprof` runs it first
+    cfg = tmp_path / "tune.toml"
+    cfg.write_text(_EARLY_CFG)
+    out = tmp_path / "decisions"
+    with FakeDaemon(gpu=sim_gpu()) as fd:
+        proc = subprocess.Popen([sys.executable, "-m", "powerprof.entry", "tune", "--simulate", "--daemon-metrics",
+                                 fd.url, "--config", str(cfg), "--out", str(out)], stdout=subprocess.DEVNULL,
+                                stderr=subprocess.PIPE, text=True)
+        deadline = time.monotonic() + 60
+        while not _sigusr1_caught(proc.pid):
+            assert proc.poll() is None and time.monotonic() < deadline
+        proc.send_signal(signal.SIGUSR1)
+        _killed_from_the_start(tmp_path, proc, out, operator_limit)
+
+
+def test_other_commands_are_untouched_by_the_early_handler():
+    r = subprocess.run([sys.executable, "-m", "powerprof.entry", "--version"], capture_output=True, text=True, timeout=60)
+    assert r.returncode == 0 and "powerprof" in r.stdout
+    r = subprocess.run([sys.executable, "-c", "import signal, sys; sys.argv = ['powerprof', 'devices', '--help']\n"
+                        "from powerprof.entry import main\n"
+                        "try:\n    main()\nexcept SystemExit:\n    pass\n"
+                        "print(signal.getsignal(signal.SIGUSR1) is signal.SIG_DFL)"], capture_output=True, text=True,
+                       timeout=60)
+    assert r.stdout.strip().endswith("True"), r.stdout + r.stderr
+
+
+# --- the decisions' day folders, checked before each write as root ---------------------------------------------------
+
+def _today() -> str:
+    import datetime as dt
+
+    return dt.datetime.now(dt.timezone.utc).strftime("%Y-%m-%d")
+
+
+def _plant(out, how, victim):
+    """Today's and tomorrow's day folder (a test may cross midnight UTC) as another user could leave them."""
+    import datetime as dt
+
+    for day in {_today(), (dt.datetime.now(dt.timezone.utc) + dt.timedelta(days=1)).strftime("%Y-%m-%d")}:
+        d = out / f"date={day}"
+        if how == "symlink":
+            d.symlink_to(victim, target_is_directory=True)
+        else:
+            d.mkdir()
+            d.chmod(0o777)
+
+
+@pytest.mark.parametrize("how", ["symlink", "other-writable"])
+def test_a_planted_day_folder_is_never_written_and_the_original_limit_comes_back(tmp_path, how):
+    """As root (simulated with euid 0), the decisions are never written into a `date=` folder that is a symlink or that
+    another user could write: the row is not written, the reason is said, the run ends and the controller puts the
+    original limit back."""
+    import os
+
+    from powerprof.tuner.runner import OutDirError
+
+    out = tmp_path / "decisions"
+    out.mkdir()
+    victim = tmp_path / "victim"
+    victim.mkdir()
+    _plant(out, how, victim)
+    nvml = SimNVML("seed-16g", state_path=None)
+    nvml.gpus[0].set_limit_w(280)
+    with Rig("seed-16g", nvml=nvml) as rig, FakeDaemon(gpu=sim_gpu(nvml)) as fd:
+        with pytest.raises(OutDirError) as e, rig.controller([0]) as ctl:
+            runner = TuneRunner(_cfg(), lambda: parse_counters(fetch_metrics(fd.url, 2), 0.0), ctl=ctl, gpus=[0],
+                                clock=Clock(), gpu_uuids=[nvml.gpus[0].uuid], out_dir=out, euid=0)
+            runner.run(__import__("threading").Event(), duration_s=60)
+        assert _limit_w(nvml) == 280
+    assert f"date={_today()}" in str(e.value) and "not writing the decisions" in str(e.value)
+    if os.geteuid() == 0:  # as anyone else the folder is refused for its owner first
+        assert ("is a symlink" if how == "symlink" else "writable by group or others") in str(e.value)
+    assert list(victim.iterdir()) == [] and not list(out.rglob("*.parquet"))
+    # And a day folder the tuner makes itself never comes out writable by others, whatever the umask.
+    fresh = tmp_path / "fresh"
+    old = os.umask(0)
+    try:
+        with Rig("seed-16g", nvml=nvml) as rig, FakeDaemon(gpu=sim_gpu(nvml)) as fd, rig.controller([0]) as ctl:
+            TuneRunner(_cfg(), lambda: parse_counters(fetch_metrics(fd.url, 2), 0.0), ctl=ctl, gpus=[0], clock=Clock(),
+                       gpu_uuids=[nvml.gpus[0].uuid], out_dir=fresh).start()
+    finally:
+        os.umask(old)
+    assert (fresh / f"date={_today()}").stat().st_mode & 0o777 == 0o755
+
+
+@pytest.mark.skipif(sys.platform != "linux" or __import__("os").geteuid() != 0, reason="the check is root's")
+def test_root_refuses_a_planted_day_folder_at_start_and_one_made_unsafe_while_running(tmp_path, operator_limit):
+    """The command as root: a planted `date=` folder is refused before anything is set (exit 2); one made writable by
+    others while the tuner runs ends it at the next row (exit 2, the original limit back, the reason said)."""
+    out = tmp_path / "decisions"
+    out.mkdir()
+    victim = tmp_path / "victim"
+    victim.mkdir()
+    _plant(out, "symlink", victim)
+    args = [sys.executable, "-m", "powerprof.cli", "tune", "--simulate", "--levels", "150,200,250,300",
+            "--tpot-p95-ms", "100", "--out", str(out)]
+    r = subprocess.run(args + ["--daemon-metrics", "http://127.0.0.1:1/metrics"], capture_output=True, text=True,
+                       timeout=60)
+    assert r.returncode == 2 and "refusing to write in date=" in r.stderr and "is a symlink" in r.stderr, r.stderr
+    assert sim_limit_w() == operator_limit and list(victim.iterdir()) == []
+    for d in out.iterdir():
+        d.unlink()
+    with FakeDaemon(gpu=sim_gpu()) as fd:
+        proc, out = _start_tune(tmp_path, fd)  # running, below the reference: it explored
+        try:
+            for d in out.iterdir():
+                d.chmod(0o777)
+            _, err = proc.communicate(timeout=60)
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+    assert proc.returncode == 2 and "not writing the decisions" in err and "writable by group or others" in err, err
+    assert "Traceback" not in err and sim_limit_w() == operator_limit
+
+
+# --- requests that never finish ----------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("stall", ["waiting", "silent"])
+def test_a_server_that_stalls_sends_the_live_tuner_to_the_reference(tmp_path, stall):
+    """Every request that finishes meets the SLO, but one streamed request waits past twice the TTFT SLO for its first
+    token (or a stream goes silent past 100 × the TPOT SLO): the daemon's gauges show it and the tuner backs off."""
+    nvml = SimNVML("seed-16g", state_path=None)
+    clock = Clock()
+    with Rig("seed-16g", nvml=nvml) as rig, FakeDaemon(gpu=sim_gpu(nvml)) as fd, rig.controller([0]) as ctl:
+        runner = TuneRunner(_cfg(ttft_p95_ms=5000.0), lambda: parse_counters(fetch_metrics(fd.url, 2), 0.0), ctl=ctl,
+                            gpus=[0], clock=clock, gpu_uuids=[nvml.gpus[0].uuid], out_dir=tmp_path / "d")
+        runner.start()
+        _below_reference(runner, clock, nvml)
+        if stall == "waiting":
+            fd.oldest_awaiting_s = 30.0
+        else:
+            fd.longest_silence_s = 30.0
+        _drive(runner, clock, 2)  # past the bound at the level in force whenever it was set
+        assert _limit_w(nvml) == 300 and runner.tuner.state == "backoff"
+        assert runner.metrics.sees_unfinished._value.get() == 1
+    d = [r for r in pq.read_table(tmp_path / "d").to_pylist() if r["action"] == "backoff"][-1]
+    assert "unfinished" in d["reason"] and d["to_level"] == 300, d["reason"]
+
+
+def test_a_daemon_without_the_unfinished_gauges_is_said_once_and_tuning_goes_on(caplog):
+    nvml = SimNVML("seed-16g", state_path=None)
+    clock = Clock()
+    with Rig("seed-16g", nvml=nvml) as rig, FakeDaemon(gpu=sim_gpu(nvml)) as fd, rig.controller([0]) as ctl:
+        fd.old = True
+        runner = TuneRunner(_cfg(ttft_p95_ms=5000.0), lambda: parse_counters(fetch_metrics(fd.url, 2), 0.0), ctl=ctl,
+                            gpus=[0], clock=clock, gpu_uuids=[nvml.gpus[0].uuid])
+        runner.start()
+        with caplog.at_level("WARNING", logger="powerprof.tune"):
+            _below_reference(runner, clock, nvml)  # as before those gauges existed
+        said = [r for r in caplog.records if "cannot see a stalled server" in r.getMessage()]
+        assert len(said) == 1 and runner.metrics.sees_unfinished._value.get() == 0

@@ -901,3 +901,68 @@ def test_the_latency_model_stays_bounded_by_its_memory_when_nothing_reads_it():
     Plant().run(tu, 0, 5000)
     (m,) = tu.models.values()
     assert 0 < len(m.obs) and all(o[0] >= 5000 - 600 - 30 for o in m.obs)
+
+
+# --- requests that never finish: the guard's view of a stalled server ----------------------------------------------
+
+def _unfinished(w: Window, waiting_s: float | None = 0.0, silent_s: float | None = 0.0) -> Window:
+    return dataclasses.replace(w, oldest_awaiting_s=waiting_s, longest_silence_s=silent_s)
+
+
+def _held_low(**kw):
+    tu = Tuner(cfg(ttft_p95_ms=1000.0, **kw), 0.0)
+    t, _ = Plant().run(tu, 0, 1500)
+    assert tu.level == 200 and tu.state == "hold"
+    return tu, t
+
+
+@pytest.mark.parametrize("waiting_s, silent_s, said", [(2.5, 0.0, "waited 2.5 s for its first token"),
+                                                       (0.0, 10.5, "sent no token for 10.5 s")])
+def test_a_request_that_never_finishes_backs_off_to_the_reference_at_once_with_the_reason(waiting_s, silent_s, said):
+    """A server that stalls at a low level finishes nothing: every finished request meets the SLO (here all of them
+    well within it) and the p95 guard saw no breach, so the tuner held the low level. A streamed request waiting past
+    twice the TTFT SLO (1 s here), or a stream silent past 100 × the TPOT SLO (100 ms), is a threatened SLO."""
+    tu, t = _held_low()
+    ds = tu.observe(_unfinished(window(t + 10, 200, 50.0), waiting_s, silent_s))
+    assert tu.level == 300 and tu.state == "backoff"
+    assert ds[-1].action == "backoff" and "SLO threatened" in ds[-1].reason and said in ds[-1].reason, ds[-1].reason
+    # Below the bounds (or without the daemon's figures, an older daemon) nothing changes, as before.
+    for w in (_unfinished(window(t + 10, 200, 50.0), 1.9, 9.9), _unfinished(window(t + 10, 200, 50.0), None, None)):
+        tu2, t2 = _held_low()
+        assert tu2.observe(dataclasses.replace(w, t_end_s=t2 + 10)) == [] and tu2.level == 200
+
+
+def test_only_the_time_at_the_level_in_force_counts_and_a_knob_at_0_is_off():
+    # A request queued long before, under the level above, is not the new level's doing until it has waited past
+    # the bound (2 × 1 s) at that level.
+    tu2 = Tuner(cfg(ttft_p95_ms=1000.0), 0.0)
+    tu2.observe(_unfinished(window(10, 300, 30.0), 1.0))
+    tu2._move(18.5, "explore", 2, "a move just before the window ends")
+    assert tu2.observe(_unfinished(window(20, 250, 40.0), 30.0)) == []  # waiting 30 s, 1.5 s of it at 250 W
+    assert tu2.level == 250
+    tu2.observe(_unfinished(window(30, 250, 40.0), 40.0))  # 11.5 s of it at 250 W
+    assert tu2.level == 300 and tu2.decisions[-1].action == "backoff"
+    tu3, t3 = _held_low(stall_ttft_ratio=0, stall_tpot_ratio=0)
+    assert tu3.observe(_unfinished(window(t3 + 10, 200, 50.0), 500.0, 500.0)) == [] and tu3.level == 200
+
+
+def test_at_the_reference_there_is_nowhere_to_go_recorded_once_and_the_level_left_is_not_blamed_for_a_stall_there():
+    tu, t = _held_low()
+    tu.observe(_unfinished(window(t + 10, 200, 50.0), 3.0))  # back off
+    assert tu.level == 300
+    # The request that sent it there still waits (it began under 200 W): held, recorded once, 200 W still blamed.
+    ds = tu.observe(_unfinished(window(t + 20, 300, 30.0), 13.0))
+    assert [d.action for d in ds] == ["hold"] and "nowhere to go" in ds[0].reason and tu.level == 300
+    assert tu.observe(_unfinished(window(t + 30, 300, 30.0), 23.0)) == []  # said once while it lasts
+    assert not tu._ref_threatened
+    # A request that arrived at the reference and waits past the bound: the server or the load, not the level left.
+    tu.observe(_unfinished(window(t + 40, 300, 30.0), 0.0))
+    ds = tu.observe(_unfinished(window(t + 50, 300, 30.0), 9.0))
+    assert [d.action for d in ds] == ["hold"] and tu._ref_threatened
+
+
+@pytest.mark.parametrize("bad", [{"stall_ttft_ratio": 0.5}, {"stall_ttft_ratio": 11}, {"stall_tpot_ratio": 5},
+                                 {"stall_tpot_ratio": 2000}])
+def test_stall_knobs_are_checked(bad):
+    with pytest.raises(TunerConfigError, match=next(iter(bad))):
+        cfg(**bad)

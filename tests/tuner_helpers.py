@@ -23,6 +23,9 @@ class FakeDaemon:
         in_flight, awaiting: the requests in flight and awaiting a first token since the last scrape, on the
         real clock as the daemon's (settable between scrapes)."""
         self.in_flight, self.awaiting = in_flight, awaiting
+        # The ages of unfinished streamed requests (settable between scrapes); `old`: a daemon without those gauges.
+        self.oldest_awaiting_s = self.longest_silence_s = 0.0
+        self.old = False
         self.queue = [0.0, 0.0, 0.0]  # the integrals and their clock
         self._queue_t = time.monotonic()
         self.gpu = gpu or (lambda: ("GPU-fake", 300.0))
@@ -86,9 +89,14 @@ class FakeDaemon:
                 requests_by_tag={("", "ok"): float(self.finished)},
                 proxy_upstream_failures=self.upstream_failures,
                 latency=self.latency.states(),
-                inflight=InFlightState(round(self.in_flight), round(self.awaiting), *self.queue),
+                inflight=InFlightState(round(self.in_flight), round(self.awaiting), *self.queue,
+                                       self.oldest_awaiting_s, self.longest_silence_s),
             )
-            return render(self._registry), 200
+            body = render(self._registry)
+            if self.old:
+                body = b"".join(line for line in body.splitlines(keepends=True)
+                                if b"oldest_awaiting" not in line and b"stream_silence" not in line)
+            return body, 200
 
     def __enter__(self):
         self._thread.start()

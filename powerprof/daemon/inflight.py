@@ -10,6 +10,11 @@ last integration point (a proxy worker's records arrive a few milliseconds late)
 never go backwards. A request whose recording broke gets no end call (`Proxy._safe`, the workers'
 replay) but its trace still gets its `end_ns`: each reading ends those first, at that stamp (held,
 like any event, to the last integration point: such a request may count a little past its end).
+
+Requests that never finish never reach the latency histograms, so each reading also gives two
+ages, among streamed requests only (a non-streamed answer's first token is its whole answer, so
+its wait says nothing of a stall): the oldest still awaiting its first token, and the longest
+silence since the last token of one past its first (docs/tuner.md: the guard's view of them).
 """
 
 from __future__ import annotations
@@ -26,6 +31,10 @@ class InFlightState:
     in_flight_s: float
     awaiting_first_s: float
     clock_s: float
+    # Now, among streamed requests in flight (0.0: none): the age of the oldest awaiting its first token, and the
+    # longest time since the last token of one that has had its first.
+    oldest_awaiting_s: float = 0.0
+    longest_silence_s: float = 0.0
 
 
 class InFlight:
@@ -69,5 +78,13 @@ class InFlight:
         for end_ns, rid in ended:  # ended without an end call (its recording broke)
             self.end(rid, end_ns)
         self._advance(now_ns)
+        wait_ns = silent_ns = 0
+        for rid, tr in self._open.items():  # the requests in flight: tens to hundreds, read once a sampling period
+            if tr is None or tr.stream is not True:
+                continue
+            if rid in self._waiting:
+                wait_ns = max(wait_ns, now_ns - tr.arrival_ns)
+            elif tr.last_ns is not None:
+                silent_ns = max(silent_ns, now_ns - tr.last_ns)
         return InFlightState(len(self._open), len(self._waiting), self._area_ns / 1e9, self._wait_area_ns / 1e9,
-                             (self._t_ns - self._t0_ns) / 1e9)
+                             (self._t_ns - self._t0_ns) / 1e9, wait_ns / 1e9, silent_ns / 1e9)

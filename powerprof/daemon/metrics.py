@@ -220,6 +220,10 @@ class SnapshotCollector:
                                       "powerprof_requests_awaiting_first_token (request-seconds)", value=q.awaiting_first_s)
             yield CounterMetricFamily("powerprof_requests_queue_clock_seconds", "The time those two integrals span: "
                                       "their differences over this one's are exact means", value=q.clock_s)
+            yield GaugeMetricFamily("powerprof_requests_oldest_awaiting_first_token_seconds", "Age of the oldest "
+                                    "streamed request still awaiting its first token (0: none)", value=q.oldest_awaiting_s)
+            yield GaugeMetricFamily("powerprof_requests_longest_stream_silence_seconds", "Longest time since the last "
+                                    "token of a streamed request past its first (0: none)", value=q.longest_silence_s)
         yield CounterMetricFamily("powerprof_proxy_records_dropped", "Proxy workers' records not shipped because "
                                   "the daemon did not read (their requests' rows say so)", value=s.proxy_records_dropped)
         yield CounterMetricFamily("powerprof_tokens_late", "Proxied tokens read after their interval had closed, "

@@ -56,6 +56,10 @@ class DaemonCounters:
     in_flight_s: float = 0.0
     awaiting_s: float = 0.0
     queue_clock_s: float = 0.0
+    # Now, among streamed requests still in flight: the oldest one's wait for a first token and the longest silence
+    # since a last token (seconds; None: a daemon older than these gauges, which cannot show unfinished requests).
+    oldest_awaiting_s: float | None = None
+    longest_silence_s: float | None = None
 
 
 def loopback_reason(url: str) -> str | None:
@@ -185,8 +189,19 @@ def parse_counters(text: str, t_s: float) -> DaemonCounters:
     if awaiting > in_flight + 1e-6:
         raise ObserveError("powerprof_requests_awaiting_first_token_seconds_total exceeds "
                            "powerprof_requests_in_flight_seconds_total: not the daemon's figures")
+
+    def gauge(name):  # optional: a daemon older than it still gives every other figure
+        if name not in fam:
+            return None
+        v = [num(s.value) for s in fam[name].samples]
+        if len(v) != 1:
+            raise ObserveError(f"{name}: want one sample, got {len(v)}")
+        return v[0]
+
+    oldest, silence = (gauge(f"powerprof_requests_{k}_seconds")
+                       for k in ("oldest_awaiting_first_token", "longest_stream_silence"))
     return DaemonCounters(t_s, energy, tokens, finished, active, prompt, output, ttft, tpot, upstream, gpu, limits,
-                          in_flight, awaiting, clock)
+                          in_flight, awaiting, clock, oldest, silence)
 
 
 def _le(x: str) -> float:
@@ -222,4 +237,5 @@ def window_between(a: DaemonCounters, b: DaemonCounters, level: float) -> Window
         prompt_tokens=b.prompt_tokens - a.prompt_tokens, output_tokens=b.output_tokens - a.output_tokens,
         ttft_counts=per_bucket(a.ttft_cum, b.ttft_cum), tpot_counts=per_bucket(a.tpot_cum, b.tpot_cum),
         in_flight_s=b.in_flight_s - a.in_flight_s, awaiting_s=b.awaiting_s - a.awaiting_s,
-        queue_clock_s=b.queue_clock_s - a.queue_clock_s)
+        queue_clock_s=b.queue_clock_s - a.queue_clock_s,
+        oldest_awaiting_s=b.oldest_awaiting_s, longest_silence_s=b.longest_silence_s)

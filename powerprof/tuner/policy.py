@@ -72,6 +72,13 @@ class TunerConfig:
     queue_ratio: float = 0.0  # a level below the reference whose mean in flight over the last queue_s passes this ×
     # its usual (the median over its judged windows in the regime) goes one level up; a trial ends (0: off)
     queue_s: float = 300.0
+    # Requests that never finish never reach the p95 the guard reads: a stalled server shows no violation at all. A
+    # streamed request still waiting for its first token past stall_ttft_ratio × the TTFT SLO (2: at 1 the p95's
+    # allowed few late requests fired it on 0.07–0.49% of ticks at levels that keep the SLO on the bench's traces, at
+    # 2 on none; docs/tuner.md), or a stream silent past stall_tpot_ratio × the TPOT SLO (100: longer than any pause
+    # of a working server's schedule), at a level below the reference, backs off at once (0: off).
+    stall_ttft_ratio: float = 2.0
+    stall_tpot_ratio: float = 100.0
     # The latency model (eighth attempt): per length mix, log(p95/SLO) against the level and log(work per second), fitted
     # from every judged window at any level (LatencyModel), and the load's trend extrapolated model_horizon_s ahead.
     model_descend: bool = False  # a held level tries the level below as soon as the model puts that one within
@@ -130,6 +137,11 @@ class TunerConfig:
             errs.append("tuner.queue_ratio: 0 (off) or a ratio in (1, 10]")
         if not 0 < self.queue_s <= 30 * 86400 or (self.queue_ratio > 0 and self.queue_s > self.guard_s):
             errs.append("tuner.queue_s: positive seconds, at most guard_s (the queue is read from the guard's window)")
+        if not (self.stall_ttft_ratio == 0 or 1 <= self.stall_ttft_ratio <= 10):
+            errs.append("tuner.stall_ttft_ratio: 0 (off) or a ratio in [1, 10] (under 1 a request within the SLO would count)")
+        if not (self.stall_tpot_ratio == 0 or 10 <= self.stall_tpot_ratio <= 1000):
+            errs.append("tuner.stall_tpot_ratio: 0 (off) or a ratio in [10, 1000] (under 10 a working server's pause "
+                        "would read as a stall)")
         if not 0 <= self.drain_s <= 30 * 86400:
             errs.append("tuner.drain_s: seconds, 0 (off) to 30 days")
         if not 0 <= self.model_horizon_s <= 30 * 86400:
@@ -195,6 +207,10 @@ class Window:
     in_flight_s: float | None = None
     awaiting_s: float | None = None
     queue_clock_s: float | None = None
+    # Requests that have not finished, at the window's end (gauges, not sums; None: the daemon gives none): the
+    # oldest streamed request's wait for its first token, and the longest silence of a stream past its first.
+    oldest_awaiting_s: float | None = None
+    longest_silence_s: float | None = None
 
 
 def mean_in_flight(w: Window) -> tuple[float, float] | None:
@@ -221,7 +237,26 @@ def merge(ws: list[Window]) -> Window:
         ttft_counts=tuple(int(x) for x in np.sum([w.ttft_counts for w in ws], axis=0)),
         tpot_counts=tuple(int(x) for x in np.sum([w.tpot_counts for w in ws], axis=0)),
         in_flight_s=q[0] if q else None, awaiting_s=q[1] if q else None, queue_clock_s=q[2] if q else None,
+        oldest_awaiting_s=ws[-1].oldest_awaiting_s, longest_silence_s=ws[-1].longest_silence_s,  # now, not summed
     )
+
+
+def unfinished_threat(w: Window, cfg: TunerConfig, at_level_s: float = math.inf) -> tuple[str, float] | None:
+    """Why requests that have not finished threaten the SLO at the window's end, with the worst one's wait or silence
+    in seconds (None: none does, that SLO is not set, or the daemon gives no such figure). Only the time at the level
+    in force counts (`at_level_s`): a request queued, or a stream paused, under the level before is not its doing."""
+    if cfg.ttft_p95_ms is not None and cfg.stall_ttft_ratio > 0 and w.oldest_awaiting_s is not None:
+        slo_s = cfg.ttft_p95_ms / 1000
+        if min(w.oldest_awaiting_s, at_level_s) > cfg.stall_ttft_ratio * slo_s:
+            return (f"a streamed request has waited {w.oldest_awaiting_s:.1f} s for its first token, unfinished "
+                    f"({w.oldest_awaiting_s / slo_s:.0%} of the TTFT SLO)"), w.oldest_awaiting_s
+    if cfg.tpot_p95_ms is not None and cfg.stall_tpot_ratio > 0 and w.longest_silence_s is not None:
+        slo_s = cfg.tpot_p95_ms / 1000
+        if min(w.longest_silence_s, at_level_s) > cfg.stall_tpot_ratio * slo_s:
+            return (f"a stream has sent no token for {w.longest_silence_s:.1f} s, unfinished "
+                    f"({w.longest_silence_s / slo_s:.0f}× the TPOT SLO; stalled past {cfg.stall_tpot_ratio:g}×)"), \
+                w.longest_silence_s
+    return None
 
 
 def histogram_counts(values_s, edges=LATENCY_EDGES_S) -> tuple[int, ...]:
@@ -509,6 +544,7 @@ class Tuner:
         self._threat_idx: int | None = None  # the level the last back-off left
         self._ref_typical: float | None = None  # the reference's median p95/SLO in the regime, at the last back-off
         self._trial_ratios: list[float] = []  # the trial's p95/SLO judgements so far
+        self._stall_said = False  # an unfinished request's threat at the reference is recorded (once while it lasts)
         self._model_search = False  # the search in progress began with a model descent (until it holds or backs off)
         self._work: deque[tuple[float, float, float]] = deque()  # (t_end, duration, work) per tick, every level
         self._held_ok: list[_LevelStat] = []  # judgements of the current level within the holding band
@@ -568,6 +604,8 @@ class Tuner:
             self._backoff_tail.append(w)
         if self._threat_ticks >= self.cfg.guard_ticks and self.idx != self.ref:
             self._threatened(w.t_end_s, ratio, out)
+            return out
+        if self._unfinished(w, out):
             return out
         if self.state in ("hold", "measure") and ratio is not None and self.idx < self.ref \
                 and ratio > self.cfg.rise_ratio and g.duration_s >= self.cfg.guard_s / 2:
@@ -716,6 +754,27 @@ class Tuner:
         self._trial_ratios = []
         self._model_search = True
         return True
+
+    def _unfinished(self, w: Window, out: list[Decision]) -> bool:
+        """The guard's view of requests that have not finished (`unfinished_threat`): below the reference, back to it at
+        once (True); at the reference, nowhere to go: recorded once while it lasts, and during a back-off, when it began
+        at the reference, the level left is not blamed."""
+        t = w.t_end_s
+        threat = unfinished_threat(w, self.cfg, t - self.since_s)
+        if threat is None:
+            self._stall_said = False
+            return False
+        why, worst_s = threat
+        if self.idx != self.ref:
+            self._threatened(t, None, out, what=why)
+            return True
+        if self.state == "backoff" and worst_s <= t - self.since_s:
+            self._ref_threatened = True
+        if not self._stall_said:
+            self._stall_said = True
+            out.append(self._decide(t, "hold", self.idx, f"SLO threatened: {why}; at the reference already: nowhere "
+                                                         "to go"))
+        return False
 
     def _sent_up_lately(self, j: int, t: float) -> bool:
         """model_no_redescend: level `j` was left for a level above, as too slow, within reprobe_s."""
@@ -1048,7 +1107,8 @@ class Tuner:
         last = [x for t, x in r.ratios.get(self.idx, ()) if t > self.since_s][-self.cfg.hold_confirm:]
         return len(last) >= self.cfg.hold_confirm and all(x > self.cfg.hold_ratio for x in last)
 
-    def _threatened(self, t: float, ratio: float, out: list[Decision]) -> None:
+    def _threatened(self, t: float, ratio: float | None, out: list[Decision], what: str | None = None) -> None:
+        """Back to the reference at once: the guard's p95 at `ratio` × the SLO, or `what` (requests not finished)."""
         r = self.regime
         cfg = self.cfg
         self._undo, self._ref_threatened = (r.floor, r.floor_t, r.best, dict(r.bars)), False
@@ -1062,8 +1122,9 @@ class Tuner:
         # While draining an ended trial's queue the slow requests are the trial's (already barred), not this level's.
         barred = (len(hits) >= cfg.strikes or self.state == "trial") and self.state != "drain"
         if barred:
-            # A p95 within the buckets' error of the SLO may not have broken it: barred as a level found too slow.
-            hard = ratio > cfg.guard_ratio * (1 + BUCKET_ERROR)
+            # A p95 within the buckets' error of the SLO may not have broken it: barred as a level found too slow. So is
+            # a level left for a request not finished: one request late is not yet the p95 broken.
+            hard = ratio is not None and ratio > cfg.guard_ratio * (1 + BUCKET_ERROR)
             self._bar(r, self.idx, t, hard=hard)
             growth = self.load_growth(t)
             above = max(cfg.ramp_restore_above if growth is not None and growth > cfg.ramp_growth else 1,
@@ -1075,8 +1136,8 @@ class Tuner:
         self._end_trial(t)
         then = ("barred for now" if barred else f"strike {len(hits)} of {cfg.strikes}") if self.state != "drain" \
             else "the ended trial's queue, not this level: not barred"
-        out.append(self._move(t, "backoff", self.ref, f"SLO threatened: p95 at {ratio:.0%} of the SLO over the last "
-                                                      f"{cfg.guard_s:g} s; back to the reference at once ({then})"))
+        what = what or f"p95 at {ratio:.0%} of the SLO over the last {cfg.guard_s:g} s"
+        out.append(self._move(t, "backoff", self.ref, f"SLO threatened: {what}; back to the reference at once ({then})"))
         self._enter("backoff", t)
         self._direction, self._up_tried = -1, False
 

@@ -25,12 +25,14 @@ from typing import Callable
 
 from prometheus_client import CollectorRegistry, Counter, Gauge
 
+from powerprof.control.gpulock import make_dirs
 from powerprof.errtext import error_text
 from powerprof.storage.runs import atomic_write_table
 from powerprof.storage.schema import TUNER_DECISIONS, rows_to_table
 
 from .observe import DaemonCounters, ObserveError, window_between
-from .policy import Decision, Tuner, TunerConfig, Window, merge, slo_ratio
+from .policy import Decision, Tuner, TunerConfig, Window, merge, slo_ratio, unfinished_threat
+from .setup import day_folder_reason
 
 LEVEL_TOLERANCE_W = 1.0  # the daemon's read-back of a limit the controller set (NVML rounds to its own step)
 
@@ -76,17 +78,31 @@ class KillSwitch:
         if self.requested.is_set():
             persist_kill(self.path)
 
+    def install(self) -> None:
+        """SIGUSR1 is this switch's from now on. One that powerprof.entry's recorder caught while the CLI was being
+        imported is taken on (the handler replaced says so in `caught`): it is a kill like any other."""
+        prev = signal.signal(signal.SIGUSR1, self)
+        if getattr(prev, "caught", 0):
+            self()
+
+
+class OutDirError(OSError):
+    """The decisions folder cannot be trusted or written now: the tuner ends (the controller restores the limits)."""
+
 
 class DecisionLog:
     """Rows of TUNER_DECISIONS, written as one small Parquet file per flush under `out_dir` (None: kept in memory)."""
 
-    def __init__(self, out_dir: Path | None, gpus: list[int], knob: str):
+    def __init__(self, out_dir: Path | None, gpus: list[int], knob: str, euid: int | None = None):
+        """euid: whose rules the day folders are checked by (None: this process's; tests give 0 for root's)."""
+        self.euid = euid
         self.out_dir = Path(out_dir) if out_dir is not None else None
         self.gpus = ",".join(str(g) for g in gpus)
         self.knob = knob
         self.rows: deque[dict] = deque(maxlen=1000)  # the latest, in memory; all of them in the dataset
         self._unflushed: list[dict] = []
         self.host = socket.gethostname()
+        self.refused: str | None = None  # why the decisions folder was refused: said once, then the tuner ends
 
     def add(self, d: Decision, t0_s: float, applied: bool) -> None:
         row = {"time_utc": time.time_ns(), "t_mono_s": d.t_s - t0_s, "action": d.action, "knob": self.knob,
@@ -99,10 +115,26 @@ class DecisionLog:
     def flush(self) -> None:
         if self.out_dir is None or not self._unflushed:
             return
-        self.out_dir.mkdir(parents=True, exist_ok=True)
+        if self.refused:  # the stop row on the way out: refused as the row before it, and said already
+            raise OutDirError(self.refused)
         day = _dt.datetime.now(_dt.timezone.utc).strftime("%Y-%m-%d")
-        part = self.out_dir / f"date={day}" / f"part-{time.time_ns()}.parquet"
-        part.parent.mkdir(parents=True, exist_ok=True)
+        day_dir = self.out_dir / f"date={day}"
+        # Checked before it is made or written, and again once made or found: checked each flush, as a new day
+        # brings a new folder that may have been planted ahead of it.
+        why = day_folder_reason(day_dir, self.euid)
+        if not why:
+            try:
+                make_dirs(day_dir, 0o755)  # whatever the umask: never group- or other-writable
+            except OSError as e:
+                why = f"cannot make it ({e.strerror or e})"
+            why = why or day_folder_reason(day_dir, self.euid)
+        if why:
+            msg = (f"--out {self.out_dir}: not writing the decisions into {day_dir}: {why} (another user could make root "
+                   "write any file through it); remove it, or give root a folder of its own (chown root:, chmod go-w)")
+            log.error("%s", msg)
+            self.refused = msg
+            raise OutDirError(msg)
+        part = day_dir / f"part-{time.time_ns()}.parquet"
         atomic_write_table(part, rows_to_table(TUNER_DECISIONS, self._unflushed, fill={"host": self.host}))
         self._unflushed = []
 
@@ -123,6 +155,8 @@ class TunerMetrics:
         self.stale = Gauge("powerprof_tuner_stale", "1 while the daemon's figures are missing or untrusted", registry=r)
         self.killed = Gauge("powerprof_tuner_killed", "1 after the kill switch: the reference is held", registry=r)
         self.explore_s = Gauge("powerprof_tuner_explore_seconds", "Time spent on trial levels", registry=r)
+        self.sees_unfinished = Gauge("powerprof_tuner_sees_unfinished", "1 when the daemon gives the ages of requests "
+                                     "not finished (the guard sees a stall), 0 when it is too old to", registry=r)
 
 
 class TuneRunner:
@@ -131,11 +165,13 @@ class TuneRunner:
     def __init__(self, cfg: TunerConfig, read: Callable[[], DaemonCounters], ctl=None, gpus: list[int] | None = None,
                  out_dir: Path | None = None, registry: CollectorRegistry | None = None,
                  clock: Callable[[], float] = time.monotonic, gpu_uuids: list[str] | None = None,
-                 kill_path: Path | None = None, clear_kill: bool = False, kill_requested: threading.Event | None = None):
+                 kill_path: Path | None = None, clear_kill: bool = False, kill_requested: threading.Event | None = None,
+                 euid: int | None = None):
         """gpu_uuids: the tuned GPUs; the daemon must measure exactly these (None skips the check: tests of the
         policy plumbing only). kill_path: the persisted kill switch (None: the kill lasts as long as the process);
         clear_kill: `tune --resume`, remove it first. kill_requested: a KillSwitch's event (SIGUSR1 caught before
-        this runner existed)."""
+        this runner existed). euid: whose rules `out_dir`'s day folders are checked by (None: this process's).
+        A day folder refused ends run() with OutDirError, the row not written."""
         if ctl is None and not cfg.dry_run:
             raise ValueError("a controller is needed unless dry_run")
         self.cfg = cfg
@@ -144,7 +180,7 @@ class TuneRunner:
         self.clock = clock
         self.t0_s = clock()
         self.tuner = Tuner(cfg, self.t0_s)
-        self.log = DecisionLog(out_dir, gpus or [], cfg.knob)
+        self.log = DecisionLog(out_dir, gpus or [], cfg.knob, euid=euid)
         self.metrics = TunerMetrics(registry)
         self.metrics.dry_run.set(1 if cfg.dry_run else 0)
         self.metrics.reference.labels(cfg.knob).set(cfg.reference)
@@ -158,6 +194,7 @@ class TuneRunner:
         self._last_error = "no scrape yet"
         self._dry: deque[Window] = deque()  # dry-run: the last guard_s at the GPUs' actual level
         self._dry_said_s = -float("inf")
+        self._said_blind = False
 
     def on_sigusr1(self, *_):
         self.kill_requested.set()
@@ -249,6 +286,7 @@ class TuneRunner:
             if isinstance(got, ObserveError):
                 raise got
             c = dataclasses.replace(got, t_s=now)
+            self._check_sight(c)
             last, self._last = self._last, c
             actual = self._actual_level(c)
             if actual is not None:
@@ -284,6 +322,16 @@ class TuneRunner:
         self.metrics.explore_s.set(self.tuner.explore_s)
         self.check_stale(now)
 
+    def _check_sight(self, c: DaemonCounters) -> None:
+        """Say once when the daemon gives no ages of unfinished requests (older than the tuner): tuning goes on, its
+        guard seeing only requests that have finished, as before those gauges existed."""
+        blind = c.oldest_awaiting_s is None or c.longest_silence_s is None
+        self.metrics.sees_unfinished.set(0 if blind else 1)
+        if blind and not self._said_blind:
+            log.warning("the daemon does not give the ages of requests not finished (older than this tuner): the guard "
+                        "cannot see a stalled server, only requests that finish late; upgrade the daemon")
+        self._said_blind = blind
+
     def _dry_verdict(self, w: Window) -> list[Decision]:
         """Dry-run: what the guard would do at the level the GPUs have, once per window_s; no exploration (a trial
         that is never applied measures nothing)."""
@@ -292,12 +340,17 @@ class TuneRunner:
         while self._dry and self._dry[0].t_end_s <= w.t_end_s - cfg.guard_s:
             self._dry.popleft()
         g = merge(list(self._dry))
+        at = self._fmt(w.level)
+        stall = unfinished_threat(w, cfg) if w.level != cfg.reference else None
+        if stall is not None and w.t_end_s - self._dry_said_s >= cfg.window_s:
+            self._dry_said_s = w.t_end_s
+            return [Decision(w.t_end_s, "backoff", w.level, cfg.reference, f"dry run at the GPUs' {at}: {stall[0]}; the "
+                             f"guard would go back to the reference {self._fmt(cfg.reference)}", "unknown", None, None)]
         if w.t_end_s - self._dry_said_s < cfg.window_s or g.duration_s < cfg.guard_s / 2 or g.requests < cfg.guard_min_requests:
             return []
         self._dry_said_s = w.t_end_s
         ratio = slo_ratio(g, cfg)
         jpt = g.energy_j / g.tokens if g.tokens > 0 else None
-        at = self._fmt(w.level)
         if ratio is not None and ratio > cfg.guard_ratio and w.level != cfg.reference:
             action, to, then = "backoff", cfg.reference, f"the guard would go back to the reference {self._fmt(cfg.reference)}"
         else:

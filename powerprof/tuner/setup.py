@@ -10,7 +10,7 @@ import tempfile
 from pathlib import Path
 
 from powerprof.control.gpulock import make_dirs
-from powerprof.control.restore import read_trusted, untrusted_place
+from powerprof.control.restore import read_trusted, untrusted_folder, untrusted_place
 from powerprof.daemon.latency import LATENCY_EDGES_S
 from powerprof.paths import state_dir
 
@@ -108,9 +108,17 @@ def check_root_folder(path: Path, what: str, euid: int | None = None) -> None:
                                "write any file through it); give root a folder of its own (chown root:, chmod go-w)")
 
 
+def day_folder_reason(day_dir: Path, euid: int | None = None) -> str | None:
+    """Why root must not write in this `date=` folder of --out (None when it may): as root it must be a real folder,
+    not a symlink, root's and writable by no one else, as every folder above it (`untrusted_folder`). One that
+    already exists may have been planted by another user (before --out was made root's, or dated ahead)."""
+    return untrusted_folder(day_dir, euid) if os.path.lexists(day_dir) else untrusted_place(day_dir, euid)
+
+
 def check_out_dir(path: Path, euid: int | None = None) -> None:
     """The decisions folder exists (or is made) and takes a file: found now, not after the reference is set. As
-    root, only in a folder no one else could write (`check_root_folder`)."""
+    root, only in a folder no one else could write (`check_root_folder`), holding no `date=` folder root could not
+    write in (each is checked again before each write: runner.DecisionLog)."""
     check_root_folder(path, "--out", euid)
     try:
         make_dirs(Path(path))
@@ -119,6 +127,11 @@ def check_out_dir(path: Path, euid: int | None = None) -> None:
     except OSError as e:
         raise TunerConfigError(f"--out {path}: cannot write there ({e.strerror or e})") from None
     check_root_folder(path, "--out", euid)  # the folder itself, made now or found
+    for day in sorted(Path(path).glob("date=*")):
+        why = day_folder_reason(day, euid)
+        if why:
+            raise TunerConfigError(f"--out {path}: refusing to write in {day.name} as root: {why} (another user could "
+                                   "make root write any file through it); remove it, or chown root: and chmod go-w")
 
 
 def kill_file() -> Path:
