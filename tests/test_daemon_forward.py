@@ -170,6 +170,7 @@ class RawUpstream:
         self.responses = responses
         self.connections = 0
         self.closed_early = asyncio.Event()
+        self.requests: list[tuple[bytes, bytes]] = []  # (head, body) as received
 
     async def handle(self, reader, writer):
         self.connections += 1
@@ -181,8 +182,7 @@ class RawUpstream:
                 for line in head.split(b"\r\n"):
                     if line.lower().startswith(b"content-length:"):
                         length = int(line.split(b":")[1])
-                if length:
-                    await reader.readexactly(length)
+                self.requests.append((head, await reader.readexactly(length) if length else b""))
                 for part in self.responses[path]:
                     if isinstance(part, float):
                         await asyncio.sleep(part)
@@ -420,6 +420,32 @@ def test_response_header_bytes_pass_unchanged_and_a_head_the_client_cannot_get_i
     assert b'filename="caf\xc3\xa9.txt"\r\n' in utf8 and utf8.endswith(b"\r\n\r\nok")
     assert ctl.startswith(b"HTTP/1.1 502 ")
     assert [(t.status, t.outcome) for t in rec.ended] == [(200, "ok"), (502, "upstream_unreachable")]
+
+
+def test_request_header_lines_reach_the_upstream_as_the_client_sent_them_minus_hop_by_hop():
+    # The request head is built from the client's own header bytes: a value that is not UTF-8 and a name's
+    # case pass unchanged; hop-by-hop headers, those the Connection header names, the client's Host and
+    # its Content-Length do not (the upstream gets its own Host and the body's real length).
+    body = b'{"model":"m","prompt":"x"}'
+    sent = (b"POST /v1/completions?q=1 HTTP/1.1\r\nHost: client-side\r\nx-lower-case: Kept As Sent\r\n"
+            b"X-Bytes: caf\xe9 \xff\r\nConnection: keep-alive, X-Hop\r\nX-Hop: gone\r\nKeep-Alive: timeout=5\r\n"
+            b"TE: trailers\r\nProxy-Authorization: secret\r\nX-Powerprof-Tag: t1\r\n"
+            b"Content-Type: application/json\r\nContent-Length: %d\r\n\r\n%b"
+            b"GET /plain HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n") % (len(body), body)
+    responses = {"/v1/completions?q=1": [b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\n\r\nok"],
+                 "/plain": [b"HTTP/1.1 200 OK\r\nContent-Length: 4\r\n\r\nnext"]}
+
+    (raw,), rec, up = _run(_raw_clients(responses, [sent]))
+    assert raw.count(b"HTTP/1.1 200 ") == 2 and raw.endswith(b"\r\n\r\nnext"), raw
+    (head, got_body), (head2, _) = up.requests
+    lines = head.split(b"\r\n")
+    assert lines[0] == b"POST /v1/completions?q=1 HTTP/1.1"
+    assert lines[1].startswith(b"Host: 127.0.0.1:") and b"client-side" not in head
+    assert set(lines[2:-2]) == {b"x-lower-case: Kept As Sent", b"X-Bytes: caf\xe9 \xff", b"X-Powerprof-Tag: t1",
+                                b"Content-Type: application/json", b"Content-Length: %d" % len(body)}, head
+    assert got_body == body
+    assert head2.split(b"\r\n")[2:-2] == []  # Host replaced, Connection: close not passed on
+    assert [(t.model, t.tag, t.outcome) for t in rec.ended] == [("m", "t1", "ok"), (None, None, "ok")]
 
 
 def test_a_response_with_both_framings_reaches_the_client_as_chunked_and_the_next_one_in_step():
