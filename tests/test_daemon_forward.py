@@ -528,3 +528,41 @@ def test_a_connect_timeout_says_how_long_and_what_it_means(monkeypatch):
 
     text = _run(go())
     assert "within 0.05 s" in text and "proxy.connect_timeout_s" in text and "not listening" in text, text
+
+
+def test_max_connections_makes_requests_wait_in_turn_and_a_cancelled_waiter_frees_nothing_it_did_not_hold():
+    # The pool's slots: at most max_connections exchanges at once, the waiters served first come first
+    # served as slots are released; a waiter cancelled (its client gone), before or after a slot was
+    # handed to it, neither keeps a slot nor makes one out of nothing.
+    async def main():
+        server = await asyncio.start_server(lambda r, w: None, "127.0.0.1", 0)
+        pool = UpstreamPool(f"http://127.0.0.1:{server.sockets[0].getsockname()[1]}", 5.0, 5.0, 2)
+        a, b = await pool.acquire(), await pool.acquire()
+        order = []
+
+        async def take(name):
+            ex = await pool.acquire()
+            order.append(name)
+            return ex
+
+        third, fourth, fifth = (asyncio.create_task(take(n)) for n in ("third", "fourth", "fifth"))
+        await asyncio.sleep(0.05)
+        assert not (third.done() or fourth.done() or fifth.done())
+        fourth.cancel()  # cancelled while waiting
+        await asyncio.sleep(0)
+        pool.release(a)
+        c = await asyncio.wait_for(third, 5)
+        assert order == ["third"] and not fifth.done()
+        pool.release(b)
+        fifth.cancel()  # cancelled after the slot was handed to it, before it ran: the slot goes back
+        await asyncio.sleep(0.05)
+        assert fifth.cancelled() and pool._free == 1
+        d = await asyncio.wait_for(pool.acquire(), 5)
+        assert pool._free == 0
+        pool.release(c)
+        pool.release(d)
+        assert pool._free == 2 and not pool._waiters
+        pool.close()
+        server.close()
+
+    _run(main())
