@@ -1,7 +1,7 @@
 """The floor under the proxy's CPU per token: a bare TCP relay next to the proxy alone, user and system time apart.
 
     .venv/bin/python bench/proxy_floor.py [--streams 64] [--rounds 2] [--tokens 8,32,128] [--kinds bare,proxy,worker,nginx]
-                                          [--gap-ms 2] [--staggered] [--requests-per-stream 8]
+                                          [--gap-ms 2] [--staggered] [--requests-per-stream 8] [--baseline TREE]
 
 The upstream of bench/proxy_latency.py (SSE events 2 ms apart, one chunk each, 8/32/128 per
 response; `--gap-ms 25 --streams 256 --staggered`: the GPU-like pace, each stream's first request
@@ -12,7 +12,7 @@ no HTTP, no parsing), `Proxy` with a null recorder (no ledger), or a proxy worke
 socket that this process reads and discards: the daemon's replay is not counted), or nginx
 (`nginx`, bench/_nginx.py: one worker process, `proxy_buffering off`, keep-alive upstream; the
 native yardstick, skipped with a message where nginx is not installed); the load generator in a
-third. CPU per chunk (tokens + 1 per response) from the relay process's /proc schedstat, split into user
+third. `--baseline TREE` adds `base`: the `Proxy` of another source tree under the same load. CPU per chunk (tokens + 1 per response) from the relay process's /proc schedstat, split into user
 and system time from /proc/<pid>/stat (clock ticks: read over seconds, not per request). The bare
 relay's system time is what the kernel charges for one recv and one send per chunk on this
 machine; no forwarder in one process gets below it with one chunk per token. A straight line
@@ -139,7 +139,12 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--tokens", default="8,32,128", help="tokens per response, one case each")
     ap.add_argument("--kinds", default="bare,proxy,worker", help="relays to measure: bare, proxy, worker, nginx")
+    ap.add_argument("--baseline", metavar="TREE",
+                    help="also `base`: the `Proxy` of another source tree (a git worktree of main, say), same load")
     a = ap.parse_args()
+    kinds = a.kinds.split(",") + (["base"] if a.baseline and "base" not in a.kinds.split(",") else [])
+    if "base" in kinds and not a.baseline:
+        raise SystemExit("kind base needs --baseline TREE")
     tmp = Path(tempfile.mkdtemp(prefix="powerprof-floor-"))
     procs = [subprocess.Popen([sys.executable, pl.__file__, "--upstream", str(tmp / "up")])]
     hz = os.sysconf("SC_CLK_TCK")
@@ -150,7 +155,7 @@ def main() -> None:
               f"{', staggered starts' if a.staggered else ''}; CPU per chunk of the relaying process (best of {a.rounds})")
         print("relay  tokens  total_us  user_us  sys_us   tok_s")
         per_response = {}
-        for kind in a.kinds.split(","):
+        for kind in kinds:
             fds, env = (), None
             if kind == "worker":
                 ours, theirs = socket.socketpair()
@@ -164,8 +169,10 @@ def main() -> None:
                 proc, url = started
                 procs.append(proc)
             else:
+                if kind == "base":
+                    env = {**os.environ, "PYTHONPATH": str(Path(a.baseline).resolve())}
                 procs.append(subprocess.Popen([sys.executable, __file__, "--relay", str(up_port), str(tmp / kind),
-                                               kind], pass_fds=fds, env=env))
+                                               "proxy" if kind == "base" else kind], pass_fds=fds, env=env))
                 if kind == "worker":
                     theirs.close()
                 url = f"http://127.0.0.1:{_wait_port(tmp / kind)}"

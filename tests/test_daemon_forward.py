@@ -170,6 +170,7 @@ class RawUpstream:
         self.responses = responses
         self.connections = 0
         self.closed_early = asyncio.Event()
+        self.requests: list[tuple[bytes, bytes]] = []  # (head, body) as received
 
     async def handle(self, reader, writer):
         self.connections += 1
@@ -181,8 +182,7 @@ class RawUpstream:
                 for line in head.split(b"\r\n"):
                     if line.lower().startswith(b"content-length:"):
                         length = int(line.split(b":")[1])
-                if length:
-                    await reader.readexactly(length)
+                self.requests.append((head, await reader.readexactly(length) if length else b""))
                 for part in self.responses[path]:
                     if isinstance(part, float):
                         await asyncio.sleep(part)
@@ -422,6 +422,32 @@ def test_response_header_bytes_pass_unchanged_and_a_head_the_client_cannot_get_i
     assert [(t.status, t.outcome) for t in rec.ended] == [(200, "ok"), (502, "upstream_unreachable")]
 
 
+def test_request_header_lines_reach_the_upstream_as_the_client_sent_them_minus_hop_by_hop():
+    # The request head is built from the client's own header bytes: a value that is not UTF-8 and a name's
+    # case pass unchanged; hop-by-hop headers, those the Connection header names, the client's Host and
+    # its Content-Length do not (the upstream gets its own Host and the body's real length).
+    body = b'{"model":"m","prompt":"x"}'
+    sent = (b"POST /v1/completions?q=1 HTTP/1.1\r\nHost: client-side\r\nx-lower-case: Kept As Sent\r\n"
+            b"X-Bytes: caf\xe9 \xff\r\nConnection: keep-alive, X-Hop\r\nX-Hop: gone\r\nKeep-Alive: timeout=5\r\n"
+            b"TE: trailers\r\nProxy-Authorization: secret\r\nX-Powerprof-Tag: t1\r\n"
+            b"Content-Type: application/json\r\nContent-Length: %d\r\n\r\n%b"
+            b"GET /plain HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n") % (len(body), body)
+    responses = {"/v1/completions?q=1": [b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\n\r\nok"],
+                 "/plain": [b"HTTP/1.1 200 OK\r\nContent-Length: 4\r\n\r\nnext"]}
+
+    (raw,), rec, up = _run(_raw_clients(responses, [sent]))
+    assert raw.count(b"HTTP/1.1 200 ") == 2 and raw.endswith(b"\r\n\r\nnext"), raw
+    (head, got_body), (head2, _) = up.requests
+    lines = head.split(b"\r\n")
+    assert lines[0] == b"POST /v1/completions?q=1 HTTP/1.1"
+    assert lines[1].startswith(b"Host: 127.0.0.1:") and b"client-side" not in head
+    assert set(lines[2:-2]) == {b"x-lower-case: Kept As Sent", b"X-Bytes: caf\xe9 \xff", b"X-Powerprof-Tag: t1",
+                                b"Content-Type: application/json", b"Content-Length: %d" % len(body)}, head
+    assert got_body == body
+    assert head2.split(b"\r\n")[2:-2] == []  # Host replaced, Connection: close not passed on
+    assert [(t.model, t.tag, t.outcome) for t in rec.ended] == [("m", "t1", "ok"), (None, None, "ok")]
+
+
 def test_a_response_with_both_framings_reaches_the_client_as_chunked_and_the_next_one_in_step():
     # Transfer-Encoding and Content-Length together (RFC 9112 §6.3): the body is the chunked one; the
     # Content-Length passed on would have framed it with the wrong length (the client reads 5 bytes, then
@@ -502,3 +528,41 @@ def test_a_connect_timeout_says_how_long_and_what_it_means(monkeypatch):
 
     text = _run(go())
     assert "within 0.05 s" in text and "proxy.connect_timeout_s" in text and "not listening" in text, text
+
+
+def test_max_connections_makes_requests_wait_in_turn_and_a_cancelled_waiter_frees_nothing_it_did_not_hold():
+    # The pool's slots: at most max_connections exchanges at once, the waiters served first come first
+    # served as slots are released; a waiter cancelled (its client gone), before or after a slot was
+    # handed to it, neither keeps a slot nor makes one out of nothing.
+    async def main():
+        server = await asyncio.start_server(lambda r, w: None, "127.0.0.1", 0)
+        pool = UpstreamPool(f"http://127.0.0.1:{server.sockets[0].getsockname()[1]}", 5.0, 5.0, 2)
+        a, b = await pool.acquire(), await pool.acquire()
+        order = []
+
+        async def take(name):
+            ex = await pool.acquire()
+            order.append(name)
+            return ex
+
+        third, fourth, fifth = (asyncio.create_task(take(n)) for n in ("third", "fourth", "fifth"))
+        await asyncio.sleep(0.05)
+        assert not (third.done() or fourth.done() or fifth.done())
+        fourth.cancel()  # cancelled while waiting
+        await asyncio.sleep(0)
+        pool.release(a)
+        c = await asyncio.wait_for(third, 5)
+        assert order == ["third"] and not fifth.done()
+        pool.release(b)
+        fifth.cancel()  # cancelled after the slot was handed to it, before it ran: the slot goes back
+        await asyncio.sleep(0.05)
+        assert fifth.cancelled() and pool._free == 1
+        d = await asyncio.wait_for(pool.acquire(), 5)
+        assert pool._free == 0
+        pool.release(c)
+        pool.release(d)
+        assert pool._free == 2 and not pool._waiters
+        pool.close()
+        server.close()
+
+    _run(main())

@@ -368,3 +368,28 @@ def test_the_prompt_length_is_known_from_the_first_chunk_with_continuous_usage()
     assert p.prompt_tokens is None
     p.count(sse({"choices": [{"text": "a", "finish_reason": None}], "usage": {"prompt_tokens": 7, "completion_tokens": 1}}))
     assert p.prompt_tokens == 7
+
+
+@pytest.mark.parametrize("doc", [
+    b'{"model":"m","stream":true,"messages":[{"content":"caf\xc3\xa9 \\u00e9 \\ud83d\\ude00"}]}',
+    b'{"a":"\\ud800"}',  # a lone surrogate escape: json.loads keeps it
+    b'{"a":1} ',  # trailing whitespace
+    b'{"a":1} x',  # trailing data: an error
+    b'{"a":"caf\xe9"}',  # not UTF-8: an error
+    b'{"a":"\xed\xa0\x80"}',  # an encoded surrogate: json.loads takes it (surrogatepass)
+    b"{", b"{}", b"{\n}", b'{"a":NaN}', b"[1]", b" {}", b"",
+    b'\xef\xbb\xbf{"a":1}',  # a UTF-8 BOM: json.loads' detection strips it
+    '{"a":1}'.encode("utf-16-le"), '{"a":1}'.encode("utf-16"), '{"a":1}'.encode("utf-32-be"),
+])
+def test_json_from_bytes_gives_what_json_loads_gives(doc):
+    # The proxy parses request bodies and a stream's whole events with it: the same result or the same
+    # kind of error as json.loads, for every encoding json.loads detects.
+    from powerprof.workload.stream import json_from_bytes
+
+    def outcome(f):
+        try:
+            return "ok", f(doc)
+        except (ValueError, UnicodeDecodeError) as e:
+            return "error", type(e)
+
+    assert outcome(json_from_bytes) == outcome(json.loads)

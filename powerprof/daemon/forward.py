@@ -480,7 +480,10 @@ class UpstreamPool:
         self.host_header = host if default_port else f"{host}:{self.port}"
         self.connect_timeout_s = connect_timeout_s
         self.read_timeout_s = read_timeout_s
-        self.limit = asyncio.Semaphore(max_connections) if max_connections > 0 else None
+        # Free connection slots (None: no limit) and the requests waiting for one, first come first served; a
+        # counter, not an asyncio.Semaphore: a request that finds a slot free takes it without a coroutine.
+        self._free: int | None = max_connections if max_connections > 0 else None
+        self._waiters: deque[asyncio.Future] = deque()
         self.loop = asyncio.get_running_loop()
         self._idle: deque[Exchange] = deque()
         # One timer for every request in flight (not one per request): read timeouts and on_tick.
@@ -489,8 +492,11 @@ class UpstreamPool:
         self._ssl = ssl.create_default_context() if u.scheme == "https" else None
 
     async def acquire(self) -> Exchange:
-        if self.limit is not None:
-            await self.limit.acquire()
+        if self._free is not None:
+            if self._free > 0 and not self._waiters:
+                self._free -= 1
+            else:
+                await self._wait_slot()
         try:
             while self._idle:
                 ex = self._idle.pop()
@@ -509,9 +515,33 @@ class UpstreamPool:
                                    "the server is down, overloaded or not listening there") from None
             return ex
         except BaseException:
-            if self.limit is not None:
-                self.limit.release()
+            self._give_slot()
             raise
+
+    async def _wait_slot(self) -> None:
+        fut = self.loop.create_future()
+        self._waiters.append(fut)
+        try:
+            await fut  # done: a released slot was handed to this request
+        except BaseException:
+            if fut.done() and not fut.cancelled():
+                self._give_slot()  # handed a slot, then cancelled before it took it: the next one gets it
+            else:
+                try:
+                    self._waiters.remove(fut)
+                except ValueError:
+                    pass
+            raise
+
+    def _give_slot(self) -> None:
+        if self._free is None:
+            return
+        while self._waiters:
+            fut = self._waiters.popleft()
+            if not fut.done():
+                fut.set_result(None)
+                return
+        self._free += 1
 
     def _watch(self, ex: Exchange) -> None:
         self._busy.add(ex)
@@ -531,8 +561,7 @@ class UpstreamPool:
 
     def release(self, ex: Exchange) -> None:
         """Back to the pool if its response ended cleanly and the upstream keeps it open; closed otherwise."""
-        if self.limit is not None:
-            self.limit.release()
+        self._give_slot()
         ex.on_body = ex.on_tick = None
         if ex.reusable and ex._mode == "end" and not ex.lost and ex.transport is not None:
             ex.transport.resume_reading()

@@ -28,6 +28,7 @@ import aiohttp
 from aiohttp import web
 
 from powerprof.errtext import error_text
+from powerprof.workload.stream import json_from_bytes
 
 from . import streams
 from .forward import Exchange, UpstreamError, UpstreamPool
@@ -127,7 +128,7 @@ def forward_headers(headers, drop=frozenset()) -> list[tuple[str, str]]:
     return [(k, v) for k, v in headers.items() if k.lower() not in skip]
 
 
-_REQUEST_DROP = frozenset(("host", "content-length"))
+_REQUEST_SKIP = frozenset(h.encode() for h in HOP_BY_HOP | {"host", "content-length"})
 _CONTENT_LENGTH = frozenset(("content-length",))
 
 
@@ -151,13 +152,19 @@ async def _body_chunks(content, timeout_s: float):
         yield chunk
 
 
-def request_head(method: str, target: str, host: str, headers) -> bytes:
-    """An HTTP/1.1 request head; header bytes as the client sent them (aiohttp decodes them surrogate-escaped).
-    `headers`: (name, value) pairs."""
-    lines = [f"{method} {target} HTTP/1.1", f"Host: {host}"]
-    lines += [f"{k}: {v}" for k, v in headers]
-    lines.append("\r\n")
-    return "\r\n".join(lines).encode("utf-8", "surrogateescape")
+def request_head(method: str, target: str, host: str, raw_headers, framing: bytes = b"", connection=()) -> bytes:
+    """An HTTP/1.1 request head: the client's header lines as it sent them (aiohttp's `raw_headers`, bytes,
+    names in the client's case) minus hop-by-hop ones, Host and Content-Length (and those the Connection
+    header names: `connection`, its values), then `framing` (the body's framing header line, CRLF-ended)."""
+    skip = _REQUEST_SKIP
+    if connection:
+        skip = skip | {h.strip().lower().encode("utf-8", "surrogateescape") for v in connection for h in v.split(",")}
+    parts = [f"{method} {target} HTTP/1.1\r\nHost: {host}\r\n".encode("utf-8", "surrogateescape")]
+    for name, value in raw_headers:
+        if name.lower() not in skip:
+            parts += (name, b": ", value, b"\r\n")
+    parts += (framing, b"\r\n")
+    return b"".join(parts)
 
 
 def inspect_request_body(body: bytes, encoding: str = "") -> tuple[str | None, bool | None]:
@@ -176,7 +183,7 @@ def inspect_request_body(body: bytes, encoding: str = "") -> tuple[str | None, b
     elif encoding not in ("", "identity"):
         return None, None
     try:
-        doc = json.loads(body)
+        doc = json_from_bytes(body)
     except (ValueError, UnicodeDecodeError):
         return None, None
     if not isinstance(doc, dict):
@@ -286,7 +293,6 @@ class Proxy:
 
     async def _forward(self, request: web.Request, trace: RequestTrace | None) -> web.StreamResponse:
         assert self.pool is not None
-        headers = forward_headers(request.headers, _REQUEST_DROP)
         length = request.content_length
         body: bytes | None = None
         streamed = False
@@ -300,7 +306,7 @@ class Proxy:
                 return self._body_timeout(trace)
             except OSError:  # the client left mid-body (aiohttp: ConnectionResetError)
                 return self._client_left(trace)
-            headers.append(("Content-Length", str(len(body))))
+            framing = b"Content-Length: %d\r\n" % len(body)
             if trace is not None and trace.api is not None:
                 try:
                     encoding = request.headers.get("Content-Encoding", "")
@@ -309,11 +315,16 @@ class Proxy:
                     pass
         elif request.body_exists:
             streamed = True
-            headers.append(("Transfer-Encoding", "chunked"))
+            framing = b"Transfer-Encoding: chunked\r\n"
         elif length is not None:
-            headers.append(("Content-Length", str(length)))
+            framing = b"Content-Length: %d\r\n" % length
+        else:
+            framing = b""
         self._safe(trace, self.recorder.on_start)
-        head = request_head(request.method, self.pool.prefix + request.raw_path, self.pool.host_header, headers)
+        req_headers = request.headers
+        head = request_head(request.method, self.pool.prefix + request.raw_path, self.pool.host_header,
+                            request.raw_headers, framing,
+                            req_headers.getall("Connection") if "Connection" in req_headers else ())
         ex = None
         try:
             ex = await self.pool.acquire()
