@@ -281,6 +281,8 @@ def reason_group(reason: str | None) -> str:
         return "the server's token count disagrees with its stream"
     if "not stream-timed" in r:
         return reason_group(r.split(": ", 1)[-1])
+    if "streams decoded at once" in r:
+        return "the server never ran the batch's streams together: it queued them"
     return r
 
 
@@ -304,4 +306,7 @@ def fix_for(reason: str | None) -> str:
         )
     if "differ" in r:
         return "check for a proxy or a busy client between powerprof and the server"
+    if "queued" in r:
+        return ("--concurrency at or under the server's parallel slots (llama.cpp -np, vLLM --max-num-seqs), so the "
+                "streams decode together; a server restarted mid-sweep with fewer slots: restart it as it was and rerun")
     return "see docs/workload.md, 'The timing rule'"
