@@ -103,6 +103,22 @@ def stop_reason(j_per_token: np.ndarray, elapsed_s: float, s: SweepSettings, lev
     return None
 
 
+_FIGURES = ("gpu_energy_j", "cpu_energy_j", "avg_gpu_power_w", "gpu_j_per_token", "total_j_per_token",
+            "above_idle_gpu_j_per_token", "decode_tok_s")
+
+
+def distrust(row: dict, why: str) -> None:
+    """Mark a window untrusted with the reason: it keeps its record and loses its figures."""
+    if row.get("status") != "ok":
+        return
+    row["timing"] = "untrusted"
+    row["timing_reason"] = why
+    row["energy_method"] = "none"
+    for k in _FIGURES:
+        if k in row:
+            row[k] = None
+
+
 def _level_name(visit) -> str:
     return "the settings as they are" if visit.level_value is None else f"level {visit.level_value:g}"
 
@@ -179,6 +195,7 @@ class Sweep:
         self._bid = 0
         self._prompt_k = 0
         self.unstored_rows = 0
+        self._samples_seen = 0  # samples already checked for a limit that moved (_limit_problem)
 
     # --- the run -----------------------------------------------------------------------------
 
@@ -293,6 +310,7 @@ class Sweep:
         warmup = self.s.warmup_requests
         jpt: list[float] = []
         attempted = 0
+        self._samples_seen = len(self.timeline)  # the limit is checked from here on (settled or not)
         while True:
             try:
                 recs = await self._batch(self.s.concurrency, warmup)
@@ -302,7 +320,9 @@ class Sweep:
                 raise SweepError(f"{_level_name(visit)}: {e}") from None
             warmup = 0
             attempted += self.s.concurrency
-            for row in self._add_rows(visit, recs):
+            new = self._add_rows(visit, recs)
+            self._stop_if_limit_moved(visit, new)
+            for row in new:
                 if self._counts(row):
                     jpt.append(row["gpu_j_per_token"] if row["gpu_j_per_token"] is not None else np.nan)
                     visit.n_measured += 1
@@ -323,6 +343,39 @@ class Sweep:
                 visit.stop = "no-energy"  # no GPU energy readable: J/token can never converge
             if visit.stop:
                 return
+
+    def _limit_problem(self, visit: LevelVisit) -> str | None:
+        """Why the level's power limit did not hold in the samples taken since the last check, or None.
+
+        Another tool (nvidia-smi -pl, a DCGM policy, a power manager) may set the limit mid-level: the
+        windows after it ran at its limit, not the level's, and would be filed under the level."""
+        if self.s.level_kind != "power_limit" or visit.level_value is None:
+            return None
+        items = self.timeline.samples()
+        new, self._samples_seen = items[self._samples_seen:], len(items)
+        tol = float(getattr(self.ctl, "tolerance_w", 2.0))
+        level = float(visit.level_value)
+        for smp in new:
+            if smp.source != "nvml" or not smp.data:
+                continue
+            for r in smp.data:
+                for name, w in (("power limit", r.power_limit_w), ("enforced power limit", r.enforced_limit_w)):
+                    if w is not None and abs(w - level) > tol:
+                        return (f"GPU {r.index}'s {name} read {w:g} W during the level, not the {level:g} W set: another "
+                                "tool changed it (nvidia-smi -pl, a DCGM policy, a power manager) or the driver lowered "
+                                "it; the windows measured since are left out of every figure")
+        return None
+
+    def _stop_if_limit_moved(self, visit: LevelVisit, rows: list[dict]) -> None:
+        """Leave these windows out and stop the sweep when the level's limit did not hold (_limit_problem)."""
+        why = self._limit_problem(visit)
+        if why is None:
+            return
+        for row in rows:
+            distrust(row, why)
+        self.flush()
+        raise SweepError(f"{_level_name(visit)}: {why}; fix: stop whatever else sets GPU power limits for the sweep "
+                         "(nvidia-smi -pl in a script, DCGM power policies, a cluster power manager) and rerun")
 
     def _paired_stop(self, visit: LevelVisit) -> str | None:
         """'paired-ci-reached' when this level's saving against the reference (already measured in
@@ -521,6 +574,7 @@ class TraceSweep(Sweep):
         from powerprof.workload.replay import replay_async, summarize
 
         t_start = time.monotonic()
+        self._samples_seen = len(self.timeline)
         with self.prof.window("trace") as w:
             recs = await replay_async(self.session, self.server, self.trace, self.params)
         visit.elapsed_s = time.monotonic() - t_start
@@ -535,6 +589,7 @@ class TraceSweep(Sweep):
         self._above_idle(row)
         rows.append(row)
         self.rows.extend(rows)
+        self._stop_if_limit_moved(visit, rows)
         visit.spans.append((w.result.t0_ns, w.result.t1_ns))
         visit.n_measured = 1 if self._counts(row) else 0
         visit.stop = "trace-replayed"

@@ -76,3 +76,31 @@ def test_a_batch_the_server_queued_is_not_passed_off_as_the_concurrency_asked(tm
     levels = pq.read_table(out / "levels.parquet").to_pandas().set_index("level_value")
     assert levels.loc[300.0, "gpu_j_per_token"] > 0
     assert 200.0 not in levels.index or levels.loc[200.0, "gpu_j_per_token"] != levels.loc[200.0, "gpu_j_per_token"]
+
+
+def test_a_power_limit_another_tool_changed_mid_level_stops_the_sweep_and_leaves_those_windows_out(tmp_path):
+    # `nvidia-smi -pl 300` (or a power manager) mid-level: the rest of the "200 W" level ran at 300 W and
+    # levels.parquet said 200 W enforced, 274 W average power and the 300 W level's J/token, without a flag.
+    sim = SimNVML("seed-16g", state_path=None)
+
+    def other_tool(event, visit):
+        if event == "progress" and visit.level_value == 200 and visit.n_measured == 2:
+            sim.gpus[0].set_limit_w(300.0)
+
+    out = tmp_path / "run"
+    ui = _Hook(other_tool)
+    with Rig("seed-16g", nvml=sim) as rig, pytest.raises(SweepError) as e:
+        run_sweep(rig, levels_spec="300,200", out_dir=out, params=RequestParams(max_tokens=32), idle_s=0, interval_s=0.2,
+                  min_requests=6, max_requests=6, warmup_requests=0, ui=ui)
+    msg = str(e.value)
+    assert msg.startswith("level 200: GPU 0's power limit read 300 W during the level, not the 200 W set"), msg
+    assert "another tool" in msg and "fix:" in msg, msg
+    assert sim.gpus[0].limit_w == 300.0  # the original, put back
+    w = pq.read_table(out / "windows.parquet").to_pandas()
+    lv = w[(w.window_kind == "request") & (w.level_value == 200.0) & ~w.warmup]
+    moved = lv[lv.timing == "untrusted"]
+    assert len(moved) >= 1 and moved.gpu_j_per_token.isna().all()
+    assert moved.timing_reason.str.contains("power limit read 300 W").all()
+    assert (lv[lv.timing != "untrusted"].avg_gpu_power_w < 205).all()  # the windows kept ran under the cap
+    levels = pq.read_table(out / "levels.parquet").to_pandas().set_index("level_value")
+    assert levels.loc[200.0, "avg_gpu_power_w"] < 205
