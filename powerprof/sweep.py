@@ -119,6 +119,24 @@ def distrust(row: dict, why: str) -> None:
             row[k] = None
 
 
+def _flag_levels(table, values, flag: str):
+    """`flag` added to the `flags` of the levels rows whose level_value is in `values`.
+
+    A level the sweep was still measuring when it stopped (a signal, an error, a server that went
+    away) holds part of a round of the prompt set: levels.parquet says so itself, not only run.json."""
+    if not values or table.num_rows == 0:
+        return table
+    import pyarrow as pa
+
+    cut = {None if v is None else float(v) for v in values}
+    flags = [
+        ",".join(filter(None, [f, flag])) if v in cut else f
+        for v, f in zip(table.column("level_value").to_pylist(), table.column("flags").to_pylist())
+    ]
+    i = table.schema.get_field_index("flags")
+    return table.set_column(i, table.schema.field(i), pa.array(flags, table.schema.field(i).type))
+
+
 def _level_name(visit) -> str:
     return "the settings as they are" if visit.level_value is None else f"level {visit.level_value:g}"
 
@@ -513,7 +531,8 @@ class Sweep:
         if not any(self._counts(r) for r in self.rows):
 
             return table_from_rows("levels", [])
-        return summarize_levels(windows, self.reference_value, run_id=self.run_id, extra=self.level_extras(samples))
+        table = summarize_levels(windows, self.reference_value, run_id=self.run_id, extra=self.level_extras(samples))
+        return _flag_levels(table, {v.level_value for v in self.visits if v.stop is None}, "interrupted")
 
     def flush(self) -> None:
         """Rewrite the run's tables (atomically): a crash keeps every finished level.

@@ -104,3 +104,23 @@ def test_a_power_limit_another_tool_changed_mid_level_stops_the_sweep_and_leaves
     assert (lv[lv.timing != "untrusted"].avg_gpu_power_w < 205).all()  # the windows kept ran under the cap
     levels = pq.read_table(out / "levels.parquet").to_pandas().set_index("level_value")
     assert levels.loc[200.0, "avg_gpu_power_w"] < 205
+
+
+def test_a_level_cut_short_by_a_server_that_went_away_is_flagged_interrupted_in_levels_parquet(tmp_path, sim_server):
+    # The server's process died mid-level (a restart takes longer than the retries wait): the sweep stops and
+    # says so, but levels.parquet held the cut level's figures (2 requests, part of a round of the prompts)
+    # beside the finished one with nothing saying it was cut: only run.json's levels_done and `analyze` knew.
+    sim = SimNVML("seed-16g", state_path=None)
+
+    def server_dies(event, visit):
+        if event == "progress" and visit.level_value == 200 and visit.n_measured == 2:
+            sim_server[0].kill()
+
+    out = tmp_path / "run"
+    with Rig("seed-16g", nvml=sim) as rig, pytest.raises(SweepError, match="level 200: .*failed 3 times"):
+        run_sweep(rig, levels_spec="300,200", out_dir=out, params=RequestParams(max_tokens=32), idle_s=0, interval_s=0.2,
+                  min_requests=8, max_requests=8, warmup_requests=0, ui=_Hook(server_dies))
+    assert sim.gpus[0].limit_w == 300.0
+    levels = pq.read_table(out / "levels.parquet").to_pandas().set_index("level_value")
+    assert "interrupted" in levels.loc[200.0, "flags"].split(",")
+    assert "interrupted" not in (levels.loc[300.0, "flags"] or "")
