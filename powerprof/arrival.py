@@ -71,6 +71,8 @@ class ArrivalQuality:
     trimmed: bool  # an edge moved inwards past a read that was not fresh
     uncounted: int  # tokens the server counted that no event showed (their arrival is unknown)
     counted: int = 0  # tokens the events showed
+    first_fresh: bool = True  # the very first read came on time (no pile, no catch-up after it)
+    last_fresh: bool = True  # the very last read came on time: the end of the stream is known
 
 
 FRESH_GAP = (0.5, 2.0)
@@ -160,6 +162,8 @@ def arrival_quality(arrival_ns, tokens, generated: int | None = None, events=Non
         trimmed=bool(a != 0 or b != rt.size - 1),
         uncounted=total - counted,
         counted=counted,
+        first_fresh=bool(fresh[0]),
+        last_fresh=bool(fresh[-1]),
     )
 
 
@@ -260,11 +264,20 @@ def classify(
     if problem is None and (disagree is None or abs(disagree) <= SERVER_DISAGREE_BOUND):
         return Timing("stream", None, bound, stream_s, q.window_tokens, q.t_first_ns, q.t_last_ns, disagree)
     if has_server and q.t_last_ns is not None:
-        # The server's decode ended when its last token left; the last read is the closest instant we saw.
         if problem is None:
             problem = f"stream and server rates differ by {100 * disagree:+.1f}% (bound ±{100 * SERVER_DISAGREE_BOUND:.0f}%)"
-        t0 = q.t_last_ns - int(server_decode_s * 1e9)
-        return Timing("server", problem, bound, server_decode_s, int(server_decode_tokens), t0, q.t_last_ns, disagree)
+        # The server's decode time is hung on an end of the stream that came on time: its last token
+        # left when the last read arrived, or its first when the first did. A fresh read mid-stream is
+        # neither: a window hung there (a stream held after it) took in prefill and idle time.
+        d_ns = int(server_decode_s * 1e9)
+        if q.last_fresh:
+            t0, t1 = q.t_last_ns - d_ns, q.t_last_ns
+        elif q.first_fresh:
+            t0, t1 = q.t_first_ns, q.t_first_ns + d_ns
+        else:
+            return Timing("untrusted", f"{problem}; the server's decode time cannot be placed: neither the first nor "
+                          "the last read came on time", bound, stream_s, q.window_tokens, q.t_first_ns, q.t_last_ns, disagree)
+        return Timing("server", problem, bound, server_decode_s, int(server_decode_tokens), t0, t1, disagree)
     return Timing("untrusted", problem, bound, stream_s, q.window_tokens, q.t_first_ns, q.t_last_ns, disagree)
 
 
@@ -281,6 +294,8 @@ def reason_group(reason: str | None) -> str:
         return "the server's token count disagrees with its stream"
     if "not stream-timed" in r:
         return reason_group(r.split(": ", 1)[-1])
+    if "streams decoded at once" in r:
+        return "the server never ran the batch's streams together: it queued them"
     return r
 
 
@@ -304,4 +319,7 @@ def fix_for(reason: str | None) -> str:
         )
     if "differ" in r:
         return "check for a proxy or a busy client between powerprof and the server"
+    if "queued" in r:
+        return ("--concurrency at or under the server's parallel slots (llama.cpp -np, vLLM --max-num-seqs), so the "
+                "streams decode together; a server restarted mid-sweep with fewer slots: restart it as it was and rerun")
     return "see docs/workload.md, 'The timing rule'"

@@ -103,6 +103,40 @@ def stop_reason(j_per_token: np.ndarray, elapsed_s: float, s: SweepSettings, lev
     return None
 
 
+_FIGURES = ("gpu_energy_j", "cpu_energy_j", "avg_gpu_power_w", "gpu_j_per_token", "total_j_per_token",
+            "above_idle_gpu_j_per_token", "decode_tok_s")
+
+
+def distrust(row: dict, why: str) -> None:
+    """Mark a window untrusted with the reason: it keeps its record and loses its figures."""
+    if row.get("status") != "ok":
+        return
+    row["timing"] = "untrusted"
+    row["timing_reason"] = why
+    row["energy_method"] = "none"
+    for k in _FIGURES:
+        if k in row:
+            row[k] = None
+
+
+def _flag_levels(table, values, flag: str):
+    """`flag` added to the `flags` of the levels rows whose level_value is in `values`.
+
+    A level the sweep was still measuring when it stopped (a signal, an error, a server that went
+    away) holds part of a round of the prompt set: levels.parquet says so itself, not only run.json."""
+    if not values or table.num_rows == 0:
+        return table
+    import pyarrow as pa
+
+    cut = {None if v is None else float(v) for v in values}
+    flags = [
+        ",".join(filter(None, [f, flag])) if v in cut else f
+        for v, f in zip(table.column("level_value").to_pylist(), table.column("flags").to_pylist())
+    ]
+    i = table.schema.get_field_index("flags")
+    return table.set_column(i, table.schema.field(i), pa.array(flags, table.schema.field(i).type))
+
+
 def _level_name(visit) -> str:
     return "the settings as they are" if visit.level_value is None else f"level {visit.level_value:g}"
 
@@ -179,6 +213,7 @@ class Sweep:
         self._bid = 0
         self._prompt_k = 0
         self.unstored_rows = 0
+        self._samples_seen = 0  # samples already checked for a limit that moved (_limit_problem)
 
     # --- the run -----------------------------------------------------------------------------
 
@@ -293,6 +328,7 @@ class Sweep:
         warmup = self.s.warmup_requests
         jpt: list[float] = []
         attempted = 0
+        self._samples_seen = len(self.timeline)  # the limit is checked from here on (settled or not)
         while True:
             try:
                 recs = await self._batch(self.s.concurrency, warmup)
@@ -302,7 +338,9 @@ class Sweep:
                 raise SweepError(f"{_level_name(visit)}: {e}") from None
             warmup = 0
             attempted += self.s.concurrency
-            for row in self._add_rows(visit, recs):
+            new = self._add_rows(visit, recs)
+            self._stop_if_limit_moved(visit, new)
+            for row in new:
                 if self._counts(row):
                     jpt.append(row["gpu_j_per_token"] if row["gpu_j_per_token"] is not None else np.nan)
                     visit.n_measured += 1
@@ -323,6 +361,39 @@ class Sweep:
                 visit.stop = "no-energy"  # no GPU energy readable: J/token can never converge
             if visit.stop:
                 return
+
+    def _limit_problem(self, visit: LevelVisit) -> str | None:
+        """Why the level's power limit did not hold in the samples taken since the last check, or None.
+
+        Another tool (nvidia-smi -pl, a DCGM policy, a power manager) may set the limit mid-level: the
+        windows after it ran at its limit, not the level's, and would be filed under the level."""
+        if self.s.level_kind != "power_limit" or visit.level_value is None:
+            return None
+        items = self.timeline.samples()
+        new, self._samples_seen = items[self._samples_seen:], len(items)
+        tol = float(getattr(self.ctl, "tolerance_w", 2.0))
+        level = float(visit.level_value)
+        for smp in new:
+            if smp.source != "nvml" or not smp.data:
+                continue
+            for r in smp.data:
+                for name, w in (("power limit", r.power_limit_w), ("enforced power limit", r.enforced_limit_w)):
+                    if w is not None and abs(w - level) > tol:
+                        return (f"GPU {r.index}'s {name} read {w:g} W during the level, not the {level:g} W set: another "
+                                "tool changed it (nvidia-smi -pl, a DCGM policy, a power manager) or the driver lowered "
+                                "it; the windows measured since are left out of every figure")
+        return None
+
+    def _stop_if_limit_moved(self, visit: LevelVisit, rows: list[dict]) -> None:
+        """Leave these windows out and stop the sweep when the level's limit did not hold (_limit_problem)."""
+        why = self._limit_problem(visit)
+        if why is None:
+            return
+        for row in rows:
+            distrust(row, why)
+        self.flush()
+        raise SweepError(f"{_level_name(visit)}: {why}; fix: stop whatever else sets GPU power limits for the sweep "
+                         "(nvidia-smi -pl in a script, DCGM power policies, a cluster power manager) and rerun")
 
     def _paired_stop(self, visit: LevelVisit) -> str | None:
         """'paired-ci-reached' when this level's saving against the reference (already measured in
@@ -460,7 +531,8 @@ class Sweep:
         if not any(self._counts(r) for r in self.rows):
 
             return table_from_rows("levels", [])
-        return summarize_levels(windows, self.reference_value, run_id=self.run_id, extra=self.level_extras(samples))
+        table = summarize_levels(windows, self.reference_value, run_id=self.run_id, extra=self.level_extras(samples))
+        return _flag_levels(table, {v.level_value for v in self.visits if v.stop is None}, "interrupted")
 
     def flush(self) -> None:
         """Rewrite the run's tables (atomically): a crash keeps every finished level.
@@ -521,6 +593,7 @@ class TraceSweep(Sweep):
         from powerprof.workload.replay import replay_async, summarize
 
         t_start = time.monotonic()
+        self._samples_seen = len(self.timeline)
         with self.prof.window("trace") as w:
             recs = await replay_async(self.session, self.server, self.trace, self.params)
         visit.elapsed_s = time.monotonic() - t_start
@@ -535,6 +608,7 @@ class TraceSweep(Sweep):
         self._above_idle(row)
         rows.append(row)
         self.rows.extend(rows)
+        self._stop_if_limit_moved(visit, rows)
         visit.spans.append((w.result.t0_ns, w.result.t1_ns))
         visit.n_measured = 1 if self._counts(row) else 0
         visit.stop = "trace-replayed"

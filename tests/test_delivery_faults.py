@@ -387,3 +387,27 @@ def test_a_contradicted_count_names_the_rule_it_broke():
     p.feed(b'data: {"content": "", "stop": true, "timings": {"predicted_n": 9}}\n\n')
     c = summary_counts(p.finish())
     assert c.count_problem_kind == RUNNING_COUNT_SHORT and "running count" in c.count_problem
+
+
+def test_a_server_timed_window_sits_on_a_fresh_end_of_the_stream_never_on_a_read_mid_stream():
+    # 64 tokens emitted every 10 ms from t = 1 s; 10 reach the client on time, then the stream is held 3 s
+    # (a stalled proxy) and the rest come in one pile. The server's own decode time (0.63 s) is used, but
+    # its window was hung on the last *fresh* read, mid-stream at 1.09 s: it started 0.54 s before the
+    # first token arrived and held prefill and idle time (a sweep read 1.2 J/token where 2.6 was true).
+    from powerprof.arrival import arrival_quality, classify
+
+    ms = 1_000_000
+    t = np.array([1000 * ms + 10 * ms * i for i in range(10)] + [4100 * ms] * 54, dtype=np.int64)
+    q = arrival_quality(t, np.ones(64), 64)
+    tm = classify(q, 64, server_decode_s=0.63, server_decode_tokens=63)
+    assert tm.kind == "server"
+    assert (tm.t0_ns, tm.t1_ns) == (1000 * ms, 1630 * ms)  # from the first read, which came on time
+    # A buffering proxy (one read at the end): the end is the fresh edge, as before.
+    q = arrival_quality(np.full(64, 4100 * ms), np.ones(64), 64)
+    tm = classify(q, 64, server_decode_s=0.63, server_decode_tokens=63)
+    assert (tm.kind, tm.t0_ns, tm.t1_ns) == ("server", 3470 * ms, 4100 * ms)
+    # Neither end came on time (a pile at each): nowhere to put the server's time, so no figure.
+    t = np.array([1000 * ms] * 6 + [1100 * ms + 10 * ms * i for i in range(20)] + [4100 * ms] * 38, dtype=np.int64)
+    q = arrival_quality(t, np.ones(64), 64)
+    tm = classify(q, 64, server_decode_s=0.63, server_decode_tokens=63)
+    assert tm.kind == "untrusted" and "neither the first nor the last read" in tm.reason, tm

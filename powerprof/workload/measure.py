@@ -98,7 +98,7 @@ class Excluded:
     def message(self) -> str:
         top = max(self.reasons, key=self.reasons.get)
         return (
-            f"{self.n} of {self.n_windows} windows left out of the figures: their token timing cannot be trusted "
+            f"{self.n} of {self.n_windows} windows left out of the figures: their timing cannot be trusted "
             f"({top}); fix: {self.fix}"
         )
 
@@ -369,8 +369,8 @@ def saturation_note(server: ServerInfo, concurrency: int) -> str | None:
     """More streams than llama.cpp has slots: the rest wait in its queue (a warning, said once)."""
     if server.total_slots and concurrency > server.total_slots:
         return (
-            f"concurrency {concurrency} exceeds the server's {server.total_slots} slots: requests queue; only intervals where "
-            "every active request decodes are measured, and they show the server saturated"
+            f"concurrency {concurrency} exceeds the server's {server.total_slots} slots: requests queue; a batch whose "
+            "streams never all decoded at once is left out (its figures would be those of fewer streams)"
         )
     return None
 

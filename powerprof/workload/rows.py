@@ -40,6 +40,7 @@ class BatchWindow:
     decode_tokens: float
     tok_s: float | None
     sum_of_request_rates: float  # shown beside tok_s so nobody mistakes it for throughput
+    max_streams: int = 0  # the most of its streams decoding at once inside the intervals
 
 
 def batch_windows(records: Sequence[RequestRecord]) -> list[BatchWindow]:
@@ -73,6 +74,7 @@ def batch_windows(records: Sequence[RequestRecord]) -> list[BatchWindow]:
                 agg.decode_tokens,
                 agg.tok_s,
                 float(sum(r.decode_tok_s for r in ok if r.decode_tok_s)),
+                agg.max_streams,
             )
         )
     return out
@@ -223,6 +225,12 @@ def batch_row(
     bad = [batch_problem(r) for r in ok]
     bad = [b for b in bad if b]
     timing, reason = ("untrusted", f"{len(bad)} of {len(ok)} streams not stream-timed: {bad[0]}") if bad else ("stream", None)
+    streams = len({r.request_id for r in ok})
+    if not bad and b.tok_s is not None and b.max_streams < streams:
+        # Its intervals hold fewer streams than were sent (the server ran them in turn): figures of
+        # fewer streams under this batch's concurrency would be wrong ones.
+        timing, reason = "untrusted", queued_reason(b.max_streams, streams)
+        bad = [reason]
     if bad:
         gpu_e = cpu_e = total = None
     return {
@@ -258,6 +266,15 @@ def batch_row(
         "timing": timing,
         "timing_reason": reason,
     }
+
+
+QUEUED = "streams decoded at once"
+
+
+def queued_reason(max_streams: int, streams: int) -> str:
+    """Why a batch whose streams never all decoded together has no figure."""
+    return (f"at most {max_streams} of {streams} {QUEUED}: the server queued the rest (more streams than its "
+            "parallel slots) or one was retried")
 
 
 def batch_problem(r: RequestRecord) -> str | None:

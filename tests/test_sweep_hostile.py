@@ -1,0 +1,126 @@
+"""A sweep against a server and a GPU that misbehave the way real ones do (review s29): a server
+restarted between levels with fewer slots, another tool changing the power limit mid-level, a
+stream held back after a stall. Each affected figure is left out or flagged, with reason and fix,
+and the limit is back."""
+
+from __future__ import annotations
+
+import pyarrow.parquet as pq
+import pytest
+
+import powerprof.rig as rigmod
+from powerprof.rig import Rig
+from powerprof.sim.nvml import SimNVML
+from powerprof.sweep import UI, SweepError, run_sweep
+from powerprof.workload.client import RequestParams
+
+
+class _Hook(UI):
+    """A sweep UI that runs `act(event, visit)` at each level's start and after each batch."""
+
+    def __init__(self, act):
+        self.act = act
+        self.notes: list[str] = []
+
+    def level_start(self, i, n, visit, unit):
+        self.act("start", visit)
+
+    def level_progress(self, visit, live):
+        self.act("progress", visit)
+
+    def note(self, text):
+        self.notes.append(text)
+
+
+@pytest.fixture
+def sim_server(monkeypatch):
+    """The simulated server the sweep starts, once it has: [server]."""
+    got = []
+    real = rigmod.Rig.sim_server
+
+    def capture(self, **kw):
+        srv = real(self, **kw)
+        got.append(srv)
+        return srv
+
+    monkeypatch.setattr(rigmod.Rig, "sim_server", capture)
+    return got
+
+
+def test_a_batch_the_server_queued_is_not_passed_off_as_the_concurrency_asked(tmp_path, sim_server):
+    # The server came back from a restart with one slot instead of four: the "concurrency 4" batches of the
+    # second level were one stream at a time, measured over the last stream's decode alone. They read 77 tok/s
+    # and 2.6 J/token against 177 tok/s and 1.6 J/token at 4 streams: a 56% "speed loss" from the cap, silently.
+    sim = SimNVML("seed-16g", state_path=None)
+
+    def restart_with_one_slot(event, visit):
+        if event == "start" and visit.level_value == 200:
+            sim_server[0].n_slots = 1
+
+    out = tmp_path / "run"
+    ui = _Hook(restart_with_one_slot)
+    with Rig("seed-16g", nvml=sim) as rig, pytest.raises(SweepError) as e:
+        run_sweep(rig, levels_spec="300,200", out_dir=out, params=RequestParams(max_tokens=32), idle_s=0, interval_s=0.2,
+                  min_requests=2, max_requests=8, warmup_requests=0, concurrency=4, ui=ui)
+    msg = str(e.value)
+    assert "level 200: no window could be trusted" in msg and "never ran the batch's streams together" in msg, msg
+    assert "parallel slots" in msg, msg  # the fix
+    assert sim.gpus[0].limit_w == 300.0
+    w = pq.read_table(out / "windows.parquet").to_pandas()
+    b = w[(w.window_kind == "batch") & (w.level_value == 200.0)]
+    assert len(b) == 2 and (b.timing == "untrusted").all()
+    assert b.timing_reason.str.startswith("at most 1 of 4 streams decoded at once").all(), b.timing_reason.tolist()
+    assert b.gpu_j_per_token.isna().all() and b.decode_tok_s.isna().all()
+    ok = w[(w.window_kind == "batch") & (w.level_value == 300.0)]
+    assert (ok.timing == "stream").all() and ok.gpu_j_per_token.notna().all()
+    levels = pq.read_table(out / "levels.parquet").to_pandas().set_index("level_value")
+    assert levels.loc[300.0, "gpu_j_per_token"] > 0
+    assert 200.0 not in levels.index or levels.loc[200.0, "gpu_j_per_token"] != levels.loc[200.0, "gpu_j_per_token"]
+
+
+def test_a_power_limit_another_tool_changed_mid_level_stops_the_sweep_and_leaves_those_windows_out(tmp_path):
+    # `nvidia-smi -pl 300` (or a power manager) mid-level: the rest of the "200 W" level ran at 300 W and
+    # levels.parquet said 200 W enforced, 274 W average power and the 300 W level's J/token, without a flag.
+    sim = SimNVML("seed-16g", state_path=None)
+
+    def other_tool(event, visit):
+        if event == "progress" and visit.level_value == 200 and visit.n_measured == 2:
+            sim.gpus[0].set_limit_w(300.0)
+
+    out = tmp_path / "run"
+    ui = _Hook(other_tool)
+    with Rig("seed-16g", nvml=sim) as rig, pytest.raises(SweepError) as e:
+        run_sweep(rig, levels_spec="300,200", out_dir=out, params=RequestParams(max_tokens=32), idle_s=0, interval_s=0.2,
+                  min_requests=6, max_requests=6, warmup_requests=0, ui=ui)
+    msg = str(e.value)
+    assert msg.startswith("level 200: GPU 0's power limit read 300 W during the level, not the 200 W set"), msg
+    assert "another tool" in msg and "fix:" in msg, msg
+    assert sim.gpus[0].limit_w == 300.0  # the original, put back
+    w = pq.read_table(out / "windows.parquet").to_pandas()
+    lv = w[(w.window_kind == "request") & (w.level_value == 200.0) & ~w.warmup]
+    moved = lv[lv.timing == "untrusted"]
+    assert len(moved) >= 1 and moved.gpu_j_per_token.isna().all()
+    assert moved.timing_reason.str.contains("power limit read 300 W").all()
+    assert (lv[lv.timing != "untrusted"].avg_gpu_power_w < 205).all()  # the windows kept ran under the cap
+    levels = pq.read_table(out / "levels.parquet").to_pandas().set_index("level_value")
+    assert levels.loc[200.0, "avg_gpu_power_w"] < 205
+
+
+def test_a_level_cut_short_by_a_server_that_went_away_is_flagged_interrupted_in_levels_parquet(tmp_path, sim_server):
+    # The server's process died mid-level (a restart takes longer than the retries wait): the sweep stops and
+    # says so, but levels.parquet held the cut level's figures (2 requests, part of a round of the prompts)
+    # beside the finished one with nothing saying it was cut: only run.json's levels_done and `analyze` knew.
+    sim = SimNVML("seed-16g", state_path=None)
+
+    def server_dies(event, visit):
+        if event == "progress" and visit.level_value == 200 and visit.n_measured == 2:
+            sim_server[0].kill()
+
+    out = tmp_path / "run"
+    with Rig("seed-16g", nvml=sim) as rig, pytest.raises(SweepError, match="level 200: .*failed 3 times"):
+        run_sweep(rig, levels_spec="300,200", out_dir=out, params=RequestParams(max_tokens=32), idle_s=0, interval_s=0.2,
+                  min_requests=8, max_requests=8, warmup_requests=0, ui=_Hook(server_dies))
+    assert sim.gpus[0].limit_w == 300.0
+    levels = pq.read_table(out / "levels.parquet").to_pandas().set_index("level_value")
+    assert "interrupted" in levels.loc[200.0, "flags"].split(",")
+    assert "interrupted" not in (levels.loc[300.0, "flags"] or "")
