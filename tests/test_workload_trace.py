@@ -235,3 +235,62 @@ def test_replay_launch_without_server_is_a_usage_error(tmp_path):
     p = subprocess.run([sys.executable, "-m", "powerprof.cli", "replay", str(good), "--simulate", "--launch", "sleep 100"],
                        capture_output=True, text=True, timeout=60)
     assert p.returncode == 2 and "--launch needs --server URL" in p.stderr
+
+
+AZURE_2024 = """TIMESTAMP,ContextTokens,GeneratedTokens
+2024-05-10 00:00:00.009930+00:00,4808,10
+2024-05-10 00:00:01+00:00,3180,8
+2024-05-10 00:00:00.5Z,110,27
+"""
+
+
+@pytest.mark.parametrize("name, data", [
+    # The 2024 week-long traces (offset after 6 digits, some rows without a fraction): every row
+    # was "bad row (could not convert string to float: '0.009930+00:00')".
+    ("azure2024.csv", AZURE_2024.encode()),
+    # A spreadsheet's save: byte-order mark and CRLF; "not an Azure trace ... (got \ufeffTIMESTAMP, ...)".
+    ("bom.csv", b"\xef\xbb\xbf" + AZURE_2024.replace("\n", "\r\n").encode()),
+    # Columns beside the three, in another order.
+    ("extra.csv", b"Region,GeneratedTokens,TIMESTAMP,ContextTokens\nwest,10,2024-05-10 01:00:00.009930+01:00,4808\n"
+                  b"\nwest,8,2024-05-10 00:00:01Z,3180\neast,27,2024-05-10T00:00:00.5,110\n"),
+])
+def test_azure_csv_as_published_and_as_saved_again(tmp_path, name, data):
+    p = tmp_path / name
+    p.write_bytes(data)
+    tr = read_trace(p)
+    assert [(r.prompt_tokens, r.output_tokens) for r in tr] == [(4808, 10), (110, 27), (3180, 8)]
+    assert [r.t_s for r in tr] == pytest.approx([0.0, 0.49007, 0.99007], abs=1e-6)
+
+
+def test_a_jsonl_trace_with_a_byte_order_mark_or_a_tag_that_is_no_string(tmp_path):
+    p = tmp_path / "bom.jsonl"
+    p.write_bytes(b'\xef\xbb\xbf{"t_s": 0, "prompt_tokens": 4, "output_tokens": 5}\n')
+    assert read_trace(p)[0].prompt_tokens == 4  # was "not an Azure trace"
+    p.write_text('{"t_s": 0, "prompt_tokens": 4, "output_tokens": 5, "tag": {"team": "a"}}\n')
+    with pytest.raises(TraceError, match=r"bom.jsonl:1.*tag must be a string"):  # was the tag "{'team': 'a'}"
+        read_trace(p)
+
+
+def test_a_naive_timestamp_is_utc_whatever_the_machines_zone(tmp_path, monkeypatch):
+    # Read in the machine's zone, this hour across New York's spring-forward change was 2 s long.
+    import time
+
+    p = tmp_path / "dst.csv"
+    p.write_text("TIMESTAMP,ContextTokens,GeneratedTokens\n2023-03-12 01:59:59,1,1\n2023-03-12 03:00:01,1,1\n")
+    monkeypatch.setenv("TZ", "America/New_York")
+    time.tzset()
+    try:
+        assert read_trace(p)[1].t_s == pytest.approx(3602.0)
+    finally:
+        monkeypatch.undo()
+        time.tzset()
+
+
+@pytest.mark.parametrize("scale", ["1e-300", "1e-12"])
+def test_a_time_scale_that_spreads_the_trace_beyond_any_replay_is_refused(tmp_path, scale):
+    # 1e-300: an OverflowError traceback once the server had started; 1e-12: a replay silently waiting 1e12 s.
+    good = tmp_path / "t.jsonl"
+    write_jsonl(synthetic(3, 1.0, seed=1), good)
+    p = subprocess.run([sys.executable, "-m", "powerprof.cli", "replay", str(good), "--simulate", "--time-scale", scale],
+                       capture_output=True, text=True, timeout=60)
+    assert p.returncode == 2 and "Traceback" not in p.stderr and "--time-scale" in p.stderr, p.stderr
