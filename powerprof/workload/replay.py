@@ -5,7 +5,7 @@ common tokenizers; exact on the simulator) and start with the request's index, s
 a cached prefix; `max_tokens` is the trace's output length, with ignore-EOS (llama.cpp, vLLM,
 SGLang) and `min_tokens` (vLLM) so the server generates all of it. Arrivals follow the trace's
 times divided by a time scale, on the monotonic clock; a request sent late (the event loop was
-busy) records its lateness. Every request gives one `ReplayRecord`; failures are records too.
+busy) records its lateness, measured when it is sent. Every request gives one `ReplayRecord`; failures are records too.
 """
 
 from __future__ import annotations
@@ -20,6 +20,10 @@ from powerprof import termination
 
 from .client import RequestParams, RequestRecord, ServerInfo, detect_server, send_request
 from .trace import TraceRequest
+
+
+# Sent this much later than due (p95), a replay is said not to have kept the trace's pace.
+LATE_NOTE_S = 0.05
 
 
 def prompt_text(n_tokens: int, index: int) -> str:
@@ -95,19 +99,25 @@ async def replay_async(
     tag_header: str = "X-Powerprof-Tag",
     extra_headers=None,
     clock_ns=time.monotonic_ns,
+    done: list | None = None,
 ) -> list[ReplayRecord]:
-    """Send every request of `trace` at its time (offsets from now). extra_headers(index) → dict."""
+    """Send every request of `trace` at its time (offsets from now). extra_headers(index) → dict.
+    done: each finished ReplayRecord is appended there as it finishes (what a cancelled replay kept)."""
     start = clock_ns() + 50_000_000
     out: list[ReplayRecord | None] = [None] * len(trace)
 
-    async def one(i: int, r: TraceRequest, late_s: float) -> None:
+    async def one(i: int, r: TraceRequest, due: int) -> None:
         headers = dict(extra_headers(i)) if extra_headers else {}
         if r.tag is not None:
             headers[tag_header] = r.tag
         rec = await send_request(session, server, prompt_text(r.prompt_tokens, i),
                                  replace(params, max_tokens=max(1, r.output_tokens)), request_id=i,
                                  prompt_id=f"trace-{i}", headers=headers or None, clock_ns=clock_ns)
-        out[i] = ReplayRecord(i, r, late_s, rec)
+        # Late as sent, not as scheduled: a task made on time runs after what the loop had queued (other
+        # requests' prompts, their streams), and requests due together were all "on time" by the old stamp.
+        out[i] = ReplayRecord(i, r, max(0.0, (rec.t_send_ns - due) / 1e9), rec)
+        if done is not None:
+            done.append(out[i])
 
     tasks = []
     for i, r in enumerate(trace):
@@ -115,7 +125,7 @@ async def replay_async(
         wait = (due - clock_ns()) / 1e9
         if wait > 0:
             await asyncio.sleep(wait)
-        tasks.append(asyncio.create_task(one(i, r, max(0.0, (clock_ns() - due) / 1e9))))
+        tasks.append(asyncio.create_task(one(i, r, due)))
     await asyncio.gather(*tasks)
     return [r for r in out if r is not None]
 
