@@ -602,7 +602,7 @@ def replay(trace_path, url, simulate, launch, api, time_scale, duration_s, tag_h
     from powerprof.rig import Rig
     from powerprof.workload.client import RequestParams, ServerUnreachable, detect_server
     from powerprof.workload.launcher import LaunchError
-    from powerprof.workload.replay import LATE_NOTE_S, replay_async, summarize
+    from powerprof.workload.replay import LATE_NOTE_S, few_for_p95, replay_async, summarize, trace_notes
 
     if bool(url) == bool(simulate):
         raise click.UsageError("give exactly one of --server URL or --simulate")
@@ -617,7 +617,7 @@ def replay(trace_path, url, simulate, launch, api, time_scale, duration_s, tag_h
             found.append(await detect_server(s, base, api))
             return found[0], await replay_async(s, found[0], trace, RequestParams(), tag_header, done=done)
 
-    click.echo(f"replaying {len(trace)} requests over {trace[-1].t_s:.1f} s (Ctrl-C stops it and reports those finished)",
+    click.echo(f"replaying {len(trace)} request(s) over {trace[-1].t_s:.1f} s (Ctrl-C stops it and reports those finished)",
                err=True)
     stopped = None
     try:
@@ -633,8 +633,18 @@ def replay(trace_path, url, simulate, launch, api, time_scale, duration_s, tag_h
             sys.exit(130 if isinstance(e, KeyboardInterrupt) else e.code)
         server, records = found[0], sorted(done, key=lambda r: r.index)
     sm = summarize(records)
+    notes = trace_notes(trace)
+    if sm.count_problems:
+        from powerprof.arrival import fix_for
+
+        notes.append(f"the token figures are the server's own counts, and for {sm.count_problems} of {sm.ok} "
+                     f"requests they contradict its stream ({sm.count_problem}); fix: {fix_for(sm.count_problem)}")
+    if sm.late_p95_s > LATE_NOTE_S:
+        notes.append(f"requests were sent late (p95 {sm.late_p95_s:.2f} s): this machine could not keep the trace's pace")
+    if sm.ok and few_for_p95(sm.ok):
+        notes.append(few_for_p95(sm.ok))
     if as_json:
-        click.echo(json.dumps({"server": server.meta(), **sm.to_dict(),
+        click.echo(json.dumps({"server": server.meta(), **sm.to_dict(), "notes": notes,
                                "interrupted": None if stopped is None else {"requests_planned": len(trace)}}, indent=2))
     else:
         def f(v):
@@ -646,13 +656,8 @@ def replay(trace_path, url, simulate, launch, api, time_scale, duration_s, tag_h
                    f"{sm.prompt_tokens} prompt tokens")
         click.echo(f"TTFT p50 {f(sm.ttft_p50_s)} s, p95 {f(sm.ttft_p95_s)} s; latency p50 {f(sm.latency_p50_s)} s, "
                    f"p95 {f(sm.latency_p95_s)} s; time per output token p50 {f(sm.tpot_p50_s)} s")
-        if sm.count_problems:
-            from powerprof.arrival import fix_for
-
-            click.echo(f"note: the token figures above are the server's own counts, and for {sm.count_problems} of {sm.ok} "
-                       f"requests they contradict its stream ({sm.count_problem}); fix: {fix_for(sm.count_problem)}")
-        if sm.late_p95_s > LATE_NOTE_S:
-            click.echo(f"note: requests were sent late (p95 {sm.late_p95_s:.2f} s): this machine could not keep the trace's pace")
+        for n in notes:
+            click.echo(f"note: {n}")
     if stopped is not None:
         click.echo(f"{_stopped_how(stopped)}: the figures are over the {sm.n} of {len(trace)} requests that had finished "
                    "(those in flight were cut and left out, the rest never sent)", err=True)

@@ -516,10 +516,21 @@ class TraceSweep(Sweep):
         self.trace = list(trace)
         self.on_level = on_level
         self.levels_done: list[TraceLevel] = []
-        self.level_notes: list[str] = []  # why a level's figures are missing or are not the trace's traffic
+        self._notes: list[str] = []  # why a level's figures are missing or are not the trace's traffic
+        self._few: dict[str, int] = {}  # level → requests its p95 figures rest on, where too few
+
+    @property
+    def level_notes(self) -> list[str]:
+        from powerprof.workload.replay import few_for_p95, trace_notes
+
+        few = []
+        if self._few:
+            n = min(self._few.values())
+            few = [f"{', '.join(self._few)}: " + few_for_p95(n)]
+        return trace_notes(self.trace) + self._notes + few
 
     async def _measure(self, visit: LevelVisit) -> None:
-        from powerprof.workload.replay import LATE_NOTE_S, replay_async, summarize
+        from powerprof.workload.replay import LATE_NOTE_S, few_for_p95, replay_async, summarize
 
         t_start = time.monotonic()
         with self.prof.window("trace") as w:
@@ -550,15 +561,17 @@ class TraceSweep(Sweep):
         )
         self.levels_done.append(lvl)
         name = _level_name(visit) + (f" (repeat {visit.repeat + 1})" if self.s.repeats > 1 else "")
+        if few_for_p95(sm.ok) and sm.ok:
+            self._few[name] = sm.ok
         if sm.failed:
-            self.level_notes.append(
+            self._notes.append(
                 f"{name}: {row['error']}; no J/token for it (the replay's energy holds the failed requests' work, "
                 f"its tokens not theirs) and its latencies rest on the {sm.ok} that succeeded; fix: see `error` in "
                 "the request rows of windows.parquet (a request longer than the server's context fails at every "
                 "level: drop it from the trace; timeouts or HTTP 429/503 only here: the server cannot serve this "
                 "traffic at this setting)")
         if sm.late_p95_s > LATE_NOTE_S:
-            self.level_notes.append(
+            self._notes.append(
                 f"{name}: requests were sent late (p95 {sm.late_p95_s:.2f} s, worst {max(r.late_s for r in recs):.2f} s): "
                 "powerprof could not keep the trace's pace, so this level's traffic was not the trace's and its "
                 "figures are not comparable with the other levels'; fix: a less busy host, or a smaller --time-scale")

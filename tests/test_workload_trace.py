@@ -304,7 +304,8 @@ def _trace_sweep_with_a_fault(tmp_path, fault: dict, trace, **kw):
 
     out = tmp_path / "run"
     with Rig("a100-40g", nvml=SimNVML("a100-40g", state_path=tmp_path / "sim.json")) as rig, rig.sim_server() as srv:
-        srv.inject(**fault)
+        if fault:
+            srv.inject(**fault)
         outcome = run_sweep(rig, levels_spec="400,250", url=srv.url, trace=trace, trace_meta={}, out_dir=out,
                             idle_s=0, interval_s=0.5, **kw)
     return out, outcome
@@ -389,7 +390,7 @@ def test_ctrl_c_mid_replay_reports_the_finished_requests(tmp_path):
     p = subprocess.Popen([sys.executable, "-m", "powerprof.cli", "replay", str(trace), "--simulate", "--json"],
                          stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
-        assert "replaying 200 requests" in p.stderr.readline()
+        assert "replaying 200 request(s)" in p.stderr.readline()
         time.sleep(4)  # a few requests finish
         p.send_signal(signal.SIGINT)
         out, err = p.communicate(timeout=60)
@@ -418,3 +419,44 @@ def test_a_trace_sweep_where_every_level_had_failures_exits_1_saying_why(tmp_pat
     flat = " ".join(r.output.split())
     assert "note: level 300: 3 of 3 requests failed (first: HTTP 500" in flat and "no J/token" in flat
     assert "no level gave a J/token figure" in flat
+
+
+def test_a_trace_level_whose_requests_were_sent_late_says_its_traffic_was_not_the_traces(tmp_path, monkeypatch):
+    # The sweep computed the lateness and printed nothing of it: a level replayed behind the trace's
+    # pace (a busy client) stood beside the others as if it had served the same traffic.
+    import time
+
+    from powerprof.workload import replay as rp
+    from powerprof.workload.trace import TraceRequest
+
+    build = rp.prompt_text
+
+    def busy(n, i):
+        time.sleep(0.03)
+        return build(n, i)
+
+    monkeypatch.setattr(rp, "prompt_text", busy)
+    _, outcome = _trace_sweep_with_a_fault(tmp_path, {}, [TraceRequest(0.0, 8, 8) for _ in range(10)])
+    late = [n for n in outcome.notes if "requests were sent late" in n]
+    assert [n.split(":")[0] for n in late] == ["level 400", "level 250"]
+    assert "not comparable" in late[0] and "fix:" in late[0]
+    # Ten requests a level: their p95 is no 95th percentile, said once for the levels it concerns.
+    few = [n for n in outcome.notes if "p95 figures rest on 10 requests" in n]
+    assert len(few) == 1 and few[0].startswith("level 400, level 250: ")
+
+
+def test_replay_says_what_its_p95_rests_on_and_what_it_sent_for_zero_output_tokens(tmp_path):
+    # Three requests printed a "p95" (the slowest one, interpolated) like any other; a request for 0
+    # output tokens was silently sent asking for 1.
+    from click.testing import CliRunner
+
+    from powerprof.cli import main
+
+    t = tmp_path / "t.jsonl"
+    t.write_text('{"t_s": 0, "prompt_tokens": 8, "output_tokens": 0}\n{"t_s": 0.05, "prompt_tokens": 8, "output_tokens": 6}\n'
+                 '{"t_s": 0.1, "prompt_tokens": 8, "output_tokens": 6}\n')
+    r = CliRunner().invoke(main, ["replay", str(t), "--simulate", "--json"])
+    assert r.exit_code == 0, r.output
+    notes = json.loads(r.stdout)["notes"]
+    assert any(n.startswith("1 of 3 requests ask for 0 output tokens: each is sent asking for 1") for n in notes), notes
+    assert any(n.startswith("the p95 figures rest on 3 requests, fewer than 20") for n in notes), notes

@@ -24,6 +24,25 @@ from .trace import TraceRequest
 
 # Sent this much later than due (p95), a replay is said not to have kept the trace's pace.
 LATE_NOTE_S = 0.05
+# Under this many requests a p95 is an interpolation between the slowest two, not a 95th percentile.
+MIN_P95_REQUESTS = 20
+
+
+def few_for_p95(n: int) -> str | None:
+    """Why a p95 over `n` requests is no 95th percentile, with the fix; None when there are enough."""
+    if n >= MIN_P95_REQUESTS:
+        return None
+    return (f"the p95 figures rest on {n} request{'s' if n != 1 else ''}, fewer than {MIN_P95_REQUESTS}: they are about "
+            "the slowest one, not a 95th percentile; fix: replay more requests (a longer trace or --duration)")
+
+
+def trace_notes(trace: list[TraceRequest]) -> list[str]:
+    """What the replay sends other than the trace says."""
+    zero = sum(r.output_tokens == 0 for r in trace)
+    if not zero:
+        return []
+    return [f"{zero} of {len(trace)} requests ask for 0 output tokens: each is sent asking for 1 (no server can be "
+            "asked for none), so one token each is generated and counted"]
 
 
 def prompt_text(n_tokens: int, index: int) -> str:
