@@ -269,6 +269,11 @@ def test_a_jsonl_trace_with_a_byte_order_mark_or_a_tag_that_is_no_string(tmp_pat
     p.write_text('{"t_s": 0, "prompt_tokens": 4, "output_tokens": 5, "tag": {"team": "a"}}\n')
     with pytest.raises(TraceError, match=r"bom.jsonl:1.*tag must be a string"):  # was the tag "{'team': 'a'}"
         read_trace(p)
+    # A newline in a tag (its header) stopped the replay mid-way with aiohttp's "header injection" error.
+    p.write_text('{"t_s": 0, "prompt_tokens": 4, "output_tokens": 5}\n{"t_s": 1, "prompt_tokens": 4, "output_tokens": 5, '
+                 '"tag": "a\\nb"}\n')
+    with pytest.raises(TraceError, match=r"bom.jsonl:2.*control character"):
+        read_trace(p)
 
 
 def test_a_naive_timestamp_is_utc_whatever_the_machines_zone(tmp_path, monkeypatch):

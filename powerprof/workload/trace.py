@@ -124,6 +124,9 @@ def read_trace(path: str | Path) -> list[TraceRequest]:
                 tag = d.get("tag")
                 if tag is not None and (isinstance(tag, bool) or not isinstance(tag, (str, int, float))):
                     raise ValueError(f"tag must be a string, got {tag!r}")  # a dict became the tag "{'a': 1}"
+                if tag is not None and any(ord(c) < 32 or ord(c) == 127 for c in str(tag)):
+                    # It travels as a header: aiohttp refused it mid-replay, the requests before it already sent.
+                    raise ValueError(f"tag {tag!r} holds a control character: it cannot be sent as an HTTP header")
                 out.append((t, _positive_int(d["prompt_tokens"], "prompt_tokens"),
                             _positive_int(d["output_tokens"], "output_tokens"), None if tag is None else str(tag)))
             except (ValueError, KeyError, TypeError) as e:
