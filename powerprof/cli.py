@@ -602,7 +602,7 @@ def replay(trace_path, url, simulate, launch, api, time_scale, duration_s, tag_h
     from powerprof.rig import Rig
     from powerprof.workload.client import RequestParams, ServerUnreachable, detect_server
     from powerprof.workload.launcher import LaunchError
-    from powerprof.workload.replay import LATE_NOTE_S, few_for_p95, replay_async, summarize, trace_notes
+    from powerprof.workload.replay import LATE_NOTE_S, cut_short, few_for_p95, replay_async, summarize, trace_notes
 
     if bool(url) == bool(simulate):
         raise click.UsageError("give exactly one of --server URL or --simulate")
@@ -641,6 +641,8 @@ def replay(trace_path, url, simulate, launch, api, time_scale, duration_s, tag_h
                      f"requests they contradict its stream ({sm.count_problem}); fix: {fix_for(sm.count_problem)}")
     if sm.late_p95_s > LATE_NOTE_S:
         notes.append(f"requests were sent late (p95 {sm.late_p95_s:.2f} s): this machine could not keep the trace's pace")
+    if cut_short(records):
+        notes.append(cut_short(records))
     if sm.ok and few_for_p95(sm.ok):
         notes.append(few_for_p95(sm.ok))
     if as_json:

@@ -530,7 +530,7 @@ class TraceSweep(Sweep):
         return trace_notes(self.trace) + self._notes + few
 
     async def _measure(self, visit: LevelVisit) -> None:
-        from powerprof.workload.replay import LATE_NOTE_S, few_for_p95, replay_async, summarize
+        from powerprof.workload.replay import LATE_NOTE_S, cut_short, few_for_p95, replay_async, summarize
 
         t_start = time.monotonic()
         with self.prof.window("trace") as w:
@@ -561,6 +561,8 @@ class TraceSweep(Sweep):
         )
         self.levels_done.append(lvl)
         name = _level_name(visit) + (f" (repeat {visit.repeat + 1})" if self.s.repeats > 1 else "")
+        if (cut := cut_short(recs)) and not any("cut short" in n for n in self._notes):
+            self._notes.append(f"{name}: {cut}")
         if few_for_p95(sm.ok) and sm.ok:
             self._few[name] = sm.ok
         if sm.failed:

@@ -465,3 +465,18 @@ def test_replay_says_what_its_p95_rests_on_and_what_it_sent_for_zero_output_toke
     notes = json.loads(r.stdout)["notes"]
     assert any(n.startswith("1 of 3 requests ask for 0 output tokens: each is sent asking for 1") for n in notes), notes
     assert any(n.startswith("the p95 figures rest on 3 requests, fewer than 20") for n in notes), notes
+
+
+def test_replay_says_when_the_server_cut_requests_short_of_the_traces_lengths(tmp_path):
+    # llama.cpp stops a generation at its context: the request is ok with fewer tokens than the trace
+    # asks for, and the replay reported the lighter traffic as the trace's.
+    from powerprof.sim.nvml import SimNVML
+    from powerprof.workload.replay import cut_short
+    from powerprof.workload.trace import TraceRequest
+
+    with SimServer(SimNVML("a100-40g", state_path=None), n_ctx=64, n_slots=1) as srv:
+        _, recs = replay(srv.url, [TraceRequest(0.0, 8, 5), TraceRequest(0.1, 40, 50)])
+    assert summarize(recs).ok == 2
+    note = cut_short(recs)
+    assert note.startswith("1 request was cut short by the server")
+    assert "of the 50 tokens they ask for were generated" in note and "fix:" in note

@@ -36,6 +36,18 @@ def few_for_p95(n: int) -> str | None:
             "the slowest one, not a 95th percentile; fix: replay more requests (a longer trace or --duration)")
 
 
+def cut_short(records: list[ReplayRecord]) -> str | None:
+    """Requests the server ended before the trace's output length (its context full), said with the tokens lost."""
+    cut = [r for r in records if r.record.ok and r.record.truncated]
+    if not cut:
+        return None
+    got = sum(r.record.generated_tokens for r in cut)
+    asked = sum(max(1, r.trace.output_tokens) for r in cut)
+    return (f"{len(cut)} request{'s were' if len(cut) != 1 else ' was'} cut short by the server ({cut[0].record.truncated}): "
+            f"{got} of the {asked} tokens they ask for were generated, so the traffic served was lighter than the "
+            "trace's; fix: a server with a longer context, or drop those requests from the trace")
+
+
 def trace_notes(trace: list[TraceRequest]) -> list[str]:
     """What the replay sends other than the trace says."""
     zero = sum(r.output_tokens == 0 for r in trace)
