@@ -602,27 +602,52 @@ def replay(trace_path, url, simulate, launch, api, time_scale, duration_s, tag_h
     from powerprof.rig import Rig
     from powerprof.workload.client import RequestParams, ServerUnreachable, detect_server
     from powerprof.workload.launcher import LaunchError
-    from powerprof.workload.replay import replay_async, summarize
+    from powerprof.workload.replay import LATE_NOTE_S, cut_short, few_for_p95, replay_async, summarize, trace_notes
 
     if bool(url) == bool(simulate):
         raise click.UsageError("give exactly one of --server URL or --simulate")
     if launch and not url:
         raise click.UsageError("--launch needs --server URL: where the launched server will listen")
     trace = _load_trace(trace_path, time_scale, duration_s)
+    done: list = []  # finished requests, kept when a signal stops the replay
+    found: list = []  # the server, once detected
 
     async def go(base):
         async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0)) as s:
-            server = await detect_server(s, base, api)
-            return server, await replay_async(s, server, trace, RequestParams(), tag_header)
+            found.append(await detect_server(s, base, api))
+            return found[0], await replay_async(s, found[0], trace, RequestParams(), tag_header, done=done)
 
+    click.echo(f"replaying {len(trace)} request(s) over {trace[-1].t_s:.1f} s (Ctrl-C stops it and reports those finished)",
+               err=True)
+    stopped = None
     try:
-        with Rig(simulate, host=False) as rig, rig.server(url, launch) as base:
+        with _signals_raise(), Rig(simulate, host=False) as rig, rig.server(url, launch) as base:
             server, records = termination.run(go(base))
     except (ServerUnreachable, LaunchError, ValueError) as e:
         raise click.ClickException(str(e)) from None
+    except (KeyboardInterrupt, termination.Terminated) as e:
+        # Click turned Ctrl-C into "Aborted!" and exit 1, and every finished request's figures were lost.
+        stopped = e
+        if not done or not found:
+            click.echo(f"{_stopped_how(e)} before any request finished: nothing to report", err=True)
+            sys.exit(130 if isinstance(e, KeyboardInterrupt) else e.code)
+        server, records = found[0], sorted(done, key=lambda r: r.index)
     sm = summarize(records)
+    notes = trace_notes(trace)
+    if sm.count_problems:
+        from powerprof.arrival import fix_for
+
+        notes.append(f"the token figures are the server's own counts, and for {sm.count_problems} of {sm.ok} "
+                     f"requests they contradict its stream ({sm.count_problem}); fix: {fix_for(sm.count_problem)}")
+    if sm.late_p95_s > LATE_NOTE_S:
+        notes.append(f"requests were sent late (p95 {sm.late_p95_s:.2f} s): this machine could not keep the trace's pace")
+    if cut_short(records):
+        notes.append(cut_short(records))
+    if sm.ok and few_for_p95(sm.ok):
+        notes.append(few_for_p95(sm.ok))
     if as_json:
-        click.echo(json.dumps({"server": server.meta(), **sm.to_dict()}, indent=2))
+        click.echo(json.dumps({"server": server.meta(), **sm.to_dict(), "notes": notes,
+                               "interrupted": None if stopped is None else {"requests_planned": len(trace)}}, indent=2))
     else:
         def f(v):
             return "-" if v is None else f"{v:.3f}"
@@ -633,13 +658,12 @@ def replay(trace_path, url, simulate, launch, api, time_scale, duration_s, tag_h
                    f"{sm.prompt_tokens} prompt tokens")
         click.echo(f"TTFT p50 {f(sm.ttft_p50_s)} s, p95 {f(sm.ttft_p95_s)} s; latency p50 {f(sm.latency_p50_s)} s, "
                    f"p95 {f(sm.latency_p95_s)} s; time per output token p50 {f(sm.tpot_p50_s)} s")
-        if sm.count_problems:
-            from powerprof.arrival import fix_for
-
-            click.echo(f"note: the token figures above are the server's own counts, and for {sm.count_problems} of {sm.ok} "
-                       f"requests they contradict its stream ({sm.count_problem}); fix: {fix_for(sm.count_problem)}")
-        if sm.late_p95_s > 0.05:
-            click.echo(f"note: requests were sent late (p95 {sm.late_p95_s:.2f} s): this machine could not keep the trace's pace")
+        for n in notes:
+            click.echo(f"note: {n}")
+    if stopped is not None:
+        click.echo(f"{_stopped_how(stopped)}: the figures are over the {sm.n} of {len(trace)} requests that had finished "
+                   "(those in flight were cut and left out, the rest never sent)", err=True)
+        sys.exit(130 if isinstance(stopped, KeyboardInterrupt) else stopped.code)
     if sm.failed:
         errs = sorted({r.record.error for r in records if not r.record.ok})[:3]
         raise click.ClickException(f"{sm.failed} of {sm.n} requests failed: " + "; ".join(e or "?" for e in errs))
@@ -1094,15 +1118,25 @@ def _trace_sweep(trace_path, time_scale, duration_s, limits, clocks, url, launch
         echo(f"trace {trace_path}: {len(trace)} requests over {trace[-1].t_s:.1f} s, each level replays all of it")
         echo(f"{'level':>8} {'ok':>5} {'failed':>6} {'tokens':>7} {'GPU J/tok':>9} {'tok/s':>7} {'TTFT p50':>8} "
              f"{'TTFT p95':>8} {'lat p50':>7} {'lat p95':>7}  method")
+    from powerprof.sweep import UI
+
+    class Notes(UI):
+        # What the sweep says as it stops (where the finished levels are): without it a Ctrl-C said only
+        # that the GPUs were back.
+        def note(self, text):
+            pipes.echo(text, err=True)
+
     with _sweep_exits():
         with Rig(simulate, gpus=gpus) as rig:
             outcome = run_sweep(rig, levels_spec=limits or clocks, level_kind="power_limit" if limits else "sm_clock",
                                 url=url, launch=launch, api=api, interval_s=interval_s, out_dir=out_dir,
                                 launch_timeout_s=launch_timeout, command_line=" ".join(sys.argv), idle_s=idle_s,
                                 dry_run=dry_run, repeats=repeats, order=order, trace=trace, trace_meta=meta,
-                                on_level=show)
+                                on_level=show, ui=Notes())
     for line in outcome.plan_lines if dry_run else [*(f"note: {n}" for n in outcome.notes), f"run directory: {outcome.run_dir}"]:
         echo(line)
+    if not dry_run and (outcome.levels is None or outcome.levels.num_rows == 0):
+        raise click.ClickException("no level gave a J/token figure (the notes above say why)")
     if not printed[0]:
         sys.exit(pipes.EXIT_PIPE)
 

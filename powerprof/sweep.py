@@ -588,9 +588,21 @@ class TraceSweep(Sweep):
         self.trace = list(trace)
         self.on_level = on_level
         self.levels_done: list[TraceLevel] = []
+        self._notes: list[str] = []  # why a level's figures are missing or are not the trace's traffic
+        self._few: dict[str, int] = {}  # level → requests its p95 figures rest on, where too few
+
+    @property
+    def level_notes(self) -> list[str]:
+        from powerprof.workload.replay import few_for_p95, trace_notes
+
+        few = []
+        if self._few:
+            n = min(self._few.values())
+            few = [f"{', '.join(self._few)}: " + few_for_p95(n)]
+        return trace_notes(self.trace) + self._notes + few
 
     async def _measure(self, visit: LevelVisit) -> None:
-        from powerprof.workload.replay import replay_async, summarize
+        from powerprof.workload.replay import LATE_NOTE_S, cut_short, few_for_p95, replay_async, summarize
 
         t_start = time.monotonic()
         self._samples_seen = len(self.timeline)
@@ -622,6 +634,23 @@ class TraceSweep(Sweep):
             latency_p95_s=sm.latency_p95_s, tpot_p50_s=sm.tpot_p50_s, late_p95_s=sm.late_p95_s,
         )
         self.levels_done.append(lvl)
+        name = _level_name(visit) + (f" (repeat {visit.repeat + 1})" if self.s.repeats > 1 else "")
+        if (cut := cut_short(recs)) and not any("cut short" in n for n in self._notes):
+            self._notes.append(f"{name}: {cut}")
+        if few_for_p95(sm.ok) and sm.ok:
+            self._few[name] = sm.ok
+        if sm.failed:
+            self._notes.append(
+                f"{name}: {row['error']}; no J/token for it (the replay's energy holds the failed requests' work, "
+                f"its tokens not theirs) and its latencies rest on the {sm.ok} that succeeded; fix: see `error` in "
+                "the request rows of windows.parquet (a request longer than the server's context fails at every "
+                "level: drop it from the trace; timeouts or HTTP 429/503 only here: the server cannot serve this "
+                "traffic at this setting)")
+        if sm.late_p95_s > LATE_NOTE_S:
+            self._notes.append(
+                f"{name}: requests were sent late (p95 {sm.late_p95_s:.2f} s, worst {max(r.late_s for r in recs):.2f} s): "
+                "powerprof could not keep the trace's pace, so this level's traffic was not the trace's and its "
+                "figures are not comparable with the other levels'; fix: a less busy host, or a smaller --time-scale")
         if self.on_level is not None:
             self.on_level(lvl)
 
@@ -828,6 +857,7 @@ def run_sweep(
                 ui.note(_kept_note(run_dir, writer.metadata.get("levels_done") or []))
             raise
     notes.extend(profiler.edge_notes())
+    notes.extend(getattr(sweep, "level_notes", []))
     ex = sweep.excluded()
     if ex is not None:
         notes.append(ex.message())

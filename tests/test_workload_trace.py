@@ -235,3 +235,248 @@ def test_replay_launch_without_server_is_a_usage_error(tmp_path):
     p = subprocess.run([sys.executable, "-m", "powerprof.cli", "replay", str(good), "--simulate", "--launch", "sleep 100"],
                        capture_output=True, text=True, timeout=60)
     assert p.returncode == 2 and "--launch needs --server URL" in p.stderr
+
+
+AZURE_2024 = """TIMESTAMP,ContextTokens,GeneratedTokens
+2024-05-10 00:00:00.009930+00:00,4808,10
+2024-05-10 00:00:01+00:00,3180,8
+2024-05-10 00:00:00.5Z,110,27
+"""
+
+
+@pytest.mark.parametrize("name, data", [
+    # The 2024 week-long traces (offset after 6 digits, some rows without a fraction): every row
+    # was "bad row (could not convert string to float: '0.009930+00:00')".
+    ("azure2024.csv", AZURE_2024.encode()),
+    # A spreadsheet's save: byte-order mark and CRLF; "not an Azure trace ... (got \ufeffTIMESTAMP, ...)".
+    ("bom.csv", b"\xef\xbb\xbf" + AZURE_2024.replace("\n", "\r\n").encode()),
+    # Columns beside the three, in another order.
+    ("extra.csv", b"Region,GeneratedTokens,TIMESTAMP,ContextTokens\nwest,10,2024-05-10 01:00:00.009930+01:00,4808\n"
+                  b"\nwest,8,2024-05-10 00:00:01Z,3180\neast,27,2024-05-10T00:00:00.5,110\n"),
+])
+def test_azure_csv_as_published_and_as_saved_again(tmp_path, name, data):
+    p = tmp_path / name
+    p.write_bytes(data)
+    tr = read_trace(p)
+    assert [(r.prompt_tokens, r.output_tokens) for r in tr] == [(4808, 10), (110, 27), (3180, 8)]
+    assert [r.t_s for r in tr] == pytest.approx([0.0, 0.49007, 0.99007], abs=1e-6)
+
+
+def test_a_jsonl_trace_with_a_byte_order_mark_or_a_tag_that_is_no_string(tmp_path):
+    p = tmp_path / "bom.jsonl"
+    p.write_bytes(b'\xef\xbb\xbf{"t_s": 0, "prompt_tokens": 4, "output_tokens": 5}\n')
+    assert read_trace(p)[0].prompt_tokens == 4  # was "not an Azure trace"
+    p.write_text('{"t_s": 0, "prompt_tokens": 4, "output_tokens": 5, "tag": {"team": "a"}}\n')
+    with pytest.raises(TraceError, match=r"bom.jsonl:1.*tag must be a string"):  # was the tag "{'team': 'a'}"
+        read_trace(p)
+    # A newline in a tag (its header) stopped the replay mid-way with aiohttp's "header injection" error.
+    p.write_text('{"t_s": 0, "prompt_tokens": 4, "output_tokens": 5}\n{"t_s": 1, "prompt_tokens": 4, "output_tokens": 5, '
+                 '"tag": "a\\nb"}\n')
+    with pytest.raises(TraceError, match=r"bom.jsonl:2.*control character"):
+        read_trace(p)
+
+
+def test_a_naive_timestamp_is_utc_whatever_the_machines_zone(tmp_path, monkeypatch):
+    # Read in the machine's zone, this hour across New York's spring-forward change was 2 s long.
+    import time
+
+    p = tmp_path / "dst.csv"
+    p.write_text("TIMESTAMP,ContextTokens,GeneratedTokens\n2023-03-12 01:59:59,1,1\n2023-03-12 03:00:01,1,1\n")
+    monkeypatch.setenv("TZ", "America/New_York")
+    time.tzset()
+    try:
+        assert read_trace(p)[1].t_s == pytest.approx(3602.0)
+    finally:
+        monkeypatch.undo()
+        time.tzset()
+
+
+@pytest.mark.parametrize("scale", ["1e-300", "1e-12"])
+def test_a_time_scale_that_spreads_the_trace_beyond_any_replay_is_refused(tmp_path, scale):
+    # 1e-300: an OverflowError traceback once the server had started; 1e-12: a replay silently waiting 1e12 s.
+    good = tmp_path / "t.jsonl"
+    write_jsonl(synthetic(3, 1.0, seed=1), good)
+    p = subprocess.run([sys.executable, "-m", "powerprof.cli", "replay", str(good), "--simulate", "--time-scale", scale],
+                       capture_output=True, text=True, timeout=60)
+    assert p.returncode == 2 and "Traceback" not in p.stderr and "--time-scale" in p.stderr, p.stderr
+
+
+def _trace_sweep_with_a_fault(tmp_path, fault: dict, trace, **kw):
+    """An in-process `sweep --trace` over 400 W then 250 W on a simulated A100 whose server takes `fault` once."""
+    from powerprof.rig import Rig
+    from powerprof.sim.nvml import SimNVML
+    from powerprof.sweep import run_sweep
+
+    out = tmp_path / "run"
+    with Rig("a100-40g", nvml=SimNVML("a100-40g", state_path=tmp_path / "sim.json")) as rig, rig.sim_server() as srv:
+        if fault:
+            srv.inject(**fault)
+        outcome = run_sweep(rig, levels_spec="400,250", url=srv.url, trace=trace, trace_meta={}, out_dir=out,
+                            idle_s=0, interval_s=0.5, **kw)
+    return out, outcome
+
+
+def test_a_trace_level_where_a_request_failed_gives_no_j_per_token_and_says_why(tmp_path):
+    # The cut request's prefill and first tokens were in the level's energy, its tokens not in the
+    # count: the level's J/token was too high, over other traffic than the other level's, and
+    # nothing said so (status ok, the figure in levels.parquet and in the recommendation).
+    import pyarrow.parquet as pq
+
+    tr = synthetic(6, 10.0, prompt_median=20, output_median=24, output_range=(20, 30), seed=5)
+    out, outcome = _trace_sweep_with_a_fault(tmp_path, dict(kind="drop", count=1, after_tokens=4), tr)
+    w = pq.read_table(out / "windows.parquet").to_pylist()
+    traces = {r["level_value"]: r for r in w if r["window_kind"] == "trace"}
+    assert traces[400.0]["status"] == "failed" and traces[400.0]["gpu_j_per_token"] is None
+    assert traces[400.0]["error"].startswith("1 of 6 requests failed (first: server closed the stream")
+    assert traces[250.0]["status"] == "ok" and traces[250.0]["gpu_j_per_token"] > 0
+    levels = {r["level_value"]: r for r in pq.read_table(out / "levels.parquet").to_pylist()}
+    j400 = levels.get(400.0, {}).get("gpu_j_per_token")
+    assert j400 is None or j400 != j400  # no figure (NaN or no row), not the biased one
+    assert levels[250.0]["gpu_j_per_token"] == pytest.approx(traces[250.0]["gpu_j_per_token"])
+    said = [n for n in outcome.notes if n.startswith("level 400: 1 of 6 requests failed")]
+    assert said and "no J/token" in said[0] and "fix:" in said[0]
+
+
+def test_replay_lateness_is_measured_when_each_request_is_sent(monkeypatch):
+    # Requests due together were stamped "on time" as their tasks were made, before any was sent:
+    # a client busy building them (long prompts) sent the last ones late and said 0.
+    import time
+
+    from powerprof.workload import replay as rp
+    from powerprof.workload.trace import TraceRequest
+
+    build = rp.prompt_text
+
+    def busy(n, i):
+        time.sleep(0.03)
+        return build(n, i)
+
+    monkeypatch.setattr(rp, "prompt_text", busy)
+    tr = [TraceRequest(0.0, 8, 4) for _ in range(10)]
+    with SimServer(flavour="vllm", n_slots=16, batching="continuous", decode_tok_s=400.0) as srv:
+        _, recs = replay(srv.url, tr)
+    assert max(r.late_s for r in recs) >= 0.2  # the last sent after nine others' 30 ms each
+    assert summarize(recs).late_p95_s >= 0.2
+
+
+def test_ctrl_c_in_a_trace_sweep_says_where_the_finished_levels_are(tmp_path, monkeypatch):
+    # It said only "interrupted: every GPU is back at its original limit": not that the levels were kept, nor where.
+    from click.testing import CliRunner
+
+    from powerprof.cli import main
+    from powerprof.collectors import sampler
+
+    real = sampler.Sampler.sample_now
+
+    def ctrl_c_once_restored(self, label=None, sources=None):
+        if label == "restored":
+            raise KeyboardInterrupt
+        return real(self, label, sources)
+
+    monkeypatch.setattr(sampler.Sampler, "sample_now", ctrl_c_once_restored)
+    trace = tmp_path / "t.jsonl"
+    trace.write_text("".join(f'{{"t_s": {0.05 * i}, "prompt_tokens": 8, "output_tokens": 8}}\n' for i in range(3)))
+    out = tmp_path / "run"
+    r = CliRunner().invoke(main, ["sweep", "--limits", "220,300", "--simulate", "--trace", str(trace), "--out", str(out),
+                                  "--idle-s", "0", "--interval", "0.5"])
+    assert r.exit_code == 130, r.output
+    flat = "".join(r.stderr.split())
+    assert "".join(f"stopped: 2 finished levels kept in {out} (powerprof analyze {out})".split()) in flat, r.stderr
+    assert "interrupted: every GPU is back at its original limit" in r.stderr
+
+
+def test_ctrl_c_mid_replay_reports_the_finished_requests(tmp_path):
+    # It was click's "Aborted!", exit 1, every finished request's figures lost.
+    import signal
+    import time
+
+    trace = tmp_path / "t.jsonl"
+    trace.write_text("".join(f'{{"t_s": {0.25 * i}, "prompt_tokens": 8, "output_tokens": 8}}\n' for i in range(200)))
+    p = subprocess.Popen([sys.executable, "-m", "powerprof.cli", "replay", str(trace), "--simulate", "--json"],
+                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        assert "replaying 200 request(s)" in p.stderr.readline()
+        time.sleep(4)  # a few requests finish
+        p.send_signal(signal.SIGINT)
+        out, err = p.communicate(timeout=60)
+    finally:
+        if p.poll() is None:
+            p.kill()
+    assert p.returncode == 130, err
+    got = json.loads(out)
+    assert 1 <= got["n"] < 200 and got["ok"] == got["n"] and got["interrupted"] == {"requests_planned": 200}
+    assert f"the figures are over the {got['n']} of 200 requests that had finished" in " ".join(err.split())
+
+
+def test_a_trace_sweep_where_every_level_had_failures_exits_1_saying_why(tmp_path):
+    from click.testing import CliRunner
+
+    from powerprof.cli import main
+    from powerprof.sim.nvml import SimNVML
+
+    trace = tmp_path / "t.jsonl"
+    trace.write_text("".join(f'{{"t_s": {0.05 * i}, "prompt_tokens": 8, "output_tokens": 12}}\n' for i in range(3)))
+    with SimServer(SimNVML("a100-40g", state_path=None)) as srv:
+        srv.inject("http_error", status=500, count=100)
+        r = CliRunner().invoke(main, ["sweep", "--limits", "220,300", "--simulate", "--server", srv.url, "--trace",
+                                      str(trace), "--out", str(tmp_path / "run"), "--idle-s", "0", "--interval", "0.5"])
+    assert r.exit_code == 1, r.output
+    flat = " ".join(r.output.split())
+    assert "note: level 300: 3 of 3 requests failed (first: HTTP 500" in flat and "no J/token" in flat
+    assert "no level gave a J/token figure" in flat
+
+
+def test_a_trace_level_whose_requests_were_sent_late_says_its_traffic_was_not_the_traces(tmp_path, monkeypatch):
+    # The sweep computed the lateness and printed nothing of it: a level replayed behind the trace's
+    # pace (a busy client) stood beside the others as if it had served the same traffic.
+    import time
+
+    from powerprof.workload import replay as rp
+    from powerprof.workload.trace import TraceRequest
+
+    build = rp.prompt_text
+
+    def busy(n, i):
+        time.sleep(0.03)
+        return build(n, i)
+
+    monkeypatch.setattr(rp, "prompt_text", busy)
+    _, outcome = _trace_sweep_with_a_fault(tmp_path, {}, [TraceRequest(0.0, 8, 8) for _ in range(10)])
+    late = [n for n in outcome.notes if "requests were sent late" in n]
+    assert [n.split(":")[0] for n in late] == ["level 400", "level 250"]
+    assert "not comparable" in late[0] and "fix:" in late[0]
+    # Ten requests a level: their p95 is no 95th percentile, said once for the levels it concerns.
+    few = [n for n in outcome.notes if "p95 figures rest on 10 requests" in n]
+    assert len(few) == 1 and few[0].startswith("level 400, level 250: ")
+
+
+def test_replay_says_what_its_p95_rests_on_and_what_it_sent_for_zero_output_tokens(tmp_path):
+    # Three requests printed a "p95" (the slowest one, interpolated) like any other; a request for 0
+    # output tokens was silently sent asking for 1.
+    from click.testing import CliRunner
+
+    from powerprof.cli import main
+
+    t = tmp_path / "t.jsonl"
+    t.write_text('{"t_s": 0, "prompt_tokens": 8, "output_tokens": 0}\n{"t_s": 0.05, "prompt_tokens": 8, "output_tokens": 6}\n'
+                 '{"t_s": 0.1, "prompt_tokens": 8, "output_tokens": 6}\n')
+    r = CliRunner().invoke(main, ["replay", str(t), "--simulate", "--json"])
+    assert r.exit_code == 0, r.output
+    notes = json.loads(r.stdout)["notes"]
+    assert any(n.startswith("1 of 3 requests ask for 0 output tokens: each is sent asking for 1") for n in notes), notes
+    assert any(n.startswith("the p95 figures rest on 3 requests, fewer than 20") for n in notes), notes
+
+
+def test_replay_says_when_the_server_cut_requests_short_of_the_traces_lengths(tmp_path):
+    # llama.cpp stops a generation at its context: the request is ok with fewer tokens than the trace
+    # asks for, and the replay reported the lighter traffic as the trace's.
+    from powerprof.sim.nvml import SimNVML
+    from powerprof.workload.replay import cut_short
+    from powerprof.workload.trace import TraceRequest
+
+    with SimServer(SimNVML("a100-40g", state_path=None), n_ctx=64, n_slots=1) as srv:
+        _, recs = replay(srv.url, [TraceRequest(0.0, 8, 5), TraceRequest(0.1, 40, 50)])
+    assert summarize(recs).ok == 2
+    note = cut_short(recs)
+    assert note.startswith("1 request was cut short by the server")
+    assert "of the 50 tokens they ask for were generated" in note and "fix:" in note

@@ -5,7 +5,7 @@ common tokenizers; exact on the simulator) and start with the request's index, s
 a cached prefix; `max_tokens` is the trace's output length, with ignore-EOS (llama.cpp, vLLM,
 SGLang) and `min_tokens` (vLLM) so the server generates all of it. Arrivals follow the trace's
 times divided by a time scale, on the monotonic clock; a request sent late (the event loop was
-busy) records its lateness. Every request gives one `ReplayRecord`; failures are records too.
+busy) records its lateness, measured when it is sent. Every request gives one `ReplayRecord`; failures are records too.
 """
 
 from __future__ import annotations
@@ -20,6 +20,41 @@ from powerprof import termination
 
 from .client import RequestParams, RequestRecord, ServerInfo, detect_server, send_request
 from .trace import TraceRequest
+
+
+# Sent this much later than due (p95), a replay is said not to have kept the trace's pace.
+LATE_NOTE_S = 0.05
+# Under this many requests a p95 is an interpolation between the slowest two, not a 95th percentile.
+MIN_P95_REQUESTS = 20
+
+
+def few_for_p95(n: int) -> str | None:
+    """Why a p95 over `n` requests is no 95th percentile, with the fix; None when there are enough."""
+    if n >= MIN_P95_REQUESTS:
+        return None
+    return (f"the p95 figures rest on {n} request{'s' if n != 1 else ''}, fewer than {MIN_P95_REQUESTS}: they are about "
+            "the slowest one, not a 95th percentile; fix: replay more requests (a longer trace or --duration)")
+
+
+def cut_short(records: list[ReplayRecord]) -> str | None:
+    """Requests the server ended before the trace's output length (its context full), said with the tokens lost."""
+    cut = [r for r in records if r.record.ok and r.record.truncated]
+    if not cut:
+        return None
+    got = sum(r.record.generated_tokens for r in cut)
+    asked = sum(max(1, r.trace.output_tokens) for r in cut)
+    return (f"{len(cut)} request{'s were' if len(cut) != 1 else ' was'} cut short by the server ({cut[0].record.truncated}): "
+            f"{got} of the {asked} tokens they ask for were generated, so the traffic served was lighter than the "
+            "trace's; fix: a server with a longer context, or drop those requests from the trace")
+
+
+def trace_notes(trace: list[TraceRequest]) -> list[str]:
+    """What the replay sends other than the trace says."""
+    zero = sum(r.output_tokens == 0 for r in trace)
+    if not zero:
+        return []
+    return [f"{zero} of {len(trace)} requests ask for 0 output tokens: each is sent asking for 1 (no server can be "
+            "asked for none), so one token each is generated and counted"]
 
 
 def prompt_text(n_tokens: int, index: int) -> str:
@@ -95,19 +130,25 @@ async def replay_async(
     tag_header: str = "X-Powerprof-Tag",
     extra_headers=None,
     clock_ns=time.monotonic_ns,
+    done: list | None = None,
 ) -> list[ReplayRecord]:
-    """Send every request of `trace` at its time (offsets from now). extra_headers(index) → dict."""
+    """Send every request of `trace` at its time (offsets from now). extra_headers(index) → dict.
+    done: each finished ReplayRecord is appended there as it finishes (what a cancelled replay kept)."""
     start = clock_ns() + 50_000_000
     out: list[ReplayRecord | None] = [None] * len(trace)
 
-    async def one(i: int, r: TraceRequest, late_s: float) -> None:
+    async def one(i: int, r: TraceRequest, due: int) -> None:
         headers = dict(extra_headers(i)) if extra_headers else {}
         if r.tag is not None:
             headers[tag_header] = r.tag
         rec = await send_request(session, server, prompt_text(r.prompt_tokens, i),
                                  replace(params, max_tokens=max(1, r.output_tokens)), request_id=i,
                                  prompt_id=f"trace-{i}", headers=headers or None, clock_ns=clock_ns)
-        out[i] = ReplayRecord(i, r, late_s, rec)
+        # Late as sent, not as scheduled: a task made on time runs after what the loop had queued (other
+        # requests' prompts, their streams), and requests due together were all "on time" by the old stamp.
+        out[i] = ReplayRecord(i, r, max(0.0, (rec.t_send_ns - due) / 1e9), rec)
+        if done is not None:
+            done.append(out[i])
 
     tasks = []
     for i, r in enumerate(trace):
@@ -115,7 +156,7 @@ async def replay_async(
         wait = (due - clock_ns()) / 1e9
         if wait > 0:
             await asyncio.sleep(wait)
-        tasks.append(asyncio.create_task(one(i, r, max(0.0, (clock_ns() - due) / 1e9))))
+        tasks.append(asyncio.create_task(one(i, r, due)))
     await asyncio.gather(*tasks)
     return [r for r in out if r is not None]
 

@@ -321,6 +321,13 @@ def trace_row(records: Sequence[RequestRecord], energy, run_id: str, server: Ser
     lies = [p for p in (r.count_problem for r in ok) if p]
     if lies:
         rates = []
+    # A failed request's work (prefill, the tokens before the cut) is in the replay's energy and none of
+    # its tokens are counted: the J/token was too high by that work, and another level, where every
+    # request succeeded, served other traffic. The row is failed: in no figure, the error says why.
+    if failed:
+        rates = []
+        errs = [r.error for r in records if not r.ok]
+        first = next((e for e in errs if e), "no reason given")
     return {
         "run_id": run_id,
         "level_kind": level.kind,
@@ -329,8 +336,8 @@ def trace_row(records: Sequence[RequestRecord], energy, run_id: str, server: Ser
         "window_kind": "trace",
         "concurrency": 1,
         "warmup": False,
-        "status": "ok" if ok else "failed",
-        "error": f"{failed} of {len(records)} requests failed" if failed else None,
+        "status": "ok" if ok and not failed else "failed",
+        "error": f"{failed} of {len(records)} requests failed (first: {first})" if failed else None,
         "api": ref.api if ref else None,
         "model": (ref.model if ref else None) or (server.model if server else None),
         "t_send_utc": _utc(ref.to_wall_ns(t0)) if ref else None,
@@ -346,8 +353,8 @@ def trace_row(records: Sequence[RequestRecord], energy, run_id: str, server: Ser
         "cpu_energy_j": cpu_e,
         "energy_method": energy.method if energy is not None else "none",
         "avg_gpu_power_w": energy.avg_gpu_power_w if energy is not None else None,
-        "gpu_j_per_token": None if lies else _div(gpu_e, tokens),
-        "total_j_per_token": None if lies else _div(total, tokens),
+        "gpu_j_per_token": None if lies or failed else _div(gpu_e, tokens),
+        "total_j_per_token": None if lies or failed else _div(total, tokens),
         "low_confidence": energy.low_confidence if energy is not None else True,
         "server_kind": server.kind if server else None,
         "timing": "untrusted" if lies else None,

@@ -3,8 +3,10 @@
 A trace is a list of `TraceRequest` (arrival offset in seconds from the first request, prompt
 tokens, output tokens, optional tag). Formats:
 
-- Azure (2023 public traces): CSV with header `TIMESTAMP,ContextTokens,GeneratedTokens`,
-  TIMESTAMP a date-time (`2023-11-16 18:15:46.6805900`, 7 fractional digits allowed) or seconds;
+- Azure (the 2023 and 2024 public traces): CSV whose header names `TIMESTAMP`, `ContextTokens`,
+  `GeneratedTokens` (other columns ignored), TIMESTAMP a date-time (`2023-11-16 18:15:46.6805900`,
+  `2024-05-10 00:00:00.009930+00:00`: any number of fractional digits, an offset or `Z`; without
+  one it is UTC) or seconds;
 - JSONL: one object a line with `t_s` (or `timestamp`, seconds), `prompt_tokens`,
   `output_tokens` and optionally `tag`.
 
@@ -19,8 +21,9 @@ from __future__ import annotations
 import csv
 import json
 import math
+import re
 from dataclasses import dataclass
-from datetime import datetime
+from datetime import datetime, timezone
 from pathlib import Path
 
 import numpy as np
@@ -53,6 +56,9 @@ def _finite(t: float) -> float:
     return t
 
 
+_FRACTION = re.compile(r"\.(\d+)")
+
+
 def _when(text: str) -> float:
     text = text.strip()
     try:
@@ -60,9 +66,19 @@ def _when(text: str) -> float:
     except ValueError as e:
         if "finite" in str(e):
             raise
-    head, _, frac = text.partition(".")
-    base = datetime.fromisoformat(head.replace("T", " ")).timestamp()
-    return base + (float("0." + frac) if frac else 0.0)
+    # The fraction is cut out and added back: fromisoformat keeps 6 digits (Azure 2023 has 7), and the
+    # offset after it (Azure 2024: `.009930+00:00`) then parses with the rest.
+    m = _FRACTION.search(text)
+    frac = float("0." + m.group(1)) if m else 0.0
+    if m:
+        text = text[:m.start()] + text[m.end():]
+    if text[-1:] in ("Z", "z"):  # fromisoformat takes Z only from Python 3.11
+        text = text[:-1] + "+00:00"
+    dt = datetime.fromisoformat(text)
+    if dt.tzinfo is None:
+        # Not the machine's zone: a trace read across a daylight-saving change there gained or lost an hour.
+        dt = dt.replace(tzinfo=timezone.utc)
+    return dt.timestamp() + frac
 
 
 def _positive_int(v, what: str) -> int:
@@ -83,7 +99,8 @@ def read_trace(path: str | Path) -> list[TraceRequest]:
     """A trace file (Azure CSV or JSONL, told by its first line), sorted by arrival, offsets from 0."""
     p = Path(path)
     try:
-        text = p.read_text()
+        # utf-8-sig: a spreadsheet's byte-order mark otherwise hid the header ("got \ufeffTIMESTAMP").
+        text = p.read_text(encoding="utf-8-sig")
     except OSError as e:
         raise TraceError(f"cannot read trace {p}: {e.strerror or e}") from None
     except UnicodeDecodeError as e:
@@ -105,6 +122,11 @@ def read_trace(path: str | Path) -> list[TraceRequest]:
                     raise ValueError(f"arrival time {t!r} is not a number of seconds")
                 t = _when(str(t)) if isinstance(t, str) else _finite(float(t))
                 tag = d.get("tag")
+                if tag is not None and (isinstance(tag, bool) or not isinstance(tag, (str, int, float))):
+                    raise ValueError(f"tag must be a string, got {tag!r}")  # a dict became the tag "{'a': 1}"
+                if tag is not None and any(ord(c) < 32 or ord(c) == 127 for c in str(tag)):
+                    # It travels as a header: aiohttp refused it mid-replay, the requests before it already sent.
+                    raise ValueError(f"tag {tag!r} holds a control character: it cannot be sent as an HTTP header")
                 out.append((t, _positive_int(d["prompt_tokens"], "prompt_tokens"),
                             _positive_int(d["output_tokens"], "output_tokens"), None if tag is None else str(tag)))
             except (ValueError, KeyError, TypeError) as e:
@@ -152,7 +174,13 @@ def shape(trace: list[TraceRequest], time_scale: float = 1.0, duration_s: float 
     if time_scale <= 0:
         raise ValueError("time scale must be positive")
     out = [TraceRequest(r.t_s / time_scale, r.prompt_tokens, r.output_tokens, r.tag) for r in trace]
-    return [r for r in out if duration_s is None or r.t_s < duration_s]
+    out = [r for r in out if duration_s is None or r.t_s < duration_s]
+    # The span is checked again once scaled: --time-scale 1e-12 made an hour's trace a replay waiting
+    # 1e15 s (silent), and 1e-300 an infinite one (an OverflowError traceback after the server had started).
+    if out and not out[-1].t_s <= MAX_SPAN_S:
+        raise TraceError(f"--time-scale {time_scale:g} spreads the arrivals over {out[-1].t_s:g} s, more than "
+                         f"{MAX_SPAN_S:g} s (2 = twice as fast, 0.5 = half as fast)")
+    return out
 
 
 def synthetic(
