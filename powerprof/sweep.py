@@ -18,7 +18,7 @@ from powerprof import termination
 from powerprof import __version__
 from powerprof.analysis import engine
 from powerprof.analysis.stats import level_j_ci_halfwidth_frac, summarize_levels
-from powerprof.collectors.clock_reasons import cap_not_engaged, thermal
+from powerprof.collectors.clock_reasons import REASON_GPU_IDLE, cap_not_engaged, thermal
 from powerprof.collectors.gateway import gateway
 from powerprof.control.device import read_devices
 from powerprof.control.levels import parse_clock_levels, parse_power_levels
@@ -119,6 +119,52 @@ def distrust(row: dict, why: str) -> None:
             row[k] = None
 
 
+# A locked SM clock is a ceiling: the driver snaps the lock to a supported clock (15 MHz apart on
+# current datacenter GPUs, so up to a step above the MHz asked for) and NVML's reading may sit a few MHz
+# off the clock set. Two steps cover both; a lock that is gone shows the boost clock, hundreds of MHz up.
+CLOCK_LOCK_TOLERANCE_MHZ = 30.0
+CLOCK_LOCK_READINGS = 2  # busy readings above the lock in a row: one odd read is not a lost lock
+
+
+class ClockLockWatch:
+    """Whether a level's locked SM clock held, judged from the GPU readings taken while it measures.
+
+    NVML reads no lock back (nvidia-ml-py 13.x has Set/ResetGpuLockedClocks and no getter;
+    nvmlDeviceGetMinMaxClockOfPState is the P-state's range, not the lock), so the clock itself is the
+    witness: CLOCK_LOCK_READINGS busy readings in a row above the lock by more than the tolerance mean
+    the lock is gone (nvidia-smi -rgc, a GPU reset) or raised (nvidia-smi -lgc). A clock below the lock
+    is what a power cap, heat or idling do to a locked GPU, so it never trips; a busy one at or under
+    the lock ends a run of high readings; an idle one (GpuIdle) says nothing of the lock either way."""
+
+    def __init__(self, locked_mhz: float, tolerance_mhz: float = CLOCK_LOCK_TOLERANCE_MHZ,
+                 readings: int = CLOCK_LOCK_READINGS):
+        self.locked_mhz = float(locked_mhz)
+        self.tolerance_mhz = float(tolerance_mhz)
+        self.readings = int(readings)
+        self._high: dict[int, list[float]] = {}  # GPU index → its run of readings above the lock
+
+    @property
+    def open(self) -> bool:
+        """Some GPU's last busy reading was above the lock: a lost lock may have begun."""
+        return any(self._high.values())
+
+    def feed(self, r) -> str | None:
+        """Take one GpuReading; why the lock did not hold once a GPU's run of high readings is long enough."""
+        mhz = r.sm_clock_mhz
+        if mhz is None:
+            return None
+        run = self._high.setdefault(r.index, [])
+        if mhz > self.locked_mhz + self.tolerance_mhz:
+            run.append(mhz)
+        elif not (r.clock_event_reasons or 0) & REASON_GPU_IDLE:
+            run.clear()
+        if len(run) < self.readings:
+            return None
+        return (f"GPU {r.index}'s SM clock read {max(run):g} MHz ({len(run)} readings in a row) during the level, "
+                f"above the {self.locked_mhz:g} MHz it was locked to: another tool released or changed the lock "
+                "(nvidia-smi -rgc or -lgc) or the GPU was reset; the windows measured since are left out of every figure")
+
+
 def _flag_levels(table, values, flag: str):
     """`flag` added to the `flags` of the levels rows whose level_value is in `values`.
 
@@ -213,7 +259,10 @@ class Sweep:
         self._bid = 0
         self._prompt_k = 0
         self.unstored_rows = 0
-        self._samples_seen = 0  # samples already checked for a limit that moved (_limit_problem)
+        self._samples_seen = 0  # samples already checked for a setting that moved (_stop_if_setting_moved)
+        self._clock_watch: ClockLockWatch | None = None
+        self._suspect_rows: list[dict] = []  # windows measured since a GPU first read above its lock
+        self._suspect_spans = 0  # visit.spans from the first suspect window on
 
     # --- the run -----------------------------------------------------------------------------
 
@@ -328,7 +377,7 @@ class Sweep:
         warmup = self.s.warmup_requests
         jpt: list[float] = []
         attempted = 0
-        self._samples_seen = len(self.timeline)  # the limit is checked from here on (settled or not)
+        self._watch_from_now(visit)
         while True:
             try:
                 recs = await self._batch(self.s.concurrency, warmup)
@@ -338,8 +387,9 @@ class Sweep:
                 raise SweepError(f"{_level_name(visit)}: {e}") from None
             warmup = 0
             attempted += self.s.concurrency
+            spans_before = len(visit.spans)
             new = self._add_rows(visit, recs)
-            self._stop_if_limit_moved(visit, new)
+            self._stop_if_setting_moved(visit, new, spans_before)
             for row in new:
                 if self._counts(row):
                     jpt.append(row["gpu_j_per_token"] if row["gpu_j_per_token"] is not None else np.nan)
@@ -362,20 +412,28 @@ class Sweep:
             if visit.stop:
                 return
 
-    def _limit_problem(self, visit: LevelVisit) -> str | None:
-        """Why the level's power limit did not hold in the samples taken since the last check, or None.
+    def _watch_from_now(self, visit: LevelVisit) -> None:
+        """The level's setting is checked in every GPU sample from here on (settled or not)."""
+        self._samples_seen = len(self.timeline)
+        self._suspect_rows, self._suspect_spans = [], 0
+        locked = self.s.level_kind == "sm_clock" and visit.level_value is not None
+        self._clock_watch = ClockLockWatch(visit.level_value) if locked else None
+
+    def _new_gpu_samples(self) -> list:
+        items = self.timeline.samples()
+        new, self._samples_seen = items[self._samples_seen:], len(items)
+        return [smp for smp in new if smp.source == "nvml" and smp.data]
+
+    def _limit_problem(self, visit: LevelVisit, samples) -> str | None:
+        """Why the level's power limit did not hold in `samples` (taken since the last check), or None.
 
         Another tool (nvidia-smi -pl, a DCGM policy, a power manager) may set the limit mid-level: the
         windows after it ran at its limit, not the level's, and would be filed under the level."""
         if self.s.level_kind != "power_limit" or visit.level_value is None:
             return None
-        items = self.timeline.samples()
-        new, self._samples_seen = items[self._samples_seen:], len(items)
         tol = float(getattr(self.ctl, "tolerance_w", 2.0))
         level = float(visit.level_value)
-        for smp in new:
-            if smp.source != "nvml" or not smp.data:
-                continue
+        for smp in samples:
             for r in smp.data:
                 for name, w in (("power limit", r.power_limit_w), ("enforced power limit", r.enforced_limit_w)):
                     if w is not None and abs(w - level) > tol:
@@ -384,16 +442,44 @@ class Sweep:
                                 "it; the windows measured since are left out of every figure")
         return None
 
-    def _stop_if_limit_moved(self, visit: LevelVisit, rows: list[dict]) -> None:
-        """Leave these windows out and stop the sweep when the level's limit did not hold (_limit_problem)."""
-        why = self._limit_problem(visit)
-        if why is None:
-            return
+    def _clock_problem(self, samples) -> str | None:
+        """Why the level's locked SM clock did not hold in `samples`, or None (ClockLockWatch)."""
+        if self._clock_watch is None:
+            return None
+        for smp in samples:
+            for r in smp.data:
+                why = self._clock_watch.feed(r)
+                if why:
+                    return why
+        return None
+
+    def _stop_if_setting_moved(self, visit: LevelVisit, rows: list[dict], spans_before: int) -> None:
+        """Leave these windows out and stop the sweep when the level's power limit or locked clock did
+        not hold in the samples taken since the last check. `spans_before`: len(visit.spans) before
+        these rows added theirs: the spans from there on are the left-out windows' and leave the
+        level's sensor figures (SM clock, thermal, ...) too."""
+        samples = self._new_gpu_samples()
+        why = self._limit_problem(visit, samples)
+        if why is not None:
+            fix = ("stop whatever else sets GPU power limits for the sweep (nvidia-smi -pl in a script, DCGM power "
+                   "policies, a cluster power manager) and rerun")
+        else:
+            if not self._suspect_rows:
+                self._suspect_spans = spans_before
+            suspect = self._suspect_rows + list(rows)
+            why = self._clock_problem(samples)
+            if why is None:
+                # The run of high readings that may have begun spans batches: its windows wait for the verdict.
+                self._suspect_rows = suspect if self._clock_watch is not None and self._clock_watch.open else []
+                return
+            rows, spans_before = suspect, self._suspect_spans
+            fix = ("stop whatever else sets or resets GPU clocks during the sweep (nvidia-smi -lgc/-rgc in a script, "
+                   "DCGM, a cluster manager, a GPU reset) and rerun")
         for row in rows:
             distrust(row, why)
+        del visit.spans[spans_before:]
         self.flush()
-        raise SweepError(f"{_level_name(visit)}: {why}; fix: stop whatever else sets GPU power limits for the sweep "
-                         "(nvidia-smi -pl in a script, DCGM power policies, a cluster power manager) and rerun")
+        raise SweepError(f"{_level_name(visit)}: {why}; fix: {fix}")
 
     def _paired_stop(self, visit: LevelVisit) -> str | None:
         """'paired-ci-reached' when this level's saving against the reference (already measured in
@@ -605,7 +691,7 @@ class TraceSweep(Sweep):
         from powerprof.workload.replay import LATE_NOTE_S, cut_short, few_for_p95, replay_async, summarize
 
         t_start = time.monotonic()
-        self._samples_seen = len(self.timeline)
+        self._watch_from_now(visit)
         with self.prof.window("trace") as w:
             recs = await replay_async(self.session, self.server, self.trace, self.params)
         visit.elapsed_s = time.monotonic() - t_start
@@ -620,7 +706,7 @@ class TraceSweep(Sweep):
         self._above_idle(row)
         rows.append(row)
         self.rows.extend(rows)
-        self._stop_if_limit_moved(visit, rows)
+        self._stop_if_setting_moved(visit, rows, len(visit.spans))
         visit.spans.append((w.result.t0_ns, w.result.t1_ns))
         visit.n_measured = 1 if self._counts(row) else 0
         visit.stop = "trace-replayed"

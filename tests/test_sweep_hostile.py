@@ -124,3 +124,59 @@ def test_a_level_cut_short_by_a_server_that_went_away_is_flagged_interrupted_in_
     levels = pq.read_table(out / "levels.parquet").to_pandas().set_index("level_value")
     assert "interrupted" in levels.loc[200.0, "flags"].split(",")
     assert "interrupted" not in (levels.loc[300.0, "flags"] or "")
+
+
+@pytest.mark.parametrize("other_tool", ["nvidia-smi -rgc", "nvidia-smi -lgc 1980,1980"])
+def test_a_clock_lock_another_tool_released_mid_level_stops_the_sweep_and_leaves_those_windows_out(tmp_path, other_tool):
+    # `nvidia-smi -rgc` (or a GPU reset) during the 1200 MHz level: the rest of the level ran at the
+    # 1980 MHz boost clock and levels.parquet filed its power and J/token under 1200 MHz, without a flag.
+    sim = SimNVML("h200-141g", state_path=None)
+    lock = None if other_tool.endswith("-rgc") else (1980, 1980)
+
+    def act(event, visit):
+        if event == "progress" and visit.level_value == 1200 and visit.n_measured == 2:
+            sim.external_clock_change(0, lock)
+
+    out = tmp_path / "run"
+    with Rig("h200-141g", nvml=sim) as rig, pytest.raises(SweepError) as e:
+        run_sweep(rig, levels_spec="1980,1200", level_kind="sm_clock", out_dir=out, params=RequestParams(max_tokens=64),
+                  idle_s=0, interval_s=0.2, min_requests=8, max_requests=8, warmup_requests=0, ui=_Hook(act))
+    msg = str(e.value)
+    assert msg.startswith("level 1200: GPU 0's SM clock read 1980 MHz"), msg
+    assert "above the 1200 MHz it was locked to" in msg and "another tool" in msg and "fix:" in msg, msg
+    assert sim.locked_clocks_mhz(0) is None  # unlocked, as before the sweep: no lock left behind
+    w = pq.read_table(out / "windows.parquet").to_pandas()
+    lv = w[(w.window_kind == "request") & (w.level_value == 1200.0) & ~w.warmup]
+    moved = lv[lv.timing == "untrusted"]
+    assert len(moved) >= 1 and moved.gpu_j_per_token.isna().all()
+    assert moved.timing_reason.str.contains("SM clock read 1980 MHz").all()
+    s = pq.read_table(out / "samples.parquet").to_pandas()
+    s = s[(s.source == "nvml") & (s.level_value == 1200.0)]
+    assert (s.sm_clock_mhz > 1230).any()  # the lock did go
+    kept = lv[lv.timing != "untrusted"]
+    assert len(kept) >= 1 and kept.gpu_j_per_token.notna().all()  # the windows before the lock went stay
+    levels = pq.read_table(out / "levels.parquet").to_pandas().set_index("level_value")
+    # The level's sensor figures come from the windows kept, all measured under the lock (it read 1785 MHz).
+    assert levels.loc[1200.0, "sm_clock_mhz"] <= 1200.0
+
+
+def test_a_trace_sweep_whose_clock_lock_went_leaves_that_replay_out_and_stops(tmp_path):
+    from powerprof.workload.trace import synthetic
+
+    sim = SimNVML("h200-141g", state_path=None)
+
+    def gpu_reset(event, visit):
+        if event == "start" and visit.level_value == 1200:
+            sim.external_clock_change(0, None)  # right after the controller locked it
+
+    out = tmp_path / "run"
+    trace = synthetic(6, 4.0, prompt_median=30, output_median=60, seed=4)
+    with Rig("h200-141g", nvml=sim) as rig, pytest.raises(SweepError) as e:
+        run_sweep(rig, levels_spec="1980,1200", level_kind="sm_clock", out_dir=out, params=RequestParams(max_tokens=64),
+                  idle_s=0, interval_s=0.2, trace=trace, ui=_Hook(gpu_reset))
+    assert str(e.value).startswith("level 1200: GPU 0's SM clock read 1980 MHz"), str(e.value)
+    assert sim.locked_clocks_mhz(0) is None
+    w = pq.read_table(out / "windows.parquet").to_pandas()
+    tr = w[w.window_kind == "trace"].set_index("level_value")
+    assert tr.loc[1200.0, "timing"] == "untrusted" and tr.loc[1200.0, "gpu_j_per_token"] != tr.loc[1200.0, "gpu_j_per_token"]
+    assert tr.loc[1980.0, "gpu_j_per_token"] > 0

@@ -469,6 +469,18 @@ class SimNVML:
 
     # --- for tests and the simulated server (not NVML) ----------------------------------------
 
+    def external_clock_change(self, index: int, locked_mhz: tuple[int, int] | None = None) -> None:
+        """GPU `index`'s clock lock changed behind the controller's back: None is `nvidia-smi -rgc` by
+        another tool, a GPU reset or a driver reload (the lock is gone, the clock boosts again); (lo, hi)
+        is another tool's `nvidia-smi -lgc lo,hi`. No permission check: a reset needs none from us. The
+        state file changes too, so every process on it sees what every process on a real machine would."""
+        g = self.gpus[index]
+        lock = None if locked_mhz is None else (int(locked_mhz[0]), int(locked_mhz[1]))
+        with self._lock:
+            g.set_locked_clocks(lock)
+            self._state.update(g.uuid, locked_clocks_mhz=None if lock is None else list(lock))
+            self._state.changed()
+
     def locked_clocks_mhz(self, index: int) -> tuple[int, int] | None:
         self._sync_settings()
         return self.gpus[index].locked_clocks_mhz
