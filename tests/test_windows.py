@@ -61,3 +61,17 @@ def test_aggregate_of_truly_parallel_streams_adds_up():
     reqs = [(0, t.astype(np.int64), np.ones(51), None) for _ in range(4)]
     agg = concurrent_throughput(reqs)
     assert agg.tok_s == pytest.approx(4 * 50, rel=1e-6)
+
+
+def test_an_aggregate_knows_how_many_streams_ever_decoded_together():
+    # One slot: B waits for A, so no instant had both decoding; a "concurrency 2" figure from it would be one
+    # stream's figure under another label (the sweep marks such a batch untrusted: workload/rows.batch_row).
+    ta = (0.1 + np.arange(101) * 0.01) * 1e9
+    tb = (1.2 + np.arange(101) * 0.01) * 1e9
+    one_slot = concurrent_throughput([(0, ta.astype(np.int64), np.ones(101), None),
+                                      (0, tb.astype(np.int64), np.ones(101), None)])
+    assert one_slot.max_streams == 1
+    tc = (0.15 + np.arange(101) * 0.01) * 1e9
+    two_slots = concurrent_throughput([(0, ta.astype(np.int64), np.ones(101), None),
+                                       (0, tc.astype(np.int64), np.ones(101), None)])
+    assert two_slots.max_streams == 2
