@@ -206,3 +206,99 @@ def test_a_swallowed_sigterm_still_ends_the_load_before_its_next_request():
     with SimServer(SimNVML("a100-40g", state_path=None), decode_tok_s=400) as s:
         recs = run_load(s.url, [Prompt("p", "hi")], 1, 1, RequestParams(max_tokens=4), warmup=0)
     assert [r.status for r in recs] == ["ok"]
+
+
+# --- the server measured is the one launched -----------------------------------------------------
+
+
+def _gone(pid: int, wait_s: float = 5.0) -> bool:
+    """Exited (a zombie counts: an orphan's reaper may be slow or absent in a container)."""
+    import psutil
+
+    deadline = time.monotonic() + wait_s
+    while True:
+        try:
+            if psutil.Process(pid).status() == psutil.STATUS_ZOMBIE:
+                return True
+        except psutil.NoSuchProcess:
+            return True
+        if time.monotonic() >= deadline:
+            return False
+        time.sleep(0.05)
+
+
+def _listening(port: int) -> bool:
+    with socket.socket() as s:
+        s.settimeout(1)
+        return s.connect_ex(("127.0.0.1", port)) == 0
+
+
+def test_a_port_already_taken_is_refused_rather_than_the_other_server_measured(tmp_path):
+    # Before: the launched server failed to bind and died a moment later, but the one already
+    # listening answered /health first, so its figures were reported as the launched command's.
+    script = tmp_path / "tiny.py"
+    script.write_text(TINY_SERVER)
+    port = free_port()
+    squatter = subprocess.Popen([sys.executable, str(script), str(port)], stdout=subprocess.DEVNULL)
+    try:
+        deadline = time.monotonic() + 20
+        while not _listening(port):
+            assert time.monotonic() < deadline and squatter.poll() is None
+            time.sleep(0.05)
+        la = ServerLauncher([sys.executable, str(script), str(port)], f"http://127.0.0.1:{port}",
+                            timeout_s=20, poll_s=0.05, port_free_wait_s=0.5)
+        with pytest.raises(LaunchError, match=rf"(?s)already listens on 127.0.0.1:{port}.*pid {squatter.pid}.*free port"):
+            la.start()
+        assert la.proc is None  # nothing was launched
+        assert squatter.poll() is None  # and the other process is not ours to stop
+    finally:
+        squatter.kill()
+        squatter.wait(5)
+
+
+DAEMONISING = textwrap.dedent("""
+    # Starts the tiny server in its own session, as `setsid CMD &` or a double fork would, then the
+    # leader either waits (`stay`) or exits 0 (`leave`, the classic daemon).
+    import os, sys, time
+    tiny, port, pidfile, mode = sys.argv[1:5]
+    pid = os.fork()
+    if pid == 0:
+        os.setsid()
+        if os.fork():
+            os._exit(0)
+        open(pidfile, "w").write(str(os.getpid()))
+        os.execv(sys.executable, [sys.executable, tiny, port])
+    os.waitpid(pid, 0)
+    if mode == "stay":
+        time.sleep(600)
+""")
+
+
+@pytest.mark.parametrize("mode", ["stay", "leave"])
+def test_a_server_that_leaves_the_process_group_is_stopped_too(tmp_path, mode):
+    # Before: SIGTERM/SIGKILL went to the process group only; a server in its own session kept
+    # running, holding the port, and the next launch on that port measured it.
+    (tmp_path / "tiny.py").write_text(TINY_SERVER)
+    (tmp_path / "daemon.py").write_text(DAEMONISING)
+    port, pidfile = free_port(), tmp_path / "daemon.pid"
+    la = ServerLauncher([sys.executable, str(tmp_path / "daemon.py"), str(tmp_path / "tiny.py"), str(port), str(pidfile), mode],
+                        f"http://127.0.0.1:{port}", timeout_s=20, poll_s=0.05, stop_grace_s=2)
+    try:
+        if mode == "stay":
+            with la:
+                assert _listening(port)
+        else:
+            with pytest.raises(LaunchError, match=r"(?s)exited with code 0.*foreground"):
+                la.start()
+        deadline = time.monotonic() + 10
+        while not pidfile.exists() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        daemon = int(pidfile.read_text())
+        assert _gone(daemon), "the daemonised server outlived the launcher"
+        assert not _listening(port)
+    finally:
+        if pidfile.exists():
+            try:
+                os.kill(int(pidfile.read_text()), signal.SIGKILL)
+            except ProcessLookupError:
+                pass
