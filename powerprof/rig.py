@@ -157,7 +157,7 @@ class Rig:
 
         return {"simulated": self.simulated, **describe(self.sources), "restore_note": pending_restore_note()}
 
-    def check_server(self, url: str | None, launch: str | None) -> None:
+    def check_server(self, url: str | None, launch: str | list[str] | None) -> None:
         """ValueError, before anything is opened, when `server()` could not give a server."""
         if launch and not url:
             raise ValueError("--launch needs --server URL: where the launched server will listen")
@@ -168,7 +168,7 @@ class Rig:
     def server(
         self,
         url: str | None = None,
-        launch: str | None = None,
+        launch: str | list[str] | None = None,
         *,
         launch_timeout_s: float = 300.0,
         sim_decode_tok_s: float | None = None,

@@ -81,6 +81,8 @@ def test_exception_inside_the_block_stops_the_server(tmp_path):
 def test_missing_program_is_a_clear_error():
     with pytest.raises(LaunchError, match="cannot start"):
         ServerLauncher("/nonexistent/llama-server -m x", "http://127.0.0.1:1").start()
+    with pytest.raises(ValueError, match="No closing quotation: quotes must pair"):  # was the bare shlex message
+        ServerLauncher("llama-server -a 'my model", "http://127.0.0.1:1")
 
 
 # A tiny server: /health answers 200; with --ignore-term it shrugs off SIGTERM like a slow-to-exit server.

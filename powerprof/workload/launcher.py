@@ -124,7 +124,11 @@ class ServerLauncher:
         env: dict | None = None,
         port_free_wait_s: float = 5.0,
     ):
-        self.argv = shlex.split(cmd) if isinstance(cmd, str) else list(cmd)
+        try:
+            self.argv = shlex.split(cmd) if isinstance(cmd, str) else list(cmd)
+        except ValueError as e:
+            raise ValueError(f"--launch {cmd!r}: {e}: quotes must pair (it is split into words like a shell line; "
+                             "no shell runs it)") from None
         if not self.argv:
             raise ValueError("--launch needs a command")
         self.base_url = base_url.rstrip("/")
