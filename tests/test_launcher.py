@@ -304,3 +304,23 @@ def test_a_server_that_leaves_the_process_group_is_stopped_too(tmp_path, mode):
                 os.kill(int(pidfile.read_text()), signal.SIGKILL)
             except ProcessLookupError:
                 pass
+
+
+def test_a_server_that_spews_output_keeps_a_bounded_log_with_its_start_and_its_end(tmp_path):
+    # Before: the log grew as long as the server wrote; a server stuck printing filled the disk.
+    script = tmp_path / "spew.py"
+    script.write_text(TINY_SERVER.replace('print("listening", flush=True)', textwrap.dedent("""
+        print("BANNER model=x.gguf", flush=True)
+        for i in range(60000):
+            print(f"token {i} " + "x" * 200)
+        print("LAST LINE before serving", flush=True)
+    """)))
+    port, log = free_port(), tmp_path / "server.log"
+    la = ServerLauncher([sys.executable, str(script), str(port)], f"http://127.0.0.1:{port}", timeout_s=60, poll_s=0.05,
+                        log_path=log, max_log_bytes=1 << 20, log_check_s=0.05)
+    with la:
+        pass
+    text = log.read_text()
+    assert len(text) < 1.1 * (1 << 20)  # 12 MB written
+    assert text.startswith("BANNER model=x.gguf") and "bytes of this log" in text
+    assert text.rstrip().endswith("LAST LINE before serving")

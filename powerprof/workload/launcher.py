@@ -84,6 +84,35 @@ def _marked(marker: str) -> list:
     return out
 
 
+LOG_HEAD_BYTES = 1 << 20
+
+
+def bound_log(path: Path, max_bytes: int) -> None:
+    """Keep a log within about max_bytes: its first MiB (what the server was started with), a line
+    saying how much was cut, and its newest part (how it ended)."""
+    try:
+        size = os.path.getsize(path)
+        if size <= max_bytes:
+            return
+        head_n = min(LOG_HEAD_BYTES, max_bytes // 4)
+        keep_tail = max_bytes // 2
+        with open(path, "rb") as f:
+            head = f.read(head_n)
+            f.seek(size - keep_tail)
+            newest = f.read(keep_tail)
+        if b"\n" in head:
+            head = head[: head.rindex(b"\n") + 1]
+        if b"\n" in newest:
+            newest = newest[newest.index(b"\n") + 1:]
+        # The server appends (O_APPEND): cut to the head, then append. What it writes in between is lost.
+        os.truncate(path, len(head))
+        with open(path, "ab") as f:
+            f.write(f"[... powerprof cut {size - len(head) - len(newest)} bytes of this log, "
+                    f"which it keeps under {max_bytes} bytes ...]\n".encode() + newest)
+    except OSError:
+        pass
+
+
 def tail(path: Path, n_lines: int = 30, max_bytes: int = 16384) -> str:
     try:
         with open(path, "rb") as f:
@@ -123,6 +152,8 @@ class ServerLauncher:
         log_path: str | Path | None = None,
         env: dict | None = None,
         port_free_wait_s: float = 5.0,
+        max_log_bytes: int = 64 << 20,
+        log_check_s: float = 2.0,
     ):
         try:
             self.argv = shlex.split(cmd) if isinstance(cmd, str) else list(cmd)
@@ -145,6 +176,14 @@ class ServerLauncher:
         self.log_path = Path(log_path)
         self.proc: subprocess.Popen | None = None
         self._old_handlers: dict = {}
+        self.max_log_bytes = max_log_bytes
+        self.log_check_s = log_check_s
+        self._log_stop = threading.Event()
+
+    def _watch_log(self) -> None:
+        # A server stuck printing can fill the disk within one configuration.
+        while not self._log_stop.wait(self.log_check_s):
+            bound_log(self.log_path, self.max_log_bytes)
 
     def start(self) -> "ServerLauncher":
         self._check_port_free()
@@ -162,6 +201,8 @@ class ServerLauncher:
             except OSError as e:
                 raise LaunchError(f"cannot start {self.argv[0]!r}: {e}") from None
         atexit.register(self.stop)
+        self._log_stop.clear()
+        threading.Thread(target=self._watch_log, name="powerprof-server-log", daemon=True).start()
         self._install_signal_handlers()
         try:
             self._wait_healthy()
@@ -274,6 +315,8 @@ class ServerLauncher:
                     psutil.wait_procs(strays, timeout=5)
         finally:
             _release_signals(held)
+            self._log_stop.set()
+            bound_log(self.log_path, self.max_log_bytes)
             self._restore_signal_handlers()
             try:
                 atexit.unregister(self.stop)
