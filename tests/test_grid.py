@@ -298,3 +298,22 @@ def test_an_interrupted_level_of_the_chosen_configuration_is_never_recommended(t
     assert res.knobs.chosen.config_id == "draft=1"
     assert res.recommendation.level_value == 260 and all(c.level_value != 220 for c in res.main.choices.values())
     assert res.recommendation.left_out == {220.0: "interrupted"}
+
+
+def test_a_knob_the_server_ignores_is_named_and_no_effect_is_claimed_for_it(tmp_path):
+    # A misspelled flag in --launch: every draft value ran the same server. Before: the grid chose one
+    # by noise and added "sits at the edge of draft ...: a value beyond it might be better; extend --vary draft".
+    from powerprof.analysis.report import console_summary
+    from synthetic_runs import make_grid_run, seed_truth
+
+    same = seed_truth()
+    res = analyze_run([make_grid_run(tmp_path / "run", {1: same, 3: same, 5: same}, levels=(220, 300))],
+                      n_boot=200, plots=False)
+    kinds = {w.kind: w.message for w in res.warnings}
+    assert not any("extend --vary draft" in w.message for w in res.warnings)
+    assert "draft made no difference the measurement could see" in kinds["knob-no-effect"]
+    assert "ignores it" in kinds["knob-no-effect"]
+    assert "knob-no-effect" in console_summary(res)
+    # A knob that matters is not called ineffective.
+    clean = analyze_run([make_grid_run(tmp_path / "clean", _grid_truths(), levels=(220, 300))], n_boot=200, plots=False)
+    assert "knob-no-effect" not in {w.kind for w in clean.warnings}
