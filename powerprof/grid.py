@@ -247,7 +247,9 @@ class GridRun:
             log = logs / (re.sub(r"[^\w=.,-]", "_", config_id(cfg)) + ".log")
         contexts = list(self.spec.contexts) or [None]
         try:
-            server_cm = self.rig.server(self.url, argv, launch_timeout_s=self.launch_timeout_s, log_path=log)
+            launched: list = []
+            server_cm = self.rig.server(self.url, argv, launch_timeout_s=self.launch_timeout_s, log_path=log,
+                                        launched=launched)
             url = server_cm.__enter__()
         except LaunchError as e:
             status = launch_status(str(e))
@@ -262,7 +264,8 @@ class GridRun:
                 self.records.append(rec)
                 self._measure(rec, url)
                 if rec.status != "ok" and log is not None:
-                    rec.error = (rec.error or "") + f"\nlast lines of {log}:\n{tail(log)}"
+                    died = launched[0].death_note() if launched else ""
+                    rec.error = (rec.error or "") + "\n" + (died or f"last lines of {log}:\n{tail(log)}")
 
     def _measure(self, rec: ConfigRecord, url: str) -> None:
         from powerprof.sweep import Sweep, SweepError

@@ -173,18 +173,22 @@ class Rig:
         launch_timeout_s: float = 300.0,
         sim_decode_tok_s: float | None = None,
         log_path=None,
+        launched: list | None = None,
     ) -> Iterator[str]:
         """The inference server's base URL while the block runs: the given one, one launched with
         `launch` (stopped afterwards, also on error), or the simulated server (on the simulated rig,
         when no URL is given). log_path: where a launched server's output goes (default: a temp file).
         On the simulated rig a launched `python -m powerprof.sim.serve` drives the simulated GPUs
-        through the shared state file."""
+        through the shared state file. launched: a list the ServerLauncher is appended to (its
+        death_note() says whether the server died mid-run)."""
         self.check_server(url, launch)
         self._real_server_used = bool(url)
         if launch:
             from powerprof.workload.launcher import ServerLauncher
 
-            with ServerLauncher(launch, url, timeout_s=launch_timeout_s, log_path=log_path):
+            with ServerLauncher(launch, url, timeout_s=launch_timeout_s, log_path=log_path) as la:
+                if launched is not None:
+                    launched.append(la)
                 yield url
         elif url:
             yield url

@@ -324,3 +324,38 @@ def test_a_server_that_spews_output_keeps_a_bounded_log_with_its_start_and_its_e
     assert len(text) < 1.1 * (1 << 20)  # 12 MB written
     assert text.startswith("BANNER model=x.gguf") and "bytes of this log" in text
     assert text.rstrip().endswith("LAST LINE before serving")
+
+
+# Healthy, then dies at the first request (a crash in the first batch, an abort on a bad flag value).
+CRASH_AT_FIRST_REQUEST = textwrap.dedent("""
+    import http.server, os, sys
+    class H(http.server.BaseHTTPRequestHandler):
+        def do_GET(self):
+            b = b'{"status": "ok"}' if self.path == "/health" else b'{"data": [{"id": "m"}]}'
+            self.send_response(200); self.send_header("Content-Type", "application/json")
+            self.send_header("Content-Length", str(len(b))); self.end_headers(); self.wfile.write(b)
+        def do_POST(self):
+            print("GGML_ASSERT failed: crash at the first request", flush=True)
+            os._exit(134)
+        def log_message(self, *a):
+            pass
+    http.server.HTTPServer(("127.0.0.1", int(sys.argv[1])), H).serve_forever()
+""")
+
+
+@pytest.mark.parametrize("command", ["sweep", "measure"])
+def test_a_launched_server_that_dies_mid_run_is_said_to_have_died_with_its_log(tmp_path, command):
+    # Before: only "request 0 failed 3 times; last error: connection refused"; nothing said the
+    # launched server had died, nor where its output was.
+    script = tmp_path / "crash.py"
+    script.write_text(CRASH_AT_FIRST_REQUEST)
+    port = free_port()
+    args = ["--server", f"http://127.0.0.1:{port}", "--launch", f"{sys.executable} {script} {port}",
+            "--out", str(tmp_path / "run")]
+    args += ["--simulate", "seed-16g", "--limits", "220,300", "--idle-s", "0.2"] if command == "sweep" else ["--requests", "3"]
+    env = dict(os.environ, POWERPROF_SIM_STATE=str(tmp_path / "sim.json"))
+    r = subprocess.run([sys.executable, "-m", "powerprof.cli", command, *args], capture_output=True, text=True,
+                       timeout=180, env=env)
+    assert r.returncode != 0
+    assert "the launched server exited with code 134 during the run" in r.stderr, r.stderr
+    assert "GGML_ASSERT failed: crash at the first request" in r.stderr

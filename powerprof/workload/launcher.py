@@ -275,6 +275,20 @@ class ServerLauncher:
             clear()  # the run this launcher served is over: a noted signal has been acted on
         self._old_handlers = {}
 
+    def death_note(self) -> str:
+        """'' while the server runs; else how it ended and the tail of its log, for an error met mid-run
+        (requests failing with 'connection refused' do not say the server died, nor where its output is)."""
+        code = None if self.proc is None else self.proc.poll()
+        if code is None:
+            return ""
+        how = f"exited with code {code}"
+        if code < 0:
+            try:
+                how = f"was killed by {signal.Signals(-code).name}"
+            except ValueError:
+                pass
+        return f"the launched server {how} during the run; last lines of {self.log_path}:\n{tail(self.log_path)}"
+
     @property
     def running(self) -> bool:
         return self.proc is not None and self.proc.poll() is None
