@@ -7,7 +7,8 @@ For each configuration (the cross product of the --vary values, in the order giv
 template, launch, wait for health, then for each context length run a `Sweep` over the levels
 (launch once, step the levels), stop the server. A configuration that fails to start (out of
 memory, a bad flag, no health) is recorded with its log tail and the grid goes on; so is one
-whose measurement fails. One run directory holds the grid: every windows and levels row carries
+whose measurement fails. The template is split into words like a shell line before the values go in (no shell runs it), so
+a value with spaces, quotes or `;` stays one argument. One run directory holds the grid: every windows and levels row carries
 `config_id`, `context_tokens` and a `knob_<name>` column per knob.
 """
 
@@ -15,6 +16,7 @@ from __future__ import annotations
 
 import itertools
 import re
+import shlex
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -61,7 +63,16 @@ def template_fields(template: str) -> set[str]:
     return set(_FIELD.findall(template))
 
 
+def split_template(template: str) -> list[str]:
+    try:
+        return shlex.split(template)
+    except ValueError as e:
+        raise ValueError(f"--launch {template!r}: {e}: quotes must pair (it is split into words like a shell "
+                         "line; no shell runs it)") from None
+
+
 def check_template(template: str, knobs: list[Knob]) -> None:
+    split_template(template)
     names = {k.name for k in knobs}
     unknown = template_fields(template) - names
     if unknown:
@@ -74,6 +85,12 @@ def check_template(template: str, knobs: list[Knob]) -> None:
 
 def render(template: str, config: dict) -> str:
     return _FIELD.sub(lambda m: str(config[m.group(1)]) if m.group(1) in config else m.group(0), template)
+
+
+def command(template: str, config: dict) -> list[str]:
+    """One configuration's argv: the template's words, each rendered, so a value is never split or parsed.
+    (Inside an `sh -c '...'` word a value is still shell code: the shell, not powerprof, reads that word.)"""
+    return [render(word, config) for word in split_template(template)]
 
 
 def configurations(knobs: list[Knob]) -> list[dict]:
@@ -111,7 +128,7 @@ class GridSpec:
     def plan_lines(self) -> list[str]:
         out = [f"{len(self.configs)} configuration(s) × {max(len(self.contexts), 1)} context length(s):"]
         for c in self.configs:
-            out.append(f"  {config_id(c)}: " + (render(self.template, c) if self.template else "(the given server)"))
+            out.append(f"  {config_id(c)}: " + (shlex.join(command(self.template, c)) if self.template else "(the given server)"))
         if self.contexts:
             out.append("  context tokens: " + ", ".join(str(n) for n in self.contexts))
         return out
@@ -221,7 +238,8 @@ class GridRun:
 
         from powerprof.workload.launcher import LaunchError, tail
 
-        cmd = render(self.spec.template, cfg) if self.spec.template else None
+        argv = command(self.spec.template, cfg) if self.spec.template else None
+        cmd = shlex.join(argv) if argv else None
         log = None
         if cmd:
             logs = Path(self.writer.path) / "server-logs"
@@ -229,7 +247,9 @@ class GridRun:
             log = logs / (re.sub(r"[^\w=.,-]", "_", config_id(cfg)) + ".log")
         contexts = list(self.spec.contexts) or [None]
         try:
-            server_cm = self.rig.server(self.url, cmd, launch_timeout_s=self.launch_timeout_s, log_path=log)
+            launched: list = []
+            server_cm = self.rig.server(self.url, argv, launch_timeout_s=self.launch_timeout_s, log_path=log,
+                                        launched=launched)
             url = server_cm.__enter__()
         except LaunchError as e:
             status = launch_status(str(e))
@@ -244,7 +264,8 @@ class GridRun:
                 self.records.append(rec)
                 self._measure(rec, url)
                 if rec.status != "ok" and log is not None:
-                    rec.error = (rec.error or "") + f"\nlast lines of {log}:\n{tail(log)}"
+                    died = launched[0].death_note() if launched else ""
+                    rec.error = (rec.error or "") + "\n" + (died or f"last lines of {log}:\n{tail(log)}")
 
     def _measure(self, rec: ConfigRecord, url: str) -> None:
         from powerprof.sweep import Sweep, SweepError

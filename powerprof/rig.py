@@ -157,7 +157,7 @@ class Rig:
 
         return {"simulated": self.simulated, **describe(self.sources), "restore_note": pending_restore_note()}
 
-    def check_server(self, url: str | None, launch: str | None) -> None:
+    def check_server(self, url: str | None, launch: str | list[str] | None) -> None:
         """ValueError, before anything is opened, when `server()` could not give a server."""
         if launch and not url:
             raise ValueError("--launch needs --server URL: where the launched server will listen")
@@ -168,23 +168,27 @@ class Rig:
     def server(
         self,
         url: str | None = None,
-        launch: str | None = None,
+        launch: str | list[str] | None = None,
         *,
         launch_timeout_s: float = 300.0,
         sim_decode_tok_s: float | None = None,
         log_path=None,
+        launched: list | None = None,
     ) -> Iterator[str]:
         """The inference server's base URL while the block runs: the given one, one launched with
         `launch` (stopped afterwards, also on error), or the simulated server (on the simulated rig,
         when no URL is given). log_path: where a launched server's output goes (default: a temp file).
         On the simulated rig a launched `python -m powerprof.sim.serve` drives the simulated GPUs
-        through the shared state file."""
+        through the shared state file. launched: a list the ServerLauncher is appended to (its
+        death_note() says whether the server died mid-run)."""
         self.check_server(url, launch)
         self._real_server_used = bool(url)
         if launch:
             from powerprof.workload.launcher import ServerLauncher
 
-            with ServerLauncher(launch, url, timeout_s=launch_timeout_s, log_path=log_path):
+            with ServerLauncher(launch, url, timeout_s=launch_timeout_s, log_path=log_path) as la:
+                if launched is not None:
+                    launched.append(la)
                 yield url
         elif url:
             yield url

@@ -867,8 +867,9 @@ def run_sweep(
         stack.callback(_remove_if_empty, run_dir)  # a sweep that fails before writing leaves nothing
 
         server_info = None
+        launched: list = []
         if runner is None:  # a configuration sweep launches a server per configuration
-            url = stack.enter_context(rig.server(url, launch, launch_timeout_s=launch_timeout_s))
+            url = stack.enter_context(rig.server(url, launch, launch_timeout_s=launch_timeout_s, launched=launched))
             server_info = detect(url, api)
         notes.extend(rig.notes)
 
@@ -924,7 +925,13 @@ def run_sweep(
             sweep = Sweep(server=server_info, prompts=prompts, params=params, **parts)
         try:
             try:
-                sweep.run()
+                try:
+                    sweep.run()
+                except SweepError as e:
+                    died = launched[0].death_note() if launched else ""
+                    if died:
+                        raise SweepError(f"{e}; {died}") from None
+                    raise
             finally:
                 # Restore before the last write, so the final samples show the original limit back.
                 # If restoring fails the controller keeps its restore file (and retries on close);

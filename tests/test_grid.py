@@ -41,12 +41,57 @@ def test_vary_and_template_parse_and_refuse_bad_input():
     assert launch_status("error: invalid argument: x") == "failed-to-start"
 
 
+def test_a_value_with_spaces_quotes_or_shell_characters_reaches_the_server_as_one_argument(tmp_path):
+    # Before: the value was pasted into the command line, which was then split: `a b` became two
+    # arguments, and `it's` crashed the whole grid with "No closing quotation" when its turn came.
+    from powerprof.grid import Knob
+
+    seen = tmp_path / "argv.jsonl"
+    server = tmp_path / "srv.py"
+    server.write_text(f"import json, sys\nopen({str(seen)!r}, 'a').write(json.dumps(sys.argv[1:]) + '\\n')\nsys.exit(2)\n")
+    values = ("it's", "a b; touch x", "$(id)")
+    spec = GridSpec(f"{sys.executable} {server} --alias {{name}} --json '{{\"a\": \"{{name}}\"}}'", (Knob("name", values),))
+    assert spec.plan_lines()[1].endswith(f"""--alias 'it'"'"'s' --json '{{"a": "it'"'"'s"}}'""")
+    port = free_port()
+    with Rig("seed-16g") as rig:
+        out = run_grid(rig, spec, url=f"http://127.0.0.1:{port}", levels_spec="", level_kind="none",
+                       out_dir=tmp_path / "run", launch_timeout_s=20, **FAST)
+    got = [json.loads(line) for line in seen.read_text().splitlines()]
+    assert got == [["--alias", v, "--json", f'{{"a": "{v}"}}'] for v in values]
+    assert {r["config_status"] for r in out.levels.to_pylist()} == {"failed-to-start"}
+    with pytest.raises(ValueError, match="quotes must pair"):
+        GridSpec("srv --alias '{name}", (Knob("name", ("x",)),))
+
+
 def _sim_template(port: int, decode_tok_s: float = 2000, extra: str = "") -> str:
     return (f"{sys.executable} -m powerprof.sim.serve --profile seed-16g --port {port} --decode-tok-s {decode_tok_s} "
             f"{extra} " "--draft {draft} -np {np}")
 
 
 FAST = dict(idle_s=0.5, min_requests=3, max_requests=6, warmup_requests=1, target_ci=0.5, max_time_s=20, settle_timeout_s=2)
+
+
+def test_each_configuration_is_measured_on_its_own_server_even_one_that_leaves_the_process_group(tmp_path):
+    # Before: draft=1's server, started with setsid, outlived its configuration and kept the port;
+    # draft=5's server could not bind it, and draft=5 was measured on draft=1's server (the same
+    # acceptance, figures credited to the wrong knob value), which was still running afterwards.
+    import shutil
+
+    import psutil
+
+    setsid = shutil.which("setsid")
+    if setsid is None:
+        pytest.skip("no setsid program (util-linux)")
+    port = free_port()
+    srv = f"{sys.executable} -m powerprof.sim.serve --profile seed-16g --port {port} --decode-tok-s 600 --draft {{draft}}"
+    spec = GridSpec(f"sh -c '{setsid} {srv} & wait'", tuple(parse_vary(["draft=1,5"])))
+    with Rig("seed-16g") as rig:
+        out = run_grid(rig, spec, url=f"http://127.0.0.1:{port}", levels_spec="", level_kind="none",
+                       out_dir=tmp_path / "run", params=RequestParams(max_tokens=64), **FAST)
+    acc = {r["config_id"]: r["draft_acceptance"] for r in out.levels.to_pylist() if r["config_status"] == "ok"}
+    assert set(acc) == {"draft=1", "draft=5"} and acc["draft=1"] > acc["draft=5"], acc
+    left = [p.pid for p in psutil.process_iter(["cmdline"]) if f"--port {port} " in " ".join(p.info["cmdline"] or [])]
+    assert left == []
 
 
 @pytest.mark.slow  # 20 server launches: about a minute here, longer on a loaded machine
@@ -253,3 +298,22 @@ def test_an_interrupted_level_of_the_chosen_configuration_is_never_recommended(t
     assert res.knobs.chosen.config_id == "draft=1"
     assert res.recommendation.level_value == 260 and all(c.level_value != 220 for c in res.main.choices.values())
     assert res.recommendation.left_out == {220.0: "interrupted"}
+
+
+def test_a_knob_the_server_ignores_is_named_and_no_effect_is_claimed_for_it(tmp_path):
+    # A misspelled flag in --launch: every draft value ran the same server. Before: the grid chose one
+    # by noise and added "sits at the edge of draft ...: a value beyond it might be better; extend --vary draft".
+    from powerprof.analysis.report import console_summary
+    from synthetic_runs import make_grid_run, seed_truth
+
+    same = seed_truth()
+    res = analyze_run([make_grid_run(tmp_path / "run", {1: same, 3: same, 5: same}, levels=(220, 300))],
+                      n_boot=200, plots=False)
+    kinds = {w.kind: w.message for w in res.warnings}
+    assert not any("extend --vary draft" in w.message for w in res.warnings)
+    assert "draft made no difference the measurement could see" in kinds["knob-no-effect"]
+    assert "ignores it" in kinds["knob-no-effect"]
+    assert "knob-no-effect" in console_summary(res)
+    # A knob that matters is not called ineffective.
+    clean = analyze_run([make_grid_run(tmp_path / "clean", _grid_truths(), levels=(220, 300))], n_boot=200, plots=False)
+    assert "knob-no-effect" not in {w.kind for w in clean.warnings}

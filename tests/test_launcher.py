@@ -81,6 +81,8 @@ def test_exception_inside_the_block_stops_the_server(tmp_path):
 def test_missing_program_is_a_clear_error():
     with pytest.raises(LaunchError, match="cannot start"):
         ServerLauncher("/nonexistent/llama-server -m x", "http://127.0.0.1:1").start()
+    with pytest.raises(ValueError, match="No closing quotation: quotes must pair"):  # was the bare shlex message
+        ServerLauncher("llama-server -a 'my model", "http://127.0.0.1:1")
 
 
 # A tiny server: /health answers 200; with --ignore-term it shrugs off SIGTERM like a slow-to-exit server.
@@ -206,3 +208,154 @@ def test_a_swallowed_sigterm_still_ends_the_load_before_its_next_request():
     with SimServer(SimNVML("a100-40g", state_path=None), decode_tok_s=400) as s:
         recs = run_load(s.url, [Prompt("p", "hi")], 1, 1, RequestParams(max_tokens=4), warmup=0)
     assert [r.status for r in recs] == ["ok"]
+
+
+# --- the server measured is the one launched -----------------------------------------------------
+
+
+def _gone(pid: int, wait_s: float = 5.0) -> bool:
+    """Exited (a zombie counts: an orphan's reaper may be slow or absent in a container)."""
+    import psutil
+
+    deadline = time.monotonic() + wait_s
+    while True:
+        try:
+            if psutil.Process(pid).status() == psutil.STATUS_ZOMBIE:
+                return True
+        except psutil.NoSuchProcess:
+            return True
+        if time.monotonic() >= deadline:
+            return False
+        time.sleep(0.05)
+
+
+def _listening(port: int) -> bool:
+    with socket.socket() as s:
+        s.settimeout(1)
+        return s.connect_ex(("127.0.0.1", port)) == 0
+
+
+def test_a_port_already_taken_is_refused_rather_than_the_other_server_measured(tmp_path):
+    # Before: the launched server failed to bind and died a moment later, but the one already
+    # listening answered /health first, so its figures were reported as the launched command's.
+    script = tmp_path / "tiny.py"
+    script.write_text(TINY_SERVER)
+    port = free_port()
+    squatter = subprocess.Popen([sys.executable, str(script), str(port)], stdout=subprocess.DEVNULL)
+    try:
+        deadline = time.monotonic() + 20
+        while not _listening(port):
+            assert time.monotonic() < deadline and squatter.poll() is None
+            time.sleep(0.05)
+        la = ServerLauncher([sys.executable, str(script), str(port)], f"http://127.0.0.1:{port}",
+                            timeout_s=20, poll_s=0.05, port_free_wait_s=0.5)
+        with pytest.raises(LaunchError, match=rf"(?s)already listens on 127.0.0.1:{port}.*pid {squatter.pid}.*free port"):
+            la.start()
+        assert la.proc is None  # nothing was launched
+        assert squatter.poll() is None  # and the other process is not ours to stop
+    finally:
+        squatter.kill()
+        squatter.wait(5)
+
+
+DAEMONISING = textwrap.dedent("""
+    # Starts the tiny server in its own session, as `setsid CMD &` or a double fork would, then the
+    # leader either waits (`stay`) or exits 0 (`leave`, the classic daemon).
+    import os, sys, time
+    tiny, port, pidfile, mode = sys.argv[1:5]
+    pid = os.fork()
+    if pid == 0:
+        os.setsid()
+        if os.fork():
+            os._exit(0)
+        open(pidfile, "w").write(str(os.getpid()))
+        os.execv(sys.executable, [sys.executable, tiny, port])
+    os.waitpid(pid, 0)
+    if mode == "stay":
+        time.sleep(600)
+""")
+
+
+@pytest.mark.parametrize("mode", ["stay", "leave"])
+def test_a_server_that_leaves_the_process_group_is_stopped_too(tmp_path, mode):
+    # Before: SIGTERM/SIGKILL went to the process group only; a server in its own session kept
+    # running, holding the port, and the next launch on that port measured it.
+    (tmp_path / "tiny.py").write_text(TINY_SERVER)
+    (tmp_path / "daemon.py").write_text(DAEMONISING)
+    port, pidfile = free_port(), tmp_path / "daemon.pid"
+    la = ServerLauncher([sys.executable, str(tmp_path / "daemon.py"), str(tmp_path / "tiny.py"), str(port), str(pidfile), mode],
+                        f"http://127.0.0.1:{port}", timeout_s=20, poll_s=0.05, stop_grace_s=2)
+    try:
+        if mode == "stay":
+            with la:
+                assert _listening(port)
+        else:
+            with pytest.raises(LaunchError, match=r"(?s)exited with code 0.*foreground"):
+                la.start()
+        deadline = time.monotonic() + 10
+        while not pidfile.exists() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        daemon = int(pidfile.read_text())
+        assert _gone(daemon), "the daemonised server outlived the launcher"
+        assert not _listening(port)
+    finally:
+        if pidfile.exists():
+            try:
+                os.kill(int(pidfile.read_text()), signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+
+
+def test_a_server_that_spews_output_keeps_a_bounded_log_with_its_start_and_its_end(tmp_path):
+    # Before: the log grew as long as the server wrote; a server stuck printing filled the disk.
+    script = tmp_path / "spew.py"
+    script.write_text(TINY_SERVER.replace('print("listening", flush=True)', textwrap.dedent("""
+        print("BANNER model=x.gguf", flush=True)
+        for i in range(60000):
+            print(f"token {i} " + "x" * 200)
+        print("LAST LINE before serving", flush=True)
+    """)))
+    port, log = free_port(), tmp_path / "server.log"
+    la = ServerLauncher([sys.executable, str(script), str(port)], f"http://127.0.0.1:{port}", timeout_s=60, poll_s=0.05,
+                        log_path=log, max_log_bytes=1 << 20, log_check_s=0.05)
+    with la:
+        pass
+    text = log.read_text()
+    assert len(text) < 1.1 * (1 << 20)  # 12 MB written
+    assert text.startswith("BANNER model=x.gguf") and "bytes of this log" in text
+    assert text.rstrip().endswith("LAST LINE before serving")
+
+
+# Healthy, then dies at the first request (a crash in the first batch, an abort on a bad flag value).
+CRASH_AT_FIRST_REQUEST = textwrap.dedent("""
+    import http.server, os, sys
+    class H(http.server.BaseHTTPRequestHandler):
+        def do_GET(self):
+            b = b'{"status": "ok"}' if self.path == "/health" else b'{"data": [{"id": "m"}]}'
+            self.send_response(200); self.send_header("Content-Type", "application/json")
+            self.send_header("Content-Length", str(len(b))); self.end_headers(); self.wfile.write(b)
+        def do_POST(self):
+            print("GGML_ASSERT failed: crash at the first request", flush=True)
+            os._exit(134)
+        def log_message(self, *a):
+            pass
+    http.server.HTTPServer(("127.0.0.1", int(sys.argv[1])), H).serve_forever()
+""")
+
+
+@pytest.mark.parametrize("command", ["sweep", "measure"])
+def test_a_launched_server_that_dies_mid_run_is_said_to_have_died_with_its_log(tmp_path, command):
+    # Before: only "request 0 failed 3 times; last error: connection refused"; nothing said the
+    # launched server had died, nor where its output was.
+    script = tmp_path / "crash.py"
+    script.write_text(CRASH_AT_FIRST_REQUEST)
+    port = free_port()
+    args = ["--server", f"http://127.0.0.1:{port}", "--launch", f"{sys.executable} {script} {port}",
+            "--out", str(tmp_path / "run")]
+    args += ["--simulate", "seed-16g", "--limits", "220,300", "--idle-s", "0.2"] if command == "sweep" else ["--requests", "3"]
+    env = dict(os.environ, POWERPROF_SIM_STATE=str(tmp_path / "sim.json"))
+    r = subprocess.run([sys.executable, "-m", "powerprof.cli", command, *args], capture_output=True, text=True,
+                       timeout=180, env=env)
+    assert r.returncode != 0
+    assert "the launched server exited with code 134 during the run" in r.stderr, r.stderr
+    assert "GGML_ASSERT failed: crash at the first request" in r.stderr

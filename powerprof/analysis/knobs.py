@@ -172,8 +172,34 @@ def _overlap(a: tuple, b: tuple) -> bool:
     return a[0] <= b[1] and b[0] <= a[1]
 
 
+def ineffective_knobs(points: list[ConfigPoint], names: list[str]) -> list[str]:
+    """Knobs whose values measured alike: among eligible points differing only in that knob (same
+    context, other knobs equal), every pair's J/token and tok/s CIs overlap. A server that ignores a
+    flag (misspelled, unsupported by this build) looks like this, as does a knob that does not
+    matter at this load; either way the choice among its values is noise."""
+    out = []
+    for name in names:
+        groups: dict = {}
+        for p in points:
+            if p.eligible:
+                rest = tuple(sorted((k, str(v)) for k, v in p.knobs.items() if k != name))
+                groups.setdefault((p.context_tokens, rest), []).append(p)
+        compared = [g for g in groups.values() if len({str(p.knobs.get(name)) for p in g}) >= 2]
+        if compared and all(_overlap(a.j_ci, b.j_ci) and _overlap(a.tok_s_ci, b.tok_s_ci)
+                            for g in compared for i, a in enumerate(g) for b in g[i + 1:]):
+            out.append(name)
+    return out
+
+
 def knob_findings(points: list[ConfigPoint], by_context: dict, knob_values: dict, wide_ci_pct: float = WIDE_CI_PCT) -> list[Finding]:
     out = []
+    same = ineffective_knobs(points, list(knob_values))
+    for name in same:
+        out.append(Finding("knob-no-effect", f"{name} made no difference the measurement could see: configurations "
+                           f"differing only in {name} have J/token and tok/s within each other's 95% CI, so which "
+                           f"{name} value is chosen is noise. Either it does not matter at this load (slots at "
+                           "--concurrency 1), or the server ignores it (a misspelled or unsupported flag in --launch: "
+                           "check its log in server-logs/ for the value)."))
     bad = [p for p in points if not p.measured]
     for status in sorted({p.status for p in bad}):
         ids = sorted({p.config_id for p in bad if p.status == status})
@@ -190,7 +216,7 @@ def knob_findings(points: list[ConfigPoint], by_context: dict, knob_values: dict
         for name, val in best.knobs.items():
             vals = knob_values.get(name) or []
             nums = [v for v in vals if isinstance(v, (int, float))]
-            if len(nums) >= 2 and val in (min(nums), max(nums)):
+            if len(nums) >= 2 and val in (min(nums), max(nums)) and name not in same:
                 out.append(Finding("edge", f"the most efficient configuration ({best.label()}) sits at the edge of "
                                    f"{name} ({'/'.join(map(str, vals))}): a value beyond it might be better; extend --vary {name}."))
         rivals = [p for p in by_context[ctx]["pareto"] if p is not best and p.eligible and _overlap(p.j_ci, best.j_ci)]

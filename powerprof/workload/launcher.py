@@ -1,10 +1,12 @@
 """`--launch "CMD"`: start an inference server, wait until it is healthy, and always stop it.
 
 The command runs in its own process group with its output in a log file; readiness is
-`/health` answering 200 (or, for servers without `/health`, `/v1/models`). On a timeout or
-an early exit the error shows the tail of the log. Leaving the context — normally, on an
+`/health` answering 200 (or, for servers without `/health`, `/v1/models`). A port something already
+listens on is refused before launching: that server would answer the probes and be measured in the
+launched one's place. On a timeout or an early exit the error shows the tail of the log. Leaving the context — normally, on an
 exception or on Ctrl-C — sends SIGTERM to the whole group, then SIGKILL after a grace period; a
-signal arriving during that stop waits until the group is gone. SIGTERM/SIGHUP sent to powerprof
+signal arriving during that stop waits until the group is gone. Processes that left the group (a
+server that daemonises, `setsid CMD &`) are found by a marker in their environment and stopped too. SIGTERM/SIGHUP sent to powerprof
 itself are turned into `Terminated` (a SystemExit with code 128 + signum) while the server runs,
 so they stop it too and powerprof exits like a signalled program (and, should library code
 swallow that exit, before the next request: `powerprof.termination`); an atexit hook is the
@@ -18,13 +20,17 @@ import atexit
 import os
 import shlex
 import signal
+import socket
 import subprocess
 import tempfile
 import threading
 import time
+import uuid
 from pathlib import Path
+from urllib.parse import urlsplit
 
 import aiohttp
+import psutil
 
 from powerprof import termination
 from powerprof.termination import Terminated, clear, note
@@ -32,6 +38,79 @@ from powerprof.termination import Terminated, clear, note
 
 class LaunchError(RuntimeError):
     """The server did not become healthy; the message carries the tail of its log."""
+
+
+# Inherited by everything the launched command starts, also what leaves its process group.
+MARKER_ENV = "POWERPROF_LAUNCH_ID"
+
+
+def _host_port(base_url: str) -> tuple[str, int]:
+    u = urlsplit(base_url)
+    return u.hostname or "127.0.0.1", u.port or (443 if u.scheme == "https" else 80)
+
+
+def _accepts(host: str, port: int) -> bool:
+    try:
+        with socket.create_connection((host, port), timeout=1.0):
+            return True
+    except OSError:
+        return False
+
+
+def _listener(port: int) -> str:
+    """Who listens on the port, as far as this user may see: 'pid N: cmdline', or why unknown."""
+    try:
+        for c in psutil.net_connections(kind="tcp"):
+            if c.status == psutil.CONN_LISTEN and c.laddr and c.laddr.port == port and c.pid:
+                try:
+                    cmd = " ".join(psutil.Process(c.pid).cmdline())[:200]
+                except psutil.Error:
+                    cmd = "?"
+                return f"pid {c.pid}: {cmd}"
+    except (psutil.Error, OSError):
+        pass
+    return "a process of another user or container: see `ss -ltnp`"
+
+
+def _marked(marker: str) -> list:
+    """This user's processes carrying the launch's marker in their environment."""
+    out = []
+    for p in psutil.process_iter():
+        try:
+            if p.environ().get(MARKER_ENV) == marker:
+                out.append(p)
+        except (psutil.Error, OSError):
+            pass  # another user's, or gone meanwhile
+    return out
+
+
+LOG_HEAD_BYTES = 1 << 20
+
+
+def bound_log(path: Path, max_bytes: int) -> None:
+    """Keep a log within about max_bytes: its first MiB (what the server was started with), a line
+    saying how much was cut, and its newest part (how it ended)."""
+    try:
+        size = os.path.getsize(path)
+        if size <= max_bytes:
+            return
+        head_n = min(LOG_HEAD_BYTES, max_bytes // 4)
+        keep_tail = max_bytes // 2
+        with open(path, "rb") as f:
+            head = f.read(head_n)
+            f.seek(size - keep_tail)
+            newest = f.read(keep_tail)
+        if b"\n" in head:
+            head = head[: head.rindex(b"\n") + 1]
+        if b"\n" in newest:
+            newest = newest[newest.index(b"\n") + 1:]
+        # The server appends (O_APPEND): cut to the head, then append. What it writes in between is lost.
+        os.truncate(path, len(head))
+        with open(path, "ab") as f:
+            f.write(f"[... powerprof cut {size - len(head) - len(newest)} bytes of this log, "
+                    f"which it keeps under {max_bytes} bytes ...]\n".encode() + newest)
+    except OSError:
+        pass
 
 
 def tail(path: Path, n_lines: int = 30, max_bytes: int = 16384) -> str:
@@ -72,8 +151,15 @@ class ServerLauncher:
         stop_grace_s: float = 10.0,
         log_path: str | Path | None = None,
         env: dict | None = None,
+        port_free_wait_s: float = 5.0,
+        max_log_bytes: int = 64 << 20,
+        log_check_s: float = 2.0,
     ):
-        self.argv = shlex.split(cmd) if isinstance(cmd, str) else list(cmd)
+        try:
+            self.argv = shlex.split(cmd) if isinstance(cmd, str) else list(cmd)
+        except ValueError as e:
+            raise ValueError(f"--launch {cmd!r}: {e}: quotes must pair (it is split into words like a shell line; "
+                             "no shell runs it)") from None
         if not self.argv:
             raise ValueError("--launch needs a command")
         self.base_url = base_url.rstrip("/")
@@ -81,6 +167,8 @@ class ServerLauncher:
         self.poll_s = poll_s
         self.stop_grace_s = stop_grace_s
         self.env = env
+        self.port_free_wait_s = port_free_wait_s  # a just-stopped server's port takes a moment to close
+        self.marker = uuid.uuid4().hex
         if log_path is None:
             fd, name = tempfile.mkstemp(prefix="powerprof-server-", suffix=".log")
             os.close(fd)
@@ -88,8 +176,18 @@ class ServerLauncher:
         self.log_path = Path(log_path)
         self.proc: subprocess.Popen | None = None
         self._old_handlers: dict = {}
+        self.max_log_bytes = max_log_bytes
+        self.log_check_s = log_check_s
+        self._log_stop = threading.Event()
+
+    def _watch_log(self) -> None:
+        # A server stuck printing can fill the disk within one configuration.
+        while not self._log_stop.wait(self.log_check_s):
+            bound_log(self.log_path, self.max_log_bytes)
 
     def start(self) -> "ServerLauncher":
+        self._check_port_free()
+        env = dict(os.environ if self.env is None else self.env, **{MARKER_ENV: self.marker})
         with open(self.log_path, "ab") as log:
             try:
                 self.proc = subprocess.Popen(
@@ -98,11 +196,13 @@ class ServerLauncher:
                     stderr=subprocess.STDOUT,
                     stdin=subprocess.DEVNULL,
                     start_new_session=True,  # own process group: we can stop its children too
-                    env=self.env,
+                    env=env,
                 )
             except OSError as e:
                 raise LaunchError(f"cannot start {self.argv[0]!r}: {e}") from None
         atexit.register(self.stop)
+        self._log_stop.clear()
+        threading.Thread(target=self._watch_log, name="powerprof-server-log", daemon=True).start()
         self._install_signal_handlers()
         try:
             self._wait_healthy()
@@ -111,18 +211,26 @@ class ServerLauncher:
             raise
         return self
 
+    def _check_port_free(self) -> None:
+        host, port = _host_port(self.base_url)
+        deadline = time.monotonic() + self.port_free_wait_s
+        while _accepts(host, port):
+            if time.monotonic() >= deadline:
+                raise LaunchError(
+                    f"something already listens on {host}:{port} ({_listener(port)}); it would answer in place of "
+                    f"the launched server and be measured instead. Stop it, or give --server a free port "
+                    f"(and the same port in --launch)."
+                )
+            time.sleep(0.1)
+
     def _wait_healthy(self) -> None:
         deadline = time.monotonic() + self.timeout_s
         last = None
         while True:
-            code = self.proc.poll()
-            if code is not None:
-                raise LaunchError(
-                    f"server exited with code {code} before becoming healthy; last lines of {self.log_path}:\n"
-                    f"{tail(self.log_path)}"
-                )
+            self._check_alive()
             last = termination.run(_probe(self.base_url))
             if last == 200:
+                self._check_alive()  # it may have died while another process answered
                 return
             if time.monotonic() >= deadline:
                 seen = "no answer" if last is None else f"HTTP {last}"
@@ -131,6 +239,17 @@ class ServerLauncher:
                     f"last lines of {self.log_path}:\n{tail(self.log_path)}"
                 )
             time.sleep(self.poll_s)
+
+    def _check_alive(self) -> None:
+        code = self.proc.poll()
+        if code is None:
+            return
+        hint = ("; a command that puts the server in the background (daemonises) cannot be used: run it in "
+                "the foreground, so that powerprof owns it and can stop it") if code == 0 else ""
+        raise LaunchError(
+            f"server exited with code {code} before becoming healthy{hint}; last lines of {self.log_path}:\n"
+            f"{tail(self.log_path)}"
+        )
 
     def _install_signal_handlers(self) -> None:
         if threading.current_thread() is not threading.main_thread():
@@ -156,6 +275,20 @@ class ServerLauncher:
             clear()  # the run this launcher served is over: a noted signal has been acted on
         self._old_handlers = {}
 
+    def death_note(self) -> str:
+        """'' while the server runs; else how it ended and the tail of its log, for an error met mid-run
+        (requests failing with 'connection refused' do not say the server died, nor where its output is)."""
+        code = None if self.proc is None else self.proc.poll()
+        if code is None:
+            return ""
+        how = f"exited with code {code}"
+        if code < 0:
+            try:
+                how = f"was killed by {signal.Signals(-code).name}"
+            except ValueError:
+                pass
+        return f"the launched server {how} during the run; last lines of {self.log_path}:\n{tail(self.log_path)}"
+
     @property
     def running(self) -> bool:
         return self.proc is not None and self.proc.poll() is None
@@ -171,23 +304,33 @@ class ServerLauncher:
         try:
             p = self.proc
             if p is not None:
+                strays: list = []
                 try:
                     # start_new_session made the server the leader of a group whose id is its pid.
                     _signal_group(p.pid, signal.SIGTERM)
+                    strays = _marked(self.marker)
+                    _signal_each(strays, signal.SIGTERM)
+                    t_end = time.monotonic() + self.stop_grace_s
                     try:
                         p.wait(self.stop_grace_s)
                     except subprocess.TimeoutExpired:
                         pass
+                    psutil.wait_procs(strays, timeout=max(0.0, t_end - time.monotonic()))
                 finally:
                     # Unconditional: the leader may be gone while children of the group live on,
                     # or the wait may have been cut short by an exception.
                     _signal_group(p.pid, signal.SIGKILL)
+                    strays = _marked(self.marker)
+                    _signal_each(strays, signal.SIGKILL)
                     try:
                         p.wait(5)
                     except subprocess.TimeoutExpired:
                         pass
+                    psutil.wait_procs(strays, timeout=5)
         finally:
             _release_signals(held)
+            self._log_stop.set()
+            bound_log(self.log_path, self.max_log_bytes)
             self._restore_signal_handlers()
             try:
                 atexit.unregister(self.stop)
@@ -235,6 +378,14 @@ def _release_signals(held: dict) -> None:
         try:
             signal.signal(sig, old)
         except (ValueError, OSError, TypeError):
+            pass
+
+
+def _signal_each(procs: list, sig: int) -> None:
+    for q in procs:
+        try:
+            q.send_signal(sig)
+        except psutil.Error:
             pass
 
 

@@ -444,7 +444,9 @@ def _run_measure(
         # A measurement that fails before writing leaves nothing behind.
         stack.push(lambda exc_type, *_: _remove_if_empty(out_dir) if exc_type is not None else None)
         src = rig.sources
-        url = stack.enter_context(rig.server(url, launch, launch_timeout_s=launch_timeout_s, sim_decode_tok_s=sim_decode_tok_s))
+        launched: list = []
+        url = stack.enter_context(rig.server(url, launch, launch_timeout_s=launch_timeout_s, sim_decode_tok_s=sim_decode_tok_s,
+                                             launched=launched))
         notes.extend(rig.notes)
         for p in src.problems:
             if p.source == "nvml" and src.nvml is None:
@@ -470,6 +472,9 @@ def _run_measure(
             run_id=run_id,
             keep_on_stop=True,
         )
+        died = launched[0].death_note() if launched and result.aborted else ""
+        if died:
+            result.aborted = f"{result.aborted}; {died}"
         gpus = [{"index": i.index, "uuid": i.uuid, "name": i.name, "driver": i.driver_version} for i in (profiler.gpu_infos if profiler else [])]
     s = result.server
     meta = {
