@@ -60,7 +60,7 @@ def test_a_batch_the_server_queued_is_not_passed_off_as_the_concurrency_asked(tm
     out = tmp_path / "run"
     ui = _Hook(restart_with_one_slot)
     with Rig("seed-16g", nvml=sim) as rig, pytest.raises(SweepError) as e:
-        run_sweep(rig, levels_spec="300,200", out_dir=out, params=RequestParams(max_tokens=32), idle_s=0, interval_s=0.2,
+        run_sweep(rig, levels_spec="300,200", out_dir=out, params=RequestParams(max_tokens=96), idle_s=0, interval_s=0.2,
                   min_requests=2, max_requests=8, warmup_requests=0, concurrency=4, ui=ui)
     msg = str(e.value)
     assert "level 200: no window could be trusted" in msg, msg
