@@ -127,7 +127,7 @@ class EnergyTimeline:
         with self._lock:
             if sample.source == "nvml":
                 for k, r in enumerate(sample.data):
-                    self.gpu_energy[k].add(sample.t_mono_ns, r.energy_j)
+                    self.gpu_energy[k].add(sample.t_mono_ns, r.energy_j, getattr(r, "energy_epoch", 0))
                     self.gpu_power[k].add(sample.t_mono_ns, r.power_w)
                     self.gpu_avg_power[k].add(sample.t_mono_ns, r.power_avg_w)
             elif sample.source == "rapl":
@@ -161,7 +161,8 @@ class EnergyTimeline:
 
     def _counter(self, k: int, t0: int, t1: int) -> float:
         t, y = self.gpu_energy[k].arrays()
-        return counter_energy_j(t, y, t0, t1) if t.size >= 2 else float("nan")
+        # Across a dropped counter difference (a jump) the counter is no figure: power integration takes over.
+        return counter_energy_j(t, y, t0, t1, np.asarray(self.gpu_energy[k].epoch)) if t.size >= 2 else float("nan")
 
     def _avg_power(self, k: int, t0: int, t1: int) -> float:
         t, y = self.gpu_avg_power[k].arrays()
