@@ -282,3 +282,20 @@ def test_a_window_across_a_counter_jump_is_not_the_jump_but_integrated_power():
         feed(k, 300.0 * k + (50_000.0 if k >= 5 else 0.0), 1 if k >= 5 else 0)
     res = tl.energy_between(2 * S, 8 * S)
     assert res.gpu_methods == ("avg_power_integration",) and res.gpu_energy_j[0] == pytest.approx(1800.0)
+
+
+def test_a_gpu_lost_before_start_is_left_out_with_the_fix_and_the_others_open():
+    nv = FaultyNVML(SimNVML("a100-40g", count=2, state_path=None))
+    nv.lose(1)
+    src = open_sources(nv, None, rapl_root="/nonexistent", host=False, privileged=lambda: True)
+    assert src.nvml.indexes == [0] and [g["index"] for g in describe(src)["gpus"]] == [0]
+    (p,) = [p for p in src.problems if p.source == "nvml"]
+    assert "gpu1" in p.message and "GPU_IS_LOST" in p.message and "nvidia-smi -r" in p.fix
+
+
+def test_a_card_with_neither_energy_nor_power_is_not_said_to_integrate_power():
+    nv = FaultyNVML(SimNVML("pascal-8g", state_path=None))
+    nv.fail(0, "nvmlDeviceGetPowerUsage", pynvml.NVML_ERROR_NOT_SUPPORTED, times=None)
+    src = open_sources(nv, [0], rapl_root="/nonexistent", host=False, privileged=lambda: True)
+    (p,) = [p for p in src.problems if p.source == "nvml"]
+    assert "integrated" not in p.message and "no power reading" in p.message and p.fix

@@ -17,7 +17,7 @@ from powerprof.privilege import has_admin_privilege
 
 from .gateway import gateway
 from .host import HostCollector
-from .nvml import NvmlCollector, visible_indexes
+from .nvml import LOST_FIX, NvmlCollector, visible_indexes
 from .rapl import DEFAULT_ROOT, PERMISSION_FIX, UNAVAILABLE_FIX, RaplCollector, RaplPermissionError, RaplUnavailableError
 
 NO_GPU_FIX = "install the NVIDIA driver (nvidia-smi must work), or run with --simulate for a simulated GPU"
@@ -120,8 +120,25 @@ def _open_gpus(src: Sources, gpus, nvml, privileged: Callable[[], bool]) -> None
             indexes = list(gpus)
         else:
             indexes = visible_indexes(nvml)
+        # A GPU that fell off the bus answers nothing, not even its name: leave it out, said, and open the rest.
+        unusable = []
+        for i in indexes:
+            try:
+                h = gw.call("nvmlDeviceGetHandleByIndex", i)
+                gw.call("nvmlDeviceGetUUID", h)
+                gw.call("nvmlDeviceGetName", h)
+            except gw.NVMLError as e:
+                unusable.append((i, e))
     finally:
         gw.shutdown()
+    for i, e in unusable:
+        lost = gw.error_code(e) == getattr(gw, "NVML_ERROR_GPU_IS_LOST", 15)
+        what = "NVML_ERROR_GPU_IS_LOST" if lost else _nvml_error(e)
+        src.problems.append(Problem("nvml", f"gpu{i}: NVML cannot open it ({what}): left out, nothing of it is measured",
+                                    LOST_FIX if lost else "check the driver: nvidia-smi -q -i " + str(i)))
+    indexes = [i for i in indexes if i not in {j for j, _ in unusable}]
+    if unusable and not indexes:
+        return
     if not indexes:
         why = "CUDA_VISIBLE_DEVICES hides every GPU" if count else "NVML sees no GPU"
         src.problems.append(Problem("nvml", why, NO_GPU_FIX if not count else "unset or fix CUDA_VISIBLE_DEVICES"))
@@ -132,7 +149,16 @@ def _open_gpus(src: Sources, gpus, nvml, privileged: Callable[[], bool]) -> None
         src.problems.append(Problem("nvml", "no permission to change power limits or clocks", ROOT_FIX))
     for info in src.nvml.infos:
         missing = [k for k, ok in info.supports.items() if not ok]
-        if "energy_counter" in missing:
+        if "energy_counter" in missing and "power_average" in missing and "power_instant" in missing:
+            src.problems.append(
+                Problem(
+                    "nvml",
+                    f"gpu{info.index} ({info.name}) has no energy counter and no power reading (only its limit): "
+                    "its energy cannot be measured, every window's GPU energy is empty (energy_method none)",
+                    "measure this card at the wall (a metered PDU), or profile a card with an energy counter (Volta or newer)",
+                )
+            )
+        elif "energy_counter" in missing:
             src.problems.append(
                 Problem(
                     "nvml",
