@@ -299,3 +299,25 @@ def test_a_card_with_neither_energy_nor_power_is_not_said_to_integrate_power():
     src = open_sources(nv, [0], rapl_root="/nonexistent", host=False, privileged=lambda: True)
     (p,) = [p for p in src.problems if p.source == "nvml"]
     assert "integrated" not in p.message and "no power reading" in p.message and p.fix
+
+
+def test_numeric_cuda_visible_devices_on_mixed_gpus_warns_that_cuda_may_number_them_otherwise(monkeypatch):
+    nv = FaultyNVML(SimNVML("a100-40g", count=2, state_path=None))
+    nv.lie(1, "nvmlDeviceGetName", lambda _: "Tesla T4", times=None)
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "1")
+    monkeypatch.delenv("CUDA_DEVICE_ORDER", raising=False)
+    src = open_sources(nv, None, rapl_root="/nonexistent", host=False, privileged=lambda: True)
+    assert src.nvml.indexes == [1]
+    (p,) = [p for p in src.problems if "CUDA_DEVICE_ORDER" in p.message]
+    assert "fastest" in p.message and "PCI_BUS_ID" in p.fix
+    monkeypatch.setenv("CUDA_DEVICE_ORDER", "PCI_BUS_ID")  # both number by PCI bus: nothing to say
+    src = open_sources(nv, None, rapl_root="/nonexistent", host=False, privileged=lambda: True)
+    assert not [p for p in src.problems if "CUDA_DEVICE_ORDER" in p.message]
+
+
+def test_a_mig_instance_in_cuda_visible_devices_is_explained_not_said_to_hide_every_gpu(monkeypatch):
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "MIG-4b0d8f5c-1a2b-5c3d-9e8f-0123456789ab")
+    src = open_sources(SimNVML("a100-40g", count=2, state_path=None), None, rapl_root="/nonexistent", host=False,
+                       privileged=lambda: True)
+    (p,) = [p for p in src.problems if p.source == "nvml" and "MIG" in p.message]
+    assert "whole GPU" in p.message and "--gpus" in p.fix

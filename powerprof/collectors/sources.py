@@ -120,6 +120,7 @@ def _open_gpus(src: Sources, gpus, nvml, privileged: Callable[[], bool]) -> None
             indexes = list(gpus)
         else:
             indexes = visible_indexes(nvml)
+            src.problems.extend(_visible_devices_problems(gw, count))
         # A GPU that fell off the bus answers nothing, not even its name: leave it out, said, and open the rest.
         unusable = []
         for i in indexes:
@@ -140,6 +141,8 @@ def _open_gpus(src: Sources, gpus, nvml, privileged: Callable[[], bool]) -> None
     if unusable and not indexes:
         return
     if not indexes:
+        if any(p.source == "nvml" and "MIG" in p.message for p in src.problems):
+            return  # said above, with its fix
         why = "CUDA_VISIBLE_DEVICES hides every GPU" if count else "NVML sees no GPU"
         src.problems.append(Problem("nvml", why, NO_GPU_FIX if not count else "unset or fix CUDA_VISIBLE_DEVICES"))
         return
@@ -166,6 +169,31 @@ def _open_gpus(src: Sources, gpus, nvml, privileged: Callable[[], bool]) -> None
                     None,
                 )
             )
+
+
+def _visible_devices_problems(gw, count: int, env=None) -> list[Problem]:
+    """Where CUDA_VISIBLE_DEVICES may not name the GPUs we measure: the server could run on another."""
+    env = os.environ if env is None else env
+    items = [s.strip() for s in (env.get("CUDA_VISIBLE_DEVICES") or "").split(",") if s.strip()]
+    out = []
+    if any(s.startswith("MIG-") for s in items):
+        out.append(Problem(
+            "nvml", "CUDA_VISIBLE_DEVICES names a MIG instance: power and energy exist only for the whole GPU, and "
+            "MIG entries are not mapped to it (the list is read up to the first one)",
+            "name the parent GPU with --gpus N (its nvidia-smi index; nvidia-smi -L lists MIG instances under it): "
+            "its figures are the whole GPU's, every instance's work included"))
+    if count > 1 and env.get("CUDA_DEVICE_ORDER") != "PCI_BUS_ID" and any(s.lstrip("-").isdigit() for s in items):
+        names = set()
+        for i in range(count):
+            h = gw.query("nvmlDeviceGetHandleByIndex", i)
+            names.add(gw.query("nvmlDeviceGetName", h) if h is not None else None)
+        if len(names) > 1:
+            out.append(Problem(
+                "nvml", f"CUDA_VISIBLE_DEVICES={env['CUDA_VISIBLE_DEVICES']} is read as nvidia-smi (PCI bus) indexes, but "
+                "CUDA numbers these different GPUs fastest-first unless CUDA_DEVICE_ORDER=PCI_BUS_ID: the server may run "
+                "on another GPU than the one measured",
+                "export CUDA_DEVICE_ORDER=PCI_BUS_ID for the server and powerprof, or name GPUs by UUID (nvidia-smi -L)"))
+    return out
 
 
 def _open_rapl(src: Sources, rapl_root, opener, backend) -> None:
