@@ -46,3 +46,22 @@ def test_the_daemon_keeps_running_when_a_gpu_falls_off_the_bus_and_says_so(tmp_p
     assert any(r["gpu_energy_j"] and r["gpu_energy_j"] > 0 for r in iv)  # before the loss: both GPUs
     samples = pads.dataset(tmp_path / "data" / "samples", format="parquet").to_table().to_pylist()
     assert any(r["device"] == "gpu1" and "GPU_IS_LOST" in (r["error"] or "") for r in samples)
+
+
+def test_restore_puts_the_other_gpus_back_when_one_is_lost_and_says_how_to_fix_that_one(tmp_path):
+    import pytest
+
+    from powerprof.control.controller import LimitController
+    from powerprof.control.errors import RestoreError
+
+    sim = SimNVML("a100-40g", count=2, state_path=tmp_path / "st.json", privileged=True)
+    nv = FaultyNVML(sim)
+    restore_file = tmp_path / "restore.json"
+    with LimitController(nv, [0, 1], restore_path=restore_file, handle_signals=False) as ctl:
+        ctl.set_power_limit_w(200)
+        nv.lose(1)
+        with pytest.raises(RestoreError) as e:
+            ctl.restore()
+        assert [g.limit_w for g in sim.gpus] == [400.0, 200.0] and restore_file.exists()
+        assert "GPU 1 is lost" in str(e.value) and "nvidia-smi -r -i 1" in str(e.value)
+        nv.heal()  # as after a reset: the kept file finishes the job
