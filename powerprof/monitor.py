@@ -258,9 +258,9 @@ def render_table(k: int, rows: dict, interval_s: float) -> Group:
             _fmt(g["temperature_c"]), _fmt(g["enforced_limit_w"]),
             _reasons(g["reasons"]),
         )
-        if g.get("note"):
-            t.add_row("", Text(g["note"], style="yellow"))
     parts = [t]
+    # Below the table: a long note in a cell would squeeze every column to nothing.
+    parts += [Text(f"{g['device']}: {g['note']}", style="yellow") for g in rows["gpus"] if g.get("note")]
     cpu = _cpu_line(rows)
     if cpu:
         parts.append(Text(cpu))

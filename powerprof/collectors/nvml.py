@@ -64,7 +64,7 @@ class GpuReading:
 
 # Readings NVML cannot give are None without a note; these codes mean the card could not answer.
 LOST_FIX = ("the GPU fell off the bus (NVML_ERROR_GPU_IS_LOST; `dmesg | grep -i xid`, Xid 79): its readings stop "
-            "here; fix: reset it (`nvidia-smi -r -i N`) or reboot, then check power and cooling")
+            "here; fix: reset it (`nvidia-smi -r -i {i}`) or reboot, then check power and cooling")
 # A reading above this many times the card's highest settable limit is not power (0xFFFF W sentinels,
 # a corrupt read): instant draw overshoots a limit by tens of percent for milliseconds, not 3x.
 IMPLAUSIBLE_POWER_FACTOR = 3.0
@@ -192,7 +192,7 @@ class NvmlCollector:
         for k, h in enumerate(self.handles):
             mj, code = self.gw.attempt("nvmlDeviceGetTotalEnergyConsumption", h)
             if code == self.nvml.NVML_ERROR_GPU_IS_LOST:
-                self.lost.setdefault(self.indexes[k], LOST_FIX)
+                self.lost.setdefault(self.indexes[k], LOST_FIX.format(i=self.indexes[k]))
             e_j, _ = self._counter(k, mj) if mj is not None else (None, None)
             if e_j is None:
                 return None
@@ -282,8 +282,8 @@ class NvmlCollector:
         if failed:
             notes.append("failed this tick: " + ", ".join(failed))
         if lost[0]:
-            self.lost.setdefault(self.indexes[k], LOST_FIX)
-            notes.insert(0, LOST_FIX)
+            self.lost.setdefault(self.indexes[k], LOST_FIX.format(i=self.indexes[k]))
+            notes.insert(0, LOST_FIX.format(i=self.indexes[k]))
         elif self.indexes[k] in self.lost:
             del self.lost[self.indexes[k]]  # it answered again (a reset)
         return GpuReading(

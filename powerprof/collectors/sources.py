@@ -136,7 +136,7 @@ def _open_gpus(src: Sources, gpus, nvml, privileged: Callable[[], bool]) -> None
         lost = gw.error_code(e) == getattr(gw, "NVML_ERROR_GPU_IS_LOST", 15)
         what = "NVML_ERROR_GPU_IS_LOST" if lost else _nvml_error(e)
         src.problems.append(Problem("nvml", f"gpu{i}: NVML cannot open it ({what}): left out, nothing of it is measured",
-                                    LOST_FIX if lost else "check the driver: nvidia-smi -q -i " + str(i)))
+                                    LOST_FIX.format(i=i) if lost else "check the driver: nvidia-smi -q -i " + str(i)))
     indexes = [i for i in indexes if i not in {j for j, _ in unusable}]
     if unusable and not indexes:
         return
