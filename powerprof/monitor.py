@@ -144,6 +144,7 @@ def display_rows(latest: dict[str, Sample], baseline: dict[str, float], infos: d
                     "temperature_c": r.temperature_c,
                     "enforced_limit_w": r.enforced_limit_w,
                     "reasons": clock_event_reason_names(r.clock_event_reasons),
+                    "note": r.note,
                 }
             )
     elif s is not None:
@@ -215,7 +216,8 @@ def gpu_panel(g: dict) -> Panel | Text:
               f"{_fmt(pwr, 1)} / {_fmt(g['enforced_limit_w'], 0)} W  avg {_fmt(g['power_avg_w'], 1)} W")
     foot = Text(f"SM {_fmt(g['sm_clock_mhz'], 0, ' MHz')}  mem {_fmt(g['mem_clock_mhz'], 0, ' MHz')}  "
                 f"energy {_fmt(g['energy_j'], 1, ' J')}  reasons {_reasons(g['reasons'])}", style="dim")
-    return Panel(Group(t, foot), title=head, title_align="left", box=box.ROUNDED, padding=(0, 1), expand=False)
+    parts = [t, foot] + ([Text(g["note"], style="yellow")] if g.get("note") else [])
+    return Panel(Group(*parts), title=head, title_align="left", box=box.ROUNDED, padding=(0, 1), expand=False)
 
 
 def render(k: int, rows: dict, interval_s: float) -> Group:
@@ -257,6 +259,8 @@ def render_table(k: int, rows: dict, interval_s: float) -> Group:
             _reasons(g["reasons"]),
         )
     parts = [t]
+    # Below the table: a long note in a cell would squeeze every column to nothing.
+    parts += [Text(f"{g['device']}: {g['note']}", style="yellow") for g in rows["gpus"] if g.get("note")]
     cpu = _cpu_line(rows)
     if cpu:
         parts.append(Text(cpu))
@@ -295,6 +299,7 @@ def lines(k: int, rows: dict, interval_s: float) -> list[str]:
             f"energy={_fmt(g['energy_j'], 1)}J sm={_fmt(g['sm_clock_mhz'])}MHz mem={_fmt(g['mem_clock_mhz'])}MHz "
             f"util={_fmt(g['gpu_util_pct'])}/{_fmt(g['mem_util_pct'])}% temp={_fmt(g['temperature_c'])}C "
             f"limit={_fmt(g['enforced_limit_w'])}W reasons={_reasons(g['reasons'])}"
+            + (f" note: {g['note']}" if g.get("note") else "")
         )
     cpu = _cpu_line(rows)
     if cpu:

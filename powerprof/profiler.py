@@ -32,6 +32,10 @@ from powerprof.energy import counter_energy_j, integrate_power_j, shift_average_
 # but a card's refresh is not known in advance); the shifted 1 s average needs ~30 s; instant power
 # sampled at 1 Hz misses the load's changes between samples and is never better than a few percent.
 EDGE_STOP_S = 5.0  # longest wait for the edge thread's reads, as the sampler waits for its own
+# A power-integrated figure whose readings are further apart than this (ticks missed on a loaded
+# machine) interpolated blind over the gap: flagged low-confidence whatever the window's length. Two
+# 1 s averages: one tick missed at 1 Hz. The counter integrates in the driver: gaps do not matter there.
+MAX_POWER_GAP_S = 2.0
 LOW_CONFIDENCE_S = {"counter": 10.0, "avg_power_integration": 30.0, "power_integration": float("inf"), "none": float("inf")}
 
 METHOD_COUNTER = "counter"
@@ -56,6 +60,7 @@ class EnergyResult:
     gpu_energy_j: tuple[float | None, ...]  # per GPU, in the profiler's GPU order
     gpu_methods: tuple[str, ...]
     cpu_energy_j: float | None  # RAPL package + DRAM, all sockets
+    power_gap_s: float = 0.0  # largest gap between the power readings a power-integrated figure rests on
 
     @property
     def duration_s(self) -> float:
@@ -78,7 +83,7 @@ class EnergyResult:
 
     @property
     def low_confidence(self) -> bool:
-        return self.duration_s < LOW_CONFIDENCE_S[self.method]
+        return self.duration_s < LOW_CONFIDENCE_S[self.method] or self.power_gap_s > MAX_POWER_GAP_S
 
 
 @dataclass
@@ -127,7 +132,7 @@ class EnergyTimeline:
         with self._lock:
             if sample.source == "nvml":
                 for k, r in enumerate(sample.data):
-                    self.gpu_energy[k].add(sample.t_mono_ns, r.energy_j)
+                    self.gpu_energy[k].add(sample.t_mono_ns, r.energy_j, getattr(r, "energy_epoch", 0))
                     self.gpu_power[k].add(sample.t_mono_ns, r.power_w)
                     self.gpu_avg_power[k].add(sample.t_mono_ns, r.power_avg_w)
             elif sample.source == "rapl":
@@ -144,13 +149,17 @@ class EnergyTimeline:
         with self._lock:
             gpu_e: list[float | None] = []
             methods: list[str] = []
+            gap_s = 0.0
             for k in range(len(self.gpu_energy)):
                 e, m = self._gpu_energy(k, t0_ns, t1_ns)
                 gpu_e.append(e)
                 methods.append(m)
+                if m in (METHOD_AVG_POWER, METHOD_POWER):
+                    series = self.gpu_avg_power[k] if m == METHOD_AVG_POWER or not self.gpu_power[k].t_ns else self.gpu_power[k]
+                    gap_s = max(gap_s, _largest_gap_s(series.t_ns, t0_ns, t1_ns))
             t, y = self.cpu_energy.arrays()
             cpu = counter_energy_j(t, y, t0_ns, t1_ns, self.cpu_energy.epoch) if t.size >= 2 else float("nan")
-        return EnergyResult(t0_ns, t1_ns, tuple(gpu_e), tuple(methods), None if np.isnan(cpu) else cpu)
+        return EnergyResult(t0_ns, t1_ns, tuple(gpu_e), tuple(methods), None if np.isnan(cpu) else cpu, gap_s)
 
     def _gpu_energy(self, k: int, t0: int, t1: int) -> tuple[float | None, str]:
         for method in ENERGY_METHODS[:-1]:
@@ -161,7 +170,8 @@ class EnergyTimeline:
 
     def _counter(self, k: int, t0: int, t1: int) -> float:
         t, y = self.gpu_energy[k].arrays()
-        return counter_energy_j(t, y, t0, t1) if t.size >= 2 else float("nan")
+        # Across a dropped counter difference (a jump) the counter is no figure: power integration takes over.
+        return counter_energy_j(t, y, t0, t1, np.asarray(self.gpu_energy[k].epoch)) if t.size >= 2 else float("nan")
 
     def _avg_power(self, k: int, t0: int, t1: int) -> float:
         t, y = self.gpu_avg_power[k].arrays()
@@ -184,6 +194,16 @@ class EnergyTimeline:
         return float("nan")
 
     _by_method = {METHOD_COUNTER: _counter, METHOD_AVG_POWER: _avg_power, METHOD_POWER: _instant_power}
+
+
+def _largest_gap_s(t_ns: list, t0_ns: int, t1_ns: int) -> float:
+    """The longest time between consecutive readings of those spanning [t0, t1]."""
+    t = np.asarray(t_ns, dtype=np.int64)
+    if t.size < 2:
+        return 0.0
+    i = max(int(np.searchsorted(t, t0_ns, side="right")) - 1, 0)
+    j = min(int(np.searchsorted(t, t1_ns, side="left")), t.size - 1)
+    return float(np.diff(t[i : j + 1]).max()) / 1e9 if j > i else 0.0
 
 
 class Profiler:

@@ -197,3 +197,127 @@ def test_the_energy_counters_alone_are_read_for_edges_or_none_without_a_counter(
     alone = c.read_energy_j()
     assert len(alone) == 2 and all(a >= f.energy_j for a, f in zip(alone, full))
     assert NvmlCollector(SimNVML("pascal-8g", state_path=None)).read_energy_j() is None  # no counter: no edge
+
+
+# --- cards that misbehave (powerprof/sim/faults.py) ---------------------------------------------------
+
+from powerprof.profiler import EnergyTimeline  # noqa: E402
+from powerprof.sim.faults import FaultyNVML, stuck  # noqa: E402
+
+
+def _faulty(count=2, profile="a100-40g"):
+    nv = FaultyNVML(SimNVML(profile, count=count, state_path=None))
+    now = [0]
+    return nv, NvmlCollector(nv, list(range(count)), clock_ns=lambda: now[0]), now
+
+
+def test_a_gpu_that_falls_off_the_bus_says_so_on_every_tick_and_in_the_stored_row():
+    nv, c, _ = _faulty()
+    nv.lose(1)
+    r0, r1 = c.read()
+    assert r0.energy_j is not None and r0.note is None  # the other GPU reads on
+    assert all(getattr(r1, f) is None for f in ("power_avg_w", "energy_j", "power_limit_w", "temperature_c"))
+    assert "GPU_IS_LOST" in r1.note and "nvidia-smi -r" in r1.note and 1 in c.lost
+    row = samples_to_table([Sample("nvml", 0, 1, 1_700_000_000_000_000_000, (r0, r1))]).to_pylist()[1]
+    assert row["energy_j"] is None and "GPU_IS_LOST" in row["error"]
+    calls = nv.calls.get("nvmlDeviceGetTemperature", 0)
+    c.read()
+    assert nv.calls.get("nvmlDeviceGetTemperature", 0) == calls + 1  # a lost GPU is not asked ten more times
+
+
+def test_a_reading_that_fails_once_is_missing_for_that_tick_with_the_error_named():
+    nv, c, _ = _faulty(1)
+    nv.fail(0, "nvmlDeviceGetPowerUsage", pynvml.NVML_ERROR_TIMEOUT)
+    (r,) = c.read()
+    assert r.power_avg_w is None and "GetPowerUsage: NVML_ERROR_TIMEOUT" in r.note
+    (r,) = c.read()
+    assert r.power_avg_w > 0 and r.note is None
+
+
+@pytest.mark.parametrize("fn", ["nvmlDeviceGetPowerUsage", "nvmlDeviceGetFieldValues"])
+@pytest.mark.parametrize("mw", [65_535_000, 0])
+def test_an_absurd_power_reading_is_dropped_with_a_reason_never_integrated(fn, mw):
+    nv, c, _ = _faulty(1)
+
+    def absurd(got):
+        if fn == "nvmlDeviceGetPowerUsage":
+            return mw
+        got[0].value.uiVal = mw
+        return got
+
+    nv.lie(0, fn, absurd)
+    (r,) = c.read()
+    got = r.power_avg_w if fn == "nvmlDeviceGetPowerUsage" else r.power_w
+    assert got is None and "reading dropped" in r.note and f"{mw / 1000:g} W" in r.note
+
+
+def test_a_stuck_energy_counter_is_dropped_and_a_jump_breaks_the_counter_epoch():
+    nv, c, now = _faulty(1)
+    nv.gpus[0].set_phase(Phase("decode", 0.25))
+    nv.lie(0, "nvmlDeviceGetTotalEnergyConsumption", stuck(), times=None)
+    (r,) = c.read()
+    now[0] = int(0.5e9)
+    assert c.read()[0].energy_j == r.energy_j  # within one refresh: still a reading
+    now[0] = int(1.5e9)
+    (r,) = c.read()
+    assert r.energy_j is None and "stuck" in r.note
+    assert c.read_energy_j() is None  # the daemon's edges take no stuck value either
+    nv.heal()
+    nv.lie(0, "nvmlDeviceGetTotalEnergyConsumption", lambda mj: mj + 50_000_000)  # +50 kJ in one read
+    now[0] = int(2.5e9)
+    (r,) = c.read()
+    assert r.energy_epoch == 1 and "jumped" in r.note
+
+
+def test_a_window_across_a_counter_jump_is_not_the_jump_but_integrated_power():
+    tl = EnergyTimeline(1, (1.0,))
+    S = 1_000_000_000
+
+    def feed(t_s, e_j, epoch):
+        from powerprof.collectors.nvml import GpuReading
+        r = GpuReading(0, None, 300.0, e_j, None, None, None, None, None, None, None, None, None, energy_epoch=epoch)
+        tl.add(Sample("nvml", 0, int(t_s * S), 0, (r,)))
+
+    for k in range(11):
+        feed(k, 300.0 * k + (50_000.0 if k >= 5 else 0.0), 1 if k >= 5 else 0)
+    res = tl.energy_between(2 * S, 8 * S)
+    assert res.gpu_methods == ("avg_power_integration",) and res.gpu_energy_j[0] == pytest.approx(1800.0)
+
+
+def test_a_gpu_lost_before_start_is_left_out_with_the_fix_and_the_others_open():
+    nv = FaultyNVML(SimNVML("a100-40g", count=2, state_path=None))
+    nv.lose(1)
+    src = open_sources(nv, None, rapl_root="/nonexistent", host=False, privileged=lambda: True)
+    assert src.nvml.indexes == [0] and [g["index"] for g in describe(src)["gpus"]] == [0]
+    (p,) = [p for p in src.problems if p.source == "nvml"]
+    assert "gpu1" in p.message and "GPU_IS_LOST" in p.message and "nvidia-smi -r" in p.fix
+
+
+def test_a_card_with_neither_energy_nor_power_is_not_said_to_integrate_power():
+    nv = FaultyNVML(SimNVML("pascal-8g", state_path=None))
+    nv.fail(0, "nvmlDeviceGetPowerUsage", pynvml.NVML_ERROR_NOT_SUPPORTED, times=None)
+    src = open_sources(nv, [0], rapl_root="/nonexistent", host=False, privileged=lambda: True)
+    (p,) = [p for p in src.problems if p.source == "nvml"]
+    assert "integrated" not in p.message and "no power reading" in p.message and p.fix
+
+
+def test_numeric_cuda_visible_devices_on_mixed_gpus_warns_that_cuda_may_number_them_otherwise(monkeypatch):
+    nv = FaultyNVML(SimNVML("a100-40g", count=2, state_path=None))
+    nv.lie(1, "nvmlDeviceGetName", lambda _: "Tesla T4", times=None)
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "1")
+    monkeypatch.delenv("CUDA_DEVICE_ORDER", raising=False)
+    src = open_sources(nv, None, rapl_root="/nonexistent", host=False, privileged=lambda: True)
+    assert src.nvml.indexes == [1]
+    (p,) = [p for p in src.problems if "CUDA_DEVICE_ORDER" in p.message]
+    assert "fastest" in p.message and "PCI_BUS_ID" in p.fix
+    monkeypatch.setenv("CUDA_DEVICE_ORDER", "PCI_BUS_ID")  # both number by PCI bus: nothing to say
+    src = open_sources(nv, None, rapl_root="/nonexistent", host=False, privileged=lambda: True)
+    assert not [p for p in src.problems if "CUDA_DEVICE_ORDER" in p.message]
+
+
+def test_a_mig_instance_in_cuda_visible_devices_is_explained_not_said_to_hide_every_gpu(monkeypatch):
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "MIG-4b0d8f5c-1a2b-5c3d-9e8f-0123456789ab")
+    src = open_sources(SimNVML("a100-40g", count=2, state_path=None), None, rapl_root="/nonexistent", host=False,
+                       privileged=lambda: True)
+    (p,) = [p for p in src.problems if p.source == "nvml" and "MIG" in p.message]
+    assert "whole GPU" in p.message and "--gpus" in p.fix

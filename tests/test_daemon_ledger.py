@@ -571,3 +571,49 @@ def test_tag_stop_answers_unknown_energy_while_the_window_is_not_final():
     out = asyncio.run(Daemon.tag_stop(fake, "x"))
     assert out["gpu_energy_j"] is None and out["gpu_j_per_token"] is None and "not final" in out["note"]
     assert out["duration_s"] == pytest.approx(4.0)
+
+
+@dataclass
+class RE(R):  # a GpuReading's counter epoch too
+    energy_epoch: int = 0
+
+
+def test_an_interval_one_gpu_has_no_energy_for_is_unknown_not_the_other_gpus_alone():
+    # Two GPUs at 100 W each; GPU 1 falls off the bus after 1 s (every reading None from then on).
+    sink = Sink()
+    led = Ledger("d", 0, 2, sink, grace_s=0.1)
+    a = _trace(1, 0.1)
+    led.on_start(a)
+    led.open_tag("run", 0, 0)
+    for k in range(4):
+        lost = k >= 2
+        led.add_gpu_sample(k * S, k * S, [R(100.0 * k, 100.0), R(None if lost else 100.0 * k, None if lost else 100.0)])
+    for j in range(25):
+        led.on_tokens(a, int((0.2 + 0.1 * j) * S), 1)
+    a.first_ns, a.last_ns, a.end_ns = int(0.2 * S), int(2.6 * S), int(2.7 * S)
+    a.counts = Counts(generated_tokens=25, prompt_tokens=10, model=None, stop_reason=None, token_source="usage")
+    led.on_end(a)
+    led.close_tag("run", 3 * S, 3 * S)
+    led.advance(int(3.5 * S))
+    iv = sink.rows["intervals"]
+    assert [r["gpu_energy_j"] for r in iv] == [pytest.approx(200.0), None, None]  # not 100 J: GPU 1's is unknown
+    assert [r["energy_method"] for r in iv] == ["counter", "none", "none"] and iv[1]["avg_gpu_power_w"] is None
+    (req,) = sink.rows["requests"]
+    assert req["gpu_energy_j"] is None and req["gpu_j_per_token"] is None and "GPU" in req["energy_note"]
+    (tag,) = sink.rows["tags"]
+    assert tag["gpu_energy_j"] is None and tag["gpu_j_per_token"] is None
+    # J/token over the interval whose energy is known only (not its joules over every interval's tokens).
+    assert led.totals.j_per_token == pytest.approx(iv[0]["requests_energy_j"] / iv[0]["proxy_tokens"])
+    assert led.totals.gpu_energy_j[0] == pytest.approx(300.0)  # the GPU that reads on still counts
+
+
+def test_an_interval_across_a_gpu_counter_jump_takes_integrated_power_not_the_jump():
+    sink = Sink()
+    led = Ledger("d", 0, 1, sink, grace_s=0.1)
+    for k in range(4):
+        jump = 50_000.0 if k >= 2 else 0.0
+        led.add_gpu_sample(k * S, k * S, [RE(100.0 * k + jump, 100.0, energy_epoch=1 if k >= 2 else 0)])
+    led.advance(int(3.5 * S))
+    iv = sink.rows["intervals"]
+    assert [r["gpu_energy_j"] for r in iv] == [pytest.approx(100.0)] * 3
+    assert [r["energy_method"] for r in iv] == ["counter", "power_integration", "counter"]

@@ -82,3 +82,21 @@ def test_monitor_plain_lines():
     r = CliRunner().invoke(main, ["monitor", "--simulate", "--duration", "0.2", "--interval", "0.2", "--plain"])
     assert r.exit_code == 0, r.output
     assert "gpu0 power=" in r.output and "╭" not in r.output
+
+
+def test_a_lost_gpus_note_is_shown_in_every_view_and_the_table_keeps_its_columns():
+    from powerprof.collectors.nvml import NvmlCollector
+    from powerprof.collectors.sampler import Sample
+    from powerprof.sim.faults import FaultyNVML
+    from powerprof.sim.nvml import SimNVML
+
+    nv = FaultyNVML(SimNVML(count=5, state_path=None))
+    c = NvmlCollector(nv, list(range(5)))
+    nv.lose(1)
+    rows = mon.display_rows({"nvml": Sample("nvml", 0, 0, 0, c.read())}, {}, {i.index: i for i in c.infos})
+    assert "nvidia-smi -r -i 1" in mon.lines(0, rows, 1.0)[1]
+    assert "GPU_IS_LOST" in json.loads(mon.json_line(0, rows, 1.0))["gpus"][1]["note"]
+    table = _text(mon.render(0, rows, 1.0), width=100)
+    assert "gpu1: the GPU fell off the bus" in table and " gpu0   " in table and "GpuIdle" in table
+    two = dict(rows, gpus=rows["gpus"][:2])
+    assert "GPU_IS_LOST" in _text(mon.render(0, two, 1.0), width=100)

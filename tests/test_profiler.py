@@ -280,3 +280,25 @@ def test_a_wedged_edge_read_is_waited_out_once_and_said_in_the_notes():
         prof.edge("end:0")
         assert prof.flush_edges(timeout_s=10) is True
         assert prof.edge_timeouts == 1
+
+
+def test_a_power_integrated_window_with_missed_ticks_is_low_confidence_and_says_the_gap():
+    # A loaded machine: a 1 Hz sampler whose ticks 11 and 12 never ran. The counter does not care;
+    # integrated 1 s averages interpolate 3 s blind, so the window is flagged whatever its length.
+    from powerprof.collectors.nvml import GpuReading
+    from powerprof.collectors.sampler import Sample
+    from powerprof.profiler import EnergyTimeline
+
+    S = 1_000_000_000
+    tl = EnergyTimeline(1, (1.0,))
+    for k in [k for k in range(45) if k not in (11, 12)]:
+        r = GpuReading(0, None, 200.0, None, None, None, None, None, None, None, None, None, None)
+        tl.add(Sample("nvml", k, k * S, 0, (r,)))
+    res = tl.energy_between(2 * S, 42 * S)
+    assert res.method == "avg_power_integration" and res.gpu_energy_j[0] == pytest.approx(8000.0)
+    assert res.power_gap_s == pytest.approx(3.0) and res.low_confidence
+    tl2 = EnergyTimeline(1, (1.0,))
+    for k in range(45):
+        r = GpuReading(0, None, 200.0, None, None, None, None, None, None, None, None, None, None)
+        tl2.add(Sample("nvml", k, k * S, 0, (r,)))
+    assert not tl2.energy_between(2 * S, 42 * S).low_confidence  # the same window, every tick there

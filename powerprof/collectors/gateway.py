@@ -76,6 +76,18 @@ class NvmlGateway:
             return default
         return as_text(v) if isinstance(v, bytes) else v
 
+    def attempt(self, fn: str, *args) -> tuple[Any, int | None]:
+        """(answer, None), or (None, the NVML return code) where it failed; a function the bindings
+        lack is NOT_SUPPORTED. For readers that must tell "cannot" from "failed" (a GPU lost)."""
+        f = getattr(self.lib, fn, None)
+        if f is None:
+            return None, getattr(self.lib, "NVML_ERROR_NOT_SUPPORTED", 3)
+        try:
+            v = f(*args)
+        except self.lib.NVMLError as e:
+            return None, getattr(e, "value", None)
+        return (as_text(v) if isinstance(v, bytes) else v), None
+
     def error_code(self, exc: BaseException) -> int | None:
         """The NVML return code of an NVMLError, None for any other exception."""
         return getattr(exc, "value", None) if isinstance(exc, self.lib.NVMLError) else None

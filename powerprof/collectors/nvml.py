@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import os
+import time
 from dataclasses import dataclass, fields
+from typing import Callable
 
 from .clock_reasons import CLOCK_EVENT_REASONS, clock_event_reason_names  # noqa: F401  (re-exported: monitor, tests)
 from .gateway import gateway
@@ -54,6 +56,29 @@ class GpuReading:
     power_limit_w: float | None
     enforced_limit_w: float | None
     clock_event_reasons: int | None
+    # Bumped whenever a counter difference is not energy (a reset, an implausible jump): energy across
+    # a change is unknown (energy.epoch_broken), as RAPL's epoch.
+    energy_epoch: int = 0
+    note: str | None = None  # why readings are missing or were dropped this tick (stored in `error`)
+
+
+# Readings NVML cannot give are None without a note; these codes mean the card could not answer.
+LOST_FIX = ("the GPU fell off the bus (NVML_ERROR_GPU_IS_LOST; `dmesg | grep -i xid`, Xid 79): its readings stop "
+            "here; fix: reset it (`nvidia-smi -r -i {i}`) or reboot, then check power and cooling")
+# A reading above this many times the card's highest settable limit is not power (0xFFFF W sentinels,
+# a corrupt read): instant draw overshoots a limit by tens of percent for milliseconds, not 3x.
+IMPLAUSIBLE_POWER_FACTOR = 3.0
+ASSUMED_MAX_LIMIT_W = 1000.0  # a card that publishes no limit range: the largest boards' limit
+# The counter refreshes every 10-100 ms (field notes); a powered GPU draws tens of watts at idle, so a
+# counter that has not moved for this long is stuck, not idle.
+COUNTER_STALL_S = 1.0
+COUNTER_STEP_S = 0.1
+
+
+class CounterRead(tuple):
+    """The energy counters (J) of one `read_energy_j`, with each GPU's energy epoch."""
+
+    epochs: tuple = ()
 
 
 READING_FIELDS = tuple(f.name for f in fields(GpuReading))
@@ -97,13 +122,20 @@ class NvmlCollector:
 
     source = "nvml"
 
-    def __init__(self, nvml, indexes: list[int] | None = None):
+    def __init__(self, nvml, indexes: list[int] | None = None, clock_ns: Callable[[], int] = time.monotonic_ns):
         self.gw = gateway(nvml)
+        self._clock_ns = clock_ns
         self.nvml = self.gw.lib
         self.gw.init()
         self.indexes = visible_indexes(self.nvml) if indexes is None else list(indexes)
         self.handles = [self.gw.call("nvmlDeviceGetHandleByIndex", i) for i in self.indexes]
         self.infos = [self._probe(i, h) for i, h in zip(self.indexes, self.handles)]
+        n = len(self.indexes)
+        # Per GPU: last counter value (mJ), when it last moved, its epoch.
+        self._last_mj: list[int | None] = [None] * n
+        self._moved_ns: list[int] = [0] * n
+        self._epoch = [0] * n
+        self.lost: dict[int, str] = {}  # NVML index -> when it was found lost (a note)
 
     def close(self) -> None:
         self.gw.shutdown()
@@ -157,32 +189,108 @@ class NvmlCollector:
         if not all(i.supports["energy_counter"] for i in self.infos):
             return None
         out = []
-        for h in self.handles:
-            mj = self.gw.query("nvmlDeviceGetTotalEnergyConsumption", h)
-            if mj is None:
+        for k, h in enumerate(self.handles):
+            mj, code = self.gw.attempt("nvmlDeviceGetTotalEnergyConsumption", h)
+            if code == self.nvml.NVML_ERROR_GPU_IS_LOST:
+                self.lost.setdefault(self.indexes[k], LOST_FIX.format(i=self.indexes[k]))
+            e_j, _ = self._counter(k, mj) if mj is not None else (None, None)
+            if e_j is None:
                 return None
-            out.append(mj / 1000)
-        return tuple(out)
+            out.append(e_j)
+        got = CounterRead(out)
+        got.epochs = tuple(self._epoch)
+        return got
+
+    def _counter(self, k: int, mj) -> tuple[float | None, str | None]:
+        """A counter value checked against the previous one: (J or None, why it was dropped)."""
+        mj = int(mj)
+        now = self._clock_ns()
+        last = self._last_mj[k]
+        if last is None:
+            self._last_mj[k], self._moved_ns[k] = mj, now
+            return mj / 1000, None
+        if mj < last:
+            self._epoch[k] += 1
+            self._last_mj[k], self._moved_ns[k] = mj, now
+            return mj / 1000, f"energy counter went back {(last - mj) / 1000:.4g} J (driver reload): energy across it unknown"
+        if mj == last:
+            still_s = (now - self._moved_ns[k]) / 1e9
+            if still_s > COUNTER_STALL_S:
+                return None, (f"energy counter stuck at {mj / 1000:.6g} J for {still_s:.3g} s (a powered GPU moves it "
+                              "every 10-100 ms): reading dropped, energy is interpolated across the stall")
+            return mj / 1000, None
+        span_s = max((now - self._moved_ns[k]) / 1e9, COUNTER_STEP_S)
+        bound_w = IMPLAUSIBLE_POWER_FACTOR * (self.infos[k].limit_max_w or ASSUMED_MAX_LIMIT_W)
+        d_j = (mj - last) / 1000
+        self._last_mj[k], self._moved_ns[k] = mj, now
+        if d_j > bound_w * span_s:
+            self._epoch[k] += 1
+            return mj / 1000, (f"energy counter jumped {d_j:.4g} J in {span_s:.3g} s ({d_j / span_s:.4g} W, above "
+                               f"{bound_w:.4g} W): not energy; energy across it unknown")
+        return mj / 1000, None
+
+    def _power(self, k: int, mw, what: str) -> tuple[float | None, str | None]:
+        if mw is None:
+            return None, None
+        w = mw / 1000
+        bound_w = IMPLAUSIBLE_POWER_FACTOR * (self.infos[k].limit_max_w or ASSUMED_MAX_LIMIT_W)
+        if not 0 < w <= bound_w:
+            return None, f"{what} read {w:.6g} W (a powered GPU draws above 0 and below {bound_w:.4g} W): reading dropped"
+        return w, None
 
     def read_one(self, k: int) -> GpuReading:
         n, h, s = self.nvml, self.handles[k], self.infos[k].supports
-        t = self.gw.query
-        power_mw = self._instant_field(h, n.NVML_FI_DEV_POWER_INSTANT) if s["power_instant"] else None
-        avg_mw = t("nvmlDeviceGetPowerUsage", h) if s["power_average"] else None
-        energy_mj = t("nvmlDeviceGetTotalEnergyConsumption", h) if s["energy_counter"] else None
-        sm = t("nvmlDeviceGetClockInfo", h, n.NVML_CLOCK_SM) if s["clocks"] else None
-        memclk = t("nvmlDeviceGetClockInfo", h, n.NVML_CLOCK_MEM) if s["clocks"] else None
-        util = t("nvmlDeviceGetUtilizationRates", h) if s["utilization"] else None
-        mem = t("nvmlDeviceGetMemoryInfo", h) if s["memory"] else None
-        temp = t("nvmlDeviceGetTemperature", h, n.NVML_TEMPERATURE_GPU) if s["temperature"] else None
-        limit = t("nvmlDeviceGetPowerManagementLimit", h) if s["power_limit"] else None
-        enforced = t("nvmlDeviceGetEnforcedPowerLimit", h) if s["power_limit"] else None
-        reasons = t("nvmlDeviceGetCurrentClocksEventReasons", h) if s["clock_event_reasons"] else None
+        failed: list[str] = []
+        lost = [False]
+        quiet = (n.NVML_ERROR_NOT_SUPPORTED, n.NVML_ERROR_NO_PERMISSION)
+
+        def t(key: str, fn: str, *args):
+            if not s[key] or lost[0]:
+                return None
+            v, code = self.gw.attempt(fn, *args)
+            if code == n.NVML_ERROR_GPU_IS_LOST:
+                lost[0] = True  # every later call fails the same way: stop asking this tick
+            elif code is not None and code not in quiet:
+                failed.append(f"{fn.removeprefix('nvmlDevice')}: {_nvml_error_name(n, code)}")
+            return v
+
+        def instant():
+            if not s["power_instant"] or lost[0]:
+                return None
+            vals, code = self.gw.attempt("nvmlDeviceGetFieldValues", h, [n.NVML_FI_DEV_POWER_INSTANT])
+            if code == n.NVML_ERROR_GPU_IS_LOST:
+                lost[0] = True
+            if not vals or vals[0].nvmlReturn != n.NVML_SUCCESS:
+                return None
+            return _field_value(n, vals[0])
+
+        power_mw = instant()
+        avg_mw = t("power_average", "nvmlDeviceGetPowerUsage", h)
+        energy_mj = t("energy_counter", "nvmlDeviceGetTotalEnergyConsumption", h)
+        sm = t("clocks", "nvmlDeviceGetClockInfo", h, n.NVML_CLOCK_SM)
+        memclk = t("clocks", "nvmlDeviceGetClockInfo", h, n.NVML_CLOCK_MEM)
+        util = t("utilization", "nvmlDeviceGetUtilizationRates", h)
+        mem = t("memory", "nvmlDeviceGetMemoryInfo", h)
+        temp = t("temperature", "nvmlDeviceGetTemperature", h, n.NVML_TEMPERATURE_GPU)
+        limit = t("power_limit", "nvmlDeviceGetPowerManagementLimit", h)
+        enforced = t("power_limit", "nvmlDeviceGetEnforcedPowerLimit", h)
+        reasons = t("clock_event_reasons", "nvmlDeviceGetCurrentClocksEventReasons", h)
+        power_w, why_p = self._power(k, power_mw, "instant power")
+        avg_w, why_a = self._power(k, avg_mw, "average power")
+        energy_j, why_e = self._counter(k, energy_mj) if energy_mj is not None else (None, None)
+        notes = [x for x in (why_p, why_a, why_e) if x]
+        if failed:
+            notes.append("failed this tick: " + ", ".join(failed))
+        if lost[0]:
+            self.lost.setdefault(self.indexes[k], LOST_FIX.format(i=self.indexes[k]))
+            notes.insert(0, LOST_FIX.format(i=self.indexes[k]))
+        elif self.indexes[k] in self.lost:
+            del self.lost[self.indexes[k]]  # it answered again (a reset)
         return GpuReading(
             index=self.indexes[k],
-            power_w=power_mw / 1000 if power_mw is not None else None,
-            power_avg_w=avg_mw / 1000 if avg_mw is not None else None,
-            energy_j=energy_mj / 1000 if energy_mj is not None else None,
+            power_w=power_w,
+            power_avg_w=avg_w,
+            energy_j=energy_j,
             sm_clock_mhz=float(sm) if sm is not None else None,
             mem_clock_mhz=float(memclk) if memclk is not None else None,
             gpu_util_pct=float(util.gpu) if util is not None else None,
@@ -192,7 +300,22 @@ class NvmlCollector:
             power_limit_w=limit / 1000 if limit is not None else None,
             enforced_limit_w=enforced / 1000 if enforced is not None else None,
             clock_event_reasons=int(reasons) if reasons is not None else None,
+            energy_epoch=self._epoch[k],
+            note="; ".join(notes) or None,
         )
+
+
+_ERROR_NAMES = ("UNKNOWN", "TIMEOUT", "GPU_IS_LOST", "UNINITIALIZED", "INVALID_ARGUMENT", "IRQ_ISSUE", "NOT_FOUND",
+                "DRIVER_NOT_LOADED", "CORRUPTED_INFOROM", "RESET_REQUIRED", "OPERATING_SYSTEM", "LIB_RM_VERSION_MISMATCH",
+                "MEMORY", "INSUFFICIENT_POWER", "IN_USE", "NO_DATA", "INSUFFICIENT_SIZE")
+
+
+def _nvml_error_name(nvml, code: int) -> str:
+    # The library may be an NVML-like object that lists no constants: ask for each by name.
+    for name in _ERROR_NAMES:
+        if getattr(nvml, "NVML_ERROR_" + name, None) == code:
+            return "NVML_ERROR_" + name
+    return f"NVML error {code}"
 
 
 def power_average_window_s(nvml, arch: int | None, name: str) -> float:

@@ -17,7 +17,7 @@ from powerprof.privilege import has_admin_privilege
 
 from .gateway import gateway
 from .host import HostCollector
-from .nvml import NvmlCollector, visible_indexes
+from .nvml import LOST_FIX, NvmlCollector, visible_indexes
 from .rapl import DEFAULT_ROOT, PERMISSION_FIX, UNAVAILABLE_FIX, RaplCollector, RaplPermissionError, RaplUnavailableError
 
 NO_GPU_FIX = "install the NVIDIA driver (nvidia-smi must work), or run with --simulate for a simulated GPU"
@@ -120,9 +120,29 @@ def _open_gpus(src: Sources, gpus, nvml, privileged: Callable[[], bool]) -> None
             indexes = list(gpus)
         else:
             indexes = visible_indexes(nvml)
+            src.problems.extend(_visible_devices_problems(gw, count))
+        # A GPU that fell off the bus answers nothing, not even its name: leave it out, said, and open the rest.
+        unusable = []
+        for i in indexes:
+            try:
+                h = gw.call("nvmlDeviceGetHandleByIndex", i)
+                gw.call("nvmlDeviceGetUUID", h)
+                gw.call("nvmlDeviceGetName", h)
+            except gw.NVMLError as e:
+                unusable.append((i, e))
     finally:
         gw.shutdown()
+    for i, e in unusable:
+        lost = gw.error_code(e) == getattr(gw, "NVML_ERROR_GPU_IS_LOST", 15)
+        what = "NVML_ERROR_GPU_IS_LOST" if lost else _nvml_error(e)
+        src.problems.append(Problem("nvml", f"gpu{i}: NVML cannot open it ({what}): left out, nothing of it is measured",
+                                    LOST_FIX.format(i=i) if lost else "check the driver: nvidia-smi -q -i " + str(i)))
+    indexes = [i for i in indexes if i not in {j for j, _ in unusable}]
+    if unusable and not indexes:
+        return
     if not indexes:
+        if any(p.source == "nvml" and "MIG" in p.message for p in src.problems):
+            return  # said above, with its fix
         why = "CUDA_VISIBLE_DEVICES hides every GPU" if count else "NVML sees no GPU"
         src.problems.append(Problem("nvml", why, NO_GPU_FIX if not count else "unset or fix CUDA_VISIBLE_DEVICES"))
         return
@@ -132,7 +152,16 @@ def _open_gpus(src: Sources, gpus, nvml, privileged: Callable[[], bool]) -> None
         src.problems.append(Problem("nvml", "no permission to change power limits or clocks", ROOT_FIX))
     for info in src.nvml.infos:
         missing = [k for k, ok in info.supports.items() if not ok]
-        if "energy_counter" in missing:
+        if "energy_counter" in missing and "power_average" in missing and "power_instant" in missing:
+            src.problems.append(
+                Problem(
+                    "nvml",
+                    f"gpu{info.index} ({info.name}) has no energy counter and no power reading (only its limit): "
+                    "its energy cannot be measured, every window's GPU energy is empty (energy_method none)",
+                    "measure this card at the wall (a metered PDU), or profile a card with an energy counter (Volta or newer)",
+                )
+            )
+        elif "energy_counter" in missing:
             src.problems.append(
                 Problem(
                     "nvml",
@@ -140,6 +169,31 @@ def _open_gpus(src: Sources, gpus, nvml, privileged: Callable[[], bool]) -> None
                     None,
                 )
             )
+
+
+def _visible_devices_problems(gw, count: int, env=None) -> list[Problem]:
+    """Where CUDA_VISIBLE_DEVICES may not name the GPUs we measure: the server could run on another."""
+    env = os.environ if env is None else env
+    items = [s.strip() for s in (env.get("CUDA_VISIBLE_DEVICES") or "").split(",") if s.strip()]
+    out = []
+    if any(s.startswith("MIG-") for s in items):
+        out.append(Problem(
+            "nvml", "CUDA_VISIBLE_DEVICES names a MIG instance: power and energy exist only for the whole GPU, and "
+            "MIG entries are not mapped to it (the list is read up to the first one)",
+            "name the parent GPU with --gpus N (its nvidia-smi index; nvidia-smi -L lists MIG instances under it): "
+            "its figures are the whole GPU's, every instance's work included"))
+    if count > 1 and env.get("CUDA_DEVICE_ORDER") != "PCI_BUS_ID" and any(s.lstrip("-").isdigit() for s in items):
+        names = set()
+        for i in range(count):
+            h = gw.query("nvmlDeviceGetHandleByIndex", i)
+            names.add(gw.query("nvmlDeviceGetName", h) if h is not None else None)
+        if len(names) > 1:
+            out.append(Problem(
+                "nvml", f"CUDA_VISIBLE_DEVICES={env['CUDA_VISIBLE_DEVICES']} is read as nvidia-smi (PCI bus) indexes, but "
+                "CUDA numbers these different GPUs fastest-first unless CUDA_DEVICE_ORDER=PCI_BUS_ID: the server may run "
+                "on another GPU than the one measured",
+                "export CUDA_DEVICE_ORDER=PCI_BUS_ID for the server and powerprof, or name GPUs by UUID (nvidia-smi -L)"))
+    return out
 
 
 def _open_rapl(src: Sources, rapl_root, opener, backend) -> None:

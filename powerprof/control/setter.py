@@ -68,6 +68,12 @@ def set_power_limit(nvml, handle, index: int, uuid: str, watts: float, nvidia_sm
         code = nvml_error_code(nvml, e)
         if code == nvml.NVML_ERROR_NO_PERMISSION:
             raise ControlPermissionError(permission_message("change GPU power limits")) from e
+        if code == getattr(nvml, "NVML_ERROR_GPU_IS_LOST", 15):
+            # Nothing more can be done to it now; a reset or reboot brings its default limit back anyway.
+            raise ControlError(
+                f"GPU {index} is lost (fell off the bus, NVML_ERROR_GPU_IS_LOST): its power limit cannot be set to "
+                f"{watts:g} W now; fix: `nvidia-smi -r -i {index}` or a reboot (either puts its default limit back)."
+            ) from e
         if code != nvml.NVML_ERROR_NOT_SUPPORTED:
             raise ControlError(f"GPU {index}: setting the power limit to {watts:g} W failed (NVML: {e}).") from e
         nvidia_smi(["-i", str(index), "-pl", _fmt_w(watts)])

@@ -327,11 +327,12 @@ def attribute(
     )
 
 
-def interval_energy_j(counter_j: np.ndarray, t_ns: np.ndarray, power_w: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+def interval_energy_j(counter_j: np.ndarray, t_ns: np.ndarray, power_w: np.ndarray,
+                      same_epoch: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray]:
     """Energy of each interval between consecutive samples of one device, and whether it was exact.
 
-    The counter difference where both ends have one and it did not go backwards (driver reload);
-    otherwise the trapezoid of the instant power samples. NaN where neither exists.
+    The counter difference where both ends have one, it did not go backwards (driver reload) and
+    `same_epoch` (the collector caught no jump or reset between them); otherwise the trapezoid of the instant power samples. NaN where neither exists.
     """
     c = np.asarray(counter_j, dtype=float)
     t = np.asarray(t_ns, dtype=np.int64)
@@ -340,6 +341,8 @@ def interval_energy_j(counter_j: np.ndarray, t_ns: np.ndarray, power_w: np.ndarr
     dt_s = np.diff(t) / 1e9
     trap = 0.5 * (p[1:] + p[:-1]) * dt_s
     exact = ~np.isnan(dc) & (dc >= 0)
+    if same_epoch is not None:
+        exact &= np.asarray(same_epoch, dtype=bool)
     return np.where(exact, dc, trap), exact
 
 

@@ -50,6 +50,7 @@ class _Edge:
     counter_j: np.ndarray  # (G,) NaN where missing
     power_w: np.ndarray  # (G,)
     setting: tuple = ()  # the GPUs' power limits: costs are learned per setting
+    epoch: np.ndarray | None = None  # (G,) the counters' epochs (a jump or reset bumps one); None: as the edge before
 
 
 @dataclass
@@ -61,6 +62,7 @@ class _Req:
     cpu_j: float = 0.0
     cpu_known: bool = False
     cpu_missing: bool = False  # given a share of an interval whose CPU energy is unknown
+    gpu_missing: bool = False  # given a share of an interval some GPU gave no energy for (lost, failing reads)
     tokens: float = 0.0
     spent: float = 0.0  # tokens of events already closed (the context of later ones)
     late: float = 0.0  # tokens that came after their interval had closed: not attributed, flagged on the row
@@ -78,6 +80,7 @@ class _Tag:
     gpu_j: float = 0.0
     cpu_j: float | None = None
     cpu_missing: bool = False  # an interval inside had no CPU energy: the sum would be too small
+    gpu_missing: bool = False  # the same for a GPU's energy
     tokens: float = 0.0
     methods: set = field(default_factory=set)
     closed_by: str = "stop"
@@ -215,7 +218,8 @@ class Ledger:
         )
         setting = tuple(getattr(r, "power_limit_w", None) for r in readings)
         self._setting = setting
-        self._insert_edge(_Edge(t_ns, wall_ns, counter, power, setting))
+        epoch = np.array([getattr(r, "energy_epoch", 0) for r in readings], dtype=np.int64)
+        self._insert_edge(_Edge(t_ns, wall_ns, counter, power, setting, epoch))
 
     def add_gpu_edge(self, t_ns: int, wall_ns: int, energy_j) -> None:
         """An edge from the energy counters alone (a short request's arrival, first token or end):
@@ -224,7 +228,9 @@ class Ledger:
         counter = np.array(energy_j, dtype=float)
         if counter.shape != (self.n_gpus,) or np.isnan(counter).any():
             return
-        self._insert_edge(_Edge(t_ns, wall_ns, counter, np.full(self.n_gpus, np.nan), self._setting))
+        epochs = getattr(energy_j, "epochs", None)  # collectors.nvml.CounterRead
+        epoch = np.array(epochs, dtype=np.int64) if epochs else None
+        self._insert_edge(_Edge(t_ns, wall_ns, counter, np.full(self.n_gpus, np.nan), self._setting, epoch))
 
     def _insert_edge(self, edge: _Edge) -> None:
         t_ns = edge.t_ns
@@ -338,8 +344,14 @@ class Ledger:
         powers = np.stack([e.power_w for e in edges]) if self.n_gpus else np.zeros((len(edges), 0))
         per_gpu = np.zeros((len(edges) - 1, self.n_gpus))
         exact = np.ones((len(edges) - 1, self.n_gpus), bool)
+        epochs, prev = [], np.zeros(self.n_gpus, dtype=np.int64)
+        for e in edges:
+            prev = e.epoch if e.epoch is not None else prev
+            epochs.append(prev)
+        # A counter difference across an epoch change (a jump or reset the collector caught) is no energy.
+        same = (np.diff(np.stack(epochs), axis=0) == 0) if self.n_gpus else exact
         for g in range(self.n_gpus):
-            per_gpu[:, g], exact[:, g] = attr.interval_energy_j(counters[:, g], t, powers[:, g])
+            per_gpu[:, g], exact[:, g] = attr.interval_energy_j(counters[:, g], t, powers[:, g], same[:, g])
         methods = []
         for k in range(len(edges) - 1):
             if np.isnan(per_gpu[k]).any():
@@ -360,7 +372,11 @@ class Ledger:
 
     def _close(self, edges: list[_Edge]) -> None:
         t, per_gpu, methods = self._energy(edges)
-        gpu = np.nansum(per_gpu, axis=1) if self.n_gpus else np.zeros(t.size - 1)
+        # One GPU without energy (lost, failing reads) leaves the interval's total unknown, not the others'
+        # sum: `gpu` is NaN there for rows and tags; attribution sees 0 there and a flag column.
+        gpu_missing = np.isnan(per_gpu).any(axis=1) if self.n_gpus else np.zeros(t.size - 1, bool)
+        gpu = np.where(gpu_missing, np.nan, np.nansum(per_gpu, axis=1)) if self.n_gpus else np.zeros(t.size - 1)
+        gpu0 = np.nan_to_num(gpu)
         cpu = self._cpu_energy(t)
         t_end = int(t[-1])
         reqs = [r for r in self.requests.values() if r.trace.arrival_ns < t_end]
@@ -392,7 +408,7 @@ class Ledger:
         costs = self.learner.costs(setting)
         # The third column marks intervals without CPU energy: a request given a share of one
         # has no CPU figure (rather than a partial, smaller one).
-        energy = np.column_stack([gpu, np.nan_to_num(cpu), np.isnan(cpu)])
+        energy = np.column_stack([gpu0, np.nan_to_num(cpu), np.isnan(cpu), gpu_missing])
         passive = np.array([_passive(r) for r in reqs], dtype=bool)  # its error status is known from its head
         a = attr.attribute(t, energy, arrival, first, last, end, ev_t_a, ev_r_a, ev_n_a, excess,
                            prompt_tokens=prompt, tok_ctx=np.array(ev_c, dtype=float), costs=costs,
@@ -402,7 +418,7 @@ class Ledger:
         if excess is not None:
             usable &= excess <= BYPASS_FIT_SHARE * a.tokens
 
-        fit = self.learner.add(setting, a.features, gpu, usable)
+        fit = self.learner.add(setting, a.features, gpu0, usable)
         if fit is not None:
             self.emit("costs", [self._costs_row(edges[-1], setting, fit)])
         for i, r in enumerate(reqs):
@@ -410,6 +426,7 @@ class Ledger:
             r.cpu_j += a.request_energy[i, 1]
             r.cpu_known = r.cpu_known or not np.isnan(cpu).all()
             r.cpu_missing = r.cpu_missing or a.request_energy[i, 2] > 0
+            r.gpu_missing = r.gpu_missing or a.request_energy[i, 3] > 0
             r.tokens += a.request_tokens[i]
             # Token events before the closed edge are spent.
             if r.ev_t and r.ev_t[0] < t_end:
@@ -526,7 +543,7 @@ class Ledger:
         self._tokens_total += float(a.tokens.sum())
         self._tokens_attributed += float(a.request_tokens.sum())
         for k in range(t.size - 1):
-            if a.tokens[k] > 0:
+            if a.tokens[k] > 0 and not np.isnan(gpu[k]):  # J/token over intervals whose energy is known
                 self._recent.append((int(t[k + 1]), float(a.dest[k, attr.TO_REQUESTS, 0]), float(a.tokens[k])))
         while self._recent and self._recent[0][0] < int(t[-1]) - self.jpt_window_ns:
             self._recent.popleft()
@@ -580,7 +597,8 @@ class Ledger:
         inside = (mid >= tag.t0_ns) & (mid < end)
         if not inside.any():
             return
-        tag.gpu_j += float(gpu[inside].sum())
+        tag.gpu_j += float(np.nansum(gpu[inside]))
+        tag.gpu_missing = tag.gpu_missing or bool(np.isnan(gpu[inside]).any())
         if not np.isnan(cpu[inside]).all():
             tag.cpu_j = (tag.cpu_j or 0.0) + float(np.nansum(cpu[inside]))
         tag.cpu_missing = tag.cpu_missing or bool(np.isnan(cpu[inside]).any())
@@ -616,10 +634,10 @@ class Ledger:
                     "t_start_mono_s": (int(t[k]) - self.t0_ns) / 1e9,
                     "duration_s": dur,
                     "kind": attr.KIND_NAMES[a.kind[k]],
-                    "gpu_energy_j": float(gpu[k]),
+                    "gpu_energy_j": None if np.isnan(gpu[k]) else float(gpu[k]),
                     "cpu_energy_j": None if np.isnan(cpu[k]) else float(cpu[k]),
                     "energy_method": methods[k],
-                    "avg_gpu_power_w": float(gpu[k]) / dur if dur > 0 else None,
+                    "avg_gpu_power_w": float(gpu[k]) / dur if dur > 0 and not np.isnan(gpu[k]) else None,
                     "proxy_tokens": float(a.tokens[k]),
                     "server_tokens": None if server is None else float(server[k]),
                     "n_prefill": int(a.n_prefill[k]),
@@ -688,12 +706,12 @@ class Ledger:
             "stop_reason": c.stop_reason if c is not None else None,
             "response_bytes": tr.response_bytes,
             # No share at all is not a measured zero: left empty, with the reason.
-            "gpu_energy_j": r.gpu_j if r.gpu_j > 0 else None,
+            "gpu_energy_j": r.gpu_j if r.gpu_j > 0 and not r.gpu_missing else None,
             "cpu_energy_j": r.cpu_j if r.cpu_known and not r.cpu_missing and r.gpu_j > 0 else None,
-            "energy_note": None if r.gpu_j > 0 else _no_energy_reason(r),
+            "energy_note": (GPU_MISSING_NOTE if r.gpu_missing else None if r.gpu_j > 0 else _no_energy_reason(r)),
             "attributed_tokens": r.tokens,
-            "gpu_j_per_token": (float(attr.per_token(r.gpu_j, r.tokens)) if r.tokens > 0 and r.gpu_j > 0 and lie is None
-                                else None),
+            "gpu_j_per_token": (float(attr.per_token(r.gpu_j, r.tokens))
+                                if r.tokens > 0 and r.gpu_j > 0 and lie is None and not r.gpu_missing else None),
             "recorder_error": tr.recorder_error,
         }
 
@@ -705,11 +723,11 @@ class Ledger:
             "t_start_utc": tg.wall0_ns,
             "t_end_utc": tg.wall1_ns,
             "duration_s": dur,
-            "gpu_energy_j": tg.gpu_j,
+            "gpu_energy_j": None if tg.gpu_missing else tg.gpu_j,
             "cpu_energy_j": None if tg.cpu_missing else tg.cpu_j,
             "energy_method": weakest_method(tg.methods) if tg.methods else None,
             "proxy_tokens": tg.tokens,
-            "gpu_j_per_token": tg.gpu_j / tg.tokens if tg.tokens > 0 else None,
+            "gpu_j_per_token": tg.gpu_j / tg.tokens if tg.tokens > 0 and not tg.gpu_missing else None,
             "closed_by": tg.closed_by,
         }
 
@@ -728,6 +746,11 @@ def _passive(r: _Req) -> bool:
     tr = r.trace
     return (tr.status is not None and tr.status >= 400 and tr.tokens_seen == 0 and not r.ev_n and r.spent == 0
             and _prompt_tokens(r) is None)
+
+
+GPU_MISSING_NOTE = ("GPU energy unknown: a GPU gave no energy reading over part of this request (lost or failing "
+                    "reads; the samples' error column says which and why): a sum of the others would be too small; "
+                    "fix: powerprof devices, nvidia-smi -q")
 
 
 def _no_energy_reason(r: _Req) -> str:

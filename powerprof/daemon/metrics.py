@@ -67,6 +67,7 @@ class GpuSnapshot:
     mem_clock_mhz: float | None
     power_limit_w: float | None
     energy_j: float  # accumulated by the daemon since it started
+    up: float = 1.0  # 0 once NVML says the GPU is lost: its energy stops counting and its gauges go
 
 
 @dataclass(frozen=True)
@@ -126,6 +127,8 @@ class SnapshotCollector:
         yield gauge("powerprof_gpu_sm_clock_hertz", "GPU SM clock", 1e6, "sm_clock_mhz")
         yield gauge("powerprof_gpu_mem_clock_hertz", "GPU memory clock", 1e6, "mem_clock_mhz")
         yield gauge("powerprof_gpu_power_limit_watts", "GPU power management limit", 1.0, "power_limit_w")
+        yield gauge("powerprof_gpu_up", "1 while the GPU answers NVML, 0 once it is lost (fell off the bus): its "
+                    "energy stops counting and intervals lose their GPU energy", 1.0, "up")
         c = CounterMetricFamily("powerprof_gpu_energy_joules", "GPU energy since the daemon started", labels=labels)
         for x in s.gpus:
             c.add_metric([str(x.index), x.uuid, x.name], x.energy_j)

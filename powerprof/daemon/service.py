@@ -193,6 +193,7 @@ class Daemon:
         self.proxy: Proxy | None = None
         self.scraper: Scraper | None = None
         self.latest_gpu: Sample | None = None
+        self._gpu_notes: dict[int, str | None] = {}  # NVML index -> its last reading's note
         self._tasks: list[asyncio.Task] = []
 
     # --- recorder: the ledger plus the metric counters -----------------------------------------
@@ -360,6 +361,10 @@ class Daemon:
             if s.data is None:
                 continue
             if s.source == "nvml":
+                for r in s.data:
+                    if r.note and not self._gpu_notes.get(r.index):
+                        log.warning("gpu%d: %s", r.index, r.note)  # when trouble starts, not every tick
+                    self._gpu_notes[r.index] = r.note
                 self.ledger.add_gpu_sample(s.t_mono_ns, s.t_wall_ns, s.data)
                 self.latest_gpu = s
             elif s.source == "rapl":
@@ -382,6 +387,7 @@ class Daemon:
                     mem_clock_mhz=r.mem_clock_mhz if r else None,
                     power_limit_w=r.power_limit_w if r else None,
                     energy_j=tot.gpu_energy_j[k] if k < len(tot.gpu_energy_j) else 0.0,
+                    up=0.0 if info.index in self.collector.lost else 1.0,
                 )
             )
         self.snapshot = Snapshot(

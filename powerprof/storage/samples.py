@@ -73,6 +73,8 @@ def sample_rows(
             row["gpu_uuid"] = (gpu_uuids or {}).get(r.index)
             for c in _GPU_COLS:
                 row[c] = getattr(r, c)
+            if r.note:
+                row["error"] = r.note if row["error"] is None else f"{row['error']}; {r.note}"
         elif isinstance(r, RaplReading):
             row["device"] = r.zone
             row["power_w"] = r.power_w

@@ -8,7 +8,7 @@ from typing import Sequence
 
 import numpy as np
 
-from powerprof.profiler import LOW_CONFIDENCE_S, weakest_method
+from powerprof.profiler import LOW_CONFIDENCE_S, MAX_POWER_GAP_S, weakest_method
 from powerprof.windows import concurrent_throughput
 
 from .client import RequestRecord, ServerInfo
@@ -195,12 +195,14 @@ def _pct(x):
 def _energy_over(profiler, intervals: np.ndarray):
     """Sum of the Profiler's energy over several intervals; None when nothing is readable."""
     if profiler is None or intervals.size == 0:
-        return None, None, "none"
+        return None, None, "none", 0.0
     gpu, cpu, methods = 0.0, 0.0, set()
     gpu_ok = cpu_ok = True
+    gap_s = 0.0
     for t0, t1 in intervals:
         e = profiler.energy_between(int(t0), int(t1))
         methods.add(e.method)
+        gap_s = max(gap_s, getattr(e, "power_gap_s", 0.0))
         if e.gpu_energy_total_j is None:
             gpu_ok = False
         else:
@@ -209,13 +211,13 @@ def _energy_over(profiler, intervals: np.ndarray):
             cpu_ok = False
         else:
             cpu += e.cpu_energy_j
-    return (gpu if gpu_ok else None), (cpu if cpu_ok else None), weakest_method(methods)
+    return (gpu if gpu_ok else None), (cpu if cpu_ok else None), weakest_method(methods), gap_s
 
 
 def batch_row(
     b: BatchWindow, recs: Sequence[RequestRecord], profiler, run_id: str, server: ServerInfo, level: Level = NO_LEVEL
 ) -> dict:
-    gpu_e, cpu_e, method = _energy_over(profiler, b.intervals)
+    gpu_e, cpu_e, method, gap_s = _energy_over(profiler, b.intervals)
     total = gpu_e + cpu_e if gpu_e is not None and cpu_e is not None else None
     t0 = int(b.intervals[0, 0]) if b.intervals.size else None
     t1 = int(b.intervals[-1, 1]) if b.intervals.size else None
@@ -261,7 +263,7 @@ def batch_row(
         "total_j_per_token": _div(total, b.decode_tokens),
         "draft_n": _sum_or_none(r.draft_n for r in ok),
         "draft_n_accepted": _sum_or_none(r.draft_n_accepted for r in ok),
-        "low_confidence": b.measured_s < LOW_CONFIDENCE_S.get(method, float("inf")),
+        "low_confidence": b.measured_s < LOW_CONFIDENCE_S.get(method, float("inf")) or gap_s > MAX_POWER_GAP_S,
         "server_kind": server.kind,
         "timing": timing,
         "timing_reason": reason,

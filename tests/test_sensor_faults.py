@@ -1,0 +1,67 @@
+"""Sensors that misbehave as real cards do (powerprof/sim/faults.py) through the daemon: said, never a smaller figure."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+
+import pyarrow.dataset as pads
+
+from powerprof.daemon.config import load_config
+from powerprof.daemon.service import Daemon
+from powerprof.rig import Rig
+from powerprof.sim.faults import FaultyNVML
+from powerprof.sim.nvml import SimNVML
+
+
+def test_the_daemon_keeps_running_when_a_gpu_falls_off_the_bus_and_says_so(tmp_path, caplog):
+    nv = FaultyNVML(SimNVML("a100-40g", count=2, state_path=None))
+    cfg = load_config(None, env={}, overrides={
+        "daemon.data_dir": str(tmp_path / "data"), "daemon.interval_s": 0.1, "daemon.flush_interval_s": 0.2,
+        "proxy.listen": "127.0.0.1:0", "metrics.listen": "", "daemon.restore_on_start": False,
+    })
+    d = Daemon(cfg, Rig("a100-40g", gpus=[0, 1], nvml=nv))
+
+    async def main():
+        task = asyncio.create_task(d.run())
+        for _ in range(200):
+            if "proxy" in d.urls:
+                break
+            await asyncio.sleep(0.05)
+        await asyncio.sleep(0.6)
+        nv.lose(1)
+        await asyncio.sleep(1.5)
+        snap = d.snapshot
+        d.stop_event.set()
+        return snap, await task
+
+    with caplog.at_level(logging.WARNING, logger="powerprof.daemon.service"):
+        snap, rc = asyncio.run(asyncio.wait_for(main(), 60))
+    assert rc == 0
+    assert [g.up for g in snap.gpus] == [1.0, 0.0] and snap.gpus[1].power_w is None
+    assert sum("gpu1" in r.getMessage() and "GPU_IS_LOST" in r.getMessage() for r in caplog.records) == 1
+    iv = pads.dataset(tmp_path / "data" / "intervals", format="parquet").to_table().to_pylist()
+    late = [r for r in iv if r["energy_method"] == "none"]
+    assert late and all(r["gpu_energy_j"] is None for r in late)  # not GPU 0's energy alone
+    assert any(r["gpu_energy_j"] and r["gpu_energy_j"] > 0 for r in iv)  # before the loss: both GPUs
+    samples = pads.dataset(tmp_path / "data" / "samples", format="parquet").to_table().to_pylist()
+    assert any(r["device"] == "gpu1" and "GPU_IS_LOST" in (r["error"] or "") for r in samples)
+
+
+def test_restore_puts_the_other_gpus_back_when_one_is_lost_and_says_how_to_fix_that_one(tmp_path):
+    import pytest
+
+    from powerprof.control.controller import LimitController
+    from powerprof.control.errors import RestoreError
+
+    sim = SimNVML("a100-40g", count=2, state_path=tmp_path / "st.json", privileged=True)
+    nv = FaultyNVML(sim)
+    restore_file = tmp_path / "restore.json"
+    with LimitController(nv, [0, 1], restore_path=restore_file, handle_signals=False) as ctl:
+        ctl.set_power_limit_w(200)
+        nv.lose(1)
+        with pytest.raises(RestoreError) as e:
+            ctl.restore()
+        assert [g.limit_w for g in sim.gpus] == [400.0, 200.0] and restore_file.exists()
+        assert "GPU 1 is lost" in str(e.value) and "nvidia-smi -r -i 1" in str(e.value)
+        nv.heal()  # as after a reset: the kept file finishes the job
