@@ -857,6 +857,8 @@ def sweep(limits, clocks, url, launch, vary, context_tokens, simulate, gpus, rep
           warmup, idle_s, concurrency, api, max_tokens, prompts_file, prompt_set, prompt_cache, seed, keep_text,
           launch_timeout, interval_s, out_dir, max_slowdown, dry_run, trace_path, time_scale, duration_s):
     """Step the GPU power limit (or locked SM clock) across levels; J/token and speed loss per level."""
+    from rich.text import Text
+
     from powerprof.pipes import EXIT_PIPE, QuietPipeConsole
     from powerprof.progress import RichSweepUI, end_screen, levels_table, result_console
     from powerprof.rig import Rig
@@ -922,7 +924,7 @@ def sweep(limits, clocks, url, launch, vary, context_tokens, simulate, gpus, rep
             )
     if dry_run:
         for line in outcome.plan_lines:
-            out.print(line)
+            out.print(line, markup=False, highlight=False)  # a --launch command's "[x]" is not a style tag
         if out.pipe_closed:
             sys.exit(EXIT_PIPE)
         return
@@ -933,15 +935,15 @@ def sweep(limits, clocks, url, launch, vary, context_tokens, simulate, gpus, rep
     try:
         with _signals_raise():
             for note in outcome.notes:
-                out.print(f"[yellow]note:[/] {note}")
+                out.print(Text.assemble(("note:", "yellow"), f" {note}"))
             from powerprof.analysis.report import analyze_run, console_summary  # scipy, matplotlib: seconds
 
             result = analyze_run([outcome.run_dir], max_slowdown=max_slowdown)
     except AnalysisError as e:
         if grid is None:
             out.print(levels_table(outcome.levels, unit))
-        out.print(f"run directory: {outcome.run_dir}")
-        out.print(f"[red]analysis failed:[/] {e}")
+        out.print(f"run directory: {outcome.run_dir}", markup=False, highlight=False)
+        out.print(Text.assemble(("analysis failed:", "red"), f" {e}"))
         sys.exit(1)
     except Exception as e:
         # Ctrl-C while DuckDB scans the samples comes back as its error (termination.exit_inside).
@@ -955,7 +957,7 @@ def sweep(limits, clocks, url, launch, vary, context_tokens, simulate, gpus, rep
         out.print(console_summary(result), highlight=False, markup=False)
     else:
         out.print(end_screen(outcome.levels, result, unit), highlight=False)
-    out.print(f"run directory: {outcome.run_dir}")
+    out.print(f"run directory: {outcome.run_dir}", markup=False, highlight=False)
     if out.pipe_closed or ui.console.pipe_closed:
         sys.exit(EXIT_PIPE)
 

@@ -46,9 +46,10 @@ class RichSweepUI(UI):
         self.console = console or Console(stderr=True)
         self.settings = settings or SweepSettings(level_kind="power_limit", levels=(1.0,))
         self.progress = Progress(
-            TextColumn("{task.description}"),
+            # Not markup: the stop rule shown as "[max-time]" was read as a style tag and vanished.
+            TextColumn("{task.description}", markup=False),
             BarColumn(bar_width=20),
-            TextColumn("{task.fields[info]}"),
+            TextColumn("{task.fields[info]}", markup=False),
             TimeElapsedColumn(),
             console=self.console,
             transient=False,

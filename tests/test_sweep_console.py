@@ -83,6 +83,21 @@ def test_progress_bar_shows_the_fraction_of_the_level():
     assert task.percentage == pytest.approx(25.0)
 
 
+def test_a_finished_level_says_why_it_stopped():
+    # rich read "[max-time]" as a style tag and dropped it: no progress line ever showed the stop rule.
+    buf = io.StringIO()
+    ui = RichSweepUI(Console(file=buf, width=120, color_system=None), SweepSettings("power_limit", (300.0,)))
+    with ui:
+        visit = LevelVisit(300.0, 0)
+        ui.level_start(0, 1, visit, "W")
+        visit.stop = "max-time"
+        ui.level_done(visit, {"requests": 4, "tok_s": 85.7, "power_w": 274.0, "j_per_token": 3.199, "ci_pct": 4.0})
+        ui.note("server model [q4_k_m] at 300 W")
+    out = buf.getvalue()
+    assert "[max-time]" in out
+    assert "[q4_k_m]" in out
+
+
 def _sweep_cli(tmp_path, *extra):
     return CliRunner().invoke(main, ["sweep", "--simulate", "--limits", "300,200", "--idle-s", "0", "--min-requests",
                                      "2", "--max-requests", "2", "--warmup", "0", "--max-tokens", "32", "--out",
