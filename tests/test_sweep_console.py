@@ -48,6 +48,22 @@ def test_flags_are_never_cut(width):
         assert "2.700" in text and "left out for width" in text
 
 
+@pytest.mark.parametrize("width", [40, 60])
+def test_too_narrow_for_any_table_every_figure_and_flag_is_still_whole(width):
+    # Below ~70 columns even the smallest table did not fit: rich cut figures to "2.4…", folded the flag
+    # into "cap-not-e"/"ged" (60 columns) or dropped the flags column altogether (40 columns).
+    levels = _levels(flags="cap-not-engaged")
+    text = _text(levels_table(levels, "W", recommended=250.0), width)
+    assert max(len(line) for line in text.splitlines()) <= width
+    assert "…" not in text
+    flat = re.sub(r"\s+", " ", text)
+    for r in levels.to_pylist():
+        for figure in (f"{r['gpu_j_per_token']:.3f}", f"{r['decode_tok_s']:.1f}", f"{r['total_j_per_token']:.3f}"):
+            assert figure in flat, (figure, text)
+    assert flat.count("cap-not-engaged") == 3
+    assert "250 W " + CHOSEN in flat and "300 W (ref)" in flat
+
+
 def test_log_lines_do_not_end_with_the_source_file():
     buf = io.StringIO()
     ui = RichSweepUI(Console(file=buf, width=100, color_system=None), SweepSettings("power_limit", (300.0,)))
