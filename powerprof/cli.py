@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import os
 import sys
 from pathlib import Path
 
@@ -172,13 +173,14 @@ def _print_devices(info):
               help="Seconds between samples (0.02-10, i.e. 50-0.1 Hz).")
 @click.option("--output", type=click.Path(dir_okay=False), default=None,
               help="Also write every sample to FILE.parquet or FILE.csv (samples schema).")
+@click.option("--force", is_flag=True, help="Replace --output if it exists (default: refuse, it may hold earlier samples).")
 @click.option("--gpus", callback=_parse_gpus, help="NVML indexes to show, e.g. 0,1 (default: all visible).")
 @click.option("--plain", is_flag=True,
               help="One text line per GPU per interval, even on a terminal (default: live panels on a terminal, lines in a pipe).")
 @click.option("--json", "as_json", is_flag=True, help="One JSON object per interval (JSON lines, stable keys) for scripts.")
 @_rapl_backend_option
 @simulate_option
-def monitor(duration, interval, output, gpus, plain, as_json, rapl_backend, simulate):
+def monitor(duration, interval, output, force, gpus, plain, as_json, rapl_backend, simulate):
     """Live view once per interval: GPU name, load, memory, power and temperature with bars; clocks, energy, reasons; CPU power."""
     import json
 
@@ -193,6 +195,10 @@ def monitor(duration, interval, output, gpus, plain, as_json, rapl_backend, simu
             check_output_path(output)
         except ValueError as e:
             raise click.BadParameter(str(e), param_hint="--output") from None
+        if os.path.lexists(output) and not force:
+            # The write at the end replaced an earlier run's samples without a word.
+            raise click.BadParameter(f"{output} exists (samples of an earlier run?); choose another name, "
+                                     "or --force to replace it", param_hint="--output")
     console = Console()
     with _open_rig_or_exit(simulate, gpus, rapl_backend) as rig:
         src = rig.sources
