@@ -145,6 +145,50 @@ def test_server_detection():
         detect(f"http://127.0.0.1:{dead_port()}")
 
 
+class _Loading:
+    """A loopback server answering 503 "Loading model" everywhere, as llama-server does while it loads."""
+
+    def __enter__(self):
+        from aiohttp import web
+
+        async def h(request):
+            return web.json_response({"error": {"code": 503, "message": "Loading model"}}, status=503)
+
+        self.loop = asyncio.new_event_loop()
+        app = web.Application()
+        app.router.add_route("*", "/{tail:.*}", h)
+        self.runner = web.AppRunner(app)
+        self.loop.run_until_complete(self.runner.setup())
+        site = web.TCPSite(self.runner, "127.0.0.1", 0)
+        self.loop.run_until_complete(site.start())
+        self.url = f"http://127.0.0.1:{site._server.sockets[0].getsockname()[1]}"
+        self.thread = threading.Thread(target=self.loop.run_forever, daemon=True)
+        self.thread.start()
+        return self
+
+    def __exit__(self, *exc):
+        asyncio.run_coroutine_threadsafe(self.runner.cleanup(), self.loop).result(10)
+        self.loop.call_soon_threadsafe(self.loop.stop)
+        self.thread.join(10)
+
+
+def test_server_detection_says_what_is_wrong_with_the_url(srv):
+    # Each of these read "no server answers" or "neither llama.cpp nor OpenAI-compatible: pass --api",
+    # which sent the user after the wrong fix (--api cannot help a server that is loading its model).
+    host_port = srv.url.split("://", 1)[1]
+    with pytest.raises(ServerUnreachable, match=r"not an http:// or https:// URL.*http://" + re.escape(host_port)):
+        detect(host_port)
+    with pytest.raises(ServerUnreachable, match=r"plain http.*http://"):
+        detect("https://" + host_port)
+    with pytest.raises(ServerUnreachable, match=r"without the /v1.*" + re.escape(srv.url)):
+        detect(srv.url + "/v1")
+    with _Loading() as loading:
+        with pytest.raises(ServerUnreachable, match=r"503.*loading its model"):
+            detect(loading.url)
+    with pytest.raises(ServerUnreachable, match=r"no server answers at .*connection refused"):
+        detect(f"http://127.0.0.1:{dead_port()}")
+
+
 # --- failures -------------------------------------------------------------------------------------
 
 
