@@ -290,6 +290,14 @@ def test_prompt_file_errors_name_the_line(tmp_path):
     assert [(p.id, p.max_tokens) for p in ps] == [("1", None), ("line-3", 5)]
 
 
+def test_a_prompt_of_one_token_is_refused_as_having_no_decode_window(tmp_path):
+    # {"max_tokens": 1} was accepted, and measure then failed blaming "tokens delivered in bursts" and a proxy.
+    f = tmp_path / "p.jsonl"
+    f.write_text('{"prompt": "a"}\n{"prompt": "b", "max_tokens": 1}\n')
+    with pytest.raises(PromptFileError, match=r"p.jsonl:2: \"max_tokens\" must be at least 2"):
+        load_prompts(f)
+
+
 # --- the measure command ------------------------------------------------------------------------------
 
 
