@@ -458,12 +458,19 @@ def _workload_options(f):
 
 
 def _int_list(ctx, param, value: str) -> list[int]:
+    items = [v.strip() for v in value.split(",")]
+    # "1,,4" passed as 1,4 and "4,4" measured concurrency 4 twice into one pooled row: a typo either way.
+    if "" in items:
+        raise click.BadParameter(f"empty item in {value!r}; expected comma-separated integers like 1,4")
     try:
-        out = [int(v) for v in value.split(",") if v.strip()]
+        out = [int(v) for v in items]
     except ValueError:
         raise click.BadParameter(f"expected comma-separated integers like 1,4 — got {value!r}") from None
-    if not out or any(v < 1 for v in out):
+    if any(v < 1 for v in out):
         raise click.BadParameter("every concurrency must be at least 1")
+    dup = sorted({v for v in out if out.count(v) > 1})
+    if dup:
+        raise click.BadParameter(f"{', '.join(map(str, dup))} given twice in {value!r}; give each concurrency once")
     return out
 
 
@@ -536,16 +543,11 @@ def measure(url, simulate, out_dir, n_requests, concurrency, warmup, launch, api
     for note in res.notes:
         click.echo(f"note: {note}")
 
-    def fmt(v, spec):
-        return "-" if v is None else format(v, spec)
-
-    click.echo(f"{'concurrency':>11} {'ok':>4} {'failed':>6} {'used':>4} {'decode tok/s':>12} {'GPU J/tok':>10} {'GPU+CPU J/tok':>13}  method")
+    click.echo(MEASURE_HEADER)
     short = {x["concurrency"]: f"  stopped early: {x['requests_kept']} of {x['requests_planned']} requests"
              for x in (res.interrupted or {}).get("concurrencies", []) if x["requests_kept"] < x["requests_planned"]}
     for m in res.summaries:
-        click.echo(f"{m.concurrency:>11} {m.n_ok:>4} {m.n_failed:>6} {m.n_trusted:>4} {fmt(m.decode_tok_s, '12.1f')} "
-                   f"{fmt(m.gpu_j_per_token, '10.3f')} {fmt(m.total_j_per_token, '13.3f')}  {m.energy_method}"
-                   + short.get(m.concurrency, ""))
+        click.echo(measure_row(m) + short.get(m.concurrency, ""))
     click.echo(f"windows: {res.out_path / 'windows.parquet'}")
     if stop_code is not None:
         if res.excluded is not None:
@@ -558,6 +560,21 @@ def measure(url, simulate, out_dir, n_requests, concurrency, warmup, launch, api
         if not any(m.n_trusted for m in res.summaries):
             raise click.ClickException(f"no window could be trusted: {res.excluded.message()}")
         click.echo(f"warning: {res.excluded.message()}", err=True)
+
+
+MEASURE_HEADER = (f"{'concurrency':>11} {'ok':>4} {'failed':>6} {'used':>4} {'decode tok/s':>12} {'GPU J/tok':>10} "
+                  f"{'GPU+CPU J/tok':>13}  method")
+
+
+def measure_row(m) -> str:
+    """One concurrency's row under MEASURE_HEADER; a missing figure is a '-' in its own column."""
+
+    def fmt(v, width, spec):
+        # A bare "-" shifted the next figures left, under the wrong heading ("364.6 - -  none").
+        return f"{'-':>{width}}" if v is None else format(v, f"{width}{spec}")
+
+    return (f"{m.concurrency:>11} {m.n_ok:>4} {m.n_failed:>6} {m.n_trusted:>4} {fmt(m.decode_tok_s, 12, '.1f')} "
+            f"{fmt(m.gpu_j_per_token, 10, '.3f')} {fmt(m.total_j_per_token, 13, '.3f')}  {m.energy_method}")
 
 
 def _measure_stop_line(res) -> str:

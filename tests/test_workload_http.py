@@ -474,6 +474,21 @@ def test_measure_without_gpu_still_runs(tmp_path, srv):
     assert all(r["decode_tok_s"] > 0 for r in t if r["status"] == "ok")
 
 
+def test_a_missing_figure_keeps_the_next_ones_under_their_headings():
+    # With no GPU energy the row read "364.6 - -  none": each dash one character wide, so a CPU-only
+    # GPU+CPU figure would have stood under "GPU J/tok".
+    from types import SimpleNamespace
+
+    from powerprof.cli import MEASURE_HEADER, measure_row
+
+    m = SimpleNamespace(concurrency=1, n_ok=4, n_failed=0, n_trusted=4, decode_tok_s=364.6,
+                        gpu_j_per_token=None, total_j_per_token=1.234, energy_method="none")
+    row = measure_row(m)
+    assert row.index("none") == MEASURE_HEADER.index("method")
+    assert row.index("1.234") + len("1.234") == MEASURE_HEADER.index("GPU+CPU J/tok") + len("GPU+CPU J/tok")
+    assert row[MEASURE_HEADER.index("GPU J/tok") + len("GPU J/tok") - 1] == "-"
+
+
 def test_measure_bad_input_is_a_clear_error(tmp_path):
     f = tmp_path / "p.jsonl"
     f.write_text("{}\n")
@@ -481,6 +496,11 @@ def test_measure_bad_input_is_a_clear_error(tmp_path):
     assert r.exit_code == 2 and "p.jsonl:1" in r.output and not (tmp_path / "o").exists()
     r = CliRunner().invoke(main, ["measure", "--simulate", "--concurrency", "1,x"])
     assert r.exit_code == 2 and "comma-separated" in r.output
+    # "1,,4" ran as 1,4; "4,4" measured 4 twice and printed one row pooling 16 requests.
+    r = CliRunner().invoke(main, ["measure", "--simulate", "--concurrency", "1,,4", "--out", str(tmp_path / "o3")])
+    assert r.exit_code == 2 and "empty item" in r.output and not (tmp_path / "o3").exists()
+    r = CliRunner().invoke(main, ["measure", "--simulate", "--concurrency", "4,1,4", "--out", str(tmp_path / "o4")])
+    assert r.exit_code == 2 and "4 given twice" in r.output and not (tmp_path / "o4").exists()
     r = CliRunner().invoke(main, ["measure", "--server", f"http://127.0.0.1:{dead_port()}", "--out", str(tmp_path / "o2")])
     assert r.exit_code == 1 and "no server answers" in r.output
 
