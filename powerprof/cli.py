@@ -457,6 +457,19 @@ def _workload_options(f):
 # --- workload: measure (inference-server clients, simulated server, launcher) ------------------
 
 
+def _server_url(ctx, param, value):
+    """--server checked before anything starts: with --launch, a URL without http:// waited out the
+    whole --launch-timeout (300 s) for a /health that could never answer."""
+    if value is None:
+        return value
+    from powerprof.workload.client import url_problem
+
+    bad = url_problem(value.rstrip("/"))
+    if bad is not None:
+        raise click.BadParameter(bad)
+    return value
+
+
 def _int_list(ctx, param, value: str) -> list[int]:
     items = [v.strip() for v in value.split(",")]
     # "1,,4" passed as 1,4 and "4,4" measured concurrency 4 twice into one pooled row: a typo either way.
@@ -475,7 +488,7 @@ def _int_list(ctx, param, value: str) -> list[int]:
 
 
 @main.command()
-@click.option("--server", "url", metavar="URL", help="Inference server base URL, e.g. http://127.0.0.1:8080.")
+@click.option("--server", "url", metavar="URL", help="Inference server base URL, e.g. http://127.0.0.1:8080.", callback=_server_url)
 @simulate_option
 @click.option("--out", "out_dir", type=click.Path(file_okay=False), help="Output directory (default runs/<time>-measure).")
 @click.option("--requests", "n_requests", type=click.IntRange(1), default=8, show_default=True, help="Measured requests per concurrency (rounded up to whole batches of its streams).")
@@ -600,7 +613,7 @@ def _load_trace(trace_path, time_scale, duration_s):
 
 @main.command()
 @click.argument("trace_path", metavar="TRACE", type=click.Path(dir_okay=False))
-@click.option("--server", "url", metavar="URL", help="Inference server base URL.")
+@click.option("--server", "url", metavar="URL", help="Inference server base URL.", callback=_server_url)
 @simulate_option
 @click.option("--launch", metavar="CMD", help="Start the server with CMD, wait for /health, stop it at the end.")
 @click.option("--api", type=click.Choice(API_NAMES), default=None, help="Protocol the requests use (default: detected).")
@@ -838,7 +851,7 @@ def _fraction_option(ctx, param, value):
 @main.command()
 @click.option("--limits", "limits", default=None, help="Power limits to step through: 180,220W,60% (of the default).")
 @click.option("--clocks", "clocks", default=None, help="Locked SM clocks (MHz) to step through instead of power limits.")
-@click.option("--server", "url", default=None, help="Inference server base URL (llama.cpp, vLLM, SGLang, OpenAI-compatible).")
+@click.option("--server", "url", default=None, help="Inference server base URL (llama.cpp, vLLM, SGLang, OpenAI-compatible).", callback=_server_url)
 @click.option("--launch", default=None, help="Start the server with this command (needs --server for its URL); stopped at the end. "
               "With --vary, a template: {NAME} takes each value of --vary NAME=...")
 @click.option("--vary", multiple=True, metavar="NAME=V1,V2,...",

@@ -337,6 +337,7 @@ def test_concurrent_sweep_uses_wall_clock_batches(tmp_path):
         (["--limits", "200", "--clocks", "900"], "exactly one of --limits or --clocks"),
         # --simulate with --server is a simulated GPU beside a real server: here nothing answers.
         (["--limits", "200", "--server", "http://127.0.0.1:9"], "no server answers at http://127.0.0.1:9"),
+        (["--limits", "200", "--server", "127.0.0.1:9", "--launch", "sleep 600"], "not an http:// or https:// URL"),
         # Options of the other kind of sweep were ignored without a word: --duration is no time limit, and a
         # --vary template with --trace was launched with its {NAME} in it.
         (["--limits", "200", "--duration", "5"], "only used with --trace: --duration"),

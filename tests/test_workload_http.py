@@ -499,6 +499,12 @@ def test_measure_bad_input_is_a_clear_error(tmp_path):
     # "1,,4" ran as 1,4; "4,4" measured 4 twice and printed one row pooling 16 requests.
     r = CliRunner().invoke(main, ["measure", "--simulate", "--concurrency", "1,,4", "--out", str(tmp_path / "o3")])
     assert r.exit_code == 2 and "empty item" in r.output and not (tmp_path / "o3").exists()
+    # With --launch, a --server without http:// started the server, then waited out --launch-timeout (300 s).
+    marker = tmp_path / "launched"
+    r = CliRunner().invoke(main, ["measure", "--server", "127.0.0.1:8080", "--launch", f"touch {marker}",
+                                  "--out", str(tmp_path / "o5")])
+    assert r.exit_code == 2 and "not an http:// or https:// URL" in r.output and "http://127.0.0.1:8080" in r.output
+    assert not marker.exists() and not (tmp_path / "o5").exists()
     r = CliRunner().invoke(main, ["measure", "--simulate", "--concurrency", "4,1,4", "--out", str(tmp_path / "o4")])
     assert r.exit_code == 2 and "4 given twice" in r.output and not (tmp_path / "o4").exists()
     r = CliRunner().invoke(main, ["measure", "--server", f"http://127.0.0.1:{dead_port()}", "--out", str(tmp_path / "o2")])

@@ -218,7 +218,7 @@ async def _get_json(session: aiohttp.ClientSession, url: str, errors: list | Non
         return None, None
 
 
-def _url_problem(base: str) -> str | None:
+def url_problem(base: str) -> str | None:
     """Why `base` cannot be a server's base URL, with the fix; None where it can."""
     from urllib.parse import urlsplit  # noqa: PLC0415
 
@@ -231,9 +231,9 @@ def _url_problem(base: str) -> str | None:
     if ok:
         return None
     if base.startswith(("http://", "https://")):
-        return f"--server {base!r} is not a valid URL (its host or port); e.g. http://127.0.0.1:8080"
+        return f"{base!r} is not a valid URL (its host or port); e.g. http://127.0.0.1:8080"
     bare = base.split("://", 1)[-1]
-    return (f"--server {base!r} is not an http:// or https:// URL; give the scheme, host and port, "
+    return (f"{base!r} is not an http:// or https:// URL; give the scheme, host and port, "
             f"e.g. http://{bare or '127.0.0.1:8080'}")
 
 
@@ -255,9 +255,9 @@ async def detect_server(session: aiohttp.ClientSession, base_url: str, api: str 
     if api is not None and api not in APIS:
         raise ValueError(f"unknown api {api!r}; choose one of: {', '.join(APIS)}")
     base = base_url.rstrip("/")
-    bad = _url_problem(base)
+    bad = url_problem(base)
     if bad is not None:
-        raise ServerUnreachable(bad)
+        raise ServerUnreachable("--server " + bad)
     errors: list = []
     st_props, props = await _get_json(session, base + "/props", errors)
     if base.startswith("https://") and any(isinstance(e, (aiohttp.ClientSSLError, asyncio.TimeoutError)) for e in errors):
