@@ -331,7 +331,7 @@ def tune(metrics_url, config_path, levels, reference, tpot_p95_ms, ttft_p95_ms, 
     from powerprof.control.levels import LevelError
     from powerprof.paths import state_dir
     from powerprof.rig import Rig
-    from powerprof.tuner.observe import fetch_metrics, loopback_reason, parse_counters
+    from powerprof.tuner.observe import SCRAPE_DEADLINE_S, ObserveError, fetch_metrics, loopback_reason, parse_counters
     from powerprof.tuner.policy import TunerConfigError
     from powerprof.tuner.runner import KillSwitch, TuneRunner, install_kill_switch
     from powerprof.tuner.setup import check_bounds, check_out_dir, check_root_folder, kill_file, load_table, make_config
@@ -399,6 +399,24 @@ def tune(metrics_url, config_path, levels, reference, tpot_p95_ms, ttft_p95_ms, 
             if cfg.reference != cfg.levels[-1]:
                 click.echo(f"WARNING: the reference {cfg.reference:g} {cfg.unit} is not the highest level: back-offs, "
                            "faults and the kill switch go to it", err=True)
+            # One read now: a wrong --daemon-metrics said nothing until the first tick (10 s), and then only in
+            # the dataset. Not an error: under systemd the daemon may still be starting.
+            # In a thread, as the runner reads: headers dripped slowly could hold a read past its deadline.
+            probe: list = []
+
+            def read_once():
+                try:
+                    parse_counters(fetch_metrics(metrics_url), _time.monotonic())
+                except ObserveError as e:
+                    probe.append(e)
+
+            reader = threading.Thread(target=read_once, daemon=True, name="tune-first-read")
+            reader.start()
+            reader.join(SCRAPE_DEADLINE_S + 1)
+            if reader.is_alive():
+                probe.append(ObserveError(f"{metrics_url} did not answer within {SCRAPE_DEADLINE_S + 1:g} s"))
+            if probe:
+                runner.say_read(probe[0])
             runner.run(stop, duration_s)
 
         try:
