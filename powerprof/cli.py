@@ -958,7 +958,10 @@ def sweep(limits, clocks, url, launch, vary, context_tokens, simulate, gpus, rep
     except ValueError as e:
         raise click.UsageError(str(e)) from None
     # A closed pipe (`2>&1 | head`) silences the progress, not the sweep: it finishes, then exits 141.
-    ui = RichSweepUI(QuietPipeConsole(stderr=True), bar_rule)
+    err = QuietPipeConsole(stderr=True)
+    if not err.is_terminal and not os.environ.get("COLUMNS"):
+        err = QuietPipeConsole(stderr=True, width=120)  # as result_console: 80 cut a finished line's time to "0:0…"
+    ui = RichSweepUI(err, bar_rule)
     with _sweep_exits():
         with ui, Rig(simulate, gpus=gpus) as rig:
             kind = "power_limit" if limits else "sm_clock" if clocks else "none"
