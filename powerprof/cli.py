@@ -586,6 +586,9 @@ def measure(url, simulate, out_dir, n_requests, concurrency, warmup, launch, api
         click.echo(_measure_stop_line(res), err=True)
         sys.exit(stop_code)
     if res.aborted:
+        if not any(m.n_ok for m in res.summaries):
+            raise click.ClickException(f"stopped early: {res.aborted}; no request succeeded, so nothing was measured "
+                                       f"(the failed attempts are recorded in {res.out_path})")
         raise click.ClickException(f"stopped early: {res.aborted} (what was measured is in {res.out_path})")
     if res.excluded is not None:
         if not any(m.n_trusted for m in res.summaries):

@@ -189,6 +189,16 @@ def test_server_detection_says_what_is_wrong_with_the_url(srv):
         detect(f"http://127.0.0.1:{dead_port()}")
 
 
+def test_measure_where_every_request_failed_does_not_speak_of_what_was_measured(tmp_path):
+    # "--api llamacpp" past the 503 check: it ended "stopped early: ... (what was measured is in DIR)", with nothing measured.
+    with _Loading() as loading:
+        r = CliRunner().invoke(main, ["measure", "--server", loading.url, "--api", "llamacpp", "--requests", "1",
+                                      "--warmup", "0", "--out", str(tmp_path / "o")])
+    assert r.exit_code == 1, r.output
+    assert "what was measured" not in r.output
+    assert "no request succeeded" in r.output and "503" in r.output and str(tmp_path / "o") in r.output
+
+
 # --- failures -------------------------------------------------------------------------------------
 
 
