@@ -668,10 +668,15 @@ def replay(trace_path, url, simulate, launch, api, time_scale, duration_s, tag_h
             return server, await replay_async(s, server, trace, RequestParams(), tag_header)
 
     try:
-        with Rig(simulate, host=False) as rig, rig.server(url, launch) as base:
+        with _signals_raise(), Rig(simulate, host=False) as rig, rig.server(url, launch) as base:
             server, records = termination.run(go(base))
     except (ServerUnreachable, LaunchError, ValueError) as e:
         raise click.ClickException(str(e)) from None
+    except (KeyboardInterrupt, termination.Terminated) as e:
+        # Ctrl-C read click's bare "Aborted!" (exit 1); SIGTERM killed it without a word.
+        click.echo(f"{_stopped_how(e)}: the replay stopped before its end; it writes no file, so no figure was "
+                   "kept (rerun it, with --duration for a shorter one); nothing was changed", err=True)
+        sys.exit(130 if isinstance(e, KeyboardInterrupt) else e.code)
     sm = summarize(records)
     if as_json:
         click.echo(json.dumps({"server": server.meta(), **sm.to_dict()}, indent=2))
