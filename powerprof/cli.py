@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import os
 import sys
 from pathlib import Path
 
@@ -172,13 +173,14 @@ def _print_devices(info):
               help="Seconds between samples (0.02-10, i.e. 50-0.1 Hz).")
 @click.option("--output", type=click.Path(dir_okay=False), default=None,
               help="Also write every sample to FILE.parquet or FILE.csv (samples schema).")
+@click.option("--force", is_flag=True, help="Replace --output if it exists (default: refuse, it may hold earlier samples).")
 @click.option("--gpus", callback=_parse_gpus, help="NVML indexes to show, e.g. 0,1 (default: all visible).")
 @click.option("--plain", is_flag=True,
               help="One text line per GPU per interval, even on a terminal (default: live panels on a terminal, lines in a pipe).")
 @click.option("--json", "as_json", is_flag=True, help="One JSON object per interval (JSON lines, stable keys) for scripts.")
 @_rapl_backend_option
 @simulate_option
-def monitor(duration, interval, output, gpus, plain, as_json, rapl_backend, simulate):
+def monitor(duration, interval, output, force, gpus, plain, as_json, rapl_backend, simulate):
     """Live view once per interval: GPU name, load, memory, power and temperature with bars; clocks, energy, reasons; CPU power."""
     import json
 
@@ -193,6 +195,10 @@ def monitor(duration, interval, output, gpus, plain, as_json, rapl_backend, simu
             check_output_path(output)
         except ValueError as e:
             raise click.BadParameter(str(e), param_hint="--output") from None
+        if os.path.lexists(output) and not force:
+            # The write at the end replaced an earlier run's samples without a word.
+            raise click.BadParameter(f"{output} exists (samples of an earlier run?); choose another name, "
+                                     "or --force to replace it", param_hint="--output")
     console = Console()
     with _open_rig_or_exit(simulate, gpus, rapl_backend) as rig:
         src = rig.sources
@@ -325,7 +331,7 @@ def tune(metrics_url, config_path, levels, reference, tpot_p95_ms, ttft_p95_ms, 
     from powerprof.control.levels import LevelError
     from powerprof.paths import state_dir
     from powerprof.rig import Rig
-    from powerprof.tuner.observe import fetch_metrics, loopback_reason, parse_counters
+    from powerprof.tuner.observe import SCRAPE_DEADLINE_S, ObserveError, fetch_metrics, loopback_reason, parse_counters
     from powerprof.tuner.policy import TunerConfigError
     from powerprof.tuner.runner import KillSwitch, OutDirError, TuneRunner, install_kill_switch
     from powerprof.tuner.setup import check_bounds, check_out_dir, check_root_folder, kill_file, load_table, make_config
@@ -393,6 +399,24 @@ def tune(metrics_url, config_path, levels, reference, tpot_p95_ms, ttft_p95_ms, 
             if cfg.reference != cfg.levels[-1]:
                 click.echo(f"WARNING: the reference {cfg.reference:g} {cfg.unit} is not the highest level: back-offs, "
                            "faults and the kill switch go to it", err=True)
+            # One read now: a wrong --daemon-metrics said nothing until the first tick (10 s), and then only in
+            # the dataset. Not an error: under systemd the daemon may still be starting.
+            # In a thread, as the runner reads: headers dripped slowly could hold a read past its deadline.
+            probe: list = []
+
+            def read_once():
+                try:
+                    parse_counters(fetch_metrics(metrics_url), _time.monotonic())
+                except ObserveError as e:
+                    probe.append(e)
+
+            reader = threading.Thread(target=read_once, daemon=True, name="tune-first-read")
+            reader.start()
+            reader.join(SCRAPE_DEADLINE_S + 1)
+            if reader.is_alive():
+                probe.append(ObserveError(f"{metrics_url} did not answer within {SCRAPE_DEADLINE_S + 1:g} s"))
+            if probe:
+                runner.say_read(probe[0])
             runner.run(stop, duration_s)
 
         try:
@@ -456,18 +480,38 @@ def _workload_options(f):
 # --- workload: measure (inference-server clients, simulated server, launcher) ------------------
 
 
+def _server_url(ctx, param, value):
+    """--server checked before anything starts: with --launch, a URL without http:// waited out the
+    whole --launch-timeout (300 s) for a /health that could never answer."""
+    if value is None:
+        return value
+    from powerprof.workload.client import url_problem
+
+    bad = url_problem(value.rstrip("/"))
+    if bad is not None:
+        raise click.BadParameter(bad)
+    return value
+
+
 def _int_list(ctx, param, value: str) -> list[int]:
+    items = [v.strip() for v in value.split(",")]
+    # "1,,4" passed as 1,4 and "4,4" measured concurrency 4 twice into one pooled row: a typo either way.
+    if "" in items:
+        raise click.BadParameter(f"empty item in {value!r}; expected comma-separated integers like 1,4")
     try:
-        out = [int(v) for v in value.split(",") if v.strip()]
+        out = [int(v) for v in items]
     except ValueError:
         raise click.BadParameter(f"expected comma-separated integers like 1,4 — got {value!r}") from None
-    if not out or any(v < 1 for v in out):
+    if any(v < 1 for v in out):
         raise click.BadParameter("every concurrency must be at least 1")
+    dup = sorted({v for v in out if out.count(v) > 1})
+    if dup:
+        raise click.BadParameter(f"{', '.join(map(str, dup))} given twice in {value!r}; give each concurrency once")
     return out
 
 
 @main.command()
-@click.option("--server", "url", metavar="URL", help="Inference server base URL, e.g. http://127.0.0.1:8080.")
+@click.option("--server", "url", metavar="URL", help="Inference server base URL, e.g. http://127.0.0.1:8080.", callback=_server_url)
 @simulate_option
 @click.option("--out", "out_dir", type=click.Path(file_okay=False), help="Output directory (default runs/<time>-measure).")
 @click.option("--requests", "n_requests", type=click.IntRange(1), default=8, show_default=True, help="Measured requests per concurrency (rounded up to whole batches of its streams).")
@@ -535,16 +579,11 @@ def measure(url, simulate, out_dir, n_requests, concurrency, warmup, launch, api
     for note in res.notes:
         click.echo(f"note: {note}")
 
-    def fmt(v, spec):
-        return "-" if v is None else format(v, spec)
-
-    click.echo(f"{'concurrency':>11} {'ok':>4} {'failed':>6} {'used':>4} {'decode tok/s':>12} {'GPU J/tok':>10} {'GPU+CPU J/tok':>13}  method")
+    click.echo(MEASURE_HEADER)
     short = {x["concurrency"]: f"  stopped early: {x['requests_kept']} of {x['requests_planned']} requests"
              for x in (res.interrupted or {}).get("concurrencies", []) if x["requests_kept"] < x["requests_planned"]}
     for m in res.summaries:
-        click.echo(f"{m.concurrency:>11} {m.n_ok:>4} {m.n_failed:>6} {m.n_trusted:>4} {fmt(m.decode_tok_s, '12.1f')} "
-                   f"{fmt(m.gpu_j_per_token, '10.3f')} {fmt(m.total_j_per_token, '13.3f')}  {m.energy_method}"
-                   + short.get(m.concurrency, ""))
+        click.echo(measure_row(m) + short.get(m.concurrency, ""))
     click.echo(f"windows: {res.out_path / 'windows.parquet'}")
     if stop_code is not None:
         if res.excluded is not None:
@@ -552,11 +591,29 @@ def measure(url, simulate, out_dir, n_requests, concurrency, warmup, launch, api
         click.echo(_measure_stop_line(res), err=True)
         sys.exit(stop_code)
     if res.aborted:
+        if not any(m.n_ok for m in res.summaries):
+            raise click.ClickException(f"stopped early: {res.aborted}; no request succeeded, so nothing was measured "
+                                       f"(the failed attempts are recorded in {res.out_path})")
         raise click.ClickException(f"stopped early: {res.aborted} (what was measured is in {res.out_path})")
     if res.excluded is not None:
         if not any(m.n_trusted for m in res.summaries):
             raise click.ClickException(f"no window could be trusted: {res.excluded.message()}")
         click.echo(f"warning: {res.excluded.message()}", err=True)
+
+
+MEASURE_HEADER = (f"{'concurrency':>11} {'ok':>4} {'failed':>6} {'used':>4} {'decode tok/s':>12} {'GPU J/tok':>10} "
+                  f"{'GPU+CPU J/tok':>13}  method")
+
+
+def measure_row(m) -> str:
+    """One concurrency's row under MEASURE_HEADER; a missing figure is a '-' in its own column."""
+
+    def fmt(v, width, spec):
+        # A bare "-" shifted the next figures left, under the wrong heading ("364.6 - -  none").
+        return f"{'-':>{width}}" if v is None else format(v, f"{width}{spec}")
+
+    return (f"{m.concurrency:>11} {m.n_ok:>4} {m.n_failed:>6} {m.n_trusted:>4} {fmt(m.decode_tok_s, 12, '.1f')} "
+            f"{fmt(m.gpu_j_per_token, 10, '.3f')} {fmt(m.total_j_per_token, 13, '.3f')}  {m.energy_method}")
 
 
 def _measure_stop_line(res) -> str:
@@ -582,7 +639,7 @@ def _load_trace(trace_path, time_scale, duration_s):
 
 @main.command()
 @click.argument("trace_path", metavar="TRACE", type=click.Path(dir_okay=False))
-@click.option("--server", "url", metavar="URL", help="Inference server base URL.")
+@click.option("--server", "url", metavar="URL", help="Inference server base URL.", callback=_server_url)
 @simulate_option
 @click.option("--launch", metavar="CMD", help="Start the server with CMD, wait for /health, stop it at the end.")
 @click.option("--api", type=click.Choice(API_NAMES), default=None, help="Protocol the requests use (default: detected).")
@@ -844,7 +901,7 @@ def _fraction_option(ctx, param, value):
 @main.command()
 @click.option("--limits", "limits", default=None, help="Power limits to step through: 180,220W,60% (of the default).")
 @click.option("--clocks", "clocks", default=None, help="Locked SM clocks (MHz) to step through instead of power limits.")
-@click.option("--server", "url", default=None, help="Inference server base URL (llama.cpp, vLLM, SGLang, OpenAI-compatible).")
+@click.option("--server", "url", default=None, help="Inference server base URL (llama.cpp, vLLM, SGLang, OpenAI-compatible).", callback=_server_url)
 @click.option("--launch", default=None, help="Start the server with this command (needs --server for its URL); stopped at the end. "
               "With --vary, a template: {NAME} takes each value of --vary NAME=...")
 @click.option("--vary", multiple=True, metavar="NAME=V1,V2,...",
@@ -886,6 +943,8 @@ def sweep(limits, clocks, url, launch, vary, context_tokens, simulate, gpus, rep
           warmup, idle_s, concurrency, api, max_tokens, prompts_file, prompt_set, prompt_cache, seed, keep_text,
           launch_timeout, interval_s, out_dir, max_slowdown, dry_run, trace_path, time_scale, duration_s):
     """Step the GPU power limit (or locked SM clock) across levels; J/token and speed loss per level."""
+    from rich.text import Text
+
     from powerprof.pipes import EXIT_PIPE, QuietPipeConsole
     from powerprof.progress import RichSweepUI, end_screen, levels_table, result_console
     from powerprof.rig import Rig
@@ -931,7 +990,10 @@ def sweep(limits, clocks, url, launch, vary, context_tokens, simulate, gpus, rep
     except ValueError as e:
         raise click.UsageError(str(e)) from None
     # A closed pipe (`2>&1 | head`) silences the progress, not the sweep: it finishes, then exits 141.
-    ui = RichSweepUI(QuietPipeConsole(stderr=True), bar_rule)
+    err = QuietPipeConsole(stderr=True)
+    if not err.is_terminal and not os.environ.get("COLUMNS"):
+        err = QuietPipeConsole(stderr=True, width=120)  # as result_console: 80 cut a finished line's time to "0:0…"
+    ui = RichSweepUI(err, bar_rule)
     with _sweep_exits():
         with ui, Rig(simulate, gpus=gpus) as rig:
             kind = "power_limit" if limits else "sm_clock" if clocks else "none"
@@ -951,7 +1013,7 @@ def sweep(limits, clocks, url, launch, vary, context_tokens, simulate, gpus, rep
             )
     if dry_run:
         for line in outcome.plan_lines:
-            out.print(line)
+            out.print(line, markup=False, highlight=False)  # a --launch command's "[x]" is not a style tag
         if out.pipe_closed:
             sys.exit(EXIT_PIPE)
         return
@@ -962,15 +1024,15 @@ def sweep(limits, clocks, url, launch, vary, context_tokens, simulate, gpus, rep
     try:
         with _signals_raise():
             for note in outcome.notes:
-                out.print(f"[yellow]note:[/] {note}")
+                out.print(Text.assemble(("note:", "yellow"), f" {note}"))
             from powerprof.analysis.report import analyze_run, console_summary  # scipy, matplotlib: seconds
 
             result = analyze_run([outcome.run_dir], max_slowdown=max_slowdown)
     except AnalysisError as e:
         if grid is None:
             out.print(levels_table(outcome.levels, unit))
-        out.print(f"run directory: {outcome.run_dir}")
-        out.print(f"[red]analysis failed:[/] {e}")
+        out.print(f"run directory: {outcome.run_dir}", markup=False, highlight=False)
+        out.print(Text.assemble(("analysis failed:", "red"), f" {e}"))
         sys.exit(1)
     except Exception as e:
         # Ctrl-C while DuckDB scans the samples comes back as its error (termination.exit_inside).
@@ -984,7 +1046,7 @@ def sweep(limits, clocks, url, launch, vary, context_tokens, simulate, gpus, rep
         out.print(console_summary(result), highlight=False, markup=False)
     else:
         out.print(end_screen(outcome.levels, result, unit), highlight=False)
-    out.print(f"run directory: {outcome.run_dir}")
+    out.print(f"run directory: {outcome.run_dir}", markup=False, highlight=False)
     if out.pipe_closed or ui.console.pipe_closed:
         sys.exit(EXIT_PIPE)
 

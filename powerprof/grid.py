@@ -47,9 +47,12 @@ def parse_vary(specs) -> list[Knob]:
         name = name.strip()
         if not sep or not re.fullmatch(r"[A-Za-z_]\w*", name):
             raise ValueError(f"--vary {spec!r}: write NAME=V1,V2,... with NAME a word (letters, digits, _)")
-        values = tuple(_typed(v.strip()) for v in vals.split(",") if v.strip())
-        if not values:
+        items = [v.strip() for v in vals.split(",")]
+        if not any(items):
             raise ValueError(f"--vary {spec!r}: no values")
+        if "" in items:
+            raise ValueError(f"--vary {spec!r}: empty item in the value list (a typo?)")
+        values = tuple(_typed(v) for v in items)
         if len(set(values)) != len(values):
             raise ValueError(f"--vary {spec!r}: a value repeats")
         if any(k.name == name for k in knobs):

@@ -46,9 +46,10 @@ class RichSweepUI(UI):
         self.console = console or Console(stderr=True)
         self.settings = settings or SweepSettings(level_kind="power_limit", levels=(1.0,))
         self.progress = Progress(
-            TextColumn("{task.description}"),
+            # Not markup: the stop rule shown as "[max-time]" was read as a style tag and vanished.
+            TextColumn("{task.description}", markup=False),
             BarColumn(bar_width=20),
-            TextColumn("{task.fields[info]}"),
+            TextColumn("{task.fields[info]}", markup=False),
             TimeElapsedColumn(),
             console=self.console,
             transient=False,
@@ -165,11 +166,26 @@ class LevelsTable:
             total += w + 2
         return total
 
+    def lines(self) -> Text:
+        """One wrapped paragraph per level, every column named: for a terminal too narrow for any table."""
+        out = Text(TITLE + "\n", style="bold")
+        for r in self.rows:
+            head = _COLUMNS[0][1](r, self.unit) + (f" {CHOSEN}" if self.recommended is not None
+                                                    and r["level_value"] == self.recommended else "")
+            c = {h.replace("\n", " "): cell(r, self.unit) for h, cell in _COLUMNS[1:]}
+            parts = [f"{c['tok/s']} tok/s", f"{c['slower']} slower", f"GPU {c['J/tok GPU']} J/tok ±{c['±CI']}",
+                     f"+CPU {c['J/tok +CPU']} J/tok", f"{c['saving']} saving", f"enforced {c['enforced W']} W",
+                     f"SM {c['SM MHz']} MHz", f"mem {c['mem MHz']} MHz"]
+            out.append(f"{head}: " + ", ".join(parts) + (f"; flags: {c['flags']}" if c["flags"] else "") + "\n")
+        return out
+
     def __rich_console__(self, console, options):
         for k in range(len(_DROP_ORDER) + 1):
             if self.width_needed(_DROP_ORDER[:k]) <= options.max_width:
-                break
-        yield self.table(_DROP_ORDER[:k])
+                yield self.table(_DROP_ORDER[:k])
+                return
+        # Narrower than the smallest table: rich would cut figures to "2.4…" and drop or split the flags.
+        yield self.lines()
 
 
 def levels_table(levels, unit: str = "W", recommended: float | None = None) -> LevelsTable:

@@ -135,6 +135,19 @@ def test_monitor_bad_arguments_fail_clearly_and_write_nothing(tmp_path, monkeypa
     assert [p.name for p in tmp_path.iterdir()] == ["state"]
 
 
+def test_monitor_keeps_an_existing_output_unless_forced(tmp_path):
+    # `monitor --output power.parquet` run twice replaced the first run's samples without a word.
+    out = tmp_path / "power.parquet"
+    out.write_bytes(b"an earlier run's samples")
+    r = run("monitor", "--simulate", "--duration", "0.1", "--interval", "0.1", "--output", str(out))
+    assert r.exit_code == 2, r.output
+    assert "exists" in r.output and "--force" in r.output
+    assert out.read_bytes() == b"an earlier run's samples"
+    r = run("monitor", "--simulate", "--duration", "0.1", "--interval", "0.1", "--output", str(out), "--force")
+    assert r.exit_code == 0, r.output
+    assert pq.read_table(out).num_rows > 0
+
+
 def test_monitor_unknown_profile_fails_clearly():
     r = CliRunner().invoke(main, ["monitor", "--simulate", "rtx9999", "--duration", "0.1"])
     assert r.exit_code == 2 and "rtx9999" in r.output

@@ -25,7 +25,9 @@ def test_vary_and_template_parse_and_refuse_bad_input():
     spec = GridSpec("srv --n {draft} -np {np} --spec '{\"k\": {draft}}' -ctk {kv}", tuple(knobs))
     assert len(spec.configs) == 12 and spec.configs[0] == {"draft": 1, "np": 1, "kv": "q8_0"}
     assert render(spec.template, spec.configs[-1]) == "srv --n 3 -np 4 --spec '{\"k\": 3}' -ctk f16"
-    for bad, why in ((["draft"], "NAME=V1"), (["draft=1,1"], "repeats"), (["d=1", "d=2"], "twice")):
+    # "draft=1,,2" ran as 1,2: an empty item is a typo here as in --limits, where it is refused.
+    for bad, why in ((["draft"], "NAME=V1"), (["draft=1,1"], "repeats"), (["d=1", "d=2"], "twice"),
+                     (["draft=1,,2"], "empty item"), (["draft=1,2,"], "empty item")):
         with pytest.raises(ValueError, match=why):
             parse_vary(bad)
     with pytest.raises(ValueError, match=r"\{np\}, which no --vary"):

@@ -48,6 +48,22 @@ def test_flags_are_never_cut(width):
         assert "2.700" in text and "left out for width" in text
 
 
+@pytest.mark.parametrize("width", [40, 60])
+def test_too_narrow_for_any_table_every_figure_and_flag_is_still_whole(width):
+    # Below ~70 columns even the smallest table did not fit: rich cut figures to "2.4…", folded the flag
+    # into "cap-not-e"/"ged" (60 columns) or dropped the flags column altogether (40 columns).
+    levels = _levels(flags="cap-not-engaged")
+    text = _text(levels_table(levels, "W", recommended=250.0), width)
+    assert max(len(line) for line in text.splitlines()) <= width
+    assert "…" not in text
+    flat = re.sub(r"\s+", " ", text)
+    for r in levels.to_pylist():
+        for figure in (f"{r['gpu_j_per_token']:.3f}", f"{r['decode_tok_s']:.1f}", f"{r['total_j_per_token']:.3f}"):
+            assert figure in flat, (figure, text)
+    assert flat.count("cap-not-engaged") == 3
+    assert "250 W " + CHOSEN in flat and "300 W (ref)" in flat
+
+
 def test_log_lines_do_not_end_with_the_source_file():
     buf = io.StringIO()
     ui = RichSweepUI(Console(file=buf, width=100, color_system=None), SweepSettings("power_limit", (300.0,)))
@@ -83,6 +99,21 @@ def test_progress_bar_shows_the_fraction_of_the_level():
     assert task.percentage == pytest.approx(25.0)
 
 
+def test_a_finished_level_says_why_it_stopped():
+    # rich read "[max-time]" as a style tag and dropped it: no progress line ever showed the stop rule.
+    buf = io.StringIO()
+    ui = RichSweepUI(Console(file=buf, width=120, color_system=None), SweepSettings("power_limit", (300.0,)))
+    with ui:
+        visit = LevelVisit(300.0, 0)
+        ui.level_start(0, 1, visit, "W")
+        visit.stop = "max-time"
+        ui.level_done(visit, {"requests": 4, "tok_s": 85.7, "power_w": 274.0, "j_per_token": 3.199, "ci_pct": 4.0})
+        ui.note("server model [q4_k_m] at 300 W")
+    out = buf.getvalue()
+    assert "[max-time]" in out
+    assert "[q4_k_m]" in out
+
+
 def _sweep_cli(tmp_path, *extra):
     return CliRunner().invoke(main, ["sweep", "--simulate", "--limits", "300,200", "--idle-s", "0", "--min-requests",
                                      "2", "--max-requests", "2", "--warmup", "0", "--max-tokens", "32", "--out",
@@ -97,6 +128,9 @@ def test_sweep_prints_one_table_then_the_curves(tmp_path):
     assert out.count("J/token") >= 1 and "chosen by" not in out  # the analysis' own table is not printed again
     assert "GPU J/token" in out and "decode tok/s" in out and f"{CHOSEN} recommended" in out
     assert "Recommended limit:" in out and "run directory:" in out
+    # In a pipe the progress lines get 120 columns, as the results do: at 80 the stop rule pushed the
+    # elapsed time out ("[max-time] 0:0…").
+    assert re.search(r"level 2/2: 200 W .*\[max-requests\] +\d+:\d\d:\d\d", out), out
 
 
 # --- the curve in the terminal -----------------------------------------------------------------

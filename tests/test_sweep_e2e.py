@@ -204,6 +204,14 @@ def test_dry_run_prints_the_plan_and_touches_nothing(tmp_path):
     assert not (tmp_path / "x").exists()
 
 
+def test_dry_run_prints_the_launch_command_as_it_will_run(tmp_path):
+    # The plan went through rich markup: "[lora.gguf]" was read as a style tag and left out of the command shown.
+    r = _powerprof("sweep", "--limits", "300", "--simulate", "--dry-run", "--server", "http://127.0.0.1:9",
+                   "--launch", "llama-server -m m.gguf -md {d} --lora-scaled [lora.gguf] 0.5", "--vary", "d=1,2")
+    assert r.returncode == 0, r.stderr
+    assert "-md 1 --lora-scaled [lora.gguf] 0.5" in r.stdout, r.stdout
+
+
 def _start_sweep_and_wait_for_a_level(out):
     cmd = [sys.executable, "-m", "powerprof.cli", "sweep", "--limits", "180,220,260,300", "--order", "asc",
            "--simulate", "--out", str(out), "--idle-s", "0.5", "--max-tokens", "48", "--min-requests", "4",
@@ -329,6 +337,7 @@ def test_concurrent_sweep_uses_wall_clock_batches(tmp_path):
         (["--limits", "200", "--clocks", "900"], "exactly one of --limits or --clocks"),
         # --simulate with --server is a simulated GPU beside a real server: here nothing answers.
         (["--limits", "200", "--server", "http://127.0.0.1:9"], "no server answers at http://127.0.0.1:9"),
+        (["--limits", "200", "--server", "127.0.0.1:9", "--launch", "sleep 600"], "not an http:// or https:// URL"),
         # Options of the other kind of sweep were ignored without a word: --duration is no time limit, and a
         # --vary template with --trace was launched with its {NAME} in it.
         (["--limits", "200", "--duration", "5"], "only used with --trace: --duration"),

@@ -447,6 +447,23 @@ _FAST = ('[tuner]\ntick_s = 0.2\nwindow_s = 0.3\ndwell_s = 0.4\nmin_requests = 5
          'guard_min_requests = 5\nstale_s = 5\n')
 
 
+def test_a_daemon_url_where_nothing_answers_is_said_at_once(tmp_path, operator_limit):
+    # A typo in the port: the tuner printed its start line, then nothing for as long as it ran (exit 0); only the
+    # decisions dataset held, 30 s in, a stale row with the reason.
+    import socket
+
+    with socket.socket() as sk:
+        sk.bind(("127.0.0.1", 0))
+        url = f"http://127.0.0.1:{sk.getsockname()[1]}/metrics"
+    r = subprocess.run([sys.executable, "-m", "powerprof.cli", "tune", "--simulate", "--daemon-metrics", url,
+                        "--levels", "150,300", "--tpot-p95-ms", "100", "--dry-run", "--duration", "3",
+                        "--out", str(tmp_path / "d")], capture_output=True, text=True, timeout=60)
+    assert r.returncode == 0, r.stderr
+    assert f"cannot read {url}" in r.stderr, r.stderr
+    assert r.stderr.count(f"cannot read {url}") == 1  # said once, not every tick
+    assert sim_limit_w() == operator_limit
+
+
 def test_dry_run_needs_no_privilege_and_changes_nothing(tmp_path, monkeypatch, operator_limit):
     monkeypatch.setenv("POWERPROF_SIM_UNPRIVILEGED", "1")  # the simulator refuses every set, as for a normal user
     cfg = tmp_path / "fast.toml"

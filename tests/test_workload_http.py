@@ -145,6 +145,60 @@ def test_server_detection():
         detect(f"http://127.0.0.1:{dead_port()}")
 
 
+class _Loading:
+    """A loopback server answering 503 "Loading model" everywhere, as llama-server does while it loads."""
+
+    def __enter__(self):
+        from aiohttp import web
+
+        async def h(request):
+            return web.json_response({"error": {"code": 503, "message": "Loading model"}}, status=503)
+
+        self.loop = asyncio.new_event_loop()
+        app = web.Application()
+        app.router.add_route("*", "/{tail:.*}", h)
+        self.runner = web.AppRunner(app)
+        self.loop.run_until_complete(self.runner.setup())
+        site = web.TCPSite(self.runner, "127.0.0.1", 0)
+        self.loop.run_until_complete(site.start())
+        self.url = f"http://127.0.0.1:{site._server.sockets[0].getsockname()[1]}"
+        self.thread = threading.Thread(target=self.loop.run_forever, daemon=True)
+        self.thread.start()
+        return self
+
+    def __exit__(self, *exc):
+        asyncio.run_coroutine_threadsafe(self.runner.cleanup(), self.loop).result(10)
+        self.loop.call_soon_threadsafe(self.loop.stop)
+        self.thread.join(10)
+
+
+def test_server_detection_says_what_is_wrong_with_the_url(srv):
+    # Each of these read "no server answers" or "neither llama.cpp nor OpenAI-compatible: pass --api",
+    # which sent the user after the wrong fix (--api cannot help a server that is loading its model).
+    host_port = srv.url.split("://", 1)[1]
+    with pytest.raises(ServerUnreachable, match=r"not an http:// or https:// URL.*http://" + re.escape(host_port)):
+        detect(host_port)
+    with pytest.raises(ServerUnreachable, match=r"plain http.*http://"):
+        detect("https://" + host_port)
+    with pytest.raises(ServerUnreachable, match=r"without the /v1.*" + re.escape(srv.url)):
+        detect(srv.url + "/v1")
+    with _Loading() as loading:
+        with pytest.raises(ServerUnreachable, match=r"503.*loading its model"):
+            detect(loading.url)
+    with pytest.raises(ServerUnreachable, match=r"no server answers at .*connection refused"):
+        detect(f"http://127.0.0.1:{dead_port()}")
+
+
+def test_measure_where_every_request_failed_does_not_speak_of_what_was_measured(tmp_path):
+    # "--api llamacpp" past the 503 check: it ended "stopped early: ... (what was measured is in DIR)", with nothing measured.
+    with _Loading() as loading:
+        r = CliRunner().invoke(main, ["measure", "--server", loading.url, "--api", "llamacpp", "--requests", "1",
+                                      "--warmup", "0", "--out", str(tmp_path / "o")])
+    assert r.exit_code == 1, r.output
+    assert "what was measured" not in r.output
+    assert "no request succeeded" in r.output and "503" in r.output and str(tmp_path / "o") in r.output
+
+
 # --- failures -------------------------------------------------------------------------------------
 
 
@@ -244,6 +298,14 @@ def test_prompt_file_errors_name_the_line(tmp_path):
     f.write_text('{"prompt": "a", "id": 1}\n\n{"prompt": "b", "max_tokens": 5}\n')
     ps = load_prompts(f)
     assert [(p.id, p.max_tokens) for p in ps] == [("1", None), ("line-3", 5)]
+
+
+def test_a_prompt_of_one_token_is_refused_as_having_no_decode_window(tmp_path):
+    # {"max_tokens": 1} was accepted, and measure then failed blaming "tokens delivered in bursts" and a proxy.
+    f = tmp_path / "p.jsonl"
+    f.write_text('{"prompt": "a"}\n{"prompt": "b", "max_tokens": 1}\n')
+    with pytest.raises(PromptFileError, match=r"p.jsonl:2: \"max_tokens\" must be at least 2"):
+        load_prompts(f)
 
 
 # --- the measure command ------------------------------------------------------------------------------
@@ -422,6 +484,21 @@ def test_measure_without_gpu_still_runs(tmp_path, srv):
     assert all(r["decode_tok_s"] > 0 for r in t if r["status"] == "ok")
 
 
+def test_a_missing_figure_keeps_the_next_ones_under_their_headings():
+    # With no GPU energy the row read "364.6 - -  none": each dash one character wide, so a CPU-only
+    # GPU+CPU figure would have stood under "GPU J/tok".
+    from types import SimpleNamespace
+
+    from powerprof.cli import MEASURE_HEADER, measure_row
+
+    m = SimpleNamespace(concurrency=1, n_ok=4, n_failed=0, n_trusted=4, decode_tok_s=364.6,
+                        gpu_j_per_token=None, total_j_per_token=1.234, energy_method="none")
+    row = measure_row(m)
+    assert row.index("none") == MEASURE_HEADER.index("method")
+    assert row.index("1.234") + len("1.234") == MEASURE_HEADER.index("GPU+CPU J/tok") + len("GPU+CPU J/tok")
+    assert row[MEASURE_HEADER.index("GPU J/tok") + len("GPU J/tok") - 1] == "-"
+
+
 def test_measure_bad_input_is_a_clear_error(tmp_path):
     f = tmp_path / "p.jsonl"
     f.write_text("{}\n")
@@ -429,6 +506,17 @@ def test_measure_bad_input_is_a_clear_error(tmp_path):
     assert r.exit_code == 2 and "p.jsonl:1" in r.output and not (tmp_path / "o").exists()
     r = CliRunner().invoke(main, ["measure", "--simulate", "--concurrency", "1,x"])
     assert r.exit_code == 2 and "comma-separated" in r.output
+    # "1,,4" ran as 1,4; "4,4" measured 4 twice and printed one row pooling 16 requests.
+    r = CliRunner().invoke(main, ["measure", "--simulate", "--concurrency", "1,,4", "--out", str(tmp_path / "o3")])
+    assert r.exit_code == 2 and "empty item" in r.output and not (tmp_path / "o3").exists()
+    # With --launch, a --server without http:// started the server, then waited out --launch-timeout (300 s).
+    marker = tmp_path / "launched"
+    r = CliRunner().invoke(main, ["measure", "--server", "127.0.0.1:8080", "--launch", f"touch {marker}",
+                                  "--out", str(tmp_path / "o5")])
+    assert r.exit_code == 2 and "not an http:// or https:// URL" in r.output and "http://127.0.0.1:8080" in r.output
+    assert not marker.exists() and not (tmp_path / "o5").exists()
+    r = CliRunner().invoke(main, ["measure", "--simulate", "--concurrency", "4,1,4", "--out", str(tmp_path / "o4")])
+    assert r.exit_code == 2 and "4 given twice" in r.output and not (tmp_path / "o4").exists()
     r = CliRunner().invoke(main, ["measure", "--server", f"http://127.0.0.1:{dead_port()}", "--out", str(tmp_path / "o2")])
     assert r.exit_code == 1 and "no server answers" in r.output
 

@@ -108,6 +108,33 @@ def test_replay_cli_rejects_a_bad_trace_and_reports_a_good_one(tmp_path):
     assert out["ok"] == 6 and out["generated_tokens"] > 0 and out["latency_p50_s"] > 0
 
 
+@pytest.mark.parametrize("sig, code, said", [(2, 130, "interrupted"), (15, 143, "stopped by SIGTERM")])
+def test_replay_stopped_by_a_signal_says_so_with_the_signals_exit_code(tmp_path, sig, code, said):
+    # Ctrl-C printed click's bare "Aborted!" and exited 1; SIGTERM killed it without a word, its figures lost.
+    import time
+
+    import psutil
+
+    good = tmp_path / "t.jsonl"
+    write_jsonl(synthetic(400, 2.0, prompt_median=20, output_median=40, seed=1), good)
+    p = subprocess.Popen([sys.executable, "-m", "powerprof.cli", "replay", str(good), "--simulate", "a100-40g"],
+                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 60
+        # Replaying once requests flow: an established connection to its own simulated server.
+        while time.monotonic() < deadline and not any(c.status == "ESTABLISHED" for c in psutil.Process(p.pid).net_connections()):
+            time.sleep(0.1)
+        p.send_signal(sig)
+        out, err = p.communicate(timeout=60)
+    finally:
+        if p.poll() is None:
+            p.kill()
+    assert p.returncode == code, err
+    assert said in err and "Aborted" not in err and "Traceback" not in err and "never retrieved" not in err, err
+    # What finished is reported (or that nothing had): the figures are not lost with the signal.
+    assert "requests that had finished" in err or "before any request finished" in err, err
+
+
 def test_sweep_trace_writes_a_run_directory_that_analyze_and_export_read(tmp_path):
     import hashlib
 

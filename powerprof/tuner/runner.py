@@ -192,6 +192,7 @@ class TuneRunner:
         self._last: DaemonCounters | None = None
         self._last_good_s = self.t0_s
         self._last_error = "no scrape yet"
+        self._said_read_error: str | None = None  # the read failure last put on stderr; None while reads work
         self._dry: deque[Window] = deque()  # dry-run: the last guard_s at the GPUs' actual level
         self._dry_said_s = -float("inf")
         self._said_blind = False
@@ -282,6 +283,7 @@ class TuneRunner:
     def ingest(self, now: float, got: DaemonCounters | ObserveError) -> None:
         """One scrape's result (its counters, or why there are none) at `now`, when the read started."""
         ds: list[Decision] = []
+        self.say_read(got)
         try:
             if isinstance(got, ObserveError):
                 raise got
@@ -331,6 +333,20 @@ class TuneRunner:
             log.warning("the daemon does not give the ages of requests not finished (older than this tuner): the guard "
                         "cannot see a stalled server, only requests that finish late; upgrade the daemon")
         self._said_blind = blind
+
+    def say_read(self, got: DaemonCounters | ObserveError) -> None:
+        """A failed read of the daemon on stderr when it starts or changes, and when reads work again: a wrong
+        --daemon-metrics said nothing on the terminal, only a stale row in the dataset after stale_s."""
+        if isinstance(got, ObserveError):
+            msg = one_line(str(got))
+            if msg != self._said_read_error:
+                then = "" if self.cfg.dry_run else (f"; after {self.cfg.stale_s:g} s without figures it holds the "
+                                                    f"reference {self._fmt(self.cfg.reference)}")
+                log.warning("no figures from the daemon: %s (trying again every %g s%s)", msg, self.cfg.tick_s, then)
+                self._said_read_error = msg
+        elif self._said_read_error is not None:
+            log.warning("the daemon's figures can be read again")
+            self._said_read_error = None
 
     def _dry_verdict(self, w: Window) -> list[Decision]:
         """Dry-run: what the guard would do at the level the GPUs have, once per window_s; no exploration (a trial

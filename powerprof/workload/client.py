@@ -201,8 +201,9 @@ def build_body(server: ServerInfo, prompt: str, params: RequestParams) -> dict:
     return body
 
 
-async def _get_json(session: aiohttp.ClientSession, url: str):
-    """(status, parsed JSON or None). A body over MAX_INFO_BYTES is not read further and counts as no answer."""
+async def _get_json(session: aiohttp.ClientSession, url: str, errors: list | None = None):
+    """(status, parsed JSON or None). A body over MAX_INFO_BYTES is not read further and counts as no answer.
+    A connection that fails is (None, None), its exception added to `errors` for the message that follows."""
     try:
         async with session.get(url, timeout=aiohttp.ClientTimeout(total=10)) as r:
             if r.status != 200:
@@ -211,8 +212,41 @@ async def _get_json(session: aiohttp.ClientSession, url: str):
                 return r.status, json.loads(await read_capped(r, MAX_INFO_BYTES))
             except (ValueError, UnicodeDecodeError):  # BodyTooLarge is a ValueError
                 return r.status, None
-    except (aiohttp.ClientError, asyncio.TimeoutError, OSError):
+    except (aiohttp.ClientError, asyncio.TimeoutError, OSError) as e:
+        if errors is not None:
+            errors.append(e)
         return None, None
+
+
+def url_problem(base: str) -> str | None:
+    """Why `base` cannot be a server's base URL, with the fix; None where it can."""
+    from urllib.parse import urlsplit  # noqa: PLC0415
+
+    try:
+        u = urlsplit(base)
+        ok = u.scheme in ("http", "https") and bool(u.hostname)
+        u.port  # noqa: B018 - raises on a port that is not a number
+    except ValueError:
+        ok = False
+    if ok:
+        return None
+    if base.startswith(("http://", "https://")):
+        return f"{base!r} is not a valid URL (its host or port); e.g. http://127.0.0.1:8080"
+    bare = base.split("://", 1)[-1]
+    return (f"{base!r} is not an http:// or https:// URL; give the scheme, host and port, "
+            f"e.g. http://{bare or '127.0.0.1:8080'}")
+
+
+def _why_no_answer(base: str, errors: list) -> str:
+    """What the failed connections say, in the user's terms, with the fix."""
+    ssl_or_timeout = any(isinstance(e, (aiohttp.ClientSSLError, asyncio.TimeoutError)) for e in errors)
+    if base.startswith("https://") and ssl_or_timeout:
+        return ("no TLS answer: is it a plain http server? Try " + "http://" + base[len("https://"):])
+    if any(isinstance(e, aiohttp.ClientConnectorError) and not isinstance(e, aiohttp.ClientSSLError) for e in errors):
+        return "connection refused or unreachable: is the server running, and on this host and port?"
+    if ssl_or_timeout:
+        return "no answer within 10 s"
+    return error_text(errors[-1]) if errors else "no answer"
 
 
 async def detect_server(session: aiohttp.ClientSession, base_url: str, api: str | None = None) -> ServerInfo:
@@ -221,8 +255,15 @@ async def detect_server(session: aiohttp.ClientSession, base_url: str, api: str 
     if api is not None and api not in APIS:
         raise ValueError(f"unknown api {api!r}; choose one of: {', '.join(APIS)}")
     base = base_url.rstrip("/")
-    st_props, props = await _get_json(session, base + "/props")
-    st_models, models = await _get_json(session, base + "/v1/models")
+    bad = url_problem(base)
+    if bad is not None:
+        raise ServerUnreachable("--server " + bad)
+    errors: list = []
+    st_props, props = await _get_json(session, base + "/props", errors)
+    if base.startswith("https://") and any(isinstance(e, (aiohttp.ClientSSLError, asyncio.TimeoutError)) for e in errors):
+        # A plain-http server may sit out each TLS handshake until the 10 s timeout: say so after the first.
+        raise ServerUnreachable(f"no server answers at {base}: " + _why_no_answer(base, errors))
+    st_models, models = await _get_json(session, base + "/v1/models", errors)
     model = None
     owner = None
     simulated = False
@@ -260,13 +301,25 @@ async def detect_server(session: aiohttp.ClientSession, base_url: str, api: str 
             build = str(ver["version"])
             if kind == "openai":
                 kind = "vllm"
+    st_h = None
     if st_models is None and st_props is None:
-        st_h, _ = await _get_json(session, base + "/health")
+        st_h, _ = await _get_json(session, base + "/health", errors)
         if st_h is None:
-            raise ServerUnreachable(f"no server answers at {base} (tried /props, /v1/models, /health)")
+            raise ServerUnreachable(f"no server answers at {base} (tried /props, /v1/models, /health): "
+                                    + _why_no_answer(base, errors))
     if st_models != 200 and api is None:
+        if 503 in (st_props, st_models, st_h):
+            # llama-server answers 503 to everything while it loads; --api would only move the failure on.
+            raise ServerUnreachable(
+                f"{base} answers 503 Service Unavailable: is it still loading its model? Wait until "
+                f"{base}/health answers 200, or start it with --launch (which waits for that)")
+        if base.endswith("/v1"):
+            raise ServerUnreachable(
+                f"{base} answers but is no server powerprof knows: give the URL without the /v1 "
+                f"(powerprof adds /v1/... itself): {base[:-len('/v1')]}")
         raise ServerUnreachable(
-            f"{base} answers but is neither llama.cpp (/props) nor OpenAI-compatible (/v1/models): pass --api"
+            f"{base} answers but is neither llama.cpp (/props) nor OpenAI-compatible (/v1/models): if it is an "
+            "inference server, pass --api; a web server that is not one answers like this too"
         )
     return ServerInfo(base, kind, api or "openai-completions", model=model, build_info=build, simulated=simulated)
 

@@ -123,8 +123,10 @@ def load_prompts(path: str | Path) -> list[Prompt]:
             raise PromptFileError(f"{p}:{no}: duplicate id {pid!r}")
         seen.add(pid)
         mt = obj.get("max_tokens")
-        if mt is not None and (not isinstance(mt, int) or isinstance(mt, bool) or mt < 1):
-            raise PromptFileError(f"{p}:{no}: \"max_tokens\" must be a positive integer")
+        if mt is not None and (not isinstance(mt, int) or isinstance(mt, bool) or mt < 2):
+            # As --max-tokens: the first token comes out of prefill, so one token leaves no decode to time.
+            raise PromptFileError(f"{p}:{no}: \"max_tokens\" must be at least 2 (an integer): the first token "
+                                  "comes out of prefill, and decode is timed from it to the last")
         out.append(Prompt(pid, text, mt))
     if not out:
         raise PromptFileError(f"{p}: no prompts in file")

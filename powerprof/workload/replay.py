@@ -151,13 +151,21 @@ async def replay_async(
             done.append(out[i])
 
     tasks = []
-    for i, r in enumerate(trace):
-        due = start + int(r.t_s * 1e9)
-        wait = (due - clock_ns()) / 1e9
-        if wait > 0:
-            await asyncio.sleep(wait)
-        tasks.append(asyncio.create_task(one(i, r, due)))
-    await asyncio.gather(*tasks)
+    try:
+        for i, r in enumerate(trace):
+            due = start + int(r.t_s * 1e9)
+            wait = (due - clock_ns()) / 1e9
+            if wait > 0:
+                await asyncio.sleep(wait)
+            tasks.append(asyncio.create_task(one(i, r, due)))
+        await asyncio.gather(*tasks)
+    finally:
+        # Stopped (Ctrl-C cancels this task while it sleeps or gathers): the requests in flight are cut here and
+        # awaited, or each would fail later as the session closes and print "Task exception was never retrieved".
+        pending = [t for t in tasks if not t.done()]
+        for t in pending:
+            t.cancel()
+        await asyncio.gather(*pending, return_exceptions=True)
     return [r for r in out if r is not None]
 
 
