@@ -385,6 +385,19 @@ def tune(metrics_url, config_path, levels, reference, tpot_p95_ms, ttft_p95_ms, 
             except OSError as e:
                 raise click.UsageError(f"--metrics-port {metrics_port}: {e.strerror or e}") from None
 
+        # Every decision (explore, back-off, kill, stop) as one line on stderr: root's journal under systemd, beside the
+        # dataset and /metrics. Without a handler only warnings reached stderr, through logging's last resort.
+        import logging
+
+        from powerprof.daemon.service import log_format
+
+        handler = logging.StreamHandler()
+        handler.setFormatter(logging.Formatter(log_format()))
+        tune_log = logging.getLogger("powerprof.tune")
+        tune_log.addHandler(handler)
+        tune_log.setLevel(logging.INFO)
+        tune_log.propagate = False
+
         def run_tuner(ctl):
             runner = TuneRunner(cfg, lambda: parse_counters(fetch_metrics(metrics_url), _time.monotonic()), ctl=ctl,
                                 gpus=gpus, out_dir=out_dir, registry=registry, gpu_uuids=uuids,

@@ -4,6 +4,7 @@ the reference level or the original limit."""
 from __future__ import annotations
 
 import dataclasses
+import re
 import signal
 import subprocess
 import sys
@@ -405,6 +406,9 @@ def test_a_stop_signal_ends_at_the_original_limit(tmp_path, operator_limit, sig)
                 proc.kill()
     assert proc.returncode == 128 + sig, err  # SIGINT was click's "Aborted!", exit 1
     assert "Traceback" not in err and "Aborted" not in err, err
+    # Each decision is a line on stderr (root's journal under systemd); they went nowhere but the dataset.
+    assert re.search(r"INFO powerprof\.tune: explore 300→\d+ .*\(applied\)", err), err
+    assert re.search(r"INFO powerprof\.tune: stop \d+→%g " % operator_limit, err), err
     assert sim_limit_w() == operator_limit
     rows = [r for f in sorted(out.rglob("*.parquet")) for r in pq.read_table(f).to_pylist()]
     assert rows[-1]["action"] == "stop" and rows[-1]["to_level"] == operator_limit

@@ -110,7 +110,9 @@ class DecisionLog:
                "regime": d.regime, "j_per_token": d.j_per_token, "slo_ratio": d.slo_ratio, "gpus": self.gpus}
         self.rows.append(row)
         self._unflushed.append(row)
-        log.info("%s %g→%g %s (%s)", d.action, d.from_level, d.to_level, d.reason, "applied" if applied else "recommended")
+        # A stop is the controller's to carry out (its reason says what comes back): "recommended" would misread it.
+        how = "" if d.action == "stop" else " (applied)" if applied else " (recommended)"
+        log.info("%s %g→%g %s%s", d.action, d.from_level, d.to_level, d.reason, how)
 
     def flush(self) -> None:
         if self.out_dir is None or not self._unflushed:
