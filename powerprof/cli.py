@@ -1007,7 +1007,7 @@ def sweep(limits, clocks, url, launch, vary, context_tokens, simulate, gpus, rep
     if not err.is_terminal and not os.environ.get("COLUMNS"):
         err = QuietPipeConsole(stderr=True, width=120)  # as result_console: 80 cut a finished line's time to "0:0…"
     ui = RichSweepUI(err, bar_rule)
-    with _sweep_exits():
+    with _sweep_exits(dry_run, clocks=bool(clocks)):
         with ui, Rig(simulate, gpus=gpus) as rig:
             kind = "power_limit" if limits else "sm_clock" if clocks else "none"
             common = dict(levels_spec=limits or clocks or "", level_kind=kind, url=url)
@@ -1124,7 +1124,7 @@ def _stopped_how(e: BaseException) -> str:
 
 
 @contextlib.contextmanager
-def _sweep_exits():
+def _sweep_exits(dry_run: bool = False, clocks: bool = False):
     """A sweep's exits: bad input 2, a failure 1 with its message, Ctrl-C 130 (the GPUs are back by then)."""
     from powerprof import termination
     from powerprof.control.errors import ControlError
@@ -1133,26 +1133,35 @@ def _sweep_exits():
     from powerprof.workload.client import ServerUnreachable
     from powerprof.workload.launcher import LaunchError
 
+    back = _back_line(clocks)
     try:
         yield
     except (LevelError, ValueError) as e:
         if type(e).__module__.startswith("pyarrow"):  # ArrowInvalid is a ValueError, but not the user's mistake
             raise click.ClickException(f"writing the run failed: {e}") from None
         raise click.UsageError(str(e)) from None
-    except (ControlError, SweepError, ServerUnreachable, LaunchError, OSError) as e:
+    except (SweepError, ServerUnreachable, LaunchError) as e:
+        # These reach here after the controller put every GPU back (a failed restore raises a ControlError in their
+        # place); a stopped sweep said nothing of the GPU, and the user was left to wonder whether it was capped.
+        raise click.ClickException(str(e) if dry_run else f"{e}\n{back}") from None
+    except (ControlError, OSError) as e:
         raise click.ClickException(str(e)) from None
     except KeyboardInterrupt:
-        _sweep_interrupted()
+        _sweep_interrupted(clocks)
     except Exception as e:
         # Ctrl-C while DuckDB computes the levels' sensor figures comes back as a DuckDB error: a traceback.
         if not isinstance(termination.exit_inside(e), KeyboardInterrupt):
             raise
-        _sweep_interrupted()
+        _sweep_interrupted(clocks)
 
 
-def _sweep_interrupted():
+def _back_line(clocks: bool) -> str:
+    return "every GPU is back at its original limit" + (", its clock lock released" if clocks else "")
+
+
+def _sweep_interrupted(clocks: bool = False):
     # Where the finished levels are kept was said as the sweep stopped (a run may stop before it has a directory).
-    click.echo("interrupted: every GPU is back at its original limit", err=True)
+    click.echo(f"interrupted: {_back_line(clocks)}", err=True)
     sys.exit(130)
 
 
@@ -1201,7 +1210,7 @@ def _trace_sweep(trace_path, time_scale, duration_s, limits, clocks, url, launch
         def note(self, text):
             pipes.echo(text, err=True)
 
-    with _sweep_exits():
+    with _sweep_exits(dry_run, clocks=bool(clocks)):
         with Rig(simulate, gpus=gpus) as rig:
             outcome = run_sweep(rig, levels_spec=limits or clocks, level_kind="power_limit" if limits else "sm_clock",
                                 url=url, launch=launch, api=api, interval_s=interval_s, out_dir=out_dir,

@@ -347,6 +347,7 @@ def test_a_sweep_against_a_lying_server_stops_and_says_why(tmp_path):
     assert r.returncode != 0, r.stdout
     assert "no window could be trusted" in err and "the server's token count disagrees with its stream" in err, err
     assert "usage reporting" in err
+    assert "every GPU is back at its original limit" in err, err  # a stopped sweep said nothing of the GPU
     sim = SimNVML("a100-40g", state_path=tmp_path / "sim.json")
     sim.nvmlInit()
     assert sim.nvmlDeviceGetPowerManagementLimit(sim.nvmlDeviceGetHandleByIndex(0)) == 400_000
