@@ -111,6 +111,23 @@ def untrusted_data_dir(data_dir: Path, euid: int | None = None) -> str | None:
     return untrusted_folder(data_dir, euid)
 
 
+def prepare_socket_path(path: Path, what: str, euid: int | None = None) -> None:
+    """Make `path` free for a new Unix socket: a socket left by a killed daemon is removed; anything else there (a
+    file, a symlink) is refused, never followed nor replaced. As root, also refused in a folder another user could
+    write: they could swap the name for a symlink between the check and the bind or chmod, or later rename root's
+    socket away and put their own in its place (the proxy's clients would then send their requests to them)."""
+    why = untrusted_data_dir(path.parent, euid)
+    if why:
+        raise StartupError(f"refusing, as root, a socket folder another user could write for the {what}: {why}")
+    try:
+        st = os.lstat(path)
+    except FileNotFoundError:
+        return
+    if not stat.S_ISSOCK(st.st_mode):
+        raise StartupError(f"{path} exists and is not a socket; not replacing it (give the {what} another path)")
+    path.unlink()
+
+
 def lock_data_dir(data_dir: Path, euid: int | None = None) -> int:
     """An exclusive flock held for the daemon's life, so two daemons never write one data dir (duplicate rows)."""
     data_dir.mkdir(parents=True, exist_ok=True)
@@ -542,6 +559,7 @@ class Daemon:
         self._runners.append(runner)
         try:
             if listen.startswith("unix:"):
+                prepare_socket_path(Path(listen[5:]), what)
                 site = web.UnixSite(runner, listen[5:])
             else:
                 host, port = _split_listen(listen)
@@ -590,19 +608,6 @@ class Daemon:
         path = self.cfg.tag_socket()
         try:
             path.parent.mkdir(parents=True, exist_ok=True)
-            why = untrusted_data_dir(path.parent)
-            if why:
-                # Root replaces a stale socket there and chmods the new one by name: in a folder another
-                # user can write, that name could be swapped for a symlink to any file.
-                raise StartupError(f"refusing, as root, a socket folder another user could write: {why}")
-            try:
-                st = os.lstat(path)
-            except FileNotFoundError:
-                st = None
-            if st is not None:
-                if not stat.S_ISSOCK(st.st_mode):
-                    raise StartupError(f"{path} exists and is not a socket; not replacing it (choose another tags.socket)")
-                path.unlink()  # a socket left by a killed daemon
             await self._serve(tag_app(self), f"unix:{path}", "tag API")
             os.chmod(path, stat.S_IRUSR | stat.S_IWUSR | stat.S_IRGRP | stat.S_IWGRP)
             self.urls["tags"] = str(path)
