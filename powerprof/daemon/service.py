@@ -16,6 +16,7 @@ import errno
 import fcntl
 import logging
 import os
+import resource
 import signal
 import stat
 import time
@@ -76,6 +77,28 @@ def restore_pending(rig) -> None:
             log.log(level, "restore at start: %s", line)
     else:
         log.info("restore at start: %s", " ".join(report.lines()))
+
+
+# Open files the daemon asks for (the soft limit, up to the hard one). systemd gives a service a soft limit of 1024
+# (for select(), which nothing here uses) and a hard one of 524288: at 1024, ~500 concurrent proxied requests (a
+# client and an upstream descriptor each) or 1000 idle connections left none for a Parquet file or /metrics.
+OPEN_FILES_WANTED = 65536
+# Descriptors beside the proxy's: Parquet files, the compaction child's pipes, NVML, /metrics, the tag socket, logs.
+OPEN_FILES_RESERVE = 256
+
+
+def raise_open_files_limit(want: int = OPEN_FILES_WANTED) -> int:
+    """Raise this process's soft RLIMIT_NOFILE to `want` (or its hard limit, if lower); the soft limit now in force.
+    Children (proxy workers, the compaction child) inherit it."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    target = want if hard == resource.RLIM_INFINITY else min(want, hard)
+    if soft != resource.RLIM_INFINITY and soft < target:
+        try:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (target, hard))
+            soft = target
+        except (ValueError, OSError) as e:
+            log.warning("cannot raise the open-files limit from %d to %d: %s", soft, target, error_text(e))
+    return soft
 
 
 def _split_listen(v: str) -> tuple[str, int]:
@@ -618,6 +641,7 @@ class Daemon:
         """Open everything, serve until SIGTERM/SIGINT, then close every interval, flush and exit 0."""
         self._install_signal_handlers()
         logging.getLogger("powerprof").setLevel(self.cfg.get("daemon", "log_level").upper())
+        self._check_open_files()
         data_dir = self._open()
         session = aiohttp.ClientSession()
         self.guard = ConnectionGuard(self.cfg.get("proxy", "header_timeout_s"), self.cfg.get("proxy", "idle_timeout_s"))
@@ -629,6 +653,16 @@ class Daemon:
             await self._shutdown(session)
         log.info("stopped")
         return EXIT_OK
+
+    def _check_open_files(self) -> None:
+        limit = raise_open_files_limit()
+        pool = self.cfg.get("proxy", "max_connections") or 4096
+        need = 2 * pool + OPEN_FILES_RESERVE  # per process: each proxy worker has its own
+        if limit != resource.RLIM_INFINITY and limit < need:
+            log.warning("the open-files limit is %d: proxy.max_connections = %d needs about %d (a client and an "
+                        "upstream descriptor per request); beyond it new connections fail and Parquet files cannot "
+                        "be opened. Raise LimitNOFILE= in the unit (or ulimit -n), or lower proxy.max_connections",
+                        limit, pool, need)
 
     def _install_signal_handlers(self) -> None:
         self.stop_event = asyncio.Event()
