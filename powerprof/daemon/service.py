@@ -34,7 +34,7 @@ from powerprof.storage.samples import sample_rows
 
 from . import sdnotify
 from .config import Config, ConfigError, is_loopback, listen_host, load_config
-from .guard import ConnectionGuard
+from .guard import ConnectionGuard, quiet_bad_requests
 from .inflight import InFlight
 from .latency import RequestLatency
 from .ledger import Ledger
@@ -862,6 +862,7 @@ def main(cfg: Config, rig, config_path=None, overrides=None, extra_collectors=()
     refuse_pandas()
     logging.basicConfig(level=logging.INFO, format=log_format())
     logging.getLogger("aiohttp.access").setLevel(logging.WARNING)  # one line per proxied request is noise
+    quiet_bad_requests()
     # Until run() installs the loop's handlers, a SIGINT is only noted (then stops the daemon cleanly): the
     # default handler would raise KeyboardInterrupt mid-startup, with a traceback and orphaned tasks.
     early: list[int] = []
