@@ -1,4 +1,4 @@
-"""Client-connection timeouts for the daemon's HTTP listeners: a slow request head or an idle connection is closed.
+"""Hostile clients of the daemon's HTTP listeners: a slow request head or an idle connection is closed, a malformed request logged in one line.
 
 aiohttp's server has no deadline for receiving a request head, so a client trickling header bytes
 (slowloris) holds a connection for ever. The guard closes a connection that has no request in
@@ -6,6 +6,11 @@ progress once it has waited `header_timeout_s` since it opened, or `idle_timeout
 last response ended, for its next request head. Requests in progress are left alone (the proxy
 bounds body reads and the upstream itself). Uses only aiohttp's public API: `Server.connections`,
 `request.protocol`, a middleware.
+
+aiohttp logs every request its parser rejects (smuggling attempts, obs-folds, control characters)
+at ERROR with a traceback: `BadRequestLog`, a filter on its `aiohttp.server` logger, makes that one
+WARNING line with the client's bytes escaped, the first few and then every 1000th, so a client
+cannot flood the journal until its rate limit drops the daemon's own lines.
 """
 
 from __future__ import annotations
@@ -15,6 +20,7 @@ import logging
 import time
 
 from aiohttp import web
+from aiohttp.http_exceptions import HttpProcessingError
 
 log = logging.getLogger("powerprof.daemon.guard")
 
@@ -86,3 +92,41 @@ class ConnectionGuard:
                 del self._since[key]
         self.closed += n
         return n
+
+
+class BadRequestLog(logging.Filter):
+    """On `aiohttp.server`: a request its parser rejected becomes one WARNING line, no traceback, the first `first` and
+    then every `every`th, with the count so far; every other record passes unchanged."""
+
+    def __init__(self, first: int = 5, every: int = 1000):
+        super().__init__()
+        self.first, self.every = first, every
+        self.rejected = 0
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        exc = record.exc_info[1] if record.exc_info else None
+        if not isinstance(exc, HttpProcessingError):
+            return True
+        self.rejected += 1
+        if self.rejected > self.first and self.rejected % self.every:
+            return False
+        remote = record.args[0] if isinstance(record.args, tuple) and record.args else "?"
+        # aiohttp's message quotes the offending bytes (repr); anything unprintable left is escaped too.
+        why = " ".join(str(exc.message or exc).split())
+        why = "".join(c if c.isprintable() else repr(c)[1:-1] for c in why)[:300]
+        record.msg = "rejected a malformed request from %s (HTTP %s): %s [%d so far; the first %d, then every %dth, logged]"
+        record.args = (remote, exc.code, why, self.rejected, self.first, self.every)
+        record.levelno, record.levelname = logging.WARNING, "WARNING"
+        record.exc_info, record.exc_text, record.stack_info = None, None, None
+        return True
+
+
+def quiet_bad_requests() -> BadRequestLog:
+    """Install `BadRequestLog` on aiohttp's server logger (once per process)."""
+    logger = logging.getLogger("aiohttp.server")
+    for f in logger.filters:
+        if isinstance(f, BadRequestLog):
+            return f
+    f = BadRequestLog()
+    logger.addFilter(f)
+    return f

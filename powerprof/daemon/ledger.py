@@ -24,7 +24,7 @@ from powerprof.energy import epoch_broken, interp_at, unwrap_resets
 from powerprof.profiler import weakest_method
 
 from . import attribution as attr
-from .proxy import RequestTrace, valid_text
+from .proxy import RequestTrace, bounded_text, valid_text
 from .workmodel import FEATURES, CostLearner
 
 log = logging.getLogger("powerprof.daemon.ledger")
@@ -691,7 +691,7 @@ class Ledger:
             "method": tr.method,
             "endpoint": tr.endpoint,
             "api": tr.api,
-            "model": (c.model if c is not None and c.model else None) or tr.model,
+            "model": (bounded_text(c.model) if c is not None and c.model else None) or tr.model,  # tr's: cut by the proxy
             "stream": tr.stream,
             "tag": tr.tag,
             "status": tr.status,
@@ -703,7 +703,7 @@ class Ledger:
             "token_source": c.token_source if c is not None else ("counted" if tr.tokens_seen else "none"),
             # Without a summary, an OpenAI-style stream's tokens were counted one per chunk.
             "tokens_estimated": estimated,
-            "stop_reason": c.stop_reason if c is not None else None,
+            "stop_reason": bounded_text(c.stop_reason) if c is not None else None,
             "response_bytes": tr.response_bytes,
             # No share at all is not a measured zero: left empty, with the reason.
             "gpu_energy_j": r.gpu_j if r.gpu_j > 0 and not r.gpu_missing else None,

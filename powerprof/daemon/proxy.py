@@ -50,6 +50,9 @@ BODY_COPY_MAX_BYTES = 4 << 20
 # most this much in all: a longer one is counted up to there, and its row says so.
 INFLATE_MAX_BYTES = 64 << 20
 TAG_MAX_CHARS = 128
+# A request's or response's `model` (and a response's stop reason) kept in its row: a client picks the request's, up to the
+# 1 MiB body, and a row of that size, buffered per request, could exhaust the daemon's memory within one flush interval.
+MODEL_MAX_CHARS = 256
 # A client gone mid-stream: what the upstream still sends before it notices (our side of its connection ended) is
 # read and counted for the request, for at most this long; then the connection is closed.
 DRAIN_S = 2.0
@@ -117,6 +120,13 @@ def valid_text(s: str) -> str:
         return s
     except UnicodeEncodeError:
         return "".join("\ufffd" if "\ud800" <= c <= "\udfff" else c for c in s)
+
+
+def bounded_text(s: str | None, limit: int = MODEL_MAX_CHARS) -> str | None:
+    """`s`, or its first `limit` characters visibly cut: "…" and the length it had (never silently shortened)."""
+    if s is None or len(s) <= limit:
+        return s
+    return f"{s[:limit]}… ({len(s)} characters)"
 
 
 def forward_headers(headers, drop=frozenset()) -> list[tuple[str, str]]:
@@ -310,7 +320,8 @@ class Proxy:
             if trace is not None and trace.api is not None:
                 try:
                     encoding = request.headers.get("Content-Encoding", "")
-                    trace.model, trace.stream = inspect_request_body(body, encoding)
+                    model, trace.stream = inspect_request_body(body, encoding)
+                    trace.model = bounded_text(model)
                 except Exception:
                     pass
         elif request.body_exists:

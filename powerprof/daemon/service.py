@@ -16,6 +16,7 @@ import errno
 import fcntl
 import logging
 import os
+import resource
 import signal
 import stat
 import time
@@ -33,7 +34,7 @@ from powerprof.storage.samples import sample_rows
 
 from . import sdnotify
 from .config import Config, ConfigError, is_loopback, listen_host, load_config
-from .guard import ConnectionGuard
+from .guard import ConnectionGuard, quiet_bad_requests
 from .inflight import InFlight
 from .latency import RequestLatency
 from .ledger import Ledger
@@ -78,6 +79,28 @@ def restore_pending(rig) -> None:
         log.info("restore at start: %s", " ".join(report.lines()))
 
 
+# Open files the daemon asks for (the soft limit, up to the hard one). systemd gives a service a soft limit of 1024
+# (for select(), which nothing here uses) and a hard one of 524288: at 1024, ~500 concurrent proxied requests (a
+# client and an upstream descriptor each) or 1000 idle connections left none for a Parquet file or /metrics.
+OPEN_FILES_WANTED = 65536
+# Descriptors beside the proxy's: Parquet files, the compaction child's pipes, NVML, /metrics, the tag socket, logs.
+OPEN_FILES_RESERVE = 256
+
+
+def raise_open_files_limit(want: int = OPEN_FILES_WANTED) -> int:
+    """Raise this process's soft RLIMIT_NOFILE to `want` (or its hard limit, if lower); the soft limit now in force.
+    Children (proxy workers, the compaction child) inherit it."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    target = want if hard == resource.RLIM_INFINITY else min(want, hard)
+    if soft != resource.RLIM_INFINITY and soft < target:
+        try:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (target, hard))
+            soft = target
+        except (ValueError, OSError) as e:
+            log.warning("cannot raise the open-files limit from %d to %d: %s", soft, target, error_text(e))
+    return soft
+
+
 def _split_listen(v: str) -> tuple[str, int]:
     host, _, port = v.rpartition(":")
     return host.strip("[]"), int(port)
@@ -109,6 +132,23 @@ def untrusted_data_dir(data_dir: Path, euid: int | None = None) -> str | None:
     from powerprof.control.restore import untrusted_folder
 
     return untrusted_folder(data_dir, euid)
+
+
+def prepare_socket_path(path: Path, what: str, euid: int | None = None) -> None:
+    """Make `path` free for a new Unix socket: a socket left by a killed daemon is removed; anything else there (a
+    file, a symlink) is refused, never followed nor replaced. As root, also refused in a folder another user could
+    write: they could swap the name for a symlink between the check and the bind or chmod, or later rename root's
+    socket away and put their own in its place (the proxy's clients would then send their requests to them)."""
+    why = untrusted_data_dir(path.parent, euid)
+    if why:
+        raise StartupError(f"refusing, as root, a socket folder another user could write for the {what}: {why}")
+    try:
+        st = os.lstat(path)
+    except FileNotFoundError:
+        return
+    if not stat.S_ISSOCK(st.st_mode):
+        raise StartupError(f"{path} exists and is not a socket; not replacing it (give the {what} another path)")
+    path.unlink()
 
 
 def lock_data_dir(data_dir: Path, euid: int | None = None) -> int:
@@ -542,6 +582,7 @@ class Daemon:
         self._runners.append(runner)
         try:
             if listen.startswith("unix:"):
+                prepare_socket_path(Path(listen[5:]), what)
                 site = web.UnixSite(runner, listen[5:])
             else:
                 host, port = _split_listen(listen)
@@ -590,19 +631,6 @@ class Daemon:
         path = self.cfg.tag_socket()
         try:
             path.parent.mkdir(parents=True, exist_ok=True)
-            why = untrusted_data_dir(path.parent)
-            if why:
-                # Root replaces a stale socket there and chmods the new one by name: in a folder another
-                # user can write, that name could be swapped for a symlink to any file.
-                raise StartupError(f"refusing, as root, a socket folder another user could write: {why}")
-            try:
-                st = os.lstat(path)
-            except FileNotFoundError:
-                st = None
-            if st is not None:
-                if not stat.S_ISSOCK(st.st_mode):
-                    raise StartupError(f"{path} exists and is not a socket; not replacing it (choose another tags.socket)")
-                path.unlink()  # a socket left by a killed daemon
             await self._serve(tag_app(self), f"unix:{path}", "tag API")
             os.chmod(path, stat.S_IRUSR | stat.S_IWUSR | stat.S_IRGRP | stat.S_IWGRP)
             self.urls["tags"] = str(path)
@@ -613,6 +641,7 @@ class Daemon:
         """Open everything, serve until SIGTERM/SIGINT, then close every interval, flush and exit 0."""
         self._install_signal_handlers()
         logging.getLogger("powerprof").setLevel(self.cfg.get("daemon", "log_level").upper())
+        self._check_open_files()
         data_dir = self._open()
         session = aiohttp.ClientSession()
         self.guard = ConnectionGuard(self.cfg.get("proxy", "header_timeout_s"), self.cfg.get("proxy", "idle_timeout_s"))
@@ -624,6 +653,16 @@ class Daemon:
             await self._shutdown(session)
         log.info("stopped")
         return EXIT_OK
+
+    def _check_open_files(self) -> None:
+        limit = raise_open_files_limit()
+        pool = self.cfg.get("proxy", "max_connections") or 4096
+        need = 2 * pool + OPEN_FILES_RESERVE  # per process: each proxy worker has its own
+        if limit != resource.RLIM_INFINITY and limit < need:
+            log.warning("the open-files limit is %d: proxy.max_connections = %d needs about %d (a client and an "
+                        "upstream descriptor per request); beyond it new connections fail and Parquet files cannot "
+                        "be opened. Raise LimitNOFILE= in the unit (or ulimit -n), or lower proxy.max_connections",
+                        limit, pool, need)
 
     def _install_signal_handlers(self) -> None:
         self.stop_event = asyncio.Event()
@@ -823,6 +862,7 @@ def main(cfg: Config, rig, config_path=None, overrides=None, extra_collectors=()
     refuse_pandas()
     logging.basicConfig(level=logging.INFO, format=log_format())
     logging.getLogger("aiohttp.access").setLevel(logging.WARNING)  # one line per proxied request is noise
+    quiet_bad_requests()
     # Until run() installs the loop's handlers, a SIGINT is only noted (then stops the daemon cleanly): the
     # default handler would raise KeyboardInterrupt mid-startup, with a traceback and orphaned tasks.
     early: list[int] = []

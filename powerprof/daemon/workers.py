@@ -41,6 +41,7 @@ from powerprof.arrival import COUNT_PROBLEM_KINDS
 from powerprof.errtext import error_text
 
 from . import streams
+from .guard import quiet_bad_requests
 from .proxy import SERVER_OPTIONS, Proxy, RequestTrace
 from .spawn import isolated_argv
 
@@ -321,6 +322,7 @@ def worker_main() -> int:
         return 1  # the daemon died before the line above
     logging.basicConfig(level=spec["log_level"], format=spec["log_format"])
     logging.getLogger("aiohttp.access").setLevel(logging.WARNING)
+    quiet_bad_requests()
     sock = socket.socket(fileno=spec["fd"])
     try:
         import uvloop
