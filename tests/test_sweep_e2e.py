@@ -209,7 +209,8 @@ def test_dry_run_prints_the_launch_command_as_it_will_run(tmp_path):
     r = _powerprof("sweep", "--limits", "300", "--simulate", "--dry-run", "--server", "http://127.0.0.1:9",
                    "--launch", "llama-server -m m.gguf -md {d} --lora-scaled [lora.gguf] 0.5", "--vary", "d=1,2")
     assert r.returncode == 0, r.stderr
-    assert "-md 1 --lora-scaled [lora.gguf] 0.5" in r.stdout, r.stdout
+    # Shown as a shell would read it (each word quoted where needed: the grid splits the template into words).
+    assert "-md 1 --lora-scaled '[lora.gguf]' 0.5" in r.stdout, r.stdout
 
 
 def _start_sweep_and_wait_for_a_level(out):
