@@ -543,7 +543,7 @@ def levels_table(
         loss_b = s.speed_loss(s.boot_tok_s) * 100
         save_b = s.energy_saving(s.boot_j_per_token) * 100
         loss, save = s.speed_loss() * 100, s.energy_saving() * 100
-        k = s.comparison_factor
+        widen = s.comparison_factor
         level_tok = s.boot_tok_s if s.level_boot_tok_s is None else s.level_boot_tok_s
         level_j = s.boot_j_per_token if s.level_boot_j_per_token is None else s.level_boot_j_per_token
         for i, v in enumerate(s.level_values):
@@ -563,8 +563,8 @@ def levels_table(
             if s.n_windows[i] == 0:
                 flags.append("no-measured-windows")
             # Widening can pass 100%, which no loss or saving can reach (tok/s and J/token stay > 0).
-            loss_ci = np.minimum(widened_interval(loss_b[:, i], loss[i], k, ci), 100.0)
-            save_ci = np.minimum(widened_interval(save_b[:, i], save[i], k, ci), 100.0)
+            loss_ci = np.minimum(widened_interval(loss_b[:, i], loss[i], widen, ci), 100.0)
+            save_ci = np.minimum(widened_interval(save_b[:, i], save[i], widen, ci), 100.0)
             pooled = s.j_per_token_pooled[i] if s.j_per_token_pooled is not None else float("nan")
             offset = s.counter_prompt_offset[i] if s.counter_prompt_offset is not None else float("nan")
             if s.counter_window_s is not None and median_off_by_rounding(j, pooled, (j_hi - j_lo) / 2,
