@@ -289,3 +289,58 @@ def make_grid_run(out_dir: Path, truths: dict, levels=(180, 220, 260, 300), n_re
         [{k: v for k, v in r.items() if k != "knob_draft"} for r in windows], schema=WINDOWS), windows))
     writer.write("levels", with_knob_columns(rows_to_table(LEVELS, lv), lv))
     return out_dir
+
+
+def replicate_windows(rng: np.random.Generator, tok_s, j_per_token, levels=(180, 220, 260, 300), n_prompts: int = 5,
+                      rounds: int = 1, noise: float = 0.02, spread: float = 0.2, slow_window: bool = False,
+                      prompt_ids: bool = True, prompt_factor=None) -> pa.Table:
+    """One sweep's measured windows drawn around known per-level medians, for coverage studies.
+
+    Every level gets `rounds` whole rounds of the same `n_prompts` prompts (as the sweep sends them):
+    prompt p's cost factor f_p (log-uniform over ±spread/2, or `prompt_factor`) divides its tok/s and
+    multiplies its J/token at every level; each window adds independent lognormal noise of sd `noise`
+    to its tok/s and to its power (J/token = power ÷ tok/s). slow_window: one window per level runs at
+    half speed (J/token ×1.5). The median tok/s and J/token of a level's mixture are its
+    `tok_s`/`j_per_token` times one common factor, so the true speed loss and saving between levels
+    are exactly those of the inputs (truth_level_median gives the absolute medians)."""
+    lv = np.asarray(levels, float)
+    f = (np.exp(rng.uniform(-spread / 2, spread / 2, n_prompts)) if prompt_factor is None
+         else np.asarray(prompt_factor, float))
+    n = f.size * rounds
+    cols = {k: [] for k in ("level_value", "decode_tok_s", "gpu_j_per_token", "prompt_id")}
+    for li, L in enumerate(lv):
+        fp = np.tile(f, rounds)
+        et, ep = rng.normal(0, noise, n), rng.normal(0, noise, n)
+        tok = tok_s[li] / fp * np.exp(et)
+        j = j_per_token[li] * fp * np.exp(ep - et)
+        if slow_window:
+            k = rng.integers(n)
+            tok[k], j[k] = tok[k] / 2, j[k] * 1.5
+        cols["level_value"] += [float(L)] * n
+        cols["decode_tok_s"] += list(tok)
+        cols["gpu_j_per_token"] += list(j)
+        cols["prompt_id"] += [f"p{p}" if prompt_ids else None for p in np.tile(np.arange(f.size), rounds)]
+    m = len(cols["level_value"])
+    return pa.table({
+        "run_id": pa.array(["cov"] * m), "level_kind": pa.array(["power_limit"] * m),
+        "level_value": pa.array(cols["level_value"], pa.float64()), "window_kind": pa.array(["request"] * m),
+        "concurrency": pa.array([1] * m, pa.int32()), "warmup": pa.array([False] * m), "status": pa.array(["ok"] * m),
+        "decode_tok_s": pa.array(cols["decode_tok_s"], pa.float64()),
+        "gpu_j_per_token": pa.array(cols["gpu_j_per_token"], pa.float64()),
+        "energy_method": pa.array(["counter"] * m), "prompt_id": pa.array(cols["prompt_id"], pa.string()),
+    })
+
+
+def truth_level_median(value: float, prompt_factor, noise: float, sign: int = 1) -> float:
+    """The median of one level's window mixture in replicate_windows (prompts equally weighted,
+    lognormal noise): `value`·f_p^sign·exp(noise term) mixed over p. J/token (sign +1) carries
+    two noise terms (power ÷ tok/s), tok/s (sign −1) one."""
+    from scipy.optimize import brentq
+    from scipy.stats import norm
+
+    lf = sign * np.log(np.asarray(prompt_factor, float))
+    s = noise * (np.sqrt(2) if sign > 0 else 1.0)
+    if s == 0:
+        return float(value * np.exp(np.median(lf)))
+    cdf = lambda x: float(np.mean(norm.cdf((x - lf) / s))) - 0.5  # noqa: E731
+    return float(value * np.exp(brentq(cdf, lf.min() - 10 * s, lf.max() + 10 * s)))

@@ -647,3 +647,39 @@ def test_windows_with_impossible_figures_count_in_no_figure_and_are_said(tmp_pat
     assert lv[300.0]["decode_tok_s"] > 80
     [w] = [w for w in res.warnings if w.kind == "impossible-figures"]
     assert "13 of" in w.message and "260 W" in w.message and "300 W" in w.message
+
+
+def _flat_truth():
+    """J/token the same at every level (3.0), tok/s falling below the reference: no sweet spot exists."""
+    lv, tok = (200, 240, 280, 320), [85.0, 91.0, 97.0, 100.0]
+    return lv, Truth(tok_s=lambda L: np.interp(L, lv, tok), power_w=lambda L: 3.0 * np.interp(L, lv, tok),
+                     sm_clock_mhz=lambda L: np.full(np.shape(L), 2000.0), default_limit_w=320)
+
+
+def test_a_flat_energy_curve_recommends_no_slower_limit(tmp_path):
+    # J/token is flat: the budget's least J/token is whichever level the noise favoured. It read
+    # "Recommended limit: 240 W (...): 8.5% slower, 1.9% less energy per token than 320 W" though its
+    # saving CI was [-3.8, 5.4]%: a user gave up 8.5% speed for nothing.
+    lv, truth = _flat_truth()
+    run = make_run(tmp_path / "run", truth, levels=lv, n_requests=12, noise=0.02, seed=1)
+    res = analyze_run([run], n_boot=500, plots=False, formats=())
+    assert res.recommendation.level_value == 240  # the noise's favourite, as the policy defines it
+    line = console_summary(res)
+    assert "Recommended limit: 240 W" not in line
+    assert "No measured limit is shown to save energy against 320 W" in line and "keep 320 W" in line
+    assert "a saving within noise" in line
+    found = [w for w in res.warnings if w.kind == "no-clear-saving"]
+    assert found and found[0].levels == (240.0,)
+    assert "keep the reference (320)" in res.to_dict()["recommendation_note"]
+
+
+def test_the_reference_chosen_over_a_level_within_budget_says_why(tmp_path):
+    # 240 W was 9.5% slower, within the 10% budget, and cost more energy: the line said "every lower level
+    # is slower than the budget allows (240 W: 9.5% slower, -1.0% less energy per token)", false twice.
+    lv, truth = _flat_truth()
+    run = make_run(tmp_path / "run", truth, levels=lv, n_requests=12, noise=0.02, seed=2)
+    res = analyze_run([run], n_boot=500, plots=False, formats=())
+    assert res.recommendation.level_value == 320
+    line = console_summary(res)
+    assert "slower than the budget allows" not in line and "-1.0% less" not in line
+    assert "no lower level within the budget uses less energy per token (240 W: 9.5% slower, 1.0% more energy" in line

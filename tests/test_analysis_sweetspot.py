@@ -115,3 +115,26 @@ def test_recommended_value_is_a_setting_the_card_accepts():
 def test_bad_policy_parameters_are_refused(kw):
     with pytest.raises(ValueError):
         PolicyParams(**kw)
+
+
+@pytest.mark.parametrize("levels", [(220.0, 300.0), (180.0, 260.0, 300.0), (180.0, 220.0, 260.0, 300.0),
+                                    (150.0, 170.0, 230.0, 300.0)])
+def test_a_noiseless_sweep_gives_every_policys_true_choice_and_exact_figures(levels):
+    from powerprof.analysis.stats import levels_table
+    from powerprof.analysis.sweetspot import POLICIES, policy_index
+    from synthetic_runs import replicate_windows
+
+    truth = seed_truth("seed-16g")
+    lv = np.array(levels)
+    tok, j = truth.tok_s(lv), truth.j_per_token(lv)
+    w = replicate_windows(np.random.default_rng(0), tok, j, lv, n_prompts=5, rounds=2, noise=0.0, spread=0.2)
+    s = level_series(w, 300.0, n_boot=200)[0]
+    params = PolicyParams(p_max_w=300.0)
+    for policy in POLICIES:
+        c = choose(s, policy, params)
+        assert c.level_value == lv[int(policy_index(policy, tok, j, lv.size - 1, params))], policy
+        assert c.stability == 1.0 and c.ci_low == c.ci_high == c.level_value
+    for i, r in enumerate(levels_table([s]).to_pylist()):
+        assert r["speed_loss_pct"] == pytest.approx((1 - tok[i] / tok[-1]) * 100, abs=1e-9)
+        assert r["energy_saving_pct_ci_low"] == pytest.approx((1 - j[i] / j[-1]) * 100, abs=1e-9)
+        assert r["energy_saving_pct_ci_high"] == pytest.approx((1 - j[i] / j[-1]) * 100, abs=1e-9)

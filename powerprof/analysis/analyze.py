@@ -13,7 +13,7 @@ import pyarrow as pa
 from powerprof.storage.schema import ANALYSIS
 
 from .checks import (Finding, choice_findings, edge_findings, fit_findings, impossible_findings, level_findings,
-                     timing_findings)
+                     saving_findings, timing_findings)
 from .fits import ModelFit, fit_series
 from .loading import SWEEP_LEVEL_COLUMNS, RunInfo, Timeline
 from .stats import WIDE_CI_PCT, LevelSeries, level_series, levels_table
@@ -85,6 +85,19 @@ class AnalysisResult:
     def simulated(self) -> bool:
         return any(r.simulated for r in self.runs)
 
+    def _recommendation_note(self) -> str | None:
+        if not self.series:
+            return None
+        if not self.main.comparable:
+            return "one level measured: nothing to compare it with, so none is recommended"
+        from .checks import saving_within_noise  # noqa: PLC0415
+
+        ci = saving_within_noise(self.recommendation, self.main.table, self.main.series.reference_value)
+        if ci is not None:
+            return (f"the recommended level's energy saving, 95% CI [{ci[0]:.1f}, {ci[1]:.1f}]%, is not told from no "
+                    f"saving: keep the reference ({self.main.series.reference_value:g}) or measure more")
+        return None
+
     def to_dict(self) -> dict:
         return {
             "runs": [{"path": str(r.path), "run_id": r.run_id, "gpu_name": r.gpu_name, "model": r.model,
@@ -92,8 +105,7 @@ class AnalysisResult:
             "params": {"max_slowdown": self.params.max_slowdown, "eta": self.params.eta,
                        "p_max_w": self.params.p_max_w},
             "recommendation": self.recommendation.to_dict() if self.series and self.main.comparable else None,
-            "recommendation_note": (None if not self.series or self.main.comparable else
-                                    "one level measured: nothing to compare it with, so none is recommended"),
+            "recommendation_note": self._recommendation_note(),
             "series": [
                 {
                     "level_kind": s.series.level_kind,
@@ -188,7 +200,10 @@ def analyze(
         not_engaged = {r["level_value"] for r in table.to_pylist() if r.get("cap_not_engaged")}
         prefix = "" if len(all_series) == 1 else f"[{results[-1].label}] "
         for f in (reference_findings(s, reference) + level_findings(table, **sweep)
-                  + edge_findings(s, choices, card, not_engaged) + choice_findings(choices) + fit_findings(fits)):
+                  + edge_findings(s, choices, card, not_engaged) + choice_findings(choices)
+                  + (saving_findings(choices, table, s.reference_value, "MHz" if s.level_kind == "sm_clock" else "W",
+                                     primary) if s.level_values.size > 1 else [])
+                  + fit_findings(fits)):
             findings.append(Finding(f.kind, prefix + f.message, f.levels))
     findings += timing_findings(windows) + impossible_findings(windows)
     findings.extend(unstored_findings(runs))

@@ -21,7 +21,7 @@ POOR_FIT_R2 = 0.9
 
 @dataclass(frozen=True)
 class Finding:
-    kind: str  # edge | between-levels | cap-not-engaged | energy-resolution | wide-ci | one-window | few-prompts | unstable-choice | thermal | failed | fit | unstored | untrusted-timing | impossible-figures | interrupted | forced-pool | reference
+    kind: str  # edge | between-levels | no-clear-saving | cap-not-engaged | energy-resolution | wide-ci | one-window | few-prompts | unstable-choice | thermal | failed | fit | unstored | untrusted-timing | impossible-figures | interrupted | forced-pool | reference
     message: str
     levels: tuple[float, ...] = ()
 
@@ -198,6 +198,35 @@ def _wide_ci_message(r: dict, unit: str, target_pct: float, max_time_s: float | 
     if not advice:
         advice.append(f"--max-requests {need}")
     return f"{head} ({'; '.join(advice)})."
+
+
+def saving_within_noise(choice: Choice, table: pa.Table, reference_value: float) -> tuple[float, float] | None:
+    """The energy-saving CI (low, high, %) of a choice that is not the reference and whose saving the CI
+    does not tell from none (low ≤ 0); None otherwise. On a flat J/token curve the least J/token
+    within the budget is whichever level the noise favoured: it was recommended as "2.9% less energy"
+    at a real slowdown, though the truth was no saving at all."""
+    if choice.level_value == reference_value:
+        return None
+    for r in table.to_pylist():
+        if r["level_value"] == choice.level_value:
+            lo, hi = r.get("energy_saving_pct_ci_low"), r.get("energy_saving_pct_ci_high")
+            if lo is not None and hi is not None and lo <= 0:
+                return float(lo), float(hi)
+    return None
+
+
+def saving_findings(choices: dict[str, Choice], table: pa.Table, reference_value: float, unit: str,
+                    primary: str) -> list[Finding]:
+    """The recommended level's saving is within noise: say so, and that the reference loses nothing."""
+    c = choices.get(primary)
+    ci = saving_within_noise(c, table, reference_value) if c is not None else None
+    if ci is None:
+        return []
+    return [Finding("no-clear-saving", (
+        f"{primary}: {c.level_value:g} {unit} saves {c.energy_saving_pct:.1f}% energy per token, 95% CI "
+        f"[{ci[0]:.1f}, {ci[1]:.1f}]%: not told from no saving, at {c.speed_loss_pct:.1f}% slower. Keep "
+        f"{reference_value:g} {unit}, or measure more requests per level (more distinct prompts) to settle it."),
+        (c.level_value,))]
 
 
 def choice_findings(choices: dict[str, Choice]) -> list[Finding]:

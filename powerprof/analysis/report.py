@@ -20,7 +20,7 @@ from powerprof.storage.runs import no_finished_level, write_table
 
 from .analyze import (AnalysisResult, SeriesResult, analyze, interrupted_cells, interrupted_findings,
                       interrupted_series_levels)
-from .checks import Finding
+from .checks import Finding, saving_within_noise
 from .knobs import analyze_knobs, is_grid, left_out_text, summary_lines
 from .loading import (AnalysisError, check_compatible, read_run_info, read_windows, sample_level_figures,
                       sweep_level_figures)
@@ -292,6 +292,17 @@ def recommendation_line(result: AnalysisResult) -> str:
                 f"recommended; sweep several levels (e.g. --{'limits' if u == 'W' else 'clocks'} with four values) "
                 "to find the sweet spot.")
         return line + (" (simulated)" if result.simulated else "")
+    noise = saving_within_noise(c, sr.table, sr.series.reference_value)
+    if noise is not None:
+        # A slower setting whose saving the CI cannot tell from none is no sweet spot: say so, not "run at X".
+        line = (f"No measured {what} is shown to save energy against {sr.series.reference_value:g} {u}, the reference "
+                f"({DESCRIPTIONS[c.policy]}" + (f", ≤ {c.params['max_slowdown']:.0%} slower" if c.policy == "budget" else "")
+                + f"): its best, {c.level_value:g} {u}, is {c.speed_loss_pct:.1f}% slower and {c.energy_saving_pct:.1f}% "
+                f"less energy per token, 95% CI [{noise[0]:.1f}, {noise[1]:.1f}]%, a saving within noise; keep "
+                f"{sr.series.reference_value:g} {u}, or measure more requests per level (more distinct prompts) to settle it.")
+        if c.left_out:
+            line += " " + left_out_text({f"{v:g} {u}": why for v, why in c.left_out.items()})
+        return line + (" (simulated)" if result.simulated else "")
     head = (f"Recommended {what}: {c.recommended_value:g} {u}"
             + (", the reference" if c.level_value == sr.series.reference_value else "")
             + f" ({DESCRIPTIONS[c.policy]}" + (f", ≤ {c.params['max_slowdown']:.0%} slower" if c.policy == "budget" else "")
@@ -316,10 +327,24 @@ def _why_the_reference(sr: SeriesResult, c, u: str) -> str:
     if not below and c.left_out:
         return "every other level is left out"
     if c.policy == "budget" and below:
+        within = [r for r in below if r["speed_loss_pct"] is not None
+                  and r["speed_loss_pct"] <= c.params["max_slowdown"] * 100 + 1e-10]
+        if within:
+            # A lower level within the budget lost on energy, not speed: "slower than the budget allows" was false.
+            r = min(within, key=lambda r: r["gpu_j_per_token"] if r["gpu_j_per_token"] is not None else np.inf)
+            return (f"no lower level within the budget uses less energy per token ({r['level_value']:g} {u}: "
+                    f"{_f(r['speed_loss_pct'], '.1f')}% slower, {_saving_words(r['energy_saving_pct'])})")
         r = max(below, key=lambda r: r["level_value"])
         return (f"every lower level is slower than the budget allows ({r['level_value']:g} {u}: "
-                f"{_f(r['speed_loss_pct'], '.1f')}% slower, {_f(r['energy_saving_pct'], '.1f')}% less energy per token)")
+                f"{_f(r['speed_loss_pct'], '.1f')}% slower, {_saving_words(r['energy_saving_pct'])})")
     return "no other measured level does better by this measure"
+
+
+def _saving_words(saving_pct) -> str:
+    """"3.1% less energy per token", or "2.6% more" where it is negative ("-2.6% less" read as a saving)."""
+    if saving_pct is None or not np.isfinite(saving_pct):
+        return "energy per token unknown"
+    return f"{abs(saving_pct):.1f}% {'less' if saving_pct >= 0 else 'more'} energy per token"
 
 
 def _choice_range_text(sr: SeriesResult, c, u: str) -> str:
