@@ -40,7 +40,10 @@ def level_fraction(requests: int, elapsed_s: float, ci_pct: float | None, s: Swe
 class RichSweepUI(UI):
     """One progress line per level: level i/n, requests, live tok/s, W, J/token, CI.
 
-    The bar follows the sweep's stopping rule (level_fraction), so it fills when the level ends."""
+    The bar follows the sweep's stopping rule (level_fraction), so it fills when the level ends.
+    To a pipe or log file each level's line is printed once, as the level ends: rich's live display
+    draws there only when stopped, which put every level line below the notes of the whole sweep,
+    the "stopped: ..." that concludes them included."""
 
     def __init__(self, console: Console | None = None, settings: SweepSettings | None = None):
         self.console = console or Console(stderr=True)
@@ -56,13 +59,19 @@ class RichSweepUI(UI):
         )
         self._task = None
         self._unit = "W"
+        self.live = self.console.is_terminal and not self.console.is_dumb_terminal
 
     def __enter__(self):
-        self.progress.start()
+        if self.live:
+            self.progress.start()
         return self
 
     def __exit__(self, *exc):
-        self.progress.stop()
+        if self.live:  # stop() also prints a blank line to a pipe
+            self.progress.stop()
+
+    def _print_level(self) -> None:
+        self.console.print(self.progress.make_tasks_table([t for t in self.progress.tasks if t.id == self._task]))
 
     def _log(self, text: str) -> None:
         # Not console.log: it ends every line with the source file and line (progress.py:42).
@@ -94,8 +103,24 @@ class RichSweepUI(UI):
     def level_done(self, visit: LevelVisit, live: dict) -> None:
         if self._task is not None:
             self.progress.update(self._task, completed=BAR_STEPS, info=self._info(live) + f"  [{visit.stop}]")
+            if not self.live:
+                self._print_level()
+            self._task = None
 
     def note(self, text: str) -> None:
+        self._log(text)
+
+    def stopped(self, text: str) -> None:
+        # The level in progress ends here, and the note concludes the level lines: it goes below them.
+        if self._task is not None:
+            info = next(t for t in self.progress.tasks if t.id == self._task).fields.get("info", "")
+            self.progress.update(self._task, info=f"{info}  [stopped]")
+            self.progress.stop_task(self._task)  # its clock stops with the level
+            if not self.live:
+                self._print_level()
+            self._task = None
+        if self.live:
+            self.progress.stop()
         self._log(text)
 
 

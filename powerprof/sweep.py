@@ -215,6 +215,10 @@ class UI:
     def level_done(self, visit: LevelVisit, live: dict) -> None: ...
     def note(self, text: str) -> None: ...
 
+    def stopped(self, text: str) -> None:
+        """The sweep stopped (a signal or an error): `text` says what was kept; nothing follows it."""
+        self.note(text)
+
 
 class Sweep:
     """Runs the levels. Owns nothing it did not create: the caller opens and closes the
@@ -947,7 +951,7 @@ def run_sweep(
         except BaseException:
             # Ctrl-C, a signal or an error, wherever it struck: the person must learn where the levels went.
             if ui is not None:
-                ui.note(_kept_note(run_dir, writer.metadata.get("levels_done") or []))
+                ui.stopped(_kept_note(run_dir, writer.metadata.get("levels_done") or []))
             raise
     notes.extend(profiler.edge_notes())
     notes.extend(getattr(sweep, "level_notes", []))

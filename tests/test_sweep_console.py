@@ -114,6 +114,56 @@ def test_a_finished_level_says_why_it_stopped():
     assert "[q4_k_m]" in out
 
 
+class _StopAt(RichSweepUI):
+    """The rich UI writing to a pipe (a file: not a terminal), raising Ctrl-C once level `at` has measured a request."""
+
+    def __init__(self, buf, at):
+        super().__init__(Console(file=buf, width=120, color_system=None), SweepSettings("power_limit", (300.0,)))
+        self.at = at
+
+    def level_progress(self, visit, live):
+        super().level_progress(visit, live)
+        if visit.level_value == self.at and visit.n_measured >= 1:
+            raise KeyboardInterrupt
+
+
+def test_piped_progress_prints_each_level_line_as_it_ends_and_the_stop_below_them(tmp_path):
+    # `sweep ... 2>&1 | cat`: rich's live display drew the level lines only when it stopped, so the log read
+    # idle baseline, "stopped: 1 finished level kept ...", and only then the two level lines it concluded.
+    from powerprof.rig import Rig
+    from powerprof.sim.nvml import SimNVML
+    from powerprof.sweep import run_sweep
+    from powerprof.workload.client import RequestParams
+
+    buf = io.StringIO()
+    sim = SimNVML("seed-16g", state_path=None)
+    before_w = sim.gpus[0].limit_w
+    with Rig("seed-16g", nvml=sim) as rig, _StopAt(buf, 200.0) as ui, pytest.raises(KeyboardInterrupt):
+        run_sweep(rig, levels_spec="300,200", out_dir=tmp_path / "run", params=RequestParams(max_tokens=32), idle_s=0.2,
+                  interval_s=0.2, min_requests=2, max_requests=2, warmup_requests=0, ui=ui)
+    lines = buf.getvalue().splitlines()
+    at = {what: next((i for i, line in enumerate(lines) if what in line), None)
+          for what in ("idle baseline", "level 1/2: 300 W", "level 2/2: 200 W", "stopped: 1 finished level")}
+    assert None not in at.values(), lines
+    assert at["idle baseline"] < at["level 1/2: 300 W"] < at["level 2/2: 200 W"] < at["stopped: 1 finished level"], lines
+    assert "[max-requests]" in lines[at["level 1/2: 300 W"]] and "[stopped]" in lines[at["level 2/2: 200 W"]], lines
+    assert sum("level 1/2" in line for line in lines) == 1  # once, not again as the display stops
+    assert sim.gpus[0].limit_w == before_w
+
+
+def test_a_stop_on_a_terminal_goes_below_the_level_lines_too():
+    buf = io.StringIO()
+    ui = RichSweepUI(Console(file=buf, width=120, color_system=None, force_terminal=True),
+                     SweepSettings("power_limit", (300.0,)))
+    with ui:
+        visit = LevelVisit(300.0, 0)
+        ui.level_start(0, 1, visit, "W")
+        ui.stopped("stopped before any level finished: runs/x holds nothing to analyse")
+    out = buf.getvalue()
+    assert out.rindex("level 1/1: 300 W") < out.index("stopped before any level finished"), out
+    assert "[stopped]" in out
+
+
 def _sweep_cli(tmp_path, *extra):
     return CliRunner().invoke(main, ["sweep", "--simulate", "--limits", "300,200", "--idle-s", "0", "--min-requests",
                                      "2", "--max-requests", "2", "--warmup", "0", "--max-tokens", "32", "--out",
