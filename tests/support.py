@@ -9,6 +9,8 @@ import socket
 
 import pytest
 
+from powerprof.sweep import UI
+
 
 def free_port() -> int:
     with socket.socket() as s:
@@ -37,7 +39,7 @@ def sim_limit_w(profile: str = "seed-16g", index: int = 0) -> float:
     return sim.nvmlDeviceGetPowerManagementLimit(sim.nvmlDeviceGetHandleByIndex(index)) / 1000
 
 
-class _CtrlC:
+class _CtrlC(UI):
     """A sweep UI that presses Ctrl-C in the idle baseline, or once the first level has measured a request."""
 
     def __init__(self, when: str):

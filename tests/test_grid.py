@@ -14,6 +14,7 @@ from powerprof.analysis.report import analyze_run
 from powerprof.cli import main
 from powerprof.grid import GridSpec, launch_status, parse_vary, render, run_grid
 from powerprof.rig import Rig
+from powerprof.sweep import UI
 from powerprof.workload.client import RequestParams
 from powerprof.workload.context import parse_context_tokens
 from support import free_port
@@ -167,7 +168,7 @@ def test_failed_configuration_does_not_stop_the_grid_and_no_levels_needs_no_cont
     assert rates[32 * 1024][len(rates[32 * 1024]) // 2] < 0.93 * rates[64][len(rates[64]) // 2]
 
 
-class _StopInSecondConfig:
+class _StopInSecondConfig(UI):
     """A sweep UI that presses Ctrl-C once the second configuration has measured a batch of its first level."""
 
     def __init__(self):
