@@ -866,7 +866,10 @@ def analyze(run_dirs, out_dir, max_slowdown, eta, formats, force, n_boot, as_jso
                 click.echo(f"warning: {w.message}", err=True)
         click.echo(result_json(result))
         return
-    click.echo(console_summary(result))
+    from powerprof.progress import result_console
+
+    # Wrapped to the width sweep's results get (a pipe: 120 unless $COLUMNS): the terminal's own wrap cut figures.
+    click.echo(console_summary(result, width=result_console().width))
 
 
 @main.command()
@@ -1056,7 +1059,7 @@ def sweep(limits, clocks, url, launch, vary, context_tokens, simulate, gpus, rep
     except (KeyboardInterrupt, termination.Terminated) as e:
         _analysis_stopped(e, outcome.run_dir)
     if result.knobs is not None:
-        out.print(console_summary(result), highlight=False, markup=False)
+        out.print(console_summary(result, width=out.width), highlight=False, markup=False)
     else:
         out.print(end_screen(outcome.levels, result, unit), highlight=False)
     out.print(f"run directory: {outcome.run_dir}", markup=False, highlight=False)

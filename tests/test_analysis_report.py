@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import json
 import re
 
@@ -30,6 +31,13 @@ def seed_result(tmp_path_factory):
     base = tmp_path_factory.mktemp("seed")
     run = make_run(base / "run", seed_truth(), levels=SEED_LEVELS, n_requests=40, thermal_levels=(180,))
     return run, analyze_run([run], n_boot=300)
+
+
+def _said(output: str, start: str) -> str:
+    """The console's sentence or finding that starts with `start`, its wrapped lines (indented) joined back."""
+    lines = output.splitlines()
+    i = next(k for k, x in enumerate(lines) if x.startswith(start))
+    return " ".join(" ".join(lines[i:i + 1] + list(itertools.takewhile(lambda x: x.startswith("  "), lines[i + 1:]))).split())
 
 
 def test_analyze_writes_every_output(seed_result):
@@ -147,7 +155,7 @@ def test_forced_pool_of_different_gpus_warns_naming_them(tmp_path):
     out = tmp_path / "out"
     r = CliRunner().invoke(main, ["analyze", str(a), str(b), "--force", "--out", str(out), "--bootstrap", "200"])
     assert r.exit_code == 0, r.output
-    line = next(x for x in r.output.splitlines() if x.startswith("! forced-pool:"))
+    line = _said(r.output, "! forced-pool:")
     assert "GPU model" in line and all(n in line for n in names) and "--force" in line
     ana = json.loads((out / "analysis.json").read_text())
     assert ana["warnings"][0]["kind"] == "forced-pool" and all(n in ana["warnings"][0]["message"] for n in names)
@@ -242,8 +250,8 @@ def test_a_level_the_sweep_was_still_measuring_when_it_stopped_is_said(tmp_path)
     meta_path.write_text(json.dumps({**meta, "levels_done": finished}))
     r = CliRunner().invoke(main, ["analyze", str(run), "--bootstrap", "200", "--out", str(tmp_path / "a")])
     assert r.exit_code == 0, r.output
-    assert "interrupted" in r.output and "stopped while measuring 180 W (6 windows)" in r.output
-    assert "220 W" not in r.output.split("interrupted")[1].split("\n")[0]
+    said = _said(r.output, "! interrupted")
+    assert "stopped while measuring 180 W (6 windows)" in said and "220 W" not in said, r.output
     warnings = json.loads((tmp_path / "a" / "analysis.json").read_text())["warnings"]
     assert [w["levels"] for w in warnings if w["kind"] == "interrupted"] == [[180.0]]
     # Every visit finished: nothing to say.
@@ -270,10 +278,10 @@ def test_the_reference_recommended_is_not_compared_with_itself(tmp_path):
     run = make_run(tmp_path / "run", seed_truth(), levels=SEED_LEVELS, n_requests=20)
     r = CliRunner().invoke(main, ["analyze", str(run), "--max-slowdown", "1%", "--bootstrap", "200"])
     assert r.exit_code == 0, r.output
-    line = next(x for x in r.output.splitlines() if x.startswith("Recommended limit"))
+    line = _said(r.output, "Recommended limit")
     assert line.startswith("Recommended limit: 300 W, the reference (") and "0.0% slower" not in line
     assert "every lower level is slower than the budget allows (260 W: " in line
-    edge = next(x for x in r.output.splitlines() if x.startswith("! edge:"))
+    edge = _said(r.output, "! edge:")
     assert "160 W" in edge  # least J/token at the lowest level: measure below it
 
 
@@ -683,3 +691,33 @@ def test_the_reference_chosen_over_a_level_within_budget_says_why(tmp_path):
     line = console_summary(res)
     assert "slower than the budget allows" not in line and "-1.0% less" not in line
     assert "no lower level within the budget uses less energy per token (240 W: 9.5% slower, 1.0% more energy" in line
+
+
+@pytest.mark.parametrize("columns", ["60", "80", "200", None])
+def test_analyze_summary_is_wrapped_to_the_terminal_between_words(tmp_path, monkeypatch, columns):
+    # analyze printed its summary unwrapped (rows of 94 columns, findings of 370): the terminal wrapped them itself,
+    # cutting "2.568" into "2.5" / "68" and a flag in two. A pipe gets 120 columns, as sweep's results do.
+    run = make_run(tmp_path / "run", seed_truth(), levels=(200, 240, 280, 320), n_requests=5, noise=0.08,
+                   thermal_levels=(200,))
+    if columns is None:
+        monkeypatch.delenv("COLUMNS", raising=False)
+    else:
+        monkeypatch.setenv("COLUMNS", columns)
+    r = CliRunner().invoke(main, ["analyze", str(run), "--out", str(tmp_path / "o"), "--format", "md",
+                                  "--bootstrap", "200"])
+    assert r.exit_code == 0, r.output
+    width = int(columns or 120)
+    lines = r.output.splitlines()
+    assert max(len(line) for line in lines) <= width, "\n".join(line for line in lines if len(line) > width)
+    assert "…" not in r.output
+    res = analyze_run([run], tmp_path / "o2", n_boot=200, plots=False, formats=())
+    tokens = {t for line in lines for t in line.replace(",", " ").split()}
+    for row in res.table.to_pylist():
+        for figure in (f"{row['gpu_j_per_token']:.3f}", f"{row['decode_tok_s']:.1f}"):
+            assert figure in tokens, (figure, r.output)  # whole, on one line
+        for flag in (row["flags"] or "").split(","):
+            assert not flag or any(flag in line for line in lines), (flag, r.output)
+    for w in res.warnings:  # every finding's words, in order, however it was broken
+        assert " ".join(w.message.split()) in " ".join(r.output.split()), w.message
+    if width == 200:
+        assert any("chosen by" in line and "tok/s" in line for line in lines)  # the table, with room for it

@@ -10,6 +10,7 @@ import base64
 import html
 import json
 import os
+import re
 from pathlib import Path
 
 import numpy as np
@@ -530,34 +531,87 @@ def render_html(result: AnalysisResult, images: dict[str, Path] | None = None) -
     return "\n".join(parts)
 
 
-def console_summary(result: AnalysisResult, table: bool = True) -> str:
+def console_summary(result: AnalysisResult, table: bool = True, width: int | None = None) -> str:
     """A compact plain-text summary (levels, sweet spots, recommendation, warnings) for the terminal.
 
-    table=False leaves the levels out, for a caller (the sweep) that has printed its own table."""
+    table=False leaves the levels out, for a caller (the sweep) that has printed its own table.
+    width: the terminal's columns; every line is wrapped to it between words, so no figure, flag or
+    path is split (the terminal's own wrapping cut "2.568" into "2.5" and "68"). None: no wrapping."""
     if result.knobs is not None:
         head = _knob_head(result)
         if not result.has_levels:
             lines = head + [f"! {w.kind}: {w.message}" for w in result.warnings]
             if result.files.get("report.html"):
                 lines.append(f"Report: {result.files['report.html']}")
-            return "\n".join(lines)
-        return "\n".join(head + ["", _levels_summary(result, table)])
-    return _levels_summary(result, table)
+            return _wrapped(lines, width)
+        return _wrapped(head, width) + "\n\n" + _levels_summary(result, table, width)
+    return _levels_summary(result, table, width)
 
 
-def _levels_summary(result: AnalysisResult, table: bool) -> str:
-    sr = result.main
+def _wrapped(lines: list[str], width: int | None) -> str:
+    if width is None:
+        return "\n".join(lines)
+    out = []
+    for line in lines:
+        # Continuations are indented, so a line at the margin starts a sentence or a finding ("! ...").
+        out += _wrap(line, width, subsequent_indent="  ") or [""]
+    return "\n".join(out)
+
+
+_UNIT_SPACE = re.compile(r"(?<=\d) (?=(?:W|MHz|J/token|J/tok|J|tok/s|s|ms|%|GiB|MiB|tokens?)\b)")
+
+
+def _wrap(text: str, width: int, subsequent_indent: str = "") -> list[str]:
+    """Lines of at most `width` broken between words only; a figure stays on the line of its unit ("150 W")."""
+    import textwrap  # noqa: PLC0415
+
+    glued = _UNIT_SPACE.sub("\u00a0", text)  # textwrap breaks only at ASCII whitespace
+    return [line.replace("\u00a0", " ") for line in textwrap.wrap(
+        glued, width, subsequent_indent=subsequent_indent, break_long_words=False, break_on_hyphens=False)]
+
+
+_HEAD = f"{'level':>8}  {'tok/s':>7}  {'J/token':>8}  {'±CI%':>5}  {'slower':>7}  {'saving':>7}  "
+
+
+def _level_rows(sr, width: int | None) -> list[str]:
+    """The levels as a fixed-column table, its last column (chosen by, then flags) wrapped under itself
+    after a comma; narrower than the figures and the longest policy or flag, one paragraph per level."""
     u = _unit(sr)
-    lines = [f"{'level':>8}  {'tok/s':>7}  {'J/token':>8}  {'±CI%':>5}  {'slower':>7}  {'saving':>7}  chosen by"]
-    for r in sr.table.to_pylist():
-        lines.append(
-            f"{r['level_value']:>6g} {u:<2}{'*' if r['recommended'] else ' '}{_f(r['decode_tok_s'], '7.1f'):>7}  "
-            f"{_f(r['gpu_j_per_token'], '8.3f'):>8}  {_f(r['ci_reached_pct'], '5.1f'):>5}  "
-            f"{_f(r['speed_loss_pct'], '6.1f'):>6}%  {_f(r['energy_saving_pct'], '6.1f'):>6}%  {r['chosen_by'] or ''}"
-            + ("  [" + r["flags"] + "]" if r["flags"] else ""))
-    if not table:
-        lines = []
-    lines += ["", recommendation_line(result)] if table else [recommendation_line(result)]
+    rows = sr.table.to_pylist()
+    fixed, tails = [], []
+    for r in rows:
+        fixed.append(f"{r['level_value']:>6g} {u:<2}{'*' if r['recommended'] else ' '}{_f(r['decode_tok_s'], '7.1f'):>7}  "
+                     f"{_f(r['gpu_j_per_token'], '8.3f'):>8}  {_f(r['ci_reached_pct'], '5.1f'):>5}  "
+                     f"{_f(r['speed_loss_pct'], '6.1f'):>6}%  {_f(r['energy_saving_pct'], '6.1f'):>6}%  ")
+        tails.append((r["chosen_by"] or "") + ("  [" + r["flags"] + "]" if r["flags"] else ""))
+    if width is None:
+        return [_HEAD + "chosen by"] + [f + t for f, t in zip(fixed, tails)]
+    words = [w for t in tails for w in t.replace(",", ", ").split()]
+    if len(_HEAD) + max([len("chosen by")] + [len(w) for w in words]) <= width:
+        lines = [(_HEAD + "chosen by").rstrip()]
+        for f, t in zip(fixed, tails):
+            # Break after a comma: "min_energy,budget,edp" folds at its commas, never inside a name.
+            parts = _wrap(t.replace(",", ", "), width - len(_HEAD)) or [""]
+            lines += [(f + parts[0].replace(", ", ",")).rstrip()]
+            lines += [" " * len(_HEAD) + p.replace(", ", ",") for p in parts[1:]]
+        return lines
+    out = []
+    for r in rows:
+        p = (f"{r['level_value']:g} {u}{' *' if r['recommended'] else ''}: {_f(r['decode_tok_s'], '.1f')} tok/s, "
+             f"{_f(r['gpu_j_per_token'], '.3f')} J/token ±{_f(r['ci_reached_pct'], '.1f')}%, "
+             f"{_f(r['speed_loss_pct'], '.1f')}% slower, {_f(r['energy_saving_pct'], '.1f')}% saving")
+        if r["chosen_by"]:
+            p += "; chosen by " + r["chosen_by"].replace(",", ", ")
+        if r["flags"]:
+            p += "; flags: " + r["flags"].replace(",", ", ")
+        out += _wrap(p, width, subsequent_indent="  ")
+    return out
+
+
+def _levels_summary(result: AnalysisResult, table: bool, width: int | None = None) -> str:
+    sr = result.main
+    rows = (_level_rows(sr, width) + [""]) if table else []
+    lines = [recommendation_line(result)]
     if sr.comparable:
         others = [f"{p} {c.level_value:g}" for p, c in sr.choices.items() if p != sr.primary]
         lines.append("Other policies: " + ", ".join(others) + ".")
@@ -569,4 +623,4 @@ def _levels_summary(result: AnalysisResult, table: bool) -> str:
         lines.append(f"! {w.kind}: {w.message}")
     if result.files.get("report.html"):
         lines.append(f"Report: {result.files['report.html']}")
-    return "\n".join(lines)
+    return "\n".join(rows + [_wrapped(lines, width)])
