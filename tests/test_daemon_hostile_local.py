@@ -158,3 +158,29 @@ def test_malformed_requests_are_logged_in_one_line_each_and_rate_limited(tmp_pat
     assert 1 <= len(lines) <= 10, lines
     assert "Transfer-Encoding can't be present with Content-Length" in lines[0]
     assert "\x1b" not in out  # a client's bytes never reach a terminal raw
+
+
+@pytest.mark.parametrize("workers", [1, 2])
+def test_malformed_requests_are_counted_on_metrics(tmp_path, workers):
+    # Before: a malformed request was seen only in the log, whose lines are rate-limited (the first 5, then every
+    # 1000th): /metrics had no count, so an alert on a client sending them, or a count of how many, was impossible.
+    env = {**sim_env(tmp_path), "POWERPROF_PROXY_WORKERS": str(workers)}
+    d = DaemonProc(tmp_path / "data", "--simulate", env=env)
+    host, port = d.info["proxy"][len("http://"):].rsplit(":", 1)
+    bad = (b"POST /completion HTTP/1.1\r\nHost: x\r\nContent-Length: 2\r\nTransfer-Encoding: chunked\r\n\r\n{}",
+           b"GET /health HTTP/1.1\r\nHost: x\r\nX-A: a\r\n b\r\n\r\n")
+    try:
+        assert _metric(d.info["metrics"], "powerprof_proxy_malformed_requests_total") == 0
+        for i in range(12):  # more than the 5 lines the log shows
+            with socket.create_connection((host, int(port))) as s:
+                s.sendall(bad[i % 2])
+                s.settimeout(30)
+                assert s.recv(12)[8:] == b" 400"
+        assert urllib.request.urlopen(d.info["proxy"] + "/health", timeout=30).status == 200  # a good one is not counted
+        deadline = time.monotonic() + 30  # the snapshot is renewed each tick, a worker's counts come with its heartbeat
+        while (n := _metric(d.info["metrics"], "powerprof_proxy_malformed_requests_total")) < 12 \
+                and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert n == 12
+    finally:
+        assert d.stop() == 0

@@ -18,8 +18,10 @@ from daemon_helpers import DaemonProc, energy_books_j, open_long_stream, read_da
 from powerprof.daemon import streams
 from powerprof.daemon.config import ConfigError, load_config
 from powerprof.daemon.proxy import Proxy
-from powerprof.daemon.workers import FLUSH_S, ProxyWorkers, ShippingRecorder, Unframer, WorkerProxy, frame
+from powerprof.daemon.workers import _STATS, FLUSH_S, ProxyWorkers, ShippingRecorder, Unframer, WorkerProxy, frame
 from test_daemon_proxy import Rec, Upstream, _run, _serve
+
+ZERO = (0,) * len(_STATS)  # a worker's counters (ShippingRecorder._stats), none yet
 
 TRACE_FIELDS = ("method", "endpoint", "tag", "arrival_ns", "arrival_wall_ns", "api", "model", "stream", "status",
                 "first_ns", "first_wall_ns", "last_ns", "last_wall_ns", "end_ns", "end_wall_ns", "tokens_seen",
@@ -28,7 +30,7 @@ TRACE_FIELDS = ("method", "endpoint", "tag", "arrival_ns", "arrival_wall_ns", "a
 
 def test_frames_survive_being_cut_anywhere():
     msgs = [("hello", 42), ([(1, "POST", "/completion", None, 5, 6, "llamacpp", "m", True)], [], [(1, 7, 3, -1)], [],
-                            (0, 0, 0), [], 8), ("beat", 9, [1], (0, 0, 0))]
+                            ZERO, [], 8), ("beat", 9, [1], ZERO)]
     data = b"".join(frame(m) for m in msgs)
     for cut in range(len(data) + 1):
         u = Unframer()
@@ -387,7 +389,7 @@ def test_an_end_without_a_start_is_still_counted():
     rec = Rec()
     workers = ProxyWorkers(1, "http://unused", "127.0.0.1", 0, recorder=rec, proxy_kwargs={},
                            header_timeout_s=10, idle_timeout_s=10)
-    (msg,) = Unframer().feed(frame(([], [], [], [_end_record(tr)], (0, 0, 0), [], 0)))
+    (msg,) = Unframer().feed(frame(([], [], [], [_end_record(tr)], ZERO, [], 0)))
     workers._replay(workers.workers[0], msg)
     (got,) = rec.ended
     assert (got.tag, got.status, got.outcome, got.arrival_ns, got.end_ns) == ("slow", 408, "client_timeout", 10, 30)
@@ -696,13 +698,13 @@ def test_a_badly_typed_record_is_refused_whole_and_the_ledger_goes_on():
     link = _WorkerLink(workers, w)
     bad = _trace(1, T + S // 10)
     bad.arrival_ns = "soon"
-    link.data_received(frame(([_start_record(bad)], [], [], [], (0, 0, 0), [], T)))
+    link.data_received(frame(([_start_record(bad)], [], [], [], ZERO, [], T)))
     assert closed and workers.replay_failures == 1 and workers.active == 0  # the worker's failure path
     good = _trace(2, T + S // 10)
     good.end_ns = good.end_wall_ns = T + S // 2
     w.transport = SimpleNamespace(close=lambda: closed.append(2))
     link = _WorkerLink(workers, w)
-    link.data_received(frame(([_start_record(good)], [], [], [_end_record(good)], (0, 0, 0), [], T)))
+    link.data_received(frame(([_start_record(good)], [], [], [_end_record(good)], ZERO, [], T)))
     for k in range(3):
         _edge(led, k)
     led.advance(T + 60 * S)
@@ -935,9 +937,9 @@ def test_a_contradicted_counts_kind_crosses_the_link_and_an_unknown_kind_is_refu
     tr.counts = streams.Counts(50, 5, None, "stop", "timings", count_problem="the server counted 50 generated "
                                "tokens but ...", count_problem_kind=RUNNING_COUNT_SHORT)
     end = _end_record(tr)
-    check_message(([], [], [], [end], (0, 0, 0), [], T))
+    check_message(([], [], [], [end], ZERO, [], T))
     assert streams.Counts(*end[16]).count_problem_kind == RUNNING_COUNT_SHORT
     for kind, problem in (("made_up", "x"), (None, "x"), (RUNNING_COUNT_SHORT, None)):
         tr.counts = dataclasses.replace(tr.counts, count_problem=problem, count_problem_kind=kind)
         with pytest.raises(ValueError, match="counts"):
-            check_message(([], [], [], [_end_record(tr)], (0, 0, 0), [], T))
+            check_message(([], [], [], [_end_record(tr)], ZERO, [], T))

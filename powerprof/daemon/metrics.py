@@ -96,6 +96,7 @@ class Snapshot:
     proxy_upstream_failures: int = 0
     proxy_active: int = 0
     proxy_records_dropped: int = 0  # proxy workers' records not shipped (the daemon did not read)
+    proxy_malformed_requests: int = 0  # rejected by aiohttp's parser (400), this process's and the workers'
     proxy_worker_restarts: dict = field(default_factory=dict)  # reason → count (proxy.workers > 1)
     late_tokens: float = 0.0  # stamped before an interval already closed: not attributed
     latency: dict = field(default_factory=dict)  # name → latency.HistogramState
@@ -211,6 +212,9 @@ class SnapshotCollector:
         yield CounterMetricFamily("powerprof_proxy_upstream_failures", "Upstream unreachable (502 sent)",
                                   value=s.proxy_upstream_failures)
         yield GaugeMetricFamily("powerprof_proxy_active_requests", "Requests in flight", value=s.proxy_active)
+        yield CounterMetricFamily("powerprof_proxy_malformed_requests", "Requests the HTTP parser rejected with 400 "
+                                  "(Content-Length with Transfer-Encoding, obs-fold, control characters...), never "
+                                  "forwarded: the proxy's, its workers' and /metrics'", value=s.proxy_malformed_requests)
         if s.inflight is not None:
             q = s.inflight
             yield GaugeMetricFamily("powerprof_requests_in_flight", "Proxied generation requests started and "

@@ -212,6 +212,7 @@ class Daemon:
         self._runners: list[web.AppRunner] = []
         self._last_edge_s = 0.0
         self.edge_reads = 0  # on-demand counter reads at short requests' edges
+        self.bad_requests = None  # guard.BadRequestLog once run() starts
         self._edge_costs: deque[float] = deque(maxlen=9)  # CPU s of the latest such reads
         self.edge_cpu_total_s = 0.0
         self.guard: ConnectionGuard | None = None
@@ -461,6 +462,8 @@ class Daemon:
             proxy_upstream_failures=self.proxy.upstream_failures if self.proxy else 0,
             proxy_active=self.proxy.active if self.proxy else 0,
             proxy_records_dropped=getattr(self.proxy, "records_dropped", 0),
+            proxy_malformed_requests=(self.bad_requests.rejected if self.bad_requests is not None else 0)
+            + getattr(self.proxy, "malformed_requests", 0),
             proxy_worker_restarts=dict(getattr(self.proxy, "restarts", {})),
             late_tokens=self.ledger.late_tokens,
         )
@@ -645,6 +648,7 @@ class Daemon:
         data_dir = self._open()
         session = aiohttp.ClientSession()
         self.guard = ConnectionGuard(self.cfg.get("proxy", "header_timeout_s"), self.cfg.get("proxy", "idle_timeout_s"))
+        self.bad_requests = quiet_bad_requests()  # this process's listeners' malformed requests (main() installs it too)
         try:
             await self._start(session, data_dir)
             await self.stop_event.wait()

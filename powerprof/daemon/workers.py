@@ -121,6 +121,7 @@ class ShippingRecorder:
         self.transport: asyncio.Transport | None = None
         self.dropped = 0  # records not sent: the daemon did not read
         self.proxy: Proxy | None = None
+        self.bad_requests = None  # guard.BadRequestLog: the worker's malformed requests, for /metrics
         self.live: dict = {}  # request ids started and not ended (a dict: ordered, cheap to list)
         self._starts: list = []
         self._firsts: list = []
@@ -166,7 +167,8 @@ class ShippingRecorder:
 
     def _stats(self) -> tuple:
         p = self.proxy
-        return (p.recorder_failures, p.upstream_failures, self.dropped) if p is not None else (0, 0, self.dropped)
+        bad = self.bad_requests.rejected if self.bad_requests is not None else 0
+        return (p.recorder_failures, p.upstream_failures, self.dropped, bad) if p is not None else (0, 0, self.dropped, bad)
 
     def _writable(self) -> bool:
         tr = self.transport
@@ -274,6 +276,7 @@ async def _serve(spec: dict, sock: socket.socket) -> int:
     proxy = WorkerProxy(spec["upstream"], recorder=shipper, **spec["proxy"])
     shipper.proxy = proxy
     shipper.active = lambda: proxy.active
+    shipper.bad_requests = quiet_bad_requests()
     guard = ConnectionGuard(spec["header_timeout_s"], spec["idle_timeout_s"])
     app = proxy.app()
     app.middlewares.append(guard.middleware)
@@ -339,6 +342,7 @@ _FIRST = (_I, _I, _I, _I, _IN, _BN, _FN)
 _TOK = (_I, _I, _I, "float")
 _END_REST = (_IN, _IN, _IN, _SN, _SN, _IN, _IN, _IN, _IN, _I, _I, _SN, _SN, _SN, _BN)
 _COUNTS = (_IN, _IN, _SN, _SN, _S, _FN, _BN, _SN, _SN, "bool", _SN, _SN)
+_STATS = (_I, _I, _I, _I)  # ShippingRecorder._stats: recorder and upstream failures, records dropped, malformed requests
 
 
 def _ok(v, kind: str) -> bool:
@@ -370,7 +374,7 @@ def check_message(msg) -> None:
         _check(msg[:2], (_S, _I), "beat")
         if len(msg) != 4 or type(msg[2]) is not list or not all(type(r) is int for r in msg[2]):
             raise ValueError(f"malformed beat {msg!r:.200}")
-        return _check(msg[3], (_I, _I, _I), "stats")
+        return _check(msg[3], _STATS, "stats")
     if len(msg) != 7:
         raise ValueError(f"malformed message of {len(msg)} parts")
     starts, firsts, toks, ends, stats, marks, watermark = msg
@@ -395,7 +399,7 @@ def check_message(msg) -> None:
                 raise ValueError(f"malformed end's counts record {e[16]!r:.200}")
     for m in marks:
         _check(m, (_I, _I), "dropped-tokens")
-    _check(stats, (_I, _I, _I), "stats")
+    _check(stats, _STATS, "stats")
     _check((watermark,), (_I,), "watermark")
 
 
@@ -434,8 +438,8 @@ class _Worker:
         self.transport: asyncio.Transport | None = None
         self.hello: asyncio.Future | None = None
         self.closed: asyncio.Future | None = None
-        self.stats = (0, 0, 0)  # its proxy's recorder and upstream failures, records it dropped
-        self.base = (0, 0, 0)  # the same, summed over its earlier lives
+        self.stats = (0,) * len(_STATS)  # its proxy's recorder and upstream failures, records it dropped, malformed requests
+        self.base = (0,) * len(_STATS)  # the same, summed over its earlier lives
         self.started_s = 0.0
         self.heard_s = 0.0  # when its socket last brought anything
         self.said_hello = False
@@ -494,6 +498,11 @@ class ProxyWorkers:
     @property
     def upstream_failures(self) -> int:
         return sum(w.base[1] + w.stats[1] for w in self.workers)
+
+    @property
+    def malformed_requests(self) -> int:
+        """Requests the workers' HTTP parsers rejected (400, never forwarded)."""
+        return sum(w.base[3] + w.stats[3] for w in self.workers)
 
     @property
     def watermark_ns(self) -> int | None:
@@ -753,7 +762,7 @@ class ProxyWorkers:
             del self.marked[k]
         self.lost_requests += len(lost)
         w.base = tuple(a + b for a, b in zip(w.base, w.stats))
-        w.stats = (0, 0, 0)
+        w.stats = (0,) * len(_STATS)
         w.watermark_ns = None
         if lost:
             log.error("proxy worker %d (pid %s) is gone: %d request(s) in flight in it recorded as interrupted",
