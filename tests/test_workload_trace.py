@@ -507,3 +507,34 @@ def test_replay_says_when_the_server_cut_requests_short_of_the_traces_lengths(tm
     note = cut_short(recs)
     assert note.startswith("1 request was cut short by the server")
     assert "of the 50 tokens they ask for were generated" in note and "fix:" in note
+
+
+def test_replay_says_prompts_of_0_or_1_tokens_were_sent_longer(tmp_path):
+    # A prompt of 0 or 1 tokens was sent as about 2 (the BOS and the request's marker) without a word: the
+    # prompt work served was more than the trace's, and the summary's prompt tokens disagreed with it silently.
+    from click.testing import CliRunner
+
+    from powerprof.cli import main
+    from powerprof.workload.replay import trace_notes
+    from powerprof.workload.trace import TraceRequest
+
+    t = tmp_path / "t.jsonl"
+    t.write_text('{"t_s": 0, "prompt_tokens": 0, "output_tokens": 4}\n{"t_s": 0.05, "prompt_tokens": 1, "output_tokens": 4}\n'
+                 '{"t_s": 0.1, "prompt_tokens": 8, "output_tokens": 4}\n')
+    r = CliRunner().invoke(main, ["replay", str(t), "--simulate", "--json"])
+    assert r.exit_code == 0, r.output
+    doc = json.loads(r.stdout)
+    said = [n for n in doc["notes"] if "prompt of 0 or 1 tokens" in n]
+    assert len(said) == 1 and said[0].startswith("2 of 3 requests have a prompt of 0 or 1 tokens: each is sent as about 2")
+    assert doc["prompt_tokens"] > 0 + 1 + 8  # the server counted what was sent, as the note says
+    r = CliRunner().invoke(main, ["replay", str(t), "--simulate"])
+    assert "note: 2 of 3 requests have a prompt of 0 or 1 tokens" in r.output, r.output
+    assert not [n for n in trace_notes([TraceRequest(0.0, 2, 4)]) if "prompt" in n]  # 2 tokens: sent as asked
+
+
+def test_a_trace_sweep_says_prompts_of_0_or_1_tokens_were_sent_longer(tmp_path):
+    from powerprof.workload.trace import TraceRequest
+
+    _, outcome = _trace_sweep_with_a_fault(tmp_path, {}, [TraceRequest(0.0, 1, 4), TraceRequest(0.05, 8, 4)])
+    said = [n for n in outcome.notes if "prompt of 0 or 1 tokens" in n]
+    assert len(said) == 1 and said[0].startswith("1 of 2 requests have a prompt of 0 or 1 tokens"), outcome.notes

@@ -50,11 +50,18 @@ def cut_short(records: list[ReplayRecord]) -> str | None:
 
 def trace_notes(trace: list[TraceRequest]) -> list[str]:
     """What the replay sends other than the trace says."""
+    notes = []
     zero = sum(r.output_tokens == 0 for r in trace)
-    if not zero:
-        return []
-    return [f"{zero} of {len(trace)} requests ask for 0 output tokens: each is sent asking for 1 (no server can be "
-            "asked for none), so one token each is generated and counted"]
+    if zero:
+        notes.append(f"{zero} of {len(trace)} requests ask for 0 output tokens: each is sent asking for 1 (no server "
+                     "can be asked for none), so one token each is generated and counted")
+    short = sum(r.prompt_tokens < 2 for r in trace)
+    if short:
+        # prompt_text's floor: the BOS and the request's own marker, which keeps it from sharing a cached prefix.
+        notes.append(f"{short} of {len(trace)} requests have a prompt of 0 or 1 tokens: each is sent as about 2 (the "
+                     "BOS and a marker unique to the request, so that no two share a cached prefix), and the prompt "
+                     "tokens counted are the server's, of what was sent")
+    return notes
 
 
 def prompt_text(n_tokens: int, index: int) -> str:
