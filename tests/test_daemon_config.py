@@ -47,6 +47,8 @@ def test_precedence_file_then_environment_then_flags(tmp_path):
         ("[daemon]\ngpus = [-1]\n", "daemon.gpus"),
         ("[daemon]\nrestore_on_start = 1\n", "daemon.restore_on_start"),
         ("[proxy]\ntag_header = 'X Tag'\n", "proxy.tag_header"),
+        ("[proxy]\nbody_min_bytes_per_s = -1\n", "proxy.body_min_bytes_per_s"),
+        ("[proxy]\nbody_min_bytes_per_s = 'fast'\n", "proxy.body_min_bytes_per_s"),
         ("[sampler]\nx = 1\n", "[sampler]"),
     ],
 )

@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import random
+import time
 
 import aiohttp
 import pytest
@@ -387,6 +388,85 @@ def test_a_request_body_that_goes_silent_gets_408_small_or_streamed():
     small, big, rec = _run(main())
     assert small.startswith(b"HTTP/1.1 408") and big.startswith(b"HTTP/1.1 408"), (small, big)
     assert [t.outcome for t in rec.ended] == ["client_timeout", "client_timeout"]
+
+
+def test_a_request_body_trickled_under_the_minimum_rate_gets_408_and_frees_its_upstream():
+    # A chunked body sent one byte every body_timeout_s - 1 s never tripped the silence rule, and held its upstream
+    # connection for as long as the client liked. Here: silence rule 0.5 s, one byte every 0.2 s, at least 100 B/s.
+    import socket
+
+    upstream_saw = []
+
+    async def echo(request):
+        body = b""
+        try:
+            async for chunk in request.content.iter_any():
+                body += chunk
+        finally:
+            upstream_saw.append(len(body))
+        return web.Response(text=str(len(body)))
+
+    def trickle(port):
+        with socket.create_connection(("127.0.0.1", port), timeout=30) as s:
+            s.sendall(b"POST /echo HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: chunked\r\n\r\n")
+            s.setblocking(False)
+            out, t0 = b"", time.monotonic()
+            for _ in range(50):  # 10 s of trickling at most; the proxy answers long before
+                try:
+                    s.sendall(b"1\r\nx\r\n")
+                except OSError:
+                    break
+                time.sleep(0.2)
+                try:
+                    out += s.recv(4096)
+                except BlockingIOError:
+                    continue
+                if b"\r\n\r\n" in out:
+                    break
+            else:
+                s.sendall(b"0\r\n\r\n")  # the old proxy waited for the whole trickle, then forwarded it
+            s.setblocking(True)
+            while b"\r\n\r\n" not in out:
+                chunk = s.recv(4096)
+                if not chunk:
+                    break
+                out += chunk
+            return out, time.monotonic() - t0
+
+    async def main():
+        app = web.Application()
+        app.router.add_post("/echo", echo)
+        ur = web.AppRunner(app)
+        await ur.setup()
+        await web.TCPSite(ur, "127.0.0.1", 0).start()
+        rec, proxy, runner, url = await _proxy(f"http://127.0.0.1:{ur.addresses[0][1]}", body_timeout_s=0.5,
+                                               body_min_bytes_per_s=100)
+        loop = asyncio.get_running_loop()
+        out, took_s = await loop.run_in_executor(None, trickle, runner.addresses[0][1])
+        for _ in range(100):  # the upstream sees its connection closed, and the request ends
+            if rec.ended and upstream_saw:
+                break
+            await asyncio.sleep(0.05)
+        # A fast chunked body still passes under the same rule.
+        async with aiohttp.ClientSession() as s:
+            async def gen():
+                for _ in range(20):
+                    yield b"y" * 1000
+            async with s.post(url + "/echo", data=gen()) as r:
+                fast = (r.status, await r.text())
+        await runner.cleanup()
+        await ur.cleanup()
+        return out, took_s, rec, proxy, fast
+
+    out, took_s, rec, proxy, fast = _run(main())
+    assert out.startswith(b"HTTP/1.1 408"), out
+    assert b"slower than 100 bytes/s" in out
+    assert took_s < 9, took_s  # well before the trickle would have ended (0.5 s + bytes / 100 B/s, on a loaded machine)
+    assert upstream_saw and upstream_saw[0] < 50  # its upstream connection was closed mid-body, not served
+    t = rec.ended[0]
+    assert (t.status, t.outcome) == (408, "client_timeout") and "slower than 100 bytes/s" in t.error
+    assert proxy.body_timeouts == {"silent": 0, "slow": 1}
+    assert fast == (200, "20000")
 
 
 async def _raw_clients(responses, sends: list[bytes]):

@@ -184,3 +184,37 @@ def test_malformed_requests_are_counted_on_metrics(tmp_path, workers):
         assert n == 12
     finally:
         assert d.stop() == 0
+
+
+@pytest.mark.parametrize("workers", [1, 2])
+def test_a_trickled_request_body_is_cut_by_the_configured_rate_and_counted(tmp_path, workers):
+    # A chunked body trickled a byte at a time, never silent for proxy.body_timeout_s, held its upstream connection
+    # for as long as the client liked; now proxy.body_min_bytes_per_s (from the environment here) cuts it, counted.
+    env = {**sim_env(tmp_path), "POWERPROF_PROXY_WORKERS": str(workers), "POWERPROF_PROXY_BODY_TIMEOUT_S": "0.5",
+           "POWERPROF_PROXY_BODY_MIN_BYTES_PER_S": "100"}
+    d = DaemonProc(tmp_path / "data", "--simulate", env=env)
+    host, port = d.info["proxy"][len("http://"):].rsplit(":", 1)
+    try:
+        with socket.create_connection((host, int(port))) as s:
+            s.sendall(b"POST /completion HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: chunked\r\n\r\n")
+            s.settimeout(0.2)
+            out = b""
+            for _ in range(100):  # 20 s of a byte every 0.2 s at most
+                try:
+                    s.sendall(b"1\r\n{\r\n")
+                    out += s.recv(4096)
+                except socket.timeout:
+                    continue
+                except OSError:
+                    break
+                if b"\r\n\r\n" in out:
+                    break
+        assert out.startswith(b"HTTP/1.1 408") and b"slower than 100 bytes/s" in out, out
+        deadline = time.monotonic() + 30
+        name = 'powerprof_proxy_body_timeouts_total{rule="slow"}'
+        while (n := _metric(d.info["metrics"], name)) < 1 and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert n == 1
+        assert _metric(d.info["metrics"], 'powerprof_proxy_body_timeouts_total{rule="silent"}') == 0
+    finally:
+        assert d.stop() == 0

@@ -167,6 +167,9 @@ SPEC: dict[str, dict[str, Key]] = {
                               help="an idle keep-alive client connection is closed after this"),
         "body_timeout_s": Key(float, 60.0, _positive(0, 86400),
                               help="longest silence while reading a request body (408 after)"),
+        "body_min_bytes_per_s": Key(float, 1024.0, _positive(0, 1e9, True),
+                                    help="a streamed request body must average this after its first body_timeout_s "
+                                    "(408 else); 0 = no rate, silence alone"),
         "workers": Key(int, 1, _positive(1, 64, True),
                        help="proxy processes on the listen port (SO_REUSEPORT); 1 = the proxy runs in the daemon"),
     },

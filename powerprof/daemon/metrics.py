@@ -96,6 +96,7 @@ class Snapshot:
     proxy_upstream_failures: int = 0
     proxy_active: int = 0
     proxy_records_dropped: int = 0  # proxy workers' records not shipped (the daemon did not read)
+    proxy_body_timeouts: dict = field(default_factory=dict)  # rule (silent, slow) → request bodies answered 408
     proxy_malformed_requests: int = 0  # rejected by aiohttp's parser (400), this process's and the workers'
     proxy_worker_restarts: dict = field(default_factory=dict)  # reason → count (proxy.workers > 1)
     late_tokens: float = 0.0  # stamped before an interval already closed: not attributed
@@ -212,6 +213,11 @@ class SnapshotCollector:
         yield CounterMetricFamily("powerprof_proxy_upstream_failures", "Upstream unreachable (502 sent)",
                                   value=s.proxy_upstream_failures)
         yield GaugeMetricFamily("powerprof_proxy_active_requests", "Requests in flight", value=s.proxy_active)
+        bt = CounterMetricFamily("powerprof_proxy_body_timeouts", "Request bodies answered 408: silent for "
+                                 "proxy.body_timeout_s, or slower than proxy.body_min_bytes_per_s", labels=["rule"])
+        for rule in ("silent", "slow"):
+            bt.add_metric([rule], (s.proxy_body_timeouts or {}).get(rule, 0))
+        yield bt
         yield CounterMetricFamily("powerprof_proxy_malformed_requests", "Requests the HTTP parser rejected with 400 "
                                   "(Content-Length with Transfer-Encoding, obs-fold, control characters...), never "
                                   "forwarded: the proxy's, its workers' and /metrics'", value=s.proxy_malformed_requests)

@@ -11,7 +11,8 @@ closes (at most DRAIN_S) is counted for the request, not forwarded.
 
 Only origin-form targets (`/path?query`) are forwarded: an absolute-form target
 (`GET http://host/x`), CONNECT or `*` gets a 400, so the proxy is never an open forward proxy.
-A request body that goes silent for `body_timeout_s` gets a 408.
+A request body that goes silent for `body_timeout_s`, or arrives slower on average than
+`body_min_bytes_per_s` once that grace has passed, gets a 408 (its upstream connection closed).
 """
 
 from __future__ import annotations
@@ -153,12 +154,35 @@ async def origin_form_only(request: web.Request, handler):
     return await handler(request)
 
 
-async def _body_chunks(content, timeout_s: float):
-    """A streamed request body; a silence of `timeout_s` between chunks ends it with a TimeoutError."""
+class BodyTooSlow(Exception):
+    """A streamed request body arrived slower on average than the proxy's minimum rate."""
+
+
+async def _body_chunks(content, timeout_s: float, min_bytes_per_s: float = 0.0):
+    """A streamed request body; a silence of `timeout_s` between chunks ends it with a TimeoutError, and
+    not having `min_bytes_per_s` × (elapsed − `timeout_s`) bytes by then with BodyTooSlow (0: no rate).
+
+    The silence rule alone let a body trickled a byte every timeout_s − 1 hold its upstream connection for
+    ever. A rate, not a total deadline: a large body on a slow link still arrives, however long it takes,
+    while holding a connection costs a client bytes in proportion to the time (mod_reqtimeout's MinRate)."""
+    start = time.monotonic()
+    got = 0
     while True:
-        chunk = await asyncio.wait_for(content.readany(), timeout_s)
+        wait = timeout_s
+        if min_bytes_per_s > 0:
+            left = start + timeout_s + got / min_bytes_per_s - time.monotonic()
+            if left <= 0:
+                raise BodyTooSlow()
+            wait = min(wait, left)
+        try:
+            chunk = await asyncio.wait_for(content.readany(), wait)
+        except asyncio.TimeoutError:
+            if wait < timeout_s:
+                raise BodyTooSlow() from None
+            raise
         if not chunk:
             return
+        got += len(chunk)
         yield chunk
 
 
@@ -215,6 +239,7 @@ class Proxy:
         connect_timeout_s: float = 10.0,
         max_connections: int = 1024,
         body_timeout_s: float = 60.0,
+        body_min_bytes_per_s: float = 1024.0,  # as proxy.body_min_bytes_per_s
     ):
         self.upstream = upstream.rstrip("/")
         self.recorder = recorder or NullRecorder()
@@ -223,6 +248,8 @@ class Proxy:
         self.connect_timeout_s = connect_timeout_s
         self.max_connections = max_connections  # 0: unlimited
         self.body_timeout_s = body_timeout_s
+        self.body_min_bytes_per_s = body_min_bytes_per_s
+        self.body_timeouts = {"silent": 0, "slow": 0}  # request bodies answered 408, by which rule
         self.pool: UpstreamPool | None = None
         self._next_id = 0
         self.recorder_failures = 0
@@ -313,7 +340,8 @@ class Proxy:
                 else:
                     body = await asyncio.wait_for(request.read(), self.body_timeout_s)
             except asyncio.TimeoutError:
-                return self._body_timeout(trace)
+                return self._body_timeout(trace, f"request body of {length} bytes not received within "
+                                                 f"{self.body_timeout_s:g} s")
             except OSError:  # the client left mid-body (aiohttp: ConnectionResetError)
                 return self._client_left(trace)
             framing = b"Content-Length: %d\r\n" % len(body)
@@ -344,11 +372,15 @@ class Proxy:
             ex.start(request.method, head)
             if streamed:
                 try:
-                    async for chunk in _body_chunks(request.content, self.body_timeout_s):
+                    async for chunk in _body_chunks(request.content, self.body_timeout_s, self.body_min_bytes_per_s):
                         await ex.write_body(b"%x\r\n%b\r\n" % (len(chunk), chunk))
                 except asyncio.TimeoutError:
                     self._drop(ex)
-                    return self._body_timeout(trace)
+                    return self._body_timeout(trace, f"request body silent for {self.body_timeout_s:g} s", "silent")
+                except BodyTooSlow:
+                    self._drop(ex)
+                    return self._body_timeout(trace, f"request body slower than {self.body_min_bytes_per_s:g} bytes/s "
+                                                     f"on average after its first {self.body_timeout_s:g} s")
                 except OSError:  # from the client's side: write_body raises UpstreamError only
                     self._drop(ex)
                     return self._client_left(trace)
@@ -385,11 +417,12 @@ class Proxy:
         ex.abort()
         self.pool.release(ex)
 
-    def _body_timeout(self, trace: RequestTrace | None) -> web.Response:
+    def _body_timeout(self, trace: RequestTrace | None, why: str, rule: str = "slow") -> web.Response:
+        """408; `rule`: "silent" (a pause of body_timeout_s) or "slow" (too few bytes for the time taken)."""
+        self.body_timeouts[rule] += 1
         if trace is not None:
-            trace.status, trace.outcome, trace.error = 408, "client_timeout", "request body too slow"
-        return web.Response(status=408, text=f"powerprof proxy: request body not received within "
-                                             f"{self.body_timeout_s:g} s\n")
+            trace.status, trace.outcome, trace.error = 408, "client_timeout", why
+        return web.Response(status=408, text=f"powerprof proxy: {why}\n")
 
     def _client_left(self, trace: RequestTrace | None, why: str = "the client left while sending its request body"
                      ) -> web.Response:

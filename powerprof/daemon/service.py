@@ -462,6 +462,7 @@ class Daemon:
             proxy_upstream_failures=self.proxy.upstream_failures if self.proxy else 0,
             proxy_active=self.proxy.active if self.proxy else 0,
             proxy_records_dropped=getattr(self.proxy, "records_dropped", 0),
+            proxy_body_timeouts=dict(getattr(self.proxy, "body_timeouts", {})),
             proxy_malformed_requests=(self.bad_requests.rejected if self.bad_requests is not None else 0)
             + getattr(self.proxy, "malformed_requests", 0),
             proxy_worker_restarts=dict(getattr(self.proxy, "restarts", {})),
@@ -745,6 +746,7 @@ class Daemon:
                 connect_timeout_s=cfg.get("proxy", "connect_timeout_s"),
                 max_connections=cfg.get("proxy", "max_connections"),
                 body_timeout_s=cfg.get("proxy", "body_timeout_s"),
+                body_min_bytes_per_s=cfg.get("proxy", "body_min_bytes_per_s"),
             )
             if cfg.get("proxy", "workers") > 1:
                 self.urls["proxy"] = await self._serve_workers(upstream, listen, proxy_kwargs)

@@ -168,7 +168,9 @@ class ShippingRecorder:
     def _stats(self) -> tuple:
         p = self.proxy
         bad = self.bad_requests.rejected if self.bad_requests is not None else 0
-        return (p.recorder_failures, p.upstream_failures, self.dropped, bad) if p is not None else (0, 0, self.dropped, bad)
+        if p is None:
+            return (0, 0, self.dropped, bad, 0, 0)
+        return (p.recorder_failures, p.upstream_failures, self.dropped, bad, p.body_timeouts["silent"], p.body_timeouts["slow"])
 
     def _writable(self) -> bool:
         tr = self.transport
@@ -342,7 +344,8 @@ _FIRST = (_I, _I, _I, _I, _IN, _BN, _FN)
 _TOK = (_I, _I, _I, "float")
 _END_REST = (_IN, _IN, _IN, _SN, _SN, _IN, _IN, _IN, _IN, _I, _I, _SN, _SN, _SN, _BN)
 _COUNTS = (_IN, _IN, _SN, _SN, _S, _FN, _BN, _SN, _SN, "bool", _SN, _SN)
-_STATS = (_I, _I, _I, _I)  # ShippingRecorder._stats: recorder and upstream failures, records dropped, malformed requests
+# ShippingRecorder._stats: recorder and upstream failures, records dropped, malformed requests, body timeouts (silent, slow)
+_STATS = (_I, _I, _I, _I, _I, _I)
 
 
 def _ok(v, kind: str) -> bool:
@@ -438,7 +441,7 @@ class _Worker:
         self.transport: asyncio.Transport | None = None
         self.hello: asyncio.Future | None = None
         self.closed: asyncio.Future | None = None
-        self.stats = (0,) * len(_STATS)  # its proxy's recorder and upstream failures, records it dropped, malformed requests
+        self.stats = (0,) * len(_STATS)  # its counters: ShippingRecorder._stats
         self.base = (0,) * len(_STATS)  # the same, summed over its earlier lives
         self.started_s = 0.0
         self.heard_s = 0.0  # when its socket last brought anything
@@ -498,6 +501,11 @@ class ProxyWorkers:
     @property
     def upstream_failures(self) -> int:
         return sum(w.base[1] + w.stats[1] for w in self.workers)
+
+    @property
+    def body_timeouts(self) -> dict:
+        """Request bodies the workers answered 408, by rule."""
+        return {rule: sum(w.base[k] + w.stats[k] for w in self.workers) for k, rule in ((4, "silent"), (5, "slow"))}
 
     @property
     def malformed_requests(self) -> int:
