@@ -170,7 +170,10 @@ def _sweep_cli(tmp_path, *extra):
                                      str(tmp_path / "run"), *extra])
 
 
-def test_sweep_prints_one_table_then_the_curves(tmp_path):
+def test_sweep_prints_one_table_then_the_curves(tmp_path, monkeypatch):
+    # A pipe with no COLUMNS, as a user's `| tee log` has: pytest-xdist's workers set COLUMNS=80, which the
+    # progress honours as a user's setting.
+    monkeypatch.delenv("COLUMNS", raising=False)
     r = _sweep_cli(tmp_path)
     assert r.exit_code == 0, r.output
     out = r.output
