@@ -207,8 +207,15 @@ def test_daemon_proxies_and_scrapes_llama_server(llama_server, tmp_path):
         openai = {"prompt": "energy per token", "max_tokens": 300, "stream": True, "temperature": 0}
         direct_native, proxied_native = _direct_and_proxied(llama_server.base_url, d.info["proxy"], native, "/completion")
         direct_openai, proxied_openai = _direct_and_proxied(llama_server.base_url, d.info["proxy"], openai, "/v1/completions")
-        time.sleep(0.5)  # a scrape after the last request ends
-        metrics = urllib.request.urlopen(d.info["metrics"] + "/metrics", timeout=10).read().decode()
+        # A scrape after the last request ends: every 0.1 s, but a loaded machine can hold the daemon's loop for
+        # longer than any fixed sleep (0.5 s read 1196 of 1200 once), so wait for it, up to 20 s.
+        deadline = time.monotonic() + 20
+        while True:
+            time.sleep(0.5)
+            metrics = urllib.request.urlopen(d.info["metrics"] + "/metrics", timeout=10).read().decode()
+            got = re.search(r"^powerprof_server_tokens_generated_total (\S+)$", metrics, re.M)
+            if (got and float(got.group(1)) >= 1198) or time.monotonic() > deadline:
+                break
     finally:
         rc = d.stop()
     assert rc == 0, d.output()
