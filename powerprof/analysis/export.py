@@ -7,6 +7,11 @@ ISO 8601 (`2026-01-15 12:00:00.000`) that spreadsheets read as dates. An xlsx op
 a `summary` sheet first (the recommendation and run details), then one sheet per table with a
 frozen header row, an autofilter, column widths from the headers and millisecond time cells.
 Files are written under a temporary name and renamed, so a failed export leaves nothing half-written.
+
+A row read twice is written once, by the key `analyze` counts it once by (rowkeys.py): a daemon table's
+copies are found by one DuckDB pass before anything is written, and only a table that has some is
+written through DuckDB's DISTINCT ON (spilling to disk past its memory limit); a copy of a sweep run
+(the same run_id and windows) is exported once. One key with rows that differ is refused.
 """
 
 from __future__ import annotations
@@ -27,6 +32,8 @@ import pyarrow.parquet as pq
 
 from powerprof.storage.atomic import atomic_path
 from powerprof.storage.runs import no_finished_level
+
+from .rowkeys import KEYS, WHY, folder_sql, ident, keyless_sql
 
 FORMATS = ("csv", "xlsx", "parquet")
 XLSX_MAX_ROWS = 1_048_575  # one row of the sheet's 1,048,576 holds the header
@@ -319,7 +326,7 @@ def export(src, fmt: str, out=None, time_from: str | None = None, time_to: str |
     if t_from and t_to and t_from >= t_to:
         raise ExportUsageError(f"--from ({time_from}) must be before --to ({time_to})")
     srcs = expand(src)
-    sources = union_sources([find_sources(s) for s in srcs])
+    sources = union_sources(_without_copied_runs(srcs, [find_sources(s) for s in srcs], notes))
     if notes is not None:
         # Its tables are there (Ctrl-C in the first level flushes them) but hold no finished level.
         notes.extend(f"{m}: its tables hold only what was measured before it stopped"
@@ -345,16 +352,22 @@ def export(src, fmt: str, out=None, time_from: str | None = None, time_to: str |
     out = Path(out) if out is not None else Path.cwd() / (default_stem + (".xlsx" if fmt == "xlsx" else f"-{fmt}"))
     if any(not is_uri(s) and out.resolve() == Path(s).resolve() for s in srcs):
         raise ExportError("--out must not be the source itself")
+    # Before anything is written: a key with two different rows refuses the export, whatever the format.
+    copies = {s.name: c for s in sources if (c := find_copies(s, _filter(s, t_from, t_to))) is not None}
+    if notes is not None:
+        notes.extend(c.note() for c in copies.values() if c.dropped)
     # Little read-ahead: memory stays near one row group per table however large the dataset.
-    scans = {s.name: s.dataset.scanner(columns=plan[s.name], filter=_filter(s, t_from, t_to), batch_size=batch_rows,
-                                       batch_readahead=1, fragment_readahead=1)
+    scans = {s.name: _Once(s, plan[s.name], _filter(s, t_from, t_to), copies[s.name].key, batch_rows)
+             if s.name in copies and copies[s.name].dropped else
+             s.dataset.scanner(columns=plan[s.name], filter=_filter(s, t_from, t_to), batch_size=batch_rows,
+                               batch_readahead=1, fragment_readahead=1)
              for s in sources}
     if fmt == "xlsx":
         if out.is_dir() or out.suffix.lower() != ".xlsx":
             # A workbook named x.csv (or written into a folder's place) opens as garbage, or not at all.
             raise ExportError(f"--out {out}: an xlsx export is one workbook; give a file name ending in .xlsx")
         for s in sources:
-            n = s.dataset.count_rows(filter=_filter(s, t_from, t_to))
+            n = s.dataset.count_rows(filter=_filter(s, t_from, t_to)) - (copies[s.name].dropped if s.name in copies else 0)
             if n > XLSX_MAX_ROWS:
                 raise ExportError(f"table {s.name} has {n} rows in the selection; a sheet holds {XLSX_MAX_ROWS}. "
                                   "Narrow it with --from/--to or --columns, or export csv or parquet.")
@@ -387,6 +400,138 @@ def export(src, fmt: str, out=None, time_from: str | None = None, time_to: str |
             raise ExportError(f"table {name}: export to {path} failed: {_why(e)}{done}") from None
         written.append(path)
     return written
+
+
+# --- a row read twice, written once -------------------------------------------------------------
+
+@dataclass
+class Copies:
+    """The rows of one daemon table found more than once (by its key): what the export leaves out."""
+
+    table: str
+    key: tuple[str, ...]
+    dropped: int  # rows beyond the first of their key
+    places: list[tuple[str, int, list[str]]]  # (host, or dataset folder, rows dropped, folders holding the copies)
+
+    def note(self) -> str:
+        def where(folders: list[str]) -> str:
+            more = f" and {len(folders) - 3} more" if len(folders) > 3 else ""
+            return ", ".join(folders[:3]) + more
+
+        return (f"{self.table}: {self.dropped} rows found more than once were written once (the same "
+                f"{', '.join(self.key)}: {WHY}): "
+                + "; ".join(f"{p}: {n} (in {where(f)})" for p, n, f in self.places))
+
+
+def row_key(src: Source) -> tuple[str, ...] | None:
+    """The columns that identify a row of a daemon table (rowkeys.py); None for any other table (a sweep
+    run's samples have no daemon_id)."""
+    key = KEYS.get(src.name)
+    return key if key and all(c in src.dataset.schema.names for c in key) else None
+
+
+def _reader(src: Source, columns: list[str], filt, batch_rows: int = BATCH_ROWS) -> pa.RecordBatchReader:
+    return src.dataset.scanner(columns=columns, filter=filt, batch_size=batch_rows, batch_readahead=1,
+                               fragment_readahead=1).to_reader()
+
+
+def find_copies(src: Source, filt) -> Copies | None:
+    """One pass over a daemon table, grouped by its key in DuckDB (out of core): how many rows are copies,
+    per host and folder. Rows of one key are compared whole, by a hash of every column: a key whose rows
+    differ is one event with two versions, at most one of them true, and the export is refused (ExportError).
+    None for a table without a key."""
+    key = row_key(src)
+    if key is None:
+        return None
+    from .engine import connect  # noqa: PLC0415  (DuckDB: only daemon tables need it)
+
+    names = [n for n in src.dataset.schema.names if n not in src.partition_fields]
+    k = ", ".join(ident(c) for c in key)
+    host = "host" if "host" in names else "NULL::VARCHAR"
+    # Per key: its rows, the lowest and highest hash of a whole row (they differ: two versions), its files.
+    groups = (f"SELECT {k}, count(*) AS n, min(h) AS h_lo, max(h) AS h_hi, min(host) AS host, "
+              f"min(__filename) AS f_lo, max(__filename) AS f_hi "
+              f"FROM (SELECT {k}, hash({', '.join(ident(c) for c in names)}) AS h, {host} AS host, __filename "
+              f"      FROM raw WHERE NOT {keyless_sql(key)}) "
+              f"GROUP BY {k} HAVING count(*) > 1")
+    sql = (f"SELECT coalesce(host, {folder_sql(src.name, 'f_lo')}) AS place, CAST(sum(n - 1) AS BIGINT), "
+           f"count(*) FILTER (WHERE h_lo <> h_hi), list(DISTINCT {folder_sql(src.name, 'f_lo')}), "
+           f"list(DISTINCT {folder_sql(src.name, 'f_hi')}) FROM ({groups}) GROUP BY 1 ORDER BY 1")
+    with connect() as con:
+        con.register("raw", _reader(src, names + ["__filename"], filt))
+        rows = con.execute(sql).fetchall()
+        conflicts = sum(r[2] for r in rows)
+        if conflicts:
+            con.register("raw", _reader(src, names + ["__filename"], filt))
+            ex = con.execute(f"SELECT {k}, f_lo, f_hi FROM ({groups}) WHERE h_lo <> h_hi LIMIT 1").fetchone()
+            which = ", ".join(f"{c}={v}" for c, v in zip(key, ex))
+            raise ExportError(
+                f"table {src.name}: {conflicts} key(s) ({', '.join(key)}) hold rows that differ (e.g. {which}, in "
+                f"{ex[-2]} and {ex[-1]}): one event recorded twice with different values, of which at most one is "
+                "true and nothing says which; nothing written. Remove the file that is wrong, or export the "
+                "folders separately")
+    return Copies(src.name, key, sum(r[1] for r in rows),
+                  [(r[0], r[1], sorted(set(r[3]) | set(r[4]))) for r in rows])
+
+
+class _Once:
+    """A scan of a daemon table that yields each key's row once, then every row without a key (each its own):
+    DuckDB's DISTINCT ON over the streamed rows, spilling to disk beyond its memory limit. Only a table
+    with copies takes it (it holds every row until the last is read; a plain scan streams)."""
+
+    def __init__(self, src: Source, columns: list[str], filt, key: tuple[str, ...], batch_rows: int):
+        self.src, self.columns, self.filt, self.key, self.batch_rows = src, columns, filt, key, batch_rows
+        self.projected_schema = pa.schema([src.dataset.schema.field(c) for c in columns])
+
+    def to_batches(self):
+        from .engine import connect  # noqa: PLC0415
+
+        read = list(dict.fromkeys([*self.columns, *self.key]))
+        cols = ", ".join(ident(c) for c in self.columns)
+        keyless = keyless_sql(self.key)
+        with connect() as con:
+            for sql in (f"SELECT DISTINCT ON ({', '.join(ident(c) for c in self.key)}) {cols} FROM raw "
+                        f"WHERE NOT {keyless}", f"SELECT {cols} FROM raw WHERE {keyless}"):
+                con.register("raw", _reader(self.src, read, self.filt, self.batch_rows))
+                rel = con.sql(sql)
+                reader = (rel.to_arrow_reader(self.batch_rows) if hasattr(rel, "to_arrow_reader")
+                          else rel.fetch_record_batch(self.batch_rows))
+                for b in reader:
+                    # DuckDB's types back to the table's own (its TIMESTAMPTZ carries the session's zone).
+                    yield pa.RecordBatch.from_arrays([c.cast(f.type) for c, f in zip(b.columns, self.projected_schema)],
+                                                     schema=self.projected_schema)
+
+
+def _without_copied_runs(srcs: list[str], groups: list[list[Source]], notes: list[str] | None) -> list[list[Source]]:
+    """Each sweep run once: a run directory that holds the same run as one before it (loading.run_key, the
+    key analyze refuses a copy by) adds none of its tables that are the same files; one that differs (a
+    re-analysis, an edited table) is refused, as two versions of the same rows."""
+    from .loading import AnalysisError, file_digest, read_run_info, run_key  # noqa: PLC0415
+
+    runs = [i for i, s in enumerate(srcs) if not is_uri(s) and (Path(s) / "windows.parquet").is_file()]
+    if len(runs) < 2:
+        return groups
+    seen: dict[tuple, tuple[str, dict[str, str | None]]] = {}
+    out = list(groups)
+    for i in runs:
+        try:
+            key = run_key(read_run_info(srcs[i]))
+        except AnalysisError:
+            continue
+        digests = {s.name: file_digest(Path(s.dataset.files[0])) for s in groups[i]}
+        if key not in seen:
+            seen[key] = (srcs[i], digests)
+            continue
+        first, first_digests = seen[key]
+        differ = sorted(n for n, d in digests.items() if n in first_digests and d != first_digests[n])
+        if differ:
+            raise ExportError(f"{first} and {srcs[i]} hold the same run (run_id {key[0]}) but their {', '.join(differ)} "
+                              "differ: two versions of the same rows; nothing written. Export them separately, or "
+                              "give the one you trust")
+        out[i] = [s for s in groups[i] if s.name not in first_digests]
+        if notes is not None:
+            notes.append(f"{srcs[i]} holds the same run as {first} (run_id {key[0]}): its rows were written once")
+    return out
 
 
 def _why(e: Exception) -> str:

@@ -14,6 +14,7 @@ from pathlib import Path
 import pyarrow as pa
 
 from .engine import connect, to_arrow
+from .rowkeys import KEYS, WHY, folder_sql, keyless_sql
 
 URI_SCHEMES = ("s3://", "s3a://", "gs://", "gcs://", "az://", "abfss://", "http://", "https://", "hf://")
 
@@ -79,10 +80,6 @@ COLUMNS = {
                   "kind": "VARCHAR", "duration_s": "DOUBLE", "t_start_utc": "TIMESTAMPTZ",
                   "t_end_utc": "TIMESTAMPTZ"},
 }
-# What makes a row one event: a daemon process numbers its requests, and its intervals start at distinct
-# monotonic (and wall-clock) times. The same key twice is the same row read twice (a copy of a node's folder, or flush files
-# beside the file compaction merged them into, as `aws s3 sync` without --delete leaves them).
-KEYS = {"requests": ("daemon_id", "request_id"), "intervals": ("daemon_id", "t_start_mono_s", "t_start_utc")}
 
 
 def read_sql(files: list[str]) -> str:
@@ -108,14 +105,11 @@ def _table_sql(con, table: str, files: list[str]) -> str:
     else:
         sel = ", ".join(f"CAST(NULL AS {t}) AS {c}" for c, t in cols.items())
         raw = f"SELECT {sel}, NULL::VARCHAR AS filename, NULL::BIGINT AS file_row_number WHERE false"
-    # The file's dataset folder: minus the file, a date= folder, and the table's own folder name.
-    folder = (f"regexp_replace(regexp_replace(filename, '/(date=[^/]*/)?[^/]*$', ''), "
-              f"'^(.*)/{table}(/.*)?$', '\\1\\2')")
+    folder = folder_sql(table)
     label = (f"coalesce(host, nullif(regexp_extract({folder}, '/host=([^/]+)$', 1), ''), "
              f"'(unknown) ' || {folder})")
     key = KEYS[table]
-    # No key (no daemon, or no place within it): every such row is its own, by its file and place in it.
-    keyless = f"{key[0]} IS NULL OR " + ("(" + " AND ".join(f"{c} IS NULL" for c in key[1:]) + ")")
+    keyless = keyless_sql(key)  # every such row is its own, by its file and place in it
     aggs = ", ".join(f"any_value({c}) AS {c}" for c in cols if c not in ("host", *key))
     return (f"(SELECT min(host) AS host, {', '.join(key)}, {aggs}, count(*) AS copies FROM ("
             f"SELECT {label} AS host, {', '.join(c for c in cols if c != 'host')}, "
@@ -198,8 +192,7 @@ def notes(t: pa.Table) -> list[str]:
     dup = [r for r in t.to_pylist() if r["duplicate_requests"] or r["duplicate_intervals"]]
     if dup:
         out.append("rows found more than once were counted once (the same daemon_id and request_id, or interval "
-                   "start: a copy of a node's folder among the sources, or a synced copy that kept the files "
-                   "compaction merged): " + "; ".join(f"{r['host']}: {r['duplicate_requests']} requests, "
+                   f"start: {WHY}): " + "; ".join(f"{r['host']}: {r['duplicate_requests']} requests, "
                                                        f"{r['duplicate_intervals']} intervals" for r in dup))
     bad = [r for r in t.to_pylist() if r["invalid_requests"] or r["invalid_intervals"]]
     if bad:
