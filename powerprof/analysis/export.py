@@ -436,9 +436,9 @@ def _reader(src: Source, columns: list[str], filt, batch_rows: int = BATCH_ROWS)
 
 
 def find_copies(src: Source, filt) -> Copies | None:
-    """One pass over a daemon table, grouped by its key in DuckDB (out of core): how many rows are copies,
-    per host and folder. Rows of one key are compared whole, by a hash of every column: a key whose rows
-    differ is one event with two versions, at most one of them true, and the export is refused (ExportError).
+    """How many rows of a daemon table are copies, per host and folder: grouped by its key in DuckDB (out of
+    core). Rows of one key are compared whole, by a hash of every column: a key whose rows differ is one
+    event with two versions, at most one of them true, and the export is refused (ExportError).
     None for a table without a key."""
     key = row_key(src)
     if key is None:
@@ -447,23 +447,31 @@ def find_copies(src: Source, filt) -> Copies | None:
 
     names = [n for n in src.dataset.schema.names if n not in src.partition_fields]
     k = ", ".join(ident(c) for c in key)
+    found = f"SELECT {k}, count(*) AS n FROM raw WHERE NOT {keyless_sql(key)} GROUP BY ALL HAVING count(*) > 1"
     host = "host" if "host" in names else "NULL::VARCHAR"
     # Per key: its rows, the lowest and highest hash of a whole row (they differ: two versions), its files.
-    groups = (f"SELECT {k}, count(*) AS n, min(h) AS h_lo, max(h) AS h_hi, min(host) AS host, "
+    groups = (f"SELECT {k}, count(*) AS n, min(h) AS h_lo, max(h) AS h_hi, any_value(host) AS host, "
               f"min(__filename) AS f_lo, max(__filename) AS f_hi "
               f"FROM (SELECT {k}, hash({', '.join(ident(c) for c in names)}) AS h, {host} AS host, __filename "
               f"      FROM raw WHERE NOT {keyless_sql(key)}) "
               f"GROUP BY {k} HAVING count(*) > 1")
-    sql = (f"SELECT coalesce(host, {folder_sql(src.name, 'f_lo')}) AS place, CAST(sum(n - 1) AS BIGINT), "
-           f"count(*) FILTER (WHERE h_lo <> h_hi), list(DISTINCT {folder_sql(src.name, 'f_lo')}), "
-           f"list(DISTINCT {folder_sql(src.name, 'f_hi')}) FROM ({groups}) GROUP BY 1 ORDER BY 1")
+    # Summed per (host, files) before a folder is made of a file name: a few rows, not one per key.
+    places = (f"SELECT coalesce(host, {folder_sql(src.name, 'f_lo')}) AS place, CAST(sum(n) AS BIGINT), "
+              f"CAST(sum(c) AS BIGINT), list(DISTINCT {folder_sql(src.name, 'f_lo')}), "
+              f"list(DISTINCT {folder_sql(src.name, 'f_hi')}) "
+              f"FROM (SELECT host, f_lo, f_hi, sum(n - 1) AS n, count(*) FILTER (WHERE h_lo <> h_hi) AS c "
+              f"      FROM ({groups}) GROUP BY ALL) GROUP BY 1 ORDER BY 1")
     with connect() as con:
+        # First the key alone (two or three columns read): most tables have no copy, and that is all they cost.
+        con.register("raw", _reader(src, list(key), filt))
+        if not con.execute(f"SELECT count(*) FROM ({found})").fetchall()[0][0]:
+            return Copies(src.name, key, 0, [])
         con.register("raw", _reader(src, names + ["__filename"], filt))
-        rows = con.execute(sql).fetchall()
+        rows = con.execute(places).fetchall()
         conflicts = sum(r[2] for r in rows)
         if conflicts:
             con.register("raw", _reader(src, names + ["__filename"], filt))
-            ex = con.execute(f"SELECT {k}, f_lo, f_hi FROM ({groups}) WHERE h_lo <> h_hi LIMIT 1").fetchone()
+            ex = con.execute(f"SELECT {k}, f_lo, f_hi FROM ({groups}) WHERE h_lo <> h_hi LIMIT 1").fetchall()[0]
             which = ", ".join(f"{c}={v}" for c, v in zip(key, ex))
             raise ExportError(
                 f"table {src.name}: {conflicts} key(s) ({', '.join(key)}) hold rows that differ (e.g. {which}, in "
