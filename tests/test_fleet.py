@@ -307,6 +307,8 @@ def test_export_writes_flush_files_a_sync_kept_once(fleet, tmp_path, fmt):
     assert len(req) == truth["node-2"]["requests"] and len(ivals) == 40
     assert ivals[energy].sum() == pytest.approx(truth["node-2"]["gpu_j"])
     assert sorted(req[next(c for c in req.columns if c.startswith("request_id"))]) == list(range(12))
+    arrival = list(req[next(c for c in req.columns if c.startswith("t_arrival_utc"))])
+    assert arrival == sorted(arrival)  # in time order, as compaction leaves a day's rows
     assert f"node-2: {truth['node-2']['requests']} (in {node})" in res.stderr, res.stderr
 
 
@@ -368,3 +370,14 @@ def test_xlsx_row_limit_counts_the_rows_written(fleet, tmp_path, monkeypatch):
     with pytest.raises(ex.ExportError, match="intervals has 40 rows in the selection; a sheet holds 39"):
         ex.export(node, "xlsx", tmp_path / "b.xlsx")
     assert not (tmp_path / "b.xlsx").exists()
+
+
+def test_export_of_some_columns_without_the_key_still_writes_each_row_once(fleet, tmp_path):
+    base, truth = fleet
+    node = _copy(base / "node-2", tmp_path / "node-2")
+    _sync_kept_merged_files(node)
+    out = tmp_path / "e.parquet"
+    export([node / "intervals"], "parquet", out, columns=["gpu_energy_j"], time_from="2026-01-15T12:00:10Z")
+    t = pq.read_table(out)
+    assert t.column_names == ["gpu_energy_j"] and t.num_rows == 30
+    assert _energy(t) == pytest.approx(30 * 302.0)
