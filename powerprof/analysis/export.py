@@ -436,6 +436,11 @@ def row_key(src: Source) -> tuple[str, ...] | None:
     return key if key and all(c in src.dataset.schema.names for c in key) else None
 
 
+def _files(d: ds.Dataset) -> list[str]:
+    """The files of a dataset, or of a union of datasets, as the scan's __filename names them."""
+    return [f for c in d.children for f in _files(c)] if isinstance(d, ds.UnionDataset) else list(d.files)
+
+
 def _reader(src: Source, columns: list[str], filt, batch_rows: int = BATCH_ROWS) -> pa.RecordBatchReader:
     return src.dataset.scanner(columns=columns, filter=filt, batch_size=batch_rows, batch_readahead=1,
                                fragment_readahead=1).to_reader()
@@ -455,29 +460,33 @@ def find_copies(src: Source, filt) -> Copies | None:
     k = ", ".join(ident(c) for c in key)
     found = f"SELECT {k}, count(*) AS n FROM raw WHERE NOT {keyless_sql(key)} GROUP BY ALL HAVING count(*) > 1"
     host = "host" if "host" in names else "NULL::VARCHAR"
-    # Per key: its rows, the lowest and highest hash of a whole row (they differ: two versions), its files.
+    # Per key: its rows, the lowest and highest hash of a whole row (they differ: two versions), and of its
+    # files' names (a name per key, twice, took 20 s for 5 M keys; the names are joined back per file below).
     groups = (f"SELECT {k}, count(*) AS n, min(h) AS h_lo, max(h) AS h_hi, any_value(host) AS host, "
-              f"min(__filename) AS f_lo, max(__filename) AS f_hi "
-              f"FROM (SELECT {k}, hash({', '.join(ident(c) for c in names)}) AS h, {host} AS host, __filename "
-              f"      FROM raw WHERE NOT {keyless_sql(key)}) "
+              f"min(fh) AS f_lo, max(fh) AS f_hi "
+              f"FROM (SELECT {k}, hash({', '.join(ident(c) for c in names)}) AS h, {host} AS host, "
+              f"      hash(__filename) AS fh FROM raw WHERE NOT {keyless_sql(key)}) "
               f"GROUP BY {k} HAVING count(*) > 1")
-    # Summed per (host, files) before a folder is made of a file name: a few rows, not one per key.
-    places = (f"SELECT coalesce(host, {folder_sql(src.name, 'f_lo')}) AS place, CAST(sum(n) AS BIGINT), "
-              f"CAST(sum(c) AS BIGINT), list(DISTINCT {folder_sql(src.name, 'f_lo')}), "
-              f"list(DISTINCT {folder_sql(src.name, 'f_hi')}) "
+    lo, hi = folder_sql(src.name, "lo.name"), folder_sql(src.name, "hi.name")
+    places = (f"SELECT coalesce(host, {lo}) AS place, CAST(sum(n) AS BIGINT), CAST(sum(c) AS BIGINT), "
+              f"list(DISTINCT {lo}), list(DISTINCT {hi}) "
               f"FROM (SELECT host, f_lo, f_hi, sum(n - 1) AS n, count(*) FILTER (WHERE h_lo <> h_hi) AS c "
-              f"      FROM ({groups}) GROUP BY ALL) GROUP BY 1 ORDER BY 1")
+              f"      FROM ({groups}) GROUP BY ALL) g "
+              f"LEFT JOIN files lo ON lo.fh = g.f_lo LEFT JOIN files hi ON hi.fh = g.f_hi GROUP BY 1 ORDER BY 1")
     with connect() as con:
         # First the key alone (two or three columns read): most tables have no copy, and that is all they cost.
         con.register("raw", _reader(src, list(key), filt))
         if not con.execute(f"SELECT count(*) FROM ({found})").fetchall()[0][0]:
             return Copies(src.name, key, 0, [])
+        con.register("files_in", pa.table({"name": pa.array(_files(src.dataset), pa.string())}))
+        con.execute("CREATE TEMP TABLE files AS SELECT hash(name) AS fh, name FROM files_in")
         con.register("raw", _reader(src, names + ["__filename"], filt))
         rows = con.execute(places).fetchall()
         conflicts = sum(r[2] for r in rows)
         if conflicts:
             con.register("raw", _reader(src, names + ["__filename"], filt))
-            ex = con.execute(f"SELECT {k}, f_lo, f_hi FROM ({groups}) WHERE h_lo <> h_hi LIMIT 1").fetchall()[0]
+            ex = con.execute(f"SELECT {k}, lo.name, hi.name FROM ({groups}) g LEFT JOIN files lo ON lo.fh = g.f_lo "
+                             "LEFT JOIN files hi ON hi.fh = g.f_hi WHERE h_lo <> h_hi LIMIT 1").fetchall()[0]
             which = ", ".join(f"{c}={v}" for c, v in zip(key, ex))
             raise ExportError(
                 f"table {src.name}: {conflicts} key(s) ({', '.join(key)}) hold rows that differ (e.g. {which}, in "
