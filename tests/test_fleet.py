@@ -381,3 +381,11 @@ def test_export_of_some_columns_without_the_key_still_writes_each_row_once(fleet
     t = pq.read_table(out)
     assert t.column_names == ["gpu_energy_j"] and t.num_rows == 30
     assert _energy(t) == pytest.approx(30 * 302.0)
+
+
+def test_duckdb_draws_no_progress_bar_among_the_file_names_export_prints():
+    # Past 2 s a query drew DuckDB's progress bar on stdout, where `export` prints the files it wrote.
+    from powerprof.analysis.engine import connect
+
+    with connect() as con:
+        assert con.execute("SELECT current_setting('enable_progress_bar')").fetchall() == [(False,)]

@@ -9,8 +9,8 @@ frozen header row, an autofilter, column widths from the headers and millisecond
 Files are written under a temporary name and renamed, so a failed export leaves nothing half-written.
 
 A row read twice is written once, by the key `analyze` counts it once by (rowkeys.py): a daemon table's
-copies are found by one DuckDB pass before anything is written, and only a table that has some is
-written through DuckDB's DISTINCT ON (spilling to disk past its memory limit); a copy of a sweep run
+copies are found by DuckDB before anything is written, and only a table that has some is written
+through DuckDB's DISTINCT (spilling to disk past its memory limit); a copy of a sweep run
 (the same run_id and windows) is exported once. One key with rows that differ is refused.
 """
 
@@ -358,6 +358,15 @@ def export(src, fmt: str, out=None, time_from: str | None = None, time_to: str |
     out = Path(out) if out is not None else Path.cwd() / (default_stem + (".xlsx" if fmt == "xlsx" else f"-{fmt}"))
     if any(not is_uri(s) and out.resolve() == Path(s).resolve() for s in srcs):
         raise ExportError("--out must not be the source itself")
+    if fmt == "xlsx" and (out.is_dir() or out.suffix.lower() != ".xlsx"):
+        # A workbook named x.csv (or written into a folder's place) opens as garbage, or not at all.
+        raise ExportError(f"--out {out}: an xlsx export is one workbook; give a file name ending in .xlsx")
+    single = fmt != "xlsx" and len(sources) == 1 and out.suffix == f".{fmt}"
+    if fmt != "xlsx" and not single and out.suffix == f".{fmt}":
+        # A folder named x.csv holding several files is not the file the user asked for.
+        raise ExportError(f"--out {out} names one .{fmt} file, but the selection has {len(sources)} tables "
+                          f"({', '.join(s.name for s in sources)}): give a folder, or pick one table (its .parquet "
+                          "file, or --columns)")
     # Before anything is written: a key with two different rows refuses the export, whatever the format.
     copies = {s.name: c for s in sources if (c := find_copies(s, _filter(s, t_from, t_to))) is not None}
     if notes is not None:
@@ -369,9 +378,6 @@ def export(src, fmt: str, out=None, time_from: str | None = None, time_to: str |
                                batch_readahead=1, fragment_readahead=1)
              for s in sources}
     if fmt == "xlsx":
-        if out.is_dir() or out.suffix.lower() != ".xlsx":
-            # A workbook named x.csv (or written into a folder's place) opens as garbage, or not at all.
-            raise ExportError(f"--out {out}: an xlsx export is one workbook; give a file name ending in .xlsx")
         for s in sources:
             n = s.dataset.count_rows(filter=_filter(s, t_from, t_to)) - (copies[s.name].dropped if s.name in copies else 0)
             if n > XLSX_MAX_ROWS:
@@ -382,11 +388,6 @@ def export(src, fmt: str, out=None, time_from: str | None = None, time_to: str |
             return [_write_xlsx(scans, out, tz, summary)]
         except (pa.ArrowInvalid, OSError) as e:
             raise ExportError(f"export to {out} failed, nothing written: {_why(e)}") from None
-    single = len(sources) == 1 and out.suffix == f".{fmt}"
-    if not single and out.suffix == f".{fmt}":
-        # A folder named x.csv holding several files is not the file the user asked for.
-        raise ExportError(f"--out {out} names one .{fmt} file, but the selection has {len(sources)} tables "
-                          f"({', '.join(scans)}): give a folder, or pick one table (its .parquet file, or --columns)")
     if not single:
         if out.exists() and not out.is_dir():
             raise ExportError(f"--out {out} is a file: give a folder (one .{fmt} file per table), "
