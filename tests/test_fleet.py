@@ -389,3 +389,18 @@ def test_duckdb_draws_no_progress_bar_among_the_file_names_export_prints():
 
     with connect() as con:
         assert con.execute("SELECT current_setting('enable_progress_bar')").fetchall() == [(False,)]
+
+
+def test_analyze_refuses_one_key_with_two_different_rows_as_export_does(fleet, tmp_path):
+    # analyze counted such a key once with either row's energy (any_value): a figure nothing vouched for.
+    base, _ = fleet
+    edited = _copy(base / "node-3", tmp_path / "node-3-edited")
+    f = next((edited / "intervals").rglob("*.parquet"))
+    t = pq.read_table(f)
+    energy = t.column("gpu_energy_j").to_pylist()
+    energy[7] = energy[7] + 1000
+    pq.write_table(t.set_column(t.column_names.index("gpu_energy_j"), "gpu_energy_j", pa.array(energy)), f)
+    res = CliRunner().invoke(main, ["analyze", str(base / "node-3"), str(edited), "--out", str(tmp_path / "out")])
+    assert res.exit_code == 1, res.output
+    assert "1 interval key(s)" in res.output and "hold rows that differ" in res.output, res.output
+    assert not (tmp_path / "out" / "fleet.parquet").exists()

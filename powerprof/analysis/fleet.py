@@ -111,8 +111,12 @@ def _table_sql(con, table: str, files: list[str]) -> str:
     key = KEYS[table]
     keyless = keyless_sql(key)  # every such row is its own, by its file and place in it
     aggs = ", ".join(f"any_value({c}) AS {c}" for c in cols if c not in ("host", *key))
-    return (f"(SELECT min(host) AS host, {', '.join(key)}, {aggs}, count(*) AS copies FROM ("
+    # Copies are equal in every column read; one key whose rows differ (lowest and highest hash of a row
+    # apart) is one event with two values, and any_value would pick one blindly: counted, then refused.
+    return (f"(SELECT min(host) AS host, {', '.join(key)}, {aggs}, count(*) AS copies, "
+            f"CAST(min(_h) <> max(_h) AS BIGINT) AS conflicts FROM ("
             f"SELECT {label} AS host, {', '.join(c for c in cols if c != 'host')}, "
+            f"hash({', '.join(c for c in cols if c != 'host')}) AS _h, "
             f"CASE WHEN {keyless} THEN filename END AS _file, CASE WHEN {keyless} THEN file_row_number END AS _row "
             f"FROM ({raw})) GROUP BY {', '.join(key)}, _file, _row)")
 
@@ -136,6 +140,7 @@ WITH r AS (
            sum(attributed_tokens) FILTER (WHERE {r_ok}) AS attributed_tokens,
            approx_quantile(ttft_s, 0.5) AS ttft_p50_s,
            CAST(sum(copies - 1) AS BIGINT) AS duplicate_requests,
+           CAST(sum(conflicts) AS BIGINT) AS conflicting_requests,
            count(*) FILTER (WHERE NOT ({r_ok})) AS invalid_requests
     FROM {requests} GROUP BY 1
 ), i AS (
@@ -146,6 +151,7 @@ WITH r AS (
            min(t_start_utc) AS t_first_utc,
            max(t_end_utc) AS t_last_utc,
            CAST(sum(copies - 1) AS BIGINT) AS duplicate_intervals,
+           CAST(sum(conflicts) AS BIGINT) AS conflicting_intervals,
            count(*) FILTER (WHERE NOT ({i_ok})) AS invalid_intervals
     FROM {intervals} GROUP BY 1
 )
@@ -154,7 +160,9 @@ SELECT host, requests, failed_requests, generated_tokens, gpu_energy_j, idle_gpu
        attributed_gpu_energy_j / nullif(attributed_tokens, 0) AS gpu_j_per_token,
        ttft_p50_s, hours, t_first_utc, t_last_utc,
        coalesce(duplicate_requests, 0) AS duplicate_requests, coalesce(duplicate_intervals, 0) AS duplicate_intervals,
-       coalesce(invalid_requests, 0) AS invalid_requests, coalesce(invalid_intervals, 0) AS invalid_intervals
+       coalesce(invalid_requests, 0) AS invalid_requests, coalesce(invalid_intervals, 0) AS invalid_intervals,
+       coalesce(conflicting_requests, 0) AS conflicting_requests,
+       coalesce(conflicting_intervals, 0) AS conflicting_intervals
 FROM i FULL OUTER JOIN r USING (host)
 ORDER BY host
 """.replace("{r_ok}", _sane("gpu_energy_j", "attributed_tokens", "CAST(generated_tokens AS DOUBLE)")).replace(
@@ -180,6 +188,17 @@ def fleet_summary(sources) -> pa.Table:
                 raise stop from None
             why = str(e).split("\n\nLINE ")[0].strip()  # DuckDB's echo of our query says nothing to the user
             raise FleetError(f"cannot read the datasets {', '.join(srcs)}: {why}") from None
+    bad = [r for r in out.select(["host", "conflicting_requests", "conflicting_intervals"]).to_pylist()
+           if r["conflicting_requests"] or r["conflicting_intervals"]]
+    if bad:
+        n_r, n_i = (sum(r[f"conflicting_{t}"] for r in bad) for t in ("requests", "intervals"))
+        raise FleetError(
+            f"{n_r} request key(s) ({', '.join(KEYS['requests'])}) and {n_i} interval key(s) "
+            f"({', '.join(KEYS['intervals'])}) hold rows that differ (hosts: {', '.join(r['host'] for r in bad)}): "
+            "one event recorded twice with different values, of which at most one is true and nothing says which. "
+            "Remove the file that is wrong (`powerprof export` of the same sources names the files), or analyse "
+            "the folders separately")
+    out = out.drop_columns(["conflicting_requests", "conflicting_intervals"])
     if not out.num_rows:
         raise FleetError(f"{', '.join(srcs)}: no request or interval rows yet (the daemon writes them at each flush, "
                          "daemon.flush_interval_s, 30 s by default): nothing to summarise")
