@@ -9,8 +9,9 @@ frozen header row, an autofilter, column widths from the headers and millisecond
 Files are written under a temporary name and renamed, so a failed export leaves nothing half-written.
 
 A row read twice is written once, by the key `analyze` counts it once by (rowkeys.py): a daemon table's
-copies are found by DuckDB before anything is written, and only a table that has some is written
-through DuckDB's DISTINCT (spilling to disk past its memory limit); a copy of a sweep run
+copies are found in its rows sorted by their key before anything is written, and only a table that
+has some is written from its rows sorted by time and key, each once (DuckDB's sort spills to disk past
+its memory limit: memory stays flat however many rows); a copy of a sweep run
 (the same run_id and windows) is exported once. One key with rows that differ is refused.
 """
 
@@ -447,87 +448,142 @@ def _reader(src: Source, columns: list[str], filt, batch_rows: int = BATCH_ROWS)
                                fragment_readahead=1).to_reader()
 
 
+def _sorted(con, src: Source, columns: list[str], filt, sql: str, batch_rows: int = BATCH_ROWS):
+    """Record batches of `sql` over the table's rows (as `raw`). An ORDER BY is DuckDB's external sort, which
+    spills to disk within the memory limit; a DISTINCT or GROUP BY keeps a slot per key in memory (10 M keys
+    failed at 256 MB)."""
+    con.register("raw", _reader(src, columns, filt, batch_rows))
+    rel = con.sql(sql)
+    return rel.to_arrow_reader(batch_rows) if hasattr(rel, "to_arrow_reader") else rel.fetch_record_batch(batch_rows)
+
+
+class _Adjacent:
+    """Streams sorted batches and marks each row whose key equals the row before it (across batches too).
+    Null equals null, as in DuckDB's grouping: a key may have null parts (a sample without a device)."""
+
+    def __init__(self, key: tuple[str, ...]):
+        self.key, self.prev = key, None
+
+    def same(self, b: pa.RecordBatch):
+        import numpy as np  # noqa: PLC0415
+
+        n = b.num_rows
+        out = np.ones(n, bool)
+        if not n:
+            return out
+        for c in self.key:
+            a = b.column(c)
+            if n > 1:
+                x, y = a.slice(1), a.slice(0, n - 1)
+                eq = pc.or_kleene(pc.equal(x, y), pc.and_(pc.is_null(x), pc.is_null(y))).fill_null(False)
+                out[1:] &= eq.to_numpy(zero_copy_only=False)
+        first = tuple(b.column(c)[0].as_py() for c in self.key)
+        out[0] = self.prev is not None and first == self.prev
+        self.prev = tuple(b.column(c)[n - 1].as_py() for c in self.key)
+        return out
+
+
 def find_copies(src: Source, filt) -> Copies | None:
-    """How many rows of a daemon table are copies, per host and folder: grouped by its key in DuckDB (out of
-    core). Rows of one key are compared whole, by a hash of every column: a key whose rows differ is one
-    event with two versions, at most one of them true, and the export is refused (ExportError).
-    None for a table without a key."""
+    """How many rows of a daemon table are copies, per host and folder, from the rows sorted by their key
+    (DuckDB, out of core): a row whose key equals the one before it is a copy. Copies are compared whole,
+    by a hash of every column: a key whose rows differ is one event with two versions, at most one of them
+    true, and the export is refused (ExportError). None for a table without a key."""
     key = row_key(src)
     if key is None:
         return None
+    import numpy as np  # noqa: PLC0415
+
     from .engine import connect  # noqa: PLC0415  (DuckDB: only daemon tables need it)
 
     names = src.dataset.schema.names  # partition fields too: one row in two date= folders is two versions
     k = ", ".join(ident(c) for c in key)
-    found = f"SELECT {k}, count(*) AS n FROM raw WHERE NOT {keyless_sql(key)} GROUP BY ALL HAVING count(*) > 1"
-    host = "host" if "host" in names else "NULL::VARCHAR"
-    # Per key: its rows, the lowest and highest hash of a whole row (they differ: two versions), and of its
-    # files' names (a name per key, twice, took 20 s for 5 M keys; the names are joined back per file below).
-    groups = (f"SELECT {k}, count(*) AS n, min(h) AS h_lo, max(h) AS h_hi, any_value(host) AS host, "
-              f"min(fh) AS f_lo, max(fh) AS f_hi "
-              f"FROM (SELECT {k}, hash({', '.join(ident(c) for c in names)}) AS h, {host} AS host, "
-              f"      hash(__filename) AS fh FROM raw WHERE NOT {keyless_sql(key)}) "
-              f"GROUP BY {k} HAVING count(*) > 1")
-    lo, hi = folder_sql(src.name, "lo.name"), folder_sql(src.name, "hi.name")
-    places = (f"SELECT coalesce(host, {lo}) AS place, CAST(sum(n) AS BIGINT), CAST(sum(c) AS BIGINT), "
-              f"list(DISTINCT {lo}), list(DISTINCT {hi}) "
-              f"FROM (SELECT host, f_lo, f_hi, sum(n - 1) AS n, count(*) FILTER (WHERE h_lo <> h_hi) AS c "
-              f"      FROM ({groups}) GROUP BY ALL) g "
-              f"LEFT JOIN files lo ON lo.fh = g.f_lo LEFT JOIN files hi ON hi.fh = g.f_hi GROUP BY 1 ORDER BY 1")
+    keyed = f"WHERE NOT {keyless_sql(key)} ORDER BY {k}"
     with connect() as con:
-        # First the key alone (two or three columns read): most tables have no copy, and that is all they cost.
-        con.register("raw", _reader(src, list(key), filt))
-        if not con.execute(f"SELECT count(*) FROM ({found})").fetchall()[0][0]:
+        # First the key alone (its few columns read, the scan stopped at the first copy): most tables have
+        # none, and that is all they cost.
+        adj = _Adjacent(key)
+        if not any(adj.same(b).any() for b in _sorted(con, src, list(key), filt, f"SELECT {k} FROM raw {keyed}")):
             return Copies(src.name, key, 0, [])
         con.register("files_in", pa.table({"name": pa.array(_files(src.dataset), pa.string())}))
-        con.execute("CREATE TEMP TABLE files AS SELECT hash(name) AS fh, name FROM files_in")
-        con.register("raw", _reader(src, names + ["__filename"], filt))
-        rows = con.execute(places).fetchall()
-        conflicts = sum(r[2] for r in rows)
-        if conflicts:
-            con.register("raw", _reader(src, names + ["__filename"], filt))
-            ex = con.execute(f"SELECT {k}, lo.name, hi.name FROM ({groups}) g LEFT JOIN files lo ON lo.fh = g.f_lo "
-                             "LEFT JOIN files hi ON hi.fh = g.f_hi WHERE h_lo <> h_hi LIMIT 1").fetchall()[0]
-            which = ", ".join(f"{c}={v}" for c, v in zip(key, ex))
-            raise ExportError(
-                f"table {src.name}: {conflicts} key(s) ({', '.join(key)}) hold rows that differ (e.g. {which}, in "
-                f"{ex[-2]} and {ex[-1]}): one event recorded twice with different values, of which at most one is "
-                "true and nothing says which; nothing written. Remove the file that is wrong, or export the "
-                "folders separately")
-    return Copies(src.name, key, sum(r[1] for r in rows),
-                  [(r[0], r[1], sorted(set(r[3]) | set(r[4]))) for r in rows])
+        files = {h: (name, folder) for h, name, folder in con.execute(
+            f"SELECT hash(name), name, {folder_sql(src.name, 'name')} FROM files_in").fetchall()}
+        # Rows without a host (written before the column) are counted under their dataset folder.
+        host = (f"CASE WHEN host IS NULL THEN {folder_sql(src.name, '__filename')} ELSE host END"
+                if "host" in names else folder_sql(src.name, "__filename"))
+        sql = (f"SELECT {k}, hash({', '.join(ident(c) for c in names)}) AS _h, hash(__filename) AS _f, "
+               f"{host} AS _place FROM raw {keyed}")
+        adj = _Adjacent(key)
+        prev_h = prev_f = None
+        group = 0
+        places: dict[str, list] = {}
+        conflicting: set[int] = set()
+        example = None
+        for b in _sorted(con, src, names + ["__filename"], filt, sql):
+            same = adj.same(b)
+            h = b.column("_h").to_numpy(zero_copy_only=False)
+            f = b.column("_f").to_numpy(zero_copy_only=False)
+            ph = np.concatenate([[h[0] if prev_h is None else prev_h], h[:-1]])
+            pf = np.concatenate([[f[0] if prev_f is None else prev_f], f[:-1]])
+            prev_h, prev_f = h[-1], f[-1]
+            gid = group + np.cumsum(~same)  # one id per key, carried across batches
+            group = int(gid[-1])
+            differ = same & (h != ph)
+            if differ.any():
+                conflicting.update(gid[differ].tolist())
+                if example is None:
+                    i = int(np.flatnonzero(differ)[0])
+                    example = ([b.column(c)[i].as_py() for c in key], int(pf[i]), int(f[i]))
+            if same.any():
+                idx = np.flatnonzero(same)
+                place = b.column("_place").take(pa.array(idx)).to_pylist()
+                for p_, a, c in zip(place, pf[idx].tolist(), f[idx].tolist()):
+                    e = places.setdefault(p_, [0, set()])
+                    e[0] += 1
+                    e[1].update((a, c))
+    if conflicting:
+        which = ", ".join(f"{c}={v}" for c, v in zip(key, example[0]))
+        raise ExportError(
+            f"table {src.name}: {len(conflicting)} key(s) ({', '.join(key)}) hold rows that differ (e.g. {which}, "
+            f"in {files.get(example[1], ('?',))[0]} and {files.get(example[2], ('?',))[0]}): one event recorded "
+            "twice with different values, of which at most one is true and nothing says which; nothing written. "
+            "Remove the file that is wrong, or export the folders separately")
+    return Copies(src.name, key, sum(n for n, _ in places.values()),
+                  [(p_, n, sorted({files[x][1] for x in fs if x in files})) for p_, (n, fs) in sorted(places.items())])
 
 
 class _Once:
     """A scan of a daemon table that yields each row once, in time order, then every row without a key (each
-    its own). find_copies has made sure that the rows of one key are equal in every column, so DISTINCT over
-    all of them keeps one per key (faster than DISTINCT ON or row_number(): 10 M rows in 13 s rather than 19-27
-    s). DuckDB holds what it has read until the last row, spilling to disk beyond its memory limit; only a table
-    with copies takes this path (a plain scan streams)."""
+    its own). find_copies has made sure that the rows of one key are equal in every column, so sorted by
+    time and key they lie side by side: a row whose key equals the one before it is dropped. DuckDB's sort
+    spills to disk within its memory limit; only a table with copies takes this path (a plain scan streams)."""
 
     def __init__(self, src: Source, columns: list[str], filt, key: tuple[str, ...], batch_rows: int):
         self.src, self.columns, self.filt, self.key, self.batch_rows = src, columns, filt, key, batch_rows
         self.projected_schema = pa.schema([src.dataset.schema.field(c) for c in columns])
 
+    def _project(self, b: pa.RecordBatch) -> pa.RecordBatch:
+        # DuckDB's types back to the table's own (its TIMESTAMPTZ carries the session's zone).
+        return pa.RecordBatch.from_arrays([b.column(f.name).cast(f.type) for f in self.projected_schema],
+                                          schema=self.projected_schema)
+
     def to_batches(self):
         from .engine import connect  # noqa: PLC0415
 
-        names = self.src.dataset.schema.names  # partition fields too: a row is all of it
-        cols = ", ".join(ident(c) for c in self.columns)
+        read = list(dict.fromkeys([*self.columns, *self.key]))
+        cols = ", ".join(ident(c) for c in read)
         keyless = keyless_sql(self.key)
         when = time_column(self.src.dataset.schema)
         order = ", ".join(ident(c) for c in ([when] if when else []) + list(self.key))
+        adj = _Adjacent(self.key)
         with connect() as con:
-            for sql in (f"SELECT {cols} FROM (SELECT DISTINCT {', '.join(ident(c) for c in names)} FROM raw "
-                        f"WHERE NOT {keyless}) ORDER BY {order}", f"SELECT {cols} FROM raw WHERE {keyless}"):
-                con.register("raw", _reader(self.src, names, self.filt, self.batch_rows))
-                rel = con.sql(sql)
-                reader = (rel.to_arrow_reader(self.batch_rows) if hasattr(rel, "to_arrow_reader")
-                          else rel.fetch_record_batch(self.batch_rows))
-                for b in reader:
-                    # DuckDB's types back to the table's own (its TIMESTAMPTZ carries the session's zone).
-                    yield pa.RecordBatch.from_arrays([c.cast(f.type) for c, f in zip(b.columns, self.projected_schema)],
-                                                     schema=self.projected_schema)
+            for b in _sorted(con, self.src, read, self.filt,
+                             f"SELECT {cols} FROM raw WHERE NOT {keyless} ORDER BY {order}", self.batch_rows):
+                keep = ~adj.same(b)
+                if keep.any():
+                    yield self._project(b.filter(pa.array(keep)))
+            for b in _sorted(con, self.src, read, self.filt, f"SELECT {cols} FROM raw WHERE {keyless}",
+                             self.batch_rows):
+                yield self._project(b)
 
 
 def _without_copied_runs(srcs: list[str], groups: list[list[Source]], notes: list[str] | None) -> list[list[Source]]:
