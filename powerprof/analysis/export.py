@@ -380,7 +380,8 @@ def export(src, fmt: str, out=None, time_from: str | None = None, time_to: str |
              for s in sources}
     if fmt == "xlsx":
         for s in sources:
-            n = s.dataset.count_rows(filter=_filter(s, t_from, t_to)) - (copies[s.name].dropped if s.name in copies else 0)
+            n = s.dataset.count_rows(filter=_filter(s, t_from, t_to))
+            n -= copies[s.name].dropped if s.name in copies else 0  # what the sheet will hold
             if n > XLSX_MAX_ROWS:
                 raise ExportError(f"table {s.name} has {n} rows in the selection; a sheet holds {XLSX_MAX_ROWS}. "
                                   "Narrow it with --from/--to or --columns, or export csv or parquet.")
@@ -609,9 +610,9 @@ def _without_copied_runs(srcs: list[str], groups: list[list[Source]], notes: lis
         first, first_digests = seen[key]
         differ = sorted(n for n, d in digests.items() if n in first_digests and d != first_digests[n])
         if differ:
-            raise ExportError(f"{first} and {srcs[i]} hold the same run (run_id {key[0]}) but their {', '.join(differ)} "
-                              "differ: two versions of the same rows; nothing written. Export them separately, or "
-                              "give the one you trust")
+            raise ExportError(f"{first} and {srcs[i]} hold the same run (run_id {key[0]}) but their "
+                              f"{', '.join(differ)} differ: two versions of the same rows; nothing written. Export "
+                              "them separately, or give the one you trust")
         out[i] = [s for s in groups[i] if s.name not in first_digests]
         if notes is not None:
             notes.append(f"{srcs[i]} holds the same run as {first} (run_id {key[0]}): its rows were written once")
