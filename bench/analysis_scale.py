@@ -10,8 +10,13 @@ window filter); `sample-scan` is the analysis's own sample stage (per-level figu
 measured windows plus the timeline, analysis/loading.sample_level_figures); `analyze` is the
 whole command.
 
+`--requests N` adds a daemon dataset of N requests (8 days, hive-partitioned) twice: `clean/` as compaction
+leaves it, `synced/` with the merged flush files beside it (`aws s3 sync` without --delete: every row twice).
+The steps `export-daemon-clean` and `export-daemon-synced` export its requests to Parquet (each row once).
+
     .venv/bin/python bench/analysis_scale.py [--samples 10000000] [--windows 100000] [--dir /tmp/pp-bench]
         [--steps load-whole,duckdb-query,sample-scan,analyze,export-csv] [--keep]
+    .venv/bin/python bench/analysis_scale.py --requests 5000000 --steps export-daemon-clean,export-daemon-synced
 """
 
 from __future__ import annotations
@@ -31,7 +36,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from powerprof.storage.runs import RunWriter
-from powerprof.storage.schema import SAMPLES, WINDOWS
+from powerprof.storage.schema import DAEMON_REQUESTS, SAMPLES, WINDOWS
 
 LEVELS = np.array([160.0, 180, 200, 220, 240, 260, 280, 300])
 DEVICES = 4
@@ -86,6 +91,42 @@ def generate(path: Path, n_samples: int, n_windows: int, seed: int = 0) -> None:
     sp.close()
 
 
+def generate_daemon(base: Path, n_requests: int, days: int = 8, seed: int = 0) -> None:
+    """A daemon dataset's requests: `clean/` one compacted file a day; `synced/` the same plus the day's rows as
+    the 8 flush files compaction merged (a sync without --delete kept them): every row twice."""
+    rng = np.random.default_rng(seed)
+    schema = DAEMON_REQUESTS
+    per_day = n_requests // days
+    for d in range(days):
+        i = np.arange(d * per_day, (d + 1) * per_day)
+        t_us = T0_US + d * 86_400_000_000 + (i - d * per_day) * (86_400_000_000 // per_day)  # spread over the day
+        toks = rng.integers(16, 512, i.size)
+        energy = toks * 0.3 * np.exp(rng.normal(0, 0.1, i.size))
+        m = i.size
+        cols = {
+            "daemon_id": pa.array(["d0"] * m), "request_id": i, "host": pa.array(["node-0"] * m),
+            "t_arrival_utc": pa.array(t_us, pa.timestamp("us", tz="UTC")),
+            "t_first_utc": pa.array(t_us + 80_000, pa.timestamp("us", tz="UTC")),
+            "t_last_utc": pa.array(t_us + 80_000 + toks * 12_000, pa.timestamp("us", tz="UTC")),
+            "t_end_utc": pa.array(t_us + 81_000 + toks * 12_000, pa.timestamp("us", tz="UTC")),
+            "ttft_s": np.full(m, 0.08), "decode_s": toks * 0.012, "method": pa.array(["POST"] * m),
+            "endpoint": pa.array(["/v1/completions"] * m), "model": pa.array(["bench"] * m),
+            "outcome": pa.array(["ok"] * m), "status": pa.array(np.full(m, 200, np.int32)),
+            "prompt_tokens": pa.array(rng.integers(10, 2000, m).astype(np.int32)),
+            "generated_tokens": pa.array(toks.astype(np.int32)), "decode_tokens": pa.array((toks - 1).astype(np.int32)),
+            "gpu_energy_j": energy, "attributed_tokens": toks.astype(float), "gpu_j_per_token": energy / toks,
+        }
+        t = pa.Table.from_arrays([cols[f.name] if f.name in cols else pa.nulls(m, f.type) for f in schema], schema=schema)
+        day = datetime.fromtimestamp(T0_US / 1e6 + d * 86_400, timezone.utc).date()
+        for kind in ("clean", "synced"):
+            folder = base / kind / "requests" / f"date={day}"
+            folder.mkdir(parents=True, exist_ok=True)
+            pq.write_table(t, folder / "compact-20260116T000000000000-1.parquet", compression="zstd")
+        for k, part in enumerate(np.array_split(np.arange(m), 8)):
+            pq.write_table(t.take(part), base / "synced" / "requests" / f"date={day}" / f"part-{k:06d}.parquet",
+                           compression="gzip")
+
+
 def child(step: str, run: str, out: str) -> None:
     import tracemalloc
 
@@ -107,6 +148,13 @@ def child(step: str, run: str, out: str) -> None:
         from powerprof.analysis.export import export
 
         export(Path(run) / "samples.parquet", "csv", Path(out) / "samples.csv", tz="UTC")
+    elif step.startswith("export-daemon-"):
+        from powerprof.analysis.export import export
+
+        notes: list[str] = []
+        (path,) = export(Path(run).parent / "daemon" / step.removeprefix("export-daemon-"), "parquet",
+                         Path(out) / "requests.parquet", tz="UTC", notes=notes)
+        rows_written = pq.ParquetFile(path).metadata.num_rows
     elif step == "load-whole":
         pq.read_table(Path(run) / "samples.parquet")
     elif step == "duckdb-query":
@@ -121,7 +169,7 @@ def child(step: str, run: str, out: str) -> None:
         sample_level_figures(*prepared)
     wall = time.perf_counter() - t
     _, peak = tracemalloc.get_traced_memory() if TRACEMALLOC else (0, float("nan"))
-    print(json.dumps({"step": step, "wall_s": wall, "maxrss_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    print(json.dumps({"step": step, "wall_s": wall, "rows_written": locals().get("rows_written"), "maxrss_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
                       / 1024, "tracemalloc_peak_mib": peak / 2**20,
                       "arrow_peak_mib": pa.default_memory_pool().max_memory() / 2**20}))
 
@@ -135,6 +183,7 @@ def main() -> None:
     ap.add_argument("--windows", type=int, default=100_000)
     ap.add_argument("--dir", default="/tmp/powerprof-bench-analysis")
     ap.add_argument("--steps", default="load-whole,duckdb-query,sample-scan,analyze,export-csv")
+    ap.add_argument("--requests", type=int, default=0, help="also a daemon dataset of this many requests (see above)")
     ap.add_argument("--keep", action="store_true", help="keep (and reuse) the generated run directory")
     ap.add_argument("--tracemalloc", action="store_true", help="also report the numpy/Python peak (slows the steps)")
     ap.add_argument("--child", nargs=3)
@@ -144,9 +193,16 @@ def main() -> None:
         return
     base = Path(a.dir)
     run = base / "run"
-    if not (a.keep and (run / "samples.parquet").exists()):
-        shutil.rmtree(base, ignore_errors=True)
-        base.mkdir(parents=True)
+    if a.requests and not (a.keep and (base / "daemon" / "synced").exists()):
+        shutil.rmtree(base / "daemon", ignore_errors=True)
+        t = time.perf_counter()
+        generate_daemon(base / "daemon", a.requests)
+        print(f"generated {a.requests:,} requests (clean) and {2 * a.requests:,} rows (synced) in "
+              f"{time.perf_counter() - t:.1f} s")
+    if not (a.keep and (run / "samples.parquet").exists()) and any(not x.startswith("export-daemon")
+                                                                    for x in a.steps.split(",")):
+        shutil.rmtree(run, ignore_errors=True)
+        base.mkdir(parents=True, exist_ok=True)
         t = time.perf_counter()
         generate(run, a.samples, a.windows)
         print(f"generated {a.samples:,} sample rows, {a.windows:,} windows in {time.perf_counter() - t:.1f} s; "
@@ -165,7 +221,8 @@ def main() -> None:
         results[step] = json.loads(p.stdout.strip().splitlines()[-1])
         r = results[step]
         print(f"{step:12s} wall {r['wall_s']:7.1f} s  peak RSS {r['maxrss_mib']:7.0f} MiB  "
-              f"tracemalloc peak {r['tracemalloc_peak_mib']:6.0f} MiB  arrow peak {r['arrow_peak_mib']:6.0f} MiB")
+              f"tracemalloc peak {r['tracemalloc_peak_mib']:6.0f} MiB  arrow peak {r['arrow_peak_mib']:6.0f} MiB"
+              + (f"  rows written {r['rows_written']:,}" if r.get("rows_written") is not None else ""))
     if {"load-whole", "analyze"} <= set(results):
         ratio = results["load-whole"]["maxrss_mib"] / results["analyze"]["maxrss_mib"]
         print(f"peak RSS, loading samples whole vs the whole analysis: {ratio:.1f}x")

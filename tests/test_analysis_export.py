@@ -328,3 +328,30 @@ def test_xlsx_keeps_nan_and_infinity_visible(tmp_path):
     assert r.exit_code == 0, (r.output, r.exception)
     col = [row[0] for row in load_workbook(out)["odd"].iter_rows(min_row=2, values_only=True)]
     assert col == ["NaN", "inf", "-inf", None, 2.5]
+
+
+def test_a_copy_of_a_run_is_exported_once(run, tmp_path):
+    # `export run backup-of-run` wrote every window, level and sample twice: analyze refuses the same pair
+    # (same run_id, same windows) as one run counted twice.
+    import shutil
+
+    copy = shutil.copytree(run, tmp_path / "backup")
+    n = pq.read_table(run / "windows.parquet").num_rows
+    r = CliRunner().invoke(main, ["export", str(run), str(copy), "--format", "csv", "--out", str(tmp_path / "o")])
+    assert r.exit_code == 0, r.output
+    assert len(pd.read_csv(tmp_path / "o" / "windows.csv")) == n
+    assert len(pd.read_csv(tmp_path / "o" / "samples.csv")) == pq.read_table(run / "samples.parquet").num_rows
+    assert f"note: {copy} holds the same run as {run}" in r.stderr and "written once" in r.stderr
+
+
+def test_two_versions_of_one_run_are_refused(run, tmp_path):
+    import shutil
+
+    copy = shutil.copytree(run, tmp_path / "edited")
+    t = pq.read_table(copy / "levels.parquet")
+    pq.write_table(t.slice(1), copy / "levels.parquet")
+    out = tmp_path / "o"
+    r = CliRunner().invoke(main, ["export", str(run), str(copy), "--format", "csv", "--out", str(out)])
+    assert r.exit_code == 1, r.output
+    assert "hold the same run" in r.output and "levels differ" in r.output
+    assert not out.exists()

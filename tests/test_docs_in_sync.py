@@ -139,6 +139,15 @@ def test_daemon_samples_are_the_samples_columns_then_host_then_daemon_id_as_data
     assert schema.DAEMON_SAMPLES_COLUMNS == schema.SAMPLES_COLUMNS + [("host", "string"), ("daemon_id", "string")]
 
 
+
+def test_the_row_keys_data_md_states_are_the_ones_analyze_and_export_use():
+    from powerprof.analysis.rowkeys import KEYS
+
+    text = " ".join(_section(DOCS / "data.md", "## daemon_samples"))
+    for table, key in KEYS.items():
+        assert f"{table} `{', '.join(key)}`" in text, table
+        assert set(key) <= {c for c, _ in schema.COLUMNS[schema.DAEMON_DATASETS[table]]}, table
+
 def _emitted_level_flags() -> set[str]:
     """The flags stats.levels_table can write into a levels row's `flags`, read from its source."""
     src = (ROOT / "powerprof" / "analysis" / "stats.py").read_text()

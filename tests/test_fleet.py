@@ -7,6 +7,7 @@ import re
 from pathlib import Path
 
 import duckdb
+import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 from click.testing import CliRunner
@@ -248,3 +249,158 @@ def test_a_dataset_without_rows_says_so(tmp_path):
     res = CliRunner().invoke(main, ["analyze", str(tmp_path / "n"), "--out", str(tmp_path / "out")])
     assert res.exit_code == 1 and "no request or interval rows" in res.output, res.output
     assert not (tmp_path / "out").exists()
+
+
+# --- export writes a row read twice once (review s29: analyze counted it once, export still wrote it twice) --------
+
+def _sync_kept_merged_files(node: Path) -> None:
+    """What `aws s3 sync` without --delete leaves: the flush files beside the file compaction merged them into."""
+    for table in ("requests", "intervals", "tags", "costs", "samples"):
+        for f in list((node / table).rglob("part-*.parquet")):
+            f.with_name("compact-20260116T000000000000-1.parquet").write_bytes(f.read_bytes())
+
+
+def _energy(table) -> float:
+    return sum(v for v in table.column("gpu_energy_j").to_pylist() if v is not None)
+
+
+def test_export_writes_a_copied_nodes_rows_once(fleet, tmp_path):
+    # A backup copy of node-1 beside the glob: node-1's 11 requests and 40 intervals were written twice, and a
+    # spreadsheet summing the exported energy doubled node-1's, silently.
+    base, truth = fleet
+    _copy(base / "node-1", tmp_path / "backup-node-1")
+    res = CliRunner().invoke(main, ["export", str(base / "node-*"), str(tmp_path / "backup-node-1"),
+                                    "--format", "parquet", "--out", str(tmp_path / "out")])
+    assert res.exit_code == 0, res.output
+    req = pq.read_table(tmp_path / "out" / "requests.parquet")
+    ivals = pq.read_table(tmp_path / "out" / "intervals.parquet")
+    assert req.num_rows == sum(t["requests"] for t in truth.values())
+    assert _energy(ivals) == pytest.approx(sum(t["gpu_j"] for t in truth.values()))
+    # The fixture's samples carry no daemon_id: a row without a key is its own, never taken for a copy.
+    assert pq.read_table(tmp_path / "out" / "samples.parquet").num_rows == NODES + 1
+    # Said on stderr, with how many and where from.
+    assert "requests: 11 rows found more than once were written once" in res.stderr, res.stderr
+    assert "intervals: 40 rows" in res.stderr and "node-1: 40" in res.stderr
+    assert str(tmp_path / "backup-node-1") in res.stderr
+
+
+@pytest.mark.parametrize("fmt", ["csv", "xlsx", "parquet"])
+def test_export_writes_flush_files_a_sync_kept_once(fleet, tmp_path, fmt):
+    base, truth = fleet
+    node = _copy(base / "node-2", tmp_path / "node-2")
+    _sync_kept_merged_files(node)
+    out = tmp_path / ("o.xlsx" if fmt == "xlsx" else "o")
+    res = CliRunner().invoke(main, ["export", str(node), "--format", fmt, "--out", str(out)])
+    assert res.exit_code == 0, res.output
+    if fmt == "xlsx":
+        import pandas as pd
+
+        sheets = pd.read_excel(out, sheet_name=None)
+        req, ivals = sheets["requests"], sheets["intervals"]
+    elif fmt == "csv":
+        import pandas as pd
+
+        req, ivals = pd.read_csv(out / "requests.csv"), pd.read_csv(out / "intervals.csv")
+    else:
+        req, ivals = pq.read_table(out / "requests.parquet").to_pandas(), pq.read_table(out / "intervals.parquet").to_pandas()
+    energy = next(c for c in ivals.columns if c.startswith("gpu_energy_j"))
+    assert len(req) == truth["node-2"]["requests"] and len(ivals) == 40
+    assert ivals[energy].sum() == pytest.approx(truth["node-2"]["gpu_j"])
+    assert sorted(req[next(c for c in req.columns if c.startswith("request_id"))]) == list(range(12))
+    arrival = list(req[next(c for c in req.columns if c.startswith("t_arrival_utc"))])
+    assert arrival == sorted(arrival)  # in time order, as compaction leaves a day's rows
+    assert f"node-2: {truth['node-2']['requests']} (in {node})" in res.stderr, res.stderr
+
+
+def test_export_after_a_real_compaction_beside_its_flush_files(tmp_path):
+    # The daemon's own compaction (pyarrow, ZSTD) rewrites the flush files (flatparquet, GZIP): the copies must
+    # compare equal row for row, or a sync-kept copy would read as a conflict.
+    store = DatasetStore(tmp_path / "n", datasets(), host="n")
+    for k in range(3):
+        store.append("requests", [{"daemon_id": "d", "request_id": 10 * k + i, "t_arrival_utc": T0_NS + i,
+                                   "gpu_energy_j": 1.5 + i, "attributed_tokens": 3.0, "outcome": "ok"} for i in range(10)])
+        store.append("intervals", [{"daemon_id": "d", "t_start_utc": T0_NS + (10 * k + i) * 10**9,
+                                    "t_start_mono_s": 10.0 * k + i + 0.123456789, "duration_s": 1.0,
+                                    "gpu_energy_j": 7.25, "kind": "decode"} for i in range(10)])
+        assert store.flush()
+    flushed = {f: f.read_bytes() for f in (tmp_path / "n").rglob("part-*.parquet")}
+    assert store.compact() > 0
+    assert not any(f.exists() for f in flushed)
+    for f, data in flushed.items():  # the sync's copy still has them
+        f.write_bytes(data)
+    res = CliRunner().invoke(main, ["export", str(tmp_path / "n"), "--format", "parquet", "--out", str(tmp_path / "o")])
+    assert res.exit_code == 0, res.output
+    assert pq.read_table(tmp_path / "o" / "requests.parquet").num_rows == 30
+    ivals = pq.read_table(tmp_path / "o" / "intervals.parquet")
+    assert ivals.num_rows == 30 and _energy(ivals) == pytest.approx(30 * 7.25)
+    assert "requests: 30 rows found more than once" in res.stderr
+
+
+def test_export_refuses_one_key_with_two_different_rows(fleet, tmp_path):
+    # The same request of the same daemon with two energies: one of them is wrong and nothing says which.
+    base, _ = fleet
+    edited = _copy(base / "node-3", tmp_path / "node-3-edited")
+    f = next((edited / "requests").rglob("*.parquet"))
+    t = pq.read_table(f)
+    energy = t.column("gpu_energy_j").to_pylist()
+    energy[4] = energy[4] * 2
+    pq.write_table(t.set_column(t.column_names.index("gpu_energy_j"), "gpu_energy_j", pa.array(energy)), f)
+    out = tmp_path / "out"
+    res = CliRunner().invoke(main, ["export", str(base / "node-3"), str(edited), "--format", "csv", "--out", str(out)])
+    assert res.exit_code == 1, res.output
+    assert "requests: 1 key(s) (daemon_id, request_id) hold rows that differ" in res.output, res.output
+    assert "daemon_id=d3, request_id=4" in res.output and str(edited) in res.output
+    assert not out.exists()
+
+
+def test_xlsx_row_limit_counts_the_rows_written(fleet, tmp_path, monkeypatch):
+    # The sheet's limit was checked against the rows read (duplicates too): a selection that fits once written
+    # was refused. Above the limit it is still refused, never truncated.
+    from powerprof.analysis import export as ex
+
+    base, truth = fleet
+    node = _copy(base / "node-2", tmp_path / "node-2")
+    _sync_kept_merged_files(node)
+    monkeypatch.setattr(ex, "XLSX_MAX_ROWS", 40)
+    (path,) = ex.export(node, "xlsx", tmp_path / "a.xlsx")
+    from openpyxl import load_workbook
+
+    assert len(list(load_workbook(path, read_only=True)["intervals"].iter_rows())) == 41
+    monkeypatch.setattr(ex, "XLSX_MAX_ROWS", 39)
+    with pytest.raises(ex.ExportError, match="intervals has 40 rows in the selection; a sheet holds 39"):
+        ex.export(node, "xlsx", tmp_path / "b.xlsx")
+    assert not (tmp_path / "b.xlsx").exists()
+
+
+def test_export_of_some_columns_without_the_key_still_writes_each_row_once(fleet, tmp_path):
+    base, truth = fleet
+    node = _copy(base / "node-2", tmp_path / "node-2")
+    _sync_kept_merged_files(node)
+    out = tmp_path / "e.parquet"
+    export([node / "intervals"], "parquet", out, columns=["gpu_energy_j"], time_from="2026-01-15T12:00:10Z")
+    t = pq.read_table(out)
+    assert t.column_names == ["gpu_energy_j"] and t.num_rows == 30
+    assert _energy(t) == pytest.approx(30 * 302.0)
+
+
+def test_duckdb_draws_no_progress_bar_among_the_file_names_export_prints():
+    # Past 2 s a query drew DuckDB's progress bar on stdout, where `export` prints the files it wrote.
+    from powerprof.analysis.engine import connect
+
+    with connect() as con:
+        assert con.execute("SELECT current_setting('enable_progress_bar')").fetchall() == [(False,)]
+
+
+def test_analyze_refuses_one_key_with_two_different_rows_as_export_does(fleet, tmp_path):
+    # analyze counted such a key once with either row's energy (any_value): a figure nothing vouched for.
+    base, _ = fleet
+    edited = _copy(base / "node-3", tmp_path / "node-3-edited")
+    f = next((edited / "intervals").rglob("*.parquet"))
+    t = pq.read_table(f)
+    energy = t.column("gpu_energy_j").to_pylist()
+    energy[7] = energy[7] + 1000
+    pq.write_table(t.set_column(t.column_names.index("gpu_energy_j"), "gpu_energy_j", pa.array(energy)), f)
+    res = CliRunner().invoke(main, ["analyze", str(base / "node-3"), str(edited), "--out", str(tmp_path / "out")])
+    assert res.exit_code == 1, res.output
+    assert "1 interval key(s)" in res.output and "hold rows that differ" in res.output, res.output
+    assert not (tmp_path / "out" / "fleet.parquet").exists()

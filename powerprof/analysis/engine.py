@@ -41,6 +41,7 @@ def connect(memory_limit: str = MEMORY_LIMIT, threads: int = THREADS):
     spill = tempfile.mkdtemp(prefix="powerprof-duckdb-")
     con = duckdb.connect(config={"memory_limit": memory_limit, "threads": threads, "temp_directory": spill,
                                  "preserve_insertion_order": False})
+    con.execute("SET enable_progress_bar = false")  # past 2 s DuckDB draws one on stdout, among `export`'s file names
     try:
         yield con
     finally:

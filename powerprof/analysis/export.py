@@ -7,6 +7,12 @@ ISO 8601 (`2026-01-15 12:00:00.000`) that spreadsheets read as dates. An xlsx op
 a `summary` sheet first (the recommendation and run details), then one sheet per table with a
 frozen header row, an autofilter, column widths from the headers and millisecond time cells.
 Files are written under a temporary name and renamed, so a failed export leaves nothing half-written.
+
+A row read twice is written once, by the key `analyze` counts it once by (rowkeys.py): a daemon table's
+copies are found in its rows sorted by their key before anything is written, and only a table that
+has some is written from its rows sorted by time and key, each once (DuckDB's sort spills to disk past
+its memory limit: memory stays flat however many rows); a copy of a sweep run
+(the same run_id and windows) is exported once. One key with rows that differ is refused.
 """
 
 from __future__ import annotations
@@ -27,6 +33,8 @@ import pyarrow.parquet as pq
 
 from powerprof.storage.atomic import atomic_path
 from powerprof.storage.runs import no_finished_level
+
+from .rowkeys import KEYS, WHY, folder_sql, ident, keyless_sql
 
 FORMATS = ("csv", "xlsx", "parquet")
 XLSX_MAX_ROWS = 1_048_575  # one row of the sheet's 1,048,576 holds the header
@@ -193,8 +201,14 @@ def find_sources(src) -> list[Source]:
     out = [Source(f.stem, _dataset(f)) for f in sorted(p.glob("*.parquet")) if not f.name.startswith((".", "_"))]
     if (p / "analysis" / "analysis.parquet").exists():
         out.append(Source("analysis", _dataset(p / "analysis" / "analysis.parquet")))
+    subs = sorted(d for d in p.iterdir() if d.is_dir() and not d.name.startswith((".", "_")))
+    if not out and subs and all(d.name.startswith("date=") for d in subs):
+        # One table's folder (requests/, a tuner's decisions): one table named by it, as for a URI, not
+        # one per day named "date=..." (which no key of rowkeys.py would find).
+        d = _dataset(p, hive=True)
+        out.append(Source(p.name, d, tuple(d.partitioning.schema.names) if d.partitioning is not None else ()))
     if not out:
-        for sub in sorted(d for d in p.iterdir() if d.is_dir() and not d.name.startswith((".", "_"))):
+        for sub in subs:
             if any(sub.rglob("*.parquet")):
                 d = _dataset(sub, hive=True)
                 parts = tuple(d.partitioning.schema.names) if d.partitioning is not None else ()
@@ -319,7 +333,7 @@ def export(src, fmt: str, out=None, time_from: str | None = None, time_to: str |
     if t_from and t_to and t_from >= t_to:
         raise ExportUsageError(f"--from ({time_from}) must be before --to ({time_to})")
     srcs = expand(src)
-    sources = union_sources([find_sources(s) for s in srcs])
+    sources = union_sources(_without_copied_runs(srcs, [find_sources(s) for s in srcs], notes))
     if notes is not None:
         # Its tables are there (Ctrl-C in the first level flushes them) but hold no finished level.
         notes.extend(f"{m}: its tables hold only what was measured before it stopped"
@@ -345,16 +359,29 @@ def export(src, fmt: str, out=None, time_from: str | None = None, time_to: str |
     out = Path(out) if out is not None else Path.cwd() / (default_stem + (".xlsx" if fmt == "xlsx" else f"-{fmt}"))
     if any(not is_uri(s) and out.resolve() == Path(s).resolve() for s in srcs):
         raise ExportError("--out must not be the source itself")
+    if fmt == "xlsx" and (out.is_dir() or out.suffix.lower() != ".xlsx"):
+        # A workbook named x.csv (or written into a folder's place) opens as garbage, or not at all.
+        raise ExportError(f"--out {out}: an xlsx export is one workbook; give a file name ending in .xlsx")
+    single = fmt != "xlsx" and len(sources) == 1 and out.suffix == f".{fmt}"
+    if fmt != "xlsx" and not single and out.suffix == f".{fmt}":
+        # A folder named x.csv holding several files is not the file the user asked for.
+        raise ExportError(f"--out {out} names one .{fmt} file, but the selection has {len(sources)} tables "
+                          f"({', '.join(s.name for s in sources)}): give a folder, or pick one table (its .parquet "
+                          "file, or --columns)")
+    # Before anything is written: a key with two different rows refuses the export, whatever the format.
+    copies = {s.name: c for s in sources if (c := find_copies(s, _filter(s, t_from, t_to))) is not None}
+    if notes is not None:
+        notes.extend(c.note() for c in copies.values() if c.dropped)
     # Little read-ahead: memory stays near one row group per table however large the dataset.
-    scans = {s.name: s.dataset.scanner(columns=plan[s.name], filter=_filter(s, t_from, t_to), batch_size=batch_rows,
-                                       batch_readahead=1, fragment_readahead=1)
+    scans = {s.name: _Once(s, plan[s.name], _filter(s, t_from, t_to), copies[s.name].key, batch_rows)
+             if s.name in copies and copies[s.name].dropped else
+             s.dataset.scanner(columns=plan[s.name], filter=_filter(s, t_from, t_to), batch_size=batch_rows,
+                               batch_readahead=1, fragment_readahead=1)
              for s in sources}
     if fmt == "xlsx":
-        if out.is_dir() or out.suffix.lower() != ".xlsx":
-            # A workbook named x.csv (or written into a folder's place) opens as garbage, or not at all.
-            raise ExportError(f"--out {out}: an xlsx export is one workbook; give a file name ending in .xlsx")
         for s in sources:
             n = s.dataset.count_rows(filter=_filter(s, t_from, t_to))
+            n -= copies[s.name].dropped if s.name in copies else 0  # what the sheet will hold
             if n > XLSX_MAX_ROWS:
                 raise ExportError(f"table {s.name} has {n} rows in the selection; a sheet holds {XLSX_MAX_ROWS}. "
                                   "Narrow it with --from/--to or --columns, or export csv or parquet.")
@@ -363,11 +390,6 @@ def export(src, fmt: str, out=None, time_from: str | None = None, time_to: str |
             return [_write_xlsx(scans, out, tz, summary)]
         except (pa.ArrowInvalid, OSError) as e:
             raise ExportError(f"export to {out} failed, nothing written: {_why(e)}") from None
-    single = len(sources) == 1 and out.suffix == f".{fmt}"
-    if not single and out.suffix == f".{fmt}":
-        # A folder named x.csv holding several files is not the file the user asked for.
-        raise ExportError(f"--out {out} names one .{fmt} file, but the selection has {len(sources)} tables "
-                          f"({', '.join(scans)}): give a folder, or pick one table (its .parquet file, or --columns)")
     if not single:
         if out.exists() and not out.is_dir():
             raise ExportError(f"--out {out} is a file: give a folder (one .{fmt} file per table), "
@@ -387,6 +409,214 @@ def export(src, fmt: str, out=None, time_from: str | None = None, time_to: str |
             raise ExportError(f"table {name}: export to {path} failed: {_why(e)}{done}") from None
         written.append(path)
     return written
+
+
+# --- a row read twice, written once -------------------------------------------------------------
+
+@dataclass
+class Copies:
+    """The rows of one daemon table found more than once (by its key): what the export leaves out."""
+
+    table: str
+    key: tuple[str, ...]
+    dropped: int  # rows beyond the first of their key
+    places: list[tuple[str, int, list[str]]]  # (host, or dataset folder, rows dropped, folders holding the copies)
+
+    def note(self) -> str:
+        def where(folders: list[str]) -> str:
+            more = f" and {len(folders) - 3} more" if len(folders) > 3 else ""
+            return ", ".join(folders[:3]) + more
+
+        return (f"{self.table}: {self.dropped} rows found more than once were written once (the same "
+                f"{', '.join(self.key)}: {WHY}): "
+                + "; ".join(f"{p}: {n} (in {where(f)})" for p, n, f in self.places))
+
+
+def row_key(src: Source) -> tuple[str, ...] | None:
+    """The columns that identify a row of a daemon table (rowkeys.py); None for any other table (a sweep
+    run's samples have no daemon_id)."""
+    key = KEYS.get(src.name)
+    return key if key and all(c in src.dataset.schema.names for c in key) else None
+
+
+def _files(d: ds.Dataset) -> list[str]:
+    """The files of a dataset, or of a union of datasets, as the scan's __filename names them."""
+    return [f for c in d.children for f in _files(c)] if isinstance(d, ds.UnionDataset) else list(d.files)
+
+
+def _reader(src: Source, columns: list[str], filt, batch_rows: int = BATCH_ROWS) -> pa.RecordBatchReader:
+    return src.dataset.scanner(columns=columns, filter=filt, batch_size=batch_rows, batch_readahead=1,
+                               fragment_readahead=1).to_reader()
+
+
+def _sorted(con, src: Source, columns: list[str], filt, sql: str, batch_rows: int = BATCH_ROWS):
+    """Record batches of `sql` over the table's rows (as `raw`). An ORDER BY is DuckDB's external sort, which
+    spills to disk within the memory limit; a DISTINCT or GROUP BY keeps a slot per key in memory (10 M keys
+    failed at 256 MB)."""
+    con.register("raw", _reader(src, columns, filt, batch_rows))
+    rel = con.sql(sql)
+    return rel.to_arrow_reader(batch_rows) if hasattr(rel, "to_arrow_reader") else rel.fetch_record_batch(batch_rows)
+
+
+class _Adjacent:
+    """Streams sorted batches and marks each row whose key equals the row before it (across batches too).
+    Null equals null, as in DuckDB's grouping: a key may have null parts (a sample without a device)."""
+
+    def __init__(self, key: tuple[str, ...]):
+        self.key, self.prev = key, None
+
+    def same(self, b: pa.RecordBatch):
+        import numpy as np  # noqa: PLC0415
+
+        n = b.num_rows
+        out = np.ones(n, bool)
+        if not n:
+            return out
+        for c in self.key:
+            a = b.column(c)
+            if n > 1:
+                x, y = a.slice(1), a.slice(0, n - 1)
+                eq = pc.or_kleene(pc.equal(x, y), pc.and_(pc.is_null(x), pc.is_null(y))).fill_null(False)
+                out[1:] &= eq.to_numpy(zero_copy_only=False)
+        first = tuple(b.column(c)[0].as_py() for c in self.key)
+        out[0] = self.prev is not None and first == self.prev
+        self.prev = tuple(b.column(c)[n - 1].as_py() for c in self.key)
+        return out
+
+
+def find_copies(src: Source, filt) -> Copies | None:
+    """How many rows of a daemon table are copies, per host and folder, from the rows sorted by their key
+    (DuckDB, out of core): a row whose key equals the one before it is a copy. Copies are compared whole,
+    by a hash of every column: a key whose rows differ is one event with two versions, at most one of them
+    true, and the export is refused (ExportError). None for a table without a key."""
+    key = row_key(src)
+    if key is None:
+        return None
+    import numpy as np  # noqa: PLC0415
+
+    from .engine import connect  # noqa: PLC0415  (DuckDB: only daemon tables need it)
+
+    names = src.dataset.schema.names  # partition fields too: one row in two date= folders is two versions
+    k = ", ".join(ident(c) for c in key)
+    keyed = f"WHERE NOT {keyless_sql(key)} ORDER BY {k}"
+    with connect() as con:
+        # First the key alone (its few columns read, the scan stopped at the first copy): most tables have
+        # none, and that is all they cost.
+        adj = _Adjacent(key)
+        if not any(adj.same(b).any() for b in _sorted(con, src, list(key), filt, f"SELECT {k} FROM raw {keyed}")):
+            return Copies(src.name, key, 0, [])
+        con.register("files_in", pa.table({"name": pa.array(_files(src.dataset), pa.string())}))
+        files = {h: (name, folder) for h, name, folder in con.execute(
+            f"SELECT hash(name), name, {folder_sql(src.name, 'name')} FROM files_in").fetchall()}
+        # Rows without a host (written before the column) are counted under their dataset folder.
+        host = (f"CASE WHEN host IS NULL THEN {folder_sql(src.name, '__filename')} ELSE host END"
+                if "host" in names else folder_sql(src.name, "__filename"))
+        sql = (f"SELECT {k}, hash({', '.join(ident(c) for c in names)}) AS _h, hash(__filename) AS _f, "
+               f"{host} AS _place FROM raw {keyed}")
+        adj = _Adjacent(key)
+        prev_h = prev_f = None
+        group = 0
+        places: dict[str, list] = {}
+        conflicting: set[int] = set()
+        example = None
+        for b in _sorted(con, src, names + ["__filename"], filt, sql):
+            same = adj.same(b)
+            h = b.column("_h").to_numpy(zero_copy_only=False)
+            f = b.column("_f").to_numpy(zero_copy_only=False)
+            ph = np.concatenate([[h[0] if prev_h is None else prev_h], h[:-1]])
+            pf = np.concatenate([[f[0] if prev_f is None else prev_f], f[:-1]])
+            prev_h, prev_f = h[-1], f[-1]
+            gid = group + np.cumsum(~same)  # one id per key, carried across batches
+            group = int(gid[-1])
+            differ = same & (h != ph)
+            if differ.any():
+                conflicting.update(gid[differ].tolist())
+                if example is None:
+                    i = int(np.flatnonzero(differ)[0])
+                    example = ([b.column(c)[i].as_py() for c in key], int(pf[i]), int(f[i]))
+            if same.any():
+                idx = np.flatnonzero(same)
+                place = b.column("_place").take(pa.array(idx)).to_pylist()
+                for p_, a, c in zip(place, pf[idx].tolist(), f[idx].tolist()):
+                    e = places.setdefault(p_, [0, set()])
+                    e[0] += 1
+                    e[1].update((a, c))
+    if conflicting:
+        which = ", ".join(f"{c}={v}" for c, v in zip(key, example[0]))
+        raise ExportError(
+            f"table {src.name}: {len(conflicting)} key(s) ({', '.join(key)}) hold rows that differ (e.g. {which}, "
+            f"in {files.get(example[1], ('?',))[0]} and {files.get(example[2], ('?',))[0]}): one event recorded "
+            "twice with different values, of which at most one is true and nothing says which; nothing written. "
+            "Remove the file that is wrong, or export the folders separately")
+    return Copies(src.name, key, sum(n for n, _ in places.values()),
+                  [(p_, n, sorted({files[x][1] for x in fs if x in files})) for p_, (n, fs) in sorted(places.items())])
+
+
+class _Once:
+    """A scan of a daemon table that yields each row once, in time order, then every row without a key (each
+    its own). find_copies has made sure that the rows of one key are equal in every column, so sorted by
+    time and key they lie side by side: a row whose key equals the one before it is dropped. DuckDB's sort
+    spills to disk within its memory limit; only a table with copies takes this path (a plain scan streams)."""
+
+    def __init__(self, src: Source, columns: list[str], filt, key: tuple[str, ...], batch_rows: int):
+        self.src, self.columns, self.filt, self.key, self.batch_rows = src, columns, filt, key, batch_rows
+        self.projected_schema = pa.schema([src.dataset.schema.field(c) for c in columns])
+
+    def _project(self, b: pa.RecordBatch) -> pa.RecordBatch:
+        # DuckDB's types back to the table's own (its TIMESTAMPTZ carries the session's zone).
+        return pa.RecordBatch.from_arrays([b.column(f.name).cast(f.type) for f in self.projected_schema],
+                                          schema=self.projected_schema)
+
+    def to_batches(self):
+        from .engine import connect  # noqa: PLC0415
+
+        read = list(dict.fromkeys([*self.columns, *self.key]))
+        cols = ", ".join(ident(c) for c in read)
+        keyless = keyless_sql(self.key)
+        when = time_column(self.src.dataset.schema)
+        order = ", ".join(ident(c) for c in ([when] if when else []) + list(self.key))
+        adj = _Adjacent(self.key)
+        with connect() as con:
+            for b in _sorted(con, self.src, read, self.filt,
+                             f"SELECT {cols} FROM raw WHERE NOT {keyless} ORDER BY {order}", self.batch_rows):
+                keep = ~adj.same(b)
+                if keep.any():
+                    yield self._project(b.filter(pa.array(keep)))
+            for b in _sorted(con, self.src, read, self.filt, f"SELECT {cols} FROM raw WHERE {keyless}",
+                             self.batch_rows):
+                yield self._project(b)
+
+
+def _without_copied_runs(srcs: list[str], groups: list[list[Source]], notes: list[str] | None) -> list[list[Source]]:
+    """Each sweep run once: a run directory that holds the same run as one before it (loading.run_key, the
+    key analyze refuses a copy by) adds none of its tables that are the same files; one that differs (a
+    re-analysis, an edited table) is refused, as two versions of the same rows."""
+    from .loading import AnalysisError, file_digest, read_run_info, run_key  # noqa: PLC0415
+
+    runs = [i for i, s in enumerate(srcs) if not is_uri(s) and (Path(s) / "windows.parquet").is_file()]
+    if len(runs) < 2:
+        return groups
+    seen: dict[tuple, tuple[str, dict[str, str | None]]] = {}
+    out = list(groups)
+    for i in runs:
+        try:
+            key = run_key(read_run_info(srcs[i]))
+        except AnalysisError:
+            continue
+        digests = {s.name: file_digest(Path(s.dataset.files[0])) for s in groups[i]}
+        if key not in seen:
+            seen[key] = (srcs[i], digests)
+            continue
+        first, first_digests = seen[key]
+        differ = sorted(n for n, d in digests.items() if n in first_digests and d != first_digests[n])
+        if differ:
+            raise ExportError(f"{first} and {srcs[i]} hold the same run (run_id {key[0]}) but their "
+                              f"{', '.join(differ)} differ: two versions of the same rows; nothing written. Export "
+                              "them separately, or give the one you trust")
+        out[i] = [s for s in groups[i] if s.name not in first_digests]
+        if notes is not None:
+            notes.append(f"{srcs[i]} holds the same run as {first} (run_id {key[0]}): its rows were written once")
+    return out
 
 
 def _why(e: Exception) -> str:

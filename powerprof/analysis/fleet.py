@@ -14,6 +14,7 @@ from pathlib import Path
 import pyarrow as pa
 
 from .engine import connect, to_arrow
+from .rowkeys import KEYS, WHY, folder_sql, keyless_sql
 
 URI_SCHEMES = ("s3://", "s3a://", "gs://", "gcs://", "az://", "abfss://", "http://", "https://", "hf://")
 
@@ -79,10 +80,6 @@ COLUMNS = {
                   "kind": "VARCHAR", "duration_s": "DOUBLE", "t_start_utc": "TIMESTAMPTZ",
                   "t_end_utc": "TIMESTAMPTZ"},
 }
-# What makes a row one event: a daemon process numbers its requests, and its intervals start at distinct
-# monotonic (and wall-clock) times. The same key twice is the same row read twice (a copy of a node's folder, or flush files
-# beside the file compaction merged them into, as `aws s3 sync` without --delete leaves them).
-KEYS = {"requests": ("daemon_id", "request_id"), "intervals": ("daemon_id", "t_start_mono_s", "t_start_utc")}
 
 
 def read_sql(files: list[str]) -> str:
@@ -108,17 +105,18 @@ def _table_sql(con, table: str, files: list[str]) -> str:
     else:
         sel = ", ".join(f"CAST(NULL AS {t}) AS {c}" for c, t in cols.items())
         raw = f"SELECT {sel}, NULL::VARCHAR AS filename, NULL::BIGINT AS file_row_number WHERE false"
-    # The file's dataset folder: minus the file, a date= folder, and the table's own folder name.
-    folder = (f"regexp_replace(regexp_replace(filename, '/(date=[^/]*/)?[^/]*$', ''), "
-              f"'^(.*)/{table}(/.*)?$', '\\1\\2')")
+    folder = folder_sql(table)
     label = (f"coalesce(host, nullif(regexp_extract({folder}, '/host=([^/]+)$', 1), ''), "
              f"'(unknown) ' || {folder})")
     key = KEYS[table]
-    # No key (no daemon, or no place within it): every such row is its own, by its file and place in it.
-    keyless = f"{key[0]} IS NULL OR " + ("(" + " AND ".join(f"{c} IS NULL" for c in key[1:]) + ")")
+    keyless = keyless_sql(key)  # every such row is its own, by its file and place in it
     aggs = ", ".join(f"any_value({c}) AS {c}" for c in cols if c not in ("host", *key))
-    return (f"(SELECT min(host) AS host, {', '.join(key)}, {aggs}, count(*) AS copies FROM ("
+    # Copies are equal in every column read; one key whose rows differ (lowest and highest hash of a row
+    # apart) is one event with two values, and any_value would pick one blindly: counted, then refused.
+    return (f"(SELECT min(host) AS host, {', '.join(key)}, {aggs}, count(*) AS copies, "
+            f"CAST(min(_h) <> max(_h) AS BIGINT) AS conflicts FROM ("
             f"SELECT {label} AS host, {', '.join(c for c in cols if c != 'host')}, "
+            f"hash({', '.join(c for c in cols if c != 'host')}) AS _h, "
             f"CASE WHEN {keyless} THEN filename END AS _file, CASE WHEN {keyless} THEN file_row_number END AS _row "
             f"FROM ({raw})) GROUP BY {', '.join(key)}, _file, _row)")
 
@@ -142,6 +140,7 @@ WITH r AS (
            sum(attributed_tokens) FILTER (WHERE {r_ok}) AS attributed_tokens,
            approx_quantile(ttft_s, 0.5) AS ttft_p50_s,
            CAST(sum(copies - 1) AS BIGINT) AS duplicate_requests,
+           CAST(sum(conflicts) AS BIGINT) AS conflicting_requests,
            count(*) FILTER (WHERE NOT ({r_ok})) AS invalid_requests
     FROM {requests} GROUP BY 1
 ), i AS (
@@ -152,6 +151,7 @@ WITH r AS (
            min(t_start_utc) AS t_first_utc,
            max(t_end_utc) AS t_last_utc,
            CAST(sum(copies - 1) AS BIGINT) AS duplicate_intervals,
+           CAST(sum(conflicts) AS BIGINT) AS conflicting_intervals,
            count(*) FILTER (WHERE NOT ({i_ok})) AS invalid_intervals
     FROM {intervals} GROUP BY 1
 )
@@ -160,7 +160,9 @@ SELECT host, requests, failed_requests, generated_tokens, gpu_energy_j, idle_gpu
        attributed_gpu_energy_j / nullif(attributed_tokens, 0) AS gpu_j_per_token,
        ttft_p50_s, hours, t_first_utc, t_last_utc,
        coalesce(duplicate_requests, 0) AS duplicate_requests, coalesce(duplicate_intervals, 0) AS duplicate_intervals,
-       coalesce(invalid_requests, 0) AS invalid_requests, coalesce(invalid_intervals, 0) AS invalid_intervals
+       coalesce(invalid_requests, 0) AS invalid_requests, coalesce(invalid_intervals, 0) AS invalid_intervals,
+       coalesce(conflicting_requests, 0) AS conflicting_requests,
+       coalesce(conflicting_intervals, 0) AS conflicting_intervals
 FROM i FULL OUTER JOIN r USING (host)
 ORDER BY host
 """.replace("{r_ok}", _sane("gpu_energy_j", "attributed_tokens", "CAST(generated_tokens AS DOUBLE)")).replace(
@@ -186,6 +188,17 @@ def fleet_summary(sources) -> pa.Table:
                 raise stop from None
             why = str(e).split("\n\nLINE ")[0].strip()  # DuckDB's echo of our query says nothing to the user
             raise FleetError(f"cannot read the datasets {', '.join(srcs)}: {why}") from None
+    bad = [r for r in out.select(["host", "conflicting_requests", "conflicting_intervals"]).to_pylist()
+           if r["conflicting_requests"] or r["conflicting_intervals"]]
+    if bad:
+        n_r, n_i = (sum(r[f"conflicting_{t}"] for r in bad) for t in ("requests", "intervals"))
+        raise FleetError(
+            f"{n_r} request key(s) ({', '.join(KEYS['requests'])}) and {n_i} interval key(s) "
+            f"({', '.join(KEYS['intervals'])}) hold rows that differ (hosts: {', '.join(r['host'] for r in bad)}): "
+            "one event recorded twice with different values, of which at most one is true and nothing says which. "
+            "Remove the file that is wrong (`powerprof export` of the same sources names the files), or analyse "
+            "the folders separately")
+    out = out.drop_columns(["conflicting_requests", "conflicting_intervals"])
     if not out.num_rows:
         raise FleetError(f"{', '.join(srcs)}: no request or interval rows yet (the daemon writes them at each flush, "
                          "daemon.flush_interval_s, 30 s by default): nothing to summarise")
@@ -198,8 +211,7 @@ def notes(t: pa.Table) -> list[str]:
     dup = [r for r in t.to_pylist() if r["duplicate_requests"] or r["duplicate_intervals"]]
     if dup:
         out.append("rows found more than once were counted once (the same daemon_id and request_id, or interval "
-                   "start: a copy of a node's folder among the sources, or a synced copy that kept the files "
-                   "compaction merged): " + "; ".join(f"{r['host']}: {r['duplicate_requests']} requests, "
+                   f"start: {WHY}): " + "; ".join(f"{r['host']}: {r['duplicate_requests']} requests, "
                                                        f"{r['duplicate_intervals']} intervals" for r in dup))
     bad = [r for r in t.to_pylist() if r["invalid_requests"] or r["invalid_intervals"]]
     if bad:

@@ -102,6 +102,24 @@ def read_run_info(run_dir) -> RunInfo:
     )
 
 
+def file_digest(path: Path) -> str | None:
+    """sha256 of a file's bytes; None when it cannot be read."""
+    import hashlib  # noqa: PLC0415
+
+    try:
+        with open(path, "rb") as f:
+            return hashlib.file_digest(f, "sha256").hexdigest() if hasattr(hashlib, "file_digest") else \
+                hashlib.sha256(f.read()).hexdigest()
+    except OSError:
+        return None
+
+
+def run_key(run: RunInfo) -> tuple:
+    """What makes two run directories one run: its run_id and the very same windows. A copy of a run pooled
+    with itself counts every window twice (analyze refuses it); exported, every row twice (export writes it once)."""
+    return run.run_id, file_digest(run.path / "windows.parquet")
+
+
 def _windows_model(path: Path) -> str | None:
     try:
         t = pq.read_table(path, columns=["model"])

@@ -23,22 +23,11 @@ from .analyze import (AnalysisResult, SeriesResult, analyze, interrupted_cells, 
                       interrupted_series_levels)
 from .checks import Finding, saving_within_noise
 from .knobs import analyze_knobs, is_grid, left_out_text, summary_lines
-from .loading import (AnalysisError, check_compatible, read_run_info, read_windows, sample_level_figures,
+from .loading import (AnalysisError, check_compatible, read_run_info, read_windows, run_key, sample_level_figures,
                       sweep_level_figures)
 from .sweetspot import DESCRIPTIONS, POLICIES, PolicyParams
 
 FORMATS = ("md", "html")
-
-
-def _digest(path: Path) -> str | None:
-    import hashlib  # noqa: PLC0415
-
-    try:
-        with open(path, "rb") as f:
-            return hashlib.file_digest(f, "sha256").hexdigest() if hasattr(hashlib, "file_digest") else \
-                hashlib.sha256(f.read()).hexdigest()
-    except OSError:
-        return None
 
 
 def analyze_run(
@@ -83,7 +72,7 @@ def analyze_run(
     forced = check_compatible(runs, force)
     seen: dict[tuple, Path] = {}
     for r in runs:
-        key = (r.run_id, _digest(r.path / "windows.parquet"))
+        key = run_key(r)
         if key in seen:
             raise AnalysisError(f"{seen[key]} and {r.path} hold the same run (run_id {r.run_id}): pooled, its "
                                 "windows would count twice and every confidence interval be too narrow; give it once")
