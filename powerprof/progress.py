@@ -223,7 +223,7 @@ def curves(result) -> Curves:
     unit = "MHz" if sr.series.level_kind == "sm_clock" else "W"
     rows = sr.table.to_pylist()
     x = tuple(float(r["level_value"]) for r in rows)
-    rec = sr.recommendation if sr.comparable else None
+    rec = sr.recommendation if sr.comparable and result.starred else None
     chosen = rec.level_value if rec is not None else None
     what = f"SM clock ({unit})" if unit == "MHz" else f"limit ({unit})"
     panels = [
@@ -242,7 +242,7 @@ def end_screen(levels, result, unit: str) -> Group:
     """What a finished sweep prints: one table, the curves, then the recommendation and findings."""
     from powerprof.analysis.report import console_summary
 
-    rec = result.main.recommendation.level_value if result.series and result.main.comparable else None
+    rec = result.main.recommendation.level_value if result.series and result.main.comparable and result.starred else None
     parts = [levels_table(levels, unit, recommended=rec)]
     if result.series:
         parts += [Text(""), curves(result), Text("")]

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import io
 import itertools
 import json
 import re
@@ -679,6 +680,17 @@ def test_a_flat_energy_curve_recommends_no_slower_limit(tmp_path):
     found = [w for w in res.warnings if w.kind == "no-clear-saving"]
     assert found and found[0].levels == (240.0,)
     assert "keep the reference (320)" in res.to_dict()["recommendation_note"]
+    # The sweep's end screen and curves put no star on 240 W beneath words that say to keep 320 W.
+    from rich.console import Console
+
+    from powerprof.progress import end_screen
+    from powerprof.terminal_plot import CHOSEN
+
+    levels = pq.read_table(run / "levels.parquet")
+    con = Console(width=120, record=True, color_system=None, file=io.StringIO())
+    con.print(end_screen(levels, res, "W"))
+    screen = con.export_text()
+    assert CHOSEN not in screen and "recommended 240" not in screen, screen
 
 
 def test_the_reference_chosen_over_a_level_within_budget_says_why(tmp_path):

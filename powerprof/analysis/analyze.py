@@ -85,6 +85,12 @@ class AnalysisResult:
     def simulated(self) -> bool:
         return any(r.simulated for r in self.runs)
 
+    @property
+    def starred(self) -> bool:
+        """Whether a ★ may mark the recommended level: not where the words say to keep the reference (a saving
+        not told from none) or that nothing can be compared; the star then contradicted the line beneath it."""
+        return bool(self.series) and self._recommendation_note() is None
+
     def _recommendation_note(self) -> str | None:
         if not self.series:
             return None
