@@ -69,3 +69,17 @@ def stopped_before_first_level(out, when: str = "idle"):
             run_sweep(rig, levels_spec="180,300", out_dir=out, idle_s=1, ui=_CtrlC(when), warmup_requests=1,
                       command_line="powerprof sweep --limits 180,300 --simulate")
     return out
+
+
+def ctrl_c_once_the_gpus_are_back(monkeypatch) -> None:
+    """Ctrl-C at the sampler's "restored" read: after the last level, as the GPUs are put back."""
+    from powerprof.collectors import sampler
+
+    real = sampler.Sampler.sample_now
+
+    def ctrl_c_once_restored(self, label=None, sources=None):
+        if label == "restored":
+            raise KeyboardInterrupt
+        return real(self, label, sources)
+
+    monkeypatch.setattr(sampler.Sampler, "sample_now", ctrl_c_once_restored)

@@ -454,17 +454,11 @@ def test_ctrl_c_after_the_last_level_says_where_the_finished_run_is(tmp_path, mo
     # "interrupted: ...": not that every level was kept, nor where; caught inside DuckDB it was a traceback.
     from click.testing import CliRunner
 
+    from support import ctrl_c_once_the_gpus_are_back
+
     from powerprof.cli import main
-    from powerprof.collectors import sampler
 
-    real = sampler.Sampler.sample_now
-
-    def ctrl_c_once_restored(self, label=None, sources=None):
-        if label == "restored":
-            raise KeyboardInterrupt
-        return real(self, label, sources)
-
-    monkeypatch.setattr(sampler.Sampler, "sample_now", ctrl_c_once_restored)
+    ctrl_c_once_the_gpus_are_back(monkeypatch)
     out = tmp_path / "run"
     r = CliRunner().invoke(main, ["sweep", "--limits", "220,300", "--simulate", "--out", str(out), "--idle-s", "0",
                                   "--max-tokens", "32", "--min-requests", "2", "--max-requests", "2", "--warmup", "0"])

@@ -390,17 +390,11 @@ def test_ctrl_c_in_a_trace_sweep_says_where_the_finished_levels_are(tmp_path, mo
     # It said only "interrupted: every GPU is back at its original limit": not that the levels were kept, nor where.
     from click.testing import CliRunner
 
+    from support import ctrl_c_once_the_gpus_are_back
+
     from powerprof.cli import main
-    from powerprof.collectors import sampler
 
-    real = sampler.Sampler.sample_now
-
-    def ctrl_c_once_restored(self, label=None, sources=None):
-        if label == "restored":
-            raise KeyboardInterrupt
-        return real(self, label, sources)
-
-    monkeypatch.setattr(sampler.Sampler, "sample_now", ctrl_c_once_restored)
+    ctrl_c_once_the_gpus_are_back(monkeypatch)
     trace = tmp_path / "t.jsonl"
     trace.write_text("".join(f'{{"t_s": {0.05 * i}, "prompt_tokens": 8, "output_tokens": 8}}\n' for i in range(3)))
     out = tmp_path / "run"
