@@ -943,6 +943,9 @@ def _fraction_option(ctx, param, value):
 @click.option("--idle-s", default=5.0, show_default=True, type=_FloatRange(0, 3600), help="Seconds of idle baseline before the first level.")
 @click.option("--concurrency", default=1, show_default=True, type=click.IntRange(1, 1024),
               help="Requests in flight at once (streams).")
+@click.option("--server-restart-wait", "server_restart_wait_s", default=120.0, show_default=True, type=_FloatRange(0, 86400),
+              help="Seconds to wait for a --server that stops answering mid-level (restarted) to be healthy again; the level "
+                   "is then measured again from scratch. 0: stop the sweep. Not with --launch (its server exiting has died).")
 @_workload_options
 @click.option("--interval", "interval_s", default=1.0, show_default=True, type=_FloatRange(0.02, 10), help="Sampling interval in seconds.")
 @click.option("--out", "out_dir", default=None, type=click.Path(file_okay=False), help="Run directory (default runs/<UTC time>-<gpu>).")
@@ -956,8 +959,8 @@ def _fraction_option(ctx, param, value):
 @click.option("--duration", "duration_s", type=_FloatRange(min=0, min_open=True), default=None,
               help="With --trace: replay only the requests arriving in the first this many seconds.")
 def sweep(limits, clocks, url, launch, vary, context_tokens, simulate, gpus, repeats, order, target_ci, target_paired_ci, min_requests, max_requests, max_time_s,
-          warmup, idle_s, concurrency, api, max_tokens, prompts_file, prompt_set, prompt_cache, seed, keep_text,
-          launch_timeout, interval_s, out_dir, max_slowdown, dry_run, trace_path, time_scale, duration_s):
+          warmup, idle_s, concurrency, server_restart_wait_s, api, max_tokens, prompts_file, prompt_set, prompt_cache, seed,
+          keep_text, launch_timeout, interval_s, out_dir, max_slowdown, dry_run, trace_path, time_scale, duration_s):
     """Step the GPU power limit (or locked SM clock) across levels; J/token and speed loss per level."""
     from rich.text import Text
 
@@ -1025,7 +1028,7 @@ def sweep(limits, clocks, url, launch, vary, context_tokens, simulate, gpus, rep
                 command_line=" ".join(sys.argv), ui=ui, repeats=repeats, order=order, target_ci=target_ci,
                 target_paired_ci=target_paired_ci,
                 min_requests=min_requests, max_requests=max_requests, max_time_s=max_time_s, warmup_requests=warmup,
-                idle_s=idle_s, concurrency=concurrency,
+                idle_s=idle_s, concurrency=concurrency, server_restart_wait_s=server_restart_wait_s,
             )
     if dry_run:
         for line in outcome.plan_lines:
@@ -1078,7 +1081,7 @@ def _analysis_stopped(e: BaseException, run_dir) -> None:
 # be ignored without a word (--duration read as a time limit; a --vary template launched with its {NAME}).
 _PROMPT_SWEEP_ONLY = ("vary", "context_tokens", "concurrency", "warmup", "target_ci", "target_paired_ci", "min_requests",
                       "max_requests", "max_time_s", "max_tokens", "prompts_file", "prompt_set", "prompt_cache", "seed",
-                      "keep_text", "max_slowdown")
+                      "keep_text", "max_slowdown", "server_restart_wait_s")
 _TRACE_ONLY = ("time_scale", "duration_s")
 
 

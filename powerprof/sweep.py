@@ -7,7 +7,7 @@ import random
 import time
 import uuid
 from contextlib import ExitStack
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from datetime import datetime, timezone
 from pathlib import Path
 
@@ -25,7 +25,7 @@ from powerprof.control.levels import parse_clock_levels, parse_power_levels
 from powerprof.profiler import Profiler
 from powerprof.storage.runs import RunWriter, default_run_dir, table_from_rows
 from powerprof.storage.samples import Timeline
-from powerprof.workload.client import RequestParams
+from powerprof.workload.client import RequestParams, health_status, identity_changes, server_away, server_identity
 from powerprof.workload.load import LoadAborted, LoadPolicy, builtin_prompts, detect, run_load_async
 from powerprof.workload.rows import Level, request_timing, trace_row, window_rows
 
@@ -50,6 +50,9 @@ class SweepSettings:
     settle_timeout_s: float = 10.0
     settle_tolerance: float = 0.05
     max_failures: int = 10
+    # A server that stops answering mid-level (restarted by systemd, a vLLM engine restarted) is waited for
+    # this long, then the level is measured again from scratch; 0: the sweep stops, as for any failure.
+    server_restart_wait_s: float = 120.0
 
     def __post_init__(self):
         if self.level_kind not in ("power_limit", "sm_clock", "none"):
@@ -68,6 +71,8 @@ class SweepSettings:
             raise ValueError("--max-requests must not be below --min-requests")
         if self.concurrency < 1:
             raise ValueError("--concurrency must be at least 1")
+        if not 0 <= self.server_restart_wait_s < float("inf"):
+            raise ValueError("--server-restart-wait must be 0 (stop at once) or more seconds")
 
 
 def visit_order(levels, repeats: int, order: str, seed: int = 0) -> list[tuple[float, int]]:
@@ -204,6 +209,14 @@ class LevelVisit:
     n_untrusted: int = 0  # measured windows left out: their timing cannot be trusted
     stop: str | None = None
     elapsed_s: float = 0.0
+    restarts: list[float] = field(default_factory=list)  # seconds the server was down, per restart ridden out
+
+
+# A server that restarts again and again within one level crashes under its load: waiting once more
+# would only repeat it.
+MAX_RESTARTS_PER_LEVEL = 3
+RESTART_POLL_S = 0.5
+RESTARTED_FLAG = "server-restarted"
 
 
 class UI:
@@ -267,6 +280,9 @@ class Sweep:
         self._clock_watch: ClockLockWatch | None = None
         self._suspect_rows: list[dict] = []  # windows measured since a GPU first read above its lock
         self._suspect_spans = 0  # visit.spans from the first suspect window on
+        self._attempt_rows: list[dict] = []  # the rows of the level's measurement in progress (since its start or a restart)
+        self._identity: dict | None = None  # the server as the sweep began (server_identity), when restarts are ridden out
+        self.restarts: list[dict] = []  # restarts ridden out: run.json `server_restarts`
 
     # --- the run -----------------------------------------------------------------------------
 
@@ -282,6 +298,8 @@ class Sweep:
             order = visit_order(self.s.levels, self.s.repeats, self.s.order, self.s.seed)
         async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0)) as session:
             self.session = session
+            if self.s.server_restart_wait_s > 0:
+                self._identity = await server_identity(session, self.server)
             await self._idle_baseline()
             for i, (value, rep) in enumerate(order):
                 visit = LevelVisit(value, rep)
@@ -349,23 +367,31 @@ class Sweep:
 
     async def _batch(self, n_requests: int, warmup: int):
 
-        recs = await run_load_async(
-            self.server,
-            self._next_prompts(n_requests),
-            n_requests,
-            self.s.concurrency,
-            self.params,
-            self.prof.edge,
-            warmup,
-            self.policy,
-            self.session,
-            self._rid,
-            self._bid,
-        )
+        try:
+            recs = await run_load_async(
+                self.server,
+                self._next_prompts(n_requests),
+                n_requests,
+                self.s.concurrency,
+                self.params,
+                self.prof.edge,
+                warmup,
+                self.policy,
+                self.session,
+                self._rid,
+                self._bid,
+            )
+        except LoadAborted as e:
+            self._number_after(e.records)  # a level measured again after a restart goes on with new ids
+            raise
+        self._number_after(recs)
+        return recs
+
+    def _number_after(self, recs) -> None:
         if recs:
             self._rid = max(r.request_id for r in recs) + 1
-            self._bid = max(r.batch_id for r in recs if r.batch_id is not None) + 1
-        return recs
+            bids = [r.batch_id for r in recs if r.batch_id is not None]
+            self._bid = max(bids) + 1 if bids else self._bid
 
     def round_size(self) -> int:
         """Requests in one pass over the prompt set, in whole batches. A level stops only at the end
@@ -382,13 +408,23 @@ class Sweep:
         jpt: list[float] = []
         attempted = 0
         self._watch_from_now(visit)
+        self._attempt_rows = []
         while True:
             try:
-                recs = await self._batch(self.s.concurrency, warmup)
+                recs, aborted = await self._batch(self.s.concurrency, warmup), None
             except LoadAborted as e:
-                self._add_rows(visit, e.records)
+                recs, aborted = e.records, e
+            if self.s.server_restart_wait_s > 0 and any(server_away(r) for r in recs):
+                self._add_rows(visit, recs)
+                await self._ride_out(visit, recs)
+                # Measured again from scratch, as the level began: warm-up, the prompt set from its start.
+                t_start, warmup, jpt, attempted = time.monotonic(), self.s.warmup_requests, [], 0
+                self._prompt_k = 0
+                continue
+            if aborted is not None:
+                self._add_rows(visit, recs)
                 self.flush()
-                raise SweepError(f"{_level_name(visit)}: {e}") from None
+                raise SweepError(f"{_level_name(visit)}: {aborted}") from None
             warmup = 0
             attempted += self.s.concurrency
             spans_before = len(visit.spans)
@@ -415,6 +451,72 @@ class Sweep:
                 visit.stop = "no-energy"  # no GPU energy readable: J/token can never converge
             if visit.stop:
                 return
+
+    async def _ride_out(self, visit: LevelVisit, recs) -> None:
+        """The server stopped answering mid-level (`recs` say so: server_away): wait for it to be healthy again,
+        check it came back the same server, and leave out every window of the level measured so far, so the
+        caller measures it again from scratch. SweepError, with the finished levels kept, when it does not
+        come back within the wait, comes back different, or restarts too often."""
+        name = _level_name(visit)
+        gone = [r for r in recs if server_away(r)]
+        t_gone_ns, why = min(r.t_send_ns for r in gone), gone[0].error
+        wait_s = self.s.server_restart_wait_s
+        if len(visit.restarts) >= MAX_RESTARTS_PER_LEVEL:
+            self.flush()
+            raise SweepError(
+                f"{name}: the server stopped answering again ({why}), its {len(visit.restarts) + 1}th time during this "
+                "level: it fails under this load or at this setting, and measuring it again would only repeat that; "
+                "fix: see why in the server's log (out of memory, a crash) and rerun")
+        self.ui.note(f"{name}: the server stopped answering ({why}); waiting up to {wait_s:g} s for it to come back "
+                     "(--server-restart-wait)")
+        deadline = time.monotonic() + wait_s
+        while await health_status(self.session, self.server.base_url) != 200:
+            if time.monotonic() >= deadline:
+                self.flush()
+                raise SweepError(
+                    f"{name}: the server stopped answering ({why}) and was not healthy again within {wait_s:g} s "
+                    f"({self.server.base_url}/health); fix: see why in the server's log, or give it longer to come "
+                    "back (--server-restart-wait SECONDS)")
+            await asyncio.sleep(RESTART_POLL_S)
+        down_s = (time.monotonic_ns() - t_gone_ns) / 1e9
+        try:
+            changes = identity_changes(self._identity or {}, await server_identity(self.session, self.server))
+        except Exception as e:  # noqa: BLE001 - it answered /health but not as a server: not the same one
+            changes = [f"it no longer answers as an inference server ({e})"]
+        if changes:
+            self.flush()
+            raise SweepError(
+                f"{name}: the server came back after {down_s:.1f} s down, but not as the same server "
+                f"({'; '.join(changes)}): the levels measured before and after would not be comparable; fix: "
+                "restart it with the model, build and flags it had, and rerun the sweep")
+        left = f"measured before the server restarted mid-level (down {down_s:.1f} s): the level was measured again from scratch"
+        for row in self._attempt_rows:
+            if row.get("timing") != "untrusted":
+                distrust(row, left)
+        self._attempt_rows = []
+        visit.spans.clear()
+        self._suspect_rows, self._suspect_spans = [], 0
+        visit.n_measured = visit.n_untrusted = 0
+        visit.restarts.append(down_s)
+        self.restarts.append({"level_value": visit.level_value, "repeat": visit.repeat, "down_s": round(down_s, 3),
+                              "error": why})
+        self.flush()
+        self.ui.note(f"{name}: the server is back after {down_s:.1f} s down, the same server; the level is measured "
+                     "again from scratch (warm-up first), its windows so far left out")
+        visit.settle_s += await self._settle(visit)
+
+    @property
+    def restart_notes(self) -> list[str]:
+        """One line per restart ridden out, for the end screen and run.json notes."""
+        unit = "W" if self.s.level_kind == "power_limit" else "MHz"
+        out = []
+        for r in self.restarts:
+            where = "the settings as they are" if r["level_value"] is None else f"level {r['level_value']:g} {unit}"
+            rep = f" (repeat {r['repeat'] + 1})" if self.s.repeats > 1 else ""
+            out.append(f"the server restarted at {where}{rep}, down {r['down_s']:.1f} s ({r['error']}): the level "
+                       f"was measured again from scratch after a warm-up; the windows measured before are left out "
+                       f"(levels.parquet flag {RESTARTED_FLAG})")
+        return out
 
     def _watch_from_now(self, visit: LevelVisit) -> None:
         """The level's setting is checked in every GPU sample from here on (settled or not)."""
@@ -541,6 +643,7 @@ class Sweep:
         for row in new:
             self._above_idle(row)
         self.rows.extend(new)
+        self._attempt_rows.extend(new)
         return new
 
     def _above_idle(self, row: dict) -> None:
@@ -622,6 +725,7 @@ class Sweep:
 
             return table_from_rows("levels", [])
         table = summarize_levels(windows, self.reference_value, run_id=self.run_id, extra=self.level_extras(samples))
+        table = _flag_levels(table, {v.level_value for v in self.visits if v.restarts}, RESTARTED_FLAG)
         return _flag_levels(table, {v.level_value for v in self.visits if v.stop is None}, "interrupted")
 
     def flush(self) -> None:
@@ -640,7 +744,9 @@ class Sweep:
         samples = self.timeline.to_table()
         self.writer.write("samples", samples)
         self.writer.write("levels", self.levels_table(samples))
-        self.writer.write_json(idle_gpu_power_w=self.idle_power_w, levels_done=[(v.level_value, v.repeat) for v in self.visits if v.stop])
+        extra = {"server_restarts": self.restarts} if self.restarts else {}
+        self.writer.write_json(idle_gpu_power_w=self.idle_power_w, levels_done=[(v.level_value, v.repeat) for v in self.visits if v.stop],
+                               **extra)
 
 
 @dataclass(frozen=True)
@@ -853,6 +959,10 @@ def run_sweep(
         else:
             values = ()
         settings = settings or SweepSettings(level_kind, tuple(float(v) for v in values), **settings_kw)
+        if launch or runner is not None or trace is not None:
+            # A launched server is our child: one that exits has died (its death_note says so), not restarted.
+            # A trace replay records what failed and the level has no figure (TraceSweep).
+            settings = replace(settings, server_restart_wait_s=0.0)
         infos = src.nvml.infos
         label = rig.run_label(infos[0].name) if infos else "gpu"
         run_dir = Path(out_dir) if out_dir else default_run_dir(Path(runs_base), label)
@@ -955,6 +1065,7 @@ def run_sweep(
             raise
     notes.extend(profiler.edge_notes())
     notes.extend(getattr(sweep, "level_notes", []))
+    notes.extend(getattr(sweep, "restart_notes", []))
     ex = sweep.excluded()
     if ex is not None:
         notes.append(ex.message())

@@ -126,7 +126,7 @@ def test_a_level_cut_short_by_a_server_that_went_away_is_flagged_interrupted_in_
     out = tmp_path / "run"
     with Rig("seed-16g", nvml=sim) as rig, pytest.raises(SweepError, match="level 200: .*failed 3 times"):
         run_sweep(rig, levels_spec="300,200", out_dir=out, params=RequestParams(max_tokens=32), idle_s=0, interval_s=0.2,
-                  min_requests=8, max_requests=8, warmup_requests=0, ui=_Hook(server_dies))
+                  min_requests=8, max_requests=8, warmup_requests=0, ui=_Hook(server_dies), server_restart_wait_s=0)
     assert sim.gpus[0].limit_w == 300.0
     levels = pq.read_table(out / "levels.parquet").to_pandas().set_index("level_value")
     assert "interrupted" in levels.loc[200.0, "flags"].split(",")

@@ -12,8 +12,8 @@ deterministic simulated draft acceptance.
 
 It records ground truth (true emission times, prefill spans) for tests, exposes a `busy`
 flag with callbacks (to drive simulated CPU power), and has fault injection (HTTP errors,
-dropped or stalled streams, malformed JSON, a server that dies). Everything it answers is
-marked simulated.
+dropped or stalled streams, malformed JSON, a server that dies, one that restarts: down for a
+while, then back, loading, maybe with other flags). Everything it answers is marked simulated.
 """
 
 from __future__ import annotations
@@ -178,6 +178,8 @@ class SimServer:
         self.loading_s = loading_s
         self.seed = seed
         self.faults: list[Fault] = []
+        self.restarts: list[tuple[int, float]] = []  # (monotonic ns when told to, seconds down) per restart()
+        self._restarting: set = set()
         # How responses reach the client (docs/workload.md, delivery faults): settable between requests.
         self.delivery = delivery
         self.tokens_per_event = max(1, int(tokens_per_event))
@@ -283,6 +285,33 @@ class SimServer:
             fut = asyncio.run_coroutine_threadsafe(self._akill(), self._loop)
             fut.result(30)
 
+    def restart(self, down_s: float, loading_s: float = 0.0, **changes):
+        """The server restarts as systemd restarts llama-server after an OOM: every stream and connection is
+        cut and new ones are refused for `down_s`; then it listens on the same port again, answering 503 for
+        `loading_s` (loading its model), with `changes` applied (n_slots=1, model="other.gguf": restarted
+        with other flags). Returns at once (a concurrent Future, done once it listens again): callable from
+        any thread, the sweep's own event loop included."""
+        unknown = [k for k in changes if not hasattr(self, k)]
+        if unknown:
+            raise ValueError(f"a restarted server has no {', '.join(unknown)}")
+        self.restarts.append((time.monotonic_ns(), down_s))
+        return asyncio.run_coroutine_threadsafe(self._arestart(down_s, loading_s, changes), self._loop)
+
+    async def _arestart(self, down_s: float, loading_s: float, changes: dict) -> None:
+        self._restarting.add(asyncio.current_task())  # a server stopped while down is not brought back
+        self._dead = True
+        await self._akill()
+        for conn in list(self._runner.server.connections):  # a dead process's sockets are reset, keep-alive ones too
+            if conn.transport is not None:
+                conn.transport.abort()
+        await asyncio.sleep(down_s)
+        for k, v in changes.items():
+            setattr(self, k, v)
+        self.loading_s, self._started_ns = loading_s, time.monotonic_ns()
+        self._dead = False
+        await web.TCPSite(self._runner, self.host, self._port).start()
+        self._restarting.discard(asyncio.current_task())
+
     def inject(self, kind: str, **kw) -> Fault:
         f = Fault(kind, **kw)
         with self._lock:
@@ -328,6 +357,8 @@ class SimServer:
             req.queue.put_nowait(("dead", None))
 
     async def _astop(self) -> None:
+        for task in list(self._restarting):
+            task.cancel()
         self._engine_task.cancel()
         try:
             await self._engine_task
@@ -599,10 +630,14 @@ class SimServer:
     def _json(self, obj, status: int = 200) -> web.Response:
         return web.json_response(obj, status=status, headers={"X-Powerprof-Simulated": "1"})
 
-    async def _health(self, request: web.Request) -> web.Response:
+    def _loading(self) -> web.Response | None:
+        """llama-server's answer to every request while it loads its model; None once loaded."""
         if (time.monotonic_ns() - self._started_ns) / 1e9 < self.loading_s:
             return self._json({"error": {"code": 503, "message": "Loading model", "type": "unavailable_error"}}, 503)
-        return self._json({"status": "ok", "simulated": True})
+        return None
+
+    async def _health(self, request: web.Request) -> web.Response:
+        return self._loading() or self._json({"status": "ok", "simulated": True})
 
     async def _props(self, request: web.Request) -> web.Response:
         if self.flavour != "llamacpp":
@@ -705,6 +740,9 @@ class SimServer:
     async def _serve(self, request: web.Request, api: str, prompt: str, body: dict, n_predict: int):
         if self._dead:
             raise web.HTTPServiceUnavailable()
+        loading = self._loading()
+        if loading is not None:
+            return loading
         fault = self._take_fault()
         if fault is not None and fault.kind == "http_error":
             return self._json({"error": {"code": fault.status, "message": "injected failure", "type": "server_error"}}, fault.status)

@@ -324,6 +324,53 @@ async def detect_server(session: aiohttp.ClientSession, base_url: str, api: str 
     return ServerInfo(base, kind, api or "openai-completions", model=model, build_info=build, simulated=simulated)
 
 
+def server_away(rec: "RequestRecord") -> bool:
+    """Whether a failed attempt says the server itself was gone or not yet serving (refused, reset, its stream
+    cut, 503 while it loads), as when it restarts, rather than that this one request went wrong."""
+    if rec.ok:
+        return False
+    e = rec.error or ""
+    return (rec.http_status == 503 or e.startswith(("connection refused", "server closed the stream"))
+            or "reset by peer" in e.lower())
+
+
+async def health_status(session: aiohttp.ClientSession, base_url: str) -> int | None:
+    """HTTP status of /health, or of /v1/models where there is no /health; None when nothing answers."""
+    base = base_url.rstrip("/")
+    timeout = aiohttp.ClientTimeout(total=5)
+    try:
+        async with session.get(base + "/health", timeout=timeout) as r:
+            if r.status != 404:
+                return r.status
+        async with session.get(base + "/v1/models", timeout=timeout) as r:
+            return r.status
+    except (aiohttp.ClientError, asyncio.TimeoutError, OSError):
+        return None
+
+
+async def server_identity(session: aiohttp.ClientSession, server: ServerInfo) -> dict:
+    """What a server must still be after a restart for the levels measured before and after to compare:
+    kind, model, build, slots (ServerInfo), and llama.cpp's context and default parameters (/props) or
+    vLLM's context length (/v1/models). ServerUnreachable when it does not answer."""
+    now = await detect_server(session, server.base_url, server.api)
+    out = {k: getattr(now, k) for k in ("kind", "api", "model", "build_info", "model_path", "total_slots")}
+    _, props = await _get_json(session, server.base_url + "/props")
+    dgs = props.get("default_generation_settings") if isinstance(props, dict) else None
+    if isinstance(dgs, dict):
+        out.update({"n_ctx": dgs.get("n_ctx"), "speculative": dgs.get("speculative"), "params": dgs.get("params")})
+    _, models = await _get_json(session, server.base_url + "/v1/models")
+    data = models.get("data") if isinstance(models, dict) else None
+    if isinstance(data, list) and data and isinstance(data[0], dict):
+        out["max_model_len"] = data[0].get("max_model_len")
+    return out
+
+
+def identity_changes(before: dict, after: dict) -> list[str]:
+    """How a restarted server differs from the one measured before: 'total_slots 4 → 1', ..."""
+    return [f"{k} {before.get(k)!r} → {after.get(k)!r}" for k in dict.fromkeys([*before, *after])
+            if before.get(k) != after.get(k)]
+
+
 def server_decode(timings: dict) -> tuple[float | None, int | None, str | None]:
     """llama.cpp's own decode timing of one request: (seconds, decode tokens, source).
 

@@ -1,0 +1,159 @@
+"""A sweep whose inference server restarts mid-level (systemd after an OOM, a vLLM engine restarted): the
+level is measured again from scratch once the same server is back, flagged, and its figures match the
+simulator's ground truth as the other levels' do; a server back with other slots, or never back, stops
+the sweep with the finished levels kept and the limit restored."""
+
+from __future__ import annotations
+
+import json
+import time
+
+import numpy as np
+import pyarrow.parquet as pq
+import pytest
+
+import powerprof.rig as rigmod
+from powerprof.rig import Rig
+from powerprof.sim.nvml import SimNVML
+from powerprof.sweep import UI, SweepError, run_sweep
+from powerprof.workload.client import RequestParams
+
+
+class _Hook(UI):
+    """A sweep UI that runs `act(visit)` after each batch and keeps what the sweep said."""
+
+    def __init__(self, act):
+        self.act = act
+        self.notes: list[str] = []
+
+    def level_progress(self, visit, live):
+        self.act(visit)
+
+    def note(self, text):
+        self.notes.append(text)
+
+
+@pytest.fixture
+def sim_server(monkeypatch):
+    """The simulated server the sweep starts, once it has: [server]."""
+    got = []
+    real = rigmod.Rig.sim_server
+
+    def capture(self, **kw):
+        srv = real(self, **kw)
+        got.append(srv)
+        return srv
+
+    monkeypatch.setattr(rigmod.Rig, "sim_server", capture)
+    return got
+
+
+def _once_at_level_200(sim_server, fault):
+    """`fault(server)` once, when level 200 has measured two requests."""
+    done = []
+
+    def act(visit):
+        if visit.level_value == 200 and visit.n_measured == 2 and not done:
+            done.append(fault(sim_server[0]))
+
+    return act
+
+
+def _sweep(rig, out, ui, **kw):
+    kw = dict(levels_spec="300,200", out_dir=out, params=RequestParams(max_tokens=128), idle_s=0, interval_s=0.2,
+              min_requests=4, max_requests=4, warmup_requests=1, ui=ui) | kw
+    return run_sweep(rig, **kw)
+
+
+def test_a_server_that_restarts_mid_level_is_waited_for_and_the_level_measured_again_to_ground_truth(tmp_path, sim_server):
+    # Before: the requests failed 3 times and the hour-long sweep stopped at the first restart of its server.
+    sim = SimNVML("seed-16g", state_path=None, record_history=True)
+    out = tmp_path / "run"
+    # Down 1.5 s (connections refused), then 0.5 s loading its model (503), as llama-server under systemd.
+    ui = _Hook(_once_at_level_200(sim_server, lambda srv: srv.restart(1.5, loading_s=0.5)))
+    with Rig("seed-16g", nvml=sim) as rig:
+        outcome = _sweep(rig, out, ui)
+    assert sim.gpus[0].limit_w == 300.0
+    levels = pq.read_table(out / "levels.parquet").to_pandas().set_index("level_value")
+    assert "server-restarted" in levels.loc[200.0, "flags"].split(","), levels.loc[200.0, "flags"]
+    assert "server-restarted" not in (levels.loc[300.0, "flags"] or "")
+    assert "interrupted" not in (levels.loc[200.0, "flags"] or "")
+
+    meta = json.loads((out / "run.json").read_text())
+    (restart,) = meta["server_restarts"]
+    assert restart["level_value"] == 200.0 and restart["down_s"] >= 1.5, restart
+    assert [200.0, 0] in meta["levels_done"]
+    said = [n for n in outcome.notes if n.startswith("the server restarted at level 200 W")]
+    assert len(said) == 1 and "measured again from scratch" in said[0], outcome.notes
+    assert any("waiting up to 120 s" in n for n in ui.notes), ui.notes
+
+    w = pq.read_table(out / "windows.parquet").to_pandas()
+    at200 = w[(w.level_value == 200.0) & (w.window_kind == "request") & ~w.warmup]
+    before = at200[at200.timing == "untrusted"]
+    assert len(before) == 2, at200[["request_id", "status", "timing", "timing_reason"]]
+    # The whole round of prompts again, not the 2 before plus 2 after.
+    assert ((at200.status == "ok") & (at200.timing != "untrusted")).sum() == 4
+    assert before.timing_reason.str.contains("measured before the server restarted mid-level").all()
+    assert before.gpu_j_per_token.isna().all()
+    assert not w[w.window_kind == "request"].duplicated(["request_id", "attempt"]).any()  # attempts after it numbered on
+    # Every counted window of the restarted level lies after the server was healthy again.
+    t_restart_ns, _ = sim_server[0].restarts[0]
+    counted = {r["request_id"] for r in outcome.sweep.rows if outcome.sweep._counts(r)}
+    recs = {rec.request_id: (v, rec) for v, rec in outcome.sweep.records if rec.request_id in counted}
+    assert all(rec.t_first_ns > t_restart_ns + 1.5e9 for v, rec in recs.values() if v == 200.0)
+
+    # The figures against the simulator's true energy over each window, as for an undisturbed sweep.
+    g = sim.gpus[0]
+    rows = {r["request_id"]: r for r in outcome.sweep.rows if r["request_id"] in counted and r["window_kind"] == "request"}
+    for value in (300.0, 200.0):
+        pairs = [(rows[i]["gpu_j_per_token"], (g.true_energy_at_j(rec.t_last_ns) - g.true_energy_at_j(rec.t_first_ns))
+                  / rec.decode_tokens) for i, (v, rec) in recs.items() if v == value]
+        assert len(pairs) == 4, value
+        measured, truth = np.median([m for m, _ in pairs]), np.median([t for _, t in pairs])
+        assert measured == pytest.approx(truth, rel=0.01), value
+        assert levels.loc[value, "gpu_j_per_token"] == pytest.approx(measured, rel=1e-9)
+
+
+def test_a_server_that_comes_back_with_other_slots_stops_the_sweep_with_the_finished_levels_kept(tmp_path, sim_server):
+    sim = SimNVML("seed-16g", state_path=None)
+    out = tmp_path / "run"
+    ui = _Hook(_once_at_level_200(sim_server, lambda srv: srv.restart(0.5, n_slots=1)))
+    with Rig("seed-16g", nvml=sim) as rig, pytest.raises(SweepError) as e:
+        _sweep(rig, out, ui, params=RequestParams(max_tokens=32))
+    msg = str(e.value)
+    assert msg.startswith("level 200: the server came back after"), msg
+    assert "not as the same server (total_slots 4 → 1)" in msg and "would not be comparable" in msg, msg
+    assert sim.gpus[0].limit_w == 300.0
+    levels = pq.read_table(out / "levels.parquet").to_pandas().set_index("level_value")
+    assert not levels.loc[300.0, "flags"] or "interrupted" not in levels.loc[300.0, "flags"]
+    assert np.isfinite(levels.loc[300.0, "gpu_j_per_token"])
+    assert json.loads((out / "run.json").read_text())["levels_done"] == [[300.0, 0]]
+
+
+def test_a_server_that_never_comes_back_stops_the_sweep_within_the_wait_with_the_limit_restored(tmp_path, sim_server):
+    sim = SimNVML("seed-16g", state_path=None)
+    out = tmp_path / "run"
+    ui = _Hook(_once_at_level_200(sim_server, lambda srv: srv.restart(3600)))
+    t0 = time.monotonic()
+    with Rig("seed-16g", nvml=sim) as rig, pytest.raises(SweepError) as e:
+        _sweep(rig, out, ui, params=RequestParams(max_tokens=32), server_restart_wait_s=2)
+    waited_s = time.monotonic() - t0
+    msg = str(e.value)
+    # The stream the restart cut, or the connection refused after it, whichever the sweep met first.
+    assert msg.startswith(("level 200: the server stopped answering (connection refused",
+                           "level 200: the server stopped answering (server closed the stream")), msg
+    assert "not healthy again within 2 s" in msg and "--server-restart-wait" in msg, msg
+    assert waited_s < 60  # the level before it, then a 2 s wait: not the default 120 s
+    assert sim.gpus[0].limit_w == 300.0
+    levels = pq.read_table(out / "levels.parquet").to_pandas().set_index("level_value")
+    assert "interrupted" in levels.loc[200.0, "flags"].split(",")
+    assert np.isfinite(levels.loc[300.0, "gpu_j_per_token"])
+
+
+def test_a_wait_of_0_stops_at_once_as_before(tmp_path, sim_server):
+    sim = SimNVML("seed-16g", state_path=None)
+    ui = _Hook(_once_at_level_200(sim_server, lambda srv: srv.restart(1.0)))
+    with Rig("seed-16g", nvml=sim) as rig, pytest.raises(SweepError, match="level 200: .*failed 3 times"):
+        _sweep(rig, tmp_path / "run", ui, params=RequestParams(max_tokens=32), server_restart_wait_s=0)
+    assert sim.gpus[0].limit_w == 300.0
+    assert not any("waiting up to" in n for n in ui.notes)
