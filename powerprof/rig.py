@@ -52,6 +52,7 @@ class Rig:
         self._sim_servers: list = []
         self._sim_server_used = False
         self._real_server_used = False
+        self._launch_notes: list[str] = []  # what launching a server did besides (a server left by a killed powerprof stopped)
         self._sim_gpu_count = max(gpus) + 1 if gpus else (sim_gpu_count or 1)
         self._nvml = nvml
 
@@ -87,13 +88,13 @@ class Rig:
     def notes(self) -> list[str]:
         """What every output must say about the rig (empty on real hardware with a real server)."""
         if not self.simulated:
-            return []
+            return list(self._launch_notes)
         if self._real_server_used:
             # A simulated GPU beside a real server: its GPU does not see the server's work.
             return [f"SIMULATED GPU ({self.sim_profile}) beside a real server: token timing is real, every energy and "
-                    "power figure is the simulator's, not your hardware's"]
+                    "power figure is the simulator's, not your hardware's"] + self._launch_notes
         what = "simulated GPU and simulated server" if self._sim_server_used else "simulated GPU"
-        return [f"{what} ({self.sim_profile}): the figures demonstrate the method, not your hardware"]
+        return [f"{what} ({self.sim_profile}): the figures demonstrate the method, not your hardware"] + self._launch_notes
 
     @property
     def origin(self) -> dict | None:
@@ -187,6 +188,7 @@ class Rig:
             from powerprof.workload.launcher import ServerLauncher
 
             with ServerLauncher(launch, url, timeout_s=launch_timeout_s, log_path=log_path) as la:
+                self._launch_notes.extend(la.notes)
                 if launched is not None:
                     launched.append(la)
                 yield url

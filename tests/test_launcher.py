@@ -359,3 +359,96 @@ def test_a_launched_server_that_dies_mid_run_is_said_to_have_died_with_its_log(t
     assert r.returncode != 0
     assert "the launched server exited with code 134 during the run" in r.stderr, r.stderr
     assert "GGML_ASSERT failed: crash at the first request" in r.stderr
+
+
+def _listener_pid(port: int, wait_s: float = 60.0, proc=None) -> int:
+    import psutil
+
+    deadline = time.monotonic() + wait_s
+    while time.monotonic() < deadline:
+        assert proc is None or proc.poll() is None, proc.stderr.read() if proc.stderr else proc.returncode
+        for c in psutil.net_connections(kind="tcp"):
+            if c.status == psutil.CONN_LISTEN and c.laddr and c.laddr.port == port and c.pid:
+                return c.pid
+        time.sleep(0.1)
+    pytest.fail(f"nothing listened on {port}")
+
+
+def _dead(pid: int, wait_s: float = 15.0) -> bool:
+    """Gone, or a zombie nobody reaped yet (its sockets are closed either way)."""
+    import psutil
+
+    deadline = time.monotonic() + wait_s
+    while time.monotonic() < deadline:
+        try:
+            if psutil.Process(pid).status() == psutil.STATUS_ZOMBIE:
+                return True
+        except psutil.NoSuchProcess:
+            return True
+        time.sleep(0.1)
+    return False
+
+
+def _sweep_launching(tmp_path, port: int, launch: str) -> subprocess.Popen:
+    """A powerprof sweep that launched `launch` and sits in its idle baseline."""
+    cmd = [sys.executable, "-m", "powerprof.cli", "sweep", "--simulate", "seed-16g", "--limits", "300",
+           "--server", f"http://127.0.0.1:{port}", "--launch", launch, "--idle-s", "600", "--out", str(tmp_path / "run")]
+    return subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+
+
+def test_a_sigkilled_powerprof_takes_the_server_it_launched_with_it(tmp_path):
+    # Before: kill -9 of a sweep left its --launch'ed server running; the next run refused the port, naming the pid.
+    port = free_port()
+    proc = _sweep_launching(tmp_path, port, f"{sys.executable} -m powerprof.sim.server --port {port}")
+    try:
+        server = _listener_pid(port, proc=proc)
+        time.sleep(0.5)
+        proc.send_signal(signal.SIGKILL)
+        proc.wait(10)
+        assert _dead(server), "the launched server outlived the powerprof that launched it"
+        assert not _listening(port)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+
+
+def test_a_server_left_by_a_killed_powerprof_is_stopped_by_the_next_launch_with_a_note(tmp_path):
+    # The server itself is a child of what was launched (a shell line): the death signal reaches the shell only,
+    # and the server lives on, orphaned, on the port. The next launch finds the earlier powerprof's marker on it.
+    port = free_port()
+    launch = f"sh -c '{sys.executable} -m powerprof.sim.server --port {port} & wait'"
+    proc = _sweep_launching(tmp_path, port, launch)
+    try:
+        orphan = _listener_pid(port, proc=proc)
+        time.sleep(0.5)
+        proc.send_signal(signal.SIGKILL)
+        proc.wait(10)
+        time.sleep(0.5)
+        assert _listening(port) and not _dead(orphan, wait_s=0.1)  # what the fix below is for
+        cmd = [sys.executable, "-m", "powerprof.sim.server", "--port", str(port)]
+        with ServerLauncher(cmd, f"http://127.0.0.1:{port}", timeout_s=30, poll_s=0.1, stop_grace_s=5) as la:
+            assert la.proc.pid != orphan
+            (note,) = la.notes
+            assert f"stopped the server an earlier powerprof launched and left listening on port {port} (pid {orphan}:" in note
+            assert f"that powerprof (pid {proc.pid}) is gone" in note
+        assert _dead(orphan, wait_s=1)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        try:
+            os.kill(orphan, signal.SIGKILL)
+        except (ProcessLookupError, UnboundLocalError):
+            pass
+
+
+def test_a_server_whose_powerprof_still_runs_is_refused_not_stopped(tmp_path):
+    script = tmp_path / "tiny.py"
+    script.write_text(TINY_SERVER)
+    port = free_port()
+    first = ServerLauncher([sys.executable, str(script), str(port)], f"http://127.0.0.1:{port}", timeout_s=20, poll_s=0.05)
+    with first:
+        second = ServerLauncher([sys.executable, str(script), str(port)], f"http://127.0.0.1:{port}", timeout_s=20,
+                                poll_s=0.05, port_free_wait_s=0.5)
+        with pytest.raises(LaunchError, match=rf"pid {first.proc.pid}: .*launched by the powerprof still running as pid {os.getpid()}"):
+            second.start()
+        assert first.running and not second.notes

@@ -6,7 +6,11 @@ listens on is refused before launching: that server would answer the probes and 
 launched one's place. On a timeout or an early exit the error shows the tail of the log. Leaving the context — normally, on an
 exception or on Ctrl-C — sends SIGTERM to the whole group, then SIGKILL after a grace period; a
 signal arriving during that stop waits until the group is gone. Processes that left the group (a
-server that daemonises, `setsid CMD &`) are found by a marker in their environment and stopped too. SIGTERM/SIGHUP sent to powerprof
+server that daemonises, `setsid CMD &`) are found by a marker in their environment and stopped too. On Linux
+the server is also told to get SIGTERM when powerprof ends (PR_SET_PDEATHSIG, set by a tiny wrapper that then
+execs the command), so a powerprof killed with SIGKILL does not leave it running; and a server a previous
+powerprof launched that still holds the port once that powerprof is gone (its marker names it) is stopped, with
+a note, when it is this user's. SIGTERM/SIGHUP sent to powerprof
 itself are turned into `Terminated` (a SystemExit with code 128 + signum) while the server runs,
 so they stop it too and powerprof exits like a signalled program (and, should library code
 swallow that exit, before the next request: `powerprof.termination`); an atexit hook is the
@@ -19,9 +23,11 @@ import asyncio
 import atexit
 import os
 import shlex
+import shutil
 import signal
 import socket
 import subprocess
+import sys
 import tempfile
 import threading
 import time
@@ -40,8 +46,53 @@ class LaunchError(RuntimeError):
     """The server did not become healthy; the message carries the tail of its log."""
 
 
-# Inherited by everything the launched command starts, also what leaves its process group.
+# Inherited by everything the launched command starts, also what leaves its process group:
+# "<launching powerprof's pid>:<its start time>:<random>", so a later run can tell whether that powerprof is gone.
 MARKER_ENV = "POWERPROF_LAUNCH_ID"
+
+# Run by `python -I -S -c` as the launched process: asks Linux for SIGTERM when the powerprof thread that
+# started it ends (kill -9 included), then becomes the server (exec keeps the request; a fork of the server
+# does not inherit it). A powerprof already gone by then would never signal it: it exits instead.
+_DEATHSIG = """
+import ctypes, os, signal, sys
+ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM, 0, 0, 0)  # PR_SET_PDEATHSIG
+if os.getppid() != int(sys.argv[1]):
+    sys.exit(1)
+try:
+    os.execvp(sys.argv[2], sys.argv[2:])
+except OSError as e:
+    print(f"cannot start {sys.argv[2]!r}: {e}", file=sys.stderr, flush=True)
+    sys.exit(127)
+"""
+
+
+def _new_marker() -> str:
+    return f"{os.getpid()}:{psutil.Process().create_time():.3f}:{uuid.uuid4().hex}"
+
+
+def _launcher_gone(marker: str) -> bool:
+    """Whether the powerprof a marker names has ended (its pid gone, or now another process's). False for a
+    marker that names none (an older powerprof's) or one that cannot be checked: such a server is left alone."""
+    try:
+        pid_s, t_s, _ = marker.split(":")
+        pid, t = int(pid_s), float(t_s)
+    except ValueError:
+        return False
+    try:
+        return abs(psutil.Process(pid).create_time() - t) > 1.0
+    except psutil.NoSuchProcess:
+        return True
+    except psutil.Error:
+        return False
+
+
+def _ours(p) -> bool:
+    """The process runs as this user (real and effective): the only ones powerprof may stop."""
+    try:
+        u = p.uids()
+    except psutil.Error:
+        return False
+    return u.real == os.getuid() and u.effective == os.geteuid()
 
 
 def _host_port(base_url: str) -> tuple[str, int]:
@@ -57,19 +108,61 @@ def _accepts(host: str, port: int) -> bool:
         return False
 
 
-def _listener(port: int) -> str:
-    """Who listens on the port, as far as this user may see: 'pid N: cmdline', or why unknown."""
+def _listener_pid(port: int) -> int | None:
     try:
         for c in psutil.net_connections(kind="tcp"):
             if c.status == psutil.CONN_LISTEN and c.laddr and c.laddr.port == port and c.pid:
-                try:
-                    cmd = " ".join(psutil.Process(c.pid).cmdline())[:200]
-                except psutil.Error:
-                    cmd = "?"
-                return f"pid {c.pid}: {cmd}"
+                return c.pid
     except (psutil.Error, OSError):
         pass
-    return "a process of another user or container: see `ss -ltnp`"
+    return None
+
+
+def _cmdline(p) -> str:
+    try:
+        return " ".join(p.cmdline())[:200]
+    except psutil.Error:
+        return "?"
+
+
+def _listener(port: int) -> str:
+    """Who listens on the port, as far as this user may see: 'pid N: cmdline', or why unknown."""
+    pid = _listener_pid(port)
+    if pid is None:
+        return "a process of another user or container: see `ss -ltnp`"
+    p = psutil.Process(pid)
+    out = f"pid {pid}: {_cmdline(p)}"
+    try:
+        marker = p.environ().get(MARKER_ENV)
+    except (psutil.Error, OSError):
+        marker = None
+    if marker and not _launcher_gone(marker) and marker.split(":")[0].isdigit():
+        out += f"; launched by the powerprof still running as pid {marker.split(':')[0]}"
+    return out
+
+
+def stop_orphan(port: int, grace_s: float = 10.0) -> str | None:
+    """Stop the server listening on `port` if an earlier powerprof launched it and is gone (killed with
+    SIGKILL, or crashed, before it could stop it): only this user's processes carrying that launch's marker.
+    Returns what was done, for the run's notes; None where nothing was ours to stop."""
+    pid = _listener_pid(port)
+    if pid is None:
+        return None
+    try:
+        p = psutil.Process(pid)
+        marker = p.environ().get(MARKER_ENV) if _ours(p) else None
+    except (psutil.Error, OSError):
+        return None
+    if not marker or not _launcher_gone(marker):
+        return None
+    cmd = _cmdline(p)
+    procs = [q for q in _marked(marker) if _ours(q)] or [p]
+    _signal_each(procs, signal.SIGTERM)
+    _, alive = psutil.wait_procs(procs, timeout=grace_s)
+    _signal_each(alive, signal.SIGKILL)
+    psutil.wait_procs(alive, timeout=5)
+    return (f"stopped the server an earlier powerprof launched and left listening on port {port} (pid {pid}: {cmd}): "
+            f"that powerprof (pid {marker.split(':')[0]}) is gone, killed or crashed before it could stop it")
 
 
 def _marked(marker: str) -> list:
@@ -168,7 +261,8 @@ class ServerLauncher:
         self.stop_grace_s = stop_grace_s
         self.env = env
         self.port_free_wait_s = port_free_wait_s  # a just-stopped server's port takes a moment to close
-        self.marker = uuid.uuid4().hex
+        self.marker = _new_marker()
+        self.notes: list[str] = []  # what the launch did beyond starting the command (an orphan stopped)
         if log_path is None:
             fd, name = tempfile.mkstemp(prefix="powerprof-server-", suffix=".log")
             os.close(fd)
@@ -188,10 +282,16 @@ class ServerLauncher:
     def start(self) -> "ServerLauncher":
         self._check_port_free()
         env = dict(os.environ if self.env is None else self.env, **{MARKER_ENV: self.marker})
+        argv = self.argv
+        if sys.platform.startswith("linux"):
+            # The wrapper execs the command: a program that is not there must fail here, as Popen's own would.
+            if shutil.which(argv[0], path=env.get("PATH", os.defpath)) is None:
+                raise LaunchError(f"cannot start {argv[0]!r}: no such program (not found on PATH, or not executable)")
+            argv = [sys.executable, "-I", "-S", "-c", _DEATHSIG, str(os.getpid()), *argv]
         with open(self.log_path, "ab") as log:
             try:
                 self.proc = subprocess.Popen(
-                    self.argv,
+                    argv,
                     stdout=log,
                     stderr=subprocess.STDOUT,
                     stdin=subprocess.DEVNULL,
@@ -213,6 +313,10 @@ class ServerLauncher:
 
     def _check_port_free(self) -> None:
         host, port = _host_port(self.base_url)
+        if _accepts(host, port):
+            stopped = stop_orphan(port, self.stop_grace_s)
+            if stopped:
+                self.notes.append(stopped)
         deadline = time.monotonic() + self.port_free_wait_s
         while _accepts(host, port):
             if time.monotonic() >= deadline:
