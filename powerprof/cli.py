@@ -992,6 +992,11 @@ def sweep(limits, clocks, url, launch, vary, context_tokens, simulate, gpus, rep
                                "(a simulated GPU beside a real server)")
     if max_requests < min_requests:
         raise click.UsageError("--max-requests must not be below --min-requests")
+    from click.core import ParameterSource
+
+    if launch and click.get_current_context().get_parameter_source("server_restart_wait_s") is not ParameterSource.DEFAULT:
+        raise click.UsageError("--server-restart-wait is not used with --launch: a launched server that exits has died "
+                               "(it is powerprof's own child), and the sweep stops and says so")
     _check_trace_options(click.get_current_context(), trace_path)
     if trace_path:
         _trace_sweep(trace_path, time_scale, duration_s, limits, clocks, url, launch, simulate, gpus, api, interval_s,

@@ -157,3 +157,18 @@ def test_a_wait_of_0_stops_at_once_as_before(tmp_path, sim_server):
         _sweep(rig, tmp_path / "run", ui, params=RequestParams(max_tokens=32), server_restart_wait_s=0)
     assert sim.gpus[0].limit_w == 300.0
     assert not any("waiting up to" in n for n in ui.notes)
+
+
+@pytest.mark.parametrize("extra, said", [
+    (["--server", "http://127.0.0.1:9", "--launch", "llama-server -m m.gguf"], "not used with --launch"),
+    (["--trace", "t.jsonl"], "not used with --trace"),
+    (["--server-restart-wait", "-1"], "--server-restart-wait"),
+])
+def test_server_restart_wait_where_it_cannot_apply_is_a_usage_error(extra, said):
+    from click.testing import CliRunner
+
+    from powerprof.cli import main
+
+    args = ["sweep", "--simulate", "--limits", "300", "--server-restart-wait", "5", *extra]
+    r = CliRunner().invoke(main, args, catch_exceptions=False)
+    assert r.exit_code == 2 and said in r.output, r.output
