@@ -478,7 +478,9 @@ class Sweep:
                     f"({self.server.base_url}/health); fix: see why in the server's log, or give it longer to come "
                     "back (--server-restart-wait SECONDS)")
             await asyncio.sleep(RESTART_POLL_S)
-        down_s = (time.monotonic_ns() - t_gone_ns) / 1e9
+        # A retry the server answered says it was back by then (a restart quicker than the retries).
+        answered = [r.t_send_ns for r in recs if r.ok and r.t_send_ns > t_gone_ns]
+        down_s = ((min(answered) if answered else time.monotonic_ns()) - t_gone_ns) / 1e9
         try:
             changes = identity_changes(self._identity or {}, await server_identity(self.session, self.server))
         except Exception as e:  # noqa: BLE001 - it answered /health but not as a server: not the same one

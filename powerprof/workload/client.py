@@ -330,8 +330,7 @@ def server_away(rec: "RequestRecord") -> bool:
     if rec.ok:
         return False
     e = rec.error or ""
-    return (rec.http_status == 503 or e.startswith(("connection refused", "server closed the stream"))
-            or "reset by peer" in e.lower())
+    return rec.http_status == 503 or e.startswith(("connection refused", "server closed the stream", "connection lost"))
 
 
 async def health_status(session: aiohttp.ClientSession, base_url: str) -> int | None:
@@ -565,6 +564,10 @@ async def send_request(
         summary = parser.finish()
     except asyncio.TimeoutError:
         return _failed(base, "timeout while connecting or sending", http_status, clock_ns())
+    except (aiohttp.ClientOSError, ConnectionError) as e:
+        # The connection itself broke (reset, a kept-alive socket the server closed as it died): server_away.
+        error = f"connection lost: {error_text(e)}"
+        summary = parser.finish()
     except (aiohttp.ClientError, OSError) as e:
         error = error_text(e)
         summary = parser.finish()
