@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import queue
 import threading
+import time
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 
@@ -132,7 +133,10 @@ class EnergyTimeline:
         with self._lock:
             if sample.source == "nvml":
                 for k, r in enumerate(sample.data):
-                    self.gpu_energy[k].add(sample.t_mono_ns, r.energy_j, getattr(r, "energy_epoch", 0))
+                    # The counter at the instant of its own driver call, not the sample's (the middle of
+                    # reading every GPU and value): the gap moved every window edge by it.
+                    t_e = getattr(r, "energy_t_mono_ns", None)
+                    self.gpu_energy[k].add(sample.t_mono_ns if t_e is None else t_e, r.energy_j, getattr(r, "energy_epoch", 0))
                     self.gpu_power[k].add(sample.t_mono_ns, r.power_w)
                     self.gpu_avg_power[k].add(sample.t_mono_ns, r.power_avg_w)
             elif sample.source == "rapl":
@@ -220,7 +224,10 @@ class Profiler:
         gpu_collector: NvmlCollector | None = None,
     ):
         # An already-open collector (from collectors.sources) or one opened here on `nvml`.
-        self.gpu = gpu_collector if gpu_collector is not None else (NvmlCollector(nvml, gpus) if nvml is not None else None)
+        # The collector dates each counter read on its own clock: the sampler's, so the two line up.
+        clock_ns = clock.monotonic_ns if clock is not None else time.monotonic_ns
+        self.gpu = gpu_collector if gpu_collector is not None else (
+            NvmlCollector(nvml, gpus, clock_ns=clock_ns) if nvml is not None else None)
         self._owns_gpu = gpu_collector is None
         self.rapl = rapl
         collectors = [c for c in (self.gpu, rapl) if c is not None] + list(extra_collectors)

@@ -60,6 +60,10 @@ class GpuReading:
     # a change is unknown (energy.epoch_broken), as RAPL's epoch.
     energy_epoch: int = 0
     note: str | None = None  # why readings are missing or were dropped this tick (stored in `error`)
+    # When energy_j was read (monotonic ns, the collector's clock): the middle of that one driver call.
+    # A sample is dated at the middle of the whole read of every GPU and reading, which on a real H200
+    # (~3 ms a counter read, 15 ms at p99) is milliseconds off this GPU's counter; None: no energy_j.
+    energy_t_mono_ns: int | None = None
 
 
 # Readings NVML cannot give are None without a note; these codes mean the card could not answer.
@@ -266,7 +270,9 @@ class NvmlCollector:
 
         power_mw = instant()
         avg_mw = t("power_average", "nvmlDeviceGetPowerUsage", h)
+        e0_ns = self._clock_ns()
         energy_mj = t("energy_counter", "nvmlDeviceGetTotalEnergyConsumption", h)
+        energy_t_ns = e0_ns + (self._clock_ns() - e0_ns) // 2
         sm = t("clocks", "nvmlDeviceGetClockInfo", h, n.NVML_CLOCK_SM)
         memclk = t("clocks", "nvmlDeviceGetClockInfo", h, n.NVML_CLOCK_MEM)
         util = t("utilization", "nvmlDeviceGetUtilizationRates", h)
@@ -302,6 +308,7 @@ class NvmlCollector:
             clock_event_reasons=int(reasons) if reasons is not None else None,
             energy_epoch=self._epoch[k],
             note="; ".join(notes) or None,
+            energy_t_mono_ns=energy_t_ns if energy_j is not None else None,
         )
 
 

@@ -43,6 +43,7 @@ SAMPLES_COLUMNS = [
     ("level_kind", STR),  # power_limit | sm_clock | idle | null outside a sweep level
     ("level_value", F64),  # W for power_limit, MHz for sm_clock
     ("error", STR),  # why a reading is missing
+    ("energy_t_mono_s", F64),  # GPU rows: when energy_j itself was read (its own driver call), same clock as t_mono_s
 ]
 
 # One row per request: its decode window and the energy measured over it.
