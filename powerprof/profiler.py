@@ -37,6 +37,13 @@ EDGE_STOP_S = 5.0  # longest wait for the edge thread's reads, as the sampler wa
 # machine) interpolated blind over the gap: flagged low-confidence whatever the window's length. Two
 # 1 s averages: one tick missed at 1 Hz. The counter integrates in the driver: gaps do not matter there.
 MAX_POWER_GAP_S = 2.0
+# A decode window starts and ends at power steps (prefill -> decode, decode -> idle), and its edge reads land
+# after them: by the counter read's own cost (~3 ms on an H200) and the thread's wake-up, while the value is
+# up to one refresh old. Each edge therefore moves a few ms of the step's energy across it: a fixed number of
+# joules per window, which pooling many windows does not average out. Measured on the simulated H200 (100 ms
+# refresh, 3 ms reads; docs/benchmarks.md "Energy windows at power steps"): pooled J/token -2.2% at 0.31 s
+# windows, -1.0% at 0.63 s, -0.9% at 1.06 s, -0.4% at 2.1 s. Below this a counter figure is flagged.
+EDGE_BIAS_WINDOW_S = 1.0
 LOW_CONFIDENCE_S = {"counter": 10.0, "avg_power_integration": 30.0, "power_integration": float("inf"), "none": float("inf")}
 
 METHOD_COUNTER = "counter"
