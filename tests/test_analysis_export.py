@@ -355,3 +355,61 @@ def test_two_versions_of_one_run_are_refused(run, tmp_path):
     assert r.exit_code == 1, r.output
     assert "hold the same run" in r.output and "levels differ" in r.output
     assert not out.exists()
+
+
+@pytest.mark.parametrize("fmt,out,existing", [
+    ("xlsx", "o/book.xlsx", "o/book.xlsx"),  # an earlier workbook, perhaps annotated since
+    ("csv", "o", "o/windows.csv"),  # one table of an earlier export in the folder
+    ("parquet", "o/one.parquet", "o/one.parquet"),  # a one-table export to a file
+])
+def test_export_keeps_an_earlier_export_unless_forced(run, tmp_path, fmt, out, existing):
+    # The export replaced --out (atomically) without a word: a spreadsheet someone had worked on was gone.
+    src = run / "levels.parquet" if fmt == "parquet" else run
+    there = tmp_path / existing
+    there.parent.mkdir(parents=True, exist_ok=True)
+    there.write_bytes(b"an earlier export")
+    args = ["export", str(src), "--format", fmt, "--out", str(tmp_path / out)]
+    r = CliRunner().invoke(main, args)
+    assert r.exit_code == 2, r.output
+    said = r.output.strip().splitlines()[-1]
+    assert "--out" in said and existing.split("/")[-1] in said and "--force" in said, said
+    assert there.read_bytes() == b"an earlier export"
+    assert [p.name for p in there.parent.iterdir()] == [there.name]  # no other table written, no temporary left
+    r = CliRunner().invoke(main, args + ["--force"])
+    assert r.exit_code == 0, r.output
+    assert there.read_bytes() != b"an earlier export"
+    if fmt == "csv":
+        assert len(pd.read_csv(there)) == pq.read_table(run / "windows.parquet").num_rows
+    elif fmt == "parquet":
+        assert pq.read_table(there).num_rows == pq.read_table(src).num_rows
+    else:
+        assert "windows" in load_workbook(there, read_only=True).sheetnames
+    assert not [p for p in there.parent.iterdir() if p.name.endswith(".tmp")]
+
+
+def test_export_to_its_default_name_keeps_the_earlier_one_too(run, tmp_path, monkeypatch):
+    # No --out: <run name>.xlsx in the working folder, which a second export replaced as silently.
+    (tmp_path / "o").mkdir()
+    monkeypatch.chdir(tmp_path / "o")
+    assert CliRunner().invoke(main, ["export", str(run), "--format", "xlsx"]).exit_code == 0
+    book = tmp_path / "o" / f"{run.name}.xlsx"
+    before = book.read_bytes()
+    r = CliRunner().invoke(main, ["export", str(run), "--format", "xlsx"])
+    assert r.exit_code == 2 and "--force" in r.output and book.name in r.output, r.output
+    assert book.read_bytes() == before
+
+
+def test_a_file_made_while_the_export_ran_is_kept(run, tmp_path, monkeypatch):
+    # Checked at the start and again by the rename at the end: a hard link, which never replaces a name.
+    out = tmp_path / "o" / "book.xlsx"
+    out.parent.mkdir()
+    real = ex._write_xlsx
+
+    def meanwhile(*a, **kw):
+        out.write_bytes(b"made meanwhile")
+        return real(*a, **kw)
+
+    monkeypatch.setattr(ex, "_write_xlsx", meanwhile)
+    with pytest.raises(ex.ExportOutExists, match="--force"):
+        ex.export(run, "xlsx", out)
+    assert out.read_bytes() == b"made meanwhile" and [p.name for p in out.parent.iterdir()] == ["book.xlsx"]

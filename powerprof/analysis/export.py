@@ -6,7 +6,8 @@ Every timestamp column gets a local-time twin; headers carry units (`power_w (W)
 ISO 8601 (`2026-01-15 12:00:00.000`) that spreadsheets read as dates. An xlsx opens ready to read:
 a `summary` sheet first (the recommendation and run details), then one sheet per table with a
 frozen header row, an autofilter, column widths from the headers and millisecond time cells.
-Files are written under a temporary name and renamed, so a failed export leaves nothing half-written.
+Files are written under a temporary name and renamed, so a failed export leaves nothing half-written; a
+file already there (an earlier export) is kept, the export refused, unless `force` says to replace it.
 
 A row read twice is written once, by the key `analyze` counts it once by (rowkeys.py): a daemon table's
 copies are found in its rows sorted by their key before anything is written, and only a table that
@@ -60,6 +61,21 @@ class ExportUsageError(ExportError):
     """An option value that cannot be used (time zone, time, columns, format): a usage error, exit 2.
 
     An --out path it cannot use stays an ExportError (exit 1), like a failed write."""
+
+
+class ExportOutExists(ExportUsageError):
+    """--out (or the default name in this folder) already holds a file the export would replace: exit 2, as
+    `monitor --output` and `trace` refuse theirs; --force replaces it."""
+
+    def __init__(self, paths: list[Path], folder: Path | None = None):
+        self.paths = paths
+        if folder is None:
+            msg = f"{paths[0]} exists (an earlier export?); choose another name, or --force to replace it"
+        else:
+            names = ", ".join(p.name for p in paths[:4]) + (f" and {len(paths) - 4} more" if len(paths) > 4 else "")
+            msg = (f"{folder} already holds {names} (an earlier export?); choose another folder, or --force to "
+                   f"replace {'it' if len(paths) == 1 else 'them'}")
+        super().__init__(msg)
 
 
 @dataclass(frozen=True)
@@ -319,8 +335,9 @@ def _plan(sources: list[Source], columns: list[str] | None) -> dict[str, list[st
 
 def export(src, fmt: str, out=None, time_from: str | None = None, time_to: str | None = None,
            columns: list[str] | None = None, tz: str | None = None, batch_rows: int = BATCH_ROWS,
-           notes: list[str] | None = None) -> list[Path]:
-    """Export every table of `src` in `fmt`; returns the files written. Raises ExportError on bad input.
+           notes: list[str] | None = None, force: bool = False) -> list[Path]:
+    """Export every table of `src` in `fmt`; returns the files written. Raises ExportError on bad input,
+    ExportOutExists where a file it would write exists (force: replace it, atomically).
 
     src: one source or several (paths, globs, URIs); tables of the same name are exported as one
     (daemon datasets of several nodes: their rows carry `host`). `notes` (when given) receives what
@@ -368,6 +385,12 @@ def export(src, fmt: str, out=None, time_from: str | None = None, time_to: str |
         raise ExportError(f"--out {out} names one .{fmt} file, but the selection has {len(sources)} tables "
                           f"({', '.join(s.name for s in sources)}): give a folder, or pick one table (its .parquet "
                           "file, or --columns)")
+    if not force:
+        # Before anything is read: an earlier export (a spreadsheet someone annotated) was replaced without a word.
+        targets = [out] if fmt == "xlsx" or single else [out / f"{s.name}.{fmt}" for s in sources]
+        there = [t for t in targets if os.path.lexists(t)]
+        if there:
+            raise ExportOutExists(there, None if fmt == "xlsx" or single else out)
     # Before anything is written: a key with two different rows refuses the export, whatever the format.
     copies = {s.name: c for s in sources if (c := find_copies(s, _filter(s, t_from, t_to))) is not None}
     if notes is not None:
@@ -387,7 +410,9 @@ def export(src, fmt: str, out=None, time_from: str | None = None, time_to: str |
                                   "Narrow it with --from/--to or --columns, or export csv or parquet.")
         summary = summary_rows(src_path, tz, time_from, time_to) + ([("not filtered by --from/--to", note)] if note else [])
         try:
-            return [_write_xlsx(scans, out, tz, summary)]
+            return [_write_xlsx(scans, out, tz, summary, replace=force)]
+        except FileExistsError:  # made while the export ran
+            raise ExportOutExists([out]) from None
         except (pa.ArrowInvalid, OSError) as e:
             raise ExportError(f"export to {out} failed, nothing written: {_why(e)}") from None
     if not single:
@@ -402,8 +427,13 @@ def export(src, fmt: str, out=None, time_from: str | None = None, time_to: str |
     for name, scan in scans.items():
         path = out if single else out / f"{name}.{fmt}"
         try:
-            with atomic_path(path) as tmp:
+            with atomic_path(path, replace=force) as tmp:
                 (_write_csv if fmt == "csv" else _write_parquet)(scan, tmp, tz)
+        except FileExistsError:  # made while the export ran
+            if written:
+                raise ExportError(f"table {name}: {path} appeared while the export ran and is kept; "
+                                  f"written before it (whole): {', '.join(map(str, written))}") from None
+            raise ExportOutExists([path], None if single else out) from None
         except (pa.ArrowInvalid, OSError) as e:
             done = f"; written before it (whole): {', '.join(map(str, written))}" if written else "; nothing written"
             raise ExportError(f"table {name}: export to {path} failed: {_why(e)}{done}") from None
@@ -758,7 +788,7 @@ def _col_letter(i: int) -> str:
 
 
 def _write_xlsx(scans: dict[str, ds.Scanner], path: Path, tz: str,
-                summary: list[tuple[str, object]] | None = None) -> Path:
+                summary: list[tuple[str, object]] | None = None, replace: bool = True) -> Path:
     from openpyxl import Workbook  # noqa: PLC0415  (only this format needs it)
     from openpyxl.cell import WriteOnlyCell  # noqa: PLC0415
 
@@ -789,7 +819,7 @@ def _write_xlsx(scans: dict[str, ds.Scanner], path: Path, tz: str,
             if head is None:
                 head = _xlsx_header(ws, _with_local_times(_empty_batch(scan), tz), tz)
             ws.auto_filter.ref = f"A1:{_col_letter(len(head) - 1)}{n_rows + 1}"
-        with atomic_path(path) as tmp:
+        with atomic_path(path, replace=replace) as tmp:
             wb.save(tmp)
     except BaseException:
         for ws in wb.worksheets:  # else each sheet's row writer dies noisily when it is collected
