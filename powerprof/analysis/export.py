@@ -10,7 +10,7 @@ Files are written under a temporary name and renamed, so a failed export leaves 
 file already there (an earlier export) is kept, the export refused, unless `force` says to replace it.
 
 A row read twice is written once, by the key `analyze` counts it once by (rowkeys.py): a daemon table's
-copies are found in its rows sorted by their key before anything is written, and only a table that
+(or a tuner's decisions') copies are found in its rows sorted by their key before anything is written, and only a table that
 has some is written from its rows sorted by time and key, each once (DuckDB's sort spills to disk past
 its memory limit: memory stays flat however many rows); a copy of a sweep run
 (the same run_id and windows) is exported once. One key with rows that differ is refused.
@@ -35,7 +35,7 @@ import pyarrow.parquet as pq
 from powerprof.storage.atomic import atomic_path
 from powerprof.storage.runs import no_finished_level
 
-from .rowkeys import KEYS, WHY, folder_sql, ident, keyless_sql
+from .rowkeys import TUNER_KEY, TUNER_WHY, WHY, folder_sql, ident, is_tuner_decisions, key_of, keyless_sql
 
 FORMATS = ("csv", "xlsx", "parquet")
 XLSX_MAX_ROWS = 1_048_575  # one row of the sheet's 1,048,576 holds the header
@@ -395,6 +395,11 @@ def export(src, fmt: str, out=None, time_from: str | None = None, time_to: str |
     copies = {s.name: c for s in sources if (c := find_copies(s, _filter(s, t_from, t_to))) is not None}
     if notes is not None:
         notes.extend(c.note() for c in copies.values() if c.dropped)
+        for s in sources:
+            if n := unkeyed_decisions(s, _filter(s, t_from, t_to)):
+                notes.append(f"{s.name}: {n} decision rows have no tuner_id and seq (written before the tuner numbered "
+                             "its decisions): each is written as it is, so a copy among them (a copied folder or "
+                             "file) is written twice")
     # Little read-ahead: memory stays near one row group per table however large the dataset.
     scans = {s.name: _Once(s, plan[s.name], _filter(s, t_from, t_to), copies[s.name].key, batch_rows)
              if s.name in copies and copies[s.name].dropped else
@@ -451,6 +456,7 @@ class Copies:
     key: tuple[str, ...]
     dropped: int  # rows beyond the first of their key
     places: list[tuple[str, int, list[str]]]  # (host, or dataset folder, rows dropped, folders holding the copies)
+    why: str = WHY  # how a key comes to be found twice
 
     def note(self) -> str:
         def where(folders: list[str]) -> str:
@@ -458,15 +464,25 @@ class Copies:
             return ", ".join(folders[:3]) + more
 
         return (f"{self.table}: {self.dropped} rows found more than once were written once (the same "
-                f"{', '.join(self.key)}: {WHY}): "
+                f"{', '.join(self.key)}: {self.why}): "
                 + "; ".join(f"{p}: {n} (in {where(f)})" for p, n, f in self.places))
 
 
 def row_key(src: Source) -> tuple[str, ...] | None:
-    """The columns that identify a row of a daemon table (rowkeys.py); None for any other table (a sweep
-    run's samples have no daemon_id)."""
-    key = KEYS.get(src.name)
-    return key if key and all(c in src.dataset.schema.names for c in key) else None
+    """The columns that identify a row of a daemon table or a tuner's decisions (rowkeys.py); None for any other
+    table (a sweep run's samples have no daemon_id)."""
+    return key_of(src.name, src.dataset.schema.names)
+
+
+def unkeyed_decisions(src: Source, filt) -> int:
+    """Rows of a tuner's decisions without a key (written before tuner_id and seq): each is written as it is."""
+    names = src.dataset.schema.names
+    if not is_tuner_decisions(names):
+        return 0
+    if not set(TUNER_KEY) <= set(names):
+        return src.dataset.count_rows(filter=filt)
+    nokey = ds.field(TUNER_KEY[0]).is_null() | ds.field(TUNER_KEY[1]).is_null()
+    return src.dataset.count_rows(filter=nokey if filt is None else filt & nokey)
 
 
 def _files(d: ds.Dataset) -> list[str]:
@@ -579,7 +595,8 @@ def find_copies(src: Source, filt) -> Copies | None:
             "twice with different values, of which at most one is true and nothing says which; nothing written. "
             "Remove the file that is wrong, or export the folders separately")
     return Copies(src.name, key, sum(n for n, _ in places.values()),
-                  [(p_, n, sorted({files[x][1] for x in fs if x in files})) for p_, (n, fs) in sorted(places.items())])
+                  [(p_, n, sorted({files[x][1] for x in fs if x in files})) for p_, (n, fs) in sorted(places.items())],
+                  TUNER_WHY if key == TUNER_KEY else WHY)
 
 
 class _Once:
