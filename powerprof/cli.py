@@ -881,17 +881,21 @@ def analyze(run_dirs, out_dir, max_slowdown, eta, formats, force, n_boot, as_jso
 @click.option("--columns", default=None, help="Comma-separated columns to keep (default: all).")
 @click.option("--tz", default=None, help="Time zone of the *_local columns and of --from/--to without offset (IANA name; default: this machine's).")
 @click.option("--out", default=None, type=click.Path(), help="Output file (xlsx; or one-table csv/parquet) or folder.")
-def export(src, fmt, time_from, time_to, columns, tz, out):
+@click.option("--force", is_flag=True, help="Replace the files --out names or holds if they exist (default: refuse, "
+              "they may be an earlier export).")
+def export(src, fmt, time_from, time_to, columns, tz, out, force):
     """Spreadsheet-ready CSV, xlsx or Parquet from run directories or daemon datasets.
 
     SRC: one or more run directories, daemon data folders (several nodes' export as one table
     each, rows carry `host`), .parquet files, globs, or URIs (s3://, gs://, abfs://, file://)."""
-    from powerprof.analysis.export import ExportError, ExportUsageError, export as run_export
+    from powerprof.analysis.export import ExportError, ExportOutExists, ExportUsageError, export as run_export
 
     cols = [c.strip() for c in columns.split(",") if c.strip()] if columns else None
     notes: list[str] = []
     try:
-        paths = run_export(list(src), fmt, out, time_from, time_to, cols, tz, notes=notes)
+        paths = run_export(list(src), fmt, out, time_from, time_to, cols, tz, notes=notes, force=force)
+    except ExportOutExists as e:  # said as monitor --output and trace say theirs
+        raise click.BadParameter(str(e), param_hint="--out") from None
     except ExportUsageError as e:  # an option as given cannot be used: exit 2, as click's own option errors
         raise click.UsageError(str(e)) from None
     except ExportError as e:

@@ -271,6 +271,8 @@ TUNER_DECISIONS_COLUMNS = [
     ("slo_ratio", F64),  # its worst p95 over its SLO
     ("gpus", STR),  # comma-separated NVML indexes
     HOST,
+    ("tuner_id", STR),  # the tuner process (null in files written before the column)
+    ("seq", I64),  # its decisions numbered from 0 in the order taken: with tuner_id, the row's key
 ]
 
 # One row per fit of the work model's costs (daemon/workmodel.py), per GPU setting.
