@@ -617,3 +617,44 @@ def test_an_interval_across_a_gpu_counter_jump_takes_integrated_power_not_the_ju
     iv = sink.rows["intervals"]
     assert [r["gpu_energy_j"] for r in iv] == [pytest.approx(100.0)] * 3
     assert [r["energy_method"] for r in iv] == ["counter", "power_integration", "counter"]
+
+
+def test_a_gpu_no_server_uses_gives_its_energy_to_idle_not_to_the_requests():
+    # Two GPUs sampled, the server on GPU 0 only (a host whose other GPU is idle or runs nothing
+    # proxied). GPU 0 draws 70 W idle and 400 W while a request decodes; GPU 1 draws 70 W throughout.
+    # Before: every busy interval's 470 J went to the request, GPU 1's 70 J included (+17.5% per
+    # request; +24% on the simulator, 2 H200s, server on one).
+    sink = Sink()
+    led = Ledger("d", 0, 2, sink, grace_s=0.1)
+    e = [0.0, 0.0]
+    t = 0
+    for _ in range(8):  # idle: the idle power of each GPU is measured
+        led.add_gpu_sample(t * S, t * S, [R(e[0], 70.0), R(e[1], 70.0)])
+        e = [e[0] + 70.0, e[1] + 70.0]
+        t += 1
+    reqs = []
+    for k in range(40):  # one request after another, each live through its own whole interval
+        tr = _trace(100 + k, t - 0.001)
+        led.on_start(tr)
+        for j in range(10):
+            led.on_tokens(tr, int((t + 0.05 + 0.09 * j) * S), 1)
+        tr.first_ns, tr.last_ns, tr.end_ns = int((t + 0.05) * S), int((t + 0.86) * S), int((t + 0.999) * S)
+        tr.counts = Counts(generated_tokens=10, prompt_tokens=0, model=None, stop_reason=None, token_source="usage")
+        led.on_end(tr)
+        reqs.append(tr)
+        led.add_gpu_sample(t * S, t * S, [R(e[0], 400.0), R(e[1], 70.0)])
+        e = [e[0] + 400.0, e[1] + 70.0]
+        t += 1
+        led.advance(int((t - 0.5) * S))
+    led.add_gpu_sample(t * S, t * S, [R(e[0], 70.0), R(e[1], 70.0)])
+    led.advance(int((t + 1) * S))
+    got = {r["request_id"]: r for r in sink.rows["requests"]}
+    assert len(got) == 40
+    # Once GPU 1 is seen to draw no more when work runs (5 busy intervals), its 70 J is idle.
+    late = [got[100 + k]["gpu_energy_j"] for k in range(10, 40)]
+    assert late == [pytest.approx(400.0, rel=0.01)] * 30
+    assert led.learner.serving.tolist() == [True, False]
+    iv = sink.rows["intervals"]
+    for row in iv:  # every joule still lands in exactly one place
+        assert row["requests_energy_j"] + row["idle_energy_j"] + row["unproxied_energy_j"] == pytest.approx(row["gpu_energy_j"])
+    assert led.totals.energy_by_dest_j[1] >= 30 * 70.0  # GPU 1's energy in busy intervals is idle

@@ -215,6 +215,7 @@ def attribute(
     costs: WorkCosts | None = None,
     bypass_spans: tuple[np.ndarray, np.ndarray] | None = None,
     passive: np.ndarray | None = None,
+    aside_j: np.ndarray | None = None,
 ) -> Attribution:
     """Split the energy of K intervals (edges: K+1 instants) among R requests by their work.
 
@@ -228,6 +229,8 @@ def attribute(
     windows its excess came from); None: unknown, so no part of an interval with bypass tokens is idle.
     passive: (R,) requests known to have done no GPU work (an error answer with no token and no prompt
     length): never live, so they take no share by live time and their time is idle.
+    aside_j: (K,) energy of GPUs that do none of the proxied work (`workmodel.CostLearner.serving`),
+    beyond `energy_j`'s first column: idle, whole, and in the interval's total (by_kind, dest).
     """
     costs = costs or WorkCosts()
     edges = np.asarray(edges_ns, dtype=np.int64)
@@ -313,6 +316,10 @@ def attribute(
     dest = np.stack([share.sum(axis=0), f_idle, f_unprox], axis=1)[:, :, None] * energy[:, None, :]
     by_kind = np.zeros((4, energy.shape[1]))
     np.add.at(by_kind, kind, energy)
+    if aside_j is not None:
+        aside = np.nan_to_num(np.asarray(aside_j, dtype=float))
+        dest[:, TO_IDLE, 0] += aside
+        np.add.at(by_kind[:, 0], kind, aside)
     features = np.column_stack([dur_s, steps, total_tok + server, pre.sum(axis=0), ctx.sum(axis=0)])
     return Attribution(
         kind=kind,

@@ -377,6 +377,14 @@ class Ledger:
         gpu_missing = np.isnan(per_gpu).any(axis=1) if self.n_gpus else np.zeros(t.size - 1, bool)
         gpu = np.where(gpu_missing, np.nan, np.nansum(per_gpu, axis=1)) if self.n_gpus else np.zeros(t.size - 1)
         gpu0 = np.nan_to_num(gpu)
+        # GPUs that do none of the proxied work (no server on them): their energy is idle, whole; the
+        # requests, bypass traffic and the idle part of busy time split the others' (the work model's).
+        serving = self.learner.serving
+        if serving is not None and serving.size == self.n_gpus and not serving.all():
+            work_j = np.nan_to_num(per_gpu[:, serving]).sum(axis=1)
+            aside = gpu0 - work_j
+        else:
+            work_j, aside = gpu0, None
         cpu = self._cpu_energy(t)
         t_end = int(t[-1])
         reqs = [r for r in self.requests.values() if r.trace.arrival_ns < t_end]
@@ -408,17 +416,22 @@ class Ledger:
         costs = self.learner.costs(setting)
         # The third column marks intervals without CPU energy: a request given a share of one
         # has no CPU figure (rather than a partial, smaller one).
-        energy = np.column_stack([gpu0, np.nan_to_num(cpu), np.isnan(cpu), gpu_missing])
+        energy = np.column_stack([work_j, np.nan_to_num(cpu), np.isnan(cpu), gpu_missing])
         passive = np.array([_passive(r) for r in reqs], dtype=bool)  # its error status is known from its head
         a = attr.attribute(t, energy, arrival, first, last, end, ev_t_a, ev_r_a, ev_n_a, excess,
                            prompt_tokens=prompt, tok_ctx=np.array(ev_c, dtype=float), costs=costs,
-                           bypass_spans=bypass_spans, passive=passive)
+                           bypass_spans=bypass_spans, passive=passive, aside_j=aside)
         # Bypass tokens' prompts are unseen: an interval mostly of bypass work would bias the fit.
         usable = np.array([m == "counter" for m in methods])
         if excess is not None:
             usable &= excess <= BYPASS_FIT_SHARE * a.tokens
 
-        fit = self.learner.add(setting, a.features, gpu0, usable)
+        fit = self.learner.add(setting, a.features, per_gpu, usable)
+        if self.learner.serving is not None and not np.array_equal(self.learner.serving, serving):
+            idle_gpus = [g for g, on in enumerate(self.learner.serving) if not on]
+            log.info("the proxied work runs on sampled GPU(s) %s; %s", [g for g, on in enumerate(self.learner.serving) if on],
+                     f"GPU(s) {idle_gpus} draw no more when it runs than when idle: their energy counts as idle, not the "
+                     "requests' (daemon.gpus can leave them out)" if idle_gpus else "every sampled GPU takes part")
         if fit is not None:
             self.emit("costs", [self._costs_row(edges[-1], setting, fit)])
         for i, r in enumerate(reqs):
