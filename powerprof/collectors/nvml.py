@@ -73,6 +73,14 @@ ASSUMED_MAX_LIMIT_W = 1000.0  # a card that publishes no limit range: the larges
 # counter that has not moved for this long is stuck, not idle.
 COUNTER_STALL_S = 1.0
 COUNTER_STEP_S = 0.1
+# A GPU that stopped answering is looked up again by UUID at most this often: a reset takes seconds, and
+# a GPU still off the bus answers each try with an error at once, so this bounds the tries, not a wait.
+REOPEN_INTERVAL_S = 5.0
+STALE_FIX = ("GPU {i}'s NVML handle stopped answering ({code}: a GPU reset, `nvidia-smi -r`, or a driver recovery "
+             "makes old handles stale): its readings stop here; powerprof looks it up again by UUID every {every:g} s "
+             "and resumes with a new energy epoch when the same GPU answers")
+REOPENED_NOTE = ("GPU {i} answers again (reopened by its UUID {uuid} after a reset or driver recovery): its energy "
+                 "counter restarted, so a new energy epoch begins and no energy is differenced across the gap")
 
 
 class CounterRead(tuple):
@@ -136,6 +144,8 @@ class NvmlCollector:
         self._moved_ns: list[int] = [0] * n
         self._epoch = [0] * n
         self.lost: dict[int, str] = {}  # NVML index -> when it was found lost (a note)
+        self._reopen_ns: list[int | None] = [None] * n  # last lookup by UUID of a lost GPU
+        self.reopened = [0] * n  # times each GPU was reopened after a reset
 
     def close(self) -> None:
         self.gw.shutdown()
@@ -191,8 +201,8 @@ class NvmlCollector:
         out = []
         for k, h in enumerate(self.handles):
             mj, code = self.gw.attempt("nvmlDeviceGetTotalEnergyConsumption", h)
-            if code == self.nvml.NVML_ERROR_GPU_IS_LOST:
-                self.lost.setdefault(self.indexes[k], LOST_FIX.format(i=self.indexes[k]))
+            if code is not None and code in self._gone_codes():
+                self.lost.setdefault(self.indexes[k], self._gone_note(k, code))
             e_j, _ = self._counter(k, mj) if mj is not None else (None, None)
             if e_j is None:
                 return None
@@ -238,18 +248,66 @@ class NvmlCollector:
             return None, f"{what} read {w:.6g} W (a powered GPU draws above 0 and below {bound_w:.4g} W): reading dropped"
         return w, None
 
+    def _gone_codes(self) -> tuple:
+        """Codes that mean the handle no longer reaches the GPU: lost, or stale after a reset or driver
+        reload. A call that answered when probed and now says INVALID_ARGUMENT has a stale handle."""
+        n = self.nvml
+        return tuple(getattr(n, c) for c in ("NVML_ERROR_GPU_IS_LOST", "NVML_ERROR_INVALID_ARGUMENT",
+                                             "NVML_ERROR_UNINITIALIZED") if hasattr(n, c))
+
+    def _gone_note(self, k: int, code: int) -> str:
+        i = self.indexes[k]
+        if code == getattr(self.nvml, "NVML_ERROR_GPU_IS_LOST", None):
+            return LOST_FIX.format(i=i)
+        return STALE_FIX.format(i=i, code=_nvml_error_name(self.nvml, code), every=REOPEN_INTERVAL_S)
+
+    def _reopen(self, k: int) -> str | None:
+        """Look a lost GPU up again by its UUID (never by index: a reset may renumber GPUs), at most every
+        REOPEN_INTERVAL_S; a note when the same GPU answers a reading again, else None."""
+        now = self._clock_ns()
+        last = self._reopen_ns[k]
+        if last is not None and now - last < REOPEN_INTERVAL_S * 1e9:
+            return None
+        self._reopen_ns[k] = now
+        uuid = self.infos[k].uuid
+        uninit = getattr(self.nvml, "NVML_ERROR_UNINITIALIZED", None)
+        h, code = self.gw.attempt("nvmlDeviceGetHandleByUUID", uuid)
+        if code is not None and code == uninit:
+            self.gw.reinit()  # a driver reload ends NVML's session: start it again, then look once more
+            h, code = self.gw.attempt("nvmlDeviceGetHandleByUUID", uuid)
+        if h is None:
+            return None
+        got, _ = self.gw.attempt("nvmlDeviceGetUUID", h)
+        if got != uuid:
+            return None
+        # The same GPU must also answer a reading: a GPU still off the bus can keep answering its UUID.
+        probe = ("nvmlDeviceGetTotalEnergyConsumption" if self.infos[k].supports["energy_counter"]
+                 else "nvmlDeviceGetPowerUsage" if self.infos[k].supports["power_average"] else "nvmlDeviceGetName")
+        _, code = self.gw.attempt(probe, h)
+        if code is not None and code in self._gone_codes():
+            return None
+        self.handles[k] = h
+        # The counter restarted at the reset: never difference across it.
+        self._epoch[k] += 1
+        self._last_mj[k] = None
+        self.reopened[k] += 1
+        self.lost.pop(self.indexes[k], None)
+        return REOPENED_NOTE.format(i=self.indexes[k], uuid=uuid)
+
     def read_one(self, k: int) -> GpuReading:
+        reopened = self._reopen(k) if self.indexes[k] in self.lost else None
         n, h, s = self.nvml, self.handles[k], self.infos[k].supports
         failed: list[str] = []
-        lost = [False]
+        lost: list = [None]  # the code that says the handle no longer reaches the GPU
         quiet = (n.NVML_ERROR_NOT_SUPPORTED, n.NVML_ERROR_NO_PERMISSION)
+        gone = self._gone_codes()
 
         def t(key: str, fn: str, *args):
             if not s[key] or lost[0]:
                 return None
             v, code = self.gw.attempt(fn, *args)
-            if code == n.NVML_ERROR_GPU_IS_LOST:
-                lost[0] = True  # every later call fails the same way: stop asking this tick
+            if code is not None and code in gone:
+                lost[0] = code  # every later call fails the same way: stop asking this tick
             elif code is not None and code not in quiet:
                 failed.append(f"{fn.removeprefix('nvmlDevice')}: {_nvml_error_name(n, code)}")
             return v
@@ -258,8 +316,8 @@ class NvmlCollector:
             if not s["power_instant"] or lost[0]:
                 return None
             vals, code = self.gw.attempt("nvmlDeviceGetFieldValues", h, [n.NVML_FI_DEV_POWER_INSTANT])
-            if code == n.NVML_ERROR_GPU_IS_LOST:
-                lost[0] = True
+            if code is not None and code in gone:
+                lost[0] = code
             if not vals or vals[0].nvmlReturn != n.NVML_SUCCESS:
                 return None
             return _field_value(n, vals[0])
@@ -282,10 +340,13 @@ class NvmlCollector:
         if failed:
             notes.append("failed this tick: " + ", ".join(failed))
         if lost[0]:
-            self.lost.setdefault(self.indexes[k], LOST_FIX.format(i=self.indexes[k]))
-            notes.insert(0, LOST_FIX.format(i=self.indexes[k]))
+            note = self._gone_note(k, lost[0])
+            self.lost.setdefault(self.indexes[k], note)
+            notes.insert(0, note)
         elif self.indexes[k] in self.lost:
-            del self.lost[self.indexes[k]]  # it answered again (a reset)
+            del self.lost[self.indexes[k]]  # it answered again on the same handle
+        if reopened and not lost[0]:
+            notes.insert(0, reopened)
         return GpuReading(
             index=self.indexes[k],
             power_w=power_w,
