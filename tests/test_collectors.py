@@ -321,3 +321,54 @@ def test_a_mig_instance_in_cuda_visible_devices_is_explained_not_said_to_hide_ev
                        privileged=lambda: True)
     (p,) = [p for p in src.problems if p.source == "nvml" and "MIG" in p.message]
     assert "whole GPU" in p.message and "--gpus" in p.fix
+
+
+@pytest.mark.parametrize("code", [pynvml.NVML_ERROR_GPU_IS_LOST, pynvml.NVML_ERROR_INVALID_ARGUMENT,
+                                  pynvml.NVML_ERROR_UNINITIALIZED], ids=["lost", "invalid-argument", "uninitialized"])
+def test_a_reset_gpu_is_reopened_by_uuid_at_a_bounded_rate_with_a_new_energy_epoch(code):
+    import time
+
+    from powerprof.collectors import nvml as nvmlmod
+
+    nv, c, now = _faulty()
+    S = 1_000_000_000
+    nv.gpus[1].set_phase(Phase("decode", 0.25))
+    time.sleep(0.2)  # the counter runs on real time: some joules before the reset
+    before = c.read()[1]
+    assert before.energy_j > 0 and before.energy_epoch == 0
+    by_index = nv.calls.get("nvmlDeviceGetHandleByIndex", 0)
+    nv.lose(1)  # nvidia-smi -r in progress: nothing answers
+    now[0] = 1 * S
+    r1 = c.read()[1]
+    assert r1.energy_j is None and 1 in c.lost
+    for k in range(8):  # ticks within REOPEN_INTERVAL_S: one lookup by UUID, not one per tick
+        now[0] = int((1.5 + 0.5 * k) * S)
+        assert c.read()[1].energy_j is None
+    assert nv.calls.get("nvmlDeviceGetHandleByUUID", 0) == 1
+    nv.heal()
+    nv.reset(1, code)  # back, counter from zero, the old handle stale
+    now[0] = int((1.5 + nvmlmod.REOPEN_INTERVAL_S + 0.1) * S)  # the first lookup was at 1.5 s
+    r0, r1 = c.read()
+    assert 1 not in c.lost and r1.energy_j is not None and r1.power_avg_w > 0
+    assert r1.energy_j < before.energy_j  # the counter restarted ...
+    assert r1.energy_epoch > before.energy_epoch  # ... so nothing is differenced across it
+    assert "reopened by its UUID" in r1.note
+    assert nv.calls.get("nvmlDeviceGetHandleByIndex", 0) == by_index  # never by index: a reset may renumber
+    assert c.handles[1].generation == 1
+    if code == pynvml.NVML_ERROR_UNINITIALIZED:
+        # A driver reload stops every GPU's session: GPU 0, read first, failed too and is back a tick later.
+        assert 0 in c.lost
+        now[0] += S // 100
+        r0 = c.read()[0]
+        assert 0 not in c.lost and r0.energy_epoch == 1
+    else:
+        assert r0.power_avg_w > 0 and r0.energy_epoch == 0 and c.reopened == [0, 1]  # the other GPU never stopped
+
+
+def test_a_stale_handle_is_said_with_what_powerprof_does_about_it():
+    nv, c, _ = _faulty()
+    c.read()
+    nv.reset(1, pynvml.NVML_ERROR_INVALID_ARGUMENT)
+    nv.lose(1)  # still down: the first lookup by UUID finds no answer
+    r1 = c.read()[1]
+    assert "NVML_ERROR_INVALID_ARGUMENT" in r1.note and "by UUID" in r1.note and 1 in c.lost
