@@ -945,6 +945,8 @@ def run_sweep(
         for p in src.problems:
             if p.source == "rapl":
                 notes.append(f"CPU energy not measured: {p.message}" + (f" (fix: {p.fix})" if p.fix else ""))
+            elif p.source == "nvml" and "MIG" in p.message:  # the figures are the whole GPU's: every output says so
+                notes.append(p.message + (f" (fix: {p.fix})" if p.fix else ""))
         timeline = Timeline(gpu_uuids=src.gpu_uuids)
         profiler.sampler.subscribe(timeline)
 

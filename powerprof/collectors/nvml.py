@@ -37,6 +37,7 @@ class GpuInfo:
     limit_default_w: float | None
     supports: dict  # SUPPORT_KEYS -> bool
     power_avg_window_s: float  # how far back nvmlDeviceGetPowerUsage averages (0: instant)
+    mig_mode: bool | None = None  # split into MIG instances (their figures are this whole GPU's); None: cannot say
 
 
 @dataclass(frozen=True, slots=True)
@@ -91,38 +92,89 @@ class CounterRead(tuple):
 
 READING_FIELDS = tuple(f.name for f in fields(GpuReading))
 
-def visible_indexes(nvml, env: dict | None = None) -> list[int]:
-    """NVML indexes of the GPUs this process may use, honouring CUDA_VISIBLE_DEVICES.
+@dataclass(frozen=True)
+class MigMapping:
+    """A MIG instance named where a GPU was expected, and the physical GPU it is part of."""
 
-    CUDA enumerates fastest-first unless CUDA_DEVICE_ORDER=PCI_BUS_ID, and NVML always by PCI
-    bus; we follow the entries as NVML indexes or UUIDs (prefixes allowed), which is what
-    people mean when they set the variable next to nvidia-smi's numbering.
-    """
-    env = os.environ if env is None else env
+    mig_uuid: str
+    parent_index: int
+    parent_uuid: str
+
+
+MIG_SHARED_NOTE = ("power, energy, clocks and limits exist only for the whole physical GPU: its figures are every MIG "
+                   "instance's work together, so J/token of one instance is not attributable to it (the other "
+                   "instances' work is in it), and a power limit or clock lock applies to the whole GPU, every instance")
+
+
+def resolve_gpu_ids(nvml, items) -> tuple[list[int], list[MigMapping], str | None]:
+    """NVML indexes of `items` (indexes, GPU UUIDs, MIG instance UUIDs; UUID prefixes allowed), in order,
+    without repeats: a MIG instance maps to its parent GPU, found through NVML's own MIG handles
+    (nvmlDeviceGetMigDeviceHandleByIndex) and never guessed from an index. Stops at the first entry that
+    names no GPU and returns it as the third value (None when all resolved); NVML must be initialised."""
     gw = gateway(nvml)
     count = gw.call("nvmlDeviceGetCount")
-    spec = env.get("CUDA_VISIBLE_DEVICES")
-    if spec is None or spec.strip() == "":
-        return list(range(count)) if spec is None else []
     uuids = None
     out: list[int] = []
-    for item in (s.strip() for s in spec.split(",")):
+    migs: list[MigMapping] = []
+    for item in (str(s).strip() for s in items):
         if not item:
             continue
         if item.lstrip("-").isdigit():
             i = int(item)
             if i < 0 or i >= count:
-                break  # CUDA stops at the first invalid entry
+                return list(dict.fromkeys(out)), migs, item
             out.append(i)
             continue
         if uuids is None:
             uuids = [gw.call("nvmlDeviceGetUUID", gw.call("nvmlDeviceGetHandleByIndex", i)) for i in range(count)]
-        want = item if item.startswith(("GPU-", "MIG-")) else "GPU-" + item
+        if item.startswith("MIG-"):
+            found = _mig_parent(gw, uuids, item)
+            if found is None:
+                return list(dict.fromkeys(out)), migs, item
+            migs.append(found)
+            out.append(found.parent_index)
+            continue
+        want = item if item.startswith("GPU-") else "GPU-" + item
         match = [i for i, u in enumerate(uuids) if u.startswith(want)]
         if len(match) != 1:
-            break
+            return list(dict.fromkeys(out)), migs, item
         out.append(match[0])
-    return list(dict.fromkeys(out))
+    return list(dict.fromkeys(out)), migs, None
+
+
+def _mig_parent(gw, uuids: list[str], want: str) -> MigMapping | None:
+    """The one GPU holding the MIG instance `want` (a UUID or prefix), or None."""
+    if want.startswith("MIG-GPU-"):  # the pre-R470 form names its parent: MIG-GPU-<uuid>/<gi>/<ci>
+        parent = want.removeprefix("MIG-").split("/")[0]
+        match = [i for i, u in enumerate(uuids) if u.startswith(parent)]
+        return MigMapping(want, match[0], uuids[match[0]]) if len(match) == 1 else None
+    found = []
+    for i, parent_uuid in enumerate(uuids):
+        h = gw.call("nvmlDeviceGetHandleByIndex", i)
+        mode = gw.query("nvmlDeviceGetMigMode", h)
+        if not mode or not mode[0]:
+            continue
+        for j in range(int(gw.query("nvmlDeviceGetMaxMigDeviceCount", h, default=0) or 0)):
+            mh = gw.query("nvmlDeviceGetMigDeviceHandleByIndex", h, j)
+            u = gw.query("nvmlDeviceGetUUID", mh) if mh is not None else None
+            if u and u.startswith(want):
+                found.append(MigMapping(u, i, parent_uuid))
+    return found[0] if len(found) == 1 else None
+
+
+def visible_indexes(nvml, env: dict | None = None) -> list[int]:
+    """NVML indexes of the GPUs this process may use, honouring CUDA_VISIBLE_DEVICES.
+
+    CUDA enumerates fastest-first unless CUDA_DEVICE_ORDER=PCI_BUS_ID, and NVML always by PCI
+    bus; we follow the entries as NVML indexes or UUIDs (prefixes allowed), which is what
+    people mean when they set the variable next to nvidia-smi's numbering. A MIG instance's
+    UUID stands for its parent GPU (resolve_gpu_ids); CUDA stops at the first invalid entry, so do we.
+    """
+    env = os.environ if env is None else env
+    spec = env.get("CUDA_VISIBLE_DEVICES")
+    if spec is None or spec.strip() == "":
+        return list(range(gateway(nvml).call("nvmlDeviceGetCount"))) if spec is None else []
+    return resolve_gpu_ids(nvml, spec.split(","))[0]
 
 
 class NvmlCollector:
@@ -177,6 +229,7 @@ class NvmlCollector:
         }
         arch = q("nvmlDeviceGetArchitecture", h)
         name = self.gw.call("nvmlDeviceGetName", h)
+        mig = q("nvmlDeviceGetMigMode", h)
         return GpuInfo(
             index=index,
             uuid=self.gw.call("nvmlDeviceGetUUID", h),
@@ -188,6 +241,7 @@ class NvmlCollector:
             limit_default_w=default / 1000 if default is not None else None,
             supports=supports,
             power_avg_window_s=power_average_window_s(n, arch, name),
+            mig_mode=bool(mig[0]) if mig else None,
         )
 
     def read(self) -> tuple[GpuReading, ...]:
