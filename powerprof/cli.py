@@ -71,14 +71,21 @@ def main() -> None:
 
 
 def _parse_gpus(ctx, param, value):
+    """NVML indexes as ints; GPU-/MIG- UUIDs stay strings for the collectors to map (a MIG instance to its GPU)."""
     if value is None:
         return None
-    try:
-        out = [int(x) for x in value.split(",") if x.strip() != ""]
-    except ValueError:
-        raise click.BadParameter(f"{value!r}: expected NVML indexes like 0 or 0,1") from None
-    if not out or any(i < 0 for i in out):
-        raise click.BadParameter(f"{value!r}: expected NVML indexes like 0 or 0,1")
+    out: list = []
+    for x in (x.strip() for x in value.split(",")):
+        if not x:
+            continue
+        if x.startswith(("GPU-", "MIG-")):
+            out.append(x)
+        elif x.isdigit():
+            out.append(int(x))
+        else:
+            raise click.BadParameter(f"{value!r}: expected NVML indexes like 0 or 0,1, or UUIDs (GPU-…, MIG-…)")
+    if not out:
+        raise click.BadParameter(f"{value!r}: expected NVML indexes like 0 or 0,1, or UUIDs (GPU-…, MIG-…)")
     return list(dict.fromkeys(out))
 
 
@@ -361,6 +368,17 @@ def tune(metrics_url, config_path, levels, reference, tpot_p95_ms, ttft_p95_ms, 
     caught: list[int] = []
 
     with Rig(simulate, gpus=gpus) as rig:
+        if any(isinstance(g, str) for g in gpus):  # UUIDs (a MIG instance stands for its GPU): the NVML indexes
+            try:
+                src = rig.sources
+            except ValueError as e:
+                raise click.UsageError(str(e)) from None
+            if src.nvml is None:
+                raise click.UsageError(f"--gpus {','.join(map(str, gpus))}: no GPU could be opened")
+            for p in src.problems:
+                if "MIG" in p.message:
+                    click.echo(f"note: {p.message}", err=True)
+            gpus = list(src.nvml.indexes)
         # Everything the user gave is checked before a controller opens (exit 2, nothing changed, no restart loop).
         try:
             def plan_levels(knob, spec):
