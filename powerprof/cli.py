@@ -71,14 +71,21 @@ def main() -> None:
 
 
 def _parse_gpus(ctx, param, value):
+    """NVML indexes as ints; GPU-/MIG- UUIDs stay strings for the collectors to map (a MIG instance to its GPU)."""
     if value is None:
         return None
-    try:
-        out = [int(x) for x in value.split(",") if x.strip() != ""]
-    except ValueError:
-        raise click.BadParameter(f"{value!r}: expected NVML indexes like 0 or 0,1") from None
-    if not out or any(i < 0 for i in out):
-        raise click.BadParameter(f"{value!r}: expected NVML indexes like 0 or 0,1")
+    out: list = []
+    for x in (x.strip() for x in value.split(",")):
+        if not x:
+            continue
+        if x.startswith(("GPU-", "MIG-")):
+            out.append(x)
+        elif x.isdigit():
+            out.append(int(x))
+        else:
+            raise click.BadParameter(f"{value!r}: expected NVML indexes like 0 or 0,1, or UUIDs (GPU-…, MIG-…)")
+    if not out:
+        raise click.BadParameter(f"{value!r}: expected NVML indexes like 0 or 0,1, or UUIDs (GPU-…, MIG-…)")
     return list(dict.fromkeys(out))
 
 
@@ -361,6 +368,17 @@ def tune(metrics_url, config_path, levels, reference, tpot_p95_ms, ttft_p95_ms, 
     caught: list[int] = []
 
     with Rig(simulate, gpus=gpus) as rig:
+        if any(isinstance(g, str) for g in gpus):  # UUIDs (a MIG instance stands for its GPU): the NVML indexes
+            try:
+                src = rig.sources
+            except ValueError as e:
+                raise click.UsageError(str(e)) from None
+            if src.nvml is None:
+                raise click.UsageError(f"--gpus {','.join(map(str, gpus))}: no GPU could be opened")
+            for p in src.problems:
+                if "MIG" in p.message:
+                    click.echo(f"note: {p.message}", err=True)
+            gpus = list(src.nvml.indexes)
         # Everything the user gave is checked before a controller opens (exit 2, nothing changed, no restart loop).
         try:
             def plan_levels(knob, spec):
@@ -881,17 +899,21 @@ def analyze(run_dirs, out_dir, max_slowdown, eta, formats, force, n_boot, as_jso
 @click.option("--columns", default=None, help="Comma-separated columns to keep (default: all).")
 @click.option("--tz", default=None, help="Time zone of the *_local columns and of --from/--to without offset (IANA name; default: this machine's).")
 @click.option("--out", default=None, type=click.Path(), help="Output file (xlsx; or one-table csv/parquet) or folder.")
-def export(src, fmt, time_from, time_to, columns, tz, out):
+@click.option("--force", is_flag=True, help="Replace the files --out names or holds if they exist (default: refuse, "
+              "they may be an earlier export).")
+def export(src, fmt, time_from, time_to, columns, tz, out, force):
     """Spreadsheet-ready CSV, xlsx or Parquet from run directories or daemon datasets.
 
     SRC: one or more run directories, daemon data folders (several nodes' export as one table
     each, rows carry `host`), .parquet files, globs, or URIs (s3://, gs://, abfs://, file://)."""
-    from powerprof.analysis.export import ExportError, ExportUsageError, export as run_export
+    from powerprof.analysis.export import ExportError, ExportOutExists, ExportUsageError, export as run_export
 
     cols = [c.strip() for c in columns.split(",") if c.strip()] if columns else None
     notes: list[str] = []
     try:
-        paths = run_export(list(src), fmt, out, time_from, time_to, cols, tz, notes=notes)
+        paths = run_export(list(src), fmt, out, time_from, time_to, cols, tz, notes=notes, force=force)
+    except ExportOutExists as e:  # said as monitor --output and trace say theirs
+        raise click.BadParameter(str(e), param_hint="--out") from None
     except ExportUsageError as e:  # an option as given cannot be used: exit 2, as click's own option errors
         raise click.UsageError(str(e)) from None
     except ExportError as e:

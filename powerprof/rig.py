@@ -39,7 +39,7 @@ class Rig:
         nvml=None,
     ):
         """sim_profile: a simulator profile key, or None for this machine's hardware.
-        gpus: NVML indexes (default: what CUDA_VISIBLE_DEVICES allows). nvml: an NVML-like object
+        gpus: NVML indexes, or GPU/MIG UUIDs (default: what CUDA_VISIBLE_DEVICES allows). nvml: an NVML-like object
         to use as given (tests hand in a SimNVML they control)."""
         self.sim_profile = sim_profile
         self.gpus = gpus
@@ -53,7 +53,8 @@ class Rig:
         self._sim_server_used = False
         self._real_server_used = False
         self._launch_notes: list[str] = []  # what launching a server did besides (a server left by a killed powerprof stopped)
-        self._sim_gpu_count = max(gpus) + 1 if gpus else (sim_gpu_count or 1)
+        ints = [g for g in gpus or () if isinstance(g, int)]
+        self._sim_gpu_count = max(ints) + 1 if ints else (sim_gpu_count or 1)
         self._nvml = nvml
 
     @property

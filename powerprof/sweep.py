@@ -18,7 +18,8 @@ from powerprof import termination
 from powerprof import __version__
 from powerprof.analysis import engine
 from powerprof.analysis.stats import level_j_ci_halfwidth_frac, summarize_levels
-from powerprof.collectors.clock_reasons import REASON_GPU_IDLE, cap_not_engaged, thermal
+from powerprof.collectors.clock_reasons import (REASON_GPU_IDLE, cap_not_engaged, clock_event_reason_names,
+                                               held_by_a_setting, thermal)
 from powerprof.collectors.gateway import gateway
 from powerprof.control.device import read_devices
 from powerprof.control.levels import parse_clock_levels, parse_power_levels
@@ -129,45 +130,103 @@ def distrust(row: dict, why: str) -> None:
 # off the clock set. Two steps cover both; a lock that is gone shows the boost clock, hundreds of MHz up.
 CLOCK_LOCK_TOLERANCE_MHZ = 30.0
 CLOCK_LOCK_READINGS = 2  # busy readings above the lock in a row: one odd read is not a lost lock
+# Below: a locked GPU that no limiter holds sits at its lock, so 10% under it (140 MHz at 1400) with no
+# limiter named is another setting. Without a lock the reference is the highest busy clock the GPU showed
+# this sweep, which boost bins move by several percent on their own (voltage, temperature): 15%.
+CLOCK_LOW_FRACTION_LOCKED = 0.10
+CLOCK_LOW_FRACTION_BOOST = 0.15
+CLOCK_LOW_READINGS = 3  # a clock is read low between kernels and as a cap settles: a run, not a read
 
 
 class ClockLockWatch:
-    """Whether a level's locked SM clock held, judged from the GPU readings taken while it measures.
+    """Whether the GPU's SM clock was where the level put it, judged from the readings taken while it measures.
 
     NVML reads no lock back (nvidia-ml-py 13.x has Set/ResetGpuLockedClocks and no getter;
     nvmlDeviceGetMinMaxClockOfPState is the P-state's range, not the lock), so the clock itself is the
-    witness: CLOCK_LOCK_READINGS busy readings in a row above the lock by more than the tolerance mean
-    the lock is gone (nvidia-smi -rgc, a GPU reset) or raised (nvidia-smi -lgc). A clock below the lock
-    is what a power cap, heat or idling do to a locked GPU, so it never trips; a busy one at or under
-    the lock ends a run of high readings; an idle one (GpuIdle) says nothing of the lock either way."""
+    witness. Above: CLOCK_LOCK_READINGS busy readings in a row above the lock by more than the tolerance
+    mean the lock is gone (nvidia-smi -rgc, a GPU reset) or raised (nvidia-smi -lgc). Below:
+    CLOCK_LOW_READINGS busy readings in a row well under the expected clock (the lock; with no lock,
+    `boost_mhz`, the highest busy clock each GPU showed so far, shared across a sweep's levels) while
+    no limiter is named (clock_reasons.held_by_a_setting: no power/thermal bit, power under 90% of the
+    cap) mean another tool locked it lower or set application clocks. A power cap, heat or idling
+    lowering the clock name themselves and never trip it; a busy reading that is neither ends a run;
+    an idle one (GpuIdle, or 0% utilisation) says nothing either way."""
 
-    def __init__(self, locked_mhz: float, tolerance_mhz: float = CLOCK_LOCK_TOLERANCE_MHZ,
-                 readings: int = CLOCK_LOCK_READINGS):
-        self.locked_mhz = float(locked_mhz)
+    def __init__(self, locked_mhz: float | None, tolerance_mhz: float = CLOCK_LOCK_TOLERANCE_MHZ,
+                 readings: int = CLOCK_LOCK_READINGS, boost_mhz: dict | None = None):
+        self.locked_mhz = None if locked_mhz is None else float(locked_mhz)
         self.tolerance_mhz = float(tolerance_mhz)
         self.readings = int(readings)
+        self.boost_mhz = {} if boost_mhz is None else boost_mhz  # GPU index → highest busy clock seen
         self._high: dict[int, list[float]] = {}  # GPU index → its run of readings above the lock
+        self._low: dict[int, list[tuple[float, float, float | None, int]]] = {}  # ... below: (MHz, W, limit W, reasons)
 
     @property
     def open(self) -> bool:
-        """Some GPU's last busy reading was above the lock: a lost lock may have begun."""
-        return any(self._high.values())
+        """Some GPU's last busy reading was off its clock: a moved setting may have begun."""
+        return any(self._high.values()) or any(self._low.values())
 
     def feed(self, r) -> str | None:
-        """Take one GpuReading; why the lock did not hold once a GPU's run of high readings is long enough."""
+        """Take one GpuReading; why the clock was not the level's once a GPU's run of off readings is long enough."""
         mhz = r.sm_clock_mhz
         if mhz is None:
             return None
-        run = self._high.setdefault(r.index, [])
-        if mhz > self.locked_mhz + self.tolerance_mhz:
-            run.append(mhz)
-        elif not (r.clock_event_reasons or 0) & REASON_GPU_IDLE:
-            run.clear()
-        if len(run) < self.readings:
-            return None
-        return (f"GPU {r.index}'s SM clock read {max(run):g} MHz ({len(run)} readings in a row) during the level, "
-                f"above the {self.locked_mhz:g} MHz it was locked to: another tool released or changed the lock "
-                "(nvidia-smi -rgc or -lgc) or the GPU was reset; the windows measured since are left out of every figure")
+        idle = bool((r.clock_event_reasons or 0) & REASON_GPU_IDLE) or r.gpu_util_pct == 0
+        if idle:
+            return None  # between requests the GPU idles and reads low however it is set
+        high = self._high.setdefault(r.index, [])
+        low = self._low.setdefault(r.index, [])
+        if self.locked_mhz is not None and mhz > self.locked_mhz + self.tolerance_mhz:
+            high.append(mhz)
+            low.clear()
+        elif self._held_low(r, mhz):
+            low.append((mhz, r.power_w if r.power_w is not None else r.power_avg_w,
+                        r.enforced_limit_w if r.enforced_limit_w is not None else r.power_limit_w,
+                        r.clock_event_reasons or 0))
+            high.clear()
+        else:
+            high.clear()
+            low.clear()
+        if self.locked_mhz is None:
+            self.boost_mhz[r.index] = max(self.boost_mhz.get(r.index, 0.0), mhz)
+        if len(high) >= self.readings:
+            return (f"GPU {r.index}'s SM clock read {max(high):g} MHz ({len(high)} readings in a row) during the level, "
+                    f"above the {self.locked_mhz:g} MHz it was locked to: another tool released or changed the lock "
+                    "(nvidia-smi -rgc or -lgc) or the GPU was reset; the windows measured since are left out of every figure")
+        if len(low) >= CLOCK_LOW_READINGS:
+            return self._low_reason(r.index, low)
+        return None
+
+    def _expected_mhz(self, index: int) -> float | None:
+        return self.locked_mhz if self.locked_mhz is not None else self.boost_mhz.get(index)
+
+    def _held_low(self, r, mhz: float) -> bool:
+        expected = self._expected_mhz(r.index)
+        if expected is None:
+            return False
+        frac = CLOCK_LOW_FRACTION_LOCKED if self.locked_mhz is not None else CLOCK_LOW_FRACTION_BOOST
+        if mhz >= expected - max(self.tolerance_mhz, frac * expected):
+            return False
+        power_w = r.power_w if r.power_w is not None else r.power_avg_w
+        limit_w = r.enforced_limit_w if r.enforced_limit_w is not None else r.power_limit_w
+        return held_by_a_setting(r.clock_event_reasons, power_w, limit_w)
+
+    def _low_reason(self, index: int, low) -> str:
+        expected = self._expected_mhz(index)
+        mhz = max(m for m, *_ in low)
+        power_w = max(p for _, p, _, _ in low)
+        limits = [lim for *_, lim, _ in low if lim is not None]
+        bits = 0
+        for *_, b in low:
+            bits |= b
+        names = ", ".join(clock_event_reason_names(bits)) or "none"
+        at = f"at {power_w:.0f} W" + (f" of its {max(limits):g} W limit" if limits else "")
+        against = (f"the {expected:g} MHz it was locked to" if self.locked_mhz is not None
+                   else f"the {expected:g} MHz it ran at busy earlier in the sweep")
+        return (f"GPU {index}'s SM clock read {mhz:g} MHz ({len(low)} busy readings in a row) during the level, well "
+                f"below {against}, {at} with no power or thermal limiter named (clock event reasons: {names}): "
+                "another tool locked the clock lower (nvidia-smi -lgc) or set application clocks (nvidia-smi -ac), so "
+                "the level measured that clock, not its own setting; the windows measured since are left out of every figure")
 
 
 def _flag_levels(table, values, flag: str):
@@ -278,6 +337,7 @@ class Sweep:
         self.unstored_rows = 0
         self._samples_seen = 0  # samples already checked for a setting that moved (_stop_if_setting_moved)
         self._clock_watch: ClockLockWatch | None = None
+        self._boost_mhz: dict[int, float] = {}  # GPU index → its highest busy SM clock this sweep (ClockLockWatch)
         self._suspect_rows: list[dict] = []  # windows measured since a GPU first read above its lock
         self._suspect_spans = 0  # visit.spans from the first suspect window on
         self._attempt_rows: list[dict] = []  # the rows of the level's measurement in progress (since its start or a restart)
@@ -525,7 +585,8 @@ class Sweep:
         self._samples_seen = len(self.timeline)
         self._suspect_rows, self._suspect_spans = [], 0
         locked = self.s.level_kind == "sm_clock" and visit.level_value is not None
-        self._clock_watch = ClockLockWatch(visit.level_value) if locked else None
+        # Without a lock of ours, the GPU's busy clock so far this sweep is what a clock set below it betrays.
+        self._clock_watch = ClockLockWatch(visit.level_value if locked else None, boost_mhz=self._boost_mhz)
 
     def _new_gpu_samples(self) -> list:
         items = self.timeline.samples()
@@ -551,7 +612,7 @@ class Sweep:
         return None
 
     def _clock_problem(self, samples) -> str | None:
-        """Why the level's locked SM clock did not hold in `samples`, or None (ClockLockWatch)."""
+        """Why the GPU's SM clock was not the level's in `samples`, or None (ClockLockWatch)."""
         if self._clock_watch is None:
             return None
         for smp in samples:
@@ -577,12 +638,12 @@ class Sweep:
             suspect = self._suspect_rows + list(rows)
             why = self._clock_problem(samples)
             if why is None:
-                # The run of high readings that may have begun spans batches: its windows wait for the verdict.
+                # The run of off readings that may have begun spans batches: its windows wait for the verdict.
                 self._suspect_rows = suspect if self._clock_watch is not None and self._clock_watch.open else []
                 return
             rows, spans_before = suspect, self._suspect_spans
-            fix = ("stop whatever else sets or resets GPU clocks during the sweep (nvidia-smi -lgc/-rgc in a script, "
-                   "DCGM, a cluster manager, a GPU reset) and rerun")
+            fix = ("stop whatever else sets or resets GPU clocks during the sweep (nvidia-smi -lgc/-rgc or -ac/-rac in a "
+                   "script, DCGM, a cluster manager, a GPU reset) and rerun")
         for row in rows:
             distrust(row, why)
         del visit.spans[spans_before:]
@@ -996,6 +1057,8 @@ def run_sweep(
         for p in src.problems:
             if p.source == "rapl":
                 notes.append(f"CPU energy not measured: {p.message}" + (f" (fix: {p.fix})" if p.fix else ""))
+            elif p.source == "nvml" and "MIG" in p.message:  # the figures are the whole GPU's: every output says so
+                notes.append(p.message + (f" (fix: {p.fix})" if p.fix else ""))
         timeline = Timeline(gpu_uuids=src.gpu_uuids)
         profiler.sampler.subscribe(timeline)
 

@@ -355,3 +355,133 @@ def test_two_versions_of_one_run_are_refused(run, tmp_path):
     assert r.exit_code == 1, r.output
     assert "hold the same run" in r.output and "levels differ" in r.output
     assert not out.exists()
+
+
+@pytest.mark.parametrize("fmt,out,existing", [
+    ("xlsx", "o/book.xlsx", "o/book.xlsx"),  # an earlier workbook, perhaps annotated since
+    ("csv", "o", "o/windows.csv"),  # one table of an earlier export in the folder
+    ("parquet", "o/one.parquet", "o/one.parquet"),  # a one-table export to a file
+])
+def test_export_keeps_an_earlier_export_unless_forced(run, tmp_path, fmt, out, existing):
+    # The export replaced --out (atomically) without a word: a spreadsheet someone had worked on was gone.
+    src = run / "levels.parquet" if fmt == "parquet" else run
+    there = tmp_path / existing
+    there.parent.mkdir(parents=True, exist_ok=True)
+    there.write_bytes(b"an earlier export")
+    args = ["export", str(src), "--format", fmt, "--out", str(tmp_path / out)]
+    r = CliRunner().invoke(main, args)
+    assert r.exit_code == 2, r.output
+    said = r.output.strip().splitlines()[-1]
+    assert "--out" in said and existing.split("/")[-1] in said and "--force" in said, said
+    assert there.read_bytes() == b"an earlier export"
+    assert [p.name for p in there.parent.iterdir()] == [there.name]  # no other table written, no temporary left
+    r = CliRunner().invoke(main, args + ["--force"])
+    assert r.exit_code == 0, r.output
+    assert there.read_bytes() != b"an earlier export"
+    if fmt == "csv":
+        assert len(pd.read_csv(there)) == pq.read_table(run / "windows.parquet").num_rows
+    elif fmt == "parquet":
+        assert pq.read_table(there).num_rows == pq.read_table(src).num_rows
+    else:
+        assert "windows" in load_workbook(there, read_only=True).sheetnames
+    assert not [p for p in there.parent.iterdir() if p.name.endswith(".tmp")]
+
+
+def test_export_to_its_default_name_keeps_the_earlier_one_too(run, tmp_path, monkeypatch):
+    # No --out: <run name>.xlsx in the working folder, which a second export replaced as silently.
+    (tmp_path / "o").mkdir()
+    monkeypatch.chdir(tmp_path / "o")
+    assert CliRunner().invoke(main, ["export", str(run), "--format", "xlsx"]).exit_code == 0
+    book = tmp_path / "o" / f"{run.name}.xlsx"
+    before = book.read_bytes()
+    r = CliRunner().invoke(main, ["export", str(run), "--format", "xlsx"])
+    assert r.exit_code == 2 and "--force" in r.output and book.name in r.output, r.output
+    assert book.read_bytes() == before
+
+
+def test_a_file_made_while_the_export_ran_is_kept(run, tmp_path, monkeypatch):
+    # Checked at the start and again by the rename at the end: a hard link, which never replaces a name.
+    out = tmp_path / "o" / "book.xlsx"
+    out.parent.mkdir()
+    real = ex._write_xlsx
+
+    def meanwhile(*a, **kw):
+        out.write_bytes(b"made meanwhile")
+        return real(*a, **kw)
+
+    monkeypatch.setattr(ex, "_write_xlsx", meanwhile)
+    with pytest.raises(ex.ExportOutExists, match="--force"):
+        ex.export(run, "xlsx", out)
+    assert out.read_bytes() == b"made meanwhile" and [p.name for p in out.parent.iterdir()] == ["book.xlsx"]
+
+
+def _tuner_folder(folder, n=4, flushes=2):
+    """A tuner's decisions folder as `powerprof tune --out` writes it: one part file per flush."""
+    from powerprof.tuner.policy import Decision
+    from powerprof.tuner.runner import DecisionLog
+
+    log = DecisionLog(folder, [0, 1], "power")
+    for f in range(flushes):
+        for i in range(n):
+            log.add(Decision(float(f * n + i), "hold", 300.0, 300.0, f"judged {f}.{i}", "r0", 0.5, 0.9), 0.0, True)
+        log.flush()
+    return folder
+
+
+def test_a_copied_tuner_folder_exports_its_decisions_once(tmp_path):
+    # Decision rows had no key: `export node-a/tuner node-a-copy/tuner` wrote every decision twice.
+    import shutil
+
+    a = _tuner_folder(tmp_path / "a" / "tuner")
+    b = shutil.copytree(a, tmp_path / "b" / "tuner")
+    shutil.copy(next(a.glob("date=*/part-*.parquet")), next(a.glob("date=*")) / "part-0 (copy).parquet")
+    notes: list[str] = []
+    (path,) = ex.export([a, b], "parquet", tmp_path / "t.parquet", notes=notes)
+    rows = pq.read_table(path).to_pylist()
+    assert len(rows) == 8 and sorted(r["seq"] for r in rows) == list(range(8))
+    assert len({r["tuner_id"] for r in rows}) == 1
+    (note,) = [n for n in notes if "written once" in n]
+    assert note.startswith("tuner: 12 rows found more than once were written once (the same tuner_id, seq: "
+                           "a copy of the tuner's folder"), note
+    assert not [n for n in notes if "no tuner_id" in n]
+
+
+def test_two_versions_of_one_tuner_decision_are_refused(tmp_path):
+    import shutil
+
+    a = _tuner_folder(tmp_path / "a" / "tuner", flushes=1)
+    b = shutil.copytree(a, tmp_path / "b" / "tuner")
+    (part,) = b.glob("date=*/part-*.parquet")
+    t = pq.read_table(part)
+    pq.write_table(t.set_column(t.schema.get_field_index("reason"), "reason", pa.array(["edited"] * t.num_rows)), part)
+    with pytest.raises(ex.ExportError, match=r"key\(s\) \(tuner_id, seq\) hold rows that differ"):
+        ex.export([a, b], "csv", tmp_path / "o")
+    assert not (tmp_path / "o").exists()
+
+
+def test_tuner_decisions_written_before_their_key_still_export_each_as_it_is(tmp_path):
+    # Files from before tuner_id and seq: no key, so no copy can be told from a decision; every row is written,
+    # and the note says so (beside a newer tuner's rows, which are keyed as ever).
+    import shutil
+
+    from powerprof.storage.schema import TUNER_DECISIONS
+
+    old = tmp_path / "a" / "tuner"
+    _tuner_folder(old, flushes=1)
+    for part in old.glob("date=*/*.parquet"):
+        pq.write_table(pq.read_table(part).drop_columns(["tuner_id", "seq"]), part)
+    copy = shutil.copytree(old, tmp_path / "b" / "tuner")
+    notes: list[str] = []
+    (path,) = ex.export([old, copy], "parquet", tmp_path / "o1.parquet", notes=notes)
+    assert pq.read_table(path).num_rows == 8
+    assert any(n.startswith("tuner: 8 decision rows have no tuner_id and seq") and "written twice" in n
+               for n in notes), notes
+    new = _tuner_folder(tmp_path / "c" / "tuner", flushes=1)
+    shutil.copytree(new, tmp_path / "d" / "tuner")
+    notes = []
+    (path,) = ex.export([old, new, tmp_path / "d" / "tuner"], "parquet", tmp_path / "o2.parquet", notes=notes)
+    t = pq.read_table(path)
+    assert t.num_rows == 8 and t.column("tuner_id").null_count == 4
+    assert set(TUNER_DECISIONS.names) <= set(t.column_names)
+    assert any("4 rows found more than once were written once" in n for n in notes), notes
+    assert any("4 decision rows have no tuner_id" in n for n in notes), notes

@@ -693,6 +693,36 @@ def test_a_flat_energy_curve_recommends_no_slower_limit(tmp_path):
     assert CHOSEN not in screen and "recommended 240" not in screen, screen
 
 
+def test_a_saving_within_noise_is_marked_nowhere_in_the_report_or_its_plots(tmp_path):
+    # s29 took the star off the sweep's end screen, but the PNGs still drew the budget's star marker, the
+    # "recommended" line and the label "recommended 240 W", and report.md starred "240 ★" in its policy table,
+    # all beneath the line saying no limit is shown to save energy and to keep 320 W.
+    lv, truth = _flat_truth()
+    run = make_run(tmp_path / "run", truth, levels=lv, n_requests=12, noise=0.02, seed=1)
+    res = analyze_run([run], n_boot=500, formats=("md", "html"))
+    assert not res.starred and res.recommendation.level_value == 240
+    for draw in (plots.plot_j_per_token, plots.plot_tok_s, plots.plot_tradeoff):
+        fig = draw(res.main, tmp_path / "p.png")
+        arts = [a for ax in fig.axes for a in ax.get_children()]
+        gids = {a.get_gid() for a in arts}
+        assert "recommended" not in gids and not any(str(g).startswith("choice-") for g in gids), draw
+        labels = [a.get_label() for a in arts] + [t.get_text() for ax in fig.axes for t in ax.texts]
+        assert not any("recommended" in str(x) or str(x).startswith(tuple(res.main.choices)) for x in labels), labels
+        title = fig.axes[0].get_title()
+        assert "no limit is shown to save energy: keep 320 W (240 W's saving is within noise)" in title, title
+        assert "keep 320 W" in Image.open(tmp_path / "p.png").text["Description"]
+    out = run / "analysis"
+    import html as h
+
+    md, page = (out / "report.md").read_text(), h.unescape((out / "report.html").read_text())
+    for text in (md, page):
+        assert not re.search(r"\d ★", text) and "★ the recommended policy" not in text
+        assert "No ★: the recommended policy's level, 240 W, is not shown to save energy against 320 W" in text
+    summary = console_summary(res)
+    assert not re.search(r"240 W\s*\*", summary), summary
+    assert pq.read_table(out / "analysis.parquet").to_pylist()[1]["recommended"]  # the policy's choice, as ever
+
+
 def test_the_reference_chosen_over_a_level_within_budget_says_why(tmp_path):
     # 240 W was 9.5% slower, within the 10% budget, and cost more energy: the line said "every lower level
     # is slower than the budget allows (240 W: 9.5% slower, -1.0% less energy per token)", false twice.

@@ -249,3 +249,47 @@ def test_tag_stop_text_prints_a_missing_figure_as_unknown_not_zero(monkeypatch):
     assert r.exit_code == 0, r.output
     assert "0.0 J" not in r.output and "GPU unknown J" in r.output and "2.00 s" in r.output
     assert "no J/token" in r.output
+
+
+# Every command that writes a file at a path the user typed, with that path.
+_WRITES_A_NAMED_FILE = {
+    ("monitor",): ["monitor", "--simulate", "--duration", "0.1", "--interval", "0.1", "--output", "{f}.parquet"],
+    ("trace",): ["trace", "{f}.jsonl", "--requests", "3"],
+    ("export",): ["export", "{run}", "--format", "xlsx", "--out", "{f}.xlsx"],
+}
+# A folder the user names, into which the command writes files of its own naming, and why none is lost.
+_WRITES_INTO_A_NAMED_FOLDER = {
+    ("sweep",): "a folder that is not empty is refused",
+    ("measure",): "a folder that is not empty is refused",
+    ("tune",): "adds part files named by the time, never replaces one",
+    ("analyze",): "its report, tables and plots, replaced together by a re-analysis (docs/analysis.md)",
+}
+
+
+def test_every_command_writing_a_named_file_refuses_an_existing_one_unless_forced():
+    outputs = {p: o for p, cmd in _commands() for o in cmd.params if o.name in ("out", "output", "out_path", "out_dir")}
+    files = {p for p, o in outputs.items() if o.type.file_okay}
+    assert files == set(_WRITES_A_NAMED_FILE), "a new command writes a file: give it --force and a row above"
+    assert set(outputs) - files == set(_WRITES_INTO_A_NAMED_FOLDER)
+    for p in files:
+        (force,) = [o for _, c in _commands() if _ == p for o in c.params if o.name == "force"]
+        assert "replace" in force.help.lower(), p
+
+
+@pytest.mark.parametrize("path", sorted(_WRITES_A_NAMED_FILE))
+def test_an_existing_output_file_is_kept_unless_forced(tmp_path, path):
+    # Said one way by all: exit 2, the file named, --force offered, the file as it was.
+    from synthetic_runs import make_run, seed_truth
+
+    run_dir = make_run(tmp_path / "run", seed_truth(), levels=(220, 300), n_requests=4) if path == ("export",) else ""
+    args = [a.format(f=tmp_path / "mine", run=run_dir) for a in _WRITES_A_NAMED_FILE[path]]
+    (mine,) = [tmp_path / a.rsplit("/", 1)[-1] for a in args if a.startswith(str(tmp_path / "mine"))]
+    mine.write_bytes(b"the user's own")
+    r = run(*args)
+    assert r.exit_code == 2, r.output
+    said = r.output.strip().splitlines()[-1]
+    assert mine.name in said and "--force" in said and ("exists" in said or "holds" in said), said
+    assert mine.read_bytes() == b"the user's own"
+    r = run(*args, "--force")
+    assert r.exit_code == 0, r.output
+    assert mine.read_bytes() != b"the user's own"

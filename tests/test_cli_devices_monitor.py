@@ -72,6 +72,17 @@ def test_devices_unknown_gpu_is_a_usage_error():
     assert r.exit_code == 2 and "expected NVML indexes" in r.output
 
 
+def test_gpus_takes_a_gpu_or_mig_uuid_and_one_that_names_nothing_is_a_usage_error():
+    from powerprof.sim.nvml import SimNVML, sim_uuid
+
+    uuid = sim_uuid(SimNVML("a100-40g", state_path=None).profile.key, 0)
+    r = CliRunner().invoke(main, ["devices", "--simulate", "a100-40g", "--json", "--gpus", uuid])
+    assert r.exit_code == 0, r.output
+    assert [g["uuid"] for g in json.loads(r.output)["gpus"]] == [uuid]
+    r = CliRunner().invoke(main, ["devices", "--simulate", "--json", "--gpus", "MIG-4b0d8f5c-1a2b"])
+    assert r.exit_code == 2 and "'MIG-4b0d8f5c-1a2b' names no GPU or MIG instance" in r.output, r.output
+
+
 def test_monitor_writes_typed_parquet(tmp_path):
     out = tmp_path / "x.parquet"
     r = run("monitor", "--simulate", "--duration", "0.6", "--interval", "0.2", "--output", str(out))

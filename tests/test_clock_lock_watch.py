@@ -1,17 +1,21 @@
-"""The locked-SM-clock watch of a clock sweep (sweep.ClockLockWatch): a lock another tool released or
-raised trips it; a clock below the lock (a power cap, heat, idle) and a single odd read never do."""
+"""The SM-clock watch of a sweep (sweep.ClockLockWatch): a lock another tool released or raised trips it, and
+so does a clock another tool set below the level (no limiter named, power well under the cap); a clock below
+the lock for a power cap, heat or idling, and a single odd read, never do."""
 
 from __future__ import annotations
 
-from powerprof.collectors.clock_reasons import REASON_GPU_IDLE, REASON_HW_THERMAL, REASON_SW_POWER_CAP
+import pytest
+
+from powerprof.collectors.clock_reasons import (REASON_APP_CLOCKS, REASON_GPU_IDLE, REASON_HW_THERMAL,
+                                                REASON_SW_POWER_CAP, REASON_SW_THERMAL, REASON_SYNC_BOOST)
 from powerprof.collectors.nvml import GpuReading
 from powerprof.sweep import ClockLockWatch
 
 
-def _r(mhz, reasons=0, index=0):
-    return GpuReading(index=index, power_w=250.0, power_avg_w=250.0, energy_j=1.0, sm_clock_mhz=mhz, mem_clock_mhz=4800.0,
-                      gpu_util_pct=100.0, mem_util_pct=50.0, mem_used_bytes=1, temperature_c=60.0, power_limit_w=700.0,
-                      enforced_limit_w=700.0, clock_event_reasons=reasons)
+def _r(mhz, reasons=0, index=0, power_w=250.0, limit_w=700.0, util=100.0):
+    return GpuReading(index=index, power_w=power_w, power_avg_w=power_w, energy_j=1.0, sm_clock_mhz=mhz,
+                      mem_clock_mhz=4800.0, gpu_util_pct=util, mem_util_pct=50.0, mem_used_bytes=1, temperature_c=60.0,
+                      power_limit_w=limit_w, enforced_limit_w=limit_w, clock_event_reasons=reasons)
 
 
 def _feed(watch, readings):
@@ -31,11 +35,78 @@ def test_one_odd_reading_above_the_lock_does_not():
     assert w.open  # the last one may be the start of a lost lock: the rows since are held as suspect
 
 
-def test_readings_below_the_lock_never_trip_it_whatever_the_reason():
+def test_readings_below_the_lock_for_a_cap_heat_or_idling_never_trip_it():
     w = ClockLockWatch(1500)
     readings = [_r(1400, REASON_SW_POWER_CAP), _r(1100, REASON_HW_THERMAL), _r(345, REASON_GPU_IDLE), _r(1500)] * 5
     assert _feed(w, readings) == [None] * len(readings)
     assert not w.open
+
+
+@pytest.mark.parametrize("reasons", [0, REASON_APP_CLOCKS], ids=["no-reason", "AppClocks"])
+def test_a_lock_another_tool_moved_below_the_level_trips_it_after_three_busy_readings(reasons):
+    # nvidia-smi -lgc 900,900 during the 1400 MHz level: the GPU sits at 900 MHz, busy, at 180 W of 700 W,
+    # and no limiter bit is set (drivers report a lock as AppClocks/UserDefinedClocks, or nothing).
+    w = ClockLockWatch(1400)
+    got = _feed(w, [_r(1400), _r(900, reasons, power_w=180.0), _r(900, reasons, power_w=180.0),
+                    _r(900, reasons, power_w=180.0)])
+    assert got[:3] == [None, None, None] and w.open
+    assert got[3].startswith("GPU 0's SM clock read 900 MHz (3 busy readings in a row) during the level, well below "
+                             "the 1400 MHz it was locked to, at 180 W of its 700 W limit with no power or thermal"), got[3]
+    assert "another tool locked the clock lower (nvidia-smi -lgc)" in got[3]
+
+
+@pytest.mark.parametrize("reasons,power_w", [
+    (REASON_SW_POWER_CAP, 690.0),   # the cap binds: said by the driver, power at the limit
+    (REASON_SW_POWER_CAP, 400.0),   # said by the driver, power averaged low
+    (0, 665.0),                     # at 95% of the limit the cap binds whatever bit a driver forgets
+    (REASON_HW_THERMAL, 300.0),     # heat names itself
+    (REASON_SW_THERMAL | REASON_APP_CLOCKS, 300.0),
+    (REASON_SYNC_BOOST, 300.0),     # held to the slowest GPU of its sync-boost group
+    (None, 180.0),                  # a GPU that cannot say why: heat cannot be ruled out
+], ids=["cap", "cap-low-avg", "at-limit-no-bit", "hw-thermal", "sw-thermal", "sync-boost", "no-reasons"])
+def test_a_clock_below_the_lock_that_a_limiter_explains_never_trips_it(reasons, power_w):
+    w = ClockLockWatch(1400)
+    assert _feed(w, [_r(900, reasons, power_w=power_w)] * 8) == [None] * 8
+
+
+def test_a_gpu_reading_no_power_says_nothing_below_the_lock():
+    w = ClockLockWatch(1400)
+    assert _feed(w, [_r(900, power_w=None)] * 5) == [None] * 5
+
+
+def test_a_clock_a_little_below_the_lock_or_a_broken_run_of_low_readings_does_not_trip_it():
+    w = ClockLockWatch(1400)
+    assert _feed(w, [_r(1290)] * 5) == [None] * 5  # under 10% below: a lock snapped low, not another setting
+    low = _r(900, power_w=180.0)
+    assert _feed(w, [low, low, _r(1400), low, low, _r(1400, REASON_SW_POWER_CAP, power_w=690.0), low, low]) == [None] * 8
+
+
+def test_an_idle_reading_neither_counts_nor_breaks_a_run_of_low_ones():
+    w = ClockLockWatch(1400)
+    low = _r(900, power_w=180.0)
+    assert _feed(w, [low, low, _r(900, power_w=60.0, util=0.0), _r(345, REASON_GPU_IDLE)]) == [None] * 4
+    assert w.feed(low) is not None
+
+
+def test_without_a_lock_a_clock_set_below_the_busy_clock_the_gpu_showed_trips_it():
+    # A power sweep: nothing of ours is locked; another tool's nvidia-smi -lgc makes the 300 W level run
+    # at 900 MHz and ~200 W, reading like a 200 W level. The busy clock seen earlier (on any level) betrays it.
+    boost = {}
+    first = ClockLockWatch(None, boost_mhz=boost)
+    assert _feed(first, [_r(1980, power_w=280.0, limit_w=300.0), _r(1700, REASON_SW_POWER_CAP, 299.0, limit_w=300.0)]) == [None] * 2
+    w = ClockLockWatch(None, boost_mhz=boost)  # the next level shares what the sweep has seen
+    low = _r(900, REASON_APP_CLOCKS, power_w=200.0, limit_w=300.0)
+    got = _feed(w, [low, low, low])
+    assert got[:2] == [None, None]
+    assert "well below the 1980 MHz it ran at busy earlier in the sweep, at 200 W of its 300 W limit" in got[2], got[2]
+
+
+def test_without_a_lock_boost_drift_and_a_binding_cap_never_trip_it():
+    w = ClockLockWatch(None)
+    readings = ([_r(1980, power_w=250.0, limit_w=300.0)] + [_r(1740, power_w=250.0, limit_w=300.0)] * 4  # 12% drift
+                + [_r(1200, REASON_SW_POWER_CAP, power_w=199.0, limit_w=200.0)] * 4)
+    assert _feed(w, readings) == [None] * len(readings)
+    assert ClockLockWatch(None).feed(_r(900)) is None  # nothing seen yet: nothing to compare with
 
 
 def test_the_lock_granularity_and_a_few_mhz_of_read_noise_do_not_trip_it():

@@ -315,9 +315,119 @@ def test_numeric_cuda_visible_devices_on_mixed_gpus_warns_that_cuda_may_number_t
     assert not [p for p in src.problems if "CUDA_DEVICE_ORDER" in p.message]
 
 
-def test_a_mig_instance_in_cuda_visible_devices_is_explained_not_said_to_hide_every_gpu(monkeypatch):
+def test_a_mig_instance_no_gpu_holds_in_cuda_visible_devices_is_said_not_said_to_hide_every_gpu(monkeypatch):
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "MIG-4b0d8f5c-1a2b-5c3d-9e8f-0123456789ab")
     src = open_sources(SimNVML("a100-40g", count=2, state_path=None), None, rapl_root="/nonexistent", host=False,
                        privileged=lambda: True)
+    (p,) = [p for p in src.problems if p.source == "nvml"]
+    assert "MIG-4b0d8f5c" in p.message and "no MIG instance of this machine" in p.message
+    assert "--gpus" in p.fix and "whole GPU" in p.fix
+
+
+# --- MIG: an instance stands for its parent GPU, whose figures are every instance's (powerprof/sim/mig.py) ----------
+
+from powerprof.sim.mig import MigNVML  # noqa: E402
+
+
+def _mig(instances={1: 3}):
+    nv = MigNVML(SimNVML("a100-40g", count=2, state_path=None), instances)
+    nv.nvmlInit()
+    return nv, {i: nv.mig_uuids(i) for i in instances}
+
+
+def _mig_problem(src):
     (p,) = [p for p in src.problems if p.source == "nvml" and "MIG" in p.message]
-    assert "whole GPU" in p.message and "--gpus" in p.fix
+    return p
+
+
+def test_a_mig_instance_in_cuda_visible_devices_is_measured_as_its_parent_gpu_and_said_to_be_shared(monkeypatch):
+    nv, uuids = _mig()
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", uuids[1][2])
+    src = open_sources(nv, None, rapl_root="/nonexistent", host=False, privileged=lambda: True)
+    assert src.nvml.indexes == [1] and src.nvml.infos[0].mig_mode is True
+    p = _mig_problem(src)
+    assert p.message.startswith(f"{uuids[1][2]} is a MIG instance of gpu1 ({src.nvml.infos[0].uuid}), measured as that whole GPU")
+    assert "J/token of one instance is not attributable" in p.message
+    assert "a power limit or clock lock applies to the whole GPU, every instance" in p.message
+    r = src.nvml.read()[0]
+    assert r.power_avg_w > 0 and r.energy_j is not None  # the whole GPU's readings, which MIG handles do not have
+    src.close()
+
+
+def test_mig_instances_by_uuid_prefix_or_old_form_in_gpus_map_to_their_parent_once():
+    nv, uuids = _mig({0: 2, 1: 2})
+    gpu1 = nv.nvmlDeviceGetUUID(nv.nvmlDeviceGetHandleByIndex(1))
+    src = open_sources(nv, [uuids[1][0][:12], uuids[1][1], f"MIG-{gpu1}/1/0"], rapl_root="/nonexistent", host=False,
+                       privileged=lambda: True)
+    assert src.nvml.indexes == [1]
+    assert "are MIG instances of gpu1" in _mig_problem(src).message
+    src.close()
+    with pytest.raises(ValueError, match="names no GPU or MIG instance"):
+        open_sources(nv, ["MIG-00000000-0000"], rapl_root="/nonexistent", host=False, privileged=lambda: True)
+
+
+def test_a_gpu_in_mig_mode_named_by_index_is_said_to_be_shared_and_a_whole_gpu_is_not():
+    nv, _ = _mig({1: 2})
+    src = open_sources(nv, [0, 1], rapl_root="/nonexistent", host=False, privileged=lambda: True)
+    p = _mig_problem(src)
+    assert p.message.startswith("gpu1 (") and "is in MIG mode" in p.message and "gpu0" not in p.message
+    assert "whole GPU" in p.fix
+
+
+def test_a_mig_device_handle_has_no_power_of_its_own():
+    nv, _ = _mig({0: 1})
+    mh = nv.nvmlDeviceGetMigDeviceHandleByIndex(nv.nvmlDeviceGetHandleByIndex(0), 0)
+    with pytest.raises(pynvml.NVMLError):
+        nv.nvmlDeviceGetPowerUsage(mh)
+    assert nv.nvmlDeviceGetDeviceHandleFromMigDeviceHandle(mh) == nv.nvmlDeviceGetHandleByIndex(0)
+
+
+@pytest.mark.parametrize("code", [pynvml.NVML_ERROR_GPU_IS_LOST, pynvml.NVML_ERROR_INVALID_ARGUMENT,
+                                  pynvml.NVML_ERROR_UNINITIALIZED], ids=["lost", "invalid-argument", "uninitialized"])
+def test_a_reset_gpu_is_reopened_by_uuid_at_a_bounded_rate_with_a_new_energy_epoch(code):
+    import time
+
+    from powerprof.collectors import nvml as nvmlmod
+
+    nv, c, now = _faulty()
+    S = 1_000_000_000
+    nv.gpus[1].set_phase(Phase("decode", 0.25))
+    time.sleep(0.2)  # the counter runs on real time: some joules before the reset
+    before = c.read()[1]
+    assert before.energy_j > 0 and before.energy_epoch == 0
+    by_index = nv.calls.get("nvmlDeviceGetHandleByIndex", 0)
+    nv.lose(1)  # nvidia-smi -r in progress: nothing answers
+    now[0] = 1 * S
+    r1 = c.read()[1]
+    assert r1.energy_j is None and 1 in c.lost
+    for k in range(8):  # ticks within REOPEN_INTERVAL_S: one lookup by UUID, not one per tick
+        now[0] = int((1.5 + 0.5 * k) * S)
+        assert c.read()[1].energy_j is None
+    assert nv.calls.get("nvmlDeviceGetHandleByUUID", 0) == 1
+    nv.heal()
+    nv.reset(1, code)  # back, counter from zero, the old handle stale
+    now[0] = int((1.5 + nvmlmod.REOPEN_INTERVAL_S + 0.1) * S)  # the first lookup was at 1.5 s
+    r0, r1 = c.read()
+    assert 1 not in c.lost and r1.energy_j is not None and r1.power_avg_w > 0
+    assert r1.energy_j < before.energy_j  # the counter restarted ...
+    assert r1.energy_epoch > before.energy_epoch  # ... so nothing is differenced across it
+    assert "reopened by its UUID" in r1.note
+    assert nv.calls.get("nvmlDeviceGetHandleByIndex", 0) == by_index  # never by index: a reset may renumber
+    assert c.handles[1].generation == 1
+    if code == pynvml.NVML_ERROR_UNINITIALIZED:
+        # A driver reload stops every GPU's session: GPU 0, read first, failed too and is back a tick later.
+        assert 0 in c.lost
+        now[0] += S // 100
+        r0 = c.read()[0]
+        assert 0 not in c.lost and r0.energy_epoch == 1
+    else:
+        assert r0.power_avg_w > 0 and r0.energy_epoch == 0 and c.reopened == [0, 1]  # the other GPU never stopped
+
+
+def test_a_stale_handle_is_said_with_what_powerprof_does_about_it():
+    nv, c, _ = _faulty()
+    c.read()
+    nv.reset(1, pynvml.NVML_ERROR_INVALID_ARGUMENT)
+    nv.lose(1)  # still down: the first lookup by UUID finds no answer
+    r1 = c.read()[1]
+    assert "NVML_ERROR_INVALID_ARGUMENT" in r1.note and "by UUID" in r1.note and 1 in c.lost

@@ -69,9 +69,11 @@ def test_requests_are_emitted_with_their_energy_once_their_intervals_close():
     kinds = [r["kind"] for r in sink.rows["intervals"]]
     assert kinds == ["prefill", "decode"]
     got = {r["request_id"]: r for r in sink.rows["requests"]}
-    # [0,1): prefill of 100 and 300 prompt tokens (the fixed ratio); [1,2): 3:1 tokens.
-    assert got[1]["gpu_energy_j"] == pytest.approx(25.0 + 150.0) and got[2]["gpu_energy_j"] == pytest.approx(75.0 + 50.0)
-    assert got[1]["attributed_tokens"] == 30 and got[1]["gpu_j_per_token"] == pytest.approx(175.0 / 30)
+    # [0,1): prefill of 100 and 300 prompt tokens (the fixed ratio); [1,2): 29:9 decoded tokens (each
+    # one's first token came out of its prefill: attributed, but not decode work).
+    a_j, b_j = 25.0 + 200.0 * 29 / 38, 75.0 + 200.0 * 9 / 38
+    assert got[1]["gpu_energy_j"] == pytest.approx(a_j) and got[2]["gpu_energy_j"] == pytest.approx(b_j)
+    assert got[1]["attributed_tokens"] == 30 and got[1]["gpu_j_per_token"] == pytest.approx(a_j / 30)
     assert sink.rows["intervals"][0]["prefill_tokens"] == pytest.approx(400.0)
     assert led.totals.energy_by_kind_j[2] == pytest.approx(100.0) and led.totals.j_per_token == pytest.approx(5.0)
     assert led.totals.energy_by_dest_j == pytest.approx((300.0, 0.0, 0.0))
@@ -281,8 +283,9 @@ def test_a_prefill_only_request_gets_its_prompt_work_and_one_with_no_work_seen_s
     _feed(led, 2.0, 1200.0)
     led.advance(int(2.5 * S))
     got = {r["request_id"]: r for r in sink.rows["requests"]}
-    # [0,1): 10 decode tokens (1 each at the fixed ratio), 10 + 2000 prompt tokens at 0.05.
-    assert got[2]["gpu_energy_j"] == pytest.approx(100.0 * 100 / 110.5) and got[2]["energy_note"] is None
+    # [0,1): 10 tokens, 9 of them decoded (1 each at the fixed ratio; the first came out of the
+    # prefill), 10 + 2000 prompt tokens at 0.05.
+    assert got[2]["gpu_energy_j"] == pytest.approx(100.0 * 100 / 109.5) and got[2]["energy_note"] is None
     assert got[3]["gpu_energy_j"] is None and "no prompt length" in got[3]["energy_note"]
     assert got[1]["gpu_energy_j"] + got[2]["gpu_energy_j"] == pytest.approx(200.0)  # nothing lost
 
@@ -617,3 +620,99 @@ def test_an_interval_across_a_gpu_counter_jump_takes_integrated_power_not_the_ju
     iv = sink.rows["intervals"]
     assert [r["gpu_energy_j"] for r in iv] == [pytest.approx(100.0)] * 3
     assert [r["energy_method"] for r in iv] == ["counter", "power_integration", "counter"]
+
+
+def test_a_gpu_no_server_uses_gives_its_energy_to_idle_not_to_the_requests():
+    # Two GPUs sampled, the server on GPU 0 only (a host whose other GPU is idle or runs nothing
+    # proxied). GPU 0 draws 70 W idle and 400 W while a request decodes; GPU 1 draws 70 W throughout.
+    # Before: every busy interval's 470 J went to the request, GPU 1's 70 J included (+17.5% per
+    # request; +24% on the simulator, 2 H200s, server on one).
+    sink = Sink()
+    led = Ledger("d", 0, 2, sink, grace_s=0.1)
+    e = [0.0, 0.0]
+    t = 0
+    for _ in range(8):  # idle: the idle power of each GPU is measured
+        led.add_gpu_sample(t * S, t * S, [R(e[0], 70.0), R(e[1], 70.0)])
+        e = [e[0] + 70.0, e[1] + 70.0]
+        t += 1
+    reqs = []
+    for k in range(40):  # one request after another, each live through its own whole interval
+        tr = _trace(100 + k, t - 0.001)
+        led.on_start(tr)
+        for j in range(10):
+            led.on_tokens(tr, int((t + 0.05 + 0.09 * j) * S), 1)
+        tr.first_ns, tr.last_ns, tr.end_ns = int((t + 0.05) * S), int((t + 0.86) * S), int((t + 0.999) * S)
+        tr.counts = Counts(generated_tokens=10, prompt_tokens=0, model=None, stop_reason=None, token_source="usage")
+        led.on_end(tr)
+        reqs.append(tr)
+        led.add_gpu_sample(t * S, t * S, [R(e[0], 400.0), R(e[1], 70.0)])
+        e = [e[0] + 400.0, e[1] + 70.0]
+        t += 1
+        led.advance(int((t - 0.5) * S))
+    led.add_gpu_sample(t * S, t * S, [R(e[0], 70.0), R(e[1], 70.0)])
+    led.advance(int((t + 1) * S))
+    got = {r["request_id"]: r for r in sink.rows["requests"]}
+    assert len(got) == 40
+    # Once GPU 1 is seen to draw no more when work runs (5 busy intervals), its 70 J is idle.
+    late = [got[100 + k]["gpu_energy_j"] for k in range(10, 40)]
+    assert late == [pytest.approx(400.0, rel=0.01)] * 30
+    assert led.learner.serving.tolist() == [True, False]
+    iv = sink.rows["intervals"]
+    for row in iv:  # every joule still lands in exactly one place
+        assert row["requests_energy_j"] + row["idle_energy_j"] + row["unproxied_energy_j"] == pytest.approx(row["gpu_energy_j"])
+    assert led.totals.energy_by_dest_j[1] >= 30 * 70.0  # GPU 1's energy in busy intervals is idle
+
+
+def test_a_stream_whose_only_token_comes_in_its_closing_chunk_is_attributed_that_token():
+    # vLLM with max_tokens=1 (a classifier, a yes/no): the role chunk, then the closing chunk with empty
+    # content and finish_reason (the token is in it, the usage says so), then the usage chunk. The proxy
+    # counts no chunk with content. Before: the request was attributed 0 tokens, its token and its
+    # energy went to `unproxied` through the server's counter as if it had bypassed the proxy (on the
+    # simulator, 1-token requests came out up to 47% low).
+    import json
+
+    from powerprof.daemon import streams
+    parser = streams.new_parser("openai-chat")
+    sink = Sink()
+    led = Ledger("d", 0, 1, sink, grace_s=0.1)
+    tr = RequestTrace(1, "POST", "/v1/chat/completions", "t", int(1.0 * S), 0, api="openai-chat", stream=True)
+    led.on_start(tr)
+    chunk = {"id": "c", "object": "chat.completion.chunk", "model": "m"}
+    events = [
+        b"data: " + json.dumps({**chunk, "choices": [{"index": 0, "delta": {"role": "assistant", "content": None},
+                                                       "finish_reason": None}]}).encode() + b"\n\n",
+        b"data: " + json.dumps({**chunk, "choices": [{"index": 0, "delta": {"content": ""},
+                                                       "finish_reason": "length"}]}).encode() + b"\n\n",
+        b"data: " + json.dumps({**chunk, "choices": [], "usage": {"prompt_tokens": 20, "completion_tokens": 1,
+                                                                  "total_tokens": 21}}).encode() + b"\n\n",
+        b"data: [DONE]\n\n",
+    ]
+    _feed(led, 0.0, 0.0)
+    led.add_server_tokens(int(0.5 * S), 0.0)
+    seen = 0
+    for i, ev in enumerate(events):
+        t = int((1.02 + 0.001 * i) * S)
+        n = parser.count(ev)
+        if n:
+            tr.first_ns = tr.first_ns or t
+            tr.last_ns = t
+            tr.tokens_seen += n
+            led.on_tokens(tr, t, n)
+            seen += n
+    tr.end_ns = int(1.03 * S)
+    tr.counts = streams.summary_counts(parser.finish())
+    led.on_end(tr)
+    assert seen == 0 and tr.counts.generated_tokens == 1
+    for k in range(1, 13):  # the scraper sees the server count the token at 1.02 s
+        now = int((0.5 + 0.25 * k) * S)
+        led.add_server_tokens(now, 1.0 if k == 3 else 0.0, now - S // 4)
+        if k % 4 == 2:
+            _feed(led, now / S, 100.0 * now / S)
+        led.advance(now)
+    led.close_all(int(4 * S))
+    (row,) = sink.rows["requests"]
+    assert row["attributed_tokens"] == 1.0 and row["generated_tokens"] == 1
+    assert row["gpu_j_per_token"] is not None
+    ivs = sink.rows["intervals"]
+    assert sum(r["proxy_tokens"] for r in ivs) == pytest.approx(1.0)
+    assert sum(r["unproxied_energy_j"] for r in ivs) == pytest.approx(0.0, abs=1e-9)

@@ -102,3 +102,29 @@ def test_the_idle_power_kept_as_intervals_come_is_the_median_over_the_window():
             idle = (xs[:, 1:] == 0).all(axis=1) & (xs[:, 0] > 0)
             want = float(np.median(ys[idle] / xs[idle, 0])) if idle.sum() >= 5 else None
             assert learner._idle_median(setting) == want
+
+
+def test_a_gpu_that_draws_the_same_busy_or_idle_is_left_out_of_the_costs_and_the_idle_power():
+    # Per-GPU energies: GPU 0 runs the work (TRUE costs), GPU 1 draws 50 W whatever happens (no server
+    # on it). The fit and the idle power are GPU 0's alone, the window re-summed once that is seen.
+    rng = np.random.default_rng(5)
+    learner = CostLearner()
+    x, y = _intervals(300, rng)
+    per_gpu = np.column_stack([y, 50.0 * x[:, 0]])
+    for k in range(0, 300, 7):  # as the ledger adds them: a few intervals per close
+        learner.add((300.0, 300.0), x[k:k + 7], per_gpu[k:k + 7], np.ones(len(x[k:k + 7]), bool))
+    assert learner.serving.tolist() == [True, False]
+    c = learner.costs((300.0, 300.0))
+    assert c.source == "fitted"
+    assert c.idle_w == pytest.approx(60.0, rel=0.01)  # not 110: GPU 1's 50 W is no request's
+    assert c.decode_j == pytest.approx(TRUE[2], rel=0.05)
+
+
+def test_gpus_that_work_together_all_take_part():
+    rng = np.random.default_rng(6)
+    learner = CostLearner()
+    x, y = _intervals(200, rng)
+    per_gpu = np.column_stack([y * 0.5, y * 0.5])  # tensor parallel: both rise together
+    learner.add((300.0, 300.0), x, per_gpu, np.ones(len(x), bool))
+    assert learner.serving.tolist() == [True, True]
+    assert learner.costs((300.0, 300.0)).idle_w == pytest.approx(60.0, rel=0.01)

@@ -141,12 +141,14 @@ def test_daemon_samples_are_the_samples_columns_then_host_then_daemon_id_as_data
 
 
 def test_the_row_keys_data_md_states_are_the_ones_analyze_and_export_use():
-    from powerprof.analysis.rowkeys import KEYS
+    from powerprof.analysis.rowkeys import KEYS, TUNER_COLUMNS, TUNER_KEY
 
     text = " ".join(_section(DOCS / "data.md", "## daemon_samples"))
     for table, key in KEYS.items():
         assert f"{table} `{', '.join(key)}`" in text, table
         assert set(key) <= {c for c, _ in schema.COLUMNS[schema.DAEMON_DATASETS[table]]}, table
+    assert f"tuner decisions `{', '.join(TUNER_KEY)}`" in text
+    assert set(TUNER_KEY) | set(TUNER_COLUMNS) <= {c for c, _ in schema.TUNER_DECISIONS_COLUMNS}
 
 def _emitted_level_flags() -> set[str]:
     """The flags stats.levels_table can write into a levels row's `flags`, read from its source."""

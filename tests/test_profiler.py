@@ -10,6 +10,7 @@ import time
 import numpy as np
 import pytest
 
+from powerprof.collectors.nvml import NvmlCollector
 from powerprof.collectors.rapl import RaplCollector
 from powerprof.collectors.sampler import Sample
 from powerprof.energy import counter_energy_j, integrate_power_j, unwrap_resets
@@ -302,3 +303,59 @@ def test_a_power_integrated_window_with_missed_ticks_is_low_confidence_and_says_
         r = GpuReading(0, None, 200.0, None, None, None, None, None, None, None, None, None, None)
         tl2.add(Sample("nvml", k, k * S, 0, (r,)))
     assert not tl2.energy_between(2 * S, 42 * S).low_confidence  # the same window, every tick there
+
+
+class _VClock:
+    """A monotonic clock that moves only when told (the sampler's Clock protocol)."""
+
+    def __init__(self, t_ns: int = 1_000_000_000):
+        self.t = t_ns
+
+    def monotonic_ns(self) -> int:
+        return self.t
+
+    def wall_ns(self) -> int:
+        return self.t
+
+    def sleep_until(self, t_mono_ns, stop) -> bool:
+        raise AssertionError("no ticks in this test")
+
+
+def test_each_gpus_counter_is_placed_at_its_own_read_not_at_the_middle_of_the_whole_read():
+    """A decode window (1 s at decode power between idle) whose edge reads each take 100 ms in a
+    call after the energy counter (a driver call stalled on a loaded machine, or the next GPUs'
+    3 ms counter reads): the sample is dated 50 ms after the counter was read. Interpolated at that
+    date, the window's energy came out 5% of the decode-idle step short; at the counter's own
+    instant it is exact to the edge reads' 1 ms."""
+    ms = 1_000_000
+    clock = _VClock()
+    profile = dataclasses.replace(get_profile("seed-16g"), energy_counter_update_s=0.0)  # no refresh lag here
+    nvml = SimNVML(profile, state_path=None, clock_ns=clock.monotonic_ns, record_history=True)
+    slow = nvml.nvmlDeviceGetCurrentClocksEventReasons
+
+    def stalled(h):
+        clock.t += 100 * ms  # read after the counter: it moves the sample's middle, not the counter
+        return slow(h)
+
+    nvml.nvmlDeviceGetCurrentClocksEventReasons = stalled
+    prof = Profiler(clock=clock, gpu_collector=NvmlCollector(nvml, [0], clock_ns=clock.monotonic_ns))
+    g = nvml.gpus[0]
+    t_start = clock.t + 500 * ms
+    prof.mark("tick")  # idle, 500 ms before the window
+    clock.t = t_start
+    g.set_phase(Phase("decode", profile.workload.decode_compute_share), t_ns=t_start)
+    clock.t += 1 * ms
+    prof.mark("start")  # the edge read, 1 ms after its event
+    t_end = t_start + 1000 * ms
+    clock.t = t_end
+    g.set_phase(IDLE, t_ns=t_end)
+    clock.t += 1 * ms
+    prof.mark("end")
+    clock.t += 400 * ms
+    prof.mark("tick")
+    r = prof.timeline.energy_between(t_start, t_end)
+    true = g.true_energy_at_j(t_end) - g.true_energy_at_j(t_start)
+    assert r.gpu_methods == (METHOD_COUNTER,)
+    assert r.gpu_energy_j[0] == pytest.approx(true, rel=0.002)
+    prof.close()
+    prof.gpu.close()

@@ -6,6 +6,7 @@ import asyncio
 import logging
 
 import pyarrow.dataset as pads
+import pynvml
 
 from powerprof.daemon.config import load_config
 from powerprof.daemon.service import Daemon
@@ -65,3 +66,57 @@ def test_restore_puts_the_other_gpus_back_when_one_is_lost_and_says_how_to_fix_t
         assert [g.limit_w for g in sim.gpus] == [400.0, 200.0] and restore_file.exists()
         assert "GPU 1 is lost" in str(e.value) and "nvidia-smi -r -i 1" in str(e.value)
         nv.heal()  # as after a reset: the kept file finishes the job
+
+
+def test_the_daemon_reopens_a_reset_gpu_by_uuid_and_counts_its_energy_again_never_across_the_reset(tmp_path, caplog,
+                                                                                                    monkeypatch):
+    from powerprof.collectors import nvml as nvmlmod
+
+    monkeypatch.setattr(nvmlmod, "REOPEN_INTERVAL_S", 0.3)
+    sim = SimNVML("a100-40g", count=2, state_path=None)
+    nv = FaultyNVML(sim)
+    cfg = load_config(None, env={}, overrides={
+        "daemon.data_dir": str(tmp_path / "data"), "daemon.interval_s": 0.1, "daemon.flush_interval_s": 0.2,
+        "proxy.listen": "127.0.0.1:0", "metrics.listen": "", "daemon.restore_on_start": False,
+    })
+    d = Daemon(cfg, Rig("a100-40g", gpus=[0, 1], nvml=nv))
+
+    async def main():
+        task = asyncio.create_task(d.run())
+        for _ in range(200):
+            if "proxy" in d.urls:
+                break
+            await asyncio.sleep(0.05)
+        await asyncio.sleep(0.6)
+        nv.lose(1)  # nvidia-smi -r -i 1: gone for a while
+        await asyncio.sleep(1.0)
+        down = d.snapshot
+        nv.heal()
+        nv.reset(1, pynvml.NVML_ERROR_INVALID_ARGUMENT)  # back: old handle stale, counter from zero
+        for _ in range(100):
+            await asyncio.sleep(0.1)
+            if d.snapshot.gpus[1].up == 1.0 and d.snapshot.gpus[1].power_w is not None:
+                break
+        back = d.snapshot
+        for _ in range(100):  # intervals close a grace period after their edges
+            await asyncio.sleep(0.1)
+            if d.snapshot.gpus[1].energy_j > back.gpus[1].energy_j + 10:
+                break
+        up = d.snapshot
+        d.stop_event.set()
+        return down, back, up, await task
+
+    with caplog.at_level(logging.INFO, logger="powerprof.daemon.service"):
+        down, back, up, rc = asyncio.run(asyncio.wait_for(main(), 60))
+    assert rc == 0
+    assert [g.up for g in down.gpus] == [1.0, 0.0]
+    assert [g.up for g in up.gpus] == [1.0, 1.0] and up.gpus[1].power_w > 0
+    assert sum("gpu1" in r.getMessage() and "reopened by its UUID" in r.getMessage() for r in caplog.records) == 1
+    # Energy resumed, and never the counter's drop (or its whole value) across the reset.
+    assert up.gpus[1].energy_j > back.gpus[1].energy_j + 10
+    assert up.gpus[1].energy_j <= sim.gpus[1].true_energy_j() * 1.05
+    iv = pads.dataset(tmp_path / "data" / "intervals", format="parquet").to_table().to_pylist()
+    assert all(r["gpu_energy_j"] is None or r["gpu_energy_j"] >= 0 for r in iv)
+    samples = pads.dataset(tmp_path / "data" / "samples", format="parquet").to_table().to_pylist()
+    e = [r["energy_j"] for r in sorted(samples, key=lambda r: r["t_mono_s"]) if r["device"] == "gpu1" and r["energy_j"] is not None]
+    assert any(b < a for a, b in zip(e, e[1:]))  # the counter did restart: the total above never took that drop

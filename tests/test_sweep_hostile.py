@@ -187,3 +187,83 @@ def test_a_trace_sweep_whose_clock_lock_went_leaves_that_replay_out_and_stops(tm
     tr = w[w.window_kind == "trace"].set_index("level_value")
     assert tr.loc[1200.0, "timing"] == "untrusted" and tr.loc[1200.0, "gpu_j_per_token"] != tr.loc[1200.0, "gpu_j_per_token"]
     assert tr.loc[1980.0, "gpu_j_per_token"] > 0
+
+
+def test_a_clock_lock_another_tool_moved_below_the_level_stops_the_sweep_and_leaves_those_windows_out(tmp_path):
+    # `nvidia-smi -lgc 900,900` during the 1400 MHz level: the rest of the level ran at 900 MHz, read like a cap
+    # (a lower clock, less power) and levels.parquet filed 900 MHz's power and J/token under 1400 MHz unflagged.
+    from powerprof.sim.faults import FaultyNVML
+
+    sim = SimNVML("h200-141g", state_path=None)
+    nv = FaultyNVML(sim)
+
+    def act(event, visit):
+        if event == "progress" and visit.level_value == 1400 and visit.n_measured == 2:
+            nv.lock_clocks(0, 900, 900)
+
+    out = tmp_path / "run"
+    with Rig("h200-141g", nvml=nv) as rig, pytest.raises(SweepError) as e:
+        run_sweep(rig, levels_spec="1980,1400", level_kind="sm_clock", out_dir=out, params=RequestParams(max_tokens=64),
+                  idle_s=0, interval_s=0.2, min_requests=8, max_requests=8, warmup_requests=0, ui=_Hook(act))
+    msg = str(e.value)
+    assert msg.startswith("level 1400: GPU 0's SM clock read 900 MHz"), msg
+    assert "well below the 1400 MHz it was locked to" in msg and "AppClocks" in msg and "fix:" in msg, msg
+    assert sim.locked_clocks_mhz(0) is None  # the lock released on the way out
+    w = pq.read_table(out / "windows.parquet").to_pandas()
+    lv = w[(w.window_kind == "request") & (w.level_value == 1400.0) & ~w.warmup]
+    moved = lv[lv.timing == "untrusted"]
+    assert len(moved) >= 1 and moved.gpu_j_per_token.isna().all()
+    assert moved.timing_reason.str.contains("SM clock read 900 MHz").all()
+    kept = lv[lv.timing != "untrusted"]
+    assert len(kept) >= 1 and kept.gpu_j_per_token.notna().all()
+    levels = pq.read_table(out / "levels.parquet").to_pandas().set_index("level_value")
+    assert levels.loc[1400.0, "sm_clock_mhz"] > 1300.0  # the figures kept are the lock's own (900 MHz read before)
+
+
+def test_a_clock_another_tool_locked_low_during_a_power_level_stops_the_sweep(tmp_path):
+    # During the 300 W level another tool locks the SM clock at 900 MHz: the level draws ~half, no cap
+    # binds, and "300 W" reads like a much lower limit (cap-not-engaged was the only trace of it).
+    from powerprof.sim.faults import FaultyNVML
+
+    sim = SimNVML("seed-16g", state_path=None)
+    nv = FaultyNVML(sim)
+
+    def act(event, visit):
+        if event == "progress" and visit.level_value == 300 and visit.n_measured == 2:
+            nv.lock_clocks(0, 900, 900)
+
+    out = tmp_path / "run"
+    with Rig("seed-16g", nvml=nv) as rig, pytest.raises(SweepError) as e:
+        run_sweep(rig, levels_spec="200,300", out_dir=out, params=RequestParams(max_tokens=64), order="asc",
+                  idle_s=0, interval_s=0.2, min_requests=8, max_requests=8, warmup_requests=0, ui=_Hook(act))
+    msg = str(e.value)
+    assert msg.startswith("level 300: GPU 0's SM clock read 900 MHz"), msg
+    assert "it ran at busy earlier in the sweep" in msg and "nvidia-smi -lgc" in msg and "fix:" in msg, msg
+    assert sim.gpus[0].limit_w == 300.0  # the original limit, put back
+    w = pq.read_table(out / "windows.parquet").to_pandas()
+    lv = w[(w.window_kind == "request") & (w.level_value == 300.0) & ~w.warmup]
+    assert (lv.timing == "untrusted").any() and lv[lv.timing == "untrusted"].gpu_j_per_token.isna().all()
+    levels = pq.read_table(out / "levels.parquet").to_pandas().set_index("level_value")
+    assert levels.loc[200.0, "gpu_j_per_token"] > 0  # the finished level stays
+
+
+def test_honest_capping_and_heat_never_stop_a_power_sweep(tmp_path):
+    # Ground truth: the simulated card drops its clock under the 160 W cap (SwPowerCap) and for heat
+    # (HwThermal) with no one else touching its clocks: neither is another tool's setting.
+    sim = SimNVML("seed-16g", state_path=None)
+
+    def act(event, visit):
+        if event == "progress" and visit.level_value == 300:
+            sim.gpus[0].set_thermal_throttle(visit.n_measured >= 2)
+
+    out = tmp_path / "run"
+    with Rig("seed-16g", nvml=sim) as rig:
+        run_sweep(rig, levels_spec="160,300", out_dir=out, params=RequestParams(max_tokens=64), order="asc",
+                  idle_s=0, interval_s=0.2, min_requests=8, max_requests=8, warmup_requests=0, ui=_Hook(act))
+    levels = pq.read_table(out / "levels.parquet").to_pandas().set_index("level_value")
+    assert bool(levels.loc[300.0, "thermal_throttle"])
+    s = pq.read_table(out / "samples.parquet").to_pandas()
+    s = s[(s.source == "nvml") & (s.level_value == 160.0) & (s.sm_clock_mhz > 600)]
+    assert (s.sm_clock_mhz < 0.85 * 2790).any()  # the cap did hold the clock far below the boost clock
+    w = pq.read_table(out / "windows.parquet").to_pandas()
+    assert not (w.timing == "untrusted").any()

@@ -965,3 +965,27 @@ def test_a_daemon_without_the_unfinished_gauges_is_said_once_and_tuning_goes_on(
             _below_reference(runner, clock, nvml)  # as before those gauges existed
         said = [r for r in caplog.records if "cannot see a stalled server" in r.getMessage()]
         assert len(said) == 1 and runner.metrics.sees_unfinished._value.get() == 0
+
+
+def test_each_decision_row_carries_its_tuner_and_its_number(tmp_path):
+    # The row's key (tuner_id, seq; analysis/rowkeys.py): a copy of the folder among export's sources is written
+    # once. The decision time is no key: one tick's decisions share it to the microsecond.
+    from powerprof.tuner.policy import Decision
+    from powerprof.tuner.runner import DecisionLog
+
+    out = tmp_path / "decisions"
+    for run in range(2):  # the tuner restarted on the same folder
+        log = DecisionLog(out, [0], "power")
+        for i in range(3):
+            log.add(Decision(1.0, "hold", 300.0, 300.0, f"run {run}, decision {i}", "r0"), 0.0, True)
+            if i:
+                log.flush()
+    rows = pq.read_table(out).to_pylist()
+    assert len(rows) == 6 and len({(r["tuner_id"], r["seq"]) for r in rows}) == 6
+    by_tuner: dict[str, list] = {}
+    for r in rows:
+        by_tuner.setdefault(r["tuner_id"], []).append((r["seq"], r["reason"]))
+    assert len(by_tuner) == 2
+    for decided in by_tuner.values():
+        assert [s for s, _ in sorted(decided)] == [0, 1, 2]
+        assert [why.rsplit(" ", 1)[1] for _, why in sorted(decided)] == ["0", "1", "2"]

@@ -583,6 +583,20 @@ def test_a_figure_pooling_less_decode_than_its_method_resolves_is_said_with_the_
     assert notes[2].startswith("concurrency 16:") and "inf" not in notes[2] and "--requests" not in notes[2]
 
 
+def test_a_figure_from_windows_too_short_for_their_power_steps_is_flagged_low_confidence_with_the_fix():
+    """Pooled J/token of 0.31 s windows on the simulated H200 read 2.2% under the truth (edge reads land ms
+    after the window's power steps; docs/benchmarks.md): such a figure is said, with longer requests as the fix."""
+    from powerprof.workload.measure import Summary, edge_bias_notes
+
+    short = Summary(1, 30, 0, 150.0, 1.9, 2.2, "counter", 30, measured_s=9.3, median_window_s=0.31)
+    long_ = Summary(2, 30, 0, 150.0, 1.9, 2.2, "counter", 30, measured_s=64.0, median_window_s=2.1)
+    integrated = Summary(4, 30, 0, 150.0, 1.9, None, "avg_power_integration", 30, measured_s=9.3, median_window_s=0.31)
+    notes = edge_bias_notes([short, long_, integrated])
+    assert len(notes) == 1
+    assert notes[0].startswith("concurrency 1: low confidence") and "0.31 s" in notes[0]
+    assert "--max-tokens 192 or more" in notes[0]  # 1 s at 150 tok/s, in whole 64s
+
+
 def test_a_concurrency_without_a_figure_says_why_and_the_fix():
     # Seen in CI under load: concurrency 8 on a 4-slot server printed "8 0 - - - none" and not a word why.
     from powerprof.workload.measure import missing_figure_notes, summarise

@@ -41,6 +41,15 @@ class SeriesResult:
         return self.series.level_values.size > 1
 
     @property
+    def starred(self) -> bool:
+        """Whether a mark may single out the recommended level: several levels, and a saving against the reference
+        that its CI tells from none (else the words say to keep the reference: checks.saving_findings)."""
+        from .checks import saving_within_noise  # noqa: PLC0415
+
+        return self.comparable and saving_within_noise(self.recommendation, self.table,
+                                                       self.series.reference_value) is None
+
+    @property
     def label(self) -> str:
         kind = "power limit" if self.series.level_kind == "power_limit" else self.series.level_kind.replace("_", " ")
         return f"{kind}, concurrency {self.series.concurrency}"
@@ -89,7 +98,7 @@ class AnalysisResult:
     def starred(self) -> bool:
         """Whether a ★ may mark the recommended level: not where the words say to keep the reference (a saving
         not told from none) or that nothing can be compared; the star then contradicted the line beneath it."""
-        return bool(self.series) and self._recommendation_note() is None
+        return bool(self.series) and self.main.starred
 
     def _recommendation_note(self) -> str | None:
         if not self.series:

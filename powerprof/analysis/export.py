@@ -6,10 +6,11 @@ Every timestamp column gets a local-time twin; headers carry units (`power_w (W)
 ISO 8601 (`2026-01-15 12:00:00.000`) that spreadsheets read as dates. An xlsx opens ready to read:
 a `summary` sheet first (the recommendation and run details), then one sheet per table with a
 frozen header row, an autofilter, column widths from the headers and millisecond time cells.
-Files are written under a temporary name and renamed, so a failed export leaves nothing half-written.
+Files are written under a temporary name and renamed, so a failed export leaves nothing half-written; a
+file already there (an earlier export) is kept, the export refused, unless `force` says to replace it.
 
 A row read twice is written once, by the key `analyze` counts it once by (rowkeys.py): a daemon table's
-copies are found in its rows sorted by their key before anything is written, and only a table that
+(or a tuner's decisions') copies are found in its rows sorted by their key before anything is written, and only a table that
 has some is written from its rows sorted by time and key, each once (DuckDB's sort spills to disk past
 its memory limit: memory stays flat however many rows); a copy of a sweep run
 (the same run_id and windows) is exported once. One key with rows that differ is refused.
@@ -34,7 +35,7 @@ import pyarrow.parquet as pq
 from powerprof.storage.atomic import atomic_path
 from powerprof.storage.runs import no_finished_level
 
-from .rowkeys import KEYS, WHY, folder_sql, ident, keyless_sql
+from .rowkeys import TUNER_KEY, TUNER_WHY, WHY, folder_sql, ident, is_tuner_decisions, key_of, keyless_sql
 
 FORMATS = ("csv", "xlsx", "parquet")
 XLSX_MAX_ROWS = 1_048_575  # one row of the sheet's 1,048,576 holds the header
@@ -60,6 +61,21 @@ class ExportUsageError(ExportError):
     """An option value that cannot be used (time zone, time, columns, format): a usage error, exit 2.
 
     An --out path it cannot use stays an ExportError (exit 1), like a failed write."""
+
+
+class ExportOutExists(ExportUsageError):
+    """--out (or the default name in this folder) already holds a file the export would replace: exit 2, as
+    `monitor --output` and `trace` refuse theirs; --force replaces it."""
+
+    def __init__(self, paths: list[Path], folder: Path | None = None):
+        self.paths = paths
+        if folder is None:
+            msg = f"{paths[0]} exists (an earlier export?); choose another name, or --force to replace it"
+        else:
+            names = ", ".join(p.name for p in paths[:4]) + (f" and {len(paths) - 4} more" if len(paths) > 4 else "")
+            msg = (f"{folder} already holds {names} (an earlier export?); choose another folder, or --force to "
+                   f"replace {'it' if len(paths) == 1 else 'them'}")
+        super().__init__(msg)
 
 
 @dataclass(frozen=True)
@@ -319,8 +335,9 @@ def _plan(sources: list[Source], columns: list[str] | None) -> dict[str, list[st
 
 def export(src, fmt: str, out=None, time_from: str | None = None, time_to: str | None = None,
            columns: list[str] | None = None, tz: str | None = None, batch_rows: int = BATCH_ROWS,
-           notes: list[str] | None = None) -> list[Path]:
-    """Export every table of `src` in `fmt`; returns the files written. Raises ExportError on bad input.
+           notes: list[str] | None = None, force: bool = False) -> list[Path]:
+    """Export every table of `src` in `fmt`; returns the files written. Raises ExportError on bad input,
+    ExportOutExists where a file it would write exists (force: replace it, atomically).
 
     src: one source or several (paths, globs, URIs); tables of the same name are exported as one
     (daemon datasets of several nodes: their rows carry `host`). `notes` (when given) receives what
@@ -368,10 +385,21 @@ def export(src, fmt: str, out=None, time_from: str | None = None, time_to: str |
         raise ExportError(f"--out {out} names one .{fmt} file, but the selection has {len(sources)} tables "
                           f"({', '.join(s.name for s in sources)}): give a folder, or pick one table (its .parquet "
                           "file, or --columns)")
+    if not force:
+        # Before anything is read: an earlier export (a spreadsheet someone annotated) was replaced without a word.
+        targets = [out] if fmt == "xlsx" or single else [out / f"{s.name}.{fmt}" for s in sources]
+        there = [t for t in targets if os.path.lexists(t)]
+        if there:
+            raise ExportOutExists(there, None if fmt == "xlsx" or single else out)
     # Before anything is written: a key with two different rows refuses the export, whatever the format.
     copies = {s.name: c for s in sources if (c := find_copies(s, _filter(s, t_from, t_to))) is not None}
     if notes is not None:
         notes.extend(c.note() for c in copies.values() if c.dropped)
+        for s in sources:
+            if n := unkeyed_decisions(s, _filter(s, t_from, t_to)):
+                notes.append(f"{s.name}: {n} decision rows have no tuner_id and seq (written before the tuner numbered "
+                             "its decisions): each is written as it is, so a copy among them (a copied folder or "
+                             "file) is written twice")
     # Little read-ahead: memory stays near one row group per table however large the dataset.
     scans = {s.name: _Once(s, plan[s.name], _filter(s, t_from, t_to), copies[s.name].key, batch_rows)
              if s.name in copies and copies[s.name].dropped else
@@ -387,7 +415,9 @@ def export(src, fmt: str, out=None, time_from: str | None = None, time_to: str |
                                   "Narrow it with --from/--to or --columns, or export csv or parquet.")
         summary = summary_rows(src_path, tz, time_from, time_to) + ([("not filtered by --from/--to", note)] if note else [])
         try:
-            return [_write_xlsx(scans, out, tz, summary)]
+            return [_write_xlsx(scans, out, tz, summary, replace=force)]
+        except FileExistsError:  # made while the export ran
+            raise ExportOutExists([out]) from None
         except (pa.ArrowInvalid, OSError) as e:
             raise ExportError(f"export to {out} failed, nothing written: {_why(e)}") from None
     if not single:
@@ -402,8 +432,13 @@ def export(src, fmt: str, out=None, time_from: str | None = None, time_to: str |
     for name, scan in scans.items():
         path = out if single else out / f"{name}.{fmt}"
         try:
-            with atomic_path(path) as tmp:
+            with atomic_path(path, replace=force) as tmp:
                 (_write_csv if fmt == "csv" else _write_parquet)(scan, tmp, tz)
+        except FileExistsError:  # made while the export ran
+            if written:
+                raise ExportError(f"table {name}: {path} appeared while the export ran and is kept; "
+                                  f"written before it (whole): {', '.join(map(str, written))}") from None
+            raise ExportOutExists([path], None if single else out) from None
         except (pa.ArrowInvalid, OSError) as e:
             done = f"; written before it (whole): {', '.join(map(str, written))}" if written else "; nothing written"
             raise ExportError(f"table {name}: export to {path} failed: {_why(e)}{done}") from None
@@ -421,6 +456,7 @@ class Copies:
     key: tuple[str, ...]
     dropped: int  # rows beyond the first of their key
     places: list[tuple[str, int, list[str]]]  # (host, or dataset folder, rows dropped, folders holding the copies)
+    why: str = WHY  # how a key comes to be found twice
 
     def note(self) -> str:
         def where(folders: list[str]) -> str:
@@ -428,15 +464,25 @@ class Copies:
             return ", ".join(folders[:3]) + more
 
         return (f"{self.table}: {self.dropped} rows found more than once were written once (the same "
-                f"{', '.join(self.key)}: {WHY}): "
+                f"{', '.join(self.key)}: {self.why}): "
                 + "; ".join(f"{p}: {n} (in {where(f)})" for p, n, f in self.places))
 
 
 def row_key(src: Source) -> tuple[str, ...] | None:
-    """The columns that identify a row of a daemon table (rowkeys.py); None for any other table (a sweep
-    run's samples have no daemon_id)."""
-    key = KEYS.get(src.name)
-    return key if key and all(c in src.dataset.schema.names for c in key) else None
+    """The columns that identify a row of a daemon table or a tuner's decisions (rowkeys.py); None for any other
+    table (a sweep run's samples have no daemon_id)."""
+    return key_of(src.name, src.dataset.schema.names)
+
+
+def unkeyed_decisions(src: Source, filt) -> int:
+    """Rows of a tuner's decisions without a key (written before tuner_id and seq): each is written as it is."""
+    names = src.dataset.schema.names
+    if not is_tuner_decisions(names):
+        return 0
+    if not set(TUNER_KEY) <= set(names):
+        return src.dataset.count_rows(filter=filt)
+    nokey = ds.field(TUNER_KEY[0]).is_null() | ds.field(TUNER_KEY[1]).is_null()
+    return src.dataset.count_rows(filter=nokey if filt is None else filt & nokey)
 
 
 def _files(d: ds.Dataset) -> list[str]:
@@ -549,7 +595,8 @@ def find_copies(src: Source, filt) -> Copies | None:
             "twice with different values, of which at most one is true and nothing says which; nothing written. "
             "Remove the file that is wrong, or export the folders separately")
     return Copies(src.name, key, sum(n for n, _ in places.values()),
-                  [(p_, n, sorted({files[x][1] for x in fs if x in files})) for p_, (n, fs) in sorted(places.items())])
+                  [(p_, n, sorted({files[x][1] for x in fs if x in files})) for p_, (n, fs) in sorted(places.items())],
+                  TUNER_WHY if key == TUNER_KEY else WHY)
 
 
 class _Once:
@@ -758,7 +805,7 @@ def _col_letter(i: int) -> str:
 
 
 def _write_xlsx(scans: dict[str, ds.Scanner], path: Path, tz: str,
-                summary: list[tuple[str, object]] | None = None) -> Path:
+                summary: list[tuple[str, object]] | None = None, replace: bool = True) -> Path:
     from openpyxl import Workbook  # noqa: PLC0415  (only this format needs it)
     from openpyxl.cell import WriteOnlyCell  # noqa: PLC0415
 
@@ -789,7 +836,7 @@ def _write_xlsx(scans: dict[str, ds.Scanner], path: Path, tz: str,
             if head is None:
                 head = _xlsx_header(ws, _with_local_times(_empty_batch(scan), tz), tz)
             ws.auto_filter.ref = f"A1:{_col_letter(len(head) - 1)}{n_rows + 1}"
-        with atomic_path(path) as tmp:
+        with atomic_path(path, replace=replace) as tmp:
             wb.save(tmp)
     except BaseException:
         for ws in wb.worksheets:  # else each sheet's row writer dies noisily when it is collected

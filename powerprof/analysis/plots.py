@@ -4,6 +4,8 @@ Every marker of a policy's choice has the gid `choice-<policy>` and the recommen
 `recommended`, so tests (and anyone) can check that the plot marks what was computed. The PNG
 carries the recommendation in its text metadata too. Policies that choose the same level get
 their markers side by side above the point (a fixed offset in points), so none hides another.
+Where the recommended level's saving is within noise (SeriesResult.starred false: the report says to
+keep the reference), no level is marked and the title says why.
 """
 
 from __future__ import annotations
@@ -36,9 +38,11 @@ def _figure(w=9.0, h=5.0) -> Figure:
 
 def _save(fig: Figure, path: Path, sr: SeriesResult | None = None) -> Path:
     meta = {"Software": "powerprof"}
-    if sr is not None and sr.comparable:
+    if sr is not None and sr.starred:
         rec = sr.recommendation
         meta["Description"] = f"recommended {rec.policy} {rec.level_value:g}"
+    elif sr is not None and sr.comparable:
+        meta["Description"] = _no_saving(sr)
     elif sr is not None:
         meta["Description"] = "one level measured: none recommended"
     fig.savefig(path, format="png", metadata=meta)
@@ -51,7 +55,18 @@ def _xlabel(sr: SeriesResult) -> str:
 
 def _title(what: str, sr: SeriesResult) -> str:
     """`J/token vs power limit (concurrency 1)`: the level kind once, in the x label's words."""
-    return f"{what} vs {_xlabel(sr).split(' (')[0]} (concurrency {sr.series.concurrency})"
+    return _unmarked(sr, f"{what} vs {_xlabel(sr).split(' (')[0]} (concurrency {sr.series.concurrency})")
+
+
+def _no_saving(sr: SeriesResult) -> str:
+    what = "SM clock lock" if sr.series.level_kind == "sm_clock" else "limit"
+    ref = f"{sr.series.reference_value:g} {_unit(sr)}"
+    return f"no {what} is shown to save energy: keep {ref} ({sr.recommendation.level_value:g} {_unit(sr)}'s saving is within noise)"
+
+
+def _unmarked(sr: SeriesResult, title: str) -> str:
+    """The title, and where no level is marked (a saving within noise) a second line saying so."""
+    return title if sr.starred or not sr.comparable else f"{title}\n{_no_saving(sr)}"
 
 
 def _policy_markers(ax, sr: SeriesResult, xs, ys, unit: str = "") -> None:
@@ -88,7 +103,7 @@ def _curve(ax, sr: SeriesResult, y, lo, hi, fit_y, ylabel: str, title: str):
         fy = fit_y(grid)
         if np.isfinite(fy).any():
             ax.plot(grid, fy, "--", color="tab:blue", lw=1, label="model fit")
-    if sr.comparable:
+    if sr.starred:
         _policy_markers(ax, sr, lv, y, _unit(sr))
         rec = sr.recommendation
         ri = int(np.flatnonzero(lv == rec.level_value)[0])
@@ -145,7 +160,7 @@ def plot_tradeoff(sr: SeriesResult, path: Path) -> Figure:
     if budget is not None:
         ax.axvline(budget.params["max_slowdown"] * 100, color="tab:red", ls=":", lw=1,
                    label=f"slowdown budget {budget.params['max_slowdown']:.0%}")
-    if sr.comparable:
+    if sr.starred:
         _policy_markers(ax, sr, x, y, unit)
         rec = sr.recommendation
         ri = int(np.flatnonzero(lv == rec.level_value)[0])
@@ -153,8 +168,8 @@ def plot_tradeoff(sr: SeriesResult, path: Path) -> Figure:
     ax.margins(y=0.18)
     ax.set_xlabel("speed loss vs reference (%)", fontsize=10)
     ax.set_ylabel("energy saving per token vs reference (%)", fontsize=10)
-    ax.set_title(f"Energy saving vs speed loss (concurrency {sr.series.concurrency}; reference "
-                 f"{sr.series.reference_value:g} {unit})", fontsize=11)
+    ax.set_title(_unmarked(sr, f"Energy saving vs speed loss (concurrency {sr.series.concurrency}; reference "
+                                f"{sr.series.reference_value:g} {unit})"), fontsize=11)
     ax.grid(alpha=0.3)
     ax.legend(fontsize=8, loc="center left", bbox_to_anchor=(1.01, 0.5), frameon=False)
     fig.tight_layout()

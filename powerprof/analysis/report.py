@@ -383,7 +383,7 @@ def _choice_rows(sr: SeriesResult) -> tuple[list[str], list[list[str]]]:
             crit += f" (≤ {c.params['max_slowdown']:.0%})"
         if p == "weighted":
             crit += f" (η = {c.params['eta']:g}, P_max = {_f(c.params['p_max_w'], '.0f')} W)"
-        rows.append([p, crit, f"{c.level_value:g}" + (" ★" if p == sr.primary else ""),
+        rows.append([p, crit, f"{c.level_value:g}" + (" ★" if p == sr.primary and sr.starred else ""),
                      f"{c.ci_low:g}–{c.ci_high:g}", f"{c.stability:.0%}", _f(c.interpolated_value, "g"),
                      f"{c.speed_loss_pct:.1f}", f"{c.energy_saving_pct:.1f}"])
     return head, rows
@@ -453,8 +453,11 @@ _ONE_LEVEL = "One level measured: no sweet spot to choose (a policy compares lev
 
 
 def _choice_footnote(sr: SeriesResult) -> str:
-    return ("★ the recommended policy. CI: the levels chosen in 95% of " + _resampling(sr)
-            + "; stability: the share choosing the same level.")
+    star = "★ the recommended policy." if sr.starred else (
+        f"No ★: the recommended policy's level, {sr.recommendation.level_value:g} {_unit(sr)}, is not shown to save "
+        f"energy against {sr.series.reference_value:g} {_unit(sr)} (its saving's 95% CI reaches 0), so no level is "
+        "marked, here or in the plots.")
+    return star + " CI: the levels chosen in 95% of " + _resampling(sr) + "; stability: the share choosing the same level."
 
 
 def _colophon() -> str:
@@ -566,7 +569,8 @@ def _level_rows(sr, width: int | None) -> list[str]:
     """The levels as a fixed-column table, its last column (chosen by, then flags) wrapped under itself
     after a comma; narrower than the figures and the longest policy or flag, one paragraph per level."""
     u = _unit(sr)
-    rows = sr.table.to_pylist()
+    # The table's `recommended` stays the policy's; the mark follows the words (none where they say to keep the reference).
+    rows = [dict(r, recommended=r["recommended"] and sr.starred) for r in sr.table.to_pylist()]
     fixed, tails = [], []
     for r in rows:
         fixed.append(f"{r['level_value']:>6g} {u:<2}{'*' if r['recommended'] else ' '}{_f(r['decode_tok_s'], '7.1f'):>7}  "
@@ -606,7 +610,9 @@ def _levels_summary(result: AnalysisResult, table: bool, width: int | None = Non
         lines.append("Other policies: " + ", ".join(others) + ".")
     if len(result.series) > 1:
         lines.append("Other series: " + "; ".join(
-            f"{s.label}: {s.recommendation.level_value:g}" if s.comparable else f"{s.label}: one level, none chosen"
+            f"{s.label}: {s.recommendation.level_value:g}" if s.starred else
+            f"{s.label}: none shown to save energy (keep {s.series.reference_value:g})" if s.comparable else
+            f"{s.label}: one level, none chosen"
             for s in result.series if s is not sr) + ".")
     for w in result.warnings:
         lines.append(f"! {w.kind}: {w.message}")

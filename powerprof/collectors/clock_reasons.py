@@ -1,4 +1,4 @@
-"""NVML clock-event reason bits and the two rules read from them: did the power cap bind, was it heat.
+"""NVML clock-event reason bits and the rules read from them: did the power cap bind, was it heat, was it a setting.
 
 Stated once here: the bits are NVIDIA's (pynvml's constants, which the simulator sets too); the
 NVML collector names them, the sweep and the analysis apply the rules.
@@ -24,6 +24,9 @@ REASON_SW_THERMAL = pynvml.nvmlClocksEventReasonSwThermalSlowdown  # 0x20
 REASON_HW_THERMAL = pynvml.nvmlClocksEventReasonHwThermalSlowdown  # 0x40
 REASON_HW_POWER_BRAKE = pynvml.nvmlClocksEventReasonHwPowerBrakeSlowdown  # 0x80
 REASON_DISPLAY_CLOCK = pynvml.nvmlClocksEventReasonDisplayClockSetting  # 0x100
+# Newer drivers (nvml.h R555+) add these; the bindings installed may predate them.
+REASON_BOARD_LIMIT = getattr(pynvml, "nvmlClocksEventReasonBoardLimit", 0x200)
+REASON_RELIABILITY = getattr(pynvml, "nvmlClocksEventReasonReliability", 0x400)
 
 CLOCK_EVENT_REASONS = (
     (REASON_GPU_IDLE, "GpuIdle"),
@@ -35,11 +38,17 @@ CLOCK_EVENT_REASONS = (
     (REASON_HW_THERMAL, "HwThermal"),
     (REASON_HW_POWER_BRAKE, "HwPowerBrake"),
     (REASON_DISPLAY_CLOCK, "DisplayClock"),
+    (REASON_BOARD_LIMIT, "BoardLimit"),
+    (REASON_RELIABILITY, "Reliability"),
 )
 
 REASON_THERMAL = REASON_SW_THERMAL | REASON_HW_THERMAL
 CAP_AT_LIMIT_FRACTION = 0.98  # drawing this close to the limit, the cap binds whatever the reason bits say
 CAP_ENGAGED_FRACTION = 0.9  # without reason bits: average power below 90% of the limit means the cap did nothing
+# Bits that name no limiter of the GPU's own: idle, and a clock setting (AppClocks is also
+# UserDefinedClocks, which drivers report for a clock lock). Every other bit, known or not, is a
+# limiter (power, heat, a brake, a sync-boost group, the board, voltage reliability).
+REASON_SETTING_ONLY = REASON_GPU_IDLE | REASON_APP_CLOCKS
 
 
 def clock_event_reason_names(bits: int | None) -> list[str] | None:
@@ -71,3 +80,16 @@ def cap_not_engaged(avg_power_w: float | None, limit_w: float | None, reasons: i
     if reasons is None:
         return per_gpu < CAP_ENGAGED_FRACTION * limit_w
     return not (reasons & REASON_SW_POWER_CAP) and per_gpu < CAP_AT_LIMIT_FRACTION * limit_w
+
+
+def held_by_a_setting(reasons: int | None, power_w: float | None, limit_w: float | None) -> bool:
+    """A busy GPU's low clock is no limiter's doing: no bit but GpuIdle/AppClocks set, and power clearly
+    under the cap (below 90%: the cap is not what binds, whatever bit a driver forgets to set).
+
+    Only a clock setting is left (another tool's lock or application clocks). Unknown reasons or
+    power say nothing: heat or the cap could not be ruled out."""
+    if reasons is None or power_w is None:
+        return False
+    if reasons & ~REASON_SETTING_ONLY:
+        return False
+    return limit_w is None or power_w < CAP_ENGAGED_FRACTION * limit_w

@@ -49,6 +49,18 @@ class NvmlGateway:
             except self.lib.NVMLError:
                 pass
 
+    def reinit(self) -> None:
+        """Start NVML again under every user, keeping the count: after a driver reload the old session
+        answers NVML_ERROR_UNINITIALIZED to every call."""
+        with self._lock:
+            if self._opened == 0:
+                return
+            try:
+                self.lib.nvmlShutdown()
+            except self.lib.NVMLError:
+                pass
+            self.lib.nvmlInit()
+
     @contextlib.contextmanager
     def session(self):
         self.init()

@@ -37,6 +37,7 @@ class GpuInfo:
     limit_default_w: float | None
     supports: dict  # SUPPORT_KEYS -> bool
     power_avg_window_s: float  # how far back nvmlDeviceGetPowerUsage averages (0: instant)
+    mig_mode: bool | None = None  # split into MIG instances (their figures are this whole GPU's); None: cannot say
 
 
 @dataclass(frozen=True, slots=True)
@@ -60,6 +61,10 @@ class GpuReading:
     # a change is unknown (energy.epoch_broken), as RAPL's epoch.
     energy_epoch: int = 0
     note: str | None = None  # why readings are missing or were dropped this tick (stored in `error`)
+    # When energy_j was read (monotonic ns, the collector's clock): the middle of that one driver call.
+    # A sample is dated at the middle of the whole read of every GPU and reading, which on a real H200
+    # (~3 ms a counter read, 15 ms at p99) is milliseconds off this GPU's counter; None: no energy_j.
+    energy_t_mono_ns: int | None = None
 
 
 # Readings NVML cannot give are None without a note; these codes mean the card could not answer.
@@ -73,6 +78,14 @@ ASSUMED_MAX_LIMIT_W = 1000.0  # a card that publishes no limit range: the larges
 # counter that has not moved for this long is stuck, not idle.
 COUNTER_STALL_S = 1.0
 COUNTER_STEP_S = 0.1
+# A GPU that stopped answering is looked up again by UUID at most this often: a reset takes seconds, and
+# a GPU still off the bus answers each try with an error at once, so this bounds the tries, not a wait.
+REOPEN_INTERVAL_S = 5.0
+STALE_FIX = ("GPU {i}'s NVML handle stopped answering ({code}: a GPU reset, `nvidia-smi -r`, or a driver recovery "
+             "makes old handles stale): its readings stop here; powerprof looks it up again by UUID every {every:g} s "
+             "and resumes with a new energy epoch when the same GPU answers")
+REOPENED_NOTE = ("GPU {i} answers again (reopened by its UUID {uuid} after a reset or driver recovery): its energy "
+                 "counter restarted, so a new energy epoch begins and no energy is differenced across the gap")
 
 
 class CounterRead(tuple):
@@ -83,38 +96,89 @@ class CounterRead(tuple):
 
 READING_FIELDS = tuple(f.name for f in fields(GpuReading))
 
-def visible_indexes(nvml, env: dict | None = None) -> list[int]:
-    """NVML indexes of the GPUs this process may use, honouring CUDA_VISIBLE_DEVICES.
+@dataclass(frozen=True)
+class MigMapping:
+    """A MIG instance named where a GPU was expected, and the physical GPU it is part of."""
 
-    CUDA enumerates fastest-first unless CUDA_DEVICE_ORDER=PCI_BUS_ID, and NVML always by PCI
-    bus; we follow the entries as NVML indexes or UUIDs (prefixes allowed), which is what
-    people mean when they set the variable next to nvidia-smi's numbering.
-    """
-    env = os.environ if env is None else env
+    mig_uuid: str
+    parent_index: int
+    parent_uuid: str
+
+
+MIG_SHARED_NOTE = ("power, energy, clocks and limits exist only for the whole physical GPU: its figures are every MIG "
+                   "instance's work together, so J/token of one instance is not attributable to it (the other "
+                   "instances' work is in it), and a power limit or clock lock applies to the whole GPU, every instance")
+
+
+def resolve_gpu_ids(nvml, items) -> tuple[list[int], list[MigMapping], str | None]:
+    """NVML indexes of `items` (indexes, GPU UUIDs, MIG instance UUIDs; UUID prefixes allowed), in order,
+    without repeats: a MIG instance maps to its parent GPU, found through NVML's own MIG handles
+    (nvmlDeviceGetMigDeviceHandleByIndex) and never guessed from an index. Stops at the first entry that
+    names no GPU and returns it as the third value (None when all resolved); NVML must be initialised."""
     gw = gateway(nvml)
     count = gw.call("nvmlDeviceGetCount")
-    spec = env.get("CUDA_VISIBLE_DEVICES")
-    if spec is None or spec.strip() == "":
-        return list(range(count)) if spec is None else []
     uuids = None
     out: list[int] = []
-    for item in (s.strip() for s in spec.split(",")):
+    migs: list[MigMapping] = []
+    for item in (str(s).strip() for s in items):
         if not item:
             continue
         if item.lstrip("-").isdigit():
             i = int(item)
             if i < 0 or i >= count:
-                break  # CUDA stops at the first invalid entry
+                return list(dict.fromkeys(out)), migs, item
             out.append(i)
             continue
         if uuids is None:
             uuids = [gw.call("nvmlDeviceGetUUID", gw.call("nvmlDeviceGetHandleByIndex", i)) for i in range(count)]
-        want = item if item.startswith(("GPU-", "MIG-")) else "GPU-" + item
+        if item.startswith("MIG-"):
+            found = _mig_parent(gw, uuids, item)
+            if found is None:
+                return list(dict.fromkeys(out)), migs, item
+            migs.append(found)
+            out.append(found.parent_index)
+            continue
+        want = item if item.startswith("GPU-") else "GPU-" + item
         match = [i for i, u in enumerate(uuids) if u.startswith(want)]
         if len(match) != 1:
-            break
+            return list(dict.fromkeys(out)), migs, item
         out.append(match[0])
-    return list(dict.fromkeys(out))
+    return list(dict.fromkeys(out)), migs, None
+
+
+def _mig_parent(gw, uuids: list[str], want: str) -> MigMapping | None:
+    """The one GPU holding the MIG instance `want` (a UUID or prefix), or None."""
+    if want.startswith("MIG-GPU-"):  # the pre-R470 form names its parent: MIG-GPU-<uuid>/<gi>/<ci>
+        parent = want.removeprefix("MIG-").split("/")[0]
+        match = [i for i, u in enumerate(uuids) if u.startswith(parent)]
+        return MigMapping(want, match[0], uuids[match[0]]) if len(match) == 1 else None
+    found = []
+    for i, parent_uuid in enumerate(uuids):
+        h = gw.call("nvmlDeviceGetHandleByIndex", i)
+        mode = gw.query("nvmlDeviceGetMigMode", h)
+        if not mode or not mode[0]:
+            continue
+        for j in range(int(gw.query("nvmlDeviceGetMaxMigDeviceCount", h, default=0) or 0)):
+            mh = gw.query("nvmlDeviceGetMigDeviceHandleByIndex", h, j)
+            u = gw.query("nvmlDeviceGetUUID", mh) if mh is not None else None
+            if u and u.startswith(want):
+                found.append(MigMapping(u, i, parent_uuid))
+    return found[0] if len(found) == 1 else None
+
+
+def visible_indexes(nvml, env: dict | None = None) -> list[int]:
+    """NVML indexes of the GPUs this process may use, honouring CUDA_VISIBLE_DEVICES.
+
+    CUDA enumerates fastest-first unless CUDA_DEVICE_ORDER=PCI_BUS_ID, and NVML always by PCI
+    bus; we follow the entries as NVML indexes or UUIDs (prefixes allowed), which is what
+    people mean when they set the variable next to nvidia-smi's numbering. A MIG instance's
+    UUID stands for its parent GPU (resolve_gpu_ids); CUDA stops at the first invalid entry, so do we.
+    """
+    env = os.environ if env is None else env
+    spec = env.get("CUDA_VISIBLE_DEVICES")
+    if spec is None or spec.strip() == "":
+        return list(range(gateway(nvml).call("nvmlDeviceGetCount"))) if spec is None else []
+    return resolve_gpu_ids(nvml, spec.split(","))[0]
 
 
 class NvmlCollector:
@@ -136,6 +200,8 @@ class NvmlCollector:
         self._moved_ns: list[int] = [0] * n
         self._epoch = [0] * n
         self.lost: dict[int, str] = {}  # NVML index -> when it was found lost (a note)
+        self._reopen_ns: list[int | None] = [None] * n  # last lookup by UUID of a lost GPU
+        self.reopened = [0] * n  # times each GPU was reopened after a reset
 
     def close(self) -> None:
         self.gw.shutdown()
@@ -167,6 +233,7 @@ class NvmlCollector:
         }
         arch = q("nvmlDeviceGetArchitecture", h)
         name = self.gw.call("nvmlDeviceGetName", h)
+        mig = q("nvmlDeviceGetMigMode", h)
         return GpuInfo(
             index=index,
             uuid=self.gw.call("nvmlDeviceGetUUID", h),
@@ -178,6 +245,7 @@ class NvmlCollector:
             limit_default_w=default / 1000 if default is not None else None,
             supports=supports,
             power_avg_window_s=power_average_window_s(n, arch, name),
+            mig_mode=bool(mig[0]) if mig else None,
         )
 
     def read(self) -> tuple[GpuReading, ...]:
@@ -191,8 +259,8 @@ class NvmlCollector:
         out = []
         for k, h in enumerate(self.handles):
             mj, code = self.gw.attempt("nvmlDeviceGetTotalEnergyConsumption", h)
-            if code == self.nvml.NVML_ERROR_GPU_IS_LOST:
-                self.lost.setdefault(self.indexes[k], LOST_FIX.format(i=self.indexes[k]))
+            if code is not None and code in self._gone_codes():
+                self.lost.setdefault(self.indexes[k], self._gone_note(k, code))
             e_j, _ = self._counter(k, mj) if mj is not None else (None, None)
             if e_j is None:
                 return None
@@ -238,18 +306,66 @@ class NvmlCollector:
             return None, f"{what} read {w:.6g} W (a powered GPU draws above 0 and below {bound_w:.4g} W): reading dropped"
         return w, None
 
+    def _gone_codes(self) -> tuple:
+        """Codes that mean the handle no longer reaches the GPU: lost, or stale after a reset or driver
+        reload. A call that answered when probed and now says INVALID_ARGUMENT has a stale handle."""
+        n = self.nvml
+        return tuple(getattr(n, c) for c in ("NVML_ERROR_GPU_IS_LOST", "NVML_ERROR_INVALID_ARGUMENT",
+                                             "NVML_ERROR_UNINITIALIZED") if hasattr(n, c))
+
+    def _gone_note(self, k: int, code: int) -> str:
+        i = self.indexes[k]
+        if code == getattr(self.nvml, "NVML_ERROR_GPU_IS_LOST", None):
+            return LOST_FIX.format(i=i)
+        return STALE_FIX.format(i=i, code=_nvml_error_name(self.nvml, code), every=REOPEN_INTERVAL_S)
+
+    def _reopen(self, k: int) -> str | None:
+        """Look a lost GPU up again by its UUID (never by index: a reset may renumber GPUs), at most every
+        REOPEN_INTERVAL_S; a note when the same GPU answers a reading again, else None."""
+        now = self._clock_ns()
+        last = self._reopen_ns[k]
+        if last is not None and now - last < REOPEN_INTERVAL_S * 1e9:
+            return None
+        self._reopen_ns[k] = now
+        uuid = self.infos[k].uuid
+        uninit = getattr(self.nvml, "NVML_ERROR_UNINITIALIZED", None)
+        h, code = self.gw.attempt("nvmlDeviceGetHandleByUUID", uuid)
+        if code is not None and code == uninit:
+            self.gw.reinit()  # a driver reload ends NVML's session: start it again, then look once more
+            h, code = self.gw.attempt("nvmlDeviceGetHandleByUUID", uuid)
+        if h is None:
+            return None
+        got, _ = self.gw.attempt("nvmlDeviceGetUUID", h)
+        if got != uuid:
+            return None
+        # The same GPU must also answer a reading: a GPU still off the bus can keep answering its UUID.
+        probe = ("nvmlDeviceGetTotalEnergyConsumption" if self.infos[k].supports["energy_counter"]
+                 else "nvmlDeviceGetPowerUsage" if self.infos[k].supports["power_average"] else "nvmlDeviceGetName")
+        _, code = self.gw.attempt(probe, h)
+        if code is not None and code in self._gone_codes():
+            return None
+        self.handles[k] = h
+        # The counter restarted at the reset: never difference across it.
+        self._epoch[k] += 1
+        self._last_mj[k] = None
+        self.reopened[k] += 1
+        self.lost.pop(self.indexes[k], None)
+        return REOPENED_NOTE.format(i=self.indexes[k], uuid=uuid)
+
     def read_one(self, k: int) -> GpuReading:
+        reopened = self._reopen(k) if self.indexes[k] in self.lost else None
         n, h, s = self.nvml, self.handles[k], self.infos[k].supports
         failed: list[str] = []
-        lost = [False]
+        lost: list = [None]  # the code that says the handle no longer reaches the GPU
         quiet = (n.NVML_ERROR_NOT_SUPPORTED, n.NVML_ERROR_NO_PERMISSION)
+        gone = self._gone_codes()
 
         def t(key: str, fn: str, *args):
             if not s[key] or lost[0]:
                 return None
             v, code = self.gw.attempt(fn, *args)
-            if code == n.NVML_ERROR_GPU_IS_LOST:
-                lost[0] = True  # every later call fails the same way: stop asking this tick
+            if code is not None and code in gone:
+                lost[0] = code  # every later call fails the same way: stop asking this tick
             elif code is not None and code not in quiet:
                 failed.append(f"{fn.removeprefix('nvmlDevice')}: {_nvml_error_name(n, code)}")
             return v
@@ -258,15 +374,17 @@ class NvmlCollector:
             if not s["power_instant"] or lost[0]:
                 return None
             vals, code = self.gw.attempt("nvmlDeviceGetFieldValues", h, [n.NVML_FI_DEV_POWER_INSTANT])
-            if code == n.NVML_ERROR_GPU_IS_LOST:
-                lost[0] = True
+            if code is not None and code in gone:
+                lost[0] = code
             if not vals or vals[0].nvmlReturn != n.NVML_SUCCESS:
                 return None
             return _field_value(n, vals[0])
 
         power_mw = instant()
         avg_mw = t("power_average", "nvmlDeviceGetPowerUsage", h)
+        e0_ns = self._clock_ns()
         energy_mj = t("energy_counter", "nvmlDeviceGetTotalEnergyConsumption", h)
+        energy_t_ns = e0_ns + (self._clock_ns() - e0_ns) // 2
         sm = t("clocks", "nvmlDeviceGetClockInfo", h, n.NVML_CLOCK_SM)
         memclk = t("clocks", "nvmlDeviceGetClockInfo", h, n.NVML_CLOCK_MEM)
         util = t("utilization", "nvmlDeviceGetUtilizationRates", h)
@@ -282,10 +400,13 @@ class NvmlCollector:
         if failed:
             notes.append("failed this tick: " + ", ".join(failed))
         if lost[0]:
-            self.lost.setdefault(self.indexes[k], LOST_FIX.format(i=self.indexes[k]))
-            notes.insert(0, LOST_FIX.format(i=self.indexes[k]))
+            note = self._gone_note(k, lost[0])
+            self.lost.setdefault(self.indexes[k], note)
+            notes.insert(0, note)
         elif self.indexes[k] in self.lost:
-            del self.lost[self.indexes[k]]  # it answered again (a reset)
+            del self.lost[self.indexes[k]]  # it answered again on the same handle
+        if reopened and not lost[0]:
+            notes.insert(0, reopened)
         return GpuReading(
             index=self.indexes[k],
             power_w=power_w,
@@ -302,6 +423,7 @@ class NvmlCollector:
             clock_event_reasons=int(reasons) if reasons is not None else None,
             energy_epoch=self._epoch[k],
             note="; ".join(notes) or None,
+            energy_t_mono_ns=energy_t_ns if energy_j is not None else None,
         )
 
 

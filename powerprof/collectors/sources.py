@@ -17,7 +17,7 @@ from powerprof.privilege import has_admin_privilege
 
 from .gateway import gateway
 from .host import HostCollector
-from .nvml import LOST_FIX, NvmlCollector, visible_indexes
+from .nvml import LOST_FIX, MIG_SHARED_NOTE, NvmlCollector, resolve_gpu_ids
 from .rapl import DEFAULT_ROOT, PERMISSION_FIX, UNAVAILABLE_FIX, RaplCollector, RaplPermissionError, RaplUnavailableError
 
 NO_GPU_FIX = "install the NVIDIA driver (nvidia-smi must work), or run with --simulate for a simulated GPU"
@@ -80,7 +80,8 @@ def open_sources(
     ps=None,
     privileged: Callable[[], bool] = has_admin_privilege,
 ) -> Sources:
-    """Collectors for the GPUs `gpus` (NVML indexes; default: those CUDA_VISIBLE_DEVICES allows), RAPL, host.
+    """Collectors for the GPUs `gpus` (NVML indexes, or GPU/MIG UUIDs as strings; default: those
+    CUDA_VISIBLE_DEVICES allows), RAPL, host. A MIG instance stands for its parent GPU, said in a Problem.
 
     `nvml` is the NVML-like object to read (default: the real `pynvml` module); `privileged()`
     says whether this process may change limits. Raises ValueError for a GPU index that does not
@@ -113,13 +114,22 @@ def _open_gpus(src: Sources, gpus, nvml, privileged: Callable[[], bool]) -> None
         return
     try:
         count = gw.call("nvmlDeviceGetCount")
+        migs = []
         if gpus is not None:
-            bad = [g for g in gpus if not 0 <= g < count]
+            bad = [g for g in gpus if isinstance(g, int) and not 0 <= g < count]
             if bad:
                 raise ValueError(f"GPU index {bad[0]} does not exist: this machine has {count} GPU(s) (0-{count - 1})")
-            indexes = list(gpus)
+            indexes, migs, unknown = resolve_gpu_ids(nvml, gpus)
+            if unknown is not None:
+                raise ValueError(f"{unknown!r} names no GPU or MIG instance on this machine (nvidia-smi -L lists them)")
         else:
-            indexes = visible_indexes(nvml)
+            spec = os.environ.get("CUDA_VISIBLE_DEVICES")
+            if spec is None or spec.strip() == "":
+                indexes = list(range(count)) if spec is None else []
+            else:
+                indexes, migs, unknown = resolve_gpu_ids(nvml, spec.split(","))
+                if unknown is not None:
+                    src.problems.append(_unknown_visible_problem(unknown))
             src.problems.extend(_visible_devices_problems(gw, count))
         # A GPU that fell off the bus answers nothing, not even its name: leave it out, said, and open the rest.
         unusable = []
@@ -147,6 +157,7 @@ def _open_gpus(src: Sources, gpus, nvml, privileged: Callable[[], bool]) -> None
         src.problems.append(Problem("nvml", why, NO_GPU_FIX if not count else "unset or fix CUDA_VISIBLE_DEVICES"))
         return
     src.nvml = NvmlCollector(nvml, indexes)
+    src.problems.extend(_mig_problems(src.nvml.infos, migs))
     src.can_set_limits = bool(privileged())
     if not src.can_set_limits:
         src.problems.append(Problem("nvml", "no permission to change power limits or clocks", ROOT_FIX))
@@ -176,12 +187,6 @@ def _visible_devices_problems(gw, count: int, env=None) -> list[Problem]:
     env = os.environ if env is None else env
     items = [s.strip() for s in (env.get("CUDA_VISIBLE_DEVICES") or "").split(",") if s.strip()]
     out = []
-    if any(s.startswith("MIG-") for s in items):
-        out.append(Problem(
-            "nvml", "CUDA_VISIBLE_DEVICES names a MIG instance: power and energy exist only for the whole GPU, and "
-            "MIG entries are not mapped to it (the list is read up to the first one)",
-            "name the parent GPU with --gpus N (its nvidia-smi index; nvidia-smi -L lists MIG instances under it): "
-            "its figures are the whole GPU's, every instance's work included"))
     if count > 1 and env.get("CUDA_DEVICE_ORDER") != "PCI_BUS_ID" and any(s.lstrip("-").isdigit() for s in items):
         names = set()
         for i in range(count):
@@ -193,6 +198,31 @@ def _visible_devices_problems(gw, count: int, env=None) -> list[Problem]:
                 "CUDA numbers these different GPUs fastest-first unless CUDA_DEVICE_ORDER=PCI_BUS_ID: the server may run "
                 "on another GPU than the one measured",
                 "export CUDA_DEVICE_ORDER=PCI_BUS_ID for the server and powerprof, or name GPUs by UUID (nvidia-smi -L)"))
+    return out
+
+
+def _unknown_visible_problem(item: str) -> Problem:
+    mig = item.startswith("MIG-")
+    return Problem(
+        "nvml", f"CUDA_VISIBLE_DEVICES names {item}, which is no {'MIG instance' if mig else 'GPU'} of this machine: "
+        "the list is read up to it, as CUDA does",
+        "name GPUs and MIG instances as nvidia-smi -L lists them, or the GPU with --gpus N"
+        + (" (a MIG instance's power and energy are its whole GPU's)" if mig else ""))
+
+
+def _mig_problems(infos, migs) -> list[Problem]:
+    """What a user measuring a GPU in MIG mode must know: the figures are the whole GPU's."""
+    out = []
+    for info in infos:
+        named = [m.mig_uuid for m in migs if m.parent_index == info.index]
+        if not named and not info.mig_mode:
+            continue
+        how = (f"{', '.join(named)} {'is a MIG instance' if len(named) == 1 else 'are MIG instances'} of gpu{info.index} "
+               f"({info.uuid}), measured as that whole GPU" if named else f"gpu{info.index} ({info.name}) is in MIG mode")
+        out.append(Problem(
+            "nvml", f"{how}: {MIG_SHARED_NOTE}",
+            "read its power, energy and J/token as the whole GPU's (every instance's work included); compare "
+            "settings on a GPU with MIG off, or with the other instances idle"))
     return out
 
 

@@ -215,6 +215,8 @@ def attribute(
     costs: WorkCosts | None = None,
     bypass_spans: tuple[np.ndarray, np.ndarray] | None = None,
     passive: np.ndarray | None = None,
+    aside_j: np.ndarray | None = None,
+    tok_work: np.ndarray | None = None,
 ) -> Attribution:
     """Split the energy of K intervals (edges: K+1 instants) among R requests by their work.
 
@@ -228,6 +230,11 @@ def attribute(
     windows its excess came from); None: unknown, so no part of an interval with bypass tokens is idle.
     passive: (R,) requests known to have done no GPU work (an error answer with no token and no prompt
     length): never live, so they take no share by live time and their time is idle.
+    tok_work: per token event, the tokens of it that are decode work (None: all of them): a request's
+    first token comes out of its prompt's prefill step, so where the prompt's work is counted it is
+    counted, not decoded again; every token is still attributed (request_tokens, tokens).
+    aside_j: (K,) energy of GPUs that do none of the proxied work (`workmodel.CostLearner.serving`),
+    beyond `energy_j`'s first column: idle, whole, and in the interval's total (by_kind, dest).
     """
     costs = costs or WorkCosts()
     edges = np.asarray(edges_ns, dtype=np.int64)
@@ -248,7 +255,9 @@ def attribute(
     dur_s = np.diff(edges) / 1e9
 
     tok = interval_tokens(edges, tok_t_ns, tok_req, tok_n, r_count)
-    ctx_w = np.asarray(tok_n, dtype=float) * (np.asarray(tok_ctx, dtype=float) / 1000.0) if tok_ctx is not None else None
+    w_n = tok_n if tok_work is None else tok_work
+    tok_w = tok if tok_work is None else interval_tokens(edges, tok_t_ns, tok_req, w_n, r_count)
+    ctx_w = np.asarray(w_n, dtype=float) * (np.asarray(tok_ctx, dtype=float) / 1000.0) if tok_ctx is not None else None
     ctx = (interval_tokens(edges, tok_t_ns, tok_req, ctx_w, r_count) if ctx_w is not None
            else np.zeros((r_count, k_count)))
     # Prefill runs from arrival to the first token, or to the end for a request that never got one.
@@ -280,7 +289,7 @@ def attribute(
     kind[any_live & ~any_prefill] = DECODE
     kind[any_prefill] = PREFILL
 
-    work, unprox_work, steps = request_work(costs, tok, pre, ctx, server)
+    work, unprox_work, steps = request_work(costs, tok_w, pre, ctx, server)
     # Where nothing measurable happened (a slow step straddling the interval, a prompt of unknown
     # length) the live requests share by their live time there. Not where bypass tokens did
     # work: a request only waiting beside them did none (its seconds are not joules of work).
@@ -313,7 +322,11 @@ def attribute(
     dest = np.stack([share.sum(axis=0), f_idle, f_unprox], axis=1)[:, :, None] * energy[:, None, :]
     by_kind = np.zeros((4, energy.shape[1]))
     np.add.at(by_kind, kind, energy)
-    features = np.column_stack([dur_s, steps, total_tok + server, pre.sum(axis=0), ctx.sum(axis=0)])
+    if aside_j is not None:
+        aside = np.nan_to_num(np.asarray(aside_j, dtype=float))
+        dest[:, TO_IDLE, 0] += aside
+        np.add.at(by_kind[:, 0], kind, aside)
+    features = np.column_stack([dur_s, steps, tok_w.sum(axis=0) + server, pre.sum(axis=0), ctx.sum(axis=0)])
     return Attribution(
         kind=kind,
         tokens=total_tok,

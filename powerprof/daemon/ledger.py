@@ -175,7 +175,9 @@ class Ledger:
             return 0.0
         c = trace.counts
         # Not to a count that contradicts the stream (count_problem): it cannot be believed.
-        if (c is not None and c.tokens_estimated and c.token_source == "usage" and c.invalid is None
+        # A stream with no counted chunk at all is not "estimated", but its usage's tokens need placing too.
+        none_seen = not trace.tokens_seen and not r.ev_n and not r.spent and trace.stream is True
+        if (c is not None and (c.tokens_estimated or none_seen) and c.token_source == "usage" and c.invalid is None
                 and c.count_problem is None and c.generated_tokens and not trace.extra.get("spread")):
             return self._to_server_count(r, float(c.generated_tokens))
         if trace.extra.get("spread") and trace.first_ns is not None and trace.last_ns is not None:
@@ -196,8 +198,22 @@ class Ledger:
         `unproxied`. Chunks in intervals already closed keep what they had."""
         open_n = float(sum(r.ev_n))
         target = total - r.spent - r.late
-        if open_n <= 0 or target <= 0 or target == open_n:
+        if target <= 0 or target == open_n:
             return 0.0
+        if open_n <= 0:
+            # No open chunk to scale: the count's tokens came in chunks that carry none the proxy
+            # counts (vLLM's closing chunk, empty content and a finish_reason: the only token of a
+            # max_tokens=1 answer). Placed at the last chunk, else the end, where the server sent them;
+            # left out they went to `unproxied` as bypass traffic, with their energy.
+            tr = r.trace
+            t = tr.last_ns if tr.last_ns is not None else tr.end_ns
+            if t is None or (self.edges and t < self.edges[0].t_ns):
+                return 0.0
+            r.ev_t, r.ev_n = [int(t)], [target]
+            if self.server_seen:
+                self._proxied.append((int(t), target))
+            r.to_server = True
+            return target
         f = target / open_n
         scaled = [n * f for n in r.ev_n]
         scaled[-1] = target - sum(scaled[:-1])  # the request's tokens add up to the count exactly
@@ -377,6 +393,14 @@ class Ledger:
         gpu_missing = np.isnan(per_gpu).any(axis=1) if self.n_gpus else np.zeros(t.size - 1, bool)
         gpu = np.where(gpu_missing, np.nan, np.nansum(per_gpu, axis=1)) if self.n_gpus else np.zeros(t.size - 1)
         gpu0 = np.nan_to_num(gpu)
+        # GPUs that do none of the proxied work (no server on them): their energy is idle, whole; the
+        # requests, bypass traffic and the idle part of busy time split the others' (the work model's).
+        serving = self.learner.serving
+        if serving is not None and serving.size == self.n_gpus and not serving.all():
+            work_j = np.nan_to_num(per_gpu[:, serving]).sum(axis=1)
+            aside = gpu0 - work_j
+        else:
+            work_j, aside = gpu0, None
         cpu = self._cpu_energy(t)
         t_end = int(t[-1])
         reqs = [r for r in self.requests.values() if r.trace.arrival_ns < t_end]
@@ -393,11 +417,16 @@ class Ledger:
         # A prompt counts once its first token is known: it is spread over arrival → first token.
         prompt = np.array([(_prompt_tokens(r) or 0.0) if r.trace.first_ns is not None or d else 0.0
                            for r, d in zip(reqs, done)], dtype=float)
-        ev_t, ev_r, ev_n, ev_c = [], [], [], []
+        ev_t, ev_r, ev_n, ev_c, ev_w = [], [], [], [], []
         for i, r in enumerate(reqs):
             ev_t.extend(r.ev_t)
             ev_r.extend([i] * len(r.ev_t))
             ev_n.extend(r.ev_n)
+            ev_w.extend(r.ev_n)
+            if r.ev_n and r.spent == 0 and prompt[i] > 0:
+                # Its first token came out of its prompt's prefill step, whose work the prompt carries:
+                # decoded again it was charged twice (1-token requests +22% on the simulator).
+                ev_w[-len(r.ev_n)] = max(r.ev_n[0] - 1.0, 0.0)
             before = r.spent + np.cumsum(r.ev_n) - np.asarray(r.ev_n, dtype=float) if r.ev_n else []
             ev_c.extend(prompt[i] + np.asarray(before, dtype=float))
         excess = bypass_spans = None
@@ -408,17 +437,23 @@ class Ledger:
         costs = self.learner.costs(setting)
         # The third column marks intervals without CPU energy: a request given a share of one
         # has no CPU figure (rather than a partial, smaller one).
-        energy = np.column_stack([gpu0, np.nan_to_num(cpu), np.isnan(cpu), gpu_missing])
+        energy = np.column_stack([work_j, np.nan_to_num(cpu), np.isnan(cpu), gpu_missing])
         passive = np.array([_passive(r) for r in reqs], dtype=bool)  # its error status is known from its head
         a = attr.attribute(t, energy, arrival, first, last, end, ev_t_a, ev_r_a, ev_n_a, excess,
                            prompt_tokens=prompt, tok_ctx=np.array(ev_c, dtype=float), costs=costs,
-                           bypass_spans=bypass_spans, passive=passive)
+                           bypass_spans=bypass_spans, passive=passive, aside_j=aside,
+                           tok_work=np.array(ev_w, dtype=float))
         # Bypass tokens' prompts are unseen: an interval mostly of bypass work would bias the fit.
         usable = np.array([m == "counter" for m in methods])
         if excess is not None:
             usable &= excess <= BYPASS_FIT_SHARE * a.tokens
 
-        fit = self.learner.add(setting, a.features, gpu0, usable)
+        fit = self.learner.add(setting, a.features, per_gpu, usable)
+        if self.learner.serving is not None and not np.array_equal(self.learner.serving, serving):
+            idle_gpus = [g for g, on in enumerate(self.learner.serving) if not on]
+            log.info("the proxied work runs on sampled GPU(s) %s; %s", [g for g, on in enumerate(self.learner.serving) if on],
+                     f"GPU(s) {idle_gpus} draw no more when it runs than when idle: their energy counts as idle, not the "
+                     "requests' (daemon.gpus can leave them out)" if idle_gpus else "every sampled GPU takes part")
         if fit is not None:
             self.emit("costs", [self._costs_row(edges[-1], setting, fit)])
         for i, r in enumerate(reqs):

@@ -235,6 +235,7 @@ class Daemon:
         self.scraper: Scraper | None = None
         self.latest_gpu: Sample | None = None
         self._gpu_notes: dict[int, str | None] = {}  # NVML index -> its last reading's note
+        self._gpu_lost: dict[int, bool] = {}  # NVML index -> lost at its last reading (a change is logged)
         self._tasks: list[asyncio.Task] = []
 
     # --- recorder: the ledger plus the metric counters -----------------------------------------
@@ -403,9 +404,12 @@ class Daemon:
                 continue
             if s.source == "nvml":
                 for r in s.data:
-                    if r.note and not self._gpu_notes.get(r.index):
-                        log.warning("gpu%d: %s", r.index, r.note)  # when trouble starts, not every tick
+                    lost = r.index in self.collector.lost
+                    # When trouble starts and when a lost GPU answers again (reopened), not every tick.
+                    if r.note and (not self._gpu_notes.get(r.index) or lost != self._gpu_lost.get(r.index, False)):
+                        log.warning("gpu%d: %s", r.index, r.note)
                     self._gpu_notes[r.index] = r.note
+                    self._gpu_lost[r.index] = lost
                 self.ledger.add_gpu_sample(s.t_mono_ns, s.t_wall_ns, s.data)
                 self.latest_gpu = s
             elif s.source == "rapl":

@@ -33,6 +33,12 @@ MIN_BUSY = 30  # busy intervals in the window before the fit is used
 MIN_R2 = 0.9  # over the window's busy intervals
 MIN_IDLE = 5  # idle intervals before their median power is the idle power
 REFIT_EVERY = 10  # intervals added between fits
+MIN_BUSY_GPU = 5  # busy intervals before a GPU's part in the work is judged
+# A GPU whose median busy-interval power rises above its idle median by less than this share of the
+# GPU that rises most does none of the proxied work (a GPU no server uses, or one whose load is its
+# own): its energy is idle, not the requests'. Tensor- and pipeline-parallel GPUs of one engine rise
+# together, far above this.
+SERVING_SHARE = 0.1
 
 
 @dataclass(frozen=True)
@@ -124,18 +130,36 @@ class CostLearner:
         self._since: dict = {}
         self._n: dict = {}  # intervals ever added per setting (the window holds the last `window`)
         self._idle: dict = {}  # (its number, its power) of each idle interval in the window
+        self._yg: dict = {}  # per setting: each interval's energy per GPU (the window's rows)
+        self._g_idle: deque = deque(maxlen=window)  # per-GPU power of idle intervals, all settings
+        self._g_busy: deque = deque(maxlen=window)  # and of busy ones
+        self.serving: np.ndarray | None = None  # (G,) the GPUs doing the proxied work; None: not known yet (all)
         self.fits: dict = {}
 
     def add(self, setting, features: np.ndarray, energy_j: np.ndarray, usable: np.ndarray) -> Fit | None:
-        """Add intervals of one setting; returns a new Fit when one was made (every REFIT_EVERY)."""
+        """Add intervals of one setting; returns a new Fit when one was made (every REFIT_EVERY).
+
+        energy_j: (K,) the interval energy, or (K, G) per GPU: then the fit and the idle power are
+        of the GPUs doing the proxied work (`serving`), judged from the same intervals."""
         xs = self._x.setdefault(setting, deque(maxlen=self.window))
         ys = self._y.setdefault(setting, deque(maxlen=self.window))
+        yg = self._yg.setdefault(setting, deque(maxlen=self.window))
         idle = self._idle.setdefault(setting, deque())
+        eg = np.asarray(energy_j, dtype=float)
+        eg = eg[:, None] if eg.ndim == 1 else eg
+        mask = self._mask(eg.shape[1])
         added = 0
-        for f, e, ok in zip(np.asarray(features, dtype=float), np.asarray(energy_j, dtype=float), usable):
-            if ok and np.isfinite(e) and np.all(np.isfinite(f)):
+        for f, g, ok in zip(np.asarray(features, dtype=float), eg, usable):
+            e = float(g[mask].sum())
+            if ok and np.all(np.isfinite(g)) and np.all(np.isfinite(f)):
                 xs.append(f)
-                ys.append(float(e))
+                ys.append(e)
+                yg.append(g)
+                if f[0] > 0 and eg.shape[1] > 1:
+                    if not f[1:].any():
+                        self._g_idle.append(g / f[0])
+                    elif f[2] > 0 or f[3] > 0:
+                        self._g_busy.append(g / f[0])
                 added += 1
                 self._n[setting] = n = self._n.get(setting, 0) + 1
                 # Kept as they come, so the idle median costs no pass over the whole window per interval.
@@ -143,6 +167,8 @@ class CostLearner:
                     idle.append((n, float(e) / f[0]))
         while idle and idle[0][0] <= self._n.get(setting, 0) - self.window:
             idle.popleft()  # left the window
+        if added and eg.shape[1] > 1:
+            self._judge_gpus()  # at every close, not every fit: a busy interval split over an idle GPU is wrong
         self._since[setting] = self._since.get(setting, 0) + added
         if self._since[setting] < REFIT_EVERY or not xs:
             return None
@@ -150,6 +176,37 @@ class CostLearner:
         fit = fit_costs(np.array(xs), np.array(ys), self.min_busy, self.min_r2, idle_w=self._idle_median(setting))
         self.fits[setting] = fit
         return fit
+
+    def _mask(self, n_gpus: int) -> np.ndarray:
+        if self.serving is None or self.serving.size != n_gpus:
+            return np.ones(n_gpus, bool)
+        return self.serving
+
+    def _judge_gpus(self) -> None:
+        """Which GPUs do the proxied work: those whose median power in busy intervals rises above
+        their own idle median by at least SERVING_SHARE of the most any GPU rises. A GPU no server
+        uses (or running load of its own, present idle or busy) draws the same either way; its
+        energy is then idle, and the window's energies are re-summed over the GPUs that work."""
+        if len(self._g_idle) < MIN_IDLE or len(self._g_busy) < MIN_BUSY_GPU:
+            return
+        rise = np.median(np.array(self._g_busy), axis=0) - np.median(np.array(self._g_idle), axis=0)
+        top = float(rise.max())
+        if top <= 0:
+            return
+        serving = rise >= SERVING_SHARE * top
+        if self.serving is not None and np.array_equal(serving, self.serving):
+            return
+        self.serving = serving
+        for setting, yg in self._yg.items():
+            ys = self._y[setting]
+            ys.clear()
+            ys.extend(float(g[serving].sum()) if g.size == serving.size else float(g.sum()) for g in yg)
+            idle = self._idle[setting]
+            idle.clear()
+            n0 = self._n.get(setting, 0) - len(ys)
+            for k, (f, y) in enumerate(zip(self._x[setting], ys)):
+                if f[0] > 0 and not f[1:].any():
+                    idle.append((n0 + k + 1, y / f[0]))
 
     def _idle_median(self, setting) -> float | None:
         """Median power of the window's idle intervals (measured), None with fewer than MIN_IDLE."""

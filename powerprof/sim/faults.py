@@ -5,6 +5,8 @@
     nv.fail(0, "nvmlDeviceGetPowerUsage", NVML_ERROR_TIMEOUT)      # one call times out, then fine
     nv.lie(0, "nvmlDeviceGetPowerUsage", lambda mw: 65535000)      # one absurd reading
     nv.lie(0, "nvmlDeviceGetTotalEnergyConsumption", stuck(), times=None)
+    nv.reset(0)                                                    # nvidia-smi -r: old handles stale, counter from 0
+    nv.lock_clocks(0, 900, 900)                                    # another tool's nvidia-smi -lgc 900,900
 
 Wrapping keeps the simulator itself free of fault branches: production code sees an NVML-like
 object like any other, and the simulator answers as a healthy card underneath.
@@ -17,6 +19,15 @@ from dataclasses import dataclass
 from typing import Any, Callable
 
 import pynvml
+
+
+@dataclass(frozen=True)
+class FaultyHandle:
+    """A handle this plug gave out: the wrapped library's, and which reset of its GPU it predates."""
+
+    index: int | None
+    generation: int
+    inner: Any
 
 
 @dataclass
@@ -36,6 +47,10 @@ class FaultyNVML:
         self._rules: list[_Rule] = []
         self._lock = threading.Lock()
         self.calls: dict[str, int] = {}
+        self._generation: dict[int, int] = {}  # GPU → resets so far: handles from before the last one are stale
+        self._stale_code: dict[int, int] = {}
+        self._energy_offset_mj: dict[int, int] = {}  # GPU → its counter at the last reset (the counter restarts)
+        self._needs_init = False  # a driver reload: every call UNINITIALIZED until nvmlInit again
 
     def lose(self, gpu: int) -> None:
         """Every call on that GPU fails with NVML_ERROR_GPU_IS_LOST from now on, as after Xid 79."""
@@ -52,6 +67,40 @@ class FaultyNVML:
         with self._lock:
             self._rules.clear()
 
+    def reset(self, gpu: int, code: int = pynvml.NVML_ERROR_GPU_IS_LOST) -> None:
+        """GPU `gpu` was reset (nvidia-smi -r, a driver recovery) and is back: every handle taken before
+        now fails with `code` (GPU_IS_LOST, INVALID_ARGUMENT; UNINITIALIZED is a driver reload: every call
+        fails so until nvmlInit runs again), a handle taken again (by UUID) answers, and the energy counter
+        restarts from zero."""
+        h = self.lib.nvmlDeviceGetHandleByIndex(gpu)
+        self.lib.nvmlInit()  # as its own NVML client, like the tool that reset it
+        try:
+            mj = int(self.lib.nvmlDeviceGetTotalEnergyConsumption(h))
+        except pynvml.NVMLError:
+            mj = 0
+        finally:
+            self.lib.nvmlShutdown()
+        with self._lock:
+            self._generation[gpu] = self._generation.get(gpu, 0) + 1
+            self._stale_code[gpu] = code
+            self._energy_offset_mj[gpu] = mj
+            if code == pynvml.NVML_ERROR_UNINITIALIZED:
+                self._needs_init = True
+
+    def lock_clocks(self, gpu: int, lo_mhz: int, hi_mhz: int) -> None:
+        """Another tool runs `nvidia-smi -lgc lo,hi` on GPU `gpu` (through the wrapped library, as any
+        other NVML client would): nothing in powerprof is told."""
+        self.lib.nvmlInit()
+        try:
+            self.lib.nvmlDeviceSetGpuLockedClocks(self.lib.nvmlDeviceGetHandleByIndex(gpu), int(lo_mhz), int(hi_mhz))
+        finally:
+            self.lib.nvmlShutdown()
+
+    def nvmlInit(self, *args) -> None:
+        self.lib.nvmlInit(*args)
+        with self._lock:
+            self._needs_init = False
+
     def _add(self, rule: _Rule) -> None:
         with self._lock:
             self._rules.append(rule)
@@ -67,6 +116,11 @@ class FaultyNVML:
                     return r
         return None
 
+    def _wrap(self, handle) -> FaultyHandle:
+        gpu = getattr(handle, "index", None)
+        with self._lock:
+            return FaultyHandle(gpu, self._generation.get(gpu, 0), handle)
+
     def __getattr__(self, name: str):
         attr = getattr(self.lib, name)
         if not (name.startswith("nvmlDevice") and callable(attr)):
@@ -77,13 +131,27 @@ class FaultyNVML:
             gpu = first if isinstance(first, int) else getattr(first, "index", None)
             with self._lock:
                 self.calls[name] = self.calls.get(name, 0) + 1
+                if self._needs_init:
+                    raise pynvml.NVMLError(pynvml.NVML_ERROR_UNINITIALIZED)
+                if isinstance(first, FaultyHandle) and first.generation < self._generation.get(gpu, 0):
+                    raise pynvml.NVMLError(self._stale_code[gpu])
+                offset_mj = self._energy_offset_mj.get(gpu, 0) if name == "nvmlDeviceGetTotalEnergyConsumption" else 0
             rule = self._match(name, gpu)
             if rule is not None and rule.code is not None:
                 raise pynvml.NVMLError(rule.code)
+            args = tuple(a.inner if isinstance(a, FaultyHandle) else a for a in args)
             got = attr(*args, **kw)
+            if offset_mj:
+                got = max(int(got) - offset_mj, 0)
+            if name.startswith("nvmlDeviceGetHandleBy") or name in _HANDLE_GETTERS:
+                return self._wrap(got)
             return rule.value(got) if rule is not None else got
 
         return call
+
+
+# Calls that give out a handle besides nvmlDeviceGetHandleBy*: wrapped so a reset makes them stale too.
+_HANDLE_GETTERS = ("nvmlDeviceGetMigDeviceHandleByIndex", "nvmlDeviceGetDeviceHandleFromMigDeviceHandle")
 
 
 def stuck() -> Callable[[int], int]:

@@ -10,6 +10,7 @@ from dataclasses import dataclass
 from typing import Callable
 
 import numpy as np
+from pynvml import nvmlClocksEventReasonApplicationsClocksSetting as REASON_APP_CLOCKS
 from pynvml import nvmlClocksEventReasonGpuIdle as REASON_GPU_IDLE
 from pynvml import nvmlClocksEventReasonHwThermalSlowdown as REASON_HW_THERMAL
 from pynvml import nvmlClocksEventReasonSwPowerCap as REASON_SW_POWER_CAP
@@ -111,6 +112,8 @@ class SimGpu:
             top = int(np.flatnonzero(allowed)[-1])
             if i < top:
                 reasons |= REASON_SW_POWER_CAP
+            elif self._locked is not None and self._f[top] < p.sm_clock_max_mhz and not self._thermal_throttle:
+                reasons |= REASON_APP_CLOCKS  # the lock holds it (UserDefinedClocks, as drivers report a lock)
         else:
             # Even the lowest clock draws more than the cap: the card sits at its floor (and over it).
             i = int(np.flatnonzero(allowed)[0])

@@ -190,6 +190,7 @@ class SimServer:
         self.serve_metrics = serve_metrics  # False: /metrics answers 404 (hidden by a proxy, or an old server)
         self.count_factor = float(count_factor)  # settable between requests, like delivery
         self.truth: list[dict] = []  # one dict per finished request, in finishing order
+        self.truth_cancelled: list[dict] = []  # one per request dropped while running (its client left)
         self.steps: list[tuple[int, int, str, int, int]] = []  # (t0_ns, t1_ns, kind, batch, tokens)
         self.busy = False
         self._busy_callbacks: list[Callable[[bool], None]] = []
@@ -392,6 +393,9 @@ class SimServer:
 
     async def _engine(self) -> None:
         while True:
+            for r in self._active:
+                if r.cancelled and r.truth_row is None:
+                    self._cancelled_truth(r)
             self._active = [r for r in self._active if not r.cancelled]
             self._waiting = [r for r in self._waiting if not r.cancelled]
             while self._waiting and len(self._active) < self.n_slots:
@@ -598,6 +602,22 @@ class SimServer:
         self.truth.append(req.truth_row)
         reported = dict(timings, predicted_n=self._reported(req.generated))  # the truth keeps the true count
         req.queue.put_nowait(("done", reported))
+
+    def _cancelled_truth(self, req: _Req) -> None:
+        """A request dropped before its end (its client left): what it generated and the energy of the
+        steps it was in, kept apart from `truth` (finished requests only) in `truth_cancelled`."""
+        req.truth_row = {
+            "rid": req.rid,
+            "prompt_tokens": req.prompt_tokens,
+            "t_arrive_ns": req.t_arrive_ns,
+            "emissions": list(req.emissions),
+            "generated": req.generated,
+            "energy_j": req.true_energy_j if self.batching == "continuous" else None,
+            "prefill_energy_j": req.true_prefill_j if self.batching == "continuous" else None,
+            "client_id": req.client_id,
+        }
+        if len(self.truth_cancelled) < 100_000:
+            self.truth_cancelled.append(req.truth_row)
 
     def _reported(self, n: int) -> int:
         """The generated count the server gives at the end: the truth unless it lies (count_factor)."""

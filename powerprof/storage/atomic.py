@@ -9,6 +9,7 @@ hive-partition readers (pyarrow, DuckDB, Spark) skip them.
 
 from __future__ import annotations
 
+import errno
 import os
 import secrets
 from contextlib import contextmanager
@@ -40,19 +41,24 @@ def _fsync_file(path: Path) -> None:
 
 
 @contextmanager
-def atomic_path(path: str | os.PathLike, tmp_name: str | None = None) -> Iterator[Path]:
+def atomic_path(path: str | os.PathLike, tmp_name: str | None = None, replace: bool = True) -> Iterator[Path]:
     """Yield a temporary path next to `path` for the caller to write by any means.
 
     On a clean exit the temporary is fsynced, renamed over `path` and the folder fsynced; on an
     exception it is removed and `path` is left as it was. `tmp_name` fixes the temporary's name
     (a caller whose recovery looks for it); by default it is `.<name>.<pid>.<random>.tmp`.
+    replace=False: a `path` that exists by the end (made while the caller wrote) is kept and
+    FileExistsError raised, the temporary removed.
     """
     path = Path(path)
     tmp = path.with_name(tmp_name) if tmp_name else _tmp_name(path)
     try:
         yield tmp
         _fsync_file(tmp)
-        os.replace(tmp, path)
+        if replace:
+            os.replace(tmp, path)
+        else:
+            _rename_no_replace(tmp, path)
     except BaseException:
         try:
             tmp.unlink()
@@ -60,6 +66,21 @@ def atomic_path(path: str | os.PathLike, tmp_name: str | None = None) -> Iterato
             pass
         raise
     fsync_dir(path.parent)
+
+
+def _rename_no_replace(tmp: Path, path: Path) -> None:
+    """Rename `tmp` to `path` unless `path` exists: a hard link fails on an existing name, where a
+    rename replaces it. A file system without hard links gets the check and the rename, a moment apart."""
+    try:
+        os.link(tmp, path)
+    except FileExistsError:
+        raise
+    except OSError:
+        if os.path.lexists(path):
+            raise FileExistsError(errno.EEXIST, os.strerror(errno.EEXIST), str(path)) from None
+        os.replace(tmp, path)
+        return
+    tmp.unlink()
 
 
 def atomic_write_bytes(path: str | os.PathLike, data: bytes) -> None:

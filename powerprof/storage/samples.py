@@ -73,6 +73,8 @@ def sample_rows(
             row["gpu_uuid"] = (gpu_uuids or {}).get(r.index)
             for c in _GPU_COLS:
                 row[c] = getattr(r, c)
+            if r.energy_t_mono_ns is not None:
+                row["energy_t_mono_s"] = (r.energy_t_mono_ns - t0_mono_ns) / 1e9
             if r.note:
                 row["error"] = r.note if row["error"] is None else f"{row['error']}; {r.note}"
         elif isinstance(r, RaplReading):

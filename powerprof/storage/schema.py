@@ -43,6 +43,7 @@ SAMPLES_COLUMNS = [
     ("level_kind", STR),  # power_limit | sm_clock | idle | null outside a sweep level
     ("level_value", F64),  # W for power_limit, MHz for sm_clock
     ("error", STR),  # why a reading is missing
+    ("energy_t_mono_s", F64),  # GPU rows: when energy_j itself was read (its own driver call), same clock as t_mono_s
 ]
 
 # One row per request: its decode window and the energy measured over it.
@@ -270,6 +271,8 @@ TUNER_DECISIONS_COLUMNS = [
     ("slo_ratio", F64),  # its worst p95 over its SLO
     ("gpus", STR),  # comma-separated NVML indexes
     HOST,
+    ("tuner_id", STR),  # the tuner process (null in files written before the column)
+    ("seq", I64),  # its decisions numbered from 0 in the order taken: with tuner_id, the row's key
 ]
 
 # One row per fit of the work model's costs (daemon/workmodel.py), per GPU setting.

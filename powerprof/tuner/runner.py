@@ -19,6 +19,7 @@ import signal
 import socket
 import threading
 import time
+import uuid
 from collections import deque
 from pathlib import Path
 from typing import Callable
@@ -102,12 +103,17 @@ class DecisionLog:
         self.rows: deque[dict] = deque(maxlen=1000)  # the latest, in memory; all of them in the dataset
         self._unflushed: list[dict] = []
         self.host = socket.gethostname()
+        # The key of each row (rowkeys.py): a copy of the folder among export's sources is written once.
+        self.tuner_id = uuid.uuid4().hex[:12]
+        self.seq = 0
         self.refused: str | None = None  # why the decisions folder was refused: said once, then the tuner ends
 
     def add(self, d: Decision, t0_s: float, applied: bool) -> None:
         row = {"time_utc": time.time_ns(), "t_mono_s": d.t_s - t0_s, "action": d.action, "knob": self.knob,
                "from_level": d.from_level, "to_level": d.to_level, "applied": applied, "reason": d.reason,
-               "regime": d.regime, "j_per_token": d.j_per_token, "slo_ratio": d.slo_ratio, "gpus": self.gpus}
+               "regime": d.regime, "j_per_token": d.j_per_token, "slo_ratio": d.slo_ratio, "gpus": self.gpus,
+               "tuner_id": self.tuner_id, "seq": self.seq}
+        self.seq += 1
         self.rows.append(row)
         self._unflushed.append(row)
         # A stop is the controller's to carry out (its reason says what comes back): "recommended" would misread it.
