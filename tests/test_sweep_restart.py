@@ -61,7 +61,8 @@ def _once_at_level_200(sim_server, fault):
 
 
 def _sweep(rig, out, ui, **kw):
-    kw = dict(levels_spec="300,200", out_dir=out, params=RequestParams(max_tokens=128), idle_s=0, interval_s=0.2,
+    # ~3 s windows (256 tokens), as tests/test_sweep_e2e.py: arrival jitter on a loaded machine stays small.
+    kw = dict(levels_spec="300,200", out_dir=out, params=RequestParams(max_tokens=256), idle_s=0, interval_s=0.2,
               min_requests=4, max_requests=4, warmup_requests=1, ui=ui) | kw
     return run_sweep(rig, **kw)
 
