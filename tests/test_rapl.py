@@ -389,3 +389,70 @@ def test_a_burst_up_to_the_zones_maximum_is_kept(tmp_path):
     pc.update()
     r = rc.read()[0]
     assert r.power_w == pytest.approx(100.0, rel=1e-6) and r.note is None
+
+
+def test_a_counter_that_never_moves_is_no_figure_never_0_w(tmp_path):
+    # A VM exposing a stub RAPL: the files are there, the counters stand still. 0 J of CPU energy
+    # went into every GPU+CPU J/token as if the CPU had drawn nothing.
+    clock = FakeClock()
+    pc = _tree(tmp_path, clock, power_w_fn=lambda: 0.0, dram_w=0.0)
+    rc = RaplCollector(pc.root, clock_ns=clock)  # plain open: the counters move only when the tree updates
+    readings, t = [rc.read()], [clock()]
+    for _ in range(20):
+        clock.advance(0.1)
+        pc.update()
+        readings.append(rc.read())
+        t.append(clock())
+    last = _by_zone(readings[-1])
+    for zone in ("package-0", "dram-0"):
+        assert last[zone].energy_j is None and last[zone].power_w is None
+        assert "unmoved" in last[zone].note and "stub" in last[zone].note
+    assert cpu_energy_j(readings[-1])[0] is None
+    # Through the timeline rule: no window over the run has a CPU figure, not 0 J.
+    e, epoch = zip(*(cpu_energy_j(r) for r in readings))
+    kept = [k for k, v in enumerate(e) if v is not None]
+    tk = np.array([t[k] for k in kept])
+    ek = np.array([e[k] for k in kept])
+    pk = np.array([epoch[k] for k in kept])
+    assert np.isnan(counter_energy_j(tk, ek, t[0], t[-1], pk))
+
+
+def test_a_live_low_power_counter_is_not_taken_for_a_stub(tmp_path):
+    clock = FakeClock()
+    pc = _tree(tmp_path, clock, power_w_fn=lambda: 1.0, dram_w=0.5)
+    rc = RaplCollector(pc.root, clock_ns=clock)
+    rc.read()
+    for _ in range(30):
+        clock.advance(0.1)
+        pc.update()
+        r = _by_zone(rc.read())
+    assert r["package-0"].power_w == pytest.approx(1.0, rel=1e-6) and r["package-0"].note is None
+    assert r["dram-0"].energy_j == pytest.approx(1.5, rel=1e-6) and r["dram-0"].epoch == 0
+
+
+def test_a_counter_that_stalls_then_moves_again_drops_the_stalled_span(tmp_path):
+    clock = FakeClock()
+    watts = [40.0]
+    pc = _tree(tmp_path, clock, dram=False, power_w_fn=lambda: watts[0])
+    rc = RaplCollector(pc.root, clock_ns=clock)
+    rc.read()
+    clock.advance(0.5)
+    pc.update()
+    before = rc.read()[0]
+    assert before.power_w == pytest.approx(40.0, rel=1e-6)
+    watts[0] = 0.0  # the counter stands still (held by firmware, a hypervisor that stopped forwarding it)
+    for _ in range(5):
+        clock.advance(0.1)
+        pc.update()
+        stalled = rc.read()[0]
+    assert stalled.energy_j is None and stalled.epoch == before.epoch + 1
+    watts[0] = 40.0
+    pc.update()  # the tree holds each power until its next update
+    clock.advance(0.1)
+    pc.update()
+    resumed = rc.read()[0]
+    assert resumed.power_w is None and "moved again" in resumed.note and resumed.epoch == stalled.epoch + 1
+    clock.advance(0.5)
+    pc.update()
+    ok = rc.read()[0]
+    assert ok.power_w == pytest.approx(40.0, rel=1e-6) and ok.note is None
