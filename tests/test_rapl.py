@@ -456,3 +456,23 @@ def test_a_counter_that_stalls_then_moves_again_drops_the_stalled_span(tmp_path)
     pc.update()
     ok = rc.read()[0]
     assert ok.power_w == pytest.approx(40.0, rel=1e-6) and ok.note is None
+
+
+def test_measure_says_why_gpu_plus_cpu_is_empty_when_rapl_gives_no_figure(tmp_path):
+    # RAPL opened fine, then gave no CPU figure (here a stub whose counters stand still): the GPU+CPU
+    # column was a bare '-' beside a GPU figure, with no word on why.
+    from powerprof.rig import Rig
+    from powerprof.workload.client import RequestParams
+    from powerprof.workload.measure import run_measure
+    from powerprof.workload.load import Prompt
+
+    with Rig("seed-16g") as rig:
+        assert rig.sources.rapl is not None
+        rig.sim_powercap.power_w_fn = lambda: 0.0
+        rig.sim_powercap.dram_w = 0.0
+        res = run_measure(rig, url=None, out_dir=tmp_path / "m", prompts=[Prompt("p", "hello")], n_requests=3,
+                          concurrencies=[1], params=RequestParams(max_tokens=48), warmup=1, interval_s=0.1)
+    (m,) = res.summaries
+    assert m.gpu_j_per_token is not None and m.total_j_per_token is None
+    (note,) = [n for n in res.notes if "no GPU+CPU figure" in n]
+    assert "3 of 3 windows have no CPU energy" in note and "counter unmoved" in note and "fix:" in note
