@@ -476,3 +476,26 @@ def test_measure_says_why_gpu_plus_cpu_is_empty_when_rapl_gives_no_figure(tmp_pa
     assert m.gpu_j_per_token is not None and m.total_j_per_token is None
     (note,) = [n for n in res.notes if "no GPU+CPU figure" in n]
     assert "3 of 3 windows have no CPU energy" in note and "counter unmoved" in note and "fix:" in note
+
+
+def test_the_permission_fix_printed_is_the_units_line_and_works_on_a_tree_without_subzones(tmp_path):
+    # The printed ExecStartPre (`chgrp powerprof .../intel-rapl:*/energy_uj .../intel-rapl:*:*/energy_uj`)
+    # failed where a package has no subzone (the second glob stays literal: chgrp exits 1, the unit does not
+    # start), and it told people to join `powerprof`, the daemon's group that no person joins.
+    import grp
+    import re
+    import subprocess
+    from pathlib import Path
+
+    from powerprof.collectors.rapl import PERMISSION_FIX
+
+    (line,) = [x.strip() for x in PERMISSION_FIX.splitlines() if x.strip().startswith("ExecStartPre=")]
+    unit = (Path(__file__).parents[1] / "systemd" / "powerprof.service").read_text()
+    assert line in unit.splitlines()
+    assert "usermod -aG powerprof" not in PERMISSION_FIX
+    pc = SimPowercap(tmp_path / "powercap", dram=False, mmio=False, unreadable=True)
+    assert not list(pc.root.glob("intel-rapl:*:*"))
+    body = re.match(r"ExecStartPre=\+/bin/sh -c '(.*)'$", line).group(1).replace("$$", "$")
+    body = body.replace("/sys/class/powercap", str(pc.root)).replace("powerprof", grp.getgrgid(os.getgid()).gr_name)
+    assert subprocess.run(["/bin/sh", "-c", body]).returncode == 0
+    assert os.stat(pc.root / "intel-rapl:0" / "energy_uj").st_mode & 0o040

@@ -54,18 +54,25 @@ IMPLAUSIBLE_POWER_FACTOR = 3.0
 COUNTER_STALL_S = 0.25
 STALL_KINDS = ("package", "dram", "psys")
 
+# The boot-time line is systemd/powerprof.service's own (a test keeps them equal): a glob with no match
+# (no subzones) is skipped, so the unit still starts; `$$` is systemd's escape for `$`.
+RAPL_EXEC_START_PRE = (
+    "ExecStartPre=+/bin/sh -c 'for f in /sys/class/powercap/intel-rapl:*/energy_uj "
+    "/sys/class/powercap/intel-rapl:*:*/energy_uj; do [ -e \"$$f\" ] && chgrp powerprof \"$$f\" && "
+    "chmod g+r \"$$f\"; done; exit 0'"
+)
+
 PERMISSION_FIX = (
-    "energy_uj is readable by root only (since CVE-2020-8694). Either run powerprof as root, or give a "
-    "group read access at every boot: in the systemd unit add\n"
-    "  ExecStartPre=+/bin/sh -c 'chgrp powerprof /sys/class/powercap/intel-rapl:*/energy_uj "
-    "/sys/class/powercap/intel-rapl:*:*/energy_uj; chmod g+r /sys/class/powercap/intel-rapl:*/energy_uj "
-    "/sys/class/powercap/intel-rapl:*:*/energy_uj'\n"
+    "energy_uj is readable by root only (since CVE-2020-8694). Either run powerprof as root (sudo powerprof "
+    "measure/sweep), or give a group read access at every boot: the daemon's unit does it for its own group "
+    "(powerprof; no person joins it, docs/daemon.md#trust-boundaries) with\n"
+    f"  {RAPL_EXEC_START_PRE}\n"
     "or a udev rule (/etc/udev/rules.d/90-powercap.rules):\n"
     '  SUBSYSTEM=="powercap", ACTION=="add", RUN+="/bin/chgrp powerprof /sys%p/energy_uj", '
     'RUN+="/bin/chmod g+r /sys%p/energy_uj"\n'
     "or sysfsutils (/etc/sysfs.conf): `mode class/powercap/intel-rapl:0/energy_uj = 0440` and "
-    "`owner class/powercap/intel-rapl:0/energy_uj = root:powerprof` for each zone; then add the user "
-    "to the group (usermod -aG powerprof USER)."
+    "`owner class/powercap/intel-rapl:0/energy_uj = root:powerprof` for each zone. To read RAPL as yourself, "
+    "use a group of your own for RAPL in place of powerprof in these rules (it reads a power side channel)."
 )
 
 UNAVAILABLE_FIX = (
