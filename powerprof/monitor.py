@@ -154,8 +154,13 @@ def display_rows(latest: dict[str, Sample], baseline: dict[str, float], infos: d
         for r in s.data:
             if r.energy_j is not None:
                 baseline.setdefault(r.zone, r.energy_j)
+                baseline.setdefault(r.zone + "#epoch", r.epoch)
             e = r.energy_j - baseline[r.zone] if r.energy_j is not None else None
-            cpus.append({"device": r.zone, "kind": r.kind, "power_w": r.power_w, "energy_j": e})
+            # A dropped delta (a wrap missed, a jump, a stalled counter) is energy never counted: the sum
+            # since start is then a lower bound, and says so.
+            missed = r.epoch != baseline.get(r.zone + "#epoch", r.epoch)
+            cpus.append({"device": r.zone, "kind": r.kind, "power_w": r.power_w, "energy_j": e,
+                         "energy_lower_bound": missed, "note": r.note})
     elif s is not None:
         cpus = [{"device": "rapl", "error": s.error}]
     s = latest.get("host")
@@ -279,7 +284,8 @@ def _cpu_line(rows: dict) -> str:
         if "error" in c:
             bits.append(f"{c['device']}: {c['error']}")
         else:
-            bits.append(f"{c['device']} {_fmt(c['power_w'], 1, ' W')} ({_fmt(c['energy_j'], 1, ' J')})")
+            e = ("≥" if c.get("energy_lower_bound") and c["energy_j"] is not None else "") + _fmt(c["energy_j"], 1, " J")
+            bits.append(f"{c['device']} {_fmt(c['power_w'], 1, ' W')} ({e})" + (f" note: {c['note']}" if c.get("note") else ""))
     h = rows["host"]
     if h:
         bits.append(f"CPU util {_fmt(h['cpu_util_pct'], 0, '%')} @ {_fmt(h['cpu_freq_mhz'], 0, ' MHz')}")

@@ -15,6 +15,7 @@ result says so.
 from __future__ import annotations
 
 import queue
+import re
 import threading
 import time
 from contextlib import contextmanager
@@ -133,8 +134,19 @@ class EnergyTimeline:
         self.gpu_avg_power = [_Series() for _ in range(n_gpus)]
         self.cpu_energy = _Series()
         self.avg_windows_s = avg_windows_s or (1.0,) * n_gpus
+        # Why RAPL gave no CPU figure at some read (zone notes, failed reads), first seen first: a
+        # GPU+CPU figure left empty must say why.
+        self.cpu_problems: dict[str, int] = {}
 
     def add(self, sample: Sample) -> None:
+        if sample.source == "rapl":
+            with self._lock:
+                if sample.data is None:
+                    self._cpu_problem(f"RAPL read failed: {sample.error}")
+                else:
+                    for r in sample.data:
+                        if r.note:
+                            self._cpu_problem(f"{r.zone}: {r.note}")
         if sample.data is None:
             return
         with self._lock:
@@ -148,6 +160,16 @@ class EnergyTimeline:
                     self.gpu_avg_power[k].add(sample.t_mono_ns, r.power_avg_w)
             elif sample.source == "rapl":
                 self.cpu_energy.add(sample.t_mono_ns, *cpu_energy_j(sample.data))
+
+    def _cpu_problem(self, text: str) -> None:
+        # Numbers (seconds, joules) differ from read to read; the first wording of each kind is kept.
+        key = re.sub(r"[0-9.]+", "#", text)
+        for k in self.cpu_problems:
+            if re.sub(r"[0-9.]+", "#", k) == key:
+                self.cpu_problems[k] += 1
+                return
+        if len(self.cpu_problems) < 8:
+            self.cpu_problems[text] = 1
 
     def latest_ns(self) -> int | None:
         with self._lock:

@@ -100,3 +100,38 @@ def test_a_lost_gpus_note_is_shown_in_every_view_and_the_table_keeps_its_columns
     assert "gpu1: the GPU fell off the bus" in table and " gpu0   " in table and "GpuIdle" in table
     two = dict(rows, gpus=rows["gpus"][:2])
     assert "GPU_IS_LOST" in _text(mon.render(0, two, 1.0), width=100)
+
+
+def test_a_rapl_zones_note_is_shown_and_energy_after_a_dropped_delta_is_a_lower_bound(tmp_path):
+    # A stub package counter showed "package-0 - W (- J)" with no reason, and after a dropped delta the
+    # energy since start (short of the dropped span) looked complete.
+    from powerprof.collectors.rapl import RaplCollector
+    from powerprof.collectors.sampler import Sample
+    from powerprof.sim.powercap import SimPowercap
+
+    t = [5_000_000_000]
+    watts = [40.0]
+    pc = SimPowercap(tmp_path / "pc", clock_ns=lambda: t[0], power_w_fn=lambda: watts[0], dram=False)
+    rc = RaplCollector(pc.root, clock_ns=lambda: t[0])
+    base: dict = {}
+
+    def tick(dt):
+        t[0] += int(dt * 1e9)
+        pc.update()
+        return mon.display_rows({"rapl": Sample("rapl", 0, 0, 0, rc.read())}, base)
+
+    tick(0.0)
+    ok = tick(1.0)
+    assert "≥" not in mon.lines(1, ok, 1.0)[0] and ok["cpus"][0]["note"] is None
+    watts[0] = 0.0  # the counter stands still
+    pc.update()
+    stuck = tick(0.5)
+    line = mon.lines(2, stuck, 1.0)[0]
+    assert "package-0 - (-) note: counter unmoved" in line
+    assert "counter unmoved" in json.loads(mon.json_line(2, stuck, 1.0))["cpus"][0]["note"]
+    watts[0] = 40.0
+    pc.update()
+    tick(0.5)
+    after = tick(1.0)
+    assert after["cpus"][0]["energy_lower_bound"] is True
+    assert "(≥80.0 J)" in mon.lines(3, after, 1.0)[0]  # 20 J of the resumed span dropped

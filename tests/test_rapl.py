@@ -389,3 +389,113 @@ def test_a_burst_up_to_the_zones_maximum_is_kept(tmp_path):
     pc.update()
     r = rc.read()[0]
     assert r.power_w == pytest.approx(100.0, rel=1e-6) and r.note is None
+
+
+def test_a_counter_that_never_moves_is_no_figure_never_0_w(tmp_path):
+    # A VM exposing a stub RAPL: the files are there, the counters stand still. 0 J of CPU energy
+    # went into every GPU+CPU J/token as if the CPU had drawn nothing.
+    clock = FakeClock()
+    pc = _tree(tmp_path, clock, power_w_fn=lambda: 0.0, dram_w=0.0)
+    rc = RaplCollector(pc.root, clock_ns=clock)  # plain open: the counters move only when the tree updates
+    readings, t = [rc.read()], [clock()]
+    for _ in range(20):
+        clock.advance(0.1)
+        pc.update()
+        readings.append(rc.read())
+        t.append(clock())
+    last = _by_zone(readings[-1])
+    for zone in ("package-0", "dram-0"):
+        assert last[zone].energy_j is None and last[zone].power_w is None
+        assert "unmoved" in last[zone].note and "stub" in last[zone].note
+    assert cpu_energy_j(readings[-1])[0] is None
+    # Through the timeline rule: no window over the run has a CPU figure, not 0 J.
+    e, epoch = zip(*(cpu_energy_j(r) for r in readings))
+    kept = [k for k, v in enumerate(e) if v is not None]
+    tk = np.array([t[k] for k in kept])
+    ek = np.array([e[k] for k in kept])
+    pk = np.array([epoch[k] for k in kept])
+    assert np.isnan(counter_energy_j(tk, ek, t[0], t[-1], pk))
+
+
+def test_a_live_low_power_counter_is_not_taken_for_a_stub(tmp_path):
+    clock = FakeClock()
+    pc = _tree(tmp_path, clock, power_w_fn=lambda: 1.0, dram_w=0.5)
+    rc = RaplCollector(pc.root, clock_ns=clock)
+    rc.read()
+    for _ in range(30):
+        clock.advance(0.1)
+        pc.update()
+        r = _by_zone(rc.read())
+    assert r["package-0"].power_w == pytest.approx(1.0, rel=1e-6) and r["package-0"].note is None
+    assert r["dram-0"].energy_j == pytest.approx(1.5, rel=1e-6) and r["dram-0"].epoch == 0
+
+
+def test_a_counter_that_stalls_then_moves_again_drops_the_stalled_span(tmp_path):
+    clock = FakeClock()
+    watts = [40.0]
+    pc = _tree(tmp_path, clock, dram=False, power_w_fn=lambda: watts[0])
+    rc = RaplCollector(pc.root, clock_ns=clock)
+    rc.read()
+    clock.advance(0.5)
+    pc.update()
+    before = rc.read()[0]
+    assert before.power_w == pytest.approx(40.0, rel=1e-6)
+    watts[0] = 0.0  # the counter stands still (held by firmware, a hypervisor that stopped forwarding it)
+    for _ in range(5):
+        clock.advance(0.1)
+        pc.update()
+        stalled = rc.read()[0]
+    assert stalled.energy_j is None and stalled.epoch == before.epoch + 1
+    watts[0] = 40.0
+    pc.update()  # the tree holds each power until its next update
+    clock.advance(0.1)
+    pc.update()
+    resumed = rc.read()[0]
+    assert resumed.power_w is None and "moved again" in resumed.note and resumed.epoch == stalled.epoch + 1
+    clock.advance(0.5)
+    pc.update()
+    ok = rc.read()[0]
+    assert ok.power_w == pytest.approx(40.0, rel=1e-6) and ok.note is None
+
+
+def test_measure_says_why_gpu_plus_cpu_is_empty_when_rapl_gives_no_figure(tmp_path):
+    # RAPL opened fine, then gave no CPU figure (here a stub whose counters stand still): the GPU+CPU
+    # column was a bare '-' beside a GPU figure, with no word on why.
+    from powerprof.rig import Rig
+    from powerprof.workload.client import RequestParams
+    from powerprof.workload.measure import run_measure
+    from powerprof.workload.load import Prompt
+
+    with Rig("seed-16g") as rig:
+        assert rig.sources.rapl is not None
+        rig.sim_powercap.power_w_fn = lambda: 0.0
+        rig.sim_powercap.dram_w = 0.0
+        res = run_measure(rig, url=None, out_dir=tmp_path / "m", prompts=[Prompt("p", "hello")], n_requests=3,
+                          concurrencies=[1], params=RequestParams(max_tokens=48), warmup=1, interval_s=0.1)
+    (m,) = res.summaries
+    assert m.gpu_j_per_token is not None and m.total_j_per_token is None
+    (note,) = [n for n in res.notes if "no GPU+CPU figure" in n]
+    assert "3 of 3 windows have no CPU energy" in note and "counter unmoved" in note and "fix:" in note
+
+
+def test_the_permission_fix_printed_is_the_units_line_and_works_on_a_tree_without_subzones(tmp_path):
+    # The printed ExecStartPre (`chgrp powerprof .../intel-rapl:*/energy_uj .../intel-rapl:*:*/energy_uj`)
+    # failed where a package has no subzone (the second glob stays literal: chgrp exits 1, the unit does not
+    # start), and it told people to join `powerprof`, the daemon's group that no person joins.
+    import grp
+    import re
+    import subprocess
+    from pathlib import Path
+
+    from powerprof.collectors.rapl import PERMISSION_FIX
+
+    (line,) = [x.strip() for x in PERMISSION_FIX.splitlines() if x.strip().startswith("ExecStartPre=")]
+    unit = (Path(__file__).parents[1] / "systemd" / "powerprof.service").read_text()
+    assert line in unit.splitlines()
+    assert "usermod -aG powerprof" not in PERMISSION_FIX
+    pc = SimPowercap(tmp_path / "powercap", dram=False, mmio=False, unreadable=True)
+    assert not list(pc.root.glob("intel-rapl:*:*"))
+    body = re.match(r"ExecStartPre=\+/bin/sh -c '(.*)'$", line).group(1).replace("$$", "$")
+    body = body.replace("/sys/class/powercap", str(pc.root)).replace("powerprof", grp.getgrgid(os.getgid()).gr_name)
+    assert subprocess.run(["/bin/sh", "-c", body]).returncode == 0
+    assert os.stat(pc.root / "intel-rapl:0" / "energy_uj").st_mode & 0o040

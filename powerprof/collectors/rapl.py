@@ -47,18 +47,32 @@ ASSUMED_MAX_POWER_W = {"package": 500.0, "psys": 1000.0, "dram": 150.0, "core": 
 # held back and caught up. Generous, so that a true burst past the published limits is never lost.
 IMPLAUSIBLE_POWER_FACTOR = 3.0
 
+# A live package, DRAM or psys counter steps about every 1 ms by at least one energy unit (15-61 uJ),
+# and these zones never draw 0 W: one unmoved this long is a stub (a VM exposing RAPL that does not
+# count) or a stuck counter, whose 0 W would pass for a measurement. core/uncore (the iGPU) can be
+# truly power-gated to 0 W, so they are not judged.
+COUNTER_STALL_S = 0.25
+STALL_KINDS = ("package", "dram", "psys")
+
+# The boot-time line is systemd/powerprof.service's own (a test keeps them equal): a glob with no match
+# (no subzones) is skipped, so the unit still starts; `$$` is systemd's escape for `$`.
+RAPL_EXEC_START_PRE = (
+    "ExecStartPre=+/bin/sh -c 'for f in /sys/class/powercap/intel-rapl:*/energy_uj "
+    "/sys/class/powercap/intel-rapl:*:*/energy_uj; do [ -e \"$$f\" ] && chgrp powerprof \"$$f\" && "
+    "chmod g+r \"$$f\"; done; exit 0'"
+)
+
 PERMISSION_FIX = (
-    "energy_uj is readable by root only (since CVE-2020-8694). Either run powerprof as root, or give a "
-    "group read access at every boot: in the systemd unit add\n"
-    "  ExecStartPre=+/bin/sh -c 'chgrp powerprof /sys/class/powercap/intel-rapl:*/energy_uj "
-    "/sys/class/powercap/intel-rapl:*:*/energy_uj; chmod g+r /sys/class/powercap/intel-rapl:*/energy_uj "
-    "/sys/class/powercap/intel-rapl:*:*/energy_uj'\n"
+    "energy_uj is readable by root only (since CVE-2020-8694). Either run powerprof as root (sudo powerprof "
+    "measure/sweep), or give a group read access at every boot: the daemon's unit does it for its own group "
+    "(powerprof; no person joins it, docs/daemon.md#trust-boundaries) with\n"
+    f"  {RAPL_EXEC_START_PRE}\n"
     "or a udev rule (/etc/udev/rules.d/90-powercap.rules):\n"
     '  SUBSYSTEM=="powercap", ACTION=="add", RUN+="/bin/chgrp powerprof /sys%p/energy_uj", '
     'RUN+="/bin/chmod g+r /sys%p/energy_uj"\n'
     "or sysfsutils (/etc/sysfs.conf): `mode class/powercap/intel-rapl:0/energy_uj = 0440` and "
-    "`owner class/powercap/intel-rapl:0/energy_uj = root:powerprof` for each zone; then add the user "
-    "to the group (usermod -aG powerprof USER)."
+    "`owner class/powercap/intel-rapl:0/energy_uj = root:powerprof` for each zone. To read RAPL as yourself, "
+    "use a group of your own for RAPL in place of powerprof in these rules (it reads a power side channel)."
 )
 
 UNAVAILABLE_FIX = (
@@ -376,6 +390,8 @@ class RaplCollector:
         self._prev_t: list[int] = [now] * n
         self._energy_j = [0.0] * n
         self._epoch = [0] * n
+        self._moved_t: list[int] = [now] * n  # when each counter was last seen to change
+        self._stalled = [False] * n
 
     @property
     def min_wrap_period_s(self) -> float:
@@ -404,8 +420,28 @@ class RaplCollector:
         self._prev_uj[k], self._prev_t[k] = v, now
         if prev is None:
             # First good value (or after a failure without a baseline): start counting here.
+            self._moved_t[k] = now
             return RaplReading(z.device, z.kind, z.socket, self._energy_j[k], None, z.die, self._epoch[k])
         elapsed_s = (now - t_prev) / 1e9
+        if z.kind in STALL_KINDS:
+            still_s = (now - self._moved_t[k]) / 1e9
+            if v == prev and still_s >= COUNTER_STALL_S:
+                if not self._stalled[k]:
+                    # Windows reaching back to before the stall showed 0 W of it: they must not subtract across.
+                    self._stalled[k] = True
+                    self._epoch[k] += 1
+                note = (f"counter unmoved for {still_s:.3g} s (a live {z.kind} counter steps every ~1 ms): a stub "
+                        "(a VM's RAPL that does not count) or a stuck counter, not 0 W; no figure")
+                return RaplReading(z.device, z.kind, z.socket, None, None, z.die, self._epoch[k], note)
+            if v != prev:
+                self._moved_t[k] = now
+                if self._stalled[k]:
+                    self._stalled[k] = False
+                    self._epoch[k] += 1
+                    return RaplReading(
+                        z.device, z.kind, z.socket, self._energy_j[k], None, z.die, self._epoch[k],
+                        f"counter moved again after {still_s:.3g} s unmoved: the energy over that span is unknown; delta dropped",
+                    )
         d = wrap_delta_uj(prev, v, z.max_energy_range_uj)
         note = None
         if d is None:

@@ -136,7 +136,7 @@ class SnapshotCollector:
             c.add_metric([str(x.index), x.uuid, x.name], x.energy_j)
         yield c
         if s.cpu_energy_j is not None:
-            yield CounterMetricFamily("powerprof_cpu_energy_joules", "CPU package+DRAM energy (RAPL) since start",
+            yield CounterMetricFamily("powerprof_cpu_energy_joules", "CPU package+DRAM energy (RAPL) of the whole host, every process, since start",
                                       value=s.cpu_energy_j)
         k = CounterMetricFamily("powerprof_gpu_interval_energy_joules",
                                 "GPU energy by interval kind (idle, decode, prefill, unproxied)", labels=["kind"])

@@ -175,6 +175,28 @@ def missing_figure_notes(rows: Sequence[dict], summary: list[Summary]) -> list[s
     return out
 
 
+def missing_cpu_notes(rows: Sequence[dict], summary: list[Summary], profiler) -> list[str]:
+    """Say why a concurrency with a GPU J/token has no GPU+CPU figure while RAPL was open (without RAPL the
+    opening problem says it): a window whose CPU energy is missing (a zone unreadable or stalled, a dropped
+    counter delta) leaves the pooled figure empty, and the '-' must not stand unexplained."""
+    if profiler is None or getattr(profiler, "rapl", None) is None:
+        return []
+    problems = getattr(profiler.timeline, "cpu_problems", {})
+    why = "; ".join(f"{p}" + (f" ({n} reads)" if n > 1 else "") for p, n in list(problems.items())[:3])
+    out = []
+    for x in summary:
+        if x.gpu_j_per_token is None or x.total_j_per_token is not None:
+            continue
+        kind = "request" if x.concurrency == 1 else "batch"
+        basis = [r for r in rows if r["concurrency"] == x.concurrency and r["window_kind"] == kind
+                 and not r["warmup"] and r["status"] == "ok" and trusted(r)]
+        lacking = sum(r["cpu_energy_j"] is None for r in basis)
+        out.append(f"concurrency {x.concurrency}: no GPU+CPU figure: {lacking} of {len(basis)} windows have no CPU "
+                   f"energy ({why or 'no RAPL reading covers them'}); fix: `powerprof monitor` shows the RAPL zones "
+                   "and why each is missing")
+    return out
+
+
 def edge_bias_notes(summary: list[Summary]) -> list[str]:
     """Say so where the counter windows are too short for their pooled J/token to be within ~1%: each edge
     reads a few ms after its power step (EDGE_BIAS_WINDOW_S), a bias pooling does not average out."""
@@ -344,7 +366,7 @@ def measure(
     if stopped is not None:
         interrupted = interrupted_record(stopped, records, planned)
         notes.insert(0, f"stopped early by {interrupted['signal']}: {interrupted['message']}")
-    notes += short_figure_notes(summary) + missing_figure_notes(rows, summary) + edge_bias_notes(summary) + rounding_notes(summary)
+    notes += short_figure_notes(summary) + missing_figure_notes(rows, summary) + missing_cpu_notes(rows, summary, profiler) + edge_bias_notes(summary) + rounding_notes(summary)
     if profiler is not None:
         notes += profiler.edge_notes()
     return MeasureResult(server, records, rows, summary, notes=notes, aborted=aborted, excluded=excluded_windows(rows),
