@@ -312,7 +312,13 @@ class Profiler:
         samples = self.sampler.sample_now(label, sources=self._edge_sources)
         if not samples:
             return self.sampler.clock.monotonic_ns()
-        return min(s.t_mono_ns for s in samples.values())
+        # Every source must have a reading at or after the instant returned (the counter is interpolated, never
+        # extrapolated): a GPU's counter is dated by its own driver call, which can come before the sample's middle.
+        times = [s.t_mono_ns for s in samples.values()]
+        for s in samples.values():
+            if s.source == "nvml" and s.data is not None:
+                times += [t for r in s.data if (t := getattr(r, "energy_t_mono_ns", None)) is not None]
+        return min(times)
 
     def edge(self, label: str | None = None) -> None:
         """Have the energy sources read as soon as possible, in the profiler's own thread; returns at once.
