@@ -582,6 +582,37 @@ def test_a_guard_while_draining_backs_off_but_does_not_bar_the_drain_level():
     assert tu.level == 200  # the back-off over: the regime's best (the incumbent), not above it
 
 
+@pytest.mark.parametrize("blame_s", [0.0, 600.0])
+def test_a_guard_soon_after_a_trial_ended_early_blames_the_trial_with_trial_blame_s(blame_s):
+    # The thirteenth attempt (off by default): the ended trial's slow requests finish at its incumbent and can fire
+    # the incumbent's guard minutes later; with trial_blame_s that back-off bars nothing and the incumbent comes back.
+    tu = Tuner(drain_cfg(trial_blame_s=blame_s, backoff_s=30), 0.0)
+    plant = Plant(**DRAIN_PLANT)
+    t = 0
+    while not any(d.action == "reject" and d.from_level == 150 for d in tu.decisions) and t < 900:
+        t, _ = plant.run(tu, t, t + 10)
+    assert tu.level == 200
+    while tu.level == 200:  # the trial's queue finishing at 200 W: its guard fires on them
+        t += 10
+        ds = tu.observe(window(t, 200, 250.0))
+    assert tu.level == 300 and ds[-1].action == "backoff"
+    i = LEVELS.index(200)
+    if blame_s:
+        assert "not barred" in ds[-1].reason and i not in tu.regime.bars and i not in tu.regime.strikes
+        t, _ = plant.run(tu, t, t + 60)
+        assert tu.level == 200  # the back-off over: the incumbent again
+    else:
+        assert "barred for now" in ds[-1].reason and i in tu.regime.bars
+        t, _ = plant.run(tu, t, t + 60)
+        assert tu.level == 250
+
+
+def test_trial_blame_s_is_checked():
+    for bad in (-1.0, math.inf, math.nan):
+        with pytest.raises(TunerConfigError, match="trial_blame_s"):
+            cfg(trial_blame_s=bad)
+
+
 @pytest.mark.parametrize("tpot_ms, restored", [(95.0, 250), (150.0, 300)])
 @pytest.mark.parametrize("above", [1, 2])
 def test_a_back_off_on_a_p95_past_the_buckets_error_restores_break_restore_above_levels_up(tpot_ms, restored, above):

@@ -67,6 +67,8 @@ class TunerConfig:
     # many levels above the one that broke (else one)
     drain_s: float = 0.0  # a trial below ended early: hold one level above its incumbent this long while its slow
     # requests drain, then the incumbent (0: straight back to the incumbent)
+    trial_blame_s: float = 0.0  # a trial below ended early: a guard back-off at its incumbent within this long after is
+    # charged to the trial's queue (already barred), not the incumbent: no strike, no bar (0: off; thirteenth attempt)
     # The early signal (off by default: docs/tuner-evaluation.md, seventh version): the requests in flight, which grow as soon
     # as the server falls behind, before any of them finishes late.
     queue_ratio: float = 0.0  # a level below the reference whose mean in flight over the last queue_s passes this ×
@@ -144,6 +146,8 @@ class TunerConfig:
                         "would read as a stall)")
         if not 0 <= self.drain_s <= 30 * 86400:
             errs.append("tuner.drain_s: seconds, 0 (off) to 30 days")
+        if not 0 <= self.trial_blame_s <= 30 * 86400:
+            errs.append("tuner.trial_blame_s: seconds, 0 (off) to 30 days")
         if not 0 <= self.model_horizon_s <= 30 * 86400:
             errs.append("tuner.model_horizon_s: seconds, 0 (the load now) to 30 days")
         if not 0 <= self.model_z <= 5:
@@ -542,6 +546,7 @@ class Tuner:
         self._ref_threatened = False
         self._undo: tuple | None = None  # (floor, floor_t, best, bars) before the last back-off
         self._threat_idx: int | None = None  # the level the last back-off left
+        self._early_end: tuple[float, int] | None = None  # (when, incumbent) of the last trial below ended early
         self._ref_typical: float | None = None  # the reference's median p95/SLO in the regime, at the last back-off
         self._trial_ratios: list[float] = []  # the trial's p95/SLO judgements so far
         self._stall_said = False  # an unfinished request's threat at the reference is recorded (once while it lasts)
@@ -973,6 +978,7 @@ class Tuner:
             back += 1
             why += f"; {self._fmt(cfg.levels[back])} for {cfg.drain_s:g} s while its slow requests drain"
         self._end_trial(t)
+        self._early_end = (t, back) if early and down and not drain else None
         out.append(self._move(t, "reject", back, f"trial rejected: {why}", stat))
         self._enter("drain" if drain else "measure", t)
         if self._direction < 0:
@@ -1112,15 +1118,19 @@ class Tuner:
         r = self.regime
         cfg = self.cfg
         self._undo, self._ref_threatened = (r.floor, r.floor_t, r.best, dict(r.bars)), False
-        self._threat_idx = self.idx if self.state != "drain" else None
+        # While draining an ended trial's queue (or, with trial_blame_s, soon after one ended at its incumbent) the slow
+        # requests are the trial's (already barred), not this level's.
+        shielded = self.state == "drain" or (
+            cfg.trial_blame_s > 0 and self._early_end is not None and self.idx == self._early_end[1]
+            and t - self._early_end[0] <= cfg.trial_blame_s and self.state != "trial")
+        self._threat_idx = self.idx if not shielded else None
         xs = [x for _, x in r.ratios.get(self.ref, ())]
         self._ref_typical = float(np.median(xs)) if xs else None
         self._backoff_tail = []
         hits = [x for x in r.strikes.get(self.idx, []) if x > t - cfg.strike_s] + [t]
-        if self.state != "drain":
+        if not shielded:
             r.strikes[self.idx] = hits
-        # While draining an ended trial's queue the slow requests are the trial's (already barred), not this level's.
-        barred = (len(hits) >= cfg.strikes or self.state == "trial") and self.state != "drain"
+        barred = (len(hits) >= cfg.strikes or self.state == "trial") and not shielded
         if barred:
             # A p95 within the buckets' error of the SLO may not have broken it: barred as a level found too slow. So is
             # a level left for a request not finished: one request late is not yet the p95 broken.
@@ -1134,7 +1144,7 @@ class Tuner:
                 # load ramps: the level just above it breaks next, minutes later)
                 r.best = min(r.floor + above - 1, len(cfg.levels) - 1)
         self._end_trial(t)
-        then = ("barred for now" if barred else f"strike {len(hits)} of {cfg.strikes}") if self.state != "drain" \
+        then = ("barred for now" if barred else f"strike {len(hits)} of {cfg.strikes}") if not shielded \
             else "the ended trial's queue, not this level: not barred"
         what = what or f"p95 at {ratio:.0%} of the SLO over the last {cfg.guard_s:g} s"
         out.append(self._move(t, "backoff", self.ref, f"SLO threatened: {what}; back to the reference at once ({then})"))
