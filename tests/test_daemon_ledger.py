@@ -553,6 +553,9 @@ def test_a_count_less_stream_the_server_counted_more_of_says_so_on_its_row():
     assert row["attributed_tokens"] == 10.0 and row["tokens_estimated"] is True
     assert row["error"] is not None and "ran 15 token(s) ahead of the proxy's" in row["error"]
     assert "unproxied" in row["error"]
+    # Its energy is short of those tokens' too: not a figure resting on the server's counts (energy_note null).
+    assert row["energy_note"].startswith("approximate:") and "15 token(s)" in row["energy_note"]
+    assert "include_usage" in row["energy_note"]
 
 
 def test_tag_stop_answers_unknown_energy_while_the_window_is_not_final():

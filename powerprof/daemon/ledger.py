@@ -843,11 +843,17 @@ def _unsaid_reason(r: _Req, done: bool) -> str:
 
 def _approximate_note(r: _Req) -> str | None:
     """Why a request's energy rests on an estimate rather than the server's counts (None: it does not)."""
-    if r.prompt_est is None or _prompt_tokens(r) is not None:
-        return None
-    why = _unsaid_reason(r, r.trace.end_ns is not None)
-    return (f"approximate: {UNSAID_NOTES[why]}; its prefill was costed at an estimate of {r.prompt_est[0]:.0f} "
-            f"prompt tokens ({r.prompt_est[1]}){UNSAID_FIX.get(why, '')}")
+    notes = []
+    if r.prompt_est is not None and _prompt_tokens(r) is None:
+        why = _unsaid_reason(r, r.trace.end_ns is not None)
+        notes.append(f"{UNSAID_NOTES[why]}; its prefill was costed at an estimate of {r.prompt_est[0]:.0f} "
+                     f"prompt tokens ({r.prompt_est[1]}){UNSAID_FIX.get(why, '')}")
+    c = r.trace.counts
+    if r.server_ahead >= 0.5 and not r.to_server and (c is None or c.tokens_estimated):
+        notes.append(f"its tokens were counted one a chunk and the server's counter ran {r.server_ahead:.0f} token(s) "
+                     "ahead of the proxy's while it was live: their energy is in unproxied, not here (fix: "
+                     "\"stream_options\": {\"include_usage\": true})")
+    return "approximate: " + "; ".join(notes) if notes else None
 
 
 def _prompt_tokens(r: _Req) -> float | None:
