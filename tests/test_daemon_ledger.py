@@ -553,6 +553,9 @@ def test_a_count_less_stream_the_server_counted_more_of_says_so_on_its_row():
     assert row["attributed_tokens"] == 10.0 and row["tokens_estimated"] is True
     assert row["error"] is not None and "ran 15 token(s) ahead of the proxy's" in row["error"]
     assert "unproxied" in row["error"]
+    # Its energy is short of those tokens' too: not a figure resting on the server's counts (energy_note null).
+    assert row["energy_note"].startswith("approximate:") and "15 token(s)" in row["energy_note"]
+    assert "include_usage" in row["energy_note"]
 
 
 def test_tag_stop_answers_unknown_energy_while_the_window_is_not_final():
@@ -716,3 +719,72 @@ def test_a_stream_whose_only_token_comes_in_its_closing_chunk_is_attributed_that
     ivs = sink.rows["intervals"]
     assert sum(r["proxy_tokens"] for r in ivs) == pytest.approx(1.0)
     assert sum(r["unproxied_energy_j"] for r in ivs) == pytest.approx(0.0, abs=1e-9)
+
+
+def _chat(rid, arrival_s, chars):
+    tr = RequestTrace(rid, "POST", "/v1/chat/completions", None, int(arrival_s * S), 0, api="openai-chat", stream=True)
+    tr.extra["prompt_chars"] = chars
+    return tr
+
+
+def test_a_stream_cut_before_its_usage_is_costed_its_prompt_at_the_servers_own_ratio_and_says_so(caplog):
+    # Two chat streams alike (2000-character prompts, 10 tokens each in one interval); the server counted the
+    # first's prompt (500 tokens: 4 characters a token here), the second's client left before its usage. Before:
+    # the second got no prefill work and its prompt's energy went to the first (1.8x its twin's energy).
+    sink = Sink()
+    led = Ledger("d", 0, 1, sink, grace_s=0.1)
+    done, cut = _chat(1, 0.05, 2000), _chat(2, 0.05, 2000)
+    for tr in (done, cut):
+        led.on_start(tr)
+    for k in range(10):
+        for tr in (done, cut):
+            led.on_tokens(tr, int((0.1 + 0.05 * k) * S), 1)
+    for tr in (done, cut):
+        tr.first_ns, tr.last_ns, tr.end_ns = int(0.1 * S), int(0.55 * S), int(0.6 * S)
+    done.counts = Counts(generated_tokens=10, prompt_tokens=500, model=None, stop_reason="length",
+                         token_source="usage")
+    cut.counts = Counts(generated_tokens=10, prompt_tokens=None, model=None, stop_reason=None,
+                        token_source="counted", tokens_estimated=True)
+    cut.outcome = "client_disconnected"
+    with caplog.at_level(logging.WARNING, logger="powerprof.daemon.ledger"):
+        for tr in (done, cut):
+            led.on_end(tr)
+        _feed(led, 0.0, 0.0)
+        _feed(led, 1.0, 100.0)
+        led.advance(int(1.5 * S))
+    got = {r["request_id"]: r for r in sink.rows["requests"]}
+    assert got[2]["gpu_energy_j"] == pytest.approx(got[1]["gpu_energy_j"]) == pytest.approx(50.0)
+    assert got[2]["prompt_tokens"] is None and got[2]["prompt_tokens_estimate"] == pytest.approx(500.0)
+    assert got[1]["prompt_tokens_estimate"] is None and got[1]["energy_note"] is None
+    note = got[2]["energy_note"]
+    assert note.startswith("approximate:") and "client left" in note and "2000 prompt characters" in note
+    assert led.prompts_estimated == {"client_left": 1}
+    assert "costed at an estimate of 500 prompt tokens" in caplog.text
+
+
+def test_a_prompt_never_counted_by_its_server_is_estimated_at_the_default_ratio_and_names_the_fix():
+    # No request has had its prompt counted (streams without include_usage): 4 characters a token, said on the row.
+    sink = Sink()
+    led = Ledger("d", 0, 1, sink, grace_s=0.1)
+    small, big = _chat(1, 0.05, 40), _chat(2, 0.05, 4000)
+    ids = RequestTrace(3, "POST", "/v1/completions", None, int(0.05 * S), 0, api="openai-completions", stream=True)
+    ids.extra["prompt_ids"] = 1000
+    for tr in (small, big, ids):
+        led.on_start(tr)
+        for k in range(10):
+            led.on_tokens(tr, int((0.1 + 0.05 * k) * S), 1)
+        tr.first_ns, tr.last_ns, tr.end_ns = int(0.1 * S), int(0.55 * S), int(0.6 * S)
+        tr.counts = Counts(generated_tokens=10, prompt_tokens=None, model=None, stop_reason=None,
+                           token_source="counted", tokens_estimated=True)
+        led.on_end(tr)
+    _feed(led, 0.0, 0.0)
+    _feed(led, 1.0, 100.0)
+    led.advance(int(1.5 * S))
+    got = {r["request_id"]: r for r in sink.rows["requests"]}
+    assert got[2]["prompt_tokens_estimate"] == pytest.approx(1000.0) and got[1]["prompt_tokens_estimate"] == 10.0
+    assert got[3]["prompt_tokens_estimate"] == 1000.0 and "1000 prompt token ids" in got[3]["energy_note"]
+    # The bigger prompt takes its prefill: 1000 tokens at 0.05 of a decoded token, 9 decoded tokens each.
+    assert got[2]["gpu_energy_j"] > 2 * got[1]["gpu_energy_j"]
+    assert got[2]["gpu_energy_j"] == pytest.approx(got[3]["gpu_energy_j"])
+    assert "include_usage" in got[1]["energy_note"] and "4 characters a token (a default" in got[1]["energy_note"]
+    assert led.prompts_estimated == {"no_usage": 3}

@@ -407,6 +407,40 @@ def test_a_compressed_request_body_is_inspected_on_the_side_and_a_bomb_is_not():
     assert inspect_request_body(doc, "br") == (None, None)  # an encoding not read here: not guessed
 
 
+def test_the_prompt_size_is_kept_from_the_body_never_its_text():
+    # What a prompt the server never counts (a client gone before the usage) is estimated from, per dialect.
+    from powerprof.daemon.proxy import inspect_request_body
+
+    def size(doc, api):
+        extra = {}
+        inspect_request_body(json.dumps(doc).encode(), "", api, extra)
+        return extra
+
+    chat = {"messages": [{"role": "system", "content": "abc"},
+                         {"role": "user", "content": [{"type": "text", "text": "hello"}]}], "stream": True}
+    assert size(chat, "openai-chat") == {"prompt_chars": 8}
+    image = {"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]}
+    assert size(image, "openai-chat") == {}  # an image's tokens are not its characters: no estimate
+    assert size({"prompt": "héllo"}, "openai-completions") == {"prompt_chars": 5}
+    assert size({"prompt": [1, 2, 3]}, "llamacpp") == {"prompt_ids": 3}
+    assert size({"prompt": ["a", "b"]}, "openai-completions") == {}  # a batch: not one request's prompt
+    assert size({"prompt": "x"}, None) == {}
+
+    async def main():  # through the proxy: on the trace the recorder gets, and nothing of the text
+        rec = Rec()
+        up, up_url, r1, proxy, px_url, r2 = await _setup(rec)
+        async with aiohttp.ClientSession() as s:
+            body = {"prompt": "secret prompt", "n_predict": 3, "stream": True}
+            async with s.post(px_url + "/completion", json=body) as r:
+                await r.read()
+        await r2.cleanup()
+        await r1.cleanup()
+        return rec
+
+    rec = _run(main())
+    assert rec.ended[0].extra["prompt_chars"] == 13
+
+
 def test_a_compressed_response_passes_unchanged_and_is_counted_from_a_copy_inflated_on_the_side():
     # Before: a gzip response was fed compressed to the stream parser: 0 tokens, no counts, no reason on
     # the row (a silent null), and its tokens went to `unproxied`. Now its counts are read from a copy

@@ -24,6 +24,7 @@ from powerprof.energy import epoch_broken, interp_at, unwrap_resets
 from powerprof.profiler import weakest_method
 
 from . import attribution as attr
+from .promptlen import PromptLengths
 from .proxy import RequestTrace, bounded_text, valid_text
 from .workmodel import FEATURES, CostLearner
 
@@ -68,6 +69,7 @@ class _Req:
     late: float = 0.0  # tokens that came after their interval had closed: not attributed, flagged on the row
     to_server: bool = False  # its chunk counts were scaled to the server's final count (usage)
     server_ahead: float = 0.0  # tokens the server counted beyond the proxy's in intervals it was live in
+    prompt_est: tuple | None = None  # (tokens, how) its prompt was costed at where the server never counted it
 
 
 @dataclass
@@ -146,6 +148,8 @@ class Ledger:
         self._tokens_total = 0.0
         self._tokens_attributed = 0.0
         self._recent: deque = deque()  # (t_end_ns, requests' J, their tokens)
+        self.prompt_lengths = PromptLengths()
+        self.prompts_estimated: dict[str, int] = {}  # {why the server never counted it: requests}
         self.totals = Totals(gpu_energy_j=(0.0,) * n_gpus)
 
     # --- recorder interface (called by the proxy) ------------------------------------------
@@ -174,6 +178,8 @@ class Ledger:
         if r is None:
             return 0.0
         c = trace.counts
+        if c is not None and c.prompt_tokens is not None and c.invalid is None and c.count_problem is None:
+            self.prompt_lengths.learn(trace.api, trace.extra.get("prompt_chars"), c.prompt_tokens)
         # Not to a count that contradicts the stream (count_problem): it cannot be believed.
         # A stream with no counted chunk at all is not "estimated", but its usage's tokens need placing too.
         none_seen = not trace.tokens_seen and not r.ev_n and not r.spent and trace.stream is True
@@ -415,7 +421,7 @@ class Ledger:
         last = np.array([ns(r.trace.last_ns, d) for r, d in zip(reqs, done)], dtype=np.int64)
         end = np.array([ns(r.trace.end_ns, d) for r, d in zip(reqs, done)], dtype=np.int64)
         # A prompt counts once its first token is known: it is spread over arrival → first token.
-        prompt = np.array([(_prompt_tokens(r) or 0.0) if r.trace.first_ns is not None or d else 0.0
+        prompt = np.array([self._prompt_work(r, d) if r.trace.first_ns is not None or d else 0.0
                            for r, d in zip(reqs, done)], dtype=float)
         ev_t, ev_r, ev_n, ev_c, ev_w = [], [], [], [], []
         for i, r in enumerate(reqs):
@@ -483,6 +489,25 @@ class Ledger:
                 rows.append(self._request_row(r))
                 del self.requests[r.trace.request_id]
         self.emit("requests", rows)
+
+    def _prompt_work(self, r: _Req, done: bool) -> float:
+        """The prompt tokens a request's prefill is costed at: the server's count, else (it ended without
+        one, or its intervals could be held no longer) an estimate from its body, kept for its row."""
+        p = _prompt_tokens(r)
+        if p is not None:
+            return p
+        tr = r.trace
+        if r.prompt_est is None and tr.first_ns is not None and (tr.status is None or tr.status < 400):
+            est = self.prompt_lengths.estimate(tr.api, tr.extra.get("prompt_chars"), tr.extra.get("prompt_ids"))
+            if est is not None:
+                r.prompt_est = est
+                why = _unsaid_reason(r, done)
+                n = self.prompts_estimated[why] = self.prompts_estimated.get(why, 0) + 1
+                if n == 1 or n % 1000 == 0:
+                    log.warning("request %d: %s; its prefill is costed at an estimate of %.0f prompt tokens (%s), and "
+                                "its row says so in energy_note (%d such requests so far)%s", tr.request_id,
+                                UNSAID_NOTES[why], est[0], est[1], n, UNSAID_FIX.get(why, ""))
+        return r.prompt_est[0] if r.prompt_est is not None else 0.0
 
     def _bypass_tokens(self, t: np.ndarray) -> tuple[np.ndarray, tuple[np.ndarray, np.ndarray]]:
         """(K,) tokens the server counted beyond the proxy's in each interval (bypass traffic), and
@@ -743,7 +768,9 @@ class Ledger:
             # No share at all is not a measured zero: left empty, with the reason.
             "gpu_energy_j": r.gpu_j if r.gpu_j > 0 and not r.gpu_missing else None,
             "cpu_energy_j": r.cpu_j if r.cpu_known and not r.cpu_missing and r.gpu_j > 0 else None,
-            "energy_note": (GPU_MISSING_NOTE if r.gpu_missing else None if r.gpu_j > 0 else _no_energy_reason(r)),
+            "energy_note": (GPU_MISSING_NOTE if r.gpu_missing else _approximate_note(r) if r.gpu_j > 0
+                            else _no_energy_reason(r)),
+            "prompt_tokens_estimate": r.prompt_est[0] if r.prompt_est is not None and _prompt_tokens(r) is None else None,
             "attributed_tokens": r.tokens,
             "gpu_j_per_token": (float(attr.per_token(r.gpu_j, r.tokens))
                                 if r.tokens > 0 and r.gpu_j > 0 and lie is None and not r.gpu_missing else None),
@@ -798,6 +825,35 @@ def _no_energy_reason(r: _Req) -> str:
     if _prompt_tokens(r) is None:
         return "no share: no tokens and no prompt length (the response did not say it)"
     return "no share: no tokens and an empty prompt"
+
+
+UNSAID_NOTES = {
+    "client_left": "the client left before the server said the prompt's length (in the usage at the stream's end)",
+    "no_usage": "the server never said the prompt's length (the stream carried no usage)",
+    "not_yet": "the server had not said the prompt's length 30 s after arrival (its intervals could be held no longer)",
+}
+UNSAID_FIX = {"no_usage": "; fix: ask for it, \"stream_options\": {\"include_usage\": true}"}
+
+
+def _unsaid_reason(r: _Req, done: bool) -> str:
+    if not done or r.trace.end_ns is None:
+        return "not_yet"
+    return "client_left" if r.trace.outcome == "client_disconnected" else "no_usage"
+
+
+def _approximate_note(r: _Req) -> str | None:
+    """Why a request's energy rests on an estimate rather than the server's counts (None: it does not)."""
+    notes = []
+    if r.prompt_est is not None and _prompt_tokens(r) is None:
+        why = _unsaid_reason(r, r.trace.end_ns is not None)
+        notes.append(f"{UNSAID_NOTES[why]}; its prefill was costed at an estimate of {r.prompt_est[0]:.0f} "
+                     f"prompt tokens ({r.prompt_est[1]}){UNSAID_FIX.get(why, '')}")
+    c = r.trace.counts
+    if r.server_ahead >= 0.5 and not r.to_server and (c is None or c.tokens_estimated):
+        notes.append(f"its tokens were counted one a chunk and the server's counter ran {r.server_ahead:.0f} token(s) "
+                     "ahead of the proxy's while it was live: their energy is in unproxied, not here (fix: "
+                     "\"stream_options\": {\"include_usage\": true})")
+    return "approximate: " + "; ".join(notes) if notes else None
 
 
 def _prompt_tokens(r: _Req) -> float | None:

@@ -83,6 +83,7 @@ class Snapshot:
     tokens_by_tag: dict = field(default_factory=dict)
     requests_by_tag: dict = field(default_factory=dict)  # {(tag, outcome): n}
     count_contradictions: dict = field(default_factory=dict)  # {reason: n} (service.Daemon._count_contradicted)
+    prompts_estimated: dict = field(default_factory=dict)  # {reason: n} (ledger.Ledger.prompts_estimated)
     server_tokens: float | None = None
     buffered_rows: int = 0
     dropped_rows: int = 0
@@ -188,6 +189,13 @@ class SnapshotCollector:
         for reason in COUNT_PROBLEM_KINDS:
             cc.add_metric([reason], s.count_contradictions.get(reason, 0))
         yield cc
+        pe = CounterMetricFamily("powerprof_requests_prompt_estimated", "Requests whose prompt length the server never "
+                                 "said, costed at an estimate from the request body (client_left: the client left before "
+                                 "the usage; no_usage: the stream carried none; not_yet: unsaid 30 s after arrival): their "
+                                 "rows' energy_note says so", labels=["reason"])
+        for reason in ("client_left", "no_usage", "not_yet"):
+            pe.add_metric([reason], s.prompts_estimated.get(reason, 0))
+        yield pe
         if s.joules_per_token is not None:
             yield GaugeMetricFamily("powerprof_joules_per_token",
                                     "GPU J per generated token over the recent decode intervals", value=s.joules_per_token)

@@ -33,6 +33,7 @@ from powerprof.workload.stream import json_from_bytes
 
 from . import streams
 from .forward import Exchange, UpstreamError, UpstreamPool
+from .promptlen import prompt_size
 
 log = logging.getLogger("powerprof.daemon.proxy")
 
@@ -201,8 +202,10 @@ def request_head(method: str, target: str, host: str, raw_headers, framing: byte
     return b"".join(parts)
 
 
-def inspect_request_body(body: bytes, encoding: str = "") -> tuple[str | None, bool | None]:
-    """(model, stream) from a JSON request body; the prompt is never looked at beyond parsing. A gzip or
+def inspect_request_body(body: bytes, encoding: str = "", api: str | None = None,
+                         extra: dict | None = None) -> tuple[str | None, bool | None]:
+    """(model, stream) from a JSON request body; of the prompt only its size is taken (into `extra`:
+    prompt_chars or prompt_ids, for a prompt the server never counts, `promptlen`). A gzip or
     deflate body (`encoding`: its Content-Encoding) is inflated on the side, at most INSPECT_MAX_BYTES: the
     upstream still gets the client's bytes, and a body that inflates beyond (a bomb) is not inspected."""
     encoding = encoding.strip().lower()
@@ -224,6 +227,12 @@ def inspect_request_body(body: bytes, encoding: str = "") -> tuple[str | None, b
         return None, None
     model = doc.get("model")
     stream = doc.get("stream")
+    if extra is not None and api is not None:
+        chars, ids = prompt_size(doc, api)
+        if chars is not None:
+            extra["prompt_chars"] = chars
+        if ids is not None:
+            extra["prompt_ids"] = ids
     return (model if isinstance(model, str) else None), (bool(stream) if stream is not None else None)
 
 
@@ -348,7 +357,7 @@ class Proxy:
             if trace is not None and trace.api is not None:
                 try:
                     encoding = request.headers.get("Content-Encoding", "")
-                    model, trace.stream = inspect_request_body(body, encoding)
+                    model, trace.stream = inspect_request_body(body, encoding, trace.api, trace.extra)
                     trace.model = bounded_text(model)
                 except Exception:
                     pass

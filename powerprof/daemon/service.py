@@ -447,6 +447,7 @@ class Daemon:
             tokens_by_tag=dict(self.tokens_by_tag),
             requests_by_tag=dict(self.requests_by_tag),
             count_contradictions=dict(self.count_contradictions),
+            prompts_estimated=dict(self.ledger.prompts_estimated),
             latency=self.latency.states(),
             inflight=self.inflight.state(time.monotonic_ns()),
             server_tokens=self.scraper.total if self.scraper is not None and self.scraper.kind else None,

@@ -217,6 +217,8 @@ DAEMON_REQUESTS_COLUMNS = [
     ("outcome", STR),  # ok | client_disconnected | upstream_error | upstream_unreachable | invalid_response | ... (data.md)
     ("error", STR),
     ("prompt_tokens", I32),
+    # where the server never counted the prompt (a client gone before the usage): the estimate its prefill was costed at
+    ("prompt_tokens_estimate", F64),
     ("generated_tokens", I32),
     ("decode_tokens", I32),  # generated - 1
     ("token_source", STR),  # usage | timings | counted | none
@@ -224,7 +226,7 @@ DAEMON_REQUESTS_COLUMNS = [
     ("stop_reason", STR),
     ("response_bytes", I64),
     ("gpu_energy_j", F64),  # its share of every interval it was live in, by its work there; null: no share (energy_note)
-    ("energy_note", STR),  # why gpu_energy_j is empty (no work seen: no tokens, no prompt length)
+    ("energy_note", STR),  # why gpu_energy_j is empty (no work seen), or approximate (a prompt length estimated)
     ("cpu_energy_j", F64),  # same split of RAPL package+DRAM energy
     ("attributed_tokens", F64),  # its tokens inside closed intervals (all of them)
     ("gpu_j_per_token", F64),  # gpu_energy_j / attributed_tokens

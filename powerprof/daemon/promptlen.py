@@ -1,0 +1,99 @@
+"""A prompt's length where the server never says it: from the request body, at this server's own tokens per character.
+
+A stream cut by its client (or one without `usage`) never tells the prompt's length, and without it
+the prompt's prefill energy went to the requests beside it. The proxy keeps the size of the body's
+prompt (its characters, never the text; or the count of a prompt given as token ids), and the ledger
+turns characters into tokens at the ratio of the requests whose server did count them: tokens ≈ a +
+b · characters, fitted over the last requests of that endpoint (the chat template's own tokens are
+`a`). Before any such request: CHARS_PER_TOKEN characters a token (English text, BPE tokenizers).
+"""
+
+from __future__ import annotations
+
+from collections import deque
+
+import numpy as np
+
+CHARS_PER_TOKEN = 4.0  # until this server has counted some prompts: English text, common BPE tokenizers
+KEEP = 256  # requests per endpoint the ratio is learned from
+MIN_FIT = 16  # requests before the intercept (template tokens) is fitted rather than the ratio of sums
+
+
+def prompt_size(doc: dict, api: str | None) -> tuple[int | None, int | None]:
+    """(characters of the prompt's text, token ids given as the prompt) from a JSON request body; None
+    where the body does not say (an image part, a shape not known). Only lengths are taken."""
+    if api == "openai-chat":
+        msgs = doc.get("messages")
+        if not isinstance(msgs, list):
+            return None, None
+        n = 0
+        for m in msgs:
+            if not isinstance(m, dict):
+                return None, None
+            c = m.get("content")
+            if isinstance(c, str):
+                n += len(c)
+            elif isinstance(c, list):
+                for part in c:
+                    if isinstance(part, dict) and isinstance(part.get("text"), str):
+                        n += len(part["text"])
+                    elif isinstance(part, dict) and part.get("type") not in (None, "text"):
+                        return None, None  # an image or audio part: its tokens are not its characters
+            elif c is not None:
+                return None, None
+        return n, None
+    if api in ("openai-completions", "llamacpp"):
+        p = doc.get("prompt", doc.get("content") if api == "llamacpp" else None)
+        if isinstance(p, str):
+            return len(p), None
+        if isinstance(p, list) and p and all(isinstance(x, int) and not isinstance(x, bool) for x in p):
+            return None, len(p)
+        if isinstance(p, list) and len(p) == 1 and isinstance(p[0], str):
+            return len(p[0]), None
+    return None, None  # a batch of prompts, or none: not one request's prompt
+
+
+class PromptLengths:
+    """Learns tokens per character from requests whose server counted their prompt; estimates the rest."""
+
+    def __init__(self, keep: int = KEEP):
+        self.seen: dict[str, deque] = {}
+        self.learned: dict[str, int] = {}  # api → requests learned from, all told
+        self._fit: dict[str, tuple[int, float, float]] = {}  # api → (learned when fitted, a, b)
+        self.keep = keep
+
+    def learn(self, api: str | None, chars: int | None, tokens: float | None) -> None:
+        if api is None or chars is None or tokens is None or chars <= 0 or tokens <= 0:
+            return
+        self.seen.setdefault(api, deque(maxlen=self.keep)).append((float(chars), float(tokens)))
+        self.learned[api] = self.learned.get(api, 0) + 1
+
+    def _coef(self, api: str) -> tuple[float, float, int]:
+        d = self.seen.get(api)
+        if not d:
+            return 0.0, 1.0 / CHARS_PER_TOKEN, 0
+        fit = self._fit.get(api)
+        if fit is not None and self.learned[api] - fit[0] < 8:  # refitted every 8 requests: estimates are rare
+            return fit[1], fit[2], len(d)
+        x = np.array([c for c, _ in d])
+        y = np.array([t for _, t in d])
+        a, b = 0.0, float(y.sum() / x.sum())
+        if len(d) >= MIN_FIT and x.std() > 0.1 * x.mean():
+            b1, a1 = np.polyfit(x, y, 1)
+            if b1 > 0 and a1 >= 0:
+                a, b = float(a1), float(b1)
+        self._fit[api] = (self.learned[api], a, b)
+        return a, b, len(d)
+
+    def estimate(self, api: str | None, chars: int | None, ids: int | None) -> tuple[float, str] | None:
+        """(tokens, how) for a prompt the server did not count; None when the body gave no size."""
+        if ids is not None:
+            return float(ids), f"the request's {ids} prompt token ids"
+        if chars is None or api is None:
+            return None
+        a, b, n = self._coef(api)
+        if n == 0:
+            return max(1.0, chars * b), (f"{chars} prompt characters at {CHARS_PER_TOKEN:g} characters a token (a default: no "
+                                          "request of this endpoint has had its prompt counted by the server yet)")
+        return max(1.0, a + chars * b), (f"{chars} prompt characters at {a:.1f} + {b:.3f} tokens a character, as this "
+                                          f"server counted its last {n} such prompts")

@@ -1,0 +1,61 @@
+"""The daemon against clients that leave mid-stream, before the usage that says their prompt's length."""
+
+from __future__ import annotations
+
+import json
+import time
+import urllib.request
+
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from daemon_helpers import DaemonProc, read_dataset, sim_env
+from powerprof.sim.nvml import SimNVML
+from powerprof.sim.server import SimServer, count_prompt_tokens
+
+pytestmark = pytest.mark.slow
+
+
+def _chat(words: int) -> dict:
+    return {"messages": [{"role": "user", "content": " ".join(["word"] * words)}], "max_tokens": 200,
+            "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True}}
+
+
+@pytest.mark.parametrize("workers", ["1", "2"])  # 2: the prompt's size crosses from the proxy workers to the daemon
+def test_a_stream_cut_before_its_usage_is_costed_an_estimated_prompt_and_says_so(tmp_path, workers):
+    data = tmp_path / "data"
+    with SimServer(SimNVML("seed-16g", state_path=None), flavour="vllm", decode_tok_s=80.0, draft_n_max=0) as srv:
+        d = DaemonProc(data, "--simulate", "--upstream", srv.url, "--interval", "0.25", "--flush-interval", "0.5",
+                       env={**sim_env(tmp_path), "POWERPROF_PROXY_WORKERS": workers})
+        try:
+            url = d.info["proxy"] + "/v1/chat/completions"
+            for words, cut in ((300, False), (300, True)):
+                req = urllib.request.Request(url, data=json.dumps(_chat(words)).encode(), method="POST",
+                                             headers={"Content-Type": "application/json"})
+                r = urllib.request.urlopen(req, timeout=60)
+                if cut:
+                    for _ in range(6):
+                        r.readline()
+                    r.close()  # gone before the usage
+                else:
+                    assert b'"prompt_tokens"' in r.read()
+            for _ in range(60):  # until its intervals have closed (held for the scrape and the prompt)
+                metrics = urllib.request.urlopen(d.info["metrics"] + "/metrics", timeout=10).read().decode()
+                if 'powerprof_requests_prompt_estimated_total{reason="client_left"} 1.0' in metrics:
+                    break
+                time.sleep(0.5)
+        finally:
+            rc = d.stop()
+    assert rc == 0, d.output()
+    done, cut = read_dataset(data, "requests").sort_values("request_id").to_dict("records")
+    true_prompt = count_prompt_tokens(" ".join(["word"] * 300))
+    assert done["outcome"] == "ok" and done["prompt_tokens"] == true_prompt
+    assert cut["outcome"] == "client_disconnected"
+    # Before: no prompt length, no prefill work, and nothing on the row said its energy was short of it.
+    assert cut["prompt_tokens_estimate"] == pytest.approx(true_prompt, rel=0.02)
+    assert cut["energy_note"].startswith("approximate: the client left before the server said the prompt's length")
+    fams = {f.name: f for f in text_string_to_metric_families(metrics)}
+    got = {s.labels["reason"]: s.value for s in fams["powerprof_requests_prompt_estimated"].samples
+           if s.name.endswith("_total")}
+    assert got == {"client_left": 1, "no_usage": 0, "not_yet": 0}, got
+    assert "costed at an estimate of" in d.output()
