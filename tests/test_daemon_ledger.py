@@ -762,6 +762,36 @@ def test_a_stream_cut_before_its_usage_is_costed_its_prompt_at_the_servers_own_r
     assert "costed at an estimate of 500 prompt tokens" in caplog.text
 
 
+def test_a_cut_stream_is_named_client_left_even_when_an_interval_before_its_end_closes_first():
+    # Under load the intervals before a cut stream's end closed after it had ended: the estimate was taken then and
+    # filed as "not_yet" (unsaid 30 s after arrival), the row's note and the metric with it.
+    sink = Sink()
+    led = Ledger("d", 0, 1, sink, grace_s=0.1)
+    done, cut = _chat(1, 0.05, 2000), _chat(2, 0.05, 2000)
+    for tr in (done, cut):
+        led.on_start(tr)
+    for k in range(10):
+        for tr in (done, cut):
+            led.on_tokens(tr, int((0.1 + 0.08 * k) * S), 1)
+    done.first_ns, done.last_ns, done.end_ns = int(0.1 * S), int(0.82 * S), int(0.85 * S)
+    cut.first_ns, cut.last_ns, cut.end_ns = int(0.1 * S), int(0.82 * S), int(0.9 * S)
+    done.counts = Counts(generated_tokens=10, prompt_tokens=500, model=None, stop_reason="length",
+                         token_source="usage")
+    cut.counts = Counts(generated_tokens=10, prompt_tokens=None, model=None, stop_reason=None,
+                        token_source="counted", tokens_estimated=True)
+    cut.outcome = "client_disconnected"
+    for tr in (done, cut):
+        led.on_end(tr)
+    _feed(led, 0.0, 0.0)
+    _feed(led, 0.5, 50.0)
+    led.advance(int(0.95 * S))  # closes [0, 0.5 s], which ends before the cut stream did (0.9 s)
+    _feed(led, 1.0, 100.0)
+    led.advance(int(1.5 * S))
+    got = {r["request_id"]: r for r in sink.rows["requests"]}
+    assert "client left" in got[2]["energy_note"] and "30 s" not in got[2]["energy_note"]
+    assert led.prompts_estimated == {"client_left": 1}
+
+
 def test_a_prompt_never_counted_by_its_server_is_estimated_at_the_default_ratio_and_names_the_fix():
     # No request has had its prompt counted (streams without include_usage): 4 characters a token, said on the row.
     sink = Sink()

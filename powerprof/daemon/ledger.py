@@ -501,7 +501,7 @@ class Ledger:
             est = self.prompt_lengths.estimate(tr.api, tr.extra.get("prompt_chars"), tr.extra.get("prompt_ids"))
             if est is not None:
                 r.prompt_est = est
-                why = _unsaid_reason(r, done)
+                why = _unsaid_reason(r)
                 n = self.prompts_estimated[why] = self.prompts_estimated.get(why, 0) + 1
                 if n == 1 or n % 1000 == 0:
                     log.warning("request %d: %s; its prefill is costed at an estimate of %.0f prompt tokens (%s), and "
@@ -835,8 +835,10 @@ UNSAID_NOTES = {
 UNSAID_FIX = {"no_usage": "; fix: ask for it, \"stream_options\": {\"include_usage\": true}"}
 
 
-def _unsaid_reason(r: _Req, done: bool) -> str:
-    if not done or r.trace.end_ns is None:
+def _unsaid_reason(r: _Req) -> str:
+    # Whether the request has ended, not whether it ended inside the intervals being closed: once a client has left,
+    # the prompt hold is over and earlier intervals close with the request still "live" in them.
+    if r.trace.end_ns is None:
         return "not_yet"
     return "client_left" if r.trace.outcome == "client_disconnected" else "no_usage"
 
@@ -845,7 +847,7 @@ def _approximate_note(r: _Req) -> str | None:
     """Why a request's energy rests on an estimate rather than the server's counts (None: it does not)."""
     notes = []
     if r.prompt_est is not None and _prompt_tokens(r) is None:
-        why = _unsaid_reason(r, r.trace.end_ns is not None)
+        why = _unsaid_reason(r)
         notes.append(f"{UNSAID_NOTES[why]}; its prefill was costed at an estimate of {r.prompt_est[0]:.0f} "
                      f"prompt tokens ({r.prompt_est[1]}){UNSAID_FIX.get(why, '')}")
     c = r.trace.counts
