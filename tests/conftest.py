@@ -10,16 +10,17 @@ import pytest
 
 @pytest.hookimpl(optionalhook=True)
 def pytest_xdist_auto_num_workers(config):
-    """`-n auto` (the README's command): two workers per core, at most --maxprocesses.
+    """`-n auto` (the README's command): two workers per core up to 8 (never fewer than one per core),
+    at most --maxprocesses.
 
     Most of the suite's wall time waits on things that run in real time: simulated GPUs, servers
     and daemons, real timeouts: on 2 cores, two workers kept 0.6 of a core busy over the full run
-    (9 min 22 s). Four run two files' waits on each core; the tests' bounds already allow for a
-    loaded machine (each must pass beside a CPU-bound job)."""
+    (9 min 22 s); four took 4 min 40 s, each file as long as it took on two. The tests' bounds
+    already allow for a loaded machine (each must pass beside a CPU-bound job)."""
     if os.environ.get("PYTEST_XDIST_AUTO_NUM_WORKERS"):
         return None  # xdist's own setting wins
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
-    return 2 * cores
+    return min(2 * cores, max(cores, 8))  # a many-core machine gains nothing from twice its cores
 
 
 # The longest files in the README's `--dist loadfile` run (seconds each, one full run on 2 cores,
