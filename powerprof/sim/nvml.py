@@ -314,8 +314,9 @@ class SimNVML:
         return getattr(pynvml, f"NVML_DEVICE_ARCH_{arch}", pynvml.NVML_DEVICE_ARCH_UNKNOWN)
 
     def nvmlDeviceGetMigMode(self, handle):
-        self._gpu(handle)
-        raise pynvml.NVMLError(pynvml.NVML_ERROR_NOT_SUPPORTED)
+        if not self._gpu(handle).profile.mig_capable:
+            raise pynvml.NVMLError(pynvml.NVML_ERROR_NOT_SUPPORTED)
+        return [0, 0]  # (current, pending): MIG off, as shipped
 
     def nvmlDeviceGetPersistenceMode(self, handle) -> int:
         self._gpu(handle)

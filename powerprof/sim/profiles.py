@@ -63,6 +63,7 @@ class GpuProfile:
     thermal_resistance_c_per_w: float = 0.15
     thermal_time_constant_s: float = 40.0
     driver_version: str = "580.95.05"
+    mig_capable: bool = False  # A100/H100/H200 answer nvmlDeviceGetMigMode (disabled: [0, 0]); GeForce cards say NOT_SUPPORTED
     extra: dict = field(default_factory=dict)
 
 
@@ -122,6 +123,7 @@ _add(
 _add(
     GpuProfile(
         key="a100-40g",
+        mig_capable=True,
         name="Simulated NVIDIA A100-SXM4-40GB",
         architecture="ampere",
         memory_total_bytes=40 * GIB,
@@ -148,6 +150,7 @@ _add(
 _add(
     GpuProfile(
         key="h200-141g",
+        mig_capable=True,
         name="Simulated NVIDIA H200",
         architecture="hopper",
         memory_total_bytes=141 * GIB,
