@@ -1001,7 +1001,14 @@ class TraceSweep(Sweep):
             self._notes.append(f"{name}: {cut}")
         if few_for_p95(sm.ok) and sm.ok:
             self._few[name] = sm.ok
-        if sm.failed:
+        if sm.failed and any(server_away(r) for r in records):
+            from powerprof.workload.replay import away_record
+
+            self._notes.append(
+                f"{name}: {row['error']}; {away_record(recs)['message']}; no J/token for this level "
+                "(the replay's energy holds the failed requests' work, not their tokens); sweep --trace does not "
+                "ride out a server that goes away: rerun once it stays up")
+        elif sm.failed:
             self._notes.append(
                 f"{name}: {row['error']}; no J/token for it (the replay's energy holds the failed requests' work, "
                 f"its tokens not theirs) and its latencies rest on the {sm.ok} that succeeded; fix: see `error` in "

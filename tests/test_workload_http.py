@@ -739,23 +739,28 @@ def test_replay_says_the_server_went_away_and_which_requests_were_lost(tmp_path,
 def test_server_epoch_tells_a_restart_from_a_dropped_connection():
     from powerprof.workload.client import restart_evidence, server_epoch
 
-    async def epoch(srv):
-        async with aiohttp.ClientSession() as s:
-            return await server_epoch(s, detect(srv.url))
+    def epoch(srv):
+        info = detect(srv.url)
+
+        async def go():
+            async with aiohttp.ClientSession() as s:
+                return await server_epoch(s, info)
+
+        return asyncio.run(go())
 
     with SimServer(SimNVML("a100-40g", state_path=None), flavour="vllm", **FAST) as s:
-        before = asyncio.run(epoch(s))
+        before = epoch(s)
         s.reset_connections().result(10)
-        assert restart_evidence(before, asyncio.run(epoch(s)))[0] is False  # vLLM's start time: the same process
+        assert restart_evidence(before, epoch(s))[0] is False  # vLLM's start time: the same process
         s.restart(0.05).result(10)
-        restarted, said = restart_evidence(before, asyncio.run(epoch(s)))
+        restarted, said = restart_evidence(before, epoch(s))
         assert restarted is True and "start time" in said, said
     with SimServer(SimNVML("a100-40g", state_path=None), **FAST) as s:  # llama.cpp: counters only
         run_load(s.url, builtin_prompts("short"), 1, 1, QUICK, warmup=0)
-        before = asyncio.run(epoch(s))
+        before = epoch(s)
         assert before["counters"]["llamacpp:tokens_predicted"] == 24
         s.reset_connections().result(10)
-        assert restart_evidence(before, asyncio.run(epoch(s)))[0] is None  # nothing fell: not known either way
+        assert restart_evidence(before, epoch(s))[0] is None  # nothing fell: not known either way
         s.restart(0.05).result(10)
-        restarted, said = restart_evidence(before, asyncio.run(epoch(s)))
+        restarted, said = restart_evidence(before, epoch(s))
         assert restarted is True and "fell from 24 to 0" in said, said
