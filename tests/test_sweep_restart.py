@@ -292,3 +292,31 @@ def test_a_restart_is_told_by_the_servers_counters(tmp_path, sim_server):
     assert r["restarted"] is True and "llamacpp:tokens_predicted" in r["evidence"] and "fell" in r["evidence"], r
     said = [n for n in outcome.notes if n.startswith("the server restarted at level 200 W (its counter")]
     assert len(said) == 1, outcome.notes
+
+
+def test_a_trace_sweep_says_the_server_went_away_during_a_levels_replay(tmp_path, sim_server, monkeypatch):
+    # Before: "... fix: ... timeouts or HTTP 429/503 only here: the server cannot serve this traffic at this
+    # setting": a server that had restarted read as one the setting was too low for.
+    import asyncio
+
+    import powerprof.workload.replay as rp
+    from powerprof.workload.trace import TraceRequest
+
+    real_send, done = rp.send_request, []
+
+    async def send(*a, **k):
+        if k["request_id"] == 3 and not done:
+            done.append(sim_server[0].restart(0.4))
+            await asyncio.sleep(0.1)
+        return await real_send(*a, **k)
+
+    monkeypatch.setattr(rp, "send_request", send)
+    sim = SimNVML("seed-16g", state_path=None)
+    trace = [TraceRequest(0.25 * i, 16, 8) for i in range(8)]
+    with Rig("seed-16g", nvml=sim) as rig:
+        outcome = run_sweep(rig, levels_spec="300", out_dir=tmp_path / "run", idle_s=0, interval_s=0.2, trace=trace,
+                            ui=UI())
+    said = [n for n in outcome.notes if "the server stopped answering during the replay" in n]
+    assert len(said) == 1 and said[0].startswith("level 300") and "does not ride out" in said[0], outcome.notes
+    assert "cannot serve this traffic" not in said[0]
+    assert sim.gpus[0].limit_w == 300.0
