@@ -298,6 +298,8 @@ def reason_group(reason: str | None) -> str:
         return "the server never ran the batch's streams together: it queued them"
     if "before the server restarted" in r:
         return "measured before the server restarted mid-level (the level was measured again)"
+    if "before the server stopped answering" in r:
+        return "measured before the server stopped answering mid-level (the level was measured again)"
     return r
 
 
@@ -319,9 +321,10 @@ def fix_for(reason: str | None) -> str:
             "streamed, so no J/token from it can be right: point --server at the server itself (not a proxy that "
             "rewrites streams), check the server build's usage reporting, and compare with its logs"
         )
-    if "server restarted" in r:
+    if "server restarted" in r or "server stopped answering" in r:
         return ("none needed for the figures (the level was measured again from scratch once the same server was back); "
-                "to keep it from restarting, see why in its log (out of memory, a crash)")
+                "to keep it from going away, see why in its log (out of memory, a crash) or in what lies between "
+                "(a proxy or load balancer that drops connections)")
     if "differ" in r:
         return "check for a proxy or a busy client between powerprof and the server"
     if "queued" in r:

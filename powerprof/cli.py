@@ -690,7 +690,8 @@ def replay(trace_path, url, simulate, launch, api, time_scale, duration_s, tag_h
     from powerprof.rig import Rig
     from powerprof.workload.client import RequestParams, ServerUnreachable, detect_server
     from powerprof.workload.launcher import LaunchError
-    from powerprof.workload.replay import LATE_NOTE_S, cut_short, few_for_p95, replay_async, summarize, trace_notes
+    from powerprof.workload.replay import (LATE_NOTE_S, away_record, cut_short, few_for_p95, replay_async, summarize,
+                                           trace_notes)
 
     if bool(url) == bool(simulate):
         raise click.UsageError("give exactly one of --server URL or --simulate")
@@ -722,6 +723,7 @@ def replay(trace_path, url, simulate, launch, api, time_scale, duration_s, tag_h
         server, records = found[0], sorted(done, key=lambda r: r.index)
     sm = summarize(records)
     notes = trace_notes(trace)
+    away = away_record(records)
     if sm.count_problems:
         from powerprof.arrival import fix_for
 
@@ -734,7 +736,7 @@ def replay(trace_path, url, simulate, launch, api, time_scale, duration_s, tag_h
     if sm.ok and few_for_p95(sm.ok):
         notes.append(few_for_p95(sm.ok))
     if as_json:
-        click.echo(json.dumps({"server": server.meta(), **sm.to_dict(), "notes": notes,
+        click.echo(json.dumps({"server": server.meta(), **sm.to_dict(), "notes": notes, "server_away": away,
                                "interrupted": None if stopped is None else {"requests_planned": len(trace)}}, indent=2))
     else:
         def f(v):
@@ -752,6 +754,8 @@ def replay(trace_path, url, simulate, launch, api, time_scale, duration_s, tag_h
         click.echo(f"{_stopped_how(stopped)}: the figures are over the {sm.n} of {len(trace)} requests that had finished "
                    "(those in flight were cut and left out, the rest never sent)", err=True)
         sys.exit(130 if isinstance(stopped, KeyboardInterrupt) else stopped.code)
+    if away is not None:
+        raise click.ClickException(away["message"])
     if sm.failed:
         errs = sorted({r.record.error for r in records if not r.record.ok})[:3]
         raise click.ClickException(f"{sm.failed} of {sm.n} requests failed: " + "; ".join(e or "?" for e in errs))
@@ -888,6 +892,8 @@ def analyze(run_dirs, out_dir, max_slowdown, eta, formats, force, n_boot, as_jso
 
     # Wrapped to the width sweep's results get (a pipe: 120 unless $COLUMNS): the terminal's own wrap cut figures.
     click.echo(console_summary(result, width=result_console().width))
+    for n in result.notes:  # not in console_summary: the sweep's end screen has said them already
+        click.echo(f"note: {n}")
 
 
 @main.command()

@@ -26,7 +26,8 @@ from powerprof.control.levels import parse_clock_levels, parse_power_levels
 from powerprof.profiler import Profiler
 from powerprof.storage.runs import RunWriter, default_run_dir, table_from_rows
 from powerprof.storage.samples import Timeline
-from powerprof.workload.client import RequestParams, health_status, identity_changes, server_away, server_identity
+from powerprof.workload.client import (RequestParams, health_status, identity_changes, restart_evidence, server_away,
+                                      server_epoch, server_identity)
 from powerprof.workload.load import LoadAborted, LoadPolicy, builtin_prompts, detect, run_load_async
 from powerprof.workload.rows import Level, request_timing, trace_row, window_rows
 
@@ -268,7 +269,8 @@ class LevelVisit:
     n_untrusted: int = 0  # measured windows left out: their timing cannot be trusted
     stop: str | None = None
     elapsed_s: float = 0.0
-    restarts: list[float] = field(default_factory=list)  # seconds the server was down, per restart ridden out
+    restarts: list[float] = field(default_factory=list)  # seconds the server was down, per time it was ridden out
+    restarted: bool = False  # one of those times its process is known to have restarted (restart_evidence)
 
 
 # A server that restarts again and again within one level crashes under its load: waiting once more
@@ -276,6 +278,7 @@ class LevelVisit:
 MAX_RESTARTS_PER_LEVEL = 3
 RESTART_POLL_S = 0.5
 RESTARTED_FLAG = "server-restarted"
+AWAY_FLAG = "server-away"  # it stopped answering and was ridden out, with nothing to show it restarted
 
 
 class UI:
@@ -342,7 +345,9 @@ class Sweep:
         self._suspect_spans = 0  # visit.spans from the first suspect window on
         self._attempt_rows: list[dict] = []  # the rows of the level's measurement in progress (since its start or a restart)
         self._identity: dict | None = None  # the server as the sweep began (server_identity), when restarts are ridden out
-        self.restarts: list[dict] = []  # restarts ridden out: run.json `server_restarts`
+        self.restarts: list[dict] = []  # times the server went away and was ridden out: run.json `server_restarts`
+        self._epoch: dict = {}  # the server process's marks (server_epoch) when last seen answering, for restart_evidence
+        self.idle_note: str | None = None  # why there is no idle baseline, where one was attempted and not kept
 
     # --- the run -----------------------------------------------------------------------------
 
@@ -374,15 +379,120 @@ class Sweep:
                 self.ui.level_done(visit, self._live(visit))
 
     async def _idle_baseline(self) -> None:
-
+        """The GPU's idle power, with the server loaded and sent nothing. The server is watched throughout
+        (/health every RESTART_POLL_S, its /metrics marks at both ends): one that restarts meanwhile reloads its
+        model, which works the GPU far above idle, and that power must not become the baseline. It is taken
+        again once the same server is back (--server-restart-wait), or left out, said, where it is not waited for."""
         if self.s.idle_s <= 0:
             return
-        self.timeline.set_tags(level_kind="idle", level_value=None)
-        self.ui.idle(self.s.idle_s)
-        with self.prof.window("idle") as w:
-            await asyncio.sleep(self.s.idle_s)
-        e = w.result.gpu_energy_total_j
-        self.idle_power_w = e / w.result.duration_s if e is not None and w.result.duration_s > 0 else None
+        tries = 0
+        while True:
+            self.timeline.set_tags(level_kind="idle", level_value=None)
+            self.ui.idle(self.s.idle_s)
+            before = await server_epoch(self.session, self.server)
+            with self.prof.window("idle") as w:
+                # Not waited for, the baseline keeps its length: the level after it finds the server as it would have.
+                gone = await self._watch_health(self.s.idle_s, until_gone=self.s.server_restart_wait_s > 0)
+            restarted, evidence = (None, "")
+            if gone is None:
+                restarted, evidence = restart_evidence(before, await server_epoch(self.session, self.server))
+                if restarted:  # back between two probes: the reload may still have been in the window
+                    gone = (time.monotonic_ns(), f"it restarted between two /health probes ({evidence})")
+            if gone is None:
+                e = w.result.gpu_energy_total_j
+                self.idle_power_w = e / w.result.duration_s if e is not None and w.result.duration_s > 0 else None
+                self._epoch = before
+                return
+            t_gone_ns, why = gone
+            name = "the idle baseline"
+            if self.s.server_restart_wait_s <= 0:
+                self.idle_power_w = None
+                self.idle_note = (
+                    f"no idle baseline: the server stopped answering during it ({why}): a server restarting reloads its "
+                    "model, which works the GPU, so that window's power is not the idle GPU's; idle_gpu_power_w and "
+                    "every above-idle figure are left empty; fix: rerun with the server up throughout, or give "
+                    "--server-restart-wait to have the baseline taken again once it is back")
+                self.ui.note(self.idle_note)
+                self.flush()
+                return
+            if tries >= MAX_RESTARTS_PER_LEVEL:
+                self.flush()
+                raise SweepError(
+                    f"{name}: the server stopped answering again ({why}), its {tries + 1}th time before the first "
+                    "level: fix: see why in the server's log (out of memory, a crash) and rerun")
+            tries += 1
+            self.ui.note(f"{name}: the server stopped answering ({why}); waiting up to {self.s.server_restart_wait_s:g} s "
+                         "for it to come back (--server-restart-wait), then the baseline is taken again")
+            down_s, restarted, evidence = await self._back(name, why, t_gone_ns, before, restarted, evidence)
+            self._record_away(None, None, down_s, why, restarted, evidence, stage="idle-baseline")
+            self.ui.note(f"{name}: {self._away_words(restarted, evidence, down_s)}; the baseline is taken again")
+
+    async def _watch_health(self, seconds: float, until_gone: bool = True):
+        """Sleep `seconds`, probing the server's /health every RESTART_POLL_S; (monotonic ns, why) of the first
+        probe it did not answer 200 to, or None. A probe is a GET the server answers from memory: no GPU work.
+        until_gone: return at that first probe rather than at the end."""
+        deadline = time.monotonic() + seconds
+        first = None
+        while True:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                return first
+            await asyncio.sleep(min(RESTART_POLL_S, left))
+            t_ns = time.monotonic_ns()
+            st = await health_status(self.session, self.server.base_url)
+            if st != 200 and first is None:
+                first = t_ns, (f"{self.server.base_url}/health answered HTTP {st}" if st is not None
+                               else f"{self.server.base_url}/health did not answer")
+                if until_gone:
+                    return first
+
+    async def _back(self, name: str, why: str, t_gone_ns: int, before: dict, restarted=None, evidence: str = "",
+                    recs=()):
+        """Wait for the server that went away at `t_gone_ns` to be healthy again and check it is the same server;
+        (seconds down, restarted: True/False/None, what says so). `before`: its server_epoch when last seen; `recs`:
+        attempts since, a retry it answered says it was back by then. SweepError, with what was finished kept,
+        when it is not back within the wait or is back as another server."""
+        wait_s = self.s.server_restart_wait_s
+        deadline = time.monotonic() + wait_s
+        while await health_status(self.session, self.server.base_url) != 200:
+            if time.monotonic() >= deadline:
+                self.flush()
+                raise SweepError(
+                    f"{name}: the server stopped answering ({why}) and was not healthy again within {wait_s:g} s "
+                    f"({self.server.base_url}/health); fix: see why in the server's log, or give it longer to come "
+                    "back (--server-restart-wait SECONDS)")
+            await asyncio.sleep(RESTART_POLL_S)
+        answered = [r.t_send_ns for r in recs if r.ok and r.t_send_ns > t_gone_ns]
+        down_s = ((min(answered) if answered else time.monotonic_ns()) - t_gone_ns) / 1e9
+        after = await server_epoch(self.session, self.server)
+        if restarted is None:
+            restarted, evidence = restart_evidence(before, after)
+        self._epoch = after
+        try:
+            changes = identity_changes(self._identity or {}, await server_identity(self.session, self.server))
+        except Exception as e:  # noqa: BLE001 - it answered /health but not as a server: not the same one
+            changes = [f"it no longer answers as an inference server ({e})"]
+        if changes:
+            self.flush()
+            raise SweepError(
+                f"{name}: the server came back after {down_s:.1f} s down, but not as the same server "
+                f"({'; '.join(changes)}): the levels measured before and after would not be comparable; fix: "
+                "restart it with the model, build and flags it had, and rerun the sweep")
+        return down_s, restarted, evidence
+
+    @staticmethod
+    def _away_words(restarted, evidence: str, down_s: float) -> str:
+        """What happened, only as far as the server shows it: a restart where its start time or counters say so."""
+        if restarted:
+            return f"the server restarted ({evidence}) and is back after {down_s:.1f} s, the same server"
+        return (f"the server answers again after {down_s:.1f} s, the same server; no restart seen ({evidence}): "
+                "it stopped answering (a connection reset or refused)")
+
+    def _record_away(self, visit, repeat, down_s, why, restarted, evidence, stage="level") -> None:
+        value = None if visit is None else visit.level_value
+        self.restarts.append({"stage": stage, "level_value": value, "repeat": repeat, "down_s": round(down_s, 3),
+                              "error": why, "restarted": restarted, "evidence": evidence})
+        self.flush()
 
     def _set_level(self, visit: LevelVisit) -> None:
         if self.s.level_kind == "none":
@@ -469,6 +579,8 @@ class Sweep:
         attempted = 0
         self._watch_from_now(visit)
         self._attempt_rows = []
+        if self.s.server_restart_wait_s > 0:
+            self._epoch = await server_epoch(self.session, self.server)  # what a restart mid-level is told by
         while True:
             try:
                 recs, aborted = await self._batch(self.s.concurrency, warmup), None
@@ -516,7 +628,7 @@ class Sweep:
         """The server stopped answering mid-level (`recs` say so: server_away): wait for it to be healthy again,
         check it came back the same server, and leave out every window of the level measured so far, so the
         caller measures it again from scratch. SweepError, with the finished levels kept, when it does not
-        come back within the wait, comes back different, or restarts too often."""
+        come back within the wait, comes back different, or goes away too often."""
         name = _level_name(visit)
         gone = [r for r in recs if server_away(r)]
         t_gone_ns, why = min(r.t_send_ns for r in gone), gone[0].error
@@ -529,29 +641,10 @@ class Sweep:
                 "fix: see why in the server's log (out of memory, a crash) and rerun")
         self.ui.note(f"{name}: the server stopped answering ({why}); waiting up to {wait_s:g} s for it to come back "
                      "(--server-restart-wait)")
-        deadline = time.monotonic() + wait_s
-        while await health_status(self.session, self.server.base_url) != 200:
-            if time.monotonic() >= deadline:
-                self.flush()
-                raise SweepError(
-                    f"{name}: the server stopped answering ({why}) and was not healthy again within {wait_s:g} s "
-                    f"({self.server.base_url}/health); fix: see why in the server's log, or give it longer to come "
-                    "back (--server-restart-wait SECONDS)")
-            await asyncio.sleep(RESTART_POLL_S)
-        # A retry the server answered says it was back by then (a restart quicker than the retries).
-        answered = [r.t_send_ns for r in recs if r.ok and r.t_send_ns > t_gone_ns]
-        down_s = ((min(answered) if answered else time.monotonic_ns()) - t_gone_ns) / 1e9
-        try:
-            changes = identity_changes(self._identity or {}, await server_identity(self.session, self.server))
-        except Exception as e:  # noqa: BLE001 - it answered /health but not as a server: not the same one
-            changes = [f"it no longer answers as an inference server ({e})"]
-        if changes:
-            self.flush()
-            raise SweepError(
-                f"{name}: the server came back after {down_s:.1f} s down, but not as the same server "
-                f"({'; '.join(changes)}): the levels measured before and after would not be comparable; fix: "
-                "restart it with the model, build and flags it had, and rerun the sweep")
-        left = f"measured before the server restarted mid-level (down {down_s:.1f} s): the level was measured again from scratch"
+        down_s, restarted, evidence = await self._back(name, why, t_gone_ns, self._epoch, recs=recs)
+        what = "restarted" if restarted else "stopped answering"
+        left = (f"measured before the server {what} mid-level (down {down_s:.1f} s): the level was measured again "
+                "from scratch")
         for row in self._attempt_rows:
             if row.get("timing") != "untrusted":
                 distrust(row, left)
@@ -560,25 +653,32 @@ class Sweep:
         self._suspect_rows, self._suspect_spans = [], 0
         visit.n_measured = visit.n_untrusted = 0
         visit.restarts.append(down_s)
-        self.restarts.append({"level_value": visit.level_value, "repeat": visit.repeat, "down_s": round(down_s, 3),
-                              "error": why})
-        self.flush()
-        self.ui.note(f"{name}: the server is back after {down_s:.1f} s down, the same server; the level is measured "
-                     "again from scratch (warm-up first), its windows so far left out")
+        visit.restarted = visit.restarted or bool(restarted)
+        self._record_away(visit, visit.repeat, down_s, why, restarted, evidence)
+        self.ui.note(f"{name}: {self._away_words(restarted, evidence, down_s)}; the level is measured again from "
+                     "scratch (warm-up first), its windows so far left out")
         visit.settle_s += await self._settle(visit)
 
     @property
     def restart_notes(self) -> list[str]:
-        """One line per restart ridden out, for the end screen and run.json notes."""
+        """One line per time the server went away and was ridden out, for the end screen and run.json notes."""
         unit = "W" if self.s.level_kind == "power_limit" else "MHz"
         out = []
         for r in self.restarts:
+            restarted = r.get("restarted")
+            seen = f"({r['evidence']})" if restarted else f"(no restart seen: {r.get('evidence') or 'nothing tells'})"
+            what = "the server restarted" if restarted else "the server stopped answering"
+            if r.get("stage") == "idle-baseline":
+                out.append(f"{what} during the idle baseline {seen}, down {r['down_s']:.1f} s ({r['error']}): the "
+                           "baseline was taken again once it was back, so no reload of its model is in idle_gpu_power_w")
+                continue
             where = "the settings as they are" if r["level_value"] is None else f"level {r['level_value']:g} {unit}"
             rep = f" (repeat {r['repeat'] + 1})" if self.s.repeats > 1 else ""
-            out.append(f"the server restarted at {where}{rep}, down {r['down_s']:.1f} s ({r['error']}): the level "
-                       f"was measured again from scratch after a warm-up; the windows measured before are left out "
-                       f"(levels.parquet flag {RESTARTED_FLAG})")
-        return out
+            flag = RESTARTED_FLAG if restarted else AWAY_FLAG
+            out.append(f"{what} at {where}{rep} {seen}, down {r['down_s']:.1f} s ({r['error']}): the level was "
+                       f"measured again from scratch after a warm-up; the windows measured before are left out "
+                       f"(levels.parquet flag {flag})")
+        return out + ([self.idle_note] if self.idle_note else [])
 
     def _watch_from_now(self, visit: LevelVisit) -> None:
         """The level's setting is checked in every GPU sample from here on (settled or not)."""
@@ -788,7 +888,8 @@ class Sweep:
 
             return table_from_rows("levels", [])
         table = summarize_levels(windows, self.reference_value, run_id=self.run_id, extra=self.level_extras(samples))
-        table = _flag_levels(table, {v.level_value for v in self.visits if v.restarts}, RESTARTED_FLAG)
+        table = _flag_levels(table, {v.level_value for v in self.visits if v.restarted}, RESTARTED_FLAG)
+        table = _flag_levels(table, {v.level_value for v in self.visits if v.restarts and not v.restarted}, AWAY_FLAG)
         return _flag_levels(table, {v.level_value for v in self.visits if v.stop is None}, "interrupted")
 
     def flush(self) -> None:
@@ -808,6 +909,8 @@ class Sweep:
         self.writer.write("samples", samples)
         self.writer.write("levels", self.levels_table(samples))
         extra = {"server_restarts": self.restarts} if self.restarts else {}
+        if self.idle_note:
+            extra["idle_baseline_note"] = self.idle_note
         self.writer.write_json(idle_gpu_power_w=self.idle_power_w, levels_done=[(v.level_value, v.repeat) for v in self.visits if v.stop],
                                **extra)
 
@@ -898,7 +1001,14 @@ class TraceSweep(Sweep):
             self._notes.append(f"{name}: {cut}")
         if few_for_p95(sm.ok) and sm.ok:
             self._few[name] = sm.ok
-        if sm.failed:
+        if sm.failed and any(server_away(r) for r in records):
+            from powerprof.workload.replay import away_record
+
+            self._notes.append(
+                f"{name}: {row['error']}; {away_record(recs)['message']}; no J/token for this level "
+                "(the replay's energy holds the failed requests' work, not their tokens); sweep --trace does not "
+                "ride out a server that goes away: rerun once it stays up")
+        elif sm.failed:
             self._notes.append(
                 f"{name}: {row['error']}; no J/token for it (the replay's energy holds the failed requests' work, "
                 f"its tokens not theirs) and its latencies rest on the {sm.ok} that succeeded; fix: see `error` in "

@@ -763,3 +763,38 @@ def test_analyze_summary_is_wrapped_to_the_terminal_between_words(tmp_path, monk
         assert " ".join(w.message.split()) in " ".join(r.output.split()), w.message
     if width == 200:
         assert any("chosen by" in line and "tok/s" in line for line in lines)  # the table, with room for it
+
+
+def test_a_level_measured_again_after_the_server_went_away_is_noted_in_every_output(tmp_path):
+    # Before: run.json's server_restarts was read by nothing: the report gave no hint that 220 W had been measured
+    # again after a restart, or that the server had only stopped answering at 260 W.
+    run = make_run(tmp_path / "run", seed_truth(), levels=SEED_LEVELS, n_requests=6)
+    plain = analyze_run([run], tmp_path / "a0", n_boot=200)
+    meta_path = run / "run.json"
+    meta = json.loads(meta_path.read_text())
+    meta["server_restarts"] = [
+        {"stage": "idle-baseline", "level_value": None, "repeat": None, "down_s": 3.2, "error": "x", "restarted": None,
+         "evidence": "its /metrics shows no start time, and no counter fell"},
+        {"stage": "level", "level_value": 220.0, "repeat": 0, "down_s": 14.25, "error": "connection refused: y",
+         "restarted": True, "evidence": "its counter llamacpp:tokens_predicted fell from 9000 to 0"},
+        {"level_value": 260.0, "repeat": 0, "down_s": 0.1, "error": "connection lost: z"},  # as the first release wrote
+    ]
+    meta_path.write_text(json.dumps(meta))
+    r = CliRunner().invoke(main, ["analyze", str(run), "--bootstrap", "200", "--out", str(tmp_path / "a")])
+    assert r.exit_code == 0, r.output
+    doc = json.loads((tmp_path / "a" / "analysis.json").read_text())
+    notes = doc["notes"]
+    assert any("220 W was measured again from scratch after the server restarted" in n and "down 14.2 s" in n
+               and "fell from 9000 to 0" in n for n in notes), notes
+    assert any("260 W was measured again from scratch after the server stopped answering" in n and "down 0.1 s" in n
+               for n in notes), notes
+    assert any("idle baseline was taken again" in n and "down 3.2 s" in n for n in notes), notes
+    assert [x["level_value"] for x in doc["server_restarts"]] == [None, 220.0, 260.0]
+    md = (tmp_path / "a" / "report.md").read_text()
+    assert "## Notes" in md and "220 W was measured again from scratch" in md
+    assert "220 W was measured again" in (tmp_path / "a" / "report.html").read_text()
+    assert "note: 220 W was measured again" in " ".join(r.output.split()), r.output
+    # The figures are the run's as they were: a note, never a warning or a level left out.
+    assert not [w for w in doc["warnings"] if "restart" in w["message"]]
+    assert doc["recommendation"]["level_value"] == plain.recommendation.level_value
+    assert not plain.notes and "## Notes" not in (tmp_path / "a0" / "report.md").read_text()

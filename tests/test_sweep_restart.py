@@ -201,3 +201,122 @@ def test_a_restart_quicker_than_the_retries_still_has_the_level_measured_again(t
     failed = w[(w.level_value == 200.0) & (w.status == "failed")]
     assert len(failed) >= 1 and failed.error.str.match(r"connection lost|server closed the stream|connection refused").all()
     assert min(r["batch_id"] for r in kept) > failed.batch_id.max()  # every counted batch was sent after the cut
+
+
+class _AtIdle(UI):
+    """A sweep UI that runs `act()` as the (first) idle baseline begins and keeps what the sweep said."""
+
+    def __init__(self, act):
+        self.act = act
+        self.notes: list[str] = []
+        self.idles = 0
+
+    def idle(self, seconds):
+        self.idles += 1
+        if self.idles == 1:
+            self.act()
+
+    def note(self, text):
+        self.notes.append(text)
+
+
+def test_a_restart_during_the_idle_baseline_is_seen_and_the_baseline_taken_again(tmp_path, sim_server):
+    # Before: nothing watched the server while the GPU idled, and the model's reload (1.5 s working the GPU) went
+    # into idle_gpu_power_w, which every above-idle J/token subtracts and the report draws.
+    sim = SimNVML("seed-16g", state_path=None)
+    out = tmp_path / "run"
+    ui = _AtIdle(lambda: sim_server[0].restart(0.5, loading_s=1.5))
+    with Rig("seed-16g", nvml=sim) as rig:
+        outcome = _sweep(rig, out, ui, levels_spec="300", idle_s=4, params=RequestParams(max_tokens=32))
+    idle_w = sim.gpus[0].profile.idle_power_w
+    meta = json.loads((out / "run.json").read_text())
+    assert meta["idle_gpu_power_w"] == pytest.approx(idle_w, rel=0.03), meta["idle_gpu_power_w"]
+    assert ui.idles == 2  # taken again
+    (away,) = meta["server_restarts"]
+    assert away["stage"] == "idle-baseline" and away["level_value"] is None and away["down_s"] >= 0.5, away
+    said = [n for n in outcome.notes if "during the idle baseline" in n]
+    assert len(said) == 1 and "taken again" in said[0], outcome.notes
+    assert any(n.startswith("the idle baseline: the server stopped answering") for n in ui.notes), ui.notes
+    levels = pq.read_table(out / "levels.parquet").to_pandas()
+    assert not any(f for f in levels["flags"].fillna("") if "server-" in f)  # no level was touched
+
+
+def test_a_restart_during_the_idle_baseline_not_waited_for_leaves_no_baseline_and_says_why(tmp_path, sim_server):
+    sim = SimNVML("seed-16g", state_path=None)
+    out = tmp_path / "run"
+    ui = _AtIdle(lambda: sim_server[0].restart(0.5, loading_s=1.5))
+    with Rig("seed-16g", nvml=sim) as rig:
+        outcome = _sweep(rig, out, ui, levels_spec="300", idle_s=4, params=RequestParams(max_tokens=32),
+                         server_restart_wait_s=0)
+    meta = json.loads((out / "run.json").read_text())
+    assert meta["idle_gpu_power_w"] is None
+    assert meta["idle_baseline_note"].startswith("no idle baseline: the server stopped answering during it")
+    assert "--server-restart-wait" in meta["idle_baseline_note"]
+    assert meta["idle_baseline_note"] in outcome.notes
+    w = pq.read_table(out / "windows.parquet").to_pandas()
+    assert w.above_idle_gpu_j_per_token.isna().all() and w.idle_gpu_power_w.isna().all()
+    assert w[(w.window_kind == "request") & ~w.warmup].gpu_j_per_token.notna().all()  # the level itself is fine
+
+
+def test_a_connection_reset_without_a_restart_is_not_called_a_restart(tmp_path, sim_server):
+    # Before: a stream cut by a dropped connection (a proxy, a NAT) read "the server restarted at level 200 W" and
+    # the level was flagged server-restarted, though the server ran on throughout (its counters kept counting).
+    sim = SimNVML("seed-16g", state_path=None)
+    out = tmp_path / "run"
+    ui = _Hook(_once_at_level_200(sim_server, lambda srv: srv.reset_connections(after_s=0.3)))
+    with Rig("seed-16g", nvml=sim) as rig:
+        outcome = _sweep(rig, out, ui)
+    assert not sim_server[0].restarts
+    levels = pq.read_table(out / "levels.parquet").to_pandas().set_index("level_value")
+    flags = levels.loc[200.0, "flags"].split(",")
+    assert "server-away" in flags and "server-restarted" not in flags, flags
+    (away,) = json.loads((out / "run.json").read_text())["server_restarts"]
+    assert away["restarted"] is None and away["level_value"] == 200.0, away
+    said = [n for n in outcome.notes if "level 200 W" in n and "measured again" in n]
+    assert len(said) == 1 and said[0].startswith("the server stopped answering at level 200 W (no restart seen"), outcome.notes
+    assert not any("restarted" in n for n in outcome.notes + ui.notes), outcome.notes + ui.notes
+    assert any("answers again after" in n for n in ui.notes), ui.notes
+    w = pq.read_table(out / "windows.parquet").to_pandas()
+    left = w[(w.level_value == 200.0) & (w.timing == "untrusted")]
+    assert len(left) >= 1 and left.timing_reason.str.contains("before the server stopped answering mid-level").all()
+
+
+def test_a_restart_is_told_by_the_servers_counters(tmp_path, sim_server):
+    # llama.cpp shows no start time; its /metrics counters start again from zero in a new process.
+    sim = SimNVML("seed-16g", state_path=None)
+    out = tmp_path / "run"
+    ui = _Hook(_once_at_level_200(sim_server, lambda srv: srv.restart(0.5)))
+    with Rig("seed-16g", nvml=sim) as rig:
+        outcome = _sweep(rig, out, ui, params=RequestParams(max_tokens=32))
+    (r,) = json.loads((out / "run.json").read_text())["server_restarts"]
+    assert r["restarted"] is True and "llamacpp:tokens_predicted" in r["evidence"] and "fell" in r["evidence"], r
+    said = [n for n in outcome.notes if n.startswith("the server restarted at level 200 W (its counter")]
+    assert len(said) == 1, outcome.notes
+
+
+def test_a_trace_sweep_says_the_server_went_away_during_a_levels_replay(tmp_path, sim_server, monkeypatch):
+    # Before: "... fix: ... timeouts or HTTP 429/503 only here: the server cannot serve this traffic at this
+    # setting": a server that had restarted read as one the setting was too low for.
+    import asyncio
+
+    import powerprof.workload.replay as rp
+    from powerprof.workload.trace import TraceRequest
+
+    real_send, done = rp.send_request, []
+
+    async def send(*a, **k):
+        if k["request_id"] == 3 and not done:
+            done.append(sim_server[0].restart(0.4))
+            await asyncio.sleep(0.1)
+        return await real_send(*a, **k)
+
+    monkeypatch.setattr(rp, "send_request", send)
+    sim = SimNVML("seed-16g", state_path=None)
+    trace = [TraceRequest(0.25 * i, 16, 8) for i in range(8)]
+    with Rig("seed-16g", nvml=sim) as rig:
+        outcome = run_sweep(rig, levels_spec="300", out_dir=tmp_path / "run", idle_s=0, interval_s=0.2, trace=trace,
+                            ui=UI())
+    said = [n for n in outcome.notes if "the server stopped answering during the replay" in n]
+    assert len(said) == 1 and said[0].startswith("level 300") and "does not ride out" in said[0], outcome.notes
+    assert "cannot serve this traffic" not in said[0]
+    assert sim.gpus[0].limit_w == 300.0

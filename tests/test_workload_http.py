@@ -654,3 +654,113 @@ def test_a_non_finite_server_timing_times_nothing():
     q = arrival_quality(np.array([0, 10**9], np.int64), np.array([1, 99]), 100)
     s, n, _ = server_decode({"predicted_ms": float("inf"), "predicted_n": 100})
     assert classify(q, 100, s, n).kind == "untrusted"
+
+
+# --- a server that goes away mid-run (measure, replay): said, with what was lost and the fix --------------
+
+
+@pytest.fixture
+def captured_sim(monkeypatch):
+    """The simulated servers the rig starts, as it starts them: [SimServer]."""
+    import powerprof.rig as rigmod
+
+    got = []
+    real = rigmod.Rig.sim_server
+
+    def capture(self, **kw):
+        got.append(real(self, **kw))
+        return got[-1]
+
+    monkeypatch.setattr(rigmod.Rig, "sim_server", capture)
+    return got
+
+
+def test_measure_stops_when_the_server_goes_away_and_says_what_was_lost(tmp_path, monkeypatch, captured_sim):
+    # Before: the request cut by a restart was retried, the restarted (cold) server answered, and the run went on as
+    # one undisturbed measurement, exit 0, not a word; a longer restart read "request 3 failed 3 times".
+    import json
+
+    import powerprof.workload.load as load
+    import powerprof.workload.measure as m
+
+    real_send, real_measure = load.send_request, m.run_measure
+    monkeypatch.setattr(m, "run_measure", lambda rig, **kw: real_measure(rig, **kw, sim_decode_tok_s=300.0, interval_s=0.2))
+    done = []
+
+    async def send(*a, **k):
+        if k["request_id"] == 3 and not done:
+            done.append(captured_sim[0].restart(0.3))
+            await asyncio.sleep(0.1)  # down when the request is sent; back before the old retries ran out
+        return await real_send(*a, **k)
+
+    monkeypatch.setattr(load, "send_request", send)
+    out = tmp_path / "run"
+    r = CliRunner().invoke(main, ["measure", "--simulate", "a100-40g", "--max-tokens", "16", "--requests", "6",
+                                  "--out", str(out)])
+    assert r.exit_code == 1, r.output
+    msg = " ".join(r.output.split())
+    assert "the server stopped answering at request 3" in msg and "connection refused" in msg, msg
+    assert "requests 3-6 were lost (3 failed, 4-6 never sent)" in msg, msg
+    assert "the 2 measured before it are kept" in msg and "--server-restart-wait" in msg, msg
+    rows = pq.read_table(out / "windows.parquet").to_pylist()
+    assert sorted(x["request_id"] for x in rows if x["status"] == "ok" and not x["warmup"]) == [1, 2]
+    assert [x["attempt"] for x in rows if x["request_id"] == 3] == [1]  # not retried into the restarted server
+    meta = json.loads((out / "run.json").read_text())
+    assert meta["aborted"].startswith("the server stopped answering at request 3")
+    assert meta["server_away"]["lost_request_ids"] == [3, 4, 5, 6], meta["server_away"]
+
+
+def test_replay_says_the_server_went_away_and_which_requests_were_lost(tmp_path, monkeypatch, captured_sim):
+    # Before: "2 of 8 requests failed: connection refused ..." and the latency figures, with no word that the
+    # server itself had gone, which requests of the trace it cost, or what to do.
+    import powerprof.workload.replay as rp
+    from powerprof.workload.trace import TraceRequest
+
+    trace = tmp_path / "t.jsonl"
+    trace.write_text("".join(f'{{"t_s": {0.3 * i:.1f}, "prompt_tokens": 20, "output_tokens": 8}}\n' for i in range(8)))
+    real_send = rp.send_request
+    done = []
+
+    async def send(*a, **k):
+        if k["request_id"] == 4 and not done:
+            done.append(captured_sim[0].restart(0.5))
+            await asyncio.sleep(0.1)
+        return await real_send(*a, **k)
+
+    monkeypatch.setattr(rp, "send_request", send)
+    r = CliRunner().invoke(main, ["replay", str(trace), "--simulate", "a100-40g"])
+    assert r.exit_code == 1, r.output
+    msg = " ".join(r.output.split())
+    assert "the server stopped answering during the replay" in msg, msg
+    assert re.search(r"requests 4(-\d)? of the trace .* were lost", msg), msg
+    assert "--server-restart-wait" in msg and "not the trace's" in msg, msg
+
+
+def test_server_epoch_tells_a_restart_from_a_dropped_connection():
+    from powerprof.workload.client import restart_evidence, server_epoch
+
+    def epoch(srv):
+        info = detect(srv.url)
+
+        async def go():
+            async with aiohttp.ClientSession() as s:
+                return await server_epoch(s, info)
+
+        return asyncio.run(go())
+
+    with SimServer(SimNVML("a100-40g", state_path=None), flavour="vllm", **FAST) as s:
+        before = epoch(s)
+        s.reset_connections().result(10)
+        assert restart_evidence(before, epoch(s))[0] is False  # vLLM's start time: the same process
+        s.restart(0.05).result(10)
+        restarted, said = restart_evidence(before, epoch(s))
+        assert restarted is True and "start time" in said, said
+    with SimServer(SimNVML("a100-40g", state_path=None), **FAST) as s:  # llama.cpp: counters only
+        run_load(s.url, builtin_prompts("short"), 1, 1, QUICK, warmup=0)
+        before = epoch(s)
+        assert before["counters"]["llamacpp:tokens_predicted"] == 24
+        s.reset_connections().result(10)
+        assert restart_evidence(before, epoch(s))[0] is None  # nothing fell: not known either way
+        s.restart(0.05).result(10)
+        restarted, said = restart_evidence(before, epoch(s))
+        assert restarted is True and "fell from 24 to 0" in said, said

@@ -70,6 +70,9 @@ class AnalysisResult:
     timelines: list[Timeline] = field(default_factory=list)
     files: dict[str, str] = field(default_factory=dict)
     knobs: object | None = None  # knobs.KnobResult of a configuration sweep
+    # What happened during the runs that changes no figure (server_notes): said beside them, never a warning.
+    notes: list[str] = field(default_factory=list)
+    server_restarts: list[dict] = field(default_factory=list)  # run.json server_restarts, each with its run_id
 
     @property
     def has_levels(self) -> bool:
@@ -133,6 +136,8 @@ class AnalysisResult:
                 for s in self.series
             ],
             "warnings": [w.to_dict() for w in self.warnings],
+            "notes": list(self.notes),
+            "server_restarts": list(self.server_restarts),
             "files": self.files,
             "configurations": self.knobs.to_dict() if self.knobs is not None else None,
         }
@@ -281,6 +286,46 @@ def unstored_findings(runs: list[RunInfo]) -> list[Finding]:
             out.append(Finding("unstored", f"{r.path}: {n} measured window row(s) could not be stored ({why}); "
                                            "every figure here is computed without them."))
     return out
+
+
+def server_notes(runs: list[RunInfo]) -> tuple[list[str], list[dict]]:
+    """(notes, entries) from run.json: each time a sweep's server went away and was ridden out (`server_restarts`:
+    the level measured again from scratch, the idle baseline taken again) and an idle baseline left out
+    (`idle_baseline_note`). The windows measured before are already out of every figure (timing untrusted):
+    these say what happened, they change nothing. Entries without `restarted` (the first release) are not
+    called restarts: that release called every server that stopped answering one."""
+    notes, entries = [], []
+    for r in runs:
+        prefix = f"{r.path}: " if len(runs) > 1 else ""
+        kind = (r.meta.get("settings") or {}).get("level_kind") if isinstance(r.meta.get("settings"), dict) else None
+        unit = "MHz" if kind == "sm_clock" else "W"
+        repeats = (r.meta.get("settings") or {}).get("repeats", 1) if isinstance(r.meta.get("settings"), dict) else 1
+        got = r.meta.get("server_restarts")
+        for e in got if isinstance(got, list) else []:
+            if not isinstance(e, dict):
+                continue
+            entries.append({"run_id": r.run_id, **e})
+            down = e.get("down_s")
+            down = f"down {down:.1f} s" if isinstance(down, (int, float)) and not isinstance(down, bool) else "down a while"
+            err = f", {e['error']}" if e.get("error") else ""
+            if e.get("restarted"):
+                what = f"the server restarted ({e.get('evidence') or 'its process changed'})"
+            else:
+                seen = e.get("evidence") if "restarted" in e else "the run does not say whether it restarted"
+                what = f"the server stopped answering ({'no restart seen: ' if 'restarted' in e else ''}{seen})"
+            if e.get("stage") == "idle-baseline":
+                notes.append(f"{prefix}the idle baseline was taken again after {what} during it ({down}{err}): "
+                             "idle_gpu_power_w is from the baseline after it")
+                continue
+            v = e.get("level_value")
+            where = "the settings as they were" if not isinstance(v, (int, float)) else f"{v:g} {unit}"
+            rep = e.get("repeat")
+            rep = f" (repeat {rep + 1})" if isinstance(rep, int) and isinstance(repeats, int) and repeats > 1 else ""
+            notes.append(f"{prefix}{where}{rep} was measured again from scratch after {what} mid-level ({down}{err}); "
+                         "its windows from before are left out of every figure, the figures shown are the new measurement's")
+        if isinstance(r.meta.get("idle_baseline_note"), str):
+            notes.append(prefix + r.meta["idle_baseline_note"])
+    return notes, entries
 
 
 def interrupted_findings(runs: list[RunInfo], windows: pa.Table) -> list[Finding]:

@@ -20,7 +20,7 @@ from powerprof.storage.atomic import atomic_group
 from powerprof.storage.runs import no_finished_level, write_table
 
 from .analyze import (AnalysisResult, SeriesResult, analyze, interrupted_cells, interrupted_findings,
-                      interrupted_series_levels)
+                      interrupted_series_levels, server_notes)
 from .checks import Finding, saving_within_noise
 from .knobs import analyze_knobs, is_grid, left_out_text, summary_lines
 from .loading import (AnalysisError, check_compatible, read_run_info, read_windows, run_key, sample_level_figures,
@@ -112,6 +112,7 @@ def analyze_run(
     result.warnings = [Finding("forced-pool", f"{d}, pooled anyway (--force): their levels are not comparable, so "
                                "every figure here mixes them; analyse them separately to compare them.")
                        for d in forced] + result.warnings
+    result.notes, result.server_restarts = server_notes(runs)
     out = Path(out_dir) if out_dir is not None else run_dirs[0] / "analysis"
     try:
         write_outputs(result, out, formats, plots)
@@ -443,6 +444,8 @@ def render_markdown(result: AnalysisResult, images: dict[str, Path] | None = Non
                 out += ["", f"![{key}]({_rel(images[key], base)})"]
     if result.warnings:
         out += ["", "## Warnings", ""] + [f"- **{w.kind}**: {w.message}" for w in result.warnings]
+    if result.notes:
+        out += ["", "## Notes", ""] + [f"- {n}" for n in result.notes]
     for key in sorted(k for k in (images or {}) if k.startswith("power_clock")):
         out += ["", "## Power and SM clock over time", "", f"![{key}]({_rel(images[key], base)})"]
     out += ["", f"_{_colophon()}_", ""]
@@ -517,6 +520,8 @@ def render_html(result: AnalysisResult, images: dict[str, Path] | None = None) -
     if result.warnings:
         parts.append("<h2>Warnings</h2><ul>" + "".join(
             f"<li><b>{html.escape(w.kind)}</b>: {html.escape(w.message)}</li>" for w in result.warnings) + "</ul>")
+    if result.notes:
+        parts.append("<h2>Notes</h2><ul>" + "".join(f"<li>{html.escape(n)}</li>" for n in result.notes) + "</ul>")
     for key in sorted(k for k in images if k.startswith("power_clock")):
         parts.append(f"<h2>Power and SM clock over time</h2>{_img(images[key], key)}")
     parts.append(f"<p><small><i>{html.escape(_colophon())}</i></small></p></body></html>")

@@ -41,6 +41,8 @@ from .profiles import DEFAULT_PROFILE
 from .threads import name_this_thread
 
 PREFILL_COMPUTE_SHARE = 0.9
+# A model loading: weights streamed to the card and kernels warmed, mostly memory traffic.
+LOADING_COMPUTE_SHARE = 0.3
 # stream: every event written when its tokens exist. buffered: the whole body at the end (a
 # buffering proxy). stalls: the client is starved for stall_s out of every stall_every_s, so what
 # the server sent meanwhile reaches it in one read (the end included).
@@ -206,8 +208,12 @@ class SimServer:
         self._wake: asyncio.Event | None = None
         self._dead = False
         self._prompt_cache: set[int] = set()
+        self._new_metrics()
+
+    def _new_metrics(self) -> None:
+        """The /metrics registry of a fresh server process: every counter from zero (a restart starts it again)."""
         self._registry = CollectorRegistry()
-        if flavour == "llamacpp":
+        if self.flavour == "llamacpp":
             self._m_tokens = Counter("llamacpp:tokens_predicted", "Generated tokens (at request end)", registry=self._registry)
             self._m_running = Gauge("llamacpp:requests_processing", "Requests processing", registry=self._registry)
             self._m_waiting = Gauge("llamacpp:requests_deferred", "Requests deferred", registry=self._registry)
@@ -219,10 +225,14 @@ class SimServer:
             self._m_decode = Histogram("vllm:request_decode_time_seconds", "Decode phase per request", registry=self._registry)
             self._m_gen = Histogram("vllm:request_generation_tokens", "Generated tokens per request", registry=self._registry,
                                     buckets=(1, 16, 64, 256, 1024, 4096))
-            itl = "vllm:inter_token_latency_seconds" if vllm_metrics == "current" else "vllm:time_per_output_token_seconds"
+            itl = "vllm:inter_token_latency_seconds" if self.vllm_metrics == "current" else "vllm:time_per_output_token_seconds"
             self._m_itl = Histogram(itl, "Inter-token latency", registry=self._registry)
             self._m_drafts = Counter("vllm:spec_decode_num_draft_tokens", "Draft tokens proposed", registry=self._registry)
             self._m_accepted = Counter("vllm:spec_decode_num_accepted_tokens", "Draft tokens accepted", registry=self._registry)
+            # vLLM serves prometheus_client's default registry, whose process collector gives the API server's
+            # start time (wall clock, s): what tells a restarted vLLM from one that only dropped connections.
+            Gauge("process_start_time_seconds", "Start time of the process since unix epoch in seconds",
+                  registry=self._registry).set(time.time())
 
     # --- life cycle ---------------------------------------------------------------------------
 
@@ -309,9 +319,29 @@ class SimServer:
         for k, v in changes.items():
             setattr(self, k, v)
         self.loading_s, self._started_ns = loading_s, time.monotonic_ns()
+        self._new_metrics()  # a new process: its counters start from zero
         self._dead = False
         await web.TCPSite(self._runner, self.host, self._port).start()
+        if loading_s > 0:
+            # Loading the model (weights copied to the card, kernels and graphs warmed) works the GPU, far above
+            # idle: what an idle baseline taken across a restart would have counted as idle.
+            self._phase("load", LOADING_COMPUTE_SHARE)
+            await asyncio.sleep(loading_s)
+            if not self._active:
+                self._phase("idle", 0.0)
         self._restarting.discard(asyncio.current_task())
+
+    def reset_connections(self, after_s: float = 0.0):
+        """Every connection is reset `after_s` from now, streams in flight and kept-alive ones alike, while the server
+        itself runs on (no restart: a proxy, a NAT or a load balancer dropping them). Returns at once (a concurrent
+        Future, done once reset)."""
+        return asyncio.run_coroutine_threadsafe(self._areset(after_s), self._loop)
+
+    async def _areset(self, after_s: float) -> None:
+        await asyncio.sleep(after_s)
+        for conn in list(self._runner.server.connections):
+            if conn.transport is not None:
+                conn.transport.abort()
 
     def inject(self, kind: str, **kw) -> Fault:
         f = Fault(kind, **kw)

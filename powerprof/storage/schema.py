@@ -148,7 +148,7 @@ LEVELS_COLUMNS = [
     ("reference", BOOL),
     ("cap_not_engaged", BOOL),
     ("thermal_throttle", BOOL),
-    # comma-separated: cap-not-engaged, thermal, failed-requests, wide-ci, one-window, no-measured-windows, energy-resolution, server-restarted, interrupted
+    # comma-separated: cap-not-engaged, thermal, failed-requests, wide-ci, one-window, no-measured-windows, energy-resolution, server-restarted, server-away, interrupted
     ("flags", STR),
     ("energy_method", STR),
     # Appended by the analysis (issue 6): levels at different concurrencies are different levels,

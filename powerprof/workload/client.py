@@ -364,6 +364,59 @@ async def server_identity(session: aiohttp.ClientSession, server: ServerInfo) ->
     return out
 
 
+async def server_epoch(session: aiohttp.ClientSession, server: ServerInfo) -> dict:
+    """What tells one run of the server's process from the next, from its /metrics: the process start time
+    (`process_start_time_seconds`, which prometheus_client gives vLLM and SGLang) and the sum of every
+    counter family (llama.cpp's with --metrics, vLLM's, SGLang's). {} where /metrics does not answer: llama.cpp
+    exposes no start time or uptime anywhere (/props, /health, /slots), so without --metrics nothing tells."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    try:
+        async with session.get(server.base_url.rstrip("/") + "/metrics", timeout=aiohttp.ClientTimeout(total=5)) as r:
+            if r.status != 200:
+                return {}
+            text = (await read_capped(r, MAX_RESPONSE_BYTES)).decode("utf-8", "replace")
+    except (aiohttp.ClientError, asyncio.TimeoutError, OSError, ValueError):
+        return {}
+    out: dict = {}
+    counters: dict = {}
+    try:
+        for fam in text_string_to_metric_families(text):
+            if fam.name == "process_start_time_seconds":
+                vals = [smp.value for smp in fam.samples if math.isfinite(smp.value)]
+                if vals:
+                    out["start_time_s"] = min(vals)
+            elif fam.type == "counter":
+                vals = [smp.value for smp in fam.samples if smp.name.endswith("_total") and math.isfinite(smp.value)]
+                if vals:
+                    counters[fam.name] = sum(vals)
+    except Exception:  # noqa: BLE001 - not Prometheus text: nothing tells
+        return {}
+    if counters:
+        out["counters"] = counters
+    return out
+
+
+def restart_evidence(before: dict, after: dict) -> tuple[bool | None, str]:
+    """Whether the server's process restarted between two `server_epoch` readings, and what says so:
+    (True, 'its process start time moved ...' or 'its counter X fell from 1234 to 0'), (False, 'its process
+    start time is unchanged'), or (None, why nothing tells). A counter that did not fall proves nothing (the
+    new process may have counted more since), so only a start time can say "no restart"."""
+    t0, t1 = before.get("start_time_s"), after.get("start_time_s")
+    if t0 is not None and t1 is not None:
+        if abs(t1 - t0) > 1e-3:
+            return True, f"its process start time moved {t1 - t0:.1f} s later (/metrics process_start_time_seconds)"
+        return False, "its process start time is unchanged (/metrics process_start_time_seconds)"
+    c0, c1 = before.get("counters") or {}, after.get("counters") or {}
+    fell = [(k, c0[k], c1[k]) for k in c0 if k in c1 and c1[k] < c0[k]]
+    if fell:
+        k, a, b = max(fell, key=lambda x: x[1] - x[2])
+        return True, f"its counter {k} fell from {a:g} to {b:g} (/metrics: a new process counts from zero)"
+    if not before and not after:
+        return None, "it serves no /metrics to tell (llama.cpp: --metrics)"
+    return None, "its /metrics shows no start time, and no counter fell"
+
+
 def identity_changes(before: dict, after: dict) -> list[str]:
     """How a restarted server differs from the one measured before: 'total_slots 4 → 1', ..."""
     return [f"{k} {before.get(k)!r} → {after.get(k)!r}" for k in dict.fromkeys([*before, *after])

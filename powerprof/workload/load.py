@@ -28,6 +28,7 @@ from .client import (
     detect_server,
     fetch_metrics,
     send_request,
+    server_away,
     vllm_decode_delta,
 )
 
@@ -143,6 +144,9 @@ class LoadPolicy:
     max_attempts: int = 3  # per request, the first try included
     max_failed_attempts: int | None = None  # over the run; default: max(3, n_requests // 2)
     retry_backoff_s: float = 0.2  # doubled per retry of the same request
+    # Stop at the first attempt that says the server itself went away (client.server_away), unretried: a retry
+    # answered by a restarted server would be measured beside the windows before it as one run (measure).
+    stop_when_server_away: bool = False
 
 
 class LagMonitor:
@@ -269,6 +273,9 @@ class _Run:
             if rec.ok:
                 return
             self.failed += 1
+            if self.policy.stop_when_server_away and server_away(rec):
+                self.abort = self.abort or f"the server stopped answering at request {rid} ({rec.error})"
+                return
             if _not_retryable(rec):
                 self.abort = f"request {rid} (prompt {prompt.id}) was refused by the server, not retried: {rec.error}"
                 return

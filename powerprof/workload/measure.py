@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import uuid
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Sequence
 
@@ -25,7 +25,7 @@ from powerprof.energy import (
 )
 from powerprof.profiler import EDGE_BIAS_WINDOW_S, LOW_CONFIDENCE_S
 
-from .client import RequestParams, RequestRecord, ServerInfo, detect_server
+from .client import RequestParams, RequestRecord, ServerInfo, detect_server, server_away
 from .load import LoadAborted, LoadPolicy, Prompt, run_load_async
 from .rows import NO_DECODE_INTERVAL, window_rows
 
@@ -65,6 +65,7 @@ class MeasureResult:
     excluded: Excluded | None = None
     stopped: BaseException | None = None  # the signal's exit (KeyboardInterrupt, Terminated), raised after writing
     interrupted: dict | None = None  # run.json's record of what a stopped run kept
+    server_away: dict | None = None  # run.json's record of a server that stopped answering (away_record)
 
     def to_dict(self) -> dict:
         """`powerprof measure --json`: stable keys; per-request rows stay in windows.parquet."""
@@ -76,6 +77,7 @@ class MeasureResult:
             "windows_path": None if self.out_path is None else str(self.out_path / "windows.parquet"),
             "aborted": self.aborted,
             "interrupted": self.interrupted,
+            "server_away": self.server_away,
             "excluded": None if self.excluded is None else {"n": self.excluded.n, "n_windows": self.excluded.n_windows,
                                                             "reasons": self.excluded.reasons, "fix": self.excluded.fix},
         }
@@ -306,6 +308,9 @@ def measure(
     planned = {c: -(-n_requests // c) * c for c in concurrencies}
     kept: list[RequestRecord] = []  # whole batches, as each one finishes
     found: dict = {}
+    # measure does not wait for a server that went away: see away_record.
+    policy = replace(policy, stop_when_server_away=True)
+    away: dict = {}
 
     async def go():
         records: list[RequestRecord] = []
@@ -331,6 +336,10 @@ def measure(
                 except LoadAborted as e:
                     records += e.records
                     aborted = str(e)
+                    if any(server_away(r) for r in e.records):
+                        first = rid + (warmup if k == 0 else 0) + n  # the next concurrency's first request id
+                        away.update(away_record(e.records, kept, first - 1, list(concurrencies[k + 1:])))
+                        aborted = away["message"]
                     break
                 finally:
                     waiting = await _stop(probe)
@@ -355,6 +364,10 @@ def measure(
     measured = {r.concurrency for r in records if not r.warmup}
     notes[:0] = [n for c, n in by_level if stopped is None or c in measured]
     rows, _ = window_rows(records, profiler, run_id, server)
+    if away:
+        for row in rows:  # a stream that ended before the cut, in the batch the cut lost: part of no whole batch
+            if row.get("batch_id") in away["lost_batch_ids"] and row["status"] == "ok" and not row["warmup"]:
+                _distrust(row, "in the batch the server stopped answering during: the batch was lost")
     notes += [f"request {r.request_id} ({r.prompt_id}): {r.truncated}" for r in records if r.ok and r.truncated and not r.warmup][:5]
     note = server_timed_note(rows)
     if note:
@@ -370,7 +383,58 @@ def measure(
     if profiler is not None:
         notes += profiler.edge_notes()
     return MeasureResult(server, records, rows, summary, notes=notes, aborted=aborted, excluded=excluded_windows(rows),
-                         stopped=stopped, interrupted=interrupted)
+                         stopped=stopped, interrupted=interrupted,
+                         server_away={k: v for k, v in away.items() if k != "lost_batch_ids"} or None)
+
+
+def id_ranges(ids) -> str:
+    """'3-6', '3', or '3, 5, 8': request ids as a person reads them."""
+    ids = sorted(ids)
+    if len(ids) > 1 and ids[-1] - ids[0] == len(ids) - 1:
+        return f"{ids[0]}-{ids[-1]}"
+    return ", ".join(map(str, ids))
+
+
+def away_record(records: Sequence[RequestRecord], kept: Sequence[RequestRecord], last_id: int, later: list[int]) -> dict:
+    """What a server that stopped answering cost a measurement: run.json's `server_away` (its `message` is the
+    run's `aborted`). `records`: the concurrency's attempts; `kept`: the whole batches finished before; `last_id`:
+    the concurrency's last request id; `later`: concurrencies never begun.
+
+    measure stops there rather than wait: every window it keeps ran before the server went away, none spans the
+    outage, and none comes from a restarted (cold) server beside them."""
+    gone = [r for r in records if server_away(r)]
+    first = min(gone, key=lambda r: (r.t_send_ns, r.request_id))
+    done = {r.request_id for r in kept}
+    lost_batches = sorted({r.batch_id for r in records if r.request_id not in done and r.batch_id is not None})
+    in_flight = sorted({r.request_id for r in records if r.request_id not in done})
+    failed = sorted({r.request_id for r in records if r.request_id not in done and not r.ok})
+    unsent = list(range(max(in_flight) + 1, last_id + 1)) if in_flight else []
+    lost = in_flight + unsent
+    n_kept = len({r.request_id for r in kept if r.ok and not r.warmup})
+    parts = [f"{id_ranges(failed)} failed"]
+    if len(in_flight) > len(failed):
+        parts.append(f"{id_ranges(sorted(set(in_flight) - set(failed)))} finished in a batch that did not")
+    if unsent:
+        parts.append(f"{id_ranges(unsent)} never sent")
+    never = f"; concurrency {', '.join(map(str, later))} never begun" if later else ""
+    message = (
+        f"the server stopped answering at request {first.request_id} ({first.error}): requests {id_ranges(lost)} were lost "
+        f"({', '.join(parts)}){never}; the {n_kept} measured before it are kept (they ran before it went away, so "
+        "no window spans the outage); measure does not wait for a server to come back, as a window after it would "
+        "be a restarted, cold server's beside the ones before; fix: rerun once the server stays up (see why it went "
+        "away in its log), or `powerprof sweep --server-restart-wait SECONDS`, which waits for it and measures the "
+        "level again from scratch")
+    return {"request_id": first.request_id, "error": first.error, "lost_request_ids": lost,
+            "concurrencies_not_begun": later, "kept": n_kept, "message": message, "lost_batch_ids": lost_batches}
+
+
+def _distrust(row: dict, why: str) -> None:
+    """A window kept with its record and left out of every figure, with the reason."""
+    row["timing"], row["timing_reason"], row["energy_method"] = "untrusted", why, "none"
+    for k in ("gpu_energy_j", "cpu_energy_j", "avg_gpu_power_w", "gpu_j_per_token", "total_j_per_token",
+              "decode_tok_s"):
+        if k in row:
+            row[k] = None
 
 
 def interrupted_record(stopped: BaseException, records: Sequence[RequestRecord], planned: dict[int, int]) -> dict:
@@ -540,6 +604,7 @@ def _run_measure(
         },
         "notes": notes + result.notes,
         "aborted": result.aborted,
+        "server_away": result.server_away,  # null: it answered throughout
         "interrupted": result.interrupted,  # null: every request was sent and answered
     }
     meta["simulated"] = meta["simulated"] or s.simulated

@@ -18,7 +18,7 @@ import aiohttp
 import numpy as np
 from powerprof import termination
 
-from .client import RequestParams, RequestRecord, ServerInfo, detect_server, send_request
+from .client import RequestParams, RequestRecord, ServerInfo, detect_server, send_request, server_away
 from .trace import TraceRequest
 
 
@@ -46,6 +46,26 @@ def cut_short(records: list[ReplayRecord]) -> str | None:
     return (f"{len(cut)} request{'s were' if len(cut) != 1 else ' was'} cut short by the server ({cut[0].record.truncated}): "
             f"{got} of the {asked} tokens they ask for were generated, so the traffic served was lighter than the "
             "trace's; fix: a server with a longer context, or drop those requests from the trace")
+
+
+def away_record(records: list[ReplayRecord]) -> dict | None:
+    """The requests a server that stopped answering (refused, reset, cut, 503: client.server_away) cost the replay,
+    with what that means and the fix; None where it answered throughout. A replay sends each request once, at its
+    time, and never waits for a server to come back: the requests due while it was away fail."""
+    from .measure import id_ranges
+
+    gone = sorted((r for r in records if server_away(r.record)), key=lambda r: r.index)
+    if not gone:
+        return None
+    ok = sum(r.record.ok for r in records)
+    t0, t1 = gone[0].trace.t_s, gone[-1].trace.t_s
+    message = (
+        f"the server stopped answering during the replay ({gone[0].record.error}): requests {id_ranges([r.index for r in gone])} "
+        f"of the trace (due {t0:.1f}-{t1:.1f} s in) were lost; the figures are over the {ok} that succeeded, so the "
+        "traffic served was not the trace's (and the requests after it came back met a restarted, cold server); "
+        "replay does not wait for a server to come back; fix: rerun once it stays up (see why it went away in its "
+        "log); a sweep of prompts rides out a restart (`powerprof sweep --server-restart-wait SECONDS`)")
+    return {"lost_request_indexes": [r.index for r in gone], "error": gone[0].record.error, "message": message}
 
 
 def trace_notes(trace: list[TraceRequest]) -> list[str]:
