@@ -203,6 +203,16 @@ def test_a_restart_quicker_than_the_retries_still_has_the_level_measured_again(t
     assert min(r["batch_id"] for r in kept) > failed.batch_id.max()  # every counted batch was sent after the cut
 
 
+def _restart_begun(srv, down_s, loading_s):
+    """srv.restart(...), returning once the old process is gone: the restart runs on the server's own thread, and on
+    a loaded machine it could otherwise begin after the baseline window it is meant to fall in."""
+    srv.restart(down_s, loading_s=loading_s)
+    deadline = time.monotonic() + 10
+    while not srv._dead and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert srv._dead, "the simulated server did not begin its restart"
+
+
 class _AtIdle(UI):
     """A sweep UI that runs `act()` as the (first) idle baseline begins and keeps what the sweep said."""
 
@@ -225,7 +235,7 @@ def test_a_restart_during_the_idle_baseline_is_seen_and_the_baseline_taken_again
     # into idle_gpu_power_w, which every above-idle J/token subtracts and the report draws.
     sim = SimNVML("seed-16g", state_path=None)
     out = tmp_path / "run"
-    ui = _AtIdle(lambda: sim_server[0].restart(0.5, loading_s=1.5))
+    ui = _AtIdle(lambda: _restart_begun(sim_server[0], 0.5, loading_s=1.5))
     with Rig("seed-16g", nvml=sim) as rig:
         outcome = _sweep(rig, out, ui, levels_spec="300", idle_s=4, params=RequestParams(max_tokens=32))
     idle_w = sim.gpus[0].profile.idle_power_w
@@ -244,7 +254,7 @@ def test_a_restart_during_the_idle_baseline_is_seen_and_the_baseline_taken_again
 def test_a_restart_during_the_idle_baseline_not_waited_for_leaves_no_baseline_and_says_why(tmp_path, sim_server):
     sim = SimNVML("seed-16g", state_path=None)
     out = tmp_path / "run"
-    ui = _AtIdle(lambda: sim_server[0].restart(0.5, loading_s=1.5))
+    ui = _AtIdle(lambda: _restart_begun(sim_server[0], 0.5, loading_s=1.5))
     with Rig("seed-16g", nvml=sim) as rig:
         outcome = _sweep(rig, out, ui, levels_spec="300", idle_s=4, params=RequestParams(max_tokens=32),
                          server_restart_wait_s=0)
