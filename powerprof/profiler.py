@@ -316,6 +316,9 @@ class Profiler:
     def start(self) -> "Profiler":
         self._stopped = False
         self.sampler.start()
+        if self.cputime is not None:
+            # A window may open before the tick thread's first read: CPU time is never extrapolated, so read it now.
+            self.sampler.sample_now("start", sources=("cputime",))
         return self
 
     def stop(self) -> None:
