@@ -235,6 +235,14 @@ def test_a_sweep_beside_a_busy_loop_flags_its_levels(tmp_path, hog):
     assert all(r["total_j_per_token"] is not None for r in levels)
     (note,) = [n for n in out.notes if "other processes used" in n]
     assert "400 W" in note and "250 W" in note and "fix:" in note
+    # `analyze` recomputes the levels from the windows: the same flag, and a finding with the fix.
+    from powerprof.analysis.report import analyze_run
+
+    res = analyze_run([tmp_path / "s"], tmp_path / "a", n_boot=100, plots=False, formats=("md",))
+    (f,) = [f for f in res.warnings if f.kind == BUSY_HOST_FLAG]
+    assert set(f.levels) == {400.0, 250.0} and "Fix:" in f.message
+    report = (tmp_path / "a" / "report.md").read_text()
+    assert BUSY_HOST_FLAG in report
 
 
 def test_a_quiet_sweep_is_not_flagged(tmp_path, monkeypatch):
