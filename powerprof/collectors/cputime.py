@@ -111,6 +111,7 @@ class CpuTimeCollector:
         self._t_start = time.time()
         self._procs: dict[int, tuple[object, float, float]] = {}  # pid -> (Process, base s, last s)
         self._gone_s = 0.0
+        self._dropped: set[int] = set()  # counted into _gone_s: never counted again (a zombie still listed)
         self._next_refresh = float("-inf")
         self._server_note: str | None = None
         self._known = False
@@ -122,6 +123,7 @@ class CpuTimeCollector:
     def _drop(self, pid: int) -> None:
         _, base, last = self._procs.pop(pid)
         self._gone_s += last - base
+        self._dropped.add(pid)
 
     def read(self) -> CpuTimeReading:
         with self._lock:
@@ -167,7 +169,7 @@ class CpuTimeCollector:
         pids = set(pids)
         for pid in [p for p in before if p not in pids]:
             self._drop(pid)
-        for pid in pids - set(self._procs):
+        for pid in pids - set(self._procs) - self._dropped:
             try:
                 p = self.ps.Process(pid)
                 s = _proc_s(p)
