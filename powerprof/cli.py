@@ -633,7 +633,7 @@ def measure(url, simulate, out_dir, n_requests, concurrency, warmup, launch, api
 
 
 MEASURE_HEADER = (f"{'concurrency':>11} {'ok':>4} {'failed':>6} {'used':>4} {'decode tok/s':>12} {'GPU J/tok':>10} "
-                  f"{'GPU+CPU J/tok':>13}  method")
+                  f"{'GPU+CPU J/tok':>13}   method")
 
 
 def measure_row(m) -> str:
@@ -644,7 +644,9 @@ def measure_row(m) -> str:
         return f"{'-':>{width}}" if v is None else format(v, f"{width}{spec}")
 
     return (f"{m.concurrency:>11} {m.n_ok:>4} {m.n_failed:>6} {m.n_trusted:>4} {fmt(m.decode_tok_s, 12, '.1f')} "
-            f"{fmt(m.gpu_j_per_token, 10, '.3f')} {fmt(m.total_j_per_token, 13, '.3f')}  {m.energy_method}")
+            # '!': other processes used the host's CPU meanwhile, and RAPL counts their energy (the notes say how much).
+            f"{fmt(m.gpu_j_per_token, 10, '.3f')} {fmt(m.total_j_per_token, 13, '.3f')}{'!' if getattr(m, 'busy_host', False) else ' '}"
+            f"  {m.energy_method}")
 
 
 def _measure_stop_line(res) -> str:

@@ -23,6 +23,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from powerprof.collectors.cputime import CpuTime
 from powerprof.collectors.nvml import NvmlCollector
 from powerprof.collectors.rapl import cpu_energy_j
 from powerprof.collectors.sampler import Clock, Sample, Sampler
@@ -70,6 +71,7 @@ class EnergyResult:
     gpu_methods: tuple[str, ...]
     cpu_energy_j: float | None  # RAPL package + DRAM, all sockets
     power_gap_s: float = 0.0  # largest gap between the power readings a power-integrated figure rests on
+    cpu_time: CpuTime | None = None  # whose CPU time the host spent meanwhile (None: no cputime collector)
 
     @property
     def duration_s(self) -> float:
@@ -137,6 +139,9 @@ class EnergyTimeline:
         # Why RAPL gave no CPU figure at some read (zone notes, failed reads), first seen first: a
         # GPU+CPU figure left empty must say why.
         self.cpu_problems: dict[str, int] = {}
+        # Cumulative CPU seconds (collectors/cputime.py): the host's busy time, the server's, powerprof's.
+        self.cpu_time = {"host": _Series(), "server": _Series(), "powerprof": _Series()}
+        self.server_note: str | None = None  # why the server's processes are not known, as last read
 
     def add(self, sample: Sample) -> None:
         if sample.source == "rapl":
@@ -160,6 +165,12 @@ class EnergyTimeline:
                     self.gpu_avg_power[k].add(sample.t_mono_ns, r.power_avg_w)
             elif sample.source == "rapl":
                 self.cpu_energy.add(sample.t_mono_ns, *cpu_energy_j(sample.data))
+            elif sample.source == "cputime":
+                d = sample.data
+                self.cpu_time["host"].add(sample.t_mono_ns, d.host_busy_s)
+                self.cpu_time["server"].add(sample.t_mono_ns, d.server_cpu_s)
+                self.cpu_time["powerprof"].add(sample.t_mono_ns, d.powerprof_cpu_s)
+                self.server_note = d.server_note
 
     def _cpu_problem(self, text: str) -> None:
         # Numbers (seconds, joules) differ from read to read; the first wording of each kind is kept.
@@ -192,7 +203,27 @@ class EnergyTimeline:
                     gap_s = max(gap_s, _largest_gap_s(series.t_ns, t0_ns, t1_ns))
             t, y = self.cpu_energy.arrays()
             cpu = counter_energy_j(t, y, t0_ns, t1_ns, self.cpu_energy.epoch) if t.size >= 2 else float("nan")
-        return EnergyResult(t0_ns, t1_ns, tuple(gpu_e), tuple(methods), None if np.isnan(cpu) else cpu, gap_s)
+            cpu_time = self._cpu_time(t0_ns, t1_ns)
+        return EnergyResult(t0_ns, t1_ns, tuple(gpu_e), tuple(methods), None if np.isnan(cpu) else cpu, gap_s, cpu_time)
+
+    def cputime_latest_ns(self) -> int | None:
+        with self._lock:
+            s = self.cpu_time["host"]
+            return s.t_ns[-1] if s.t_ns else None
+
+    def _cpu_time(self, t0: int, t1: int) -> CpuTime | None:
+        """CPU seconds over [t0, t1], each cumulative series interpolated at the edges like an energy counter;
+        None for a series whose readings do not span the window (read 1 Hz: never extrapolated)."""
+        def over(s: _Series) -> float | None:
+            if len(s.t_ns) < 2 or s.t_ns[0] > t0 or s.t_ns[-1] < t1:
+                return None
+            t, y = s.arrays()
+            return float(np.interp(t1, t, y) - np.interp(t0, t, y))
+
+        host = over(self.cpu_time["host"])
+        if host is None:
+            return None
+        return CpuTime(host, over(self.cpu_time["server"]), over(self.cpu_time["powerprof"]))
 
     def _gpu_energy(self, k: int, t0: int, t1: int) -> tuple[float | None, str]:
         for method in ENERGY_METHODS[:-1]:
@@ -251,6 +282,7 @@ class Profiler:
         interval_s: float = 1.0,
         clock: Clock | None = None,
         gpu_collector: NvmlCollector | None = None,
+        cputime=None,
     ):
         # An already-open collector (from collectors.sources) or one opened here on `nvml`.
         # The collector dates each counter read on its own clock: the sampler's, so the two line up.
@@ -259,7 +291,8 @@ class Profiler:
             NvmlCollector(nvml, gpus, clock_ns=clock_ns) if nvml is not None else None)
         self._owns_gpu = gpu_collector is None
         self.rapl = rapl
-        collectors = [c for c in (self.gpu, rapl) if c is not None] + list(extra_collectors)
+        self.cputime = cputime  # collectors/cputime.py: whose CPU time the host spent (read on the ticks only)
+        collectors = [c for c in (self.gpu, rapl, cputime) if c is not None] + list(extra_collectors)
         self.sampler = Sampler(collectors, interval_s=interval_s, clock=clock)
         n = len(self.gpu.indexes) if self.gpu else 0
         self.timeline = EnergyTimeline(n, tuple(i.power_avg_window_s for i in self.gpu_infos))
@@ -283,6 +316,9 @@ class Profiler:
     def start(self) -> "Profiler":
         self._stopped = False
         self.sampler.start()
+        if self.cputime is not None:
+            # A window may open before the tick thread's first read: CPU time is never extrapolated, so read it now.
+            self.sampler.sample_now("start", sources=("cputime",))
         return self
 
     def stop(self) -> None:
@@ -390,7 +426,16 @@ class Profiler:
         latest = self.timeline.latest_ns() if self.flush_edges() else t1_ns  # a wedged read holds the source's lock
         if latest is None or latest < t1_ns:
             self.mark("edge")
+        self._cputime_after(t1_ns)
         return self.timeline.energy_between(t0_ns, t1_ns)
+
+    def _cputime_after(self, t1_ns: int) -> None:
+        # CPU time is read on the ticks, not at edges (that read costs what an edge must not): a window
+        # that ended after the last tick gets one read now, which covers every window before it too.
+        if self.cputime is not None and not self._stopped:
+            latest = self.timeline.cputime_latest_ns()
+            if latest is None or latest < t1_ns:
+                self.sampler.sample_now("edge", sources=("cputime",))
 
     @contextmanager
     def window(self, name: str):
@@ -400,4 +445,5 @@ class Profiler:
             yield w
         finally:
             w.t1_ns = self.mark(f"end:{name}")
+            self._cputime_after(w.t1_ns)
             w.result = self.timeline.energy_between(w.t0_ns, w.t1_ns)

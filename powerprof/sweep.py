@@ -20,6 +20,8 @@ from powerprof.analysis import engine
 from powerprof.analysis.stats import level_j_ci_halfwidth_frac, summarize_levels
 from powerprof.collectors.clock_reasons import (REASON_GPU_IDLE, cap_not_engaged, clock_event_reason_names,
                                                held_by_a_setting, thermal)
+from powerprof.collectors.cputime import (BUSY_HOST_FIX, BUSY_HOST_FLAG, BUSY_HOST_PCT, CpuTimeCollector, busy_host_text,
+                                          unknown_server_text)
 from powerprof.collectors.gateway import gateway
 from powerprof.control.device import read_devices
 from powerprof.control.levels import parse_clock_levels, parse_power_levels
@@ -30,6 +32,7 @@ from powerprof.workload.client import (RequestParams, health_status, identity_ch
                                       server_epoch, server_identity)
 from powerprof.workload.load import LoadAborted, LoadPolicy, builtin_prompts, detect, run_load_async
 from powerprof.workload.rows import Level, request_timing, trace_row, window_rows
+from powerprof.workload.serverprocs import ServerProcesses
 
 
 @dataclass(frozen=True)
@@ -1060,6 +1063,34 @@ def _kept_note(run_dir, levels_done: list) -> str:
     return f"stopped: {levels} finished level{'s' if levels > 1 else ''}{visits} kept in {run_dir} (powerprof analyze {run_dir})"
 
 
+def busy_host_level_notes(levels, profiler, level_kind: str) -> list[str]:
+    """Levels whose GPU+CPU J/token counts other processes' CPU energy (flag busy-host), with the fix; or, once,
+    that every GPU+CPU figure could, where the server's processes were not found."""
+    rows = levels.to_pylist() if levels is not None else []
+    unit = {"power_limit": " W", "sm_clock": " MHz"}.get(level_kind, "")
+
+    def name(r):
+        what = "the settings as they are" if r["level_value"] is None else f"{r['level_value']:g}{unit}"
+        return what + (f" at concurrency {r['concurrency']}" if (r.get("concurrency") or 1) > 1 else "")
+
+    busy = [r for r in rows if BUSY_HOST_FLAG in (r.get("flags") or "").split(",")]
+    out = []
+    if busy:
+        worst = max(busy, key=lambda r: r["other_cpu_pct"])
+        out.append(f"{busy_host_text(worst['other_cpu_pct'])} ({name(worst)}; flag {BUSY_HOST_FLAG} on "
+                   f"{', '.join(name(r) for r in busy)}); fix: {BUSY_HOST_FIX}")
+    own = [r for r in rows if r.get("total_j_per_token") is not None and (r.get("powerprof_cpu_pct") or 0) > BUSY_HOST_PCT]
+    if own:
+        out.append(f"powerprof itself (its load generator and sensor reads) used up to "
+                   f"{max(r['powerprof_cpu_pct'] for r in own):.0f}% of the host's busy CPU time: that is in the GPU+CPU "
+                   "J/token too (the measuring tool's overhead, not the server's)")
+    with_total = [r for r in rows if r.get("total_j_per_token") is not None]
+    if getattr(profiler, "cputime", None) is not None and with_total and all(r.get("other_cpu_pct") is None for r in with_total):
+        why = profiler.timeline.server_note or "no CPU-time reading covers the windows"
+        out.append(f"{unknown_server_text(why)}; fix: {BUSY_HOST_FIX}")
+    return out
+
+
 def _remove_if_empty(path) -> None:
     try:
         path.rmdir()  # only succeeds when empty
@@ -1161,8 +1192,11 @@ def run_sweep(
         notes.extend(rig.notes)
 
         ctl = stack.enter_context(rig.controller(indexes)) if level_kind != "none" else None
+        # Whose CPU time the host spent, beside RAPL's whole-package energy: a busy host is flagged (busy-host).
+        cputime = CpuTimeCollector(ServerProcesses(url, launched)) if src.rapl is not None and url else None
         profiler = stack.enter_context(
-            Profiler(gpu_collector=src.nvml, rapl=src.rapl, extra_collectors=[src.host] if src.host else [], interval_s=interval_s)
+            Profiler(gpu_collector=src.nvml, rapl=src.rapl, extra_collectors=[src.host] if src.host else [], interval_s=interval_s,
+                     cputime=cputime)
         )
         for p in src.problems:
             if p.source == "rapl":
@@ -1239,6 +1273,7 @@ def run_sweep(
                 ui.stopped(_kept_note(run_dir, writer.metadata.get("levels_done") or []))
             raise
     notes.extend(profiler.edge_notes())
+    notes.extend(busy_host_level_notes(levels, profiler, settings.level_kind))
     notes.extend(getattr(sweep, "level_notes", []))
     notes.extend(getattr(sweep, "restart_notes", []))
     ex = sweep.excluded()

@@ -8,6 +8,7 @@ from dataclasses import dataclass
 import numpy as np
 import pyarrow as pa
 
+from powerprof.collectors.cputime import BUSY_HOST_FIX, BUSY_HOST_FLAG, busy_host_text
 from powerprof.energy import ROUNDED_WINDOW_S, max_tokens_for_windows
 
 from .fits import ModelFit
@@ -135,6 +136,17 @@ def level_findings(levels: pa.Table, target_ci_pct: float | None = None, max_tim
             f"thermal throttling at {', '.join(_fmt(v, unit) for v in th)}: the clock fell for heat, not for "
             "the limit, so these levels are slower than the limit alone makes them. Improve cooling or "
             "let the card cool between levels, then measure again."), tuple(th)))
+    busy = [r for r in rows if r["flags"] and BUSY_HOST_FLAG in r["flags"].split(",")]
+    if busy:
+        worst = max(busy, key=lambda r: r["other_cpu_pct"])
+
+        def at(r):
+            return "the settings as they are" if r["level_value"] is None else _fmt(r["level_value"], unit)
+
+        out.append(Finding(BUSY_HOST_FLAG, (
+            f"GPU+CPU J/token at {', '.join(at(r) for r in busy)}: "
+            f"{busy_host_text(worst['other_cpu_pct'])} (the most, at {at(worst)}). The GPU "
+            f"figures are not affected. Fix: {BUSY_HOST_FIX}."), tuple(r["level_value"] for r in busy)))
     failed = [r for r in rows if r.get("n_failed")]
     if failed:
         out.append(Finding("failed", "failed requests (not counted): " + ", ".join(

@@ -18,6 +18,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 
+from powerprof.collectors.cputime import BUSY_HOST_FLAG, BUSY_HOST_PCT, cpu_shares_pct
 from powerprof.energy import median_off_by_rounding, within_prompt_offset
 from powerprof.storage.schema import LEVELS
 
@@ -197,6 +198,9 @@ class LevelSeries:
     counter_window_s: np.ndarray | None = None  # (L,) median decode window read on a counter; NaN: none
     counter_prompt_offset: np.ndarray | None = None  # (L,) energy.within_prompt_offset of those windows
     n_clusters: int | None = None  # the prompts a paired bootstrap resamples; None when independent
+    # (L,) %: of the host's busy CPU time over the measured windows, other processes' and powerprof's; NaN: unknown
+    other_cpu_pct: np.ndarray | None = None
+    powerprof_cpu_pct: np.ndarray | None = None
 
     @property
     def comparison_factor(self) -> float:
@@ -271,6 +275,7 @@ def level_series(
     energy = np.where(np.isfinite(energy), energy, jpt * n_tok)
     decode_s = _col(windows, "decode_s")
     prompts = _col(windows, "prompt_id", object)
+    host_cpu, other_cpu, own_cpu = (_col(windows, c) for c in ("host_cpu_s", "other_cpu_s", "powerprof_cpu_s"))
     rng = np.random.default_rng(seed)
     out = []
     keys = sorted({(k, int(c)) for k, c, m in zip(kinds, conc, measured | counted | failed) if m}, key=lambda kc: (kc[0], kc[1]))
@@ -279,7 +284,7 @@ def level_series(
         lv = np.unique(values[in_series & np.isfinite(values)])
         if kind == "none" and lv.size == 0:
             lv = np.array([np.nan])
-        cols = {k: [] for k in ("tok", "j", "btok", "bj", "bjl", "p", "tot", "above", "nw", "nr", "nf", "np", "both", "pool", "cw", "wp")}
+        cols = {k: [] for k in ("tok", "j", "btok", "bj", "bjl", "p", "tot", "above", "nw", "nr", "nf", "np", "both", "pool", "cw", "wp", "ocpu", "pcpu")}
         meths: set[str] = set()
         for v in lv:
             at = in_series & (np.isnan(values) if np.isnan(v) else values == v)
@@ -299,6 +304,9 @@ def level_series(
             cols["cw"].append(_median(decode_s[m & np.isfinite(jpt) & on_counter]))
             cols["wp"].append(within_prompt_offset(jpt[used & on_counter], prompts[used & on_counter]))
             meths.update(x for x in methods[m] if x)
+            o, p = cpu_shares_pct(host_cpu[m], other_cpu[m], own_cpu[m])
+            cols["ocpu"].append(np.nan if o is None else o)
+            cols["pcpu"].append(np.nan if p is None else p)
             bt, bj = _joint_replicates(tok[both], jpt[both], tok[m], n_boot, rng)
             cols["btok"].append(bt)
             cols["bj"].append(bj)
@@ -340,6 +348,8 @@ def level_series(
                 j_per_token_pooled=np.array(cols["pool"], dtype=float),
                 counter_window_s=np.array(cols["cw"], dtype=float),
                 counter_prompt_offset=np.array(cols["wp"], dtype=float),
+                other_cpu_pct=np.array(cols["ocpu"], dtype=float),
+                powerprof_cpu_pct=np.array(cols["pcpu"], dtype=float),
             )
         )
     return out
@@ -570,6 +580,9 @@ def levels_table(
             if s.counter_window_s is not None and median_off_by_rounding(j, pooled, (j_hi - j_lo) / 2,
                                                                           s.counter_window_s[i], offset):
                 flags.append("energy-resolution")
+            other_pct = s.other_cpu_pct[i] if s.other_cpu_pct is not None else float("nan")
+            if other_pct > BUSY_HOST_PCT and np.isfinite(s.total_j_per_token[i]):
+                flags.append(BUSY_HOST_FLAG)  # the GPU+CPU figure counts other processes' CPU energy
             row = {
                 "run_id": run_id,
                 "level_kind": s.level_kind,
@@ -599,6 +612,8 @@ def levels_table(
                 "speed_loss_pct_ci_high": loss_ci[1],
                 "energy_saving_pct_ci_low": save_ci[0],
                 "energy_saving_pct_ci_high": save_ci[1],
+                "other_cpu_pct": other_pct,
+                "powerprof_cpu_pct": s.powerprof_cpu_pct[i] if s.powerprof_cpu_pct is not None else float("nan"),
             }
             for k, val in (extra or {}).get((s.level_kind, row["level_value"]), {}).items():
                 if val is not None and k in LEVELS.names:

@@ -2,7 +2,7 @@
 
 Collector readings are turned into rows by their type, so this module needs no knowledge of
 which collectors ran: GpuReading -> `gpuN`, RaplReading -> its zone (`package-0`, `dram-0`),
-HostReading -> `host`. A missing sample (source failed or too slow) becomes one row with a null
+HostReading -> `host`, CpuTimeReading -> `cputime`. A missing sample (source failed or too slow) becomes one row with a null
 device and the reason in `error`.
 """
 
@@ -13,6 +13,7 @@ import threading
 from pathlib import Path
 from typing import TYPE_CHECKING, Iterable, Mapping
 
+from powerprof.collectors.cputime import CpuTimeReading
 from powerprof.collectors.host import HostReading
 from powerprof.collectors.nvml import GpuReading
 from powerprof.collectors.rapl import RaplReading
@@ -88,6 +89,13 @@ def sample_rows(
             row["cpu_util_pct"] = r.cpu_util_pct
             row["cpu_freq_mhz"] = r.cpu_freq_mhz
             row["host_mem_used_bytes"] = r.mem_used_bytes
+        elif isinstance(r, CpuTimeReading):
+            row["device"] = "cputime"
+            row["host_cpu_busy_s"] = r.host_busy_s
+            row["server_cpu_s"] = r.server_cpu_s
+            row["powerprof_cpu_s"] = r.powerprof_cpu_s
+            if r.server_note:
+                row["error"] = r.server_note if row["error"] is None else f"{row['error']}; {r.server_note}"
         else:
             raise TypeError(f"no SAMPLES row mapping for {type(r).__name__} from source {sample.source!r}")
         rows.append(row)

@@ -44,6 +44,10 @@ SAMPLES_COLUMNS = [
     ("level_value", F64),  # W for power_limit, MHz for sm_clock
     ("error", STR),  # why a reading is missing
     ("energy_t_mono_s", F64),  # GPU rows: when energy_j itself was read (its own driver call), same clock as t_mono_s
+    # cputime rows (collectors/cputime.py): cumulative CPU seconds, all cores
+    ("host_cpu_busy_s", F64),  # the whole host: user + nice + system, since boot
+    ("server_cpu_s", F64),  # the inference server's processes; null: not found (error says why)
+    ("powerprof_cpu_s", F64),  # powerprof's own process; null when the server runs inside it
 ]
 
 # One row per request: its decode window and the energy measured over it.
@@ -118,6 +122,11 @@ WINDOWS_COLUMNS = [
     # knob_<name> column (see KNOB_PREFIX).
     ("config_id", STR),  # the server configuration: "draft=3,np=2"
     ("context_tokens", I32),  # the context length the prompt was built to (--context-tokens)
+    # Whose CPU time the host spent during the window (collectors/cputime.py), CPU seconds over all cores:
+    # RAPL's CPU energy is the whole package's, every process's.
+    ("host_cpu_s", F64),  # the whole host's busy CPU time
+    ("other_cpu_s", F64),  # of it, processes other than the server's and powerprof's; null: server not found
+    ("powerprof_cpu_s", F64),  # of it, powerprof's own (the measuring tool); null when the server runs inside it
 ]
 
 # One row per level (and repeat pooled): what the user reads.
@@ -176,6 +185,10 @@ LEVELS_COLUMNS = [
     # J/token: GPU energy summed ÷ decode tokens summed over the windows of gpu_j_per_token (the
     # median); the median of short windows on a coarse counter is biased, this is not (energy-resolution).
     ("gpu_j_per_token_pooled", F64),
+    # %: share of the host's busy CPU time over the level's measured windows used by processes other than
+    # the server's and powerprof's (flag busy-host above cputime.BUSY_HOST_PCT), and by powerprof itself.
+    ("other_cpu_pct", F64),
+    ("powerprof_cpu_pct", F64),
 ]
 
 # `powerprof analyze`: the merged levels of one or more runs, the fitted curves at each level and

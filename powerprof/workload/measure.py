@@ -23,11 +23,13 @@ from powerprof.energy import (
     median_off_by_rounding,
     within_prompt_offset,
 )
+from powerprof.collectors.cputime import BUSY_HOST_FIX, BUSY_HOST_PCT, busy_host_text, cpu_shares_pct, unknown_server_text
 from powerprof.profiler import EDGE_BIAS_WINDOW_S, LOW_CONFIDENCE_S
 
 from .client import RequestParams, RequestRecord, ServerInfo, detect_server, server_away
 from .load import LoadAborted, LoadPolicy, Prompt, run_load_async
 from .rows import NO_DECODE_INTERVAL, window_rows
+from .serverprocs import ServerProcesses
 
 NO_GPU_NOTE = "no GPU readable here: GPU energy columns are empty; decode tok/s {cpu}"
 
@@ -51,6 +53,15 @@ class Summary:
     gpu_j_per_token_median: float | None = None
     median_window_s: float | None = None  # s: median decode window of the used windows with a GPU energy
     prompt_offset: float | None = None  # energy.within_prompt_offset of those windows (None: not computable)
+    # %: of the host's busy CPU time over the used windows, other processes' (above BUSY_HOST_PCT the GPU+CPU
+    # figure is flagged: busy_host) and powerprof's own; None: not known (no cputime reading, server not found)
+    other_cpu_pct: float | None = None
+    powerprof_cpu_pct: float | None = None
+
+    @property
+    def busy_host(self) -> bool:
+        """Its GPU+CPU figure counts other processes' CPU energy (cputime.BUSY_HOST_PCT)."""
+        return self.total_j_per_token is not None and self.other_cpu_pct is not None and self.other_cpu_pct > BUSY_HOST_PCT
 
 
 @dataclass
@@ -72,7 +83,7 @@ class MeasureResult:
         s = self.server
         return {
             "server": {**s.meta(), "simulated": s.simulated},
-            "concurrencies": [asdict(m) for m in self.summaries],
+            "concurrencies": [{**asdict(m), "busy_host": m.busy_host} for m in self.summaries],
             "notes": list(self.notes),
             "windows_path": None if self.out_path is None else str(self.out_path / "windows.parquet"),
             "aborted": self.aborted,
@@ -199,6 +210,26 @@ def missing_cpu_notes(rows: Sequence[dict], summary: list[Summary], profiler) ->
     return out
 
 
+def busy_host_notes(summary: list[Summary], profiler) -> list[str]:
+    """Say so where a GPU+CPU figure counts other processes' CPU energy (RAPL is the whole package), with the
+    fix; or, once, that it could, where the server's processes were not found (so no share is known)."""
+    out = [f"concurrency {x.concurrency}: {busy_host_text(x.other_cpu_pct, 'its windows')} (marked ! in the table); "
+           f"fix: {BUSY_HOST_FIX}"
+           for x in summary if x.busy_host]
+    own = [x for x in summary if x.total_j_per_token is not None and (x.powerprof_cpu_pct or 0) > BUSY_HOST_PCT]
+    if own:
+        out.append(f"powerprof itself (its load generator and sensor reads) used {max(x.powerprof_cpu_pct for x in own):.0f}% "
+                   "of the host's busy CPU time: that is in the GPU+CPU J/token too (the measuring tool's overhead, "
+                   "not the server's); fix: fewer streams per powerprof, or read the GPU J/token")
+    timeline = getattr(profiler, "timeline", None)
+    if getattr(profiler, "cputime", None) is not None and timeline is not None:
+        with_total = [x for x in summary if x.total_j_per_token is not None]
+        if with_total and all(x.other_cpu_pct is None for x in with_total):
+            why = timeline.server_note or "no CPU-time reading covers the windows"
+            out.append(f"{unknown_server_text(why)}; fix: {BUSY_HOST_FIX}")
+    return out
+
+
 def edge_bias_notes(summary: list[Summary]) -> list[str]:
     """Say so where the counter windows are too short for their pooled J/token to be within ~1%: each edge
     reads a few ms after its power step (EDGE_BIAS_WINDOW_S), a bias pooling does not average out."""
@@ -271,12 +302,14 @@ def summarise(rows: list[dict]) -> list[Summary]:
         methods = {r["energy_method"] for r in basis} or {"none"}
         n_trusted = len([r for r in ok if trusted(r)]) if c == 1 else len(basis)
         with_j = [r for r in basis if r.get("gpu_j_per_token") is not None]
+        other_pct, own_pct = cpu_shares_pct(*([r.get(k) for r in basis] for k in ("host_cpu_s", "other_cpu_s", "powerprof_cpu_s")))
         out.append(Summary(c, len(ok), failed, tok_s, gpu_jpt, tot_jpt, ",".join(sorted(methods)), n_trusted,
                            sum(r["decode_s"] or 0 for r in basis),
                            gpu_j_per_token_median=float(np.median([r["gpu_j_per_token"] for r in with_j])) if with_j else None,
                            median_window_s=float(np.median([r["decode_s"] or 0 for r in with_j])) if with_j else None,
                            prompt_offset=within_prompt_offset([r["gpu_j_per_token"] for r in with_j],
-                                                              [r.get("prompt_id") for r in with_j]) if with_j else None))
+                                                              [r.get("prompt_id") for r in with_j]) if with_j else None,
+                           other_cpu_pct=other_pct, powerprof_cpu_pct=own_pct))
     return out
 
 
@@ -379,7 +412,7 @@ def measure(
     if stopped is not None:
         interrupted = interrupted_record(stopped, records, planned)
         notes.insert(0, f"stopped early by {interrupted['signal']}: {interrupted['message']}")
-    notes += short_figure_notes(summary) + missing_figure_notes(rows, summary) + missing_cpu_notes(rows, summary, profiler) + edge_bias_notes(summary) + rounding_notes(summary)
+    notes += short_figure_notes(summary) + missing_figure_notes(rows, summary) + missing_cpu_notes(rows, summary, profiler) + busy_host_notes(summary, profiler) + edge_bias_notes(summary) + rounding_notes(summary)
     if profiler is not None:
         notes += profiler.edge_notes()
     return MeasureResult(server, records, rows, summary, notes=notes, aborted=aborted, excluded=excluded_windows(rows),
@@ -536,6 +569,7 @@ def _run_measure(
     from contextlib import ExitStack
 
     from powerprof import __version__
+    from powerprof.collectors.cputime import CpuTimeCollector
     from powerprof.profiler import Profiler
     from powerprof.storage.runs import RunWriter, split_storable, table_from_rows
 
@@ -564,7 +598,10 @@ def _run_measure(
         profiler = None
         if src.nvml is not None or src.rapl is not None:
             nv = src.nvml
-            profiler = Profiler(nv.nvml if nv else None, nv.indexes if nv else None, src.rapl, interval_s=interval_s)
+            # Whose CPU time the host spent, beside RAPL's whole-package energy (a busy host is flagged).
+            cputime = CpuTimeCollector(ServerProcesses(url, launched)) if src.rapl is not None else None
+            profiler = Profiler(nv.nvml if nv else None, nv.indexes if nv else None, src.rapl, interval_s=interval_s,
+                                cputime=cputime)
             stack.enter_context(profiler)
         run_id = uuid.uuid4().hex[:12]
         result = measure(

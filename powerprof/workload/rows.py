@@ -185,7 +185,16 @@ def request_row(
         "server_timing_source": r.server_timing_source,
         "stream_vs_server_pct": _pct(tm.disagreement) if tm is not None else None,
         "truncated": r.truncated,
+        **cpu_time_columns(getattr(energy, "cpu_time", None) if trusted else None),
     }
+
+
+def cpu_time_columns(cpu_time) -> dict:
+    """The windows row's CPU-time columns from an EnergyResult's `cpu_time` (None: all null)."""
+    if cpu_time is None:
+        return {"host_cpu_s": None, "other_cpu_s": None, "powerprof_cpu_s": None}
+    return {"host_cpu_s": cpu_time.host_busy_s, "other_cpu_s": cpu_time.other_cpu_s,
+            "powerprof_cpu_s": cpu_time.powerprof_cpu_s}
 
 
 def _pct(x):
@@ -195,12 +204,18 @@ def _pct(x):
 def _energy_over(profiler, intervals: np.ndarray):
     """Sum of the Profiler's energy over several intervals; None when nothing is readable."""
     if profiler is None or intervals.size == 0:
-        return None, None, "none", 0.0
+        return None, None, "none", 0.0, None
     gpu, cpu, methods = 0.0, 0.0, set()
     gpu_ok = cpu_ok = True
     gap_s = 0.0
+    cpu_time, time_ok = None, True
     for t0, t1 in intervals:
         e = profiler.energy_between(int(t0), int(t1))
+        ct = getattr(e, "cpu_time", None)
+        if ct is None:
+            time_ok = False
+        else:
+            cpu_time = ct if cpu_time is None else cpu_time + ct
         methods.add(e.method)
         gap_s = max(gap_s, getattr(e, "power_gap_s", 0.0))
         if e.gpu_energy_total_j is None:
@@ -211,13 +226,13 @@ def _energy_over(profiler, intervals: np.ndarray):
             cpu_ok = False
         else:
             cpu += e.cpu_energy_j
-    return (gpu if gpu_ok else None), (cpu if cpu_ok else None), weakest_method(methods), gap_s
+    return (gpu if gpu_ok else None), (cpu if cpu_ok else None), weakest_method(methods), gap_s, (cpu_time if time_ok else None)
 
 
 def batch_row(
     b: BatchWindow, recs: Sequence[RequestRecord], profiler, run_id: str, server: ServerInfo, level: Level = NO_LEVEL
 ) -> dict:
-    gpu_e, cpu_e, method, gap_s = _energy_over(profiler, b.intervals)
+    gpu_e, cpu_e, method, gap_s, cpu_time = _energy_over(profiler, b.intervals)
     total = gpu_e + cpu_e if gpu_e is not None and cpu_e is not None else None
     t0 = int(b.intervals[0, 0]) if b.intervals.size else None
     t1 = int(b.intervals[-1, 1]) if b.intervals.size else None
@@ -234,7 +249,7 @@ def batch_row(
         timing, reason = "untrusted", queued_reason(b.max_streams, streams)
         bad = [reason]
     if bad:
-        gpu_e = cpu_e = total = None
+        gpu_e = cpu_e = total = cpu_time = None
     return {
         "run_id": run_id,
         "level_kind": level.kind,
@@ -267,6 +282,7 @@ def batch_row(
         "server_kind": server.kind,
         "timing": timing,
         "timing_reason": reason,
+        **cpu_time_columns(cpu_time),
     }
 
 
@@ -361,4 +377,5 @@ def trace_row(records: Sequence[RequestRecord], energy, run_id: str, server: Ser
         "server_kind": server.kind if server else None,
         "timing": "untrusted" if lies else None,
         "timing_reason": f"{len(lies)} of {len(ok)} requests: {lies[0]}" if lies else None,
+        **cpu_time_columns(getattr(energy, "cpu_time", None)),
     }
