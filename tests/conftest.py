@@ -44,6 +44,24 @@ def pytest_collection_modifyitems(items):
     items.sort(key=lambda item: -LONGEST_FILES_S.get(item.path.name, 0))  # stable: a file's own order is kept
 
 
+@pytest.fixture
+def sim_server(monkeypatch):
+    """The simulated server a sweep starts (powerprof.rig.Rig.sim_server), once it has: [server]; for tests
+    that make it misbehave mid-run."""
+    import powerprof.rig as rigmod
+
+    got = []
+    real = rigmod.Rig.sim_server
+
+    def capture(self, **kw):
+        srv = real(self, **kw)
+        got.append(srv)
+        return srv
+
+    monkeypatch.setattr(rigmod.Rig, "sim_server", capture)
+    return got
+
+
 @pytest.fixture(autouse=True)
 def _isolated_state(tmp_path, monkeypatch):
     # The simulator persists limits between processes and the controller writes restore files:

@@ -15,21 +15,32 @@ from powerprof.sim.faults import FaultyNVML
 from powerprof.sim.nvml import SimNVML
 
 
-def test_the_daemon_keeps_running_when_a_gpu_falls_off_the_bus_and_says_so(tmp_path, caplog):
-    nv = FaultyNVML(SimNVML("a100-40g", count=2, state_path=None))
+def _daemon(tmp_path, nv) -> Daemon:
+    """An in-process daemon on two simulated A100s behind `nv`, sampling at 10 Hz."""
     cfg = load_config(None, env={}, overrides={
         "daemon.data_dir": str(tmp_path / "data"), "daemon.interval_s": 0.1, "daemon.flush_interval_s": 0.2,
         "proxy.listen": "127.0.0.1:0", "metrics.listen": "", "daemon.restore_on_start": False,
     })
-    d = Daemon(cfg, Rig("a100-40g", gpus=[0, 1], nvml=nv))
+    return Daemon(cfg, Rig("a100-40g", gpus=[0, 1], nvml=nv))
+
+
+async def _started(d: Daemon) -> asyncio.Task:
+    """d.run() as a task, once its proxy listens and a few samples are in."""
+    task = asyncio.create_task(d.run())
+    for _ in range(200):
+        if "proxy" in d.urls:
+            break
+        await asyncio.sleep(0.05)
+    await asyncio.sleep(0.6)
+    return task
+
+
+def test_the_daemon_keeps_running_when_a_gpu_falls_off_the_bus_and_says_so(tmp_path, caplog):
+    nv = FaultyNVML(SimNVML("a100-40g", count=2, state_path=None))
+    d = _daemon(tmp_path, nv)
 
     async def main():
-        task = asyncio.create_task(d.run())
-        for _ in range(200):
-            if "proxy" in d.urls:
-                break
-            await asyncio.sleep(0.05)
-        await asyncio.sleep(0.6)
+        task = await _started(d)
         nv.lose(1)
         await asyncio.sleep(1.5)
         snap = d.snapshot
@@ -75,19 +86,10 @@ def test_the_daemon_reopens_a_reset_gpu_by_uuid_and_counts_its_energy_again_neve
     monkeypatch.setattr(nvmlmod, "REOPEN_INTERVAL_S", 0.3)
     sim = SimNVML("a100-40g", count=2, state_path=None)
     nv = FaultyNVML(sim)
-    cfg = load_config(None, env={}, overrides={
-        "daemon.data_dir": str(tmp_path / "data"), "daemon.interval_s": 0.1, "daemon.flush_interval_s": 0.2,
-        "proxy.listen": "127.0.0.1:0", "metrics.listen": "", "daemon.restore_on_start": False,
-    })
-    d = Daemon(cfg, Rig("a100-40g", gpus=[0, 1], nvml=nv))
+    d = _daemon(tmp_path, nv)
 
     async def main():
-        task = asyncio.create_task(d.run())
-        for _ in range(200):
-            if "proxy" in d.urls:
-                break
-            await asyncio.sleep(0.05)
-        await asyncio.sleep(0.6)
+        task = await _started(d)
         nv.lose(1)  # nvidia-smi -r -i 1: gone for a while
         await asyncio.sleep(1.0)
         down = d.snapshot

@@ -8,7 +8,6 @@ from __future__ import annotations
 import pyarrow.parquet as pq
 import pytest
 
-import powerprof.rig as rigmod
 from powerprof.rig import Rig
 from powerprof.sim.nvml import SimNVML
 from powerprof.sweep import UI, SweepError, run_sweep
@@ -30,21 +29,6 @@ class _Hook(UI):
 
     def note(self, text):
         self.notes.append(text)
-
-
-@pytest.fixture
-def sim_server(monkeypatch):
-    """The simulated server the sweep starts, once it has: [server]."""
-    got = []
-    real = rigmod.Rig.sim_server
-
-    def capture(self, **kw):
-        srv = real(self, **kw)
-        got.append(srv)
-        return srv
-
-    monkeypatch.setattr(rigmod.Rig, "sim_server", capture)
-    return got
 
 
 def test_a_batch_the_server_queued_is_not_passed_off_as_the_concurrency_asked(tmp_path, sim_server):

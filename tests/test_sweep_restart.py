@@ -13,7 +13,6 @@ import numpy as np
 import pyarrow.parquet as pq
 import pytest
 
-import powerprof.rig as rigmod
 from powerprof.rig import Rig
 from powerprof.sim.nvml import SimNVML
 from powerprof.sweep import UI, SweepError, run_sweep
@@ -32,21 +31,6 @@ class _Hook(UI):
 
     def note(self, text):
         self.notes.append(text)
-
-
-@pytest.fixture
-def sim_server(monkeypatch):
-    """The simulated server the sweep starts, once it has: [server]."""
-    got = []
-    real = rigmod.Rig.sim_server
-
-    def capture(self, **kw):
-        srv = real(self, **kw)
-        got.append(srv)
-        return srv
-
-    monkeypatch.setattr(rigmod.Rig, "sim_server", capture)
-    return got
 
 
 def _once_at_level_200(sim_server, fault):
