@@ -579,13 +579,17 @@ class Ledger:
         gaps = self._gap + np.cumsum([sp[2] for sp in todo] - (cum[t1] - cum[t0]))
         ends = np.array([sp[1] for sp in todo], dtype=np.int64)
         for k, sp in enumerate(todo):
-            if not (sp[1] + lag_ns <= last or (force and sp[0] < upto_ns)):
+            # `force` is for the windows of the intervals being closed only: later ones, old enough but
+            # live with a stream still to be corrected, keep waiting (forced too, 4 tokens a chunk with
+            # usage gave ~13% of the requests' energy to unproxied with no bypass traffic at all).
+            forced = force and sp[0] < upto_ns
+            if not (sp[1] + lag_ns <= last or forced):
                 break
-            if not force and pending_ns is not None and sp[1] > pending_ns:
+            if not forced and pending_ns is not None and sp[1] > pending_ns:
                 break
             level = float(gaps[k:][ends[k:] <= sp[1] + lag_ns].min())
             ref = max([x[1] for x in self._levels if x[0] >= sp[1] - credit_ns], default=self._level)
-            if not force and counting_ns is not None and sp[1] > counting_ns and level > ref:
+            if not forced and counting_ns is not None and sp[1] > counting_ns and level > ref:
                 break
             while self._levels and self._levels[0][0] < sp[1] - credit_ns:
                 self._levels.popleft()
