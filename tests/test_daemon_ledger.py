@@ -23,6 +23,7 @@ class R:  # the fields of a GpuReading the ledger uses
     energy_j: float | None
     power_w: float | None
     power_avg_w: float | None = None
+    power_limit_w: float | None = None
 
 
 class Sink:
@@ -869,3 +870,44 @@ def test_streams_sending_several_tokens_a_chunk_give_none_to_unproxied_when_an_e
     assert sum(r["server_tokens"] or 0.0 for r in ivs) == pytest.approx(0.0, abs=1e-9)
     assert sum(r["unproxied_energy_j"] for r in ivs) == pytest.approx(0.0, abs=1e-9)
     assert rows[1]["gpu_energy_j"] + rows[2]["gpu_energy_j"] == pytest.approx(sum(r["requests_energy_j"] for r in ivs))
+
+
+def test_a_power_limit_changed_while_intervals_are_held_splits_each_with_its_own_settings_costs():
+    # The tuner (or a sweep) moves the limit from 300 W to 200 W at 3.5 s while a stream runs whose prompt length
+    # comes only at its end, so its intervals are held and close together. Before: all of them were split with the
+    # last setting's costs and learned as its (the fit of 200 W took 300 W intervals' energy).
+    from powerprof.daemon import attribution as attr
+    from powerprof.daemon.workmodel import CostLearner
+
+    class Learner(CostLearner):
+        added: list = []
+
+        def add(self, setting, features, energy_j, usable):
+            self.added.append((setting, len(features), [bool(u) for u in usable]))
+
+        def costs(self, setting):
+            return attr.WorkCosts(source="fitted" if setting == (300.0,) else "fixed")
+
+    learner = Learner()
+    sink = Sink()
+    led = Ledger("d", 0, 1, sink, grace_s=0.1, learner=learner)
+    tr = RequestTrace(1, "POST", "/v1/completions", "t", int(0.5 * S), 0, api="openai-completions", stream=True)
+    led.on_start(tr)
+    for k in range(8):
+        limit = 300.0 if k <= 3 else 200.0
+        led.add_gpu_sample(k * S, k * S, [R(100.0 * k, 100.0, power_limit_w=limit)])
+        if k:
+            led.on_tokens(tr, int((k - 0.5) * S), 1)
+            tr.first_ns, tr.last_ns = tr.first_ns or int(0.5 * S), int((k - 0.5) * S)
+        led.advance(int((k + 0.2) * S))
+    assert sink.rows["intervals"] == []  # held for the prompt
+    tr.end_ns = int(6.6 * S)
+    tr.counts = Counts(generated_tokens=7, prompt_tokens=50, model=None, stop_reason=None, token_source="usage")
+    led.on_end(tr)
+    led.advance(int(7.2 * S))
+    rows = sink.rows["intervals"]
+    assert [r["work_costs"] for r in rows] == ["fitted"] * 3 + ["fixed"] * 4
+    # Each setting's fit gets its own intervals; the one the limit changed in is of both and feeds neither.
+    assert learner.added == [((300.0,), 3, [True] * 3), ((200.0,), 4, [False] + [True] * 3)]
+    (row,) = sink.rows["requests"]
+    assert row["gpu_energy_j"] == pytest.approx(sum(r["requests_energy_j"] for r in rows))
