@@ -911,3 +911,36 @@ def test_a_power_limit_changed_while_intervals_are_held_splits_each_with_its_own
     assert learner.added == [((300.0,), 3, [True] * 3), ((200.0,), 4, [False] + [True] * 3)]
     (row,) = sink.rows["requests"]
     assert row["gpu_energy_j"] == pytest.approx(sum(r["requests_energy_j"] for r in rows))
+
+
+def test_a_request_running_across_utc_midnight_is_one_row_with_the_energy_of_both_dates():
+    # The datasets are partitioned by UTC date (requests by arrival, intervals by start): a request that spans
+    # midnight must be written once, on its arrival's date, with the energy of the intervals of both dates.
+    from datetime import datetime, timezone
+
+    from powerprof.daemon.store import date_of
+
+    midnight = int(datetime(2026, 1, 1, tzinfo=timezone.utc).timestamp()) * S
+    sink = Sink()
+    led = Ledger("d", 0, 1, sink, grace_s=0.1)
+    tr = RequestTrace(1, "POST", "/completion", "t", int(1.5 * S), midnight - int(3.5 * S), api="llamacpp", stream=True)
+    led.on_start(tr)
+    for k in range(10):  # monotonic k s is wall midnight - 5 s + k s
+        led.add_gpu_sample(k * S, midnight + (k - 5) * S, [R(100.0 * k, 100.0)])
+        if 2 <= k <= 8:
+            led.on_tokens(tr, int((k - 0.5) * S), 1)
+            tr.first_ns, tr.last_ns = tr.first_ns or int(1.5 * S), int((k - 0.5) * S)
+        led.advance(int((k + 0.2) * S))
+    tr.end_ns, tr.end_wall_ns = int(7.6 * S), midnight + int(2.6 * S)
+    tr.counts = Counts(generated_tokens=7, prompt_tokens=20, model=None, stop_reason=None, token_source="usage")
+    led.on_end(tr)
+    led.advance(int(9.5 * S))
+    led.close_all(int(10 * S))
+    (row,) = sink.rows["requests"]
+    assert date_of(row["t_arrival_utc"]) == "2025-12-31" and date_of(row["t_end_utc"]) == "2026-01-01"
+    ivs = sink.rows["intervals"]
+    by_date = {}
+    for r in ivs:
+        by_date[date_of(r["t_start_utc"])] = by_date.get(date_of(r["t_start_utc"]), 0.0) + r["requests_energy_j"]
+    assert set(by_date) == {"2025-12-31", "2026-01-01"} and min(by_date.values()) > 0
+    assert row["gpu_energy_j"] == pytest.approx(sum(by_date.values())) and row["attributed_tokens"] == 7.0
