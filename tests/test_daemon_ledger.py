@@ -728,25 +728,34 @@ def _chat(rid, arrival_s, chars):
     return tr
 
 
+def _twin_streams(led, step_s, done_end_s, cut_end_s):
+    """Two chat streams alike (2000-character prompts, 10 tokens each from 0.1 s, `step_s` apart), started on `led`:
+    the first ends at done_end_s with its prompt counted by the server (500 tokens), the second's client leaves at
+    cut_end_s before its usage. Not yet ended on the ledger."""
+    done, cut = _chat(1, 0.05, 2000), _chat(2, 0.05, 2000)
+    for tr in (done, cut):
+        led.on_start(tr)
+    for k in range(10):
+        for tr in (done, cut):
+            led.on_tokens(tr, int((0.1 + step_s * k) * S), 1)
+    last = int((0.1 + step_s * 9) * S)
+    done.first_ns, done.last_ns, done.end_ns = int(0.1 * S), last, int(done_end_s * S)
+    cut.first_ns, cut.last_ns, cut.end_ns = int(0.1 * S), last, int(cut_end_s * S)
+    done.counts = Counts(generated_tokens=10, prompt_tokens=500, model=None, stop_reason="length",
+                         token_source="usage")
+    cut.counts = Counts(generated_tokens=10, prompt_tokens=None, model=None, stop_reason=None,
+                        token_source="counted", tokens_estimated=True)
+    cut.outcome = "client_disconnected"
+    return done, cut
+
+
 def test_a_stream_cut_before_its_usage_is_costed_its_prompt_at_the_servers_own_ratio_and_says_so(caplog):
     # Two chat streams alike (2000-character prompts, 10 tokens each in one interval); the server counted the
     # first's prompt (500 tokens: 4 characters a token here), the second's client left before its usage. Before:
     # the second got no prefill work and its prompt's energy went to the first (1.8x its twin's energy).
     sink = Sink()
     led = Ledger("d", 0, 1, sink, grace_s=0.1)
-    done, cut = _chat(1, 0.05, 2000), _chat(2, 0.05, 2000)
-    for tr in (done, cut):
-        led.on_start(tr)
-    for k in range(10):
-        for tr in (done, cut):
-            led.on_tokens(tr, int((0.1 + 0.05 * k) * S), 1)
-    for tr in (done, cut):
-        tr.first_ns, tr.last_ns, tr.end_ns = int(0.1 * S), int(0.55 * S), int(0.6 * S)
-    done.counts = Counts(generated_tokens=10, prompt_tokens=500, model=None, stop_reason="length",
-                         token_source="usage")
-    cut.counts = Counts(generated_tokens=10, prompt_tokens=None, model=None, stop_reason=None,
-                        token_source="counted", tokens_estimated=True)
-    cut.outcome = "client_disconnected"
+    done, cut = _twin_streams(led, 0.05, 0.6, 0.6)
     with caplog.at_level(logging.WARNING, logger="powerprof.daemon.ledger"):
         for tr in (done, cut):
             led.on_end(tr)
@@ -768,19 +777,7 @@ def test_a_cut_stream_is_named_client_left_even_when_an_interval_before_its_end_
     # filed as "not_yet" (unsaid 30 s after arrival), the row's note and the metric with it.
     sink = Sink()
     led = Ledger("d", 0, 1, sink, grace_s=0.1)
-    done, cut = _chat(1, 0.05, 2000), _chat(2, 0.05, 2000)
-    for tr in (done, cut):
-        led.on_start(tr)
-    for k in range(10):
-        for tr in (done, cut):
-            led.on_tokens(tr, int((0.1 + 0.08 * k) * S), 1)
-    done.first_ns, done.last_ns, done.end_ns = int(0.1 * S), int(0.82 * S), int(0.85 * S)
-    cut.first_ns, cut.last_ns, cut.end_ns = int(0.1 * S), int(0.82 * S), int(0.9 * S)
-    done.counts = Counts(generated_tokens=10, prompt_tokens=500, model=None, stop_reason="length",
-                         token_source="usage")
-    cut.counts = Counts(generated_tokens=10, prompt_tokens=None, model=None, stop_reason=None,
-                        token_source="counted", tokens_estimated=True)
-    cut.outcome = "client_disconnected"
+    done, cut = _twin_streams(led, 0.08, 0.85, 0.9)
     for tr in (done, cut):
         led.on_end(tr)
     _feed(led, 0.0, 0.0)
