@@ -37,11 +37,14 @@ class Rig:
         rapl_backend: str = "sysfs",
         host: bool = True,
         nvml=None,
+        host_cpu_time: bool | None = None,
     ):
         """sim_profile: a simulator profile key, or None for this machine's hardware.
         gpus: NVML indexes, or GPU/MIG UUIDs (default: what CUDA_VISIBLE_DEVICES allows). nvml: an NVML-like object
-        to use as given (tests hand in a SimNVML they control)."""
+        to use as given (tests hand in a SimNVML they control). host_cpu_time: judge a busy host from this machine's
+        CPU times (default: only where RAPL is real; tests of that judgement set True beside the simulated RAPL)."""
         self.sim_profile = sim_profile
+        self.host_cpu_time = host_cpu_time
         self.gpus = gpus
         self.rapl_backend = rapl_backend
         self.host = host
@@ -130,6 +133,18 @@ class Rig:
                 self._nvml if not self.simulated else self.nvml, self.gpus, rapl_backend=self.rapl_backend, host=self.host, privileged=self.may_set_limits, **kw
             )
         return self._sources
+
+    def cpu_time_collector(self, url: str | None, launched: list):
+        """Whose CPU time the host spends beside the RAPL energy the sources read (collectors/cputime.py), for the
+        busy-host flag; None without a server URL, or where that energy is simulated: the simulated package follows
+        the simulated server alone, so other processes' CPU time is in none of its joules."""
+        real = self.host_cpu_time if self.host_cpu_time is not None else self._powercap is None
+        if not url or not real:
+            return None
+        from powerprof.collectors.cputime import CpuTimeCollector
+        from powerprof.workload.serverprocs import ServerProcesses
+
+        return CpuTimeCollector(ServerProcesses(url, launched))
 
     @property
     def sim_powercap(self):

@@ -20,7 +20,7 @@ from powerprof.analysis import engine
 from powerprof.analysis.stats import level_j_ci_halfwidth_frac, summarize_levels
 from powerprof.collectors.clock_reasons import (REASON_GPU_IDLE, cap_not_engaged, clock_event_reason_names,
                                                held_by_a_setting, thermal)
-from powerprof.collectors.cputime import (BUSY_HOST_FIX, BUSY_HOST_FLAG, BUSY_HOST_PCT, CpuTimeCollector, busy_host_text,
+from powerprof.collectors.cputime import (BUSY_HOST_FIX, BUSY_HOST_FLAG, BUSY_HOST_PCT, busy_host_text,
                                           unknown_server_text)
 from powerprof.collectors.gateway import gateway
 from powerprof.control.device import read_devices
@@ -32,7 +32,6 @@ from powerprof.workload.client import (RequestParams, health_status, identity_ch
                                       server_epoch, server_identity)
 from powerprof.workload.load import LoadAborted, LoadPolicy, builtin_prompts, detect, run_load_async
 from powerprof.workload.rows import Level, request_timing, trace_row, window_rows
-from powerprof.workload.serverprocs import ServerProcesses
 
 
 @dataclass(frozen=True)
@@ -1193,7 +1192,7 @@ def run_sweep(
 
         ctl = stack.enter_context(rig.controller(indexes)) if level_kind != "none" else None
         # Whose CPU time the host spent, beside RAPL's whole-package energy: a busy host is flagged (busy-host).
-        cputime = CpuTimeCollector(ServerProcesses(url, launched)) if src.rapl is not None and url else None
+        cputime = rig.cpu_time_collector(url, launched) if src.rapl is not None else None
         profiler = stack.enter_context(
             Profiler(gpu_collector=src.nvml, rapl=src.rapl, extra_collectors=[src.host] if src.host else [], interval_s=interval_s,
                      cputime=cputime)

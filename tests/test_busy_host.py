@@ -165,7 +165,7 @@ def test_a_server_that_cannot_be_found_is_said_never_guessed(monkeypatch):
 
 
 def test_measure_beside_a_busy_loop_flags_the_gpu_plus_cpu_figure(tmp_path, hog, capsys):
-    with Rig("seed-16g") as rig:
+    with Rig("seed-16g", host_cpu_time=True) as rig:
         res = _measure(rig, tmp_path)
     (m,) = res.summaries
     assert m.total_j_per_token is not None and m.gpu_j_per_token is not None  # both figures kept, never dropped
@@ -180,10 +180,20 @@ def test_measure_beside_a_busy_loop_flags_the_gpu_plus_cpu_figure(tmp_path, hog,
     assert measure_row(m).rstrip().endswith("!  counter")
 
 
+def test_the_simulated_rapl_is_never_called_a_busy_hosts(tmp_path, hog):
+    # The simulated package's energy follows the simulated server alone: other processes' CPU time is in none of its
+    # joules. The README's simulated sweep said "busy-host" at 300 W on a quiet machine (10% of a near-idle host).
+    with Rig("seed-16g") as rig:
+        res = _measure(rig, tmp_path)
+    (m,) = res.summaries
+    assert m.total_j_per_token is not None and m.other_cpu_pct is None and not m.busy_host
+    assert not [n for n in res.notes if "other processes" in n or "not found" in n]
+
+
 def test_measure_on_a_quiet_host_is_not_flagged(tmp_path, monkeypatch):
     # Injected readings: the server burns a core, powerprof 0.2, everything else 0.01 (0.8%).
     monkeypatch.setattr(cputime_mod, "CpuTimeCollector", _fake_collector(FakeHost(other=0.01)))
-    with Rig("seed-16g") as rig:
+    with Rig("seed-16g", host_cpu_time=True) as rig:
         res = _measure(rig, tmp_path)
     (m,) = res.summaries
     assert m.other_cpu_pct == pytest.approx(100 * 0.01 / 1.21, abs=0.2)
@@ -194,7 +204,7 @@ def test_measure_on_a_quiet_host_is_not_flagged(tmp_path, monkeypatch):
 
 def test_measure_on_an_injected_busy_host_is_flagged(tmp_path, monkeypatch):
     monkeypatch.setattr(cputime_mod, "CpuTimeCollector", _fake_collector(FakeHost(other=0.5)))
-    with Rig("seed-16g") as rig:
+    with Rig("seed-16g", host_cpu_time=True) as rig:
         res = _measure(rig, tmp_path)
     (m,) = res.summaries
     assert m.other_cpu_pct == pytest.approx(100 * 0.5 / 1.7, abs=0.5) and m.busy_host
@@ -206,7 +216,7 @@ def test_measure_whose_server_cannot_be_found_says_so_once(tmp_path, monkeypatch
         raise psutil.AccessDenied()
 
     monkeypatch.setattr(psutil, "net_connections", denied)
-    with Rig("seed-16g") as rig:
+    with Rig("seed-16g", host_cpu_time=True) as rig:
         res = _measure(rig, tmp_path)
     (m,) = res.summaries
     assert m.total_j_per_token is not None and m.other_cpu_pct is None and not m.busy_host
@@ -223,7 +233,7 @@ def _sweep(tmp_path):
     from powerprof.sweep import run_sweep
 
     sim = SimNVML("a100-40g")
-    with Rig(sim.profile.key, nvml=sim) as rig:
+    with Rig(sim.profile.key, nvml=sim, host_cpu_time=True) as rig:
         out = run_sweep(rig, levels_spec="400,250", out_dir=tmp_path / "s", params=RequestParams(max_tokens=24),
                         idle_s=0, interval_s=0.2, min_requests=3, max_requests=3, warmup_requests=0)
     return out, pq.read_table(tmp_path / "s" / "levels.parquet").to_pylist()
@@ -246,9 +256,7 @@ def test_a_sweep_beside_a_busy_loop_flags_its_levels(tmp_path, hog):
 
 
 def test_a_quiet_sweep_is_not_flagged(tmp_path, monkeypatch):
-    import powerprof.sweep as sweep_mod
-
-    monkeypatch.setattr(sweep_mod, "CpuTimeCollector", _fake_collector(FakeHost(other=0.01)))
+    monkeypatch.setattr(cputime_mod, "CpuTimeCollector", _fake_collector(FakeHost(other=0.01)))
     out, levels = _sweep(tmp_path)
     assert levels and all(BUSY_HOST_FLAG not in (r["flags"] or "") for r in levels)
     assert all(r["other_cpu_pct"] == pytest.approx(100 * 0.01 / 1.21, abs=0.2) for r in levels)

@@ -29,7 +29,6 @@ from powerprof.profiler import EDGE_BIAS_WINDOW_S, LOW_CONFIDENCE_S
 from .client import RequestParams, RequestRecord, ServerInfo, detect_server, server_away
 from .load import LoadAborted, LoadPolicy, Prompt, run_load_async
 from .rows import NO_DECODE_INTERVAL, window_rows
-from .serverprocs import ServerProcesses
 
 NO_GPU_NOTE = "no GPU readable here: GPU energy columns are empty; decode tok/s {cpu}"
 
@@ -569,7 +568,6 @@ def _run_measure(
     from contextlib import ExitStack
 
     from powerprof import __version__
-    from powerprof.collectors.cputime import CpuTimeCollector
     from powerprof.profiler import Profiler
     from powerprof.storage.runs import RunWriter, split_storable, table_from_rows
 
@@ -599,7 +597,7 @@ def _run_measure(
         if src.nvml is not None or src.rapl is not None:
             nv = src.nvml
             # Whose CPU time the host spent, beside RAPL's whole-package energy (a busy host is flagged).
-            cputime = CpuTimeCollector(ServerProcesses(url, launched)) if src.rapl is not None else None
+            cputime = rig.cpu_time_collector(url, launched) if src.rapl is not None else None
             profiler = Profiler(nv.nvml if nv else None, nv.indexes if nv else None, src.rapl, interval_s=interval_s,
                                 cputime=cputime)
             stack.enter_context(profiler)
