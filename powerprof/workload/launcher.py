@@ -197,11 +197,16 @@ def bound_log(path: Path, max_bytes: int) -> None:
             head = head[: head.rindex(b"\n") + 1]
         if b"\n" in newest:
             newest = newest[newest.index(b"\n") + 1:]
-        # The server appends (O_APPEND): cut to the head, then append. What it writes in between is lost.
+        # The server appends (O_APPEND): cut to the head, then append. What it wrote since `size` was taken is read
+        # again just before the cut (a server's last lines, written while the tail was read, were lost under load);
+        # only what lands between that read and the cut is lost.
+        with open(path, "rb") as f:
+            f.seek(size)
+            late = f.read()
         os.truncate(path, len(head))
         with open(path, "ab") as f:
             f.write(f"[... powerprof cut {size - len(head) - len(newest)} bytes of this log, "
-                    f"which it keeps under {max_bytes} bytes ...]\n".encode() + newest)
+                    f"which it keeps under {max_bytes} bytes ...]\n".encode() + newest + late)
     except OSError:
         pass
 
