@@ -42,6 +42,17 @@ def _feed(ledger, t_s, energy_j, power_w=200.0):
     ledger.add_gpu_sample(int(t_s * S), int(t_s * S), [R(energy_j, power_w)])
 
 
+
+def _deliver(led, tr, parser, t, ev) -> int:
+    """One SSE event reaching the proxy at `t`: its tokens counted as the proxy does and given to the ledger."""
+    n = parser.count(ev)
+    if n:
+        tr.first_ns = tr.first_ns or t
+        tr.last_ns = t
+        tr.tokens_seen += n
+        led.on_tokens(tr, t, n)
+    return n
+
 def test_requests_are_emitted_with_their_energy_once_their_intervals_close():
     sink = Sink()
     led = Ledger("d", 0, 1, sink, grace_s=0.1)
@@ -385,13 +396,7 @@ def _play_speculative_stream(with_usage: bool, end_s: float, usage_tokens: int =
         now = step * S // 20
         while events and ev_at[0] <= now:
             t, ev = ev_at.pop(0), events.pop(0)
-            n = parser.count(ev)
-            if n:
-                tr.first_ns = tr.first_ns or t
-                tr.last_ns = t
-                tr.tokens_seen += n
-                led.on_tokens(tr, t, n)
-                seen += n
+            seen += _deliver(led, tr, parser, t, ev)
             if not events:  # [DONE]: the response ended
                 tr.end_ns = t
                 tr.counts = streams.summary_counts(parser.finish())
@@ -696,13 +701,7 @@ def test_a_stream_whose_only_token_comes_in_its_closing_chunk_is_attributed_that
     seen = 0
     for i, ev in enumerate(events):
         t = int((1.02 + 0.001 * i) * S)
-        n = parser.count(ev)
-        if n:
-            tr.first_ns = tr.first_ns or t
-            tr.last_ns = t
-            tr.tokens_seen += n
-            led.on_tokens(tr, t, n)
-            seen += n
+        seen += _deliver(led, tr, parser, t, ev)
     tr.end_ns = int(1.03 * S)
     tr.counts = streams.summary_counts(parser.finish())
     led.on_end(tr)
