@@ -393,3 +393,232 @@ def test_json_from_bytes_gives_what_json_loads_gives(doc):
             return "error", type(e)
 
     assert outcome(json_from_bytes) == outcome(json.loads)
+
+
+# --- several choices per request (n > 1, a list of prompts): vLLM and SGLang stream each choice in its own chunks,
+# with its `index`; continuous usage there is that choice's running count, the final usage their sum.
+
+def _choice_chunk(i, content=None, finish=None, usage=None, text=None):
+    ch = {"index": i, "finish_reason": finish}
+    if text is not None:
+        ch["text"] = text
+    else:
+        ch["delta"] = {} if content is None else {"content": content}
+    d = {**_CHAT, "choices": [ch]}
+    if usage is not None:
+        d["usage"] = {"prompt_tokens": 7, "completion_tokens": usage, "total_tokens": 7 + usage}
+    return d
+
+
+def _n_choices_stream(n_choices: int, n_tokens: int, completions: bool = False) -> bytes:
+    """vLLM's wire format (serving_chat / serving_completion, continuous_usage_stats): per choice a role
+    chunk (chat), then its tokens interleaved with the other choices', each chunk with that choice's
+    running usage; its closing chunk; the final usage chunk with the sum."""
+    objs = []
+    if not completions:
+        objs += [{**_CHAT, "choices": [{"index": i, "delta": {"role": "assistant", "content": ""}, "finish_reason": None}],
+                  "usage": {"prompt_tokens": 7, "completion_tokens": 0, "total_tokens": 7}} for i in range(n_choices)]
+    for k in range(n_tokens - 1):
+        for i in range(n_choices):
+            objs.append(_choice_chunk(i, f"t{k}", usage=k + 1, text=f"t{k}" if completions else None))
+    for i in range(n_choices):  # vLLM's closing chunk carries the last token, empty content
+        objs.append(_choice_chunk(i, "", "length", usage=n_tokens, text="" if completions else None))
+    objs.append({**_CHAT, "choices": [], "usage": {"prompt_tokens": 7, "completion_tokens": n_choices * n_tokens,
+                                                   "total_tokens": 7 + n_choices * n_tokens}})
+    return _compact(*objs, b"[DONE]")
+
+
+@pytest.mark.parametrize("completions", [False, True])
+@pytest.mark.parametrize("split", [None, 5, "event"])
+def test_several_choices_with_continuous_usage_count_every_choices_tokens(completions, split):
+    # Before: each choice's running usage was taken for the whole stream's, so of n=3 × 6 tokens the proxy
+    # counted 6, and the final usage (18) then made the server's count "contradicted": generated_tokens and
+    # J/token left empty, the request counted as a lie, for an honest server.
+    from powerprof.daemon.streams import summary_counts
+
+    api = "openai-completions" if completions else "openai-chat"
+    data = _n_choices_stream(3, 6, completions)
+    for count_only in (False, True):
+        p = StreamParser(api, count_only=count_only)
+        pieces = ([e + b"\n\n" for e in data.split(b"\n\n") if e] if split == "event"
+                  else [data] if split is None else [data[i : i + split] for i in range(0, len(data), split)])
+        n = sum(p.count(piece) for piece in pieces)
+        s = p.finish()
+        assert n == s.counted_tokens == s.generated_tokens == 18, (count_only, n, s)
+        assert s.running_counts and s.complete
+        c = summary_counts(s)
+        assert c.count_problem is None and c.generated_tokens == 18 and not c.tokens_estimated
+
+
+def test_several_choices_in_one_chunk_count_a_token_each():
+    data = _compact(*[{**_CHAT, "choices": [{"index": 0, "delta": {"content": "a"}, "finish_reason": None},
+                                            {"index": 1, "delta": {"content": "b"}, "finish_reason": None}]}
+                      for _ in range(4)])
+    for count_only in (False, True):
+        p = StreamParser("openai-chat", count_only=count_only)
+        assert p.count(data) == 8
+
+
+def test_a_stream_of_several_choices_is_complete_only_when_every_choice_finished():
+    # Choice 0 finished, choice 1 was cut: the stream did not end (its row must say what may be missing).
+    data = _compact(_choice_chunk(0, "a"), _choice_chunk(1, "b"), _choice_chunk(0, "", "stop"), _choice_chunk(1, "c"))
+    p = StreamParser("openai-chat")
+    p.feed(data)
+    assert not p.finish().complete
+    p = StreamParser("openai-chat")
+    p.feed(data + _compact(_choice_chunk(1, "", "length")))
+    s = p.finish()
+    assert s.complete and s.stop_reason == "length"
+
+
+# --- the Responses API (/v1/responses, vLLM) and Anthropic's Messages API (/v1/messages, llama.cpp and vLLM) ---
+
+def _typed_sse(*objs) -> bytes:
+    """Typed events as those servers write them: an `event:` line naming the type, then its data."""
+    return b"".join(b"event: " + o["type"].encode() + b"\ndata: " + json.dumps(o, separators=(",", ":")).encode()
+                    + b"\n\n" for o in objs)
+
+
+RESPONSES_STREAM = _typed_sse(
+    {"type": "response.created", "sequence_number": 0, "response": {"id": "resp_1", "object": "response",
+                                                                    "model": "qwen3", "status": "in_progress", "usage": None}},
+    {"type": "response.in_progress", "sequence_number": 1, "response": {"id": "resp_1", "status": "in_progress"}},
+    {"type": "response.output_item.added", "output_index": 0, "item": {"type": "reasoning", "id": "rs_1"}},
+    *[{"type": "response.reasoning_text.delta", "item_id": "rs_1", "output_index": 0, "content_index": 0,
+       "delta": f"think{i}"} for i in range(3)],
+    {"type": "response.output_item.added", "output_index": 1, "item": {"type": "message", "id": "msg_1"}},
+    *[{"type": "response.output_text.delta", "item_id": "msg_1", "output_index": 1, "content_index": 0,
+       "delta": f" w{i}", "logprobs": []} for i in range(4)],
+    {"type": "response.output_text.done", "item_id": "msg_1", "output_index": 1, "content_index": 0, "text": "..."},
+    {"type": "response.completed", "sequence_number": 20, "response": {
+        "id": "resp_1", "object": "response", "model": "qwen3", "status": "completed",
+        "usage": {"input_tokens": 12, "input_tokens_details": {"cached_tokens": 0}, "output_tokens": 9,
+                  "output_tokens_details": {"reasoning_tokens": 4}, "total_tokens": 21}}},
+)
+
+MESSAGES_STREAM = _typed_sse(
+    {"type": "message_start", "message": {"id": "msg_1", "type": "message", "role": "assistant", "content": [],
+                                          "model": "claude-ish", "stop_reason": None,
+                                          "usage": {"input_tokens": 25, "output_tokens": 1}}},
+    {"type": "content_block_start", "index": 0, "content_block": {"type": "thinking", "thinking": ""}},
+    *[{"type": "content_block_delta", "index": 0, "delta": {"type": "thinking_delta", "thinking": f"t{i}"}}
+      for i in range(2)],
+    {"type": "content_block_stop", "index": 0},
+    {"type": "ping"},
+    {"type": "content_block_start", "index": 1, "content_block": {"type": "text", "text": ""}},
+    *[{"type": "content_block_delta", "index": 1, "delta": {"type": "text_delta", "text": f" w{i}"}} for i in range(3)],
+    {"type": "content_block_stop", "index": 1},
+    {"type": "content_block_start", "index": 2, "content_block": {"type": "tool_use", "id": "t", "name": "f", "input": {}}},
+    {"type": "content_block_delta", "index": 2, "delta": {"type": "input_json_delta", "partial_json": "{\"a\":"}},
+    {"type": "content_block_stop", "index": 2},
+    {"type": "message_delta", "delta": {"stop_reason": "tool_use", "stop_sequence": None}, "usage": {"output_tokens": 11}},
+    {"type": "message_stop"},
+)
+
+
+@pytest.mark.parametrize("split", [None, 1, 13, "event"])
+@pytest.mark.parametrize("api, data, counted, generated, prompt, stop", [
+    ("openai-responses", RESPONSES_STREAM, 7, 9, 12, "stop"),
+    ("anthropic-messages", MESSAGES_STREAM, 6, 11, 25, "tool_calls"),
+])
+def test_typed_event_apis_count_their_deltas_and_take_the_servers_final_count(api, data, counted, generated, prompt,
+                                                                              stop, split):
+    # Before, the proxy did not know these paths: the requests' tokens went uncounted (0 attributed, their energy
+    # given to the requests beside them or to unproxied), with nothing on the row but a null.
+    from powerprof.daemon.streams import api_for_path, summary_counts
+
+    for count_only in (False, True):
+        p = StreamParser(api, count_only=count_only)
+        pieces = ([e + b"\n\n" for e in data.split(b"\n\n") if e] if split == "event"
+                  else [data] if split is None else [data[i : i + split] for i in range(0, len(data), split)])
+        n = sum(p.count(piece) for piece in pieces)
+        assert p.ended
+        s = p.finish()
+        assert n == s.counted_tokens == counted, (count_only, n)
+        assert (s.generated_tokens, s.token_source, s.prompt_tokens, s.stop_reason) == (generated, "usage", prompt, stop)
+        assert s.complete and s.error is None and s.server_error is None
+        c = summary_counts(s)
+        assert c.count_problem is None and c.tokens_estimated and c.generated_tokens == generated
+    assert api_for_path("/v1/responses") == "openai-responses" and api_for_path("/v1/messages") == "anthropic-messages"
+
+
+def test_typed_event_apis_prompt_length_is_known_early_from_anthropics_message_start():
+    p = StreamParser("anthropic-messages", count_only=True)
+    p.count(MESSAGES_STREAM.split(b"\n\n")[0] + b"\n\n")
+    assert p.prompt_tokens == 25
+
+
+def test_typed_event_apis_errors_and_cut_streams():
+    err = _typed_sse({"type": "error", "error": {"type": "overloaded_error", "message": "Overloaded"}})
+    p = StreamParser("anthropic-messages")
+    p.feed(MESSAGES_STREAM.split(b"event: content_block_stop")[0] + err)
+    s = p.finish()
+    assert s.server_error == "Overloaded" and not s.complete and s.counted_tokens == 2
+    failed = _typed_sse({"type": "response.failed", "response": {"status": "failed", "error": {
+        "code": "server_error", "message": "engine died"}, "usage": None}})
+    p = StreamParser("openai-responses")
+    p.feed(RESPONSES_STREAM.split(b"event: response.output_text.done")[0] + failed)
+    s = p.finish()
+    assert s.server_error == "engine died" and not s.complete and s.counted_tokens == 7
+    cut = StreamParser("openai-responses")
+    cut.feed(RESPONSES_STREAM.split(b"event: response.completed")[0])
+    s = cut.finish()
+    assert not s.complete and s.token_source == "counted" and s.counted_tokens == 7
+    incomplete = _typed_sse({"type": "response.incomplete", "response": {
+        "status": "incomplete", "incomplete_details": {"reason": "max_output_tokens"},
+        "usage": {"input_tokens": 3, "output_tokens": 7}}})
+    p = StreamParser("openai-responses")
+    p.feed(RESPONSES_STREAM.split(b"event: response.completed")[0] + incomplete)
+    s = p.finish()
+    assert s.complete and s.stop_reason == "length" and s.generated_tokens == 7
+
+
+def test_typed_event_apis_whole_bodies_take_the_usage():
+    from powerprof.daemon.streams import body_counts
+
+    resp = {"id": "resp_1", "object": "response", "model": "qwen3", "status": "completed",
+            "output": [{"type": "reasoning", "id": "rs"}, {"type": "message", "id": "m", "content": [
+                {"type": "output_text", "text": "hello"}]}],
+            "usage": {"input_tokens": 12, "output_tokens": 30, "total_tokens": 42}}
+    c = body_counts("openai-responses", json.dumps(resp).encode())
+    assert (c.generated_tokens, c.prompt_tokens, c.token_source, c.stop_reason, c.complete) == (30, 12, "usage", "stop", True)
+    msg = {"id": "msg_1", "type": "message", "role": "assistant", "model": "m",
+           "content": [{"type": "text", "text": "hi there"}], "stop_reason": "max_tokens",
+           "usage": {"input_tokens": 9, "output_tokens": 16}}
+    c = body_counts("anthropic-messages", json.dumps(msg).encode())
+    assert (c.generated_tokens, c.prompt_tokens, c.token_source, c.stop_reason, c.complete) == (16, 9, "usage", "length", True)
+
+
+def test_an_error_inside_a_stream_is_the_servers_error_not_parser_noise():
+    # vLLM/SGLang/llama.cpp: an HTTP 200 stream that fails midway sends `data: {"error": ...}` (then [DONE]).
+    data = _compact(_chunk("a"), _chunk("b"), {"error": {"message": "engine dead", "type": "InternalServerError",
+                                                         "code": 500}}, b"[DONE]")
+    p = StreamParser("openai-chat", count_only=True)
+    assert p.count(data) == 2
+    s = p.finish()
+    assert s.server_error == "engine dead" and not s.complete
+    p = StreamParser("openai-chat")
+    p.feed(_compact(_chunk("a")) + b"data: {broken\n\n" + _compact(_chunk("", "stop")))
+    s = p.finish()
+    assert s.error is not None and s.server_error is None and s.complete  # malformed JSON is not the server's error
+
+
+@pytest.mark.parametrize("path, api", [("/infill", "llamacpp"), ("/v1/messages/count_tokens", None),
+                                       ("/v1/responses/resp_1", None), ("/v1/embeddings", None)])
+def test_paths_the_proxy_counts(path, api):
+    from powerprof.daemon.streams import api_for_path
+
+    assert api_for_path(path) == api
+
+
+@pytest.mark.parametrize("method, path, kind", [
+    ("POST", "/v1/embeddings", "embeddings"), ("POST", "/embedding", "embeddings"), ("POST", "/v1/rerank", "rerank"),
+    ("POST", "/v1/audio/transcriptions", "audio"), ("POST", "/v1/images/generations", "images"),
+    ("POST", "/generate", "other"), ("POST", "/tokenize", None), ("POST", "/detokenize", None),
+    ("GET", "/v1/models", None), ("GET", "/health", None), ("POST", "/v1/messages/count_tokens", None),
+])
+def test_requests_of_gpu_work_the_proxy_cannot_count_are_told_from_those_of_none(method, path, kind):
+    from powerprof.daemon.streams import UNCOUNTED_KINDS, uncounted_kind
+
+    assert uncounted_kind(method, path) == kind
+    assert kind is None or kind in UNCOUNTED_KINDS

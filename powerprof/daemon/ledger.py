@@ -26,6 +26,7 @@ from powerprof.profiler import weakest_method
 from . import attribution as attr
 from .promptlen import PromptLengths
 from .proxy import RequestTrace, bounded_text, valid_text
+from .streams import uncounted_kind
 from .workmodel import FEATURES, CostLearner
 
 log = logging.getLogger("powerprof.daemon.ledger")
@@ -70,6 +71,9 @@ class _Req:
     to_server: bool = False  # its chunk counts were scaled to the server's final count (usage)
     server_ahead: float = 0.0  # tokens the server counted beyond the proxy's in intervals it was live in
     prompt_est: tuple | None = None  # (tokens, how) its prompt was costed at where the server never counted it
+    # Not a generation API the proxy counts, yet GPU work (streams.uncounted_kind: embeddings, audio, other…).
+    uncounted: str | None = None
+    beside_uncounted: set = field(default_factory=set)  # such requests' kinds live in intervals it shared
 
 
 @dataclass
@@ -155,7 +159,8 @@ class Ledger:
     # --- recorder interface (called by the proxy) ------------------------------------------
 
     def on_start(self, trace: RequestTrace) -> None:
-        self.requests[trace.request_id] = _Req(trace)
+        self.requests[trace.request_id] = _Req(
+            trace, uncounted=uncounted_kind(trace.method, trace.endpoint) if trace.api is None else None)
 
     def on_tokens(self, trace: RequestTrace, t_ns: int, n: int) -> None:
         r = self.requests.get(trace.request_id)
@@ -486,6 +491,16 @@ class Ledger:
                 j = int(np.searchsorted(r.ev_t, t_end))
                 r.spent += float(sum(r.ev_n[:j]))
                 del r.ev_t[:j], r.ev_n[:j]
+        unc = [i for i, r in enumerate(reqs) if r.uncounted is not None and not passive[i]]
+        if unc:
+            # Requests whose work the proxy cannot see (embeddings, audio, an endpoint it does not parse) take no
+            # share where counted work ran: that energy went to the requests beside them, whose rows say so.
+            live = (arrival[:, None] < t[None, 1:]) & (end[:, None] > t[None, :-1])
+            for i, r in enumerate(reqs):
+                if r.uncounted is None and len(r.beside_uncounted) < 8:  # bounded: the note names 3
+                    for j in unc:
+                        if (live[i] & live[j]).any():
+                            r.beside_uncounted.add(f"{reqs[j].uncounted} ({reqs[j].trace.method} {reqs[j].trace.endpoint})")
         if excess is not None:
             # A stream counted one token a chunk is low where the server sends several a chunk (speculative
             # decoding): the server's counter then runs ahead of the proxy's while it is live. Noted for its row.
@@ -831,8 +846,17 @@ GPU_MISSING_NOTE = ("GPU energy unknown: a GPU gave no energy reading over part 
                     "fix: powerprof devices, nvidia-smi -q")
 
 
+def _uncounted_note(r: _Req) -> str:
+    tr = r.trace
+    return (f"not counted: {tr.method} {tr.endpoint} is not a generation API whose tokens the proxy reads "
+            f"({r.uncounted} work): it takes energy only by its live time where no counted request worked, so its "
+            "figure is low, and the requests beside it carry the rest (their energy_note says so)")
+
+
 def _no_energy_reason(r: _Req) -> str:
     """Why a request got no energy: what the work model could not see."""
+    if r.uncounted is not None and not _passive(r):
+        return "no share: " + _uncounted_note(r)
     if r.trace.end_ns is not None and _passive(r):
         return (f"no share: an error answer (HTTP {r.trace.status}) with no token and no prompt length: no GPU "
                 "work of it was seen, and its time counts as idle")
@@ -866,6 +890,13 @@ def _approximate_note(r: _Req) -> str | None:
         why = _unsaid_reason(r)
         notes.append(f"{UNSAID_NOTES[why]}; its prefill was costed at an estimate of {r.prompt_est[0]:.0f} "
                      f"prompt tokens ({r.prompt_est[1]}){UNSAID_FIX.get(why, '')}")
+    if r.uncounted is not None and not _passive(r):
+        notes.append(_uncounted_note(r))
+    if r.beside_uncounted:
+        kinds = sorted(r.beside_uncounted)
+        notes.append(f"requests the proxy does not count ran beside it ({', '.join(kinds[:3])}"
+                     f"{f' and {len(kinds) - 3} more' if len(kinds) > 3 else ''}): their GPU work is unseen, so part "
+                     "of their energy is in this request's share")
     c = r.trace.counts
     if r.server_ahead >= 0.5 and not r.to_server and (c is None or c.tokens_estimated):
         notes.append(f"its tokens were counted one a chunk and the server's counter ran {r.server_ahead:.0f} token(s) "

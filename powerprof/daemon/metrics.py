@@ -23,6 +23,7 @@ from powerprof.arrival import COUNT_PROBLEM_KINDS
 
 from .attribution import DEST_NAMES, KIND_NAMES
 from .inflight import InFlightState
+from .streams import UNCOUNTED_KINDS
 
 LATENCY_DOCS = {
     "ttft_seconds": "Proxied requests' time to first token (arrival at the proxy to first token)",
@@ -84,6 +85,7 @@ class Snapshot:
     requests_by_tag: dict = field(default_factory=dict)  # {(tag, outcome): n}
     count_contradictions: dict = field(default_factory=dict)  # {reason: n} (service.Daemon._count_contradicted)
     prompts_estimated: dict = field(default_factory=dict)  # {reason: n} (ledger.Ledger.prompts_estimated)
+    uncounted_requests: dict = field(default_factory=dict)  # {kind: n} (streams.uncounted_kind)
     server_tokens: float | None = None
     buffered_rows: int = 0
     dropped_rows: int = 0
@@ -196,6 +198,13 @@ class SnapshotCollector:
         for reason in ("client_left", "no_usage", "not_yet"):
             pe.add_metric([reason], s.prompts_estimated.get(reason, 0))
         yield pe
+        uc = CounterMetricFamily("powerprof_requests_uncounted", "Requests of GPU work whose tokens the proxy does not "
+                                 "read (embeddings, rerank, audio, images, other: an endpoint that is not a generation "
+                                 "API it parses): their energy is in the shares of the counted requests beside them, "
+                                 "whose rows' energy_note says so", labels=["kind"])
+        for kind in UNCOUNTED_KINDS:
+            uc.add_metric([kind], s.uncounted_requests.get(kind, 0))
+        yield uc
         if s.joules_per_token is not None:
             yield GaugeMetricFamily("powerprof_joules_per_token",
                                     "GPU J per generated token over the recent decode intervals", value=s.joules_per_token)

@@ -540,6 +540,14 @@ class Proxy:
             # Relayed whole, but the server failed it: not an `ok` in the requests' counts.
             trace.outcome = "upstream_error"
             trace.error = trace.error or f"the upstream answered HTTP {status} {reason}".rstrip()[:300]
+        elif (trace is not None and trace.outcome == "ok" and trace.counts is not None
+              and trace.counts.server_error is not None):
+            # An HTTP 200 whose stream (or body) then carried the server's error (vLLM, SGLang and llama.cpp
+            # send `data: {"error": ...}` when a generation fails mid-stream): it failed, whatever came before.
+            # Its tokens were generated and keep their energy; before, the row said `ok` with no error.
+            trace.outcome = "upstream_error"
+            note = f"the upstream reported an error inside its HTTP {status} response: {trace.counts.server_error}"
+            trace.error = (note if trace.error is None else f"{trace.error}; {note}")[:600]
         return resp
 
     def _excess(self, trace: RequestTrace | None, n: int) -> None:

@@ -32,7 +32,7 @@ from powerprof.errtext import error_text
 from powerprof.storage.atomic import atomic_path
 from powerprof.storage.samples import sample_rows
 
-from . import sdnotify
+from . import sdnotify, streams
 from .config import Config, ConfigError, is_loopback, listen_host, load_config
 from .guard import ConnectionGuard, quiet_bad_requests
 from .inflight import InFlight
@@ -204,6 +204,7 @@ class Daemon:
         self.tokens_by_tag: Counter = Counter()
         self.requests_by_tag: Counter = Counter()
         self.count_contradictions: Counter = Counter()  # {reason: requests whose server count contradicts its stream}
+        self.uncounted_requests: Counter = Counter()  # {kind: requests of GPU work the proxy does not count}
         self.latency = RequestLatency()  # the tuner's view of the traffic (docs/tuner.md)
         self.inflight = InFlight(time.monotonic_ns())  # …and its early signal: requests in flight, awaiting a token
         self.stop_event: asyncio.Event | None = None
@@ -270,6 +271,10 @@ class Daemon:
         if trace.extra.get("spread"):
             self.tokens_by_tag[self.tags.label(trace.tag)] += trace.tokens_seen
         self.requests_by_tag[(self.tags.label(trace.tag), trace.outcome)] += 1
+        kind = streams.uncounted_kind(trace.method, trace.endpoint) if trace.api is None else None
+        if kind is not None and (trace.status is None or trace.status < 400):
+            # GPU work whose tokens the proxy cannot read: said on /metrics (and on its row), never a silent zero.
+            self.uncounted_requests[kind] += 1
         c = trace.counts
         gen = c.generated_tokens if c is not None and c.generated_tokens is not None else trace.tokens_seen
         if c is not None and c.count_problem is not None:
@@ -447,6 +452,7 @@ class Daemon:
             tokens_by_tag=dict(self.tokens_by_tag),
             requests_by_tag=dict(self.requests_by_tag),
             count_contradictions=dict(self.count_contradictions),
+            uncounted_requests=dict(self.uncounted_requests),
             prompts_estimated=dict(self.ledger.prompts_estimated),
             latency=self.latency.states(),
             inflight=self.inflight.state(time.monotonic_ns()),

@@ -15,15 +15,49 @@ from powerprof.workload.stream import StreamParser, parse_response
 
 
 def api_for_path(path: str) -> str | None:
-    """Which stream dialect a request path speaks; None for paths without generated tokens."""
+    """Which stream dialect a request path speaks; None for paths whose tokens the proxy does not count
+    (`uncounted_kind` says which of those do GPU work)."""
     p = path.rstrip("/")
     if p.endswith("/chat/completions"):
         return "openai-chat"
     if p.endswith("/v1/completions"):
         return "openai-completions"
-    if p in ("/completion", "/completions") or p.endswith("/completion"):
-        return "llamacpp"
+    if p in ("/completion", "/completions", "/infill") or p.endswith("/completion"):
+        return "llamacpp"  # llama.cpp's /infill (code completion) streams as /completion does
+    if p.endswith("/v1/responses"):
+        return "openai-responses"
+    if p.endswith("/v1/messages"):
+        return "anthropic-messages"
     return None
+
+
+# Paths of the servers' endpoints that do no GPU work (reads of state, tokenizer calls): their requests are
+# not "uncounted work". Matched on the path's last segments, as api_for_path matches.
+_NO_WORK = ("/health", "/healthz", "/ping", "/metrics", "/props", "/slots", "/models", "/version", "/tokenize",
+            "/detokenize", "/apply-template", "/load", "/server_info", "/get_server_info", "/get_model_info",
+            "/count_tokens", "/lora-adapters", "/is_sleeping")
+# The kinds of work whose tokens the proxy cannot count, by path: a bounded label set for /metrics.
+UNCOUNTED_KINDS = ("embeddings", "rerank", "audio", "images", "other")
+
+
+def uncounted_kind(method: str, path: str) -> str | None:
+    """For a request the proxy does not count (api_for_path None): which kind of GPU work it may be (a
+    bounded name, UNCOUNTED_KINDS), or None for one that does no GPU work (a GET, /health, /tokenize…).
+    Its energy is not the counted requests': the row and /metrics say it was not counted."""
+    if method in ("GET", "HEAD", "OPTIONS", "DELETE"):
+        return None
+    p = path.rstrip("/").lower()
+    if p.endswith(_NO_WORK) or p.endswith("/cancel"):
+        return None
+    if p.endswith(("/embeddings", "/embedding", "/pooling", "/classify")):
+        return "embeddings"
+    if p.endswith(("/rerank", "/reranking", "/score")):
+        return "rerank"
+    if "/audio/" in p:
+        return "audio"
+    if "/images/" in p:
+        return "images"
+    return "other"
 
 
 @dataclass(frozen=True)
@@ -44,6 +78,7 @@ class Counts:
     # named); None when it does not. Then neither count is believed: see ledger.py.
     count_problem: str | None = None
     count_problem_kind: str | None = None  # which rule it broke (arrival.COUNT_PROBLEM_KINDS): the metric's label
+    server_error: str | None = None  # an error the server sent inside its response (after an HTTP 200)
 
 
 def summary_counts(summary, streamed: bool = True) -> Counts:
@@ -52,7 +87,7 @@ def summary_counts(summary, streamed: bool = True) -> Counts:
     (arrival.count_problem); `streamed` False: a whole body, whose count is the only one."""
     if summary.invalid is not None:
         return Counts(None, None, summary.model, summary.stop_reason, "none", complete=summary.complete,
-                      error=summary.error, invalid=summary.invalid)
+                      error=summary.error, invalid=summary.invalid, server_error=summary.server_error)
     timings = summary.timings or {}
     gen = summary.generated_tokens
     problem = None
@@ -72,6 +107,7 @@ def summary_counts(summary, streamed: bool = True) -> Counts:
         and (summary.token_source == "counted" or gen != summary.counted_tokens),
         count_problem=problem.message if problem else None,
         count_problem_kind=problem.kind if problem else None,
+        server_error=summary.server_error,
     )
 
 

@@ -12,7 +12,13 @@ APIs:
   `[DONE]`).
 - "openai-completions" / "openai-chat": `/v1/completions` and `/v1/chat/completions`
   (`choices[].text` / `choices[].delta`, role-only first chunk, optional `usage` chunk,
-  llama.cpp's `timings` on the last chunk, `[DONE]`).
+  llama.cpp's `timings` on the last chunk, `[DONE]`; several choices, each with its `index`).
+- "openai-responses": the Responses API, `/v1/responses` (vLLM): typed events (`event:` lines are
+  framing only; the `type` in the data says what it is), `response.*.delta` events carry text,
+  `response.completed` / `response.incomplete` the `usage` (`output_tokens`, `input_tokens`); no `[DONE]`.
+- "anthropic-messages": Anthropic's Messages API, `/v1/messages` (llama.cpp, vLLM): `message_start`
+  (the prompt's `input_tokens`), `content_block_delta` events carry text, `message_delta` the
+  cumulative `output_tokens` and the stop reason, `message_stop` the end; no `[DONE]`.
 """
 
 from __future__ import annotations
@@ -25,7 +31,7 @@ from powerprof.errtext import error_text
 
 from .limits import MAX_COUNT, MAX_MS, bad_amount, bad_count
 
-APIS = ("llamacpp", "openai-completions", "openai-chat")
+APIS = ("llamacpp", "openai-completions", "openai-chat", "openai-responses", "anthropic-messages")
 
 # A proxy feeds arbitrary traffic through this: keep what we hold bounded.
 _MAX_ERRORS = 8
@@ -43,6 +49,9 @@ _TIMING_AMOUNTS = ("prompt_ms", "predicted_ms", "prompt_per_token_ms", "predicte
 
 # llama.cpp's stop_type words mapped onto OpenAI's finish_reason vocabulary.
 _LLAMACPP_STOP = {"limit": "length", "eos": "stop", "word": "stop", "none": None}
+# Anthropic's stop_reason and the Responses API's incomplete reason, in the same vocabulary.
+_ANTHROPIC_STOP = {"end_turn": "stop", "stop_sequence": "stop", "max_tokens": "length", "tool_use": "tool_calls"}
+_RESPONSES_INCOMPLETE = {"max_output_tokens": "length"}
 
 
 @dataclass(frozen=True, slots=True)
@@ -84,6 +93,9 @@ class StreamSummary:
     # Of counted_tokens, those in chunks that carried the server's own running count (llama.cpp
     # `tokens_predicted`, continuous usage): all of them, and the stream's count is the server's.
     totalled_tokens: int = 0
+    # The first error the server itself sent in the response (an in-band `{"error": ...}` event, after
+    # an HTTP 200): the generation failed, whatever its counts say.
+    server_error: str | None = None
 
     @property
     def running_counts(self) -> bool:
@@ -128,8 +140,12 @@ class _State:
     stop_reason: str | None = None
     model: str | None = None
     complete: bool = False
+    finished_any: bool = False  # some choice carried a finish_reason
+    unfinished: set = field(default_factory=set)  # choice indexes seen without their finish_reason yet
+    other_choices: dict = field(default_factory=dict)  # tokens counted per choice index other than 0 (n > 1)
     done: bool = False
     errors: list = field(default_factory=list)
+    server_error: str | None = None  # the first error the server itself sent in the response
     invalid: str | None = None
 
 
@@ -148,6 +164,7 @@ class StreamParser:
         self._pending: list[bytes] = []  # data lines of an event not yet dispatched
         self._s = _State()
         self._llamacpp_api = api == "llamacpp"
+        self._typed_api = api in ("openai-responses", "anthropic-messages")  # events named by their `type`
         self._quick = count_only
         self._parsed_one = False
 
@@ -160,8 +177,9 @@ class StreamParser:
 
     @property
     def ended(self) -> bool:
-        """Nothing more is expected: llama.cpp's stop event, or OpenAI's `[DONE]`."""
-        return self._s.done or (self.api == "llamacpp" and self._s.complete)
+        """Nothing more is expected: llama.cpp's stop event, OpenAI's `[DONE]`, the Responses API's
+        `response.completed` (or incomplete, failed), Anthropic's `message_stop`."""
+        return self._s.done or (self.api != "openai-chat" and self.api != "openai-completions" and self._s.complete)
 
     # --- framing -------------------------------------------------------------------------------
 
@@ -203,7 +221,10 @@ class StreamParser:
                 else:
                     self._pending.append(value)
             elif name == b"error":
-                self._error(f"server error event: {value[:200].decode('utf-8', 'replace')}")
+                msg = value[:200].decode("utf-8", "replace")
+                self._error(f"server error event: {msg}")
+                if self._s.server_error is None:
+                    self._s.server_error = msg
             elif name in (b"event", b"id", b"retry"):
                 continue
             elif name[:1] in (b"{", b"["):
@@ -268,6 +289,8 @@ class StreamParser:
         # reference cycle, freed only by the garbage collector (the proxy makes one per request).
         if self._llamacpp_api:
             self._llamacpp(obj, out)
+        elif self._typed_api:
+            self._typed(obj, out)
         else:
             self._openai(obj, out)
 
@@ -300,10 +323,10 @@ class StreamParser:
         parse. Only compact JSON (as llama.cpp, vLLM and SGLang write it) of the commonest shapes
         qualifies, and only where the full parse's rule is plain: llama.cpp `len(tokens)` of an
         event with `"stop":false`; OpenAI one token for one choice with a non-empty text or content,
-        `"finish_reason":null` and no usage, logprobs, timings, role or tool calls. The quoted keys
+        `"finish_reason":null`, choice `"index":0` and no usage, logprobs, timings, role or tool calls. The quoted keys
         cannot match inside a string value: quotes there are escaped. tests/test_stream_parser.py
         checks that both paths agree on every shape."""
-        if _NEEDS_PARSE.search(v) is not None or (self._s.model is None and b'"model"' in v):
+        if self._typed_api or _NEEDS_PARSE.search(v) is not None or (self._s.model is None and b'"model"' in v):
             return None
         if self.api == "llamacpp":
             i = v.find(b'"tokens":[')
@@ -327,6 +350,9 @@ class StreamParser:
             return n
         if v.count(b'"finish_reason":null') != 1:
             return None
+        j = v.find(b'"index":')
+        if j < 0 or v[j + 8 : j + 10] not in (b"0,", b"0}"):
+            return None  # another choice than the first (n > 1): its count is kept apart (_choice_count)
         key = b'"content":"' if self.api == "openai-chat" else b'"text":"'
         i = v.find(key)
         if i < 0 or v[i + len(key) : i + len(key) + 1] == b'"' or v.find(key, i + 1) >= 0:
@@ -364,6 +390,8 @@ class StreamParser:
         else:
             msg = str(err)[:200]
         self._error(f"server error: {msg}")
+        if self._s.server_error is None:
+            self._s.server_error = msg
         return True
 
     def _timings(self, t) -> None:
@@ -443,6 +471,85 @@ class StreamParser:
             elif predicted is None:
                 self._add(n, out, content, predicted)
 
+    def _typed(self, obj: dict, out: list[TokenEvent]) -> None:
+        """The Responses API's and Anthropic's Messages API's events, told apart by their `type`. A text,
+        reasoning or tool-argument delta stands for one token (as an OpenAI chunk without counts does);
+        the final usage gives the server's count, which the summary prefers."""
+        s = self._s
+        kind = obj.get("type")
+        if not isinstance(kind, str):
+            self._server_error(obj)
+            return
+        if kind == "error" or kind == "response.failed" or kind == "response.error":
+            # Anthropic: {"type":"error","error":{...}}; Responses: {"type":"error","message":...} or
+            # response.failed with response.error.
+            resp = obj.get("response") if isinstance(obj.get("response"), dict) else {}
+            err = obj.get("error") or resp.get("error") or obj.get("message") or kind
+            self._server_error({"error": err})
+            if kind == "response.failed":
+                self._typed_usage(resp.get("usage"), "output_tokens", "input_tokens")
+            return
+        if self.api == "openai-responses":
+            resp = obj.get("response")
+            if isinstance(resp, dict) and isinstance(resp.get("model"), str):
+                s.model = resp["model"]
+            if kind.endswith(".delta"):
+                # response.output_text.delta, response.reasoning_text.delta, response.refusal.delta,
+                # response.function_call_arguments.delta, ...: one token a delta (logprobs, where
+                # sent, list each token of it).
+                v = obj.get("delta")
+                lp = obj.get("logprobs")
+                n = len(lp) if isinstance(lp, list) and lp else (1 if isinstance(v, str) and v else 0)
+                if n:
+                    if not (isinstance(lp, list) and lp):
+                        s.guessed += 1
+                    self._add(n, out, v if isinstance(v, str) else "", None)
+            elif kind in ("response.completed", "response.incomplete") and isinstance(resp, dict):
+                s.complete = True
+                if kind == "response.completed":
+                    s.stop_reason = "stop"
+                else:
+                    det = resp.get("incomplete_details")
+                    why = det.get("reason") if isinstance(det, dict) else None
+                    s.stop_reason = _RESPONSES_INCOMPLETE.get(why, why) if isinstance(why, str) else "incomplete"
+                self._typed_usage(resp.get("usage"), "output_tokens", "input_tokens")
+            return
+        # anthropic-messages
+        if kind == "message_start":
+            msg = obj.get("message") if isinstance(obj.get("message"), dict) else {}
+            if isinstance(msg.get("model"), str):
+                s.model = msg["model"]
+            usage = msg.get("usage")
+            if isinstance(usage, dict):
+                p = self._count(usage, "input_tokens")
+                if p is not None:
+                    s.usage_prompt = p  # said at the start: the ledger need not wait for the end
+        elif kind == "content_block_delta":
+            d = obj.get("delta") if isinstance(obj.get("delta"), dict) else {}
+            v = next((d[k] for k in ("text", "thinking", "partial_json") if isinstance(d.get(k), str)), None)
+            if v:
+                s.guessed += 1
+                self._add(1, out, v, None)
+        elif kind == "message_delta":
+            d = obj.get("delta") if isinstance(obj.get("delta"), dict) else {}
+            st = d.get("stop_reason")
+            if isinstance(st, str):
+                s.stop_reason = _ANTHROPIC_STOP.get(st, st)
+            # Cumulative (Anthropic's docs): the response's output tokens so far, its count at the end.
+            self._typed_usage(obj.get("usage"), "output_tokens", "input_tokens")
+        elif kind == "message_stop":
+            s.complete = True
+
+    def _typed_usage(self, usage, out_key: str, in_key: str) -> None:
+        if not isinstance(usage, dict):
+            return
+        n = self._count(usage, out_key)
+        if n is not None:
+            self._s.usage_completion = n
+        p = self._count(usage, in_key)
+        if p is not None:
+            self._s.usage_prompt = p
+
     def _openai(self, obj: dict, out: list[TokenEvent]) -> None:
         s = self._s
         if self._server_error(obj):
@@ -464,14 +571,21 @@ class StreamParser:
         if not isinstance(choices, list):
             return
         texts: list[str] = []
-        is_token = False
         closing = False  # this chunk carries a finish_reason
-        n_logprobs = 0
+        # Per choice with a token: (index, tokens by the no-count rule: its logprobs' count, else one,
+        # whether that one is a guess).
+        carried: list[tuple[int, int, bool]] = []
+        n_seen = 0
+        idx = 0
         for ch in choices:
             if not isinstance(ch, dict):
                 continue
+            n_seen += 1
+            idx = ch.get("index")
+            idx = idx if type(idx) is int and 0 <= idx <= MAX_COUNT else 0
             fr = ch.get("finish_reason")
             finished = isinstance(fr, str) and bool(fr)
+            token = False
             if self.api == "openai-chat":
                 delta = ch.get("delta") or ch.get("message") or {}
                 if isinstance(delta, dict):
@@ -481,47 +595,72 @@ class StreamParser:
                             texts.append(v)
                             # An empty content is still a token (a byte of an unfinished UTF-8
                             # character) unless it is the role-only opener or the closing chunk.
-                            is_token |= bool(v) or ("role" not in delta and not finished)
+                            token |= bool(v) or ("role" not in delta and not finished)
                     if delta.get("tool_calls"):
-                        is_token = True
+                        token = True
             else:
                 v = ch.get("text")
                 if isinstance(v, str):
                     texts.append(v)
-                    is_token |= bool(v) or not finished
+                    token |= bool(v) or not finished
+            k_lp = 0
             lp = ch.get("logprobs")
             if isinstance(lp, dict):
                 toks = lp.get("content") if isinstance(lp.get("content"), list) else lp.get("tokens")
                 if isinstance(toks, list):
-                    n_logprobs += len(toks)
+                    k_lp = len(toks)
+            if token or k_lp:
+                carried.append((idx, k_lp or 1, not k_lp))
+            if idx and idx not in s.other_choices:
+                s.other_choices[idx] = 0
             if finished:
-                s.complete = closing = True
+                closing = True
                 s.stop_reason = fr
-        if usage_total is not None and (is_token or n_logprobs or closing):
+                s.unfinished.discard(idx)
+                s.finished_any = True
+            else:
+                s.unfinished.add(idx)
+        # n > 1: the stream has ended when every choice seen has finished, not at the first one's end.
+        s.complete = s.finished_any and not s.unfinished
+        if usage_total is not None and (carried or closing):
             # vLLM/SGLang continuous usage stats: the running total says how many this chunk holds,
             # whatever its text: vLLM's closing chunk (empty content, finish_reason) can carry the
-            # last token, and a speculative or batched chunk several.
-            n = usage_total - s.counted
+            # last token, and a speculative or batched chunk several. Under n > 1 (or a list of
+            # prompts) it is the running total of the chunk's one choice (vLLM's previous_num_tokens[i],
+            # SGLang's completion_tokens[index]), not the stream's.
+            single = n_seen == 1
+            n = usage_total - (self._choice_count(idx) if single else s.counted)
             if n <= 0:
-                if closing and not is_token:
+                if closing and not carried:
                     out.append(TokenEvent(0, "", usage_total, closing=True))
                 return
             if self._counted(n):
                 s.totalled += n
+                if single and idx:
+                    s.other_choices[idx] += n
                 out.append(TokenEvent(n, "".join(texts), usage_total))
             return
-        elif not is_token and n_logprobs == 0:
+        if not carried:
             if closing:
                 out.append(TokenEvent(0, "", None, closing=True))
             return
-        elif n_logprobs:
-            n = n_logprobs
-        else:
-            # Without counts a content chunk stands for one token; usage at the end corrects
-            # the total, and the summary says which source it used.
-            n = 1
-            self._s.guessed += 1
-        self._add(n, out, "".join(texts), usage_total)
+        # Without counts a content chunk stands for one token per choice; usage at the end corrects
+        # the total, and the summary says which source it used.
+        n = sum(k for _, k, _ in carried)
+        if self._counted(n):
+            s.guessed += sum(1 for _, _, guess in carried if guess)
+            for i, k, _ in carried:
+                if i:
+                    s.other_choices[i] += k
+            out.append(TokenEvent(n, "".join(texts), None))
+
+    def _choice_count(self, idx: int) -> int:
+        """Tokens counted so far for choice `idx` (those of choice 0 are the rest: the fast path counts
+        only choice 0's chunks, and keeps no count of its own)."""
+        s = self._s
+        if idx:
+            return s.other_choices.get(idx, 0)
+        return s.counted - sum(s.other_choices.values())
 
     def _summary(self) -> StreamSummary:
         s = self._s
@@ -553,7 +692,13 @@ class StreamParser:
             n_events=s.n_events,
             n_comments=s.n_comments,
             invalid=s.invalid,
+            server_error=s.server_error,
         )
+
+
+def _responses_output_parts(output) -> int:
+    """Output items of a whole Responses API answer: at least one token each (its usage gives the count)."""
+    return sum(1 for item in output if isinstance(item, dict)) if isinstance(output, list) else 0
 
 
 def _looks_whole(value: bytes) -> bool:
@@ -574,6 +719,24 @@ def parse_response(api: str, body: bytes) -> tuple[list[TokenEvent], StreamSumma
         if api == "openai-chat" and isinstance(obj.get("choices"), list):
             # Non-streaming chat puts the text under `message`, not `delta`.
             obj = dict(obj, choices=[{**c, "delta": c.get("message") or {}} for c in obj["choices"] if isinstance(c, dict)])
+        if api == "openai-responses" and obj.get("object") == "response":
+            # A whole response is the body of a streamed `response.completed` (or incomplete, failed).
+            status = obj.get("status")
+            kind = {"completed": "response.completed", "incomplete": "response.incomplete",
+                    "failed": "response.failed"}.get(status, "response.in_progress")
+            n = _responses_output_parts(obj.get("output"))
+            p._s.counted, p._s.n_events, p._s.guessed = n, 1 if n else 0, n
+            if n:
+                out.append(TokenEvent(n, "", None))
+            obj = {"type": kind, "response": obj}
+        elif api == "anthropic-messages" and obj.get("type") == "message":
+            n = sum(1 for b in obj.get("content") or () if isinstance(b, dict))
+            p._s.counted, p._s.n_events, p._s.guessed = n, 1 if n else 0, n
+            if n:
+                out.append(TokenEvent(n, "", None))
+            p._handle({"type": "message_start", "message": obj}, out)
+            p._handle({"type": "message_delta", "delta": {"stop_reason": obj.get("stop_reason")}, "usage": obj.get("usage")}, out)
+            obj = {"type": "message_stop"}
         if api == "llamacpp" and "stop" not in obj and "content" in obj:
             obj = dict(obj, stop=True)
         if api == "llamacpp" and isinstance(obj.get("tokens"), list) is False and obj.get("tokens_predicted") is None:
