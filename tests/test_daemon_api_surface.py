@@ -1,0 +1,177 @@
+"""The proxy against the API surface production traffic uses beyond streamed chat: the Responses and Messages APIs,
+several choices, errors inside a 200 stream, and endpoints whose tokens it cannot count (said, never silent)."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+
+import aiohttp
+from aiohttp import web
+
+from powerprof.daemon.proxy import Proxy, RequestTrace
+from test_stream_parser import MESSAGES_STREAM, RESPONSES_STREAM, _n_choices_stream
+
+
+class Rec:
+    def __init__(self):
+        self.ended: list[RequestTrace] = []
+        self.tokens = 0
+
+    def on_start(self, trace):
+        pass
+
+    def on_tokens(self, trace, t, n):
+        self.tokens += n
+
+    def on_end(self, trace):
+        self.ended.append(trace)
+
+
+def _sse(body: bytes):
+    async def handler(request):
+        await request.read()
+        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        await resp.prepare(request)
+        for event in body.split(b"\n\n"):
+            if event:
+                await resp.write(event + b"\n\n")
+                await asyncio.sleep(0)
+        await resp.write_eof()
+        return resp
+    return handler
+
+
+ERROR_MIDWAY = (b'data: {"choices":[{"index":0,"text":"a","finish_reason":null}]}\n\n'
+                b'data: {"choices":[{"index":0,"text":"b","finish_reason":null}]}\n\n'
+                b'data: {"error":{"message":"engine dead","type":"InternalServerError","code":500}}\n\n'
+                b'data: [DONE]\n\n')
+
+
+async def _embeddings(request):
+    await request.read()
+    return web.json_response({"object": "list", "data": [{"embedding": [0.1, 0.2]}],
+                              "usage": {"prompt_tokens": 5, "total_tokens": 5}})
+
+
+def _run(calls):
+    """Serve the fake upstream, put a proxy in front, make `calls` [(path, body)] through it: (rows, bodies)."""
+    async def main():
+        app = web.Application()
+        app.router.add_post("/v1/responses", _sse(RESPONSES_STREAM))
+        app.router.add_post("/v1/messages", _sse(MESSAGES_STREAM))
+        app.router.add_post("/v1/chat/completions", _sse(_n_choices_stream(3, 6)))
+        app.router.add_post("/v1/completions", _sse(ERROR_MIDWAY))
+        app.router.add_post("/v1/embeddings", _embeddings)
+        up = web.AppRunner(app)
+        await up.setup()
+        site = web.TCPSite(up, "127.0.0.1", 0)
+        await site.start()
+        rec = Rec()
+        px = web.AppRunner(Proxy(f"http://127.0.0.1:{up.addresses[0][1]}", recorder=rec).app())
+        await px.setup()
+        site = web.TCPSite(px, "127.0.0.1", 0)
+        await site.start()
+        bodies = []
+        async with aiohttp.ClientSession() as s:
+            for path, body in calls:
+                async with s.post(f"http://127.0.0.1:{px.addresses[0][1]}{path}", json=body) as r:
+                    bodies.append(await r.read())
+        await px.cleanup()
+        await up.cleanup()
+        return rec, bodies
+
+    return asyncio.run(asyncio.wait_for(main(), 60))
+
+
+def test_responses_and_messages_apis_are_counted_through_the_proxy_byte_for_byte():
+    # Before: api None, 0 tokens seen, no counts: their energy went to the requests beside them (or to unproxied).
+    rec, bodies = _run([("/v1/responses", {"model": "m", "input": "hi", "stream": True}),
+                        ("/v1/messages", {"model": "m", "messages": [], "max_tokens": 20, "stream": True})])
+    assert bodies == [RESPONSES_STREAM, MESSAGES_STREAM]
+    resp, msg = rec.ended
+    assert (resp.api, resp.tokens_seen, resp.counts.generated_tokens, resp.counts.prompt_tokens) == ("openai-responses", 7, 9, 12)
+    assert (msg.api, msg.tokens_seen, msg.counts.generated_tokens, msg.counts.prompt_tokens) == ("anthropic-messages", 6, 11, 25)
+    for t in (resp, msg):
+        assert t.outcome == "ok" and t.error is None and t.counts.complete and t.counts.token_source == "usage"
+
+
+def test_several_choices_are_counted_whole_and_not_called_a_contradiction():
+    rec, _ = _run([("/v1/chat/completions", {"messages": [], "n": 3, "stream": True,
+                                             "stream_options": {"include_usage": True, "continuous_usage_stats": True}})])
+    (t,) = rec.ended
+    # Before: 6 of 18 seen, and "the server counted 18 ... cannot be believed" (generated_tokens nulled on the row).
+    assert t.tokens_seen == 18 and t.counts.generated_tokens == 18 and t.counts.count_problem is None
+
+
+def test_an_error_inside_a_200_stream_makes_the_request_an_upstream_error():
+    rec, bodies = _run([("/v1/completions", {"prompt": "x", "stream": True})])
+    assert bodies == [ERROR_MIDWAY]
+    (t,) = rec.ended
+    # Before: outcome ok, error None, as if served.
+    assert t.status == 200 and t.outcome == "upstream_error" and "engine dead" in t.error
+    assert t.tokens_seen == 2  # what it generated before failing still counts
+
+
+def test_an_embeddings_request_is_passed_and_left_uncounted_by_the_parser():
+    rec, bodies = _run([("/v1/embeddings", {"input": "hello"})])
+    (t,) = rec.ended
+    assert json.loads(bodies[0])["usage"]["prompt_tokens"] == 5
+    assert t.api is None and t.outcome == "ok" and t.tokens_seen == 0
+
+
+def test_gpu_work_the_proxy_cannot_count_is_said_on_its_row_and_on_the_rows_it_shared_energy_with():
+    # Before: an embeddings request beside a generation was a row with no share and "the response did not say"
+    # its prompt length; the generation's row took the interval's whole energy, prefill of the embeddings
+    # included, with no note. Now both rows say so (the counter is on /metrics: test_daemon_observability).
+    from powerprof.daemon.ledger import Ledger
+    from powerprof.daemon.streams import Counts
+
+    S = 1_000_000_000
+    rows = {"requests": [], "intervals": [], "tags": [], "costs": []}
+    led = Ledger("d", 0, 1, lambda name, r: rows[name].extend(r), grace_s=0.1)
+
+    class R:
+        def __init__(self, e):
+            self.energy_j, self.power_w, self.power_avg_w, self.power_limit_w = e, 200.0, None, None
+
+    gen = RequestTrace(1, "POST", "/completion", None, int(0.1 * S), 0, api="llamacpp", stream=True)
+    emb = RequestTrace(2, "POST", "/v1/embeddings", None, int(0.2 * S), 0, api=None, stream=None, status=200)
+    alone = RequestTrace(3, "POST", "/v1/embeddings", None, int(3.1 * S), 0, api=None, stream=None, status=200)
+    for tr in (gen, emb):
+        led.on_start(tr)
+    led.add_gpu_sample(0, 0, [R(1000.0)])
+    for k in range(10):
+        led.on_tokens(gen, int((1.0 + 0.09 * k) * S), 2)
+    gen.first_ns, gen.last_ns, gen.tokens_seen = int(1.0 * S), int(1.81 * S), 20
+    gen.counts = Counts(generated_tokens=20, prompt_tokens=50, model=None, stop_reason="length", token_source="timings")
+    gen.end_ns, emb.end_ns = int(1.9 * S), int(1.5 * S)
+    led.on_end(emb)
+    led.on_end(gen)
+    led.add_gpu_sample(1 * S, 1 * S, [R(1200.0)])
+    led.add_gpu_sample(2 * S, 2 * S, [R(1500.0)])
+    led.on_start(alone)  # alone in its interval: it takes the energy by its live time, and says it is low
+    alone.end_ns = int(3.8 * S)
+    led.on_end(alone)
+    led.add_gpu_sample(3 * S, 3 * S, [R(1520.0)])
+    led.add_gpu_sample(4 * S, 4 * S, [R(1600.0)])
+    led.advance(int(5 * S))
+    by_id = {r["request_id"]: r for r in rows["requests"]}
+    assert set(by_id) == {1, 2, 3}
+    g, e, a = by_id[1], by_id[2], by_id[3]
+    assert g["gpu_energy_j"] > 0 and "requests the proxy does not count ran beside it" in g["energy_note"]
+    assert "embeddings (POST /v1/embeddings)" in g["energy_note"] and g["energy_note"].startswith("approximate:")
+    assert "not counted: POST /v1/embeddings" in e["energy_note"]
+    assert a["gpu_energy_j"] and a["gpu_energy_j"] > 0 and "not counted" in a["energy_note"]
+    assert a["energy_note"].startswith("approximate:")
+
+
+def test_uncounted_requests_are_counted_on_metrics_by_kind():
+    from types import SimpleNamespace
+
+    from powerprof.daemon.metrics import Snapshot, make_registry, render
+
+    text = render(make_registry(SimpleNamespace(snapshot=Snapshot(uncounted_requests={"embeddings": 2, "audio": 1})))).decode()
+    assert 'powerprof_requests_uncounted_total{kind="embeddings"} 2.0' in text
+    assert 'powerprof_requests_uncounted_total{kind="audio"} 1.0' in text
+    assert 'powerprof_requests_uncounted_total{kind="other"} 0.0' in text  # every kind present, zero included
