@@ -386,7 +386,7 @@ class StreamParser:
         if err is None:
             return False
         if isinstance(err, dict):
-            msg = err.get("message") or json.dumps(err)[:200]
+            msg = str(err.get("message") or json.dumps(err))[:200]
         else:
             msg = str(err)[:200]
         self._error(f"server error: {msg}")
