@@ -1225,8 +1225,9 @@ def run_sweep(
                      cputime=cputime)
         )
         for p in src.problems:
-            if p.source == "rapl":
-                notes.append(f"CPU energy not measured: {p.message}" + (f" (fix: {p.fix})" if p.fix else ""))
+            if p.source == "rapl":  # CPU energy missing, or measured with a part left out (no DRAM zone)
+                missing = "CPU energy not measured: " if src.rapl is None else ""
+                notes.append(f"{missing}{p.message}" + (f" (fix: {p.fix})" if p.fix else ""))
             elif p.source == "nvml" and "MIG" in p.message:  # the figures are the whole GPU's: every output says so
                 notes.append(p.message + (f" (fix: {p.fix})" if p.fix else ""))
         timeline = Timeline(gpu_uuids=src.gpu_uuids)
