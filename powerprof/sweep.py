@@ -342,6 +342,7 @@ class Sweep:
         self.unstored_rows = 0
         self._samples_seen = 0  # samples already checked for a setting that moved (_stop_if_setting_moved)
         self._clock_watch: ClockLockWatch | None = None
+        self._reopened_before: list[int] = []  # the collector's reopen count per GPU as the level's watch began
         self._boost_mhz: dict[int, float] = {}  # GPU index → its highest busy SM clock this sweep (ClockLockWatch)
         self._suspect_rows: list[dict] = []  # windows measured since a GPU first read above its lock
         self._suspect_spans = 0  # visit.spans from the first suspect window on
@@ -685,6 +686,7 @@ class Sweep:
     def _watch_from_now(self, visit: LevelVisit) -> None:
         """The level's setting is checked in every GPU sample from here on (settled or not)."""
         self._samples_seen = len(self.timeline)
+        self._reopened_before = list(getattr(self.prof.gpu, "reopened", []) or [])
         self._suspect_rows, self._suspect_spans = [], 0
         locked = self.s.level_kind == "sm_clock" and visit.level_value is not None
         # Without a lock of ours, the GPU's busy clock so far this sweep is what a clock set below it betrays.
@@ -713,6 +715,28 @@ class Sweep:
                                 "it; the windows measured since are left out of every figure")
         return None
 
+    def _gpu_gone_problem(self) -> str | None:
+        """Why a GPU's setting cannot be vouched for since the level's watch began, or None: the GPU stopped
+        answering (off the bus, or its handle stale after a reset) or was reopened after a reset. A reset puts
+        the default power limit back and releases clock locks, and the readings across it are missing: the
+        windows after it ran at whatever the reset left, which the limit and clock checks would see only once
+        the GPU answers again, if before the level ends."""
+        gpu = self.prof.gpu
+        if gpu is None or self.s.level_kind == "none":
+            return None
+        reopened = list(getattr(gpu, "reopened", []) or [])
+        for k, i in enumerate(getattr(gpu, "indexes", [])):
+            before = self._reopened_before[k] if k < len(self._reopened_before) else 0
+            if k < len(reopened) and reopened[k] > before:
+                return (f"GPU {i} was reset during the level (its NVML handle went stale; powerprof reopened it by its "
+                        "UUID): a reset puts the default power limit back and releases clock locks, so the level's "
+                        "setting did not hold; the windows measured since are left out of every figure")
+            lost = getattr(gpu, "lost", {}).get(i)
+            if lost:
+                return (f"GPU {i} stopped answering during the level ({lost}), so the level's setting cannot be "
+                        "vouched for; the windows measured since are left out of every figure")
+        return None
+
     def _clock_problem(self, samples) -> str | None:
         """Why the GPU's SM clock was not the level's in `samples`, or None (ClockLockWatch)."""
         if self._clock_watch is None:
@@ -730,8 +754,11 @@ class Sweep:
         these rows added theirs: the spans from there on are the left-out windows' and leave the
         level's sensor figures (SM clock, thermal, ...) too."""
         samples = self._new_gpu_samples()
-        why = self._limit_problem(visit, samples)
+        why = self._gpu_gone_problem()
         if why is not None:
+            fix = ("find what reset or lost the GPU (`dmesg | grep -i xid`; nvidia-smi -r or a driver reload in a script, "
+                   "a cluster health check) and rerun")
+        elif (why := self._limit_problem(visit, samples)) is not None:
             fix = ("stop whatever else sets GPU power limits for the sweep (nvidia-smi -pl in a script, DCGM power "
                    "policies, a cluster power manager) and rerun")
         else:
@@ -1198,8 +1225,9 @@ def run_sweep(
                      cputime=cputime)
         )
         for p in src.problems:
-            if p.source == "rapl":
-                notes.append(f"CPU energy not measured: {p.message}" + (f" (fix: {p.fix})" if p.fix else ""))
+            if p.source == "rapl":  # CPU energy missing, or measured with a part left out (no DRAM zone)
+                missing = "CPU energy not measured: " if src.rapl is None else ""
+                notes.append(f"{missing}{p.message}" + (f" (fix: {p.fix})" if p.fix else ""))
             elif p.source == "nvml" and "MIG" in p.message:  # the figures are the whole GPU's: every output says so
                 notes.append(p.message + (f" (fix: {p.fix})" if p.fix else ""))
         timeline = Timeline(gpu_uuids=src.gpu_uuids)
@@ -1275,6 +1303,8 @@ def run_sweep(
     notes.extend(busy_host_level_notes(levels, profiler, settings.level_kind))
     notes.extend(getattr(sweep, "level_notes", []))
     notes.extend(getattr(sweep, "restart_notes", []))
+    if ctl is not None:
+        notes.extend(ctl.notes)  # a GPU reset between levels: reopened by its UUID, the next level set on it
     ex = sweep.excluded()
     if ex is not None:
         notes.append(ex.message())

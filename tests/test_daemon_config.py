@@ -199,3 +199,43 @@ def test_root_follows_a_config_symlink_only_root_could_have_made_as_on_nixos(tmp
     loop.symlink_to(loop)
     with pytest.raises(ConfigError, match="too many levels of symlinks"):
         load_config(loop, env={})
+
+
+def test_daemon_gpus_takes_uuids_as_gpus_does_and_refuses_what_names_no_gpu(tmp_path):
+    # daemon.gpus took NVML indexes only, which move across reboots, driver reloads and CUDA orderings: a
+    # daemon configured for "1" could sample (and attribute the energy of) another GPU after a reboot.
+    p = _write(tmp_path, '[daemon]\ngpus = ["GPU-8f2e", "MIG-1a2b3c", 1]\n')
+    assert load_config(p, env={}).get("daemon", "gpus") == ["GPU-8f2e", "MIG-1a2b3c", 1]
+    env = {"POWERPROF_DAEMON_GPUS": "GPU-8f2e-aa,0"}
+    assert load_config(None, env=env).get("daemon", "gpus") == ["GPU-8f2e-aa", 0]
+    for bad in ('["8f2e"]', '["GPU-"]', '[true]', '["GPU-a b"]'):
+        with pytest.raises(ConfigError, match="daemon.gpus.*UUIDs"):
+            load_config(_write(tmp_path, f"[daemon]\ngpus = {bad}\n"), env={})
+
+
+def test_the_daemon_samples_the_gpu_its_uuid_names_and_stops_naming_one_that_is_not_there(tmp_path):
+    from powerprof.daemon.service import Daemon, StartupError
+    from powerprof.rig import Rig
+    from powerprof.sim.nvml import SimNVML
+
+    sim = SimNVML("a100-40g", count=2, state_path=None)
+    uuid = sim.gpus[1].uuid
+
+    def daemon(gpus):
+        cfg = load_config(None, env={}, overrides={
+            "daemon.data_dir": str(tmp_path / "data"), "daemon.gpus": gpus, "proxy.listen": "", "metrics.listen": "",
+            "daemon.restore_on_start": False})
+        return Daemon(cfg, Rig("a100-40g", gpus=cfg.get("daemon", "gpus") or None, nvml=sim))
+
+    d = daemon([uuid[:12]])
+    try:
+        d._open()
+        assert d.collector.indexes == [1] and d.collector.infos[0].uuid == uuid
+    finally:
+        d.rig.close()
+        if getattr(d, "_lock_fd", None) is not None:
+            import os
+
+            os.close(d._lock_fd)
+    with pytest.raises(StartupError, match="GPU-00000000.*names no GPU"):
+        daemon(["GPU-00000000"])._open()

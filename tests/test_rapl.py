@@ -499,3 +499,43 @@ def test_the_permission_fix_printed_is_the_units_line_and_works_on_a_tree_withou
     body = body.replace("/sys/class/powercap", str(pc.root)).replace("powerprof", grp.getgrgid(os.getgid()).gr_name)
     assert subprocess.run(["/bin/sh", "-c", body]).returncode == 0
     assert os.stat(pc.root / "intel-rapl:0" / "energy_uj").st_mode & 0o040
+
+
+def test_a_socket_without_a_dram_zone_is_said_never_a_silently_smaller_cpu_figure(tmp_path):
+    # intel-rapl:0 has no DRAM subzone, intel-rapl:1 has one: "CPU energy (package + DRAM)" was socket 0's
+    # package alone plus socket 1's package and memory, with nothing saying so.
+    from powerprof.collectors.sources import open_sources
+
+    clock = FakeClock()
+    pc = _tree(tmp_path, clock, sockets=2, dram={1}, power_w_fn=lambda: 100.0)
+    assert [z.device for z in _collector(pc, clock).zones if z.kind == "dram"] == ["dram-1"]
+    with open_sources(nvml=_no_gpu(), rapl_root=pc.root, rapl_opener=pc.opener, host=False) as src:
+        said = [p.message for p in src.problems if p.source == "rapl"]
+    assert len(said) == 1 and "socket 0" in said[0] and "DRAM" in said[0] and "package" in said[0], said
+    pc_all = _tree(tmp_path / "all", clock, sockets=2, dram=True)
+    with open_sources(nvml=_no_gpu(), rapl_root=pc_all.root, rapl_opener=pc_all.opener, host=False) as src:
+        assert [p for p in src.problems if p.source == "rapl"] == []
+
+
+def test_an_amd_host_whose_energy_is_only_in_the_amd_energy_hwmon_is_told_powerprof_does_not_read_it(tmp_path):
+    from powerprof.collectors.sources import open_sources
+
+    sysclass = tmp_path / "class"
+    (sysclass / "powercap").mkdir(parents=True)  # present, no zone (a kernel before 5.11 on AMD Zen)
+    hw = sysclass / "hwmon" / "hwmon3"
+    hw.mkdir(parents=True)
+    (hw / "name").write_text("amd_energy\n")
+    with open_sources(nvml=_no_gpu(), rapl_root=sysclass / "powercap", host=False) as src:
+        p = [p for p in src.problems if p.source == "rapl"]
+    assert len(p) == 1 and "amd_energy" in p[0].message and str(hw) in p[0].message, p
+    assert "does not read" in p[0].message and "5.11" in p[0].fix, p
+
+
+def _no_gpu():
+    import pynvml
+    from types import SimpleNamespace
+
+    def fail():
+        raise pynvml.NVMLError(pynvml.NVML_ERROR_LIBRARY_NOT_FOUND)
+
+    return SimpleNamespace(nvmlInit=fail)

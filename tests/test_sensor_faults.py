@@ -7,6 +7,7 @@ import logging
 
 import pyarrow.dataset as pads
 import pynvml
+import pytest
 
 from powerprof.daemon.config import load_config
 from powerprof.daemon.service import Daemon
@@ -122,3 +123,87 @@ def test_the_daemon_reopens_a_reset_gpu_by_uuid_and_counts_its_energy_again_neve
     samples = pads.dataset(tmp_path / "data" / "samples", format="parquet").to_table().to_pylist()
     e = [r["energy_j"] for r in sorted(samples, key=lambda r: r["t_mono_s"]) if r["device"] == "gpu1" and r["energy_j"] is not None]
     assert any(b < a for a, b in zip(e, e[1:]))  # the counter did restart: the total above never took that drop
+
+
+# --- a GPU reset under the limit controller ---------------------------------------------------------------------
+
+
+def _operator_limit(sim: SimNVML, index: int, watts: float) -> None:
+    """An operator's own limit, set before powerprof runs: the original a restore must bring back, not the default."""
+    sim.nvmlInit()
+    sim.nvmlDeviceSetPowerManagementLimit(sim.nvmlDeviceGetHandleByIndex(index), int(watts * 1000))
+    sim.nvmlShutdown()
+
+
+_RESET_CODES = [pynvml.NVML_ERROR_GPU_IS_LOST, pynvml.NVML_ERROR_INVALID_ARGUMENT, pynvml.NVML_ERROR_UNINITIALIZED]
+
+
+def test_a_reset_puts_the_default_limit_back_and_releases_the_clock_lock_as_on_a_real_card(tmp_path):
+    sim = SimNVML("a100-40g", count=2, state_path=tmp_path / "st.json", privileged=True)
+    nv = FaultyNVML(sim)
+    _operator_limit(sim, 1, 350)
+    nv.lock_clocks(1, 900, 900)
+    nv.reset(1)
+    assert sim.gpus[1].limit_w == 400.0 and sim.locked_clocks_mhz(1) is None
+    fresh = SimNVML("a100-40g", count=2, state_path=tmp_path / "st.json")  # another process sees it too
+    assert fresh.gpus[1].limit_w == 400.0 and fresh.gpus[1].locked_clocks_mhz is None
+
+
+@pytest.mark.parametrize("code", _RESET_CODES)
+def test_the_controller_reopens_a_reset_gpu_by_uuid_so_the_next_level_and_the_restore_reach_it(tmp_path, code):
+    # A reset mid-sweep left the controller's handle stale: the next level failed on it ("setting the power limit
+    # failed (NVML: ...)") and so did the restore, keeping the restore file; the GPU stayed at its default 400 W
+    # instead of the operator's 350 W, and the next run refused to start until `powerprof restore`.
+    from powerprof.control.controller import LimitController
+
+    sim = SimNVML("a100-40g", count=2, state_path=tmp_path / "st.json", privileged=True)
+    nv = FaultyNVML(sim)
+    _operator_limit(sim, 1, 350)
+    restore_file = tmp_path / "restore.json"
+    with LimitController(nv, [0, 1], restore_path=restore_file, handle_signals=False) as ctl:
+        ctl.set_power_limit_w(200)
+        nv.reset(1, code)
+        assert sim.gpus[1].limit_w == 400.0  # the reset put the default back
+        rb = ctl.set_power_limit_w(250)
+        assert [g.limit_w for g in sim.gpus] == [250.0, 250.0] and [g.limit_w for g in rb.gpus] == [250.0, 250.0]
+        said = " ".join(ctl.notes)
+        assert "GPU 1" in said and sim.gpus[1].uuid in said and "reset" in said and "reopened by its UUID" in said, said
+    assert [g.limit_w for g in sim.gpus] == [400.0, 350.0]  # each GPU's original
+    assert not restore_file.exists()
+
+
+@pytest.mark.parametrize("code", _RESET_CODES)
+def test_a_gpu_reset_after_the_last_level_is_still_put_back_and_its_clock_lock_released(tmp_path, code):
+    from powerprof.control.controller import LimitController
+
+    sim = SimNVML("a100-40g", count=2, state_path=tmp_path / "st.json", privileged=True)
+    nv = FaultyNVML(sim)
+    _operator_limit(sim, 0, 300)
+    restore_file = tmp_path / "restore.json"
+    with LimitController(nv, [0, 1], restore_path=restore_file, handle_signals=False) as ctl:
+        ctl.set_power_limit_w(200)
+        ctl.lock_sm_clock_mhz(1200)
+        nv.reset(0, code)
+        nv.lock_clocks(0, 1000, 1000)  # and another tool locked it after the reset: ours to release, the record says
+    assert [g.limit_w for g in sim.gpus] == [300.0, 400.0]
+    assert [sim.locked_clocks_mhz(i) for i in (0, 1)] == [None, None]
+    assert not restore_file.exists()
+    assert any("GPU 0" in n and "reset" in n for n in ctl.notes), ctl.notes
+
+
+def test_a_lost_gpu_is_not_taken_for_a_reset_one_it_still_fails_and_keeps_the_file(tmp_path):
+    from powerprof.control.controller import LimitController
+    from powerprof.control.errors import RestoreError
+
+    sim = SimNVML("a100-40g", count=2, state_path=tmp_path / "st.json", privileged=True)
+    nv = FaultyNVML(sim)
+    restore_file = tmp_path / "restore.json"
+    ctl = LimitController(nv, [0, 1], restore_path=restore_file, handle_signals=False)
+    ctl.open()
+    ctl.set_power_limit_w(200)
+    nv.lose(1)  # off the bus: its UUID may still answer, nothing else does
+    with pytest.raises(RestoreError) as e:
+        ctl.close()
+    assert "GPU 1 is lost" in str(e.value) and restore_file.exists()
+    assert sim.gpus[0].limit_w == 400.0
+    assert not any("reopened" in n for n in ctl.notes)

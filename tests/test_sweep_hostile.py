@@ -5,13 +5,21 @@ and the limit is back."""
 
 from __future__ import annotations
 
+import os
+from pathlib import Path
+
 import pyarrow.parquet as pq
+import pynvml
 import pytest
 
 from powerprof.rig import Rig
 from powerprof.sim.nvml import SimNVML
 from powerprof.sweep import UI, SweepError, run_sweep
 from powerprof.workload.client import RequestParams
+
+
+def restore_files() -> list:
+    return sorted(Path(os.environ["POWERPROF_STATE_DIR"]).glob("restore-*.json"))
 
 
 class _Hook(UI):
@@ -95,6 +103,78 @@ def test_a_power_limit_another_tool_changed_mid_level_stops_the_sweep_and_leaves
     assert (lv[lv.timing != "untrusted"].avg_gpu_power_w < 205).all()  # the windows kept ran under the cap
     levels = pq.read_table(out / "levels.parquet").to_pandas().set_index("level_value")
     assert levels.loc[200.0, "avg_gpu_power_w"] < 205
+
+
+def _operator_limit(sim: SimNVML, watts: float) -> None:
+    """GPU 0 at an operator's own limit before the sweep: what the restore must bring back, not the default."""
+    sim.nvmlInit()
+    sim.nvmlDeviceSetPowerManagementLimit(sim.nvmlDeviceGetHandleByIndex(0), int(watts * 1000))
+    sim.nvmlShutdown()
+
+
+class _DoneHook(_Hook):
+    def level_done(self, visit, live):
+        self.act("done", visit)
+
+
+@pytest.mark.parametrize("code", [pynvml.NVML_ERROR_GPU_IS_LOST, pynvml.NVML_ERROR_INVALID_ARGUMENT,
+                                  pynvml.NVML_ERROR_UNINITIALIZED])
+def test_a_gpu_reset_mid_level_stops_the_sweep_says_so_and_puts_the_operators_limit_back(tmp_path, code):
+    # `nvidia-smi -r` or a driver recovery mid-level: the card came back at its default 300 W with every old
+    # handle stale. The collector reopened it by UUID, but the controller kept its stale handle: the sweep said
+    # "another tool changed it ... or the driver lowered it" and its restore failed on the stale handle, so the
+    # GPU stayed at 300 W instead of the operator's 280 W and the restore file blocked the next run.
+    from powerprof.sim.faults import FaultyNVML
+
+    sim = SimNVML("seed-16g", state_path=None)
+    _operator_limit(sim, 280)
+    nv = FaultyNVML(sim)
+
+    def reset(event, visit):
+        if event == "progress" and visit.level_value == 200 and visit.n_measured == 2:
+            nv.reset(0, code)
+
+    out = tmp_path / "run"
+    with Rig("seed-16g", nvml=nv) as rig, pytest.raises(SweepError) as e:
+        run_sweep(rig, levels_spec="280,200", out_dir=out, params=RequestParams(max_tokens=32), idle_s=0, interval_s=0.2,
+                  min_requests=8, max_requests=8, warmup_requests=0, ui=_Hook(reset))
+    msg = str(e.value)
+    assert msg.startswith("level 200: GPU 0 was reset during the level"), msg
+    assert "default power limit back" in msg and "fix:" in msg, msg
+    assert sim.gpus[0].limit_w == 280.0  # the operator's limit, put back through the reopened handle
+    assert restore_files() == []
+    w = pq.read_table(out / "windows.parquet").to_pandas()
+    lv = w[(w.window_kind == "request") & (w.level_value == 200.0) & ~w.warmup]
+    moved = lv[lv.timing == "untrusted"]
+    assert len(moved) >= 1 and moved.gpu_j_per_token.isna().all()
+    assert moved.timing_reason.str.contains("was reset during the level").all()
+    assert (lv[lv.timing != "untrusted"].avg_gpu_power_w < 205).all()  # the windows kept ran under the cap
+    levels = pq.read_table(out / "levels.parquet").to_pandas().set_index("level_value")
+    assert levels.loc[200.0, "avg_gpu_power_w"] < 205
+
+
+def test_a_gpu_reset_between_levels_is_set_again_through_its_uuid_and_said(tmp_path):
+    # The reset fell between two levels: the next level must still be set (on the reopened GPU), measured at
+    # its own limit, and the limit put back at the end; before, the next set failed on the stale handle.
+    from powerprof.sim.faults import FaultyNVML
+
+    sim = SimNVML("seed-16g", state_path=None)
+    _operator_limit(sim, 280)
+    nv = FaultyNVML(sim)
+
+    def reset(event, visit):
+        if event == "done" and visit.level_value == 280:
+            nv.reset(0, pynvml.NVML_ERROR_INVALID_ARGUMENT)
+
+    out = tmp_path / "run"
+    with Rig("seed-16g", nvml=nv) as rig:
+        outcome = run_sweep(rig, levels_spec="280,200", out_dir=out, params=RequestParams(max_tokens=32), idle_s=0,
+                            interval_s=0.2, min_requests=4, max_requests=4, warmup_requests=0, ui=_DoneHook(reset))
+    assert sim.gpus[0].limit_w == 280.0 and restore_files() == []
+    said = " ".join(outcome.notes)
+    assert "GPU 0" in said and "reopened by its UUID" in said and "reset" in said, outcome.notes
+    levels = pq.read_table(out / "levels.parquet").to_pandas().set_index("level_value")
+    assert levels.loc[200.0, "avg_gpu_power_w"] < 205 and levels.loc[200.0, "gpu_j_per_token"] > 0
 
 
 def test_a_level_cut_short_by_a_server_that_went_away_is_flagged_interrupted_in_levels_parquet(tmp_path, sim_server):

@@ -317,7 +317,7 @@ class NvmlCollector:
         i = self.indexes[k]
         if code == getattr(self.nvml, "NVML_ERROR_GPU_IS_LOST", None):
             return LOST_FIX.format(i=i)
-        return STALE_FIX.format(i=i, code=_nvml_error_name(self.nvml, code), every=REOPEN_INTERVAL_S)
+        return STALE_FIX.format(i=i, code=nvml_error_name(self.nvml, code), every=REOPEN_INTERVAL_S)
 
     def _reopen(self, k: int) -> str | None:
         """Look a lost GPU up again by its UUID (never by index: a reset may renumber GPUs), at most every
@@ -367,7 +367,7 @@ class NvmlCollector:
             if code is not None and code in gone:
                 lost[0] = code  # every later call fails the same way: stop asking this tick
             elif code is not None and code not in quiet:
-                failed.append(f"{fn.removeprefix('nvmlDevice')}: {_nvml_error_name(n, code)}")
+                failed.append(f"{fn.removeprefix('nvmlDevice')}: {nvml_error_name(n, code)}")
             return v
 
         def instant():
@@ -432,7 +432,7 @@ _ERROR_NAMES = ("UNKNOWN", "TIMEOUT", "GPU_IS_LOST", "UNINITIALIZED", "INVALID_A
                 "MEMORY", "INSUFFICIENT_POWER", "IN_USE", "NO_DATA", "INSUFFICIENT_SIZE")
 
 
-def _nvml_error_name(nvml, code: int) -> str:
+def nvml_error_name(nvml, code: int) -> str:
     # The library may be an NVML-like object that lists no constants: ask for each by name.
     for name in _ERROR_NAMES:
         if getattr(nvml, "NVML_ERROR_" + name, None) == code:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import os
 from dataclasses import asdict, dataclass, field
+from pathlib import Path
 from typing import Callable
 
 from powerprof.errtext import error_text
@@ -231,8 +232,42 @@ def _open_rapl(src: Sources, rapl_root, opener, backend) -> None:
         src.rapl = RaplCollector(rapl_root, backend=backend, opener=opener)
     except RaplPermissionError as e:
         src.problems.append(Problem("rapl", f"cannot read CPU energy: permission denied on {e.path}", PERMISSION_FIX))
+        return
     except RaplUnavailableError:
-        src.problems.append(Problem("rapl", f"no RAPL zones under {rapl_root}", UNAVAILABLE_FIX))
+        amd = _amd_energy_hwmon(rapl_root)
+        if amd:
+            src.problems.append(Problem(
+                "rapl", f"no RAPL zones under {rapl_root}; this AMD host counts CPU energy in the amd_energy hwmon "
+                f"driver ({amd}), which powerprof does not read (powercap RAPL only): no CPU energy is measured",
+                "a kernel 5.11 or newer puts AMD Zen's package energy under powercap (modprobe intel_rapl_msr), "
+                "which powerprof reads"))
+        else:
+            src.problems.append(Problem("rapl", f"no RAPL zones under {rapl_root}", UNAVAILABLE_FIX))
+        return
+    no_dram = _sockets_without_dram(src.rapl.zones)
+    if no_dram:
+        which = ", ".join(f"socket {s}" for s in no_dram)
+        src.problems.append(Problem(
+            "rapl", f"RAPL shows no DRAM zone for {which}: the CPU energy there is its package's alone, the memory's "
+            "energy is in no CPU figure (AMD Zen and client Intel parts have no DRAM zone)", None))
+
+
+def _amd_energy_hwmon(rapl_root) -> str | None:
+    """The amd_energy hwmon folder beside the powercap root (/sys/class/hwmon next to /sys/class/powercap), if any."""
+    try:
+        for name in sorted(Path(rapl_root).parent.glob("hwmon/*/name")):
+            if name.read_text().strip() == "amd_energy":
+                return str(name.parent)
+    except OSError:
+        return None
+    return None
+
+
+def _sockets_without_dram(zones) -> list[int]:
+    """Sockets with a package zone and no DRAM zone: their CPU energy leaves memory out."""
+    packages = {z.socket for z in zones if z.kind == "package" and z.socket is not None}
+    dram = {z.socket for z in zones if z.kind == "dram"}
+    return sorted(packages - dram)
 
 
 def describe(src: Sources) -> dict:

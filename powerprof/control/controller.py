@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import atexit
 import contextlib
+import dataclasses
 import datetime as _dt
 import signal
 import threading
@@ -13,6 +14,7 @@ from pathlib import Path
 from typing import Iterable, Sequence
 
 from powerprof.collectors.gateway import gateway
+from powerprof.collectors.nvml import nvml_error_name
 from powerprof.paths import state_dir
 from powerprof.termination import clear, note
 
@@ -98,6 +100,8 @@ class LimitController:
         self._exit_raised = False  # this controller's handler has raised a run-ending exit
         self._prev_handlers: dict[int, object] = {}
         self._atexit_registered = False
+        # What happened to the GPUs that the caller must say (a GPU reset under us, reopened by its UUID).
+        self.notes: list[str] = []
 
     # --- lifecycle ---------------------------------------------------------------------------
 
@@ -222,7 +226,7 @@ class LimitController:
             try:
                 rbs = tuple(
                     set_power_limit(self.nvml, h, d.index, d.uuid, float(watts), self.nvidia_smi)
-                    for h, d in zip(self._handles, self.devices)
+                    for h, d in self._reached()
                 )
                 check_applied(rbs, self.tolerance_w)
             except BaseException:
@@ -242,7 +246,7 @@ class LimitController:
             # Marked before the call: a kill right after the lock takes effect must still release it.
             self._mark_clocks(True)
             try:
-                for h, d in zip(self._handles, self.devices):
+                for h, d in self._reached():
                     lock_sm_clocks(self.nvml, h, d.index, lo_mhz, hi_mhz)
             except BaseException:
                 self._restore_after_failure()
@@ -254,7 +258,7 @@ class LimitController:
         with self._critical():
             if not self._record or not any(g["clocks_locked"] for g in self._record["gpus"].values()):
                 return
-            for h, d in zip(self._handles, self.devices):
+            for h, d in self._reached():
                 if self._record["gpus"][d.uuid]["clocks_locked"]:
                     reset_sm_clocks(self.nvml, h, d.index)
             self._mark_clocks(False)
@@ -269,6 +273,47 @@ class LimitController:
     def _require_active(self) -> None:
         if not self._active:
             raise ControlError("LimitController is not open: use it as `with LimitController(...) as ctl:`.")
+
+    def _reached(self):
+        """(handle, device) per GPU, each handle checked to still reach its GPU first (`_handle`)."""
+        return [(self._handle(k), self.devices[k]) for k in range(len(self.devices))]
+
+    def _handle(self, k: int):
+        """GPU k's handle, looked up again by its UUID (never by index: a reset may renumber GPUs) when the one
+        held stopped reaching it: a GPU reset (nvidia-smi -r, a driver recovery) makes old handles stale
+        (GPU_IS_LOST, INVALID_ARGUMENT) and a driver reload ends NVML's session (UNINITIALIZED). Without this,
+        every later level and the final restore failed on the stale handle and the GPU kept what the reset left.
+        The old handle stays when the same GPU cannot be found again: the call then says why (a GPU off the bus)."""
+        gw = gateway(self.nvml)
+        h, d = self._handles[k], self.devices[k]
+        got, code = gw.attempt("nvmlDeviceGetUUID", h)
+        if code is None and got == d.uuid:
+            return h
+        uninit = getattr(self.nvml, "NVML_ERROR_UNINITIALIZED", None)
+        try:
+            if code is not None and code == uninit:
+                gw.reinit()
+            new, _ = gw.attempt("nvmlDeviceGetHandleByUUID", d.uuid)
+            if new is None or gw.attempt("nvmlDeviceGetUUID", new)[0] != d.uuid:
+                return h
+        except Exception:  # noqa: BLE001 - NVML cannot start again: the call on the old handle says why
+            return h
+        self._handles[k] = new
+        index, _ = gw.attempt("nvmlDeviceGetIndex", new)
+        moved = index is not None and int(index) != d.index
+        if moved:
+            self.devices = tuple(dataclasses.replace(x, index=int(index)) if j == k else x for j, x in enumerate(self.devices))
+            if self._record is not None:
+                self._record["gpus"][d.uuid]["index"] = int(index)
+                write_json_atomic(self.restore_path, self._record)
+        why = nvml_error_name(self.nvml, code) if code is not None else "another GPU's UUID"
+        note = (f"GPU {d.index} ({d.uuid}) was reset or its driver reloaded during the run (its NVML handle answered "
+                f"{why}): reopened by its UUID" + (f", now GPU {int(index)}" if moved else "") + "; a reset puts the "
+                "default power limit back and releases clock locks, so what was set before it no longer held; "
+                "later settings and the restore went to the reopened GPU")
+        if note not in self.notes:
+            self.notes.append(note)
+        return new
 
     def _ensure_record(self) -> None:
         if self._record is not None:
@@ -297,7 +342,7 @@ class LimitController:
             if self._record is None:
                 return
             problems = []
-            for h, d in zip(self._handles, self.devices):
+            for h, d in self._reached():
                 try:
                     restore_gpu(self.nvml, h, d.index, d.uuid, self._record["gpus"][d.uuid], self.nvidia_smi, self.tolerance_w)
                 except ControlError as e:

@@ -104,10 +104,19 @@ def _header(v: str) -> str:
     return v
 
 
-def _int_list(v):
-    if not all(isinstance(x, int) and x >= 0 for x in v):
-        raise ValueError("must be a list of GPU indexes (integers >= 0)")
-    return v
+def _gpu_list(v):
+    """NVML indexes or UUIDs (GPU-…, or MIG-… standing for its parent GPU), as `--gpus` takes them: an index is
+    not stable across reboots, driver reloads or CUDA_VISIBLE_DEVICES orderings, a UUID is. Whether each names
+    a GPU of this machine is checked when the GPUs are opened (the daemon then stops, naming it)."""
+    def ok(x) -> bool:
+        if isinstance(x, bool):
+            return False
+        if isinstance(x, int):
+            return x >= 0
+        return isinstance(x, str) and x.startswith(("GPU-", "MIG-")) and len(x) > 4 and not any(c.isspace() for c in x)
+    if not all(ok(x) for x in v):
+        raise ValueError("must be a list of GPU indexes (integers >= 0) or UUIDs (GPU-…, MIG-…; nvidia-smi -L lists them)")
+    return list(dict.fromkeys(v))
 
 
 def _str_list(v):
@@ -149,7 +158,7 @@ SPEC: dict[str, dict[str, Key]] = {
                                  "rows kept in memory per dataset while writes fail; 0 = derived from the memory limit"),
         "listen_beyond_loopback": Key(bool, False, help="allow proxy/metrics listen addresses other than loopback "
                                       "(the proxy has no authentication: firewall it)"),
-        "gpus": Key(list, [], _int_list, help="NVML indexes to sample; empty = all visible", item=int),
+        "gpus": Key(list, [], _gpu_list, help="NVML indexes or GPU-/MIG- UUIDs to sample; empty = all visible", item=int),
         "log_level": Key(str, "info", _choice("debug", "info", "warning", "error"), True),
         "restore_on_start": Key(bool, True, help="restore limits left by a crashed sweep"),
         "host": Key(str, "", help="the host column of every dataset row; default the machine's host name"),

@@ -5,7 +5,8 @@
     nv.fail(0, "nvmlDeviceGetPowerUsage", NVML_ERROR_TIMEOUT)      # one call times out, then fine
     nv.lie(0, "nvmlDeviceGetPowerUsage", lambda mw: 65535000)      # one absurd reading
     nv.lie(0, "nvmlDeviceGetTotalEnergyConsumption", stuck(), times=None)
-    nv.reset(0)                                                    # nvidia-smi -r: old handles stale, counter from 0
+    nv.reset(0)                                                    # nvidia-smi -r: old handles stale, counter from 0,
+                                                                   # default power limit back, clock lock gone
     nv.lock_clocks(0, 900, 900)                                    # another tool's nvidia-smi -lgc 900,900
 
 Wrapping keeps the simulator itself free of fault branches: production code sees an NVML-like
@@ -70,8 +71,9 @@ class FaultyNVML:
     def reset(self, gpu: int, code: int = pynvml.NVML_ERROR_GPU_IS_LOST) -> None:
         """GPU `gpu` was reset (nvidia-smi -r, a driver recovery) and is back: every handle taken before
         now fails with `code` (GPU_IS_LOST, INVALID_ARGUMENT; UNINITIALIZED is a driver reload: every call
-        fails so until nvmlInit runs again), a handle taken again (by UUID) answers, and the energy counter
-        restarts from zero."""
+        fails so until nvmlInit runs again), a handle taken again (by UUID) answers, the energy counter
+        restarts from zero, and, as on a real card, the power limit is the default again and any clock lock
+        is gone (the wrapped library's `external_reset`, where it has one: the simulator does)."""
         h = self.lib.nvmlDeviceGetHandleByIndex(gpu)
         self.lib.nvmlInit()  # as its own NVML client, like the tool that reset it
         try:
@@ -80,6 +82,9 @@ class FaultyNVML:
             mj = 0
         finally:
             self.lib.nvmlShutdown()
+        settings_back = getattr(self.lib, "external_reset", None)
+        if settings_back is not None:
+            settings_back(gpu)
         with self._lock:
             self._generation[gpu] = self._generation.get(gpu, 0) + 1
             self._stale_code[gpu] = code

@@ -482,6 +482,17 @@ class SimNVML:
             self._state.update(g.uuid, locked_clocks_mhz=None if lock is None else list(lock))
             self._state.changed()
 
+    def external_reset(self, index: int) -> None:
+        """GPU `index` was reset (nvidia-smi -r, a driver recovery, a reboot): as on a real card its power
+        limit is its default again and its clock lock is gone. The handles and the energy counter are the
+        NVML plug's part (sim/faults.py FaultyNVML.reset); no permission check, as `external_clock_change`."""
+        g = self.gpus[index]
+        with self._lock:
+            g.set_limit_w(self.profile.default_limit_w)
+            g.set_locked_clocks(None)
+            self._state.update(g.uuid, power_limit_mw=None, locked_clocks_mhz=None)
+            self._state.changed()
+
     def locked_clocks_mhz(self, index: int) -> tuple[int, int] | None:
         self._sync_settings()
         return self.gpus[index].locked_clocks_mhz

@@ -23,7 +23,7 @@ import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable
+from typing import Callable, Collection
 
 import psutil
 
@@ -53,7 +53,8 @@ class SimPowercap:
 
     power_w_fn() returns the total CPU package power (W, all packages) at this instant; it is
     split evenly over the package zones. core = 60% of its package, dram = `dram_w` per package
-    zone, psys = all packages + all dram + `platform_w`. Power is held constant between updates,
+    zone (`dram`: True, False, or the sockets that have a DRAM subzone), psys = all packages + all dram +
+    `platform_w`. Power is held constant between updates,
     so the true energy is exact. The model is re-read on `update()` or from a background thread
     (`start()`/`stop()`) every `update_interval_s`; the energy is also brought up to now (at the
     power held since) whenever a file opened through `opener` is read, as hardware's always is.
@@ -65,7 +66,7 @@ class SimPowercap:
         *,
         sockets: int = 1,
         dies_per_socket: int = 1,
-        dram: bool = True,
+        dram: bool | Collection[int] = True,
         core: bool = False,
         psys: bool = False,
         mmio: bool = True,
@@ -130,7 +131,7 @@ class SimPowercap:
         self.zones.append(z)
         return z
 
-    def _build(self, dram: bool, core: bool, psys: bool, mmio: bool, start_energy_uj: int | None) -> None:
+    def _build(self, dram: bool | Collection[int], core: bool, psys: bool, mmio: bool, start_energy_uj: int | None) -> None:
         self.root.mkdir(parents=True, exist_ok=True)
         ctl = self.root / "intel-rapl"
         ctl.mkdir()
@@ -141,7 +142,10 @@ class SimPowercap:
                 name = f"package-{s}" if self.dies_per_socket == 1 else f"package-{s}-die-{die}"
                 top = self._mkzone(ctl, f"intel-rapl:{n}", name, "package", None, self.root / f"intel-rapl:{n}")
                 m = 0
-                for sub, on in (("core", core), ("dram", dram)):
+                # dram: every package has its subzone, none does, or only those of the sockets named (a
+                # machine where intel-rapl:0 shows no DRAM zone and intel-rapl:1 does).
+                has_dram = dram if isinstance(dram, bool) else s in set(dram)
+                for sub, on in (("core", core), ("dram", has_dram)):
                     if on:
                         zid = f"intel-rapl:{n}:{m}"
                         self._mkzone(top.path, zid, sub, sub, top, self.root / zid)
