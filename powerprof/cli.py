@@ -839,7 +839,8 @@ def _formats_option(ctx, param, value):
               help="Weight of energy in the weighted-cost policy eta*E + (1-eta)*Pmax/T (1: energy only).")
 @click.option("--format", "formats", default="md,html", show_default=True, callback=_formats_option,
               help="Report formats: md, html or both.")
-@click.option("--force", is_flag=True, help="Pool runs even if their GPU model, server model or traffic (trace) differ.")
+@click.option("--force", is_flag=True, help="Pool runs even if what they measured differs (GPU model or count, server, traffic, "
+              "request settings, energy method), each difference warned about.")
 @click.option("--bootstrap", "n_boot", type=click.IntRange(100, 100_000), default=2000, show_default=True,
               help="Bootstrap resamples for the confidence intervals.")
 @click.option("--json", "as_json", is_flag=True, help=JSON_HELP + " The same as analysis.json.")

@@ -180,6 +180,10 @@ def analyze(
     if primary not in POLICIES:
         raise ValueError(f"unknown policy {primary!r}; choose one of: {', '.join(POLICIES)}")
     params = params or PolicyParams()
+    partial_cpu = cpu_energy_findings(runs, windows)
+    if partial_cpu:
+        windows = windows.set_column(windows.column_names.index("total_j_per_token"), "total_j_per_token",
+                                     pa.nulls(windows.num_rows, pa.float64()))
     defaults = {r.default_limit_w for r in runs if r.default_limit_w is not None}
     reference = defaults.pop() if len(defaults) == 1 else None
     all_series = level_series(windows, reference, n_boot=n_boot, seed=seed)
@@ -227,6 +231,7 @@ def analyze(
             findings.append(Finding(f.kind, prefix + f.message, f.levels))
     findings += timing_findings(windows) + impossible_findings(windows)
     findings.extend(unstored_findings(runs))
+    findings.extend(partial_cpu)
     findings.extend(stopped)
     return AnalysisResult(runs, results, findings, params, list(timelines or []))
 
@@ -273,6 +278,27 @@ def reference_findings(s: LevelSeries, default_value: float | None) -> list[Find
         f"{s.n_failed[i]} failed requests): speed loss and energy saving are against {s.reference_value:g} W, the "
         f"highest level with figures, not against the default. Measure {default_value:g} W again to compare with it."),
         (float(default_value),))]
+
+
+def cpu_energy_findings(runs: list[RunInfo], windows: pa.Table) -> list[Finding]:
+    """Pooled runs of which some measured CPU energy (RAPL) and some did not: a level's GPU + CPU J/token
+    would be the median of some runs' windows beside a GPU J/token of all, and missing where only the others
+    measured. The caller leaves total_j_per_token out of every level; this says so."""
+    from .stats import _col, window_masks  # noqa: PLC0415
+
+    if len(runs) < 2 or "total_j_per_token" not in windows.column_names or "run_id" not in windows.column_names:
+        return []
+    measured = window_masks(windows)[0]
+    run_id, total = _col(windows, "run_id", object)[measured], _col(windows, "total_j_per_token")[measured]
+    with_cpu = {r for r, t in zip(run_id, total) if np.isfinite(t)}
+    without = [r for r in runs if r.run_id in set(run_id) and r.run_id not in with_cpu]
+    if not with_cpu or not without:
+        return []
+    return [Finding("cpu-energy-partial", (
+        f"GPU + CPU J/token (total_j_per_token) is left out of every level: {', '.join(str(r.path) for r in without)} "
+        f"measured no CPU energy (RAPL) and {', '.join(str(r.path) for r in runs if r.run_id in with_cpu)} did, so a "
+        "pooled level's figure would be the GPU + CPU of some runs beside the GPU of all. The GPU figures are "
+        "pooled as usual; analyse the runs with CPU energy on their own for theirs."))]
 
 
 def unstored_findings(runs: list[RunInfo]) -> list[Finding]:

@@ -1,7 +1,7 @@
 """Reading run directories for analysis: metadata, pooled windows, and what the samples say per level.
 
-Several runs (or repeats) of the same GPU model and server model pool their windows; runs of
-different GPUs or models are refused unless forced, because their levels are not comparable.
+Several runs (or repeats) of the same GPU model and count, server, traffic, request settings and energy
+method pool their windows; runs that differ in any are refused unless forced, because their levels are not comparable.
 samples.parquet is scanned by DuckDB (engine.py) within a memory limit, so 100 M rows never sit in memory at once.
 """
 
@@ -41,6 +41,8 @@ class RunInfo:
     default_limit_w: float | None
     simulated: bool
     meta: dict = field(default_factory=dict, repr=False)
+    gpu_count: int | None = None  # GPUs whose energy the windows sum (run.json `gpus`); None: unknown
+    has_meta: bool = True  # run.json was there: without it nothing says what the run measured with
 
 
 def _get(meta: dict, *paths, default=None):
@@ -99,7 +101,17 @@ def read_run_info(run_dir) -> RunInfo:
         ),
         simulated=bool(_get(meta, "simulated", default=False)),
         meta=meta,
+        gpu_count=_gpu_count(meta),
+        has_meta=meta_path.exists(),
     )
+
+
+def _gpu_count(meta: dict) -> int | None:
+    gpus = meta.get("gpus")
+    if isinstance(gpus, list) and gpus:
+        return len(gpus)
+    n = meta.get("gpu_count")
+    return n if isinstance(n, int) and not isinstance(n, bool) and n > 0 else None
 
 
 def file_digest(path: Path) -> str | None:
@@ -129,26 +141,96 @@ def _windows_model(path: Path) -> str | None:
     return vals[0] if len(vals) == 1 else None
 
 
+# Request settings (run.json `params`) that change what a token costs: another decode length, EOS honoured
+# or not (shorter replies), a prompt cache (no prefill), sampling.
+REQUEST_SETTINGS = ("max_tokens", "ignore_eos", "prompt_cache", "temperature")
+
+
 def check_compatible(runs: list[RunInfo], force: bool = False) -> list[str]:
-    """Refuse to pool runs of different GPU models, server models or traffic; with `force`, pool them
-    and return what differs (one sentence each), for the caller to warn with wherever it reports."""
+    """Refuse to pool runs that measured different things: GPU model or count, server model or engine,
+    traffic (trace or prompt set), request settings, energy method, or a run whose run.json is missing
+    (nothing to check it by); with `force`, pool them and return what differs (one sentence each), for
+    the caller to warn with wherever it reports. A value one run does not record is not compared."""
     if len(runs) < 2:
         return []
     differs = []
-    for what, attr in (("GPU model", "gpu_name"), ("server model", "model")):
-        seen = {getattr(r, attr) for r in runs if getattr(r, attr) is not None}
-        if len(seen) > 1:
-            detail = "; ".join(f"{r.path}: {getattr(r, attr)}" for r in runs)
+    blind = [r for r in runs if not r.has_meta]
+    if blind:
+        differs.append(f"{', '.join(str(r.path) for r in blind)} {'has' if len(blind) == 1 else 'have'} no run.json: "
+                       "its GPU, GPU count and settings are unknown, so nothing could tell it from another card's run")
+    facts = {r.path: _window_facts(r) for r in runs}
+
+    def compare(what: str, value) -> None:
+        seen = {r.path: value(r) for r in runs}
+        if len({v for v in seen.values() if v is not None}) > 1:
+            detail = "; ".join(f"{p}: {'unknown' if v is None else v}" for p, v in seen.items())
             differs.append(f"runs differ in {what} ({detail})")
+
+    compare("GPU model", lambda r: r.gpu_name)
+    compare("GPU count", lambda r: r.gpu_count)
+    compare("server model", lambda r: r.model)
+    compare("server engine", lambda r: facts[r.path].get("server"))
     traffic = {r.path: (r.meta.get("trace") or {}).get("sha256", "the prompt set") for r in runs}
     if len(set(traffic.values())) > 1:
         detail = "; ".join(f"{p}: {'trace ' + t[:12] if t != 'the prompt set' else t}" for p, t in traffic.items())
         differs.append(f"runs differ in traffic ({detail})")
+    elif (d := _prompt_set_differs(runs, facts)) is not None:
+        differs.append(d)
+    for key in REQUEST_SETTINGS:
+        compare(key, lambda r: (r.meta.get("params") or {}).get(key) if isinstance(r.meta.get("params"), dict) else None)
+    compare("energy method", lambda r: facts[r.path].get("energy_method"))
     if differs and not force:
         why = ("a trace replay's J/token is not comparable with another traffic's" if "traffic" in differs[0]
                else "their levels are not comparable")
-        raise AnalysisError(f"{differs[0]}: {why}. Analyse them separately, or pass --force to pool them anyway.")
+        raise AnalysisError(f"{'; '.join(differs)}: {why}. Analyse them separately, or pass --force to pool them anyway.")
     return differs
+
+
+def _window_facts(run: RunInfo) -> dict:
+    """What a run's own windows say it measured with: `server` (engine), `energy_method` (the most common
+    among its measured windows), `prompts` ({(prompt_id, context_tokens): {prompt_tokens}}). Empty when the
+    file cannot be read (read_windows says why)."""
+    path = run.path / "windows.parquet"
+    want = ("server_kind", "energy_method", "prompt_id", "prompt_tokens", "context_tokens", "warmup", "status")
+    try:
+        names = set(pq.read_schema(path).names)
+        t = pq.read_table(path, columns=[c for c in want if c in names])
+    except (pa.ArrowInvalid, OSError):
+        return {}
+    rows = [r for r in t.to_pylist() if not r.get("warmup") and r.get("status") in (None, "ok")]
+    out: dict = {}
+    kinds = sorted({r["server_kind"] for r in rows if r.get("server_kind")})
+    out["server"] = "+".join(kinds) or None
+    methods = [r["energy_method"] for r in rows if r.get("energy_method") not in (None, "none")]
+    out["energy_method"] = max(sorted(set(methods)), key=methods.count) if methods else None
+    prompts: dict[tuple, set] = {}
+    for r in rows:
+        if r.get("prompt_id") is not None:
+            tokens = prompts.setdefault((r["prompt_id"], r.get("context_tokens")), set())
+            if r.get("prompt_tokens") is not None:
+                tokens.add(r["prompt_tokens"])
+    out["prompts"] = prompts
+    return out
+
+
+def _prompt_set_differs(runs: list[RunInfo], facts: dict) -> str | None:
+    """Whether two runs sent other prompts, from their windows (run.json does not name the prompt set):
+    neither's prompt ids within the other's (a run cut short measured part of the set), or one id with
+    other prompt lengths (line-1 of two --prompts files). None when they agree or a run has no prompt ids."""
+    with_ids = [r for r in runs if facts[r.path].get("prompts")]
+    for i, a in enumerate(with_ids):
+        for b in with_ids[i + 1:]:
+            pa_, pb = facts[a.path]["prompts"], facts[b.path]["prompts"]
+            if not (pa_.keys() <= pb.keys() or pb.keys() <= pa_.keys()):
+                def names(p):
+                    ids = sorted({k[0] for k in p})
+                    return ", ".join(ids[:4]) + (f" and {len(ids) - 4} more" if len(ids) > 4 else "")
+                return f"runs differ in prompt set (prompt ids {a.path}: {names(pa_)}; {b.path}: {names(pb)})"
+            for k in sorted(pa_.keys() & pb.keys(), key=str):
+                if pa_[k] and pb[k] and not pa_[k] & pb[k]:
+                    return (f"runs differ in prompt set (prompt {k[0]}: {'/'.join(map(str, sorted(pa_[k])))} prompt tokens "
+                            f"in {a.path}, {'/'.join(map(str, sorted(pb[k])))} in {b.path})")
+    return None
 
 
 def read_windows(runs: list[RunInfo]) -> pa.Table:
