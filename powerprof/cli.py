@@ -851,7 +851,7 @@ def analyze(run_dirs, out_dir, max_slowdown, eta, formats, force, n_boot, as_jso
     s3://, gs://, https:// URIs) get the per-host fleet summary instead (docs/fleet.md)."""
     from powerprof.analysis import fleet
     from powerprof.analysis.loading import AnalysisError
-    from powerprof.analysis.report import analyze_run, console_summary
+    from powerprof.analysis.report import AnalysisOutTaken, analyze_run, console_summary
 
     try:
         sources = fleet.expand_sources(run_dirs)
@@ -875,6 +875,8 @@ def analyze(run_dirs, out_dir, max_slowdown, eta, formats, force, n_boot, as_jso
             raise AnalysisError("sweep runs are read from local folders; object-store URIs are for daemon datasets")
         result = analyze_run(sources, out_dir, max_slowdown=max_slowdown, eta=eta, formats=formats,
                              force=force, n_boot=n_boot)
+    except AnalysisOutTaken as e:  # said as an output file that exists (export --out, monitor --output)
+        raise click.BadParameter(str(e), param_hint="--out") from None
     except (AnalysisError, fleet.FleetError) as e:
         raise click.ClickException(str(e)) from None
     except KeyboardInterrupt:
