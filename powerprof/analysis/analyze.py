@@ -203,7 +203,7 @@ def analyze(
     run_ids = "+".join(dict.fromkeys(r.run_id for r in runs)) or None
     n_runs = _runs_per_level(windows)
     sweep = sweep_settings(runs)
-    results, findings = [], []
+    results, findings, first = [], [], []
     stopped = interrupted_findings(runs, windows) if judge_interrupted else []
     cut = (interrupted_series_levels(runs, windows) if judge_interrupted else set()) | {
         (k, int(c), float(v)) for k, c, v in interrupted_levels if v is not None}
@@ -223,6 +223,9 @@ def analyze(
         results.append(SeriesResult(s, table, fits, choices, primary))
         not_engaged = {r["level_value"] for r in table.to_pylist() if r.get("cap_not_engaged")}
         prefix = "" if len(all_series) == 1 else f"[{results[-1].label}] "
+        # First of all: every loss and saving after it is relative to that level.
+        first.extend(Finding(f.kind, prefix + f.message, f.levels)
+                     for f in flagged_reference_findings(s, table, in_series) if s.level_values.size > 1)
         for f in (reference_findings(s, reference) + level_findings(table, **sweep)
                   + edge_findings(s, choices, card, not_engaged) + choice_findings(choices)
                   + (saving_findings(choices, table, s.reference_value, "MHz" if s.level_kind == "sm_clock" else "W",
@@ -233,7 +236,7 @@ def analyze(
     findings.extend(unstored_findings(runs))
     findings.extend(partial_cpu)
     findings.extend(stopped)
-    return AnalysisResult(runs, results, findings, params, list(timelines or []))
+    return AnalysisResult(runs, results, first + findings, params, list(timelines or []))
 
 
 def left_out_levels(levels: pa.Table, interrupted=frozenset()) -> dict[float, str]:
@@ -299,6 +302,22 @@ def cpu_energy_findings(runs: list[RunInfo], windows: pa.Table) -> list[Finding]
         f"measured no CPU energy (RAPL) and {', '.join(str(r.path) for r in runs if r.run_id in with_cpu)} did, so a "
         "pooled level's figure would be the GPU + CPU of some runs beside the GPU of all. The GPU figures are "
         "pooled as usual; analyse the runs with CPU energy on their own for theirs."))]
+
+
+def flagged_reference_findings(s: LevelSeries, table: pa.Table, interrupted=frozenset()) -> list[Finding]:
+    """The reference itself carries a flag that leaves any other level out (left_out_reason): it stays the
+    reference (the others are compared with it), but every loss and saving is then against figures that are
+    not the setting's effect, which the recommendation must not state as if they were."""
+    ref = next((r for r in table.to_pylist() if r.get("reference")), None)
+    why = left_out_reason(ref, ref["level_value"] in interrupted) if ref is not None else None
+    if not why:
+        return []
+    unit = "MHz" if s.level_kind == "sm_clock" else "W"
+    return [Finding("reference", (
+        f"{ref['level_value']:g} {unit}, the reference every speed loss and energy saving is measured against, is "
+        f"flagged ({why}): its figures are not the setting's effect alone, so every comparison against it is off by "
+        f"as much, the recommendation's too. Measure {ref['level_value']:g} {unit} again before trusting them."),
+        (float(ref["level_value"]),))]
 
 
 def unstored_findings(runs: list[RunInfo]) -> list[Finding]:

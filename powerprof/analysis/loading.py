@@ -83,6 +83,10 @@ def read_run_info(run_dir) -> RunInfo:
             meta = json.loads(meta_path.read_text())
         except json.JSONDecodeError as e:
             raise AnalysisError(f"{meta_path}: not valid JSON ({e})") from None
+        if not isinstance(meta, dict):
+            raise AnalysisError(f"{meta_path}: not a JSON object (it holds a {type(meta).__name__}); a sweep writes "
+                                "one with the run's GPU and settings: restore it, or move it aside to analyse the "
+                                "windows alone")
     if not (path / "windows.parquet").exists():
         raise AnalysisError(no_finished_level(path) or f"{path} is not a powerprof run directory: windows.parquet is missing")
     model = _get(meta, "model", "server.model", "server.model_path", "workload.model")
@@ -233,8 +237,14 @@ def _prompt_set_differs(runs: list[RunInfo], facts: dict) -> str | None:
     return None
 
 
-def read_windows(runs: list[RunInfo]) -> pa.Table:
-    """Windows of every run, one table (columns of the WINDOWS schema that each file has)."""
+# What makes a windows row one window: a row equal to another on all of these is the same window stored twice.
+WINDOW_KEY = ("run_id", "level_kind", "level_value", "repeat", "window_kind", "request_id", "batch_id", "attempt",
+              "t_send_utc", "t_first_utc", "t_last_utc")
+
+
+def read_windows(runs: list[RunInfo], twice: dict | None = None) -> pa.Table:
+    """Windows of every run, one table (columns of the WINDOWS schema that each file has). A window stored
+    twice in one file (WINDOW_KEY) is kept once: `twice` (when given) receives {file: rows left out}."""
     tables = []
     for r in runs:
         try:
@@ -243,12 +253,29 @@ def read_windows(runs: list[RunInfo]) -> pa.Table:
             raise AnalysisError(f"{r.path / 'windows.parquet'}: cannot be read as Parquet ({e})") from None
         if "run_id" not in t.column_names or t.column("run_id").null_count == t.num_rows:
             t = _set_column(t, "run_id", pa.array([r.run_id] * t.num_rows, pa.string()))
+        t, n = _once_each(t)
+        if n and twice is not None:
+            twice[r.path / "windows.parquet"] = n
         tables.append(t.replace_schema_metadata(None))
     out = pa.concat_tables(tables, promote_options="permissive")
     missing = {"level_value", "decode_tok_s"} - set(out.column_names)
     if missing:
         raise AnalysisError(f"windows.parquet lacks the columns {sorted(missing)}: not a powerprof sweep run")
     return out
+
+
+def _once_each(t: pa.Table) -> tuple[pa.Table, int]:
+    """The table with each window once (its first row of WINDOW_KEY), and how many rows were left out. Counted
+    twice, a window narrows every CI as a run given twice did (two files concatenated, a writer run twice)."""
+    key = [c for c in WINDOW_KEY if c in t.column_names]
+    if not t.num_rows or "request_id" not in key and "t_first_utc" not in key:
+        return t, 0  # nothing that names a window: no two rows can be told to be one
+    idx = "__row"
+    first = (t.select(key).append_column(idx, pa.array(np.arange(t.num_rows)))
+             .group_by(key, use_threads=False).aggregate([(idx, "min")]).column(f"{idx}_min"))
+    if len(first) == t.num_rows:
+        return t, 0
+    return t.take(pc.take(first, pc.sort_indices(first))), t.num_rows - len(first)  # in the file's order
 
 
 def _set_column(t: pa.Table, name: str, arr: pa.Array) -> pa.Table:

@@ -79,7 +79,8 @@ def analyze_run(
         seen[key] = r.path
     out = Path(out_dir) if out_dir is not None else run_dirs[0] / "analysis"
     check_out(out, runs)  # before anything is read: nothing of the user's, or of other runs', is replaced
-    windows = read_windows(runs)
+    twice: dict = {}
+    windows = read_windows(runs, twice)
     knob_result, where = _configurations(runs, max_slowdown, windows)
     # Judged over every configuration's windows: an interrupted one competes in the ranking too.
     stopped = interrupted_findings(runs, windows) if knob_result is not None else []
@@ -113,7 +114,11 @@ def analyze_run(
     # First among the warnings: every figure after it mixes what the runs differ in.
     result.warnings = [Finding("forced-pool", f"{d}, pooled anyway (--force): their levels are not comparable, so "
                                "every figure here mixes them; analyse them separately to compare them.")
-                       for d in forced] + result.warnings
+                       for d in forced] + result.warnings + [
+        Finding("duplicate-windows", f"{p}: {n} window rows are stored twice (the same run, level, request and "
+                                     "times): each window is counted once. A file concatenated with a copy of itself, "
+                                     "or written twice, holds them; the figures are those of the distinct windows.")
+        for p, n in twice.items()]
     result.notes, result.server_restarts = server_notes(runs)
     try:
         write_outputs(result, out, formats, plots)
@@ -352,8 +357,20 @@ def _why_the_reference(sr: SeriesResult, c, u: str) -> str:
     """Why no level other than the reference was chosen: the nearest one below it, by the policy's measure."""
     below = [r for r in sr.table.to_pylist() if r["level_value"] < sr.series.reference_value
              and r["level_value"] not in c.left_out]
+    # A level without tok/s or J/token is neither slower nor costlier: it is not compared at all.
+    blank = [r for r in below if r["speed_loss_pct"] is None or r["gpu_j_per_token"] is None]
+    below = [r for r in below if r not in blank]
+    names = ", ".join(f"{r['level_value']:g} {u}" for r in blank)
+    return _why_the_reference_of(below, sr, c, u) + (
+        f"; {names} {'has' if len(blank) == 1 else 'have'} no figures to compare (no measured window with a GPU "
+        "energy)" if blank else "")
+
+
+def _why_the_reference_of(below: list[dict], sr: SeriesResult, c, u: str) -> str:
     if not below and c.left_out:
         return "every other level is left out"
+    if not below:
+        return "no lower level has figures to compare"
     if c.policy == "budget" and below:
         within = [r for r in below if r["speed_loss_pct"] is not None
                   and r["speed_loss_pct"] <= c.params["max_slowdown"] * 100 + 1e-10]
