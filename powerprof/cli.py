@@ -195,7 +195,7 @@ def monitor(duration, interval, output, force, gpus, plain, as_json, rapl_backen
     from rich.live import Live
 
     from powerprof import monitor as mon
-    from powerprof.storage.samples import Timeline, check_output_path, write_table
+    from powerprof.storage.samples import Timeline, check_output_path, write_table, write_table_beside
 
     if output is not None:
         try:
@@ -252,7 +252,10 @@ def monitor(duration, interval, output, force, gpus, plain, as_json, rapl_backen
                     "gpus": json.dumps([{"index": i.index, "uuid": i.uuid, "name": i.name}
                                         for i in (src.nvml.infos if src.nvml else [])])}
             table = timeline.to_table()
-            path = write_table(table, output, metadata=meta)
+            # Checked at the start only: a file made there since (another monitor of that name) is kept.
+            path = write_table(table, output, metadata=meta) if force else write_table_beside(table, output, meta)
+            if Path(path) != Path(output):
+                pipes.echo_err(f"{output} appeared while monitor ran and is kept; the samples went beside it")
             # Rows, as the file holds them: one read of RAPL gives a row per zone.
             pipes.echo_err(f"wrote {table.num_rows} rows ({len(timeline)} reads) to {path}")
     if stopped is not None:
