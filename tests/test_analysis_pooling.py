@@ -144,3 +144,19 @@ def test_cli_pooling_refusal_exits_1_and_writes_nothing(tmp_path):
     r = CliRunner().invoke(main, ["analyze", str(a), str(b), "--out", str(tmp_path / "o")])
     assert r.exit_code == 1 and "GPU count" in r.output and "--force" in r.output, r.output
     assert not (tmp_path / "o").exists()
+
+
+def test_levels_not_measured_by_every_pooled_run_are_said(tmp_path):
+    # Run a swept 220 and 300 W, run b (another card of the model, drawing 5% more) 180 and 220 W: 180 W's saving was
+    # against a's 300 W, so it carried the cards' difference (-5 pp) as if it were the limit's, and nothing said so.
+    truth = seed_truth()
+    hungry = dataclasses.replace(truth, power_w=lambda L: 1.05 * truth.power_w(L))
+    a = make_run(tmp_path / "a", truth, levels=(220, 300), n_requests=10, seed=1)
+    b = make_run(tmp_path / "b", hungry, levels=(180, 220), n_requests=10, seed=2)
+    res = analyze_run([a, b], tmp_path / "o", n_boot=200, plots=False, formats=())
+    (w,) = [w for w in res.warnings if w.kind == "uneven-pool"]
+    assert w.levels == (180.0, 300.0) and f"180 W only in {b}" in w.message and f"300 W only in {a}" in w.message
+    # Every run at every level: nothing to say.
+    c = make_run(tmp_path / "c", truth, levels=(220, 300), n_requests=10, seed=3)
+    res = analyze_run([a, c], tmp_path / "o2", n_boot=200, plots=False, formats=())
+    assert not [w for w in res.warnings if w.kind == "uneven-pool"]

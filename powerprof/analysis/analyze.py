@@ -232,6 +232,7 @@ def analyze(
                                      primary) if s.level_values.size > 1 else [])
                   + fit_findings(fits)):
             findings.append(Finding(f.kind, prefix + f.message, f.levels))
+    findings += uneven_pool_findings(runs, windows, all_series)
     findings += timing_findings(windows) + impossible_findings(windows)
     findings.extend(unstored_findings(runs))
     findings.extend(partial_cpu)
@@ -281,6 +282,41 @@ def reference_findings(s: LevelSeries, default_value: float | None) -> list[Find
         f"{s.n_failed[i]} failed requests): speed loss and energy saving are against {s.reference_value:g} W, the "
         f"highest level with figures, not against the default. Measure {default_value:g} W again to compare with it."),
         (float(default_value),))]
+
+
+def uneven_pool_findings(runs: list[RunInfo], windows: pa.Table, series: list[LevelSeries]) -> list[Finding]:
+    """Pooled runs that did not all measure the same levels: a loss or saving between two levels that different
+    runs measured compares the runs as well (card to card, temperature, server state), which no CI covers
+    (on the simulator, a card drawing 5% more made 180 W's saving 20.8% where the limit's is 24.7%)."""
+    from .stats import _col, _concurrency, window_masks  # noqa: PLC0415
+
+    if len(runs) < 2 or "run_id" not in windows.column_names:
+        return []
+    measured = window_masks(windows)[0]
+    run_id, value = _col(windows, "run_id", object), _col(windows, "level_value")
+    kind = np.array([k if k is not None else "none" for k in _col(windows, "level_kind", object)], dtype=object)
+    conc = _concurrency(windows)
+    where = {r.run_id: str(r.path) for r in runs}
+    out = []
+    for s in series:
+        unit = "MHz" if s.level_kind == "sm_clock" else "W"
+        in_series = measured & (kind == s.level_kind) & (conc == s.concurrency)
+        by_level = {float(v): set(run_id[in_series & (value == v)]) for v in s.level_values if np.isfinite(v)}
+        every = set().union(*by_level.values()) if by_level else set()
+        if len(every) < 2:
+            continue
+        partial = {v: ids for v, ids in by_level.items() if ids and ids != every}
+        if not partial:
+            continue
+        what = "; ".join(f"{v:g} {unit} only in {', '.join(sorted(where.get(i, str(i)) for i in ids))}"
+                         for v, ids in sorted(partial.items()))
+        prefix = "" if len(series) == 1 else f"[{s.level_kind.replace('_', ' ')}, concurrency {s.concurrency}] "
+        out.append(Finding("uneven-pool", (
+            f"{prefix}levels not measured by every pooled run: {what}. A speed loss or energy saving between levels of "
+            "different runs carries the runs' own differences (card to card, temperature, server state) as if they "
+            "were the setting's, which no CI covers. Measure every level in every run, or analyse the runs separately."),
+            tuple(sorted(partial))))
+    return out
 
 
 def cpu_energy_findings(runs: list[RunInfo], windows: pa.Table) -> list[Finding]:
