@@ -99,7 +99,14 @@ def test_runs_of_different_servers_are_refused_unless_forced(tmp_path):
     b = make_run(tmp_path / "b", seed_truth(), levels=LEVELS, n_requests=8, seed=2)
     _edit_windows(a, server_kind="llamacpp")
     _edit_windows(b, server_kind="vllm")
-    _refused_then_forced([a, b], tmp_path, "server")
+    _refused_then_forced([a, b], tmp_path / "engine", "server engine")
+    # One engine, another build (b4500 decodes at another speed than b3000) or other slots (-np 1 and -np 4).
+    _edit_windows(b, server_kind="llamacpp")
+    _edit_meta(a, server={"kind": "llamacpp", "build_info": "b3000-abc", "total_slots": 1})
+    _edit_meta(b, server={"kind": "llamacpp", "build_info": "b4500-def", "total_slots": 1})
+    _refused_then_forced([a, b], tmp_path / "build", "server build")
+    _edit_meta(b, server={"kind": "llamacpp", "build_info": "b3000-abc", "total_slots": 4})
+    _refused_then_forced([a, b], tmp_path / "slots", "server slots")
 
 
 def test_runs_of_different_energy_methods_are_refused_unless_forced(tmp_path):

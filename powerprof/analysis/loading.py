@@ -151,7 +151,7 @@ REQUEST_SETTINGS = ("max_tokens", "ignore_eos", "prompt_cache", "temperature")
 
 
 def check_compatible(runs: list[RunInfo], force: bool = False) -> list[str]:
-    """Refuse to pool runs that measured different things: GPU model or count, server model or engine,
+    """Refuse to pool runs that measured different things: GPU model or count, server model, engine, build or slots,
     traffic (trace or prompt set), request settings, energy method, or a run whose run.json is missing
     (nothing to check it by); with `force`, pool them and return what differs (one sentence each), for
     the caller to warn with wherever it reports. A value one run does not record is not compared."""
@@ -174,6 +174,9 @@ def check_compatible(runs: list[RunInfo], force: bool = False) -> list[str]:
     compare("GPU count", lambda r: r.gpu_count)
     compare("server model", lambda r: r.model)
     compare("server engine", lambda r: facts[r.path].get("server"))
+    # Another build of one engine can decode at another speed; other slots (-np) batch otherwise.
+    compare("server build", lambda r: _server(r).get("build_info"))
+    compare("server slots", lambda r: _server(r).get("total_slots"))
     traffic = {r.path: (r.meta.get("trace") or {}).get("sha256", "the prompt set") for r in runs}
     if len(set(traffic.values())) > 1:
         detail = "; ".join(f"{p}: {'trace ' + t[:12] if t != 'the prompt set' else t}" for p, t in traffic.items())
@@ -188,6 +191,10 @@ def check_compatible(runs: list[RunInfo], force: bool = False) -> list[str]:
                else "their levels are not comparable")
         raise AnalysisError(f"{'; '.join(differs)}: {why}. Analyse them separately, or pass --force to pool them anyway.")
     return differs
+
+
+def _server(run: RunInfo) -> dict:
+    return run.meta["server"] if isinstance(run.meta.get("server"), dict) else {}
 
 
 def _window_facts(run: RunInfo) -> dict:
