@@ -345,3 +345,30 @@ def test_daemon_samples_carry_their_daemon_id_so_two_runs_t_mono_s_never_mix(tmp
     assert got == [("run-a", "node1", 20.0), ("run-b", "node1", 20.0)]
     req = duckdb.sql(f"select daemon_id from read_parquet('{tmp_path}/requests/**/*.parquet') order by 1").fetchall()
     assert req == [("run-a",), ("run-b",)]  # a row's own daemon_id stands
+
+
+def test_a_wall_clock_stepped_years_ahead_deletes_no_partition_by_age(tmp_path, monkeypatch):
+    # A bad RTC or NTP server stepped the clock to 2036 while the daemon ran: the next hourly retention took every
+    # partition for ten years old and deleted all of them, months of rows, though no time had passed.
+    s = _store(tmp_path, retention_days=30)
+    today = time.time_ns()
+    s.append("things", _rows(3, today - 10 * 86400 * 10**9) + _rows(3, today, 3))
+    s.flush()
+    import powerprof.daemon.store as store_mod
+
+    class WallClock(datetime):  # datetime.now reads the wall clock that time.time gives
+        @classmethod
+        def now(cls, tz=None):
+            return datetime.fromtimestamp(time.time(), tz)
+
+    monkeypatch.setattr(store_mod, "datetime", WallClock)
+    real = time.time
+    monkeypatch.setattr(time, "time", lambda: real() + 10 * 365 * 86400)
+    assert s.enforce_retention() == 0
+    assert sorted(_read(tmp_path).column("value").to_pylist()) == [0.0, 1.0, 2.0, 3.0, 4.0, 5.0]
+    monkeypatch.setattr(time, "time", real)
+    # The clock as it was: a partition past the age limit still goes, as ever.
+    s.append("things", _rows(2, today - 40 * 86400 * 10**9, 6))
+    s.flush()
+    assert s.enforce_retention() == 1
+    assert sorted(_read(tmp_path).column("value").to_pylist()) == [0.0, 1.0, 2.0, 3.0, 4.0, 5.0]
