@@ -195,7 +195,7 @@ def monitor(duration, interval, output, force, gpus, plain, as_json, rapl_backen
     from rich.live import Live
 
     from powerprof import monitor as mon
-    from powerprof.storage.samples import Timeline, check_output_path, write_table
+    from powerprof.storage.samples import Timeline, check_output_path, write_table, write_table_beside
 
     if output is not None:
         try:
@@ -252,7 +252,10 @@ def monitor(duration, interval, output, force, gpus, plain, as_json, rapl_backen
                     "gpus": json.dumps([{"index": i.index, "uuid": i.uuid, "name": i.name}
                                         for i in (src.nvml.infos if src.nvml else [])])}
             table = timeline.to_table()
-            path = write_table(table, output, metadata=meta)
+            # Checked at the start only: a file made there since (another monitor of that name) is kept.
+            path = write_table(table, output, metadata=meta) if force else write_table_beside(table, output, meta)
+            if Path(path) != Path(output):
+                pipes.echo_err(f"{output} appeared while monitor ran and is kept; the samples went beside it")
             # Rows, as the file holds them: one read of RAPL gives a row per zone.
             pipes.echo_err(f"wrote {table.num_rows} rows ({len(timeline)} reads) to {path}")
     if stopped is not None:
@@ -839,7 +842,8 @@ def _formats_option(ctx, param, value):
               help="Weight of energy in the weighted-cost policy eta*E + (1-eta)*Pmax/T (1: energy only).")
 @click.option("--format", "formats", default="md,html", show_default=True, callback=_formats_option,
               help="Report formats: md, html or both.")
-@click.option("--force", is_flag=True, help="Pool runs even if their GPU model, server model or traffic (trace) differ.")
+@click.option("--force", is_flag=True, help="Pool runs even if what they measured differs (GPU model or count, server, traffic, "
+              "request settings, energy method), each difference warned about.")
 @click.option("--bootstrap", "n_boot", type=click.IntRange(100, 100_000), default=2000, show_default=True,
               help="Bootstrap resamples for the confidence intervals.")
 @click.option("--json", "as_json", is_flag=True, help=JSON_HELP + " The same as analysis.json.")
@@ -850,7 +854,7 @@ def analyze(run_dirs, out_dir, max_slowdown, eta, formats, force, n_boot, as_jso
     s3://, gs://, https:// URIs) get the per-host fleet summary instead (docs/fleet.md)."""
     from powerprof.analysis import fleet
     from powerprof.analysis.loading import AnalysisError
-    from powerprof.analysis.report import analyze_run, console_summary
+    from powerprof.analysis.report import AnalysisOutTaken, analyze_run, console_summary
 
     try:
         sources = fleet.expand_sources(run_dirs)
@@ -874,6 +878,8 @@ def analyze(run_dirs, out_dir, max_slowdown, eta, formats, force, n_boot, as_jso
             raise AnalysisError("sweep runs are read from local folders; object-store URIs are for daemon datasets")
         result = analyze_run(sources, out_dir, max_slowdown=max_slowdown, eta=eta, formats=formats,
                              force=force, n_boot=n_boot)
+    except AnalysisOutTaken as e:  # said as an output file that exists (export --out, monitor --output)
+        raise click.BadParameter(str(e), param_hint="--out") from None
     except (AnalysisError, fleet.FleetError) as e:
         raise click.ClickException(str(e)) from None
     except KeyboardInterrupt:

@@ -225,7 +225,7 @@ def _no_traceback(r):
     ("csv", "afile", "is a file"),  # an existing file where the tables' folder should go
     ("csv", "afile/sub", "cannot create the folder"),  # a folder that cannot be made (under a file)
     ("parquet", "two.parquet", "names one .parquet file"),  # several tables: a folder named two.parquet was made
-    ("xlsx", "afile/book.xlsx", "nothing written"),
+    ("xlsx", "afile/book.xlsx", "is a file, not a folder"),  # it said the write failed, "Not a directory"
     # A workbook written as book.csv (Excel 2007+ bytes under a CSV name), or over a folder's name.
     ("xlsx", "book.csv", "give a file name ending in .xlsx"),
     ("xlsx", "adir", "give a file name ending in .xlsx"),
@@ -485,3 +485,42 @@ def test_tuner_decisions_written_before_their_key_still_export_each_as_it_is(tmp
     assert set(TUNER_DECISIONS.names) <= set(t.column_names)
     assert any("4 rows found more than once were written once" in n for n in notes), notes
     assert any("4 decision rows have no tuner_id" in n for n in notes), notes
+
+
+def test_the_summary_sheet_says_when_the_recommendation_is_a_pools(tmp_path):
+    # `analyze a b` writes to a/analysis by default: `export a`'s summary gave the pool's recommendation as a's.
+    from powerprof.analysis.report import analyze_run
+
+    a = make_run(tmp_path / "a", seed_truth(), levels=(220, 300), n_requests=6, seed=1)
+    b = make_run(tmp_path / "b", seed_truth(), levels=(220, 300), n_requests=6, seed=2)
+    analyze_run([a, b], n_boot=200, plots=False, formats=())
+    (path,) = ex.export(a, "xlsx", tmp_path / "a.xlsx", tz="UTC")
+    items = dict(list(load_workbook(path, read_only=True)["summary"].iter_rows(values_only=True))[1:])
+    assert items["recommendation of the pooled runs"] == "synthetic-1, synthetic-2"
+    assert items["recommended power limit (W)"] == 220
+    # The run's own analysis says nothing of the kind.
+    analyze_run([b], n_boot=200, plots=False, formats=())
+    (path,) = ex.export(b, "xlsx", tmp_path / "b.xlsx", tz="UTC")
+    items = dict(list(load_workbook(path, read_only=True)["summary"].iter_rows(values_only=True))[1:])
+    assert "recommendation of the pooled runs" not in items and items["recommended power limit (W)"]
+
+
+def test_tuner_decisions_j_per_token_header_has_its_unit(tmp_path):
+    # Every other J/token header said (J/token); the tuner's `j_per_token` matched no suffix and said nothing.
+    folder = _tuner_folder(tmp_path / "t" / "tuner", flushes=1)
+    (path,) = ex.export(folder, "csv", tmp_path / "d.csv")
+    head = path.read_text().splitlines()[0].split(",")
+    assert "j_per_token (J/token)" in head and "time_utc (UTC)" in head and "t_mono_s (s)" in head
+    assert ex.header("j_per_token", "UTC") == "j_per_token (J/token)"
+    assert ex.header("gpu_j_per_token", "UTC") == "gpu_j_per_token (J/token)"
+
+
+@pytest.mark.parametrize("fmt", ["parquet", "csv", "xlsx"])
+def test_a_single_file_export_into_a_folder_that_does_not_exist_says_so(run, tmp_path, fmt):
+    out = tmp_path / "no" / "such" / f"windows.{fmt}"
+    src = run if fmt == "xlsx" else run / "windows.parquet"
+    r = CliRunner().invoke(main, ["export", str(src), "--format", fmt, "--out", str(out)])
+    assert r.exit_code == 1, r.output
+    said = " ".join(r.output.split())
+    assert f"the folder {out.parent} does not exist" in said and "Traceback" not in r.output, said
+    assert not (tmp_path / "no").exists()

@@ -798,3 +798,31 @@ def test_a_level_measured_again_after_the_server_went_away_is_noted_in_every_out
     assert not [w for w in doc["warnings"] if "restart" in w["message"]]
     assert doc["recommendation"]["level_value"] == plain.recommendation.level_value
     assert not plain.notes and "## Notes" not in (tmp_path / "a0" / "report.md").read_text()
+
+
+def test_an_analysis_of_other_runs_or_a_users_files_are_never_replaced(tmp_path):
+    # `analyze a b` wrote the pooled analysis over a/analysis, run a's own, without a word: `export a`'s summary
+    # sheet then gave the pool's recommendation as run a's. `--out ~/notes` replaced the user's own report.md.
+    a = make_run(tmp_path / "a", seed_truth(), levels=(220, 300), n_requests=6, seed=1)
+    b = make_run(tmp_path / "b", seed_truth(), levels=(220, 300), n_requests=6, seed=2)
+    r = CliRunner().invoke(main, ["analyze", str(a), "--bootstrap", "100"])
+    assert r.exit_code == 0, r.output
+    before = {f.name: f.read_bytes() for f in (a / "analysis").iterdir()}
+    r = CliRunner().invoke(main, ["analyze", str(a), str(b), "--bootstrap", "100"])
+    said = " ".join(r.output.split())
+    assert r.exit_code == 2 and str(a / "analysis") in said and "synthetic-1" in said and "--out" in said, r.output
+    assert {f.name: f.read_bytes() for f in (a / "analysis").iterdir()} == before
+    # Elsewhere it is written; the same runs again replace their own analysis (a re-analysis).
+    for _ in range(2):
+        r = CliRunner().invoke(main, ["analyze", str(a), str(b), "--bootstrap", "100", "--out", str(tmp_path / "ab")])
+        assert r.exit_code == 0, r.output
+    r = CliRunner().invoke(main, ["analyze", str(b), str(a), "--bootstrap", "100", "--out", str(tmp_path / "ab"),
+                                  "--max-slowdown", "5%"])
+    assert r.exit_code == 0, r.output
+    # A folder holding a file of the analysis' names that is no analysis: the user's.
+    notes = tmp_path / "notes"
+    notes.mkdir()
+    (notes / "report.md").write_text("my own notes")
+    r = CliRunner().invoke(main, ["analyze", str(b), "--bootstrap", "100", "--out", str(notes)])
+    assert r.exit_code == 2 and "report.md" in r.output, r.output
+    assert (notes / "report.md").read_text() == "my own notes" and sorted(notes.iterdir()) == [notes / "report.md"]

@@ -263,7 +263,8 @@ _WRITES_INTO_A_NAMED_FOLDER = {
     ("sweep",): "a folder that is not empty is refused",
     ("measure",): "a folder that is not empty is refused",
     ("tune",): "adds part files named by the time, never replaces one",
-    ("analyze",): "its report, tables and plots, replaced together by a re-analysis (docs/analysis.md)",
+    ("analyze",): "its report, tables and plots, replaced together by a re-analysis of the same runs; a folder "
+                  "holding another analysis or a person's files of those names is refused (docs/analysis.md)",
 }
 
 

@@ -159,6 +159,28 @@ def test_monitor_keeps_an_existing_output_unless_forced(tmp_path):
     assert pq.read_table(out).num_rows > 0
 
 
+def test_monitor_keeps_an_output_made_while_it_ran_and_its_own_samples_too(tmp_path, monkeypatch):
+    # The file was checked at the start only: a second `monitor --output power.parquet` started meanwhile (or any
+    # file made there during the run) was replaced at the end without a word.
+    from powerprof import monitor as mon
+
+    out = tmp_path / "power.parquet"
+    real = mon.run_monitor
+
+    def meanwhile(*a, **kw):
+        out.write_bytes(b"another run's samples")
+        return real(*a, **kw)
+
+    monkeypatch.setattr(mon, "run_monitor", meanwhile)
+    r = run("monitor", "--simulate", "--duration", "0.2", "--interval", "0.1", "--output", str(out))
+    assert r.exit_code == 0, r.output
+    assert out.read_bytes() == b"another run's samples"
+    (mine,) = [p for p in tmp_path.iterdir() if p.suffix == ".parquet" and p != out]
+    assert mine.name.startswith("power-") and mine.suffix == ".parquet" and pq.read_table(mine).num_rows > 0
+    said = " ".join(r.output.split())
+    assert f"{out} appeared while monitor ran and is kept" in said and str(mine) in said, said
+
+
 def test_monitor_unknown_profile_fails_clearly():
     r = CliRunner().invoke(main, ["monitor", "--simulate", "rtx9999", "--duration", "0.1"])
     assert r.exit_code == 2 and "rtx9999" in r.output

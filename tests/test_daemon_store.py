@@ -345,3 +345,50 @@ def test_daemon_samples_carry_their_daemon_id_so_two_runs_t_mono_s_never_mix(tmp
     assert got == [("run-a", "node1", 20.0), ("run-b", "node1", 20.0)]
     req = duckdb.sql(f"select daemon_id from read_parquet('{tmp_path}/requests/**/*.parquet') order by 1").fetchall()
     assert req == [("run-a",), ("run-b",)]  # a row's own daemon_id stands
+
+
+def test_a_wall_clock_stepped_years_ahead_deletes_no_partition_by_age(tmp_path, monkeypatch):
+    # A bad RTC or NTP server stepped the clock to 2036 while the daemon ran: the next hourly retention took every
+    # partition for ten years old and deleted all of them, months of rows, though no time had passed.
+    s = _store(tmp_path, retention_days=30)
+    today = time.time_ns()
+    s.append("things", _rows(3, today - 10 * 86400 * 10**9) + _rows(3, today, 3))
+    s.flush()
+    import powerprof.daemon.store as store_mod
+
+    class WallClock(datetime):  # datetime.now reads the wall clock that time.time gives
+        @classmethod
+        def now(cls, tz=None):
+            return datetime.fromtimestamp(time.time(), tz)
+
+    monkeypatch.setattr(store_mod, "datetime", WallClock)
+    real = time.time
+    monkeypatch.setattr(time, "time", lambda: real() + 10 * 365 * 86400)
+    assert s.enforce_retention() == 0
+    assert sorted(_read(tmp_path).column("value").to_pylist()) == [0.0, 1.0, 2.0, 3.0, 4.0, 5.0]
+    monkeypatch.setattr(time, "time", real)
+    # The clock as it was: a partition past the age limit still goes, as ever.
+    s.append("things", _rows(2, today - 40 * 86400 * 10**9, 6))
+    s.flush()
+    assert s.enforce_retention() == 1
+    assert sorted(_read(tmp_path).column("value").to_pylist()) == [0.0, 1.0, 2.0, 3.0, 4.0, 5.0]
+
+
+def test_rows_of_a_clock_stepped_back_over_midnight_land_on_their_own_dates_once(tmp_path):
+    # Guard: NTP stepped the clock from 00:00:05 back to 23:59:58: the later rows carry the earlier date and go to
+    # its partition; flushed and compacted across the step, every row is there once.
+    midnight = int(datetime(2026, 1, 2, tzinfo=timezone.utc).timestamp() * 1e9)
+    s = _store(tmp_path, retention_days=None)
+    s.append("things", _rows(5, midnight + 5 * 10**9))
+    s.flush()
+    s.append("things", _rows(5, midnight - 2 * 10**9, 5))  # after the step: 23:59:58 of the day before
+    s.flush()
+    s.append("things", _rows(5, midnight + 1 * 10**9, 10))
+    s.flush()
+    s.compact(min_files=2)
+    t = _read(tmp_path)
+    assert sorted(t.column("value").to_pylist()) == [float(i) for i in range(15)]
+    by_date = {}
+    for d, v in zip(t.column("date").to_pylist(), t.column("value").to_pylist()):
+        by_date.setdefault(str(d), []).append(v)
+    assert sorted(by_date["2026-01-01"]) == [5.0, 6.0, 7.0, 8.0, 9.0]

@@ -180,6 +180,10 @@ def analyze(
     if primary not in POLICIES:
         raise ValueError(f"unknown policy {primary!r}; choose one of: {', '.join(POLICIES)}")
     params = params or PolicyParams()
+    partial_cpu = cpu_energy_findings(runs, windows)
+    if partial_cpu:
+        windows = windows.set_column(windows.column_names.index("total_j_per_token"), "total_j_per_token",
+                                     pa.nulls(windows.num_rows, pa.float64()))
     defaults = {r.default_limit_w for r in runs if r.default_limit_w is not None}
     reference = defaults.pop() if len(defaults) == 1 else None
     all_series = level_series(windows, reference, n_boot=n_boot, seed=seed)
@@ -199,7 +203,7 @@ def analyze(
     run_ids = "+".join(dict.fromkeys(r.run_id for r in runs)) or None
     n_runs = _runs_per_level(windows)
     sweep = sweep_settings(runs)
-    results, findings = [], []
+    results, findings, first = [], [], []
     stopped = interrupted_findings(runs, windows) if judge_interrupted else []
     cut = (interrupted_series_levels(runs, windows) if judge_interrupted else set()) | {
         (k, int(c), float(v)) for k, c, v in interrupted_levels if v is not None}
@@ -219,16 +223,21 @@ def analyze(
         results.append(SeriesResult(s, table, fits, choices, primary))
         not_engaged = {r["level_value"] for r in table.to_pylist() if r.get("cap_not_engaged")}
         prefix = "" if len(all_series) == 1 else f"[{results[-1].label}] "
+        # First of all: every loss and saving after it is relative to that level.
+        first.extend(Finding(f.kind, prefix + f.message, f.levels)
+                     for f in flagged_reference_findings(s, table, in_series) if s.level_values.size > 1)
         for f in (reference_findings(s, reference) + level_findings(table, **sweep)
                   + edge_findings(s, choices, card, not_engaged) + choice_findings(choices)
                   + (saving_findings(choices, table, s.reference_value, "MHz" if s.level_kind == "sm_clock" else "W",
                                      primary) if s.level_values.size > 1 else [])
                   + fit_findings(fits)):
             findings.append(Finding(f.kind, prefix + f.message, f.levels))
+    findings += uneven_pool_findings(runs, windows, all_series)
     findings += timing_findings(windows) + impossible_findings(windows)
     findings.extend(unstored_findings(runs))
+    findings.extend(partial_cpu)
     findings.extend(stopped)
-    return AnalysisResult(runs, results, findings, params, list(timelines or []))
+    return AnalysisResult(runs, results, first + findings, params, list(timelines or []))
 
 
 def left_out_levels(levels: pa.Table, interrupted=frozenset()) -> dict[float, str]:
@@ -273,6 +282,78 @@ def reference_findings(s: LevelSeries, default_value: float | None) -> list[Find
         f"{s.n_failed[i]} failed requests): speed loss and energy saving are against {s.reference_value:g} W, the "
         f"highest level with figures, not against the default. Measure {default_value:g} W again to compare with it."),
         (float(default_value),))]
+
+
+def uneven_pool_findings(runs: list[RunInfo], windows: pa.Table, series: list[LevelSeries]) -> list[Finding]:
+    """Pooled runs that did not all measure the same levels: a loss or saving between two levels that different
+    runs measured compares the runs as well (card to card, temperature, server state), which no CI covers
+    (on the simulator, a card drawing 5% more made 180 W's saving 20.8% where the limit's is 24.7%)."""
+    from .stats import _col, _concurrency, window_masks  # noqa: PLC0415
+
+    if len(runs) < 2 or "run_id" not in windows.column_names:
+        return []
+    measured = window_masks(windows)[0]
+    run_id, value = _col(windows, "run_id", object), _col(windows, "level_value")
+    kind = np.array([k if k is not None else "none" for k in _col(windows, "level_kind", object)], dtype=object)
+    conc = _concurrency(windows)
+    where = {r.run_id: str(r.path) for r in runs}
+    out = []
+    for s in series:
+        unit = "MHz" if s.level_kind == "sm_clock" else "W"
+        in_series = measured & (kind == s.level_kind) & (conc == s.concurrency)
+        by_level = {float(v): set(run_id[in_series & (value == v)]) for v in s.level_values if np.isfinite(v)}
+        every = set().union(*by_level.values()) if by_level else set()
+        if len(every) < 2:
+            continue
+        partial = {v: ids for v, ids in by_level.items() if ids and ids != every}
+        if not partial:
+            continue
+        what = "; ".join(f"{v:g} {unit} only in {', '.join(sorted(where.get(i, str(i)) for i in ids))}"
+                         for v, ids in sorted(partial.items()))
+        prefix = "" if len(series) == 1 else f"[{s.level_kind.replace('_', ' ')}, concurrency {s.concurrency}] "
+        out.append(Finding("uneven-pool", (
+            f"{prefix}levels not measured by every pooled run: {what}. A speed loss or energy saving between levels of "
+            "different runs carries the runs' own differences (card to card, temperature, server state) as if they "
+            "were the setting's, which no CI covers. Measure every level in every run, or analyse the runs separately."),
+            tuple(sorted(partial))))
+    return out
+
+
+def cpu_energy_findings(runs: list[RunInfo], windows: pa.Table) -> list[Finding]:
+    """Pooled runs of which some measured CPU energy (RAPL) and some did not: a level's GPU + CPU J/token
+    would be the median of some runs' windows beside a GPU J/token of all, and missing where only the others
+    measured. The caller leaves total_j_per_token out of every level; this says so."""
+    from .stats import _col, window_masks  # noqa: PLC0415
+
+    if len(runs) < 2 or "total_j_per_token" not in windows.column_names or "run_id" not in windows.column_names:
+        return []
+    measured = window_masks(windows)[0]
+    run_id, total = _col(windows, "run_id", object)[measured], _col(windows, "total_j_per_token")[measured]
+    with_cpu = {r for r, t in zip(run_id, total) if np.isfinite(t)}
+    without = [r for r in runs if r.run_id in set(run_id) and r.run_id not in with_cpu]
+    if not with_cpu or not without:
+        return []
+    return [Finding("cpu-energy-partial", (
+        f"GPU + CPU J/token (total_j_per_token) is left out of every level: {', '.join(str(r.path) for r in without)} "
+        f"measured no CPU energy (RAPL) and {', '.join(str(r.path) for r in runs if r.run_id in with_cpu)} did, so a "
+        "pooled level's figure would be the GPU + CPU of some runs beside the GPU of all. The GPU figures are "
+        "pooled as usual; analyse the runs with CPU energy on their own for theirs."))]
+
+
+def flagged_reference_findings(s: LevelSeries, table: pa.Table, interrupted=frozenset()) -> list[Finding]:
+    """The reference itself carries a flag that leaves any other level out (left_out_reason): it stays the
+    reference (the others are compared with it), but every loss and saving is then against figures that are
+    not the setting's effect, which the recommendation must not state as if they were."""
+    ref = next((r for r in table.to_pylist() if r.get("reference")), None)
+    why = left_out_reason(ref, ref["level_value"] in interrupted) if ref is not None else None
+    if not why:
+        return []
+    unit = "MHz" if s.level_kind == "sm_clock" else "W"
+    return [Finding("reference", (
+        f"{ref['level_value']:g} {unit}, the reference every speed loss and energy saving is measured against, is "
+        f"flagged ({why}): its figures are not the setting's effect alone, so every comparison against it is off by "
+        f"as much, the recommendation's too. Measure {ref['level_value']:g} {unit} again before trusting them."),
+        (float(ref["level_value"]),))]
 
 
 def unstored_findings(runs: list[RunInfo]) -> list[Finding]:

@@ -301,7 +301,7 @@ def header(col: str, tz: str) -> str:
         return f"{col} ({tz})"
     base = next((col[: -len(b)] for b in BOUND_SUFFIXES if col.endswith(b)), col)
     for suffix in sorted(UNITS, key=len, reverse=True):
-        if base.endswith(suffix):
+        if base.endswith(suffix) or base == suffix[1:]:  # a name that is the unit's word alone: j_per_token
             return f"{col} ({UNITS[suffix]})"
     return col
 
@@ -385,6 +385,11 @@ def export(src, fmt: str, out=None, time_from: str | None = None, time_to: str |
         raise ExportError(f"--out {out} names one .{fmt} file, but the selection has {len(sources)} tables "
                           f"({', '.join(s.name for s in sources)}): give a folder, or pick one table (its .parquet "
                           "file, or --columns)")
+    if (fmt == "xlsx" or single) and not out.parent.is_dir():
+        # It failed at the end naming a temporary file ("Failed to open local file '.windows.parquet.1234.tmp'").
+        what = "is a file, not a folder" if out.parent.exists() else "does not exist"
+        raise ExportError(f"--out {out}: the folder {out.parent} {what}; create it first, or give a file in a folder "
+                          "that exists")
     if not force:
         # Before anything is read: an earlier export (a spreadsheet someone annotated) was replaced without a word.
         targets = [out] if fmt == "xlsx" or single else [out / f"{s.name}.{fmt}" for s in sources]
@@ -738,10 +743,14 @@ def summary_rows(src: Path, tz: str, time_from: str | None, time_to: str | None)
     analysis = _read_json(src / "analysis" / "analysis.json") if src.is_dir() else None
     rec = (analysis or {}).get("recommendation")
     head: list[tuple[str, object]] = []
+    pooled = [str(r.get("run_id")) for r in (analysis or {}).get("runs") or [] if isinstance(r, dict)]
+    if len(pooled) > 1:
+        # `analyze a b` writes to a/analysis by default: its recommendation is the pool's, not this run's alone.
+        head.append(("recommendation of the pooled runs", ", ".join(pooled)))
     if rec:
         kind = next((x.get("level_kind") for x in analysis.get("series", [])), None)
         unit = {"power_limit": "power limit (W)", "sm_clock": "SM clock lock (MHz)"}.get(kind, "level")
-        head = [
+        head += [
             (f"recommended {unit}", rec.get("recommended_value")),
             ("policy", f"{rec.get('policy')}: {rec.get('description')}"),
             ("speed loss (%)", rec.get("speed_loss_pct")),
@@ -753,7 +762,7 @@ def summary_rows(src: Path, tz: str, time_from: str | None, time_to: str | None)
         if left:
             head.append(("never chosen", ", ".join(f"{x.get('level_value'):g} ({x.get('why')})" for x in left)))
     elif analysis and analysis.get("recommendation_note"):
-        head = [("recommended", f"none: {analysis['recommendation_note']}")]
+        head += [("recommended", f"none: {analysis['recommendation_note']}")]
     conf = (analysis or {}).get("configurations")
     if isinstance(conf, dict):
         why = "; ".join(f"{x.get('why')}" for x in conf.get("not_chosen") or [] if isinstance(x, dict))

@@ -1,7 +1,7 @@
 """Reading run directories for analysis: metadata, pooled windows, and what the samples say per level.
 
-Several runs (or repeats) of the same GPU model and server model pool their windows; runs of
-different GPUs or models are refused unless forced, because their levels are not comparable.
+Several runs (or repeats) of the same GPU model and count, server, traffic, request settings and energy
+method pool their windows; runs that differ in any are refused unless forced, because their levels are not comparable.
 samples.parquet is scanned by DuckDB (engine.py) within a memory limit, so 100 M rows never sit in memory at once.
 """
 
@@ -41,6 +41,8 @@ class RunInfo:
     default_limit_w: float | None
     simulated: bool
     meta: dict = field(default_factory=dict, repr=False)
+    gpu_count: int | None = None  # GPUs whose energy the windows sum (run.json `gpus`); None: unknown
+    has_meta: bool = True  # run.json was there: without it nothing says what the run measured with
 
 
 def _get(meta: dict, *paths, default=None):
@@ -81,6 +83,10 @@ def read_run_info(run_dir) -> RunInfo:
             meta = json.loads(meta_path.read_text())
         except json.JSONDecodeError as e:
             raise AnalysisError(f"{meta_path}: not valid JSON ({e})") from None
+        if not isinstance(meta, dict):
+            raise AnalysisError(f"{meta_path}: not a JSON object (it holds a {type(meta).__name__}); a sweep writes "
+                                "one with the run's GPU and settings: restore it, or move it aside to analyse the "
+                                "windows alone")
     if not (path / "windows.parquet").exists():
         raise AnalysisError(no_finished_level(path) or f"{path} is not a powerprof run directory: windows.parquet is missing")
     model = _get(meta, "model", "server.model", "server.model_path", "workload.model")
@@ -99,7 +105,17 @@ def read_run_info(run_dir) -> RunInfo:
         ),
         simulated=bool(_get(meta, "simulated", default=False)),
         meta=meta,
+        gpu_count=_gpu_count(meta),
+        has_meta=meta_path.exists(),
     )
+
+
+def _gpu_count(meta: dict) -> int | None:
+    gpus = meta.get("gpus")
+    if isinstance(gpus, list) and gpus:
+        return len(gpus)
+    n = meta.get("gpu_count")
+    return n if isinstance(n, int) and not isinstance(n, bool) and n > 0 else None
 
 
 def file_digest(path: Path) -> str | None:
@@ -129,30 +145,113 @@ def _windows_model(path: Path) -> str | None:
     return vals[0] if len(vals) == 1 else None
 
 
+# Request settings (run.json `params`) that change what a token costs: another decode length, EOS honoured
+# or not (shorter replies), a prompt cache (no prefill), sampling.
+REQUEST_SETTINGS = ("max_tokens", "ignore_eos", "prompt_cache", "temperature")
+
+
 def check_compatible(runs: list[RunInfo], force: bool = False) -> list[str]:
-    """Refuse to pool runs of different GPU models, server models or traffic; with `force`, pool them
-    and return what differs (one sentence each), for the caller to warn with wherever it reports."""
+    """Refuse to pool runs that measured different things: GPU model or count, server model, engine, build or slots,
+    traffic (trace or prompt set), request settings, energy method, or a run whose run.json is missing
+    (nothing to check it by); with `force`, pool them and return what differs (one sentence each), for
+    the caller to warn with wherever it reports. A value one run does not record is not compared."""
     if len(runs) < 2:
         return []
     differs = []
-    for what, attr in (("GPU model", "gpu_name"), ("server model", "model")):
-        seen = {getattr(r, attr) for r in runs if getattr(r, attr) is not None}
-        if len(seen) > 1:
-            detail = "; ".join(f"{r.path}: {getattr(r, attr)}" for r in runs)
+    blind = [r for r in runs if not r.has_meta]
+    if blind:
+        differs.append(f"{', '.join(str(r.path) for r in blind)} {'has' if len(blind) == 1 else 'have'} no run.json: "
+                       "its GPU, GPU count and settings are unknown, so nothing could tell it from another card's run")
+    facts = {r.path: _window_facts(r) for r in runs}
+
+    def compare(what: str, value) -> None:
+        seen = {r.path: value(r) for r in runs}
+        if len({v for v in seen.values() if v is not None}) > 1:
+            detail = "; ".join(f"{p}: {'unknown' if v is None else v}" for p, v in seen.items())
             differs.append(f"runs differ in {what} ({detail})")
+
+    compare("GPU model", lambda r: r.gpu_name)
+    compare("GPU count", lambda r: r.gpu_count)
+    compare("server model", lambda r: r.model)
+    compare("server engine", lambda r: facts[r.path].get("server"))
+    # Another build of one engine can decode at another speed; other slots (-np) batch otherwise.
+    compare("server build", lambda r: _server(r).get("build_info"))
+    compare("server slots", lambda r: _server(r).get("total_slots"))
     traffic = {r.path: (r.meta.get("trace") or {}).get("sha256", "the prompt set") for r in runs}
     if len(set(traffic.values())) > 1:
         detail = "; ".join(f"{p}: {'trace ' + t[:12] if t != 'the prompt set' else t}" for p, t in traffic.items())
         differs.append(f"runs differ in traffic ({detail})")
+    elif (d := _prompt_set_differs(runs, facts)) is not None:
+        differs.append(d)
+    for key in REQUEST_SETTINGS:
+        compare(key, lambda r: (r.meta.get("params") or {}).get(key) if isinstance(r.meta.get("params"), dict) else None)
+    compare("energy method", lambda r: facts[r.path].get("energy_method"))
     if differs and not force:
         why = ("a trace replay's J/token is not comparable with another traffic's" if "traffic" in differs[0]
                else "their levels are not comparable")
-        raise AnalysisError(f"{differs[0]}: {why}. Analyse them separately, or pass --force to pool them anyway.")
+        raise AnalysisError(f"{'; '.join(differs)}: {why}. Analyse them separately, or pass --force to pool them anyway.")
     return differs
 
 
-def read_windows(runs: list[RunInfo]) -> pa.Table:
-    """Windows of every run, one table (columns of the WINDOWS schema that each file has)."""
+def _server(run: RunInfo) -> dict:
+    return run.meta["server"] if isinstance(run.meta.get("server"), dict) else {}
+
+
+def _window_facts(run: RunInfo) -> dict:
+    """What a run's own windows say it measured with: `server` (engine), `energy_method` (the most common
+    among its measured windows), `prompts` ({(prompt_id, context_tokens): {prompt_tokens}}). Empty when the
+    file cannot be read (read_windows says why)."""
+    path = run.path / "windows.parquet"
+    want = ("server_kind", "energy_method", "prompt_id", "prompt_tokens", "context_tokens", "warmup", "status")
+    try:
+        names = set(pq.read_schema(path).names)
+        t = pq.read_table(path, columns=[c for c in want if c in names])
+    except (pa.ArrowInvalid, OSError):
+        return {}
+    rows = [r for r in t.to_pylist() if not r.get("warmup") and r.get("status") in (None, "ok")]
+    out: dict = {}
+    kinds = sorted({r["server_kind"] for r in rows if r.get("server_kind")})
+    out["server"] = "+".join(kinds) or None
+    methods = [r["energy_method"] for r in rows if r.get("energy_method") not in (None, "none")]
+    out["energy_method"] = max(sorted(set(methods)), key=methods.count) if methods else None
+    prompts: dict[tuple, set] = {}
+    for r in rows:
+        if r.get("prompt_id") is not None:
+            tokens = prompts.setdefault((r["prompt_id"], r.get("context_tokens")), set())
+            if r.get("prompt_tokens") is not None:
+                tokens.add(r["prompt_tokens"])
+    out["prompts"] = prompts
+    return out
+
+
+def _prompt_set_differs(runs: list[RunInfo], facts: dict) -> str | None:
+    """Whether two runs sent other prompts, from their windows (run.json does not name the prompt set):
+    neither's prompt ids within the other's (a run cut short measured part of the set), or one id with
+    other prompt lengths (line-1 of two --prompts files). None when they agree or a run has no prompt ids."""
+    with_ids = [r for r in runs if facts[r.path].get("prompts")]
+    for i, a in enumerate(with_ids):
+        for b in with_ids[i + 1:]:
+            pa_, pb = facts[a.path]["prompts"], facts[b.path]["prompts"]
+            if not (pa_.keys() <= pb.keys() or pb.keys() <= pa_.keys()):
+                def names(p):
+                    ids = sorted({k[0] for k in p})
+                    return ", ".join(ids[:4]) + (f" and {len(ids) - 4} more" if len(ids) > 4 else "")
+                return f"runs differ in prompt set (prompt ids {a.path}: {names(pa_)}; {b.path}: {names(pb)})"
+            for k in sorted(pa_.keys() & pb.keys(), key=str):
+                if pa_[k] and pb[k] and not pa_[k] & pb[k]:
+                    return (f"runs differ in prompt set (prompt {k[0]}: {'/'.join(map(str, sorted(pa_[k])))} prompt tokens "
+                            f"in {a.path}, {'/'.join(map(str, sorted(pb[k])))} in {b.path})")
+    return None
+
+
+# What makes a windows row one window: a row equal to another on all of these is the same window stored twice.
+WINDOW_KEY = ("run_id", "level_kind", "level_value", "repeat", "window_kind", "request_id", "batch_id", "attempt",
+              "t_send_utc", "t_first_utc", "t_last_utc")
+
+
+def read_windows(runs: list[RunInfo], twice: dict | None = None) -> pa.Table:
+    """Windows of every run, one table (columns of the WINDOWS schema that each file has). A window stored
+    twice in one file (WINDOW_KEY) is kept once: `twice` (when given) receives {file: rows left out}."""
     tables = []
     for r in runs:
         try:
@@ -161,12 +260,29 @@ def read_windows(runs: list[RunInfo]) -> pa.Table:
             raise AnalysisError(f"{r.path / 'windows.parquet'}: cannot be read as Parquet ({e})") from None
         if "run_id" not in t.column_names or t.column("run_id").null_count == t.num_rows:
             t = _set_column(t, "run_id", pa.array([r.run_id] * t.num_rows, pa.string()))
+        t, n = _once_each(t)
+        if n and twice is not None:
+            twice[r.path / "windows.parquet"] = n
         tables.append(t.replace_schema_metadata(None))
     out = pa.concat_tables(tables, promote_options="permissive")
     missing = {"level_value", "decode_tok_s"} - set(out.column_names)
     if missing:
         raise AnalysisError(f"windows.parquet lacks the columns {sorted(missing)}: not a powerprof sweep run")
     return out
+
+
+def _once_each(t: pa.Table) -> tuple[pa.Table, int]:
+    """The table with each window once (its first row of WINDOW_KEY), and how many rows were left out. Counted
+    twice, a window narrows every CI as a run given twice did (two files concatenated, a writer run twice)."""
+    key = [c for c in WINDOW_KEY if c in t.column_names]
+    if not t.num_rows or "request_id" not in key and "t_first_utc" not in key:
+        return t, 0  # nothing that names a window: no two rows can be told to be one
+    idx = "__row"
+    first = (t.select(key).append_column(idx, pa.array(np.arange(t.num_rows)))
+             .group_by(key, use_threads=False).aggregate([(idx, "min")]).column(f"{idx}_min"))
+    if len(first) == t.num_rows:
+        return t, 0
+    return t.take(pc.take(first, pc.sort_indices(first))), t.num_rows - len(first)  # in the file's order
 
 
 def _set_column(t: pa.Table, name: str, arr: pa.Array) -> pa.Table:

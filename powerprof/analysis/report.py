@@ -77,7 +77,10 @@ def analyze_run(
             raise AnalysisError(f"{seen[key]} and {r.path} hold the same run (run_id {r.run_id}): pooled, its "
                                 "windows would count twice and every confidence interval be too narrow; give it once")
         seen[key] = r.path
-    windows = read_windows(runs)
+    out = Path(out_dir) if out_dir is not None else run_dirs[0] / "analysis"
+    check_out(out, runs)  # before anything is read: nothing of the user's, or of other runs', is replaced
+    twice: dict = {}
+    windows = read_windows(runs, twice)
     knob_result, where = _configurations(runs, max_slowdown, windows)
     # Judged over every configuration's windows: an interrupted one competes in the ranking too.
     stopped = interrupted_findings(runs, windows) if knob_result is not None else []
@@ -111,15 +114,54 @@ def analyze_run(
     # First among the warnings: every figure after it mixes what the runs differ in.
     result.warnings = [Finding("forced-pool", f"{d}, pooled anyway (--force): their levels are not comparable, so "
                                "every figure here mixes them; analyse them separately to compare them.")
-                       for d in forced] + result.warnings
+                       for d in forced] + result.warnings + [
+        Finding("duplicate-windows", f"{p}: {n} window rows are stored twice (the same run, level, request and "
+                                     "times): each window is counted once. A file concatenated with a copy of itself, "
+                                     "or written twice, holds them; the figures are those of the distinct windows.")
+        for p, n in twice.items()]
     result.notes, result.server_restarts = server_notes(runs)
-    out = Path(out_dir) if out_dir is not None else run_dirs[0] / "analysis"
     try:
         write_outputs(result, out, formats, plots)
     except OSError as e:  # --out where no folder can be made or written (read-only, /proc, full disk)
         raise AnalysisError(f"cannot write the analysis to {out}: {e.strerror or e}"
                             + (f" ({e.filename})" if e.filename and str(e.filename) != str(out) else "")) from None
     return result
+
+
+class AnalysisOutTaken(AnalysisError):
+    """The output folder holds an analysis of other runs, or files of the analysis' names that are no
+    analysis: refused (exit 2, as an output file that exists), nothing replaced."""
+
+
+# The names an analysis writes (plots get a series, context or run suffix): what a folder must not hold
+# unless it is this analysis' own earlier output.
+OUTPUT_NAMES = ("analysis.json", "analysis.parquet", "report.md", "report.html")
+PLOT_STEMS = ("j_per_token", "tok_s", "saving_vs_loss", "power_clock", "config_heatmap")
+
+
+def check_out(out: Path, runs) -> None:
+    """Refuse an output folder whose files the analysis would replace, unless they are an earlier analysis of
+    the very same runs (a re-analysis, with other options, replaces its own files together: docs/analysis.md).
+    An analysis of other runs (`analyze a b` over a/analysis, run a's own, which `export a` shows as a's) or a
+    file of these names that no analysis wrote (a person's report.md) is kept."""
+    if not out.is_dir():
+        return
+    taken = sorted(f.name for f in out.iterdir() if f.name in OUTPUT_NAMES or (
+        f.suffix == ".png" and any(f.stem == s or f.stem.startswith(s + "_") for s in PLOT_STEMS)))
+    if not taken:
+        return
+    try:
+        earlier = json.loads((out / "analysis.json").read_text())
+        had = sorted({str(r["run_id"]) for r in earlier["runs"]})
+    except (OSError, ValueError, KeyError, TypeError):
+        had = None
+    now = sorted({r.run_id for r in runs})
+    if had == now:
+        return
+    what = (f"the analysis of {'run' if len(had) == 1 else 'runs'} {', '.join(had)}" if had is not None
+            else f"files that are no powerprof analysis ({', '.join(taken[:4])}{', …' if len(taken) > 4 else ''})")
+    raise AnalysisOutTaken(f"{out} holds {what}, which this analysis of {', '.join(now)} would replace; give another "
+                           "folder with --out, or remove it first")
 
 
 def _configurations(runs, max_slowdown: float, windows):
@@ -315,8 +357,20 @@ def _why_the_reference(sr: SeriesResult, c, u: str) -> str:
     """Why no level other than the reference was chosen: the nearest one below it, by the policy's measure."""
     below = [r for r in sr.table.to_pylist() if r["level_value"] < sr.series.reference_value
              and r["level_value"] not in c.left_out]
+    # A level without tok/s or J/token is neither slower nor costlier: it is not compared at all.
+    blank = [r for r in below if r["speed_loss_pct"] is None or r["gpu_j_per_token"] is None]
+    below = [r for r in below if r not in blank]
+    names = ", ".join(f"{r['level_value']:g} {u}" for r in blank)
+    return _why_the_reference_of(below, sr, c, u) + (
+        f"; {names} {'has' if len(blank) == 1 else 'have'} no figures to compare (no measured window with a GPU "
+        "energy)" if blank else "")
+
+
+def _why_the_reference_of(below: list[dict], sr: SeriesResult, c, u: str) -> str:
     if not below and c.left_out:
         return "every other level is left out"
+    if not below:
+        return "no lower level has figures to compare"
     if c.policy == "budget" and below:
         within = [r for r in below if r["speed_loss_pct"] is not None
                   and r["speed_loss_pct"] <= c.params["max_slowdown"] * 100 + 1e-10]

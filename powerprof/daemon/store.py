@@ -60,6 +60,8 @@ ROW_BYTES_EST = 2048
 MAX_BUFFERED_ROWS = 500_000
 PART_PREFIX = "part-"
 COMPACT_PREFIX = "compact-"
+# A wall clock further than this ahead of the time since start has been stepped (NTP slews far less).
+CLOCK_STEP_S = 3600.0
 
 
 def buffer_cap_rows(memory_max_bytes: int | None, n_datasets: int, share: float = 0.5) -> int:
@@ -148,6 +150,9 @@ class DatasetStore:
         self.last_error: str | None = None
         self._failing = False
         self._data_errors_logged: set[tuple[str, str]] = set()
+        # The wall clock and the monotonic clock at start: how far the wall clock may have moved since (retention).
+        self._wall0_s, self._mono0_s = time.time(), time.monotonic()
+        self._clock_step_logged = False
         try:
             self.root.mkdir(parents=True, exist_ok=True)
             for d in datasets:
@@ -400,10 +405,27 @@ class DatasetStore:
             journal.unlink(missing_ok=True)
             fsync_dir(part)
 
+    def _retention_now(self) -> datetime:
+        """The wall clock, but never later than the time since start says it can be: a clock stepped years ahead
+        (a bad RTC or NTP server) made every partition look old and age retention deleted them all. A clock
+        that was behind at start and stepped forward keeps every partition until restart (the size limit still
+        holds): keeping rows too long is the side to err on. Said once in the log."""
+        wall = datetime.now(timezone.utc)
+        bound = self._wall0_s + (time.monotonic() - self._mono0_s)
+        if wall.timestamp() <= bound + CLOCK_STEP_S:
+            return wall
+        if not self._clock_step_logged:
+            self._clock_step_logged = True
+            log.warning("the wall clock is %.0f s ahead of the time since the daemon started: age retention uses the "
+                        "latter, deleting nothing the step would have made old (restart the daemon once the clock is right)",
+                        wall.timestamp() - bound)
+        return datetime.fromtimestamp(bound, timezone.utc)
+
     def enforce_retention(self, now_utc: datetime | None = None) -> int:
-        """Delete whole partitions older than the age limit, then oldest files over the size limit."""
+        """Delete whole partitions older than the age limit (by a wall clock no later than the time since start
+        allows: _retention_now), then oldest files over the size limit."""
         removed = 0
-        now_utc = now_utc or datetime.now(timezone.utc)
+        now_utc = now_utc or self._retention_now()
         with self._io_lock:
             if self.retention_days is not None:
                 cutoff = (now_utc - timedelta(days=self.retention_days)).strftime("%Y-%m-%d")

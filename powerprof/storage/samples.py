@@ -192,17 +192,19 @@ def _can_create_in(folder: Path) -> bool:
         return False
 
 
-def write_table(table: pa.Table, path: str | os.PathLike, metadata: Mapping[str, str] | None = None) -> Path:
+def write_table(table: pa.Table, path: str | os.PathLike, metadata: Mapping[str, str] | None = None,
+                replace: bool = True) -> Path:
     """Write Parquet or CSV (by suffix) atomically: a temporary file, fsynced, then renamed over `path`.
 
     Parquet keeps `metadata` in the file's key-value metadata; CSV cannot hold it.
+    replace=False: a `path` that exists by the end is kept, and FileExistsError raised (atomic_path).
     """
     p = check_output_path(path)
     if metadata:
         md = dict(table.schema.metadata or {})
         md.update({str(k).encode(): str(v).encode() for k, v in metadata.items()})
         table = table.replace_schema_metadata(md)
-    with atomic_path(p) as tmp, open(tmp, "wb") as f:
+    with atomic_path(p, replace=replace) as tmp, open(tmp, "wb") as f:
         if p.suffix.lower() == ".parquet":
             import pyarrow.parquet as pq
 
@@ -212,3 +214,17 @@ def write_table(table: pa.Table, path: str | os.PathLike, metadata: Mapping[str,
 
             pcsv.write_csv(table, f)
     return p
+
+
+def write_table_beside(table: pa.Table, path: str | os.PathLike, metadata: Mapping[str, str] | None = None) -> Path:
+    """write_table without replacing a file at `path` made since it was checked (another `monitor --output`
+    of the same name started meanwhile): the rows go to `<stem>-<UTC time><suffix>` beside it instead, never
+    lost and never over it. Returns where they went."""
+    from datetime import datetime, timezone  # noqa: PLC0415
+
+    p = Path(path)
+    try:
+        return write_table(table, p, metadata, replace=False)
+    except FileExistsError:
+        stamp = datetime.now(timezone.utc).strftime("%Y%m%dT%H%M%S%fZ")
+        return write_table(table, p.with_name(f"{p.stem}-{stamp}{p.suffix}"), metadata, replace=False)

@@ -1,0 +1,101 @@
+"""Damaged, foreign or odd run directories: `analyze` gives a clear error or a visible flag, never a quiet figure."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+from click.testing import CliRunner
+
+from powerprof.analysis.loading import AnalysisError
+from powerprof.analysis.report import analyze_run, console_summary
+from powerprof.cli import main
+from synthetic_runs import make_run, seed_truth
+
+LEVELS = (180, 220, 300)
+
+
+def _run(tmp_path, name="run", **kw) -> Path:
+    kw.setdefault("levels", LEVELS)
+    return make_run(tmp_path / name, seed_truth(), n_requests=8, **kw)
+
+
+def _edit_rows(run, fn):
+    w = pq.read_table(run / "windows.parquet")
+    rows = [fn(dict(r)) for r in w.to_pylist()]
+    pq.write_table(pa.Table.from_pylist(rows, schema=w.schema), run / "windows.parquet")
+
+
+@pytest.mark.parametrize("name", ["windows.parquet", "samples.parquet", "levels.parquet"])
+def test_a_table_cut_short_by_a_crash_is_named_not_analysed(tmp_path, name):
+    # Guard: a file cut mid-write (a crash, a full disk, a partial copy) stops the analysis naming it.
+    run = _run(tmp_path)
+    data = (run / name).read_bytes()
+    (run / name).write_bytes(data[: len(data) // 2])
+    r = CliRunner().invoke(main, ["analyze", str(run), "--bootstrap", "100"])
+    assert r.exit_code == 1 and f"{run / name}: cannot be read as Parquet" in r.output, r.output
+    assert not (run / "analysis").exists()
+
+
+@pytest.mark.parametrize("text", ["[1, 2]", '"a run"', "null"])
+def test_run_json_that_is_not_an_object_is_said_not_a_traceback(tmp_path, text):
+    # A run.json holding a list (a tool that rewrote it, a hand edit) died with AttributeError: 'list' object has no attribute 'get'.
+    run = _run(tmp_path)
+    (run / "run.json").write_text(text)
+    r = CliRunner().invoke(main, ["analyze", str(run), "--bootstrap", "100"])
+    assert r.exit_code == 1 and isinstance(r.exception, SystemExit), (r.output, r.exception)
+    assert f"{run / 'run.json'}: not a JSON object" in r.output, r.output
+
+
+def test_windows_from_an_older_schema_give_the_same_figures(tmp_path):
+    # Guard: a windows.parquet written before the appended columns (timing, configs, CPU time) is read as it is.
+    run = _run(tmp_path)
+    new = analyze_run([run], tmp_path / "new", n_boot=200, plots=False, formats=())
+    w = pq.read_table(run / "windows.parquet")
+    pq.write_table(w.select(w.column_names[: w.column_names.index("timing")]), run / "windows.parquet")
+    old = analyze_run([run], tmp_path / "old", n_boot=200, plots=False, formats=())
+    for c in ("gpu_j_per_token", "decode_tok_s", "energy_saving_pct"):
+        assert old.table.column(c).to_pylist() == new.table.column(c).to_pylist(), c
+
+
+def test_windows_stored_twice_in_one_file_count_once_and_are_said(tmp_path):
+    # A windows.parquet holding every row twice (two files concatenated with pandas, a writer run twice) counted
+    # each window twice: n_requests 16 for 8 and every CI √2 too narrow (180 W: ±0.97% shown for ±1.59%).
+    run = _run(tmp_path)
+    once = analyze_run([run], tmp_path / "once", n_boot=300, plots=False, formats=())
+    w = pq.read_table(run / "windows.parquet")
+    pq.write_table(pa.concat_tables([w, w]), run / "windows.parquet")
+    twice = analyze_run([run], tmp_path / "twice", n_boot=300, plots=False, formats=())
+    for c in ("n_requests", "n_failed", "ci_reached_pct", "gpu_j_per_token"):
+        assert twice.table.column(c).to_pylist() == once.table.column(c).to_pylist(), c
+    (warn,) = [x for x in twice.warnings if x.kind == "duplicate-windows"]
+    assert str(run / "windows.parquet") in warn.message and f"{w.num_rows} " in warn.message
+
+
+def test_a_level_without_figures_is_never_said_slower_or_costlier(tmp_path):
+    # Every request at 220 W failed: the recommendation read "every lower level is slower than the budget allows
+    # (220 W: –% slower, energy per token unknown)". Its energy missing instead: "no lower level within the budget
+    # uses less energy per token (220 W: 6.3% slower, energy per token unknown)". Neither is known.
+    failed = _run(tmp_path, "failed")
+    _edit_rows(failed, lambda r: dict(r, status="failed") if r["level_value"] == 220 else r)
+    no_energy = _run(tmp_path, "no-energy")
+    _edit_rows(no_energy, lambda r: dict(r, gpu_energy_j=None, gpu_j_per_token=None, energy_method="none")
+               if r["level_value"] == 220 else r)
+    for run in (failed, no_energy):
+        res = analyze_run([run], tmp_path / f"o-{run.name}", n_boot=200, plots=False, formats=())
+        assert res.recommendation.level_value == 300
+        said = " ".join(console_summary(res).split())
+        rec = said[said.index("Recommended limit"):said.index("Other policies")]
+        assert "(220 W:" not in rec and "220 W has no figures to compare" in rec, rec
+
+
+def test_a_flagged_reference_is_said_beside_every_comparison_with_it(tmp_path):
+    # 300 W, the reference, was thermally throttled: "220 W: 6.3% slower, 15.3% less energy per token than 300 W"
+    # was compared with a level whose figures are not the limit's effect, and only the thermal line said 300 W.
+    run = _run(tmp_path, thermal_levels=(300,))
+    res = analyze_run([run], tmp_path / "o", n_boot=200, plots=False, formats=())
+    (warn,) = [w for w in res.warnings if w.kind == "reference"]
+    assert warn.levels == (300.0,) and "thermal" in warn.message and "against" in warn.message
+    assert res.warnings[0].kind == "reference"  # said first: every figure after it is relative to it
