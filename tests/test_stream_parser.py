@@ -622,3 +622,135 @@ def test_requests_of_gpu_work_the_proxy_cannot_count_are_told_from_those_of_none
 
     assert uncounted_kind(method, path) == kind
     assert kind is None or kind in UNCOUNTED_KINDS
+
+
+# --- llama.cpp's llama-server (b11434, captured from the real server: tests/test_real_llama_server.py runs the
+# same requests through the proxy): a request of several choices (`n > 1`, a list of prompts) runs one task per
+# choice, and each task's closing chunk carries that task's own `timings` and `usage`; with include_usage each task
+# also sends its own usage chunk (`choices: []`). A stream of a list of prompts opens with `data: null`.
+
+_LC = {"created": 1, "id": "chatcmpl-x", "model": "tiny.gguf", "system_fingerprint": "b0-unknown"}
+
+
+def _lc_timings(predicted_n, prompt_n=1, cache_n=62):
+    return {"cache_n": cache_n, "prompt_n": prompt_n, "prompt_ms": 6.2, "prompt_per_token_ms": 6.2,
+            "prompt_per_second": 160.0, "predicted_n": predicted_n, "predicted_ms": 9.4,
+            "predicted_per_token_ms": 4.7, "predicted_per_second": 211.0}
+
+
+def _lc_chat(i, content=None, role=False, finish=None, **extra):
+    delta = {"role": "assistant", "content": None} if role else ({} if content is None else {"content": content})
+    return {"choices": [{"finish_reason": finish, "index": i, "delta": delta}], **_LC,
+            "object": "chat.completion.chunk", **extra}
+
+
+def _lc_usage(n, prompt=63, cached=62):
+    return {"completion_tokens": n, "prompt_tokens": prompt, "total_tokens": prompt + n,
+            "prompt_tokens_details": {"cached_tokens": cached}}
+
+
+LLAMACPP_CHAT_N2 = _compact(  # n: 2, max_tokens 3, no include_usage: as llama-server interleaves its two tasks
+    _lc_chat(1, role=True), _lc_chat(1, " of"), _lc_chat(0, role=True), _lc_chat(0, " of"), _lc_chat(1, " that"),
+    _lc_chat(0, " that"), _lc_chat(1, " on"), _lc_chat(1, finish="length", timings=_lc_timings(3)),
+    _lc_chat(0, " on"), _lc_chat(0, finish="length", timings=_lc_timings(3)), b"[DONE]")
+LLAMACPP_CHAT_N2_USAGE = _compact(  # n: 2, max_tokens 2, include_usage: a usage chunk per task
+    _lc_chat(0, role=True), _lc_chat(0, " of"), _lc_chat(1, role=True), _lc_chat(1, " of"), _lc_chat(0, " that"),
+    _lc_chat(0, finish="length"),
+    {"choices": [], **_LC, "object": "chat.completion.chunk", "usage": _lc_usage(2), "timings": _lc_timings(2)},
+    _lc_chat(1, " that"), _lc_chat(1, finish="length"),
+    {"choices": [], **_LC, "object": "chat.completion.chunk", "usage": _lc_usage(2), "timings": _lc_timings(2)},
+    b"[DONE]")
+
+
+def _lc_cmpl(i, text, finish=None, **extra):
+    return {"choices": [{"text": text, "index": i, "logprobs": None, "finish_reason": finish}], **_LC,
+            "object": "text_completion", **extra}
+
+
+LLAMACPP_PROMPT_LIST = _compact(  # prompt: ["the power", "watt clock"], max_tokens 3, include_usage
+    b"null", _lc_cmpl(1, "in"), _lc_cmpl(0, " that"), _lc_cmpl(1, ""), _lc_cmpl(0, " the"), _lc_cmpl(1, "token"),
+    _lc_cmpl(1, "", "length", usage=_lc_usage(3, 16, 0), timings=_lc_timings(3, 16, 0)),
+    _lc_cmpl(0, "was"),
+    _lc_cmpl(0, "", "length", usage=_lc_usage(3, 15, 4), timings=_lc_timings(3, 11, 4)), b"[DONE]")
+
+
+@pytest.mark.parametrize("data, api, generated, prompt", [
+    (LLAMACPP_CHAT_N2, "openai-chat", 6, 126),  # each task's prompt: its own slot (62 cached + 1 each)
+    (LLAMACPP_CHAT_N2_USAGE, "openai-chat", 4, 126),
+    (LLAMACPP_PROMPT_LIST, "openai-completions", 6, 31),
+])
+@pytest.mark.parametrize("split", [None, 7, "event"])
+def test_llamacpp_several_choices_are_summed_over_its_tasks_own_counts(data, api, generated, prompt, split):
+    # Before: the last task's usage (or timings) was taken for the whole stream's: n=2 × 3 tokens said 3, so the
+    # server's count "contradicted" the 6 streamed (row without generated_tokens or J/token); and `data: null` was
+    # recorded as a parse error.
+    from powerprof.daemon.streams import summary_counts
+
+    for count_only in (False, True):
+        p = StreamParser(api, count_only=count_only)
+        pieces = ([e + b"\n\n" for e in data.split(b"\n\n") if e] if split == "event"
+                  else [data] if split is None else [data[i : i + split] for i in range(0, len(data), split)])
+        n = sum(p.count(piece) for piece in pieces)
+        s = p.finish()
+        assert n == s.counted_tokens == s.generated_tokens == generated, (count_only, n, s)
+        assert s.prompt_tokens == prompt and s.complete and s.error is None, s
+        assert s.timings["predicted_n"] == generated
+        c = summary_counts(s)
+        assert c.count_problem is None and c.generated_tokens == generated, c
+
+
+def test_anthropic_prompt_length_counts_the_cached_part_too():
+    # llama-server's /v1/messages on a prompt it had cached: input_tokens is only the part it prefilled
+    # (Anthropic's meaning), the cached part is cache_read_input_tokens. Before: prompt_tokens 1 for 63.
+    start = {"type": "message_start", "message": {"id": "m", "type": "message", "role": "assistant", "content": [],
+             "model": "tiny.gguf", "stop_reason": None, "stop_sequence": None,
+             "usage": {"cache_read_input_tokens": 62, "input_tokens": 1, "output_tokens": 0}}}
+    data = _typed_sse(start, {"type": "content_block_start", "index": 0, "content_block": {"type": "text", "text": ""}},
+                      *[{"type": "content_block_delta", "index": 0, "delta": {"type": "text_delta", "text": w}}
+                        for w in (" of", " that")],
+                      {"type": "content_block_stop", "index": 0},
+                      {"type": "message_delta", "delta": {"stop_reason": "max_tokens", "stop_sequence": None},
+                       "usage": {"output_tokens": 2}},
+                      {"type": "message_stop"})
+    p = StreamParser("anthropic-messages", count_only=True)
+    p.feed(data[:400])
+    assert p.prompt_tokens == 63  # said at the start, cached part included
+    p.feed(data[400:])
+    s = p.finish()
+    assert (s.prompt_tokens, s.generated_tokens, s.stop_reason, s.complete) == (63, 2, "length", True)
+    body = json.dumps({"id": "m", "type": "message", "role": "assistant", "content": [{"type": "text", "text": " of that"}],
+                       "model": "tiny.gguf", "stop_reason": "max_tokens", "stop_sequence": None,
+                       "usage": {"cache_read_input_tokens": 62, "input_tokens": 1, "output_tokens": 2}}).encode()
+    _, s = parse_response("anthropic-messages", body)
+    assert (s.prompt_tokens, s.generated_tokens) == (63, 2)
+
+
+def _lc_body(finishes, completion=3, prompt=63, chat=True):
+    ch = [{"finish_reason": f, "index": i, **({"message": {"role": "assistant", "content": " of that on"}} if chat
+                                               else {"text": " of that on", "logprobs": None})}
+          for i, f in enumerate(finishes)]
+    return json.dumps({"choices": ch, **_LC, "object": "chat.completion" if chat else "text_completion",
+                       "usage": _lc_usage(completion, prompt), "timings": _lc_timings(completion)}).encode()
+
+
+def test_llamacpp_whole_answer_of_several_choices_counts_only_its_first_and_says_so():
+    # llama-server's non-streamed answer to n: 2 gives the usage and timings of its first task only (seen on b11434:
+    # completion_tokens 2 for choices of 2 and 3 tokens). Before: 3 of 6 tokens, as if the server's own count.
+    from powerprof.daemon.streams import body_counts
+
+    # Every choice stopped at the length limit: each generated exactly as many as the first.
+    c = body_counts("openai-chat", _lc_body(["length", "length"]))
+    assert (c.generated_tokens, c.prompt_tokens, c.count_problem) == (6, 126, None)
+    # A list of prompts (completions): the others' prompt lengths are unknown: not said (the ledger estimates it).
+    c = body_counts("openai-completions", _lc_body(["length", "length"], chat=False))
+    assert (c.generated_tokens, c.prompt_tokens) == (6, None)
+    # One stopped early: how many the other generated is unknown: no count is believed, and why is said.
+    c = body_counts("openai-chat", _lc_body(["stop", "length"], completion=1))
+    assert c.count_problem_kind == "first_choice_only" and "first of its 2 choices" in c.count_problem
+    assert "stream" in c.count_problem  # the fix
+    # One choice, or a server whose usage covers all its choices (no llama.cpp timings): as before.
+    assert body_counts("openai-chat", _lc_body(["stop"], completion=1)).generated_tokens == 1
+    body = json.loads(_lc_body(["stop", "length"], completion=7))
+    del body["timings"]
+    c = body_counts("openai-chat", json.dumps(body).encode())
+    assert (c.generated_tokens, c.count_problem) == (7, None)

@@ -9,7 +9,12 @@ from __future__ import annotations
 import numpy as np
 
 
-def write_tiny_llama(path, n_embd=512, n_layer=4, n_head=4, n_ff=1536, seed=0) -> None:
+# Fill-in-the-middle control tokens (llama-server's /infill refuses a model without them).
+FIM_TOKENS = ("<|fim_prefix|>", "<|fim_suffix|>", "<|fim_middle|>")
+
+
+def write_tiny_llama(path, n_embd=512, n_layer=4, n_head=4, n_ff=1536, seed=0, fim=False) -> None:
+    """fim: with fill-in-the-middle tokens, for /infill (appended: the other tokens keep their ids)."""
     import gguf
 
     rng = np.random.default_rng(seed)
@@ -17,6 +22,11 @@ def write_tiny_llama(path, n_embd=512, n_layer=4, n_head=4, n_ff=1536, seed=0) -
     tokens = ["<unk>", "<s>", "</s>"] + [f"<0x{b:02X}>" for b in range(256)] + ["\u2581" + w for w in words] + words
     types = [2, 3, 3] + [6] * 256 + [1] * (2 * len(words))
     scores = [0.0] * 259 + [-float(i) for i in range(2 * len(words))]
+    n_plain = len(tokens)
+    if fim:
+        tokens += list(FIM_TOKENS)
+        types += [3] * len(FIM_TOKENS)
+        scores += [0.0] * len(FIM_TOKENS)
     w = gguf.GGUFWriter(str(path), "llama")
     w.add_name("powerprof-tiny-random")
     w.add_context_length(512)
@@ -34,6 +44,9 @@ def write_tiny_llama(path, n_embd=512, n_layer=4, n_head=4, n_ff=1536, seed=0) -
     w.add_bos_token_id(1)
     w.add_eos_token_id(2)
     w.add_unk_token_id(0)
+    if fim:
+        for key, tok in zip(("fim_pre", "fim_suf", "fim_mid"), FIM_TOKENS):
+            w.add_uint32(f"tokenizer.ggml.{key}_token_id", tokens.index(tok))
 
     def rand(*shape):
         return (rng.standard_normal(shape) * 0.5).astype(np.float32)
@@ -45,6 +58,7 @@ def write_tiny_llama(path, n_embd=512, n_layer=4, n_head=4, n_ff=1536, seed=0) -
     # greedy decoding never stops early, and every token is a whole word, so the server streams
     # one token per chunk (byte tokens can be held back and merged into one chunk).
     out[2:259] = 0.0
+    out[n_plain:] = 0.0  # FIM tokens are never generated either
     w.add_tensor("output.weight", out)
     for i in range(n_layer):
         w.add_tensor(f"blk.{i}.attn_norm.weight", np.ones(n_embd, np.float32))

@@ -186,7 +186,8 @@ class SnapshotCollector:
         yield r
         cc = CounterMetricFamily("powerprof_requests_token_count_contradicted", "Requests whose server's own token "
                                  "count contradicts the stream it sent (stream_above_count: the stream carried more; "
-                                 "running_count_short: the final count is above the running count its chunks carried): "
+                                 "running_count_short: the final count is above the running count its chunks carried; "
+                                 "first_choice_only: a whole answer of several choices counted its first alone): "
                                  "their rows have no generated_tokens or J/token", labels=["reason"])
         for reason in COUNT_PROBLEM_KINDS:
             cc.add_metric([reason], s.count_contradictions.get(reason, 0))

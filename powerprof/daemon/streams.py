@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from powerprof.arrival import count_problem
+from powerprof.arrival import count_problem, first_choice_only
 from powerprof.workload.stream import StreamParser, parse_response
 
 
@@ -93,6 +93,8 @@ def summary_counts(summary, streamed: bool = True) -> Counts:
     problem = None
     if streamed:
         problem = count_problem(summary.counted_tokens, gen, summary.running_counts)
+    elif summary.first_choice_of is not None and gen:
+        problem = first_choice_only(summary.first_choice_of, gen)
     return Counts(
         generated_tokens=gen if gen or summary.counted_tokens else None,
         prompt_tokens=summary.prompt_tokens,

@@ -96,6 +96,9 @@ class StreamSummary:
     # The first error the server itself sent in the response (an in-band `{"error": ...}` event, after
     # an HTTP 200): the generation failed, whatever its counts say.
     server_error: str | None = None
+    # A whole answer of this many choices whose usage and timings are its first choice's alone (llama.cpp: one task
+    # a choice), where the others' counts cannot be known (not every choice stopped at the length limit).
+    first_choice_of: int | None = None
 
     @property
     def running_counts(self) -> bool:
@@ -143,6 +146,16 @@ class _State:
     finished_any: bool = False  # some choice carried a finish_reason
     unfinished: set = field(default_factory=set)  # choice indexes seen without their finish_reason yet
     other_choices: dict = field(default_factory=dict)  # tokens counted per choice index other than 0 (n > 1)
+    # Several choices (n > 1, a list of prompts), where a server reports per choice rather than for the stream:
+    # llama.cpp runs a task per choice and each task sends its own `timings` (and `usage`) once, when it ends;
+    # vLLM/SGLang continuous usage is each choice's running count. Keyed by choice index (or "#k" for a task's
+    # usage chunk without choices); the stream's figures are their sums (_merge_usage, _merged_timings).
+    task_usage: dict = field(default_factory=dict)  # llama.cpp: (completion, prompt) per task, sent with its timings
+    choice_usage: dict = field(default_factory=dict)  # vLLM/SGLang: (completion, prompt) running, per choice
+    final_usage: tuple | None = None  # a usage for the whole stream (a chunk without choices, no timings)
+    task_timings: dict = field(default_factory=dict)  # llama.cpp: each task's timings
+    n_bare: int = 0  # chunks without choices that carried usage or timings (keys "#1", "#2", ...)
+    first_choice_of: int | None = None  # a whole answer's count is its first choice's alone, of this many
     done: bool = False
     errors: list = field(default_factory=list)
     server_error: str | None = None  # the first error the server itself sent in the response
@@ -310,6 +323,8 @@ class StreamParser:
         except (ValueError, UnicodeDecodeError):
             self._error(f"malformed JSON in stream: {payload[:80].decode('utf-8', 'replace')!r}")
             return
+        if obj is None:
+            return  # `data: null`: llama-server opens a stream of several tasks (a list of prompts) with it
         if not isinstance(obj, dict):
             self._error("stream event is not a JSON object")
             return
@@ -394,9 +409,10 @@ class StreamParser:
             self._s.server_error = msg
         return True
 
-    def _timings(self, t) -> None:
+    def _timings(self, t, key=0) -> bool:
+        """Keeps a llama.cpp `timings` object (checked) as task `key`'s; False when it is not one."""
         if not isinstance(t, dict):
-            return
+            return False
         kept: dict = {}
         for k in _TIMING_COUNTS:
             n = self._count(t, k)
@@ -411,9 +427,13 @@ class StreamParser:
                 self._invalid(f"timings.{k}", why)
             else:
                 kept[k] = float(v)
-        self._s.timings = kept
-        if "prompt_n" in kept:
-            self._s.prompt_tokens = kept["prompt_n"]
+        s = self._s
+        s.task_timings[key] = kept
+        s.timings = kept if len(s.task_timings) == 1 else _merged_timings(s.task_timings.values())
+        if "prompt_n" in s.timings:
+            # The whole prompt, as usage's prompt_tokens says it: prompt_n is only the part not found in the cache.
+            s.prompt_tokens = s.timings["prompt_n"] + s.timings.get("cache_n", 0)
+        return True
 
     def _add(self, n: int, out: list[TokenEvent], text: str, total: int | None) -> None:
         if self._counted(n):
@@ -519,11 +539,9 @@ class StreamParser:
             msg = obj.get("message") if isinstance(obj.get("message"), dict) else {}
             if isinstance(msg.get("model"), str):
                 s.model = msg["model"]
-            usage = msg.get("usage")
-            if isinstance(usage, dict):
-                p = self._count(usage, "input_tokens")
-                if p is not None:
-                    s.usage_prompt = p  # said at the start: the ledger need not wait for the end
+            p = self._anthropic_prompt(msg.get("usage"))
+            if p is not None:
+                s.usage_prompt = p  # said at the start: the ledger need not wait for the end
         elif kind == "content_block_delta":
             d = obj.get("delta") if isinstance(obj.get("delta"), dict) else {}
             v = next((d[k] for k in ("text", "thinking", "partial_json") if isinstance(d.get(k), str)), None)
@@ -546,9 +564,23 @@ class StreamParser:
         n = self._count(usage, out_key)
         if n is not None:
             self._s.usage_completion = n
-        p = self._count(usage, in_key)
+        p = self._anthropic_prompt(usage) if self.api == "anthropic-messages" else self._count(usage, in_key)
         if p is not None:
             self._s.usage_prompt = p
+
+    def _anthropic_prompt(self, usage) -> int | None:
+        """The whole prompt's length from an Anthropic usage: `input_tokens` is only the part not read from (or
+        written to) the prompt cache (llama-server: 1 of a 63-token prompt it had cached), the cache's parts are
+        apart; None when it gives no input_tokens."""
+        if not isinstance(usage, dict):
+            return None
+        p = self._count(usage, "input_tokens")
+        if p is None:
+            return None
+        for k in ("cache_read_input_tokens", "cache_creation_input_tokens"):
+            c = self._count(usage, k)
+            p += c or 0
+        return p
 
     def _openai(self, obj: dict, out: list[TokenEvent]) -> None:
         s = self._s
@@ -556,18 +588,30 @@ class StreamParser:
             return
         if isinstance(obj.get("model"), str):
             s.model = obj["model"]
-        if "timings" in obj:
-            self._timings(obj["timings"])
-        usage = obj.get("usage")
-        usage_total = None
-        if isinstance(usage, dict):
-            usage_total = self._count(usage, "completion_tokens")
-            if usage_total is not None:
-                s.usage_completion = usage_total
-            p = self._count(usage, "prompt_tokens")
-            if p is not None:
-                s.usage_prompt = p
         choices = obj.get("choices")
+        usage = obj.get("usage")
+        timings = obj.get("timings")
+        usage_total = None
+        if isinstance(usage, dict) or timings is not None:
+            # Whose figures these are: one choice's (a chunk of one choice), or a task's or the stream's.
+            one = isinstance(choices, list) and len(choices) == 1 and isinstance(choices[0], dict)
+            if one:
+                key = choices[0].get("index")
+                key = key if type(key) is int and 0 <= key <= MAX_COUNT else 0
+            else:
+                s.n_bare += 1
+                key = f"#{s.n_bare}"
+            task = self._timings(timings, key) if timings is not None else False
+            if isinstance(usage, dict):
+                usage_total = self._count(usage, "completion_tokens")
+                p = self._count(usage, "prompt_tokens")
+                if task:
+                    s.task_usage[key] = (usage_total, p)  # llama.cpp: this task's, sent once at its end
+                elif one:
+                    s.choice_usage[key] = (usage_total, p)  # continuous usage: this choice's running count
+                else:
+                    s.final_usage = (usage_total, p)
+                self._merge_usage()
         if not isinstance(choices, list):
             return
         texts: list[str] = []
@@ -654,6 +698,26 @@ class StreamParser:
                     s.other_choices[i] += k
             out.append(TokenEvent(n, "".join(texts), None))
 
+    def _merge_usage(self) -> None:
+        """The stream's usage from what was said: a final usage for the whole stream wins; else llama.cpp's
+        tasks' own (each choice a task, prefilling its prompt in its own slot: counts and prompts summed); else
+        continuous usage's running counts per choice (summed; the prompt is the request's, repeated in each)."""
+        s = self._s
+        comp = prompt = None
+        if s.final_usage is not None:
+            comp, prompt = s.final_usage
+        elif s.task_usage:
+            comp = _sum_known(c for c, _ in s.task_usage.values())
+            prompt = _sum_known(p for _, p in s.task_usage.values())
+        elif s.choice_usage:
+            comp = _sum_known(c for c, _ in s.choice_usage.values())
+            ps = [p for _, p in s.choice_usage.values() if p is not None]
+            prompt = max(ps) if ps else None
+        if comp is not None:
+            s.usage_completion = comp
+        if prompt is not None:
+            s.usage_prompt = prompt
+
     def _choice_count(self, idx: int) -> int:
         """Tokens counted so far for choice `idx` (those of choice 0 are the rest: the fast path counts
         only choice 0's chunks, and keeps no count of its own)."""
@@ -693,7 +757,51 @@ class StreamParser:
             n_comments=s.n_comments,
             invalid=s.invalid,
             server_error=s.server_error,
+            first_choice_of=s.first_choice_of,
         )
+
+
+def _sum_known(values) -> int | None:
+    """The sum of the values that are not None; None when all are."""
+    known = [v for v in values if v is not None]
+    return sum(known) if known else None
+
+
+def _merged_timings(tasks) -> dict:
+    """The timings of a request of several llama.cpp tasks (one per choice): their counts summed; its durations
+    the longest task's (the tasks ran side by side); per-token rates, each task's own, left out."""
+    out: dict = {}
+    for t in tasks:
+        for k, v in t.items():
+            if k in _TIMING_COUNTS:
+                out[k] = out.get(k, 0) + v
+            elif k in ("prompt_ms", "predicted_ms"):
+                out[k] = max(out.get(k, 0.0), v)
+    return out
+
+
+def _one_task_answer(obj: dict, api: str, s: _State) -> dict:
+    """A whole OpenAI-style answer as llama.cpp writes one of several choices (one task each): its `usage` and
+    `timings` are its first task's alone (b11434: completion_tokens 2 for choices of 2 and 3 tokens). Where every
+    choice stopped at the length limit, each generated as many as the first: the counts are scaled to all of them
+    (the prompt too for chat, whose choices share one prompt; a completions answer may be a list of prompts, whose
+    other lengths are unknown: no prompt length then). Else the others' counts are unknown: `first_choice_of` says
+    so. Any other answer is returned as it is."""
+    choices = obj.get("choices")
+    usage = obj.get("usage")
+    if not (isinstance(choices, list) and isinstance(usage, dict) and isinstance(obj.get("timings"), dict)):
+        return obj
+    k = sum(1 for c in choices if isinstance(c, dict))
+    if k <= 1:
+        return obj
+    if any(c.get("finish_reason") != "length" for c in choices if isinstance(c, dict)):
+        s.first_choice_of = k
+        return obj
+    scaled = {key: v * k if key in ("completion_tokens", "prompt_tokens", "total_tokens") and _int(v) is not None
+              and not isinstance(v, bool) else v for key, v in usage.items()}
+    if api != "openai-chat":
+        scaled.pop("prompt_tokens", None)
+    return dict(obj, usage=scaled, timings=None)
 
 
 def _responses_output_parts(output) -> int:
@@ -719,6 +827,8 @@ def parse_response(api: str, body: bytes) -> tuple[list[TokenEvent], StreamSumma
         if api == "openai-chat" and isinstance(obj.get("choices"), list):
             # Non-streaming chat puts the text under `message`, not `delta`.
             obj = dict(obj, choices=[{**c, "delta": c.get("message") or {}} for c in obj["choices"] if isinstance(c, dict)])
+        if api.startswith("openai"):
+            obj = _one_task_answer(obj, api, p._s)
         if api == "openai-responses" and obj.get("object") == "response":
             # A whole response is the body of a streamed `response.completed` (or incomplete, failed).
             status = obj.get("status")
