@@ -30,6 +30,13 @@ from multidict import CIMultiDict
 HEAD_MAX_BYTES = 64 << 10
 CHUNK_LINE_MAX_BYTES = 4 << 10
 TICK_MAX_S = 1.0
+# An idle connection older than this is not reused: servers close idle keep-alive connections after a few
+# seconds (uvicorn, which serves vLLM and SGLang, and cpp-httplib, llama.cpp's, after 5 s), and a close that
+# crosses a request fails it. A new loopback connection costs far less than that failure.
+IDLE_REUSE_MAX_S = 2.0
+# An idle connection the upstream closes this soon after a streamed answer: the server closes after streams
+# (llama-server does, without `Connection: close`), so the pool stops keeping such connections.
+CLOSED_AFTER_STREAM_S = 1.0
 
 
 _HEX = frozenset(b"0123456789abcdefABCDEF")
@@ -70,6 +77,12 @@ def _whole_chunks(data: bytes, start: int, stop: int) -> bytes | None:
 
 class UpstreamError(Exception):
     """The upstream broke the HTTP exchange (closed early, bad framing, silence past the read timeout)."""
+
+
+class StaleConnection(UpstreamError):
+    """A kept-alive connection the upstream had closed: it ended with no byte of an answer to the request sent
+    on it, so the server never began that request (a close that crossed it on the wire)."""
+
 
 
 _WS = " \t\n\r\x0b\x0c"  # what bytes.strip() strips (str.strip() would also take \x85 and \xa0)
@@ -118,6 +131,9 @@ class Exchange(asyncio.Protocol):
         self.lost = False
         self.reusable = False
         self.draining = False  # half_close: our side ended, the server's tail being read
+        self.reused = False  # taken from the pool's idle connections: the server may have closed it meanwhile
+        self.chunked = False  # the last response was chunked (a stream)
+        self.idle_since = 0.0  # monotonic s: when it went back to the pool
         self.drain_cut = False  # and the server was still sending when the drain's time was up
         self._write_ok: asyncio.Future | None = None
         self._reset()
@@ -132,6 +148,7 @@ class Exchange(asyncio.Protocol):
         self._mode = ""  # head, length, chunked, close, trailer, end
         self._left = 0  # length: body bytes to come; chunked: bytes left of this chunk's data (-1: a size line next)
         self._early: list[bytes] = []  # body that came before attach()
+        self.answered = False  # a byte of the answer to this request came (an interim 100 counts)
         self.on_body = None
         self.on_tick = None
         self._last = 0.0
@@ -145,11 +162,17 @@ class Exchange(asyncio.Protocol):
     def connection_lost(self, exc) -> None:
         self.lost = True
         self.reusable = False
-        self.pool._forget(self)
+        if self.pool._forget(self) and self.chunked and time.monotonic() - self.idle_since < CLOSED_AFTER_STREAM_S:
+            self.pool.closes_after_streams = True
         if self._write_ok is not None and not self._write_ok.done():
             self._write_ok.set_result(None)  # a waiting write_body finds the connection lost
         if self._mode == "close" and exc is None:
             self._finish()
+        elif self._mode == "head" and not self.answered and self.reused:
+            if self.chunked:
+                self.pool.closes_after_streams = True
+            self._fail(StaleConnection("the upstream had closed the kept-alive connection"
+                                       f"{f' ({exc})' if exc else ''}; no answer began"))
         elif self._mode not in ("", "end"):
             self._fail(UpstreamError(f"upstream closed the connection mid-response{f': {exc}' if exc else ''}"))
 
@@ -211,6 +234,7 @@ class Exchange(asyncio.Protocol):
     # --- framing -----------------------------------------------------------------------------
 
     def _slow(self, data: bytes) -> None:
+        self.answered = True  # (every read of a response head comes here)
         buf = self._buf + data if self._buf else data
         self._buf = b""
         pos = 0
@@ -306,6 +330,7 @@ class Exchange(asyncio.Protocol):
 
     def _begin(self, version: str, status: int, reason: str, headers: CIMultiDict) -> None:
         self.status, self.headers = status, headers
+        self.chunked = False
         conn = ",".join(headers.getall("Connection", ())).lower()
         self.reusable = version == "HTTP/1.1" and "close" not in conn and status != 101
         te = ",".join(headers.getall("Transfer-Encoding", ())).lower()
@@ -315,7 +340,7 @@ class Exchange(asyncio.Protocol):
             if te.rsplit(",", 1)[-1].strip() != "chunked":
                 self._mode, self.reusable = "close", False
             else:
-                self._mode, self._left = "chunked", -1
+                self._mode, self._left, self.chunked = "chunked", -1, True
             if "Content-Length" in headers:
                 # Both framings (RFC 9112 §6.1): Transfer-Encoding wins, and the connection is not reused,
                 # as such a response may be an attempt at response splitting.
@@ -387,7 +412,8 @@ class Exchange(asyncio.Protocol):
         self._last = time.monotonic()
         self.pool._watch(self)
         if self.lost or self.transport is None or self.transport.is_closing():
-            self._fail(UpstreamError("upstream connection closed"))
+            self._fail(StaleConnection("upstream connection closed") if self.reused
+                       else UpstreamError("upstream connection closed"))
             return
         self.transport.write(head)
 
@@ -490,17 +516,23 @@ class UpstreamPool:
         self._busy: set[Exchange] = set()
         self._timer: asyncio.TimerHandle | None = None
         self._ssl = ssl.create_default_context() if u.scheme == "https" else None
+        # Learned: the upstream closes its connection after a streamed answer without saying so (llama-server).
+        self.closes_after_streams = False
 
-    async def acquire(self) -> Exchange:
+    async def acquire(self, fresh: bool = False) -> Exchange:
+        """A connection for one request: a kept-alive one unless `fresh`, else a new one."""
         if self._free is not None:
             if self._free > 0 and not self._waiters:
                 self._free -= 1
             else:
                 await self._wait_slot()
         try:
-            while self._idle:
+            now = time.monotonic()
+            while self._idle and not fresh:
                 ex = self._idle.pop()
-                if ex.reusable and not ex.lost and ex.transport is not None and not ex.transport.is_closing():
+                if (ex.reusable and not ex.lost and ex.transport is not None and not ex.transport.is_closing()
+                        and now - ex.idle_since < IDLE_REUSE_MAX_S):
+                    ex.reused = True
                     return ex
                 if ex.transport is not None:
                     ex.transport.close()
@@ -563,17 +595,21 @@ class UpstreamPool:
         """Back to the pool if its response ended cleanly and the upstream keeps it open; closed otherwise."""
         self._give_slot()
         ex.on_body = ex.on_tick = None
-        if ex.reusable and ex._mode == "end" and not ex.lost and ex.transport is not None:
+        if (ex.reusable and ex._mode == "end" and not ex.lost and ex.transport is not None
+                and not (ex.chunked and self.closes_after_streams)):
             ex.transport.resume_reading()
+            ex.idle_since = time.monotonic()
             self._idle.append(ex)
         elif ex.transport is not None:
             ex.transport.close()
 
-    def _forget(self, ex: Exchange) -> None:
+    def _forget(self, ex: Exchange) -> bool:
+        """Out of the idle connections; whether it was one."""
         try:
             self._idle.remove(ex)
         except ValueError:
-            pass
+            return False
+        return True
 
     def close(self) -> None:
         if self._timer is not None:

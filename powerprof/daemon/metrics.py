@@ -97,6 +97,7 @@ class Snapshot:
     writer_beat_age_s: float = 0.0
     proxy_recorder_failures: int = 0
     proxy_upstream_failures: int = 0
+    proxy_upstream_retries: int = 0  # requests sent again on a new connection: the kept-alive one had been closed
     proxy_active: int = 0
     proxy_records_dropped: int = 0  # proxy workers' records not shipped (the daemon did not read)
     proxy_body_timeouts: dict = field(default_factory=dict)  # rule (silent, slow) → request bodies answered 408
@@ -230,6 +231,9 @@ class SnapshotCollector:
                                   "Requests whose recording failed (traffic unaffected)", value=s.proxy_recorder_failures)
         yield CounterMetricFamily("powerprof_proxy_upstream_failures", "Upstream unreachable (502 sent)",
                                   value=s.proxy_upstream_failures)
+        yield CounterMetricFamily("powerprof_proxy_upstream_retries", "Requests sent again on a new connection: "
+                                  "the server had closed the kept-alive one before answering (never began them)",
+                                  value=s.proxy_upstream_retries)
         yield GaugeMetricFamily("powerprof_proxy_active_requests", "Requests in flight", value=s.proxy_active)
         bt = CounterMetricFamily("powerprof_proxy_body_timeouts", "Request bodies answered 408: silent for "
                                  "proxy.body_timeout_s, or slower than proxy.body_min_bytes_per_s", labels=["rule"])

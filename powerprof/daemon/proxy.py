@@ -32,7 +32,7 @@ from powerprof.errtext import error_text
 from powerprof.workload.stream import json_from_bytes
 
 from . import streams
-from .forward import Exchange, UpstreamError, UpstreamPool
+from .forward import Exchange, StaleConnection, UpstreamError, UpstreamPool
 from .promptlen import prompt_size
 
 log = logging.getLogger("powerprof.daemon.proxy")
@@ -263,6 +263,7 @@ class Proxy:
         self._next_id = 0
         self.recorder_failures = 0
         self.upstream_failures = 0
+        self.upstream_retries = 0  # requests sent again: their kept-alive connection had been closed (StaleConnection)
         self.upstream_excess = 0  # responses that sent bytes past their Content-Length (dropped, logged)
         self.active = 0
         self.closing = False
@@ -398,7 +399,20 @@ class Proxy:
             # timer also checks the client: one that left closes the upstream, which stops generating. (While
             # a body is streamed, a client gone shows in reading it.)
             ex.on_tick = lambda: _check_waiting_client(request, ex)
-            status, reason, up_headers = await ex.response_head
+            try:
+                status, reason, up_headers = await ex.response_head
+            except StaleConnection:
+                if streamed:
+                    raise  # a body streamed through is gone: it cannot be sent again
+                # The server never began this request (no byte of an answer on a connection it had closed):
+                # sent once more, on a new connection, as browsers do (Chromium resends on a reused socket).
+                self._drop(ex)
+                ex = None
+                self.upstream_retries += 1
+                ex = await self.pool.acquire(fresh=True)
+                ex.start(request.method, head)
+                ex.on_tick = lambda: _check_waiting_client(request, ex)
+                status, reason, up_headers = await ex.response_head
         except _ClientLeft as e:
             self._drop(ex)
             return self._client_left(trace, str(e))

@@ -471,6 +471,7 @@ class Daemon:
             edge_read_cpu_s=self.edge_cpu_total_s,
             proxy_recorder_failures=self.proxy.recorder_failures if self.proxy else 0,
             proxy_upstream_failures=self.proxy.upstream_failures if self.proxy else 0,
+            proxy_upstream_retries=self.proxy.upstream_retries if self.proxy else 0,
             proxy_active=self.proxy.active if self.proxy else 0,
             proxy_records_dropped=getattr(self.proxy, "records_dropped", 0),
             proxy_body_timeouts=dict(getattr(self.proxy, "body_timeouts", {})),

@@ -169,8 +169,9 @@ class ShippingRecorder:
         p = self.proxy
         bad = self.bad_requests.rejected if self.bad_requests is not None else 0
         if p is None:
-            return (0, 0, self.dropped, bad, 0, 0)
-        return (p.recorder_failures, p.upstream_failures, self.dropped, bad, p.body_timeouts["silent"], p.body_timeouts["slow"])
+            return (0, 0, self.dropped, bad, 0, 0, 0)
+        return (p.recorder_failures, p.upstream_failures, self.dropped, bad, p.body_timeouts["silent"], p.body_timeouts["slow"],
+                p.upstream_retries)
 
     def _writable(self) -> bool:
         tr = self.transport
@@ -344,8 +345,9 @@ _FIRST = (_I, _I, _I, _I, _IN, _BN, _FN)
 _TOK = (_I, _I, _I, "float")
 _END_REST = (_IN, _IN, _IN, _SN, _SN, _IN, _IN, _IN, _IN, _I, _I, _SN, _SN, _SN, _BN)
 _COUNTS = (_IN, _IN, _SN, _SN, _S, _FN, _BN, _SN, _SN, "bool", _SN, _SN, _SN)  # streams.Counts, in its order
-# ShippingRecorder._stats: recorder and upstream failures, records dropped, malformed requests, body timeouts (silent, slow)
-_STATS = (_I, _I, _I, _I, _I, _I)
+# ShippingRecorder._stats: recorder and upstream failures, records dropped, malformed requests, body timeouts (silent,
+# slow), upstream retries
+_STATS = (_I, _I, _I, _I, _I, _I, _I)
 
 
 def _ok(v, kind: str) -> bool:
@@ -501,6 +503,10 @@ class ProxyWorkers:
     @property
     def upstream_failures(self) -> int:
         return sum(w.base[1] + w.stats[1] for w in self.workers)
+
+    @property
+    def upstream_retries(self) -> int:
+        return sum(w.base[6] + w.stats[6] for w in self.workers)
 
     @property
     def body_timeouts(self) -> dict:
