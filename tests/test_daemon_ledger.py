@@ -1009,3 +1009,65 @@ def test_a_server_whose_processes_are_not_found_leaves_the_cpu_share_unjudged_an
     assert led.totals.other_cpu_pct is None
     (msg,) = [m for m in caplog.messages if "not found" in m]
     assert "port 9" in msg and "could include other processes' energy" in msg
+
+
+@dataclass
+class RT(R):  # a GpuReading's counter instant too
+    energy_t_mono_ns: int | None = None
+
+
+def test_each_gpus_counter_is_placed_at_its_own_read_instant_in_ticks_and_edges():
+    # Eight H200s: each counter read costs ~3 ms (15 ms one call in 50), one GPU after the other, and a sample (or an
+    # edge read) is dated at the middle of the whole read. Before, the daemon put every GPU's counter at that one
+    # instant: a slow call moves the later GPUs' counters off it. GPU g draws 150 + 100·g W throughout, so each
+    # interval's true energy is 4400 W · its length exactly.
+    from powerprof.collectors.nvml import CounterRead
+
+    n = 8
+    power_w = 150.0 + 100.0 * np.arange(n)
+
+    def energy_j(t_ns, g):  # GPU g's true cumulative energy
+        return power_w[g] * t_ns / S + 1000.0
+
+    def reads(start_s, call_s):  # each GPU's counter instant (the middle of its own call) and the read's middle
+        ends = start_s + np.cumsum(call_s)
+        return [int((e - c / 2) * S) for e, c in zip(ends, call_s)], int((start_s + ends[-1]) / 2 * S)
+
+    def tick(led, start_s, call_s=(0.003,) * n):
+        ts, mid = reads(start_s, call_s)
+        led.add_gpu_sample(mid, mid, [RT(energy_j(t, g), power_w[g], energy_t_mono_ns=t) for g, t in enumerate(ts)])
+
+    def edge(led, start_s, call_s):
+        ts, mid = reads(start_s, call_s)
+        got = CounterRead([energy_j(t, g) for g, t in enumerate(ts)])
+        got.t_mono_ns = tuple(ts)
+        led.add_gpu_edge(mid, mid, got)
+
+    sink = Sink()
+    led = Ledger("d", 0, n, sink, grace_s=0.1)
+    tick(led, 0.0)
+    edge(led, 0.4, (0.003, 0.003, 0.015) + (0.003,) * 5)  # GPU 2's call is a slow one
+    tick(led, 1.0)
+    edge(led, 1.3, (0.003,) * 6 + (0.015, 0.003))
+    tick(led, 2.0, (0.015,) + (0.003,) * 7)
+    led.advance(int(3 * S))
+    rows = sink.rows["intervals"]
+    assert len(rows) == 4 and all(r["energy_method"] == "counter" for r in rows)
+    # Before: +1.05%, -0.72%, -0.76%, +1.16% (17, 17, 9 and 32 J): a slow call moved the later GPUs, and the GPUs'
+    # offsets about the read's middle, weighted by their unequal power, did not cancel.
+    for r in rows:
+        assert r["gpu_energy_j"] == pytest.approx(power_w.sum() * r["duration_s"], abs=1e-3), r  # ns rounding
+
+
+def test_a_tag_edge_is_dated_where_the_ledger_dates_its_sample():
+    # A tag's edge is an on-demand sample: its window must start and end where that sample's edge is (the interval
+    # edges), or its energy would not be the intervals' inside it.
+    ts = [int((0.5 + 0.003 * g + 0.0015) * S) for g in range(4)]
+    readings = [RT(100.0 * g, 100.0 * (g + 1), energy_t_mono_ns=t) for g, t in enumerate(ts)]
+    led = Ledger("d", 0, 4, Sink())
+    led.add_gpu_sample(int(0.4 * S), int(0.4 * S), [RT(0.0, 100.0 * (g + 1)) for g in range(4)])
+    led.add_gpu_sample(int(0.506 * S), 7 * S, readings)
+    t, wall = Ledger.sample_instant(int(0.506 * S), 7 * S, readings)
+    assert led.edges[-1].t_ns == t and led.edges[-1].wall_ns == wall
+    assert t == round(np.dot(ts, [1, 2, 3, 4]) / 10)  # weighted by each GPU's power
+    assert wall == 7 * S - (int(0.506 * S) - t)

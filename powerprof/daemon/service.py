@@ -353,7 +353,7 @@ class Daemon:
         s = got.get("nvml")
         if s is None or s.data is None:
             return time.monotonic_ns(), time.time_ns()
-        return s.t_mono_ns, s.t_wall_ns
+        return Ledger.sample_instant(s.t_mono_ns, s.t_wall_ns, s.data)  # the instant the ledger dates this edge at
 
     async def tag_start(self, name: str) -> dict:
         if name in self.ledger.tags:
