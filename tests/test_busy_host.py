@@ -261,3 +261,89 @@ def test_a_quiet_sweep_is_not_flagged(tmp_path, monkeypatch):
     assert levels and all(BUSY_HOST_FLAG not in (r["flags"] or "") for r in levels)
     assert all(r["other_cpu_pct"] == pytest.approx(100 * 0.01 / 1.21, abs=0.2) for r in levels)
     assert not [n for n in out.notes if "other processes" in n]
+
+
+# --- daemon ----------------------------------------------------------------------------------------
+
+
+def _daemon(tmp_path, n_requests=4, host_cpu_time=True):
+    """The daemon in this process (simulated GPU, RAPL and server, the busy-host judgement on as beside real RAPL),
+    `n_requests` completions through its proxy; its requests and intervals datasets and its /metrics text."""
+    import asyncio
+    import urllib.request
+
+    import aiohttp
+
+    from daemon_helpers import read_dataset
+    from powerprof.daemon.config import load_config
+    from powerprof.daemon.service import Daemon
+    from powerprof.sim.nvml import SimNVML
+
+    async def main():
+        cfg = load_config(None, env={}, overrides={
+            "daemon.data_dir": str(tmp_path / "data"), "daemon.interval_s": 0.25, "daemon.flush_interval_s": 0.2,
+            "proxy.listen": "127.0.0.1:0", "metrics.listen": "127.0.0.1:0", "daemon.restore_on_start": False})
+        d = Daemon(cfg, Rig("a100-40g", nvml=SimNVML("a100-40g", state_path=None), host_cpu_time=host_cpu_time))
+        task = asyncio.create_task(d.run())
+        for _ in range(1200):  # listening, and RAPL read twice (before, a request has no CPU energy to share)
+            if ("metrics" in d.urls and d.ledger is not None and len(d.ledger.cpu_t) >= 2) or task.done():
+                break
+            await asyncio.sleep(0.05)
+        async with aiohttp.ClientSession() as s:
+            for _ in range(n_requests):
+                body = {"model": "m", "prompt": "hello", "max_tokens": 48, "stream": True,
+                        "stream_options": {"include_usage": True}}
+                async with s.post(d.urls["proxy"] + "/v1/completions", json=body) as r:
+                    assert r.status == 200
+                    await r.read()
+        # Until the requests' intervals have closed and /metrics judged one (bounded: a loaded machine is slow).
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline and (d.ledger.requests or (host_cpu_time and d.snapshot.other_cpu_pct is None)):
+            await asyncio.sleep(0.1)
+        metrics = await asyncio.get_running_loop().run_in_executor(
+            None, lambda: urllib.request.urlopen(d.urls["metrics"] + "/metrics", timeout=30).read().decode())
+        d.stop_event.set()
+        assert await task == 0
+        return metrics
+
+    metrics = asyncio.run(asyncio.wait_for(main(), 240))
+    return read_dataset(tmp_path / "data", "requests"), read_dataset(tmp_path / "data", "intervals"), metrics
+
+
+def _metric(text, name):
+    (v,) = [float(line.split()[-1]) for line in text.splitlines() if line.startswith(name + " ")]
+    return v
+
+
+def test_the_daemons_cpu_energy_beside_a_busy_loop_is_marked_busy_host(tmp_path, hog):
+    # Before: the daemon split the whole package's CPU energy among the requests with no judgement; on a shared host
+    # every other process's CPU energy landed on them, unsaid (the sweep and measure flag it busy-host).
+    reqs, intervals, metrics = _daemon(tmp_path)
+    assert len(reqs) == 4 and reqs.cpu_energy_j.notna().all()  # the figures are kept, as the sweep keeps them
+    assert (reqs.other_cpu_pct > 20).all()
+    assert reqs.energy_note.str.contains("busy-host: other processes used").all()
+    assert reqs.energy_note.str.contains("fix:").all()
+    judged = intervals[intervals.other_cpu_pct.notna()]
+    assert len(judged) >= 0.8 * len(intervals) and (judged.other_cpu_pct > 20).mean() > 0.8
+    assert _metric(metrics, "powerprof_other_processes_cpu_ratio") > 0.2
+    assert _metric(metrics, "powerprof_requests_cpu_energy_busy_host_joules_total") > 0
+
+
+def test_the_daemon_on_a_quiet_host_marks_nothing(tmp_path, monkeypatch):
+    # Injected readings: the server burns a core, powerprof 0.2, everything else 0.01 (0.8%).
+    monkeypatch.setattr(cputime_mod, "CpuTimeCollector", _fake_collector(FakeHost(other=0.01)))
+    reqs, intervals, metrics = _daemon(tmp_path)
+    assert len(reqs) == 4 and reqs.cpu_energy_j.notna().all()
+    assert reqs.other_cpu_pct.to_numpy() == pytest.approx(100 * 0.01 / 1.21, abs=0.3)
+    assert not reqs.energy_note.fillna("").str.contains("busy-host").any()
+    assert _metric(metrics, "powerprof_other_processes_cpu_ratio") == pytest.approx(0.01 / 1.21, abs=0.003)
+    assert _metric(metrics, "powerprof_requests_cpu_energy_busy_host_joules_total") == 0
+
+
+def test_the_daemon_beside_simulated_rapl_judges_nothing(tmp_path, hog):
+    # The simulated package follows the simulated server alone: other processes' CPU time is in none of its joules.
+    reqs, intervals, metrics = _daemon(tmp_path, host_cpu_time=None)
+    assert len(reqs) == 4 and reqs.cpu_energy_j.notna().all()
+    assert reqs.other_cpu_pct.isna().all() and intervals.other_cpu_pct.isna().all()
+    assert not reqs.energy_note.fillna("").str.contains("busy-host").any()
+    assert "powerprof_other_processes_cpu_ratio" not in metrics

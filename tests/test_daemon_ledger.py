@@ -940,3 +940,134 @@ def test_a_request_running_across_utc_midnight_is_one_row_with_the_energy_of_bot
         by_date[date_of(r["t_start_utc"])] = by_date.get(date_of(r["t_start_utc"]), 0.0) + r["requests_energy_j"]
     assert set(by_date) == {"2025-12-31", "2026-01-01"} and min(by_date.values()) > 0
     assert row["gpu_energy_j"] == pytest.approx(sum(by_date.values())) and row["attributed_tokens"] == 7.0
+
+
+def _cpu(led, t_s, cpu_j, host_s, server_s, own_s=0.0):
+    """A RAPL read (package energy) and a CPU-time read at `t_s`, as the sampler's ticks give them."""
+    from powerprof.collectors.cputime import CpuTimeReading
+    from powerprof.collectors.rapl import RaplReading
+
+    led.add_rapl_sample(int(t_s * S), [RaplReading("package-0", "package", 0, cpu_j, None)])
+    led.add_cputime_sample(int(t_s * S), CpuTimeReading(host_s, server_s, own_s))
+
+
+def test_cpu_energy_of_intervals_where_other_processes_kept_the_host_busy_is_marked(caplog):
+    # RAPL is the whole package's: beside other work, the CPU energy split among the requests is partly theirs. Before,
+    # the daemon split it with no judgement (sweep and measure flag it busy-host). Per second: the server uses 1 CPU s,
+    # powerprof 0.1; other processes 0.02 s over [0, 2) (quiet, 1.8%) and 1 s over [2, 4) (busy, 47.6%).
+    sink = Sink()
+    led = Ledger("d", 0, 1, sink, grace_s=0.1)
+    quiet, busy = _trace(1, 0.1), _trace(2, 2.1)
+    host = srv = own = 0.0
+    for k in range(5):
+        _cpu(led, k, 50.0 * k, host, srv, own)
+        _feed(led, k, 300.0 * k)
+        other = 0.02 if k < 2 else 1.0
+        host, srv, own = host + 1.12 + other - 0.02, srv + 1.0, own + 0.1
+    led.open_tag("all", 0, 0)
+    for tr, t0 in ((quiet, 0.1), (busy, 2.1)):
+        led.on_start(tr)
+        tr.first_ns = int((t0 + 0.1) * S)
+        for j in range(15):
+            led.on_tokens(tr, int((t0 + 0.1 + 0.1 * j) * S), 1)
+        tr.last_ns, tr.end_ns = int((t0 + 1.5) * S), int((t0 + 1.6) * S)
+        tr.counts = Counts(generated_tokens=15, prompt_tokens=10, model=None, stop_reason=None, token_source="usage")
+        led.on_end(tr)
+    led.close_tag("all", 4 * S, 4 * S)
+    with caplog.at_level(logging.WARNING, logger="powerprof.daemon.ledger"):
+        led.advance(int(4.5 * S))
+
+    pcts = [r["other_cpu_pct"] for r in sink.rows["intervals"]]
+    assert pcts == [pytest.approx(100 * 0.02 / 1.12), pytest.approx(100 * 0.02 / 1.12),
+                    pytest.approx(100 * 1.0 / 2.1), pytest.approx(100 * 1.0 / 2.1)]
+    got = {r["request_id"]: r for r in sink.rows["requests"]}
+    assert got[1]["cpu_energy_j"] is not None and got[1]["other_cpu_pct"] == pytest.approx(1.8, abs=0.1)
+    assert "busy-host" not in (got[1]["energy_note"] or "")
+    # The figure is kept (as the sweep keeps it) and visibly marked, with the share and the fix.
+    assert got[2]["cpu_energy_j"] is not None and got[2]["other_cpu_pct"] == pytest.approx(47.6, abs=0.1)
+    note = got[2]["energy_note"]
+    assert "busy-host" in note and "other processes used 48%" in note and "cpu_energy_j" in note and "fix:" in note
+    (tag,) = sink.rows["tags"]
+    assert tag["other_cpu_pct"] == pytest.approx(100 * 2.04 / 6.44)  # other processes' CPU time summed ÷ the host's
+    # /metrics: the latest closed interval's share and the requests' CPU energy in the busy-host intervals.
+    assert led.totals.other_cpu_pct == pytest.approx(47.6, abs=0.1)
+    assert led.totals.busy_host_requests_cpu_j == pytest.approx(100.0)
+    assert sum("other processes used" in m and "busy-host" in m for m in caplog.messages) == 1  # once per spell
+
+
+def test_a_server_whose_processes_are_not_found_leaves_the_cpu_share_unjudged_and_says_so_once(caplog):
+    from powerprof.collectors.cputime import CpuTimeReading
+
+    sink = Sink()
+    led = Ledger("d", 0, 1, sink, grace_s=0.1)
+    with caplog.at_level(logging.WARNING, logger="powerprof.daemon.ledger"):
+        for k in range(3):
+            led.add_cputime_sample(k * S, CpuTimeReading(1.0 * k, None, 0.1 * k, "nothing on this host listens on port 9"))
+            _feed(led, k, 300.0 * k)
+        led.advance(int(2.5 * S))
+    assert [r["other_cpu_pct"] for r in sink.rows["intervals"]] == [None, None]
+    assert led.totals.other_cpu_pct is None
+    (msg,) = [m for m in caplog.messages if "not found" in m]
+    assert "port 9" in msg and "could include other processes' energy" in msg
+
+
+@dataclass
+class RT(R):  # a GpuReading's counter instant too
+    energy_t_mono_ns: int | None = None
+
+
+def test_each_gpus_counter_is_placed_at_its_own_read_instant_in_ticks_and_edges():
+    # Eight H200s: each counter read costs ~3 ms (15 ms one call in 50), one GPU after the other, and a sample (or an
+    # edge read) is dated at the middle of the whole read. Before, the daemon put every GPU's counter at that one
+    # instant: a slow call moves the later GPUs' counters off it. GPU g draws 150 + 100·g W throughout, so each
+    # interval's true energy is 4400 W · its length exactly.
+    from powerprof.collectors.nvml import CounterRead
+
+    n = 8
+    power_w = 150.0 + 100.0 * np.arange(n)
+
+    def energy_j(t_ns, g):  # GPU g's true cumulative energy
+        return power_w[g] * t_ns / S + 1000.0
+
+    def reads(start_s, call_s):  # each GPU's counter instant (the middle of its own call) and the read's middle
+        ends = start_s + np.cumsum(call_s)
+        return [int((e - c / 2) * S) for e, c in zip(ends, call_s)], int((start_s + ends[-1]) / 2 * S)
+
+    def tick(led, start_s, call_s=(0.003,) * n):
+        ts, mid = reads(start_s, call_s)
+        led.add_gpu_sample(mid, mid, [RT(energy_j(t, g), power_w[g], energy_t_mono_ns=t) for g, t in enumerate(ts)])
+
+    def edge(led, start_s, call_s):
+        ts, mid = reads(start_s, call_s)
+        got = CounterRead([energy_j(t, g) for g, t in enumerate(ts)])
+        got.t_mono_ns = tuple(ts)
+        led.add_gpu_edge(mid, mid, got)
+
+    sink = Sink()
+    led = Ledger("d", 0, n, sink, grace_s=0.1)
+    tick(led, 0.0)
+    edge(led, 0.4, (0.003, 0.003, 0.015) + (0.003,) * 5)  # GPU 2's call is a slow one
+    tick(led, 1.0)
+    edge(led, 1.3, (0.003,) * 6 + (0.015, 0.003))
+    tick(led, 2.0, (0.015,) + (0.003,) * 7)
+    led.advance(int(3 * S))
+    rows = sink.rows["intervals"]
+    assert len(rows) == 4 and all(r["energy_method"] == "counter" for r in rows)
+    # Before: +1.05%, -0.72%, -0.76%, +1.16% (17, 17, 9 and 32 J): a slow call moved the later GPUs, and the GPUs'
+    # offsets about the read's middle, weighted by their unequal power, did not cancel.
+    for r in rows:
+        assert r["gpu_energy_j"] == pytest.approx(power_w.sum() * r["duration_s"], abs=1e-3), r  # ns rounding
+
+
+def test_a_tag_edge_is_dated_where_the_ledger_dates_its_sample():
+    # A tag's edge is an on-demand sample: its window must start and end where that sample's edge is (the interval
+    # edges), or its energy would not be the intervals' inside it.
+    ts = [int((0.5 + 0.003 * g + 0.0015) * S) for g in range(4)]
+    readings = [RT(100.0 * g, 100.0 * (g + 1), energy_t_mono_ns=t) for g, t in enumerate(ts)]
+    led = Ledger("d", 0, 4, Sink())
+    led.add_gpu_sample(int(0.4 * S), int(0.4 * S), [RT(0.0, 100.0 * (g + 1)) for g in range(4)])
+    led.add_gpu_sample(int(0.506 * S), 7 * S, readings)
+    t, wall = Ledger.sample_instant(int(0.506 * S), 7 * S, readings)
+    assert led.edges[-1].t_ns == t and led.edges[-1].wall_ns == wall
+    assert t == round(np.dot(ts, [1, 2, 3, 4]) / 10)  # weighted by each GPU's power
+    assert wall == 7 * S - (int(0.506 * S) - t)

@@ -14,6 +14,8 @@ import time
 from dataclasses import dataclass
 from typing import Callable, Iterable
 
+import numpy as np
+
 # Above this share of the host's busy CPU time used by processes other than the server's and
 # powerprof's, a GPU+CPU figure is flagged (busy-host). Package power is idle power plus a part that
 # follows busy cores, so other processes' share of the busy CPU time is about their share of the
@@ -28,14 +30,14 @@ BUSY_HOST_FIX = "run on a host left to the server (stop the other work), or read
 REFRESH_S = 5.0  # how often the server's processes are looked up again (a server starts workers, restarts)
 
 
-def busy_host_text(other_pct: float, during: str = "this level") -> str:
+def busy_host_text(other_pct: float, during: str = "this level", figure: str = "the GPU+CPU J/token") -> str:
     """The reason a GPU+CPU figure is flagged: said the same way by every output."""
     return (f"other processes used {other_pct:.0f}% of the host's busy CPU time during {during} (over "
-            f"{BUSY_HOST_PCT:g}%); the CPU energy is the whole package's, so the GPU+CPU J/token includes theirs")
+            f"{BUSY_HOST_PCT:g}%); the CPU energy is the whole package's, so {figure} includes theirs")
 
 
-def unknown_server_text(why: str) -> str:
-    return (f"the inference server's processes were not found on this host ({why}): the GPU+CPU J/token is the "
+def unknown_server_text(why: str, figure: str = "the GPU+CPU J/token is") -> str:
+    return (f"the inference server's processes were not found on this host ({why}): {figure} the "
             "whole package's CPU energy and could include other processes' energy, which cannot be told apart here")
 
 
@@ -192,3 +194,33 @@ def cpu_shares_pct(host_s, other_s, powerprof_s) -> tuple[float | None, float | 
 
     host_s, other_s, powerprof_s = list(host_s), list(other_s), list(powerprof_s)
     return share(other_s), share(powerprof_s)
+
+
+# A CPU-time read further than this from an interval says nothing about it (a stalled collector): unjudged.
+STALE_S = 5.0
+
+
+def interval_cpu_s(t_ns, host_s, other_s, edges_ns, stale_s: float = STALE_S) -> tuple[np.ndarray, np.ndarray]:
+    """(K,) the host's busy and other processes' CPU seconds over each interval between K+1 edges, from cumulative
+    reads (instants `t_ns`): each interval at the rate of the reads around it (the last at or before its start to
+    the first at or after its end), so an interval that ends after the latest read (the daemon closes intervals
+    before the next tick) takes the latest span's rate. Read on the ticks only, a sub-second interval's share is its
+    surrounding second's. NaN where no read spans it within `stale_s`."""
+    t = np.asarray(t_ns, dtype=np.int64)
+    h = np.asarray(host_s, dtype=float)
+    o = np.asarray(other_s, dtype=float)
+    edges = np.asarray(edges_ns, dtype=np.int64)
+    k_count = max(edges.size - 1, 0)
+    if t.size < 2 or k_count == 0:
+        return np.full(k_count, np.nan), np.full(k_count, np.nan)
+    a, b = edges[:-1], edges[1:]
+    hi = np.maximum(np.clip(np.searchsorted(t, b, side="left"), 0, t.size - 1), 1)
+    lo = np.minimum(np.clip(np.searchsorted(t, a, side="right") - 1, 0, t.size - 1), hi - 1)
+    span_s = (t[hi] - t[lo]) / 1e9
+    stale = (t[hi] < a - int(stale_s * 1e9)) | (t[lo] > b + int(stale_s * 1e9)) | (span_s <= 0)
+    dur_s = (b - a) / 1e9
+    with np.errstate(divide="ignore", invalid="ignore"):
+        host = (h[hi] - h[lo]) / span_s * dur_s
+        other = np.clip((o[hi] - o[lo]) / span_s, 0.0, None) * dur_s  # tick rounding can make it a hair below 0
+    host[stale], other[stale] = np.nan, np.nan
+    return host, other

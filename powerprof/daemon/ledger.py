@@ -19,6 +19,8 @@ from typing import Callable
 
 import numpy as np
 
+from powerprof.collectors.cputime import (BUSY_HOST_FIX, BUSY_HOST_FLAG, BUSY_HOST_PCT, busy_host_text,
+                                          interval_cpu_s, unknown_server_text)
 from powerprof.collectors.rapl import cpu_energy_j
 from powerprof.energy import epoch_broken, interp_at, unwrap_resets
 from powerprof.profiler import weakest_method
@@ -55,6 +57,36 @@ class _Edge:
     epoch: np.ndarray | None = None  # (G,) the counters' epochs (a jump or reset bumps one); None: as the edge before
 
 
+def _edge_instant(t_ns: int, wall_ns: int, read_ns: np.ndarray, read_j: np.ndarray, weight_w: np.ndarray) -> tuple[int, int]:
+    """The instant a read of every GPU's counter stands for: the mean of the counters' own read instants, weighted by
+    each GPU's power (equal weights where any is unknown). The GPUs are read one after another (~3 ms a counter call
+    on an H200, 15 ms one call in 50: eight span ~24 ms), so no instant is every counter's; at this one the GPUs'
+    summed counters are their true sum wherever each GPU's power is steady across the read (Σ P_g (τ_g - t) = 0).
+    Dated at the read's middle, a slow call moved the sum by the later GPUs' offset times their power. Not the
+    earliest instant with each counter interpolated back from its previous read (as `Profiler.mark` does): that
+    spreads the previous interval's average power over the offset, worse wherever the load changed since
+    (bench/daemon_edge_instants.py: p95 12% against 3.3% per short interval)."""
+    ok = ~np.isnan(read_j)
+    if not ok.any():
+        return t_ns, wall_ns
+    w = weight_w[ok] if weight_w is not None and weight_w.shape == read_j.shape else None
+    if w is None or np.isnan(w).any() or (w <= 0).any():
+        w = np.ones(int(ok.sum()))
+    off = read_ns[ok] - read_ns[ok].min()  # in ns from the first: exact in float
+    t = int(read_ns[ok].min()) + int(round(float(np.dot(w, off) / w.sum())))
+    return t, wall_ns - (t_ns - t)
+
+
+def _sample_reads(t_ns: int, readings) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """(G,) each GPU's counter (J), the instant it was read (ns; the sample's where unsaid) and its power (W)."""
+    counter = np.array([np.nan if r.energy_j is None else r.energy_j for r in readings], dtype=float)
+    read_ns = np.array([t_ns if getattr(r, "energy_t_mono_ns", None) is None else r.energy_t_mono_ns
+                        for r in readings], dtype=np.int64)
+    power = np.array([np.nan if (r.power_w if r.power_w is not None else r.power_avg_w) is None
+                      else (r.power_w if r.power_w is not None else r.power_avg_w) for r in readings], dtype=float)
+    return counter, read_ns, power
+
+
 @dataclass
 class _Req:
     trace: RequestTrace
@@ -74,6 +106,10 @@ class _Req:
     # Not a generation API the proxy counts, yet GPU work (streams.uncounted_kind: embeddings, audio, other…).
     uncounted: str | None = None
     beside_uncounted: set = field(default_factory=set)  # such requests' kinds live in intervals it shared
+    # Its CPU joules from intervals whose other processes' share is known, and those joules × that share (%): the
+    # share of its CPU figure that other processes' CPU time stood beside (collectors/cputime.py, busy-host).
+    cpu_judged_j: float = 0.0
+    cpu_other_pct_j: float = 0.0
 
 
 @dataclass
@@ -90,6 +126,8 @@ class _Tag:
     tokens: float = 0.0
     methods: set = field(default_factory=set)
     closed_by: str = "stop"
+    host_cpu_s: float = 0.0  # the host's busy CPU time over its intervals whose share is known
+    other_cpu_s: float = 0.0  # of it, other processes' (neither the server's nor powerprof's)
 
 
 @dataclass
@@ -104,6 +142,8 @@ class Totals:
     energy_by_dest_j: tuple = (0.0, 0.0, 0.0)  # requests, idle, unproxied
     tokens_attributed: float = 0.0
     costs: dict = field(default_factory=dict)  # the costs in use and the latest fit's quality
+    other_cpu_pct: float | None = None  # other processes' share of the host's busy CPU time, latest judged busy interval
+    busy_host_requests_cpu_j: float = 0.0  # CPU energy given to requests in intervals where it was above BUSY_HOST_PCT
 
 
 class Ledger:
@@ -135,10 +175,19 @@ class Ledger:
         self.cpu_t: deque = deque(maxlen=4096)
         self.cpu_e: deque = deque(maxlen=4096)
         self.cpu_epoch: deque = deque(maxlen=4096)
+        # Cumulative CPU seconds (collectors/cputime.py): the host's busy time and other processes' part of it.
+        self.ct_t: deque = deque(maxlen=4096)
+        self.ct_host: deque = deque(maxlen=4096)
+        self.ct_other: deque = deque(maxlen=4096)
+        self._server_unknown_said = False
+        self._busy_spell = False  # inside a run of busy-host intervals (logged once when it starts)
+        self._other_pct: float | None = None
+        self._busy_cpu_j = 0.0
         self.server_spans: list[list] = []  # [t0, t1, server tokens, bypass tokens or None] per scrape
         self._proxied: deque = deque()  # (t_ns, tokens) of every proxied token event, for the scrape windows
         self.server_seen = False
         self._setting: tuple = ()  # the GPUs' power limits at the latest full sample
+        self._power_w: np.ndarray | None = None  # the GPUs' power at the latest full sample
         self.server_upto_ns: int | None = None
         self._gap = 0.0  # server minus proxied tokens, cumulative, to the end of the last resolved window
         self._levels: deque = deque()  # (window end, bypass level) of recent windows
@@ -236,17 +285,20 @@ class Ledger:
 
     # --- inputs from the sampler and the scraper ----------------------------------------------
 
+    @staticmethod
+    def sample_instant(t_ns: int, wall_ns: int, readings) -> tuple[int, int]:
+        """(monotonic ns, wall ns) a full GPU sample's edge is dated at (`_edge_instant`): a tag's edge is that."""
+        counter, read_ns, power = _sample_reads(t_ns, readings)
+        return _edge_instant(t_ns, wall_ns, read_ns, counter, power)
+
     def add_gpu_sample(self, t_ns: int, wall_ns: int, readings) -> None:
-        counter = np.array([np.nan if r.energy_j is None else r.energy_j for r in readings], dtype=float)
-        power = np.array(
-            [np.nan if (r.power_w if r.power_w is not None else r.power_avg_w) is None
-             else (r.power_w if r.power_w is not None else r.power_avg_w) for r in readings],
-            dtype=float,
-        )
+        counter, read_ns, power = _sample_reads(t_ns, readings)
         setting = tuple(getattr(r, "power_limit_w", None) for r in readings)
         self._setting = setting
         epoch = np.array([getattr(r, "energy_epoch", 0) for r in readings], dtype=np.int64)
-        self._insert_edge(_Edge(t_ns, wall_ns, counter, power, setting, epoch))
+        self._power_w = power
+        t, wall = _edge_instant(t_ns, wall_ns, read_ns, counter, power)
+        self._insert_edge(_Edge(t, wall, counter, power, setting, epoch))
 
     def add_gpu_edge(self, t_ns: int, wall_ns: int, energy_j) -> None:
         """An edge from the energy counters alone (a short request's arrival, first token or end):
@@ -257,7 +309,10 @@ class Ledger:
             return
         epochs = getattr(energy_j, "epochs", None)  # collectors.nvml.CounterRead
         epoch = np.array(epochs, dtype=np.int64) if epochs else None
-        self._insert_edge(_Edge(t_ns, wall_ns, counter, np.full(self.n_gpus, np.nan), self._setting, epoch))
+        at = getattr(energy_j, "t_mono_ns", None)
+        read_ns = np.array(at, dtype=np.int64) if at and len(at) == self.n_gpus else np.full(self.n_gpus, t_ns, np.int64)
+        t, wall = _edge_instant(t_ns, wall_ns, read_ns, counter, self._power_w)  # weighted by the last full sample's power
+        self._insert_edge(_Edge(t, wall, counter, np.full(self.n_gpus, np.nan), self._setting, epoch))
 
     def _insert_edge(self, edge: _Edge) -> None:
         t_ns = edge.t_ns
@@ -283,6 +338,28 @@ class Ledger:
         self.cpu_t.append(t_ns)
         self.cpu_e.append(energy_j)
         self.cpu_epoch.append(epoch)
+
+    def add_cputime_sample(self, t_ns: int, reading) -> None:
+        """Whose CPU time the host spent (a `CpuTimeReading`): RAPL's CPU energy is the whole package's, so
+        intervals where other processes used more than BUSY_HOST_PCT of it are marked. A server whose
+        processes are not found leaves every interval unjudged, said once."""
+        if reading.host_busy_s is None:
+            return
+        if reading.server_cpu_s is None:
+            if not self._server_unknown_said:
+                self._server_unknown_said = True
+                log.warning("%s; fix: %s", unknown_server_text(reading.server_note or "not found",
+                                                               "the CPU energy split among the requests is"),
+                            BUSY_HOST_FIX)
+            return
+        self.ct_t.append(t_ns)
+        self.ct_host.append(reading.host_busy_s)
+        self.ct_other.append(reading.host_busy_s - reading.server_cpu_s - (reading.powerprof_cpu_s or 0.0))
+
+    def _cpu_time(self, t: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """(K,) the host's busy CPU seconds and other processes' over each interval; NaN where unknown."""
+        return interval_cpu_s(np.fromiter(self.ct_t, dtype=np.int64, count=len(self.ct_t)),
+                              np.fromiter(self.ct_host, dtype=float), np.fromiter(self.ct_other, dtype=float), t)
 
     def add_server_tokens(self, t_ns: int, delta: float, since_ns: int | None = None) -> None:
         """Tokens the server counted between the previous scrape (`since_ns`) and this one: spread
@@ -423,6 +500,10 @@ class Ledger:
         else:
             work_j, aside = gpu0, None
         cpu = self._cpu_energy(t)
+        host_s, other_s = self._cpu_time(t)
+        with np.errstate(divide="ignore", invalid="ignore"):
+            other_pct = np.where(host_s > 0, 100.0 * other_s / host_s, np.nan)
+        judged = ~np.isnan(other_pct) & ~np.isnan(cpu)
         t_end = int(t[-1])
         reqs = [r for r in self.requests.values() if r.trace.arrival_ns < t_end]
         never = attr.NEVER
@@ -458,7 +539,10 @@ class Ledger:
         costs = self.learner.costs(setting)
         # The third column marks intervals without CPU energy: a request given a share of one
         # has no CPU figure (rather than a partial, smaller one).
-        energy = np.column_stack([work_j, np.nan_to_num(cpu), np.isnan(cpu), gpu_missing])
+        # The last two: its CPU joules from intervals whose other processes' share is known, and those × the share.
+        cpu0 = np.nan_to_num(cpu)
+        energy = np.column_stack([work_j, cpu0, np.isnan(cpu), gpu_missing, np.where(judged, cpu0, 0.0),
+                                  np.where(judged, cpu0 * np.nan_to_num(other_pct), 0.0)])
         passive = np.array([_passive(r) for r in reqs], dtype=bool)  # its error status is known from its head
         a = attr.attribute(t, energy, arrival, first, last, end, ev_t_a, ev_r_a, ev_n_a, excess,
                            prompt_tokens=prompt, tok_ctx=np.array(ev_c, dtype=float), costs=costs,
@@ -485,6 +569,8 @@ class Ledger:
             r.cpu_known = r.cpu_known or not np.isnan(cpu).all()
             r.cpu_missing = r.cpu_missing or a.request_energy[i, 2] > 0
             r.gpu_missing = r.gpu_missing or a.request_energy[i, 3] > 0
+            r.cpu_judged_j += a.request_energy[i, 4]
+            r.cpu_other_pct_j += a.request_energy[i, 5]
             r.tokens += a.request_tokens[i]
             # Token events before the closed edge are spent.
             if r.ev_t and r.ev_t[0] < t_end:
@@ -508,8 +594,9 @@ class Ledger:
                 if r.trace.stream is True and r.trace.api is not None and r.trace.api.startswith("openai"):
                     live = (arrival[i] < t[1:]) & (end[i] > t[:-1])
                     r.server_ahead += float(excess[live].sum())
-        self._account(t, per_gpu, gpu, cpu, a, methods, costs)
-        self._interval_rows(edges, t, gpu, cpu, methods, a, excess, costs)
+        self._judge_host(t, a, other_pct, judged)
+        self._account(t, per_gpu, gpu, cpu, a, methods, costs, host_s, other_s, judged)
+        self._interval_rows(edges, t, gpu, cpu, methods, a, excess, costs, other_pct)
         rows = []
         for r, d in zip(reqs, done):
             if d:
@@ -625,7 +712,30 @@ class Ledger:
             self._level = level
             self._gap = float(gaps[k])
 
-    def _account(self, t, per_gpu, gpu, cpu, a: attr.Attribution, methods: list[str], costs: attr.WorkCosts) -> None:
+    def _judge_host(self, t, a: attr.Attribution, other_pct, judged) -> None:
+        """Count the requests' CPU energy in busy-host intervals and say when a spell of them begins (once) and ends.
+
+        Only intervals with work are judged: an idle one's CPU energy goes to no request, and with the server idle
+        a quiet host's own background is most of the little busy time there is."""
+        judged = judged & (a.kind != attr.IDLE)
+        if not judged.any():
+            return
+        busy = judged & (np.nan_to_num(other_pct) > BUSY_HOST_PCT)
+        self._busy_cpu_j += float(a.dest[busy, attr.TO_REQUESTS, 1].sum())
+        self._other_pct = float(other_pct[np.flatnonzero(judged)[-1]])
+        if busy.any() and not self._busy_spell:
+            k = int(np.flatnonzero(busy)[0])
+            log.warning("%s: %s (intervals and requests from %.1f s on say so: other_cpu_pct, energy_note); fix: %s",
+                        BUSY_HOST_FLAG, busy_host_text(float(other_pct[k]), "an interval",
+                                                       "the CPU energy split among the requests"),
+                        (int(t[k]) - self.t0_ns) / 1e9, BUSY_HOST_FIX)
+        elif self._busy_spell and not busy[np.flatnonzero(judged)[-1]]:
+            log.info("%s over: other processes used %.0f%% of the host's busy CPU time in the latest interval",
+                     BUSY_HOST_FLAG, self._other_pct)
+        self._busy_spell = bool(busy[np.flatnonzero(judged)[-1]])
+
+    def _account(self, t, per_gpu, gpu, cpu, a: attr.Attribution, methods: list[str], costs: attr.WorkCosts,
+                 host_s=None, other_s=None, judged=None) -> None:
         self._gpu_total = self._gpu_total + np.nan_to_num(per_gpu).sum(axis=0)
         if not np.isnan(cpu).all():
             self._cpu_total = (self._cpu_total or 0.0) + float(np.nansum(cpu))
@@ -641,7 +751,7 @@ class Ledger:
         e = sum(x[1] for x in self._recent)
         n = sum(x[2] for x in self._recent)
         for tag in list(self.tags.values()) + self.closed_tags:
-            self._tag_add(tag, t, gpu, cpu, a, methods)
+            self._tag_add(tag, t, gpu, cpu, a, methods, host_s, other_s, judged)
         self.totals = Totals(
             gpu_energy_j=tuple(float(x) for x in self._gpu_total),
             cpu_energy_j=self._cpu_total,
@@ -651,6 +761,8 @@ class Ledger:
             energy_by_dest_j=tuple(float(x) for x in self._by_dest),
             tokens_attributed=self._tokens_attributed,
             costs=self._costs_state(costs),
+            other_cpu_pct=self._other_pct,
+            busy_host_requests_cpu_j=self._busy_cpu_j,
         )
 
     def _costs_state(self, costs: attr.WorkCosts) -> dict:
@@ -682,7 +794,7 @@ class Ledger:
         row.update(dict(zip(names, fit.coef)))
         return row
 
-    def _tag_add(self, tag: _Tag, t, gpu, cpu, a, methods) -> None:
+    def _tag_add(self, tag: _Tag, t, gpu, cpu, a, methods, host_s=None, other_s=None, judged=None) -> None:
         mid = (t[:-1] + t[1:]) // 2
         end = tag.t1_ns if tag.t1_ns is not None else attr.NEVER
         inside = (mid >= tag.t0_ns) & (mid < end)
@@ -695,6 +807,9 @@ class Ledger:
         tag.cpu_missing = tag.cpu_missing or bool(np.isnan(cpu[inside]).any())
         tag.tokens += float(a.tokens[inside].sum())
         tag.methods.update(m for m, i in zip(methods, inside) if i)
+        if judged is not None:
+            tag.host_cpu_s += float(host_s[inside & judged].sum())
+            tag.other_cpu_s += float(other_s[inside & judged].sum())
 
     def _emit_tags(self, force: bool = False) -> None:
         last_closed = self.edges[0].t_ns if self.edges else None
@@ -713,7 +828,7 @@ class Ledger:
 
     # --- rows --------------------------------------------------------------------------------
 
-    def _interval_rows(self, edges, t, gpu, cpu, methods, a: attr.Attribution, server, costs) -> None:
+    def _interval_rows(self, edges, t, gpu, cpu, methods, a: attr.Attribution, server, costs, other_pct=None) -> None:
         rows = []
         for k in range(t.size - 1):
             dur = (t[k + 1] - t[k]) / 1e9
@@ -727,6 +842,8 @@ class Ledger:
                     "kind": attr.KIND_NAMES[a.kind[k]],
                     "gpu_energy_j": None if np.isnan(gpu[k]) else float(gpu[k]),
                     "cpu_energy_j": None if np.isnan(cpu[k]) else float(cpu[k]),
+                    "other_cpu_pct": (None if other_pct is None or np.isnan(other_pct[k]) or np.isnan(cpu[k])
+                                      else float(other_pct[k])),
                     "energy_method": methods[k],
                     "avg_gpu_power_w": float(gpu[k]) / dur if dur > 0 and not np.isnan(gpu[k]) else None,
                     "proxy_tokens": float(a.tokens[k]),
@@ -761,6 +878,9 @@ class Ledger:
         estimated = (c.tokens_estimated and not r.to_server if c is not None
                      else bool(tr.tokens_seen and tr.api is not None and tr.api.startswith("openai")))
         error = _with_late(tr.error, r.late)
+        cpu_j = r.cpu_j if r.cpu_known and not r.cpu_missing and r.gpu_j > 0 else None
+        # Weighted by its CPU joules from each interval: how much of its CPU figure stood beside others' work.
+        other_pct = r.cpu_other_pct_j / r.cpu_judged_j if cpu_j is not None and r.cpu_judged_j > 0 else None
         if estimated and r.server_ahead >= 0.5:
             note = (f"tokens counted one a chunk (the stream carried no counts: ask for usage, stream_options "
                     f"include_usage); the server's counter ran {r.server_ahead:.0f} token(s) ahead of the proxy's in "
@@ -798,9 +918,10 @@ class Ledger:
             "response_bytes": tr.response_bytes,
             # No share at all is not a measured zero: left empty, with the reason.
             "gpu_energy_j": r.gpu_j if r.gpu_j > 0 and not r.gpu_missing else None,
-            "cpu_energy_j": r.cpu_j if r.cpu_known and not r.cpu_missing and r.gpu_j > 0 else None,
-            "energy_note": (GPU_MISSING_NOTE if r.gpu_missing else _approximate_note(r) if r.gpu_j > 0
-                            else _no_energy_reason(r)),
+            "cpu_energy_j": cpu_j,
+            "other_cpu_pct": other_pct,
+            "energy_note": _joined(GPU_MISSING_NOTE if r.gpu_missing else _approximate_note(r) if r.gpu_j > 0
+                                   else _no_energy_reason(r), _busy_host_note(other_pct)),
             "prompt_tokens_estimate": r.prompt_est[0] if r.prompt_est is not None and _prompt_tokens(r) is None else None,
             "attributed_tokens": r.tokens,
             "gpu_j_per_token": (float(attr.per_token(r.gpu_j, r.tokens))
@@ -818,11 +939,25 @@ class Ledger:
             "duration_s": dur,
             "gpu_energy_j": None if tg.gpu_missing else tg.gpu_j,
             "cpu_energy_j": None if tg.cpu_missing else tg.cpu_j,
+            "other_cpu_pct": (100.0 * tg.other_cpu_s / tg.host_cpu_s
+                              if tg.host_cpu_s > 0 and tg.cpu_j is not None and not tg.cpu_missing else None),
             "energy_method": weakest_method(tg.methods) if tg.methods else None,
             "proxy_tokens": tg.tokens,
             "gpu_j_per_token": tg.gpu_j / tg.tokens if tg.tokens > 0 and not tg.gpu_missing else None,
             "closed_by": tg.closed_by,
         }
+
+
+def _joined(*notes: str | None) -> str | None:
+    return "; ".join(n for n in notes if n) or None
+
+
+def _busy_host_note(other_pct: float | None) -> str | None:
+    """A request's CPU figure beside other processes' work: kept, and said (as the sweep flags a level busy-host)."""
+    if other_pct is None or other_pct <= BUSY_HOST_PCT:
+        return None
+    return (f"{BUSY_HOST_FLAG}: {busy_host_text(other_pct, 'its intervals', 'its cpu_energy_j')}; "
+            f"fix: {BUSY_HOST_FIX}")
 
 
 def _with_late(error: str | None, late: float) -> str | None:

@@ -109,6 +109,8 @@ class Snapshot:
     sources: dict = field(default_factory=dict)  # source → (reads, read CPU s, missed ticks, errors)
     edge_reads: int = 0
     edge_read_cpu_s: float = 0.0
+    other_cpu_pct: float | None = None  # ledger.Totals: other processes' share of busy CPU time, latest judged interval
+    busy_host_requests_cpu_j: float = 0.0  # CPU energy given to requests in busy-host intervals since start
 
 
 class SnapshotCollector:
@@ -142,6 +144,16 @@ class SnapshotCollector:
         if s.cpu_energy_j is not None:
             yield CounterMetricFamily("powerprof_cpu_energy_joules", "CPU package+DRAM energy (RAPL) of the whole host, every process, since start",
                                       value=s.cpu_energy_j)
+        if s.other_cpu_pct is not None:
+            yield GaugeMetricFamily("powerprof_other_processes_cpu_ratio",
+                                    "Share of the host's busy CPU time used by processes other than the inference "
+                                    "server's and powerprof's, latest closed interval with work (RAPL's CPU energy "
+                                    "includes theirs; above 0.1 the interval is busy-host)", value=s.other_cpu_pct / 100.0)
+        if s.cpu_energy_j is not None:
+            yield CounterMetricFamily("powerprof_requests_cpu_energy_busy_host_joules",
+                                      "CPU energy given to requests in intervals where other processes used over 10% of "
+                                      "the host's busy CPU time (busy-host: it includes theirs)",
+                                      value=s.busy_host_requests_cpu_j)
         k = CounterMetricFamily("powerprof_gpu_interval_energy_joules",
                                 "GPU energy by interval kind (idle, decode, prefill, unproxied)", labels=["kind"])
         for name, v in zip(KIND_NAMES, s.energy_by_kind_j):

@@ -224,6 +224,7 @@ class Daemon:
         self.early_signals: list[int] = []  # SIGINTs that came before the loop's handlers
         # Opened by run(): collectors, the store and its writer, the ledger, the sampler, listeners.
         self.sources = None
+        self.upstream: str | None = None
         self.collector = None
         self.gpu_uuids: dict[int, str] = {}
         self.t0_ns = 0
@@ -357,7 +358,7 @@ class Daemon:
         s = got.get("nvml")
         if s is None or s.data is None:
             return time.monotonic_ns(), time.time_ns()
-        return s.t_mono_ns, s.t_wall_ns
+        return Ledger.sample_instant(s.t_mono_ns, s.t_wall_ns, s.data)  # the instant the ledger dates this edge at
 
     async def tag_start(self, name: str) -> dict:
         if name in self.ledger.tags:
@@ -419,6 +420,8 @@ class Daemon:
                 self.latest_gpu = s
             elif s.source == "rapl":
                 self.ledger.add_rapl_sample(s.t_mono_ns, s.data)
+            elif s.source == "cputime":
+                self.ledger.add_cputime_sample(s.t_mono_ns, s.data)
         self.store.append("samples", rows)
 
     def _update_snapshot(self) -> None:
@@ -479,6 +482,8 @@ class Daemon:
             + getattr(self.proxy, "malformed_requests", 0),
             proxy_worker_restarts=dict(getattr(self.proxy, "restarts", {})),
             late_tokens=self.ledger.late_tokens,
+            other_cpu_pct=tot.other_cpu_pct,
+            busy_host_requests_cpu_j=tot.busy_host_requests_cpu_j,
         )
 
     def _stuck_after_s(self) -> float:
@@ -738,18 +743,24 @@ class Daemon:
         self.tags = TagLimiter(cfg.get("metrics", "tags"), cfg.get("metrics", "max_tags"))
         self.flusher = Flusher(self.store, cfg.get("daemon", "flush_interval_s"), cfg.get("daemon", "compact_interval_s"),
                                compact_in_child=True)
-        self.sampler = Sampler(self.sources.collectors + self.extra_collectors, interval_s=cfg.get("daemon", "interval_s"))
+        self.upstream = cfg.get("proxy", "upstream")
+        if not self.upstream:
+            self.upstream = self.rig.default_upstream()
+            if self.upstream:
+                self.urls["sim_upstream"] = self.upstream
+        # RAPL's CPU energy is the whole package's: whose CPU time the host spends judges it (busy-host), where the
+        # door says that energy is real; the server is the upstream's processes on this host.
+        cputime = (self.rig.cpu_time_collector(self.upstream, [])
+                   if self.sources.rapl is not None and self.upstream else None)
+        self.sampler = Sampler(self.sources.collectors + ([cputime] if cputime is not None else []) + self.extra_collectors,
+                               interval_s=cfg.get("daemon", "interval_s"))
         self.sampler.subscribe(self._on_sample)
         return data_dir
 
     async def _start(self, session: aiohttp.ClientSession, data_dir: Path) -> None:
         """Listeners (proxy, /metrics, tag socket), the sampler, the writer and the loops."""
         cfg = self.cfg
-        upstream = cfg.get("proxy", "upstream")
-        if not upstream:
-            upstream = self.rig.default_upstream()
-            if upstream:
-                self.urls["sim_upstream"] = upstream
+        upstream = self.upstream
         listen = cfg.get("proxy", "listen")
         if listen and upstream:
             proxy_kwargs = dict(

@@ -241,6 +241,9 @@ DAEMON_REQUESTS_COLUMNS = [
     ("gpu_energy_j", F64),  # its share of every interval it was live in, by its work there; null: no share (energy_note)
     ("energy_note", STR),  # why gpu_energy_j is empty (no work seen), or approximate (a prompt length estimated)
     ("cpu_energy_j", F64),  # same split of RAPL package+DRAM energy
+    # %: other processes' share of the host's busy CPU time in its intervals, weighted by its CPU joules there (above
+    # cputime.BUSY_HOST_PCT energy_note says busy-host: cpu_energy_j includes their energy); null: not judged
+    ("other_cpu_pct", F64),
     ("attributed_tokens", F64),  # its tokens inside closed intervals (all of them)
     ("gpu_j_per_token", F64),  # gpu_energy_j / attributed_tokens
     ("recorder_error", STR),  # recording failed (traffic still flowed)
@@ -257,6 +260,7 @@ DAEMON_INTERVALS_COLUMNS = [
     ("kind", STR),  # idle | decode | prefill (prefill or mixed) | unproxied: a label
     ("gpu_energy_j", F64),  # all sampled GPUs
     ("cpu_energy_j", F64),  # RAPL package + DRAM, null without RAPL
+    ("other_cpu_pct", F64),  # %: other processes' share of the host's busy CPU time (busy-host above 10); null: not judged
     ("energy_method", STR),  # counter | power_integration | none (weakest of the GPUs)
     ("avg_gpu_power_w", F64),
     ("proxy_tokens", F64),  # tokens that passed through the proxy in the interval
@@ -318,6 +322,7 @@ DAEMON_TAGS_COLUMNS = [
     ("duration_s", F64),
     ("gpu_energy_j", F64),  # counter read on demand at both edges
     ("cpu_energy_j", F64),
+    ("other_cpu_pct", F64),  # %: other processes' CPU time summed ÷ the host's busy time, over its intervals
     ("energy_method", STR),
     ("proxy_tokens", F64),  # tokens through the proxy inside the window
     ("gpu_j_per_token", F64),
