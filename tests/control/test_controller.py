@@ -119,14 +119,15 @@ def test_nvidia_smi_fallback_where_nvml_cannot_set(originals):
     def fake_smi(args):
         calls.append(list(args))
         assert args[0] == "-i" and args[2] == "-pl"
-        inner.nvmlDeviceSetPowerManagementLimit(inner.nvmlDeviceGetHandleByIndex(int(args[1])), int(float(args[3]) * 1000))
+        inner.nvmlDeviceSetPowerManagementLimit(inner.nvmlDeviceGetHandleByUUID(args[1]), int(float(args[3]) * 1000))
 
+    u0, u1 = (g.uuid for g in inner.gpus)
     with door_controller(NoSetter(inner), [0, 1], nvidia_smi=fake_smi) as ctl:
         rb = ctl.set_power_limit_w(220)
         assert [g.method for g in rb.gpus] == ["nvidia-smi"] * 2
         assert [g.limit_w for g in rb.gpus] == [220.0, 220.0]
-    assert calls[:2] == [["-i", "0", "-pl", "220"], ["-i", "1", "-pl", "220"]]
-    assert calls[2:] == [["-i", "0", "-pl", "280"], ["-i", "1", "-pl", "300"]]  # restore goes the same way
+    assert calls[:2] == [["-i", u0, "-pl", "220"], ["-i", u1, "-pl", "220"]]
+    assert calls[2:] == [["-i", u0, "-pl", "280"], ["-i", u1, "-pl", "300"]]  # restore goes the same way
     assert_untouched()
 
 
@@ -138,7 +139,7 @@ def test_a_failing_nvidia_smi_is_an_error_and_restores(originals):
     inner = sim()
 
     def smi(args):
-        i, w = int(args[1]), float(args[3])
+        i, w = inner.nvmlDeviceGetHandleByUUID(args[1]).index, float(args[3])
         if i == 1 and w != ORIGINAL_W[1]:
             raise ControlError("`nvidia-smi -i 1 -pl 200` failed: Unknown Error")
         inner.nvmlDeviceSetPowerManagementLimit(inner.nvmlDeviceGetHandleByIndex(i), int(w * 1000))
@@ -602,3 +603,27 @@ def test_root_refuses_a_state_folder_others_can_write_and_never_follows_a_plante
     with pytest.raises(OSError):
         GpuLock(own, "GPU-x").acquire()
     assert victim.read_text() == "precious\n"
+
+
+def test_nvidia_smi_fallback_names_the_gpu_by_uuid_not_by_an_index_that_may_have_moved(originals):
+    # After a driver reload or a reset the indexes may come back in another order: nvidia-smi's
+    # index 0 is then the GPU NVML knew as 1. The fallback must name the GPU it means by UUID.
+    class NoSetter(Wrap):
+        def nvmlDeviceSetPowerManagementLimit(self, h, mw):
+            raise pynvml.NVMLError(pynvml.NVML_ERROR_NOT_SUPPORTED)
+
+    inner = sim()
+    swapped = {"0": 1, "1": 0}  # nvidia-smi's indexes since the reload
+
+    def fake_smi(args):
+        assert args[0] == "-i" and args[2] == "-pl"
+        target = args[1]
+        h = (inner.nvmlDeviceGetHandleByUUID(target) if target.startswith("GPU-")
+             else inner.nvmlDeviceGetHandleByIndex(swapped[target]))
+        inner.nvmlDeviceSetPowerManagementLimit(h, int(float(args[3]) * 1000))
+
+    with door_controller(NoSetter(inner), [0], nvidia_smi=fake_smi) as ctl:
+        rb = ctl.set_power_limit_w(220)
+        assert rb.gpus[0].limit_w == 220.0
+        assert sim_state() == [(220.0, None), (ORIGINAL_W[1], None)]  # GPU 1 was not touched
+    assert_untouched()
