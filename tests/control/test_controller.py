@@ -467,7 +467,7 @@ def test_restore_command_exit_codes(originals):
     assert r.exit_code == 1 and "/nonexistent/restore-x.json does not exist" in r.output
     path = _leave_pending_record()
     r = CliRunner().invoke(cli, ["restore", "--restore-file", str(path)])
-    assert r.exit_code == 0 and "GPU 0" in r.output and "original 280 W" in r.output and "clock lock released" in r.output
+    assert r.exit_code == 0 and "GPU 0" in r.output and "was 190 W, set to 280 W" in r.output and "clock lock released" in r.output
     assert_untouched()
 
 
@@ -626,4 +626,19 @@ def test_nvidia_smi_fallback_names_the_gpu_by_uuid_not_by_an_index_that_may_have
         rb = ctl.set_power_limit_w(220)
         assert rb.gpus[0].limit_w == 220.0
         assert sim_state() == [(220.0, None), (ORIGINAL_W[1], None)]  # GPU 1 was not touched
+    assert_untouched()
+
+
+def test_restore_says_each_gpus_limit_before_and_what_it_was_set_to(originals, capsys):
+    # A killed run left both GPUs at 190 W; the operator must see 190 W → 280/300 W per GPU, not only the end state.
+    _leave_pending_record()
+    report = door_restore()
+    assert report.ok, report.lines()
+    lines = report.lines()
+    for i, orig in enumerate(ORIGINAL_W):
+        (line,) = [x for x in lines if x.strip().startswith(f"GPU {i} ")]
+        assert "was 190 W" in line and f"set to {orig:g} W" in line, line
+    d = report.to_dict()["files"][0]["gpus"]
+    assert [g["before_limit_w"] for g in d] == [190.0, 190.0]
+    assert [g["limit_w"] for g in d] == list(ORIGINAL_W)
     assert_untouched()
