@@ -642,3 +642,31 @@ def test_restore_says_each_gpus_limit_before_and_what_it_was_set_to(originals, c
     assert [g["before_limit_w"] for g in d] == [190.0, 190.0]
     assert [g["limit_w"] for g in d] == list(ORIGINAL_W)
     assert_untouched()
+
+
+def test_a_mixed_hosts_record_reopens_the_same_cards_and_restore_puts_the_l4_back(originals, capsys):
+    from powerprof.cli import main as cli
+    from powerprof.rig import Rig
+
+    mixed = "h200-141g,l4-24g"
+    with Rig(mixed).controller([1]) as ctl:
+        ctl.set_power_limit_w(50)
+        path, saved = ctl.restore_path, ctl.restore_path.read_bytes()
+    assert json.loads(saved)["simulated"] == {"profile": mixed, "count": 2}
+    n = SimNVML(mixed)
+    n.nvmlInit()
+    n.nvmlDeviceSetPowerManagementLimit(n.nvmlDeviceGetHandleByIndex(1), 50_000)  # what a kill -9 leaves
+    path.write_bytes(saved)
+    report = door_restore()
+    assert report.ok, report.lines()
+    assert any("GPU 1 " in x and "was 50 W, set to 72 W" in x for x in report.lines()), report.lines()
+    fresh = SimNVML(mixed)
+    fresh.nvmlInit()
+    assert fresh.nvmlDeviceGetPowerManagementLimit(fresh.nvmlDeviceGetHandleByIndex(1)) == 72_000
+    # A level no card of the pair shares is refused before anything changes, naming the way on.
+    from click.testing import CliRunner
+
+    r = CliRunner().invoke(cli, ["sweep", "--simulate", mixed, "--limits", "180", "--dry-run"])
+    assert r.exit_code == 2 and "--gpus 0 (Simulated NVIDIA H200) or --gpus 1 (Simulated NVIDIA L4)" in r.output
+    r = CliRunner().invoke(cli, ["devices", "--simulate", "h200-141g,l5"])
+    assert r.exit_code == 2 and "'l5': not a simulated GPU profile" in r.output
