@@ -56,12 +56,13 @@ def _read(data: Path, name: str) -> pd.DataFrame:
     return pads.dataset(p, partitioning="hive").to_table().to_pandas()
 
 
-def run(trace: list[TraceRequest], bypass: set[int] = frozenset(), profile: str = "h200-141g", interval_s: float = 1.0,
+def run(trace: list[TraceRequest], bypass: set[int] = frozenset(), profile="h200-141g", interval_s: float = 1.0,
         n_slots: int = 64, tail: list[TraceRequest] = (), tail_gap_s: float = 1.5, data_dir: Path | None = None,
         config: dict | None = None) -> Outcome:
     """Replay `trace` (indexes in `bypass` straight to the server, the rest through the proxy), then
     `tail` one at a time with `tail_gap_s` between (identical requests, measured alone). `config`:
-    more daemon settings ("section.key": value)."""
+    more daemon settings ("section.key": value). profile: a key or a GpuProfile (a variant, e.g. without
+    an energy counter)."""
     tmp = Path(data_dir or tempfile.mkdtemp(prefix="pp-attr-"))
     nvml = SimNVML(profile, state_path=None)
     srv = SimServer(nvml, flavour="vllm", n_slots=n_slots, batching="continuous").start()
@@ -70,7 +71,7 @@ def run(trace: list[TraceRequest], bypass: set[int] = frozenset(), profile: str 
         "proxy.listen": "127.0.0.1:0", "proxy.upstream": srv.url, "metrics.listen": "",
         "daemon.restore_on_start": False, "tags.socket": str(tmp / "pp.sock"), **(config or {}),
     })
-    daemon = Daemon(cfg, Rig(profile, nvml=nvml, host=False))
+    daemon = Daemon(cfg, Rig(profile if isinstance(profile, str) else profile.key, nvml=nvml, host=False))
     full = list(trace)
     n_main = len(full)
     params = RequestParams(max_tokens=16, ignore_eos=True)
@@ -201,8 +202,11 @@ def score(o: Outcome) -> dict:
             tags[t] = est / tru - 1
         tail = r[r["tail"]]
         jpt = tail[col] / tail["attributed_tokens"]
+        tail_err = ((tail[col] - tail["true_j"]) / tail["true_j"]).dropna()
         out["methods"][name] = {
             "median_abs_err": float(np.median(np.abs(err))) if len(err) else None,
+            # Requests alone (the tail): where energy read late by half a window lands outside them.
+            "alone_median_abs_err": float(np.median(np.abs(tail_err))) if len(tail_err) else None,
             "p95_abs_err": float(np.percentile(np.abs(err), 95)) if len(err) else None,
             "median_abs_err_all": float(np.median(np.abs(err_all))) if len(err_all) else None,
             "p95_abs_err_all": float(np.percentile(np.abs(err_all), 95)) if len(err_all) else None,

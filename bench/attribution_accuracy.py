@@ -2,6 +2,7 @@
 
     python bench/attribution_accuracy.py            # the acceptance run: 2000 requests, a few minutes
     python bench/attribution_accuracy.py --quick    # 300 requests
+    python bench/attribution_accuracy.py --quick --no-counter   # the H200 read by its 1 s trailing average alone
 
 The daemon (1 Hz sampling) runs in front of the simulated continuous-batching server (vLLM
 flavour, 64 slots, H200 profile); a synthetic production-like trace (bursty arrivals, lognormal
@@ -40,6 +41,9 @@ def main() -> None:
     ap.add_argument("--bypass-after-gap", type=float, default=None, metavar="S",
                     help="also send straight to the server every request that comes S seconds or more after the one "
                          "before it (bypass bursts that start from stillness, where the scrape is slow)")
+    ap.add_argument("--no-counter", action="store_true",
+                    help="the GPU has no energy counter and no instant power: only nvmlDeviceGetPowerUsage's 1 s "
+                         "trailing average (the daemon integrates it, shifted back half its window)")
     a = ap.parse_args()
     n = a.requests or (300 if a.quick else 2000)
     trace = synthetic(n, a.rate, "bursty", prompt_median=300, output_median=60, tags=("chat", "rag", "batch"),
@@ -50,8 +54,15 @@ def main() -> None:
     tail = [TraceRequest(0.0, 200, 64, "probe")] * 6
     t = time.monotonic()
     config = {"scrape.idle_interval_s": a.scrape_idle} if a.scrape_idle is not None else None
+    profile = "h200-141g"
+    if a.no_counter:
+        import dataclasses
+
+        from powerprof.sim.profiles import get_profile
+
+        profile = dataclasses.replace(get_profile(profile), has_energy_counter=False, has_instant_power=False)
     o = run(trace, bypass=bypass, interval_s=a.interval, tail=tail, data_dir=Path(a.keep) if a.keep else None,
-            config=config)
+            config=config, profile=profile)
     s = score(o)
     s["bench_s"] = time.monotonic() - t
     if a.json:

@@ -12,7 +12,8 @@ import click
 from powerprof import __version__
 from powerprof.sim.profiles import DEFAULT_PROFILE, PROFILES
 
-SIMULATE_HELP = f"Use a simulated GPU (profiles: {', '.join(PROFILES)}; default {DEFAULT_PROFILE})."
+SIMULATE_HELP = (f"Use a simulated GPU (profiles: {', '.join(PROFILES)}; default {DEFAULT_PROFILE}); a host of mixed "
+                 "cards: one profile per GPU in index order, e.g. h200-141g,l4-24g.")
 CONTEXT_SETTINGS = {"help_option_names": ["-h", "--help"]}  # inherited by every subcommand
 DEFAULT_MAX_TOKENS = 256  # one default for sweep and measure: long enough for multi-second decode windows
 PROMPT_SET_NAMES = ("short", "medium", "long", "mixed")  # powerprof.workload.load.PROMPT_SETS (a test checks)
@@ -35,6 +36,20 @@ class _FloatRange(click.FloatRange):
         return rv
 
 
+class _SimProfiles(click.ParamType):
+    """A simulator profile key, or one per GPU joined by commas (a mixed host)."""
+
+    name = "PROFILE[,PROFILE…]"
+
+    def convert(self, value, param, ctx):
+        keys = [k.strip() for k in str(value).split(",")]
+        bad = [k for k in keys if k not in PROFILES]
+        if bad:
+            self.fail(f"{', '.join(repr(k) for k in bad)}: not a simulated GPU profile; choose from "
+                      f"{', '.join(sorted(PROFILES))} (one, or one per GPU joined by commas)", param, ctx)
+        return ",".join(keys)
+
+
 def simulate_option(f):
     return click.option(
         "--simulate",
@@ -42,7 +57,7 @@ def simulate_option(f):
         is_flag=False,
         flag_value=DEFAULT_PROFILE,
         default=None,
-        type=click.Choice(sorted(PROFILES)),
+        type=_SimProfiles(),
         help=SIMULATE_HELP,
     )(f)
 

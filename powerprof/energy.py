@@ -99,6 +99,27 @@ def shift_average_power(t_ns: np.ndarray, window_s: float) -> np.ndarray:
     return np.asarray(t_ns, dtype=np.int64) - int(window_s * 1e9 / 2)
 
 
+def trailing_average_energy_j(t_ns: np.ndarray, p_avg_w: np.ndarray, window_s: float, t0_ns: int, t1_ns: int) -> float:
+    """Energy over [t0, t1] from trailing-average power readings (nvmlDeviceGetPowerUsage: the mean of the
+    `window_s` before each read), for the profiler and the daemon alike.
+
+    Each reading is dated at the middle of its window (`shift_average_power`) and the shifted series is
+    integrated; the last reading also speaks for the half-window from its shifted time to its read (it has
+    seen it). Integrated unshifted, every interval takes the energy of half a window earlier: a request's
+    energy lands after it. NaN without a window (window_s <= 0: the reading is instant power) or where the
+    readings do not cover [t0, t1]."""
+    t = np.asarray(t_ns, dtype=np.int64)
+    y = np.asarray(p_avg_w, dtype=float)
+    ok = ~np.isnan(y)
+    t, y = t[ok], y[ok]
+    if t.size < 2 or window_s <= 0:
+        return float("nan")
+    half = int(window_s * 1e9 / 2)
+    t = shift_average_power(t, window_s)
+    t, y = np.append(t, t[-1] + half), np.append(y, y[-1])
+    return integrate_power_j(t, y, t0_ns, t1_ns)
+
+
 # The coarsest refresh of a GPU energy counter: drivers refresh it every 10-100 ms, and a real H200
 # refreshed every 100 ms (docs/hardware.md). A card's own refresh is not known in advance.
 COUNTER_STEP_S = 0.1

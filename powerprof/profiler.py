@@ -27,7 +27,7 @@ from powerprof.collectors.cputime import CpuTime
 from powerprof.collectors.nvml import NvmlCollector
 from powerprof.collectors.rapl import cpu_energy_j
 from powerprof.collectors.sampler import Clock, Sample, Sampler
-from powerprof.energy import counter_energy_j, integrate_power_j, shift_average_power
+from powerprof.energy import counter_energy_j, integrate_power_j, trailing_average_energy_j
 
 # Below these window lengths a figure is reported but flagged low-confidence. From
 # bench/window_accuracy.py (docs/benchmarks.md, "Energy windows"): the counter's p95 error is under
@@ -239,13 +239,7 @@ class EnergyTimeline:
 
     def _avg_power(self, k: int, t0: int, t1: int) -> float:
         t, y = self.gpu_avg_power[k].arrays()
-        if t.size < 2 or self.avg_windows_s[k] <= 0:
-            return float("nan")
-        half = int(self.avg_windows_s[k] * 1e9 / 2)
-        t = shift_average_power(t, self.avg_windows_s[k])
-        # The last reading speaks for the half-window after its shifted time too.
-        t, y = np.append(t, t[-1] + half), np.append(y, y[-1])
-        return integrate_power_j(t, y, t0, t1)
+        return trailing_average_energy_j(t, y, self.avg_windows_s[k], t0, t1)
 
     def _instant_power(self, k: int, t0: int, t1: int) -> float:
         # Without a trailing average (window 0) the "average" reading is instant power too.

@@ -39,7 +39,8 @@ class Rig:
         nvml=None,
         host_cpu_time: bool | None = None,
     ):
-        """sim_profile: a simulator profile key, or None for this machine's hardware.
+        """sim_profile: a simulator profile key, or one per GPU joined by commas (a host of mixed cards: as many GPUs
+        as keys), or None for this machine's hardware.
         gpus: NVML indexes, or GPU/MIG UUIDs (default: what CUDA_VISIBLE_DEVICES allows). nvml: an NVML-like object
         to use as given (tests hand in a SimNVML they control). host_cpu_time: judge a busy host from this machine's
         CPU times (default: only where RAPL is real; tests of that judgement set True beside the simulated RAPL)."""
@@ -58,6 +59,9 @@ class Rig:
         self._launch_notes: list[str] = []  # what launching a server did besides (a server left by a killed powerprof stopped)
         ints = [g for g in gpus or () if isinstance(g, int)]
         self._sim_gpu_count = max(ints) + 1 if ints else (sim_gpu_count or 1)
+        if sim_profile and "," in sim_profile:
+            # A mixed host (one profile per GPU): it has as many GPUs as profiles; --gpus then picks among them.
+            self._sim_gpu_count = len(sim_profile.split(","))
         self._nvml = nvml
 
     @property
@@ -105,7 +109,8 @@ class Rig:
         """What a restore file records so `restore` can reopen these GPUs after a crash."""
         if not self.simulated:
             return None
-        return {"profile": self.profile.key, "count": len(self.nvml.gpus)}
+        keys = [g.profile.key for g in self.nvml.gpus]
+        return {"profile": keys[0] if len(set(keys)) == 1 else ",".join(keys), "count": len(keys)}
 
     def run_label(self, gpu_name: str) -> str:
         """The GPU's part of a default run-directory name."""
@@ -324,10 +329,14 @@ def _bad_origin(origin) -> str | None:
     from powerprof.sim.profiles import PROFILES
 
     profile, count = origin.get("profile"), origin.get("count")
-    if not isinstance(profile, str) or profile not in PROFILES:
-        why = f'names the profile {json.dumps(profile)}, not one of {", ".join(sorted(PROFILES))}'
+    keys = profile.split(",") if isinstance(profile, str) else []
+    if not keys or any(k not in PROFILES for k in keys):
+        why = (f'names the profile {json.dumps(profile)}, not one of {", ".join(sorted(PROFILES))} '
+               "(or one per GPU joined by commas)")
     elif type(count) is not int or not 1 <= count <= MAX_SIM_GPUS:
         why = f'has "count" {json.dumps(count)}, not a GPU count in 1..{MAX_SIM_GPUS}'
+    elif len(keys) > 1 and len(keys) != count:
+        why = f'names {len(keys)} profiles for "count" {count} GPUs'
     else:
         return None
     return (f'is damaged: its "simulated" {why}. It records simulated GPUs only: correct that field, or delete the '

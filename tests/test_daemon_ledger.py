@@ -1071,3 +1071,57 @@ def test_a_tag_edge_is_dated_where_the_ledger_dates_its_sample():
     assert led.edges[-1].t_ns == t and led.edges[-1].wall_ns == wall
     assert t == round(np.dot(ts, [1, 2, 3, 4]) / 10)  # weighted by each GPU's power
     assert wall == 7 * S - (int(0.506 * S) - t)
+
+
+def _avg_only_run(led: Ledger, steps, until_s: float, interval_s: float = 1.0):
+    """A simulated card with neither an energy counter nor instant power (only nvmlDeviceGetPowerUsage's 1 s
+    trailing average) running `steps` [(t_s, "decode" | "idle")], sampled every interval_s as the daemon does.
+    Returns the card (its history is the truth)."""
+    import dataclasses
+
+    from powerprof.sim.gpu import Phase, SimGpu
+    from powerprof.sim.profiles import get_profile
+
+    prof = dataclasses.replace(get_profile("seed-16g"), has_energy_counter=False, has_instant_power=False,
+                               power_avg_window_s=1.0)
+    now = [0]
+    gpu = SimGpu(prof, 0, "GPU-avg", clock_ns=lambda: now[0], record_history=True)
+    events = sorted([(t, kind) for t, kind in steps] + [(k * interval_s, "sample")
+                                                        for k in range(int(until_s / interval_s) + 1)])
+    for t, kind in events:
+        now[0] = int(t * S)
+        if kind == "sample":
+            led.add_gpu_sample(now[0], now[0], [R(None, None, gpu.average_power_w(), 300.0)])
+        else:
+            gpu.set_phase(Phase(kind, 0.45 if kind == "decode" else 0.0))
+    return gpu
+
+
+def test_a_gpu_read_by_its_trailing_average_alone_has_its_energy_when_it_was_spent():
+    # nvmlDeviceGetPowerUsage is the mean of the last second: read at t it describes [t - 1, t]. Integrated as
+    # if it were the power at t, every burst's energy landed 0.5 s late (into the interval after a request, and
+    # onto whichever request ran there). Shifted back by half its window, as the profiler does
+    # (energy.trailing_average_energy_j), each burst's energy is centred where the simulator spent it.
+    sink = Sink()
+    led = Ledger("d", 0, 1, sink, grace_s=0.1, avg_windows_s=(1.0,))
+    gpu = _avg_only_run(led, [(3.3, "decode"), (5.6, "idle"), (8.2, "decode"), (9.1, "idle")], until_s=13.0)
+    led.advance(int(13.0 * S))
+    rows = sink.rows["intervals"]
+    assert rows and all(r["energy_method"] == "avg_power_integration" for r in rows)
+    # wall = monotonic here: the rows' UTC edges are the simulator's instants
+    a = np.array([r["t_start_utc"] for r in rows])
+    b = np.array([r["t_end_utc"] for r in rows])
+    got = np.array([r["gpu_energy_j"] for r in rows])
+    truth = np.array([gpu.true_energy_at_j(y) - gpu.true_energy_at_j(x) for x, y in zip(a, b)])
+    mid_s, idle = (a + b) / 2 / S, gpu.profile.idle_power_w * (b - a) / S
+    for lo, hi in ((2, 7), (7, 12)):  # each burst and the idle second either side of it
+        m = (mid_s > lo) & (mid_s < hi)
+
+        def centre_s(e):
+            return np.sum((e[m] - idle[m]) * mid_s[m]) / np.sum(e[m] - idle[m])
+
+        assert got[m].sum() == pytest.approx(truth[m].sum(), rel=1e-3)
+        # Measured: 0.500 s late unshifted, 0.000 s shifted.
+        assert centre_s(got) == pytest.approx(centre_s(truth), abs=0.05)
+    # Nothing is closed past what the readings cover: the last interval ends half a window before the last read.
+    assert rows[-1]["t_end_utc"] <= int(12.5 * S)

@@ -79,3 +79,33 @@ def test_limits_persist_across_processes_through_the_state_file(tmp_path):
     assert b.nvmlDeviceGetPowerManagementLimit(b.nvmlDeviceGetHandleByIndex(0)) == 180_000
     b.nvmlDeviceSetPowerManagementLimit(b.nvmlDeviceGetHandleByIndex(0), 300_000)
     assert a.nvmlDeviceGetPowerManagementLimit(a.nvmlDeviceGetHandleByIndex(0)) == 300_000
+
+
+def test_a_mixed_host_has_each_cards_own_profile_limits_and_default_after_a_reset(tmp_path):
+    import pynvml
+
+    path = tmp_path / "sim.json"
+    nv = SimNVML("h200-141g,l4-24g", state_path=path)
+    nv.nvmlInit()
+    h = [nv.nvmlDeviceGetHandleByIndex(i) for i in range(nv.nvmlDeviceGetCount())]
+    assert [nv.nvmlDeviceGetName(x) for x in h] == ["Simulated NVIDIA H200", "Simulated NVIDIA L4"]
+    assert [nv.nvmlDeviceGetPowerManagementLimitConstraints(x) for x in h] == [[200_000, 700_000], [40_000, 72_000]]
+    with pytest.raises(pynvml.NVMLError):
+        nv.nvmlDeviceSetPowerManagementLimit(h[1], 180_000)  # 180 W is no L4 limit
+    nv.nvmlDeviceSetPowerManagementLimit(h[1], 50_000)
+    nv.nvmlDeviceSetPowerManagementLimit(h[0], 300_000)
+    # Another process on the same state file sees each card's own limit, and a reset brings each its own default.
+    other = SimNVML("h200-141g,l4-24g", state_path=path)
+    other.nvmlInit()
+    assert [other.nvmlDeviceGetPowerManagementLimit(other.nvmlDeviceGetHandleByIndex(i)) for i in range(2)] == [300_000, 50_000]
+    nv.external_reset(1)
+    assert nv.nvmlDeviceGetPowerManagementLimit(h[1]) == 72_000 and nv.nvmlDeviceGetPowerManagementLimit(h[0]) == 300_000
+    nv.external_reset(0)
+    assert [other.nvmlDeviceGetPowerManagementLimit(other.nvmlDeviceGetHandleByIndex(i)) for i in range(2)] == [700_000, 72_000]
+    # The single-profile way is unchanged: one key, `count` GPUs of it, the same UUIDs as before.
+    one = SimNVML("h200-141g", count=2, state_path=None)
+    assert [g.uuid for g in one.gpus][0] == nv.gpus[0].uuid and one.gpus[1].profile.key == "h200-141g"
+    with pytest.raises(ValueError, match="one per GPU"):
+        SimNVML("h200-141g,l4-24g", count=3, state_path=None)
+    with pytest.raises(KeyError, match="choose one of"):
+        SimNVML("h200-141g,l5", state_path=None)

@@ -68,6 +68,17 @@ def describe_power_range(devices: Sequence[DeviceRange]) -> str:
     return f"{head}; {per_gpu}. Give watts (220 or 220W) or a percentage of the default limit (60%)."
 
 
+def one_kind_at_a_time(devices: Sequence[DeviceRange]) -> str:
+    """The way on for a set of GPUs of different models ("" for one model): one level means other watts,
+    or none at all, on each (a 180 W level on an L4 of 40-72 W), so each kind is swept on its own."""
+    kinds: dict[str, list[str]] = {}
+    for d in devices:
+        kinds.setdefault(d.name, []).append(str(d.index))
+    if len(kinds) < 2:
+        return ""
+    return " Sweep one kind of GPU at a time: " + " or ".join(f"--gpus {','.join(i)} ({n})" for n, i in kinds.items()) + "."
+
+
 def parse_power_levels(spec: str | Iterable, devices: Sequence[DeviceRange]) -> list[float]:
     """'180,220W,60%' → [180.0, 220.0, 180.0]-style watts, validated against every GPU in `devices`.
 
@@ -76,7 +87,7 @@ def parse_power_levels(spec: str | Iterable, devices: Sequence[DeviceRange]) -> 
     """
     if not devices:
         raise LevelError(["no GPU selected"], "Select at least one GPU.")
-    allowed = describe_power_range(devices)
+    allowed = describe_power_range(devices) + one_kind_at_a_time(devices)
     lo, hi = common_power_range(devices)
     if lo > hi:
         raise LevelError(["no single power limit fits every selected GPU"], allowed)
@@ -103,7 +114,7 @@ def parse_clock_levels(spec: str | Iterable, devices: Sequence[DeviceRange]) -> 
     if not devices:
         raise LevelError(["no GPU selected"], "Select at least one GPU.")
     lo, hi = common_clock_range(devices)
-    allowed = describe_clock_range(devices)
+    allowed = describe_clock_range(devices) + one_kind_at_a_time(devices)
     if lo is None:
         missing = [str(d.index) for d in devices if d.clock_min_mhz is None or d.clock_max_mhz is None]
         raise LevelError([f"GPU {', '.join(missing)} does not report its supported SM clocks"],

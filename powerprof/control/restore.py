@@ -10,6 +10,7 @@ import os
 import re
 import stat
 import sys
+import dataclasses
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, Sequence
@@ -332,8 +333,9 @@ class GpuRestored:
     index: int
     uuid: str
     limit_w: float | None  # read back after the restore
-    original_w: float
+    original_w: float  # what it was set to: the recorded original (or the default, for force_default)
     clocks_released: bool
+    before_w: float | None = None  # the limit it had when the restore began (None: it could not be read)
 
 
 def restore_gpu(nvml, handle, index: int, uuid: str, entry: dict, nvidia_smi: NvidiaSmi, tolerance_w: float) -> GpuRestored:
@@ -342,6 +344,8 @@ def restore_gpu(nvml, handle, index: int, uuid: str, entry: dict, nvidia_smi: Nv
     The clock lock is released even when the limit could not be put back, and vice versa.
     """
     original_w = entry["original_limit_mw"] / 1000
+    # What the crashed run left: the operator is told what changed, not only the end state.
+    before_mw = gateway(nvml).query("nvmlDeviceGetPowerManagementLimit", handle)
     failure: ControlError | None = None
     rb = None
     try:
@@ -359,7 +363,7 @@ def restore_gpu(nvml, handle, index: int, uuid: str, entry: dict, nvidia_smi: Nv
             failure = failure or e
     if failure is not None:
         raise failure
-    return GpuRestored(index, uuid, rb.limit_w, original_w, released)
+    return GpuRestored(index, uuid, rb.limit_w, original_w, released, None if before_mw is None else before_mw / 1000)
 
 
 @dataclass(frozen=True)
@@ -388,7 +392,9 @@ class RestoreReport:
             out.append(o.message)
             for g in o.gpus:
                 clocks = "; SM clock lock released" if g.clocks_released else ""
-                out.append(f"  GPU {g.index} ({g.uuid}): power limit {g.limit_w:g} W (original {g.original_w:g} W){clocks}")
+                before = "could not be read" if g.before_w is None else f"was {g.before_w:g} W"
+                after = "cannot be read back" if g.limit_w is None else f"reads back {g.limit_w:g} W"
+                out.append(f"  GPU {g.index} ({g.uuid}): power limit {before}, set to {g.original_w:g} W ({after}){clocks}")
         return out
 
     def to_dict(self) -> dict:
@@ -399,7 +405,8 @@ class RestoreReport:
             "notes": list(self.notes),
             "files": [
                 {"path": str(o.path), "status": o.status, "message": o.message,
-                 "gpus": [{"index": g.index, "uuid": g.uuid, "limit_w": g.limit_w, "original_limit_w": g.original_w,
+                 "gpus": [{"index": g.index, "uuid": g.uuid, "before_limit_w": g.before_w, "limit_w": g.limit_w,
+                           "original_limit_w": g.original_w,
                            "clocks_released": g.clocks_released} for g in o.gpus]}
                 for o in self.outcomes
             ],
@@ -616,7 +623,7 @@ def force_default(
                 continue
             try:
                 reset_sm_clocks(nvml, h, index)  # whether or not a lock was made: the file cannot say
-                r = GpuRestored(r.index, r.uuid, r.limit_w, r.original_w, True)
+                r = dataclasses.replace(r, clocks_released=True)
             except ControlPermissionError as e:
                 problems.append(str(e))
             except ControlError:

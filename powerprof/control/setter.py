@@ -72,11 +72,12 @@ def set_power_limit(nvml, handle, index: int, uuid: str, watts: float, nvidia_sm
             # Nothing more can be done to it now; a reset or reboot brings its default limit back anyway.
             raise ControlError(
                 f"GPU {index} is lost (fell off the bus, NVML_ERROR_GPU_IS_LOST): its power limit cannot be set to "
-                f"{watts:g} W now; fix: `nvidia-smi -r -i {index}` or a reboot (either puts its default limit back)."
+                f"{watts:g} W now; fix: `nvidia-smi -r -i {uuid or index}` or a reboot (either puts its default limit back)."
             ) from e
         if code != nvml.NVML_ERROR_NOT_SUPPORTED:
             raise ControlError(f"GPU {index}: setting the power limit to {watts:g} W failed (NVML: {e}).") from e
-        nvidia_smi(["-i", str(index), "-pl", _fmt_w(watts)])
+        # By UUID where known: after a driver reload or a reset nvidia-smi's index may name another GPU.
+        nvidia_smi(["-i", uuid or str(index), "-pl", _fmt_w(watts)])
         method = "nvidia-smi"
     return read_back(nvml, handle, index, uuid, watts, method)
 

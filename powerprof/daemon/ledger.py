@@ -22,8 +22,8 @@ import numpy as np
 from powerprof.collectors.cputime import (BUSY_HOST_FIX, BUSY_HOST_FLAG, BUSY_HOST_PCT, busy_host_text,
                                           interval_cpu_s, unknown_server_text)
 from powerprof.collectors.rapl import cpu_energy_j
-from powerprof.energy import epoch_broken, interp_at, unwrap_resets
-from powerprof.profiler import weakest_method
+from powerprof.energy import epoch_broken, interp_at, trailing_average_energy_j, unwrap_resets
+from powerprof.profiler import METHOD_AVG_POWER, METHOD_COUNTER, METHOD_NONE, METHOD_POWER, weakest_method
 
 from . import attribution as attr
 from .promptlen import PromptLengths
@@ -52,9 +52,10 @@ class _Edge:
     t_ns: int
     wall_ns: int
     counter_j: np.ndarray  # (G,) NaN where missing
-    power_w: np.ndarray  # (G,)
+    power_w: np.ndarray  # (G,) instant power (or a reading with no averaging window); NaN where missing
     setting: tuple = ()  # the GPUs' power limits: costs are learned per setting
     epoch: np.ndarray | None = None  # (G,) the counters' epochs (a jump or reset bumps one); None: as the edge before
+    avg_power_w: np.ndarray | None = None  # (G,) trailing-average power (GPUs with an averaging window); None: not read
 
 
 def _edge_instant(t_ns: int, wall_ns: int, read_ns: np.ndarray, read_j: np.ndarray, weight_w: np.ndarray) -> tuple[int, int]:
@@ -158,7 +159,11 @@ class Ledger:
         max_hold_s: float = 120.0,
         prompt_hold_s: float = PROMPT_HOLD_S,
         learner: CostLearner | None = None,
+        avg_windows_s: tuple[float, ...] | None = None,
     ):
+        """avg_windows_s: per GPU, the window nvmlDeviceGetPowerUsage averages over (collectors.nvml.GpuInfo's
+        power_avg_window_s; 0: the reading is instant power). Where a GPU's counter gives no energy, its
+        trailing average is integrated shifted back by half that window, as the profiler does."""
         self.daemon_id = daemon_id
         self.t0_ns = t0_ns
         self.n_gpus = n_gpus
@@ -167,6 +172,11 @@ class Ledger:
         self.max_hold_ns = int(max_hold_s * 1e9)
         self.prompt_hold_ns = int(prompt_hold_s * 1e9)
         self.learner = learner or CostLearner()
+        self.avg_windows_s = tuple(avg_windows_s) if avg_windows_s is not None else (0.0,) * n_gpus
+        # Per GPU: the latest full sample's time and whether its counter was missing (the average is then needed,
+        # and an interval can close only once the shifted readings reach past its end).
+        self._avg_last_ns = np.full(n_gpus, -1, dtype=np.int64)
+        self._avg_needed = np.zeros(n_gpus, dtype=bool)
         self.jpt_window_ns = int(jpt_window_s * 1e9)
         self.edges: list[_Edge] = []
         self.requests: dict[int, _Req] = {}
@@ -292,13 +302,25 @@ class Ledger:
         return _edge_instant(t_ns, wall_ns, read_ns, counter, power)
 
     def add_gpu_sample(self, t_ns: int, wall_ns: int, readings) -> None:
-        counter, read_ns, power = _sample_reads(t_ns, readings)
+        counter, read_ns, weight_w = _sample_reads(t_ns, readings)
+        windows = self.avg_windows_s if len(self.avg_windows_s) == len(readings) else (0.0,) * len(readings)
+        # A GPU's reading of nvmlDeviceGetPowerUsage with no averaging window is instant power too.
+        power = np.array([r.power_w if r.power_w is not None
+                          else (r.power_avg_w if r.power_avg_w is not None and w <= 0 else np.nan)
+                          for r, w in zip(readings, windows)], dtype=float)
+        avg = np.array([r.power_avg_w if r.power_avg_w is not None and w > 0 else np.nan
+                        for r, w in zip(readings, windows)], dtype=float)
         setting = tuple(getattr(r, "power_limit_w", None) for r in readings)
         self._setting = setting
         epoch = np.array([getattr(r, "energy_epoch", 0) for r in readings], dtype=np.int64)
-        self._power_w = power
-        t, wall = _edge_instant(t_ns, wall_ns, read_ns, counter, power)
-        self._insert_edge(_Edge(t, wall, counter, power, setting, epoch))
+        if len(readings) == self.n_gpus:
+            has_avg = ~np.isnan(avg)
+            self._avg_last_ns[has_avg] = t_ns
+            self._avg_needed = np.isnan(counter) & has_avg
+        # The edge instant is weighted by each GPU's power, instant or averaged: only the weights need it.
+        self._power_w = weight_w
+        t, wall = _edge_instant(t_ns, wall_ns, read_ns, counter, weight_w)
+        self._insert_edge(_Edge(t, wall, counter, power, setting, epoch, avg))
 
     def add_gpu_edge(self, t_ns: int, wall_ns: int, energy_j) -> None:
         """An edge from the energy counters alone (a short request's arrival, first token or end):
@@ -416,6 +438,12 @@ class Ledger:
             self._resolve_spans(self.server_upto_ns)
             known = min((sp[0] for sp in self.server_spans if sp[3] is None), default=self.server_upto_ns)
             horizon = min(horizon, max(known, now_ns - int(SCRAPE_HOLD_S * 1e9)))
+        if self._avg_needed.any():
+            # A GPU read by its trailing average alone: the reading that covers an interval's end is taken half a
+            # window later, so an interval closes once a reading is that far past its end (bounded, as every hold).
+            reach = min(int(self._avg_last_ns[g]) - int(self.avg_windows_s[g] * 1e9 / 2)
+                        for g in np.flatnonzero(self._avg_needed))
+            horizon = min(horizon, max(reach, now_ns - self.max_hold_ns))
         n = 0
         while n + 1 < len(self.edges) and self.edges[n + 1].t_ns <= horizon:
             n += 1
@@ -454,14 +482,22 @@ class Ledger:
             epochs.append(prev)
         # A counter difference across an epoch change (a jump or reset the collector caught) is no energy.
         same = (np.diff(np.stack(epochs), axis=0) == 0) if self.n_gpus else exact
+        how = np.full((len(edges) - 1, self.n_gpus), METHOD_COUNTER, dtype=object)
         for g in range(self.n_gpus):
             per_gpu[:, g], exact[:, g] = attr.interval_energy_j(counters[:, g], t, powers[:, g], same[:, g])
-        methods = []
-        for k in range(len(edges) - 1):
-            if np.isnan(per_gpu[k]).any():
-                methods.append("none")
-            else:
-                methods.append("counter" if exact[k].all() else "power_integration")
+            how[~exact[:, g], g] = METHOD_POWER
+            if self.avg_windows_s[g] > 0 and not exact[:, g].all():
+                # The profiler's fallback order (profiler.ENERGY_METHODS): the shifted trailing average before
+                # instant power, over every held reading (those past the run's end cover its last interval).
+                held = [e for e in self.edges if e.avg_power_w is not None]
+                at = np.array([e.t_ns for e in held], dtype=np.int64)
+                ap = np.array([e.avg_power_w[g] for e in held], dtype=float)
+                for k in np.flatnonzero(~exact[:, g]):
+                    e = trailing_average_energy_j(at, ap, self.avg_windows_s[g], int(t[k]), int(t[k + 1]))
+                    if not np.isnan(e):
+                        per_gpu[k, g], how[k, g] = e, METHOD_AVG_POWER
+        methods = [METHOD_NONE if np.isnan(per_gpu[k]).any() else weakest_method(how[k])
+                   for k in range(len(edges) - 1)]
         return t, per_gpu, methods
 
     def _cpu_energy(self, t: np.ndarray) -> np.ndarray:

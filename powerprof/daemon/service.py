@@ -739,7 +739,8 @@ class Daemon:
             **kwargs,
         )
         self.ledger = Ledger(self.daemon_id, self.t0_ns, len(self.collector.infos), self.store.append,
-                             jpt_window_s=cfg.get("metrics", "jpt_window_s"))
+                             jpt_window_s=cfg.get("metrics", "jpt_window_s"),
+                             avg_windows_s=tuple(i.power_avg_window_s for i in self.collector.infos))
         self.tags = TagLimiter(cfg.get("metrics", "tags"), cfg.get("metrics", "max_tags"))
         self.flusher = Flusher(self.store, cfg.get("daemon", "flush_interval_s"), cfg.get("daemon", "compact_interval_s"),
                                compact_in_child=True)

@@ -28,7 +28,7 @@ import pynvml
 from powerprof.paths import user_state_home
 
 from .gpu import SimGpu
-from .profiles import DEFAULT_PROFILE, GpuProfile, get_profile
+from .profiles import DEFAULT_PROFILE, GpuProfile, get_profiles
 
 STATE_ENV = "POWERPROF_SIM_STATE"
 UNPRIVILEGED_ENV = "POWERPROF_SIM_UNPRIVILEGED"
@@ -162,18 +162,26 @@ class _LoadFile:
 
 
 class SimNVML:
-    """Drop-in for the `pynvml` module. `SimNVML(profile="seed-16g", count=2)`."""
+    """Drop-in for the `pynvml` module. `SimNVML(profile="seed-16g", count=2)`; a host of mixed cards takes a
+    profile per GPU: `SimNVML(profile="h200-141g,l4-24g")` or a list of keys or profiles (count is then their
+    number). `profile` is GPU 0's (the driver's and the simulated server's), `profiles` each GPU's."""
 
     def __init__(
         self,
-        profile: str | GpuProfile = DEFAULT_PROFILE,
+        profile: str | GpuProfile | list = DEFAULT_PROFILE,
         count: int = 1,
         clock_ns: Callable[[], int] = time.monotonic_ns,
         state_path: Path | str | None | bool = True,
         privileged: bool | None = None,
         record_history: bool = False,
     ):
-        self.profile = get_profile(profile) if isinstance(profile, str) else profile
+        profiles = get_profiles(profile)
+        if len(profiles) > 1:
+            if count not in (1, len(profiles)):
+                raise ValueError(f"{len(profiles)} simulated GPU profiles given for {count} GPUs: give one per GPU")
+            count = len(profiles)
+        self.profiles: list[GpuProfile] = (profiles * count)[:count]
+        self.profile = self.profiles[0]
         if state_path is True:
             state_path = default_state_path()
         self._state = _StateFile(Path(state_path) if state_path else None)
@@ -183,14 +191,14 @@ class SimNVML:
         saved = self._state.load()
         self._state.changed()
         self.gpus: list[SimGpu] = []
-        for i in range(count):
-            uuid = sim_uuid(self.profile.key, i)
+        for i, prof in enumerate(self.profiles):
+            uuid = sim_uuid(prof.key, i)
             entry = saved.get(uuid, {})
             limit_mw = entry.get("power_limit_mw")
             locked = entry.get("locked_clocks_mhz")
             self.gpus.append(
                 SimGpu(
-                    self.profile,
+                    prof,
                     i,
                     uuid,
                     clock_ns=clock_ns,
@@ -253,7 +261,7 @@ class SimNVML:
         for g in self.gpus:
             entry = saved.get(g.uuid, {})
             limit_mw = entry.get("power_limit_mw")
-            want = limit_mw / 1000 if limit_mw else self.profile.default_limit_w
+            want = limit_mw / 1000 if limit_mw else g.profile.default_limit_w
             if want != g.limit_w:
                 g.set_limit_w(want)
             locked = entry.get("locked_clocks_mhz")
@@ -488,7 +496,7 @@ class SimNVML:
         NVML plug's part (sim/faults.py FaultyNVML.reset); no permission check, as `external_clock_change`."""
         g = self.gpus[index]
         with self._lock:
-            g.set_limit_w(self.profile.default_limit_w)
+            g.set_limit_w(g.profile.default_limit_w)
             g.set_locked_clocks(None)
             self._state.update(g.uuid, power_limit_mw=None, locked_clocks_mhz=None)
             self._state.changed()

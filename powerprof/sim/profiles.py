@@ -208,7 +208,44 @@ _add(
     )
 )
 
+# A 72 W inference card: the small one beside a big card on mixed hosts. Its whole power range (40-72 W) lies
+# below an H200's or A100's minimum: no watt level is valid on both (docs/simulator.md, "Mixed hosts").
+_add(
+    GpuProfile(
+        key="l4-24g",
+        name="Simulated NVIDIA L4",
+        architecture="ada",
+        memory_total_bytes=24 * GIB,
+        min_limit_w=40,
+        max_limit_w=72,
+        default_limit_w=72,
+        idle_power_w=16,
+        static_power_w=14,
+        mem_power_w=16,
+        dyn_power_w=58,
+        sm_base_activity=0.35,
+        sm_clock_min_mhz=210,
+        sm_clock_max_mhz=2040,
+        sm_clock_idle_mhz=210,
+        sm_clock_step_mhz=15,
+        mem_clock_mhz=6251,
+        volt_min_v=0.65,
+        volt_max_v=1.05,
+        workload=WorkloadDefaults(decode_tok_s=40.0, prefill_tok_s=3000.0, decode_compute_share=0.2),
+    )
+)
+
 DEFAULT_PROFILE = "seed-16g"
+
+
+def get_profiles(spec) -> list[GpuProfile]:
+    """One profile per GPU from a key, "key1,key2,…" (a mixed host, in index order), a profile, or a list of keys or
+    profiles. KeyError naming the choices for an unknown key."""
+    items = spec.split(",") if isinstance(spec, str) else (spec if isinstance(spec, (list, tuple)) else [spec])
+    out = [get_profile(k.strip()) if isinstance(k, str) else k for k in items]
+    if not out:
+        raise KeyError("no simulated GPU profile given")
+    return out
 
 
 def get_profile(key: str) -> GpuProfile:

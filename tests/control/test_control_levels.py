@@ -84,3 +84,29 @@ def test_gpu_indexes():
         with pytest.raises(LevelError, match=fragment) as ei:
             parse_gpu_indexes(spec, 2)
         assert "GPU 0-1" in str(ei.value)
+
+
+H200 = dev(0, 200, 700, 700, (345, 1980), name="NVIDIA H200")
+L4 = dev(1, 40, 72, 72, (210, 2040), name="NVIDIA L4")
+A100 = dev(2, 100, 400, 400, (210, 1410), name="NVIDIA A100-SXM4-40GB")
+
+
+@pytest.mark.parametrize("spec, devices", [("180", [H200, L4]), ("60%", [H200, L4]), ("60%", [H200, A100]),
+                                           ("60", [A100, L4])])
+def test_a_mixed_host_is_refused_with_one_kind_at_a_time_as_the_fix(spec, devices):
+    # A 180 W level is invalid on an L4 (40-72 W); percentages mean other watts on each card. The error must say
+    # how to go on: sweep each kind of GPU on its own, naming the indexes of each kind.
+    with pytest.raises(LevelError) as ei:
+        parse_power_levels(spec, devices)
+    msg = str(ei.value)
+    kinds = {}
+    for d in devices:
+        kinds.setdefault(d.name, []).append(str(d.index))
+    assert "one kind of GPU at a time" in msg, msg
+    for name, idx in kinds.items():
+        assert f"--gpus {','.join(idx)} ({name})" in msg, msg
+
+
+def test_watts_every_card_of_a_mixed_set_accepts_are_levels_for_all():
+    # An H200 and an A100 behind one server share 200-400 W: one level in watts is one setting for both.
+    assert parse_power_levels("250,300W", [H200, A100]) == [250.0, 300.0]

@@ -119,14 +119,15 @@ def test_nvidia_smi_fallback_where_nvml_cannot_set(originals):
     def fake_smi(args):
         calls.append(list(args))
         assert args[0] == "-i" and args[2] == "-pl"
-        inner.nvmlDeviceSetPowerManagementLimit(inner.nvmlDeviceGetHandleByIndex(int(args[1])), int(float(args[3]) * 1000))
+        inner.nvmlDeviceSetPowerManagementLimit(inner.nvmlDeviceGetHandleByUUID(args[1]), int(float(args[3]) * 1000))
 
+    u0, u1 = (g.uuid for g in inner.gpus)
     with door_controller(NoSetter(inner), [0, 1], nvidia_smi=fake_smi) as ctl:
         rb = ctl.set_power_limit_w(220)
         assert [g.method for g in rb.gpus] == ["nvidia-smi"] * 2
         assert [g.limit_w for g in rb.gpus] == [220.0, 220.0]
-    assert calls[:2] == [["-i", "0", "-pl", "220"], ["-i", "1", "-pl", "220"]]
-    assert calls[2:] == [["-i", "0", "-pl", "280"], ["-i", "1", "-pl", "300"]]  # restore goes the same way
+    assert calls[:2] == [["-i", u0, "-pl", "220"], ["-i", u1, "-pl", "220"]]
+    assert calls[2:] == [["-i", u0, "-pl", "280"], ["-i", u1, "-pl", "300"]]  # restore goes the same way
     assert_untouched()
 
 
@@ -138,7 +139,7 @@ def test_a_failing_nvidia_smi_is_an_error_and_restores(originals):
     inner = sim()
 
     def smi(args):
-        i, w = int(args[1]), float(args[3])
+        i, w = inner.nvmlDeviceGetHandleByUUID(args[1]).index, float(args[3])
         if i == 1 and w != ORIGINAL_W[1]:
             raise ControlError("`nvidia-smi -i 1 -pl 200` failed: Unknown Error")
         inner.nvmlDeviceSetPowerManagementLimit(inner.nvmlDeviceGetHandleByIndex(i), int(w * 1000))
@@ -466,7 +467,7 @@ def test_restore_command_exit_codes(originals):
     assert r.exit_code == 1 and "/nonexistent/restore-x.json does not exist" in r.output
     path = _leave_pending_record()
     r = CliRunner().invoke(cli, ["restore", "--restore-file", str(path)])
-    assert r.exit_code == 0 and "GPU 0" in r.output and "original 280 W" in r.output and "clock lock released" in r.output
+    assert r.exit_code == 0 and "GPU 0" in r.output and "was 190 W, set to 280 W" in r.output and "clock lock released" in r.output
     assert_untouched()
 
 
@@ -602,3 +603,70 @@ def test_root_refuses_a_state_folder_others_can_write_and_never_follows_a_plante
     with pytest.raises(OSError):
         GpuLock(own, "GPU-x").acquire()
     assert victim.read_text() == "precious\n"
+
+
+def test_nvidia_smi_fallback_names_the_gpu_by_uuid_not_by_an_index_that_may_have_moved(originals):
+    # After a driver reload or a reset the indexes may come back in another order: nvidia-smi's
+    # index 0 is then the GPU NVML knew as 1. The fallback must name the GPU it means by UUID.
+    class NoSetter(Wrap):
+        def nvmlDeviceSetPowerManagementLimit(self, h, mw):
+            raise pynvml.NVMLError(pynvml.NVML_ERROR_NOT_SUPPORTED)
+
+    inner = sim()
+    swapped = {"0": 1, "1": 0}  # nvidia-smi's indexes since the reload
+
+    def fake_smi(args):
+        assert args[0] == "-i" and args[2] == "-pl"
+        target = args[1]
+        h = (inner.nvmlDeviceGetHandleByUUID(target) if target.startswith("GPU-")
+             else inner.nvmlDeviceGetHandleByIndex(swapped[target]))
+        inner.nvmlDeviceSetPowerManagementLimit(h, int(float(args[3]) * 1000))
+
+    with door_controller(NoSetter(inner), [0], nvidia_smi=fake_smi) as ctl:
+        rb = ctl.set_power_limit_w(220)
+        assert rb.gpus[0].limit_w == 220.0
+        assert sim_state() == [(220.0, None), (ORIGINAL_W[1], None)]  # GPU 1 was not touched
+    assert_untouched()
+
+
+def test_restore_says_each_gpus_limit_before_and_what_it_was_set_to(originals, capsys):
+    # A killed run left both GPUs at 190 W; the operator must see 190 W → 280/300 W per GPU, not only the end state.
+    _leave_pending_record()
+    report = door_restore()
+    assert report.ok, report.lines()
+    lines = report.lines()
+    for i, orig in enumerate(ORIGINAL_W):
+        (line,) = [x for x in lines if x.strip().startswith(f"GPU {i} ")]
+        assert "was 190 W" in line and f"set to {orig:g} W" in line, line
+    d = report.to_dict()["files"][0]["gpus"]
+    assert [g["before_limit_w"] for g in d] == [190.0, 190.0]
+    assert [g["limit_w"] for g in d] == list(ORIGINAL_W)
+    assert_untouched()
+
+
+def test_a_mixed_hosts_record_reopens_the_same_cards_and_restore_puts_the_l4_back(originals, capsys):
+    from powerprof.cli import main as cli
+    from powerprof.rig import Rig
+
+    mixed = "h200-141g,l4-24g"
+    with Rig(mixed).controller([1]) as ctl:
+        ctl.set_power_limit_w(50)
+        path, saved = ctl.restore_path, ctl.restore_path.read_bytes()
+    assert json.loads(saved)["simulated"] == {"profile": mixed, "count": 2}
+    n = SimNVML(mixed)
+    n.nvmlInit()
+    n.nvmlDeviceSetPowerManagementLimit(n.nvmlDeviceGetHandleByIndex(1), 50_000)  # what a kill -9 leaves
+    path.write_bytes(saved)
+    report = door_restore()
+    assert report.ok, report.lines()
+    assert any("GPU 1 " in x and "was 50 W, set to 72 W" in x for x in report.lines()), report.lines()
+    fresh = SimNVML(mixed)
+    fresh.nvmlInit()
+    assert fresh.nvmlDeviceGetPowerManagementLimit(fresh.nvmlDeviceGetHandleByIndex(1)) == 72_000
+    # A level no card of the pair shares is refused before anything changes, naming the way on.
+    from click.testing import CliRunner
+
+    r = CliRunner().invoke(cli, ["sweep", "--simulate", mixed, "--limits", "180", "--dry-run"])
+    assert r.exit_code == 2 and "--gpus 0 (Simulated NVIDIA H200) or --gpus 1 (Simulated NVIDIA L4)" in r.output
+    r = CliRunner().invoke(cli, ["devices", "--simulate", "h200-141g,l5"])
+    assert r.exit_code == 2 and "'l5': not a simulated GPU profile" in r.output
