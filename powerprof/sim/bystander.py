@@ -31,11 +31,13 @@ class GpuBystander:
         self.pid = os.getppid() if pid is None else int(pid)  # a process that is neither powerprof nor the server
         self.used_bytes = used_bytes
         self.running = False
+        self.active_ns: list[list[int]] = []  # [start, stop] monotonic ns of each time it ran (truth for tests)
 
     def start(self) -> "GpuBystander":
         self.nvml.gpus[self.index].set_bystander(self.power_w, self.share)
         self.nvml.add_process(self.index, self.pid, self.used_bytes, lambda: self.share if self.running else 0.0)
         self.running = True
+        self.active_ns.append([time.monotonic_ns(), 0])
         return self
 
     def stop(self) -> None:
@@ -44,6 +46,7 @@ class GpuBystander:
         self.running = False
         self.nvml.gpus[self.index].set_bystander(0.0, 0.0)
         self.nvml.remove_process(self.index, self.pid)
+        self.active_ns[-1][1] = time.monotonic_ns()
 
 
 class ClientBystander:
@@ -58,6 +61,7 @@ class ClientBystander:
         self.requests = 0
         self.tokens = 0
         self.errors: list[str] = []
+        self.intervals_ns: list[tuple[int, int]] = []  # (sent, answered) monotonic ns of each request (truth for tests)
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
 
@@ -69,8 +73,10 @@ class ClientBystander:
             path, body = "/v1/completions", {"prompt": "Another client's question about the weather.",
                                              "max_tokens": self.max_tokens, "ignore_eos": True}
         req = urllib.request.Request(self.url + path, json.dumps(body).encode(), {"Content-Type": "application/json"})
+        t0 = time.monotonic_ns()
         with urllib.request.urlopen(req, timeout=60) as r:
             out = json.loads(r.read())
+        self.intervals_ns.append((t0, time.monotonic_ns()))
         n = out.get("tokens_predicted") or (out.get("usage") or {}).get("completion_tokens") or 0
         self.requests += 1
         self.tokens += int(n)

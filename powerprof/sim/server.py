@@ -191,6 +191,7 @@ class SimServer:
         self.vllm_empty_final = vllm_empty_final
         self.vllm_metrics = vllm_metrics
         self.serve_metrics = serve_metrics  # False: /metrics answers 404 (hidden by a proxy, or an old server)
+        self.serve_slots = True  # False: /slots answers 501, as llama-server started with --no-slots
         self.count_factor = float(count_factor)  # settable between requests, like delivery
         self.truth: list[dict] = []  # one dict per finished request, in finishing order
         self.truth_cancelled: list[dict] = []  # one per request dropped while running (its client left)
@@ -718,6 +719,9 @@ class SimServer:
     async def _slots(self, request: web.Request) -> web.Response:
         if self.flavour != "llamacpp":
             raise web.HTTPNotFound()
+        if not self.serve_slots:
+            return self._json({"error": {"code": 501, "message": "This server does not support slots endpoint.",
+                                         "type": "not_supported_error"}}, 501)
         by_slot = {r.slot: r for r in self._active}
         return self._json(
             [
