@@ -731,7 +731,9 @@ class Sweep:
                 foreign_sent += self.s.concurrency
                 visit.elapsed_s = time.monotonic() - t_start
                 self.ui.level_progress(visit, self._live(visit))
-                if attempted + foreign_sent >= self.s.max_requests or visit.elapsed_s >= self.s.max_time_s:
+                # Left-out batches have their own budget, as many requests again as the level's: others at work
+                # all along cannot stall the sweep, and a burst of theirs costs the level no measured request.
+                if foreign_sent >= self.s.max_requests or visit.elapsed_s >= self.s.max_time_s:
                     visit.stop = "foreign-traffic"  # others' work went on for the level's whole budget
                     return
                 continue
