@@ -54,6 +54,7 @@ class Rig:
         self._powercap = None
         self._powercap_dir: str | None = None
         self._sim_servers: list = []
+        self._bystanders: list = []  # simulated others on the GPU or server (sim_bystander_*), stopped by close()
         self._sim_server_used = False
         self._real_server_used = False
         self._launch_notes: list[str] = []  # what launching a server did besides (a server left by a killed powerprof stopped)
@@ -240,6 +241,29 @@ class Rig:
     def _set_busy(self, busy: bool) -> None:
         self._busy = busy
 
+    # --- others sharing the simulated GPU or server (misbehaviours for tests and demos) ------------
+
+    def sim_bystander_gpu(self, index: int = 0, power_w: float = 60.0, share: float = 0.3, **kw):
+        """Another process's kernels on simulated GPU `index` from now (sim/bystander.py): `power_w` more watts,
+        `share` of the GPU's time taken from the server (0: it holds memory and runs nothing). `.stop()` ends it."""
+        if not self.simulated:
+            raise ValueError("a bystander GPU process is a simulator misbehaviour: open the rig with a sim profile")
+        from powerprof.sim.bystander import GpuBystander
+
+        by = GpuBystander(self.nvml, index, power_w, share, **kw).start()
+        self._bystanders.append(by)
+        return by
+
+    def sim_bystander_client(self, url: str, **kw):
+        """Another client sending requests to the server at `url` from now (sim/bystander.py); `.stop()` ends it."""
+        if not self.simulated:
+            raise ValueError("a bystander client is a simulator misbehaviour: open the rig with a sim profile")
+        from powerprof.sim.bystander import ClientBystander
+
+        cl = ClientBystander(url, **kw).start()
+        self._bystanders.append(cl)
+        return cl
+
     # --- control -------------------------------------------------------------------------------
 
     def controller(self, indexes, **kw):
@@ -292,6 +316,9 @@ class Rig:
     # --- life cycle ------------------------------------------------------------------------------
 
     def close(self) -> None:
+        for by in self._bystanders:
+            by.stop()
+        self._bystanders.clear()
         for srv in self._sim_servers:
             srv.stop()
         self._sim_servers.clear()

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import os
 import random
 import time
 import uuid
@@ -32,6 +33,7 @@ from powerprof.workload.client import (RequestParams, health_status, identity_ch
                                       server_epoch, server_identity)
 from powerprof.workload.load import LoadAborted, LoadPolicy, builtin_prompts, detect, run_load_async
 from powerprof.workload.rows import Level, request_timing, trace_row, window_rows
+from powerprof.workload.servercount import FOREIGN_FIX, FOREIGN_FLAG, ForeignWatch, settled_tally
 
 
 @dataclass(frozen=True)
@@ -232,6 +234,96 @@ class ClockLockWatch:
                 "the level measured that clock, not its own setting; the windows measured since are left out of every figure")
 
 
+def leave_out_foreign(row: dict, why: str) -> None:
+    """Mark a window that ran beside others' work (foreign_traffic: what showed it): it keeps its record and loses
+    its figures, as an untrusted one does, under its own reason."""
+    row["foreign_traffic"] = why
+    row["energy_method"] = "none"
+    for k in _FIGURES:
+        if k in row:
+            row[k] = None
+
+
+def _pid_text(pids) -> str:
+    """'1234 (python3), 99' : the pids with the names this host can see."""
+    import psutil
+
+    out = []
+    for pid in sorted(pids):
+        try:
+            out.append(f"{pid} ({psutil.Process(pid).name()})")
+        except psutil.Error:
+            out.append(str(pid))
+    return ", ".join(out)
+
+
+class GpuNeighbours:
+    """Whether a process other than the server's ran kernels on the swept GPUs since the last look.
+
+    NVML lists the processes using each GPU; the server's are found by its listening port or launch
+    (workload/serverprocs.py). A process holding memory and running nothing (a notebook with a model
+    loaded, idle) is harmless to the figures, so presence alone does not flag: its kernels do, as NVML's
+    per-process SM utilisation samples show them (nvmlDeviceGetProcessUtilization). Where those samples
+    cannot be read, another process on the GPU may be working, and is flagged (its windows could hold its
+    energy). Where the server's processes cannot be found, or none of the GPU's is theirs (a container's pid
+    namespace), whose process is whose cannot be told: said once, nothing flagged."""
+
+    def __init__(self, collector, server_procs=None):
+        self.collector = collector
+        self.server_procs = server_procs
+        self.since_us = time.time_ns() // 1000
+        self.notes: dict[str, str] = {}  # once each: what cannot be told, idle holders
+        self.seen: set[int] = set()  # pids flagged as working beside the server
+
+    def mark(self) -> None:
+        """Judge from now on (a level's measurement starts)."""
+        self.since_us = time.time_ns() // 1000
+
+    def check(self) -> str | None:
+        from powerprof.collectors.nvml import gpu_processes, process_sm_util
+
+        gpu = self.collector
+        if gpu is None:
+            return None
+        since, self.since_us = self.since_us, time.time_ns() // 1000
+        pids = why_server = None
+        for idx, h in zip(gpu.indexes, gpu.handles):
+            procs = gpu_processes(gpu.nvml, h)
+            if procs is None:
+                self.notes.setdefault(f"list{idx}", f"NVML does not list the processes using GPU {idx}, so another "
+                                      "process's work on it cannot be ruled out")
+                continue
+            if pids is None and why_server is None:
+                pids, why_server = self.server_procs() if self.server_procs is not None else (None, "not looked for")
+            others = {p for p in procs if p != os.getpid() and (pids is None or p not in pids)}
+            if not others:
+                continue
+            if pids is None:
+                self.notes.setdefault(f"whose{idx}", (
+                    f"GPU {idx} is used by process(es) {_pid_text(procs)}, and the server's own processes cannot be "
+                    f"found ({why_server}): whether another process shares the GPU cannot be told"))
+                continue
+            if not set(procs) & pids:
+                self.notes.setdefault(f"ns{idx}", (
+                    f"none of the processes NVML lists on GPU {idx} ({_pid_text(procs)}) is the server's as found on "
+                    "this host (a container's own pid namespace?): whether another process shares the GPU cannot be told"))
+                continue
+            util = process_sm_util(gpu.nvml, h, since)
+            if util is None:
+                self.seen |= others
+                return (f"process {_pid_text(others)} also uses GPU {idx} and NVML cannot say whether its kernels ran "
+                        "(nvmlDeviceGetProcessUtilization not supported here)")
+            busy = {p: u for p, u in util.items() if p in others and u > 0}
+            if busy:
+                self.seen |= set(busy)
+                return (f"process {_pid_text(busy)} ran kernels on GPU {idx} beside the server (up to "
+                        f"{max(busy.values()):.0f}% SM utilisation)")
+            self.notes.setdefault(f"idle{idx}", (
+                f"process {_pid_text(others)} holds memory on GPU {idx} and ran no kernels while powerprof looked: "
+                "harmless to the figures; if it starts working, its windows are flagged " + FOREIGN_FLAG))
+        return None
+
+
 def _flag_levels(table, values, flag: str):
     """`flag` added to the `flags` of the levels rows whose level_value is in `values`.
 
@@ -273,6 +365,8 @@ class LevelVisit:
     elapsed_s: float = 0.0
     restarts: list[float] = field(default_factory=list)  # seconds the server was down, per time it was ridden out
     restarted: bool = False  # one of those times its process is known to have restarted (restart_evidence)
+    foreign: list[str] = field(default_factory=list)  # why, per batch left out for others' work beside it
+    foreign_windows: int = 0  # windows left out for it
 
 
 # A server that restarts again and again within one level crashes under its load: waiting once more
@@ -317,8 +411,11 @@ class Sweep:
         ui: UI | None = None,
         policy=None,
         row_extras: dict | None = None,
+        server_procs=None,
     ):
-        """row_extras: columns every windows row carries (a configuration sweep's knobs)."""
+        """row_extras: columns every windows row carries (a configuration sweep's knobs). server_procs: a callable
+        answering (the server's pids, None) or (None, why) (workload.serverprocs.ServerProcesses), to tell the
+        server's processes on the GPUs from others'."""
         self.s = settings
         self.row_extras = dict(row_extras or {})
         self.prof = profiler
@@ -351,6 +448,10 @@ class Sweep:
         self.restarts: list[dict] = []  # times the server went away and was ridden out: run.json `server_restarts`
         self._epoch: dict = {}  # the server process's marks (server_epoch) when last seen answering, for restart_evidence
         self.idle_note: str | None = None  # why there is no idle baseline, where one was attempted and not kept
+        self.neighbours = GpuNeighbours(getattr(profiler, "gpu", None), server_procs)
+        self._fwatch: ForeignWatch | None = None  # the server's books against ours over the level (servercount.py)
+        self.server_blind: str | None = None  # what the server's counters cannot show of other clients (said once)
+        self.foreign_seen = {"tokens": 0.0, "requests": 0.0}  # others' work the server's books showed, flagged batches
 
     # --- the run -----------------------------------------------------------------------------
 
@@ -393,6 +494,8 @@ class Sweep:
             self.timeline.set_tags(level_kind="idle", level_value=None)
             self.ui.idle(self.s.idle_s)
             before = await server_epoch(self.session, self.server)
+            tally0 = await settled_tally(self.session, self.server.base_url)
+            self.neighbours.mark()
             with self.prof.window("idle") as w:
                 # Not waited for, the baseline keeps its length: the level after it finds the server as it would have.
                 gone = await self._watch_health(self.s.idle_s, until_gone=self.s.server_restart_wait_s > 0)
@@ -405,6 +508,14 @@ class Sweep:
                 e = w.result.gpu_energy_total_j
                 self.idle_power_w = e / w.result.duration_s if e is not None and w.result.duration_s > 0 else None
                 self._epoch = before
+                others = ForeignWatch(tally0).judge(await settled_tally(self.session, self.server.base_url), [])
+                others = others or self.neighbours.check()
+                if others:
+                    self.idle_power_w = None
+                    self.idle_note = (f"no idle baseline: others' work ran during it ({others}), so its power is not the "
+                                      "idle GPU's; idle_gpu_power_w and every above-idle figure are left empty; fix: "
+                                      + FOREIGN_FIX)
+                    self.ui.note(self.idle_note)
                 return
             t_gone_ns, why = gone
             name = "the idle baseline"
@@ -584,6 +695,8 @@ class Sweep:
         self._attempt_rows = []
         if self.s.server_restart_wait_s > 0:
             self._epoch = await server_epoch(self.session, self.server)  # what a restart mid-level is told by
+        await self._watch_others()
+        foreign_sent = 0
         while True:
             try:
                 recs, aborted = await self._batch(self.s.concurrency, warmup), None
@@ -593,18 +706,38 @@ class Sweep:
                 self._add_rows(visit, recs)
                 await self._ride_out(visit, recs)
                 # Measured again from scratch, as the level began: warm-up, the prompt set from its start.
-                t_start, warmup, jpt, attempted = time.monotonic(), self.s.warmup_requests, [], 0
+                t_start, warmup, jpt, attempted, foreign_sent = time.monotonic(), self.s.warmup_requests, [], 0, 0
                 self._prompt_k = 0
+                await self._watch_others()
                 continue
             if aborted is not None:
                 self._add_rows(visit, recs)
                 self.flush()
                 raise SweepError(f"{_level_name(visit)}: {aborted}") from None
             warmup = 0
-            attempted += self.s.concurrency
             spans_before = len(visit.spans)
             new = self._add_rows(visit, recs)
             self._stop_if_setting_moved(visit, new, spans_before)
+            others = await self._others_beside(recs)
+            if others:
+                # Left out and the same prompts sent again, so the level still measures whole rounds (paired).
+                for row in new:
+                    if row.get("status") == "ok":
+                        leave_out_foreign(row, others)
+                        visit.foreign_windows += self._measured(row)
+                del visit.spans[spans_before:]
+                visit.foreign.append(others)
+                self._prompt_k -= self.s.concurrency
+                foreign_sent += self.s.concurrency
+                visit.elapsed_s = time.monotonic() - t_start
+                self.ui.level_progress(visit, self._live(visit))
+                # Left-out batches have their own budget, as many requests again as the level's: others at work
+                # all along cannot stall the sweep, and a burst of theirs costs the level no measured request.
+                if foreign_sent >= self.s.max_requests or visit.elapsed_s >= self.s.max_time_s:
+                    visit.stop = "foreign-traffic"  # others' work went on for the level's whole budget
+                    return
+                continue
+            attempted += self.s.concurrency
             for row in new:
                 if self._counts(row):
                     jpt.append(row["gpu_j_per_token"] if row["gpu_j_per_token"] is not None else np.nan)
@@ -626,6 +759,59 @@ class Sweep:
                 visit.stop = "no-energy"  # no GPU energy readable: J/token can never converge
             if visit.stop:
                 return
+
+    async def _watch_others(self) -> None:
+        """Begin comparing the server's books with our requests, and the GPUs' processes with the server's, from now."""
+        first = await settled_tally(self.session, self.server.base_url)
+        self._fwatch = ForeignWatch(first)
+        if self.server_blind is None:
+            self.server_blind = first.limits() or ""
+        self.neighbours.mark()
+
+    async def _others_beside(self, recs) -> str | None:
+        """Why the batch `recs` (just finished: none of ours in flight) ran beside others' work, or None: another
+        client's requests on the server (its counters: servercount.ForeignWatch) or another process's kernels on
+        the GPUs (GpuNeighbours)."""
+        why = []
+        if self._fwatch is not None:
+            t0, r0 = self._fwatch.seen_tokens, self._fwatch.seen_requests
+            server = self._fwatch.judge(await settled_tally(self.session, self.server.base_url), recs)
+            if server:
+                why.append(server)
+                self.foreign_seen["tokens"] += self._fwatch.seen_tokens - t0
+                self.foreign_seen["requests"] += self._fwatch.seen_requests - r0
+        gpu = self.neighbours.check()
+        if gpu:
+            why.append(gpu)
+        return "; ".join(why) or None
+
+    @property
+    def foreign_notes(self) -> list[str]:
+        """Levels measured beside others' work (flag foreign-traffic), what was seen and the fix; once, what could not be
+        ruled out."""
+        out = []
+        hit = [v for v in self.visits if v.foreign]
+        if hit:
+            seen = []
+            if self.foreign_seen["requests"]:
+                seen.append(f"{self.foreign_seen['requests']:.0f} finished requests")
+            if self.foreign_seen["tokens"]:
+                seen.append(f"{self.foreign_seen['tokens']:.0f} generated tokens")
+            procs = f"process(es) {_pid_text(self.neighbours.seen)} working on the GPU" if self.neighbours.seen else ""
+            saw = " and ".join(x for x in (" and ".join(seen) + (" on the server" if seen else ""), procs) if x)
+            where = "; ".join(
+                f"{_level_name(v)}" + (f" (repeat {v.repeat + 1})" if self.s.repeats > 1 else "")
+                + f": {len(v.foreign)} batch(es) ({v.foreign_windows} measured windows), first because {v.foreign[0]}"
+                + (" - the level's budget ran out with others still at work: its figures rest on the windows without "
+                   "them, an incomplete round" if v.stop == "foreign-traffic" else "")
+                for v in hit)
+            out.append(f"others' work ran beside the sweep (flag {FOREIGN_FLAG}): powerprof saw {saw or 'it'} not its "
+                       f"own. {where}. Those windows are left out of every figure and their prompts measured again; "
+                       f"fix: {FOREIGN_FIX}")
+        if self.server_blind:
+            out.append(f"other clients of the server: {self.server_blind}")
+        out.extend(self.neighbours.notes.values())
+        return out
 
     async def _ride_out(self, visit: LevelVisit, recs) -> None:
         """The server stopped answering mid-level (`recs` say so: server_away): wait for it to be healthy again,
@@ -808,8 +994,8 @@ class Sweep:
         return row["window_kind"] == kind and not row["warmup"] and row["status"] == "ok"
 
     def _counts(self, row: dict) -> bool:
-        """A window the level's figures use: measured, and timed by a rule that can be trusted."""
-        return self._measured(row) and row.get("timing") != "untrusted"
+        """A window the level's figures use: measured, timed by a rule that can be trusted, and not beside others' work."""
+        return self._measured(row) and row.get("timing") != "untrusted" and not row.get("foreign_traffic")
 
     def excluded(self):
         """Measured windows the figures left out (untrusted timing), for the notes; None if none."""
@@ -1267,12 +1453,15 @@ def run_sweep(
         writer = RunWriter(run_dir, meta)
         parts = dict(settings=settings, profiler=profiler, controller=ctl, timeline=timeline, writer=writer,
                      run_id=run_id, reference_value=reference, ui=ui)
+        from powerprof.workload.serverprocs import ServerProcesses
+
+        server_procs = ServerProcesses(url, launched) if url else None
         if runner is not None:
             sweep = runner(**parts)
         elif trace is not None:
             sweep = TraceSweep(trace, on_level, server=server_info, params=params, **parts)
         else:
-            sweep = Sweep(server=server_info, prompts=prompts, params=params, **parts)
+            sweep = Sweep(server=server_info, prompts=prompts, params=params, server_procs=server_procs, **parts)
         try:
             try:
                 try:
@@ -1303,6 +1492,8 @@ def run_sweep(
     notes.extend(busy_host_level_notes(levels, profiler, settings.level_kind))
     notes.extend(getattr(sweep, "level_notes", []))
     notes.extend(getattr(sweep, "restart_notes", []))
+    if not isinstance(sweep, TraceSweep):
+        notes.extend(getattr(sweep, "foreign_notes", []))
     if ctl is not None:
         notes.extend(ctl.notes)  # a GPU reset between levels: reopened by its UUID, the next level set on it
     ex = sweep.excluded()

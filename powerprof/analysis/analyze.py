@@ -264,6 +264,8 @@ def left_out_reason(row: dict, interrupted: bool = False) -> str | None:
     why = [w for w, bad in (("thermal throttling", row.get("thermal_throttle")),
                             ("cap not engaged", row.get("cap_not_engaged") and not row.get("reference")),
                             ("interrupted", interrupted),
+                            # Others' work beside it for the level's whole budget: an incomplete round of the prompts.
+                            ("others' work beside it", "foreign-traffic" in (row.get("stop_rule") or "").split(",")),
                             ("energy counter rounding", "energy-resolution" in flags)) if bad]
     return ", ".join(why) or None
 

@@ -10,6 +10,7 @@ import pyarrow as pa
 
 from powerprof.collectors.cputime import BUSY_HOST_FIX, BUSY_HOST_FLAG, busy_host_text
 from powerprof.energy import ROUNDED_WINDOW_S, max_tokens_for_windows
+from powerprof.workload.servercount import FOREIGN_FIX, FOREIGN_FLAG
 
 from .fits import ModelFit
 from .stats import LevelSeries
@@ -22,7 +23,7 @@ POOR_FIT_R2 = 0.9
 
 @dataclass(frozen=True)
 class Finding:
-    kind: str  # edge | between-levels | no-clear-saving | cap-not-engaged | energy-resolution | wide-ci | one-window | few-prompts | unstable-choice | thermal | failed | fit | unstored | untrusted-timing | impossible-figures | interrupted | forced-pool | reference
+    kind: str  # edge | between-levels | no-clear-saving | cap-not-engaged | energy-resolution | wide-ci | one-window | few-prompts | unstable-choice | thermal | failed | fit | unstored | untrusted-timing | impossible-figures | interrupted | forced-pool | reference | busy-host | foreign-traffic
     message: str
     levels: tuple[float, ...] = ()
 
@@ -147,6 +148,17 @@ def level_findings(levels: pa.Table, target_ci_pct: float | None = None, max_tim
             f"GPU+CPU J/token at {', '.join(at(r) for r in busy)}: "
             f"{busy_host_text(worst['other_cpu_pct'])} (the most, at {at(worst)}). The GPU "
             f"figures are not affected. Fix: {BUSY_HOST_FIX}."), tuple(r["level_value"] for r in busy)))
+    foreign = [r for r in rows if r["flags"] and FOREIGN_FLAG in r["flags"].split(",")]
+    if foreign:
+        gave_up = [r for r in foreign if "foreign-traffic" in (r.get("stop_rule") or "").split(",")]
+        out.append(Finding(FOREIGN_FLAG, (
+            f"others' work beside the sweep at {', '.join(_fmt(r['level_value'], unit) for r in foreign)}: another "
+            "client's requests on the server, or another process's kernels on the GPU, ran during some of its windows "
+            "(windows.parquet `foreign_traffic` says what showed it); those windows are left out of every figure"
+            + (f"; at {', '.join(_fmt(r['level_value'], unit) for r in gave_up)} they went on for the level's whole "
+               "budget, so its figures rest on an incomplete round and no policy chooses it" if gave_up else
+               " and their prompts were measured again")
+            + f". Fix: {FOREIGN_FIX}."), tuple(r["level_value"] for r in foreign)))
     failed = [r for r in rows if r.get("n_failed")]
     if failed:
         out.append(Finding("failed", "failed requests (not counted): " + ", ".join(

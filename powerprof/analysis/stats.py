@@ -21,6 +21,7 @@ import pyarrow.compute as pc
 from powerprof.collectors.cputime import BUSY_HOST_FLAG, BUSY_HOST_PCT, cpu_shares_pct
 from powerprof.energy import median_off_by_rounding, within_prompt_offset
 from powerprof.storage.schema import LEVELS
+from powerprof.workload.servercount import FOREIGN_FLAG
 
 # Each bootstrap chunk holds at most this many resampled values, so 100k windows stay in tens of MB.
 _BOOT_CHUNK_ELEMS = 1 << 22
@@ -130,6 +131,8 @@ def window_masks(windows: pa.Table) -> tuple[np.ndarray, np.ndarray, np.ndarray]
     # Windows the timing rule could not trust (powerprof/arrival.py) count in no figure.
     timing = _col(windows, "timing", object)
     trusted = np.array([t != "untrusted" for t in timing], dtype=bool) if n else np.zeros(0, bool)
+    # Windows the sweep saw others' work beside (another client, another process on the GPU) neither.
+    trusted &= ~foreign_windows(windows)
     is_trace = np.array([k == "trace" for k in kind], dtype=bool) if n else np.zeros(0, bool)
     run = _col(windows, "run_id", object)
     traced = set(run[is_trace])
@@ -137,6 +140,13 @@ def window_masks(windows: pa.Table) -> tuple[np.ndarray, np.ndarray, np.ndarray]
     measured = (~warm & ok & trusted & ~impossible_windows(windows)
                 & np.where(in_trace_run, is_trace, np.where(conc > 1, is_batch, is_req)))
     return measured, ~warm & ok & is_req, ~warm & ~ok & is_req
+
+
+def foreign_windows(windows: pa.Table) -> np.ndarray:
+    """Rows the sweep measured beside others' work (foreign_traffic set): flag foreign-traffic, in no figure."""
+    if "foreign_traffic" not in windows.column_names:
+        return np.zeros(windows.num_rows, bool)
+    return np.array([bool(x) for x in windows.column("foreign_traffic").to_pylist()], dtype=bool)
 
 
 def impossible_windows(windows: pa.Table) -> np.ndarray:
@@ -201,6 +211,7 @@ class LevelSeries:
     # (L,) %: of the host's busy CPU time over the measured windows, other processes' and powerprof's; NaN: unknown
     other_cpu_pct: np.ndarray | None = None
     powerprof_cpu_pct: np.ndarray | None = None
+    n_foreign: np.ndarray | None = None  # (L,) windows left out for others' work beside them (flag foreign-traffic)
 
     @property
     def comparison_factor(self) -> float:
@@ -276,6 +287,7 @@ def level_series(
     decode_s = _col(windows, "decode_s")
     prompts = _col(windows, "prompt_id", object)
     host_cpu, other_cpu, own_cpu = (_col(windows, c) for c in ("host_cpu_s", "other_cpu_s", "powerprof_cpu_s"))
+    foreign = foreign_windows(windows) & ~_col(windows, "warmup", bool)
     rng = np.random.default_rng(seed)
     out = []
     keys = sorted({(k, int(c)) for k, c, m in zip(kinds, conc, measured | counted | failed) if m}, key=lambda kc: (kc[0], kc[1]))
@@ -284,7 +296,7 @@ def level_series(
         lv = np.unique(values[in_series & np.isfinite(values)])
         if kind == "none" and lv.size == 0:
             lv = np.array([np.nan])
-        cols = {k: [] for k in ("tok", "j", "btok", "bj", "bjl", "p", "tot", "above", "nw", "nr", "nf", "np", "both", "pool", "cw", "wp", "ocpu", "pcpu")}
+        cols = {k: [] for k in ("tok", "j", "btok", "bj", "bjl", "p", "tot", "above", "nw", "nr", "nf", "np", "both", "pool", "cw", "wp", "ocpu", "pcpu", "nfor")}
         meths: set[str] = set()
         for v in lv:
             at = in_series & (np.isnan(values) if np.isnan(v) else values == v)
@@ -298,6 +310,7 @@ def level_series(
             cols["nw"].append(int(m.sum()))
             cols["nr"].append(int((at & counted).sum()))
             cols["nf"].append(int((at & failed).sum()))
+            cols["nfor"].append(int((at & foreign).sum()))
             cols["np"].append(len({p for p in prompts[m] if p is not None}))
             used = m & np.isfinite(jpt) & np.isfinite(energy) & (n_tok > 0)
             cols["pool"].append(energy[used].sum() / n_tok[used].sum() if used.any() else float("nan"))
@@ -350,6 +363,7 @@ def level_series(
                 counter_prompt_offset=np.array(cols["wp"], dtype=float),
                 other_cpu_pct=np.array(cols["ocpu"], dtype=float),
                 powerprof_cpu_pct=np.array(cols["pcpu"], dtype=float),
+                n_foreign=np.array(cols["nfor"], dtype=int),
             )
         )
     return out
@@ -583,6 +597,8 @@ def levels_table(
             other_pct = s.other_cpu_pct[i] if s.other_cpu_pct is not None else float("nan")
             if other_pct > BUSY_HOST_PCT and np.isfinite(s.total_j_per_token[i]):
                 flags.append(BUSY_HOST_FLAG)  # the GPU+CPU figure counts other processes' CPU energy
+            if s.n_foreign is not None and s.n_foreign[i]:
+                flags.append(FOREIGN_FLAG)  # windows beside others' work were left out (and measured again)
             row = {
                 "run_id": run_id,
                 "level_kind": s.level_kind,

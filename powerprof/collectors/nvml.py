@@ -432,6 +432,42 @@ class NvmlCollector:
         )
 
 
+def gpu_processes(nvml, handle) -> dict[int, int | None] | None:
+    """{pid: GPU memory it holds in bytes (None: not said)} of every process using the GPU, compute and graphics
+    (nvmlDeviceGet{Compute,Graphics}RunningProcesses); None where NVML cannot list them. In a container the
+    pids may be the host's, not this pid namespace's (nvidia-container-toolkit without --pid=host)."""
+    gw = gateway(nvml)
+    out: dict[int, int | None] = {}
+    listed = False
+    for fn in ("nvmlDeviceGetComputeRunningProcesses", "nvmlDeviceGetGraphicsRunningProcesses"):
+        procs = gw.query(fn, handle)
+        if procs is None:
+            continue
+        listed = True
+        for p in procs:
+            pid = getattr(p, "pid", None)
+            if isinstance(pid, int):
+                mem = getattr(p, "usedGpuMemory", None)
+                out[pid] = int(mem) if isinstance(mem, int) else out.get(pid)
+    return out if listed else None
+
+
+def process_sm_util(nvml, handle, since_us: int) -> dict[int, float] | None:
+    """{pid: highest SM utilisation % the driver sampled since `since_us` (µs, wall clock)} of the processes
+    whose kernels ran (nvmlDeviceGetProcessUtilization; {} when none ran); None where NVML cannot say (not
+    supported on this GPU, MIG, no permission)."""
+    gw = gateway(nvml)
+    samples, code = gw.attempt("nvmlDeviceGetProcessUtilization", handle, int(since_us))
+    if code is not None:
+        return {} if code == getattr(gw.lib, "NVML_ERROR_NOT_FOUND", 6) else None
+    out: dict[int, float] = {}
+    for smp in samples or ():
+        pid, util = getattr(smp, "pid", None), getattr(smp, "smUtil", None)
+        if isinstance(pid, int) and isinstance(util, int) and 0 <= util <= 100:
+            out[pid] = max(out.get(pid, 0.0), float(util))
+    return out
+
+
 _ERROR_NAMES = ("UNKNOWN", "TIMEOUT", "GPU_IS_LOST", "UNINITIALIZED", "INVALID_ARGUMENT", "IRQ_ISSUE", "NOT_FOUND",
                 "DRIVER_NOT_LOADED", "CORRUPTED_INFOROM", "RESET_REQUIRED", "OPERATING_SYSTEM", "LIB_RM_VERSION_MISMATCH",
                 "MEMORY", "INSUFFICIENT_POWER", "IN_USE", "NO_DATA", "INSUFFICIENT_SIZE")

@@ -20,63 +20,15 @@ import json
 import logging
 
 import aiohttp
-from prometheus_client.parser import text_string_to_metric_families
-
 from powerprof.errtext import error_text
-from powerprof.workload.limits import MAX_COUNTER, MAX_METRICS_BYTES, bad_amount, bad_count, read_capped
+from powerprof.workload.limits import MAX_METRICS_BYTES, read_capped
+# The parsers are the workload layer's (the sweep's foreign-traffic check reads the same counters).
+from powerprof.workload.servercount import COUNTERS, LLAMACPP_COUNTER, counter_total, llamacpp_generated, slot_progress  # noqa: F401
 
 log = logging.getLogger("powerprof.daemon.scrape")
 
 SERVERS = ("auto", "vllm", "sglang", "llamacpp", "none")
-COUNTERS = {"vllm": "vllm:generation_tokens_total", "sglang": "sglang:generation_tokens_total"}
-LLAMACPP_COUNTER = "llamacpp:tokens_predicted_total"
 SCRAPE_TIMEOUT_S = 2.0  # one GET, whole: a server slower than this to say its counters is skipped for a scrape
-
-
-def counter_total(text: str, name: str) -> float | None:
-    """Sum of a counter over all its label sets; None when the metric is absent."""
-    base = name[: -len("_total")] if name.endswith("_total") else name
-    # Only the lines naming the metric are parsed: a vLLM /metrics page is ~100 kB of histograms
-    # (~15 ms to parse whole on a busy core, too much at several scrapes a second).
-    text = "".join(ln + "\n" for ln in text.splitlines() if base in ln)
-    total, seen = 0.0, False
-    for fam in text_string_to_metric_families(text):
-        if fam.name not in (base, name):
-            continue
-        for s in fam.samples:
-            if s.name == name or (s.name == base and fam.type != "counter"):
-                total += s.value
-                seen = True
-    if seen and (why := bad_amount(total, MAX_COUNTER)) is not None:
-        raise ValueError(f"{name} {why}")
-    return total if seen else None
-
-
-def slot_progress(slots) -> dict[int, tuple[object, int]]:
-    """{slot id: (task id, n_decoded)} from llama.cpp's /slots JSON; an idle slot counts 0."""
-    out = {}
-    if not isinstance(slots, list):
-        return out
-    for s in slots:
-        if not isinstance(s, dict):
-            continue
-        sid = s.get("id")
-        task = s.get("id_task", s.get("task_id"))
-        n = s.get("n_decoded")
-        if n is None:
-            n = (s.get("next_token") or [{}])[0].get("n_decoded") if isinstance(s.get("next_token"), list) else None
-        if n is not None and (why := bad_count(n)) is not None:
-            raise ValueError(f"/slots n_decoded {why}")
-        if isinstance(sid, int) and isinstance(n, (int, float)):
-            # Older servers keep the last request's n_decoded on an idle slot: it is not in flight.
-            busy = s.get("is_processing", s.get("state", 1) != 0)
-            out[sid] = (task, int(n) if busy else 0)
-    return out
-
-
-def llamacpp_generated(finished: float, slots: dict[int, tuple[object, int]]) -> float:
-    """Tokens generated so far: finished requests (the /metrics counter) + those decoding now."""
-    return finished + sum(n for _, n in slots.values())
 
 
 def slots_delta(prev: dict[int, tuple[object, int]], now: dict[int, tuple[object, int]]) -> int:

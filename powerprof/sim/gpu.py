@@ -66,6 +66,9 @@ class SimGpu:
         self._locked = locked_clocks_mhz
         self._phase = IDLE
         self._thermal_throttle = False
+        # Another process's kernels on this GPU (sim/bystander.py): watts it adds, share of the time it takes.
+        self._bystander_w = 0.0
+        self._bystander_share = 0.0
         now = clock_ns()
         self._t_last_ns = now
         self._energy_j = 0.0
@@ -93,9 +96,18 @@ class SimGpu:
     def _choose(self, phase: Phase) -> tuple[float, float, int]:
         """DVFS: the highest clock whose power fits under the enforced limit. Returns (f, P, reasons)."""
         p = self.profile
+        extra = self._bystander_w
         if phase.kind == "idle":
-            return float(p.sm_clock_idle_mhz), float(p.idle_power_w), REASON_GPU_IDLE
-        power = self._power_curve(phase)
+            if extra <= 0:
+                return float(p.sm_clock_idle_mhz), float(p.idle_power_w), REASON_GPU_IDLE
+            # The server idles, another process's kernels run: the clock they get, the idle power plus theirs.
+            f, _, reasons = self._choose_busy(Phase("decode", 0.5), extra)
+            return f, float(p.idle_power_w) + extra, reasons
+        return self._choose_busy(phase, extra)
+
+    def _choose_busy(self, phase: Phase, extra: float) -> tuple[float, float, int]:
+        p = self.profile
+        power = self._power_curve(phase) + extra
         hi_mhz = p.sm_clock_max_mhz
         lo_mhz = p.sm_clock_min_mhz
         if self._locked is not None:
@@ -164,7 +176,20 @@ class SimGpu:
         with self._lock:
             c = self._phase.compute_share if compute_share is None else compute_share
             f = self._state[0] if self._phase.kind != "idle" else self._choose(Phase("decode", c))[0]
-            return 1.0 / float(step_time_factor(c, f, self.profile.sm_clock_max_mhz))
+            # Another process's kernels time-slice the GPU with the server's.
+            return (1.0 - self._bystander_share) / float(step_time_factor(c, f, self.profile.sm_clock_max_mhz))
+
+    def set_bystander(self, power_w: float, share: float) -> None:
+        """Another process runs kernels on this GPU from now: it draws `power_w` more and takes `share` of the
+        GPU's time from the server (0, 0: it stopped)."""
+        with self._lock:
+            self._bystander_w = max(0.0, float(power_w))
+            self._bystander_share = min(max(0.0, float(share)), 0.9)
+            self._recompute(self._clock_ns())
+
+    @property
+    def bystander_share(self) -> float:
+        return self._bystander_share
 
     def set_thermal_throttle(self, on: bool) -> None:
         with self._lock:
@@ -274,7 +299,7 @@ class SimGpu:
         """(gpu %, memory %) as NVML reports them: share of time a kernel / memory traffic ran."""
         phase = self._phase
         if phase.kind == "idle":
-            return 0, 0
+            return (int(round(100 * self._bystander_share)), 0) if self._bystander_w > 0 else (0, 0)
         c = phase.compute_share
         s = float(step_time_factor(c, self._state[0], self.profile.sm_clock_max_mhz))
         return 100, int(round(100 * (1 - c) / s))

@@ -66,6 +66,33 @@ class Utilization:
 
 
 @dataclass(frozen=True)
+class ProcessInfo:
+    """nvmlDeviceGetComputeRunningProcesses' entries (the fields powerprof reads)."""
+
+    pid: int
+    usedGpuMemory: int | None
+
+
+@dataclass(frozen=True)
+class ProcessUtilizationSample:
+    pid: int
+    timeStamp: int  # µs, wall clock, as the driver stamps it
+    smUtil: int
+    memUtil: int
+    encUtil: int = 0
+    decUtil: int = 0
+
+
+@dataclass
+class _GpuProcess:
+    pid: int
+    used_bytes: int
+    share: Callable[[], float]  # the share of the GPU's time its kernels take now (0: idle)
+    start_us: int
+    stop_us: int | None = None
+
+
+@dataclass(frozen=True)
 class MemoryInfo:
     total: int
     free: int
@@ -212,6 +239,8 @@ class SimNVML:
         self._load = _LoadFile(self._state.path) if self._state.path is not None else None
         self._follow = self._load is not None
         self._published: dict = {}
+        self._procs: dict[int, dict[int, _GpuProcess]] = {}  # GPU index → pid → a process using it
+        self._followed_pids: dict[str, int] = {}  # GPU uuid → the pid of the other process whose server drives it
 
     # --- sharing the GPUs' load between processes ---------------------------------------------
 
@@ -242,6 +271,8 @@ class SimNVML:
             return
         for g in self.gpus:
             e = phases.get(g.uuid)
+            if isinstance(e, dict) and isinstance(e.get("pid"), int):
+                self._followed_pids[g.uuid] = e["pid"]
             if isinstance(e, dict) and e.get("kind") in ("idle", "prefill", "decode"):
                 g.set_phase(Phase(e["kind"], float(e.get("share") or 0.0)), t_ns=int(e.get("t_ns") or 0))
 
@@ -420,6 +451,47 @@ class SimNVML:
         total = g.profile.memory_total_bytes
         used = int(total * 0.92) if g.read()["phase"].kind != "idle" else int(total * 0.9)
         return MemoryInfo(total=total, free=total - used, used=used)
+
+    # --- the processes using a GPU -----------------------------------------------------------------
+
+    def add_process(self, index: int, pid: int, used_bytes: int, share: Callable[[], float]) -> None:
+        """A process uses GPU `index` from now (a server that loaded its model, a bystander: sim/bystander.py)."""
+        with self._lock:
+            self._procs.setdefault(index, {})[pid] = _GpuProcess(pid, int(used_bytes), share, time.time_ns() // 1000)
+
+    def remove_process(self, index: int, pid: int) -> None:
+        with self._lock:
+            self._procs.get(index, {}).pop(pid, None)
+
+    def _processes(self, handle) -> list[_GpuProcess]:
+        g = self._gpu(handle)
+        with self._lock:
+            procs = list(self._procs.get(handle.index, {}).values())
+        pid = self._followed_pids.get(g.uuid)
+        if pid is not None and all(p.pid != pid for p in procs):
+            # A launched server's process drives this GPU (its published load says which pid).
+            procs.append(_GpuProcess(pid, int(g.profile.memory_total_bytes * 0.85),
+                                     lambda: 0.0 if g.read()["phase"].kind == "idle" else 1.0, 0))
+        return procs
+
+    def nvmlDeviceGetComputeRunningProcesses(self, handle) -> list[ProcessInfo]:
+        return [ProcessInfo(p.pid, p.used_bytes) for p in self._processes(handle)]
+
+    def nvmlDeviceGetGraphicsRunningProcesses(self, handle) -> list[ProcessInfo]:
+        self._gpu(handle)
+        return []
+
+    def nvmlDeviceGetProcessUtilization(self, handle, time_stamp_us: int) -> list[ProcessUtilizationSample]:
+        """One sample per process whose kernels ran since `time_stamp_us` (NVML_ERROR_NOT_FOUND: none did)."""
+        now_us = time.time_ns() // 1000
+        out = []
+        for p in self._processes(handle):
+            share = p.share()
+            if share > 0 and (p.stop_us is None or p.stop_us > time_stamp_us):
+                out.append(ProcessUtilizationSample(p.pid, now_us, int(round(100 * share)), int(round(50 * share))))
+        if not out:
+            raise pynvml.NVMLError(pynvml.NVML_ERROR_NOT_FOUND)
+        return out
 
     def nvmlDeviceGetTemperature(self, handle, sensor: int) -> int:
         return int(round(self._gpu(handle).read()["temperature_c"]))

@@ -21,6 +21,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import os
 import re
 import signal
 import threading
@@ -190,6 +191,7 @@ class SimServer:
         self.vllm_empty_final = vllm_empty_final
         self.vllm_metrics = vllm_metrics
         self.serve_metrics = serve_metrics  # False: /metrics answers 404 (hidden by a proxy, or an old server)
+        self.serve_slots = True  # False: /slots answers 501, as llama-server started with --no-slots
         self.count_factor = float(count_factor)  # settable between requests, like delivery
         self.truth: list[dict] = []  # one dict per finished request, in finishing order
         self.truth_cancelled: list[dict] = []  # one per request dropped while running (its client left)
@@ -222,6 +224,7 @@ class SimServer:
             self._m_running = Gauge("vllm:num_requests_running", "Requests running", registry=self._registry)
             self._m_waiting = Gauge("vllm:num_requests_waiting", "Requests waiting", registry=self._registry)
             # vLLM ≥ 0.11 names (0.32 has no time_per_output_token); "legacy": the v0 names.
+            self._m_success = Counter("vllm:request_success", "Finished requests", registry=self._registry)
             self._m_decode = Histogram("vllm:request_decode_time_seconds", "Decode phase per request", registry=self._registry)
             self._m_gen = Histogram("vllm:request_generation_tokens", "Generated tokens per request", registry=self._registry,
                                     buckets=(1, 16, 64, 256, 1024, 4096))
@@ -275,9 +278,18 @@ class SimServer:
             raise RuntimeError("simulated server did not start within 30 s")
         if errors:
             raise errors[0]
+        for g in self.gpus:  # the model is loaded: this process is on the GPUs' process lists, as llama-server is
+            add = getattr(self.nvml, "add_process", None)
+            if add is not None:
+                add(g.index, os.getpid(), int(g.profile.memory_total_bytes * 0.85),
+                    lambda g=g: 0.0 if g.read()["phase"].kind == "idle" else 1.0)
         return self
 
     def stop(self) -> None:
+        for g in self.gpus:
+            remove = getattr(self.nvml, "remove_process", None)
+            if remove is not None:
+                remove(g.index, os.getpid())
         if self._loop is not None and self._thread is not None and self._thread.is_alive():
             self._loop.call_soon_threadsafe(self._loop.stop)
             self._thread.join(30)
@@ -598,6 +610,7 @@ class SimServer:
         t_first = req.emissions[0][0]
         t_last = req.emissions[-1][0]
         if self.flavour == "vllm":
+            self._m_success.inc()
             self._m_decode.observe((t_last - t_first) / 1e9)
             self._m_gen.observe(req.generated)
         timings = {
@@ -706,6 +719,9 @@ class SimServer:
     async def _slots(self, request: web.Request) -> web.Response:
         if self.flavour != "llamacpp":
             raise web.HTTPNotFound()
+        if not self.serve_slots:
+            return self._json({"error": {"code": 501, "message": "This server does not support slots endpoint.",
+                                         "type": "not_supported_error"}}, 501)
         by_slot = {r.slot: r for r in self._active}
         return self._json(
             [

@@ -127,6 +127,9 @@ WINDOWS_COLUMNS = [
     ("host_cpu_s", F64),  # the whole host's busy CPU time
     ("other_cpu_s", F64),  # of it, processes other than the server's and powerprof's; null: server not found
     ("powerprof_cpu_s", F64),  # of it, powerprof's own (the measuring tool); null when the server runs inside it
+    # Others' work beside the window (sweep): what showed it (the server's counters, another process on the GPU);
+    # such a window has no figures and counts in none (levels flag foreign-traffic). Null: none seen.
+    ("foreign_traffic", STR),
 ]
 
 # One row per level (and repeat pooled): what the user reads.
@@ -157,7 +160,7 @@ LEVELS_COLUMNS = [
     ("reference", BOOL),
     ("cap_not_engaged", BOOL),
     ("thermal_throttle", BOOL),
-    # comma-separated: cap-not-engaged, thermal, failed-requests, wide-ci, one-window, no-measured-windows, energy-resolution, server-restarted, server-away, interrupted
+    # comma-separated: cap-not-engaged, thermal, failed-requests, wide-ci, one-window, no-measured-windows, energy-resolution, server-restarted, server-away, interrupted, busy-host, foreign-traffic
     ("flags", STR),
     ("energy_method", STR),
     # Appended by the analysis (issue 6): levels at different concurrencies are different levels,

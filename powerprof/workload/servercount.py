@@ -1,0 +1,253 @@
+"""What the inference server says it served (its /metrics counters and gauges, llama.cpp's /slots), against what powerprof sent.
+
+A sweep's energy over a decode window is the whole GPU's: requests of other clients on the same
+server (a production server "quiet at night", a colleague's script) add their work to ours and
+the J/token and tok/s come out wrong without any sign. The server's own books show them:
+
+- tokens: `vllm:generation_tokens_total` (every engine step), `sglang:generation_tokens_total` and
+  `llamacpp:tokens_predicted_total` (when a request finishes);
+- requests: `vllm:request_success_total` (finished requests);
+- in flight: `vllm:num_requests_running`/`_waiting`, `sglang:num_running_reqs`/`num_queue_reqs`,
+  `llamacpp:requests_processing`/`_deferred`, or the busy slots of llama.cpp's `/slots`.
+
+`read_tally` takes one snapshot; `ForeignWatch` compares consecutive snapshots taken between
+powerprof's batches (when none of its requests is in flight) with what those batches generated.
+The daemon's scraper (daemon/scrape.py) parses with the same functions.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+from dataclasses import dataclass
+
+import aiohttp
+from prometheus_client.parser import text_string_to_metric_families
+
+from .limits import MAX_COUNTER, MAX_METRICS_BYTES, bad_amount, bad_count, read_capped
+
+COUNTERS = {"vllm": "vllm:generation_tokens_total", "sglang": "sglang:generation_tokens_total"}
+LLAMACPP_COUNTER = "llamacpp:tokens_predicted_total"
+TOKEN_COUNTERS = (*COUNTERS.values(), LLAMACPP_COUNTER)
+REQUEST_COUNTERS = ("vllm:request_success_total",)
+# Requests the server holds now (running and queued), per server family.
+IN_FLIGHT_GAUGES = (("vllm:num_requests_running", "vllm:num_requests_waiting"),
+                    ("sglang:num_running_reqs", "sglang:num_queue_reqs"),
+                    ("llamacpp:requests_processing", "llamacpp:requests_deferred"))
+TALLY_TIMEOUT_S = 5.0
+# A server's token count and the one powerprof takes from the stream can differ by one per request
+# (vLLM's closing chunk, a count taken at a step vs at the stream's end): more than one token per
+# request of ours is someone else's work. A request of another client generates at least one token and
+# usually tens; one or two stray tokens per request of ~100 are under 2% of a window's work, which the
+# in-flight gauges catch anyway when the other request spans one of the snapshots.
+TOKENS_PER_REQUEST_TOLERANCE = 1
+# vLLM updates its gauges after the step that finished our last request, which the client may see
+# first: a request still counted as running is read again this much later before it is believed.
+IN_FLIGHT_RECHECK_S = 0.25
+FOREIGN_FLAG = "foreign-traffic"
+FOREIGN_FIX = "stop the other clients (or processes on the GPU) for the sweep, or sweep a server and GPU of your own"
+
+
+def counter_total(text: str, name: str) -> float | None:
+    """Sum of a counter (or gauge) over all its label sets; None when the metric is absent."""
+    base = name[: -len("_total")] if name.endswith("_total") else name
+    # Only the lines naming the metric are parsed: a vLLM /metrics page is ~100 kB of histograms
+    # (~15 ms to parse whole on a busy core, too much at several scrapes a second).
+    text = "".join(ln + "\n" for ln in text.splitlines() if base in ln)
+    total, seen = 0.0, False
+    for fam in text_string_to_metric_families(text):
+        if fam.name not in (base, name):
+            continue
+        for s in fam.samples:
+            if s.name == name or (s.name == base and fam.type != "counter"):
+                total += s.value
+                seen = True
+    if seen and (why := bad_amount(total, MAX_COUNTER)) is not None:
+        raise ValueError(f"{name} {why}")
+    return total if seen else None
+
+
+def slot_progress(slots) -> dict[int, tuple[object, int]]:
+    """{slot id: (task id, n_decoded)} from llama.cpp's /slots JSON; an idle slot counts 0."""
+    out = {}
+    if not isinstance(slots, list):
+        return out
+    for s in slots:
+        if not isinstance(s, dict):
+            continue
+        sid = s.get("id")
+        task = s.get("id_task", s.get("task_id"))
+        n = s.get("n_decoded")
+        if n is None:
+            n = (s.get("next_token") or [{}])[0].get("n_decoded") if isinstance(s.get("next_token"), list) else None
+        if n is not None and (why := bad_count(n)) is not None:
+            raise ValueError(f"/slots n_decoded {why}")
+        if isinstance(sid, int) and isinstance(n, (int, float)):
+            # Older servers keep the last request's n_decoded on an idle slot: it is not in flight.
+            busy = s.get("is_processing", s.get("state", 1) != 0)
+            out[sid] = (task, int(n) if busy else 0)
+    return out
+
+
+def busy_slots(slots) -> int | None:
+    """Slots processing a request now, from llama.cpp's /slots JSON; None when it is not that list."""
+    if not isinstance(slots, list):
+        return None
+    return sum(1 for s in slots if isinstance(s, dict) and s.get("is_processing", s.get("state", 0) != 0))
+
+
+def llamacpp_generated(finished: float, slots: dict[int, tuple[object, int]]) -> float:
+    """Tokens generated so far: finished requests (the /metrics counter) + those decoding now."""
+    return finished + sum(n for _, n in slots.values())
+
+
+@dataclass(frozen=True)
+class Tally:
+    """One snapshot of what the server says it has served. None: it does not say."""
+
+    t_ns: int
+    tokens: float | None = None  # generated tokens so far (llama.cpp, SGLang: of finished requests)
+    tokens_name: str | None = None
+    requests: float | None = None  # finished requests so far
+    requests_name: str | None = None
+    in_flight: float | None = None  # requests running or queued now
+    in_flight_source: str | None = None  # the gauges, or /slots
+
+    @property
+    def blind(self) -> bool:
+        """Nothing here could show another client's request."""
+        return self.tokens is None and self.in_flight is None
+
+    def limits(self) -> str | None:
+        """What this server cannot show of other clients' requests, in words; None when it shows both kinds."""
+        if self.blind:
+            return ("the server shows no request or token counters (llama.cpp: start it with --metrics, or keep /slots "
+                    "enabled; vLLM and SGLang: /metrics, SGLang with --enable-metrics), so other clients' requests "
+                    "cannot be ruled out")
+        if self.tokens is None:
+            return (f"the server shows only the requests in flight ({self.in_flight_source}), no token counter "
+                    "(llama.cpp: --metrics): another client's request that starts and ends within one of powerprof's "
+                    "requests cannot be seen")
+        if self.in_flight is None:
+            return (f"the server shows its token counter ({self.tokens_name}) but no requests in flight: another "
+                    "client's request that spans two of powerprof's is seen in the window where it finishes only")
+        return None
+
+
+async def _get(session: aiohttp.ClientSession, url: str) -> tuple[int | None, str]:
+    try:
+        async with session.get(url, timeout=aiohttp.ClientTimeout(total=TALLY_TIMEOUT_S)) as r:
+            if r.status != 200:
+                return r.status, ""
+            return r.status, (await read_capped(r, MAX_METRICS_BYTES)).decode("utf-8", "replace")
+    except (aiohttp.ClientError, asyncio.TimeoutError, OSError, ValueError):
+        return None, ""
+
+
+def tally_from_metrics(text: str, t_ns: int) -> Tally:
+    """The counters and gauges of one /metrics page (any server family); a value that is not a count is left out."""
+    def first(names):
+        for name in names:
+            try:
+                v = counter_total(text, name)
+            except ValueError:
+                v = None
+            if v is not None:
+                return v, name
+        return None, None
+
+    tokens, tokens_name = first(TOKEN_COUNTERS)
+    requests, requests_name = first(REQUEST_COUNTERS)
+    in_flight = source = None
+    for names in IN_FLIGHT_GAUGES:
+        vals = [v for v, _ in (first((n,)) for n in names) if v is not None]
+        if vals:
+            in_flight, source = sum(vals), " + ".join(n for n in names if n in text)
+            break
+    return Tally(t_ns, tokens, tokens_name, requests, requests_name, in_flight, source)
+
+
+async def read_tally(session: aiohttp.ClientSession, base_url: str) -> Tally:
+    """What the server says it has served, now: /metrics, and llama.cpp's /slots where /metrics has no gauge.
+    A GET the server answers from memory: no GPU work, no tokens counted."""
+    base = base_url.rstrip("/")
+    t_ns = time.monotonic_ns()
+    status, text = await _get(session, base + "/metrics")
+    tally = tally_from_metrics(text, t_ns) if status == 200 and text else Tally(t_ns)
+    if tally.in_flight is None:
+        status, text = await _get(session, base + "/slots")
+        try:
+            busy = busy_slots(json.loads(text)) if status == 200 else None
+        except ValueError:
+            busy = None
+        if busy is not None:
+            tally = Tally(t_ns, tally.tokens, tally.tokens_name, tally.requests, tally.requests_name, float(busy), "/slots")
+    return tally
+
+
+async def settled_tally(session: aiohttp.ClientSession, base_url: str) -> Tally:
+    """`read_tally`, read again IN_FLIGHT_RECHECK_S later when it shows requests in flight (none of powerprof's
+    are): a gauge not yet updated after our last request finished reads 0 the second time, another client's
+    request still runs (the smaller count of the two is kept)."""
+    t = await read_tally(session, base_url)
+    if not t.in_flight:
+        return t
+    await asyncio.sleep(IN_FLIGHT_RECHECK_S)
+    t2 = await read_tally(session, base_url)
+    if t2.in_flight is None:
+        return t
+    return t2 if t2.in_flight <= t.in_flight else Tally(t2.t_ns, t2.tokens, t2.tokens_name, t2.requests,
+                                                         t2.requests_name, t.in_flight, t.in_flight_source)
+
+
+class ForeignWatch:
+    """Compares the server's books with powerprof's requests, batch by batch, over one stretch of a level.
+
+    Snapshots are taken between batches, when none of powerprof's requests is in flight: requests in
+    flight then, and tokens or finished requests beyond the batch's own (beyond the tolerance), are
+    another client's. Counts compare cumulatively from the first snapshot with a high-water mark, so a
+    counter that lags the stream by a step shifts nothing between batches."""
+
+    def __init__(self, first: Tally):
+        self.first = self.prev = first
+        self.ours_tokens = 0
+        self.ours_requests = 0
+        self._tok_high = 0.0
+        self._req_high = 0.0
+        self.seen_tokens = 0.0  # tokens not ours the server generated, over the flagged batches
+        self.seen_requests = 0.0
+
+    def judge(self, now: Tally, recs) -> str | None:
+        """Why the batch `recs` (between the previous snapshot and `now`) ran beside another client's requests, or None."""
+        why = []
+        for edge, at in ((self.prev, "as it began"), (now, "as it ended")):
+            if edge.in_flight:
+                why.append(f"{edge.in_flight:.0f} request(s) not powerprof's in flight on the server {at} "
+                           f"({edge.in_flight_source})")
+        failed = any(not r.ok for r in recs)  # its tokens so far are in the server's count, not in ours
+        self.ours_tokens += sum(int(r.generated_tokens or 0) for r in recs)
+        self.ours_requests += sum(1 for r in recs if r.ok)
+        if now.tokens is not None and self.first.tokens is not None and self.prev.tokens is not None:
+            if now.tokens < self.prev.tokens:  # the server restarted: its counter began again
+                self.first, self.ours_tokens, self._tok_high = now, 0, 0.0
+            else:
+                excess = now.tokens - self.first.tokens - self.ours_tokens
+                tol = TOKENS_PER_REQUEST_TOLERANCE * max(len(recs), 1)
+                if not failed and excess > self._tok_high + tol:
+                    self.seen_tokens += excess - self._tok_high
+                    why.append(f"the server generated {excess - self._tok_high:.0f} tokens more than powerprof's "
+                               f"requests received ({now.tokens_name})")
+                self._tok_high = max(self._tok_high, excess)
+        if now.requests is not None and self.first.requests is not None and self.prev.requests is not None:
+            if now.requests < self.prev.requests:
+                self.first, self.ours_requests, self._req_high = now, 0, 0.0
+            else:
+                excess = now.requests - self.first.requests - self.ours_requests
+                if not failed and excess > self._req_high:
+                    self.seen_requests += excess - self._req_high
+                    why.append(f"the server finished {excess - self._req_high:.0f} request(s) more than powerprof "
+                               f"sent ({now.requests_name})")
+                self._req_high = max(self._req_high, excess)
+        self.prev = now
+        return "; ".join(why) or None

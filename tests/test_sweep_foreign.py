@@ -1,0 +1,198 @@
+"""A sweep on a server or GPU that is not its own alone: another client's requests on the server, or another
+process's kernels on the GPU, during one level. Their windows are flagged foreign-traffic, left out of every
+figure and their prompts measured again, so the level's figures match the simulator's truth over windows that
+nothing else shared; a quiet server (llama.cpp without /metrics or /slots included) raises no flag."""
+
+from __future__ import annotations
+
+import numpy as np
+import pyarrow.parquet as pq
+import pytest
+
+from powerprof.rig import Rig
+from powerprof.sim.nvml import SimNVML
+from powerprof.sweep import UI, run_sweep
+from powerprof.workload.client import RequestParams
+from powerprof.workload.servercount import FOREIGN_FLAG, ForeignWatch, Tally, tally_from_metrics
+
+
+class _Hook(UI):
+    """A sweep UI that runs `start(visit)` at each level's start and `act(visit)` after each batch."""
+
+    def __init__(self, act=lambda v: None, start=lambda v: None):
+        self.act, self.start = act, start
+        self.notes: list[str] = []
+
+    def level_start(self, i, n, visit, unit):
+        self.start(visit)
+
+    def level_progress(self, visit, live):
+        self.act(visit)
+
+    def note(self, text):
+        self.notes.append(text)
+
+
+def _sweep(rig, out, ui, **kw):
+    kw = dict(levels_spec="300,200", out_dir=out, params=RequestParams(max_tokens=128), idle_s=0, interval_s=0.2,
+              min_requests=4, max_requests=4, warmup_requests=1, ui=ui) | kw
+    return run_sweep(rig, **kw)
+
+
+def _while_at_200(begin, end):
+    """begin() once level 200 measured one request; end(it) once two of its batches were left out (or it finished)."""
+    state: dict = {}
+
+    def act(visit):
+        if visit.level_value != 200:
+            return
+        if "it" not in state and visit.n_measured >= 1:
+            state["it"] = begin()
+        elif "it" in state and "ended" not in state and len(visit.foreign) >= 2:
+            end(state["it"])
+            state["ended"] = True
+
+    return act, state
+
+
+def _counted(outcome, value):
+    sw = outcome.sweep
+    ids = {r["request_id"] for r in sw.rows if sw._counts(r) and r["level_value"] == value}
+    return [(r, rec) for v, rec in sw.records for r in sw.rows
+            if v == value and rec.request_id in ids and r["request_id"] == rec.request_id and r["window_kind"] == "request"]
+
+
+def _check_truth(sim, outcome, value, rel=0.01):
+    """The counted windows' J/token against the simulated GPU's true energy over each."""
+    g = sim.gpus[0]
+    pairs = [(row["gpu_j_per_token"], (g.true_energy_at_j(rec.t_last_ns) - g.true_energy_at_j(rec.t_first_ns))
+              / rec.decode_tokens) for row, rec in _counted(outcome, value)]
+    assert len(pairs) == 4, (value, len(pairs))
+    assert np.median([m for m, _ in pairs]) == pytest.approx(np.median([t for _, t in pairs]), rel=rel), value
+
+
+def _overlaps(a0, a1, spans):
+    return any(a0 < b1 and b0 < a1 for b0, b1 in spans)
+
+
+def test_another_client_during_one_level_is_flagged_left_out_and_measured_again(tmp_path, sim_server):
+    sim = SimNVML("seed-16g", state_path=None, record_history=True)
+    out = tmp_path / "run"
+    with Rig("seed-16g", nvml=sim) as rig:
+        act, state = _while_at_200(lambda: rig.sim_bystander_client(sim_server[0].url, max_tokens=48),
+                                   lambda cl: cl.stop())
+        outcome = _sweep(rig, out, _Hook(act))
+    cl = state["it"]
+    assert cl.requests >= 1, cl.errors
+    levels = pq.read_table(out / "levels.parquet").to_pandas().set_index("level_value")
+    assert FOREIGN_FLAG in levels.loc[200.0, "flags"].split(","), levels.loc[200.0, "flags"]
+    assert FOREIGN_FLAG not in (levels.loc[300.0, "flags"] or "")
+    w = pq.read_table(out / "windows.parquet").to_pandas()
+    left = w[(w.level_value == 200.0) & w.foreign_traffic.notna() & ~w.warmup]
+    assert len(left) >= 2 and left.gpu_j_per_token.isna().all()
+    assert left.foreign_traffic.str.contains("not powerprof's|more than powerprof").all(), left.foreign_traffic.tolist()
+    assert w[w.level_value == 300.0].foreign_traffic.isna().all()
+    # No counted window shared the server with the other client: the whole round was measured again.
+    for row, rec in _counted(outcome, 200.0):
+        assert not _overlaps(rec.t_send_ns, rec.t_end_ns, cl.intervals_ns), row["request_id"]
+    for value in (300.0, 200.0):
+        _check_truth(sim, outcome, value)
+    said = [n for n in outcome.notes if n.startswith("others' work ran beside the sweep")]
+    assert len(said) == 1 and "not its own" in said[0] and "level 200" in said[0], outcome.notes
+    assert not any("cannot be ruled out" in n for n in outcome.notes), outcome.notes
+
+
+def test_another_process_working_on_the_gpu_during_one_level_is_flagged_and_left_out(tmp_path):
+    sim = SimNVML("seed-16g", state_path=None, record_history=True)
+    out = tmp_path / "run"
+    with Rig("seed-16g", nvml=sim) as rig:
+        act, state = _while_at_200(lambda: rig.sim_bystander_gpu(0, power_w=60.0, share=0.3), lambda by: by.stop())
+        outcome = _sweep(rig, out, _Hook(act))
+    by = state["it"]
+    levels = pq.read_table(out / "levels.parquet").to_pandas().set_index("level_value")
+    assert FOREIGN_FLAG in levels.loc[200.0, "flags"].split(","), levels.loc[200.0, "flags"]
+    assert FOREIGN_FLAG not in (levels.loc[300.0, "flags"] or "")
+    w = pq.read_table(out / "windows.parquet").to_pandas()
+    left = w[(w.level_value == 200.0) & w.foreign_traffic.notna() & ~w.warmup]
+    assert len(left) >= 2 and left.foreign_traffic.str.contains("ran kernels on GPU 0").all(), left.foreign_traffic.tolist()
+    for row, rec in _counted(outcome, 200.0):
+        assert not _overlaps(rec.t_first_ns, rec.t_last_ns, [tuple(x) for x in by.active_ns]), row["request_id"]
+    for value in (300.0, 200.0):
+        _check_truth(sim, outcome, value)
+    assert any(n.startswith("others' work ran beside the sweep") and f"process(es) {by.pid}" in n for n in outcome.notes), outcome.notes
+
+
+def test_a_process_that_holds_gpu_memory_and_runs_nothing_is_said_not_flagged(tmp_path):
+    sim = SimNVML("seed-16g", state_path=None)
+    out = tmp_path / "run"
+    with Rig("seed-16g", nvml=sim) as rig:
+        rig.sim_bystander_gpu(0, share=0.0)
+        outcome = _sweep(rig, out, _Hook(), levels_spec="300", params=RequestParams(max_tokens=32))
+    levels = pq.read_table(out / "levels.parquet").to_pandas()
+    assert not any(FOREIGN_FLAG in (f or "") for f in levels["flags"])
+    assert any("holds memory on GPU 0 and ran no kernels" in n and "harmless" in n for n in outcome.notes), outcome.notes
+
+
+@pytest.mark.parametrize("hide", ["nothing", "metrics", "metrics+slots"])
+def test_a_quiet_server_raises_no_flag_and_says_what_it_cannot_rule_out(tmp_path, sim_server, hide):
+    sim = SimNVML("seed-16g", state_path=None)
+    out = tmp_path / "run"
+
+    def start(visit):
+        srv = sim_server[0]
+        srv.serve_metrics = "metrics" not in hide
+        srv.serve_slots = "slots" not in hide
+
+    with Rig("seed-16g", nvml=sim) as rig:
+        # An idle baseline with its /health probes, and a warm-up request: the server's own traffic and ours only.
+        outcome = _sweep(rig, out, _Hook(start=start), idle_s=1.0, params=RequestParams(max_tokens=32))
+    levels = pq.read_table(out / "levels.parquet").to_pandas()
+    assert not any(FOREIGN_FLAG in (f or "") for f in levels["flags"]), levels["flags"].tolist()
+    assert pq.read_table(out / "windows.parquet").to_pandas().foreign_traffic.isna().all()
+    said = [n for n in outcome.notes if n.startswith("other clients of the server")]
+    if hide == "nothing":
+        assert said == [], said
+    elif hide == "metrics":
+        assert len(said) == 1 and "only the requests in flight (/slots)" in said[0], said
+    else:
+        assert len(said) == 1 and "cannot be ruled out" in said[0], said
+
+
+VLLM = """# TYPE vllm:generation_tokens_total counter
+vllm:generation_tokens_total{{engine="0",model_name="m"}} {tok}
+# TYPE vllm:request_success_total counter
+vllm:request_success_total{{engine="0",finished_reason="length",model_name="m"}} {req}
+# TYPE vllm:num_requests_running gauge
+vllm:num_requests_running{{engine="0",model_name="m"}} {run}
+# TYPE vllm:num_requests_waiting gauge
+vllm:num_requests_waiting{{engine="0",model_name="m"}} 0
+"""
+
+
+class _Rec:
+    def __init__(self, n, ok=True):
+        self.generated_tokens, self.ok = n, ok
+
+
+def _t(tok, req, run=0):
+    return tally_from_metrics(VLLM.format(tok=tok, req=req, run=run), 0)
+
+
+def test_the_servers_books_against_ours_vllm():
+    t = _t(1000, 10)
+    assert (t.tokens, t.requests, t.in_flight) == (1000, 10, 0) and t.limits() is None
+    w = ForeignWatch(t)
+    assert w.judge(_t(1128, 11), [_Rec(128)]) is None  # ours exactly
+    # A counter one step behind the stream: ours seem short, then caught up; never someone else's.
+    assert w.judge(_t(1250, 12), [_Rec(128)]) is None
+    assert w.judge(_t(1384, 13), [_Rec(128)]) is None
+    why = w.judge(_t(1384 + 128 + 40, 15), [_Rec(128)])
+    assert "40 tokens more" in why and "1 request(s) more" in why, why
+    assert "in flight" in w.judge(_t(1552 + 128, 16, run=1), [_Rec(128)])
+    # A failed request of ours: its tokens are the server's count, not ours; not judged as someone else's.
+    w2 = ForeignWatch(_t(0, 0))
+    assert w2.judge(_t(60, 1), [_Rec(0, ok=False)]) is None
+
+
+def test_a_server_without_counters_is_blind():
+    assert Tally(0).blind and "cannot be ruled out" in Tally(0).limits()
