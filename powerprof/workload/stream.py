@@ -833,14 +833,15 @@ def parse_response(api: str, body: bytes) -> tuple[list[TokenEvent], StreamSumma
             # A whole response is the body of a streamed `response.completed` (or incomplete, failed).
             status = obj.get("status")
             kind = {"completed": "response.completed", "incomplete": "response.incomplete",
-                    "failed": "response.failed"}.get(status, "response.in_progress")
+                    "failed": "response.failed"}.get(status if isinstance(status, str) else "", "response.in_progress")
             n = _responses_output_parts(obj.get("output"))
             p._s.counted, p._s.n_events, p._s.guessed = n, 1 if n else 0, n
             if n:
                 out.append(TokenEvent(n, "", None))
             obj = {"type": kind, "response": obj}
         elif api == "anthropic-messages" and obj.get("type") == "message":
-            n = sum(1 for b in obj.get("content") or () if isinstance(b, dict))
+            content = obj.get("content")
+            n = sum(1 for b in content if isinstance(b, dict)) if isinstance(content, list) else 0
             p._s.counted, p._s.n_events, p._s.guessed = n, 1 if n else 0, n
             if n:
                 out.append(TokenEvent(n, "", None))
