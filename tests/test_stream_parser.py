@@ -259,6 +259,11 @@ COUNT_ONLY_CASES = {
         {**_CHAT, "choices": [{"index": 0, "delta": {"reasoning_content": "hmm"}, "finish_reason": None}]},
         {**_CHAT, "choices": [{"index": 0, "delta": {"content": "a"}, "finish_reason": None},
                               {"index": 1, "delta": {"content": "b"}, "finish_reason": None}]},
+        {**_CHAT, "choices": [{"index": 1, "delta": {"content": "c"}, "finish_reason": None}]},  # n > 1: apart
+        {**_CHAT, "choices": [{"index": 10, "delta": {"content": "c"}, "finish_reason": None}]},
+        {**_CHAT, "choices": [{"delta": {"content": "c"}, "finish_reason": None}]},  # no index: the first choice's
+        {**_CHAT, "choices": [{"index": 1, "delta": {"content": ""}, "finish_reason": "stop"}]},
+        {**_CHAT, "choices": [{"index": 10, "delta": {"content": ""}, "finish_reason": "stop"}]},
         {**_CHAT, "choices": [{"index": 0, "delta": {"content": "ab"},
                                "logprobs": {"content": [{"token": "a"}, {"token": "b"}]}, "finish_reason": None}]},
         {**_CHAT, "choices": [{"index": 0, "delta": {"tool_calls": [{"index": 0, "function": {"arguments": "{"}}]},
