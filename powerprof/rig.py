@@ -140,17 +140,18 @@ class Rig:
             )
         return self._sources
 
-    def cpu_time_collector(self, url: str | None, launched: list):
+    def cpu_time_collector(self, url: str | None, launched: list, helpers=None):
         """Whose CPU time the host spends beside the RAPL energy the sources read (collectors/cputime.py), for the
         busy-host flag; None without a server URL, or where that energy is simulated: the simulated package follows
-        the simulated server alone, so other processes' CPU time is in none of its joules."""
+        the simulated server alone, so other processes' CPU time is in none of its joules. helpers: a callable
+        giving the pids of powerprof's own child processes (the daemon's proxy workers), counted as powerprof's."""
         real = self.host_cpu_time if self.host_cpu_time is not None else self._powercap is None
         if not url or not real:
             return None
         from powerprof.collectors.cputime import CpuTimeCollector
         from powerprof.workload.serverprocs import ServerProcesses
 
-        return CpuTimeCollector(ServerProcesses(url, launched))
+        return CpuTimeCollector(ServerProcesses(url, launched), helpers=helpers)
 
     @property
     def sim_powercap(self):

@@ -107,6 +107,32 @@ def test_the_collector_sums_the_servers_processes_and_keeps_an_ended_ones_time()
     assert c.read().server_cpu_s == pytest.approx(3.5)
 
 
+def test_powerprofs_helper_processes_are_powerprofs_and_an_ended_ones_time_stays():
+    # A helper (a proxy worker, the compaction child) that ends must not take its CPU time out of powerprof's: the
+    # host's busy time keeps it, so "other processes" would jump by all of it in one interval.
+    procs = {1: [2.0, 0.0], 7: [0.0, time.time() + 1], 8: [0.0, time.time() + 1]}  # server 1, helpers 7, 8
+    helpers = {7, 8}
+
+    class Ps:
+        def cpu_times(self):
+            return SimpleNamespace(user=100.0, nice=0.0, system=0.0)
+
+        def Process(self, pid):
+            if pid not in procs and pid != 999:
+                raise psutil.NoSuchProcess(pid)
+            return SimpleNamespace(cpu_times=lambda: SimpleNamespace(user=procs.get(pid, [10.0])[0], system=0.0),
+                                   create_time=lambda: procs.get(pid, [0, 0.0])[1])
+
+    c = CpuTimeCollector(lambda: ({1}, None), ps=Ps(), pid=999, helpers=lambda: set(helpers))
+    assert c.read().powerprof_cpu_s == 10.0
+    procs[7][0], procs[8][0] = 3.0, 1.5
+    assert c.read().powerprof_cpu_s == pytest.approx(14.5)
+    del procs[7]
+    helpers.discard(7)  # ended and reaped: the 3 s it was last seen with stay powerprof's
+    procs[8][0] = 2.0
+    assert c.read().powerprof_cpu_s == pytest.approx(15.0)
+
+
 def test_a_server_in_powerprofs_own_process_has_no_separate_powerprof_share():
     host = FakeHost(own_pid=SERVER_PID)
     r = CpuTimeCollector(lambda: ({SERVER_PID}, None), ps=host, pid=SERVER_PID).read()
@@ -266,7 +292,7 @@ def test_a_quiet_sweep_is_not_flagged(tmp_path, monkeypatch):
 # --- daemon ----------------------------------------------------------------------------------------
 
 
-def _daemon(tmp_path, n_requests=4, host_cpu_time=True):
+def _daemon(tmp_path, n_requests=4, host_cpu_time=True, **overrides):
     """The daemon in this process (simulated GPU, RAPL and server, the busy-host judgement on as beside real RAPL),
     `n_requests` completions through its proxy; its requests and intervals datasets and its /metrics text."""
     import asyncio
@@ -282,7 +308,8 @@ def _daemon(tmp_path, n_requests=4, host_cpu_time=True):
     async def main():
         cfg = load_config(None, env={}, overrides={
             "daemon.data_dir": str(tmp_path / "data"), "daemon.interval_s": 0.25, "daemon.flush_interval_s": 0.2,
-            "proxy.listen": "127.0.0.1:0", "metrics.listen": "127.0.0.1:0", "daemon.restore_on_start": False})
+            "proxy.listen": "127.0.0.1:0", "metrics.listen": "127.0.0.1:0", "daemon.restore_on_start": False,
+            **overrides})
         d = Daemon(cfg, Rig("a100-40g", nvml=SimNVML("a100-40g", state_path=None), host_cpu_time=host_cpu_time))
         task = asyncio.create_task(d.run())
         for _ in range(1200):  # listening, and RAPL read twice (before, a request has no CPU energy to share)
@@ -337,6 +364,49 @@ def test_the_daemon_on_a_quiet_host_marks_nothing(tmp_path, monkeypatch):
     assert reqs.other_cpu_pct.to_numpy() == pytest.approx(100 * 0.01 / 1.21, abs=0.3)
     assert not reqs.energy_note.fillna("").str.contains("busy-host").any()
     assert _metric(metrics, "powerprof_other_processes_cpu_ratio") == pytest.approx(0.01 / 1.21, abs=0.003)
+    assert _metric(metrics, "powerprof_requests_cpu_energy_busy_host_joules_total") == 0
+
+
+class FakeHostWithHelpers(FakeHost):
+    """FakeHost where every child process of this one (the daemon's proxy workers, its compaction child) burns
+    `child` cores from when it is first seen: powerprof's own work, on a host otherwise quiet."""
+
+    def __init__(self, child=0.3, **kw):
+        super().__init__(**kw)
+        self.child = child
+        self.first: dict[int, float] = {}
+
+    def _children(self):
+        for c in psutil.Process().children(recursive=True):
+            self.first.setdefault(c.pid, self._t())
+
+    def cpu_times(self):
+        self._children()
+        t = super().cpu_times()
+        t.user += sum(self.child * (self._t() - s) for s in self.first.values())
+        return t
+
+    def Process(self, pid):
+        self._children()
+        if pid in self.rates or pid not in self.first:
+            return super().Process(pid)
+        host, s = self, self.first[pid]
+        return SimpleNamespace(cpu_times=lambda: SimpleNamespace(user=host.child * (host._t() - s), system=0.0),
+                               create_time=lambda: time.time())
+
+
+def test_the_daemons_own_proxy_workers_are_not_other_processes(tmp_path, monkeypatch):
+    # With proxy.workers > 1 the proxy runs in the daemon's child processes: their CPU time was "other processes'",
+    # so a busy proxy on a quiet host was flagged busy-host (2 workers at 0.3 core beside a 1-core server: 34%).
+    host = FakeHostWithHelpers(child=0.3, other=0.01)
+    monkeypatch.setattr(cputime_mod, "CpuTimeCollector",
+                        lambda find_server, **kw: CpuTimeCollector(lambda: ({SERVER_PID}, None), ps=host, **kw))
+    reqs, intervals, metrics = _daemon(tmp_path, **{"proxy.workers": 2})
+    assert len(host.first) >= 2  # the workers ran, and burned their CPU
+    assert len(reqs) == 4 and reqs.cpu_energy_j.notna().all()
+    assert (reqs.other_cpu_pct < 3).all(), reqs.other_cpu_pct.tolist()
+    assert not reqs.energy_note.fillna("").str.contains("busy-host").any()
+    assert _metric(metrics, "powerprof_other_processes_cpu_ratio") < 0.03
     assert _metric(metrics, "powerprof_requests_cpu_energy_busy_host_joules_total") == 0
 
 

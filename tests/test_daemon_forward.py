@@ -726,3 +726,66 @@ def test_a_kept_alive_connection_the_upstream_closed_is_retried_once_on_a_new_on
     assert up.unanswered == proxy.upstream_retries
     assert [t.outcome for t in rec.ended] == ["ok"] * 4
     assert [t.tokens_seen for t in rec.ended[:3]] == [1, 1, 1]
+
+
+class CrashesOnItsSecondRequest:
+    """An upstream that answers a connection's first request (kept alive), and on the second begins it (reads it,
+    `works_s` of generation) and then dies without a byte of answer: a crash mid-request, not a close that crossed
+    the request on the wire. Counts each request it received."""
+
+    def __init__(self, works_s: float):
+        self.works_s = works_s
+        self.received = 0
+
+    async def handle(self, reader, writer):
+        n = 0
+        try:
+            while True:
+                head = await reader.readuntil(b"\r\n\r\n")
+                length = next((int(line.split(b":")[1]) for line in head.split(b"\r\n")
+                               if line.lower().startswith(b"content-length:")), 0)
+                if length:
+                    await reader.readexactly(length)
+                self.received += 1
+                n += 1
+                if n == 2:
+                    await asyncio.sleep(self.works_s)
+                    return  # crashed: the connection closes with no answer
+                writer.write(b'HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nContent-Length: 2\r\n\r\n{}')
+                await writer.drain()
+        except (asyncio.IncompleteReadError, ConnectionError):
+            pass
+        finally:
+            writer.close()
+
+    async def start(self):
+        self.server = await asyncio.start_server(self.handle, "127.0.0.1", 0)
+        return f"http://127.0.0.1:{self.server.sockets[0].getsockname()[1]}"
+
+
+def test_a_request_the_upstream_began_and_then_died_on_is_not_sent_again(monkeypatch):
+    """A close with no answer long after the request went out is the server failing a request it had begun (a
+    crash, an OOM kill), not a kept-alive connection closed under it: sent again, it would be generated twice
+    (or crash the next server the same way). Before, any such close on a reused connection was retried."""
+    from powerprof.daemon import forward
+
+    monkeypatch.setattr(forward, "STALE_CLOSE_MAX_S", 0.3, raising=False)  # the bound, small: a short test
+
+    async def main():
+        up = CrashesOnItsSecondRequest(works_s=1.0)
+        up_url = await up.start()
+        rec, proxy, runner, url = await _proxy(up_url)
+        out = []
+        for _ in range(2):  # one client connection each: the proxy reuses its upstream connection for the second
+            async with aiohttp.ClientSession() as s:
+                async with s.post(url + "/v1/completions", json={"prompt": "x", "max_tokens": 4}) as r:
+                    out.append(r.status)
+        await runner.cleanup()
+        up.server.close()
+        return out, up, proxy, rec
+
+    out, up, proxy, rec = _run(main())
+    assert out == [200, 502], out
+    assert up.received == 2  # the second request reached the server once
+    assert proxy.upstream_retries == 0
+    assert rec.ended[1].outcome == "upstream_unreachable" and "without answering" in rec.ended[1].error, rec.ended[1].error

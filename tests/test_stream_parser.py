@@ -259,6 +259,11 @@ COUNT_ONLY_CASES = {
         {**_CHAT, "choices": [{"index": 0, "delta": {"reasoning_content": "hmm"}, "finish_reason": None}]},
         {**_CHAT, "choices": [{"index": 0, "delta": {"content": "a"}, "finish_reason": None},
                               {"index": 1, "delta": {"content": "b"}, "finish_reason": None}]},
+        {**_CHAT, "choices": [{"index": 1, "delta": {"content": "c"}, "finish_reason": None}]},  # n > 1: apart
+        {**_CHAT, "choices": [{"index": 10, "delta": {"content": "c"}, "finish_reason": None}]},
+        {**_CHAT, "choices": [{"delta": {"content": "c"}, "finish_reason": None}]},  # no index: the first choice's
+        {**_CHAT, "choices": [{"index": 1, "delta": {"content": ""}, "finish_reason": "stop"}]},
+        {**_CHAT, "choices": [{"index": 10, "delta": {"content": ""}, "finish_reason": "stop"}]},
         {**_CHAT, "choices": [{"index": 0, "delta": {"content": "ab"},
                                "logprobs": {"content": [{"token": "a"}, {"token": "b"}]}, "finish_reason": None}]},
         {**_CHAT, "choices": [{"index": 0, "delta": {"tool_calls": [{"index": 0, "function": {"arguments": "{"}}]},
@@ -754,3 +759,16 @@ def test_llamacpp_whole_answer_of_several_choices_counts_only_its_first_and_says
     del body["timings"]
     c = body_counts("openai-chat", json.dumps(body).encode())
     assert (c.generated_tokens, c.count_problem) == (7, None)
+
+
+@pytest.mark.parametrize("api, body", [
+    ("anthropic-messages", b'{"type": "message", "content": 5, "usage": {"output_tokens": 3}}'),
+    ("anthropic-messages", b'{"type": "message", "content": true}'),
+    ("openai-responses", b'{"object": "response", "output": 5, "status": ["completed"], "usage": 7}'),
+    ("openai-chat", b'{"choices": [{"finish_reason": "length"}, 3], "usage": {"completion_tokens": 4}, "timings": {}}'),
+])
+def test_a_whole_body_of_the_new_dialects_in_a_wrong_shape_never_raises(api, body):
+    # A whole Messages answer whose `content` was no list raised TypeError out of parse_response (the proxy caught
+    # it as a recorder failure; the workload client did not): garbage is said, never raised.
+    _, s = parse_response(api, body)
+    assert s.counted_tokens >= 0

@@ -96,12 +96,18 @@ class CpuTimeCollector:
     again every `refresh_s`. A process that ends keeps the CPU time it was last seen with (the sum never
     falls back); one that started after the collector counts from zero, one that ran before from its
     first sight.
+
+    helpers() -> pids: powerprof's own helper processes (the daemon's proxy workers and compaction child), asked
+    at every read (the caller holds them: no process-table scan). Their CPU time is powerprof's, not "other
+    processes'": counted as the server's processes are (an ended one keeps its last-seen time). Only the tail a
+    helper ran after the last read before it ended is missed (at most one sampling period of it).
     """
 
     source = "cputime"
 
     def __init__(self, find_server: ServerFinder | None, ps=None, pid: int | None = None,
-                 refresh_s: float = REFRESH_S, clock: Callable[[], float] = time.monotonic):
+                 refresh_s: float = REFRESH_S, clock: Callable[[], float] = time.monotonic,
+                 helpers: Callable[[], Iterable[int]] | None = None):
         if ps is None:
             import psutil as ps
         self.ps = ps
@@ -117,6 +123,9 @@ class CpuTimeCollector:
         self._next_refresh = float("-inf")
         self._server_note: str | None = None
         self._known = False
+        self.helpers = helpers
+        self._helpers: dict[int, tuple[object, float, float]] = {}  # pid -> (Process, base s, last s)
+        self._helpers_gone_s = 0.0
         try:
             self._self = ps.Process(self.pid)
         except Exception:
@@ -151,7 +160,37 @@ class CpuTimeCollector:
                     mine = _proc_s(self._self)
                 except Exception:
                     mine = None
+            helpers_s = self._helpers_s()
+            if helpers_s is not None:
+                mine = helpers_s if mine is None else mine + helpers_s
             return CpuTimeReading(host, server, mine, self._server_note)
+
+    def _helpers_s(self) -> float | None:
+        """CPU seconds of powerprof's helper processes since the collector started (None: none given)."""
+        if self.helpers is None:
+            return None
+        try:
+            now = set(self.helpers()) - set(self._procs)  # a helper that serves (a server) is the server's
+        except Exception:  # the caller's list changing under us: this read keeps what was known
+            now = set(self._helpers)
+        for pid in list(self._helpers):
+            p, base, last = self._helpers[pid]
+            try:
+                if pid not in now:
+                    raise LookupError(pid)
+                self._helpers[pid] = (p, base, max(last, _proc_s(p)))
+            except Exception:  # ended or no longer a helper: keeps the time it was last seen with
+                del self._helpers[pid]
+                self._helpers_gone_s += last - base
+        for pid in now - set(self._helpers):
+            try:
+                p = self.ps.Process(pid)
+                s = _proc_s(p)
+                new = p.create_time() >= self._t_start
+            except Exception:
+                continue
+            self._helpers[pid] = (p, 0.0 if new else s, s)
+        return self._helpers_gone_s + sum(last - base for _, base, last in self._helpers.values())
 
     def _refresh(self, before: dict) -> None:
         """Look the server's processes up again; those no longer among them keep their time (as ended)."""

@@ -37,6 +37,12 @@ IDLE_REUSE_MAX_S = 2.0
 # An idle connection the upstream closes this soon after a streamed answer: the server closes after streams
 # (llama-server does, without `Connection: close`), so the pool stops keeping such connections.
 CLOSED_AFTER_STREAM_S = 1.0
+# A kept-alive connection that closes with no answer this soon after a request went out on it was closed under
+# the request (the close crossed it on the wire: the server never began it), and the request is sent again. A
+# later close is the server failing a request it had begun (a crash, an OOM kill): sent again, it would be
+# generated twice, or crash the next server the same way (nginx does not resend a POST either). Loopback and LAN
+# crossings take milliseconds; the margin is for an event loop late on a loaded host.
+STALE_CLOSE_MAX_S = 1.0
 
 
 _HEX = frozenset(b"0123456789abcdefABCDEF")
@@ -149,6 +155,7 @@ class Exchange(asyncio.Protocol):
         self._left = 0  # length: body bytes to come; chunked: bytes left of this chunk's data (-1: a size line next)
         self._early: list[bytes] = []  # body that came before attach()
         self.answered = False  # a byte of the answer to this request came (an interim 100 counts)
+        self._sent_s = 0.0  # monotonic s: when this request went out (start)
         self.on_body = None
         self.on_tick = None
         self._last = 0.0
@@ -171,8 +178,14 @@ class Exchange(asyncio.Protocol):
         elif self._mode == "head" and not self.answered and self.reused:
             if self.chunked:
                 self.pool.closes_after_streams = True
-            self._fail(StaleConnection("the upstream had closed the kept-alive connection"
-                                       f"{f' ({exc})' if exc else ''}; no answer began"))
+            waited_s = time.monotonic() - self._sent_s
+            if waited_s < STALE_CLOSE_MAX_S:
+                self._fail(StaleConnection("the upstream had closed the kept-alive connection"
+                                           f"{f' ({exc})' if exc else ''}; no answer began"))
+            else:
+                self._fail(UpstreamError(f"upstream closed the connection {waited_s:.1f} s after the request without "
+                                         f"answering{f' ({exc})' if exc else ''}: it had begun it (a crash?), so it "
+                                         "was not sent again"))
         elif self._mode not in ("", "end"):
             self._fail(UpstreamError(f"upstream closed the connection mid-response{f': {exc}' if exc else ''}"))
 
@@ -409,7 +422,7 @@ class Exchange(asyncio.Protocol):
         self.response_head = self.loop.create_future()
         self.done = self.loop.create_future()
         self._mode = "head"
-        self._last = time.monotonic()
+        self._last = self._sent_s = time.monotonic()
         self.pool._watch(self)
         if self.lost or self.transport is None or self.transport.is_closing():
             self._fail(StaleConnection("upstream connection closed") if self.reused

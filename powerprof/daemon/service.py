@@ -486,6 +486,13 @@ class Daemon:
             busy_host_requests_cpu_j=tot.busy_host_requests_cpu_j,
         )
 
+    def _helper_pids(self) -> list[int]:
+        """The daemon's own child processes (proxy workers, the compaction child): their CPU time is powerprof's,
+        never "other processes'" in the busy-host judgement. Read from the sampler's thread: only attribute reads."""
+        procs = [w.proc for w in getattr(self.proxy, "workers", None) or ()]
+        procs.append(getattr(self.flusher, "_child", None))
+        return [p.pid for p in procs if p is not None]
+
     def _stuck_after_s(self) -> float:
         """How long the writer's loop may go without turning before it counts as stuck."""
         return max(300.0, 3 * self.flusher.interval_s)
@@ -751,7 +758,7 @@ class Daemon:
                 self.urls["sim_upstream"] = self.upstream
         # RAPL's CPU energy is the whole package's: whose CPU time the host spends judges it (busy-host), where the
         # door says that energy is real; the server is the upstream's processes on this host.
-        cputime = (self.rig.cpu_time_collector(self.upstream, [])
+        cputime = (self.rig.cpu_time_collector(self.upstream, [], helpers=self._helper_pids)
                    if self.sources.rapl is not None and self.upstream else None)
         self.sampler = Sampler(self.sources.collectors + ([cputime] if cputime is not None else []) + self.extra_collectors,
                                interval_s=cfg.get("daemon", "interval_s"))
