@@ -433,6 +433,7 @@ class Sweep:
         self.records: list[tuple[float, object]] = []  # (level value, RequestRecord): monotonic times
         self.visits: list[LevelVisit] = []
         self.idle_power_w: float | None = None
+        self.idle_power_by_gpu_w: dict[str, float] | None = None  # {gpuN: W}: the baseline of each GPU
         self._rid = 0
         self._bid = 0
         self._prompt_k = 0
@@ -505,8 +506,11 @@ class Sweep:
                 if restarted:  # back between two probes: the reload may still have been in the window
                     gone = (time.monotonic_ns(), f"it restarted between two /health probes ({evidence})")
             if gone is None:
-                e = w.result.gpu_energy_total_j
-                self.idle_power_w = e / w.result.duration_s if e is not None and w.result.duration_s > 0 else None
+                e, dur_s = w.result.gpu_energy_total_j, w.result.duration_s
+                self.idle_power_w = e / dur_s if e is not None and dur_s > 0 else None  # every GPU's together
+                # Each GPU's own (run.json): a timeline of each GPU's power is read against its own idle, not the sum.
+                self.idle_power_by_gpu_w = ({f"gpu{i}": ek / dur_s for i, ek in zip(self.prof.gpu.indexes, w.result.gpu_energy_j)}
+                                            if self.idle_power_w is not None and self.prof.gpu else None)
                 self._epoch = before
                 others = ForeignWatch(tally0).judge(await settled_tally(self.session, self.server.base_url), [])
                 others = others or self.neighbours.check()
@@ -520,7 +524,7 @@ class Sweep:
             t_gone_ns, why = gone
             name = "the idle baseline"
             if self.s.server_restart_wait_s <= 0:
-                self.idle_power_w = None
+                self.idle_power_w = self.idle_power_by_gpu_w = None
                 self.idle_note = (
                     f"no idle baseline: the server stopped answering during it ({why}): a server restarting reloads its "
                     "model, which works the GPU, so that window's power is not the idle GPU's; idle_gpu_power_w and "
@@ -1057,8 +1061,8 @@ class Sweep:
         starts, ends = engine.merge_intervals(np.array([(a - t0) / 1e9 for a, _ in spans], float),
                                               np.array([(b - t0) / 1e9 for _, b in spans], float))
         with engine.connect() as con:
-            figures = engine.level_figures(engine.level_sums(con, engine.samples_relation(con, samples),
-                                                             (starts, ends), time_expr="t_mono_s"))
+            sums = engine.level_sums(con, engine.samples_relation(con, samples), (starts, ends), time_expr="t_mono_s")
+        figures = engine.level_figures(sums)
         out = {}
         n_gpus = len(self.prof.gpu.indexes) if self.prof.gpu else 1
         for value in sorted({v.level_value for v in self.visits}, key=lambda v: -1.0 if v is None else v):
@@ -1071,12 +1075,18 @@ class Sweep:
             dc = sum(r["decode_s"] or 0 for r in rows if r["cpu_energy_j"] is not None)
             avg_w = sum(e) / d if e and d > 0 else None
             rb = [v.readback for v in visits if v.readback is not None]
+            # One figure for all GPUs: they agree within the controller's tolerance, or the set refused and
+            # restored (check_applied), or the level's windows were left out (_limit_problem).
             enforced = float(np.mean([g.enforced_w for b in rb for g in b.gpus])) if rb else None
             requested = float(value) if self.s.level_kind == "power_limit" else None
-            not_engaged = (
-                cap_not_engaged(avg_w, enforced or requested, st.get("clock_event_reasons"), n_gpus)
-                if self.s.level_kind == "power_limit" else False
-            )
+            loose = None
+            if self.s.level_kind != "power_limit":
+                not_engaged = False
+            elif n_gpus == 1:
+                not_engaged = cap_not_engaged(avg_w, enforced or requested, st.get("clock_event_reasons"))
+            else:  # judged on each GPU: one at its cap beside one far under it is neither
+                level_sums = sums.get((self.s.level_kind, None if value is None else float(value)), engine.LevelSums())
+                not_engaged, loose = engine.cap_by_gpu(self._per_gpu_cap_figures(visits, rb, requested, level_sums))
             out[(self.s.level_kind, None if value is None else float(value))] = {
                 "requested_limit_w": requested,
                 "enforced_limit_w": enforced,
@@ -1087,9 +1097,36 @@ class Sweep:
                 "sm_clock_mhz": st.get("sm_clock_mhz"),
                 "mem_clock_mhz": st.get("mem_clock_mhz"),
                 "cap_not_engaged": not_engaged,
+                "cap_not_engaged_gpus": loose,
                 "thermal_throttle": thermal(st.get("clock_event_reasons")),
                 "stop_rule": ",".join(dict.fromkeys(v.stop for v in visits if v.stop)) or None,
             }
+        return out
+
+    def _per_gpu_cap_figures(self, visits, readbacks, requested_w, level_sums) -> dict[str, tuple]:
+        """{gpuN: (its mean power W over the level's measured decode spans, its enforced limit W, the OR of its
+        clock-event reasons or None)}: each GPU's own energy, as the level's power is the windows' energy."""
+        spans = [sp for v in visits for sp in v.spans]
+        s0, s1 = engine.merge_intervals(np.array([a for a, _ in spans], np.int64), np.array([b for _, b in spans], np.int64))
+        indexes = list(self.prof.gpu.indexes)
+        energy = np.zeros(len(indexes))
+        known = np.ones(len(indexes), bool)
+        for a, b in zip(s0, s1):
+            per = self.prof.timeline.energy_between(int(a), int(b)).gpu_energy_j
+            for k, e in enumerate(per):
+                if e is None:
+                    known[k] = False
+                else:
+                    energy[k] += e
+        dur_s = float(np.sum(s1 - s0)) / 1e9 if s0.size else 0.0
+        out = {}
+        for k, i in enumerate(indexes):
+            label = f"gpu{i}"
+            enforced = [g.enforced_w for b in readbacks for g in b.gpus if g.index == i and g.enforced_w is not None]
+            power = energy[k] / dur_s if known[k] and dur_s > 0 else None
+            mine = level_sums.devices.get(label)
+            reasons = mine.reasons if mine is not None and mine.reasons_n else None  # None: it cannot report them
+            out[label] = (power, float(np.mean(enforced)) if enforced else requested_w, reasons)
         return out
 
     def windows_table(self):
@@ -1126,7 +1163,8 @@ class Sweep:
         extra = {"server_restarts": self.restarts} if self.restarts else {}
         if self.idle_note:
             extra["idle_baseline_note"] = self.idle_note
-        self.writer.write_json(idle_gpu_power_w=self.idle_power_w, levels_done=[(v.level_value, v.repeat) for v in self.visits if v.stop],
+        self.writer.write_json(idle_gpu_power_w=self.idle_power_w, idle_gpu_power_w_by_gpu=self.idle_power_by_gpu_w,
+                               levels_done=[(v.level_value, v.repeat) for v in self.visits if v.stop],
                                **extra)
 
 

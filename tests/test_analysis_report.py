@@ -464,6 +464,7 @@ def test_report_power_clock_gets_the_runs_idle_power(tmp_path, monkeypatch):
     run = make_run(tmp_path / "run", seed_truth(), levels=(220, 300), n_requests=6)
     meta = json.loads((run / "run.json").read_text())
     meta["idle_gpu_power_w"] = 31.0
+    meta["idle_gpu_power_w_by_gpu"] = {"gpu0": 31.0}
     (run / "run.json").write_text(json.dumps(meta))
     seen = {}
     real = plots.plot_timeline
@@ -474,7 +475,7 @@ def test_report_power_clock_gets_the_runs_idle_power(tmp_path, monkeypatch):
 
     monkeypatch.setattr(plots, "plot_timeline", spy)
     analyze_run([run], n_boot=200, formats=("md",))
-    assert seen == {"level_unit": "W", "idle_power_w": 31.0}
+    assert seen == {"level_unit": "W", "idle_power_w": 31.0, "idle_by_device_w": {"gpu0": 31.0}}
 
 
 def test_html_report_shows_plots_full_width_and_the_footnotes(seed_result):

@@ -99,14 +99,25 @@ def level_findings(levels: pa.Table, target_ci_pct: float | None = None, max_tim
     ne = [r for r in rows if r.get("cap_not_engaged")]
     if ne:
         vals = tuple(r["level_value"] for r in ne)
-        power = ", ".join(f"{r['level_value']:g} W: {r['avg_gpu_power_w']:.0f} W" for r in ne
-                          if r.get("avg_gpu_power_w") is not None)
+        # Several GPUs: each one's own power against its own limit (avg_gpu_power_w is all of them together).
+        power = ", ".join(f"{r['level_value']:g} W: {r['cap_not_engaged_gpus']}" if r.get("cap_not_engaged_gpus")
+                          else f"{r['level_value']:g} W: {r['avg_gpu_power_w']:.0f} W" for r in ne
+                          if r.get("cap_not_engaged_gpus") or r.get("avg_gpu_power_w") is not None)
         out.append(Finding("cap-not-engaged", (
             f"cap not engaged at {', '.join(_fmt(v, unit) for v in vals)}: the GPU drew less than the limit "
             f"({power}) and never reported a power-cap clock event, so the limit did not hold the GPU back there: "
             + ("what differs between these levels (run-to-run variation, temperature, boost clocks) is not the "
                "limit's effect" if len(rows) > 1 else "its figures are the GPU's own, not this limit's")
             + ". Lower the limits, or lock the SM clock instead (powerprof sweep --clocks)."), vals))
+    part = [r for r in rows if r.get("cap_not_engaged_gpus") and not r.get("cap_not_engaged")]
+    if part:
+        vals = tuple(r["level_value"] for r in part)
+        out.append(Finding("cap-partly-engaged", (
+            "cap bound on some GPUs only: " + "; ".join(f"at {_fmt(r['level_value'], unit)} not on {r['cap_not_engaged_gpus']}"
+                                                       for r in part)
+            + ": those GPUs drew less than the limit and never reported a power-cap clock event, so the level's "
+            "change came from the other GPUs (the slowest sets the pace of a model split across them). "
+            "To cap each GPU where it binds, lock the SM clock instead (powerprof sweep --clocks)."), vals))
     coarse = [r for r in rows if r["flags"] and "energy-resolution" in r["flags"].split(",")]
     if coarse:
         out.append(Finding("energy-resolution", _energy_resolution_message(coarse, unit),

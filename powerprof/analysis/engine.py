@@ -11,11 +11,12 @@ and counts merge across files, runs and spill partitions, so memory stays flat w
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import shutil
 import tempfile
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 import pyarrow as pa
@@ -94,12 +95,17 @@ class LevelSums:
     reasons_n: int = 0  # samples that reported reasons; 0: the GPU cannot tell, the rule falls back on power
     enforced_sum: float = 0.0
     enforced_n: int = 0
+    # The same sums per GPU (the samples' device label: gpu0, gpu1, ...): whether a cap bound is each GPU's own
+    # question, which the pooled sums cannot answer (one GPU at its cap and one far under it average to neither).
+    devices: dict = field(default_factory=dict)
 
     def add(self, o: "LevelSums") -> None:
         for f in ("n", "power_sum", "power_n", "clock_sum", "clock_n", "mem_sum", "mem_n", "reasons_n",
                   "enforced_sum", "enforced_n"):
             setattr(self, f, getattr(self, f) + getattr(o, f))
         self.reasons |= o.reasons
+        for d, s in o.devices.items():
+            self.devices.setdefault(d, LevelSums()).add(s)
 
 
 def merge_intervals(starts, ends) -> tuple[np.ndarray, np.ndarray]:
@@ -156,9 +162,13 @@ def scan(con, relation: str, intervals: tuple[np.ndarray, np.ndarray] | None = N
         con.register("intervals_in", buckets)
         body = (f"SELECT s.* FROM ({body}) s JOIN intervals_in i ON i.b = CAST(floor(s.t / {width!r}) AS BIGINT) "
                 f"AND s.t >= i.t_start AND s.t <= i.t_end")
-    rows = con.execute(f"""SELECT coalesce(level_kind, 'none'), level_value, {', '.join(_LEVEL_SUMS)}
-                           FROM ({body}) GROUP BY 1, 2""").fetchall()
-    sums = {(r[0], float(r[1])): _level_sums_row(r[2:]) for r in rows}
+    rows = con.execute(f"""SELECT coalesce(level_kind, 'none'), level_value, device, {', '.join(_LEVEL_SUMS)}
+                           FROM ({body}) GROUP BY 1, 2, 3""").fetchall()
+    sums: dict[tuple, LevelSums] = {}
+    for r in rows:
+        one = _level_sums_row(r[3:])
+        level = sums.setdefault((r[0], float(r[1])), LevelSums())
+        level.add(dataclasses.replace(one, devices={r[2]: dataclasses.replace(one)}))
     return sums, (None if bins is None else timeline_bins(con, relation, bins))
 
 
@@ -168,22 +178,56 @@ def level_sums(con, relation: str, intervals: tuple[np.ndarray, np.ndarray] | No
     return scan(con, relation, intervals, time_expr)[0]
 
 
+def cap_figures(kind: str, value, a: LevelSums) -> tuple[float | None, float | None, int | None]:
+    """(mean power W, the limit judged against W, the OR of the reasons or None) of one GPU's or a pool's sums."""
+    power = a.power_sum / a.power_n if a.power_n else None
+    enforced = a.enforced_sum / a.enforced_n if a.enforced_n else None
+    reasons = a.reasons if a.reasons_n else None
+    return power, enforced if enforced is not None else (value if kind == "power_limit" else None), reasons
+
+
+def cap_by_gpu(per_gpu: dict[str, tuple]) -> tuple[bool, str | None]:
+    """Whether a cap bound, judged on each GPU ({label: (power W, limit W, reasons)}), for a level's row:
+    (True only where it bound on none of them, the GPUs it did not bind on with their power and limit:
+    "gpu1 (183 W of 250 W)", None on one GPU or where it bound on all). One GPU at its cap beside one
+    far under it is neither "not engaged" (the pooled mean under the limit) nor "engaged" everywhere."""
+    judged = {d: cap_not_engaged(p, lim, r) for d, (p, lim, r) in per_gpu.items()}
+    if not judged:
+        return False, None
+    if len(judged) == 1:
+        return next(iter(judged.values())), None
+    loose = [d for d in sorted(judged, key=_device_order) if judged[d]]
+    text = ",".join(f"{d} ({per_gpu[d][0]:.0f} W of {per_gpu[d][1]:.0f} W)" for d in loose) or None
+    return len(loose) == len(judged), text
+
+
+def _device_order(label: str):
+    digits = label.lstrip("gpu")
+    return (0, int(digits), label) if digits.isdigit() else (1, 0, label)
+
+
 def level_figures(sums: dict[tuple, LevelSums]) -> dict[tuple, dict]:
     """The per-level figures from pooled sums: means, the OR of the reasons and the two rules
-    (collectors/clock_reasons.py). Powers are per GPU: every sample is one GPU's reading."""
+    (collectors/clock_reasons.py), the cap rule judged per GPU (`cap_by_gpu`). Powers are per GPU: every
+    sample is one GPU's reading."""
     out = {}
     for (kind, value), a in sums.items():
-        power = a.power_sum / a.power_n if a.power_n else None
+        power, limit, reasons = cap_figures(kind, value, a)
         enforced = a.enforced_sum / a.enforced_n if a.enforced_n else None
-        reasons = a.reasons if a.reasons_n else None
-        limit = enforced if enforced is not None else (value if kind == "power_limit" else None)
+        if kind == "power_limit" and a.devices:
+            not_engaged, loose = cap_by_gpu({d: cap_figures(kind, value, s) for d, s in a.devices.items()})
+        elif kind == "power_limit":
+            not_engaged, loose = cap_not_engaged(power, limit, reasons), None
+        else:
+            not_engaged, loose = None, None
         out[(kind, value)] = {
             "sample_power_w": power,
             "enforced_limit_w": enforced,
             "sm_clock_mhz": a.clock_sum / a.clock_n if a.clock_n else None,
             "mem_clock_mhz": a.mem_sum / a.mem_n if a.mem_n else None,
             "clock_event_reasons": reasons,
-            "cap_not_engaged": cap_not_engaged(power, limit, reasons) if kind == "power_limit" else None,
+            "cap_not_engaged": not_engaged,
+            "cap_not_engaged_gpus": loose,
             "thermal_throttle": thermal(reasons),
             "power_cap_seen": bool((reasons or 0) & REASON_SW_POWER_CAP),
             "n_samples": a.n,

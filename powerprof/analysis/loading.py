@@ -294,7 +294,7 @@ def _set_column(t: pa.Table, name: str, arr: pa.Array) -> pa.Table:
 # --- what the samples say ---------------------------------------------------------------------
 
 SAMPLE_LEVEL_COLUMNS = ("enforced_limit_w", "avg_cpu_power_w", "sm_clock_mhz", "mem_clock_mhz", "cap_not_engaged",
-                        "thermal_throttle")
+                        "cap_not_engaged_gpus", "thermal_throttle")
 # What only the sweep knows about a level, carried from levels.parquet into the analysis.
 SWEEP_LEVEL_COLUMNS = SAMPLE_LEVEL_COLUMNS + ("stop_rule",)
 

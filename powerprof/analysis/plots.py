@@ -177,9 +177,12 @@ def plot_tradeoff(sr: SeriesResult, path: Path) -> Figure:
     return fig
 
 
-def plot_timeline(tl: Timeline, path: Path, level_unit: str = "W", idle_power_w: float | None = None) -> Figure:
+def plot_timeline(tl: Timeline, path: Path, level_unit: str = "W", idle_power_w: float | None = None,
+                  idle_by_device_w: dict | None = None) -> Figure:
     """Power and SM clock over the run, each level's stretch shaded and named with its unit; the idle
-    baseline (measured before the first level) as a labelled line."""
+    baseline (measured before the first level) as a labelled line, one per GPU where there are several
+    (idle_by_device_w: {gpuN: W}). The lines are each GPU's power: the baseline of all GPUs together is
+    no GPU's, and a run without the per-GPU figures (written before them) draws none there."""
     fig = _figure(10.0, 5.5)
     ax_p, ax_f = fig.subplots(2, 1, sharex=True)
     for d, dev in enumerate(tl.devices):
@@ -202,9 +205,13 @@ def plot_timeline(tl: Timeline, path: Path, level_unit: str = "W", idle_power_w:
             ax.axvspan(x0, x1, color="0.85" if k % 2 else "0.93", zorder=0)
         ax_p.text((x0 + x1) / 2, 1.0, f"{lvl[a]:g} {level_unit}", transform=ax_p.get_xaxis_transform(),
                   ha="center", va="bottom", fontsize=9)
-    if idle_power_w is not None and np.isfinite(idle_power_w):
-        ax_p.axhline(idle_power_w, color="tab:green", ls="--", lw=1, gid="idle-baseline",
-                     label=f"idle baseline {idle_power_w:.0f} W")
+    if len(tl.devices) > 1:
+        baselines = [(f"{d} idle baseline", (idle_by_device_w or {}).get(d)) for d in tl.devices]
+    else:
+        baselines = [("idle baseline", idle_power_w)]
+    for label, w in baselines:
+        if w is not None and np.isfinite(w):
+            ax_p.axhline(w, color="tab:green", ls="--", lw=1, gid="idle-baseline", label=f"{label} {w:.0f} W")
     ax_p.set_ylabel("GPU power (W)", fontsize=10)
     ax_f.set_ylabel("SM clock (MHz)", fontsize=10)
     ax_f.set_xlabel("time since the run's first sample (s)", fontsize=10)

@@ -243,7 +243,8 @@ def _write_outputs(result: AnalysisResult, out: Path, formats, plots: bool, stag
             meta = next((r.meta for r in result.runs if r.run_id == tl.run_id), {})
             unit = "MHz" if (meta.get("settings") or {}).get("level_kind") == "sm_clock" else "W"
             images[key] = _staged_png(stage, drawn, out / f"{key}.png", lambda p: P.plot_timeline(
-                tl, p, level_unit=unit, idle_power_w=meta.get("idle_gpu_power_w")))
+                tl, p, level_unit=unit, idle_power_w=meta.get("idle_gpu_power_w"),
+                idle_by_device_w=meta.get("idle_gpu_power_w_by_gpu")))
     files.update({k: str(v) for k, v in images.items()})
     meta = {"powerprof_analysis": json.dumps(result.to_dict(), default=_json_default)}
     write_table(stage(out / "analysis.parquet"), result.table, meta)

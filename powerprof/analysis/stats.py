@@ -637,6 +637,8 @@ def levels_table(
             for flag, col in (("cap-not-engaged", "cap_not_engaged"), ("thermal", "thermal_throttle")):
                 if row.get(col):
                     flags.append(flag)
+            if row.get("cap_not_engaged_gpus") and not row.get("cap_not_engaged"):
+                flags.append("cap-partly-engaged")
             row["flags"] = ",".join(flags) or None
             rows.append({k: _clean(x) for k, x in row.items()})
     return pa.Table.from_pylist(rows, schema=LEVELS) if rows else LEVELS.empty_table()

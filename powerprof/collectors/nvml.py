@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import re
 import time
 from dataclasses import dataclass, fields
 from typing import Callable
@@ -46,7 +47,7 @@ class GpuReading:
 
     index: int
     power_w: float | None  # instant power (field 186); falls back to nothing, not to the average
-    power_avg_w: float | None  # nvmlDeviceGetPowerUsage: 1 s trailing average on Ampere and newer
+    power_avg_w: float | None  # nvmlDeviceGetPowerUsage: 1 s trailing average on Ampere (except GA100) and newer
     energy_j: float | None  # driver's cumulative counter since driver load
     sm_clock_mhz: float | None
     mem_clock_mhz: float | None
@@ -481,12 +482,19 @@ def nvml_error_name(nvml, code: int) -> str:
     return f"NVML error {code}"
 
 
+# The GA100 boards by name (NVML says the architecture, not the chip): A100 (A100X), A800, A30 (A30X), and the
+# CMP 170HX; "A30" inside a longer model number (RTX A3000, GA104) is not one.
+GA100_NAME = re.compile(r"\bA(?:100|800|30)(?![0-9])|\bCMP 170HX\b")
+
+
 def power_average_window_s(nvml, arch: int | None, name: str) -> float:
-    """nvmlDeviceGetPowerUsage is a 1 s trailing average on Ampere and newer except GA100."""
+    """What nvmlDeviceGetPowerUsage averages over, as NVIDIA's NVML reference says: a 1 s trailing average on
+    Ampere (except GA100) and newer (Ada, Hopper, Blackwell), instant power (0) on GA100 and older architectures
+    (Volta, Turing, Pascal and before)."""
     ampere = getattr(nvml, "NVML_DEVICE_ARCH_AMPERE", 7)
     if arch is None or arch == getattr(nvml, "NVML_DEVICE_ARCH_UNKNOWN", 0xFFFFFFFF):
         return 1.0  # unknown: assume the newer behaviour, the safer shift for integration
-    if arch < ampere or (arch == ampere and "A100" in name):
+    if arch < ampere or (arch == ampere and GA100_NAME.search(name)):
         return 0.0
     return 1.0
 

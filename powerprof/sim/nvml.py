@@ -405,7 +405,8 @@ class SimNVML:
             if fid == pynvml.NVML_FI_DEV_POWER_INSTANT and g.profile.has_instant_power:
                 v.nvmlReturn = pynvml.NVML_SUCCESS
                 v.value.uiVal = int(round(g.read()["power_w"] * 1000))
-            elif fid == pynvml.NVML_FI_DEV_POWER_AVERAGE and g.profile.has_instant_power:
+            elif (fid == pynvml.NVML_FI_DEV_POWER_AVERAGE and g.profile.has_instant_power
+                  and g.profile.power_avg_window_s > 0):  # nvml.h: Ampere except GA100 and newer only
                 v.nvmlReturn = pynvml.NVML_SUCCESS
                 v.value.uiVal = int(round(g.average_power_w() * 1000))
             elif fid in (pynvml.NVML_FI_DEV_TOTAL_ENERGY_CONSUMPTION, pynvml.NVML_FI_DEV_ENERGY) and g.profile.has_energy_counter:

@@ -54,7 +54,10 @@ class GpuProfile:
     workload: WorkloadDefaults
     has_energy_counter: bool = True
     has_instant_power: bool = True
-    power_avg_window_s: float = 1.0  # nvmlDeviceGetPowerUsage is a trailing average on Ampere+
+    # What nvmlDeviceGetPowerUsage averages over (0: instant power). NVIDIA's NVML reference: a 1 s trailing
+    # average on Ampere except GA100 (A100, A800, A30) and newer; instant on GA100 and older architectures.
+    # Field 185 (NVML_FI_DEV_POWER_AVERAGE) exists only where it averages.
+    power_avg_window_s: float = 1.0
     energy_counter_update_s: float = 0.02  # the driver refreshes the counter every 10-100 ms
     # What a read of the energy counter costs the caller: (median s, p99 s) of CPU, spent inside the
     # driver. Zero where nothing was measured; the H200's is docs/hardware.md's real figure.
@@ -143,6 +146,7 @@ _add(
         volt_min_v=0.65,
         volt_max_v=1.05,
         workload=WorkloadDefaults(decode_tok_s=95.0, prefill_tok_s=9000.0, decode_compute_share=0.18),
+        power_avg_window_s=0.0,  # GA100: nvmlDeviceGetPowerUsage is instant power (NVML reference)
     )
 )
 

@@ -160,7 +160,7 @@ LEVELS_COLUMNS = [
     ("reference", BOOL),
     ("cap_not_engaged", BOOL),
     ("thermal_throttle", BOOL),
-    # comma-separated: cap-not-engaged, thermal, failed-requests, wide-ci, one-window, no-measured-windows, energy-resolution, server-restarted, server-away, interrupted, busy-host, foreign-traffic
+    # comma-separated: cap-not-engaged, cap-partly-engaged, thermal, failed-requests, wide-ci, one-window, no-measured-windows, energy-resolution, server-restarted, server-away, interrupted, busy-host, foreign-traffic
     ("flags", STR),
     ("energy_method", STR),
     # Appended by the analysis (issue 6): levels at different concurrencies are different levels,
@@ -192,6 +192,9 @@ LEVELS_COLUMNS = [
     # the server's and powerprof's (flag busy-host above cputime.BUSY_HOST_PCT), and by powerprof itself.
     ("other_cpu_pct", F64),
     ("powerprof_cpu_pct", F64),
+    # Several GPUs: those the cap did not bind on, each with its own power and limit ("gpu1 (183 W of 250 W)",
+    # comma-separated); null on one GPU or where it bound on every GPU (flag cap-partly-engaged where it bound on some).
+    ("cap_not_engaged_gpus", STR),
 ]
 
 # `powerprof analyze`: the merged levels of one or more runs, the fitted curves at each level and
