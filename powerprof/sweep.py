@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-import os
 import random
 import time
 import uuid
@@ -32,8 +31,9 @@ from powerprof.storage.samples import Timeline
 from powerprof.workload.client import (RequestParams, health_status, identity_changes, restart_evidence, server_away,
                                       server_epoch, server_identity)
 from powerprof.workload.load import LoadAborted, LoadPolicy, builtin_prompts, detect, run_load_async
-from powerprof.workload.rows import Level, request_timing, trace_row, window_rows
-from powerprof.workload.servercount import FOREIGN_FIX, FOREIGN_FLAG, ForeignWatch, settled_tally
+from powerprof.workload.others import FOREIGN_FIX, FOREIGN_FLAG, OthersWatch, leave_out_foreign
+from powerprof.workload.rows import FIGURES, Level, request_timing, trace_row, window_rows
+from powerprof.workload.servercount import ForeignWatch, settled_tally
 
 
 @dataclass(frozen=True)
@@ -114,10 +114,6 @@ def stop_reason(j_per_token: np.ndarray, elapsed_s: float, s: SweepSettings, lev
     return None
 
 
-_FIGURES = ("gpu_energy_j", "cpu_energy_j", "avg_gpu_power_w", "gpu_j_per_token", "total_j_per_token",
-            "above_idle_gpu_j_per_token", "decode_tok_s")
-
-
 def distrust(row: dict, why: str) -> None:
     """Mark a window untrusted with the reason: it keeps its record and loses its figures."""
     if row.get("status") != "ok":
@@ -125,7 +121,7 @@ def distrust(row: dict, why: str) -> None:
     row["timing"] = "untrusted"
     row["timing_reason"] = why
     row["energy_method"] = "none"
-    for k in _FIGURES:
+    for k in FIGURES:
         if k in row:
             row[k] = None
 
@@ -232,96 +228,6 @@ class ClockLockWatch:
                 f"below {against}, {at} with no power or thermal limiter named (clock event reasons: {names}): "
                 "another tool locked the clock lower (nvidia-smi -lgc) or set application clocks (nvidia-smi -ac), so "
                 "the level measured that clock, not its own setting; the windows measured since are left out of every figure")
-
-
-def leave_out_foreign(row: dict, why: str) -> None:
-    """Mark a window that ran beside others' work (foreign_traffic: what showed it): it keeps its record and loses
-    its figures, as an untrusted one does, under its own reason."""
-    row["foreign_traffic"] = why
-    row["energy_method"] = "none"
-    for k in _FIGURES:
-        if k in row:
-            row[k] = None
-
-
-def _pid_text(pids) -> str:
-    """'1234 (python3), 99' : the pids with the names this host can see."""
-    import psutil
-
-    out = []
-    for pid in sorted(pids):
-        try:
-            out.append(f"{pid} ({psutil.Process(pid).name()})")
-        except psutil.Error:
-            out.append(str(pid))
-    return ", ".join(out)
-
-
-class GpuNeighbours:
-    """Whether a process other than the server's ran kernels on the swept GPUs since the last look.
-
-    NVML lists the processes using each GPU; the server's are found by its listening port or launch
-    (workload/serverprocs.py). A process holding memory and running nothing (a notebook with a model
-    loaded, idle) is harmless to the figures, so presence alone does not flag: its kernels do, as NVML's
-    per-process SM utilisation samples show them (nvmlDeviceGetProcessUtilization). Where those samples
-    cannot be read, another process on the GPU may be working, and is flagged (its windows could hold its
-    energy). Where the server's processes cannot be found, or none of the GPU's is theirs (a container's pid
-    namespace), whose process is whose cannot be told: said once, nothing flagged."""
-
-    def __init__(self, collector, server_procs=None):
-        self.collector = collector
-        self.server_procs = server_procs
-        self.since_us = time.time_ns() // 1000
-        self.notes: dict[str, str] = {}  # once each: what cannot be told, idle holders
-        self.seen: set[int] = set()  # pids flagged as working beside the server
-
-    def mark(self) -> None:
-        """Judge from now on (a level's measurement starts)."""
-        self.since_us = time.time_ns() // 1000
-
-    def check(self) -> str | None:
-        from powerprof.collectors.nvml import gpu_processes, process_sm_util
-
-        gpu = self.collector
-        if gpu is None:
-            return None
-        since, self.since_us = self.since_us, time.time_ns() // 1000
-        pids = why_server = None
-        for idx, h in zip(gpu.indexes, gpu.handles):
-            procs = gpu_processes(gpu.nvml, h)
-            if procs is None:
-                self.notes.setdefault(f"list{idx}", f"NVML does not list the processes using GPU {idx}, so another "
-                                      "process's work on it cannot be ruled out")
-                continue
-            if pids is None and why_server is None:
-                pids, why_server = self.server_procs() if self.server_procs is not None else (None, "not looked for")
-            others = {p for p in procs if p != os.getpid() and (pids is None or p not in pids)}
-            if not others:
-                continue
-            if pids is None:
-                self.notes.setdefault(f"whose{idx}", (
-                    f"GPU {idx} is used by process(es) {_pid_text(procs)}, and the server's own processes cannot be "
-                    f"found ({why_server}): whether another process shares the GPU cannot be told"))
-                continue
-            if not set(procs) & pids:
-                self.notes.setdefault(f"ns{idx}", (
-                    f"none of the processes NVML lists on GPU {idx} ({_pid_text(procs)}) is the server's as found on "
-                    "this host (a container's own pid namespace?): whether another process shares the GPU cannot be told"))
-                continue
-            util = process_sm_util(gpu.nvml, h, since)
-            if util is None:
-                self.seen |= others
-                return (f"process {_pid_text(others)} also uses GPU {idx} and NVML cannot say whether its kernels ran "
-                        "(nvmlDeviceGetProcessUtilization not supported here)")
-            busy = {p: u for p, u in util.items() if p in others and u > 0}
-            if busy:
-                self.seen |= set(busy)
-                return (f"process {_pid_text(busy)} ran kernels on GPU {idx} beside the server (up to "
-                        f"{max(busy.values()):.0f}% SM utilisation)")
-            self.notes.setdefault(f"idle{idx}", (
-                f"process {_pid_text(others)} holds memory on GPU {idx} and ran no kernels while powerprof looked: "
-                "harmless to the figures; if it starts working, its windows are flagged " + FOREIGN_FLAG))
-        return None
 
 
 def _flag_levels(table, values, flag: str):
@@ -449,10 +355,9 @@ class Sweep:
         self.restarts: list[dict] = []  # times the server went away and was ridden out: run.json `server_restarts`
         self._epoch: dict = {}  # the server process's marks (server_epoch) when last seen answering, for restart_evidence
         self.idle_note: str | None = None  # why there is no idle baseline, where one was attempted and not kept
-        self.neighbours = GpuNeighbours(getattr(profiler, "gpu", None), server_procs)
-        self._fwatch: ForeignWatch | None = None  # the server's books against ours over the level (servercount.py)
-        self.server_blind: str | None = None  # what the server's counters cannot show of other clients (said once)
-        self.foreign_seen = {"tokens": 0.0, "requests": 0.0}  # others' work the server's books showed, flagged batches
+        self._server_procs = server_procs
+        # The server's books and the GPUs' processes against ours (workload/others.py); made with the session.
+        self.others: OthersWatch | None = None
 
     # --- the run -----------------------------------------------------------------------------
 
@@ -468,6 +373,7 @@ class Sweep:
             order = visit_order(self.s.levels, self.s.repeats, self.s.order, self.s.seed)
         async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0)) as session:
             self.session = session
+            self.others = OthersWatch(session, self.server.base_url, getattr(self.prof, "gpu", None), self._server_procs)
             if self.s.server_restart_wait_s > 0:
                 self._identity = await server_identity(session, self.server)
             await self._idle_baseline()
@@ -496,7 +402,7 @@ class Sweep:
             self.ui.idle(self.s.idle_s)
             before = await server_epoch(self.session, self.server)
             tally0 = await settled_tally(self.session, self.server.base_url)
-            self.neighbours.mark()
+            self.others.neighbours.mark()
             with self.prof.window("idle") as w:
                 # Not waited for, the baseline keeps its length: the level after it finds the server as it would have.
                 gone = await self._watch_health(self.s.idle_s, until_gone=self.s.server_restart_wait_s > 0)
@@ -513,7 +419,7 @@ class Sweep:
                                             if self.idle_power_w is not None and self.prof.gpu else None)
                 self._epoch = before
                 others = ForeignWatch(tally0).judge(await settled_tally(self.session, self.server.base_url), [])
-                others = others or self.neighbours.check()
+                others = others or self.others.neighbours.check()
                 if others:
                     self.idle_power_w = None
                     self.idle_note = (f"no idle baseline: others' work ran during it ({others}), so its power is not the "
@@ -766,28 +672,12 @@ class Sweep:
 
     async def _watch_others(self) -> None:
         """Begin comparing the server's books with our requests, and the GPUs' processes with the server's, from now."""
-        first = await settled_tally(self.session, self.server.base_url)
-        self._fwatch = ForeignWatch(first)
-        if self.server_blind is None:
-            self.server_blind = first.limits() or ""
-        self.neighbours.mark()
+        await self.others.begin()
 
     async def _others_beside(self, recs) -> str | None:
-        """Why the batch `recs` (just finished: none of ours in flight) ran beside others' work, or None: another
-        client's requests on the server (its counters: servercount.ForeignWatch) or another process's kernels on
-        the GPUs (GpuNeighbours)."""
-        why = []
-        if self._fwatch is not None:
-            t0, r0 = self._fwatch.seen_tokens, self._fwatch.seen_requests
-            server = self._fwatch.judge(await settled_tally(self.session, self.server.base_url), recs)
-            if server:
-                why.append(server)
-                self.foreign_seen["tokens"] += self._fwatch.seen_tokens - t0
-                self.foreign_seen["requests"] += self._fwatch.seen_requests - r0
-        gpu = self.neighbours.check()
-        if gpu:
-            why.append(gpu)
-        return "; ".join(why) or None
+        """Why the batch `recs` (just finished: none of ours in flight) ran beside others' work, or None
+        (workload/others.py: the server's books, the GPUs' processes)."""
+        return await self.others.judge(recs)
 
     @property
     def foreign_notes(self) -> list[str]:
@@ -795,14 +685,10 @@ class Sweep:
         ruled out."""
         out = []
         hit = [v for v in self.visits if v.foreign]
+        if self.others is None:
+            return out
         if hit:
-            seen = []
-            if self.foreign_seen["requests"]:
-                seen.append(f"{self.foreign_seen['requests']:.0f} finished requests")
-            if self.foreign_seen["tokens"]:
-                seen.append(f"{self.foreign_seen['tokens']:.0f} generated tokens")
-            procs = f"process(es) {_pid_text(self.neighbours.seen)} working on the GPU" if self.neighbours.seen else ""
-            saw = " and ".join(x for x in (" and ".join(seen) + (" on the server" if seen else ""), procs) if x)
+            saw = self.others.saw()
             where = "; ".join(
                 f"{_level_name(v)}" + (f" (repeat {v.repeat + 1})" if self.s.repeats > 1 else "")
                 + f": {len(v.foreign)} batch(es) ({v.foreign_windows} measured windows), first because {v.foreign[0]}"
@@ -812,10 +698,7 @@ class Sweep:
             out.append(f"others' work ran beside the sweep (flag {FOREIGN_FLAG}): powerprof saw {saw or 'it'} not its "
                        f"own. {where}. Those windows are left out of every figure and their prompts measured again; "
                        f"fix: {FOREIGN_FIX}")
-        if self.server_blind:
-            out.append(f"other clients of the server: {self.server_blind}")
-        out.extend(self.neighbours.notes.values())
-        return out
+        return out + self.others.cannot
 
     async def _ride_out(self, visit: LevelVisit, recs) -> None:
         """The server stopped answering mid-level (`recs` say so: server_away): wait for it to be healthy again,

@@ -15,6 +15,9 @@ from .client import RequestRecord, ServerInfo
 
 # A batch window's error where its streams never all decoded at once (queued behind the server's slots, staggered).
 NO_DECODE_INTERVAL = "no interval where every active request decoded"
+# A window's figures: what a window left out of every figure (untrusted, beside others' work, lost) loses.
+FIGURES = ("gpu_energy_j", "cpu_energy_j", "avg_gpu_power_w", "gpu_j_per_token", "total_j_per_token",
+           "above_idle_gpu_j_per_token", "decode_tok_s")
 
 
 @dataclass(frozen=True)

@@ -1,0 +1,175 @@
+"""Whose work beside powerprof's ran on the server and the GPUs: judged per batch (sweep, measure) or over a whole replay.
+
+Two kinds of evidence, each read when none of powerprof's requests is in flight:
+
+- the server's books (servercount.py: its counters and gauges against what powerprof sent), and
+- the GPUs' process lists (NVML), against the server's own processes (serverprocs.py).
+
+`OthersWatch` holds both for one stretch of measurement: `begin()` before it, `judge(recs)` after each batch
+(or once after a replay, whose requests overlap: the whole replay is one batch). `leave_out_foreign` marks a
+window that ran beside others' work; the callers decide what to measure again.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+
+from .rows import FIGURES
+from .servercount import FOREIGN_FIX, FOREIGN_FLAG, ForeignWatch, settled_tally
+
+__all__ = ["FOREIGN_FIX", "FOREIGN_FLAG", "GpuNeighbours", "OthersWatch", "leave_out_foreign", "pid_text"]
+
+
+def leave_out_foreign(row: dict, why: str) -> None:
+    """Mark a window that ran beside others' work (foreign_traffic: what showed it): it keeps its record and loses
+    its figures, as an untrusted one does, under its own reason."""
+    row["foreign_traffic"] = why
+    row["energy_method"] = "none"
+    for k in FIGURES:
+        if k in row:
+            row[k] = None
+
+
+def pid_text(pids) -> str:
+    """'1234 (python3), 99' : the pids with the names this host can see."""
+    import psutil
+
+    out = []
+    for pid in sorted(pids):
+        try:
+            out.append(f"{pid} ({psutil.Process(pid).name()})")
+        except psutil.Error:
+            out.append(str(pid))
+    return ", ".join(out)
+
+
+class GpuNeighbours:
+    """Whether a process other than the server's ran kernels on the measured GPUs since the last look.
+
+    NVML lists the processes using each GPU; the server's are found by its listening port or launch
+    (workload/serverprocs.py). A process holding memory and running nothing (a notebook with a model
+    loaded, idle) is harmless to the figures, so presence alone does not flag: its kernels do, as NVML's
+    per-process SM utilisation samples show them (nvmlDeviceGetProcessUtilization). Where those samples
+    cannot be read, another process on the GPU may be working, and is flagged (its windows could hold its
+    energy). Where the server's processes cannot be found, or none of the GPU's is theirs (a container's pid
+    namespace), whose process is whose cannot be told: said once, nothing flagged."""
+
+    def __init__(self, collector, server_procs=None):
+        self.collector = collector
+        self.server_procs = server_procs
+        self.since_us = time.time_ns() // 1000
+        self.notes: dict[str, str] = {}  # once each: what cannot be told, idle holders
+        self.seen: set[int] = set()  # pids flagged as working beside the server
+
+    def mark(self) -> None:
+        """Judge from now on (a measurement starts)."""
+        self.since_us = time.time_ns() // 1000
+
+    def check(self) -> str | None:
+        from powerprof.collectors.nvml import gpu_processes, process_sm_util
+
+        gpu = self.collector
+        if gpu is None:
+            return None
+        since, self.since_us = self.since_us, time.time_ns() // 1000
+        pids = why_server = None
+        for idx, h in zip(gpu.indexes, gpu.handles):
+            procs = gpu_processes(gpu.nvml, h)
+            if procs is None:
+                self.notes.setdefault(f"list{idx}", f"NVML does not list the processes using GPU {idx}, so another "
+                                      "process's work on it cannot be ruled out")
+                continue
+            if pids is None and why_server is None:
+                pids, why_server = self.server_procs() if self.server_procs is not None else (None, "not looked for")
+            others = {p for p in procs if p != os.getpid() and (pids is None or p not in pids)}
+            if not others:
+                continue
+            if pids is None:
+                self.notes.setdefault(f"whose{idx}", (
+                    f"GPU {idx} is used by process(es) {pid_text(procs)}, and the server's own processes cannot be "
+                    f"found ({why_server}): whether another process shares the GPU cannot be told"))
+                continue
+            if not set(procs) & pids:
+                self.notes.setdefault(f"ns{idx}", (
+                    f"none of the processes NVML lists on GPU {idx} ({pid_text(procs)}) is the server's as found on "
+                    "this host (a container's own pid namespace?): whether another process shares the GPU cannot be told"))
+                continue
+            util = process_sm_util(gpu.nvml, h, since)
+            if util is None:
+                self.seen |= others
+                return (f"process {pid_text(others)} also uses GPU {idx} and NVML cannot say whether its kernels ran "
+                        "(nvmlDeviceGetProcessUtilization not supported here)")
+            busy = {p: u for p, u in util.items() if p in others and u > 0}
+            if busy:
+                self.seen |= set(busy)
+                return (f"process {pid_text(busy)} ran kernels on GPU {idx} beside the server (up to "
+                        f"{max(busy.values()):.0f}% SM utilisation)")
+            self.notes.setdefault(f"idle{idx}", (
+                f"process {pid_text(others)} holds memory on GPU {idx} and ran no kernels while powerprof looked: "
+                "harmless to the figures; if it starts working, its windows are flagged " + FOREIGN_FLAG))
+        return None
+
+
+class OthersWatch:
+    """The server's books and the GPUs' processes against powerprof's requests, over stretches of measurement.
+
+    `begin()` when none of powerprof's requests is in flight and a stretch starts (a level, a concurrency, a
+    replay); `judge(recs)` after each batch `recs` (none of ours in flight again): why it ran beside others'
+    work, or None. A replay's requests overlap, so there is no quiet moment inside it: it is judged as one
+    batch, begun before its first request and judged after its last. `seen` sums what the server's books
+    showed over the flagged batches; `cannot` says once what could not be ruled out."""
+
+    def __init__(self, session, base_url: str, gpu_collector=None, server_procs=None):
+        self.session = session
+        self.base_url = base_url
+        self.neighbours = GpuNeighbours(gpu_collector, server_procs)
+        self._books: ForeignWatch | None = None
+        self.server_blind: str | None = None  # what the server's counters cannot show of other clients ("" none)
+        self.seen = {"tokens": 0.0, "requests": 0.0}  # others' work the server's books showed, flagged batches
+
+    async def begin(self) -> None:
+        """Compare from now on: the server's books as they stand, the GPUs' processes from this moment."""
+        first = await settled_tally(self.session, self.base_url)
+        self._books = ForeignWatch(first)
+        if self.server_blind is None:
+            self.server_blind = first.limits() or ""
+        self.neighbours.mark()
+
+    async def judge(self, recs) -> str | None:
+        """Why the batch `recs` (just finished: none of ours in flight) ran beside others' work, or None: another
+        client's requests on the server (its counters: servercount.ForeignWatch) or another process's kernels on
+        the GPUs (GpuNeighbours)."""
+        why = []
+        if self._books is not None:
+            t0, r0 = self._books.seen_tokens, self._books.seen_requests
+            server = self._books.judge(await settled_tally(self.session, self.base_url), recs)
+            if server:
+                why.append(server)
+                self.seen["tokens"] += self._books.seen_tokens - t0
+                self.seen["requests"] += self._books.seen_requests - r0
+        gpu = self.neighbours.check()
+        if gpu:
+            why.append(gpu)
+        return "; ".join(why) or None
+
+    def saw(self) -> str:
+        """What was seen that was not powerprof's, in words ('' when nothing was)."""
+        seen = []
+        if self.seen["requests"]:
+            seen.append(f"{self.seen['requests']:.0f} finished requests")
+        if self.seen["tokens"]:
+            seen.append(f"{self.seen['tokens']:.0f} generated tokens")
+        procs = f"process(es) {pid_text(self.neighbours.seen)} working on the GPU" if self.neighbours.seen else ""
+        return " and ".join(x for x in (" and ".join(seen) + (" on the server" if seen else ""), procs) if x)
+
+    def record(self) -> dict:
+        """run.json's and --json's account of what was seen: the server's extra tokens and requests, the pids."""
+        return {"server_tokens": self.seen["tokens"], "server_requests": self.seen["requests"],
+                "gpu_pids": sorted(self.neighbours.seen)}
+
+    @property
+    def cannot(self) -> list[str]:
+        """Once each: what the server's counters and the GPUs' process lists could not rule out, or said."""
+        out = [f"other clients of the server: {self.server_blind}"] if self.server_blind else []
+        return out + list(self.neighbours.notes.values())
