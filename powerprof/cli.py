@@ -620,6 +620,9 @@ def measure(url, simulate, out_dir, n_requests, concurrency, warmup, launch, api
         if res.excluded is not None and not any(m.n_trusted for m in res.summaries):
             click.echo(f"Error: no window could be trusted: {res.excluded.message()}", err=True)
             sys.exit(1)
+        if res.foreign_traffic is not None and not any(m.n_trusted for m in res.summaries):
+            click.echo(f"Error: {_measure_all_foreign(res)}", err=True)
+            sys.exit(1)
         if res.aborted:
             sys.exit(1)
         return
@@ -648,6 +651,16 @@ def measure(url, simulate, out_dir, n_requests, concurrency, warmup, launch, api
         if not any(m.n_trusted for m in res.summaries):
             raise click.ClickException(f"no window could be trusted: {res.excluded.message()}")
         click.echo(f"warning: {res.excluded.message()}", err=True)
+    if res.foreign_traffic is not None and not any(m.n_trusted for m in res.summaries):
+        raise click.ClickException(_measure_all_foreign(res))
+
+
+def _measure_all_foreign(res) -> str:
+    """Every window ran beside others' work: no figure stands (exit 1)."""
+    from powerprof.workload.others import FOREIGN_FIX
+
+    return (f"no window ran without others' work beside it ({res.foreign_traffic['concurrencies'][0]['first_reason']}), "
+            f"so there is no figure; fix: {FOREIGN_FIX}")
 
 
 MEASURE_HEADER = (f"{'concurrency':>11} {'ok':>4} {'failed':>6} {'used':>4} {'decode tok/s':>12} {'GPU J/tok':>10} "

@@ -43,9 +43,9 @@ class GpuBystander:
     def stop(self) -> None:
         if not self.running:
             return
+        self.nvml.remove_process(self.index, self.pid)  # while it still runs: its last samples show its share
         self.running = False
         self.nvml.gpus[self.index].set_bystander(0.0, 0.0)
-        self.nvml.remove_process(self.index, self.pid)
         self.active_ns[-1][1] = time.monotonic_ns()
 
 

@@ -32,6 +32,8 @@ from .profiles import DEFAULT_PROFILE, GpuProfile, get_profiles
 
 STATE_ENV = "POWERPROF_SIM_STATE"
 UNPRIVILEGED_ENV = "POWERPROF_SIM_UNPRIVILEGED"
+# How long a stopped process's utilisation samples stay readable (the driver's sample buffer).
+GONE_SAMPLES_S = 60.0
 
 
 def default_state_path() -> Path:
@@ -90,6 +92,7 @@ class _GpuProcess:
     share: Callable[[], float]  # the share of the GPU's time its kernels take now (0: idle)
     start_us: int
     stop_us: int | None = None
+    last_share: float = 0.0  # its share as it stopped: the driver's samples of its last moments outlive it
 
 
 @dataclass(frozen=True)
@@ -240,6 +243,7 @@ class SimNVML:
         self._follow = self._load is not None
         self._published: dict = {}
         self._procs: dict[int, dict[int, _GpuProcess]] = {}  # GPU index → pid → a process using it
+        self._gone: dict[int, list[_GpuProcess]] = {}  # GPU index → processes that stopped, their samples kept a while
         self._followed_pids: dict[str, int] = {}  # GPU uuid → the pid of the other process whose server drives it
 
     # --- sharing the GPUs' load between processes ---------------------------------------------
@@ -461,8 +465,16 @@ class SimNVML:
             self._procs.setdefault(index, {})[pid] = _GpuProcess(pid, int(used_bytes), share, time.time_ns() // 1000)
 
     def remove_process(self, index: int, pid: int) -> None:
+        """The process stops using GPU `index` (it exited): gone from the process lists at once, while the driver's
+        utilisation samples of the time it ran stay readable for GONE_SAMPLES_S (NVML keeps a buffer of samples,
+        read since a timestamp)."""
         with self._lock:
-            self._procs.get(index, {}).pop(pid, None)
+            p = self._procs.get(index, {}).pop(pid, None)
+            if p is None:
+                return
+            p.stop_us, p.last_share = time.time_ns() // 1000, p.share()
+            keep_us = p.stop_us - int(GONE_SAMPLES_S * 1e6)
+            self._gone[index] = [q for q in self._gone.get(index, []) if q.stop_us > keep_us] + [p]
 
     def _processes(self, handle) -> list[_GpuProcess]:
         g = self._gpu(handle)
@@ -490,6 +502,12 @@ class SimNVML:
             share = p.share()
             if share > 0 and (p.stop_us is None or p.stop_us > time_stamp_us):
                 out.append(ProcessUtilizationSample(p.pid, now_us, int(round(100 * share)), int(round(50 * share))))
+        with self._lock:
+            gone = list(self._gone.get(handle.index, []))
+        for p in gone:  # stopped since `time_stamp_us`, after running kernels until then
+            if p.last_share > 0 and p.stop_us > time_stamp_us:
+                out.append(ProcessUtilizationSample(p.pid, p.stop_us, int(round(100 * p.last_share)),
+                                                    int(round(50 * p.last_share))))
         if not out:
             raise pynvml.NVMLError(pynvml.NVML_ERROR_NOT_FOUND)
         return out

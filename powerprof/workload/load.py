@@ -300,11 +300,16 @@ async def run_load_async(
     first_request_id: int = 0,
     first_batch_id: int = 0,
     finished: list[RequestRecord] | None = None,
+    between=None,
 ) -> list[RequestRecord]:
     """Warm-up requests (one at a time, flagged), then `n_requests` in batches of `concurrency`
     sent at once; each batch finishes before the next starts. Prompts cycle in order.
     `finished`: each batch's records are appended to it once the whole batch is done and annotated,
-    so a run stopped by a signal knows what it can keep (never a part of a batch)."""
+    so a run stopped by a signal knows what it can keep (never a part of a batch).
+    `between(records)`: awaited after each batch, warm-up ones included, while none of ours is in flight (the
+    moment to read the server's books: workload/others.py); True for a measured batch sends its prompts again
+    as a new batch (it ran beside others' work), and it does not count towards `n_requests`: the caller bounds
+    how often it answers True."""
     if n_requests < 1 or concurrency < 1 or warmup < 0:
         raise ValueError("n_requests and concurrency must be at least 1, warmup at least 0")
     if not prompts:
@@ -316,11 +321,13 @@ async def run_load_async(
     run.lag.start()
     kept = 0
 
-    def batch_done() -> None:
+    async def batch_done() -> bool:
         nonlocal kept
+        recs = run.records[kept:]
         if finished is not None:
-            finished.extend(run.records[kept:])
+            finished.extend(recs)
         kept = len(run.records)
+        return bool(await between(recs)) if between is not None else False
 
     try:
         rid = first_request_id
@@ -332,7 +339,7 @@ async def run_load_async(
             await run.annotate()
             if run.abort:
                 raise LoadAborted(run.abort, run.records)
-            batch_done()
+            await batch_done()  # a warm-up is never sent again: its figures count nowhere
         done = 0
         while done < n_requests:
             n = min(concurrency, n_requests - done)
@@ -341,11 +348,11 @@ async def run_load_async(
             )
             rid += n
             batch += 1
-            done += n
             await run.annotate()
             if run.abort:
                 raise LoadAborted(run.abort, run.records)
-            batch_done()
+            if not await batch_done():
+                done += n
     finally:
         await run.lag.stop()
         if own:

@@ -28,7 +28,8 @@ from powerprof.profiler import EDGE_BIAS_WINDOW_S, LOW_CONFIDENCE_S
 
 from .client import RequestParams, RequestRecord, ServerInfo, detect_server, server_away
 from .load import LoadAborted, LoadPolicy, Prompt, run_load_async
-from .rows import NO_DECODE_INTERVAL, window_rows
+from .others import FOREIGN_FIX, FOREIGN_FLAG, OthersWatch, leave_out_foreign
+from .rows import FIGURES, NO_DECODE_INTERVAL, window_rows
 
 NO_GPU_NOTE = "no GPU readable here: GPU energy columns are empty; decode tok/s {cpu}"
 
@@ -56,6 +57,7 @@ class Summary:
     # figure is flagged: busy_host) and powerprof's own; None: not known (no cputime reading, server not found)
     other_cpu_pct: float | None = None
     powerprof_cpu_pct: float | None = None
+    n_foreign: int = 0  # windows left out: others' work ran beside them (foreign_traffic); their prompts sent again
 
     @property
     def busy_host(self) -> bool:
@@ -76,6 +78,7 @@ class MeasureResult:
     stopped: BaseException | None = None  # the signal's exit (KeyboardInterrupt, Terminated), raised after writing
     interrupted: dict | None = None  # run.json's record of what a stopped run kept
     server_away: dict | None = None  # run.json's record of a server that stopped answering (away_record)
+    foreign_traffic: dict | None = None  # run.json's record of others' work beside the windows (foreign_record)
 
     def to_dict(self) -> dict:
         """`powerprof measure --json`: stable keys; per-request rows stay in windows.parquet."""
@@ -88,6 +91,7 @@ class MeasureResult:
             "aborted": self.aborted,
             "interrupted": self.interrupted,
             "server_away": self.server_away,
+            "foreign_traffic": self.foreign_traffic,
             "excluded": None if self.excluded is None else {"n": self.excluded.n, "n_windows": self.excluded.n_windows,
                                                             "reasons": self.excluded.reasons, "fix": self.excluded.fix},
         }
@@ -96,6 +100,11 @@ class MeasureResult:
 def trusted(row: dict) -> bool:
     """A window whose figures can be used: not untrusted by the timing rule (old rows have no timing)."""
     return row.get("timing") != "untrusted"
+
+
+def used(row: dict) -> bool:
+    """A window the figures come from: trusted, and no one else's work beside it (foreign_traffic)."""
+    return trusted(row) and not row.get("foreign_traffic")
 
 
 @dataclass(frozen=True)
@@ -181,6 +190,8 @@ def missing_figure_notes(rows: Sequence[dict], summary: list[Summary]) -> list[s
                    "streams decode together" if top == NO_DECODE_INTERVAL else "see the windows' error column")
         elif not any(trusted(r) for r in ok):
             why, fix = f"all {len(ok)} {kind} windows are left out as untrusted (above)", "as said above"
+        elif not any(used(r) for r in ok):
+            why, fix = f"every {kind} window ran beside others' work ({FOREIGN_FLAG}, above)", FOREIGN_FIX
         else:
             why, fix = "no energy reading covers its windows", "`powerprof devices` says what the GPU can report"
         out.append(f"concurrency {x.concurrency}: no J/token figure: {why}; fix: {fix}")
@@ -201,7 +212,7 @@ def missing_cpu_notes(rows: Sequence[dict], summary: list[Summary], profiler) ->
             continue
         kind = "request" if x.concurrency == 1 else "batch"
         basis = [r for r in rows if r["concurrency"] == x.concurrency and r["window_kind"] == kind
-                 and not r["warmup"] and r["status"] == "ok" and trusted(r)]
+                 and not r["warmup"] and r["status"] == "ok" and used(r)]
         lacking = sum(r["cpu_energy_j"] is None for r in basis)
         out.append(f"concurrency {x.concurrency}: no GPU+CPU figure: {lacking} of {len(basis)} windows have no CPU "
                    f"energy ({why or 'no RAPL reading covers them'}); fix: `powerprof monitor` shows the RAPL zones "
@@ -282,7 +293,8 @@ def summarise(rows: list[dict]) -> list[Summary]:
         ok = [r for r in req if r["status"] == "ok"]
         failed = len(req) - len(ok)
         basis = ok if c == 1 else [r for r in rows if r["concurrency"] == c and r["window_kind"] == "batch" and r["status"] == "ok"]
-        basis = [r for r in basis if trusted(r)]
+        n_foreign = sum(1 for r in basis if trusted(r) and r.get("foreign_traffic"))
+        basis = [r for r in basis if used(r)]
         if c == 1:
             rates = [r["decode_tok_s"] for r in basis if r["decode_tok_s"]]
             tok_s = float(np.median(rates)) if rates else None
@@ -299,7 +311,7 @@ def summarise(rows: list[dict]) -> list[Summary]:
             else None
         )
         methods = {r["energy_method"] for r in basis} or {"none"}
-        n_trusted = len([r for r in ok if trusted(r)]) if c == 1 else len(basis)
+        n_trusted = len([r for r in ok if used(r)]) if c == 1 else len(basis)
         with_j = [r for r in basis if r.get("gpu_j_per_token") is not None]
         other_pct, own_pct = cpu_shares_pct(*([r.get(k) for r in basis] for k in ("host_cpu_s", "other_cpu_s", "powerprof_cpu_s")))
         out.append(Summary(c, len(ok), failed, tok_s, gpu_jpt, tot_jpt, ",".join(sorted(methods)), n_trusted,
@@ -308,7 +320,7 @@ def summarise(rows: list[dict]) -> list[Summary]:
                            median_window_s=float(np.median([r["decode_s"] or 0 for r in with_j])) if with_j else None,
                            prompt_offset=within_prompt_offset([r["gpu_j_per_token"] for r in with_j],
                                                               [r.get("prompt_id") for r in with_j]) if with_j else None,
-                           other_cpu_pct=other_pct, powerprof_cpu_pct=own_pct))
+                           other_cpu_pct=other_pct, powerprof_cpu_pct=own_pct, n_foreign=n_foreign))
     return out
 
 
@@ -325,9 +337,17 @@ def measure(
     policy: LoadPolicy = LoadPolicy(),
     run_id: str | None = None,
     keep_on_stop: bool = False,
+    server_procs=None,
+    watch_others: bool = True,
 ) -> MeasureResult:
     """Run the load at each concurrency with `profiler` (a started Profiler, or None) marking
     every window edge; returns the rows for windows.parquet and a summary per concurrency.
+
+    watch_others: between batches, the server's books and the GPUs' processes are compared with ours
+    (workload/others.py); a batch beside others' work is left out (foreign_traffic) and its prompts sent
+    again, up to as many requests again as the concurrency's. server_procs: a callable answering (the
+    server's pids, None) or (None, why) (serverprocs.ServerProcesses), to tell the server's GPU processes
+    from others'.
 
     keep_on_stop: a run-ending signal (Ctrl-C, SIGTERM, SIGHUP) returns what was finished, whole
     batches only, with `stopped` (the exit, for the caller to raise once it has written them) and
@@ -343,12 +363,17 @@ def measure(
     # measure does not wait for a server that went away: see away_record.
     policy = replace(policy, stop_when_server_away=True)
     away: dict = {}
+    foreign: dict[int, tuple[int, str]] = {}  # batch id → (concurrency, why others' work ran beside it)
+    resent: dict[int, int] = {}  # concurrency → requests sent again for it
+    watch: list[OthersWatch] = []
 
     async def go():
         records: list[RequestRecord] = []
         aborted = None
         async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0)) as s:
             server = found["server"] = await detect_server(s, url, api)
+            others = OthersWatch(s, server.base_url, getattr(profiler, "gpu", None), server_procs) if watch_others else None
+            watch.extend([others] if others else [])
             rid = bid = 0
             for k, c in enumerate(concurrencies):
                 note = saturation_note(server, c)
@@ -358,18 +383,33 @@ def measure(
                 # Whole batches only: a last batch of fewer streams (or --requests below the concurrency) would
                 # be measured at fewer streams and reported as this concurrency.
                 n = planned[c]
+                between = None
+                if others is not None:
+                    await others.begin()  # none of ours in flight: the books as they stand, the GPUs' processes from now
+
+                    async def between(recs, c=c, n=n):
+                        why = await others.judge(recs)
+                        if not why or all(r.warmup for r in recs):
+                            return False  # a warm-up beside others' work counts nowhere anyway
+                        foreign[recs[0].batch_id] = (c, why)
+                        if resent.get(c, 0) + len(recs) > n:
+                            return False  # its budget spent: others at work throughout; the batch stays left out
+                        resent[c] = resent.get(c, 0) + len(recs)
+                        return True
                 if n != n_requests:
                     by_level.append((c, f"concurrency {c}: {n} requests (--requests {n_requests} rounded up to whole "
                                         f"batches of {c} streams)"))
                 try:
                     recs = await run_load_async(
-                        server, prompts, n, c, params, hook, warmup if k == 0 else 0, policy, s, rid, bid, finished=kept
+                        server, prompts, n, c, params, hook, warmup if k == 0 else 0, policy, s, rid, bid, finished=kept,
+                        between=between,
                     )
                 except LoadAborted as e:
                     records += e.records
                     aborted = str(e)
                     if any(server_away(r) for r in e.records):
-                        first = rid + (warmup if k == 0 else 0) + n  # the next concurrency's first request id
+                        # the next concurrency's first request id (the batches sent again took ids of their own)
+                        first = rid + (warmup if k == 0 else 0) + n + resent.get(c, 0)
                         away.update(away_record(e.records, kept, first - 1, list(concurrencies[k + 1:])))
                         aborted = away["message"]
                     break
@@ -396,6 +436,10 @@ def measure(
     measured = {r.concurrency for r in records if not r.warmup}
     notes[:0] = [n for c, n in by_level if stopped is None or c in measured]
     rows, _ = window_rows(records, profiler, run_id, server)
+    for row in rows:
+        hit = foreign.get(row.get("batch_id"))
+        if hit is not None and row["status"] == "ok" and not row["warmup"]:
+            leave_out_foreign(row, hit[1])
     if away:
         for row in rows:  # a stream that ended before the cut, in the batch the cut lost: part of no whole batch
             if row.get("batch_id") in away["lost_batch_ids"] and row["status"] == "ok" and not row["warmup"]:
@@ -409,14 +453,44 @@ def measure(
         x.n_planned = planned.get(x.concurrency)
     interrupted = None
     if stopped is not None:
-        interrupted = interrupted_record(stopped, records, planned)
+        interrupted = interrupted_record(stopped, [r for r in records if r.batch_id not in foreign], planned)
         notes.insert(0, f"stopped early by {interrupted['signal']}: {interrupted['message']}")
+    foreign_rec = foreign_record(foreign, summary, resent, watch[0]) if watch and foreign else None
+    if foreign_rec:
+        notes.append(foreign_rec["message"])
+    if watch:
+        notes += watch[0].cannot
     notes += short_figure_notes(summary) + missing_figure_notes(rows, summary) + missing_cpu_notes(rows, summary, profiler) + busy_host_notes(summary, profiler) + edge_bias_notes(summary) + rounding_notes(summary)
     if profiler is not None:
         notes += profiler.edge_notes()
     return MeasureResult(server, records, rows, summary, notes=notes, aborted=aborted, excluded=excluded_windows(rows),
                          stopped=stopped, interrupted=interrupted,
-                         server_away={k: v for k, v in away.items() if k != "lost_batch_ids"} or None)
+                         server_away={k: v for k, v in away.items() if k != "lost_batch_ids"} or None,
+                         foreign_traffic=foreign_rec)
+
+
+def foreign_record(foreign: dict[int, tuple[int, str]], summary: list[Summary], resent: dict[int, int],
+                   others: OthersWatch) -> dict:
+    """run.json's `foreign_traffic`: per concurrency the batches and windows left out because others' work ran beside
+    them, the first reason, whether the budget for sending them again ran out; what was seen; the message."""
+    by_c: dict[int, list[str]] = {}
+    for c, why in foreign.values():
+        by_c.setdefault(c, []).append(why)
+    n_windows = {x.concurrency: x.n_foreign for x in summary}
+    levels = [{"concurrency": c, "batches": len(whys), "windows": n_windows.get(c, 0), "first_reason": whys[0],
+               "requests_sent_again": resent.get(c, 0), "budget_spent": len(whys) * c > resent.get(c, 0)}
+              for c, whys in sorted(by_c.items())]
+    saw = others.saw()
+    where = "; ".join(
+        f"concurrency {x['concurrency']}: {x['batches']} batch(es) ({x['windows']} windows), first because "
+        f"{x['first_reason']}" + (" - others were still at work when the requests for sending them again ran out "
+                                  "(as many again as asked for): its figures rest on fewer requests"
+                                  if x["budget_spent"] else "")
+        for x in levels)
+    message = (f"others' work ran beside the measurement ({FOREIGN_FLAG}): powerprof saw {saw or 'it'} not its own. "
+               f"{where}. Those windows are left out of every figure (windows.parquet foreign_traffic) and their "
+               f"prompts measured again; fix: {FOREIGN_FIX}")
+    return {"concurrencies": levels, **others.record(), "message": message}
 
 
 def id_ranges(ids) -> str:
@@ -463,8 +537,7 @@ def away_record(records: Sequence[RequestRecord], kept: Sequence[RequestRecord],
 def _distrust(row: dict, why: str) -> None:
     """A window kept with its record and left out of every figure, with the reason."""
     row["timing"], row["timing_reason"], row["energy_method"] = "untrusted", why, "none"
-    for k in ("gpu_energy_j", "cpu_energy_j", "avg_gpu_power_w", "gpu_j_per_token", "total_j_per_token",
-              "decode_tok_s"):
+    for k in FIGURES:
         if k in row:
             row[k] = None
 
@@ -571,6 +644,8 @@ def _run_measure(
     from powerprof.profiler import Profiler
     from powerprof.storage.runs import RunWriter, split_storable, table_from_rows
 
+    from .serverprocs import ServerProcesses
+
     if out_dir.exists() and (not out_dir.is_dir() or any(out_dir.iterdir())):
         raise FileExistsError(f"output directory {out_dir} already exists and is not empty; choose another --out")
     # Made before any request, so an unusable --out costs nothing (not a finished measurement).
@@ -613,6 +688,7 @@ def _run_measure(
             profiler=profiler,
             run_id=run_id,
             keep_on_stop=True,
+            server_procs=ServerProcesses(url, launched),
         )
         died = launched[0].death_note() if launched and result.aborted else ""
         if died:
@@ -640,6 +716,7 @@ def _run_measure(
         "notes": notes + result.notes,
         "aborted": result.aborted,
         "server_away": result.server_away,  # null: it answered throughout
+        "foreign_traffic": result.foreign_traffic,  # null: no one else's work was seen beside the windows
         "interrupted": result.interrupted,  # null: every request was sent and answered
     }
     meta["simulated"] = meta["simulated"] or s.simulated

@@ -83,31 +83,37 @@ class GpuNeighbours:
             if pids is None and why_server is None:
                 pids, why_server = self.server_procs() if self.server_procs is not None else (None, "not looked for")
             others = {p for p in procs if p != os.getpid() and (pids is None or p not in pids)}
-            if not others:
-                continue
             if pids is None:
-                self.notes.setdefault(f"whose{idx}", (
-                    f"GPU {idx} is used by process(es) {pid_text(procs)}, and the server's own processes cannot be "
-                    f"found ({why_server}): whether another process shares the GPU cannot be told"))
+                if others:
+                    self.notes.setdefault(f"whose{idx}", (
+                        f"GPU {idx} is used by process(es) {pid_text(procs)}, and the server's own processes cannot be "
+                        f"found ({why_server}): whether another process shares the GPU cannot be told"))
                 continue
             if not set(procs) & pids:
-                self.notes.setdefault(f"ns{idx}", (
-                    f"none of the processes NVML lists on GPU {idx} ({pid_text(procs)}) is the server's as found on "
-                    "this host (a container's own pid namespace?): whether another process shares the GPU cannot be told"))
+                if others:
+                    self.notes.setdefault(f"ns{idx}", (
+                        f"none of the processes NVML lists on GPU {idx} ({pid_text(procs)}) is the server's as found on "
+                        "this host (a container's own pid namespace?): whether another process shares the GPU cannot "
+                        "be told"))
                 continue
             util = process_sm_util(gpu.nvml, h, since)
             if util is None:
-                self.seen |= others
-                return (f"process {pid_text(others)} also uses GPU {idx} and NVML cannot say whether its kernels ran "
-                        "(nvmlDeviceGetProcessUtilization not supported here)")
-            busy = {p: u for p, u in util.items() if p in others and u > 0}
+                if others:
+                    self.seen |= others
+                    return (f"process {pid_text(others)} also uses GPU {idx} and NVML cannot say whether its kernels "
+                            "ran (nvmlDeviceGetProcessUtilization not supported here)")
+                continue
+            # Samples of a process no longer listed count too: one that ran beside the batch and exited before this
+            # look is gone from the lists, not from the driver's samples since the last look.
+            busy = {p: u for p, u in util.items() if p != os.getpid() and p not in pids and u > 0}
             if busy:
                 self.seen |= set(busy)
                 return (f"process {pid_text(busy)} ran kernels on GPU {idx} beside the server (up to "
                         f"{max(busy.values()):.0f}% SM utilisation)")
-            self.notes.setdefault(f"idle{idx}", (
-                f"process {pid_text(others)} holds memory on GPU {idx} and ran no kernels while powerprof looked: "
-                "harmless to the figures; if it starts working, its windows are flagged " + FOREIGN_FLAG))
+            if others:
+                self.notes.setdefault(f"idle{idx}", (
+                    f"process {pid_text(others)} holds memory on GPU {idx} and ran no kernels while powerprof looked: "
+                    "harmless to the figures; if it starts working, its windows are flagged " + FOREIGN_FLAG))
         return None
 
 
