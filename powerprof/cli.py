@@ -723,6 +723,7 @@ def replay(trace_path, url, simulate, launch, api, time_scale, duration_s, tag_h
     from powerprof.rig import Rig
     from powerprof.workload.client import RequestParams, ServerUnreachable, detect_server
     from powerprof.workload.launcher import LaunchError
+    from powerprof.workload.others import FOREIGN_FIX, FOREIGN_FLAG, OthersWatch
     from powerprof.workload.replay import (LATE_NOTE_S, away_record, cut_short, few_for_p95, replay_async, summarize,
                                            trace_notes)
 
@@ -734,10 +735,17 @@ def replay(trace_path, url, simulate, launch, api, time_scale, duration_s, tag_h
     done: list = []  # finished requests, kept when a signal stops the replay
     found: list = []  # the server, once detected
 
+    watch: list = []  # the server's books against the replay's own (workload/others.py)
+
     async def go(base):
         async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0)) as s:
             found.append(await detect_server(s, base, api))
-            return found[0], await replay_async(s, found[0], trace, RequestParams(), tag_header, done=done)
+            # A replay's requests overlap: the server's books are compared over the whole replay, as one batch.
+            others = OthersWatch(s, found[0].base_url)
+            await others.begin()
+            recs = await replay_async(s, found[0], trace, RequestParams(), tag_header, done=done)
+            watch.append((others, await others.judge([r.record for r in recs])))
+            return found[0], recs
 
     click.echo(f"replaying {len(trace)} request(s) over {trace[-1].t_s:.1f} s (Ctrl-C stops it and reports those finished)",
                err=True)
@@ -768,8 +776,19 @@ def replay(trace_path, url, simulate, launch, api, time_scale, duration_s, tag_h
         notes.append(cut_short(records))
     if sm.ok and few_for_p95(sm.ok):
         notes.append(few_for_p95(sm.ok))
+    foreign = None
+    if watch:
+        others, why = watch[0]
+        if why:
+            foreign = {"reason": why, **others.record(),
+                       "message": f"others' work ran beside the replay ({FOREIGN_FLAG}): {why}; its latencies and "
+                                  "throughput hold their queueing and their tokens' steps, not the trace's traffic "
+                                  f"alone; fix: {FOREIGN_FIX}"}
+            notes.insert(0, foreign["message"])
+        notes.extend(others.cannot)
     if as_json:
         click.echo(json.dumps({"server": server.meta(), **sm.to_dict(), "notes": notes, "server_away": away,
+                               "foreign_traffic": foreign,
                                "interrupted": None if stopped is None else {"requests_planned": len(trace)}}, indent=2))
     else:
         def f(v):
@@ -792,6 +811,8 @@ def replay(trace_path, url, simulate, launch, api, time_scale, duration_s, tag_h
     if sm.failed:
         errs = sorted({r.record.error for r in records if not r.record.ok})[:3]
         raise click.ClickException(f"{sm.failed} of {sm.n} requests failed: " + "; ".join(e or "?" for e in errs))
+    if foreign is not None:
+        raise click.ClickException(f"the figures above are not the trace's alone: {foreign['message']}")
 
 
 @main.command("trace")
@@ -1271,7 +1292,8 @@ def _trace_sweep(trace_path, time_scale, duration_s, limits, clocks, url, launch
     def show(lv):
         echo(f"{lv.level_value:>6g}{unit:<2} {lv.n_ok:>5} {lv.n_failed:>6} {lv.generated_tokens:>7} "
              f"{f(lv.gpu_j_per_token, '9.3f')} {f(lv.tok_s, '7.1f')} {f(lv.ttft_p50_s, '8.3f')} "
-             f"{f(lv.ttft_p95_s, '8.3f')} {f(lv.latency_p50_s, '7.2f')} {f(lv.latency_p95_s, '7.2f')}  {lv.energy_method}")
+             f"{f(lv.ttft_p95_s, '8.3f')} {f(lv.latency_p50_s, '7.2f')} {f(lv.latency_p95_s, '7.2f')}  {lv.energy_method}"
+             + ("  others' work beside it (foreign-traffic, see the notes)" if lv.foreign_traffic else ""))
 
     if not dry_run:
         echo(f"trace {trace_path}: {len(trace)} requests over {trace[-1].t_s:.1f} s, each level replays all of it")

@@ -1070,6 +1070,7 @@ class TraceLevel:
     latency_p95_s: float | None
     tpot_p50_s: float | None
     late_p95_s: float
+    foreign_traffic: str | None = None  # others' work ran beside the replay: what showed it (no J/token, no tok/s)
 
     def to_dict(self) -> dict:
         return dict(self.__dict__)
@@ -1104,10 +1105,14 @@ class TraceSweep(Sweep):
 
         t_start = time.monotonic()
         self._watch_from_now(visit)
+        # A replay's requests overlap: no moment inside it is free of ours, so the server's books and the GPUs'
+        # processes are compared over the whole replay, as one batch (workload/others.py).
+        await self._watch_others()
         with self.prof.window("trace") as w:
             recs = await replay_async(self.session, self.server, self.trace, self.params)
         visit.elapsed_s = time.monotonic() - t_start
         records = [r.record for r in recs]
+        others = await self._others_beside(records)
         value = None if visit.level_value is None else float(visit.level_value)
         level = Level(self.s.level_kind, value, visit.repeat)
         rows, _ = window_rows(records, self.prof, self.run_id, self.server, level)
@@ -1117,6 +1122,13 @@ class TraceSweep(Sweep):
         row = trace_row(records, w.result, self.run_id, self.server, level)
         self._above_idle(row)
         rows.append(row)
+        if others:
+            # The replay's energy holds the others' work and its latencies their queueing: nothing of it splits off.
+            for r in rows:
+                if r.get("status") == "ok" and not r.get("warmup"):
+                    leave_out_foreign(r, others)
+            visit.foreign.append(others)
+            visit.foreign_windows = 1 if row.get("status") == "ok" else 0
         self.rows.extend(rows)
         self._stop_if_setting_moved(visit, rows, len(visit.spans))
         visit.spans.append((w.result.t0_ns, w.result.t1_ns))
@@ -1130,6 +1142,7 @@ class TraceSweep(Sweep):
             tok_s=sm.generated_tokens / w.result.duration_s if w.result.duration_s > 0 and self._counts(row) else None,
             ttft_p50_s=sm.ttft_p50_s, ttft_p95_s=sm.ttft_p95_s, latency_p50_s=sm.latency_p50_s,
             latency_p95_s=sm.latency_p95_s, tpot_p50_s=sm.tpot_p50_s, late_p95_s=sm.late_p95_s,
+            foreign_traffic=others,
         )
         self.levels_done.append(lvl)
         name = _level_name(visit) + (f" (repeat {visit.repeat + 1})" if self.s.repeats > 1 else "")
@@ -1161,6 +1174,23 @@ class TraceSweep(Sweep):
 
     def _measured(self, row: dict) -> bool:
         return row["window_kind"] == "trace" and not row["warmup"] and row["status"] == "ok"
+
+    @property
+    def foreign_notes(self) -> list[str]:
+        """Levels whose replay ran beside others' work (flag foreign-traffic): no figure, what was seen, the fix; once,
+        what could not be ruled out."""
+        if self.others is None:
+            return []
+        hit = [v for v in self.visits if v.foreign]
+        out = []
+        if hit:
+            where = "; ".join(f"{_level_name(v)}" + (f" (repeat {v.repeat + 1})" if self.s.repeats > 1 else "")
+                              + f": {v.foreign[0]}" for v in hit)
+            out.append(f"others' work ran beside the replay (flag {FOREIGN_FLAG}): powerprof saw "
+                       f"{self.others.saw() or 'it'} not its own. {where}. A replay's requests overlap, so its energy "
+                       "and latencies cannot be split into ours and theirs: those levels have no J/token and no tok/s "
+                       f"(their latencies are printed, with the others' queueing in them); fix: {FOREIGN_FIX}")
+        return out + self.others.cannot
 
     def excluded(self):
         """Trace windows left out: their timing is the replay's edges, but their tokens are the server's
@@ -1380,7 +1410,7 @@ def run_sweep(
         if runner is not None:
             sweep = runner(**parts)
         elif trace is not None:
-            sweep = TraceSweep(trace, on_level, server=server_info, params=params, **parts)
+            sweep = TraceSweep(trace, on_level, server=server_info, params=params, server_procs=server_procs, **parts)
         else:
             sweep = Sweep(server=server_info, prompts=prompts, params=params, server_procs=server_procs, **parts)
         try:
@@ -1413,8 +1443,7 @@ def run_sweep(
     notes.extend(busy_host_level_notes(levels, profiler, settings.level_kind))
     notes.extend(getattr(sweep, "level_notes", []))
     notes.extend(getattr(sweep, "restart_notes", []))
-    if not isinstance(sweep, TraceSweep):
-        notes.extend(getattr(sweep, "foreign_notes", []))
+    notes.extend(getattr(sweep, "foreign_notes", []))
     if ctl is not None:
         notes.extend(ctl.notes)  # a GPU reset between levels: reopened by its UUID, the next level set on it
     ex = sweep.excluded()
