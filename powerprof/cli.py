@@ -636,6 +636,11 @@ def measure(url, simulate, out_dir, n_requests, concurrency, warmup, launch, api
              for x in (res.interrupted or {}).get("concurrencies", []) if x["requests_kept"] < x["requests_planned"]}
     for m in res.summaries:
         click.echo(measure_row(m) + short.get(m.concurrency, ""))
+    from powerprof.workload.measure import per_gpu_line
+
+    for m in res.summaries:  # a figure summed over several GPUs says what it sums (run.json per_gpu)
+        if (line := per_gpu_line(m)) is not None:
+            click.echo(line)
     click.echo(f"windows: {res.out_path / 'windows.parquet'}")
     if stop_code is not None:
         if res.excluded is not None:

@@ -29,7 +29,7 @@ from powerprof.profiler import EDGE_BIAS_WINDOW_S, LOW_CONFIDENCE_S
 from .client import RequestParams, RequestRecord, ServerInfo, detect_server, server_away
 from .load import LoadAborted, LoadPolicy, Prompt, run_load_async
 from .others import FOREIGN_FIX, FOREIGN_FLAG, OthersWatch, leave_out_foreign
-from .rows import FIGURES, NO_DECODE_INTERVAL, window_rows
+from .rows import BY_GPU, FIGURES, NO_DECODE_INTERVAL, window_rows
 
 NO_GPU_NOTE = "no GPU readable here: GPU energy columns are empty; decode tok/s {cpu}"
 
@@ -58,6 +58,9 @@ class Summary:
     other_cpu_pct: float | None = None
     powerprof_cpu_pct: float | None = None
     n_foreign: int = 0  # windows left out: others' work ran beside them (foreign_traffic); their prompts sent again
+    # What gpu_j_per_token sums, GPU by GPU (measure_gpus): [{index, name, gpu_energy_j, gpu_j_per_token,
+    # avg_power_w}] over the same windows; None where there is no GPU figure.
+    gpus: list[dict] | None = None
 
     @property
     def busy_host(self) -> bool:
@@ -286,7 +289,32 @@ def rounding_notes(summary: list[Summary]) -> list[str]:
     return out
 
 
-def summarise(rows: list[dict]) -> list[Summary]:
+def per_gpu(basis: Sequence[dict], tokens: float, gpus: Sequence[tuple[int, str]] | None) -> list[dict] | None:
+    """Each GPU's part of a pooled GPU J/token over the windows `basis` (their BY_GPU energies): the figure is the
+    sum of these, GPU by GPU; None where a window has no per-GPU energy. `gpus`: (index, name) in the profiler's
+    order (None: unnamed, numbered from 0)."""
+    parts = [r.get(BY_GPU) for r in basis]
+    if not basis or not tokens or any(p is None for p in parts) or len({len(p) for p in parts}) != 1:
+        return None
+    energy = np.sum(np.asarray(parts, dtype=float), axis=0)
+    decode_s = sum(r["decode_s"] or 0 for r in basis)
+    names = list(gpus) if gpus and len(gpus) == len(energy) else [(k, None) for k in range(len(energy))]
+    return [{"index": idx, "name": name, "gpu_energy_j": float(e), "gpu_j_per_token": float(e) / tokens,
+             "avg_power_w": float(e) / decode_s if decode_s > 0 else None} for (idx, name), e in zip(names, energy)]
+
+
+def per_gpu_line(x: Summary) -> str | None:
+    """'concurrency 1: GPU J/token 2.166 = GPU 0 (NVIDIA H200) 1.901 at 412 W + GPU 1 (NVIDIA L4) 0.265 at 57 W':
+    what a figure summed over several GPUs is made of; None for one GPU or no figure."""
+    if x.gpu_j_per_token is None or not x.gpus or len(x.gpus) < 2:
+        return None
+    parts = " + ".join(f"GPU {g['index']}" + (f" ({g['name']})" if g["name"] else "") + f" {g['gpu_j_per_token']:.3f}"
+                       + (f" at {g['avg_power_w']:.0f} W" if g["avg_power_w"] is not None else "") for g in x.gpus)
+    return f"concurrency {x.concurrency}: GPU J/token {x.gpu_j_per_token:.3f} = {parts}"
+
+
+def summarise(rows: list[dict], gpus: Sequence[tuple[int, str]] | None = None) -> list[Summary]:
+    """One Summary per concurrency; `gpus`: (index, name) of the profiler's GPUs, for the per-GPU account."""
     out = []
     for c in sorted({r["concurrency"] for r in rows if not r["warmup"]}):
         req = [r for r in rows if r["concurrency"] == c and r["window_kind"] == "request" and not r["warmup"]]
@@ -320,7 +348,8 @@ def summarise(rows: list[dict]) -> list[Summary]:
                            median_window_s=float(np.median([r["decode_s"] or 0 for r in with_j])) if with_j else None,
                            prompt_offset=within_prompt_offset([r["gpu_j_per_token"] for r in with_j],
                                                               [r.get("prompt_id") for r in with_j]) if with_j else None,
-                           other_cpu_pct=other_pct, powerprof_cpu_pct=own_pct, n_foreign=n_foreign))
+                           other_cpu_pct=other_pct, powerprof_cpu_pct=own_pct, n_foreign=n_foreign,
+                           gpus=per_gpu(basis, tokens, gpus) if gpu_jpt is not None else None))
     return out
 
 
@@ -448,7 +477,7 @@ def measure(
     note = server_timed_note(rows)
     if note:
         notes.append(note)
-    summary = summarise(rows)
+    summary = summarise(rows, [(i.index, i.name) for i in profiler.gpu_infos] if profiler is not None and profiler.gpu else None)
     for x in summary:
         x.n_planned = planned.get(x.concurrency)
     interrupted = None
@@ -717,6 +746,9 @@ def _run_measure(
         "aborted": result.aborted,
         "server_away": result.server_away,  # null: it answered throughout
         "foreign_traffic": result.foreign_traffic,  # null: no one else's work was seen beside the windows
+        # What each concurrency's GPU J/token sums, GPU by GPU (the figure is their sum).
+        "per_gpu": [{"concurrency": x.concurrency, "gpu_j_per_token": x.gpu_j_per_token, "gpus": x.gpus}
+                    for x in result.summaries if x.gpus],
         "interrupted": result.interrupted,  # null: every request was sent and answered
     }
     meta["simulated"] = meta["simulated"] or s.simulated

@@ -17,7 +17,10 @@ from .client import RequestRecord, ServerInfo
 NO_DECODE_INTERVAL = "no interval where every active request decoded"
 # A window's figures: what a window left out of every figure (untrusted, beside others' work, lost) loses.
 FIGURES = ("gpu_energy_j", "cpu_energy_j", "avg_gpu_power_w", "gpu_j_per_token", "total_j_per_token",
-           "above_idle_gpu_j_per_token", "decode_tok_s")
+           "above_idle_gpu_j_per_token", "decode_tok_s", "gpu_energy_j_by_gpu")
+# Row key, not a column: each GPU's part of gpu_energy_j (J, in the profiler's GPU order), for `measure`'s
+# per-GPU account of what its J/token sums (run.json `per_gpu`); None where gpu_energy_j is.
+BY_GPU = "gpu_energy_j_by_gpu"
 
 
 @dataclass(frozen=True)
@@ -148,6 +151,7 @@ def request_row(
         # An untrusted window has no rate and no J/token: a number there would be a wrong one.
         "decode_tok_s": _div(decode_n, decode_s) if trusted else None,
         "gpu_energy_j": gpu_e,
+        BY_GPU: tuple(float(e) for e in energy.gpu_energy_j) if gpu_e is not None else None,
         "cpu_energy_j": cpu_e,
         "energy_method": energy.method if energy is not None and trusted else "none",
         "avg_gpu_power_w": energy.avg_gpu_power_w if energy is not None and trusted else None,
@@ -205,10 +209,12 @@ def _pct(x):
 
 
 def _energy_over(profiler, intervals: np.ndarray):
-    """Sum of the Profiler's energy over several intervals; None when nothing is readable."""
+    """Sum of the Profiler's energy over several intervals (GPUs together, and each GPU's: a tuple); None when
+    nothing is readable."""
     if profiler is None or intervals.size == 0:
-        return None, None, "none", 0.0, None
+        return None, None, "none", 0.0, None, None
     gpu, cpu, methods = 0.0, 0.0, set()
+    by_gpu = None
     gpu_ok = cpu_ok = True
     gap_s = 0.0
     cpu_time, time_ok = None, True
@@ -225,17 +231,19 @@ def _energy_over(profiler, intervals: np.ndarray):
             gpu_ok = False
         else:
             gpu += e.gpu_energy_total_j
+            by_gpu = tuple(a + b for a, b in zip(by_gpu or (0.0,) * len(e.gpu_energy_j), e.gpu_energy_j))
         if e.cpu_energy_j is None:
             cpu_ok = False
         else:
             cpu += e.cpu_energy_j
-    return (gpu if gpu_ok else None), (cpu if cpu_ok else None), weakest_method(methods), gap_s, (cpu_time if time_ok else None)
+    return ((gpu if gpu_ok else None), (cpu if cpu_ok else None), weakest_method(methods), gap_s,
+            (cpu_time if time_ok else None), (by_gpu if gpu_ok else None))
 
 
 def batch_row(
     b: BatchWindow, recs: Sequence[RequestRecord], profiler, run_id: str, server: ServerInfo, level: Level = NO_LEVEL
 ) -> dict:
-    gpu_e, cpu_e, method, gap_s, cpu_time = _energy_over(profiler, b.intervals)
+    gpu_e, cpu_e, method, gap_s, cpu_time, by_gpu = _energy_over(profiler, b.intervals)
     total = gpu_e + cpu_e if gpu_e is not None and cpu_e is not None else None
     t0 = int(b.intervals[0, 0]) if b.intervals.size else None
     t1 = int(b.intervals[-1, 1]) if b.intervals.size else None
@@ -252,7 +260,7 @@ def batch_row(
         timing, reason = "untrusted", queued_reason(b.max_streams, streams)
         bad = [reason]
     if bad:
-        gpu_e = cpu_e = total = cpu_time = None
+        gpu_e = cpu_e = total = cpu_time = by_gpu = None
     return {
         "run_id": run_id,
         "level_kind": level.kind,
@@ -274,6 +282,7 @@ def batch_row(
         "decode_tokens": int(round(b.decode_tokens)),
         "decode_tok_s": b.tok_s if not bad else None,
         "gpu_energy_j": gpu_e,
+        BY_GPU: by_gpu,
         "cpu_energy_j": cpu_e,
         "energy_method": method if not bad else "none",
         "avg_gpu_power_w": _div(gpu_e, b.measured_s) if gpu_e is not None else None,
