@@ -1026,6 +1026,10 @@ class SimServer:
                         group_ids, group_text = [], ""
                 elif kind == "done":
                     timings = payload
+                    if self.close_delay_s > 0 and self.delivery == "stream":
+                        # The last event and the body's end in one write, so the client has the whole answer at once and
+                        # keeps the connection for its next request (which then meets the delayed close every time).
+                        out = _Delivery(resp, "buffered", self.stall_s, self.stall_every_s)
                     if api == "llamacpp":
                         await out.send(b"data: " + json.dumps(self._llama_final(req, timings)).encode() + b"\n\n")
                     else:
@@ -1042,8 +1046,7 @@ class SimServer:
                             d = {"id": oid, "object": obj_name, "created": 0, "model": self.model, "choices": [], "usage": self._usage(req)}
                             await out.send(b"data: " + json.dumps(d).encode() + b"\n\n")
                         await out.send(b"data: [DONE]\n\n")
-                    await out.close()
-                    await resp.write_eof()
+                    await resp.write_eof(await out.take())
                     return
         except _Dropped:
             return
@@ -1086,12 +1089,12 @@ class _Delivery:
         if data:
             await self.resp.write(data)
 
-    async def close(self) -> None:
+    async def take(self) -> bytes:
+        """What is still held back, for the body's last write (once a stall's release has gone out)."""
         if self.release is not None:
             await self.release
-        if self.buf:
-            data, self.buf = bytes(self.buf), bytearray()
-            await self.resp.write(data)
+        data, self.buf = bytes(self.buf), bytearray()
+        return data
 
 
 def batching_costs(srv: SimServer) -> batching.StepCosts:
