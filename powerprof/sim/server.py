@@ -13,7 +13,9 @@ deterministic simulated draft acceptance.
 It records ground truth (true emission times, prefill spans) for tests, exposes a `busy`
 flag with callbacks (to drive simulated CPU power), and has fault injection (HTTP errors,
 dropped or stalled streams, malformed JSON, a server that dies, one that restarts: down for a
-while, then back, loading, maybe with other flags). Everything it answers is marked simulated.
+while, then back, loading, maybe with other flags). Its connections are handled as the real servers handle
+theirs (llama.cpp closes after every stream without saying so; idle ones closed after 5 s). Everything it
+answers is marked simulated.
 """
 
 from __future__ import annotations
