@@ -12,7 +12,6 @@ from dataclasses import dataclass, field, replace
 from datetime import datetime, timezone
 from pathlib import Path
 
-import aiohttp
 import numpy as np
 
 from powerprof import termination
@@ -29,8 +28,8 @@ from powerprof.control.levels import parse_clock_levels, parse_power_levels
 from powerprof.profiler import Profiler
 from powerprof.storage.runs import RunWriter, default_run_dir, table_from_rows
 from powerprof.storage.samples import Timeline
-from powerprof.workload.client import (RequestParams, health_status, identity_changes, restart_evidence, server_away,
-                                      server_epoch, server_identity)
+from powerprof.workload.client import (RequestParams, health_status, identity_changes, new_session, restart_evidence,
+                                      server_away, server_epoch, server_identity)
 from powerprof.workload.load import LoadAborted, LoadPolicy, builtin_prompts, detect, run_load_async
 from powerprof.workload.rows import Level, request_timing, trace_row, window_rows
 from powerprof.workload.servercount import FOREIGN_FIX, FOREIGN_FLAG, ForeignWatch, settled_tally
@@ -466,7 +465,7 @@ class Sweep:
             order = [(None, r) for r in range(self.s.repeats)]
         else:
             order = visit_order(self.s.levels, self.s.repeats, self.s.order, self.s.seed)
-        async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0)) as session:
+        async with new_session() as session:
             self.session = session
             if self.s.server_restart_wait_s > 0:
                 self._identity = await server_identity(session, self.server)

@@ -13,7 +13,9 @@ deterministic simulated draft acceptance.
 It records ground truth (true emission times, prefill spans) for tests, exposes a `busy`
 flag with callbacks (to drive simulated CPU power), and has fault injection (HTTP errors,
 dropped or stalled streams, malformed JSON, a server that dies, one that restarts: down for a
-while, then back, loading, maybe with other flags). Everything it answers is marked simulated.
+while, then back, loading, maybe with other flags). Its connections are handled as the real servers handle
+theirs (llama.cpp closes after every stream without saying so; idle ones closed after 5 s). Everything it
+answers is marked simulated.
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ import re
 import signal
 import threading
 import time
+import weakref
 import zlib
 from dataclasses import dataclass, field
 from typing import Callable
@@ -107,6 +110,12 @@ class _Req:
 # the simulated GPU's token rate does not depend on how busy the host running it is.
 STEP_CATCH_UP_NS = 1_000_000_000
 
+# How long uvicorn (vLLM, SGLang: timeout_keep_alive) and cpp-httplib (llama-server: CPPHTTPLIB_KEEPALIVE_TIMEOUT_SECOND)
+# keep an idle connection open by default, and how many answers cpp-httplib gives on one connection
+# (CPPHTTPLIB_KEEPALIVE_MAX_COUNT), both as llama-server's `Keep-Alive: timeout=5, max=100` says.
+IDLE_CLOSE_S = 5.0
+LLAMACPP_MAX_ANSWERS_PER_CONNECTION = 100
+
 
 class SimServer:
     """The simulated server in its own thread and event loop. Context manager; `.url`."""
@@ -137,6 +146,9 @@ class SimServer:
         draft_n_max: int | None = None,
         n_ctx: int | None = None,
         count_factor: float = 1.0,
+        close_after_stream: bool | None = None,
+        idle_close_s: float | None = IDLE_CLOSE_S,
+        close_delay_s: float = 0.0,
     ):
         """batching: "serial" (a prefill pauses decoding; one prompt at a time) or "continuous"
         (every step prefills a chunk and decodes every running sequence; records each request's
@@ -148,7 +160,16 @@ class SimServer:
         context stops there.
         count_factor: a server that lies about its counts: the counts it gives once a request ends (usage,
         `timings.predicted_n`, the final `tokens_predicted`) are the true count times this; what it streams
-        (and its running counts, /metrics, the truth) stays true."""
+        (and its running counts, /metrics, the truth) stays true.
+        close_after_stream: the connection is closed once a streamed answer ends, without a `Connection: close`
+        header, as llama-server (cpp-httplib) does; None: the flavour's own way (llama.cpp closes, vLLM keeps it).
+        idle_close_s: a kept-alive connection idle this long is closed (uvicorn's and cpp-httplib's 5 s); None
+        or 0: never; fixed at start (close_after_stream may change between requests).
+        close_delay_s: the close after a streamed answer comes this long after its last chunk, so that a client's
+        next request on the connection meets it unanswered: the race a loaded host loses now and then (the client
+        had not yet seen the close when it reused the connection), made certain for tests. The llama.cpp flavour also says
+        `Keep-Alive: timeout=5, max=100`, closes with `Connection: close` after a connection's 100th answer and
+        after every 4xx, as llama-server does (docs/simulator.md)."""
         if flavour not in ("llamacpp", "vllm"):
             raise ValueError("flavour must be llamacpp or vllm")
         if batching not in ("serial", "continuous"):
@@ -193,6 +214,10 @@ class SimServer:
         self.serve_metrics = serve_metrics  # False: /metrics answers 404 (hidden by a proxy, or an old server)
         self.serve_slots = True  # False: /slots answers 501, as llama-server started with --no-slots
         self.count_factor = float(count_factor)  # settable between requests, like delivery
+        self.close_after_stream = flavour == "llamacpp" if close_after_stream is None else bool(close_after_stream)
+        self.idle_close_s = idle_close_s if idle_close_s and idle_close_s > 0 else None
+        self.close_delay_s = float(close_delay_s)
+        self._answers_per_conn: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()  # transport → answers sent
         self.truth: list[dict] = []  # one dict per finished request, in finishing order
         self.truth_cancelled: list[dict] = []  # one per request dropped while running (its client left)
         self.steps: list[tuple[int, int, str, int, int]] = []  # (t0_ns, t1_ns, kind, batch, tokens)
@@ -385,7 +410,11 @@ class SimServer:
         r.add_post("/completions", self._completion)
         r.add_post("/v1/completions", self._oai_completions)
         r.add_post("/v1/chat/completions", self._oai_chat)
-        self._runner = web.AppRunner(app, handle_signals=False, shutdown_timeout=1.0)
+        app.on_response_prepare.append(self._connection_headers)
+        # aiohttp closes a connection idle for keepalive_timeout (from its last answer, or from its opening).
+        # (0 would close every connection right after its answer: "never" is aiohttp's default, an hour.)
+        idle = {"keepalive_timeout": self.idle_close_s} if self.idle_close_s else {}
+        self._runner = web.AppRunner(app, handle_signals=False, shutdown_timeout=1.0, **idle)
         await self._runner.setup()
         site = web.TCPSite(self._runner, self.host, self._port)
         await site.start()
@@ -412,6 +441,25 @@ class SimServer:
         await self._runner.cleanup()
         for g in self.gpus:
             g.set_phase(Phase("idle"))
+
+    async def _connection_headers(self, request: web.Request, resp: web.StreamResponse) -> None:
+        """llama-server's connection handling (cpp-httplib, as measured on the real one: docs/simulator.md): every
+        answer it keeps the connection for says `Keep-Alive: timeout=5, max=100`; a connection's 100th answer and
+        every 4xx say `Connection: close` and close it. (A streamed answer says Keep-Alive too, and closes anyway:
+        _serve_stream.) uvicorn (the vLLM flavour) says neither."""
+        if self.flavour != "llamacpp":
+            return
+        tr = request.transport
+        n = 1
+        if tr is not None:
+            n = self._answers_per_conn[tr] = self._answers_per_conn.get(tr, 0) + 1
+        if 400 <= resp.status < 500 or n >= LLAMACPP_MAX_ANSWERS_PER_CONNECTION:
+            # (aiohttp's hook runs after it chose the connection headers: say it here, then close after the answer.)
+            resp.headers["Connection"] = "close"
+            resp.force_close()
+            return
+        if self.idle_close_s:
+            resp.headers["Keep-Alive"] = f"timeout={self.idle_close_s:g}, max={LLAMACPP_MAX_ANSWERS_PER_CONNECTION}"
 
     def _set_busy(self, busy: bool) -> None:
         if busy != self.busy:
@@ -902,7 +950,15 @@ class SimServer:
         )
         try:
             await resp.prepare(request)
+            if self.close_after_stream:
+                # After the head went out, so no `Connection: close` is said: the connection closes (a FIN) right
+                # after the last chunk, as llama-server's does; a client that sends its next request on it meets the close.
+                resp.force_close()
             await self._write_stream(resp, request, api, req, fault, opts)
+            if self.close_after_stream and self.close_delay_s > 0:
+                # The handler holds the connection open: a request sent on it meanwhile is read and left
+                # unanswered when the connection closes after the handler returns.
+                await asyncio.sleep(self.close_delay_s)
         except ConnectionResetError:  # aiohttp.ClientConnectionResetError is one
             # The client hung up (an interrupted sweep, a closed terminal): ordinary for a server, so
             # no "Error handling request" traceback; the engine drops the request as a real one does.
@@ -988,6 +1044,10 @@ class SimServer:
                         group_ids, group_text = [], ""
                 elif kind == "done":
                     timings = payload
+                    if self.close_delay_s > 0 and self.delivery == "stream":
+                        # The last event and the body's end in one write, so the client has the whole answer at once and
+                        # keeps the connection for its next request (which then meets the delayed close every time).
+                        out = _Delivery(resp, "buffered", self.stall_s, self.stall_every_s)
                     if api == "llamacpp":
                         await out.send(b"data: " + json.dumps(self._llama_final(req, timings)).encode() + b"\n\n")
                     else:
@@ -1004,8 +1064,7 @@ class SimServer:
                             d = {"id": oid, "object": obj_name, "created": 0, "model": self.model, "choices": [], "usage": self._usage(req)}
                             await out.send(b"data: " + json.dumps(d).encode() + b"\n\n")
                         await out.send(b"data: [DONE]\n\n")
-                    await out.close()
-                    await resp.write_eof()
+                    await resp.write_eof(await out.take())
                     return
         except _Dropped:
             return
@@ -1048,12 +1107,12 @@ class _Delivery:
         if data:
             await self.resp.write(data)
 
-    async def close(self) -> None:
+    async def take(self) -> bytes:
+        """What is still held back, for the body's last write (once a stall's release has gone out)."""
         if self.release is not None:
             await self.release
-        if self.buf:
-            data, self.buf = bytes(self.buf), bytearray()
-            await self.resp.write(data)
+        data, self.buf = bytes(self.buf), bytearray()
+        return data
 
 
 def batching_costs(srv: SimServer) -> batching.StepCosts:

@@ -13,7 +13,6 @@ from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Sequence
 
-import aiohttp
 import numpy as np
 from powerprof import termination
 from powerprof.energy import (
@@ -26,7 +25,7 @@ from powerprof.energy import (
 from powerprof.collectors.cputime import BUSY_HOST_FIX, BUSY_HOST_PCT, busy_host_text, cpu_shares_pct, unknown_server_text
 from powerprof.profiler import EDGE_BIAS_WINDOW_S, LOW_CONFIDENCE_S
 
-from .client import RequestParams, RequestRecord, ServerInfo, detect_server, server_away
+from .client import RequestParams, RequestRecord, ServerInfo, detect_server, new_session, server_away
 from .load import LoadAborted, LoadPolicy, Prompt, run_load_async
 from .rows import NO_DECODE_INTERVAL, window_rows
 
@@ -347,7 +346,7 @@ def measure(
     async def go():
         records: list[RequestRecord] = []
         aborted = None
-        async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0)) as s:
+        async with new_session() as s:
             server = found["server"] = await detect_server(s, url, api)
             rid = bid = 0
             for k, c in enumerate(concurrencies):
