@@ -471,6 +471,10 @@ class Proxy:
         if trace is not None:
             trace.status = status
             encoding = up_headers.get("Content-Encoding", "").strip().lower()
+            if (trace.api is None and status < 400 and encoding in ("", "identity")
+                    and streams.uncounted_kind(trace.method, trace.endpoint) == "embeddings"):
+                # Its input's length (usage.prompt_tokens) is the whole of its GPU work: a prefill, no decode.
+                sink.usage_scan = streams.PromptTokensScan()
             if trace.api is not None and status < 400 and encoding in ("gzip", "x-gzip", "deflate"):
                 sink.inflate = zlib.decompressobj(47)  # 32 + 15: a zlib or gzip header, detected
             elif trace.api is not None and status < 400 and encoding not in ("", "identity"):
@@ -547,6 +551,8 @@ class Proxy:
                         trace.outcome = "interrupted"  # our shutdown closed the upstream mid-stream
                 elif sink.body_copy is not None:
                     self._body_done(trace, bytes(sink.body_copy))
+                elif sink.usage_scan is not None and sink.usage_scan.prompt_tokens is not None:
+                    trace.extra["prompt_tokens"] = sink.usage_scan.prompt_tokens
             except Exception as e:
                 trace.recorder_error = f"summary: {error_text(e)}"[:300]
                 self.recorder_failures += 1
@@ -662,6 +668,7 @@ class _ClientSink:
         self.trace = trace
         self.parser = None
         self.body_copy: bytearray | None = None
+        self.usage_scan: streams.PromptTokensScan | None = None  # an embeddings answer's prompt length
         self.transport = None
         self.writer = None
         self.chunked = False
@@ -713,6 +720,8 @@ class _ClientSink:
             if parser is None:
                 if self.body_copy is not None and len(self.body_copy) + len(piece) <= BODY_COPY_MAX_BYTES:
                     self.body_copy += piece
+                elif self.usage_scan is not None:
+                    self.usage_scan.feed(piece)
                 return
             if trace.recorder_error is not None:
                 return
