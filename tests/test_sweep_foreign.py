@@ -170,8 +170,17 @@ vllm:num_requests_waiting{{engine="0",model_name="m"}} 0
 
 
 class _Rec:
-    def __init__(self, n, ok=True):
+    def __init__(self, n, ok=True, shown=None):
         self.generated_tokens, self.ok = n, ok
+        self.shown_tokens = n if shown is None else shown
+        # The server's count contradicting its stream (client.RequestRecord.count_problem)
+        self.count_problem = None if shown is None or shown == n else "the server's count disagrees with its stream"
+
+
+def test_a_server_lying_in_its_usage_is_not_read_as_another_client():
+    # A server whose usage says 80 of the 100 tokens it streamed (and counted on /metrics): the stream's 100 are ours.
+    w = ForeignWatch(_t(0, 0))
+    assert w.judge(_t(100, 1), [_Rec(80, shown=100)]) is None
 
 
 def _t(tok, req, run=0):
