@@ -14,7 +14,6 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-import aiohttp
 import numpy as np
 import pandas as pd
 import pyarrow.dataset as pads
@@ -24,7 +23,7 @@ from powerprof.daemon.service import Daemon
 from powerprof.rig import Rig
 from powerprof.sim.nvml import SimNVML
 from powerprof.sim.server import SimServer
-from powerprof.workload.client import RequestParams, detect_server
+from powerprof.workload.client import RequestParams, detect_server, new_session
 from powerprof.workload.replay import replay_async
 from powerprof.workload.trace import TraceRequest
 
@@ -83,7 +82,7 @@ def run(trace: list[TraceRequest], bypass: set[int] = frozenset(), profile="h200
                 break
             await asyncio.sleep(0.05)
         await asyncio.sleep(8 * interval_s)  # idle intervals first: the idle power is measured
-        async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0)) as s:
+        async with new_session() as s:
             via_proxy = await detect_server(s, daemon.urls["proxy"])
             direct = await detect_server(s, srv.url)
             # Two replays from the same start, keeping the trace's offsets: proxied and bypass.
@@ -304,7 +303,7 @@ def run_mixed(trace: list[TraceRequest], profile: str = "h200-141g", interval_s:
                 break
             await asyncio.sleep(0.05)
         await asyncio.sleep(8 * interval_s)  # idle intervals first: the idle power is measured
-        async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0)) as s:
+        async with new_session() as s:
             t0 = time.monotonic()
             await asyncio.gather(*(one(s, daemon.urls["proxy"], i, r, t0) for i, r in enumerate(trace)))
             wall = time.monotonic() - t0
