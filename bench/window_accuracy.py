@@ -58,10 +58,15 @@ METHODS = (
 LABELS = {METHOD_COUNTER: "counter", METHOD_POWER: "instant power", METHOD_AVG_POWER: "1 s avg power"}
 
 
-def methods_for(avg_window_s: float):
+def methods_for(avg_window_s: float, has_counter: bool = True):
     """The methods a card offers: without an averaging window (GA100 and older) nvmlDeviceGetPowerUsage is
-    instant power, so there is no average to integrate."""
-    return METHODS if avg_window_s > 0 else METHODS[:2]
+    instant power, so there is no average to integrate, and instant power is either reading (the field, or
+    nvmlDeviceGetPowerUsage where the field is missing); without a counter, no counter."""
+    if avg_window_s > 0:
+        out = METHODS
+    else:
+        out = (METHODS[0], (METHOD_POWER, {"energy_j": None}))
+    return out if has_counter else out[1:]
 
 
 class VirtualClock:
@@ -235,14 +240,16 @@ def simulate_steps(profile, lengths_s, n_windows: int, interval_s: float, seed: 
     truth = {(L, i): gpu.true_energy_at_j(b) - gpu.true_energy_at_j(a) for L, ws in windows.items() for i, (a, b) in enumerate(ws)}
     avg_window_s = collector.infos[0].power_avg_window_s
     collector.close()
-    return windows, reads, edge_at, truth, avg_window_s
+    return windows, reads, edge_at, truth, (avg_window_s, profile.has_energy_counter)
 
 
-def step_window_errors(windows, reads, edge_at, truth, avg_window_s):
-    """Per method and length: each window's signed error (%), and the pooled error (%) of energy summed over
-    the windows (J/token pooled over windows of equal tokens per second) against true energy summed."""
+def step_window_errors(windows, reads, edge_at, truth, card):
+    """Per method and length: each window's signed error (%), the pooled error (%) of energy summed over the
+    windows (J/token pooled over windows of equal tokens per second) against true energy summed, and the share
+    of windows flagged low-confidence. card: (averaging window s, has a counter), as simulate_steps returns."""
+    avg_window_s, has_counter = card
     read_t = [s.t_mono_ns for s in reads]
-    methods = methods_for(avg_window_s)
+    methods = methods_for(avg_window_s, has_counter)
     errs = {(m, L): [] for m, _ in methods for L in windows}
     pooled = {}
     flagged = {(m, L): [] for m, _ in methods for L in windows}
@@ -284,10 +291,10 @@ def main_steps(args, profile) -> None:
     print()
     head = None
     for level in levels:
-        windows, reads, edge_at, truth, avg_window_s = simulate_steps(profile, lengths, args.windows, args.interval,
-                                                                      args.seed, level)
-        errs, pooled, flagged = step_window_errors(windows, reads, edge_at, truth, avg_window_s)
-        methods = methods_for(avg_window_s)
+        windows, reads, edge_at, truth, card = simulate_steps(profile, lengths, args.windows, args.interval,
+                                                              args.seed, level)
+        errs, pooled, flagged = step_window_errors(windows, reads, edge_at, truth, card)
+        methods = methods_for(*card)
         if head is None:
             head = " | ".join(f"{LABELS[m]} median | p95 | pooled | flagged" for m, _ in methods)
             print(f"| limit | window | {head} |")

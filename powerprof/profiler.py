@@ -27,7 +27,7 @@ from powerprof.collectors.cputime import CpuTime
 from powerprof.collectors.nvml import NvmlCollector
 from powerprof.collectors.rapl import cpu_energy_j
 from powerprof.collectors.sampler import Clock, Sample, Sampler
-from powerprof.energy import counter_energy_j, integrate_power_j, trailing_average_energy_j
+from powerprof.energy import counter_energy_j, instant_power_energy_j, trailing_average_energy_j
 
 # Below these window lengths a figure is reported but flagged low-confidence. From
 # bench/window_accuracy.py (docs/benchmarks.md, "Energy windows"): the counter's p95 error is under
@@ -110,8 +110,11 @@ class _Series:
     t_ns: list = field(default_factory=list)
     y: list = field(default_factory=list)
     epoch: list = field(default_factory=list)  # of a counter: see energy.epoch_broken
+    # Read on demand (a window edge: right after an event, where power steps), not by a periodic tick: see
+    # energy.instant_power_energy_j.
+    on_demand: list = field(default_factory=list)
 
-    def add(self, t: int, v: float | None, epoch: int = 0) -> None:
+    def add(self, t: int, v: float | None, epoch: int = 0, on_demand: bool = False) -> None:
         if v is None:
             return
         # On-demand and tick samples come from different threads: keep the series ordered.
@@ -121,6 +124,7 @@ class _Series:
         self.t_ns.insert(i, t)
         self.y.insert(i, v)
         self.epoch.insert(i, epoch)
+        self.on_demand.insert(i, on_demand)
 
     def arrays(self) -> tuple[np.ndarray, np.ndarray]:
         return np.asarray(self.t_ns, dtype=np.int64), np.asarray(self.y, dtype=float)
@@ -161,8 +165,8 @@ class EnergyTimeline:
                     # reading every GPU and value): the gap moved every window edge by it.
                     t_e = getattr(r, "energy_t_mono_ns", None)
                     self.gpu_energy[k].add(sample.t_mono_ns if t_e is None else t_e, r.energy_j, getattr(r, "energy_epoch", 0))
-                    self.gpu_power[k].add(sample.t_mono_ns, r.power_w)
-                    self.gpu_avg_power[k].add(sample.t_mono_ns, r.power_avg_w)
+                    self.gpu_power[k].add(sample.t_mono_ns, r.power_w, on_demand=sample.on_demand)
+                    self.gpu_avg_power[k].add(sample.t_mono_ns, r.power_avg_w, on_demand=sample.on_demand)
             elif sample.source == "rapl":
                 self.cpu_energy.add(sample.t_mono_ns, *cpu_energy_j(sample.data))
             elif sample.source == "cputime":
@@ -246,7 +250,7 @@ class EnergyTimeline:
         for series in (self.gpu_power[k], self.gpu_avg_power[k]):
             t, y = series.arrays()
             if t.size >= 2:
-                e = integrate_power_j(t, y, t0, t1)
+                e = instant_power_energy_j(t, y, t0, t1, np.asarray(series.on_demand, dtype=bool))
                 if not np.isnan(e):
                     return e
         return float("nan")
