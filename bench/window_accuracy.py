@@ -281,7 +281,9 @@ def main_steps(args, profile) -> None:
     lengths = args.lengths if args.lengths_given else STEP_LENGTHS_S
     levels = args.levels or [profile.default_limit_w]
     w0 = time.perf_counter()
-    print(f"profile {args.profile}, decode windows at power steps, {args.windows} windows per length and level, "
+    print(f"profile {args.profile}{'' if profile.has_energy_counter else ' without its counter'}, decode windows "
+          f"at power steps, {args.windows} windows per length and level, instant power refreshed "
+          f"{'at every read' if profile.instant_power_update_s <= 0 else f'every {profile.instant_power_update_s * 1e3:g} ms'}, "
           f"ticks every {args.interval} s, edge reads {EDGE_READ_S[0] * 1e3:g}-{EDGE_READ_S[1] * 1e3:g} ms after "
           f"their events, idle gaps {IDLE_GAP_S[0]:g}-{IDLE_GAP_S[1]:g} s, prefill {PREFILL_S[0]:g}-{PREFILL_S[1]:g} s")
     print()
@@ -329,6 +331,13 @@ def main() -> None:
         "--counter-update-s", type=float, default=None,
         help="override the profile's counter refresh period (field notes: 10-100 ms)",
     )
+    ap.add_argument(
+        "--instant-update-s", type=float, default=None,
+        help="the driver refreshes instant power this often, a read showing it as of the last refresh "
+             "(default: the profile's, 0: the power at the read; a real H200's changed every ~100 ms)",
+    )
+    ap.add_argument("--no-counter", action="store_true",
+                    help="the card has no energy counter (pre-Volta, some vGPU/MIG setups): its rows are left out")
     args = ap.parse_args()
     args.lengths_given = args.lengths is not None
     args.lengths = args.lengths or list(LENGTHS_S)
@@ -338,6 +347,12 @@ def main() -> None:
         ap.error(str(e.args[0]))
     if args.counter_update_s is not None:
         profile = dataclasses.replace(profile, energy_counter_update_s=args.counter_update_s)
+    if args.instant_update_s is not None:
+        profile = dataclasses.replace(profile, instant_power_update_s=args.instant_update_s)
+    if args.no_counter:
+        if not args.steps:
+            ap.error("--no-counter goes with --steps (the load bench compares every method on one card)")
+        profile = dataclasses.replace(profile, has_energy_counter=False)
     if args.steps:
         bad = [v for v in args.levels or () if not profile.min_limit_w <= v <= profile.max_limit_w]
         if bad:
