@@ -46,6 +46,13 @@ MAX_POWER_GAP_S = 2.0
 # refresh, 3 ms reads; docs/benchmarks.md "Energy windows at power steps"): pooled J/token -2.2% at 0.31 s
 # windows, -1.0% at 0.63 s, -0.9% at 1.06 s, -0.4% at 2.1 s. Below this a counter figure is flagged.
 EDGE_BIAS_WINDOW_S = 1.0
+# The same for a figure integrated from instant power (no counter): its edges are exact only where a reading shows
+# the power at the read. A real card refreshes it every ~100 ms (an H200's field 186, docs/hardware.md), so the read
+# just after a window's first token can still show the power before it (prefill, or idle). Measured on the simulated
+# A100 without a counter, instant power lagging by up to 100 ms (bench/window_accuracy.py --steps --no-counter
+# --instant-update-s 0.1; docs/benchmarks.md): pooled J/token -9.9% at 0.3 s windows, -3.7% at 1 s, -1.2% at 3 s,
+# -0.65% at 5 s, -0.35% at 10 s (250 W; less at 400 W). Below this a level's instant-power figure is flagged.
+POWER_EDGE_BIAS_WINDOW_S = 5.0
 LOW_CONFIDENCE_S = {"counter": 10.0, "avg_power_integration": 30.0, "power_integration": float("inf"), "none": float("inf")}
 
 METHOD_COUNTER = "counter"
