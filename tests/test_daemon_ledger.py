@@ -631,6 +631,25 @@ def test_an_interval_across_a_gpu_counter_jump_takes_integrated_power_not_the_ju
     assert [r["energy_method"] for r in iv] == ["counter", "power_integration", "counter"]
 
 
+def test_a_counter_jump_next_to_a_counter_only_edge_is_integrated_as_the_profiler_does_not_lost():
+    # A request's end edge reads the counter alone (no power). Across a reset the counter is no figure, and the
+    # trapezoid had no power at that edge: the interval before it was `none` and its energy unknown. The
+    # profiler's integration (energy.instant_power_energy_j) holds the last power reading up to such an edge:
+    # 300 W, then idle (55 W) once the request ended at 2.5 s; the tick at 3 s reads idle.
+    sink = Sink()
+    led = Ledger("d", 0, 1, sink, grace_s=0.1)
+    led.add_gpu_sample(0, 0, [RE(0.0, 300.0)])
+    led.add_gpu_sample(1 * S, 1 * S, [RE(300.0, 300.0)])
+    led.add_gpu_sample(2 * S, 2 * S, [RE(600.0, 300.0)])
+    led.add_gpu_edge(int(2.5 * S), int(2.5 * S), [5.0])  # the counter restarted (a driver reload)
+    led.add_gpu_sample(3 * S, 3 * S, [RE(32.5, 55.0)])
+    led.advance(int(3.5 * S))
+    iv = sink.rows["intervals"]
+    assert [r["energy_method"] for r in iv] == ["counter", "counter", "power_integration", "counter"]
+    assert [r["gpu_energy_j"] for r in iv] == [pytest.approx(300.0), pytest.approx(300.0), pytest.approx(150.0),
+                                               pytest.approx(27.5)]
+
+
 def test_a_gpu_no_server_uses_gives_its_energy_to_idle_not_to_the_requests():
     # Two GPUs sampled, the server on GPU 0 only (a host whose other GPU is idle or runs nothing
     # proxied). GPU 0 draws 70 W idle and 400 W while a request decodes; GPU 1 draws 70 W throughout.

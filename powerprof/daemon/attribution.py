@@ -22,6 +22,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from powerprof.energy import instant_power_energy_j
+
 IDLE, DECODE, PREFILL, UNPROXIED = 0, 1, 2, 3
 KIND_NAMES = ("idle", "decode", "prefill", "unproxied")
 
@@ -345,18 +347,26 @@ def interval_energy_j(counter_j: np.ndarray, t_ns: np.ndarray, power_w: np.ndarr
     """Energy of each interval between consecutive samples of one device, and whether it was exact.
 
     The counter difference where both ends have one, it did not go backwards (driver reload) and
-    `same_epoch` (the collector caught no jump or reset between them); otherwise the trapezoid of the instant power samples. NaN where neither exists.
+    `same_epoch` (the collector caught no jump or reset between them); otherwise the instant power readings
+    integrated as the profiler does (`energy.instant_power_energy_j`): between two full samples the trapezoid,
+    and an interval that ends at a counter-only edge (no power read there) held at its last reading. NaN where
+    neither exists.
     """
     c = np.asarray(counter_j, dtype=float)
     t = np.asarray(t_ns, dtype=np.int64)
     p = np.asarray(power_w, dtype=float)
     dc = np.diff(c)
-    dt_s = np.diff(t) / 1e9
-    trap = 0.5 * (p[1:] + p[:-1]) * dt_s
     exact = ~np.isnan(dc) & (dc >= 0)
     if same_epoch is not None:
         exact &= np.asarray(same_epoch, dtype=bool)
-    return np.where(exact, dc, trap), exact
+    out = np.where(exact, dc, np.nan)
+    have = np.flatnonzero(~np.isnan(p))
+    for k in np.flatnonzero(~exact):
+        # Only the readings that bound the interval matter: the last at or before its start, the first at or after its end.
+        i, j = np.searchsorted(have, k, side="right") - 1, np.searchsorted(have, k + 1, side="left")
+        if i >= 0 and j < have.size:
+            out[k] = instant_power_energy_j(t[have[i]:have[j] + 1], p[have[i]:have[j] + 1], int(t[k]), int(t[k + 1]))
+    return out, exact
 
 
 def per_token(energy_j: np.ndarray, tokens: np.ndarray) -> np.ndarray:
