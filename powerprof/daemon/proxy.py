@@ -514,7 +514,7 @@ class Proxy:
                 is_sse = "text/event-stream" in ctype or (trace.stream and "json" not in ctype)
                 try:
                     if is_sse:
-                        sink.parser = streams.new_parser(trace.api)
+                        sink.parser = streams.new_parser(trace.api, echo=trace.extra.get("echo", False))
                         trace.stream = True
                     else:
                         sink.body_copy = bytearray()
