@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import re
 
 import aiohttp
 import pytest
@@ -301,3 +302,46 @@ def test_live_embeddings_hold_their_intervals_for_their_prompt_length():
     led.add_gpu_sample(3 * S, 3 * S, [R(1300.0)])
     led.advance(int(4 * S))
     assert len(rows["intervals"]) == 3 and rows["requests"][0]["prompt_tokens"] == 100
+
+
+@pytest.mark.parametrize("logprobs", [None, 2])
+@pytest.mark.parametrize("n", [1, 2])
+def test_an_echoed_prompt_on_vllm_is_counted_as_no_generated_tokens_byte_for_byte(n, logprobs):
+    # vLLM echoes the prompt in each choice's first chunk, its logprobs listing the prompt's tokens. Before: with
+    # logprobs the proxy counted the prompt's tokens as generated (4 of a 4-token prompt per choice: 6 tokens
+    # read as 10) and flagged the server's honest usage as contradicted (generated_tokens and J/token emptied).
+    from powerprof.sim.nvml import SimNVML
+    from powerprof.sim.server import SimServer
+
+    body = {"prompt": "watt token speed", "max_tokens": 6, "echo": True, "stream": True, "ignore_eos": True, "n": n,
+            "stream_options": {"include_usage": True}}
+    if logprobs is not None:
+        body["logprobs"] = logprobs
+
+    async def main(url):
+        rec = Rec()
+        px = web.AppRunner(Proxy(url, recorder=rec).app())
+        await px.setup()
+        site = web.TCPSite(px, "127.0.0.1", 0)
+        await site.start()
+        async with aiohttp.ClientSession() as s:
+            async with s.post(f"http://127.0.0.1:{px.addresses[0][1]}/v1/completions", json=body,
+                              headers={"X-Sim-Request-Id": "e"}) as r:
+                got = await r.read()
+            async with s.post(url + "/v1/completions", json=body) as r:  # the same request straight to the server
+                direct = await r.read()
+        await px.cleanup()
+        return rec, got, direct
+
+    with SimServer(SimNVML("h200-141g", state_path=None), flavour="vllm", decode_tok_s=400) as srv:
+        rec, got, direct = asyncio.run(asyncio.wait_for(main(srv.url), 60))
+        truth = srv.request_truth()["e"]
+    # The simulator is deterministic for one prompt (but its request ids): the proxy passed every byte as it came.
+    assert re.sub(rb'"sim-\d+"', b"", got) == re.sub(rb'"sim-\d+"', b"", direct) and b"watt token speed" in got
+    (t,) = rec.ended
+    assert t.extra.get("echo") is True and t.outcome == "ok" and t.error is None
+    assert truth["generated"] == t.counts.generated_tokens == 6 * n and t.counts.count_problem is None
+    # vLLM's closing chunk carries each choice's last token with empty text: its logprobs list it; without them
+    # the stream shows one fewer a choice, and the usage (the server's count, not contradicted) makes up the rest.
+    assert t.tokens_seen == (6 * n if logprobs is not None else 5 * n)
+    assert t.counts.tokens_estimated is (logprobs is None)

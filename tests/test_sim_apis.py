@@ -120,3 +120,42 @@ def test_llamacpp_refuses_more_choices_than_slots():
         code, raw = _post(srv.url + "/v1/chat/completions", dict(CHAT, n=3))
         assert code == 400 and b"Value must be between 1 <= value <= 2, but got 3" in raw
         assert not srv.truth
+
+
+ECHO = {"prompt": "watt token speed", "max_tokens": 4, "echo": True, "stream": True, "ignore_eos": True,
+        "stream_options": {"include_usage": True}}
+
+
+@pytest.mark.parametrize("body", [ECHO, dict(ECHO, logprobs=1), dict(ECHO, n=2, logprobs=0), dict(ECHO, max_tokens=0)],
+                         ids=["text", "logprobs", "n2-logprobs", "prompt-only"])
+def test_vllm_echoes_the_prompt_in_each_choices_first_chunk_as_its_source_does(server, body):
+    # vLLM's completion_stream_generator: each choice's first chunk is the prompt's text then its first token's
+    # (the prompt alone for max_tokens 0, whose one generated token is not sent but counted), `logprobs` one entry
+    # per token sent, the echoed prompt's included (its first logprob null); usage counts generated tokens only.
+    # llama-server refuses echo ("Only no echo is supported").
+    key = f"echo-{len(server.truth)}"
+    status, raw = _post(server.url + "/v1/completions", body, {"X-Sim-Request-Id": key})
+    if server.flavour == "llamacpp":
+        assert status == 400 and b"Only no echo is supported" in raw
+        return
+    assert status == 200, raw[:300]
+    chunks = [e for e in _events(raw) if e["choices"]]
+    n = body.get("n", 1)
+    firsts = {c["choices"][0]["index"]: c["choices"][0] for c in reversed(chunks)}
+    assert sorted(firsts) == list(range(n))
+    truth = server.request_truth()[key]
+    usage = _events(raw)[-1]["usage"]
+    assert usage["completion_tokens"] == truth["generated"] == n * max(body["max_tokens"], 1)
+    for c in firsts.values():
+        if body["max_tokens"] == 0:
+            assert c["text"] == "watt token speed"
+        else:
+            assert c["text"].startswith("watt token speed ") and len(c["text"]) > len("watt token speed ")
+        if "logprobs" in body:
+            lp = c["logprobs"]
+            assert lp["tokens"][:4] == ["<s>", "watt", "token", "speed"] and lp["token_logprobs"][0] is None
+            assert len(lp["tokens"]) == 4 + 1  # the prompt's 4 (BOS included) and the first generated token
+    later = [c["choices"][0] for c in chunks if c["choices"][0] not in firsts.values() and c["choices"][0]["text"]]
+    assert all(not x["text"].startswith("watt token speed") for x in later)
+    if "logprobs" in body:
+        assert all(len(x["logprobs"]["tokens"]) >= 1 for x in later)

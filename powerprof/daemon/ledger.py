@@ -563,12 +563,21 @@ class Ledger:
             ev_r.extend([i] * len(r.ev_t))
             ev_n.extend(r.ev_n)
             ev_w.extend(r.ev_n)
+            seqs = max(r.trace.extra.get("sequences", 1), 1)
             if r.ev_n and r.spent == 0 and prompt[i] > 0:
                 # Its first token came out of its prompt's prefill step, whose work the prompt carries:
-                # decoded again it was charged twice (1-token requests +22% on the simulator).
-                ev_w[-len(r.ev_n)] = max(r.ev_n[0] - 1.0, 0.0)
+                # decoded again it was charged twice (1-token requests +22% on the simulator). One per sequence
+                # (n choices, prompts), in its first events (each choice's first token may come in a chunk of its own).
+                left, j0 = float(seqs), len(ev_w) - len(r.ev_n)
+                for j, n in enumerate(r.ev_n):
+                    if left <= 0:
+                        break
+                    ev_w[j0 + j] = max(n - left, 0.0)
+                    left -= n
             before = r.spent + np.cumsum(r.ev_n) - np.asarray(r.ev_n, dtype=float) if r.ev_n else []
-            ev_c.extend(prompt[i] + np.asarray(before, dtype=float))
+            # A token's context is its own sequence's: of a request of several (n choices, prompts), its prompt and
+            # tokens so far are all of theirs (llama.cpp's usage sums each task's prompt; a list's, each prompt).
+            ev_c.extend((prompt[i] + np.asarray(before, dtype=float)) / seqs)
         excess = bypass_spans = None
         ev_t_a, ev_r_a, ev_n_a = np.array(ev_t, dtype=np.int64), np.array(ev_r, dtype=np.int64), np.array(ev_n, dtype=float)
         if self.server_seen:
@@ -585,7 +594,8 @@ class Ledger:
         a = attr.attribute(t, energy, arrival, first, last, end, ev_t_a, ev_r_a, ev_n_a, excess,
                            prompt_tokens=prompt, tok_ctx=np.array(ev_c, dtype=float), costs=costs,
                            bypass_spans=bypass_spans, passive=passive, aside_j=aside,
-                           tok_work=np.array(ev_w, dtype=float))
+                           tok_work=np.array(ev_w, dtype=float),
+                           sequences=np.array([r.trace.extra.get("sequences", 1) for r in reqs], dtype=float))
         # Bypass tokens' prompts are unseen: an interval mostly of bypass work would bias the fit.
         usable = np.array([m == "counter" for m in methods])
         # The limit changed inside the first interval (its start read the one before): its energy is of both.

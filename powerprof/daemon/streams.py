@@ -141,9 +141,10 @@ def summary_counts(summary, streamed: bool = True) -> Counts:
     )
 
 
-def new_parser(api: str) -> StreamParser:
-    """A counting parser: plain token chunks are counted from their bytes, not parsed (see StreamParser)."""
-    return StreamParser(api, count_only=True)
+def new_parser(api: str, echo: bool = False) -> StreamParser:
+    """A counting parser: plain token chunks are counted from their bytes, not parsed (see StreamParser); `echo`:
+    the request asked for its prompt echoed (its first chunks carry it)."""
+    return StreamParser(api, count_only=True, echo=echo)
 
 
 def body_counts(api: str, body: bytes) -> Counts:

@@ -64,6 +64,43 @@ _VOCAB = (
 ).split()
 
 
+@dataclass(frozen=True)
+class _Echo:
+    """vLLM's `echo` and `logprobs` on /v1/completions (read from its serving_completion.py): each choice's first
+    chunk carries the prompt's text before its first token's (the prompt alone where `max_tokens` was 0: the engine
+    then generates one token it does not return, and its usage counts it); `logprobs` lists one entry per token
+    sent, the echoed prompt's tokens included (the prompt's first logprob null). Usage counts generated tokens only."""
+
+    prompt: str | None  # the text echoed; None: no echo
+    prompt_tokens: tuple = ()  # the prompt's tokens as the simulator's tokenizer cuts them (BOS first)
+    prompt_only: bool = False  # max_tokens 0: the echoed prompt and no generated text
+    logprobs: bool = False
+
+    def text(self, first: bool, text: str) -> str:
+        if not first or self.prompt is None:
+            return text
+        return self.prompt if self.prompt_only else self.prompt + text
+
+    def logprobs_of(self, first: bool, ids: list, offset: int) -> dict | None:
+        """The chunk's `logprobs` (None when not asked for): its tokens, the echoed prompt's first."""
+        if not self.logprobs:
+            return None
+        toks = [] if first and self.prompt_only else [" " + _VOCAB[i % len(_VOCAB)] for i in ids]
+        lps: list = [-0.5] * len(toks)
+        if first and self.prompt is not None:
+            toks = list(self.prompt_tokens) + toks
+            lps = [None] + [-1.0] * (len(self.prompt_tokens) - 1) + lps
+        offsets, pos = [], offset
+        for t in toks:
+            offsets.append(pos)
+            pos += len(t)
+        return {"text_offset": offsets, "token_logprobs": lps, "tokens": toks,
+                "top_logprobs": [None if lp is None else {t: lp} for t, lp in zip(toks, lps)]}
+
+
+_NO_ECHO = _Echo(None)
+
+
 def count_prompt_tokens(text: str) -> int:
     """The simulator's tokenizer: words and punctuation, plus a BOS token."""
     return len(_WORD.findall(text)) + 1
@@ -923,7 +960,20 @@ class SimServer:
         prompt = body.get("prompt", "")
         if isinstance(prompt, list):
             prompt = " ".join(map(str, prompt))
-        return await self._serve(request, "openai-completions", str(prompt), body, int(body.get("max_tokens") or 16))
+        prompt = str(prompt)
+        n = body.get("max_tokens")
+        echo = _NO_ECHO
+        if body.get("echo") is True:
+            if self.flavour == "llamacpp":
+                return self._bad_request("Only no echo is supported")  # llama-server refuses it
+            lp = body.get("logprobs")
+            echo = _Echo(prompt, ("<s>", *_WORD.findall(prompt)), n == 0,
+                         type(lp) is int and lp >= 0)
+            if n == 0:
+                n = 1  # vLLM: echo without generation runs one token, which it does not send
+        elif type(body.get("logprobs")) is int and self.flavour == "vllm":
+            echo = _Echo(None, logprobs=body["logprobs"] >= 0)
+        return await self._serve(request, "openai-completions", prompt, body, int(n or 16), echo)
 
     async def _oai_chat(self, request: web.Request) -> web.StreamResponse:
         body = await self._body(request)
@@ -1007,7 +1057,8 @@ class SimServer:
             return self._json({"error": {"code": 400, "message": message, "type": "invalid_request_error"}}, 400)
         return self._json({"object": "error", "message": message, "type": "BadRequestError", "param": None, "code": 400}, 400)
 
-    async def _serve(self, request: web.Request, api: str, prompt: str, body: dict, n_predict: int):
+    async def _serve(self, request: web.Request, api: str, prompt: str, body: dict, n_predict: int,
+                     echo: _Echo = _NO_ECHO):
         if self._dead:
             raise web.HTTPServiceUnavailable()
         loading = self._loading()
@@ -1039,7 +1090,7 @@ class SimServer:
         stream = bool(body.get("stream", False))
         opts = body.get("stream_options") if isinstance(body.get("stream_options"), dict) else {}
         if n_choices > 1:
-            return await self._serve_choices(request, api, prompt, args, n_choices, stream, opts)
+            return await self._serve_choices(request, api, prompt, args, n_choices, stream, opts, echo)
         req = self._submit(prompt, *args)
         req.client_id = request.headers.get("X-Sim-Request-Id")
         if api == "anthropic-messages" and self.flavour == "vllm" and stream:
@@ -1048,14 +1099,14 @@ class SimServer:
             if not stream:
                 if api in DIALECTS:
                     return await self._serve_whole_dialect(api, req)
-                return await self._serve_whole(api, req)
-            return await self._serve_stream(request, api, req, fault, opts)
+                return await self._serve_whole(api, req, echo)
+            return await self._serve_stream(request, api, req, fault, opts, echo)
         finally:
             if req in self._active or req in self._waiting:
                 req.cancelled = True
                 self._wake.set()
 
-    async def _serve_whole(self, api: str, req: _Req) -> web.Response:
+    async def _serve_whole(self, api: str, req: _Req, echo: _Echo = _NO_ECHO) -> web.Response:
         ids_all, text_all = [], ""
         while True:
             kind, payload = await req.queue.get()
@@ -1076,7 +1127,10 @@ class SimServer:
         if api == "openai-chat":
             choice["message"] = {"role": "assistant", "content": text_all}
         else:
-            choice["text"] = text_all
+            choice["text"] = echo.text(True, text_all)
+            lp = echo.logprobs_of(True, ids_all, 0)
+            if lp is not None:
+                choice["logprobs"] = lp
         obj = {
             "id": f"sim-{req.rid}",
             "object": "chat.completion" if api == "openai-chat" else "text_completion",
@@ -1108,7 +1162,8 @@ class SimServer:
             "simulated": True,
         }
 
-    async def _serve_stream(self, request: web.Request, api: str, req: _Req, fault: Fault | None, opts: dict):
+    async def _serve_stream(self, request: web.Request, api: str, req: _Req, fault: Fault | None, opts: dict,
+                            echo: _Echo = _NO_ECHO):
         resp = web.StreamResponse(
             headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache", "X-Powerprof-Simulated": "1"}
         )
@@ -1121,7 +1176,7 @@ class SimServer:
             if api in DIALECTS:
                 await self._write_dialect(resp, request, api, req)
             else:
-                await self._write_stream(resp, request, api, req, fault, opts)
+                await self._write_stream(resp, request, api, req, fault, opts, echo)
             if self.close_after_stream and self.close_delay_s > 0:
                 # The handler holds the connection open: a request sent on it meanwhile is read and left
                 # unanswered when the connection closes after the handler returns.
@@ -1134,7 +1189,7 @@ class SimServer:
         return resp
 
     async def _write_stream(self, resp: web.StreamResponse, request: web.Request, api: str, req: _Req,
-                            fault: Fault | None, opts: dict) -> None:
+                            fault: Fault | None, opts: dict, echo: _Echo = _NO_ECHO) -> None:
         chat = api == "openai-chat"
         oid = f"sim-{req.rid}"
         obj_name = "chat.completion.chunk" if chat else "text_completion"
@@ -1144,6 +1199,7 @@ class SimServer:
         out = _Delivery(resp, self.delivery, self.stall_s, self.stall_every_s)
         n_events = 0
         sent = 0  # tokens written so far
+        text_sent = 0  # characters of text written so far (logprobs' text_offset)
         group_ids: list = []
         group_text = ""
 
@@ -1152,7 +1208,7 @@ class SimServer:
             return b"data: " + json.dumps(d).encode() + b"\n\n"
 
         async def send_tokens(ids: list, text: str, finish: str | None = None) -> None:
-            nonlocal n_events, sent
+            nonlocal n_events, sent, text_sent
             if fault is not None and n_events == fault.after_tokens:
                 if fault.kind == "drop":
                     req.cancelled = True
@@ -1173,7 +1229,12 @@ class SimServer:
             if chat:
                 choice["delta"] = {"content": text}
             else:
-                choice["text"] = text
+                first = n_events == 1
+                lp = echo.logprobs_of(first, ids, text_sent)
+                choice["text"] = text = echo.text(first, text)
+                text_sent += len(text)
+                if lp is not None:
+                    choice["logprobs"] = lp
             extra = {}
             if continuous:
                 extra["usage"] = {"prompt_tokens": req.prompt_tokens, "completion_tokens": sent}
@@ -1240,7 +1301,7 @@ class SimServer:
     # --- several choices in one request (n > 1) -----------------------------------------------
 
     async def _serve_choices(self, request: web.Request, api: str, prompt: str, args: tuple, n: int, stream: bool,
-                             opts: dict) -> web.StreamResponse:
+                             opts: dict, echo: _Echo = _NO_ECHO) -> web.StreamResponse:
         """`n` choices of one prompt: n sequences in the batch, each prefilling the prompt in its own slot
         (llama.cpp runs a task per choice); their events share one queue, tagged with the choice."""
         q: asyncio.Queue = asyncio.Queue()
@@ -1250,12 +1311,12 @@ class SimServer:
             r.client_id = cid
         try:
             if not stream:
-                return await self._serve_choices_whole(api, reqs, q)
+                return await self._serve_choices_whole(api, reqs, q, echo)
             resp = web.StreamResponse(
                 headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache", "X-Powerprof-Simulated": "1"})
             try:
                 await resp.prepare(request)
-                await self._write_choices(resp, request, api, reqs, q, opts)
+                await self._write_choices(resp, request, api, reqs, q, opts, echo)
             except ConnectionResetError:
                 for r in reqs:
                     r.cancelled = True
@@ -1266,11 +1327,13 @@ class SimServer:
                     r.cancelled = True
                     self._wake.set()
 
-    async def _serve_choices_whole(self, api: str, reqs: list, q: asyncio.Queue) -> web.Response:
+    async def _serve_choices_whole(self, api: str, reqs: list, q: asyncio.Queue, echo: _Echo = _NO_ECHO) -> web.Response:
         texts, timings, left = [""] * len(reqs), [None] * len(reqs), len(reqs)
+        ids: list = [[] for _ in reqs]
         while left:
             i, kind, payload = await q.get()
             if kind == "tokens":
+                ids[i] += payload[0]
                 texts[i] += payload[1]
             elif kind == "done":
                 timings[i], left = payload, left - 1
@@ -1278,12 +1341,12 @@ class SimServer:
                 raise web.HTTPServiceUnavailable()
         chat = api == "openai-chat"
         choices = []
-        for r, text in zip(reqs, texts):
+        for r, text, ids_r in zip(reqs, texts, ids):
             c = {"index": r.choice, "finish_reason": "length" if r.stop_type == "limit" else "stop"}
             if chat:
                 c["message"] = {"role": "assistant", "content": text}
             else:
-                c.update(text=text, logprobs=None)
+                c.update(text=echo.text(True, text), logprobs=echo.logprobs_of(True, ids_r, 0))
             choices.append(c)
         obj = {"id": f"sim-{reqs[0].rid}", "object": "chat.completion" if chat else "text_completion", "model": self.model,
                "choices": choices}
@@ -1298,7 +1361,7 @@ class SimServer:
         return self._json(obj)
 
     async def _write_choices(self, resp: web.StreamResponse, request: web.Request, api: str, reqs: list,
-                             q: asyncio.Queue, opts: dict) -> None:
+                             q: asyncio.Queue, opts: dict, echo: _Echo = _NO_ECHO) -> None:
         """A stream of several choices, each chunk holding one choice with its `index`, as the servers send them:
         llama.cpp closes each task's choice with that task's own counts (its `timings`; its `usage` on the closing
         chunk of /v1/completions, in a chunk of its own on chat); vLLM's continuous usage is each choice's own
@@ -1311,6 +1374,7 @@ class SimServer:
         out = _Delivery(resp, self.delivery, self.stall_s, self.stall_every_s)
         n = len(reqs)
         sent, started, closed, left = [0] * n, [False] * n, [False] * n, n
+        text_sent = [0] * n  # characters of each choice's text written (logprobs' text_offset)
 
         def chunk(choice: dict | None, **extra) -> bytes:
             d = {"id": oid, "object": obj_name, "created": 0, "model": self.model,
@@ -1321,13 +1385,17 @@ class SimServer:
             p = reqs[i].prompt_tokens
             return {"usage": {"prompt_tokens": p, "completion_tokens": sent[i], "total_tokens": p + sent[i]}} if continuous else {}
 
-        async def content(i: int, text: str, n_tok: int, finish: str | None = None) -> None:
-            sent[i] += n_tok
+        async def content(i: int, text: str, ids: list, finish: str | None = None) -> None:
+            first = sent[i] == 0
+            sent[i] += len(ids)
             c = {"index": i, "finish_reason": finish}
             if chat:
                 c["delta"] = {"content": text}
             else:
-                c.update(text=text, logprobs=None)
+                lp = echo.logprobs_of(first, ids, text_sent[i])
+                text = echo.text(first, text)
+                text_sent[i] += len(text)
+                c.update(text=text, logprobs=lp)
             await out.send(chunk(c, **running(i)))
 
         async def role(i: int) -> None:
@@ -1360,11 +1428,11 @@ class SimServer:
                 if last and empty_final:
                     # vLLM's last token comes in the closing chunk, with empty content (its usage says so).
                     if len(ids) > 1:
-                        await content(i, text, len(ids) - 1)
-                    await content(i, "", 1, finish=fr)
+                        await content(i, text, ids[:-1])
+                    await content(i, "", ids[-1:], finish=fr)
                     closed[i] = True
                 else:
-                    await content(i, text, len(ids))
+                    await content(i, text, ids)
                 continue
             left -= 1  # "done": this choice's task ended
             close = {"index": i, "finish_reason": fr}
