@@ -14,7 +14,6 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-import aiohttp
 import numpy as np
 import pandas as pd
 import pyarrow.dataset as pads
@@ -24,7 +23,7 @@ from powerprof.daemon.service import Daemon
 from powerprof.rig import Rig
 from powerprof.sim.nvml import SimNVML
 from powerprof.sim.server import SimServer
-from powerprof.workload.client import RequestParams, detect_server
+from powerprof.workload.client import RequestParams, detect_server, new_session
 from powerprof.workload.replay import replay_async
 from powerprof.workload.trace import TraceRequest
 
@@ -83,7 +82,7 @@ def run(trace: list[TraceRequest], bypass: set[int] = frozenset(), profile="h200
                 break
             await asyncio.sleep(0.05)
         await asyncio.sleep(8 * interval_s)  # idle intervals first: the idle power is measured
-        async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0)) as s:
+        async with new_session() as s:
             via_proxy = await detect_server(s, daemon.urls["proxy"])
             direct = await detect_server(s, srv.url)
             # Two replays from the same start, keeping the trace's offsets: proxied and bypass.
@@ -233,4 +232,129 @@ def score(o: Outcome) -> dict:
     out["fitted_share"] = float((o.intervals["work_costs"] == "fitted").mean()) if len(o.intervals) else 0.0
     out["wall_s"] = o.wall_s
     out["late_p95_s"] = o.late_p95_s
+    return out
+
+
+# --- a mixed trace: the API surface beside plain chat ------------------------------------------------
+
+MIXED_KINDS = ("chat", "chat_n2", "messages", "responses", "embeddings")
+MIXED_WEIGHTS = (0.4, 0.15, 0.15, 0.15, 0.15)
+
+
+def mixed_trace(n: int, rate: float, seed: int = 5) -> list[TraceRequest]:
+    """The bench's synthetic trace (bursty arrivals, lognormal lengths), each request given a kind (its `tag`):
+    chat, chat with n = 2, Anthropic messages, OpenAI responses, or an embedding of its prompt."""
+    from powerprof.workload.trace import synthetic
+
+    base = synthetic(n, rate, "bursty", prompt_median=300, output_median=60, seed=seed)
+    kinds = np.random.default_rng(seed).choice(len(MIXED_KINDS), size=n, p=MIXED_WEIGHTS)
+    return [TraceRequest(r.t_s, r.prompt_tokens, r.output_tokens, MIXED_KINDS[k]) for r, k in zip(base, kinds)]
+
+
+def _mixed_request(kind: str, index: int, prompt_tokens: int, output_tokens: int) -> tuple[str, dict]:
+    """(path, body) of one request of the mixed trace: streamed with usage, ignoring EOS, as replay sends them."""
+    from powerprof.workload.replay import prompt_text
+
+    text = prompt_text(prompt_tokens, index)
+    n = max(1, output_tokens)
+    if kind == "embeddings":
+        return "/v1/embeddings", {"input": text, "model": "sim"}
+    msgs = [{"role": "user", "content": text}]
+    if kind == "messages":
+        return "/v1/messages", {"messages": msgs, "max_tokens": n, "stream": True, "ignore_eos": True}
+    if kind == "responses":
+        return "/v1/responses", {"input": text, "max_output_tokens": n, "stream": True, "ignore_eos": True}
+    body = {"messages": msgs, "max_tokens": n, "stream": True, "ignore_eos": True,
+            "stream_options": {"include_usage": True}}
+    if kind == "chat_n2":
+        body["n"] = 2
+    return "/v1/chat/completions", body
+
+
+def run_mixed(trace: list[TraceRequest], profile: str = "h200-141g", interval_s: float = 1.0, n_slots: int = 64,
+              data_dir: Path | None = None, config: dict | None = None, flavour: str = "llamacpp") -> Outcome:
+    """Replay a mixed trace (`mixed_trace`: each request's tag its kind) through the daemon in front of the simulated
+    continuous-batching server (llama.cpp flavour by default: llama-server serves all five kinds at once, with
+    `--embeddings`); every request through the proxy. The Outcome's requests carry `kind` and the truth summed over
+    each request's sequences (`SimServer.request_truth`)."""
+    tmp = Path(data_dir or tempfile.mkdtemp(prefix="pp-attr-mixed-"))
+    nvml = SimNVML(profile, state_path=None)
+    srv = SimServer(nvml, flavour=flavour, n_slots=n_slots, batching="continuous", embeddings=True).start()
+    cfg = load_config(None, env={}, overrides={
+        "daemon.data_dir": str(tmp / "data"), "daemon.interval_s": interval_s, "daemon.flush_interval_s": 5.0,
+        "proxy.listen": "127.0.0.1:0", "proxy.upstream": srv.url, "metrics.listen": "",
+        "daemon.restore_on_start": False, "tags.socket": str(tmp / "pp.sock"), **(config or {}),
+    })
+    daemon = Daemon(cfg, Rig(profile, nvml=nvml, host=False))
+    statuses: list[int] = []
+
+    async def one(s, url, i, r, t0):
+        await asyncio.sleep(max(0.0, t0 + r.t_s - time.monotonic()))
+        path, body = _mixed_request(r.tag, i, r.prompt_tokens, r.output_tokens)
+        headers = {"X-Sim-Request-Id": str(i), "X-Powerprof-Tag": f"{r.tag}#{i}"}
+        async with s.post(url + path, json=body, headers=headers) as resp:
+            await resp.read()
+            statuses.append(resp.status)
+
+    async def main():
+        task = asyncio.create_task(daemon.run())
+        for _ in range(400):
+            if "proxy" in daemon.urls:
+                break
+            await asyncio.sleep(0.05)
+        await asyncio.sleep(8 * interval_s)  # idle intervals first: the idle power is measured
+        async with new_session() as s:
+            t0 = time.monotonic()
+            await asyncio.gather(*(one(s, daemon.urls["proxy"], i, r, t0) for i, r in enumerate(trace)))
+            wall = time.monotonic() - t0
+        await asyncio.sleep(3 * interval_s + 1.0)
+        daemon.stop_event.set()
+        await task
+        return wall
+
+    try:
+        wall = asyncio.run(main())
+    finally:
+        srv.stop()
+    data = tmp / "data"
+    reqs, intervals, costs, samples = (_read(data, n) for n in ("requests", "intervals", "costs", "samples"))
+    gpu = samples[samples["source"] == "nvml"]
+    measured = float(sum(g["energy_j"].max() - g["energy_j"].min() for _, g in gpu.groupby("gpu_index")))
+    truth = srv.request_truth()
+    reqs = reqs[reqs["tag"].notna() & reqs["tag"].str.contains("#")].copy()
+    reqs["index"] = reqs["tag"].str.rsplit("#", n=1).str[1].astype(int)
+    reqs["kind"] = reqs["tag"].str.rsplit("#", n=1).str[0]
+    reqs["true_j"] = [truth[str(i)]["energy_j"] if str(i) in truth else np.nan for i in reqs["index"]]
+    reqs["true_tokens"] = [truth[str(i)]["generated"] if str(i) in truth else np.nan for i in reqs["index"]]
+    return Outcome(requests=reqs, intervals=intervals, costs=costs, measured_j=measured, bypass_truth_j=0.0,
+                   unproxied_j=float(intervals["unproxied_energy_j"].sum()), client_tokens=0, wall_s=wall,
+                   late_p95_s=0.0, truth=truth, notes=[f"HTTP {c}: {statuses.count(c)}" for c in sorted(set(statuses))]
+                   + [f"uncounted {k}: {v}" for k, v in sorted(daemon.uncounted_requests.items())])
+
+
+def score_mixed(o: Outcome) -> dict:
+    """Per kind: requests, the sum error (Σ estimated / Σ true − 1) and the per-request |error| median and p95 of
+    the daemon's GPU energy against truth (a request given no share counts as 0 J: −100%); over requests arriving
+    once the fit was mature, as `score` does."""
+    r = o.requests[o.requests["true_j"].notna()]
+    mature = o.costs[o.costs["mature"]] if len(o.costs) else o.costs
+    t_mature = mature["time_utc"].min() if len(mature) else None
+    scored = r if t_mature is None else r[r["t_arrival_utc"] >= t_mature]
+    out: dict = {"n_requests": int(len(r)), "n_scored": int(len(scored)), "kinds": {}, "kinds_all": {}}
+    for key, frame in (("kinds", scored), ("kinds_all", r)):
+        for kind, g in frame.groupby("kind"):
+            est = g["gpu_energy_j"].fillna(0.0)
+            err = (est - g["true_j"]) / g["true_j"]
+            out[key][kind] = {
+                "n": int(len(g)), "true_j": float(g["true_j"].sum()), "est_j": float(est.sum()),
+                "sum_err": float(est.sum() / g["true_j"].sum() - 1),
+                "median_abs_err": float(np.median(np.abs(err))), "p95_abs_err": float(np.percentile(np.abs(err), 95)),
+                "no_share": int(g["gpu_energy_j"].isna().sum()),
+            }
+    parts_all = o.intervals[["requests_energy_j", "idle_energy_j", "unproxied_energy_j"]].to_numpy().sum()
+    out["conservation_err"] = float(parts_all / o.measured_j - 1) if o.measured_j else None
+    out["unproxied_j"] = o.unproxied_j
+    out["requests_true_j"] = float(r["true_j"].sum())
+    out["requests_est_j"] = float(r["gpu_energy_j"].fillna(0.0).sum())
+    out["notes"] = o.notes
     return out

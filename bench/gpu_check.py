@@ -413,11 +413,9 @@ class BackgroundLoad:
         self._thread = threading.Thread(target=lambda: asyncio.run(self._run()), daemon=True)
 
     async def _run(self):
-        import aiohttp
+        from powerprof.workload.client import RequestParams, detect_server, new_session, send_request
 
-        from powerprof.workload.client import RequestParams, detect_server, send_request
-
-        async with aiohttp.ClientSession() as s:
+        async with new_session() as s:
             server = await detect_server(s, self.url)
             params = RequestParams(max_tokens=self.max_tokens)
 

@@ -62,12 +62,15 @@ MUTATIONS = (
     Mutation("power integrated without the edge interpolation", "powerprof/energy.py",
              "ys = np.concatenate([[np.interp(a, ts, p)], p[inside], [np.interp(b, ts, p)]])",
              "ys = np.concatenate([[p[0]], p[inside], [p[-1]]])", ("tests/test_profiler.py",)),
+    Mutation("instant power read after an event joined by a line, as a tick", "powerprof/energy.py",
+             "steps = np.flatnonzero(evs[1:]) + 1", "steps = np.flatnonzero(np.zeros_like(evs[1:])) + 1",
+             ("tests/test_power_integration.py",)),
 )
 
 
 def _copy_tree(dest: Path) -> None:
     ignore = shutil.ignore_patterns("__pycache__", "*.pyc", ".pytest_cache")
-    for name in ("powerprof", "tests"):
+    for name in ("powerprof", "tests", "bench"):  # tests import benches (window_accuracy, attribution_accuracy)
         shutil.copytree(ROOT / name, dest / name, ignore=ignore)
     shutil.copy2(ROOT / "pyproject.toml", dest / "pyproject.toml")
 

@@ -722,11 +722,9 @@ def replay(trace_path, url, simulate, launch, api, time_scale, duration_s, tag_h
     """Drive a server with a trace's arrival times and token counts (Azure CSV or JSONL); latency and throughput."""
     import json
 
-    import aiohttp
-
     from powerprof import termination
     from powerprof.rig import Rig
-    from powerprof.workload.client import RequestParams, ServerUnreachable, detect_server
+    from powerprof.workload.client import RequestParams, ServerUnreachable, detect_server, new_session
     from powerprof.workload.launcher import LaunchError
     from powerprof.workload.others import FOREIGN_FIX, FOREIGN_FLAG, OthersWatch
     from powerprof.workload.replay import (LATE_NOTE_S, away_record, cut_short, few_for_p95, replay_async, summarize,
@@ -743,7 +741,7 @@ def replay(trace_path, url, simulate, launch, api, time_scale, duration_s, tag_h
     watch: list = []  # the server's books against the replay's own (workload/others.py)
 
     async def go(base):
-        async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0)) as s:
+        async with new_session() as s:
             found.append(await detect_server(s, base, api))
             # A replay's requests overlap: the server's books are compared over the whole replay, as one batch.
             others = OthersWatch(s, found[0].base_url)

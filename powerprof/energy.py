@@ -91,7 +91,52 @@ def integrate_power_j(t_ns: np.ndarray, p_w: np.ndarray, t0_ns: int, t1_ns: int)
     inside = (ts > a) & (ts < b)
     xs = np.concatenate([[a], ts[inside], [b]])
     ys = np.concatenate([[np.interp(a, ts, p)], p[inside], [np.interp(b, ts, p)]])
-    return float(np.trapezoid(ys, xs) / 1e9) if hasattr(np, "trapezoid") else float(np.trapz(ys, xs) / 1e9)
+    return _trapezoid(ys, xs) / 1e9
+
+
+def instant_power_energy_j(t_ns: np.ndarray, p_w: np.ndarray, t0_ns: int, t1_ns: int,
+                           after_event: np.ndarray | None = None) -> float:
+    """Energy over the window [t0, t1] from instant power readings, for the profiler and the daemon alike.
+
+    Power steps at events (a request's first token, its last, another request joining or leaving the batch),
+    and a window's edges are events. A reading taken on demand right after an event (`after_event`: a window
+    edge's read, 1-4 ms late) already shows the other side of its step; a straight line to it from the reading
+    before (a 1 Hz tick up to a second earlier) spreads the step over that second. That took J/token 19% under
+    the truth at 1 s decode windows and 33% at 0.3 s (simulated A100 without a counter: the read after the last
+    token is idle power; bench/window_accuracy.py --steps, docs/benchmarks.md). So:
+
+    - up to a reading taken after an event, the reading before holds (the step is at the event, just before it);
+    - between other readings (periodic ticks, which land anywhere in the load) the straight line;
+    - the window's own edges are held at the nearest reading inside it: the first for [t0, first], the last for
+      [last, t1] (what the window drew, not what came before or after it).
+
+    With no reading inside the window (its edge reads failed and no tick fell inside) the line between the
+    readings either side is all there is. An interval between two periodic readings (the daemon's, where
+    `after_event` is None) is the plain trapezoid. NaN when the readings do not reach both edges: an
+    extrapolated number would look exact. A trailing average is not instant power: `trailing_average_energy_j`
+    dates it first and interpolates it across the edges."""
+    t = np.asarray(t_ns, dtype=np.int64)
+    p = np.asarray(p_w, dtype=float)
+    ev = np.zeros(t.size, bool) if after_event is None else np.asarray(after_event, dtype=bool)
+    ok = ~np.isnan(p)
+    t, p, ev = t[ok], p[ok], ev[ok]
+    if t.size < 2 or t0_ns < t[0] or t1_ns > t[-1] or t1_ns < t0_ns:
+        return float("nan")
+    inside = (t >= t0_ns) & (t <= t1_ns)
+    if not inside.any():
+        return integrate_power_j(t, p, t0_ns, t1_ns)
+    ts, ps, evs = t[inside] - t0_ns, p[inside], ev[inside]  # relative: int64 ns lose precision as float64
+    # A step just before each reading taken after an event: the reading before holds up to it.
+    steps = np.flatnonzero(evs[1:]) + 1
+    ts = np.insert(ts, steps, ts[steps])
+    ps = np.insert(ps, steps, ps[steps - 1])
+    xs = np.concatenate([[0], ts, [t1_ns - t0_ns]]).astype(float)
+    ys = np.concatenate([[ps[0]], ps, [ps[-1]]])
+    return _trapezoid(ys, xs) / 1e9
+
+
+def _trapezoid(y: np.ndarray, x: np.ndarray) -> float:
+    return float(np.trapezoid(y, x)) if hasattr(np, "trapezoid") else float(np.trapz(y, x))
 
 
 def shift_average_power(t_ns: np.ndarray, window_s: float) -> np.ndarray:

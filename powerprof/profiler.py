@@ -27,7 +27,7 @@ from powerprof.collectors.cputime import CpuTime
 from powerprof.collectors.nvml import NvmlCollector
 from powerprof.collectors.rapl import cpu_energy_j
 from powerprof.collectors.sampler import Clock, Sample, Sampler
-from powerprof.energy import counter_energy_j, integrate_power_j, trailing_average_energy_j
+from powerprof.energy import counter_energy_j, instant_power_energy_j, trailing_average_energy_j
 
 # Below these window lengths a figure is reported but flagged low-confidence. From
 # bench/window_accuracy.py (docs/benchmarks.md, "Energy windows"): the counter's p95 error is under
@@ -46,6 +46,13 @@ MAX_POWER_GAP_S = 2.0
 # refresh, 3 ms reads; docs/benchmarks.md "Energy windows at power steps"): pooled J/token -2.2% at 0.31 s
 # windows, -1.0% at 0.63 s, -0.9% at 1.06 s, -0.4% at 2.1 s. Below this a counter figure is flagged.
 EDGE_BIAS_WINDOW_S = 1.0
+# The same for a figure integrated from instant power (no counter): its edges are exact only where a reading shows
+# the power at the read. A real card refreshes it every ~100 ms (an H200's field 186, docs/hardware.md), so the read
+# just after a window's first token can still show the power before it (prefill, or idle). Measured on the simulated
+# A100 without a counter, instant power lagging by up to 100 ms (bench/window_accuracy.py --steps --no-counter
+# --instant-update-s 0.1; docs/benchmarks.md): pooled J/token -9.9% at 0.3 s windows, -3.7% at 1 s, -1.2% at 3 s,
+# -0.65% at 5 s, -0.35% at 10 s (250 W; less at 400 W). Below this a level's instant-power figure is flagged.
+POWER_EDGE_BIAS_WINDOW_S = 5.0
 LOW_CONFIDENCE_S = {"counter": 10.0, "avg_power_integration": 30.0, "power_integration": float("inf"), "none": float("inf")}
 
 METHOD_COUNTER = "counter"
@@ -110,8 +117,11 @@ class _Series:
     t_ns: list = field(default_factory=list)
     y: list = field(default_factory=list)
     epoch: list = field(default_factory=list)  # of a counter: see energy.epoch_broken
+    # Read on demand (a window edge: right after an event, where power steps), not by a periodic tick: see
+    # energy.instant_power_energy_j.
+    on_demand: list = field(default_factory=list)
 
-    def add(self, t: int, v: float | None, epoch: int = 0) -> None:
+    def add(self, t: int, v: float | None, epoch: int = 0, on_demand: bool = False) -> None:
         if v is None:
             return
         # On-demand and tick samples come from different threads: keep the series ordered.
@@ -121,6 +131,7 @@ class _Series:
         self.t_ns.insert(i, t)
         self.y.insert(i, v)
         self.epoch.insert(i, epoch)
+        self.on_demand.insert(i, on_demand)
 
     def arrays(self) -> tuple[np.ndarray, np.ndarray]:
         return np.asarray(self.t_ns, dtype=np.int64), np.asarray(self.y, dtype=float)
@@ -161,8 +172,8 @@ class EnergyTimeline:
                     # reading every GPU and value): the gap moved every window edge by it.
                     t_e = getattr(r, "energy_t_mono_ns", None)
                     self.gpu_energy[k].add(sample.t_mono_ns if t_e is None else t_e, r.energy_j, getattr(r, "energy_epoch", 0))
-                    self.gpu_power[k].add(sample.t_mono_ns, r.power_w)
-                    self.gpu_avg_power[k].add(sample.t_mono_ns, r.power_avg_w)
+                    self.gpu_power[k].add(sample.t_mono_ns, r.power_w, on_demand=sample.on_demand)
+                    self.gpu_avg_power[k].add(sample.t_mono_ns, r.power_avg_w, on_demand=sample.on_demand)
             elif sample.source == "rapl":
                 self.cpu_energy.add(sample.t_mono_ns, *cpu_energy_j(sample.data))
             elif sample.source == "cputime":
@@ -246,7 +257,7 @@ class EnergyTimeline:
         for series in (self.gpu_power[k], self.gpu_avg_power[k]):
             t, y = series.arrays()
             if t.size >= 2:
-                e = integrate_power_j(t, y, t0, t1)
+                e = instant_power_energy_j(t, y, t0, t1, np.asarray(series.on_demand, dtype=bool))
                 if not np.isnan(e):
                     return e
         return float("nan")

@@ -11,7 +11,6 @@ from dataclasses import dataclass, field, replace
 from datetime import datetime, timezone
 from pathlib import Path
 
-import aiohttp
 import numpy as np
 
 from powerprof import termination
@@ -28,8 +27,8 @@ from powerprof.control.levels import parse_clock_levels, parse_power_levels
 from powerprof.profiler import Profiler
 from powerprof.storage.runs import RunWriter, default_run_dir, table_from_rows
 from powerprof.storage.samples import Timeline
-from powerprof.workload.client import (RequestParams, health_status, identity_changes, restart_evidence, server_away,
-                                      server_epoch, server_identity)
+from powerprof.workload.client import (RequestParams, health_status, identity_changes, new_session, restart_evidence,
+                                      server_away, server_epoch, server_identity)
 from powerprof.workload.load import LoadAborted, LoadPolicy, builtin_prompts, detect, run_load_async
 from powerprof.workload.others import FOREIGN_FIX, FOREIGN_FLAG, OthersWatch, leave_out_foreign
 from powerprof.workload.rows import FIGURES, Level, request_timing, trace_row, window_rows
@@ -371,7 +370,7 @@ class Sweep:
             order = [(None, r) for r in range(self.s.repeats)]
         else:
             order = visit_order(self.s.levels, self.s.repeats, self.s.order, self.s.seed)
-        async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0)) as session:
+        async with new_session() as session:
             self.session = session
             self.others = OthersWatch(session, self.server.base_url, getattr(self.prof, "gpu", None), self._server_procs)
             if self.s.server_restart_wait_s > 0:

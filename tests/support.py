@@ -83,3 +83,77 @@ def ctrl_c_once_the_gpus_are_back(monkeypatch) -> None:
         return real(self, label, sources)
 
     monkeypatch.setattr(sampler.Sampler, "sample_now", ctrl_c_once_restored)
+
+
+
+def connection_behaviour(port: int, stream_path: str = "/completion", stream_body: dict | None = None) -> dict:
+    """How a server on loopback `port` handles its HTTP connections, as a client on the wire sees them: the
+    connection headers of a streamed answer, of a non-streamed one (GET /health) and of a 404, and after each
+    whether the connection still answers a second request (`kept_after_*`). The simulator is checked against
+    the real llama-server with it (tests/test_sim_server.py, tests/test_real_llama_server.py)."""
+    import json
+    import re
+
+    body = json.dumps(stream_body or {"prompt": "the power", "n_predict": 8, "max_tokens": 8, "stream": True}).encode()
+    stream_req = (f"POST {stream_path} HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                  f"Content-Length: {len(body)}\r\n\r\n").encode() + body
+    get_req = b"GET /health HTTP/1.1\r\nHost: x\r\n\r\n"
+
+    def whole(out: bytes) -> bool:
+        head, sep, rest = out.partition(b"\r\n\r\n")
+        if not sep:
+            return False
+        m = re.search(rb"(?i)content-length: (\d+)", head)
+        return len(rest) >= int(m.group(1)) if m else rest.endswith(b"0\r\n\r\n")
+
+    def answer(sock, req: bytes) -> dict | None:
+        """The connection headers of the answer to `req`; None when the connection closed (or was reset) unanswered."""
+        out = b""
+        try:
+            sock.sendall(req)
+            sock.settimeout(10)
+            while not whole(out):
+                d = sock.recv(65536)
+                if not d:
+                    break
+                out += d
+        except (ConnectionResetError, BrokenPipeError):
+            pass
+        return _conn_headers(out) if out else None
+
+    out: dict = {}
+    for name, req in (("stream", stream_req), ("json", get_req), ("404", b"GET /no-such-path HTTP/1.1\r\nHost: x\r\n\r\n")):
+        with socket.create_connection(("127.0.0.1", port)) as s:
+            out[f"{name}_headers"] = answer(s, req)
+            out[f"kept_after_{name}"] = answer(s, get_req) is not None
+    return out
+
+
+def _conn_headers(raw: bytes) -> dict:
+    """The status and the connection-management headers of an HTTP answer's head (lower-case names)."""
+    lines = raw.partition(b"\r\n\r\n")[0].decode("latin-1").split("\r\n")
+    out = {"status": lines[0].split(" ")[1] if len(lines[0].split(" ")) > 1 else None}
+    for line in lines[1:]:
+        k, _, v = line.partition(":")
+        if k.strip().lower() in ("connection", "keep-alive"):
+            out[k.strip().lower()] = v.strip()
+    return out
+
+
+def idle_close_s(port: int, limit_s: float = 15.0) -> float | None:
+    """Seconds until the server closes a connection that stays idle after one answer; None: still open after limit_s."""
+    import time
+
+    with socket.create_connection(("127.0.0.1", port)) as s:
+        s.sendall(b"GET /health HTTP/1.1\r\nHost: x\r\n\r\n")
+        t0 = None
+        s.settimeout(limit_s)
+        while True:
+            try:
+                d = s.recv(65536)
+            except socket.timeout:
+                return None
+            if not d:
+                return time.monotonic() - t0
+            if t0 is None:
+                t0 = time.monotonic()  # the answer's arrival: the idle time starts here

@@ -5,8 +5,10 @@ from __future__ import annotations
 
 import asyncio
 import json
+import re
 
 import aiohttp
+import pytest
 from aiohttp import web
 
 from powerprof.daemon.proxy import Proxy, RequestTrace
@@ -175,3 +177,171 @@ def test_uncounted_requests_are_counted_on_metrics_by_kind():
     assert 'powerprof_requests_uncounted_total{kind="embeddings"} 2.0' in text
     assert 'powerprof_requests_uncounted_total{kind="audio"} 1.0' in text
     assert 'powerprof_requests_uncounted_total{kind="other"} 0.0' in text  # every kind present, zero included
+
+
+def _embeddings_split(usage_first: bool):
+    """An embeddings answer as the servers send it (llama.cpp: usage before the vectors; vLLM: after), written in
+    small pieces so its `"prompt_tokens": 1234` is cut between two of them."""
+    vectors = ", ".join(f'{{"index": {i}, "object": "embedding", "embedding": [{", ".join(["0.0123"] * 300)}]}}'
+                        for i in range(3))
+    usage = '"usage": {"prompt_tokens": 1234, "total_tokens": 1234, "prompt_tokens_details": null}'
+    doc = (f'{{"model": "m", "object": "list", {usage}, "data": [{vectors}]}}' if usage_first
+           else f'{{"id": "embd-1", "object": "list", "data": [{vectors}], {usage}}}').encode()
+
+    async def handler(request):
+        await request.read()
+        resp = web.StreamResponse(headers={"Content-Type": "application/json"})
+        resp.content_length = len(doc)
+        await resp.prepare(request)
+        cut = doc.index(b"1234") + 2  # inside the number
+        for a, b in ((0, cut), (cut, len(doc))):
+            await resp.write(doc[a:b])
+            await asyncio.sleep(0.01)
+        await resp.write_eof()
+        return resp
+    return handler, doc
+
+
+def test_an_embeddings_answer_gives_its_prompt_length_from_its_usage_byte_for_byte():
+    # Before: the proxy read nothing of an embeddings answer; its forward pass (a prefill of its input) was work the
+    # daemon never saw, and its energy went to the generations beside it (bench/attribution_mixed.py: -100%).
+    async def main():
+        out = []
+        for usage_first in (True, False):
+            handler, doc = _embeddings_split(usage_first)
+            app = web.Application()
+            app.router.add_post("/v1/embeddings", handler)
+            up = web.AppRunner(app)
+            await up.setup()
+            await web.TCPSite(up, "127.0.0.1", 0).start()
+            rec = Rec()
+            px = web.AppRunner(Proxy(f"http://127.0.0.1:{up.addresses[0][1]}", recorder=rec).app())
+            await px.setup()
+            await web.TCPSite(px, "127.0.0.1", 0).start()
+            async with aiohttp.ClientSession() as s:
+                async with s.post(f"http://127.0.0.1:{px.addresses[0][1]}/v1/embeddings", json={"input": "x"}) as r:
+                    body = await r.read()
+            await px.cleanup()
+            await up.cleanup()
+            out.append((body, doc, rec.ended[0]))
+        return out
+
+    for body, doc, t in asyncio.run(asyncio.wait_for(main(), 60)):
+        assert body == doc
+        assert t.api is None and t.outcome == "ok" and t.tokens_seen == 0
+        assert t.extra.get("prompt_tokens") == 1234
+
+
+def test_an_embeddings_request_with_its_prompt_length_is_costed_as_a_prefill_and_not_said_unseen():
+    # Its prompt length known (the proxy reads usage.prompt_tokens), an embeddings request is a prefill of its input:
+    # it takes its share by that work beside a generation, and neither row says "not counted".
+    from powerprof.daemon.attribution import WorkCosts
+    from powerprof.daemon.ledger import Ledger
+    from powerprof.daemon.streams import Counts
+    from powerprof.daemon.workmodel import CostLearner
+
+    class Fixed(CostLearner):
+        def costs(self, setting):
+            return WorkCosts(step_j=0.0, decode_j=1.0, prefill_j=0.1, idle_w=None, prefill_tok_s=1e6, source="fitted")
+
+    S = 1_000_000_000
+    rows = {"requests": [], "intervals": [], "tags": [], "costs": []}
+    led = Ledger("d", 0, 1, lambda name, r: rows[name].extend(r), grace_s=0.1, learner=Fixed())
+
+    class R:
+        def __init__(self, e):
+            self.energy_j, self.power_w, self.power_avg_w, self.power_limit_w = e, 200.0, None, None
+
+    gen = RequestTrace(1, "POST", "/completion", None, int(0.1 * S), 0, api="llamacpp", stream=True)
+    emb = RequestTrace(2, "POST", "/v1/embeddings", None, int(0.4 * S), 0, api=None, stream=None, status=200)
+    for tr in (gen, emb):
+        led.on_start(tr)
+    led.add_gpu_sample(0, 0, [R(1000.0)])
+    for k in range(10):
+        led.on_tokens(gen, int((0.2 + 0.07 * k) * S), 2)
+    gen.first_ns, gen.last_ns, gen.tokens_seen = int(0.2 * S), int(0.83 * S), 20
+    gen.counts = Counts(generated_tokens=20, prompt_tokens=0, model=None, stop_reason="length", token_source="timings")
+    gen.end_ns, emb.end_ns = int(0.9 * S), int(0.5 * S)
+    emb.extra["prompt_tokens"] = 200  # 200 × 0.1 J beside 20 × 1 J: half the interval's work
+    led.add_gpu_sample(1 * S, 1 * S, [R(1100.0)])
+    led.on_end(emb)
+    led.on_end(gen)
+    led.add_gpu_sample(2 * S, 2 * S, [R(1120.0)])
+    led.advance(int(3 * S))
+    by_id = {r["request_id"]: r for r in rows["requests"]}
+    g, e = by_id[1], by_id[2]
+    assert e["prompt_tokens"] == 200 and e["generated_tokens"] is None
+    assert e["gpu_energy_j"] == pytest.approx(50.0, rel=0.02) and g["gpu_energy_j"] == pytest.approx(50.0, rel=0.02)
+    for r in (g, e):
+        assert r["energy_note"] is None or "not count" not in r["energy_note"], r["energy_note"]
+
+
+def test_live_embeddings_hold_their_intervals_for_their_prompt_length():
+    # An embeddings request still running when its interval would close: its length comes with its answer, so the
+    # interval waits for it (bounded, as a generation's prompt), not split without its work.
+    from powerprof.daemon.ledger import Ledger
+
+    S = 1_000_000_000
+    rows = {"requests": [], "intervals": [], "tags": [], "costs": []}
+    led = Ledger("d", 0, 1, lambda name, r: rows[name].extend(r), grace_s=0.1)
+
+    class R:
+        def __init__(self, e):
+            self.energy_j, self.power_w, self.power_avg_w, self.power_limit_w = e, 200.0, None, None
+
+    emb = RequestTrace(2, "POST", "/v1/embeddings", None, int(0.4 * S), 0, api=None, stream=None, status=200)
+    led.on_start(emb)
+    led.add_gpu_sample(0, 0, [R(1000.0)])
+    led.add_gpu_sample(1 * S, 1 * S, [R(1100.0)])
+    led.add_gpu_sample(2 * S, 2 * S, [R(1200.0)])
+    led.advance(int(3 * S))
+    assert rows["intervals"] == []  # held
+    emb.end_ns = int(2.5 * S)
+    emb.extra["prompt_tokens"] = 100
+    led.on_end(emb)
+    led.add_gpu_sample(3 * S, 3 * S, [R(1300.0)])
+    led.advance(int(4 * S))
+    assert len(rows["intervals"]) == 3 and rows["requests"][0]["prompt_tokens"] == 100
+
+
+@pytest.mark.parametrize("logprobs", [None, 2])
+@pytest.mark.parametrize("n", [1, 2])
+def test_an_echoed_prompt_on_vllm_is_counted_as_no_generated_tokens_byte_for_byte(n, logprobs):
+    # vLLM echoes the prompt in each choice's first chunk, its logprobs listing the prompt's tokens. Before: with
+    # logprobs the proxy counted the prompt's tokens as generated (4 of a 4-token prompt per choice: 6 tokens
+    # read as 10) and flagged the server's honest usage as contradicted (generated_tokens and J/token emptied).
+    from powerprof.sim.nvml import SimNVML
+    from powerprof.sim.server import SimServer
+
+    body = {"prompt": "watt token speed", "max_tokens": 6, "echo": True, "stream": True, "ignore_eos": True, "n": n,
+            "stream_options": {"include_usage": True}}
+    if logprobs is not None:
+        body["logprobs"] = logprobs
+
+    async def main(url):
+        rec = Rec()
+        px = web.AppRunner(Proxy(url, recorder=rec).app())
+        await px.setup()
+        site = web.TCPSite(px, "127.0.0.1", 0)
+        await site.start()
+        async with aiohttp.ClientSession() as s:
+            async with s.post(f"http://127.0.0.1:{px.addresses[0][1]}/v1/completions", json=body,
+                              headers={"X-Sim-Request-Id": "e"}) as r:
+                got = await r.read()
+            async with s.post(url + "/v1/completions", json=body) as r:  # the same request straight to the server
+                direct = await r.read()
+        await px.cleanup()
+        return rec, got, direct
+
+    with SimServer(SimNVML("h200-141g", state_path=None), flavour="vllm", decode_tok_s=400) as srv:
+        rec, got, direct = asyncio.run(asyncio.wait_for(main(srv.url), 60))
+        truth = srv.request_truth()["e"]
+    # The simulator is deterministic for one prompt (but its request ids): the proxy passed every byte as it came.
+    assert re.sub(rb'"sim-\d+"', b"", got) == re.sub(rb'"sim-\d+"', b"", direct) and b"watt token speed" in got
+    (t,) = rec.ended
+    assert t.extra.get("echo") is True and t.outcome == "ok" and t.error is None
+    assert truth["generated"] == t.counts.generated_tokens == 6 * n and t.counts.count_problem is None
+    # vLLM's closing chunk carries each choice's last token with empty text: its logprobs list it; without them
+    # the stream shows one fewer a choice, and the usage (the server's count, not contradicted) makes up the rest.
+    assert t.tokens_seen == (6 * n if logprobs is not None else 5 * n)
+    assert t.counts.tokens_estimated is (logprobs is None)

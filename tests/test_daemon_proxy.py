@@ -423,7 +423,7 @@ def test_the_prompt_size_is_kept_from_the_body_never_its_text():
     assert size(image, "openai-chat") == {}  # an image's tokens are not its characters: no estimate
     assert size({"prompt": "héllo"}, "openai-completions") == {"prompt_chars": 5}
     assert size({"prompt": [1, 2, 3]}, "llamacpp") == {"prompt_ids": 3}
-    assert size({"prompt": ["a", "b"]}, "openai-completions") == {}  # a batch: not one request's prompt
+    assert size({"prompt": ["a", "b"]}, "openai-completions") == {"sequences": 2}  # a batch: no one prompt size
     assert size({"prompt": "x"}, None) == {}
 
     async def main():  # through the proxy: on the trace the recorder gets, and nothing of the text
@@ -439,6 +439,30 @@ def test_the_prompt_size_is_kept_from_the_body_never_its_text():
 
     rec = _run(main())
     assert rec.ended[0].extra["prompt_chars"] == 13
+
+
+def test_the_sequences_a_request_runs_side_by_side_are_read_from_its_body():
+    # n choices, each of a list of prompts: that many sequences in the server's batch, each getting a token a step.
+    # The ledger counts an interval's engine steps from its tokens and needs it (before: n = 2 read as twice the steps).
+    from powerprof.daemon.proxy import inspect_request_body
+
+    def seqs(doc, api):
+        extra = {}
+        inspect_request_body(json.dumps(doc).encode(), "", api, extra)
+        return extra.get("sequences", 1)
+
+    assert seqs({"messages": [], "n": 3}, "openai-chat") == 3
+    assert seqs({"prompt": "a", "n": 2}, "openai-completions") == 2
+    assert seqs({"prompt": ["a", "b", [1, 2]], "n": 2}, "openai-completions") == 6  # three prompts, two choices each
+    assert seqs({"prompt": [1, 2, 3]}, "openai-completions") == 1  # token ids: one prompt
+    assert seqs({"prompt": [1, "x", 2]}, "llamacpp") == 1  # llama.cpp: ids and text mixed are one prompt
+    assert seqs({"prompt": ["a", "b"]}, "llamacpp") == 2  # llama.cpp's /completion: a task per prompt
+    assert seqs({"messages": [], "n": 1}, "openai-chat") == 1
+    # Not a count: the request is one sequence (the server refuses it; never a guess that multiplies steps).
+    for bad in ("2", 0, -1, True, 2.5, None):
+        assert seqs({"messages": [], "n": bad}, "openai-chat") == 1, bad
+    assert seqs({"input": "x", "n": 4}, "openai-responses") == 1  # no `n` in the Responses API
+    assert seqs({"messages": [], "n": 2}, None) == 1
 
 
 def test_a_compressed_response_passes_unchanged_and_is_counted_from_a_copy_inflated_on_the_side():

@@ -101,9 +101,11 @@ def test_replayed_records_equal_what_the_proxy_recorded_with_tokens_coalesced(ur
         def __init__(self):
             super().__init__()
             self.started = []
+            self.start_extra = {}
 
         def on_start(self, trace):
             self.started.append(trace)
+            self.start_extra[trace.tag] = dict(trace.extra)  # what was known at its start
 
     direct, replayed = Rec(), Replayed()
     workers = ProxyWorkers(1, "http://unused", "127.0.0.1", 0, recorder=replayed, proxy_kwargs={},
@@ -121,6 +123,8 @@ def test_replayed_records_equal_what_the_proxy_recorded_with_tokens_coalesced(ur
         async with aiohttp.ClientSession() as s:
             async def stream(i):
                 body = {"n_predict": 40 + 7 * i, "stream": True, "seed": i, "delay": 0.002}
+                if i == 1:
+                    body["prompt"] = ["a", "b"]  # two prompts: two sequences, known to the ledger from the start
                 async with s.post(px_url + "/completion", json=body, headers={"X-Powerprof-Tag": f"s{i}"}) as r:
                     return await r.read()
 
@@ -182,6 +186,9 @@ def test_replayed_records_equal_what_the_proxy_recorded_with_tokens_coalesced(ur
             assert sum(x[1] for x in batch) == n
             covered += len(batch)
     assert by_tag["cut"].outcome == "client_disconnected" and by_tag["plain"].extra.get("spread")
+    # The sequences a request runs come with its start (the ledger splits its intervals while it runs), not its end.
+    assert [t.extra.get("sequences") for t in direct.ended if t.tag == "s1"] == [2]
+    assert replayed.start_extra["s1"].get("sequences") == 2 and "sequences" not in replayed.start_extra["s0"]
     assert by_tag["503"].status == 503
     assert n_replayed < n_events  # coalescing happened: fewer records than the proxy's token events
     assert workers.active == 0

@@ -452,3 +452,21 @@ def test_a_server_whose_powerprof_still_runs_is_refused_not_stopped(tmp_path):
         with pytest.raises(LaunchError, match=rf"pid {first.proc.pid}: .*launched by the powerprof still running as pid {os.getpid()}"):
             second.start()
         assert first.running and not second.notes
+
+
+def test_a_server_still_exiting_when_its_request_failed_is_said_to_have_died(tmp_path):
+    # The client sees the connection drop as the server crashes; on a loaded host the process has not yet
+    # exited when the run asks why (the full suite once said only "the server stopped answering").
+    from powerprof.workload.launcher import ServerLauncher
+
+    la = ServerLauncher([sys.executable, "-c", "pass"], "http://127.0.0.1:1", log_path=tmp_path / "server.log")
+    (tmp_path / "server.log").write_text("GGML_ASSERT failed\n")
+    la.proc = subprocess.Popen([sys.executable, "-c", "import sys, time; time.sleep(0.4); sys.exit(134)"])
+    note = la.death_note()
+    assert "exited with code 134 during the run" in note and "GGML_ASSERT failed" in note, note
+    la.proc = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(30)"])
+    try:
+        assert la.death_note() == ""  # still running after the grace: nothing said
+    finally:
+        la.proc.kill()
+        la.proc.wait()

@@ -90,6 +90,24 @@ def test_detects_llama_server_through_props(llama_server):
     assert info.model_path.endswith("tiny.gguf") and not info.simulated
 
 
+@pytest.mark.parametrize("path", ["/completion", "/v1/completions"])
+def test_the_simulator_handles_connections_as_llama_server_does(llama_server, path):
+    # llama-server (cpp-httplib) closes its connection after every streamed answer while saying
+    # `Keep-Alive: timeout=5, max=100`, keeps it after a whole answer, and says `Connection: close` on a 404; it closes
+    # an idle one after 5 s. The simulator's llama.cpp flavour must do the same, or no test meets what clients meet.
+    from powerprof.sim.nvml import SimNVML
+    from powerprof.sim.server import SimServer
+    from support import connection_behaviour, idle_close_s
+
+    port = int(llama_server.base_url.rsplit(":", 1)[1])
+    real = connection_behaviour(port, path)
+    with SimServer(SimNVML("seed-16g", state_path=None), decode_tok_s=400) as sim:
+        assert connection_behaviour(sim.port, path) == real
+        if path == "/completion":
+            assert idle_close_s(sim.port) == pytest.approx(idle_close_s(port), abs=0.5)
+    assert real["kept_after_stream"] is False and "connection" not in real["stream_headers"], real
+
+
 @pytest.mark.parametrize("api", ["llamacpp", "openai-completions", "openai-chat"])
 def test_streams_agree_with_the_servers_own_timings(llama_server, api):
     info = detect(llama_server.base_url, api)

@@ -124,3 +124,50 @@ def test_continuous_batching_truth_gives_every_busy_joule_to_the_requests_in_its
     assert len(truth) == 8
     assert sum(t["energy_j"] for t in truth) == pytest.approx(e1 - e0 - idle_j, rel=0.05)
     assert all(0 < t["prefill_energy_j"] < t["energy_j"] for t in truth)
+
+
+def test_connections_are_handled_as_llama_server_and_uvicorn_handle_them():
+    # Before: both flavours kept every connection open after a stream, for an hour when idle, so no test met the
+    # kept-alive connection llama-server closes under its client (tests/test_real_llama_server.py checks the real one
+    # says and does the same as the llama.cpp flavour).
+    from support import connection_behaviour
+
+    with SimServer(SimNVML("a100-40g", state_path=None), decode_tok_s=400) as s:
+        llama = connection_behaviour(s.port)
+    said = {"status": "200", "keep-alive": "timeout=5, max=100"}
+    assert llama == {"stream_headers": said, "kept_after_stream": False,  # closed, without `Connection: close`
+                     "json_headers": said, "kept_after_json": True,
+                     "404_headers": {"status": "404", "connection": "close"}, "kept_after_404": False}
+    with SimServer(SimNVML("a100-40g", state_path=None), flavour="vllm", decode_tok_s=400) as s:
+        vllm = connection_behaviour(s.port, "/v1/completions")
+    assert vllm == {"stream_headers": {"status": "200"}, "kept_after_stream": True, "json_headers": {"status": "200"},
+                    "kept_after_json": True, "404_headers": {"status": "404"}, "kept_after_404": True}
+    with SimServer(SimNVML("a100-40g", state_path=None), decode_tok_s=400, close_after_stream=False) as s:
+        assert connection_behaviour(s.port)["kept_after_stream"] is True
+
+
+@pytest.mark.parametrize("flavour", ["llamacpp", "vllm"])
+def test_an_idle_connection_is_closed_after_idle_close_s(flavour):
+    from support import idle_close_s
+
+    nvml = SimNVML("a100-40g", state_path=None)
+    assert SimServer(nvml, flavour=flavour).idle_close_s == 5.0  # uvicorn's and cpp-httplib's default
+    with SimServer(nvml, flavour=flavour, idle_close_s=0.4) as s:
+        assert 0.35 < idle_close_s(s.port, limit_s=10) < 5.0
+    with SimServer(nvml, flavour=flavour, idle_close_s=None) as s:
+        assert idle_close_s(s.port, limit_s=1.0) is None  # never, as before (a connection open 1 s past the rest)
+
+
+def test_llamacpp_closes_a_connection_after_its_100th_answer_saying_so():
+    import http.client
+
+    with SimServer(SimNVML("a100-40g", state_path=None), decode_tok_s=400) as s:
+        c = http.client.HTTPConnection("127.0.0.1", s.port, timeout=10)
+        said = []
+        for _ in range(100):
+            c.request("GET", "/health")
+            r = c.getresponse()
+            r.read()
+            said.append(r.getheader("Connection"))
+        c.close()
+    assert said == [None] * 99 + ["close"]  # cpp-httplib's CPPHTTPLIB_KEEPALIVE_MAX_COUNT, as `max=100` says

@@ -772,3 +772,55 @@ def test_a_whole_body_of_the_new_dialects_in_a_wrong_shape_never_raises(api, bod
     # it as a recorder failure; the workload client did not): garbage is said, never raised.
     _, s = parse_response(api, body)
     assert s.counted_tokens >= 0
+
+
+def _lp(tokens, first_null=False):
+    lps = [-0.5] * len(tokens)
+    if first_null:
+        lps[0] = None
+    return {"text_offset": list(range(len(tokens))), "token_logprobs": lps, "tokens": tokens,
+            "top_logprobs": [None if x is None else {t: x} for t, x in zip(tokens, lps)]}
+
+
+def _echo_stream(n_choices: int, n_tokens: int, prompt_only: bool = False) -> bytes:
+    """vLLM's streamed /v1/completions with echo and logprobs (serving_completion.completion_stream_generator): each
+    choice's first chunk is the prompt's text then its first token's, its logprobs the prompt's 4 tokens (the first
+    one's logprob null) then that token; max_tokens 0: the prompt alone (one token generated, not sent, counted).
+    Final usage: generated tokens only."""
+    prompt = ["<s>", "watt", " token", " speed"]
+    objs = []
+    for k in range(1 if prompt_only else n_tokens):
+        for i in range(n_choices):
+            toks = [] if prompt_only else [f" t{k}"]
+            if k == 0:
+                toks = prompt + toks
+            fr = "length" if prompt_only or k == n_tokens - 1 else None
+            objs.append({**_CMPL, "choices": [{"index": i, "text": "".join(toks), "logprobs": _lp(toks, k == 0),
+                                               "finish_reason": fr, "stop_reason": None}]})
+    gen = n_choices * (1 if prompt_only else n_tokens)
+    objs.append({**_CMPL, "choices": [], "usage": {"prompt_tokens": 4, "completion_tokens": gen, "total_tokens": 4 + gen}})
+    return _compact(*objs, b"[DONE]")
+
+
+@pytest.mark.parametrize("n_choices,n_tokens,prompt_only", [(1, 5, False), (3, 4, False), (1, 0, True), (2, 0, True)])
+@pytest.mark.parametrize("split", [None, 7, "event"])
+def test_an_echoed_prompt_is_not_counted_as_generated_tokens(n_choices, n_tokens, prompt_only, split):
+    # Before: the echo chunk's logprobs (the prompt's 4 tokens and the first generated one) counted 5 tokens, so
+    # 1 × 5 tokens read as 9, and the server's honest usage (5) was flagged "the server's token count cannot be
+    # believed": generated_tokens and J/token left empty. The request's echo flag tells the parser that each
+    # choice's first chunk carries the prompt: it stands for the one token the first step generated.
+    from powerprof.daemon.streams import new_parser, summary_counts
+
+    raw = _echo_stream(n_choices, n_tokens, prompt_only)
+    gen = n_choices * (1 if prompt_only else n_tokens)
+    p = new_parser("openai-completions", echo=True)
+    pieces = ([e + b"\n\n" for e in raw.split(b"\n\n") if e] if split == "event"
+              else [raw] if split is None else [raw[i : i + split] for i in range(0, len(raw), split)])
+    first = [p.count(piece) for piece in pieces]
+    c = summary_counts(p.finish())
+    assert sum(first) == gen and c.generated_tokens == gen and c.count_problem is None, c
+    assert not c.tokens_estimated
+    # Without the flag (a client that did not ask for echo) logprobs still count every token they list.
+    plain = new_parser("openai-completions")
+    assert plain.count(_compact({**_CMPL, "choices": [{"index": 0, "text": "ab", "logprobs": _lp([" a", " b"]),
+                                                       "finish_reason": None}]})) == 2

@@ -10,10 +10,11 @@ import pyarrow as pa
 
 from powerprof.collectors.cputime import BUSY_HOST_FIX, BUSY_HOST_FLAG, busy_host_text
 from powerprof.energy import ROUNDED_WINDOW_S, max_tokens_for_windows
+from powerprof.profiler import POWER_EDGE_BIAS_WINDOW_S
 from powerprof.workload.servercount import FOREIGN_FIX, FOREIGN_FLAG
 
 from .fits import ModelFit
-from .stats import LevelSeries
+from .stats import INSTANT_POWER_FLAG, LevelSeries
 from .sweetspot import Choice
 
 TARGET_CI_PCT = 2.0  # the sweep's default --target-ci, as a percentage
@@ -23,7 +24,7 @@ POOR_FIT_R2 = 0.9
 
 @dataclass(frozen=True)
 class Finding:
-    kind: str  # edge | between-levels | no-clear-saving | cap-not-engaged | energy-resolution | wide-ci | one-window | few-prompts | unstable-choice | thermal | failed | fit | unstored | untrusted-timing | impossible-figures | interrupted | forced-pool | reference | busy-host | foreign-traffic
+    kind: str  # edge | between-levels | no-clear-saving | cap-not-engaged | energy-resolution | wide-ci | one-window | few-prompts | unstable-choice | thermal | failed | fit | unstored | untrusted-timing | impossible-figures | interrupted | forced-pool | reference | busy-host | foreign-traffic | instant-power
     message: str
     levels: tuple[float, ...] = ()
 
@@ -122,6 +123,10 @@ def level_findings(levels: pa.Table, target_ci_pct: float | None = None, max_tim
     if coarse:
         out.append(Finding("energy-resolution", _energy_resolution_message(coarse, unit),
                            tuple(r["level_value"] for r in coarse)))
+    instant = [r for r in rows if r["flags"] and INSTANT_POWER_FLAG in r["flags"].split(",")]
+    if instant:
+        out.append(Finding(INSTANT_POWER_FLAG, _instant_power_message(instant, unit),
+                           tuple(r["level_value"] for r in instant)))
     wide = [r for r in rows if r.get("ci_reached_pct") is not None and r["flags"] and "wide-ci" in r["flags"]]
     target = target_ci_pct if target_ci_pct else TARGET_CI_PCT
     for r in wide:
@@ -200,6 +205,23 @@ def _energy_resolution_message(rows: list[dict], unit: str) -> str:
         + ". Fix: longer requests, so each window spans many refreshes: "
         + (f"--max-tokens {need} or more ({window_s:g} s windows at {max(rates):.0f} tokens/s)." if need
            else f"--max-tokens giving windows of {window_s:g} s or more.")
+    )
+
+
+def _instant_power_message(rows: list[dict], unit: str) -> str:
+    """Why J/token integrated from instant power over short windows is biased (profiler.POWER_EDGE_BIAS_WINDOW_S)."""
+    rates = [r["decode_tok_s"] / max(int(r.get("concurrency") or 1), 1) for r in rows if r.get("decode_tok_s")]
+    need = max_tokens_for_windows(max(rates)) if rates else 0
+    need = int(math.ceil(need * POWER_EDGE_BIAS_WINDOW_S / ROUNDED_WINDOW_S / 64) * 64) if need else 0
+    return (
+        f"J/token at {', '.join(_fmt(r['level_value'], unit) for r in rows)} is integrated from power readings "
+        "(energy_method power_integration: this GPU has no energy counter), at 1 Hz and at each window's edges, over "
+        f"decode windows under {POWER_EDGE_BIAS_WINDOW_S:g} s. A card refreshes that reading every ~100 ms, so the "
+        "read just after a window's first token can still show the power before it: on the simulated A100 that "
+        "biased pooled J/token by up to -4% at 1 s windows and -10% at 0.3 s (-0.65% at 5 s), unevenly across "
+        "levels, so savings between them carry it too. Fix: longer requests, "
+        + (f"--max-tokens {need} or more ({POWER_EDGE_BIAS_WINDOW_S:g} s windows at {max(rates):.0f} tokens/s)."
+           if need else f"--max-tokens giving windows of {POWER_EDGE_BIAS_WINDOW_S:g} s or more.")
     )
 
 

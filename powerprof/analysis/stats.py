@@ -20,6 +20,7 @@ import pyarrow.compute as pc
 
 from powerprof.collectors.cputime import BUSY_HOST_FLAG, BUSY_HOST_PCT, cpu_shares_pct
 from powerprof.energy import median_off_by_rounding, within_prompt_offset
+from powerprof.profiler import METHOD_POWER, POWER_EDGE_BIAS_WINDOW_S
 from powerprof.storage.schema import LEVELS
 from powerprof.workload.servercount import FOREIGN_FLAG
 
@@ -206,6 +207,7 @@ class LevelSeries:
     # biased by a coarse counter's rounding, which the median of short windows is (energy.py).
     j_per_token_pooled: np.ndarray | None = None
     counter_window_s: np.ndarray | None = None  # (L,) median decode window read on a counter; NaN: none
+    power_window_s: np.ndarray | None = None  # (L,) median decode window integrated from instant power; NaN: none
     counter_prompt_offset: np.ndarray | None = None  # (L,) energy.within_prompt_offset of those windows
     n_clusters: int | None = None  # the prompts a paired bootstrap resamples; None when independent
     # (L,) %: of the host's busy CPU time over the measured windows, other processes' and powerprof's; NaN: unknown
@@ -230,6 +232,9 @@ class LevelSeries:
     def energy_saving(self, j: np.ndarray | None = None) -> np.ndarray:
         j = self.j_per_token if j is None else j
         return 1.0 - j / j[..., self.ref_index : self.ref_index + 1]
+
+
+INSTANT_POWER_FLAG = "instant-power"  # J/token integrated from instant power over windows under POWER_EDGE_BIAS_WINDOW_S
 
 
 def _j_per_token(t: pa.Table) -> np.ndarray:
@@ -281,6 +286,7 @@ def level_series(
     above = _col(windows, "above_idle_gpu_j_per_token")
     methods = _col(windows, "energy_method", object)
     on_counter = np.array(["counter" in str(x or "").split(",") for x in methods], dtype=bool)
+    on_power = np.array([METHOD_POWER in str(x or "").split(",") for x in methods], dtype=bool)
     energy = _col(windows, "gpu_energy_j")
     n_tok = _col(windows, "decode_tokens")
     energy = np.where(np.isfinite(energy), energy, jpt * n_tok)
@@ -296,7 +302,7 @@ def level_series(
         lv = np.unique(values[in_series & np.isfinite(values)])
         if kind == "none" and lv.size == 0:
             lv = np.array([np.nan])
-        cols = {k: [] for k in ("tok", "j", "btok", "bj", "bjl", "p", "tot", "above", "nw", "nr", "nf", "np", "both", "pool", "cw", "wp", "ocpu", "pcpu", "nfor")}
+        cols = {k: [] for k in ("tok", "j", "btok", "bj", "bjl", "p", "tot", "above", "nw", "nr", "nf", "np", "both", "pool", "cw", "pw", "wp", "ocpu", "pcpu", "nfor")}
         meths: set[str] = set()
         for v in lv:
             at = in_series & (np.isnan(values) if np.isnan(v) else values == v)
@@ -315,6 +321,7 @@ def level_series(
             used = m & np.isfinite(jpt) & np.isfinite(energy) & (n_tok > 0)
             cols["pool"].append(energy[used].sum() / n_tok[used].sum() if used.any() else float("nan"))
             cols["cw"].append(_median(decode_s[m & np.isfinite(jpt) & on_counter]))
+            cols["pw"].append(_median(decode_s[m & np.isfinite(jpt) & on_power]))
             cols["wp"].append(within_prompt_offset(jpt[used & on_counter], prompts[used & on_counter]))
             meths.update(x for x in methods[m] if x)
             o, p = cpu_shares_pct(host_cpu[m], other_cpu[m], own_cpu[m])
@@ -360,6 +367,7 @@ def level_series(
                 n_prompts=np.array(cols["np"]),
                 j_per_token_pooled=np.array(cols["pool"], dtype=float),
                 counter_window_s=np.array(cols["cw"], dtype=float),
+                power_window_s=np.array(cols["pw"], dtype=float),
                 counter_prompt_offset=np.array(cols["wp"], dtype=float),
                 other_cpu_pct=np.array(cols["ocpu"], dtype=float),
                 powerprof_cpu_pct=np.array(cols["pcpu"], dtype=float),
@@ -594,6 +602,9 @@ def levels_table(
             if s.counter_window_s is not None and median_off_by_rounding(j, pooled, (j_hi - j_lo) / 2,
                                                                           s.counter_window_s[i], offset):
                 flags.append("energy-resolution")
+            power_s = s.power_window_s[i] if s.power_window_s is not None else float("nan")
+            if power_s < POWER_EDGE_BIAS_WINDOW_S:
+                flags.append(INSTANT_POWER_FLAG)  # no counter: short windows' edges biased by the reading's lag
             other_pct = s.other_cpu_pct[i] if s.other_cpu_pct is not None else float("nan")
             if other_pct > BUSY_HOST_PCT and np.isfinite(s.total_j_per_token[i]):
                 flags.append(BUSY_HOST_FLAG)  # the GPU+CPU figure counts other processes' CPU energy

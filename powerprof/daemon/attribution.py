@@ -22,6 +22,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from powerprof.energy import instant_power_energy_j
+
 IDLE, DECODE, PREFILL, UNPROXIED = 0, 1, 2, 3
 KIND_NAMES = ("idle", "decode", "prefill", "unproxied")
 
@@ -174,20 +176,24 @@ def prefill_tokens(edges_ns: np.ndarray, start_ns: np.ndarray, prefill_end_ns: n
 
 
 def request_work(costs: WorkCosts, tok: np.ndarray, pre: np.ndarray, ctx: np.ndarray,
-                 bypass: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+                 bypass: np.ndarray | None = None, sequences: np.ndarray | None = None
+                 ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """(R, K) each request's work (in joules at `costs`) in each interval, (K,) the bypass tokens'
     work, and (K,) the step counts.
 
     The per-step cost is shared by the requests in the steps: each interval's steps are estimated
-    as the most tokens any request got there (a sequence decoding through the whole interval gets
-    one per step), and split among the requests by their tokens. A request still waiting for its
-    first token takes no share: it may sit in a queue, outside the engine's steps.
+    as the most tokens a sequence got there (a sequence decoding through the whole interval gets
+    one per step; a request's tokens over its `sequences`, (R,): n choices × prompts, 1 where None),
+    and split among the requests by their tokens (a request of two sequences is two in each step).
+    A request still waiting for its first token takes no share: it may sit in a queue, outside the
+    engine's steps.
 
     Bypass tokens (the server's beyond the proxy's) share the steps too, and cost what the proxied
     ones do on average for their prompts and context (which the proxy never saw)."""
     k_count = tok.shape[1]
     byp = np.zeros(k_count) if bypass is None else np.asarray(bypass, dtype=float)
-    steps = tok.max(axis=0) if tok.size else np.zeros(k_count)
+    per_seq = tok if sequences is None else tok / np.maximum(np.asarray(sequences, dtype=float), 1.0)[:, None]
+    steps = per_seq.max(axis=0) if tok.size else np.zeros(k_count)
     steps = np.where((steps == 0) & (byp > 0), 1.0, steps)  # bypass alone: at least one step ran
     part_sum = tok.sum(axis=0) + byp
     step_per_tok = np.divide(costs.step_j * steps, part_sum, out=np.zeros(k_count), where=part_sum > 0)
@@ -217,6 +223,7 @@ def attribute(
     passive: np.ndarray | None = None,
     aside_j: np.ndarray | None = None,
     tok_work: np.ndarray | None = None,
+    sequences: np.ndarray | None = None,
 ) -> Attribution:
     """Split the energy of K intervals (edges: K+1 instants) among R requests by their work.
 
@@ -235,6 +242,8 @@ def attribute(
     counted, not decoded again; every token is still attributed (request_tokens, tokens).
     aside_j: (K,) energy of GPUs that do none of the proxied work (`workmodel.CostLearner.serving`),
     beyond `energy_j`'s first column: idle, whole, and in the interval's total (by_kind, dest).
+    sequences: (R,) the sequences each request runs side by side (n choices × prompts; None: one each), for the
+    interval's step count (`request_work`).
     """
     costs = costs or WorkCosts()
     edges = np.asarray(edges_ns, dtype=np.int64)
@@ -289,7 +298,7 @@ def attribute(
     kind[any_live & ~any_prefill] = DECODE
     kind[any_prefill] = PREFILL
 
-    work, unprox_work, steps = request_work(costs, tok_w, pre, ctx, server)
+    work, unprox_work, steps = request_work(costs, tok_w, pre, ctx, server, sequences)
     # Where nothing measurable happened (a slow step straddling the interval, a prompt of unknown
     # length) the live requests share by their live time there. Not where bypass tokens did
     # work: a request only waiting beside them did none (its seconds are not joules of work).
@@ -345,18 +354,26 @@ def interval_energy_j(counter_j: np.ndarray, t_ns: np.ndarray, power_w: np.ndarr
     """Energy of each interval between consecutive samples of one device, and whether it was exact.
 
     The counter difference where both ends have one, it did not go backwards (driver reload) and
-    `same_epoch` (the collector caught no jump or reset between them); otherwise the trapezoid of the instant power samples. NaN where neither exists.
+    `same_epoch` (the collector caught no jump or reset between them); otherwise the instant power readings
+    integrated as the profiler does (`energy.instant_power_energy_j`): between two full samples the trapezoid,
+    and an interval that ends at a counter-only edge (no power read there) held at its last reading. NaN where
+    neither exists.
     """
     c = np.asarray(counter_j, dtype=float)
     t = np.asarray(t_ns, dtype=np.int64)
     p = np.asarray(power_w, dtype=float)
     dc = np.diff(c)
-    dt_s = np.diff(t) / 1e9
-    trap = 0.5 * (p[1:] + p[:-1]) * dt_s
     exact = ~np.isnan(dc) & (dc >= 0)
     if same_epoch is not None:
         exact &= np.asarray(same_epoch, dtype=bool)
-    return np.where(exact, dc, trap), exact
+    out = np.where(exact, dc, np.nan)
+    have = np.flatnonzero(~np.isnan(p))
+    for k in np.flatnonzero(~exact):
+        # Only the readings that bound the interval matter: the last at or before its start, the first at or after its end.
+        i, j = np.searchsorted(have, k, side="right") - 1, np.searchsorted(have, k + 1, side="left")
+        if i >= 0 and j < have.size:
+            out[k] = instant_power_energy_j(t[have[i]:have[j] + 1], p[have[i]:have[j] + 1], int(t[k]), int(t[k + 1]))
+    return out, exact
 
 
 def per_token(energy_j: np.ndarray, tokens: np.ndarray) -> np.ndarray:

@@ -428,8 +428,10 @@ class Ledger:
             horizon = min(horizon, max(min(waiting), now_ns - self.max_hold_ns))
         # A prompt's length comes with usage/timings, mostly at the end: hold the intervals of its
         # prefill until then (bounded), so they are split by work, not by guess.
+        # An embeddings request's length (its whole work, a prefill) comes with its answer: held likewise.
         unknown = [r.trace.arrival_ns for r in self.requests.values()
-                   if r.trace.end_ns is None and r.trace.api is not None and _prompt_tokens(r) is None]
+                   if r.trace.end_ns is None and (r.trace.api is not None or r.uncounted == "embeddings")
+                   and _prompt_tokens(r) is None]
         if unknown:
             horizon = min(horizon, max(min(unknown), now_ns - self.prompt_hold_ns))
         if self.server_upto_ns is not None:
@@ -561,12 +563,21 @@ class Ledger:
             ev_r.extend([i] * len(r.ev_t))
             ev_n.extend(r.ev_n)
             ev_w.extend(r.ev_n)
+            seqs = max(r.trace.extra.get("sequences", 1), 1)
             if r.ev_n and r.spent == 0 and prompt[i] > 0:
                 # Its first token came out of its prompt's prefill step, whose work the prompt carries:
-                # decoded again it was charged twice (1-token requests +22% on the simulator).
-                ev_w[-len(r.ev_n)] = max(r.ev_n[0] - 1.0, 0.0)
+                # decoded again it was charged twice (1-token requests +22% on the simulator). One per sequence
+                # (n choices, prompts), in its first events (each choice's first token may come in a chunk of its own).
+                left, j0 = float(seqs), len(ev_w) - len(r.ev_n)
+                for j, n in enumerate(r.ev_n):
+                    if left <= 0:
+                        break
+                    ev_w[j0 + j] = max(n - left, 0.0)
+                    left -= n
             before = r.spent + np.cumsum(r.ev_n) - np.asarray(r.ev_n, dtype=float) if r.ev_n else []
-            ev_c.extend(prompt[i] + np.asarray(before, dtype=float))
+            # A token's context is its own sequence's: of a request of several (n choices, prompts), its prompt and
+            # tokens so far are all of theirs (llama.cpp's usage sums each task's prompt; a list's, each prompt).
+            ev_c.extend((prompt[i] + np.asarray(before, dtype=float)) / seqs)
         excess = bypass_spans = None
         ev_t_a, ev_r_a, ev_n_a = np.array(ev_t, dtype=np.int64), np.array(ev_r, dtype=np.int64), np.array(ev_n, dtype=float)
         if self.server_seen:
@@ -583,7 +594,8 @@ class Ledger:
         a = attr.attribute(t, energy, arrival, first, last, end, ev_t_a, ev_r_a, ev_n_a, excess,
                            prompt_tokens=prompt, tok_ctx=np.array(ev_c, dtype=float), costs=costs,
                            bypass_spans=bypass_spans, passive=passive, aside_j=aside,
-                           tok_work=np.array(ev_w, dtype=float))
+                           tok_work=np.array(ev_w, dtype=float),
+                           sequences=np.array([r.trace.extra.get("sequences", 1) for r in reqs], dtype=float))
         # Bypass tokens' prompts are unseen: an interval mostly of bypass work would bias the fit.
         usable = np.array([m == "counter" for m in methods])
         # The limit changed inside the first interval (its start read the one before): its energy is of both.
@@ -613,13 +625,13 @@ class Ledger:
                 j = int(np.searchsorted(r.ev_t, t_end))
                 r.spent += float(sum(r.ev_n[:j]))
                 del r.ev_t[:j], r.ev_n[:j]
-        unc = [i for i, r in enumerate(reqs) if r.uncounted is not None and not passive[i]]
+        unc = [i for i, r in enumerate(reqs) if _unseen(r) and not passive[i]]
         if unc:
             # Requests whose work the proxy cannot see (embeddings, audio, an endpoint it does not parse) take no
             # share where counted work ran: that energy went to the requests beside them, whose rows say so.
             live = (arrival[:, None] < t[None, 1:]) & (end[:, None] > t[None, :-1])
             for i, r in enumerate(reqs):
-                if r.uncounted is None and len(r.beside_uncounted) < 8:  # bounded: the note names 3
+                if not _unseen(r) and len(r.beside_uncounted) < 8:  # bounded: the note names 3
                     for j in unc:
                         if (live[i] & live[j]).any():
                             r.beside_uncounted.add(f"{reqs[j].uncounted} ({reqs[j].trace.method} {reqs[j].trace.endpoint})")
@@ -944,7 +956,8 @@ class Ledger:
             "status": tr.status,
             "outcome": tr.outcome,
             "error": error,
-            "prompt_tokens": c.prompt_tokens if c is not None else None,
+            # An embeddings request's is its input's length (usage.prompt_tokens, read by the proxy).
+            "prompt_tokens": c.prompt_tokens if c is not None else (_prompt_tokens(r) if r.uncounted else None),
             "generated_tokens": gen,
             "decode_tokens": max(gen - 1, 0) if gen else None,
             "token_source": c.token_source if c is not None else ("counted" if tr.tokens_seen else "none"),
@@ -1017,6 +1030,13 @@ GPU_MISSING_NOTE = ("GPU energy unknown: a GPU gave no energy reading over part 
                     "fix: powerprof devices, nvidia-smi -q")
 
 
+def _unseen(r: _Req) -> bool:
+    """GPU work the proxy does not see: an endpoint it does not count (streams.uncounted_kind), except an embeddings
+    request whose answer gave its input's length (usage.prompt_tokens): that is its whole work, a prefill costed as
+    any prompt is."""
+    return r.uncounted is not None and not (r.uncounted == "embeddings" and _prompt_tokens(r) is not None)
+
+
 def _uncounted_note(r: _Req) -> str:
     tr = r.trace
     return (f"not counted: {tr.method} {tr.endpoint} is not a generation API whose tokens the proxy reads "
@@ -1026,7 +1046,7 @@ def _uncounted_note(r: _Req) -> str:
 
 def _no_energy_reason(r: _Req) -> str:
     """Why a request got no energy: what the work model could not see."""
-    if r.uncounted is not None and not _passive(r):
+    if _unseen(r) and not _passive(r):
         return "no share: " + _uncounted_note(r)
     if r.trace.end_ns is not None and _passive(r):
         return (f"no share: an error answer (HTTP {r.trace.status}) with no token and no prompt length: no GPU "
@@ -1061,7 +1081,7 @@ def _approximate_note(r: _Req) -> str | None:
         why = _unsaid_reason(r)
         notes.append(f"{UNSAID_NOTES[why]}; its prefill was costed at an estimate of {r.prompt_est[0]:.0f} "
                      f"prompt tokens ({r.prompt_est[1]}){UNSAID_FIX.get(why, '')}")
-    if r.uncounted is not None and not _passive(r):
+    if _unseen(r) and not _passive(r):
         notes.append(_uncounted_note(r))
     if r.beside_uncounted:
         kinds = sorted(r.beside_uncounted)

@@ -213,9 +213,9 @@ class SnapshotCollector:
             pe.add_metric([reason], s.prompts_estimated.get(reason, 0))
         yield pe
         uc = CounterMetricFamily("powerprof_requests_uncounted", "Requests of GPU work whose tokens the proxy does not "
-                                 "read (embeddings, rerank, audio, images, other: an endpoint that is not a generation "
-                                 "API it parses): their energy is in the shares of the counted requests beside them, "
-                                 "whose rows' energy_note says so", labels=["kind"])
+                                 "read (embeddings whose answer gave no usage.prompt_tokens, rerank, audio, images, other: "
+                                 "an endpoint that is not a generation API it parses): their energy is in the shares of "
+                                 "the counted requests beside them, whose rows' energy_note says so", labels=["kind"])
         for kind in UNCOUNTED_KINDS:
             uc.add_metric([kind], s.uncounted_requests.get(kind, 0))
         yield uc

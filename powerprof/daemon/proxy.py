@@ -202,10 +202,32 @@ def request_head(method: str, target: str, host: str, raw_headers, framing: byte
     return b"".join(parts)
 
 
+def request_sequences(doc: dict, api: str | None) -> int:
+    """How many sequences a request runs side by side in the server's batch, each getting a token a step: its `n`
+    choices (chat, completions), each of its prompts (a completions prompt list: vLLM, SGLang and llama.cpp run each
+    prompt as a request of its own). A list holding a token id at its top is one prompt (ids, or llama.cpp's ids
+    and text mixed); a list of strings or of id lists is that many. Anything that is not a positive integer `n` is
+    one choice: the server refuses such a request, and no guess multiplies its steps. `best_of` is not counted: its
+    extra sequences' tokens never reach the client (vLLM returns `n` of them), so they are not in the tokens the
+    ledger divides."""
+    seqs = 1
+    if api in ("openai-chat", "openai-completions"):
+        n = doc.get("n")
+        if type(n) is int and n > 1:
+            seqs = n
+    if api in ("openai-completions", "llamacpp"):
+        p = doc.get("prompt", doc.get("content") if api == "llamacpp" else None)
+        if isinstance(p, list) and len(p) > 1 and not any(type(x) is int for x in p):
+            seqs *= len(p)
+    return seqs
+
+
 def inspect_request_body(body: bytes, encoding: str = "", api: str | None = None,
                          extra: dict | None = None) -> tuple[str | None, bool | None]:
     """(model, stream) from a JSON request body; of the prompt only its size is taken (into `extra`:
-    prompt_chars or prompt_ids, for a prompt the server never counts, `promptlen`). A gzip or
+    prompt_chars or prompt_ids, for a prompt the server never counts, `promptlen`), and the sequences it runs
+    side by side where more than one (`sequences`: `request_sequences`), and `echo` where a completion echoes its
+    prompt. A gzip or
     deflate body (`encoding`: its Content-Encoding) is inflated on the side, at most INSPECT_MAX_BYTES: the
     upstream still gets the client's bytes, and a body that inflates beyond (a bomb) is not inspected."""
     encoding = encoding.strip().lower()
@@ -233,6 +255,11 @@ def inspect_request_body(body: bytes, encoding: str = "", api: str | None = None
             extra["prompt_chars"] = chars
         if ids is not None:
             extra["prompt_ids"] = ids
+        seqs = request_sequences(doc, api)
+        if seqs > 1:
+            extra["sequences"] = seqs
+        if api == "openai-completions" and doc.get("echo") is True:
+            extra["echo"] = True  # its stream's first chunks carry the prompt (StreamParser's echo)
     return (model if isinstance(model, str) else None), (bool(stream) if stream is not None else None)
 
 
@@ -471,6 +498,10 @@ class Proxy:
         if trace is not None:
             trace.status = status
             encoding = up_headers.get("Content-Encoding", "").strip().lower()
+            if (trace.api is None and status < 400 and encoding in ("", "identity")
+                    and streams.uncounted_kind(trace.method, trace.endpoint) == "embeddings"):
+                # Its input's length (usage.prompt_tokens) is the whole of its GPU work: a prefill, no decode.
+                sink.usage_scan = streams.PromptTokensScan()
             if trace.api is not None and status < 400 and encoding in ("gzip", "x-gzip", "deflate"):
                 sink.inflate = zlib.decompressobj(47)  # 32 + 15: a zlib or gzip header, detected
             elif trace.api is not None and status < 400 and encoding not in ("", "identity"):
@@ -483,7 +514,7 @@ class Proxy:
                 is_sse = "text/event-stream" in ctype or (trace.stream and "json" not in ctype)
                 try:
                     if is_sse:
-                        sink.parser = streams.new_parser(trace.api)
+                        sink.parser = streams.new_parser(trace.api, echo=trace.extra.get("echo", False))
                         trace.stream = True
                     else:
                         sink.body_copy = bytearray()
@@ -547,6 +578,8 @@ class Proxy:
                         trace.outcome = "interrupted"  # our shutdown closed the upstream mid-stream
                 elif sink.body_copy is not None:
                     self._body_done(trace, bytes(sink.body_copy))
+                elif sink.usage_scan is not None and sink.usage_scan.prompt_tokens is not None:
+                    trace.extra["prompt_tokens"] = sink.usage_scan.prompt_tokens
             except Exception as e:
                 trace.recorder_error = f"summary: {error_text(e)}"[:300]
                 self.recorder_failures += 1
@@ -662,6 +695,7 @@ class _ClientSink:
         self.trace = trace
         self.parser = None
         self.body_copy: bytearray | None = None
+        self.usage_scan: streams.PromptTokensScan | None = None  # an embeddings answer's prompt length
         self.transport = None
         self.writer = None
         self.chunked = False
@@ -713,6 +747,8 @@ class _ClientSink:
             if parser is None:
                 if self.body_copy is not None and len(self.body_copy) + len(piece) <= BODY_COPY_MAX_BYTES:
                     self.body_copy += piece
+                elif self.usage_scan is not None:
+                    self.usage_scan.feed(piece)
                 return
             if trace.recorder_error is not None:
                 return

@@ -8,6 +8,7 @@ counts, model, stop reason.
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 
 from powerprof.arrival import count_problem, first_choice_only
@@ -58,6 +59,33 @@ def uncounted_kind(method: str, path: str) -> str | None:
     if "/images/" in p:
         return "images"
     return "other"
+
+
+# `"prompt_tokens": N` followed by what ends the number (a piece may end inside it: then it is not taken yet).
+_PROMPT_TOKENS = re.compile(rb'"prompt_tokens"\s*:\s*(\d{1,9})[^\d]')
+
+
+class PromptTokensScan:
+    """`usage.prompt_tokens` of an embeddings answer, read as its bytes pass: its input's length, the whole of its
+    GPU work (a forward pass over those tokens, no decode). A regular-expression search per piece over the piece and
+    the previous one's last bytes, no copy of the body (the vectors run to megabytes) and no JSON parse; llama.cpp
+    puts its usage before the vectors, vLLM after. `"prompt_tokens_details"` does not match (the quote)."""
+
+    KEEP = 64
+
+    def __init__(self):
+        self.prompt_tokens: int | None = None
+        self._tail = b""
+
+    def feed(self, piece: bytes) -> None:
+        if self.prompt_tokens is not None:
+            return
+        buf = self._tail + piece
+        m = _PROMPT_TOKENS.search(buf)
+        if m is not None:
+            self.prompt_tokens = int(m.group(1))
+        else:
+            self._tail = buf[-self.KEEP:]
 
 
 @dataclass(frozen=True)
@@ -113,9 +141,10 @@ def summary_counts(summary, streamed: bool = True) -> Counts:
     )
 
 
-def new_parser(api: str) -> StreamParser:
-    """A counting parser: plain token chunks are counted from their bytes, not parsed (see StreamParser)."""
-    return StreamParser(api, count_only=True)
+def new_parser(api: str, echo: bool = False) -> StreamParser:
+    """A counting parser: plain token chunks are counted from their bytes, not parsed (see StreamParser); `echo`:
+    the request asked for its prompt echoed (its first chunks carry it)."""
+    return StreamParser(api, count_only=True, echo=echo)
 
 
 def body_counts(api: str, body: bytes) -> Counts:

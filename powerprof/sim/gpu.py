@@ -271,6 +271,19 @@ class SimGpu:
             t_ref = (now // int(upd * 1e9)) * int(upd * 1e9)
             return self._energy_at(t_ref)
 
+    def instant_power_w(self) -> float:
+        """The driver's instant power: the true power as of its last refresh (profile.instant_power_update_s)."""
+        with self._lock:
+            now = self._clock_ns()
+            upd = int(self.profile.instant_power_update_s * 1e9)
+            if upd <= 0:
+                return self._state[1]
+            t_ref = (now // upd) * upd
+            for t0, pw, _ in reversed(self._segments):
+                if t0 <= t_ref:
+                    return pw
+            return self._segments[0][1]
+
     def _energy_at(self, t_ns: int) -> float:
         for t0, pw, e0 in reversed(self._segments):
             if t0 <= t_ns:

@@ -369,7 +369,9 @@ class SimNVML:
 
     def nvmlDeviceGetPowerUsage(self, handle) -> int:
         g = self._gpu(handle)
-        return int(round(g.average_power_w() * 1000))
+        # GA100 and older: instant power, as the instant field reads it.
+        w = g.average_power_w() if g.profile.power_avg_window_s > 0 else g.instant_power_w()
+        return int(round(w * 1000))
 
     def nvmlDeviceGetTotalEnergyConsumption(self, handle) -> int:
         g = self._gpu(handle)
@@ -408,7 +410,7 @@ class SimNVML:
             v.valueType = pynvml.NVML_VALUE_TYPE_UNSIGNED_INT
             if fid == pynvml.NVML_FI_DEV_POWER_INSTANT and g.profile.has_instant_power:
                 v.nvmlReturn = pynvml.NVML_SUCCESS
-                v.value.uiVal = int(round(g.read()["power_w"] * 1000))
+                v.value.uiVal = int(round(g.instant_power_w() * 1000))
             elif (fid == pynvml.NVML_FI_DEV_POWER_AVERAGE and g.profile.has_instant_power
                   and g.profile.power_avg_window_s > 0):  # nvml.h: Ampere except GA100 and newer only
                 v.nvmlReturn = pynvml.NVML_SUCCESS

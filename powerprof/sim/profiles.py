@@ -59,6 +59,10 @@ class GpuProfile:
     # Field 185 (NVML_FI_DEV_POWER_AVERAGE) exists only where it averages.
     power_avg_window_s: float = 1.0
     energy_counter_update_s: float = 0.02  # the driver refreshes the counter every 10-100 ms
+    # The driver refreshes instant power (field 186; nvmlDeviceGetPowerUsage where it does not average) this often;
+    # a read shows the power as of the last refresh. A real H200's changed every ~100 ms (docs/hardware.md). 0: the
+    # simulated reading is the power at the read (every profile: their figures were measured so).
+    instant_power_update_s: float = 0.0
     # What a read of the energy counter costs the caller: (median s, p99 s) of CPU, spent inside the
     # driver. Zero where nothing was measured; the H200's is docs/hardware.md's real figure.
     energy_counter_call_s: tuple[float, float] = (0.0, 0.0)

@@ -1,11 +1,14 @@
-"""Simulated inference server: llama.cpp native and OpenAI protocols over real HTTP on loopback.
+"""Simulated inference server: llama.cpp native, OpenAI, Anthropic Messages and embeddings APIs over real HTTP on loopback.
 
 Token timing follows the simulated GPU: prefill is compute-bound, decode memory-bound with
 the profile's compute share (growing with the batch), and every step's length is its time at
 f_max divided by the GPU's current `speed_factor`, evaluated per step, so a power cap set
 mid-run slows the stream. Concurrent requests share decode steps (their tokens arrive
 together); a prefill pauses decoding. Speculative profiles emit several tokens per step with
-deterministic simulated draft acceptance.
+deterministic simulated draft acceptance. `n > 1` choices are n sequences in the batch, an
+embedding (`/v1/embeddings`, with `embeddings=True`) a prefill of its input and no decode; the wire
+formats of `n > 1`, `/v1/messages`, `/v1/responses` and `/v1/embeddings` are each flavour's own
+(llama.cpp's captured from llama-server b11434, vLLM's read from its source: docs/simulator.md).
 
     with SimServer(profile="seed-16g") as srv:
         srv.url  # http://127.0.0.1:PORT
@@ -13,7 +16,9 @@ deterministic simulated draft acceptance.
 It records ground truth (true emission times, prefill spans) for tests, exposes a `busy`
 flag with callbacks (to drive simulated CPU power), and has fault injection (HTTP errors,
 dropped or stalled streams, malformed JSON, a server that dies, one that restarts: down for a
-while, then back, loading, maybe with other flags). Everything it answers is marked simulated.
+while, then back, loading, maybe with other flags). Its connections are handled as the real servers handle
+theirs (llama.cpp closes after every stream without saying so; idle ones closed after 5 s). Everything it
+answers is marked simulated.
 """
 
 from __future__ import annotations
@@ -26,6 +31,7 @@ import re
 import signal
 import threading
 import time
+import weakref
 import zlib
 from dataclasses import dataclass, field
 from typing import Callable
@@ -48,12 +54,51 @@ LOADING_COMPUTE_SHARE = 0.3
 # buffering proxy). stalls: the client is starved for stall_s out of every stall_every_s, so what
 # the server sent meanwhile reaches it in one read (the end included).
 DELIVERIES = ("stream", "buffered", "stalls")
+# Dialects answered by their own writers (named events, their own usage): Anthropic's Messages and OpenAI's Responses.
+DIALECTS = ("anthropic-messages", "openai-responses")
 _WORD = re.compile(r"\w+|[^\w\s]")
 _VOCAB = (
     "the of and to in is that for it as with on was by be this are from at or an which not have "
     "energy power token decode clock memory limit watt joule speed cap bound compute model layer "
     "cache batch step prompt stream server window sample counter curve level sweet spot"
 ).split()
+
+
+@dataclass(frozen=True)
+class _Echo:
+    """vLLM's `echo` and `logprobs` on /v1/completions (read from its serving_completion.py): each choice's first
+    chunk carries the prompt's text before its first token's (the prompt alone where `max_tokens` was 0: the engine
+    then generates one token it does not return, and its usage counts it); `logprobs` lists one entry per token
+    sent, the echoed prompt's tokens included (the prompt's first logprob null). Usage counts generated tokens only."""
+
+    prompt: str | None  # the text echoed; None: no echo
+    prompt_tokens: tuple = ()  # the prompt's tokens as the simulator's tokenizer cuts them (BOS first)
+    prompt_only: bool = False  # max_tokens 0: the echoed prompt and no generated text
+    logprobs: bool = False
+
+    def text(self, first: bool, text: str) -> str:
+        if not first or self.prompt is None:
+            return text
+        return self.prompt if self.prompt_only else self.prompt + text
+
+    def logprobs_of(self, first: bool, ids: list, offset: int) -> dict | None:
+        """The chunk's `logprobs` (None when not asked for): its tokens, the echoed prompt's first."""
+        if not self.logprobs:
+            return None
+        toks = [] if first and self.prompt_only else [" " + _VOCAB[i % len(_VOCAB)] for i in ids]
+        lps: list = [-0.5] * len(toks)
+        if first and self.prompt is not None:
+            toks = list(self.prompt_tokens) + toks
+            lps = [None] + [-1.0] * (len(self.prompt_tokens) - 1) + lps
+        offsets, pos = [], offset
+        for t in toks:
+            offsets.append(pos)
+            pos += len(t)
+        return {"text_offset": offsets, "token_logprobs": lps, "tokens": toks,
+                "top_logprobs": [None if lp is None else {t: lp} for t, lp in zip(toks, lps)]}
+
+
+_NO_ECHO = _Echo(None)
 
 
 def count_prompt_tokens(text: str) -> int:
@@ -100,12 +145,20 @@ class _Req:
     true_prefill_j: float = 0.0  # the part of it in the steps that prefilled its prompt
     truth_row: dict | None = None  # its entry in SimServer.truth once finished
     client_id: str | None = None  # the X-Sim-Request-Id header, to match truth to a client's request
+    choice: int = 0  # which of its request's sequences it is (n > 1 choices, a list of embedding inputs)
+    embed: bool = False  # an embedding: a prefill of its input and no decode (no token generated)
 
 
 # Late by more than this (the process was stopped, say): start the step schedule afresh rather
 # than emit a long burst. Shorter stalls (GIL contention, a slow CI machine) are caught up, so
 # the simulated GPU's token rate does not depend on how busy the host running it is.
 STEP_CATCH_UP_NS = 1_000_000_000
+
+# How long uvicorn (vLLM, SGLang: timeout_keep_alive) and cpp-httplib (llama-server: CPPHTTPLIB_KEEPALIVE_TIMEOUT_SECOND)
+# keep an idle connection open by default, and how many answers cpp-httplib gives on one connection
+# (CPPHTTPLIB_KEEPALIVE_MAX_COUNT), both as llama-server's `Keep-Alive: timeout=5, max=100` says.
+IDLE_CLOSE_S = 5.0
+LLAMACPP_MAX_ANSWERS_PER_CONNECTION = 100
 
 
 class SimServer:
@@ -137,6 +190,10 @@ class SimServer:
         draft_n_max: int | None = None,
         n_ctx: int | None = None,
         count_factor: float = 1.0,
+        close_after_stream: bool | None = None,
+        idle_close_s: float | None = IDLE_CLOSE_S,
+        close_delay_s: float = 0.0,
+        embeddings: bool = False,
     ):
         """batching: "serial" (a prefill pauses decoding; one prompt at a time) or "continuous"
         (every step prefills a chunk and decodes every running sequence; records each request's
@@ -148,7 +205,18 @@ class SimServer:
         context stops there.
         count_factor: a server that lies about its counts: the counts it gives once a request ends (usage,
         `timings.predicted_n`, the final `tokens_predicted`) are the true count times this; what it streams
-        (and its running counts, /metrics, the truth) stays true."""
+        (and its running counts, /metrics, the truth) stays true.
+        close_after_stream: the connection is closed once a streamed answer ends, without a `Connection: close`
+        header, as llama-server (cpp-httplib) does; None: the flavour's own way (llama.cpp closes, vLLM keeps it).
+        idle_close_s: a kept-alive connection idle this long is closed (uvicorn's and cpp-httplib's 5 s); None
+        or 0: never; fixed at start (close_after_stream may change between requests).
+        close_delay_s: the close after a streamed answer comes this long after its last chunk, so that a client's
+        next request on the connection meets it unanswered: the race a loaded host loses now and then (the client
+        had not yet seen the close when it reused the connection), made certain for tests. The llama.cpp flavour also says
+        `Keep-Alive: timeout=5, max=100`, closes with `Connection: close` after a connection's 100th answer and
+        after every 4xx, as llama-server does (docs/simulator.md).
+        embeddings: serve `/v1/embeddings` (llama-server's `--embeddings`; without it llama.cpp answers 501 and vLLM
+        400, as a generation model's server does), each input a prefill of its tokens and no decode."""
         if flavour not in ("llamacpp", "vllm"):
             raise ValueError("flavour must be llamacpp or vllm")
         if batching not in ("serial", "continuous"):
@@ -193,6 +261,11 @@ class SimServer:
         self.serve_metrics = serve_metrics  # False: /metrics answers 404 (hidden by a proxy, or an old server)
         self.serve_slots = True  # False: /slots answers 501, as llama-server started with --no-slots
         self.count_factor = float(count_factor)  # settable between requests, like delivery
+        self.close_after_stream = flavour == "llamacpp" if close_after_stream is None else bool(close_after_stream)
+        self.idle_close_s = idle_close_s if idle_close_s and idle_close_s > 0 else None
+        self.close_delay_s = float(close_delay_s)
+        self._answers_per_conn: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()  # transport → answers sent
+        self.embeddings = bool(embeddings)
         self.truth: list[dict] = []  # one dict per finished request, in finishing order
         self.truth_cancelled: list[dict] = []  # one per request dropped while running (its client left)
         self.steps: list[tuple[int, int, str, int, int]] = []  # (t0_ns, t1_ns, kind, batch, tokens)
@@ -385,7 +458,14 @@ class SimServer:
         r.add_post("/completions", self._completion)
         r.add_post("/v1/completions", self._oai_completions)
         r.add_post("/v1/chat/completions", self._oai_chat)
-        self._runner = web.AppRunner(app, handle_signals=False, shutdown_timeout=1.0)
+        r.add_post("/v1/messages", self._messages)
+        r.add_post("/v1/responses", self._responses)
+        r.add_post("/v1/embeddings", self._embeddings)
+        app.on_response_prepare.append(self._connection_headers)
+        # aiohttp closes a connection idle for keepalive_timeout (from its last answer, or from its opening).
+        # (0 would close every connection right after its answer: "never" is aiohttp's default, an hour.)
+        idle = {"keepalive_timeout": self.idle_close_s} if self.idle_close_s else {}
+        self._runner = web.AppRunner(app, handle_signals=False, shutdown_timeout=1.0, **idle)
         await self._runner.setup()
         site = web.TCPSite(self._runner, self.host, self._port)
         await site.start()
@@ -412,6 +492,25 @@ class SimServer:
         await self._runner.cleanup()
         for g in self.gpus:
             g.set_phase(Phase("idle"))
+
+    async def _connection_headers(self, request: web.Request, resp: web.StreamResponse) -> None:
+        """llama-server's connection handling (cpp-httplib, as measured on the real one: docs/simulator.md): every
+        answer it keeps the connection for says `Keep-Alive: timeout=5, max=100`; a connection's 100th answer and
+        every 4xx say `Connection: close` and close it. (A streamed answer says Keep-Alive too, and closes anyway:
+        _serve_stream.) uvicorn (the vLLM flavour) says neither."""
+        if self.flavour != "llamacpp":
+            return
+        tr = request.transport
+        n = 1
+        if tr is not None:
+            n = self._answers_per_conn[tr] = self._answers_per_conn.get(tr, 0) + 1
+        if 400 <= resp.status < 500 or n >= LLAMACPP_MAX_ANSWERS_PER_CONNECTION:
+            # (aiohttp's hook runs after it chose the connection headers: say it here, then close after the answer.)
+            resp.headers["Connection"] = "close"
+            resp.force_close()
+            return
+        if self.idle_close_s:
+            resp.headers["Keep-Alive"] = f"timeout={self.idle_close_s:g}, max={LLAMACPP_MAX_ANSWERS_PER_CONNECTION}"
 
     def _set_busy(self, busy: bool) -> None:
         if busy != self.busy:
@@ -483,6 +582,10 @@ class SimServer:
         speed = self._phase("prefill", PREFILL_COMPUTE_SHARE)
         await self._step(todo / self.prefill_tok_s / speed)
         req.t_prefill_end_ns = time.monotonic_ns()
+        if req.embed:
+            self._finish_embedding(req)
+            self._log_step(req.t_prefill_start_ns, req.t_prefill_end_ns, "prefill", 1, 0)
+            return
         self._emit(req, 1)
         self._log_step(req.t_prefill_start_ns, req.t_prefill_end_ns, "prefill", 1, 1)
 
@@ -549,13 +652,16 @@ class SimServer:
             r.true_energy_j += e
             if k < len(pre_in):
                 r.true_prefill_j += e
-        self._last_step = (seqs, seq_costs)
+        self._last_step = (seqs, seq_costs, len(pre_in))
         before = sum(r.generated for r in seqs)
         for r, n, k in pre_in:
             r.prefilled += k
             if r.prefilled >= n and not r.cancelled:
                 r.t_prefill_end_ns = time.monotonic_ns()
-                self._emit(r, 1)
+                if r.embed:
+                    self._finish_embedding(r)
+                else:
+                    self._emit(r, 1)
         for r in dec:
             if not r.cancelled:
                 self._emit(r, self._draw_tokens(r))
@@ -566,15 +672,18 @@ class SimServer:
         stayed in the last step's phase) is the last step's, so the windows tile the busy time."""
         if self._last_step is None:
             return
-        seqs, seq_costs = self._last_step
+        seqs, seq_costs, n_prefill = self._last_step
         self._last_step = None
         w1, now = self._window_ns[1], time.monotonic_ns()
         if now <= w1:
             return
         tail = sum(g.recent_energy_at_j(now) - g.recent_energy_at_j(w1) for g in self.gpus)
-        for r, e in zip(seqs, batching.shares(seq_costs, tail)):
+        for k, (r, e) in enumerate(zip(seqs, batching.shares(seq_costs, tail))):
+            if k < n_prefill:  # it prefilled in that step: the tail is prefill work too (an embedding's whole pass)
+                r.true_prefill_j += e
             r.true_energy_j += e
             if r.truth_row is not None:
+                r.truth_row["prefill_energy_j"] = r.true_prefill_j
                 r.truth_row["energy_j"] = r.true_energy_j
 
     def _log_step(self, t0: int, t1: int, kind: str, batch: int, tokens: int) -> None:
@@ -641,10 +750,56 @@ class SimServer:
             "energy_j": req.true_energy_j if self.batching == "continuous" else None,
             "prefill_energy_j": req.true_prefill_j if self.batching == "continuous" else None,
             "client_id": req.client_id,
+            "choice": req.choice,
+            "kind": "generation",
         }
         self.truth.append(req.truth_row)
         reported = dict(timings, predicted_n=self._reported(req.generated))  # the truth keeps the true count
         req.queue.put_nowait(("done", reported))
+
+    def _finish_embedding(self, req: _Req) -> None:
+        """An embedding's forward pass is done: it leaves the batch having generated nothing (the pooled hidden
+        state is its answer); its truth is the energy of the steps that prefilled its input."""
+        if req in self._active:
+            self._active.remove(req)
+        prompt_ms = (req.t_prefill_end_ns - req.t_prefill_start_ns) / 1e6
+        req.truth_row = {
+            "rid": req.rid,
+            "prompt_tokens": req.prompt_tokens,
+            "cached_tokens": 0,
+            "t_arrive_ns": req.t_arrive_ns,
+            "t_prefill_start_ns": req.t_prefill_start_ns,
+            "t_prefill_end_ns": req.t_prefill_end_ns,
+            "emissions": [],
+            "emission_late_ns": [],
+            "generated": 0,
+            "timings": {"prompt_n": req.prompt_tokens, "prompt_ms": prompt_ms},
+            "energy_j": req.true_energy_j if self.batching == "continuous" else None,
+            "prefill_energy_j": req.true_prefill_j if self.batching == "continuous" else None,
+            "client_id": req.client_id,
+            "choice": req.choice,
+            "kind": "embeddings",
+        }
+        self.truth.append(req.truth_row)
+        req.queue.put_nowait(("done", {"prompt_n": req.prompt_tokens, "prompt_ms": prompt_ms}))
+
+    def request_truth(self) -> dict:
+        """The truth per client request (its X-Sim-Request-Id): its sequences' rows summed (n > 1 choices and a
+        list of embedding inputs are one request of several sequences). {client_id: {energy_j, prefill_energy_j,
+        generated, prompt_tokens, sequences, kind}}; energy None unless continuous batching."""
+        out: dict = {}
+        for t in self.truth:
+            cid = t.get("client_id")
+            if cid is None:
+                continue
+            o = out.setdefault(cid, {"energy_j": 0.0, "prefill_energy_j": 0.0, "generated": 0, "prompt_tokens": 0,
+                                     "sequences": 0, "kind": t.get("kind", "generation")})
+            for k in ("energy_j", "prefill_energy_j"):
+                o[k] = None if o[k] is None or t[k] is None else o[k] + t[k]
+            o["generated"] += t["generated"]
+            o["prompt_tokens"] += t["prompt_tokens"]
+            o["sequences"] += 1
+        return out
 
     def _cancelled_truth(self, req: _Req) -> None:
         """A request dropped before its end (its client left): what it generated and the energy of the
@@ -666,23 +821,34 @@ class SimServer:
         """The generated count the server gives at the end: the truth unless it lies (count_factor)."""
         return n if self.count_factor == 1.0 else int(round(n * self.count_factor))
 
-    def _submit(self, prompt: str, n_predict: int, ignore_eos: bool, cache_prompt: bool, seed: int) -> _Req:
+    def _submit(self, prompt: str, n_predict: int, ignore_eos: bool, cache_prompt: bool, seed: int, choice: int = 0,
+                embed: bool = False, queue=None) -> _Req:
+        """One sequence into the engine. choice > 0: another choice of the same prompt (n > 1), sampled apart (its own
+        text and end); embed: an embedding (prefill only); queue: where its events go (one shared by a request's
+        sequences, each item tagged with its choice: _Tagged)."""
         rid = self._next_rid
         self._next_rid += 1
         h = zlib.crc32(prompt.encode())
         n_prompt = count_prompt_tokens(prompt)
-        cached = n_prompt - 1 if cache_prompt and h in self._prompt_cache else 0
-        self._prompt_cache.add(h)
+        # vLLM (V1) fans n > 1 choices out into child requests whose prompt is computed once: the others find its
+        # blocks in the prefix cache. llama.cpp prefills the prompt in every choice's slot (usage says it n times).
+        shared = choice > 0 and self.flavour == "vllm"
+        cached = n_prompt - 1 if not embed and (shared or (cache_prompt and h in self._prompt_cache)) else 0
+        if not embed:
+            self._prompt_cache.add(h)
+        hc = h if choice == 0 else zlib.crc32(f"{prompt}#{choice}".encode())
         req = _Req(
             rid=rid,
             prompt_tokens=n_prompt,
             n_predict=max(1, n_predict),
-            eos_at=None if ignore_eos else 16 + h % 48,
+            eos_at=None if ignore_eos else 16 + hc % 48,
             cached=cached,
-            text_seed=h,
-            rng=np.random.default_rng([h, seed & 0xFFFFFFFF, self.seed]),
-            queue=asyncio.Queue(),
+            text_seed=hc,
+            rng=np.random.default_rng([hc, seed & 0xFFFFFFFF, self.seed]),
+            queue=queue if queue is not None else asyncio.Queue(),
             t_arrive_ns=time.monotonic_ns(),
+            choice=choice,
+            embed=embed,
         )
         self._waiting.append(req)
         self._wake.set()
@@ -794,7 +960,20 @@ class SimServer:
         prompt = body.get("prompt", "")
         if isinstance(prompt, list):
             prompt = " ".join(map(str, prompt))
-        return await self._serve(request, "openai-completions", str(prompt), body, int(body.get("max_tokens") or 16))
+        prompt = str(prompt)
+        n = body.get("max_tokens")
+        echo = _NO_ECHO
+        if body.get("echo") is True:
+            if self.flavour == "llamacpp":
+                return self._bad_request("Only no echo is supported")  # llama-server refuses it
+            lp = body.get("logprobs")
+            echo = _Echo(prompt, ("<s>", *_WORD.findall(prompt)), n == 0,
+                         type(lp) is int and lp >= 0)
+            if n == 0:
+                n = 1  # vLLM: echo without generation runs one token, which it does not send
+        elif type(body.get("logprobs")) is int and self.flavour == "vllm":
+            echo = _Echo(None, logprobs=body["logprobs"] >= 0)
+        return await self._serve(request, "openai-completions", prompt, body, int(n or 16), echo)
 
     async def _oai_chat(self, request: web.Request) -> web.StreamResponse:
         body = await self._body(request)
@@ -803,7 +982,83 @@ class SimServer:
         n = body.get("max_completion_tokens") or body.get("max_tokens") or 128
         return await self._serve(request, "openai-chat", prompt, body, int(n))
 
-    async def _serve(self, request: web.Request, api: str, prompt: str, body: dict, n_predict: int):
+    async def _messages(self, request: web.Request) -> web.StreamResponse:
+        """Anthropic's Messages API (llama.cpp and vLLM serve it at /v1/messages): a chat in other clothes."""
+        body = await self._body(request)
+        parts = [_text_of(body.get("system"))]
+        parts += [_text_of(m.get("content")) for m in body.get("messages") or [] if isinstance(m, dict)]
+        n = body.get("max_tokens")
+        if not isinstance(n, int) or isinstance(n, bool) or n < 1:
+            return self._bad_request("max_tokens: a positive integer is required")
+        return await self._serve(request, "anthropic-messages", "\n".join(p for p in parts if p), body, n)
+
+    async def _responses(self, request: web.Request) -> web.StreamResponse:
+        """OpenAI's Responses API (/v1/responses: vLLM, llama.cpp): `input` a string or a list of messages."""
+        body = await self._body(request)
+        inp = body.get("input")
+        items = inp if isinstance(inp, list) else [inp]
+        parts = [_text_of(body.get("instructions"))]
+        parts += [_text_of(m.get("content")) if isinstance(m, dict) else _text_of(m) for m in items]
+        n = body.get("max_output_tokens") or 128
+        return await self._serve(request, "openai-responses", "\n".join(p for p in parts if p), body, int(n))
+
+    async def _embeddings(self, request: web.Request) -> web.Response:
+        """/v1/embeddings: each input one sequence whose forward pass is a prefill of its tokens, with no decode;
+        the answer comes once every input's pass is done, with `usage.prompt_tokens` their sum."""
+        if self._dead:
+            raise web.HTTPServiceUnavailable()
+        loading = self._loading()
+        if loading is not None:
+            return loading
+        if not self.embeddings:
+            if self.flavour == "llamacpp":
+                return self._json({"error": {"code": 501, "type": "not_supported_error",
+                                             "message": "This server does not support embeddings. Start it with `--embeddings`"}}, 501)
+            return self._json({"object": "error", "message": "The model does not support Embeddings API",
+                               "type": "BadRequestError", "param": None, "code": 400}, 400)
+        body = await self._body(request)
+        inp = body.get("input")
+        if isinstance(inp, str) or (isinstance(inp, list) and inp and all(isinstance(x, int) for x in inp)):
+            inp = [inp]
+        if not isinstance(inp, list) or not inp or not all(isinstance(x, (str, list)) for x in inp):
+            return self._bad_request('"input" must not be empty')
+        # A list of token ids is that many tokens: words standing for them (the simulator's tokenizer adds the BOS).
+        texts = [x if isinstance(x, str) else " ".join(["w"] * max(len(x) - 1, 0)) for x in inp]
+        q: asyncio.Queue = asyncio.Queue()
+        reqs = [self._submit(t, 1, True, False, 0, choice=i, embed=True, queue=_Tagged(q, i)) for i, t in enumerate(texts)]
+        cid = request.headers.get("X-Sim-Request-Id")
+        for r in reqs:
+            r.client_id = cid
+        try:
+            left = len(reqs)
+            while left:
+                item = await q.get()
+                if item[1] == "dead":
+                    raise web.HTTPServiceUnavailable()
+                left -= item[1] == "done"
+        finally:
+            for r in reqs:
+                if r in self._active or r in self._waiting:
+                    r.cancelled = True
+                    self._wake.set()
+        n_tok = sum(r.prompt_tokens for r in reqs)
+        data = [{"embedding": _embedding(r.text_seed), "index": r.choice, "object": "embedding"} for r in reqs]
+        if self.flavour == "llamacpp":
+            model = body.get("model") if isinstance(body.get("model"), str) else self.model
+            return self._json({"model": model, "object": "list", "usage": {"prompt_tokens": n_tok, "total_tokens": n_tok},
+                               "data": data, "simulated": True})
+        return self._json({"id": f"embd-sim-{reqs[0].rid}", "object": "list", "created": int(time.time()), "model": self.model,
+                           "data": [{"index": d["index"], "object": "embedding", "embedding": d["embedding"]} for d in data],
+                           "usage": {"prompt_tokens": n_tok, "total_tokens": n_tok, "completion_tokens": 0,
+                                     "prompt_tokens_details": None}, "simulated": True})
+
+    def _bad_request(self, message: str) -> web.Response:
+        if self.flavour == "llamacpp":
+            return self._json({"error": {"code": 400, "message": message, "type": "invalid_request_error"}}, 400)
+        return self._json({"object": "error", "message": message, "type": "BadRequestError", "param": None, "code": 400}, 400)
+
+    async def _serve(self, request: web.Request, api: str, prompt: str, body: dict, n_predict: int,
+                     echo: _Echo = _NO_ECHO):
         if self._dead:
             raise web.HTTPServiceUnavailable()
         loading = self._loading()
@@ -824,26 +1079,34 @@ class SimServer:
                 return self._json({"object": "error", "message": msg, "type": "BadRequestError", "code": 400}, 400)
             ctx = self.n_ctx // self.n_slots if self.flavour == "llamacpp" else self.n_ctx  # llama.cpp: per slot
             n_predict = max(1, min(n_predict, ctx - n_prompt))
-        req = self._submit(
-            prompt,
-            n_predict,
-            bool(body.get("ignore_eos", False)),
-            bool(body.get("cache_prompt", default_cache)),
-            int(body.get("seed", 0) or 0),
-        )
-        req.client_id = request.headers.get("X-Sim-Request-Id")
+        n_choices = body.get("n", 1) if api in ("openai-chat", "openai-completions") else 1
+        if not isinstance(n_choices, int) or isinstance(n_choices, bool) or n_choices < 1:
+            return self._bad_request("Field 'n': must be an integer of at least 1")
+        if self.flavour == "llamacpp" and n_choices > self.n_slots:
+            # llama-server runs a task per choice, each in a slot of its own (checked against b11434).
+            return self._bad_request(f"Field 'n': Value must be between 1 <= value <= {self.n_slots}, but got {n_choices}")
+        args = (n_predict, bool(body.get("ignore_eos", False)), bool(body.get("cache_prompt", default_cache)),
+                int(body.get("seed", 0) or 0))
         stream = bool(body.get("stream", False))
         opts = body.get("stream_options") if isinstance(body.get("stream_options"), dict) else {}
+        if n_choices > 1:
+            return await self._serve_choices(request, api, prompt, args, n_choices, stream, opts, echo)
+        req = self._submit(prompt, *args)
+        req.client_id = request.headers.get("X-Sim-Request-Id")
+        if api == "anthropic-messages" and self.flavour == "vllm" and stream:
+            opts = {"include_usage": True, "continuous_usage_stats": True}  # vLLM asks its chat stream for both
         try:
             if not stream:
-                return await self._serve_whole(api, req)
-            return await self._serve_stream(request, api, req, fault, opts)
+                if api in DIALECTS:
+                    return await self._serve_whole_dialect(api, req)
+                return await self._serve_whole(api, req, echo)
+            return await self._serve_stream(request, api, req, fault, opts, echo)
         finally:
             if req in self._active or req in self._waiting:
                 req.cancelled = True
                 self._wake.set()
 
-    async def _serve_whole(self, api: str, req: _Req) -> web.Response:
+    async def _serve_whole(self, api: str, req: _Req, echo: _Echo = _NO_ECHO) -> web.Response:
         ids_all, text_all = [], ""
         while True:
             kind, payload = await req.queue.get()
@@ -864,7 +1127,10 @@ class SimServer:
         if api == "openai-chat":
             choice["message"] = {"role": "assistant", "content": text_all}
         else:
-            choice["text"] = text_all
+            choice["text"] = echo.text(True, text_all)
+            lp = echo.logprobs_of(True, ids_all, 0)
+            if lp is not None:
+                choice["logprobs"] = lp
         obj = {
             "id": f"sim-{req.rid}",
             "object": "chat.completion" if api == "openai-chat" else "text_completion",
@@ -896,13 +1162,25 @@ class SimServer:
             "simulated": True,
         }
 
-    async def _serve_stream(self, request: web.Request, api: str, req: _Req, fault: Fault | None, opts: dict):
+    async def _serve_stream(self, request: web.Request, api: str, req: _Req, fault: Fault | None, opts: dict,
+                            echo: _Echo = _NO_ECHO):
         resp = web.StreamResponse(
             headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache", "X-Powerprof-Simulated": "1"}
         )
         try:
             await resp.prepare(request)
-            await self._write_stream(resp, request, api, req, fault, opts)
+            if self.close_after_stream:
+                # After the head went out, so no `Connection: close` is said: the connection closes (a FIN) right
+                # after the last chunk, as llama-server's does; a client that sends its next request on it meets the close.
+                resp.force_close()
+            if api in DIALECTS:
+                await self._write_dialect(resp, request, api, req)
+            else:
+                await self._write_stream(resp, request, api, req, fault, opts, echo)
+            if self.close_after_stream and self.close_delay_s > 0:
+                # The handler holds the connection open: a request sent on it meanwhile is read and left
+                # unanswered when the connection closes after the handler returns.
+                await asyncio.sleep(self.close_delay_s)
         except ConnectionResetError:  # aiohttp.ClientConnectionResetError is one
             # The client hung up (an interrupted sweep, a closed terminal): ordinary for a server, so
             # no "Error handling request" traceback; the engine drops the request as a real one does.
@@ -911,7 +1189,7 @@ class SimServer:
         return resp
 
     async def _write_stream(self, resp: web.StreamResponse, request: web.Request, api: str, req: _Req,
-                            fault: Fault | None, opts: dict) -> None:
+                            fault: Fault | None, opts: dict, echo: _Echo = _NO_ECHO) -> None:
         chat = api == "openai-chat"
         oid = f"sim-{req.rid}"
         obj_name = "chat.completion.chunk" if chat else "text_completion"
@@ -921,6 +1199,7 @@ class SimServer:
         out = _Delivery(resp, self.delivery, self.stall_s, self.stall_every_s)
         n_events = 0
         sent = 0  # tokens written so far
+        text_sent = 0  # characters of text written so far (logprobs' text_offset)
         group_ids: list = []
         group_text = ""
 
@@ -929,7 +1208,7 @@ class SimServer:
             return b"data: " + json.dumps(d).encode() + b"\n\n"
 
         async def send_tokens(ids: list, text: str, finish: str | None = None) -> None:
-            nonlocal n_events, sent
+            nonlocal n_events, sent, text_sent
             if fault is not None and n_events == fault.after_tokens:
                 if fault.kind == "drop":
                     req.cancelled = True
@@ -950,7 +1229,12 @@ class SimServer:
             if chat:
                 choice["delta"] = {"content": text}
             else:
-                choice["text"] = text
+                first = n_events == 1
+                lp = echo.logprobs_of(first, ids, text_sent)
+                choice["text"] = text = echo.text(first, text)
+                text_sent += len(text)
+                if lp is not None:
+                    choice["logprobs"] = lp
             extra = {}
             if continuous:
                 extra["usage"] = {"prompt_tokens": req.prompt_tokens, "completion_tokens": sent}
@@ -988,6 +1272,10 @@ class SimServer:
                         group_ids, group_text = [], ""
                 elif kind == "done":
                     timings = payload
+                    if self.close_delay_s > 0 and self.delivery == "stream":
+                        # The last event and the body's end in one write, so the client has the whole answer at once and
+                        # keeps the connection for its next request (which then meets the delayed close every time).
+                        out = _Delivery(resp, "buffered", self.stall_s, self.stall_every_s)
                     if api == "llamacpp":
                         await out.send(b"data: " + json.dumps(self._llama_final(req, timings)).encode() + b"\n\n")
                     else:
@@ -1004,10 +1292,295 @@ class SimServer:
                             d = {"id": oid, "object": obj_name, "created": 0, "model": self.model, "choices": [], "usage": self._usage(req)}
                             await out.send(b"data: " + json.dumps(d).encode() + b"\n\n")
                         await out.send(b"data: [DONE]\n\n")
-                    await out.close()
-                    await resp.write_eof()
+                    await resp.write_eof(await out.take())
                     return
         except _Dropped:
+            return
+
+
+    # --- several choices in one request (n > 1) -----------------------------------------------
+
+    async def _serve_choices(self, request: web.Request, api: str, prompt: str, args: tuple, n: int, stream: bool,
+                             opts: dict, echo: _Echo = _NO_ECHO) -> web.StreamResponse:
+        """`n` choices of one prompt: n sequences in the batch, each prefilling the prompt in its own slot
+        (llama.cpp runs a task per choice); their events share one queue, tagged with the choice."""
+        q: asyncio.Queue = asyncio.Queue()
+        reqs = [self._submit(prompt, *args, choice=i, queue=_Tagged(q, i)) for i in range(n)]
+        cid = request.headers.get("X-Sim-Request-Id")
+        for r in reqs:
+            r.client_id = cid
+        try:
+            if not stream:
+                return await self._serve_choices_whole(api, reqs, q, echo)
+            resp = web.StreamResponse(
+                headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache", "X-Powerprof-Simulated": "1"})
+            try:
+                await resp.prepare(request)
+                await self._write_choices(resp, request, api, reqs, q, opts, echo)
+            except ConnectionResetError:
+                for r in reqs:
+                    r.cancelled = True
+            return resp
+        finally:
+            for r in reqs:
+                if r in self._active or r in self._waiting:
+                    r.cancelled = True
+                    self._wake.set()
+
+    async def _serve_choices_whole(self, api: str, reqs: list, q: asyncio.Queue, echo: _Echo = _NO_ECHO) -> web.Response:
+        texts, timings, left = [""] * len(reqs), [None] * len(reqs), len(reqs)
+        ids: list = [[] for _ in reqs]
+        while left:
+            i, kind, payload = await q.get()
+            if kind == "tokens":
+                ids[i] += payload[0]
+                texts[i] += payload[1]
+            elif kind == "done":
+                timings[i], left = payload, left - 1
+            else:
+                raise web.HTTPServiceUnavailable()
+        chat = api == "openai-chat"
+        choices = []
+        for r, text, ids_r in zip(reqs, texts, ids):
+            c = {"index": r.choice, "finish_reason": "length" if r.stop_type == "limit" else "stop"}
+            if chat:
+                c["message"] = {"role": "assistant", "content": text}
+            else:
+                c.update(text=echo.text(True, text), logprobs=echo.logprobs_of(True, ids_r, 0))
+            choices.append(c)
+        obj = {"id": f"sim-{reqs[0].rid}", "object": "chat.completion" if chat else "text_completion", "model": self.model,
+               "choices": choices}
+        if self.flavour == "llamacpp":
+            # llama-server (b11434) answers several choices whole with its first task's usage and timings alone.
+            obj.update(usage=self._usage(reqs[0]), timings=timings[0])
+        else:
+            gen = sum(self._reported(r.generated) for r in reqs)  # vLLM: the prompt once, the choices' tokens summed
+            obj["usage"] = {"prompt_tokens": reqs[0].prompt_tokens, "completion_tokens": gen,
+                            "total_tokens": reqs[0].prompt_tokens + gen}
+        obj["simulated"] = True
+        return self._json(obj)
+
+    async def _write_choices(self, resp: web.StreamResponse, request: web.Request, api: str, reqs: list,
+                             q: asyncio.Queue, opts: dict, echo: _Echo = _NO_ECHO) -> None:
+        """A stream of several choices, each chunk holding one choice with its `index`, as the servers send them:
+        llama.cpp closes each task's choice with that task's own counts (its `timings`; its `usage` on the closing
+        chunk of /v1/completions, in a chunk of its own on chat); vLLM's continuous usage is each choice's own
+        running count, its final usage the prompt once and the choices' tokens summed."""
+        chat = api == "openai-chat"
+        vllm = self.flavour == "vllm"
+        oid, obj_name = f"sim-{reqs[0].rid}", "chat.completion.chunk" if chat else "text_completion"
+        continuous = vllm and bool(opts.get("continuous_usage_stats"))
+        empty_final = vllm and self.vllm_empty_final
+        out = _Delivery(resp, self.delivery, self.stall_s, self.stall_every_s)
+        n = len(reqs)
+        sent, started, closed, left = [0] * n, [False] * n, [False] * n, n
+        text_sent = [0] * n  # characters of each choice's text written (logprobs' text_offset)
+
+        def chunk(choice: dict | None, **extra) -> bytes:
+            d = {"id": oid, "object": obj_name, "created": 0, "model": self.model,
+                 "choices": [] if choice is None else [choice], **extra}
+            return b"data: " + json.dumps(d).encode() + b"\n\n"
+
+        def running(i: int) -> dict:
+            p = reqs[i].prompt_tokens
+            return {"usage": {"prompt_tokens": p, "completion_tokens": sent[i], "total_tokens": p + sent[i]}} if continuous else {}
+
+        async def content(i: int, text: str, ids: list, finish: str | None = None) -> None:
+            first = sent[i] == 0
+            sent[i] += len(ids)
+            c = {"index": i, "finish_reason": finish}
+            if chat:
+                c["delta"] = {"content": text}
+            else:
+                lp = echo.logprobs_of(first, ids, text_sent[i])
+                text = echo.text(first, text)
+                text_sent[i] += len(text)
+                c.update(text=text, logprobs=lp)
+            await out.send(chunk(c, **running(i)))
+
+        async def role(i: int) -> None:
+            await out.send(chunk({"index": i, "delta": {"role": "assistant", "content": "" if vllm else None},
+                                  "finish_reason": None}, **running(i)))
+
+        while left:
+            try:
+                item = await (asyncio.wait_for(q.get(), self.keepalive_s) if self.keepalive_s else q.get())
+            except asyncio.TimeoutError:
+                await out.send(b": keep-alive\n\n")
+                continue
+            i, kind, payload = item
+            if kind == "dead":
+                _abort(request)
+                return
+            r = reqs[i]
+            fr = "length" if r.stop_type == "limit" else "stop"
+            if kind == "tokens":
+                ids, text, last = payload
+                if chat and not started[i]:
+                    if vllm:  # vLLM sends every choice's role chunk with its first output
+                        for j in range(n):
+                            if not started[j]:
+                                await role(j)
+                                started[j] = True
+                    else:  # llama.cpp: each task's own, before its first token
+                        await role(i)
+                started[i] = True
+                if last and empty_final:
+                    # vLLM's last token comes in the closing chunk, with empty content (its usage says so).
+                    if len(ids) > 1:
+                        await content(i, text, ids[:-1])
+                    await content(i, "", ids[-1:], finish=fr)
+                    closed[i] = True
+                else:
+                    await content(i, text, ids)
+                continue
+            left -= 1  # "done": this choice's task ended
+            close = {"index": i, "finish_reason": fr}
+            if chat:
+                close["delta"] = {}
+            else:
+                close.update(text="", logprobs=None)
+            if vllm:
+                if not closed[i]:
+                    await out.send(chunk(close, **running(i)))
+                continue
+            if chat and opts.get("include_usage"):
+                await out.send(chunk(close))
+                await out.send(chunk(None, usage=self._usage(r), timings=payload))
+            elif opts.get("include_usage"):
+                await out.send(chunk(close, usage=self._usage(r), timings=payload))
+            else:
+                await out.send(chunk(close, timings=payload))
+        if vllm and opts.get("include_usage"):
+            gen = sum(self._reported(r.generated) for r in reqs)
+            p = reqs[0].prompt_tokens
+            await out.send(chunk(None, usage={"prompt_tokens": p, "completion_tokens": gen, "total_tokens": p + gen}))
+        await out.send(b"data: [DONE]\n\n")
+        await resp.write_eof(await out.take())
+
+    # --- Anthropic Messages and OpenAI Responses ----------------------------------------------
+
+    def _dialect_usage(self, api: str, req: _Req) -> dict:
+        p, c, n = req.prompt_tokens, req.cached, self._reported(req.generated)
+        if api == "anthropic-messages":
+            if self.flavour == "llamacpp":  # input_tokens leaves out the cached part (b11434)
+                return {"cache_read_input_tokens": c, "input_tokens": p - c, "output_tokens": n}
+            return {"input_tokens": p, "output_tokens": n}
+        if self.flavour == "llamacpp":
+            return {"input_tokens": p, "output_tokens": n, "total_tokens": p + n, "input_tokens_details": {"cached_tokens": c}}
+        return {"input_tokens": p, "input_tokens_details": {"cached_tokens": c}, "output_tokens": n,
+                "output_tokens_details": {"reasoning_tokens": 0}, "total_tokens": p + n}
+
+    def _dialect_whole(self, api: str, req: _Req, text: str) -> dict:
+        if api == "anthropic-messages":
+            return {"id": f"chatcmpl-sim{req.rid}", "type": "message", "role": "assistant",
+                    "content": [{"type": "text", "text": text}], "model": self.model,
+                    "stop_reason": "max_tokens" if req.stop_type == "limit" else "end_turn", "stop_sequence": None,
+                    "usage": self._dialect_usage(api, req)}
+        return {"id": f"resp_sim{req.rid}", "object": "response", "created_at": int(time.time()), "status": "completed",
+                "model": self.model, "output": [self._response_item(req, text, "completed")],
+                "usage": self._dialect_usage(api, req)}
+
+    def _response_item(self, req: _Req, text: str | None, status: str) -> dict:
+        content = [] if text is None else [{"type": "output_text", "annotations": [], "logprobs": [], "text": text}]
+        return {"type": "message", "id": f"msg_sim{req.rid}", "status": status, "role": "assistant", "content": content}
+
+    async def _serve_whole_dialect(self, api: str, req: _Req) -> web.Response:
+        text = ""
+        while True:
+            kind, payload = await req.queue.get()
+            if kind == "tokens":
+                text += payload[1]
+            elif kind == "done":
+                break
+            else:
+                raise web.HTTPServiceUnavailable()
+        return self._json(dict(self._dialect_whole(api, req, text), simulated=True))
+
+    async def _write_dialect(self, resp: web.StreamResponse, request: web.Request, api: str, req: _Req) -> None:
+        """A Messages or Responses stream: named events (`event:` and `data:` lines), opened with the first token
+        (both servers send nothing before), one delta event per step's tokens, closed by the counts' event."""
+        vllm = self.flavour == "vllm"
+        out = _Delivery(resp, self.delivery, self.stall_s, self.stall_every_s)
+        mid, rid = f"msg_sim{req.rid}", f"resp_sim{req.rid}"
+        seq = 0
+        text_all = ""
+
+        def event(d: dict) -> bytes:
+            nonlocal seq
+            if vllm and api == "openai-responses":
+                d = {"type": d["type"], "sequence_number": seq, **{k: v for k, v in d.items() if k != "type"}}
+                seq += 1
+            return b"event: " + d["type"].encode() + b"\ndata: " + json.dumps(d).encode() + b"\n\n"
+
+        def head() -> list[dict]:
+            if api == "anthropic-messages":
+                u = self._dialect_usage(api, req)
+                u = {k: v for k, v in u.items() if k != "output_tokens"} | {"output_tokens": 0}
+                return [{"type": "message_start", "message": {"id": f"chatcmpl-sim{req.rid}", "type": "message",
+                                                              "role": "assistant", "content": [], "model": self.model,
+                                                              "stop_reason": None, "stop_sequence": None, "usage": u}},
+                        {"type": "content_block_start", "index": 0, "content_block": {"type": "text", "text": ""}}]
+            r0 = {"id": rid, "object": "response", "status": "in_progress"}
+            if vllm:
+                r0.update(created_at=int(time.time()), model=self.model, output=[])
+            where = {"output_index": 0} if vllm else {}
+            part = {"type": "output_text", "text": ""} | ({"annotations": [], "logprobs": []} if vllm else {})
+            return [{"type": "response.created", "response": r0}, {"type": "response.in_progress", "response": r0},
+                    {"type": "response.output_item.added", **where, "item": self._response_item(req, None, "in_progress")},
+                    {"type": "response.content_part.added", **where, "item_id": mid,
+                     **({"content_index": 0} if vllm else {}), "part": part}]
+
+        def delta(text: str) -> dict:
+            if api == "anthropic-messages":
+                return {"type": "content_block_delta", "index": 0, "delta": {"type": "text_delta", "text": text}}
+            if vllm:
+                return {"type": "response.output_text.delta", "content_index": 0, "output_index": 0, "item_id": mid,
+                        "delta": text, "logprobs": []}
+            return {"type": "response.output_text.delta", "item_id": mid, "delta": text}
+
+        def tail(timings: dict) -> list[dict]:
+            stop = "max_tokens" if req.stop_type == "limit" else "end_turn"
+            if api == "anthropic-messages":
+                if vllm:
+                    md = {"type": "message_delta", "delta": {"stop_reason": stop}, "usage": self._dialect_usage(api, req)}
+                else:
+                    md = {"type": "message_delta", "delta": {"stop_reason": stop, "stop_sequence": None},
+                          "usage": {"output_tokens": self._reported(req.generated)}}
+                return [{"type": "content_block_stop", "index": 0}, md, {"type": "message_stop"}]
+            where = {"output_index": 0} if vllm else {}
+            idx = {"content_index": 0} if vllm else {}
+            done = self._dialect_whole(api, req, text_all)
+            return [{"type": "response.output_text.done", **where, "item_id": mid, **idx, "text": text_all},
+                    {"type": "response.content_part.done", **where, "item_id": mid, **idx,
+                     "part": {"type": "output_text", "annotations": [], "logprobs": [], "text": text_all}},
+                    {"type": "response.output_item.done", **where, "item": self._response_item(req, text_all, "completed")},
+                    {"type": "response.completed", "response": done} | ({} if vllm else {"timings": timings})]
+
+        started = False
+        while True:
+            kind, payload = await req.queue.get()
+            if kind == "dead":
+                _abort(request)
+                return
+            if kind == "tokens":
+                ids, text, last = payload
+                if not started:
+                    for d in head():
+                        await out.send(event(d))
+                    started = True
+                text_all += text
+                if vllm and api == "anthropic-messages" and last and self.vllm_empty_final:
+                    # vLLM's chat stream carries the last token in its closing chunk with empty content, which its
+                    # Messages converter drops: that token is in message_delta's output_tokens only.
+                    if len(ids) > 1:
+                        await out.send(event(delta(text)))
+                    continue
+                await out.send(event(delta(text)))
+                continue
+            for d in tail(payload):  # "done"
+                await out.send(event(d))
+            await resp.write_eof(await out.take())
             return
 
 
@@ -1048,12 +1621,37 @@ class _Delivery:
         if data:
             await self.resp.write(data)
 
-    async def close(self) -> None:
+    async def take(self) -> bytes:
+        """What is still held back, for the body's last write (once a stall's release has gone out)."""
         if self.release is not None:
             await self.release
-        if self.buf:
-            data, self.buf = bytes(self.buf), bytearray()
-            await self.resp.write(data)
+        data, self.buf = bytes(self.buf), bytearray()
+        return data
+
+
+class _Tagged:
+    """The queue of one of a request's sequences: its items go to the request's shared queue tagged with its choice."""
+
+    def __init__(self, queue: asyncio.Queue, choice: int):
+        self.queue, self.choice = queue, choice
+
+    def put_nowait(self, item: tuple) -> None:
+        self.queue.put_nowait((self.choice, *item))
+
+
+def _text_of(content) -> str:
+    """The text of a message's content: a string, or a list of content blocks (their `text`)."""
+    if isinstance(content, str):
+        return content
+    if isinstance(content, list):
+        return " ".join(b.get("text", "") for b in content if isinstance(b, dict) and isinstance(b.get("text"), str))
+    return ""
+
+
+def _embedding(seed: int, dims: int = 8) -> list:
+    """A deterministic unit vector standing for an input's embedding (its size does not matter to anything measured)."""
+    v = np.random.default_rng(seed).standard_normal(dims)
+    return [round(float(x), 6) for x in v / np.linalg.norm(v)]
 
 
 def batching_costs(srv: SimServer) -> batching.StepCosts:

@@ -131,6 +131,9 @@ class RequestRecord:
     # Checked against generated_tokens by the timing rule (arrival.count_problem).
     stream_tokens: int | None = None
     running_counts: bool = False
+    # Times it was sent again at once because a kept-alive connection the server had closed took it unanswered
+    # (send_request): the server never began those sends, so they are no failed attempt and not in its times.
+    resent: int = 0
 
     @property
     def ok(self) -> bool:
@@ -171,6 +174,31 @@ class RequestRecord:
 
     def to_wall_ns(self, t_mono_ns: int | None) -> int | None:
         return None if t_mono_ns is None else self.t_send_wall_ns + (t_mono_ns - self.t_send_ns)
+
+
+# An idle kept-alive connection is not reused after this long: under the 5 s after which uvicorn (vLLM, SGLang) and
+# llama-server close idle ones, so their idle close never crosses a request (aiohttp's own default, 15 s, let it).
+IDLE_REUSE_S = 2.0
+# How many times one request is sent again after meeting a connection the server had closed (send_request): each
+# such connection taken from the pool is dropped, so this only bounds a pool that keeps handing out closed ones.
+MAX_RESENDS = 8
+
+
+async def _on_reused(_session, trace_ctx, _params) -> None:
+    """aiohttp took a kept-alive connection from its pool for the request: say so to send_request."""
+    ctx = trace_ctx.trace_request_ctx
+    if isinstance(ctx, dict):
+        ctx["reused"] = True
+
+
+def new_session() -> aiohttp.ClientSession:
+    """The HTTP session of every run (load, measure, sweep, replay): connections unlimited, idle ones not reused
+    after IDLE_REUSE_S, and the trace that tells send_request a request went out on a reused connection. A session
+    made otherwise works too, but a request the server's close took unanswered then counts as a failed attempt."""
+    trace = aiohttp.TraceConfig()
+    trace.on_connection_reuseconn.append(_on_reused)
+    return aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0, keepalive_timeout=IDLE_REUSE_S),
+                                 trace_configs=[trace])
 
 
 def build_body(server: ServerInfo, prompt: str, params: RequestParams) -> dict:
@@ -496,6 +524,18 @@ async def fetch_metrics(session: aiohttp.ClientSession, base_url: str) -> dict |
         return None
 
 
+def _closed_under_it(e: BaseException, answered: bool, reuse: dict, resent: int) -> bool:
+    """Whether a request's failure is a kept-alive connection the server had closed taking it unanswered (resend it):
+    on a reused connection, before the answer's head, the connection cut (EOF, reset, broken pipe), MAX_RESENDS not
+    spent. A new connection's failure is the server's: a refused one is no reuse (ClientConnectorError), and a timeout
+    is silence, not a close."""
+    if answered or not reuse.get("reused") or resent >= MAX_RESENDS:
+        return False
+    if isinstance(e, (aiohttp.ClientConnectorError, aiohttp.ClientPayloadError)):
+        return False
+    return isinstance(e, (aiohttp.ServerDisconnectedError, aiohttp.ClientOSError, ConnectionError))
+
+
 def _failed(base: dict, error: str, http_status: int | None, t_end_ns: int) -> RequestRecord:
     return RequestRecord(
         **base,
@@ -546,84 +586,103 @@ async def send_request(
     error = None
     first_called = False
     closing_t = None  # arrival of an OpenAI closing chunk that carried no counted token
-    t_send_wall = time.time_ns()
-    t_send = clock_ns()
-    base = dict(
-        request_id=request_id,
-        prompt_id=prompt_id,
-        api=server.api,
-        attempt=attempt,
-        t_send_ns=t_send,
-        t_send_wall_ns=t_send_wall,
-        warmup=warmup,
-        batch_id=batch_id,
-        concurrency=concurrency,
-        prompt_text=prompt if params.keep_text else None,
-    )
     timeout = aiohttp.ClientTimeout(
         total=None, connect=params.connect_timeout_s, sock_read=max(params.first_token_timeout_s, params.stall_timeout_s)
     )
-    try:
-        async with session.post(server.endpoint, json=body, timeout=timeout, headers=headers) as resp:
-            http_status = resp.status
-            if resp.status != 200:
-                text = (await resp.content.read(MAX_ERROR_BYTES)).decode("utf-8", "replace")
-                return _failed(base, f"HTTP {resp.status}: {text.strip()}", resp.status, clock_ns())
-            ctype = resp.headers.get("Content-Type", "")
-            if "text/event-stream" not in ctype and "json" in ctype:
-                try:
-                    raw = await read_capped(resp, MAX_RESPONSE_BYTES)
-                except BodyTooLarge as e:
-                    return _failed(base, f"response too large: {e}", resp.status, clock_ns())
-                t = clock_ns()
-                evs, summary = parse_response(server.api, raw)
-                for e in evs:
-                    times.append(t)
-                    counts.append(e.n_tokens)
-                    texts.append(e.text)
-            else:
-                it = resp.content.iter_any().__aiter__()
-                while True:
-                    # Prefill may be long; after the first token only the stall limit applies.
-                    limit = params.stall_timeout_s if first_called else params.first_token_timeout_s
+    resent = 0
+    while True:
+        # A request on a kept-alive connection that ends before any byte of its answer was never begun by the
+        # server: the connection had been closed under it (llama-server closes after every streamed answer without
+        # saying so; servers close idle ones). It is sent again at once, stamped anew, as browsers do: no failed
+        # attempt, nothing the server did lost, and its time to first token runs from the send the server answered.
+        # aiohttp drops the closed connection, so the resend goes on a new one (or a live kept one).
+        t_send_wall = time.time_ns()
+        t_send = clock_ns()
+        base = dict(
+            request_id=request_id,
+            prompt_id=prompt_id,
+            api=server.api,
+            attempt=attempt,
+            t_send_ns=t_send,
+            t_send_wall_ns=t_send_wall,
+            warmup=warmup,
+            batch_id=batch_id,
+            concurrency=concurrency,
+            prompt_text=prompt if params.keep_text else None,
+            resent=resent,
+        )
+        reuse = {"reused": False}  # set by new_session's trace when aiohttp takes a kept-alive connection for it
+        answered = False  # the answer's head came
+        try:
+            async with session.post(server.endpoint, json=body, timeout=timeout, headers=headers,
+                                    trace_request_ctx=reuse) as resp:
+                answered = True
+                http_status = resp.status
+                if resp.status != 200:
+                    text = (await resp.content.read(MAX_ERROR_BYTES)).decode("utf-8", "replace")
+                    return _failed(base, f"HTTP {resp.status}: {text.strip()}", resp.status, clock_ns())
+                ctype = resp.headers.get("Content-Type", "")
+                if "text/event-stream" not in ctype and "json" in ctype:
                     try:
-                        chunk = await asyncio.wait_for(it.__anext__(), limit)
-                    except StopAsyncIteration:
-                        break
-                    except asyncio.TimeoutError:
-                        what = "the first token" if not first_called else "the next token"
-                        error = f"timeout: no data for {limit:g} s while waiting for {what}"
-                        break
+                        raw = await read_capped(resp, MAX_RESPONSE_BYTES)
+                    except BodyTooLarge as e:
+                        return _failed(base, f"response too large: {e}", resp.status, clock_ns())
                     t = clock_ns()
-                    for e in parser.feed(chunk):
-                        if e.closing:
-                            closing_t = t
-                            continue
+                    evs, summary = parse_response(server.api, raw)
+                    for e in evs:
                         times.append(t)
                         counts.append(e.n_tokens)
-                        if params.keep_text:
-                            texts.append(e.text)
-                        if not first_called:
-                            first_called = True
-                            if edge_hook is not None:
-                                edge_hook(f"first:{request_id}")
-                    if parser.ended:
-                        break
-                summary = parser.finish()
-    except aiohttp.ClientConnectorError as e:
-        return _failed(base, f"connection refused: {e.os_error or e}", None, clock_ns())
-    except (aiohttp.ServerDisconnectedError, aiohttp.ClientPayloadError) as e:
-        error = f"server closed the stream: {type(e).__name__}"
-        summary = parser.finish()
-    except asyncio.TimeoutError:
-        return _failed(base, "timeout while connecting or sending", http_status, clock_ns())
-    except (aiohttp.ClientOSError, ConnectionError) as e:
-        # The connection itself broke (reset, a kept-alive socket the server closed as it died): server_away.
-        error = f"connection lost: {error_text(e)}"
-        summary = parser.finish()
-    except (aiohttp.ClientError, OSError) as e:
-        error = error_text(e)
-        summary = parser.finish()
+                        texts.append(e.text)
+                else:
+                    it = resp.content.iter_any().__aiter__()
+                    while True:
+                        # Prefill may be long; after the first token only the stall limit applies.
+                        limit = params.stall_timeout_s if first_called else params.first_token_timeout_s
+                        try:
+                            chunk = await asyncio.wait_for(it.__anext__(), limit)
+                        except StopAsyncIteration:
+                            break
+                        except asyncio.TimeoutError:
+                            what = "the first token" if not first_called else "the next token"
+                            error = f"timeout: no data for {limit:g} s while waiting for {what}"
+                            break
+                        t = clock_ns()
+                        for e in parser.feed(chunk):
+                            if e.closing:
+                                closing_t = t
+                                continue
+                            times.append(t)
+                            counts.append(e.n_tokens)
+                            if params.keep_text:
+                                texts.append(e.text)
+                            if not first_called:
+                                first_called = True
+                                if edge_hook is not None:
+                                    edge_hook(f"first:{request_id}")
+                        if parser.ended:
+                            break
+                    summary = parser.finish()
+        except aiohttp.ClientConnectorError as e:
+            return _failed(base, f"connection refused: {e.os_error or e}", None, clock_ns())
+        except (aiohttp.ServerDisconnectedError, aiohttp.ClientPayloadError) as e:
+            if _closed_under_it(e, answered, reuse, resent):
+                resent += 1
+                continue
+            error = f"server closed the stream: {type(e).__name__}"
+            summary = parser.finish()
+        except asyncio.TimeoutError:
+            return _failed(base, "timeout while connecting or sending", http_status, clock_ns())
+        except (aiohttp.ClientOSError, ConnectionError) as e:
+            if _closed_under_it(e, answered, reuse, resent):
+                resent += 1
+                continue
+            # The connection itself broke (reset, a kept-alive socket the server closed as it died): server_away.
+            error = f"connection lost: {error_text(e)}"
+            summary = parser.finish()
+        except (aiohttp.ClientError, OSError) as e:
+            error = error_text(e)
+            summary = parser.finish()
+        break
     t_end = clock_ns()
     if first_called and edge_hook is not None:
         edge_hook(f"end:{request_id}")

@@ -177,6 +177,7 @@ def _marked(marker: str) -> list:
     return out
 
 
+DEATH_GRACE_S = 2.0  # death_note: how long a server that crashed on a request may take to exit
 LOG_HEAD_BYTES = 1 << 20
 
 
@@ -387,8 +388,13 @@ class ServerLauncher:
     def death_note(self) -> str:
         """'' while the server runs; else how it ended and the tail of its log, for an error met mid-run
         (requests failing with 'connection refused' do not say the server died, nor where its output is)."""
-        code = None if self.proc is None else self.proc.poll()
-        if code is None:
+        if self.proc is None:
+            return ""
+        try:
+            # Asked after a request failed: a server that crashed on it may not have exited yet when the client
+            # saw the connection drop (a loaded host), so it is given a moment; one still running costs that moment.
+            code = self.proc.wait(timeout=DEATH_GRACE_S)
+        except subprocess.TimeoutExpired:
             return ""
         how = f"exited with code {code}"
         if code < 0:

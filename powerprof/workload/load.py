@@ -27,6 +27,7 @@ from .client import (
     ServerInfo,
     detect_server,
     fetch_metrics,
+    new_session,
     send_request,
     server_away,
     vllm_decode_delta,
@@ -316,7 +317,7 @@ async def run_load_async(
         raise ValueError("no prompts")
     own = session is None
     if own:
-        session = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0))
+        session = new_session()
     run = _Run(session, server, params, policy, n_requests + warmup, edge_hook)
     run.lag.start()
     kept = 0
@@ -374,7 +375,7 @@ def run_load(
     """Synchronous `run_load_async`; `target` may be a URL (the server kind is detected)."""
 
     async def go():
-        async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0)) as s:
+        async with new_session() as s:
             server = target if isinstance(target, ServerInfo) else await detect_server(s, target, api)
             return await run_load_async(server, prompts, n_requests, concurrency, params, edge_hook, warmup, policy, s)
 
@@ -385,7 +386,7 @@ def detect(url: str, api: str | None = None) -> ServerInfo:
     """Synchronous `detect_server`."""
 
     async def go():
-        async with aiohttp.ClientSession() as s:
+        async with new_session() as s:
             return await detect_server(s, url, api)
 
     return termination.run(go())

@@ -13,7 +13,6 @@ from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Sequence
 
-import aiohttp
 import numpy as np
 from powerprof import termination
 from powerprof.energy import (
@@ -24,9 +23,9 @@ from powerprof.energy import (
     within_prompt_offset,
 )
 from powerprof.collectors.cputime import BUSY_HOST_FIX, BUSY_HOST_PCT, busy_host_text, cpu_shares_pct, unknown_server_text
-from powerprof.profiler import EDGE_BIAS_WINDOW_S, LOW_CONFIDENCE_S
+from powerprof.profiler import EDGE_BIAS_WINDOW_S, LOW_CONFIDENCE_S, METHOD_POWER, POWER_EDGE_BIAS_WINDOW_S
 
-from .client import RequestParams, RequestRecord, ServerInfo, detect_server, server_away
+from .client import RequestParams, RequestRecord, ServerInfo, detect_server, new_session, server_away
 from .load import LoadAborted, LoadPolicy, Prompt, run_load_async
 from .others import FOREIGN_FIX, FOREIGN_FLAG, OthersWatch, leave_out_foreign
 from .rows import BY_GPU, FIGURES, NO_DECODE_INTERVAL, window_rows
@@ -245,10 +244,24 @@ def busy_host_notes(summary: list[Summary], profiler) -> list[str]:
 
 def edge_bias_notes(summary: list[Summary]) -> list[str]:
     """Say so where the counter windows are too short for their pooled J/token to be within ~1%: each edge
-    reads a few ms after its power step (EDGE_BIAS_WINDOW_S), a bias pooling does not average out."""
+    reads a few ms after its power step (EDGE_BIAS_WINDOW_S), a bias pooling does not average out; and where an
+    instant-power figure rests on windows under POWER_EDGE_BIAS_WINDOW_S (the reading lags the power)."""
     out = []
     for x in summary:
-        if "counter" not in x.energy_method.split(",") or x.gpu_j_per_token is None or x.median_window_s is None:
+        if x.gpu_j_per_token is None or x.median_window_s is None:
+            continue
+        if METHOD_POWER in x.energy_method.split(",") and x.median_window_s < POWER_EDGE_BIAS_WINDOW_S:
+            need = max_tokens_for_windows((x.decode_tok_s or 0) / x.concurrency)
+            need = int(np.ceil(need * POWER_EDGE_BIAS_WINDOW_S / ROUNDED_WINDOW_S / 64) * 64) if need else 0
+            out.append(
+                f"concurrency {x.concurrency}: low confidence: this GPU has no energy counter, and the J/token figure "
+                f"is integrated from power readings (1 Hz and each window's edges) over {x.median_window_s:.2f} s "
+                f"decode windows, under the {POWER_EDGE_BIAS_WINDOW_S:g} s below which a reading's lag behind the "
+                "power (a card refreshes it every ~100 ms) biases it by over 0.5% (measured -4% at 1 s, -10% at "
+                "0.3 s); fix: longer requests" + (f" (--max-tokens {need} or more)" if need > 0 else "")
+            )
+            continue
+        if "counter" not in x.energy_method.split(","):
             continue
         if x.median_window_s >= EDGE_BIAS_WINDOW_S:
             continue
@@ -399,7 +412,7 @@ def measure(
     async def go():
         records: list[RequestRecord] = []
         aborted = None
-        async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0)) as s:
+        async with new_session() as s:
             server = found["server"] = await detect_server(s, url, api)
             others = OthersWatch(s, server.base_url, getattr(profiler, "gpu", None), server_procs) if watch_others else None
             watch.extend([others] if others else [])

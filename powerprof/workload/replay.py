@@ -18,7 +18,7 @@ import aiohttp
 import numpy as np
 from powerprof import termination
 
-from .client import RequestParams, RequestRecord, ServerInfo, detect_server, send_request, server_away
+from .client import RequestParams, RequestRecord, ServerInfo, detect_server, new_session, send_request, server_away
 from .trace import TraceRequest
 
 
@@ -201,7 +201,7 @@ def replay(url: str, trace: list[TraceRequest], params: RequestParams = RequestP
     """Synchronous replay against a URL (the server kind is detected)."""
 
     async def go():
-        async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0)) as s:
+        async with new_session() as s:
             server = await detect_server(s, url, api)
             return server, await replay_async(s, server, trace, params, tag_header)
 

@@ -225,11 +225,10 @@ class ForeignWatch:
             if edge.in_flight:
                 why.append(f"{edge.in_flight:.0f} request(s) not powerprof's in flight on the server {at} "
                            f"({edge.in_flight_source})")
-        # A failed request's tokens so far are in the server's count, not in ours; a request whose server's count
-        # contradicts its stream (arrival.count_problem) has a count of ours that cannot be believed either. Such a
-        # batch is judged by the gauges only, and the high-water mark takes up what it left unknown.
-        failed = any(not r.ok or getattr(r, "count_problem", None) for r in recs)
-        self.ours_tokens += sum(int(r.generated_tokens or 0) for r in recs)
+        failed = any(not r.ok for r in recs)  # its tokens so far are in the server's count, not in ours
+        # What came over the wire: where the server's own count for a request contradicts its stream (a server
+        # lying in usage), the stream's, or that lie read as another client's tokens and hid its own reason.
+        self.ours_tokens += sum(int((r.shown_tokens if r.count_problem else r.generated_tokens) or 0) for r in recs)
         self.ours_requests += sum(1 for r in recs if r.ok)
         if now.tokens is not None and self.first.tokens is not None and self.prev.tokens is not None:
             if now.tokens < self.prev.tokens:  # the server restarted: its counter began again

@@ -148,6 +148,7 @@ class _State:
     finished_any: bool = False  # some choice carried a finish_reason
     unfinished: set = field(default_factory=set)  # choice indexes seen without their finish_reason yet
     other_choices: dict = field(default_factory=dict)  # tokens counted per choice index other than 0 (n > 1)
+    echoed: set = field(default_factory=set)  # echo: the choices whose first chunk (the prompt's echo) has come
     # Several choices (n > 1, a list of prompts), where a server reports per choice rather than for the stream:
     # llama.cpp runs a task per choice and each task sends its own `timings` (and `usage`) once, when it ends;
     # vLLM/SGLang continuous usage is each choice's running count. Keyed by choice index (or "#k" for a task's
@@ -167,11 +168,15 @@ class _State:
 class StreamParser:
     """Parses one streamed (SSE) response incrementally. `feed(bytes)` → events; `finish()` → summary."""
 
-    def __init__(self, api: str, count_only: bool = False):
+    def __init__(self, api: str, count_only: bool = False, echo: bool = False):
         """count_only: the caller needs counts, not text (the daemon's proxy). Plain token chunks
         are then counted from their bytes (`_quick_count`) and not parsed as JSON; their events
         carry no text. The first event and every one with usage, finish_reason, timings, stop,
-        logprobs or an error are still parsed whole, so the summary is the same."""
+        logprobs or an error are still parsed whole, so the summary is the same.
+        echo: the request asked /v1/completions to echo its prompt (vLLM: each choice's first chunk is
+        the prompt's text then its first token's, its logprobs the prompt's tokens then that token's):
+        that chunk stands for the one token the prompt's step generated, not for the tokens its logprobs
+        list (a chunk without logprobs is one token anyway, so the fast path is unchanged)."""
         if api not in APIS:
             raise ValueError(f"unknown api {api!r}; choose one of: {', '.join(APIS)}")
         self.api = api
@@ -182,6 +187,7 @@ class StreamParser:
         self._typed_api = api in ("openai-responses", "anthropic-messages")  # events named by their `type`
         self._quick = count_only and not self._typed_api  # typed events are never read from their bytes
         self._parsed_one = False
+        self._echo = echo and api == "openai-completions"
 
     @property
     def prompt_tokens(self) -> int | None:
@@ -660,6 +666,12 @@ class StreamParser:
                 toks = lp.get("content") if isinstance(lp.get("content"), list) else lp.get("tokens")
                 if isinstance(toks, list):
                     k_lp = len(toks)
+            if self._echo and (token or k_lp) and idx not in s.echoed:
+                # The choice's first chunk: its logprobs list the echoed prompt's tokens too, and it holds the one
+                # token the prompt's step generated (vLLM counts that one in usage, even where max_tokens 0 hid it).
+                s.echoed.add(idx)
+                if k_lp:
+                    k_lp, token = 0, True
             if token or k_lp:
                 carried.append((idx, k_lp or 1, not k_lp))
             if idx and idx not in s.other_choices:

@@ -1,0 +1,161 @@
+"""The simulated server's n > 1 choices, /v1/messages, /v1/responses and /v1/embeddings: wire formats as the real
+servers send them (llama.cpp's captured from llama-server b11434, vLLM's read from its source), and GPU work that is
+real (n choices are n sequences in the batch; an embedding is a prefill of its input and no decode) with its truth."""
+
+from __future__ import annotations
+
+import json
+import urllib.error
+import urllib.request
+
+import pytest
+
+from powerprof.sim.nvml import SimNVML
+from powerprof.sim.server import SimServer
+from powerprof.workload.stream import StreamParser, parse_response
+
+CHAT = {"messages": [{"role": "user", "content": "the power of the clock"}], "max_tokens": 6}
+
+
+def _post(url: str, body: dict, headers: dict | None = None) -> tuple[int, bytes]:
+    req = urllib.request.Request(url, json.dumps(body).encode(), {"Content-Type": "application/json", **(headers or {})})
+    try:
+        with urllib.request.urlopen(req, timeout=30) as r:
+            return r.status, r.read()
+    except urllib.error.HTTPError as e:
+        return e.code, e.read()
+
+
+def _summary(api: str, body: dict, raw: bytes):
+    if body.get("stream"):
+        p = StreamParser(api, count_only=True)
+        p.count(raw)
+        return p.finish()
+    return parse_response(api, raw)[1]
+
+
+def _events(raw: bytes) -> list[dict]:
+    return [json.loads(line[5:]) for line in raw.split(b"\n") if line.startswith(b"data:") and line[5:].strip()
+            not in (b"[DONE]", b"null")]
+
+
+@pytest.fixture(scope="module", params=["llamacpp", "vllm"])
+def server(request):
+    with SimServer(SimNVML("h200-141g", state_path=None), flavour=request.param, decode_tok_s=400,
+                   batching="continuous", embeddings=True) as srv:
+        yield srv
+
+
+CASES = [
+    ("openai-chat", "/v1/chat/completions", dict(CHAT, n=2, stream=True, stream_options={"include_usage": True})),
+    ("openai-chat", "/v1/chat/completions", dict(CHAT, n=3, stream=True,
+                                                stream_options={"include_usage": True, "continuous_usage_stats": True})),
+    ("openai-completions", "/v1/completions", {"prompt": "watt token speed", "max_tokens": 5, "n": 2, "stream": True,
+                                               "stream_options": {"include_usage": True}}),
+    ("anthropic-messages", "/v1/messages", dict(CHAT, stream=True)),
+    ("anthropic-messages", "/v1/messages", CHAT),
+    ("openai-responses", "/v1/responses", {"input": "the power of the clock", "max_output_tokens": 6, "stream": True}),
+    ("openai-responses", "/v1/responses", {"input": [{"role": "user", "content": "the power"}], "max_output_tokens": 6}),
+]
+
+
+@pytest.mark.parametrize("api,path,body", CASES, ids=[f"{c[0]}-{'stream' if c[2].get('stream') else 'whole'}-n{c[2].get('n', 1)}"
+                                                      for c in CASES])
+def test_the_server_says_the_counts_its_engine_generated(server, api, path, body):
+    key = f"{api}-{len(server.truth)}"
+    status, raw = _post(server.url + path, body, {"X-Sim-Request-Id": key})
+    assert status == 200, raw[:300]
+    s = _summary(api, body, raw)
+    truth = server.request_truth()[key]
+    n = body.get("n", 1)
+    assert truth["sequences"] == n
+    assert s.generated_tokens == truth["generated"] and s.server_error is None and s.invalid is None
+    # llama.cpp prefills the prompt in each choice's slot and says so n times; vLLM computes it once.
+    assert s.prompt_tokens == (truth["prompt_tokens"] if server.flavour == "llamacpp" else truth["prompt_tokens"] // n)
+    assert truth["energy_j"] > 0
+
+
+def test_n_choices_are_sequences_decoded_together(server):
+    key = f"together-{len(server.truth)}"
+    body = dict(CHAT, n=2, max_tokens=40, ignore_eos=True, stream=True)
+    status, raw = _post(server.url + "/v1/chat/completions", body, {"X-Sim-Request-Id": key})
+    assert status == 200
+    rows = sorted((t for t in server.truth if t["client_id"] == key), key=lambda t: t["choice"])
+    assert [t["generated"] for t in rows] == [40, 40]
+    # Both decode in the same steps: their token times interleave, not one after the other.
+    a, b = ([e[0] for e in t["emissions"]] for t in rows)
+    assert a[0] < b[-1] and b[0] < a[-1]
+    idx = [c["index"] for ev in _events(raw) for c in ev.get("choices", [])]
+    assert set(idx) == {0, 1} and idx.index(1) < len(idx) - 1 - idx[::-1].index(0)
+    # vLLM computes a shared prompt once: its other choices find it cached.
+    assert [t["cached_tokens"] > 0 for t in rows] == [False, server.flavour == "vllm"]
+
+
+def test_an_embedding_is_a_prefill_of_its_input_and_no_decode(server):
+    key = f"emb-{len(server.truth)}"
+    texts = ["the power of the clock " * 20, "watt token"]
+    status, raw = _post(server.url + "/v1/embeddings", {"input": texts, "model": "m"}, {"X-Sim-Request-Id": key})
+    assert status == 200
+    doc = json.loads(raw)
+    rows = [t for t in server.truth if t["client_id"] == key]
+    assert [t["kind"] for t in rows] == ["embeddings", "embeddings"] and all(t["generated"] == 0 for t in rows)
+    assert doc["usage"]["prompt_tokens"] == sum(t["prompt_tokens"] for t in rows) == 101 + 3  # words and punctuation, plus a BOS each
+    assert [d["index"] for d in doc["data"]] == [0, 1]
+    assert all(t["energy_j"] > 0 and t["energy_j"] == pytest.approx(t["prefill_energy_j"]) for t in rows)
+    assert rows[0]["energy_j"] > rows[1]["energy_j"]  # the longer input's forward pass cost more
+    status, raw = _post(server.url + "/v1/embeddings", {"input": []})
+    assert status == 400
+
+
+@pytest.mark.parametrize("flavour,status", [("llamacpp", 501), ("vllm", 400)])
+def test_embeddings_off_answer_as_the_real_servers_do(flavour, status):
+    with SimServer(SimNVML("h200-141g", state_path=None), flavour=flavour) as srv:
+        code, raw = _post(srv.url + "/v1/embeddings", {"input": "hi"})
+        assert code == status
+        assert b"--embeddings" in raw if flavour == "llamacpp" else b"does not support Embeddings API" in raw
+
+
+def test_llamacpp_refuses_more_choices_than_slots():
+    with SimServer(SimNVML("h200-141g", state_path=None), n_slots=2) as srv:
+        code, raw = _post(srv.url + "/v1/chat/completions", dict(CHAT, n=3))
+        assert code == 400 and b"Value must be between 1 <= value <= 2, but got 3" in raw
+        assert not srv.truth
+
+
+ECHO = {"prompt": "watt token speed", "max_tokens": 4, "echo": True, "stream": True, "ignore_eos": True,
+        "stream_options": {"include_usage": True}}
+
+
+@pytest.mark.parametrize("body", [ECHO, dict(ECHO, logprobs=1), dict(ECHO, n=2, logprobs=0), dict(ECHO, max_tokens=0)],
+                         ids=["text", "logprobs", "n2-logprobs", "prompt-only"])
+def test_vllm_echoes_the_prompt_in_each_choices_first_chunk_as_its_source_does(server, body):
+    # vLLM's completion_stream_generator: each choice's first chunk is the prompt's text then its first token's
+    # (the prompt alone for max_tokens 0, whose one generated token is not sent but counted), `logprobs` one entry
+    # per token sent, the echoed prompt's included (its first logprob null); usage counts generated tokens only.
+    # llama-server refuses echo ("Only no echo is supported").
+    key = f"echo-{len(server.truth)}"
+    status, raw = _post(server.url + "/v1/completions", body, {"X-Sim-Request-Id": key})
+    if server.flavour == "llamacpp":
+        assert status == 400 and b"Only no echo is supported" in raw
+        return
+    assert status == 200, raw[:300]
+    chunks = [e for e in _events(raw) if e["choices"]]
+    n = body.get("n", 1)
+    firsts = {c["choices"][0]["index"]: c["choices"][0] for c in reversed(chunks)}
+    assert sorted(firsts) == list(range(n))
+    truth = server.request_truth()[key]
+    usage = _events(raw)[-1]["usage"]
+    assert usage["completion_tokens"] == truth["generated"] == n * max(body["max_tokens"], 1)
+    for c in firsts.values():
+        if body["max_tokens"] == 0:
+            assert c["text"] == "watt token speed"
+        else:
+            assert c["text"].startswith("watt token speed ") and len(c["text"]) > len("watt token speed ")
+        if "logprobs" in body:
+            lp = c["logprobs"]
+            assert lp["tokens"][:4] == ["<s>", "watt", "token", "speed"] and lp["token_logprobs"][0] is None
+            assert len(lp["tokens"]) == 4 + 1  # the prompt's 4 (BOS included) and the first generated token
+    later = [c["choices"][0] for c in chunks if c["choices"][0] not in firsts.values() and c["choices"][0]["text"]]
+    assert all(not x["text"].startswith("watt token speed") for x in later)
+    if "logprobs" in body:
+        assert all(len(x["logprobs"]["tokens"]) >= 1 for x in later)
