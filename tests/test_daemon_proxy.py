@@ -465,6 +465,49 @@ def test_the_sequences_a_request_runs_side_by_side_are_read_from_its_body():
     assert seqs({"messages": [], "n": 2}, None) == 1
 
 
+def test_an_n_no_server_runs_does_not_stop_the_daemons_accounting():
+    # A client's `"n": <a 400-digit integer>` (JSON has no bound; the server refuses it with a 400) was shipped
+    # to the ledger as that many sequences: every accounting step then raised OverflowError converting it to a
+    # float ("accounting step failed; continuing"), for as long as the request stayed in the ledger's window,
+    # which a failed step never closes: the daemon's energy accounting stopped for good. An n beyond any
+    # server's batch is no count, as a non-integer one is: one sequence.
+    import sys
+    from pathlib import Path
+
+    from powerprof.daemon.proxy import MAX_SEQUENCES, inspect_request_body
+
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    import test_daemon_ledger as tl
+
+    for n in (10**400, MAX_SEQUENCES + 1):
+        extra = {}
+        inspect_request_body(b'{"messages": [], "n": %d}' % n, "", "openai-chat", extra)
+        assert extra.get("sequences", 1) == 1, n
+    extra = {}
+    inspect_request_body(b'{"messages": [], "n": %d}' % MAX_SEQUENCES, "", "openai-chat", extra)
+    assert extra["sequences"] == MAX_SEQUENCES
+    # What the ledger is then given: the refused request and one beside it; the step goes through.
+    sink = tl.Sink()
+    led = tl.Ledger("d", 0, 1, sink, grace_s=0.1)
+    a, b = tl._trace(1, 0.1), tl._trace(2, 0.2)
+    inspect_request_body(b'{"messages": [], "n": %d}' % 10**400, "", "openai-chat", a.extra)
+    for tr in (a, b):
+        led.on_start(tr)
+    tl._feed(led, 0.0, 1000.0)
+    tl._feed(led, 1.0, 1100.0)
+    for k in range(10):
+        led.on_tokens(b, int((1.0 + 0.09 * k) * tl.S), 1)
+    b.first_ns, b.last_ns, b.end_ns = int(1.0 * tl.S), int(1.81 * tl.S), int(1.9 * tl.S)
+    a.end_ns, a.status = int(1.2 * tl.S), 400
+    b.counts = tl.Counts(generated_tokens=10, prompt_tokens=100, model=None, stop_reason=None, token_source="usage")
+    led.on_end(a)
+    led.on_end(b)
+    tl._feed(led, 2.0, 1400.0)
+    led.advance(int(2.2 * tl.S))
+    got = {r["request_id"]: r for r in sink.rows["requests"]}
+    assert got[2]["gpu_energy_j"] is not None and got[2]["gpu_energy_j"] > 0
+
+
 def test_a_compressed_response_passes_unchanged_and_is_counted_from_a_copy_inflated_on_the_side():
     # Before: a gzip response was fed compressed to the stream parser: 0 tokens, no counts, no reason on
     # the row (a silent null), and its tokens went to `unproxied`. Now its counts are read from a copy

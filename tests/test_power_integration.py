@@ -138,3 +138,43 @@ def test_measure_says_an_instant_power_figure_over_short_windows_is_low_confiden
     (note,) = edge_bias_notes([short, long_])
     assert note.startswith("concurrency 1: low confidence") and "no energy counter" in note and "1.30 s" in note
     assert "--max-tokens 512 or more" in note  # 5 s at 95 tok/s, in whole 64s
+
+
+def _level(methods, window_s=2.0):
+    """One level's request windows, each `window_s` long at 100 tokens/s, 2 J/token, with these energy methods."""
+    import pyarrow as pa
+
+    from powerprof.storage.schema import WINDOWS
+
+    rows = [{"level_kind": "power_limit", "level_value": 300.0, "window_kind": "request", "concurrency": 1,
+             "warmup": False, "status": "ok", "decode_s": window_s, "decode_tokens": int(100 * window_s),
+             "decode_tok_s": 100.0, "prompt_id": f"p{k % 4}", "energy_method": m,
+             "gpu_energy_j": 200.0 * window_s * (1 + 0.0001 * k)} for k, m in enumerate(methods)]
+    for r in rows:
+        r["gpu_j_per_token"] = r["gpu_energy_j"] / r["decode_tokens"]
+    return pa.Table.from_pylist(rows, schema=WINDOWS)
+
+
+def test_a_counter_level_with_one_window_integrated_from_power_is_not_flagged_instant_power():
+    """A GPU with an energy counter: one window of 40 fell back to power integration (the counter broke over it:
+    a driver reload, an implausible jump). Even 10% off (the bias at 0.3 s windows), that window moves the
+    level's pooled J/token by 0.25% and its median by nothing. Before: the level was flagged instant-power, and
+    its finding said the GPU has no energy counter; measure said so too, in place of the counter's own note."""
+    from powerprof.analysis.checks import level_findings
+    from powerprof.analysis.stats import summarize_levels
+    from powerprof.workload.measure import Summary, edge_bias_notes
+
+    (r,) = summarize_levels(_level(["counter"] * 39 + [METHOD_POWER]), n_boot=200).to_pylist()
+    assert "instant-power" not in (r["flags"] or "").split(",")
+    assert not [f for f in level_findings(summarize_levels(_level(["counter"] * 39 + [METHOD_POWER]), n_boot=200))
+                if f.kind == "instant-power"]
+    # Where power windows carry the figure, it still is flagged.
+    (r,) = summarize_levels(_level(["counter"] * 20 + [METHOD_POWER] * 20), n_boot=200).to_pylist()
+    assert "instant-power" in r["flags"].split(",")
+    # measure: 2 s counter windows, one of 40 on power: no note (a counter's 2 s windows are within ~1%).
+    mixed = Summary(1, 40, 0, 100.0, 2.0, None, "counter,power_integration", 40, measured_s=80.0,
+                    median_window_s=2.0, power_token_share=1 / 40)
+    assert edge_bias_notes([mixed]) == []
+    mostly = dataclasses.replace(mixed, power_token_share=0.5)
+    (note,) = edge_bias_notes([mostly])
+    assert "power readings" in note

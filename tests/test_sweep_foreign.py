@@ -205,3 +205,32 @@ def test_the_servers_books_against_ours_vllm():
 
 def test_a_server_without_counters_is_blind():
     assert Tally(0).blind and "cannot be ruled out" in Tally(0).limits()
+
+
+SGLANG = """# TYPE sglang:generation_tokens_total counter
+sglang:generation_tokens_total{{model_name="m"}} {tok}
+# TYPE sglang:num_running_reqs gauge
+sglang:num_running_reqs{{model_name="m"}} {run}
+# TYPE sglang:num_queue_reqs gauge
+sglang:num_queue_reqs{{model_name="m"}} 0
+"""
+
+
+def test_sglangs_gauges_left_at_our_last_batch_are_not_read_as_another_client():
+    """SGLang sets sglang:num_running_reqs only when it logs: at a prefill batch, every decode_log_interval (40)
+    decode steps, and once idle only 30 s after its last log (scheduler_metrics_mixin.py log_decode_stats,
+    scheduler.py check_memory). After a 128-token request of ours alone, its gauge still says the 1 running at
+    its last 40th step, on the read right after and on the read 0.25 s later. Before: every batch of a quiet
+    SGLang server was flagged foreign-traffic ("1 request(s) not powerprof's in flight"), left out and sent
+    again, and each level stopped at its foreign-traffic budget with no figure from a clean window."""
+    w = ForeignWatch(tally_from_metrics(SGLANG.format(tok=0, run=0), 0))
+    for k in range(1, 4):
+        # Ours exactly, and its gauge frozen at our own last request.
+        now = tally_from_metrics(SGLANG.format(tok=128 * k, run=1), 0)
+        assert w.judge(now, [_Rec(128)]) is None, k
+    # Another client's tokens are still seen, by the token counter.
+    why = w.judge(tally_from_metrics(SGLANG.format(tok=128 * 4 + 48, run=1), 0), [_Rec(128)])
+    assert why is not None and "48 tokens more" in why, why
+    # And the sweep says what this server cannot show, not nothing.
+    limits = tally_from_metrics(SGLANG.format(tok=0, run=0), 0).limits()
+    assert limits is not None and "in flight" in limits and "SGLang" in limits, limits

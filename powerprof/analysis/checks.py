@@ -215,7 +215,8 @@ def _instant_power_message(rows: list[dict], unit: str) -> str:
     need = int(math.ceil(need * POWER_EDGE_BIAS_WINDOW_S / ROUNDED_WINDOW_S / 64) * 64) if need else 0
     return (
         f"J/token at {', '.join(_fmt(r['level_value'], unit) for r in rows)} is integrated from power readings "
-        "(energy_method power_integration: this GPU has no energy counter), at 1 Hz and at each window's edges, over "
+        "(energy_method power_integration: this GPU has no energy counter, or it broke over those windows), at 1 Hz "
+        "and at each window's edges, over "
         f"decode windows under {POWER_EDGE_BIAS_WINDOW_S:g} s. A card refreshes that reading every ~100 ms, so the "
         "read just after a window's first token can still show the power before it: on the simulated A100 that "
         "biased pooled J/token by up to -4% at 1 s windows and -10% at 0.3 s (-0.65% at 5 s), unevenly across "

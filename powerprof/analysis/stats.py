@@ -20,7 +20,7 @@ import pyarrow.compute as pc
 
 from powerprof.collectors.cputime import BUSY_HOST_FLAG, BUSY_HOST_PCT, cpu_shares_pct
 from powerprof.energy import median_off_by_rounding, within_prompt_offset
-from powerprof.profiler import METHOD_POWER, POWER_EDGE_BIAS_WINDOW_S
+from powerprof.profiler import METHOD_POWER, POWER_EDGE_BIAS_SHARE, POWER_EDGE_BIAS_WINDOW_S
 from powerprof.storage.schema import LEVELS
 from powerprof.workload.servercount import FOREIGN_FLAG
 
@@ -207,7 +207,8 @@ class LevelSeries:
     # biased by a coarse counter's rounding, which the median of short windows is (energy.py).
     j_per_token_pooled: np.ndarray | None = None
     counter_window_s: np.ndarray | None = None  # (L,) median decode window read on a counter; NaN: none
-    power_window_s: np.ndarray | None = None  # (L,) median decode window integrated from instant power; NaN: none
+    # (L,) median decode window integrated from instant power; NaN: none, or too few to move the figure
+    power_window_s: np.ndarray | None = None
     counter_prompt_offset: np.ndarray | None = None  # (L,) energy.within_prompt_offset of those windows
     n_clusters: int | None = None  # the prompts a paired bootstrap resamples; None when independent
     # (L,) %: of the host's busy CPU time over the measured windows, other processes' and powerprof's; NaN: unknown
@@ -321,7 +322,11 @@ def level_series(
             used = m & np.isfinite(jpt) & np.isfinite(energy) & (n_tok > 0)
             cols["pool"].append(energy[used].sum() / n_tok[used].sum() if used.any() else float("nan"))
             cols["cw"].append(_median(decode_s[m & np.isfinite(jpt) & on_counter]))
-            cols["pw"].append(_median(decode_s[m & np.isfinite(jpt) & on_power]))
+            # NaN unless power-integrated windows hold a share of the figure that their bias could move
+            # (POWER_EDGE_BIAS_SHARE): one window whose counter broke is no instant-power figure.
+            share = n_tok[used & on_power].sum() / n_tok[used].sum() if used.any() else 0.0
+            cols["pw"].append(_median(decode_s[m & np.isfinite(jpt) & on_power]) if share > POWER_EDGE_BIAS_SHARE
+                              else float("nan"))
             cols["wp"].append(within_prompt_offset(jpt[used & on_counter], prompts[used & on_counter]))
             meths.update(x for x in methods[m] if x)
             o, p = cpu_shares_pct(host_cpu[m], other_cpu[m], own_cpu[m])

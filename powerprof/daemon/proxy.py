@@ -202,18 +202,23 @@ def request_head(method: str, target: str, host: str, raw_headers, framing: byte
     return b"".join(parts)
 
 
+# More sequences than any server batches (vLLM's max_num_seqs is 256-1024, llama.cpp's tasks are its slots): an `n`
+# beyond is no count (a 400-digit one overflowed the ledger's float arrays and failed every accounting step after).
+MAX_SEQUENCES = 4096
+
+
 def request_sequences(doc: dict, api: str | None) -> int:
     """How many sequences a request runs side by side in the server's batch, each getting a token a step: its `n`
     choices (chat, completions), each of its prompts (a completions prompt list: vLLM, SGLang and llama.cpp run each
     prompt as a request of its own). A list holding a token id at its top is one prompt (ids, or llama.cpp's ids
     and text mixed); a list of strings or of id lists is that many. Anything that is not a positive integer `n` is
-    one choice: the server refuses such a request, and no guess multiplies its steps. `best_of` is not counted: its
-    extra sequences' tokens never reach the client (vLLM returns `n` of them), so they are not in the tokens the
-    ledger divides."""
+    one choice (as is one over MAX_SEQUENCES): the server refuses such a request, and no guess multiplies its steps.
+    `best_of` is not counted: its extra sequences' tokens never reach the client (vLLM returns `n` of them), so they
+    are not in the tokens the ledger divides."""
     seqs = 1
     if api in ("openai-chat", "openai-completions"):
         n = doc.get("n")
-        if type(n) is int and n > 1:
+        if type(n) is int and 1 < n <= MAX_SEQUENCES:
             seqs = n
     if api in ("openai-completions", "llamacpp"):
         p = doc.get("prompt", doc.get("content") if api == "llamacpp" else None)

@@ -23,7 +23,8 @@ from powerprof.energy import (
     within_prompt_offset,
 )
 from powerprof.collectors.cputime import BUSY_HOST_FIX, BUSY_HOST_PCT, busy_host_text, cpu_shares_pct, unknown_server_text
-from powerprof.profiler import EDGE_BIAS_WINDOW_S, LOW_CONFIDENCE_S, METHOD_POWER, POWER_EDGE_BIAS_WINDOW_S
+from powerprof.profiler import (EDGE_BIAS_WINDOW_S, LOW_CONFIDENCE_S, METHOD_POWER, POWER_EDGE_BIAS_SHARE,
+                                POWER_EDGE_BIAS_WINDOW_S)
 
 from .client import RequestParams, RequestRecord, ServerInfo, detect_server, new_session, server_away
 from .load import LoadAborted, LoadPolicy, Prompt, run_load_async
@@ -60,6 +61,8 @@ class Summary:
     # What gpu_j_per_token sums, GPU by GPU (measure_gpus): [{index, name, gpu_energy_j, gpu_j_per_token,
     # avg_power_w}] over the same windows; None where there is no GPU figure.
     gpus: list[dict] | None = None
+    # Of the used windows' decode tokens, the share integrated from instant power (edge_bias_notes); None: not known
+    power_token_share: float | None = None
 
     @property
     def busy_host(self) -> bool:
@@ -250,12 +253,15 @@ def edge_bias_notes(summary: list[Summary]) -> list[str]:
     for x in summary:
         if x.gpu_j_per_token is None or x.median_window_s is None:
             continue
-        if METHOD_POWER in x.energy_method.split(",") and x.median_window_s < POWER_EDGE_BIAS_WINDOW_S:
+        on_power = METHOD_POWER in x.energy_method.split(",") and (x.power_token_share is None
+                                                                   or x.power_token_share > POWER_EDGE_BIAS_SHARE)
+        if on_power and x.median_window_s < POWER_EDGE_BIAS_WINDOW_S:
             need = max_tokens_for_windows((x.decode_tok_s or 0) / x.concurrency)
             need = int(np.ceil(need * POWER_EDGE_BIAS_WINDOW_S / ROUNDED_WINDOW_S / 64) * 64) if need else 0
             out.append(
-                f"concurrency {x.concurrency}: low confidence: this GPU has no energy counter, and the J/token figure "
-                f"is integrated from power readings (1 Hz and each window's edges) over {x.median_window_s:.2f} s "
+                f"concurrency {x.concurrency}: low confidence: this GPU has no energy counter (or it broke over those "
+                f"windows), and the J/token figure is integrated from power readings (1 Hz and each window's edges) "
+                f"over {x.median_window_s:.2f} s "
                 f"decode windows, under the {POWER_EDGE_BIAS_WINDOW_S:g} s below which a reading's lag behind the "
                 "power (a card refreshes it every ~100 ms) biases it by over 0.5% (measured -4% at 1 s, -10% at "
                 "0.3 s); fix: longer requests" + (f" (--max-tokens {need} or more)" if need > 0 else "")
@@ -362,8 +368,16 @@ def summarise(rows: list[dict], gpus: Sequence[tuple[int, str]] | None = None) -
                            prompt_offset=within_prompt_offset([r["gpu_j_per_token"] for r in with_j],
                                                               [r.get("prompt_id") for r in with_j]) if with_j else None,
                            other_cpu_pct=other_pct, powerprof_cpu_pct=own_pct, n_foreign=n_foreign,
-                           gpus=per_gpu(basis, tokens, gpus) if gpu_jpt is not None else None))
+                           gpus=per_gpu(basis, tokens, gpus) if gpu_jpt is not None else None,
+                           power_token_share=_power_token_share(basis)))
     return out
+
+
+def _power_token_share(rows: list[dict]) -> float | None:
+    """Of the rows' decode tokens, the share in windows integrated from instant power; None without tokens."""
+    tokens = sum(r["decode_tokens"] or 0 for r in rows)
+    on_power = sum(r["decode_tokens"] or 0 for r in rows if r["energy_method"] == METHOD_POWER)
+    return on_power / tokens if tokens else None
 
 
 def measure(

@@ -7,8 +7,8 @@ the J/token and tok/s come out wrong without any sign. The server's own books sh
 - tokens: `vllm:generation_tokens_total` (every engine step), `sglang:generation_tokens_total` and
   `llamacpp:tokens_predicted_total` (when a request finishes);
 - requests: `vllm:request_success_total` (finished requests);
-- in flight: `vllm:num_requests_running`/`_waiting`, `sglang:num_running_reqs`/`num_queue_reqs`,
-  `llamacpp:requests_processing`/`_deferred`, or the busy slots of llama.cpp's `/slots`.
+- in flight: `vllm:num_requests_running`/`_waiting`, `llamacpp:requests_processing`/`_deferred`, or the
+  busy slots of llama.cpp's `/slots` (not SGLang's gauges: they lag to its next log, IN_FLIGHT_GAUGES).
 
 `read_tally` takes one snapshot; `ForeignWatch` compares consecutive snapshots taken between
 powerprof's batches (when none of its requests is in flight) with what those batches generated.
@@ -31,10 +31,14 @@ COUNTERS = {"vllm": "vllm:generation_tokens_total", "sglang": "sglang:generation
 LLAMACPP_COUNTER = "llamacpp:tokens_predicted_total"
 TOKEN_COUNTERS = (*COUNTERS.values(), LLAMACPP_COUNTER)
 REQUEST_COUNTERS = ("vllm:request_success_total",)
-# Requests the server holds now (running and queued), per server family.
+# Requests the server holds now (running and queued), per server family. Not SGLang's num_running_reqs /
+# num_queue_reqs: it sets them only when it logs (at a prefill batch, every decode_log_interval = 40 decode steps,
+# and once idle only 30 s after its last log), so between powerprof's batches they still count its own last requests.
 IN_FLIGHT_GAUGES = (("vllm:num_requests_running", "vllm:num_requests_waiting"),
-                    ("sglang:num_running_reqs", "sglang:num_queue_reqs"),
                     ("llamacpp:requests_processing", "llamacpp:requests_deferred"))
+SGLANG_STALE_GAUGES = ("the server's requests in flight are not read: SGLang's sglang:num_running_reqs is set only when "
+                       "it logs (every 40 decode steps, 30 s once idle), so between powerprof's batches it still counts "
+                       "powerprof's own last requests")
 TALLY_TIMEOUT_S = 5.0
 # A server's token count and the one powerprof takes from the stream can differ by one per request
 # (vLLM's closing chunk, a count taken at a step vs at the stream's end): more than one token per
@@ -130,8 +134,10 @@ class Tally:
                     "(llama.cpp: --metrics): another client's request that starts and ends within one of powerprof's "
                     "requests cannot be seen")
         if self.in_flight is None:
-            return (f"the server shows its token counter ({self.tokens_name}) but no requests in flight: another "
-                    "client's request that spans two of powerprof's is seen in the window where it finishes only")
+            why = (SGLANG_STALE_GAUGES if (self.tokens_name or "").startswith("sglang:")
+                   else "the server shows no requests in flight")
+            return (f"the server shows its token counter ({self.tokens_name}), but {why}: another client's request "
+                    "that spans two of powerprof's is seen in the window where it finishes only")
         return None
 
 
