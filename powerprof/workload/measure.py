@@ -583,6 +583,7 @@ def _run_measure(
     from powerprof import __version__
     from powerprof.profiler import Profiler
     from powerprof.storage.runs import RunWriter, split_storable, table_from_rows
+    from powerprof.workload.load import prompt_set_record
 
     if out_dir.exists() and (not out_dir.is_dir() or any(out_dir.iterdir())):
         raise FileExistsError(f"output directory {out_dir} already exists and is not empty; choose another --out")
@@ -650,6 +651,7 @@ def _run_measure(
             "concurrency": list(concurrencies),
             "warmup": warmup,
         },
+        "prompt_set": prompt_set_record(prompts),  # what analyze's pooling check compares
         "notes": notes + result.notes,
         "aborted": result.aborted,
         "server_away": result.server_away,  # null: it answered throughout
