@@ -256,17 +256,17 @@ def monitor(duration, interval, output, force, gpus, plain, as_json, rapl_backen
         try:
             with _signals_raise():  # SIGTERM/SIGHUP (kill, timeout, a closed terminal) keep the samples as Ctrl-C does
                 if as_json:
-                    mon.run_monitor(src, interval, duration, timeline=timeline,
+                    mon.run_monitor(src, interval, duration, timeline=timeline, keep=output is not None,
                                     on_tick=lambda k, rows: click.echo(mon.json_line(k, rows, interval)))
                 elif console.is_terminal and not plain:
                     with Live(console=console, auto_refresh=False) as live:
                         mon.run_monitor(
-                            src, interval, duration, timeline=timeline,
+                            src, interval, duration, timeline=timeline, keep=output is not None,
                             on_tick=lambda k, rows: live.update(mon.render(k, rows, interval), refresh=True),
                         )
                 else:
                     mon.run_monitor(
-                        src, interval, duration, timeline=timeline,
+                        src, interval, duration, timeline=timeline, keep=output is not None,
                         on_tick=lambda k, rows: [click.echo(line) for line in mon.lines(k, rows, interval)],
                     )
         except ValueError as e:  # e.g. an interval too long for the RAPL counters' wrap period

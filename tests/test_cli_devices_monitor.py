@@ -384,3 +384,21 @@ def test_monitor_stopped_cleanly_leaves_one_file_and_no_parts(tmp_path):
     seqs = [s for s, dev in zip(t.column("seq").to_pylist(), t.column("device").to_pylist()) if dev == "gpu0"]
     assert len(seqs) >= 5 and seqs == list(range(len(seqs)))
     assert f"wrote {t.num_rows} rows" in err
+
+
+def test_monitor_without_output_keeps_no_samples_in_memory(monkeypatch):
+    # Every sample of a `monitor` left running for days stayed in memory, though nothing would ever write them.
+    from powerprof import monitor as mon
+
+    kept = []
+    real = mon.run_monitor
+
+    def spy(*a, **kw):
+        tl = real(*a, **kw)
+        kept.append(len(tl))
+        return tl
+
+    monkeypatch.setattr(mon, "run_monitor", spy)
+    r = run("monitor", "--simulate", "--duration", "0.3", "--interval", "0.1", "--plain")
+    assert r.exit_code == 0, r.output
+    assert r.output.count("gpu0 power=") == 4 and kept == [0]  # four ticks shown, none kept
