@@ -288,7 +288,10 @@ def monitor(duration, interval, output, force, gpus, plain, as_json, rapl_backen
             raise
         if spool is not None:
             # Checked at the start only: a file made there since (another monitor of that name) is kept.
-            path, rows = spool.close(replace=force)
+            with termination.exits_held() as late:  # a Ctrl-C while the parts are combined waits for the file
+                path, rows = spool.close(replace=force)
+            if late and stopped is None and isinstance(termination.exit_for(late[0]), termination.Terminated):
+                stopped = termination.exit_for(late[0])  # SIGTERM/SIGHUP: 128 + signal; a Ctrl-C ends as one does, exit 0
             if Path(path) != Path(output):
                 pipes.echo_err(f"{output} appeared while monitor ran and is kept; the samples went beside it")
             # Rows, as the file holds them: one read of RAPL gives a row per zone.
