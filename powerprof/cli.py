@@ -210,7 +210,7 @@ def monitor(duration, interval, output, force, gpus, plain, as_json, rapl_backen
     from rich.live import Live
 
     from powerprof import monitor as mon
-    from powerprof.storage.samples import Timeline, check_output_path, write_table, write_table_beside
+    from powerprof.storage.samples import SampleSpool, Timeline, check_output_path, parts_dir_for
 
     if output is not None:
         try:
@@ -221,6 +221,13 @@ def monitor(duration, interval, output, force, gpus, plain, as_json, rapl_backen
             # The write at the end replaced an earlier run's samples without a word.
             raise click.BadParameter(f"{output} exists (samples of an earlier run?); choose another name, "
                                      "or --force to replace it", param_hint="--output")
+        parts = parts_dir_for(output)
+        if os.path.lexists(parts):
+            # A monitor of this name that could not finish (kill -9, OOM, power cut) left its samples there;
+            # --force replaces the file, never them.
+            raise click.BadParameter(f"{parts} exists: the samples of a monitor --output {output} that was killed "
+                                     "before it could combine them (kill -9, out of memory, power cut), readable as "
+                                     "a Parquet folder; move it away (or combine it) first", param_hint="--output")
     console = Console()
     with _open_rig_or_exit(simulate, gpus, rapl_backend) as rig:
         src = rig.sources
@@ -235,23 +242,36 @@ def monitor(duration, interval, output, force, gpus, plain, as_json, rapl_backen
 
         stopped = None
         pipe_closed = False
+        spool = None
+        if output is not None:
+            meta = {"powerprof_command": "monitor", "simulated": str(rig.simulated).lower(),
+                    "gpus": json.dumps([{"index": i.index, "uuid": i.uuid, "name": i.name}
+                                        for i in (src.nvml.infos if src.nvml else [])])}
+            try:
+                # Written as they come (FILE.parts/), so a kill -9 keeps all but the last seconds.
+                spool = SampleSpool(timeline, output, meta).start()
+            except FileExistsError:
+                raise click.BadParameter(f"{parts_dir_for(output)} appeared meanwhile (another monitor of that name)",
+                                         param_hint="--output") from None
         try:
             with _signals_raise():  # SIGTERM/SIGHUP (kill, timeout, a closed terminal) keep the samples as Ctrl-C does
                 if as_json:
-                    mon.run_monitor(src, interval, duration, timeline=timeline,
+                    mon.run_monitor(src, interval, duration, timeline=timeline, keep=output is not None,
                                     on_tick=lambda k, rows: click.echo(mon.json_line(k, rows, interval)))
                 elif console.is_terminal and not plain:
                     with Live(console=console, auto_refresh=False) as live:
                         mon.run_monitor(
-                            src, interval, duration, timeline=timeline,
+                            src, interval, duration, timeline=timeline, keep=output is not None,
                             on_tick=lambda k, rows: live.update(mon.render(k, rows, interval), refresh=True),
                         )
                 else:
                     mon.run_monitor(
-                        src, interval, duration, timeline=timeline,
+                        src, interval, duration, timeline=timeline, keep=output is not None,
                         on_tick=lambda k, rows: [click.echo(line) for line in mon.lines(k, rows, interval)],
                     )
         except ValueError as e:  # e.g. an interval too long for the RAPL counters' wrap period
+            if spool is not None and spool.abandon():
+                pipes.echo_err(f"the samples taken so far are in {spool.parts_dir} (a Parquet folder)")
             raise click.UsageError(str(e)) from None
         except KeyboardInterrupt:
             pipes.echo_err("interrupted")  # still write what was sampled (a `2>&1 | head` is gone too)
@@ -262,17 +282,20 @@ def monitor(duration, interval, output, force, gpus, plain, as_json, rapl_backen
             if not pipes.silence_closed():
                 raise
             pipe_closed = True  # the reader has gone (`| head -3`): stop, still write what was sampled
-        if output is not None:
-            meta = {"powerprof_command": "monitor", "simulated": str(rig.simulated).lower(),
-                    "gpus": json.dumps([{"index": i.index, "uuid": i.uuid, "name": i.name}
-                                        for i in (src.nvml.infos if src.nvml else [])])}
-            table = timeline.to_table()
+        except BaseException:
+            if spool is not None and spool.abandon():
+                pipes.echo_err(f"the samples taken so far are in {spool.parts_dir} (a Parquet folder)")
+            raise
+        if spool is not None:
             # Checked at the start only: a file made there since (another monitor of that name) is kept.
-            path = write_table(table, output, metadata=meta) if force else write_table_beside(table, output, meta)
+            with termination.exits_held() as late:  # a Ctrl-C while the parts are combined waits for the file
+                path, rows = spool.close(replace=force)
+            if late and stopped is None and isinstance(termination.exit_for(late[0]), termination.Terminated):
+                stopped = termination.exit_for(late[0])  # SIGTERM/SIGHUP: 128 + signal; a Ctrl-C ends as one does, exit 0
             if Path(path) != Path(output):
                 pipes.echo_err(f"{output} appeared while monitor ran and is kept; the samples went beside it")
             # Rows, as the file holds them: one read of RAPL gives a row per zone.
-            pipes.echo_err(f"wrote {table.num_rows} rows ({len(timeline)} reads) to {path}")
+            pipes.echo_err(f"wrote {rows} rows ({spool.reads} reads) to {path}")
     if stopped is not None:
         raise stopped
     if pipe_closed:

@@ -64,12 +64,14 @@ def run_monitor(
     on_tick: TickFn | None = None,
     stop: threading.Event | None = None,
     timeline: Timeline | None = None,
+    keep: bool = True,
 ) -> Timeline:
     """Sample until `duration_s` has been covered (ticks 0..floor(duration/interval)) or `stop` is set.
 
     on_tick(k, display) is called in this thread once tick k is complete for every source, or
     when the next tick is due (a slow source then shows its previous value). Every sample goes to
     `timeline` (pass your own to keep what was taken when interrupted), which is returned.
+    keep=False: no sample goes to it (a monitor with nothing to write would hold every one for its whole run).
     """
     collectors = sources.collectors
     if not collectors:
@@ -84,7 +86,8 @@ def run_monitor(
         if s.seq <= last:
             timeline(s)
 
-    sampler.subscribe(timeline if last is None else through_last)
+    if keep:
+        sampler.subscribe(timeline if last is None else through_last)
     sampler.subscribe(watcher)
     stop = stop or threading.Event()
     baseline: dict[str, float] = {}

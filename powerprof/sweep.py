@@ -29,7 +29,7 @@ from powerprof.storage.runs import RunWriter, default_run_dir, table_from_rows
 from powerprof.storage.samples import Timeline
 from powerprof.workload.client import (RequestParams, health_status, identity_changes, new_session, restart_evidence,
                                       server_away, server_epoch, server_identity)
-from powerprof.workload.load import LoadAborted, LoadPolicy, builtin_prompts, detect, run_load_async
+from powerprof.workload.load import LoadAborted, LoadPolicy, builtin_prompts, detect, prompt_set_record, run_load_async
 from powerprof.workload.others import FOREIGN_FIX, FOREIGN_FLAG, OthersWatch, leave_out_foreign
 from powerprof.workload.rows import FIGURES, Level, request_timing, trace_row, window_rows
 from powerprof.workload.servercount import ForeignWatch, settled_tally
@@ -1400,6 +1400,8 @@ def run_sweep(
         }
         if trace is not None:
             meta["trace"] = dict(trace_meta or {}, requests=len(trace))
+        else:
+            meta["prompt_set"] = prompt_set_record(prompts)  # what analyze's pooling check compares
         writer = RunWriter(run_dir, meta)
         parts = dict(settings=settings, profiler=profiler, controller=ctl, timeline=timeline, writer=writer,
                      run_id=run_id, reference_value=reference, ui=ui)

@@ -93,6 +93,25 @@ def test_runs_of_different_prompt_sets_are_refused_unless_forced(tmp_path):
     _refused_then_forced([a, b], tmp_path / "tokens", "prompt")
 
 
+def test_runs_whose_run_json_names_other_prompt_sets_are_refused_unless_forced(tmp_path):
+    # Two --prompts files with the same ids and prompt lengths (other texts) left the same windows: they were pooled
+    # as one prompt set. run.json's prompt_set hash tells them apart; a run without it falls back to the windows.
+    a = make_run(tmp_path / "a", seed_truth(), levels=LEVELS, n_requests=8, seed=1)
+    b = make_run(tmp_path / "b", seed_truth(), levels=LEVELS, n_requests=8, seed=2)
+    _edit_meta(a, prompt_set={"sha256": "1" * 64, "prompts": 4})
+    _edit_meta(b, prompt_set={"sha256": "2" * 64, "prompts": 4})
+    res = _refused_then_forced([a, b], tmp_path / "hash", "prompt set")
+    assert "111111111111" in res.warnings[0].message and "222222222222" in res.warnings[0].message
+    _edit_meta(b, prompt_set={"sha256": "1" * 64, "prompts": 4})
+    analyze_run([a, b], tmp_path / "same", n_boot=200, plots=False, formats=())
+    # An older run (no prompt_set) beside a new one: today's inference from the windows, which agree here...
+    _edit_meta(b, prompt_set=None)
+    analyze_run([a, b], tmp_path / "older", n_boot=200, plots=False, formats=())
+    # ...and refuse where they differ.
+    _edit_windows(b, prompt_tokens=2000)
+    _refused_then_forced([a, b], tmp_path / "older-tokens", "prompt")
+
+
 def test_runs_of_different_servers_are_refused_unless_forced(tmp_path):
     # One model file served by llama.cpp and by vLLM: another engine, another J/token curve.
     a = make_run(tmp_path / "a", seed_truth(), levels=LEVELS, n_requests=8, seed=1)

@@ -312,3 +312,93 @@ def test_monitor_whose_reader_goes_away_still_writes_its_samples(tmp_path, as_js
         assert "wrote" in err and str(out) in err
     rows = pcsv.read_csv(out).num_rows
     assert rows >= 3
+
+
+def _wait_for(cond, timeout_s=60.0):
+    end = time.monotonic() + timeout_s
+    while time.monotonic() < end:
+        v = cond()
+        if v:
+            return v
+        time.sleep(0.05)
+    raise AssertionError("condition not met in time")
+
+
+def _flushed_gpu_rows(parts: Path) -> int:
+    try:
+        t = pq.read_table(parts, columns=["device"])
+    except (OSError, pa.ArrowInvalid):
+        return 0
+    return t.column("device").to_pylist().count("gpu0")
+
+
+@pytest.mark.parametrize("name", ["m.parquet", "m.csv"])
+def test_monitor_killed_by_sigkill_keeps_its_samples_up_to_the_last_flush(tmp_path, name):
+    # `--output` was written only at the end: a kill -9, an OOM kill or a power cut lost every sample of the
+    # session. Now the samples are written as they come, each part a whole Parquet file, so what a killed
+    # monitor leaves is readable and misses at most the last few seconds.
+    out = tmp_path / name
+    parts = tmp_path / f"{name}.parts"
+    p = subprocess.Popen([sys.executable, "-m", "powerprof.cli", "monitor", "--simulate", "--plain",
+                          "--interval", "0.1", "--output", str(out)],
+                         stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    try:
+        _wait_for(lambda: _flushed_gpu_rows(parts) >= 15)  # some flushes happened while it ran
+        p.send_signal(signal.SIGKILL)
+        p.wait(timeout=60)
+        killed_at_utc = time.time()
+    finally:
+        if p.poll() is None:
+            p.kill()
+    assert not out.exists()  # never combined: no half file under the user's name
+    t = pq.read_table(parts)  # every file the folder holds is whole Parquet
+    assert t.schema.names == SAMPLES.names and t.schema.metadata[b"simulated"] == b"true"
+    d = t.to_pydict()
+    seqs = [s for s, dev in zip(d["seq"], d["device"]) if dev == "gpu0"]
+    assert len(seqs) >= 15 and seqs == list(range(len(seqs)))  # from the start, none twice, none missing
+    last_utc = max(d["time_utc"]).timestamp()
+    assert killed_at_utc - last_utc < 15.0  # a few seconds lost (flush every 2 s; margin for a loaded machine)
+    # A second monitor of that name will not bury them: it refuses, says where they are, and leaves them.
+    r = run("monitor", "--simulate", "--duration", "0.1", "--interval", "0.1", "--output", str(out), "--force")
+    assert r.exit_code == 2 and f"{name}.parts" in r.output and "kill" in r.output, r.output
+    assert pq.read_table(parts).num_rows == t.num_rows and not out.exists()
+
+
+def test_monitor_stopped_cleanly_leaves_one_file_and_no_parts(tmp_path):
+    (tmp_path / "o").mkdir()
+    out = tmp_path / "o" / "m.parquet"
+    p = subprocess.Popen([sys.executable, "-m", "powerprof.cli", "monitor", "--simulate", "--plain",
+                          "--interval", "0.1", "--output", str(out)],
+                         stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    parts = tmp_path / "o" / "m.parquet.parts"
+    try:
+        _wait_for(lambda: _flushed_gpu_rows(parts) >= 5)
+        p.send_signal(signal.SIGTERM)
+        _, err = p.communicate(timeout=60)
+    finally:
+        if p.poll() is None:
+            p.kill()
+    assert p.returncode == 128 + signal.SIGTERM, err
+    assert [x.name for x in out.parent.iterdir()] == ["m.parquet"]  # no parts, no temporaries
+    t = pq.read_table(out)
+    seqs = [s for s, dev in zip(t.column("seq").to_pylist(), t.column("device").to_pylist()) if dev == "gpu0"]
+    assert len(seqs) >= 5 and seqs == list(range(len(seqs)))
+    assert f"wrote {t.num_rows} rows" in err
+
+
+def test_monitor_without_output_keeps_no_samples_in_memory(monkeypatch):
+    # Every sample of a `monitor` left running for days stayed in memory, though nothing would ever write them.
+    from powerprof import monitor as mon
+
+    kept = []
+    real = mon.run_monitor
+
+    def spy(*a, **kw):
+        tl = real(*a, **kw)
+        kept.append(len(tl))
+        return tl
+
+    monkeypatch.setattr(mon, "run_monitor", spy)
+    r = run("monitor", "--simulate", "--duration", "0.3", "--interval", "0.1", "--plain")
+    assert r.exit_code == 0, r.output
+    assert r.output.count("gpu0 power=") == 4 and kept == [0]  # four ticks shown, none kept

@@ -213,7 +213,12 @@ def test_simulated_gpu_beside_a_real_server_is_allowed_and_labelled(tmp_path):
     assert r.returncode == 0, r.stderr
     assert "SIMULATED GPU (a100-40g) beside a real server" in " ".join(r.stdout.split())
     assert (tmp_path / "mixed" / "levels.parquet").exists()
-    assert json.loads((tmp_path / "mixed" / "run.json").read_text())["simulated"] is True
+    meta = json.loads((tmp_path / "mixed" / "run.json").read_text())
+    assert meta["simulated"] is True
+    # The prompt set it sent, by its texts (analyze's pooling check compares it; the windows show only ids and lengths).
+    from powerprof.workload.load import builtin_prompts, prompt_set_record
+
+    assert meta["prompt_set"] == prompt_set_record(builtin_prompts("short"))
 
 
 def test_the_live_ci_is_the_tables_ci(tmp_path):

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import json
 import re
 import socket
 import threading
@@ -764,3 +765,40 @@ def test_server_epoch_tells_a_restart_from_a_dropped_connection():
         s.restart(0.05).result(10)
         restarted, said = restart_evidence(before, epoch(s))
         assert restarted is True and "fell from 24 to 0" in said, said
+
+
+def test_measure_records_which_prompt_set_it_sent_in_run_json(tmp_path, monkeypatch):
+    # Two --prompts files with the same ids and prompt lengths but other texts: nothing in run.json or the windows
+    # told them apart, so `analyze` pooled them as one prompt set. run.json now names the set by its hash.
+    import powerprof.workload.measure as m
+    from powerprof.workload.load import load_prompts, prompt_set_identity
+
+    real = m.run_measure
+    monkeypatch.setattr(m, "run_measure", lambda rig, **kw: real(rig, **kw, sim_decode_tok_s=300.0, interval_s=0.2))
+    a, b = tmp_path / "a.jsonl", tmp_path / "b.jsonl"
+    a.write_text('{"id": "q", "prompt": "Why is the sky blue?"}\n')
+    b.write_text('{"id": "q", "prompt": "Why is the sea green?"}\n')
+    metas, windows = {}, {}
+    for f in (a, b):
+        out = tmp_path / f.stem
+        res = CliRunner().invoke(main, ["measure", "--simulate", "a100-40g", "--prompts", str(f), "--requests", "1",
+                                        "--max-tokens", "8", "--warmup", "0", "--out", str(out)])
+        assert res.exit_code == 0, res.output
+        metas[f.stem] = json.loads((out / "run.json").read_text())["prompt_set"]
+        windows[f.stem] = {(r["prompt_id"], r["prompt_tokens"]) for r in pq.read_table(out / "windows.parquet").to_pylist()}
+    assert windows["a"] == windows["b"]  # what the windows say is the same: only run.json can tell them apart
+    assert metas["a"] == {"sha256": prompt_set_identity(load_prompts(a)), "prompts": 1}
+    assert metas["b"]["sha256"] != metas["a"]["sha256"] and len(metas["a"]["sha256"]) == 64
+
+
+def test_prompt_set_identity_is_the_texts_in_order_with_their_max_tokens():
+    from powerprof.workload.load import Prompt, builtin_prompts, prompt_set_identity
+
+    base = [Prompt("a", "one"), Prompt("b", "two")]
+    h = prompt_set_identity(base)
+    assert h == prompt_set_identity([Prompt("a", "one"), Prompt("b", "two")])  # stable across calls and processes
+    assert h != prompt_set_identity([Prompt("a", "one"), Prompt("b", "two!")])  # another text
+    assert h != prompt_set_identity(base[::-1])  # another order: request j sends another prompt
+    assert h != prompt_set_identity([Prompt("a", "one", 64), Prompt("b", "two")])  # another per-prompt length
+    assert h != prompt_set_identity([Prompt("a", "on"), Prompt("b", "etwo")])  # no ambiguity in joining texts
+    assert prompt_set_identity(builtin_prompts("short")) != prompt_set_identity(builtin_prompts("long"))

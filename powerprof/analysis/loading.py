@@ -181,7 +181,7 @@ def check_compatible(runs: list[RunInfo], force: bool = False) -> list[str]:
     if len(set(traffic.values())) > 1:
         detail = "; ".join(f"{p}: {'trace ' + t[:12] if t != 'the prompt set' else t}" for p, t in traffic.items())
         differs.append(f"runs differ in traffic ({detail})")
-    elif (d := _prompt_set_differs(runs, facts)) is not None:
+    elif (d := _prompt_set_hash_differs(runs) or _prompt_set_differs(runs, facts)) is not None:
         differs.append(d)
     for key in REQUEST_SETTINGS:
         compare(key, lambda r: (r.meta.get("params") or {}).get(key) if isinstance(r.meta.get("params"), dict) else None)
@@ -224,13 +224,32 @@ def _window_facts(run: RunInfo) -> dict:
     return out
 
 
+def _prompt_set_hash(run: RunInfo) -> str | None:
+    ps = run.meta.get("prompt_set")
+    sha = ps.get("sha256") if isinstance(ps, dict) else None
+    return sha if isinstance(sha, str) and sha else None
+
+
+def _prompt_set_hash_differs(runs: list[RunInfo]) -> str | None:
+    """Whether runs whose run.json names its prompt set (`prompt_set.sha256`) sent other sets: the texts
+    themselves, where the windows only show ids and lengths."""
+    seen = {r.path: _prompt_set_hash(r) for r in runs}
+    if len({v for v in seen.values() if v is not None}) < 2:
+        return None
+    detail = "; ".join(f"{p}: {'not recorded' if v is None else 'sha256 ' + v[:12]}" for p, v in seen.items())
+    return f"runs differ in prompt set ({detail})"
+
+
 def _prompt_set_differs(runs: list[RunInfo], facts: dict) -> str | None:
-    """Whether two runs sent other prompts, from their windows (run.json does not name the prompt set):
-    neither's prompt ids within the other's (a run cut short measured part of the set), or one id with
-    other prompt lengths (line-1 of two --prompts files). None when they agree or a run has no prompt ids."""
+    """Whether two runs sent other prompts, from their windows, for a pair where one run.json does not name
+    its prompt set (older runs; both named: _prompt_set_hash_differs decides): neither's prompt ids within the
+    other's (a run cut short measured part of the set), or one id with other prompt lengths (line-1 of two
+    --prompts files). None when they agree or a run has no prompt ids."""
     with_ids = [r for r in runs if facts[r.path].get("prompts")]
     for i, a in enumerate(with_ids):
         for b in with_ids[i + 1:]:
+            if _prompt_set_hash(a) is not None and _prompt_set_hash(b) is not None:
+                continue  # the same hash: the same texts in the same order
             pa_, pb = facts[a.path]["prompts"], facts[b.path]["prompts"]
             if not (pa_.keys() <= pb.keys() or pb.keys() <= pa_.keys()):
                 def names(p):

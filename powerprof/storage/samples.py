@@ -19,7 +19,7 @@ from powerprof.collectors.nvml import GpuReading
 from powerprof.collectors.rapl import RaplReading
 from powerprof.collectors.sampler import Sample
 
-from .atomic import atomic_path
+from .atomic import atomic_path, fsync_dir
 
 if TYPE_CHECKING:
     import pyarrow as pa
@@ -155,6 +155,11 @@ class Timeline:
             items, self._items = self._items, []
             return items
 
+    def put_back(self, items: list[tuple[Sample, Mapping | None]]) -> None:
+        """Undo a drain whose samples could not be written: they go back before any taken since."""
+        with self._lock:
+            self._items[:0] = items
+
     def to_table(self, items: list[tuple[Sample, Mapping | None]] | None = None) -> pa.Table:
         with self._lock:
             items = list(self._items) if items is None else items
@@ -220,11 +225,162 @@ def write_table_beside(table: pa.Table, path: str | os.PathLike, metadata: Mappi
     """write_table without replacing a file at `path` made since it was checked (another `monitor --output`
     of the same name started meanwhile): the rows go to `<stem>-<UTC time><suffix>` beside it instead, never
     lost and never over it. Returns where they went."""
-    from datetime import datetime, timezone  # noqa: PLC0415
-
     p = Path(path)
     try:
         return write_table(table, p, metadata, replace=False)
     except FileExistsError:
-        stamp = datetime.now(timezone.utc).strftime("%Y%m%dT%H%M%S%fZ")
-        return write_table(table, p.with_name(f"{p.stem}-{stamp}{p.suffix}"), metadata, replace=False)
+        return write_table(table, beside_name(p), metadata, replace=False)
+
+
+def beside_name(path: Path) -> Path:
+    """`<stem>-<UTC time><suffix>`: where samples go when `path` was made by someone else while they were taken."""
+    from datetime import datetime, timezone  # noqa: PLC0415
+
+    stamp = datetime.now(timezone.utc).strftime("%Y%m%dT%H%M%S%fZ")
+    return path.with_name(f"{path.stem}-{stamp}{path.suffix}")
+
+
+FLUSH_EVERY_S = 2.0  # at most this much (plus one write) of a killed monitor's samples is lost
+PART_MAX_ROWS = 50_000  # a part is rewritten whole at each flush: this bounds that write and the memory held
+PARTS_SUFFIX = ".parts"
+
+
+def parts_dir_for(path: str | os.PathLike) -> Path:
+    """The folder where a SampleSpool for `path` keeps its parts until the end: `FILE.parquet.parts/`."""
+    p = Path(path)
+    return p.with_name(p.name + PARTS_SUFFIX)
+
+
+class SampleSpool:
+    """Writes a Timeline's samples to disk as they come, so that a process killed without warning (kill -9, an
+    OOM kill, a power cut) keeps all but the last flush interval of them; `close()` combines them into one file.
+
+    Parquet cannot be appended to (a file without its footer is unreadable), so the samples go to numbered
+    whole Parquet files in `FILE.parts/`: every flush drains the timeline and rewrites the current part
+    atomically (storage.atomic: a kill leaves the previous version, never half), and a part that reaches
+    `part_max_rows` is left as it is and a new one begun. Memory holds one part's rows at most. What a killed
+    process leaves is the folder, readable as one table (pyarrow.parquet.read_table, DuckDB
+    `read_parquet('FILE.parts/*.parquet')`); the parts are Parquet whatever FILE's suffix.
+    `start()` flushes every `flush_every_s` on a thread of its own, so a slow terminal or pipe delays nothing.
+    """
+
+    def __init__(self, timeline: Timeline, path: str | os.PathLike, metadata: Mapping[str, str] | None = None,
+                 flush_every_s: float = FLUSH_EVERY_S, part_max_rows: int = PART_MAX_ROWS):
+        self.path = Path(path)
+        self.parts_dir = parts_dir_for(path)
+        self.timeline = timeline
+        self.metadata = dict(metadata or {})
+        self.flush_every_s = flush_every_s
+        self.part_max_rows = part_max_rows
+        self.reads = 0  # samples handed over (one RAPL read is a row per zone)
+        self.rows = 0
+        os.mkdir(self.parts_dir)  # FileExistsError: another spool's, or a killed one's, kept for its owner
+        fsync_dir(self.parts_dir.parent)
+        self._part = 1
+        self._current: list[pa.Table] = []  # the current part's rows, rewritten whole at each flush
+        self._current_rows = 0
+        self._lock = threading.Lock()
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self.error: str | None = None  # the last flush's failure (the next one tries again)
+
+    def start(self) -> "SampleSpool":
+        self._thread = threading.Thread(target=self._run, name="powerprof-sample-spool", daemon=True)
+        self._thread.start()
+        return self
+
+    def _run(self) -> None:
+        while not self._stop.wait(self.flush_every_s):
+            try:
+                self.flush()
+                self.error = None
+            except OSError as e:  # a full disk now may have room at the next flush; close() raises it
+                self.error = f"{e.strerror or e}"
+
+    def _stop_thread(self) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join()
+
+    def flush(self) -> None:
+        """Hand the timeline's samples over to disk: the current part rewritten with them, atomically."""
+        import pyarrow as pa  # noqa: PLC0415
+
+        with self._lock:
+            items = self.timeline.drain()
+            if not items:
+                return
+            table = self.timeline.to_table(items)
+            self._current.append(table)
+            self._current_rows += table.num_rows
+            try:
+                write_table(pa.concat_tables(self._current), self._part_path(self._part), self.metadata)
+            except BaseException:
+                # Not on disk: kept in memory for the next flush (a second's rows, not the run's).
+                self._current.pop()
+                self._current_rows -= table.num_rows
+                self.timeline.put_back(items)
+                raise
+            self.reads += len(items)
+            self.rows += table.num_rows
+            if self._current_rows >= self.part_max_rows:
+                self._part += 1
+                self._current, self._current_rows = [], 0
+
+    def _part_path(self, k: int) -> Path:
+        return self.parts_dir / f"part-{k:06d}.parquet"
+
+    def close(self, replace: bool = True) -> tuple[Path, int]:
+        """Flush, combine the parts into `path` (one part at a time: memory stays bounded), remove the parts.
+        replace=False: a `path` made meanwhile is kept and the samples go to `beside_name(path)`.
+        Returns (where they went, rows). On a failure the parts stay, and the error is raised."""
+        self._stop_thread()
+        self.flush()
+        try:
+            out = self._combine(self.path, replace)
+        except FileExistsError:
+            out = self._combine(beside_name(self.path), False)
+        import shutil  # noqa: PLC0415
+
+        shutil.rmtree(self.parts_dir, ignore_errors=True)
+        fsync_dir(self.parts_dir.parent)
+        return out, self.rows
+
+    def abandon(self) -> bool:
+        """Stop flushing after a last try, leaving the parts where they are (the run failed; they are its samples).
+        A folder with nothing in it is removed. Returns whether samples were left there."""
+        self._stop_thread()
+        try:
+            self.flush()
+        except OSError:
+            pass
+        if self.rows == 0:
+            import shutil  # noqa: PLC0415
+
+            shutil.rmtree(self.parts_dir, ignore_errors=True)
+            return False
+        return True
+
+    def _combine(self, path: Path, replace: bool) -> Path:
+        import pyarrow.parquet as pq  # noqa: PLC0415
+
+        from .schema import SAMPLES, rows_to_table  # noqa: PLC0415
+
+        schema = rows_to_table(SAMPLES, []).schema
+        md = dict(schema.metadata or {})
+        md.update({str(k).encode(): str(v).encode() for k, v in self.metadata.items()})
+        schema = schema.with_metadata(md)
+        parts = sorted(self.parts_dir.glob("part-*.parquet"))
+        with atomic_path(path, replace=replace) as tmp:
+            if path.suffix.lower() == ".parquet":
+                writer = pq.ParquetWriter(tmp, schema)
+            else:
+                import pyarrow.csv as pcsv  # noqa: PLC0415
+
+                writer = pcsv.CSVWriter(tmp, schema)
+            with writer:
+                if not parts and path.suffix.lower() != ".parquet":
+                    writer.write_table(rows_to_table(SAMPLES, []))  # the header, as write_csv gives it
+                for part in parts:
+                    writer.write_table(pq.read_table(part).replace_schema_metadata(md))
+        return path

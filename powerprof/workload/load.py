@@ -89,6 +89,22 @@ PROMPT_SETS: dict[str, tuple[Prompt, ...]] = {
 PROMPT_SETS["mixed"] = PROMPT_SETS["short"][:2] + PROMPT_SETS["medium"][:1] + PROMPT_SETS["long"][:1]
 
 
+def prompt_set_identity(prompts) -> str:
+    """The sha256 (hex) naming a prompt set in run.json's `prompt_set`: every prompt's id, text as sent and own
+    max_tokens, in order (request j of each level sends prompt j). Nothing a tokenizer decides goes in, so one
+    file gives one hash on any server; JSON keeps the texts apart (no two sets join into one string)."""
+    import hashlib  # noqa: PLC0415
+
+    doc = [[p.id, p.text, p.max_tokens] for p in prompts]
+    return hashlib.sha256(json.dumps(doc, ensure_ascii=False, separators=(",", ":")).encode("utf-8")).hexdigest()
+
+
+def prompt_set_record(prompts) -> dict:
+    """run.json's `prompt_set`: {"sha256": prompt_set_identity, "prompts": how many}."""
+    prompts = list(prompts)
+    return {"sha256": prompt_set_identity(prompts), "prompts": len(prompts)}
+
+
 def builtin_prompts(name: str) -> list[Prompt]:
     try:
         return list(PROMPT_SETS[name])

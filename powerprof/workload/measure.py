@@ -699,6 +699,7 @@ def _run_measure(
     from powerprof import __version__
     from powerprof.profiler import Profiler
     from powerprof.storage.runs import RunWriter, split_storable, table_from_rows
+    from powerprof.workload.load import prompt_set_record
 
     from .serverprocs import ServerProcesses
 
@@ -769,6 +770,7 @@ def _run_measure(
             "concurrency": list(concurrencies),
             "warmup": warmup,
         },
+        "prompt_set": prompt_set_record(prompts),  # what analyze's pooling check compares
         "notes": notes + result.notes,
         "aborted": result.aborted,
         "server_away": result.server_away,  # null: it answered throughout
