@@ -183,13 +183,8 @@ class CpuTimeCollector:
                 del self._helpers[pid]
                 self._helpers_gone_s += last - base
         for pid in now - set(self._helpers):
-            try:
-                p = self.ps.Process(pid)
-                s = _proc_s(p)
-                new = p.create_time() >= self._t_start
-            except Exception:
-                continue
-            self._helpers[pid] = (p, 0.0 if new else s, s)
+            if (entry := self._begin(pid)) is not None:
+                self._helpers[pid] = entry
         return self._helpers_gone_s + sum(last - base for _, base, last in self._helpers.values())
 
     def _refresh(self, before: dict) -> None:
@@ -211,13 +206,19 @@ class CpuTimeCollector:
         for pid in [p for p in before if p not in pids]:
             self._drop(pid)
         for pid in pids - set(self._procs) - self._dropped:
-            try:
-                p = self.ps.Process(pid)
-                s = _proc_s(p)
-                new = p.create_time() >= self._t_start
-            except Exception:
-                continue
-            self._procs[pid] = (p, 0.0 if new else s, s)
+            if (entry := self._begin(pid)) is not None:
+                self._procs[pid] = entry
+
+    def _begin(self, pid: int) -> tuple | None:
+        """(process, CPU s it counts from, CPU s now) for a process to follow, or None where it is gone: one
+        started since this collector counts all its time, one older only what it uses from now on."""
+        try:
+            p = self.ps.Process(pid)
+            s = _proc_s(p)
+            new = p.create_time() >= self._t_start
+        except Exception:
+            return None
+        return p, 0.0 if new else s, s
 
 
 def cpu_shares_pct(host_s, other_s, powerprof_s) -> tuple[float | None, float | None]:
