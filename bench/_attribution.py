@@ -48,6 +48,16 @@ class Outcome:
     edge_cpu_s: float = 0.0  # the CPU those reads cost in all, as the daemon measured it
 
 
+async def _started(daemon, interval_s: float) -> asyncio.Task:
+    """The daemon running, its proxy listening, and 8 idle intervals behind it (the idle power measured)."""
+    task = asyncio.create_task(daemon.run())
+    for _ in range(400):
+        if "proxy" in daemon.urls:
+            break
+        await asyncio.sleep(0.05)
+    await asyncio.sleep(8 * interval_s)
+    return task
+
 def _read(data: Path, name: str) -> pd.DataFrame:
     p = data / name
     if not p.exists():
@@ -76,12 +86,7 @@ def run(trace: list[TraceRequest], bypass: set[int] = frozenset(), profile="h200
     params = RequestParams(max_tokens=16, ignore_eos=True)
 
     async def main():
-        task = asyncio.create_task(daemon.run())
-        for _ in range(400):
-            if "proxy" in daemon.urls:
-                break
-            await asyncio.sleep(0.05)
-        await asyncio.sleep(8 * interval_s)  # idle intervals first: the idle power is measured
+        task = await _started(daemon, interval_s)
         async with new_session() as s:
             via_proxy = await detect_server(s, daemon.urls["proxy"])
             direct = await detect_server(s, srv.url)
@@ -297,12 +302,7 @@ def run_mixed(trace: list[TraceRequest], profile: str = "h200-141g", interval_s:
             statuses.append(resp.status)
 
     async def main():
-        task = asyncio.create_task(daemon.run())
-        for _ in range(400):
-            if "proxy" in daemon.urls:
-                break
-            await asyncio.sleep(0.05)
-        await asyncio.sleep(8 * interval_s)  # idle intervals first: the idle power is measured
+        task = await _started(daemon, interval_s)
         async with new_session() as s:
             t0 = time.monotonic()
             await asyncio.gather(*(one(s, daemon.urls["proxy"], i, r, t0) for i, r in enumerate(trace)))
