@@ -195,14 +195,17 @@ def _print_devices(info):
               help="Seconds between samples (0.02-10, i.e. 50-0.1 Hz).")
 @click.option("--output", type=click.Path(dir_okay=False), default=None,
               help="Also write every sample to FILE.parquet or FILE.csv (samples schema).")
-@click.option("--force", is_flag=True, help="Replace --output if it exists (default: refuse, it may hold earlier samples).")
+@click.option("--force", is_flag=True, help="Replace --output (or --recover's FILE) if it exists (default: refuse, it may hold earlier samples).")
+@click.option("--recover", type=click.Path(dir_okay=False), default=None, metavar="FILE",
+              help="Sample nothing: combine the FILE.parts/ folder a killed `monitor --output FILE` left into FILE "
+                   "(.parquet or .csv), then remove the parts.")
 @click.option("--gpus", callback=_parse_gpus, help="NVML indexes to show, e.g. 0,1 (default: all visible).")
 @click.option("--plain", is_flag=True,
               help="One text line per GPU per interval, even on a terminal (default: live panels on a terminal, lines in a pipe).")
 @click.option("--json", "as_json", is_flag=True, help="One JSON object per interval (JSON lines, stable keys) for scripts.")
 @_rapl_backend_option
 @simulate_option
-def monitor(duration, interval, output, force, gpus, plain, as_json, rapl_backend, simulate):
+def monitor(duration, interval, output, force, recover, gpus, plain, as_json, rapl_backend, simulate):
     """Live view once per interval: GPU name, load, memory, power and temperature with bars; clocks, energy, reasons; CPU power."""
     import json
 
@@ -212,6 +215,11 @@ def monitor(duration, interval, output, force, gpus, plain, as_json, rapl_backen
     from powerprof import monitor as mon
     from powerprof.storage.samples import SampleSpool, Timeline, check_output_path, parts_dir_for
 
+    if recover is not None:
+        if output is not None:
+            raise click.UsageError("--recover FILE samples nothing: give it without --output")
+        _recover_monitor_output(recover, force)
+        return
     if output is not None:
         try:
             check_output_path(output)
@@ -227,7 +235,8 @@ def monitor(duration, interval, output, force, gpus, plain, as_json, rapl_backen
             # --force replaces the file, never them.
             raise click.BadParameter(f"{parts} exists: the samples of a monitor --output {output} that was killed "
                                      "before it could combine them (kill -9, out of memory, power cut), readable as "
-                                     "a Parquet folder; move it away (or combine it) first", param_hint="--output")
+                                     f"a Parquet folder; combine them into {output} first with `powerprof monitor "
+                                     f"--recover {output}`, or move the folder away", param_hint="--output")
     console = Console()
     with _open_rig_or_exit(simulate, gpus, rapl_backend) as rig:
         src = rig.sources
@@ -300,6 +309,35 @@ def monitor(duration, interval, output, force, gpus, plain, as_json, rapl_backen
         raise stopped
     if pipe_closed:
         sys.exit(pipes.EXIT_PIPE)
+
+
+def _recover_monitor_output(output: str, force: bool) -> None:
+    """`monitor --recover FILE`: the parts of a killed `monitor --output FILE` as FILE, then the parts removed."""
+    from powerprof import pipes
+    from powerprof.storage.samples import RecoverError, check_output_path, parts_dir_for, recover_parts
+
+    try:
+        check_output_path(output)
+    except ValueError as e:
+        raise click.BadParameter(str(e), param_hint="--recover") from None
+    parts = parts_dir_for(output)
+    if not parts.is_dir():
+        raise click.BadParameter(f"{parts} does not exist: nothing to recover (a killed monitor --output {output} "
+                                 "leaves its samples there)", param_hint="--recover")
+    if os.path.lexists(output) and not force:
+        raise click.BadParameter(f"{output} exists (samples of an earlier run?); choose another name for the "
+                                 f"recovered samples (move {parts} beside it), or --force to replace it",
+                                 param_hint="--recover")
+    try:
+        path, rows = recover_parts(output, replace=force)
+    except FileExistsError:  # made while the parts were combined
+        raise click.ClickException(f"{output} appeared while the parts were combined and is kept; so are the parts "
+                                   f"({parts})") from None
+    except RecoverError as e:
+        raise click.ClickException(str(e)) from None
+    except OSError as e:
+        raise click.ClickException(f"cannot write {output}: {e.strerror or e}; the parts are kept ({parts})") from None
+    pipes.echo_err(f"wrote {rows} rows to {path} (recovered from {parts}, now removed)")
 
 
 # --- control: power-limit and clock restore ------------------------------------------------

@@ -260,7 +260,8 @@ def test_cli_export_of_a_damaged_table_names_it_and_leaves_no_part_of_it(run, tm
         assert "nothing written" in r.output and not out.exists()
     else:
         assert "table windows" in r.output and not (out / "windows.csv").exists()
-        assert [f.name for f in out.iterdir() if f.name.startswith(".")] == []  # no temporary left
+        # The key check (rowkeys.py) reads windows before anything is written: refused with no folder made.
+        assert not out.exists() or [f.name for f in out.iterdir() if f.name.startswith(".")] == []  # no temporary
 
 
 def test_xlsx_export_survives_control_characters_in_text(tmp_path):
@@ -524,3 +525,65 @@ def test_a_single_file_export_into_a_folder_that_does_not_exist_says_so(run, tmp
     said = " ".join(r.output.split())
     assert f"the folder {out.parent} does not exist" in said and "Traceback" not in r.output, said
     assert not (tmp_path / "no").exists()
+
+
+def _doubled(run, dst, table, edit=None):
+    """A copy of `run` whose `table` holds every row twice (a file concatenated with a copy of itself); `edit`
+    changes the second copy's rows (a table: a table)."""
+    import shutil
+
+    copy = shutil.copytree(run, dst)
+    t = pq.read_table(run / f"{table}.parquet")
+    pq.write_table(pa.concat_tables([t, edit(t) if edit else t]), copy / f"{table}.parquet")
+    return copy
+
+
+@pytest.mark.parametrize("fmt", ["csv", "parquet", "xlsx"])
+def test_a_window_stored_twice_is_exported_once(run, tmp_path, fmt):
+    # Sweep windows had no key: a windows.parquet concatenated with itself exported every window twice (12 rows
+    # of 6 requests at 2 levels became 24), while `analyze` counts each once (duplicate-windows).
+    doubled = _doubled(run, tmp_path / "doubled", "windows")
+    _doubled(run, tmp_path / "x", "levels")
+    (doubled / "levels.parquet").unlink()
+    (tmp_path / "x" / "levels.parquet").rename(doubled / "levels.parquet")
+    truth = {t: pq.read_table(run / f"{t}.parquet") for t in ("windows", "levels")}
+    out = tmp_path / ("o.xlsx" if fmt == "xlsx" else "o")
+    r = CliRunner().invoke(main, ["export", str(doubled), "--format", fmt, "--out", str(out)])
+    assert r.exit_code == 0, (r.output, r.exception)
+    for t, want in truth.items():
+        if fmt == "xlsx":
+            got = pd.read_excel(out, sheet_name=t)
+        else:
+            got = pd.read_csv(out / f"{t}.csv") if fmt == "csv" else pq.read_table(out / f"{t}.parquet").to_pandas()
+        assert len(got) == want.num_rows, t
+    # The same windows, each once: their energies sum to the run's.
+    import pyarrow.compute as pc
+
+    if fmt == "parquet":
+        got = pq.read_table(out / "windows.parquet")
+        assert sorted(got.column("request_id").to_pylist(), key=str) == sorted(
+            truth["windows"].column("request_id").to_pylist(), key=str)
+        assert pc.sum(got.column("gpu_energy_j")).as_py() == pytest.approx(
+            pc.sum(truth["windows"].column("gpu_energy_j")).as_py())
+    n_w, n_l = truth["windows"].num_rows, truth["levels"].num_rows
+    assert f"note: windows: {n_w} rows found more than once were written once (the same run_id" in r.stderr
+    assert f"note: levels: {n_l} rows found more than once were written once" in r.stderr
+
+
+def test_a_window_stored_twice_with_different_figures_is_refused(run, tmp_path):
+    # Two rows of one window (same run, level, request, attempt and times) with different energies: one event
+    # with two versions, at most one true. It wrote both; now nothing is written and the message says which.
+    import pyarrow.compute as pc
+
+    def edit(t):
+        i = t.schema.get_field_index("gpu_energy_j")
+        return t.set_column(i, "gpu_energy_j", pc.multiply(t.column(i), 2.0))
+
+    doubled = _doubled(run, tmp_path / "edited", "windows", edit)
+    out = tmp_path / "o"
+    r = CliRunner().invoke(main, ["export", str(doubled), "--format", "csv", "--out", str(out)])
+    assert r.exit_code == 1 and isinstance(r.exception, SystemExit), (r.output, r.exception)
+    assert "table windows:" in r.output and "hold rows that differ" in r.output and "run_id=" in r.output, r.output
+    assert "nothing written" in r.output and "Traceback" not in r.output
+    assert not out.exists()
+

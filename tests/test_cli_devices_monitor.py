@@ -362,6 +362,47 @@ def test_monitor_killed_by_sigkill_keeps_its_samples_up_to_the_last_flush(tmp_pa
     r = run("monitor", "--simulate", "--duration", "0.1", "--interval", "0.1", "--output", str(out), "--force")
     assert r.exit_code == 2 and f"{name}.parts" in r.output and "kill" in r.output, r.output
     assert pq.read_table(parts).num_rows == t.num_rows and not out.exists()
+    # Nothing combined them for the user: the refusal names the command that does, and it writes the file asked for.
+    assert f"powerprof monitor --recover {out}" in " ".join(r.output.split()), r.output
+    r = run("monitor", "--recover", str(out))
+    assert r.exit_code == 0, r.output
+    got = pq.read_table(out) if name.endswith(".parquet") else pcsv.read_csv(
+        out, convert_options=pcsv.ConvertOptions(column_types=SAMPLES))
+    assert got.schema.names == SAMPLES.names and got.num_rows == t.num_rows
+    if name.endswith(".parquet"):
+        assert got.schema.metadata[b"simulated"] == b"true" and got.schema.metadata[b"powerprof_command"] == b"monitor"
+    key = ["seq", "device", "source"]
+    assert got.select(key).sort_by([(c, "ascending") for c in key]).to_pylist() == \
+        t.select(key).sort_by([(c, "ascending") for c in key]).to_pylist()
+    assert got.column("power_w").to_pylist() == t.column("power_w").to_pylist()  # the parts' order, each row once
+    assert f"wrote {t.num_rows} rows" in r.output and not parts.exists()
+    assert sorted(x.name for x in tmp_path.iterdir() if x.name != "state") == [name]  # no parts, no temporaries
+
+
+def test_monitor_recover_refuses_what_it_cannot_do_and_changes_nothing(tmp_path):
+    out = tmp_path / "m.parquet"
+    r = run("monitor", "--recover", str(out))  # nothing to recover
+    assert r.exit_code == 2 and "m.parquet.parts" in r.output and "nothing to recover" in r.output, r.output
+    assert [x for x in tmp_path.iterdir() if x.name != "state"] == []
+    parts = tmp_path / "m.parquet.parts"
+    parts.mkdir()
+    rows = [{"seq": i, "device": "gpu0", "source": "nvml", "power_w": 100.0 + i} for i in range(4)]
+    part = pa.Table.from_pylist(rows, schema=pa.schema([SAMPLES.field(c) for c in rows[0]]))
+    pq.write_table(part, parts / "part-000001.parquet")
+    out.write_bytes(b"earlier samples")
+    r = run("monitor", "--recover", str(out))  # F exists: kept unless --force, the parts too
+    assert r.exit_code == 2 and "exists" in r.output and "--force" in r.output, r.output
+    assert out.read_bytes() == b"earlier samples" and (parts / "part-000001.parquet").exists()
+    (parts / "part-000002.parquet").write_bytes(b"not parquet")  # a damaged part: nothing written, parts kept
+    r = run("monitor", "--recover", str(out), "--force")
+    assert r.exit_code == 1 and "part-000002.parquet" in r.output and "Traceback" not in r.output, r.output
+    assert out.read_bytes() == b"earlier samples" and len(list(parts.glob("part-*.parquet"))) == 2
+    (parts / "part-000002.parquet").unlink()
+    r = run("monitor", "--recover", str(out), "--force")
+    assert r.exit_code == 0, r.output
+    t = pq.read_table(out)
+    assert t.schema.names == SAMPLES.names and t.column("power_w").to_pylist() == [100.0, 101.0, 102.0, 103.0]
+    assert not parts.exists()
 
 
 def test_monitor_stopped_cleanly_leaves_one_file_and_no_parts(tmp_path):
@@ -402,3 +443,24 @@ def test_monitor_without_output_keeps_no_samples_in_memory(monkeypatch):
     r = run("monitor", "--simulate", "--duration", "0.3", "--interval", "0.1", "--plain")
     assert r.exit_code == 0, r.output
     assert r.output.count("gpu0 power=") == 4 and kept == [0]  # four ticks shown, none kept
+
+
+def test_monitor_recover_leaves_the_parts_of_a_monitor_still_running(tmp_path):
+    # The parts of a live monitor are not a killed one's: combining and removing them would lose what it writes next.
+    out = tmp_path / "m.parquet"
+    p = subprocess.Popen([sys.executable, "-m", "powerprof.cli", "monitor", "--simulate", "--plain",
+                          "--interval", "0.1", "--output", str(out)],
+                         stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    parts = tmp_path / "m.parquet.parts"
+    try:
+        _wait_for(lambda: _flushed_gpu_rows(parts) >= 3)
+        r = run("monitor", "--recover", str(out))
+        assert r.exit_code == 1 and "still running" in r.output, r.output
+        assert parts.is_dir() and not out.exists()
+        p.send_signal(signal.SIGTERM)
+        _, err = p.communicate(timeout=60)
+    finally:
+        if p.poll() is None:
+            p.kill()
+    assert p.returncode == 128 + signal.SIGTERM, err
+    assert out.exists() and not parts.exists()

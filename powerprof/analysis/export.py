@@ -9,7 +9,7 @@ frozen header row, an autofilter, column widths from the headers and millisecond
 Files are written under a temporary name and renamed, so a failed export leaves nothing half-written; a
 file already there (an earlier export) is kept, the export refused, unless `force` says to replace it.
 
-A row read twice is written once, by the key `analyze` counts it once by (rowkeys.py): a daemon table's
+A row read twice is written once, by the key `analyze` counts it once by (rowkeys.py): a daemon table's, sweep windows' or levels'
 (or a tuner's decisions') copies are found in its rows sorted by their key before anything is written, and only a table that
 has some is written from its rows sorted by time and key, each once (DuckDB's sort spills to disk past
 its memory limit: memory stays flat however many rows); a copy of a sweep run
@@ -35,7 +35,7 @@ import pyarrow.parquet as pq
 from powerprof.storage.atomic import atomic_path
 from powerprof.storage.runs import no_finished_level
 
-from .rowkeys import TUNER_KEY, TUNER_WHY, WHY, folder_sql, ident, is_tuner_decisions, key_of, keyless_sql
+from .rowkeys import TUNER_KEY, WHY, folder_sql, ident, is_tuner_decisions, key_of, keyless_sql, why_of
 
 FORMATS = ("csv", "xlsx", "parquet")
 XLSX_MAX_ROWS = 1_048_575  # one row of the sheet's 1,048,576 holds the header
@@ -397,7 +397,7 @@ def export(src, fmt: str, out=None, time_from: str | None = None, time_to: str |
         if there:
             raise ExportOutExists(there, None if fmt == "xlsx" or single else out)
     # Before anything is written: a key with two different rows refuses the export, whatever the format.
-    copies = {s.name: c for s in sources if (c := find_copies(s, _filter(s, t_from, t_to))) is not None}
+    copies = {s.name: c for s in sources if (c := _copies_of(s, _filter(s, t_from, t_to))) is not None}
     if notes is not None:
         notes.extend(c.note() for c in copies.values() if c.dropped)
         for s in sources:
@@ -474,8 +474,8 @@ class Copies:
 
 
 def row_key(src: Source) -> tuple[str, ...] | None:
-    """The columns that identify a row of a daemon table or a tuner's decisions (rowkeys.py); None for any other
-    table (a sweep run's samples have no daemon_id)."""
+    """The columns that identify a row of a daemon table, a tuner's decisions, sweep windows or levels
+    (rowkeys.py); None for any other table (a sweep run's samples have no daemon_id)."""
     return key_of(src.name, src.dataset.schema.names)
 
 
@@ -533,6 +533,17 @@ class _Adjacent:
         out[0] = self.prev is not None and first == self.prev
         self.prev = tuple(b.column(c)[n - 1].as_py() for c in self.key)
         return out
+
+
+def _copies_of(src: Source, filt) -> Copies | None:
+    """find_copies, with a table that cannot be read (damaged pages behind an intact footer) an ExportError that
+    names it, as the write would have (DuckDB's scan of it raised its own error, a traceback)."""
+    import duckdb  # noqa: PLC0415
+
+    try:
+        return find_copies(src, filt)
+    except (pa.ArrowInvalid, OSError, duckdb.Error) as e:
+        raise ExportError(f"table {src.name}: cannot be read: {_why(e)}; nothing written") from None
 
 
 def find_copies(src: Source, filt) -> Copies | None:
@@ -601,7 +612,7 @@ def find_copies(src: Source, filt) -> Copies | None:
             "Remove the file that is wrong, or export the folders separately")
     return Copies(src.name, key, sum(n for n, _ in places.values()),
                   [(p_, n, sorted({files[x][1] for x in fs if x in files})) for p_, (n, fs) in sorted(places.items())],
-                  TUNER_WHY if key == TUNER_KEY else WHY)
+                  why_of(key))
 
 
 class _Once:

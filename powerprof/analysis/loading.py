@@ -21,6 +21,7 @@ from powerprof.storage.runs import RUN_JSON, no_finished_level
 from powerprof.storage.schema import LEVELS
 
 from . import engine
+from .rowkeys import window_key
 
 TIMELINE_BINS = 1500  # points per device in the power/clock plot: enough for a page-wide figure
 
@@ -263,14 +264,9 @@ def _prompt_set_differs(runs: list[RunInfo], facts: dict) -> str | None:
     return None
 
 
-# What makes a windows row one window: a row equal to another on all of these is the same window stored twice.
-WINDOW_KEY = ("run_id", "level_kind", "level_value", "repeat", "window_kind", "request_id", "batch_id", "attempt",
-              "t_send_utc", "t_first_utc", "t_last_utc")
-
-
 def read_windows(runs: list[RunInfo], twice: dict | None = None) -> pa.Table:
     """Windows of every run, one table (columns of the WINDOWS schema that each file has). A window stored
-    twice in one file (WINDOW_KEY) is kept once: `twice` (when given) receives {file: rows left out}."""
+    twice in one file (rowkeys.WINDOW_KEY) is kept once: `twice` (when given) receives {file: rows left out}."""
     tables = []
     for r in runs:
         try:
@@ -291,11 +287,12 @@ def read_windows(runs: list[RunInfo], twice: dict | None = None) -> pa.Table:
 
 
 def _once_each(t: pa.Table) -> tuple[pa.Table, int]:
-    """The table with each window once (its first row of WINDOW_KEY), and how many rows were left out. Counted
+    """The table with each window once (its first row of rowkeys.WINDOW_KEY), and how many rows were left out. Counted
     twice, a window narrows every CI as a run given twice did (two files concatenated, a writer run twice)."""
-    key = [c for c in WINDOW_KEY if c in t.column_names]
-    if not t.num_rows or "request_id" not in key and "t_first_utc" not in key:
+    key = window_key(t.column_names)
+    if not t.num_rows or key is None:
         return t, 0  # nothing that names a window: no two rows can be told to be one
+    key = list(key)
     idx = "__row"
     first = (t.select(key).append_column(idx, pa.array(np.arange(t.num_rows)))
              .group_by(key, use_threads=False).aggregate([(idx, "min")]).column(f"{idx}_min"))

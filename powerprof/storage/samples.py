@@ -276,6 +276,9 @@ class SampleSpool:
         self.rows = 0
         os.mkdir(self.parts_dir)  # FileExistsError: another spool's, or a killed one's, kept for its owner
         fsync_dir(self.parts_dir.parent)
+        # Held while this process writes the parts (the kernel drops it when the process dies, kill -9 too):
+        # `recover_parts` combines and removes only parts no live monitor is writing.
+        self._lock_fd = _lock(self.parts_dir)
         self._part = 1
         self._current: list[pa.Table] = []  # the current part's rows, rewritten whole at each flush
         self._current_rows = 0
@@ -344,6 +347,7 @@ class SampleSpool:
 
         shutil.rmtree(self.parts_dir, ignore_errors=True)
         fsync_dir(self.parts_dir.parent)
+        self._unlock()
         return out, self.rows
 
     def abandon(self) -> bool:
@@ -354,6 +358,7 @@ class SampleSpool:
             self.flush()
         except OSError:
             pass
+        self._unlock()
         if self.rows == 0:
             import shutil  # noqa: PLC0415
 
@@ -361,26 +366,99 @@ class SampleSpool:
             return False
         return True
 
+    def _unlock(self) -> None:
+        if self._lock_fd is not None:
+            os.close(self._lock_fd)
+            self._lock_fd = None
+
     def _combine(self, path: Path, replace: bool) -> Path:
-        import pyarrow.parquet as pq  # noqa: PLC0415
-
-        from .schema import SAMPLES, rows_to_table  # noqa: PLC0415
-
-        schema = rows_to_table(SAMPLES, []).schema
-        md = dict(schema.metadata or {})
-        md.update({str(k).encode(): str(v).encode() for k, v in self.metadata.items()})
-        schema = schema.with_metadata(md)
-        parts = sorted(self.parts_dir.glob("part-*.parquet"))
-        with atomic_path(path, replace=replace) as tmp:
-            if path.suffix.lower() == ".parquet":
-                writer = pq.ParquetWriter(tmp, schema)
-            else:
-                import pyarrow.csv as pcsv  # noqa: PLC0415
-
-                writer = pcsv.CSVWriter(tmp, schema)
-            with writer:
-                if not parts and path.suffix.lower() != ".parquet":
-                    writer.write_table(rows_to_table(SAMPLES, []))  # the header, as write_csv gives it
-                for part in parts:
-                    writer.write_table(pq.read_table(part).replace_schema_metadata(md))
+        combine_parts(self.parts_dir, path, replace, self.metadata)
         return path
+
+
+LOCK_NAME = ".lock"
+
+
+def _lock(parts_dir: Path) -> int | None:
+    """An exclusive flock on `parts_dir/.lock`; None where it is held by another process (a live monitor)."""
+    import fcntl  # noqa: PLC0415
+
+    fd = os.open(parts_dir / LOCK_NAME, os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        os.close(fd)
+        return None
+    return fd
+
+
+class RecoverError(ValueError):
+    """The parts cannot be combined (none there, a live monitor writing them, a damaged part): nothing changed."""
+
+
+def combine_parts(parts_dir: Path, path: Path, replace: bool, metadata: Mapping[str, str] | None = None) -> int:
+    """The parts of `parts_dir` as one file `path` (Parquet or CSV by its suffix), written atomically, one part
+    at a time (memory stays bounded); `metadata` over the first part's own. Returns the rows written. A part
+    that cannot be read raises RecoverError naming it, nothing written; FileExistsError as atomic_path."""
+    import pyarrow as pa  # noqa: PLC0415
+    import pyarrow.parquet as pq  # noqa: PLC0415
+
+    from .schema import SAMPLES, rows_to_table  # noqa: PLC0415
+
+    parts = sorted(parts_dir.glob("part-*.parquet"))
+    schema = rows_to_table(SAMPLES, []).schema
+    md = dict(schema.metadata or {})
+    if parts and metadata is None:
+        try:
+            md.update(pq.read_schema(parts[0]).metadata or {})  # what the monitor wrote: command, simulated, gpus
+        except (pa.ArrowInvalid, OSError) as e:
+            raise RecoverError(f"{parts[0]}: cannot be read as Parquet ({e}); nothing written") from None
+    md.update({str(k).encode(): str(v).encode() for k, v in (metadata or {}).items()})
+    schema = schema.with_metadata(md)
+    rows = 0
+    with atomic_path(path, replace=replace) as tmp:
+        if path.suffix.lower() == ".parquet":
+            writer = pq.ParquetWriter(tmp, schema)
+        else:
+            import pyarrow.csv as pcsv  # noqa: PLC0415
+
+            writer = pcsv.CSVWriter(tmp, schema)
+        with writer:
+            if not parts and path.suffix.lower() != ".parquet":
+                writer.write_table(rows_to_table(SAMPLES, []))  # the header, as write_csv gives it
+            for part in parts:
+                try:
+                    # Columns by name into the SAMPLES schema: a part missing one reads it as null.
+                    t = pq.read_table(part)
+                    t = pa.table({f.name: t.column(f.name).cast(f.type) if f.name in t.column_names
+                                  else pa.nulls(t.num_rows, f.type) for f in schema}, schema=schema)
+                except (pa.ArrowInvalid, pa.ArrowTypeError, OSError) as e:
+                    raise RecoverError(f"{part}: cannot be read as Parquet ({e}); nothing written, the parts "
+                                       "kept: move that file away to recover the others") from None
+                writer.write_table(t)
+                rows += t.num_rows
+    return rows
+
+
+def recover_parts(path: str | os.PathLike, replace: bool = False) -> tuple[Path, int]:
+    """`monitor --recover FILE`: the parts a killed `monitor --output FILE` left in FILE.parts/ combined into
+    FILE (as its suffix says), atomically, then the parts removed. Returns (FILE, rows). RecoverError where
+    there are none or a live monitor holds them; FileExistsError where FILE exists and not `replace`."""
+    import shutil  # noqa: PLC0415
+
+    path = Path(path)
+    parts_dir = parts_dir_for(path)
+    if not parts_dir.is_dir():
+        raise RecoverError(f"{parts_dir} does not exist: nothing to recover (it holds the samples of a monitor "
+                           f"--output {path} that was killed)")
+    fd = _lock(parts_dir)
+    if fd is None:
+        raise RecoverError(f"{parts_dir} is being written by a monitor --output {path} that is still running: "
+                           "stop it, and it combines them itself")
+    try:
+        rows = combine_parts(parts_dir, path, replace)
+        shutil.rmtree(parts_dir)  # only now that the file is whole on disk
+        fsync_dir(parts_dir.parent)
+    finally:
+        os.close(fd)
+    return path, rows
