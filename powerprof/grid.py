@@ -265,16 +265,17 @@ class GridRun:
             for ctx in contexts:
                 rec = ConfigRecord(cfg, ctx, "ok", None, cmd, str(log) if log else None)
                 self.records.append(rec)
-                self._measure(rec, url)
+                self._measure(rec, url, launched)
                 if rec.status != "ok" and log is not None:
                     died = launched[0].death_note() if launched else ""
                     rec.error = (rec.error or "") + "\n" + (died or f"last lines of {log}:\n{tail(log)}")
 
-    def _measure(self, rec: ConfigRecord, url: str) -> None:
+    def _measure(self, rec: ConfigRecord, url: str, launched: list) -> None:
         from powerprof.sweep import Sweep, SweepError
         from powerprof.workload.client import ServerUnreachable
         from powerprof.workload.context import TokenizeError, context_prompt
         from powerprof.workload.load import detect
+        from powerprof.workload.serverprocs import ServerProcesses
         from powerprof.workload.specdecode import spec_decode_counts
 
         try:
@@ -291,6 +292,8 @@ class GridRun:
             self.settings, profiler=self.profiler, controller=self.controller, server=server, prompts=prompts,
             params=self.params, writer=_GridWriter(self, ref), timeline=self.timeline, run_id=self.run_id,
             reference_value=self.reference_value, ui=self.ui, row_extras=rec.columns(),
+            # This configuration's server (its launch, its port): another process's kernels on the GPU are told from its.
+            server_procs=ServerProcesses(url, launched),
         )
         ref.append((rec, sweep))
         if self.done or self.idle_power_w is not None:
@@ -309,6 +312,21 @@ class GridRun:
             if self.idle_power_w is None:
                 self.idle_power_w = sweep.idle_power_w
             self.done.append((rec, sweep))
+
+    @property
+    def foreign_notes(self) -> list[str]:
+        """The sweeps' notes on others' work beside them (workload/others.py), each naming its configuration; what
+        could not be ruled out, once for the grid."""
+        out: list[str] = []
+        for rec, sw in self.done:
+            where = rec.config_id + (f", context {rec.context_tokens} tokens" if rec.context_tokens is not None else "")
+            for note in sw.foreign_notes:
+                if sw.others is not None and note in sw.others.cannot:
+                    if note not in out:  # the same server kind says the same of every configuration
+                        out.append(note)
+                else:
+                    out.append(f"configuration {where}: {note}")
+        return out
 
     # --- the run directory ------------------------------------------------------------------
 
