@@ -328,6 +328,12 @@ class GridRun:
                     out.append(f"configuration {where}: {note}")
         return out
 
+    @property
+    def restart_notes(self) -> list[str]:
+        """The sweeps' notes on the idle baseline (one not kept: others' work beside it) and servers that went away,
+        each naming its configuration."""
+        return [f"configuration {rec.config_id}: {n}" for rec, sw in self.done for n in sw.restart_notes]
+
     # --- the run directory ------------------------------------------------------------------
 
     def windows_rows(self, current=None) -> list[dict]:
@@ -374,8 +380,10 @@ class GridRun:
         pairs = list(self.done) + ([current] if current is not None and current not in self.done else [])
         levels_done = [(v.level_value, v.repeat, rec.config_id, rec.context_tokens)
                        for rec, sw in pairs for v in sw.visits if v.stop]
+        # The grid's one idle baseline, left out for others' work beside it: run.json says so as a plain sweep's does.
+        extra = {"idle_baseline_note": n for n in (sw.idle_note for _, sw in pairs) if n}
         self.writer.write_json(idle_gpu_power_w=self.idle_power_w, configs=[r.to_dict() for r in self.records],
-                               levels_done=levels_done)
+                               levels_done=levels_done, **extra)
 
     def levels_table(self):
         from powerprof.storage.schema import LEVELS, rows_to_table, with_knob_columns

@@ -386,3 +386,23 @@ def test_another_process_on_the_gpu_beside_a_launched_configuration_is_flagged_a
     said = [n for n in out.notes if "others' work ran beside" in n]
     assert len(said) == 1 and said[0].startswith("configuration draft=3,np=1: ") and "level 200" in said[0] and f"{by.pid}" in said[0], out.notes
     assert not any("cannot be told" in n for n in out.notes), out.notes
+
+
+def test_a_grid_idle_baseline_beside_another_process_is_not_kept_and_said(tmp_path):
+    # The grid's one idle baseline beside another process's kernels: its power is not the idle GPU's. Before, the
+    # grid did not see the process (so the baseline was kept with its watts in it), and a note of the sweep's on it
+    # reached neither the end screen nor run.json.
+    port = free_port()
+    spec = GridSpec(_sim_template(port, decode_tok_s=600), tuple(parse_vary(["draft=3", "np=1"])))
+    with Rig("seed-16g") as rig:
+        by = rig.sim_bystander_gpu(0, power_w=60.0, share=0.3)
+        out = run_grid(rig, spec, url=f"http://127.0.0.1:{port}", levels_spec="", level_kind="none",
+                       out_dir=tmp_path / "run", params=RequestParams(max_tokens=32),
+                       **{**FAST, "min_requests": 2, "max_requests": 2})
+        by.stop()
+    meta = json.loads((tmp_path / "run" / "run.json").read_text())
+    assert meta["idle_gpu_power_w"] is None and "no idle baseline" in meta["idle_baseline_note"], meta
+    assert any(n.startswith("configuration draft=3,np=1: no idle baseline") for n in out.notes), out.notes
+    # Every batch ran beside it: the level ran out its budget for left-out batches, and the notes say so.
+    said = [n for n in out.notes if "others' work ran beside" in n]
+    assert len(said) == 1 and "budget ran out" in said[0] and f"{by.pid}" in said[0], out.notes
