@@ -1357,7 +1357,9 @@ def _trace_sweep(trace_path, time_scale, duration_s, limits, clocks, url, launch
         echo(f"{lv.level_value:>6g}{unit:<2} {lv.n_ok:>5} {lv.n_failed:>6} {lv.generated_tokens:>7} "
              f"{f(lv.gpu_j_per_token, '9.3f')} {f(lv.tok_s, '7.1f')} {f(lv.ttft_p50_s, '8.3f')} "
              f"{f(lv.ttft_p95_s, '8.3f')} {f(lv.latency_p50_s, '7.2f')} {f(lv.latency_p95_s, '7.2f')}  {lv.energy_method}"
-             + ("  others' work beside it (foreign-traffic, see the notes)" if lv.foreign_traffic else ""))
+             + ("  others' work beside it (foreign-traffic, see the notes)" if lv.foreign_traffic else "")
+             + ("  replayed once more: others' work beside the first (see the notes)"
+                if lv.replayed_again and not lv.foreign_traffic else ""))
 
     if not dry_run:
         echo(f"trace {trace_path}: {len(trace)} requests over {trace[-1].t_s:.1f} s, each level replays all of it")

@@ -265,16 +265,17 @@ class GridRun:
             for ctx in contexts:
                 rec = ConfigRecord(cfg, ctx, "ok", None, cmd, str(log) if log else None)
                 self.records.append(rec)
-                self._measure(rec, url)
+                self._measure(rec, url, launched)
                 if rec.status != "ok" and log is not None:
                     died = launched[0].death_note() if launched else ""
                     rec.error = (rec.error or "") + "\n" + (died or f"last lines of {log}:\n{tail(log)}")
 
-    def _measure(self, rec: ConfigRecord, url: str) -> None:
+    def _measure(self, rec: ConfigRecord, url: str, launched: list) -> None:
         from powerprof.sweep import Sweep, SweepError
         from powerprof.workload.client import ServerUnreachable
         from powerprof.workload.context import TokenizeError, context_prompt
         from powerprof.workload.load import detect
+        from powerprof.workload.serverprocs import ServerProcesses
         from powerprof.workload.specdecode import spec_decode_counts
 
         try:
@@ -291,6 +292,8 @@ class GridRun:
             self.settings, profiler=self.profiler, controller=self.controller, server=server, prompts=prompts,
             params=self.params, writer=_GridWriter(self, ref), timeline=self.timeline, run_id=self.run_id,
             reference_value=self.reference_value, ui=self.ui, row_extras=rec.columns(),
+            # This configuration's server (its launch, its port): another process's kernels on the GPU are told from its.
+            server_procs=ServerProcesses(url, launched),
         )
         ref.append((rec, sweep))
         if self.done or self.idle_power_w is not None:
@@ -309,6 +312,27 @@ class GridRun:
             if self.idle_power_w is None:
                 self.idle_power_w = sweep.idle_power_w
             self.done.append((rec, sweep))
+
+    @property
+    def foreign_notes(self) -> list[str]:
+        """The sweeps' notes on others' work beside them (workload/others.py), each naming its configuration; what
+        could not be ruled out, once for the grid."""
+        out: list[str] = []
+        for rec, sw in self.done:
+            where = rec.config_id + (f", context {rec.context_tokens} tokens" if rec.context_tokens is not None else "")
+            for note in sw.foreign_notes:
+                if sw.others is not None and note in sw.others.cannot:
+                    if note not in out:  # the same server kind says the same of every configuration
+                        out.append(note)
+                else:
+                    out.append(f"configuration {where}: {note}")
+        return out
+
+    @property
+    def restart_notes(self) -> list[str]:
+        """The sweeps' notes on the idle baseline (one not kept: others' work beside it) and servers that went away,
+        each naming its configuration."""
+        return [f"configuration {rec.config_id}: {n}" for rec, sw in self.done for n in sw.restart_notes]
 
     # --- the run directory ------------------------------------------------------------------
 
@@ -356,8 +380,10 @@ class GridRun:
         pairs = list(self.done) + ([current] if current is not None and current not in self.done else [])
         levels_done = [(v.level_value, v.repeat, rec.config_id, rec.context_tokens)
                        for rec, sw in pairs for v in sw.visits if v.stop]
+        # The grid's one idle baseline, left out for others' work beside it: run.json says so as a plain sweep's does.
+        extra = {"idle_baseline_note": n for n in (sw.idle_note for _, sw in pairs) if n}
         self.writer.write_json(idle_gpu_power_w=self.idle_power_w, configs=[r.to_dict() for r in self.records],
-                               levels_done=levels_done)
+                               levels_done=levels_done, **extra)
 
     def levels_table(self):
         from powerprof.storage.schema import LEVELS, rows_to_table, with_knob_columns

@@ -1070,6 +1070,7 @@ class TraceLevel:
     tpot_p50_s: float | None
     late_p95_s: float
     foreign_traffic: str | None = None  # others' work ran beside the replay: what showed it (no J/token, no tok/s)
+    replayed_again: str | None = None  # others' work ran beside the first replay (what showed it): these figures are the second's
 
     def to_dict(self) -> dict:
         return dict(self.__dict__)
@@ -1104,32 +1105,44 @@ class TraceSweep(Sweep):
 
         t_start = time.monotonic()
         self._watch_from_now(visit)
-        # A replay's requests overlap: no moment inside it is free of ours, so the server's books and the GPUs'
-        # processes are compared over the whole replay, as one batch (workload/others.py).
-        await self._watch_others()
-        with self.prof.window("trace") as w:
-            recs = await replay_async(self.session, self.server, self.trace, self.params)
-        visit.elapsed_s = time.monotonic() - t_start
-        records = [r.record for r in recs]
-        others = await self._others_beside(records)
-        value = None if visit.level_value is None else float(visit.level_value)
-        level = Level(self.s.level_kind, value, visit.repeat)
-        rows, _ = window_rows(records, self.prof, self.run_id, self.server, level)
-        for row in rows:  # the replay numbers its requests from 0 at every level
-            row["request_id"] = self._rid + row["request_id"]
-        self._rid += len(self.trace)
-        row = trace_row(records, w.result, self.run_id, self.server, level)
-        self._above_idle(row)
-        rows.append(row)
-        if others:
-            # The replay's energy holds the others' work and its latencies their queueing: nothing of it splits off.
-            for r in rows:
-                if r.get("status") == "ok" and not r.get("warmup"):
-                    leave_out_foreign(r, others)
-            visit.foreign.append(others)
-            visit.foreign_windows = 1 if row.get("status") == "ok" else 0
-        self.rows.extend(rows)
-        self._stop_if_setting_moved(visit, rows, len(visit.spans))
+        name = _level_name(visit) + (f" (repeat {visit.repeat + 1})" if self.s.repeats > 1 else "")
+        replayed_again = None
+        for attempt in range(2):
+            # A replay's requests overlap: no moment inside it is free of ours, so the server's books and the GPUs'
+            # processes are compared over the whole replay, as one batch (workload/others.py).
+            await self._watch_others()
+            with self.prof.window("trace") as w:
+                recs = await replay_async(self.session, self.server, self.trace, self.params)
+            visit.elapsed_s = time.monotonic() - t_start
+            records = [r.record for r in recs]
+            others = await self._others_beside(records)
+            value = None if visit.level_value is None else float(visit.level_value)
+            level = Level(self.s.level_kind, value, visit.repeat)
+            rows, _ = window_rows(records, self.prof, self.run_id, self.server, level)
+            for row in rows:  # the replay numbers its requests from 0 at every level
+                row["request_id"] = self._rid + row["request_id"]
+            self._rid += len(self.trace)
+            row = trace_row(records, w.result, self.run_id, self.server, level)
+            self._above_idle(row)
+            rows.append(row)
+            if others:
+                # The replay's energy holds the others' work and its latencies their queueing: nothing of it splits off.
+                for r in rows:
+                    if r.get("status") == "ok" and not r.get("warmup"):
+                        leave_out_foreign(r, others)
+                visit.foreign.append(others)
+                visit.foreign_windows += 1 if row.get("status") == "ok" else 0
+            self.rows.extend(rows)
+            self._stop_if_setting_moved(visit, rows, len(visit.spans))
+            if others and attempt == 0:
+                # Others' work is often a burst (a colleague's script, a job's step): the same replay once more, as a
+                # plain sweep sends a left-out batch's prompts again; bounded at one retry, so others at work
+                # throughout cost the level one replay more, not the sweep's end.
+                replayed_again = others
+                self.ui.note(f"{name}: others' work ran beside its replay ({others}); replaying it once more")
+                self.flush()
+                continue
+            break
         visit.spans.append((w.result.t0_ns, w.result.t1_ns))
         visit.n_measured = 1 if self._counts(row) else 0
         visit.stop = "trace-replayed"
@@ -1141,10 +1154,9 @@ class TraceSweep(Sweep):
             tok_s=sm.generated_tokens / w.result.duration_s if w.result.duration_s > 0 and self._counts(row) else None,
             ttft_p50_s=sm.ttft_p50_s, ttft_p95_s=sm.ttft_p95_s, latency_p50_s=sm.latency_p50_s,
             latency_p95_s=sm.latency_p95_s, tpot_p50_s=sm.tpot_p50_s, late_p95_s=sm.late_p95_s,
-            foreign_traffic=others,
+            foreign_traffic=others, replayed_again=replayed_again,
         )
         self.levels_done.append(lvl)
-        name = _level_name(visit) + (f" (repeat {visit.repeat + 1})" if self.s.repeats > 1 else "")
         if (cut := cut_short(recs)) and not any("cut short" in n for n in self._notes):
             self._notes.append(f"{name}: {cut}")
         if few_for_p95(sm.ok) and sm.ok:
@@ -1183,12 +1195,23 @@ class TraceSweep(Sweep):
         hit = [v for v in self.visits if v.foreign]
         out = []
         if hit:
-            where = "; ".join(f"{_level_name(v)}" + (f" (repeat {v.repeat + 1})" if self.s.repeats > 1 else "")
-                              + f": {v.foreign[0]}" for v in hit)
+            def where(v) -> str:
+                name = _level_name(v) + (f" (repeat {v.repeat + 1})" if self.s.repeats > 1 else "")
+                if v.n_measured:
+                    return (f"{name}: its first replay beside them ({v.foreign[0]}), replayed once more without them: "
+                            "its figures are the second replay's")
+                if len(v.foreign) > 1:
+                    return (f"{name}: both replays beside them, first because {v.foreign[0]}: no J/token, no tok/s "
+                            "(their latencies are printed, with the others' queueing in them)")
+                return (f"{name}: its first replay beside them ({v.foreign[0]}), replayed once more without them, "
+                        "which has no figure either (the level's other notes say why)")
+
             out.append(f"others' work ran beside the replay (flag {FOREIGN_FLAG}): powerprof saw "
-                       f"{self.others.saw() or 'it'} not its own. {where}. A replay's requests overlap, so its energy "
-                       "and latencies cannot be split into ours and theirs: those levels have no J/token and no tok/s "
-                       f"(their latencies are printed, with the others' queueing in them); fix: {FOREIGN_FIX}")
+                       f"{self.others.saw() or 'it'} not its own. {'; '.join(where(v) for v in hit)}. A replay's "
+                       "requests overlap, so its energy and latencies cannot be split into ours and theirs: a replay "
+                       "beside others' work is left out and replayed once more; "
+                       + (f"fix: {FOREIGN_FIX}; or --repeats N replays each level N times, and the clean repeats keep "
+                          "their figures" if any(not v.n_measured for v in hit) else f"to keep it from happening: {FOREIGN_FIX}"))
         return out + self.others.cannot
 
     def excluded(self):

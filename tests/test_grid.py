@@ -320,3 +320,89 @@ def test_a_knob_the_server_ignores_is_named_and_no_effect_is_claimed_for_it(tmp_
     # A knob that matters is not called ineffective.
     clean = analyze_run([make_grid_run(tmp_path / "clean", _grid_truths(), levels=(220, 300))], n_boot=200, plots=False)
     assert "knob-no-effect" not in {w.kind for w in clean.warnings}
+
+
+# --- others beside a configuration's levels (workload/others.py) -------------------------------------------
+
+
+class _BystanderAt(UI):
+    """Starts `begin()` once level `value` has measured a batch, stops it once two batches were left out (or the
+    level ended)."""
+
+    def __init__(self, value, begin):
+        self.value, self.begin, self.it, self.stopped = value, begin, None, False
+        self.notes: list[str] = []
+
+    def level_progress(self, visit, live):
+        if visit.level_value != self.value:
+            return
+        if self.it is None and visit.n_measured >= 1:
+            self.it = self.begin()
+        elif self.it is not None and not self.stopped and len(visit.foreign) >= 2:
+            self.it.stop()
+            self.stopped = True
+
+    def level_done(self, visit, live):
+        if visit.level_value == self.value and self.it is not None and not self.stopped:
+            self.it.stop()
+            self.stopped = True
+
+    def note(self, text):
+        self.notes.append(text)
+
+    def idle(self, seconds): ...
+    def level_start(self, i, n, visit, unit): ...
+
+
+def test_another_process_on_the_gpu_beside_a_launched_configuration_is_flagged_and_said(tmp_path):
+    # Before: the grid's sweeps did not know their launched servers' processes, so another process's kernels on the
+    # GPU were never flagged (only "cannot be told", and not even that on the end screen): its windows counted, the
+    # level's J/token holding the other process's energy.
+    from powerprof.workload.servercount import FOREIGN_FLAG
+
+    port = free_port()
+    spec = GridSpec(_sim_template(port, decode_tok_s=600), tuple(parse_vary(["draft=3", "np=1"])))
+    with Rig("seed-16g") as rig:
+        ui = _BystanderAt(200.0, lambda: rig.sim_bystander_gpu(0, power_w=60.0, share=0.3))
+        out = run_grid(rig, spec, url=f"http://127.0.0.1:{port}", levels_spec="300,200", level_kind="power_limit",
+                       out_dir=tmp_path / "run", params=RequestParams(max_tokens=64), ui=ui,
+                       **{**FAST, "min_requests": 4, "max_requests": 4})
+    by = ui.it
+    assert by is not None, "level 200 never measured a batch"
+    levels = {r["level_value"]: r for r in out.levels.to_pylist() if r["config_status"] == "ok"}
+    assert FOREIGN_FLAG in (levels[200.0]["flags"] or "").split(","), levels[200.0]["flags"]
+    assert FOREIGN_FLAG not in (levels[300.0]["flags"] or "")
+    win = pq.read_table(tmp_path / "run" / "windows.parquet").to_pylist()
+    left = [w for w in win if w["level_value"] == 200.0 and w["foreign_traffic"] and not w["warmup"]]
+    assert len(left) >= 1 and all("ran kernels on GPU 0" in w["foreign_traffic"] and w["gpu_j_per_token"] is None
+                                  for w in left), [w["foreign_traffic"] for w in win]
+    # No counted window at 200 W overlaps the other process's work: its prompts were measured again without it.
+    (_, sw), = out.sweep.done
+    counted = {r["request_id"] for r in sw.rows if sw._counts(r) and r["level_value"] == 200.0}
+    spans = [tuple(x) for x in by.active_ns]
+    for v, rec in sw.records:
+        if v == 200.0 and rec.request_id in counted:
+            assert not any(rec.t_first_ns < b1 and b0 < rec.t_last_ns for b0, b1 in spans), rec.request_id
+    said = [n for n in out.notes if "others' work ran beside" in n]
+    assert len(said) == 1 and said[0].startswith("configuration draft=3,np=1: ") and "level 200" in said[0] and f"{by.pid}" in said[0], out.notes
+    assert not any("cannot be told" in n for n in out.notes), out.notes
+
+
+def test_a_grid_idle_baseline_beside_another_process_is_not_kept_and_said(tmp_path):
+    # The grid's one idle baseline beside another process's kernels: its power is not the idle GPU's. Before, the
+    # grid did not see the process (so the baseline was kept with its watts in it), and a note of the sweep's on it
+    # reached neither the end screen nor run.json.
+    port = free_port()
+    spec = GridSpec(_sim_template(port, decode_tok_s=600), tuple(parse_vary(["draft=3", "np=1"])))
+    with Rig("seed-16g") as rig:
+        by = rig.sim_bystander_gpu(0, power_w=60.0, share=0.3)
+        out = run_grid(rig, spec, url=f"http://127.0.0.1:{port}", levels_spec="", level_kind="none",
+                       out_dir=tmp_path / "run", params=RequestParams(max_tokens=32),
+                       **{**FAST, "min_requests": 2, "max_requests": 2})
+        by.stop()
+    meta = json.loads((tmp_path / "run" / "run.json").read_text())
+    assert meta["idle_gpu_power_w"] is None and "no idle baseline" in meta["idle_baseline_note"], meta
+    assert any(n.startswith("configuration draft=3,np=1: no idle baseline") for n in out.notes), out.notes
+    # Every batch ran beside it: the level ran out its budget for left-out batches, and the notes say so.
+    said = [n for n in out.notes if "others' work ran beside" in n]
+    assert len(said) == 1 and "budget ran out" in said[0] and f"{by.pid}" in said[0], out.notes

@@ -262,6 +262,11 @@ class SimNVML:
 
         for g in self.gpus:
             g.on_phase(publish)
+        # The model is loaded: this process is on the GPUs' process lists from now, as llama-server is, not only
+        # from its first request (an idle baseline beside another process could not tell whose process was whose).
+        for g in self.gpus:
+            now = g.read()
+            publish(g, now["phase"], now["t_ns"])
 
     def sync_settings(self) -> None:
         """Pick up limits and locked clocks another process set (a server process polls this)."""
