@@ -9,11 +9,11 @@ frozen header row, an autofilter, column widths from the headers and millisecond
 Files are written under a temporary name and renamed, so a failed export leaves nothing half-written; a
 file already there (an earlier export) is kept, the export refused, unless `force` says to replace it.
 
-A row read twice is written once, by the key `analyze` counts it once by (rowkeys.py): a daemon table's, sweep windows' or levels'
+A row read twice is written once, by the key `analyze` counts it once by (rowkeys.py): a daemon table's, sweep windows', levels' or samples'
 (or a tuner's decisions') copies are found in its rows sorted by their key before anything is written, and only a table that
 has some is written from its rows sorted by time and key, each once (DuckDB's sort spills to disk past
-its memory limit: memory stays flat however many rows); a copy of a sweep run
-(the same run_id and windows) is exported once. One key with rows that differ is refused.
+its memory limit: memory stays flat however many rows); a sweep run given twice (the same run_id) adds none
+of its identical files, and its tables that differ are written each row once. One key with rows that differ is refused.
 """
 
 from __future__ import annotations
