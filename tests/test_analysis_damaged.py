@@ -99,3 +99,21 @@ def test_a_flagged_reference_is_said_beside_every_comparison_with_it(tmp_path):
     (warn,) = [w for w in res.warnings if w.kind == "reference"]
     assert warn.levels == (300.0,) and "thermal" in warn.message and "against" in warn.message
     assert res.warnings[0].kind == "reference"  # said first: every figure after it is relative to it
+
+
+def test_a_copy_of_a_run_whose_windows_differ_in_bytes_is_refused(tmp_path):
+    # `analyze run copy`, the copy's windows.parquet joined to itself: its bytes differ, so it was pooled as another
+    # run, every window and sample counted twice (n_requests doubled, every CI about √2 too narrow).
+    run = _run(tmp_path)
+    copy = tmp_path / "copy"
+    import shutil
+
+    shutil.copytree(run, copy)
+    w = pq.read_table(copy / "windows.parquet")
+    pq.write_table(pa.concat_tables([w, w]), copy / "windows.parquet")
+    with pytest.raises(AnalysisError, match="hold the same run") as e:
+        analyze_run([run, copy], tmp_path / "o", n_boot=200, plots=False, formats=())
+    assert "run_id" in str(e.value) and "give it once" in str(e.value)
+    r = CliRunner().invoke(main, ["analyze", str(run), str(copy), "--out", str(tmp_path / "o2")])
+    assert r.exit_code != 0 and "hold the same run" in r.output and "Traceback" not in r.output, r.output
+    assert not (tmp_path / "o2").exists()

@@ -346,16 +346,36 @@ def test_a_copy_of_a_run_is_exported_once(run, tmp_path):
 
 
 def test_two_versions_of_one_run_are_refused(run, tmp_path):
+    # The same run_id with another figure for one level: two versions of one row, at most one true.
     import shutil
 
+    import pyarrow.compute as pc
+
     copy = shutil.copytree(run, tmp_path / "edited")
+    t = pq.read_table(copy / "levels.parquet")
+    i = t.schema.get_field_index("gpu_j_per_token")
+    pq.write_table(t.set_column(i, "gpu_j_per_token", pc.multiply(t.column(i), 2.0)), copy / "levels.parquet")
+    out = tmp_path / "o"
+    r = CliRunner().invoke(main, ["export", str(run), str(copy), "--format", "csv", "--out", str(out)])
+    assert r.exit_code == 1, r.output
+    said = " ".join(r.output.split())
+    assert "table levels:" in said and "hold rows that differ" in said and "nothing written" in said, said
+    assert not out.exists()
+
+
+def test_a_copy_of_a_run_missing_a_level_row_exports_each_level_once(run, tmp_path):
+    # A copy that lost a levels row is the same run, not another version: each level is written once.
+    import shutil
+
+    copy = shutil.copytree(run, tmp_path / "short")
     t = pq.read_table(copy / "levels.parquet")
     pq.write_table(t.slice(1), copy / "levels.parquet")
     out = tmp_path / "o"
     r = CliRunner().invoke(main, ["export", str(run), str(copy), "--format", "csv", "--out", str(out)])
-    assert r.exit_code == 1, r.output
-    assert "hold the same run" in r.output and "levels differ" in r.output
-    assert not out.exists()
+    assert r.exit_code == 0, r.output
+    assert len(pd.read_csv(out / "levels.csv")) == t.num_rows
+    assert len(pd.read_csv(out / "samples.csv")) == pq.read_metadata(run / "samples.parquet").num_rows
+    assert "its levels differ and are written row by row" in " ".join(r.stderr.split())
 
 
 @pytest.mark.parametrize("fmt,out,existing", [
@@ -587,3 +607,40 @@ def test_a_window_stored_twice_with_different_figures_is_refused(run, tmp_path):
     assert "nothing written" in r.output and "Traceback" not in r.output
     assert not out.exists()
 
+
+
+def test_a_copy_of_a_run_whose_windows_are_doubled_exports_each_sample_once(run, tmp_path):
+    # `export run copy`, the copy's windows.parquet joined to itself: windows and levels came out once each,
+    # but every sample twice (85 rows as 170): the two folders' files differ, so they were not one run.
+    copy = _doubled(run, tmp_path / "copy", "windows")
+    truth = {t: pq.read_table(run / f"{t}.parquet") for t in ("samples", "windows", "levels")}
+    out = tmp_path / "o"
+    r = CliRunner().invoke(main, ["export", str(run), str(copy), "--format", "parquet", "--out", str(out)])
+    assert r.exit_code == 0, (r.output, r.exception)
+    for t, want in truth.items():
+        got = pq.read_table(out / f"{t}.parquet")
+        assert got.num_rows == want.num_rows, t
+    import pyarrow.compute as pc
+
+    got = pq.read_table(out / "samples.parquet")
+    assert pc.sum(got.column("power_w")).as_py() == pytest.approx(pc.sum(truth["samples"].column("power_w")).as_py())
+    said = " ".join(r.stderr.split())
+    assert f"{copy} holds the same run as {run} (run_id" in said, said
+    assert "samples.parquet" in said and "levels.parquet" in said, said  # the identical files, dropped by name
+
+
+def test_one_run_with_two_versions_of_its_samples_is_refused(run, tmp_path):
+    # The same run_id in two folders (the copy's windows joined to itself) whose samples differ in a reading: one
+    # tick with two powers, at most one true. Both were written.
+    import pyarrow.compute as pc
+
+    copy = _doubled(run, tmp_path / "edited", "windows")
+    s = pq.read_table(copy / "samples.parquet")
+    i = s.schema.get_field_index("power_w")
+    pq.write_table(s.set_column(i, "power_w", pc.add(s.column(i), 1.0)), copy / "samples.parquet")
+    out = tmp_path / "o"
+    r = CliRunner().invoke(main, ["export", str(run), str(copy), "--format", "csv", "--out", str(out)])
+    assert r.exit_code == 1, r.output
+    said = " ".join(r.output.split())
+    assert "table samples:" in said and "hold rows that differ" in said and "nothing written" in said, said
+    assert not out.exists()

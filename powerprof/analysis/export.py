@@ -9,11 +9,11 @@ frozen header row, an autofilter, column widths from the headers and millisecond
 Files are written under a temporary name and renamed, so a failed export leaves nothing half-written; a
 file already there (an earlier export) is kept, the export refused, unless `force` says to replace it.
 
-A row read twice is written once, by the key `analyze` counts it once by (rowkeys.py): a daemon table's, sweep windows' or levels'
+A row read twice is written once, by the key `analyze` counts it once by (rowkeys.py): a daemon table's, sweep windows', levels' or samples'
 (or a tuner's decisions') copies are found in its rows sorted by their key before anything is written, and only a table that
 has some is written from its rows sorted by time and key, each once (DuckDB's sort spills to disk past
-its memory limit: memory stays flat however many rows); a copy of a sweep run
-(the same run_id and windows) is exported once. One key with rows that differ is refused.
+its memory limit: memory stays flat however many rows); a sweep run given twice (the same run_id) adds none
+of its identical files, and its tables that differ are written each row once. One key with rows that differ is refused.
 """
 
 from __future__ import annotations
@@ -475,7 +475,7 @@ class Copies:
 
 def row_key(src: Source) -> tuple[str, ...] | None:
     """The columns that identify a row of a daemon table, a tuner's decisions, sweep windows or levels
-    (rowkeys.py); None for any other table (a sweep run's samples have no daemon_id)."""
+    (rowkeys.py); None for any other table."""
     return key_of(src.name, src.dataset.schema.names)
 
 
@@ -651,10 +651,12 @@ class _Once:
 
 
 def _without_copied_runs(srcs: list[str], groups: list[list[Source]], notes: list[str] | None) -> list[list[Source]]:
-    """Each sweep run once: a run directory that holds the same run as one before it (loading.run_key, the
-    key analyze refuses a copy by) adds none of its tables that are the same files; one that differs (a
-    re-analysis, an edited table) is refused, as two versions of the same rows."""
-    from .loading import AnalysisError, file_digest, read_run_info, run_key  # noqa: PLC0415
+    """Each sweep run once: a run directory that holds the same run as one before it (loading.same_run: its run_id,
+    whatever its files' bytes) adds none of its tables that are the same files (said in a note); a table that differs
+    from the first's (a windows.parquet joined to itself) stays, when it has a key (rowkeys.py), for find_copies to
+    write each row once or refuse a key whose rows differ; a keyless table that differs (a re-analysis) is refused,
+    as two versions of the same rows."""
+    from .loading import AnalysisError, file_digest, read_run_info, same_run  # noqa: PLC0415
 
     runs = [i for i, s in enumerate(srcs) if not is_uri(s) and (Path(s) / "windows.parquet").is_file()]
     if len(runs) < 2:
@@ -663,7 +665,7 @@ def _without_copied_runs(srcs: list[str], groups: list[list[Source]], notes: lis
     out = list(groups)
     for i in runs:
         try:
-            key = run_key(read_run_info(srcs[i]))
+            key = same_run(read_run_info(srcs[i]))
         except AnalysisError:
             continue
         digests = {s.name: file_digest(Path(s.dataset.files[0])) for s in groups[i]}
@@ -671,14 +673,22 @@ def _without_copied_runs(srcs: list[str], groups: list[list[Source]], notes: lis
             seen[key] = (srcs[i], digests)
             continue
         first, first_digests = seen[key]
-        differ = sorted(n for n, d in digests.items() if n in first_digests and d != first_digests[n])
-        if differ:
-            raise ExportError(f"{first} and {srcs[i]} hold the same run (run_id {key[0]}) but their "
-                              f"{', '.join(differ)} differ: two versions of the same rows; nothing written. Export "
+        rid = key[1] if key[0] == "run_id" else key[0]
+        same = sorted(n for n, d in digests.items() if n in first_digests and d == first_digests[n])
+        kept = {s.name: s for s in groups[i] if s.name not in same}
+        differ = sorted(n for n in kept if n in first_digests)
+        keyless = [n for n in differ if row_key(kept[n]) is None]
+        if keyless:
+            raise ExportError(f"{first} and {srcs[i]} hold the same run (run_id {rid}) but their "
+                              f"{', '.join(keyless)} differ: two versions of the same rows; nothing written. Export "
                               "them separately, or give the one you trust")
-        out[i] = [s for s in groups[i] if s.name not in first_digests]
+        out[i] = list(kept.values())
         if notes is not None:
-            notes.append(f"{srcs[i]} holds the same run as {first} (run_id {key[0]}): its rows were written once")
+            files = ", ".join(f"{n}.parquet" if n != "analysis" else "analysis/analysis.parquet" for n in same)
+            notes.append(f"{srcs[i]} holds the same run as {first} (run_id {rid}): "
+                         + (f"its {files}, the same files, were written once" if same else "none of its files is the same")
+                         + (f"; its {', '.join(differ)} differ and are written row by row, each row once" if differ
+                            else ""))
     return out
 
 

@@ -264,9 +264,18 @@ def _prompt_set_differs(runs: list[RunInfo], facts: dict) -> str | None:
     return None
 
 
+def same_run(run: RunInfo) -> tuple:
+    """What makes two run directories hold one run, for export: the run_id its run.json records (sweep.py draws
+    one per run), whatever the bytes of its files (a copy whose windows.parquet was joined to itself is still
+    that run); without one, run_key."""
+    rid = run.meta.get("run_id")
+    return ("run_id", str(rid)) if rid not in (None, "") else run_key(run)
+
+
 def read_windows(runs: list[RunInfo], twice: dict | None = None) -> pa.Table:
     """Windows of every run, one table (columns of the WINDOWS schema that each file has). A window stored
-    twice in one file (rowkeys.WINDOW_KEY) is kept once: `twice` (when given) receives {file: rows left out}."""
+    twice in one file (rowkeys.WINDOW_KEY) is kept once: `twice` (when given) receives {file: rows left out}.
+    A window in two runs' files is the same run given twice (a copy whose files differ in bytes): refused."""
     tables = []
     for r in runs:
         try:
@@ -280,10 +289,34 @@ def read_windows(runs: list[RunInfo], twice: dict | None = None) -> pa.Table:
             twice[r.path / "windows.parquet"] = n
         tables.append(t.replace_schema_metadata(None))
     out = pa.concat_tables(tables, promote_options="permissive")
+    _refuse_shared_windows(runs, [t.num_rows for t in tables], out)
     missing = {"level_value", "decode_tok_s"} - set(out.column_names)
     if missing:
         raise AnalysisError(f"windows.parquet lacks the columns {sorted(missing)}: not a powerprof sweep run")
     return out
+
+
+def _refuse_shared_windows(runs: list[RunInfo], rows: list[int], windows: pa.Table) -> None:
+    """AnalysisError when a window (rowkeys.WINDOW_KEY, run_id included) is in two runs' files: one run given twice,
+    whose files differ so run_key did not match (a windows.parquet joined to itself, an edited copy). Pooled, its
+    windows and samples counted twice and every confidence interval was too narrow."""
+    key = window_key(windows.column_names)
+    if len(runs) < 2 or key is None or not windows.num_rows:
+        return
+    which = np.repeat(np.arange(len(runs)), rows)
+    g = (windows.select(list(key)).append_column("__run", pa.array(which))
+         .group_by(list(key), use_threads=False).aggregate([("__run", "min"), ("__run", "max")]))
+    shared = pc.not_equal(g.column("__run_min"), g.column("__run_max"))
+    n = pc.sum(shared).as_py() or 0
+    if not n:
+        return
+    first = g.filter(shared).slice(0, 1).to_pylist()[0]
+    a, b = runs[first["__run_min"]], runs[first["__run_max"]]
+    rid = first.get("run_id") or a.run_id
+    raise AnalysisError(f"{a.path} and {b.path} hold the same run (run_id {rid}): {n} windows are in both, though "
+                        "their files differ (a windows.parquet joined to itself, an edited copy); pooled, its "
+                        "windows and samples would count twice and every confidence interval be too narrow; give it "
+                        "once (the copy you trust)")
 
 
 def _once_each(t: pa.Table) -> tuple[pa.Table, int]:

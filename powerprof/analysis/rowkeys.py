@@ -6,7 +6,10 @@ row read twice: a copy of a node's folder among the sources, or flush files besi
 merged them into, as `aws s3 sync` without --delete leaves them. A tuner process numbers its decisions
 (`seq`) and every row carries its `tuner_id`. A sweep's (or measure's) window is one attempt of one request, or
 one batch or trace replay, at one level and repeat of one run, at its times (workload/rows.py); a levels row is
-one level of one series (concurrency) of one configuration of one run (analysis/stats.py levels_table).
+one level of one series (concurrency) of one configuration of one run (analysis/stats.py levels_table). A sweep's
+sample is one reading of one device (`source`, `device`) at one tick (`seq`; -1 for every on-demand sample at a
+window edge, told apart by `t_mono_s`); samples.parquet has no run_id and `t_mono_s` restarts at each run, so
+`time_utc` keeps two runs' readings apart.
 """
 
 from __future__ import annotations
@@ -36,6 +39,8 @@ WINDOW_NAMES = ("request_id", "t_first_utc")
 # the key is the columns a file has of LEVEL_KEY, provided the first three are there.
 LEVEL_KEY = ("run_id", "level_kind", "level_value", "concurrency", "config_id", "context_tokens")
 LEVEL_REQUIRED = LEVEL_KEY[:3]
+# A sweep run's samples.parquet (no daemon_id), known by its name; older files without one of these have no key.
+SWEEP_SAMPLES_KEY = ("time_utc", "source", "device", "seq", "t_mono_s")
 
 # Why a key can be found twice, for the notes that say rows were counted or written once.
 WHY = ("a copy of a node's folder among the sources, or a synced copy that kept the flush files compaction "
@@ -60,12 +65,14 @@ def window_key(columns) -> tuple[str, ...] | None:
 
 
 def key_of(table: str, columns) -> tuple[str, ...] | None:
-    """The columns that identify a row of `table` (a daemon dataset or levels by its name, a tuner's decisions
+    """The columns that identify a row of `table` (a daemon dataset, levels or samples by its name, a tuner's decisions
     or sweep windows by their columns); None for any other table, or files written before the key's columns were."""
     if table not in KEYS and is_windows(columns):
         return window_key(columns)
     if table == "levels" and set(LEVEL_REQUIRED) <= set(columns):
         return tuple(c for c in LEVEL_KEY if c in set(columns))
+    if table == "samples" and "daemon_id" not in set(columns):
+        return SWEEP_SAMPLES_KEY if set(SWEEP_SAMPLES_KEY) <= set(columns) else None
     key = KEYS.get(table) or (TUNER_KEY if is_tuner_decisions(columns) else None)
     return key if key and set(key) <= set(columns) else None
 
