@@ -142,6 +142,7 @@ def summary_counts(summary, streamed: bool = True) -> Counts:
         count_problem=problem.message if problem else None,
         count_problem_kind=problem.kind if problem else None,
         server_error=summary.server_error,
+        prompt_each_task=summary.prompt_each_task,
     )
 
 
