@@ -852,6 +852,8 @@ def test_a_whole_answers_prompt_figure_says_its_shape():
     from powerprof.daemon.streams import body_counts
 
     assert body_counts("openai-chat", _lc_body(["length", "length"])).prompt_each_task  # llama.cpp's first task × 2
+    # Its first task's alone (the choices stopped apart): one copy of the prompt, not the sum of two.
+    assert not body_counts("openai-chat", _lc_body(["stop", "length"], completion=1)).prompt_each_task
     body = json.loads(_lc_body(["stop", "length"], completion=7))
     del body["timings"]  # a usage for all its choices (vLLM): the prompt once
     assert not body_counts("openai-chat", json.dumps(body).encode()).prompt_each_task

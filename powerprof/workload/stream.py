@@ -205,8 +205,10 @@ class StreamParser:
     def prompt_each_task(self) -> bool:
         """The prompt figure (`prompt_tokens`) sums each task's (llama.cpp's timings or per-task usage, a whole
         answer's first task's scaled to its choices), not each prompt said once for its choices (a usage for the
-        whole stream, continuous usage)."""
+        whole stream, continuous usage, or a whole llama.cpp answer's first task's alone: `first_choice_of`)."""
         s = self._s
+        if s.first_choice_of is not None:
+            return False
         if s.usage_prompt is not None:
             return s.scaled_tasks if s.final_usage is not None else bool(s.task_usage)
         return s.prompt_tokens is not None
