@@ -2,6 +2,7 @@
 
     python bench/attribution_mixed.py            # 400 requests, about a minute of replay
     python bench/attribution_mixed.py --requests 200 --json
+    python bench/attribution_mixed.py --requests 800 --flavour vllm   # vLLM's answers (n = 2: its prompt said once)
 
 The daemon (1 Hz) runs in front of the simulated continuous-batching server in llama.cpp's flavour (llama-server
 with `--embeddings` serves all five kinds at once); a bursty synthetic trace gives each request a kind. Printed per

@@ -1189,3 +1189,54 @@ def test_a_request_of_two_choices_costs_twice_one_choice_not_more():
     decode_b = got[2]["gpu_energy_j"] - 100.0 * 0.8 / 1.7
     assert decode_a + decode_b == pytest.approx(300.0)
     assert decode_a == pytest.approx(2 * decode_b, rel=1e-6)
+
+
+@pytest.mark.parametrize("shape", ["once", "each_task"])
+def test_a_prompt_said_once_for_its_choices_is_each_choices_context_and_one_prefill(shape):
+    # Request a has two choices of one 100-token prompt, request b one choice of the same prompt; each sequence
+    # decodes 10 tokens in [1, 2). vLLM's usage says a's prompt once (100: it computed it once, the second choice
+    # found it in the prefix cache), llama.cpp's sums each task's (200). Either way each of a's sequences decodes at
+    # 100 + its own tokens, so a's decode work is exactly twice b's; and a's prefill is what its server computed:
+    # the prompt once on vLLM (the cache hit is no prefill work), twice on llama.cpp. Before, vLLM's 100 was divided
+    # by the two sequences as llama.cpp's 200 is: each of a's tokens costed at 50 + its tokens (bench/attribution_mixed.py
+    # --flavour vllm, 800 requests: n = 2 chat -4.6% under its truth).
+    from powerprof.daemon.attribution import WorkCosts
+    from powerprof.daemon.workmodel import CostLearner
+
+    class Fixed(CostLearner):  # costs with a step, a prefill and a context term, as a mature fit has
+        def costs(self, setting):
+            return WorkCosts(step_j=2.0, decode_j=1.0, prefill_j=0.5, ctx_j=5.0, prefill_tok_s=1e9)
+
+        def add(self, *a):
+            return None
+
+    sink = Sink()
+    led = Ledger("d", 0, 1, sink, grace_s=0.1, learner=Fixed())
+    a, b = _trace(1, 0.1), _trace(2, 0.2)
+    a.extra["sequences"] = a.extra["choices"] = 2
+    for tr in (a, b):
+        led.on_start(tr)
+    _feed(led, 0.0, 1000.0)
+    _feed(led, 1.0, 1100.0)
+    for k in range(10):
+        t = int((1.0 + 0.09 * k) * S)
+        led.on_tokens(a, t, 2)
+        led.on_tokens(b, t, 1)
+    a.first_ns = b.first_ns = int(1.0 * S)
+    a.last_ns = b.last_ns = int(1.81 * S)
+    a.end_ns = b.end_ns = int(1.9 * S)
+    each = shape == "each_task"
+    a.counts = Counts(generated_tokens=20, prompt_tokens=200 if each else 100, model=None, stop_reason=None,
+                      token_source="usage", prompt_each_task=each)
+    b.counts = Counts(generated_tokens=10, prompt_tokens=100, model=None, stop_reason=None, token_source="usage",
+                      prompt_each_task=True)
+    led.on_end(a)
+    led.on_end(b)
+    _feed(led, 2.0, 1400.0)
+    led.advance(int(2.2 * S))
+    got = {r["request_id"]: r["gpu_energy_j"] for r in sink.rows["requests"]}
+    # [0,1) (100 J) holds the prefills (computed just before the first tokens, at 1.0): split by them; [1,2) (300 J)
+    # the decode: a's two sequences at b's context each, exactly twice b's work.
+    pre_a, pre_b = 0.5 * (200 if each else 100), 0.5 * 100
+    assert got[1] == pytest.approx(100.0 * pre_a / (pre_a + pre_b) + 200.0, rel=1e-6)
+    assert got[2] == pytest.approx(100.0 * pre_b / (pre_a + pre_b) + 100.0, rel=1e-6)

@@ -464,6 +464,17 @@ def test_the_sequences_a_request_runs_side_by_side_are_read_from_its_body():
     assert seqs({"input": "x", "n": 4}, "openai-responses") == 1  # no `n` in the Responses API
     assert seqs({"messages": [], "n": 2}, None) == 1
 
+    # Its choices apart (vLLM says a prompt once for its n choices, llama.cpp once a choice: the ledger divides it so).
+    def choices(doc, api):
+        extra = {}
+        inspect_request_body(json.dumps(doc).encode(), "", api, extra)
+        return extra.get("choices", 1)
+
+    assert choices({"prompt": ["a", "b", [1, 2]], "n": 2}, "openai-completions") == 2
+    assert choices({"messages": [], "n": 3}, "openai-chat") == 3
+    assert choices({"prompt": ["a", "b"]}, "llamacpp") == 1
+    assert choices({"messages": [], "n": "2"}, "openai-chat") == 1
+
 
 def test_an_n_no_server_runs_does_not_stop_the_daemons_accounting():
     # A client's `"n": <a 400-digit integer>` (JSON has no bound; the server refuses it with a 400) was shipped

@@ -950,3 +950,28 @@ def test_a_contradicted_counts_kind_crosses_the_link_and_an_unknown_kind_is_refu
         tr.counts = dataclasses.replace(tr.counts, count_problem=problem, count_problem_kind=kind)
         with pytest.raises(ValueError, match="counts"):
             check_message(([], [], [], [_end_record(tr)], ZERO, [], T))
+
+
+def test_a_requests_choices_cross_the_link_with_its_start_and_its_prompts_shape_with_its_counts():
+    # The ledger divides a prompt said once for n choices (vLLM) by the prompts alone, one summed over tasks
+    # (llama.cpp) by all the sequences: both must reach it from a worker as from the in-process proxy.
+    from powerprof.daemon.streams import Counts
+    from powerprof.daemon.workers import _WorkerLink, _end_record, _start_record
+
+    starts, ends = [], []
+    rec = SimpleNamespace(on_start=lambda tr: starts.append(dict(tr.extra)), on_tokens=lambda *a: 0.0,
+                          on_end=lambda tr: ends.append(tr.counts) or 0.0)
+    workers = ProxyWorkers(1, "http://unused", "127.0.0.1", 0, recorder=rec, proxy_kwargs={},
+                           header_timeout_s=10, idle_timeout_s=10)
+    w = workers.workers[0]
+    w.transport = SimpleNamespace(close=lambda: None)
+    link = _WorkerLink(workers, w)
+    tr = _trace(1, T + S // 10)
+    tr.extra.update(sequences=4, choices=2)
+    tr.end_ns = tr.end_wall_ns = T + S // 2
+    tr.counts = Counts(generated_tokens=8, prompt_tokens=20, model=None, stop_reason=None, token_source="usage",
+                       prompt_each_task=True)
+    link.data_received(frame(([_start_record(tr)], [], [], [], ZERO, [], T)))
+    assert starts == [{"sequences": 4, "choices": 2}] and workers.replay_failures == 0
+    link.data_received(frame(([], [], [], [_end_record(tr)], ZERO, [], T)))
+    assert workers.replay_failures == 0 and ends[0].prompt_each_task is True

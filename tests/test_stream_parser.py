@@ -824,3 +824,36 @@ def test_an_echoed_prompt_is_not_counted_as_generated_tokens(n_choices, n_tokens
     plain = new_parser("openai-completions")
     assert plain.count(_compact({**_CMPL, "choices": [{"index": 0, "text": "ab", "logprobs": _lp([" a", " b"]),
                                                        "finish_reason": None}]})) == 2
+
+
+@pytest.mark.parametrize("data, api, each_task", [
+    (LLAMACPP_CHAT_N2, "openai-chat", True),  # timings per task, summed
+    (LLAMACPP_CHAT_N2_USAGE, "openai-chat", True),  # a usage chunk per task, summed
+    (LLAMACPP_PROMPT_LIST, "openai-completions", True),
+    (_n_choices_stream(3, 6, False), "openai-chat", False),  # vLLM: continuous usage per choice, then the stream's
+    (_n_choices_stream(3, 6, True), "openai-completions", False),
+])
+def test_the_prompt_figure_says_whether_it_sums_each_tasks_prompt_or_says_it_once(data, api, each_task):
+    # llama.cpp runs a task per choice, each prefilling the prompt in its own slot: its figure is n copies. vLLM
+    # computes the prompt once (the other choices hit the prefix cache) and says it once. The ledger divides the
+    # figure by the sequences it covers for each one's context: before, it could not tell, and vLLM's n = 2 read
+    # -4.6% under its truth.
+    from powerprof.daemon.streams import summary_counts
+
+    for count_only in (False, True):
+        p = StreamParser(api, count_only=count_only)
+        p.count(data)
+        s = p.finish()
+        assert s.prompt_tokens and s.prompt_each_task is each_task and p.prompt_each_task is each_task
+        assert summary_counts(s).prompt_each_task is each_task
+
+
+def test_a_whole_answers_prompt_figure_says_its_shape():
+    from powerprof.daemon.streams import body_counts
+
+    assert body_counts("openai-chat", _lc_body(["length", "length"])).prompt_each_task  # llama.cpp's first task × 2
+    # Its first task's alone (the choices stopped apart): one copy of the prompt, not the sum of two.
+    assert not body_counts("openai-chat", _lc_body(["stop", "length"], completion=1)).prompt_each_task
+    body = json.loads(_lc_body(["stop", "length"], completion=7))
+    del body["timings"]  # a usage for all its choices (vLLM): the prompt once
+    assert not body_counts("openai-chat", json.dumps(body).encode()).prompt_each_task

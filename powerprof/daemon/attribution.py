@@ -229,9 +229,10 @@ def attribute(
 
     energy_j: (K,) or (K, C), e.g. GPU and CPU columns, split with the same weights (those of the
     first column's energy). Per request r: arrival, first token, last token, end of response
-    (NEVER where not yet), prompt tokens (NaN or 0 where unknown: no prefill work is counted).
+    (NEVER where not yet), prompt tokens (NaN or 0 where unknown: no prefill work is counted): those the server
+    computed (llama.cpp's n choices prefill n copies; vLLM's prefill one, the other choices hitting the prefix cache).
     Token events: instant, request index, token count (a chunk may carry several), and the
-    context each was decoded at (prompt + tokens before it; None: no context term).
+    context each was decoded at (its own sequence's prompt + tokens before it; None: no context term).
     server_tokens: (K,) tokens the server counted beyond the proxy's in each interval (bypass).
     bypass_spans: (start, end) of the times the server was seen doing bypass work (the scrape
     windows its excess came from); None: unknown, so no part of an interval with bypass tokens is idle.

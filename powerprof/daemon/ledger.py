@@ -243,7 +243,9 @@ class Ledger:
             return 0.0
         c = trace.counts
         if c is not None and c.prompt_tokens is not None and c.invalid is None and c.count_problem is None:
-            self.prompt_lengths.learn(trace.api, trace.extra.get("prompt_chars"), c.prompt_tokens)
+            # The body's prompt once: llama.cpp's figure of n choices is n copies of it (n = 2 taught twice the tokens a character).
+            copies = max(trace.extra.get("choices", 1), 1) if c.prompt_each_task else 1
+            self.prompt_lengths.learn(trace.api, trace.extra.get("prompt_chars"), c.prompt_tokens / copies)
         # Not to a count that contradicts the stream (count_problem): it cannot be believed.
         # A stream with no counted chunk at all is not "estimated", but its usage's tokens need placing too.
         none_seen = not trace.tokens_seen and not r.ev_n and not r.spent and trace.stream is True
@@ -575,9 +577,9 @@ class Ledger:
                     ev_w[j0 + j] = max(n - left, 0.0)
                     left -= n
             before = r.spent + np.cumsum(r.ev_n) - np.asarray(r.ev_n, dtype=float) if r.ev_n else []
-            # A token's context is its own sequence's: of a request of several (n choices, prompts), its prompt and
-            # tokens so far are all of theirs (llama.cpp's usage sums each task's prompt; a list's, each prompt).
-            ev_c.extend((prompt[i] + np.asarray(before, dtype=float)) / seqs)
+            # A token's context is its own sequence's: of a request of several (n choices, prompts), its prompt over
+            # the sequences that prompt figure covers (_prompt_sequences) and its tokens so far over all of them.
+            ev_c.extend(prompt[i] / _prompt_sequences(r) + np.asarray(before, dtype=float) / seqs)
         excess = bypass_spans = None
         ev_t_a, ev_r_a, ev_n_a = np.array(ev_t, dtype=np.int64), np.array(ev_r, dtype=np.int64), np.array(ev_n, dtype=float)
         if self.server_seen:
@@ -1094,6 +1096,21 @@ def _approximate_note(r: _Req) -> str | None:
                      "ahead of the proxy's while it was live: their energy is in unproxied, not here (fix: "
                      "\"stream_options\": {\"include_usage\": true})")
     return "approximate: " + "; ".join(notes) if notes else None
+
+
+def _prompt_sequences(r: _Req) -> int:
+    """The sequences among which the request's prompt figure (`_prompt_tokens`, or its estimate) is divided for each
+    one's context: all of them (n choices × prompts) where the figure sums each task's (llama.cpp: a task per choice,
+    each prefilling the prompt in its own slot); its prompts alone where each prompt is said once for its n choices
+    (vLLM and SGLang compute it once: the other choices find it in the prefix cache, still in their context), as
+    continuous usage and an estimate from the body say it too. Its prefill work is the figure as said either way:
+    what the server computed (the cache hits are no prefill work). Before, vLLM's once-said prompt was divided by
+    the n choices as well: n = 2 chat -4.6% under its truth (bench/attribution_mixed.py --flavour vllm)."""
+    seqs = max(r.trace.extra.get("sequences", 1), 1)
+    c = r.trace.counts
+    if c is not None and c.prompt_tokens is not None and c.prompt_each_task:
+        return seqs
+    return max(seqs // max(r.trace.extra.get("choices", 1), 1), 1)
 
 
 def _prompt_tokens(r: _Req) -> float | None:

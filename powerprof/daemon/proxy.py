@@ -207,6 +207,14 @@ def request_head(method: str, target: str, host: str, raw_headers, framing: byte
 MAX_SEQUENCES = 4096
 
 
+def request_choices(doc: dict, api: str | None) -> int:
+    """The `n` choices a request asks for each of its prompts (chat, completions; 1 where `n` is not a positive
+    integer, or is over MAX_SEQUENCES: the server refuses such a request). The ledger needs it apart from the
+    sequences: vLLM says a prompt once for its n choices, llama.cpp once per choice."""
+    n = doc.get("n") if api in ("openai-chat", "openai-completions") else None
+    return n if type(n) is int and 1 < n <= MAX_SEQUENCES else 1
+
+
 def request_sequences(doc: dict, api: str | None) -> int:
     """How many sequences a request runs side by side in the server's batch, each getting a token a step: its `n`
     choices (chat, completions), each of its prompts (a completions prompt list: vLLM, SGLang and llama.cpp run each
@@ -215,11 +223,7 @@ def request_sequences(doc: dict, api: str | None) -> int:
     one choice (as is one over MAX_SEQUENCES): the server refuses such a request, and no guess multiplies its steps.
     `best_of` is not counted: its extra sequences' tokens never reach the client (vLLM returns `n` of them), so they
     are not in the tokens the ledger divides."""
-    seqs = 1
-    if api in ("openai-chat", "openai-completions"):
-        n = doc.get("n")
-        if type(n) is int and 1 < n <= MAX_SEQUENCES:
-            seqs = n
+    seqs = request_choices(doc, api)
     if api in ("openai-completions", "llamacpp"):
         p = doc.get("prompt", doc.get("content") if api == "llamacpp" else None)
         if isinstance(p, list) and len(p) > 1 and not any(type(x) is int for x in p):
@@ -263,6 +267,9 @@ def inspect_request_body(body: bytes, encoding: str = "", api: str | None = None
         seqs = request_sequences(doc, api)
         if seqs > 1:
             extra["sequences"] = seqs
+            n = request_choices(doc, api)
+            if n > 1:
+                extra["choices"] = n
         if api == "openai-completions" and doc.get("echo") is True:
             extra["echo"] = True  # its stream's first chunks carry the prompt (StreamParser's echo)
     return (model if isinstance(model, str) else None), (bool(stream) if stream is not None else None)
@@ -765,7 +772,8 @@ class _ClientSink:
                 return
             if not self._prompt_known:
                 p = parser.prompt_tokens  # early, from continuous usage: the ledger need not wait for the end
-                if p is not None:
+                # Not one llama.cpp task's of several (each says its own as it ends): the request's is their sum, at its end.
+                if p is not None and (not parser.prompt_each_task or trace.extra.get("sequences", 1) == 1):
                     trace.extra.setdefault("prompt_tokens", p)
                     self._prompt_known = True
             if n <= 0:

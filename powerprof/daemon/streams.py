@@ -107,6 +107,10 @@ class Counts:
     count_problem: str | None = None
     count_problem_kind: str | None = None  # which rule it broke (arrival.COUNT_PROBLEM_KINDS): the metric's label
     server_error: str | None = None  # an error the server sent inside its response (after an HTTP 200)
+    # prompt_tokens sums each task's prompt (llama.cpp: a task per choice, each prefilling the prompt in its slot);
+    # False: the server said each prompt once for all its choices (vLLM, SGLang: computed once, the other choices hit
+    # the prefix cache). Alike for one choice.
+    prompt_each_task: bool = False
 
 
 def summary_counts(summary, streamed: bool = True) -> Counts:
@@ -138,6 +142,7 @@ def summary_counts(summary, streamed: bool = True) -> Counts:
         count_problem=problem.message if problem else None,
         count_problem_kind=problem.kind if problem else None,
         server_error=summary.server_error,
+        prompt_each_task=summary.prompt_each_task,
     )
 
 

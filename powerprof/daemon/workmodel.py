@@ -4,7 +4,8 @@ Each interval's counter energy is modelled as
 
     E = idle_w·duration + step_j·steps + decode_j·tokens + prefill_j·prompt_tokens + ctx_j·ctx_ktokens
 
-(ctx_ktokens: Σ over decoded tokens of their context in thousands of tokens), fitted by
+(prefill_tokens: the prompt tokens the server computed, a prefix-cache hit none; ctx_ktokens: Σ over decoded
+tokens of their own sequence's context in thousands of tokens, a cached prompt in it all the same), fitted by
 non-negative least squares (exact, by its active sets: see `_nnls`) over a rolling window of the most recent
 intervals that have an exact counter and little bypass traffic, separately for each setting of the
 sampled GPUs (their power limits: a cap changes what a token costs). The fit is used once it is

@@ -101,6 +101,10 @@ class StreamSummary:
     # A whole answer of this many choices whose usage and timings are its first choice's alone (llama.cpp: one task
     # a choice), where the others' counts cannot be known (not every choice stopped at the length limit).
     first_choice_of: int | None = None
+    # prompt_tokens sums each task's prompt (llama.cpp: a task per choice, each prefilling the prompt in its own slot);
+    # False: each prompt said once for its choices (vLLM and SGLang compute it once, the other choices hitting the
+    # prefix cache), or no prompt said. The two agree for one choice.
+    prompt_each_task: bool = False
 
     @property
     def running_counts(self) -> bool:
@@ -159,6 +163,7 @@ class _State:
     task_timings: dict = field(default_factory=dict)  # llama.cpp: each task's timings
     n_bare: int = 0  # chunks without choices that carried usage or timings (keys "#1", "#2", ...)
     first_choice_of: int | None = None  # a whole answer's count is its first choice's alone, of this many
+    scaled_tasks: bool = False  # a whole llama.cpp answer's first task's usage scaled to its choices (_one_task_answer)
     done: bool = False
     errors: list = field(default_factory=list)
     server_error: str | None = None  # the first error the server itself sent in the response
@@ -195,6 +200,18 @@ class StreamParser:
         carries it in every chunk; others only at the end)."""
         s = self._s
         return s.usage_prompt if s.usage_prompt is not None else s.prompt_tokens
+
+    @property
+    def prompt_each_task(self) -> bool:
+        """The prompt figure (`prompt_tokens`) sums each task's (llama.cpp's timings or per-task usage, a whole
+        answer's first task's scaled to its choices), not each prompt said once for its choices (a usage for the
+        whole stream, continuous usage, or a whole llama.cpp answer's first task's alone: `first_choice_of`)."""
+        s = self._s
+        if s.first_choice_of is not None:
+            return False
+        if s.usage_prompt is not None:
+            return s.scaled_tasks if s.final_usage is not None else bool(s.task_usage)
+        return s.prompt_tokens is not None
 
     @property
     def ended(self) -> bool:
@@ -777,6 +794,7 @@ class StreamParser:
             invalid=s.invalid,
             server_error=s.server_error,
             first_choice_of=s.first_choice_of,
+            prompt_each_task=self.prompt_each_task,
         )
 
 
@@ -820,6 +838,7 @@ def _one_task_answer(obj: dict, api: str, s: _State) -> dict:
               and not isinstance(v, bool) else v for key, v in usage.items()}
     if api != "openai-chat":
         scaled.pop("prompt_tokens", None)
+    s.scaled_tasks = True  # its prompt, scaled, is each task's summed
     return dict(obj, usage=scaled, timings=None)
 
 
