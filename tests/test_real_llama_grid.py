@@ -46,7 +46,9 @@ def test_draft_count_sweep_through_a_launch_template(tmp_path):
         assert r["draft_n_accepted"] == r["draft_n"] and r["draft_acceptance"] == 1.0  # its own draft
     win = pq.read_table(tmp_path / "run" / "windows.parquet").to_pylist()
     ok = [w for w in win if w["status"] == "ok" and not w["warmup"]]
-    per_step = {d: {w["draft_n"] / max(1, w["decode_tokens"]) for w in ok if w["config_id"] == d} for d in ("draft=1", "draft=4")}
+    # Per generated token (the server's count), not per decode token: on a loaded host the first read can carry
+    # several tokens, leaving few decode tokens after it (one loaded CI run: 1.15 drafts a decode token at draft=1).
+    per_step = {d: {w["draft_n"] / max(1, w["generated_tokens"]) for w in ok if w["config_id"] == d} for d in ("draft=1", "draft=4")}
     assert max(per_step["draft=1"]) < min(per_step["draft=4"])  # the knob reached the server
     # The prompt was built to 100 tokens by llama-server's own /tokenize.
     assert all(abs(w["prompt_tokens"] - 100) <= 2 for w in ok), sorted({w["prompt_tokens"] for w in ok})
