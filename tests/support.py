@@ -157,3 +157,25 @@ def idle_close_s(port: int, limit_s: float = 15.0) -> float | None:
                 return time.monotonic() - t0
             if t0 is None:
                 t0 = time.monotonic()  # the answer's arrival: the idle time starts here
+
+
+def busy_sim_server(monkeypatch, max_tokens: int = 24) -> None:
+    """Every simulated server a Rig starts from now on has another client sending it requests from its start:
+    others' work beside the whole run (sim/bystander.py)."""
+    import powerprof.rig as rigmod
+
+    real = rigmod.Rig.sim_server
+
+    def busy_server(self, **kw):
+        srv = real(self, **kw)
+        start = srv.start
+
+        def start_busy():
+            start()
+            self.sim_bystander_client(srv.url, max_tokens=max_tokens)
+            return srv
+
+        srv.start = start_busy
+        return srv
+
+    monkeypatch.setattr(rigmod.Rig, "sim_server", busy_server)

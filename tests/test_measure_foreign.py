@@ -15,6 +15,7 @@ import pytest
 from click.testing import CliRunner
 
 from powerprof.rig import Rig
+from support import busy_sim_server
 from powerprof.sim.nvml import SimNVML
 from powerprof.workload.client import RequestParams
 from powerprof.workload.load import Prompt
@@ -141,24 +142,9 @@ def test_a_quiet_server_raises_no_flag(tmp_path, monkeypatch, hide):
 
 
 def test_others_at_work_throughout_leave_no_figure_and_measure_exits_1(tmp_path, monkeypatch):
-    import powerprof.rig as rigmod
     from powerprof.cli import main
 
-    real = rigmod.Rig.sim_server
-
-    def busy_server(self, **kw):  # another client on the server from its start to the end of the run
-        srv = real(self, **kw)
-        start = srv.start
-
-        def start_busy():
-            start()
-            self.sim_bystander_client(srv.url, max_tokens=24)
-            return srv
-
-        srv.start = start_busy
-        return srv
-
-    monkeypatch.setattr(rigmod.Rig, "sim_server", busy_server)
+    busy_sim_server(monkeypatch)  # another client on the server from its start to the end of the run
     out = tmp_path / "m"
     r = CliRunner().invoke(main, ["measure", "--simulate", "seed-16g", "--requests", "2", "--max-tokens", "48",
                                   "--warmup", "0", "--out", str(out)])

@@ -12,6 +12,7 @@ import pytest
 from click.testing import CliRunner
 
 from powerprof.rig import Rig
+from support import busy_sim_server
 from powerprof.sim.nvml import SimNVML
 from powerprof.sweep import UI, run_sweep
 from powerprof.workload.servercount import FOREIGN_FLAG
@@ -139,25 +140,10 @@ def test_a_quiet_server_flags_no_replay(tmp_path):
 
 
 def _replay_cli(tmp_path, monkeypatch, busy: bool):
-    import powerprof.rig as rigmod
     from powerprof.cli import main
 
     if busy:
-        real = rigmod.Rig.sim_server
-
-        def busy_server(self, **kw):  # another client on the server for the whole replay
-            srv = real(self, **kw)
-            start = srv.start
-
-            def start_busy():
-                start()
-                self.sim_bystander_client(srv.url, max_tokens=24)
-                return srv
-
-            srv.start = start_busy
-            return srv
-
-        monkeypatch.setattr(rigmod.Rig, "sim_server", busy_server)
+        busy_sim_server(monkeypatch)  # another client on the server for the whole replay
     t = tmp_path / "t.jsonl"
     write_jsonl(synthetic(6, 10.0, prompt_median=20, output_median=16, output_range=(8, 24), seed=1), t)
     return CliRunner().invoke(main, ["replay", str(t), "--simulate", "seed-16g", "--json"])
