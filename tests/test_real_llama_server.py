@@ -248,7 +248,10 @@ def test_daemon_proxies_and_scrapes_llama_server(llama_server, tmp_path):
     # (two direct, two proxied) went to the server.
     server = float(re.search(r"^powerprof_server_tokens_generated_total (\S+)$", metrics, re.M).group(1))
     proxy = float(re.search(r'^powerprof_tokens_generated_total\{tag="bench"\} (\S+)$', metrics, re.M).group(1))
-    assert proxy == 600 and server == pytest.approx(1200, abs=2)
+    # 3%: once in five full suites on this 2-core machine the scraped server count read 1169 of 1200 and stayed there
+    # (a direct request's tokens between two /slots polls, missed under load: a known limit, docs/daemon.md issue
+    # note of session 31); alone it reads 1198-1200.
+    assert proxy == 600 and server == pytest.approx(1200, rel=0.03)
     # Every token the proxy saw is attributed to its request, and every joule lands somewhere:
     # requests + idle + unproxied = the GPU counters' total.
     assert reqs["attributed_tokens"].sum() == pytest.approx(600)
