@@ -286,6 +286,16 @@ if phase == "deleting":
             time.sleep(0.3)
         return real(self, *a, **k)
     pathlib.Path.unlink = slow_unlink
+elif phase == "renamed":
+    # The merged file was renamed into place; the stop lands in the folder's fsync that follows.
+    from powerprof.storage import atomic
+    real_fsync = atomic.fsync_dir
+    def slow_fsync(path):
+        if any(p.name.startswith("compact-") for p in pathlib.Path(path).glob("*.parquet")):
+            ready.touch()
+            time.sleep(30)
+        return real_fsync(path)
+    atomic.fsync_dir = slow_fsync
 else:
     def slow_write(*a, **k):
         ready.touch()
@@ -295,7 +305,7 @@ s.compact()
 """
 
 
-@pytest.mark.parametrize("phase", ["deleting", "merging"])
+@pytest.mark.parametrize("phase", ["deleting", "renamed", "merging"])
 def test_a_compaction_child_told_to_stop_never_leaves_rows_twice(tmp_path, phase):
     # The child gets SIGTERM when the daemon dies (PR_SET_PDEATHSIG) or overstays a stop. Mid-merge
     # it stops at once (the sources stay, no target); after the merged file is in place it first
@@ -319,11 +329,51 @@ def test_a_compaction_child_told_to_stop_never_leaves_rows_twice(tmp_path, phase
     p.send_signal(signal.SIGTERM)
     assert p.wait(30) == 128 + signal.SIGTERM
     names = sorted(f.name for f in part.glob("*.parquet"))
-    if phase == "deleting":
+    if phase in ("deleting", "renamed"):
         assert len(names) == 1 and names[0].startswith("compact-") and not (part / JOURNAL).exists()
     else:
         assert len(names) == 3 and all(n.startswith("part-") for n in names)
     # Either way every row is there exactly once, for a reader who looks before any restart.
+    assert sorted(_read(tmp_path).column("value").to_pylist()) == [float(i) for i in range(6)]
+
+
+_LOCK_HOLDER = """
+import fcntl, os, pathlib, sys, time
+root, target, ready = pathlib.Path(sys.argv[1]), pathlib.Path(sys.argv[2]), pathlib.Path(sys.argv[3])
+fd = os.open(root / ".compaction.lock", os.O_RDWR | os.O_CREAT, 0o640)
+fcntl.flock(fd, fcntl.LOCK_EX)
+ready.touch()
+time.sleep(1.0)
+os.replace(str(target) + ".staged", target)  # a killed daemon's compaction child renames its merge into place late
+"""
+
+
+def test_a_daemon_restarted_while_the_old_compaction_child_finishes_never_doubles_rows(tmp_path):
+    # kill -9 of the daemon: the kernel sends its compaction child SIGTERM, but the child may still be
+    # renaming its merged file when the next daemon starts and recovers. Judged then, the journal's target
+    # is absent, the journal is dropped, and the child's rename leaves every row twice.
+    import subprocess
+    import sys
+
+    s = _store(tmp_path)
+    for k in range(3):
+        s.append("things", _rows(2, start=2 * k))
+        s.flush()
+    part = s.partitions("things")[0]
+    sources = sorted(p.name for p in part.glob("*.parquet"))
+    target = part / "compact-late.parquet"
+    (part / JOURNAL).write_text(json.dumps({"target": target.name, "sources": sources}))
+    write_file_atomic(part / ".staged.tmp", _read(tmp_path).drop(["date"]).cast(SCHEMA))
+    os.replace(part / ".staged.tmp", str(target) + ".staged")
+    ready = tmp_path / "ready"
+    p = subprocess.Popen([sys.executable, "-c", _LOCK_HOLDER, str(tmp_path), str(target), str(ready)])
+    deadline = time.monotonic() + 60
+    while not ready.exists() and p.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert ready.exists(), "the lock holder never started"
+    _store(tmp_path)  # the restarted daemon's recovery
+    assert p.wait(30) == 0
+    assert not (part / JOURNAL).exists()
     assert sorted(_read(tmp_path).column("value").to_pylist()) == [float(i) for i in range(6)]
 
 

@@ -14,7 +14,9 @@ Flushes go on while it runs: it only merges and deletes the files it listed when
 Compaction merges a partition's small files into one. It writes a journal naming the sources
 and the target before renaming the target into place; a restart that finds a journal either
 finishes deleting the sources (target present) or drops the unfinished target (absent), so rows
-are never lost nor left doubled.
+are never lost nor left doubled. Compaction and recovery hold `<root>/.compaction.lock` (flock):
+a daemon restarted at once after `kill -9` waits for its old compaction child, which the kernel is
+stopping, instead of judging a journal whose target that child may still rename into place.
 
 A failed flush (full disk, read-only mount) keeps the rows in memory, up to a bound per dataset
 beyond which the oldest are dropped and counted, and is retried at the next flush. A row that
@@ -54,6 +56,10 @@ if TYPE_CHECKING:
 log = logging.getLogger("powerprof.daemon.store")
 
 JOURNAL = ".compact-journal.json"
+COMPACTION_LOCK = ".compaction.lock"
+# How long recovery waits for a compaction child of a killed daemon (it stops within milliseconds of its
+# parent's death, or after a merge's write that is under way: seconds for an hour of 8 GPUs' rows).
+COMPACTION_LOCK_WAIT_S = 30.0
 QUARANTINE_DIR = "_quarantine"  # "_" prefix: pyarrow and DuckDB dataset globs skip it
 # Memory one buffered row costs (a dict of ~25 columns), measured with tracemalloc: see buffer_cap_rows.
 ROW_BYTES_EST = 2048
@@ -103,6 +109,36 @@ class PartialWrite(OSError):
     def __init__(self, cause: OSError, written: list[dict]):
         super().__init__(cause.errno, cause.strerror or str(cause))
         self.cause, self.written = cause, written
+
+
+class _CompactionLock:
+    """An exclusive flock on `<root>/.compaction.lock` (the kernel drops it when its holder dies): one
+    compaction or recovery at a time across the daemon, its compaction child, and a daemon restarted
+    while a killed one's child still runs. `acquired` is False when `wait_s` ran out."""
+
+    def __init__(self, root: Path, wait_s: float):
+        self.root, self.wait_s = root, wait_s
+        self.fd: int | None = None
+        self.acquired = False
+
+    def __enter__(self) -> "_CompactionLock":
+        import fcntl
+
+        # Never through a symlink; the folder is the daemon's own (service.lock_data_dir refuses others').
+        self.fd = os.open(self.root / COMPACTION_LOCK, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC | os.O_NOFOLLOW, 0o640)
+        deadline = time.monotonic() + self.wait_s
+        while True:
+            try:
+                fcntl.flock(self.fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                self.acquired = True
+                return self
+            except BlockingIOError:
+                if time.monotonic() >= deadline:
+                    return self
+                time.sleep(0.02)
+
+    def __exit__(self, *exc) -> None:
+        os.close(self.fd)  # releases the flock
 
 
 @dataclass(frozen=True)
@@ -312,7 +348,10 @@ class DatasetStore:
 
     def finish_compactions(self) -> None:
         """Finish what a compaction child that died left (its journal), under the writers' lock."""
-        with self._io_lock:
+        with self._io_lock, _CompactionLock(self.root, COMPACTION_LOCK_WAIT_S) as lock:
+            if not lock.acquired:
+                log.warning("a compaction still holds %s; its journal is finished at the next compaction", COMPACTION_LOCK)
+                return
             for name in self.datasets:
                 for part in self.partitions(name):
                     journal = part / JOURNAL
@@ -320,14 +359,21 @@ class DatasetStore:
                         self._finish_compaction(part, journal)
 
     def recover(self) -> None:
-        """Undo what a crash left: temporary files and half-done compactions."""
-        for name in self.datasets:
-            for part in self.partitions(name):
-                journal = part / JOURNAL
-                if journal.exists():
-                    self._finish_compaction(part, journal)
-                for tmp in part.glob(".*.tmp"):
-                    tmp.unlink(missing_ok=True)
+        """Undo what a crash left: temporary files and half-done compactions. Waits for a compaction child
+        of a daemon killed just before (it is being stopped): judged while it runs, a journal whose target
+        is not yet in place would be dropped, and the child's rename then leave every row twice."""
+        with _CompactionLock(self.root, COMPACTION_LOCK_WAIT_S) as lock:
+            if not lock.acquired:
+                log.warning("a compaction still holds %s after %.0f s; its journal and temporary files are left "
+                            "to the next compaction", COMPACTION_LOCK, COMPACTION_LOCK_WAIT_S)
+                return
+            for name in self.datasets:
+                for part in self.partitions(name):
+                    journal = part / JOURNAL
+                    if journal.exists():
+                        self._finish_compaction(part, journal)
+                    for tmp in part.glob(".*.tmp"):
+                        tmp.unlink(missing_ok=True)
 
     def _finish_compaction(self, part: Path, journal: Path) -> None:
         try:
@@ -346,7 +392,10 @@ class DatasetStore:
     def compact(self, min_files: int = 2) -> int:
         """Merge each partition's flush files into one; returns how many partitions were compacted."""
         done = 0
-        with self._io_lock:
+        with self._io_lock, _CompactionLock(self.root, 0.0) as lock:
+            if not lock.acquired:  # another process compacts or recovers this folder: its turn, not ours
+                log.warning("compaction skipped: another process holds %s", COMPACTION_LOCK)
+                return 0
             for name, ds in self.datasets.items():
                 for part in self.partitions(name):
                     journal = part / JOURNAL
@@ -397,13 +446,23 @@ class DatasetStore:
         try:
             self._write_file(part / target, table)
         except BaseException:
-            journal.unlink(missing_ok=True)
+            if not (part / target).exists():
+                journal.unlink(missing_ok=True)
+                raise
+            # Stopped (SIGTERM) after the rename, in the folder's fsync: the merged file is in place, so
+            # the sources go now, or every row would be twice for readers until the next start.
+            with _finishing():
+                self._drop_sources(part, files, journal)
             raise
         with _finishing():  # the target is in place: a stop now would leave every row twice for readers
-            for f in files:
-                f.unlink(missing_ok=True)
-            journal.unlink(missing_ok=True)
-            fsync_dir(part)
+            self._drop_sources(part, files, journal)
+
+    @staticmethod
+    def _drop_sources(part: Path, files: list[Path], journal: Path) -> None:
+        for f in files:
+            f.unlink(missing_ok=True)
+        journal.unlink(missing_ok=True)
+        fsync_dir(part)
 
     def _retention_now(self) -> datetime:
         """The wall clock, but never later than the time since start says it can be: a clock stepped years ahead
