@@ -165,6 +165,33 @@ def trailing_average_energy_j(t_ns: np.ndarray, p_avg_w: np.ndarray, window_s: f
     return integrate_power_j(t, y, t0_ns, t1_ns)
 
 
+def trailing_average_interval_energy_j(t_ns: np.ndarray, p_avg_w: np.ndarray, window_s: float, t0_ns: int,
+                                       t1_ns: int) -> float:
+    """Energy over [t0, t1] where a trailing-average reading was taken at t1 (the daemon's interval edges): that
+    reading is the energy of the `window_s` before t1 over the window, so the interval's energy is it, less the
+    part of the window before t0 (an interval shorter than the window) or plus the part of the interval before the
+    window (a longer one), those parts from `trailing_average_energy_j`. An interval one window long (the daemon's
+    1 Hz sampling of a 1 s average) is thus the reading itself: exact where the average is a true mean of its
+    window. The shifted integration alone spreads each second's energy over three intervals (1/8, 3/4, 1/8): a
+    short request alone left a quarter of its energy above idle in the idle seconds either side of it. NaN where
+    there is no reading at t1 or the parts are not covered; never below zero (a part estimated too high)."""
+    t = np.asarray(t_ns, dtype=np.int64)
+    y = np.asarray(p_avg_w, dtype=float)
+    at = np.flatnonzero((t == t1_ns) & ~np.isnan(y))
+    if at.size == 0 or window_s <= 0 or t1_ns <= t0_ns:
+        return float("nan")
+    w_ns = int(window_s * 1e9)
+    seen = float(y[at[-1]]) * window_s  # the energy of [t1 - window, t1]
+    start = t1_ns - w_ns
+    if start == t0_ns:
+        return seen
+    part = (trailing_average_energy_j(t, y, window_s, start, t0_ns) if start < t0_ns
+            else trailing_average_energy_j(t, y, window_s, t0_ns, start))
+    if np.isnan(part):
+        return float("nan")
+    return max(seen - part, 0.0) if start < t0_ns else seen + part
+
+
 # The coarsest refresh of a GPU energy counter: drivers refresh it every 10-100 ms, and a real H200
 # refreshed every 100 ms (docs/hardware.md). A card's own refresh is not known in advance.
 COUNTER_STEP_S = 0.1

@@ -67,6 +67,13 @@ METHOD_NONE = "none"
 # sum of windows can claim. The 1 s trailing average has seen every moment of its window, which
 # beats instant readings taken once a second (bench/window_accuracy.py).
 ENERGY_METHODS = (METHOD_COUNTER, METHOD_AVG_POWER, METHOD_POWER, METHOD_NONE)
+# A daemon request row whose GPU energy came mostly from intervals without a counter that no request was live in for
+# half their time: the rest of each was taken out at the idle power, so its figure rests on that power and on the
+# power readings' timing (docs/daemon.md, A GPU without an energy counter). Said in energy_note, left out of J/token.
+NO_COUNTER_SHORT_FLAG = "no-counter-short"
+NO_COUNTER_SHORT_BUSY_SHARE = 0.5
+NO_COUNTER_SHORT_FIX = ("a GPU with an energy counter (Volta and newer), or read J/token over many such requests (a tag's "
+                        "window, the intervals), not one")
 
 
 def weakest_method(methods) -> str:

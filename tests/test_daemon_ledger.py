@@ -1240,3 +1240,88 @@ def test_a_prompt_said_once_for_its_choices_is_each_choices_context_and_one_pref
     pre_a, pre_b = 0.5 * (200 if each else 100), 0.5 * 100
     assert got[1] == pytest.approx(100.0 * pre_a / (pre_a + pre_b) + 200.0, rel=1e-6)
     assert got[2] == pytest.approx(100.0 * pre_b / (pre_a + pre_b) + 100.0, rel=1e-6)
+
+
+def _avg_only_requests_run(led: Ledger, requests, until_s: float, profile: str = "h200-141g"):
+    """A simulated card read by its 1 s trailing average alone (no energy counter, no instant power), sampled every
+    second with the ledger advanced after each sample as the daemon does; `requests` [(arrival_s, end_s, tokens)]
+    each decode alone on it (64-token probes), their tokens evenly from 20 ms after arrival to the end. Returns the
+    card (its history is the truth) and the traces."""
+    import dataclasses
+
+    from powerprof.sim.gpu import Phase, SimGpu
+    from powerprof.sim.profiles import get_profile
+
+    prof = dataclasses.replace(get_profile(profile), has_energy_counter=False, has_instant_power=False)
+    now = [0]
+    gpu = SimGpu(prof, 0, "GPU-avg", clock_ns=lambda: now[0], record_history=True)
+    events = [(k * 1.0, 0, "sample", None) for k in range(int(until_s) + 1)]
+    traces = []
+    for i, (a, e, n) in enumerate(requests):
+        tr = _trace(i + 1, a)
+        traces.append(tr)
+        events.append((a, 1, "start", tr))
+        events += [(a + 0.02 + (e - 0.01 - a - 0.02) * j / max(n - 1, 1), 2, "token", tr) for j in range(n)]
+        events.append((e, 3, "end", tr))
+    for t, _, kind, tr in sorted(events, key=lambda x: (x[0], x[1])):
+        now[0] = int(t * S)
+        if kind == "sample":
+            led.add_gpu_sample(now[0], now[0], [R(None, None, gpu.average_power_w(), 700.0)])
+            led.advance(now[0])
+        elif kind == "start":
+            gpu.set_phase(Phase("decode", 0.45))
+            led.on_start(tr)
+        elif kind == "token":
+            tr.first_ns = tr.first_ns or now[0]
+            tr.last_ns = now[0]
+            tr.tokens_seen += 1
+            led.on_tokens(tr, now[0], 1)
+        else:
+            gpu.set_phase(Phase("idle", 0.0))
+            tr.end_ns = now[0]
+            tr.counts = Counts(generated_tokens=tr.tokens_seen, prompt_tokens=200, model=None, stop_reason=None,
+                               token_source="usage")
+            led.on_end(tr)
+    return gpu, traces
+
+
+def _true_j(gpu, tr) -> float:
+    return gpu.true_energy_at_j(tr.end_ns) - gpu.true_energy_at_j(tr.arrival_ns)
+
+
+def test_a_short_request_alone_on_a_gpu_without_a_counter_is_not_charged_the_idle_gpu():
+    # docs/daemon.md, "A GPU without an energy counter": a 64-token probe (0.45 s, ~130 J on the simulated H200) alone
+    # on a GPU read by its 1 s trailing average took its intervals' whole energy, idle seconds included: the idle
+    # power was learned from counter intervals only, so on such a GPU it was never known (+96% in
+    # bench/attribution_accuracy.py --no-counter, +90-100% here). Each probe straddles an interval edge, as there.
+    sink = Sink()
+    led = Ledger("d", 0, 1, sink, grace_s=0.1, avg_windows_s=(1.0,))
+    probes = [(10.7, 11.15, 64), (14.3, 14.75, 64), (18.55, 19.0, 64)]
+    gpu, traces = _avg_only_requests_run(led, probes, until_s=24.0)
+    rows = {r["request_id"]: r for r in sink.rows["requests"]}
+    assert set(rows) == {1, 2, 3}
+    for tr in traces:
+        got, truth = rows[tr.request_id]["gpu_energy_j"], _true_j(gpu, tr)
+        assert got == pytest.approx(truth, rel=0.1), (tr.request_id, got, truth)
+
+
+def test_a_short_request_on_a_gpu_without_a_counter_says_so_and_stays_out_of_the_headline_figure():
+    # What the trailing average cannot settle stays visible: a request live for under half of the intervals it took
+    # energy from, on a GPU without a counter, rests on the idle power taken out of the rest and on the average's
+    # timing. Its row says so (no-counter-short, with the fix), it is counted for /metrics, and the daemon's
+    # J/token (the recent intervals') leaves such intervals out. A long request is not flagged.
+    sink = Sink()
+    led = Ledger("d", 0, 1, sink, grace_s=0.1, avg_windows_s=(1.0,))
+    gpu, traces = _avg_only_requests_run(led, [(10.7, 11.15, 64)], until_s=15.0)
+    (row,) = sink.rows["requests"]
+    assert row["energy_note"] and "no-counter-short" in row["energy_note"] and "fix:" in row["energy_note"]
+    assert row["gpu_energy_j"] is not None  # kept, and said
+    assert led.totals.no_counter_short_requests == 1
+    assert led.totals.j_per_token is None  # its intervals were mostly idle: no headline figure from them
+    gpu, traces = _avg_only_requests_run(led2 := Ledger("d", 0, 1, sink2 := Sink(), grace_s=0.1, avg_windows_s=(1.0,)),
+                                         [(10.2, 16.6, 900)], until_s=20.0)
+    (row,) = sink2.rows["requests"]
+    assert not (row["energy_note"] or "").count("no-counter-short")
+    assert led2.totals.no_counter_short_requests == 0
+    assert row["gpu_energy_j"] == pytest.approx(_true_j(gpu, traces[0]), rel=0.05)
+    assert led2.totals.j_per_token is not None

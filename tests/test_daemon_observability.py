@@ -148,3 +148,14 @@ def test_journald_gets_no_timestamps_a_terminal_does(tmp_path):
     terminal_line = logging.Formatter(service.TERMINAL_LOG_FORMAT).format(rec)
     assert journal_line == "INFO powerprof.daemon: started"
     assert re.match(r"\d{4}-\d\d-\d\d \d\d:\d\d:\d\d", terminal_line)
+
+
+def test_requests_flagged_no_counter_short_are_counted_on_metrics():
+    # Short requests on a GPU without an energy counter (ledger: energy_note no-counter-short) are said on /metrics,
+    # and at zero too: a dashboard tells "none" from "not exported".
+    fams = _exposition(no_counter_short_requests=3)
+    (sample,) = fams["powerprof_requests_no_counter_short"].samples
+    assert sample.value == 3
+    assert "no-counter-short" in fams["powerprof_requests_no_counter_short"].documentation
+    (zero,) = _exposition()["powerprof_requests_no_counter_short"].samples
+    assert zero.value == 0

@@ -142,6 +142,21 @@ def union_busy_s(edges_ns: np.ndarray, start_ns: np.ndarray, end_ns: np.ndarray)
     return span_overlap_s(edges, m[:, 0], m[:, 1]).sum(axis=0)
 
 
+def busy_seconds(edges_ns: np.ndarray, arrival_ns: np.ndarray, end_ns: np.ndarray, active: np.ndarray,
+                 bypass_spans: tuple[np.ndarray, np.ndarray] | None = None) -> np.ndarray:
+    """(K,) seconds of each interval some active request (arrival → end, NEVER: still live) or bypass traffic
+    was live in: the rest of a busy interval is idle."""
+    edges = np.asarray(edges_ns, dtype=np.int64)
+    arrival = np.asarray(arrival_ns, dtype=np.int64)
+    end = np.asarray(end_ns, dtype=np.int64)
+    active = np.asarray(active, dtype=bool)
+    b0, b1 = (np.zeros(0, np.int64),) * 2 if bypass_spans is None else (np.asarray(x, np.int64) for x in bypass_spans)
+    starts = np.concatenate([arrival[active], b0])
+    if not starts.size:
+        return np.zeros(max(edges.size - 1, 0))
+    return union_busy_s(edges, starts, np.concatenate([np.where(end != NEVER, end, edges[-1])[active], b1]))
+
+
 def prefill_start_ns(arrival_ns: np.ndarray, prefill_end_ns: np.ndarray, prompt_tokens: np.ndarray,
                      prefill_tok_s: float) -> np.ndarray:
     """(R,) when each prompt's prefill began: its length at `prefill_tok_s` before the first token,
@@ -310,10 +325,7 @@ def attribute(
     req_work = work.sum(axis=0)
     total_tok = tok.sum(axis=0)
 
-    b0, b1 = (np.zeros(0, np.int64),) * 2 if bypass_spans is None else (np.asarray(x, np.int64) for x in bypass_spans)
-    starts = np.concatenate([arrival[active], b0])
-    busy_s = (union_busy_s(edges, starts, np.concatenate([np.where(end != NEVER, end, edges[-1])[active], b1]))
-              if starts.size else np.zeros(k_count))
+    busy_s = busy_seconds(edges, arrival, end, active, bypass_spans)
     e = energy[:, 0]
     idle_j = np.zeros(k_count)
     if costs.idle_w is not None:

@@ -22,8 +22,9 @@ import numpy as np
 from powerprof.collectors.cputime import (BUSY_HOST_FIX, BUSY_HOST_FLAG, BUSY_HOST_PCT, busy_host_text,
                                           interval_cpu_s, unknown_server_text)
 from powerprof.collectors.rapl import cpu_energy_j
-from powerprof.energy import epoch_broken, interp_at, trailing_average_energy_j, unwrap_resets
-from powerprof.profiler import METHOD_AVG_POWER, METHOD_COUNTER, METHOD_NONE, METHOD_POWER, weakest_method
+from powerprof.energy import epoch_broken, interp_at, trailing_average_interval_energy_j, unwrap_resets
+from powerprof.profiler import (METHOD_AVG_POWER, METHOD_COUNTER, METHOD_NONE, METHOD_POWER, NO_COUNTER_SHORT_BUSY_SHARE,
+                                NO_COUNTER_SHORT_FIX, NO_COUNTER_SHORT_FLAG, weakest_method)
 
 from . import attribution as attr
 from .promptlen import PromptLengths
@@ -111,6 +112,8 @@ class _Req:
     # share of its CPU figure that other processes' CPU time stood beside (collectors/cputime.py, busy-host).
     cpu_judged_j: float = 0.0
     cpu_other_pct_j: float = 0.0
+    # Its GPU joules from intervals without a counter that were mostly idle (NO_COUNTER_SHORT_FLAG).
+    no_counter_short_j: float = 0.0
 
 
 @dataclass
@@ -145,6 +148,7 @@ class Totals:
     costs: dict = field(default_factory=dict)  # the costs in use and the latest fit's quality
     other_cpu_pct: float | None = None  # other processes' share of the host's busy CPU time, latest judged busy interval
     busy_host_requests_cpu_j: float = 0.0  # CPU energy given to requests in intervals where it was above BUSY_HOST_PCT
+    no_counter_short_requests: int = 0  # request rows flagged NO_COUNTER_SHORT_FLAG since start
 
 
 class Ledger:
@@ -193,6 +197,7 @@ class Ledger:
         self._busy_spell = False  # inside a run of busy-host intervals (logged once when it starts)
         self._other_pct: float | None = None
         self._busy_cpu_j = 0.0
+        self.no_counter_short_requests = 0  # request rows emitted with NO_COUNTER_SHORT_FLAG
         self.server_spans: list[list] = []  # [t0, t1, server tokens, bypass tokens or None] per scrape
         self._proxied: deque = deque()  # (t_ns, tokens) of every proxied token event, for the scrape windows
         self.server_seen = False
@@ -497,7 +502,8 @@ class Ledger:
                 at = np.array([e.t_ns for e in held], dtype=np.int64)
                 ap = np.array([e.avg_power_w[g] for e in held], dtype=float)
                 for k in np.flatnonzero(~exact[:, g]):
-                    e = trailing_average_energy_j(at, ap, self.avg_windows_s[g], int(t[k]), int(t[k + 1]))
+                    # The reading at the interval's end covers the window before it: at 1 Hz, the interval itself.
+                    e = trailing_average_interval_energy_j(at, ap, self.avg_windows_s[g], int(t[k]), int(t[k + 1]))
                     if not np.isnan(e):
                         per_gpu[k, g], how[k, g] = e, METHOD_AVG_POWER
         methods = [METHOD_NONE if np.isnan(per_gpu[k]).any() else weakest_method(how[k])
@@ -593,13 +599,24 @@ class Ledger:
         energy = np.column_stack([work_j, cpu0, np.isnan(cpu), gpu_missing, np.where(judged, cpu0, 0.0),
                                   np.where(judged, cpu0 * np.nan_to_num(other_pct), 0.0)])
         passive = np.array([_passive(r) for r in reqs], dtype=bool)  # its error status is known from its head
+        # Intervals without a counter that no request (or bypass traffic) was live in for half their time: their
+        # requests' energy is the interval's less the idle power over the rest, an estimate a counter would not need.
+        dur = np.diff(t) / 1e9
+        busy = attr.busy_seconds(t, arrival, end, ~passive, bypass_spans)
+        short_iv = (np.array([m != METHOD_COUNTER for m in methods], dtype=bool) & (busy > 0)
+                    & (busy < NO_COUNTER_SHORT_BUSY_SHARE * dur))
+        energy = np.column_stack([energy, np.where(short_iv, work_j, 0.0)])
         a = attr.attribute(t, energy, arrival, first, last, end, ev_t_a, ev_r_a, ev_n_a, excess,
                            prompt_tokens=prompt, tok_ctx=np.array(ev_c, dtype=float), costs=costs,
                            bypass_spans=bypass_spans, passive=passive, aside_j=aside,
                            tok_work=np.array(ev_w, dtype=float),
                            sequences=np.array([r.trace.extra.get("sequences", 1) for r in reqs], dtype=float))
         # Bypass tokens' prompts are unseen: an interval mostly of bypass work would bias the fit.
-        usable = np.array([m == "counter" for m in methods])
+        usable = np.array([m == METHOD_COUNTER for m in methods])
+        # A GPU without a counter still measures its idle power: an idle interval's trailing average saw nothing but
+        # idle (trailing_average_interval_energy_j). Without it no part of a busy interval was idle, and a short
+        # request alone took its intervals' idle seconds too (+96%, docs/daemon.md). Busy ones stay out of the fit.
+        usable |= np.array([m == METHOD_AVG_POWER for m in methods]) & (a.kind == attr.IDLE)
         # The limit changed inside the first interval (its start read the one before): its energy is of both.
         usable[0] &= edges[0].setting == setting
         if excess is not None:
@@ -621,6 +638,7 @@ class Ledger:
             r.gpu_missing = r.gpu_missing or a.request_energy[i, 3] > 0
             r.cpu_judged_j += a.request_energy[i, 4]
             r.cpu_other_pct_j += a.request_energy[i, 5]
+            r.no_counter_short_j += a.request_energy[i, 6]
             r.tokens += a.request_tokens[i]
             # Token events before the closed edge are spent.
             if r.ev_t and r.ev_t[0] < t_end:
@@ -645,7 +663,7 @@ class Ledger:
                     live = (arrival[i] < t[1:]) & (end[i] > t[:-1])
                     r.server_ahead += float(excess[live].sum())
         self._judge_host(t, a, other_pct, judged)
-        self._account(t, per_gpu, gpu, cpu, a, methods, costs, host_s, other_s, judged)
+        self._account(t, per_gpu, gpu, cpu, a, methods, costs, host_s, other_s, judged, short_iv)
         self._interval_rows(edges, t, gpu, cpu, methods, a, excess, costs, other_pct)
         rows = []
         for r, d in zip(reqs, done):
@@ -785,7 +803,7 @@ class Ledger:
         self._busy_spell = bool(busy[np.flatnonzero(judged)[-1]])
 
     def _account(self, t, per_gpu, gpu, cpu, a: attr.Attribution, methods: list[str], costs: attr.WorkCosts,
-                 host_s=None, other_s=None, judged=None) -> None:
+                 host_s=None, other_s=None, judged=None, short_iv=None) -> None:
         self._gpu_total = self._gpu_total + np.nan_to_num(per_gpu).sum(axis=0)
         if not np.isnan(cpu).all():
             self._cpu_total = (self._cpu_total or 0.0) + float(np.nansum(cpu))
@@ -794,7 +812,8 @@ class Ledger:
         self._tokens_total += float(a.tokens.sum())
         self._tokens_attributed += float(a.request_tokens.sum())
         for k in range(t.size - 1):
-            if a.tokens[k] > 0 and not np.isnan(gpu[k]):  # J/token over intervals whose energy is known
+            # J/token over intervals whose energy is known and is not mostly idle power taken out (NO_COUNTER_SHORT_FLAG).
+            if a.tokens[k] > 0 and not np.isnan(gpu[k]) and not (short_iv is not None and short_iv[k]):
                 self._recent.append((int(t[k + 1]), float(a.dest[k, attr.TO_REQUESTS, 0]), float(a.tokens[k])))
         while self._recent and self._recent[0][0] < int(t[-1]) - self.jpt_window_ns:
             self._recent.popleft()
@@ -813,6 +832,7 @@ class Ledger:
             costs=self._costs_state(costs),
             other_cpu_pct=self._other_pct,
             busy_host_requests_cpu_j=self._busy_cpu_j,
+            no_counter_short_requests=self.no_counter_short_requests,
         )
 
     def _costs_state(self, costs: attr.WorkCosts) -> dict:
@@ -911,6 +931,8 @@ class Ledger:
 
     def _request_row(self, r: _Req) -> dict:
         row = self._request_fields(r)
+        if _no_counter_short(r):
+            self.no_counter_short_requests += 1
         # Strings from clients and the upstream (model, stop reason, errors) as valid Unicode: a lone
         # surrogate (a JSON `\\ud800`) would send the whole row to quarantine.
         return {k: valid_text(v) if isinstance(v, str) else v for k, v in row.items()}
@@ -972,7 +994,7 @@ class Ledger:
             "cpu_energy_j": cpu_j,
             "other_cpu_pct": other_pct,
             "energy_note": _joined(GPU_MISSING_NOTE if r.gpu_missing else _approximate_note(r) if r.gpu_j > 0
-                                   else _no_energy_reason(r), _busy_host_note(other_pct)),
+                                   else _no_energy_reason(r), _no_counter_short_note(r), _busy_host_note(other_pct)),
             "prompt_tokens_estimate": r.prompt_est[0] if r.prompt_est is not None and _prompt_tokens(r) is None else None,
             "attributed_tokens": r.tokens,
             "gpu_j_per_token": (float(attr.per_token(r.gpu_j, r.tokens))
@@ -1009,6 +1031,22 @@ def _busy_host_note(other_pct: float | None) -> str | None:
         return None
     return (f"{BUSY_HOST_FLAG}: {busy_host_text(other_pct, 'its intervals', 'its cpu_energy_j')}; "
             f"fix: {BUSY_HOST_FIX}")
+
+
+def _no_counter_short(r: _Req) -> bool:
+    """Most of its GPU energy came from intervals without a counter that were mostly idle (NO_COUNTER_SHORT_FLAG)."""
+    return r.gpu_j > 0 and not r.gpu_missing and r.no_counter_short_j > 0.5 * r.gpu_j
+
+
+def _no_counter_short_note(r: _Req) -> str | None:
+    """A short request's energy on a GPU without a counter: kept, and said (docs/daemon.md)."""
+    if not _no_counter_short(r):
+        return None
+    return (f"{NO_COUNTER_SHORT_FLAG}: {100 * r.no_counter_short_j / r.gpu_j:.0f}% of its GPU energy is from intervals "
+            f"read without an energy counter (power readings) that requests were live in for under "
+            f"{100 * NO_COUNTER_SHORT_BUSY_SHARE:.0f}% of their time: the idle power taken out of the rest and the "
+            f"readings' timing decide it, not the GPU's own count (it is left out of the daemon's J/token); "
+            f"fix: {NO_COUNTER_SHORT_FIX}")
 
 
 def _with_late(error: str | None, late: float) -> str | None:

@@ -111,6 +111,7 @@ class Snapshot:
     edge_read_cpu_s: float = 0.0
     other_cpu_pct: float | None = None  # ledger.Totals: other processes' share of busy CPU time, latest judged interval
     busy_host_requests_cpu_j: float = 0.0  # CPU energy given to requests in busy-host intervals since start
+    no_counter_short_requests: int = 0  # ledger.Totals: request rows flagged no-counter-short since start
 
 
 class SnapshotCollector:
@@ -219,6 +220,11 @@ class SnapshotCollector:
         for kind in UNCOUNTED_KINDS:
             uc.add_metric([kind], s.uncounted_requests.get(kind, 0))
         yield uc
+        yield CounterMetricFamily("powerprof_requests_no_counter_short", "Requests whose GPU energy came mostly from "
+                                  "intervals without an energy counter (power readings) that requests were live in for "
+                                  "under half their time: it rests on the idle power taken out of the rest; their rows' "
+                                  "energy_note says no-counter-short, and they are left out of powerprof_joules_per_token",
+                                  value=s.no_counter_short_requests)
         if s.joules_per_token is not None:
             yield GaugeMetricFamily("powerprof_joules_per_token",
                                     "GPU J per generated token over the recent decode intervals", value=s.joules_per_token)

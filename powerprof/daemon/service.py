@@ -486,6 +486,7 @@ class Daemon:
             late_tokens=self.ledger.late_tokens,
             other_cpu_pct=tot.other_cpu_pct,
             busy_host_requests_cpu_j=tot.busy_host_requests_cpu_j,
+            no_counter_short_requests=tot.no_counter_short_requests,
         )
 
     def _helper_pids(self) -> list[int]:
