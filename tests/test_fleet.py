@@ -404,3 +404,20 @@ def test_analyze_refuses_one_key_with_two_different_rows_as_export_does(fleet, t
     assert res.exit_code == 1, res.output
     assert "1 interval key(s)" in res.output and "hold rows that differ" in res.output, res.output
     assert not (tmp_path / "out" / "fleet.parquet").exists()
+
+
+def test_requests_flagged_no_counter_short_are_left_out_of_j_per_token_and_said(tmp_path):
+    # The daemon marks a short request's energy on a GPU without an energy counter (it rests on the idle
+    # power taken out of a mostly idle interval) and leaves it out of its own J/token; the fleet summary
+    # summed it in, at up to twice its energy, with nothing said.
+    truth = _node(tmp_path / "n", 0)
+    store = DatasetStore(tmp_path / "n", datasets(), host="node-0")
+    store.append("requests", [{"daemon_id": "d0", "request_id": 100 + i, "t_arrival_utc": T0_NS, "outcome": "ok",
+                               "generated_tokens": 10, "gpu_energy_j": 500.0, "attributed_tokens": 10.0, "ttft_s": 0.1,
+                               "energy_note": "no-counter-short: 90% of its GPU energy ..."} for i in range(3)])
+    assert store.flush()
+    [r] = fleet_summary([str(tmp_path / "n")]).to_pylist()
+    assert r["gpu_j_per_token"] == pytest.approx(truth["jpt"])
+    assert r["uncertain_requests"] == 3 and r["requests"] == truth["requests"] + 3
+    res = CliRunner().invoke(main, ["analyze", str(tmp_path / "n")])
+    assert res.exit_code == 0 and "no-counter-short" in res.stderr and "node-0: 3" in res.stderr, res.output

@@ -13,6 +13,8 @@ from pathlib import Path
 
 import pyarrow as pa
 
+from powerprof.profiler import NO_COUNTER_SHORT_FIX, NO_COUNTER_SHORT_FLAG
+
 from .engine import connect, to_arrow
 from .rowkeys import KEYS, WHY, folder_sql, keyless_sql
 
@@ -75,7 +77,7 @@ def _quote(s: str) -> str:
 COLUMNS = {
     "requests": {"host": "VARCHAR", "daemon_id": "VARCHAR", "request_id": "BIGINT", "outcome": "VARCHAR",
                  "generated_tokens": "BIGINT", "gpu_energy_j": "DOUBLE", "attributed_tokens": "DOUBLE",
-                 "ttft_s": "DOUBLE"},
+                 "ttft_s": "DOUBLE", "energy_note": "VARCHAR"},
     "intervals": {"host": "VARCHAR", "daemon_id": "VARCHAR", "t_start_mono_s": "DOUBLE", "gpu_energy_j": "DOUBLE",
                   "kind": "VARCHAR", "duration_s": "DOUBLE", "t_start_utc": "TIMESTAMPTZ",
                   "t_end_utc": "TIMESTAMPTZ"},
@@ -129,6 +131,8 @@ def _sane(*cols: str) -> str:
 # One row per host: what its proxy served, what its GPUs spent, and what the two give per token.
 # A row whose energy or tokens cannot be (NaN, infinite, negative: a foreign or damaged file) is
 # left out of the sums and counted, rather than turning a host's total into NaN or lowering it.
+# A request whose energy the daemon marked as resting on idle power taken out of a counterless GPU's
+# mostly idle intervals (NO_COUNTER_SHORT_FLAG) is left out of J/token, as the daemon's own headline does.
 # The same statement, with the tables over the same files, is the Spark SQL / Trino query of docs/fleet.md.
 FLEET_SQL = """
 WITH r AS (
@@ -136,8 +140,9 @@ WITH r AS (
            count(*) AS requests,
            count(*) FILTER (WHERE outcome <> 'ok') AS failed_requests,
            CAST(sum(generated_tokens) FILTER (WHERE {r_ok}) AS BIGINT) AS generated_tokens,
-           sum(gpu_energy_j) FILTER (WHERE {r_ok}) AS attributed_gpu_energy_j,
-           sum(attributed_tokens) FILTER (WHERE {r_ok}) AS attributed_tokens,
+           sum(gpu_energy_j) FILTER (WHERE {r_ok} AND {r_sure}) AS attributed_gpu_energy_j,
+           sum(attributed_tokens) FILTER (WHERE {r_ok} AND {r_sure}) AS attributed_tokens,
+           count(*) FILTER (WHERE {r_ok} AND NOT {r_sure}) AS uncertain_requests,
            approx_quantile(ttft_s, 0.5) AS ttft_p50_s,
            CAST(sum(copies - 1) AS BIGINT) AS duplicate_requests,
            CAST(sum(conflicts) AS BIGINT) AS conflicting_requests,
@@ -162,10 +167,12 @@ SELECT host, requests, failed_requests, generated_tokens, gpu_energy_j, idle_gpu
        coalesce(duplicate_requests, 0) AS duplicate_requests, coalesce(duplicate_intervals, 0) AS duplicate_intervals,
        coalesce(invalid_requests, 0) AS invalid_requests, coalesce(invalid_intervals, 0) AS invalid_intervals,
        coalesce(conflicting_requests, 0) AS conflicting_requests,
-       coalesce(conflicting_intervals, 0) AS conflicting_intervals
+       coalesce(conflicting_intervals, 0) AS conflicting_intervals,
+       coalesce(uncertain_requests, 0) AS uncertain_requests
 FROM i FULL OUTER JOIN r USING (host)
 ORDER BY host
-""".replace("{r_ok}", _sane("gpu_energy_j", "attributed_tokens", "CAST(generated_tokens AS DOUBLE)")).replace(
+""".replace("{r_sure}", f"(coalesce(energy_note, '') NOT LIKE '%{NO_COUNTER_SHORT_FLAG}%')").replace(
+    "{r_ok}", _sane("gpu_energy_j", "attributed_tokens", "CAST(generated_tokens AS DOUBLE)")).replace(
     "{i_ok}", _sane("gpu_energy_j", "duration_s"))
 
 
@@ -218,6 +225,11 @@ def notes(t: pa.Table) -> list[str]:
         out.append("rows whose energy or tokens are NaN, infinite or negative were left out of the sums "
                    "(no energy or token count can be): " + "; ".join(
                        f"{r['host']}: {r['invalid_requests']} requests, {r['invalid_intervals']} intervals" for r in bad))
+    unsure = [r for r in t.to_pylist() if r.get("uncertain_requests")]
+    if unsure:
+        out.append(f"requests marked {NO_COUNTER_SHORT_FLAG} (short, on a GPU without an energy counter: their energy "
+                   "rests on the idle power taken out) were left out of J/token: " + "; ".join(
+                       f"{r['host']}: {r['uncertain_requests']}" for r in unsure) + f"; the fix: {NO_COUNTER_SHORT_FIX}")
     unknown = [r["host"] for r in t.to_pylist() if r["host"].startswith("(unknown) ")]
     if unknown:
         out.append(f"{len(unknown)} dataset(s) were written before rows carried their host; each is named by its "
