@@ -60,3 +60,32 @@ def buffering_proxy(upstream: str):
         return app
 
     return serve_in_thread(factory)
+
+
+def held_answers(upstream: str, hold_s: float, for_s: float):
+    """A reverse proxy for GETs (a scraper's /metrics, /slots) that holds each answer `hold_s` before asking
+    `upstream`, for the first `for_s` after its first request: what a loaded host does to a daemon's first
+    scrapes (its event loop held while the client's requests already run). Returns (url, stop)."""
+    import time
+
+    import aiohttp
+    from aiohttp import web
+
+    first: list[float] = []
+
+    def factory():
+        async def handle(request):
+            now = time.monotonic()
+            first.append(now) if not first else None
+            if now - first[0] < for_s:
+                await asyncio.sleep(hold_s)
+            async with aiohttp.ClientSession() as s:
+                async with s.get(upstream + request.path_qs) as r:
+                    return web.Response(body=await r.read(), status=r.status,
+                                        headers={"Content-Type": r.headers.get("Content-Type", "")})
+
+        app = web.Application()
+        app.router.add_get("/{tail:.*}", handle)
+        return app
+
+    return serve_in_thread(factory)

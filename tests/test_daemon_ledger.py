@@ -134,6 +134,8 @@ def test_tag_windows_and_server_tokens_beyond_the_proxy():
     kinds = [r["kind"] for r in sink.rows["intervals"]]
     assert kinds == ["idle", "idle", "unproxied", "idle"]
     assert sink.rows["intervals"][2]["server_tokens"] == 40
+    # Before the first scrape the server's count was never read: null, not a silent 0.
+    assert [r["server_tokens"] for r in sink.rows["intervals"][:2]] == [None, None]
     (tag,) = sink.rows["tags"]
     assert tag["name"] == "job" and tag["gpu_energy_j"] == pytest.approx(100.0) and tag["duration_s"] == 2.0
     assert tag["energy_method"] == "counter"

@@ -204,6 +204,9 @@ class Ledger:
         self._setting: tuple = ()  # the GPUs' power limits at the latest full sample
         self._power_w: np.ndarray | None = None  # the GPUs' power at the latest full sample
         self.server_upto_ns: int | None = None
+        # Where the server's count begins (the first scrape window's start): an interval wholly before it has no
+        # server count (null, not 0: bypass traffic there was never read).
+        self.server_from_ns: int | None = None
         self._gap = 0.0  # server minus proxied tokens, cumulative, to the end of the last resolved window
         self._levels: deque = deque()  # (window end, bypass level) of recent windows
         self._level = 0.0  # the latest window's level
@@ -396,6 +399,8 @@ class Ledger:
         self.server_seen = True
         self.server_upto_ns = t_ns
         t0 = since_ns if since_ns is not None and since_ns < t_ns else t_ns - 1
+        if self.server_from_ns is None:
+            self.server_from_ns = int(t0)
         self.server_spans.append([int(t0), int(t_ns), float(delta), None])
 
     # --- tags --------------------------------------------------------------------------------
@@ -917,7 +922,9 @@ class Ledger:
                     "energy_method": methods[k],
                     "avg_gpu_power_w": float(gpu[k]) / dur if dur > 0 and not np.isnan(gpu[k]) else None,
                     "proxy_tokens": float(a.tokens[k]),
-                    "server_tokens": None if server is None else float(server[k]),
+                    "server_tokens": (None if server is None or (self.server_from_ns is not None
+                                                                  and t[k + 1] <= self.server_from_ns)
+                                      else float(server[k])),
                     "n_prefill": int(a.n_prefill[k]),
                     "n_decoding": int(a.n_decoding[k]),
                     "requests_energy_j": float(a.dest[k, attr.TO_REQUESTS, 0]),

@@ -23,6 +23,7 @@ from powerprof.arrival import COUNT_PROBLEM_KINDS
 
 from .attribution import DEST_NAMES, KIND_NAMES
 from .inflight import InFlightState
+from .scrape import PARTIAL_REASONS
 from .streams import UNCOUNTED_KINDS
 
 LATENCY_DOCS = {
@@ -87,6 +88,7 @@ class Snapshot:
     prompts_estimated: dict = field(default_factory=dict)  # {reason: n} (ledger.Ledger.prompts_estimated)
     uncounted_requests: dict = field(default_factory=dict)  # {kind: n} (streams.uncounted_kind)
     server_tokens: float | None = None
+    server_tokens_partial: tuple = ()  # why that count may be low (scrape.PARTIAL_REASONS keys)
     buffered_rows: int = 0
     dropped_rows: int = 0
     flush_errors: int = 0
@@ -231,6 +233,13 @@ class SnapshotCollector:
         if s.server_tokens is not None:
             yield CounterMetricFamily("powerprof_server_tokens_generated",
                                       "Tokens the server's own metrics counted (cross-check)", value=s.server_tokens)
+            part = GaugeMetricFamily("powerprof_server_tokens_partial", "1: powerprof_server_tokens_generated_total may be "
+                                     "low, for this reason (late_baseline: first read after the daemon's ready, with "
+                                     "tokens already counted; slots_only: llama-server without --metrics); the log says "
+                                     "what was missed and the fix", labels=["reason"])
+            for why in PARTIAL_REASONS:
+                part.add_metric([why], 1 if why in s.server_tokens_partial else 0)
+            yield part
         yield GaugeMetricFamily("powerprof_buffered_rows", "Rows waiting to be written to Parquet", value=s.buffered_rows)
         yield CounterMetricFamily("powerprof_dropped_rows", "Rows dropped because writes kept failing", value=s.dropped_rows)
         yield CounterMetricFamily("powerprof_flush_errors", "Failed Parquet writes (disk errors and rows a column "

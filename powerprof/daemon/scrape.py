@@ -8,6 +8,12 @@
   finished (counter) + decoding now (/slots). Without --metrics, /slots alone misses each
   request's tokens after the last scrape before it ends (said in the log).
 
+The first reading is the baseline: tokens are counted from it. The daemon takes it before it says it is
+ready (`baseline`), so a request sent at its ready is counted whole; read later (a server not up yet), a
+server that has already counted something may have counted tokens since the daemon's ready that the
+baseline takes in. Both that and /slots alone leave the count possibly low: `partial` says why
+(PARTIAL_REASONS), the daemon shows it on /metrics and logs it, never a silently low count.
+
 Parsing is pure (text/JSON in, numbers out); `Scraper` does the HTTP and keeps the state needed
 to turn snapshots into token deltas; `Cadence` says when to scrape (fast while anything moves,
 slow once the server and the proxy are both still). Bodies are read up to MAX_METRICS_BYTES; a counter that is not
@@ -43,6 +49,15 @@ def slots_delta(prev: dict[int, tuple[object, int]], now: dict[int, tuple[object
             d += n - old[1]
     return d
 
+
+# Why a scraped count may be low (keys of Scraper.partial; /metrics label `reason`).
+PARTIAL_REASONS = {
+    "late_baseline": "the server's counters were first read after the daemon said it was ready, and it had counted tokens "
+                     "by then: tokens of requests sent since the daemon's ready and before that read are not in the count "
+                     "(fix: start the server before the daemon, or restart the daemon once the server is up)",
+    "slots_only": "llama-server without /metrics: /slots alone misses each request's tokens after the last scrape before "
+                  "it ends (fix: start llama-server with --metrics)",
+}
 
 STILL_S = 5.0  # the counter and the proxy this long without movement: scrape at the idle period
 
@@ -114,6 +129,19 @@ class Scraper:
         self.total = 0.0  # tokens the server reported since the daemon started
         self.errors = 0
         self.last_error: str | None = None
+        self.ready = False  # the daemon has said it is ready: a baseline read from now on is late
+        self.partial: dict[str, str] = {}  # reason → what it means (PARTIAL_REASONS): the count may be low
+
+    def _baseline(self, counted: float) -> None:
+        """The first reading: `counted` tokens the server says it has generated. Read after the daemon's ready, a
+        server that had counted nothing has lost nothing; one that had may have counted tokens of requests sent
+        since the ready, which the baseline takes in for good."""
+        if self.ready and counted > 0 and "late_baseline" not in self.partial:
+            self.partial["late_baseline"] = PARTIAL_REASONS["late_baseline"]
+            log.warning("scraped server count may be low: %s", PARTIAL_REASONS["late_baseline"])
+
+    def has_baseline(self) -> bool:
+        return self._last_total is not None or self._high is not None or self._slots is not None
 
     async def _get(self, path: str) -> tuple[int, str]:
         url = self.base + path
@@ -162,6 +190,8 @@ class Scraper:
                 if total is None:
                     raise ValueError(f"{COUNTERS[self.kind]} missing from /metrics")
                 prev, self._last_total = self._last_total, total
+                if prev is None:
+                    self._baseline(total)
                 # A restart of the server zeroes its counter: count from zero again.
                 delta = 0.0 if prev is None else (total - prev if total >= prev else total)
         except Exception as e:  # a server's answer never ends the scrape loop: counted and logged
@@ -183,9 +213,11 @@ class Scraper:
         if finished is None and slots is None:
             raise ValueError("llama-server answers neither /metrics (start it with --metrics) nor /slots")
         if finished is None:
+            if "slots_only" not in self.partial:
+                self.partial["slots_only"] = PARTIAL_REASONS["slots_only"]
+                log.warning("scraped server count may be low: %s", PARTIAL_REASONS["slots_only"])
             if self._slots is None:
-                log.warning("llama-server has no /metrics (start it with --metrics): /slots alone misses the "
-                            "tokens each request generates after the last scrape before it ends")
+                self._baseline(sum(n for _, n in slots.values()))
             delta = slots_delta(self._slots, slots) if self._slots is not None else 0
             self._slots = slots
             return float(delta)
@@ -195,6 +227,7 @@ class Scraper:
         self._finished = finished
         if self._high is None:
             self._high = total  # the first scrape is the baseline
+            self._baseline(total)
             return 0.0
         # A request ending between the two reads dips the total for one scrape; never report
         # fewer tokens than already reported (a Prometheus counter does not go down).

@@ -259,6 +259,8 @@ class SimServer:
         self.vllm_empty_final = vllm_empty_final
         self.vllm_metrics = vllm_metrics
         self.serve_metrics = serve_metrics  # False: /metrics answers 404 (hidden by a proxy, or an old server)
+        self._slot_task: dict[int, int] = {}  # slot → its last task id (/slots `id_task`)
+        self._next_task = 0
         self.serve_slots = True  # False: /slots answers 501, as llama-server started with --no-slots
         self.count_factor = float(count_factor)  # settable between requests, like delivery
         self.close_after_stream = flavour == "llamacpp" if close_after_stream is None else bool(close_after_stream)
@@ -543,6 +545,8 @@ class SimServer:
                 req = self._waiting.pop(0)
                 used = {r.slot for r in self._active}
                 req.slot = min(set(range(self.n_slots)) - used)
+                self._slot_task[req.slot] = self._next_task  # llama-server's id_task: a slot's task, kept once idle
+                self._next_task += 1
                 self._active.append(req)
             self._m_running.set(len(self._active))
             self._m_waiting.set(len(self._waiting))
@@ -888,13 +892,18 @@ class SimServer:
         if not self.serve_slots:
             return self._json({"error": {"code": 501, "message": "This server does not support slots endpoint.",
                                          "type": "not_supported_error"}}, 501)
+        # As llama-server says it: a slot never used has no task; a used one keeps its last `id_task`, and its
+        # `next_token[0].n_decoded` is the running request's count, 0 once it ended (the tokens are then in
+        # llamacpp:tokens_predicted_total only).
         by_slot = {r.slot: r for r in self._active}
-        return self._json(
-            [
-                {"id": i, "is_processing": i in by_slot, "n_decoded": by_slot[i].generated if i in by_slot else 0}
-                for i in range(self.n_slots)
-            ]
-        )
+        out = []
+        for i in range(self.n_slots):
+            s = {"id": i, "n_ctx": self.n_ctx // self.n_slots if self.n_ctx else 4096, "is_processing": i in by_slot}
+            if i in self._slot_task:
+                n = by_slot[i].generated if i in by_slot else 0
+                s.update(id_task=self._slot_task[i], next_token=[{"has_next_token": i in by_slot, "n_decoded": n}])
+            out.append(s)
+        return self._json(out)
 
     async def _metrics(self, request: web.Request) -> web.Response:
         if not self.serve_metrics:
