@@ -234,3 +234,27 @@ def test_sglangs_gauges_left_at_our_last_batch_are_not_read_as_another_client():
     # And the sweep says what this server cannot show, not nothing.
     limits = tally_from_metrics(SGLANG.format(tok=0, run=0), 0).limits()
     assert limits is not None and "in flight" in limits and "SGLang" in limits, limits
+
+
+def test_a_process_streaming_memory_without_kernels_is_flagged_and_left_out(tmp_path):
+    """A neighbour that moves data with the copy engines (a KV cache offloaded over PCIe) runs no kernels: SM
+    utilisation 0, 40% of the memory bandwidth. Before: judged by its kernels only, it was "harmless" and level
+    200 W gave 3.56 J/token and 56 tok/s where the level alone gives 2.65 and 75 (+34%, -26%), unflagged."""
+    sim = SimNVML("seed-16g", state_path=None, record_history=True)
+    out = tmp_path / "run"
+    with Rig("seed-16g", nvml=sim) as rig:
+        act, state = _while_at_200(lambda: rig.sim_bystander_gpu(0, share=0.0, mem_share=0.4), lambda by: by.stop())
+        outcome = _sweep(rig, out, _Hook(act))
+    by = state["it"]
+    levels = pq.read_table(out / "levels.parquet").to_pandas().set_index("level_value")
+    assert FOREIGN_FLAG in levels.loc[200.0, "flags"].split(","), levels.loc[200.0, "flags"]
+    assert FOREIGN_FLAG not in (levels.loc[300.0, "flags"] or "")
+    w = pq.read_table(out / "windows.parquet").to_pandas()
+    left = w[(w.level_value == 200.0) & w.foreign_traffic.notna() & ~w.warmup]
+    assert len(left) >= 2 and left.foreign_traffic.str.contains("without kernels on GPU 0").all(), left.foreign_traffic.tolist()
+    assert left.foreign_traffic.str.contains("40% of the memory bandwidth").any(), left.foreign_traffic.tolist()
+    for row, rec in _counted(outcome, 200.0):
+        assert not _overlaps(rec.t_first_ns, rec.t_last_ns, [tuple(x) for x in by.active_ns]), row["request_id"]
+    for value in (300.0, 200.0):
+        _check_truth(sim, outcome, value)
+    assert any(f"process(es) {by.pid}" in n for n in outcome.notes), outcome.notes
