@@ -164,11 +164,13 @@ class OthersWatch:
         self._books: ForeignWatch | None = None
         self.server_blind: str | None = None  # what the server's counters cannot show of other clients ("" none)
         self.seen = {"tokens": 0.0, "requests": 0.0}  # others' work the server's books showed, flagged batches
+        self.stale: str | None = None  # once: the server's gauges left over after aborts (servercount.STALE_GAUGES)
 
     async def begin(self) -> None:
         """Compare from now on: the server's books as they stand, the GPUs' processes from this moment."""
         first = await settled_tally(self.session, self.base_url)
         self._books = ForeignWatch(first)
+        self.stale = self.stale or self._books.stale
         if self.server_blind is None:
             self.server_blind = first.limits() or ""
         self.neighbours.mark()
@@ -181,6 +183,7 @@ class OthersWatch:
         if self._books is not None:
             t0, r0 = self._books.seen_tokens, self._books.seen_requests
             server = self._books.judge(await settled_tally(self.session, self.base_url), recs)
+            self.stale = self.stale or self._books.stale
             if server:
                 why.append(server)
                 self.seen["tokens"] += self._books.seen_tokens - t0
@@ -209,4 +212,4 @@ class OthersWatch:
     def cannot(self) -> list[str]:
         """Once each: what the server's counters and the GPUs' process lists could not rule out, or said."""
         out = [f"other clients of the server: {self.server_blind}"] if self.server_blind else []
-        return out + list(self.neighbours.notes.values())
+        return out + ([self.stale] if self.stale else []) + list(self.neighbours.notes.values())
