@@ -246,7 +246,8 @@ class Rig:
 
     def sim_bystander_gpu(self, index: int = 0, power_w: float = 60.0, share: float = 0.3, **kw):
         """Another process's kernels on simulated GPU `index` from now (sim/bystander.py): `power_w` more watts,
-        `share` of the GPU's time taken from the server (0: it holds memory and runs nothing). `.stop()` ends it."""
+        `share` of the GPU's time taken from the server; kw `mem_share`, `enc_share`, `dec_share`: its memory traffic and
+        video engines without SM time (all 0: it holds memory and runs nothing). `.stop()` ends it."""
         if not self.simulated:
             raise ValueError("a bystander GPU process is a simulator misbehaviour: open the rig with a sim profile")
         from powerprof.sim.bystander import GpuBystander

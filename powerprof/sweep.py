@@ -417,7 +417,9 @@ class Sweep:
                 self.idle_power_by_gpu_w = ({f"gpu{i}": ek / dur_s for i, ek in zip(self.prof.gpu.indexes, w.result.gpu_energy_j)}
                                             if self.idle_power_w is not None and self.prof.gpu else None)
                 self._epoch = before
-                others = ForeignWatch(tally0).judge(await settled_tally(self.session, self.server.base_url), [])
+                books = ForeignWatch(tally0)
+                others = books.judge(await settled_tally(self.session, self.server.base_url), [])
+                self.others.stale = self.others.stale or books.stale
                 others = others or self.others.neighbours.check()
                 if others:
                     self.idle_power_w = None

@@ -5,6 +5,8 @@ nothing else shared; a quiet server (llama.cpp without /metrics or /slots includ
 
 from __future__ import annotations
 
+import time
+
 import numpy as np
 import pyarrow.parquet as pq
 import pytest
@@ -234,3 +236,90 @@ def test_sglangs_gauges_left_at_our_last_batch_are_not_read_as_another_client():
     # And the sweep says what this server cannot show, not nothing.
     limits = tally_from_metrics(SGLANG.format(tok=0, run=0), 0).limits()
     assert limits is not None and "in flight" in limits and "SGLang" in limits, limits
+
+
+def test_a_process_streaming_memory_without_kernels_is_flagged_and_left_out(tmp_path):
+    """A neighbour that moves data with the copy engines (a KV cache offloaded over PCIe) runs no kernels: SM
+    utilisation 0, 40% of the memory bandwidth. Before: judged by its kernels only, it was "harmless" and level
+    200 W gave 3.56 J/token and 56 tok/s where the level alone gives 2.65 and 75 (+34%, -26%), unflagged."""
+    sim = SimNVML("seed-16g", state_path=None, record_history=True)
+    out = tmp_path / "run"
+    with Rig("seed-16g", nvml=sim) as rig:
+        act, state = _while_at_200(lambda: rig.sim_bystander_gpu(0, share=0.0, mem_share=0.4), lambda by: by.stop())
+        outcome = _sweep(rig, out, _Hook(act))
+    by = state["it"]
+    levels = pq.read_table(out / "levels.parquet").to_pandas().set_index("level_value")
+    assert FOREIGN_FLAG in levels.loc[200.0, "flags"].split(","), levels.loc[200.0, "flags"]
+    assert FOREIGN_FLAG not in (levels.loc[300.0, "flags"] or "")
+    w = pq.read_table(out / "windows.parquet").to_pandas()
+    left = w[(w.level_value == 200.0) & w.foreign_traffic.notna() & ~w.warmup]
+    assert len(left) >= 2 and left.foreign_traffic.str.contains("without kernels on GPU 0").all(), left.foreign_traffic.tolist()
+    assert left.foreign_traffic.str.contains("40% of the memory bandwidth").any(), left.foreign_traffic.tolist()
+    for row, rec in _counted(outcome, 200.0):
+        assert not _overlaps(rec.t_first_ns, rec.t_last_ns, [tuple(x) for x in by.active_ns]), row["request_id"]
+    for value in (300.0, 200.0):
+        _check_truth(sim, outcome, value)
+    assert any(f"process(es) {by.pid}" in n for n in outcome.notes), outcome.notes
+
+
+def _hang_up_mid_stream(url: str, tokens: int = 8) -> None:
+    """Another client's streamed request, abandoned after a few chunks (a user pressing stop)."""
+    import json
+    import urllib.request
+
+    body = {"prompt": "Another client's long question.", "max_tokens": 400, "ignore_eos": True, "stream": True}
+    req = urllib.request.Request(url + "/v1/completions", json.dumps(body).encode(), {"Content-Type": "application/json"})
+    with urllib.request.urlopen(req, timeout=30) as r:
+        for _ in range(tokens):
+            r.readline()
+
+
+def _gauge_running(url: str) -> float | None:
+    import urllib.request
+
+    from powerprof.workload.servercount import counter_total
+
+    return counter_total(urllib.request.urlopen(url + "/metrics", timeout=5).read().decode(), "vllm:num_requests_running")
+
+
+def test_vllms_gauges_left_by_an_aborted_request_are_not_read_as_another_client(tmp_path):
+    """vLLM refreshes vllm:num_requests_running/_waiting only at an engine step, and when every request it holds is
+    aborted no step comes until the next request (vllm-project/vllm#29928, #22545): after another client hung up
+    mid-stream, the gauge says 1 running while nothing runs. Before: the sweep's idle baseline was thrown away
+    ("no idle baseline: others' work ran during it (1 request(s) not powerprof's in flight ...)": every above-idle
+    figure empty) and level 300 W's first batch was flagged foreign-traffic and measured again, the level carrying
+    the flag and the end screen telling the user to stop other clients that were not there."""
+    from powerprof.sim.server import SimServer
+
+    sim = SimNVML("seed-16g", state_path=None, record_history=True)
+    out = tmp_path / "run"
+    with SimServer(sim, flavour="vllm", decode_tok_s=80.0) as srv:
+        _hang_up_mid_stream(srv.url)
+        deadline = time.monotonic() + 10
+        while (srv._active or srv._waiting) and time.monotonic() < deadline:  # the abort reached the engine
+            time.sleep(0.05)
+        assert not srv._active and _gauge_running(srv.url) == 1.0  # the simulated vLLM's stale gauge
+        with Rig("seed-16g", nvml=sim) as rig:
+            ui = _Hook()
+            outcome = _sweep(rig, out, ui, url=srv.url, levels_spec="300", idle_s=1.0,
+                             params=RequestParams(max_tokens=32))
+    levels = pq.read_table(out / "levels.parquet").to_pandas()
+    assert not any(FOREIGN_FLAG in (f or "") for f in levels["flags"]), levels["flags"].tolist()
+    assert pq.read_table(out / "windows.parquet").to_pandas().foreign_traffic.isna().all()
+    assert not any("no idle baseline" in n for n in outcome.notes + ui.notes), outcome.notes
+    # Said, not silent: what the gauges showed and why it was not believed.
+    assert any("left from aborted requests" in n for n in outcome.notes), outcome.notes
+
+
+def test_vllm_another_clients_request_running_at_a_batchs_end_is_still_seen_after_a_stale_gauge():
+    """The gauge is judged by the engine's steps, not ignored: a request that really runs moves the token counter
+    between the two reads and is believed."""
+    from powerprof.workload.servercount import ForeignWatch, Tally, stale_gauge
+
+    t1 = _t(1000, 10, run=1)
+    assert stale_gauge(t1, _t(1000, 10, run=1))  # no step in between: left over
+    assert not stale_gauge(t1, _t(1003, 10, run=1))  # steps: a request runs
+    assert not stale_gauge(Tally(0, tokens=5.0, tokens_name="llamacpp:tokens_predicted_total", in_flight=1.0),
+                           Tally(0, tokens=5.0, tokens_name="llamacpp:tokens_predicted_total", in_flight=1.0))
+    w = ForeignWatch(_t(1000, 10))
+    assert "in flight" in (w.judge(_t(1128, 11, run=1), [_Rec(128)]) or "")

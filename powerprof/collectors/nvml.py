@@ -453,25 +453,50 @@ def gpu_processes(nvml, handle) -> dict[int, int | None] | None:
     return out if listed else None
 
 
-def process_sm_util(nvml, handle, since_us: int) -> dict[int, float] | None:
-    """{pid: highest SM utilisation % the driver sampled since `since_us` (µs, wall clock)} of the processes
-    whose kernels ran (nvmlDeviceGetProcessUtilization; {} when none ran); None where NVML cannot say (not
-    supported on this GPU, MIG, no permission)."""
+# The engines a process's utilisation samples name: the SM (kernels), the memory (the share of time DRAM was read
+# or written: copy engines move data without SM time), the video encoder and decoder, and (the newer call only)
+# the JPEG and optical-flow engines. The field of each in NVML's sample structures.
+PROCESS_ENGINES = {"sm": "smUtil", "mem": "memUtil", "enc": "encUtil", "dec": "decUtil", "jpg": "jpgUtil",
+                   "ofa": "ofaUtil"}
+
+
+def process_util(nvml, handle, since_us: int) -> tuple[dict[int, dict[str, float]] | None, str]:
+    """({pid: {engine: highest utilisation % the driver sampled since `since_us` (µs, wall clock)}} of the processes
+    that used an engine ({} when none did), the call that answered); None where NVML cannot say (not supported on
+    this GPU, MIG, no permission), with why.
+
+    nvmlDeviceGetProcessesUtilizationInfo (drivers ≥ 550) first: it names the JPEG and optical-flow engines too;
+    where the driver or board lacks it, nvmlDeviceGetProcessUtilization (every driver since 367)."""
     gw = gateway(nvml)
-    samples, code = gw.attempt("nvmlDeviceGetProcessUtilization", handle, int(since_us))
-    if code is not None:
-        return {} if code == getattr(gw.lib, "NVML_ERROR_NOT_FOUND", 6) else None
-    out: dict[int, float] = {}
-    for smp in samples or ():
-        pid, util = getattr(smp, "pid", None), getattr(smp, "smUtil", None)
-        if isinstance(pid, int) and isinstance(util, int) and 0 <= util <= 100:
-            out[pid] = max(out.get(pid, 0.0), float(util))
-    return out
+    ok = {getattr(gw.lib, "NVML_ERROR_NOT_FOUND", 6), getattr(gw.lib, "NVML_SUCCESS", 0)}
+    tried = []
+    for fn in ("nvmlDeviceGetProcessesUtilizationInfo", "nvmlDeviceGetProcessUtilization"):
+        samples, code = gw.attempt(fn, handle, int(since_us))
+        if code is not None:
+            # None sampled: NOT_FOUND, or (the newer call through pynvml) an NVMLError of NVML_SUCCESS, its first
+            # call having found no samples to size an array for.
+            if code in ok:
+                return {}, fn
+            tried.append(f"{fn}: {nvml_error_name(gw.lib, code) if isinstance(code, int) else code}")
+            continue
+        out: dict[int, dict[str, float]] = {}
+        for smp in samples or ():
+            pid = getattr(smp, "pid", None)
+            if not isinstance(pid, int):
+                continue
+            mine = out.setdefault(pid, {})
+            for engine, field in PROCESS_ENGINES.items():
+                u = getattr(smp, field, None)
+                if isinstance(u, int) and 0 <= u <= 100:
+                    mine[engine] = max(mine.get(engine, 0.0), float(u))
+        return out, fn
+    return None, "; ".join(tried)
 
 
 _ERROR_NAMES = ("UNKNOWN", "TIMEOUT", "GPU_IS_LOST", "UNINITIALIZED", "INVALID_ARGUMENT", "IRQ_ISSUE", "NOT_FOUND",
                 "DRIVER_NOT_LOADED", "CORRUPTED_INFOROM", "RESET_REQUIRED", "OPERATING_SYSTEM", "LIB_RM_VERSION_MISMATCH",
-                "MEMORY", "INSUFFICIENT_POWER", "IN_USE", "NO_DATA", "INSUFFICIENT_SIZE")
+                "MEMORY", "INSUFFICIENT_POWER", "IN_USE", "NO_DATA", "INSUFFICIENT_SIZE", "NOT_SUPPORTED",
+                "NO_PERMISSION", "FUNCTION_NOT_FOUND")
 
 
 def nvml_error_name(nvml, code: int) -> str:

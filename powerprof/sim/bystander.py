@@ -18,24 +18,37 @@ import urllib.request
 
 
 class GpuBystander:
-    """A process whose kernels run on one simulated GPU: it draws `power_w` more and takes `share` of the GPU's
-    time from the server (the server slows by that share); `share=0` is a process that holds memory and runs
-    nothing (a notebook with a model loaded, idle)."""
+    """A process working on one simulated GPU beside the server: its kernels take `share` of the GPU's time (the
+    server slows by that share) and draw `power_w` more; `mem_share` is the share of the memory bandwidth it
+    streams without SM time (copy engines: a KV cache or weights offloaded over PCIe, a peer copy), which slows
+    the server's memory-bound decode and draws the memory's watts (the GPU model's, not `power_w`);
+    `enc_share`/`dec_share` keep the video engines busy (NVENC/NVDEC: `power_w` is theirs). All zero is a
+    process that holds memory and runs nothing (a notebook with a model loaded, idle)."""
 
     def __init__(self, nvml, index: int = 0, power_w: float = 60.0, share: float = 0.3, pid: int | None = None,
-                 used_bytes: int = 2 << 30):
+                 used_bytes: int = 2 << 30, mem_share: float = 0.0, enc_share: float = 0.0, dec_share: float = 0.0):
         self.nvml = nvml
         self.index = index
-        self.power_w = float(power_w) if share > 0 else 0.0
         self.share = float(share)
+        self.mem_share = float(mem_share)
+        self.enc_share, self.dec_share = float(enc_share), float(dec_share)
+        self.power_w = float(power_w) if (share > 0 or enc_share > 0 or dec_share > 0) else 0.0
         self.pid = os.getppid() if pid is None else int(pid)  # a process that is neither powerprof nor the server
         self.used_bytes = used_bytes
         self.running = False
         self.active_ns: list[list[int]] = []  # [start, stop] monotonic ns of each time it ran (truth for tests)
 
+    def _util(self) -> tuple[float, float, float, float]:
+        """(SM, memory, encoder, decoder) shares its NVML samples say: its kernels' memory traffic is half their
+        share, as the server's own process's samples say of its kernels (sim/nvml.py)."""
+        if not self.running:
+            return 0.0, 0.0, 0.0, 0.0
+        return self.share, min(1.0, self.mem_share + 0.5 * self.share), self.enc_share, self.dec_share
+
     def start(self) -> "GpuBystander":
-        self.nvml.gpus[self.index].set_bystander(self.power_w, self.share)
-        self.nvml.add_process(self.index, self.pid, self.used_bytes, lambda: self.share if self.running else 0.0)
+        self.nvml.gpus[self.index].set_bystander(self.power_w, self.share, self.mem_share)
+        self.nvml.add_process(self.index, self.pid, self.used_bytes, lambda: self.share if self.running else 0.0,
+                              util=self._util)
         self.running = True
         self.active_ns.append([time.monotonic_ns(), 0])
         return self
@@ -45,7 +58,7 @@ class GpuBystander:
             return
         self.nvml.remove_process(self.index, self.pid)  # while it still runs: its last samples show its share
         self.running = False
-        self.nvml.gpus[self.index].set_bystander(0.0, 0.0)
+        self.nvml.gpus[self.index].set_bystander(0.0, 0.0, 0.0)
         self.active_ns[-1][1] = time.monotonic_ns()
 
 

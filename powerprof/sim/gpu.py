@@ -69,6 +69,7 @@ class SimGpu:
         # Another process's kernels on this GPU (sim/bystander.py): watts it adds, share of the time it takes.
         self._bystander_w = 0.0
         self._bystander_share = 0.0
+        self._bystander_mem = 0.0  # share of the memory bandwidth it streams (copy engines: no SM time needed)
         now = clock_ns()
         self._t_last_ns = now
         self._energy_j = 0.0
@@ -84,25 +85,32 @@ class SimGpu:
     # --- the model -------------------------------------------------------------------------
 
     def _power_curve(self, phase: Phase) -> np.ndarray:
-        """Board power at each DVFS clock for a phase."""
+        """Board power at each DVFS clock for a phase (beside a neighbour streaming `_bystander_mem` of the memory
+        bandwidth: the step's memory part stretches by 1/(1 − m), the HBM is busy all that time, and the
+        neighbour's share of it through the compute part too)."""
         p = self.profile
         c = phase.compute_share
-        s = step_time_factor(c, self._f, p.sm_clock_max_mhz)
+        m = self._bystander_mem
+        mem_part = (1.0 - c) / (1.0 - m)
+        s = mem_part + c * p.sm_clock_max_mhz / self._f
         a_sm = (c * p.sm_clock_max_mhz / self._f) / s
-        a_mem = (1.0 - c) / s
+        a_mem = mem_part / s
+        hbm = a_mem + m * (1.0 - a_mem)
         sm_act = p.sm_base_activity + (1.0 - p.sm_base_activity) * a_sm
-        return p.static_power_w + p.mem_power_w * a_mem + p.dyn_power_w * self._dyn_scale * sm_act
+        return p.static_power_w + p.mem_power_w * hbm + p.dyn_power_w * self._dyn_scale * sm_act
 
     def _choose(self, phase: Phase) -> tuple[float, float, int]:
         """DVFS: the highest clock whose power fits under the enforced limit. Returns (f, P, reasons)."""
         p = self.profile
         extra = self._bystander_w
         if phase.kind == "idle":
+            # A neighbour's memory traffic alone (copy engines: no kernels) keeps the SM clock idle.
+            mem_w = p.mem_power_w * self._bystander_mem
             if extra <= 0:
-                return float(p.sm_clock_idle_mhz), float(p.idle_power_w), REASON_GPU_IDLE
+                return float(p.sm_clock_idle_mhz), float(p.idle_power_w) + mem_w, REASON_GPU_IDLE
             # The server idles, another process's kernels run: the clock they get, the idle power plus theirs.
             f, _, reasons = self._choose_busy(Phase("decode", 0.5), extra)
-            return f, float(p.idle_power_w) + extra, reasons
+            return f, float(p.idle_power_w) + extra + mem_w, reasons
         return self._choose_busy(phase, extra)
 
     def _choose_busy(self, phase: Phase, extra: float) -> tuple[float, float, int]:
@@ -176,15 +184,20 @@ class SimGpu:
         with self._lock:
             c = self._phase.compute_share if compute_share is None else compute_share
             f = self._state[0] if self._phase.kind != "idle" else self._choose(Phase("decode", c))[0]
-            # Another process's kernels time-slice the GPU with the server's.
-            return (1.0 - self._bystander_share) / float(step_time_factor(c, f, self.profile.sm_clock_max_mhz))
+            # Another process's kernels time-slice the GPU with the server's; its memory traffic leaves the
+            # server's memory-bound part (1 − c) only the rest of the bandwidth.
+            m = self._bystander_mem
+            t = (1.0 - c) / (1.0 - m) + c * self.profile.sm_clock_max_mhz / f
+            return (1.0 - self._bystander_share) / float(t)
 
-    def set_bystander(self, power_w: float, share: float) -> None:
-        """Another process runs kernels on this GPU from now: it draws `power_w` more and takes `share` of the
-        GPU's time from the server (0, 0: it stopped)."""
+    def set_bystander(self, power_w: float, share: float, mem_share: float = 0.0) -> None:
+        """Another process works on this GPU from now: it draws `power_w` more (its kernels, its video engines),
+        takes `share` of the GPU's time from the server, and streams `mem_share` of the memory bandwidth (its
+        watts are the memory's, from the model: `_power_curve`) (0, 0, 0: it stopped)."""
         with self._lock:
             self._bystander_w = max(0.0, float(power_w))
             self._bystander_share = min(max(0.0, float(share)), 0.9)
+            self._bystander_mem = min(max(0.0, float(mem_share)), 0.9)
             self._recompute(self._clock_ns())
 
     @property
@@ -311,8 +324,10 @@ class SimGpu:
     def utilization(self) -> tuple[int, int]:
         """(gpu %, memory %) as NVML reports them: share of time a kernel / memory traffic ran."""
         phase = self._phase
+        m = self._bystander_mem
         if phase.kind == "idle":
-            return (int(round(100 * self._bystander_share)), 0) if self._bystander_w > 0 else (0, 0)
+            return int(round(100 * self._bystander_share)) if self._bystander_w > 0 else 0, int(round(100 * m))
         c = phase.compute_share
-        s = float(step_time_factor(c, self._state[0], self.profile.sm_clock_max_mhz))
-        return 100, int(round(100 * (1 - c) / s))
+        mem_part = (1 - c) / (1 - m)
+        a_mem = mem_part / (mem_part + c * self.profile.sm_clock_max_mhz / self._state[0])
+        return 100, int(round(100 * (a_mem + m * (1 - a_mem))))

@@ -85,6 +85,20 @@ class ProcessUtilizationSample:
     decUtil: int = 0
 
 
+@dataclass(frozen=True)
+class ProcessUtilizationInfo:
+    """nvmlDeviceGetProcessesUtilizationInfo's entries (nvmlProcessUtilizationInfo_v1_t): v1's and two engines more."""
+
+    pid: int
+    timeStamp: int
+    smUtil: int
+    memUtil: int
+    encUtil: int = 0
+    decUtil: int = 0
+    jpgUtil: int = 0
+    ofaUtil: int = 0
+
+
 @dataclass
 class _GpuProcess:
     pid: int
@@ -92,7 +106,15 @@ class _GpuProcess:
     share: Callable[[], float]  # the share of the GPU's time its kernels take now (0: idle)
     start_us: int
     stop_us: int | None = None
-    last_share: float = 0.0  # its share as it stopped: the driver's samples of its last moments outlive it
+    # (sm, mem, enc, dec) shares it uses now; None: its kernels' share, with half that of the memory's bandwidth
+    util: Callable[[], tuple[float, float, float, float]] | None = None
+    last_util: tuple[float, float, float, float] = (0.0, 0.0, 0.0, 0.0)  # as it stopped: its last samples outlive it
+
+    def now_util(self) -> tuple[float, float, float, float]:
+        if self.util is not None:
+            return self.util()
+        share = self.share()
+        return share, 0.5 * share, 0.0, 0.0
 
 
 @dataclass(frozen=True)
@@ -245,6 +267,9 @@ class SimNVML:
         self._procs: dict[int, dict[int, _GpuProcess]] = {}  # GPU index → pid → a process using it
         self._gone: dict[int, list[_GpuProcess]] = {}  # GPU index → processes that stopped, their samples kept a while
         self._followed_pids: dict[str, int] = {}  # GPU uuid → the pid of the other process whose server drives it
+        # nvmlDeviceGetProcessesUtilizationInfo's answer where the board or driver lacks it (an NVML return code:
+        # NOT_SUPPORTED, FUNCTION_NOT_FOUND on drivers before 550); None: it answers.
+        self.v2_process_util: int | None = None
 
     # --- sharing the GPUs' load between processes ---------------------------------------------
 
@@ -466,10 +491,13 @@ class SimNVML:
 
     # --- the processes using a GPU -----------------------------------------------------------------
 
-    def add_process(self, index: int, pid: int, used_bytes: int, share: Callable[[], float]) -> None:
-        """A process uses GPU `index` from now (a server that loaded its model, a bystander: sim/bystander.py)."""
+    def add_process(self, index: int, pid: int, used_bytes: int, share: Callable[[], float],
+                    util: Callable[[], tuple[float, float, float, float]] | None = None) -> None:
+        """A process uses GPU `index` from now (a server that loaded its model, a bystander: sim/bystander.py);
+        `util`: the (SM, memory, encoder, decoder) shares its samples say, where they are not `share`'s."""
         with self._lock:
-            self._procs.setdefault(index, {})[pid] = _GpuProcess(pid, int(used_bytes), share, time.time_ns() // 1000)
+            self._procs.setdefault(index, {})[pid] = _GpuProcess(pid, int(used_bytes), share, time.time_ns() // 1000,
+                                                                 util=util)
 
     def remove_process(self, index: int, pid: int) -> None:
         """The process stops using GPU `index` (it exited): gone from the process lists at once, while the driver's
@@ -479,7 +507,7 @@ class SimNVML:
             p = self._procs.get(index, {}).pop(pid, None)
             if p is None:
                 return
-            p.stop_us, p.last_share = time.time_ns() // 1000, p.share()
+            p.stop_us, p.last_util = time.time_ns() // 1000, p.now_util()
             keep_us = p.stop_us - int(GONE_SAMPLES_S * 1e6)
             self._gone[index] = [q for q in self._gone.get(index, []) if q.stop_us > keep_us] + [p]
 
@@ -501,22 +529,37 @@ class SimNVML:
         self._gpu(handle)
         return []
 
-    def nvmlDeviceGetProcessUtilization(self, handle, time_stamp_us: int) -> list[ProcessUtilizationSample]:
-        """One sample per process whose kernels ran since `time_stamp_us` (NVML_ERROR_NOT_FOUND: none did)."""
+    def _process_samples(self, handle, time_stamp_us: int) -> list[tuple[int, int, tuple[int, int, int, int]]]:
+        """(pid, stamp µs, (sm, mem, enc, dec) %) of every process that used an engine since `time_stamp_us`."""
         now_us = time.time_ns() // 1000
+        pct = lambda u: tuple(int(round(100 * x)) for x in u)  # noqa: E731
         out = []
         for p in self._processes(handle):
-            share = p.share()
-            if share > 0 and (p.stop_us is None or p.stop_us > time_stamp_us):
-                out.append(ProcessUtilizationSample(p.pid, now_us, int(round(100 * share)), int(round(50 * share))))
+            u = p.now_util()
+            if any(x > 0 for x in u) and (p.stop_us is None or p.stop_us > time_stamp_us):
+                out.append((p.pid, now_us, pct(u)))
         with self._lock:
             gone = list(self._gone.get(handle.index, []))
-        for p in gone:  # stopped since `time_stamp_us`, after running kernels until then
-            if p.last_share > 0 and p.stop_us > time_stamp_us:
-                out.append(ProcessUtilizationSample(p.pid, p.stop_us, int(round(100 * p.last_share)),
-                                                    int(round(50 * p.last_share))))
+        for p in gone:  # stopped since `time_stamp_us`, after working until then
+            if any(x > 0 for x in p.last_util) and p.stop_us > time_stamp_us:
+                out.append((p.pid, p.stop_us, pct(p.last_util)))
+        return out
+
+    def nvmlDeviceGetProcessUtilization(self, handle, time_stamp_us: int) -> list[ProcessUtilizationSample]:
+        """One sample per process that used an engine since `time_stamp_us` (NVML_ERROR_NOT_FOUND: none did)."""
+        out = [ProcessUtilizationSample(pid, ts, *u) for pid, ts, u in self._process_samples(handle, time_stamp_us)]
         if not out:
             raise pynvml.NVMLError(pynvml.NVML_ERROR_NOT_FOUND)
+        return out
+
+    def nvmlDeviceGetProcessesUtilizationInfo(self, handle, time_stamp_us: int) -> list[ProcessUtilizationInfo]:
+        """The newer call (drivers ≥ 550): the same samples with the JPEG and optical-flow engines. With none,
+        pynvml's wrapper raises NVMLError(NVML_SUCCESS): its first call found nothing to size an array for."""
+        if self.v2_process_util is not None:
+            raise pynvml.NVMLError(self.v2_process_util)
+        out = [ProcessUtilizationInfo(pid, ts, *u) for pid, ts, u in self._process_samples(handle, time_stamp_us)]
+        if not out:
+            raise pynvml.NVMLError(pynvml.NVML_SUCCESS)
         return out
 
     def nvmlDeviceGetTemperature(self, handle, sensor: int) -> int:

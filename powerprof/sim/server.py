@@ -186,6 +186,7 @@ class SimServer:
         stall_every_s: float = 0.5,
         vllm_empty_final: bool = True,
         vllm_metrics: str = "current",
+        vllm_stale_gauges: bool = True,
         serve_metrics: bool = True,
         draft_n_max: int | None = None,
         n_ctx: int | None = None,
@@ -215,6 +216,9 @@ class SimServer:
         had not yet seen the close when it reused the connection), made certain for tests. The llama.cpp flavour also says
         `Keep-Alive: timeout=5, max=100`, closes with `Connection: close` after a connection's 100th answer and
         after every 4xx, as llama-server does (docs/simulator.md).
+        vllm_stale_gauges: the vLLM flavour's `vllm:num_requests_running`/`_waiting` keep the values of its last
+        engine step when every request it holds is aborted (a client hung up), as vLLM's do: it refreshes them only
+        at an engine step, and none comes until a new request (vllm-project/vllm#29928, #22545).
         embeddings: serve `/v1/embeddings` (llama-server's `--embeddings`; without it llama.cpp answers 501 and vLLM
         400, as a generation model's server does), each input a prefill of its tokens and no decode."""
         if flavour not in ("llamacpp", "vllm"):
@@ -258,6 +262,7 @@ class SimServer:
         self.stall_every_s = stall_every_s
         self.vllm_empty_final = vllm_empty_final
         self.vllm_metrics = vllm_metrics
+        self.vllm_stale_gauges = vllm_stale_gauges
         self.serve_metrics = serve_metrics  # False: /metrics answers 404 (hidden by a proxy, or an old server)
         self._slot_task: dict[int, int] = {}  # slot → its last task id (/slots `id_task`)
         self._next_task = 0
@@ -539,6 +544,7 @@ class SimServer:
             for r in self._active:
                 if r.cancelled and r.truth_row is None:
                     self._cancelled_truth(r)
+            aborted = any(r.cancelled for r in self._active + self._waiting)
             self._active = [r for r in self._active if not r.cancelled]
             self._waiting = [r for r in self._waiting if not r.cancelled]
             while self._waiting and len(self._active) < self.n_slots:
@@ -548,8 +554,11 @@ class SimServer:
                 self._slot_task[req.slot] = self._next_task  # llama-server's id_task: a slot's task, kept once idle
                 self._next_task += 1
                 self._active.append(req)
-            self._m_running.set(len(self._active))
-            self._m_waiting.set(len(self._waiting))
+            stale = (self.flavour == "vllm" and self.vllm_stale_gauges and aborted and not self._active
+                     and not self._waiting)
+            if not stale:  # (all aborted: vLLM takes no step, so its gauges keep the last step's counts)
+                self._m_running.set(len(self._active))
+                self._m_waiting.set(len(self._waiting))
             if not self._active:
                 self._truth_tail()
                 self._phase("idle", 0.0)

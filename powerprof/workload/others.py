@@ -44,16 +44,37 @@ def pid_text(pids) -> str:
     return ", ".join(out)
 
 
+# A process's share of an engine other than the SM (memory bandwidth, video engines) from which it is working beside
+# the server. Kernels count from any sample above 0 (they take the SMs' time); the memory's share is a percentage of
+# time DRAM was busy, which a process's own small copies (loading a tensor, a monitoring tool's read-back) touch now
+# and then: 1% of the bandwidth slows a memory-bound decode by at most ~1%, inside a level's spread, so it is said,
+# not flagged. The server's own processes are never judged (they are found by pid), so their own traffic, tens of
+# per cent of the memory's time during decode, raises nothing.
+ENGINE_MIN_PCT = 2.0
+ENGINE_WORDS = {"mem": "of the memory bandwidth", "enc": "of the video encoder", "dec": "of the video decoder",
+                "jpg": "of the JPEG decoder", "ofa": "of the optical-flow engine"}
+
+
+def _working(util: dict[str, float]) -> str | None:
+    """What a process's samples show of its work beside the server, in words, or None (idle or under the bar)."""
+    parts = [f"{util['sm']:.0f}% SM utilisation"] if util.get("sm", 0) > 0 else []
+    parts += [f"{u:.0f}% {ENGINE_WORDS[e]}" for e, u in util.items() if e in ENGINE_WORDS and u >= ENGINE_MIN_PCT]
+    return ", ".join(parts) or None
+
+
 class GpuNeighbours:
-    """Whether a process other than the server's ran kernels on the measured GPUs since the last look.
+    """Whether a process other than the server's worked on the measured GPUs since the last look.
 
     NVML lists the processes using each GPU; the server's are found by its listening port or launch
     (workload/serverprocs.py). A process holding memory and running nothing (a notebook with a model
-    loaded, idle) is harmless to the figures, so presence alone does not flag: its kernels do, as NVML's
-    per-process SM utilisation samples show them (nvmlDeviceGetProcessUtilization). Where those samples
-    cannot be read, another process on the GPU may be working, and is flagged (its windows could hold its
-    energy). Where the server's processes cannot be found, or none of the GPU's is theirs (a container's pid
-    namespace), whose process is whose cannot be told: said once, nothing flagged."""
+    loaded, idle) is harmless to the figures, so presence alone does not flag: its work does, as NVML's
+    per-process utilisation samples show it (nvmlDeviceGetProcessesUtilizationInfo, or
+    nvmlDeviceGetProcessUtilization where the driver lacks it): kernels (SM time), and memory bandwidth or
+    the video engines used without SM time (copy engines, NVENC/NVDEC), which slow a memory-bound decode
+    and add watts as kernels do. Where those samples cannot be read, another process on the GPU may be
+    working, and is flagged (its windows could hold its energy). Where the server's processes cannot be
+    found, or none of the GPU's is theirs (a container's pid namespace), whose process is whose cannot be
+    told: said once, nothing flagged."""
 
     def __init__(self, collector, server_procs=None):
         self.collector = collector
@@ -67,7 +88,7 @@ class GpuNeighbours:
         self.since_us = time.time_ns() // 1000
 
     def check(self) -> str | None:
-        from powerprof.collectors.nvml import gpu_processes, process_sm_util
+        from powerprof.collectors.nvml import gpu_processes, process_util
 
         gpu = self.collector
         if gpu is None:
@@ -96,20 +117,30 @@ class GpuNeighbours:
                         "this host (a container's own pid namespace?): whether another process shares the GPU cannot "
                         "be told"))
                 continue
-            util = process_sm_util(gpu.nvml, h, since)
+            util, how = process_util(gpu.nvml, h, since)
             if util is None:
                 if others:
                     self.seen |= others
-                    return (f"process {pid_text(others)} also uses GPU {idx} and NVML cannot say whether its kernels "
-                            "ran (nvmlDeviceGetProcessUtilization not supported here)")
+                    return (f"process {pid_text(others)} also uses GPU {idx} and NVML cannot say whether it worked "
+                            f"beside the server (its per-process utilisation is not supported here: {how}), so its "
+                            "work cannot be ruled out")
                 continue
             # Samples of a process no longer listed count too: one that ran beside the batch and exited before this
             # look is gone from the lists, not from the driver's samples since the last look.
-            busy = {p: u for p, u in util.items() if p != os.getpid() and p not in pids and u > 0}
+            theirs = {p: u for p, u in util.items() if p != os.getpid() and p not in pids}
+            busy = {p: w for p, u in theirs.items() if (w := _working(u))}
             if busy:
                 self.seen |= set(busy)
-                return (f"process {pid_text(busy)} ran kernels on GPU {idx} beside the server (up to "
-                        f"{max(busy.values()):.0f}% SM utilisation)")
+                return "; ".join(f"process {pid_text([p])} "
+                                 + ("ran kernels on" if theirs[p].get("sm", 0) > 0 else "worked without kernels on")
+                                 + f" GPU {idx} beside the server (up to {w})" for p, w in sorted(busy.items()))
+            for p, u in theirs.items():
+                low = {e: v for e, v in u.items() if e in ENGINE_WORDS and v > 0}
+                if low:
+                    self.notes.setdefault(f"low{idx}.{p}", (
+                        f"process {pid_text([p])} used " + ", ".join(f"{v:.0f}% {ENGINE_WORDS[e]}" for e, v in low.items())
+                        + f" of GPU {idx} beside the server, under the {ENGINE_MIN_PCT:.0f}% that moves a decode's "
+                        "figures measurably: not flagged"))
             if others:
                 self.notes.setdefault(f"idle{idx}", (
                     f"process {pid_text(others)} holds memory on GPU {idx} and ran no kernels while powerprof looked: "
@@ -133,11 +164,13 @@ class OthersWatch:
         self._books: ForeignWatch | None = None
         self.server_blind: str | None = None  # what the server's counters cannot show of other clients ("" none)
         self.seen = {"tokens": 0.0, "requests": 0.0}  # others' work the server's books showed, flagged batches
+        self.stale: str | None = None  # once: the server's gauges left over after aborts (servercount.STALE_GAUGES)
 
     async def begin(self) -> None:
         """Compare from now on: the server's books as they stand, the GPUs' processes from this moment."""
         first = await settled_tally(self.session, self.base_url)
         self._books = ForeignWatch(first)
+        self.stale = self.stale or self._books.stale
         if self.server_blind is None:
             self.server_blind = first.limits() or ""
         self.neighbours.mark()
@@ -150,6 +183,7 @@ class OthersWatch:
         if self._books is not None:
             t0, r0 = self._books.seen_tokens, self._books.seen_requests
             server = self._books.judge(await settled_tally(self.session, self.base_url), recs)
+            self.stale = self.stale or self._books.stale
             if server:
                 why.append(server)
                 self.seen["tokens"] += self._books.seen_tokens - t0
@@ -178,4 +212,4 @@ class OthersWatch:
     def cannot(self) -> list[str]:
         """Once each: what the server's counters and the GPUs' process lists could not rule out, or said."""
         out = [f"other clients of the server: {self.server_blind}"] if self.server_blind else []
-        return out + list(self.neighbours.notes.values())
+        return out + ([self.stale] if self.stale else []) + list(self.neighbours.notes.values())

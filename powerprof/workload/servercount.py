@@ -39,6 +39,15 @@ IN_FLIGHT_GAUGES = (("vllm:num_requests_running", "vllm:num_requests_waiting"),
 SGLANG_STALE_GAUGES = ("the server's requests in flight are not read: SGLang's sglang:num_running_reqs is set only when "
                        "it logs (every 40 decode steps, 30 s once idle), so between powerprof's batches it still counts "
                        "powerprof's own last requests")
+# Token counters a server moves at every engine step (not at a request's end): while they stand still, no request
+# runs. vLLM refreshes its in-flight gauges at a step too, so when every request it holds is aborted (a client hung
+# up) no step comes and the gauges keep the last step's counts until its next request (vllm-project/vllm#29928,
+# #22545): read as they are, they made another client of every batch and idle baseline after such an abort.
+STEP_COUNTERS = ("vllm:generation_tokens_total",)
+STALE_GAUGES = ("left from aborted requests: vLLM refreshes them only at an engine step, and when every request it "
+                "holds is aborted none comes until the next one (vllm-project/vllm#29928); not read as another "
+                "client's. Another client's request in a prefill longer than the 0.25 s between the two reads is "
+                "seen by its tokens in the next batch instead")
 TALLY_TIMEOUT_S = 5.0
 # A server's token count and the one powerprof takes from the stream can differ by one per request
 # (vLLM's closing chunk, a count taken at a step vs at the stream's end): more than one token per
@@ -117,6 +126,7 @@ class Tally:
     requests_name: str | None = None
     in_flight: float | None = None  # requests running or queued now
     in_flight_source: str | None = None  # the gauges, or /slots
+    stale_in_flight: float | None = None  # what the gauges said while the engine took no step (not in in_flight)
 
     @property
     def blind(self) -> bool:
@@ -203,8 +213,20 @@ async def settled_tally(session: aiohttp.ClientSession, base_url: str) -> Tally:
     t2 = await read_tally(session, base_url)
     if t2.in_flight is None:
         return t
+    if stale_gauge(t, t2):
+        return Tally(t2.t_ns, t2.tokens, t2.tokens_name, t2.requests, t2.requests_name, 0.0, t2.in_flight_source,
+                     stale_in_flight=t2.in_flight)
     return t2 if t2.in_flight <= t.in_flight else Tally(t2.t_ns, t2.tokens, t2.tokens_name, t2.requests,
                                                          t2.requests_name, t.in_flight, t.in_flight_source)
+
+
+def stale_gauge(t: Tally, t2: Tally) -> bool:
+    """Whether the requests in flight two reads `IN_FLIGHT_RECHECK_S` apart say (the same count on both) are a
+    server's gauges left over while its engine took no step: its per-step token counter (STEP_COUNTERS) and its
+    finished requests stood still between them. A running request moves the counter at its every step."""
+    return (bool(t.in_flight) and t2.in_flight == t.in_flight and t.tokens_name in STEP_COUNTERS
+            and t2.tokens_name == t.tokens_name and t.tokens is not None and t2.tokens == t.tokens
+            and t2.requests == t.requests)
 
 
 class ForeignWatch:
@@ -223,10 +245,18 @@ class ForeignWatch:
         self._req_high = 0.0
         self.seen_tokens = 0.0  # tokens not ours the server generated, over the flagged batches
         self.seen_requests = 0.0
+        self.stale: str | None = None  # once: the gauges read while the engine took no step (STALE_GAUGES)
+        self._note_stale(first)
+
+    def _note_stale(self, t: Tally) -> None:
+        if t.stale_in_flight and self.stale is None:
+            self.stale = (f"the server's gauges ({t.in_flight_source}) said {t.stale_in_flight:.0f} request(s) in "
+                          f"flight while its token counter ({t.tokens_name}) stood still: " + STALE_GAUGES)
 
     def judge(self, now: Tally, recs) -> str | None:
         """Why the batch `recs` (between the previous snapshot and `now`) ran beside another client's requests, or None."""
         why = []
+        self._note_stale(now)
         for edge, at in ((self.prev, "as it began"), (now, "as it ended")):
             if edge.in_flight:
                 why.append(f"{edge.in_flight:.0f} request(s) not powerprof's in flight on the server {at} "
