@@ -355,3 +355,58 @@ def test_a_baseline_read_after_ready_from_a_server_that_has_counted_says_the_cou
     assert (n == 150 and _partial(metrics) == set()) or (n < 150 and _partial(metrics) == {"late_baseline"}), (n, metrics)
     if n < 150:
         assert "scraped server count may be low" in d.output()
+
+
+def test_a_request_proxied_while_the_baseline_is_read_is_counted_or_said(tmp_path):
+    """The proxy listened before the baseline was read: on a vLLM slow to answer its counters (each read held
+    1.5 s, within BASELINE_WAIT_S), a request proxied at the daemon's start ran wholly inside that read, the baseline
+    took its tokens in, and the count said 10 of 150 with nothing on /metrics (`ready` was not yet set). The
+    baseline is now read before the proxy listens: the request is counted whole, or the count says it may be low."""
+    import json
+    import threading
+    import urllib.error
+    import urllib.request
+
+    from daemon_helpers import DaemonProc, sim_env
+    from proxy_helpers import held_answers
+    from support import free_port
+    from powerprof.sim.nvml import SimNVML
+    from powerprof.sim.server import SimServer
+
+    port = free_port()
+    got: list = []
+
+    def client():
+        body = json.dumps({"model": "m", "prompt": "early", "max_tokens": 150, "ignore_eos": True}).encode()
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline:  # sent as soon as the proxy's port takes it
+            req = urllib.request.Request(f"http://127.0.0.1:{port}/v1/completions", data=body, method="POST",
+                                         headers={"Content-Type": "application/json"})
+            try:
+                got.append(json.loads(urllib.request.urlopen(req, timeout=60).read())["usage"]["completion_tokens"])
+                return
+            except urllib.error.URLError as e:
+                if not isinstance(e.reason, ConnectionRefusedError):
+                    got.append(e)
+                    return
+                time.sleep(0.01)
+
+    with SimServer(SimNVML("seed-16g", state_path=None), flavour="vllm", decode_tok_s=100.0, draft_n_max=0) as srv:
+        held, stop = held_answers(srv.url, hold_s=1.5, for_s=8.0)
+        cfg = tmp_path / "p.toml"
+        cfg.write_text(f'[scrape]\ninterval_s = 0.1\nurl = "{held}"\n')
+        th = threading.Thread(target=client, daemon=True)
+        th.start()
+        d = None
+        try:
+            d = DaemonProc(tmp_path / "data", "--config", str(cfg), "--simulate", "--upstream", srv.url,
+                           "--listen", f"127.0.0.1:{port}", "--interval", "0.25", "--flush-interval", "0.5",
+                           env=sim_env(tmp_path))
+            th.join(60)
+            assert got == [150], got
+            n, metrics = _server_count(d.info["metrics"], 150, limit_s=15.0)
+        finally:
+            rc = d.stop() if d is not None else None
+            stop()
+    assert rc == 0, d.output()
+    assert (n == 150 and _partial(metrics) == set()) or (n < 150 and _partial(metrics) == {"late_baseline"}), (n, metrics)
