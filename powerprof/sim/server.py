@@ -133,6 +133,9 @@ class _Req:
     draft_n: int = 0
     draft_accepted: int = 0
     t_prefill_start_ns: int = 0
+    # Where its first step began on the step schedule (not when the loop launched it): a loop late past its
+    # schedule admits what arrived meanwhile into a step that began on the GPU's timeline before that arrival.
+    t_prefill_start_sched_ns: int = 0
     t_prefill_end_ns: int = 0
     emissions: list = field(default_factory=list)  # (t_ns, n_tokens)
     # Per emission, how far after its step's end on the schedule the loop got to it: the truth's
@@ -284,6 +287,10 @@ class SimServer:
         self._runner: web.AppRunner | None = None
         self._started_ns = 0
         self._t_step_end_ns = 0
+        self._t_step_start_ns = 0
+        # (where the schedule was, when the loop got back) per stall beyond STEP_CATCH_UP_NS: the step schedule
+        # restarted there, so the simulated GPU lost that time (the host's doing, not the model's).
+        self.schedule_restarts: list[tuple[int, int]] = []
         self._next_rid = 0
         self._waiting: list[_Req] = []
         self._active: list[_Req] = []
@@ -584,6 +591,9 @@ class SimServer:
         now = time.monotonic_ns()
         prev = self._t_step_end_ns
         base = prev if now - prev < STEP_CATCH_UP_NS else now
+        if now - prev >= STEP_CATCH_UP_NS:
+            self.schedule_restarts.append((prev, now))
+        self._t_step_start_ns = base
         self._t_step_end_ns = base + int(seconds * 1e9)
         # Truth's window starts where the last one ended, a stall included: the GPUs drew power then.
         self._window_ns = (prev, self._t_step_end_ns)
@@ -594,6 +604,7 @@ class SimServer:
         todo = max(req.prompt_tokens - req.cached, 1)
         speed = self._phase("prefill", PREFILL_COMPUTE_SHARE)
         await self._step(todo / self.prefill_tok_s / speed)
+        req.t_prefill_start_sched_ns = self._t_step_start_ns
         req.t_prefill_end_ns = time.monotonic_ns()
         if req.embed:
             self._finish_embedding(req)
@@ -655,6 +666,8 @@ class SimServer:
         for r, _, _ in pre_in:
             r.t_prefill_start_ns = r.t_prefill_start_ns or t0
         await self._step(self.costs.step_s(p, ctx) / speed)
+        for r, _, _ in pre_in:
+            r.t_prefill_start_sched_ns = r.t_prefill_start_sched_ns or self._t_step_start_ns
         # The step's truth is the energy of its window on the schedule, not of the wall time the
         # event loop happened to take: a late step would take its successor's energy, and the
         # catch-up step after it (squeezed to make the mean rate right) almost none.
@@ -755,6 +768,7 @@ class SimServer:
             "cached_tokens": req.cached,
             "t_arrive_ns": req.t_arrive_ns,
             "t_prefill_start_ns": req.t_prefill_start_ns,
+            "t_prefill_start_sched_ns": req.t_prefill_start_sched_ns,
             "t_prefill_end_ns": req.t_prefill_end_ns,
             "emissions": list(req.emissions),
             "emission_late_ns": list(req.emission_late_ns),
@@ -782,6 +796,7 @@ class SimServer:
             "cached_tokens": 0,
             "t_arrive_ns": req.t_arrive_ns,
             "t_prefill_start_ns": req.t_prefill_start_ns,
+            "t_prefill_start_sched_ns": req.t_prefill_start_sched_ns,
             "t_prefill_end_ns": req.t_prefill_end_ns,
             "emissions": [],
             "emission_late_ns": [],
