@@ -64,8 +64,11 @@ def _counted(outcome, value):
             if v == value and rec.request_id in ids and r["request_id"] == rec.request_id and r["window_kind"] == "request"]
 
 
-def _check_truth(sim, outcome, value, rel=0.01):
-    """The counted windows' J/token against the simulated GPU's true energy over each."""
+def _check_truth(sim, outcome, value, rel=0.03):
+    """The counted windows' J/token against the simulated GPU's true energy over each. Within 3%: what is checked
+    is that no counted window holds others' work (+29% and +67% when it did); the windows' own timing on a loaded
+    host moves the median by up to 1.7% (one full-suite run at load 10: 3.286 against 3.343 at 300 W, a level
+    with no neighbour), which docs/benchmarks.md's loaded energy-window figures cover."""
     g = sim.gpus[0]
     pairs = [(row["gpu_j_per_token"], (g.true_energy_at_j(rec.t_last_ns) - g.true_energy_at_j(rec.t_first_ns))
               / rec.decode_tokens) for row, rec in _counted(outcome, value)]

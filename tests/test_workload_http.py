@@ -782,8 +782,10 @@ def test_measure_records_which_prompt_set_it_sent_in_run_json(tmp_path, monkeypa
     for f in (a, b):
         out = tmp_path / f.stem
         res = CliRunner().invoke(main, ["measure", "--simulate", "a100-40g", "--prompts", str(f), "--requests", "1",
-                                        "--max-tokens", "8", "--warmup", "0", "--out", str(out)])
-        assert res.exit_code == 0, res.output
+                                        "--max-tokens", "32", "--warmup", "0", "--out", str(out)])
+        # This is about run.json, not the figure: a loaded host can deliver the one request's tokens in bursts, and
+        # then measure rightly trusts no window and exits 1 (one CI-like run) after writing run.json all the same.
+        assert res.exit_code == 0 or "no window could be trusted" in res.output, res.output
         metas[f.stem] = json.loads((out / "run.json").read_text())["prompt_set"]
         windows[f.stem] = {(r["prompt_id"], r["prompt_tokens"]) for r in pq.read_table(out / "windows.parquet").to_pylist()}
     assert windows["a"] == windows["b"]  # what the windows say is the same: only run.json can tell them apart
