@@ -410,3 +410,42 @@ def test_a_request_proxied_while_the_baseline_is_read_is_counted_or_said(tmp_pat
             stop()
     assert rc == 0, d.output()
     assert (n == 150 and _partial(metrics) == set()) or (n < 150 and _partial(metrics) == {"late_baseline"}), (n, metrics)
+
+
+# --- SGLang: its token counter is absent from /metrics until its first request finishes ------------------------
+
+
+def _sglang_bypass_count(server: str) -> tuple[float, dict, int]:
+    """The daemon's scraper beside a simulated SGLang started with --skip-server-warmup (its /metrics empty: the
+    multiprocess collector shows no family until first set): the baseline read before the ready, then one request
+    of 50 tokens straight to the server. (tokens counted, partial reasons, scrape errors)."""
+    import aiohttp
+
+    from powerprof.sim.nvml import SimNVML
+    from powerprof.sim.server import SimServer
+
+    async def go(url):
+        async with aiohttp.ClientSession() as s:
+            sc = Scraper(s, url, server)
+            await sc.scrape()  # the daemon's baseline read, before it says it is ready
+            sc.ready = True
+            body = {"text": "bypass", "sampling_params": {"max_new_tokens": 50, "ignore_eos": True}}
+            async with s.post(url + "/generate", json=body) as r:
+                assert (await r.json())["meta_info"]["completion_tokens"] == 50
+            await sc.scrape()
+            return sc.total, dict(sc.partial), sc.errors
+
+    with SimServer(SimNVML("seed-16g", state_path=None), flavour="sglang", sglang_warmup=False,
+                   decode_tok_s=200.0, draft_n_max=0) as srv:
+        return asyncio.run(go(srv.url))
+
+
+def test_an_idle_sglang_counts_its_first_request_whole_not_as_a_late_baseline():
+    """SGLang's sglang:generation_tokens_total is a labelled counter of prometheus_client's multiprocess mode: it is
+    not on /metrics at all until a request finishes (with --skip-server-warmup; otherwise its warm-up's). Before, the
+    daemon beside an idle SGLang found no counter (auto: no SGLang at all; `sglang`: an error a scrape), took the
+    first request's 50 tokens as its baseline and counted 0 of them, flagged late_baseline. A counter absent from a
+    server known to be SGLang has counted nothing yet: it reads 0, and the first request is counted whole."""
+    for server in ("auto", "sglang"):
+        total, partial, errors = _sglang_bypass_count(server)
+        assert (total, partial, errors) == (50.0, {}, 0), server
