@@ -326,3 +326,46 @@ def test_vllm_another_clients_request_running_at_a_batchs_end_is_still_seen_afte
                            Tally(0, tokens=5.0, tokens_name="llamacpp:tokens_predicted_total", in_flight=1.0))
     w = ForeignWatch(_t(1000, 10))
     assert "in flight" in (w.judge(_t(1128, 11, run=1), [_Rec(128)]) or "")
+
+
+# --- SGLang (the simulator's sglang flavour) ------------------------------------------------------------------
+
+
+class _IdleHook(_Hook):
+    """Starts another client when the sweep's idle baseline begins; stops it at the first level."""
+
+    def __init__(self, url):
+        super().__init__(start=lambda v: self.stop())
+        self.url, self.client = url, None
+
+    def idle(self, seconds):
+        from powerprof.sim.bystander import ClientBystander
+
+        self.client = ClientBystander(self.url, max_tokens=16, api="openai").start()
+
+    def stop(self):
+        if self.client is not None:
+            self.client.stop()
+
+
+def test_another_client_during_an_idle_sglangs_baseline_is_seen_though_its_counter_was_not_yet_on_metrics(tmp_path):
+    """A freshly started SGLang (--skip-server-warmup) shows no sglang:generation_tokens_total until a request
+    finishes (prometheus_client's multiprocess mode), and its gauges are not read (SGLANG_STALE_GAUGES). Before, the
+    idle baseline's first read of its books had no token counter, so the other client's requests that finished
+    during the idle window were never compared: the idle power took their work in without a word. A counter absent
+    from a server known to be SGLang reads 0: the baseline is thrown away and said."""
+    from powerprof.sim.server import SimServer
+
+    sim = SimNVML("seed-16g", state_path=None)
+    out = tmp_path / "run"
+    with SimServer(sim, flavour="sglang", sglang_warmup=False, decode_tok_s=80.0) as srv:
+        ui = _IdleHook(srv.url)
+        try:
+            with Rig("seed-16g", nvml=sim) as rig:
+                outcome = _sweep(rig, out, ui, url=srv.url, levels_spec="300", idle_s=2.0,
+                                 params=RequestParams(max_tokens=32))
+        finally:
+            ui.stop()
+    assert ui.client.requests >= 1, ui.client.errors  # the other client's work finished within the idle window
+    said = [n for n in outcome.notes + ui.notes if "no idle baseline" in n]
+    assert said and "sglang:generation_tokens_total" in said[0], outcome.notes + ui.notes
