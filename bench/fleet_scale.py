@@ -18,7 +18,11 @@ every table to Parquet (analysis/export.py: copies found, written once). The sum
 tokens and energy are checked against the generator's truth: a wrong figure fails the bench.
 
     .venv/bin/python bench/fleet_scale.py [--nodes 8] [--scales 100k:125k,1M:1.25M] [--synced]
-        [--steps duckdb-groupby,fleet-summary,export] [--dir /tmp/powerprof-bench-fleet] [--keep]
+        [--steps duckdb-groupby,fleet-summary,export] [--dir /tmp/powerprof-bench-fleet] [--keep] [--before DIR]
+
+--before DIR runs each powerprof step a second time, right before this code's, with the `powerprof` package of DIR
+(a checkout of the code before a change: `git worktree add /tmp/before main`), on the same files, printed as
+`step@before` beside it with the ratios after/before: a before-and-after in one run, on one machine's load.
 
 A scale is REQUESTS:INTERVALS per node (k and M suffixes).
 """
@@ -216,12 +220,16 @@ def check(step: str, r: dict, truth: dict, synced: bool) -> list[str]:
     return bad
 
 
-def run_step(step: str, fleet: Path, out: Path, timeout_s: float) -> dict | str:
+def run_step(step: str, fleet: Path, out: Path, timeout_s: float, code: str | None = None) -> dict | str:
+    """One step in a fresh process; `code`: the folder whose `powerprof` package it imports (default: this one's)."""
     shutil.rmtree(out, ignore_errors=True)
     out.mkdir(parents=True)
+    env = dict(os.environ)
+    if code:
+        env["PYTHONPATH"] = os.pathsep.join([code, *filter(None, [env.get("PYTHONPATH")])])
     try:
         p = subprocess.run([sys.executable, __file__, "--child", step, str(fleet), str(out)], capture_output=True,
-                           text=True, timeout=timeout_s)
+                           text=True, timeout=timeout_s, env=env)
     except subprocess.TimeoutExpired:
         return f"did not finish in {timeout_s:.0f} s"
     finally:
@@ -240,6 +248,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--dir", default="/tmp/powerprof-bench-fleet")
     ap.add_argument("--timeout", type=float, default=1800, help="seconds per step")
     ap.add_argument("--keep", action="store_true", help="keep (and reuse) the generated datasets")
+    ap.add_argument("--before", help="a folder with the powerprof package before a change: each powerprof step "
+                    "is also run with it, beside this code's")
     ap.add_argument("--child", nargs=3)
     a = ap.parse_args(argv)
     if a.child:
@@ -261,15 +271,18 @@ def main(argv: list[str] | None = None) -> int:
                   + (" (and the synced copy)" if a.synced else ""))
         for kind in ("clean", "synced") if a.synced else ("clean",):
             results = {}
-            for step in a.steps.split(","):
-                r = run_step(step, base / kind, base / f"out-{step}", a.timeout)
-                label = f"{kind:6s} {step:15s}"
+            runs = [(step, code) for step in a.steps.split(",")
+                    for code in ([a.before] if a.before and step != "duckdb-groupby" else []) + [None]]
+            for step, code in runs:
+                r = run_step(step, base / kind, base / f"out-{step}", a.timeout, code)
+                step = step + ("@before" if code else "")
+                label = f"{kind:6s} {step:22s}"
                 if isinstance(r, str):
                     print(f"{label} {r}")
                     failures += 1
                     continue
                 results[step] = r
-                bad = check(step, r, truth, kind == "synced")
+                bad = check(step.split("@")[0], r, truth, kind == "synced")
                 print(f"{label} wall {r['wall_s']:7.2f} s  CPU {r['cpu_s']:7.2f} s  peak RSS {r['maxrss_mib']:6.0f} MiB"
                       + (f"  rows written {r['rows_written']}" if "rows_written" in r else "")
                       + (f"  WRONG: {'; '.join(bad[:3])}" if bad else ""))
@@ -281,6 +294,11 @@ def main(argv: list[str] | None = None) -> int:
                     print(f"{kind:6s} {step} vs the plain GROUP BY: {r['wall_s'] / base_r['wall_s']:.2f}x the wall "
                           f"time, {r['cpu_s'] / base_r['cpu_s']:.2f}x the CPU time, "
                           f"{r['maxrss_mib'] / base_r['maxrss_mib']:.2f}x the peak RSS")
+                if f"{step}@before" in results and step in results:
+                    r, b = results[step], results[f"{step}@before"]
+                    print(f"{kind:6s} {step} after / before: {r['wall_s'] / b['wall_s']:.2f}x the wall time, "
+                          f"{r['cpu_s'] / b['cpu_s']:.2f}x the CPU time, {r['maxrss_mib'] / b['maxrss_mib']:.2f}x "
+                          "the peak RSS")
         if not a.keep:
             shutil.rmtree(base, ignore_errors=True)
     return 1 if failures else 0

@@ -31,6 +31,17 @@ def test_bench_runs_every_step_on_clean_and_synced_fleets(tmp_path, capsys):
     assert not (tmp_path / "2x300x400").exists()  # removed without --keep
 
 
+def test_before_runs_each_step_with_the_other_code_beside_this_ones(tmp_path, capsys):
+    repo = Path(__file__).resolve().parent.parent  # the same code as "before": the ratios read about 1
+    assert fleet_scale.main(["--nodes", "1", "--scales", "200:300", "--steps", "duckdb-groupby,export",
+                             "--before", str(repo), "--dir", str(tmp_path)]) == 0
+    out = capsys.readouterr().out
+    for step in ("export@before", "export"):
+        line = next(x for x in out.splitlines() if x.startswith(f"clean  {step} "))
+        assert "CPU" in line and "WRONG" not in line, line
+    assert "clean  export after / before:" in out and "duckdb-groupby@before" not in out
+
+
 def test_generated_folders_are_the_daemons(tmp_path):
     """The bulk files have the daemon's schema and sit beside the store's own flush files."""
     truth = fleet_scale.generate(tmp_path, 1, 300, 400, synced=False)
