@@ -107,11 +107,13 @@ def test_another_client_during_one_level_is_flagged_left_out_and_measured_again(
     assert not any("cannot be ruled out" in n for n in outcome.notes), outcome.notes
 
 
-def test_another_process_working_on_the_gpu_during_one_level_is_flagged_and_left_out(tmp_path):
+def _sweep_beside_a_gpu_neighbour_at_200(tmp_path, bystander_kw: dict, said: str):
+    """A sweep with another process on GPU 0 during level 200 only: that level is flagged, its windows beside the
+    process (saying `said`) are left out and measured again, and the counted ones are the GPU's truth."""
     sim = SimNVML("seed-16g", state_path=None, record_history=True)
     out = tmp_path / "run"
     with Rig("seed-16g", nvml=sim) as rig:
-        act, state = _while_at_200(lambda: rig.sim_bystander_gpu(0, power_w=60.0, share=0.3), lambda by: by.stop())
+        act, state = _while_at_200(lambda: rig.sim_bystander_gpu(0, **bystander_kw), lambda by: by.stop())
         outcome = _sweep(rig, out, _Hook(act))
     by = state["it"]
     levels = pq.read_table(out / "levels.parquet").to_pandas().set_index("level_value")
@@ -119,11 +121,16 @@ def test_another_process_working_on_the_gpu_during_one_level_is_flagged_and_left
     assert FOREIGN_FLAG not in (levels.loc[300.0, "flags"] or "")
     w = pq.read_table(out / "windows.parquet").to_pandas()
     left = w[(w.level_value == 200.0) & w.foreign_traffic.notna() & ~w.warmup]
-    assert len(left) >= 2 and left.foreign_traffic.str.contains("ran kernels on GPU 0").all(), left.foreign_traffic.tolist()
+    assert len(left) >= 2 and left.foreign_traffic.str.contains(said).all(), left.foreign_traffic.tolist()
     for row, rec in _counted(outcome, 200.0):
         assert not _overlaps(rec.t_first_ns, rec.t_last_ns, [tuple(x) for x in by.active_ns]), row["request_id"]
     for value in (300.0, 200.0):
         _check_truth(sim, outcome, value)
+    return outcome, by, left
+
+
+def test_another_process_working_on_the_gpu_during_one_level_is_flagged_and_left_out(tmp_path):
+    outcome, by, _ = _sweep_beside_a_gpu_neighbour_at_200(tmp_path, dict(power_w=60.0, share=0.3), "ran kernels on GPU 0")
     assert any(n.startswith("others' work ran beside the sweep") and f"process(es) {by.pid}" in n for n in outcome.notes), outcome.notes
 
 
@@ -245,23 +252,9 @@ def test_a_process_streaming_memory_without_kernels_is_flagged_and_left_out(tmp_
     """A neighbour that moves data with the copy engines (a KV cache offloaded over PCIe) runs no kernels: SM
     utilisation 0, 40% of the memory bandwidth. Before: judged by its kernels only, it was "harmless" and level
     200 W gave 3.56 J/token and 56 tok/s where the level alone gives 2.65 and 75 (+34%, -26%), unflagged."""
-    sim = SimNVML("seed-16g", state_path=None, record_history=True)
-    out = tmp_path / "run"
-    with Rig("seed-16g", nvml=sim) as rig:
-        act, state = _while_at_200(lambda: rig.sim_bystander_gpu(0, share=0.0, mem_share=0.4), lambda by: by.stop())
-        outcome = _sweep(rig, out, _Hook(act))
-    by = state["it"]
-    levels = pq.read_table(out / "levels.parquet").to_pandas().set_index("level_value")
-    assert FOREIGN_FLAG in levels.loc[200.0, "flags"].split(","), levels.loc[200.0, "flags"]
-    assert FOREIGN_FLAG not in (levels.loc[300.0, "flags"] or "")
-    w = pq.read_table(out / "windows.parquet").to_pandas()
-    left = w[(w.level_value == 200.0) & w.foreign_traffic.notna() & ~w.warmup]
-    assert len(left) >= 2 and left.foreign_traffic.str.contains("without kernels on GPU 0").all(), left.foreign_traffic.tolist()
+    outcome, by, left = _sweep_beside_a_gpu_neighbour_at_200(tmp_path, dict(share=0.0, mem_share=0.4),
+                                                             "without kernels on GPU 0")
     assert left.foreign_traffic.str.contains("40% of the memory bandwidth").any(), left.foreign_traffic.tolist()
-    for row, rec in _counted(outcome, 200.0):
-        assert not _overlaps(rec.t_first_ns, rec.t_last_ns, [tuple(x) for x in by.active_ns]), row["request_id"]
-    for value in (300.0, 200.0):
-        _check_truth(sim, outcome, value)
     assert any(f"process(es) {by.pid}" in n for n in outcome.notes), outcome.notes
 
 
