@@ -1107,13 +1107,71 @@ class SimServer:
         if self.flavour != "sglang":
             raise web.HTTPNotFound()
         body = await self._body(request)
-        sp = body.get("sampling_params") if isinstance(body.get("sampling_params"), dict) else {}
+        sp = body.get("sampling_params")
+        sp = sp[0] if isinstance(sp, list) and sp and isinstance(sp[0], dict) else sp
+        sp = sp if isinstance(sp, dict) else {}
         text = body.get("text", "")
-        if isinstance(text, list):
-            text = " ".join(map(str, text))
         n = sp.get("max_new_tokens", 128)
+        n = int(128 if n is None else n)
+        choices = sp.get("n", 1)
+        if isinstance(text, list) or (type(choices) is int and choices > 1):
+            prompts = [str(t) for t in text] if isinstance(text, list) else [str(text)]
+            return await self._serve_sglang_batch(request, body, sp, prompts, max(int(choices), 1), n)
         args = dict(body, ignore_eos=bool(sp.get("ignore_eos", False)))
-        return await self._serve(request, "sglang-native", str(text), args, int(128 if n is None else n))
+        return await self._serve(request, "sglang-native", str(text), args, n)
+
+    async def _serve_sglang_batch(self, request: web.Request, body: dict, sp: dict, prompts: list, n_choices: int,
+                                  n_predict: int) -> web.StreamResponse:
+        """SGLang's batch /generate (a list of prompts, or `n` > 1 in sampling_params): a sequence per prompt and
+        choice, index = prompt × n + choice (its tokenizer manager's order). Streamed: each sequence's events as they
+        come, with their `index`, then one `[DONE]`; whole: the list of answers in that order."""
+        if self._dead:
+            raise web.HTTPServiceUnavailable()
+        loading = self._loading()
+        if loading is not None:
+            return loading
+        q: asyncio.Queue = asyncio.Queue()
+        args = (n_predict, bool(sp.get("ignore_eos", False)), False, int(body.get("seed", 0) or 0))
+        reqs = [self._submit(pr, *args, choice=j, queue=_Tagged(q, i * n_choices + j))
+                for i, pr in enumerate(prompts) for j in range(n_choices)]
+        cid = request.headers.get("X-Sim-Request-Id")
+        for r in reqs:
+            r.client_id = cid
+        texts, ids = [""] * len(reqs), [[] for _ in reqs]
+        resp = None
+        try:
+            if body.get("stream"):
+                resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache",
+                                                   "X-Powerprof-Simulated": "1"})
+                await resp.prepare(request)
+            left = len(reqs)
+            while left:
+                i, kind, payload = await q.get()
+                if kind == "dead":
+                    if resp is None:
+                        raise web.HTTPServiceUnavailable()
+                    _abort(request)
+                    return resp
+                if kind == "done":
+                    left -= 1
+                    continue
+                texts[i] += payload[1]
+                ids[i] += payload[0]
+                if resp is not None:
+                    ev = dict(self._sglang_native(reqs[i], texts[i], ids[i], payload[2]), index=i)
+                    await resp.write(b"data: " + json.dumps(ev).encode() + b"\n\n")
+            if resp is None:
+                return self._json([dict(self._sglang_native(r, t, d, True), index=i)
+                                   for i, (r, t, d) in enumerate(zip(reqs, texts, ids))])
+            await resp.write_eof(b"data: [DONE]\n\n")
+            return resp
+        except ConnectionResetError:
+            return resp
+        finally:
+            for r in reqs:
+                if r in self._active or r in self._waiting:
+                    r.cancelled = True
+                    self._wake.set()
 
     async def _oai_completions(self, request: web.Request) -> web.StreamResponse:
         body = await self._body(request)
