@@ -501,3 +501,14 @@ def test_docs_duckdb_query_keeps_rows_written_before_daemon_id_each(fleet, tmp_p
         assert r["requests"] == code[r["host"]]["requests"], r
         assert r["generated_tokens"] == code[r["host"]]["generated_tokens"], r
         assert r["gpu_energy_j"] == pytest.approx(code[r["host"]]["gpu_energy_j"]), r
+
+
+def test_export_matches_a_pandas_reference_over_random_copied_fleets(tmp_path):
+    """40 random fleets (non-ASCII hosts, copies in other folders and in the same file, keys with nulls, NaN and -0.0
+    energies, a copy 1 ns apart): export writes what drop_duplicates on (daemon_id, request_id) keeps plus every
+    keyless row, and refuses exactly the fleets where one key holds rows that differ."""
+    from export_reference import one
+
+    got = [one(seed, tmp_path) for seed in range(40)]
+    assert not [g for g in got if g.startswith("FAIL")], got
+    assert "refused-ok" in got and got.count("ok") >= 30, got
