@@ -449,3 +449,78 @@ def test_an_idle_sglang_counts_its_first_request_whole_not_as_a_late_baseline():
     for server in ("auto", "sglang"):
         total, partial, errors = _sglang_bypass_count(server)
         assert (total, partial, errors) == (50.0, {}, 0), server
+
+
+# --- review4: "absent reads 0" only on SGLang's own page with nothing finished yet ----------------------------
+
+GATEWAY_PAGE = ("# TYPE http_requests_total counter\nhttp_requests_total{code=\"200\"} 12.0\n"
+                "# TYPE process_start_time_seconds gauge\nprocess_start_time_seconds 1.7e9\n")
+# An SGLang page whose token counter is not there under the name powerprof reads (another version's name), though
+# requests have finished: the counters SGLang sets with it at a request's end are there.
+RENAMED_PAGE = ("# TYPE sglang:num_requests_total counter\nsglang:num_requests_total{model_name=\"m\"} 3.0\n"
+                "# TYPE sglang:prompt_tokens_total counter\nsglang:prompt_tokens_total{model_name=\"m\"} 30.0\n")
+# A fresh SGLang (--skip-server-warmup) whose first request is in prefill: its scheduler logged, nothing finished.
+FRESH_PAGE = "# TYPE sglang:num_running_reqs gauge\nsglang:num_running_reqs{model_name=\"m\",tp_rank=\"0\"} 0.0\n"
+
+
+class _Says(Scraper):
+    """A Scraper whose server says it is SGLang (/v1/models) and answers /metrics with `page`, no /slots."""
+
+    def __init__(self, server, page):
+        super().__init__(session=None, base_url="http://x", server=server)
+        self.page = page
+
+    async def _get(self, path):
+        if path == "/metrics":
+            return 200, self.page
+        if path == "/v1/models":
+            return 200, json.dumps({"object": "list", "data": [{"id": "m", "object": "model", "owned_by": "sglang"}]})
+        return 404, ""
+
+
+def test_an_sglang_page_without_its_counter_reads_0_only_when_nothing_has_finished():
+    """A server that says it is SGLang but whose /metrics is not SGLang's own page (a gateway in front of it answers
+    /metrics with its own families), or an SGLang page on which requests have finished but the token counter is not
+    there (another version's name): before, the absent counter read 0 at every scrape, so every token served beside
+    the proxy (bypass traffic) was counted as none, with no error and no flag. It must stay unknown (a failed scrape,
+    counted, with the reason), as any missing counter is; only SGLang's own page with nothing finished reads 0."""
+    for server in ("auto", "sglang"):
+        for page in (GATEWAY_PAGE, RENAMED_PAGE):
+            sc = _Says(server, page)
+            got = [asyncio.run(sc.scrape()) for _ in range(3)]
+            assert got == [None] * 3 and sc.errors == 3, (server, page, got)
+            assert "sglang:generation_tokens_total" in sc.last_error, sc.last_error
+        for page in ("", FRESH_PAGE):
+            sc = _Says(server, page)
+            assert [asyncio.run(sc.scrape()) for _ in range(2)] == [0.0, 0.0] and sc.errors == 0, (server, page)
+
+
+def test_an_sglang_without_enable_metrics_shows_no_server_count_not_zero(tmp_path):
+    """SGLang without --enable-metrics answers /metrics 404: every scrape fails (counted, logged). The daemon still
+    showed powerprof_server_tokens_generated_total 0 on its own /metrics while the server served 50 tokens beside
+    the proxy: a zero for "never read". A count never read is absent."""
+    import json
+    import re
+    import urllib.request
+
+    from daemon_helpers import DaemonProc, sim_env
+    from powerprof.sim.nvml import SimNVML
+    from powerprof.sim.server import SimServer
+
+    with SimServer(SimNVML("seed-16g", state_path=None), flavour="sglang", serve_metrics=False, decode_tok_s=200.0,
+                   draft_n_max=0) as srv:
+        cfg = tmp_path / "p.toml"
+        cfg.write_text('[scrape]\ninterval_s = 0.1\nserver = "sglang"\n')
+        d = DaemonProc(tmp_path / "data", "--config", str(cfg), "--simulate", "--upstream", srv.url,
+                       "--interval", "0.25", "--flush-interval", "0.5", env=sim_env(tmp_path))
+        try:
+            body = {"text": "bypass", "sampling_params": {"max_new_tokens": 50, "ignore_eos": True}}
+            req = urllib.request.Request(srv.url + "/generate", data=json.dumps(body).encode(), method="POST",
+                                         headers={"Content-Type": "application/json"})
+            assert json.loads(urllib.request.urlopen(req, timeout=60).read())["meta_info"]["completion_tokens"] == 50
+            time.sleep(1.0)  # several scrapes (0.1 s apart), each failing: what the count would be is settled
+            metrics = urllib.request.urlopen(d.info["metrics"] + "/metrics", timeout=10).read().decode()
+        finally:
+            rc = d.stop()
+    assert rc == 0, d.output()
+    assert not re.search(r"^powerprof_server_tokens_generated_total ", metrics, re.M), metrics

@@ -476,3 +476,39 @@ def test_the_write_refuses_a_scan_of_another_length_than_the_one_copies_were_mar
         copies.rows = rows
         with pytest.raises(ex.ExportError, match="changed while the export read them"):
             list(ex._Once(src, src.dataset.schema.names, None, copies, 64).to_batches())
+
+
+def test_docs_duckdb_query_keeps_rows_written_before_daemon_id_each(fleet, tmp_path):
+    """Rows a daemon wrote before `daemon_id` existed have no key: fleet_summary keeps each (rowkeys.keyless_sql).
+    docs/fleet.md's `DISTINCT ON (daemon_id, request_id)` took every such row with the same request_id, across nodes,
+    for one: two older nodes' 10 + 11 requests read as 11 (beside a newer node), tokens and energy lost without a word."""
+    base, truth = fleet
+    top = tmp_path / "fleet"
+    for k in (0, 1):
+        for table in ("requests", "intervals"):
+            for f in (base / f"node-{k}" / table).rglob("*.parquet"):
+                out = top / f"node-{k}" / f.relative_to(base / f"node-{k}")
+                out.parent.mkdir(parents=True, exist_ok=True)
+                pq.write_table(pq.read_table(f).drop_columns(["daemon_id"]), out)
+    _copy(base / "node-2", top / "node-2")  # a newer node beside them: the column is there, null in their rows
+    code = {r["host"]: r for r in fleet_summary([str(top / f"node-{k}") for k in range(3)]).to_pylist()}
+    assert {h: r["requests"] for h, r in code.items()} == {f"node-{k}": truth[f"node-{k}"]["requests"] for k in range(3)}
+    sql = re.search(r"```sql duckdb\n(.*?)```", (ROOT / "docs" / "fleet.md").read_text(), re.S).group(1)
+    con = duckdb.connect()
+    rows = con.execute(sql.replace("/var/lib/powerprof-fleet", str(top))).fetchall()
+    cols = [d[0] for d in con.description]
+    for r in (dict(zip(cols, r)) for r in rows):
+        assert r["requests"] == code[r["host"]]["requests"], r
+        assert r["generated_tokens"] == code[r["host"]]["generated_tokens"], r
+        assert r["gpu_energy_j"] == pytest.approx(code[r["host"]]["gpu_energy_j"]), r
+
+
+def test_export_matches_a_pandas_reference_over_random_copied_fleets(tmp_path):
+    """40 random fleets (non-ASCII hosts, copies in other folders and in the same file, keys with nulls, NaN and -0.0
+    energies, a copy 1 ns apart): export writes what drop_duplicates on (daemon_id, request_id) keeps plus every
+    keyless row, and refuses exactly the fleets where one key holds rows that differ."""
+    from export_reference import one
+
+    got = [one(seed, tmp_path) for seed in range(40)]
+    assert not [g for g in got if g.startswith("FAIL")], got
+    assert "refused-ok" in got and got.count("ok") >= 30, got

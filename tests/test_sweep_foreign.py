@@ -362,3 +362,28 @@ def test_another_client_during_an_idle_sglangs_baseline_is_seen_though_its_count
     assert ui.client.requests >= 1, ui.client.errors  # the other client's work finished within the idle window
     said = [n for n in outcome.notes + ui.notes if "no idle baseline" in n]
     assert said and "sglang:generation_tokens_total" in said[0], outcome.notes + ui.notes
+
+
+def test_an_sglang_without_its_token_counter_on_its_page_is_unknown_not_zero(monkeypatch):
+    """The sweep's books (read_tally) beside a server detected as SGLang: an absent token counter reads 0 only on
+    SGLang's own page with nothing finished yet. A gateway's /metrics in front of an SGLang, or an SGLang page whose
+    counters of finished requests are there but not the token counter under powerprof's name, read 0 before: every
+    other client's tokens then compared as none (0 -> 0), the windows counted as clean. Unknown says it cannot rule
+    them out; a /metrics that answers 404 (no --enable-metrics) stays unknown too."""
+    import asyncio
+
+    from powerprof.workload import servercount as sc
+    from test_daemon_scrape import FRESH_PAGE, GATEWAY_PAGE, RENAMED_PAGE
+
+    def tokens(status, page):
+        async def get(session, url):
+            return (status, page) if url.endswith("/metrics") else (404, "")
+
+        monkeypatch.setattr(sc, "_get", get)
+        return asyncio.run(sc.read_tally(None, "http://x", "sglang"))
+
+    for status, page in ((200, GATEWAY_PAGE), (200, RENAMED_PAGE), (404, "")):
+        t = tokens(status, page)
+        assert t.tokens is None and t.blind and "cannot be ruled out" in t.limits(), (status, page, t)
+    for page in ("", FRESH_PAGE):
+        assert tokens(200, page).tokens == 0.0, page

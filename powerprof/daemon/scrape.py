@@ -5,7 +5,10 @@
   prometheus_client's multiprocess collector, which shows a labelled family only once set: until its first
   request finishes (its warm-up's, none with --skip-server-warmup) the counter is absent, and the page may be
   empty. A server known to be SGLang (configured, or `/v1/models` says `owned_by: sglang`) whose /metrics
-  answers without the counter has counted nothing yet: that reads 0, a baseline like any other.
+  answers without the counter has counted nothing yet: that reads 0, a baseline like any other, but only on
+  SGLang's own page (nothing but `sglang:` families, none a finished request sets: servercount.unset_means_zero).
+  A gateway's /metrics in front of it, or a page whose requests finished without the counter, fails the scrape:
+  unknown, never a zero that hides the tokens served.
 - llama.cpp: `llamacpp:tokens_predicted_total` on /metrics (llama-server --metrics) counts
   finished requests only, and `/slots` shows each running request's `n_decoded` but resets it
   to 0 when the request ends. Neither alone sees every token, so the count is the two added:
@@ -33,7 +36,8 @@ import aiohttp
 from powerprof.errtext import error_text
 from powerprof.workload.limits import MAX_METRICS_BYTES, read_capped
 # The parsers are the workload layer's (the sweep's foreign-traffic check reads the same counters).
-from powerprof.workload.servercount import COUNTERS, LLAMACPP_COUNTER, counter_total, llamacpp_generated, slot_progress  # noqa: F401
+from powerprof.workload.servercount import (  # noqa: F401
+    COUNTERS, LLAMACPP_COUNTER, counter_total, llamacpp_generated, slot_progress, unset_means_zero)
 
 log = logging.getLogger("powerprof.daemon.scrape")
 
@@ -198,10 +202,12 @@ class Scraper:
                 if status != 200:
                     raise ValueError(f"/metrics answered {status}")
                 total = counter_total(text, COUNTERS[self.kind])
-                if total is None and self.kind == "sglang":
+                if total is None and unset_means_zero(text, self.kind):
                     total = 0.0  # not yet set: no request has finished (module docstring)
                 if total is None:
-                    raise ValueError(f"{COUNTERS[self.kind]} missing from /metrics")
+                    raise ValueError(f"{COUNTERS[self.kind]} missing from /metrics" + (
+                        " (the page is not SGLang's own with nothing finished yet: a gateway's, or another name for "
+                        "the counter; its tokens cannot be counted)" if self.kind == "sglang" else ""))
                 prev, self._last_total = self._last_total, total
                 if prev is None:
                     self._baseline(total)

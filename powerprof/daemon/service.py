@@ -464,7 +464,9 @@ class Daemon:
             prompts_estimated=dict(self.ledger.prompts_estimated),
             latency=self.latency.states(),
             inflight=self.inflight.state(time.monotonic_ns()),
-            server_tokens=self.scraper.total if self.scraper is not None and self.scraper.kind else None,
+            # Only once read: a server whose counters never answered (SGLang without --enable-metrics: /metrics
+            # 404) showed 0 here, a count for "never read".
+            server_tokens=self.scraper.total if self.scraper is not None and self.scraper.has_baseline() else None,
             server_tokens_partial=tuple(self.scraper.partial) if self.scraper is not None else (),
             buffered_rows=self.store.buffered(),
             dropped_rows=sum(self.store.dropped_rows.values()),

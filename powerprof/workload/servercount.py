@@ -32,8 +32,13 @@ LLAMACPP_COUNTER = "llamacpp:tokens_predicted_total"
 TOKEN_COUNTERS = (*COUNTERS.values(), LLAMACPP_COUNTER)
 # Server kinds whose token counter is absent from a /metrics that answers until their first request finishes:
 # SGLang serves prometheus_client's multiprocess collector, which shows a labelled family only once set (with
-# --skip-server-warmup nothing is set before the first request). Absent there means 0, not "not shown".
+# --skip-server-warmup nothing is set before the first request). Absent there means 0, not "not shown", but only
+# on such a page with nothing finished yet (unset_means_zero).
 UNSET_IS_ZERO = ("sglang",)
+# SGLang's families set in the same step as its token counter, when a request finishes (collector.py,
+# observe_one_finished_request): on a page that holds one, requests have finished, so an absent token counter is
+# one this page does not show under powerprof's name (another version's), not a counter still unset.
+SGLANG_FINISHED = ("sglang:num_requests", "sglang:prompt_tokens", "sglang:cached_tokens", "sglang:e2e_request_latency_seconds")
 REQUEST_COUNTERS = ("vllm:request_success_total",)
 # Requests the server holds now (running and queued), per server family. Not SGLang's num_running_reqs /
 # num_queue_reqs: it sets them only when it logs (at a prefill batch, every decode_log_interval = 40 decode steps,
@@ -83,6 +88,27 @@ def counter_total(text: str, name: str) -> float | None:
     if seen and (why := bad_amount(total, MAX_COUNTER)) is not None:
         raise ValueError(f"{name} {why}")
     return total if seen else None
+
+
+def unset_means_zero(text: str, kind: str | None) -> bool:
+    """Whether a /metrics page (answered 200) without `kind`'s token counter says the server has counted nothing yet
+    (0), not that it does not show it (unknown). Only SGLang's own page qualifies: its multiprocess collector shows
+    SGLang's families and nothing else (no process_ or python_ metrics), and none that a finished request sets
+    (SGLANG_FINISHED). Any other page, a gateway's own /metrics in front of an SGLang (its /v1/models passed through)
+    or one whose requests finished with no counter of that name, leaves the count unknown: read as 0 it hid every
+    token served there."""
+    if kind not in UNSET_IS_ZERO:
+        return False
+    for ln in text.splitlines():
+        ln = ln.strip()
+        if not ln or ln.startswith("#"):
+            continue
+        name = ln.split("{", 1)[0].split(None, 1)[0]
+        base = next((name[: -len(x)] for x in ("_total", "_bucket", "_sum", "_count", "_created") if name.endswith(x)),
+                    name)
+        if not name.startswith("sglang:") or base in SGLANG_FINISHED:
+            return False
+    return True
 
 
 def slot_progress(slots) -> dict[int, tuple[object, int]]:
@@ -191,12 +217,13 @@ def tally_from_metrics(text: str, t_ns: int) -> Tally:
 async def read_tally(session: aiohttp.ClientSession, base_url: str, kind: str | None = None) -> Tally:
     """What the server says it has served, now: /metrics, and llama.cpp's /slots where /metrics has no gauge.
     A GET the server answers from memory: no GPU work, no tokens counted. kind: the server's (client.detect_server);
-    an SGLang whose /metrics answers without its token counter has counted nothing yet (UNSET_IS_ZERO)."""
+    an SGLang whose own /metrics page answers without its token counter, nothing finished, has counted nothing yet
+    (unset_means_zero); any other page without it leaves the count unknown."""
     base = base_url.rstrip("/")
     t_ns = time.monotonic_ns()
     status, text = await _get(session, base + "/metrics")
     tally = tally_from_metrics(text, t_ns) if status == 200 and text else Tally(t_ns)
-    if status == 200 and kind in UNSET_IS_ZERO and tally.tokens is None:
+    if status == 200 and tally.tokens is None and unset_means_zero(text, kind):
         tally = Tally(t_ns, 0.0, COUNTERS[kind], tally.requests, tally.requests_name, tally.in_flight,
                       tally.in_flight_source)
     if tally.in_flight is None:
