@@ -406,6 +406,19 @@ def test_analyze_refuses_one_key_with_two_different_rows_as_export_does(fleet, t
     assert not (tmp_path / "out" / "fleet.parquet").exists()
 
 
+def test_analyze_refuses_one_key_written_by_two_hosts(fleet, tmp_path):
+    # A copy of node-3's rows whose host column says node-9 (a restored backup relabelled, a host renamed by hand):
+    # the key was summed under the smaller host name, and the other host's sums silently lacked it.
+    base, _ = fleet
+    edited = _copy(base / "node-3", tmp_path / "node-3-relabelled")
+    for f in (edited / "requests").rglob("*.parquet"):
+        t = pq.read_table(f)
+        pq.write_table(t.set_column(t.column_names.index("host"), "host", pa.array(["node-9"] * t.num_rows)), f)
+    res = CliRunner().invoke(main, ["analyze", str(base / "node-3"), str(edited)])
+    assert res.exit_code == 1, res.output
+    assert "request key(s)" in res.output and "hold rows that differ" in res.output, res.output
+
+
 def test_requests_flagged_no_counter_short_are_left_out_of_j_per_token_and_said(tmp_path):
     # The daemon marks a short request's energy on a GPU without an energy counter (it rests on the idle
     # power taken out of a mostly idle interval) and leaves it out of its own J/token; the fleet summary

@@ -123,14 +123,18 @@ def _table_sql(con, table: str, files: list[str]) -> str:
                                    f"GROUP BY {k} HAVING count(*) > 1)").fetchall()[0][0]
     if not copied:
         return f"(SELECT {label} AS host, {k}, {', '.join(other)}, 1 AS copies, 0 AS conflicts FROM ({raw}))"
-    rows = (f"SELECT {label} AS host, {k}, {', '.join(other)}, hash({k}, {', '.join(other)}) AS _h, "
+    rows = (f"SELECT {label} AS host, host AS _written_host, {k}, {', '.join(other)}, hash({k}, {', '.join(other)}) AS _h, "
             f"{keyless} AS _keyless FROM ({raw})")
     aggs = ", ".join(f"any_value({c}) AS {c}" for c in other)
     # Copies are equal in every column read; one key whose rows differ (lowest and highest hash of a row
-    # apart) is one event with two values, and any_value would pick one blindly: counted, then refused.
+    # apart) is one event with two values, and any_value would pick one blindly: counted, then refused. So is
+    # one key written by two hosts (a daemon runs on one): which host's sums it belongs to nothing says (export
+    # refuses it too). Hosts named by their folder (rows from before the column) are not compared: a synced
+    # copy of such a node sits in another folder.
     return (f"(WITH rows AS ({rows}) "
             f"SELECT min(host) AS host, {k}, {aggs}, count(*) AS copies, "
-            f"CAST(min(_h) <> max(_h) AS BIGINT) AS conflicts FROM rows WHERE NOT _keyless GROUP BY {k} "
+            f"CAST(min(_h) <> max(_h) OR count(DISTINCT _written_host) > 1 AS BIGINT) AS conflicts "
+            f"FROM rows WHERE NOT _keyless GROUP BY {k} "
             f"UNION ALL SELECT host, {k}, {', '.join(other)}, 1, 0 FROM rows WHERE _keyless)")
 
 
