@@ -466,6 +466,7 @@ class Copies:
     why: str = WHY  # how a key comes to be found twice
     rows: int = 0  # rows the scan yields (filtered), copies and keyless rows included
     marks: object = None  # numpy uint8: bit i (little-endian within a byte) set = the scan's row i is a copy
+    stamps: tuple = ()  # each file's (path, size, mtime ns) when the copies were found: the write's scan must see the same
 
     def note(self) -> str:
         def where(folders: list[str]) -> str:
@@ -497,6 +498,14 @@ def unkeyed_decisions(src: Source, filt) -> int:
 def _files(d: ds.Dataset) -> list[str]:
     """The files of a dataset, or of a union of datasets, as the scan's __filename names them."""
     return [f for c in d.children for f in _files(c)] if isinstance(d, ds.UnionDataset) else list(d.files)
+
+
+def _stamps(d: ds.Dataset) -> tuple:
+    """(path, size, mtime ns) of every file of a dataset, or of a union of datasets: a file rewritten under its
+    name with as many rows in another order would move the rows find_copies marked (the row count cannot tell)."""
+    if isinstance(d, ds.UnionDataset):
+        return tuple(x for c in d.children for x in _stamps(c))
+    return tuple((i.path, i.size, i.mtime_ns) for i in d.filesystem.get_file_info(list(d.files)))
 
 
 def _reader(src: Source, columns: list[str], filt, batch_rows: int = BATCH_ROWS) -> pa.RecordBatchReader:
@@ -586,6 +595,8 @@ def find_copies(src: Source, filt) -> Copies | None:
         return None
     import numpy as np  # noqa: PLC0415
 
+    stamps = _stamps(src.dataset)
+
     from .engine import connect  # noqa: PLC0415  (DuckDB: only daemon tables need it)
 
     names = src.dataset.schema.names  # partition fields too: one row in two date= folders is two versions
@@ -650,7 +661,7 @@ def find_copies(src: Source, filt) -> Copies | None:
             "Remove the file that is wrong, or export the folders separately")
     return Copies(src.name, key, sum(n for n, _ in places.values()),
                   [(p_, n, sorted({files[x][1] for x in fs if x in files})) for p_, (n, fs) in sorted(places.items())],
-                  why_of(key), seen[0], marks)
+                  why_of(key), seen[0], marks, stamps)
 
 
 class _Once:
@@ -661,7 +672,7 @@ class _Once:
     of rows (a file replaced between the two reads) is refused rather than have the wrong rows left out."""
 
     def __init__(self, src: Source, columns: list[str], filt, copies: Copies, batch_rows: int):
-        self.copies = copies
+        self.copies, self.dataset = copies, src.dataset
         self.scan = src.dataset.scanner(columns=columns, filter=filt, batch_size=batch_rows, batch_readahead=1,
                                         fragment_readahead=1)
         self.projected_schema = self.scan.projected_schema
@@ -682,7 +693,7 @@ class _Once:
             at += n
             yield b.filter(pa.array(~copy)) if copy.any() else b
         else:
-            if at == rows:
+            if at == rows and _stamps(self.dataset) == self.copies.stamps:
                 return
         raise ExportError(f"table {self.copies.table}: its files changed while the export read them (a compaction "
                           "or a sync running?); nothing of it written. Export again once they are still")
