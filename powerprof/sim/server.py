@@ -186,7 +186,7 @@ class SimServer:
         stall_every_s: float = 0.5,
         vllm_empty_final: bool = True,
         vllm_metrics: str = "current",
-        vllm_stale_gauges: bool = True,
+        vllm_stale_gauges: bool = False,
         serve_metrics: bool = True,
         draft_n_max: int | None = None,
         n_ctx: int | None = None,
@@ -217,8 +217,10 @@ class SimServer:
         `Keep-Alive: timeout=5, max=100`, closes with `Connection: close` after a connection's 100th answer and
         after every 4xx, as llama-server does (docs/simulator.md).
         vllm_stale_gauges: the vLLM flavour's `vllm:num_requests_running`/`_waiting` keep the values of its last
-        engine step when every request it holds is aborted (a client hung up), as vLLM's do: it refreshes them only
-        at an engine step, and none comes until a new request (vllm-project/vllm#29928, #22545).
+        engine step when every request it holds is aborted (a client hung up), as vLLM's did before the fix of
+        vllm-project/vllm#29928 (#22545): it refreshed them only at an engine step, and none came until a new request.
+        Off by default: vLLM 0.32 takes one more step once the aborts reach its engine and the gauges read 0 within
+        0.2 s (tests/test_real_vllm.py), as they do here.
         embeddings: serve `/v1/embeddings` (llama-server's `--embeddings`; without it llama.cpp answers 501 and vLLM
         400, as a generation model's server does), each input a prefill of its tokens and no decode."""
         if flavour not in ("llamacpp", "vllm"):
@@ -556,7 +558,7 @@ class SimServer:
                 self._active.append(req)
             stale = (self.flavour == "vllm" and self.vllm_stale_gauges and aborted and not self._active
                      and not self._waiting)
-            if not stale:  # (all aborted: vLLM takes no step, so its gauges keep the last step's counts)
+            if not stale:  # (all aborted: an older vLLM takes no step, so its gauges keep the last step's counts)
                 self._m_running.set(len(self._active))
                 self._m_waiting.set(len(self._waiting))
             if not self._active:
