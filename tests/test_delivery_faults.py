@@ -15,7 +15,7 @@ from powerprof.profiler import Profiler
 from powerprof.sim.nvml import SimNVML
 from powerprof.sim.server import SimServer
 from powerprof.workload.client import RequestParams
-from powerprof.workload.load import builtin_prompts
+from powerprof.workload.load import Prompt, builtin_prompts
 from powerprof.workload.measure import measure
 
 # ~2.4 s windows: edges that are not marked (trimmed, server-timed) take their energy from the
@@ -163,6 +163,16 @@ def test_generation_cut_by_the_context_length_is_noted():
     assert row["status"] == "ok" and row["generated_tokens"] < 24
     assert "cut by the context length" in row["truncated"]
     assert any("cut by the context length" in n for n in res.notes)
+
+
+def test_vllm_cuts_a_generation_that_the_prompt_leaves_no_room_for_and_it_is_noted():
+    # vLLM 0.32 lowers max_tokens to what its context leaves after the prompt (measured: 1002 + 1900 asked of 2048,
+    # 1046 generated, finish_reason length); the simulated vLLM refused it with a 400 and the run stopped.
+    with SimServer(SimNVML("a100-40g", state_path=None), **SIM, flavour="vllm", n_ctx=40) as srv:
+        res = measure(srv.url, prompts=[Prompt("long", "word " * 30)], n_requests=1, params=QUICK, warmup=0)
+    (row,) = [r for r in res.rows if r["window_kind"] == "request"]
+    assert row["status"] == "ok" and row["generated_tokens"] == 40 - row["prompt_tokens"] < 24, row
+    assert "cut by the context length" in row["truncated"]
 
 
 def test_more_streams_than_slots_warns():

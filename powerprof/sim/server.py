@@ -202,8 +202,8 @@ class SimServer:
         decode_tok_s: single-stream speed at the profile's own draft count and a short context;
         draft_n_max (the server's draft count, 0 for none) and the context change it (sim/knobs.py).
         n_ctx: context tokens in all (llama.cpp splits them among the slots and refuses a longer
-        prompt; vLLM refuses prompt + max_tokens beyond it with a 400); a generation that reaches the
-        context stops there.
+        prompt; vLLM refuses with a 400 a prompt, or a max_tokens, that alone is beyond it); a generation that
+        reaches the context stops there.
         count_factor: a server that lies about its counts: the counts it gives once a request ends (usage,
         `timings.predicted_n`, the final `tokens_predicted`) are the true count times this; what it streams
         (and its running counts, /metrics, the truth) stays true.
@@ -222,7 +222,7 @@ class SimServer:
         Off by default: vLLM 0.32 takes one more step once the aborts reach its engine and the gauges read 0 within
         0.2 s (tests/test_real_vllm.py), as they do here.
         embeddings: serve `/v1/embeddings` (llama-server's `--embeddings`; without it llama.cpp answers 501 and vLLM
-        400, as a generation model's server does), each input a prefill of its tokens and no decode."""
+        404, as a generation model's server does), each input a prefill of its tokens and no decode."""
         if flavour not in ("llamacpp", "vllm"):
             raise ValueError("flavour must be llamacpp or vllm")
         if batching not in ("serial", "continuous"):
@@ -245,7 +245,7 @@ class SimServer:
         self.draft_n_max = wl.draft_n_max if draft_n_max is None else int(draft_n_max)
         self.speculative = wl.speculative and self.draft_n_max > 0
         self._draft = self.draft_n_max if self.speculative else 0  # draft tokens a decode step really runs
-        self.n_ctx = n_ctx  # context length: llama.cpp (per slot) stops there, vLLM refuses with 400
+        self.n_ctx = n_ctx  # context length: llama.cpp (per slot) and vLLM stop there; vLLM refuses a longer prompt
         self.batching = batching
         self.costs = batching_costs(self)
         self._window_ns = (0, 0)  # the last step's window on the engine's schedule (truth)
@@ -1034,8 +1034,8 @@ class SimServer:
             if self.flavour == "llamacpp":
                 return self._json({"error": {"code": 501, "type": "not_supported_error",
                                              "message": "This server does not support embeddings. Start it with `--embeddings`"}}, 501)
-            return self._json({"object": "error", "message": "The model does not support Embeddings API",
-                               "type": "BadRequestError", "param": None, "code": 400}, 400)
+            # vLLM 0.32 serving a generation model has no /v1/embeddings route at all (measured).
+            return self._json({"detail": "Not Found"}, 404)
         body = await self._body(request)
         inp = body.get("input")
         if isinstance(inp, str) or (isinstance(inp, list) and inp and all(isinstance(x, int) for x in inp)):
@@ -1072,10 +1072,11 @@ class SimServer:
                            "usage": {"prompt_tokens": n_tok, "total_tokens": n_tok, "completion_tokens": 0,
                                      "prompt_tokens_details": None}, "simulated": True})
 
-    def _bad_request(self, message: str) -> web.Response:
+    def _bad_request(self, message: str, param: str | None = None) -> web.Response:
         if self.flavour == "llamacpp":
             return self._json({"error": {"code": 400, "message": message, "type": "invalid_request_error"}}, 400)
-        return self._json({"object": "error", "message": message, "type": "BadRequestError", "param": None, "code": 400}, 400)
+        # vLLM 0.32's ErrorResponse (measured), not the flat {"object": "error", ...} of its older versions.
+        return self._json({"error": {"message": message, "type": "BadRequestError", "param": param, "code": 400}}, 400)
 
     async def _serve(self, request: web.Request, api: str, prompt: str, body: dict, n_predict: int,
                      echo: _Echo = _NO_ECHO):
@@ -1093,15 +1094,30 @@ class SimServer:
         default_cache = api == "llamacpp"
         if self.n_ctx is not None:
             n_prompt = count_prompt_tokens(prompt)
-            if self.flavour == "vllm" and n_prompt + n_predict > self.n_ctx:
-                msg = (f"This model's maximum context length is {self.n_ctx} tokens. However, you requested "
-                       f"{n_prompt + n_predict} tokens ({n_prompt} in the messages, {n_predict} in the completion).")
-                return self._json({"object": "error", "message": msg, "type": "BadRequestError", "code": 400}, 400)
+            # vLLM 0.32 (measured) refuses a prompt that alone exceeds its context (tokenized to one past it, "at
+            # least") or a max_tokens beyond it, and lowers a max_tokens that the prompt leaves no room for: the
+            # generation is cut at the context, finish_reason "length" (below, as llama.cpp's).
+            if self.flavour == "vllm" and n_prompt > self.n_ctx:
+                n = self.n_ctx + 1
+                return self._bad_request(
+                    f"This model's maximum context length is {self.n_ctx} tokens. However, your prompt contains at "
+                    f"least {n} input tokens, which exceeds this limit even without any output tokens. Please reduce "
+                    f"the length of the input prompt. (parameter=input_tokens, value={n})", "input_tokens")
+            if self.flavour == "vllm" and n_predict > self.n_ctx:
+                return self._bad_request(
+                    f"max_tokens={n_predict} cannot be greater than max_model_len={self.n_ctx}. Please request fewer "
+                    f"output tokens. (parameter=max_tokens, value={n_predict})", "max_tokens")
             ctx = self.n_ctx // self.n_slots if self.flavour == "llamacpp" else self.n_ctx  # llama.cpp: per slot
             n_predict = max(1, min(n_predict, ctx - n_prompt))
         n_choices = body.get("n", 1) if api in ("openai-chat", "openai-completions") else 1
         if not isinstance(n_choices, int) or isinstance(n_choices, bool) or n_choices < 1:
             return self._bad_request("Field 'n': must be an integer of at least 1")
+        temperature = body.get("temperature")
+        if (self.flavour == "vllm" and n_choices > 1 and isinstance(temperature, (int, float))
+                and temperature < 1e-5):
+            # vLLM's SamplingParams refuse several choices of greedy sampling (measured on 0.32); without a
+            # temperature it samples at 1.0 (a model's generation_config may say otherwise: not modelled).
+            return self._bad_request(f"n must be 1 when using greedy sampling, got {n_choices}.")
         if self.flavour == "llamacpp" and n_choices > self.n_slots:
             # llama-server runs a task per choice, each in a slot of its own (checked against b11434).
             return self._bad_request(f"Field 'n': Value must be between 1 <= value <= {self.n_slots}, but got {n_choices}")
