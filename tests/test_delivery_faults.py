@@ -8,6 +8,8 @@ decode tok/s and J/token, or is flagged untrusted and carries no figure; the sum
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import numpy as np
 import pytest
 
@@ -168,11 +170,18 @@ def test_generation_cut_by_the_context_length_is_noted():
 def test_vllm_cuts_a_generation_that_the_prompt_leaves_no_room_for_and_it_is_noted():
     # vLLM 0.32 lowers max_tokens to what its context leaves after the prompt (measured: 1002 + 1900 asked of 2048,
     # 1046 generated, finish_reason length); the simulated vLLM refused it with a 400 and the run stopped.
+    # With ignore-EOS (the default) powerprof also sends min_tokens = max_tokens, which vLLM then refuses.
     with SimServer(SimNVML("a100-40g", state_path=None), **SIM, flavour="vllm", n_ctx=40) as srv:
-        res = measure(srv.url, prompts=[Prompt("long", "word " * 30)], n_requests=1, params=QUICK, warmup=0)
-    (row,) = [r for r in res.rows if r["window_kind"] == "request"]
-    assert row["status"] == "ok" and row["generated_tokens"] == 40 - row["prompt_tokens"] < 24, row
-    assert "cut by the context length" in row["truncated"]
+        prompts = [Prompt("long", "word " * 30)]
+        res = measure(srv.url, prompts=prompts, n_requests=1, params=replace(QUICK, ignore_eos=False), warmup=0)
+        (row,) = [r for r in res.rows if r["window_kind"] == "request"]
+        assert row["status"] == "ok" and row["generated_tokens"] == 40 - row["prompt_tokens"] < 24, row
+        assert "cut by the context length" in row["truncated"]
+        from powerprof.workload.load import LoadAborted, run_load
+
+        with pytest.raises(LoadAborted) as e:
+            run_load(srv.url, prompts, 1, 1, QUICK, warmup=0)
+    assert "min_tokens must be less than or equal to max_tokens=9, got 24" in str(e.value)
 
 
 def test_more_streams_than_slots_warns():

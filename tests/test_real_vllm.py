@@ -317,3 +317,111 @@ def test_gauges_after_every_stream_is_aborted_read_as_the_simulator_sets_them(vl
     assert real["running_before"] == MAX_NUM_SEQS
     assert real["gauge_after_aborts"] == 0 and real["settled_in_flight"] == 0 and real["settled_stale"] is None, real
     assert real["gauge_after_next_request"] == 0, real
+
+
+def _post(url: str, body: dict, headers: dict | None = None) -> tuple[int, bytes]:
+    import urllib.error
+
+    req = urllib.request.Request(url, json.dumps(body).encode(), {"Content-Type": "application/json", **(headers or {})})
+    try:
+        with urllib.request.urlopen(req, timeout=300) as r:
+            return r.status, r.read()
+    except urllib.error.HTTPError as e:
+        return e.code, e.read()
+
+
+CHOICE_TOKENS = 8
+
+
+def _choices_as_said(api: str, raw: bytes) -> dict:
+    """What a stream of n = 2 choices says of its counts, read apart from powerprof's parser, and what the parser
+    makes of it."""
+    from powerprof.workload.stream import StreamParser
+
+    docs = [json.loads(line[6:]) for line in raw.decode().splitlines() if line.startswith("data: {")]
+    last_running, chunk_prompts = {}, set()
+    for d in docs:
+        for c in d.get("choices") or []:
+            if d.get("usage"):
+                last_running[c["index"]] = d["usage"]["completion_tokens"]
+                chunk_prompts.add(d["usage"]["prompt_tokens"])
+    final = [d["usage"] for d in docs if d.get("choices") == [] and d.get("usage")]
+    p = StreamParser(api, count_only=True)
+    p.count(raw)
+    s = p.finish()
+    (u,) = final
+    return {"final_completion": u["completion_tokens"], "each_choice_running": [last_running.get(i) for i in (0, 1)],
+            "final_prompt_is_each_chunks": chunk_prompts in (set(), {u["prompt_tokens"]}),
+            "parsed": (s.generated_tokens, s.prompt_tokens == u["prompt_tokens"], s.prompt_each_task, s.token_source,
+                       s.running_counts, s.server_error, s.invalid, s.complete, s.done)}
+
+
+@pytest.mark.parametrize("path,api", [("/v1/chat/completions", "openai-chat"), ("/v1/completions", "openai-completions")])
+@pytest.mark.parametrize("continuous", [False, True], ids=["usage", "continuous-usage"])
+def test_several_choices_say_their_counts_as_the_simulator_says_them(vllm_url, path, api, continuous):
+    # The daemon's per-sequence prompt and the parser's counts assume vLLM's usage for n > 1: each choice's own
+    # running count in continuous usage, the final usage the prompt once and the choices' tokens summed.
+    body = {"model": "tiny", "max_tokens": CHOICE_TOKENS, "ignore_eos": True, "n": 2, "temperature": 1.0, "seed": 3,
+            "stream": True, "stream_options": {"include_usage": True, "continuous_usage_stats": continuous}}
+    body.update({"messages": [{"role": "user", "content": "the power"}]} if api == "openai-chat" else {"prompt": "the power"})
+    status, raw = _post(vllm_url + path, body)
+    assert status == 200, raw[:300]
+    real = _choices_as_said(api, raw)
+    with _sim_vllm() as sim:
+        status, raw_sim = _post(sim.url + path, body)
+    assert status == 200, raw_sim[:300]
+    assert real == _choices_as_said(api, raw_sim), (real, raw.decode()[-600:])
+    assert real["final_completion"] == 2 * CHOICE_TOKENS and real["final_prompt_is_each_chunks"]
+    assert real["each_choice_running"] == ([CHOICE_TOKENS] * 2 if continuous else [None, None])
+    assert real["parsed"][:3] == (2 * CHOICE_TOKENS, True, False)  # the prompt said once, not per task
+
+
+def test_refusals_say_what_the_simulator_says(vllm_url):
+    # Several greedy choices are refused (the simulator answered them); a prompt that leaves max_tokens no room is
+    # cut at the context, not refused (the simulator refused it); errors in 0.32's shape.
+    with _sim_vllm() as sim:
+        sim.n_ctx = 2048
+        for body, status in (({"prompt": "the power", "max_tokens": 4, "n": 2, "temperature": 0}, 400),
+                             ({"prompt": "the power", "max_tokens": 5000}, 400)):
+            got = [_post(base + "/v1/completions", {"model": "tiny", **body}) for base in (vllm_url, sim.url)]
+            (rs, rb), (ss, sb) = got
+            assert rs == ss == status, got
+            assert json.loads(rb) == json.loads(sb), got
+        code, raw = _post(vllm_url + "/v1/embeddings", {"model": "tiny", "input": "the power"})
+        assert (code, json.loads(raw)) == (404, {"detail": "Not Found"})
+        assert _post(sim.url + "/v1/embeddings", {"model": "tiny", "input": "the power"})[0] == 404
+
+
+def test_a_generation_the_context_leaves_no_room_for_is_cut_or_refused_as_the_simulator_does(vllm_url):
+    # vLLM 0.32 lowers max_tokens to what the context leaves after the prompt (the simulator refused it with a 400),
+    # and then refuses a min_tokens above it, which powerprof sends for ignore-EOS: the run stops naming the prompt.
+    from powerprof.workload.load import LoadAborted, Prompt, run_load
+
+    with _sim_vllm() as sim:
+        sim.n_ctx = 2048
+        # 1987 tokens of the 2048 on vLLM, 1996 in the simulator's tokenizer (words and punctuation).
+        for base, near in ((vllm_url, Prompt("near-the-context", "energy per token " * 397)),
+                           (sim.url, Prompt("near-the-context", "energy per token " * 665))):
+            res = measure(base, prompts=[near], n_requests=1, warmup=0,
+                          params=RequestParams(max_tokens=100, ignore_eos=False, stall_timeout_s=60, first_token_timeout_s=300))
+            (row,) = [r for r in res.rows if r["window_kind"] == "request"]
+            assert row["status"] == "ok" and row["generated_tokens"] == 2048 - row["prompt_tokens"] < 100, (base, row)
+            assert "cut by the context length" in row["truncated"], row
+            with pytest.raises(LoadAborted) as e:
+                run_load(base, [near], 1, 1, RequestParams(max_tokens=100, first_token_timeout_s=300), warmup=0)
+            assert "near-the-context" in str(e.value) and "min_tokens must be less than or equal to max_tokens=" in str(e.value)
+
+
+def test_the_simulator_handles_connections_as_vllm_does(vllm_url):
+    # uvicorn keeps a connection after a stream, a whole answer and a 404, says no connection headers, and closes
+    # an idle one after timeout_keep_alive (5 s): the simulated vLLM must do the same.
+    from support import connection_behaviour, idle_close_s
+
+    body = {"model": "tiny", "prompt": "the power", "max_tokens": 8, "stream": True}
+    port = int(vllm_url.rsplit(":", 1)[1])
+    real = connection_behaviour(port, "/v1/completions", body)
+    with _sim_vllm() as sim:
+        assert connection_behaviour(sim.port, "/v1/completions", body) == real
+        assert idle_close_s(sim.port) == pytest.approx(idle_close_s(port), abs=0.5)
+    assert real["kept_after_stream"] and real["kept_after_json"] and real["kept_after_404"], real
+    assert all(set(real[k]) == {"status"} for k in ("stream_headers", "json_headers", "404_headers")), real

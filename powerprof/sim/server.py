@@ -1096,7 +1096,8 @@ class SimServer:
             n_prompt = count_prompt_tokens(prompt)
             # vLLM 0.32 (measured) refuses a prompt that alone exceeds its context (tokenized to one past it, "at
             # least") or a max_tokens beyond it, and lowers a max_tokens that the prompt leaves no room for: the
-            # generation is cut at the context, finish_reason "length" (below, as llama.cpp's).
+            # generation is cut at the context, finish_reason "length" (below, as llama.cpp's), unless min_tokens
+            # (powerprof's own requests send it, for ignore-EOS) is then above the lowered max_tokens: a 400.
             if self.flavour == "vllm" and n_prompt > self.n_ctx:
                 n = self.n_ctx + 1
                 return self._bad_request(
@@ -1107,6 +1108,11 @@ class SimServer:
                 return self._bad_request(
                     f"max_tokens={n_predict} cannot be greater than max_model_len={self.n_ctx}. Please request fewer "
                     f"output tokens. (parameter=max_tokens, value={n_predict})", "max_tokens")
+            min_tokens = body.get("min_tokens")
+            if (self.flavour == "vllm" and isinstance(min_tokens, int) and not isinstance(min_tokens, bool)
+                    and min_tokens > min(n_predict, self.n_ctx - n_prompt)):
+                return self._bad_request(f"min_tokens must be less than or equal to "
+                                         f"max_tokens={min(n_predict, self.n_ctx - n_prompt)}, got {min_tokens}.")
             ctx = self.n_ctx // self.n_slots if self.flavour == "llamacpp" else self.n_ctx  # llama.cpp: per slot
             n_predict = max(1, min(n_predict, ctx - n_prompt))
         n_choices = body.get("n", 1) if api in ("openai-chat", "openai-completions") else 1
