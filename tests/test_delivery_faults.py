@@ -431,3 +431,18 @@ def test_a_server_timed_window_sits_on_a_fresh_end_of_the_stream_never_on_a_read
     q = arrival_quality(t, np.ones(64), 64)
     tm = classify(q, 64, server_decode_s=0.63, server_decode_tokens=63)
     assert tm.kind == "untrusted" and "neither the first nor the last read" in tm.reason, tm
+
+
+def test_vllms_error_inside_a_200_stream_fails_the_request_and_says_the_servers_words():
+    # vLLM 0.32 whose engine dies mid-generation sends its error inside the HTTP 200 stream, then [DONE]
+    # (tests/test_real_vllm.py holds the simulator's `stream_error` to it): never a request counted as ok.
+    from powerprof.workload.load import run_load
+
+    with SimServer(SimNVML("a100-40g", state_path=None), **SIM, flavour="vllm") as srv:
+        srv.inject("stream_error", after_tokens=3)
+        recs = run_load(srv.url, builtin_prompts("short")[:1], 1, 1, QUICK, warmup=0)
+        with pytest.raises(ValueError, match="vLLM's"):
+            SimServer(SimNVML("a100-40g", state_path=None)).inject("stream_error")
+    first = recs[0]
+    assert first.status == "failed" and first.http_status == 200 and "EngineCore encountered an issue" in first.error
+    assert recs[-1].ok and recs[-1].attempt == 2  # sent again, as any failed request

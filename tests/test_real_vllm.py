@@ -60,22 +60,34 @@ def _port() -> int:
         return s.getsockname()[1]
 
 
+ENV = {"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_NO_USAGE_STATS": "1",
+       "DO_NOT_TRACK": "1"}
+
+
 @pytest.fixture(scope="module")
-def vllm_url(tmp_path_factory):
-    if os.environ.get("POWERPROF_VLLM_URL"):  # a server already running (development)
-        yield os.environ["POWERPROF_VLLM_URL"]
-        return
+def tiny_model(tmp_path_factory) -> Path:
     model = tmp_path_factory.mktemp("tiny-llama")
-    env = {**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "VLLM_CPU_KVCACHE_SPACE": "1",
-           "VLLM_NO_USAGE_STATS": "1", "DO_NOT_TRACK": "1"}
-    subprocess.run([VLLM_PY, str(HERE / "tiny_hf_llama.py"), str(model)], check=True, env=env, capture_output=True, timeout=600)
+    subprocess.run([VLLM_PY, str(HERE / "tiny_hf_llama.py"), str(model)], check=True, env={**os.environ, **ENV},
+                   capture_output=True, timeout=600)
+    return model
+
+
+def _launch_vllm(model: Path, log_path: Path) -> ServerLauncher:
     port = _port()
-    url = f"http://127.0.0.1:{port}"
     cmd = [VLLM_PY, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model), "--served-model-name", "tiny",
            "--port", str(port), "--host", "127.0.0.1", "--max-model-len", "2048", "--max-num-seqs", str(MAX_NUM_SEQS),
            "--dtype", "float32"]
-    with ServerLauncher(cmd, url, timeout_s=600, env=env, log_path=model / "vllm.log"):
-        yield url
+    return ServerLauncher(cmd, f"http://127.0.0.1:{port}", timeout_s=600, env={**os.environ, **ENV}, log_path=log_path)
+
+
+@pytest.fixture(scope="module")
+def vllm_url(request):
+    if os.environ.get("POWERPROF_VLLM_URL"):  # a server already running (development)
+        yield os.environ["POWERPROF_VLLM_URL"]
+        return
+    model = request.getfixturevalue("tiny_model")
+    with _launch_vllm(model, model / "vllm.log") as la:
+        yield la.base_url
 
 
 def test_detection(vllm_url):
@@ -425,3 +437,44 @@ def test_the_simulator_handles_connections_as_vllm_does(vllm_url):
         assert idle_close_s(sim.port) == pytest.approx(idle_close_s(port), abs=0.5)
     assert real["kept_after_stream"] and real["kept_after_json"] and real["kept_after_404"], real
     assert all(set(real[k]) == {"status"} for k in ("stream_headers", "json_headers", "404_headers")), real
+
+
+def test_an_engine_dying_mid_stream_is_an_error_inside_the_200_as_the_simulator_sends_it(tiny_model, tmp_path):
+    # docs/daemon.md counts on vLLM saying a failed generation inside its HTTP 200 stream: an engine killed mid-stream
+    # (its own server: the API server exits after) sends `data: {"error": ...}` and `data: [DONE]` after the tokens.
+    # The simulator's vLLM had no such answer (its `stream_error` fault now sends it, byte for byte as parsed).
+    import psutil
+
+    from powerprof.workload.stream import StreamParser
+
+    body = {"model": "tiny", "prompt": "energy per token", "max_tokens": 400, "ignore_eos": True, "stream": True,
+            "stream_options": {"include_usage": True}}
+
+    def stream(base: str, kill_engine_of: int | None = None) -> tuple[int, bytes]:
+        req = urllib.request.Request(base + "/v1/completions", json.dumps(body).encode(), {"Content-Type": "application/json"})
+        with urllib.request.urlopen(req, timeout=300) as r:
+            head = [r.readline() for _ in range(6)]  # three token chunks (each line and its blank one)
+            if kill_engine_of is not None:
+                engine = [p for p in psutil.Process(kill_engine_of).children(recursive=True)
+                          if "EngineCore" in " ".join(p.cmdline())]
+                assert len(engine) == 1, [p.cmdline() for p in psutil.Process(kill_engine_of).children(recursive=True)]
+                engine[0].kill()
+            return r.status, b"".join(head) + r.read()
+
+    def said(raw: bytes):
+        lines = [line for line in raw.decode().splitlines() if line.startswith("data: ")]
+        p = StreamParser("openai-completions")
+        p.count(raw)
+        s = p.finish()
+        return json.loads(lines[-2][6:]), lines[-1], s.server_error, s.complete
+
+    with _launch_vllm(tiny_model, tmp_path / "vllm.log") as la:
+        status, raw = stream(la.base_url, la.proc.pid)
+    assert status == 200
+    real = said(raw)
+    with _sim_vllm() as sim:
+        sim.inject("stream_error", after_tokens=3)
+        status_sim, raw_sim = stream(sim.url)
+    assert status_sim == 200 and said(raw_sim) == real, (real, raw_sim[-400:])
+    error, done, server_error, complete = real
+    assert error["error"]["code"] == 500 and done == "data: [DONE]" and "EngineCore" in server_error and not complete

@@ -106,13 +106,21 @@ def count_prompt_tokens(text: str) -> int:
     return len(_WORD.findall(text)) + 1
 
 
+FAULT_KINDS = ("http_error", "drop", "malformed", "stall", "stream_error")
+# What vLLM 0.32 streams when its EngineCore dies mid-generation (measured: SIGKILL of the engine process), after an
+# HTTP 200 and the tokens before; then `data: [DONE]` and a clean end of the body. (Its API server then exits.)
+VLLM_ENGINE_DEAD = {"error": {"message": "EngineCore encountered an issue. See stack trace (above) for the root cause.",
+                              "type": "InternalServerError", "param": None, "code": 500}}
+
+
 @dataclass
 class Fault:
-    """One injected failure. kind: http_error | drop | malformed | stall."""
+    """One injected failure. kind: http_error | drop | malformed | stall | stream_error (vLLM flavour: an error
+    inside the HTTP 200 stream, as vLLM 0.32 sends when its engine dies mid-generation)."""
 
     kind: str
     count: int = 1  # how many requests it hits
-    after_tokens: int = 0  # for drop / malformed / stall: after this many token events
+    after_tokens: int = 0  # for drop / malformed / stall / stream_error: after this many token events
     status: int = 500  # for http_error
     seconds: float = 5.0  # for stall
 
@@ -438,6 +446,10 @@ class SimServer:
                 conn.transport.abort()
 
     def inject(self, kind: str, **kw) -> Fault:
+        if kind not in FAULT_KINDS:
+            raise ValueError(f"fault kind must be one of {', '.join(FAULT_KINDS)}")
+        if kind == "stream_error" and self.flavour != "vllm":
+            raise ValueError("stream_error is vLLM's (llama-server's in-band error is not measured)")
         f = Fault(kind, **kw)
         with self._lock:
             self.faults.append(f)
@@ -1258,6 +1270,13 @@ class SimServer:
                     raise _Dropped()
                 if fault.kind == "malformed":
                     await out.send(b'data: {"content": "broken\n\n')
+                if fault.kind == "stream_error":
+                    req.cancelled = True  # the engine holds it no more
+                    self._wake.set()
+                    await out.send(b"data: " + json.dumps(VLLM_ENGINE_DEAD).encode() + b"\n\n")
+                    await out.send(b"data: [DONE]\n\n")
+                    await resp.write_eof(await out.take())
+                    raise _Dropped()
                 if fault.kind == "stall":
                     await asyncio.sleep(fault.seconds)
             n_events += 1
