@@ -242,7 +242,8 @@ def test_daemon_attributes_every_token_and_puts_direct_traffic_in_unproxied(vllm
     assert got_p == [64, 64] and got_d == [48, 48]
     reqs = read_dataset(data, "requests")
     assert len(reqs) == 2 and (reqs["outcome"] == "ok").all()
-    assert (reqs["attributed_tokens"] == reqs["generated_tokens"]).all() and reqs["attributed_tokens"].sum() == 128
+    assert (reqs["attributed_tokens"] == reqs["generated_tokens"]).all() and reqs["attributed_tokens"].sum() == 128, \
+        reqs[["attributed_tokens", "generated_tokens", "prompt_tokens", "energy_note", "error"]].to_dict("records")
     intervals = read_dataset(data, "intervals")
     parts, measured = energy_books_j(data)
     assert parts == pytest.approx(measured, rel=1e-3)
