@@ -389,6 +389,34 @@ def test_several_choices_say_their_counts_as_the_simulator_says_them(vllm_url, p
     assert real["parsed"][:3] == (2 * CHOICE_TOKENS, True, False)  # the prompt said once, not per task
 
 
+def test_the_daemon_counts_several_choices_as_vllm_does(vllm_url, tmp_path):
+    # Through the daemon's proxy: each request's row has the choices' tokens summed and the prompt once (vLLM computes
+    # it once for its choices), every token attributed.
+    n = CHOICE_TOKENS
+    plan = {"chat-n2": ("/v1/chat/completions", {"messages": [{"role": "user", "content": "the power"}]}, False),
+            "completions-n2-continuous": ("/v1/completions", {"prompt": "the power"}, True)}
+    data = tmp_path / "data"
+    d = DaemonProc(data, "--simulate", "--upstream", vllm_url, "--interval", "0.25", "--flush-interval", "0.5",
+                   env=sim_env(tmp_path))
+    said = {}
+    try:
+        for tag, (path, extra, continuous) in plan.items():
+            body = {"model": "tiny", "max_tokens": n, "ignore_eos": True, "n": 2, "temperature": 1.0, "stream": True,
+                    "stream_options": {"include_usage": True, "continuous_usage_stats": continuous}, **extra}
+            status, raw = _post(d.info["proxy"] + path, body, {"X-Powerprof-Tag": tag})
+            assert status == 200, raw[:300]
+            said[tag] = [json.loads(x[6:]) for x in raw.decode().splitlines() if x.startswith("data: {")][-1]["usage"]
+    finally:
+        rc = d.stop()
+    assert rc == 0, d.output()
+    rows = {r["tag"]: r for r in read_dataset(data, "requests").to_dict("records")}
+    for tag, usage in said.items():
+        row = rows[tag]
+        assert row["outcome"] == "ok" and usage["completion_tokens"] == 2 * n, (row, usage)
+        assert row["generated_tokens"] == 2 * n and row["prompt_tokens"] == usage["prompt_tokens"], (row, usage)
+        assert row["attributed_tokens"] == pytest.approx(2 * n) and not row["tokens_estimated"], row
+
+
 def test_refusals_say_what_the_simulator_says(vllm_url):
     # Several greedy choices are refused (the simulator answered them); a prompt that leaves max_tokens no room is
     # cut at the context, not refused (the simulator refused it); errors in 0.32's shape.
