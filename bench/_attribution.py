@@ -246,14 +246,21 @@ MIXED_KINDS = ("chat", "chat_n2", "messages", "responses", "embeddings")
 MIXED_WEIGHTS = (0.4, 0.15, 0.15, 0.15, 0.15)
 
 
-def mixed_trace(n: int, rate: float, seed: int = 5) -> list[TraceRequest]:
+# SGLang's native /generate beside its chat: streamed, whole, and a batch (two prompts, n = 2: four sequences).
+SGLANG_KINDS = ("chat", "generate", "generate_whole", "generate_batch")
+SGLANG_WEIGHTS = (0.4, 0.3, 0.15, 0.15)
+
+
+def mixed_trace(n: int, rate: float, seed: int = 5, kinds: tuple = MIXED_KINDS,
+                weights: tuple = MIXED_WEIGHTS) -> list[TraceRequest]:
     """The bench's synthetic trace (bursty arrivals, lognormal lengths), each request given a kind (its `tag`):
-    chat, chat with n = 2, Anthropic messages, OpenAI responses, or an embedding of its prompt."""
+    chat, chat with n = 2, Anthropic messages, OpenAI responses, or an embedding of its prompt (or `kinds`, drawn
+    with `weights`: SGLANG_KINDS)."""
     from powerprof.workload.trace import synthetic
 
     base = synthetic(n, rate, "bursty", prompt_median=300, output_median=60, seed=seed)
-    kinds = np.random.default_rng(seed).choice(len(MIXED_KINDS), size=n, p=MIXED_WEIGHTS)
-    return [TraceRequest(r.t_s, r.prompt_tokens, r.output_tokens, MIXED_KINDS[k]) for r, k in zip(base, kinds)]
+    drawn = np.random.default_rng(seed).choice(len(kinds), size=n, p=weights)
+    return [TraceRequest(r.t_s, r.prompt_tokens, r.output_tokens, kinds[k]) for r, k in zip(base, drawn)]
 
 
 def _mixed_request(kind: str, index: int, prompt_tokens: int, output_tokens: int) -> tuple[str, dict]:
@@ -264,6 +271,12 @@ def _mixed_request(kind: str, index: int, prompt_tokens: int, output_tokens: int
     n = max(1, output_tokens)
     if kind == "embeddings":
         return "/v1/embeddings", {"input": text, "model": "sim"}
+    if kind.startswith("generate"):  # SGLang's native /generate
+        sp = {"max_new_tokens": n, "ignore_eos": True}
+        if kind == "generate_batch":
+            half = prompt_text(max(prompt_tokens // 2, 1), index + 1)
+            return "/generate", {"text": [text, half], "sampling_params": dict(sp, n=2), "stream": True}
+        return "/generate", {"text": text, "sampling_params": sp, "stream": kind == "generate"}
     msgs = [{"role": "user", "content": text}]
     if kind == "messages":
         return "/v1/messages", {"messages": msgs, "max_tokens": n, "stream": True, "ignore_eos": True}

@@ -3,6 +3,7 @@
     python bench/attribution_mixed.py            # 400 requests, about a minute of replay
     python bench/attribution_mixed.py --requests 200 --json
     python bench/attribution_mixed.py --requests 800 --flavour vllm   # vLLM's answers (n = 2: its prompt said once)
+    python bench/attribution_mixed.py --flavour sglang   # SGLang: chat beside its native /generate (streamed, whole, batch)
 
 The daemon (1 Hz) runs in front of the simulated continuous-batching server in llama.cpp's flavour (llama-server
 with `--embeddings` serves all five kinds at once); a bursty synthetic trace gives each request a kind. Printed per
@@ -20,7 +21,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from _attribution import mixed_trace, run_mixed, score_mixed  # noqa: E402
+from _attribution import SGLANG_KINDS, SGLANG_WEIGHTS, mixed_trace, run_mixed, score_mixed  # noqa: E402
 
 
 def main() -> None:
@@ -28,12 +29,13 @@ def main() -> None:
     ap.add_argument("--requests", type=int, default=400)
     ap.add_argument("--rate", type=float, default=8.0)
     ap.add_argument("--seed", type=int, default=5)
-    ap.add_argument("--flavour", default="llamacpp", choices=["llamacpp", "vllm"])
+    ap.add_argument("--flavour", default="llamacpp", choices=["llamacpp", "vllm", "sglang"])
     ap.add_argument("--json", action="store_true")
     ap.add_argument("--keep", metavar="DIR", help="keep the daemon's datasets in DIR")
     a = ap.parse_args()
     t = time.monotonic()
-    o = run_mixed(mixed_trace(a.requests, a.rate, a.seed), data_dir=Path(a.keep) if a.keep else None, flavour=a.flavour)
+    kinds = dict(kinds=SGLANG_KINDS, weights=SGLANG_WEIGHTS) if a.flavour == "sglang" else {}
+    o = run_mixed(mixed_trace(a.requests, a.rate, a.seed, **kinds), data_dir=Path(a.keep) if a.keep else None, flavour=a.flavour)
     s = score_mixed(o)
     s["bench_s"] = time.monotonic() - t
     if a.json:

@@ -805,7 +805,7 @@ def replay(trace_path, url, simulate, launch, api, time_scale, duration_s, tag_h
         async with new_session() as s:
             found.append(await detect_server(s, base, api))
             # A replay's requests overlap: the server's books are compared over the whole replay, as one batch.
-            others = OthersWatch(s, found[0].base_url)
+            others = OthersWatch(s, found[0].base_url, kind=found[0].kind)
             await others.begin()
             recs = await replay_async(s, found[0], trace, RequestParams(), tag_header, done=done)
             watch.append((others, await others.judge([r.record for r in recs])))

@@ -372,7 +372,8 @@ class Sweep:
             order = visit_order(self.s.levels, self.s.repeats, self.s.order, self.s.seed)
         async with new_session() as session:
             self.session = session
-            self.others = OthersWatch(session, self.server.base_url, getattr(self.prof, "gpu", None), self._server_procs)
+            self.others = OthersWatch(session, self.server.base_url, getattr(self.prof, "gpu", None), self._server_procs,
+                                      kind=self.server.kind)
             if self.s.server_restart_wait_s > 0:
                 self._identity = await server_identity(session, self.server)
             await self._idle_baseline()
@@ -400,7 +401,7 @@ class Sweep:
             self.timeline.set_tags(level_kind="idle", level_value=None)
             self.ui.idle(self.s.idle_s)
             before = await server_epoch(self.session, self.server)
-            tally0 = await settled_tally(self.session, self.server.base_url)
+            tally0 = await settled_tally(self.session, self.server.base_url, self.server.kind)
             self.others.neighbours.mark()
             with self.prof.window("idle") as w:
                 # Not waited for, the baseline keeps its length: the level after it finds the server as it would have.
@@ -418,7 +419,7 @@ class Sweep:
                                             if self.idle_power_w is not None and self.prof.gpu else None)
                 self._epoch = before
                 books = ForeignWatch(tally0)
-                others = books.judge(await settled_tally(self.session, self.server.base_url), [])
+                others = books.judge(await settled_tally(self.session, self.server.base_url, self.server.kind), [])
                 self.others.stale = self.others.stale or books.stale
                 others = others or self.others.neighbours.check()
                 if others:

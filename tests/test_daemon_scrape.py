@@ -355,3 +355,97 @@ def test_a_baseline_read_after_ready_from_a_server_that_has_counted_says_the_cou
     assert (n == 150 and _partial(metrics) == set()) or (n < 150 and _partial(metrics) == {"late_baseline"}), (n, metrics)
     if n < 150:
         assert "scraped server count may be low" in d.output()
+
+
+def test_a_request_proxied_while_the_baseline_is_read_is_counted_or_said(tmp_path):
+    """The proxy listened before the baseline was read: on a vLLM slow to answer its counters (each read held
+    1.5 s, within BASELINE_WAIT_S), a request proxied at the daemon's start ran wholly inside that read, the baseline
+    took its tokens in, and the count said 10 of 150 with nothing on /metrics (`ready` was not yet set). The
+    baseline is now read before the proxy listens: the request is counted whole, or the count says it may be low."""
+    import json
+    import threading
+    import urllib.error
+    import urllib.request
+
+    from daemon_helpers import DaemonProc, sim_env
+    from proxy_helpers import held_answers
+    from support import free_port
+    from powerprof.sim.nvml import SimNVML
+    from powerprof.sim.server import SimServer
+
+    port = free_port()
+    got: list = []
+
+    def client():
+        body = json.dumps({"model": "m", "prompt": "early", "max_tokens": 150, "ignore_eos": True}).encode()
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline:  # sent as soon as the proxy's port takes it
+            req = urllib.request.Request(f"http://127.0.0.1:{port}/v1/completions", data=body, method="POST",
+                                         headers={"Content-Type": "application/json"})
+            try:
+                got.append(json.loads(urllib.request.urlopen(req, timeout=60).read())["usage"]["completion_tokens"])
+                return
+            except urllib.error.URLError as e:
+                if not isinstance(e.reason, ConnectionRefusedError):
+                    got.append(e)
+                    return
+                time.sleep(0.01)
+
+    with SimServer(SimNVML("seed-16g", state_path=None), flavour="vllm", decode_tok_s=100.0, draft_n_max=0) as srv:
+        held, stop = held_answers(srv.url, hold_s=1.5, for_s=8.0)
+        cfg = tmp_path / "p.toml"
+        cfg.write_text(f'[scrape]\ninterval_s = 0.1\nurl = "{held}"\n')
+        th = threading.Thread(target=client, daemon=True)
+        th.start()
+        d = None
+        try:
+            d = DaemonProc(tmp_path / "data", "--config", str(cfg), "--simulate", "--upstream", srv.url,
+                           "--listen", f"127.0.0.1:{port}", "--interval", "0.25", "--flush-interval", "0.5",
+                           env=sim_env(tmp_path))
+            th.join(60)
+            assert got == [150], got
+            n, metrics = _server_count(d.info["metrics"], 150, limit_s=15.0)
+        finally:
+            rc = d.stop() if d is not None else None
+            stop()
+    assert rc == 0, d.output()
+    assert (n == 150 and _partial(metrics) == set()) or (n < 150 and _partial(metrics) == {"late_baseline"}), (n, metrics)
+
+
+# --- SGLang: its token counter is absent from /metrics until its first request finishes ------------------------
+
+
+def _sglang_bypass_count(server: str) -> tuple[float, dict, int]:
+    """The daemon's scraper beside a simulated SGLang started with --skip-server-warmup (its /metrics empty: the
+    multiprocess collector shows no family until first set): the baseline read before the ready, then one request
+    of 50 tokens straight to the server. (tokens counted, partial reasons, scrape errors)."""
+    import aiohttp
+
+    from powerprof.sim.nvml import SimNVML
+    from powerprof.sim.server import SimServer
+
+    async def go(url):
+        async with aiohttp.ClientSession() as s:
+            sc = Scraper(s, url, server)
+            await sc.scrape()  # the daemon's baseline read, before it says it is ready
+            sc.ready = True
+            body = {"text": "bypass", "sampling_params": {"max_new_tokens": 50, "ignore_eos": True}}
+            async with s.post(url + "/generate", json=body) as r:
+                assert (await r.json())["meta_info"]["completion_tokens"] == 50
+            await sc.scrape()
+            return sc.total, dict(sc.partial), sc.errors
+
+    with SimServer(SimNVML("seed-16g", state_path=None), flavour="sglang", sglang_warmup=False,
+                   decode_tok_s=200.0, draft_n_max=0) as srv:
+        return asyncio.run(go(srv.url))
+
+
+def test_an_idle_sglang_counts_its_first_request_whole_not_as_a_late_baseline():
+    """SGLang's sglang:generation_tokens_total is a labelled counter of prometheus_client's multiprocess mode: it is
+    not on /metrics at all until a request finishes (with --skip-server-warmup; otherwise its warm-up's). Before, the
+    daemon beside an idle SGLang found no counter (auto: no SGLang at all; `sglang`: an error a scrape), took the
+    first request's 50 tokens as its baseline and counted 0 of them, flagged late_baseline. A counter absent from a
+    server known to be SGLang has counted nothing yet: it reads 0, and the first request is counted whole."""
+    for server in ("auto", "sglang"):
+        total, partial, errors = _sglang_bypass_count(server)
+        assert (total, partial, errors) == (50.0, {}, 0), server

@@ -28,6 +28,15 @@ def _rows(n, t0=DAY1, start=0):
     return [{"t_utc": t0 + i * 1_000_000, "value": float(start + i), "name": f"r{start + i}"} for i in range(n)]
 
 
+def _three_flushes(root):
+    """A store whose one partition holds three flush files of two rows each (values 0-5)."""
+    s = _store(root)
+    for k in range(3):
+        s.append("things", _rows(2, start=2 * k))
+        s.flush()
+    return s, s.partitions("things")[0]
+
+
 def _read(root):
     d = pads.dataset(root / "things", format="parquet", partitioning="hive")
     return d.to_table()
@@ -70,11 +79,7 @@ def test_compaction_merges_files_and_keeps_every_row(tmp_path):
 
 @pytest.mark.parametrize("target_written", [True, False])
 def test_a_crash_during_compaction_neither_loses_nor_doubles_rows(tmp_path, target_written):
-    s = _store(tmp_path)
-    for k in range(3):
-        s.append("things", _rows(2, start=2 * k))
-        s.flush()
-    part = s.partitions("things")[0]
+    s, part = _three_flushes(tmp_path)
     sources = sorted(p.name for p in part.glob("*.parquet"))
     target = "compact-crash.parquet"
     (part / JOURNAL).write_text(json.dumps({"target": target, "sources": sources}))
@@ -315,11 +320,7 @@ def test_a_compaction_child_told_to_stop_never_leaves_rows_twice(tmp_path, phase
     import subprocess
     import sys
 
-    s = _store(tmp_path)
-    for k in range(3):
-        s.append("things", _rows(2, start=2 * k))
-        s.flush()
-    part = s.partitions("things")[0]
+    s, part = _three_flushes(tmp_path)
     ready = tmp_path / "ready"
     p = subprocess.Popen([sys.executable, "-c", _TERM_SCRIPT, phase, str(tmp_path), str(ready)])
     deadline = time.monotonic() + 60
@@ -355,11 +356,7 @@ def test_a_daemon_restarted_while_the_old_compaction_child_finishes_never_double
     import subprocess
     import sys
 
-    s = _store(tmp_path)
-    for k in range(3):
-        s.append("things", _rows(2, start=2 * k))
-        s.flush()
-    part = s.partitions("things")[0]
+    s, part = _three_flushes(tmp_path)
     sources = sorted(p.name for p in part.glob("*.parquet"))
     target = part / "compact-late.parquet"
     (part / JOURNAL).write_text(json.dumps({"target": target.name, "sources": sources}))

@@ -21,6 +21,12 @@ from powerprof.workload.client import RequestParams
 from powerprof.workload.load import Prompt
 
 
+# The figure against the GPU's truth over the used windows: what is checked is that no used window holds others'
+# work (+7% and +14% when one did); the windows' own timing on a loaded host moves it by up to 1.3% (one full-suite
+# run at load 10: 3.154 against 3.194), which docs/benchmarks.md's loaded energy-window figures cover.
+TRUTH_REL = 0.03
+
+
 def _measure(rig, out, **kw):
     from powerprof.workload.measure import run_measure
 
@@ -86,7 +92,7 @@ def test_another_client_for_part_of_a_measure_is_flagged_left_out_and_measured_a
     assert len(used) == 8
     for row, rec in used:
         assert not _overlaps(rec.t_send_ns, rec.t_end_ns, cl.intervals_ns), row["request_id"]
-    assert s.gpu_j_per_token == pytest.approx(_truth_jpt(sim, used), rel=0.01)
+    assert s.gpu_j_per_token == pytest.approx(_truth_jpt(sim, used), rel=TRUTH_REL)
     said = [n for n in res.notes if n.startswith("others' work ran beside the measurement")]
     assert len(said) == 1 and "concurrency 1" in said[0] and "not its own" in said[0], said
     meta = json.loads((tmp_path / "m" / "run.json").read_text())
@@ -113,7 +119,7 @@ def test_another_process_working_on_the_gpu_during_a_measure_is_flagged_and_left
     for row, rec in _used(res):
         if rec.concurrency == 1:
             assert not _overlaps(rec.quality.t_first_ns, rec.quality.t_last_ns, spans), row["request_id"]
-    assert s1.gpu_j_per_token == pytest.approx(_truth_jpt(sim, [p for p in _used(res) if p[1].concurrency == 1]), rel=0.01)
+    assert s1.gpu_j_per_token == pytest.approx(_truth_jpt(sim, [p for p in _used(res) if p[1].concurrency == 1]), rel=TRUTH_REL)
     assert any(n.startswith("others' work ran beside the measurement") and f"process(es) {by.pid}" in n for n in res.notes), res.notes
 
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import re
+import threading
 import time
 
 import aiohttp
@@ -124,6 +125,40 @@ def test_continuous_batching_truth_gives_every_busy_joule_to_the_requests_in_its
     assert len(truth) == 8
     assert sum(t["energy_j"] for t in truth) == pytest.approx(e1 - e0 - idle_j, rel=0.05)
     assert all(0 < t["prefill_energy_j"] < t["energy_j"] for t in truth)
+
+
+def test_the_step_schedule_a_stalled_loop_catches_up_or_restarts_is_in_the_truth():
+    # The virtual-vs-live cross-check (tests/test_sim_virtual_vs_realtime.py) compares the engines on the GPU's
+    # timeline, the step schedule: a request's first step's start on it, and every stall past STEP_CATCH_UP_NS
+    # (the schedule restarted: the GPU lost that time) as a (schedule, wake-up) pair.
+    from powerprof.sim.server import STEP_CATCH_UP_NS
+
+    with SimServer(SimNVML("a100-40g", state_path=None), flavour="vllm", n_slots=4, batching="continuous",
+                   decode_tok_s=50) as s:
+        stall_s = STEP_CATCH_UP_NS / 1e9 + 0.3
+
+        async def go():
+            async with aiohttp.ClientSession() as http:
+                body = {"model": "m", "prompt": "word " * 20, "max_tokens": 60, "ignore_eos": True}
+                async with http.post(s.url + "/v1/completions", json=body) as r:
+                    await r.read()
+
+        def stall_later():
+            time.sleep(0.3)  # mid-answer: 60 tokens at 50 tok/s take ~1.2 s
+            s._loop.call_soon_threadsafe(time.sleep, stall_s)  # blocks the server's own loop
+
+        th = threading.Thread(target=stall_later)
+        th.start()
+        asyncio.run(go())
+        th.join()
+        truth = list(s.truth)
+        restarts = list(s.schedule_restarts)
+    assert len(truth) == 1
+    assert 0 < truth[0]["t_prefill_start_sched_ns"] <= truth[0]["t_prefill_start_ns"]
+    assert truth[0]["t_arrive_ns"] <= truth[0]["t_prefill_start_sched_ns"]  # idle when it came: the schedule starts then
+    assert len(restarts) == 1
+    was, woke = restarts[0]
+    assert stall_s - 0.1 <= (woke - was) / 1e9 <= stall_s + 1.0
 
 
 def test_connections_are_handled_as_llama_server_and_uvicorn_handle_them():

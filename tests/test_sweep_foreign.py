@@ -64,8 +64,11 @@ def _counted(outcome, value):
             if v == value and rec.request_id in ids and r["request_id"] == rec.request_id and r["window_kind"] == "request"]
 
 
-def _check_truth(sim, outcome, value, rel=0.01):
-    """The counted windows' J/token against the simulated GPU's true energy over each."""
+def _check_truth(sim, outcome, value, rel=0.03):
+    """The counted windows' J/token against the simulated GPU's true energy over each. Within 3%: what is checked
+    is that no counted window holds others' work (+29% and +67% when it did); the windows' own timing on a loaded
+    host moves the median by up to 1.7% (one full-suite run at load 10: 3.286 against 3.343 at 300 W, a level
+    with no neighbour), which docs/benchmarks.md's loaded energy-window figures cover."""
     g = sim.gpus[0]
     pairs = [(row["gpu_j_per_token"], (g.true_energy_at_j(rec.t_last_ns) - g.true_energy_at_j(rec.t_first_ns))
               / rec.decode_tokens) for row, rec in _counted(outcome, value)]
@@ -104,11 +107,13 @@ def test_another_client_during_one_level_is_flagged_left_out_and_measured_again(
     assert not any("cannot be ruled out" in n for n in outcome.notes), outcome.notes
 
 
-def test_another_process_working_on_the_gpu_during_one_level_is_flagged_and_left_out(tmp_path):
+def _sweep_beside_a_gpu_neighbour_at_200(tmp_path, bystander_kw: dict, said: str):
+    """A sweep with another process on GPU 0 during level 200 only: that level is flagged, its windows beside the
+    process (saying `said`) are left out and measured again, and the counted ones are the GPU's truth."""
     sim = SimNVML("seed-16g", state_path=None, record_history=True)
     out = tmp_path / "run"
     with Rig("seed-16g", nvml=sim) as rig:
-        act, state = _while_at_200(lambda: rig.sim_bystander_gpu(0, power_w=60.0, share=0.3), lambda by: by.stop())
+        act, state = _while_at_200(lambda: rig.sim_bystander_gpu(0, **bystander_kw), lambda by: by.stop())
         outcome = _sweep(rig, out, _Hook(act))
     by = state["it"]
     levels = pq.read_table(out / "levels.parquet").to_pandas().set_index("level_value")
@@ -116,11 +121,16 @@ def test_another_process_working_on_the_gpu_during_one_level_is_flagged_and_left
     assert FOREIGN_FLAG not in (levels.loc[300.0, "flags"] or "")
     w = pq.read_table(out / "windows.parquet").to_pandas()
     left = w[(w.level_value == 200.0) & w.foreign_traffic.notna() & ~w.warmup]
-    assert len(left) >= 2 and left.foreign_traffic.str.contains("ran kernels on GPU 0").all(), left.foreign_traffic.tolist()
+    assert len(left) >= 2 and left.foreign_traffic.str.contains(said).all(), left.foreign_traffic.tolist()
     for row, rec in _counted(outcome, 200.0):
         assert not _overlaps(rec.t_first_ns, rec.t_last_ns, [tuple(x) for x in by.active_ns]), row["request_id"]
     for value in (300.0, 200.0):
         _check_truth(sim, outcome, value)
+    return outcome, by, left
+
+
+def test_another_process_working_on_the_gpu_during_one_level_is_flagged_and_left_out(tmp_path):
+    outcome, by, _ = _sweep_beside_a_gpu_neighbour_at_200(tmp_path, dict(power_w=60.0, share=0.3), "ran kernels on GPU 0")
     assert any(n.startswith("others' work ran beside the sweep") and f"process(es) {by.pid}" in n for n in outcome.notes), outcome.notes
 
 
@@ -242,23 +252,9 @@ def test_a_process_streaming_memory_without_kernels_is_flagged_and_left_out(tmp_
     """A neighbour that moves data with the copy engines (a KV cache offloaded over PCIe) runs no kernels: SM
     utilisation 0, 40% of the memory bandwidth. Before: judged by its kernels only, it was "harmless" and level
     200 W gave 3.56 J/token and 56 tok/s where the level alone gives 2.65 and 75 (+34%, -26%), unflagged."""
-    sim = SimNVML("seed-16g", state_path=None, record_history=True)
-    out = tmp_path / "run"
-    with Rig("seed-16g", nvml=sim) as rig:
-        act, state = _while_at_200(lambda: rig.sim_bystander_gpu(0, share=0.0, mem_share=0.4), lambda by: by.stop())
-        outcome = _sweep(rig, out, _Hook(act))
-    by = state["it"]
-    levels = pq.read_table(out / "levels.parquet").to_pandas().set_index("level_value")
-    assert FOREIGN_FLAG in levels.loc[200.0, "flags"].split(","), levels.loc[200.0, "flags"]
-    assert FOREIGN_FLAG not in (levels.loc[300.0, "flags"] or "")
-    w = pq.read_table(out / "windows.parquet").to_pandas()
-    left = w[(w.level_value == 200.0) & w.foreign_traffic.notna() & ~w.warmup]
-    assert len(left) >= 2 and left.foreign_traffic.str.contains("without kernels on GPU 0").all(), left.foreign_traffic.tolist()
+    outcome, by, left = _sweep_beside_a_gpu_neighbour_at_200(tmp_path, dict(share=0.0, mem_share=0.4),
+                                                             "without kernels on GPU 0")
     assert left.foreign_traffic.str.contains("40% of the memory bandwidth").any(), left.foreign_traffic.tolist()
-    for row, rec in _counted(outcome, 200.0):
-        assert not _overlaps(rec.t_first_ns, rec.t_last_ns, [tuple(x) for x in by.active_ns]), row["request_id"]
-    for value in (300.0, 200.0):
-        _check_truth(sim, outcome, value)
     assert any(f"process(es) {by.pid}" in n for n in outcome.notes), outcome.notes
 
 
@@ -335,3 +331,46 @@ def test_vllm_another_clients_request_running_at_a_batchs_end_is_still_seen_afte
                            Tally(0, tokens=5.0, tokens_name="llamacpp:tokens_predicted_total", in_flight=1.0))
     w = ForeignWatch(_t(1000, 10))
     assert "in flight" in (w.judge(_t(1128, 11, run=1), [_Rec(128)]) or "")
+
+
+# --- SGLang (the simulator's sglang flavour) ------------------------------------------------------------------
+
+
+class _IdleHook(_Hook):
+    """Starts another client when the sweep's idle baseline begins; stops it at the first level."""
+
+    def __init__(self, url):
+        super().__init__(start=lambda v: self.stop())
+        self.url, self.client = url, None
+
+    def idle(self, seconds):
+        from powerprof.sim.bystander import ClientBystander
+
+        self.client = ClientBystander(self.url, max_tokens=16, api="openai").start()
+
+    def stop(self):
+        if self.client is not None:
+            self.client.stop()
+
+
+def test_another_client_during_an_idle_sglangs_baseline_is_seen_though_its_counter_was_not_yet_on_metrics(tmp_path):
+    """A freshly started SGLang (--skip-server-warmup) shows no sglang:generation_tokens_total until a request
+    finishes (prometheus_client's multiprocess mode), and its gauges are not read (SGLANG_STALE_GAUGES). Before, the
+    idle baseline's first read of its books had no token counter, so the other client's requests that finished
+    during the idle window were never compared: the idle power took their work in without a word. A counter absent
+    from a server known to be SGLang reads 0: the baseline is thrown away and said."""
+    from powerprof.sim.server import SimServer
+
+    sim = SimNVML("seed-16g", state_path=None)
+    out = tmp_path / "run"
+    with SimServer(sim, flavour="sglang", sglang_warmup=False, decode_tok_s=80.0) as srv:
+        ui = _IdleHook(srv.url)
+        try:
+            with Rig("seed-16g", nvml=sim) as rig:
+                outcome = _sweep(rig, out, ui, url=srv.url, levels_spec="300", idle_s=2.0,
+                                 params=RequestParams(max_tokens=32))
+        finally:
+            ui.stop()
+    assert ui.client.requests >= 1, ui.client.errors  # the other client's work finished within the idle window
+    said = [n for n in outcome.notes + ui.notes if "no idle baseline" in n]
+    assert said and "sglang:generation_tokens_total" in said[0], outcome.notes + ui.notes

@@ -10,10 +10,12 @@ Files are written under a temporary name and renamed, so a failed export leaves 
 file already there (an earlier export) is kept, the export refused, unless `force` says to replace it.
 
 A row read twice is written once, by the key `analyze` counts it once by (rowkeys.py): a daemon table's, sweep windows', levels' or samples'
-(or a tuner's decisions') copies are found in its rows sorted by their key before anything is written, and only a table that
-has some is written from its rows sorted by time and key, each once (DuckDB's sort spills to disk past
-its memory limit: memory stays flat however many rows); a sweep run given twice (the same run_id) adds none
-of its identical files, and its tables that differ are written each row once. One key with rows that differ is refused.
+(or a tuner's decisions') copies are found in its keys sorted alone before anything is written (DuckDB's sort spills
+to disk past its memory limit: memory stays flat however many rows). Only a table that has some is read a second
+time, narrow (key, a hash of the row, its place in the scan), to mark each copy's place in a bit per row; the
+write is then the same plain scan as a table without copies, in the same order, less the marked rows; a sweep
+run given twice (the same run_id) adds none of its identical files, and its tables that differ are written each
+row once. One key with rows that differ is refused.
 """
 
 from __future__ import annotations
@@ -406,7 +408,7 @@ def export(src, fmt: str, out=None, time_from: str | None = None, time_to: str |
                              "its decisions): each is written as it is, so a copy among them (a copied folder or "
                              "file) is written twice")
     # Little read-ahead: memory stays near one row group per table however large the dataset.
-    scans = {s.name: _Once(s, plan[s.name], _filter(s, t_from, t_to), copies[s.name].key, batch_rows)
+    scans = {s.name: _Once(s, plan[s.name], _filter(s, t_from, t_to), copies[s.name], batch_rows)
              if s.name in copies and copies[s.name].dropped else
              s.dataset.scanner(columns=plan[s.name], filter=_filter(s, t_from, t_to), batch_size=batch_rows,
                                batch_readahead=1, fragment_readahead=1)
@@ -462,6 +464,8 @@ class Copies:
     dropped: int  # rows beyond the first of their key
     places: list[tuple[str, int, list[str]]]  # (host, or dataset folder, rows dropped, folders holding the copies)
     why: str = WHY  # how a key comes to be found twice
+    rows: int = 0  # rows the scan yields (filtered), copies and keyless rows included
+    marks: object = None  # numpy uint8: bit i (little-endian within a byte) set = the scan's row i is a copy
 
     def note(self) -> str:
         def where(folders: list[str]) -> str:
@@ -500,11 +504,32 @@ def _reader(src: Source, columns: list[str], filt, batch_rows: int = BATCH_ROWS)
                                fragment_readahead=1).to_reader()
 
 
-def _sorted(con, src: Source, columns: list[str], filt, sql: str, batch_rows: int = BATCH_ROWS):
-    """Record batches of `sql` over the table's rows (as `raw`). An ORDER BY is DuckDB's external sort, which
-    spills to disk within the memory limit; a DISTINCT or GROUP BY keeps a slot per key in memory (10 M keys
-    failed at 256 MB)."""
-    con.register("raw", _reader(src, columns, filt, batch_rows))
+ROW = "__row"  # the scan's row number, beside the columns read (pyarrow's own such columns are __filename, ...)
+
+
+def _numbered(reader: pa.RecordBatchReader, seen: list[int]) -> pa.RecordBatchReader:
+    """The reader's batches with each row's number in the scan (ROW); seen[0] ends as the number of rows.
+    A scan of a dataset yields its files' batches in order, so the same filter numbers the same rows alike."""
+    import numpy as np  # noqa: PLC0415
+
+    schema = reader.schema.append(pa.field(ROW, pa.int64()))
+
+    def batches():
+        for b in reader:
+            yield pa.RecordBatch.from_arrays([*b.columns, pa.array(np.arange(seen[0], seen[0] + b.num_rows))],
+                                             schema=schema)
+            seen[0] += b.num_rows
+
+    return pa.RecordBatchReader.from_batches(schema, batches())
+
+
+def _sorted(con, src: Source, columns: list[str], filt, sql: str, batch_rows: int = BATCH_ROWS,
+            seen: list[int] | None = None):
+    """Record batches of `sql` over the table's rows (as `raw`; with `seen`, numbered: see _numbered). An ORDER BY
+    is DuckDB's external sort, which spills to disk within the memory limit; a DISTINCT or GROUP BY keeps a slot
+    per key in memory (10 M keys failed at 256 MB)."""
+    reader = _reader(src, columns, filt, batch_rows)
+    con.register("raw", reader if seen is None else _numbered(reader, seen))
     rel = con.sql(sql)
     return rel.to_arrow_reader(batch_rows) if hasattr(rel, "to_arrow_reader") else rel.fetch_record_batch(batch_rows)
 
@@ -547,10 +572,15 @@ def _copies_of(src: Source, filt) -> Copies | None:
 
 
 def find_copies(src: Source, filt) -> Copies | None:
-    """How many rows of a daemon table are copies, per host and folder, from the rows sorted by their key
-    (DuckDB, out of core): a row whose key equals the one before it is a copy. Copies are compared whole,
-    by a hash of every column: a key whose rows differ is one event with two versions, at most one of them
-    true, and the export is refused (ExportError). None for a table without a key."""
+    """How many rows of a daemon table are copies, per host and folder, and which rows of the scan they are,
+    from the rows sorted by their key and their place in the scan (DuckDB, out of core): a row whose key equals
+    the one before it is a copy, so the first in the scan of each key is the one kept. Copies are compared
+    whole, by a hash of every column: a key whose rows differ is one event with two versions, at most one of
+    them true, and the export is refused (ExportError). None for a table without a key.
+
+    Only the sorted rows are narrow (key, hash, file, place, row number: every column is read to hash it,
+    none carried through the sort); the copies' places are kept as one bit per row of the scan (18 M rows:
+    2.2 MB), for _Once to leave them out of the plain scan."""
     key = row_key(src)
     if key is None:
         return None
@@ -574,14 +604,16 @@ def find_copies(src: Source, filt) -> Copies | None:
         host = (f"CASE WHEN host IS NULL THEN {folder_sql(src.name, '__filename')} ELSE host END"
                 if "host" in names else folder_sql(src.name, "__filename"))
         sql = (f"SELECT {k}, hash({', '.join(ident(c) for c in names)}) AS _h, hash(__filename) AS _f, "
-               f"{host} AS _place FROM raw {keyed}")
+               f"{host} AS _place, {ROW} FROM raw WHERE NOT {keyless_sql(key)} ORDER BY {k}, {ROW}")
+        seen = [0]
+        marks = np.zeros(1 << 16, np.uint8)  # grown as rows come: bit i of the scan's row i
         adj = _Adjacent(key)
         prev_h = prev_f = None
         group = 0
         places: dict[str, list] = {}
         conflicting: set[int] = set()
         example = None
-        for b in _sorted(con, src, names + ["__filename"], filt, sql):
+        for b in _sorted(con, src, names + ["__filename"], filt, sql, seen=seen):
             same = adj.same(b)
             h = b.column("_h").to_numpy(zero_copy_only=False)
             f = b.column("_f").to_numpy(zero_copy_only=False)
@@ -598,10 +630,16 @@ def find_copies(src: Source, filt) -> Copies | None:
                     example = ([b.column(c)[i].as_py() for c in key], int(pf[i]), int(f[i]))
             if same.any():
                 idx = np.flatnonzero(same)
-                place = b.column("_place").take(pa.array(idx)).to_pylist()
-                for p_, a, c in zip(place, pf[idx].tolist(), f[idx].tolist()):
+                row = b.column(ROW).to_numpy()[idx]
+                if int(row.max()) >> 3 >= len(marks):
+                    marks = np.concatenate([marks, np.zeros(max(len(marks), (int(row.max()) >> 3) + 1), np.uint8)])
+                np.bitwise_or.at(marks, row >> 3, np.left_shift(1, row & 7).astype(np.uint8))
+                # Counted per place and pair of files by Arrow, not row by row in Python (a synced fleet: every row).
+                per = pa.table({"p": b.column("_place").take(pa.array(idx)), "a": pf[idx], "c": f[idx]}).group_by(
+                    ["p", "a", "c"]).aggregate([("p", "count", pc.CountOptions(mode="all"))])
+                for p_, a, c, n in zip(*(per.column(x).to_pylist() for x in ("p", "a", "c", "p_count"))):
                     e = places.setdefault(p_, [0, set()])
-                    e[0] += 1
+                    e[0] += n
                     e[1].update((a, c))
     if conflicting:
         which = ", ".join(f"{c}={v}" for c, v in zip(key, example[0]))
@@ -612,42 +650,42 @@ def find_copies(src: Source, filt) -> Copies | None:
             "Remove the file that is wrong, or export the folders separately")
     return Copies(src.name, key, sum(n for n, _ in places.values()),
                   [(p_, n, sorted({files[x][1] for x in fs if x in files})) for p_, (n, fs) in sorted(places.items())],
-                  why_of(key))
+                  why_of(key), seen[0], marks)
 
 
 class _Once:
-    """A scan of a daemon table that yields each row once, in time order, then every row without a key (each
-    its own). find_copies has made sure that the rows of one key are equal in every column, so sorted by
-    time and key they lie side by side: a row whose key equals the one before it is dropped. DuckDB's sort
-    spills to disk within its memory limit; only a table with copies takes this path (a plain scan streams)."""
+    """The plain scan of a table (the same columns, filter and order as a table without copies), less the rows
+    find_copies marked as copies: each row once, the first of its key in the scan kept, every keyless row kept
+    (each its own). find_copies has made sure that the rows of one key are equal in every column, so which one
+    is kept changes nothing written. It numbered the rows of the same scan; a scan that yields another number
+    of rows (a file replaced between the two reads) is refused rather than have the wrong rows left out."""
 
-    def __init__(self, src: Source, columns: list[str], filt, key: tuple[str, ...], batch_rows: int):
-        self.src, self.columns, self.filt, self.key, self.batch_rows = src, columns, filt, key, batch_rows
-        self.projected_schema = pa.schema([src.dataset.schema.field(c) for c in columns])
-
-    def _project(self, b: pa.RecordBatch) -> pa.RecordBatch:
-        # DuckDB's types back to the table's own (its TIMESTAMPTZ carries the session's zone).
-        return pa.RecordBatch.from_arrays([b.column(f.name).cast(f.type) for f in self.projected_schema],
-                                          schema=self.projected_schema)
+    def __init__(self, src: Source, columns: list[str], filt, copies: Copies, batch_rows: int):
+        self.copies = copies
+        self.scan = src.dataset.scanner(columns=columns, filter=filt, batch_size=batch_rows, batch_readahead=1,
+                                        fragment_readahead=1)
+        self.projected_schema = self.scan.projected_schema
 
     def to_batches(self):
-        from .engine import connect  # noqa: PLC0415
+        import numpy as np  # noqa: PLC0415
 
-        read = list(dict.fromkeys([*self.columns, *self.key]))
-        cols = ", ".join(ident(c) for c in read)
-        keyless = keyless_sql(self.key)
-        when = time_column(self.src.dataset.schema)
-        order = ", ".join(ident(c) for c in ([when] if when else []) + list(self.key))
-        adj = _Adjacent(self.key)
-        with connect() as con:
-            for b in _sorted(con, self.src, read, self.filt,
-                             f"SELECT {cols} FROM raw WHERE NOT {keyless} ORDER BY {order}", self.batch_rows):
-                keep = ~adj.same(b)
-                if keep.any():
-                    yield self._project(b.filter(pa.array(keep)))
-            for b in _sorted(con, self.src, read, self.filt, f"SELECT {cols} FROM raw WHERE {keyless}",
-                             self.batch_rows):
-                yield self._project(b)
+        marks, rows, at = self.copies.marks, self.copies.rows, 0
+        for b in self.scan.to_batches():
+            n = b.num_rows
+            if at + n > rows:
+                break
+            lo = at >> 3
+            bits = np.unpackbits(marks[lo:(at + n + 7) >> 3], bitorder="little")
+            copy = np.zeros(n, bool)
+            got = bits[at - 8 * lo:at - 8 * lo + n].astype(bool)
+            copy[:len(got)] = got  # marks end at the last copy's byte: rows past it are no copies
+            at += n
+            yield b.filter(pa.array(~copy)) if copy.any() else b
+        else:
+            if at == rows:
+                return
+        raise ExportError(f"table {self.copies.table}: its files changed while the export read them (a compaction "
+                          "or a sync running?); nothing of it written. Export again once they are still")
 
 
 def _without_copied_runs(srcs: list[str], groups: list[list[Source]], notes: list[str] | None) -> list[list[Source]]:

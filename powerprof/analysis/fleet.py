@@ -86,10 +86,10 @@ COLUMNS = {
 
 def read_sql(files: list[str]) -> str:
     """DuckDB table expression over several datasets' files of one table: columns matched by name, each
-    row with its file. No hive partitioning: DuckDB would read any `host=` folder in the path (one
+    row with its file's name. No hive partitioning: DuckDB would read any `host=` folder in the path (one
     above the datasets too) as every row's host, over the `host` the daemon wrote into the row."""
     return (f"read_parquet([{', '.join(_quote(f) for f in files)}], hive_partitioning = false, "
-            "union_by_name = true, filename = true, file_row_number = true)")
+            "union_by_name = true, filename = true)")
 
 
 def _table_sql(con, table: str, files: list[str]) -> str:
@@ -97,30 +97,41 @@ def _table_sql(con, table: str, files: list[str]) -> str:
 
     The host is the row's own; for rows written before the column existed, a `host=NAME` folder's NAME
     (the layout docs/fleet.md gives for Trino), else `(unknown) <dataset folder>`: two older nodes
-    must not merge into one row whose J/token blends both."""
+    must not merge into one row whose J/token blends both.
+
+    Finding copies takes one slot per key (a hash aggregate: past the engine's memory limit it spills, and
+    with every column read as its payload a fleet's 18 M rows took ~20x a plain GROUP BY). So the keys
+    alone are grouped first: where no key is found twice (the usual case) the rows are each their own and
+    stream into the per-host sums; only where some key is found twice are the rows grouped whole."""
     cols = COLUMNS[table]
     if files:
         src = read_sql(files)
         names = {r[0] for r in con.execute(f"DESCRIBE SELECT * FROM {src}").fetchall()}
         sel = ", ".join(c if c in names else f"CAST(NULL AS {t}) AS {c}" for c, t in cols.items())
-        raw = f"SELECT {sel}, filename, file_row_number FROM {src}"
+        raw = f"SELECT {sel}, filename FROM {src}"
     else:
         sel = ", ".join(f"CAST(NULL AS {t}) AS {c}" for c, t in cols.items())
-        raw = f"SELECT {sel}, NULL::VARCHAR AS filename, NULL::BIGINT AS file_row_number WHERE false"
+        raw = f"SELECT {sel}, NULL::VARCHAR AS filename WHERE false"
     folder = folder_sql(table)
     label = (f"coalesce(host, nullif(regexp_extract({folder}, '/host=([^/]+)$', 1), ''), "
              f"'(unknown) ' || {folder})")
     key = KEYS[table]
-    keyless = keyless_sql(key)  # every such row is its own, by its file and place in it
-    aggs = ", ".join(f"any_value({c}) AS {c}" for c in cols if c not in ("host", *key))
+    keyless = keyless_sql(key)  # every such row is its own, never a copy
+    other = [c for c in cols if c not in ("host", *key)]
+    k = ", ".join(key)
+    copied = files and con.execute(f"SELECT EXISTS (SELECT 1 FROM ({raw}) WHERE NOT {keyless} "
+                                   f"GROUP BY {k} HAVING count(*) > 1)").fetchall()[0][0]
+    if not copied:
+        return f"(SELECT {label} AS host, {k}, {', '.join(other)}, 1 AS copies, 0 AS conflicts FROM ({raw}))"
+    rows = (f"SELECT {label} AS host, {k}, {', '.join(other)}, hash({k}, {', '.join(other)}) AS _h, "
+            f"{keyless} AS _keyless FROM ({raw})")
+    aggs = ", ".join(f"any_value({c}) AS {c}" for c in other)
     # Copies are equal in every column read; one key whose rows differ (lowest and highest hash of a row
     # apart) is one event with two values, and any_value would pick one blindly: counted, then refused.
-    return (f"(SELECT min(host) AS host, {', '.join(key)}, {aggs}, count(*) AS copies, "
-            f"CAST(min(_h) <> max(_h) AS BIGINT) AS conflicts FROM ("
-            f"SELECT {label} AS host, {', '.join(c for c in cols if c != 'host')}, "
-            f"hash({', '.join(c for c in cols if c != 'host')}) AS _h, "
-            f"CASE WHEN {keyless} THEN filename END AS _file, CASE WHEN {keyless} THEN file_row_number END AS _row "
-            f"FROM ({raw})) GROUP BY {', '.join(key)}, _file, _row)")
+    return (f"(WITH rows AS ({rows}) "
+            f"SELECT min(host) AS host, {k}, {aggs}, count(*) AS copies, "
+            f"CAST(min(_h) <> max(_h) AS BIGINT) AS conflicts FROM rows WHERE NOT _keyless GROUP BY {k} "
+            f"UNION ALL SELECT host, {k}, {', '.join(other)}, 1, 0 FROM rows WHERE _keyless)")
 
 
 def _sane(*cols: str) -> str:

@@ -42,8 +42,11 @@ def prompt_size(doc: dict, api: str | None) -> tuple[int | None, int | None]:
             elif c is not None:
                 return None, None
         return n, None
-    if api in ("openai-completions", "llamacpp"):
-        p = doc.get("prompt", doc.get("content") if api == "llamacpp" else None)
+    if api in ("openai-completions", "llamacpp", "sglang-generate"):
+        if api == "sglang-generate":
+            p = doc.get("text", doc.get("input_ids"))
+        else:
+            p = doc.get("prompt", doc.get("content") if api == "llamacpp" else None)
         if isinstance(p, str):
             return len(p), None
         if isinstance(p, list) and p and all(isinstance(x, int) and not isinstance(x, bool) for x in p):

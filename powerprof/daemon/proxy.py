@@ -212,6 +212,11 @@ def request_choices(doc: dict, api: str | None) -> int:
     integer, or is over MAX_SEQUENCES: the server refuses such a request). The ledger needs it apart from the
     sequences: vLLM says a prompt once for its n choices, llama.cpp once per choice."""
     n = doc.get("n") if api in ("openai-chat", "openai-completions") else None
+    if api == "sglang-generate":
+        # SGLang's sampling_params: one dict, or one per prompt, each with the same `n` (its parallel_sample_num).
+        sp = doc.get("sampling_params")
+        sp = sp[0] if isinstance(sp, list) and sp else sp
+        n = sp.get("n") if isinstance(sp, dict) else None
     return n if type(n) is int and 1 < n <= MAX_SEQUENCES else 1
 
 
@@ -227,6 +232,11 @@ def request_sequences(doc: dict, api: str | None) -> int:
     if api in ("openai-completions", "llamacpp"):
         p = doc.get("prompt", doc.get("content") if api == "llamacpp" else None)
         if isinstance(p, list) and len(p) > 1 and not any(type(x) is int for x in p):
+            seqs *= len(p)
+    elif api == "sglang-generate":
+        # SGLang's batch: `text` a list of strings, `input_ids` a list of id lists (one list of ids is one prompt).
+        p = doc.get("text", doc.get("input_ids"))
+        if isinstance(p, list) and len(p) > 1 and not any(type(x) is int for x in p) and len(p) * seqs <= MAX_SEQUENCES:
             seqs *= len(p)
     return seqs
 
@@ -526,7 +536,9 @@ class Proxy:
                 is_sse = "text/event-stream" in ctype or (trace.stream and "json" not in ctype)
                 try:
                     if is_sse:
-                        sink.parser = streams.new_parser(trace.api, echo=trace.extra.get("echo", False))
+                        sink.parser = streams.new_parser(trace.api, echo=trace.extra.get("echo", False),
+                                                         choices=trace.extra.get("choices", 1),
+                                                         sequences=trace.extra.get("sequences", 1))
                         trace.stream = True
                     else:
                         sink.body_copy = bytearray()
@@ -638,9 +650,11 @@ class Proxy:
 
     def _body_done(self, trace: RequestTrace, body: bytes) -> None:
         """A non-streamed generation: its tokens are spread over its decode time (see docs)."""
-        counts = streams.body_counts(trace.api, body)
+        counts = streams.body_counts(trace.api, body, trace.extra.get("choices", 1), trace.extra.get("sequences", 1))
         trace.counts = counts
         n = counts.generated_tokens or 0
+        if counts.listed_tokens is not None:
+            n = counts.listed_tokens  # its count contradicts the tokens it listed: what it listed, never the count
         if n <= 0:
             return
         now = time.monotonic_ns()

@@ -1,7 +1,11 @@
 """Scrape the inference server's own token counters: a cross-check and a view of unproxied traffic.
 
 - vLLM: `vllm:generation_tokens_total` on /metrics, updated every engine step.
-- SGLang: `sglang:generation_tokens_total` on /metrics (moves when a request finishes).
+- SGLang: `sglang:generation_tokens_total` on /metrics (moves when a request finishes). Its /metrics is
+  prometheus_client's multiprocess collector, which shows a labelled family only once set: until its first
+  request finishes (its warm-up's, none with --skip-server-warmup) the counter is absent, and the page may be
+  empty. A server known to be SGLang (configured, or `/v1/models` says `owned_by: sglang`) whose /metrics
+  answers without the counter has counted nothing yet: that reads 0, a baseline like any other.
 - llama.cpp: `llamacpp:tokens_predicted_total` on /metrics (llama-server --metrics) counts
   finished requests only, and `/slots` shows each running request's `n_decoded` but resets it
   to 0 when the request ends. Neither alone sees every token, so the count is the two added:
@@ -164,9 +168,16 @@ class Scraper:
                 for kind, name in (*COUNTERS.items(), ("llamacpp", LLAMACPP_COUNTER)):
                     if name.split(":")[0] + ":" in text:
                         return kind
+            metrics_ok = status == 200
             status, text = await self._get("/slots")
             if status == 200 and isinstance(json.loads(text), list):
                 return "llamacpp"
+            if metrics_ok:  # an idle SGLang's /metrics may hold none of its families yet: ask what it is
+                status, text = await self._get("/v1/models")
+                models = json.loads(text) if status == 200 else None
+                data = models.get("data") if isinstance(models, dict) else None
+                if isinstance(data, list) and data and isinstance(data[0], dict) and data[0].get("owned_by") == "sglang":
+                    return "sglang"
         except (aiohttp.ClientError, OSError, ValueError, TimeoutError):
             return None
         return None
@@ -187,6 +198,8 @@ class Scraper:
                 if status != 200:
                     raise ValueError(f"/metrics answered {status}")
                 total = counter_total(text, COUNTERS[self.kind])
+                if total is None and self.kind == "sglang":
+                    total = 0.0  # not yet set: no request has finished (module docstring)
                 if total is None:
                     raise ValueError(f"{COUNTERS[self.kind]} missing from /metrics")
                 prev, self._last_total = self._last_total, total

@@ -793,6 +793,12 @@ class Daemon:
         """Listeners (proxy, /metrics, tag socket), the sampler, the writer and the loops."""
         cfg = self.cfg
         upstream = self.upstream
+        scrape_url = cfg.get("scrape", "url") or upstream
+        if scrape_url and cfg.get("scrape", "server") != "none":
+            self.scraper = Scraper(session, scrape_url, cfg.get("scrape", "server"))
+            # Before the proxy listens: a request it took during this read (up to BASELINE_WAIT_S on a slow server)
+            # would have its tokens taken into the baseline, a count low with nothing to say it (10 of 150).
+            await self._scrape_baseline()
         listen = cfg.get("proxy", "listen")
         if listen and upstream:
             proxy_kwargs = dict(
@@ -812,12 +818,7 @@ class Daemon:
             log.warning("proxy disabled: no proxy.upstream configured")
         if cfg.get("metrics", "listen"):
             self.urls["metrics"] = await self._serve(self._metrics_app(), cfg.get("metrics", "listen"), "metrics endpoint")
-        scrape_url = cfg.get("scrape", "url") or upstream
-        if scrape_url and cfg.get("scrape", "server") != "none":
-            self.scraper = Scraper(session, scrape_url, cfg.get("scrape", "server"))
         await self._serve_tags()
-        if self.scraper is not None:
-            await self._scrape_baseline()
         self.sampler.start()
         self.flusher.start()
         self._tasks.append(asyncio.create_task(self._tick_loop()))

@@ -348,32 +348,31 @@ class DatasetStore:
 
     def finish_compactions(self) -> None:
         """Finish what a compaction child that died left (its journal), under the writers' lock."""
-        with self._io_lock, _CompactionLock(self.root, COMPACTION_LOCK_WAIT_S) as lock:
-            if not lock.acquired:
-                log.warning("a compaction still holds %s; its journal is finished at the next compaction", COMPACTION_LOCK)
-                return
-            for name in self.datasets:
-                for part in self.partitions(name):
-                    journal = part / JOURNAL
-                    if journal.exists():
-                        self._finish_compaction(part, journal)
+        with self._io_lock:
+            self._finish_journals(remove_tmp=False)
 
     def recover(self) -> None:
-        """Undo what a crash left: temporary files and half-done compactions. Waits for a compaction child
-        of a daemon killed just before (it is being stopped): judged while it runs, a journal whose target
-        is not yet in place would be dropped, and the child's rename then leave every row twice."""
+        """Undo what a crash left: temporary files and half-done compactions."""
+        self._finish_journals(remove_tmp=True)
+
+    def _finish_journals(self, remove_tmp: bool) -> None:
+        """Every partition's compaction journal finished (and, at start, its temporaries removed), under the
+        compaction lock: it waits for a compaction child of a daemon killed just before (it is being stopped).
+        Judged while that child runs, a journal whose target is not yet in place would be dropped, and the
+        child's rename then leave every row twice."""
         with _CompactionLock(self.root, COMPACTION_LOCK_WAIT_S) as lock:
             if not lock.acquired:
-                log.warning("a compaction still holds %s after %.0f s; its journal and temporary files are left "
-                            "to the next compaction", COMPACTION_LOCK, COMPACTION_LOCK_WAIT_S)
+                log.warning("a compaction still holds %s after %.0f s; its journal%s left to the next compaction",
+                            COMPACTION_LOCK, COMPACTION_LOCK_WAIT_S, " and temporary files are" if remove_tmp else " is")
                 return
             for name in self.datasets:
                 for part in self.partitions(name):
                     journal = part / JOURNAL
                     if journal.exists():
                         self._finish_compaction(part, journal)
-                    for tmp in part.glob(".*.tmp"):
-                        tmp.unlink(missing_ok=True)
+                    if remove_tmp:
+                        for tmp in part.glob(".*.tmp"):
+                            tmp.unlink(missing_ok=True)
 
     def _finish_compaction(self, part: Path, journal: Path) -> None:
         try:

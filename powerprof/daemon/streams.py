@@ -29,6 +29,8 @@ def api_for_path(path: str) -> str | None:
         return "openai-responses"
     if p.endswith("/v1/messages"):
         return "anthropic-messages"
+    if p == "/generate":
+        return "sglang-generate"  # SGLang's native endpoint (its frontend language, many deployments)
     return None
 
 
@@ -111,6 +113,9 @@ class Counts:
     # False: the server said each prompt once for all its choices (vLLM, SGLang: computed once, the other choices hit
     # the prefix cache). Alike for one choice.
     prompt_each_task: bool = False
+    # A whole answer's tokens as it listed them (SGLang's output_ids), where its count contradicts them: what the
+    # proxy saw, the tokens its row keeps instead of the count (count_problem); None otherwise.
+    listed_tokens: int | None = None
 
 
 def summary_counts(summary, streamed: bool = True) -> Counts:
@@ -127,6 +132,9 @@ def summary_counts(summary, streamed: bool = True) -> Counts:
         problem = count_problem(summary.counted_tokens, gen, summary.running_counts)
     elif summary.first_choice_of is not None and gen:
         problem = first_choice_only(summary.first_choice_of, gen)
+    elif summary.api == "sglang-generate" and summary.running_counts:
+        # A whole SGLang answer lists its tokens (output_ids): its count is checked against them as a stream's is.
+        problem = count_problem(summary.counted_tokens, gen, True)
     return Counts(
         generated_tokens=gen if gen or summary.counted_tokens else None,
         prompt_tokens=summary.prompt_tokens,
@@ -143,16 +151,18 @@ def summary_counts(summary, streamed: bool = True) -> Counts:
         count_problem_kind=problem.kind if problem else None,
         server_error=summary.server_error,
         prompt_each_task=summary.prompt_each_task,
+        listed_tokens=summary.counted_tokens if problem is not None and not streamed else None,
     )
 
 
-def new_parser(api: str, echo: bool = False) -> StreamParser:
+def new_parser(api: str, echo: bool = False, choices: int = 1, sequences: int = 1) -> StreamParser:
     """A counting parser: plain token chunks are counted from their bytes, not parsed (see StreamParser); `echo`:
-    the request asked for its prompt echoed (its first chunks carry it)."""
-    return StreamParser(api, count_only=True, echo=echo)
+    the request asked for its prompt echoed (its first chunks carry it); `choices`, `sequences`: the request's n
+    and its sequences in all (SGLang's /generate says each prompt in each of its n sequences)."""
+    return StreamParser(api, count_only=True, echo=echo, choices=choices, sequences=sequences)
 
 
-def body_counts(api: str, body: bytes) -> Counts:
-    """Counts from a non-streamed JSON response (usage or llama.cpp timings)."""
-    _events, summary = parse_response(api, body)
+def body_counts(api: str, body: bytes, choices: int = 1, sequences: int = 1) -> Counts:
+    """Counts from a non-streamed JSON response (usage, llama.cpp timings, SGLang's meta_info)."""
+    _events, summary = parse_response(api, body, choices, sequences)
     return summary_counts(summary, streamed=False)

@@ -16,7 +16,7 @@ import sys
 from . import knobs
 from .nvml import SimNVML
 from .profiles import DEFAULT_PROFILE, PROFILES, get_profile
-from .server import SimServer, until_signalled
+from .server import FLAVOURS, SimServer, until_signalled
 
 SETTINGS_POLL_S = 0.02  # how soon a power limit set by another process slows this server
 
@@ -26,7 +26,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--host", default="127.0.0.1")
     ap.add_argument("--port", type=int, default=8080)
     ap.add_argument("--profile", default=DEFAULT_PROFILE, choices=sorted(PROFILES))
-    ap.add_argument("--flavour", default="llamacpp", choices=["llamacpp", "vllm"])
+    ap.add_argument("--flavour", default="llamacpp", choices=list(FLAVOURS),
+                    help="which server's wire formats and /metrics it speaks")
     ap.add_argument("--spec-draft-n-max", "--draft", "--draft-max", dest="draft", type=int, default=None,
                     help="draft tokens per step (0: no speculative decoding; default: the profile's)")
     ap.add_argument("-np", "--parallel", dest="n_slots", type=int, default=1, help="slots (concurrent sequences)")

@@ -8,7 +8,9 @@ together); a prefill pauses decoding. Speculative profiles emit several tokens p
 deterministic simulated draft acceptance. `n > 1` choices are n sequences in the batch, an
 embedding (`/v1/embeddings`, with `embeddings=True`) a prefill of its input and no decode; the wire
 formats of `n > 1`, `/v1/messages`, `/v1/responses` and `/v1/embeddings` are each flavour's own
-(llama.cpp's captured from llama-server b11434, vLLM's read from its source: docs/simulator.md).
+(llama.cpp's captured from llama-server b11434, vLLM's read from its source: docs/simulator.md). The
+SGLang flavour (read from its source) serves its native `/generate`, `/get_model_info`, `/get_server_info`
+and its multiprocess-mode /metrics, whose families appear only once first set (SGLANG_* below).
 
     with SimServer(profile="seed-16g") as srv:
         srv.url  # http://127.0.0.1:PORT
@@ -141,6 +143,9 @@ class _Req:
     draft_n: int = 0
     draft_accepted: int = 0
     t_prefill_start_ns: int = 0
+    # Where its first step began on the step schedule (not when the loop launched it): a loop late past its
+    # schedule admits what arrived meanwhile into a step that began on the GPU's timeline before that arrival.
+    t_prefill_start_sched_ns: int = 0
     t_prefill_end_ns: int = 0
     emissions: list = field(default_factory=list)  # (t_ns, n_tokens)
     # Per emission, how far after its step's end on the schedule the loop got to it: the truth's
@@ -167,6 +172,18 @@ STEP_CATCH_UP_NS = 1_000_000_000
 # (CPPHTTPLIB_KEEPALIVE_MAX_COUNT), both as llama-server's `Keep-Alive: timeout=5, max=100` says.
 IDLE_CLOSE_S = 5.0
 LLAMACPP_MAX_ANSWERS_PER_CONNECTION = 100
+
+FLAVOURS = ("llamacpp", "vllm", "sglang")
+# SGLang (python/sglang/srt/metrics/collector.py, managers/scheduler_metrics_mixin.py) serves prometheus_client's
+# multiprocess collector: a labelled family shows on /metrics only once one of its label sets was first set, and
+# no process_start_time_seconds. Its token counters move when a request finishes; its scheduler gauges
+# (num_running_reqs, num_queue_reqs) are set only when it logs: at a prefill batch (before it runs, the new
+# requests not yet running), every decode_log_interval decode steps, and while idle once its last log is 30 s old.
+SGLANG_DECODE_LOG_INTERVAL = 40
+SGLANG_IDLE_LOG_S = 30.0
+# Its start-up warm-up (unless --skip-server-warmup): one /generate of max_new_tokens 2 on a 7-token prompt
+# ("The capital city of France is"), finished before it says it is ready.
+SGLANG_WARMUP = (7, 2)
 
 
 class SimServer:
@@ -203,6 +220,8 @@ class SimServer:
         idle_close_s: float | None = IDLE_CLOSE_S,
         close_delay_s: float = 0.0,
         embeddings: bool = False,
+        sglang_warmup: bool = True,
+        sglang_idle_log_s: float = SGLANG_IDLE_LOG_S,
     ):
         """batching: "serial" (a prefill pauses decoding; one prompt at a time) or "continuous"
         (every step prefills a chunk and decodes every running sequence; records each request's
@@ -230,9 +249,13 @@ class SimServer:
         Off by default: vLLM 0.32 takes one more step once the aborts reach its engine and the gauges read 0 within
         0.2 s (tests/test_real_vllm.py), as they do here.
         embeddings: serve `/v1/embeddings` (llama-server's `--embeddings`; without it llama.cpp answers 501 and vLLM
-        404, as a generation model's server does), each input a prefill of its tokens and no decode."""
-        if flavour not in ("llamacpp", "vllm"):
-            raise ValueError("flavour must be llamacpp or vllm")
+        404, as a generation model's server does), each input a prefill of its tokens and no decode.
+        sglang_warmup: the SGLang flavour starts as SGLang does by default, its warm-up request counted on /metrics
+        (SGLANG_WARMUP; its GPU time is not simulated); False: as with --skip-server-warmup, /metrics shows no token
+        counter until the first request finishes. sglang_idle_log_s: how long after its last log an idle SGLang
+        sets its gauges again (30 s)."""
+        if flavour not in FLAVOURS:
+            raise ValueError(f"flavour must be one of {', '.join(FLAVOURS)}")
         if batching not in ("serial", "continuous"):
             raise ValueError("batching must be serial or continuous")
         if delivery not in DELIVERIES:
@@ -283,6 +306,10 @@ class SimServer:
         self.close_delay_s = float(close_delay_s)
         self._answers_per_conn: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()  # transport → answers sent
         self.embeddings = bool(embeddings)
+        self.sglang_warmup = bool(sglang_warmup)
+        self.sglang_idle_log_s = float(sglang_idle_log_s)
+        self._sg_decode_steps = 0  # SGLang's forward count of decode batches (its decode log every 40)
+        self._sg_last_log = time.monotonic()
         self.truth: list[dict] = []  # one dict per finished request, in finishing order
         self.truth_cancelled: list[dict] = []  # one per request dropped while running (its client left)
         self.steps: list[tuple[int, int, str, int, int]] = []  # (t0_ns, t1_ns, kind, batch, tokens)
@@ -294,6 +321,10 @@ class SimServer:
         self._runner: web.AppRunner | None = None
         self._started_ns = 0
         self._t_step_end_ns = 0
+        self._t_step_start_ns = 0
+        # (where the schedule was, when the loop got back) per stall beyond STEP_CATCH_UP_NS: the step schedule
+        # restarted there, so the simulated GPU lost that time (the host's doing, not the model's).
+        self.schedule_restarts: list[tuple[int, int]] = []
         self._next_rid = 0
         self._waiting: list[_Req] = []
         self._active: list[_Req] = []
@@ -305,6 +336,9 @@ class SimServer:
     def _new_metrics(self) -> None:
         """The /metrics registry of a fresh server process: every counter from zero (a restart starts it again)."""
         self._registry = CollectorRegistry()
+        if self.flavour == "sglang":
+            self._new_sglang_metrics()
+            return
         if self.flavour == "llamacpp":
             self._m_tokens = Counter("llamacpp:tokens_predicted", "Generated tokens (at request end)", registry=self._registry)
             self._m_running = Gauge("llamacpp:requests_processing", "Requests processing", registry=self._registry)
@@ -326,6 +360,48 @@ class SimServer:
             # start time (wall clock, s): what tells a restarted vLLM from one that only dropped connections.
             Gauge("process_start_time_seconds", "Start time of the process since unix epoch in seconds",
                   registry=self._registry).set(time.time())
+
+    def _new_sglang_metrics(self) -> None:
+        """SGLang's families (collector.py): the tokenizer manager's counters labelled by model_name, the scheduler's
+        gauges by model_name, engine_type, tp_rank and pp_rank; none has a label set (so none shows) until first set."""
+        tok = ("model_name",)
+        self._m_tokens = Counter("sglang:generation_tokens", "Number of generation tokens processed.", tok, registry=self._registry)
+        self._m_prompt = Counter("sglang:prompt_tokens", "Number of prefill tokens processed.", tok, registry=self._registry)
+        self._m_requests = Counter("sglang:num_requests", "Number of requests processed.", tok, registry=self._registry)
+        sched = ("model_name", "engine_type", "tp_rank", "pp_rank")
+        self._m_running = Gauge("sglang:num_running_reqs", "The number of running requests.", sched, registry=self._registry)
+        self._m_waiting = Gauge("sglang:num_queue_reqs", "The number of requests in the waiting queue.", sched,
+                                registry=self._registry)
+        self._m_gen_tput = Gauge("sglang:gen_throughput", "The generation throughput (token/s).", sched, registry=self._registry)
+        self._sg_decode_steps = 0
+        self._sg_last_log = time.monotonic()  # the collector's last_log_time starts at its creation
+        if self.sglang_warmup:
+            p, n = SGLANG_WARMUP
+            self._sglang_log(0, 0)  # the warm-up's prefill batch: nothing running before it
+            self._sglang_finished(p, n)
+
+    def _sglang_labels(self) -> dict:
+        return {"model_name": self.model, "engine_type": "unified", "tp_rank": "0", "pp_rank": "0"}
+
+    def _sglang_log(self, running: int, queued: int) -> None:
+        """SGLang's scheduler logs its stats (the only time its gauges change)."""
+        lab = self._sglang_labels()
+        self._m_running.labels(**lab).set(running)
+        self._m_waiting.labels(**lab).set(queued)
+        self._m_gen_tput.labels(**lab).set(0.0)
+        self._sg_last_log = time.monotonic()
+
+    def _sglang_finished(self, prompt_tokens: int, generated: int) -> None:
+        """SGLang's tokenizer manager observes one finished request."""
+        self._m_prompt.labels(model_name=self.model).inc(prompt_tokens)
+        self._m_tokens.labels(model_name=self.model).inc(generated)
+        self._m_requests.labels(model_name=self.model).inc()
+
+    def _sglang_decode_logged(self, running: int) -> None:
+        """One decode batch: every SGLANG_DECODE_LOG_INTERVAL of them SGLang logs (and sets its gauges)."""
+        self._sg_decode_steps += 1
+        if self._sg_decode_steps % SGLANG_DECODE_LOG_INTERVAL == 0:
+            self._sglang_log(running, len(self._waiting))
 
     # --- life cycle ---------------------------------------------------------------------------
 
@@ -482,6 +558,11 @@ class SimServer:
         r.add_post("/v1/messages", self._messages)
         r.add_post("/v1/responses", self._responses)
         r.add_post("/v1/embeddings", self._embeddings)
+        r.add_post("/generate", self._generate)
+        for path in ("/get_model_info", "/model_info"):
+            r.add_get(path, self._model_info)
+        for path in ("/get_server_info", "/server_info"):
+            r.add_get(path, self._server_info)
         app.on_response_prepare.append(self._connection_headers)
         # aiohttp closes a connection idle for keepalive_timeout (from its last answer, or from its opening).
         # (0 would close every connection right after its answer: "never" is aiohttp's default, an hour.)
@@ -570,7 +651,8 @@ class SimServer:
                 self._active.append(req)
             stale = (self.flavour == "vllm" and self.vllm_stale_gauges and aborted and not self._active
                      and not self._waiting)
-            if not stale:  # (all aborted: an older vLLM takes no step, so its gauges keep the last step's counts)
+            if not stale and self.flavour != "sglang":  # (all aborted: an older vLLM takes no step, so its gauges keep
+                # the last step's counts; SGLang sets its own only when it logs: _sglang_log)
                 self._m_running.set(len(self._active))
                 self._m_waiting.set(len(self._waiting))
             if not self._active:
@@ -598,16 +680,23 @@ class SimServer:
         now = time.monotonic_ns()
         prev = self._t_step_end_ns
         base = prev if now - prev < STEP_CATCH_UP_NS else now
+        if now - prev >= STEP_CATCH_UP_NS:
+            self.schedule_restarts.append((prev, now))
+        self._t_step_start_ns = base
         self._t_step_end_ns = base + int(seconds * 1e9)
         # Truth's window starts where the last one ended, a stall included: the GPUs drew power then.
         self._window_ns = (prev, self._t_step_end_ns)
         await asyncio.sleep(max(0.0, (self._t_step_end_ns - time.monotonic_ns()) / 1e9))
 
     async def _prefill(self, req: _Req) -> None:
+        if self.flavour == "sglang":  # its prefill batch is logged as it is formed: the decoding ones are running
+            decoding = sum(1 for r in self._active if r.t_prefill_end_ns != 0)
+            self._sglang_log(decoding, len(self._waiting) + len(self._active) - decoding - 1)
         req.t_prefill_start_ns = time.monotonic_ns()
         todo = max(req.prompt_tokens - req.cached, 1)
         speed = self._phase("prefill", PREFILL_COMPUTE_SHARE)
         await self._step(todo / self.prefill_tok_s / speed)
+        req.t_prefill_start_sched_ns = self._t_step_start_ns
         req.t_prefill_end_ns = time.monotonic_ns()
         if req.embed:
             self._finish_embedding(req)
@@ -626,6 +715,8 @@ class SimServer:
         t0 = time.monotonic_ns()
         await self._step(t_fmax / speed)
         before = sum(r.generated for r in batch)
+        if self.flavour == "sglang":
+            self._sglang_decode_logged(b)
         for req in batch:
             if req.cancelled:
                 continue
@@ -666,9 +757,16 @@ class SimServer:
         kind, share = self.costs.compute_share(p, c_b / ((1.0 - c) + c_b))
         speed = self._phase(kind, share)
         t0 = time.monotonic_ns()
+        if self.flavour == "sglang":
+            if pre_in and any(r.t_prefill_start_ns == 0 for r, _, _ in pre_in):
+                self._sglang_log(len(dec), len(self._waiting) + len(pre) - len(pre_in))
+            elif dec:
+                self._sglang_decode_logged(len(dec))
         for r, _, _ in pre_in:
             r.t_prefill_start_ns = r.t_prefill_start_ns or t0
         await self._step(self.costs.step_s(p, ctx) / speed)
+        for r, _, _ in pre_in:
+            r.t_prefill_start_sched_ns = r.t_prefill_start_sched_ns or self._t_step_start_ns
         # The step's truth is the energy of its window on the schedule, not of the wall time the
         # event loop happened to take: a late step would take its successor's energy, and the
         # catch-up step after it (squeezed to make the mean rate right) almost none.
@@ -743,6 +841,8 @@ class SimServer:
             self._active.remove(req)
         if self.flavour == "llamacpp":
             self._m_tokens.inc(req.generated)
+        elif self.flavour == "sglang":
+            self._sglang_finished(req.prompt_tokens, req.generated)
         t_first = req.emissions[0][0]
         t_last = req.emissions[-1][0]
         if self.flavour == "vllm":
@@ -769,6 +869,7 @@ class SimServer:
             "cached_tokens": req.cached,
             "t_arrive_ns": req.t_arrive_ns,
             "t_prefill_start_ns": req.t_prefill_start_ns,
+            "t_prefill_start_sched_ns": req.t_prefill_start_sched_ns,
             "t_prefill_end_ns": req.t_prefill_end_ns,
             "emissions": list(req.emissions),
             "emission_late_ns": list(req.emission_late_ns),
@@ -796,6 +897,7 @@ class SimServer:
             "cached_tokens": 0,
             "t_arrive_ns": req.t_arrive_ns,
             "t_prefill_start_ns": req.t_prefill_start_ns,
+            "t_prefill_start_sched_ns": req.t_prefill_start_sched_ns,
             "t_prefill_end_ns": req.t_prefill_end_ns,
             "emissions": [],
             "emission_late_ns": [],
@@ -859,7 +961,7 @@ class SimServer:
         n_prompt = count_prompt_tokens(prompt)
         # vLLM (V1) fans n > 1 choices out into child requests whose prompt is computed once: the others find its
         # blocks in the prefix cache. llama.cpp prefills the prompt in every choice's slot (usage says it n times).
-        shared = choice > 0 and self.flavour == "vllm"
+        shared = choice > 0 and self.flavour in ("vllm", "sglang")
         cached = n_prompt - 1 if not embed and (shared or (cache_prompt and h in self._prompt_cache)) else 0
         if not embed:
             self._prompt_cache.add(h)
@@ -893,7 +995,27 @@ class SimServer:
         return None
 
     async def _health(self, request: web.Request) -> web.Response:
+        if self.flavour == "sglang":  # SGLang's /health: 200 with an empty body
+            return self._loading() or web.Response(status=200, headers={"X-Powerprof-Simulated": "1"})
         return self._loading() or self._json({"status": "ok", "simulated": True})
+
+    async def _model_info(self, request: web.Request) -> web.Response:
+        """SGLang's /get_model_info (and /model_info): what its warm-up and clients read of the model."""
+        if self.flavour != "sglang":
+            raise web.HTTPNotFound()
+        return self._json({"model_path": self.model, "tokenizer_path": self.model, "is_generation": True,
+                           "preferred_sampling_params": None, "weight_version": "default",
+                           "has_image_understanding": False, "has_audio_understanding": False, "simulated": True})
+
+    async def _server_info(self, request: web.Request) -> web.Response:
+        """SGLang's /get_server_info (and /server_info): its server args, scheduler info and version."""
+        if self.flavour != "sglang":
+            raise web.HTTPNotFound()
+        return self._json({"model_path": self.model, "served_model_name": self.model, "context_length": self.n_ctx,
+                           "max_running_requests": self.n_slots, "skip_server_warmup": not self.sglang_warmup,
+                           "enable_metrics": self.serve_metrics, "decode_log_interval": SGLANG_DECODE_LOG_INTERVAL,
+                           "internal_states": [{"num_running_reqs": len(self._active)}], "version": "simulated",
+                           "simulated": True})
 
     async def _props(self, request: web.Request) -> web.Response:
         if self.flavour != "llamacpp":
@@ -931,11 +1053,18 @@ class SimServer:
     async def _metrics(self, request: web.Request) -> web.Response:
         if not self.serve_metrics:
             raise web.HTTPNotFound()
+        if self.flavour == "sglang":
+            if (not self._active and not self._waiting
+                    and time.monotonic() - self._sg_last_log > self.sglang_idle_log_s):
+                self._sglang_log(0, 0)  # its idle self-check logs once the last log is that old (read here, when seen)
+            return web.Response(body=generate_latest(_SetOnly(self._registry)), content_type="text/plain", charset="utf-8")
         return web.Response(body=generate_latest(self._registry), content_type="text/plain", charset="utf-8")
 
     async def _models(self, request: web.Request) -> web.Response:
-        owner = "llamacpp" if self.flavour == "llamacpp" else "vllm"
-        return self._json({"object": "list", "data": [{"id": self.model, "object": "model", "owned_by": owner, "simulated": True}]})
+        card = {"id": self.model, "object": "model", "owned_by": self.flavour, "simulated": True}
+        if self.flavour == "sglang":
+            card.update(created=int(time.time()), root=self.model, max_model_len=self.n_ctx or 4096)
+        return self._json({"object": "list", "data": [card]})
 
     async def _version(self, request: web.Request) -> web.Response:
         if self.flavour != "vllm":
@@ -986,6 +1115,77 @@ class SimServer:
         if isinstance(prompt, list):
             prompt = " ".join(map(str, prompt))
         return await self._serve(request, "llamacpp", str(prompt), body, int(body.get("n_predict", 128) or 128))
+
+    async def _generate(self, request: web.Request) -> web.StreamResponse:
+        """SGLang's native /generate: {"text", "sampling_params": {"max_new_tokens", "ignore_eos", ...}, "stream"}."""
+        if self.flavour != "sglang":
+            raise web.HTTPNotFound()
+        body = await self._body(request)
+        sp = body.get("sampling_params")
+        sp = sp[0] if isinstance(sp, list) and sp and isinstance(sp[0], dict) else sp
+        sp = sp if isinstance(sp, dict) else {}
+        text = body.get("text", "")
+        n = sp.get("max_new_tokens", 128)
+        n = int(128 if n is None else n)
+        choices = sp.get("n", 1)
+        if isinstance(text, list) or (type(choices) is int and choices > 1):
+            prompts = [str(t) for t in text] if isinstance(text, list) else [str(text)]
+            return await self._serve_sglang_batch(request, body, sp, prompts, max(int(choices), 1), n)
+        args = dict(body, ignore_eos=bool(sp.get("ignore_eos", False)))
+        return await self._serve(request, "sglang-native", str(text), args, n)
+
+    async def _serve_sglang_batch(self, request: web.Request, body: dict, sp: dict, prompts: list, n_choices: int,
+                                  n_predict: int) -> web.StreamResponse:
+        """SGLang's batch /generate (a list of prompts, or `n` > 1 in sampling_params): a sequence per prompt and
+        choice, index = prompt × n + choice (its tokenizer manager's order). Streamed: each sequence's events as they
+        come, with their `index`, then one `[DONE]`; whole: the list of answers in that order."""
+        if self._dead:
+            raise web.HTTPServiceUnavailable()
+        loading = self._loading()
+        if loading is not None:
+            return loading
+        q: asyncio.Queue = asyncio.Queue()
+        args = (n_predict, bool(sp.get("ignore_eos", False)), False, int(body.get("seed", 0) or 0))
+        reqs = [self._submit(pr, *args, choice=j, queue=_Tagged(q, i * n_choices + j))
+                for i, pr in enumerate(prompts) for j in range(n_choices)]
+        cid = request.headers.get("X-Sim-Request-Id")
+        for r in reqs:
+            r.client_id = cid
+        texts, ids = [""] * len(reqs), [[] for _ in reqs]
+        resp = None
+        try:
+            if body.get("stream"):
+                resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache",
+                                                   "X-Powerprof-Simulated": "1"})
+                await resp.prepare(request)
+            left = len(reqs)
+            while left:
+                i, kind, payload = await q.get()
+                if kind == "dead":
+                    if resp is None:
+                        raise web.HTTPServiceUnavailable()
+                    _abort(request)
+                    return resp
+                if kind == "done":
+                    left -= 1
+                    continue
+                texts[i] += payload[1]
+                ids[i] += payload[0]
+                if resp is not None:
+                    ev = dict(self._sglang_native(reqs[i], texts[i], ids[i], payload[2]), index=i)
+                    await resp.write(b"data: " + json.dumps(ev).encode() + b"\n\n")
+            if resp is None:
+                return self._json([dict(self._sglang_native(r, t, d, True), index=i)
+                                   for i, (r, t, d) in enumerate(zip(reqs, texts, ids))])
+            await resp.write_eof(b"data: [DONE]\n\n")
+            return resp
+        except ConnectionResetError:
+            return resp
+        finally:
+            for r in reqs:
+                if r in self._active or r in self._waiting:
+                    r.cancelled = True
+                    self._wake.set()
 
     async def _oai_completions(self, request: web.Request) -> web.StreamResponse:
         body = await self._body(request)
@@ -1046,8 +1246,10 @@ class SimServer:
             if self.flavour == "llamacpp":
                 return self._json({"error": {"code": 501, "type": "not_supported_error",
                                              "message": "This server does not support embeddings. Start it with `--embeddings`"}}, 501)
-            # vLLM 0.32 serving a generation model has no /v1/embeddings route at all (measured).
-            return self._json({"detail": "Not Found"}, 404)
+            if self.flavour == "vllm":  # vLLM 0.32 serving a generation model has no such route at all (measured)
+                return self._json({"detail": "Not Found"}, 404)
+            return self._json({"object": "error", "message": "The model does not support Embeddings API",
+                               "type": "BadRequestError", "param": None, "code": 400}, 400)
         body = await self._body(request)
         inp = body.get("input")
         if isinstance(inp, str) or (isinstance(inp, list) and inp and all(isinstance(x, int) for x in inp)):
@@ -1087,8 +1289,10 @@ class SimServer:
     def _bad_request(self, message: str, param: str | None = None) -> web.Response:
         if self.flavour == "llamacpp":
             return self._json({"error": {"code": 400, "message": message, "type": "invalid_request_error"}}, 400)
-        # vLLM 0.32's ErrorResponse (measured), not the flat {"object": "error", ...} of its older versions.
-        return self._json({"error": {"message": message, "type": "BadRequestError", "param": param, "code": 400}}, 400)
+        if self.flavour == "vllm":
+            # vLLM 0.32's ErrorResponse (measured), not the flat {"object": "error", ...} of its older versions.
+            return self._json({"error": {"message": message, "type": "BadRequestError", "param": param, "code": 400}}, 400)
+        return self._json({"object": "error", "message": message, "type": "BadRequestError", "param": None, "code": 400}, 400)
 
     async def _serve(self, request: web.Request, api: str, prompt: str, body: dict, n_predict: int,
                      echo: _Echo = _NO_ECHO):
@@ -1176,6 +1380,8 @@ class SimServer:
             obj = self._llama_final(req, timings)
             obj["content"] = text_all
             return self._json(obj)
+        if api == "sglang-native":
+            return self._json(dict(self._sglang_native(req, text_all, ids_all, True), simulated=True))
         fr = "length" if req.stop_type == "limit" else "stop"
         choice = {"index": 0, "finish_reason": fr}
         if api == "openai-chat":
@@ -1199,6 +1405,18 @@ class SimServer:
     def _usage(self, req: _Req) -> dict:
         n = self._reported(req.generated)
         return {"prompt_tokens": req.prompt_tokens, "completion_tokens": n, "total_tokens": req.prompt_tokens + n}
+
+    def _sglang_native(self, req: _Req, text: str, ids: list, finished: bool) -> dict:
+        """One answer (or stream event) of SGLang's /generate: the text and ids so far, and meta_info with the counts
+        (completion_tokens the running count; the server's own at the end)."""
+        n = self._reported(req.generated) if finished else len(ids)
+        fr = None
+        if finished:
+            fr = {"type": "length", "length": n} if req.stop_type == "limit" else {"type": "stop", "matched": 2}
+        return {"text": text, "output_ids": list(ids), "index": 0,
+                "meta_info": {"id": f"sim{req.rid:032x}", "finish_reason": fr, "prompt_tokens": req.prompt_tokens,
+                              "weight_version": "default", "completion_tokens": n, "cached_tokens": req.cached,
+                              "e2e_latency": (time.monotonic_ns() - req.t_arrive_ns) / 1e9}}
 
     def _llama_final(self, req: _Req, timings: dict) -> dict:
         return {
@@ -1247,9 +1465,13 @@ class SimServer:
         chat = api == "openai-chat"
         oid = f"sim-{req.rid}"
         obj_name = "chat.completion.chunk" if chat else "text_completion"
-        continuous = self.flavour == "vllm" and bool(opts.get("continuous_usage_stats"))
+        sglang = self.flavour == "sglang"
+        continuous = self.flavour in ("vllm", "sglang") and bool(opts.get("continuous_usage_stats"))
         # vLLM sends the last token in its closing chunk, with empty content (the usage says so).
         empty_final = self.flavour == "vllm" and self.vllm_empty_final and api != "llamacpp"
+        # SGLang's /v1/completions carries finish_reason on its last token's chunk (no closing chunk of its own).
+        finish_with_last = sglang and api == "openai-completions"
+        native_text, native_ids = "", []  # SGLang's /generate sends the text and ids so far in every event
         out = _Delivery(resp, self.delivery, self.stall_s, self.stall_every_s)
         n_events = 0
         sent = 0  # tokens written so far
@@ -1258,6 +1480,13 @@ class SimServer:
         group_text = ""
 
         def oai_chunk(choice: dict, **extra) -> bytes:
+            if sglang:  # pydantic / msgspec dumps: every field, null where unset (usage null mid-stream)
+                if chat:
+                    choice = dict(choice, delta={"reasoning_content": None, "role": None, "content": None,
+                                                 **choice.get("delta", {})})
+                choice = {"logprobs": None, **choice, "matched_stop": None}
+                if not chat:
+                    extra = {"usage": None, **extra}
             d = {"id": oid, "object": obj_name, "created": 0, "model": self.model, "choices": [choice], **extra}
             return b"data: " + json.dumps(d).encode() + b"\n\n"
 
@@ -1286,6 +1515,14 @@ class SimServer:
                       "tokens_predicted": sent, "tokens_evaluated": req.prompt_tokens}
                 await out.send(b"data: " + json.dumps(ev).encode() + b"\n\n")
                 return
+            if api == "sglang-native":
+                nonlocal native_text, native_ids
+                native_text, native_ids = native_text + text, native_ids + list(ids)
+                ev = self._sglang_native(req, native_text, native_ids, finish is not None)
+                await out.send(b"data: " + json.dumps(ev).encode() + b"\n\n")
+                return
+            if chat and sglang and n_events == 1:  # SGLang's role chunk goes out with the first output
+                await out.send(oai_chunk({"index": 0, "delta": {"role": "assistant", "content": ""}, "finish_reason": None}))
             choice = {"index": 0, "finish_reason": finish}
             if chat:
                 choice["delta"] = {"content": text}
@@ -1299,10 +1536,12 @@ class SimServer:
             extra = {}
             if continuous:
                 extra["usage"] = {"prompt_tokens": req.prompt_tokens, "completion_tokens": sent}
+                if sglang:
+                    extra["usage"]["total_tokens"] = req.prompt_tokens + sent
             await out.send(oai_chunk(choice, **extra))
 
         try:
-            if chat:
+            if chat and not sglang:
                 await out.send(oai_chunk({"index": 0, "delta": {"role": "assistant", "content": None}, "finish_reason": None}))
             closed = False
             while True:
@@ -1327,6 +1566,9 @@ class SimServer:
                             await send_tokens(group_ids[:-1], group_text)
                         await send_tokens(group_ids[-1:], "", finish=fr)
                         group_ids, group_text, closed = [], "", True
+                    elif last and (finish_with_last or api == "sglang-native"):
+                        await send_tokens(group_ids, group_text, finish=fr)
+                        group_ids, group_text, closed = [], "", True
                     elif n_events == 0 or len(group_ids) >= self.tokens_per_event or last:
                         # The first token goes out at once; then groups of tokens_per_event.
                         await send_tokens(group_ids, group_text)
@@ -1339,6 +1581,8 @@ class SimServer:
                         out = _Delivery(resp, "buffered", self.stall_s, self.stall_every_s)
                     if api == "llamacpp":
                         await out.send(b"data: " + json.dumps(self._llama_final(req, timings)).encode() + b"\n\n")
+                    elif api == "sglang-native":
+                        await out.send(b"data: [DONE]\n\n")
                     else:
                         fr = "length" if req.stop_type == "limit" else "stop"
                         if not closed:
@@ -1428,10 +1672,12 @@ class SimServer:
         chunk of /v1/completions, in a chunk of its own on chat); vLLM's continuous usage is each choice's own
         running count, its final usage the prompt once and the choices' tokens summed."""
         chat = api == "openai-chat"
-        vllm = self.flavour == "vllm"
+        # SGLang's choices follow vLLM's counts (each choice's running usage; the prompt once, the tokens summed at the
+        # end), not its chunk shapes: an approximation (docs/simulator.md).
+        vllm = self.flavour in ("vllm", "sglang")
         oid, obj_name = f"sim-{reqs[0].rid}", "chat.completion.chunk" if chat else "text_completion"
         continuous = vllm and bool(opts.get("continuous_usage_stats"))
-        empty_final = vllm and self.vllm_empty_final
+        empty_final = self.flavour == "vllm" and self.vllm_empty_final
         out = _Delivery(resp, self.delivery, self.stall_s, self.stall_every_s)
         n = len(reqs)
         sent, started, closed, left = [0] * n, [False] * n, [False] * n, n
@@ -1645,6 +1891,23 @@ class SimServer:
             return
 
 
+class _SetOnly:
+    """A registry as prometheus_client's multiprocess collector shows it (SGLang's /metrics): only the families that
+    have a sample, so a labelled metric none of whose label sets was set yet is absent, not an empty family; and no
+    `_created` samples."""
+
+    def __init__(self, registry: CollectorRegistry):
+        self.registry = registry
+
+    def collect(self):
+        out = []
+        for m in self.registry.collect():
+            m.samples = [smp for smp in m.samples if not smp.name.endswith("_created")]  # not in multiprocess mode
+            if m.samples:
+                out.append(m)
+        return out
+
+
 class _Dropped(Exception):
     """An injected drop fault cut the stream."""
 
@@ -1754,7 +2017,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--host", default="127.0.0.1")
     ap.add_argument("--port", type=int, default=8080)
     ap.add_argument("--profile", default=DEFAULT_PROFILE)
-    ap.add_argument("--flavour", default="llamacpp", choices=["llamacpp", "vllm"])
+    ap.add_argument("--flavour", default="llamacpp", choices=list(FLAVOURS))
     ap.add_argument("--loading-s", type=float, default=0.0)
     ap.add_argument("--decode-tok-s", type=float, default=None)
     a = ap.parse_args(argv)

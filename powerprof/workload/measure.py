@@ -428,7 +428,8 @@ def measure(
         aborted = None
         async with new_session() as s:
             server = found["server"] = await detect_server(s, url, api)
-            others = OthersWatch(s, server.base_url, getattr(profiler, "gpu", None), server_procs) if watch_others else None
+            others = (OthersWatch(s, server.base_url, getattr(profiler, "gpu", None), server_procs, kind=server.kind)
+                      if watch_others else None)
             watch.extend([others] if others else [])
             rid = bid = 0
             for k, c in enumerate(concurrencies):

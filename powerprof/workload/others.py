@@ -157,9 +157,10 @@ class OthersWatch:
     batch, begun before its first request and judged after its last. `seen` sums what the server's books
     showed over the flagged batches; `cannot` says once what could not be ruled out."""
 
-    def __init__(self, session, base_url: str, gpu_collector=None, server_procs=None):
+    def __init__(self, session, base_url: str, gpu_collector=None, server_procs=None, kind: str | None = None):
         self.session = session
         self.base_url = base_url
+        self.kind = kind  # the server's kind: how its /metrics reads (servercount.read_tally)
         self.neighbours = GpuNeighbours(gpu_collector, server_procs)
         self._books: ForeignWatch | None = None
         self.server_blind: str | None = None  # what the server's counters cannot show of other clients ("" none)
@@ -168,7 +169,7 @@ class OthersWatch:
 
     async def begin(self) -> None:
         """Compare from now on: the server's books as they stand, the GPUs' processes from this moment."""
-        first = await settled_tally(self.session, self.base_url)
+        first = await settled_tally(self.session, self.base_url, self.kind)
         self._books = ForeignWatch(first)
         self.stale = self.stale or self._books.stale
         if self.server_blind is None:
@@ -182,7 +183,7 @@ class OthersWatch:
         why = []
         if self._books is not None:
             t0, r0 = self._books.seen_tokens, self._books.seen_requests
-            server = self._books.judge(await settled_tally(self.session, self.base_url), recs)
+            server = self._books.judge(await settled_tally(self.session, self.base_url, self.kind), recs)
             self.stale = self.stale or self._books.stale
             if server:
                 why.append(server)

@@ -30,6 +30,10 @@ from .limits import MAX_COUNTER, MAX_METRICS_BYTES, bad_amount, bad_count, read_
 COUNTERS = {"vllm": "vllm:generation_tokens_total", "sglang": "sglang:generation_tokens_total"}
 LLAMACPP_COUNTER = "llamacpp:tokens_predicted_total"
 TOKEN_COUNTERS = (*COUNTERS.values(), LLAMACPP_COUNTER)
+# Server kinds whose token counter is absent from a /metrics that answers until their first request finishes:
+# SGLang serves prometheus_client's multiprocess collector, which shows a labelled family only once set (with
+# --skip-server-warmup nothing is set before the first request). Absent there means 0, not "not shown".
+UNSET_IS_ZERO = ("sglang",)
 REQUEST_COUNTERS = ("vllm:request_success_total",)
 # Requests the server holds now (running and queued), per server family. Not SGLang's num_running_reqs /
 # num_queue_reqs: it sets them only when it logs (at a prefill batch, every decode_log_interval = 40 decode steps,
@@ -186,13 +190,17 @@ def tally_from_metrics(text: str, t_ns: int) -> Tally:
     return Tally(t_ns, tokens, tokens_name, requests, requests_name, in_flight, source)
 
 
-async def read_tally(session: aiohttp.ClientSession, base_url: str) -> Tally:
+async def read_tally(session: aiohttp.ClientSession, base_url: str, kind: str | None = None) -> Tally:
     """What the server says it has served, now: /metrics, and llama.cpp's /slots where /metrics has no gauge.
-    A GET the server answers from memory: no GPU work, no tokens counted."""
+    A GET the server answers from memory: no GPU work, no tokens counted. kind: the server's (client.detect_server);
+    an SGLang whose /metrics answers without its token counter has counted nothing yet (UNSET_IS_ZERO)."""
     base = base_url.rstrip("/")
     t_ns = time.monotonic_ns()
     status, text = await _get(session, base + "/metrics")
     tally = tally_from_metrics(text, t_ns) if status == 200 and text else Tally(t_ns)
+    if status == 200 and kind in UNSET_IS_ZERO and tally.tokens is None:
+        tally = Tally(t_ns, 0.0, COUNTERS[kind], tally.requests, tally.requests_name, tally.in_flight,
+                      tally.in_flight_source)
     if tally.in_flight is None:
         status, text = await _get(session, base + "/slots")
         try:
@@ -204,15 +212,15 @@ async def read_tally(session: aiohttp.ClientSession, base_url: str) -> Tally:
     return tally
 
 
-async def settled_tally(session: aiohttp.ClientSession, base_url: str) -> Tally:
+async def settled_tally(session: aiohttp.ClientSession, base_url: str, kind: str | None = None) -> Tally:
     """`read_tally`, read again IN_FLIGHT_RECHECK_S later when it shows requests in flight (none of powerprof's
     are): a gauge not yet updated after our last request finished reads 0 the second time, another client's
     request still runs (the smaller count of the two is kept)."""
-    t = await read_tally(session, base_url)
+    t = await read_tally(session, base_url, kind)
     if not t.in_flight:
         return t
     await asyncio.sleep(IN_FLIGHT_RECHECK_S)
-    t2 = await read_tally(session, base_url)
+    t2 = await read_tally(session, base_url, kind)
     if t2.in_flight is None:
         return t
     if stale_gauge(t, t2):

@@ -19,6 +19,12 @@ APIs:
 - "anthropic-messages": Anthropic's Messages API, `/v1/messages` (llama.cpp, vLLM): `message_start`
   (the prompt's `input_tokens`), `content_block_delta` events carry text, `message_delta` the
   cumulative `output_tokens` and the stop reason, `message_stop` the end; no `[DONE]`.
+- "sglang-generate": SGLang's native `/generate` (read from its source, http_server.py and
+  tokenizer_manager.py): each `data:` event holds the sequence's text and `output_ids` so far (only the
+  new ones under `--incremental-streaming-output`) and `meta_info` with the running `completion_tokens`,
+  `prompt_tokens` and `finish_reason` (null until its last event), then `data: [DONE]`; a batch (a list
+  of prompts, `n` > 1) interleaves its sequences' events, each with its `index`. Unstreamed: one object,
+  or a list of them in the sequences' order for a batch. An error: `data: {"error": {"message": ...}}`.
 """
 
 from __future__ import annotations
@@ -31,7 +37,7 @@ from powerprof.errtext import error_text
 
 from .limits import MAX_COUNT, MAX_MS, bad_amount, bad_count
 
-APIS = ("llamacpp", "openai-completions", "openai-chat", "openai-responses", "anthropic-messages")
+APIS = ("llamacpp", "openai-completions", "openai-chat", "openai-responses", "anthropic-messages", "sglang-generate")
 
 # A proxy feeds arbitrary traffic through this: keep what we hold bounded.
 _MAX_ERRORS = 8
@@ -54,6 +60,8 @@ _LLAMACPP_STOP = {"limit": "length", "eos": "stop", "word": "stop", "none": None
 # Anthropic's stop_reason and the Responses API's incomplete reason, in the same vocabulary.
 _ANTHROPIC_STOP = {"end_turn": "stop", "stop_sequence": "stop", "max_tokens": "length", "tool_use": "tool_calls"}
 _RESPONSES_INCOMPLETE = {"max_output_tokens": "length"}
+# SGLang's finish_reason types that end a sequence in failure rather than at its stop or length.
+_SGLANG_FAILED = ("abort",)
 
 
 @dataclass(frozen=True, slots=True)
@@ -168,12 +176,17 @@ class _State:
     errors: list = field(default_factory=list)
     server_error: str | None = None  # the first error the server itself sent in the response
     invalid: str | None = None
+    # SGLang /generate, per sequence (its `index`): tokens counted, its last completion_tokens, its prompt_tokens.
+    seq_tokens: dict = field(default_factory=dict)
+    seq_reported: dict = field(default_factory=dict)
+    seq_prompt: dict = field(default_factory=dict)
+    ids_incremental: bool = False  # its output_ids are each event's new ones (--incremental-streaming-output)
 
 
 class StreamParser:
     """Parses one streamed (SSE) response incrementally. `feed(bytes)` → events; `finish()` → summary."""
 
-    def __init__(self, api: str, count_only: bool = False, echo: bool = False):
+    def __init__(self, api: str, count_only: bool = False, echo: bool = False, choices: int = 1, sequences: int = 1):
         """count_only: the caller needs counts, not text (the daemon's proxy). Plain token chunks
         are then counted from their bytes (`_quick_count`) and not parsed as JSON; their events
         carry no text. The first event and every one with usage, finish_reason, timings, stop,
@@ -181,7 +194,9 @@ class StreamParser:
         echo: the request asked /v1/completions to echo its prompt (vLLM: each choice's first chunk is
         the prompt's text then its first token's, its logprobs the prompt's tokens then that token's):
         that chunk stands for the one token the prompt's step generated, not for the tokens its logprobs
-        list (a chunk without logprobs is one token anyway, so the fast path is unchanged)."""
+        list (a chunk without logprobs is one token anyway, so the fast path is unchanged).
+        choices, sequences: SGLang /generate's `n` and its sequences in all (prompts × n), whose `index` is
+        prompt × n + choice: each prompt's length is said by each of its n sequences and counted once."""
         if api not in APIS:
             raise ValueError(f"unknown api {api!r}; choose one of: {', '.join(APIS)}")
         self.api = api
@@ -190,7 +205,11 @@ class StreamParser:
         self._s = _State()
         self._llamacpp_api = api == "llamacpp"
         self._typed_api = api in ("openai-responses", "anthropic-messages")  # events named by their `type`
-        self._quick = count_only and not self._typed_api  # typed events are never read from their bytes
+        self._sglang_api = api == "sglang-generate"
+        # Typed events are never read from their bytes; nor SGLang's, whose every event carries counts.
+        self._quick = count_only and not self._typed_api and not self._sglang_api
+        self._choices = max(int(choices), 1)
+        self._prompts = max(int(sequences), 1) // self._choices  # prompts whose length the request's figure sums
         self._parsed_one = False
         self._echo = echo and api == "openai-completions"
 
@@ -199,6 +218,8 @@ class StreamParser:
         """The prompt's length as soon as the stream has said it (vLLM/SGLang continuous usage
         carries it in every chunk; others only at the end)."""
         s = self._s
+        if self._sglang_api and len({i // self._choices for i in s.seq_prompt}) < self._prompts:
+            return None  # a batch: not every prompt's length said yet
         return s.usage_prompt if s.usage_prompt is not None else s.prompt_tokens
 
     @property
@@ -217,7 +238,8 @@ class StreamParser:
     def ended(self) -> bool:
         """Nothing more is expected: llama.cpp's stop event, OpenAI's `[DONE]`, the Responses API's
         `response.completed` (or incomplete, failed), Anthropic's `message_stop`."""
-        return self._s.done or (self.api != "openai-chat" and self.api != "openai-completions" and self._s.complete)
+        return self._s.done or (self.api not in ("openai-chat", "openai-completions", "sglang-generate")
+                                and self._s.complete)
 
     # --- framing -------------------------------------------------------------------------------
 
@@ -327,6 +349,8 @@ class StreamParser:
         # reference cycle, freed only by the garbage collector (the proxy makes one per request).
         if self._llamacpp_api:
             self._llamacpp(obj, out)
+        elif self._sglang_api:
+            self._sglang(obj, out)
         elif self._typed_api:
             self._typed(obj, out)
         else:
@@ -512,6 +536,75 @@ class StreamParser:
                 out.append(TokenEvent(n, content, predicted))
             elif predicted is None:
                 self._add(n, out, content, predicted)
+
+    def _sglang(self, obj: dict, out: list[TokenEvent], index: int | None = None) -> None:
+        """One event (or whole answer) of SGLang's /generate: a sequence's tokens are the growth of its running
+        `completion_tokens` (several an event under `--stream-interval` or speculative decoding). Its last event's
+        count is the server's final claim, as usage is: the tokens that event carries are read from its `output_ids`
+        instead, so a final count that contradicts what the sequence listed shows (arrival.count_problem).
+        `index`: a whole batch answer's place in its list (its sequences' order), where the object says none."""
+        s = self._s
+        if self._server_error(obj):
+            return
+        mi = obj.get("meta_info")
+        if not isinstance(mi, dict):
+            self._error("SGLang event without meta_info")
+            return
+        idx = index if index is not None else obj.get("index")
+        idx = idx if type(idx) is int and 0 <= idx <= MAX_COUNT else 0
+        c = self._count(mi, "completion_tokens")
+        p = self._count(mi, "prompt_tokens")
+        if p is not None:
+            s.seq_prompt[idx] = p
+            groups: dict = {}
+            for i, v in s.seq_prompt.items():  # each prompt said by its n sequences: counted once
+                groups[i // self._choices] = max(groups.get(i // self._choices, 0), v)
+            s.usage_prompt = sum(groups.values())
+        ids = obj.get("output_ids")
+        k = len(ids) if isinstance(ids, list) else None
+        prev = s.seq_tokens.get(idx, 0)
+        fr = mi.get("finish_reason")
+        finished = isinstance(fr, (dict, str)) and bool(fr)
+        totalled = True
+        if finished:
+            if k is not None and not s.ids_incremental and k != c and (k < prev or (c is not None and k == c - prev)):
+                s.ids_incremental = True  # (cumulative ids never shrink: a short list is the event's new ones)
+            if k is not None:
+                n = k if s.ids_incremental else k - prev
+            elif c is not None:
+                n = c - prev
+            else:
+                n, totalled = (1 if obj.get("text") else 0), False
+        elif c is not None:
+            if k is not None and k != c and k == c - prev:
+                s.ids_incremental = True  # output_ids only the event's new ones
+            n = c - prev
+        else:
+            n, totalled = (1 if obj.get("text") else 0), False  # no count: one token an event, a guess
+        if c is not None:
+            s.seq_reported[idx] = c
+            s.usage_completion = sum(s.seq_reported.values())
+        if isinstance(obj.get("model"), str):
+            s.model = obj["model"]
+        if finished:
+            kind = fr.get("type") if isinstance(fr, dict) else fr
+            kind = kind if isinstance(kind, str) else "stop"
+            if kind in _SGLANG_FAILED:
+                msg = fr.get("message") if isinstance(fr, dict) else None
+                self._server_error({"error": f"sequence {idx} {kind}ed" + (f": {msg}" if msg else "")})
+            s.stop_reason = kind
+            s.unfinished.discard(idx)
+            s.finished_any = True
+        else:
+            s.unfinished.add(idx)
+        s.complete = s.finished_any and not s.unfinished
+        if n > 0 and self._counted(n):
+            s.seq_tokens[idx] = prev + n
+            if totalled:
+                s.totalled += n
+            else:
+                s.guessed += n
+            out.append(TokenEvent(n, "", c))
 
     def _typed(self, obj: dict, out: list[TokenEvent]) -> None:
         """The Responses API's and Anthropic's Messages API's events, told apart by their `type`. A text,
@@ -852,15 +945,29 @@ def _looks_whole(value: bytes) -> bool:
     return (v[:1] == b"{" and v[-1:] == b"}") or (v[:1] == b"[" and v[-1:] == b"]")
 
 
-def parse_response(api: str, body: bytes) -> tuple[list[TokenEvent], StreamSummary]:
-    """A non-streaming JSON response: all its tokens as one event, and the summary."""
-    p = StreamParser(api)
+def parse_response(api: str, body: bytes, choices: int = 1, sequences: int = 1
+                   ) -> tuple[list[TokenEvent], StreamSummary]:
+    """A non-streaming JSON response: all its tokens as one event, and the summary. `choices`, `sequences`: as
+    StreamParser's (SGLang's /generate)."""
+    p = StreamParser(api, choices=choices, sequences=sequences)
     try:
         obj = json_from_bytes(body)
     except (ValueError, UnicodeDecodeError):
         p._error(f"malformed JSON response: {body[:80].decode('utf-8', 'replace')!r}")
         return [], p._summary()
     out: list[TokenEvent] = []
+    if api == "sglang-generate" and isinstance(obj, (dict, list)):
+        # One sequence's whole answer, or a batch's list of them in its sequences' order (index = place).
+        for i, o in enumerate(obj if isinstance(obj, list) else [obj]):
+            if isinstance(o, dict):
+                try:
+                    p._sglang(o, out, i if isinstance(obj, list) else None)
+                except Exception as e:
+                    p._error(f"unexpected response shape: {error_text(e)}")
+            else:
+                p._error("response item is not a JSON object")
+        n = sum(e.n_tokens for e in out)
+        return ([TokenEvent(n, "", p._s.usage_completion)] if n else []), p._summary()
     if isinstance(obj, dict):
         if api == "openai-chat" and isinstance(obj.get("choices"), list):
             # Non-streaming chat puts the text under `message`, not `delta`.
