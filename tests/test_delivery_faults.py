@@ -8,6 +8,8 @@ decode tok/s and J/token, or is flagged untrusted and carries no figure; the sum
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import numpy as np
 import pytest
 
@@ -15,7 +17,7 @@ from powerprof.profiler import Profiler
 from powerprof.sim.nvml import SimNVML
 from powerprof.sim.server import SimServer
 from powerprof.workload.client import RequestParams
-from powerprof.workload.load import builtin_prompts
+from powerprof.workload.load import Prompt, builtin_prompts
 from powerprof.workload.measure import measure
 
 # ~2.4 s windows: edges that are not marked (trimmed, server-timed) take their energy from the
@@ -163,6 +165,23 @@ def test_generation_cut_by_the_context_length_is_noted():
     assert row["status"] == "ok" and row["generated_tokens"] < 24
     assert "cut by the context length" in row["truncated"]
     assert any("cut by the context length" in n for n in res.notes)
+
+
+def test_vllm_cuts_a_generation_that_the_prompt_leaves_no_room_for_and_it_is_noted():
+    # vLLM 0.32 lowers max_tokens to what its context leaves after the prompt (measured: 1002 + 1900 asked of 2048,
+    # 1046 generated, finish_reason length); the simulated vLLM refused it with a 400 and the run stopped.
+    # With ignore-EOS (the default) powerprof also sends min_tokens = max_tokens, which vLLM then refuses.
+    with SimServer(SimNVML("a100-40g", state_path=None), **SIM, flavour="vllm", n_ctx=40) as srv:
+        prompts = [Prompt("long", "word " * 30)]
+        res = measure(srv.url, prompts=prompts, n_requests=1, params=replace(QUICK, ignore_eos=False), warmup=0)
+        (row,) = [r for r in res.rows if r["window_kind"] == "request"]
+        assert row["status"] == "ok" and row["generated_tokens"] == 40 - row["prompt_tokens"] < 24, row
+        assert "cut by the context length" in row["truncated"]
+        from powerprof.workload.load import LoadAborted, run_load
+
+        with pytest.raises(LoadAborted) as e:
+            run_load(srv.url, prompts, 1, 1, QUICK, warmup=0)
+    assert "min_tokens must be less than or equal to max_tokens=9, got 24" in str(e.value)
 
 
 def test_more_streams_than_slots_warns():
@@ -412,3 +431,18 @@ def test_a_server_timed_window_sits_on_a_fresh_end_of_the_stream_never_on_a_read
     q = arrival_quality(t, np.ones(64), 64)
     tm = classify(q, 64, server_decode_s=0.63, server_decode_tokens=63)
     assert tm.kind == "untrusted" and "neither the first nor the last read" in tm.reason, tm
+
+
+def test_vllms_error_inside_a_200_stream_fails_the_request_and_says_the_servers_words():
+    # vLLM 0.32 whose engine dies mid-generation sends its error inside the HTTP 200 stream, then [DONE]
+    # (tests/test_real_vllm.py holds the simulator's `stream_error` to it): never a request counted as ok.
+    from powerprof.workload.load import run_load
+
+    with SimServer(SimNVML("a100-40g", state_path=None), **SIM, flavour="vllm") as srv:
+        srv.inject("stream_error", after_tokens=3)
+        recs = run_load(srv.url, builtin_prompts("short")[:1], 1, 1, QUICK, warmup=0)
+        with pytest.raises(ValueError, match="vLLM's"):
+            SimServer(SimNVML("a100-40g", state_path=None)).inject("stream_error")
+    first = recs[0]
+    assert first.status == "failed" and first.http_status == 200 and "EngineCore encountered an issue" in first.error
+    assert recs[-1].ok and recs[-1].attempt == 2  # sent again, as any failed request

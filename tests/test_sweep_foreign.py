@@ -279,9 +279,10 @@ def _gauge_running(url: str) -> float | None:
 
 
 def test_vllms_gauges_left_by_an_aborted_request_are_not_read_as_another_client(tmp_path):
-    """vLLM refreshes vllm:num_requests_running/_waiting only at an engine step, and when every request it holds is
-    aborted no step comes until the next request (vllm-project/vllm#29928, #22545): after another client hung up
-    mid-stream, the gauge says 1 running while nothing runs. Before: the sweep's idle baseline was thrown away
+    """vLLM refreshes vllm:num_requests_running/_waiting only at an engine step, and before the fix of
+    vllm-project/vllm#29928 (#22545) no step came when every request it held was aborted: after another client hung
+    up mid-stream, the gauge said 1 running while nothing ran (vLLM 0.32 reads 0 at once: tests/test_real_vllm.py;
+    the simulator keeps the older behaviour with vllm_stale_gauges=True). Before: the sweep's idle baseline was thrown away
     ("no idle baseline: others' work ran during it (1 request(s) not powerprof's in flight ...)": every above-idle
     figure empty) and level 300 W's first batch was flagged foreign-traffic and measured again, the level carrying
     the flag and the end screen telling the user to stop other clients that were not there."""
@@ -289,7 +290,7 @@ def test_vllms_gauges_left_by_an_aborted_request_are_not_read_as_another_client(
 
     sim = SimNVML("seed-16g", state_path=None, record_history=True)
     out = tmp_path / "run"
-    with SimServer(sim, flavour="vllm", decode_tok_s=80.0) as srv:
+    with SimServer(sim, flavour="vllm", decode_tok_s=80.0, vllm_stale_gauges=True) as srv:
         _hang_up_mid_stream(srv.url)
         deadline = time.monotonic() + 10
         while (srv._active or srv._waiting) and time.monotonic() < deadline:  # the abort reached the engine
@@ -305,6 +306,17 @@ def test_vllms_gauges_left_by_an_aborted_request_are_not_read_as_another_client(
     assert not any("no idle baseline" in n for n in outcome.notes + ui.notes), outcome.notes
     # Said, not silent: what the gauges showed and why it was not believed.
     assert any("left from aborted requests" in n for n in outcome.notes), outcome.notes
+
+
+def test_the_simulated_vllms_gauges_read_0_once_every_request_is_aborted_as_vllm_0_32s_do():
+    from powerprof.sim.server import SimServer
+
+    with SimServer(SimNVML("seed-16g", state_path=None), flavour="vllm", decode_tok_s=80.0) as srv:
+        _hang_up_mid_stream(srv.url)
+        deadline = time.monotonic() + 10
+        while (srv._active or srv._waiting or _gauge_running(srv.url)) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert not srv._active and _gauge_running(srv.url) == 0.0
 
 
 def test_vllm_another_clients_request_running_at_a_batchs_end_is_still_seen_after_a_stale_gauge():

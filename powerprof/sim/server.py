@@ -108,13 +108,21 @@ def count_prompt_tokens(text: str) -> int:
     return len(_WORD.findall(text)) + 1
 
 
+FAULT_KINDS = ("http_error", "drop", "malformed", "stall", "stream_error")
+# What vLLM 0.32 streams when its EngineCore dies mid-generation (measured: SIGKILL of the engine process), after an
+# HTTP 200 and the tokens before; then `data: [DONE]` and a clean end of the body. (Its API server then exits.)
+VLLM_ENGINE_DEAD = {"error": {"message": "EngineCore encountered an issue. See stack trace (above) for the root cause.",
+                              "type": "InternalServerError", "param": None, "code": 500}}
+
+
 @dataclass
 class Fault:
-    """One injected failure. kind: http_error | drop | malformed | stall."""
+    """One injected failure. kind: http_error | drop | malformed | stall | stream_error (vLLM flavour: an error
+    inside the HTTP 200 stream, as vLLM 0.32 sends when its engine dies mid-generation)."""
 
     kind: str
     count: int = 1  # how many requests it hits
-    after_tokens: int = 0  # for drop / malformed / stall: after this many token events
+    after_tokens: int = 0  # for drop / malformed / stall / stream_error: after this many token events
     status: int = 500  # for http_error
     seconds: float = 5.0  # for stall
 
@@ -203,7 +211,7 @@ class SimServer:
         stall_every_s: float = 0.5,
         vllm_empty_final: bool = True,
         vllm_metrics: str = "current",
-        vllm_stale_gauges: bool = True,
+        vllm_stale_gauges: bool = False,
         serve_metrics: bool = True,
         draft_n_max: int | None = None,
         n_ctx: int | None = None,
@@ -221,8 +229,8 @@ class SimServer:
         decode_tok_s: single-stream speed at the profile's own draft count and a short context;
         draft_n_max (the server's draft count, 0 for none) and the context change it (sim/knobs.py).
         n_ctx: context tokens in all (llama.cpp splits them among the slots and refuses a longer
-        prompt; vLLM refuses prompt + max_tokens beyond it with a 400); a generation that reaches the
-        context stops there.
+        prompt; vLLM refuses with a 400 a prompt, or a max_tokens, that alone is beyond it); a generation that
+        reaches the context stops there.
         count_factor: a server that lies about its counts: the counts it gives once a request ends (usage,
         `timings.predicted_n`, the final `tokens_predicted`) are the true count times this; what it streams
         (and its running counts, /metrics, the truth) stays true.
@@ -236,10 +244,12 @@ class SimServer:
         `Keep-Alive: timeout=5, max=100`, closes with `Connection: close` after a connection's 100th answer and
         after every 4xx, as llama-server does (docs/simulator.md).
         vllm_stale_gauges: the vLLM flavour's `vllm:num_requests_running`/`_waiting` keep the values of its last
-        engine step when every request it holds is aborted (a client hung up), as vLLM's do: it refreshes them only
-        at an engine step, and none comes until a new request (vllm-project/vllm#29928, #22545).
+        engine step when every request it holds is aborted (a client hung up), as vLLM's did before the fix of
+        vllm-project/vllm#29928 (#22545): it refreshed them only at an engine step, and none came until a new request.
+        Off by default: vLLM 0.32 takes one more step once the aborts reach its engine and the gauges read 0 within
+        0.2 s (tests/test_real_vllm.py), as they do here.
         embeddings: serve `/v1/embeddings` (llama-server's `--embeddings`; without it llama.cpp answers 501 and vLLM
-        400, as a generation model's server does), each input a prefill of its tokens and no decode.
+        404, as a generation model's server does), each input a prefill of its tokens and no decode.
         sglang_warmup: the SGLang flavour starts as SGLang does by default, its warm-up request counted on /metrics
         (SGLANG_WARMUP; its GPU time is not simulated); False: as with --skip-server-warmup, /metrics shows no token
         counter until the first request finishes. sglang_idle_log_s: how long after its last log an idle SGLang
@@ -266,7 +276,7 @@ class SimServer:
         self.draft_n_max = wl.draft_n_max if draft_n_max is None else int(draft_n_max)
         self.speculative = wl.speculative and self.draft_n_max > 0
         self._draft = self.draft_n_max if self.speculative else 0  # draft tokens a decode step really runs
-        self.n_ctx = n_ctx  # context length: llama.cpp (per slot) stops there, vLLM refuses with 400
+        self.n_ctx = n_ctx  # context length: llama.cpp (per slot) and vLLM stop there; vLLM refuses a longer prompt
         self.batching = batching
         self.costs = batching_costs(self)
         self._window_ns = (0, 0)  # the last step's window on the engine's schedule (truth)
@@ -512,6 +522,10 @@ class SimServer:
                 conn.transport.abort()
 
     def inject(self, kind: str, **kw) -> Fault:
+        if kind not in FAULT_KINDS:
+            raise ValueError(f"fault kind must be one of {', '.join(FAULT_KINDS)}")
+        if kind == "stream_error" and self.flavour != "vllm":
+            raise ValueError("stream_error is vLLM's (llama-server's in-band error is not measured)")
         f = Fault(kind, **kw)
         with self._lock:
             self.faults.append(f)
@@ -637,8 +651,8 @@ class SimServer:
                 self._active.append(req)
             stale = (self.flavour == "vllm" and self.vllm_stale_gauges and aborted and not self._active
                      and not self._waiting)
-            if not stale and self.flavour != "sglang":  # (all aborted: vLLM takes no step, so its gauges keep the last
-                # step's counts; SGLang sets its own only when it logs: _sglang_log)
+            if not stale and self.flavour != "sglang":  # (all aborted: an older vLLM takes no step, so its gauges keep
+                # the last step's counts; SGLang sets its own only when it logs: _sglang_log)
                 self._m_running.set(len(self._active))
                 self._m_waiting.set(len(self._waiting))
             if not self._active:
@@ -1232,6 +1246,8 @@ class SimServer:
             if self.flavour == "llamacpp":
                 return self._json({"error": {"code": 501, "type": "not_supported_error",
                                              "message": "This server does not support embeddings. Start it with `--embeddings`"}}, 501)
+            if self.flavour == "vllm":  # vLLM 0.32 serving a generation model has no such route at all (measured)
+                return self._json({"detail": "Not Found"}, 404)
             return self._json({"object": "error", "message": "The model does not support Embeddings API",
                                "type": "BadRequestError", "param": None, "code": 400}, 400)
         body = await self._body(request)
@@ -1270,9 +1286,12 @@ class SimServer:
                            "usage": {"prompt_tokens": n_tok, "total_tokens": n_tok, "completion_tokens": 0,
                                      "prompt_tokens_details": None}, "simulated": True})
 
-    def _bad_request(self, message: str) -> web.Response:
+    def _bad_request(self, message: str, param: str | None = None) -> web.Response:
         if self.flavour == "llamacpp":
             return self._json({"error": {"code": 400, "message": message, "type": "invalid_request_error"}}, 400)
+        if self.flavour == "vllm":
+            # vLLM 0.32's ErrorResponse (measured), not the flat {"object": "error", ...} of its older versions.
+            return self._json({"error": {"message": message, "type": "BadRequestError", "param": param, "code": 400}}, 400)
         return self._json({"object": "error", "message": message, "type": "BadRequestError", "param": None, "code": 400}, 400)
 
     async def _serve(self, request: web.Request, api: str, prompt: str, body: dict, n_predict: int,
@@ -1291,15 +1310,36 @@ class SimServer:
         default_cache = api == "llamacpp"
         if self.n_ctx is not None:
             n_prompt = count_prompt_tokens(prompt)
-            if self.flavour == "vllm" and n_prompt + n_predict > self.n_ctx:
-                msg = (f"This model's maximum context length is {self.n_ctx} tokens. However, you requested "
-                       f"{n_prompt + n_predict} tokens ({n_prompt} in the messages, {n_predict} in the completion).")
-                return self._json({"object": "error", "message": msg, "type": "BadRequestError", "code": 400}, 400)
+            # vLLM 0.32 (measured) refuses a prompt that alone exceeds its context (tokenized to one past it, "at
+            # least") or a max_tokens beyond it, and lowers a max_tokens that the prompt leaves no room for: the
+            # generation is cut at the context, finish_reason "length" (below, as llama.cpp's), unless min_tokens
+            # (powerprof's own requests send it, for ignore-EOS) is then above the lowered max_tokens: a 400.
+            if self.flavour == "vllm" and n_prompt > self.n_ctx:
+                n = self.n_ctx + 1
+                return self._bad_request(
+                    f"This model's maximum context length is {self.n_ctx} tokens. However, your prompt contains at "
+                    f"least {n} input tokens, which exceeds this limit even without any output tokens. Please reduce "
+                    f"the length of the input prompt. (parameter=input_tokens, value={n})", "input_tokens")
+            if self.flavour == "vllm" and n_predict > self.n_ctx:
+                return self._bad_request(
+                    f"max_tokens={n_predict} cannot be greater than max_model_len={self.n_ctx}. Please request fewer "
+                    f"output tokens. (parameter=max_tokens, value={n_predict})", "max_tokens")
+            min_tokens = body.get("min_tokens")
+            if (self.flavour == "vllm" and isinstance(min_tokens, int) and not isinstance(min_tokens, bool)
+                    and min_tokens > min(n_predict, self.n_ctx - n_prompt)):
+                return self._bad_request(f"min_tokens must be less than or equal to "
+                                         f"max_tokens={min(n_predict, self.n_ctx - n_prompt)}, got {min_tokens}.")
             ctx = self.n_ctx // self.n_slots if self.flavour == "llamacpp" else self.n_ctx  # llama.cpp: per slot
             n_predict = max(1, min(n_predict, ctx - n_prompt))
         n_choices = body.get("n", 1) if api in ("openai-chat", "openai-completions") else 1
         if not isinstance(n_choices, int) or isinstance(n_choices, bool) or n_choices < 1:
             return self._bad_request("Field 'n': must be an integer of at least 1")
+        temperature = body.get("temperature")
+        if (self.flavour == "vllm" and n_choices > 1 and isinstance(temperature, (int, float))
+                and temperature < 1e-5):
+            # vLLM's SamplingParams refuse several choices of greedy sampling (measured on 0.32); without a
+            # temperature it samples at 1.0 (a model's generation_config may say otherwise: not modelled).
+            return self._bad_request(f"n must be 1 when using greedy sampling, got {n_choices}.")
         if self.flavour == "llamacpp" and n_choices > self.n_slots:
             # llama-server runs a task per choice, each in a slot of its own (checked against b11434).
             return self._bad_request(f"Field 'n': Value must be between 1 <= value <= {self.n_slots}, but got {n_choices}")
@@ -1459,6 +1499,13 @@ class SimServer:
                     raise _Dropped()
                 if fault.kind == "malformed":
                     await out.send(b'data: {"content": "broken\n\n')
+                if fault.kind == "stream_error":
+                    req.cancelled = True  # the engine holds it no more
+                    self._wake.set()
+                    await out.send(b"data: " + json.dumps(VLLM_ENGINE_DEAD).encode() + b"\n\n")
+                    await out.send(b"data: [DONE]\n\n")
+                    await resp.write_eof(await out.take())
+                    raise _Dropped()
                 if fault.kind == "stall":
                     await asyncio.sleep(fault.seconds)
             n_events += 1

@@ -49,12 +49,14 @@ SGLANG_STALE_GAUGES = ("the server's requests in flight are not read: SGLang's s
                        "it logs (every 40 decode steps, 30 s once idle), so between powerprof's batches it still counts "
                        "powerprof's own last requests")
 # Token counters a server moves at every engine step (not at a request's end): while they stand still, no request
-# runs. vLLM refreshes its in-flight gauges at a step too, so when every request it holds is aborted (a client hung
-# up) no step comes and the gauges keep the last step's counts until its next request (vllm-project/vllm#29928,
-# #22545): read as they are, they made another client of every batch and idle baseline after such an abort.
+# runs. vLLM refreshes its in-flight gauges at a step too; before the fix of vllm-project/vllm#29928 (#22545), when
+# every request it held was aborted (a client hung up) no step came and the gauges kept the last step's counts until
+# its next request: read as they are, they made another client of every batch and idle baseline after such an abort.
+# (vLLM 0.32 takes one more step and reads 0 within 0.2 s: tests/test_real_vllm.py.)
 STEP_COUNTERS = ("vllm:generation_tokens_total",)
-STALE_GAUGES = ("left from aborted requests: vLLM refreshes them only at an engine step, and when every request it "
-                "holds is aborted none comes until the next one (vllm-project/vllm#29928); not read as another "
+STALE_GAUGES = ("left from aborted requests: a vLLM older than the fix of vllm-project/vllm#29928 refreshes them only "
+                "at an engine step, and when every request it holds is aborted none comes until the next one; not read "
+                "as another "
                 "client's. Another client's request in a prefill longer than the 0.25 s between the two reads is "
                 "seen by its tokens in the next batch instead")
 TALLY_TIMEOUT_S = 5.0
