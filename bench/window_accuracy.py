@@ -191,10 +191,12 @@ IDLE_GAP_S = (0.05, 1.0)  # between one request's end and the next one's prefill
 PREFILL_S = (0.02, 0.2)
 
 
-def simulate_steps(profile, lengths_s, n_windows: int, interval_s: float, seed: int, limit_w: float):
+def simulate_steps(profile, lengths_s, n_windows: int, interval_s: float, seed: int, limit_w: float,
+                   edge_read_s=(EDGE_READ_S, EDGE_READ_S)):
     """Requests one at a time at the power limit `limit_w`: idle, prefill, decode for about L s from the first
     token to the last, idle again. Returns {L: [(t_first, t_last)]}, every read in time order (Sample), the
-    first and last token's edge reads per window, the true energy of each window and the averaging window."""
+    first and last token's edge reads per window, the true energy of each window and the averaging window.
+    edge_read_s: (start, end), each the (low, high) range its read lands after its event (a loaded host's delay)."""
     rng = np.random.default_rng(seed)
     clock = VirtualClock(T_START_NS)
     nvml = SimNVML(profile, count=1, clock_ns=clock, state_path=None, record_history=True)
@@ -217,7 +219,7 @@ def simulate_steps(profile, lengths_s, n_windows: int, interval_s: float, seed: 
             t_last = t_first + int((L + rng.uniform(-jitter_s / 2, jitter_s / 2)) * 1e9)
             events += [(t_first, 0, decode), (t_last, 0, IDLE)]
             for k, at in enumerate((t_first, t_last)):
-                events.append((at + int(rng.uniform(*EDGE_READ_S) * 1e9), 1, ("edge", (L, i, k))))
+                events.append((at + int(rng.uniform(*edge_read_s[k]) * 1e9), 1, ("edge", (L, i, k))))
             ws.append((t_first, t_last))
             t = t_last
         windows[L] = ws

@@ -27,7 +27,8 @@ from powerprof.collectors.cputime import CpuTime
 from powerprof.collectors.nvml import NvmlCollector
 from powerprof.collectors.rapl import cpu_energy_j
 from powerprof.collectors.sampler import Clock, Sample, Sampler
-from powerprof.energy import counter_energy_j, instant_power_energy_j, trailing_average_energy_j
+from powerprof.energy import (counter_energy_j, counter_window_energy_j, edge_read_delay_s, instant_power_energy_j,
+                              trailing_average_energy_j)
 
 # Below these window lengths a figure is reported but flagged low-confidence. From
 # bench/window_accuracy.py (docs/benchmarks.md, "Energy windows"): the counter's p95 error is under
@@ -57,6 +58,12 @@ POWER_EDGE_BIAS_WINDOW_S = 5.0
 # falls back to power only where the counter broke over it (a reload, a dropped jump): at the worst bias measured
 # (-10%, 0.3 s) a share of 5% moves the pooled figure by 0.5%, the error the flag stands for; under it, it cannot.
 POWER_EDGE_BIAS_SHARE = 0.05
+# An edge whose first read came later than this after it: the start's energy is placed from that read with the
+# power after it (energy.counter_window_energy_j), which assumes the power held over the delay, and the end's
+# straight line charges the delay the window's power. Loaded 2-core hosts measured up to 66 ms (docs/benchmarks.md,
+# "Energy windows at power steps, on a loaded host"); past 100 ms the next event (another request's prefill, a batch
+# change) comes into the stretch, so the window is flagged low-confidence and the run's notes say how many.
+EDGE_READ_LATE_S = 0.1
 LOW_CONFIDENCE_S = {"counter": 10.0, "avg_power_integration": 30.0, "power_integration": float("inf"), "none": float("inf")}
 
 METHOD_COUNTER = "counter"
@@ -90,6 +97,7 @@ class EnergyResult:
     cpu_energy_j: float | None  # RAPL package + DRAM, all sockets
     power_gap_s: float = 0.0  # largest gap between the power readings a power-integrated figure rests on
     cpu_time: CpuTime | None = None  # whose CPU time the host spent meanwhile (None: no cputime collector)
+    edge_read_delay_s: float = 0.0  # the later of the first reads after each edge, after its edge (EDGE_READ_LATE_S)
 
     @property
     def duration_s(self) -> float:
@@ -112,7 +120,8 @@ class EnergyResult:
 
     @property
     def low_confidence(self) -> bool:
-        return self.duration_s < LOW_CONFIDENCE_S[self.method] or self.power_gap_s > MAX_POWER_GAP_S
+        return (self.duration_s < LOW_CONFIDENCE_S[self.method] or self.power_gap_s > MAX_POWER_GAP_S
+                or self.edge_read_delay_s > EDGE_READ_LATE_S)
 
 
 @dataclass
@@ -215,18 +224,22 @@ class EnergyTimeline:
         with self._lock:
             gpu_e: list[float | None] = []
             methods: list[str] = []
-            gap_s = 0.0
+            gap_s = delay_s = 0.0
             for k in range(len(self.gpu_energy)):
                 e, m = self._gpu_energy(k, t0_ns, t1_ns)
                 gpu_e.append(e)
                 methods.append(m)
+                series = self.gpu_energy[k]
                 if m in (METHOD_AVG_POWER, METHOD_POWER):
                     series = self.gpu_avg_power[k] if m == METHOD_AVG_POWER or not self.gpu_power[k].t_ns else self.gpu_power[k]
                     gap_s = max(gap_s, _largest_gap_s(series.t_ns, t0_ns, t1_ns))
+                if m != METHOD_NONE:
+                    delay_s = max(delay_s, edge_read_delay_s(series.t_ns, t0_ns, t1_ns))
             t, y = self.cpu_energy.arrays()
             cpu = counter_energy_j(t, y, t0_ns, t1_ns, self.cpu_energy.epoch) if t.size >= 2 else float("nan")
             cpu_time = self._cpu_time(t0_ns, t1_ns)
-        return EnergyResult(t0_ns, t1_ns, tuple(gpu_e), tuple(methods), None if np.isnan(cpu) else cpu, gap_s, cpu_time)
+        return EnergyResult(t0_ns, t1_ns, tuple(gpu_e), tuple(methods), None if np.isnan(cpu) else cpu, gap_s, cpu_time,
+                            delay_s)
 
     def cputime_latest_ns(self) -> int | None:
         with self._lock:
@@ -255,9 +268,11 @@ class EnergyTimeline:
         return None, METHOD_NONE
 
     def _counter(self, k: int, t0: int, t1: int) -> float:
-        t, y = self.gpu_energy[k].arrays()
+        s = self.gpu_energy[k]
+        t, y = s.arrays()
         # Across a dropped counter difference (a jump) the counter is no figure: power integration takes over.
-        return counter_energy_j(t, y, t0, t1, np.asarray(self.gpu_energy[k].epoch)) if t.size >= 2 else float("nan")
+        return (counter_window_energy_j(t, y, t0, t1, np.asarray(s.epoch))
+                if t.size >= 2 else float("nan"))
 
     def _avg_power(self, k: int, t0: int, t1: int) -> float:
         t, y = self.gpu_avg_power[k].arrays()
@@ -324,6 +339,7 @@ class Profiler:
         self.edge_timeouts = 0  # waits for edge reads that gave up (a wedged driver call): said too
         self._edge_reads = 0  # edge reads finished, to tell a new stall from the one already waited out
         self._edge_stuck_at = -1
+        self.late_edge_windows = 0  # windows whose edge read came over EDGE_READ_LATE_S after the edge: said
 
     @property
     def gpu_infos(self):
@@ -414,6 +430,11 @@ class Profiler:
             notes.append(f"window-edge sensor reads stalled over {EDGE_STOP_S:g} s ({self.edge_timeouts} times): "
                          "windows closed meanwhile rest on the nearest periodic readings (wider interpolation); "
                          "fix: check the GPU driver (powerprof devices; nvidia-smi -q for a hung GPU)")
+        if self.late_edge_windows:
+            notes.append(f"{self.late_edge_windows} windows' edge reads came over {EDGE_READ_LATE_S * 1e3:g} ms after "
+                         "their edges (a loaded host): their energy assumes the power held over that delay, and they "
+                         "are flagged low_confidence; fix: run on a less loaded host (fewer other processes, or "
+                         "taskset powerprof onto its own core)")
         return notes
 
     def _edge_loop(self) -> None:
@@ -443,7 +464,12 @@ class Profiler:
         if latest is None or latest < t1_ns:
             self.mark("edge")
         self._cputime_after(t1_ns)
-        return self.timeline.energy_between(t0_ns, t1_ns)
+        return self._counted(self.timeline.energy_between(t0_ns, t1_ns))
+
+    def _counted(self, r: EnergyResult) -> EnergyResult:
+        if r.edge_read_delay_s > EDGE_READ_LATE_S:
+            self.late_edge_windows += 1
+        return r
 
     def _cputime_after(self, t1_ns: int) -> None:
         # CPU time is read on the ticks, not at edges (that read costs what an edge must not): a window
@@ -462,4 +488,4 @@ class Profiler:
         finally:
             w.t1_ns = self.mark(f"end:{name}")
             self._cputime_after(w.t1_ns)
-            w.result = self.timeline.energy_between(w.t0_ns, w.t1_ns)
+            w.result = self._counted(self.timeline.energy_between(w.t0_ns, w.t1_ns))
