@@ -67,14 +67,14 @@ def _read(data: Path, name: str) -> pd.DataFrame:
 
 def run(trace: list[TraceRequest], bypass: set[int] = frozenset(), profile="h200-141g", interval_s: float = 1.0,
         n_slots: int = 64, tail: list[TraceRequest] = (), tail_gap_s: float = 1.5, data_dir: Path | None = None,
-        config: dict | None = None) -> Outcome:
+        config: dict | None = None, flavour: str = "vllm") -> Outcome:
     """Replay `trace` (indexes in `bypass` straight to the server, the rest through the proxy), then
     `tail` one at a time with `tail_gap_s` between (identical requests, measured alone). `config`:
     more daemon settings ("section.key": value). profile: a key or a GpuProfile (a variant, e.g. without
-    an energy counter)."""
+    an energy counter). flavour: the simulated server's (vLLM's counter moves every step, SGLang's at request end)."""
     tmp = Path(data_dir or tempfile.mkdtemp(prefix="pp-attr-"))
     nvml = SimNVML(profile, state_path=None)
-    srv = SimServer(nvml, flavour="vllm", n_slots=n_slots, batching="continuous").start()
+    srv = SimServer(nvml, flavour=flavour, n_slots=n_slots, batching="continuous").start()
     cfg = load_config(None, env={}, overrides={
         "daemon.data_dir": str(tmp / "data"), "daemon.interval_s": interval_s, "daemon.flush_interval_s": 5.0,
         "proxy.listen": "127.0.0.1:0", "proxy.upstream": srv.url, "metrics.listen": "",

@@ -3,9 +3,10 @@
     python bench/attribution_accuracy.py            # the acceptance run: 2000 requests, a few minutes
     python bench/attribution_accuracy.py --quick    # 300 requests
     python bench/attribution_accuracy.py --quick --no-counter   # the H200 read by its 1 s trailing average alone
+    python bench/attribution_accuracy.py --quick --flavour sglang   # SGLang: its token counter moves at request end
 
 The daemon (1 Hz sampling) runs in front of the simulated continuous-batching server (vLLM
-flavour, 64 slots, H200 profile); a synthetic production-like trace (bursty arrivals, lognormal
+flavour by default, 64 slots, H200 profile); a synthetic production-like trace (bursty arrivals, lognormal
 prompts 4-4096 and outputs 8-600 tokens, three tags) is replayed through it, one request in ten
 straight to the server (bypass), then a few identical requests one at a time. Every figure the
 issue's acceptance names is printed with its bound and PASS/FAIL; nothing is asserted here
@@ -44,6 +45,8 @@ def main() -> None:
     ap.add_argument("--no-counter", action="store_true",
                     help="the GPU has no energy counter and no instant power: only nvmlDeviceGetPowerUsage's 1 s "
                          "trailing average (the daemon integrates it, shifted back half its window)")
+    ap.add_argument("--flavour", default="vllm", choices=["vllm", "sglang"],
+                    help="the simulated server (vLLM's token counter moves every step, SGLang's when a request ends)")
     a = ap.parse_args()
     n = a.requests or (300 if a.quick else 2000)
     trace = synthetic(n, a.rate, "bursty", prompt_median=300, output_median=60, tags=("chat", "rag", "batch"),
@@ -62,7 +65,7 @@ def main() -> None:
 
         profile = dataclasses.replace(get_profile(profile), has_energy_counter=False, has_instant_power=False)
     o = run(trace, bypass=bypass, interval_s=a.interval, tail=tail, data_dir=Path(a.keep) if a.keep else None,
-            config=config, profile=profile)
+            config=config, profile=profile, flavour=a.flavour)
     s = score(o)
     s["bench_s"] = time.monotonic() - t
     if a.json:

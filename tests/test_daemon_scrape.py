@@ -162,12 +162,14 @@ def test_the_daemon_scrape_loop_follows_the_cadence(monkeypatch):
     deltas: list[float] = []  # scripted counter rises, taken one per scrape
 
     class FakeScraper:
+        kind = "sglang"  # a counter that moves at request end: the ledger is told so with every window
+
         async def scrape(self):
             calls.append(time.monotonic())
             return deltas.pop(0) if deltas else 0.0
 
     ledger = types.SimpleNamespace(requests={}, tags={}, closed_tags=[], spans=[])
-    ledger.add_server_tokens = lambda t, d, since: ledger.spans.append((since, t, d))
+    ledger.add_server_tokens = lambda t, d, since, at_finish: ledger.spans.append((since, t, d, at_finish))
     me = types.SimpleNamespace(cfg=_Cfg(interval_s=fast_s, idle_interval_s=idle_s), scraper=FakeScraper(),
                                ledger=ledger, stop_event=None, _scrape_since_ns=None)
 
@@ -209,10 +211,11 @@ def test_the_daemon_scrape_loop_follows_the_cadence(monkeypatch):
         spans = ledger.spans
         assert all(a[1] == b[0] for a, b in zip(spans, spans[1:]))
         assert sum(s[2] for s in spans) == 60.0
+        assert all(s[3] is True for s in spans)
         # The slow window's 40 tokens were placed where the next window's rate (20 per fast window)
         # says the burst began: two next-windows before its end, the rest of it left empty.
         k = next(i for i, s in enumerate(spans) if s[2] == 40.0)
-        (_, start, empty), (_, end, _), (_, t_next, _) = spans[k - 1], spans[k], spans[k + 1]
+        (_, start, empty, _), (_, end, _, _), (_, t_next, _, _) = spans[k - 1], spans[k], spans[k + 1]
         assert empty == 0.0 and abs((end - start) - 2 * (t_next - end)) <= 2, spans[k - 1: k + 2]
 
     asyncio.run(go())

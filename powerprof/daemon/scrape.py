@@ -42,6 +42,9 @@ from powerprof.workload.servercount import (  # noqa: F401
 log = logging.getLogger("powerprof.daemon.scrape")
 
 SERVERS = ("auto", "vllm", "sglang", "llamacpp", "none")
+# Servers whose token counter moves when a request finishes, by its tokens (not as they are generated): the ledger
+# compares theirs with the proxied requests' tokens at their ends (Ledger._resolve_spans, docs/daemon.md).
+AT_FINISH = ("sglang",)
 SCRAPE_TIMEOUT_S = 2.0  # one GET, whole: a server slower than this to say its counters is skipped for a scrape
 
 

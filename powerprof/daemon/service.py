@@ -40,7 +40,7 @@ from .latency import RequestLatency
 from .ledger import Ledger
 from .metrics import NONE, GpuSnapshot, Snapshot, TagLimiter, make_registry, render
 from .proxy import SERVER_OPTIONS, Proxy, RequestTrace
-from .scrape import SCRAPE_TIMEOUT_S, Cadence, Scraper, burst_start_ns
+from .scrape import AT_FINISH, SCRAPE_TIMEOUT_S, Cadence, Scraper, burst_start_ns
 from .store import Dataset, DatasetStore, Flusher, buffer_cap_rows
 from .tagapi import tag_app
 
@@ -573,24 +573,25 @@ class Daemon:
                 delta = await self.scraper.scrape()
                 t = (t0 + time.monotonic_ns()) // 2  # the counter was read somewhere in the request
                 cadence.scraped(time.monotonic(), delta)
+                at_finish = self.scraper.kind in AT_FINISH  # known once detected (scrape.server = "auto")
                 if delta is not None:
                     if held is not None:  # the held slow window's burst began where this window's rate says
                         h_since, h_t, h_delta = held
                         start = burst_start_ns(h_since, h_t, h_delta, delta / max(1, t - h_t))
                         if start > h_since:
-                            self.ledger.add_server_tokens(start, 0.0, h_since)
-                        self.ledger.add_server_tokens(h_t, h_delta, start)
+                            self.ledger.add_server_tokens(start, 0.0, h_since, at_finish)
+                        self.ledger.add_server_tokens(h_t, h_delta, start, at_finish)
                         held = None
                     if delta > 0 and since is not None and t - since > 1.5e9 * cadence.fast_s:
                         held = (since, t, delta)  # a slow window ending a stillness: placed at the next scrape
                     else:
                         # The delta covers the time since the previous scrape: spread over it (docs/daemon.md).
-                        self.ledger.add_server_tokens(t, delta, since)
+                        self.ledger.add_server_tokens(t, delta, since, at_finish)
                     since = t
             # A bare sleep (no task per wait, as wait_for makes): it wakes every fast period to poll.
             await asyncio.sleep(cadence.fast_s)
         if held is not None:
-            self.ledger.add_server_tokens(held[1], held[2], held[0])
+            self.ledger.add_server_tokens(held[1], held[2], held[0], self.scraper.kind in AT_FINISH)
 
     # --- reload ------------------------------------------------------------------------------------
 
