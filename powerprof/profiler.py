@@ -79,6 +79,9 @@ ENERGY_METHODS = (METHOD_COUNTER, METHOD_AVG_POWER, METHOD_POWER, METHOD_NONE)
 # power readings' timing (docs/daemon.md, A GPU without an energy counter). Said in energy_note, left out of J/token.
 NO_COUNTER_SHORT_FLAG = "no-counter-short"
 NO_COUNTER_SHORT_BUSY_SHARE = 0.5
+# Read from instant power (no counter, no average: Pascal), an interval is seen only at its two reads: a request
+# between them is missed whatever its share of the interval, so any interval not live throughout is short.
+NO_COUNTER_SHORT_BUSY_SHARE_INSTANT = 1.0
 NO_COUNTER_SHORT_FIX = ("a GPU with an energy counter (Volta and newer), or read J/token over many such requests (a tag's "
                         "window, the intervals), not one")
 

@@ -1244,11 +1244,11 @@ def test_a_prompt_said_once_for_its_choices_is_each_choices_context_and_one_pref
     assert got[2] == pytest.approx(100.0 * pre_b / (pre_a + pre_b) + 100.0, rel=1e-6)
 
 
-def _avg_only_requests_run(led: Ledger, requests, until_s: float, profile: str = "h200-141g"):
+def _avg_only_requests_run(led: Ledger, requests, until_s: float, profile: str = "h200-141g", instant: bool = False):
     """A simulated card read by its 1 s trailing average alone (no energy counter, no instant power), sampled every
     second with the ledger advanced after each sample as the daemon does; `requests` [(arrival_s, end_s, tokens)]
     each decode alone on it (64-token probes), their tokens evenly from 20 ms after arrival to the end. Returns the
-    card (its history is the truth) and the traces."""
+    card (its history is the truth) and the traces. `instant`: read by its instant power instead (a Pascal card)."""
     import dataclasses
 
     from powerprof.sim.gpu import Phase, SimGpu
@@ -1268,7 +1268,8 @@ def _avg_only_requests_run(led: Ledger, requests, until_s: float, profile: str =
     for t, _, kind, tr in sorted(events, key=lambda x: (x[0], x[1])):
         now[0] = int(t * S)
         if kind == "sample":
-            led.add_gpu_sample(now[0], now[0], [R(None, None, gpu.average_power_w(), 700.0)])
+            led.add_gpu_sample(now[0], now[0], [R(None, gpu.instant_power_w(), None, 700.0) if instant
+                                                else R(None, None, gpu.average_power_w(), 700.0)])
             led.advance(now[0])
         elif kind == "start":
             gpu.set_phase(Phase("decode", 0.45))
@@ -1305,6 +1306,30 @@ def test_a_short_request_alone_on_a_gpu_without_a_counter_is_not_charged_the_idl
     for tr in traces:
         got, truth = rows[tr.request_id]["gpu_energy_j"], _true_j(gpu, tr)
         assert got == pytest.approx(truth, rel=0.1), (tr.request_id, got, truth)
+
+
+def test_a_request_between_two_instant_power_reads_says_no_counter_short():
+    # A card without a counter or an average (Pascal: `powerprof daemon --simulate pascal-8g`) is read by its instant
+    # power once a second: a request live for 0.55 s of an interval, between two reads, is unseen by both. It was
+    # charged the idle power alone with no note (here 10 J against 74 J true, -86%; 10 J for three of five 16-token
+    # requests through the simulated daemon), live over half the interval so not no-counter-short. Now said: its row's note, the /metrics count, and out of the daemon's J/token.
+    sink = Sink()
+    led = Ledger("d", 0, 1, sink, grace_s=0.1, avg_windows_s=(0.0,))
+    gpu, traces = _avg_only_requests_run(led, [(10.2, 10.75, 64)], until_s=14.0, profile="pascal-8g", instant=True)
+    (row,) = sink.rows["requests"]
+    truth = _true_j(gpu, traces[0])
+    assert row["gpu_energy_j"] < 0.5 * truth, (row["gpu_energy_j"], truth)  # what the two reads saw: this flag's case
+    assert row["energy_note"] and row["energy_note"].startswith("no-counter-short: ") and "fix:" in row["energy_note"], \
+        (row["gpu_energy_j"], truth)
+    assert "instant power" in row["energy_note"]  # why its intervals count, said
+    assert led.totals.no_counter_short_requests == 1
+    assert led.totals.j_per_token is None
+    # A request live through its intervals is read at both ends of each: not flagged, within the 1 Hz reads' error.
+    led2 = Ledger("d", 0, 1, sink2 := Sink(), grace_s=0.1, avg_windows_s=(0.0,))
+    gpu, traces = _avg_only_requests_run(led2, [(10.0, 17.0, 200)], until_s=20.0, profile="pascal-8g", instant=True)
+    (row,) = sink2.rows["requests"]
+    assert not (row["energy_note"] or "").count("no-counter-short")
+    assert row["gpu_energy_j"] == pytest.approx(_true_j(gpu, traces[0]), rel=0.1)
 
 
 def test_a_short_request_on_a_gpu_without_a_counter_says_so_and_stays_out_of_the_headline_figure():

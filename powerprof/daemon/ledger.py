@@ -24,7 +24,8 @@ from powerprof.collectors.cputime import (BUSY_HOST_FIX, BUSY_HOST_FLAG, BUSY_HO
 from powerprof.collectors.rapl import cpu_energy_j
 from powerprof.energy import epoch_broken, interp_at, trailing_average_interval_energy_j, unwrap_resets
 from powerprof.profiler import (METHOD_AVG_POWER, METHOD_COUNTER, METHOD_NONE, METHOD_POWER, NO_COUNTER_SHORT_BUSY_SHARE,
-                                NO_COUNTER_SHORT_FIX, NO_COUNTER_SHORT_FLAG, weakest_method)
+                                NO_COUNTER_SHORT_BUSY_SHARE_INSTANT, NO_COUNTER_SHORT_FIX, NO_COUNTER_SHORT_FLAG,
+                                weakest_method)
 
 from . import attribution as attr
 from .promptlen import PromptLengths
@@ -629,8 +630,11 @@ class Ledger:
         # requests' energy is the interval's less the idle power over the rest, an estimate a counter would not need.
         dur = np.diff(t) / 1e9
         busy = attr.busy_seconds(t, arrival, end, ~passive, bypass_spans)
+        # Instant power reads see an interval at its two ends only: short unless live throughout.
+        share = np.array([NO_COUNTER_SHORT_BUSY_SHARE_INSTANT if m == METHOD_POWER else NO_COUNTER_SHORT_BUSY_SHARE
+                          for m in methods])
         short_iv = (np.array([m != METHOD_COUNTER for m in methods], dtype=bool) & (busy > 0)
-                    & (busy < NO_COUNTER_SHORT_BUSY_SHARE * dur))
+                    & (busy < share * dur))
         energy = np.column_stack([energy, np.where(short_iv, work_j, 0.0)])
         a = attr.attribute(t, energy, arrival, first, last, end, ev_t_a, ev_r_a, ev_n_a, excess,
                            prompt_tokens=prompt, tok_ctx=np.array(ev_c, dtype=float), costs=costs,
@@ -1082,7 +1086,8 @@ def _no_counter_short_note(r: _Req) -> str | None:
         return None
     return (f"{NO_COUNTER_SHORT_FLAG}: {100 * r.no_counter_short_j / r.gpu_j:.0f}% of its GPU energy is from intervals "
             f"read without an energy counter (power readings) that requests were live in for under "
-            f"{100 * NO_COUNTER_SHORT_BUSY_SHARE:.0f}% of their time: the idle power taken out of the rest and the "
+            f"{100 * NO_COUNTER_SHORT_BUSY_SHARE:.0f}% of their time (read from instant power: for less than all of "
+            f"it, as a request between two reads is unseen): the idle power taken out of the rest and the "
             f"readings' timing decide it, not the GPU's own count (it is left out of the daemon's J/token); "
             f"fix: {NO_COUNTER_SHORT_FIX}")
 
