@@ -159,3 +159,13 @@ def test_requests_flagged_no_counter_short_are_counted_on_metrics():
     assert "no-counter-short" in fams["powerprof_requests_no_counter_short"].documentation
     (zero,) = _exposition()["powerprof_requests_no_counter_short"].samples
     assert zero.value == 0
+
+
+def test_the_j_per_token_help_says_what_it_leaves_out_and_the_flag_count_says_the_fix():
+    # A user reading /metrics sees the headline J/token leave out no-counter-short intervals (its HELP said "recent
+    # decode intervals" only) and, beside the count of such requests, what to do about them.
+    fams = _exposition(no_counter_short_requests=1, joules_per_token=0.5)
+    assert "no-counter-short" in fams["powerprof_joules_per_token"].documentation
+    assert "jpt_window_s" in fams["powerprof_joules_per_token"].documentation
+    doc = fams["powerprof_requests_no_counter_short"].documentation
+    assert "fix: a GPU with an energy counter" in doc and "instant power" in doc

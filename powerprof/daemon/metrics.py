@@ -20,6 +20,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Histo
 
 from powerprof import __version__
 from powerprof.arrival import COUNT_PROBLEM_KINDS
+from powerprof.profiler import NO_COUNTER_SHORT_FIX
 
 from .attribution import DEST_NAMES, KIND_NAMES
 from .inflight import InFlightState
@@ -224,12 +225,16 @@ class SnapshotCollector:
         yield uc
         yield CounterMetricFamily("powerprof_requests_no_counter_short", "Requests whose GPU energy came mostly from "
                                   "intervals without an energy counter (power readings) that requests were live in for "
-                                  "under half their time: it rests on the idle power taken out of the rest; their rows' "
-                                  "energy_note says no-counter-short, and they are left out of powerprof_joules_per_token",
+                                  "under half their time (read from instant power: for less than all of it): it rests on "
+                                  "the idle power taken out of the rest; their rows' energy_note says no-counter-short, "
+                                  "and they are left out of powerprof_joules_per_token; fix: " + NO_COUNTER_SHORT_FIX,
                                   value=s.no_counter_short_requests)
         if s.joules_per_token is not None:
             yield GaugeMetricFamily("powerprof_joules_per_token",
-                                    "GPU J per generated token over the recent decode intervals", value=s.joules_per_token)
+                                    "Requests' GPU J per generated token over the intervals with tokens of the last "
+                                    "metrics.jpt_window_s, leaving out intervals without an energy counter that "
+                                    "requests were live in for under half their time (no-counter-short)",
+                                    value=s.joules_per_token)
         if s.server_tokens is not None:
             yield CounterMetricFamily("powerprof_server_tokens_generated",
                                       "Tokens the server's own metrics counted (cross-check)", value=s.server_tokens)
