@@ -27,7 +27,7 @@ _UNIT_OF = [
     (r"powerprof_work_cost_joules", "J"),
     (r"powerprof_joules_per_token", "J/token"),
     (r"powerprof_tokens_generated_total", "tokens/s"),
-    (r"powerprof_requests_total", "requests/s"),
+    (r"powerprof_requests_total|powerprof_requests_no_counter_short_total", "requests/s"),
     (r"_hertz", "Hz"),
     (r"process_cpu_seconds_total", "cores"),
     (r"_bytes", "bytes"),
@@ -169,3 +169,13 @@ def test_the_j_per_token_help_says_what_it_leaves_out_and_the_flag_count_says_th
     assert "jpt_window_s" in fams["powerprof_joules_per_token"].documentation
     doc = fams["powerprof_requests_no_counter_short"].documentation
     assert "fix: a GPU with an energy counter" in doc and "instant power" in doc
+
+
+def test_the_dashboard_shows_the_requests_left_out_of_its_j_per_token():
+    # The J/token panel leaves no-counter-short intervals out (the daemon's headline does): the dashboard says so and
+    # plots how many requests were left out, so a falling count of requests behind the figure is seen.
+    panels = _dashboard()["panels"]
+    (jpt,) = [p for p in panels if any("powerprof_joules_per_token" in t["expr"] for t in p["targets"])]
+    assert "no-counter-short" in jpt["description"]
+    (left,) = [p for p in panels if any("powerprof_requests_no_counter_short_total" in t["expr"] for t in p["targets"])]
+    assert "no-counter-short" in left["title"] and "Fix:" in left["description"]
