@@ -95,7 +95,9 @@ def counter_window_energy_j(t_ns: np.ndarray, e_j: np.ndarray, t0_ns: int, t1_ns
     delay) is right for a counter read fresh, but a counter read is up to one refresh old (10-100 ms): the read
     after the end then still holds part of the window, and the correction took that out too (+1.3% J/token at 3 s
     windows on a simulated H200, 100 ms refresh, reads 60 ms late). What the end leaves: docs/benchmarks.md, "Energy
-    windows at power steps, on a loaded host". NaN where `counter_energy_j` gives NaN."""
+    windows at power steps, on a loaded host". Given the counter's refresh grid (`counter_refresh_grid`: period_ns,
+    phase_ns) both edges are placed from values dated at their own refresh (`_gridded_window_energy_j`) instead.
+    NaN where `counter_energy_j` gives NaN."""
     base = counter_energy_j(t_ns, e_j, t0_ns, t1_ns, epoch)
     if np.isnan(base):
         return base
