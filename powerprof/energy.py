@@ -80,7 +80,7 @@ EDGE_POWER_BASE_NS = 200_000_000
 
 
 def counter_window_energy_j(t_ns: np.ndarray, e_j: np.ndarray, t0_ns: int, t1_ns: int,
-                            epoch: np.ndarray | None = None) -> float:
+                            epoch: np.ndarray | None = None, period_ns: int = 0, phase_ns: int = 0) -> float:
     """Energy over a window whose start is a power step (a decode window: prefill or idle -> decode), from a
     cumulative counter read after each edge.
 
@@ -95,10 +95,14 @@ def counter_window_energy_j(t_ns: np.ndarray, e_j: np.ndarray, t0_ns: int, t1_ns
     delay) is right for a counter read fresh, but a counter read is up to one refresh old (10-100 ms): the read
     after the end then still holds part of the window, and the correction took that out too (+1.3% J/token at 3 s
     windows on a simulated H200, 100 ms refresh, reads 60 ms late). What the end leaves: docs/benchmarks.md, "Energy
-    windows at power steps, on a loaded host". NaN where `counter_energy_j` gives NaN."""
+    windows at power steps, on a loaded host". Given the counter's refresh grid (`counter_refresh_grid`: period_ns,
+    phase_ns) both edges are placed from values dated at their own refresh (`_gridded_window_energy_j`) instead.
+    NaN where `counter_energy_j` gives NaN."""
     base = counter_energy_j(t_ns, e_j, t0_ns, t1_ns, epoch)
     if np.isnan(base):
         return base
+    if period_ns > 0:
+        return _gridded_window_energy_j(t_ns, e_j, t0_ns, t1_ns, period_ns, phase_ns, base)
     t = np.asarray(t_ns, dtype=np.int64)
     e = unwrap_resets(e_j)
     i = int(np.searchsorted(t, t0_ns, side="left"))  # the start edge's read
@@ -111,6 +115,78 @@ def counter_window_energy_j(t_ns: np.ndarray, e_j: np.ndarray, t0_ns: int, t1_ns
     if i > 0:
         e0 = max(e0, e[i - 1])
     return float(interp_at(t, e, t1_ns) - min(e0, e[i]))
+
+
+def _gridded_window_energy_j(t_ns, e_j, t0_ns: int, t1_ns: int, period_ns: int, phase_ns: int, base: float) -> float:
+    """`counter_window_energy_j` on a known refresh grid: each read dated at its value's own instant
+    (`counter_value_instants_ns`), so both edges are placed from the first and last values inside the window with
+    the power measured inside it (over EDGE_POWER_BASE_NS), never past the values either side. With fewer than two
+    values inside, the straight line between the dated values; `base` where even that cannot be had."""
+    t = counter_value_instants_ns(t_ns, period_ns, phase_ns)
+    e = unwrap_resets(e_j)
+    keep = np.concatenate([[True], np.diff(t) > 0])  # reads of one refresh: its first
+    t, e = t[keep], e[keep]
+    ins = np.flatnonzero((t >= t0_ns) & (t <= t1_ns))
+    if ins.size < 2:
+        out = interp_at(t, e, t1_ns) - interp_at(t, e, t0_ns)
+        return base if np.isnan(out) else float(out)
+    i, j = int(ins[0]), int(ins[-1])
+    m = min(int(np.searchsorted(t, t[i] + EDGE_POWER_BASE_NS, side="left")), j)
+    e0 = e[i] - (e[m] - e[i]) / (t[m] - t[i]) * (t[i] - t0_ns)
+    e0 = min(max(e0, e[i - 1]) if i > 0 else e0, e[i])
+    m = max(int(np.searchsorted(t, t[j] - EDGE_POWER_BASE_NS, side="right")) - 1, i)
+    e1 = e[j] + (e[j] - e[m]) / (t[j] - t[m]) * (t1_ns - t[j])
+    e1 = max(min(e1, e[j + 1]) if j + 1 < t.size else e1, e[j])
+    return float(e1 - e0)
+
+
+# The refresh periods tried by `counter_refresh_grid`: drivers refresh the counter every 10-100 ms (field notes), a
+# real H200 every 100 ms (docs/hardware.md).
+COUNTER_PERIODS_NS = (10_000_000, 20_000_000, 25_000_000, 50_000_000, 100_000_000)
+GRID_STEP_NS = 1_000_000  # phases tried 1 ms apart: a refresh placed within 1 ms moves a window by < 0.1% at 1 s
+
+
+def counter_value_instants_ns(t_ns: np.ndarray, period_ns: int, phase_ns: int) -> np.ndarray:
+    """When each counter read's value was current: its last refresh at or before the read, on a grid of refreshes
+    every `period_ns` from `phase_ns` (the read itself where period_ns is 0: a counter taken as fresh)."""
+    t = np.asarray(t_ns, dtype=np.int64)
+    return t if period_ns <= 0 else t - (t - phase_ns) % period_ns
+
+
+def _bend(t_ns: np.ndarray, e_j: np.ndarray) -> float:
+    """How far three reads in a row are off a straight line (|slope change| over slope sum), at its 30% quantile:
+    at reads dated at their values' true instants, stretches of steady power give 0, and the quantile keeps out
+    the triples across a power step (a window's edges)."""
+    k = np.concatenate([[True], np.diff(t_ns) > 0])
+    t, e = t_ns[k].astype(float), e_j[k]
+    if t.size < 3:
+        return float("nan")
+    p1 = (e[1:-1] - e[:-2]) / (t[1:-1] - t[:-2])
+    p2 = (e[2:] - e[1:-1]) / (t[2:] - t[1:-1])
+    return float(np.quantile(np.abs(p1 - p2) / np.maximum(p1 + p2, 1e-300), 0.3))
+
+
+def counter_refresh_grid(t_ns: np.ndarray, e_j: np.ndarray) -> tuple[int, int]:
+    """(period_ns, phase_ns) of a cumulative counter's refresh grid, estimated from its reads: the grid on which the
+    reads, each dated at its last refresh (`counter_value_instants_ns`), bend least (`_bend`). A read up to one
+    refresh old dated at the read puts a power step's energy up to a refresh late, which a window's edges charge
+    to the wrong side. Needs reads at random phases against the grid (a profiler's edge reads); (0, 0) where the
+    reads cannot tell (too few, or no grid bends less than taking each read as fresh)."""
+    t = np.asarray(t_ns, dtype=np.int64)
+    e = unwrap_resets(e_j)
+    if t.size < 8:
+        return 0, 0
+    rel = t - t[0]
+    best = (_bend(rel, e), 0, 0)
+    if not np.isfinite(best[0]):
+        return 0, 0
+    for period in COUNTER_PERIODS_NS:
+        for phase in range(0, period, GRID_STEP_NS):
+            b = _bend(counter_value_instants_ns(rel, period, phase), e)
+            if b < best[0]:
+                best = (b, period, phase)
+    _, period, phase = best
+    return period, int((t[0] + phase) % period) if period else 0
 
 
 def edge_read_delay_s(t_ns: np.ndarray, t0_ns: int, t1_ns: int) -> float:
