@@ -96,13 +96,17 @@ def counter_window_energy_j(t_ns: np.ndarray, e_j: np.ndarray, t0_ns: int, t1_ns
     after the end then still holds part of the window, and the correction took that out too (+1.3% J/token at 3 s
     windows on a simulated H200, 100 ms refresh, reads 60 ms late). What the end leaves: docs/benchmarks.md, "Energy
     windows at power steps, on a loaded host". Given the counter's refresh grid (`counter_refresh_grid`: period_ns,
-    phase_ns) both edges are placed from values dated at their own refresh (`_gridded_window_energy_j`) instead.
-    NaN where `counter_energy_j` gives NaN."""
+    phase_ns) both edges are placed from values dated at their own refresh (`_gridded_window_energy_j`) instead,
+    where at least two values fall inside the window; with fewer (a 1 s window on a 100 ms refresh read late) the
+    placement above, as without a grid (neither it nor the straight line between the dated values is right there:
+    docs/benchmarks.md). NaN where `counter_energy_j` gives NaN."""
     base = counter_energy_j(t_ns, e_j, t0_ns, t1_ns, epoch)
     if np.isnan(base):
         return base
     if period_ns > 0:
-        return _gridded_window_energy_j(t_ns, e_j, t0_ns, t1_ns, period_ns, phase_ns, base)
+        gridded = _gridded_window_energy_j(t_ns, e_j, t0_ns, t1_ns, period_ns, phase_ns)
+        if gridded is not None:
+            return gridded
     t = np.asarray(t_ns, dtype=np.int64)
     e = unwrap_resets(e_j)
     i = int(np.searchsorted(t, t0_ns, side="left"))  # the start edge's read
@@ -117,19 +121,18 @@ def counter_window_energy_j(t_ns: np.ndarray, e_j: np.ndarray, t0_ns: int, t1_ns
     return float(interp_at(t, e, t1_ns) - min(e0, e[i]))
 
 
-def _gridded_window_energy_j(t_ns, e_j, t0_ns: int, t1_ns: int, period_ns: int, phase_ns: int, base: float) -> float:
+def _gridded_window_energy_j(t_ns, e_j, t0_ns: int, t1_ns: int, period_ns: int, phase_ns: int) -> float | None:
     """`counter_window_energy_j` on a known refresh grid: each read dated at its value's own instant
     (`counter_value_instants_ns`), so both edges are placed from the first and last values inside the window with
-    the power measured inside it (over EDGE_POWER_BASE_NS), never past the values either side. With fewer than two
-    values inside, the straight line between the dated values; `base` where even that cannot be had."""
+    the power measured inside it (over EDGE_POWER_BASE_NS), never past the values either side. None with fewer
+    than two values inside: there is no power inside the window to place an edge with."""
     t = counter_value_instants_ns(t_ns, period_ns, phase_ns)
     e = unwrap_resets(e_j)
     keep = np.concatenate([[True], np.diff(t) > 0])  # reads of one refresh: its first
     t, e = t[keep], e[keep]
     ins = np.flatnonzero((t >= t0_ns) & (t <= t1_ns))
     if ins.size < 2:
-        out = interp_at(t, e, t1_ns) - interp_at(t, e, t0_ns)
-        return base if np.isnan(out) else float(out)
+        return None
     i, j = int(ins[0]), int(ins[-1])
     m = min(int(np.searchsorted(t, t[i] + EDGE_POWER_BASE_NS, side="left")), j)
     e0 = e[i] - (e[m] - e[i]) / (t[m] - t[i]) * (t[i] - t0_ns)
@@ -166,12 +169,13 @@ def _bend(t_ns: np.ndarray, e_j: np.ndarray) -> float:
     return float(np.quantile(np.abs(p1 - p2) / np.maximum(p1 + p2, 1e-300), 0.3))
 
 
-def counter_refresh_grid(t_ns: np.ndarray, e_j: np.ndarray) -> tuple[int, int]:
+def counter_refresh_grid(t_ns: np.ndarray, e_j: np.ndarray, margin: float = 1.0) -> tuple[int, int]:
     """(period_ns, phase_ns) of a cumulative counter's refresh grid, estimated from its reads: the grid on which the
     reads, each dated at its last refresh (`counter_value_instants_ns`), bend least (`_bend`). A read up to one
     refresh old dated at the read puts a power step's energy up to a refresh late, which a window's edges charge
     to the wrong side. Needs reads at random phases against the grid (a profiler's edge reads); (0, 0) where the
-    reads cannot tell (too few, or no grid bends less than taking each read as fresh)."""
+    reads cannot tell (too few, or no grid bends less than taking each read as fresh, or, with `margin` < 1, the
+    best period's bend is not under `margin` times every other period's best: periods that fit about as well)."""
     t = np.asarray(t_ns, dtype=np.int64)
     e = unwrap_resets(e_j)
     if t.size < 8:
@@ -180,12 +184,16 @@ def counter_refresh_grid(t_ns: np.ndarray, e_j: np.ndarray) -> tuple[int, int]:
     best = (_bend(rel, e), 0, 0)
     if not np.isfinite(best[0]):
         return 0, 0
+    per_period = {0: best[0]}  # each period's least bend (0: every read taken as fresh)
     for period in COUNTER_PERIODS_NS:
         for phase in range(0, period, GRID_STEP_NS):
             b = _bend(counter_value_instants_ns(rel, period, phase), e)
+            per_period[period] = min(per_period.get(period, b), b)
             if b < best[0]:
                 best = (b, period, phase)
-    _, period, phase = best
+    b, period, phase = best
+    if period and any(other < b / margin for p, other in per_period.items() if p not in (0, period)):
+        return 0, 0
     return period, int((t[0] + phase) % period) if period else 0
 
 
