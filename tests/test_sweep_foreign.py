@@ -107,10 +107,10 @@ def test_another_client_during_one_level_is_flagged_left_out_and_measured_again(
     assert not any("cannot be ruled out" in n for n in outcome.notes), outcome.notes
 
 
-def _sweep_beside_a_gpu_neighbour_at_200(tmp_path, bystander_kw: dict, said: str):
+def _sweep_beside_a_gpu_neighbour_at_200(tmp_path, bystander_kw: dict, said: str, sim=None):
     """A sweep with another process on GPU 0 during level 200 only: that level is flagged, its windows beside the
     process (saying `said`) are left out and measured again, and the counted ones are the GPU's truth."""
-    sim = SimNVML("seed-16g", state_path=None, record_history=True)
+    sim = sim or SimNVML("seed-16g", state_path=None, record_history=True)
     out = tmp_path / "run"
     with Rig("seed-16g", nvml=sim) as rig:
         act, state = _while_at_200(lambda: rig.sim_bystander_gpu(0, **bystander_kw), lambda by: by.stop())
@@ -256,6 +256,26 @@ def test_a_process_streaming_memory_without_kernels_is_flagged_and_left_out(tmp_
                                                              "without kernels on GPU 0")
     assert left.foreign_traffic.str.contains("40% of the memory bandwidth").any(), left.foreign_traffic.tolist()
     assert any(f"process(es) {by.pid}" in n for n in outcome.notes), outcome.notes
+
+
+def test_a_process_whose_work_nvml_cannot_show_is_said_as_such_not_as_seen_working(tmp_path):
+    """Where NVML's per-process utilisation is unsupported, another process on the GPU cannot be ruled out: its
+    windows are left out, and the end screen said powerprof "saw process(es) N working on the GPU", which it did
+    not (it may have run nothing)."""
+    import pynvml
+
+    class NoProcessUtil(SimNVML):
+        def nvmlDeviceGetProcessUtilization(self, handle, time_stamp_us):
+            raise pynvml.NVMLError(pynvml.NVML_ERROR_NOT_SUPPORTED)
+
+    sim = NoProcessUtil("seed-16g", state_path=None, record_history=True)
+    sim.v2_process_util = pynvml.NVML_ERROR_NOT_SUPPORTED
+    outcome, by, _ = _sweep_beside_a_gpu_neighbour_at_200(tmp_path, dict(share=0.0, mem_share=0.4),
+                                                          "cannot be ruled out", sim=sim)
+    said = [n for n in outcome.notes if n.startswith("others' work ran beside the sweep")]
+    assert len(said) == 1, outcome.notes
+    assert f"process(es) {by.pid}" in said[0] and "working on the GPU" not in said[0], said[0]
+    assert "whose work NVML cannot show" in said[0] and "fix: " in said[0], said[0]
 
 
 def _hang_up_mid_stream(url: str, tokens: int = 8) -> None:
