@@ -1476,4 +1476,7 @@ def run_sweep(
     ex = sweep.excluded()
     if ex is not None:
         notes.append(ex.message())
+    # run.json was written before the levels ran: the notes known only now (late edge reads, others' work, restarts)
+    # were on the end screen alone, and lost with the terminal.
+    writer.write_json(notes=notes)
     return SweepOutcome(run_dir, sweep, levels, [], notes)

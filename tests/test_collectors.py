@@ -301,6 +301,17 @@ def test_a_card_with_neither_energy_nor_power_is_not_said_to_integrate_power():
     assert "integrated" not in p.message and "no power reading" in p.message and p.fix
 
 
+def test_a_card_without_an_energy_counter_says_short_requests_are_marked_and_the_fix():
+    # The daemon's startup warning on Pascal said "energy is integrated from power" and nothing of what that costs:
+    # a request between two power reads is marked no-counter-short and left out of the daemon's J/token.
+    src = open_sources(SimNVML("pascal-8g", state_path=None), [0], rapl_root="/nonexistent", host=False,
+                       privileged=lambda: True)
+    (p,) = [p for p in src.problems if p.source == "nvml"]
+    assert "has no energy counter (pre-Volta): energy is integrated from power" in p.message, p.message
+    assert "no-counter-short" in p.message and "leaves it out of its J/token" in p.message, p.message
+    assert p.fix and "energy counter (Volta and newer)" in p.fix, p.fix
+
+
 def test_numeric_cuda_visible_devices_on_mixed_gpus_warns_that_cuda_may_number_them_otherwise(monkeypatch):
     nv = FaultyNVML(SimNVML("a100-40g", count=2, state_path=None))
     nv.lie(1, "nvmlDeviceGetName", lambda _: "Tesla T4", times=None)

@@ -99,6 +99,31 @@ def test_llamacpp_restart_counts_from_zero_and_slots_only_still_works():
     assert set(only_slots.partial) == {"slots_only"} and sc.partial == {}
 
 
+def test_a_count_that_may_be_low_says_why_what_it_costs_and_the_fix_in_the_log_and_on_metrics(caplog):
+    """The log and /metrics said the count may be low and why, not what a low count costs: bypass traffic it
+    misses is not in `unproxied`, its energy charged to the proxied requests or idle."""
+    from types import SimpleNamespace
+
+    from powerprof.daemon.metrics import Snapshot, make_registry, render
+
+    late = _Replay([(120, _slot(1, 0, busy=False)), (130, _slot(1, 0, busy=False))])
+    late.ready = True  # first read after the daemon's ready, 120 tokens already counted
+    slots = _Replay([(None, _slot(1, 10)), (None, _slot(1, 30))])
+    with caplog.at_level("WARNING", logger="powerprof.daemon.scrape"):
+        _run(late, 2), _run(slots, 2)
+    assert set(late.partial) == {"late_baseline"} and set(slots.partial) == {"slots_only"}
+    lines = [r.getMessage() for r in caplog.records]
+    assert len(lines) == 2, lines  # once each
+    for line, fix in zip(lines, ("start the server before the daemon", "start llama-server with --metrics")):
+        assert line.startswith("scraped server count may be low: ") and "not in `unproxied`" in line, line
+        assert f"(fix: {fix}" in line, line
+    text = render(make_registry(SimpleNamespace(snapshot=Snapshot(server_tokens=130.0,
+                                                                   server_tokens_partial=("slots_only",))))).decode()
+    help_line = next(x for x in text.splitlines() if x.startswith("# HELP powerprof_server_tokens_partial "))
+    assert "bypass traffic it misses is not in unproxied" in help_line and "the fix" in help_line, help_line
+    assert 'powerprof_server_tokens_partial{reason="slots_only"} 1.0' in text, text
+
+
 # --- cadence: fast while something moves, slow once the server and the proxy are still ---------
 
 

@@ -71,3 +71,60 @@ def test_read_too_late_to_correct_is_flagged_and_said():
     for s in reads2[: edge_at2[(12.0, 0, 1)] + 1]:
         tl2.add(s)
     assert not tl2.energy_between(a2, b2).low_confidence
+
+
+class _LateEdges:
+    """A SimNVML whose energy counter, read for a window's edge (the profiler's edge thread), answers 0.3 s late: a
+    loaded host. The ticks read on time."""
+
+    def __new__(cls, profile):
+        import threading
+        import time
+
+        from powerprof.sim.nvml import SimNVML
+
+        class Late(SimNVML):
+            def nvmlDeviceGetTotalEnergyConsumption(self, h):
+                if threading.current_thread().name == "powerprof-edges":
+                    time.sleep(0.3)
+                return super().nvmlDeviceGetTotalEnergyConsumption(h)
+
+        return Late(profile, state_path=None)
+
+
+LATE_NOTE = f"edge reads came over {EDGE_READ_LATE_S * 1e3:g} ms after their edges (a loaded host)"
+
+
+def test_late_edge_reads_are_said_on_the_end_screen_and_in_run_json(tmp_path):
+    """The sweep said its late-edge note on the end screen only: run.json, written before the sweep ran, kept the
+    notes known then (the simulator's), and the note (with the other end-of-run notes: others' work, restarts) was
+    lost with the terminal."""
+    import json
+
+    from powerprof.rig import Rig
+    from powerprof.sweep import run_sweep
+    from powerprof.workload.client import RequestParams
+
+    out = tmp_path / "run"
+    with Rig("seed-16g", nvml=_LateEdges("seed-16g")) as rig:
+        outcome = run_sweep(rig, levels_spec="300", out_dir=out, params=RequestParams(max_tokens=32), idle_s=0,
+                            interval_s=0.2, min_requests=3, max_requests=3, warmup_requests=0)
+    said = [n for n in outcome.notes if LATE_NOTE in n]
+    assert len(said) == 1 and "low_confidence" in said[0] and "fix:" in said[0], outcome.notes
+    assert said[0] in json.loads((out / "run.json").read_text())["notes"]
+
+
+def test_late_edge_reads_are_said_by_measure_and_in_its_run_json(tmp_path):
+    import json
+
+    from powerprof.rig import Rig
+    from powerprof.workload.client import RequestParams
+    from powerprof.workload.load import Prompt
+    from powerprof.workload.measure import run_measure
+
+    with Rig("seed-16g", nvml=_LateEdges("seed-16g")) as rig:
+        res = run_measure(rig, url=None, out_dir=tmp_path / "m", prompts=[Prompt("p", "hello")], n_requests=3,
+                          concurrencies=[1], params=RequestParams(max_tokens=32), warmup=0, interval_s=0.2)
+    said = [n for n in res.notes if LATE_NOTE in n]
+    assert len(said) == 1, res.notes
+    assert said[0] in json.loads((tmp_path / "m" / "run.json").read_text())["notes"]

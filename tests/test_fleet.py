@@ -416,7 +416,9 @@ def test_analyze_refuses_one_key_written_by_two_hosts(fleet, tmp_path):
         pq.write_table(t.set_column(t.column_names.index("host"), "host", pa.array(["node-9"] * t.num_rows)), f)
     res = CliRunner().invoke(main, ["analyze", str(base / "node-3"), str(edited)])
     assert res.exit_code == 1, res.output
-    assert "request key(s)" in res.output and "hold rows that differ" in res.output, res.output
+    # Both hosts named, and what differs: the host, not the values (it read "hold rows that differ (hosts: node-3)").
+    assert "written by two hosts (node-3 and node-9)" in res.output, res.output
+    assert "hold rows that differ" not in res.output, res.output
 
 
 def test_requests_flagged_no_counter_short_are_left_out_of_j_per_token_and_said(tmp_path):

@@ -107,10 +107,10 @@ def test_another_client_during_one_level_is_flagged_left_out_and_measured_again(
     assert not any("cannot be ruled out" in n for n in outcome.notes), outcome.notes
 
 
-def _sweep_beside_a_gpu_neighbour_at_200(tmp_path, bystander_kw: dict, said: str):
+def _sweep_beside_a_gpu_neighbour_at_200(tmp_path, bystander_kw: dict, said: str, sim=None):
     """A sweep with another process on GPU 0 during level 200 only: that level is flagged, its windows beside the
     process (saying `said`) are left out and measured again, and the counted ones are the GPU's truth."""
-    sim = SimNVML("seed-16g", state_path=None, record_history=True)
+    sim = sim or SimNVML("seed-16g", state_path=None, record_history=True)
     out = tmp_path / "run"
     with Rig("seed-16g", nvml=sim) as rig:
         act, state = _while_at_200(lambda: rig.sim_bystander_gpu(0, **bystander_kw), lambda by: by.stop())
@@ -258,6 +258,26 @@ def test_a_process_streaming_memory_without_kernels_is_flagged_and_left_out(tmp_
     assert any(f"process(es) {by.pid}" in n for n in outcome.notes), outcome.notes
 
 
+def test_a_process_whose_work_nvml_cannot_show_is_said_as_such_not_as_seen_working(tmp_path):
+    """Where NVML's per-process utilisation is unsupported, another process on the GPU cannot be ruled out: its
+    windows are left out, and the end screen said powerprof "saw process(es) N working on the GPU", which it did
+    not (it may have run nothing)."""
+    import pynvml
+
+    class NoProcessUtil(SimNVML):
+        def nvmlDeviceGetProcessUtilization(self, handle, time_stamp_us):
+            raise pynvml.NVMLError(pynvml.NVML_ERROR_NOT_SUPPORTED)
+
+    sim = NoProcessUtil("seed-16g", state_path=None, record_history=True)
+    sim.v2_process_util = pynvml.NVML_ERROR_NOT_SUPPORTED
+    outcome, by, _ = _sweep_beside_a_gpu_neighbour_at_200(tmp_path, dict(share=0.0, mem_share=0.4),
+                                                          "cannot be ruled out", sim=sim)
+    said = [n for n in outcome.notes if n.startswith("others' work ran beside the sweep")]
+    assert len(said) == 1, outcome.notes
+    assert f"process(es) {by.pid}" in said[0] and "working on the GPU" not in said[0], said[0]
+    assert "whose work NVML cannot show" in said[0] and "fix: " in said[0], said[0]
+
+
 def _hang_up_mid_stream(url: str, tokens: int = 8) -> None:
     """Another client's streamed request, abandoned after a few chunks (a user pressing stop)."""
     import json
@@ -305,7 +325,10 @@ def test_vllms_gauges_left_by_an_aborted_request_are_not_read_as_another_client(
     assert pq.read_table(out / "windows.parquet").to_pandas().foreign_traffic.isna().all()
     assert not any("no idle baseline" in n for n in outcome.notes + ui.notes), outcome.notes
     # Said, not silent: what the gauges showed and why it was not believed.
-    assert any("left from aborted requests" in n for n in outcome.notes), outcome.notes
+    said = [n for n in outcome.notes if "left from aborted requests" in n]
+    # With what it leaves unseen and the fix (it gave no fix): a vLLM with the fix reads 0 at once.
+    assert len(said) == 1 and "said 1 request(s) in flight while its token counter" in said[0], outcome.notes
+    assert "fix: a vLLM with that fix (0.32 has it" in said[0], said[0]
 
 
 def test_the_simulated_vllms_gauges_read_0_once_every_request_is_aborted_as_vllm_0_32s_do():

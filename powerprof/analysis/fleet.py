@@ -104,14 +104,7 @@ def _table_sql(con, table: str, files: list[str]) -> str:
     alone are grouped first: where no key is found twice (the usual case) the rows are each their own and
     stream into the per-host sums; only where some key is found twice are the rows grouped whole."""
     cols = COLUMNS[table]
-    if files:
-        src = read_sql(files)
-        names = {r[0] for r in con.execute(f"DESCRIBE SELECT * FROM {src}").fetchall()}
-        sel = ", ".join(c if c in names else f"CAST(NULL AS {t}) AS {c}" for c, t in cols.items())
-        raw = f"SELECT {sel}, filename FROM {src}"
-    else:
-        sel = ", ".join(f"CAST(NULL AS {t}) AS {c}" for c, t in cols.items())
-        raw = f"SELECT {sel}, NULL::VARCHAR AS filename WHERE false"
+    raw = _raw_sql(con, table, files)
     folder = folder_sql(table)
     label = (f"coalesce(host, nullif(regexp_extract({folder}, '/host=([^/]+)$', 1), ''), "
              f"'(unknown) ' || {folder})")
@@ -136,6 +129,30 @@ def _table_sql(con, table: str, files: list[str]) -> str:
             f"CAST(min(_h) <> max(_h) OR count(DISTINCT _written_host) > 1 AS BIGINT) AS conflicts "
             f"FROM rows WHERE NOT _keyless GROUP BY {k} "
             f"UNION ALL SELECT host, {k}, {', '.join(other)}, 1, 0 FROM rows WHERE _keyless)")
+
+
+def _raw_sql(con, table: str, files: list[str]) -> str:
+    """SQL: the rows of `table`'s files, every column of COLUMNS (null where a file lacks it) and the file's name."""
+    cols = COLUMNS[table]
+    if files:
+        src = read_sql(files)
+        names = {r[0] for r in con.execute(f"DESCRIBE SELECT * FROM {src}").fetchall()}
+        sel = ", ".join(c if c in names else f"CAST(NULL AS {t}) AS {c}" for c, t in cols.items())
+        return f"SELECT {sel}, filename FROM {src}"
+    sel = ", ".join(f"CAST(NULL AS {t}) AS {c}" for c, t in cols.items())
+    return f"SELECT {sel}, NULL::VARCHAR AS filename WHERE false"
+
+
+def _host_clashes(con, table: str, files: list[str]) -> tuple[int, list[list[str]]]:
+    """Keys of `table` whose rows name two hosts in their `host` column: how many, and each set of hosts so named.
+    Asked only once some key is refused, to say which hosts (the summary itself keeps one row per host)."""
+    if not files:
+        return 0, []
+    k = ", ".join(KEYS[table])
+    got = con.execute(f"SELECT list_sort(list(DISTINCT host)) AS hosts, count(*) FROM ({_raw_sql(con, table, files)}) "
+                      f"WHERE NOT {keyless_sql(KEYS[table])} GROUP BY {k} HAVING count(DISTINCT host) > 1").fetchall()
+    sets = sorted({tuple(h) for h, _ in got})
+    return len(got), [list(h) for h in sets]
 
 
 def _sane(*cols: str) -> str:
@@ -201,8 +218,11 @@ def fleet_summary(sources) -> pa.Table:
         raise FleetError(f"{', '.join(bad)}: not a daemon dataset (no requests/ or intervals/ folder)")
     with connect() as con:
         try:
-            parts = {table: _table_sql(con, table, table_files(srcs, table)) for table in ("requests", "intervals")}
+            files = {table: table_files(srcs, table) for table in ("requests", "intervals")}
+            parts = {table: _table_sql(con, table, files[table]) for table in ("requests", "intervals")}
             out = to_arrow(con, FLEET_SQL.format(**parts))
+            conflicts = {t: sum(out.column(f"conflicting_{t}").to_pylist() or [0]) for t in ("requests", "intervals")}
+            clashes = {t: _host_clashes(con, t, files[t]) if conflicts[t] else (0, []) for t in conflicts}
         except Exception as e:  # duckdb.Error and IO errors: say which sources, keep the reason
             from powerprof import termination  # noqa: PLC0415
 
@@ -213,13 +233,24 @@ def fleet_summary(sources) -> pa.Table:
     bad = [r for r in out.select(["host", "conflicting_requests", "conflicting_intervals"]).to_pylist()
            if r["conflicting_requests"] or r["conflicting_intervals"]]
     if bad:
-        n_r, n_i = (sum(r[f"conflicting_{t}"] for r in bad) for t in ("requests", "intervals"))
-        raise FleetError(
-            f"{n_r} request key(s) ({', '.join(KEYS['requests'])}) and {n_i} interval key(s) "
-            f"({', '.join(KEYS['intervals'])}) hold rows that differ (hosts: {', '.join(r['host'] for r in bad)}): "
-            "one event recorded twice with different values, of which at most one is true and nothing says which. "
-            "Remove the file that is wrong (`powerprof export` of the same sources names the files), or analyse "
-            "the folders separately")
+        keys = (f"{{}} request key(s) ({', '.join(KEYS['requests'])}) and {{}} interval key(s) "
+                f"({', '.join(KEYS['intervals'])})")
+        said = []
+        # One key under two hosts' names: the host differs, whatever the values; said apart, with both hosts.
+        h_r, h_i = clashes["requests"][0], clashes["intervals"][0]
+        if h_r or h_i:
+            sets = sorted({tuple(h) for t in clashes.values() for h in t[1]})
+            said.append(keys.format(h_r, h_i) + f" were written by {'two' if all(len(h) == 2 for h in sets) else 'several'} "
+                        f"hosts ({'; '.join(' and '.join(h) for h in sets)}): a daemon runs on one host, so one copy names "
+                        "the wrong host (a backup restored under another name, a host renamed by hand), and which "
+                        "host's sums the rows belong to nothing says")
+        n_r, n_i = conflicts["requests"] - h_r, conflicts["intervals"] - h_i
+        if n_r or n_i:
+            said.append(keys.format(n_r, n_i) + f" hold rows that differ (hosts: {', '.join(r['host'] for r in bad)}): "
+                        "one event recorded twice with different values, of which at most one is true and nothing "
+                        "says which")
+        raise FleetError("; ".join(said) + ". Remove the file that is wrong (`powerprof export` of the same sources "
+                         "names the files), or analyse the folders separately")
     out = out.drop_columns(["conflicting_requests", "conflicting_intervals"])
     if not out.num_rows:
         raise FleetError(f"{', '.join(srcs)}: no request or interval rows yet (the daemon writes them at each flush, "

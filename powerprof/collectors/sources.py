@@ -177,8 +177,12 @@ def _open_gpus(src: Sources, gpus, nvml, privileged: Callable[[], bool]) -> None
             src.problems.append(
                 Problem(
                     "nvml",
-                    f"gpu{info.index} ({info.name}) has no energy counter (pre-Volta): energy is integrated from power",
-                    None,
+                    f"gpu{info.index} ({info.name}) has no energy counter (pre-Volta): energy is integrated from power "
+                    "readings, which a short request or window can fall between: the daemon marks such a request "
+                    "no-counter-short and leaves it out of its J/token, sweep and measure say low confidence for short "
+                    "decode windows",
+                    "a GPU with an energy counter (Volta and newer), or longer requests and J/token read over many "
+                    "of them (a tag's window, the intervals)",
                 )
             )
 

@@ -239,7 +239,7 @@ class SnapshotCollector:
             yield CounterMetricFamily("powerprof_server_tokens_generated",
                                       "Tokens the server's own metrics counted (cross-check)", value=s.server_tokens)
             part = GaugeMetricFamily("powerprof_server_tokens_partial", "1: powerprof_server_tokens_generated_total may be "
-                                     "low, for this reason (late_baseline: first read after the daemon's ready, with "
+                                     "low (bypass traffic it misses is not in unproxied energy), for this reason (late_baseline: first read after the daemon's ready, with "
                                      "tokens already counted; slots_only: llama-server without --metrics); the log says "
                                      "what was missed and the fix", labels=["reason"])
             for why in PARTIAL_REASONS:

@@ -64,10 +64,12 @@ def slots_delta(prev: dict[int, tuple[object, int]], now: dict[int, tuple[object
 # Why a scraped count may be low (keys of Scraper.partial; /metrics label `reason`).
 PARTIAL_REASONS = {
     "late_baseline": "the server's counters were first read after the daemon said it was ready, and it had counted tokens "
-                     "by then: tokens of requests sent since the daemon's ready and before that read are not in the count "
-                     "(fix: start the server before the daemon, or restart the daemon once the server is up)",
+                     "by then: tokens of requests sent since the daemon's ready and before that read are not in the count, "
+                     "so bypass traffic before it is not in `unproxied` (its energy is with the proxied requests' or "
+                     "idle) (fix: start the server before the daemon, or restart the daemon once the server is up)",
     "slots_only": "llama-server without /metrics: /slots alone misses each request's tokens after the last scrape before "
-                  "it ends (fix: start llama-server with --metrics)",
+                  "it ends, so bypass traffic's missed tokens are not in `unproxied` (their energy is with the proxied "
+                  "requests' or idle) (fix: start llama-server with --metrics)",
 }
 
 STILL_S = 5.0  # the counter and the proxy this long without movement: scrape at the idle period

@@ -82,6 +82,7 @@ class GpuNeighbours:
         self.since_us = time.time_ns() // 1000
         self.notes: dict[str, str] = {}  # once each: what cannot be told, idle holders
         self.seen: set[int] = set()  # pids flagged as working beside the server
+        self.unsure: set[int] = set()  # pids flagged because NVML cannot say whether they worked (not seen working)
 
     def mark(self) -> None:
         """Judge from now on (a measurement starts)."""
@@ -120,7 +121,7 @@ class GpuNeighbours:
             util, how = process_util(gpu.nvml, h, since)
             if util is None:
                 if others:
-                    self.seen |= others
+                    self.unsure |= others
                     return (f"process {pid_text(others)} also uses GPU {idx} and NVML cannot say whether it worked "
                             f"beside the server (its per-process utilisation is not supported here: {how}), so its "
                             "work cannot be ruled out")
@@ -201,13 +202,16 @@ class OthersWatch:
             seen.append(f"{self.seen['requests']:.0f} finished requests")
         if self.seen["tokens"]:
             seen.append(f"{self.seen['tokens']:.0f} generated tokens")
-        procs = f"process(es) {pid_text(self.neighbours.seen)} working on the GPU" if self.neighbours.seen else ""
-        return " and ".join(x for x in (" and ".join(seen) + (" on the server" if seen else ""), procs) if x)
+        nb = self.neighbours
+        procs = [f"process(es) {pid_text(nb.seen)} working on the GPU"] if nb.seen else []
+        unsure = nb.unsure - nb.seen
+        procs += [f"process(es) {pid_text(unsure)} on the GPU (whose work NVML cannot show)"] if unsure else []
+        return " and ".join(x for x in (" and ".join(seen) + (" on the server" if seen else ""), *procs) if x)
 
     def record(self) -> dict:
         """run.json's and --json's account of what was seen: the server's extra tokens and requests, the pids."""
         return {"server_tokens": self.seen["tokens"], "server_requests": self.seen["requests"],
-                "gpu_pids": sorted(self.neighbours.seen)}
+                "gpu_pids": sorted(self.neighbours.seen | self.neighbours.unsure)}
 
     @property
     def cannot(self) -> list[str]:

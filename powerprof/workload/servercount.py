@@ -58,7 +58,8 @@ STALE_GAUGES = ("left from aborted requests: a vLLM older than the fix of vllm-p
                 "at an engine step, and when every request it holds is aborted none comes until the next one; not read "
                 "as another "
                 "client's. Another client's request in a prefill longer than the 0.25 s between the two reads is "
-                "seen by its tokens in the next batch instead")
+                "seen by its tokens in the next batch instead; fix: a vLLM with that fix (0.32 has it: its gauges "
+                "read 0 within 0.2 s of an abort)")
 TALLY_TIMEOUT_S = 5.0
 # A server's token count and the one powerprof takes from the stream can differ by one per request
 # (vLLM's closing chunk, a count taken at a step vs at the stream's end): more than one token per
