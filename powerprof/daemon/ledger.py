@@ -491,8 +491,8 @@ class Ledger:
             known = min((sp[0] for sp in self.server_spans if sp[3] is None), default=self.server_upto_ns)
             if self._durations:
                 # A bypass request running now is seen only at its end (an at-finish server): its intervals are held
-                # as far back as the recent requests lasted (from the middle of the window it may end in), so its
-                # tokens can be spread back over them (`_spread_back`).
+                # as far back as the recent requests lasted, plus the window it may end in, so its tokens can be
+                # spread back over them (`_spread_back`).
                 window_ns = self.server_spans[-1][1] - self.server_spans[-1][0] if self.server_spans else 0
                 known = min(known, self.server_upto_ns - window_ns - int(max(d for _, d in self._durations) * 1e9))
             horizon = min(horizon, max(known, now_ns - int(SCRAPE_HOLD_S * 1e9)))
@@ -842,12 +842,12 @@ class Ledger:
                 self._levels.popleft()
             sp[3] = max(0.0, level - ref)
             if sp[3] > 0 and sp[4] is not None:
-                self._spread_back(sp, pt, cum, dur)
+                self._spread_back(sp, pt, dur)
             self._levels.append((sp[1], level))
             self._level = level
             self._gap = float(gaps[k])
 
-    def _spread_back(self, sp: list, pt: np.ndarray, cum: np.ndarray, dur: np.ndarray | None) -> None:
+    def _spread_back(self, sp: list, pt: np.ndarray, dur: np.ndarray | None) -> None:
         """Move a resolved at-finish window's start back to where its bypass requests began: their tokens were
         generated over their run, not in the window their end was counted in (docs/daemon.md, Bypass traffic).
 
@@ -862,8 +862,9 @@ class Ledger:
         n_bypass = n_fin - (b - a)
         s_bypass = sum_s - (dur[b] - dur[a]) / 1e9
         mean_s = s_bypass / n_bypass if n_bypass >= 1 and s_bypass > 0 else sum_s / n_fin
-        # They ended somewhere in the window, each after `mean_s`: from its middle less that to its end, their tokens'
-        # mean instant is where it was on average; never shorter than the window itself (where it was placed before).
+        # From `mean_s` before the window's end (they ended somewhere in it) to its end; never shorter than the window
+        # itself (where it was placed before). Spread from its middle instead (their mean end), the 160-request SGLang
+        # run read 113-115% of the bypass requests' true energy against 107%.
         floor = self.edges[0].t_ns if self.edges else sp[0]
         sp[0] = min(sp[0], max(floor, sp[1] - int(mean_s * 1e9)))
 
