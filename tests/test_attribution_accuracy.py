@@ -126,12 +126,15 @@ def test_bypass_traffic_beside_sglang_is_found_and_proxied_tokens_are_not_taken_
     # SGLang's counter moves when a request finishes. Compared with the proxy's tokens as they streamed, its jumps read
     # as bypass tokens: this run, 3388 "bypass" tokens against the 1171 the bypass requests made, unproxied 134% of
     # their true energy and the proxied requests 3.1% low. Compared with the proxied requests' tokens at their ends:
-    # 1171 of 1171, 86% (the energy of a bypass request's tokens is placed in the scrape window it finished in, not
-    # over its run: docs/daemon.md, Bypass traffic), the requests +1.1%.
+    # 1171 of 1171, 86% (79% on a loaded machine) with the requests +1.1% (+2.2%) while a bypass request's tokens were
+    # placed in the scrape window it finished in; spread back over its run (SGLang's e2e latency histogram less the
+    # proxied requests' durations: docs/daemon.md, Bypass traffic), 107% (two runs: 106.7%, 107.4%), the requests
+    # -0.6%. The bound is vLLM's (test_bypass_energy_goes_to_unproxied): the bypass requests are charged the proxied
+    # tokens' cost per interval there too.
     o, s, bypass = sglang_outcome
     assert abs(s["conservation_err"]) <= 0.001
     true_tokens = sum(o.truth[str(i)]["generated"] for i in bypass)
     assert o.intervals["server_tokens"].sum() == pytest.approx(true_tokens, rel=0.05)
-    assert 0.7 <= s["bypass_share_in_unproxied"] <= 1.2, s["bypass_share_in_unproxied"]
+    assert 0.9 <= s["bypass_share_in_unproxied"] <= 1.3, s["bypass_share_in_unproxied"]
     r = o.requests[~o.requests["tail"] & o.requests["true_j"].notna()]
     assert abs(r["gpu_energy_j"].sum() / r["true_j"].sum() - 1) < 0.06

@@ -7,7 +7,10 @@ import json
 import time
 import types
 
-from powerprof.daemon.scrape import Cadence, Scraper, burst_start_ns, counter_total, llamacpp_generated, slot_progress, slots_delta
+import pytest
+
+from powerprof.daemon.scrape import (
+    Cadence, Scraper, burst_start_ns, counter_total, histogram_sum_count, llamacpp_generated, slot_progress, slots_delta)
 
 VLLM = """# HELP vllm:generation_tokens_total Number of generation tokens processed.
 # TYPE vllm:generation_tokens_total counter
@@ -188,13 +191,15 @@ def test_the_daemon_scrape_loop_follows_the_cadence(monkeypatch):
 
     class FakeScraper:
         kind = "sglang"  # a counter that moves at request end: the ledger is told so with every window
+        finished = (1.0, 2.5)  # and the requests finished in it with their summed seconds (e2e latency histogram)
 
         async def scrape(self):
             calls.append(time.monotonic())
             return deltas.pop(0) if deltas else 0.0
 
     ledger = types.SimpleNamespace(requests={}, tags={}, closed_tags=[], spans=[])
-    ledger.add_server_tokens = lambda t, d, since, at_finish: ledger.spans.append((since, t, d, at_finish))
+    ledger.add_server_tokens = lambda t, d, since, at_finish, finished=None: ledger.spans.append(
+        (since, t, d, at_finish, finished))
     me = types.SimpleNamespace(cfg=_Cfg(interval_s=fast_s, idle_interval_s=idle_s), scraper=FakeScraper(),
                                ledger=ledger, stop_event=None, _scrape_since_ns=None)
 
@@ -240,8 +245,11 @@ def test_the_daemon_scrape_loop_follows_the_cadence(monkeypatch):
         # The slow window's 40 tokens were placed where the next window's rate (20 per fast window)
         # says the burst began: two next-windows before its end, the rest of it left empty.
         k = next(i for i, s in enumerate(spans) if s[2] == 40.0)
-        (_, start, empty, _), (_, end, _, _), (_, t_next, _, _) = spans[k - 1], spans[k], spans[k + 1]
+        (_, start, empty, _, none), (_, end, _, _, fin), (_, t_next, _, _, _) = spans[k - 1], spans[k], spans[k + 1]
         assert empty == 0.0 and abs((end - start) - 2 * (t_next - end)) <= 2, spans[k - 1: k + 2]
+        # The requests that finished go with the window of their tokens (held or not), none with its empty start.
+        assert none is None and fin == (1.0, 2.5)
+        assert all(s[4] == (1.0, 2.5) for s in spans if s[2] > 0)
 
     asyncio.run(go())
 
@@ -466,6 +474,50 @@ def _sglang_bypass_count(server: str) -> tuple[float, dict, int]:
     with SimServer(SimNVML("seed-16g", state_path=None), flavour="sglang", sglang_warmup=False,
                    decode_tok_s=200.0, draft_n_max=0) as srv:
         return asyncio.run(go(srv.url))
+
+
+def test_histogram_sum_count_sums_label_sets_and_needs_both():
+    page = ("# TYPE sglang:e2e_request_latency_seconds histogram\n"
+            'sglang:e2e_request_latency_seconds_bucket{le="1.0",model_name="a"} 1.0\n'
+            'sglang:e2e_request_latency_seconds_bucket{le="+Inf",model_name="a"} 2.0\n'
+            'sglang:e2e_request_latency_seconds_sum{model_name="a"} 3.5\n'
+            'sglang:e2e_request_latency_seconds_count{model_name="a"} 2.0\n'
+            'sglang:e2e_request_latency_seconds_bucket{le="+Inf",model_name="b"} 1.0\n'
+            'sglang:e2e_request_latency_seconds_sum{model_name="b"} 0.5\n'
+            'sglang:e2e_request_latency_seconds_count{model_name="b"} 1.0\n')
+    assert histogram_sum_count(page, "sglang:e2e_request_latency_seconds") == (3.0, 4.0)
+    assert histogram_sum_count(SGLANG, "sglang:e2e_request_latency_seconds") is None
+    no_sum = "\n".join(ln for ln in page.splitlines() if "_sum" not in ln) + "\n"
+    assert histogram_sum_count(no_sum, "sglang:e2e_request_latency_seconds") is None
+    with pytest.raises(ValueError, match="_sum"):
+        histogram_sum_count(page.replace("} 3.5", "} -1"), "sglang:e2e_request_latency_seconds")
+
+
+def test_the_scraper_says_how_many_requests_finished_and_how_long_they_ran():
+    """SGLang's e2e latency histogram rises with its token counter: the scraper gives the rise (requests, seconds),
+    which the ledger spreads bypass tokens back over (docs/daemon.md, Bypass traffic)."""
+    import aiohttp
+
+    from powerprof.sim.nvml import SimNVML
+    from powerprof.sim.server import SimServer
+
+    async def go(url):
+        async with aiohttp.ClientSession() as s:
+            sc = Scraper(s, url, "sglang")
+            await sc.scrape()
+            first = sc.finished
+            body = {"text": "bypass", "sampling_params": {"max_new_tokens": 50, "ignore_eos": True}}
+            t = time.monotonic()
+            async with s.post(url + "/generate", json=body) as r:
+                await r.read()
+            took = time.monotonic() - t
+            await sc.scrape()
+            return first, sc.finished, took
+
+    with SimServer(SimNVML("seed-16g", state_path=None), flavour="sglang", decode_tok_s=200.0, draft_n_max=0) as srv:
+        first, finished, took = asyncio.run(go(srv.url))
+    assert first is None  # the baseline: nothing counted yet
+    assert finished[0] == 1.0 and 0.2 <= finished[1] <= took + 0.01, (finished, took)
 
 
 def test_an_idle_sglang_counts_its_first_request_whole_not_as_a_late_baseline():

@@ -4,6 +4,7 @@ token against the simulator's truth, and its /metrics as SGLang's multiprocess c
 from __future__ import annotations
 
 import asyncio
+import time
 import urllib.request
 
 import pyarrow.parquet as pq
@@ -13,7 +14,7 @@ from powerprof.sim.nvml import SimNVML
 from powerprof.sim.server import SimServer
 from powerprof.workload.client import RequestParams, detect_server, new_session
 from powerprof.workload.load import Prompt
-from powerprof.workload.servercount import counter_total
+from powerprof.workload.servercount import counter_total, histogram_sum_count
 
 
 def _metrics(url: str) -> str:
@@ -36,10 +37,15 @@ def test_metrics_appear_as_sglangs_do():
     with SimServer(flavour="sglang", sglang_warmup=False, decode_tok_s=200.0, draft_n_max=0) as srv:
         assert _metrics(srv.url) == ""
         body = b'{"text": "x", "sampling_params": {"max_new_tokens": 30, "ignore_eos": true}}'
+        t = time.monotonic()
         urllib.request.urlopen(urllib.request.Request(srv.url + "/generate", body, {"Content-Type": "application/json"}),
                                timeout=30).read()
+        took = time.monotonic() - t
         text = _metrics(srv.url)
         assert counter_total(text, "sglang:generation_tokens_total") == 30.0
+        # Its end-to-end latency, observed with its tokens (observe_one_finished_request): 30 tokens at 200/s and more.
+        count, sum_s = histogram_sum_count(text, "sglang:e2e_request_latency_seconds")
+        assert count == 1.0 and 0.15 <= sum_s <= took, (sum_s, took)
         assert 'sglang:num_running_reqs{engine_type="unified",model_name="sim-model.gguf",pp_rank="0",tp_rank="0"} 0.0' in text
         assert "process_start_time_seconds" not in text and "_created" not in text
     with SimServer(flavour="sglang") as srv:

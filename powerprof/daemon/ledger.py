@@ -47,6 +47,7 @@ BYPASS_FIT_SHARE = 0.25  # intervals whose bypass tokens exceed this share of th
 SCRAPE_HOLD_S = 10.0  # and this long at most for the server's counter to be scraped past them
 LAG_S = 1.0  # the proxy may see a token this long after the server counted it (a loaded host)
 CREDIT_S = 3.0  # a higher server-minus-proxy level is held this long before a lower one replaces it
+FINISH_HOLD_S = 30.0  # an at-finish server's requests' durations of this long ago set how long intervals are held
 
 
 @dataclass
@@ -199,12 +200,16 @@ class Ledger:
         self._other_pct: float | None = None
         self._busy_cpu_j = 0.0
         self.no_counter_short_requests = 0  # request rows emitted with NO_COUNTER_SHORT_FLAG
-        self.server_spans: list[list] = []  # [t0, t1, server tokens, bypass tokens or None] per scrape
+        # [t0, t1, server tokens, bypass tokens or None, (requests finished, their summed seconds) or None] per scrape
+        self.server_spans: list[list] = []
         self._proxied: deque = deque()  # (t_ns, tokens) of every proxied token event, for the scrape windows
-        # (t_ns, tokens) of every proxied request at its last token: what a server counting at request end (SGLang)
-        # counted of it, and when (the proxy sees the last token just after the server counted the request).
+        # (t_ns, tokens, duration_ns) of every proxied request at its last token: what a server counting at request end
+        # (SGLang) counted of it, and when (the proxy sees the last token just after the server counted the request).
         self._finished: deque = deque()
         self.server_at_finish = False  # the server's counter moves when a request finishes, not as tokens come
+        # (scrape end, mean end-to-end seconds) of the at-finish windows in which requests finished, FINISH_HOLD_S back:
+        # a request ending later is likely as long, and its windows' bypass tokens go back that far (`_spread_back`).
+        self._durations: deque = deque()
         self.server_seen = False
         self._setting: tuple = ()  # the GPUs' power limits at the latest full sample
         self._power_w: np.ndarray | None = None  # the GPUs' power at the latest full sample
@@ -263,7 +268,9 @@ class Ledger:
             n = r.spent + float(sum(r.ev_n)) + r.late
             t = trace.last_ns if trace.last_ns is not None else trace.end_ns
             if n > 0 and t is not None:
-                self._finished.append((int(t), n))
+                # Its duration too: an at-finish window's bypass requests' durations are the server's latency sum
+                # less the proxied ones' (`_spread_back`).
+                self._finished.append((int(t), n, max(0, int(t) - trace.arrival_ns)))
         return added
 
     def _placed_at_end(self, r: _Req) -> float:
@@ -413,17 +420,26 @@ class Ledger:
         return interval_cpu_s(np.fromiter(self.ct_t, dtype=np.int64, count=len(self.ct_t)),
                               np.fromiter(self.ct_host, dtype=float), np.fromiter(self.ct_other, dtype=float), t)
 
-    def add_server_tokens(self, t_ns: int, delta: float, since_ns: int | None = None, at_finish: bool = False) -> None:
+    def add_server_tokens(self, t_ns: int, delta: float, since_ns: int | None = None, at_finish: bool = False,
+                          finished: tuple[float, float] | None = None) -> None:
         """Tokens the server counted between the previous scrape (`since_ns`) and this one: spread
         evenly over that time, so bypass tokens land in the intervals where they were generated.
-        `at_finish`: the server counts a request's tokens when it finishes (SGLang; scrape.AT_FINISH)."""
+        `at_finish`: the server counts a request's tokens when it finishes (SGLang; scrape.AT_FINISH).
+        `finished`: (requests finished, their summed end-to-end seconds) over the same time (SGLang's latency
+        histogram; scrape.Scraper.finished): an at-finish window's bypass tokens are spread back over their requests'
+        mean duration (`_spread_back`)."""
         self.server_seen = True
         self.server_at_finish = at_finish
         self.server_upto_ns = t_ns
         t0 = since_ns if since_ns is not None and since_ns < t_ns else t_ns - 1
         if self.server_from_ns is None:
             self.server_from_ns = int(t0)
-        self.server_spans.append([int(t0), int(t_ns), float(delta), None])
+        fin = finished if at_finish and finished is not None and finished[0] > 0 and finished[1] > 0 else None
+        if fin is not None:
+            self._durations.append((int(t_ns), fin[1] / fin[0]))
+        while self._durations and self._durations[0][0] < t_ns - int(FINISH_HOLD_S * 1e9):
+            self._durations.popleft()
+        self.server_spans.append([int(t0), int(t_ns), float(delta), None, fin])
 
     # --- tags --------------------------------------------------------------------------------
 
@@ -473,6 +489,12 @@ class Ledger:
             # and LAG_S beyond (the proxy's late view of the same tokens).
             self._resolve_spans(self.server_upto_ns)
             known = min((sp[0] for sp in self.server_spans if sp[3] is None), default=self.server_upto_ns)
+            if self._durations:
+                # A bypass request running now is seen only at its end (an at-finish server): its intervals are held
+                # as far back as the recent requests lasted, plus the window it may end in, so its tokens can be
+                # spread back over them (`_spread_back`).
+                window_ns = self.server_spans[-1][1] - self.server_spans[-1][0] if self.server_spans else 0
+                known = min(known, self.server_upto_ns - window_ns - int(max(d for _, d in self._durations) * 1e9))
             horizon = min(horizon, max(known, now_ns - int(SCRAPE_HOLD_S * 1e9)))
         if self._avg_needed.any():
             # A GPU read by its trailing average alone: the reading that covers an interval's end is taken half a
@@ -796,6 +818,9 @@ class Ledger:
         pn = np.fromiter((x[1] for x in src), dtype=float, count=len(src))
         order = np.argsort(pt, kind="stable")
         pt, cum = pt[order], np.concatenate([[0.0], np.cumsum(pn[order])])
+        dur = None
+        if self.server_at_finish:  # the proxied requests' durations, in the same order (`_spread_back`)
+            dur = np.concatenate([[0], np.cumsum(np.fromiter((x[2] for x in src), dtype=np.int64, count=len(src))[order])])
         t0 = np.searchsorted(pt, [sp[0] for sp in todo], side="right")
         t1 = np.searchsorted(pt, [sp[1] for sp in todo], side="right")
         gaps = self._gap + np.cumsum([sp[2] for sp in todo] - (cum[t1] - cum[t0]))
@@ -816,9 +841,32 @@ class Ledger:
             while self._levels and self._levels[0][0] < sp[1] - credit_ns:
                 self._levels.popleft()
             sp[3] = max(0.0, level - ref)
+            if sp[3] > 0 and sp[4] is not None:
+                self._spread_back(sp, pt, dur)
             self._levels.append((sp[1], level))
             self._level = level
             self._gap = float(gaps[k])
+
+    def _spread_back(self, sp: list, pt: np.ndarray, dur: np.ndarray | None) -> None:
+        """Move a resolved at-finish window's start back to where its bypass requests began: their tokens were
+        generated over their run, not in the window their end was counted in (docs/daemon.md, Bypass traffic).
+
+        Their mean duration is the server's latency sum over the window less the proxied requests' that ended in it
+        (arrival to last token), over their number; where that is not positive (a proxied request counted by the
+        server in the next window), the mean of all that ended in it. Never before the first open interval: those
+        closed have been accounted."""
+        n_fin, sum_s = sp[4]
+        if dur is None:
+            return
+        a, b = np.searchsorted(pt, [sp[0], sp[1]], side="right")
+        n_bypass = n_fin - (b - a)
+        s_bypass = sum_s - (dur[b] - dur[a]) / 1e9
+        mean_s = s_bypass / n_bypass if n_bypass >= 1 and s_bypass > 0 else sum_s / n_fin
+        # From `mean_s` before the window's end (they ended somewhere in it) to its end; never shorter than the window
+        # itself (where it was placed before). Spread from its middle instead (their mean end), the 160-request SGLang
+        # run read 113-115% of the bypass requests' true energy against 107%.
+        floor = self.edges[0].t_ns if self.edges else sp[0]
+        sp[0] = min(sp[0], max(floor, sp[1] - int(mean_s * 1e9)))
 
     def _judge_host(self, t, a: attr.Attribution, other_pct, judged) -> None:
         """Count the requests' CPU energy in busy-host intervals and say when a spell of them begins (once) and ends.

@@ -8,7 +8,9 @@
   answers without the counter has counted nothing yet: that reads 0, a baseline like any other, but only on
   SGLang's own page (nothing but `sglang:` families, none a finished request sets: servercount.unset_means_zero).
   A gateway's /metrics in front of it, or a page whose requests finished without the counter, fails the scrape:
-  unknown, never a zero that hides the tokens served.
+  unknown, never a zero that hides the tokens served. Its `sglang:e2e_request_latency_seconds` histogram, observed
+  with the counter, says how many requests finished since the previous scrape and their summed durations
+  (`Scraper.finished`): the ledger spreads bypass tokens back over those durations (docs/daemon.md, Bypass traffic).
 - llama.cpp: `llamacpp:tokens_predicted_total` on /metrics (llama-server --metrics) counts
   finished requests only, and `/slots` shows each running request's `n_decoded` but resets it
   to 0 when the request ends. Neither alone sees every token, so the count is the two added:
@@ -37,7 +39,8 @@ from powerprof.errtext import error_text
 from powerprof.workload.limits import MAX_METRICS_BYTES, read_capped
 # The parsers are the workload layer's (the sweep's foreign-traffic check reads the same counters).
 from powerprof.workload.servercount import (  # noqa: F401
-    COUNTERS, LLAMACPP_COUNTER, counter_total, llamacpp_generated, slot_progress, unset_means_zero)
+    COUNTERS, FINISHED_LATENCY, LLAMACPP_COUNTER, counter_total, histogram_sum_count, llamacpp_generated, slot_progress,
+    unset_means_zero)
 
 log = logging.getLogger("powerprof.daemon.scrape")
 
@@ -139,6 +142,10 @@ class Scraper:
         self._slots: dict | None = None
         self._finished: float | None = None  # llama.cpp's counter at the previous scrape
         self._high: float | None = None  # the highest llama.cpp total reported so far
+        self._latency: tuple[float, float] | None = None  # SGLang's e2e latency (_count, _sum) at the previous scrape
+        # (requests finished, their summed end-to-end seconds) since the previous scrape: SGLang's e2e latency
+        # histogram's rise (FINISHED_LATENCY); None where not known (another server, absent, unreadable, first read).
+        self.finished: tuple[float, float] | None = None
         self.total = 0.0  # tokens the server reported since the daemon started
         self.errors = 0
         self.last_error: str | None = None
@@ -218,6 +225,7 @@ class Scraper:
                     self._baseline(total)
                 # A restart of the server zeroes its counter: count from zero again.
                 delta = 0.0 if prev is None else (total - prev if total >= prev else total)
+                self.finished = self._finished_since(text, prev is None or total < prev)
         except Exception as e:  # a server's answer never ends the scrape loop: counted and logged
             self.errors += 1
             self.last_error = error_text(e)
@@ -226,6 +234,28 @@ class Scraper:
             return None
         self.total += delta
         return float(delta)
+
+    def _finished_since(self, text: str, restart: bool) -> tuple[float, float] | None:
+        """The requests finished since the previous scrape and their summed durations, from the server's e2e latency
+        histogram (FINISHED_LATENCY); None where it is not known. Never fails the token scrape: without it the
+        ledger places bypass tokens in the window they were counted in, as before."""
+        name = FINISHED_LATENCY.get(self.kind or "")
+        if name is None:
+            return None
+        try:
+            now = histogram_sum_count(text, name)
+        except ValueError as e:
+            log.debug("%s unreadable: %s", name, error_text(e))
+            now = None
+        prev, self._latency = self._latency, now
+        if now is None:
+            return None
+        if restart or prev is None:
+            # After a restart both count from zero; at the first read (the baseline) nothing is counted yet.
+            return (now[0], now[1]) if restart and prev is not None else None
+        if now[0] < prev[0] or now[1] < prev[1]:
+            return None  # went back without the token counter doing so: not comparable
+        return now[0] - prev[0], now[1] - prev[1]
 
     async def _scrape_llamacpp(self) -> float:
         # The counter first: a request that ends between the two reads is then missing from

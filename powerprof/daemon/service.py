@@ -576,22 +576,22 @@ class Daemon:
                 at_finish = self.scraper.kind in AT_FINISH  # known once detected (scrape.server = "auto")
                 if delta is not None:
                     if held is not None:  # the held slow window's burst began where this window's rate says
-                        h_since, h_t, h_delta = held
+                        h_since, h_t, h_delta, h_finished = held
                         start = burst_start_ns(h_since, h_t, h_delta, delta / max(1, t - h_t))
                         if start > h_since:
                             self.ledger.add_server_tokens(start, 0.0, h_since, at_finish)
-                        self.ledger.add_server_tokens(h_t, h_delta, start, at_finish)
+                        self.ledger.add_server_tokens(h_t, h_delta, start, at_finish, h_finished)
                         held = None
                     if delta > 0 and since is not None and t - since > 1.5e9 * cadence.fast_s:
-                        held = (since, t, delta)  # a slow window ending a stillness: placed at the next scrape
+                        held = (since, t, delta, self.scraper.finished)  # a slow window ending a stillness: placed at the next scrape
                     else:
                         # The delta covers the time since the previous scrape: spread over it (docs/daemon.md).
-                        self.ledger.add_server_tokens(t, delta, since, at_finish)
+                        self.ledger.add_server_tokens(t, delta, since, at_finish, self.scraper.finished)
                     since = t
             # A bare sleep (no task per wait, as wait_for makes): it wakes every fast period to poll.
             await asyncio.sleep(cadence.fast_s)
         if held is not None:
-            self.ledger.add_server_tokens(held[1], held[2], held[0], self.scraper.kind in AT_FINISH)
+            self.ledger.add_server_tokens(held[1], held[2], held[0], self.scraper.kind in AT_FINISH, held[3])
 
     # --- reload ------------------------------------------------------------------------------------
 

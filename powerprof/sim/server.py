@@ -184,6 +184,10 @@ SGLANG_IDLE_LOG_S = 30.0
 # Its start-up warm-up (unless --skip-server-warmup): one /generate of max_new_tokens 2 on a 7-token prompt
 # ("The capital city of France is"), finished before it says it is ready.
 SGLANG_WARMUP = (7, 2)
+# sglang:e2e_request_latency_seconds's default buckets (TokenizerMetricsCollector, srt/metrics/collector.py).
+SGLANG_E2E_BUCKETS = (0.1, 0.2, 0.4, 0.6, 0.8, 1, 2, 4, 6, 8, 10, 20, 40, 60, 80, 100, 200, 400, 600, 1200, 1800, 2400)
+# The warm-up's end-to-end latency as observed (its GPU time is not simulated; a short request's).
+SGLANG_WARMUP_E2E_S = 0.05
 
 
 class SimServer:
@@ -368,6 +372,8 @@ class SimServer:
         self._m_tokens = Counter("sglang:generation_tokens", "Number of generation tokens processed.", tok, registry=self._registry)
         self._m_prompt = Counter("sglang:prompt_tokens", "Number of prefill tokens processed.", tok, registry=self._registry)
         self._m_requests = Counter("sglang:num_requests", "Number of requests processed.", tok, registry=self._registry)
+        self._m_e2e = Histogram("sglang:e2e_request_latency_seconds", "Histogram of End-to-end request latency in seconds",
+                                tok, buckets=SGLANG_E2E_BUCKETS, registry=self._registry)
         sched = ("model_name", "engine_type", "tp_rank", "pp_rank")
         self._m_running = Gauge("sglang:num_running_reqs", "The number of running requests.", sched, registry=self._registry)
         self._m_waiting = Gauge("sglang:num_queue_reqs", "The number of requests in the waiting queue.", sched,
@@ -378,7 +384,7 @@ class SimServer:
         if self.sglang_warmup:
             p, n = SGLANG_WARMUP
             self._sglang_log(0, 0)  # the warm-up's prefill batch: nothing running before it
-            self._sglang_finished(p, n)
+            self._sglang_finished(p, n, SGLANG_WARMUP_E2E_S)
 
     def _sglang_labels(self) -> dict:
         return {"model_name": self.model, "engine_type": "unified", "tp_rank": "0", "pp_rank": "0"}
@@ -391,11 +397,13 @@ class SimServer:
         self._m_gen_tput.labels(**lab).set(0.0)
         self._sg_last_log = time.monotonic()
 
-    def _sglang_finished(self, prompt_tokens: int, generated: int) -> None:
-        """SGLang's tokenizer manager observes one finished request."""
+    def _sglang_finished(self, prompt_tokens: int, generated: int, e2e_s: float) -> None:
+        """SGLang's tokenizer manager observes one finished request (observe_one_finished_request): its tokens, and
+        its end-to-end latency from its arrival (`e2e_s`), in the same call."""
         self._m_prompt.labels(model_name=self.model).inc(prompt_tokens)
         self._m_tokens.labels(model_name=self.model).inc(generated)
         self._m_requests.labels(model_name=self.model).inc()
+        self._m_e2e.labels(model_name=self.model).observe(e2e_s)
 
     def _sglang_decode_logged(self, running: int) -> None:
         """One decode batch: every SGLANG_DECODE_LOG_INTERVAL of them SGLang logs (and sets its gauges)."""
@@ -842,7 +850,7 @@ class SimServer:
         if self.flavour == "llamacpp":
             self._m_tokens.inc(req.generated)
         elif self.flavour == "sglang":
-            self._sglang_finished(req.prompt_tokens, req.generated)
+            self._sglang_finished(req.prompt_tokens, req.generated, (time.monotonic_ns() - req.t_arrive_ns) / 1e9)
         t_first = req.emissions[0][0]
         t_last = req.emissions[-1][0]
         if self.flavour == "vllm":

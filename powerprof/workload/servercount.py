@@ -93,6 +93,35 @@ def counter_total(text: str, name: str) -> float | None:
     return total if seen else None
 
 
+# SGLang's end-to-end latency histogram, observed in the same call as its token counter (observe_one_finished_request):
+# its _sum and _count rise by the finished requests' durations (arrival to end) and number. The daemon spreads an
+# at-finish counter's bypass tokens back over their requests' durations with it (daemon/ledger.py).
+FINISHED_LATENCY = {"sglang": "sglang:e2e_request_latency_seconds"}
+
+
+def histogram_sum_count(text: str, name: str) -> tuple[float, float] | None:
+    """A histogram's (_count, _sum) summed over its label sets; None when it is absent."""
+    text = "".join(ln + "\n" for ln in text.splitlines() if name in ln)
+    count = total = 0.0
+    seen = set()
+    for fam in text_string_to_metric_families(text):
+        if fam.name != name:
+            continue
+        for s in fam.samples:
+            if s.name == name + "_count":
+                count += s.value
+                seen.add("count")
+            elif s.name == name + "_sum":
+                total += s.value
+                seen.add("sum")
+    if seen != {"count", "sum"}:
+        return None
+    for what, v in (("_count", count), ("_sum", total)):
+        if (why := bad_amount(v, MAX_COUNTER)) is not None:
+            raise ValueError(f"{name}{what} {why}")
+    return count, total
+
+
 def unset_means_zero(text: str, kind: str | None) -> bool:
     """Whether a /metrics page (answered 200) without `kind`'s token counter says the server has counted nothing yet
     (0), not that it does not show it (unknown). Only SGLang's own page qualifies: its multiprocess collector shows
