@@ -6,6 +6,18 @@ import asyncio
 import threading
 
 
+async def serve_here(app):
+    """(runner, url) of an aiohttp app on a loopback port, in the running loop (the caller cleans the runner up)."""
+    from aiohttp import web
+
+    runner = web.AppRunner(app)
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", 0)
+    await site.start()
+    host, port = runner.addresses[0][:2]
+    return runner, f"http://{host}:{port}"
+
+
 def serve_in_thread(app_factory):
     """Run an aiohttp app (built inside its own loop) on a loopback port; returns (url, stop)."""
     from aiohttp import web

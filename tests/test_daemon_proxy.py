@@ -9,6 +9,7 @@ import random
 import aiohttp
 from aiohttp import web
 
+from proxy_helpers import serve_here
 from powerprof.daemon.proxy import Proxy, RequestTrace
 
 
@@ -66,22 +67,13 @@ class Upstream:
         return web.Response(status=503, body=b'{"error":"loading"}', content_type="application/json")
 
 
-async def _serve(app):
-    runner = web.AppRunner(app)
-    await runner.setup()
-    site = web.TCPSite(runner, "127.0.0.1", 0)
-    await site.start()
-    host, port = runner.addresses[0][:2]
-    return runner, f"http://{host}:{port}"
-
-
 async def _proxy_for_completion(completion, rec):
     """An upstream answering POST /completion with `completion`, and a proxy in front recording to
     `rec`: (upstream runner, proxy runner, proxy URL)."""
     app = web.Application()
     app.router.add_post("/completion", completion)
-    r1, up_url = await _serve(app)
-    r2, px_url = await _serve(Proxy(up_url, recorder=rec).app())
+    r1, up_url = await serve_here(app)
+    r2, px_url = await serve_here(Proxy(up_url, recorder=rec).app())
     return r1, r2, px_url
 
 
@@ -108,9 +100,9 @@ def _run(coro):
 
 async def _setup(rec, upstream_url=None):
     up = Upstream()
-    up_runner, up_url = await _serve(up.app())
+    up_runner, up_url = await serve_here(up.app())
     proxy = Proxy(upstream_url or up_url, recorder=rec)
-    px_runner, px_url = await _serve(proxy.app())
+    px_runner, px_url = await serve_here(proxy.app())
     return up, up_url, up_runner, proxy, px_url, px_runner
 
 
@@ -187,7 +179,7 @@ def test_unreachable_upstream_answers_502_and_the_proxy_keeps_serving():
     async def main():
         rec = Rec()
         proxy = Proxy("http://127.0.0.1:9", recorder=rec, connect_timeout_s=2)  # port 9 (discard): closed
-        runner, url = await _serve(proxy.app())
+        runner, url = await serve_here(proxy.app())
         async with aiohttp.ClientSession() as s:
             for _ in range(3):
                 async with s.post(url + "/completion", json={"stream": True}) as r:
@@ -338,10 +330,10 @@ def test_a_client_leaving_before_the_response_head_closes_the_upstream():
 
         app = web.Application(handler_args={"handler_cancellation": True})
         app.router.add_post("/completion", slow)
-        r1, up_url = await _serve(app)
+        r1, up_url = await serve_here(app)
         rec = Rec()
         proxy = Proxy(up_url, recorder=rec)
-        r2, px_url = await _serve(proxy.app())
+        r2, px_url = await serve_here(proxy.app())
         port = int(px_url.rsplit(":", 1)[1])
         _r, w = await asyncio.open_connection("127.0.0.1", port)
         w.write(b'POST /completion HTTP/1.1\r\nHost: x\r\nContent-Length: 2\r\n\r\n{}')
@@ -778,7 +770,7 @@ def test_what_the_server_sends_until_it_notices_a_client_gone_is_counted_for_the
         server = await asyncio.start_server(handle, "127.0.0.1", 0)
         up_url = f"http://127.0.0.1:{server.sockets[0].getsockname()[1]}"
         rec = Rec()
-        r2, px_url = await _serve(Proxy(up_url, recorder=rec).app())
+        r2, px_url = await serve_here(Proxy(up_url, recorder=rec).app())
         async with aiohttp.ClientSession() as s:
             r = await s.post(px_url + "/completion", json={"stream": True})
             await r.content.read(len(ev) * 3)
@@ -824,7 +816,7 @@ def test_a_server_that_ignores_the_end_of_the_proxys_side_is_cut_after_the_drain
         server = await asyncio.start_server(handle, "127.0.0.1", 0)
         up_url = f"http://127.0.0.1:{server.sockets[0].getsockname()[1]}"
         rec = Rec()
-        r2, px_url = await _serve(Proxy(up_url, recorder=rec).app())
+        r2, px_url = await serve_here(Proxy(up_url, recorder=rec).app())
         loop = asyncio.get_running_loop()
         async with aiohttp.ClientSession() as s:
             r = await s.post(px_url + "/completion", json={"stream": True})

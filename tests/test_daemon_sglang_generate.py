@@ -12,6 +12,7 @@ import pytest
 from aiohttp import web
 
 from powerprof.daemon import streams
+from proxy_helpers import serve_here
 from powerprof.daemon.proxy import Proxy, inspect_request_body
 from powerprof.sim.server import SimServer
 from powerprof.workload.stream import StreamParser, parse_response
@@ -32,21 +33,12 @@ class Rec:
         self.ended.append(trace)
 
 
-async def _serve(app):
-    runner = web.AppRunner(app)
-    await runner.setup()
-    site = web.TCPSite(runner, "127.0.0.1", 0)
-    await site.start()
-    host, port = runner.addresses[0][:2]
-    return runner, f"http://{host}:{port}"
-
-
 def _through_proxy(upstream: str, bodies: list[dict], direct: bool = True):
     """Each body POSTed to /generate through a proxy in front of `upstream` (and, `direct`, straight to it too):
     (recorder, [(proxied bytes, direct bytes)])."""
     async def main():
         rec = Rec()
-        runner, px = await _serve(Proxy(upstream, recorder=rec).app())
+        runner, px = await serve_here(Proxy(upstream, recorder=rec).app())
         got = []
         async with aiohttp.ClientSession() as s:
             for i, body in enumerate(bodies):
@@ -132,7 +124,7 @@ def test_an_error_inside_a_200_stream_is_an_upstream_error():
     async def main():
         app = web.Application()
         app.router.add_post("/generate", gen)
-        r1, up = await _serve(app)
+        r1, up = await serve_here(app)
         try:
             return await asyncio.to_thread(_through_proxy, up, [{"text": "x", "stream": True}], False)
         finally:

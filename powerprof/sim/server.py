@@ -1190,10 +1190,14 @@ class SimServer:
         except ConnectionResetError:
             return resp
         finally:
-            for r in reqs:
-                if r in self._active or r in self._waiting:
-                    r.cancelled = True
-                    self._wake.set()
+            self._cancel_unfinished(reqs)
+
+    def _cancel_unfinished(self, reqs: list) -> None:
+        """A client gone (or an error) before its sequences finished: the engine stops them at its next step."""
+        for r in reqs:
+            if r in self._active or r in self._waiting:
+                r.cancelled = True
+                self._wake.set()
 
     async def _oai_completions(self, request: web.Request) -> web.StreamResponse:
         body = await self._body(request)
@@ -1279,10 +1283,7 @@ class SimServer:
                     raise web.HTTPServiceUnavailable()
                 left -= item[1] == "done"
         finally:
-            for r in reqs:
-                if r in self._active or r in self._waiting:
-                    r.cancelled = True
-                    self._wake.set()
+            self._cancel_unfinished(reqs)
         n_tok = sum(r.prompt_tokens for r in reqs)
         data = [{"embedding": _embedding(r.text_seed), "index": r.choice, "object": "embedding"} for r in reqs]
         if self.flavour == "llamacpp":
@@ -1635,10 +1636,7 @@ class SimServer:
                     r.cancelled = True
             return resp
         finally:
-            for r in reqs:
-                if r in self._active or r in self._waiting:
-                    r.cancelled = True
-                    self._wake.set()
+            self._cancel_unfinished(reqs)
 
     async def _serve_choices_whole(self, api: str, reqs: list, q: asyncio.Queue, echo: _Echo = _NO_ECHO) -> web.Response:
         texts, timings, left = [""] * len(reqs), [None] * len(reqs), len(reqs)
