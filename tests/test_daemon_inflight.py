@@ -201,7 +201,8 @@ def test_a_request_whose_parser_broke_still_leaves_the_count(monkeypatch):
 
     from powerprof.daemon import streams
     from powerprof.daemon.proxy import Proxy
-    from test_daemon_proxy import Upstream, _run, _serve
+    from proxy_helpers import serve_here as _serve
+    from test_daemon_proxy import Upstream, _run
 
     class Broken:
         prompt_tokens = None

@@ -19,7 +19,8 @@ from powerprof.daemon import streams
 from powerprof.daemon.config import ConfigError, load_config
 from powerprof.daemon.proxy import Proxy
 from powerprof.daemon.workers import _STATS, FLUSH_S, ProxyWorkers, ShippingRecorder, Unframer, WorkerProxy, frame
-from test_daemon_proxy import Rec, Upstream, _run, _serve
+from proxy_helpers import serve_here as _serve
+from test_daemon_proxy import Rec, Upstream, _run
 
 ZERO = (0,) * len(_STATS)  # a worker's counters (ShippingRecorder._stats), none yet
 
