@@ -28,13 +28,13 @@ def pytest_xdist_auto_num_workers(config):
 # 30-40 s files last, and the other workers stood idle while they ran. Only the order changes; a
 # file not named here runs after these, in collection order.
 LONGEST_FILES_S = {
-    "test_sweep_restart.py": 115, "test_grid.py": 108, "test_sweep_e2e.py": 100, "test_attribution_mixed.py": 100,
-    "test_sweep_hostile.py": 79, "test_tuner_live.py": 74, "test_sweep_accuracy.py": 68,
-    "test_delivery_faults.py": 56, "test_attribution_accuracy.py": 55, "test_sweep_foreign.py": 55,
-    "test_daemon_workers.py": 48, "test_gpu_check.py": 46, "test_trace_foreign.py": 44,
-    "test_sim_virtual_vs_realtime.py": 39, "test_analysis_report.py": 33, "test_workload_trace.py": 31,
-    "test_measure_foreign.py": 30, "test_daemon_e2e.py": 29, "test_real_llama_server.py": 28,
-    "test_daemon_crash.py": 27,
+    "test_attribution_mixed.py": 175, "test_sweep_restart.py": 150, "test_sweep_foreign.py": 123, "test_grid.py": 103,
+    "test_sweep_hostile.py": 97, "test_sweep_e2e.py": 89, "test_attribution_accuracy.py": 88,
+    "test_sweep_accuracy.py": 66, "test_delivery_faults.py": 55, "test_tuner_live.py": 55, "test_trace_foreign.py": 55,
+    "test_analysis_report.py": 44, "test_daemon_workers.py": 43, "test_gpu_check.py": 42, "test_daemon_scrape.py": 42,
+    "test_real_llama_server.py": 41, "test_sim_virtual_vs_realtime.py": 39, "test_measure_foreign.py": 38,
+    "test_daemon_crash.py": 34, "test_busy_host.py": 31, "test_daemon_e2e.py": 28, "test_workload_trace.py": 27,
+    "test_launcher.py": 26,
 }
 
 
