@@ -47,6 +47,18 @@ BYPASS_FIT_SHARE = 0.25  # intervals whose bypass tokens exceed this share of th
 SCRAPE_HOLD_S = 10.0  # and this long at most for the server's counter to be scraped past them
 LAG_S = 1.0  # the proxy may see a token this long after the server counted it (a loaded host)
 CREDIT_S = 3.0  # a higher server-minus-proxy level is held this long before a lower one replaces it
+# An interval row's `server_count`: the server's counter covered it with no known loss; it was not read over it (the
+# scraper had no answer yet: bypass traffic there is unknown); the daemon scrapes no server (bypass is not measured).
+COUNT_COMPLETE, UNREAD, COUNT_OFF = "complete", "unread", "off"
+# A request row's energy_note where some of its energy is from intervals whose count may be low (docs/data.md).
+BYPASS_LOW_FLAG = "bypass-uncounted"
+BYPASS_LOW_FIX = {
+    "late_baseline": "start the server before the daemon, or restart the daemon once the server is up",
+    "unread": "start the server before the daemon, and check that scrape.url answers its /metrics",
+    "server_restart": "none for later requests (the count starts afresh); keep the server from restarting",
+    "slots_only": "start llama-server with --metrics",
+    "unscraped": "keep the server's /metrics answering within scrape's 2 s (the intervals wait for it 10 s at most)",
+}
 FINISH_HOLD_S = 30.0  # an at-finish server's requests' durations of this long ago set how long intervals are held
 
 
@@ -116,6 +128,9 @@ class _Req:
     cpu_other_pct_j: float = 0.0
     # Its GPU joules from intervals without a counter that were mostly idle (NO_COUNTER_SHORT_FLAG).
     no_counter_short_j: float = 0.0
+    # Its GPU joules from intervals whose bypass count may be low (server_count), and their reasons (BYPASS_LOW_FLAG).
+    bypass_low_j: float = 0.0
+    bypass_low_why: set = field(default_factory=set)
 
 
 @dataclass
@@ -200,7 +215,8 @@ class Ledger:
         self._other_pct: float | None = None
         self._busy_cpu_j = 0.0
         self.no_counter_short_requests = 0  # request rows emitted with NO_COUNTER_SHORT_FLAG
-        # [t0, t1, server tokens, bypass tokens or None, (requests finished, their summed seconds) or None] per scrape
+        # [t0, t1, server tokens, bypass tokens or None, (requests finished, their summed seconds) or None,
+        #  why its count may be low (scrape.PARTIAL_REASONS keys)] per scrape
         self.server_spans: list[list] = []
         self._proxied: deque = deque()  # (t_ns, tokens) of every proxied token event, for the scrape windows
         # (t_ns, tokens, duration_ns) of every proxied request at its last token: what a server counting at request end
@@ -217,6 +233,8 @@ class Ledger:
         # Where the server's count begins (the first scrape window's start): an interval wholly before it has no
         # server count (null, not 0: bypass traffic there was never read).
         self.server_from_ns: int | None = None
+        self.server_before = UNREAD  # what the intervals wholly before it say in server_count (add_server_tokens)
+        self.scraping = False  # the daemon scrapes the server's counters (set by it): no count yet is `unread`, not `off`
         self._gap = 0.0  # server minus proxied tokens, cumulative, to the end of the last resolved window
         self._levels: deque = deque()  # (window end, bypass level) of recent windows
         self._level = 0.0  # the latest window's level
@@ -421,25 +439,30 @@ class Ledger:
                               np.fromiter(self.ct_host, dtype=float), np.fromiter(self.ct_other, dtype=float), t)
 
     def add_server_tokens(self, t_ns: int, delta: float, since_ns: int | None = None, at_finish: bool = False,
-                          finished: tuple[float, float] | None = None) -> None:
+                          finished: tuple[float, float] | None = None, partial: tuple[str, ...] = ()) -> None:
         """Tokens the server counted between the previous scrape (`since_ns`) and this one: spread
         evenly over that time, so bypass tokens land in the intervals where they were generated.
         `at_finish`: the server counts a request's tokens when it finishes (SGLang; scrape.AT_FINISH).
         `finished`: (requests finished, their summed end-to-end seconds) over the same time (SGLang's latency
         histogram; scrape.Scraper.finished): an at-finish window's bypass tokens are spread back over their requests'
-        mean duration (`_spread_back`)."""
+        mean duration (`_spread_back`).
+        `partial`: why this window's count may be low (scrape.PARTIAL_REASONS keys: the scraper's `window_partial`);
+        the intervals it covers say so in `server_count`, and the requests given their energy in `energy_note`."""
         self.server_seen = True
         self.server_at_finish = at_finish
         self.server_upto_ns = t_ns
         t0 = since_ns if since_ns is not None and since_ns < t_ns else t_ns - 1
         if self.server_from_ns is None:
             self.server_from_ns = int(t0)
+            # A late first read took the tokens counted before it in: the intervals before it have no count, and
+            # bypass traffic may have run there (the server had counted tokens by then).
+            self.server_before = "late_baseline" if "late_baseline" in partial else UNREAD
         fin = finished if at_finish and finished is not None and finished[0] > 0 and finished[1] > 0 else None
         if fin is not None:
             self._durations.append((int(t_ns), fin[1] / fin[0]))
         while self._durations and self._durations[0][0] < t_ns - int(FINISH_HOLD_S * 1e9):
             self._durations.popleft()
-        self.server_spans.append([int(t0), int(t_ns), float(delta), None, fin])
+        self.server_spans.append([int(t0), int(t_ns), float(delta), None, fin, tuple(partial)])
 
     # --- tags --------------------------------------------------------------------------------
 
@@ -636,9 +659,13 @@ class Ledger:
             # the sequences that prompt figure covers (_prompt_sequences) and its tokens so far over all of them.
             ev_c.extend(prompt[i] / _prompt_sequences(r) + np.asarray(before, dtype=float) / seqs)
         excess = bypass_spans = None
+        why_low: list[set] = [set() for _ in range(t.size - 1)]
         ev_t_a, ev_r_a, ev_n_a = np.array(ev_t, dtype=np.int64), np.array(ev_r, dtype=np.int64), np.array(ev_n, dtype=float)
         if self.server_seen:
-            excess, bypass_spans = self._bypass_tokens(t)
+            excess, bypass_spans, why_low = self._bypass_tokens(t)
+        server_count = self._server_count(t, why_low)
+        # Intervals whose bypass count may be low: their requests may carry bypass traffic's energy (said on their rows).
+        low_iv = np.array([c not in (COUNT_COMPLETE, COUNT_OFF) for c in server_count], dtype=bool)
         setting = edges[-1].setting
         costs = self.learner.costs(setting)
         # The third column marks intervals without CPU energy: a request given a share of one
@@ -657,7 +684,7 @@ class Ledger:
                           for m in methods])
         short_iv = (np.array([m != METHOD_COUNTER for m in methods], dtype=bool) & (busy > 0)
                     & (busy < share * dur))
-        energy = np.column_stack([energy, np.where(short_iv, work_j, 0.0)])
+        energy = np.column_stack([energy, np.where(short_iv, work_j, 0.0), np.where(low_iv, work_j, 0.0)])
         a = attr.attribute(t, energy, arrival, first, last, end, ev_t_a, ev_r_a, ev_n_a, excess,
                            prompt_tokens=prompt, tok_ctx=np.array(ev_c, dtype=float), costs=costs,
                            bypass_spans=bypass_spans, passive=passive, aside_j=aside,
@@ -691,6 +718,10 @@ class Ledger:
             r.cpu_judged_j += a.request_energy[i, 4]
             r.cpu_other_pct_j += a.request_energy[i, 5]
             r.no_counter_short_j += a.request_energy[i, 6]
+            r.bypass_low_j += a.request_energy[i, 7]
+            if a.request_energy[i, 7] > 0:
+                live = (arrival[i] < t[1:]) & (end[i] > t[:-1]) & low_iv
+                r.bypass_low_why.update(w for k in np.flatnonzero(live) for w in server_count[k].split(","))
             r.tokens += a.request_tokens[i]
             # Token events before the closed edge are spent.
             if r.ev_t and r.ev_t[0] < t_end:
@@ -716,7 +747,7 @@ class Ledger:
                     r.server_ahead += float(excess[live].sum())
         self._judge_host(t, a, other_pct, judged)
         self._account(t, per_gpu, gpu, cpu, a, methods, costs, host_s, other_s, judged, short_iv)
-        self._interval_rows(edges, t, gpu, cpu, methods, a, excess, costs, other_pct)
+        self._interval_rows(edges, t, gpu, cpu, methods, a, excess, costs, other_pct, server_count)
         rows = []
         for r, d in zip(reqs, done):
             if d:
@@ -743,15 +774,24 @@ class Ledger:
                                 UNSAID_NOTES[why], est[0], est[1], n, UNSAID_FIX.get(why, ""))
         return r.prompt_est[0] if r.prompt_est is not None else 0.0
 
-    def _bypass_tokens(self, t: np.ndarray) -> tuple[np.ndarray, tuple[np.ndarray, np.ndarray]]:
-        """(K,) tokens the server counted beyond the proxy's in each interval (bypass traffic), and
-        the (start, end) of the scrape windows they came from (the time bypass traffic ran in).
+    def _bypass_tokens(self, t: np.ndarray) -> tuple[np.ndarray, tuple[np.ndarray, np.ndarray], list[set]]:
+        """(K,) tokens the server counted beyond the proxy's in each interval (bypass traffic), the
+        (start, end) of the scrape windows they came from (the time bypass traffic ran in), and per
+        interval why its count may be low (the reasons of the windows over it; `unscraped` where no
+        window reaches its end: its intervals could be held no longer, or the daemon stopped).
 
         Each scrape window's bypass tokens (`_resolve_spans`) are spread evenly over the time it
         covers. Windows overlapping these intervals are resolved now with what is known (their
         lag margin is cut short only when the intervals could not be held longer)."""
         self._resolve_spans(int(t[-1]), force=True)
         out = np.zeros(t.size - 1)
+        why: list[set] = [set() for _ in range(t.size - 1)]
+        for x in self.server_spans:
+            if x[5] and x[1] > t[0] and x[0] < t[-1]:
+                for k in np.flatnonzero((x[1] > t[:-1]) & (x[0] < t[1:])):
+                    why[k].update(x[5])
+        for k in np.flatnonzero(t[1:] > self.server_upto_ns):
+            why[k].add("unscraped")
         spans = [sp for sp in self.server_spans if sp[3] is not None and sp[3] > 0 and sp[1] > t[0] and sp[0] < t[-1]]
         sp = np.array([x[:2] for x in spans], dtype=np.int64).reshape(-1, 2)
         if spans:
@@ -764,7 +804,7 @@ class Ledger:
         for q in (self._proxied, self._finished):
             while q and q[0][0] <= keep_from - int(SCRAPE_HOLD_S * 1e9):
                 q.popleft()
-        return out, (sp[:, 0], sp[:, 1])
+        return out, (sp[:, 0], sp[:, 1]), why
 
     def _resolve_spans(self, upto_ns: int, force: bool = False) -> None:
         """Bypass tokens of each scrape window: how far the server's count rose beyond the proxy's.
@@ -825,6 +865,15 @@ class Ledger:
         t1 = np.searchsorted(pt, [sp[1] for sp in todo], side="right")
         gaps = self._gap + np.cumsum([sp[2] for sp in todo] - (cum[t1] - cum[t0]))
         ends = np.array([sp[1] for sp in todo], dtype=np.int64)
+        # A restarted server lost the old process's tail, the proxied tokens in it too: the gap falls there for good.
+        # No window before the restart looks past it for its level (its LAG_S lookahead read the fall as lag), and
+        # the restart's window starts the levels afresh: held against the levels before it, the fall hid as many
+        # bypass tokens for CREDIT_S after it (35 of 50 counted, tests/test_daemon_bypass_partial.py).
+        restart = np.array(["server_restart" in sp[5] for sp in todo], dtype=bool)
+        next_restart, nxt = np.empty(len(todo), dtype=np.int64), len(todo)  # the first restart after each window
+        for k in range(len(todo) - 1, -1, -1):
+            next_restart[k] = nxt
+            nxt = k if restart[k] else nxt
         for k, sp in enumerate(todo):
             # `force` is for the windows of the intervals being closed only: later ones, old enough but
             # live with a stream still to be corrected, keep waiting (forced too, 4 tokens a chunk with
@@ -834,13 +883,16 @@ class Ledger:
                 break
             if not forced and pending_ns is not None and sp[1] > pending_ns:
                 break
-            level = float(gaps[k:][ends[k:] <= sp[1] + lag_ns].min())
+            ahead = slice(k, next_restart[k])
+            level = float(gaps[ahead][ends[ahead] <= sp[1] + lag_ns].min())
             ref = max([x[1] for x in self._levels if x[0] >= sp[1] - credit_ns], default=self._level)
             if not forced and counting_ns is not None and sp[1] > counting_ns and level > ref:
                 break
             while self._levels and self._levels[0][0] < sp[1] - credit_ns:
                 self._levels.popleft()
             sp[3] = max(0.0, level - ref)
+            if restart[k]:
+                self._levels.clear()
             if sp[3] > 0 and sp[4] is not None:
                 self._spread_back(sp, pt, dur)
             self._levels.append((sp[1], level))
@@ -986,7 +1038,24 @@ class Ledger:
 
     # --- rows --------------------------------------------------------------------------------
 
-    def _interval_rows(self, edges, t, gpu, cpu, methods, a: attr.Attribution, server, costs, other_pct=None) -> None:
+    def _server_count(self, t: np.ndarray, why_low: list[set]) -> list[str]:
+        """Per interval, how far the server's count covers it (its row's `server_count`): COUNT_COMPLETE, the reasons it
+        may be low (scrape.PARTIAL_REASONS keys and `unscraped`, comma-separated), or UNREAD (no count at all)."""
+        out = []
+        for k in range(t.size - 1):
+            if not self.server_seen:
+                out.append(UNREAD if self.scraping else COUNT_OFF)
+            elif self.server_from_ns is not None and t[k + 1] <= self.server_from_ns:
+                out.append(self.server_before)
+            else:
+                why = set(why_low[k])
+                if self.server_from_ns is not None and t[k] < self.server_from_ns and self.server_before != UNREAD:
+                    why.add(self.server_before)  # counted from the first read on: the part before it is not
+                out.append(",".join(sorted(why)) or COUNT_COMPLETE)
+        return out
+
+    def _interval_rows(self, edges, t, gpu, cpu, methods, a: attr.Attribution, server, costs, other_pct=None,
+                       server_count=None) -> None:
         rows = []
         for k in range(t.size - 1):
             dur = (t[k + 1] - t[k]) / 1e9
@@ -1008,6 +1077,7 @@ class Ledger:
                     "server_tokens": (None if server is None or (self.server_from_ns is not None
                                                                   and t[k + 1] <= self.server_from_ns)
                                       else float(server[k])),
+                    "server_count": server_count[k] if server_count is not None else None,
                     "n_prefill": int(a.n_prefill[k]),
                     "n_decoding": int(a.n_decoding[k]),
                     "requests_energy_j": float(a.dest[k, attr.TO_REQUESTS, 0]),
@@ -1084,7 +1154,8 @@ class Ledger:
             "cpu_energy_j": cpu_j,
             "other_cpu_pct": other_pct,
             "energy_note": _joined(GPU_MISSING_NOTE if r.gpu_missing else _approximate_note(r) if r.gpu_j > 0
-                                   else _no_energy_reason(r), _no_counter_short_note(r), _busy_host_note(other_pct)),
+                                   else _no_energy_reason(r), _no_counter_short_note(r), _bypass_low_note(r),
+                                   _busy_host_note(other_pct)),
             "prompt_tokens_estimate": r.prompt_est[0] if r.prompt_est is not None and _prompt_tokens(r) is None else None,
             "attributed_tokens": r.tokens,
             "gpu_j_per_token": (float(attr.per_token(r.gpu_j, r.tokens))
@@ -1138,6 +1209,17 @@ def _no_counter_short_note(r: _Req) -> str | None:
             f"it, as a request between two reads is unseen): the idle power taken out of the rest and the "
             f"readings' timing decide it, not the GPU's own count (it is left out of the daemon's J/token); "
             f"fix: {NO_COUNTER_SHORT_FIX}")
+
+
+def _bypass_low_note(r: _Req) -> str | None:
+    """A request given energy of intervals whose bypass count may be low: bypass traffic's energy there may be in its
+    share. Kept, and said; `analyze` leaves it out of J/token (docs/daemon.md, The baseline)."""
+    if not (r.gpu_j > 0 and not r.gpu_missing and r.bypass_low_j > 0):
+        return None
+    why = sorted(r.bypass_low_why) or ["unknown"]
+    return (f"{BYPASS_LOW_FLAG}: {100 * r.bypass_low_j / r.gpu_j:.0f}% of its GPU energy is from intervals whose "
+            f"server token count may be low ({', '.join(why)}: their server_count): bypass traffic there is not in "
+            f"unproxied, and its energy may be in this request's; fix: {'; '.join(BYPASS_LOW_FIX[w] for w in why if w in BYPASS_LOW_FIX)}")
 
 
 def _with_late(error: str | None, late: float) -> str | None:

@@ -48,6 +48,7 @@ SERVERS = ("auto", "vllm", "sglang", "llamacpp", "none")
 # Servers whose token counter moves when a request finishes, by its tokens (not as they are generated): the ledger
 # compares theirs with the proxied requests' tokens at their ends (Ledger._resolve_spans, docs/daemon.md).
 AT_FINISH = ("sglang",)
+START_TIME = "process_start_time_seconds"  # prometheus_client's process collector (vLLM's page; not SGLang's, llama.cpp's)
 SCRAPE_TIMEOUT_S = 2.0  # one GET, whole: a server slower than this to say its counters is skipped for a scrape
 
 
@@ -73,6 +74,12 @@ PARTIAL_REASONS = {
     "slots_only": "llama-server without /metrics: /slots alone misses each request's tokens after the last scrape before "
                   "it ends, so bypass traffic's missed tokens are not in `unproxied` (their energy is with the proxied "
                   "requests' or idle) (fix: start llama-server with --metrics)",
+    "server_restart": "the server restarted (its token counter went back, or its process start time moved): the old "
+                      "process's tokens after the last scrape before it went down are not in the count, so bypass traffic "
+                      "then is not in `unproxied` (its energy is with the proxied requests' or idle); the intervals across "
+                      "the restart say so in server_count (fix: none needed for later figures; a restart whose new counter "
+                      "has passed the old reading by the first scrape after it, on a server without "
+                      "process_start_time_seconds, cannot be told from traffic and is not said)",
 }
 
 STILL_S = 5.0  # the counter and the proxy this long without movement: scrape at the idle period
@@ -151,14 +158,44 @@ class Scraper:
         self.last_error: str | None = None
         self.ready = False  # the daemon has said it is ready: a baseline read from now on is late
         self.partial: dict[str, str] = {}  # reason → what it means (PARTIAL_REASONS): the count may be low
+        # Why the latest scrape's window (since the previous one) may be low: PARTIAL_REASONS keys, () when it is whole.
+        # The ledger marks the intervals it covers (their `server_count`), never only the process-wide gauge.
+        self.window_partial: tuple[str, ...] = ()
+        self.restarts = 0  # server restarts seen (a counter gone back, or a new process start time)
+        self._start_s: float | None = None  # the server's process_start_time_seconds at the previous scrape
 
     def _baseline(self, counted: float) -> None:
         """The first reading: `counted` tokens the server says it has generated. Read after the daemon's ready, a
         server that had counted nothing has lost nothing; one that had may have counted tokens of requests sent
         since the ready, which the baseline takes in for good."""
-        if self.ready and counted > 0 and "late_baseline" not in self.partial:
-            self.partial["late_baseline"] = PARTIAL_REASONS["late_baseline"]
-            log.warning("scraped server count may be low: %s", PARTIAL_REASONS["late_baseline"])
+        if self.ready and counted > 0:
+            self.window_partial = (*self.window_partial, "late_baseline")
+            if "late_baseline" not in self.partial:
+                self.partial["late_baseline"] = PARTIAL_REASONS["late_baseline"]
+                log.warning("scraped server count may be low: %s", PARTIAL_REASONS["late_baseline"])
+
+    def _restarted(self, why: str) -> None:
+        """The server restarted between the previous scrape and this one: its window lost the old process's tail."""
+        self.restarts += 1
+        self.window_partial = (*self.window_partial, "server_restart")
+        if "server_restart" not in self.partial:
+            self.partial["server_restart"] = PARTIAL_REASONS["server_restart"]
+        if self.restarts <= 3 or self.restarts % 100 == 0:
+            log.warning("the server at %s restarted (%s; %d so far): scraped server count may be low: %s",
+                        self.base, why, self.restarts, PARTIAL_REASONS["server_restart"])
+
+    def _new_process(self, text: str) -> str | None:
+        """Why this /metrics page is of another process than the previous scrape's, from its start time (vLLM's
+        prometheus_client gives process_start_time_seconds; SGLang's multiprocess collector and llama.cpp do not):
+        None where it is the same, or nothing says."""
+        try:
+            now = counter_total(text, START_TIME) if START_TIME in text else None
+        except ValueError:
+            now = None
+        prev, self._start_s = self._start_s, now
+        if prev is not None and now is not None and abs(now - prev) > 1e-3:
+            return f"its process start time moved {now - prev:.1f} s (process_start_time_seconds)"
+        return None
 
     def has_baseline(self) -> bool:
         return self._last_total is not None or self._high is not None or self._slots is not None
@@ -201,6 +238,7 @@ class Scraper:
     async def scrape(self) -> float | None:
         if self.server == "none":
             return None
+        self.window_partial = ()
         try:
             if self.kind is None:
                 self.kind = await self._detect()
@@ -223,9 +261,14 @@ class Scraper:
                 prev, self._last_total = self._last_total, total
                 if prev is None:
                     self._baseline(total)
-                # A restart of the server zeroes its counter: count from zero again.
-                delta = 0.0 if prev is None else (total - prev if total >= prev else total)
-                self.finished = self._finished_since(text, prev is None or total < prev)
+                # A restart of the server zeroes its counter: count from zero again. A new process whose counter has
+                # passed the old reading already is told by its start time where the page has one (vLLM), else not.
+                new_process = self._new_process(text)
+                restart = prev is not None and (total < prev or new_process is not None)
+                if restart:
+                    self._restarted(new_process or f"{COUNTERS[self.kind]} went back from {prev:g} to {total:g}")
+                delta = 0.0 if prev is None else (total if restart else total - prev)
+                self.finished = self._finished_since(text, prev is None or restart)
         except Exception as e:  # a server's answer never ends the scrape loop: counted and logged
             self.errors += 1
             self.last_error = error_text(e)
@@ -267,6 +310,7 @@ class Scraper:
         if finished is None and slots is None:
             raise ValueError("llama-server answers neither /metrics (start it with --metrics) nor /slots")
         if finished is None:
+            self.window_partial = ("slots_only",)
             if "slots_only" not in self.partial:
                 self.partial["slots_only"] = PARTIAL_REASONS["slots_only"]
                 log.warning("scraped server count may be low: %s", PARTIAL_REASONS["slots_only"])
@@ -278,6 +322,7 @@ class Scraper:
         total = llamacpp_generated(finished, slots or {})
         if self._finished is not None and finished < self._finished:
             self._high = 0.0  # the server restarted: its counter began again from zero
+            self._restarted(f"{LLAMACPP_COUNTER} went back from {self._finished:g} to {finished:g}")
         self._finished = finished
         if self._high is None:
             self._high = total  # the first scrape is the baseline
