@@ -14,6 +14,7 @@ from pathlib import Path
 import pyarrow as pa
 
 from powerprof.profiler import NO_COUNTER_SHORT_FIX, NO_COUNTER_SHORT_FLAG
+from powerprof.storage.schema import BYPASS_LOW_FLAG, SERVER_COUNT_COMPLETE, SERVER_COUNT_OFF, SERVER_COUNT_UNREAD
 
 from .engine import connect, to_arrow
 from .rowkeys import KEYS, WHY, folder_sql, keyless_sql
@@ -80,7 +81,7 @@ COLUMNS = {
                  "ttft_s": "DOUBLE", "energy_note": "VARCHAR"},
     "intervals": {"host": "VARCHAR", "daemon_id": "VARCHAR", "t_start_mono_s": "DOUBLE", "gpu_energy_j": "DOUBLE",
                   "kind": "VARCHAR", "duration_s": "DOUBLE", "t_start_utc": "TIMESTAMPTZ",
-                  "t_end_utc": "TIMESTAMPTZ"},
+                  "t_end_utc": "TIMESTAMPTZ", "server_count": "VARCHAR"},
 }
 
 
@@ -164,7 +165,10 @@ def _sane(*cols: str) -> str:
 # A row whose energy or tokens cannot be (NaN, infinite, negative: a foreign or damaged file) is
 # left out of the sums and counted, rather than turning a host's total into NaN or lowering it.
 # A request whose energy the daemon marked as resting on idle power taken out of a counterless GPU's
-# mostly idle intervals (NO_COUNTER_SHORT_FLAG) is left out of J/token, as the daemon's own headline does.
+# mostly idle intervals (NO_COUNTER_SHORT_FLAG) is left out of J/token, as the daemon's own headline does; so is one
+# given energy of intervals whose server token count may be low (BYPASS_LOW_FLAG: bypass traffic's energy may be in
+# it). Intervals whose count may be low (`server_count` a reason) are counted with their energy, and those with no
+# count (`unread`, `off`, or written before the column: null) as unknown: never read as complete.
 # The same statement, with the tables over the same files, is the Spark SQL / Trino query of docs/fleet.md.
 FLEET_SQL = """
 WITH r AS (
@@ -174,7 +178,8 @@ WITH r AS (
            CAST(sum(generated_tokens) FILTER (WHERE {r_ok}) AS BIGINT) AS generated_tokens,
            sum(gpu_energy_j) FILTER (WHERE {r_ok} AND {r_sure}) AS attributed_gpu_energy_j,
            sum(attributed_tokens) FILTER (WHERE {r_ok} AND {r_sure}) AS attributed_tokens,
-           count(*) FILTER (WHERE {r_ok} AND NOT {r_sure}) AS uncertain_requests,
+           count(*) FILTER (WHERE {r_ok} AND NOT {r_sure} AND NOT {r_bypass_low}) AS uncertain_requests,
+           count(*) FILTER (WHERE {r_ok} AND {r_bypass_low}) AS bypass_uncertain_requests,
            approx_quantile(ttft_s, 0.5) AS ttft_p50_s,
            CAST(sum(copies - 1) AS BIGINT) AS duplicate_requests,
            CAST(sum(conflicts) AS BIGINT) AS conflicting_requests,
@@ -189,7 +194,11 @@ WITH r AS (
            max(t_end_utc) AS t_last_utc,
            CAST(sum(copies - 1) AS BIGINT) AS duplicate_intervals,
            CAST(sum(conflicts) AS BIGINT) AS conflicting_intervals,
-           count(*) FILTER (WHERE NOT ({i_ok})) AS invalid_intervals
+           count(*) FILTER (WHERE NOT ({i_ok})) AS invalid_intervals,
+           count(*) FILTER (WHERE {i_ok} AND {i_low}) AS bypass_uncertain_intervals,
+           sum(gpu_energy_j) FILTER (WHERE {i_ok} AND {i_low}) AS bypass_uncertain_gpu_energy_j,
+           string_agg(DISTINCT server_count, ',') FILTER (WHERE {i_ok} AND {i_low}) AS bypass_uncertain_reasons,
+           count(*) FILTER (WHERE {i_ok} AND {i_unknown}) AS bypass_unknown_intervals
     FROM {intervals} GROUP BY 1
 )
 SELECT host, requests, failed_requests, generated_tokens, gpu_energy_j, idle_gpu_energy_j,
@@ -200,10 +209,17 @@ SELECT host, requests, failed_requests, generated_tokens, gpu_energy_j, idle_gpu
        coalesce(invalid_requests, 0) AS invalid_requests, coalesce(invalid_intervals, 0) AS invalid_intervals,
        coalesce(conflicting_requests, 0) AS conflicting_requests,
        coalesce(conflicting_intervals, 0) AS conflicting_intervals,
-       coalesce(uncertain_requests, 0) AS uncertain_requests
+       coalesce(uncertain_requests, 0) AS uncertain_requests,
+       coalesce(bypass_uncertain_requests, 0) AS bypass_uncertain_requests,
+       coalesce(bypass_uncertain_intervals, 0) AS bypass_uncertain_intervals,
+       bypass_uncertain_gpu_energy_j, bypass_uncertain_reasons,
+       coalesce(bypass_unknown_intervals, 0) AS bypass_unknown_intervals
 FROM i FULL OUTER JOIN r USING (host)
 ORDER BY host
-""".replace("{r_sure}", f"(coalesce(energy_note, '') NOT LIKE '%{NO_COUNTER_SHORT_FLAG}%')").replace(
+""".replace("{r_sure}", f"(coalesce(energy_note, '') NOT LIKE '%{NO_COUNTER_SHORT_FLAG}%' AND NOT {{r_bypass_low}})").replace(
+    "{r_bypass_low}", f"(coalesce(energy_note, '') LIKE '%{BYPASS_LOW_FLAG}%')").replace(
+    "{i_low}", f"(server_count IS NOT NULL AND server_count NOT IN ('{SERVER_COUNT_COMPLETE}', '{SERVER_COUNT_UNREAD}', '{SERVER_COUNT_OFF}'))").replace(
+    "{i_unknown}", f"(server_count IS NULL OR server_count IN ('{SERVER_COUNT_UNREAD}', '{SERVER_COUNT_OFF}'))").replace(
     "{r_ok}", _sane("gpu_energy_j", "attributed_tokens", "CAST(generated_tokens AS DOUBLE)")).replace(
     "{i_ok}", _sane("gpu_energy_j", "duration_s"))
 
@@ -252,6 +268,10 @@ def fleet_summary(sources) -> pa.Table:
         raise FleetError("; ".join(said) + ". Remove the file that is wrong (`powerprof export` of the same sources "
                          "names the files), or analyse the folders separately")
     out = out.drop_columns(["conflicting_requests", "conflicting_intervals"])
+    # Each host's reasons once, sorted (string_agg joined the distinct values, some of which list several).
+    col = out.schema.get_field_index("bypass_uncertain_reasons")
+    out = out.set_column(col, "bypass_uncertain_reasons", pa.array(
+        [",".join(sorted(set(v.split(",")))) if v else None for v in out.column(col).to_pylist()], pa.string()))
     if not out.num_rows:
         raise FleetError(f"{', '.join(srcs)}: no request or interval rows yet (the daemon writes them at each flush, "
                          "daemon.flush_interval_s, 30 s by default): nothing to summarise")
@@ -276,6 +296,24 @@ def notes(t: pa.Table) -> list[str]:
         out.append(f"requests marked {NO_COUNTER_SHORT_FLAG} (short, on a GPU without an energy counter: their energy "
                    "rests on the idle power taken out) were left out of J/token: " + "; ".join(
                        f"{r['host']}: {r['uncertain_requests']}" for r in unsure) + f"; the fix: {NO_COUNTER_SHORT_FIX}")
+    low = [r for r in t.to_pylist() if r.get("bypass_uncertain_intervals")]
+    if low:
+        out.append("intervals whose server token count may be low (their server_count: bypass traffic there is not in "
+                   "unproxied, its energy with the requests or idle) are in the GPU and idle figures as stored: " + "; ".join(
+                       f"{r['host']}: {r['bypass_uncertain_intervals']} intervals, "
+                       f"{(r['bypass_uncertain_gpu_energy_j'] or 0.0) / 3.6e6:.6f} kWh ({r['bypass_uncertain_reasons']})"
+                       for r in low) + " (docs/daemon.md, The baseline)")
+    low_r = [r for r in t.to_pylist() if r.get("bypass_uncertain_requests")]
+    if low_r:
+        out.append(f"requests marked {BYPASS_LOW_FLAG} (given energy of intervals whose server token count may be low: "
+                   "bypass traffic's energy may be in theirs) were left out of J/token: " + "; ".join(
+                       f"{r['host']}: {r['bypass_uncertain_requests']}" for r in low_r) + "; each row's energy_note says "
+                   "why and the fix")
+    unknown = [r for r in t.to_pylist() if r.get("bypass_unknown_intervals")]
+    if unknown:
+        out.append("intervals with no server token count (server_count unread: not read yet; off: the daemon scrapes "
+                   "no server; empty: written before the column) have bypass traffic unknown, none of it in unproxied: "
+                   + "; ".join(f"{r['host']}: {r['bypass_unknown_intervals']}" for r in unknown))
     unknown = [r["host"] for r in t.to_pylist() if r["host"].startswith("(unknown) ")]
     if unknown:
         out.append(f"{len(unknown)} dataset(s) were written before rows carried their host; each is named by its "

@@ -26,6 +26,7 @@ from powerprof.energy import epoch_broken, interp_at, trailing_average_interval_
 from powerprof.profiler import (METHOD_AVG_POWER, METHOD_COUNTER, METHOD_NONE, METHOD_POWER, NO_COUNTER_SHORT_BUSY_SHARE,
                                 NO_COUNTER_SHORT_BUSY_SHARE_INSTANT, NO_COUNTER_SHORT_FIX, NO_COUNTER_SHORT_FLAG,
                                 weakest_method)
+from powerprof.storage.schema import BYPASS_LOW_FLAG, SERVER_COUNT_COMPLETE, SERVER_COUNT_OFF, SERVER_COUNT_UNREAD
 
 from . import attribution as attr
 from .promptlen import PromptLengths
@@ -47,11 +48,8 @@ BYPASS_FIT_SHARE = 0.25  # intervals whose bypass tokens exceed this share of th
 SCRAPE_HOLD_S = 10.0  # and this long at most for the server's counter to be scraped past them
 LAG_S = 1.0  # the proxy may see a token this long after the server counted it (a loaded host)
 CREDIT_S = 3.0  # a higher server-minus-proxy level is held this long before a lower one replaces it
-# An interval row's `server_count`: the server's counter covered it with no known loss; it was not read over it (the
-# scraper had no answer yet: bypass traffic there is unknown); the daemon scrapes no server (bypass is not measured).
-COUNT_COMPLETE, UNREAD, COUNT_OFF = "complete", "unread", "off"
-# A request row's energy_note where some of its energy is from intervals whose count may be low (docs/data.md).
-BYPASS_LOW_FLAG = "bypass-uncounted"
+# What an interval row's `server_count` and a request's energy_note say (storage/schema.py states them).
+COUNT_COMPLETE, UNREAD, COUNT_OFF = SERVER_COUNT_COMPLETE, SERVER_COUNT_UNREAD, SERVER_COUNT_OFF
 BYPASS_LOW_FIX = {
     "late_baseline": "start the server before the daemon, or restart the daemon once the server is up",
     "unread": "start the server before the daemon, and check that scrape.url answers its /metrics",

@@ -240,8 +240,9 @@ class SnapshotCollector:
                                       "Tokens the server's own metrics counted (cross-check)", value=s.server_tokens)
             part = GaugeMetricFamily("powerprof_server_tokens_partial", "1: powerprof_server_tokens_generated_total may be "
                                      "low (bypass traffic it misses is not in unproxied energy), for this reason (late_baseline: first read after the daemon's ready, with "
-                                     "tokens already counted; slots_only: llama-server without --metrics); the log says "
-                                     "what was missed and the fix", labels=["reason"])
+                                     "tokens already counted; slots_only: llama-server without --metrics; server_restart: "
+                                     "the server restarted, its last tokens before it lost); the log says what was missed "
+                                     "and the fix, and the interval rows concerned say so in server_count", labels=["reason"])
             for why in PARTIAL_REASONS:
                 part.add_metric([why], 1 if why in s.server_tokens_partial else 0)
             yield part

@@ -576,22 +576,25 @@ class Daemon:
                 at_finish = self.scraper.kind in AT_FINISH  # known once detected (scrape.server = "auto")
                 if delta is not None:
                     if held is not None:  # the held slow window's burst began where this window's rate says
-                        h_since, h_t, h_delta, h_finished = held
+                        h_since, h_t, h_delta, h_finished, h_partial = held
                         start = burst_start_ns(h_since, h_t, h_delta, delta / max(1, t - h_t))
                         if start > h_since:
-                            self.ledger.add_server_tokens(start, 0.0, h_since, at_finish)
-                        self.ledger.add_server_tokens(h_t, h_delta, start, at_finish, h_finished)
+                            self.ledger.add_server_tokens(start, 0.0, h_since, at_finish, partial=h_partial)
+                        self.ledger.add_server_tokens(h_t, h_delta, start, at_finish, h_finished, partial=h_partial)
                         held = None
+                    # Why this window's count may be low (a restart, a late first read): its intervals say so.
+                    partial = self.scraper.window_partial
                     if delta > 0 and since is not None and t - since > 1.5e9 * cadence.fast_s:
-                        held = (since, t, delta, self.scraper.finished)  # a slow window ending a stillness: placed at the next scrape
+                        # a slow window ending a stillness: placed at the next scrape
+                        held = (since, t, delta, self.scraper.finished, partial)
                     else:
                         # The delta covers the time since the previous scrape: spread over it (docs/daemon.md).
-                        self.ledger.add_server_tokens(t, delta, since, at_finish, self.scraper.finished)
+                        self.ledger.add_server_tokens(t, delta, since, at_finish, self.scraper.finished, partial=partial)
                     since = t
             # A bare sleep (no task per wait, as wait_for makes): it wakes every fast period to poll.
             await asyncio.sleep(cadence.fast_s)
         if held is not None:
-            self.ledger.add_server_tokens(held[1], held[2], held[0], self.scraper.kind in AT_FINISH, held[3])
+            self.ledger.add_server_tokens(held[1], held[2], held[0], self.scraper.kind in AT_FINISH, held[3], partial=held[4])
 
     # --- reload ------------------------------------------------------------------------------------
 
@@ -799,6 +802,7 @@ class Daemon:
         scrape_url = cfg.get("scrape", "url") or upstream
         if scrape_url and cfg.get("scrape", "server") != "none":
             self.scraper = Scraper(session, scrape_url, cfg.get("scrape", "server"))
+            self.ledger.scraping = True  # intervals before its first read say `unread`, not `off`
             # Before the proxy listens: a request it took during this read (up to BASELINE_WAIT_S on a slow server)
             # would have its tokens taken into the baseline, a count low with nothing to say it (10 of 150).
             await self._scrape_baseline()

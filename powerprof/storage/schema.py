@@ -256,6 +256,15 @@ DAEMON_REQUESTS_COLUMNS = [
     HOST,
 ]
 
+# A daemon interval row's `server_count`: the server's counter covered it with no known loss (complete); it was not
+# read over it, the scraper having no answer yet (unread: its bypass traffic unknown); the daemon scrapes no server
+# (off: bypass not measured); else why the count may be low, comma-separated (late_baseline, server_restart,
+# slots_only, unscraped). Null (files written before the column): unknown, never complete. A request given energy of
+# an interval whose count may be low (or unread) says BYPASS_LOW_FLAG in its energy_note; `analyze` leaves it out of
+# J/token (docs/data.md, daemon_intervals).
+SERVER_COUNT_COMPLETE, SERVER_COUNT_UNREAD, SERVER_COUNT_OFF = "complete", "unread", "off"
+BYPASS_LOW_FLAG = "bypass-uncounted"
+
 # One row per sample interval: the energy between two consecutive GPU samples and who used it.
 DAEMON_INTERVALS_COLUMNS = [
     ("daemon_id", STR),
@@ -271,6 +280,7 @@ DAEMON_INTERVALS_COLUMNS = [
     ("avg_gpu_power_w", F64),
     ("proxy_tokens", F64),  # tokens that passed through the proxy in the interval
     ("server_tokens", F64),  # tokens the server's own metrics counted (null: not scraped)
+    ("server_count", STR),  # how far the server's count covers it (SERVER_COUNT_* above); null: unknown
     ("n_prefill", I32),  # requests in prefill during the interval
     ("n_decoding", I32),  # requests decoding during the interval
     ("requests_energy_j", F64),  # given to the requests live in it, by their work
