@@ -98,8 +98,10 @@ def test_llamacpp_restart_counts_from_zero_and_slots_only_still_works():
     assert _run(sc, 3) == [0.0, 50.0, 25.0]  # after a restart: everything since it
     only_slots = _Replay([(None, _slot(1, 10)), (None, _slot(1, 30)), (None, _slot(2, 7))])
     assert _run(only_slots, 3) == [0.0, 20.0, 7.0]
-    # /slots alone misses each request's tail: the count says it may be low; counter + slots does not.
-    assert set(only_slots.partial) == {"slots_only"} and sc.partial == {}
+    # /slots alone misses each request's tail: the count says it may be low; counter + slots does not, but its
+    # restart lost the old process's tokens after the last scrape before it: that says so (and that window only).
+    assert set(only_slots.partial) == {"slots_only"} and set(sc.partial) == {"server_restart"}
+    assert only_slots.window_partial == ("slots_only",) and sc.window_partial == ("server_restart",)
 
 
 def test_a_count_that_may_be_low_says_why_what_it_costs_and_the_fix_in_the_log_and_on_metrics(caplog):
