@@ -47,12 +47,14 @@ def _trace(rid, arrival_s):
     return tr
 
 
-def _run(restart_at_s: float | None, late_first_read_s: float | None = None, until_s: float = 16.0, down_s: float = 0.5):
+def _run(restart_at_s: float | None, late_first_read_s: float | None = None, until_s: float = 16.0, down_s: float = 0.5,
+         slots_only: bool = False):
     """A ledger fed as the daemon feeds it: 1 s GPU samples (100 J each), scrapes every 0.25 s, proxied streams at
     160 tokens/s (four streams' worth, 4 tokens a step) and bypass traffic at 10 tokens/s from 1 s on. `restart_at_s`: the server restarts there (the old
     process's tokens after the scrape before are lost, its counter counts from 0 again) and is down `down_s` (scrapes
     fail: the restart's window spans them). `late_first_read_s`: the server's counters are first read there, after
-    the daemon's ready, with tokens already counted. Returns (interval rows, request rows, true bypass tokens per
+    the daemon's ready, with tokens already counted. `slots_only`: every scrape says so (a llama-server without
+    --metrics). Returns (interval rows, request rows, true bypass tokens per
     1 s interval)."""
     sink = _Sink()
     led = Ledger("d", 0, 1, sink, grace_s=0.1)
@@ -98,7 +100,8 @@ def _run(restart_at_s: float | None, late_first_read_s: float | None = None, unt
             else:
                 restarted = count < prev_total
                 delta = count if restarted else count - prev_total
-                led.add_server_tokens(int(t * S), delta, int(prev_t * S), partial=("server_restart",) if restarted else ())
+                led.add_server_tokens(int(t * S), delta, int(prev_t * S),
+                                      partial=(("server_restart",) if restarted else ()) + (("slots_only",) if slots_only else ()))
             prev_t, prev_total = t, count
         led.advance(int(t * S))
     cur.end_ns = cur.end_wall_ns = cur.last_ns
@@ -267,3 +270,13 @@ def test_analyze_reads_intervals_written_before_the_column_as_unknown_not_comple
     assert r["bypass_unknown_intervals"] == 20 and r["bypass_uncertain_intervals"] == 0
     res = CliRunner().invoke(main, ["analyze", str(tmp_path / "n")])
     assert res.exit_code == 0 and "node-0: 20" in res.stderr and "unknown" in res.stderr, res.stderr
+
+
+def test_a_slots_only_server_marks_its_intervals_but_leaves_its_requests_in_j_per_token():
+    # Every interval of a llama-server without --metrics (its default) may miss bypass tokens; flagging each request
+    # would leave all of them out of J/token for a loss only bypass traffic causes. The intervals say it.
+    rows, reqs, _ = _run(restart_at_s=None, slots_only=True)
+    counted = [r for r in rows if r["server_tokens"] is not None and r["t_start_mono_s"] < 12]
+    assert counted and all(r["server_count"] == "slots_only" for r in counted), [r["server_count"] for r in counted]
+    assert reqs and not any("bypass-uncounted" in (r["energy_note"] or "") for r in reqs
+                            if r["t_end_utc"] < 12 * S), [r["energy_note"] for r in reqs]

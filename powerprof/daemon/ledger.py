@@ -663,7 +663,10 @@ class Ledger:
             excess, bypass_spans, why_low = self._bypass_tokens(t)
         server_count = self._server_count(t, why_low)
         # Intervals whose bypass count may be low: their requests may carry bypass traffic's energy (said on their rows).
-        low_iv = np.array([c not in (COUNT_COMPLETE, COUNT_OFF) for c in server_count], dtype=bool)
+        # `slots_only` alone is every interval of a llama-server started without --metrics (its default): marking its
+        # requests would leave every one out of J/token for a loss only bypass traffic causes; like `off` (no count at
+        # all), the interval rows, the gauge and the log say it instead.
+        low_iv = np.array([c not in (COUNT_COMPLETE, COUNT_OFF, "slots_only") for c in server_count], dtype=bool)
         setting = edges[-1].setting
         costs = self.learner.costs(setting)
         # The third column marks intervals without CPU energy: a request given a share of one
