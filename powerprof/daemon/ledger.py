@@ -230,6 +230,7 @@ class Ledger:
         self._levels: deque = deque()  # (window end, bypass level) of recent windows
         self._level = 0.0  # the latest window's level
         self.late_tokens = 0.0  # token events stamped before an interval already closed (not attributed)
+        self.burst_requests = 0  # streams that reached the proxy in one burst (`_spread_burst`)
         self._resolved_last: int | None = None  # the last scrape's end at the latest resolving pass
         self._gpu_total = np.zeros(n_gpus)
         self._cpu_total: float | None = None
@@ -281,6 +282,11 @@ class Ledger:
                 # less the proxied ones' (`_spread_back`).
                 self._finished.append((int(t), n, max(0, int(t) - trace.arrival_ns)))
         return added
+
+    def burst_delivered(self, request_id: int) -> bool:
+        """Its stream reached the proxy in one burst and was spread back over its run (`_spread_burst`)."""
+        r = self.requests.get(request_id)
+        return r is not None and r.burst_s is not None
 
     def _placed_at_end(self, r: _Req) -> float:
         """on_end's placing of the tokens only the end tells (usage, a non-streamed body); returns on_end's figure."""
@@ -337,6 +343,12 @@ class Ledger:
         r.ev_t, r.ev_n = ts, [n / SPREAD_EVENTS] * SPREAD_EVENTS
         r.placed_from_ns = start
         r.burst_s = (t1 - tr.arrival_ns) / 1e9
+        self.burst_requests += 1
+        if self.burst_requests == 1 or self.burst_requests % 1000 == 0:
+            log.warning("request %d: its %.0f tokens reached the proxy in one burst %.1f s after its arrival: something "
+                        "between the server and the proxy buffers its streams; they are spread over its run and its row "
+                        "says so in energy_note (%d such requests so far; %s)", tr.request_id, n, r.burst_s,
+                        self.burst_requests, BURST_FIX)
 
     def _to_server_count(self, r: _Req, total: float) -> float:
         """A stream whose chunks carried no counts was counted one token per chunk; its final `usage`
