@@ -290,14 +290,17 @@ def _mixed_request(kind: str, index: int, prompt_tokens: int, output_tokens: int
 
 
 def run_mixed(trace: list[TraceRequest], profile: str = "h200-141g", interval_s: float = 1.0, n_slots: int = 64,
-              data_dir: Path | None = None, config: dict | None = None, flavour: str = "llamacpp") -> Outcome:
+              data_dir: Path | None = None, config: dict | None = None, flavour: str = "llamacpp",
+              server: dict | None = None) -> Outcome:
     """Replay a mixed trace (`mixed_trace`: each request's tag its kind) through the daemon in front of the simulated
     continuous-batching server (llama.cpp flavour by default: llama-server serves all five kinds at once, with
     `--embeddings`); every request through the proxy. The Outcome's requests carry `kind` and the truth summed over
-    each request's sequences (`SimServer.request_truth`)."""
+    each request's sequences (`SimServer.request_truth`). `server`: more SimServer knobs (say `delivery`: "buffered",
+    a buffering proxy between the server and the daemon's)."""
     tmp = Path(data_dir or tempfile.mkdtemp(prefix="pp-attr-mixed-"))
     nvml = SimNVML(profile, state_path=None)
-    srv = SimServer(nvml, flavour=flavour, n_slots=n_slots, batching="continuous", embeddings=True).start()
+    srv = SimServer(nvml, flavour=flavour, n_slots=n_slots, batching="continuous", embeddings=True,
+                    **(server or {})).start()
     cfg = load_config(None, env={}, overrides={
         "daemon.data_dir": str(tmp / "data"), "daemon.interval_s": interval_s, "daemon.flush_interval_s": 5.0,
         "proxy.listen": "127.0.0.1:0", "proxy.upstream": srv.url, "metrics.listen": "",

@@ -69,6 +69,9 @@ class _Ledger:
     def on_end(self, trace):
         pass
 
+    def burst_delivered(self, request_id):
+        return False
+
 
 def _families(d: Daemon, now_ns: int) -> dict:
     d.snapshot = Snapshot(inflight=d.inflight.state(now_ns))

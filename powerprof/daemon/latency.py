@@ -55,18 +55,20 @@ class RequestLatency:
         self.output_tokens = Histogram(TOKEN_EDGES)
 
     def observe(self, arrival_ns: int, first_ns: int | None, last_ns: int | None, generated: int | None,
-                prompt: int | None, first_seen: bool = True) -> None:
+                prompt: int | None, first_seen: bool = True, decode_seen: bool = True) -> None:
         """TTFT from arrival to the first token; TPOT = (last − first) / (generated − 1), for 2+ tokens.
 
         first_seen False: the first token's time was not observed (a non-streamed answer without the
-        server's own timings): no TTFT at all rather than a 0 that would always meet a TTFT SLO."""
+        server's own timings): no TTFT at all rather than a 0 that would always meet a TTFT SLO.
+        decode_seen False: the tokens' times are not the server's (a stream a buffering proxy delivered
+        in one burst): no TPOT rather than the burst's microseconds, which would meet any TPOT bound."""
         if first_ns is None:
             return
         if first_seen:
             self.ttft_s.observe((first_ns - arrival_ns) / 1e9)
         if generated:
             self.output_tokens.observe(float(generated))
-            if generated > 1 and last_ns is not None:
+            if generated > 1 and last_ns is not None and decode_seen:
                 self.tpot_s.observe((last_ns - first_ns) / 1e9 / (generated - 1))
         if prompt is not None:
             self.prompt_tokens.observe(float(prompt))

@@ -28,6 +28,8 @@ from powerprof.profiler import (METHOD_AVG_POWER, METHOD_COUNTER, METHOD_NONE, M
                                 weakest_method)
 from powerprof.storage.schema import BYPASS_LOW_FLAG, SERVER_COUNT_COMPLETE, SERVER_COUNT_OFF, SERVER_COUNT_UNREAD
 
+from powerprof.arrival import SAME_DELIVERY_NS
+
 from . import attribution as attr
 from .promptlen import PromptLengths
 from .proxy import RequestTrace, bounded_text, valid_text
@@ -58,6 +60,9 @@ BYPASS_LOW_FIX = {
     "unscraped": "keep the server's /metrics answering within scrape's 2 s (the intervals wait for it 10 s at most)",
 }
 FINISH_HOLD_S = 30.0  # an at-finish server's requests' durations of this long ago set how long intervals are held
+# What a row whose stream reached the proxy in one burst says to do about it (`_spread_burst`).
+BURST_FIX = ("fix: point proxy.upstream at the server itself, or turn off the buffering of what stands between them "
+             "(nginx: proxy_buffering off, or the answer header X-Accel-Buffering: no)")
 
 
 @dataclass
@@ -129,6 +134,10 @@ class _Req:
     # Its GPU joules from intervals whose bypass count may be low (server_count), and their reasons (BYPASS_LOW_FLAG).
     bypass_low_j: float = 0.0
     bypass_low_why: set = field(default_factory=set)
+    # Where its tokens were placed from, when not where the proxy saw its first: a stream that reached the proxy in
+    # one burst, spread back over its run (`_spread_burst`); its prompt is placed before this instead.
+    placed_from_ns: int | None = None
+    burst_s: float | None = None  # that burst came this long after its arrival
 
 
 @dataclass
@@ -237,6 +246,7 @@ class Ledger:
         self._levels: deque = deque()  # (window end, bypass level) of recent windows
         self._level = 0.0  # the latest window's level
         self.late_tokens = 0.0  # token events stamped before an interval already closed (not attributed)
+        self.burst_requests = 0  # streams that reached the proxy in one burst (`_spread_burst`)
         self._resolved_last: int | None = None  # the last scrape's end at the latest resolving pass
         self._gpu_total = np.zeros(n_gpus)
         self._cpu_total: float | None = None
@@ -289,10 +299,16 @@ class Ledger:
                 self._finished.append((int(t), n, max(0, int(t) - trace.arrival_ns)))
         return added
 
+    def burst_delivered(self, request_id: int) -> bool:
+        """Its stream reached the proxy in one burst and was spread back over its run (`_spread_burst`)."""
+        r = self.requests.get(request_id)
+        return r is not None and r.burst_s is not None
+
     def _placed_at_end(self, r: _Req) -> float:
         """on_end's placing of the tokens only the end tells (usage, a non-streamed body); returns on_end's figure."""
         trace = r.trace
         c = trace.counts
+        self._spread_burst(r)
         if c is not None and c.prompt_tokens is not None and c.invalid is None and c.count_problem is None:
             # The body's prompt once: llama.cpp's figure of n choices is n copies of it (n = 2 taught twice the tokens a character).
             copies = max(trace.extra.get("choices", 1), 1) if c.prompt_each_task else 1
@@ -312,6 +328,43 @@ class Ledger:
             if self.server_seen:
                 self._proxied.extend(zip(r.ev_t, r.ev_n))
         return 0.0
+
+    def _spread_burst(self, r: _Req) -> None:
+        """A stream whose tokens all reached the proxy in one delivery (chunks under SAME_DELIVERY_NS apart) was held
+        back on its way (a buffering proxy or gateway between the server and this one): the server generated them
+        over its run, not at the instant they passed. They are spread evenly over it, as a non-streamed answer's
+        (from the server's decode time where its timings say it, else from its arrival), and its prompt is placed
+        before that. Left at the burst, they took no energy of the intervals the request ran in, and the server's
+        counter, ahead of the proxy's all that while, gave them to `unproxied` as bypass traffic (docs/daemon.md).
+        More tokens than sequences only: each sequence's first token comes out of the prefill, together."""
+        tr = r.trace
+        if tr.stream is not True or tr.api is None or r.spent or r.late or not r.ev_t:
+            return
+        n = float(sum(r.ev_n))
+        if n <= max(tr.extra.get("sequences", 1), 1) or max(np.diff(r.ev_t), default=0) > SAME_DELIVERY_NS:
+            return
+        t1 = int(r.ev_t[-1])
+        c = tr.counts
+        start = tr.arrival_ns
+        if c is not None and c.predicted_ms is not None and c.predicted_ms >= 0 and c.count_problem is None:
+            start = max(start, t1 - int(c.predicted_ms * 1e6))
+        if self.edges:
+            start = max(start, self.edges[0].t_ns)  # intervals already closed have been accounted
+        if t1 - start <= SAME_DELIVERY_NS:
+            return  # nothing to move
+        ts = np.linspace(start, t1, SPREAD_EVENTS).astype(np.int64).tolist()
+        if self.server_seen:  # the scrape windows' proxied tokens move with them
+            self._proxied.extend((t, -k) for t, k in zip(r.ev_t, r.ev_n))
+            self._proxied.extend((t, n / SPREAD_EVENTS) for t in ts)
+        r.ev_t, r.ev_n = ts, [n / SPREAD_EVENTS] * SPREAD_EVENTS
+        r.placed_from_ns = start
+        r.burst_s = (t1 - tr.arrival_ns) / 1e9
+        self.burst_requests += 1
+        if self.burst_requests == 1 or self.burst_requests % 1000 == 0:
+            log.warning("request %d: its %.0f tokens reached the proxy in one burst %.1f s after its arrival: something "
+                        "between the server and the proxy buffers its streams; they are spread over its run and its row "
+                        "says so in energy_note (%d such requests so far; %s)", tr.request_id, n, r.burst_s,
+                        self.burst_requests, BURST_FIX)
 
     def _to_server_count(self, r: _Req, total: float) -> float:
         """A stream whose chunks carried no counts was counted one token per chunk; its final `usage`
@@ -628,7 +681,8 @@ class Ledger:
             return v if (v is not None and done) else never
 
         arrival = np.array([r.trace.arrival_ns for r in reqs], dtype=np.int64)
-        first = np.array([r.trace.first_ns if r.trace.first_ns is not None else never for r in reqs], dtype=np.int64)
+        first = np.array([r.placed_from_ns if r.placed_from_ns is not None else r.trace.first_ns
+                          if r.trace.first_ns is not None else never for r in reqs], dtype=np.int64)
         done = [r.trace.end_ns is not None and r.trace.end_ns <= t_end for r in reqs]
         last = np.array([ns(r.trace.last_ns, d) for r, d in zip(reqs, done)], dtype=np.int64)
         end = np.array([ns(r.trace.end_ns, d) for r, d in zip(reqs, done)], dtype=np.int64)
@@ -842,9 +896,16 @@ class Ledger:
         # trace: 200 requests in its warm-up instead of 160).
         live = [r for r in self.requests.values()
                 if r.trace.end_ns is None and r.trace.api is not None and not self.server_at_finish]
+        # A stream none of whose tokens has come yet may be held back on its way (a buffering proxy) and come in one
+        # burst at its end, spread back over its run then (`_spread_burst`): its windows wait as a non-streamed
+        # answer's do, bounded by the prompt hold. Normally that is only until its first token, after its prefill.
+        # Waiting only where a window would give bypass tokens (as for counting streams, below) was not enough: a
+        # window resolved meanwhile keeps the server's count of the burst's tokens, and their spread, placed there
+        # later, never took it back (every later level that much higher: bypass tokens that were not).
         pending_ns = min((r.trace.arrival_ns for r in live
-                          if r.trace.stream is not True and r.trace.arrival_ns >= upto_ns - self.max_hold_ns),
-                         default=None)
+                          if (r.trace.stream is not True and r.trace.arrival_ns >= upto_ns - self.max_hold_ns)
+                          or (r.trace.stream is True and r.trace.first_ns is None
+                              and r.trace.arrival_ns >= upto_ns - self.prompt_hold_ns)), default=None)
         counting_ns = min((r.trace.arrival_ns for r in live
                            if r.trace.stream is True and r.trace.api.startswith("openai") and _prompt_tokens(r) is None
                            and r.trace.arrival_ns >= upto_ns - self.prompt_hold_ns), default=None)
@@ -1302,12 +1363,23 @@ def _approximate_note(r: _Req) -> str | None:
         notes.append(f"requests the proxy does not count ran beside it ({', '.join(kinds[:3])}"
                      f"{f' and {len(kinds) - 3} more' if len(kinds) > 3 else ''}): their GPU work is unseen, so part "
                      "of their energy is in this request's share")
+    if r.burst_s is not None:
+        notes.append(f"its tokens reached the proxy in one burst, {r.burst_s:.1f} s after its arrival (held back between "
+                     "the server and the proxy: a buffering proxy or gateway), and were spread evenly over "
+                     f"{'the server' + chr(39) + 's decode time' if _server_timed(r) else 'its run'} as a non-streamed "
+                     f"answer's; its decode_s is the burst's, not the server's ({BURST_FIX})")
     c = r.trace.counts
     if r.server_ahead >= 0.5 and not r.to_server and (c is None or c.tokens_estimated):
         notes.append(f"its tokens were counted one a chunk and the server's counter ran {r.server_ahead:.0f} token(s) "
                      "ahead of the proxy's while it was live: their energy is in unproxied, not here (fix: "
                      "\"stream_options\": {\"include_usage\": true})")
     return "approximate: " + "; ".join(notes) if notes else None
+
+
+def _server_timed(r: _Req) -> bool:
+    c = r.trace.counts
+    return c is not None and c.predicted_ms is not None and r.placed_from_ns is not None \
+        and r.placed_from_ns > r.trace.arrival_ns
 
 
 def _prompt_sequences(r: _Req) -> int:

@@ -288,11 +288,13 @@ class Daemon:
             # Its timing is real and the tuner's guard reads these histograms: TPOT and output length from
             # the proxy's own count (what attribution uses), not the server's contradicted one.
             gen = trace.tokens_seen
+        added = self.ledger.on_end(trace)
         self.latency.observe(trace.arrival_ns, trace.first_ns, trace.last_ns, gen,
                              c.prompt_tokens if c is not None else None,
                              # A non-streamed answer with no server timing is spread from its arrival.
-                             first_seen=not (trace.extra.get("spread") and trace.first_ns == trace.arrival_ns))
-        added = self.ledger.on_end(trace)
+                             first_seen=not (trace.extra.get("spread") and trace.first_ns == trace.arrival_ns),
+                             # A stream that reached the proxy in one burst: its last - first is the burst's.
+                             decode_seen=not self.ledger.burst_delivered(trace.request_id))
         if added:  # a stream counted one token per chunk, set to the server's final count
             self.tokens_by_tag[self.tags.label(trace.tag) if trace.tag else NONE] += added
         self._request_edge("request-end")
