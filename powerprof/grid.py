@@ -217,6 +217,9 @@ class GridRun:
     done: list = field(default_factory=list)  # (ConfigRecord, Sweep) measured
     idle_power_w: float | None = None
     _finished_levels: dict = field(default_factory=dict)  # id(Sweep) → its levels rows (bootstraps are not free)
+    # Each GPU's power limits as the grid's first level began: configurations measured at the settings as they are
+    # (or at locked clocks) are compared, so every one of them must run at those (Sweep._limit_problem).
+    _held_limits: dict = field(default_factory=dict)
 
     def excluded(self):
         """Measured windows of every configuration that the figures left out (untrusted timing); None if none."""
@@ -293,7 +296,7 @@ class GridRun:
             params=self.params, writer=_GridWriter(self, ref), timeline=self.timeline, run_id=self.run_id,
             reference_value=self.reference_value, ui=self.ui, row_extras=rec.columns(),
             # This configuration's server (its launch, its port): another process's kernels on the GPU are told from its.
-            server_procs=ServerProcesses(url, launched),
+            server_procs=ServerProcesses(url, launched), held_limits=self._held_limits,
         )
         ref.append((rec, sweep))
         if self.done or self.idle_power_w is not None:

@@ -22,6 +22,7 @@ from powerprof.collectors.clock_reasons import (REASON_GPU_IDLE, cap_not_engaged
 from powerprof.collectors.cputime import (BUSY_HOST_FIX, BUSY_HOST_FLAG, BUSY_HOST_PCT, busy_host_text,
                                           unknown_server_text)
 from powerprof.collectors.gateway import gateway
+from powerprof.collectors.limitwatch import LIMIT_CHANGERS, LIMIT_FIX, LIMIT_TOLERANCE_W, limit_moved, limits_read
 from powerprof.control.device import read_devices
 from powerprof.control.levels import parse_clock_levels, parse_power_levels
 from powerprof.profiler import Profiler
@@ -317,10 +318,12 @@ class Sweep:
         policy=None,
         row_extras: dict | None = None,
         server_procs=None,
+        held_limits: dict | None = None,
     ):
         """row_extras: columns every windows row carries (a configuration sweep's knobs). server_procs: a callable
         answering (the server's pids, None) or (None, why) (workload.serverprocs.ServerProcesses), to tell the
-        server's processes on the GPUs from others'."""
+        server's processes on the GPUs from others'. held_limits: each GPU's (power limit, enforced limit) as the run
+        began, filled at the first level when empty; a configuration sweep passes one for all its configurations."""
         self.s = settings
         self.row_extras = dict(row_extras or {})
         self.prof = profiler
@@ -347,6 +350,8 @@ class Sweep:
         self._clock_watch: ClockLockWatch | None = None
         self._reopened_before: list[int] = []  # the collector's reopen count per GPU as the level's watch began
         self._boost_mhz: dict[int, float] = {}  # GPU index → its highest busy SM clock this sweep (ClockLockWatch)
+        # Levels that do not set the power limit (clocks, the settings as they are) run at the one the sweep found.
+        self._held_limits: dict = held_limits if held_limits is not None else {}
         self._suspect_rows: list[dict] = []  # windows measured since a GPU first read above its lock
         self._suspect_spans = 0  # visit.spans from the first suspect window on
         self._attempt_rows: list[dict] = []  # the rows of the level's measurement in progress (since its start or a restart)
@@ -762,6 +767,8 @@ class Sweep:
         """The level's setting is checked in every GPU sample from here on (settled or not)."""
         self._samples_seen = len(self.timeline)
         self._reopened_before = list(getattr(self.prof.gpu, "reopened", []) or [])
+        if self.s.level_kind != "power_limit" and not self._held_limits and self.prof.gpu is not None:
+            self._held_limits.update(limits_read(self.prof.gpu.read()))
         self._suspect_rows, self._suspect_spans = [], 0
         locked = self.s.level_kind == "sm_clock" and visit.level_value is not None
         # Without a lock of ours, the GPU's busy clock so far this sweep is what a clock set below it betrays.
@@ -776,18 +783,22 @@ class Sweep:
         """Why the level's power limit did not hold in `samples` (taken since the last check), or None.
 
         Another tool (nvidia-smi -pl, a DCGM policy, a power manager) may set the limit mid-level: the
-        windows after it ran at its limit, not the level's, and would be filed under the level."""
-        if self.s.level_kind != "power_limit" or visit.level_value is None:
-            return None
-        tol = float(getattr(self.ctl, "tolerance_w", 2.0))
-        level = float(visit.level_value)
+        windows after it ran at its limit, not the level's, and would be filed under the level. A level
+        that sets no limit (a locked clock, the settings as they are) runs at the limits the sweep found,
+        each GPU's own: a cap lowered under it slowed the clock and the figures as much (the settings'
+        level: -22% J/token, unflagged), and a configuration sweep's configurations were compared across it."""
+        set_w = float(visit.level_value) if self.s.level_kind == "power_limit" and visit.level_value is not None else None
+        tol = float(getattr(self.ctl, "tolerance_w", LIMIT_TOLERANCE_W))
         for smp in samples:
-            for r in smp.data:
-                for name, w in (("power limit", r.power_limit_w), ("enforced power limit", r.enforced_limit_w)):
-                    if w is not None and abs(w - level) > tol:
-                        return (f"GPU {r.index}'s {name} read {w:g} W during the level, not the {level:g} W set: another "
-                                "tool changed it (nvidia-smi -pl, a DCGM policy, a power manager) or the driver lowered "
-                                "it; the windows measured since are left out of every figure")
+            expected = {r.index: (set_w, set_w) for r in smp.data} if set_w is not None else self._held_limits
+            m = limit_moved(smp.data, expected, tol)
+            if m is not None:
+                return (f"GPU {m.index}'s {m.what} read {m.read_w:g} W during the level, not "
+                        + (f"the {set_w:g} W set: another tool changed it ({LIMIT_CHANGERS}) or the driver lowered it"
+                           if set_w is not None else
+                           f"the {m.expected_w:g} W it read as the sweep began: another tool changed it ({LIMIT_CHANGERS}), "
+                           "a GPU reset put its default back, or the driver lowered it")
+                        + "; the windows measured since are left out of every figure")
         return None
 
     def _gpu_gone_problem(self) -> str | None:
@@ -834,8 +845,7 @@ class Sweep:
             fix = ("find what reset or lost the GPU (`dmesg | grep -i xid`; nvidia-smi -r or a driver reload in a script, "
                    "a cluster health check) and rerun")
         elif (why := self._limit_problem(visit, samples)) is not None:
-            fix = ("stop whatever else sets GPU power limits for the sweep (nvidia-smi -pl in a script, DCGM power "
-                   "policies, a cluster power manager) and rerun")
+            fix = LIMIT_FIX
         else:
             if not self._suspect_rows:
                 self._suspect_spans = spans_before
