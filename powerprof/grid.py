@@ -274,7 +274,7 @@ class GridRun:
                     rec.error = (rec.error or "") + "\n" + (died or f"last lines of {log}:\n{tail(log)}")
 
     def _measure(self, rec: ConfigRecord, url: str, launched: list) -> None:
-        from powerprof.sweep import Sweep, SweepError
+        from powerprof.sweep import RunWriteError, Sweep, SweepError
         from powerprof.workload.client import ServerUnreachable
         from powerprof.workload.context import TokenizeError, context_prompt
         from powerprof.workload.load import detect
@@ -306,6 +306,8 @@ class GridRun:
         before = spec_decode_counts(url) if server.kind == "vllm" else None
         try:
             sweep.run()
+        except RunWriteError:
+            raise  # the disk, not this configuration: the next one could not be stored either
         except SweepError as e:
             rec.status, rec.error = "failed", str(e)
         finally:
@@ -372,6 +374,14 @@ class GridRun:
         return out
 
     def flush(self, current=None) -> None:
+        from powerprof.sweep import run_write_error
+
+        try:
+            self._flush(current)
+        except OSError as e:
+            raise run_write_error(self.writer.path, e) from None
+
+    def _flush(self, current=None) -> None:
         from powerprof.storage.schema import LEVELS, WINDOWS, rows_to_table, with_knob_columns
 
         w = self.windows_rows(current)

@@ -256,6 +256,20 @@ class SweepError(RuntimeError):
     """The sweep could not run or had to stop; the message says why. Limits are restored."""
 
 
+class RunWriteError(SweepError):
+    """The run's files could not be written (a full disk): the whole run stops, a grid's next configuration too."""
+
+
+def run_write_error(path, e: OSError) -> RunWriteError:
+    """A full disk (or a folder gone) mid-sweep, as a stop that says where the run is and that the GPUs are back, as
+    for any failure. Each file is replaced whole or not at all, so run.json's levels_done still names the levels
+    whose tables were written."""
+    from powerprof.storage.runs import WRITE_FIX, write_failure
+
+    return RunWriteError(f"cannot write the run's tables to {path}: {write_failure(e)}; the levels in run.json's "
+                         f"levels_done were stored before it; fix: {WRITE_FIX}")
+
+
 @dataclass
 class LevelVisit:
     """One pass over one level (a level is visited once per repeat)."""
@@ -1047,20 +1061,23 @@ class Sweep:
         from powerprof.storage.runs import split_storable
 
         self.rows, bad, err = split_storable("windows", self.rows)
-        if bad:
-            self.unstored_rows += len(bad)
-            self.ui.note(f"{len(bad)} window row(s) could not be stored and are left out of every figure: {err}")
-            self.writer.write_json(unstored_window_rows=self.unstored_rows, unstored_error=err)
-        self.writer.write("windows", self.windows_table())
-        samples = self.timeline.to_table()
-        self.writer.write("samples", samples)
-        self.writer.write("levels", self.levels_table(samples))
-        extra = {"server_restarts": self.restarts} if self.restarts else {}
-        if self.idle_note:
-            extra["idle_baseline_note"] = self.idle_note
-        self.writer.write_json(idle_gpu_power_w=self.idle_power_w, idle_gpu_power_w_by_gpu=self.idle_power_by_gpu_w,
-                               levels_done=[(v.level_value, v.repeat) for v in self.visits if v.stop],
-                               **extra)
+        try:
+            if bad:
+                self.unstored_rows += len(bad)
+                self.ui.note(f"{len(bad)} window row(s) could not be stored and are left out of every figure: {err}")
+                self.writer.write_json(unstored_window_rows=self.unstored_rows, unstored_error=err)
+            self.writer.write("windows", self.windows_table())
+            samples = self.timeline.to_table()
+            self.writer.write("samples", samples)
+            self.writer.write("levels", self.levels_table(samples))
+            extra = {"server_restarts": self.restarts} if self.restarts else {}
+            if self.idle_note:
+                extra["idle_baseline_note"] = self.idle_note
+            self.writer.write_json(idle_gpu_power_w=self.idle_power_w, idle_gpu_power_w_by_gpu=self.idle_power_by_gpu_w,
+                                   levels_done=[(v.level_value, v.repeat) for v in self.visits if v.stop],
+                                   **extra)
+        except OSError as e:
+            raise run_write_error(getattr(self.writer, "path", "the run directory"), e) from None
 
 
 @dataclass(frozen=True)

@@ -85,6 +85,7 @@ class MeasureResult:
     interrupted: dict | None = None  # run.json's record of what a stopped run kept
     server_away: dict | None = None  # run.json's record of a server that stopped answering (away_record)
     foreign_traffic: dict | None = None  # run.json's record of others' work beside the windows (foreign_record)
+    write_error: str | None = None  # the run could not be stored (a full disk): nothing was, the figures are only printed
     # GPU index → (power limit W, enforced limit W) as the measurement began: the settings its figures are of
     limits_w: dict[int, tuple[float | None, float | None]] = field(default_factory=dict)
 
@@ -100,6 +101,7 @@ class MeasureResult:
             "interrupted": self.interrupted,
             "server_away": self.server_away,
             "foreign_traffic": self.foreign_traffic,
+            "write_error": self.write_error,
             "excluded": None if self.excluded is None else {"n": self.excluded.n, "n_windows": self.excluded.n_windows,
                                                             "reasons": self.excluded.reasons, "fix": self.excluded.fix},
         }
@@ -841,10 +843,23 @@ def _run_measure(
     result.rows, bad, err = split_storable("windows", result.rows)
     if bad:
         notes.append(f"{len(bad)} window row(s) could not be stored and are left out of every figure ({err})")
-    with termination.exits_held() as late:  # run.json and its table, or neither
-        writer = RunWriter(out_dir, meta)
-        writer.write("windows", table_from_rows("windows", result.rows))
     result.notes = notes + result.notes
+    try:
+        with termination.exits_held() as late:  # run.json and its table, or neither
+            writer = RunWriter(out_dir, meta)
+            writer.write("windows", table_from_rows("windows", result.rows))
+    except OSError as e:
+        # A full disk: run.json alone would be a run without its windows, so neither is kept; the figures, already
+        # measured, are still printed (the command's exit says they were not stored).
+        from powerprof.storage.runs import RUN_JSON, WRITE_FIX, write_failure
+
+        for name in (RUN_JSON, "windows.parquet"):  # the folder was empty (or made) before: these are ours
+            (out_dir / name).unlink(missing_ok=True)
+        _remove_if_empty(out_dir)
+        result.write_error = (f"cannot write the measurement to {out_dir}: {write_failure(e)}; nothing was stored "
+                              f"(run.json and windows.parquet go together), the figures above are the only record; "
+                              f"fix: {WRITE_FIX}")
+        return result
     result.out_path = out_dir
     if late and result.stopped is None:
         # The measurement was complete and is written; the stop asked for is still its exit status.
