@@ -675,6 +675,8 @@ def measure(url, simulate, out_dir, n_requests, concurrency, warmup, launch, api
         import json
 
         click.echo(json.dumps(res.to_dict(), indent=2))
+        if res.write_error:
+            raise click.ClickException(res.write_error)
         if stop_code is not None:
             click.echo(_measure_stop_line(res), err=True)
             sys.exit(stop_code)
@@ -702,6 +704,8 @@ def measure(url, simulate, out_dir, n_requests, concurrency, warmup, launch, api
     for m in res.summaries:  # a figure summed over several GPUs says what it sums (run.json per_gpu)
         if (line := per_gpu_line(m)) is not None:
             click.echo(line)
+    if res.write_error:
+        raise click.ClickException(res.write_error)
     click.echo(f"windows: {res.out_path / 'windows.parquet'}")
     if stop_code is not None:
         if res.excluded is not None:

@@ -217,6 +217,9 @@ class GridRun:
     done: list = field(default_factory=list)  # (ConfigRecord, Sweep) measured
     idle_power_w: float | None = None
     _finished_levels: dict = field(default_factory=dict)  # id(Sweep) → its levels rows (bootstraps are not free)
+    # Each GPU's power limits as the grid's first level began: configurations measured at the settings as they are
+    # (or at locked clocks) are compared, so every one of them must run at those (Sweep._limit_problem).
+    _held_limits: dict = field(default_factory=dict)
 
     def excluded(self):
         """Measured windows of every configuration that the figures left out (untrusted timing); None if none."""
@@ -271,7 +274,7 @@ class GridRun:
                     rec.error = (rec.error or "") + "\n" + (died or f"last lines of {log}:\n{tail(log)}")
 
     def _measure(self, rec: ConfigRecord, url: str, launched: list) -> None:
-        from powerprof.sweep import Sweep, SweepError
+        from powerprof.sweep import RunWriteError, Sweep, SweepError
         from powerprof.workload.client import ServerUnreachable
         from powerprof.workload.context import TokenizeError, context_prompt
         from powerprof.workload.load import detect
@@ -293,7 +296,7 @@ class GridRun:
             params=self.params, writer=_GridWriter(self, ref), timeline=self.timeline, run_id=self.run_id,
             reference_value=self.reference_value, ui=self.ui, row_extras=rec.columns(),
             # This configuration's server (its launch, its port): another process's kernels on the GPU are told from its.
-            server_procs=ServerProcesses(url, launched),
+            server_procs=ServerProcesses(url, launched), held_limits=self._held_limits,
         )
         ref.append((rec, sweep))
         if self.done or self.idle_power_w is not None:
@@ -303,6 +306,8 @@ class GridRun:
         before = spec_decode_counts(url) if server.kind == "vllm" else None
         try:
             sweep.run()
+        except RunWriteError:
+            raise  # the disk, not this configuration: the next one could not be stored either
         except SweepError as e:
             rec.status, rec.error = "failed", str(e)
         finally:
@@ -369,6 +374,14 @@ class GridRun:
         return out
 
     def flush(self, current=None) -> None:
+        from powerprof.sweep import run_write_error
+
+        try:
+            self._flush(current)
+        except OSError as e:
+            raise run_write_error(self.writer.path, e) from None
+
+    def _flush(self, current=None) -> None:
         from powerprof.storage.schema import LEVELS, WINDOWS, rows_to_table, with_knob_columns
 
         w = self.windows_rows(current)

@@ -22,6 +22,7 @@ from powerprof.collectors.clock_reasons import (REASON_GPU_IDLE, cap_not_engaged
 from powerprof.collectors.cputime import (BUSY_HOST_FIX, BUSY_HOST_FLAG, BUSY_HOST_PCT, busy_host_text,
                                           unknown_server_text)
 from powerprof.collectors.gateway import gateway
+from powerprof.collectors.limitwatch import LIMIT_CHANGERS, LIMIT_FIX, LIMIT_TOLERANCE_W, limit_moved, limits_read
 from powerprof.control.device import read_devices
 from powerprof.control.levels import parse_clock_levels, parse_power_levels
 from powerprof.profiler import Profiler
@@ -255,6 +256,20 @@ class SweepError(RuntimeError):
     """The sweep could not run or had to stop; the message says why. Limits are restored."""
 
 
+class RunWriteError(SweepError):
+    """The run's files could not be written (a full disk): the whole run stops, a grid's next configuration too."""
+
+
+def run_write_error(path, e: OSError) -> RunWriteError:
+    """A full disk (or a folder gone) mid-sweep, as a stop that says where the run is and that the GPUs are back, as
+    for any failure. Each file is replaced whole or not at all, so run.json's levels_done still names the levels
+    whose tables were written."""
+    from powerprof.storage.runs import WRITE_FIX, write_failure
+
+    return RunWriteError(f"cannot write the run's tables to {path}: {write_failure(e)}; the levels in run.json's "
+                         f"levels_done were stored before it; fix: {WRITE_FIX}")
+
+
 @dataclass
 class LevelVisit:
     """One pass over one level (a level is visited once per repeat)."""
@@ -317,10 +332,12 @@ class Sweep:
         policy=None,
         row_extras: dict | None = None,
         server_procs=None,
+        held_limits: dict | None = None,
     ):
         """row_extras: columns every windows row carries (a configuration sweep's knobs). server_procs: a callable
         answering (the server's pids, None) or (None, why) (workload.serverprocs.ServerProcesses), to tell the
-        server's processes on the GPUs from others'."""
+        server's processes on the GPUs from others'. held_limits: each GPU's (power limit, enforced limit) as the run
+        began, filled at the first level when empty; a configuration sweep passes one for all its configurations."""
         self.s = settings
         self.row_extras = dict(row_extras or {})
         self.prof = profiler
@@ -347,6 +364,8 @@ class Sweep:
         self._clock_watch: ClockLockWatch | None = None
         self._reopened_before: list[int] = []  # the collector's reopen count per GPU as the level's watch began
         self._boost_mhz: dict[int, float] = {}  # GPU index → its highest busy SM clock this sweep (ClockLockWatch)
+        # Levels that do not set the power limit (clocks, the settings as they are) run at the one the sweep found.
+        self._held_limits: dict = held_limits if held_limits is not None else {}
         self._suspect_rows: list[dict] = []  # windows measured since a GPU first read above its lock
         self._suspect_spans = 0  # visit.spans from the first suspect window on
         self._attempt_rows: list[dict] = []  # the rows of the level's measurement in progress (since its start or a restart)
@@ -762,6 +781,8 @@ class Sweep:
         """The level's setting is checked in every GPU sample from here on (settled or not)."""
         self._samples_seen = len(self.timeline)
         self._reopened_before = list(getattr(self.prof.gpu, "reopened", []) or [])
+        if self.s.level_kind != "power_limit" and not self._held_limits and self.prof.gpu is not None:
+            self._held_limits.update(limits_read(self.prof.gpu.read()))
         self._suspect_rows, self._suspect_spans = [], 0
         locked = self.s.level_kind == "sm_clock" and visit.level_value is not None
         # Without a lock of ours, the GPU's busy clock so far this sweep is what a clock set below it betrays.
@@ -776,18 +797,22 @@ class Sweep:
         """Why the level's power limit did not hold in `samples` (taken since the last check), or None.
 
         Another tool (nvidia-smi -pl, a DCGM policy, a power manager) may set the limit mid-level: the
-        windows after it ran at its limit, not the level's, and would be filed under the level."""
-        if self.s.level_kind != "power_limit" or visit.level_value is None:
-            return None
-        tol = float(getattr(self.ctl, "tolerance_w", 2.0))
-        level = float(visit.level_value)
+        windows after it ran at its limit, not the level's, and would be filed under the level. A level
+        that sets no limit (a locked clock, the settings as they are) runs at the limits the sweep found,
+        each GPU's own: a cap lowered under it slowed the clock and the figures as much (the settings'
+        level: -22% J/token, unflagged), and a configuration sweep's configurations were compared across it."""
+        set_w = float(visit.level_value) if self.s.level_kind == "power_limit" and visit.level_value is not None else None
+        tol = float(getattr(self.ctl, "tolerance_w", LIMIT_TOLERANCE_W))
         for smp in samples:
-            for r in smp.data:
-                for name, w in (("power limit", r.power_limit_w), ("enforced power limit", r.enforced_limit_w)):
-                    if w is not None and abs(w - level) > tol:
-                        return (f"GPU {r.index}'s {name} read {w:g} W during the level, not the {level:g} W set: another "
-                                "tool changed it (nvidia-smi -pl, a DCGM policy, a power manager) or the driver lowered "
-                                "it; the windows measured since are left out of every figure")
+            expected = {r.index: (set_w, set_w) for r in smp.data} if set_w is not None else self._held_limits
+            m = limit_moved(smp.data, expected, tol)
+            if m is not None:
+                return (f"GPU {m.index}'s {m.what} read {m.read_w:g} W during the level, not "
+                        + (f"the {set_w:g} W set: another tool changed it ({LIMIT_CHANGERS}) or the driver lowered it"
+                           if set_w is not None else
+                           f"the {m.expected_w:g} W it read as the sweep began: another tool changed it ({LIMIT_CHANGERS}), "
+                           "a GPU reset put its default back, or the driver lowered it")
+                        + "; the windows measured since are left out of every figure")
         return None
 
     def _gpu_gone_problem(self) -> str | None:
@@ -834,8 +859,7 @@ class Sweep:
             fix = ("find what reset or lost the GPU (`dmesg | grep -i xid`; nvidia-smi -r or a driver reload in a script, "
                    "a cluster health check) and rerun")
         elif (why := self._limit_problem(visit, samples)) is not None:
-            fix = ("stop whatever else sets GPU power limits for the sweep (nvidia-smi -pl in a script, DCGM power "
-                   "policies, a cluster power manager) and rerun")
+            fix = LIMIT_FIX
         else:
             if not self._suspect_rows:
                 self._suspect_spans = spans_before
@@ -1037,20 +1061,23 @@ class Sweep:
         from powerprof.storage.runs import split_storable
 
         self.rows, bad, err = split_storable("windows", self.rows)
-        if bad:
-            self.unstored_rows += len(bad)
-            self.ui.note(f"{len(bad)} window row(s) could not be stored and are left out of every figure: {err}")
-            self.writer.write_json(unstored_window_rows=self.unstored_rows, unstored_error=err)
-        self.writer.write("windows", self.windows_table())
-        samples = self.timeline.to_table()
-        self.writer.write("samples", samples)
-        self.writer.write("levels", self.levels_table(samples))
-        extra = {"server_restarts": self.restarts} if self.restarts else {}
-        if self.idle_note:
-            extra["idle_baseline_note"] = self.idle_note
-        self.writer.write_json(idle_gpu_power_w=self.idle_power_w, idle_gpu_power_w_by_gpu=self.idle_power_by_gpu_w,
-                               levels_done=[(v.level_value, v.repeat) for v in self.visits if v.stop],
-                               **extra)
+        try:
+            if bad:
+                self.unstored_rows += len(bad)
+                self.ui.note(f"{len(bad)} window row(s) could not be stored and are left out of every figure: {err}")
+                self.writer.write_json(unstored_window_rows=self.unstored_rows, unstored_error=err)
+            self.writer.write("windows", self.windows_table())
+            samples = self.timeline.to_table()
+            self.writer.write("samples", samples)
+            self.writer.write("levels", self.levels_table(samples))
+            extra = {"server_restarts": self.restarts} if self.restarts else {}
+            if self.idle_note:
+                extra["idle_baseline_note"] = self.idle_note
+            self.writer.write_json(idle_gpu_power_w=self.idle_power_w, idle_gpu_power_w_by_gpu=self.idle_power_by_gpu_w,
+                                   levels_done=[(v.level_value, v.repeat) for v in self.visits if v.stop],
+                                   **extra)
+        except OSError as e:
+            raise run_write_error(getattr(self.writer, "path", "the run directory"), e) from None
 
 
 @dataclass(frozen=True)

@@ -145,7 +145,7 @@ def test_measure_json_prints_one_object_with_stable_keys(tmp_path):
     assert r.exit_code == 0, r.output
     d = json.loads(r.output)
     assert set(d) == {"server", "concurrencies", "notes", "windows_path", "aborted", "interrupted", "excluded",
-                      "server_away", "foreign_traffic"}
+                      "server_away", "foreign_traffic", "write_error"}
     (c,) = d["concurrencies"]
     assert c["concurrency"] == 1 and c["n_ok"] == 2 and c["gpu_j_per_token"] > 0
     assert c["n_planned"] == 2 and d["interrupted"] is None

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 from datetime import datetime, timezone
 from pathlib import Path
 
@@ -85,6 +86,15 @@ def no_finished_level(path, what: str | None = "analyse") -> str | None:
             + (f"; it was: {was}" if was else ""))
 
 
+def write_failure(e: OSError) -> str:
+    """Why a run's file could not be written, in the system's words (`No space left on device`): pyarrow's own
+    message wraps them in its buffer's details."""
+    return os.strerror(e.errno) if e.errno else error_text(e)
+
+
+WRITE_FIX = "free space on that disk (or give another --out) and rerun"
+
+
 def default_run_dir(base: Path, gpu_label: str) -> Path:
     stamp = datetime.now(timezone.utc).strftime("%Y%m%dT%H%M%SZ")
     safe = "".join(ch if ch.isalnum() or ch in "-_" else "-" for ch in gpu_label).strip("-") or "gpu"
@@ -103,8 +113,9 @@ class RunWriter:
         self.write_json()
 
     def write_json(self, **extra) -> None:
-        self.metadata.update(extra)
-        atomic_write_bytes(self.path / RUN_JSON, json.dumps(self.metadata, indent=2, default=str).encode())
+        meta = {**self.metadata, **extra}
+        atomic_write_bytes(self.path / RUN_JSON, json.dumps(meta, indent=2, default=str).encode())
+        self.metadata = meta  # only once written: what a stopped sweep says it kept (levels_done) is what the file holds
 
     def write(self, name: str, table: pa.Table) -> Path:
         path = self.path / f"{name}.parquet"

@@ -23,6 +23,7 @@ from powerprof.energy import (
     within_prompt_offset,
 )
 from powerprof.collectors.cputime import BUSY_HOST_FIX, BUSY_HOST_PCT, busy_host_text, cpu_shares_pct, unknown_server_text
+from powerprof.collectors.limitwatch import LIMIT_CHANGERS, LIMIT_FIX, LimitWatch, limits_read
 from powerprof.profiler import (EDGE_BIAS_WINDOW_S, LOW_CONFIDENCE_S, METHOD_POWER, POWER_EDGE_BIAS_SHARE,
                                 POWER_EDGE_BIAS_WINDOW_S)
 
@@ -84,6 +85,9 @@ class MeasureResult:
     interrupted: dict | None = None  # run.json's record of what a stopped run kept
     server_away: dict | None = None  # run.json's record of a server that stopped answering (away_record)
     foreign_traffic: dict | None = None  # run.json's record of others' work beside the windows (foreign_record)
+    write_error: str | None = None  # the run could not be stored (a full disk): nothing was, the figures are only printed
+    # GPU index → (power limit W, enforced limit W) as the measurement began: the settings its figures are of
+    limits_w: dict[int, tuple[float | None, float | None]] = field(default_factory=dict)
 
     def to_dict(self) -> dict:
         """`powerprof measure --json`: stable keys; per-request rows stay in windows.parquet."""
@@ -97,6 +101,7 @@ class MeasureResult:
             "interrupted": self.interrupted,
             "server_away": self.server_away,
             "foreign_traffic": self.foreign_traffic,
+            "write_error": self.write_error,
             "excluded": None if self.excluded is None else {"n": self.excluded.n, "n_windows": self.excluded.n_windows,
                                                             "reasons": self.excluded.reasons, "fix": self.excluded.fix},
         }
@@ -422,6 +427,14 @@ def measure(
     foreign: dict[int, tuple[int, str]] = {}  # batch id → (concurrency, why others' work ran beside it)
     resent: dict[int, int] = {}  # concurrency → requests sent again for it
     watch: list[OthersWatch] = []
+    # The settings as they are, as the measurement begins: every GPU reading since must show the same power limits.
+    # Another tool's `nvidia-smi -pl` (or `powerprof tune`) mid-run made the later windows another setting's, pooled
+    # with the earlier ones unsaid (300 -> 180 W halfway: -15.5% J/token on the seed card).
+    gpu = getattr(profiler, "gpu", None)
+    limits = LimitWatch(limits_read(gpu.read())) if gpu is not None else None
+    if limits is not None:
+        profiler.sampler.subscribe(limits)
+    cut: dict = {}  # the concurrency the limit moved in and those never begun
 
     async def go():
         records: list[RequestRecord] = []
@@ -440,11 +453,13 @@ def measure(
                 # Whole batches only: a last batch of fewer streams (or --requests below the concurrency) would
                 # be measured at fewer streams and reported as this concurrency.
                 n = planned[c]
-                between = None
                 if others is not None:
                     await others.begin()  # none of ours in flight: the books as they stand, the GPUs' processes from now
 
-                    async def between(recs, c=c, n=n):
+                async def between(recs, c=c, n=n):
+                    if limits is not None and limits.moved is not None:
+                        raise _LimitMoved()  # the rest would measure another setting: stop, keep what ran before
+                    if others is not None:
                         why = await others.judge(recs)
                         if not why or all(r.warmup for r in recs):
                             return False  # a warm-up beside others' work counts nowhere anyway
@@ -453,14 +468,20 @@ def measure(
                             return False  # its budget spent: others at work throughout; the batch stays left out
                         resent[c] = resent.get(c, 0) + len(recs)
                         return True
+                    return False
                 if n != n_requests:
                     by_level.append((c, f"concurrency {c}: {n} requests (--requests {n_requests} rounded up to whole "
                                         f"batches of {c} streams)"))
+                kept_before = len(kept)
                 try:
                     recs = await run_load_async(
                         server, prompts, n, c, params, hook, warmup if k == 0 else 0, policy, s, rid, bid, finished=kept,
                         between=between,
                     )
+                except _LimitMoved:
+                    records += kept[kept_before:]  # this concurrency's finished batches: nothing was in flight
+                    cut.update(concurrency=c, later=list(concurrencies[k + 1:]))
+                    break
                 except LoadAborted as e:
                     records += e.records
                     aborted = str(e)
@@ -493,6 +514,12 @@ def measure(
     measured = {r.concurrency for r in records if not r.warmup}
     notes[:0] = [n for c, n in by_level if stopped is None or c in measured]
     rows, _ = window_rows(records, profiler, run_id, server)
+    if limits is not None:
+        # A move in the last batch may reach the watch only with that batch's end-edge read: look once more.
+        profiler.sampler.sample_now("limits", sources=(gpu.source,))
+        moved = limit_moved_note(limits, records, rows, cut)
+        if moved and aborted is None:
+            aborted = moved
     for row in rows:
         hit = foreign.get(row.get("batch_id"))
         if hit is not None and row["status"] == "ok" and not row["warmup"]:
@@ -523,7 +550,34 @@ def measure(
     return MeasureResult(server, records, rows, summary, notes=notes, aborted=aborted, excluded=excluded_windows(rows),
                          stopped=stopped, interrupted=interrupted,
                          server_away={k: v for k, v in away.items() if k != "lost_batch_ids"} or None,
-                         foreign_traffic=foreign_rec)
+                         foreign_traffic=foreign_rec, limits_w=dict(limits.expected) if limits is not None else {})
+
+
+class _LimitMoved(Exception):
+    """A GPU's power limit moved during `measure`: its load stops between two batches."""
+
+
+def limit_moved_note(watch: LimitWatch, records: Sequence[RequestRecord], rows: list[dict], cut: dict) -> str | None:
+    """Where a GPU's power limit moved during the measurement (`watch`): the windows of every batch not vouched for
+    by a reading at its end (a request that ended after the last reading still at the first limits) are left out,
+    with the reason; what to say (the run's `aborted`), or None when the limits held."""
+    m = watch.moved
+    if m is None:
+        return None
+    why = (f"GPU {m.index}'s {m.what} read {m.read_w:g} W during the measurement, not the {m.expected_w:g} W it read as "
+           f"the measurement began: another tool changed it ({LIMIT_CHANGERS}) or the driver lowered it")
+    after = {r.batch_id for r in records if not r.warmup and not watch.held_through(r.t_last_ns or r.t_end_ns)}
+    if not after and not cut:
+        return None  # it moved after the last window had ended: nothing was measured at another setting
+    measured = [row for row in rows if row["window_kind"] == "request" and row["status"] == "ok" and not row["warmup"]]
+    for row in rows:
+        if row.get("batch_id") in after and row["status"] == "ok" and not row["warmup"]:
+            _distrust(row, f"{why}: this window ran at another setting")
+    n_out = sum(1 for row in measured if row.get("batch_id") in after)
+    later = cut.get("later") or []
+    never = f"; concurrency {', '.join(map(str, later))} never begun" if later else ""
+    return (f"{why}, so the windows since measured another setting: {n_out} left out of every figure, the "
+            f"{len(measured) - n_out} before it kept{never}; measure stopped there; fix: {LIMIT_FIX}")
 
 
 def foreign_record(foreign: dict[int, tuple[int, str]], summary: list[Summary], resent: dict[int, int],
@@ -751,7 +805,11 @@ def _run_measure(
         died = launched[0].death_note() if launched and result.aborted else ""
         if died:
             result.aborted = f"{result.aborted}; {died}"
-        gpus = [{"index": i.index, "uuid": i.uuid, "name": i.name, "driver": i.driver_version} for i in (profiler.gpu_infos if profiler else [])]
+        # The settings the figures are of (measure changes none): each GPU's limits as the measurement began.
+        gpus = [{"index": i.index, "uuid": i.uuid, "name": i.name, "driver": i.driver_version,
+                 "power_limit_w": result.limits_w.get(i.index, (None, None))[0],
+                 "enforced_limit_w": result.limits_w.get(i.index, (None, None))[1]}
+                for i in (profiler.gpu_infos if profiler else [])]
     s = result.server
     meta = {
         "kind": "measure",
@@ -785,10 +843,23 @@ def _run_measure(
     result.rows, bad, err = split_storable("windows", result.rows)
     if bad:
         notes.append(f"{len(bad)} window row(s) could not be stored and are left out of every figure ({err})")
-    with termination.exits_held() as late:  # run.json and its table, or neither
-        writer = RunWriter(out_dir, meta)
-        writer.write("windows", table_from_rows("windows", result.rows))
     result.notes = notes + result.notes
+    try:
+        with termination.exits_held() as late:  # run.json and its table, or neither
+            writer = RunWriter(out_dir, meta)
+            writer.write("windows", table_from_rows("windows", result.rows))
+    except OSError as e:
+        # A full disk: run.json alone would be a run without its windows, so neither is kept; the figures, already
+        # measured, are still printed (the command's exit says they were not stored).
+        from powerprof.storage.runs import RUN_JSON, WRITE_FIX, write_failure
+
+        for name in (RUN_JSON, "windows.parquet"):  # the folder was empty (or made) before: these are ours
+            (out_dir / name).unlink(missing_ok=True)
+        _remove_if_empty(out_dir)
+        result.write_error = (f"cannot write the measurement to {out_dir}: {write_failure(e)}; nothing was stored "
+                              f"(run.json and windows.parquet go together), the figures above are the only record; "
+                              f"fix: {WRITE_FIX}")
+        return result
     result.out_path = out_dir
     if late and result.stopped is None:
         # The measurement was complete and is written; the stop asked for is still its exit status.

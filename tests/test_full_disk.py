@@ -1,0 +1,78 @@
+"""A disk that fills while `sweep` or `measure` writes its run: the error names the folder, the cause and the fix,
+the GPU is back, what was stored is whole and said, and `measure` still prints what it measured. (The daemon's own
+full disk: tests/test_daemon_fulldisk.py.)"""
+
+from __future__ import annotations
+
+import errno
+import json
+
+import pytest
+from click.testing import CliRunner
+
+import powerprof.storage.runs as runs
+from powerprof.cli import main
+from powerprof.sim.nvml import SimNVML
+
+ENOSPC = OSError(errno.ENOSPC, "Error writing bytes to file. Detail: [errno 28] No space left on device")  # pyarrow's words
+
+
+def _fill_disk_at(monkeypatch, table: str, nth: int) -> list:
+    """The `nth` write of `table`'s Parquet file (1 = its first) and every write after it fail as a full disk does."""
+    real = runs.atomic_write_table
+    seen = []
+
+    def write(path, tbl, metadata=None):
+        if path.name == f"{table}.parquet":
+            seen.append(path)
+        if len(seen) >= nth:
+            raise ENOSPC
+        return real(path, tbl, metadata)
+
+    monkeypatch.setattr(runs, "atomic_write_table", write)
+    return seen
+
+
+def test_a_disk_that_fills_mid_sweep_names_the_run_the_cause_and_the_fix_and_the_gpu_is_back(tmp_path, monkeypatch):
+    # Before: `Error: [Errno 28] Error writing bytes to file. Detail: [errno 28] No space left on device` alone: no
+    # folder, no fix, and not the "every GPU is back" line every other failed sweep ends with.
+    _fill_disk_at(monkeypatch, "windows", 2)  # level 300's tables are written, level 200's are not
+    out = tmp_path / "run"
+    r = CliRunner().invoke(main, ["sweep", "--limits", "300,200", "--simulate", "--out", str(out), "--idle-s", "0",
+                                  "--max-tokens", "32", "--min-requests", "2", "--max-requests", "2", "--warmup", "0"])
+    assert r.exit_code == 1, r.output
+    flat = " ".join(r.output.split())
+    assert f"cannot write the run's tables to {out}: No space left on device" in flat, r.output
+    assert "fix: free space" in flat and "Traceback" not in r.output, r.output
+    assert flat.rstrip().endswith("every GPU is back at its original limit"), r.output
+    assert f"stopped: 1 finished level kept in {out}" in flat, r.output
+    assert json.loads((out / "run.json").read_text())["levels_done"] == [[300.0, 0]]
+    assert SimNVML("seed-16g").gpus[0].limit_w == 300.0
+
+
+def test_a_disk_that_fills_as_measure_writes_prints_the_figures_and_leaves_no_half_run(tmp_path, monkeypatch):
+    # Before: a traceback, the figures measured never printed, and run.json left without its windows.parquet
+    # ("run.json and its table, or neither").
+    _fill_disk_at(monkeypatch, "windows", 1)
+    out = tmp_path / "m"
+    r = CliRunner().invoke(main, ["measure", "--simulate", "--requests", "3", "--max-tokens", "32", "--out", str(out)])
+    assert r.exit_code == 1, r.output
+    assert "Traceback" not in r.output, r.output
+    flat = " ".join(r.output.split())
+    assert "concurrency" in r.output and "counter" in r.output, r.output  # the measured row is printed
+    assert f"cannot write the measurement to {out}: No space left on device" in flat, r.output
+    assert "nothing was stored" in flat and "fix: free space" in flat, r.output
+    assert not out.exists() or not any(out.iterdir()), list(out.iterdir())
+
+
+def test_a_failed_run_json_write_leaves_the_writers_record_as_the_file_is(tmp_path, monkeypatch):
+    # What the writer says it holds (levels_done, which the sweep's stop line counts) is what is on disk.
+    w = runs.RunWriter(tmp_path / "r", {"kind": "sweep", "levels_done": []})
+
+    def full(*a, **k):
+        raise ENOSPC
+
+    monkeypatch.setattr(runs, "atomic_write_bytes", full)
+    with pytest.raises(OSError):
+        w.write_json(levels_done=[[300.0, 0]])
+    assert w.metadata["levels_done"] == [] == json.loads((tmp_path / "r" / "run.json").read_text())["levels_done"]
