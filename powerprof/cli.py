@@ -1167,8 +1167,9 @@ def sweep(limits, clocks, url, launch, vary, context_tokens, simulate, gpus, rep
     if not err.is_terminal and not os.environ.get("COLUMNS"):
         err = QuietPipeConsole(stderr=True, width=120)  # as result_console: 80 cut a finished line's time to "0:0…"
     ui = RichSweepUI(err, bar_rule)
-    with _sweep_exits(dry_run, clocks=bool(clocks)):
+    with _sweep_exits(dry_run, clocks=bool(clocks)) as seen:
         with ui, Rig(simulate, gpus=gpus) as rig:
+            seen.rig = rig
             kind = "power_limit" if limits else "sm_clock" if clocks else "none"
             common = dict(levels_spec=limits or clocks or "", level_kind=kind, url=url)
             if grid is not None:
@@ -1285,7 +1286,10 @@ def _stopped_how(e: BaseException) -> str:
 
 @contextlib.contextmanager
 def _sweep_exits(dry_run: bool = False, clocks: bool = False):
-    """A sweep's exits: bad input 2, a failure 1 with its message, Ctrl-C 130 (the GPUs are back by then)."""
+    """A sweep's exits: bad input 2, a failure 1 with its message, Ctrl-C 130, SIGTERM/SIGHUP 128 + signal (the GPUs
+    are back by then). Yields a namespace whose `rig` the sweep sets: what was changed is said from it."""
+    from types import SimpleNamespace
+
     from powerprof import termination
     from powerprof.control.errors import ControlError
     from powerprof.control.levels import LevelError
@@ -1293,9 +1297,13 @@ def _sweep_exits(dry_run: bool = False, clocks: bool = False):
     from powerprof.workload.client import ServerUnreachable
     from powerprof.workload.launcher import LaunchError
 
-    back = _back_line(clocks)
+    seen = SimpleNamespace(rig=None)
+
+    def back() -> str:
+        return _back_line(clocks, changed=seen.rig is not None and seen.rig.changed_gpus)
+
     try:
-        yield
+        yield seen
     except (LevelError, ValueError) as e:
         if type(e).__module__.startswith("pyarrow"):  # ArrowInvalid is a ValueError, but not the user's mistake
             raise click.ClickException(f"writing the run failed: {e}") from None
@@ -1303,25 +1311,34 @@ def _sweep_exits(dry_run: bool = False, clocks: bool = False):
     except (SweepError, ServerUnreachable, LaunchError) as e:
         # These reach here after the controller put every GPU back (a failed restore raises a ControlError in their
         # place); a stopped sweep said nothing of the GPU, and the user was left to wonder whether it was capped.
-        raise click.ClickException(str(e) if dry_run else f"{e}\n{back}") from None
+        raise click.ClickException(str(e) if dry_run else f"{e}\n{back()}") from None
     except (ControlError, OSError) as e:
         raise click.ClickException(str(e)) from None
     except KeyboardInterrupt:
-        _sweep_interrupted(clocks)
+        _sweep_interrupted(back())
+    except termination.Terminated as e:
+        # SIGTERM/SIGHUP (kill, `timeout`, a closed terminal) said where the levels went, but not what Ctrl-C says
+        # of the GPU.
+        click.echo(f"{_stopped_how(e)}: {back()}", err=True)
+        raise
     except Exception as e:
         # Ctrl-C while DuckDB computes the levels' sensor figures comes back as a DuckDB error: a traceback.
         if not isinstance(termination.exit_inside(e), KeyboardInterrupt):
             raise
-        _sweep_interrupted(clocks)
+        _sweep_interrupted(back())
 
 
-def _back_line(clocks: bool) -> str:
+def _back_line(clocks: bool, changed: bool = True) -> str:
+    if not changed:
+        # Said after a sweep that stopped before its first level (no server, no GPU, an --out taken): "every GPU is
+        # back at its original limit" there read as if one had been changed.
+        return "no GPU setting was changed"
     return "every GPU is back at its original limit" + (", its clock lock released" if clocks else "")
 
 
-def _sweep_interrupted(clocks: bool = False):
+def _sweep_interrupted(back: str):
     # Where the finished levels are kept was said as the sweep stopped (a run may stop before it has a directory).
-    click.echo(f"interrupted: {_back_line(clocks)}", err=True)
+    click.echo(f"interrupted: {back}", err=True)
     sys.exit(130)
 
 
@@ -1373,8 +1390,9 @@ def _trace_sweep(trace_path, time_scale, duration_s, limits, clocks, url, launch
         def note(self, text):
             pipes.echo(text, err=True)
 
-    with _sweep_exits(dry_run, clocks=bool(clocks)):
+    with _sweep_exits(dry_run, clocks=bool(clocks)) as seen:
         with Rig(simulate, gpus=gpus) as rig:
+            seen.rig = rig
             outcome = run_sweep(rig, levels_spec=limits or clocks, level_kind="power_limit" if limits else "sm_clock",
                                 url=url, launch=launch, api=api, interval_s=interval_s, out_dir=out_dir,
                                 launch_timeout_s=launch_timeout, command_line=" ".join(sys.argv), idle_s=idle_s,

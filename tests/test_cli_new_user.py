@@ -1,0 +1,39 @@
+"""What a new user meets running the README's commands and their likely mistakes: each error says what
+went wrong and the fix, exits non-zero, and claims nothing that did not happen."""
+
+from __future__ import annotations
+
+from click.testing import CliRunner
+
+from powerprof.cli import main
+from support import free_port, sim_limit_w
+
+
+def run(*args):
+    return CliRunner().invoke(main, list(args), catch_exceptions=False)
+
+
+def test_a_sweep_stopped_before_any_level_does_not_say_a_gpu_was_put_back(tmp_path):
+    # A server that is not running: the sweep stops before it sets a limit, and said "every GPU is back at its
+    # original limit", as if one had been changed.
+    out = tmp_path / "run"
+    r = run("sweep", "--limits", "180,220", "--simulate", "--server", f"http://127.0.0.1:{free_port()}",
+            "--idle-s", "0", "--out", str(out))
+    assert r.exit_code == 1, r.output
+    assert "no server answers" in r.output and "is the server running" in r.output, r.output
+    assert "every GPU is back" not in r.output, r.output
+    assert "no GPU setting was changed" in r.output, r.output
+    assert sim_limit_w() == 300.0
+    assert not out.exists()
+
+
+def test_a_sweep_into_a_run_directory_that_holds_a_run_changes_nothing_and_says_so(tmp_path):
+    out = tmp_path / "run"
+    out.mkdir()
+    (out / "windows.parquet").write_bytes(b"an earlier run")
+    r = run("sweep", "--limits", "180,220", "--simulate", "--idle-s", "0", "--out", str(out))
+    assert r.exit_code != 0, r.output
+    assert "already exists" in r.output and "--out" in r.output, r.output
+    assert "every GPU is back" not in r.output and "no GPU setting was changed" in r.output, r.output
+    assert (out / "windows.parquet").read_bytes() == b"an earlier run"
+    assert sim_limit_w() == 300.0
