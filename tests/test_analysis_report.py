@@ -827,3 +827,16 @@ def test_an_analysis_of_other_runs_or_a_users_files_are_never_replaced(tmp_path)
     r = CliRunner().invoke(main, ["analyze", str(b), "--bootstrap", "100", "--out", str(notes)])
     assert r.exit_code == 2 and "report.md" in r.output, r.output
     assert (notes / "report.md").read_text() == "my own notes" and sorted(notes.iterdir()) == [notes / "report.md"]
+
+
+def test_the_recommendation_says_the_chosen_levels_j_per_token_and_speed(seed_result):
+    # "What power limit, and how much energy per token?": the line gave the limit, its speed loss and saving against
+    # the reference, but not the J/token itself (the table's figure, a screen above).
+    run, res = seed_result
+    row = next(r for r in res.main.table.to_pylist() if r["level_value"] == 220)
+    line = " ".join(console_summary(res).split())
+    rec = line[line.index("Recommended limit: 220 W"):line.index("Other policies")]
+    assert f"{row['gpu_j_per_token']:.3f} J/token on the GPU at {row['decode_tok_s']:.1f} tok/s decode" in rec, rec
+    truth = seed_truth()
+    assert row["gpu_j_per_token"] == pytest.approx(float(truth.j_per_token([220])[0]), rel=0.03)  # the figure is the card's
+    assert f"{row['gpu_j_per_token']:.3f} J/token" in (run / "analysis" / "report.md").read_text()

@@ -341,6 +341,7 @@ def recommendation_line(result: AnalysisResult) -> str:
             + (", the reference" if c.level_value == sr.series.reference_value else "")
             + f" ({DESCRIPTIONS[c.policy]}" + (f", ≤ {c.params['max_slowdown']:.0%} slower" if c.policy == "budget" else "")
             + "): ")
+    head += _figures_text(c)
     if c.level_value == sr.series.reference_value:
         # "0.0% slower, 0.0% less energy per token than 300 W" would compare it with itself.
         line = head + _why_the_reference(sr, c, u) + "; " + _choice_range_text(sr, c, u)
@@ -352,6 +353,15 @@ def recommendation_line(result: AnalysisResult) -> str:
     if result.simulated:
         line += " (simulated)"
     return line
+
+
+def _figures_text(c) -> str:
+    """The chosen level's own figures, the answer to "how much energy per token" (the line gave only its
+    speed loss and saving, relative to the reference); '' where one is unknown."""
+    jpt, tok_s = c.gpu_j_per_token, c.decode_tok_s
+    if jpt is None or tok_s is None or not (np.isfinite(jpt) and np.isfinite(tok_s)):
+        return ""
+    return f"{jpt:.3f} J/token on the GPU at {tok_s:.1f} tok/s decode; "
 
 
 def _why_the_reference(sr: SeriesResult, c, u: str) -> str:
