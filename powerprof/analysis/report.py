@@ -432,9 +432,15 @@ def _levels_rows(sr: SeriesResult) -> tuple[list[str], list[list[str]]]:
             _f(r["sm_clock_mhz"], ".0f"),
             f"{r['n_requests']}" + (f" (+{r['n_failed']} failed)" if r["n_failed"] else ""),
             r["chosen_by"] or "",
-            r["flags"] or "",
+            "; ".join(x for x in (r["flags"], _never_chosen(r)) if x),
         ])
     return head, rows
+
+
+def _never_chosen(row: dict) -> str:
+    """'never chosen: interrupted' for a level no policy may choose: an interrupted level's row had no flag,
+    its figures in the table as if they stood ("they stay in the tables with their flags")."""
+    return f"never chosen: {row['left_out']}" if row.get("left_out") else ""
 
 
 def _choice_rows(sr: SeriesResult) -> tuple[list[str], list[list[str]]]:
@@ -646,7 +652,8 @@ def _level_rows(sr, width: int | None) -> list[str]:
         fixed.append(f"{r['level_value']:>6g} {u:<2}{'*' if r['recommended'] else ' '}{_f(r['decode_tok_s'], '7.1f'):>7}  "
                      f"{_f(r['gpu_j_per_token'], '8.3f'):>8}  {_f(r['ci_reached_pct'], '5.1f'):>5}  "
                      f"{_f(r['speed_loss_pct'], '6.1f'):>6}%  {_f(r['energy_saving_pct'], '6.1f'):>6}%  ")
-        tails.append((r["chosen_by"] or "") + ("  [" + r["flags"] + "]" if r["flags"] else ""))
+        tails.append((r["chosen_by"] or "") + ("  [" + r["flags"] + "]" if r["flags"] else "")
+                     + (f"  [{_never_chosen(r)}]" if _never_chosen(r) else ""))
     if width is None:
         return [_HEAD + "chosen by"] + [f + t for f, t in zip(fixed, tails)]
     words = [w for t in tails for w in t.replace(",", ", ").split()]
@@ -667,6 +674,8 @@ def _level_rows(sr, width: int | None) -> list[str]:
             p += "; chosen by " + r["chosen_by"].replace(",", ", ")
         if r["flags"]:
             p += "; flags: " + r["flags"].replace(",", ", ")
+        if _never_chosen(r):
+            p += "; " + _never_chosen(r)
         out += _wrap(p, width, subsequent_indent="  ")
     return out
 
