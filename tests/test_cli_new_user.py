@@ -37,3 +37,16 @@ def test_a_sweep_into_a_run_directory_that_holds_a_run_changes_nothing_and_says_
     assert "every GPU is back" not in r.output and "no GPU setting was changed" in r.output, r.output
     assert (out / "windows.parquet").read_bytes() == b"an earlier run"
     assert sim_limit_w() == 300.0
+
+
+def test_python_dash_m_powerprof_is_the_command():
+    # `python -m powerprof sweep ...` (a venv's bin/ not on PATH) said "No module named powerprof.__main__".
+    import subprocess
+    import sys
+
+    r = subprocess.run([sys.executable, "-m", "powerprof", "sweep", "--limits", "180,220", "--simulate", "--dry-run"],
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr
+    assert "Dry run: nothing will be changed" in r.stdout and "180 W, 220 W" in r.stdout, r.stdout
+    r = subprocess.run([sys.executable, "-m", "powerprof", "--help"], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0 and "python -m powerprof" in r.stdout and "sweep" in r.stdout, r.stdout + r.stderr
