@@ -22,18 +22,45 @@ EXIT_NO_DEVICE = 1  # `devices`: no usable GPU and no RAPL
 JSON_HELP = "Print one JSON object (stable keys) instead of text."
 
 
+def _not_a_number(value, whole: bool) -> str:
+    """What click said of `--max-time 30s` ("'30s' is not a valid float range."), in words with the fix."""
+    import re
+
+    what = "a whole number" if whole else "a number"
+    if re.fullmatch(r"\s*[-+]?(\d+\.?\d*|\.\d+)\s*[^\d\s.].*", str(value)):
+        return f"{value!r} is not {what}: give the number alone, without its unit (the option's help says the unit)"
+    return f"{value!r} is not {what}" + (" (e.g. 4)" if whole else " (e.g. 30 or 0.5)")
+
+
 class _FloatRange(click.FloatRange):
     """click.FloatRange that also refuses nan and inf: nan passes every range check (comparisons are
     false) and reached the commands (`trace --rate nan` wrote NaN arrival times; `monitor --duration
-    inf` was an OverflowError traceback)."""
+    inf` was an OverflowError traceback). Text that is no number is said as such (_not_a_number)."""
 
     def convert(self, value, param, ctx):
         import math
 
+        if isinstance(value, str):
+            try:
+                float(value)
+            except ValueError:
+                self.fail(_not_a_number(value, whole=False), param, ctx)
         rv = super().convert(value, param, ctx)
         if not math.isfinite(rv):
             self.fail(f"{value!r} is not a finite number", param, ctx)
         return rv
+
+
+class _IntRange(click.IntRange):
+    """click.IntRange whose refusal of text that is no whole number says so ("'2x' is not a valid integer range.")."""
+
+    def convert(self, value, param, ctx):
+        if isinstance(value, str):
+            try:
+                int(value)
+            except ValueError:
+                self.fail(_not_a_number(value, whole=True), param, ctx)
+        return super().convert(value, param, ctx)
 
 
 class _SimProfiles(click.ParamType):
@@ -396,7 +423,7 @@ def restore(simulate: str | None, restore_file: Path | None, force_default: bool
               help="Decisions dataset folder (default: <state dir>/tuner).")
 @click.option("--duration", "duration_s", type=_FloatRange(min=0, min_open=True), default=None,
               help="Stop after this many seconds (default: run until SIGTERM/SIGINT).")
-@click.option("--metrics-port", type=click.IntRange(0, 65535), default=None,
+@click.option("--metrics-port", type=_IntRange(0, 65535), default=None,
               help="Serve the tuner's own /metrics on 127.0.0.1:PORT.")
 @click.option("--resume", is_flag=True, help="Clear a kill switch persisted by SIGUSR1 and tune again.")
 @simulate_option
@@ -566,7 +593,7 @@ def tune(metrics_url, config_path, levels, reference, tpot_p95_ms, ttft_p95_ms, 
 _WORKLOAD_OPTIONS = [
     click.option("--api", default=None, type=click.Choice(API_NAMES),
                  help="Protocol the requests use (default: detected from the server)."),
-    click.option("--max-tokens", type=click.IntRange(2), default=DEFAULT_MAX_TOKENS, show_default=True,
+    click.option("--max-tokens", type=_IntRange(2), default=DEFAULT_MAX_TOKENS, show_default=True,
                  help="Tokens generated per request (ignore-EOS where the server supports it)."),
     click.option("--prompts", "prompts_file", default=None, type=click.Path(dir_okay=False),
                  help='JSONL prompt file, one {"prompt": ...} per line (default: the built-in --prompt-set).'),
@@ -624,9 +651,9 @@ def _int_list(ctx, param, value: str) -> list[int]:
 @click.option("--server", "url", metavar="URL", help="Inference server base URL, e.g. http://127.0.0.1:8080.", callback=_server_url)
 @simulate_option
 @click.option("--out", "out_dir", type=click.Path(file_okay=False), help="Output directory (default runs/<time>-measure).")
-@click.option("--requests", "n_requests", type=click.IntRange(1), default=8, show_default=True, help="Measured requests per concurrency (rounded up to whole batches of its streams).")
+@click.option("--requests", "n_requests", type=_IntRange(1), default=8, show_default=True, help="Measured requests per concurrency (rounded up to whole batches of its streams).")
 @click.option("--concurrency", default="1", callback=_int_list, show_default=True, help="Streams at once, e.g. 1,4.")
-@click.option("--warmup", type=click.IntRange(0), default=1, show_default=True, help="Warm-up requests (recorded, flagged, not counted).")
+@click.option("--warmup", type=_IntRange(0), default=1, show_default=True, help="Warm-up requests (recorded, flagged, not counted).")
 @click.option("--launch", metavar="CMD", help="Start the server with CMD, wait for /health, stop it at the end.")
 @_workload_options
 @click.option("--json", "as_json", is_flag=True, help=JSON_HELP)
@@ -881,7 +908,7 @@ def replay(trace_path, url, simulate, launch, api, time_scale, duration_s, tag_h
 
 @main.command("trace")
 @click.argument("out_path", metavar="OUT.jsonl", type=click.Path(dir_okay=False))
-@click.option("--requests", "n", type=click.IntRange(1), default=1000, show_default=True, help="Requests in the trace.")
+@click.option("--requests", "n", type=_IntRange(1), default=1000, show_default=True, help="Requests in the trace.")
 @click.option("--rate", "rate", type=_FloatRange(min=0, min_open=True), default=5.0, show_default=True, help="Requests per second on average.")
 @click.option("--arrivals", type=click.Choice(["poisson", "bursty"]), default="poisson", show_default=True,
               help="Poisson arrivals, or Poisson bursts of about 8 requests within 50 ms.")
@@ -957,7 +984,7 @@ def _formats_option(ctx, param, value):
               help="Report formats: md, html or both.")
 @click.option("--force", is_flag=True, help="Pool runs even if what they measured differs (GPU model or count, server, traffic, "
               "request settings, energy method), each difference warned about.")
-@click.option("--bootstrap", "n_boot", type=click.IntRange(100, 100_000), default=2000, show_default=True,
+@click.option("--bootstrap", "n_boot", type=_IntRange(100, 100_000), default=2000, show_default=True,
               help="Bootstrap resamples for the confidence intervals.")
 @click.option("--json", "as_json", is_flag=True, help=JSON_HELP + " The same as analysis.json.")
 def analyze(run_dirs, out_dir, max_slowdown, eta, formats, force, n_boot, as_json):
@@ -1075,22 +1102,22 @@ def _fraction_option(ctx, param, value):
               help="Context lengths to measure, e.g. 512,8k,32k: prompts of that many tokens, counted by the server's /tokenize.")
 @simulate_option
 @click.option("--gpus", callback=_parse_gpus, help="NVML indexes of the GPUs serving the model (all take the same level).")
-@click.option("--repeats", default=1, show_default=True, type=click.IntRange(1, 100), help="Passes over all levels, interleaved.")
+@click.option("--repeats", default=1, show_default=True, type=_IntRange(1, 100), help="Passes over all levels, interleaved.")
 @click.option("--order", default="desc", show_default=True, type=click.Choice(["desc", "asc", "random"]),
               help="Order of the levels in each pass: high to low, low to high, or shuffled.")
 @click.option("--target-ci", default="2%", show_default=True, callback=_fraction_option,
               help="Stop a level when the 95% CI half-width of J/token is within this share of the median (2% or 0.02).")
 @click.option("--target-paired-ci", default=None, callback=_fraction_option,
               help="Also stop a level once its energy saving vs the reference is known within this (0.5%: ±0.5 percentage point), paired by prompt.")
-@click.option("--min-requests", default=5, show_default=True, type=click.IntRange(2, 10000),
+@click.option("--min-requests", default=5, show_default=True, type=_IntRange(2, 10000),
               help="Measured requests per level before the CI target may stop it.")
-@click.option("--max-requests", default=200, show_default=True, type=click.IntRange(2, 100000),
+@click.option("--max-requests", default=200, show_default=True, type=_IntRange(2, 100000),
               help="Measured requests per level at most, rounded up to whole rounds of the prompt set (every level "
                    "measures the same prompts).")
 @click.option("--max-time", "max_time_s", default=120.0, show_default=True, type=_FloatRange(1, 86400), help="Seconds of measuring per level (after warm-up) before it stops even short of --target-ci; the round of prompts in progress still finishes.")
-@click.option("--warmup", default=2, show_default=True, type=click.IntRange(0, 100), help="Warm-up requests per level (discarded).")
+@click.option("--warmup", default=2, show_default=True, type=_IntRange(0, 100), help="Warm-up requests per level (discarded).")
 @click.option("--idle-s", default=5.0, show_default=True, type=_FloatRange(0, 3600), help="Seconds of idle baseline before the first level.")
-@click.option("--concurrency", default=1, show_default=True, type=click.IntRange(1, 1024),
+@click.option("--concurrency", default=1, show_default=True, type=_IntRange(1, 1024),
               help="Requests in flight at once (streams).")
 @click.option("--server-restart-wait", "server_restart_wait_s", default=120.0, show_default=True, type=_FloatRange(0, 86400),
               help="Seconds to wait for a --server that stops answering mid-level (restarted) to be healthy again; the level "
@@ -1412,7 +1439,7 @@ def _trace_sweep(trace_path, time_scale, duration_s, limits, clocks, url, launch
 @main.command("daemon")
 @click.option("--config", "config_path", type=click.Path(dir_okay=False), help="TOML config file.")
 @simulate_option
-@click.option("--sim-gpus", type=click.IntRange(1, 64), default=1, show_default=True, help="Simulated GPU count.")
+@click.option("--sim-gpus", type=_IntRange(1, 64), default=1, show_default=True, help="Simulated GPU count.")
 @click.option("--listen", help="Proxy address HOST:PORT (proxy.listen).")
 @click.option("--upstream", help="Inference server URL behind the proxy (proxy.upstream).")
 @click.option("--metrics-listen", help="Prometheus /metrics address (metrics.listen).")

@@ -50,3 +50,17 @@ def test_python_dash_m_powerprof_is_the_command():
     assert "Dry run: nothing will be changed" in r.stdout and "180 W, 220 W" in r.stdout, r.stdout
     r = subprocess.run([sys.executable, "-m", "powerprof", "--help"], capture_output=True, text=True, timeout=120)
     assert r.returncode == 0 and "python -m powerprof" in r.stdout and "sweep" in r.stdout, r.stdout + r.stderr
+
+
+def test_a_number_given_with_its_unit_is_refused_in_words(tmp_path):
+    # click said "'30s' is not a valid float range." (and "'2x' is not a valid integer range.").
+    out = tmp_path / "run"
+    for opt, bad, said in (("--max-time", "30s", "'30s' is not a number: give the number alone, without its unit"),
+                           ("--max-time", "abc", "'abc' is not a number (e.g. 30 or 0.5)"),
+                           ("--warmup", "2.5", "'2.5' is not a whole number"),
+                           ("--max-requests", "20req", "'20req' is not a whole number: give the number alone")):
+        r = run("sweep", "--limits", "180,220", "--simulate", "--out", str(out), opt, bad)
+        assert r.exit_code == 2, r.output
+        assert said in r.output and "valid float range" not in r.output and "valid integer range" not in r.output, r.output
+        assert not out.exists()
+    assert sim_limit_w() == 300.0
