@@ -64,3 +64,26 @@ def test_a_number_given_with_its_unit_is_refused_in_words(tmp_path):
         assert said in r.output and "valid float range" not in r.output and "valid integer range" not in r.output, r.output
         assert not out.exists()
     assert sim_limit_w() == 300.0
+
+
+def test_a_daemon_whose_address_is_taken_says_which_setting_to_change(tmp_path):
+    # The README's daemon quick start beside another daemon (or anything on 8081/9464) said only
+    # "cannot listen on 127.0.0.1:8081 for the proxy: ... address already in use".
+    import socket
+    import subprocess
+    import sys
+
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        for flags, key, flag in ((["--listen", f"127.0.0.1:{port}", "--metrics-listen", "127.0.0.1:0"], "proxy.listen", "--listen"),
+                                 (["--listen", "127.0.0.1:0", "--metrics-listen", f"127.0.0.1:{port}"], "metrics.listen",
+                                  "--metrics-listen")):
+            r = subprocess.run([sys.executable, "-m", "powerprof.cli", "daemon", "--simulate", "--data-dir", str(tmp_path / "d"),
+                                "--tag-socket", str(tmp_path / "t.sock"), *flags],
+                               capture_output=True, text=True, timeout=120)
+            assert r.returncode == 1, r.stderr
+            assert f"cannot listen on 127.0.0.1:{port}" in r.stderr and "address already in use" in r.stderr, r.stderr
+            assert f"another address: {key} in the config, or {flag} HOST:PORT" in r.stderr, r.stderr
+            assert "Traceback" not in r.stderr, r.stderr
