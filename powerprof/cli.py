@@ -1067,6 +1067,8 @@ def export(src, fmt, time_from, time_to, columns, tz, out, force):
     try:
         paths = run_export(list(src), fmt, out, time_from, time_to, cols, tz, notes=notes, force=force)
     except ExportOutExists as e:  # said as monitor --output and trace say theirs
+        if e.default:  # no --out was given: "Invalid value for --out" named an option the user never typed
+            raise click.UsageError(str(e)) from None
         raise click.BadParameter(str(e), param_hint="--out") from None
     except ExportUsageError as e:  # an option as given cannot be used: exit 2, as click's own option errors
         raise click.UsageError(str(e)) from None

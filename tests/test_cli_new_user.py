@@ -87,3 +87,23 @@ def test_a_daemon_whose_address_is_taken_says_which_setting_to_change(tmp_path):
             assert f"cannot listen on 127.0.0.1:{port}" in r.stderr and "address already in use" in r.stderr, r.stderr
             assert f"another address: {key} in the config, or {flag} HOST:PORT" in r.stderr, r.stderr
             assert "Traceback" not in r.stderr, r.stderr
+
+
+def test_export_twice_without_out_says_the_default_was_taken_and_how_to_choose(tmp_path, monkeypatch):
+    # The second `export RUN --format parquet` said "Invalid value for --out: ... choose another folder" to a
+    # user who gave no --out.
+    from synthetic_runs import make_run, seed_truth
+
+    run_dir = make_run(tmp_path / "run", seed_truth(), levels=(220, 300), n_requests=4)
+    monkeypatch.chdir(tmp_path)
+    first = run("export", str(run_dir), "--format", "parquet")
+    assert first.exit_code == 0, first.output
+    written = {p: p.read_bytes() for p in (tmp_path / "run-parquet").iterdir()}
+    again = run("export", str(run_dir), "--format", "parquet")
+    assert again.exit_code == 2, again.output
+    assert "Invalid value for --out" not in again.output, again.output
+    assert "the default output, as no --out was given" in again.output, again.output
+    assert "choose another folder with --out FOLDER, or --force" in again.output, again.output
+    assert {p: p.read_bytes() for p in (tmp_path / "run-parquet").iterdir()} == written
+    taken = run("export", str(run_dir), "--format", "parquet", "--out", str(tmp_path / "run-parquet"))
+    assert taken.exit_code == 2 and "Invalid value for --out" in taken.output, taken.output  # given: said as its own
