@@ -89,7 +89,21 @@ def simulate_option(f):
     )(f)
 
 
+# Commands a new user may guess from the docs' words, and the one that does it: click offered 'export' and 'restore'
+# for `powerprof report` (the README's "report it writes"), by spelling alone.
+_GUESSED_COMMANDS = {
+    "report": "`powerprof analyze RUN_DIR` writes the report (RUN_DIR/analysis/report.html and report.md); a sweep "
+              "writes it as it ends",
+    "analyse": "the command is spelt `powerprof analyze`",
+}
+
+
 class _Main(click.Group):
+    def resolve_command(self, ctx, args):
+        if args and args[0] in _GUESSED_COMMANDS and args[0] not in self.commands:
+            ctx.fail(f"No such command {args[0]!r}: {_GUESSED_COMMANDS[args[0]]}.")
+        return super().resolve_command(ctx, args)
+
     def invoke(self, ctx):
         try:
             return super().invoke(ctx)

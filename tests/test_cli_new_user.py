@@ -107,3 +107,12 @@ def test_export_twice_without_out_says_the_default_was_taken_and_how_to_choose(t
     assert {p: p.read_bytes() for p in (tmp_path / "run-parquet").iterdir()} == written
     taken = run("export", str(run_dir), "--format", "parquet", "--out", str(tmp_path / "run-parquet"))
     assert taken.exit_code == 2 and "Invalid value for --out" in taken.output, taken.output  # given: said as its own
+
+
+def test_a_guessed_report_command_points_at_analyze():
+    # `powerprof report RUN` (the README speaks of "the report it writes") offered 'export' and 'restore'.
+    r = run("report", "runs/x")
+    assert r.exit_code == 2, r.output
+    assert "powerprof analyze RUN_DIR" in r.output and "report.html" in r.output, r.output
+    r = run("analyse", "runs/x")
+    assert r.exit_code == 2 and "powerprof analyze" in r.output, r.output
