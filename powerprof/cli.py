@@ -51,6 +51,18 @@ class _FloatRange(click.FloatRange):
         return rv
 
 
+class _Float(_FloatRange):
+    """A float without bounds: its help shows FLOAT (an unbounded range showed "[x<=None]")."""
+
+    name = "float"
+
+    def _describe_range(self) -> str:
+        return ""
+
+    def get_metavar(self, *args, **kwargs):
+        return "FLOAT"
+
+
 class _IntRange(click.IntRange):
     """click.IntRange whose refusal of text that is no whole number says so ("'2x' is not a valid integer range.")."""
 
@@ -61,6 +73,18 @@ class _IntRange(click.IntRange):
             except ValueError:
                 self.fail(_not_a_number(value, whole=True), param, ctx)
         return super().convert(value, param, ctx)
+
+
+class _Int(_IntRange):
+    """An int without bounds: its help shows INTEGER, as click.INT's did."""
+
+    name = "integer"
+
+    def _describe_range(self) -> str:
+        return ""
+
+    def get_metavar(self, *args, **kwargs):
+        return "INTEGER"
 
 
 class _SimProfiles(click.ParamType):
@@ -428,7 +452,7 @@ def restore(simulate: str | None, restore_file: Path | None, force_default: bool
 @click.option("--config", "config_path", type=click.Path(dir_okay=False, path_type=Path), default=None,
               help="TOML file with a [tuner] section (as root: owned by root, not group/world-writable).")
 @click.option("--levels", default=None, help="Allowed levels, e.g. 180,200,220,240,260,280,300W or 60%,80%,100% (overrides the file).")
-@click.option("--reference", type=float, default=None, help="Reference level (default: the highest).")
+@click.option("--reference", type=_Float(), default=None, help="Reference level (default: the highest).")
 @click.option("--tpot-p95-ms", type=_FloatRange(min=0, min_open=True), default=None, help="SLO: TPOT p95 in ms.")
 @click.option("--ttft-p95-ms", type=_FloatRange(min=0, min_open=True), default=None, help="SLO: TTFT p95 in ms.")
 @click.option("--gpus", callback=_parse_gpus, help="NVML indexes to tune together (default: 0).")
@@ -615,7 +639,7 @@ _WORKLOAD_OPTIONS = [
                  help="Built-in prompts: short, medium, long, or mixed (some of each)."),
     click.option("--prompt-cache/--no-prompt-cache", default=False, show_default=True,
                  help="Let llama.cpp reuse cached prompt prefixes."),
-    click.option("--seed", type=int, default=42, show_default=True, help="Sampling seed sent with every request."),
+    click.option("--seed", type=_Int(), default=42, show_default=True, help="Sampling seed sent with every request."),
     click.option("--keep-text", is_flag=True, help="Store prompt and completion text in windows.parquet (default: not)."),
     click.option("--launch-timeout", type=_FloatRange(1), default=300.0, show_default=True,
                  help="Seconds to wait for the --launch'ed server's /health."),
@@ -928,7 +952,7 @@ def replay(trace_path, url, simulate, launch, api, time_scale, duration_s, tag_h
               help="Poisson arrivals, or Poisson bursts of about 8 requests within 50 ms.")
 @click.option("--prompt-median", type=_FloatRange(1), default=400.0, show_default=True, help="Median prompt tokens (lognormal).")
 @click.option("--output-median", type=_FloatRange(1), default=80.0, show_default=True, help="Median output tokens (lognormal).")
-@click.option("--seed", type=int, default=0, show_default=True, help="Random seed (the same seed gives the same trace).")
+@click.option("--seed", type=_Int(), default=0, show_default=True, help="Random seed (the same seed gives the same trace).")
 @click.option("--force", is_flag=True, help="Replace OUT.jsonl if it exists (default: refuse, it may be a real trace).")
 def trace_cmd(out_path, n, rate, arrivals, prompt_median, output_median, seed, force):
     """Write a synthetic trace (JSONL) for `replay`: Poisson or bursty arrivals, lognormal lengths."""
@@ -1460,8 +1484,8 @@ def _trace_sweep(trace_path, time_scale, duration_s, limits, clocks, url, launch
 @click.option("--upstream", help="Inference server URL behind the proxy (proxy.upstream).")
 @click.option("--metrics-listen", help="Prometheus /metrics address (metrics.listen).")
 @click.option("--data-dir", help="Dataset folder (daemon.data_dir).")
-@click.option("--interval", type=float, help="Sampling period in seconds (daemon.interval_s).")
-@click.option("--flush-interval", type=float, help="Seconds between Parquet flushes (daemon.flush_interval_s).")
+@click.option("--interval", type=_Float(), help="Sampling period in seconds (daemon.interval_s).")
+@click.option("--flush-interval", type=_Float(), help="Seconds between Parquet flushes (daemon.flush_interval_s).")
 @click.option("--tag-socket", help="Tag API Unix socket (tags.socket).")
 @click.option("--print-config", is_flag=True, help="Print the example config with every key and exit.")
 @click.option("--check", is_flag=True, help="Validate the config and exit.")

@@ -64,6 +64,13 @@ def test_a_number_given_with_its_unit_is_refused_in_words(tmp_path):
         assert said in r.output and "valid float range" not in r.output and "valid integer range" not in r.output, r.output
         assert not out.exists()
     assert sim_limit_w() == 300.0
+    for args, said in ((("daemon", "--simulate", "--interval", "1s", "--check"), "'1s' is not a number: give the number alone"),
+                       (("measure", "--simulate", "--seed", "x"), "'x' is not a whole number")):
+        r = run(*args)
+        assert r.exit_code == 2 and said in r.output and "valid float" not in r.output, r.output
+    # An option without bounds keeps its plain metavar in --help ("[x<=None]" would be click's range of nothing).
+    helptext = run("daemon", "--help").output
+    assert "--interval FLOAT " in helptext and "None" not in helptext, helptext
 
 
 def test_a_daemon_whose_address_is_taken_says_which_setting_to_change(tmp_path):
