@@ -845,3 +845,6 @@ def test_the_recommendation_says_the_chosen_levels_j_per_token_and_speed(seed_re
     truth = seed_truth()
     assert row["gpu_j_per_token"] == pytest.approx(float(truth.j_per_token([220])[0]), rel=0.03)  # the figure is the card's
     assert f"{row['gpu_j_per_token']:.3f} J/token" in (run / "analysis" / "report.md").read_text()
+    # "Other policies: min_energy 180, edp 180, ...": levels without their unit.
+    others = line[line.index("Other policies: "):].split(".")[0]
+    assert re.fullmatch(r"Other policies: (\w+ \d+ W, )*\w+ \d+ W", others), others

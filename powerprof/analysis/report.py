@@ -685,12 +685,12 @@ def _levels_summary(result: AnalysisResult, table: bool, width: int | None = Non
     rows = (_level_rows(sr, width) + [""]) if table else []
     lines = [recommendation_line(result)]
     if sr.comparable:
-        others = [f"{p} {c.level_value:g}" for p, c in sr.choices.items() if p != sr.primary]
+        others = [f"{p} {c.level_value:g} {_unit(sr)}" for p, c in sr.choices.items() if p != sr.primary]  # "edp 180" had no unit
         lines.append("Other policies: " + ", ".join(others) + ".")
     if len(result.series) > 1:
         lines.append("Other series: " + "; ".join(
-            f"{s.label}: {s.recommendation.level_value:g}" if s.starred else
-            f"{s.label}: none shown to save energy (keep {s.series.reference_value:g})" if s.comparable else
+            f"{s.label}: {s.recommendation.level_value:g} {_unit(s)}" if s.starred else
+            f"{s.label}: none shown to save energy (keep {s.series.reference_value:g} {_unit(s)})" if s.comparable else
             f"{s.label}: one level, none chosen"
             for s in result.series if s is not sr) + ".")
     for w in result.warnings:
