@@ -108,7 +108,8 @@ def test_cap_not_engaged_and_wide_ci_warnings(tmp_path):
     run = make_run(tmp_path / "run", seed_truth(), levels=(200, 240, 280, 320), n_requests=5, noise=0.08)
     res = analyze_run([run], tmp_path / "out", n_boot=300, plots=False)
     kinds = {w.kind: w for w in res.warnings}
-    assert kinds["cap-not-engaged"].levels == (320.0,) and "--clocks" in kinds["cap-not-engaged"].message
+    # The highest level alone, above levels that bound: the unlimited baseline, nothing to fix (not "--clocks").
+    assert kinds["cap-not-engaged"].levels == (320.0,) and "as if unlimited" in kinds["cap-not-engaged"].message
     assert "requests" in kinds["wide-ci"].message
     row = next(r for r in res.table.to_pylist() if r["level_value"] == 320)
     assert row["cap_not_engaged"] and "cap-not-engaged" in row["flags"]
