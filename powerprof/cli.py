@@ -122,7 +122,23 @@ _GUESSED_COMMANDS = {
 }
 
 
+class _Command(click.Command):
+    """A command whose "unexpected extra argument" says the likely cause: a list given with spaces (`--limits 180 220`,
+    `--limits 220 W`) left click's bare "Got unexpected extra argument (220)"."""
+
+    def parse_args(self, ctx, args):
+        try:
+            return super().parse_args(ctx, args)
+        except click.UsageError as e:
+            if e.message.startswith("Got unexpected extra argument"):
+                e.message += (": an option takes one value; give a list comma-separated without spaces "
+                              "(--limits 180,220,260), a unit joined to its number (220W), or quote the value")
+            raise
+
+
 class _Main(click.Group):
+    command_class = _Command
+
     def resolve_command(self, ctx, args):
         if args and args[0] in _GUESSED_COMMANDS and args[0] not in self.commands:
             ctx.fail(f"No such command {args[0]!r}: {_GUESSED_COMMANDS[args[0]]}.")

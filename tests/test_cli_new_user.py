@@ -123,3 +123,16 @@ def test_a_guessed_report_command_points_at_analyze():
     assert "powerprof analyze RUN_DIR" in r.output and "report.html" in r.output, r.output
     r = run("analyse", "runs/x")
     assert r.exit_code == 2 and "powerprof analyze" in r.output, r.output
+
+
+def test_a_list_typed_with_spaces_is_refused_with_the_cause(tmp_path):
+    # `--limits 180 220` or `--limits 220 W` said only "Got unexpected extra argument (220)".
+    out = tmp_path / "run"
+    for args in (("--limits", "180", "220"), ("--limits", "220", "W")):
+        r = run("sweep", *args, "--simulate", "--out", str(out))
+        assert r.exit_code == 2, r.output
+        assert "give a list comma-separated without spaces (--limits 180,220,260)" in r.output, r.output
+        assert not out.exists()
+    r = run("sweep", "--limits", "220 W", "--simulate", "--dry-run", "--out", str(out))  # quoted, it is one value
+    assert r.exit_code == 0 and "levels (every GPU takes each level): 220 W" in r.output, r.output
+    assert sim_limit_w() == 300.0
