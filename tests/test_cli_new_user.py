@@ -136,3 +136,16 @@ def test_a_list_typed_with_spaces_is_refused_with_the_cause(tmp_path):
     r = run("sweep", "--limits", "220 W", "--simulate", "--dry-run", "--out", str(out))  # quoted, it is one value
     assert r.exit_code == 0 and "levels (every GPU takes each level): 220 W" in r.output, r.output
     assert sim_limit_w() == 300.0
+
+
+def test_analyze_of_the_runs_folder_names_the_runs_in_it(tmp_path):
+    # `powerprof analyze runs` (the folder the sweep's default --out is in) said only "windows.parquet is missing".
+    from synthetic_runs import make_run, seed_truth
+
+    make_run(tmp_path / "runs" / "20261202T120000Z-a", seed_truth(), levels=(220, 300), n_requests=4)
+    r = run("analyze", str(tmp_path / "runs"))
+    assert r.exit_code == 1, r.output
+    flat = " ".join(r.output.split())
+    assert "is not a powerprof run directory" in flat, flat
+    assert f"give one of them ({tmp_path / 'runs' / '20261202T120000Z-a'})" in flat, flat
+    assert not (tmp_path / "runs" / "analysis").exists()
