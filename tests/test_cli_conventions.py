@@ -311,3 +311,17 @@ def test_cap_not_engaged_at_the_highest_level_alone_does_not_void_the_comparison
     rows[3] = dict(rows[3], flags=None, cap_not_engaged=False, avg_gpu_power_w=299.0)
     (f,) = [f for f in level_findings(pa.Table.from_pylist(rows, schema=LEVELS)) if f.kind == "cap-not-engaged"]
     assert "not this limit's" in f.message and "--clocks" in f.message and "Nothing to fix" not in f.message, f.message
+
+
+def test_an_uncertain_choice_gives_its_levels_with_their_unit():
+    # "ed2p: uncertain choice: 260 in 67% of bootstrap resamples, 95% of them between 220 and 260": no unit.
+    from powerprof.analysis.checks import choice_findings
+    from powerprof.analysis.sweetspot import Choice
+    import dataclasses
+
+    fields = {f.name: None for f in dataclasses.fields(Choice)}
+    c = Choice(**{**fields, "level_value": 260.0, "stability": 0.67, "ci_low": 220.0, "ci_high": 260.0})
+    (w,) = choice_findings({"ed2p": c}, "W")
+    assert "uncertain choice: 260 W in 67%" in w.message and "between 220 W and 260 W" in w.message, w.message
+    (m,) = choice_findings({"ed2p": dataclasses.replace(c, level_value=1600.0, ci_low=1200.0, ci_high=1600.0)}, "MHz")
+    assert "1600 MHz in 67%" in m.message and "between 1200 MHz and 1600 MHz" in m.message, m.message

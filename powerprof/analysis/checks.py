@@ -297,13 +297,14 @@ def saving_findings(choices: dict[str, Choice], table: pa.Table, reference_value
         (c.level_value,))]
 
 
-def choice_findings(choices: dict[str, Choice]) -> list[Finding]:
+def choice_findings(choices: dict[str, Choice], unit: str = "W") -> list[Finding]:
     out = []
     for p, c in choices.items():
         if c.stability < UNSTABLE_SHARE:
-            out.append(Finding("unstable-choice", (
-                f"{p}: uncertain choice: {c.level_value:g} in {c.stability:.0%} of bootstrap resamples, "
-                f"95% of them between {c.ci_low:g} and {c.ci_high:g}; more requests per level would settle it."),
+            out.append(Finding("unstable-choice", (  # "260 in 67% ..., between 220 and 260" had no unit
+                f"{p}: uncertain choice: {_fmt(c.level_value, unit)} in {c.stability:.0%} of bootstrap resamples, "
+                f"95% of them between {_fmt(c.ci_low, unit)} and {_fmt(c.ci_high, unit)}; more requests per level "
+                "would settle it."),
                 (c.ci_low, c.ci_high)))
     return out
 
