@@ -22,18 +22,69 @@ EXIT_NO_DEVICE = 1  # `devices`: no usable GPU and no RAPL
 JSON_HELP = "Print one JSON object (stable keys) instead of text."
 
 
+def _not_a_number(value, whole: bool) -> str:
+    """What click said of `--max-time 30s` ("'30s' is not a valid float range."), in words with the fix."""
+    import re
+
+    what = "a whole number" if whole else "a number"
+    if re.fullmatch(r"\s*[-+]?(\d+\.?\d*|\.\d+)\s*[^\d\s.].*", str(value)):
+        return f"{value!r} is not {what}: give the number alone, without its unit (the option's help says the unit)"
+    return f"{value!r} is not {what}" + (" (e.g. 4)" if whole else " (e.g. 30 or 0.5)")
+
+
 class _FloatRange(click.FloatRange):
     """click.FloatRange that also refuses nan and inf: nan passes every range check (comparisons are
     false) and reached the commands (`trace --rate nan` wrote NaN arrival times; `monitor --duration
-    inf` was an OverflowError traceback)."""
+    inf` was an OverflowError traceback). Text that is no number is said as such (_not_a_number)."""
 
     def convert(self, value, param, ctx):
         import math
 
+        if isinstance(value, str):
+            try:
+                float(value)
+            except ValueError:
+                self.fail(_not_a_number(value, whole=False), param, ctx)
         rv = super().convert(value, param, ctx)
         if not math.isfinite(rv):
             self.fail(f"{value!r} is not a finite number", param, ctx)
         return rv
+
+
+class _Float(_FloatRange):
+    """A float without bounds: its help shows FLOAT (an unbounded range showed "[x<=None]")."""
+
+    name = "float"
+
+    def _describe_range(self) -> str:
+        return ""
+
+    def get_metavar(self, *args, **kwargs):
+        return "FLOAT"
+
+
+class _IntRange(click.IntRange):
+    """click.IntRange whose refusal of text that is no whole number says so ("'2x' is not a valid integer range.")."""
+
+    def convert(self, value, param, ctx):
+        if isinstance(value, str):
+            try:
+                int(value)
+            except ValueError:
+                self.fail(_not_a_number(value, whole=True), param, ctx)
+        return super().convert(value, param, ctx)
+
+
+class _Int(_IntRange):
+    """An int without bounds: its help shows INTEGER, as click.INT's did."""
+
+    name = "integer"
+
+    def _describe_range(self) -> str:
+        return ""
+
+    def get_metavar(self, *args, **kwargs):
+        return "INTEGER"
 
 
 class _SimProfiles(click.ParamType):
@@ -62,7 +113,37 @@ def simulate_option(f):
     )(f)
 
 
+# Commands a new user may guess from the docs' words, and the one that does it: click offered 'export' and 'restore'
+# for `powerprof report` (the README's "report it writes"), by spelling alone.
+_GUESSED_COMMANDS = {
+    "report": "`powerprof analyze RUN_DIR` writes the report (RUN_DIR/analysis/report.html and report.md); a sweep "
+              "writes it as it ends",
+    "analyse": "the command is spelt `powerprof analyze`",
+}
+
+
+class _Command(click.Command):
+    """A command whose "unexpected extra argument" says the likely cause: a list given with spaces (`--limits 180 220`,
+    `--limits 220 W`) left click's bare "Got unexpected extra argument (220)"."""
+
+    def parse_args(self, ctx, args):
+        try:
+            return super().parse_args(ctx, args)
+        except click.UsageError as e:
+            if e.message.startswith("Got unexpected extra argument"):
+                e.message += (": an option takes one value; give a list comma-separated without spaces "
+                              "(--limits 180,220,260), a unit joined to its number (220W), or quote the value")
+            raise
+
+
 class _Main(click.Group):
+    command_class = _Command
+
+    def resolve_command(self, ctx, args):
+        if args and args[0] in _GUESSED_COMMANDS and args[0] not in self.commands:
+            ctx.fail(f"No such command {args[0]!r}: {_GUESSED_COMMANDS[args[0]]}.")
+        return super().resolve_command(ctx, args)
+
     def invoke(self, ctx):
         try:
             return super().invoke(ctx)
@@ -387,7 +468,7 @@ def restore(simulate: str | None, restore_file: Path | None, force_default: bool
 @click.option("--config", "config_path", type=click.Path(dir_okay=False, path_type=Path), default=None,
               help="TOML file with a [tuner] section (as root: owned by root, not group/world-writable).")
 @click.option("--levels", default=None, help="Allowed levels, e.g. 180,200,220,240,260,280,300W or 60%,80%,100% (overrides the file).")
-@click.option("--reference", type=float, default=None, help="Reference level (default: the highest).")
+@click.option("--reference", type=_Float(), default=None, help="Reference level (default: the highest).")
 @click.option("--tpot-p95-ms", type=_FloatRange(min=0, min_open=True), default=None, help="SLO: TPOT p95 in ms.")
 @click.option("--ttft-p95-ms", type=_FloatRange(min=0, min_open=True), default=None, help="SLO: TTFT p95 in ms.")
 @click.option("--gpus", callback=_parse_gpus, help="NVML indexes to tune together (default: 0).")
@@ -396,7 +477,7 @@ def restore(simulate: str | None, restore_file: Path | None, force_default: bool
               help="Decisions dataset folder (default: <state dir>/tuner).")
 @click.option("--duration", "duration_s", type=_FloatRange(min=0, min_open=True), default=None,
               help="Stop after this many seconds (default: run until SIGTERM/SIGINT).")
-@click.option("--metrics-port", type=click.IntRange(0, 65535), default=None,
+@click.option("--metrics-port", type=_IntRange(0, 65535), default=None,
               help="Serve the tuner's own /metrics on 127.0.0.1:PORT.")
 @click.option("--resume", is_flag=True, help="Clear a kill switch persisted by SIGUSR1 and tune again.")
 @simulate_option
@@ -566,7 +647,7 @@ def tune(metrics_url, config_path, levels, reference, tpot_p95_ms, ttft_p95_ms, 
 _WORKLOAD_OPTIONS = [
     click.option("--api", default=None, type=click.Choice(API_NAMES),
                  help="Protocol the requests use (default: detected from the server)."),
-    click.option("--max-tokens", type=click.IntRange(2), default=DEFAULT_MAX_TOKENS, show_default=True,
+    click.option("--max-tokens", type=_IntRange(2), default=DEFAULT_MAX_TOKENS, show_default=True,
                  help="Tokens generated per request (ignore-EOS where the server supports it)."),
     click.option("--prompts", "prompts_file", default=None, type=click.Path(dir_okay=False),
                  help='JSONL prompt file, one {"prompt": ...} per line (default: the built-in --prompt-set).'),
@@ -574,7 +655,7 @@ _WORKLOAD_OPTIONS = [
                  help="Built-in prompts: short, medium, long, or mixed (some of each)."),
     click.option("--prompt-cache/--no-prompt-cache", default=False, show_default=True,
                  help="Let llama.cpp reuse cached prompt prefixes."),
-    click.option("--seed", type=int, default=42, show_default=True, help="Sampling seed sent with every request."),
+    click.option("--seed", type=_Int(), default=42, show_default=True, help="Sampling seed sent with every request."),
     click.option("--keep-text", is_flag=True, help="Store prompt and completion text in windows.parquet (default: not)."),
     click.option("--launch-timeout", type=_FloatRange(1), default=300.0, show_default=True,
                  help="Seconds to wait for the --launch'ed server's /health."),
@@ -624,9 +705,9 @@ def _int_list(ctx, param, value: str) -> list[int]:
 @click.option("--server", "url", metavar="URL", help="Inference server base URL, e.g. http://127.0.0.1:8080.", callback=_server_url)
 @simulate_option
 @click.option("--out", "out_dir", type=click.Path(file_okay=False), help="Output directory (default runs/<time>-measure).")
-@click.option("--requests", "n_requests", type=click.IntRange(1), default=8, show_default=True, help="Measured requests per concurrency (rounded up to whole batches of its streams).")
+@click.option("--requests", "n_requests", type=_IntRange(1), default=8, show_default=True, help="Measured requests per concurrency (rounded up to whole batches of its streams).")
 @click.option("--concurrency", default="1", callback=_int_list, show_default=True, help="Streams at once, e.g. 1,4.")
-@click.option("--warmup", type=click.IntRange(0), default=1, show_default=True, help="Warm-up requests (recorded, flagged, not counted).")
+@click.option("--warmup", type=_IntRange(0), default=1, show_default=True, help="Warm-up requests (recorded, flagged, not counted).")
 @click.option("--launch", metavar="CMD", help="Start the server with CMD, wait for /health, stop it at the end.")
 @_workload_options
 @click.option("--json", "as_json", is_flag=True, help=JSON_HELP)
@@ -885,13 +966,13 @@ def replay(trace_path, url, simulate, launch, api, time_scale, duration_s, tag_h
 
 @main.command("trace")
 @click.argument("out_path", metavar="OUT.jsonl", type=click.Path(dir_okay=False))
-@click.option("--requests", "n", type=click.IntRange(1), default=1000, show_default=True, help="Requests in the trace.")
+@click.option("--requests", "n", type=_IntRange(1), default=1000, show_default=True, help="Requests in the trace.")
 @click.option("--rate", "rate", type=_FloatRange(min=0, min_open=True), default=5.0, show_default=True, help="Requests per second on average.")
 @click.option("--arrivals", type=click.Choice(["poisson", "bursty"]), default="poisson", show_default=True,
               help="Poisson arrivals, or Poisson bursts of about 8 requests within 50 ms.")
 @click.option("--prompt-median", type=_FloatRange(1), default=400.0, show_default=True, help="Median prompt tokens (lognormal).")
 @click.option("--output-median", type=_FloatRange(1), default=80.0, show_default=True, help="Median output tokens (lognormal).")
-@click.option("--seed", type=int, default=0, show_default=True, help="Random seed (the same seed gives the same trace).")
+@click.option("--seed", type=_Int(), default=0, show_default=True, help="Random seed (the same seed gives the same trace).")
 @click.option("--force", is_flag=True, help="Replace OUT.jsonl if it exists (default: refuse, it may be a real trace).")
 def trace_cmd(out_path, n, rate, arrivals, prompt_median, output_median, seed, force):
     """Write a synthetic trace (JSONL) for `replay`: Poisson or bursty arrivals, lognormal lengths."""
@@ -961,7 +1042,7 @@ def _formats_option(ctx, param, value):
               help="Report formats: md, html or both.")
 @click.option("--force", is_flag=True, help="Pool runs even if what they measured differs (GPU model or count, server, traffic, "
               "request settings, energy method), each difference warned about.")
-@click.option("--bootstrap", "n_boot", type=click.IntRange(100, 100_000), default=2000, show_default=True,
+@click.option("--bootstrap", "n_boot", type=_IntRange(100, 100_000), default=2000, show_default=True,
               help="Bootstrap resamples for the confidence intervals.")
 @click.option("--json", "as_json", is_flag=True, help=JSON_HELP + " The same as analysis.json.")
 def analyze(run_dirs, out_dir, max_slowdown, eta, formats, force, n_boot, as_json):
@@ -1044,6 +1125,8 @@ def export(src, fmt, time_from, time_to, columns, tz, out, force):
     try:
         paths = run_export(list(src), fmt, out, time_from, time_to, cols, tz, notes=notes, force=force)
     except ExportOutExists as e:  # said as monitor --output and trace say theirs
+        if e.default:  # no --out was given: "Invalid value for --out" named an option the user never typed
+            raise click.UsageError(str(e)) from None
         raise click.BadParameter(str(e), param_hint="--out") from None
     except ExportUsageError as e:  # an option as given cannot be used: exit 2, as click's own option errors
         raise click.UsageError(str(e)) from None
@@ -1079,22 +1162,22 @@ def _fraction_option(ctx, param, value):
               help="Context lengths to measure, e.g. 512,8k,32k: prompts of that many tokens, counted by the server's /tokenize.")
 @simulate_option
 @click.option("--gpus", callback=_parse_gpus, help="NVML indexes of the GPUs serving the model (all take the same level).")
-@click.option("--repeats", default=1, show_default=True, type=click.IntRange(1, 100), help="Passes over all levels, interleaved.")
+@click.option("--repeats", default=1, show_default=True, type=_IntRange(1, 100), help="Passes over all levels, interleaved.")
 @click.option("--order", default="desc", show_default=True, type=click.Choice(["desc", "asc", "random"]),
               help="Order of the levels in each pass: high to low, low to high, or shuffled.")
 @click.option("--target-ci", default="2%", show_default=True, callback=_fraction_option,
               help="Stop a level when the 95% CI half-width of J/token is within this share of the median (2% or 0.02).")
 @click.option("--target-paired-ci", default=None, callback=_fraction_option,
               help="Also stop a level once its energy saving vs the reference is known within this (0.5%: ±0.5 percentage point), paired by prompt.")
-@click.option("--min-requests", default=5, show_default=True, type=click.IntRange(2, 10000),
+@click.option("--min-requests", default=5, show_default=True, type=_IntRange(2, 10000),
               help="Measured requests per level before the CI target may stop it.")
-@click.option("--max-requests", default=200, show_default=True, type=click.IntRange(2, 100000),
+@click.option("--max-requests", default=200, show_default=True, type=_IntRange(2, 100000),
               help="Measured requests per level at most, rounded up to whole rounds of the prompt set (every level "
                    "measures the same prompts).")
 @click.option("--max-time", "max_time_s", default=120.0, show_default=True, type=_FloatRange(1, 86400), help="Seconds of measuring per level (after warm-up) before it stops even short of --target-ci; the round of prompts in progress still finishes.")
-@click.option("--warmup", default=2, show_default=True, type=click.IntRange(0, 100), help="Warm-up requests per level (discarded).")
+@click.option("--warmup", default=2, show_default=True, type=_IntRange(0, 100), help="Warm-up requests per level (discarded).")
 @click.option("--idle-s", default=5.0, show_default=True, type=_FloatRange(0, 3600), help="Seconds of idle baseline before the first level.")
-@click.option("--concurrency", default=1, show_default=True, type=click.IntRange(1, 1024),
+@click.option("--concurrency", default=1, show_default=True, type=_IntRange(1, 1024),
               help="Requests in flight at once (streams).")
 @click.option("--server-restart-wait", "server_restart_wait_s", default=120.0, show_default=True, type=_FloatRange(0, 86400),
               help="Seconds to wait for a --server that stops answering mid-level (restarted) to be healthy again; the level "
@@ -1171,8 +1254,9 @@ def sweep(limits, clocks, url, launch, vary, context_tokens, simulate, gpus, rep
     if not err.is_terminal and not os.environ.get("COLUMNS"):
         err = QuietPipeConsole(stderr=True, width=120)  # as result_console: 80 cut a finished line's time to "0:0…"
     ui = RichSweepUI(err, bar_rule)
-    with _sweep_exits(dry_run, clocks=bool(clocks)):
+    with _sweep_exits(dry_run, clocks=bool(clocks)) as seen:
         with ui, Rig(simulate, gpus=gpus) as rig:
+            seen.rig = rig
             kind = "power_limit" if limits else "sm_clock" if clocks else "none"
             common = dict(levels_spec=limits or clocks or "", level_kind=kind, url=url)
             if grid is not None:
@@ -1289,7 +1373,10 @@ def _stopped_how(e: BaseException) -> str:
 
 @contextlib.contextmanager
 def _sweep_exits(dry_run: bool = False, clocks: bool = False):
-    """A sweep's exits: bad input 2, a failure 1 with its message, Ctrl-C 130 (the GPUs are back by then)."""
+    """A sweep's exits: bad input 2, a failure 1 with its message, Ctrl-C 130, SIGTERM/SIGHUP 128 + signal (the GPUs
+    are back by then). Yields a namespace whose `rig` the sweep sets: what was changed is said from it."""
+    from types import SimpleNamespace
+
     from powerprof import termination
     from powerprof.control.errors import ControlError
     from powerprof.control.levels import LevelError
@@ -1297,9 +1384,13 @@ def _sweep_exits(dry_run: bool = False, clocks: bool = False):
     from powerprof.workload.client import ServerUnreachable
     from powerprof.workload.launcher import LaunchError
 
-    back = _back_line(clocks)
+    seen = SimpleNamespace(rig=None)
+
+    def back() -> str:
+        return _back_line(clocks, changed=seen.rig is not None and seen.rig.changed_gpus)
+
     try:
-        yield
+        yield seen
     except (LevelError, ValueError) as e:
         if type(e).__module__.startswith("pyarrow"):  # ArrowInvalid is a ValueError, but not the user's mistake
             raise click.ClickException(f"writing the run failed: {e}") from None
@@ -1307,25 +1398,34 @@ def _sweep_exits(dry_run: bool = False, clocks: bool = False):
     except (SweepError, ServerUnreachable, LaunchError) as e:
         # These reach here after the controller put every GPU back (a failed restore raises a ControlError in their
         # place); a stopped sweep said nothing of the GPU, and the user was left to wonder whether it was capped.
-        raise click.ClickException(str(e) if dry_run else f"{e}\n{back}") from None
+        raise click.ClickException(str(e) if dry_run else f"{e}\n{back()}") from None
     except (ControlError, OSError) as e:
         raise click.ClickException(str(e)) from None
     except KeyboardInterrupt:
-        _sweep_interrupted(clocks)
+        _sweep_interrupted(back())
+    except termination.Terminated as e:
+        # SIGTERM/SIGHUP (kill, `timeout`, a closed terminal) said where the levels went, but not what Ctrl-C says
+        # of the GPU.
+        click.echo(f"{_stopped_how(e)}: {back()}", err=True)
+        raise
     except Exception as e:
         # Ctrl-C while DuckDB computes the levels' sensor figures comes back as a DuckDB error: a traceback.
         if not isinstance(termination.exit_inside(e), KeyboardInterrupt):
             raise
-        _sweep_interrupted(clocks)
+        _sweep_interrupted(back())
 
 
-def _back_line(clocks: bool) -> str:
+def _back_line(clocks: bool, changed: bool = True) -> str:
+    if not changed:
+        # Said after a sweep that stopped before its first level (no server, no GPU, an --out taken): "every GPU is
+        # back at its original limit" there read as if one had been changed.
+        return "no GPU setting was changed"
     return "every GPU is back at its original limit" + (", its clock lock released" if clocks else "")
 
 
-def _sweep_interrupted(clocks: bool = False):
+def _sweep_interrupted(back: str):
     # Where the finished levels are kept was said as the sweep stopped (a run may stop before it has a directory).
-    click.echo(f"interrupted: {_back_line(clocks)}", err=True)
+    click.echo(f"interrupted: {back}", err=True)
     sys.exit(130)
 
 
@@ -1377,8 +1477,9 @@ def _trace_sweep(trace_path, time_scale, duration_s, limits, clocks, url, launch
         def note(self, text):
             pipes.echo(text, err=True)
 
-    with _sweep_exits(dry_run, clocks=bool(clocks)):
+    with _sweep_exits(dry_run, clocks=bool(clocks)) as seen:
         with Rig(simulate, gpus=gpus) as rig:
+            seen.rig = rig
             outcome = run_sweep(rig, levels_spec=limits or clocks, level_kind="power_limit" if limits else "sm_clock",
                                 url=url, launch=launch, api=api, interval_s=interval_s, out_dir=out_dir,
                                 launch_timeout_s=launch_timeout, command_line=" ".join(sys.argv), idle_s=idle_s,
@@ -1398,13 +1499,13 @@ def _trace_sweep(trace_path, time_scale, duration_s, limits, clocks, url, launch
 @main.command("daemon")
 @click.option("--config", "config_path", type=click.Path(dir_okay=False), help="TOML config file.")
 @simulate_option
-@click.option("--sim-gpus", type=click.IntRange(1, 64), default=1, show_default=True, help="Simulated GPU count.")
+@click.option("--sim-gpus", type=_IntRange(1, 64), default=1, show_default=True, help="Simulated GPU count.")
 @click.option("--listen", help="Proxy address HOST:PORT (proxy.listen).")
 @click.option("--upstream", help="Inference server URL behind the proxy (proxy.upstream).")
 @click.option("--metrics-listen", help="Prometheus /metrics address (metrics.listen).")
 @click.option("--data-dir", help="Dataset folder (daemon.data_dir).")
-@click.option("--interval", type=float, help="Sampling period in seconds (daemon.interval_s).")
-@click.option("--flush-interval", type=float, help="Seconds between Parquet flushes (daemon.flush_interval_s).")
+@click.option("--interval", type=_Float(), help="Sampling period in seconds (daemon.interval_s).")
+@click.option("--flush-interval", type=_Float(), help="Seconds between Parquet flushes (daemon.flush_interval_s).")
 @click.option("--tag-socket", help="Tag API Unix socket (tags.socket).")
 @click.option("--print-config", is_flag=True, help="Print the example config with every key and exit.")
 @click.option("--check", is_flag=True, help="Validate the config and exit.")

@@ -57,6 +57,7 @@ class Rig:
         self._bystanders: list = []  # simulated others on the GPU or server (sim_bystander_*), stopped by close()
         self._sim_server_used = False
         self._real_server_used = False
+        self._controllers: list = []  # every LimitController handed out: whether any changed a GPU (changed_gpus)
         self._launch_notes: list[str] = []  # what launching a server did besides (a server left by a killed powerprof stopped)
         ints = [g for g in gpus or () if isinstance(g, int)]
         self._sim_gpu_count = max(ints) + 1 if ints else (sim_gpu_count or 1)
@@ -271,7 +272,14 @@ class Rig:
     def controller(self, indexes, **kw):
         from powerprof.control.controller import LimitController
 
-        return LimitController(self.nvml, indexes, origin=self.origin, **kw)
+        ctl = LimitController(self.nvml, indexes, origin=self.origin, **kw)
+        self._controllers.append(ctl)
+        return ctl
+
+    @property
+    def changed_gpus(self) -> bool:
+        """Whether a controller of this rig ever changed a GPU's limit or clocks (all put back since, or said)."""
+        return any(c.changed for c in self._controllers)
 
     def plan(self, indexes, power_levels=None, clock_levels=None):
         from powerprof.control.plan import make_plan

@@ -108,7 +108,8 @@ def test_cap_not_engaged_and_wide_ci_warnings(tmp_path):
     run = make_run(tmp_path / "run", seed_truth(), levels=(200, 240, 280, 320), n_requests=5, noise=0.08)
     res = analyze_run([run], tmp_path / "out", n_boot=300, plots=False)
     kinds = {w.kind: w for w in res.warnings}
-    assert kinds["cap-not-engaged"].levels == (320.0,) and "--clocks" in kinds["cap-not-engaged"].message
+    # The highest level alone, above levels that bound: the unlimited baseline, nothing to fix (not "--clocks").
+    assert kinds["cap-not-engaged"].levels == (320.0,) and "as if unlimited" in kinds["cap-not-engaged"].message
     assert "requests" in kinds["wide-ci"].message
     row = next(r for r in res.table.to_pylist() if r["level_value"] == 320)
     assert row["cap_not_engaged"] and "cap-not-engaged" in row["flags"]
@@ -517,6 +518,11 @@ def test_an_interrupted_level_is_never_recommended(tmp_path):
     res = analyze_run([run], tmp_path / "a", n_boot=200, plots=False)
     assert res.recommendation.level_value == 260 and all(c.level_value != 220 for c in res.main.choices.values())
     assert "220 W (interrupted)" in console_summary(res)
+    # Its row in the tables carried no mark (interrupted is no level flag): its part-round figures read as if they stood.
+    (row,) = [x for x in console_summary(res, width=120).splitlines() if x.lstrip().startswith("220 W")]
+    assert "[never chosen: interrupted]" in row, row
+    (md_row,) = [x for x in (tmp_path / "a" / "report.md").read_text().splitlines() if x.startswith("| 220 |")]
+    assert md_row.rstrip(" |").endswith("never chosen: interrupted"), md_row
 
 
 def test_a_level_interrupted_at_one_concurrency_is_left_out_of_that_series_only(tmp_path):
@@ -827,3 +833,19 @@ def test_an_analysis_of_other_runs_or_a_users_files_are_never_replaced(tmp_path)
     r = CliRunner().invoke(main, ["analyze", str(b), "--bootstrap", "100", "--out", str(notes)])
     assert r.exit_code == 2 and "report.md" in r.output, r.output
     assert (notes / "report.md").read_text() == "my own notes" and sorted(notes.iterdir()) == [notes / "report.md"]
+
+
+def test_the_recommendation_says_the_chosen_levels_j_per_token_and_speed(seed_result):
+    # "What power limit, and how much energy per token?": the line gave the limit, its speed loss and saving against
+    # the reference, but not the J/token itself (the table's figure, a screen above).
+    run, res = seed_result
+    row = next(r for r in res.main.table.to_pylist() if r["level_value"] == 220)
+    line = " ".join(console_summary(res).split())
+    rec = line[line.index("Recommended limit: 220 W"):line.index("Other policies")]
+    assert f"{row['gpu_j_per_token']:.3f} J/token on the GPU at {row['decode_tok_s']:.1f} tok/s decode" in rec, rec
+    truth = seed_truth()
+    assert row["gpu_j_per_token"] == pytest.approx(float(truth.j_per_token([220])[0]), rel=0.03)  # the figure is the card's
+    assert f"{row['gpu_j_per_token']:.3f} J/token" in (run / "analysis" / "report.md").read_text()
+    # "Other policies: min_energy 180, edp 180, ...": levels without their unit.
+    others = line[line.index("Other policies: "):].split(".")[0]
+    assert re.fullmatch(r"Other policies: (\w+ \d+ W, )*\w+ \d+ W", others), others

@@ -24,6 +24,7 @@ LAYERS = [
     {"rig"},  # the one door
     {"cli"},
     {"entry"},  # the console command's first code: `tune`'s early SIGUSR1, then the CLI
+    {"__main__"},  # `python -m powerprof`: the same command, through entry
 ]
 RANK = {area: i for i, areas in enumerate(LAYERS) for area in areas}
 DOOR = {"powerprof.rig", "powerprof.cli"}

@@ -295,3 +295,33 @@ def test_an_existing_output_file_is_kept_unless_forced(tmp_path, path):
     r = run(*args, "--force")
     assert r.exit_code == 0, r.output
     assert mine.read_bytes() != b"the user's own"
+
+
+def test_cap_not_engaged_at_the_highest_level_alone_does_not_void_the_comparison():
+    # The README's seed sweep: 300 W drew 275 W, 180-260 W all bound. The finding read "what differs between these
+    # levels ... is not the limit's effect. Lower the limits", though every lower level's difference was the limit's.
+    rows = [{"level_kind": "power_limit", "level_value": v, "n_requests": 5, "flags": "cap-not-engaged" if ne else None,
+             "cap_not_engaged": ne, "avg_gpu_power_w": p}
+            for v, p, ne in ((180.0, 179.5, False), (220.0, 218.0, False), (260.0, 258.2, False), (300.0, 274.9, True))]
+    (f,) = [f for f in level_findings(pa.Table.from_pylist(rows, schema=LEVELS)) if f.kind == "cap-not-engaged"]
+    assert "these levels" not in f.message and "not the limit's effect" not in f.message, f.message
+    assert "as if unlimited" in f.message and "Nothing to fix" in f.message and f.levels == (300.0,), f.message
+    # A middle level that never bound stays a problem with its fix.
+    rows[2] = dict(rows[2], flags="cap-not-engaged", cap_not_engaged=True)
+    rows[3] = dict(rows[3], flags=None, cap_not_engaged=False, avg_gpu_power_w=299.0)
+    (f,) = [f for f in level_findings(pa.Table.from_pylist(rows, schema=LEVELS)) if f.kind == "cap-not-engaged"]
+    assert "not this limit's" in f.message and "--clocks" in f.message and "Nothing to fix" not in f.message, f.message
+
+
+def test_an_uncertain_choice_gives_its_levels_with_their_unit():
+    # "ed2p: uncertain choice: 260 in 67% of bootstrap resamples, 95% of them between 220 and 260": no unit.
+    from powerprof.analysis.checks import choice_findings
+    from powerprof.analysis.sweetspot import Choice
+    import dataclasses
+
+    fields = {f.name: None for f in dataclasses.fields(Choice)}
+    c = Choice(**{**fields, "level_value": 260.0, "stability": 0.67, "ci_low": 220.0, "ci_high": 260.0})
+    (w,) = choice_findings({"ed2p": c}, "W")
+    assert "uncertain choice: 260 W in 67%" in w.message and "between 220 W and 260 W" in w.message, w.message
+    (m,) = choice_findings({"ed2p": dataclasses.replace(c, level_value=1600.0, ci_low=1200.0, ci_high=1600.0)}, "MHz")
+    assert "1600 MHz in 67%" in m.message and "between 1200 MHz and 1600 MHz" in m.message, m.message

@@ -133,6 +133,8 @@ def test_signals_mid_sweep_restore_the_limit_and_keep_finished_levels(tmp_path, 
     done = len(json.loads((out / "run.json").read_text())["levels_done"])
     flat = "".join(err.split())  # the console wraps a long path
     assert "".join(f"stopped: {done} finished level{'s' if done > 1 else ''} kept in {out}".split()) in flat, err
+    # Ctrl-C said the GPU was back; SIGTERM, SIGHUP and SIGUSR1 said nothing of it.
+    assert "every GPU is back at its original limit" in err, err
 
 
 def test_clock_sweep_where_the_power_cap_never_binds(tmp_path):

@@ -227,7 +227,7 @@ def analyze(
         first.extend(Finding(f.kind, prefix + f.message, f.levels)
                      for f in flagged_reference_findings(s, table, in_series) if s.level_values.size > 1)
         for f in (reference_findings(s, reference) + level_findings(table, **sweep)
-                  + edge_findings(s, choices, card, not_engaged) + choice_findings(choices)
+                  + edge_findings(s, choices, card, not_engaged) + choice_findings(choices, "MHz" if s.level_kind == "sm_clock" else "W")
                   + (saving_findings(choices, table, s.reference_value, "MHz" if s.level_kind == "sm_clock" else "W",
                                      primary) if s.level_values.size > 1 else [])
                   + fit_findings(fits)):

@@ -104,12 +104,22 @@ def level_findings(levels: pa.Table, target_ci_pct: float | None = None, max_tim
         power = ", ".join(f"{r['level_value']:g} W: {r['cap_not_engaged_gpus']}" if r.get("cap_not_engaged_gpus")
                           else f"{r['level_value']:g} W: {r['avg_gpu_power_w']:.0f} W" for r in ne
                           if r.get("cap_not_engaged_gpus") or r.get("avg_gpu_power_w") is not None)
-        out.append(Finding("cap-not-engaged", (
-            f"cap not engaged at {', '.join(_fmt(v, unit) for v in vals)}: the GPU drew less than the limit "
-            f"({power}) and never reported a power-cap clock event, so the limit did not hold the GPU back there: "
-            + ("what differs between these levels (run-to-run variation, temperature, boost clocks) is not the "
-               "limit's effect" if len(rows) > 1 else "its figures are the GPU's own, not this limit's")
-            + ". Lower the limits, or lock the SM clock instead (powerprof sweep --clocks)."), vals))
+        bound = [r for r in rows if not r.get("cap_not_engaged") and r.get("avg_gpu_power_w") is not None]
+        # Only the highest level, above levels that bound: the card ran there as if unlimited, which is what the
+        # others are compared with. "What differs between these levels is not the limit's effect" read as if the
+        # whole comparison were void (the README's seed sweep: 300 W at 275 W, 180-260 W all bound).
+        top_only = len(ne) == 1 and bound and ne[0]["level_value"] > max(r["level_value"] for r in bound)
+        head = (f"cap not engaged at {', '.join(_fmt(v, unit) for v in vals)}: the GPU drew less than the limit "
+                f"({power}) and never reported a power-cap clock event, so the limit did not hold the GPU back there: ")
+        if top_only:
+            msg = head + ("it ran as if unlimited, so its figures are the card's own, the baseline the lower levels "
+                          "(where the limit bound) are compared with. Nothing to fix; a level between the highest that "
+                          "bound and this one would show where the limit starts to bind.")
+        else:
+            msg = head + ("what differs between these levels (run-to-run variation, temperature, boost clocks) is not "
+                          "the limit's effect" if len(ne) > 1 else "its figures are the GPU's own, not this limit's") + (
+                ". Lower the limits, or lock the SM clock instead (powerprof sweep --clocks).")
+        out.append(Finding("cap-not-engaged", msg, vals))
     part = [r for r in rows if r.get("cap_not_engaged_gpus") and not r.get("cap_not_engaged")]
     if part:
         vals = tuple(r["level_value"] for r in part)
@@ -287,13 +297,14 @@ def saving_findings(choices: dict[str, Choice], table: pa.Table, reference_value
         (c.level_value,))]
 
 
-def choice_findings(choices: dict[str, Choice]) -> list[Finding]:
+def choice_findings(choices: dict[str, Choice], unit: str = "W") -> list[Finding]:
     out = []
     for p, c in choices.items():
         if c.stability < UNSTABLE_SHARE:
-            out.append(Finding("unstable-choice", (
-                f"{p}: uncertain choice: {c.level_value:g} in {c.stability:.0%} of bootstrap resamples, "
-                f"95% of them between {c.ci_low:g} and {c.ci_high:g}; more requests per level would settle it."),
+            out.append(Finding("unstable-choice", (  # "260 in 67% ..., between 220 and 260" had no unit
+                f"{p}: uncertain choice: {_fmt(c.level_value, unit)} in {c.stability:.0%} of bootstrap resamples, "
+                f"95% of them between {_fmt(c.ci_low, unit)} and {_fmt(c.ci_high, unit)}; more requests per level "
+                "would settle it."),
                 (c.ci_low, c.ci_high)))
     return out
 

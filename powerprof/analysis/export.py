@@ -69,14 +69,20 @@ class ExportOutExists(ExportUsageError):
     """--out (or the default name in this folder) already holds a file the export would replace: exit 2, as
     `monitor --output` and `trace` refuse theirs; --force replaces it."""
 
-    def __init__(self, paths: list[Path], folder: Path | None = None):
+    def __init__(self, paths: list[Path], folder: Path | None = None, default: bool = False):
+        """default: the place is the default name (no --out was given), which the message says, with the option
+        that chooses another (it said "Invalid value for --out" and "choose another folder" to a user who gave none)."""
         self.paths = paths
+        self.default = default
+        where = "the default output, as no --out was given" if default else ""
         if folder is None:
-            msg = f"{paths[0]} exists (an earlier export?); choose another name, or --force to replace it"
+            msg = (f"{paths[0]} exists (an earlier export?{'; ' + where if where else ''}); choose another name"
+                   + (" with --out FILE" if default else "") + ", or --force to replace it")
         else:
             names = ", ".join(p.name for p in paths[:4]) + (f" and {len(paths) - 4} more" if len(paths) > 4 else "")
-            msg = (f"{folder} already holds {names} (an earlier export?); choose another folder, or --force to "
-                   f"replace {'it' if len(paths) == 1 else 'them'}")
+            msg = (f"{folder} already holds {names} (an earlier export?{'; ' + where if where else ''}); choose another "
+                   f"folder{' with --out FOLDER' if default else ''}, or --force to replace "
+                   f"{'it' if len(paths) == 1 else 'them'}")
         super().__init__(msg)
 
 
@@ -375,6 +381,7 @@ def export(src, fmt: str, out=None, time_from: str | None = None, time_to: str |
     else:
         src_path = Path(str(srcs[0]))  # several sources: the summary's run details come from the first
         default_stem = "export"
+    out_given = out
     out = Path(out) if out is not None else Path.cwd() / (default_stem + (".xlsx" if fmt == "xlsx" else f"-{fmt}"))
     if any(not is_uri(s) and out.resolve() == Path(s).resolve() for s in srcs):
         raise ExportError("--out must not be the source itself")
@@ -397,7 +404,7 @@ def export(src, fmt: str, out=None, time_from: str | None = None, time_to: str |
         targets = [out] if fmt == "xlsx" or single else [out / f"{s.name}.{fmt}" for s in sources]
         there = [t for t in targets if os.path.lexists(t)]
         if there:
-            raise ExportOutExists(there, None if fmt == "xlsx" or single else out)
+            raise ExportOutExists(there, None if fmt == "xlsx" or single else out, default=out_given is None)
     # Before anything is written: a key with two different rows refuses the export, whatever the format.
     copies = {s.name: c for s in sources if (c := _copies_of(s, _filter(s, t_from, t_to))) is not None}
     if notes is not None:

@@ -89,7 +89,12 @@ def read_run_info(run_dir) -> RunInfo:
                                 "one with the run's GPU and settings: restore it, or move it aside to analyse the "
                                 "windows alone")
     if not (path / "windows.parquet").exists():
-        raise AnalysisError(no_finished_level(path) or f"{path} is not a powerprof run directory: windows.parquet is missing")
+        # The folder of runs (`analyze runs`) said only "windows.parquet is missing": name the runs it holds.
+        inner = sorted(p.name for p in path.iterdir() if (p / "windows.parquet").exists()) if path.is_dir() else []
+        hint = ("; it holds run directories: give one of them (" + ", ".join(str(path / n) for n in inner[-3:][::-1])
+                + (", ..." if len(inner) > 3 else "") + f"), or several as a glob ({path}/*)") if inner else ""
+        raise AnalysisError(no_finished_level(path)
+                            or f"{path} is not a powerprof run directory: windows.parquet is missing{hint}")
     model = _get(meta, "model", "server.model", "server.model_path", "workload.model")
     if model is None:
         model = _windows_model(path / "windows.parquet")

@@ -341,6 +341,7 @@ def recommendation_line(result: AnalysisResult) -> str:
             + (", the reference" if c.level_value == sr.series.reference_value else "")
             + f" ({DESCRIPTIONS[c.policy]}" + (f", ≤ {c.params['max_slowdown']:.0%} slower" if c.policy == "budget" else "")
             + "): ")
+    head += _figures_text(c)
     if c.level_value == sr.series.reference_value:
         # "0.0% slower, 0.0% less energy per token than 300 W" would compare it with itself.
         line = head + _why_the_reference(sr, c, u) + "; " + _choice_range_text(sr, c, u)
@@ -352,6 +353,15 @@ def recommendation_line(result: AnalysisResult) -> str:
     if result.simulated:
         line += " (simulated)"
     return line
+
+
+def _figures_text(c) -> str:
+    """The chosen level's own figures, the answer to "how much energy per token" (the line gave only its
+    speed loss and saving, relative to the reference); '' where one is unknown."""
+    jpt, tok_s = c.gpu_j_per_token, c.decode_tok_s
+    if jpt is None or tok_s is None or not (np.isfinite(jpt) and np.isfinite(tok_s)):
+        return ""
+    return f"{jpt:.3f} J/token on the GPU at {tok_s:.1f} tok/s decode; "
 
 
 def _why_the_reference(sr: SeriesResult, c, u: str) -> str:
@@ -422,9 +432,15 @@ def _levels_rows(sr: SeriesResult) -> tuple[list[str], list[list[str]]]:
             _f(r["sm_clock_mhz"], ".0f"),
             f"{r['n_requests']}" + (f" (+{r['n_failed']} failed)" if r["n_failed"] else ""),
             r["chosen_by"] or "",
-            r["flags"] or "",
+            "; ".join(x for x in (r["flags"], _never_chosen(r)) if x),
         ])
     return head, rows
+
+
+def _never_chosen(row: dict) -> str:
+    """'never chosen: interrupted' for a level no policy may choose: an interrupted level's row had no flag,
+    its figures in the table as if they stood ("they stay in the tables with their flags")."""
+    return f"never chosen: {row['left_out']}" if row.get("left_out") else ""
 
 
 def _choice_rows(sr: SeriesResult) -> tuple[list[str], list[list[str]]]:
@@ -636,7 +652,8 @@ def _level_rows(sr, width: int | None) -> list[str]:
         fixed.append(f"{r['level_value']:>6g} {u:<2}{'*' if r['recommended'] else ' '}{_f(r['decode_tok_s'], '7.1f'):>7}  "
                      f"{_f(r['gpu_j_per_token'], '8.3f'):>8}  {_f(r['ci_reached_pct'], '5.1f'):>5}  "
                      f"{_f(r['speed_loss_pct'], '6.1f'):>6}%  {_f(r['energy_saving_pct'], '6.1f'):>6}%  ")
-        tails.append((r["chosen_by"] or "") + ("  [" + r["flags"] + "]" if r["flags"] else ""))
+        tails.append((r["chosen_by"] or "") + ("  [" + r["flags"] + "]" if r["flags"] else "")
+                     + (f"  [{_never_chosen(r)}]" if _never_chosen(r) else ""))
     if width is None:
         return [_HEAD + "chosen by"] + [f + t for f, t in zip(fixed, tails)]
     words = [w for t in tails for w in t.replace(",", ", ").split()]
@@ -657,6 +674,8 @@ def _level_rows(sr, width: int | None) -> list[str]:
             p += "; chosen by " + r["chosen_by"].replace(",", ", ")
         if r["flags"]:
             p += "; flags: " + r["flags"].replace(",", ", ")
+        if _never_chosen(r):
+            p += "; " + _never_chosen(r)
         out += _wrap(p, width, subsequent_indent="  ")
     return out
 
@@ -666,12 +685,12 @@ def _levels_summary(result: AnalysisResult, table: bool, width: int | None = Non
     rows = (_level_rows(sr, width) + [""]) if table else []
     lines = [recommendation_line(result)]
     if sr.comparable:
-        others = [f"{p} {c.level_value:g}" for p, c in sr.choices.items() if p != sr.primary]
+        others = [f"{p} {c.level_value:g} {_unit(sr)}" for p, c in sr.choices.items() if p != sr.primary]  # "edp 180" had no unit
         lines.append("Other policies: " + ", ".join(others) + ".")
     if len(result.series) > 1:
         lines.append("Other series: " + "; ".join(
-            f"{s.label}: {s.recommendation.level_value:g}" if s.starred else
-            f"{s.label}: none shown to save energy (keep {s.series.reference_value:g})" if s.comparable else
+            f"{s.label}: {s.recommendation.level_value:g} {_unit(s)}" if s.starred else
+            f"{s.label}: none shown to save energy (keep {s.series.reference_value:g} {_unit(s)})" if s.comparable else
             f"{s.label}: one level, none chosen"
             for s in result.series if s is not sr) + ".")
     for w in result.warnings:

@@ -92,6 +92,9 @@ class LimitController:
         self._handles: list = []
         self._locks: list[GpuLock] = []
         self._record: dict | None = None  # the restore record once written: our "dirty" flag
+        # Whether a GPU was ever changed (the record was written), kept after the restore: a command may only say
+        # "every GPU is back" where one was changed (it said so after a sweep that never reached a GPU).
+        self.changed = False
         self._active = False
         self._nvml_open = False
         self._mutex = threading.RLock()
@@ -331,6 +334,7 @@ class LimitController:
         record = new_record(gpus, self.origin)
         write_json_atomic(self.restore_path, record)
         self._record = record
+        self.changed = True
 
     def _mark_clocks(self, locked: bool) -> None:
         for g in self._record["gpus"].values():

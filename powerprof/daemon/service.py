@@ -54,6 +54,20 @@ BASELINE_WAIT_S = 3 * SCRAPE_TIMEOUT_S
 EXIT_OK, EXIT_RUNTIME, EXIT_CONFIG = 0, 1, 2
 
 
+# The config key and flag that set each TCP listener's address: what a refused address's message says to change.
+_LISTEN_KEYS = {"proxy": ("proxy.listen", "--listen"), "metrics endpoint": ("metrics.listen", "--metrics-listen")}
+
+
+def _listen_fix(what: str, e: BaseException) -> str:
+    """The fix for an address the daemon cannot listen on ("address already in use" said only that)."""
+    if what not in _LISTEN_KEYS:
+        return ""
+    key, flag = _LISTEN_KEYS[what]
+    held = (" (another program holds it: another powerprof daemon, or the inference server itself?)"
+            if getattr(e, "errno", None) == errno.EADDRINUSE else "")
+    return f"{held}; give the {what} another address: {key} in the config, or {flag} HOST:PORT"
+
+
 class StartupError(RuntimeError):
     """Something outside the config stops the daemon from starting (port taken, no NVML)."""
 
@@ -649,7 +663,7 @@ class Daemon:
                 site = web.TCPSite(runner, host, port, reuse_address=True)
             await site.start()
         except OSError as e:
-            raise StartupError(f"cannot listen on {listen} for the {what}: {e.strerror or e}") from None
+            raise StartupError(f"cannot listen on {listen} for the {what}: {e.strerror or e}{_listen_fix(what, e)}") from None
         if self.guard is not None:
             self.guard.watch(runner.server)
         if listen.startswith("unix:"):
@@ -679,7 +693,8 @@ class Daemon:
         try:
             host, port = await self.proxy.start()
         except (OSError, RuntimeError) as e:
-            raise StartupError(f"cannot start the proxy workers on {listen}: {getattr(e, 'strerror', None) or e}") from None
+            raise StartupError(f"cannot start the proxy workers on {listen}: {getattr(e, 'strerror', None) or e}"
+                               f"{_listen_fix('proxy', e)}") from None
         self._warn_beyond_loopback(listen, "proxy")
         n, limit = self.cfg.get("proxy", "workers"), memory_limit_bytes()
         if limit is not None and limit < (70 + 45 * n) << 20:  # the daemon, then ~40 MiB resident a worker

@@ -1,0 +1,151 @@
+"""What a new user meets running the README's commands and their likely mistakes: each error says what
+went wrong and the fix, exits non-zero, and claims nothing that did not happen."""
+
+from __future__ import annotations
+
+from click.testing import CliRunner
+
+from powerprof.cli import main
+from support import free_port, sim_limit_w
+
+
+def run(*args):
+    return CliRunner().invoke(main, list(args), catch_exceptions=False)
+
+
+def test_a_sweep_stopped_before_any_level_does_not_say_a_gpu_was_put_back(tmp_path):
+    # A server that is not running: the sweep stops before it sets a limit, and said "every GPU is back at its
+    # original limit", as if one had been changed.
+    out = tmp_path / "run"
+    r = run("sweep", "--limits", "180,220", "--simulate", "--server", f"http://127.0.0.1:{free_port()}",
+            "--idle-s", "0", "--out", str(out))
+    assert r.exit_code == 1, r.output
+    assert "no server answers" in r.output and "is the server running" in r.output, r.output
+    assert "every GPU is back" not in r.output, r.output
+    assert "no GPU setting was changed" in r.output, r.output
+    assert sim_limit_w() == 300.0
+    assert not out.exists()
+
+
+def test_a_sweep_into_a_run_directory_that_holds_a_run_changes_nothing_and_says_so(tmp_path):
+    out = tmp_path / "run"
+    out.mkdir()
+    (out / "windows.parquet").write_bytes(b"an earlier run")
+    r = run("sweep", "--limits", "180,220", "--simulate", "--idle-s", "0", "--out", str(out))
+    assert r.exit_code != 0, r.output
+    assert "already exists" in r.output and "--out" in r.output, r.output
+    assert "every GPU is back" not in r.output and "no GPU setting was changed" in r.output, r.output
+    assert (out / "windows.parquet").read_bytes() == b"an earlier run"
+    assert sim_limit_w() == 300.0
+
+
+def test_python_dash_m_powerprof_is_the_command():
+    # `python -m powerprof sweep ...` (a venv's bin/ not on PATH) said "No module named powerprof.__main__".
+    import subprocess
+    import sys
+
+    r = subprocess.run([sys.executable, "-m", "powerprof", "sweep", "--limits", "180,220", "--simulate", "--dry-run"],
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr
+    assert "Dry run: nothing will be changed" in r.stdout and "180 W, 220 W" in r.stdout, r.stdout
+    r = subprocess.run([sys.executable, "-m", "powerprof", "--help"], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0 and "python -m powerprof" in r.stdout and "sweep" in r.stdout, r.stdout + r.stderr
+
+
+def test_a_number_given_with_its_unit_is_refused_in_words(tmp_path):
+    # click said "'30s' is not a valid float range." (and "'2x' is not a valid integer range.").
+    out = tmp_path / "run"
+    for opt, bad, said in (("--max-time", "30s", "'30s' is not a number: give the number alone, without its unit"),
+                           ("--max-time", "abc", "'abc' is not a number (e.g. 30 or 0.5)"),
+                           ("--warmup", "2.5", "'2.5' is not a whole number"),
+                           ("--max-requests", "20req", "'20req' is not a whole number: give the number alone")):
+        r = run("sweep", "--limits", "180,220", "--simulate", "--out", str(out), opt, bad)
+        assert r.exit_code == 2, r.output
+        assert said in r.output and "valid float range" not in r.output and "valid integer range" not in r.output, r.output
+        assert not out.exists()
+    assert sim_limit_w() == 300.0
+    for args, said in ((("daemon", "--simulate", "--interval", "1s", "--check"), "'1s' is not a number: give the number alone"),
+                       (("measure", "--simulate", "--seed", "x"), "'x' is not a whole number")):
+        r = run(*args)
+        assert r.exit_code == 2 and said in r.output and "valid float" not in r.output, r.output
+    # An option without bounds keeps its plain metavar in --help ("[x<=None]" would be click's range of nothing).
+    helptext = run("daemon", "--help").output
+    assert "--interval FLOAT " in helptext and "None" not in helptext, helptext
+
+
+def test_a_daemon_whose_address_is_taken_says_which_setting_to_change(tmp_path):
+    # The README's daemon quick start beside another daemon (or anything on 8081/9464) said only
+    # "cannot listen on 127.0.0.1:8081 for the proxy: ... address already in use".
+    import socket
+    import subprocess
+    import sys
+
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        for flags, key, flag in ((["--listen", f"127.0.0.1:{port}", "--metrics-listen", "127.0.0.1:0"], "proxy.listen", "--listen"),
+                                 (["--listen", "127.0.0.1:0", "--metrics-listen", f"127.0.0.1:{port}"], "metrics.listen",
+                                  "--metrics-listen")):
+            r = subprocess.run([sys.executable, "-m", "powerprof.cli", "daemon", "--simulate", "--data-dir", str(tmp_path / "d"),
+                                "--tag-socket", str(tmp_path / "t.sock"), *flags],
+                               capture_output=True, text=True, timeout=120)
+            assert r.returncode == 1, r.stderr
+            assert f"cannot listen on 127.0.0.1:{port}" in r.stderr and "address already in use" in r.stderr, r.stderr
+            assert f"another address: {key} in the config, or {flag} HOST:PORT" in r.stderr, r.stderr
+            assert "Traceback" not in r.stderr, r.stderr
+
+
+def test_export_twice_without_out_says_the_default_was_taken_and_how_to_choose(tmp_path, monkeypatch):
+    # The second `export RUN --format parquet` said "Invalid value for --out: ... choose another folder" to a
+    # user who gave no --out.
+    from synthetic_runs import make_run, seed_truth
+
+    run_dir = make_run(tmp_path / "run", seed_truth(), levels=(220, 300), n_requests=4)
+    monkeypatch.chdir(tmp_path)
+    first = run("export", str(run_dir), "--format", "parquet")
+    assert first.exit_code == 0, first.output
+    written = {p: p.read_bytes() for p in (tmp_path / "run-parquet").iterdir()}
+    again = run("export", str(run_dir), "--format", "parquet")
+    assert again.exit_code == 2, again.output
+    assert "Invalid value for --out" not in again.output, again.output
+    assert "the default output, as no --out was given" in again.output, again.output
+    assert "choose another folder with --out FOLDER, or --force" in again.output, again.output
+    assert {p: p.read_bytes() for p in (tmp_path / "run-parquet").iterdir()} == written
+    taken = run("export", str(run_dir), "--format", "parquet", "--out", str(tmp_path / "run-parquet"))
+    assert taken.exit_code == 2 and "Invalid value for --out" in taken.output, taken.output  # given: said as its own
+
+
+def test_a_guessed_report_command_points_at_analyze():
+    # `powerprof report RUN` (the README speaks of "the report it writes") offered 'export' and 'restore'.
+    r = run("report", "runs/x")
+    assert r.exit_code == 2, r.output
+    assert "powerprof analyze RUN_DIR" in r.output and "report.html" in r.output, r.output
+    r = run("analyse", "runs/x")
+    assert r.exit_code == 2 and "powerprof analyze" in r.output, r.output
+
+
+def test_a_list_typed_with_spaces_is_refused_with_the_cause(tmp_path):
+    # `--limits 180 220` or `--limits 220 W` said only "Got unexpected extra argument (220)".
+    out = tmp_path / "run"
+    for args in (("--limits", "180", "220"), ("--limits", "220", "W")):
+        r = run("sweep", *args, "--simulate", "--out", str(out))
+        assert r.exit_code == 2, r.output
+        assert "give a list comma-separated without spaces (--limits 180,220,260)" in r.output, r.output
+        assert not out.exists()
+    r = run("sweep", "--limits", "220 W", "--simulate", "--dry-run", "--out", str(out))  # quoted, it is one value
+    assert r.exit_code == 0 and "levels (every GPU takes each level): 220 W" in r.output, r.output
+    assert sim_limit_w() == 300.0
+
+
+def test_analyze_of_the_runs_folder_names_the_runs_in_it(tmp_path):
+    # `powerprof analyze runs` (the folder the sweep's default --out is in) said only "windows.parquet is missing".
+    from synthetic_runs import make_run, seed_truth
+
+    make_run(tmp_path / "runs" / "20261202T120000Z-a", seed_truth(), levels=(220, 300), n_requests=4)
+    r = run("analyze", str(tmp_path / "runs"))
+    assert r.exit_code == 1, r.output
+    flat = " ".join(r.output.split())
+    assert "is not a powerprof run directory" in flat, flat
+    assert f"give one of them ({tmp_path / 'runs' / '20261202T120000Z-a'})" in flat, flat
+    assert not (tmp_path / "runs" / "analysis").exists()
