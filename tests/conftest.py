@@ -24,17 +24,18 @@ def pytest_xdist_auto_num_workers(config):
 
 
 # The longest files in the README's `--dist loadfile` run (seconds each, one full run on 2 cores,
-# December 2026). They start first: xdist's default order (most tests first) started the one-test,
-# 30-40 s files last, and the other workers stood idle while they ran. Only the order changes; a
-# file not named here runs after these, in collection order.
+# December 2026; the attribution, delivery-fault, restart and scrape files re-timed alone after their runs went
+# side by side or their waits were cut, at load 2-5). They start first: xdist's default order (most tests first)
+# started the one-test, 30-40 s files last, and the other workers stood idle while they ran. Only the order
+# changes; a file not named here runs after these, in collection order.
 LONGEST_FILES_S = {
-    "test_attribution_mixed.py": 175, "test_sweep_restart.py": 150, "test_sweep_foreign.py": 123, "test_grid.py": 103,
-    "test_sweep_hostile.py": 97, "test_sweep_e2e.py": 89, "test_attribution_accuracy.py": 88,
-    "test_sweep_accuracy.py": 66, "test_delivery_faults.py": 55, "test_tuner_live.py": 55, "test_trace_foreign.py": 55,
-    "test_analysis_report.py": 44, "test_daemon_workers.py": 43, "test_gpu_check.py": 42, "test_daemon_scrape.py": 42,
-    "test_real_llama_server.py": 41, "test_sim_virtual_vs_realtime.py": 39, "test_measure_foreign.py": 38,
-    "test_daemon_crash.py": 34, "test_busy_host.py": 31, "test_daemon_e2e.py": 28, "test_workload_trace.py": 27,
-    "test_launcher.py": 26,
+    "test_sweep_restart.py": 128, "test_sweep_foreign.py": 123, "test_grid.py": 103, "test_sweep_hostile.py": 97,
+    "test_sweep_e2e.py": 89, "test_attribution_mixed.py": 84, "test_sweep_accuracy.py": 66,
+    "test_attribution_accuracy.py": 58, "test_tuner_live.py": 55, "test_trace_foreign.py": 55,
+    "test_analysis_report.py": 44, "test_daemon_workers.py": 43, "test_gpu_check.py": 42, "test_real_llama_server.py": 41,
+    "test_daemon_scrape.py": 40, "test_sim_virtual_vs_realtime.py": 39, "test_measure_foreign.py": 38,
+    "test_daemon_crash.py": 34, "test_delivery_faults.py": 33, "test_busy_host.py": 31, "test_daemon_e2e.py": 28,
+    "test_workload_trace.py": 27, "test_launcher.py": 26,
 }
 
 

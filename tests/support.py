@@ -179,3 +179,29 @@ def busy_sim_server(monkeypatch, max_tokens: int = 24) -> None:
         return srv
 
     monkeypatch.setattr(rigmod.Rig, "sim_server", busy_server)
+
+
+def side_by_side(request, jobs: dict, max_processes: int | None = None) -> dict:
+    """Start independent real-time scenarios at once, each in a process of its own: {name: (fn, args, kwargs)} →
+    {name: Future}; only the jobs whose name a selected test of the calling module asks for, as a fixture or as a
+    parameter's value. max_processes: how many run at once (default: all).
+
+    For a module whose fixtures each replay a trace in real time through a simulated server and the daemon (about a
+    tenth of a core each): one after the other they took the sum of their times (test_attribution_mixed.py 175 s),
+    side by side the longest one's. Each keeps a process, an event loop and a GIL of its own, as it had alone;
+    `fn` and what it returns must pickle (a module-level function). The pool closes with the module."""
+    import concurrent.futures as cf
+    import multiprocessing as mp
+
+    wanted = set()
+    for item in request.session.items:
+        if item.module is request.module:
+            wanted.update(item.fixturenames)
+            wanted.update(str(v) for v in getattr(getattr(item, "callspec", None), "params", {}).values())
+    todo = {name: job for name, job in jobs.items() if name in wanted}
+    if not todo:
+        return {}
+    # spawn, not fork: the pytest process has threads (a fork copies their locks in whatever state they are).
+    pool = cf.ProcessPoolExecutor(max_workers=min(len(todo), max_processes or len(todo)), mp_context=mp.get_context("spawn"))
+    request.addfinalizer(lambda: pool.shutdown(wait=True, cancel_futures=True))
+    return {name: pool.submit(fn, *args, **kwargs) for name, (fn, args, kwargs) in todo.items()}

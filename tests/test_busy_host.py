@@ -213,7 +213,7 @@ def test_the_simulated_rapl_is_never_called_a_busy_hosts(tmp_path, hog):
         res = _measure(rig, tmp_path)
     (m,) = res.summaries
     assert m.total_j_per_token is not None and m.other_cpu_pct is None and not m.busy_host
-    assert not [n for n in res.notes if "other processes" in n or "not found" in n]
+    assert not [n for n in res.notes if "other processes used" in n or "not found" in n]
 
 
 def test_measure_on_a_quiet_host_is_not_flagged(tmp_path, monkeypatch):
@@ -225,7 +225,7 @@ def test_measure_on_a_quiet_host_is_not_flagged(tmp_path, monkeypatch):
     assert m.other_cpu_pct == pytest.approx(100 * 0.01 / 1.21, abs=0.2)
     assert m.powerprof_cpu_pct == pytest.approx(100 * 0.2 / 1.21, abs=0.2)
     assert not m.busy_host
-    assert not [n for n in res.notes if "other processes" in n or "not found" in n]
+    assert not [n for n in res.notes if "other processes used" in n or "not found" in n]
 
 
 def test_measure_on_an_injected_busy_host_is_flagged(tmp_path, monkeypatch):
@@ -286,7 +286,9 @@ def test_a_quiet_sweep_is_not_flagged(tmp_path, monkeypatch):
     out, levels = _sweep(tmp_path)
     assert levels and all(BUSY_HOST_FLAG not in (r["flags"] or "") for r in levels)
     assert all(r["other_cpu_pct"] == pytest.approx(100 * 0.01 / 1.21, abs=0.2) for r in levels)
-    assert not [n for n in out.notes if "other processes" in n]
+    # The busy-host note, or the unknown-server one; not a loaded host's late edge reads, whose fix says "fewer other
+    # processes" (this failed once so beside the suite: "1 windows' edge reads came over 100 ms after their edges").
+    assert not [n for n in out.notes if "other processes used" in n or "could include other processes'" in n]
 
 
 # --- daemon ----------------------------------------------------------------------------------------
