@@ -1024,7 +1024,9 @@ def test_sglang_byte_path_gives_way_to_the_full_parse_for_what_it_does_not_read(
            b'{"text":"a","output_ids":[1,2],"meta_info":{"completion_tokens":2,"finish_reason":null},"index":1,'
            b'"index":0}',
            b'{"text":"a","output_ids":[1,2],"meta_info":{"completion_tokens":2,"finish_reason":null,'
-           b'"finish_reason":"stop"}}']
+           b'"finish_reason":"stop"}}',
+           b'{"text":"a","output_ids":[1,2],"meta_info":{"prompt_tokens":4,"completion_tokens":2,'
+           b'"finish_reason":null,"prompt_tokens":6}}']
     for doc in [json.dumps(d, separators=(",", ":")).encode() for d in odd] + raw:
         chunk = b"data: " + doc + b"\n\n"
         full, counter = StreamParser("sglang-generate"), StreamParser("sglang-generate", count_only=True)

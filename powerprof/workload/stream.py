@@ -61,12 +61,9 @@ _SG_MEMBER_GAP = re.compile(rb'"' + _W + rb"," + _W + rb'"')
 _SG_TAIL = re.compile(_W + rb"(?:," + _W + rb'"index"' + _W + rb":" + _W + _SG_INT + _W + rb")?," + _W
                       + rb'"meta_info"' + _W + rb":" + _W + rb"\{([^{}\[\]]*)\}" + _W + rb"(?:," + _W + rb'"index"'
                       + _W + rb":" + _W + _SG_INT + _W + rb")?\}" + _W)
-# A member of that flat meta_info, found from the `{` or `,` before it to the `,` or `}` after it: a quote right
-# after either opens a key (one closing a string is followed by `,` `:` `}` `]` or whitespace), so a key's bytes
-# inside the text or another string (escaped quotes there) never match.
-_SG_COMPLETION = re.compile(rb"[{,]" + _W + rb'"completion_tokens"' + _W + rb":" + _W + _SG_INT + _W + rb"[,}]")
-_SG_PROMPT = re.compile(rb"[{,]" + _W + rb'"prompt_tokens"' + _W + rb":" + _W + _SG_INT + _W + rb"[,}]")
-_SG_UNFINISHED = re.compile(rb"[{,]" + _W + rb'"finish_reason"' + _W + rb":" + _W + rb"null" + _W + rb"[,}]")
+# What follows a key of that flat meta_info: its integer value, or null, and the member's end.
+_SG_INT_VALUE = re.compile(_W + rb":" + _W + _SG_INT + _W + rb"[,}]")
+_SG_NULL_VALUE = re.compile(_W + rb":" + _W + rb"null" + _W + rb"[,}]")
 
 # llama.cpp `timings` fields kept: counts, and durations (ms) or rates checked as amounts.
 _TIMING_COUNTS = ("prompt_n", "predicted_n", "cache_n", "draft_n", "draft_n_accepted")
@@ -455,18 +452,19 @@ class StreamParser:
         return 1
 
     def _sglang_quick(self, v: bytes, out: list[TokenEvent] | None) -> int | None:
-        """Tokens of an SGLang /generate event that has not ended, read from its bytes and counted (as `_sglang`
-        counts them, by the same `_sglang_step`); None when the event needs the full parse. Each event repeats its
-        sequence's text and output_ids so far: the full parse builds them all, a cost that grows with the answer
-        (quadratic over it). Only its usual shape qualifies: `{"text":…,"output_ids":[…],"meta_info":{…}}` with an
-        `"index"` before or after meta_info, nothing else, compact or spaced as json.dumps writes it; a meta_info
-        holding no object or list (not logprobs), with an integer `completion_tokens`, `finish_reason` null (its last
-        event is parsed whole) and `prompt_tokens` an integer or absent. The text is not read: its end is the first
-        `","output_ids":[` after it, where no string closes before (a key's quotes inside a string are escaped, so
-        no separator lies inside it); output_ids' length is its commas plus one (no string, list or object in it).
-        The bytes are taken to be JSON, as servers write it (an event that is not is counted here where the full
-        parse would drop it, and its tokens counted at the next event). tests/test_stream_parser.py holds both
-        paths equal over generated streams."""
+        """Tokens of an SGLang /generate event that has not ended, read from its bytes and counted by the full
+        parse's own rule (`_sglang_step`); None when the event needs the full parse. Each event repeats its
+        sequence's text and output_ids so far: parsed whole, its cost grows with the answer (quadratic over it).
+        Only the usual shape qualifies: `{"text":…,"output_ids":[…],"meta_info":{…}}`, an `"index"` before or
+        after meta_info and nothing else, compact (SGLang's orjson) or spaced as json.dumps writes it (the
+        simulator); a meta_info with no object, list or backslash in it (logprobs: parsed whole), an integer
+        `completion_tokens`, `finish_reason` null or absent (a sequence's last event is parsed whole) and
+        `prompt_tokens` an integer or absent. The text is not read: it ends at the first `","output_ids":[` (a
+        quote inside it is escaped, so no separator lies within it) unless a string closes before that one.
+        output_ids' length is its commas plus one (no string in it). The bytes are taken to be JSON, as servers
+        write it: an event that is not may be counted here where the full parse drops it (and counts its tokens
+        at the next event, whose running count includes them). tests/test_stream_parser.py holds both paths
+        equal over generated streams of every shape."""
         if v.startswith(b'{"text":"'):
             start, sep = 9, b'","output_ids":['
         elif v.startswith(b'{"text": "'):
@@ -478,7 +476,7 @@ class StreamParser:
             return None
         i = e + len(sep)
         j = v.find(b"]", i)
-        if j < 0 or v.find(b'"', i, j) >= 0 or v.find(b"[", i, j) >= 0 or v.find(b"{", i, j) >= 0:
+        if j < 0 or v.find(b'"', i, j) >= 0:  # (a list or object in it leaves a tail that is not meta_info's)
             return None
         k = v.count(b",", i, j)
         k = k + 1 if k or v[i:j].strip() else 0
@@ -486,19 +484,23 @@ class StreamParser:
         if m is None:
             return None
         a, b = m.span(2)
-        a, b = a - 1, b + 1  # the meta_info object's braces: its members' delimiters
-        # (no escape in it: a key spelt with one, "completion\u005ftokens", is the same key to json.loads)
-        if v.find(b"\\", a, b) >= 0 or v.count(b'"completion_tokens"', a, b) != 1:
+        # Every quote in meta_info is a string's end (no backslash in it: nor a key spelt with an escape,
+        # "completion\u005ftokens", the same key to json.loads), so a key's bytes followed by `:` are that key.
+        if v.find(b"\\", a, b) >= 0:
             return None
-        mc = _SG_COMPLETION.search(v, a, b)
-        n_fr = v.count(b'"finish_reason"', a, b)
-        if mc is None or n_fr > 1 or (n_fr and _SG_UNFINISHED.search(v, a, b) is None):
+        q = v.find(b'"completion_tokens"', a, b)
+        if q < 0 or v.find(b'"completion_tokens"', q + 19, b) >= 0:
+            return None
+        mc = _SG_INT_VALUE.match(v, q + 19, b + 1)
+        q = v.find(b'"finish_reason"', a, b)
+        if mc is None or (q >= 0 and (v.find(b'"finish_reason"', q + 15, b) >= 0
+                                     or _SG_NULL_VALUE.match(v, q + 15, b + 1) is None)):
             return None
         c = int(mc.group(1))
         p = None
-        n_p = v.count(b'"prompt_tokens"', a, b)
-        if n_p:
-            mp = _SG_PROMPT.search(v, a, b) if n_p == 1 else None
+        q = v.find(b'"prompt_tokens"', a, b)
+        if q >= 0:
+            mp = _SG_INT_VALUE.match(v, q + 15, b + 1) if v.find(b'"prompt_tokens"', q + 15, b) < 0 else None
             if mp is None:
                 return None
             p = int(mp.group(1))
