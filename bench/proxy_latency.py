@@ -98,9 +98,10 @@ def upstream_main(port_file: str) -> None:
             text.append(b" tok")
             ids.append(b"%d" % (100_000 + 7919 * i % 50_000))  # token ids of a 150k vocabulary: 6 digits
             fr = b'{"type":"length","length":%d}' % tokens if i == tokens else b"null"
-            await resp.write(b'data: {"text":"%b","output_ids":[%b],"meta_info":{"id":"4f1c2b7a9e8d4c3b","finish_reason":'
-                             b'%b,"prompt_tokens":5,"weight_version":"default","completion_tokens":%d,"cached_tokens":0,'
-                             b'"e2e_latency":%.4f}}\n\n' % (b"".join(text), b",".join(ids), fr, i, time.monotonic() - t0))
+            await resp.write(b'data: {"text":"%b","output_ids":[%b],"meta_info":{"id":"4f1c2b7a9e8d4c3b",'
+                             b'"finish_reason":%b,"prompt_tokens":5,"weight_version":"default","completion_tokens":%d,'
+                             b'"cached_tokens":0,"e2e_latency":%.4f}}\n\n'
+                             % (b"".join(text), b",".join(ids), fr, i, time.monotonic() - t0))
             if i < tokens:
                 await asyncio.sleep(gap_s - time.monotonic() % gap_s if steps else gap_s)
         await resp.write(b"data: [DONE]\n\n")
@@ -220,8 +221,8 @@ def run_case(label: str, direct: str, proxies: dict, streams: int, per_stream: i
         for name, url in (("direct", direct), *((n, proxies[n]) for n in order)):
             if name != "direct":
                 (p0, k0), t0 = meters[name].split_s(), time.perf_counter()
-            res[name].append(asyncio.run(load(url, streams, per_stream, gap_s, tokens, stagger_s=stagger_s, seed=i, steps=steps,
-                                              api=api)))
+            res[name].append(asyncio.run(load(url, streams, per_stream, gap_s, tokens, stagger_s=stagger_s, seed=i,
+                                              steps=steps, api=api)))
             if name != "direct":
                 p1, k1 = meters[name].split_s()
                 cpu_s[name] += max(0.0, p1 + k1 - p0 - k0 - idle_rates[name] * (time.perf_counter() - t0))
