@@ -5,8 +5,8 @@
                                             [--baseline /work/main] [--bare] [--proxy-alone] [--nginx] [--tokens 32]
                                             [--api llamacpp|sglang]
 
-An upstream process serves deterministic SSE streams (`--tokens` per response, 32 unless told; `--api sglang`: SGLang's
-/generate, whose every event repeats the text and output_ids so far, instead of llama.cpp's /completion); the real daemon
+An upstream process serves deterministic SSE streams (`--tokens` per response, 32 unless told; `--api sglang`:
+SGLang's /generate, whose every event repeats the text and output_ids so far, not llama.cpp's /completion); the real daemon
 (`powerprof daemon --simulate --upstream URL`, recording and attribution on) runs in another
 process. For each case the same load goes direct and through the proxy, alternating, and the
 table gives median/p95 time to first byte and total time, and requests and tokens per second.
@@ -339,7 +339,8 @@ def main() -> None:
         c0, t0 = {n: m.own_s() for n, m in meters.items()}, time.perf_counter()
         time.sleep(3.0)
         idle = {n: (m.own_s() - c0[n]) / (time.perf_counter() - t0) for n, m in meters.items()}
-        print(f"{a.tokens} tokens per streamed response ({a.api}); {a.requests_per_stream} requests per stream; medians of "
+        print(f"{a.tokens} tokens per streamed response ({a.api}); {a.requests_per_stream} requests per stream; "
+              f"medians of "
               f"{a.rounds} alternating rounds; idle CPU (subtracted): "
               + ", ".join(f"{n} {100 * r:.2f} % of a core" for n, r in idle.items())
               + f"; {os.cpu_count()} CPUs shared by the upstream, the load generator and every daemon")
