@@ -6,8 +6,8 @@
                                             [--api llamacpp|sglang]
 
 An upstream process serves deterministic SSE streams (`--tokens` per response, 32 unless told; `--api sglang`:
-SGLang's /generate, whose every event repeats the text and output_ids so far, not llama.cpp's /completion); the real daemon
-(`powerprof daemon --simulate --upstream URL`, recording and attribution on) runs in another
+SGLang's /generate, whose every event repeats the text and output_ids so far, not llama.cpp's /completion); the
+real daemon (`powerprof daemon --simulate --upstream URL`, recording and attribution on) runs in another
 process. For each case the same load goes direct and through the proxy, alternating, and the
 table gives median/p95 time to first byte and total time, and requests and tokens per second.
 Machine noise affects both sides alike; read the ratios.
