@@ -5,7 +5,10 @@
 The proxy calls `StreamParser.count` once per upstream chunk (`_ClientSink.account`): its cost is paid per
 token. Each shape below is counted 20 000 times by both parsers, alternating, best of 5 (this machine's
 load moves both alike): plain chunks of vLLM, llama.cpp (OpenAI-compatible and native) and completions,
-which take the byte path (`_quick_count`), and vLLM's continuous usage, which takes the full parse.
+which take the byte path (`_quick_count`), and vLLM's continuous usage, which takes the full parse. SGLang's
+/generate (`sglang N`): whole responses of N tokens, each event its text and output_ids so far (SGLang's compact
+orjson shape, as bench/proxy_latency.py --api sglang serves them), per event on average over the response, its
+first and last events and [DONE] included.
 """
 
 from __future__ import annotations
@@ -58,6 +61,28 @@ def per_chunk_us(mod, api: str, chunk: bytes | None, n: int = 20_000) -> float:
     return (time.perf_counter() - t0) / n * 1e6
 
 
+def sglang_events(tokens: int) -> list[bytes]:
+    out = []
+    for i in range(1, tokens + 1):
+        fr = b'{"type":"length","length":%d}' % tokens if i == tokens else b"null"
+        out.append(b'data: {"text":"%b","output_ids":[%b],"meta_info":{"id":"4f1c2b7a9e8d4c3b","finish_reason":%b,'
+                   b'"prompt_tokens":5,"weight_version":"default","completion_tokens":%d,"cached_tokens":0,'
+                   b'"e2e_latency":0.0123}}\n\n' % (b" tok" * i, b",".join(b"%d" % (100_000 + 7919 * j % 50_000)
+                                                                     for j in range(1, i + 1)), fr, i))
+    return out + [b"data: [DONE]\n\n"]
+
+
+def per_event_us_sglang(mod, events: list[bytes], n: int = 20_000) -> float:
+    responses = max(1, n // len(events))
+    t0 = time.perf_counter()
+    for _ in range(responses):
+        p = mod.StreamParser("sglang-generate", count_only=True)
+        for e in events:
+            p.count(e)
+        p.finish()
+    return (time.perf_counter() - t0) / (responses * len(events)) * 1e6
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--baseline", type=Path, required=True, help="another source tree (a git worktree of main)")
@@ -71,6 +96,14 @@ def main() -> None:
         for _ in range(5):
             best["b"] = min(best["b"], per_chunk_us(base, api, chunk))
             best["t"] = min(best["t"], per_chunk_us(this, api, chunk))
+        print(f"{name:24s} {best['b']:10.2f} {best['t']:10.2f}  ({best['t'] / best['b'] - 1:+.0%})")
+    for tokens in (32, 256):
+        events = sglang_events(tokens)
+        best = {"b": float("inf"), "t": float("inf")}
+        for _ in range(5):
+            best["b"] = min(best["b"], per_event_us_sglang(base, events))
+            best["t"] = min(best["t"], per_event_us_sglang(this, events))
+        name = f"sglang {tokens}"
         print(f"{name:24s} {best['b']:10.2f} {best['t']:10.2f}  ({best['t'] / best['b'] - 1:+.0%})")
 
 

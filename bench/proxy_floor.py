@@ -2,6 +2,7 @@
 
     .venv/bin/python bench/proxy_floor.py [--streams 64] [--rounds 2] [--tokens 8,32,128] [--kinds bare,proxy,worker,nginx]
                                           [--gap-ms 2] [--staggered] [--requests-per-stream 8] [--baseline TREE]
+                                          [--api llamacpp|sglang]
 
 The upstream of bench/proxy_latency.py (SSE events 2 ms apart, one chunk each, 8/32/128 per
 response; `--gap-ms 25 --streams 256 --staggered`: the GPU-like pace, each stream's first request
@@ -12,7 +13,9 @@ no HTTP, no parsing), `Proxy` with a null recorder (no ledger), or a proxy worke
 socket that this process reads and discards: the daemon's replay is not counted), or nginx
 (`nginx`, bench/_nginx.py: one worker process, `proxy_buffering off`, keep-alive upstream; the
 native yardstick, skipped with a message where nginx is not installed); the load generator in a
-third. `--baseline TREE` adds `base`: the `Proxy` of another source tree under the same load. CPU per chunk (tokens + 1 per response) from the relay process's /proc schedstat, split into user
+third. `--baseline TREE` adds `base`: the `Proxy` of another source tree under the same load. `--api sglang`: the
+upstream speaks SGLang's /generate (each event repeats the text and output_ids so far), not llama.cpp's /completion.
+CPU per chunk (tokens + 1 per response) from the relay process's /proc schedstat, split into user
 and system time from /proc/<pid>/stat (clock ticks: read over seconds, not per request). The bare
 relay's system time is what the kernel charges for one recv and one send per chunk on this
 machine; no forwarder in one process gets below it with one chunk per token. A straight line
@@ -139,6 +142,8 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--tokens", default="8,32,128", help="tokens per response, one case each")
     ap.add_argument("--kinds", default="bare,proxy,worker", help="relays to measure: bare, proxy, worker, nginx")
+    ap.add_argument("--api", default="llamacpp", choices=pl.APIS,
+                    help="the upstream's dialect: llamacpp (/completion) or sglang (/generate)")
     ap.add_argument("--baseline", metavar="TREE",
                     help="also `base`: the `Proxy` of another source tree (a git worktree of main, say), same load")
     a = ap.parse_args()
@@ -151,7 +156,7 @@ def main() -> None:
     shipped = [0]  # record bytes the worker relay sent
     try:
         up_port = _wait_port(tmp / "up")
-        print(f"{a.streams} streams, {a.requests_per_stream} requests per stream, tokens {a.gap_ms:g} ms apart"
+        print(f"{a.streams} streams ({a.api}), {a.requests_per_stream} requests per stream, tokens {a.gap_ms:g} ms apart"
               f"{', staggered starts' if a.staggered else ''}; CPU per chunk of the relaying process (best of {a.rounds})")
         print("relay  tokens  total_us  user_us  sys_us   tok_s")
         per_response = {}
@@ -177,13 +182,13 @@ def main() -> None:
                     theirs.close()
                 url = f"http://127.0.0.1:{_wait_port(tmp / kind)}"
             meter = pl.CpuMeter(procs[-1].pid)
-            asyncio.run(pl.load(url, 4, 2))
+            asyncio.run(pl.load(url, 4, 2, api=a.api))
             for tokens in [int(x) for x in a.tokens.split(",")]:
                 best = None
                 for _ in range(a.rounds):
                     c0, t0, b0 = meter.own_s(), _user_sys_ticks(meter), shipped[0]
                     r = asyncio.run(pl.load(url, a.streams, a.requests_per_stream, a.gap_ms / 1e3, tokens=tokens,
-                                            stagger_s=tokens * a.gap_ms / 1e3 if a.staggered else 0.0))
+                                            stagger_s=tokens * a.gap_ms / 1e3 if a.staggered else 0.0, api=a.api))
                     time.sleep(0.1)  # the last records
                     c1, t1 = meter.own_s(), _user_sys_ticks(meter)
                     n = a.streams * a.requests_per_stream * (tokens + 1)

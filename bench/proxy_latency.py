@@ -3,9 +3,11 @@
     .venv/bin/python bench/proxy_latency.py [--streams 1,64,256] [--pace 256x25] [--requests-per-stream 8]
                                             [--workers 1,2] [--arrivals herd,staggered,batched] [--rounds 2]
                                             [--baseline /work/main] [--bare] [--proxy-alone] [--nginx] [--tokens 32]
+                                            [--api llamacpp|sglang]
 
-An upstream process serves deterministic SSE streams (`--tokens` per response, 32 unless told); the real daemon
-(`powerprof daemon --simulate --upstream URL`, recording and attribution on) runs in another
+An upstream process serves deterministic SSE streams (`--tokens` per response, 32 unless told; `--api sglang`:
+SGLang's /generate, whose every event repeats the text and output_ids so far, not llama.cpp's /completion); the
+real daemon (`powerprof daemon --simulate --upstream URL`, recording and attribution on) runs in another
 process. For each case the same load goes direct and through the proxy, alternating, and the
 table gives median/p95 time to first byte and total time, and requests and tokens per second.
 Machine noise affects both sides alike; read the ratios.
@@ -62,6 +64,7 @@ from _nginx import start_nginx
 
 TOKENS = 32
 GAP_S = 0.002
+APIS = ("llamacpp", "sglang")  # the upstream's dialects (--api)
 
 
 def upstream_main(port_file: str) -> None:
@@ -81,9 +84,34 @@ def upstream_main(port_file: str) -> None:
         await resp.write_eof()
         return resp
 
+    async def generate(request):
+        """SGLang's /generate as its http_server writes it (orjson, compact): each event the text and output_ids so
+        far and meta_info with the running completion_tokens; the last with its finish_reason, then [DONE]."""
+        doc = json.loads(await request.read())
+        gap_s = float(doc.get("gap_ms", GAP_S * 1e3)) / 1e3
+        tokens = int(doc.get("sampling_params", {}).get("max_new_tokens", TOKENS))
+        steps = bool(doc.get("steps"))
+        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        await resp.prepare(request)
+        text, ids, t0 = [], [], time.monotonic()
+        for i in range(1, tokens + 1):
+            text.append(b" tok")
+            ids.append(b"%d" % (100_000 + 7919 * i % 50_000))  # token ids of a 150k vocabulary: 6 digits
+            fr = b'{"type":"length","length":%d}' % tokens if i == tokens else b"null"
+            await resp.write(b'data: {"text":"%b","output_ids":[%b],"meta_info":{"id":"4f1c2b7a9e8d4c3b",'
+                             b'"finish_reason":%b,"prompt_tokens":5,"weight_version":"default","completion_tokens":%d,'
+                             b'"cached_tokens":0,"e2e_latency":%.4f}}\n\n'
+                             % (b"".join(text), b",".join(ids), fr, i, time.monotonic() - t0))
+            if i < tokens:
+                await asyncio.sleep(gap_s - time.monotonic() % gap_s if steps else gap_s)
+        await resp.write(b"data: [DONE]\n\n")
+        await resp.write_eof()
+        return resp
+
     async def run():
         app = web.Application()
         app.router.add_post("/completion", completion)
+        app.router.add_post("/generate", generate)
         runner = web.AppRunner(app, access_log=None)
         await runner.setup()
         site = web.TCPSite(runner, "127.0.0.1", 0, backlog=1024)
@@ -95,10 +123,11 @@ def upstream_main(port_file: str) -> None:
 
 
 async def load(url: str, streams: int, per_stream: int, gap_s: float = GAP_S, tokens: int = TOKENS,
-               stagger_s: float = 0.0, seed: int = 0, steps: bool = False) -> dict:
+               stagger_s: float = 0.0, seed: int = 0, steps: bool = False, api: str = "llamacpp") -> dict:
     """`stagger_s` > 0: each stream's first request waits a random time in [0, stagger_s) (the same
     draws for every path, by `seed`), so the streams' requests arrive spread out instead of as one herd.
-    `steps`: the upstream sends every stream's tokens on one shared clock of `gap_s` (decode steps)."""
+    `steps`: the upstream sends every stream's tokens on one shared clock of `gap_s` (decode steps).
+    `api`: llamacpp (/completion, a token an event) or sglang (/generate, each event its text and ids so far)."""
     import random
 
     import aiohttp
@@ -106,14 +135,19 @@ async def load(url: str, streams: int, per_stream: int, gap_s: float = GAP_S, to
     ttfb, total = [], []
     rng = random.Random(seed)
     delays = [rng.uniform(0.0, stagger_s) if stagger_s > 0 else 0.0 for _ in range(streams)]
-    body = json.dumps({"prompt": "bench", "n_predict": tokens, "stream": True, "gap_ms": gap_s * 1e3, "steps": steps})
+    if api not in APIS:
+        raise SystemExit(f"--api: one of {', '.join(APIS)}, not {api!r}")
+    path = "/generate" if api == "sglang" else "/completion"
+    body = json.dumps({"prompt": "bench", "n_predict": tokens, "stream": True, "gap_ms": gap_s * 1e3, "steps": steps}
+                      if api == "llamacpp" else {"text": "bench", "sampling_params": {"max_new_tokens": tokens},
+                                                 "stream": True, "gap_ms": gap_s * 1e3, "steps": steps})
     async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0)) as s:
         async def worker(delay_s):
             if delay_s:
                 await asyncio.sleep(delay_s)
             for _ in range(per_stream):
                 t0 = time.perf_counter()
-                async with s.post(url + "/completion", data=body) as r:
+                async with s.post(url + path, data=body) as r:
                     first = None
                     async for _chunk in r.content.iter_any():
                         if first is None:
@@ -173,7 +207,8 @@ class CpuMeter:
 
 
 def run_case(label: str, direct: str, proxies: dict, streams: int, per_stream: int, gap_s: float, rounds: int,
-             meters: dict, idle_rates: dict, stagger_s: float = 0.0, steps: bool = False, tokens: int = TOKENS) -> dict:
+             meters: dict, idle_rates: dict, stagger_s: float = 0.0, steps: bool = False, tokens: int = TOKENS,
+             api: str = "llamacpp") -> dict:
     """`proxies`, `meters`, `idle_rates`: by name (one per daemon). Returns by name: ratio to direct, added
     ttfb and per-token time at p50, CPU per token and per request."""
     res = {"direct": [], **{name: [] for name in proxies}}
@@ -186,7 +221,8 @@ def run_case(label: str, direct: str, proxies: dict, streams: int, per_stream: i
         for name, url in (("direct", direct), *((n, proxies[n]) for n in order)):
             if name != "direct":
                 (p0, k0), t0 = meters[name].split_s(), time.perf_counter()
-            res[name].append(asyncio.run(load(url, streams, per_stream, gap_s, tokens, stagger_s=stagger_s, seed=i, steps=steps)))
+            res[name].append(asyncio.run(load(url, streams, per_stream, gap_s, tokens, stagger_s=stagger_s, seed=i,
+                                              steps=steps, api=api)))
             if name != "direct":
                 p1, k1 = meters[name].split_s()
                 cpu_s[name] += max(0.0, p1 + k1 - p0 - k0 - idle_rates[name] * (time.perf_counter() - t0))
@@ -222,6 +258,9 @@ def main() -> None:
     ap.add_argument("--tokens", type=int, default=TOKENS,
                     help="tokens per streamed response (32: short answers, per-request work weighs most; "
                          "256: a chat answer's length, per-request work spread over more tokens)")
+    ap.add_argument("--api", default="llamacpp", choices=APIS,
+                    help="the upstream's dialect: llamacpp (/completion, one token an event) or sglang (SGLang's "
+                         "/generate: each event repeats the text and output_ids so far)")
     ap.add_argument("--rounds", type=int, default=2, help="direct/proxy alternations per case")
     ap.add_argument("--workers", default="1", help="proxy.workers of each daemon to compare, e.g. 1,2")
     ap.add_argument("--arrivals", default="herd,staggered,batched",
@@ -293,14 +332,15 @@ def main() -> None:
                 print(f"--nginx: {started}")
             else:  # the master's CPU and its worker's, summed (the master idles)
                 daemons["nginx"], proxies["nginx"] = started
-        asyncio.run(load(direct, 4, 2))
+        asyncio.run(load(direct, 4, 2, api=a.api))
         for url in proxies.values():
-            asyncio.run(load(url, 4, 2))  # warm every path
+            asyncio.run(load(url, 4, 2, api=a.api))  # warm every path
         meters = {name: CpuMeter(p.pid) for name, p in daemons.items()}
         c0, t0 = {n: m.own_s() for n, m in meters.items()}, time.perf_counter()
         time.sleep(3.0)
         idle = {n: (m.own_s() - c0[n]) / (time.perf_counter() - t0) for n, m in meters.items()}
-        print(f"{a.tokens} tokens per streamed response; {a.requests_per_stream} requests per stream; medians of "
+        print(f"{a.tokens} tokens per streamed response ({a.api}); {a.requests_per_stream} requests per stream; "
+              f"medians of "
               f"{a.rounds} alternating rounds; idle CPU (subtracted): "
               + ", ".join(f"{n} {100 * r:.2f} % of a core" for n, r in idle.items())
               + f"; {os.cpu_count()} CPUs shared by the upstream, the load generator and every daemon")
@@ -309,7 +349,7 @@ def main() -> None:
         for streams in [int(x) for x in a.streams.split(",") if x]:
             label = f"{streams}@{GAP_S * 1e3:g}ms"
             results[label] = run_case(label, direct, proxies, streams, a.requests_per_stream, GAP_S, a.rounds,
-                                      meters, idle, tokens=a.tokens)
+                                      meters, idle, tokens=a.tokens, api=a.api)
         if a.pace:
             n, gap_ms = (float(x) for x in a.pace.split("x"))
             for mode in arrivals:
@@ -317,7 +357,8 @@ def main() -> None:
                 stagger_s = a.tokens * gap_ms / 1e3 if mode != "herd" else 0.0
                 results[f"pace {mode}"] = run_case(f"{int(n)}@{gap_ms:g}ms {mode}", direct, proxies, int(n),
                                                    a.requests_per_stream, gap_ms / 1e3, a.rounds, meters, idle,
-                                                   stagger_s=stagger_s, steps=mode == "batched", tokens=a.tokens)
+                                                   stagger_s=stagger_s, steps=mode == "batched", tokens=a.tokens,
+                                                   api=a.api)
         print("summary (issue 13 targets in brackets):")
         for k, by in results.items():
             note = "  [stress: >= 0.90; before this change 0.62 at 64 streams]" if k.startswith("64@") else ""

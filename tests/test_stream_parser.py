@@ -857,3 +857,194 @@ def test_a_whole_answers_prompt_figure_says_its_shape():
     body = json.loads(_lc_body(["stop", "length"], completion=7))
     del body["timings"]  # a usage for all its choices (vLLM): the prompt once
     assert not body_counts("openai-chat", json.dumps(body).encode()).prompt_each_task
+
+
+# --- SGLang /generate: the byte path against the full parse -----------------------------------------------------
+
+# Texts that spell the keys and separators the byte path looks for, escapes, brackets and non-ASCII.
+_SG_TRICKY = ['"completion_tokens":99,', '","output_ids":[1,2]', '", "output_ids": [', '"finish_reason":"stop"',
+              "\\", '\\"', '"', "}", "{", "]", "[", ",", '{"meta_info":{"completion_tokens":7}}', "é", "日本", "🙂",
+              "\n", "\t", '"index":5,', " word", "", "\u2028", "null"]
+
+
+def _sg_stream(rng, *, compact: bool) -> tuple[bytes, int, int]:
+    """A random SGLang /generate stream: (its bytes, n, sequences). Batches (prompts × n, interleaved, index before or
+    after meta_info), several tokens an event, cumulative or incremental output_ids, texts from _SG_TRICKY, raw UTF-8
+    or \\u escapes, now and then a lying final count, an abort, an error event, an event with an extra key, logprobs,
+    a missing or null prompt_tokens, a comment, a cut before [DONE]."""
+    n = rng.choice([1, 1, 2, 3])
+    prompts = rng.choice([1, 1, 2])
+    seqs = n * prompts
+    batch = seqs > 1 or rng.random() < 0.2
+    incremental = rng.random() < 0.2
+    index_after = rng.random() < 0.5  # SGLang appends `index`; the simulator puts it before meta_info
+    ascii_only = rng.random() < 0.5
+    plan = {i: rng.randint(0, 30) for i in range(seqs)}
+    state = {i: {"text": "", "ids": [], "sent": 0} for i in range(seqs)}
+    prompt_len = {i: 5 + i // n for i in range(seqs)}
+    dump = (lambda o: json.dumps(o, separators=(",", ":"), ensure_ascii=ascii_only)) if compact else json.dumps
+    out = []
+    live = [i for i in range(seqs)]
+    while live:
+        i = rng.choice(live)
+        st = state[i]
+        step = rng.choice([1, 1, 1, 2, 3, 5])
+        new = [rng.randint(0, 200_000) for _ in range(min(step, plan[i] - len(st["ids"])))]
+        st["ids"] += new
+        st["text"] += "".join(rng.choice(_SG_TRICKY) for _ in new)
+        last = len(st["ids"]) >= plan[i]
+        mi = {"id": f"r{i}", "finish_reason": None, "prompt_tokens": prompt_len[i], "weight_version": "default",
+              "completion_tokens": len(st["ids"]), "cached_tokens": 0, "e2e_latency": rng.random()}
+        if rng.random() < 0.05:
+            del mi["prompt_tokens"]
+        elif rng.random() < 0.03:
+            mi["prompt_tokens"] = None
+        if last:
+            live.remove(i)
+            kind = rng.choice(["length", "stop", "stop", "abort"])
+            mi["finish_reason"] = {"type": kind, "length": plan[i]} if kind == "length" else (
+                {"type": "abort", "message": "cancelled"} if kind == "abort" else {"type": "stop", "matched": 2})
+            if rng.random() < 0.2:
+                mi["completion_tokens"] = max(0, plan[i] + rng.choice([-3, -1, 1, 4]))  # a lying final count
+        if rng.random() < 0.05:
+            mi["output_token_logprobs"] = [[-0.1, t, None] for t in st["ids"]]
+        ids = st["ids"][st["sent"]:] if incremental else list(st["ids"])
+        if rng.random() < 0.03:
+            ids = []  # a server that lists none
+        st["sent"] = len(st["ids"])
+        ev = {"text": st["text"], "output_ids": ids}
+        if batch and not index_after:
+            ev["index"] = i
+        ev["meta_info"] = mi
+        if batch and index_after:
+            ev["index"] = i
+        if rng.random() < 0.03:
+            ev["model"] = "m"  # an unusual member: the full parse's
+        out.append(b"data: " + dump(ev).encode() + b"\n\n")
+        if rng.random() < 0.03:
+            out.append(b": keep-alive\n\n")
+        if rng.random() < 0.02:
+            out.append(b'data: {"error":{"message":"the batch was aborted"}}\n\n')
+    if rng.random() < 0.9:
+        out.append(b"data: [DONE]\n\n")
+    return b"".join(out), n, seqs
+
+
+def _pieces(rng, data: bytes, how: str) -> list[bytes]:
+    if how in ("event", "pairs", "triples"):
+        events = [e + b"\n\n" for e in data.split(b"\n\n") if e]
+        k = {"event": 1, "pairs": 2, "triples": 3}[how]
+        return [b"".join(events[i:i + k]) for i in range(0, len(events), k)]
+    if how == "whole":
+        return [data]
+    cuts = sorted(rng.sample(range(1, len(data)), min(len(data) - 1, rng.randint(1, 40))))  # TCP reads anywhere
+    return [data[a:b] for a, b in zip([0, *cuts], [*cuts, len(data)])]
+
+
+@pytest.mark.parametrize("compact", [True, False], ids=["orjson", "json.dumps"])
+@pytest.mark.parametrize("how", ["event", "pairs", "triples", "random", "whole"])
+def test_sglang_byte_path_counts_what_the_full_parse_counts(compact, how):
+    """The proxy reads SGLang /generate events from their bytes (_sglang_quick): over 150 generated streams of every
+    shape the full parse knows, each piece's tokens (and their events), and the summary (counts, prompt, finish,
+    errors, the lying count's contradiction), must be exactly the full parse's."""
+    import random
+
+    from powerprof.daemon.streams import summary_counts
+
+    rng = random.Random(f"{compact}{how}")
+    for case in range(150):
+        data, n, seqs = _sg_stream(rng, compact=compact)
+        full = StreamParser("sglang-generate", choices=n, sequences=seqs)
+        quick = StreamParser("sglang-generate", count_only=True, choices=n, sequences=seqs)
+        counter = StreamParser("sglang-generate", count_only=True, choices=n, sequences=seqs)
+        for piece in _pieces(rng, data, how):
+            a = full.feed(piece)
+            assert quick.feed(piece) == a, (case, piece)
+            assert counter.count(piece) == sum(e.n_tokens for e in a), (case, piece)
+            assert counter.prompt_tokens == quick.prompt_tokens == full.prompt_tokens, (case, piece)
+        summary = full.finish()
+        assert quick.finish() == summary == counter.finish(), (case, data)
+        assert summary_counts(quick.finish()) == summary_counts(summary)
+
+
+@pytest.mark.parametrize("compact", [True, False], ids=["orjson", "json.dumps"])
+def test_sglang_events_are_counted_from_their_bytes_but_the_first_and_last(compact, monkeypatch):
+    """Each /generate event repeats its sequence's text and output_ids so far: parsed whole, the proxy's cost per
+    event grew with the answer. Only each response's first event and each sequence's last (finish_reason set) are
+    parsed; a text that spells the keys, with escaped quotes and non-ASCII, changes nothing."""
+    import powerprof.workload.stream as stream
+
+    parsed = []
+    real = stream.json_from_bytes
+    monkeypatch.setattr(stream, "json_from_bytes", lambda b: parsed.append(b) or real(b))
+    dump = (lambda o: json.dumps(o, separators=(",", ":"), ensure_ascii=False)) if compact else json.dumps
+    seqs, tokens = 3, 40
+    text = ['say "completion_tokens":99, "finish_reason":"stop"', '","output_ids":[1]', "\\", "日本\"🙂"]
+    events = []
+    for t in range(1, tokens + 1):
+        for i in range(seqs):
+            fr = {"type": "length", "length": tokens} if t == tokens else None
+            mi = {"id": f"r{i}", "finish_reason": fr, "prompt_tokens": 9, "completion_tokens": t, "cached_tokens": 0}
+            ev = {"text": "".join(text[j % 4] for j in range(t)), "output_ids": list(range(t)), "meta_info": mi,
+                  "index": i}
+            events.append(b"data: " + dump(ev).encode() + b"\n\n")
+    events.append(b"data: [DONE]\n\n")
+    p = StreamParser("sglang-generate", count_only=True, choices=seqs, sequences=seqs)
+    assert sum(p.count(e) for e in events) == seqs * tokens
+    s = p.finish()
+    assert (s.counted_tokens, s.generated_tokens, s.prompt_tokens, s.complete, s.stop_reason, s.error) == (
+        seqs * tokens, seqs * tokens, 9, True, "length", None)  # n = 3 of one prompt: said once
+    assert len(parsed) == 1 + seqs, f"{len(parsed)} of {len(events) - 1} events parsed whole"
+
+
+def test_sglang_byte_path_gives_way_to_the_full_parse_for_what_it_does_not_read():
+    """Shapes the byte path leaves to the full parse, each counted as the full parse counts it."""
+    base = {"text": "a", "output_ids": [1, 2], "meta_info": {"finish_reason": None, "prompt_tokens": 4,
+                                                             "completion_tokens": 2}}
+    first = b'data: {"text":"","output_ids":[],"meta_info":{"finish_reason":null,"completion_tokens":0}}\n\n'
+    odd = [
+        {**base, "meta_info": {**base["meta_info"], "completion_tokens": 2.0}},  # a float count: checked whole
+        {**base, "meta_info": {**base["meta_info"], "completion_tokens": -2}},  # invalid: recorded
+        {**base, "meta_info": {**base["meta_info"], "completion_tokens": 2 ** 31}},  # over MAX_COUNT
+        {**base, "meta_info": {**base["meta_info"], "completion_tokens": None}},  # no count: one a text
+        {**base, "meta_info": {**base["meta_info"], "finish_reason": "stop"}},
+        {**base, "meta_info": {k: v for k, v in base["meta_info"].items() if k != "completion_tokens"}},
+        {"model": "m", **base},
+        {"output_ids": [1, 2], "text": "a", "meta_info": base["meta_info"]},  # another order
+        {**base, "output_ids": [[1], [2]]},
+        {**base, "output_ids": ["a,b", "c"]},  # not ids: its commas are not its length
+        {**base, "meta_info": {**base["meta_info"], "prompt_tokens": 2 ** 31}},
+        {**base, "error": {"message": "x"}},
+    ]
+    raw = [b'{"text":"a","output_ids":[1,2],"meta_info":{"completion_tokens":2,"completion_tokens":3,'
+           b'"finish_reason":null}}',  # a key said twice: json.loads keeps the last
+           b'{"text":"a","output_ids":[1,2],"meta_info":{"completion_tokens":2,"completion\\u005ftokens":3,'
+           b'"finish_reason":null}}',  # the same key, spelt with an escape
+           b'{"text":"a","x":"b","output_ids":[1,2],"meta_info":{"completion_tokens":2,"finish_reason":null}}',
+           b'{"text":"a","output_ids":[1,2],"meta_info":{"completion_tokens":2,"finish_reason":null},"index":1,'
+           b'"index":0}',
+           b'{"text":"a","output_ids":[1,2],"meta_info":{"completion_tokens":2,"finish_reason":null,'
+           b'"finish_reason":"stop"}}',
+           b'{"text":"a","output_ids":[1,2],"meta_info":{"prompt_tokens":4,"completion_tokens":2,'
+           b'"finish_reason":null,"prompt_tokens":6}}']
+    for doc in [json.dumps(d, separators=(",", ":")).encode() for d in odd] + raw:
+        chunk = b"data: " + doc + b"\n\n"
+        full, counter = StreamParser("sglang-generate"), StreamParser("sglang-generate", count_only=True)
+        assert counter.count(first) == sum(e.n_tokens for e in full.feed(first))
+        assert counter._sglang_quick(doc, None) is None, doc
+        assert counter.count(chunk) == sum(e.n_tokens for e in full.feed(chunk)), doc
+        assert counter.finish() == full.finish(), doc
+
+
+def test_sglang_byte_path_takes_the_index_said_last_as_json_does():
+    # SGLang appends `index`; the simulator puts it before meta_info: one said twice is the later one to json.loads.
+    first = b'data: {"text":"","output_ids":[],"meta_info":{"finish_reason":null,"completion_tokens":0}}\n\n'
+    both = (b'data: {"text":"ab","output_ids":[1,2],"index":1,"meta_info":{"finish_reason":null,"completion_tokens":2}'
+            b',"index":0}\n\n')
+    end = (b'data: {"text":"abc","output_ids":[1,2,3],"meta_info":{"finish_reason":{"type":"stop"},'
+           b'"completion_tokens":3},"index":0}\n\n')
+    full, counter = StreamParser("sglang-generate"), StreamParser("sglang-generate", count_only=True)
+    for chunk in (first, both, end):
+        assert counter.count(chunk) == sum(e.n_tokens for e in full.feed(chunk))
+    s = counter.finish()
+    assert s == full.finish() and s.complete and s.counted_tokens == 3

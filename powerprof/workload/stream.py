@@ -50,6 +50,21 @@ _MAX_PENDING_BYTES = 4 * 1024 * 1024
 _NEEDS_PARSE = re.compile(rb'": |"(?:error|timings|role|tool_calls)"|"usage":\{|"logprobs":[{\[]|"index":(?!0[,}])')
 _PREDICTED = re.compile(rb'"tokens_predicted":([^,}\]]*)')
 
+# SGLang /generate's byte path (StreamParser._sglang_quick): the pieces of an event in its usual shape, compact (as
+# SGLang's orjson writes it) or spaced as json.dumps writes it (the simulator). JSON whitespace only (not \f, \v).
+_W = rb"[ \t\r\n]*"
+_SG_INT = rb"(0|[1-9][0-9]{0,9})"  # a JSON integer of at most 10 digits (checked against MAX_COUNT after)
+# Where a string's closing quote is followed by another member: the text ended before the separator found.
+_SG_MEMBER_GAP = re.compile(rb'"' + _W + rb"," + _W + rb'"')
+# After output_ids' `]`: an optional index, the meta_info object with no object, list or bracket in it (not even
+# inside a string), an optional index, the end.
+_SG_TAIL = re.compile(_W + rb"(?:," + _W + rb'"index"' + _W + rb":" + _W + _SG_INT + _W + rb")?," + _W
+                      + rb'"meta_info"' + _W + rb":" + _W + rb"\{([^{}\[\]]*)\}" + _W + rb"(?:," + _W + rb'"index"'
+                      + _W + rb":" + _W + _SG_INT + _W + rb")?\}" + _W)
+# What follows a key of that flat meta_info: its integer value, or null, and the member's end.
+_SG_INT_VALUE = re.compile(_W + rb":" + _W + _SG_INT + _W + rb"[,}]")
+_SG_NULL_VALUE = re.compile(_W + rb":" + _W + rb"null" + _W + rb"[,}]")
+
 # llama.cpp `timings` fields kept: counts, and durations (ms) or rates checked as amounts.
 _TIMING_COUNTS = ("prompt_n", "predicted_n", "cache_n", "draft_n", "draft_n_accepted")
 _TIMING_AMOUNTS = ("prompt_ms", "predicted_ms", "prompt_per_token_ms", "predicted_per_token_ms",
@@ -206,8 +221,8 @@ class StreamParser:
         self._llamacpp_api = api == "llamacpp"
         self._typed_api = api in ("openai-responses", "anthropic-messages")  # events named by their `type`
         self._sglang_api = api == "sglang-generate"
-        # Typed events are never read from their bytes; nor SGLang's, whose every event carries counts.
-        self._quick = count_only and not self._typed_api and not self._sglang_api
+        # Typed events are never read from their bytes. SGLang's are, their own way (_sglang_quick).
+        self._quick = count_only and not self._typed_api
         self._choices = max(int(choices), 1)
         self._prompts = max(int(sequences), 1) // self._choices  # prompts whose length the request's figure sums
         self._parsed_one = False
@@ -302,9 +317,14 @@ class StreamParser:
                 and chunk[:7] == b"data: {" and chunk[-3:] == b"}\n\n"):
             if chunk.count(b"\n") != 2:
                 return self._count_events(chunk)
-            n = self._quick_count(chunk[6:-2])
-            if n is not None:
-                return n if n > 0 and self._counted(n) else 0
+            if self._sglang_api:
+                n = self._sglang_quick(chunk[6:-2], None)
+                if n is not None:
+                    return n
+            else:
+                n = self._quick_count(chunk[6:-2])
+                if n is not None:
+                    return n if n > 0 and self._counted(n) else 0
         return sum(e.n_tokens for e in self.feed(chunk))
 
     def _count_events(self, chunk: bytes) -> int:
@@ -317,11 +337,17 @@ class StreamParser:
             event = chunk[pos:end]
             if end < 0 or event[:7] != b"data: {" or event[-1:] != b"}" or b"\n" in event:
                 break
-            n = self._quick_count(event[6:])
-            if n is None:
-                break
-            if n > 0 and self._counted(n):
+            if self._sglang_api:
+                n = self._sglang_quick(event[6:], None)
+                if n is None:
+                    break
                 total += n
+            else:
+                n = self._quick_count(event[6:])
+                if n is None:
+                    break
+                if n > 0 and self._counted(n):
+                    total += n
             pos = end + 2
         if pos < size:
             total += sum(e.n_tokens for e in self.feed(chunk[pos:]))
@@ -361,11 +387,15 @@ class StreamParser:
             self._s.done = True
             return
         if self._quick and self._parsed_one:
-            n = self._quick_count(payload)
-            if n is not None:
-                if n > 0:
-                    self._add(n, out, "", None)
-                return
+            if self._sglang_api:
+                if self._sglang_quick(payload, out) is not None:
+                    return
+            else:
+                n = self._quick_count(payload)
+                if n is not None:
+                    if n > 0:
+                        self._add(n, out, "", None)
+                    return
         self._parsed_one = True
         try:
             obj = json_from_bytes(payload)
@@ -420,6 +450,67 @@ class StreamParser:
             return None
         self._s.guessed += 1  # the full parse's rule: a content chunk without counts is one token
         return 1
+
+    def _sglang_quick(self, v: bytes, out: list[TokenEvent] | None) -> int | None:
+        """Tokens of an SGLang /generate event that has not ended, read from its bytes and counted by the full
+        parse's own rule (`_sglang_step`); None when the event needs the full parse. Each event repeats its
+        sequence's text and output_ids so far: parsed whole, its cost grows with the answer (quadratic over it).
+        Only the usual shape qualifies: `{"text":…,"output_ids":[…],"meta_info":{…}}`, an `"index"` before or
+        after meta_info and nothing else, compact (SGLang's orjson) or spaced as json.dumps writes it (the
+        simulator); a meta_info with no object, list or backslash in it (logprobs: parsed whole), an integer
+        `completion_tokens`, `finish_reason` null or absent (a sequence's last event is parsed whole) and
+        `prompt_tokens` an integer or absent. The text is not read: it ends at the first `","output_ids":[` (a
+        quote inside it is escaped, so no separator lies within it) unless a string closes before that one.
+        output_ids' length is its commas plus one (no string in it). The bytes are taken to be JSON, as servers
+        write it: an event that is not may be counted here where the full parse drops it (and counts its tokens
+        at the next event, whose running count includes them). tests/test_stream_parser.py holds both paths
+        equal over generated streams of every shape."""
+        if v.startswith(b'{"text":"'):
+            start, sep = 9, b'","output_ids":['
+        elif v.startswith(b'{"text": "'):
+            start, sep = 10, b'", "output_ids": ['
+        else:
+            return None
+        e = v.find(sep, start)
+        if e < 0 or (v.find(b'"', start, e) >= 0 and _SG_MEMBER_GAP.search(v, start, e) is not None):
+            return None
+        i = e + len(sep)
+        j = v.find(b"]", i)
+        if j < 0 or v.find(b'"', i, j) >= 0:  # (a list or object in it leaves a tail that is not meta_info's)
+            return None
+        k = v.count(b",", i, j)
+        k = k + 1 if k or v[i:j].strip() else 0
+        m = _SG_TAIL.fullmatch(v, j + 1)
+        if m is None:
+            return None
+        a, b = m.span(2)
+        # Every quote in meta_info is a string's end (no backslash in it: nor a key spelt with an escape,
+        # "completion\u005ftokens", the same key to json.loads), so a key's bytes followed by `:` are that key.
+        if v.find(b"\\", a, b) >= 0:
+            return None
+        q = v.find(b'"completion_tokens"', a, b)
+        if q < 0 or v.find(b'"completion_tokens"', q + 19, b) >= 0:
+            return None
+        mc = _SG_INT_VALUE.match(v, q + 19, b + 1)
+        q = v.find(b'"finish_reason"', a, b)
+        if mc is None or (q >= 0 and (v.find(b'"finish_reason"', q + 15, b) >= 0
+                                     or _SG_NULL_VALUE.match(v, q + 15, b + 1) is None)):
+            return None
+        c = int(mc.group(1))
+        p = None
+        q = v.find(b'"prompt_tokens"', a, b)
+        if q >= 0:
+            mp = _SG_INT_VALUE.match(v, q + 15, b + 1) if v.find(b'"prompt_tokens"', q + 15, b) < 0 else None
+            if mp is None:
+                return None
+            p = int(mp.group(1))
+            if p > MAX_COUNT:
+                return None
+        idx = m.group(3) or m.group(1)  # the last said, as json.loads keeps a key said twice
+        idx = int(idx) if idx is not None else 0
+        if c > MAX_COUNT or idx > MAX_COUNT:
+            return None
+        return self._sglang_step(idx, c, p, k, None, True, out)
 
     def _error(self, msg: str) -> None:
         if len(self._s.errors) < _MAX_ERRORS:
@@ -537,13 +628,12 @@ class StreamParser:
             elif predicted is None:
                 self._add(n, out, content, predicted)
 
-    def _sglang(self, obj: dict, out: list[TokenEvent], index: int | None = None) -> None:
+    def _sglang(self, obj: dict, out: list[TokenEvent] | None, index: int | None = None) -> None:
         """One event (or whole answer) of SGLang's /generate: a sequence's tokens are the growth of its running
         `completion_tokens` (several an event under `--stream-interval` or speculative decoding). Its last event's
         count is the server's final claim, as usage is: the tokens that event carries are read from its `output_ids`
         instead, so a final count that contradicts what the sequence listed shows (arrival.count_problem).
         `index`: a whole batch answer's place in its list (its sequences' order), where the object says none."""
-        s = self._s
         if self._server_error(obj):
             return
         mi = obj.get("meta_info")
@@ -554,19 +644,28 @@ class StreamParser:
         idx = idx if type(idx) is int and 0 <= idx <= MAX_COUNT else 0
         c = self._count(mi, "completion_tokens")
         p = self._count(mi, "prompt_tokens")
-        if p is not None:
+        ids = obj.get("output_ids")
+        fr = mi.get("finish_reason")
+        if isinstance(obj.get("model"), str):
+            self._s.model = obj["model"]
+        self._sglang_step(idx, c, p, len(ids) if isinstance(ids, list) else None,
+                          fr if isinstance(fr, (dict, str)) and fr else None, bool(obj.get("text")), out)
+
+    def _sglang_step(self, idx: int, c: int | None, p: int | None, k: int | None, fr, has_text: bool,
+                     out: list[TokenEvent] | None) -> int:
+        """What one /generate event says, applied (the full parse's and the byte path's one rule): sequence `idx`,
+        its running count `c`, prompt `p`, `k` output_ids listed, `fr` its finish_reason (None until it ends),
+        `has_text` a non-empty text. Returns the tokens counted; `out` (unless None) gets their event."""
+        s = self._s
+        if p is not None and s.seq_prompt.get(idx) != p:
             s.seq_prompt[idx] = p
             groups: dict = {}
             for i, v in s.seq_prompt.items():  # each prompt said by its n sequences: counted once
                 groups[i // self._choices] = max(groups.get(i // self._choices, 0), v)
             s.usage_prompt = sum(groups.values())
-        ids = obj.get("output_ids")
-        k = len(ids) if isinstance(ids, list) else None
         prev = s.seq_tokens.get(idx, 0)
-        fr = mi.get("finish_reason")
-        finished = isinstance(fr, (dict, str)) and bool(fr)
         totalled = True
-        if finished:
+        if fr is not None:
             if k is not None and not s.ids_incremental and k != c and (k < prev or (c is not None and k == c - prev)):
                 s.ids_incremental = True  # (cumulative ids never shrink: a short list is the event's new ones)
             if k is not None:
@@ -574,19 +673,19 @@ class StreamParser:
             elif c is not None:
                 n = c - prev
             else:
-                n, totalled = (1 if obj.get("text") else 0), False
+                n, totalled = (1 if has_text else 0), False
         elif c is not None:
             if k is not None and k != c and k == c - prev:
                 s.ids_incremental = True  # output_ids only the event's new ones
             n = c - prev
         else:
-            n, totalled = (1 if obj.get("text") else 0), False  # no count: one token an event, a guess
+            n, totalled = (1 if has_text else 0), False  # no count: one token an event, a guess
         if c is not None:
+            old = s.seq_reported.get(idx)
             s.seq_reported[idx] = c
-            s.usage_completion = sum(s.seq_reported.values())
-        if isinstance(obj.get("model"), str):
-            s.model = obj["model"]
-        if finished:
+            # The sequences' counts summed (kept by difference: a batch's many sequences are not re-summed per event).
+            s.usage_completion = s.usage_completion + c - old if old is not None else sum(s.seq_reported.values())
+        if fr is not None:
             kind = fr.get("type") if isinstance(fr, dict) else fr
             kind = kind if isinstance(kind, str) else "stop"
             if kind in _SGLANG_FAILED:
@@ -604,7 +703,10 @@ class StreamParser:
                 s.totalled += n
             else:
                 s.guessed += n
-            out.append(TokenEvent(n, "", c))
+            if out is not None:
+                out.append(TokenEvent(n, "", c))
+            return n
+        return 0
 
     def _typed(self, obj: dict, out: list[TokenEvent]) -> None:
         """The Responses API's and Anthropic's Messages API's events, told apart by their `type`. A text,
