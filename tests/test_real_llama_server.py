@@ -669,3 +669,40 @@ def test_the_simulators_llamacpp_metrics_tell_a_restart_as_llama_servers_do(llam
     real["tokens_moved"] = real["tokens_moved"] != real_before  # earlier tests finished requests on the real one
     simulated["tokens_moved"] = simulated["tokens_moved"] != 0
     assert real == simulated == {"start_time": False, "tokens_moved": False, "steps_moved": True}, (real, simulated)
+
+
+def test_large_streams_a_buffering_hop_holds_back_are_each_taken_for_one_burst_and_spread_back(llama_server, tmp_path):
+    """A buffering hop between llama-server and the daemon sends each stream whole. A large one (n_probs: ~800 kB for
+    450 tokens) reaches the proxy in several reads, each stamped after the previous one was parsed: its stamps were
+    7-18 ms apart in all, over the 1 ms of one delivery, so it was not taken for a burst; its tokens stayed at the
+    burst and the server's counter, ahead all along, gave them to unproxied (182 of 1500 tokens, 24 J, rows silent)."""
+    held, stop = buffering_proxy(llama_server.base_url)
+    cfg = tmp_path / "p.toml"
+    cfg.write_text(f'[scrape]\ninterval_s = 0.1\nurl = "{llama_server.base_url}"\n')
+    plan = {"small": 300, "probs-1": RESTART_TOKENS, "probs-2": RESTART_TOKENS}
+    try:
+        d = DaemonProc(tmp_path / "data", "--config", str(cfg), "--simulate", "--upstream", held, "--interval", "0.25",
+                       "--flush-interval", "0.5", env=sim_env(tmp_path))
+        try:
+            for tag, n in plan.items():
+                body = {"prompt": "energy per token", "n_predict": n, "stream": True, "temperature": 0,
+                        **({"n_probs": 20} if tag.startswith("probs") else {})}
+                req = urllib.request.Request(d.info["proxy"] + "/completion", data=json.dumps(body).encode(), method="POST",
+                                             headers={"Content-Type": "application/json", "X-Powerprof-Tag": tag})
+                urllib.request.urlopen(req, timeout=120).read()
+        finally:
+            rc = d.stop()
+    finally:
+        stop()
+    assert rc == 0, d.output()
+    rows = {r["tag"]: r for r in read_dataset(tmp_path / "data", "requests").to_dict("records")}
+    assert rows["probs-1"]["response_bytes"] > 500_000, rows["probs-1"]  # large enough to be read in several pieces
+    for tag, n in plan.items():
+        row = rows[tag]
+        assert row["outcome"] == "ok" and row["generated_tokens"] == n and row["attributed_tokens"] == pytest.approx(n), row
+        # llama.cpp's own timings place it: spread over the server's decode time, and the row says so with the fix.
+        assert "in one burst" in row["energy_note"] and "server's decode time" in row["energy_note"], row["energy_note"]
+        assert "proxy_buffering off" in row["energy_note"] and row["gpu_energy_j"] > 0
+    # No bypass traffic ran: what the server counted is what the proxy placed, give or take the scrape windows' edges.
+    intervals = read_dataset(tmp_path / "data", "intervals")
+    assert intervals["server_tokens"].sum() <= 0.05 * sum(plan.values()), intervals["server_tokens"].sum()
