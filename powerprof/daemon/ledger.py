@@ -341,7 +341,11 @@ class Ledger:
         if tr.stream is not True or tr.api is None or r.spent or r.late or not r.ev_t:
             return
         n = float(sum(r.ev_n))
-        if n <= max(tr.extra.get("sequences", 1), 1) or max(np.diff(r.ev_t), default=0) > SAME_DELIVERY_NS:
+        # One delivery as the proxy saw it (each piece came while the previous one was being handled), else, where it
+        # does not say, as the stamps say (chunks under SAME_DELIVERY_NS apart).
+        deliveries = tr.extra.get("deliveries")
+        apart = deliveries > 1 if isinstance(deliveries, int) else max(np.diff(r.ev_t), default=0) > SAME_DELIVERY_NS
+        if n <= max(tr.extra.get("sequences", 1), 1) or apart:
             return
         t1 = int(r.ev_t[-1])
         c = tr.counts

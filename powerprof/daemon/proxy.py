@@ -28,6 +28,7 @@ from typing import Protocol
 import aiohttp
 from aiohttp import web
 
+from powerprof.arrival import SAME_DELIVERY_NS
 from powerprof.errtext import error_text
 from powerprof.workload.stream import json_from_bytes
 
@@ -556,6 +557,7 @@ class Proxy:
                 now = time.monotonic_ns()
                 await resp.write(early)
                 sink.account(early, now)
+                sink._free_ns = time.monotonic_ns()
             else:
                 writer.send_headers()
             sink.transport = request.transport
@@ -733,6 +735,9 @@ class _ClientSink:
         self._not_inspected = False
         self._draining = False
         self._drain_task: asyncio.Task | None = None
+        # When this sink last finished with a piece (monotonic ns): a piece that comes within SAME_DELIVERY_NS of it
+        # was waiting while the previous one was handled, part of the same delivery (`account`, trace.extra["deliveries"]).
+        self._free_ns: int | None = None
 
     def on_body(self, piece: bytes, framed: bytes | None) -> None:
         # In the upstream socket's callback: no task wake-up per read. The piece goes out first; it is
@@ -745,6 +750,7 @@ class _ClientSink:
                 # it is counted (before, it was dropped uncounted and the server's counter gave it to unproxied).
                 self._client_gone()
                 self.account(piece, now)
+                self._free_ns = time.monotonic_ns()
                 return
             if self.chunked:
                 transport.write(framed if framed is not None else b"%x\r\n%b\r\n" % (len(piece), piece))
@@ -757,6 +763,7 @@ class _ClientSink:
         except Exception:  # the client's socket failed: as if it left (the piece still counts, as above)
             self._client_gone()
         self.account(piece, now)
+        self._free_ns = time.monotonic_ns()
 
     def account(self, piece: bytes, now: int) -> None:
         """Counts one piece's tokens (fail-open)."""
@@ -792,6 +799,13 @@ class _ClientSink:
                     self._prompt_known = True
             if n <= 0:
                 return
+            # Deliveries of tokens: a piece that came more than SAME_DELIVERY_NS after this sink was done with the previous
+            # one starts a new one. Its arrival stamp alone cannot say so: a body held back and sent whole (a buffering
+            # hop) is read in pieces, each stamped after the previous one was parsed: an 800 kB llama.cpp stream with n_probs,
+            # its stamps 7-18 ms apart in all, was not taken for one burst (docs/daemon.md, A stream held back on its way).
+            free = self._free_ns
+            if trace.first_ns is None or free is None or now - free > SAME_DELIVERY_NS:
+                trace.extra["deliveries"] = trace.extra.get("deliveries", 0) + 1
             if trace.first_ns is None:
                 trace.first_ns, trace.first_wall_ns = now, now + trace.arrival_wall_ns - trace.arrival_ns
             trace.last_ns = now

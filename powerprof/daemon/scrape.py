@@ -49,6 +49,7 @@ SERVERS = ("auto", "vllm", "sglang", "llamacpp", "none")
 # compares theirs with the proxied requests' tokens at their ends (Ledger._resolve_spans, docs/daemon.md).
 AT_FINISH = ("sglang",)
 START_TIME = "process_start_time_seconds"  # prometheus_client's process collector (vLLM's page; not SGLang's, llama.cpp's)
+LLAMACPP_STEPS = "llamacpp:n_decode_total"  # llama-server's decode calls: every step, a restart's tell (_scrape_llamacpp)
 SCRAPE_TIMEOUT_S = 2.0  # one GET, whole: a server slower than this to say its counters is skipped for a scrape
 
 
@@ -149,6 +150,7 @@ class Scraper:
         self._slots: dict | None = None
         self._finished: float | None = None  # llama.cpp's counter at the previous scrape
         self._high: float | None = None  # the highest llama.cpp total reported so far
+        self._steps: float | None = None  # llama.cpp's decode calls (LLAMACPP_STEPS) at the previous scrape
         self._latency: tuple[float, float] | None = None  # SGLang's e2e latency (_count, _sum) at the previous scrape
         # (requests finished, their summed end-to-end seconds) since the previous scrape: SGLang's e2e latency
         # histogram's rise (FINISHED_LATENCY); None where not known (another server, absent, unreadable, first read).
@@ -303,8 +305,8 @@ class Scraper:
     async def _scrape_llamacpp(self) -> float:
         # The counter first: a request that ends between the two reads is then missing from
         # both for one scrape (caught up at the next) rather than counted twice.
-        status, text = await self._get("/metrics")
-        finished = counter_total(text, LLAMACPP_COUNTER) if status == 200 else None
+        status, page = await self._get("/metrics")
+        finished = counter_total(page, LLAMACPP_COUNTER) if status == 200 else None
         status, text = await self._get("/slots")
         slots = slot_progress(json.loads(text)) if status == 200 else None
         if finished is None and slots is None:
@@ -320,9 +322,21 @@ class Scraper:
             self._slots = slots
             return float(delta)
         total = llamacpp_generated(finished, slots or {})
+        # Its decode calls (llama-server's page since 2024): they move every step, where the token counter moves only as a
+        # request ends, so a restart while the first requests decode (the token counter still 0, the old slots' tokens in
+        # _high) is told by them; by the token counter alone it was not, and the new process's tokens were not counted
+        # until they passed the old slots' (against the real llama-server: 0 of 50, nothing said).
+        try:
+            steps = counter_total(page, LLAMACPP_STEPS) if LLAMACPP_STEPS in page else None
+        except ValueError:
+            steps = None
+        prev_steps, self._steps = self._steps, steps
         if self._finished is not None and finished < self._finished:
             self._high = 0.0  # the server restarted: its counter began again from zero
             self._restarted(f"{LLAMACPP_COUNTER} went back from {self._finished:g} to {finished:g}")
+        elif prev_steps is not None and steps is not None and steps < prev_steps:
+            self._high = 0.0
+            self._restarted(f"{LLAMACPP_STEPS} went back from {prev_steps:g} to {steps:g}")
         self._finished = finished
         if self._high is None:
             self._high = total  # the first scrape is the baseline

@@ -345,6 +345,9 @@ class SimServer:
             return
         if self.flavour == "llamacpp":
             self._m_tokens = Counter("llamacpp:tokens_predicted", "Generated tokens (at request end)", registry=self._registry)
+            # llama-server's llama_decode() calls: one a step, moving while requests decode (what tells its restart
+            # while no request has finished yet: daemon/scrape.py).
+            self._m_steps = Counter("llamacpp:n_decode", "Total number of llama_decode() calls", registry=self._registry)
             self._m_running = Gauge("llamacpp:requests_processing", "Requests processing", registry=self._registry)
             self._m_waiting = Gauge("llamacpp:requests_deferred", "Requests deferred", registry=self._registry)
         else:
@@ -820,6 +823,8 @@ class SimServer:
                 r.truth_row["energy_j"] = r.true_energy_j
 
     def _log_step(self, t0: int, t1: int, kind: str, batch: int, tokens: int) -> None:
+        if self.flavour == "llamacpp":
+            self._m_steps.inc()  # every step is one llama_decode() call
         if len(self.steps) < 100_000:  # ground truth for tests and benches; bounded for long demos
             self.steps.append((t0, t1, kind, batch, tokens))
 
