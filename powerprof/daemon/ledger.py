@@ -1374,7 +1374,7 @@ def _approximate_note(r: _Req) -> str | None:
                      f"answer's; its decode_s is the burst's, not the server's ({BURST_FIX})")
     c = r.trace.counts
     if r.server_ahead >= 0.5 and not r.to_server and (c is None or c.tokens_estimated):
-        notes.append(f"its tokens were counted one a chunk and the server's counter ran {r.server_ahead:.0f} token(s) "
+        notes.append(f"its tokens were counted from its chunks (one each, or their logprobs) and the server's counter ran {r.server_ahead:.0f} token(s) "
                      "ahead of the proxy's while it was live: their energy is in unproxied, not here (fix: "
                      "\"stream_options\": {\"include_usage\": true})")
     return "approximate: " + "; ".join(notes) if notes else None

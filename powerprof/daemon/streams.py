@@ -103,7 +103,7 @@ class Counts:
     complete: bool | None = None
     error: str | None = None
     invalid: str | None = None  # a count or timing out of range: none of its counts are kept
-    tokens_estimated: bool = False  # the proxy's count rests on one token per chunk, unconfirmed by the server
+    tokens_estimated: bool = False  # the proxy's count rests on what its chunks showed (one each, or their logprobs), unconfirmed by the server
     # Why the server's own count contradicts the stream it sent (arrival.count_problem, both counts
     # named); None when it does not. Then neither count is believed: see ledger.py.
     count_problem: str | None = None

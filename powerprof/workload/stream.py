@@ -114,7 +114,9 @@ class StreamSummary:
     n_events: int  # token-bearing events
     n_comments: int  # SSE comment (keep-alive) lines
     invalid: str | None = None  # the first count or timing out of type/sign/range: the request failed
-    guessed_tokens: int = 0  # of counted_tokens, those counted one per chunk (the chunk gave no count)
+    # Of counted_tokens, those counted from what a chunk showed (one a chunk, or its logprobs' entries), not from a
+    # count the server gave: a lower bound, confirmed only where the server's final count says the same.
+    guessed_tokens: int = 0
     # Of counted_tokens, those in chunks that carried the server's own running count (llama.cpp
     # `tokens_predicted`, continuous usage): all of them, and the stream's count is the server's.
     totalled_tokens: int = 0
@@ -160,7 +162,7 @@ def json_from_bytes(b: bytes):
 @dataclass
 class _State:
     counted: int = 0
-    guessed: int = 0  # of them, counted one per chunk: the chunk said no count
+    guessed: int = 0  # of them, counted from what a chunk showed (one, or its logprobs): it said no count
     totalled: int = 0  # of them, in chunks that carried the server's running count
     n_events: int = 0
     n_comments: int = 0
@@ -738,8 +740,7 @@ class StreamParser:
                 lp = obj.get("logprobs")
                 n = len(lp) if isinstance(lp, list) and lp else (1 if isinstance(v, str) and v else 0)
                 if n:
-                    if not (isinstance(lp, list) and lp):
-                        s.guessed += 1
+                    s.guessed += n  # its logprobs too: the tokens it showed, not the server's count
                     self._add(n, out, v if isinstance(v, str) else "", None)
             elif kind in ("response.completed", "response.incomplete") and isinstance(resp, dict):
                 s.complete = True
@@ -841,9 +842,8 @@ class StreamParser:
             return
         texts: list[str] = []
         closing = False  # this chunk carries a finish_reason
-        # Per choice with a token: (index, tokens by the no-count rule: its logprobs' count, else one,
-        # whether that one is a guess).
-        carried: list[tuple[int, int, bool]] = []
+        # Per choice with a token: (index, tokens by the no-count rule: its logprobs' count, else one).
+        carried: list[tuple[int, int]] = []
         n_seen = 0
         idx = 0
         for ch in choices:
@@ -885,7 +885,7 @@ class StreamParser:
                 if k_lp:
                     k_lp, token = 0, True
             if token or k_lp:
-                carried.append((idx, k_lp or 1, not k_lp))
+                carried.append((idx, k_lp or 1))
             if idx and idx not in s.other_choices:
                 s.other_choices[idx] = 0
             if finished:
@@ -920,11 +920,15 @@ class StreamParser:
                 out.append(TokenEvent(0, "", None, closing=True))
             return
         # Without counts a content chunk stands for one token per choice; usage at the end corrects
-        # the total, and the summary says which source it used.
-        n = sum(k for _, k, _ in carried)
+        # the total, and the summary says which source it used. Its logprobs' entries are no count either, only
+        # the tokens it showed: llama-server's chat stream sends no chunk, nor logprobs, for a token that adds
+        # no text (16 of 450 on the tiny test model), so they too are unconfirmed until the usage says the same
+        # (guessed: the ledger then scales the request's chunks to the usage; before, they were taken for the
+        # server's count and the rest went to unproxied, unsaid).
+        n = sum(k for _, k in carried)
         if self._counted(n):
-            s.guessed += sum(1 for _, _, guess in carried if guess)
-            for i, k, _ in carried:
+            s.guessed += n
+            for i, k in carried:
                 if i:
                     s.other_choices[i] += k
             out.append(TokenEvent(n, "".join(texts), None))
