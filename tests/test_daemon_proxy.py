@@ -835,3 +835,46 @@ def test_a_server_that_ignores_the_end_of_the_proxys_side_is_cut_after_the_drain
     rec, took = _run(main())
     assert box["cut"] and rec.ended[0].outcome == "client_disconnected" and took < 3.0
     assert "kept sending for 0.3 s" in rec.ended[0].error
+
+
+def test_a_held_body_sent_in_slow_pieces_is_one_delivery_and_a_live_stream_is_not():
+    """A buffering hop sends a held stream whole, but on a loaded host it refills the socket late: gaps of tens of ms
+    between its pieces. Each piece holds many events, which no server step gives one sequence, so the gap is the
+    sender's and the stream stays one delivery (a full suite beside the real-llama-server test made it several, and the
+    burst went unsaid). A live stream, one event a write, is a delivery per event."""
+    events = [b'data: {"content":"x","stop":false}\n\n'] * 60 + [
+        b'data: {"content":"","stop":true,"tokens_predicted":60,"tokens_evaluated":4}\n\n']
+
+    async def held(request):
+        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        await resp.prepare(request)
+        body = b"".join(events)
+        for k in range(0, len(body), 700):  # ~20 events a piece, each after a slow refill
+            await resp.write(body[k:k + 700])
+            await asyncio.sleep(0.02)
+        await resp.write_eof()
+        return resp
+
+    async def live(request):
+        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        await resp.prepare(request)
+        for ev in events:
+            await resp.write(ev)
+            await asyncio.sleep(0.02)
+        await resp.write_eof()
+        return resp
+
+    async def main(handler):
+        rec = Rec()
+        r1, r2, px_url = await _proxy_for_completion(handler, rec)
+        async with aiohttp.ClientSession() as s:
+            async with s.post(px_url + "/completion", json={"prompt": "p", "n_predict": 60, "stream": True}) as r:
+                await r.read()
+        await r2.cleanup()
+        await r1.cleanup()
+        return rec.ended[0]
+
+    t = _run(main(held))
+    assert t.tokens_seen == 60 and t.extra.get("deliveries") == 1, (t.tokens_seen, t.extra)
+    t = _run(main(live))
+    assert t.tokens_seen == 60 and t.extra.get("deliveries", 0) >= 30, (t.tokens_seen, t.extra)

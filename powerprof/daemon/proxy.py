@@ -738,6 +738,7 @@ class _ClientSink:
         # When this sink last finished with a piece (monotonic ns): a piece that comes within SAME_DELIVERY_NS of it
         # was waiting while the previous one was handled, part of the same delivery (`account`, trace.extra["deliveries"]).
         self._free_ns: int | None = None
+        self._piece_tokens = 0  # tokens in the last piece that carried any
 
     def on_body(self, piece: bytes, framed: bytes | None) -> None:
         # In the upstream socket's callback: no task wake-up per read. The piece goes out first; it is
@@ -803,9 +804,14 @@ class _ClientSink:
             # one starts a new one. Its arrival stamp alone cannot say so: a body held back and sent whole (a buffering
             # hop) is read in pieces, each stamped after the previous one was parsed: an 800 kB llama.cpp stream with n_probs,
             # its stamps 7-18 ms apart in all, was not taken for one burst (docs/daemon.md, A stream held back on its way).
+            # A gap after a piece that held more tokens than one step gives (its sequences') is the sender's, not the
+            # server's: a held body's next piece, the hop (or this host) slow to refill the socket. On a loaded host
+            # (a full suite beside it) such gaps passed 1 ms and the 800 kB stream read as several deliveries.
             free = self._free_ns
-            if trace.first_ns is None or free is None or now - free > SAME_DELIVERY_NS:
+            held = self._piece_tokens > max(trace.extra.get("sequences", 1), 1)
+            if trace.first_ns is None or free is None or (now - free > SAME_DELIVERY_NS and not held):
                 trace.extra["deliveries"] = trace.extra.get("deliveries", 0) + 1
+            self._piece_tokens = n
             if trace.first_ns is None:
                 trace.first_ns, trace.first_wall_ns = now, now + trace.arrival_wall_ns - trace.arrival_ns
             trace.last_ns = now
