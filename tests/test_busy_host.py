@@ -377,15 +377,20 @@ class FakeHostWithHelpers(FakeHost):
         super().__init__(**kw)
         self.child = child
         self.first: dict[int, float] = {}
+        self.gone: dict[int, float] = {}  # a child that exited (a worker restarted on a loaded host) burns no more
 
     def _children(self):
+        now, alive = self._t(), set()
         for c in psutil.Process().children(recursive=True):
-            self.first.setdefault(c.pid, self._t())
+            self.first.setdefault(c.pid, now)
+            alive.add(c.pid)
+        for pid in self.first.keys() - alive:
+            self.gone.setdefault(pid, now)
 
     def cpu_times(self):
         self._children()
         t = super().cpu_times()
-        t.user += sum(self.child * (self._t() - s) for s in self.first.values())
+        t.user += sum(self.child * (self.gone.get(p, self._t()) - s) for p, s in self.first.items())
         return t
 
     def Process(self, pid):
@@ -393,7 +398,10 @@ class FakeHostWithHelpers(FakeHost):
         if pid in self.rates or pid not in self.first:
             return super().Process(pid)
         host, s = self, self.first[pid]
-        return SimpleNamespace(cpu_times=lambda: SimpleNamespace(user=host.child * (host._t() - s), system=0.0),
+        if pid in self.gone:
+            raise psutil.NoSuchProcess(pid)
+        return SimpleNamespace(cpu_times=lambda: SimpleNamespace(user=host.child * (host.gone.get(pid, host._t()) - s),
+                                                                 system=0.0),
                                create_time=lambda: time.time())
 
 
