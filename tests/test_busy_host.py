@@ -378,10 +378,15 @@ class FakeHostWithHelpers(FakeHost):
         self.child = child
         self.first: dict[int, float] = {}
         self.gone: dict[int, float] = {}  # a child that exited (a worker restarted on a loaded host) burns no more
+        # Children already there are not the daemon's: in a full run the xdist worker may still hold an earlier file's
+        # server, which burned 0.3 core as "the daemon's worker" and read as 14.7% other processes.
+        self.before = {c.pid for c in psutil.Process().children(recursive=True)}
 
     def _children(self):
         now, alive = self._t(), set()
         for c in psutil.Process().children(recursive=True):
+            if c.pid in self.before:
+                continue
             self.first.setdefault(c.pid, now)
             alive.add(c.pid)
         for pid in self.first.keys() - alive:
