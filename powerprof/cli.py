@@ -51,16 +51,6 @@ class _FloatRange(click.FloatRange):
         return rv
 
 
-class _Float(_FloatRange):
-    """A float without bounds: its help shows FLOAT (an unbounded range showed "[x<=None]")."""
-
-    name = "float"
-
-    def _describe_range(self) -> str:
-        return ""
-
-    def get_metavar(self, *args, **kwargs):
-        return "FLOAT"
 
 
 class _IntRange(click.IntRange):
@@ -75,16 +65,26 @@ class _IntRange(click.IntRange):
         return super().convert(value, param, ctx)
 
 
-class _Int(_IntRange):
-    """An int without bounds: its help shows INTEGER, as click.INT's did."""
+class _Unbounded:
+    """A range type without bounds: its help shows the plain metavar (an unbounded range showed "[x<=None]")."""
 
-    name = "integer"
+    metavar = ""
 
     def _describe_range(self) -> str:
         return ""
 
     def get_metavar(self, *args, **kwargs):
-        return "INTEGER"
+        return self.metavar
+
+
+class _Float(_Unbounded, _FloatRange):
+    name = "float"
+    metavar = "FLOAT"
+
+
+class _Int(_Unbounded, _IntRange):
+    name = "integer"
+    metavar = "INTEGER"
 
 
 class _SimProfiles(click.ParamType):
