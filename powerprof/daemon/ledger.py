@@ -26,7 +26,8 @@ from powerprof.energy import epoch_broken, interp_at, trailing_average_interval_
 from powerprof.profiler import (METHOD_AVG_POWER, METHOD_COUNTER, METHOD_NONE, METHOD_POWER, NO_COUNTER_SHORT_BUSY_SHARE,
                                 NO_COUNTER_SHORT_BUSY_SHARE_INSTANT, NO_COUNTER_SHORT_FIX, NO_COUNTER_SHORT_FLAG,
                                 weakest_method)
-from powerprof.storage.schema import BYPASS_LOW_FLAG, SERVER_COUNT_COMPLETE, SERVER_COUNT_OFF, SERVER_COUNT_UNREAD
+from powerprof.storage.schema import (BYPASS_LOW_FLAG, SERVER_COUNT_COMPLETE, SERVER_COUNT_OFF, SERVER_COUNT_UNREAD,
+                                      bypass_count_low)
 
 from powerprof.arrival import SAME_DELIVERY_NS
 
@@ -173,6 +174,9 @@ class Totals:
     other_cpu_pct: float | None = None  # other processes' share of the host's busy CPU time, latest judged busy interval
     busy_host_requests_cpu_j: float = 0.0  # CPU energy given to requests in intervals where it was above BUSY_HOST_PCT
     no_counter_short_requests: int = 0  # request rows flagged NO_COUNTER_SHORT_FLAG since start
+    # Intervals with tokens left out of j_per_token since start, and their tokens: {flag: (intervals, tokens)}
+    # (NO_COUNTER_SHORT_FLAG, BYPASS_LOW_FLAG).
+    jpt_left_out: dict = field(default_factory=dict)
 
 
 class Ledger:
@@ -255,6 +259,7 @@ class Ledger:
         self._tokens_total = 0.0
         self._tokens_attributed = 0.0
         self._recent: deque = deque()  # (t_end_ns, requests' J, their tokens)
+        self._jpt_left_out: dict[str, tuple[int, float]] = {}  # Totals.jpt_left_out
         self.prompt_lengths = PromptLengths()
         self.prompts_estimated: dict[str, int] = {}  # {why the server never counted it: requests}
         self.totals = Totals(gpu_energy_j=(0.0,) * n_gpus)
@@ -720,11 +725,9 @@ class Ledger:
         if self.server_seen:
             excess, bypass_spans, why_low = self._bypass_tokens(t)
         server_count = self._server_count(t, why_low)
-        # Intervals whose bypass count may be low: their requests may carry bypass traffic's energy (said on their rows).
-        # `slots_only` alone is every interval of a llama-server started without --metrics (its default): marking its
-        # requests would leave every one out of J/token for a loss only bypass traffic causes; like `off` (no count at
-        # all), the interval rows, the gauge and the log say it instead.
-        low_iv = np.array([c not in (COUNT_COMPLETE, COUNT_OFF, "slots_only") for c in server_count], dtype=bool)
+        # Intervals whose bypass count may be low: their requests may carry bypass traffic's energy (said on their rows),
+        # and the live J/token leaves them out, by the one rule `analyze` follows (schema.bypass_count_low).
+        low_iv = np.array([bypass_count_low(c) for c in server_count], dtype=bool)
         setting = edges[-1].setting
         costs = self.learner.costs(setting)
         # The third column marks intervals without CPU energy: a request given a share of one
@@ -805,7 +808,7 @@ class Ledger:
                     live = (arrival[i] < t[1:]) & (end[i] > t[:-1])
                     r.server_ahead += float(excess[live].sum())
         self._judge_host(t, a, other_pct, judged)
-        self._account(t, per_gpu, gpu, cpu, a, methods, costs, host_s, other_s, judged, short_iv)
+        self._account(t, per_gpu, gpu, cpu, a, methods, costs, host_s, other_s, judged, short_iv, low_iv)
         self._interval_rows(edges, t, gpu, cpu, methods, a, excess, costs, other_pct, server_count)
         rows = []
         for r, d in zip(reqs, done):
@@ -1009,7 +1012,7 @@ class Ledger:
         self._busy_spell = bool(busy[np.flatnonzero(judged)[-1]])
 
     def _account(self, t, per_gpu, gpu, cpu, a: attr.Attribution, methods: list[str], costs: attr.WorkCosts,
-                 host_s=None, other_s=None, judged=None, short_iv=None) -> None:
+                 host_s=None, other_s=None, judged=None, short_iv=None, low_iv=None) -> None:
         self._gpu_total = self._gpu_total + np.nan_to_num(per_gpu).sum(axis=0)
         if not np.isnan(cpu).all():
             self._cpu_total = (self._cpu_total or 0.0) + float(np.nansum(cpu))
@@ -1018,9 +1021,18 @@ class Ledger:
         self._tokens_total += float(a.tokens.sum())
         self._tokens_attributed += float(a.request_tokens.sum())
         for k in range(t.size - 1):
-            # J/token over intervals whose energy is known and is not mostly idle power taken out (NO_COUNTER_SHORT_FLAG).
-            if a.tokens[k] > 0 and not np.isnan(gpu[k]) and not (short_iv is not None and short_iv[k]):
+            # J/token over intervals whose energy is known, is not mostly idle power taken out (NO_COUNTER_SHORT_FLAG)
+            # and whose bypass count is not low (BYPASS_LOW_FLAG: bypass traffic's energy may be in the requests'; the
+            # rule `analyze` leaves such requests out by). What is left out is counted by reason, never silently.
+            if a.tokens[k] <= 0 or np.isnan(gpu[k]):
+                continue
+            why = (NO_COUNTER_SHORT_FLAG if short_iv is not None and short_iv[k]
+                   else BYPASS_LOW_FLAG if low_iv is not None and low_iv[k] else None)
+            if why is None:
                 self._recent.append((int(t[k + 1]), float(a.dest[k, attr.TO_REQUESTS, 0]), float(a.tokens[k])))
+            else:
+                n_iv, n_tok = self._jpt_left_out.get(why, (0, 0.0))
+                self._jpt_left_out[why] = (n_iv + 1, n_tok + float(a.tokens[k]))
         while self._recent and self._recent[0][0] < int(t[-1]) - self.jpt_window_ns:
             self._recent.popleft()
         e = sum(x[1] for x in self._recent)
@@ -1039,6 +1051,7 @@ class Ledger:
             other_cpu_pct=self._other_pct,
             busy_host_requests_cpu_j=self._busy_cpu_j,
             no_counter_short_requests=self.no_counter_short_requests,
+            jpt_left_out=dict(self._jpt_left_out),
         )
 
     def _costs_state(self, costs: attr.WorkCosts) -> dict:

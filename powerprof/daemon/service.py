@@ -509,6 +509,7 @@ class Daemon:
             other_cpu_pct=tot.other_cpu_pct,
             busy_host_requests_cpu_j=tot.busy_host_requests_cpu_j,
             no_counter_short_requests=tot.no_counter_short_requests,
+            jpt_left_out=tot.jpt_left_out,
         )
 
     def _helper_pids(self) -> list[int]:
