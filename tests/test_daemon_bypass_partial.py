@@ -49,7 +49,7 @@ def _trace(rid, arrival_s):
 
 def _run(restart_at_s: float | None, late_first_read_s: float | None = None, until_s: float = 16.0, down_s: float = 0.5,
          slots_only: bool = False, bypass_stride: int = 4, idle_w: float | None = None, j_per_token: float = 0.25,
-         keep: list | None = None):
+         keep: list | None = None, tags: tuple = ()):
     """A ledger fed as the daemon feeds it: 1 s GPU samples (100 J each), scrapes every 0.25 s, proxied streams at
     160 tokens/s (four streams' worth, 4 tokens a step) and bypass traffic at 10 tokens/s from 1 s on. `restart_at_s`: the server restarts there (the old
     process's tokens after the scrape before are lost, its counter counts from 0 again) and is down `down_s` (scrapes
@@ -57,7 +57,8 @@ def _run(restart_at_s: float | None, late_first_read_s: float | None = None, unt
     the daemon's ready, with tokens already counted. `slots_only`: every scrape says so (a llama-server without
     --metrics). `bypass_stride`: a bypass token every that many server steps (4: 10 tokens/s). `idle_w`: the GPU
     draws this plus `j_per_token` for every token it generates, proxied or not (the truth a J/token is held to);
-    None: 100 J each second whatever ran. `keep`: the ledger is appended to it. Returns (interval rows, request rows,
+    None: 100 J each second whatever ran. `keep`: the ledger is appended to it. `tags`: (name, start s, stop s) tag
+    windows opened and closed at those scrape ticks. Returns (interval rows, request rows,
     true bypass tokens per 1 s interval)."""
     sink = _Sink()
     led = Ledger("d", 0, 1, sink, grace_s=0.1)
@@ -92,6 +93,11 @@ def _run(restart_at_s: float | None, late_first_read_s: float | None = None, unt
             cur.last_ns = int(ts * S)
             cur.tokens_seen += PER_STEP
             led.on_tokens(cur, int(ts * S), PER_STEP)
+        for name, t0, t1 in tags:
+            if t == t0:
+                led.open_tag(name, int(t * S), int(t * S))
+            if t == t1:
+                led.close_tag(name, int(t * S), int(t * S))
         if t == int(t):
             spent = (100.0 * t if idle_w is None else
                      idle_w * t + j_per_token * (PER_STEP * (proxied <= t).sum() + (bypass <= t).sum()))
@@ -333,3 +339,23 @@ def test_the_gauge_and_its_left_out_counters_are_on_metrics():
                    ("powerprof_joules_per_token_left_out_tokens", "bypass-uncounted"): 480.0,
                    ("powerprof_joules_per_token_left_out_tokens", "no-counter-short"): 0}, got
     assert "bypass-uncounted" in fams["powerprof_joules_per_token"].documentation
+
+
+def test_tag_rows_say_how_far_the_server_count_covers_their_intervals():
+    """A tag's energy is its intervals'; before, its row said nothing of whether their bypass count was whole, so a
+    tag across a restart read as well founded as one in a quiet stretch. Its `server_count` now joins its intervals'."""
+    led_kept: list = []
+    _run(restart_at_s=6.2, down_s=2.0, keep=led_kept, tags=(("across", 5.0, 10.0), ("after", 10.0, 13.0)))
+    rows = {r["name"]: r for r in led_kept[0].emit.rows["tags"]}
+    assert rows["across"]["server_count"] == "server_restart", rows["across"]
+    assert rows["after"]["server_count"] == "complete", rows["after"]
+
+
+def test_a_tags_server_count_joins_its_intervals_reasons_and_an_empty_one_is_unknown():
+    from powerprof.daemon.ledger import tag_server_count
+    from powerprof.storage.schema import bypass_count_low
+
+    assert tag_server_count({"complete"}) == "complete" and tag_server_count({"off"}) == "off"
+    assert tag_server_count({"complete", "unscraped", "late_baseline,unscraped"}) == "late_baseline,unscraped"
+    assert tag_server_count({"unread", "complete"}) == "unread"
+    assert tag_server_count(set()) is None and bypass_count_low(None)  # unknown: never complete

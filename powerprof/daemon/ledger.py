@@ -156,6 +156,7 @@ class _Tag:
     methods: set = field(default_factory=set)
     closed_by: str = "stop"
     host_cpu_s: float = 0.0  # the host's busy CPU time over its intervals whose share is known
+    server_counts: set = field(default_factory=set)  # its intervals' server_count values (tag_server_count)
     other_cpu_s: float = 0.0  # of it, other processes' (neither the server's nor powerprof's)
 
 
@@ -808,7 +809,7 @@ class Ledger:
                     live = (arrival[i] < t[1:]) & (end[i] > t[:-1])
                     r.server_ahead += float(excess[live].sum())
         self._judge_host(t, a, other_pct, judged)
-        self._account(t, per_gpu, gpu, cpu, a, methods, costs, host_s, other_s, judged, short_iv, low_iv)
+        self._account(t, per_gpu, gpu, cpu, a, methods, costs, host_s, other_s, judged, short_iv, low_iv, server_count)
         self._interval_rows(edges, t, gpu, cpu, methods, a, excess, costs, other_pct, server_count)
         rows = []
         for r, d in zip(reqs, done):
@@ -1012,7 +1013,7 @@ class Ledger:
         self._busy_spell = bool(busy[np.flatnonzero(judged)[-1]])
 
     def _account(self, t, per_gpu, gpu, cpu, a: attr.Attribution, methods: list[str], costs: attr.WorkCosts,
-                 host_s=None, other_s=None, judged=None, short_iv=None, low_iv=None) -> None:
+                 host_s=None, other_s=None, judged=None, short_iv=None, low_iv=None, server_count=None) -> None:
         self._gpu_total = self._gpu_total + np.nan_to_num(per_gpu).sum(axis=0)
         if not np.isnan(cpu).all():
             self._cpu_total = (self._cpu_total or 0.0) + float(np.nansum(cpu))
@@ -1038,7 +1039,7 @@ class Ledger:
         e = sum(x[1] for x in self._recent)
         n = sum(x[2] for x in self._recent)
         for tag in list(self.tags.values()) + self.closed_tags:
-            self._tag_add(tag, t, gpu, cpu, a, methods, host_s, other_s, judged)
+            self._tag_add(tag, t, gpu, cpu, a, methods, host_s, other_s, judged, server_count)
         self.totals = Totals(
             gpu_energy_j=tuple(float(x) for x in self._gpu_total),
             cpu_energy_j=self._cpu_total,
@@ -1083,7 +1084,8 @@ class Ledger:
         row.update(dict(zip(names, fit.coef)))
         return row
 
-    def _tag_add(self, tag: _Tag, t, gpu, cpu, a, methods, host_s=None, other_s=None, judged=None) -> None:
+    def _tag_add(self, tag: _Tag, t, gpu, cpu, a, methods, host_s=None, other_s=None, judged=None,
+                 server_count=None) -> None:
         mid = (t[:-1] + t[1:]) // 2
         end = tag.t1_ns if tag.t1_ns is not None else attr.NEVER
         inside = (mid >= tag.t0_ns) & (mid < end)
@@ -1096,6 +1098,8 @@ class Ledger:
         tag.cpu_missing = tag.cpu_missing or bool(np.isnan(cpu[inside]).any())
         tag.tokens += float(a.tokens[inside].sum())
         tag.methods.update(m for m, i in zip(methods, inside) if i)
+        if server_count is not None:
+            tag.server_counts.update(c for c, i in zip(server_count, inside) if i)
         if judged is not None:
             tag.host_cpu_s += float(host_s[inside & judged].sum())
             tag.other_cpu_s += float(other_s[inside & judged].sum())
@@ -1258,7 +1262,16 @@ class Ledger:
             "proxy_tokens": tg.tokens,
             "gpu_j_per_token": tg.gpu_j / tg.tokens if tg.tokens > 0 and not tg.gpu_missing else None,
             "closed_by": tg.closed_by,
+            "server_count": tag_server_count(tg.server_counts),
         }
+
+
+def tag_server_count(counts: set) -> str | None:
+    """A tag's `server_count` from its intervals': one value they all share (complete, off, unread), else every
+    reason any of them gives, comma-separated (`complete` dropped: a part of it may be low). None: no interval."""
+    if len(counts) <= 1:
+        return next(iter(counts), None)
+    return ",".join(sorted({w for c in counts for w in c.split(",")} - {COUNT_COMPLETE}))
 
 
 def _joined(*notes: str | None) -> str | None:

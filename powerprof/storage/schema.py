@@ -354,6 +354,8 @@ DAEMON_TAGS_COLUMNS = [
     ("proxy_tokens", F64),  # tokens through the proxy inside the window
     ("gpu_j_per_token", F64),
     ("closed_by", STR),  # stop | shutdown
+    # how far the server's count covers its intervals (SERVER_COUNT_* above, their reasons joined); null: unknown
+    ("server_count", STR),
     HOST,
 ]
 
