@@ -114,6 +114,16 @@ def main() -> None:
         print(f"flagged intervals: {len(flagged)} ({', '.join(sorted(set(flagged['server_count'])))}): true bypass "
               f"{flagged['true_bypass_j'].sum():.1f} J, stored {flagged['unproxied_energy_j'].sum():.1f} J")
     print(f"whole run: true bypass {iv['true_bypass_j'].sum():.1f} J, stored unproxied {iv['unproxied_energy_j'].sum():.1f} J")
+    # The live J/token gauge (its window, metrics.jpt_window_s = 60 s, holds the whole run) against the simulator's
+    # truth for the proxied requests; "every interval" is the rule it had before it left out those whose count is low.
+    proxied = [r for r in srv.truth if r.get("client_id") not in bypass_ids and r.get("energy_j") and r["emissions"]]
+    true_jpt = sum(r["energy_j"] for r in proxied) / sum(len(r["emissions"]) for r in proxied)
+    busy = iv[(iv["proxy_tokens"] > 0) & iv["gpu_energy_j"].notna()]
+    every = busy["requests_energy_j"].sum() / busy["proxy_tokens"].sum()
+    tot = daemon.ledger.totals
+    print(f"J/token: simulator truth (proxied requests, whole) {true_jpt:.4f}; every interval with tokens {every:.4f} "
+          f"({100 * (every / true_jpt - 1):+.1f}%); powerprof_joules_per_token {tot.j_per_token:.4f} "
+          f"({100 * (tot.j_per_token / true_jpt - 1):+.1f}%), left out {tot.jpt_left_out}")
 
 
 if __name__ == "__main__":

@@ -1600,7 +1600,7 @@ def tag_stop(name, socket, config_path, as_json):
     r = _tag_call("stop", name, socket, config_path)
     if as_json:
         _echo_json({"name": name, **{k: r.get(k) for k in ("duration_s", "gpu_energy_j", "cpu_energy_j",
-                                                            "proxy_tokens", "gpu_j_per_token", "note")}})
+                                                            "proxy_tokens", "gpu_j_per_token", "server_count", "note")}})
         return
     # A figure the daemon did not give (None) is printed as unknown, never as 0 (it read "GPU 0.0 J").
     def fig(key: str, fmt: str, unit: str) -> str:
@@ -1616,6 +1616,12 @@ def tag_stop(name, socket, config_path, as_json):
     )
     if r.get("note"):
         click.echo(f"note: {r['note']}", err=True)
+    from powerprof.storage.schema import bypass_count_low  # noqa: PLC0415
+
+    if "server_count" in r and bypass_count_low(r["server_count"]):  # an older daemon's answer has no such key
+        click.echo(f"note: the server's token count over its intervals may be low or was not read (server_count "
+                   f"{r['server_count'] or 'unknown'}): bypass traffic beside it is not known, and its energy is in "
+                   "this window's (docs/daemon.md, Which rows may be low)", err=True)
 
 
 @tag_group.command("list")

@@ -48,22 +48,28 @@ def _trace(rid, arrival_s):
 
 
 def _run(restart_at_s: float | None, late_first_read_s: float | None = None, until_s: float = 16.0, down_s: float = 0.5,
-         slots_only: bool = False):
+         slots_only: bool = False, bypass_stride: int = 4, idle_w: float | None = None, j_per_token: float = 0.25,
+         keep: list | None = None, tags: tuple = ()):
     """A ledger fed as the daemon feeds it: 1 s GPU samples (100 J each), scrapes every 0.25 s, proxied streams at
     160 tokens/s (four streams' worth, 4 tokens a step) and bypass traffic at 10 tokens/s from 1 s on. `restart_at_s`: the server restarts there (the old
     process's tokens after the scrape before are lost, its counter counts from 0 again) and is down `down_s` (scrapes
     fail: the restart's window spans them). `late_first_read_s`: the server's counters are first read there, after
     the daemon's ready, with tokens already counted. `slots_only`: every scrape says so (a llama-server without
-    --metrics). Returns (interval rows, request rows, true bypass tokens per
-    1 s interval)."""
+    --metrics). `bypass_stride`: a bypass token every that many server steps (4: 10 tokens/s). `idle_w`: the GPU
+    draws this plus `j_per_token` for every token it generates, proxied or not (the truth a J/token is held to);
+    None: 100 J each second whatever ran. `keep`: the ledger is appended to it. `tags`: (name, start s, stop s) tag
+    windows opened and closed at those scrape ticks. Returns (interval rows, request rows,
+    true bypass tokens per 1 s interval)."""
     sink = _Sink()
     led = Ledger("d", 0, 1, sink, grace_s=0.1)
     led.scraping = True  # as the daemon sets it when it scrapes a server
+    if keep is not None:
+        keep.append(led)
     dt = 0.025
     gen = np.arange(1.0, until_s - 2.0, dt)  # server steps
     down = (restart_at_s, restart_at_s + down_s) if restart_at_s is not None else (np.inf, np.inf)
     up = (gen < down[0]) | (gen >= down[1])
-    bypass = gen[up][::4]  # 10 tokens/s
+    bypass = gen[up][::bypass_stride]  # 10 tokens/s by default
     proxied = gen[up]  # 160 tokens/s: 4 tokens a step (PER_STEP)
     # Streams of 2 s each through the proxy; a restart cuts the one running.
     traces, cur = [], None
@@ -87,8 +93,15 @@ def _run(restart_at_s: float | None, late_first_read_s: float | None = None, unt
             cur.last_ns = int(ts * S)
             cur.tokens_seen += PER_STEP
             led.on_tokens(cur, int(ts * S), PER_STEP)
+        for name, t0, t1 in tags:
+            if t == t0:
+                led.open_tag(name, int(t * S), int(t * S))
+            if t == t1:
+                led.close_tag(name, int(t * S), int(t * S))
         if t == int(t):
-            led.add_gpu_sample(int(t * S), int(t * S), [_R(100.0 * t)])
+            spent = (100.0 * t if idle_w is None else
+                     idle_w * t + j_per_token * (PER_STEP * (proxied <= t).sum() + (bypass <= t).sum()))
+            led.add_gpu_sample(int(t * S), int(t * S), [_R(float(spent))])
         # What the server's counter says at t: its process's tokens since it started.
         born = down[1] if t >= down[1] else 0.0
         count = float(PER_STEP * ((proxied > born) & (proxied <= t)).sum() + ((bypass > born) & (bypass <= t)).sum())
@@ -280,3 +293,69 @@ def test_a_slots_only_server_marks_its_intervals_but_leaves_its_requests_in_j_pe
     assert counted and all(r["server_count"] == "slots_only" for r in counted), [r["server_count"] for r in counted]
     assert reqs and not any("bypass-uncounted" in (r["energy_note"] or "") for r in reqs
                             if r["t_end_utc"] < 12 * S), [r["energy_note"] for r in reqs]
+
+
+# --- the live J/token gauge: the rule analyze follows ---------------------------------------------------------------
+
+
+@pytest.mark.parametrize("case", ["late_baseline", "server_restart"])
+def test_the_live_j_per_token_leaves_out_intervals_whose_bypass_count_may_be_low_and_counts_them(case):
+    """The GPU draws 50 W plus 0.25 J a token, proxied or bypass alike, and bypass traffic is a fifth of the tokens:
+    every token's true share is 0.5 J. Intervals whose bypass count is low give the requests the bypass traffic's
+    energy too (0.62 J/token in those after a late first read). Before, `powerprof_joules_per_token` took them in:
+    0.567 (+13%) after a late first read at 8 s, 0.529 (+6%) across a 2 s restart, marked nowhere, while `analyze`
+    leaves their requests out. Now the gauge leaves those intervals out by the same rule (schema.bypass_count_low),
+    0.501 and 0.499, and counts them by reason."""
+    led_kept: list = []
+    kw = dict(bypass_stride=1, idle_w=50.0, j_per_token=0.25, keep=led_kept)
+    if case == "late_baseline":
+        rows, _, _ = _run(restart_at_s=None, late_first_read_s=8.0, **kw)
+    else:
+        rows, _, _ = _run(restart_at_s=6.2, down_s=2.0, **kw)
+    truth = (50.0 + 0.25 * 200) / 200  # J/s over tokens/s, every token alike: 0.5
+    led = led_kept[0]
+    low = [r for r in rows if r["server_count"] not in ("complete", "off", "slots_only") and r["proxy_tokens"] > 0]
+    assert low, [r["server_count"] for r in rows]
+    got = led.totals.j_per_token
+    assert got == pytest.approx(truth, rel=0.03), (got, truth)
+    n_iv, n_tok = led.totals.jpt_left_out["bypass-uncounted"]
+    assert n_iv == len(low) and n_tok == pytest.approx(sum(r["proxy_tokens"] for r in low)), (n_iv, n_tok, len(low))
+    # The intervals it took in are the complete ones, whose requests' figure is the truth too.
+    kept = [r for r in rows if r["server_count"] == "complete" and r["proxy_tokens"] > 0]
+    assert sum(r["requests_energy_j"] for r in kept) / sum(r["proxy_tokens"] for r in kept) == pytest.approx(truth, rel=0.03)
+
+
+def test_the_gauge_and_its_left_out_counters_are_on_metrics():
+    from powerprof.daemon.metrics import Snapshot, SnapshotCollector
+
+    class _H:
+        snapshot = Snapshot(joules_per_token=0.5, jpt_left_out={"bypass-uncounted": (3, 480.0)})
+
+    fams = {f.name: f for f in SnapshotCollector(_H()).collect()}
+    got = {(f.name, s.labels.get("reason")): s.value for n in ("intervals", "tokens")
+           for f in [fams[f"powerprof_joules_per_token_left_out_{n}"]] for s in f.samples}
+    assert got == {("powerprof_joules_per_token_left_out_intervals", "bypass-uncounted"): 3,
+                   ("powerprof_joules_per_token_left_out_intervals", "no-counter-short"): 0,
+                   ("powerprof_joules_per_token_left_out_tokens", "bypass-uncounted"): 480.0,
+                   ("powerprof_joules_per_token_left_out_tokens", "no-counter-short"): 0}, got
+    assert "bypass-uncounted" in fams["powerprof_joules_per_token"].documentation
+
+
+def test_tag_rows_say_how_far_the_server_count_covers_their_intervals():
+    """A tag's energy is its intervals'; before, its row said nothing of whether their bypass count was whole, so a
+    tag across a restart read as well founded as one in a quiet stretch. Its `server_count` now joins its intervals'."""
+    led_kept: list = []
+    _run(restart_at_s=6.2, down_s=2.0, keep=led_kept, tags=(("across", 5.0, 10.0), ("after", 10.0, 13.0)))
+    rows = {r["name"]: r for r in led_kept[0].emit.rows["tags"]}
+    assert rows["across"]["server_count"] == "server_restart", rows["across"]
+    assert rows["after"]["server_count"] == "complete", rows["after"]
+
+
+def test_a_tags_server_count_joins_its_intervals_reasons_and_an_empty_one_is_unknown():
+    from powerprof.daemon.ledger import tag_server_count
+    from powerprof.storage.schema import bypass_count_low
+
+    assert tag_server_count({"complete"}) == "complete" and tag_server_count({"off"}) == "off"
+    assert tag_server_count({"complete", "unscraped", "late_baseline,unscraped"}) == "late_baseline,unscraped"
+    assert tag_server_count({"unread", "complete"}) == "unread"
+    assert tag_server_count(set()) is None and bypass_count_low(None)  # unknown: never complete

@@ -26,7 +26,8 @@ from powerprof.energy import epoch_broken, interp_at, trailing_average_interval_
 from powerprof.profiler import (METHOD_AVG_POWER, METHOD_COUNTER, METHOD_NONE, METHOD_POWER, NO_COUNTER_SHORT_BUSY_SHARE,
                                 NO_COUNTER_SHORT_BUSY_SHARE_INSTANT, NO_COUNTER_SHORT_FIX, NO_COUNTER_SHORT_FLAG,
                                 weakest_method)
-from powerprof.storage.schema import BYPASS_LOW_FLAG, SERVER_COUNT_COMPLETE, SERVER_COUNT_OFF, SERVER_COUNT_UNREAD
+from powerprof.storage.schema import (BYPASS_LOW_FLAG, SERVER_COUNT_COMPLETE, SERVER_COUNT_OFF, SERVER_COUNT_UNREAD,
+                                      bypass_count_low)
 
 from powerprof.arrival import SAME_DELIVERY_NS
 
@@ -155,6 +156,7 @@ class _Tag:
     methods: set = field(default_factory=set)
     closed_by: str = "stop"
     host_cpu_s: float = 0.0  # the host's busy CPU time over its intervals whose share is known
+    server_counts: set = field(default_factory=set)  # its intervals' server_count values (tag_server_count)
     other_cpu_s: float = 0.0  # of it, other processes' (neither the server's nor powerprof's)
 
 
@@ -173,6 +175,9 @@ class Totals:
     other_cpu_pct: float | None = None  # other processes' share of the host's busy CPU time, latest judged busy interval
     busy_host_requests_cpu_j: float = 0.0  # CPU energy given to requests in intervals where it was above BUSY_HOST_PCT
     no_counter_short_requests: int = 0  # request rows flagged NO_COUNTER_SHORT_FLAG since start
+    # Intervals with tokens left out of j_per_token since start, and their tokens: {flag: (intervals, tokens)}
+    # (NO_COUNTER_SHORT_FLAG, BYPASS_LOW_FLAG).
+    jpt_left_out: dict = field(default_factory=dict)
 
 
 class Ledger:
@@ -255,6 +260,7 @@ class Ledger:
         self._tokens_total = 0.0
         self._tokens_attributed = 0.0
         self._recent: deque = deque()  # (t_end_ns, requests' J, their tokens)
+        self._jpt_left_out: dict[str, tuple[int, float]] = {}  # Totals.jpt_left_out
         self.prompt_lengths = PromptLengths()
         self.prompts_estimated: dict[str, int] = {}  # {why the server never counted it: requests}
         self.totals = Totals(gpu_energy_j=(0.0,) * n_gpus)
@@ -720,11 +726,9 @@ class Ledger:
         if self.server_seen:
             excess, bypass_spans, why_low = self._bypass_tokens(t)
         server_count = self._server_count(t, why_low)
-        # Intervals whose bypass count may be low: their requests may carry bypass traffic's energy (said on their rows).
-        # `slots_only` alone is every interval of a llama-server started without --metrics (its default): marking its
-        # requests would leave every one out of J/token for a loss only bypass traffic causes; like `off` (no count at
-        # all), the interval rows, the gauge and the log say it instead.
-        low_iv = np.array([c not in (COUNT_COMPLETE, COUNT_OFF, "slots_only") for c in server_count], dtype=bool)
+        # Intervals whose bypass count may be low: their requests may carry bypass traffic's energy (said on their rows),
+        # and the live J/token leaves them out, by the one rule `analyze` follows (schema.bypass_count_low).
+        low_iv = np.array([bypass_count_low(c) for c in server_count], dtype=bool)
         setting = edges[-1].setting
         costs = self.learner.costs(setting)
         # The third column marks intervals without CPU energy: a request given a share of one
@@ -805,7 +809,7 @@ class Ledger:
                     live = (arrival[i] < t[1:]) & (end[i] > t[:-1])
                     r.server_ahead += float(excess[live].sum())
         self._judge_host(t, a, other_pct, judged)
-        self._account(t, per_gpu, gpu, cpu, a, methods, costs, host_s, other_s, judged, short_iv)
+        self._account(t, per_gpu, gpu, cpu, a, methods, costs, host_s, other_s, judged, short_iv, low_iv, server_count)
         self._interval_rows(edges, t, gpu, cpu, methods, a, excess, costs, other_pct, server_count)
         rows = []
         for r, d in zip(reqs, done):
@@ -1009,7 +1013,7 @@ class Ledger:
         self._busy_spell = bool(busy[np.flatnonzero(judged)[-1]])
 
     def _account(self, t, per_gpu, gpu, cpu, a: attr.Attribution, methods: list[str], costs: attr.WorkCosts,
-                 host_s=None, other_s=None, judged=None, short_iv=None) -> None:
+                 host_s=None, other_s=None, judged=None, short_iv=None, low_iv=None, server_count=None) -> None:
         self._gpu_total = self._gpu_total + np.nan_to_num(per_gpu).sum(axis=0)
         if not np.isnan(cpu).all():
             self._cpu_total = (self._cpu_total or 0.0) + float(np.nansum(cpu))
@@ -1018,15 +1022,24 @@ class Ledger:
         self._tokens_total += float(a.tokens.sum())
         self._tokens_attributed += float(a.request_tokens.sum())
         for k in range(t.size - 1):
-            # J/token over intervals whose energy is known and is not mostly idle power taken out (NO_COUNTER_SHORT_FLAG).
-            if a.tokens[k] > 0 and not np.isnan(gpu[k]) and not (short_iv is not None and short_iv[k]):
+            # J/token over intervals whose energy is known, is not mostly idle power taken out (NO_COUNTER_SHORT_FLAG)
+            # and whose bypass count is not low (BYPASS_LOW_FLAG: bypass traffic's energy may be in the requests'; the
+            # rule `analyze` leaves such requests out by). What is left out is counted by reason, never silently.
+            if a.tokens[k] <= 0 or np.isnan(gpu[k]):
+                continue
+            why = (NO_COUNTER_SHORT_FLAG if short_iv is not None and short_iv[k]
+                   else BYPASS_LOW_FLAG if low_iv is not None and low_iv[k] else None)
+            if why is None:
                 self._recent.append((int(t[k + 1]), float(a.dest[k, attr.TO_REQUESTS, 0]), float(a.tokens[k])))
+            else:
+                n_iv, n_tok = self._jpt_left_out.get(why, (0, 0.0))
+                self._jpt_left_out[why] = (n_iv + 1, n_tok + float(a.tokens[k]))
         while self._recent and self._recent[0][0] < int(t[-1]) - self.jpt_window_ns:
             self._recent.popleft()
         e = sum(x[1] for x in self._recent)
         n = sum(x[2] for x in self._recent)
         for tag in list(self.tags.values()) + self.closed_tags:
-            self._tag_add(tag, t, gpu, cpu, a, methods, host_s, other_s, judged)
+            self._tag_add(tag, t, gpu, cpu, a, methods, host_s, other_s, judged, server_count)
         self.totals = Totals(
             gpu_energy_j=tuple(float(x) for x in self._gpu_total),
             cpu_energy_j=self._cpu_total,
@@ -1039,6 +1052,7 @@ class Ledger:
             other_cpu_pct=self._other_pct,
             busy_host_requests_cpu_j=self._busy_cpu_j,
             no_counter_short_requests=self.no_counter_short_requests,
+            jpt_left_out=dict(self._jpt_left_out),
         )
 
     def _costs_state(self, costs: attr.WorkCosts) -> dict:
@@ -1070,7 +1084,8 @@ class Ledger:
         row.update(dict(zip(names, fit.coef)))
         return row
 
-    def _tag_add(self, tag: _Tag, t, gpu, cpu, a, methods, host_s=None, other_s=None, judged=None) -> None:
+    def _tag_add(self, tag: _Tag, t, gpu, cpu, a, methods, host_s=None, other_s=None, judged=None,
+                 server_count=None) -> None:
         mid = (t[:-1] + t[1:]) // 2
         end = tag.t1_ns if tag.t1_ns is not None else attr.NEVER
         inside = (mid >= tag.t0_ns) & (mid < end)
@@ -1083,6 +1098,8 @@ class Ledger:
         tag.cpu_missing = tag.cpu_missing or bool(np.isnan(cpu[inside]).any())
         tag.tokens += float(a.tokens[inside].sum())
         tag.methods.update(m for m, i in zip(methods, inside) if i)
+        if server_count is not None:
+            tag.server_counts.update(c for c, i in zip(server_count, inside) if i)
         if judged is not None:
             tag.host_cpu_s += float(host_s[inside & judged].sum())
             tag.other_cpu_s += float(other_s[inside & judged].sum())
@@ -1245,7 +1262,16 @@ class Ledger:
             "proxy_tokens": tg.tokens,
             "gpu_j_per_token": tg.gpu_j / tg.tokens if tg.tokens > 0 and not tg.gpu_missing else None,
             "closed_by": tg.closed_by,
+            "server_count": tag_server_count(tg.server_counts),
         }
+
+
+def tag_server_count(counts: set) -> str | None:
+    """A tag's `server_count` from its intervals': one value they all share (complete, off, unread), else every
+    reason any of them gives, comma-separated (`complete` dropped: a part of it may be low). None: no interval."""
+    if len(counts) <= 1:
+        return next(iter(counts), None)
+    return ",".join(sorted({w for c in counts for w in c.split(",")} - {COUNT_COMPLETE}))
 
 
 def _joined(*notes: str | None) -> str | None:

@@ -20,7 +20,8 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Histo
 
 from powerprof import __version__
 from powerprof.arrival import COUNT_PROBLEM_KINDS
-from powerprof.profiler import NO_COUNTER_SHORT_FIX
+from powerprof.profiler import NO_COUNTER_SHORT_FIX, NO_COUNTER_SHORT_FLAG
+from powerprof.storage.schema import BYPASS_LOW_FLAG
 
 from .attribution import DEST_NAMES, KIND_NAMES
 from .inflight import InFlightState
@@ -115,6 +116,7 @@ class Snapshot:
     other_cpu_pct: float | None = None  # ledger.Totals: other processes' share of busy CPU time, latest judged interval
     busy_host_requests_cpu_j: float = 0.0  # CPU energy given to requests in busy-host intervals since start
     no_counter_short_requests: int = 0  # ledger.Totals: request rows flagged no-counter-short since start
+    jpt_left_out: dict = field(default_factory=dict)  # ledger.Totals: {flag: (intervals, tokens)} left out of J/token
 
 
 class SnapshotCollector:
@@ -233,8 +235,25 @@ class SnapshotCollector:
             yield GaugeMetricFamily("powerprof_joules_per_token",
                                     "Requests' GPU J per generated token over the intervals with tokens of the last "
                                     "metrics.jpt_window_s, leaving out intervals without an energy counter that "
-                                    "requests were live in for under half their time (no-counter-short)",
+                                    "requests were live in for under half their time (no-counter-short) and intervals "
+                                    "whose server token count may be low or was not read (bypass-uncounted: bypass "
+                                    "traffic's energy may be in the requests'; the rule analyze leaves such requests out "
+                                    "by); powerprof_joules_per_token_left_out_* count them; absent when none is left",
                                     value=s.joules_per_token)
+        lo_iv = CounterMetricFamily("powerprof_joules_per_token_left_out_intervals", "Intervals with tokens left out of "
+                                    "powerprof_joules_per_token since start, by reason: no-counter-short (no energy "
+                                    "counter, mostly idle: fix: " + NO_COUNTER_SHORT_FIX + "), bypass-uncounted (their "
+                                    "server_count says the bypass count may be low or unread: "
+                                    "the interval rows say why)", labels=["reason"])
+        lo_tok = CounterMetricFamily("powerprof_joules_per_token_left_out_tokens", "Proxied tokens of the intervals "
+                                     "left out of powerprof_joules_per_token since start, by reason (as "
+                                     "powerprof_joules_per_token_left_out_intervals_total)", labels=["reason"])
+        for flag in (NO_COUNTER_SHORT_FLAG, BYPASS_LOW_FLAG):
+            n_iv, n_tok = s.jpt_left_out.get(flag, (0, 0.0))
+            lo_iv.add_metric([flag], n_iv)
+            lo_tok.add_metric([flag], n_tok)
+        yield lo_iv
+        yield lo_tok
         if s.server_tokens is not None:
             yield CounterMetricFamily("powerprof_server_tokens_generated",
                                       "Tokens the server's own metrics counted (cross-check)", value=s.server_tokens)

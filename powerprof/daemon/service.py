@@ -41,7 +41,7 @@ from .ledger import Ledger
 from .metrics import NONE, GpuSnapshot, Snapshot, TagLimiter, make_registry, render
 from .proxy import SERVER_OPTIONS, Proxy, RequestTrace
 from .scrape import AT_FINISH, SCRAPE_TIMEOUT_S, Cadence, Scraper, burst_start_ns
-from .store import Dataset, DatasetStore, Flusher, buffer_cap_rows
+from .store import COMPACTION_LOCK, Dataset, DatasetStore, Flusher, buffer_cap_rows
 from .tagapi import tag_app
 
 log = logging.getLogger("powerprof.daemon")
@@ -50,6 +50,8 @@ log = logging.getLogger("powerprof.daemon")
 END_EDGE_DELAY_S = 0.1
 # The server's counters are read once before the daemon says ready (detection and one scrape: three GETs at most).
 BASELINE_WAIT_S = 3 * SCRAPE_TIMEOUT_S
+# At a clean stop, one last read of them past the last sample, waited for this long at most (one GET's own limit).
+FINAL_SCRAPE_S = SCRAPE_TIMEOUT_S
 
 EXIT_OK, EXIT_RUNTIME, EXIT_CONFIG = 0, 1, 2
 
@@ -195,6 +197,43 @@ def lock_data_dir(data_dir: Path, euid: int | None = None) -> int:
     return fd
 
 
+class NewPaths:
+    """What a start that fails before ready takes back: the folders and lock files it made in and above the data dir,
+    only those that were not there before and only while empty (a daemon that could not bind its port left a data
+    dir of five empty dataset folders and two lock files behind). Rows are never removed: none is written before."""
+
+    LOCKS = (".daemon.lock", COMPACTION_LOCK)
+
+    def __init__(self, data_dir: Path):
+        self.data_dir = Path(data_dir).absolute()
+        self.made: list[Path] = []  # the data dir and the folders above it that do not exist yet, deepest first
+        p = self.data_dir
+        while not os.path.lexists(p) and p != p.parent:
+            self.made.append(p)
+            p = p.parent
+        self.entries = set(os.listdir(self.data_dir)) if not self.made and self.data_dir.is_dir() else set()
+
+    def take_back(self) -> None:
+        try:
+            names = set(os.listdir(self.data_dir)) - self.entries
+        except OSError:
+            return
+        for name in sorted(names):
+            p = self.data_dir / name
+            try:
+                if name in self.LOCKS and p.is_file() and not p.is_symlink():
+                    p.unlink()
+                elif p.is_dir() and not p.is_symlink():
+                    p.rmdir()  # only if empty
+            except OSError:
+                pass
+        for d in self.made:
+            try:
+                d.rmdir()
+            except OSError:
+                break
+
+
 class Daemon:
     def __init__(
         self,
@@ -234,6 +273,7 @@ class Daemon:
         self.edge_cpu_total_s = 0.0
         self.guard: ConnectionGuard | None = None
         self._lock_fd: int | None = None
+        self._take_back: NewPaths | None = None  # set when a start fails before ready (run)
         self._wd_period = sdnotify.watchdog_period_s()
         self._wd_next = 0.0
         self._wd_bad = False
@@ -399,7 +439,8 @@ class Daemon:
         while tag in self.ledger.closed_tags and time.monotonic() < deadline:
             await asyncio.sleep(0.05)
         row = self.ledger.tag_row(tag)
-        out = {k: row[k] for k in ("name", "duration_s", "gpu_energy_j", "cpu_energy_j", "proxy_tokens", "gpu_j_per_token")}
+        out = {k: row[k] for k in ("name", "duration_s", "gpu_energy_j", "cpu_energy_j", "proxy_tokens", "gpu_j_per_token",
+                                   "server_count")}
         if tag in self.ledger.closed_tags:
             # Not final by the deadline (the sampler is behind or a read hangs): its sums so far are too
             # small, so none is given; the final row still lands in tags/ once its intervals close.
@@ -509,6 +550,7 @@ class Daemon:
             other_cpu_pct=tot.other_cpu_pct,
             busy_host_requests_cpu_j=tot.busy_host_requests_cpu_j,
             no_counter_short_requests=tot.no_counter_short_requests,
+            jpt_left_out=tot.jpt_left_out,
         )
 
     def _helper_pids(self) -> list[int]:
@@ -606,11 +648,31 @@ class Daemon:
                     else:
                         # The delta covers the time since the previous scrape: spread over it (docs/daemon.md).
                         self.ledger.add_server_tokens(t, delta, since, at_finish, self.scraper.finished, partial=partial)
-                    since = t
+                    since = self._scrape_since_ns = t  # where the next window, the final scrape's too, starts
             # A bare sleep (no task per wait, as wait_for makes): it wakes every fast period to poll.
             await asyncio.sleep(cadence.fast_s)
         if held is not None:
             self.ledger.add_server_tokens(held[1], held[2], held[0], self.scraper.kind in AT_FINISH, held[3], partial=held[4])
+
+    async def _final_scrape(self) -> None:
+        """At a clean stop, after the last sample: read the server's counters once more, so the last interval's count
+        covers it (`complete`). Before, it always said `unscraped` (its end past the latest scrape). Bounded by
+        FINAL_SCRAPE_S; a server that does not answer in time (or a failed read) leaves it `unscraped`, as it is."""
+        if self.scraper is None or not self.scraper.has_baseline():
+            return
+        t0 = time.monotonic_ns()
+        errors = self.scraper.errors
+        try:
+            delta = await asyncio.wait_for(self.scraper.scrape(), FINAL_SCRAPE_S)
+            why = self.scraper.last_error if self.scraper.errors > errors else "no count"
+        except asyncio.TimeoutError:
+            delta, why = None, f"no answer within {FINAL_SCRAPE_S:g} s"
+        if delta is None:
+            log.info("the server's counters could not be read at shutdown (%s): the last interval says unscraped", why)
+            return
+        t = (t0 + time.monotonic_ns()) // 2
+        self.ledger.add_server_tokens(t, delta, self._scrape_since_ns, self.scraper.kind in AT_FINISH,
+                                      self.scraper.finished, partial=self.scraper.window_partial)
 
     # --- reload ------------------------------------------------------------------------------------
 
@@ -717,18 +779,39 @@ class Daemon:
         self._install_signal_handlers()
         logging.getLogger("powerprof").setLevel(self.cfg.get("daemon", "log_level").upper())
         self._check_open_files()
-        data_dir = self._open()
+        made = NewPaths(self.cfg.data_dir())
+        try:
+            data_dir = self._open()
+        except StartupError:
+            # What it made is taken back only under its own lock: refused it, the folder is another daemon's.
+            self._release_lock(made if self._lock_fd is not None else None)
+            raise
         session = aiohttp.ClientSession()
         self.guard = ConnectionGuard(self.cfg.get("proxy", "header_timeout_s"), self.cfg.get("proxy", "idle_timeout_s"))
         self.bad_requests = quiet_bad_requests()  # this process's listeners' malformed requests (main() installs it too)
         try:
             await self._start(session, data_dir)
+        except StartupError:
+            # Not ready: nothing was measured, and nothing it made is left (the lock is released last, by _shutdown).
+            self._take_back = made
+            await self._shutdown(session)
+            raise
+        try:
             await self.stop_event.wait()
             log.info("stopping: flushing data")
         finally:
             await self._shutdown(session)
         log.info("stopped")
         return EXIT_OK
+
+    def _release_lock(self, made: NewPaths | None = None) -> None:
+        """Close the data dir's lock; with `made`, first take back what a failed start made (the lock file removed
+        while still held: another daemon starting then finds it held, not half gone)."""
+        if made is not None:
+            made.take_back()
+        if self._lock_fd is not None:
+            os.close(self._lock_fd)
+            self._lock_fd = None
 
     def _check_open_files(self) -> None:
         limit = raise_open_files_limit()
@@ -884,13 +967,14 @@ class Daemon:
                 await r.cleanup()
             except Exception:
                 log.exception("closing a listener failed")
-        await session.close()
         if self.sampler is not None and self.sampler._threads:
             self.sampler.stop()
             try:
                 self.sampler.sample_now("shutdown", sources=["nvml"])
             except Exception:
                 pass
+            await self._final_scrape()  # past that last sample: the listeners are closed, no proxied token is to come
+        await session.close()
         if self.flusher is not None:
             self._drain()
             self.ledger.close_all(time.monotonic_ns())
@@ -898,9 +982,7 @@ class Daemon:
             if self.store.buffered():
                 log.error("%d rows could not be written at shutdown (%s)", self.store.buffered(), self.store.last_error)
         self.rig.close()
-        if self._lock_fd is not None:
-            os.close(self._lock_fd)
-            self._lock_fd = None
+        self._release_lock(self._take_back)
 
     def _write_urls(self, data_dir: Path) -> None:
         """Where each listener ended up (port 0 picks one): for tests, scripts and the operator."""

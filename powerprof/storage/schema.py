@@ -264,6 +264,17 @@ DAEMON_REQUESTS_COLUMNS = [
 # J/token (docs/data.md, daemon_intervals).
 SERVER_COUNT_COMPLETE, SERVER_COUNT_UNREAD, SERVER_COUNT_OFF = "complete", "unread", "off"
 BYPASS_LOW_FLAG = "bypass-uncounted"
+# The `server_count` values whose energy is trusted in J/token. `slots_only` alone is every interval of a llama-server
+# started without --metrics (its default): leaving it out would leave every figure out for a loss only bypass traffic
+# causes; like `off` (bypass not measured at all), the rows, /metrics and the log say it instead.
+SERVER_COUNT_TRUSTED = (SERVER_COUNT_COMPLETE, SERVER_COUNT_OFF, "slots_only")
+
+
+def bypass_count_low(server_count: str | None) -> bool:
+    """The one rule for energy left out of J/token for its server count: an interval (or a tag, over its intervals)
+    whose count may be low or was not read, and null (written before the column): unknown, never complete. The
+    daemon's requests (BYPASS_LOW_FLAG, which `analyze` leaves out), its live J/token gauge and its tag rows use it."""
+    return server_count not in SERVER_COUNT_TRUSTED
 
 # One row per sample interval: the energy between two consecutive GPU samples and who used it.
 DAEMON_INTERVALS_COLUMNS = [
@@ -343,6 +354,8 @@ DAEMON_TAGS_COLUMNS = [
     ("proxy_tokens", F64),  # tokens through the proxy inside the window
     ("gpu_j_per_token", F64),
     ("closed_by", STR),  # stop | shutdown
+    # how far the server's count covers its intervals (SERVER_COUNT_* above, their reasons joined); null: unknown
+    ("server_count", STR),
     HOST,
 ]
 

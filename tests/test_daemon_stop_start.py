@@ -1,0 +1,97 @@
+"""The daemon's edges: a clean stop reads the server's counters once more, so its last interval is not marked for
+want of a scrape; a start that fails to bind leaves nothing behind (docs/daemon.md, "Which rows may be low", and the
+quick start's note on an address already taken)."""
+
+from __future__ import annotations
+
+import socket
+import subprocess
+import sys
+import time
+
+from daemon_helpers import DaemonProc, read_dataset, sim_env
+
+from powerprof.sim.nvml import SimNVML
+from powerprof.sim.server import SimServer
+
+
+def _last_interval(data_dir):
+    iv = read_dataset(data_dir, "intervals")
+    assert iv is not None and len(iv), "no interval rows"
+    return iv.sort_values("t_start_mono_s").iloc[-1]
+
+
+def _wait_for_intervals(d: DaemonProc, n: int, limit_s: float = 60.0) -> None:
+    deadline = time.monotonic() + limit_s
+    while time.monotonic() < deadline:
+        iv = read_dataset(d.data_dir, "intervals")
+        if iv is not None and len(iv) >= n:
+            return
+        time.sleep(0.1)
+    raise AssertionError(f"fewer than {n} interval rows in {limit_s} s:\n{d.output()}")
+
+
+def test_a_clean_stop_reads_the_server_once_more_so_its_last_interval_is_complete(tmp_path):
+    # Before: the last interval at every clean stop said server_count=unscraped (its end past the latest scrape, 2 s
+    # apart when idle), and a request given its energy said bypass-uncounted.
+    with SimServer(SimNVML("seed-16g", state_path=None), decode_tok_s=200.0, draft_n_max=0) as srv:
+        d = DaemonProc(tmp_path / "data", "--simulate", "--upstream", srv.url, "--interval", "0.25",
+                       "--flush-interval", "0.5", env=sim_env(tmp_path))
+        try:
+            _wait_for_intervals(d, 4)
+        finally:
+            rc = d.stop()
+    assert rc == 0, d.output()
+    last = _last_interval(tmp_path / "data")
+    assert last["server_count"] == "complete", (last.to_dict(), d.output())
+
+
+def test_a_server_gone_at_the_stop_leaves_the_last_interval_unscraped_and_the_stop_bounded(tmp_path):
+    with SimServer(SimNVML("seed-16g", state_path=None), decode_tok_s=200.0, draft_n_max=0) as srv:
+        d = DaemonProc(tmp_path / "data", "--simulate", "--upstream", srv.url, "--interval", "0.25",
+                       "--flush-interval", "0.5", env=sim_env(tmp_path))
+        try:
+            _wait_for_intervals(d, 4)
+        except BaseException:
+            d.stop()
+            raise
+    # The server is down now: the final read fails, and says so; the last interval stays marked, honestly.
+    t0 = time.monotonic()
+    rc = d.stop()
+    assert rc == 0, d.output()
+    assert time.monotonic() - t0 < 25, d.output()  # the final read waits 2 s at most (a loaded host: margin)
+    assert "unscraped" in _last_interval(tmp_path / "data")["server_count"]
+    assert "could not be read at shutdown" in d.output(), d.output()
+
+
+def _tree(path):
+    return sorted(str(p.relative_to(path)) for p in path.rglob("*")) if path.exists() else None
+
+
+def test_a_daemon_that_cannot_bind_its_port_leaves_no_folder_or_file_behind(tmp_path):
+    # Before: a data dir with costs/, intervals/, requests/, samples/, tags/ and two lock files, all empty.
+    used = tmp_path / "used"
+    (used / "requests").mkdir(parents=True)
+    (used / "notes.txt").write_text("kept")
+    before = _tree(used)
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        for data_dir in (tmp_path / "new" / "data", used):
+            for flags in (["--listen", f"127.0.0.1:{port}", "--metrics-listen", "127.0.0.1:0"],
+                          ["--listen", "127.0.0.1:0", "--metrics-listen", f"127.0.0.1:{port}"]):
+                r = subprocess.run([sys.executable, "-m", "powerprof.cli", "daemon", "--simulate", "--data-dir",
+                                    str(data_dir), "--tag-socket", str(tmp_path / "t.sock"), *flags],
+                                   capture_output=True, text=True, timeout=120, env=sim_env(tmp_path) | _env())
+                assert r.returncode == 1 and "address already in use" in r.stderr, r.stderr
+                assert "Traceback" not in r.stderr, r.stderr
+                assert not (tmp_path / "new").exists(), _tree(tmp_path / "new")
+                assert _tree(used) == before, _tree(used)
+                assert not (tmp_path / "t.sock").exists()
+
+
+def _env():
+    import os
+
+    return dict(os.environ)
