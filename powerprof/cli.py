@@ -1058,18 +1058,23 @@ def analyze(run_dirs, out_dir, max_slowdown, eta, formats, force, n_boot, as_jso
         sources = fleet.expand_sources(run_dirs)
         if all(fleet.is_daemon_dataset(s) for s in sources):
             table = fleet.fleet_summary(sources)
+            tags = fleet.tag_summary(sources)  # per tag name: empty where no tag was ever stopped
             if out_dir is not None:
                 from powerprof.storage.runs import atomic_write_table
 
                 Path(out_dir).mkdir(parents=True, exist_ok=True)
                 atomic_write_table(Path(out_dir) / "fleet.parquet", table)
+                if tags.num_rows:
+                    atomic_write_table(Path(out_dir) / "fleet_tags.parquet", tags)
             if as_json:
                 import json
 
                 click.echo(json.dumps(table.to_pylist(), default=str, indent=2))
             else:
                 click.echo(fleet.render_summary(table))
-            for n in fleet.notes(table):
+                if tags.num_rows:
+                    click.echo("\n" + fleet.render_tags(tags))
+            for n in fleet.notes(table) + fleet.tag_notes(tags):
                 click.echo(f"note: {n}", err=True)
             return
         if any(fleet.is_uri(s) for s in sources):

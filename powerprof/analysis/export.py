@@ -191,10 +191,7 @@ def _uri_sources(uri: str) -> list[Source]:
     name = path.rstrip("/").rsplit("/", 1)[-1]
 
     def dataset(p, hive):
-        try:
-            return ds.dataset(p, filesystem=fs, format="parquet", partitioning="hive" if hive else None)
-        except (pa.ArrowInvalid, OSError) as e:
-            raise ExportError(f"{uri}: cannot be read as Parquet ({e})") from None
+        return open_dataset(p, hive, filesystem=fs, label=uri)
 
     if info.type == pafs.FileType.File:
         return [Source(name.removesuffix(".parquet"), dataset(path, False))]
@@ -244,10 +241,44 @@ def find_sources(src) -> list[Source]:
 
 
 def _dataset(path: Path, hive: bool = False) -> ds.Dataset:
+    return open_dataset(path, hive)
+
+
+def open_dataset(path, hive: bool = False, filesystem=None, label=None) -> ds.Dataset:
+    """The one place export opens a table's files: a dataset whose schema is every file's columns, matched by name.
+
+    pyarrow takes a folder's schema from its first file: a daemon folder whose first file was written before a column
+    (server_count, other_cpu_pct, prompt_tokens_estimate) read without it, and the newer files' values were silently
+    dropped. So every file's footer is read and the schemas unified; a file without a column reads it as null
+    (`older_columns` says how many rows). The files with the most columns come first, so the columns keep the newest
+    writer's order."""
+    label = label or path
     try:
-        return ds.dataset(path, format="parquet", partitioning="hive" if hive else None)
-    except (pa.ArrowInvalid, OSError) as e:
-        raise ExportError(f"{path}: cannot be read as Parquet ({e})") from None
+        d = ds.dataset(path, filesystem=filesystem, format="parquet", partitioning="hive" if hive else None)
+        files = sorted((f.physical_schema for f in d.get_fragments()), key=lambda s: -len(s.names))
+        if len(files) < 2 or all(s.equals(files[0]) for s in files[1:]):
+            return d
+        parts = d.partitioning.schema if d.partitioning is not None else pa.schema([])
+        schema = pa.unify_schemas([*(s.remove_metadata() for s in files), parts], promote_options="permissive")
+        return ds.dataset(path, schema=schema, filesystem=filesystem, format="parquet",
+                          partitioning=ds.HivePartitioning(parts) if hive else None)
+    except (pa.ArrowInvalid, pa.ArrowTypeError, OSError) as e:
+        raise ExportError(f"{label}: cannot be read as Parquet ({e})") from None
+
+
+def older_columns(dataset: ds.Dataset, partition_fields=()) -> dict[str, int]:
+    """Column → rows of files that lack it (written before the column existed): null in the export, unknown."""
+    names = [n for n in dataset.schema.names if n not in partition_fields]
+    out: dict[str, int] = {}
+    children = dataset.children if isinstance(dataset, ds.UnionDataset) else [dataset]
+    for child in children:
+        for frag in child.get_fragments():
+            have = set(frag.physical_schema.names)
+            rows = frag.metadata.num_rows if hasattr(frag, "metadata") else frag.count_rows()
+            for n in names:
+                if n not in have and rows:
+                    out[n] = out.get(n, 0) + rows
+    return out
 
 
 def time_column(schema: pa.Schema) -> str | None:
@@ -370,6 +401,17 @@ def export(src, fmt: str, out=None, time_from: str | None = None, time_to: str |
             "figures (every level), not figures of the selected time") if whole else None
     if note and notes is not None:
         notes.append(note)
+    if notes is not None:
+        # A column newer than some files (server_count beside rows written before it) is empty in their rows: said, as
+        # such an empty cell is unknown, never zero or complete.
+        for s in sources:
+            by_rows: dict[int, list[str]] = {}
+            for c, n in older_columns(s.dataset, s.partition_fields).items():
+                if c in plan[s.name]:
+                    by_rows.setdefault(n, []).append(c)
+            notes.extend(f"{s.name}: {', '.join(cols)} empty in the {n} rows of its files written before "
+                         f"{'that column' if len(cols) == 1 else 'those columns'} existed (unknown there, not zero)"
+                         for n, cols in sorted(by_rows.items()))
     if (t_from or t_to) and notes is not None:
         # An empty selection (a mistyped date, another day's run) wrote header-only files without a word.
         for s in sources:

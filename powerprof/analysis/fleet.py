@@ -14,7 +14,8 @@ from pathlib import Path
 import pyarrow as pa
 
 from powerprof.profiler import NO_COUNTER_SHORT_FIX, NO_COUNTER_SHORT_FLAG
-from powerprof.storage.schema import BYPASS_LOW_FLAG, SERVER_COUNT_COMPLETE, SERVER_COUNT_OFF, SERVER_COUNT_UNREAD
+from powerprof.storage.schema import (BYPASS_LOW_FLAG, SERVER_COUNT_COMPLETE, SERVER_COUNT_OFF, SERVER_COUNT_TRUSTED,
+                                      SERVER_COUNT_UNREAD)
 
 from .engine import connect, to_arrow
 from .rowkeys import KEYS, WHY, folder_sql, keyless_sql
@@ -82,6 +83,9 @@ COLUMNS = {
     "intervals": {"host": "VARCHAR", "daemon_id": "VARCHAR", "t_start_mono_s": "DOUBLE", "gpu_energy_j": "DOUBLE",
                   "kind": "VARCHAR", "duration_s": "DOUBLE", "t_start_utc": "TIMESTAMPTZ",
                   "t_end_utc": "TIMESTAMPTZ", "server_count": "VARCHAR"},
+    "tags": {"host": "VARCHAR", "daemon_id": "VARCHAR", "name": "VARCHAR", "t_start_utc": "TIMESTAMPTZ",
+             "t_end_utc": "TIMESTAMPTZ", "duration_s": "DOUBLE", "gpu_energy_j": "DOUBLE", "proxy_tokens": "DOUBLE",
+             "server_count": "VARCHAR"},
 }
 
 
@@ -276,6 +280,106 @@ def fleet_summary(sources) -> pa.Table:
         raise FleetError(f"{', '.join(srcs)}: no request or interval rows yet (the daemon writes them at each flush, "
                          "daemon.flush_interval_s, 30 s by default): nothing to summarise")
     return out
+
+
+# One row per host and tag name (`powerprof tag start|stop NAME`, every window of that name): its GPU energy over its
+# proxied tokens. A tag's energy is every GPU joule over its window, bypass traffic's included: a window whose intervals'
+# server count may be low (schema.bypass_count_low, the rule the requests follow) is left out of the tag's energy,
+# tokens and J/token and counted apart (its reasons; `unknown`: unread, or written before the column), as is a window
+# whose energy or tokens cannot be (NaN, infinite, negative).
+TAGS_SQL = """
+SELECT host, name,
+       count(*) AS windows,
+       count(*) FILTER (WHERE {ok} AND {trusted}) AS counted_windows,
+       sum(gpu_energy_j) FILTER (WHERE {ok} AND {trusted}) AS gpu_energy_j,
+       sum(proxy_tokens) FILTER (WHERE {ok} AND {trusted}) AS proxy_tokens,
+       sum(gpu_energy_j) FILTER (WHERE {ok} AND {trusted}) / nullif(sum(proxy_tokens) FILTER (WHERE {ok} AND {trusted}), 0)
+           AS gpu_j_per_token,
+       sum(duration_s) FILTER (WHERE {ok}) AS duration_s,
+       min(t_start_utc) AS t_first_utc,
+       max(t_end_utc) AS t_last_utc,
+       count(*) FILTER (WHERE {ok} AND NOT {trusted} AND NOT {unknown}) AS bypass_uncertain_windows,
+       sum(gpu_energy_j) FILTER (WHERE {ok} AND NOT {trusted} AND NOT {unknown}) AS bypass_uncertain_gpu_energy_j,
+       string_agg(DISTINCT server_count, ',') FILTER (WHERE {ok} AND NOT {trusted} AND NOT {unknown})
+           AS bypass_uncertain_reasons,
+       count(*) FILTER (WHERE {ok} AND {unknown}) AS bypass_unknown_windows,
+       count(*) FILTER (WHERE NOT ({ok})) AS invalid_windows,
+       CAST(sum(copies - 1) AS BIGINT) AS duplicate_windows,
+       CAST(sum(conflicts) AS BIGINT) AS conflicting_windows
+FROM {tags} GROUP BY host, name ORDER BY host, name
+""".replace("{trusted}", "(server_count IS NOT NULL AND server_count IN ("
+            + ", ".join(f"'{c}'" for c in SERVER_COUNT_TRUSTED) + "))").replace(
+    "{unknown}", f"(server_count IS NULL OR server_count = '{SERVER_COUNT_UNREAD}')").replace(
+    "{ok}", _sane("gpu_energy_j", "proxy_tokens"))
+
+
+def tag_summary(sources) -> pa.Table:
+    """Per host and tag name over daemon datasets (as fleet_summary takes them): energy, proxied tokens, J/token of
+    the windows whose count is whole, the rest counted apart. No rows where no tag was ever stopped."""
+    srcs = expand_sources(sources)
+    with connect() as con:
+        try:
+            files = table_files(srcs, "tags")
+            out = to_arrow(con, TAGS_SQL.format(tags=_table_sql(con, "tags", files)))
+        except Exception as e:  # duckdb.Error and IO errors: say which sources, keep the reason
+            from powerprof import termination  # noqa: PLC0415
+
+            if (stop := termination.exit_inside(e)) is not None:
+                raise stop from None
+            why = str(e).split("\n\nLINE ")[0].strip()
+            raise FleetError(f"cannot read the tag rows of {', '.join(srcs)}: {why}") from None
+    bad = [r["host"] for r in out.select(["host", "conflicting_windows"]).to_pylist() if r["conflicting_windows"]]
+    if bad:
+        raise FleetError(f"{sum(out.column('conflicting_windows').to_pylist())} tag key(s) ({', '.join(KEYS['tags'])}) "
+                         f"hold rows that differ (hosts: {', '.join(sorted(set(bad)))}): one window recorded twice with "
+                         "different values, of which at most one is true. Remove the file that is wrong (`powerprof "
+                         "export` of the same sources names the files), or analyse the folders separately")
+    out = out.drop_columns(["conflicting_windows"])
+    col = out.schema.get_field_index("bypass_uncertain_reasons")
+    return out.set_column(col, "bypass_uncertain_reasons", pa.array(
+        [",".join(sorted(set(v.split(",")))) if v else None for v in out.column(col).to_pylist()], pa.string()))
+
+
+def tag_notes(t: pa.Table) -> list[str]:
+    """What the reader of the tag table must know: windows left out of a tag's J/token and why, rows counted once."""
+    rows = t.to_pylist()
+    out = []
+    low = [r for r in rows if r["bypass_uncertain_windows"]]
+    if low:
+        out.append("tag windows whose server token count may be low (their server_count: bypass traffic's energy may be "
+                   "in their GPU energy, beside their proxied tokens) were left out of their tag's energy, tokens and "
+                   "J/token: " + "; ".join(
+                       f"{r['host']} {r['name']}: {r['bypass_uncertain_windows']} of {r['windows']}, "
+                       f"{r['bypass_uncertain_gpu_energy_j'] or 0.0:.1f} J ({r['bypass_uncertain_reasons']})"
+                       for r in low) + " (docs/daemon.md, The baseline)")
+    unknown = [r for r in rows if r["bypass_unknown_windows"]]
+    if unknown:
+        out.append("tag windows with no server token count (server_count unread: not read yet; empty: written before "
+                   "the column) were left out of their tag's J/token, their bypass traffic unknown: " + "; ".join(
+                       f"{r['host']} {r['name']}: {r['bypass_unknown_windows']} of {r['windows']}" for r in unknown))
+    bad = [r for r in rows if r["invalid_windows"]]
+    if bad:
+        out.append("tag windows whose energy or tokens are NaN, infinite or negative were left out: " + "; ".join(
+            f"{r['host']} {r['name']}: {r['invalid_windows']}" for r in bad))
+    dup = [r for r in rows if r["duplicate_windows"]]
+    if dup:
+        out.append(f"tag rows found more than once were counted once ({WHY}): " + "; ".join(
+            f"{r['host']} {r['name']}: {r['duplicate_windows']}" for r in dup))
+    return out
+
+
+def render_tags(t: pa.Table) -> str:
+    """A plain-text table of the per-tag figures: '-' where no window of the tag could be counted."""
+    rows = t.to_pylist()
+    w = max([20] + [len(r["host"]) for r in rows])
+    n = max([12] + [len(r["name"]) for r in rows])
+    lines = [f"{'host':{w}s} {'tag':{n}s} {'windows':>8s} {'counted':>8s} {'GPU J':>11s} {'tokens':>10s} {'J/token':>8s}"]
+    for r in rows:
+        jpt = r["gpu_j_per_token"]
+        lines.append(f"{r['host']:{w}s} {r['name']:{n}s} {r['windows']:8d} {r['counted_windows']:8d} "
+                     f"{r['gpu_energy_j'] or 0.0:11.1f} {r['proxy_tokens'] or 0.0:10.0f} "
+                     f"{'-' if jpt is None else f'{jpt:.3f}':>8s}")
+    return "\n".join(lines)
 
 
 def notes(t: pa.Table) -> list[str]:

@@ -1,0 +1,106 @@
+"""A daemon folder holding files of two writer versions: the newer columns survive `export` and `analyze`.
+
+pyarrow takes a folder's schema from its first file: where the first part file was written before a column
+(`server_count` on intervals and tags, `other_cpu_pct`, `prompt_tokens_estimate`), `export` wrote every row without
+it, the newer files' values dropped with nothing said. Now every file's columns are read (export.open_dataset), a
+file without one reads it as null (unknown: the notes say how many rows), in either order of the files."""
+
+from __future__ import annotations
+
+import shutil
+
+import pyarrow.parquet as pq
+import pytest
+from click.testing import CliRunner
+
+from powerprof.analysis import export as ex
+from powerprof.analysis.fleet import fleet_summary, tag_summary
+from powerprof.cli import main
+from powerprof.daemon.service import datasets
+from powerprof.daemon.store import DatasetStore
+
+S = 1_000_000_000
+T0_NS = 1_768_478_400 * 10**9  # 2026-01-15 12:00 UTC
+# The columns added to each table in recent versions: an "old" file is a new one without them.
+NEWER = {"intervals": ("server_count", "other_cpu_pct"), "tags": ("server_count", "other_cpu_pct"),
+         "requests": ("other_cpu_pct", "prompt_tokens_estimate")}
+
+
+def _rows(first: int, n: int) -> dict[str, list[dict]]:
+    """n seconds of intervals, requests and 1 s tags from second `first` on: the newer columns filled."""
+    iv = [{"daemon_id": "d0", "t_start_utc": T0_NS + i * S, "t_end_utc": T0_NS + (i + 1) * S, "t_start_mono_s": float(i),
+           "duration_s": 1.0, "kind": "decode", "gpu_energy_j": 300.0, "other_cpu_pct": 5.0,
+           "server_count": "complete"} for i in range(first, first + n)]
+    rq = [{"daemon_id": "d0", "request_id": i, "t_arrival_utc": T0_NS + i * S, "outcome": "ok", "generated_tokens": 100,
+           "gpu_energy_j": 100.0, "attributed_tokens": 100.0, "ttft_s": 0.1, "other_cpu_pct": 5.0,
+           "prompt_tokens_estimate": 50.0} for i in range(first, first + n)]
+    tg = [{"daemon_id": "d0", "name": "job", "t_start_utc": T0_NS + i * S, "t_end_utc": T0_NS + (i + 1) * S,
+           "duration_s": 1.0, "gpu_energy_j": 300.0, "proxy_tokens": 100.0, "gpu_j_per_token": 3.0,
+           "closed_by": "stop", "other_cpu_pct": 5.0, "server_count": "complete"} for i in range(first, first + n)]
+    return {"intervals": iv, "requests": rq, "tags": tg}
+
+
+def _mixed(root, old_first: bool):
+    """A daemon folder whose one day holds an old writer's file (the newer columns absent) and a new one's, the old
+    file sorting first (old_first) or last."""
+    for version, first in (("old", 0), ("new", 10)):
+        store = DatasetStore(root / version, datasets(), host="node-0")
+        for table, rows in _rows(first, 10).items():
+            store.append(table, rows)
+        assert store.flush()
+    for table, cols in NEWER.items():
+        for version in ("old", "new"):
+            (src,) = (root / version / table).glob("date=*/*.parquet")
+            dst = root / "data" / table / src.parent.name
+            dst.mkdir(parents=True, exist_ok=True)
+            name = "part-0.parquet" if (version == "old") == old_first else "part-1.parquet"
+            t = pq.read_table(src)
+            if version == "old":
+                assert set(cols) <= set(t.column_names)
+                t = t.drop_columns(list(cols))
+            pq.write_table(t, dst / name)
+    for version in ("old", "new"):
+        shutil.rmtree(root / version)
+    return root / "data"
+
+
+@pytest.mark.parametrize("old_first", [True, False], ids=["old-file-first", "new-file-first"])
+def test_export_keeps_newer_columns_beside_older_files_and_says_where_they_are_unknown(tmp_path, old_first):
+    data = _mixed(tmp_path, old_first)
+    notes: list[str] = []
+    paths = ex.export(data, "parquet", tmp_path / "out", notes=notes)
+    got = {p.stem: pq.read_table(p) for p in paths}
+    for table, cols in NEWER.items():
+        t = got[table]
+        assert t.num_rows == 20, table
+        for c in cols:
+            assert c in t.column_names, (table, c, t.column_names)
+            vals = t.column(c).to_pylist()
+            # the new writer's 10 rows keep their values; the old one's are empty (unknown), never made up
+            assert sum(v is not None for v in vals) == 10 and vals.count(None) == 10, (table, c, vals)
+        said = [n for n in notes if n.startswith(f"{table}: ")]
+        assert said and all(c in said[0] for c in cols) and "10 rows" in said[0] and "unknown" in said[0], notes
+
+
+@pytest.mark.parametrize("old_first", [True, False], ids=["old-file-first", "new-file-first"])
+def test_export_csv_of_one_table_keeps_the_newer_column(tmp_path, old_first):
+    data = _mixed(tmp_path, old_first)
+    (path,) = ex.export(data / "tags", "csv", tmp_path / "tags.csv")
+    header, *lines = path.read_text().splitlines()
+    assert "server_count" in header and len(lines) == 20
+    assert sum(line.count("complete") for line in lines) == 10
+
+
+@pytest.mark.parametrize("old_first", [True, False], ids=["old-file-first", "new-file-first"])
+def test_analyze_reads_both_versions_old_rows_unknown(tmp_path, old_first):
+    data = _mixed(tmp_path, old_first)
+    [h] = fleet_summary([str(data)]).to_pylist()
+    assert h["requests"] == 20 and h["bypass_unknown_intervals"] == 10 and h["bypass_uncertain_intervals"] == 0
+    [t] = tag_summary([str(data)]).to_pylist()
+    # the old writer's 10 windows have no server count: unknown, left out of the tag's J/token and counted
+    assert t["windows"] == 20 and t["counted_windows"] == 10 and t["bypass_unknown_windows"] == 10
+    assert t["gpu_j_per_token"] == pytest.approx(3.0)
+    res = CliRunner().invoke(main, ["analyze", str(data)])
+    assert res.exit_code == 0, res.output
+    assert "job" in res.stdout and "3.000" in res.stdout, res.stdout
+    assert "node-0 job: 10 of 20" in res.stderr, res.stderr
