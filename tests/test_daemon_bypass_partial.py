@@ -359,3 +359,49 @@ def test_a_tags_server_count_joins_its_intervals_reasons_and_an_empty_one_is_unk
     assert tag_server_count({"complete", "unscraped", "late_baseline,unscraped"}) == "late_baseline,unscraped"
     assert tag_server_count({"unread", "complete"}) == "unread"
     assert tag_server_count(set()) is None and bypass_count_low(None)  # unknown: never complete
+
+
+def test_analyze_gives_each_tags_j_per_token_and_leaves_out_windows_whose_count_may_be_low(tmp_path):
+    """`analyze` on a daemon folder read no tag rows: a user who tagged a job (`powerprof tag start/stop`) got no figure
+    for it. Now each tag name gets its energy over its proxied tokens, against the truth of the GPU's draw (50 W plus
+    0.25 J a token, proxied or bypass), and a window across a server restart (its count may be low) is left out of it
+    and counted apart, as the requests are."""
+    from powerprof.analysis.fleet import tag_notes, tag_summary
+
+    kept: list = []
+    idle_w, jpt, until_s = 50.0, 0.25, 16.0
+    windows = (("across", 5.0, 10.0), ("job", 10.0, 12.0), ("job", 12.0, 13.0), ("job", 2.0, 4.0))
+    ivals, reqs, _ = _run(restart_at_s=6.2, down_s=2.0, idle_w=idle_w, j_per_token=jpt, keep=kept, tags=windows,
+                          until_s=until_s)
+    tags = kept[0].emit.rows["tags"]
+    assert len(tags) == 4
+    store = DatasetStore(tmp_path / "n", datasets(), host="node-0")
+    for name, rows in (("intervals", ivals), ("requests", reqs), ("tags", tags)):
+        store.append(name, rows)
+    assert store.flush()
+    # The truth, as _run draws it: the GPU's energy over a window and the proxied tokens generated in it.
+    gen = np.arange(1.0, until_s - 2.0, 0.025)
+    up = (gen < 6.2) | (gen >= 8.2)
+    proxied, bypass = gen[up], gen[up][::4]
+
+    def truth(spans):
+        e = sum(idle_w * (b - a) + jpt * (PER_STEP * ((proxied > a) & (proxied <= b)).sum()
+                                          + ((bypass > a) & (bypass <= b)).sum()) for a, b in spans)
+        return e / sum(PER_STEP * ((proxied > a) & (proxied <= b)).sum() for a, b in spans)
+
+    got = {r["name"]: r for r in tag_summary([str(tmp_path / "n")]).to_pylist()}
+    job = got["job"]
+    assert job["windows"] == 3 and job["counted_windows"] == 3
+    true_jpt = truth([(10.0, 12.0), (12.0, 13.0), (2.0, 4.0)])
+    assert job["gpu_j_per_token"] == pytest.approx(true_jpt, rel=0.02), (job["gpu_j_per_token"], true_jpt)
+    across = got["across"]
+    assert across["counted_windows"] == 0 and across["gpu_j_per_token"] is None and across["gpu_energy_j"] is None
+    assert across["bypass_uncertain_windows"] == 1 and "server_restart" in across["bypass_uncertain_reasons"]
+    assert any("node-0 across: 1 of 1" in n and "server_restart" in n for n in tag_notes(tag_summary([str(tmp_path / "n")])))
+    res = CliRunner().invoke(main, ["analyze", str(tmp_path / "n"), "--out", str(tmp_path / "a")])
+    assert res.exit_code == 0, res.output
+    line = next(x for x in res.stdout.splitlines() if " job " in x)
+    assert f"{job['gpu_j_per_token']:.3f}" in line, res.stdout
+    assert next(x for x in res.stdout.splitlines() if " across " in x).rstrip().endswith("-"), res.stdout
+    assert "node-0 across: 1 of 1" in res.stderr, res.stderr
+    assert (tmp_path / "a" / "fleet_tags.parquet").exists()
