@@ -8,6 +8,7 @@ row of their own whose energy and tokens are taken over exactly the measured int
 from __future__ import annotations
 
 import asyncio
+import re
 import uuid
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
@@ -286,6 +287,16 @@ def edge_bias_notes(summary: list[Summary]) -> list[str]:
             + (f" (--max-tokens {need} or more)" if need > 0 else "")
         )
     return out
+
+
+# "(windows.parquet)", "(windows.parquet foreign_traffic)", "(run.json per_gpu)": where a note sends the reader.
+_STORED_REF = re.compile(r"\s*\((?:windows\.parquet|run\.json)\b[^()]*\)")
+
+
+def unstored(note: str) -> str:
+    """`note` without its pointers into windows.parquet or run.json: what a run that could not be stored says, so
+    that no note sends the reader to a file that was never written (the figures it gives stay)."""
+    return _STORED_REF.sub("", note)
 
 
 def rounding_notes(summary: list[Summary]) -> list[str]:
@@ -862,6 +873,9 @@ def _run_measure(
         for name in (RUN_JSON, "windows.parquet"):  # the folder was empty (or made) before: these are ours
             (out_dir / name).unlink(missing_ok=True)
         _remove_if_empty(out_dir)
+        result.notes = [unstored(n) for n in result.notes]
+        if result.foreign_traffic:
+            result.foreign_traffic["message"] = unstored(result.foreign_traffic["message"])
         result.write_error = (f"cannot write the measurement to {out_dir}: {write_failure(e)}; nothing was stored "
                               f"(run.json and windows.parquet go together), the figures above are the only record; "
                               f"fix: {WRITE_FIX}")
