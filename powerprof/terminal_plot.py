@@ -1,4 +1,4 @@
-"""Character charts for the terminal: a measured curve per panel, the chosen point marked (presentation only).
+"""Character charts and figure-keeping paragraphs for the terminal: a measured curve per panel, the chosen point marked, a figure never parted from its unit (presentation only).
 
 Glyphs carry the meaning (● measured, ★ chosen, · straight line between levels), colour only adds
 to it, so the chart reads the same with NO_COLOR, in a log file or on a monochrome terminal.
