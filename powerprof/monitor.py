@@ -23,6 +23,7 @@ from powerprof.collectors.nvml import clock_event_reason_names
 from powerprof.collectors.sampler import Sample, Sampler
 from powerprof.collectors.sources import Sources
 from powerprof.storage.samples import Timeline
+from powerprof.terminal_plot import Together
 
 TickFn = Callable[[int, dict], None]
 
@@ -222,8 +223,9 @@ def gpu_panel(g: dict) -> Panel | Text:
     t.add_row(Text("PWR", style="bold"), bar(pwr_pct),
               Text(_fmt(pwr_pct, 0, "%").rjust(4), style=level_style(pwr_pct, LOAD_LEVELS)),
               f"{_fmt(pwr, 1)} / {_fmt(g['enforced_limit_w'], 0)} W  avg {_fmt(g['power_avg_w'], 1)} W")
-    foot = Text(f"SM {_fmt(g['sm_clock_mhz'], 0, ' MHz')}  mem {_fmt(g['mem_clock_mhz'], 0, ' MHz')}  "
-                f"energy {_fmt(g['energy_j'], 1, ' J')}  reasons {_reasons(g['reasons'])}", style="dim")
+    # Wrapped between figures only: at 50 columns "SM 1980" ended a line and "MHz" began the next.
+    foot = Together([f"SM {_fmt(g['sm_clock_mhz'], 0, ' MHz')}", f"mem {_fmt(g['mem_clock_mhz'], 0, ' MHz')}",
+                     f"energy {_fmt(g['energy_j'], 1, ' J')}", f"reasons {_reasons(g['reasons'])}"], sep="  ", style="dim")
     parts = [t, foot] + ([Text(g["note"], style="yellow")] if g.get("note") else [])
     return Panel(Group(*parts), title=head, title_align="left", box=box.ROUNDED, padding=(0, 1), expand=False)
 
@@ -236,9 +238,9 @@ def render(k: int, rows: dict, interval_s: float) -> Group:
     parts: list = [Text(f"powerprof monitor  t={k * interval_s:.1f} s  (every {interval_s:g} s, Ctrl-C to stop)",
                         style="bold")]
     parts += [gpu_panel(g) for g in rows["gpus"]]
-    cpu = _cpu_line(rows)
+    cpu = _cpu_parts(rows)
     if cpu:
-        parts.append(Text(cpu))
+        parts.append(Together(cpu, sep=" | ", head="CPU: "))
     return Group(*parts)
 
 
@@ -269,9 +271,9 @@ def render_table(k: int, rows: dict, interval_s: float) -> Group:
     parts = [t]
     # Below the table: a long note in a cell would squeeze every column to nothing.
     parts += [Text(f"{g['device']}: {g['note']}", style="yellow") for g in rows["gpus"] if g.get("note")]
-    cpu = _cpu_line(rows)
+    cpu = _cpu_parts(rows)
     if cpu:
-        parts.append(Text(cpu))
+        parts.append(Together(cpu, sep=" | ", head="CPU: "))
     return Group(*parts)
 
 
@@ -282,6 +284,12 @@ def _reasons(names: list[str] | None) -> str:
 
 
 def _cpu_line(rows: dict) -> str:
+    bits = _cpu_parts(rows)
+    return "CPU: " + " | ".join(bits) if bits else ""
+
+
+def _cpu_parts(rows: dict) -> list[str]:
+    """The CPU line's parts: each package's power and energy, the host's utilisation and clock."""
     bits = []
     for c in rows["cpus"]:
         if "error" in c:
@@ -292,7 +300,7 @@ def _cpu_line(rows: dict) -> str:
     h = rows["host"]
     if h:
         bits.append(f"CPU util {_fmt(h['cpu_util_pct'], 0, '%')} @ {_fmt(h['cpu_freq_mhz'], 0, ' MHz')}")
-    return "CPU: " + " | ".join(bits) if bits else ""
+    return bits
 
 
 def lines(k: int, rows: dict, interval_s: float) -> list[str]:

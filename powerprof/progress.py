@@ -14,7 +14,7 @@ from rich.text import Text
 
 from powerprof.pipes import QuietPipeConsole
 from powerprof.sweep import UI, LevelVisit, SweepSettings
-from powerprof.terminal_plot import CHOSEN, LINE, POINT, Curves, Panel
+from powerprof.terminal_plot import CHOSEN, LINE, POINT, Curves, Panel, Together
 
 BAR_STEPS = 1000  # the bar's total: the fraction of the level done, in thousandths
 
@@ -191,9 +191,10 @@ class LevelsTable:
             total += w + 2
         return total
 
-    def lines(self) -> Text:
-        """One wrapped paragraph per level, every column named: for a terminal too narrow for any table."""
-        out = Text(TITLE + "\n", style="bold")
+    def lines(self) -> Group:
+        """One wrapped paragraph per level, every column named: for a terminal too narrow for any table. It wraps
+        only between figures (terminal_plot.Together): a figure never ends a line with its unit on the next."""
+        out = [Text(TITLE, style="bold")]
         for r in self.rows:
             head = _COLUMNS[0][1](r, self.unit) + (f" {CHOSEN}" if self.recommended is not None
                                                     and r["level_value"] == self.recommended else "")
@@ -201,8 +202,9 @@ class LevelsTable:
             parts = [f"{c['tok/s']} tok/s", f"{c['slower']} slower", f"GPU {c['J/tok GPU']} J/tok ±{c['±CI']}",
                      f"+CPU {c['J/tok +CPU']} J/tok", f"{c['saving']} saving", f"enforced {c['enforced W']} W",
                      f"SM {c['SM MHz']} MHz", f"mem {c['mem MHz']} MHz"]
-            out.append(f"{head}: " + ", ".join(parts) + (f"; flags: {c['flags']}" if c["flags"] else "") + "\n")
-        return out
+            flags = [f"flags: {c['flags']}"] if c["flags"] else []
+            out.append(Together(parts + flags, head=f"{head}: "))
+        return Group(*out)
 
     def __rich_console__(self, console, options):
         for k in range(len(_DROP_ORDER) + 1):

@@ -17,12 +17,12 @@ from powerprof import termination
 from powerprof import __version__
 from powerprof.analysis import engine
 from powerprof.analysis.stats import level_j_ci_halfwidth_frac, summarize_levels
-from powerprof.collectors.clock_reasons import (REASON_GPU_IDLE, cap_not_engaged, clock_event_reason_names,
-                                               held_by_a_setting, thermal)
+from powerprof.collectors.clock_reasons import cap_not_engaged, thermal
 from powerprof.collectors.cputime import (BUSY_HOST_FIX, BUSY_HOST_FLAG, BUSY_HOST_PCT, busy_host_text,
                                           unknown_server_text)
 from powerprof.collectors.gateway import gateway
-from powerprof.collectors.limitwatch import LIMIT_CHANGERS, LIMIT_FIX, LIMIT_TOLERANCE_W, limit_moved, limits_read
+from powerprof.collectors.limitwatch import (CLOCK_FIX, LIMIT_CHANGERS, LIMIT_FIX, LIMIT_TOLERANCE_W, ClockLockWatch,  # noqa: F401
+                                            limit_moved, limits_read)  # (ClockLockWatch re-exported: tests)
 from powerprof.control.device import read_devices
 from powerprof.control.levels import parse_clock_levels, parse_power_levels
 from powerprof.profiler import Profiler
@@ -124,110 +124,6 @@ def distrust(row: dict, why: str) -> None:
     for k in FIGURES:
         if k in row:
             row[k] = None
-
-
-# A locked SM clock is a ceiling: the driver snaps the lock to a supported clock (15 MHz apart on
-# current datacenter GPUs, so up to a step above the MHz asked for) and NVML's reading may sit a few MHz
-# off the clock set. Two steps cover both; a lock that is gone shows the boost clock, hundreds of MHz up.
-CLOCK_LOCK_TOLERANCE_MHZ = 30.0
-CLOCK_LOCK_READINGS = 2  # busy readings above the lock in a row: one odd read is not a lost lock
-# Below: a locked GPU that no limiter holds sits at its lock, so 10% under it (140 MHz at 1400) with no
-# limiter named is another setting. Without a lock the reference is the highest busy clock the GPU showed
-# this sweep, which boost bins move by several percent on their own (voltage, temperature): 15%.
-CLOCK_LOW_FRACTION_LOCKED = 0.10
-CLOCK_LOW_FRACTION_BOOST = 0.15
-CLOCK_LOW_READINGS = 3  # a clock is read low between kernels and as a cap settles: a run, not a read
-
-
-class ClockLockWatch:
-    """Whether the GPU's SM clock was where the level put it, judged from the readings taken while it measures.
-
-    NVML reads no lock back (nvidia-ml-py 13.x has Set/ResetGpuLockedClocks and no getter;
-    nvmlDeviceGetMinMaxClockOfPState is the P-state's range, not the lock), so the clock itself is the
-    witness. Above: CLOCK_LOCK_READINGS busy readings in a row above the lock by more than the tolerance
-    mean the lock is gone (nvidia-smi -rgc, a GPU reset) or raised (nvidia-smi -lgc). Below:
-    CLOCK_LOW_READINGS busy readings in a row well under the expected clock (the lock; with no lock,
-    `boost_mhz`, the highest busy clock each GPU showed so far, shared across a sweep's levels) while
-    no limiter is named (clock_reasons.held_by_a_setting: no power/thermal bit, power under 90% of the
-    cap) mean another tool locked it lower or set application clocks. A power cap, heat or idling
-    lowering the clock name themselves and never trip it; a busy reading that is neither ends a run;
-    an idle one (GpuIdle, or 0% utilisation) says nothing either way."""
-
-    def __init__(self, locked_mhz: float | None, tolerance_mhz: float = CLOCK_LOCK_TOLERANCE_MHZ,
-                 readings: int = CLOCK_LOCK_READINGS, boost_mhz: dict | None = None):
-        self.locked_mhz = None if locked_mhz is None else float(locked_mhz)
-        self.tolerance_mhz = float(tolerance_mhz)
-        self.readings = int(readings)
-        self.boost_mhz = {} if boost_mhz is None else boost_mhz  # GPU index → highest busy clock seen
-        self._high: dict[int, list[float]] = {}  # GPU index → its run of readings above the lock
-        self._low: dict[int, list[tuple[float, float, float | None, int]]] = {}  # ... below: (MHz, W, limit W, reasons)
-
-    @property
-    def open(self) -> bool:
-        """Some GPU's last busy reading was off its clock: a moved setting may have begun."""
-        return any(self._high.values()) or any(self._low.values())
-
-    def feed(self, r) -> str | None:
-        """Take one GpuReading; why the clock was not the level's once a GPU's run of off readings is long enough."""
-        mhz = r.sm_clock_mhz
-        if mhz is None:
-            return None
-        idle = bool((r.clock_event_reasons or 0) & REASON_GPU_IDLE) or r.gpu_util_pct == 0
-        if idle:
-            return None  # between requests the GPU idles and reads low however it is set
-        high = self._high.setdefault(r.index, [])
-        low = self._low.setdefault(r.index, [])
-        if self.locked_mhz is not None and mhz > self.locked_mhz + self.tolerance_mhz:
-            high.append(mhz)
-            low.clear()
-        elif self._held_low(r, mhz):
-            low.append((mhz, r.power_w if r.power_w is not None else r.power_avg_w,
-                        r.enforced_limit_w if r.enforced_limit_w is not None else r.power_limit_w,
-                        r.clock_event_reasons or 0))
-            high.clear()
-        else:
-            high.clear()
-            low.clear()
-        if self.locked_mhz is None:
-            self.boost_mhz[r.index] = max(self.boost_mhz.get(r.index, 0.0), mhz)
-        if len(high) >= self.readings:
-            return (f"GPU {r.index}'s SM clock read {max(high):g} MHz ({len(high)} readings in a row) during the level, "
-                    f"above the {self.locked_mhz:g} MHz it was locked to: another tool released or changed the lock "
-                    "(nvidia-smi -rgc or -lgc) or the GPU was reset; the windows measured since are left out of every figure")
-        if len(low) >= CLOCK_LOW_READINGS:
-            return self._low_reason(r.index, low)
-        return None
-
-    def _expected_mhz(self, index: int) -> float | None:
-        return self.locked_mhz if self.locked_mhz is not None else self.boost_mhz.get(index)
-
-    def _held_low(self, r, mhz: float) -> bool:
-        expected = self._expected_mhz(r.index)
-        if expected is None:
-            return False
-        frac = CLOCK_LOW_FRACTION_LOCKED if self.locked_mhz is not None else CLOCK_LOW_FRACTION_BOOST
-        if mhz >= expected - max(self.tolerance_mhz, frac * expected):
-            return False
-        power_w = r.power_w if r.power_w is not None else r.power_avg_w
-        limit_w = r.enforced_limit_w if r.enforced_limit_w is not None else r.power_limit_w
-        return held_by_a_setting(r.clock_event_reasons, power_w, limit_w)
-
-    def _low_reason(self, index: int, low) -> str:
-        expected = self._expected_mhz(index)
-        mhz = max(m for m, *_ in low)
-        power_w = max(p for _, p, _, _ in low)
-        limits = [lim for *_, lim, _ in low if lim is not None]
-        bits = 0
-        for *_, b in low:
-            bits |= b
-        names = ", ".join(clock_event_reason_names(bits)) or "none"
-        at = f"at {power_w:.0f} W" + (f" of its {max(limits):g} W limit" if limits else "")
-        against = (f"the {expected:g} MHz it was locked to" if self.locked_mhz is not None
-                   else f"the {expected:g} MHz it ran at busy earlier in the sweep")
-        return (f"GPU {index}'s SM clock read {mhz:g} MHz ({len(low)} busy readings in a row) during the level, well "
-                f"below {against}, {at} with no power or thermal limiter named (clock event reasons: {names}): "
-                "another tool locked the clock lower (nvidia-smi -lgc) or set application clocks (nvidia-smi -ac), so "
-                "the level measured that clock, not its own setting; the windows measured since are left out of every figure")
 
 
 def _flag_levels(table, values, flag: str):
@@ -870,8 +766,7 @@ class Sweep:
                 self._suspect_rows = suspect if self._clock_watch is not None and self._clock_watch.open else []
                 return
             rows, spans_before = suspect, self._suspect_spans
-            fix = ("stop whatever else sets or resets GPU clocks during the sweep (nvidia-smi -lgc/-rgc or -ac/-rac in a "
-                   "script, DCGM, a cluster manager, a GPU reset) and rerun")
+            fix = CLOCK_FIX
         for row in rows:
             distrust(row, why)
         del visit.spans[spans_before:]

@@ -1,4 +1,4 @@
-"""Character charts for the terminal: a measured curve per panel, the chosen point marked (presentation only).
+"""Character charts and figure-keeping paragraphs for the terminal: a measured curve per panel, the chosen point marked, a figure never parted from its unit (presentation only).
 
 Glyphs carry the meaning (● measured, ★ chosen, · straight line between levels), colour only adds
 to it, so the chart reads the same with NO_COLOR, in a log file or on a monochrome terminal.
@@ -143,3 +143,39 @@ class Curves:
                     yield line
         if self.legend:
             yield Text.from_markup(self.legend)
+
+
+class Together:
+    """A paragraph of parts (a figure with its unit, "80.8 tok/s"), wrapped only between parts: rich wraps a Text at
+    any space, a no-break space included, so at 60 columns a line could end "80.8" and the next begin "tok/s", a
+    bare number reading as another figure. A part wider than the line is folded (nothing is cut)."""
+
+    def __init__(self, parts, sep: str = ", ", head: str = "", style: str | None = None):
+        self.parts = [p for p in parts if p]
+        self.sep, self.head, self.style = sep, head, style
+
+    def _lines(self, width: int) -> list[str]:
+        from rich.cells import cell_len
+
+        out, line = [], self.head
+        for k, p in enumerate(self.parts):
+            piece = p + (self.sep.rstrip() if k < len(self.parts) - 1 else "")
+            gap = self.sep[len(self.sep.rstrip()):] if k else ""
+            if line.strip() and cell_len(line + gap + piece) > width:
+                out.append(line)
+                line = piece
+            else:
+                line = line + gap + piece if k else line + piece
+        out.append(line)
+        return out
+
+    def __rich_console__(self, console: Console, options: ConsoleOptions) -> RenderResult:
+        for line in self._lines(options.max_width):
+            yield Text(line, style=self.style or "", no_wrap=False, overflow="fold")
+
+    def __rich_measure__(self, console: Console, options: ConsoleOptions):
+        from rich.cells import cell_len
+        from rich.measure import Measurement
+
+        widest = max([cell_len(self.head)] + [cell_len(p) + len(self.sep) for p in self.parts])
+        return Measurement(min(widest, options.max_width), min(cell_len("".join(self._lines(10**6))), options.max_width))

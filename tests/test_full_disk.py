@@ -76,3 +76,28 @@ def test_a_failed_run_json_write_leaves_the_writers_record_as_the_file_is(tmp_pa
     with pytest.raises(OSError):
         w.write_json(levels_done=[[300.0, 0]])
     assert w.metadata["levels_done"] == [] == json.loads((tmp_path / "r" / "run.json").read_text())["levels_done"]
+
+
+def test_measures_notes_on_a_full_disk_point_at_no_file_that_was_never_written(tmp_path, monkeypatch):
+    # Before: "note: concurrency 1: the windows' own J/token (windows.parquet) read whole steps of the GPU energy
+    # counter ..." above "cannot write the measurement ...; nothing was stored": the note sent the user to a file
+    # that was never written. (The rounding rule is forced on: whether 32-token windows trip it depends on timing.)
+    import powerprof.workload.measure as measure
+
+    monkeypatch.setattr(measure, "median_off_by_rounding", lambda *a, **k: True)
+    _fill_disk_at(monkeypatch, "windows", 1)
+    out = tmp_path / "m"
+    r = CliRunner().invoke(main, ["measure", "--simulate", "--requests", "3", "--max-tokens", "32", "--out", str(out)])
+    assert r.exit_code == 1, r.output
+    notes = [line for line in r.output.splitlines() if line.startswith("note: ")]
+    rounding = [n for n in notes if "whole steps of the GPU energy counter" in n]
+    assert rounding, r.output  # the note is still said, with its figures
+    assert "median" in rounding[0] and "fix: longer requests" in rounding[0], rounding[0]
+    assert not any("windows.parquet" in n or "run.json" in n for n in notes), notes
+    assert "nothing was stored" in " ".join(r.output.split()), r.output
+    rj = CliRunner().invoke(main, ["measure", "--simulate", "--requests", "3", "--max-tokens", "32", "--out",
+                                   str(tmp_path / "j"), "--json"])
+    assert rj.exit_code == 1, rj.output
+    body = json.loads(rj.output[:rj.output.rindex("}") + 1])
+    assert body["write_error"] and body["windows_path"] is None, body
+    assert not any("windows.parquet" in n for n in body["notes"]), body["notes"]

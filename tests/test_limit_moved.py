@@ -145,3 +145,55 @@ def test_the_watch_judges_each_gpus_limits_against_its_own():
     # The first move is kept; a reading back at the limit later does not vouch for the windows across it.
     assert (watch.moved.read_w, watch.t_moved_ns, watch.t_held_ns) == (180.0, 3, 2)
     assert watch.held_through(2) and not watch.held_through(3) and not watch.held_through(None)
+
+
+# Decode on the seed card at 300 W runs at its 2790 MHz boost (~274 W); locked at 1200 MHz it draws well under this.
+LOCKED_1200_MAX_W = 200.0
+
+
+@pytest.mark.parametrize("start, then", [(None, (1200, 1200)), ((1200, 1200), None)])
+def test_an_sm_clock_lock_another_tool_changed_mid_measure_leaves_the_windows_since_out_and_stops(tmp_path, sim_server, start, then):
+    # `nvidia-smi -lgc 1200` (or `-rgc` releasing an operator's lock) halfway through `measure`: the limit watch saw
+    # nothing (the limit held), so the figure pooled two clocks unsaid. Before: no note, no abort, the J/token over
+    # every window (a mix of ~274 W and ~150 W windows) printed as the setting's.
+    from powerprof.workload.measure import run_measure
+
+    sim = SimNVML("seed-16g", state_path=None, record_history=True)
+    if start is not None:
+        sim.external_clock_change(0, start)  # the operator's lock, there before the measurement began
+    t_set: list[int] = []
+
+    def other_tool():
+        t_end = time.monotonic() + 120
+        while time.monotonic() < t_end and not (sim_server and sim_server[0]._next_rid >= 5):
+            time.sleep(0.01)
+        t_set.append(time.monotonic_ns())
+        sim.external_clock_change(0, then)
+
+    with Rig("seed-16g", nvml=sim) as rig:
+        th = threading.Thread(target=other_tool, daemon=True)
+        th.start()
+        res = run_measure(rig, url=None, out_dir=tmp_path / "m", prompts=[Prompt("p0", "hello there"), Prompt("p1", "tell me more")],
+                          n_requests=10, concurrencies=[1], params=RequestParams(max_tokens=96), warmup=1, interval_s=0.1)
+        th.join(5)
+    assert t_set, "the other tool never ran"
+    assert res.aborted is not None, res.notes
+    assert res.aborted.startswith("GPU 0's SM clock read"), res.aborted
+    assert "fix:" in res.aborted and "left out" in res.aborted and "nvidia-smi -lgc" in res.aborted, res.aborted
+    recs = {r.request_id: r for r in res.records}
+    measured = [row for row in res.rows if row["window_kind"] == "request" and not row["warmup"] and row["status"] == "ok"]
+    used = [row for row in measured if row["timing"] != "untrusted"]
+    out_rows = [row for row in measured if row["timing"] == "untrusted"]
+    assert used and out_rows, [(r["request_id"], r["timing"]) for r in measured]
+    assert all("SM clock read" in r["timing_reason"] for r in out_rows)
+    # Every window kept ran at the clock setting the measurement began with, against the simulator's truth.
+    for row in used:
+        q = recs[row["request_id"]].quality
+        p_w = _true_power_w(sim, q.t_first_ns, q.t_last_ns)
+        assert (p_w > AT_300W_MIN_W) if start is None else (p_w < LOCKED_1200_MAX_W), (row, p_w)
+    s = res.summaries[0]
+    e = sum(sim.gpus[0].true_energy_at_j(recs[r["request_id"]].quality.t_last_ns)
+            - sim.gpus[0].true_energy_at_j(recs[r["request_id"]].quality.t_first_ns) for r in used)
+    truth = e / sum(r["decode_tokens"] for r in used)
+    assert s.gpu_j_per_token == pytest.approx(truth, rel=0.03)
+    assert s.n_trusted == len(used)

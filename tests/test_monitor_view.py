@@ -6,6 +6,8 @@ from __future__ import annotations
 import io
 import json
 
+import pytest
+
 from click.testing import CliRunner
 from rich.console import Console
 
@@ -135,3 +137,14 @@ def test_a_rapl_zones_note_is_shown_and_energy_after_a_dropped_delta_is_a_lower_
     after = tick(1.0)
     assert after["cpus"][0]["energy_lower_bound"] is True
     assert "(≥80.0 J)" in mon.lines(3, after, 1.0)[0]  # 20 J of the resumed span dropped
+
+
+@pytest.mark.parametrize("width", [40, 50, 60])
+def test_a_narrow_terminal_never_parts_a_figure_from_its_unit(width):
+    # The panel's foot and the CPU line wrapped at any space: "SM 1980" on one line and "MHz" on the next.
+    text = _text(mon.render(3, _rows(_gpu()), 1.0), width=width)
+    lines = text.splitlines()
+    g = _gpu()
+    for whole in (f"SM {g['sm_clock_mhz']:.0f} MHz", f"mem {g['mem_clock_mhz']:.0f} MHz", f"energy {g['energy_j']:.1f} J",
+                  "package-0 80.0 W", "CPU util 12% @ 3000 MHz"):
+        assert any(whole in line for line in lines), (whole, text)

@@ -256,3 +256,19 @@ def test_curves_stack_when_the_terminal_is_narrow():
     narrow = _text(cv, 50).splitlines()
     assert sum("GPU J/token" in line and "tok/s" in line for line in wide) == 1  # side by side
     assert len(narrow) > len(wide) and max(len(line) for line in narrow) <= 50
+
+
+@pytest.mark.parametrize("width", [40, 48, 60])
+def test_a_narrow_terminal_never_parts_a_figure_from_its_unit(width):
+    # COLUMNS=60 and below: the per-level paragraphs wrapped at any space, so a line could end "80.8" and the next
+    # begin "tok/s" (or "2.800" / "J/tok"): a bare number on a line reads as another figure. Each figure and its
+    # unit stay on one line; the paragraph wraps only between figures.
+    levels = _levels(flags="cap-not-engaged")
+    text = _text(levels_table(levels, "W", recommended=250.0), width)
+    lines = text.splitlines()
+    assert max(len(line) for line in lines) <= width
+    for r in levels.to_pylist():
+        for whole in (f"{r['decode_tok_s']:.1f} tok/s", f"GPU {r['gpu_j_per_token']:.3f} J/tok ±3.1%",
+                      f"+CPU {r['total_j_per_token']:.3f} J/tok", "3.0% slower", "5.0% saving",
+                      f"enforced {r['enforced_limit_w']:.0f} W", "SM 2790 MHz", "mem 10251 MHz"):
+            assert any(whole in line for line in lines), (whole, text)

@@ -594,7 +594,9 @@ def _sorted(con, src: Source, columns: list[str], filt, sql: str, batch_rows: in
 
 class _Adjacent:
     """Streams sorted batches and marks each row whose key equals the row before it (across batches too).
-    Null equals null, as in DuckDB's grouping: a key may have null parts (a sample without a device)."""
+    Null equals null, as in DuckDB's grouping: a key may have null parts (a sample without a device). NaN equals
+    NaN (and is not null), as DuckDB's sort and grouping and Arrow's group_by (analyze's count of a window) take it:
+    a row with a NaN key read twice is one row written once, said in the copies note, and written as NaN."""
 
     def __init__(self, key: tuple[str, ...]):
         self.key, self.prev = key, None
@@ -610,10 +612,13 @@ class _Adjacent:
             a = b.column(c)
             if n > 1:
                 x, y = a.slice(1), a.slice(0, n - 1)
-                eq = pc.or_kleene(pc.equal(x, y), pc.and_(pc.is_null(x), pc.is_null(y))).fill_null(False)
-                out[1:] &= eq.to_numpy(zero_copy_only=False)
+                eq = pc.or_kleene(pc.equal(x, y), pc.and_(pc.is_null(x), pc.is_null(y)))
+                if pa.types.is_floating(a.type):
+                    eq = pc.or_kleene(eq, pc.and_(pc.is_nan(x), pc.is_nan(y)))
+                out[1:] &= eq.fill_null(False).to_numpy(zero_copy_only=False)
         first = tuple(b.column(c)[0].as_py() for c in self.key)
-        out[0] = self.prev is not None and first == self.prev
+        out[0] = self.prev is not None and len(first) == len(self.prev) and all(
+            u == v or (u != u and v != v) for u, v in zip(first, self.prev))  # NaN != NaN in Python: u != u
         self.prev = tuple(b.column(c)[n - 1].as_py() for c in self.key)
         return out
 

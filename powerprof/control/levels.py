@@ -6,6 +6,13 @@ import re
 from dataclasses import dataclass
 from typing import Iterable, Sequence
 
+from powerprof.collectors.limitwatch import LIMIT_TOLERANCE_W
+
+# Two power levels closer than this are one setting: a limit is set and read back to within LIMIT_TOLERANCE_W
+# (a card may round what it is given; another tool's move is judged against it), so no reading tells them apart,
+# and a sweep's J/token cannot resolve a step that small either. Refused, not merged: the user meant something.
+MIN_POWER_LEVEL_GAP_W = LIMIT_TOLERANCE_W
+
 
 class LevelError(ValueError):
     """Requested levels are unusable. The message lists every problem and the allowed range."""
@@ -93,7 +100,7 @@ def parse_power_levels(spec: str | Iterable, devices: Sequence[DeviceRange]) -> 
         raise LevelError(["no single power limit fits every selected GPU"], allowed)
     defaults = {d.default_w for d in devices}
     return _parse(spec, "power", "W", lo, hi, allowed, percent_base=(defaults.pop() if len(defaults) == 1 else None),
-                  percent_of="the default limit", as_int=False)
+                  percent_of="the default limit", as_int=False, min_gap=MIN_POWER_LEVEL_GAP_W)
 
 
 def describe_clock_range(devices: Sequence[DeviceRange]) -> str:
@@ -126,7 +133,9 @@ def parse_clock_levels(spec: str | Iterable, devices: Sequence[DeviceRange]) -> 
                   percent_of="the maximum SM clock", as_int=True)
 
 
-def _parse(spec, kind, unit, lo, hi, allowed, percent_base, percent_of, as_int):
+def _parse(spec, kind, unit, lo, hi, allowed, percent_base, percent_of, as_int, min_gap=0.0):
+    """Levels as numbers; a value NVML would take as the same (whole mW, whole MHz) is a duplicate, and one within
+    `min_gap` of an earlier level is refused as no different from it."""
     items = _split(spec)
     if not items:
         raise LevelError([f"no {kind} levels given"], allowed)
@@ -159,6 +168,12 @@ def _parse(spec, kind, unit, lo, hi, allowed, percent_base, percent_of, as_int):
             continue
         if value in seen:
             problems.append(f"'{item}' ({_fmt(value)} {unit}) duplicates '{seen[value]}'")
+            continue
+        near = next((v for v in seen if abs(v - value) < min_gap), None)
+        if near is not None:
+            problems.append(f"'{item}' ({_fmt(value)} {unit}) is within {_fmt(min_gap)} {unit} of '{seen[near]}': a limit "
+                            f"is set and read back to +-{_fmt(min_gap)} {unit}, so no reading tells the two apart and "
+                            f"the figures cannot resolve the step; give levels at least {_fmt(min_gap)} {unit} apart")
             continue
         seen[value] = item
         out.append(int(value) if as_int else value)

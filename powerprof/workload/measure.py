@@ -8,6 +8,7 @@ row of their own whose energy and tokens are taken over exactly the measured int
 from __future__ import annotations
 
 import asyncio
+import re
 import uuid
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
@@ -23,7 +24,7 @@ from powerprof.energy import (
     within_prompt_offset,
 )
 from powerprof.collectors.cputime import BUSY_HOST_FIX, BUSY_HOST_PCT, busy_host_text, cpu_shares_pct, unknown_server_text
-from powerprof.collectors.limitwatch import LIMIT_CHANGERS, LIMIT_FIX, LimitWatch, limits_read
+from powerprof.collectors.limitwatch import CLOCK_FIX, LIMIT_CHANGERS, LIMIT_FIX, ClockLockWatch, ClockMove, LimitWatch, limits_read
 from powerprof.profiler import (EDGE_BIAS_WINDOW_S, LOW_CONFIDENCE_S, METHOD_POWER, POWER_EDGE_BIAS_SHARE,
                                 POWER_EDGE_BIAS_WINDOW_S)
 
@@ -288,6 +289,16 @@ def edge_bias_notes(summary: list[Summary]) -> list[str]:
     return out
 
 
+# "(windows.parquet)", "(windows.parquet foreign_traffic)", "(run.json per_gpu)": where a note sends the reader.
+_STORED_REF = re.compile(r"\s*\((?:windows\.parquet|run\.json)\b[^()]*\)")
+
+
+def unstored(note: str) -> str:
+    """`note` without its pointers into windows.parquet or run.json: what a run that could not be stored says, so
+    that no note sends the reader to a file that was never written (the figures it gives stay)."""
+    return _STORED_REF.sub("", note)
+
+
 def rounding_notes(summary: list[Summary]) -> list[str]:
     """Say so where the windows are short enough for the counter's steps to bias their own median
     J/token (windows.parquet) off the pooled figure printed: the same rule as the analysis'
@@ -429,9 +440,11 @@ def measure(
     watch: list[OthersWatch] = []
     # The settings as they are, as the measurement begins: every GPU reading since must show the same power limits.
     # Another tool's `nvidia-smi -pl` (or `powerprof tune`) mid-run made the later windows another setting's, pooled
-    # with the earlier ones unsaid (300 -> 180 W halfway: -15.5% J/token on the seed card).
+    # with the earlier ones unsaid (300 -> 180 W halfway: -15.5% J/token on the seed card). The same for an SM clock
+    # lock set (nvidia-smi -lgc) or released (-rgc) mid-run: the clock itself is the witness (ClockLockWatch).
     gpu = getattr(profiler, "gpu", None)
-    limits = LimitWatch(limits_read(gpu.read())) if gpu is not None else None
+    clocks = ClockLockWatch(None, find_lock=True, during="the measurement", earlier="earlier in the measurement")
+    limits = LimitWatch(limits_read(gpu.read()), clocks=clocks) if gpu is not None else None
     if limits is not None:
         profiler.sampler.subscribe(limits)
     cut: dict = {}  # the concurrency the limit moved in and those never begun
@@ -558,14 +571,18 @@ class _LimitMoved(Exception):
 
 
 def limit_moved_note(watch: LimitWatch, records: Sequence[RequestRecord], rows: list[dict], cut: dict) -> str | None:
-    """Where a GPU's power limit moved during the measurement (`watch`): the windows of every batch not vouched for
-    by a reading at its end (a request that ended after the last reading still at the first limits) are left out,
-    with the reason; what to say (the run's `aborted`), or None when the limits held."""
+    """Where a GPU's power limit or SM clock setting moved during the measurement (`watch`): the windows of every batch
+    not vouched for by a reading at its end (a request that ended after the last reading still at the first setting)
+    are left out, with the reason; what to say (the run's `aborted`), or None when the settings held."""
     m = watch.moved
     if m is None:
         return None
-    why = (f"GPU {m.index}'s {m.what} read {m.read_w:g} W during the measurement, not the {m.expected_w:g} W it read as "
-           f"the measurement began: another tool changed it ({LIMIT_CHANGERS}) or the driver lowered it")
+    if isinstance(m, ClockMove):
+        why, fix = m.why.split("; the windows measured since")[0], CLOCK_FIX
+    else:
+        why = (f"GPU {m.index}'s {m.what} read {m.read_w:g} W during the measurement, not the {m.expected_w:g} W it read "
+               f"as the measurement began: another tool changed it ({LIMIT_CHANGERS}) or the driver lowered it")
+        fix = LIMIT_FIX
     after = {r.batch_id for r in records if not r.warmup and not watch.held_through(r.t_last_ns or r.t_end_ns)}
     if not after and not cut:
         return None  # it moved after the last window had ended: nothing was measured at another setting
@@ -577,7 +594,7 @@ def limit_moved_note(watch: LimitWatch, records: Sequence[RequestRecord], rows: 
     later = cut.get("later") or []
     never = f"; concurrency {', '.join(map(str, later))} never begun" if later else ""
     return (f"{why}, so the windows since measured another setting: {n_out} left out of every figure, the "
-            f"{len(measured) - n_out} before it kept{never}; measure stopped there; fix: {LIMIT_FIX}")
+            f"{len(measured) - n_out} before it kept{never}; measure stopped there; fix: {fix}")
 
 
 def foreign_record(foreign: dict[int, tuple[int, str]], summary: list[Summary], resent: dict[int, int],
@@ -856,6 +873,9 @@ def _run_measure(
         for name in (RUN_JSON, "windows.parquet"):  # the folder was empty (or made) before: these are ours
             (out_dir / name).unlink(missing_ok=True)
         _remove_if_empty(out_dir)
+        result.notes = [unstored(n) for n in result.notes]
+        if result.foreign_traffic:
+            result.foreign_traffic["message"] = unstored(result.foreign_traffic["message"])
         result.write_error = (f"cannot write the measurement to {out_dir}: {write_failure(e)}; nothing was stored "
                               f"(run.json and windows.parquet go together), the figures above are the only record; "
                               f"fix: {WRITE_FIX}")

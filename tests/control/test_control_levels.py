@@ -16,7 +16,7 @@ ONE = [dev()]
 
 def test_mixed_forms_resolve_to_watts():
     assert parse_power_levels("220,180W,50%,250.5w", ONE) == [220.0, 180.0, 150.0, 250.5]
-    assert parse_power_levels(["300", 260, "87%"], ONE) == [300.0, 260.0, 261.0]  # 87% of 300 = 261
+    assert parse_power_levels(["300", 250, "87%"], ONE) == [300.0, 250.0, 261.0]  # 87% of 300 = 261
 
 
 @pytest.mark.parametrize(
@@ -43,6 +43,26 @@ def test_each_bad_power_input_is_one_error_with_range_and_default(spec, fragment
     assert fragment in msg
     assert "150-320 W" in msg and "default 300 W" in msg
     assert "Nothing was changed" in msg
+
+
+@pytest.mark.parametrize("spec, fragment", [
+    ("220,220.4", "'220.4' (220.4 W) is within 2 W of '220'"),
+    ("220,221.999W", "'221.999W' (221.999 W) is within 2 W of '220'"),
+    ("220,73%", "'73%' (219 W) is within 2 W of '220'"),
+    ("220,220.0004", "'220.0004' (220 W) duplicates '220'"),  # NVML takes whole milliwatts: the same limit
+])
+def test_levels_closer_than_the_limit_read_back_can_tell_apart_are_refused(spec, fragment):
+    # `--limits 220,220.4` ran two levels no reading can tell apart (a limit is held to +-2 W: LIMIT_TOLERANCE_W),
+    # and the sweep then filed one setting's figures under two limits as if it had measured a 0.4 W step.
+    with pytest.raises(LevelError) as ei:
+        parse_power_levels(spec, ONE)
+    msg = str(ei.value)
+    assert fragment in msg, msg
+    assert "Nothing was changed" in msg
+
+
+def test_levels_two_watts_apart_are_kept():
+    assert parse_power_levels("220,222,224.5", ONE) == [220.0, 222.0, 224.5]
 
 
 def test_all_problems_are_listed_at_once():
