@@ -153,6 +153,7 @@ def test_an_unending_event_passes_whole_through_the_proxy_and_the_row_says_it_wa
 @pytest.mark.parametrize("bad", [
     b'data: {"id":"x","choices":[{"index":0,"delta":{"content":"w1"}\n\n',  # cut JSON
     b'data: {"id":"x","choices":{"0":{"delta":{"content":"w1"}}}}\n\n',  # choices not a list
+    b'data: {"id":"x","choices":["w1"]}\n\n',  # a choice not an object
     b'data: ["w1"]\n\n',  # not an object
     b"w1 without any field name\n\n",  # no `data:`
     b'data: {"x":"' + b"y" * (5 << 20) + b'"}\n\n',  # one line over the 4 MiB bound

@@ -876,6 +876,8 @@ class StreamParser:
                 else:
                     self._merge_usage()
         if not isinstance(choices, list):
+            if choices is not None:  # a chunk of another shape: whatever it carried is not read (said, not skipped)
+                self._unreadable(f"unexpected event shape: choices is a {type(choices).__name__}, not a list")
             return
         texts: list[str] = []
         closing = False  # this chunk carries a finish_reason
@@ -885,6 +887,7 @@ class StreamParser:
         idx = 0
         for ch in choices:
             if not isinstance(ch, dict):
+                self._unreadable(f"unexpected event shape: a choice is a {type(ch).__name__}, not an object")
                 continue
             n_seen += 1
             idx = ch.get("index")
