@@ -81,11 +81,17 @@ def counter_total(text: str, name: str) -> float | None:
     # (~15 ms to parse whole on a busy core, too much at several scrapes a second).
     text = "".join(ln + "\n" for ln in text.splitlines() if base in ln)
     total, seen = 0.0, False
+    series: set = set()
     for fam in text_string_to_metric_families(text):
         if fam.name not in (base, name):
             continue
         for s in fam.samples:
             if s.name == name or (s.name == base and fam.type != "counter"):
+                # One series said twice is a broken page (Prometheus refuses it): summed, every token counted twice.
+                key = (s.name, tuple(sorted(s.labels.items())))
+                if key in series:
+                    raise ValueError(f"{name} lists the series {dict(s.labels)} twice: the page is not believed")
+                series.add(key)
                 total += s.value
                 seen = True
     if seen and (why := bad_amount(total, MAX_COUNTER)) is not None:
