@@ -181,6 +181,17 @@ def test_a_stream_the_upstream_ends_before_it_said_it_was_done_is_said_on_the_ro
     assert tr.error is not None and "ended the response before its stream said it was done" in tr.error, tr.error
 
 
+@pytest.mark.parametrize("usage", [b"[4, 3]", b'"4"'])
+def test_a_usage_of_a_wrong_shape_is_said_not_skipped(usage):
+    # Before: a `usage` that is not an object was skipped; the row had the one-a-chunk count, unconfirmed, and nothing
+    # said that the server's own count had come in a shape that could not be read.
+    final = b'data: {"choices":[{"index":0,"delta":{},"finish_reason":"stop"}],"usage":' + usage + b"}\n\n"
+    stream = _chunk(0) + _chunk(1) + final + b"data: [DONE]\n\n"
+    got, tr = _through_proxy([_chunk(0), _chunk(1), final, b"data: [DONE]\n\n"])
+    assert got == stream and tr.tokens_seen == 2 and tr.counts.tokens_estimated
+    assert tr.error is not None and "usage is a" in tr.error, tr.error
+
+
 def test_done_twice_and_a_chunk_after_it_pass_and_a_whole_stream_has_no_note():
     stream = _chunk(0) + FINAL + b"data: [DONE]\n\n" + b"data: [DONE]\n\n"
     got, tr = _through_proxy([stream])

@@ -875,6 +875,8 @@ class StreamParser:
                         s.usage_prompt = p
                 else:
                     self._merge_usage()
+        if usage is not None and not isinstance(usage, dict):  # the server's count, in a shape that says none
+            self._unreadable(f"unexpected event shape: usage is a {type(usage).__name__}, not an object")
         if not isinstance(choices, list):
             if choices is not None:  # a chunk of another shape: whatever it carried is not read (said, not skipped)
                 self._unreadable(f"unexpected event shape: choices is a {type(choices).__name__}, not a list")
