@@ -196,3 +196,63 @@ def test_done_twice_and_a_chunk_after_it_pass_and_a_whole_stream_has_no_note():
     stream = _chunk(0) + FINAL + b"data: [DONE]\n\n" + b"data: [DONE]\n\n"
     got, tr = _through_proxy([stream])
     assert got == stream and tr.outcome == "ok" and tr.error is None and tr.counts.generated_tokens == 4
+
+
+@pytest.mark.parametrize("workers", ["1", "2"])  # 2: the notes cross from the proxy workers to the daemon's rows
+def test_the_daemons_rows_say_what_the_proxy_could_not_count(tmp_path, workers):
+    import threading
+
+    from daemon_helpers import DaemonProc, read_dataset, sim_env
+
+    bodies = {
+        b"cr": STREAM.replace(b"\n", b"\r"),
+        b"bad": _chunk(0) + b"data: {cut\n\n" + _chunk(2) + FINAL + b"data: [DONE]\n\n",
+        b"cut": _chunk(0) + _chunk(1),
+    }
+
+    async def handle(reader, writer):
+        head = await reader.readuntil(b"\r\n\r\n")
+        length = next(int(line.split(b":")[1]) for line in head.split(b"\r\n")
+                      if line.lower().startswith(b"content-length:"))
+        body = await reader.readexactly(length)
+        which = next(k for k in bodies if b'"%s"' % k in body)
+        writer.write(b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\nConnection: close\r\n\r\n" + bodies[which])
+        await writer.drain()
+        writer.close()
+
+    box, ready, stop = {}, threading.Event(), threading.Event()
+
+    def serve():
+        async def main():
+            srv = await asyncio.start_server(handle, "127.0.0.1", 0)
+            box["port"] = srv.sockets[0].getsockname()[1]
+            ready.set()
+            while not stop.is_set():
+                await asyncio.sleep(0.05)
+            srv.close()
+        asyncio.run(main())
+
+    t = threading.Thread(target=serve, daemon=True)
+    t.start()
+    assert ready.wait(30)
+    d = DaemonProc(tmp_path / "data", "--simulate", "--upstream", f"http://127.0.0.1:{box['port']}",
+                   "--flush-interval", "0.2", env={**sim_env(tmp_path), "POWERPROF_PROXY_WORKERS": workers,
+                                                   "POWERPROF_SCRAPE_SERVER": "none"})
+    try:
+        async def go():
+            async with aiohttp.ClientSession() as s:
+                for k in bodies:
+                    async with s.post(d.info["proxy"] + "/v1/chat/completions",
+                                      json={"model": k.decode(), "stream": True, "messages": []}) as r:
+                        assert await r.read() == bodies[k]  # untouched
+        asyncio.run(asyncio.wait_for(go(), 60))
+    finally:
+        rc = d.stop()
+        stop.set()
+        t.join(10)
+    assert rc == 0, d.output()
+    rows = {r["model"]: r for r in read_dataset(tmp_path / "data", "requests").to_dict("records")}
+    assert rows["cr"]["generated_tokens"] == 4 and rows["cr"]["prompt_tokens"] == 3 and not isinstance(rows["cr"]["error"], str)
+    assert rows["bad"]["outcome"] == "ok" and "1 line(s) or event(s) of the response could not be read" in rows["bad"]["error"]
+    assert "ended the response before its stream said it was done" in rows["cut"]["error"]
+    assert rows["cut"]["generated_tokens"] == 2
