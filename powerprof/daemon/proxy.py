@@ -386,6 +386,8 @@ class Proxy:
                 if trace.counts is not None and trace.counts.invalid and trace.outcome == "ok":
                     # The server's own figures are out of range: the request is recorded as failed, with why.
                     trace.outcome, trace.error = "invalid_response", trace.counts.invalid[:300]
+                if trace.counts is not None and trace.counts.unreadable:
+                    _add_error(trace, unreadable_note(trace.counts))
                 self._safe(trace, self.recorder.on_end)
 
     async def _forward(self, request: web.Request, trace: RequestTrace | None) -> web.StreamResponse:
@@ -602,6 +604,14 @@ class Proxy:
                     trace.counts = streams.summary_counts(sink.parser.finish())
                     if self.closing and not trace.counts.complete:
                         trace.outcome = "interrupted"  # our shutdown closed the upstream mid-stream
+                    elif (not trace.counts.complete and trace.counts.invalid is None
+                          and trace.counts.server_error is None):
+                        # The upstream ended the response as framed, but its stream never said it was done: the
+                        # tokens counted are those it sent, and what it generated and never sent is not here.
+                        _add_error(trace, CUT_BY_UPSTREAM_NOTE)
+                elif sink.body_copy is None and sink.copy_overflow:
+                    _add_error(trace, f"response body over {BODY_COPY_MAX_BYTES >> 20} MiB: not inspected, its tokens "
+                                      "were not counted")
                 elif sink.body_copy is not None:
                     self._body_done(trace, bytes(sink.body_copy))
                 elif sink.usage_scan is not None and sink.usage_scan.prompt_tokens is not None:
@@ -670,6 +680,22 @@ class Proxy:
         trace.extra["spread"] = True  # the recorder spreads the n tokens over [first, last]
 
 
+CUT_BY_UPSTREAM_NOTE = ("the upstream ended the response before its stream said it was done (no stop event, "
+                        "finish_reason or [DONE]): tokens it generated and never sent are not counted here, and any "
+                        "final counts (usage, the prompt's length) it would have sent are missing")
+
+
+def unreadable_note(counts: streams.Counts) -> str:
+    """What a response with lines or events the parser could not read leaves out of its row's token count."""
+    first = (counts.error or "")[:160]
+    return (f"{counts.unreadable} line(s) or event(s) of the response could not be read ({first}): tokens they carried "
+            "are not in the proxy's count")
+
+
+def _add_error(trace: RequestTrace, note: str) -> None:
+    trace.error = (note if trace.error is None else f"{trace.error}; {note}")[:600]
+
+
 UNSEEN_TAIL_NOTE = ("the client left before the response ended; the proxy closed the upstream so the server stops, but "
                     "tokens it generated until it noticed were never seen here: the server's counter places them in "
                     "the intervals' unproxied energy, not in this request's")
@@ -724,6 +750,7 @@ class _ClientSink:
         self.parser = None
         self.body_copy: bytearray | None = None
         self.usage_scan: streams.PromptTokensScan | None = None  # an embeddings answer's prompt length
+        self.copy_overflow = False  # a whole body past BODY_COPY_MAX_BYTES: its copy dropped, not inspected
         self.transport = None
         self.writer = None
         self.chunked = False
@@ -779,8 +806,11 @@ class _ClientSink:
                 return
             parser = self.parser
             if parser is None:
-                if self.body_copy is not None and len(self.body_copy) + len(piece) <= BODY_COPY_MAX_BYTES:
-                    self.body_copy += piece
+                if self.body_copy is not None:
+                    if len(self.body_copy) + len(piece) <= BODY_COPY_MAX_BYTES:
+                        self.body_copy += piece
+                    else:  # past the bound: not a cut copy parsed as if whole (the row says so, _relay)
+                        self.body_copy, self.copy_overflow = None, True
                 elif self.usage_scan is not None:
                     self.usage_scan.feed(piece)
                 return

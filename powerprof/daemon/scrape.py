@@ -260,12 +260,22 @@ class Scraper:
                     raise ValueError(f"{COUNTERS[self.kind]} missing from /metrics" + (
                         " (the page is not SGLang's own with nothing finished yet: a gateway's, or another name for "
                         "the counter; its tokens cannot be counted)" if self.kind == "sglang" else ""))
-                prev, self._last_total = self._last_total, total
+                had_start = self._start_s is not None
+                new_process = self._new_process(text)
+                prev = self._last_total
+                if prev is not None and total < prev and new_process is None and had_start and self._start_s is not None:
+                    # Back on the same process (its start time unchanged): the page is wrong, not the server restarted.
+                    # Taken for a restart, the whole counter was counted as this window's tokens (bypass traffic that
+                    # never ran). The highest reading stays the base: tokens count again once the counter passes it.
+                    self.finished = None
+                    raise ValueError(f"{COUNTERS[self.kind]} went back from {prev:g} to {total:g} on the same process "
+                                     f"({START_TIME} unchanged): this scrape is not believed, and tokens are counted "
+                                     f"again from {prev:g}")
+                self._last_total = total
                 if prev is None:
                     self._baseline(total)
                 # A restart of the server zeroes its counter: count from zero again. A new process whose counter has
                 # passed the old reading already is told by its start time where the page has one (vLLM), else not.
-                new_process = self._new_process(text)
                 restart = prev is not None and (total < prev or new_process is not None)
                 if restart:
                     self._restarted(new_process or f"{COUNTERS[self.kind]} went back from {prev:g} to {total:g}")
@@ -331,6 +341,13 @@ class Scraper:
         except ValueError:
             steps = None
         prev_steps, self._steps = self._steps, steps
+        if (self._finished is not None and finished < self._finished and prev_steps is not None and steps is not None
+                and steps > prev_steps):
+            # The finished-token counter went back while the decode calls went on: the same process, the page wrong.
+            # Taken for a restart, the whole counter was counted again as new tokens. The highest reading stays.
+            raise ValueError(f"{LLAMACPP_COUNTER} went back from {self._finished:g} to {finished:g} while "
+                             f"{LLAMACPP_STEPS} went on ({prev_steps:g} to {steps:g}): the same process, so this scrape "
+                             "is not believed")
         if self._finished is not None and finished < self._finished:
             self._high = 0.0  # the server restarted: its counter began again from zero
             self._restarted(f"{LLAMACPP_COUNTER} went back from {self._finished:g} to {finished:g}")

@@ -116,6 +116,9 @@ class Counts:
     # A whole answer's tokens as it listed them (SGLang's output_ids), where its count contradicts them: what the
     # proxy saw, the tokens its row keeps instead of the count (count_problem); None otherwise.
     listed_tokens: int | None = None
+    # Lines and events of the response that could not be read (StreamSummary.unreadable): tokens they carried are
+    # not in the proxy's count. The request's row says so (proxy.unreadable_note).
+    unreadable: int = 0
 
 
 def summary_counts(summary, streamed: bool = True) -> Counts:
@@ -124,7 +127,8 @@ def summary_counts(summary, streamed: bool = True) -> Counts:
     (arrival.count_problem); `streamed` False: a whole body, whose count is the only one."""
     if summary.invalid is not None:
         return Counts(None, None, summary.model, summary.stop_reason, "none", complete=summary.complete,
-                      error=summary.error, invalid=summary.invalid, server_error=summary.server_error)
+                      error=summary.error, invalid=summary.invalid, server_error=summary.server_error,
+                      unreadable=summary.unreadable)
     timings = summary.timings or {}
     gen = summary.generated_tokens
     problem = None
@@ -152,6 +156,7 @@ def summary_counts(summary, streamed: bool = True) -> Counts:
         server_error=summary.server_error,
         prompt_each_task=summary.prompt_each_task,
         listed_tokens=summary.counted_tokens if problem is not None and not streamed else None,
+        unreadable=summary.unreadable,
     )
 
 

@@ -74,18 +74,39 @@ FOREIGN_FLAG = "foreign-traffic"
 FOREIGN_FIX = "stop the other clients (or processes on the GPU) for the sweep, or sweep a server and GPU of your own"
 
 
+# Lines naming one metric that a page may hold before it is not parsed: a real server's counter has a series a model
+# (a histogram ~30 lines a series), where a page of 300 000 series (16 MiB, the read bound) took 2.5 s of CPU to parse,
+# in the daemon's event loop, which the proxy shares, at every scrape (4 a second while traffic moves).
+MAX_METRIC_LINES = 4096
+
+
+def _few_lines(text: str, name: str) -> None:
+    """Refuses a page with more than MAX_METRIC_LINES lines naming `name`: counted (cheap) before anything is parsed."""
+    n = text.count(name)
+    if n > MAX_METRIC_LINES:
+        raise ValueError(f"{name} is named on {n} lines of the page, more than the {MAX_METRIC_LINES} read: not parsed "
+                         "(a server lists one series a model)")
+
+
 def counter_total(text: str, name: str) -> float | None:
     """Sum of a counter (or gauge) over all its label sets; None when the metric is absent."""
     base = name[: -len("_total")] if name.endswith("_total") else name
+    _few_lines(text, base)
     # Only the lines naming the metric are parsed: a vLLM /metrics page is ~100 kB of histograms
     # (~15 ms to parse whole on a busy core, too much at several scrapes a second).
     text = "".join(ln + "\n" for ln in text.splitlines() if base in ln)
     total, seen = 0.0, False
+    series: set = set()
     for fam in text_string_to_metric_families(text):
         if fam.name not in (base, name):
             continue
         for s in fam.samples:
             if s.name == name or (s.name == base and fam.type != "counter"):
+                # One series said twice is a broken page (Prometheus refuses it): summed, every token counted twice.
+                key = (s.name, tuple(sorted(s.labels.items())))
+                if key in series:
+                    raise ValueError(f"{name} lists the series {dict(s.labels)} twice: the page is not believed")
+                series.add(key)
                 total += s.value
                 seen = True
     if seen and (why := bad_amount(total, MAX_COUNTER)) is not None:
@@ -101,6 +122,7 @@ FINISHED_LATENCY = {"sglang": "sglang:e2e_request_latency_seconds"}
 
 def histogram_sum_count(text: str, name: str) -> tuple[float, float] | None:
     """A histogram's (_count, _sum) summed over its label sets; None when it is absent."""
+    _few_lines(text, name)
     text = "".join(ln + "\n" for ln in text.splitlines() if name in ln)
     count = total = 0.0
     seen = set()

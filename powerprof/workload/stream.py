@@ -114,6 +114,9 @@ class StreamSummary:
     n_events: int  # token-bearing events
     n_comments: int  # SSE comment (keep-alive) lines
     invalid: str | None = None  # the first count or timing out of type/sign/range: the request failed
+    # Lines and events that could not be read (malformed JSON, a line that is no SSE field, an event of a wrong shape,
+    # one over the 4 MiB bound): any tokens they carried are not in counted_tokens. `error` names the first few.
+    unreadable: int = 0
     # Of counted_tokens, those counted from what a chunk showed (one a chunk, or its logprobs' entries), not from a
     # count the server gave: a lower bound, confirmed only where the server's final count says the same.
     guessed_tokens: int = 0
@@ -191,6 +194,7 @@ class _State:
     scaled_tasks: bool = False  # a whole llama.cpp answer's first task's usage scaled to its choices (_one_task_answer)
     done: bool = False
     errors: list = field(default_factory=list)
+    unreadable: int = 0  # lines and events that could not be read (StreamSummary.unreadable)
     server_error: str | None = None  # the first error the server itself sent in the response
     invalid: str | None = None
     # SGLang /generate, per sequence (its `index`): tokens counted, its last completion_tokens, its prompt_tokens.
@@ -219,6 +223,9 @@ class StreamParser:
         self.api = api
         self._buf = b""
         self._pending: list[bytes] = []  # data lines of an event not yet dispatched
+        self._pending_bytes = 0  # their size: bounded by _MAX_PENDING_BYTES, as a line is
+        # The previous chunk ended in a CR: a LF opening this one is the same line end (CRLF cut between reads).
+        self._after_cr = False
         self._s = _State()
         self._llamacpp_api = api == "llamacpp"
         self._typed_api = api in ("openai-responses", "anthropic-messages")  # events named by their `type`
@@ -264,10 +271,14 @@ class StreamParser:
         out: list[TokenEvent] = []
         if not chunk:
             return out
+        if self._after_cr or b"\r" in chunk:
+            chunk = self._lf_lines(chunk)
+            if not chunk:
+                return out
         if b"\n" not in chunk:
             self._buf += chunk
             if len(self._buf) > _MAX_PENDING_BYTES:
-                self._error("event larger than 4 MiB without a line end; dropped")
+                self._unreadable("event larger than 4 MiB without a line end; dropped")
                 self._buf = b""
             return out
         data = self._buf + chunk if self._buf else chunk
@@ -278,7 +289,7 @@ class StreamParser:
             if not line:
                 if self._pending:
                     self._dispatch(b"\n".join(self._pending), out)
-                    self._pending = []
+                    self._pending, self._pending_bytes = [], 0
                 continue
             if line[:1] == b":":
                 self._s.n_comments += 1
@@ -288,7 +299,7 @@ class StreamParser:
                 value = value[1:]
             if name == b"data":
                 if self._pending:
-                    self._pending.append(value)
+                    self._pend(value)
                     continue
                 # Servers put one JSON document on one line: dispatch it at once rather than
                 # waiting for the blank line, so a token's arrival is the moment its line
@@ -296,7 +307,7 @@ class StreamParser:
                 if value == b"[DONE]" or _looks_whole(value):
                     self._dispatch(value, out)
                 else:
-                    self._pending.append(value)
+                    self._pend(value)
             elif name == b"error":
                 msg = value[:200].decode("utf-8", "replace")
                 self._error(f"server error event: {msg}")
@@ -308,14 +319,35 @@ class StreamParser:
                 # Not SSE at all: a plain JSON body (an error answer to a streaming request).
                 self._dispatch(line, out)
             else:
-                self._error(f"unexpected line in stream: {line[:80].decode('utf-8', 'replace')!r}")
+                self._unreadable(f"unexpected line in stream: {line[:80].decode('utf-8', 'replace')!r}")
         return out
+
+    def _lf_lines(self, chunk: bytes) -> bytes:
+        """`chunk` with its line ends as LF: SSE ends a line with CRLF, LF or a lone CR, and a stream of lone CRs
+        was read as one line, buffered to the 4 MiB bound and dropped (every token of it uncounted). A CR that ends
+        the chunk may be the first half of a CRLF: a LF opening the next chunk is then skipped. Raw CRs cannot be in
+        a JSON document (strings escape them), so none is taken out of one."""
+        if self._after_cr and chunk[:1] == b"\n":
+            chunk = chunk[1:]
+        self._after_cr = chunk[-1:] == b"\r"
+        return chunk.replace(b"\r\n", b"\n").replace(b"\r", b"\n")
+
+    def _pend(self, value: bytes) -> None:
+        """One more data line of an event spread over several: held to the same 4 MiB bound as a line. Before, a
+        server that never ended the event (no blank line) grew this list without bound (400 MB of data lines took
+        1.6 GB resident in the proxy)."""
+        self._pending_bytes += len(value) + 1
+        if self._pending_bytes > _MAX_PENDING_BYTES:
+            self._unreadable("event larger than 4 MiB; dropped")
+            self._pending, self._pending_bytes = [], 0
+            return
+        self._pending.append(value)
 
     def count(self, chunk: bytes) -> int:
         """Tokens in `chunk`, the same as `sum(e.n_tokens for e in feed(chunk))`. In count-only mode a
         chunk that is exactly one compact `data: {...}` event, with nothing buffered before it (how
         servers write a token), is counted without building the event."""
-        if (self._quick and self._parsed_one and not self._buf and not self._pending
+        if (self._quick and self._parsed_one and not self._buf and not self._pending and not self._after_cr
                 and chunk[:7] == b"data: {" and chunk[-3:] == b"}\n\n"):
             if chunk.count(b"\n") != 2:
                 return self._count_events(chunk)
@@ -367,7 +399,7 @@ class StreamParser:
                 self._pending.append(tail)
         if self._pending:
             self._dispatch(b"\n".join(self._pending), out)
-            self._pending = []
+            self._pending, self._pending_bytes = [], 0
         return self._summary()
 
     # --- payloads ------------------------------------------------------------------------------
@@ -402,17 +434,17 @@ class StreamParser:
         try:
             obj = json_from_bytes(payload)
         except (ValueError, UnicodeDecodeError):
-            self._error(f"malformed JSON in stream: {payload[:80].decode('utf-8', 'replace')!r}")
+            self._unreadable(f"malformed JSON in stream: {payload[:80].decode('utf-8', 'replace')!r}")
             return
         if obj is None:
             return  # `data: null`: llama-server opens a stream of several tasks (a list of prompts) with it
         if not isinstance(obj, dict):
-            self._error("stream event is not a JSON object")
+            self._unreadable("stream event is not a JSON object")
             return
         try:
             self._handle(obj, out)
         except Exception as e:  # never raise on garbage: a proxy forwards these bytes
-            self._error(f"unexpected event shape: {error_text(e)}")
+            self._unreadable(f"unexpected event shape: {error_text(e)}")
 
     def _quick_count(self, v: bytes) -> int | None:
         """Tokens in a plain token chunk, read from its bytes; None when the chunk needs the full
@@ -517,6 +549,11 @@ class StreamParser:
     def _error(self, msg: str) -> None:
         if len(self._s.errors) < _MAX_ERRORS:
             self._s.errors.append(msg)
+
+    def _unreadable(self, msg: str) -> None:
+        """A line or event that could not be read: counted (its tokens, if any, are not), and named."""
+        self._s.unreadable += 1
+        self._error(msg)
 
     def _invalid(self, what: str, why: str) -> None:
         msg = f"server sent an invalid {what}: {why}"
@@ -838,7 +875,11 @@ class StreamParser:
                         s.usage_prompt = p
                 else:
                     self._merge_usage()
+        if usage is not None and not isinstance(usage, dict):  # the server's count, in a shape that says none
+            self._unreadable(f"unexpected event shape: usage is a {type(usage).__name__}, not an object")
         if not isinstance(choices, list):
+            if choices is not None:  # a chunk of another shape: whatever it carried is not read (said, not skipped)
+                self._unreadable(f"unexpected event shape: choices is a {type(choices).__name__}, not a list")
             return
         texts: list[str] = []
         closing = False  # this chunk carries a finish_reason
@@ -848,6 +889,7 @@ class StreamParser:
         idx = 0
         for ch in choices:
             if not isinstance(ch, dict):
+                self._unreadable(f"unexpected event shape: a choice is a {type(ch).__name__}, not an object")
                 continue
             n_seen += 1
             idx = ch.get("index")
@@ -991,6 +1033,7 @@ class StreamParser:
             n_events=s.n_events,
             n_comments=s.n_comments,
             invalid=s.invalid,
+            unreadable=s.unreadable,
             server_error=s.server_error,
             first_choice_of=s.first_choice_of,
             prompt_each_task=self.prompt_each_task,
@@ -1059,7 +1102,7 @@ def parse_response(api: str, body: bytes, choices: int = 1, sequences: int = 1
     try:
         obj = json_from_bytes(body)
     except (ValueError, UnicodeDecodeError):
-        p._error(f"malformed JSON response: {body[:80].decode('utf-8', 'replace')!r}")
+        p._unreadable(f"malformed JSON response: {body[:80].decode('utf-8', 'replace')!r}")
         return [], p._summary()
     out: list[TokenEvent] = []
     if api == "sglang-generate" and isinstance(obj, (dict, list)):
@@ -1069,9 +1112,9 @@ def parse_response(api: str, body: bytes, choices: int = 1, sequences: int = 1
                 try:
                     p._sglang(o, out, i if isinstance(obj, list) else None)
                 except Exception as e:
-                    p._error(f"unexpected response shape: {error_text(e)}")
+                    p._unreadable(f"unexpected response shape: {error_text(e)}")
             else:
-                p._error("response item is not a JSON object")
+                p._unreadable("response item is not a JSON object")
         n = sum(e.n_tokens for e in out)
         return ([TokenEvent(n, "", p._s.usage_completion)] if n else []), p._summary()
     if isinstance(obj, dict):
@@ -1109,11 +1152,11 @@ def parse_response(api: str, body: bytes, choices: int = 1, sequences: int = 1
         try:
             p._handle(obj, out)
         except Exception as e:
-            p._error(f"unexpected response shape: {error_text(e)}")
+            p._unreadable(f"unexpected response shape: {error_text(e)}")
         # The usage block of a non-streaming OpenAI answer is the authoritative count.
         if out and p._s.usage_completion is not None and out[0].n_tokens != p._s.usage_completion:
             out = [TokenEvent(p._s.usage_completion, out[0].text, p._s.usage_completion)]
             p._s.counted = p._s.usage_completion
     else:
-        p._error("response is not a JSON object")
+        p._unreadable("response is not a JSON object")
     return out, p._summary()

@@ -1,0 +1,258 @@
+"""An upstream that sends malformed or oversized streams through the proxy: the client's bytes stay the upstream's, the
+proxy's memory stays bounded, and a count the proxy could not make is said on the request's row, never silent."""
+
+from __future__ import annotations
+
+import asyncio
+import tracemalloc
+
+import aiohttp
+import pytest
+
+from proxy_helpers import serve_here
+from powerprof.daemon.proxy import Proxy
+from powerprof.workload.stream import StreamParser
+
+
+class Rec:
+    def __init__(self):
+        self.ended = []
+
+    def on_start(self, trace):
+        pass
+
+    def on_tokens(self, trace, t, n):
+        pass
+
+    def on_end(self, trace):
+        self.ended.append(trace)
+
+
+def _raw_upstream(pieces):
+    """A server that answers any request with an event-stream head and then `pieces` (a list, or a callable giving an
+    iterable) as they are, each its own write, its body ended by closing the connection (framed by close)."""
+    async def handle(reader, writer):
+        head = await reader.readuntil(b"\r\n\r\n")
+        length = next((int(line.split(b":")[1]) for line in head.split(b"\r\n")
+                       if line.lower().startswith(b"content-length:")), 0)
+        if length:
+            await reader.readexactly(length)
+        writer.write(b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\nConnection: close\r\n\r\n")
+        try:
+            for p in (pieces() if callable(pieces) else pieces):
+                writer.write(p)
+                await writer.drain()
+        finally:
+            writer.close()
+    return handle
+
+
+def _through_proxy(pieces, path="/v1/chat/completions"):
+    """(the bytes the client got, the bytes the upstream sent when `pieces` is a list, the request's trace)."""
+    async def main():
+        srv = await asyncio.start_server(_raw_upstream(pieces), "127.0.0.1", 0)
+        rec = Rec()
+        runner, url = await serve_here(Proxy(f"http://127.0.0.1:{srv.sockets[0].getsockname()[1]}", recorder=rec).app())
+        got = bytearray()
+        try:
+            async with aiohttp.ClientSession() as s:
+                async with s.post(url + path, json={"model": "m", "stream": True, "messages": []}) as r:
+                    async for chunk in r.content.iter_any():
+                        got += chunk if len(got) < 1 << 20 else b""  # a big body is not kept whole here
+            for _ in range(100):
+                if rec.ended:
+                    break
+                await asyncio.sleep(0.02)
+        finally:
+            await runner.cleanup()
+            srv.close()
+        return bytes(got), rec.ended[0]
+
+    return asyncio.run(asyncio.wait_for(main(), 120))
+
+
+def _chunk(i: int) -> bytes:
+    return b'data: {"id":"x","choices":[{"index":0,"delta":{"content":"w%d"},"finish_reason":null}]}\n\n' % i
+
+
+FINAL = (b'data: {"id":"x","choices":[{"index":0,"delta":{},"finish_reason":"stop"}],'
+         b'"usage":{"prompt_tokens":3,"completion_tokens":4}}\n\n')
+STREAM = b"".join(_chunk(i) for i in range(4)) + FINAL + b"data: [DONE]\n\n"
+
+
+@pytest.mark.parametrize("ending", [b"\n", b"\r\n", b"\r"])
+@pytest.mark.parametrize("split", ["events", "bytes"])
+def test_every_sse_line_ending_is_counted_whole_at_any_split(ending, split):
+    # SSE ends a line with LF, CRLF or a lone CR. Before, a stream of lone CRs was one line to the parser: buffered to
+    # its 4 MiB bound and dropped, so the request was recorded `ok` with 0 tokens, no prompt, and nothing said.
+    stream = STREAM.replace(b"\n", ending)
+    if split == "events":
+        pieces = [e + ending * 2 for e in stream.split(ending * 2) if e]
+    else:
+        pieces = [stream[i:i + 1] for i in range(len(stream))]  # a CRLF cut between writes too
+    got, tr = _through_proxy(pieces)
+    assert got == stream  # untouched
+    assert tr.outcome == "ok" and tr.error is None, tr.error
+    assert tr.tokens_seen == 4 and tr.counts.generated_tokens == 4 and tr.counts.prompt_tokens == 3
+    assert not tr.counts.tokens_estimated  # the server's usage confirms the count: nothing to flag
+
+
+def test_a_crlf_cut_between_reads_is_one_line_end_for_the_parser():
+    # The parser alone, a CR ending one feed and its LF opening the next: one line end, not an empty line that would
+    # end an event spread over two data lines early.
+    p = StreamParser("openai-chat")
+    doc = b'data: {"choices":[{"index":0,\r\ndata: "delta":{"content":"a"},"finish_reason":null}]}\r\n\r\n'
+    n = 0
+    for i in range(len(doc)):
+        n += sum(e.n_tokens for e in p.feed(doc[i:i + 1]))
+    assert n == 1 and p.finish().unreadable == 0
+
+
+def test_an_event_that_never_ends_is_bounded_in_memory_and_said():
+    # Data lines of one event, with no blank line to end it. Before, the parser kept every one: 400 MB of such lines
+    # through the proxy took 1.6 GB resident (the unit's MemoryMax is 512M), and the row said nothing.
+    p = StreamParser("openai-chat", count_only=True)
+    tracemalloc.start()
+    try:
+        p.feed(_chunk(0))
+        p.feed(b'data: {"a":\n')
+        line = b"data: " + b"1" * (1 << 20) + b"\n"
+        for _ in range(64):
+            p.feed(line)
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert peak < 16 << 20, peak  # the 4 MiB bound, a line and the join: not the 64 MiB fed
+    s = p.finish()
+    assert s.counted_tokens == 1 and s.unreadable >= 1 and "larger than 4 MiB" in s.error
+
+
+def test_an_unending_event_passes_whole_through_the_proxy_and_the_row_says_it_was_not_read():
+    n_lines = 48
+    line = b"data: " + b"1" * (1 << 20) + b"\n"
+
+    def pieces():
+        yield _chunk(0)
+        yield b'data: {"a":\n'
+        for _ in range(n_lines):
+            yield line
+
+    tracemalloc.start()
+    try:
+        got, tr = _through_proxy(pieces)
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert tr.response_bytes == len(_chunk(0)) + 12 + n_lines * len(line)  # every byte relayed
+    assert got.startswith(_chunk(0) + b'data: {"a":\n')
+    assert peak < 32 << 20, peak  # the proxy and the client together, not the 48 MiB stream
+    assert tr.tokens_seen == 1
+    assert tr.error is not None and "could not be read" in tr.error and "larger than 4 MiB" in tr.error
+
+
+@pytest.mark.parametrize("bad", [
+    b'data: {"id":"x","choices":[{"index":0,"delta":{"content":"w1"}\n\n',  # cut JSON
+    b'data: {"id":"x","choices":{"0":{"delta":{"content":"w1"}}}}\n\n',  # choices not a list
+    b'data: {"id":"x","choices":["w1"]}\n\n',  # a choice not an object
+    b'data: ["w1"]\n\n',  # not an object
+    b"w1 without any field name\n\n",  # no `data:`
+    b'data: {"x":"' + b"y" * (5 << 20) + b'"}\n\n',  # one line over the 4 MiB bound
+])
+def test_an_event_the_proxy_cannot_read_is_said_on_the_row(bad):
+    # Before: the event (and any token it carried) was left out of the count and the row said `ok`, error null: a
+    # stream without usage was stored one token short with nothing to tell it from a clean one.
+    stream = _chunk(0) + bad + _chunk(2) + (b'data: {"choices":[{"index":0,"delta":{},"finish_reason":"stop"}]}\n\n'
+                                            b"data: [DONE]\n\n")
+    got, tr = _through_proxy([_chunk(0), bad, stream[len(_chunk(0)) + len(bad):]])
+    assert tr.response_bytes == len(stream) and got == stream[:len(got)] and len(got) >= min(len(stream), 1 << 20)
+    assert tr.outcome == "ok" and tr.tokens_seen == 2
+    assert tr.error is not None and "line(s) or event(s) of the response could not be read" in tr.error, tr.error
+    assert tr.counts.tokens_estimated  # one a chunk, no usage: unconfirmed, as before
+
+
+@pytest.mark.parametrize("tail", [b"", b'data: {"id":"x","choices":[{"index":0,"delta":{"con'])
+def test_a_stream_the_upstream_ends_before_it_said_it_was_done_is_said_on_the_row(tail):
+    # Framed by close, the connection's end is the response's end: no error for the proxy, but the stream never said
+    # it was done (no finish_reason, no [DONE]). Before, the row said `ok`, error null, as for a whole answer.
+    stream = _chunk(0) + _chunk(1) + _chunk(2) + tail
+    got, tr = _through_proxy([_chunk(0), _chunk(1), _chunk(2), tail])
+    assert got == stream
+    assert tr.tokens_seen == 3
+    assert tr.error is not None and "ended the response before its stream said it was done" in tr.error, tr.error
+
+
+@pytest.mark.parametrize("usage", [b"[4, 3]", b'"4"'])
+def test_a_usage_of_a_wrong_shape_is_said_not_skipped(usage):
+    # Before: a `usage` that is not an object was skipped; the row had the one-a-chunk count, unconfirmed, and nothing
+    # said that the server's own count had come in a shape that could not be read.
+    final = b'data: {"choices":[{"index":0,"delta":{},"finish_reason":"stop"}],"usage":' + usage + b"}\n\n"
+    stream = _chunk(0) + _chunk(1) + final + b"data: [DONE]\n\n"
+    got, tr = _through_proxy([_chunk(0), _chunk(1), final, b"data: [DONE]\n\n"])
+    assert got == stream and tr.tokens_seen == 2 and tr.counts.tokens_estimated
+    assert tr.error is not None and "usage is a" in tr.error, tr.error
+
+
+def test_done_twice_and_a_chunk_after_it_pass_and_a_whole_stream_has_no_note():
+    stream = _chunk(0) + FINAL + b"data: [DONE]\n\n" + b"data: [DONE]\n\n"
+    got, tr = _through_proxy([stream])
+    assert got == stream and tr.outcome == "ok" and tr.error is None and tr.counts.generated_tokens == 4
+
+
+@pytest.mark.parametrize("workers", ["1", "2"])  # 2: the notes cross from the proxy workers to the daemon's rows
+def test_the_daemons_rows_say_what_the_proxy_could_not_count(tmp_path, workers):
+    import threading
+
+    from daemon_helpers import DaemonProc, read_dataset, sim_env
+
+    bodies = {
+        b"cr": STREAM.replace(b"\n", b"\r"),
+        b"bad": _chunk(0) + b"data: {cut\n\n" + _chunk(2) + FINAL + b"data: [DONE]\n\n",
+        b"cut": _chunk(0) + _chunk(1),
+    }
+
+    async def handle(reader, writer):
+        head = await reader.readuntil(b"\r\n\r\n")
+        length = next(int(line.split(b":")[1]) for line in head.split(b"\r\n")
+                      if line.lower().startswith(b"content-length:"))
+        body = await reader.readexactly(length)
+        which = next(k for k in bodies if b'"%s"' % k in body)
+        writer.write(b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\nConnection: close\r\n\r\n" + bodies[which])
+        await writer.drain()
+        writer.close()
+
+    box, ready, stop = {}, threading.Event(), threading.Event()
+
+    def serve():
+        async def main():
+            srv = await asyncio.start_server(handle, "127.0.0.1", 0)
+            box["port"] = srv.sockets[0].getsockname()[1]
+            ready.set()
+            while not stop.is_set():
+                await asyncio.sleep(0.05)
+            srv.close()
+        asyncio.run(main())
+
+    t = threading.Thread(target=serve, daemon=True)
+    t.start()
+    assert ready.wait(30)
+    d = DaemonProc(tmp_path / "data", "--simulate", "--upstream", f"http://127.0.0.1:{box['port']}",
+                   "--flush-interval", "0.2", env={**sim_env(tmp_path), "POWERPROF_PROXY_WORKERS": workers,
+                                                   "POWERPROF_SCRAPE_SERVER": "none"})
+    try:
+        async def go():
+            async with aiohttp.ClientSession() as s:
+                for k in bodies:
+                    async with s.post(d.info["proxy"] + "/v1/chat/completions",
+                                      json={"model": k.decode(), "stream": True, "messages": []}) as r:
+                        assert await r.read() == bodies[k]  # untouched
+        asyncio.run(asyncio.wait_for(go(), 60))
+    finally:
+        rc = d.stop()
+        stop.set()
+        t.join(10)
+    assert rc == 0, d.output()
+    rows = {r["model"]: r for r in read_dataset(tmp_path / "data", "requests").to_dict("records")}
+    assert rows["cr"]["generated_tokens"] == 4 and rows["cr"]["prompt_tokens"] == 3 and not isinstance(rows["cr"]["error"], str)
+    assert rows["bad"]["outcome"] == "ok" and "1 line(s) or event(s) of the response could not be read" in rows["bad"]["error"]
+    assert "ended the response before its stream said it was done" in rows["cut"]["error"]
+    assert rows["cut"]["generated_tokens"] == 2
