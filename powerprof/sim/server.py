@@ -955,17 +955,18 @@ class SimServer:
     def request_truth(self) -> dict:
         """The truth per client request (its X-Sim-Request-Id): its sequences' rows summed (n > 1 choices and a
         list of embedding inputs are one request of several sequences). {client_id: {energy_j, prefill_energy_j,
-        generated, prompt_tokens, sequences, kind}}; energy None unless continuous batching."""
+        generated, textless, prompt_tokens, sequences, kind}}; energy None unless continuous batching."""
         out: dict = {}
         for t in self.truth:
             cid = t.get("client_id")
             if cid is None:
                 continue
-            o = out.setdefault(cid, {"energy_j": 0.0, "prefill_energy_j": 0.0, "generated": 0, "prompt_tokens": 0,
+            o = out.setdefault(cid, {"energy_j": 0.0, "prefill_energy_j": 0.0, "generated": 0, "textless": 0, "prompt_tokens": 0,
                                      "sequences": 0, "kind": t.get("kind", "generation")})
             for k in ("energy_j", "prefill_energy_j"):
                 o[k] = None if o[k] is None or t[k] is None else o[k] + t[k]
             o["generated"] += t["generated"]
+            o["textless"] += t.get("textless", 0)
             o["prompt_tokens"] += t["prompt_tokens"]
             o["sequences"] += 1
         return out
