@@ -202,6 +202,8 @@ SGLANG_IDLE_LOG_S = 30.0
 SGLANG_WARMUP = (7, 2)
 # sglang:e2e_request_latency_seconds's default buckets (TokenizerMetricsCollector, srt/metrics/collector.py).
 SGLANG_E2E_BUCKETS = (0.1, 0.2, 0.4, 0.6, 0.8, 1, 2, 4, 6, 8, 10, 20, 40, 60, 80, 100, 200, 400, 600, 1200, 1800, 2400)
+# sglang:num_retractions's buckets (TokenizerMetricsCollector).
+SGLANG_RETRACTION_BUCKETS = (0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 15, 20, 25, 30, 40, 50, 75, 100)
 # The warm-up's end-to-end latency as observed (its GPU time is not simulated; a short request's).
 SGLANG_WARMUP_E2E_S = 0.05
 
@@ -401,6 +403,18 @@ class SimServer:
         self._m_requests = Counter("sglang:num_requests", "Number of requests processed.", tok, registry=self._registry)
         self._m_e2e = Histogram("sglang:e2e_request_latency_seconds", "Histogram of End-to-end request latency in seconds",
                                 tok, buckets=SGLANG_E2E_BUCKETS, registry=self._registry)
+        self._m_cached = Counter("sglang:cached_tokens", "Number of cached prompt tokens.", tok, registry=self._registry)
+        self._m_retractions = Histogram("sglang:num_retractions", "Histogram of retraction counts per request.", tok,
+                                        buckets=SGLANG_RETRACTION_BUCKETS, registry=self._registry)
+        # Its HTTP middleware (add_prometheus_track_response_middleware, with --enable-metrics): every request, /metrics
+        # scrapes included, by route and method; set before its handler runs, so even a fresh server's page shows them.
+        http = ("endpoint", "method")
+        self._m_http_requests = Counter("sglang:http_requests", "Total number of HTTP requests by endpoint and method",
+                                        http, registry=self._registry)
+        self._m_http_responses = Counter("sglang:http_responses", "Total number of HTTP responses by endpoint and status code",
+                                         ("endpoint", "status_code", "method"), registry=self._registry)
+        self._m_http_active = Gauge("sglang:http_requests_active", "Number of currently active HTTP requests", http,
+                                    registry=self._registry)
         sched = ("model_name", "engine_type", "tp_rank", "pp_rank")
         self._m_running = Gauge("sglang:num_running_reqs", "The number of running requests.", sched, registry=self._registry)
         self._m_waiting = Gauge("sglang:num_queue_reqs", "The number of requests in the waiting queue.", sched,
@@ -412,6 +426,13 @@ class SimServer:
             p, n = SGLANG_WARMUP
             self._sglang_log(0, 0)  # the warm-up's prefill batch: nothing running before it
             self._sglang_finished(p, n, SGLANG_WARMUP_E2E_S)
+            # Its warm-up thread's HTTP requests (http_server.py, _execute_server_warmup): a poll of /model_info until
+            # it answers, then the /generate.
+            for endpoint, method in (("/model_info", "GET"), ("/generate", "POST")):
+                lab = {"endpoint": endpoint, "method": method}
+                self._m_http_requests.labels(**lab).inc()
+                self._m_http_active.labels(**lab).set(0)
+                self._m_http_responses.labels(status_code="200", **lab).inc()
 
     def _sglang_labels(self) -> dict:
         return {"model_name": self.model, "engine_type": "unified", "tp_rank": "0", "pp_rank": "0"}
@@ -424,13 +445,18 @@ class SimServer:
         self._m_gen_tput.labels(**lab).set(0.0)
         self._sg_last_log = time.monotonic()
 
-    def _sglang_finished(self, prompt_tokens: int, generated: int, e2e_s: float) -> None:
-        """SGLang's tokenizer manager observes one finished request (observe_one_finished_request): its tokens, and
-        its end-to-end latency from its arrival (`e2e_s`), in the same call."""
-        self._m_prompt.labels(model_name=self.model).inc(prompt_tokens)
-        self._m_tokens.labels(model_name=self.model).inc(generated)
-        self._m_requests.labels(model_name=self.model).inc()
-        self._m_e2e.labels(model_name=self.model).observe(e2e_s)
+    def _sglang_finished(self, prompt_tokens: int, generated: int, e2e_s: float, cached: int = 0) -> None:
+        """SGLang's tokenizer manager observes one finished request (observe_one_finished_request): its tokens, its
+        cached prompt tokens (only when there are some), its end-to-end latency from its arrival (`e2e_s`) and its
+        retractions (none here), in the same call."""
+        lab = {"model_name": self.model}
+        self._m_prompt.labels(**lab).inc(prompt_tokens)
+        self._m_tokens.labels(**lab).inc(generated)
+        if cached > 0:
+            self._m_cached.labels(**lab).inc(cached)
+        self._m_requests.labels(**lab).inc()
+        self._m_e2e.labels(**lab).observe(e2e_s)
+        self._m_retractions.labels(**lab).observe(0)
 
     def _sglang_decode_logged(self, running: int) -> None:
         """One decode batch: every SGLANG_DECODE_LOG_INTERVAL of them SGLang logs (and sets its gauges)."""
@@ -577,7 +603,8 @@ class SimServer:
     async def _astart(self) -> None:
         self._started_ns = time.monotonic_ns()
         self._wake = asyncio.Event()
-        app = web.Application()
+        sglang_http = self.flavour == "sglang" and self.serve_metrics
+        app = web.Application(middlewares=[self._sglang_http_metrics] if sglang_http else [])
         r = app.router
         r.add_get("/health", self._health)
         r.add_get("/props", self._props)
@@ -629,6 +656,29 @@ class SimServer:
         await self._runner.cleanup()
         for g in self.gpus:
             g.set_phase(Phase("idle"))
+
+    @web.middleware
+    async def _sglang_http_metrics(self, request: web.Request, handler):
+        """SGLang's HTTP metrics middleware (utils/common.py, add_prometheus_track_response_middleware): the request
+        counted, and active, before its handler; its response by status after it. (FastAPI's call_next returns once a
+        streamed answer starts; here the handler returns at its end: a stream is active, and its response counted,
+        until then. Not modelled: the request/response size summaries and the latency histogram.)"""
+        route = request.match_info.route.resource
+        endpoint = route.canonical if route is not None else request.path
+        lab = {"endpoint": endpoint, "method": request.method}
+        self._m_http_requests.labels(**lab).inc()
+        self._m_http_active.labels(**lab).inc()
+        status = 500
+        try:
+            resp = await handler(request)
+            status = resp.status
+            return resp
+        except web.HTTPException as e:
+            status = e.status
+            raise
+        finally:
+            self._m_http_responses.labels(status_code=str(status), **lab).inc()
+            self._m_http_active.labels(**lab).dec()
 
     async def _connection_headers(self, request: web.Request, resp: web.StreamResponse) -> None:
         """llama-server's connection handling (cpp-httplib, as measured on the real one: docs/simulator.md): every
@@ -881,7 +931,8 @@ class SimServer:
         if self.flavour == "llamacpp":
             self._m_tokens.inc(req.generated)
         elif self.flavour == "sglang":
-            self._sglang_finished(req.prompt_tokens, req.generated, (time.monotonic_ns() - req.t_arrive_ns) / 1e9)
+            self._sglang_finished(req.prompt_tokens, req.generated, (time.monotonic_ns() - req.t_arrive_ns) / 1e9,
+                                  req.cached)
         t_first = req.emissions[0][0]
         t_last = req.emissions[-1][0]
         if self.flavour == "vllm":
@@ -1093,6 +1144,8 @@ class SimServer:
 
     async def _metrics(self, request: web.Request) -> web.Response:
         if not self.serve_metrics:
+            if self.flavour == "sglang":  # no --enable-metrics: no such route; FastAPI's 404
+                return self._json({"detail": "Not Found"}, 404)
             raise web.HTTPNotFound()
         if self.flavour == "sglang":
             if (not self._active and not self._waiting
@@ -1456,10 +1509,13 @@ class SimServer:
         fr = None
         if finished:
             fr = {"type": "length", "length": n} if req.stop_type == "limit" else {"type": "stop", "matched": 2}
-        return {"text": text, "output_ids": list(ids), "index": 0,
-                "meta_info": {"id": f"sim{req.rid:032x}", "finish_reason": fr, "prompt_tokens": req.prompt_tokens,
-                              "weight_version": "default", "completion_tokens": n, "cached_tokens": req.cached,
-                              "e2e_latency": (time.monotonic_ns() - req.t_arrive_ns) / 1e9}}
+        # Its keys in tokenizer_manager.py's order (_handle_batch_output); e2e_latency only once the request finished.
+        mi = {"id": f"sim{req.rid:032x}", "finish_reason": fr, "prompt_tokens": req.prompt_tokens,
+              "weight_version": "default", "num_retractions": 0, "reasoning_tokens": 0, "completion_tokens": n,
+              "cached_tokens": req.cached}
+        if finished:
+            mi["e2e_latency"] = (time.monotonic_ns() - req.t_arrive_ns) / 1e9
+        return {"text": text, "output_ids": list(ids), "index": 0, "meta_info": mi}
 
     def _llama_final(self, req: _Req, timings: dict) -> dict:
         return {
