@@ -46,6 +46,9 @@ class Outcome:
     truth: dict = field(default_factory=dict)  # the simulator's record per truth key (prefill span, emissions)
     edge_reads: int = 0  # energy-counter reads at short requests' edges
     edge_cpu_s: float = 0.0  # the CPU those reads cost in all, as the daemon measured it
+    tags: pd.DataFrame | None = None  # the daemon's tag rows (`tag`: one window over the trace)
+    tag_answer: dict | None = None  # what `powerprof tag stop` was answered
+    data_dir: Path | None = None  # the daemon's datasets
 
 
 async def _started(daemon, interval_s: float) -> asyncio.Task:
@@ -67,11 +70,13 @@ def _read(data: Path, name: str) -> pd.DataFrame:
 
 def run(trace: list[TraceRequest], bypass: set[int] = frozenset(), profile="h200-141g", interval_s: float = 1.0,
         n_slots: int = 64, tail: list[TraceRequest] = (), tail_gap_s: float = 1.5, data_dir: Path | None = None,
-        config: dict | None = None, flavour: str = "vllm") -> Outcome:
+        config: dict | None = None, flavour: str = "vllm", tag: str | None = None) -> Outcome:
     """Replay `trace` (indexes in `bypass` straight to the server, the rest through the proxy), then
     `tail` one at a time with `tail_gap_s` between (identical requests, measured alone). `config`:
     more daemon settings ("section.key": value). profile: a key or a GpuProfile (a variant, e.g. without
-    an energy counter). flavour: the simulated server's (vLLM's counter moves every step, SGLang's at request end)."""
+    an energy counter). flavour: the simulated server's (vLLM's counter moves every step, SGLang's at request end).
+    tag: a tag window of that name opened (as `powerprof tag start` does) just before the trace and stopped once every
+    request of it (proxied and bypass) has ended, before the tail."""
     tmp = Path(data_dir or tempfile.mkdtemp(prefix="pp-attr-"))
     nvml = SimNVML(profile, state_path=None)
     srv = SimServer(nvml, flavour=flavour, n_slots=n_slots, batching="continuous").start()
@@ -84,9 +89,12 @@ def run(trace: list[TraceRequest], bypass: set[int] = frozenset(), profile="h200
     full = list(trace)
     n_main = len(full)
     params = RequestParams(max_tokens=16, ignore_eos=True)
+    answer: dict = {}
 
     async def main():
         task = await _started(daemon, interval_s)
+        if tag is not None:
+            await daemon.tag_start(tag)
         async with new_session() as s:
             via_proxy = await detect_server(s, daemon.urls["proxy"])
             direct = await detect_server(s, srv.url)
@@ -99,6 +107,8 @@ def run(trace: list[TraceRequest], bypass: set[int] = frozenset(), profile="h200
                 _replay_subset(s, direct, [full[i] for i in b_idx], b_idx, params),
             )
             wall = time.monotonic() - t0
+            if tag is not None:
+                answer.update(await daemon.tag_stop(tag))
             tail_recs = []
             for k, r in enumerate(tail):
                 await asyncio.sleep(tail_gap_s)
@@ -114,7 +124,8 @@ def run(trace: list[TraceRequest], bypass: set[int] = frozenset(), profile="h200
     finally:
         srv.stop()
     data = tmp / "data"
-    reqs, intervals, costs, samples = (_read(data, n) for n in ("requests", "intervals", "costs", "samples"))
+    reqs, intervals, costs, samples, tags = (_read(data, n) for n in ("requests", "intervals", "costs", "samples",
+                                                                       "tags"))
     gpu = samples[samples["source"] == "nvml"]
     measured = float(sum(g["energy_j"].max() - g["energy_j"].min() for _, g in gpu.groupby("gpu_index")))
     truth = {t["client_id"]: t for t in srv.truth if t.get("client_id") is not None}
@@ -132,7 +143,8 @@ def run(trace: list[TraceRequest], bypass: set[int] = frozenset(), profile="h200
         unproxied_j=float(intervals["unproxied_energy_j"].sum()),
         client_tokens=int(sum(r.record.generated_tokens for r in proxied_recs if r.record.ok)),
         wall_s=wall, late_p95_s=float(np.percentile(late, 95)) if late else 0.0, truth=truth,
-        edge_reads=daemon.edge_reads, edge_cpu_s=daemon.edge_cpu_total_s,
+        edge_reads=daemon.edge_reads, edge_cpu_s=daemon.edge_cpu_total_s, tags=tags,
+        tag_answer=answer if tag is not None else None, data_dir=data,
     )
 
 
@@ -335,7 +347,8 @@ def run_mixed(trace: list[TraceRequest], profile: str = "h200-141g", interval_s:
     finally:
         srv.stop()
     data = tmp / "data"
-    reqs, intervals, costs, samples = (_read(data, n) for n in ("requests", "intervals", "costs", "samples"))
+    reqs, intervals, costs, samples, tags = (_read(data, n) for n in ("requests", "intervals", "costs", "samples",
+                                                                       "tags"))
     gpu = samples[samples["source"] == "nvml"]
     measured = float(sum(g["energy_j"].max() - g["energy_j"].min() for _, g in gpu.groupby("gpu_index")))
     truth = srv.request_truth()
