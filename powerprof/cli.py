@@ -1069,7 +1069,9 @@ def analyze(run_dirs, out_dir, max_slowdown, eta, formats, force, n_boot, as_jso
             if as_json:
                 import json
 
-                click.echo(json.dumps(table.to_pylist(), default=str, indent=2))
+                # One object: the hosts, the tags and the notes that say what was left out of their figures.
+                click.echo(json.dumps({"hosts": table.to_pylist(), "tags": tags.to_pylist(),
+                                       "notes": fleet.notes(table) + fleet.tag_notes(tags)}, default=str, indent=2))
             else:
                 click.echo(fleet.render_summary(table))
                 if tags.num_rows:
@@ -1603,9 +1605,14 @@ def tag_start(name, socket, config_path, as_json):
 def tag_stop(name, socket, config_path, as_json):
     """Close the window NAME and print its energy."""
     r = _tag_call("stop", name, socket, config_path)
+    if "unproxied_energy_j" not in r and r.get("gpu_j_per_token") is not None:  # a daemon from before the key
+        older = ("the daemon is older than this command: its J/token is every GPU joule of the window over the "
+                 "proxied tokens, bypass traffic's energy included (restart the daemon to take it out)")
+        r = {**r, "note": f"{r['note']}; {older}" if r.get("note") else older}
     if as_json:
         _echo_json({"name": name, **{k: r.get(k) for k in ("duration_s", "gpu_energy_j", "cpu_energy_j",
-                                                            "proxy_tokens", "gpu_j_per_token", "server_count", "note")}})
+                                                            "unproxied_energy_j", "proxy_tokens", "gpu_j_per_token",
+                                                            "server_count", "note")}})
         return
     # A figure the daemon did not give (None) is printed as unknown, never as 0 (it read "GPU 0.0 J").
     def fig(key: str, fmt: str, unit: str) -> str:
@@ -1614,8 +1621,8 @@ def tag_stop(name, socket, config_path, as_json):
 
     jpt = r.get("gpu_j_per_token")
     click.echo(
-        f"tag {name}: {fig('duration_s', '.2f', 's')}, GPU {fig('gpu_energy_j', '.1f', 'J')}, "
-        f"{fig('proxy_tokens', '.0f', 'tokens')}"
+        f"tag {name}: {fig('duration_s', '.2f', 's')}, GPU {fig('gpu_energy_j', '.1f', 'J')} "
+        f"(bypass traffic {fig('unproxied_energy_j', '.1f', 'J')}), {fig('proxy_tokens', '.0f', 'tokens')}"
         + (f", {jpt:.3f} J/token" if jpt is not None else
            "" if r.get("note") else " (no J/token: no tokens were seen through the proxy)")
     )
@@ -1625,8 +1632,8 @@ def tag_stop(name, socket, config_path, as_json):
 
     if "server_count" in r and bypass_count_low(r["server_count"]):  # an older daemon's answer has no such key
         click.echo(f"note: the server's token count over its intervals may be low or was not read (server_count "
-                   f"{r['server_count'] or 'unknown'}): bypass traffic beside it is not known, and its energy is in "
-                   "this window's (docs/daemon.md, Which rows may be low)", err=True)
+                   f"{r['server_count'] or 'unknown'}): bypass traffic beside it is not known, and its energy may be "
+                   "in this window's J/token (docs/daemon.md, Which rows may be low)", err=True)
 
 
 @tag_group.command("list")

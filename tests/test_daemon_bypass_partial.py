@@ -363,8 +363,8 @@ def test_a_tags_server_count_joins_its_intervals_reasons_and_an_empty_one_is_unk
 
 def test_analyze_gives_each_tags_j_per_token_and_leaves_out_windows_whose_count_may_be_low(tmp_path):
     """`analyze` on a daemon folder read no tag rows: a user who tagged a job (`powerprof tag start/stop`) got no figure
-    for it. Now each tag name gets its energy over its proxied tokens, against the truth of the GPU's draw (50 W plus
-    0.25 J a token, proxied or bypass), and a window across a server restart (its count may be low) is left out of it
+    for it. Now each tag name gets its energy less bypass traffic's over its proxied tokens, against the truth of the
+    GPU's draw (50 W plus 0.25 J a token, proxied or bypass), and a window across a server restart (its count may be low) is left out of it
     and counted apart, as the requests are."""
     from powerprof.analysis.fleet import tag_notes, tag_summary
 
@@ -385,9 +385,13 @@ def test_analyze_gives_each_tags_j_per_token_and_leaves_out_windows_whose_count_
     proxied, bypass = gen[up], gen[up][::4]
 
     def truth(spans):
+        # Every token's share of the window's energy, proxied or bypass alike (the live gauge's truth above): the
+        # bypass traffic's part (unproxied_energy_j) is not the proxied tokens'. Before the tag rows carried it, the
+        # tags' J/token was all the energy over the proxied tokens: 0.578 here against 0.544.
         e = sum(idle_w * (b - a) + jpt * (PER_STEP * ((proxied > a) & (proxied <= b)).sum()
                                           + ((bypass > a) & (bypass <= b)).sum()) for a, b in spans)
-        return e / sum(PER_STEP * ((proxied > a) & (proxied <= b)).sum() for a, b in spans)
+        return e / sum(PER_STEP * ((proxied > a) & (proxied <= b)).sum() + ((bypass > a) & (bypass <= b)).sum()
+                       for a, b in spans)
 
     got = {r["name"]: r for r in tag_summary([str(tmp_path / "n")]).to_pylist()}
     job = got["job"]

@@ -22,7 +22,8 @@ from powerprof.daemon.store import DatasetStore
 S = 1_000_000_000
 T0_NS = 1_768_478_400 * 10**9  # 2026-01-15 12:00 UTC
 # The columns added to each table in recent versions: an "old" file is a new one without them.
-NEWER = {"intervals": ("server_count", "other_cpu_pct"), "tags": ("server_count", "other_cpu_pct"),
+NEWER = {"intervals": ("server_count", "other_cpu_pct"),
+         "tags": ("server_count", "other_cpu_pct", "unproxied_energy_j"),
          "requests": ("other_cpu_pct", "prompt_tokens_estimate")}
 
 
@@ -35,8 +36,8 @@ def _rows(first: int, n: int) -> dict[str, list[dict]]:
            "gpu_energy_j": 100.0, "attributed_tokens": 100.0, "ttft_s": 0.1, "other_cpu_pct": 5.0,
            "prompt_tokens_estimate": 50.0} for i in range(first, first + n)]
     tg = [{"daemon_id": "d0", "name": "job", "t_start_utc": T0_NS + i * S, "t_end_utc": T0_NS + (i + 1) * S,
-           "duration_s": 1.0, "gpu_energy_j": 300.0, "proxy_tokens": 100.0, "gpu_j_per_token": 3.0,
-           "closed_by": "stop", "other_cpu_pct": 5.0, "server_count": "complete"} for i in range(first, first + n)]
+           "duration_s": 1.0, "gpu_energy_j": 300.0, "unproxied_energy_j": 100.0, "proxy_tokens": 100.0,
+           "gpu_j_per_token": 2.0, "closed_by": "stop", "other_cpu_pct": 5.0, "server_count": "complete"} for i in range(first, first + n)]
     return {"intervals": iv, "requests": rq, "tags": tg}
 
 
@@ -99,8 +100,8 @@ def test_analyze_reads_both_versions_old_rows_unknown(tmp_path, old_first):
     [t] = tag_summary([str(data)]).to_pylist()
     # the old writer's 10 windows have no server count: unknown, left out of the tag's J/token and counted
     assert t["windows"] == 20 and t["counted_windows"] == 10 and t["bypass_unknown_windows"] == 10
-    assert t["gpu_j_per_token"] == pytest.approx(3.0)
+    assert t["gpu_j_per_token"] == pytest.approx(2.0)  # (300 J - 100 J of bypass traffic) / 100 tokens
     res = CliRunner().invoke(main, ["analyze", str(data)])
     assert res.exit_code == 0, res.output
-    assert "job" in res.stdout and "3.000" in res.stdout, res.stdout
+    assert "job" in res.stdout and "2.000" in res.stdout, res.stdout
     assert "node-0 job: 10 of 20" in res.stderr, res.stderr

@@ -8,9 +8,11 @@ proxy_tokens (docs/daemon.md, Tag API; docs/data.md, daemon_tags)."""
 
 from __future__ import annotations
 
+import json
 import sys
 from pathlib import Path
 
+import pyarrow.parquet as pq
 import pytest
 from click.testing import CliRunner
 
@@ -20,9 +22,9 @@ from _attribution import run  # noqa: E402
 
 from powerprof.analysis.fleet import tag_summary  # noqa: E402
 from powerprof.cli import main  # noqa: E402
+from powerprof.daemon.service import datasets  # noqa: E402
+from powerprof.daemon.store import DatasetStore  # noqa: E402
 from powerprof.workload.trace import synthetic  # noqa: E402
-
-pytestmark = pytest.mark.slow
 
 N = 48
 
@@ -41,6 +43,7 @@ def outcome(tmp_path_factory):
     return o, true_tokens, bypass_tokens
 
 
+@pytest.mark.slow
 def test_the_tags_j_per_token_leaves_the_bypass_traffics_energy_out(outcome):
     o, true_tokens, bypass_tokens = outcome
     assert len(o.tags) == 1, o.tags
@@ -63,6 +66,7 @@ def test_the_tags_j_per_token_leaves_the_bypass_traffics_energy_out(outcome):
     assert a["gpu_j_per_token"] == pytest.approx(row["gpu_j_per_token"], rel=1e-9)
 
 
+@pytest.mark.slow
 def test_analyze_gives_the_tag_the_proxied_traffics_j_per_token(outcome, tmp_path):
     o, true_tokens, _ = outcome
     row = o.tags.iloc[0]
@@ -75,3 +79,86 @@ def test_analyze_gives_the_tag_the_proxied_traffics_j_per_token(outcome, tmp_pat
     assert res.exit_code == 0, res.output
     line = next(x for x in res.stdout.splitlines() if " job " in x)
     assert f"{got[0]['gpu_j_per_token']:.3f}" in line, res.stdout
+
+
+S = 1_000_000_000
+T0_NS = 1_768_478_400 * 10**9  # 2026-01-15 12:00 UTC
+
+
+def _tag_rows(first: int, n: int, name: str = "job") -> list[dict]:
+    """n 1 s windows of 300 J, 100 J of it bypass traffic's, 100 proxied tokens: 2 J/token the proxied traffic's."""
+    return [{"daemon_id": "d0", "name": name, "t_start_utc": T0_NS + i * S, "t_end_utc": T0_NS + (i + 1) * S,
+             "duration_s": 1.0, "gpu_energy_j": 300.0, "unproxied_energy_j": 100.0, "proxy_tokens": 100.0,
+             "gpu_j_per_token": 2.0, "closed_by": "stop", "server_count": "complete"} for i in range(first, first + n)]
+
+
+def _folder(root: Path, rows_by_version: dict[str, list[dict]]) -> Path:
+    """A daemon folder of tag rows (and an interval: what makes it a daemon's); the "old" ones written as a daemon
+    before `unproxied_energy_j` wrote them (its J/token all the GPU energy over the proxied tokens)."""
+    data = root / "data"
+    store = DatasetStore(data, datasets(), host="node-0")
+    store.append("intervals", [{"daemon_id": "d0", "t_start_utc": T0_NS, "t_end_utc": T0_NS + S, "t_start_mono_s": 0.0,
+                                "duration_s": 1.0, "kind": "idle", "gpu_energy_j": 100.0, "server_count": "complete"}])
+    assert store.flush()
+    for version, rows in rows_by_version.items():
+        store = DatasetStore(root / version, datasets(), host="node-0")
+        store.append("tags", rows)
+        assert store.flush()
+        (src,) = (root / version / "tags").glob("date=*/*.parquet")
+        t = pq.read_table(src)
+        if version == "old":
+            t = t.drop_columns(["unproxied_energy_j"])
+            t = t.set_column(t.schema.get_field_index("gpu_j_per_token"), "gpu_j_per_token",
+                             pq.read_table(src).column("gpu_energy_j"))  # 300 J / 100 tokens: 3.0, bypass included
+        dst = data / "tags" / src.parent.name
+        dst.mkdir(parents=True, exist_ok=True)
+        pq.write_table(t, dst / f"part-{version}.parquet")
+    return data
+
+
+def test_windows_written_before_unproxied_energy_j_are_unknown_not_zero(tmp_path):
+    # A window from a daemon before the column reads server_count `complete` but its bypass energy is not known:
+    # taken as 0 it would blend 3.0 J/token (bypass included) into the 2.0 of the newer windows.
+    data = _folder(tmp_path, {"old": _tag_rows(0, 4), "new": _tag_rows(10, 6)})
+    [t] = tag_summary([str(data)]).to_pylist()
+    assert t["windows"] == 10 and t["counted_windows"] == 6 and t["bypass_unknown_windows"] == 4, t
+    assert t["gpu_j_per_token"] == pytest.approx(2.0) and t["unproxied_energy_j"] == pytest.approx(600.0)
+    res = CliRunner().invoke(main, ["analyze", str(data)])
+    assert res.exit_code == 0, res.output
+    assert "node-0 job: 4 of 10" in res.stderr and "unproxied_energy_j" in res.stderr, res.stderr
+    line = next(x for x in res.stdout.splitlines() if " job " in x)
+    assert line.split()[-4:] == ["1800.0", "600.0", "600", "2.000"], line
+
+
+def test_analyze_json_prints_the_tags_beside_the_hosts(tmp_path):
+    # Before, `analyze --json` printed the hosts alone: a script never saw the per-tag table, nor what was left out.
+    data = _folder(tmp_path, {"old": _tag_rows(0, 2, "a"), "new": _tag_rows(10, 3, "b")})
+    res = CliRunner().invoke(main, ["analyze", str(data), "--json"])
+    assert res.exit_code == 0, res.output
+    d = json.loads(res.stdout)
+    assert set(d) == {"hosts", "tags", "notes"} and [h["host"] for h in d["hosts"]] == ["node-0"]
+    tags = {t["name"]: t for t in d["tags"]}
+    assert tags["b"]["gpu_j_per_token"] == pytest.approx(2.0) and tags["b"]["unproxied_energy_j"] == 300.0
+    assert tags["a"]["gpu_j_per_token"] is None and tags["a"]["bypass_unknown_windows"] == 2
+    assert any("node-0 a: 2 of 2" in n for n in d["notes"]), d["notes"]
+
+
+def test_tag_stop_prints_the_bypass_energy_and_marks_an_older_daemons_j_per_token(monkeypatch):
+    import powerprof.daemon.tagapi as tagapi
+
+    new = {"ok": True, "name": "x", "duration_s": 2.0, "gpu_energy_j": 300.0, "unproxied_energy_j": 100.0,
+           "proxy_tokens": 100, "gpu_j_per_token": 2.0, "server_count": "complete"}
+    old = {k: v for k, v in new.items() if k != "unproxied_energy_j"} | {"gpu_j_per_token": 3.0}
+    for answer, older in ((new, False), (old, True)):
+        monkeypatch.setattr(tagapi, "send_tag", lambda socket, action, name, a=answer: a)
+        res = CliRunner().invoke(main, ["tag", "stop", "x", "--socket", "/nonexistent"])
+        assert res.exit_code == 0, res.output
+        if older:
+            assert "bypass traffic unknown J" in res.stdout and "3.000 J/token" in res.stdout, res.stdout
+            assert "older than this command" in res.stderr and "bypass traffic's energy included" in res.stderr
+        else:
+            assert "GPU 300.0 J (bypass traffic 100.0 J), 100 tokens, 2.000 J/token" in res.stdout, res.stdout
+            assert not res.stderr
+        d = json.loads(CliRunner().invoke(main, ["tag", "stop", "x", "--socket", "/nonexistent", "--json"]).stdout)
+        assert d["unproxied_energy_j"] == (None if older else 100.0)
+        assert ("older than this command" in (d["note"] or "")) == older

@@ -85,7 +85,7 @@ COLUMNS = {
                   "t_end_utc": "TIMESTAMPTZ", "server_count": "VARCHAR"},
     "tags": {"host": "VARCHAR", "daemon_id": "VARCHAR", "name": "VARCHAR", "t_start_utc": "TIMESTAMPTZ",
              "t_end_utc": "TIMESTAMPTZ", "duration_s": "DOUBLE", "gpu_energy_j": "DOUBLE", "proxy_tokens": "DOUBLE",
-             "server_count": "VARCHAR"},
+             "server_count": "VARCHAR", "unproxied_energy_j": "DOUBLE"},
 }
 
 
@@ -282,35 +282,43 @@ def fleet_summary(sources) -> pa.Table:
     return out
 
 
-# One row per host and tag name (`powerprof tag start|stop NAME`, every window of that name): its GPU energy over its
-# proxied tokens. A tag's energy is every GPU joule over its window, bypass traffic's included: a window whose intervals'
-# server count may be low (schema.bypass_count_low, the rule the requests follow) is left out of the tag's energy,
-# tokens and J/token and counted apart (its reasons; `unknown`: unread, or written before the column), as is a window
-# whose energy or tokens cannot be (NaN, infinite, negative).
+# One row per host and tag name (`powerprof tag start|stop NAME`, every window of that name): the proxied traffic's GPU
+# energy over its proxied tokens. A window's gpu_energy_j is every GPU joule over it; its unproxied_energy_j the part
+# the ledger gave to bypass traffic (requests straight to the server), whose tokens are not in proxy_tokens: J/token is
+# (gpu - unproxied) / tokens, summed over the windows. Where the server's count may be low (schema.bypass_count_low,
+# the rule the requests follow) unproxied may be too, and the J/token high: such a window is left out of the tag's
+# figures and counted apart (its reasons), as is one whose bypass traffic is unknown (`unread`, or written before
+# server_count or unproxied_energy_j: null, never taken as 0), one with no GPU energy (a GPU unread inside it), and
+# one whose figures cannot be (NaN, infinite, negative).
 TAGS_SQL = """
 SELECT host, name,
        count(*) AS windows,
-       count(*) FILTER (WHERE {ok} AND {trusted}) AS counted_windows,
-       sum(gpu_energy_j) FILTER (WHERE {ok} AND {trusted}) AS gpu_energy_j,
-       sum(proxy_tokens) FILTER (WHERE {ok} AND {trusted}) AS proxy_tokens,
-       sum(gpu_energy_j) FILTER (WHERE {ok} AND {trusted}) / nullif(sum(proxy_tokens) FILTER (WHERE {ok} AND {trusted}), 0)
-           AS gpu_j_per_token,
+       count(*) FILTER (WHERE {counted}) AS counted_windows,
+       sum(gpu_energy_j) FILTER (WHERE {counted}) AS gpu_energy_j,
+       sum(unproxied_energy_j) FILTER (WHERE {counted}) AS unproxied_energy_j,
+       sum(proxy_tokens) FILTER (WHERE {counted}) AS proxy_tokens,
+       (sum(gpu_energy_j) FILTER (WHERE {counted}) - sum(unproxied_energy_j) FILTER (WHERE {counted}))
+           / nullif(sum(proxy_tokens) FILTER (WHERE {counted}), 0) AS gpu_j_per_token,
        sum(duration_s) FILTER (WHERE {ok}) AS duration_s,
        min(t_start_utc) AS t_first_utc,
        max(t_end_utc) AS t_last_utc,
-       count(*) FILTER (WHERE {ok} AND NOT {trusted} AND NOT {unknown}) AS bypass_uncertain_windows,
-       sum(gpu_energy_j) FILTER (WHERE {ok} AND NOT {trusted} AND NOT {unknown}) AS bypass_uncertain_gpu_energy_j,
-       string_agg(DISTINCT server_count, ',') FILTER (WHERE {ok} AND NOT {trusted} AND NOT {unknown})
+       count(*) FILTER (WHERE {ok} AND {energy} AND NOT {trusted} AND NOT {unknown}) AS bypass_uncertain_windows,
+       sum(gpu_energy_j) FILTER (WHERE {ok} AND {energy} AND NOT {trusted} AND NOT {unknown})
+           AS bypass_uncertain_gpu_energy_j,
+       string_agg(DISTINCT server_count, ',') FILTER (WHERE {ok} AND {energy} AND NOT {trusted} AND NOT {unknown})
            AS bypass_uncertain_reasons,
-       count(*) FILTER (WHERE {ok} AND {unknown}) AS bypass_unknown_windows,
+       count(*) FILTER (WHERE {ok} AND {energy} AND {unknown}) AS bypass_unknown_windows,
+       count(*) FILTER (WHERE {ok} AND NOT {energy}) AS no_energy_windows,
        count(*) FILTER (WHERE NOT ({ok})) AS invalid_windows,
        CAST(sum(copies - 1) AS BIGINT) AS duplicate_windows,
        CAST(sum(conflicts) AS BIGINT) AS conflicting_windows
 FROM {tags} GROUP BY host, name ORDER BY host, name
-""".replace("{trusted}", "(server_count IS NOT NULL AND server_count IN ("
-            + ", ".join(f"'{c}'" for c in SERVER_COUNT_TRUSTED) + "))").replace(
-    "{unknown}", f"(server_count IS NULL OR server_count = '{SERVER_COUNT_UNREAD}')").replace(
-    "{ok}", _sane("gpu_energy_j", "proxy_tokens"))
+""".replace("{counted}", "{ok} AND {energy} AND {trusted}").replace(
+    "{trusted}", "(server_count IS NOT NULL AND server_count IN ("
+    + ", ".join(f"'{c}'" for c in SERVER_COUNT_TRUSTED) + ") AND unproxied_energy_j IS NOT NULL)").replace(
+    "{unknown}", f"(server_count IS NULL OR server_count = '{SERVER_COUNT_UNREAD}' OR unproxied_energy_j IS NULL)").replace(
+    "{energy}", "(gpu_energy_j IS NOT NULL)").replace(
+    "{ok}", _sane("gpu_energy_j", "proxy_tokens", "unproxied_energy_j"))
 
 
 def tag_summary(sources) -> pa.Table:
@@ -346,17 +354,23 @@ def tag_notes(t: pa.Table) -> list[str]:
     out = []
     low = [r for r in rows if r["bypass_uncertain_windows"]]
     if low:
-        out.append("tag windows whose server token count may be low (their server_count: bypass traffic's energy may be "
-                   "in their GPU energy, beside their proxied tokens) were left out of their tag's energy, tokens and "
-                   "J/token: " + "; ".join(
+        out.append("tag windows whose server token count may be low (their server_count: bypass traffic's energy, "
+                   "unproxied_energy_j, may be low and their J/token high) were left out of their tag's energy, tokens "
+                   "and J/token: " + "; ".join(
                        f"{r['host']} {r['name']}: {r['bypass_uncertain_windows']} of {r['windows']}, "
                        f"{r['bypass_uncertain_gpu_energy_j'] or 0.0:.1f} J ({r['bypass_uncertain_reasons']})"
                        for r in low) + " (docs/daemon.md, The baseline)")
     unknown = [r for r in rows if r["bypass_unknown_windows"]]
     if unknown:
-        out.append("tag windows with no server token count (server_count unread: not read yet; empty: written before "
-                   "the column) were left out of their tag's J/token, their bypass traffic unknown: " + "; ".join(
+        out.append("tag windows whose bypass traffic is unknown (server_count unread: the server's count not read yet; "
+                   "server_count or unproxied_energy_j empty: written before the column, whose J/token held bypass "
+                   "traffic's energy over the proxied tokens alone) were left out of their tag's J/token: " + "; ".join(
                        f"{r['host']} {r['name']}: {r['bypass_unknown_windows']} of {r['windows']}" for r in unknown))
+    none = [r for r in rows if r["no_energy_windows"]]
+    if none:
+        out.append("tag windows with no GPU energy (a GPU unread in one of their intervals) were left out of their "
+                   "tag's figures: " + "; ".join(
+                       f"{r['host']} {r['name']}: {r['no_energy_windows']} of {r['windows']}" for r in none))
     bad = [r for r in rows if r["invalid_windows"]]
     if bad:
         out.append("tag windows whose energy or tokens are NaN, infinite or negative were left out: " + "; ".join(
@@ -369,16 +383,20 @@ def tag_notes(t: pa.Table) -> list[str]:
 
 
 def render_tags(t: pa.Table) -> str:
-    """A plain-text table of the per-tag figures: '-' where no window of the tag could be counted."""
+    """A plain-text table of the per-tag figures: '-' where no window of the tag could be counted. `GPU J` is every GPU
+    joule of the counted windows, `bypass J` the part bypass traffic used; J/token is the rest over the tokens."""
     rows = t.to_pylist()
     w = max([20] + [len(r["host"]) for r in rows])
     n = max([12] + [len(r["name"]) for r in rows])
-    lines = [f"{'host':{w}s} {'tag':{n}s} {'windows':>8s} {'counted':>8s} {'GPU J':>11s} {'tokens':>10s} {'J/token':>8s}"]
+    lines = [f"{'host':{w}s} {'tag':{n}s} {'windows':>8s} {'counted':>8s} {'GPU J':>11s} {'bypass J':>11s} "
+             f"{'tokens':>10s} {'J/token':>8s}"]
     for r in rows:
         jpt = r["gpu_j_per_token"]
+        counted = r["counted_windows"] > 0
         lines.append(f"{r['host']:{w}s} {r['name']:{n}s} {r['windows']:8d} {r['counted_windows']:8d} "
-                     f"{r['gpu_energy_j'] or 0.0:11.1f} {r['proxy_tokens'] or 0.0:10.0f} "
-                     f"{'-' if jpt is None else f'{jpt:.3f}':>8s}")
+                     + (f"{r['gpu_energy_j'] or 0.0:11.1f} {r['unproxied_energy_j'] or 0.0:11.1f} "
+                        f"{r['proxy_tokens'] or 0.0:10.0f} " if counted else f"{'-':>11s} {'-':>11s} {'-':>10s} ")
+                     + f"{'-' if jpt is None else f'{jpt:.3f}':>8s}")
     return "\n".join(lines)
 
 

@@ -439,12 +439,12 @@ class Daemon:
         while tag in self.ledger.closed_tags and time.monotonic() < deadline:
             await asyncio.sleep(0.05)
         row = self.ledger.tag_row(tag)
-        out = {k: row[k] for k in ("name", "duration_s", "gpu_energy_j", "cpu_energy_j", "proxy_tokens", "gpu_j_per_token",
-                                   "server_count")}
+        out = {k: row[k] for k in ("name", "duration_s", "gpu_energy_j", "cpu_energy_j", "unproxied_energy_j",
+                                   "proxy_tokens", "gpu_j_per_token", "server_count")}
         if tag in self.ledger.closed_tags:
             # Not final by the deadline (the sampler is behind or a read hangs): its sums so far are too
             # small, so none is given; the final row still lands in tags/ once its intervals close.
-            out.update(gpu_energy_j=None, cpu_energy_j=None, gpu_j_per_token=None,
+            out.update(gpu_energy_j=None, cpu_energy_j=None, unproxied_energy_j=None, gpu_j_per_token=None,
                        note="energy not final yet (the samples past the window's end are late); "
                             "the final figures land in tags/")
             log.warning("tag %s stopped; its energy was not final within the wait, answered as unknown", name)

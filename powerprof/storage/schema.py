@@ -352,7 +352,9 @@ DAEMON_TAGS_COLUMNS = [
     ("other_cpu_pct", F64),  # %: other processes' CPU time summed ÷ the host's busy time, over its intervals
     ("energy_method", STR),
     ("proxy_tokens", F64),  # tokens through the proxy inside the window
-    ("gpu_j_per_token", F64),
+    # of gpu_energy_j, bypass traffic's: its intervals' unproxied_energy_j (null: written before the column, unknown)
+    ("unproxied_energy_j", F64),
+    ("gpu_j_per_token", F64),  # (gpu_energy_j - unproxied_energy_j) / proxy_tokens
     ("closed_by", STR),  # stop | shutdown
     # how far the server's count covers its intervals (SERVER_COUNT_* above, their reasons joined); null: unknown
     ("server_count", STR),
