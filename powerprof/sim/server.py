@@ -1559,6 +1559,14 @@ class SimServer:
             req.cancelled = True
         return resp
 
+    def _continuous_usage(self, opts: dict) -> bool:
+        """Whether each chunk carries the running usage: vLLM only when `include_usage` is asked too (its
+        entrypoints/utils.py `should_include_usage`: continuous = include_usage and continuous_usage_stats), SGLang on
+        `continuous_usage_stats` alone, llama.cpp never."""
+        if self.flavour == "vllm":
+            return bool(opts.get("include_usage")) and bool(opts.get("continuous_usage_stats"))
+        return self.flavour == "sglang" and bool(opts.get("continuous_usage_stats"))
+
     async def _write_stream(self, resp: web.StreamResponse, request: web.Request, api: str, req: _Req,
                             fault: Fault | None, opts: dict, echo: _Echo = _NO_ECHO) -> None:
         chat = api == "openai-chat"
@@ -1566,7 +1574,7 @@ class SimServer:
         obj_name = "chat.completion.chunk" if chat else "text_completion"
         sglang = self.flavour == "sglang"
         llama = self.flavour == "llamacpp"
-        continuous = self.flavour in ("vllm", "sglang") and bool(opts.get("continuous_usage_stats"))
+        continuous = self._continuous_usage(opts)
         # vLLM sends the last token in its closing chunk, with empty content (the usage says so).
         empty_final = self.flavour == "vllm" and self.vllm_empty_final and api != "llamacpp"
         # SGLang's /v1/completions carries finish_reason on its last token's chunk (no closing chunk of its own).
@@ -1800,7 +1808,7 @@ class SimServer:
         # end), not its chunk shapes: an approximation (docs/simulator.md).
         vllm = self.flavour in ("vllm", "sglang")
         oid, obj_name = f"sim-{reqs[0].rid}", "chat.completion.chunk" if chat else "text_completion"
-        continuous = vllm and bool(opts.get("continuous_usage_stats"))
+        continuous = self._continuous_usage(opts)
         empty_final = self.flavour == "vllm" and self.vllm_empty_final
         out = _Delivery(resp, self.delivery, self.stall_s, self.stall_every_s)
         n = len(reqs)
