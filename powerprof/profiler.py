@@ -27,8 +27,8 @@ from powerprof.collectors.cputime import CpuTime
 from powerprof.collectors.nvml import NvmlCollector
 from powerprof.collectors.rapl import cpu_energy_j
 from powerprof.collectors.sampler import Clock, Sample, Sampler
-from powerprof.energy import (counter_energy_j, counter_refresh_grid, counter_window_energy_j, edge_read_delay_s,
-                              instant_power_energy_j, trailing_average_energy_j)
+from powerprof.energy import (counter_energy_j, counter_refresh_grid, counter_value_instants_ns, counter_window_energy_j,
+                              edge_read_delay_s, instant_power_energy_j, trailing_average_energy_j)
 
 # Below these window lengths a figure is reported but flagged low-confidence. From
 # bench/window_accuracy.py (docs/benchmarks.md, "Energy windows"): the counter's p95 error is under
@@ -64,6 +64,15 @@ POWER_EDGE_BIAS_SHARE = 0.05
 # "Energy windows at power steps, on a loaded host"); past 100 ms the next event (another request's prefill, a batch
 # change) comes into the stretch, so the window is flagged low-confidence and the run's notes say how many.
 EDGE_READ_LATE_S = 0.1
+# Where no refresh grid places the end edge, it keeps the straight line from the read before it to the read after
+# it, which charges the end read's delay d the mean of decode and idle power: the window reads low by up to
+# (decode - idle power) x d, i.e. by up to d / its length (seed-16g, 3 s windows, end read 60 ms late: -1.16% pooled
+# J/token; 20 ms: -0.23%; docs/benchmarks.md). No sound correction without the refresh period was found (the mirror
+# and a forward extrapolation from the read before the end both over-correct on some card), so windows whose end
+# read delay is over this share of their length (half the sweep's default 2% CI half-width) are counted and said in
+# the run's notes (Profiler.edge_notes). Windows under LOW_CONFIDENCE_S["counter"] are flagged low_confidence anyway,
+# and at 10 s this share is EDGE_READ_LATE_S: the per-window flag already covers them; the note is what is new.
+END_EDGE_BIAS_SHARE = 0.01
 # The counter's refresh grid (energy.counter_refresh_grid) is estimated from a GPU's reads once it holds this many
 # (a run's first few minutes of 1 Hz ticks and edge reads): from fewer, prefixes of simulated runs gave a wrong
 # period or a phase off by several ms (seed-16g, H200). Until then, and wherever no grid is found, windows take the
@@ -113,6 +122,7 @@ class EnergyResult:
     power_gap_s: float = 0.0  # largest gap between the power readings a power-integrated figure rests on
     cpu_time: CpuTime | None = None  # whose CPU time the host spent meanwhile (None: no cputime collector)
     edge_read_delay_s: float = 0.0  # the later of the first reads after each edge, after its edge (EDGE_READ_LATE_S)
+    end_edge_bias_share: float = 0.0  # without a grid, the counter's end read delay over the length (END_EDGE_BIAS_SHARE)
 
     @property
     def duration_s(self) -> float:
@@ -241,12 +251,14 @@ class EnergyTimeline:
         with self._lock:
             gpu_e: list[float | None] = []
             methods: list[str] = []
-            gap_s = delay_s = 0.0
+            gap_s = delay_s = end_share = 0.0
             for k in range(len(self.gpu_energy)):
                 e, m = self._gpu_energy(k, t0_ns, t1_ns)
                 gpu_e.append(e)
                 methods.append(m)
                 series = self.gpu_energy[k]
+                if m == METHOD_COUNTER and t1_ns > t0_ns and not self._end_gridded(k, t0_ns, t1_ns):
+                    end_share = max(end_share, edge_read_delay_s(series.t_ns, t1_ns, t1_ns) / ((t1_ns - t0_ns) / 1e9))
                 if m in (METHOD_AVG_POWER, METHOD_POWER):
                     series = self.gpu_avg_power[k] if m == METHOD_AVG_POWER or not self.gpu_power[k].t_ns else self.gpu_power[k]
                     gap_s = max(gap_s, _largest_gap_s(series.t_ns, t0_ns, t1_ns))
@@ -256,7 +268,18 @@ class EnergyTimeline:
             cpu = counter_energy_j(t, y, t0_ns, t1_ns, self.cpu_energy.epoch) if t.size >= 2 else float("nan")
             cpu_time = self._cpu_time(t0_ns, t1_ns)
         return EnergyResult(t0_ns, t1_ns, tuple(gpu_e), tuple(methods), None if np.isnan(cpu) else cpu, gap_s, cpu_time,
-                            delay_s)
+                            delay_s, end_share)
+
+    def _end_gridded(self, k: int, t0: int, t1: int) -> bool:
+        """Whether GPU k's counter window [t0, t1] has its edges placed on the refresh grid (two or more values
+        dated inside it: energy._gridded_window_energy_j), not the end's straight line."""
+        period_ns, phase_ns = self._counter_grid(k)
+        if not period_ns:
+            return False
+        t = np.asarray(self.gpu_energy[k].t_ns, dtype=np.int64)
+        t = t[int(np.searchsorted(t, t0)):int(np.searchsorted(t, t1 + period_ns, side="right"))]  # reads dated inside
+        t = counter_value_instants_ns(t, period_ns, phase_ns)
+        return int(np.unique(t[(t >= t0) & (t <= t1)]).size) >= 2
 
     def cputime_latest_ns(self) -> int | None:
         with self._lock:
@@ -374,6 +397,7 @@ class Profiler:
         self._edge_reads = 0  # edge reads finished, to tell a new stall from the one already waited out
         self._edge_stuck_at = -1
         self.late_edge_windows = 0  # windows whose edge read came over EDGE_READ_LATE_S after the edge: said
+        self.end_bias_windows = 0  # windows whose end read came over END_EDGE_BIAS_SHARE of their length late: said
 
     @property
     def gpu_infos(self):
@@ -469,6 +493,12 @@ class Profiler:
                          "their edges (a loaded host): their energy assumes the power held over that delay, and they "
                          "are flagged low_confidence; fix: run on a less loaded host (fewer other processes, or "
                          "taskset powerprof onto its own core)")
+        if self.end_bias_windows:
+            notes.append(f"{self.end_bias_windows} windows' end-edge reads came over {END_EDGE_BIAS_SHARE:.0%} of their "
+                         "length after their end (a loaded host): their energy may read low by up to that share (the "
+                         "end's energy counter is interpolated over the delay), and they are flagged low_confidence; "
+                         "fix: longer windows (more --max-tokens) or a less loaded host (taskset powerprof onto its "
+                         "own core)")
         return notes
 
     def _edge_loop(self) -> None:
@@ -503,6 +533,8 @@ class Profiler:
     def _counted(self, r: EnergyResult) -> EnergyResult:
         if r.edge_read_delay_s > EDGE_READ_LATE_S:
             self.late_edge_windows += 1
+        elif r.end_edge_bias_share > END_EDGE_BIAS_SHARE and r.duration_s >= EDGE_BIAS_WINDOW_S:
+            self.end_bias_windows += 1
         return r
 
     def _cputime_after(self, t1_ns: int) -> None:

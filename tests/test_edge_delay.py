@@ -128,3 +128,43 @@ def test_late_edge_reads_are_said_by_measure_and_in_its_run_json(tmp_path):
     said = [n for n in res.notes if LATE_NOTE in n]
     assert len(said) == 1, res.notes
     assert said[0] in json.loads((tmp_path / "m" / "run.json").read_text())["notes"]
+
+
+def _end_shares(end_read_s):
+    from powerprof.profiler import EnergyTimeline
+
+    profile = get_profile("seed-16g")
+    windows, reads, edge_at, truth, card = wa.simulate_steps(profile, [3.0], 30, 1.0, 1, profile.default_limit_w,
+                                                             edge_read_s=(PROMPT, end_read_s))
+    _, pooled, _ = wa.step_window_errors(windows, reads, edge_at, truth, card)
+    shares = []
+    for i, (a, b) in enumerate(windows[3.0]):
+        tl = EnergyTimeline(1, card[:1])
+        for s in reads[: edge_at[(3.0, i, 1)] + 1]:
+            tl.add(s)
+        shares.append(tl.energy_between(a, b).end_edge_bias_share)
+    return pooled[(METHOD_COUNTER, 3.0)], np.asarray(shares)
+
+
+def test_end_read_late_against_its_window_is_said():
+    # Without a refresh grid the end edge keeps the straight line: seed-16g 3 s windows with the end read 60 ms late
+    # read -1.16% pooled J/token (docs/benchmarks.md), over half the sweep's default 2% CI half-width, and nothing
+    # said so. Now each window carries its end read's delay over its length, and the run's notes count those over
+    # END_EDGE_BIAS_SHARE.
+    from powerprof.profiler import END_EDGE_BIAS_SHARE, EnergyResult, Profiler
+
+    pooled, shares = _end_shares((0.06, 0.061))
+    assert pooled < -0.8  # the bias the note stands for, still there
+    assert (shares > END_EDGE_BIAS_SHARE).all() and (shares < 0.021).all(), shares
+    # Reads on time (or 20 ms late: -0.23%) are not counted.
+    for end in (PROMPT, (0.02, 0.021)):
+        pooled2, shares2 = _end_shares(end)
+        assert (shares2 <= END_EDGE_BIAS_SHARE).all() and abs(pooled2) < 0.4, (end, pooled2, shares2)
+    # The profiler counts such windows of EDGE_BIAS_WINDOW_S or longer (shorter ones measure flags for their length)
+    # and says so in its notes.
+    prof = Profiler.__new__(Profiler)
+    prof.late_edge_windows = prof.end_bias_windows = prof.edge_errors = prof.edge_timeouts = 0
+    for length_s, share in ((3.0, 0.02), (3.0, 0.005), (0.5, 0.04)):
+        prof._counted(EnergyResult(0, int(length_s * 1e9), (1.0,), (METHOD_COUNTER,), None, end_edge_bias_share=share))
+    said = [n for n in prof.edge_notes() if "end-edge reads" in n]
+    assert len(said) == 1 and said[0].startswith("1 windows'") and "fix:" in said[0], said
