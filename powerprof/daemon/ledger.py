@@ -356,7 +356,7 @@ class Ledger:
             start = max(start, self.edges[0].t_ns)  # intervals already closed have been accounted
         if t1 - start <= SAME_DELIVERY_NS:
             return  # nothing to move
-        ts = np.linspace(start, t1, SPREAD_EVENTS).astype(np.int64).tolist()
+        ts = self._at_server_pace(r, start, t1, SPREAD_EVENTS)
         if self.server_seen:  # the scrape windows' proxied tokens move with them
             self._proxied.extend((t, -k) for t, k in zip(r.ev_t, r.ev_n))
             self._proxied.extend((t, n / SPREAD_EVENTS) for t in ts)
@@ -369,6 +369,61 @@ class Ledger:
                         "between the server and the proxy buffers its streams; they are spread over its run and its row "
                         "says so in energy_note (%d such requests so far; %s)", tr.request_id, n, r.burst_s,
                         self.burst_requests, BURST_FIX)
+
+    def _at_server_pace(self, r: _Req, start: int, t1: int, k: int) -> list[int]:
+        """`k` instants from `start` to `t1`, each standing for an equal share of `r`'s tokens, as dense as the server
+        gave each sequence tokens: a continuous-batching server gives every running sequence one token a step, so in
+        each scrape window a sequence got (the server's count) / (the sequences running) tokens. The running ones are
+        the proxy's: streams between their first and last token, bursts over their spread, live requests that have
+        shown no token from their arrival (bypass traffic, unseen, scales every window alike at most). Evenly spread,
+        an answer decoded alone, then beside 30 others, then alone got too few tokens where it ran alone: the server's
+        counter rose beyond the proxy's there and that rise passed for bypass traffic (docs/daemon.md). Evenly where
+        the server counts at request end (SGLang) or no scrape window covers the span."""
+        even = np.linspace(start, t1, k).astype(np.int64).tolist()
+        spans = [sp for sp in self.server_spans if sp[1] > start and sp[0] < t1 and sp[1] > sp[0]]
+        if not self.server_seen or self.server_at_finish or not spans:
+            return even
+        s0 = np.array([sp[0] for sp in spans], dtype=np.int64)
+        s1 = np.array([sp[1] for sp in spans], dtype=np.int64)
+        a0, a1, full = np.maximum(s0, start), np.minimum(s1, t1), (s1 - s0).astype(float)
+        delta = np.array([max(sp[2], 0.0) for sp in spans], dtype=float)
+        running = np.full(len(spans), float(max(r.trace.extra.get("sequences", 1), 1)))
+        for q in self.requests.values():
+            tq = q.trace
+            if q is r or tq.api is None or q.uncounted is not None:
+                continue
+            b = tq.last_ns if tq.end_ns is not None else t1
+            a = q.placed_from_ns if q.placed_from_ns is not None else tq.first_ns
+            if a is None and tq.end_ns is None:
+                a = tq.arrival_ns  # nothing shown yet: maybe held back on its way, decoding all along
+            if a is None or b is None or b <= a:
+                continue
+            over = np.clip(np.minimum(b, s1) - np.maximum(a, s0), 0, None)
+            running += over / full * max(tq.extra.get("sequences", 1), 1)
+        pace = delta / full / running  # tokens a sequence got per ns, window by window
+        if not np.isfinite(pace).all() or pace.max() <= 0:
+            return even
+        # The span's pieces in order: the windows (clipped to it) and what they leave uncovered at the pace of the
+        # window before (the first's before it). Mostly that is the span's last moments, after the latest scrape: at
+        # their mean pace instead, an answer that ended alone after a crowded stretch got too few tokens there.
+        order = np.argsort(a0, kind="stable")
+        edges, rates, t, prev = [start], [], start, float(pace[order[0]])
+        for i in order:
+            if a0[i] > t:
+                edges.append(int(a0[i]))
+                rates.append(prev)
+            if a1[i] > max(t, a0[i]):
+                edges.append(int(a1[i]))
+                rates.append(float(pace[i]))
+            t, prev = max(t, int(a1[i])), float(pace[i])
+        if t < t1:
+            edges.append(t1)
+            rates.append(prev)
+        x = np.array(edges, dtype=float)
+        cum = np.concatenate([[0.0], np.cumsum(np.array(rates) * np.diff(x))])
+        if cum[-1] <= 0:
+            return even
+        return np.interp(np.linspace(0.0, cum[-1], k), cum, x).astype(np.int64).tolist()
 
     def _to_server_count(self, r: _Req, total: float) -> float:
         """A stream whose chunks carried no counts was counted one token per chunk; its final `usage`
