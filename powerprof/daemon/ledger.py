@@ -490,7 +490,7 @@ class Ledger:
         s1 = np.array([sp[1] for sp in spans], dtype=np.int64)
         a0, a1, full = np.maximum(s0, start), np.minimum(s1, t1), (s1 - s0).astype(float)
         delta = np.array([max(sp[2], 0.0) for sp in spans], dtype=float)
-        running = np.full(len(spans), float(max(r.trace.extra.get("sequences", 1), 1)))
+        lives = []  # (from, to, sequences) of every other request the server was running, as the proxy saw them
         for q in self.requests.values():
             tq = q.trace
             if q is r or tq.api is None or q.uncounted is not None:
@@ -499,10 +499,13 @@ class Ledger:
             a = q.placed_from_ns if q.placed_from_ns is not None else tq.first_ns
             if a is None and tq.end_ns is None:
                 a = tq.arrival_ns  # nothing shown yet: maybe held back on its way, decoding all along
-            if a is None or b is None or b <= a:
-                continue
-            over = np.clip(np.minimum(b, s1) - np.maximum(a, s0), 0, None)
-            running += over / full * max(tq.extra.get("sequences", 1), 1)
+            if a is not None and b is not None and b > a:
+                lives.append((a, b, max(tq.extra.get("sequences", 1), 1)))
+        running = np.full(len(spans), float(max(r.trace.extra.get("sequences", 1), 1)))
+        if lives:  # one array pass (a burst per stream every fraction of a second on a busy, buffered server)
+            lv = np.array(lives, dtype=np.int64)
+            over = np.clip(np.minimum(lv[:, 1:2], s1[None, :]) - np.maximum(lv[:, 0:1], s0[None, :]), 0, None)
+            running += (over / full[None, :] * lv[:, 2:3]).sum(axis=0)
         pace = delta / full / running  # tokens a sequence got per ns, window by window
         if not np.isfinite(pace).all() or pace.max() <= 0:
             return even
