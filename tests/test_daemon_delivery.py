@@ -116,10 +116,11 @@ def test_a_burst_is_spread_at_the_servers_pace_not_evenly(buffered_llamacpp):
 def test_a_stream_delivered_in_several_bursts_is_placed_back_and_says_so(tmp_path, hop):
     # A hop that passes its buffer on when it fills (nginx's 4 kB) or on a timer: several bursts a stream. Before: the
     # proxy took the whole stream for one burst (each gap came after a piece of many tokens) and spread it evenly
-    # from arrival, its row saying "one burst"; the bursts' tokens were generated before each arrived, the server's
-    # count ran ahead and passed for bypass: requests -3.8% / -1.6% of their true energy, unproxied 4.6% / 2.0% of it
-    # (messages -8% / -5%). After: each burst spread over the time before it at the server's pace, the windows held
-    # meanwhile: -0.1% / -0.2%, unproxied 0.5% / 0.4%, and every row says it.
+    # from arrival, its row saying "one burst" or nothing (1 and 5 rows of 40); the bursts' tokens were generated
+    # before each arrived, the server's count ran ahead and passed for bypass: requests -8.5% / -11.7% of their true
+    # energy, unproxied 9.3% / 12.7% of it (messages -9% / -18%); at the server's pace alone -3.8% / -1.6%, 4.6% /
+    # 2.0%. After: each burst spread over the time before it at the server's pace, the windows held meanwhile:
+    # -0.1% / -0.2%, unproxied 0.5% / 0.4%, and every row says it.
     o = run_mixed(mixed_trace(40, 4.0, seed=7, kinds=("chat", "messages"), weights=(0.5, 0.5)), data_dir=tmp_path,
                   flavour="vllm", server={"delivery": "bursts", **hop})
     s = score_mixed(o)
