@@ -67,18 +67,87 @@ def buffered(tmp_path_factory):
 def test_a_stream_delivered_in_one_burst_is_spread_over_its_run_and_says_so(buffered):
     # Before: every token placed where the burst passed the proxy, at the end; the server's counter ran ahead of the
     # proxy's all that while and its tokens went to `unproxied` as bypass traffic (there was none), and the rows said
-    # nothing: requests -38% of their true energy (chat -26%, messages -52%), unproxied 22% of it. After: -5% (chat
-    # +1%, messages -10%), unproxied 6% (the spread from arrival puts tokens in the queue and prefill time the server
-    # generated none in: the proxy's count runs ahead, then the server's catches up, and that rise passes for bypass).
+    # nothing: requests -38% of their true energy (chat -26%, messages -52%), unproxied 22% of it. Spread evenly: -6%
+    # (chat -3%, messages -9%), unproxied 6% (the server's counter rose beyond the proxy's where the spread placed too
+    # few tokens, and those rises passed for bypass). At the server's pace (`_at_server_pace`): -1 to +0.5% (each kind
+    # within 2%), unproxied 0.3-0.8%.
     o, s = buffered
     assert abs(s["conservation_err"]) <= 0.001
-    assert s["requests_est_j"] == pytest.approx(s["requests_true_j"], rel=0.12), s
-    assert s["unproxied_j"] < 0.12 * s["requests_true_j"], s
+    assert s["requests_est_j"] == pytest.approx(s["requests_true_j"], rel=0.04), s
+    assert s["unproxied_j"] < 0.02 * s["requests_true_j"], s
     for kind in ("chat", "messages"):
         m = s["kinds_all"][kind]
-        assert m["n"] >= 10 and m["no_share"] == 0 and abs(m["sum_err"]) < 0.2, (kind, m)
+        assert m["n"] >= 10 and m["no_share"] == 0 and abs(m["sum_err"]) < 0.06, (kind, m)
     notes = o.requests["energy_note"]
     assert notes.notna().all() and notes.str.contains("one burst").all(), notes.value_counts().head()
     assert notes.str.contains("proxy_buffering").all()
     print({k: round(s["kinds_all"][k]["sum_err"], 3) for k in s["kinds_all"]}, s["requests_est_j"] / s["requests_true_j"] - 1,
           s["unproxied_j"] / s["requests_true_j"])
+
+
+@pytest.fixture(scope="module")
+def buffered_llamacpp(tmp_path_factory):
+    # The same held-back chat streams on the simulated llama.cpp: each answer's `timings` say where its decode ran, so
+    # its span is right; what is left to get right is how its tokens are placed inside that span.
+    o = run_mixed(mixed_trace(40, 4.0, seed=7, kinds=("chat",), weights=(1.0,)),
+                  data_dir=tmp_path_factory.mktemp("buffered-llamacpp"), flavour="llamacpp",
+                  server={"delivery": "buffered"})
+    return o, score_mixed(o)
+
+
+@pytest.mark.slow
+def test_a_burst_is_spread_at_the_servers_pace_not_evenly(buffered_llamacpp):
+    # A continuous-batching server gives each sequence one token a step, and its steps slow as its batch grows: a long
+    # answer decoded alone, then beside 30 others, then alone again got most of its tokens in the lone stretches. Spread
+    # evenly over its decode, too few were placed there and too many in the crowded middle; the server's counter rose
+    # beyond the proxy's in the lone stretches and those rises were taken for bypass traffic (there was none).
+    # Before: 52-63 tokens to unproxied, 4.2-6.5% of the requests' true energy; the requests -4 to -6%.
+    o, s = buffered_llamacpp
+    assert abs(s["conservation_err"]) <= 0.001
+    assert s["unproxied_j"] < 0.015 * s["requests_true_j"], s
+    assert s["requests_est_j"] == pytest.approx(s["requests_true_j"], rel=0.03), s
+    assert o.requests["energy_note"].str.contains("one burst").all()
+    print(s["requests_est_j"] / s["requests_true_j"] - 1, s["unproxied_j"] / s["requests_true_j"])
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("hop", [{"burst_bytes": 4096}, {"burst_bytes": None, "burst_every_s": 0.5}],
+                         ids=["full-4kB", "timer-0.5s"])
+def test_a_stream_delivered_in_several_bursts_is_placed_back_and_says_so(tmp_path, hop):
+    # A hop that passes its buffer on when it fills (nginx's 4 kB) or on a timer: several bursts a stream. Before: the
+    # proxy took the whole stream for one burst (each gap came after a piece of many tokens) and spread it evenly
+    # from arrival, its row saying "one burst" or nothing (1 and 5 rows of 40); the bursts' tokens were generated
+    # before each arrived, the server's count ran ahead and passed for bypass: requests -8.5% / -11.7% of their true
+    # energy, unproxied 9.3% / 12.7% of it (messages -9% / -18%); at the server's pace alone -3.8% / -1.6%, 4.6% /
+    # 2.0%. After: each burst spread over the time before it at the server's pace, the windows held meanwhile:
+    # -0.1% / -0.2%, unproxied 0.5% / 0.4%, and every row says it.
+    o = run_mixed(mixed_trace(40, 4.0, seed=7, kinds=("chat", "messages"), weights=(0.5, 0.5)), data_dir=tmp_path,
+                  flavour="vllm", server={"delivery": "bursts", **hop})
+    s = score_mixed(o)
+    assert abs(s["conservation_err"]) <= 0.001
+    assert s["requests_est_j"] == pytest.approx(s["requests_true_j"], rel=0.03), s
+    assert s["unproxied_j"] < 0.015 * s["requests_true_j"], s
+    for kind in ("chat", "messages"):
+        m = s["kinds_all"][kind]
+        assert m["n"] >= 10 and m["no_share"] == 0 and abs(m["sum_err"]) < 0.05, (kind, m)
+    notes = o.requests["energy_note"].fillna("")
+    assert notes.str.contains("approximate:").all() and notes.str.contains(r"in (?:one burst|\d+ bursts)", regex=True).all(), notes.value_counts()
+    assert notes.str.contains("proxy_buffering").all()
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("delivery", ["buffered", "bursts"])
+def test_held_back_streams_through_two_proxy_workers_are_found_placed_and_said(tmp_path, delivery):
+    # proxy.workers = 2 (SO_REUSEPORT processes shipping records, tokens coalesced over 20 ms, the daemon replaying
+    # them into its one ledger): the deliveries count crosses the link with the end, the bursts as coalesced records.
+    # Measured first time: the same figures as in-process (buffered -0.3%, unproxied 0.4%; 4 kB bursts +0.1%, 0.4%).
+    o = run_mixed(mixed_trace(40, 4.0, seed=7, kinds=("chat", "messages"), weights=(0.5, 0.5)), data_dir=tmp_path,
+                  flavour="vllm", server={"delivery": delivery}, config={"proxy.workers": 2})
+    s = score_mixed(o)
+    assert "proxy workers: 2" in o.notes, o.notes
+    assert abs(s["conservation_err"]) <= 0.001
+    assert s["requests_est_j"] == pytest.approx(s["requests_true_j"], rel=0.03), s
+    assert s["unproxied_j"] < 0.015 * s["requests_true_j"], s
+    notes = o.requests["energy_note"].fillna("")
+    assert len(notes) == 40 and notes.str.contains(r"in (?:one burst|\d+ bursts)", regex=True).all(), notes.value_counts()
+    assert notes.str.contains("proxy_buffering").all()

@@ -1428,3 +1428,36 @@ def test_a_bypass_request_counted_at_its_end_is_spread_back_over_its_run():
     # Without the histogram (an SGLang without it, or unreadable) the window of its end, as before.
     rows = _at_finish_run(30)
     assert sum(r["server_tokens"] or 0 for r in rows if r["t_start_mono_s"] < 9.0) <= 1.0
+
+
+def test_a_burst_held_past_the_prompt_hold_says_its_run_began_in_intervals_already_closed():
+    # A buffering hop held a stream's whole answer longer than the intervals could wait for it: they closed without its
+    # tokens (their energy went to idle here, to the requests beside it on a busy server) and its burst is spread over
+    # the intervals still open only. Before: its row said only that it came in one burst, its figure low unsaid.
+    sink = Sink()
+    led = Ledger("d", 0, 1, sink, grace_s=0.1, prompt_hold_s=2.0)
+    tr = _trace(1, 0.5)
+    led.on_start(tr)
+    for k in range(5):
+        _feed(led, float(k), 100.0 * k)
+        led.advance(int((k + 0.2) * S))
+    assert sink.rows["intervals"], "the prompt hold (2 s) should have let the first intervals close"
+    closed_to_s = max(r["t_start_mono_s"] + r["duration_s"] for r in sink.rows["intervals"])
+    t = int(4.5 * S)  # the whole answer at once, 4 s after its arrival
+    tr.extra["deliveries"] = 1
+    for k in range(100):
+        tr.first_ns = tr.first_ns or t + k * 1000
+        tr.last_ns = t + k * 1000
+        tr.tokens_seen += 1
+        led.on_tokens(tr, t + k * 1000, 1)
+    tr.end_ns = t + 200_000
+    tr.counts = Counts(generated_tokens=100, prompt_tokens=50, model=None, stop_reason=None, token_source="usage")
+    led.on_end(tr)
+    for k in range(5, 8):
+        _feed(led, float(k), 100.0 * k)
+        led.advance(int((k + 0.2) * S))
+    (row,) = sink.rows["requests"]
+    note = row["energy_note"]
+    assert note.startswith("approximate:") and "one burst" in note, note
+    assert f"its first {closed_to_s - 0.5:.1f} s ran in intervals closed before its tokens came" in note, note
+    assert "its own figure is low" in note and "proxy_buffering off" in note

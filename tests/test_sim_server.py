@@ -206,3 +206,42 @@ def test_llamacpp_closes_a_connection_after_its_100th_answer_saying_so():
             said.append(r.getheader("Connection"))
         c.close()
     assert said == [None] * 99 + ["close"]  # cpp-httplib's CPPHTTPLIB_KEEPALIVE_MAX_COUNT, as `max=100` says
+
+
+async def _reads(url: str, body: dict) -> list[tuple[float, int]]:
+    """(monotonic s, bytes) of each read of a streamed answer, as the client got them."""
+    out = []
+    async with aiohttp.ClientSession() as s, s.post(url + "/v1/chat/completions", json=body) as r:
+        async for chunk in r.content.iter_any():
+            out.append((time.monotonic(), len(chunk)))
+    return out
+
+
+def _groups(reads: list[tuple[float, int]], gap_s: float = 0.05) -> list[tuple[float, int]]:
+    """Reads closer than gap_s merged: (time of the group's last read, its bytes)."""
+    groups: list[list] = []
+    for t, n in reads:
+        if groups and t - groups[-1][0] < gap_s:
+            groups[-1] = [t, groups[-1][1] + n]
+        else:
+            groups.append([t, n])
+    return [tuple(g) for g in groups]
+
+
+@pytest.mark.parametrize("knobs", [{"burst_bytes": 4096}, {"burst_bytes": None, "burst_every_s": 0.3}],
+                         ids=["full", "timer"])
+def test_a_hop_that_flushes_its_buffer_delivers_a_stream_in_several_bursts(knobs):
+    # delivery="bursts": a buffering hop passing on what it holds when it reaches burst_bytes, or burst_every_s after
+    # its first byte, and the rest at the end; the bytes are the streamed answer's, unchanged.
+    body = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 150, "stream": True, "ignore_eos": True}
+    with SimServer(flavour="vllm", decode_tok_s=150.0, delivery="bursts", **knobs) as srv:
+        bursts = _groups(asyncio.run(_reads(srv.url, body)))
+        srv.delivery = "stream"
+        streamed = asyncio.run(_reads(srv.url, body))
+    assert sum(n for _, n in bursts) == sum(n for _, n in streamed)
+    assert len(bursts) >= 3, bursts  # 150 tokens at 150/s: over 20 kB in 1 s
+    if knobs.get("burst_bytes"):
+        assert all(n >= 4096 for _, n in bursts[:-1]), bursts
+    else:
+        gaps = [b[0] - a[0] for a, b in zip(bursts, bursts[1:-1])]
+        assert all(0.2 <= g <= 0.6 for g in gaps), gaps  # the timer's 0.3 s, with margin for a loaded host

@@ -51,6 +51,15 @@ BYPASS_FIT_SHARE = 0.25  # intervals whose bypass tokens exceed this share of th
 SCRAPE_HOLD_S = 10.0  # and this long at most for the server's counter to be scraped past them
 LAG_S = 1.0  # the proxy may see a token this long after the server counted it (a loaded host)
 CREDIT_S = 3.0  # a higher server-minus-proxy level is held this long before a lower one replaces it
+# A stream's piece holding more tokens than its sequences, this long or more after its previous piece, is a burst held
+# back since then (a buffering hop that flushes when its buffer fills or on a timer: `_held_burst`) ...
+HELD_GAP_NS = 100_000_000
+# ... unless its tokens came faster than this many times the stream's pace since its first token: then they were
+# generated long before, and this piece is the rest of one held body, refilled late (a loaded host), not a later flush.
+HELD_PACE_X = 4.0
+# A stream's first piece holding more than this many tokens a sequence came held back (no step gives a sequence that
+# many): its windows wait from its arrival until its end (the prompt hold at most), where that burst is placed.
+FIRST_BURST_TOKENS = 8
 # What an interval row's `server_count` and a request's energy_note say (storage/schema.py states them).
 COUNT_COMPLETE, UNREAD, COUNT_OFF = SERVER_COUNT_COMPLETE, SERVER_COUNT_UNREAD, SERVER_COUNT_OFF
 BYPASS_LOW_FIX = {
@@ -139,6 +148,15 @@ class _Req:
     # one burst, spread back over its run (`_spread_burst`); its prompt is placed before this instead.
     placed_from_ns: int | None = None
     burst_s: float | None = None  # that burst came this long after its arrival
+    # A stream that came in several bursts (`_held_burst`): how many after its first, the longest time one was held, and
+    # where its first burst ended (its tokens are placed from its decode's start to there at its end).
+    bursts: int = 0
+    held_s: float = 0.0
+    first_burst_end_ns: int | None = None
+    prev_ns: int | None = None  # its latest piece's stamp
+    prev_held: bool = False  # that piece held more tokens than its sequences
+    first_held: bool = False  # its first piece held more than FIRST_BURST_TOKENS a sequence
+    closed_s: float = 0.0  # its run's first seconds were in intervals closed before its tokens came (not its energy)
 
 
 @dataclass
@@ -281,10 +299,47 @@ class Ledger:
             self.late_tokens += n
             return
         if r is not None:
+            seqs = max(trace.extra.get("sequences", 1), 1)
+            if self._held_burst(r, t_ns, n, seqs):
+                return
+            if r.prev_ns is None and not r.spent:
+                r.first_held = n > FIRST_BURST_TOKENS * seqs
             r.ev_t.append(t_ns)
             r.ev_n.append(n)
+            r.prev_ns, r.prev_held = t_ns, n > seqs
             if self.server_seen:
                 self._proxied.append((t_ns, n))
+
+    def _held_burst(self, r: _Req, t_ns: int, n: float, seqs: int) -> bool:
+        """A piece of a stream that came in several bursts, each held back on its way since the one before (a buffering
+        hop that passes its buffer on when full, nginx's 4 kB, or on a timer): its tokens were generated since the
+        previous piece, not at once; they are placed over that time at the server's pace, now, so that the scrape
+        windows see them where the server counted them. Left at the burst, they moved up to a flush's time late, the
+        server's count ran ahead of the proxy's and its catching up passed for bypass traffic, rows silent
+        (docs/daemon.md, A stream held back on its way). True when placed so."""
+        tr = r.trace
+        a = r.prev_ns
+        if tr.stream is not True or tr.api is None or a is None or n <= seqs or t_ns - a < HELD_GAP_NS:
+            return False
+        # Its pace so far from its first token (from its arrival, its queue and prefill made a hop's timer flush of a
+        # few tokens, then one of 22, read as far faster than the stream went).
+        done = r.spent + float(sum(r.ev_n)) + r.late
+        since = a - (tr.first_ns if tr.first_ns is not None else a)
+        if since >= HELD_GAP_NS and n / (t_ns - a) > HELD_PACE_X * done / since:
+            return False  # far faster than the stream ever went: the rest of one held body
+        a = max(a, self.edges[0].t_ns) if self.edges else a
+        k = int(min(SPREAD_EVENTS, max(2, n)))
+        ts = self._at_server_pace(r, a, t_ns, k + 1)[1:]
+        if r.bursts == 0:
+            r.first_burst_end_ns = r.prev_ns
+        r.bursts += 1
+        r.held_s = max(r.held_s, (t_ns - r.prev_ns) / 1e9)
+        r.ev_t.extend(ts)
+        r.ev_n.extend([n / k] * k)
+        r.prev_ns, r.prev_held = t_ns, True
+        if self.server_seen:
+            self._proxied.extend((t, n / k) for t in ts)
+        return True
 
     def on_end(self, trace: RequestTrace) -> float:
         """The request ended. Returns the tokens its end added to (or took from) what on_tokens had
@@ -309,7 +364,7 @@ class Ledger:
     def burst_delivered(self, request_id: int) -> bool:
         """Its stream reached the proxy in one burst and was spread back over its run (`_spread_burst`)."""
         r = self.requests.get(request_id)
-        return r is not None and r.burst_s is not None
+        return r is not None and (r.burst_s is not None or r.bursts > 0)
 
     def _placed_at_end(self, r: _Req) -> float:
         """on_end's placing of the tokens only the end tells (usage, a non-streamed body); returns on_end's figure."""
@@ -345,6 +400,9 @@ class Ledger:
         counter, ahead of the proxy's all that while, gave them to `unproxied` as bypass traffic (docs/daemon.md).
         More tokens than sequences only: each sequence's first token comes out of the prefill, together."""
         tr = r.trace
+        if r.bursts:
+            self._first_burst(r)
+            return
         if tr.stream is not True or tr.api is None or r.spent or r.late or not r.ev_t:
             return
         n = float(sum(r.ev_n))
@@ -352,30 +410,133 @@ class Ledger:
         # does not say, as the stamps say (chunks under SAME_DELIVERY_NS apart).
         deliveries = tr.extra.get("deliveries")
         apart = deliveries > 1 if isinstance(deliveries, int) else max(np.diff(r.ev_t), default=0) > SAME_DELIVERY_NS
+        if apart and r.first_held and not r.spent and not r.late:
+            # Its first piece was a burst (`FIRST_BURST_TOKENS`), the rest came in pieces too close to it to be taken
+            # for later bursts (a hop's timer flush, then the end): its first burst is placed back, and said.
+            r.first_burst_end_ns, r.bursts = int(r.ev_t[0]), 1
+            r.held_s = max(r.held_s, (int(r.ev_t[-1]) - int(r.ev_t[0])) / 1e9)
+            self._first_burst(r)
+            return
         if n <= max(tr.extra.get("sequences", 1), 1) or apart:
             return
         t1 = int(r.ev_t[-1])
-        c = tr.counts
-        start = tr.arrival_ns
-        if c is not None and c.predicted_ms is not None and c.predicted_ms >= 0 and c.count_problem is None:
-            start = max(start, t1 - int(c.predicted_ms * 1e6))
-        if self.edges:
-            start = max(start, self.edges[0].t_ns)  # intervals already closed have been accounted
+        start = self._decode_start(r, t1)
         if t1 - start <= SAME_DELIVERY_NS:
             return  # nothing to move
-        ts = np.linspace(start, t1, SPREAD_EVENTS).astype(np.int64).tolist()
+        ts = self._at_server_pace(r, start, t1, SPREAD_EVENTS)
         if self.server_seen:  # the scrape windows' proxied tokens move with them
             self._proxied.extend((t, -k) for t, k in zip(r.ev_t, r.ev_n))
             self._proxied.extend((t, n / SPREAD_EVENTS) for t in ts)
         r.ev_t, r.ev_n = ts, [n / SPREAD_EVENTS] * SPREAD_EVENTS
         r.placed_from_ns = start
         r.burst_s = (t1 - tr.arrival_ns) / 1e9
+        self._burst_said(r, n)
+
+    def _decode_start(self, r: _Req, t1: int) -> int:
+        """Where a held-back stream's decode began: from the server's decode time where its timings say it (they end
+        at its last token, `t1`), else its arrival; never in intervals already closed (their accounts are done: the
+        seconds cut so are said on its row, `closed_s`)."""
+        tr, c = r.trace, r.trace.counts
+        start = tr.arrival_ns
+        if c is not None and c.predicted_ms is not None and c.predicted_ms >= 0 and c.count_problem is None:
+            start = max(start, t1 - int(c.predicted_ms * 1e6))
+        if self.edges and self.edges[0].t_ns > start:
+            r.closed_s = (self.edges[0].t_ns - start) / 1e9
+            start = self.edges[0].t_ns
+        return start
+
+    def _first_burst(self, r: _Req) -> None:
+        """A stream that came in several bursts, at its end: its later bursts were placed as they came
+        (`_held_burst`); its first burst's tokens, held since its decode began, are placed from there."""
+        tr = r.trace
+        seqs = max(tr.extra.get("sequences", 1), 1)
+        cut = r.first_burst_end_ns
+        m = sum(1 for t in r.ev_t if t <= cut) if cut is not None else 0
+        n1 = float(sum(r.ev_n[:m]))
+        if m and n1 > seqs and not r.spent and not r.late:
+            start = self._decode_start(r, int(r.ev_t[m - 1]))
+            if r.ev_t[m - 1] - start > SAME_DELIVERY_NS:
+                k = int(min(SPREAD_EVENTS, max(2, n1)))
+                ts = self._at_server_pace(r, start, int(r.ev_t[m - 1]), k)
+                if self.server_seen:
+                    self._proxied.extend((t, -x) for t, x in zip(r.ev_t[:m], r.ev_n[:m]))
+                    self._proxied.extend((t, n1 / k) for t in ts)
+                r.ev_t[:m], r.ev_n[:m] = ts, [n1 / k] * k
+                r.placed_from_ns = start
+        self._burst_said(r, r.spent + float(sum(r.ev_n)))
+
+    def _burst_said(self, r: _Req, n: float) -> None:
+        """Counted, and logged the first time and every 1000th: a stream held back on its way."""
+        tr = r.trace
         self.burst_requests += 1
-        if self.burst_requests == 1 or self.burst_requests % 1000 == 0:
+        if r.bursts and (self.burst_requests == 1 or self.burst_requests % 1000 == 0):
+            log.warning("request %d: its %.0f tokens reached the proxy in %d bursts, up to %.1f s apart: something "
+                        "between the server and the proxy buffers its streams; each burst's are spread over the time "
+                        "before it and its row says so in energy_note (%d such requests so far; %s)", tr.request_id, n,
+                        r.bursts + 1, r.held_s, self.burst_requests, BURST_FIX)
+        elif self.burst_requests == 1 or self.burst_requests % 1000 == 0:
             log.warning("request %d: its %.0f tokens reached the proxy in one burst %.1f s after its arrival: something "
                         "between the server and the proxy buffers its streams; they are spread over its run and its row "
                         "says so in energy_note (%d such requests so far; %s)", tr.request_id, n, r.burst_s,
                         self.burst_requests, BURST_FIX)
+
+    def _at_server_pace(self, r: _Req, start: int, t1: int, k: int) -> list[int]:
+        """`k` instants from `start` to `t1`, each standing for an equal share of `r`'s tokens, as dense as the server
+        gave each sequence tokens: a continuous-batching server gives every running sequence one token a step, so in
+        each scrape window a sequence got (the server's count) / (the sequences running) tokens. The running ones are
+        the proxy's: streams between their first and last token, bursts over their spread, live requests that have
+        shown no token from their arrival (bypass traffic, unseen, scales every window alike at most). Evenly spread,
+        an answer decoded alone, then beside 30 others, then alone got too few tokens where it ran alone: the server's
+        counter rose beyond the proxy's there and that rise passed for bypass traffic (docs/daemon.md). Evenly where
+        the server counts at request end (SGLang) or no scrape window covers the span."""
+        even = np.linspace(start, t1, k).astype(np.int64).tolist()
+        spans = [sp for sp in self.server_spans if sp[1] > start and sp[0] < t1 and sp[1] > sp[0]]
+        if not self.server_seen or self.server_at_finish or not spans:
+            return even
+        s0 = np.array([sp[0] for sp in spans], dtype=np.int64)
+        s1 = np.array([sp[1] for sp in spans], dtype=np.int64)
+        a0, a1, full = np.maximum(s0, start), np.minimum(s1, t1), (s1 - s0).astype(float)
+        delta = np.array([max(sp[2], 0.0) for sp in spans], dtype=float)
+        lives = []  # (from, to, sequences) of every other request the server was running, as the proxy saw them
+        for q in self.requests.values():
+            tq = q.trace
+            if q is r or tq.api is None or q.uncounted is not None:
+                continue
+            b = tq.last_ns if tq.end_ns is not None else t1
+            a = q.placed_from_ns if q.placed_from_ns is not None else tq.first_ns
+            if a is None and tq.end_ns is None:
+                a = tq.arrival_ns  # nothing shown yet: maybe held back on its way, decoding all along
+            if a is not None and b is not None and b > a:
+                lives.append((a, b, max(tq.extra.get("sequences", 1), 1)))
+        running = np.full(len(spans), float(max(r.trace.extra.get("sequences", 1), 1)))
+        if lives:  # one array pass (a burst per stream every fraction of a second on a busy, buffered server)
+            lv = np.array(lives, dtype=np.int64)
+            over = np.clip(np.minimum(lv[:, 1:2], s1[None, :]) - np.maximum(lv[:, 0:1], s0[None, :]), 0, None)
+            running += (over / full[None, :] * lv[:, 2:3]).sum(axis=0)
+        pace = delta / full / running  # tokens a sequence got per ns, window by window
+        if not np.isfinite(pace).all() or pace.max() <= 0:
+            return even
+        # The span's pieces in order: the windows (clipped to it) and what they leave uncovered at the pace of the
+        # window before (the first's before it). Mostly that is the span's last moments, after the latest scrape: at
+        # their mean pace instead, an answer that ended alone after a crowded stretch got too few tokens there.
+        order = np.argsort(a0, kind="stable")
+        edges, rates, t, prev = [start], [], start, float(pace[order[0]])
+        for i in order:
+            if a0[i] > t:
+                edges.append(int(a0[i]))
+                rates.append(prev)
+            if a1[i] > max(t, a0[i]):
+                edges.append(int(a1[i]))
+                rates.append(float(pace[i]))
+            t, prev = max(t, int(a1[i])), float(pace[i])
+        if t < t1:
+            edges.append(t1)
+            rates.append(prev)
+        x = np.array(edges, dtype=float)
+        cum = np.concatenate([[0.0], np.cumsum(np.array(rates) * np.diff(x))])
+        if cum[-1] <= 0:
+            return even
+        return np.interp(np.linspace(0.0, cum[-1], k), cum, x).astype(np.int64).tolist()
 
     def _to_server_count(self, r: _Req, total: float) -> float:
         """A stream whose chunks carried no counts was counted one token per chunk; its final `usage`
@@ -915,6 +1076,16 @@ class Ledger:
                           if (r.trace.stream is not True and r.trace.arrival_ns >= upto_ns - self.max_hold_ns)
                           or (r.trace.stream is True and r.trace.first_ns is None
                               and r.trace.arrival_ns >= upto_ns - self.prompt_hold_ns)), default=None)
+        # A live stream whose latest piece was a burst (more tokens than its sequences) may be held back by a hop that
+        # flushes when its buffer fills: its next burst's tokens, being generated now, are placed back to that piece
+        # (`_held_burst`). Its windows since wait likewise, or the server's count of them passed for bypass traffic.
+        # One whose first piece was such a burst is placed back to its arrival at its end (`_first_burst`): from there.
+        held_ns = min(((r.trace.arrival_ns if r.first_held else r.prev_ns) for r in live
+                       if r.trace.stream is True and r.prev_held and r.prev_ns is not None
+                       and (r.trace.arrival_ns if r.first_held else r.prev_ns) >= upto_ns - self.prompt_hold_ns),
+                      default=None)
+        if held_ns is not None:
+            pending_ns = held_ns if pending_ns is None else min(pending_ns, held_ns)
         counting_ns = min((r.trace.arrival_ns for r in live
                            if r.trace.stream is True and r.trace.api.startswith("openai") and _prompt_tokens(r) is None
                            and r.trace.arrival_ns >= upto_ns - self.prompt_hold_ns), default=None)
@@ -1404,9 +1575,18 @@ def _approximate_note(r: _Req) -> str | None:
                      "of their energy is in this request's share")
     if r.burst_s is not None:
         notes.append(f"its tokens reached the proxy in one burst, {r.burst_s:.1f} s after its arrival (held back between "
-                     "the server and the proxy: a buffering proxy or gateway), and were spread evenly over "
-                     f"{'the server' + chr(39) + 's decode time' if _server_timed(r) else 'its run'} as a non-streamed "
-                     f"answer's; its decode_s is the burst's, not the server's ({BURST_FIX})")
+                     "the server and the proxy: a buffering proxy or gateway), and were spread over "
+                     f"{'the server' + chr(39) + 's decode time' if _server_timed(r) else 'its run'} at the server's "
+                     f"pace as a non-streamed answer's; its decode_s is the burst's, not the server's ({BURST_FIX})")
+    if r.bursts:
+        notes.append(f"its tokens reached the proxy in {r.bursts + 1} bursts, up to {r.held_s:.1f} s apart (held back "
+                     "between the server and the proxy: a buffering proxy or gateway that passes its buffer on when "
+                     "full or on a timer), each burst's spread over the time before it at the server's pace; its "
+                     f"TTFT and decode_s are the bursts', not the server's ({BURST_FIX})")
+    if r.closed_s > 0 and (r.burst_s is not None or r.bursts):
+        notes.append(f"its first {r.closed_s:.1f} s ran in intervals closed before its tokens came (held longer than "
+                     "they can wait): that energy went to the requests beside it or to idle, and its own figure is low "
+                     f"({BURST_FIX})")
     c = r.trace.counts
     if r.server_ahead >= 0.5 and not r.to_server and (c is None or c.tokens_estimated):
         notes.append(f"its tokens were counted from its chunks (one each, or their logprobs) and the server's counter ran {r.server_ahead:.0f} token(s) "

@@ -54,8 +54,11 @@ PREFILL_COMPUTE_SHARE = 0.9
 LOADING_COMPUTE_SHARE = 0.3
 # stream: every event written when its tokens exist. buffered: the whole body at the end (a
 # buffering proxy). stalls: the client is starved for stall_s out of every stall_every_s, so what
-# the server sent meanwhile reaches it in one read (the end included).
-DELIVERIES = ("stream", "buffered", "stalls")
+# the server sent meanwhile reaches it in one read (the end included). bursts: a buffering hop that
+# passes on what it holds once that is burst_bytes (nginx's one 4 kB proxy buffer), or burst_every_s
+# after the first byte it holds (a gateway flushing on a timer), and the rest at the end: several bursts a stream.
+DELIVERIES = ("stream", "buffered", "stalls", "bursts")
+BURST_BYTES = 4096
 # Dialects answered by their own writers (named events, their own usage): Anthropic's Messages and OpenAI's Responses.
 DIALECTS = ("anthropic-messages", "openai-responses")
 _WORD = re.compile(r"\w+|[^\w\s]")
@@ -231,6 +234,8 @@ class SimServer:
         tokens_per_event: int = 1,
         stall_s: float = 0.2,
         stall_every_s: float = 0.5,
+        burst_bytes: int | None = BURST_BYTES,
+        burst_every_s: float | None = None,
         vllm_empty_final: bool = True,
         vllm_metrics: str = "current",
         vllm_stale_gauges: bool = False,
@@ -257,6 +262,8 @@ class SimServer:
         count_factor: a server that lies about its counts: the counts it gives once a request ends (usage,
         `timings.predicted_n`, the final `tokens_predicted`) are the true count times this; what it streams
         (and its running counts, /metrics, the truth) stays true.
+        burst_bytes, burst_every_s: delivery "bursts" (DELIVERIES): the hop passes on what it holds at this size, or
+        this long after the first byte it holds; None turns either off.
         close_after_stream: the connection is closed once a streamed answer ends, without a `Connection: close`
         header, as llama-server (cpp-httplib) does; None: the flavour's own way (llama.cpp closes, vLLM keeps it).
         idle_close_s: a kept-alive connection idle this long is closed (uvicorn's and cpp-httplib's 5 s); None
@@ -320,6 +327,8 @@ class SimServer:
         self.tokens_per_event = max(1, int(tokens_per_event))
         self.stall_s = stall_s
         self.stall_every_s = stall_every_s
+        self.burst_bytes = burst_bytes  # "bursts": flush at this many bytes held (None: never by size)
+        self.burst_every_s = burst_every_s  # and this long after the first byte held (None: never by time)
         self.vllm_empty_final = vllm_empty_final
         self.vllm_metrics = vllm_metrics
         self.vllm_stale_gauges = vllm_stale_gauges
@@ -1003,6 +1012,10 @@ class SimServer:
         self.truth.append(req.truth_row)
         req.queue.put_nowait(("done", {"prompt_n": req.prompt_tokens, "prompt_ms": prompt_ms}))
 
+    def _delivery(self, resp: web.StreamResponse, mode: str) -> "_Delivery":
+        """How this response's bytes reach the client (DELIVERIES), with this server's knobs."""
+        return _Delivery(resp, mode, self.stall_s, self.stall_every_s, self.burst_bytes, self.burst_every_s)
+
     def request_truth(self) -> dict:
         """The truth per client request (its X-Sim-Request-Id): its sequences' rows summed (n > 1 choices and a
         list of embedding inputs are one request of several sequences). {client_id: {energy_j, prefill_energy_j,
@@ -1580,7 +1593,7 @@ class SimServer:
         # SGLang's /v1/completions carries finish_reason on its last token's chunk (no closing chunk of its own).
         finish_with_last = sglang and api == "openai-completions"
         native_text, native_ids = "", []  # SGLang's /generate sends the text and ids so far in every event
-        out = _Delivery(resp, self.delivery, self.stall_s, self.stall_every_s)
+        out = self._delivery(resp, self.delivery)
         n_events = 0
         sent = 0  # tokens written so far
         text_sent = 0  # characters of text written so far (logprobs' text_offset)
@@ -1705,7 +1718,7 @@ class SimServer:
                     if self.close_delay_s > 0 and self.delivery == "stream":
                         # The last event and the body's end in one write, so the client has the whole answer at once and
                         # keeps the connection for its next request (which then meets the delayed close every time).
-                        out = _Delivery(resp, "buffered", self.stall_s, self.stall_every_s)
+                        out = self._delivery(resp, "buffered")
                     if api == "llamacpp":
                         await out.send(b"data: " + json.dumps(self._llama_final(req, timings)).encode() + b"\n\n")
                     elif api == "sglang-native":
@@ -1810,7 +1823,7 @@ class SimServer:
         oid, obj_name = f"sim-{reqs[0].rid}", "chat.completion.chunk" if chat else "text_completion"
         continuous = self._continuous_usage(opts)
         empty_final = self.flavour == "vllm" and self.vllm_empty_final
-        out = _Delivery(resp, self.delivery, self.stall_s, self.stall_every_s)
+        out = self._delivery(resp, self.delivery)
         n = len(reqs)
         sent, started, closed, left = [0] * n, [False] * n, [False] * n, n
         text_sent = [0] * n  # characters of each choice's text written (logprobs' text_offset)
@@ -1942,7 +1955,7 @@ class SimServer:
         """A Messages or Responses stream: named events (`event:` and `data:` lines), opened with the first token
         (both servers send nothing before), one delta event per step's tokens, closed by the counts' event."""
         vllm = self.flavour == "vllm"
-        out = _Delivery(resp, self.delivery, self.stall_s, self.stall_every_s)
+        out = self._delivery(resp, self.delivery)
         mid, rid = f"msg_sim{req.rid}", f"resp_sim{req.rid}"
         seq = 0
         text_all = ""
@@ -2050,8 +2063,10 @@ class _Dropped(Exception):
 class _Delivery:
     """Writes a response's bytes as the configured delivery says (see DELIVERIES)."""
 
-    def __init__(self, resp: web.StreamResponse, mode: str, stall_s: float, every_s: float):
+    def __init__(self, resp: web.StreamResponse, mode: str, stall_s: float, every_s: float,
+                 burst_bytes: int | None = None, burst_every_s: float | None = None):
         self.resp, self.mode, self.stall_s, self.every_s = resp, mode, stall_s, every_s
+        self.burst_bytes, self.burst_every_s = burst_bytes, burst_every_s
         self.t0 = time.monotonic()
         self.buf = bytearray()
         self.release: asyncio.Task | None = None
@@ -2062,6 +2077,17 @@ class _Delivery:
             return
         if self.mode == "buffered":
             self.buf += data
+            return
+        if self.mode == "bursts":
+            self.buf += data
+            if self.burst_bytes is not None and len(self.buf) >= self.burst_bytes:
+                if self.release is not None:  # flushed by size before its timer: the timer starts again
+                    self.release.cancel()
+                    self.release = None
+                data, self.buf = bytes(self.buf), bytearray()
+                await self.resp.write(data)
+            elif self.burst_every_s is not None and self.release is None:
+                self.release = asyncio.get_running_loop().create_task(self._release(self.burst_every_s))
             return
         phase = (time.monotonic() - self.t0) % self.every_s
         if phase < self.stall_s:  # the client is not reading: the bytes wait in its socket buffer
@@ -2081,7 +2107,11 @@ class _Delivery:
             await self.resp.write(data)
 
     async def take(self) -> bytes:
-        """What is still held back, for the body's last write (once a stall's release has gone out)."""
+        """What is still held back, for the body's last write (once a stall's release has gone out; a hop
+        flushing on a timer passes the rest on at the body's end)."""
+        if self.release is not None and self.mode == "bursts":
+            self.release.cancel()
+            self.release = None
         if self.release is not None:
             await self.release
         data, self.buf = bytes(self.buf), bytearray()
