@@ -40,6 +40,19 @@ def test_bad_levels_change_nothing_and_exit_nonzero(tmp_path):
     assert sim.nvmlDeviceGetPowerManagementLimit(sim.nvmlDeviceGetHandleByIndex(0)) == 300_000
 
 
+@pytest.mark.parametrize("extra", [[], ["--dry-run"]])
+def test_clock_levels_on_one_supported_clock_are_refused_before_anything_changes(tmp_path, extra):
+    # The simulated card's SM clocks are 15 MHz apart (NVML's supported-clock list): a lock at 1505 runs at 1500.
+    r = _powerprof("sweep", "--clocks", "1500,1505", "--simulate", "--out", str(tmp_path / "x"), "--idle-s", "0", *extra)
+    assert r.returncode == 2, r.stderr
+    assert "'1505' (1505 MHz) and '1500' (1500 MHz) both run at 1500 MHz on GPU 0" in r.stderr, r.stderr
+    assert "Nothing was changed" in r.stderr and "Traceback" not in r.stderr
+    assert not (tmp_path / "x").exists()
+    sim = SimNVML("seed-16g")
+    sim.nvmlInit()
+    assert sim.gpus[0].locked_clocks_mhz is None
+
+
 def test_dry_run_prints_the_plan_and_touches_nothing(tmp_path):
     r = _powerprof("sweep", "--limits", "200,80%", "--simulate", "--dry-run", "--out", str(tmp_path / "x"))
     assert r.returncode == 0, r.stderr

@@ -243,7 +243,8 @@ class LimitController:
         hi_mhz = lo_mhz if hi_mhz is None else hi_mhz
         if lo_mhz > hi_mhz:
             raise LevelError([f"clock range {lo_mhz}-{hi_mhz} MHz is reversed"], "Give the lower clock first.")
-        parse_clock_levels(sorted({str(int(lo_mhz)), str(int(hi_mhz))}), self.devices)  # raises if out of range
+        for mhz in {int(lo_mhz), int(hi_mhz)}:  # raises if out of range (each alone: a range's ends may share a clock)
+            parse_clock_levels([str(mhz)], self.devices)
         with self._critical():
             self._ensure_record()
             # Marked before the call: a kill right after the lock takes effect must still release it.

@@ -14,13 +14,13 @@ def nvml_error_code(nvml, exc: BaseException) -> int | None:
     return gateway(nvml).error_code(exc)
 
 
-def _clock_range(gw, h) -> tuple[int | None, int | None]:
+def _supported_clocks(gw, h) -> tuple[int, ...] | None:
+    """The SM clocks the GPU supports at its top memory clock, ascending (None: not reported)."""
     mem_mhz = gw.query("nvmlDeviceGetMaxClockInfo", h, gw.NVML_CLOCK_MEM)
     clocks = gw.query("nvmlDeviceGetSupportedGraphicsClocks", h, mem_mhz) if mem_mhz is not None else None
     if not clocks:
-        return None, None
-    clocks = [int(c) for c in clocks]
-    return min(clocks), max(clocks)
+        return None
+    return tuple(sorted({int(c) for c in clocks}))
 
 
 def read_device(nvml, index: int, handle=None) -> DeviceRange:
@@ -38,7 +38,7 @@ def read_device(nvml, index: int, handle=None) -> DeviceRange:
             f"(NVML: {e}); powerprof will not change a limit it cannot put back."
         ) from e
     enforced_mw = gw.query("nvmlDeviceGetEnforcedPowerLimit", h)
-    clock_lo, clock_hi = _clock_range(gw, h)
+    clocks = _supported_clocks(gw, h)
     return DeviceRange(
         index=index,
         uuid=gw.call("nvmlDeviceGetUUID", h),
@@ -48,8 +48,9 @@ def read_device(nvml, index: int, handle=None) -> DeviceRange:
         default_w=default_mw / 1000,
         limit_w=limit_mw / 1000,
         enforced_w=enforced_mw / 1000 if enforced_mw is not None else None,
-        clock_min_mhz=clock_lo,
-        clock_max_mhz=clock_hi,
+        clock_min_mhz=clocks[0] if clocks else None,
+        clock_max_mhz=clocks[-1] if clocks else None,
+        clock_supported_mhz=clocks,
     )
 
 

@@ -37,6 +37,8 @@ class DeviceRange:
     enforced_w: float | None
     clock_min_mhz: int | None = None
     clock_max_mhz: int | None = None
+    # The SM clocks NVML lists as supported (nvmlDeviceGetSupportedGraphicsClocks), ascending: what a lock snaps to.
+    clock_supported_mhz: tuple[int, ...] | None = None
 
 
 _TOKEN = {
@@ -116,8 +118,36 @@ def common_clock_range(devices: Sequence[DeviceRange]) -> tuple[int | None, int 
     return max(d.clock_min_mhz for d in devices), min(d.clock_max_mhz for d in devices)
 
 
+def supported_clock_mhz(level_mhz: float, supported: Sequence[int]) -> int:
+    """The supported SM clock a lock at `level_mhz` runs at: the highest supported clock at or below it (a lock is a
+    ceiling the card does not run above; the simulator's driver does the same), the lowest where none is."""
+    below = [c for c in supported if c <= level_mhz]
+    return max(below) if below else min(supported)
+
+
+def _same_clock(devices: Sequence[DeviceRange]):
+    """Whether two clock levels land on one supported clock on some selected GPU: None, or why they are one setting."""
+    def same(a: float, b: float) -> str | None:
+        hits = []
+        for d in devices:
+            if not d.clock_supported_mhz:
+                continue
+            ca, cb = supported_clock_mhz(a, d.clock_supported_mhz), supported_clock_mhz(b, d.clock_supported_mhz)
+            if ca == cb:
+                up = [c for c in d.clock_supported_mhz if c > ca]
+                near = f"{ca} and {min(up)} MHz" if up else f"{ca} MHz (its highest)"
+                hits.append(f"{ca} MHz on GPU {d.index} ({d.name}, supported clocks there: {near})")
+        if not hits:
+            return None
+        return (f"both run at {'; '.join(hits)}: the driver locks the SM clock to a supported clock, the highest at or "
+                "below the level, so the two levels are one setting and the sweep would file it twice; give levels "
+                "that land on different supported clocks")
+    return same
+
+
 def parse_clock_levels(spec: str | Iterable, devices: Sequence[DeviceRange]) -> list[int]:
-    """'1500,1200MHz,80%' → SM clocks in MHz within every GPU's supported range (percent of the max clock)."""
+    """'1500,1200MHz,80%' → SM clocks in MHz within every GPU's supported range (percent of the max clock). Two levels
+    that a GPU's driver would lock to the same supported clock (1500 and 1505 MHz with 15 MHz steps) are refused."""
     if not devices:
         raise LevelError(["no GPU selected"], "Select at least one GPU.")
     lo, hi = common_clock_range(devices)
@@ -130,12 +160,13 @@ def parse_clock_levels(spec: str | Iterable, devices: Sequence[DeviceRange]) -> 
         raise LevelError(["no single SM clock fits every selected GPU"], allowed)
     maxes = {d.clock_max_mhz for d in devices}
     return _parse(spec, "clock", "MHz", lo, hi, allowed, percent_base=(maxes.pop() if len(maxes) == 1 else None),
-                  percent_of="the maximum SM clock", as_int=True)
+                  percent_of="the maximum SM clock", as_int=True, same_setting=_same_clock(devices))
 
 
-def _parse(spec, kind, unit, lo, hi, allowed, percent_base, percent_of, as_int, min_gap=0.0):
+def _parse(spec, kind, unit, lo, hi, allowed, percent_base, percent_of, as_int, min_gap=0.0, same_setting=None):
     """Levels as numbers; a value NVML would take as the same (whole mW, whole MHz) is a duplicate, and one within
-    `min_gap` of an earlier level is refused as no different from it."""
+    `min_gap` of an earlier level, or that `same_setting(earlier, value)` says is one setting with it (a reason), is
+    refused as no different from it."""
     items = _split(spec)
     if not items:
         raise LevelError([f"no {kind} levels given"], allowed)
@@ -174,6 +205,11 @@ def _parse(spec, kind, unit, lo, hi, allowed, percent_base, percent_of, as_int, 
             problems.append(f"'{item}' ({_fmt(value)} {unit}) is within {_fmt(min_gap)} {unit} of '{seen[near]}': a limit "
                             f"is set and read back to +-{_fmt(min_gap)} {unit}, so no reading tells the two apart and "
                             f"the figures cannot resolve the step; give levels at least {_fmt(min_gap)} {unit} apart")
+            continue
+        clash = next(((v, why) for v in seen if (why := same_setting(v, value))), None) if same_setting else None
+        if clash is not None:
+            v, why = clash
+            problems.append(f"'{item}' ({_fmt(value)} {unit}) and '{seen[v]}' ({_fmt(v)} {unit}) {why}")
             continue
         seen[value] = item
         out.append(int(value) if as_int else value)

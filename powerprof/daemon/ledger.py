@@ -1127,6 +1127,22 @@ class Ledger:
                 break
             ahead = slice(k, next_restart[k])
             level = float(gaps[ahead][ends[ahead] <= sp[1] + lag_ns].min())
+            nr = int(next_restart[k])
+            if nr < len(todo) and sp[1] + lag_ns > todo[nr][0]:
+                # Its lookahead crosses the restart. The proxy's tokens after the last scrape before it are its lag
+                # (counted by the old process at that scrape, seen by the proxy since) or the old process's lost tail
+                # (never counted), and nothing tells which: held against the old count, the lag drains and the tail
+                # lowers the level. Not looked at, a proxy behind at that scrape (a loaded host) left its lag in the
+                # gap as bypass tokens that never ran, in rows that said `complete` (the real llama-server: 134 counted
+                # for 100 sent, 34 of them a cut stream's lag). Taken as lag, the count may be low here, and is said.
+                cut = todo[nr][0]
+                reach = min(sp[1] + lag_ns, int(ends[nr]))
+                seen = cum[np.searchsorted(pt, reach, side="right")] - cum[np.searchsorted(pt, cut, side="right")]
+                crossed = float(gaps[nr - 1]) - float(seen)
+                if crossed < level:
+                    level = crossed
+                    if "server_restart" not in sp[5]:
+                        sp[5] = (*sp[5], "server_restart")
             ref = max([x[1] for x in self._levels if x[0] >= sp[1] - credit_ns], default=self._level)
             if not forced and counting_ns is not None and sp[1] > counting_ns and level > ref:
                 break

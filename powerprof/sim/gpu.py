@@ -56,7 +56,7 @@ class SimGpu:
         self._clock_ns = clock_ns
         self._lock = threading.RLock()
         p = profile
-        self._f = np.arange(p.sm_clock_min_mhz, p.sm_clock_max_mhz + 1, p.sm_clock_step_mhz, dtype=float)
+        self._f = np.array(p.sm_clocks_mhz, dtype=float)  # what NVML lists as supported: a lock runs on one of them
         v = p.volt_min_v + (p.volt_max_v - p.volt_min_v) * (self._f - p.sm_clock_min_mhz) / (
             p.sm_clock_max_mhz - p.sm_clock_min_mhz
         )

@@ -476,8 +476,7 @@ class SimNVML:
         return [self._gpu(handle).profile.mem_clock_mhz]
 
     def nvmlDeviceGetSupportedGraphicsClocks(self, handle, mem_clock_mhz: int) -> list[int]:
-        p = self._gpu(handle).profile
-        return list(range(p.sm_clock_max_mhz, p.sm_clock_min_mhz - 1, -p.sm_clock_step_mhz))
+        return list(self._gpu(handle).profile.sm_clocks_mhz[::-1])  # highest first, as NVML lists them
 
     def nvmlDeviceGetUtilizationRates(self, handle) -> Utilization:
         gpu, mem = self._gpu(handle).utilization()

@@ -73,6 +73,13 @@ class GpuProfile:
     mig_capable: bool = False  # A100/H100/H200 answer nvmlDeviceGetMigMode (disabled: [0, 0]); GeForce cards say NOT_SUPPORTED
     extra: dict = field(default_factory=dict)
 
+    @property
+    def sm_clocks_mhz(self) -> tuple[int, ...]:
+        """The supported SM clocks, ascending: every `sm_clock_step_mhz` down from the maximum (a card lists its top
+        clock first; where the range is no whole number of steps, the lowest is a little above `sm_clock_min_mhz`).
+        What NVML lists and what the simulated GPU runs at, stated once."""
+        return tuple(range(self.sm_clock_max_mhz, self.sm_clock_min_mhz - 1, -self.sm_clock_step_mhz))[::-1]
+
 
 PROFILES: dict[str, GpuProfile] = {}
 

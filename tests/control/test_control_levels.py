@@ -130,3 +130,35 @@ def test_a_mixed_host_is_refused_with_one_kind_at_a_time_as_the_fix(spec, device
 def test_watts_every_card_of_a_mixed_set_accepts_are_levels_for_all():
     # An H200 and an A100 behind one server share 200-400 W: one level in watts is one setting for both.
     assert parse_power_levels("250,300W", [H200, A100]) == [250.0, 300.0]
+
+
+STEPPED = [DeviceRange(0, "GPU-0", "Card", 150, 320, 300, 300, 300, 510, 2790,
+                       clock_supported_mhz=tuple(range(510, 2791, 15)))]
+
+
+@pytest.mark.parametrize("spec, first, second, runs_at", [
+    ("1500,1505", "'1505' (1505 MHz)", "'1500' (1500 MHz)", 1500),
+    ("1505,1514MHz", "'1514MHz' (1514 MHz)", "'1505' (1505 MHz)", 1500),
+    ("2780,2789", "'2789' (2789 MHz)", "'2780' (2780 MHz)", 2775),
+    ("1470,53%", "'53%' (1479 MHz)", "'1470' (1470 MHz)", 1470),  # 53% of 2790 = 1478.7 -> 1479
+])
+def test_clock_levels_the_driver_locks_to_one_supported_clock_are_refused(spec, first, second, runs_at):
+    # `--clocks 1500,1505` on a card with 15 MHz steps ran one clock twice and filed it under two levels: the driver
+    # locks to a supported clock (the highest at or below the level, as the simulator's does).
+    with pytest.raises(LevelError) as ei:
+        parse_clock_levels(spec, STEPPED)
+    msg = str(ei.value)
+    assert f"{first} and {second} both run at {runs_at} MHz on GPU 0 (Card" in msg, msg
+    assert "Nothing was changed" in msg
+
+
+def test_clock_levels_on_different_supported_clocks_are_kept():
+    # 2789 runs at 2775, a step under the top clock: another setting than 2790.
+    assert parse_clock_levels("1500,1529,1530,2789,2790", STEPPED) == [1500, 1529, 1530, 2789, 2790]
+    # Without the supported-clock list (a GPU that reports only its range), levels are taken as given.
+    assert parse_clock_levels("1500,1505", ONE) == [1500, 1505]
+
+
+def test_a_clock_range_whose_ends_share_a_supported_clock_is_still_a_range():
+    # lock_sm_clock_mhz(lo, hi) checks each end alone: a range is not two levels.
+    assert parse_clock_levels(["1500"], STEPPED) == [1500] and parse_clock_levels(["1505"], STEPPED) == [1505]

@@ -670,3 +670,31 @@ def test_a_mixed_hosts_record_reopens_the_same_cards_and_restore_puts_the_l4_bac
     assert r.exit_code == 2 and "--gpus 0 (Simulated NVIDIA H200) or --gpus 1 (Simulated NVIDIA L4)" in r.output
     r = CliRunner().invoke(cli, ["devices", "--simulate", "h200-141g,l5"])
     assert r.exit_code == 2 and "'l5': not a simulated GPU profile" in r.output
+
+
+def test_clock_levels_are_checked_against_the_supported_clocks_nvml_lists(originals):
+    """`--clocks 1500,1505` on the simulated card (15 MHz steps): the simulated driver runs both locks at 1500 MHz, so
+    they are one setting. The controller reads the supported clocks through the NVML gateway and refuses the pair,
+    naming both and the clock; nothing is locked. A range whose ends share a clock is still a range."""
+    from powerprof.sim.gpu import Phase
+
+    truth = SimNVML("seed-16g", state_path=None)
+    truth.nvmlInit()
+    gpu = truth.gpus[0]
+    gpu.set_phase(Phase("decode", 0.5))
+    ran = {}
+    for mhz in (1500, 1505, 1514, 1515):
+        gpu.set_locked_clocks((mhz, mhz))
+        ran[mhz] = truth.nvmlDeviceGetClockInfo(truth.nvmlDeviceGetHandleByIndex(0), pynvml.NVML_CLOCK_SM)
+    assert ran == {1500: 1500, 1505: 1500, 1514: 1500, 1515: 1515}, ran  # what the refusal below relies on
+    with door_controller(sim(), [0, 1]) as ctl:
+        assert ctl.devices[0].clock_supported_mhz[:2] == (510, 525) and len(ctl.devices[0].clock_supported_mhz) == 153
+        with pytest.raises(LevelError) as ei:
+            ctl.parse_clock_levels("1500,1505")
+        assert ("'1505' (1505 MHz) and '1500' (1500 MHz) both run at 1500 MHz on GPU 0 (" in str(ei.value)
+                and "Nothing was changed" in str(ei.value)), str(ei.value)
+        assert [c for _, c in sim_state()] == [None, None]
+        assert ctl.parse_clock_levels("1500,1515") == [1500, 1515]
+        ctl.lock_sm_clock_mhz(1500, 1505)
+        assert [c for _, c in sim_state()] == [(1500, 1505)] * 2
+    assert_untouched()
