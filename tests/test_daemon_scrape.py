@@ -630,3 +630,66 @@ def test_an_sglang_without_enable_metrics_shows_no_server_count_not_zero(tmp_pat
             rc = d.stop()
     assert rc == 0, d.output()
     assert not re.search(r"^powerprof_server_tokens_generated_total ", metrics, re.M), metrics
+
+
+class _SlotsPage(Scraper):
+    """A llama-server without --metrics whose /slots answers the raw texts of `pages` in turn (one per scrape)."""
+
+    def __init__(self, pages, server="llamacpp"):
+        super().__init__(session=None, base_url="http://x", server=server)
+        self.pages = list(pages)
+
+    async def _get(self, path):
+        if path == "/slots":
+            return 200, self.pages.pop(0)
+        return (404, "")
+
+
+def _real_slot(i, task, n, prompt=""):
+    """One slot as llama-server shows it (its params trimmed): the running request's prompt text included."""
+    return {"id": i, "id_task": task, "n_ctx": 4096, "speculative": False, "is_processing": n > 0,
+            "params": {"n_predict": -1, "temperature": 0.8, "samplers": ["top_k", "top_p", "min_p", "temperature"],
+                       "lora": [], "stop": []},
+            "prompt": prompt, "next_token": [{"has_next_token": n > 0, "n_remain": -1, "n_decoded": n}]}
+
+
+def test_a_huge_slots_page_is_refused_without_decoding_it_and_never_read_as_zero(caplog):
+    # Before: a 16 MiB /slots of ~40,000 slots was decoded whole in the event loop the proxy shares (~0.15-0.25 s of
+    # CPU per scrape, up to 4 scrapes a second: proxied streams stalled). Now it is refused before the decode, the
+    # scrape failed (its window unscraped), said with the reason, and the next sane page counts on from the last.
+    small = json.dumps([_real_slot(0, 7, 10)])
+    huge = json.dumps([_real_slot(i, 100 + i, 3) for i in range((16 << 20) // len(small) + 1)])
+    assert len(huge) >= 16 << 20
+    c0 = time.process_time()
+    json.loads(huge)
+    decode_s = time.process_time() - c0
+    sc = _SlotsPage([small, huge, json.dumps([_real_slot(0, 7, 25)])])
+    assert _run(sc, 1) == [0.0]  # the baseline
+    c0 = time.process_time()
+    refused = _run(sc, 1)
+    scrape_s = time.process_time() - c0
+    assert refused == [None], "a page that is refused must never read as 0 tokens"
+    assert sc.errors == 1 and "1024" in sc.last_error and "/slots" in sc.last_error
+    assert "scraping http://x failed" in caplog.text
+    # Wide margin for a loaded machine: a cheap count is ~20x cheaper than the decode it avoids.
+    assert scrape_s < decode_s / 4, (scrape_s, decode_s)
+    assert _run(sc, 1) == [15.0] and sc.total == 15.0  # counted on from the last page read
+
+
+def test_a_slots_page_made_long_by_prompt_texts_is_still_counted():
+    # Not a byte cap: 32 slots whose running requests' prompts make the page 16 MiB are read and counted.
+    prompt = "the \"quoted\" prompt text, é\n" * ((16 << 20) // 32 // 30)
+    pages = [json.dumps([_real_slot(i, i, 0, prompt) for i in range(32)]),
+             json.dumps([_real_slot(i, i, 5, prompt) for i in range(32)])]
+    assert len(pages[1]) >= 16 << 20
+    sc = _SlotsPage(pages)
+    assert _run(sc, 2) == [0.0, 160.0] and sc.errors == 0
+
+
+def test_a_huge_slots_page_is_still_detected_as_llama_server_and_its_scrape_said_failed():
+    # Before the fix's refusal reached detection, a refused /slots would have left the server undetected: scrapes that
+    # returned nothing and counted no error (server_count unread, the reason nowhere).
+    huge = json.dumps([_real_slot(i, i, 3) for i in range(2000)])
+    sc = _SlotsPage([huge, huge], server="auto")
+    assert _run(sc, 1) == [None]
+    assert sc.kind == "llamacpp" and sc.errors == 1 and "1024" in sc.last_error

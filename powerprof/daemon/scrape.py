@@ -26,7 +26,8 @@ baseline takes in. Both that and /slots alone leave the count possibly low: `par
 Parsing is pure (text/JSON in, numbers out); `Scraper` does the HTTP and keeps the state needed
 to turn snapshots into token deltas; `Cadence` says when to scrape (fast while anything moves,
 slow once the server and the proxy are both still). Bodies are read up to MAX_METRICS_BYTES; a counter that is not
-finite and non-negative, or a slot's n_decoded that is not a count, fails that scrape with the reason.
+finite and non-negative, a slot's n_decoded that is not a count, or a /slots page of more than MAX_SLOTS slots (not
+decoded: servercount.slots_json) fails that scrape with the reason.
 """
 
 from __future__ import annotations
@@ -40,7 +41,7 @@ from powerprof.workload.limits import MAX_METRICS_BYTES, read_capped
 # The parsers are the workload layer's (the sweep's foreign-traffic check reads the same counters).
 from powerprof.workload.servercount import (  # noqa: F401
     COUNTERS, FINISHED_LATENCY, LLAMACPP_COUNTER, counter_total, histogram_sum_count, llamacpp_generated, slot_progress,
-    unset_means_zero)
+    slots_json, unset_means_zero)
 
 log = logging.getLogger("powerprof.daemon.scrape")
 
@@ -225,7 +226,9 @@ class Scraper:
                         return kind
             metrics_ok = status == 200
             status, text = await self._get("/slots")
-            if status == 200 and isinstance(json.loads(text), list):
+            if status == 200 and text.lstrip().startswith("["):
+                # llama-server's list of slots; not decoded here: a page too big to read (slots_json) still says what
+                # the server is, and its scrapes then fail with the reason rather than leave the server undetected.
                 return "llamacpp"
             if metrics_ok:  # an idle SGLang's /metrics may hold none of its families yet: ask what it is
                 status, text = await self._get("/v1/models")
@@ -318,7 +321,7 @@ class Scraper:
         status, page = await self._get("/metrics")
         finished = counter_total(page, LLAMACPP_COUNTER) if status == 200 else None
         status, text = await self._get("/slots")
-        slots = slot_progress(json.loads(text)) if status == 200 else None
+        slots = slot_progress(slots_json(text)) if status == 200 else None
         if finished is None and slots is None:
             raise ValueError("llama-server answers neither /metrics (start it with --metrics) nor /slots")
         if finished is None:

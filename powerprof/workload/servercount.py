@@ -80,6 +80,10 @@ FOREIGN_FIX = "stop the other clients (or processes on the GPU) for the sweep, o
 # (a histogram ~30 lines a series), where a page of 300 000 series (16 MiB, the read bound) took 2.5 s of CPU to parse,
 # in the daemon's event loop, which the proxy shares, at every scrape (4 a second while traffic moves).
 MAX_METRIC_LINES = 4096
+# Slots on llama.cpp's /slots page before it is not decoded: a llama-server runs -np of them, tens in practice. The page
+# may carry each running request's prompt text, so its size says little (a byte cap would cut real pages); its slot
+# count is what makes decoding it dear: a 16 MiB page of 29 000 slots took 0.15-0.39 s of CPU, in that event loop.
+MAX_SLOTS = 1024
 
 
 def _few_lines(text: str, name: str) -> None:
@@ -165,6 +169,19 @@ def unset_means_zero(text: str, kind: str | None) -> bool:
         if not name.startswith("sglang:") or base in SGLANG_FINISHED:
             return False
     return True
+
+
+def slots_json(text: str):
+    """llama.cpp's /slots page decoded; ValueError, before any decoding, when it may hold more than MAX_SLOTS slots.
+    The count is of `"id"` in the text, a C-speed scan (~1 ms a MiB): every slot that counts has its `id`
+    (slot_progress), and an escaped quote inside a string (a prompt's) is `\\"`, so prompt texts cannot raise it; a
+    string value ending in "id" or a LoRA adapter's `id` in a slot's params can, which only refuses sooner."""
+    n = text.count('"id"')
+    if n > MAX_SLOTS:
+        raise ValueError(f"/slots holds {n} \"id\" keys, more than the {MAX_SLOTS} slots a llama-server runs "
+                         "(servercount.MAX_SLOTS): not decoded, so as not to stall the daemon's proxy (fix: fewer slots, -np; or "
+                         "start llama-server with --metrics --no-slots, counting each request as it ends)")
+    return json.loads(text)
 
 
 def slot_progress(slots) -> dict[int, tuple[object, int]]:
@@ -285,7 +302,7 @@ async def read_tally(session: aiohttp.ClientSession, base_url: str, kind: str | 
     if tally.in_flight is None:
         status, text = await _get(session, base + "/slots")
         try:
-            busy = busy_slots(json.loads(text)) if status == 200 else None
+            busy = busy_slots(slots_json(text)) if status == 200 else None
         except ValueError:
             busy = None
         if busy is not None:
