@@ -132,3 +132,14 @@ def test_each_gpu_is_watched_on_its_own():
 def test_a_gpu_that_does_not_report_its_clock_says_nothing():
     w = ClockLockWatch(1200)
     assert _feed(w, [_r(None), _r(None), _r(None)]) == [None] * 3
+
+
+def test_a_lock_found_partway_is_named_as_found_during_the_measurement_not_as_it_began():
+    # Without a lock of its own the watch learns one from busy readings the AppClocks bit holds (find_lock), which
+    # may come partway through: here the first readings name no reason (a driver that sets the bit late), the lock is
+    # learned at the third. The message said the lock "held it at as the measurement began", which no reading showed.
+    w = ClockLockWatch(None, find_lock=True, during="the measurement")
+    got = _feed(w, [_r(1200), _r(1200), _r(1200, REASON_APP_CLOCKS), _r(1980), _r(1980)])
+    assert got[:4] == [None] * 4 and w.found_mhz == {0: 1200.0}
+    assert "above the 1200 MHz a clock lock found during the measurement held it at:" in got[4], got[4]
+    assert "began" not in got[4], got[4]

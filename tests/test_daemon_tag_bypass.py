@@ -162,3 +162,40 @@ def test_tag_stop_prints_the_bypass_energy_and_marks_an_older_daemons_j_per_toke
         d = json.loads(CliRunner().invoke(main, ["tag", "stop", "x", "--socket", "/nonexistent", "--json"]).stdout)
         assert d["unproxied_energy_j"] == (None if older else 100.0)
         assert ("older than this command" in (d["note"] or "")) == older
+
+
+def _unmeasured(rows: list[dict], server_count: str) -> list[dict]:
+    """The windows as a daemon that did not measure bypass traffic writes them: the same GPU energy (the bypass
+    traffic's 100 J still in it), no part of it given to bypass traffic (unproxied 0), J/token 3.0 against the true 2.0."""
+    return [dict(r, unproxied_energy_j=0.0, gpu_j_per_token=3.0, server_count=server_count) for r in rows]
+
+
+def test_windows_whose_bypass_traffic_was_not_measured_are_counted_and_said(tmp_path):
+    # `off` (no server scraped) and `slots_only` (llama-server without --metrics) windows are trusted, so they stay in
+    # the tag's J/token with bypass energy 0: here 2 of 6 windows hold the bypass traffic's 100 J each, and the tag
+    # reads 2.333 J/token against the true 2.0. Before, nothing on stderr said so; the note names them, their share of
+    # the tag's energy, why and the fix.
+    rows = _tag_rows(0, 4) + _unmeasured(_tag_rows(4, 1), "off") + _unmeasured(_tag_rows(5, 1), "off,slots_only")
+    data = _folder(tmp_path, {"new": rows})
+    [t] = tag_summary([str(data)]).to_pylist()
+    assert t["windows"] == 6 and t["counted_windows"] == 6 and t["bypass_uncertain_windows"] == 0, t
+    assert t["gpu_j_per_token"] == pytest.approx(1400.0 / 600.0)  # the documented limit: 2.0 true
+    assert t["bypass_unmeasured_windows"] == 2 and t["bypass_unmeasured_gpu_energy_j"] == pytest.approx(600.0), t
+    res = CliRunner().invoke(main, ["analyze", str(data)])
+    assert res.exit_code == 0, res.output
+    [note] = [n for n in res.stderr.split("\n") if "not measured" in n]
+    assert "node-0 job: 2 of 6" in note and "33% of its GPU energy" in note, note
+    assert "off" in note and "slots_only" in note and "--metrics" in note, note
+
+
+def test_a_tag_over_intervals_that_are_each_trusted_stays_trusted():
+    # A tag's server_count joins its intervals'; `off` beside `slots_only` read as low ("off,slots_only" is neither),
+    # though each interval's count was trusted: the tag's J/token was left out (analyze) and `tag stop` warned.
+    from powerprof.daemon.ledger import tag_server_count
+    from powerprof.storage.schema import bypass_count_low
+
+    joined = tag_server_count({"off", "slots_only"})
+    assert joined == "off,slots_only" and not bypass_count_low(joined)
+    assert not bypass_count_low(tag_server_count({"complete", "slots_only"}))
+    assert bypass_count_low(tag_server_count({"slots_only", "unscraped"}))
+    assert bypass_count_low(tag_server_count({"off", "unread"})) and bypass_count_low("") and bypass_count_low(None)

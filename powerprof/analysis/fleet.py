@@ -289,7 +289,8 @@ def fleet_summary(sources) -> pa.Table:
 # the rule the requests follow) unproxied may be too, and the J/token high: such a window is left out of the tag's
 # figures and counted apart (its reasons), as is one whose bypass traffic is unknown (`unread`, or written before
 # server_count or unproxied_energy_j: null, never taken as 0), one with no GPU energy (a GPU unread inside it), and
-# one whose figures cannot be (NaN, infinite, negative).
+# one whose figures cannot be (NaN, infinite, negative). A counted window whose bypass traffic was not measured, or
+# measured in part (`off`, `slots_only`: trusted, schema.SERVER_COUNT_TRUSTED), stays in, counted apart to be said.
 TAGS_SQL = """
 SELECT host, name,
        count(*) AS windows,
@@ -308,14 +309,20 @@ SELECT host, name,
        string_agg(DISTINCT server_count, ',') FILTER (WHERE {ok} AND {energy} AND NOT {trusted} AND NOT {unknown})
            AS bypass_uncertain_reasons,
        count(*) FILTER (WHERE {ok} AND {energy} AND {unknown}) AS bypass_unknown_windows,
+       count(*) FILTER (WHERE {counted} AND {unmeasured}) AS bypass_unmeasured_windows,
+       sum(gpu_energy_j) FILTER (WHERE {counted} AND {unmeasured}) AS bypass_unmeasured_gpu_energy_j,
+       string_agg(DISTINCT server_count, ',') FILTER (WHERE {counted} AND {unmeasured}) AS bypass_unmeasured_reasons,
        count(*) FILTER (WHERE {ok} AND NOT {energy}) AS no_energy_windows,
        count(*) FILTER (WHERE NOT ({ok})) AS invalid_windows,
        CAST(sum(copies - 1) AS BIGINT) AS duplicate_windows,
        CAST(sum(conflicts) AS BIGINT) AS conflicting_windows
 FROM {tags} GROUP BY host, name ORDER BY host, name
 """.replace("{counted}", "{ok} AND {energy} AND {trusted}").replace(
-    "{trusted}", "(server_count IS NOT NULL AND server_count IN ("
-    + ", ".join(f"'{c}'" for c in SERVER_COUNT_TRUSTED) + ") AND unproxied_energy_j IS NOT NULL)").replace(
+    "{unmeasured}", f"(server_count <> '{SERVER_COUNT_COMPLETE}')").replace(
+    # schema.bypass_count_low in SQL: every comma-joined value in it trusted (a tag's joins its intervals').
+    "{trusted}", "(server_count IS NOT NULL AND list_has_all(["
+    + ", ".join(f"'{c}'" for c in SERVER_COUNT_TRUSTED) + "], string_split(server_count, ',')) "
+    "AND unproxied_energy_j IS NOT NULL)").replace(
     "{unknown}", f"(server_count IS NULL OR server_count = '{SERVER_COUNT_UNREAD}' OR unproxied_energy_j IS NULL)").replace(
     "{energy}", "(gpu_energy_j IS NOT NULL)").replace(
     "{ok}", _sane("gpu_energy_j", "proxy_tokens", "unproxied_energy_j"))
@@ -343,9 +350,11 @@ def tag_summary(sources) -> pa.Table:
                          "different values, of which at most one is true. Remove the file that is wrong (`powerprof "
                          "export` of the same sources names the files), or analyse the folders separately")
     out = out.drop_columns(["conflicting_windows"])
-    col = out.schema.get_field_index("bypass_uncertain_reasons")
-    return out.set_column(col, "bypass_uncertain_reasons", pa.array(
-        [",".join(sorted(set(v.split(",")))) if v else None for v in out.column(col).to_pylist()], pa.string()))
+    for name in ("bypass_uncertain_reasons", "bypass_unmeasured_reasons"):
+        col = out.schema.get_field_index(name)
+        out = out.set_column(col, name, pa.array(
+            [",".join(sorted(set(v.split(",")))) if v else None for v in out.column(col).to_pylist()], pa.string()))
+    return out
 
 
 def tag_notes(t: pa.Table) -> list[str]:
@@ -366,6 +375,19 @@ def tag_notes(t: pa.Table) -> list[str]:
                    "server_count or unproxied_energy_j empty: written before the column, whose J/token held bypass "
                    "traffic's energy over the proxied tokens alone) were left out of their tag's J/token: " + "; ".join(
                        f"{r['host']} {r['name']}: {r['bypass_unknown_windows']} of {r['windows']}" for r in unknown))
+    blind = [r for r in rows if r["bypass_unmeasured_windows"]]
+    if blind:
+        out.append("tag windows whose bypass traffic was not measured, or in part (server_count off: the daemon scrapes "
+                   "no server; slots_only: a llama-server without /metrics, whose /slots miss each request's last "
+                   "tokens) are in their tag's J/token with none or part of bypass traffic's energy taken out: any "
+                   "requests sent straight to the server put their energy over the proxied tokens, and the J/token "
+                   "reads high: " + "; ".join(
+                       f"{r['host']} {r['name']}: {r['bypass_unmeasured_windows']} of {r['windows']}, "
+                       f"{r['bypass_unmeasured_gpu_energy_j'] or 0.0:.1f} J, "
+                       f"{100.0 * (r['bypass_unmeasured_gpu_energy_j'] or 0.0) / r['gpu_energy_j']:.0f}% of its GPU "
+                       f"energy ({r['bypass_unmeasured_reasons']})" for r in blind)
+                   + "; the fix: let the daemon scrape the server (scrape.server not none) and run it with its metrics on "
+                   "(llama-server --metrics), or send every request through the proxy (docs/daemon.md, Bypass traffic)")
     none = [r for r in rows if r["no_energy_windows"]]
     if none:
         out.append("tag windows with no GPU energy (a GPU unread in one of their intervals) were left out of their "

@@ -60,9 +60,10 @@ def limit_moved(readings: Iterable, expected: Expected, tol_w: float = LIMIT_TOL
     return None
 
 
-# A locked SM clock is a ceiling: the driver snaps the lock to a supported clock (15 MHz apart on
-# current datacenter GPUs, so up to a step above the MHz asked for) and NVML's reading may sit a few MHz
-# off the clock set. Two steps cover both; a lock that is gone shows the boost clock, hundreds of MHz up.
+# A locked SM clock is a ceiling: the driver runs the lock at the highest supported clock at or below the
+# MHz asked for (control/levels.supported_clock_mhz; 15 MHz apart on current datacenter GPUs), so a held
+# lock reads above it only by NVML's reading, which may sit a few MHz off the clock set. Two steps cover
+# that with margin; a lock that is gone shows the boost clock, hundreds of MHz up.
 CLOCK_LOCK_TOLERANCE_MHZ = 30.0
 CLOCK_LOCK_READINGS = 2  # busy readings above the lock in a row: one odd read is not a lost lock
 # Below: a locked GPU that no limiter holds sits at its lock, so 10% under it (140 MHz at 1400) with no
@@ -139,7 +140,7 @@ class ClockLockWatch:
         if self.locked_mhz is None and not high:
             self.boost_mhz[r.index] = max(self.boost_mhz.get(r.index, 0.0), mhz)
         if len(high) >= self.readings:
-            held = "it was locked to" if self.locked_mhz is not None else f"a clock lock held it at as {self.during} began"
+            held = "it was locked to" if self.locked_mhz is not None else f"a clock lock found during {self.during} held it at"
             return (f"GPU {r.index}'s SM clock read {max(high):g} MHz ({len(high)} readings in a row) during {self.during}, "
                     f"above the {lock_mhz:g} MHz {held}: another tool released or changed the lock "
                     "(nvidia-smi -rgc or -lgc) or the GPU was reset; the windows measured since are left out of every figure")

@@ -8,7 +8,7 @@ from typing import Iterable, Sequence
 
 from powerprof.collectors.limitwatch import LIMIT_TOLERANCE_W
 
-# Two power levels closer than this are one setting: a limit is set and read back to within LIMIT_TOLERANCE_W
+# Two power levels this close or closer are one setting: a limit is set and read back to within LIMIT_TOLERANCE_W
 # (a card may round what it is given; another tool's move is judged against it), so no reading tells them apart,
 # and a sweep's J/token cannot resolve a step that small either. Refused, not merged: the user meant something.
 MIN_POWER_LEVEL_GAP_W = LIMIT_TOLERANCE_W
@@ -164,8 +164,8 @@ def parse_clock_levels(spec: str | Iterable, devices: Sequence[DeviceRange]) -> 
 
 
 def _parse(spec, kind, unit, lo, hi, allowed, percent_base, percent_of, as_int, min_gap=0.0, same_setting=None):
-    """Levels as numbers; a value NVML would take as the same (whole mW, whole MHz) is a duplicate, and one within
-    `min_gap` of an earlier level, or that `same_setting(earlier, value)` says is one setting with it (a reason), is
+    """Levels as numbers; a value NVML would take as the same (whole mW, whole MHz) is a duplicate, and one `min_gap`
+    or less from an earlier level, or that `same_setting(earlier, value)` says is one setting with it (a reason), is
     refused as no different from it."""
     items = _split(spec)
     if not items:
@@ -200,11 +200,12 @@ def _parse(spec, kind, unit, lo, hi, allowed, percent_base, percent_of, as_int, 
         if value in seen:
             problems.append(f"'{item}' ({_fmt(value)} {unit}) duplicates '{seen[value]}'")
             continue
-        near = next((v for v in seen if abs(v - value) < min_gap), None)
+        # At the gap too: a reading off by exactly it is not a move (limit_moved flags more than the tolerance).
+        near = next((v for v in seen if abs(v - value) <= min_gap), None) if min_gap > 0 else None
         if near is not None:
-            problems.append(f"'{item}' ({_fmt(value)} {unit}) is within {_fmt(min_gap)} {unit} of '{seen[near]}': a limit "
-                            f"is set and read back to +-{_fmt(min_gap)} {unit}, so no reading tells the two apart and "
-                            f"the figures cannot resolve the step; give levels at least {_fmt(min_gap)} {unit} apart")
+            problems.append(f"'{item}' ({_fmt(value)} {unit}) is {_fmt(min_gap)} {unit} or less from '{seen[near]}': a "
+                            f"limit is set and read back to +-{_fmt(min_gap)} {unit}, so no reading tells the two apart "
+                            f"and the figures cannot resolve the step; give levels more than {_fmt(min_gap)} {unit} apart")
             continue
         clash = next(((v, why) for v in seen if (why := same_setting(v, value))), None) if same_setting else None
         if clash is not None:

@@ -26,8 +26,8 @@ from powerprof.energy import epoch_broken, interp_at, trailing_average_interval_
 from powerprof.profiler import (METHOD_AVG_POWER, METHOD_COUNTER, METHOD_NONE, METHOD_POWER, NO_COUNTER_SHORT_BUSY_SHARE,
                                 NO_COUNTER_SHORT_BUSY_SHARE_INSTANT, NO_COUNTER_SHORT_FIX, NO_COUNTER_SHORT_FLAG,
                                 weakest_method)
-from powerprof.storage.schema import (BYPASS_LOW_FLAG, SERVER_COUNT_COMPLETE, SERVER_COUNT_OFF, SERVER_COUNT_UNREAD,
-                                      bypass_count_low)
+from powerprof.storage.schema import (BYPASS_LOW_FLAG, SERVER_COUNT_COMPLETE, SERVER_COUNT_OFF, SERVER_COUNT_SLOTS_ONLY,
+                                      SERVER_COUNT_UNREAD, bypass_count_low)
 
 from powerprof.arrival import SAME_DELIVERY_NS
 
@@ -66,7 +66,7 @@ BYPASS_LOW_FIX = {
     "late_baseline": "start the server before the daemon, or restart the daemon once the server is up",
     "unread": "start the server before the daemon, and check that scrape.url answers its /metrics",
     "server_restart": "none for later requests (the count starts afresh); keep the server from restarting",
-    "slots_only": "start llama-server with --metrics",
+    SERVER_COUNT_SLOTS_ONLY: "start llama-server with --metrics",
     "unscraped": "keep the server's /metrics answering within scrape's 2 s (the intervals wait for it 10 s at most)",
 }
 FINISH_HOLD_S = 30.0  # an at-finish server's requests' durations of this long ago set how long intervals are held

@@ -21,7 +21,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Histo
 from powerprof import __version__
 from powerprof.arrival import COUNT_PROBLEM_KINDS
 from powerprof.profiler import NO_COUNTER_SHORT_FIX, NO_COUNTER_SHORT_FLAG
-from powerprof.storage.schema import BYPASS_LOW_FLAG
+from powerprof.storage.schema import BYPASS_LOW_FLAG, SERVER_COUNT_SLOTS_ONLY
 
 from .attribution import DEST_NAMES, KIND_NAMES
 from .inflight import InFlightState
@@ -259,7 +259,7 @@ class SnapshotCollector:
                                       "Tokens the server's own metrics counted (cross-check)", value=s.server_tokens)
             part = GaugeMetricFamily("powerprof_server_tokens_partial", "1: powerprof_server_tokens_generated_total may be "
                                      "low (bypass traffic it misses is not in unproxied energy), for this reason (late_baseline: first read after the daemon's ready, with "
-                                     "tokens already counted; slots_only: llama-server without --metrics; server_restart: "
+                                     f"tokens already counted; {SERVER_COUNT_SLOTS_ONLY}: llama-server without --metrics; server_restart: "
                                      "the server restarted, its last tokens before it lost); the log says what was missed "
                                      "and the fix, and the interval rows concerned say so in server_count", labels=["reason"])
             for why in PARTIAL_REASONS:

@@ -37,6 +37,7 @@ import logging
 
 import aiohttp
 from powerprof.errtext import error_text
+from powerprof.storage.schema import SERVER_COUNT_SLOTS_ONLY
 from powerprof.workload.limits import MAX_METRICS_BYTES, read_capped
 # The parsers are the workload layer's (the sweep's foreign-traffic check reads the same counters).
 from powerprof.workload.servercount import (  # noqa: F401
@@ -73,7 +74,7 @@ PARTIAL_REASONS = {
                      "by then: tokens of requests sent since the daemon's ready and before that read are not in the count, "
                      "so bypass traffic before it is not in `unproxied` (its energy is with the proxied requests' or "
                      "idle) (fix: start the server before the daemon, or restart the daemon once the server is up)",
-    "slots_only": "llama-server without /metrics: /slots alone misses each request's tokens after the last scrape before "
+    SERVER_COUNT_SLOTS_ONLY: "llama-server without /metrics: /slots alone misses each request's tokens after the last scrape before "
                   "it ends, so bypass traffic's missed tokens are not in `unproxied` (their energy is with the proxied "
                   "requests' or idle) (fix: start llama-server with --metrics)",
     "server_restart": "the server restarted (its token counter went back, or its process start time moved): the old "
@@ -325,10 +326,10 @@ class Scraper:
         if finished is None and slots is None:
             raise ValueError("llama-server answers neither /metrics (start it with --metrics) nor /slots")
         if finished is None:
-            self.window_partial = ("slots_only",)
-            if "slots_only" not in self.partial:
-                self.partial["slots_only"] = PARTIAL_REASONS["slots_only"]
-                log.warning("scraped server count may be low: %s", PARTIAL_REASONS["slots_only"])
+            self.window_partial = (SERVER_COUNT_SLOTS_ONLY,)
+            if SERVER_COUNT_SLOTS_ONLY not in self.partial:
+                self.partial[SERVER_COUNT_SLOTS_ONLY] = PARTIAL_REASONS[SERVER_COUNT_SLOTS_ONLY]
+                log.warning("scraped server count may be low: %s", PARTIAL_REASONS[SERVER_COUNT_SLOTS_ONLY])
             if self._slots is None:
                 self._baseline(sum(n for _, n in slots.values()))
             delta = slots_delta(self._slots, slots) if self._slots is not None else 0

@@ -263,18 +263,21 @@ DAEMON_REQUESTS_COLUMNS = [
 # an interval whose count may be low (or unread) says BYPASS_LOW_FLAG in its energy_note; `analyze` leaves it out of
 # J/token (docs/data.md, daemon_intervals).
 SERVER_COUNT_COMPLETE, SERVER_COUNT_UNREAD, SERVER_COUNT_OFF = "complete", "unread", "off"
+SERVER_COUNT_SLOTS_ONLY = "slots_only"  # a llama-server without --metrics: its /slots alone read
 BYPASS_LOW_FLAG = "bypass-uncounted"
 # The `server_count` values whose energy is trusted in J/token. `slots_only` alone is every interval of a llama-server
 # started without --metrics (its default): leaving it out would leave every figure out for a loss only bypass traffic
-# causes; like `off` (bypass not measured at all), the rows, /metrics and the log say it instead.
-SERVER_COUNT_TRUSTED = (SERVER_COUNT_COMPLETE, SERVER_COUNT_OFF, "slots_only")
+# causes; like `off` (bypass not measured at all), the rows, /metrics, the log and `analyze`'s notes say it instead.
+SERVER_COUNT_TRUSTED = (SERVER_COUNT_COMPLETE, SERVER_COUNT_OFF, SERVER_COUNT_SLOTS_ONLY)
 
 
 def bypass_count_low(server_count: str | None) -> bool:
     """The one rule for energy left out of J/token for its server count: an interval (or a tag, over its intervals)
-    whose count may be low or was not read, and null (written before the column): unknown, never complete. The
-    daemon's requests (BYPASS_LOW_FLAG, which `analyze` leaves out), its live J/token gauge and its tag rows use it."""
-    return server_count not in SERVER_COUNT_TRUSTED
+    whose count may be low or was not read, and null (written before the column): unknown, never complete. A
+    comma-joined value (a tag's: its intervals' values, `complete` dropped) is trusted only where each value in it is:
+    a tag over `off` and `slots_only` intervals is as sound as each of them. The daemon's requests (BYPASS_LOW_FLAG,
+    which `analyze` leaves out), its live J/token gauge, its tag rows and `analyze`'s tag table use it."""
+    return not server_count or not set(server_count.split(",")) <= set(SERVER_COUNT_TRUSTED)
 
 # One row per sample interval: the energy between two consecutive GPU samples and who used it.
 DAEMON_INTERVALS_COLUMNS = [

@@ -46,9 +46,12 @@ def test_each_bad_power_input_is_one_error_with_range_and_default(spec, fragment
 
 
 @pytest.mark.parametrize("spec, fragment", [
-    ("220,220.4", "'220.4' (220.4 W) is within 2 W of '220'"),
-    ("220,221.999W", "'221.999W' (221.999 W) is within 2 W of '220'"),
-    ("220,73%", "'73%' (219 W) is within 2 W of '220'"),
+    ("220,220.4", "'220.4' (220.4 W) is 2 W or less from '220'"),
+    ("220,221.999W", "'221.999W' (221.999 W) is 2 W or less from '220'"),
+    ("220,73%", "'73%' (219 W) is 2 W or less from '220'"),
+    # Exactly 2 W: a card held at 222 W where 220 was set reads 2 W off, which limit_moved does not flag (it flags
+    # more than LIMIT_TOLERANCE_W off), so the two levels were accepted though no reading tells them apart.
+    ("220,222", "'222' (222 W) is 2 W or less from '220'"),
     ("220,220.0004", "'220.0004' (220 W) duplicates '220'"),  # NVML takes whole milliwatts: the same limit
 ])
 def test_levels_closer_than_the_limit_read_back_can_tell_apart_are_refused(spec, fragment):
@@ -61,8 +64,26 @@ def test_levels_closer_than_the_limit_read_back_can_tell_apart_are_refused(spec,
     assert "Nothing was changed" in msg
 
 
-def test_levels_two_watts_apart_are_kept():
-    assert parse_power_levels("220,222,224.5", ONE) == [220.0, 222.0, 224.5]
+def test_levels_more_than_two_watts_apart_are_kept():
+    assert parse_power_levels("220,222.001,224.5", ONE) == [220.0, 222.001, 224.5]
+
+
+def test_the_least_gap_is_the_one_limit_moved_tells_apart():
+    # A level that passes the gap check must be one a reading can tell from its neighbour: held at the neighbour's
+    # limit, the card reads off by more than the tolerance limit_moved judges by; refused ones it does not flag.
+    from powerprof.collectors.limitwatch import LIMIT_TOLERANCE_W, limit_moved
+    from types import SimpleNamespace
+
+    def flagged(set_w, read_w):  # a GPU reading: the limit the card holds, as set and as enforced
+        return limit_moved([SimpleNamespace(index=0, power_limit_w=read_w, enforced_limit_w=read_w)], {0: (set_w, set_w)})
+
+    for b in (220.0 + LIMIT_TOLERANCE_W, 220.0 + LIMIT_TOLERANCE_W + 0.001):
+        try:
+            parse_power_levels(f"220,{b}", ONE)
+            accepted = True
+        except LevelError:
+            accepted = False
+        assert accepted == (flagged(220.0, b) is not None), (b, accepted)
 
 
 def test_all_problems_are_listed_at_once():
