@@ -5,7 +5,8 @@
 The proxy calls `StreamParser.count` once per upstream chunk (`_ClientSink.account`): its cost is paid per
 token. Each shape below is counted 20 000 times by both parsers, alternating, best of 5 (this machine's
 load moves both alike): plain chunks of vLLM, llama.cpp (OpenAI-compatible and native) and completions,
-which take the byte path (`_quick_count`), and vLLM's continuous usage, which takes the full parse. SGLang's
+which take the byte path (`_quick_count`), vLLM's continuous usage, which takes the full parse, and an Anthropic
+Messages `content_block_delta` (an `event:` line and its data, the full parse). SGLang's
 /generate (`sglang N`): whole responses of N tokens, each event its text and output_ids so far (SGLang's compact
 orjson shape, as bench/proxy_latency.py --api sglang serves them), per event on average over the response, its
 first and last events and [DONE] included.
@@ -32,7 +33,13 @@ SHAPES = {
                          b'"tokens_predicted":1,"tokens_evaluated":5}\n\n'),
     "completions": ("openai-completions", b'data: {"id":"cmpl-1","object":"text_completion","created":1,"model":"m",'
                     b'"choices":[{"index":0,"text":" the","logprobs":null,"finish_reason":null}]}\n\n'),
+    "anthropic messages": ("anthropic-messages", b'event: content_block_delta\ndata: {"type":"content_block_delta",'
+                           b'"index":0,"delta":{"type":"text_delta","text":" the"}}\n\n'),
 }
+# The first event each stream's parser reads whole (its opener), by dialect: llama.cpp's is its first token chunk.
+OPENERS = {"anthropic-messages": b'event: message_start\ndata: {"type":"message_start","message":{"id":"msg_1",'
+                                 b'"type":"message","role":"assistant","content":[],"model":"m","usage":'
+                                 b'{"input_tokens":5,"output_tokens":0}}}\n\n'}
 
 
 def usage_chunk(i: int) -> bytes:
@@ -53,7 +60,7 @@ def load_baseline(tree: Path):
 
 def per_chunk_us(mod, api: str, chunk: bytes | None, n: int = 20_000) -> float:
     p = mod.StreamParser(api, count_only=True)
-    p.count(chunk if api == "llamacpp" else OPENER)  # the first event is parsed whole
+    p.count(chunk if api == "llamacpp" else OPENERS.get(api, OPENER))  # the first event is parsed whole
     chunks = [usage_chunk(i + 1) for i in range(n)] if chunk is None else [chunk] * n
     t0 = time.perf_counter()
     for c in chunks:

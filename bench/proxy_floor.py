@@ -2,7 +2,7 @@
 
     .venv/bin/python bench/proxy_floor.py [--streams 64] [--rounds 2] [--tokens 8,32,128] [--kinds bare,proxy,worker,nginx]
                                           [--gap-ms 2] [--staggered] [--requests-per-stream 8] [--baseline TREE]
-                                          [--api llamacpp|sglang]
+                                          [--api llamacpp|sglang|chat|completions|messages]
 
 The upstream of bench/proxy_latency.py (SSE events 2 ms apart, one chunk each, 8/32/128 per
 response; `--gap-ms 25 --streams 256 --staggered`: the GPU-like pace, each stream's first request
@@ -143,7 +143,8 @@ def main() -> None:
     ap.add_argument("--tokens", default="8,32,128", help="tokens per response, one case each")
     ap.add_argument("--kinds", default="bare,proxy,worker", help="relays to measure: bare, proxy, worker, nginx")
     ap.add_argument("--api", default="llamacpp", choices=pl.APIS,
-                    help="the upstream's dialect: llamacpp (/completion) or sglang (/generate)")
+                    help="the upstream's dialect: llamacpp (/completion), sglang (/generate), or vLLM's chat, "
+                         "completions or messages (/v1/chat/completions, /v1/completions, /v1/messages)")
     ap.add_argument("--baseline", metavar="TREE",
                     help="also `base`: the `Proxy` of another source tree (a git worktree of main, say), same load")
     a = ap.parse_args()

@@ -3,7 +3,7 @@
     .venv/bin/python bench/proxy_latency.py [--streams 1,64,256] [--pace 256x25] [--requests-per-stream 8]
                                             [--workers 1,2] [--arrivals herd,staggered,batched] [--rounds 2]
                                             [--baseline /work/main] [--bare] [--proxy-alone] [--nginx] [--tokens 32]
-                                            [--api llamacpp|sglang]
+                                            [--api llamacpp|sglang|chat|completions|messages]
 
 An upstream process serves deterministic SSE streams (`--tokens` per response, 32 unless told; `--api sglang`:
 SGLang's /generate, whose every event repeats the text and output_ids so far, not llama.cpp's /completion); the
@@ -64,7 +64,10 @@ from _nginx import start_nginx
 
 TOKENS = 32
 GAP_S = 0.002
-APIS = ("llamacpp", "sglang")  # the upstream's dialects (--api)
+APIS = ("llamacpp", "sglang", "chat", "completions", "messages")  # the upstream's dialects (--api)
+# Each dialect's path: llama.cpp's /completion, SGLang's /generate, and vLLM's OpenAI and Anthropic routes.
+API_PATHS = {"llamacpp": "/completion", "sglang": "/generate", "chat": "/v1/chat/completions",
+             "completions": "/v1/completions", "messages": "/v1/messages"}
 
 
 def upstream_main(port_file: str) -> None:
@@ -108,10 +111,71 @@ def upstream_main(port_file: str) -> None:
         await resp.write_eof()
         return resp
 
+    async def openai(request):
+        """vLLM's OpenAI streams as its serving_chat / serving_completion write them: chat opens with a role chunk,
+        one content (completions: text) chunk a token, the finish chunk, a usage chunk (stream_options'
+        include_usage), then [DONE]."""
+        doc = json.loads(await request.read())
+        gap_s = float(doc.get("gap_ms", GAP_S * 1e3)) / 1e3
+        tokens = int(doc.get("max_tokens", TOKENS))
+        steps = bool(doc.get("steps"))
+        chat = request.path.endswith("/chat/completions")
+        head = (b'{"id":"chatcmpl-4f1c2b7a9e8d4c3b","object":"chat.completion.chunk","created":1764000000,'
+                b'"model":"m","choices":[{"index":0,' if chat else
+                b'{"id":"cmpl-4f1c2b7a9e8d4c3b","object":"text_completion","created":1764000000,"model":"m",'
+                b'"choices":[{"index":0,')
+        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        await resp.prepare(request)
+        if chat:
+            await resp.write(b'data: ' + head + b'"delta":{"role":"assistant","content":""},"logprobs":null,'
+                             b'"finish_reason":null}]}\n\n')
+        for i in range(tokens):
+            last = i == tokens - 1
+            fr = b'"length"' if last else b"null"
+            body = (b'"delta":{"content":" tok"},"logprobs":null,"finish_reason":%b}]}' if chat else
+                    b'"text":" tok","logprobs":null,"finish_reason":%b,"stop_reason":null}]}') % fr
+            await resp.write(b"data: " + head + body + b"\n\n")
+            if not last:
+                await asyncio.sleep(gap_s - time.monotonic() % gap_s if steps else gap_s)
+        await resp.write(b'data: ' + head.split(b'"choices"')[0] + b'"choices":[],"usage":{"prompt_tokens":5,'
+                         b'"total_tokens":%d,"completion_tokens":%d}}\n\n' % (5 + tokens, tokens))
+        await resp.write(b"data: [DONE]\n\n")
+        await resp.write_eof()
+        return resp
+
+    async def messages(request):
+        """Anthropic's Messages stream as vLLM's /v1/messages writes it: named events, message_start with the
+        prompt's usage, one content_block_delta a token, message_delta with the output count, message_stop."""
+        doc = json.loads(await request.read())
+        gap_s = float(doc.get("gap_ms", GAP_S * 1e3)) / 1e3
+        tokens = int(doc.get("max_tokens", TOKENS))
+        steps = bool(doc.get("steps"))
+        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        await resp.prepare(request)
+        await resp.write(b'event: message_start\ndata: {"type":"message_start","message":{"id":"msg_4f1c2b7a9e8d4c3b",'
+                         b'"type":"message","role":"assistant","content":[],"model":"m","stop_reason":null,'
+                         b'"stop_sequence":null,"usage":{"input_tokens":5,"output_tokens":0}}}\n\n'
+                         b'event: content_block_start\ndata: {"type":"content_block_start","index":0,'
+                         b'"content_block":{"type":"text","text":""}}\n\n')
+        for i in range(tokens):
+            await resp.write(b'event: content_block_delta\ndata: {"type":"content_block_delta","index":0,'
+                             b'"delta":{"type":"text_delta","text":" tok"}}\n\n')
+            if i < tokens - 1:
+                await asyncio.sleep(gap_s - time.monotonic() % gap_s if steps else gap_s)
+        await resp.write(b'event: content_block_stop\ndata: {"type":"content_block_stop","index":0}\n\n'
+                         b'event: message_delta\ndata: {"type":"message_delta","delta":{"stop_reason":"max_tokens",'
+                         b'"stop_sequence":null},"usage":{"output_tokens":%d}}\n\n'
+                         b'event: message_stop\ndata: {"type":"message_stop"}\n\n' % tokens)
+        await resp.write_eof()
+        return resp
+
     async def run():
         app = web.Application()
         app.router.add_post("/completion", completion)
         app.router.add_post("/generate", generate)
+        app.router.add_post("/v1/chat/completions", openai)
+        app.router.add_post("/v1/completions", openai)
+        app.router.add_post("/v1/messages", messages)
         runner = web.AppRunner(app, access_log=None)
         await runner.setup()
         site = web.TCPSite(runner, "127.0.0.1", 0, backlog=1024)
@@ -127,7 +191,8 @@ async def load(url: str, streams: int, per_stream: int, gap_s: float = GAP_S, to
     """`stagger_s` > 0: each stream's first request waits a random time in [0, stagger_s) (the same
     draws for every path, by `seed`), so the streams' requests arrive spread out instead of as one herd.
     `steps`: the upstream sends every stream's tokens on one shared clock of `gap_s` (decode steps).
-    `api`: llamacpp (/completion, a token an event) or sglang (/generate, each event its text and ids so far)."""
+    `api`: llamacpp (/completion, a token an event), sglang (/generate, each event its text and ids so far), chat,
+    completions or messages (vLLM's /v1/chat/completions, /v1/completions, /v1/messages: a token an event)."""
     import random
 
     import aiohttp
@@ -137,10 +202,15 @@ async def load(url: str, streams: int, per_stream: int, gap_s: float = GAP_S, to
     delays = [rng.uniform(0.0, stagger_s) if stagger_s > 0 else 0.0 for _ in range(streams)]
     if api not in APIS:
         raise SystemExit(f"--api: one of {', '.join(APIS)}, not {api!r}")
-    path = "/generate" if api == "sglang" else "/completion"
-    body = json.dumps({"prompt": "bench", "n_predict": tokens, "stream": True, "gap_ms": gap_s * 1e3, "steps": steps}
-                      if api == "llamacpp" else {"text": "bench", "sampling_params": {"max_new_tokens": tokens},
-                                                 "stream": True, "gap_ms": gap_s * 1e3, "steps": steps})
+    path = API_PATHS[api]
+    pace = {"stream": True, "gap_ms": gap_s * 1e3, "steps": steps}
+    body = json.dumps({"prompt": "bench", "n_predict": tokens, **pace} if api == "llamacpp" else
+                      {"text": "bench", "sampling_params": {"max_new_tokens": tokens}, **pace} if api == "sglang" else
+                      {"model": "m", "messages": [{"role": "user", "content": "bench"}], "max_tokens": tokens,
+                       "stream_options": {"include_usage": True}, **pace} if api == "chat" else
+                      {"model": "m", "prompt": "bench", "max_tokens": tokens, "stream_options": {"include_usage": True},
+                       **pace} if api == "completions" else
+                      {"model": "m", "messages": [{"role": "user", "content": "bench"}], "max_tokens": tokens, **pace})
     async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0)) as s:
         async def worker(delay_s):
             if delay_s:
@@ -259,8 +329,9 @@ def main() -> None:
                     help="tokens per streamed response (32: short answers, per-request work weighs most; "
                          "256: a chat answer's length, per-request work spread over more tokens)")
     ap.add_argument("--api", default="llamacpp", choices=APIS,
-                    help="the upstream's dialect: llamacpp (/completion, one token an event) or sglang (SGLang's "
-                         "/generate: each event repeats the text and output_ids so far)")
+                    help="the upstream's dialect: llamacpp (/completion, one token an event), sglang (SGLang's "
+                         "/generate: each event repeats the text and output_ids so far), or vLLM's chat, completions "
+                         "or messages (/v1/chat/completions, /v1/completions, /v1/messages)")
     ap.add_argument("--rounds", type=int, default=2, help="direct/proxy alternations per case")
     ap.add_argument("--workers", default="1", help="proxy.workers of each daemon to compare, e.g. 1,2")
     ap.add_argument("--arrivals", default="herd,staggered,batched",

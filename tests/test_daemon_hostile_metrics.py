@@ -91,3 +91,33 @@ def test_a_page_of_a_huge_number_of_series_is_refused_before_it_is_parsed():
     assert time.process_time() - t0 < 0.5  # a count of lines, not a parse (2.5 s each before)
     deltas, sc = _scrapes("vllm", [page])
     assert deltas == [None] and sc.errors == 1 and "not parsed" in sc.last_error
+
+
+def test_a_counter_split_over_the_page_and_its_line_ends_reads_as_the_whole_page_split_into_lines():
+    # Only the stretch of the page from the first line naming a metric to the last is split into lines (a scrape of
+    # a vLLM page in half the CPU, bench/scrape_parse.py): a counter whose series are far apart, odd line ends (CRLF,
+    # a lone CR, U+2028), or the name past the cap only at the page's two ends read as the whole page's split did.
+    import random
+
+    from powerprof.workload.servercount import MAX_METRIC_LINES, _lines_naming, counter_total
+
+    name = "vllm:generation_tokens"
+    apart = (f"# TYPE {name}_total counter\r\n{name}_total{{model_name=\"a\"}} 5\r\n"
+             + "".join(f"vllm:other_{i}_total 1\r\n" for i in range(50))
+             + f"{name}_total{{model_name=\"b\"}} 7\r\nvllm:num_requests_running 1\r\n")
+    assert counter_total(apart, name + "_total") == 12.0  # both series, the lines between not read
+    assert counter_total(apart.replace("\r\n", "\r"), name + "_total") == 12.0
+    assert counter_total(apart.replace("\r\n", "\u2028"), name + "_total") == 12.0
+    rng = random.Random(7)
+    atoms = [name, "_total", "vllm:gen", " 1", "{a=\"b\"}", "#", " ", "\n", "\r", "\r\n", "\n\r", "\x0b", "\x85",
+             "\u2028"]
+    for _ in range(3000):
+        page = "".join(rng.choice(atoms) for _ in range(rng.randint(0, 40)))
+        assert _lines_naming(page, name) == "".join(ln + "\n" for ln in page.splitlines() if name in ln), repr(page)
+    half = f"{name}_total 1\n" * (MAX_METRIC_LINES // 2 + 1)
+    try:
+        counter_total(half + "vllm:other 1\n" * 1000 + half, name + "_total")
+    except ValueError as e:
+        assert f"named on {MAX_METRIC_LINES + 2} lines" in str(e)
+    else:
+        raise AssertionError("a page naming the counter past the cap, at its two ends, was parsed")

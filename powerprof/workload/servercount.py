@@ -86,21 +86,33 @@ MAX_METRIC_LINES = 4096
 MAX_SLOTS = 1024
 
 
-def _few_lines(text: str, name: str) -> None:
-    """Refuses a page with more than MAX_METRIC_LINES lines naming `name`: counted (cheap) before anything is parsed."""
-    n = text.count(name)
+def _lines_naming(text: str, name: str) -> str:
+    """The lines of `text` that name `name`, each ended by a newline (the lines `text.splitlines()` gives that name it);
+    a page that names it more than MAX_METRIC_LINES times is refused before anything is parsed. Only the stretch from
+    the first line naming it to the last is split into lines: a metric's lines are one block of a page (its HELP,
+    TYPE and samples), and splitting a whole vLLM page (~500 lines), with a count of the name over it before, was
+    most of a scrape's parse (daemon/scrape.py, 4 a second; bench/scrape_parse.py)."""
+    first = text.find(name)
+    if first < 0:
+        return ""
+    last = text.rfind(name)
+    # Cut at LFs, which end a line for splitlines too (alone or after a CR): the stretch splits as the page would.
+    start = text.rfind("\n", 0, first) + 1
+    end = text.find("\n", last)
+    stretch = text[start:] if end < 0 else text[start:end]
+    n = stretch.count(name)  # every time the page names it: none is outside the stretch
     if n > MAX_METRIC_LINES:
         raise ValueError(f"{name} is named on {n} lines of the page, more than the {MAX_METRIC_LINES} read: not parsed "
                          "(a server lists one series a model)")
+    return "".join(ln + "\n" for ln in stretch.splitlines() if name in ln)
 
 
 def counter_total(text: str, name: str) -> float | None:
     """Sum of a counter (or gauge) over all its label sets; None when the metric is absent."""
     base = name[: -len("_total")] if name.endswith("_total") else name
-    _few_lines(text, base)
     # Only the lines naming the metric are parsed: a vLLM /metrics page is ~100 kB of histograms
     # (~15 ms to parse whole on a busy core, too much at several scrapes a second).
-    text = "".join(ln + "\n" for ln in text.splitlines() if base in ln)
+    text = _lines_naming(text, base)
     total, seen = 0.0, False
     series: set = set()
     for fam in text_string_to_metric_families(text):
@@ -128,8 +140,7 @@ FINISHED_LATENCY = {"sglang": "sglang:e2e_request_latency_seconds"}
 
 def histogram_sum_count(text: str, name: str) -> tuple[float, float] | None:
     """A histogram's (_count, _sum) summed over its label sets; None when it is absent."""
-    _few_lines(text, name)
-    text = "".join(ln + "\n" for ln in text.splitlines() if name in ln)
+    text = _lines_naming(text, name)
     count = total = 0.0
     seen = set()
     for fam in text_string_to_metric_families(text):

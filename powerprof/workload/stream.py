@@ -283,9 +283,7 @@ class StreamParser:
             return out
         data = self._buf + chunk if self._buf else chunk
         head, _, self._buf = data.rpartition(b"\n")
-        for line in head.split(b"\n"):
-            if line[-1:] == b"\r":
-                line = line[:-1]
+        for line in head.split(b"\n"):  # no CR left in it (_lf_lines): each line is whole
             if not line:
                 if self._pending:
                     self._dispatch(b"\n".join(self._pending), out)
@@ -847,7 +845,8 @@ class StreamParser:
         usage = obj.get("usage")
         timings = obj.get("timings")
         usage_total = None
-        if isinstance(usage, dict) or timings is not None:
+        usage_obj = isinstance(usage, dict)  # asked once: this runs for every chunk that is parsed whole
+        if usage_obj or timings is not None:
             # Whose figures these are: one choice's (a chunk of one choice), or a task's or the stream's.
             one = isinstance(choices, list) and len(choices) == 1 and isinstance(choices[0], dict)
             if one:
@@ -857,7 +856,7 @@ class StreamParser:
                 s.n_bare += 1
                 key = f"#{s.n_bare}"
             task = self._timings(timings, key) if timings is not None else False
-            if isinstance(usage, dict):
+            if usage_obj:
                 usage_total = self._count(usage, "completion_tokens")
                 p = self._count(usage, "prompt_tokens")
                 if task:
@@ -875,7 +874,7 @@ class StreamParser:
                         s.usage_prompt = p
                 else:
                     self._merge_usage()
-        if usage is not None and not isinstance(usage, dict):  # the server's count, in a shape that says none
+        if usage is not None and not usage_obj:  # the server's count, in a shape that says none
             self._unreadable(f"unexpected event shape: usage is a {type(usage).__name__}, not an object")
         if not isinstance(choices, list):
             if choices is not None:  # a chunk of another shape: whatever it carried is not read (said, not skipped)
