@@ -1459,5 +1459,41 @@ def test_a_burst_held_past_the_prompt_hold_says_its_run_began_in_intervals_alrea
     (row,) = sink.rows["requests"]
     note = row["energy_note"]
     assert note.startswith("approximate:") and "one burst" in note, note
-    assert f"its first {closed_to_s - 0.5:.1f} s ran in intervals closed before its tokens came" in note, note
+    assert f"{closed_to_s - 0.5:.1f} s of its run ran in intervals closed before its tokens came" in note, note
     assert "its own figure is low" in note and "proxy_buffering off" in note
+
+
+def test_a_later_burst_held_past_the_prompt_hold_says_the_seconds_it_lost():
+    # A stream's later burst held longer than the intervals could wait: the intervals from its previous piece on closed
+    # without its tokens, and its 50 tokens were squeezed into those still open. Before: its row said only "2 bursts, up
+    # to 3.5 s apart" (the lost second, [1 s, 2 s), unsaid, its figure low).
+    sink = Sink()
+    led = Ledger("d", 0, 1, sink, grace_s=0.1, prompt_hold_s=2.0)
+    tr = _trace(1, 0.5)
+    led.on_start(tr)
+    for k in range(2):
+        _feed(led, float(k), 100.0 * k)
+        led.advance(int((k + 0.2) * S))
+    tr.first_ns = tr.last_ns = int(1.0 * S)  # 5 tokens (a sequence's flush: no first burst) at 1 s
+    tr.tokens_seen = 5
+    led.on_tokens(tr, int(1.0 * S), 5)
+    for k in range(2, 5):
+        _feed(led, float(k), 100.0 * k)
+        led.advance(int((k + 0.2) * S))
+    closed_to_s = max(r["t_start_mono_s"] + r["duration_s"] for r in sink.rows["intervals"])
+    assert closed_to_s >= 2.0, "the prompt hold (2 s) should have let the intervals to 2 s close"
+    t = int(4.5 * S)  # the rest, 50 tokens, 3.5 s later
+    tr.last_ns = t
+    tr.tokens_seen += 50
+    led.on_tokens(tr, t, 50)
+    tr.end_ns = t + 200_000
+    tr.counts = Counts(generated_tokens=55, prompt_tokens=50, model=None, stop_reason=None, token_source="usage")
+    led.on_end(tr)
+    for k in range(5, 8):
+        _feed(led, float(k), 100.0 * k)
+        led.advance(int((k + 0.2) * S))
+    (row,) = sink.rows["requests"]
+    note = row["energy_note"]
+    assert note.startswith("approximate:") and "2 bursts" in note, note
+    assert f"{closed_to_s - 1.0:.1f} s of its run ran in intervals closed before its tokens came" in note, note
+    assert "its own figure is low" in note

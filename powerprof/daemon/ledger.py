@@ -156,7 +156,7 @@ class _Req:
     prev_ns: int | None = None  # its latest piece's stamp
     prev_held: bool = False  # that piece held more tokens than its sequences
     first_held: bool = False  # its first piece held more than FIRST_BURST_TOKENS a sequence
-    closed_s: float = 0.0  # its run's first seconds were in intervals closed before its tokens came (not its energy)
+    closed_s: float = 0.0  # seconds of its run in intervals closed before its tokens came (not its energy)
 
 
 @dataclass
@@ -327,7 +327,11 @@ class Ledger:
         since = a - (tr.first_ns if tr.first_ns is not None else a)
         if since >= HELD_GAP_NS and n / (t_ns - a) > HELD_PACE_X * done / since:
             return False  # far faster than the stream ever went: the rest of one held body
-        a = max(a, self.edges[0].t_ns) if self.edges else a
+        if self.edges and self.edges[0].t_ns > a:
+            # Held past the intervals' holds: those from its previous piece on closed without its tokens, which are
+            # placed in the ones still open; the seconds cut so are said on its row (`closed_s`), as a first burst's.
+            r.closed_s += (self.edges[0].t_ns - a) / 1e9
+            a = self.edges[0].t_ns
         k = int(min(SPREAD_EVENTS, max(2, n)))
         ts = self._at_server_pace(r, a, t_ns, k + 1)[1:]
         if r.bursts == 0:
@@ -441,7 +445,7 @@ class Ledger:
         if c is not None and c.predicted_ms is not None and c.predicted_ms >= 0 and c.count_problem is None:
             start = max(start, t1 - int(c.predicted_ms * 1e6))
         if self.edges and self.edges[0].t_ns > start:
-            r.closed_s = (self.edges[0].t_ns - start) / 1e9
+            r.closed_s += (self.edges[0].t_ns - start) / 1e9
             start = self.edges[0].t_ns
         return start
 
@@ -1600,7 +1604,7 @@ def _approximate_note(r: _Req) -> str | None:
                      "full or on a timer), each burst's spread over the time before it at the server's pace; its "
                      f"TTFT and decode_s are the bursts', not the server's ({BURST_FIX})")
     if r.closed_s > 0 and (r.burst_s is not None or r.bursts):
-        notes.append(f"its first {r.closed_s:.1f} s ran in intervals closed before its tokens came (held longer than "
+        notes.append(f"{r.closed_s:.1f} s of its run ran in intervals closed before its tokens came (held longer than "
                      "they can wait): that energy went to the requests beside it or to idle, and its own figure is low "
                      f"({BURST_FIX})")
     c = r.trace.counts
