@@ -1497,3 +1497,38 @@ def test_a_later_burst_held_past_the_prompt_hold_says_the_seconds_it_lost():
     assert note.startswith("approximate:") and "2 bursts" in note, note
     assert f"{closed_to_s - 1.0:.1f} s of its run ran in intervals closed before its tokens came" in note, note
     assert "its own figure is low" in note
+
+
+def test_a_first_burst_is_placed_from_the_decode_start_the_servers_timings_say():
+    # llama.cpp's timings (`predicted_ms`) cover its whole decode, ending at its last token. A stream whose first piece
+    # was a burst of 20 tokens at 3 s, the rest a burst at 5 s, decoded 4 s: from 1 s. Before: the start was taken
+    # 4 s before the first burst's end (-1 s), clipped to its arrival (0.5 s), so the first burst was spread over its
+    # queue and prefill too (a fifth of its tokens in [0, 1 s), where it generated none).
+    sink = Sink()
+    led = Ledger("d", 0, 1, sink, grace_s=0.1)
+    tr = _trace(1, 0.5)
+    led.on_start(tr)
+    for k in range(3):
+        _feed(led, float(k), 100.0 * k)
+        led.advance(int((k + 0.2) * S))
+    for t_s in (3.0, 5.0):
+        t = int(t_s * S)
+        _feed(led, t_s, 100.0 * t_s)
+        tr.first_ns = tr.first_ns or t
+        tr.last_ns = t
+        tr.tokens_seen += 20
+        led.on_tokens(tr, t, 20)
+    tr.end_ns = int(5.0 * S) + 200_000
+    tr.counts = Counts(generated_tokens=40, prompt_tokens=50, model=None, stop_reason=None, token_source="usage",
+                       predicted_ms=4000.0)
+    led.on_end(tr)
+    for k in range(4, 8):
+        _feed(led, float(k), 100.0 * k)
+        led.advance(int((k + 0.2) * S))
+    rows = {round(r["t_start_mono_s"]): r["proxy_tokens"] for r in sink.rows["intervals"]}
+    assert rows[0] == pytest.approx(0.0, abs=0.01), rows  # queue and prefill: no token
+    # The first burst over [1 s, 3 s] (its last event at 3 s itself, in the next interval), the second over (3 s, 5 s].
+    assert rows[1] + rows[2] >= 19.0 - 0.01, rows
+    assert sum(rows[k] for k in range(1, 6)) == pytest.approx(40.0, abs=0.01), rows  # 5 s itself in [5 s, 6 s)
+    (row,) = sink.rows["requests"]
+    assert "2 bursts" in row["energy_note"], row["energy_note"]

@@ -458,7 +458,10 @@ class Ledger:
         m = sum(1 for t in r.ev_t if t <= cut) if cut is not None else 0
         n1 = float(sum(r.ev_n[:m]))
         if m and n1 > seqs and not r.spent and not r.late:
-            start = self._decode_start(r, int(r.ev_t[m - 1]))
+            # The server's decode time ends at the stream's last token, not the first burst's: anchored there, the
+            # start fell that much early, was clipped to the arrival, and the burst was spread over queue and prefill.
+            last = tr.last_ns if tr.last_ns is not None else int(r.ev_t[-1])
+            start = self._decode_start(r, int(last))
             if r.ev_t[m - 1] - start > SAME_DELIVERY_NS:
                 k = int(min(SPREAD_EVENTS, max(2, n1)))
                 ts = self._at_server_pace(r, start, int(r.ev_t[m - 1]), k)
