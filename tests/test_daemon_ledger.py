@@ -1532,3 +1532,47 @@ def test_a_first_burst_is_placed_from_the_decode_start_the_servers_timings_say()
     assert sum(rows[k] for k in range(1, 6)) == pytest.approx(40.0, abs=0.01), rows  # 5 s itself in [5 s, 6 s)
     (row,) = sink.rows["requests"]
     assert "2 bursts" in row["energy_note"], row["energy_note"]
+
+
+def test_a_large_first_burst_holds_its_windows_until_its_end_though_small_pieces_follow():
+    # A stream's first piece came held back (20 tokens generated over [1 s, 3 s), passed at 3 s), then it streamed a
+    # token a piece. Its first burst is placed back at its end; the scrape windows from its arrival must wait until
+    # then, or the server's count of the burst, ahead of the proxy's over [1 s, 3 s), passes for bypass traffic.
+    # Before: the first small piece released the hold: the windows resolved with that count as bypass tokens (no
+    # bypass ran), in rows that said `complete`.
+    sink = Sink()
+    led = Ledger("d", 0, 1, sink, grace_s=0.1)
+    led.scraping = True
+    tr = _trace(1, 0.5)
+    led.on_start(tr)
+    gen = [1.0 + 0.1 * k for k in range(40)]  # the server's tokens, 10/s from 1 s to 4.9 s
+    seen = [3.0 if g < 3.0 else g + 0.05 for g in gen]  # the first 20 held to 3 s, the rest streamed
+    prev_t = None
+    for k in range(1, 29):
+        t = 0.25 * k
+        for s_ in sorted({s_ for s_ in seen if t - 0.25 < s_ <= t}):  # one piece each instant
+            ts, n = int(s_ * S), seen.count(s_)
+            tr.first_ns = tr.first_ns or ts
+            tr.last_ns = ts
+            tr.tokens_seen += n
+            led.on_tokens(tr, ts, n)
+        if t == 5.0:
+            tr.end_ns = int(4.96 * S)
+            tr.counts = Counts(generated_tokens=40, prompt_tokens=50, model=None, stop_reason=None,
+                               token_source="usage", predicted_ms=3950.0)
+            led.on_end(tr)
+        if t == int(t):
+            _feed(led, t, 100.0 * t)
+        count = float(sum(1 for g in gen if (prev_t if prev_t is not None else -1) < g <= t))
+        led.add_server_tokens(int(t * S), count if prev_t is not None else 0.0,
+                              int(prev_t * S) if prev_t is not None else None)
+        prev_t = t
+        led.advance(int((t + 0.01) * S))
+    rows = sink.rows["intervals"]
+    assert rows and max(r["t_start_mono_s"] for r in rows) >= 5.0, [(r["t_start_mono_s"]) for r in rows]
+    bypass = sum((r["server_tokens"] or 0.0) for r in rows)
+    unproxied_j = sum(r["unproxied_energy_j"] for r in rows)
+    # Before: 7 bypass tokens, 43.75 J of the 500 J to unproxied. Now a token at most (the burst's 20 tokens placed as
+    # 20 events from its decode's start to its end: a token's placement either side of a window edge).
+    assert bypass <= 1.0 + 1e-9 and unproxied_j < 0.025 * sum(r["gpu_energy_j"] for r in rows), \
+        [(r["t_start_mono_s"], r["server_tokens"], r["unproxied_energy_j"], r["server_count"]) for r in rows]
