@@ -692,7 +692,11 @@ class Ledger:
             self._durations.append((int(t_ns), fin[1] / fin[0]))
         while self._durations and self._durations[0][0] < t_ns - int(FINISH_HOLD_S * 1e9):
             self._durations.popleft()
-        self.server_spans.append([int(t0), int(t_ns), float(delta), None, fin, tuple(partial)])
+        # The last: the scraper said the server restarted in this window. Not read from the reasons (the sixth), which
+        # the windows whose lookahead crosses a restart take on too (`_resolve_spans`): one left waiting was taken for
+        # the restart at the next pass, its levels started afresh a window early.
+        self.server_spans.append([int(t0), int(t_ns), float(delta), None, fin, tuple(partial),
+                                  "server_restart" in partial])
 
     # --- tags --------------------------------------------------------------------------------
 
@@ -1120,7 +1124,7 @@ class Ledger:
         # No window before the restart looks past it for its level (its LAG_S lookahead read the fall as lag), and
         # the restart's window starts the levels afresh: held against the levels before it, the fall hid as many
         # bypass tokens for CREDIT_S after it (35 of 50 counted, tests/test_daemon_bypass_partial.py).
-        restart = np.array(["server_restart" in sp[5] for sp in todo], dtype=bool)
+        restart = np.array([sp[6] for sp in todo], dtype=bool)
         next_restart, nxt = np.empty(len(todo), dtype=np.int64), len(todo)  # the first restart after each window
         for k in range(len(todo) - 1, -1, -1):
             next_restart[k] = nxt
