@@ -1459,5 +1459,120 @@ def test_a_burst_held_past_the_prompt_hold_says_its_run_began_in_intervals_alrea
     (row,) = sink.rows["requests"]
     note = row["energy_note"]
     assert note.startswith("approximate:") and "one burst" in note, note
-    assert f"its first {closed_to_s - 0.5:.1f} s ran in intervals closed before its tokens came" in note, note
+    assert f"{closed_to_s - 0.5:.1f} s of its run ran in intervals closed before its tokens came" in note, note
     assert "its own figure is low" in note and "proxy_buffering off" in note
+
+
+def test_a_later_burst_held_past_the_prompt_hold_says_the_seconds_it_lost():
+    # A stream's later burst held longer than the intervals could wait: the intervals from its previous piece on closed
+    # without its tokens, and its 50 tokens were squeezed into those still open. Before: its row said only "2 bursts, up
+    # to 3.5 s apart" (the lost second, [1 s, 2 s), unsaid, its figure low).
+    sink = Sink()
+    led = Ledger("d", 0, 1, sink, grace_s=0.1, prompt_hold_s=2.0)
+    tr = _trace(1, 0.5)
+    led.on_start(tr)
+    for k in range(2):
+        _feed(led, float(k), 100.0 * k)
+        led.advance(int((k + 0.2) * S))
+    tr.first_ns = tr.last_ns = int(1.0 * S)  # 5 tokens (a sequence's flush: no first burst) at 1 s
+    tr.tokens_seen = 5
+    led.on_tokens(tr, int(1.0 * S), 5)
+    for k in range(2, 5):
+        _feed(led, float(k), 100.0 * k)
+        led.advance(int((k + 0.2) * S))
+    closed_to_s = max(r["t_start_mono_s"] + r["duration_s"] for r in sink.rows["intervals"])
+    assert closed_to_s >= 2.0, "the prompt hold (2 s) should have let the intervals to 2 s close"
+    t = int(4.5 * S)  # the rest, 50 tokens, 3.5 s later
+    tr.last_ns = t
+    tr.tokens_seen += 50
+    led.on_tokens(tr, t, 50)
+    tr.end_ns = t + 200_000
+    tr.counts = Counts(generated_tokens=55, prompt_tokens=50, model=None, stop_reason=None, token_source="usage")
+    led.on_end(tr)
+    for k in range(5, 8):
+        _feed(led, float(k), 100.0 * k)
+        led.advance(int((k + 0.2) * S))
+    (row,) = sink.rows["requests"]
+    note = row["energy_note"]
+    assert note.startswith("approximate:") and "2 bursts" in note, note
+    assert f"{closed_to_s - 1.0:.1f} s of its run ran in intervals closed before its tokens came" in note, note
+    assert "its own figure is low" in note
+
+
+def test_a_first_burst_is_placed_from_the_decode_start_the_servers_timings_say():
+    # llama.cpp's timings (`predicted_ms`) cover its whole decode, ending at its last token. A stream whose first piece
+    # was a burst of 20 tokens at 3 s, the rest a burst at 5 s, decoded 4 s: from 1 s. Before: the start was taken
+    # 4 s before the first burst's end (-1 s), clipped to its arrival (0.5 s), so the first burst was spread over its
+    # queue and prefill too (a fifth of its tokens in [0, 1 s), where it generated none).
+    sink = Sink()
+    led = Ledger("d", 0, 1, sink, grace_s=0.1)
+    tr = _trace(1, 0.5)
+    led.on_start(tr)
+    for k in range(3):
+        _feed(led, float(k), 100.0 * k)
+        led.advance(int((k + 0.2) * S))
+    for t_s in (3.0, 5.0):
+        t = int(t_s * S)
+        _feed(led, t_s, 100.0 * t_s)
+        tr.first_ns = tr.first_ns or t
+        tr.last_ns = t
+        tr.tokens_seen += 20
+        led.on_tokens(tr, t, 20)
+    tr.end_ns = int(5.0 * S) + 200_000
+    tr.counts = Counts(generated_tokens=40, prompt_tokens=50, model=None, stop_reason=None, token_source="usage",
+                       predicted_ms=4000.0)
+    led.on_end(tr)
+    for k in range(4, 8):
+        _feed(led, float(k), 100.0 * k)
+        led.advance(int((k + 0.2) * S))
+    rows = {round(r["t_start_mono_s"]): r["proxy_tokens"] for r in sink.rows["intervals"]}
+    assert rows[0] == pytest.approx(0.0, abs=0.01), rows  # queue and prefill: no token
+    # The first burst over [1 s, 3 s] (its last event at 3 s itself, in the next interval), the second over (3 s, 5 s].
+    assert rows[1] + rows[2] >= 19.0 - 0.01, rows
+    assert sum(rows[k] for k in range(1, 6)) == pytest.approx(40.0, abs=0.01), rows  # 5 s itself in [5 s, 6 s)
+    (row,) = sink.rows["requests"]
+    assert "2 bursts" in row["energy_note"], row["energy_note"]
+
+
+def test_a_large_first_burst_holds_its_windows_until_its_end_though_small_pieces_follow():
+    # A stream's first piece came held back (20 tokens generated over [1 s, 3 s), passed at 3 s), then it streamed a
+    # token a piece. Its first burst is placed back at its end; the scrape windows from its arrival must wait until
+    # then, or the server's count of the burst, ahead of the proxy's over [1 s, 3 s), passes for bypass traffic.
+    # Before: the first small piece released the hold: the windows resolved with that count as bypass tokens (no
+    # bypass ran), in rows that said `complete`.
+    sink = Sink()
+    led = Ledger("d", 0, 1, sink, grace_s=0.1)
+    led.scraping = True
+    tr = _trace(1, 0.5)
+    led.on_start(tr)
+    gen = [1.0 + 0.1 * k for k in range(40)]  # the server's tokens, 10/s from 1 s to 4.9 s
+    seen = [3.0 if g < 3.0 else g + 0.05 for g in gen]  # the first 20 held to 3 s, the rest streamed
+    prev_t = None
+    for k in range(1, 29):
+        t = 0.25 * k
+        for s_ in sorted({s_ for s_ in seen if t - 0.25 < s_ <= t}):  # one piece each instant
+            ts, n = int(s_ * S), seen.count(s_)
+            tr.first_ns = tr.first_ns or ts
+            tr.last_ns = ts
+            tr.tokens_seen += n
+            led.on_tokens(tr, ts, n)
+        if t == 5.0:
+            tr.end_ns = int(4.96 * S)
+            tr.counts = Counts(generated_tokens=40, prompt_tokens=50, model=None, stop_reason=None,
+                               token_source="usage", predicted_ms=3950.0)
+            led.on_end(tr)
+        if t == int(t):
+            _feed(led, t, 100.0 * t)
+        count = float(sum(1 for g in gen if (prev_t if prev_t is not None else -1) < g <= t))
+        led.add_server_tokens(int(t * S), count if prev_t is not None else 0.0,
+                              int(prev_t * S) if prev_t is not None else None)
+        prev_t = t
+        led.advance(int((t + 0.01) * S))
+    rows = sink.rows["intervals"]
+    assert rows and max(r["t_start_mono_s"] for r in rows) >= 5.0, [(r["t_start_mono_s"]) for r in rows]
+    bypass = sum((r["server_tokens"] or 0.0) for r in rows)
+    unproxied_j = sum(r["unproxied_energy_j"] for r in rows)
+    # Before: 7 bypass tokens, 43.75 J of the 500 J to unproxied. Now a token at most (the burst's 20 tokens placed as
+    # 20 events from its decode's start to its end: a token's placement either side of a window edge).
+    assert bypass <= 1.0 + 1e-9 and unproxied_j < 0.025 * sum(r["gpu_energy_j"] for r in rows), \
+        [(r["t_start_mono_s"], r["server_tokens"], r["unproxied_energy_j"], r["server_count"]) for r in rows]

@@ -156,7 +156,7 @@ class _Req:
     prev_ns: int | None = None  # its latest piece's stamp
     prev_held: bool = False  # that piece held more tokens than its sequences
     first_held: bool = False  # its first piece held more than FIRST_BURST_TOKENS a sequence
-    closed_s: float = 0.0  # its run's first seconds were in intervals closed before its tokens came (not its energy)
+    closed_s: float = 0.0  # seconds of its run in intervals closed before its tokens came (not its energy)
 
 
 @dataclass
@@ -327,7 +327,11 @@ class Ledger:
         since = a - (tr.first_ns if tr.first_ns is not None else a)
         if since >= HELD_GAP_NS and n / (t_ns - a) > HELD_PACE_X * done / since:
             return False  # far faster than the stream ever went: the rest of one held body
-        a = max(a, self.edges[0].t_ns) if self.edges else a
+        if self.edges and self.edges[0].t_ns > a:
+            # Held past the intervals' holds: those from its previous piece on closed without its tokens, which are
+            # placed in the ones still open; the seconds cut so are said on its row (`closed_s`), as a first burst's.
+            r.closed_s += (self.edges[0].t_ns - a) / 1e9
+            a = self.edges[0].t_ns
         k = int(min(SPREAD_EVENTS, max(2, n)))
         ts = self._at_server_pace(r, a, t_ns, k + 1)[1:]
         if r.bursts == 0:
@@ -441,7 +445,7 @@ class Ledger:
         if c is not None and c.predicted_ms is not None and c.predicted_ms >= 0 and c.count_problem is None:
             start = max(start, t1 - int(c.predicted_ms * 1e6))
         if self.edges and self.edges[0].t_ns > start:
-            r.closed_s = (self.edges[0].t_ns - start) / 1e9
+            r.closed_s += (self.edges[0].t_ns - start) / 1e9
             start = self.edges[0].t_ns
         return start
 
@@ -454,7 +458,10 @@ class Ledger:
         m = sum(1 for t in r.ev_t if t <= cut) if cut is not None else 0
         n1 = float(sum(r.ev_n[:m]))
         if m and n1 > seqs and not r.spent and not r.late:
-            start = self._decode_start(r, int(r.ev_t[m - 1]))
+            # The server's decode time ends at the stream's last token, not the first burst's: anchored there, the
+            # start fell that much early, was clipped to the arrival, and the burst was spread over queue and prefill.
+            last = tr.last_ns if tr.last_ns is not None else int(r.ev_t[-1])
+            start = self._decode_start(r, int(last))
             if r.ev_t[m - 1] - start > SAME_DELIVERY_NS:
                 k = int(min(SPREAD_EVENTS, max(2, n1)))
                 ts = self._at_server_pace(r, start, int(r.ev_t[m - 1]), k)
@@ -685,7 +692,11 @@ class Ledger:
             self._durations.append((int(t_ns), fin[1] / fin[0]))
         while self._durations and self._durations[0][0] < t_ns - int(FINISH_HOLD_S * 1e9):
             self._durations.popleft()
-        self.server_spans.append([int(t0), int(t_ns), float(delta), None, fin, tuple(partial)])
+        # The last: the scraper said the server restarted in this window. Not read from the reasons (the sixth), which
+        # the windows whose lookahead crosses a restart take on too (`_resolve_spans`): one left waiting was taken for
+        # the restart at the next pass, its levels started afresh a window early.
+        self.server_spans.append([int(t0), int(t_ns), float(delta), None, fin, tuple(partial),
+                                  "server_restart" in partial])
 
     # --- tags --------------------------------------------------------------------------------
 
@@ -1079,9 +1090,11 @@ class Ledger:
         # A live stream whose latest piece was a burst (more tokens than its sequences) may be held back by a hop that
         # flushes when its buffer fills: its next burst's tokens, being generated now, are placed back to that piece
         # (`_held_burst`). Its windows since wait likewise, or the server's count of them passed for bypass traffic.
-        # One whose first piece was such a burst is placed back to its arrival at its end (`_first_burst`): from there.
+        # One whose first piece was such a burst is placed back to its arrival at its end (`_first_burst`): from there,
+        # whatever its latest piece (a small one after it released the hold, and the windows resolved with the
+        # server's count of that burst as bypass tokens, rows saying `complete`).
         held_ns = min(((r.trace.arrival_ns if r.first_held else r.prev_ns) for r in live
-                       if r.trace.stream is True and r.prev_held and r.prev_ns is not None
+                       if r.trace.stream is True and (r.prev_held or r.first_held) and r.prev_ns is not None
                        and (r.trace.arrival_ns if r.first_held else r.prev_ns) >= upto_ns - self.prompt_hold_ns),
                       default=None)
         if held_ns is not None:
@@ -1111,7 +1124,7 @@ class Ledger:
         # No window before the restart looks past it for its level (its LAG_S lookahead read the fall as lag), and
         # the restart's window starts the levels afresh: held against the levels before it, the fall hid as many
         # bypass tokens for CREDIT_S after it (35 of 50 counted, tests/test_daemon_bypass_partial.py).
-        restart = np.array(["server_restart" in sp[5] for sp in todo], dtype=bool)
+        restart = np.array([sp[6] for sp in todo], dtype=bool)
         next_restart, nxt = np.empty(len(todo), dtype=np.int64), len(todo)  # the first restart after each window
         for k in range(len(todo) - 1, -1, -1):
             next_restart[k] = nxt
@@ -1600,7 +1613,7 @@ def _approximate_note(r: _Req) -> str | None:
                      "full or on a timer), each burst's spread over the time before it at the server's pace; its "
                      f"TTFT and decode_s are the bursts', not the server's ({BURST_FIX})")
     if r.closed_s > 0 and (r.burst_s is not None or r.bursts):
-        notes.append(f"its first {r.closed_s:.1f} s ran in intervals closed before its tokens came (held longer than "
+        notes.append(f"{r.closed_s:.1f} s of its run ran in intervals closed before its tokens came (held longer than "
                      "they can wait): that energy went to the requests beside it or to idle, and its own figure is low "
                      f"({BURST_FIX})")
     c = r.trace.counts
