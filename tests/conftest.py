@@ -33,7 +33,7 @@ LONGEST_FILES_S = {
     "test_sweep_e2e.py": 89, "test_attribution_mixed.py": 84, "test_sweep_accuracy.py": 66,
     "test_attribution_accuracy.py": 58, "test_tuner_live.py": 55, "test_trace_foreign.py": 55,
     "test_analysis_report.py": 44, "test_daemon_workers.py": 43, "test_gpu_check.py": 42, "test_real_llama_server.py": 41,
-    "test_daemon_scrape.py": 40, "test_sim_virtual_vs_realtime.py": 39, "test_measure_foreign.py": 38,
+    "test_daemon_scrape.py": 40, "test_sim_virtual_vs_realtime.py": 39, "test_measure_foreign.py": 54,
     "test_daemon_crash.py": 34, "test_delivery_faults.py": 33, "test_busy_host.py": 31, "test_daemon_e2e.py": 28,
     "test_workload_trace.py": 27, "test_launcher.py": 26,
 }

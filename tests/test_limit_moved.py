@@ -18,6 +18,7 @@ from powerprof.sim.nvml import SimNVML
 from powerprof.sweep import UI, SweepError, run_sweep
 from powerprof.workload.client import RequestParams
 from powerprof.workload.load import Prompt
+from support import true_window_energy_j
 
 # Decode on the seed card draws ~274 W at its default 300 W limit and ~180 W under a 180 W one: a window whose
 # true mean power is above this ran at the limit the run began with, whatever the host's load did to its timing.
@@ -66,12 +67,11 @@ def test_a_power_limit_another_tool_changed_mid_measure_leaves_the_windows_since
     assert all("power limit read 180 W" in r["timing_reason"] for r in out_rows)
     # Every window kept ran at the 300 W the measurement began with.
     for row in used:
-        q = recs[row["request_id"]].quality
-        assert _true_power_w(sim, q.t_first_ns, q.t_last_ns) > AT_300W_MIN_W, row
+        tm = recs[row["request_id"]].timing
+        assert _true_power_w(sim, tm.t0_ns, tm.t1_ns) > AT_300W_MIN_W, row
     # The printed figure is over those windows alone, within the counter's 1% and the loaded host's timing.
     s = res.summaries[0]
-    e = sum(sim.gpus[0].true_energy_at_j(recs[r["request_id"]].quality.t_last_ns)
-            - sim.gpus[0].true_energy_at_j(recs[r["request_id"]].quality.t_first_ns) for r in used)
+    e = sum(true_window_energy_j(sim.gpus[0], recs[r["request_id"]]) for r in used)
     truth = e / sum(r["decode_tokens"] for r in used)
     assert s.gpu_j_per_token == pytest.approx(truth, rel=0.03)
     assert s.n_trusted == len(used)
@@ -188,12 +188,11 @@ def test_an_sm_clock_lock_another_tool_changed_mid_measure_leaves_the_windows_si
     assert all("SM clock read" in r["timing_reason"] for r in out_rows)
     # Every window kept ran at the clock setting the measurement began with, against the simulator's truth.
     for row in used:
-        q = recs[row["request_id"]].quality
-        p_w = _true_power_w(sim, q.t_first_ns, q.t_last_ns)
+        tm = recs[row["request_id"]].timing
+        p_w = _true_power_w(sim, tm.t0_ns, tm.t1_ns)
         assert (p_w > AT_300W_MIN_W) if start is None else (p_w < LOCKED_1200_MAX_W), (row, p_w)
     s = res.summaries[0]
-    e = sum(sim.gpus[0].true_energy_at_j(recs[r["request_id"]].quality.t_last_ns)
-            - sim.gpus[0].true_energy_at_j(recs[r["request_id"]].quality.t_first_ns) for r in used)
+    e = sum(true_window_energy_j(sim.gpus[0], recs[r["request_id"]]) for r in used)
     truth = e / sum(r["decode_tokens"] for r in used)
     assert s.gpu_j_per_token == pytest.approx(truth, rel=0.03)
     assert s.n_trusted == len(used)

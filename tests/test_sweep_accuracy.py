@@ -16,6 +16,7 @@ from powerprof.rig import Rig
 from powerprof.sim.nvml import SimNVML
 from powerprof.sweep import run_sweep as _run_sweep
 from powerprof.workload.client import RequestParams
+from support import true_window_energy_j
 
 
 @pytest.fixture(scope="module")
@@ -82,9 +83,8 @@ def test_j_per_token_within_1pct_of_ground_truth(seed_sweep):
     for value, rec in outcome.sweep.records:
         if rec.request_id not in rows:
             continue
-        true_e = g.true_energy_at_j(rec.t_last_ns) - g.true_energy_at_j(rec.t_first_ns)
         row = rows[rec.request_id]
-        by_level.setdefault(value, []).append((row["gpu_j_per_token"], true_e / rec.decode_tokens))
+        by_level.setdefault(value, []).append((row["gpu_j_per_token"], true_window_energy_j(g, rec) / row["decode_tokens"]))
     levels = pq.read_table(outcome.run_dir / "levels.parquet").to_pandas().set_index("level_value")
     for value, pairs in by_level.items():
         measured = np.median([m for m, _ in pairs])

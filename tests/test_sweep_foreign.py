@@ -16,6 +16,7 @@ from powerprof.sim.nvml import SimNVML
 from powerprof.sweep import UI, run_sweep
 from powerprof.workload.client import RequestParams
 from powerprof.workload.servercount import FOREIGN_FLAG, ForeignWatch, Tally, tally_from_metrics
+from support import true_window_energy_j
 
 
 class _Hook(UI):
@@ -70,8 +71,8 @@ def _check_truth(sim, outcome, value, rel=0.03):
     host moves the median by up to 1.7% (one full-suite run at load 10: 3.286 against 3.343 at 300 W, a level
     with no neighbour), which docs/benchmarks.md's loaded energy-window figures cover."""
     g = sim.gpus[0]
-    pairs = [(row["gpu_j_per_token"], (g.true_energy_at_j(rec.t_last_ns) - g.true_energy_at_j(rec.t_first_ns))
-              / rec.decode_tokens) for row, rec in _counted(outcome, value)]
+    pairs = [(row["gpu_j_per_token"], true_window_energy_j(g, rec) / row["decode_tokens"])
+             for row, rec in _counted(outcome, value)]
     assert len(pairs) == 4, (value, len(pairs))
     assert np.median([m for m, _ in pairs]) == pytest.approx(np.median([t for _, t in pairs]), rel=rel), value
 
@@ -123,7 +124,7 @@ def _sweep_beside_a_gpu_neighbour_at_200(tmp_path, bystander_kw: dict, said: str
     left = w[(w.level_value == 200.0) & w.foreign_traffic.notna() & ~w.warmup]
     assert len(left) >= 2 and left.foreign_traffic.str.contains(said).all(), left.foreign_traffic.tolist()
     for row, rec in _counted(outcome, 200.0):
-        assert not _overlaps(rec.t_first_ns, rec.t_last_ns, [tuple(x) for x in by.active_ns]), row["request_id"]
+        assert not _overlaps(rec.timing.t0_ns, rec.timing.t1_ns, [tuple(x) for x in by.active_ns]), row["request_id"]
     for value in (300.0, 200.0):
         _check_truth(sim, outcome, value)
     return outcome, by, left

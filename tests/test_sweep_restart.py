@@ -17,6 +17,7 @@ from powerprof.rig import Rig
 from powerprof.sim.nvml import SimNVML
 from powerprof.sweep import UI, SweepError, run_sweep
 from powerprof.workload.client import RequestParams
+from support import true_window_energy_j
 
 
 class _Hook(UI):
@@ -92,8 +93,8 @@ def test_a_server_that_restarts_mid_level_is_waited_for_and_the_level_measured_a
     g = sim.gpus[0]
     rows = {r["request_id"]: r for r in outcome.sweep.rows if r["request_id"] in counted and r["window_kind"] == "request"}
     for value in (300.0, 200.0):
-        pairs = [(rows[i]["gpu_j_per_token"], (g.true_energy_at_j(rec.t_last_ns) - g.true_energy_at_j(rec.t_first_ns))
-                  / rec.decode_tokens) for i, (v, rec) in recs.items() if v == value]
+        pairs = [(rows[i]["gpu_j_per_token"], true_window_energy_j(g, rec) / rows[i]["decode_tokens"])
+                 for i, (v, rec) in recs.items() if v == value]
         assert len(pairs) == 4, value
         measured, truth = np.median([m for m, _ in pairs]), np.median([t for _, t in pairs])
         assert measured == pytest.approx(truth, rel=0.01), value
