@@ -266,9 +266,11 @@ DAEMONISING = textwrap.dedent("""
     pid = os.fork()
     if pid == 0:
         os.setsid()
-        if os.fork():
+        if gp := os.fork():
+            # Written before the leader can exit: a launcher that kills the grandchild at once (as it
+            # should) must not leave the test without its pid (a loaded host once lost that race).
+            open(pidfile, "w").write(str(gp))
             os._exit(0)
-        open(pidfile, "w").write(str(os.getpid()))
         os.execv(sys.executable, [sys.executable, tiny, port])
     os.waitpid(pid, 0)
     if mode == "stay":
