@@ -18,6 +18,7 @@ import pytest
 from powerprof.energy import instant_power_energy_j, integrate_power_j
 from powerprof.profiler import METHOD_POWER
 from powerprof.sim.profiles import get_profile
+from support import true_window_energy_j
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "bench"))
 import window_accuracy as wa  # noqa: E402
@@ -114,7 +115,7 @@ def test_a_sweep_on_an_a100_without_a_counter_measures_j_per_token_within_2pct(s
         if rec.request_id in rows:
             assert rows[rec.request_id]["energy_method"] == METHOD_POWER
             truth.setdefault(value, []).append(
-                (g.true_energy_at_j(rec.t_last_ns) - g.true_energy_at_j(rec.t_first_ns)) / rec.decode_tokens)
+                true_window_energy_j(g, rec) / rec.decode_tokens)
     levels = {r["level_value"]: r for r in pq.read_table(out.run_dir / "levels.parquet").to_pylist()}
     assert set(truth) == {250.0, 400.0}
     for value, js in truth.items():
