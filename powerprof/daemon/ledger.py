@@ -1090,9 +1090,10 @@ class Ledger:
         # A live stream whose latest piece was a burst (more tokens than its sequences) may be held back by a hop that
         # flushes when its buffer fills: its next burst's tokens, being generated now, are placed back to that piece
         # (`_held_burst`). Its windows since wait likewise, or the server's count of them passed for bypass traffic.
-        # One whose first piece was such a burst is placed back to its arrival at its end (`_first_burst`): from there,
-        # whatever its latest piece (a small one after it released the hold, and the windows resolved with the
-        # server's count of that burst as bypass tokens, rows saying `complete`).
+        # One whose first piece was such a burst is placed back at its end (`_first_burst`: to the server's decode
+        # start where it gives timings, else to its arrival), so its windows wait from its arrival whatever its latest
+        # piece (a small one once released the hold, and the windows resolved with the server's count of that burst
+        # as bypass tokens, rows saying `complete`).
         held_ns = min(((r.trace.arrival_ns if r.first_held else r.prev_ns) for r in live
                        if r.trace.stream is True and (r.prev_held or r.first_held) and r.prev_ns is not None
                        and (r.trace.arrival_ns if r.first_held else r.prev_ns) >= upto_ns - self.prompt_hold_ns),
