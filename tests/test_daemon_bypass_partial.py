@@ -433,3 +433,51 @@ def test_analyze_gives_each_tags_j_per_token_and_leaves_out_windows_whose_count_
     assert next(x for x in res.stdout.splitlines() if " across " in x).rstrip().endswith("-"), res.stdout
     assert "node-0 across: 1 of 1" in res.stderr, res.stderr
     assert (tmp_path / "a" / "fleet_tags.parquet").exists()
+
+
+def test_analyze_and_the_daemons_rule_agree_on_a_slots_only_server_across_a_restart(tmp_path):
+    """One dataset, two paths: `analyze` (FLEET_SQL in DuckDB) and the daemon's own rule in Python
+    (schema.bypass_count_low, which flags the requests and drives the live J/token gauge). A llama-server without
+    --metrics (every interval `slots_only`) restarts at 6.2 s for 2 s (`server_restart,slots_only`). Before, analyze
+    called all 16 intervals "may be low" (bypass_uncertain_intervals 16, where the rule leaves out 4)
+    while keeping their requests in J/token, as the rule does: the table and its note said one thing, the J/token
+    another. Now both count the same intervals left out, and the `slots_only` ones apart as measured in part."""
+    from powerprof.storage.schema import BYPASS_LOW_FLAG, SERVER_COUNT_UNREAD, bypass_count_low
+
+    kept: list = []
+    ivals, reqs, _ = _run(restart_at_s=6.2, down_s=2.0, slots_only=True, bypass_stride=1, idle_w=50.0,
+                          j_per_token=0.25, keep=kept)
+    truth = (50.0 + 0.25 * 200) / 200  # every token's share, proxied or bypass alike: 0.5 J/token
+    store = DatasetStore(tmp_path / "n", datasets(), host="node-0")
+    store.append("intervals", ivals)
+    store.append("requests", reqs)
+    assert store.flush()
+    [h] = fleet_summary([str(tmp_path / "n")]).to_pylist()
+    # The Python path over the same rows: the one rule, applied row by row.
+    unknown = [r for r in ivals if r["server_count"] in (None, SERVER_COUNT_UNREAD)]
+    low = [r for r in ivals if bypass_count_low(r["server_count"]) and r not in unknown]
+    kept_in = [r for r in ivals if not bypass_count_low(r["server_count"]) and r["server_count"] != "complete"]
+    assert low and all("slots_only" in r["server_count"] and "server_restart" in r["server_count"] for r in low)
+    assert kept_in and {r["server_count"] for r in kept_in} == {"slots_only"}
+    sure = [r for r in reqs if r["outcome"] == "ok" and BYPASS_LOW_FLAG not in (r["energy_note"] or "")
+            and r["gpu_energy_j"] is not None]
+    py_jpt = sum(r["gpu_energy_j"] for r in sure) / sum(r["attributed_tokens"] for r in sure)
+    assert h["gpu_j_per_token"] == pytest.approx(py_jpt, rel=1e-9)
+    # Against the truth: the gauge within 3%; the requests' figure within 6%, as the first request takes the whole
+    # first second's GPU energy (its start is in it, no other work is: 0.52 against 0.50), the attribution's, not this.
+    assert kept[0].totals.j_per_token == pytest.approx(truth, rel=0.03), kept[0].totals.j_per_token
+    assert h["gpu_j_per_token"] == pytest.approx(truth, rel=0.06), (h["gpu_j_per_token"], truth)
+    assert h["bypass_uncertain_requests"] == sum(BYPASS_LOW_FLAG in (r["energy_note"] or "") for r in reqs) > 0
+    assert h["bypass_uncertain_intervals"] == len(low), (h["bypass_uncertain_intervals"], len(low))
+    assert h["bypass_uncertain_gpu_energy_j"] == pytest.approx(sum(r["gpu_energy_j"] for r in low))
+    assert h["bypass_unknown_intervals"] == len(unknown)
+    assert h["bypass_unmeasured_intervals"] == len(kept_in)
+    # The gauge's left-out intervals are the rule's low ones that had tokens.
+    assert kept[0].totals.jpt_left_out["bypass-uncounted"][0] == sum(
+        r["proxy_tokens"] > 0 for r in low + unknown)
+    res = CliRunner().invoke(main, ["analyze", str(tmp_path / "n")])
+    assert res.exit_code == 0, res.output
+    [said_low] = [n for n in res.stderr.split("\n") if "may be low" in n and "intervals" in n]
+    assert f"node-0: {len(low)} intervals" in said_low and "server_restart" in said_low, said_low
+    [said_part] = [n for n in res.stderr.split("\n") if "in part" in n and "intervals" in n]
+    assert f"node-0: {len(kept_in)} intervals" in said_part and "--metrics" in said_part, said_part
