@@ -14,8 +14,8 @@ from pathlib import Path
 import pyarrow as pa
 
 from powerprof.profiler import NO_COUNTER_SHORT_FIX, NO_COUNTER_SHORT_FLAG
-from powerprof.storage.schema import (BYPASS_LOW_FLAG, SERVER_COUNT_COMPLETE, SERVER_COUNT_OFF, SERVER_COUNT_TRUSTED,
-                                      SERVER_COUNT_UNREAD)
+from powerprof.storage.schema import (BYPASS_LOW_FLAG, SERVER_COUNT_COMPLETE, SERVER_COUNT_TRUSTED, SERVER_COUNT_UNREAD,
+                                      bypass_count_fix)
 
 from .engine import connect, to_arrow
 from .rowkeys import KEYS, WHY, folder_sql, keyless_sql
@@ -165,14 +165,33 @@ def _sane(*cols: str) -> str:
     return " AND ".join(f"({c} IS NULL OR (isfinite({c}) AND {c} >= 0))" for c in cols)
 
 
+# schema.bypass_count_low and bypass_count_unknown in SQL, for the intervals' and the tags' server_count alike:
+# trusted where every comma-joined value in it is (a tag's joins its intervals'); unknown where empty or `unread`.
+# tests/test_daemon_bypass_partial.py holds this and the Python rule equal over one dataset.
+def _count_trusted_sql(col: str = "server_count") -> str:
+    return (f"({col} IS NOT NULL AND list_has_all([{', '.join(repr(c) for c in SERVER_COUNT_TRUSTED)}], "
+            f"string_split({col}, ',')))")
+
+
+def _count_unknown_sql(col: str = "server_count") -> str:
+    return f"(coalesce({col}, '') IN ('', '{SERVER_COUNT_UNREAD}'))"
+
+
+def _count_unmeasured_sql(col: str = "server_count") -> str:
+    """Trusted, but bypass traffic not measured (`off`) or in part (`slots_only`): kept in J/token, said apart."""
+    return f"({_count_trusted_sql(col)} AND {col} <> '{SERVER_COUNT_COMPLETE}')"
+
+
 # One row per host: what its proxy served, what its GPUs spent, and what the two give per token.
 # A row whose energy or tokens cannot be (NaN, infinite, negative: a foreign or damaged file) is
 # left out of the sums and counted, rather than turning a host's total into NaN or lowering it.
 # A request whose energy the daemon marked as resting on idle power taken out of a counterless GPU's
 # mostly idle intervals (NO_COUNTER_SHORT_FLAG) is left out of J/token, as the daemon's own headline does; so is one
 # given energy of intervals whose server token count may be low (BYPASS_LOW_FLAG: bypass traffic's energy may be in
-# it). Intervals whose count may be low (`server_count` a reason) are counted with their energy, and those with no
-# count (`unread`, `off`, or written before the column: null) as unknown: never read as complete.
+# it). The intervals are counted by the same rule (schema.bypass_count_low, the one the daemon flags the requests by):
+# those it leaves out, with their energy and reasons, as low, or as unknown (`unread`, or written before the column:
+# null), never read as complete; those it keeps whose bypass traffic was not measured (`off`) or in part
+# (`slots_only`), apart: their requests' J/token holds any bypass energy there.
 # The same statement, with the tables over the same files, is the Spark SQL / Trino query of docs/fleet.md.
 FLEET_SQL = """
 WITH r AS (
@@ -202,7 +221,10 @@ WITH r AS (
            count(*) FILTER (WHERE {i_ok} AND {i_low}) AS bypass_uncertain_intervals,
            sum(gpu_energy_j) FILTER (WHERE {i_ok} AND {i_low}) AS bypass_uncertain_gpu_energy_j,
            string_agg(DISTINCT server_count, ',') FILTER (WHERE {i_ok} AND {i_low}) AS bypass_uncertain_reasons,
-           count(*) FILTER (WHERE {i_ok} AND {i_unknown}) AS bypass_unknown_intervals
+           count(*) FILTER (WHERE {i_ok} AND {i_unknown}) AS bypass_unknown_intervals,
+           count(*) FILTER (WHERE {i_ok} AND {i_unmeasured}) AS bypass_unmeasured_intervals,
+           sum(gpu_energy_j) FILTER (WHERE {i_ok} AND {i_unmeasured}) AS bypass_unmeasured_gpu_energy_j,
+           string_agg(DISTINCT server_count, ',') FILTER (WHERE {i_ok} AND {i_unmeasured}) AS bypass_unmeasured_reasons
     FROM {intervals} GROUP BY 1
 )
 SELECT host, requests, failed_requests, generated_tokens, gpu_energy_j, idle_gpu_energy_j,
@@ -217,13 +239,15 @@ SELECT host, requests, failed_requests, generated_tokens, gpu_energy_j, idle_gpu
        coalesce(bypass_uncertain_requests, 0) AS bypass_uncertain_requests,
        coalesce(bypass_uncertain_intervals, 0) AS bypass_uncertain_intervals,
        bypass_uncertain_gpu_energy_j, bypass_uncertain_reasons,
-       coalesce(bypass_unknown_intervals, 0) AS bypass_unknown_intervals
+       coalesce(bypass_unknown_intervals, 0) AS bypass_unknown_intervals,
+       coalesce(bypass_unmeasured_intervals, 0) AS bypass_unmeasured_intervals,
+       bypass_unmeasured_gpu_energy_j, bypass_unmeasured_reasons
 FROM i FULL OUTER JOIN r USING (host)
 ORDER BY host
 """.replace("{r_sure}", f"(coalesce(energy_note, '') NOT LIKE '%{NO_COUNTER_SHORT_FLAG}%' AND NOT {{r_bypass_low}})").replace(
     "{r_bypass_low}", f"(coalesce(energy_note, '') LIKE '%{BYPASS_LOW_FLAG}%')").replace(
-    "{i_low}", f"(server_count IS NOT NULL AND server_count NOT IN ('{SERVER_COUNT_COMPLETE}', '{SERVER_COUNT_UNREAD}', '{SERVER_COUNT_OFF}'))").replace(
-    "{i_unknown}", f"(server_count IS NULL OR server_count IN ('{SERVER_COUNT_UNREAD}', '{SERVER_COUNT_OFF}'))").replace(
+    "{i_low}", f"(NOT {_count_trusted_sql()} AND NOT {_count_unknown_sql()})").replace(
+    "{i_unknown}", _count_unknown_sql()).replace("{i_unmeasured}", _count_unmeasured_sql()).replace(
     "{r_ok}", _sane("gpu_energy_j", "attributed_tokens", "CAST(generated_tokens AS DOUBLE)")).replace(
     "{i_ok}", _sane("gpu_energy_j", "duration_s"))
 
@@ -272,10 +296,7 @@ def fleet_summary(sources) -> pa.Table:
         raise FleetError("; ".join(said) + ". Remove the file that is wrong (`powerprof export` of the same sources "
                          "names the files), or analyse the folders separately")
     out = out.drop_columns(["conflicting_requests", "conflicting_intervals"])
-    # Each host's reasons once, sorted (string_agg joined the distinct values, some of which list several).
-    col = out.schema.get_field_index("bypass_uncertain_reasons")
-    out = out.set_column(col, "bypass_uncertain_reasons", pa.array(
-        [",".join(sorted(set(v.split(",")))) if v else None for v in out.column(col).to_pylist()], pa.string()))
+    out = _reasons_sorted(out, ("bypass_uncertain_reasons", "bypass_unmeasured_reasons"))
     if not out.num_rows:
         raise FleetError(f"{', '.join(srcs)}: no request or interval rows yet (the daemon writes them at each flush, "
                          "daemon.flush_interval_s, 30 s by default): nothing to summarise")
@@ -319,11 +340,8 @@ SELECT host, name,
 FROM {tags} GROUP BY host, name ORDER BY host, name
 """.replace("{counted}", "{ok} AND {energy} AND {trusted}").replace(
     "{unmeasured}", f"(server_count <> '{SERVER_COUNT_COMPLETE}')").replace(
-    # schema.bypass_count_low in SQL: every comma-joined value in it trusted (a tag's joins its intervals').
-    "{trusted}", "(server_count IS NOT NULL AND list_has_all(["
-    + ", ".join(f"'{c}'" for c in SERVER_COUNT_TRUSTED) + "], string_split(server_count, ',')) "
-    "AND unproxied_energy_j IS NOT NULL)").replace(
-    "{unknown}", f"(server_count IS NULL OR server_count = '{SERVER_COUNT_UNREAD}' OR unproxied_energy_j IS NULL)").replace(
+    "{trusted}", f"({_count_trusted_sql()} AND unproxied_energy_j IS NOT NULL)").replace(
+    "{unknown}", f"({_count_unknown_sql()} OR unproxied_energy_j IS NULL)").replace(
     "{energy}", "(gpu_energy_j IS NOT NULL)").replace(
     "{ok}", _sane("gpu_energy_j", "proxy_tokens", "unproxied_energy_j"))
 
@@ -350,11 +368,16 @@ def tag_summary(sources) -> pa.Table:
                          "different values, of which at most one is true. Remove the file that is wrong (`powerprof "
                          "export` of the same sources names the files), or analyse the folders separately")
     out = out.drop_columns(["conflicting_windows"])
-    for name in ("bypass_uncertain_reasons", "bypass_unmeasured_reasons"):
-        col = out.schema.get_field_index(name)
-        out = out.set_column(col, name, pa.array(
-            [",".join(sorted(set(v.split(",")))) if v else None for v in out.column(col).to_pylist()], pa.string()))
-    return out
+    return _reasons_sorted(out, ("bypass_uncertain_reasons", "bypass_unmeasured_reasons"))
+
+
+def _reasons_sorted(t: pa.Table, names) -> pa.Table:
+    """Each row's reasons once, sorted (string_agg joined the distinct values, some of which list several)."""
+    for name in names:
+        col = t.schema.get_field_index(name)
+        t = t.set_column(col, name, pa.array(
+            [",".join(sorted(set(v.split(",")))) if v else None for v in t.column(col).to_pylist()], pa.string()))
+    return t
 
 
 def tag_notes(t: pa.Table) -> list[str]:
@@ -368,7 +391,10 @@ def tag_notes(t: pa.Table) -> list[str]:
                    "and J/token: " + "; ".join(
                        f"{r['host']} {r['name']}: {r['bypass_uncertain_windows']} of {r['windows']}, "
                        f"{r['bypass_uncertain_gpu_energy_j'] or 0.0:.1f} J ({r['bypass_uncertain_reasons']})"
-                       for r in low) + " (docs/daemon.md, The baseline)")
+                       for r in low) + "; no part of such a window can be kept: its J/token is one figure over it, and "
+                   "how much bypass traffic the count missed nothing says (none, where every request went through the "
+                   "proxy); the fix: " + bypass_count_fix(",".join(r["bypass_uncertain_reasons"] or "" for r in low))
+                   + " (docs/daemon.md, Which rows may be low)")
     unknown = [r for r in rows if r["bypass_unknown_windows"]]
     if unknown:
         out.append("tag windows whose bypass traffic is unknown (server_count unread: the server's count not read yet; "
@@ -386,8 +412,8 @@ def tag_notes(t: pa.Table) -> list[str]:
                        f"{r['bypass_unmeasured_gpu_energy_j'] or 0.0:.1f} J, "
                        f"{100.0 * (r['bypass_unmeasured_gpu_energy_j'] or 0.0) / r['gpu_energy_j']:.0f}% of its GPU "
                        f"energy ({r['bypass_unmeasured_reasons']})" for r in blind)
-                   + "; the fix: let the daemon scrape the server (scrape.server not none) and run it with its metrics on "
-                   "(llama-server --metrics), or send every request through the proxy (docs/daemon.md, Bypass traffic)")
+                   + "; the fix: " + bypass_count_fix(",".join(r["bypass_unmeasured_reasons"] or "" for r in blind))
+                   + " (docs/daemon.md, Bypass traffic)")
     none = [r for r in rows if r["no_energy_windows"]]
     if none:
         out.append("tag windows with no GPU energy (a GPU unread in one of their intervals) were left out of their "
@@ -443,20 +469,36 @@ def notes(t: pa.Table) -> list[str]:
     low = [r for r in t.to_pylist() if r.get("bypass_uncertain_intervals")]
     if low:
         out.append("intervals whose server token count may be low (their server_count: bypass traffic there is not in "
-                   "unproxied, its energy with the requests or idle) are in the GPU and idle figures as stored: " + "; ".join(
+                   "unproxied, its energy with the requests or idle) are in the GPU and idle figures as stored, their "
+                   f"requests out of J/token ({BYPASS_LOW_FLAG}, below): " + "; ".join(
                        f"{r['host']}: {r['bypass_uncertain_intervals']} intervals, "
                        f"{(r['bypass_uncertain_gpu_energy_j'] or 0.0) / 3.6e6:.6f} kWh ({r['bypass_uncertain_reasons']})"
-                       for r in low) + " (docs/daemon.md, The baseline)")
+                       for r in low) + "; the fix: " + bypass_count_fix(",".join(r["bypass_uncertain_reasons"] or ""
+                                                                                 for r in low))
+                   + " (docs/daemon.md, Which rows may be low)")
     low_r = [r for r in t.to_pylist() if r.get("bypass_uncertain_requests")]
     if low_r:
         out.append(f"requests marked {BYPASS_LOW_FLAG} (given energy of intervals whose server token count may be low: "
                    "bypass traffic's energy may be in theirs) were left out of J/token: " + "; ".join(
                        f"{r['host']}: {r['bypass_uncertain_requests']}" for r in low_r) + "; each row's energy_note says "
                    "why and the fix")
+    blind = [r for r in t.to_pylist() if r.get("bypass_unmeasured_intervals")]
+    if blind:
+        # Trusted by the rule the daemon flags requests by (schema.bypass_count_low): their requests stay in J/token.
+        out.append("intervals whose bypass traffic was not measured, or in part (server_count off: the daemon scrapes "
+                   "no server; slots_only: a llama-server without /metrics, whose /slots miss each request's last "
+                   "tokens) keep their requests in J/token, as the daemon's own J/token does: any requests sent "
+                   "straight to the server put their energy there, and the J/token reads high: " + "; ".join(
+                       f"{r['host']}: {r['bypass_unmeasured_intervals']} intervals, "
+                       f"{(r['bypass_unmeasured_gpu_energy_j'] or 0.0) / 3.6e6:.6f} kWh ({r['bypass_unmeasured_reasons']})"
+                       for r in blind) + "; the fix: " + bypass_count_fix(",".join(r["bypass_unmeasured_reasons"] or ""
+                                                                                   for r in blind))
+                   + " (docs/daemon.md, Bypass traffic)")
     unknown = [r for r in t.to_pylist() if r.get("bypass_unknown_intervals")]
     if unknown:
-        out.append("intervals with no server token count (server_count unread: not read yet; off: the daemon scrapes "
-                   "no server; empty: written before the column) have bypass traffic unknown, none of it in unproxied: "
+        out.append("intervals with no server token count (server_count unread: the server not read yet; empty: written "
+                   "before the column) have bypass traffic unknown, none of it in unproxied, their requests out of "
+                   f"J/token ({BYPASS_LOW_FLAG}, where the daemon wrote the flag): "
                    + "; ".join(f"{r['host']}: {r['bypass_unknown_intervals']}" for r in unknown))
     unknown = [r["host"] for r in t.to_pylist() if r["host"].startswith("(unknown) ")]
     if unknown:

@@ -26,8 +26,8 @@ from powerprof.energy import epoch_broken, interp_at, trailing_average_interval_
 from powerprof.profiler import (METHOD_AVG_POWER, METHOD_COUNTER, METHOD_NONE, METHOD_POWER, NO_COUNTER_SHORT_BUSY_SHARE,
                                 NO_COUNTER_SHORT_BUSY_SHARE_INSTANT, NO_COUNTER_SHORT_FIX, NO_COUNTER_SHORT_FLAG,
                                 weakest_method)
-from powerprof.storage.schema import (BYPASS_LOW_FLAG, SERVER_COUNT_COMPLETE, SERVER_COUNT_OFF, SERVER_COUNT_SLOTS_ONLY,
-                                      SERVER_COUNT_UNREAD, bypass_count_low)
+from powerprof.storage.schema import (BYPASS_LOW_FLAG, SERVER_COUNT_COMPLETE, SERVER_COUNT_OFF, SERVER_COUNT_UNREAD,
+                                      bypass_count_fix, bypass_count_low)
 
 from powerprof.arrival import SAME_DELIVERY_NS
 
@@ -62,13 +62,6 @@ HELD_PACE_X = 4.0
 FIRST_BURST_TOKENS = 8
 # What an interval row's `server_count` and a request's energy_note say (storage/schema.py states them).
 COUNT_COMPLETE, UNREAD, COUNT_OFF = SERVER_COUNT_COMPLETE, SERVER_COUNT_UNREAD, SERVER_COUNT_OFF
-BYPASS_LOW_FIX = {
-    "late_baseline": "start the server before the daemon, or restart the daemon once the server is up",
-    "unread": "start the server before the daemon, and check that scrape.url answers its /metrics",
-    "server_restart": "none for later requests (the count starts afresh); keep the server from restarting",
-    SERVER_COUNT_SLOTS_ONLY: "start llama-server with --metrics",
-    "unscraped": "keep the server's /metrics answering within scrape's 2 s (the intervals wait for it 10 s at most)",
-}
 FINISH_HOLD_S = 30.0  # an at-finish server's requests' durations of this long ago set how long intervals are held
 # What a row whose stream reached the proxy in one burst says to do about it (`_spread_burst`).
 BURST_FIX = ("fix: point proxy.upstream at the server itself, or turn off the buffering of what stands between them "
@@ -1521,7 +1514,7 @@ def _bypass_low_note(r: _Req) -> str | None:
     why = sorted(r.bypass_low_why) or ["unknown"]
     return (f"{BYPASS_LOW_FLAG}: {100 * r.bypass_low_j / r.gpu_j:.0f}% of its GPU energy is from intervals whose "
             f"server token count may be low ({', '.join(why)}: their server_count): bypass traffic there is not in "
-            f"unproxied, and its energy may be in this request's; fix: {'; '.join(BYPASS_LOW_FIX[w] for w in why if w in BYPASS_LOW_FIX)}")
+            f"unproxied, and its energy may be in this request's; fix: {bypass_count_fix(','.join(why))}")
 
 
 def _with_late(error: str | None, late: float) -> str | None:

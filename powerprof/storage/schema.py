@@ -276,8 +276,45 @@ def bypass_count_low(server_count: str | None) -> bool:
     whose count may be low or was not read, and null (written before the column): unknown, never complete. A
     comma-joined value (a tag's: its intervals' values, `complete` dropped) is trusted only where each value in it is:
     a tag over `off` and `slots_only` intervals is as sound as each of them. The daemon's requests (BYPASS_LOW_FLAG,
-    which `analyze` leaves out), its live J/token gauge, its tag rows and `analyze`'s tag table use it."""
+    which `analyze` leaves out), its live J/token gauge, its tag rows, `analyze`'s per-host interval counts and its tag
+    table use it (analysis/fleet.py states it in SQL, tests/test_daemon_bypass_partial.py holds the two equal).
+    Of what it leaves out, `bypass_count_unknown` is the part with no count at all; of what it keeps, all but
+    `complete` holds bypass traffic's energy unmeasured, or measured in part, and is said apart."""
     return not server_count or not set(server_count.split(",")) <= set(SERVER_COUNT_TRUSTED)
+
+
+def bypass_count_unknown(server_count: str | None) -> bool:
+    """No server count at all: not read yet (`unread`), or null (written before the column). Left out, as low."""
+    return not server_count or server_count == SERVER_COUNT_UNREAD
+
+
+# What to do about each value a `server_count` may hold but `complete`, said beside the figures it leaves out or keeps
+# (a request's energy_note, `analyze`'s notes, `powerprof tag stop`). No fix makes rows already written whole.
+BYPASS_COUNT_FIX = {
+    "late_baseline": "start the server before the daemon, or restart the daemon once the server is up",
+    SERVER_COUNT_UNREAD: "start the server before the daemon, and check that scrape.url answers its /metrics",
+    "server_restart": "none for later requests (the count starts afresh); keep the server from restarting",
+    SERVER_COUNT_SLOTS_ONLY: "start llama-server with --metrics",
+    "unscraped": "keep the server's /metrics answering within scrape's 2 s (the intervals wait for it 10 s at most)",
+    SERVER_COUNT_OFF: "let the daemon scrape the server (scrape.server not none)",
+}
+# Whatever the reason, a count short of whole costs something only where requests bypass the proxy. Where none do, a
+# count that may be low (a restart) still leaves the rows out, as nothing in them can tell; the daemon told that no
+# server is to be scraped writes `off`, trusted, and the figures are then exact.
+BYPASS_NONE_FIX = ("where every request goes through the proxy, set scrape.server = none: there is then no bypass "
+                   "traffic to count, and the rows (server_count off) stay in J/token")
+BYPASS_PROXY_FIX = "or send every request through the proxy"
+
+
+def bypass_count_fix(server_count: str | None) -> str:
+    """The fixes for the reasons of one `server_count` (or several, comma-joined), joined; null: written before the
+    column, which a newer daemon writes."""
+    why = sorted({w for w in (server_count or "").split(",") if w} - {SERVER_COUNT_COMPLETE})
+    fixes = [BYPASS_COUNT_FIX[w] for w in why if w in BYPASS_COUNT_FIX]
+    if not server_count:
+        fixes = ["none for these rows (written before server_count); a newer daemon writes it"]
+    return "; ".join(fixes + [BYPASS_NONE_FIX if bypass_count_low(server_count) else BYPASS_PROXY_FIX])
+
 
 # One row per sample interval: the energy between two consecutive GPU samples and who used it.
 DAEMON_INTERVALS_COLUMNS = [
