@@ -1628,12 +1628,20 @@ def tag_stop(name, socket, config_path, as_json):
     )
     if r.get("note"):
         click.echo(f"note: {r['note']}", err=True)
-    from powerprof.storage.schema import bypass_count_low  # noqa: PLC0415
+    from powerprof.storage.schema import SERVER_COUNT_COMPLETE, bypass_count_fix, bypass_count_low  # noqa: PLC0415
 
-    if "server_count" in r and bypass_count_low(r["server_count"]):  # an older daemon's answer has no such key
+    sc = r.get("server_count")
+    if "server_count" not in r:  # an older daemon's answer has no such key
+        pass
+    elif bypass_count_low(sc):  # the rule analyze's tag table leaves such a window out by
         click.echo(f"note: the server's token count over its intervals may be low or was not read (server_count "
-                   f"{r['server_count'] or 'unknown'}): bypass traffic beside it is not known, and its energy may be "
-                   "in this window's J/token (docs/daemon.md, Which rows may be low)", err=True)
+                   f"{sc or 'unknown'}): bypass traffic beside it is not known, and its energy may be in this window's "
+                   "J/token; `powerprof analyze` leaves this window out of its tag's figures; fix: "
+                   f"{bypass_count_fix(sc)} (docs/daemon.md, Which rows may be low)", err=True)
+    elif sc != SERVER_COUNT_COMPLETE:  # off, slots_only: kept, as analyze keeps them, and said as it says them
+        click.echo(f"note: bypass traffic was not measured over this window, or in part (server_count {sc}): any "
+                   "requests sent straight to the server put their energy in this window's J/token, which then reads "
+                   f"high; fix: {bypass_count_fix(sc)} (docs/daemon.md, Bypass traffic)", err=True)
 
 
 @tag_group.command("list")

@@ -220,4 +220,4 @@ def test_tag_stop_says_why_a_window_may_read_high_and_the_fix(monkeypatch, serve
     assert "3.000 J/token" in res.stdout
     [note] = [n for n in res.stderr.splitlines() if server_count in n]
     assert "fix" in note and fix in note, note
-    assert ("left out of" in note) == (server_count not in ("slots_only", "off")), note
+    assert ("out of its tag's figures" in note) == (server_count not in ("slots_only", "off")), note
