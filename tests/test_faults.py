@@ -403,6 +403,27 @@ def test_root_never_applies_a_restore_file_another_user_wrote(tmp_path, monkeypa
     assert _limit_w(tmp_path) == before and p.exists()
 
 
+@pytest.mark.skipif(os.geteuid() != 0, reason="making a folder owned by another user needs root")
+def test_root_never_applies_a_restore_file_below_a_folder_another_user_owns(tmp_path, monkeypatch):
+    # Before: only the file and its own folder were checked (lstat), then the file was read again by name. A user
+    # who owns a folder above can rename root's folder away and put their own (with their own limits) in its place
+    # between the check and the read: root then set the GPU to the limit they chose (here 150 W).
+    monkeypatch.setenv("POWERPROF_SIM_STATE", str(tmp_path / "sim.json"))
+    before = _limit_w(tmp_path)
+    p = _foreign_restore_file(tmp_path, owner_uid=0)  # root's file, in a folder of root's (0755)...
+    theirs = tmp_path / "theirs"
+    theirs.mkdir(mode=0o755)
+    moved = theirs / "foreign"
+    p.parent.rename(moved)  # ...below a folder another user owns
+    os.chown(theirs, 65534, 65534)
+    p = moved / p.name
+    with Rig("seed-16g") as rig:  # `sudo powerprof restore --simulate seed-16g --restore-file P`
+        report = rig.restore(p, directory=p.parent)
+    assert not report.ok and report.outcomes[0].status == "untrusted", report.lines()
+    assert f"{theirs} is owned by uid 65534" in report.lines()[0]
+    assert _limit_w(tmp_path) == before and p.exists()
+
+
 def test_restore_refuses_a_file_others_can_write(tmp_path, monkeypatch):
     monkeypatch.setenv("POWERPROF_SIM_STATE", str(tmp_path / "sim.json"))
     before = _limit_w(tmp_path)

@@ -134,7 +134,8 @@ def untrusted_reason(path: Path, euid: int | None = None, root_too: bool = False
     Root acts only on a file owned by root; an unprivileged user (the simulator, a capability
     holder) only on its own, or also on root's with `root_too` (to *believe* a pending record,
     never to apply it). Neither the file nor its folder may be writable by group or others, and
-    the file must not be a symlink.
+    the file must not be a symlink; every folder above (and symlink on the way) is root's or this
+    user's, writable by no one else (a root-owned sticky folder such as /tmp excepted: `_trusted_target`).
     """
     euid = os.geteuid() if euid is None else euid
     owners = {euid, 0} if root_too else {euid}
@@ -143,7 +144,18 @@ def untrusted_reason(path: Path, euid: int | None = None, root_too: bool = False
         dst = os.stat(Path(path).parent)
     except OSError as e:
         return f"cannot inspect {path}: {e.strerror or e}"
-    return _file_reason(path, st, owners, euid, root_too) or _folder_reason(Path(path).parent, dst, euid)
+    why = _file_reason(path, st, owners, euid, root_too) or _folder_reason(Path(path).parent, dst, euid)
+    if why:
+        return why
+    try:
+        # Every folder above too (and every symlink on the way): whoever owns one could rename the file's folder away
+        # and put their own in its place between this check and the read (the file is read again by name).
+        _trusted_target(Path(path).parent, euid)
+    except PermissionError as e:
+        return str(e)
+    except OSError as e:
+        return f"cannot inspect {path}: {e.strerror or e}"
+    return None
 
 
 def _file_reason(path, st, owners, euid, root_too) -> str | None:
