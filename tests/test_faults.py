@@ -793,6 +793,30 @@ def test_root_refuses_a_data_dir_owned_by_another_user_and_accepts_its_own(tmp_p
     assert (mine / ".daemon.lock").read_text() == str(os.getpid())
 
 
+@pytest.mark.skipif(os.geteuid() != 0, reason="needs root: a symlink and a folder owned by another user")
+def test_root_refuses_a_data_dir_reached_through_another_users_symlink_and_makes_nothing_first(tmp_path):
+    # Before: the rule checked the folder's real path (realpath), so `theirs/link/data`, with `link` another user's
+    # symlink to a folder of root's, passed: they could point the link at a folder of their own at any moment after.
+    # And the data dir was made (mkdir -p, through that symlink) before the check: a refused start left root's
+    # folder with a new `data` in it.
+    from powerprof.daemon.service import StartupError, lock_data_dir
+
+    roots = tmp_path / "roots"
+    roots.mkdir(mode=0o755)
+    theirs = tmp_path / "theirs"
+    theirs.mkdir(mode=0o755)
+    (theirs / "link").symlink_to(roots)
+    os.lchown(theirs / "link", 65534, 65534)
+    os.chown(theirs, 65534, 65534)
+    with pytest.raises(StartupError, match="link is a symlink"):
+        lock_data_dir(theirs / "link" / "data")
+    assert list(roots.iterdir()) == []
+    (roots / "data").mkdir(mode=0o755)  # the same once the data dir exists: the symlink on its way is another user's
+    with pytest.raises(StartupError, match="owned by uid 65534, not root"):
+        lock_data_dir(theirs / "link" / "data")
+    assert list((roots / "data").iterdir()) == []
+
+
 @pytest.mark.skipif(os.geteuid() != 0,
                     reason="the rule is root's: an unprivileged daemon may use its own shared folders")
 def test_root_opens_no_tag_socket_in_a_folder_others_can_write(tmp_path):
@@ -808,3 +832,24 @@ def test_root_opens_no_tag_socket_in_a_folder_others_can_write(tmp_path):
         assert d.stop() == 0
     assert not (shared / "t.sock").exists()
     assert "refusing, as root, a socket folder another user could write" in d.output()
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="needs root: a symlink owned by another user")
+def test_root_makes_no_tag_socket_folder_through_another_users_symlink(tmp_path):
+    # Before: the socket's folder was made (mkdir -p) first and checked after, so a refused socket still left root's
+    # new folder wherever another user's symlink pointed.
+    roots = tmp_path / "roots"
+    roots.mkdir(mode=0o755)
+    theirs = tmp_path / "theirs"
+    theirs.mkdir(mode=0o755)
+    (theirs / "link").symlink_to(roots)
+    os.lchown(theirs / "link", 65534, 65534)
+    os.chown(theirs, 65534, 65534)
+    d = DaemonProc(tmp_path / "data", "--simulate", "--tag-socket", str(theirs / "link" / "sub" / "t.sock"),
+                   env=sim_env(tmp_path))
+    try:
+        assert "tags" not in d.info
+    finally:
+        assert d.stop() == 0
+    assert list(roots.iterdir()) == []
+    assert "tag API disabled" in d.output() and "link is a symlink" in d.output()
