@@ -403,6 +403,27 @@ def test_root_never_applies_a_restore_file_another_user_wrote(tmp_path, monkeypa
     assert _limit_w(tmp_path) == before and p.exists()
 
 
+@pytest.mark.skipif(os.geteuid() != 0, reason="making a folder owned by another user needs root")
+def test_root_never_applies_a_restore_file_below_a_folder_another_user_owns(tmp_path, monkeypatch):
+    # Before: only the file and its own folder were checked (lstat), then the file was read again by name. A user
+    # who owns a folder above can rename root's folder away and put their own (with their own limits) in its place
+    # between the check and the read: root then set the GPU to the limit they chose (here 150 W).
+    monkeypatch.setenv("POWERPROF_SIM_STATE", str(tmp_path / "sim.json"))
+    before = _limit_w(tmp_path)
+    p = _foreign_restore_file(tmp_path, owner_uid=0)  # root's file, in a folder of root's (0755)...
+    theirs = tmp_path / "theirs"
+    theirs.mkdir(mode=0o755)
+    moved = theirs / "foreign"
+    p.parent.rename(moved)  # ...below a folder another user owns
+    os.chown(theirs, 65534, 65534)
+    p = moved / p.name
+    with Rig("seed-16g") as rig:  # `sudo powerprof restore --simulate seed-16g --restore-file P`
+        report = rig.restore(p, directory=p.parent)
+    assert not report.ok and report.outcomes[0].status == "untrusted", report.lines()
+    assert f"{theirs} is owned by uid 65534" in report.lines()[0]
+    assert _limit_w(tmp_path) == before and p.exists()
+
+
 def test_restore_refuses_a_file_others_can_write(tmp_path, monkeypatch):
     monkeypatch.setenv("POWERPROF_SIM_STATE", str(tmp_path / "sim.json"))
     before = _limit_w(tmp_path)
@@ -772,6 +793,30 @@ def test_root_refuses_a_data_dir_owned_by_another_user_and_accepts_its_own(tmp_p
     assert (mine / ".daemon.lock").read_text() == str(os.getpid())
 
 
+@pytest.mark.skipif(os.geteuid() != 0, reason="needs root: a symlink and a folder owned by another user")
+def test_root_refuses_a_data_dir_reached_through_another_users_symlink_and_makes_nothing_first(tmp_path):
+    # Before: the rule checked the folder's real path (realpath), so `theirs/link/data`, with `link` another user's
+    # symlink to a folder of root's, passed: they could point the link at a folder of their own at any moment after.
+    # And the data dir was made (mkdir -p, through that symlink) before the check: a refused start left root's
+    # folder with a new `data` in it.
+    from powerprof.daemon.service import StartupError, lock_data_dir
+
+    roots = tmp_path / "roots"
+    roots.mkdir(mode=0o755)
+    theirs = tmp_path / "theirs"
+    theirs.mkdir(mode=0o755)
+    (theirs / "link").symlink_to(roots)
+    os.lchown(theirs / "link", 65534, 65534)
+    os.chown(theirs, 65534, 65534)
+    with pytest.raises(StartupError, match="link is a symlink"):
+        lock_data_dir(theirs / "link" / "data")
+    assert list(roots.iterdir()) == []
+    (roots / "data").mkdir(mode=0o755)  # the same once the data dir exists: the symlink on its way is another user's
+    with pytest.raises(StartupError, match="owned by uid 65534, not root"):
+        lock_data_dir(theirs / "link" / "data")
+    assert list((roots / "data").iterdir()) == []
+
+
 @pytest.mark.skipif(os.geteuid() != 0,
                     reason="the rule is root's: an unprivileged daemon may use its own shared folders")
 def test_root_opens_no_tag_socket_in_a_folder_others_can_write(tmp_path):
@@ -787,3 +832,24 @@ def test_root_opens_no_tag_socket_in_a_folder_others_can_write(tmp_path):
         assert d.stop() == 0
     assert not (shared / "t.sock").exists()
     assert "refusing, as root, a socket folder another user could write" in d.output()
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="needs root: a symlink owned by another user")
+def test_root_makes_no_tag_socket_folder_through_another_users_symlink(tmp_path):
+    # Before: the socket's folder was made (mkdir -p) first and checked after, so a refused socket still left root's
+    # new folder wherever another user's symlink pointed.
+    roots = tmp_path / "roots"
+    roots.mkdir(mode=0o755)
+    theirs = tmp_path / "theirs"
+    theirs.mkdir(mode=0o755)
+    (theirs / "link").symlink_to(roots)
+    os.lchown(theirs / "link", 65534, 65534)
+    os.chown(theirs, 65534, 65534)
+    d = DaemonProc(tmp_path / "data", "--simulate", "--tag-socket", str(theirs / "link" / "sub" / "t.sock"),
+                   env=sim_env(tmp_path))
+    try:
+        assert "tags" not in d.info
+    finally:
+        assert d.stop() == 0
+    assert list(roots.iterdir()) == []
+    assert "tag API disabled" in d.output() and "link is a symlink" in d.output()

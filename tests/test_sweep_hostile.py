@@ -331,3 +331,28 @@ def test_honest_capping_and_heat_never_stop_a_power_sweep(tmp_path):
     assert (s.sm_clock_mhz < 0.85 * 2790).any()  # the cap did hold the clock far below the boost clock
     w = pq.read_table(out / "windows.parquet").to_pandas()
     assert not (w.timing == "untrusted").any()
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="the refusal is root's: as another user the folder is that user's own")
+def test_root_writes_no_run_in_another_users_folder_but_in_the_sudo_users(tmp_path, monkeypatch):
+    # Before: `sudo powerprof sweep --out DIR` wrote the run wherever DIR was. In another user's folder, they could plant
+    # a symlink under a name root writes by a name known in advance (a grid's server-logs/<config>.log, opened for
+    # append: a launched server's output into any file on the machine) or swap the run folder itself.
+    from powerprof.control.restore import untrusted_out_dir
+
+    monkeypatch.delenv("SUDO_UID", raising=False)
+    sim = SimNVML("seed-16g", state_path=None)
+    before = sim.gpus[0].limit_w
+    theirs = tmp_path / "theirs"
+    theirs.mkdir(mode=0o755)
+    os.chown(theirs, 65534, 65534)
+    with Rig("seed-16g", nvml=sim) as rig, pytest.raises(SweepError) as e:
+        run_sweep(rig, levels_spec="300,200", out_dir=theirs / "run", params=RequestParams(max_tokens=8), idle_s=0,
+                  interval_s=0.2, min_requests=2, max_requests=2, warmup_requests=0)
+    assert "refusing to write there as root" in str(e.value) and "owned by uid 65534" in str(e.value), str(e.value)
+    assert list(theirs.iterdir()) == [] and sim.gpus[0].limit_w == before
+    # The user who ran sudo chose the folder (./runs in their home) and may run anything as root through powerprof.
+    assert untrusted_out_dir(theirs / "run", env={"SUDO_UID": "65534"}) is None
+    assert "owned by uid 65534" in untrusted_out_dir(theirs / "run", env={"SUDO_UID": "1000"})
+    os.chmod(theirs, 0o777)  # but never a folder others can write, whoever owns it
+    assert "writable by group or others" in untrusted_out_dir(theirs / "run", env={"SUDO_UID": "65534"})

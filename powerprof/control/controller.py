@@ -124,6 +124,14 @@ class LimitController:
                 f"state folder {self.state_dir}: refusing to keep GPU locks and the restore file there as root: {why}; "
                 "another user could plant files or symlinks in it. Fix: point POWERPROF_STATE_DIR at a folder of "
                 "root's own (chown root: and chmod go-w it and every folder above it), or unset it")
+        # A restore file given apart from the state folder: the same rule, or `powerprof restore` would refuse it after
+        # a crash (untrusted) and leave the GPU capped, and its folder's owner could replace it with limits of theirs.
+        why = self._restore_path_arg is not None and untrusted_place(self._restore_path_arg)
+        if why:
+            raise ControlError(
+                f"restore file {self._restore_path_arg}: refusing to write it there as root: {why}; another user could "
+                "replace it, and `powerprof restore` would refuse it after a crash. Fix: give a path in a folder of "
+                "root's own, or none (the state folder's default)")
 
     def open(self) -> None:
         """Lock the GPUs, read their originals, check permission. Changes nothing on the GPU."""

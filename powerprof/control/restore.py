@@ -134,7 +134,8 @@ def untrusted_reason(path: Path, euid: int | None = None, root_too: bool = False
     Root acts only on a file owned by root; an unprivileged user (the simulator, a capability
     holder) only on its own, or also on root's with `root_too` (to *believe* a pending record,
     never to apply it). Neither the file nor its folder may be writable by group or others, and
-    the file must not be a symlink.
+    the file must not be a symlink; every folder above (and symlink on the way) is root's or this
+    user's, writable by no one else (a root-owned sticky folder such as /tmp excepted: `_trusted_target`).
     """
     euid = os.geteuid() if euid is None else euid
     owners = {euid, 0} if root_too else {euid}
@@ -143,7 +144,18 @@ def untrusted_reason(path: Path, euid: int | None = None, root_too: bool = False
         dst = os.stat(Path(path).parent)
     except OSError as e:
         return f"cannot inspect {path}: {e.strerror or e}"
-    return _file_reason(path, st, owners, euid, root_too) or _folder_reason(Path(path).parent, dst, euid)
+    why = _file_reason(path, st, owners, euid, root_too) or _folder_reason(Path(path).parent, dst, euid)
+    if why:
+        return why
+    try:
+        # Every folder above too (and every symlink on the way): whoever owns one could rename the file's folder away
+        # and put their own in its place between this check and the read (the file is read again by name).
+        _trusted_target(Path(path).parent, euid)
+    except PermissionError as e:
+        return str(e)
+    except OSError as e:
+        return f"cannot inspect {path}: {e.strerror or e}"
+    return None
 
 
 def _file_reason(path, st, owners, euid, root_too) -> str | None:
@@ -157,48 +169,65 @@ def _file_reason(path, st, owners, euid, root_too) -> str | None:
     return None
 
 
-def _folder_reason(folder: Path, dst, euid: int, sticky_ok: bool = False) -> str | None:
+def _folder_reason(folder: Path, dst, euid: int, sticky_ok: bool = False, also: tuple[int, ...] = ()) -> str | None:
     who = "root" if euid == 0 else f"uid {euid}"
-    if dst.st_uid not in (0, euid):
-        return f"its folder {folder} is owned by uid {dst.st_uid}, not {who}"
+    if dst.st_uid not in (0, euid, *also):
+        return f"its folder {folder} is owned by uid {dst.st_uid}, not {who}" + "".join(f" or uid {u}" for u in also)
     if dst.st_mode & 0o022 and not (sticky_ok and dst.st_mode & stat.S_ISVTX and dst.st_uid == 0):
         return f"its folder {folder} is writable by group or others (mode {stat.S_IMODE(dst.st_mode):o})"
     return None
 
 
-def untrusted_folder(folder: Path, euid: int | None = None) -> str | None:
+def untrusted_folder(folder: Path, euid: int | None = None, also: tuple[int, ...] = ()) -> str | None:
     """Why root must not write in `folder`; None when only root could have written it (or this process is not
     root). In a folder another user can write, that user could point any name root writes, replaces or deletes
     (a symlink) at any file on the machine. The folder and every folder above it must be root's and writable by no
-    one else (root's sticky /tmp excepted above it: others cannot rename in it); the folder itself not a symlink."""
+    one else (root's sticky /tmp excepted above it: others cannot rename in it); the folder itself not a symlink, and
+    every symlink on the way root's (`_trusted_target`: a path's real folders are not enough, whoever owns a symlink
+    on the way can point it elsewhere after the check). `also`: uids trusted beside root (`untrusted_out_dir`)."""
     euid = os.geteuid() if euid is None else euid
     if euid != 0:
         return None
     try:
         if os.path.islink(folder):
             return f"{folder} is a symlink"
-        real = Path(os.path.realpath(folder))
-        why = _folder_reason(real, os.stat(real), euid)
-        for d in real.parents:
-            why = why or _folder_reason(d, os.stat(d), euid, sticky_ok=True)
+        real = _trusted_target(Path(folder), euid, also)
+        why = _folder_reason(Path(real), os.stat(real), euid, also=also)
+    except PermissionError as e:
+        why = str(e)
     except OSError as e:
         return f"cannot inspect {folder}: {e.strerror or e}"
     return why and why.replace("its folder ", "", 1)
 
 
-def untrusted_place(path: Path, euid: int | None = None) -> str | None:
+def untrusted_place(path: Path, euid: int | None = None, also: tuple[int, ...] = ()) -> str | None:
     """`untrusted_folder` of `path`, or of the nearest folder above it that exists: what root would create
     there is checked before it is created."""
     there = Path(os.path.abspath(path))
     while not os.path.lexists(there) and there != there.parent:
         there = there.parent
-    return untrusted_folder(there, euid)
+    return untrusted_folder(there, euid, also)
+
+
+def sudo_uid(env: dict | None = None) -> int | None:
+    """The uid of the user who ran `sudo` (SUDO_UID, which sudo itself sets), or None."""
+    env = os.environ if env is None else env
+    v = env.get("SUDO_UID", "")
+    return int(v) if v.isascii() and v.isdigit() and 0 < int(v) < 2**32 else None
+
+
+def untrusted_out_dir(path: Path, euid: int | None = None, env: dict | None = None) -> str | None:
+    """Why root must not write a run's results at `path` (`sweep --out`, `measure --out`): `untrusted_place`, with the
+    user who ran sudo trusted beside root (`sudo powerprof sweep` from their home, ./runs: they chose the folder, and
+    whoever may run powerprof as root may run any command as root, `--launch`); no one else's folder."""
+    uid = sudo_uid(env)
+    return untrusted_place(path, euid, also=() if uid is None else (uid,))
 
 
 MAX_SYMLINKS = 40  # as the kernel's own limit on one lookup
 
 
-def _trusted_target(path: Path, euid: int) -> str:
+def _trusted_target(path: Path, euid: int, also: tuple[int, ...] = ()) -> str:
     """The file `path` names, found component by component: every folder on the way (from /) owned by root or `euid`
     and writable by no one else (a root-owned sticky folder excepted: /tmp, /nix/store), and every symlink on the way,
     the file's own included, owned by root or `euid` (a symlink's mode means nothing; who may replace it is its
@@ -207,7 +236,7 @@ def _trusted_target(path: Path, euid: int) -> str:
     who = "root" if euid == 0 else f"uid {euid}"
     todo = list(reversed(Path(os.path.join(os.getcwd(), path)).parts[1:]))  # joined, not normalised: `..` as the kernel
     cur, hops = "/", 0
-    why = _folder_reason(Path("/"), os.stat("/"), euid, sticky_ok=True)
+    why = _folder_reason(Path("/"), os.stat("/"), euid, sticky_ok=True, also=also)
     if why:
         raise PermissionError(why)
     while todo:
@@ -220,7 +249,7 @@ def _trusted_target(path: Path, euid: int) -> str:
         nxt = os.path.join(cur, name)
         st = os.lstat(nxt)
         if stat.S_ISLNK(st.st_mode):
-            if st.st_uid not in (0, euid):
+            if st.st_uid not in (0, euid, *also):
                 raise PermissionError(f"{path}: the symlink {nxt} on its way is owned by uid {st.st_uid}, not {who}")
             hops += 1
             if hops > MAX_SYMLINKS:
@@ -233,7 +262,7 @@ def _trusted_target(path: Path, euid: int) -> str:
         if todo:  # a folder on the way
             if not stat.S_ISDIR(st.st_mode):
                 raise NotADirectoryError(errno.ENOTDIR, f"{nxt} is not a folder", str(path))
-            why = _folder_reason(Path(nxt), st, euid, sticky_ok=True)
+            why = _folder_reason(Path(nxt), st, euid, sticky_ok=True, also=also)
             if why:
                 raise PermissionError(why)
         cur = nxt

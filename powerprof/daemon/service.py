@@ -171,8 +171,13 @@ def prepare_socket_path(path: Path, what: str, euid: int | None = None) -> None:
 
 def lock_data_dir(data_dir: Path, euid: int | None = None) -> int:
     """An exclusive flock held for the daemon's life, so two daemons never write one data dir (duplicate rows)."""
-    data_dir.mkdir(parents=True, exist_ok=True)
-    why = untrusted_data_dir(data_dir, euid)
+    # Checked before anything is made: `mkdir -p` through another user's symlink makes root's folders wherever it points.
+    from powerprof.control.restore import untrusted_place
+
+    why = untrusted_place(data_dir, euid)
+    if not why:
+        data_dir.mkdir(parents=True, exist_ok=True)
+        why = untrusted_data_dir(data_dir, euid)
     if why:
         raise StartupError(
             f"refusing to run as root on data dir {data_dir}: {why}; another user could make root write or "
@@ -767,6 +772,12 @@ class Daemon:
     async def _serve_tags(self) -> None:
         path = self.cfg.tag_socket()
         try:
+            from powerprof.control.restore import untrusted_place
+
+            # Checked before the folder is made: `mkdir -p` through another user's symlink makes root's folders there.
+            why = untrusted_place(path.parent)
+            if why:
+                raise StartupError(f"refusing, as root, a socket folder another user could write for the tag API: {why}")
             path.parent.mkdir(parents=True, exist_ok=True)
             await self._serve(tag_app(self), f"unix:{path}", "tag API")
             os.chmod(path, stat.S_IRUSR | stat.S_IWUSR | stat.S_IRGRP | stat.S_IWGRP)

@@ -605,6 +605,22 @@ def test_root_refuses_a_state_folder_others_can_write_and_never_follows_a_plante
     assert victim.read_text() == "precious\n"
 
 
+@pytest.mark.skipif(os.geteuid() != 0, reason="the refusal is root's: as another user the folder is that user's own")
+def test_root_refuses_a_restore_path_restore_would_not_trust_before_any_change(tmp_path, originals):
+    # Before: the state folder was checked, a restore_path given to the controller was not. Root wrote its record in
+    # another user's folder and capped the GPU; after a kill -9 `powerprof restore` (rightly) refused that file as
+    # untrusted, so the GPU stayed capped, and that user could have replaced the record with limits of their own.
+    theirs = tmp_path / "theirs"
+    theirs.mkdir(mode=0o755)
+    os.chown(theirs, 65534, 65534)
+    with pytest.raises(ControlError, match=f"restore file {theirs}/r.json.*owned by uid 65534"):
+        with door_controller(sim(), [0, 1], restore_path=theirs / "r.json") as ctl:
+            ctl.set_power_limit_w(190)
+            assert door_restore(theirs / "r.json").outcomes[0].status == "restored"  # never reached after the fix
+    assert not (theirs / "r.json").exists()
+    assert_untouched()
+
+
 def test_nvidia_smi_fallback_names_the_gpu_by_uuid_not_by_an_index_that_may_have_moved(originals):
     # After a driver reload or a reset the indexes may come back in another order: nvidia-smi's
     # index 0 is then the GPU NVML knew as 1. The fallback must name the GPU it means by UUID.
