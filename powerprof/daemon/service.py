@@ -912,13 +912,14 @@ class Daemon:
             # Before the proxy listens: a request it took during this read (up to BASELINE_WAIT_S on a slow server)
             # would have its tokens taken into the baseline, a count low with nothing to say it (10 of 150).
             await self._scrape_baseline()
-        # Sampling before the proxy listens, RAPL read first: the first interval starts at NVML's first read, and a
-        # request from the first moment lands in it. Before, the proxy listened first and RAPL's thread could read
-        # after NVML's: that interval had no CPU energy, nor the request in it (1 run in 3 on a loaded machine).
+        # RAPL read once before the proxy listens and the sampler starts: the first interval starts at NVML's first
+        # read, and a request from the first moment lands in it. Before, RAPL's own thread could read after NVML's:
+        # that interval had no CPU energy, nor the request in it (1 loaded full test run in 3). Given to the ledger
+        # alone, not published: a start that fails (a port taken) leaves no sample row behind.
         if self.sources.rapl is not None:
-            await asyncio.get_running_loop().run_in_executor(
-                None, lambda: self.sampler.sample_now("baseline", sources=["rapl"]))
-        self.sampler.start()
+            t_ns, _, readings = await asyncio.get_running_loop().run_in_executor(
+                None, lambda: self.sampler.read_with("rapl", self.sources.rapl.read))
+            self.ledger.add_rapl_sample(t_ns, readings)
         listen = cfg.get("proxy", "listen")
         if listen and upstream:
             proxy_kwargs = dict(
@@ -939,6 +940,7 @@ class Daemon:
         if cfg.get("metrics", "listen"):
             self.urls["metrics"] = await self._serve(self._metrics_app(), cfg.get("metrics", "listen"), "metrics endpoint")
         await self._serve_tags()
+        self.sampler.start()
         self.flusher.start()
         self._tasks.append(asyncio.create_task(self._tick_loop()))
         if self.scraper is not None:
