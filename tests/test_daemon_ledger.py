@@ -1576,3 +1576,76 @@ def test_a_large_first_burst_holds_its_windows_until_its_end_though_small_pieces
     # 20 events from its decode's start to its end: a token's placement either side of a window edge).
     assert bypass <= 1.0 + 1e-9 and unproxied_j < 0.025 * sum(r["gpu_energy_j"] for r in rows), \
         [(r["t_start_mono_s"], r["server_tokens"], r["unproxied_energy_j"], r["server_count"]) for r in rows]
+
+
+def _rapl(led, t_s, cpu_j):
+    from powerprof.collectors.rapl import RaplReading
+
+    led.add_rapl_sample(int(t_s * S), [RaplReading("package-0", "package", 0, cpu_j, None)])
+
+
+def _one_request(led, t0_s, t1_s):
+    """A request live over [t0, t1] decoding ten tokens, ended and counted."""
+    tr = _trace(1, t0_s)
+    led.on_start(tr)
+    tr.first_ns = int((t0_s + 0.1) * S)
+    for j in range(10):
+        led.on_tokens(tr, int((t0_s + 0.1 + (t1_s - t0_s - 0.2) * j / 9) * S), 1)
+    tr.last_ns, tr.end_ns = int((t1_s - 0.1) * S), int(t1_s * S)
+    tr.counts = Counts(generated_tokens=10, prompt_tokens=10, model=None, stop_reason=None, token_source="usage")
+    led.on_end(tr)
+    return tr
+
+
+def test_an_interval_waits_for_the_rapl_read_that_covers_its_end():
+    # NVML and RAPL are read by two threads on one schedule: on a loaded host RAPL's tick may land just before NVML's,
+    # and the read after the edge is a whole period later. Before, the interval closed 0.3 s past its edge anyway, its
+    # CPU energy NaN, and the request in it had no cpu_energy_j with nothing said (the xfail in test_busy_host.py).
+    sink = Sink()
+    led = Ledger("d", 0, 1, sink, grace_s=0.3, rapl=True)
+    watts = 40.0  # the package's truth: 40 J in each 1 s interval
+    _one_request(led, 1.1, 1.9)
+    for k in range(3):
+        _rapl(led, k - 0.001, watts * (k - 0.001) + 500.0)
+        _feed(led, k, 300.0 * k)
+    led.advance(int(2.4 * S))  # the edge at 2 s is past its grace; RAPL's read after it is due at 2.999 s
+    assert [r["cpu_energy_j"] for r in sink.rows["intervals"]] == [pytest.approx(watts)]
+    assert sink.rows["requests"] == []  # held with its interval, not emitted without its CPU energy
+    _rapl(led, 2.999, watts * 2.999 + 500.0)
+    _feed(led, 3, 900.0)
+    led.advance(int(3.4 * S))
+    assert [r["cpu_energy_j"] for r in sink.rows["intervals"]] == [pytest.approx(watts)] * 2
+    (row,) = sink.rows["requests"]
+    assert 0 < row["cpu_energy_j"] <= watts and row["energy_note"] is None
+
+
+def test_a_request_without_cpu_energy_says_why_once_rapl_reads_stop():
+    # RAPL reads that stop (failing, or a host too loaded to read on time) hold the intervals a bounded time only; then
+    # they close without CPU energy, and the request's empty cpu_energy_j is said, with the fix.
+    sink = Sink()
+    led = Ledger("d", 0, 1, sink, grace_s=0.3, rapl=True, rapl_hold_s=2.0)
+    _one_request(led, 1.1, 1.9)
+    _rapl(led, 0.0, 500.0)
+    for k in range(6):
+        _feed(led, k, 300.0 * k)
+    led.advance(int(1.5 * S))
+    assert sink.rows["intervals"] == []  # no RAPL read past 0 s yet: held
+    led.advance(int(5.5 * S))
+    assert sink.rows["intervals"] and all(r["cpu_energy_j"] is None for r in sink.rows["intervals"])
+    (row,) = sink.rows["requests"]
+    assert row["cpu_energy_j"] is None and row["gpu_energy_j"] > 0
+    note = row["energy_note"]
+    assert "cpu_energy_j" in note and "RAPL" in note and "fix:" in note
+    assert led.totals.cpu_unknown_requests == 1
+
+
+def test_without_rapl_an_empty_cpu_energy_needs_no_note():
+    sink = Sink()
+    led = Ledger("d", 0, 1, sink, grace_s=0.3)
+    _one_request(led, 1.1, 1.9)
+    for k in range(4):
+        _feed(led, k, 300.0 * k)
+    led.advance(int(3.5 * S))
+    (row,) = sink.rows["requests"]
+    assert row["cpu_energy_j"] is None and row["energy_note"] is None
+    assert led.totals.cpu_unknown_requests == 0

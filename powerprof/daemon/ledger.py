@@ -6,7 +6,8 @@ before it has been seen), the intervals up to it are closed: their energy is spl
 `attribution.attribute` with the costs `workmodel.CostLearner` has learned for the GPUs' setting,
 and requests whose response ended before the edge are emitted with their energy. Intervals are
 held (at most `prompt_hold_s`) while a request live in them has not yet told its prompt length,
-and until the server's token counter has been scraped past them. Memory stays bounded: closed
+until the server's token counter has been scraped past them, and (at most `rapl_hold_s`) until a
+RAPL read covers their end. Memory stays bounded: closed
 intervals, emitted requests and used token events are dropped.
 """
 
@@ -14,7 +15,7 @@ from __future__ import annotations
 
 import logging
 from collections import deque
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Callable
 
 import numpy as np
@@ -38,6 +39,10 @@ from .streams import uncounted_kind
 from .workmodel import FEATURES, CostLearner
 
 log = logging.getLogger("powerprof.daemon.ledger")
+
+# How long an interval waits past its grace for a RAPL read at or past its end (the daemon passes a few sampling
+# periods): RAPL's thread may tick just before NVML's, and the covering read is then a period later.
+RAPL_HOLD_S = 2.0
 
 # What a row whose server count contradicts its stream says to do about it.
 COUNT_FIX = ("fix: point proxy.upstream at the server itself, not at a proxy that rewrites streams, and check the "
@@ -187,6 +192,7 @@ class Totals:
     other_cpu_pct: float | None = None  # other processes' share of the host's busy CPU time, latest judged busy interval
     busy_host_requests_cpu_j: float = 0.0  # CPU energy given to requests in intervals where it was above BUSY_HOST_PCT
     no_counter_short_requests: int = 0  # request rows flagged NO_COUNTER_SHORT_FLAG since start
+    cpu_unknown_requests: int = 0  # request rows without cpu_energy_j though RAPL is read (CPU_MISSING_NOTE) since start
     # Intervals with tokens left out of j_per_token since start, and their tokens: {flag: (intervals, tokens)}
     # (NO_COUNTER_SHORT_FLAG, BYPASS_LOW_FLAG).
     jpt_left_out: dict = field(default_factory=dict)
@@ -205,10 +211,14 @@ class Ledger:
         prompt_hold_s: float = PROMPT_HOLD_S,
         learner: CostLearner | None = None,
         avg_windows_s: tuple[float, ...] | None = None,
+        rapl: bool = False,
+        rapl_hold_s: float = RAPL_HOLD_S,
     ):
         """avg_windows_s: per GPU, the window nvmlDeviceGetPowerUsage averages over (collectors.nvml.GpuInfo's
         power_avg_window_s; 0: the reading is instant power). Where a GPU's counter gives no energy, its
-        trailing average is integrated shifted back by half that window, as the profiler does."""
+        trailing average is integrated shifted back by half that window, as the profiler does.
+        rapl: the host's CPU energy is read (also learnt from the first RAPL sample): an interval is then held until
+        a RAPL read at or past its end (at most rapl_hold_s), and a request left without CPU energy says why."""
         self.daemon_id = daemon_id
         self.t0_ns = t0_ns
         self.n_gpus = n_gpus
@@ -230,6 +240,9 @@ class Ledger:
         self.cpu_t: deque = deque(maxlen=4096)
         self.cpu_e: deque = deque(maxlen=4096)
         self.cpu_epoch: deque = deque(maxlen=4096)
+        self.rapl = rapl
+        self.rapl_hold_ns = int(rapl_hold_s * 1e9)
+        self.cpu_unknown_requests = 0  # request rows emitted without cpu_energy_j though RAPL is read (CPU_MISSING_NOTE)
         # Cumulative CPU seconds (collectors/cputime.py): the host's busy time and other processes' part of it.
         self.ct_t: deque = deque(maxlen=4096)
         self.ct_host: deque = deque(maxlen=4096)
@@ -629,6 +642,7 @@ class Ledger:
             self.edges.append(edge)
 
     def add_rapl_sample(self, t_ns: int, readings) -> None:
+        self.rapl = True
         energy_j, epoch = cpu_energy_j(readings)
         if energy_j is None:
             return
@@ -752,6 +766,13 @@ class Ledger:
             reach = min(int(self._avg_last_ns[g]) - int(self.avg_windows_s[g] * 1e9 / 2)
                         for g in np.flatnonzero(self._avg_needed))
             horizon = min(horizon, max(reach, now_ns - self.max_hold_ns))
+        if self.rapl:
+            # RAPL is read by its own sampler thread: on a loaded host its tick can land just before NVML's, and the
+            # read past an edge then comes a whole period later. Closed before it, the interval's CPU energy was NaN
+            # and its requests' cpu_energy_j empty (the first of 4 requests, 1 run in 3). Held for it, bounded: reads
+            # that stopped leave the intervals without CPU energy, said on their requests' rows.
+            covered = self.cpu_t[-1] if self.cpu_t else now_ns - self.rapl_hold_ns
+            horizon = min(horizon, max(covered, now_ns - self.rapl_hold_ns))
         n = 0
         while n + 1 < len(self.edges) and self.edges[n + 1].t_ns <= horizon:
             n += 1
@@ -983,6 +1004,9 @@ class Ledger:
                 rows.append(self._request_row(r))
                 del self.requests[r.trace.request_id]
         self.emit("requests", rows)
+        # The rows' counts, on /metrics with the rows themselves (the totals above were taken before them).
+        self.totals = replace(self.totals, no_counter_short_requests=self.no_counter_short_requests,
+                              cpu_unknown_requests=self.cpu_unknown_requests)
 
     def _prompt_work(self, r: _Req, done: bool) -> float:
         """The prompt tokens a request's prefill is costed at: the server's count, else (it ended without
@@ -1247,6 +1271,7 @@ class Ledger:
             other_cpu_pct=self._other_pct,
             busy_host_requests_cpu_j=self._busy_cpu_j,
             no_counter_short_requests=self.no_counter_short_requests,
+            cpu_unknown_requests=self.cpu_unknown_requests,
             jpt_left_out=dict(self._jpt_left_out),
         )
 
@@ -1374,6 +1399,8 @@ class Ledger:
         row = self._request_fields(r)
         if _no_counter_short(r):
             self.no_counter_short_requests += 1
+        if row["cpu_energy_j"] is None and row["energy_note"] and CPU_MISSING_NOTE in row["energy_note"]:
+            self.cpu_unknown_requests += 1
         # Strings from clients and the upstream (model, stop reason, errors) as valid Unicode: a lone
         # surrogate (a JSON `\\ud800`) would send the whole row to quarantine.
         return {k: valid_text(v) if isinstance(v, str) else v for k, v in row.items()}
@@ -1392,6 +1419,7 @@ class Ledger:
                      else bool(tr.tokens_seen and tr.api is not None and tr.api.startswith("openai")))
         error = _with_late(tr.error, r.late)
         cpu_j = r.cpu_j if r.cpu_known and not r.cpu_missing and r.gpu_j > 0 else None
+        cpu_unknown = self.rapl and cpu_j is None and r.gpu_j > 0
         # Weighted by its CPU joules from each interval: how much of its CPU figure stood beside others' work.
         other_pct = r.cpu_other_pct_j / r.cpu_judged_j if cpu_j is not None and r.cpu_judged_j > 0 else None
         if estimated and r.server_ahead >= 0.5:
@@ -1435,8 +1463,8 @@ class Ledger:
             "cpu_energy_j": cpu_j,
             "other_cpu_pct": other_pct,
             "energy_note": _joined(GPU_MISSING_NOTE if r.gpu_missing else _approximate_note(r) if r.gpu_j > 0
-                                   else _no_energy_reason(r), _no_counter_short_note(r), _bypass_low_note(r),
-                                   _busy_host_note(other_pct)),
+                                   else _no_energy_reason(r), CPU_MISSING_NOTE if cpu_unknown else None,
+                                   _no_counter_short_note(r), _bypass_low_note(r), _busy_host_note(other_pct)),
             "prompt_tokens_estimate": r.prompt_est[0] if r.prompt_est is not None and _prompt_tokens(r) is None else None,
             "attributed_tokens": r.tokens,
             "gpu_j_per_token": (float(attr.per_token(r.gpu_j, r.tokens))
@@ -1533,6 +1561,11 @@ def _passive(r: _Req) -> bool:
             and _prompt_tokens(r) is None)
 
 
+CPU_MISSING_NOTE = ("CPU energy unknown: no RAPL read covered part of this request's intervals (a dropped delta, "
+                    "reads failing, or reads periods late on a loaded host: the log, the rapl samples' error "
+                    "column and powerprof_sample_missed_total{source=\"rapl\"} say which): a sum of the rest would be "
+                    "too small, so cpu_energy_j is empty; fix: powerprof devices (RAPL zones and permissions), fewer "
+                    "busy processes beside the daemon")
 GPU_MISSING_NOTE = ("GPU energy unknown: a GPU gave no energy reading over part of this request (lost or failing "
                     "reads; the samples' error column says which and why): a sum of the others would be too small; "
                     "fix: powerprof devices, nvidia-smi -q")

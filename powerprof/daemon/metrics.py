@@ -116,6 +116,7 @@ class Snapshot:
     other_cpu_pct: float | None = None  # ledger.Totals: other processes' share of busy CPU time, latest judged interval
     busy_host_requests_cpu_j: float = 0.0  # CPU energy given to requests in busy-host intervals since start
     no_counter_short_requests: int = 0  # ledger.Totals: request rows flagged no-counter-short since start
+    cpu_unknown_requests: int = 0  # ledger.Totals: request rows without cpu_energy_j though RAPL is read, since start
     jpt_left_out: dict = field(default_factory=dict)  # ledger.Totals: {flag: (intervals, tokens)} left out of J/token
 
 
@@ -160,6 +161,10 @@ class SnapshotCollector:
                                       "CPU energy given to requests in intervals where other processes used over 10% of "
                                       "the host's busy CPU time (busy-host: it includes theirs)",
                                       value=s.busy_host_requests_cpu_j)
+            yield CounterMetricFamily("powerprof_requests_cpu_energy_unknown",
+                                      "Requests with GPU energy but no cpu_energy_j: no RAPL read covered part of their "
+                                      "intervals (a dropped delta, reads failing or periods late); their rows' "
+                                      "energy_note says why, with the fix", value=s.cpu_unknown_requests)
         k = CounterMetricFamily("powerprof_gpu_interval_energy_joules",
                                 "GPU energy by interval kind (idle, decode, prefill, unproxied)", labels=["kind"])
         for name, v in zip(KIND_NAMES, s.energy_by_kind_j):

@@ -37,7 +37,7 @@ from .config import Config, ConfigError, is_loopback, listen_host, load_config
 from .guard import ConnectionGuard, quiet_bad_requests
 from .inflight import InFlight
 from .latency import RequestLatency
-from .ledger import Ledger
+from .ledger import RAPL_HOLD_S, Ledger
 from .metrics import NONE, GpuSnapshot, Snapshot, TagLimiter, make_registry, render
 from .proxy import SERVER_OPTIONS, Proxy, RequestTrace
 from .scrape import AT_FINISH, SCRAPE_TIMEOUT_S, Cadence, Scraper, burst_start_ns
@@ -48,6 +48,9 @@ log = logging.getLogger("powerprof.daemon")
 # A request's end edge is read this long after the end: the energy counter lags by up to its
 # refresh period (10-100 ms on current drivers).
 END_EDGE_DELAY_S = 0.1
+# An interval waits up to this many sampling periods for a RAPL read past its end (Ledger's rapl_hold_s): the read
+# after an edge is due within one period, late by a loaded host's scheduling.
+RAPL_HOLD_PERIODS = 3
 # The server's counters are read once before the daemon says ready (detection and one scrape: three GETs at most).
 BASELINE_WAIT_S = 3 * SCRAPE_TIMEOUT_S
 # At a clean stop, one last read of them past the last sample, waited for this long at most (one GET's own limit).
@@ -555,6 +558,7 @@ class Daemon:
             other_cpu_pct=tot.other_cpu_pct,
             busy_host_requests_cpu_j=tot.busy_host_requests_cpu_j,
             no_counter_short_requests=tot.no_counter_short_requests,
+            cpu_unknown_requests=tot.cpu_unknown_requests,
             jpt_left_out=tot.jpt_left_out,
         )
 
@@ -888,7 +892,9 @@ class Daemon:
         )
         self.ledger = Ledger(self.daemon_id, self.t0_ns, len(self.collector.infos), self.store.append,
                              jpt_window_s=cfg.get("metrics", "jpt_window_s"),
-                             avg_windows_s=tuple(i.power_avg_window_s for i in self.collector.infos))
+                             avg_windows_s=tuple(i.power_avg_window_s for i in self.collector.infos),
+                             rapl=self.sources.rapl is not None,
+                             rapl_hold_s=max(RAPL_HOLD_S, RAPL_HOLD_PERIODS * cfg.get("daemon", "interval_s")))
         self.tags = TagLimiter(cfg.get("metrics", "tags"), cfg.get("metrics", "max_tags"))
         self.flusher = Flusher(self.store, cfg.get("daemon", "flush_interval_s"), cfg.get("daemon", "compact_interval_s"),
                                compact_in_child=True)
@@ -917,6 +923,14 @@ class Daemon:
             # Before the proxy listens: a request it took during this read (up to BASELINE_WAIT_S on a slow server)
             # would have its tokens taken into the baseline, a count low with nothing to say it (10 of 150).
             await self._scrape_baseline()
+        # RAPL read once before the proxy listens and the sampler starts: the first interval starts at NVML's first
+        # read, and a request from the first moment lands in it. Before, RAPL's own thread could read after NVML's:
+        # that interval had no CPU energy, nor the request in it (1 loaded full test run in 3). Given to the ledger
+        # alone, not published: a start that fails (a port taken) leaves no sample row behind.
+        if self.sources.rapl is not None:
+            t_ns, _, readings = await asyncio.get_running_loop().run_in_executor(
+                None, lambda: self.sampler.read_with("rapl", self.sources.rapl.read))
+            self.ledger.add_rapl_sample(t_ns, readings)
         listen = cfg.get("proxy", "listen")
         if listen and upstream:
             proxy_kwargs = dict(
@@ -982,6 +996,8 @@ class Daemon:
             self.sampler.stop()
             try:
                 self.sampler.sample_now("shutdown", sources=["nvml"])
+                if self.sources.rapl is not None:  # after NVML's: the last interval ends at its read
+                    self.sampler.sample_now("shutdown", sources=["rapl"])
             except Exception:
                 pass
             await self._final_scrape()  # past that last sample: the listeners are closed, no proxied token is to come
