@@ -8,7 +8,8 @@ Concurrent requests: the measured intervals are those where at least one request
 and none is in prefill (nor in an attempt whose phase is unknown). Aggregate throughput =
 decode tokens arriving inside them ÷ their total wall-clock length, never the sum of
 per-request rates. The intervals come back as (t0_ns, t1_ns) rows so that energy can be
-taken over exactly the same time.
+taken over exactly the same time, with the most and the mean (time-weighted) of the requests
+decoding at once inside them: the concurrency the batch achieved, which a stream sent late lowers.
 """
 
 from __future__ import annotations
