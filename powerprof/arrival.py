@@ -305,6 +305,8 @@ def reason_group(reason: str | None) -> str:
         return "the server's token count disagrees with its stream"
     if "not stream-timed" in r:
         return reason_group(r.split(": ", 1)[-1])
+    if "decoded apart" in r:  # before the queued test: its reason says how many "streams decoded at once" too
+        return "the batch's streams decoded apart (one sent or started late): fewer at once than its concurrency"
     if "streams decoded at once" in r:
         return "the server never ran the batch's streams together: it queued them"
     if "before the server restarted" in r:
@@ -324,6 +326,11 @@ def fix_for(reason: str | None) -> str:
             "speculative decoding (several tokens per event) short requests come in a few groups: generate more "
             "tokens per request (--max-tokens)"
         )
+    if "decoded apart" in r:
+        return ("a batch's streams must be sent and served together: powerprof's client was likely starved of CPU "
+                "and sent one late, so run it on a less busy host or core (e.g. taskset, nice -n -5); a server that "
+                "starts them apart (long prompts prefilled over several steps) needs more tokens per request "
+                "(--max-tokens), so that the start is a smaller share of the batch")
     if "client was late" in r or "starved" in r:
         return "powerprof was starved of CPU: run it on a less busy host or core (e.g. taskset, nice -n -5)"
     if "token count" in r:

@@ -8,7 +8,8 @@ Concurrent requests: the measured intervals are those where at least one request
 and none is in prefill (nor in an attempt whose phase is unknown). Aggregate throughput =
 decode tokens arriving inside them ÷ their total wall-clock length, never the sum of
 per-request rates. The intervals come back as (t0_ns, t1_ns) rows so that energy can be
-taken over exactly the same time.
+taken over exactly the same time, with the most and the mean (time-weighted) of the requests
+decoding at once inside them: the concurrency the batch achieved, which a stream sent late lowers.
 """
 
 from __future__ import annotations
@@ -133,6 +134,9 @@ class Aggregate:
     # The most streams decoding at one instant inside the intervals: fewer than were sent means the
     # server never ran them together (it queued them), so the figures are those of fewer streams.
     max_streams: int = 0
+    # The time-weighted mean of streams decoding inside the intervals: the concurrency the batch achieved. Below
+    # the streams sent when they decoded apart (one sent or started late, the rest decoding without it).
+    mean_streams: float = 0.0
 
 
 def max_decoding(t_first_ns: Sequence[int], t_last_ns: Sequence[int], intervals: np.ndarray) -> int:
@@ -147,6 +151,21 @@ def max_decoding(t_first_ns: Sequence[int], t_last_ns: Sequence[int], intervals:
     inside = ((iv[None, :, 0] <= a[:, None]) & (b[:, None] <= iv[None, :, 1])).any(axis=1)
     n = ((first[None, :] <= a[:, None]) & (b[:, None] <= last[None, :])).sum(axis=1)
     return int(n[inside].max()) if inside.any() else 0
+
+
+def mean_decoding(t_first_ns: Sequence[int], t_last_ns: Sequence[int], intervals: np.ndarray) -> float:
+    """The time-weighted mean of requests decoding ([t_first, t_last]) inside the intervals (0 when they are empty)."""
+    first = np.asarray(t_first_ns, dtype=np.int64)
+    last = np.asarray(t_last_ns, dtype=np.int64)
+    iv = np.asarray(intervals, dtype=np.int64).reshape(-1, 2)
+    if first.size == 0 or iv.size == 0:
+        return 0.0
+    edges = np.unique(np.concatenate([first, last, iv.ravel()]))
+    a, b = edges[:-1], edges[1:]
+    inside = ((iv[None, :, 0] <= a[:, None]) & (b[:, None] <= iv[None, :, 1])).any(axis=1)
+    n = ((first[None, :] <= a[:, None]) & (b[:, None] <= last[None, :])).sum(axis=1)
+    dur = (b - a)[inside].astype(float)
+    return float((n[inside] * dur).sum() / dur.sum()) if dur.sum() > 0 else 0.0
 
 
 def concurrent_throughput(
@@ -170,11 +189,12 @@ def concurrent_throughput(
         ks.append(k)
     iv = measured_intervals(sends, firsts, lasts, blocked)
     if not ts:
-        return Aggregate(iv, 0.0, 0.0, None, 0)
+        return Aggregate(iv, 0.0, 0.0, None, 0, 0.0)
     t_all = np.concatenate(ts)
     k_all = np.concatenate(ks)
     order = np.argsort(t_all, kind="stable")
     n = tokens_in_intervals(t_all[order], k_all[order], iv)
     dur_s = float((iv[:, 1] - iv[:, 0]).sum()) / 1e9 if iv.size else 0.0
-    return Aggregate(iv, dur_s, n, n / dur_s if dur_s > 0 else None, max_decoding(firsts, lasts, iv))
+    return Aggregate(iv, dur_s, n, n / dur_s if dur_s > 0 else None, max_decoding(firsts, lasts, iv),
+                     mean_decoding(firsts, lasts, iv))
 

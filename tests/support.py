@@ -48,6 +48,28 @@ def true_window_energy_j(gpu, rec) -> float:
     return gpu.true_energy_at_j(rec.timing.t1_ns) - gpu.true_energy_at_j(rec.timing.t0_ns)
 
 
+def true_batch_figures(truth: list[dict], step_ns: int = 100_000) -> tuple[float, float]:
+    """What a concurrent batch's streams (their SimServer truth rows) delivered, from the server's own record and
+    independent of powerprof.windows: (decode tok/s, streams decoding at once on average) over the instants where
+    one decodes ([first emission, last]) and none is in prefill ([arrival, first emission)), on a 0.1 ms grid.
+    The tokens are each stream's emissions after its first (which came out of prefill) at such an instant."""
+    import numpy as np
+
+    arrive = np.array([t["t_arrive_ns"] for t in truth])
+    first = np.array([t["emissions"][0][0] for t in truth])
+    last = np.array([t["emissions"][-1][0] for t in truth])
+
+    def state(at):
+        at = np.asarray(at)[:, None]
+        decoding = ((first <= at) & (at <= last)).sum(axis=1)
+        return decoding, (decoding > 0) & ~((arrive <= at) & (at < first)).any(axis=1)
+
+    decoding, measured = state(np.arange(first.min(), last.max(), step_ns))
+    em = np.array([(te, n) for t in truth for te, n in t["emissions"][1:]]).reshape(-1, 2)
+    tokens = float(em[state(em[:, 0])[1], 1].sum())
+    return tokens / (measured.sum() * step_ns / 1e9), float(decoding[measured].mean())
+
+
 class _CtrlC(UI):
     """A sweep UI that presses Ctrl-C in the idle baseline, or once the first level has measured a request."""
 

@@ -75,3 +75,17 @@ def test_an_aggregate_knows_how_many_streams_ever_decoded_together():
     two_slots = concurrent_throughput([(0, ta.astype(np.int64), np.ones(101), None),
                                        (0, tc.astype(np.int64), np.ones(101), None)])
     assert two_slots.max_streams == 2
+
+
+def test_an_aggregate_says_how_many_streams_decoded_together_on_average():
+    # A and B decode over [100, 1100] ms; C, sent late at 500 ms, is in prefill until 600 and decodes until 1600.
+    # Measured: [100, 500] two streams, [600, 1100] three, [1100, 1600] C alone: (2·0.4 + 3·0.5 + 1·0.5) / 1.4 = 2.0
+    # streams on average, though all three did decode together at one instant (max_streams 3).
+    ab = np.linspace(100, 1100, 101).astype(np.int64) * MS
+    c = np.linspace(600, 1600, 101).astype(np.int64) * MS
+    one = np.ones(101)
+    agg = concurrent_throughput([(0, ab, one, None), (0, ab, one, None), (500 * MS, c, one, None)])
+    assert agg.max_streams == 3
+    assert agg.mean_streams == pytest.approx(2.0, rel=1e-6)
+    together = concurrent_throughput([(0, ab, one, None)] * 3)
+    assert together.mean_streams == pytest.approx(3.0)

@@ -130,6 +130,9 @@ WINDOWS_COLUMNS = [
     # Others' work beside the window (sweep): what showed it (the server's counters, another process on the GPU);
     # such a window has no figures and counts in none (levels flag foreign-traffic). Null: none seen.
     ("foreign_traffic", STR),
+    # The concurrency a batch achieved: its streams decoding at once, time-weighted over its measured intervals
+    # (workload/rows.py: under 95% of its streams, the batch has no figure). Null for request and trace rows.
+    ("mean_streams", F64),
 ]
 
 # One row per level (and repeat pooled): what the user reads.
