@@ -139,33 +139,32 @@ class Aggregate:
     mean_streams: float = 0.0
 
 
-def max_decoding(t_first_ns: Sequence[int], t_last_ns: Sequence[int], intervals: np.ndarray) -> int:
-    """The most requests decoding ([t_first, t_last]) at one instant inside the intervals."""
+def _decoding_steps(t_first_ns: Sequence[int], t_last_ns: Sequence[int],
+                    intervals: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Per elementary step inside the intervals: the requests decoding ([t_first, t_last]) and its length in ns."""
     first = np.asarray(t_first_ns, dtype=np.int64)
     last = np.asarray(t_last_ns, dtype=np.int64)
     iv = np.asarray(intervals, dtype=np.int64).reshape(-1, 2)
     if first.size == 0 or iv.size == 0:
-        return 0
+        return np.zeros(0, dtype=np.int64), np.zeros(0, dtype=np.int64)
     edges = np.unique(np.concatenate([first, last, iv.ravel()]))
     a, b = edges[:-1], edges[1:]
     inside = ((iv[None, :, 0] <= a[:, None]) & (b[:, None] <= iv[None, :, 1])).any(axis=1)
     n = ((first[None, :] <= a[:, None]) & (b[:, None] <= last[None, :])).sum(axis=1)
-    return int(n[inside].max()) if inside.any() else 0
+    return n[inside], (b - a)[inside]
+
+
+def max_decoding(t_first_ns: Sequence[int], t_last_ns: Sequence[int], intervals: np.ndarray) -> int:
+    """The most requests decoding ([t_first, t_last]) at one instant inside the intervals."""
+    n, _ = _decoding_steps(t_first_ns, t_last_ns, intervals)
+    return int(n.max()) if n.size else 0
 
 
 def mean_decoding(t_first_ns: Sequence[int], t_last_ns: Sequence[int], intervals: np.ndarray) -> float:
     """The time-weighted mean of requests decoding ([t_first, t_last]) inside the intervals (0 when they are empty)."""
-    first = np.asarray(t_first_ns, dtype=np.int64)
-    last = np.asarray(t_last_ns, dtype=np.int64)
-    iv = np.asarray(intervals, dtype=np.int64).reshape(-1, 2)
-    if first.size == 0 or iv.size == 0:
-        return 0.0
-    edges = np.unique(np.concatenate([first, last, iv.ravel()]))
-    a, b = edges[:-1], edges[1:]
-    inside = ((iv[None, :, 0] <= a[:, None]) & (b[:, None] <= iv[None, :, 1])).any(axis=1)
-    n = ((first[None, :] <= a[:, None]) & (b[:, None] <= last[None, :])).sum(axis=1)
-    dur = (b - a)[inside].astype(float)
-    return float((n[inside] * dur).sum() / dur.sum()) if dur.sum() > 0 else 0.0
+    n, dur_ns = _decoding_steps(t_first_ns, t_last_ns, intervals)
+    dur = dur_ns.astype(float)
+    return float((n * dur).sum() / dur.sum()) if dur.sum() > 0 else 0.0
 
 
 def concurrent_throughput(

@@ -793,6 +793,18 @@ def test_root_refuses_a_data_dir_owned_by_another_user_and_accepts_its_own(tmp_p
     assert (mine / ".daemon.lock").read_text() == str(os.getpid())
 
 
+def _root_folder_behind_another_users_link(tmp_path):
+    """`roots` (root's, empty) and `theirs` (uid 65534's), in which `link` is their symlink to `roots`."""
+    roots = tmp_path / "roots"
+    roots.mkdir(mode=0o755)
+    theirs = tmp_path / "theirs"
+    theirs.mkdir(mode=0o755)
+    (theirs / "link").symlink_to(roots)
+    os.lchown(theirs / "link", 65534, 65534)
+    os.chown(theirs, 65534, 65534)
+    return roots, theirs
+
+
 @pytest.mark.skipif(os.geteuid() != 0, reason="needs root: a symlink and a folder owned by another user")
 def test_root_refuses_a_data_dir_reached_through_another_users_symlink_and_makes_nothing_first(tmp_path):
     # Before: the rule checked the folder's real path (realpath), so `theirs/link/data`, with `link` another user's
@@ -801,13 +813,7 @@ def test_root_refuses_a_data_dir_reached_through_another_users_symlink_and_makes
     # folder with a new `data` in it.
     from powerprof.daemon.service import StartupError, lock_data_dir
 
-    roots = tmp_path / "roots"
-    roots.mkdir(mode=0o755)
-    theirs = tmp_path / "theirs"
-    theirs.mkdir(mode=0o755)
-    (theirs / "link").symlink_to(roots)
-    os.lchown(theirs / "link", 65534, 65534)
-    os.chown(theirs, 65534, 65534)
+    roots, theirs = _root_folder_behind_another_users_link(tmp_path)
     with pytest.raises(StartupError, match="link is a symlink"):
         lock_data_dir(theirs / "link" / "data")
     assert list(roots.iterdir()) == []
@@ -838,13 +844,7 @@ def test_root_opens_no_tag_socket_in_a_folder_others_can_write(tmp_path):
 def test_root_makes_no_tag_socket_folder_through_another_users_symlink(tmp_path):
     # Before: the socket's folder was made (mkdir -p) first and checked after, so a refused socket still left root's
     # new folder wherever another user's symlink pointed.
-    roots = tmp_path / "roots"
-    roots.mkdir(mode=0o755)
-    theirs = tmp_path / "theirs"
-    theirs.mkdir(mode=0o755)
-    (theirs / "link").symlink_to(roots)
-    os.lchown(theirs / "link", 65534, 65534)
-    os.chown(theirs, 65534, 65534)
+    roots, theirs = _root_folder_behind_another_users_link(tmp_path)
     d = DaemonProc(tmp_path / "data", "--simulate", "--tag-socket", str(theirs / "link" / "sub" / "t.sock"),
                    env=sim_env(tmp_path))
     try:
