@@ -25,7 +25,7 @@ from powerprof.collectors.limitwatch import (CLOCK_FIX, LIMIT_CHANGERS, LIMIT_FI
                                             limit_moved, limits_read)  # (ClockLockWatch re-exported: tests)
 from powerprof.control.device import read_devices
 from powerprof.control.levels import parse_clock_levels, parse_power_levels
-from powerprof.control.restore import untrusted_out_dir
+from powerprof.trust import untrusted_out_dir
 from powerprof.profiler import Profiler
 from powerprof.storage.runs import RunWriter, default_run_dir, table_from_rows
 from powerprof.storage.samples import Timeline
