@@ -134,3 +134,14 @@ def read_trusted(path: Path, euid: int | None = None) -> bytes:
         if why:
             raise PermissionError(why)
         return f.read()
+
+
+def out_dir_refusal(path: Path, what: str = "run directory", option: str = "--out", env: dict | None = None) -> str | None:
+    """The error for a command that would write its results at `path` as root where `untrusted_out_dir` refuses
+    (`sweep --out`, `measure --out`, `monitor --output` and `--recover`); None where root may write there."""
+    why = untrusted_out_dir(path, env=env)
+    if not why:
+        return None
+    return (f"{what} {path}: refusing to write there as root: {why}; another user could make root write any file "
+            f"through a symlink there. Fix: {option} in a folder of root's own or of the user who ran sudo, "
+            "writable by no one else")
