@@ -310,6 +310,11 @@ def monitor(duration, interval, output, force, recover, gpus, plain, as_json, ra
             # The write at the end replaced an earlier run's samples without a word.
             raise click.BadParameter(f"{output} exists (samples of an earlier run?); choose another name, "
                                      "or --force to replace it", param_hint="--output")
+        from powerprof.trust import out_dir_refusal
+
+        why = out_dir_refusal(Path(os.path.abspath(output)).parent, "folder", "--output FILE")
+        if why:  # as root (sudo for RAPL): FILE.parts/, its parts and FILE are made there by names known in advance
+            raise click.BadParameter(why, param_hint="--output")
         parts = parts_dir_for(output)
         if os.path.lexists(parts):
             # A monitor of this name that could not finish (kill -9, OOM, power cut) left its samples there;
@@ -396,12 +401,16 @@ def _recover_monitor_output(output: str, force: bool) -> None:
     """`monitor --recover FILE`: the parts of a killed `monitor --output FILE` as FILE, then the parts removed."""
     from powerprof import pipes
     from powerprof.storage.samples import RecoverError, check_output_path, parts_dir_for, recover_parts
+    from powerprof.trust import out_dir_refusal
 
     try:
         check_output_path(output)
     except ValueError as e:
         raise click.BadParameter(str(e), param_hint="--recover") from None
     parts = parts_dir_for(output)
+    why = out_dir_refusal(parts, "the parts folder", "--recover FILE")
+    if why:  # as root: the lock, FILE and the parts' removal are names another user could point elsewhere
+        raise click.BadParameter(why, param_hint="--recover")
     if not parts.is_dir():
         raise click.BadParameter(f"{parts} does not exist: nothing to recover (a killed monitor --output {output} "
                                  "leaves its samples there)", param_hint="--recover")

@@ -25,7 +25,7 @@ from powerprof.collectors.limitwatch import (CLOCK_FIX, LIMIT_CHANGERS, LIMIT_FI
                                             limit_moved, limits_read)  # (ClockLockWatch re-exported: tests)
 from powerprof.control.device import read_devices
 from powerprof.control.levels import parse_clock_levels, parse_power_levels
-from powerprof.control.restore import untrusted_out_dir
+from powerprof.trust import out_dir_refusal
 from powerprof.profiler import Profiler
 from powerprof.storage.runs import RunWriter, default_run_dir, table_from_rows
 from powerprof.storage.samples import Timeline
@@ -1289,12 +1289,9 @@ def run_sweep(
         # Refuse an unusable --out before a server is launched or a GPU is locked.
         if run_dir.exists() and (not run_dir.is_dir() or any(run_dir.iterdir())):
             raise SweepError(f"run directory {run_dir} already exists and is not empty; choose another --out")
-        why = untrusted_out_dir(run_dir)
-        if why:
-            # Root writes every table, run.json and a launched server's log (by a name known in advance) there.
-            raise SweepError(f"run directory {run_dir}: refusing to write there as root: {why}; another user could "
-                             "make root write any file through a symlink there. Fix: --out in a folder of root's own "
-                             "or of the user who ran sudo, writable by no one else")
+        why = out_dir_refusal(run_dir)
+        if why:  # root writes every table, run.json and a launched server's log (by a name known in advance) there
+            raise SweepError(why)
         try:
             run_dir.mkdir(parents=True, exist_ok=True)
         except OSError as e:

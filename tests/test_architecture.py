@@ -13,7 +13,7 @@ PKG = Path(__file__).resolve().parent.parent / "powerprof"
 # Data flows collectors → sampler → windows/energy → storage → analysis → report; commands sit on top.
 LAYERS = [
     {"arrival"},  # how tokens arrived and the timing rule: pure, imports nothing of ours; windows builds on it
-    {"powerprof", "paths", "privilege", "termination", "pipes", "errtext", "energy", "windows", "terminal_plot"},  # pure helpers, no state
+    {"powerprof", "paths", "privilege", "trust", "termination", "pipes", "errtext", "energy", "windows", "terminal_plot"},  # pure helpers, no state
     {"collectors", "sim"},  # read one source each; the simulator imports only the helpers
     {"profiler", "storage"},
     {"workload", "control"},

@@ -102,3 +102,88 @@ def test_tag_cli_without_a_daemon_says_so(tmp_path):
     assert r.exit_code == 1 and "is `powerprof daemon` running" in r.output
     r = CliRunner().invoke(main, ["tag", "start", "bad name!", "--socket", str(tmp_path / "none.sock")])
     assert r.exit_code == 1 and "tag name" in r.output
+
+
+def _syscall_groups() -> dict[str, set[str]]:
+    """systemd's own syscall groups (`systemd-analyze syscall-filter`), nested groups expanded."""
+    out = subprocess.run(["systemd-analyze", "syscall-filter"], capture_output=True, text=True, timeout=60).stdout
+    raw: dict[str, list[str]] = {}
+    group = None
+    for line in out.splitlines():
+        if line.startswith("@"):
+            group = line.split()[0]
+            raw[group] = []
+        elif group and line.strip() and not line.strip().startswith("#"):
+            raw[group].append(line.split()[0])
+
+    def expand(name: str) -> set[str]:
+        return set().union(*(expand(x) if x.startswith("@") else {x} for x in raw.get(name, [])))
+
+    return {g: expand(g) for g in raw}
+
+
+def _allowed_syscalls(unit: dict[str, list[str]]) -> set[str]:
+    """The unit's SystemCallFilter= lines, applied in order as systemd does (the first an allow list; a `~` line
+    removes from it, a plain one adds to it), plus @default, which systemd always allows."""
+    groups = _syscall_groups()
+    allowed: set[str] = set(groups["@default"])
+    for line in unit["Service.SystemCallFilter"]:
+        deny = line.startswith("~")
+        names = set().union(*(groups[n] if n.startswith("@") else {n} for n in line.lstrip("~").split()))
+        allowed = allowed - names if deny else allowed | names
+    return allowed | groups["@default"]
+
+
+@pytest.mark.skipif(shutil.which("systemd-analyze") is None, reason="systemd-analyze lists systemd's syscall groups")
+def test_the_daemon_unit_lets_the_daemon_set_its_open_files_limit():
+    """The daemon raises RLIMIT_NOFILE (service.raise_open_files_limit). `~@resources` denied setrlimit (systemd's
+    default action: kill by SIGSYS); glibc >= 2.13 sends it as prlimit64 (in @default), a libc that makes the setrlimit
+    call itself would have had the daemon killed at start. And the unit now sets the limit itself."""
+    from powerprof.daemon.service import OPEN_FILES_WANTED
+
+    assert "setrlimit" in _syscall_groups()["@resources"]  # what made the unit wrong
+    u = _unit()
+    allowed = _allowed_syscalls(u)
+    assert {"setrlimit", "prlimit64", "getrlimit"} <= allowed
+    assert not {"sched_setscheduler", "setpriority", "set_mempolicy"} & allowed  # the rest of @resources stays denied
+    soft, _, hard = u["Service.LimitNOFILE"][0].partition(":")
+    assert int(soft) >= OPEN_FILES_WANTED and int(hard or soft) >= int(soft)
+
+
+# The daemon's sandbox, option by option, where the tuner needs no more: it runs as root and sets power limits
+# (CAP_SYS_ADMIN, the NVIDIA device nodes), keeps its state in /var/lib/powerprof-control and listens on loopback.
+TUNER_DIFFERS = {
+    "CapabilityBoundingSet": ["CAP_SYS_ADMIN"],  # the one capability setting a limit needs (privilege.py)
+    "AmbientCapabilities": None,  # root: nothing to pass on to a non-root user
+    "RestrictAddressFamilies": ["AF_UNIX AF_INET AF_INET6"],  # no netlink: it reads no network interface
+    "UMask": None,  # root's own folder; the daemon's 0027 is for its group
+    "SystemCallFilter": ["@system-service", "~@privileged @resources"],  # setrlimit too: it sets no limit of its own
+}
+
+
+def test_the_tuner_unit_is_sandboxed_as_the_daemons_where_it_needs_no_more():
+    daemon, tuner = _unit(), _unit(TUNE_UNIT)
+    text = UNIT.read_text()
+    sandbox = text[text.index("# Sandbox"):text.index("# Resources")]
+    keys = {ln.partition("=")[0] for ln in sandbox.splitlines() if ln and not ln.startswith("#")}
+    assert {"ProtectKernelTunables", "SystemCallFilter", "DevicePolicy", "DeviceAllow"} <= keys
+    for k in sorted(keys):
+        want = TUNER_DIFFERS.get(k, daemon[f"Service.{k}"])
+        assert tuner.get(f"Service.{k}") == want, (k, tuner.get(f"Service.{k}"), want)
+    assert tuner["Service.StateDirectory"] == ["powerprof-control"]  # restore files, locks, decisions: root's folder
+
+
+@pytest.mark.skipif(shutil.which("systemd-analyze") is None, reason="systemd-analyze is not installed here")
+def test_the_tuner_units_exposure_is_that_of_a_sandboxed_root_service(tmp_path):
+    """8.9 ("EXPOSED") before its sandbox; 2.3 with it, the rest being root, CAP_SYS_ADMIN and loopback sockets."""
+    import re
+
+    unit = tmp_path / TUNE_UNIT.name
+    unit.write_text(TUNE_UNIT.read_text())
+    p = subprocess.run(["systemd-analyze", "security", "--offline=true", str(unit)], capture_output=True, text=True,
+                       timeout=120)
+    m = re.search(r"Overall exposure level for powerprof-tune\.service: (\d+\.\d+)", p.stdout + p.stderr)
+    if m is None and "offline" in (p.stderr or ""):
+        pytest.skip(f"this systemd-analyze cannot check a unit file offline: {p.stderr.strip()[:200]}")
+    assert m, p.stdout + p.stderr
+    assert float(m.group(1)) <= 2.5

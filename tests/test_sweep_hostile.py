@@ -338,7 +338,7 @@ def test_root_writes_no_run_in_another_users_folder_but_in_the_sudo_users(tmp_pa
     # Before: `sudo powerprof sweep --out DIR` wrote the run wherever DIR was. In another user's folder, they could plant
     # a symlink under a name root writes by a name known in advance (a grid's server-logs/<config>.log, opened for
     # append: a launched server's output into any file on the machine) or swap the run folder itself.
-    from powerprof.control.restore import untrusted_out_dir
+    from powerprof.trust import untrusted_out_dir
 
     monkeypatch.delenv("SUDO_UID", raising=False)
     sim = SimNVML("seed-16g", state_path=None)

@@ -573,7 +573,7 @@ def test_the_scrape_follows_no_redirect_and_no_proxy(monkeypatch):
 def test_a_config_file_others_can_write_is_refused_as_root(tmp_path):
     import os
 
-    from powerprof.control.restore import read_trusted
+    from powerprof.trust import read_trusted
     from powerprof.tuner.policy import TunerConfigError
     from powerprof.tuner.setup import load_table
 

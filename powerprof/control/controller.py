@@ -17,6 +17,7 @@ from powerprof.collectors.gateway import gateway
 from powerprof.collectors.nvml import nvml_error_name
 from powerprof.paths import state_dir
 from powerprof.termination import clear, note
+from powerprof.trust import untrusted_place
 
 from .device import nvml_error_code, read_devices
 from .errors import ControlError, ControlPermissionError, PendingRestoreError, RestoreError, permission_message
@@ -30,7 +31,6 @@ from .restore import (
     pending_blocker,
     remove_file,
     restore_gpu,
-    untrusted_place,
     write_json_atomic,
 )
 from .setter import GpuReadback, NvidiaSmi, check_applied, lock_sm_clocks, reset_sm_clocks, run_nvidia_smi

@@ -348,7 +348,7 @@ def load_config(path: str | os.PathLike | None = None, env: dict | None = None, 
                 # Root follows it: its data dir, socket (a stale one there is replaced) and upstream. A file
                 # another user could write (or a symlink another user owns, or one in a folder they can write,
                 # on the way to it) is not used.
-                from powerprof.control.restore import read_trusted
+                from powerprof.trust import read_trusted
 
                 text = read_trusted(p, euid=0).decode("utf-8", "replace")
             else:

@@ -150,7 +150,7 @@ def untrusted_data_dir(data_dir: Path, euid: int | None = None) -> str | None:
     user can write, that user could point any of those names (a symlinked `.daemon.lock`) at any file
     on the machine. The folder and every folder above it must be root's and writable by no one else
     (root's sticky /tmp excepted: others cannot rename in it)."""
-    from powerprof.control.restore import untrusted_folder
+    from powerprof.trust import untrusted_folder
 
     return untrusted_folder(data_dir, euid)
 
@@ -175,7 +175,7 @@ def prepare_socket_path(path: Path, what: str, euid: int | None = None) -> None:
 def lock_data_dir(data_dir: Path, euid: int | None = None) -> int:
     """An exclusive flock held for the daemon's life, so two daemons never write one data dir (duplicate rows)."""
     # Checked before anything is made: `mkdir -p` through another user's symlink makes root's folders wherever it points.
-    from powerprof.control.restore import untrusted_place
+    from powerprof.trust import untrusted_place
 
     why = untrusted_place(data_dir, euid)
     if not why:
@@ -776,7 +776,7 @@ class Daemon:
     async def _serve_tags(self) -> None:
         path = self.cfg.tag_socket()
         try:
-            from powerprof.control.restore import untrusted_place
+            from powerprof.trust import untrusted_place
 
             # Checked before the folder is made: `mkdir -p` through another user's symlink makes root's folders there.
             why = untrusted_place(path.parent)

@@ -380,10 +380,20 @@ LOCK_NAME = ".lock"
 
 
 def _lock(parts_dir: Path) -> int | None:
-    """An exclusive flock on `parts_dir/.lock`; None where it is held by another process (a live monitor)."""
+    """An exclusive flock on `parts_dir/.lock`; None where it is held by another process (a live monitor).
+    RecoverError where `.lock` is a symlink: O_CREAT would follow it, and make (or open for writing) the file it
+    names, anywhere root can write, for whoever could write in `parts_dir`."""
+    import errno  # noqa: PLC0415
     import fcntl  # noqa: PLC0415
 
-    fd = os.open(parts_dir / LOCK_NAME, os.O_RDWR | os.O_CREAT, 0o644)
+    lock = parts_dir / LOCK_NAME
+    try:
+        fd = os.open(lock, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644)
+    except OSError as e:
+        if e.errno != errno.ELOOP:
+            raise
+        raise RecoverError(f"{lock} is a symlink (a monitor makes a plain file there: someone planted it?); "
+                           f"nothing changed; remove it (rm {lock}) if you trust the parts, then recover again") from None
     try:
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except BlockingIOError:

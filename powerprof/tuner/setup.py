@@ -10,7 +10,7 @@ import tempfile
 from pathlib import Path
 
 from powerprof.control.gpulock import make_dirs
-from powerprof.control.restore import read_trusted, untrusted_folder, untrusted_place
+from powerprof.trust import read_trusted, untrusted_folder, untrusted_place
 from powerprof.daemon.latency import LATENCY_EDGES_S
 from powerprof.paths import state_dir
 

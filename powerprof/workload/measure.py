@@ -27,6 +27,7 @@ from powerprof.collectors.cputime import BUSY_HOST_FIX, BUSY_HOST_PCT, busy_host
 from powerprof.collectors.limitwatch import CLOCK_FIX, LIMIT_CHANGERS, LIMIT_FIX, ClockLockWatch, ClockMove, LimitWatch, limits_read
 from powerprof.profiler import (EDGE_BIAS_WINDOW_S, LOW_CONFIDENCE_S, METHOD_POWER, POWER_EDGE_BIAS_SHARE,
                                 POWER_EDGE_BIAS_WINDOW_S)
+from powerprof.trust import out_dir_refusal
 
 from .client import RequestParams, RequestRecord, ServerInfo, detect_server, new_session, server_away
 from .load import LoadAborted, LoadPolicy, Prompt, run_load_async
@@ -777,6 +778,9 @@ def _run_measure(
 
     if out_dir.exists() and (not out_dir.is_dir() or any(out_dir.iterdir())):
         raise FileExistsError(f"output directory {out_dir} already exists and is not empty; choose another --out")
+    why = out_dir_refusal(out_dir, "output directory")
+    if why:  # as root (sudo for RAPL): checked before the folder is made or a --launch server started
+        raise ValueError(why)
     # Made before any request, so an unusable --out costs nothing (not a finished measurement).
     try:
         out_dir.mkdir(parents=True, exist_ok=True)

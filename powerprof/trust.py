@@ -1,0 +1,147 @@
+"""Whether root may act on a path: every folder and symlink on its way root's (or the sudo user's) and writable by no one else."""
+
+from __future__ import annotations
+
+import errno
+import os
+import stat
+from pathlib import Path
+
+
+def _file_reason(path, st, owners, euid, root_too) -> str | None:
+    who = "root" if euid == 0 else f"uid {euid}" + (" or root" if root_too else "")
+    if not stat.S_ISREG(st.st_mode):
+        return f"{path} is not a regular file (a symlink?)"
+    if st.st_uid not in owners:
+        return f"{path} is owned by uid {st.st_uid}, not {who}"
+    if st.st_mode & 0o022:
+        return f"{path} is writable by group or others (mode {stat.S_IMODE(st.st_mode):o})"
+    return None
+
+
+def _folder_reason(folder: Path, dst, euid: int, sticky_ok: bool = False, also: tuple[int, ...] = ()) -> str | None:
+    who = "root" if euid == 0 else f"uid {euid}"
+    if dst.st_uid not in (0, euid, *also):
+        return f"its folder {folder} is owned by uid {dst.st_uid}, not {who}" + "".join(f" or uid {u}" for u in also)
+    if dst.st_mode & 0o022 and not (sticky_ok and dst.st_mode & stat.S_ISVTX and dst.st_uid == 0):
+        return f"its folder {folder} is writable by group or others (mode {stat.S_IMODE(dst.st_mode):o})"
+    return None
+
+
+def untrusted_folder(folder: Path, euid: int | None = None, also: tuple[int, ...] = ()) -> str | None:
+    """Why root must not write in `folder`; None when only root could have written it (or this process is not
+    root). In a folder another user can write, that user could point any name root writes, replaces or deletes
+    (a symlink) at any file on the machine. The folder and every folder above it must be root's and writable by no
+    one else (root's sticky /tmp excepted above it: others cannot rename in it); the folder itself not a symlink, and
+    every symlink on the way root's (`_trusted_target`: a path's real folders are not enough, whoever owns a symlink
+    on the way can point it elsewhere after the check). `also`: uids trusted beside root (`untrusted_out_dir`)."""
+    euid = os.geteuid() if euid is None else euid
+    if euid != 0:
+        return None
+    try:
+        if os.path.islink(folder):
+            return f"{folder} is a symlink"
+        real = _trusted_target(Path(folder), euid, also)
+        why = _folder_reason(Path(real), os.stat(real), euid, also=also)
+    except PermissionError as e:
+        why = str(e)
+    except OSError as e:
+        return f"cannot inspect {folder}: {e.strerror or e}"
+    return why and why.replace("its folder ", "", 1)
+
+
+def untrusted_place(path: Path, euid: int | None = None, also: tuple[int, ...] = ()) -> str | None:
+    """`untrusted_folder` of `path`, or of the nearest folder above it that exists: what root would create
+    there is checked before it is created."""
+    there = Path(os.path.abspath(path))
+    while not os.path.lexists(there) and there != there.parent:
+        there = there.parent
+    return untrusted_folder(there, euid, also)
+
+
+def sudo_uid(env: dict | None = None) -> int | None:
+    """The uid of the user who ran `sudo` (SUDO_UID, which sudo itself sets), or None."""
+    env = os.environ if env is None else env
+    v = env.get("SUDO_UID", "")
+    return int(v) if v.isascii() and v.isdigit() and 0 < int(v) < 2**32 else None
+
+
+def untrusted_out_dir(path: Path, euid: int | None = None, env: dict | None = None) -> str | None:
+    """Why root must not write a run's results at `path` (`sweep --out`, `measure --out`): `untrusted_place`, with the
+    user who ran sudo trusted beside root (`sudo powerprof sweep` from their home, ./runs: they chose the folder, and
+    whoever may run powerprof as root may run any command as root, `--launch`); no one else's folder."""
+    uid = sudo_uid(env)
+    return untrusted_place(path, euid, also=() if uid is None else (uid,))
+
+
+MAX_SYMLINKS = 40  # as the kernel's own limit on one lookup
+
+
+def _trusted_target(path: Path, euid: int, also: tuple[int, ...] = ()) -> str:
+    """The file `path` names, found component by component: every folder on the way (from /) owned by root or `euid`
+    and writable by no one else (a root-owned sticky folder excepted: /tmp, /nix/store), and every symlink on the way,
+    the file's own included, owned by root or `euid` (a symlink's mode means nothing; who may replace it is its
+    folder's, checked like the others). So a symlink into a read-only root-owned store (NixOS's /etc) is followed,
+    and nothing another user could have written or replaced is. PermissionError with the reason otherwise."""
+    who = "root" if euid == 0 else f"uid {euid}"
+    todo = list(reversed(Path(os.path.join(os.getcwd(), path)).parts[1:]))  # joined, not normalised: `..` as the kernel
+    cur, hops = "/", 0
+    why = _folder_reason(Path("/"), os.stat("/"), euid, sticky_ok=True, also=also)
+    if why:
+        raise PermissionError(why)
+    while todo:
+        name = todo.pop()
+        if name in ("", "."):
+            continue
+        if name == "..":
+            cur = os.path.dirname(cur)  # a folder already checked on the way down
+            continue
+        nxt = os.path.join(cur, name)
+        st = os.lstat(nxt)
+        if stat.S_ISLNK(st.st_mode):
+            if st.st_uid not in (0, euid, *also):
+                raise PermissionError(f"{path}: the symlink {nxt} on its way is owned by uid {st.st_uid}, not {who}")
+            hops += 1
+            if hops > MAX_SYMLINKS:
+                raise OSError(errno.ELOOP, f"too many levels of symbolic links resolving {path}")
+            target = os.readlink(nxt)
+            if target.startswith("/"):
+                cur = "/"
+            todo.extend(reversed(Path(target).parts[1:] if target.startswith("/") else Path(target).parts))
+            continue
+        if todo:  # a folder on the way
+            if not stat.S_ISDIR(st.st_mode):
+                raise NotADirectoryError(errno.ENOTDIR, f"{nxt} is not a folder", str(path))
+            why = _folder_reason(Path(nxt), st, euid, sticky_ok=True, also=also)
+            if why:
+                raise PermissionError(why)
+        cur = nxt
+    return cur
+
+
+def read_trusted(path: Path, euid: int | None = None) -> bytes:
+    """The bytes of `path`, read only if no one but `euid` (or root) could have written them: every folder up to /
+    owned by root or `euid` and writable by no one else (a root-owned sticky folder excepted: others cannot rename in
+    it), every symlink on the way owned by root or `euid` (`_trusted_target`), the file itself opened without following
+    a further symlink and checked on the open descriptor (no swap between check and read). OSError with the reason
+    otherwise (a config file that decides what root does to the GPUs)."""
+    euid = os.geteuid() if euid is None else euid
+    path = Path(path)
+    target = _trusted_target(path, euid)
+    fd = os.open(target, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
+    with os.fdopen(fd, "rb") as f:
+        why = _file_reason(path, os.fstat(f.fileno()), {euid}, euid, False)
+        if why:
+            raise PermissionError(why)
+        return f.read()
+
+
+def out_dir_refusal(path: Path, what: str = "run directory", option: str = "--out", env: dict | None = None) -> str | None:
+    """The error for a command that would write its results at `path` as root where `untrusted_out_dir` refuses
+    (`sweep --out`, `measure --out`, `monitor --output` and `--recover`); None where root may write there."""
+    why = untrusted_out_dir(path, env=env)
+    if not why:
+        return None
+    return (f"{what} {path}: refusing to write there as root: {why}; another user could make root write any file "
+            f"through a symlink there. Fix: {option} in a folder of root's own or of the user who ran sudo, "
+            "writable by no one else")
