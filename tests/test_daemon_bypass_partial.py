@@ -215,6 +215,28 @@ def test_a_proxy_lagging_the_server_at_a_restart_makes_no_bypass_tokens_up():
         assert [r["server_count"] for r in rows[4:8]] == ["complete", "server_restart", "server_restart", "complete"]
 
 
+@pytest.mark.parametrize("stall,down_s", [((5.2, 6.6), 1.0), ((4.8, 6.4), 0.5), ((5.0, 7.0), 1.5)])
+def test_a_proxy_stalled_across_a_restart_makes_no_bypass_tokens_up(stall, down_s):
+    """The proxy (its worker processes stopped, a loaded host) reads nothing from before the restart until after the
+    server went down: the old process's last tokens reach it in one burst while the server is down, and the windows of
+    the stall, some over LAG_S before the restart, saw the server's count run ahead. That lag read as bypass tokens that
+    never ran, in rows saying `complete` or only that their count may be low (against the real llama-server, its
+    proxy's two workers stopped 0.4 s across the restart: 230 counted since it for the 100 sent; here 48, 71 and 119
+    where none ran). Every interval's count now errs low, never high, and says server_restart where it was lowered."""
+    for stride in (4, 10**9):  # bypass traffic at 10 tokens/s; none at all
+        rows, _, truth = _run(restart_at_s=6.2, down_s=down_s, stall=stall, bypass_stride=stride)
+        for r in rows[2:12]:
+            k = int(round(r["t_start_mono_s"]))
+            assert r["server_tokens"] <= truth[k] + 1e-6, (stride, k, r["server_tokens"], truth[k], r["server_count"])
+            if r["server_tokens"] < truth[k] - 1e-6:
+                assert "server_restart" in r["server_count"], (stride, k, r["server_tokens"], truth[k])
+        # From the second after the restart's window on, the count is whole again.
+        after = [r for r in rows if 6.2 + down_s + 1.0 <= r["t_start_mono_s"] < 13.0]
+        assert after and all(r["server_count"] == "complete" for r in after), [r["server_count"] for r in after]
+        k0 = int(after[0]["t_start_mono_s"] + 0.5)
+        assert sum(r["server_tokens"] for r in after) == pytest.approx(truth[k0:k0 + len(after)].sum())
+
+
 # --- the scraper: what tells a restart ------------------------------------------------------------------------------
 
 
