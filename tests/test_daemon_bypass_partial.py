@@ -215,6 +215,110 @@ def test_a_proxy_lagging_the_server_at_a_restart_makes_no_bypass_tokens_up():
         assert [r["server_count"] for r in rows[4:8]] == ["complete", "server_restart", "server_restart", "complete"]
 
 
+@pytest.mark.parametrize("stall,down_s", [((5.2, 6.6), 1.0), ((4.8, 6.4), 0.5), ((5.0, 7.0), 1.5)])
+def test_a_proxy_stalled_across_a_restart_makes_no_bypass_tokens_up(stall, down_s):
+    """The proxy (its worker processes stopped, a loaded host) reads nothing from before the restart until after the
+    server went down: the old process's last tokens reach it in one burst while the server is down, and the windows of
+    the stall, some over LAG_S before the restart, saw the server's count run ahead. That lag read as bypass tokens that
+    never ran, in rows saying `complete` or only that their count may be low (against the real llama-server, its
+    proxy's two workers stopped 0.4 s across the restart: 230 counted since it for the 100 sent; here 48, 71 and 119
+    where none ran). Every interval's count now errs low, never high, and says server_restart where it was lowered."""
+    for stride in (4, 10**9):  # bypass traffic at 10 tokens/s; none at all
+        rows, _, truth = _run(restart_at_s=6.2, down_s=down_s, stall=stall, bypass_stride=stride)
+        for r in rows[2:12]:
+            k = int(round(r["t_start_mono_s"]))
+            assert r["server_tokens"] <= truth[k] + 1e-6, (stride, k, r["server_tokens"], truth[k], r["server_count"])
+            if r["server_tokens"] < truth[k] - 1e-6:
+                assert "server_restart" in r["server_count"], (stride, k, r["server_tokens"], truth[k])
+        # From the second after the restart's window on, the count is whole again.
+        after = [r for r in rows if 6.2 + down_s + 1.0 <= r["t_start_mono_s"] < 13.0]
+        assert after and all(r["server_count"] == "complete" for r in after), [r["server_count"] for r in after]
+        k0 = int(after[0]["t_start_mono_s"] + 0.5)
+        assert sum(r["server_tokens"] for r in after) == pytest.approx(truth[k0:k0 + len(after)].sum())
+
+
+def _worker_stalled_across_restart(rate: float, stall_s: float, stop_s: float, read_s: float, down_s: float):
+    """A ledger fed as the daemon feeds it from proxy worker processes: one stream of `rate` tokens/s from 1 s, shipped
+    in 20 ms records, scrapes every 0.1 s, 0.25 s GPU samples. The worker is stopped at 1.5 s (a loaded host), the server
+    `stall_s + stop_s` later (its stop took `stop_s`); the worker resumes then and reads the old process's last tokens
+    `read_s` later, in one burst stamped then (its record says so; its heartbeat held the intervals). The server is back
+    `down_s` after its stop; 0.3 s after the scrape that tells the restart, 100 bypass tokens run at 400/s. Returns the
+    interval rows (the only bypass tokens: those 100)."""
+    sink = _Sink()
+    led = Ledger("d", 0, 1, sink, grace_s=0.3)
+    led.scraping = True
+    gen = 1.0 + np.arange(450) / rate  # when the old process generated (and counted) each token
+    stop = 1.5 + stall_s + stop_s
+    gen = gen[gen < stop]
+    t_read, up = stop + read_s, stop + down_s
+    early = gen[gen < 1.48]  # shipped on time, 20 ms at a time
+    pieces = [(float(early[b == i].max()) + 0.003, int((b == i).sum()))
+              for b in [np.floor((early - 1.0) / 0.02 + 1e-9)] for i in np.unique(b)]
+    pieces.append((t_read, int(gen.size - early.size)))
+    tr = RequestTrace(1, "POST", "/completion", None, int(0.95 * S), int(0.95 * S), api="llamacpp", stream=True)
+    led.on_start(tr)
+    prev_t = prev_total = told = bypass = None
+    prev_old = True
+    for k in range(int((max(t_read, up) + 6) / 0.005)):
+        t = round(k * 0.005, 6)
+        for ts, n in pieces:
+            if t - 0.005 < ts + 0.001 <= t:
+                tr.first_ns = tr.first_ns or int(ts * S)
+                tr.last_ns = int(ts * S)
+                tr.tokens_seen += n
+                led.on_tokens(tr, int(ts * S), n)
+        if tr.end_ns is None and t >= t_read + 0.001:  # cut by the restart: ended with the burst, no counts
+            tr.end_ns = tr.end_wall_ns = int(t_read * S)
+            tr.counts = Counts(generated_tokens=None, prompt_tokens=None, model=None, stop_reason=None,
+                               token_source="stream")
+            led.on_end(tr)
+        if told is not None and bypass is None and t >= told + 0.3:
+            bypass = t + np.arange(100) / 400.0
+        if k % 50 == 0:
+            led.add_gpu_sample(int(t * S), int(t * S), [_R(100.0 * t)])
+        if k % 20 == 0 and t >= 0.5 and (t < stop or t >= up):  # the server answers
+            count = float((gen <= t).sum()) if t < stop else float(0 if bypass is None else (bypass <= t).sum())
+            restarted = prev_t is not None and t >= up and prev_old
+            if prev_t is None:
+                led.add_server_tokens(int(t * S), 0.0, None)
+            else:
+                led.add_server_tokens(int(t * S), count if restarted else count - prev_total, int(prev_t * S),
+                                      partial=("server_restart",) if restarted else ())
+            told = t if restarted else told
+            prev_t, prev_total, prev_old = t, count, t < stop
+        held = 1.48 <= t < t_read + 0.001  # the stopped worker's heartbeat holds the intervals
+        led.advance(int(t * S), int((1.48 if held else t) * S))
+    led.close_all(int(t * S))
+    return sorted(sink.rows["intervals"], key=lambda r: r["t_start_mono_s"])
+
+
+@pytest.mark.parametrize("rate,stall_s,stop_s,read_s,down_s", [
+    # Before: bypass tokens counted before the restart's first marked interval where none ran, and since it for 100.
+    (300, 1.0, 0.02, 1.5, 3.0),  # the burst read with the server down, the stall over LAG_S long: 94, and 115
+    (150, 1.0, 1.0, 1.5, 3.0),  # a slow stop: 82, and 103
+    (300, 0.4, 1.0, 3.0, 0.5),  # read once the new process ran the bypass traffic: 76, and 28
+])
+def test_a_proxy_workers_burst_read_across_a_restart_is_placed_where_the_old_process_counted_it(
+        rate, stall_s, stop_s, read_s, down_s):
+    """The stopped worker reads the old process's last tokens in one burst, placed back over the stall at the server's
+    pace (`_held_burst`). The time after the latest scrape (the server down, unknown then) was taken at the last
+    window's pace: it took most of the tokens, and the stall's windows, where the server had counted them, got too few:
+    their rise read as bypass tokens that never ran, in rows saying `complete` (94 before the restart, none ran). Read after the new
+    process had run bypass traffic, they were placed at its pace, over those windows: the bypass tokens hid there and
+    the old ones read as bypass before the restart. Now the bypass count is the 100 tokens that ran, after the restart,
+    and nowhere high."""
+    rows = _worker_stalled_across_restart(rate, stall_s, stop_s, read_s, down_s)
+    said = [i for i, r in enumerate(rows) if "server_restart" in (r["server_count"] or "")]
+    assert said, [r["server_count"] for r in rows]
+    before = sum(r["server_tokens"] or 0 for r in rows[:said[0]])
+    since = sum(r["server_tokens"] or 0 for r in rows[said[0]:])
+    after = [r for r in rows[said[-1] + 1:]]
+    # The first token, counted by the server 3 ms before the proxy saw it, may read as 1 bypass token at 1 s.
+    assert before <= 1.0 + 1e-6 and since == pytest.approx(100, abs=1e-6), (before, since)
+    assert sum(r["server_tokens"] for r in after) == pytest.approx(100, abs=1e-6)
+    assert {r["server_count"] for r in after} == {"complete"}
+
+
 # --- the scraper: what tells a restart ------------------------------------------------------------------------------
 
 

@@ -339,7 +339,7 @@ class Ledger:
             r.closed_s += (self.edges[0].t_ns - a) / 1e9
             a = self.edges[0].t_ns
         k = int(min(SPREAD_EVENTS, max(2, n)))
-        ts = self._at_server_pace(r, a, t_ns, k + 1)[1:]
+        ts = self._at_server_pace(r, a, t_ns, k + 1, n)[1:]
         if r.bursts == 0:
             r.first_burst_end_ns = r.prev_ns
         r.bursts += 1
@@ -433,7 +433,7 @@ class Ledger:
         start = self._decode_start(r, t1)
         if t1 - start <= SAME_DELIVERY_NS:
             return  # nothing to move
-        ts = self._at_server_pace(r, start, t1, SPREAD_EVENTS)
+        ts = self._at_server_pace(r, start, t1, SPREAD_EVENTS, n)
         if self.server_seen:  # the scrape windows' proxied tokens move with them
             self._proxied.extend((t, -k) for t, k in zip(r.ev_t, r.ev_n))
             self._proxied.extend((t, n / SPREAD_EVENTS) for t in ts)
@@ -470,7 +470,7 @@ class Ledger:
             start = self._decode_start(r, int(last))
             if r.ev_t[m - 1] - start > SAME_DELIVERY_NS:
                 k = int(min(SPREAD_EVENTS, max(2, n1)))
-                ts = self._at_server_pace(r, start, int(r.ev_t[m - 1]), k)
+                ts = self._at_server_pace(r, start, int(r.ev_t[m - 1]), k, n1)
                 if self.server_seen:
                     self._proxied.extend((t, -x) for t, x in zip(r.ev_t[:m], r.ev_n[:m]))
                     self._proxied.extend((t, n1 / k) for t in ts)
@@ -493,17 +493,33 @@ class Ledger:
                         "says so in energy_note (%d such requests so far; %s)", tr.request_id, n, r.burst_s,
                         self.burst_requests, BURST_FIX)
 
-    def _at_server_pace(self, r: _Req, start: int, t1: int, k: int) -> list[int]:
-        """`k` instants from `start` to `t1`, each standing for an equal share of `r`'s tokens, as dense as the server
+    def _at_server_pace(self, r: _Req, start: int, t1: int, k: int, n: float | None = None) -> list[int]:
+        """`k` instants from `start` to `t1`, each standing for an equal share of `r`'s `n` tokens, as dense as the server
         gave each sequence tokens: a continuous-batching server gives every running sequence one token a step, so in
         each scrape window a sequence got (the server's count) / (the sequences running) tokens. The running ones are
         the proxy's: streams between their first and last token, bursts over their spread, live requests that have
         shown no token from their arrival (bypass traffic, unseen, scales every window alike at most). Evenly spread,
         an answer decoded alone, then beside 30 others, then alone got too few tokens where it ran alone: the server's
         counter rose beyond the proxy's there and that rise passed for bypass traffic (docs/daemon.md). Evenly where
-        the server counts at request end (SGLang) or no scrape window covers the span."""
+        the server counts at request end (SGLang) or no scrape window covers the span.
+
+        After the latest scrape the pace is not measured: the last window's is assumed, but that part takes no more of
+        the `n` tokens than the scraped windows leave. The server may have stopped there (restarted, or its stream
+        ended before a hop passed it on): a proxy stalled across a restart read the old process's last tokens with
+        the server down, and the unmeasured seconds at the last pace took most of them, the stall's windows, where
+        the server had counted them, too few (their rise read as bypass tokens that never ran, rows `complete`)."""
+        # A restart after the request arrived: the process that served it died in the restart's window, where the pace
+        # is the new process's. Its tokens go before the first scrape after that restart, the restart's window taken as
+        # unmeasured (above), and into no window after it: read late (a proxy stalled across the restart that read its
+        # old stream's last tokens once the new process ran bypass traffic), they were placed at that traffic's pace,
+        # hiding it, and the windows where the old process had counted them read their lag as bypass tokens.
+        cut = min((sp for sp in self.server_spans if sp[6] and sp[0] >= r.trace.arrival_ns and sp[1] > start),
+                  key=lambda sp: sp[0], default=None)
+        if cut is not None:
+            t1 = min(t1, cut[1])
         even = np.linspace(start, t1, k).astype(np.int64).tolist()
-        spans = [sp for sp in self.server_spans if sp[1] > start and sp[0] < t1 and sp[1] > sp[0]]
+        spans = [sp for sp in self.server_spans if sp[1] > start and sp[0] < t1 and sp[1] > sp[0]
+                 and (cut is None or sp[1] <= cut[0])]
         if not self.server_seen or self.server_at_finish or not spans:
             return even
         s0 = np.array([sp[0] for sp in spans], dtype=np.int64)
@@ -543,6 +559,10 @@ class Ledger:
                 rates.append(float(pace[i]))
             t, prev = max(t, int(a1[i])), float(pace[i])
         if t < t1:
+            if n is not None:
+                seqs = max(r.trace.extra.get("sequences", 1), 1)
+                measured = float(np.dot(rates, np.diff(np.array(edges, dtype=float)))) * seqs
+                prev = min(prev, max(0.0, n - measured) / seqs / (t1 - t))
             edges.append(t1)
             rates.append(prev)
         x = np.array(edges, dtype=float)
@@ -1159,15 +1179,22 @@ class Ledger:
             ahead = slice(k, next_restart[k])
             level = float(gaps[ahead][ends[ahead] <= sp[1] + lag_ns].min())
             nr = int(next_restart[k])
-            if nr < len(todo) and sp[1] + lag_ns > todo[nr][0]:
-                # Its lookahead crosses the restart. The proxy's tokens after the last scrape before it are its lag
+            if nr < len(todo):
+                # A restart after it is known. The proxy's tokens after the last scrape before it are its lag
                 # (counted by the old process at that scrape, seen by the proxy since) or the old process's lost tail
                 # (never counted), and nothing tells which: held against the old count, the lag drains and the tail
                 # lowers the level. Not looked at, a proxy behind at that scrape (a loaded host) left its lag in the
                 # gap as bypass tokens that never ran, in rows that said `complete` (the real llama-server: 134 counted
                 # for 100 sent, 34 of them a cut stream's lag). Taken as lag, the count may be low here, and is said.
+                # Every window still open when the restart is known, up to the first scrape after it: not only those
+                # whose LAG_S lookahead crosses it. A proxy stalled across the restart (its workers stopped on a loaded
+                # host) reads the old process's last tokens while the server is down, in one burst placed back over
+                # the stall at the pace of the last scrape window, the server's death unknown (`_held_burst`): part
+                # of them fell in the restart's window past the LAG_S reach, and the stall's windows, some over LAG_S
+                # before it and held open for that burst, kept the rest of the lag as bypass tokens that never ran
+                # (230 counted for 100 sent, rows `complete`; tests/test_daemon_bypass_partial.py: 48, 71, 119 for 0).
                 cut = todo[nr][0]
-                reach = min(sp[1] + lag_ns, int(ends[nr]))
+                reach = int(ends[nr])
                 seen = cum[np.searchsorted(pt, reach, side="right")] - cum[np.searchsorted(pt, cut, side="right")]
                 crossed = float(gaps[nr - 1]) - float(seen)
                 if crossed < level:
