@@ -997,3 +997,48 @@ def test_at_the_reference_there_is_nowhere_to_go_recorded_once_and_the_level_lef
 def test_stall_knobs_are_checked(bad):
     with pytest.raises(TunerConfigError, match=next(iter(bad))):
         cfg(**bad)
+
+
+def _run_noisy_first_pair(tu, j_first, j_after, t1=1500):
+    """The seed card's shape, but 200 W's J/token reads `j_first` until the tuner first leaves it, `j_after` after:
+    one noisy pair of windows (docs/tuner-evaluation.md, fourteenth attempt)."""
+    plant, t, left = Plant(), 0, False
+    while t < t1:
+        t += 10
+        lv = tu.level
+        j = (j_after if left else j_first) if lv == 200 else plant.j[lv]
+        tu.observe(window(t, lv, plant.tpot_ms[lv], j))
+        left = left or (lv == 200 and tu.level != 200)
+    return t
+
+
+def test_energy_pairs_a_level_below_refused_on_one_noisy_pair_is_paired_again_and_kept_on_the_mean():
+    # 200 W keeps the SLO and is truly 10% cheaper than 250 W, but its first window reads 15% dearer (past max_loss).
+    tu = Tuner(cfg(), 0.0)
+    _run_noisy_first_pair(tu, 1.15, 0.9)
+    assert tu.level == 250  # one pair: refused on energy, held above the sweet spot
+    assert any(d.action == "reject" and d.from_level == 200 and "under the -10% needed" in d.reason for d in tu.decisions)
+    tu = Tuner(cfg(energy_pairs=2), 0.0)
+    _run_noisy_first_pair(tu, 1.15, 0.9)
+    assert tu.level == 200 and tu.state == "hold"
+    back = next(d for d in tu.decisions if d.from_level == 200 and d.to_level == 250)
+    assert back.action == "explore" and "pair them again" in back.reason  # a fresh window of the incumbent first
+    accept = next(d for d in tu.decisions if d.action == "accept" and d.to_level == 200)
+    assert "mean of 2 pairs" in accept.reason and accept.t_s > back.t_s + 2 * 30  # two more windows: incumbent, trial
+    assert not any(d.action == "reject" and d.from_level == 200 for d in tu.decisions)
+
+
+def test_energy_pairs_a_level_below_that_truly_costs_more_is_still_refused_on_the_mean():
+    tu = Tuner(cfg(energy_pairs=2), 0.0)
+    _run_noisy_first_pair(tu, 1.15, 1.15)
+    assert tu.level == 250
+    rej = next(d for d in tu.decisions if d.action == "reject" and d.from_level == 200)
+    assert "mean of 2 pairs" in rej.reason and "under the -10% needed" in rej.reason
+
+
+def test_energy_pairs_is_checked():
+    for bad in (0, 5):
+        with pytest.raises(TunerConfigError, match="energy_pairs"):
+            cfg(energy_pairs=bad)
+    with pytest.raises(TunerConfigError, match="energy_pairs: an integer"):
+        config_from_table({"tpot_p95_ms": 100.0, "energy_pairs": 1.5}, [150, 300])
