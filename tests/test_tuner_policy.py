@@ -1042,3 +1042,32 @@ def test_energy_pairs_is_checked():
             cfg(energy_pairs=bad)
     with pytest.raises(TunerConfigError, match="energy_pairs: an integer"):
         config_from_table({"tpot_p95_ms": 100.0, "energy_pairs": 1.5}, [150, 300])
+
+
+@pytest.mark.parametrize("up", [False, True])
+def test_energy_pairs_up_pairs_again_a_level_above_kept_on_one_pair(up):
+    # 200 W is held; 250 W, tried above after 150 W is refused as too slow, reads 20% cheaper in its first window
+    # (noise: it truly costs more). One pair keeps it; with energy_pairs_up the second pair refuses it on the mean.
+    plant = Plant(j={150: 0.8, 200: 0.9, 250: 1.0, 300: 1.1})
+    # reprobe_s short: 250 W's first measurement is forgotten by the time 150 W is refused, so 250 W is tried above.
+    tu = Tuner(cfg(energy_pairs=2, energy_pairs_up=up, reprobe_s=100), 0.0)
+    t, left, seen = 0, False, False
+    while t < 600:
+        t += 10
+        lv = tu.level
+        j = plant.j[lv]
+        if lv == 250 and seen and not left:
+            j = 0.72  # the first trial above, once 200 W is held: 20% under 200 W's 0.9
+        tu.observe(window(t, lv, plant.tpot_ms[lv], j))
+        seen = seen or any(d.action == "explore" and d.from_level == 200 and d.to_level == 250 for d in tu.decisions)
+        left = left or (seen and lv == 250 and tu.level != 250)
+    up_trials = [d for d in tu.decisions if d.action == "explore" and d.from_level == 200 and d.to_level == 250]
+    assert up_trials
+    first = next(d for d in tu.decisions if d.t_s > up_trials[0].t_s and d.from_level == 250)
+    if up:
+        assert first.action == "explore" and first.to_level == 200 and "pair them again" in first.reason
+        rej = next(d for d in tu.decisions if d.action == "reject" and d.from_level == 250)
+        assert "mean of 2 pairs" in rej.reason and rej.to_level == 200
+        assert not any(d.action == "accept" and d.to_level == 250 and d.t_s > up_trials[0].t_s for d in tu.decisions)
+    else:
+        assert first.action == "accept" and "pairs" not in first.reason

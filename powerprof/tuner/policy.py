@@ -105,9 +105,10 @@ class TunerConfig:
     max_loss: float = 0.10  # …a level below is kept unless it costs more than this share (docs/tuner.md: the prior;
     # 0.10: the 5th percentile of the change in J/work between consecutive 5-minute windows at one level is −9 to −10%)
     energy_pairs: int = 1  # paired comparisons an energy verdict rests on when the first refuses a trial below that kept
-    # the SLO, or keeps one above: 2 goes back to the incumbent for a fresh window, tries the level again and judges on
-    # the mean of the two gains (1: off; fourteenth attempt, docs/tuner-evaluation.md: one pair's gain has a standard
-    # deviation of 7.5–8.3 points against its true value, so a level truly 7% cheaper was refused past −10% on noise)
+    # the SLO: 2 goes back to the incumbent for a fresh window, tries the level again and judges on the mean of the
+    # two gains (1: off; fourteenth attempt, docs/tuner-evaluation.md: one pair's gain has a standard deviation of
+    # 7.5–8.3 points against its true value, so a level truly 7% cheaper was refused past −10% on noise)
+    energy_pairs_up: bool = False  # …and when the first keeps a trial above on its saving (min_gain)
     prefill_weight: float = DEFAULT_PREFILL_PER_DECODE  # a prompt token's work in generated tokens
     max_step: int = 1  # levels per exploratory move
     max_explore_share: float = 0.5  # of the last explore_horizon_s spent on trials
@@ -966,7 +967,8 @@ class Tuner:
                 else []
             if ok and pairs:
                 gain = float(np.mean(pairs + [gain]))
-            if ok and (gain < need) == down and len(pairs) + 1 < cfg.energy_pairs and self._budget_ok(t):
+            if ok and (gain < need) == down and (down or cfg.energy_pairs_up) and len(pairs) + 1 < cfg.energy_pairs \
+                    and self._budget_ok(t):
                 # The verdict rests on energy alone (a level below kept the SLO but costs more, or one above saves):
                 # one pair's gain is a noisy draw. Back to the incumbent for a fresh window, then this level again.
                 verdict = (f"costs {-gain:.1%} more, past the {cfg.max_loss:.0%} allowed" if down
