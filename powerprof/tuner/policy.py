@@ -104,10 +104,10 @@ class TunerConfig:
     min_gain: float = 0.05  # a level above must save this share of J/token to be kept…
     max_loss: float = 0.10  # …a level below is kept unless it costs more than this share (docs/tuner.md: the prior;
     # 0.10: the 5th percentile of the change in J/work between consecutive 5-minute windows at one level is −9 to −10%)
-    energy_pairs: int = 1  # paired comparisons an energy verdict rests on when the first refuses a trial below that kept
+    energy_pairs: int = 2  # paired comparisons an energy verdict rests on when the first refuses a trial below that kept
     # the SLO: 2 goes back to the incumbent for a fresh window, tries the level again and judges on the mean of the
-    # two gains (1: off; fourteenth attempt, docs/tuner-evaluation.md: one pair's gain has a standard deviation of
-    # 7.5–8.3 points against its true value, so a level truly 7% cheaper was refused past −10% on noise)
+    # two gains (1: one pair, the fifth version; fourteenth attempt, docs/tuner-evaluation.md: one pair's gain has a
+    # standard deviation of 7.5–8.3 points against its true value, so a level truly 7% cheaper was refused past −10%)
     energy_pairs_up: bool = False  # …and when the first keeps a trial above on its saving (min_gain)
     prefill_weight: float = DEFAULT_PREFILL_PER_DECODE  # a prompt token's work in generated tokens
     max_step: int = 1  # levels per exploratory move
