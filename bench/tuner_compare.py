@@ -10,7 +10,8 @@ the tuner once per variant, so each variant's figures are those `tuner_eval.py -
 trace: the mean over the seeds of J/token against the oracle and the default and the points of 5-minute windows over the
 SLO beyond the default's (the acceptance figures of issue 17), and the oracle's own J/token and points against the
 default; then, per seed, the windows over the SLO of each variant (the default's in brackets), so windows gained and
-removed can be read seed by seed; and each variant's model descents (`model_descend`) in all.
+removed can be read seed by seed; and each variant's model descents (`model_descend`) in all. `--oracle stationary` runs
+the static levels on that trace only: the others print no figure against the oracle, several times faster.
 """
 
 from __future__ import annotations
@@ -47,11 +48,15 @@ def main() -> None:
     ap.add_argument("--card", choices=sorted(CARDS), default="seed")
     ap.add_argument("--traces", default="stationary,diurnal_shift")
     ap.add_argument("--variant", action="append", required=True, metavar="NAME:KEY=VALUE,...")
+    ap.add_argument("--oracle", default=None, metavar="TRACES",
+                    help="the traces whose static levels are run for the oracle (default: every trace); on the others "
+                         "only the default and the variants run (several times faster), and vs oracle is not printed")
     a = ap.parse_args()
     profile, knob, levels, default, slo, scale = CARDS[a.card]
     variants = [parse_variant(v, slo, knob, levels, default) for v in a.variant]
     seeds = [int(x) for x in a.seeds.split(",")]
     wanted = a.traces.split(",")
+    with_oracle = set(wanted if a.oracle is None else a.oracle.split(","))
     t0 = time.perf_counter()
     oracles: dict = {}  # trace → [(oracle's J/token against the default, its extra points)]
     rows: dict = {}  # (trace, variant) → [(vs oracle, vs default, Δ points, windows, default windows, descents)]
@@ -62,14 +67,15 @@ def main() -> None:
             split = a.hours * 3600 if name == "diurnal_shift" else None
             base = None
             for vname, cfg in variants:
-                res = evaluate(profile, tr, cfg, default, split_s=split, statics=base is None)
+                res = evaluate(profile, tr, cfg, default, split_s=split, statics=base is None and name in with_oracle)
                 if base is None:
                     base = res
-                    o, d = res["static"][res["oracle"]], res["default"]
-                    oracles.setdefault(name, []).append((o.j_per_token / d.j_per_token - 1,
-                                                         (o.win_violation - d.win_violation) * 100))
+                    if name in with_oracle:
+                        o, d = res["static"][res["oracle"]], res["default"]
+                        oracles.setdefault(name, []).append((o.j_per_token / d.j_per_token - 1,
+                                                             (o.win_violation - d.win_violation) * 100))
                 t, d = res["tuner"], base["default"]
-                o = base["static"][base["oracle"]]
+                o = base["static"][base["oracle"]] if name in with_oracle else t  # no oracle: vs oracle reads 0, not printed
                 descents = sum(1 for x in t.decisions if x.action == "explore" and "latency model" in x.reason)
                 rows.setdefault((name, vname), []).append(
                     (seed, t.j_per_token / o.j_per_token - 1, t.j_per_token / d.j_per_token - 1,
@@ -77,12 +83,14 @@ def main() -> None:
             print(f"seed {seed} {name} done ({time.perf_counter() - t0:.0f} s)", file=sys.stderr, flush=True)
     print(f"seeds {a.seeds} ({a.card}); vs oracle / vs default / extra windows (points), mean of {len(seeds)} seeds")
     for name in wanted:
-        om = [sum(x[k] for x in oracles[name]) / len(oracles[name]) for k in (0, 1)]
-        print(f"{name:14s} {'(oracle)':12s}        {om[0]:+6.1%} / {om[1]:+5.2f} pts against the default")
+        if name in with_oracle:
+            om = [sum(x[k] for x in oracles[name]) / len(oracles[name]) for k in (0, 1)]
+            print(f"{name:14s} {'(oracle)':12s}        {om[0]:+6.1%} / {om[1]:+5.2f} pts against the default")
         for vname, _ in variants:
             r = rows[(name, vname)]
             m = [sum(x[k] for x in r) / len(r) for k in (1, 2, 3)]
-            print(f"{name:14s} {vname:12s} {m[0]:+6.1%} / {m[1]:+6.1%} / {m[2]:+5.2f} pts; windows "
+            vo = f"{m[0]:+6.1%}" if name in with_oracle else "   n/a"
+            print(f"{name:14s} {vname:12s} {vo} / {m[1]:+6.1%} / {m[2]:+5.2f} pts; windows "
                   f"{sum(x[4] for x in r)} (default {sum(x[5] for x in r)}); model descents {sum(x[6] for x in r)}")
         print(f"{name:14s} per seed, windows over the SLO (default's in brackets) by variant:")
         for i, seed in enumerate(seeds):

@@ -3,6 +3,7 @@
     python bench/tuner_diagnose.py                       # stationary trace, seeds 3,5,7,9, seed card
     python bench/tuner_diagnose.py --trace diurnal_shift --seeds 3
     python bench/tuner_diagnose.py --windows --trace diurnal_shift --seeds 3,5   # the extra windows over the SLO
+    python bench/tuner_diagnose.py --seeds 75,77 --set energy_pairs=2            # a variant of the [tuner] knobs
 
 For each seed: the tuner and the oracle (bench/tuner_eval.py's best static level in hindsight) run the
 same trace; every tick's energy above what the oracle spent per token in the same 5-minute window
@@ -18,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+import tomllib
 from collections import defaultdict
 from pathlib import Path
 
@@ -30,7 +32,7 @@ from tuner_eval import CARDS, traces  # noqa: E402
 
 from powerprof.sim.profiles import get_profile  # noqa: E402
 from powerprof.sim.virtual import VirtualServer  # noqa: E402
-from powerprof.tuner.policy import Tuner, TunerConfig, merge, slo_ratio  # noqa: E402
+from powerprof.tuner.policy import Tuner, TunerConfigError, config_from_table, merge, slo_ratio  # noqa: E402
 
 
 def run_static(vs, arr, prompt, output, lv, tick_s, cfg):
@@ -210,11 +212,16 @@ def main() -> None:
     ap.add_argument("--card", choices=sorted(CARDS), default="seed")
     ap.add_argument("--hours", type=float, default=4.0)
     ap.add_argument("--decisions", action="store_true", help="print the tuner's decisions too")
+    ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                    help="a [tuner] knob for this run, as TOML writes its value (energy_pairs=2)")
     ap.add_argument("--windows", action="store_true",
                     help="instead: classify each 5-minute window the tuner broke and the default did not")
     a = ap.parse_args()
     profile, knob, levels, default, slo, scale = CARDS[a.card]
-    cfg = TunerConfig(levels=levels, reference=default, knob=knob, **slo)
+    try:
+        cfg = config_from_table({**slo, **tomllib.loads("\n".join(a.set)), "knob": knob}, list(levels), default)
+    except (tomllib.TOMLDecodeError, TunerConfigError) as e:
+        sys.exit(f"tuner_diagnose: --set: {e}")
     if a.windows:
         counts: dict = defaultdict(int)
         for seed in (int(x) for x in a.seeds.split(",")):

@@ -796,7 +796,9 @@ def test_the_model_does_not_descend_to_a_level_it_expects_past_the_headroom_nor_
     tu = Tuner(cfg(model_descend=True, model_min_windows=1, reprobe_s=10_000), 0.0)
     cheap.run(tu, 0, 2000)
     assert any(d.action == "reject" and d.from_level == 200 and "J/token" in d.reason for d in tu.decisions)
-    assert tu.level == 250 and len([d for d in tu.decisions if d.action == "explore" and d.to_level == 200]) == 1
+    # Tried twice: the energy verdict's two pairs (energy_pairs), then never by the model.
+    tries = [d for d in tu.decisions if d.action == "explore" and d.to_level == 200]
+    assert tu.level == 250 and len(tries) == 2 and "pair 2 of its energy verdict" in tries[1].reason
 
 
 @pytest.mark.parametrize("how", ["judgement", "steady rise"])
@@ -997,3 +999,77 @@ def test_at_the_reference_there_is_nowhere_to_go_recorded_once_and_the_level_lef
 def test_stall_knobs_are_checked(bad):
     with pytest.raises(TunerConfigError, match=next(iter(bad))):
         cfg(**bad)
+
+
+def _run_noisy_first_pair(tu, j_first, j_after, t1=1500):
+    """The seed card's shape, but 200 W's J/token reads `j_first` until the tuner first leaves it, `j_after` after:
+    one noisy pair of windows (docs/tuner-evaluation.md, fourteenth attempt)."""
+    plant, t, left = Plant(), 0, False
+    while t < t1:
+        t += 10
+        lv = tu.level
+        j = (j_after if left else j_first) if lv == 200 else plant.j[lv]
+        tu.observe(window(t, lv, plant.tpot_ms[lv], j))
+        left = left or (lv == 200 and tu.level != 200)
+    return t
+
+
+def test_energy_pairs_a_level_below_refused_on_one_noisy_pair_is_paired_again_and_kept_on_the_mean():
+    # 200 W keeps the SLO and is truly 10% cheaper than 250 W, but its first window reads 15% dearer (past max_loss).
+    tu = Tuner(cfg(energy_pairs=1), 0.0)
+    _run_noisy_first_pair(tu, 1.15, 0.9)
+    assert tu.level == 250  # one pair (the fifth version): refused on energy, held above the sweet spot
+    assert any(d.action == "reject" and d.from_level == 200 and "under the -10% needed" in d.reason for d in tu.decisions)
+    tu = Tuner(cfg(), 0.0)  # the default: two pairs
+    _run_noisy_first_pair(tu, 1.15, 0.9)
+    assert tu.level == 200 and tu.state == "hold"
+    back = next(d for d in tu.decisions if d.from_level == 200 and d.to_level == 250)
+    assert back.action == "explore" and "pair them again" in back.reason  # a fresh window of the incumbent first
+    accept = next(d for d in tu.decisions if d.action == "accept" and d.to_level == 200)
+    assert "mean of 2 pairs" in accept.reason and accept.t_s > back.t_s + 2 * 30  # two more windows: incumbent, trial
+    assert not any(d.action == "reject" and d.from_level == 200 for d in tu.decisions)
+
+
+def test_energy_pairs_a_level_below_that_truly_costs_more_is_still_refused_on_the_mean():
+    tu = Tuner(cfg(energy_pairs=2), 0.0)
+    _run_noisy_first_pair(tu, 1.15, 1.15)
+    assert tu.level == 250
+    rej = next(d for d in tu.decisions if d.action == "reject" and d.from_level == 200)
+    assert "mean of 2 pairs" in rej.reason and "under the -10% needed" in rej.reason
+
+
+def test_energy_pairs_is_checked():
+    for bad in (0, 5):
+        with pytest.raises(TunerConfigError, match="energy_pairs"):
+            cfg(energy_pairs=bad)
+    with pytest.raises(TunerConfigError, match="energy_pairs: an integer"):
+        config_from_table({"tpot_p95_ms": 100.0, "energy_pairs": 1.5}, [150, 300])
+
+
+@pytest.mark.parametrize("up", [False, True])
+def test_energy_pairs_up_pairs_again_a_level_above_kept_on_one_pair(up):
+    # 200 W is held; 250 W, tried above after 150 W is refused as too slow, reads 20% cheaper in its first window
+    # (noise: it truly costs more). One pair keeps it; with energy_pairs_up the second pair refuses it on the mean.
+    plant = Plant(j={150: 0.8, 200: 0.9, 250: 1.0, 300: 1.1})
+    # reprobe_s short: 250 W's first measurement is forgotten by the time 150 W is refused, so 250 W is tried above.
+    tu = Tuner(cfg(energy_pairs=2, energy_pairs_up=up, reprobe_s=100), 0.0)
+    t, left, seen = 0, False, False
+    while t < 600:
+        t += 10
+        lv = tu.level
+        j = plant.j[lv]
+        if lv == 250 and seen and not left:
+            j = 0.72  # the first trial above, once 200 W is held: 20% under 200 W's 0.9
+        tu.observe(window(t, lv, plant.tpot_ms[lv], j))
+        seen = seen or any(d.action == "explore" and d.from_level == 200 and d.to_level == 250 for d in tu.decisions)
+        left = left or (seen and lv == 250 and tu.level != 250)
+    up_trials = [d for d in tu.decisions if d.action == "explore" and d.from_level == 200 and d.to_level == 250]
+    assert up_trials
+    first = next(d for d in tu.decisions if d.t_s > up_trials[0].t_s and d.from_level == 250)
+    if up:
+        assert first.action == "explore" and first.to_level == 200 and "pair them again" in first.reason
+        rej = next(d for d in tu.decisions if d.action == "reject" and d.from_level == 250)
+        assert "mean of 2 pairs" in rej.reason and rej.to_level == 200
+        assert not any(d.action == "accept" and d.to_level == 250 and d.t_s > up_trials[0].t_s for d in tu.decisions)
+    else:
+        assert first.action == "accept" and "pairs" not in first.reason
