@@ -705,6 +705,14 @@ class Ledger:
         mean duration (`_spread_back`).
         `partial`: why this window's count may be low (scrape.PARTIAL_REASONS keys: the scraper's `window_partial`);
         the intervals it covers say so in `server_count`, and the requests given their energy in `energy_note`."""
+        if not self.server_seen:
+            # The proxy's token events are listed for the scrape windows (`_proxied`, `_finished`) only once a server
+            # is read. Its first window starts at the baseline read, before the daemon's ready, and its first pass can
+            # come after a stream's first pieces (a loaded host): those were in no list, the server had counted them
+            # (bypass tokens that never ran), and a stream's end that placed them again (`_first_burst`) took them
+            # out of a list they were never in (the window at -20 proxied tokens: 56 bypass tokens for none against
+            # the real llama-server). Every event placed so far is listed now, once.
+            self._list_placed()
         self.server_seen = True
         self.server_at_finish = at_finish
         self.server_upto_ns = t_ns
@@ -724,6 +732,17 @@ class Ledger:
         # the restart at the next pass, its levels started afresh a window early.
         self.server_spans.append([int(t0), int(t_ns), float(delta), None, fin, tuple(partial),
                                   "server_restart" in partial])
+
+    def _list_placed(self) -> None:
+        """At the first read of the server: every request's token events placed so far into `_proxied`, and each
+        ended one's tokens at its last into `_finished`, as on_tokens and on_end list them from then on."""
+        for r in self.requests.values():
+            self._proxied.extend(zip(r.ev_t, r.ev_n))
+            tr = r.trace
+            t = tr.last_ns if tr.last_ns is not None else tr.end_ns
+            n = r.spent + float(sum(r.ev_n)) + r.late
+            if tr.end_ns is not None and t is not None and n > 0:
+                self._finished.append((int(t), n, max(0, int(t) - tr.arrival_ns)))
 
     # --- tags --------------------------------------------------------------------------------
 
