@@ -382,6 +382,50 @@ def test_a_stream_whose_first_piece_was_a_burst_stalled_across_a_restart_books_n
         assert {r["server_count"] for r in after} - {"unscraped"} == {"complete"}, case
 
 
+def test_a_window_whose_placed_proxied_tokens_came_out_below_none_is_marked_not_counted_as_bypass(caplog):
+    """The guard behind the invariant above: should a placing ever take out of a scrape window more of the proxy's tokens
+    than were listed there (a fault: simulated here by a listed -50 in a window of 20), the window's rise read as
+    bypass tokens that never ran (50 here, rows `complete`). Now it books none there, says `misplaced` in
+    server_count on its intervals (their requests leave J/token, `bypass-uncounted`) and logs the fault."""
+    sink = _Sink()
+    led = Ledger("d", 0, 1, sink, grace_s=0.3)
+    led.scraping = True
+    tr = RequestTrace(1, "POST", "/completion", None, int(0.9 * S), int(0.9 * S), api="llamacpp", stream=True)
+    led.on_start(tr)
+    count, prev = 0, None
+    for k in range(601):  # 10 ms steps to 6 s: 200 tokens/s from 1 s to 4 s, no bypass traffic
+        t = round(k * 0.01, 6)
+        if 1.0 <= t < 4.0:
+            tr.first_ns = tr.first_ns or int(t * S)
+            tr.last_ns = int(t * S)
+            tr.tokens_seen += 2
+            count += 2
+            led.on_tokens(tr, int(t * S), 2)
+        if t >= 4.0 and tr.end_ns is None:
+            tr.end_ns = tr.end_wall_ns = tr.last_ns
+            tr.counts = Counts(generated_tokens=count, prompt_tokens=20, model=None, stop_reason=None, token_source="usage")
+            led.on_end(tr)
+        if t == 2.05:
+            led._proxied.append((int(t * S), -50.0))  # the fault
+        if k % 25 == 0:
+            led.add_gpu_sample(int(t * S), int(t * S), [_R(100.0 * t)])
+        if k % 10 == 0 and t >= 0.5:
+            led.add_server_tokens(int(t * S), 0.0 if prev is None else float(count - prev[1]),
+                                  None if prev is None else int(prev[0] * S))
+            prev = (t, count)
+        led.advance(int(t * S))
+    led.close_all(int(6.0 * S))
+    rows = sorted(sink.rows["intervals"], key=lambda r: r["t_start_mono_s"])
+    assert sum(r["server_tokens"] or 0 for r in rows) == pytest.approx(0, abs=1e-6), [r["server_tokens"] for r in rows]
+    marked = [r["t_start_mono_s"] for r in rows if "misplaced" in (r["server_count"] or "")]
+    assert marked == [2.0], [(r["t_start_mono_s"], r["server_count"]) for r in rows]
+    assert {r["server_count"] for r in rows if 1.0 <= r["t_start_mono_s"] < 5.0 and r["t_start_mono_s"] != 2.0} == {
+        "complete"}
+    assert any("below none" in m for m in caplog.messages), caplog.messages
+    (req,) = sink.rows["requests"]
+    assert "bypass-uncounted" in (req["energy_note"] or "") and "misplaced" in req["energy_note"], req["energy_note"]
+
+
 # --- the scraper: what tells a restart ------------------------------------------------------------------------------
 
 
