@@ -714,8 +714,8 @@ class Ledger:
             # is read. Its first window starts at the baseline read, before the daemon's ready, and its first pass can
             # come after a stream's first pieces (a loaded host): those were in no list, the server had counted them
             # (bypass tokens that never ran), and a stream's end that placed them again (`_first_burst`) took them
-            # out of a list they were never in (the window at -20 proxied tokens: 56 bypass tokens for none against
-            # the real llama-server). Every event placed so far is listed now, once.
+            # out of a list they were never in: a window below none, its rise read as bypass (the ledger's test: 179
+            # counted for 100; docs/daemon.md, A server restart). Every event placed so far is listed now, once.
             self._list_placed()
         self.server_seen = True
         self.server_at_finish = at_finish
