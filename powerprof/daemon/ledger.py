@@ -27,8 +27,8 @@ from powerprof.energy import epoch_broken, interp_at, trailing_average_interval_
 from powerprof.profiler import (METHOD_AVG_POWER, METHOD_COUNTER, METHOD_NONE, METHOD_POWER, NO_COUNTER_SHORT_BUSY_SHARE,
                                 NO_COUNTER_SHORT_BUSY_SHARE_INSTANT, NO_COUNTER_SHORT_FIX, NO_COUNTER_SHORT_FLAG,
                                 weakest_method)
-from powerprof.storage.schema import (BYPASS_LOW_FLAG, SERVER_COUNT_COMPLETE, SERVER_COUNT_OFF, SERVER_COUNT_UNREAD,
-                                      bypass_count_fix, bypass_count_low)
+from powerprof.storage.schema import (BYPASS_LOW_FLAG, SERVER_COUNT_COMPLETE, SERVER_COUNT_MISPLACED, SERVER_COUNT_OFF,
+                                      SERVER_COUNT_UNREAD, bypass_count_fix, bypass_count_low)
 
 from powerprof.arrival import SAME_DELIVERY_NS
 
@@ -65,8 +65,11 @@ HELD_PACE_X = 4.0
 # A stream's first piece holding more than this many tokens a sequence came held back (no step gives a sequence that
 # many): its windows wait from its arrival until its end (the prompt hold at most), where that burst is placed.
 FIRST_BURST_TOKENS = 8
+# A scrape window's placed proxied tokens below minus this are a placing fault (`_placed_in`), not float rounding.
+PLACED_EPS = 1e-3
 # What an interval row's `server_count` and a request's energy_note say (storage/schema.py states them).
 COUNT_COMPLETE, UNREAD, COUNT_OFF = SERVER_COUNT_COMPLETE, SERVER_COUNT_UNREAD, SERVER_COUNT_OFF
+MISPLACED = SERVER_COUNT_MISPLACED
 FINISH_HOLD_S = 30.0  # an at-finish server's requests' durations of this long ago set how long intervals are held
 # What a row whose stream reached the proxy in one burst says to do about it (`_spread_burst`).
 BURST_FIX = ("fix: point proxy.upstream at the server itself, or turn off the buffering of what stands between them "
@@ -277,6 +280,7 @@ class Ledger:
         self._level = 0.0  # the latest window's level
         self.late_tokens = 0.0  # token events stamped before an interval already closed (not attributed)
         self.burst_requests = 0  # streams that reached the proxy in one burst (`_spread_burst`)
+        self.misplaced_windows = 0  # scrape windows whose placed proxied tokens came out below none (`_placed_in`)
         self._resolved_last: int | None = None  # the last scrape's end at the latest resolving pass
         self._gpu_total = np.zeros(n_gpus)
         self._cpu_total: float | None = None
@@ -705,6 +709,14 @@ class Ledger:
         mean duration (`_spread_back`).
         `partial`: why this window's count may be low (scrape.PARTIAL_REASONS keys: the scraper's `window_partial`);
         the intervals it covers say so in `server_count`, and the requests given their energy in `energy_note`."""
+        if not self.server_seen:
+            # The proxy's token events are listed for the scrape windows (`_proxied`, `_finished`) only once a server
+            # is read. Its first window starts at the baseline read, before the daemon's ready, and its first pass can
+            # come after a stream's first pieces (a loaded host): those were in no list, the server had counted them
+            # (bypass tokens that never ran), and a stream's end that placed them again (`_first_burst`) took them
+            # out of a list they were never in: a window below none, its rise read as bypass (the ledger's test: 179
+            # counted for 100; docs/daemon.md, A server restart). Every event placed so far is listed now, once.
+            self._list_placed()
         self.server_seen = True
         self.server_at_finish = at_finish
         self.server_upto_ns = t_ns
@@ -724,6 +736,17 @@ class Ledger:
         # the restart at the next pass, its levels started afresh a window early.
         self.server_spans.append([int(t0), int(t_ns), float(delta), None, fin, tuple(partial),
                                   "server_restart" in partial])
+
+    def _list_placed(self) -> None:
+        """At the first read of the server: every request's token events placed so far into `_proxied`, and each
+        ended one's tokens at its last into `_finished`, as on_tokens and on_end list them from then on."""
+        for r in self.requests.values():
+            self._proxied.extend(zip(r.ev_t, r.ev_n))
+            tr = r.trace
+            t = tr.last_ns if tr.last_ns is not None else tr.end_ns
+            n = r.spent + float(sum(r.ev_n)) + r.late
+            if tr.end_ns is not None and t is not None and n > 0:
+                self._finished.append((int(t), n, max(0, int(t) - tr.arrival_ns)))
 
     # --- tags --------------------------------------------------------------------------------
 
@@ -1156,7 +1179,8 @@ class Ledger:
             dur = np.concatenate([[0], np.cumsum(np.fromiter((x[2] for x in src), dtype=np.int64, count=len(src))[order])])
         t0 = np.searchsorted(pt, [sp[0] for sp in todo], side="right")
         t1 = np.searchsorted(pt, [sp[1] for sp in todo], side="right")
-        gaps = self._gap + np.cumsum([sp[2] for sp in todo] - (cum[t1] - cum[t0]))
+        placed = self._placed_in(todo, cum[t1] - cum[t0])
+        gaps = self._gap + np.cumsum(np.array([sp[2] for sp in todo], dtype=float) - placed)
         ends = np.array([sp[1] for sp in todo], dtype=np.int64)
         # A restarted server lost the old process's tail, the proxied tokens in it too: the gap falls there for good.
         # No window before the restart looks past it for its level (its LAG_S lookahead read the fall as lag), and
@@ -1214,6 +1238,29 @@ class Ledger:
             self._levels.append((sp[1], level))
             self._level = level
             self._gap = float(gaps[k])
+
+    def _placed_in(self, todo: list, placed: np.ndarray) -> np.ndarray:
+        """The proxy's tokens placed in each window, checked: a stream's placings move its tokens, never make or take
+        any, so a window can hold no fewer than none. One that does (a placing that took out what was never listed)
+        would count its server's tokens and that shortfall as bypass tokens that never ran, in rows saying `complete`:
+        it is held at its server's count instead (no bypass tokens booked there: low, if any ran) and says MISPLACED
+        in `server_count`, with a log line (the first three, then every hundredth)."""
+        wrong = placed < -PLACED_EPS
+        if not wrong.any():
+            return placed
+        for k in np.flatnonzero(wrong):
+            sp = todo[k]
+            if MISPLACED in sp[5]:
+                continue
+            sp[5] = (*sp[5], MISPLACED)
+            self.misplaced_windows += 1
+            if self.misplaced_windows <= 3 or self.misplaced_windows % 100 == 0:
+                log.warning("the proxy's tokens placed in the scrape window %.3f-%.3f s came to %.1f, below none (a "
+                            "fault of the daemon's; %d such windows so far): its bypass count is taken as 0, and its "
+                            "intervals say %s in server_count; fix: %s", (sp[0] - self.t0_ns) / 1e9,
+                            (sp[1] - self.t0_ns) / 1e9, float(placed[k]), self.misplaced_windows, MISPLACED,
+                            bypass_count_fix(MISPLACED))
+        return np.where(wrong, np.array([max(sp[2], 0.0) for sp in todo], dtype=float), placed)
 
     def _spread_back(self, sp: list, pt: np.ndarray, dur: np.ndarray | None) -> None:
         """Move a resolved at-finish window's start back to where its bypass requests began: their tokens were

@@ -262,11 +262,12 @@ DAEMON_REQUESTS_COLUMNS = [
 # A daemon interval row's `server_count`: the server's counter covered it with no known loss (complete); it was not
 # read over it, the scraper having no answer yet (unread: its bypass traffic unknown); the daemon scrapes no server
 # (off: bypass not measured); else why the count may be low, comma-separated (late_baseline, server_restart,
-# slots_only, unscraped). Null (files written before the column): unknown, never complete. A request given energy of
+# slots_only, unscraped, misplaced). Null (files written before the column): unknown, never complete. A request given energy of
 # an interval whose count may be low (or unread) says BYPASS_LOW_FLAG in its energy_note; `analyze` leaves it out of
 # J/token (docs/data.md, daemon_intervals).
 SERVER_COUNT_COMPLETE, SERVER_COUNT_UNREAD, SERVER_COUNT_OFF = "complete", "unread", "off"
 SERVER_COUNT_SLOTS_ONLY = "slots_only"  # a llama-server without --metrics: its /slots alone read
+SERVER_COUNT_MISPLACED = "misplaced"  # the daemon's placing of proxied tokens came out below none there: its bypass taken as 0
 BYPASS_LOW_FLAG = "bypass-uncounted"
 # The `server_count` values whose energy is trusted in J/token. `slots_only` alone is every interval of a llama-server
 # started without --metrics (its default): leaving it out would leave every figure out for a loss only bypass traffic
@@ -300,6 +301,8 @@ BYPASS_COUNT_FIX = {
     SERVER_COUNT_SLOTS_ONLY: "start llama-server with --metrics",
     "unscraped": "keep the server's /metrics answering within scrape's 2 s (the intervals wait for it 10 s at most)",
     SERVER_COUNT_OFF: "let the daemon scrape the server (scrape.server not none)",
+    SERVER_COUNT_MISPLACED: "none for these rows (a fault of the daemon's placing of proxied tokens: report it with the "
+                            "daemon's log)",
 }
 # Whatever the reason, a count short of whole costs something only where requests bypass the proxy. Where none do, a
 # count that may be low (a restart) still leaves the rows out, as nothing in them can tell; the daemon told that no
