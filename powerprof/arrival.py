@@ -305,6 +305,8 @@ def reason_group(reason: str | None) -> str:
         return "the server's token count disagrees with its stream"
     if "not stream-timed" in r:
         return reason_group(r.split(": ", 1)[-1])
+    if "ended apart" in r:  # before the queued and apart tests: its reason says how many "decoded at once" too
+        return "the batch's streams ended apart (stopped at different lengths): together too briefly for a figure"
     if "decoded apart" in r:  # before the queued test: its reason says how many "streams decoded at once" too
         return "the batch's streams decoded apart (one sent or started late): fewer at once than its concurrency"
     if "streams decoded at once" in r:
@@ -326,6 +328,12 @@ def fix_for(reason: str | None) -> str:
             "speculative decoding (several tokens per event) short requests come in a few groups: generate more "
             "tokens per request (--max-tokens)"
         )
+    if "ended apart" in r:  # first: its reason names the lengths, and a server sent no ignore_eos
+        return ("the batch's streams stopped at their end-of-text at different lengths, so they decoded together for "
+                "only part of the batch (more --max-tokens does not help, and nobody was late): measure on a server "
+                "that honours ignore_eos (llama.cpp, SGLang) or min_tokens (vLLM), which powerprof sends so that "
+                "each stream generates --max-tokens (TGI and other OpenAI-compatible servers are sent neither); or "
+                "read such a batch at the concurrency it achieved (its mean_streams), not at --concurrency")
     if "decoded apart" in r:
         return ("a batch's streams must be sent and served together: powerprof's client was likely starved of CPU "
                 "and sent one late, so run it on a less busy host or core (e.g. taskset, nice -n -5); a server that "

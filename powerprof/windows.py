@@ -137,6 +137,11 @@ class Aggregate:
     # The time-weighted mean of streams decoding inside the intervals: the concurrency the batch achieved. Below
     # the streams sent when they decoded apart (one sent or started late, the rest decoding without it).
     mean_streams: float = 0.0
+    # The same mean over the intervals up to the first stream's end: the concurrency its start achieved. Near the
+    # streams sent while mean_streams is not, they started together and ended apart (stopped at different lengths).
+    start_mean_streams: float = 0.0
+    # [the last stream's first token, the first stream's last]: where every stream decodes (None: no such span).
+    together_ns: tuple[int, int] | None = None
 
 
 def _decoding_steps(t_first_ns: Sequence[int], t_last_ns: Sequence[int],
@@ -167,13 +172,22 @@ def mean_decoding(t_first_ns: Sequence[int], t_last_ns: Sequence[int], intervals
     return float((n * dur).sum() / dur.sum()) if dur.sum() > 0 else 0.0
 
 
+def clip_intervals(intervals: np.ndarray, t0_ns: int, t1_ns: int) -> np.ndarray:
+    """The parts of the intervals inside [t0_ns, t1_ns] (empty ones dropped)."""
+    iv = np.asarray(intervals, dtype=np.int64).reshape(-1, 2)
+    out = np.stack([np.maximum(iv[:, 0], t0_ns), np.minimum(iv[:, 1], t1_ns)], axis=1) if iv.size else iv
+    return out[out[:, 1] > out[:, 0]].astype(np.int64)
+
+
 def concurrent_throughput(
     requests: Sequence[tuple[int, np.ndarray, np.ndarray, int | None]],
     blocked: Sequence[tuple[int, int]] = (),
+    within: tuple[int, int] | None = None,
 ) -> Aggregate:
     """Wall-clock aggregate decode throughput of requests that ran at the same time.
 
     `requests`: (t_send_ns, arrival_ns, tokens, generated or None) for each successful request.
+    `within`: measure only the part of the intervals inside this span (t0_ns, t1_ns), such as `together_ns`.
     """
     sends, firsts, lasts, ts, ks = [], [], [], [], []
     for t_send, arr, tok, gen in requests:
@@ -187,6 +201,8 @@ def concurrent_throughput(
         ts.append(t)
         ks.append(k)
     iv = measured_intervals(sends, firsts, lasts, blocked)
+    if within is not None:
+        iv = clip_intervals(iv, *within)
     if not ts:
         return Aggregate(iv, 0.0, 0.0, None, 0, 0.0)
     t_all = np.concatenate(ts)
@@ -194,6 +210,8 @@ def concurrent_throughput(
     order = np.argsort(t_all, kind="stable")
     n = tokens_in_intervals(t_all[order], k_all[order], iv)
     dur_s = float((iv[:, 1] - iv[:, 0]).sum()) / 1e9 if iv.size else 0.0
+    together = (max(firsts), min(lasts)) if max(firsts) < min(lasts) else None
     return Aggregate(iv, dur_s, n, n / dur_s if dur_s > 0 else None, max_decoding(firsts, lasts, iv),
-                     mean_decoding(firsts, lasts, iv))
+                     mean_decoding(firsts, lasts, iv),
+                     mean_decoding(firsts, lasts, clip_intervals(iv, min(firsts), min(lasts))), together)
 

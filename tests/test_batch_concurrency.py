@@ -4,6 +4,7 @@ apart (one sent late by a starved client) is marked, never stored as a figure at
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 
 import pytest
 
@@ -13,7 +14,7 @@ from powerprof.sim.nvml import SimNVML
 from powerprof.sim.server import SimServer
 from powerprof.workload.client import RequestParams
 from powerprof.workload.load import builtin_prompts, detect, run_load
-from powerprof.workload.rows import ACHIEVED_CONCURRENCY_SHARE, batch_problem, window_rows
+from powerprof.workload.rows import ACHIEVED_CONCURRENCY_SHARE, MIN_TOGETHER_TOKENS_PER_STREAM, batch_problem, window_rows
 from support import true_batch_figures
 
 
@@ -68,3 +69,59 @@ def test_a_batch_sent_together_keeps_its_figure_and_says_its_concurrency(monkeyp
     assert row["mean_streams"] >= ACHIEVED_CONCURRENCY_SHARE * 3
     if all(batch_problem(r) is None for r in recs):
         assert row["timing"] == "stream" and row["decode_tok_s"] > 0, row["timing_reason"]
+
+
+def _ended_apart_batch(prompt_set: str):
+    """One batch of four streams sent together to a server that gets no ignore_eos (the simulated vLLM taken for a TGI
+    server: powerprof sends it neither ignore_eos nor min_tokens), so each stops at its own end-of-text; its row, its
+    BatchWindow, its records and the server's truth."""
+    with SimServer(SimNVML("a100-40g", state_path=None), n_slots=8, flavour="vllm") as s:
+        info = dataclasses.replace(detect(s.url), kind="tgi")
+        recs = run_load(info, builtin_prompts(prompt_set), 4, 4, RequestParams(max_tokens=64), warmup=0)
+        truth = list(s.truth)
+    assert all(r.ok for r in recs) and len(truth) == 4
+    rows, (b,) = window_rows(recs, None, "run", info)
+    (row,) = [r for r in rows if r["window_kind"] == "batch"]
+    return row, b, recs, truth
+
+
+def true_together_tok_s(truth: list[dict]) -> tuple[float, float]:
+    """The server's own decode tok/s over the span where all the streams decode ([the last first emission, the first
+    last one]), and the tokens it emitted there."""
+    t0 = max(t["emissions"][0][0] for t in truth)
+    t1 = min(t["emissions"][-1][0] for t in truth)
+    tokens = sum(n for t in truth for te, n in t["emissions"][1:] if t0 < te <= t1)
+    return tokens / ((t1 - t0) / 1e9), tokens
+
+
+def test_a_batch_whose_streams_ended_apart_is_measured_where_all_of_them_decode():
+    # The medium prompts stop at 22, 29, 39 and 49 tokens. Before, 2.9 of 4 streams decoded at once on average over
+    # the batch, so it was left out, "one sent or started late (a client starved of CPU…)": wrong (they were sent
+    # and started together), with fixes that could not help; on such a server nearly every batch was left out.
+    row, b, recs, truth = _ended_apart_batch("medium")
+    lengths = sorted(t["generated"] for t in truth)
+    assert len(set(lengths)) == 4 and lengths[0] >= 20  # the premise: they stopped apart, all four for 20 tokens
+    truth_tok_s, truth_tokens = true_together_tok_s(truth)
+    if any(batch_problem(r) for r in recs):
+        pytest.skip("a loaded host left a stream untimed (that reason wins); nothing to say of the batch's ends")
+    # A figure at concurrency 4, the server's over the span where all four decoded (simulated A100: ~284 tok/s).
+    assert row["timing"] == "stream", row["timing_reason"]
+    assert row["concurrency"] == 4 and row["mean_streams"] >= ACHIEVED_CONCURRENCY_SHARE * 4
+    assert row["decode_tok_s"] == pytest.approx(truth_tok_s, rel=0.05)
+    assert row["decode_tokens"] == pytest.approx(truth_tokens, abs=4)
+    assert b.ended_apart
+
+
+def test_a_batch_whose_streams_ended_apart_too_soon_says_so_and_the_right_fix():
+    # The short prompts stop at 16, 29, 33 and 57 tokens: all four decode together for 15 tokens each, too few.
+    row, b, recs, truth = _ended_apart_batch("short")
+    assert min(t["generated"] for t in truth) < MIN_TOGETHER_TOKENS_PER_STREAM + 1  # the premise
+    assert row["timing"] == "untrusted" and row["decode_tok_s"] is None and row["gpu_j_per_token"] is None
+    if any(batch_problem(r) for r in recs):
+        pytest.skip("a loaded host left a stream untimed (that reason wins); nothing to say of the batch's ends")
+    reason = row["timing_reason"]
+    assert "ended apart" in reason and "16, 29, 33, 57 tokens" in reason and "tgi" in reason, reason
+    assert "late" not in reason and "starved" not in reason, reason
+    fix = fix_for(reason_group(reason))
+    assert "ignore_eos" in fix and "starved" not in fix, fix
+    assert "ended apart" in reason_group(reason)

@@ -460,3 +460,26 @@ def test_the_daemon_beside_simulated_rapl_judges_nothing(tmp_path, hog):
     assert reqs.other_cpu_pct.isna().all() and intervals.other_cpu_pct.isna().all()
     assert not reqs.energy_note.fillna("").str.contains("busy-host").any()
     assert "powerprof_other_processes_cpu_ratio" not in metrics
+
+
+def test_a_failed_rapl_read_at_the_daemons_start_is_logged_and_the_daemon_serves(tmp_path, monkeypatch, caplog):
+    # The start's RAPL read (before the proxy listens) raised through Daemon.run: a RAPL file that turned unreadable
+    # (permission dropped, a package gone) stopped the daemon from starting, where the sampler only logs a failed read.
+    from powerprof.collectors.rapl import RaplCollector, RaplPermissionError
+
+    read = RaplCollector.read
+
+    def denied_first_read(self):
+        if not getattr(self, "_read_once", False):
+            self._read_once = True
+            raise RaplPermissionError("/sys/class/powercap/intel-rapl:0/energy_uj")
+        return read(self)
+
+    monkeypatch.setattr(RaplCollector, "read", denied_first_read)
+    caplog.set_level("WARNING", logger="powerprof.daemon")
+    reqs, intervals, metrics = _daemon(tmp_path, host_cpu_time=None)
+    assert len(reqs) == 4  # it started and served through its proxy
+    said = [r.getMessage() for r in caplog.records if "permission denied" in r.getMessage()]
+    assert said and "start" in said[0], [r.getMessage() for r in caplog.records]
+    # Later reads worked: the requests after them have their CPU energy (the first may be marked unknown).
+    assert reqs.cpu_energy_j.notna().sum() >= 3, (reqs.cpu_energy_j.tolist(), reqs.energy_note.tolist())

@@ -89,3 +89,23 @@ def test_an_aggregate_says_how_many_streams_decoded_together_on_average():
     assert agg.mean_streams == pytest.approx(2.0, rel=1e-6)
     together = concurrent_throughput([(0, ab, one, None)] * 3)
     assert together.mean_streams == pytest.approx(3.0)
+    # C started late: until the first stream's end only 2 + 3 of 3 streams decoded on average, not all of them.
+    assert agg.start_mean_streams == pytest.approx((2 * 0.4 + 3 * 0.5) / 0.9, rel=1e-6)
+
+
+def test_streams_that_started_together_and_ended_apart_have_a_span_where_all_of_them_decode():
+    # Four streams sent together, first tokens at 100 ms, 20 ms a token, stopped at their end-of-text after 256, 200,
+    # 120 and 60 tokens (a server sent no ignore_eos): 2.48 streams on average over the batch, though they started
+    # together (4.0 up to the first end). Over [100 ms, the 60-token stream's end] all four decode: 4 × 50 tok/s.
+    reqs = []
+    for n in (256, 200, 120, 60):
+        arr = (100 + 20 * np.arange(n)).astype(np.int64) * MS
+        reqs.append((0, arr, np.ones(n, dtype=np.int64), n))
+    agg = concurrent_throughput(reqs)
+    assert agg.mean_streams == pytest.approx(2.478, abs=0.01)
+    assert agg.start_mean_streams == pytest.approx(4.0)
+    assert agg.together_ns == (100 * MS, (100 + 20 * 59) * MS)
+    together = concurrent_throughput(reqs, within=agg.together_ns)
+    assert together.tok_s == pytest.approx(200.0)
+    assert together.mean_streams == pytest.approx(4.0) and together.max_streams == 4
+    assert together.measured_s == pytest.approx(1.18) and together.decode_tokens == 4 * 59

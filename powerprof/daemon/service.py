@@ -27,6 +27,7 @@ from pathlib import Path
 import aiohttp
 from aiohttp import web
 
+from powerprof.collectors.rapl import RaplError
 from powerprof.collectors.sampler import Sample, Sampler
 from powerprof.errtext import error_text
 from powerprof.storage.atomic import atomic_path
@@ -928,9 +929,14 @@ class Daemon:
         # that interval had no CPU energy, nor the request in it (1 loaded full test run in 3). Given to the ledger
         # alone, not published: a start that fails (a port taken) leaves no sample row behind.
         if self.sources.rapl is not None:
-            t_ns, _, readings = await asyncio.get_running_loop().run_in_executor(
-                None, lambda: self.sampler.read_with("rapl", self.sources.rapl.read))
-            self.ledger.add_rapl_sample(t_ns, readings)
+            try:
+                t_ns, _, readings = await asyncio.get_running_loop().run_in_executor(
+                    None, lambda: self.sampler.read_with("rapl", self.sources.rapl.read))
+            except (OSError, RaplError) as e:  # (a permission dropped, a zone gone) as the sampler's reads: logged, not fatal
+                log.warning("the start's RAPL read failed, going on without it (the first requests may have no CPU "
+                            "energy, marked so): %s", error_text(e))
+            else:
+                self.ledger.add_rapl_sample(t_ns, readings)
         listen = cfg.get("proxy", "listen")
         if listen and upstream:
             proxy_kwargs = dict(

@@ -27,7 +27,7 @@ from .stream import APIS, StreamParser, parse_response
 
 # Server kinds and what each accepts beyond the OpenAI basics.
 KINDS = ("llamacpp", "vllm", "sglang", "tgi", "openai")
-_IGNORE_EOS = {"llamacpp", "vllm", "sglang"}
+IGNORE_EOS_KINDS = {"llamacpp", "vllm", "sglang"}
 _CONTINUOUS_USAGE = {"vllm", "sglang"}
 
 EdgeHook = Callable[[str], None]
@@ -220,7 +220,7 @@ def build_body(server: ServerInfo, prompt: str, params: RequestParams) -> dict:
     if server.kind in _CONTINUOUS_USAGE:
         opts["continuous_usage_stats"] = True  # per-chunk counts when chunks carry several tokens
     body["stream_options"] = opts
-    if params.ignore_eos and server.kind in _IGNORE_EOS:
+    if params.ignore_eos and server.kind in IGNORE_EOS_KINDS:
         body["ignore_eos"] = True
     if params.ignore_eos and server.kind == "vllm":
         body["min_tokens"] = params.max_tokens  # the length asked for, even past an end-of-text token

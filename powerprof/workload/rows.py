@@ -11,7 +11,7 @@ import numpy as np
 from powerprof.profiler import LOW_CONFIDENCE_S, MAX_POWER_GAP_S, weakest_method
 from powerprof.windows import concurrent_throughput
 
-from .client import RequestRecord, ServerInfo
+from .client import IGNORE_EOS_KINDS, RequestRecord, ServerInfo
 
 # A batch window's error where its streams never all decoded at once (queued behind the server's slots, staggered).
 NO_DECODE_INTERVAL = "no interval where every active request decoded"
@@ -21,6 +21,11 @@ NO_DECODE_INTERVAL = "no interval where every active request decoded"
 # about the time of one). A batch sent together on the simulator achieves 99.5% of its streams; long prompts with
 # 32-token outputs (the first streams' tails) 96.6%; one stream sent 0.1 s late into a 0.6 s decode 87%.
 ACHIEVED_CONCURRENCY_SHARE = 0.95
+# A batch whose streams started together but ended apart (stopped at different lengths: a server sent no ignore_eos
+# stops each at its end-of-text) is measured over the span where all of them decode, when each of its streams
+# delivered at least this many tokens there on average: the span ends at one stream's last token, and its
+# companions' tokens of that step fall either side of it, up to half a step's tokens off (1/(2·16) = 3%).
+MIN_TOGETHER_TOKENS_PER_STREAM = 16
 # A window's figures: what a window left out of every figure (untrusted, beside others' work, lost) loses.
 FIGURES = ("gpu_energy_j", "cpu_energy_j", "avg_gpu_power_w", "gpu_j_per_token", "total_j_per_token",
            "above_idle_gpu_j_per_token", "decode_tok_s", "gpu_energy_j_by_gpu")
@@ -54,6 +59,11 @@ class BatchWindow:
     sum_of_request_rates: float  # shown beside tok_s so nobody mistakes it for throughput
     max_streams: int = 0  # the most of its streams decoding at once inside the intervals
     mean_streams: float = 0.0  # its streams decoding at once inside the intervals, time-weighted: the achieved concurrency
+    # Its streams started together and ended apart: measured over the span where all of them decode when that held
+    # enough tokens (then mean_streams is theirs), else left whole, and left out by batch_row for that reason.
+    ended_apart: bool = False
+    together_tokens: float = 0.0  # decode tokens inside that span (measured or not)
+    together_s: float = 0.0  # its measured length
 
 
 def batch_windows(records: Sequence[RequestRecord]) -> list[BatchWindow]:
@@ -77,7 +87,21 @@ def batch_windows(records: Sequence[RequestRecord]) -> list[BatchWindow]:
                 blocked.append((r.t_first_ns, q.t_first_ns))
             if q.t_last_ns is not None and q.t_last_ns < r.t_last_ns:
                 blocked.append((q.t_last_ns, r.t_last_ns))
-        agg = concurrent_throughput([(r.t_send_ns, *r.arrivals(), r.generated_tokens) for r in ok], blocked)
+        reqs = [(r.t_send_ns, *r.arrivals(), r.generated_tokens) for r in ok]
+        agg = concurrent_throughput(reqs, blocked)
+        n = len(ok)
+        ended, together = False, None
+        if (agg.tok_s is not None and agg.max_streams == n and agg.mean_streams < ACHIEVED_CONCURRENCY_SHARE * n
+                and agg.start_mean_streams >= ACHIEVED_CONCURRENCY_SHARE * n and agg.together_ns is not None
+                and len({r.generated_tokens for r in ok}) > 1):
+            # Together up to the first stream's end, apart after it, at different lengths: they ended apart (equal
+            # lengths ending apart started apart too: apart_reason's), and the span where all of them decode is a
+            # figure at this batch's concurrency when it holds enough tokens.
+            ended = True
+            together = concurrent_throughput(reqs, blocked, within=agg.together_ns)
+            if (together.tok_s is not None and together.decode_tokens >= MIN_TOGETHER_TOKENS_PER_STREAM * n
+                    and together.mean_streams >= ACHIEVED_CONCURRENCY_SHARE * n):
+                agg = together
         out.append(
             BatchWindow(
                 bid,
@@ -89,6 +113,9 @@ def batch_windows(records: Sequence[RequestRecord]) -> list[BatchWindow]:
                 float(sum(r.decode_tok_s for r in ok if r.decode_tok_s)),
                 agg.max_streams,
                 agg.mean_streams,
+                ended,
+                together.decode_tokens if together is not None else 0.0,
+                together.measured_s if together is not None else 0.0,
             )
         )
     return out
@@ -270,7 +297,8 @@ def batch_row(
     elif not bad and b.tok_s is not None and b.mean_streams < ACHIEVED_CONCURRENCY_SHARE * streams:
         # All of them decoded together at some instant, but for too little of the time: the rest of its intervals
         # held fewer streams (one sent or started late), so its figures are those of fewer streams too.
-        timing, reason = "untrusted", apart_reason(b.mean_streams, streams)
+        timing, reason = "untrusted", (ended_reason(b, [r.generated_tokens for r in ok], server.kind) if b.ended_apart
+                                       else apart_reason(b.mean_streams, streams))
         bad = [reason]
     if bad:
         gpu_e = cpu_e = total = cpu_time = by_gpu = None
@@ -314,6 +342,7 @@ def batch_row(
 
 QUEUED = "streams decoded at once"
 DECODED_APART = "decoded apart"  # arrival.reason_group's key for apart_reason
+ENDED_APART = "ended apart"  # and for ended_reason
 
 
 def queued_reason(max_streams: int, streams: int) -> str:
@@ -327,6 +356,16 @@ def apart_reason(mean_streams: float, streams: int) -> str:
     return (f"on average {mean_streams:.1f} of {streams} streams decoded at once over its measured intervals (under "
             f"{100 * ACHIEVED_CONCURRENCY_SHARE:.0f}%): its streams {DECODED_APART}, one sent or started late (a client "
             "starved of CPU, or a server that started them apart), so its figures are those of fewer streams")
+
+
+def ended_reason(b: BatchWindow, generated: Sequence[int], server_kind: str) -> str:
+    """Why a batch whose streams started together but ended apart has no figure: all of them decoded together too briefly."""
+    sent = ("" if server_kind in IGNORE_EOS_KINDS else
+            f"; a {server_kind} server is sent no ignore_eos, so each stopped at its own end-of-text")
+    return (f"its streams {ENDED_APART}: they started together but stopped at different lengths "
+            f"({', '.join(str(g) for g in sorted(generated))} tokens{sent}), so on average {b.mean_streams:.1f} of "
+            f"{len(generated)} decoded at once, and all of them together delivered {b.together_tokens:.0f} tokens "
+            f"over {b.together_s:.2f} s, under the {MIN_TOGETHER_TOKENS_PER_STREAM} a stream a figure needs")
 
 
 def batch_problem(r: RequestRecord) -> str | None:
