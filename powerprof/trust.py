@@ -22,14 +22,18 @@ def _file_reason(path, st, owners, euid, root_too) -> str | None:
 
 
 def private_gids(uids, env: dict | None = None) -> frozenset[int]:
-    """The user-private groups of `uids`: a uid's primary group (its passwd entry; SUDO_GID for the user who ran sudo
-    when that uid has none, LDAP down) whose member list names no one else. Under umask 002 (Ubuntu's and Fedora's
-    default) a user's folders are 0775 with that group: group write lets no one but the user write there. Limit: a
-    second user whose *primary* group it is would be missed (that takes the whole passwd database, the usual
-    user-private-group test does not look); a group with no entry counts as no one's but its user's."""
+    """The user-private groups of `uids`, root's never: a user's primary group (its passwd entry) named as the user
+    and whose member list names no one else, the test pam_umask's `usergroups` makes before it sets umask 002
+    (Ubuntu's and Fedora's default: a user's folders are 0775 with that group, and group write lets no one but the
+    user write there). For the user who ran sudo with no passwd entry (LDAP down): SUDO_GID, if its group has no
+    entry or no members. Root's group is left out: RHEL's `operator` has gid 0 as its primary group, and root's own
+    umask is 022. Limit: another user whose *primary* group it is would be missed (that takes the whole passwd
+    database; the usual user-private-group test does not look either), so the group must bear the user's name."""
     env = os.environ if env is None else env
     out = set()
     for uid in uids:
+        if uid == 0:
+            continue
         try:
             pw = pwd.getpwuid(uid)
             name, gid = pw.pw_name, pw.pw_gid
@@ -38,10 +42,12 @@ def private_gids(uids, env: dict | None = None) -> frozenset[int]:
                 continue
             name, gid = None, int(env["SUDO_GID"])
         try:
-            members = grp.getgrgid(gid).gr_mem
+            g = grp.getgrgid(gid)
         except KeyError:
-            members = []
-        if set(members) <= {name}:
+            if name is None:
+                out.add(gid)
+            continue
+        if (name is None or g.gr_name == name) and set(g.gr_mem) <= {name}:
             out.add(gid)
     return frozenset(out)
 
@@ -61,8 +67,8 @@ def _folder_reason(folder: Path, dst, euid: int, sticky_ok: bool = False, also: 
         if dst.st_gid in groups:
             return None
         return (f"its folder {folder} is writable by group or others (mode {stat.S_IMODE(dst.st_mode):o}; its group "
-                f"{dst.st_gid} is not the private group of root or of a user trusted here: it has other members, or "
-                "is not their primary group)")
+                f"{dst.st_gid} is not the private group of a user trusted here: not their primary group, not named "
+                "as them, or with other members)")
     if dst.st_mode & 0o022:
         return f"its folder {folder} is writable by group or others (mode {stat.S_IMODE(dst.st_mode):o})"
     return None

@@ -99,17 +99,19 @@ def test_monitor_recover_as_root_refuses_parts_in_another_users_folder(tmp_path,
     assert not os.path.lexists(theirs / "n.parquet.parts") and not os.path.lexists(theirs / "n.parquet")
 
 
-def _nobodys_private_group():
-    """uid 65534's primary group, when it is a user-private group as the rule sees one (no other member); else None."""
+@pytest.fixture
+def alice(monkeypatch):
+    """uid 65534 seen as alice, with her user-private group (gid 65534, named alice, no other member), as useradd makes
+    on Ubuntu and Fedora: the passwd and group entries are faked (here 65534 is nobody, whose nogroup is shared)."""
     import grp
     import pwd
 
-    try:
-        gid = pwd.getpwuid(65534).pw_gid
-        members = grp.getgrgid(gid).gr_mem
-    except KeyError:
-        return None
-    return gid if set(members) <= {pwd.getpwuid(65534).pw_name} else None
+    real_pw, real_gr = pwd.getpwuid, grp.getgrgid
+    monkeypatch.setattr(pwd, "getpwuid", lambda u: pwd.struct_passwd(("alice", "x", 65534, 65534, "", "/home/alice",
+                                                                      "/bin/sh")) if u == 65534 else real_pw(u))
+    monkeypatch.setattr(grp, "getgrgid", lambda g: grp.struct_group(("alice", "x", 65534, [])) if g == 65534
+                        else real_gr(g))
+    return 65534
 
 
 def _folder(path, uid, gid, mode):
@@ -120,7 +122,7 @@ def _folder(path, uid, gid, mode):
 
 
 @AS_ROOT
-def test_the_sudo_users_group_writable_folders_pass_when_the_group_is_their_own(tmp_path, monkeypatch):
+def test_the_sudo_users_group_writable_folders_pass_when_the_group_is_their_own(tmp_path, monkeypatch, alice):
     # Before: under umask 002 with user-private groups (Ubuntu's and Fedora's default), ~/project is 0775, group the
     # user's own: `sudo powerprof sweep` (default ./runs) was refused "writable by group or others", though
     # docs/sweep.md says ./runs in the sudo user's home passes; and a user's own restore file under a 0775 ~/.local
@@ -128,9 +130,7 @@ def test_the_sudo_users_group_writable_folders_pass_when_the_group_is_their_own(
     from powerprof.control.restore import untrusted_reason
     from powerprof.trust import untrusted_out_dir
 
-    gid = _nobodys_private_group()
-    if gid is None:
-        pytest.skip("uid 65534's primary group has other members here: no user-private group to stand in for alice's")
+    gid = alice
     home = _folder(tmp_path / "alice", 65534, gid, 0o750)
     project = _folder(home / "project", 65534, gid, 0o775)
     assert untrusted_out_dir(project / "runs" / "x", euid=0, env={"SUDO_UID": "65534"}) is None
@@ -153,18 +153,18 @@ def test_the_sudo_users_group_writable_folders_pass_when_the_group_is_their_own(
     assert "writable by group" in untrusted_out_dir(shared / "x", euid=0, env={"SUDO_UID": "65534"})
     import grp
 
-    real = grp.getgrgid
-    def with_bob(g):
-        e = real(g)
-        return grp.struct_group((e.gr_name, e.gr_passwd, e.gr_gid, ["bob"])) if g == gid else e
-
-    monkeypatch.setattr(grp, "getgrgid", with_bob)
-    assert "writable by group" in untrusted_out_dir(project / "x", euid=0, env={"SUDO_UID": "65534"})
-    monkeypatch.setattr(grp, "getgrgid", real)
+    alices = grp.getgrgid
+    for other in (("alice", "x", gid, ["bob"]), ("staff", "x", gid, [])):  # bob a member; not named as alice
+        monkeypatch.setattr(grp, "getgrgid", lambda g, e=other: grp.struct_group(e) if g == gid else alices(g))
+        assert "writable by group" in untrusted_out_dir(project / "x", euid=0, env={"SUDO_UID": "65534"})
+    monkeypatch.setattr(grp, "getgrgid", alices)
     os.chmod(project, 0o777)
     assert "writable by group or others" in untrusted_out_dir(project / "x", euid=0, env={"SUDO_UID": "65534"})
     os.chmod(project, 0o775)
     assert "owned by uid 65534" in untrusted_out_dir(project / "x", euid=0, env={})
+    # Root's own group never counts as private: RHEL's `operator` has gid 0 as its primary group.
+    roots = _folder(tmp_path / "roots", 0, 0, 0o775)
+    assert "writable by group" in untrusted_out_dir(roots / "x", euid=0, env={})
 
 
 @AS_ROOT
