@@ -312,7 +312,8 @@ def monitor(duration, interval, output, force, recover, gpus, plain, as_json, ra
                                      "or --force to replace it", param_hint="--output")
         from powerprof.trust import out_dir_refusal
 
-        why = out_dir_refusal(Path(os.path.abspath(output)).parent, "folder", "--output FILE")
+        # Joined, not normalised (never abspath): `link/../f` is checked through `link`, as the kernel will write it.
+        why = out_dir_refusal(Path(os.path.join(os.getcwd(), output)).parent, "folder", "--output FILE")
         if why:  # as root (sudo for RAPL): FILE.parts/, its parts and FILE are made there by names known in advance
             raise click.BadParameter(why, param_hint="--output")
         parts = parts_dir_for(output)
@@ -408,7 +409,9 @@ def _recover_monitor_output(output: str, force: bool) -> None:
     except ValueError as e:
         raise click.BadParameter(str(e), param_hint="--recover") from None
     parts = parts_dir_for(output)
-    why = out_dir_refusal(parts, "the parts folder", "--recover FILE")
+    # FILE's folder as --output checks it (a folder root writes FILE in: not root's sticky /tmp), then the parts.
+    why = (out_dir_refusal(Path(os.path.join(os.getcwd(), output)).parent, "folder", "--recover FILE")
+           or out_dir_refusal(parts, "the parts folder", "--recover FILE"))
     if why:  # as root: the lock, FILE and the parts' removal are names another user could point elsewhere
         raise click.BadParameter(why, param_hint="--recover")
     if not parts.is_dir():

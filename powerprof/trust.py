@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import errno
+import grp
 import os
+import pwd
 import stat
 from pathlib import Path
 
@@ -19,30 +21,79 @@ def _file_reason(path, st, owners, euid, root_too) -> str | None:
     return None
 
 
-def _folder_reason(folder: Path, dst, euid: int, sticky_ok: bool = False, also: tuple[int, ...] = ()) -> str | None:
+def private_gids(uids, env: dict | None = None) -> frozenset[int]:
+    """The user-private groups of `uids`, root's never: a user's primary group (its passwd entry) named as the user
+    and whose member list names no one else, the test pam_umask's `usergroups` makes before it sets umask 002
+    (Ubuntu's and Fedora's default: a user's folders are 0775 with that group, and group write lets no one but the
+    user write there). For the user who ran sudo with no passwd entry (LDAP down): SUDO_GID, if its group has no
+    entry or no members. Root's group is left out: RHEL's `operator` has gid 0 as its primary group, and root's own
+    umask is 022. Limit: another user whose *primary* group it is would be missed (that takes the whole passwd
+    database; the usual user-private-group test does not look either), so the group must bear the user's name."""
+    env = os.environ if env is None else env
+    out = set()
+    for uid in uids:
+        if uid == 0:
+            continue
+        try:
+            pw = pwd.getpwuid(uid)
+            name, gid = pw.pw_name, pw.pw_gid
+        except KeyError:
+            if str(uid) != env.get("SUDO_UID") or not env.get("SUDO_GID", "").isdigit():
+                continue
+            name, gid = None, int(env["SUDO_GID"])
+        try:
+            g = grp.getgrgid(gid)
+        except KeyError:
+            if name is None:
+                out.add(gid)
+            continue
+        if (name is None or g.gr_name == name) and set(g.gr_mem) <= {name}:
+            out.add(gid)
+    return frozenset(out)
+
+
+def _folder_reason(folder: Path, dst, euid: int, sticky_ok: bool = False, also: tuple[int, ...] = (),
+                   groups: frozenset[int] | None = None) -> str | None:
+    """Why a folder is not trusted: owned by someone else than root, `euid` or `also`; writable by others (a root-owned
+    sticky folder excepted where `sticky_ok`); or writable by its group, unless that group is one of those users'
+    own private group (`groups`, default `private_gids` of them)."""
     who = "root" if euid == 0 else f"uid {euid}"
     if dst.st_uid not in (0, euid, *also):
         return f"its folder {folder} is owned by uid {dst.st_uid}, not {who}" + "".join(f" or uid {u}" for u in also)
-    if dst.st_mode & 0o022 and not (sticky_ok and dst.st_mode & stat.S_ISVTX and dst.st_uid == 0):
+    if sticky_ok and dst.st_mode & stat.S_ISVTX and dst.st_uid == 0:
+        return None
+    if dst.st_mode & 0o020 and not dst.st_mode & 0o002:
+        groups = private_gids((0, euid, *also)) if groups is None else groups
+        if dst.st_gid in groups:
+            return None
+        return (f"its folder {folder} is writable by group or others (mode {stat.S_IMODE(dst.st_mode):o}; its group "
+                f"{dst.st_gid} is not the private group of a user trusted here: not their primary group, not named "
+                "as them, or with other members)")
+    if dst.st_mode & 0o022:
         return f"its folder {folder} is writable by group or others (mode {stat.S_IMODE(dst.st_mode):o})"
     return None
 
 
-def untrusted_folder(folder: Path, euid: int | None = None, also: tuple[int, ...] = ()) -> str | None:
+def untrusted_folder(folder: Path, euid: int | None = None, also: tuple[int, ...] = (), link_ok: bool = False,
+                     groups: frozenset[int] | None = None) -> str | None:
     """Why root must not write in `folder`; None when only root could have written it (or this process is not
     root). In a folder another user can write, that user could point any name root writes, replaces or deletes
     (a symlink) at any file on the machine. The folder and every folder above it must be root's and writable by no
-    one else (root's sticky /tmp excepted above it: others cannot rename in it); the folder itself not a symlink, and
-    every symlink on the way root's (`_trusted_target`: a path's real folders are not enough, whoever owns a symlink
-    on the way can point it elsewhere after the check). `also`: uids trusted beside root (`untrusted_out_dir`)."""
+    one else (root's sticky /tmp excepted above it: others cannot rename in it; group write by a trusted user's own
+    private group allowed, `private_gids`); the folder itself not a symlink unless `link_ok` (then a symlink of a
+    trusted user's, as any on the way), and every symlink on the way root's (`_trusted_target`: a path's real folders
+    are not enough, whoever owns a symlink on the way can point it elsewhere after the check). `also`: uids trusted
+    beside root (`untrusted_out_dir`); `groups`: their private groups when the caller knows them better."""
     euid = os.geteuid() if euid is None else euid
     if euid != 0:
         return None
     try:
         if os.path.islink(folder):
-            return f"{folder} is a symlink"
-        real = _trusted_target(Path(folder), euid, also)
-        why = _folder_reason(Path(real), os.stat(real), euid, also=also)
+            owner = os.lstat(folder).st_uid
+            if not link_ok or owner not in (0, euid, *also):
+                return f"{folder} is a symlink" + (f" owned by uid {owner}" if link_ok else "")
+        real = _trusted_target(Path(folder), euid, also, groups)
+        why = _folder_reason(Path(real), os.stat(real), euid, also=also, groups=groups)
     except PermissionError as e:
         why = str(e)
     except OSError as e:
@@ -50,13 +101,18 @@ def untrusted_folder(folder: Path, euid: int | None = None, also: tuple[int, ...
     return why and why.replace("its folder ", "", 1)
 
 
-def untrusted_place(path: Path, euid: int | None = None, also: tuple[int, ...] = ()) -> str | None:
+def untrusted_place(path: Path, euid: int | None = None, also: tuple[int, ...] = (),
+                    groups: frozenset[int] | None = None) -> str | None:
     """`untrusted_folder` of `path`, or of the nearest folder above it that exists: what root would create
-    there is checked before it is created."""
-    there = Path(os.path.abspath(path))
+    there is checked before it is created. A symlink there is judged by its owner as one on the way (`link` and
+    `link/new` alike). `path` is joined to the working folder, never normalised: `a/link/../b` goes through `link`
+    (the kernel's `..` is the link target's parent; abspath's would be `a`'s)."""
+    there = Path(os.path.join(os.getcwd(), path))
     while not os.path.lexists(there) and there != there.parent:
+        if there.name == "..":  # `x/..` missing: x is no folder, and `x/..`'s parent as text is not its parent
+            return f"cannot inspect {path}: {there} does not exist"
         there = there.parent
-    return untrusted_folder(there, euid, also)
+    return untrusted_folder(there, euid, also, link_ok=True, groups=groups)
 
 
 def sudo_uid(env: dict | None = None) -> int | None:
@@ -71,13 +127,15 @@ def untrusted_out_dir(path: Path, euid: int | None = None, env: dict | None = No
     user who ran sudo trusted beside root (`sudo powerprof sweep` from their home, ./runs: they chose the folder, and
     whoever may run powerprof as root may run any command as root, `--launch`); no one else's folder."""
     uid = sudo_uid(env)
-    return untrusted_place(path, euid, also=() if uid is None else (uid,))
+    also = () if uid is None else (uid,)
+    groups = private_gids((0, os.geteuid() if euid is None else euid, *also), env)
+    return untrusted_place(path, euid, also=also, groups=groups)
 
 
 MAX_SYMLINKS = 40  # as the kernel's own limit on one lookup
 
 
-def _trusted_target(path: Path, euid: int, also: tuple[int, ...] = ()) -> str:
+def _trusted_target(path: Path, euid: int, also: tuple[int, ...] = (), groups: frozenset[int] | None = None) -> str:
     """The file `path` names, found component by component: every folder on the way (from /) owned by root or `euid`
     and writable by no one else (a root-owned sticky folder excepted: /tmp, /nix/store), and every symlink on the way,
     the file's own included, owned by root or `euid` (a symlink's mode means nothing; who may replace it is its
@@ -86,7 +144,7 @@ def _trusted_target(path: Path, euid: int, also: tuple[int, ...] = ()) -> str:
     who = "root" if euid == 0 else f"uid {euid}"
     todo = list(reversed(Path(os.path.join(os.getcwd(), path)).parts[1:]))  # joined, not normalised: `..` as the kernel
     cur, hops = "/", 0
-    why = _folder_reason(Path("/"), os.stat("/"), euid, sticky_ok=True, also=also)
+    why = _folder_reason(Path("/"), os.stat("/"), euid, sticky_ok=True, also=also, groups=groups)
     if why:
         raise PermissionError(why)
     while todo:
@@ -112,7 +170,7 @@ def _trusted_target(path: Path, euid: int, also: tuple[int, ...] = ()) -> str:
         if todo:  # a folder on the way
             if not stat.S_ISDIR(st.st_mode):
                 raise NotADirectoryError(errno.ENOTDIR, f"{nxt} is not a folder", str(path))
-            why = _folder_reason(Path(nxt), st, euid, sticky_ok=True, also=also)
+            why = _folder_reason(Path(nxt), st, euid, sticky_ok=True, also=also, groups=groups)
             if why:
                 raise PermissionError(why)
         cur = nxt

@@ -374,6 +374,34 @@ def test_a_restore_file_left_in_the_old_root_folder_is_found_after_an_upgrade(tm
     assert moved.exists()
 
 
+def test_a_restore_folder_that_cannot_be_listed_is_said_not_skipped(tmp_path, monkeypatch, caplog):
+    # Before: the tuner's sandbox (CAP_SYS_ADMIN alone, no CAP_DAC_OVERRIDE) cannot list /var/lib/powerprof (0750, the
+    # daemon's): `restore` skipped the restore files an older powerprof left there without a word (docs/tuner.md).
+    import logging
+
+    import powerprof.control.restore as restore_mod
+
+    legacy = tmp_path / "old-var-lib-powerprof"
+    legacy.mkdir()
+    gone = tmp_path / "never-made"  # no legacy folder at all: the usual case, nothing to say
+    real_scandir = os.scandir
+
+    def scandir(path="."):
+        if Path(path) == legacy:
+            raise PermissionError(13, "Permission denied", str(path))
+        return real_scandir(path)
+
+    monkeypatch.setattr(restore_mod.os, "scandir", scandir)
+    monkeypatch.setattr(restore_mod, "legacy_state_dirs", lambda: [legacy, gone])
+    monkeypatch.setenv("POWERPROF_STATE_DIR", str(tmp_path / "state"))  # the default folder, legacy ones searched
+    with caplog.at_level(logging.WARNING, logger="powerprof.control.restore"):
+        assert restore_mod.pending_restore_files(tmp_path / "other") == []  # not root's default: no legacy folder
+        assert restore_mod.pending_restore_files() == []
+    said = [r.getMessage() for r in caplog.records]
+    assert len(said) == 1 and str(legacy) in said[0] and "Permission denied" in said[0], said
+    assert "restore files there are not checked" in said[0], said
+
+
 def _foreign_restore_file(tmp_path, owner_uid: int, mode: int = 0o600) -> Path:
     d = tmp_path / "foreign"
     d.mkdir(mode=0o755)

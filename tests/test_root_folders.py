@@ -97,3 +97,145 @@ def test_monitor_recover_as_root_refuses_parts_in_another_users_folder(tmp_path,
                                   "--output", str(theirs / "n.parquet")])
     assert r.exit_code == 2 and "refusing to write there as root" in r.output, r.output
     assert not os.path.lexists(theirs / "n.parquet.parts") and not os.path.lexists(theirs / "n.parquet")
+
+
+@pytest.fixture
+def alice(monkeypatch):
+    """uid 65534 seen as alice, with her user-private group (gid 65534, named alice, no other member), as useradd makes
+    on Ubuntu and Fedora: the passwd and group entries are faked (here 65534 is nobody, whose nogroup is shared)."""
+    import grp
+    import pwd
+
+    real_pw, real_gr = pwd.getpwuid, grp.getgrgid
+    monkeypatch.setattr(pwd, "getpwuid", lambda u: pwd.struct_passwd(("alice", "x", 65534, 65534, "", "/home/alice",
+                                                                      "/bin/sh")) if u == 65534 else real_pw(u))
+    monkeypatch.setattr(grp, "getgrgid", lambda g: grp.struct_group(("alice", "x", 65534, [])) if g == 65534
+                        else real_gr(g))
+    return 65534
+
+
+def _folder(path, uid, gid, mode):
+    path.mkdir()
+    os.chown(path, uid, gid)
+    os.chmod(path, mode)
+    return path
+
+
+@AS_ROOT
+def test_the_sudo_users_group_writable_folders_pass_when_the_group_is_their_own(tmp_path, monkeypatch, alice):
+    # Before: under umask 002 with user-private groups (Ubuntu's and Fedora's default), ~/project is 0775, group the
+    # user's own: `sudo powerprof sweep` (default ./runs) was refused "writable by group or others", though
+    # docs/sweep.md says ./runs in the sudo user's home passes; and a user's own restore file under a 0775 ~/.local
+    # was refused by `restore` after a crash.
+    from powerprof.control.restore import untrusted_reason
+    from powerprof.trust import untrusted_out_dir
+
+    gid = alice
+    home = _folder(tmp_path / "alice", 65534, gid, 0o750)
+    project = _folder(home / "project", 65534, gid, 0o775)
+    assert untrusted_out_dir(project / "runs" / "x", euid=0, env={"SUDO_UID": "65534"}) is None
+    local = _folder(home / ".local", 65534, gid, 0o775)
+    state = _folder(_folder(local / "state", 65534, gid, 0o700) / "powerprof", 65534, gid, 0o700)
+    restore = state / "restore-x.json"
+    restore.write_text("{}")
+    os.chown(restore, 65534, gid)
+    os.chmod(restore, 0o600)
+    assert untrusted_reason(restore, euid=65534) is None
+    # The command itself, as `sudo` runs it from alice's project.
+    monkeypatch.setenv("SUDO_UID", "65534")
+    r = CliRunner().invoke(main, ["measure", "--simulate", "seed-16g", "--requests", "1", "--warmup", "0",
+                                  "--max-tokens", "8", "--out", str(project / "run")])
+    assert r.exit_code == 0, r.output
+    assert (project / "run" / "windows.parquet").exists()
+    # Still refused: a group that is not the owner's private one, a private-looking group with another member,
+    # anything world-writable, and group write for a user sudo did not name.
+    shared = _folder(home / "shared", 65534, 100 if gid != 100 else 101, 0o775)
+    assert "writable by group" in untrusted_out_dir(shared / "x", euid=0, env={"SUDO_UID": "65534"})
+    import grp
+
+    alices = grp.getgrgid
+    for other in (("alice", "x", gid, ["bob"]), ("staff", "x", gid, [])):  # bob a member; not named as alice
+        monkeypatch.setattr(grp, "getgrgid", lambda g, e=other: grp.struct_group(e) if g == gid else alices(g))
+        assert "writable by group" in untrusted_out_dir(project / "x", euid=0, env={"SUDO_UID": "65534"})
+    monkeypatch.setattr(grp, "getgrgid", alices)
+    os.chmod(project, 0o777)
+    assert "writable by group or others" in untrusted_out_dir(project / "x", euid=0, env={"SUDO_UID": "65534"})
+    os.chmod(project, 0o775)
+    assert "owned by uid 65534" in untrusted_out_dir(project / "x", euid=0, env={})
+    # Root's own group never counts as private: RHEL's `operator` has gid 0 as its primary group.
+    roots = _folder(tmp_path / "roots", 0, 0, 0o775)
+    assert "writable by group" in untrusted_out_dir(roots / "x", euid=0, env={})
+
+
+@AS_ROOT
+def test_a_sudo_user_with_no_passwd_entry_is_judged_by_sudo_gid(tmp_path):
+    import grp
+    import pwd
+
+    for ids in ((pwd.getpwuid, 65533), (grp.getgrgid, 65533)):
+        try:
+            ids[0](ids[1])
+            pytest.skip("uid or gid 65533 exists here: the test needs an id with no passwd entry (LDAP down)")
+        except KeyError:
+            pass
+    folder = _folder(tmp_path / "theirs", 65533, 65533, 0o775)
+    assert untrusted_out_dir_(folder / "x", {"SUDO_UID": "65533", "SUDO_GID": "65533"}) is None
+    assert "writable by group" in untrusted_out_dir_(folder / "x", {"SUDO_UID": "65533", "SUDO_GID": "65532"})
+
+
+def untrusted_out_dir_(path, env):
+    from powerprof.trust import untrusted_out_dir
+
+    return untrusted_out_dir(path, euid=0, env=env)
+
+
+@AS_ROOT
+def test_dotdot_is_walked_as_the_kernel_walks_it_not_removed_first(tmp_path, monkeypatch):
+    # Before: `alice/scratch/../runs/x`, `scratch` alice's symlink into a folder anyone can write, was checked as
+    # `alice/runs/x` (abspath removes `..` as text), but the kernel goes through the link: root wrote in that folder.
+    shared = _folder(tmp_path / "shared", 65533, 65533, 0o777)
+    _folder(shared / "scratch", 65534, 65534, 0o755)
+    alice = _folder(tmp_path / "alice", 65534, 65534, 0o750)
+    os.symlink(shared / "scratch", alice / "scratch")
+    os.lchown(alice / "scratch", 65534, 65534)
+    why = untrusted_out_dir_(alice / "scratch" / ".." / "runs" / "x", {"SUDO_UID": "65534"})
+    assert why and "shared is owned by uid 65533" in why, why
+    _folder(alice / "runs", 65534, 65534, 0o755)
+    assert untrusted_out_dir_(alice / "runs" / ".." / "x", {"SUDO_UID": "65534"}) is None  # `..` of a real folder
+    monkeypatch.setenv("SUDO_UID", "65534")
+    monkeypatch.chdir(alice)
+    r = CliRunner().invoke(main, ["monitor", "--simulate", "seed-16g", "--duration", "0.1", "--plain",
+                                  "--output", "scratch/../n.parquet"])
+    assert r.exit_code == 2 and "refusing to write there as root" in r.output, r.output
+    assert not os.path.lexists(shared / "n.parquet.parts") and not os.path.lexists(shared / "n.parquet")
+
+
+@AS_ROOT
+def test_an_out_dir_that_is_a_symlink_is_judged_by_its_owner_as_one_on_its_way(tmp_path):
+    # Before: `--out link`, `link` the sudo user's own symlink to their own folder, was refused ("is a symlink") while
+    # `--out link/new` passed; another user's symlink is refused either way.
+    alice = _folder(tmp_path / "alice", 65534, 65534, 0o755)
+    target = _folder(alice / "real", 65534, 65534, 0o755)
+    for owner, ok in ((65534, True), (0, True), (65533, False)):
+        link = alice / f"link{owner}"
+        os.symlink(target, link)
+        os.lchown(link, owner, owner)
+        for path in (link, link / "new"):
+            why = untrusted_out_dir_(path, {"SUDO_UID": "65534"})
+            assert (why is None) == ok, (path, why)
+            assert ok or "owned by uid 65533" in why, why
+
+
+@AS_ROOT
+def test_monitor_recover_as_root_refuses_a_file_in_a_sticky_folder_as_output_does(tmp_path, monkeypatch):
+    # Before: --recover checked FILE.parts/ and FILE's folder only as a folder on its way (root's sticky /tmp allowed),
+    # so root wrote FILE in /tmp, where `--output FILE` is refused: another user may plant a symlink by that name.
+    monkeypatch.delenv("SUDO_UID", raising=False)
+    sticky = _folder(tmp_path / "tmp", 0, 0, 0o1777)
+    parts = _killed_monitor_parts(sticky)
+    r = CliRunner().invoke(main, ["monitor", "--recover", str(sticky / "m.parquet")])
+    assert r.exit_code == 2 and "refusing to write there as root" in r.output, r.output
+    assert parts.is_dir() and not os.path.lexists(sticky / "m.parquet")
+    r = CliRunner().invoke(main, ["monitor", "--simulate", "seed-16g", "--duration", "0.1", "--plain",
+                                  "--output", str(sticky / "n.parquet")])
+    assert r.exit_code == 2 and "refusing to write there as root" in r.output, r.output

@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import datetime as _dt
+import fnmatch
 import hashlib
 import json
+import logging
 import os
 import re
 import sys
@@ -25,6 +27,7 @@ from .gpulock import GpuLock, is_held, lock_path, make_dirs, read_holder_pid
 from .setter import NvidiaSmi, check_applied, reset_sm_clocks, run_nvidia_smi, set_power_limit
 
 RESTORE_GLOB = "restore-*.json"
+_log = logging.getLogger(__name__)
 FORMAT = 1
 DEFAULT_TOLERANCE_W = 2.0
 
@@ -182,9 +185,17 @@ def pending_restore_files(directory: Path | None = None) -> list[Path]:
     out: list[Path] = []
     for f in folders:
         try:
-            out.extend(sorted(p for p in f.glob(RESTORE_GLOB) if p.is_file()))
-        except OSError:
+            # os.scandir, not Path.glob: glob skips a folder it may not list without a word (the tuner's sandbox,
+            # CAP_SYS_ADMIN alone, cannot list the daemon's 0750 /var/lib/powerprof: docs/tuner.md).
+            with os.scandir(f) as it:
+                names = [e.name for e in it if fnmatch.fnmatchcase(e.name, RESTORE_GLOB)]
+        except FileNotFoundError:
+            continue  # no such folder (no older powerprof here): nothing pending there
+        except OSError as e:
+            _log.warning("cannot list %s (%s): restore files there are not checked; run `powerprof restore` where "
+                         "that folder can be read (as root, outside the tuner's sandbox)", f, e.strerror or e)
             continue
+        out.extend(sorted(p for p in (f / n for n in names) if p.is_file()))
     return out
 
 
