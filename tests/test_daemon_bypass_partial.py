@@ -390,8 +390,8 @@ def test_a_stream_whose_first_piece_was_a_burst_stalled_across_a_restart_books_n
 
 # (tokens/s, stall s, read after the stop s, down s, first piece's tokens, the scrapes' offset s): both pieces read once
 # the server is back, the second 0.3 s after the first.
-_TWO_PIECE_SWEEP = [(300, 1.0, 2.1, 2.0, 0, 0.05), (300, 0.4, 0.6, 0.5, 31, 0.0), (100, 1.0, 1.5, 0.5, 0, 0.0),
-                    (100, 0.4, 3.0, 2.0, 31, 0.05), (100, 1.0, 0.6, 0.5, 31, 0.05), (300, 1.0, 1.5, 0.5, 0, 0.0)]
+_TWO_PIECE_SWEEP = [(300, 1.0, 2.1, 2.0, 0, 0.0), (300, 0.4, 0.6, 0.5, 31, 0.0), (100, 1.0, 1.5, 0.5, 0, 0.0),
+                    (100, 0.4, 3.0, 2.0, 31, 0.05), (100, 1.0, 0.6, 0.5, 31, 0.05), (100, 0.4, 1.5, 0.5, 0, 0.05)]
 
 
 def test_a_stalled_workers_two_pieces_read_after_a_restart_are_placed_where_the_old_process_counted_them():
@@ -420,6 +420,47 @@ def test_a_stalled_workers_two_pieces_read_after_a_restart_are_placed_where_the_
         after = rows[said[-1] + 1:]
         assert sum(r["server_tokens"] for r in after) == pytest.approx(100, abs=1e-6), case
         assert {r["server_count"] for r in after} - {"unscraped"} == {"complete"}, case
+
+
+def test_tokens_of_a_request_from_before_a_restart_read_after_its_windows_closed_go_to_no_new_window():
+    """A stream served by the old process (100 tokens/s from 1 s, the server down at 1.5 s, back by 2.0 s) whose
+    worker reads 5 more tokens at 3.5 s, after the restart's window and its intervals closed (the windows are pruned
+    then): placed at 3.5 s they fell in the new process's windows as proxied tokens, where they would hide its bypass
+    tokens. Now they are placed at the restart's first scrape, late (said on the request's row), in no later window."""
+    sink = _Sink()
+    led = Ledger("d", 0, 1, sink, grace_s=0.3, prompt_hold_s=0.5, max_hold_s=0.5)
+    led.scraping = True
+    tr = RequestTrace(1, "POST", "/completion", None, int(0.95 * S), int(0.95 * S), api="llamacpp", stream=True)
+    led.on_start(tr)
+    gen = 1.0 + np.arange(50) / 100.0
+    for k in range(800):
+        t = round(k * 0.005, 6)
+        if t in gen or t == 3.5:
+            n = 1 if t < 3.5 else 5
+            tr.first_ns, tr.last_ns = tr.first_ns or int(t * S), int(t * S)
+            tr.tokens_seen += n
+            led.on_tokens(tr, int(t * S), n)
+        if t == 3.505:
+            tr.end_ns = tr.end_wall_ns = int(3.5 * S)
+            tr.counts = Counts(generated_tokens=None, prompt_tokens=None, model=None, stop_reason=None,
+                               token_source="stream")
+            led.on_end(tr)
+        if k % 50 == 0:
+            led.add_gpu_sample(int(t * S), int(t * S), [_R(100.0 * t)])
+        if k % 20 == 0 and t >= 0.5 and not 1.5 <= t < 2.0:
+            if t == 0.5:
+                led.add_server_tokens(int(t * S), 0.0, None)
+            elif t == 2.0:  # the new process's first scrape: nothing counted yet
+                led.add_server_tokens(int(t * S), 0.0, int(1.4 * S), partial=("server_restart",))
+            else:
+                led.add_server_tokens(int(t * S), float(((gen > t - 0.1 + 1e-9) & (gen <= t)).sum()),
+                                      int((t - 0.1) * S))
+        led.advance(int(t * S), int(t * S))
+    led.close_all(int(4.0 * S))
+    rows = sorted(sink.rows["intervals"], key=lambda r: r["t_start_mono_s"])
+    assert sum(r["proxy_tokens"] for r in rows if r["t_start_mono_s"] >= 2.0 - 1e-9) == 0, rows
+    [req] = sink.rows["requests"]
+    assert "5 token(s) arrived after their interval had closed" in (req["error"] or ""), req
 
 
 def test_a_window_whose_placed_proxied_tokens_came_out_below_none_is_marked_not_counted_as_bypass(caplog):
