@@ -259,6 +259,9 @@ class Ledger:
         #  why its count may be low (scrape.PARTIAL_REASONS keys)] per scrape
         self.server_spans: list[list] = []
         self._proxied: deque = deque()  # (t_ns, tokens) of every proxied token event, for the scrape windows
+        # (start, end) of the latest restarts' scrape windows: kept past their windows' pruning, as a request that
+        # arrived before one may show tokens long after its intervals closed (`_restart_cut_ns`).
+        self._restarts: deque = deque(maxlen=64)
         # (t_ns, tokens, duration_ns) of every proxied request at its last token: what a server counting at request end
         # (SGLang) counted of it, and when (the proxy sees the last token just after the server counted the request).
         self._finished: deque = deque()
@@ -312,6 +315,15 @@ class Ledger:
             seqs = max(trace.extra.get("sequences", 1), 1)
             if self._held_burst(r, t_ns, n, seqs):
                 return
+            cut = self._restart_cut_ns(r)
+            if cut is not None and t_ns > cut:
+                # Read after the first scrape after a restart, of a request that arrived before it (a stalled proxy
+                # worker): the old process generated and counted them before it died, never the new one. Placed at
+                # that scrape, not here: in the new process's windows they hid its bypass tokens, and the windows
+                # where the old one counted them read their rise as bypass tokens that never ran.
+                self._place(r, [cut], [float(n)])
+                r.prev_ns, r.prev_held = t_ns, n > seqs
+                return
             if r.prev_ns is None and not r.spent:
                 r.first_held = n > FIRST_BURST_TOKENS * seqs
             r.ev_t.append(t_ns)
@@ -348,12 +360,32 @@ class Ledger:
             r.first_burst_end_ns = r.prev_ns
         r.bursts += 1
         r.held_s = max(r.held_s, (t_ns - r.prev_ns) / 1e9)
-        r.ev_t.extend(ts)
-        r.ev_n.extend([n / k] * k)
+        self._place(r, ts, [n / k] * k)
         r.prev_ns, r.prev_held = t_ns, True
-        if self.server_seen:
-            self._proxied.extend((t, n / k) for t in ts)
         return True
+
+    def _restart_cut_ns(self, r: _Req) -> int | None:
+        """The first scrape after the first restart known since `r` arrived (the end of that restart's window): the
+        process that served `r` died before it, so none of `r`'s tokens was generated, or counted, later."""
+        return min((b for a, b in self._restarts if a >= r.trace.arrival_ns), default=None)
+
+    def _place(self, r: _Req, ts: list[int], ns: list[float]) -> None:
+        """`r`'s token events `ns` at `ts`, listed for the scrape windows. Any before the first open interval (placed
+        back to a restart's cut after those closed) are late: counted on its row, in no interval's energy."""
+        floor = self.edges[0].t_ns if self.edges else None
+        for t, x in zip(ts, ns):
+            if floor is not None and t < floor:
+                r.late += x
+                self.late_tokens += x
+            elif not r.ev_t or t >= r.ev_t[-1]:
+                r.ev_t.append(t)
+                r.ev_n.append(x)
+            else:  # before an event placed before the restart was known: kept in order (the intervals' cut needs it)
+                i = int(np.searchsorted(r.ev_t, t, side="right"))
+                r.ev_t.insert(i, t)
+                r.ev_n.insert(i, x)
+        if self.server_seen:
+            self._proxied.extend(zip(ts, ns))
 
     def on_end(self, trace: RequestTrace) -> float:
         """The request ended. Returns the tokens its end added to (or took from) what on_tokens had
@@ -369,6 +401,9 @@ class Ledger:
             # tokens then hidden that long); left out of one that does, its tokens would pass for bypass traffic.
             n = r.spent + float(sum(r.ev_n)) + r.late
             t = trace.last_ns if trace.last_ns is not None else trace.end_ns
+            cut = self._restart_cut_ns(r)
+            if t is not None and cut is not None:
+                t = min(int(t), cut)  # served by a process that died in a restart: never counted after it
             if n > 0 and t is not None:
                 # Its duration too: an at-finish window's bypass requests' durations are the server's latency sum
                 # less the proxied ones' (`_spread_back`).
@@ -517,10 +552,13 @@ class Ledger:
         # unmeasured (above), and into no window after it: read late (a proxy stalled across the restart that read its
         # old stream's last tokens once the new process ran bypass traffic), they were placed at that traffic's pace,
         # hiding it, and the windows where the old process had counted them read their lag as bypass tokens.
-        cut = min((sp for sp in self.server_spans if sp[6] and sp[0] >= r.trace.arrival_ns and sp[1] > start),
-                  key=lambda sp: sp[0], default=None)
+        # A placing that starts after that scrape (a stalled worker's second piece, read once the new process ran) is
+        # put at it: started from its previous piece, it fell in the new process's windows, at its pace.
+        cut = min((w for w in self._restarts if w[0] >= r.trace.arrival_ns), key=lambda w: w[0], default=None)
         if cut is not None:
             t1 = min(t1, cut[1])
+            if start >= t1:
+                return [int(t1)] * k
         even = np.linspace(start, t1, k).astype(np.int64).tolist()
         spans = [sp for sp in self.server_spans if sp[1] > start and sp[0] < t1 and sp[1] > sp[0]
                  and (cut is None or sp[1] <= cut[0])]
@@ -736,6 +774,8 @@ class Ledger:
         # the restart at the next pass, its levels started afresh a window early.
         self.server_spans.append([int(t0), int(t_ns), float(delta), None, fin, tuple(partial),
                                   "server_restart" in partial])
+        if "server_restart" in partial:
+            self._restarts.append((int(t0), int(t_ns)))
 
     def _list_placed(self) -> None:
         """At the first read of the server: every request's token events placed so far into `_proxied`, and each
@@ -1221,6 +1261,13 @@ class Ledger:
                 reach = int(ends[nr])
                 seen = cum[np.searchsorted(pt, reach, side="right")] - cum[np.searchsorted(pt, cut, side="right")]
                 crossed = float(gaps[nr - 1]) - float(seen)
+                # A request the old process served still live (a stalled proxy worker yet to read its last tokens):
+                # they will be placed at the restart's cut (`_restart_cut_ns`), how many nothing tells. The old process
+                # counted them here, so no bypass tokens are booked here (low if any ran: said). Resolved before its
+                # second piece came (its intervals closed), a window read that piece as bypass tokens that never ran.
+                if any(q.trace.arrival_ns <= cut for q in live):
+                    crossed = min(crossed, max([x[1] for x in self._levels if x[0] >= sp[1] - credit_ns],
+                                               default=self._level))
                 if crossed < level:
                     level = crossed
                     if "server_restart" not in sp[5]:
@@ -1231,6 +1278,11 @@ class Ledger:
             while self._levels and self._levels[0][0] < sp[1] - credit_ns:
                 self._levels.popleft()
             sp[3] = max(0.0, level - ref)
+            if restart[k] and any(q.trace.arrival_ns <= sp[0] for q in live):
+                # Its level holds the old process's count of tokens still to come (placed at its end, here, once
+                # read): no bypass tokens are booked (low if any ran; the window says server_restart), and the levels
+                # after it start from it, where those tokens will stay.
+                sp[3] = 0.0
             if restart[k]:
                 self._levels.clear()
             if sp[3] > 0 and sp[4] is not None:
