@@ -809,3 +809,63 @@ def test_a_tag_window_whose_count_may_be_low_reads_like_an_exact_one_so_it_is_le
     assert r["counted_windows"] == 0 and r["gpu_j_per_token"] is None and r["bypass_uncertain_windows"] == 1
     [note] = [n for n in tag_notes(t) if "node-0 w: 1 of 1" in n]
     assert "nothing says" in note and "start the server before the daemon" in note and "scrape.server = none" in note
+
+
+def _steady_stream(rate: float, phase_s: float, bypass_at_s: float | None = None, bypass_n: int = 0):
+    """A ledger fed one proxied stream of `rate` tokens/s from 1 s to 6 s, shipped by a proxy worker in 20 ms records
+    (each stamped 3 ms after its last token), scrapes every 0.1 s offset by `phase_s`, 0.25 s GPU samples, no restart.
+    `bypass_n` tokens straight to the server at 400/s from `bypass_at_s`. Returns the interval rows."""
+    sink = _Sink()
+    led = Ledger("d", 0, 1, sink, grace_s=0.3)
+    led.scraping = True
+    gen = 1.0 + np.arange(int(5 * rate)) / rate  # when the server generated (and counted) each token
+    b = np.floor((gen - 1.0) / 0.02 + 1e-9)
+    pieces = [(float(gen[b == i].max()) + 0.003, int((b == i).sum())) for i in np.unique(b)]
+    bypass = (bypass_at_s + np.arange(bypass_n) / 400.0) if bypass_n else np.zeros(0)
+    tr = RequestTrace(1, "POST", "/completion", None, int(0.95 * S), int(0.95 * S), api="llamacpp", stream=True)
+    tr.counts = Counts(generated_tokens=None, prompt_tokens=20, model=None, stop_reason=None, token_source="usage")
+    led.on_start(tr)
+    t_end, prev_t, prev_total = pieces[-1][0], None, 0.0
+    for k in range(int((t_end + 4) / 0.005)):
+        t = round(k * 0.005, 6)
+        for ts, n in pieces:
+            if t - 0.005 < ts + 0.001 <= t:
+                tr.first_ns = tr.first_ns or int(ts * S)
+                tr.last_ns = int(ts * S)
+                tr.tokens_seen += n
+                led.on_tokens(tr, int(ts * S), n)
+        if tr.end_ns is None and t >= t_end + 0.001:
+            tr.end_ns = tr.end_wall_ns = int(t_end * S)
+            led.on_end(tr)
+        if k % 50 == 0:
+            led.add_gpu_sample(int(t * S), int(t * S), [_R(100.0 * t)])
+        if (k - round(phase_s / 0.005)) % 20 == 0 and t >= 0.5:
+            count = float((gen <= t).sum() + (bypass <= t).sum())
+            led.add_server_tokens(int(t * S), 0.0 if prev_t is None else count - prev_total,
+                                  None if prev_t is None else int(prev_t * S))
+            prev_t, prev_total = t, count
+        led.advance(int(t * S), int(t * S))
+    led.close_all(int(t * S))
+    return sorted(sink.rows["intervals"], key=lambda r: r["t_start_mono_s"])
+
+
+
+def test_a_steady_streams_constant_proxy_lag_reads_as_no_bypass_and_a_small_bypass_stream_still_counts():
+    """A proxy worker ships a stream's tokens in 20 ms records; with the scrapes in a fixed phase with them, every scrape
+    fell just after a record: the server had counted up to a record's tokens the proxy had not read, at every window,
+    so the lag never drained within LAG_S and the stream's first windows read it as bypass tokens that never ran, in
+    rows saying `complete` (300 tokens/s: up to 5 of 0, by phase). Now a record's tokens are placed over the time since
+    the one before: at most a token generated within the proxy's 3 ms delay before a scrape reads as 1. A bypass stream of a
+    record's size (5 tokens) beside it is still counted, within that token, whatever the phase."""
+    for phase_s in np.arange(0.0, 0.1, 0.005):
+        rows = _steady_stream(300, float(phase_s))
+        got = sum(r["server_tokens"] or 0 for r in rows)
+        assert got <= 1.0 + 1e-6, (phase_s, [(r["t_start_mono_s"], r["server_tokens"]) for r in rows if r["server_tokens"]])
+        assert {r["server_count"] for r in rows} - {"unscraped", "unread"} == {"complete"}, phase_s
+        rows = _steady_stream(300, float(phase_s), bypass_at_s=3.013, bypass_n=5)
+        # Never low, at most that token high, and its 5 tokens where they ran (the scrape window around 3.013 s is
+        # spread over its 0.1 s, so over the intervals beside 3 s).
+        got = sum(r["server_tokens"] or 0 for r in rows)
+        assert 5 - 1e-6 <= got <= 6 + 1e-6, (phase_s, got)
+        near = sum(r["server_tokens"] or 0 for r in rows if 2.75 <= r["t_start_mono_s"] < 3.25)
+        assert near >= 5 - 1e-6, (phase_s, [(r["t_start_mono_s"], r["server_tokens"]) for r in rows])

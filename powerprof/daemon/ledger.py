@@ -67,6 +67,8 @@ HELD_PACE_X = 4.0
 FIRST_BURST_TOKENS = 8
 # A scrape window's placed proxied tokens below minus this are a placing fault (`_placed_in`), not float rounding.
 PLACED_EPS = 1e-3
+# A stream's piece of several steps is placed as at most this many events over the time since its previous piece.
+PIECE_STEPS = 8
 # What an interval row's `server_count` and a request's energy_note say (storage/schema.py states them).
 COUNT_COMPLETE, UNREAD, COUNT_OFF = SERVER_COUNT_COMPLETE, SERVER_COUNT_UNREAD, SERVER_COUNT_OFF
 MISPLACED = SERVER_COUNT_MISPLACED
@@ -326,11 +328,22 @@ class Ledger:
                 return
             if r.prev_ns is None and not r.spent:
                 r.first_held = n > FIRST_BURST_TOKENS * seqs
-            r.ev_t.append(t_ns)
-            r.ev_n.append(n)
+            a = r.prev_ns
+            if trace.stream is True and a is not None and n > seqs and t_ns > a:
+                # A piece of several steps since the previous one (a proxy worker's 20 ms record) holds tokens the
+                # server counted over that time, not at its stamp: placed at it, a scrape just before the stamp saw the
+                # server ahead by them at every window of a steady stream (its records in a fixed phase with the
+                # scrapes), the lag never drained within LAG_S and read as bypass tokens that never ran, rows
+                # `complete` (300 tokens/s, 20 ms records: up to 5 a stream). Spread step by step over the time since
+                # the previous piece, never before it (a long gap is `_held_burst`'s, above).
+                k = int(min(PIECE_STEPS, max(1, round(n / seqs))))
+                self._place(r, [a + (t_ns - a) * (j + 1) // k for j in range(k)], [n / k] * k)
+            else:
+                r.ev_t.append(t_ns)
+                r.ev_n.append(n)
+                if self.server_seen:
+                    self._proxied.append((t_ns, n))
             r.prev_ns, r.prev_held = t_ns, n > seqs
-            if self.server_seen:
-                self._proxied.append((t_ns, n))
 
     def _held_burst(self, r: _Req, t_ns: int, n: float, seqs: int) -> bool:
         """A piece of a stream that came in several bursts, each held back on its way since the one before (a buffering
