@@ -236,3 +236,19 @@ def side_by_side(request, jobs: dict, max_processes: int | None = None) -> dict:
     pool = cf.ProcessPoolExecutor(max_workers=min(len(todo), max_processes or len(todo)), mp_context=mp.get_context("spawn"))
     request.addfinalizer(lambda: pool.shutdown(wait=True, cancel_futures=True))
     return {name: pool.submit(fn, *args, **kwargs) for name, (fn, args, kwargs) in todo.items()}
+
+
+def systemd_exposure(unit_text: str, name: str, tmp_path) -> float:
+    """`systemd-analyze security --offline`'s overall exposure for a unit file (skips, saying why, where it cannot)."""
+    import re
+    import subprocess
+
+    unit = tmp_path / name
+    unit.write_text(unit_text)
+    p = subprocess.run(["systemd-analyze", "security", "--offline=true", str(unit)], capture_output=True, text=True,
+                       timeout=120)
+    m = re.search(rf"Overall exposure level for {re.escape(name)}: (\d+\.\d+)", p.stdout + p.stderr)
+    if m is None and "offline" in (p.stderr or ""):
+        pytest.skip(f"this systemd-analyze cannot check a unit file offline: {p.stderr.strip()[:200]}")
+    assert m, p.stdout + p.stderr
+    return float(m.group(1))

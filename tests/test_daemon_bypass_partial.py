@@ -215,6 +215,16 @@ def test_a_proxy_lagging_the_server_at_a_restart_makes_no_bypass_tokens_up():
         assert [r["server_count"] for r in rows[4:8]] == ["complete", "server_restart", "server_restart", "complete"]
 
 
+def _read_pieces_due(led, tr, pieces, t: float) -> None:
+    """The proxy's reads due in the 5 ms step ending at `t`: each (time s, tokens) piece 1 ms after it is stamped."""
+    for ts, n in pieces:
+        if t - 0.005 < ts + 0.001 <= t:
+            tr.first_ns = tr.first_ns or int(ts * S)
+            tr.last_ns = int(ts * S)
+            tr.tokens_seen += n
+            led.on_tokens(tr, int(ts * S), n)
+
+
 @pytest.mark.parametrize("stall,down_s", [((5.2, 6.6), 1.0), ((4.8, 6.4), 0.5), ((5.0, 7.0), 1.5)])
 def test_a_proxy_stalled_across_a_restart_makes_no_bypass_tokens_up(stall, down_s):
     """The proxy (its worker processes stopped, a loaded host) reads nothing from before the restart until after the
@@ -286,12 +296,7 @@ def _worker_stalled_across_restart(rate: float, stall_s: float, stop_s: float, r
     prev_old = True
     for k in range(int((max(t_end, up) + 6) / 0.005)):
         t = round(k * 0.005, 6)
-        for ts, n in pieces:
-            if t - 0.005 < ts + 0.001 <= t:
-                tr.first_ns = tr.first_ns or int(ts * S)
-                tr.last_ns = int(ts * S)
-                tr.tokens_seen += n
-                led.on_tokens(tr, int(ts * S), n)
+        _read_pieces_due(led, tr, pieces, t)
         if tr.end_ns is None and t >= t_end + 0.001:  # cut by the restart: ended with the burst, no counts
             tr.end_ns = tr.end_wall_ns = int(t_end * S)
             tr.counts = Counts(generated_tokens=None, prompt_tokens=None, model=None, stop_reason=None,
@@ -357,6 +362,25 @@ _FIRST_BURST_SWEEP = [(300, 0.95, 0.4, 0.05, 0.5, 0.0), (300, 0.5, 1.0, 0.05, 2.
                       (100, 0.5, 0.4, 0.6, 2.0, 0.05), (300, 0.95, 1.0, 0.6, 0.5, 0.05), (100, 0.95, 0.4, 0.05, 2.0, 0.0)]
 
 
+def _assert_read_across_the_restart(rows, checks, rate, stall_s, case) -> None:
+    """What a stalled-across-a-restart feed must read: every token of the stream placed and listed once, no window
+    below zero proxied tokens, and the only bypass traffic (100 tokens after the restart) counted there alone."""
+    assert not [w for w in checks["windows"] if w[2] < -1e-6], (case, checks["windows"])
+    truth = float(((1.0 + np.arange(450) / rate) < 1.5 + stall_s + 0.02).sum())
+    assert checks["placed"] == pytest.approx(truth) and checks["listed"] == pytest.approx(truth), (case, checks)
+    said = [i for i, r in enumerate(rows) if "server_restart" in (r["server_count"] or "")]
+    assert said, (case, [r["server_count"] for r in rows])
+    before = sum(r["server_tokens"] or 0 for r in rows[:said[0]])
+    since = sum(r["server_tokens"] or 0 for r in rows[said[0]:])
+    # The first token may read as 1 before (the server counts it before the proxy sees it), and a window's share of a
+    # first burst move a token or two between windows, in marked rows.
+    assert before <= 2.0 and since == pytest.approx(100, abs=3), (case, before, since)
+    after = rows[said[-1] + 1:]
+    assert sum(r["server_tokens"] for r in after) == pytest.approx(100, abs=1e-6), case
+    # The last interval may end past the last scrape (this feed stops without the daemon's final read): marked so.
+    assert {r["server_count"] for r in after} - {"unscraped"} == {"complete"}, case
+
+
 @pytest.mark.parametrize("first_read_s", [None, 1.2, 1.4])
 def test_a_stream_whose_first_piece_was_a_burst_stalled_across_a_restart_books_no_phantom_bypass(first_read_s):
     """Its first piece already a burst (31 tokens: a loaded host), its worker stopped across a server restart: at its end
@@ -371,21 +395,7 @@ def test_a_stream_whose_first_piece_was_a_burst_stalled_across_a_restart_books_n
         checks: dict = {}
         rows = _worker_stalled_across_restart(rate, stall_s, 0.02, read_s, down_s, first_n=31, arrival_s=arrival_s,
                                               first_read_s=first_read_s, phase_s=phase_s, checks=checks)
-        negative = [w for w in checks["windows"] if w[2] < -1e-6]
-        assert not negative, (case, negative)
-        truth = float(((1.0 + np.arange(450) / rate) < 1.5 + stall_s + 0.02).sum())
-        assert checks["placed"] == pytest.approx(truth) and checks["listed"] == pytest.approx(truth), (case, checks)
-        said = [i for i, r in enumerate(rows) if "server_restart" in (r["server_count"] or "")]
-        assert said, (case, [r["server_count"] for r in rows])
-        before = sum(r["server_tokens"] or 0 for r in rows[:said[0]])
-        since = sum(r["server_tokens"] or 0 for r in rows[said[0]:])
-        # The only bypass traffic: 100 tokens after the restart. A window's share of the stream's first tokens may
-        # move a token or two between windows (the server counts it before the proxy sees it), in marked rows.
-        assert before <= 2.0 and since == pytest.approx(100, abs=3), (case, before, since)
-        after = rows[said[-1] + 1:]
-        assert sum(r["server_tokens"] for r in after) == pytest.approx(100, abs=1e-6), case
-        # The last interval may end past the last scrape (this feed stops without the daemon's final read): marked so.
-        assert {r["server_count"] for r in after} - {"unscraped"} == {"complete"}, case
+        _assert_read_across_the_restart(rows, checks, rate, stall_s, case)
 
 
 # (tokens/s, stall s, read after the stop s, down s, first piece's tokens, the scrapes' offset s): both pieces read once
@@ -410,19 +420,7 @@ def test_a_stalled_workers_two_pieces_read_after_a_restart_are_placed_where_the_
         checks: dict = {}
         rows = _worker_stalled_across_restart(rate, stall_s, 0.02, read_s, down_s, first_n=first_n, phase_s=phase_s,
                                               checks=checks, split_s=0.3)
-        truth = float(((1.0 + np.arange(450) / rate) < 1.5 + stall_s + 0.02).sum())
-        assert checks["placed"] == pytest.approx(truth) and checks["listed"] == pytest.approx(truth), (case, checks)
-        assert not [w for w in checks["windows"] if w[2] < -1e-6], case
-        said = [i for i, r in enumerate(rows) if "server_restart" in (r["server_count"] or "")]
-        assert said, (case, [r["server_count"] for r in rows])
-        before = sum(r["server_tokens"] or 0 for r in rows[:said[0]])
-        since = sum(r["server_tokens"] or 0 for r in rows[said[0]:])
-        # The only bypass traffic: 100 tokens after the restart (the first token may read as 1 before, and a window's
-        # share of a first burst move a token or two, in marked rows).
-        assert before <= 2.0 and since == pytest.approx(100, abs=3), (case, before, since)
-        after = rows[said[-1] + 1:]
-        assert sum(r["server_tokens"] for r in after) == pytest.approx(100, abs=1e-6), case
-        assert {r["server_count"] for r in after} - {"unscraped"} == {"complete"}, case
+        _assert_read_across_the_restart(rows, checks, rate, stall_s, case)
 
 
 def test_tokens_of_a_request_from_before_a_restart_read_after_its_windows_closed_go_to_no_new_window():
@@ -831,12 +829,7 @@ def _steady_stream(rate: float, phase_s: float, bypass_at_s: float | None = None
     t_end, prev_t, prev_total = pieces[-1][0], None, 0.0
     for k in range(int((t_end + 4) / 0.005)):
         t = round(k * 0.005, 6)
-        for ts, n in pieces:
-            if t - 0.005 < ts + 0.001 <= t:
-                tr.first_ns = tr.first_ns or int(ts * S)
-                tr.last_ns = int(ts * S)
-                tr.tokens_seen += n
-                led.on_tokens(tr, int(ts * S), n)
+        _read_pieces_due(led, tr, pieces, t)
         if tr.end_ns is None and t >= t_end + 0.001:
             tr.end_ns = tr.end_wall_ns = int(t_end * S)
             led.on_end(tr)

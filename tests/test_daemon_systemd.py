@@ -11,6 +11,7 @@ import pytest
 from click.testing import CliRunner
 
 from powerprof.cli import main
+from support import systemd_exposure
 
 ROOT = Path(__file__).resolve().parents[1]
 UNIT = ROOT / "systemd" / "powerprof.service"
@@ -176,14 +177,4 @@ def test_the_tuner_unit_is_sandboxed_as_the_daemons_where_it_needs_no_more():
 @pytest.mark.skipif(shutil.which("systemd-analyze") is None, reason="systemd-analyze is not installed here")
 def test_the_tuner_units_exposure_is_that_of_a_sandboxed_root_service(tmp_path):
     """8.9 ("EXPOSED") before its sandbox; 2.3 with it, the rest being root, CAP_SYS_ADMIN and loopback sockets."""
-    import re
-
-    unit = tmp_path / TUNE_UNIT.name
-    unit.write_text(TUNE_UNIT.read_text())
-    p = subprocess.run(["systemd-analyze", "security", "--offline=true", str(unit)], capture_output=True, text=True,
-                       timeout=120)
-    m = re.search(r"Overall exposure level for powerprof-tune\.service: (\d+\.\d+)", p.stdout + p.stderr)
-    if m is None and "offline" in (p.stderr or ""):
-        pytest.skip(f"this systemd-analyze cannot check a unit file offline: {p.stderr.strip()[:200]}")
-    assert m, p.stdout + p.stderr
-    assert float(m.group(1)) <= 2.5
+    assert systemd_exposure(TUNE_UNIT.read_text(), TUNE_UNIT.name, tmp_path) <= 2.5

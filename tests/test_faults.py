@@ -28,6 +28,7 @@ from click.testing import CliRunner
 
 from hostile_server import HOSTILE_FINALS, HOSTILE_RAW, HostileServer
 from daemon_helpers import DaemonProc, read_dataset, sim_env
+from support import systemd_exposure
 from powerprof.cli import main
 from powerprof.control.controller import LimitController
 from powerprof.control.errors import PendingRestoreError
@@ -757,15 +758,7 @@ def test_watchdog_pings_only_while_the_writer_lives(tmp_path, monkeypatch):
 
 @pytest.mark.skipif(shutil.which("systemd-analyze") is None, reason="systemd-analyze is not installed here")
 def test_systemd_analyze_security_exposure_at_most_2(tmp_path):
-    unit = tmp_path / "powerprof.service"
-    unit.write_text(UNIT.read_text())
-    p = subprocess.run(["systemd-analyze", "security", "--offline=true", str(unit)], capture_output=True, text=True,
-                       timeout=120)
-    m = re.search(r"Overall exposure level for powerprof\.service: (\d+\.\d+)", p.stdout + p.stderr)
-    if m is None and "offline" in (p.stderr or ""):
-        pytest.skip(f"this systemd-analyze cannot check a unit file offline: {p.stderr.strip()[:200]}")
-    assert m, p.stdout + p.stderr
-    assert float(m.group(1)) <= 2.0
+    assert systemd_exposure(UNIT.read_text(), "powerprof.service", tmp_path) <= 2.0
 
 
 def test_dry_run_says_what_would_stop_the_real_run(tmp_path):
