@@ -744,8 +744,8 @@ def _metric(d: DaemonProc, pattern: str) -> float | None:
     "kept until it passes many runs under CPU hogs (docs/daemon.md, restarts): with the proxy's two workers stopped "
     "0.4 s across the restart, 1 run in 14 under three CPU hogs counted 156 since it where 100 ran, a window at -20 "
     "proxied tokens; the cause found at ledger level (tokens seen before the scrape loop's first pass were never listed, "
-    "then taken out by _first_burst) is fixed and a window below none is now marked `misplaced`; 3 of 3 passed since, "
-    "unloaded")))])
+    "then taken out by _first_burst) is fixed and a window below none is now marked `misplaced`; 17 of 17 passed since, "
+    "6 beside two CPU hogs")))])
 def test_a_daemon_in_front_of_a_llama_server_restarted_mid_traffic_says_so_in_rows_log_and_metrics(tmp_path,
                                                                                                    proxy_stalled):
     """`proxy_stalled`: the proxy (two worker processes) is stopped for 0.4 s before the restart while the daemon's
