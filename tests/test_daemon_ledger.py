@@ -1600,7 +1600,7 @@ def _one_request(led, t0_s, t1_s):
 def test_an_interval_waits_for_the_rapl_read_that_covers_its_end():
     # NVML and RAPL are read by two threads on one schedule: on a loaded host RAPL's tick may land just before NVML's,
     # and the read after the edge is a whole period later. Before, the interval closed 0.3 s past its edge anyway, its
-    # CPU energy NaN, and the request in it had no cpu_energy_j with nothing said (the busy-host test, xfail until this fix).
+    # CPU energy NaN, and the request in it had no cpu_energy_j unsaid (the busy-host test, xfail until the fix).
     sink = Sink()
     led = Ledger("d", 0, 1, sink, grace_s=0.3, rapl=True)
     watts = 40.0  # the package's truth: 40 J in each 1 s interval
