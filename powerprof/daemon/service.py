@@ -43,7 +43,7 @@ from .metrics import NONE, GpuSnapshot, Snapshot, TagLimiter, make_registry, ren
 from .proxy import SERVER_OPTIONS, Proxy, RequestTrace
 from .scrape import AT_FINISH, SCRAPE_TIMEOUT_S, Cadence, Scraper, burst_start_ns
 from .store import COMPACTION_LOCK, Dataset, DatasetStore, Flusher, buffer_cap_rows
-from .tagapi import tag_app
+from .tagapi import PeerPolicy, tag_app
 
 log = logging.getLogger("powerprof.daemon")
 # A request's end edge is read this long after the end: the energy counter lags by up to its
@@ -784,8 +784,12 @@ class Daemon:
             if why:
                 raise StartupError(f"refusing, as root, a socket folder another user could write for the tag API: {why}")
             path.parent.mkdir(parents=True, exist_ok=True)
-            await self._serve(tag_app(self), f"unix:{path}", "tag API")
+            peers = PeerPolicy()  # root and this daemon's uid until the socket's group is known, just below
+            await self._serve(tag_app(self, peers), f"unix:{path}", "tag API")
             os.chmod(path, stat.S_IRUSR | stat.S_IWUSR | stat.S_IRGRP | stat.S_IWGRP)
+            # The group the socket got (the setgid folder's under the unit: powerprof-tag), stated again per connection.
+            peers.socket_gid = os.stat(path).st_gid
+            log.info("tag API on %s: root, uid %d and members of %s may tag", path, peers.own_uid, peers.group_text())
             self.urls["tags"] = str(path)
         except (OSError, StartupError) as e:
             log.error("tag API disabled: cannot open %s: %s", path, e)
