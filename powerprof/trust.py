@@ -8,6 +8,7 @@ import os
 import pwd
 import stat
 from pathlib import Path
+from typing import Callable, Iterable
 
 
 def _file_reason(path, st, owners, euid, root_too) -> str | None:
@@ -21,39 +22,75 @@ def _file_reason(path, st, owners, euid, root_too) -> str | None:
     return None
 
 
-def private_gids(uids, env: dict | None = None) -> frozenset[int]:
-    """The user-private groups of `uids`, root's never: a user's primary group (its passwd entry) named as the user
-    and whose member list names no one else, the test pam_umask's `usergroups` makes before it sets umask 002
-    (Ubuntu's and Fedora's default: a user's folders are 0775 with that group, and group write lets no one but the
-    user write there). For the user who ran sudo with no passwd entry (LDAP down): SUDO_GID, if its group has no
-    entry or no members. Root's group is left out: RHEL's `operator` has gid 0 as its primary group, and root's own
-    umask is 022. Limit: another user whose *primary* group it is would be missed (that takes the whole passwd
-    database; the usual user-private-group test does not look either), so the group must bear the user's name."""
-    env = os.environ if env is None else env
-    out = set()
-    for uid in uids:
-        if uid == 0:
-            continue
-        try:
-            pw = pwd.getpwuid(uid)
-            name, gid = pw.pw_name, pw.pw_gid
-        except KeyError:
-            if str(uid) != env.get("SUDO_UID") or not env.get("SUDO_GID", "").isdigit():
+class PrivateGroups:
+    """The user-private groups of `uids`, root's never, as a set asked with `in`: a user's primary group (its passwd
+    entry) named as the user, whose member list names no one else and which no other passwd entry has as its primary
+    group, the test pam_umask's `usergroups` makes before it sets umask 002 (Ubuntu's and Fedora's default: a user's
+    folders are 0775 with that group, and group write lets no one but the user write there). A user whose primary group
+    it is is in it without being listed (nogroup: nobody's, and sync's and _apt's on Debian), hence the whole passwd
+    database (`all_users`, default pwd.getpwall): read at the first `in` and once, so a path with no group-writable
+    folder never reads it; one that cannot be read makes no group private (fail closed). For the user who ran sudo with
+    no passwd entry (LDAP down): SUDO_GID, if its group has no entry or no members. Root's group is left out: RHEL's
+    `operator` has gid 0 as its primary group, and root's own umask is 022."""
+
+    def __init__(self, uids, env: dict | None = None, all_users: Callable[[], Iterable] | None = None):
+        self.uids = tuple(u for u in uids if u != 0)
+        self.env = os.environ if env is None else env
+        self.all_users = all_users
+        self._gids: frozenset[int] | None = None
+        self.refused: dict[int, str] = {}  # a gid that would be private but for another user's entry: why not
+
+    def _candidates(self) -> set[int]:
+        """The groups private by their own entries alone (primary, named as the user, no other member)."""
+        out = set()
+        for uid in self.uids:
+            try:
+                pw = pwd.getpwuid(uid)
+                name, gid = pw.pw_name, pw.pw_gid
+            except KeyError:
+                if str(uid) != self.env.get("SUDO_UID") or not self.env.get("SUDO_GID", "").isdigit():
+                    continue
+                name, gid = None, int(self.env["SUDO_GID"])
+            try:
+                g = grp.getgrgid(gid)
+            except KeyError:
+                if name is None:
+                    out.add(gid)
                 continue
-            name, gid = None, int(env["SUDO_GID"])
-        try:
-            g = grp.getgrgid(gid)
-        except KeyError:
-            if name is None:
+            if (name is None or g.gr_name == name) and set(g.gr_mem) <= {name}:
                 out.add(gid)
-            continue
-        if (name is None or g.gr_name == name) and set(g.gr_mem) <= {name}:
-            out.add(gid)
-    return frozenset(out)
+        return out
+
+    def _work_out(self) -> frozenset[int]:
+        gids = self._candidates()
+        if gids:
+            try:
+                users = list((self.all_users or pwd.getpwall)())
+            except Exception as e:  # whatever NSS raises: no group is private, never all of them
+                self.refused = {g: f"the passwd database could not be read ({type(e).__name__}: {e}), so whose "
+                                   f"primary group {g} is is unknown" for g in gids}
+                return frozenset()
+            for pw in users:
+                # The same uid by another name is the same user; root may write anywhere anyway.
+                if pw.pw_gid in gids and pw.pw_uid not in (0, *self.uids):
+                    self.refused[pw.pw_gid] = (f"group {pw.pw_gid} is also the primary group of uid {pw.pw_uid} "
+                                               f"({pw.pw_name}), who can write there without being listed")
+            return frozenset(g for g in gids if g not in self.refused)
+        return frozenset()
+
+    def __contains__(self, gid: object) -> bool:
+        if self._gids is None:
+            self._gids = self._work_out()
+        return gid in self._gids
+
+
+def private_gids(uids, env: dict | None = None, all_users: Callable[[], Iterable] | None = None) -> PrivateGroups:
+    """The user-private groups of `uids` (`PrivateGroups`), worked out when first asked."""
+    return PrivateGroups(uids, env, all_users)
 
 
 def _folder_reason(folder: Path, dst, euid: int, sticky_ok: bool = False, also: tuple[int, ...] = (),
-                   groups: frozenset[int] | None = None) -> str | None:
+                   groups: PrivateGroups | None = None) -> str | None:
     """Why a folder is not trusted: owned by someone else than root, `euid` or `also`; writable by others (a root-owned
     sticky folder excepted where `sticky_ok`); or writable by its group, unless that group is one of those users'
     own private group (`groups`, default `private_gids` of them)."""
@@ -66,16 +103,16 @@ def _folder_reason(folder: Path, dst, euid: int, sticky_ok: bool = False, also: 
         groups = private_gids((0, euid, *also)) if groups is None else groups
         if dst.st_gid in groups:
             return None
+        why = groups.refused.get(dst.st_gid) or "not their primary group, not named as them, or with other members"
         return (f"its folder {folder} is writable by group or others (mode {stat.S_IMODE(dst.st_mode):o}; its group "
-                f"{dst.st_gid} is not the private group of a user trusted here: not their primary group, not named "
-                "as them, or with other members)")
+                f"{dst.st_gid} is not the private group of a user trusted here: {why})")
     if dst.st_mode & 0o022:
         return f"its folder {folder} is writable by group or others (mode {stat.S_IMODE(dst.st_mode):o})"
     return None
 
 
 def untrusted_folder(folder: Path, euid: int | None = None, also: tuple[int, ...] = (), link_ok: bool = False,
-                     groups: frozenset[int] | None = None) -> str | None:
+                     groups: PrivateGroups | None = None) -> str | None:
     """Why root must not write in `folder`; None when only root could have written it (or this process is not
     root). In a folder another user can write, that user could point any name root writes, replaces or deletes
     (a symlink) at any file on the machine. The folder and every folder above it must be root's and writable by no
@@ -102,7 +139,7 @@ def untrusted_folder(folder: Path, euid: int | None = None, also: tuple[int, ...
 
 
 def untrusted_place(path: Path, euid: int | None = None, also: tuple[int, ...] = (),
-                    groups: frozenset[int] | None = None) -> str | None:
+                    groups: PrivateGroups | None = None) -> str | None:
     """`untrusted_folder` of `path`, or of the nearest folder above it that exists: what root would create
     there is checked before it is created. A symlink there is judged by its owner as one on the way (`link` and
     `link/new` alike). `path` is joined to the working folder, never normalised: `a/link/../b` goes through `link`
@@ -135,7 +172,7 @@ def untrusted_out_dir(path: Path, euid: int | None = None, env: dict | None = No
 MAX_SYMLINKS = 40  # as the kernel's own limit on one lookup
 
 
-def _trusted_target(path: Path, euid: int, also: tuple[int, ...] = (), groups: frozenset[int] | None = None) -> str:
+def _trusted_target(path: Path, euid: int, also: tuple[int, ...] = (), groups: PrivateGroups | None = None) -> str:
     """The file `path` names, found component by component: every folder on the way (from /) owned by root or `euid`
     and writable by no one else (a root-owned sticky folder excepted: /tmp, /nix/store), and every symlink on the way,
     the file's own included, owned by root or `euid` (a symlink's mode means nothing; who may replace it is its

@@ -178,3 +178,45 @@ def test_the_tuner_unit_is_sandboxed_as_the_daemons_where_it_needs_no_more():
 def test_the_tuner_units_exposure_is_that_of_a_sandboxed_root_service(tmp_path):
     """8.9 ("EXPOSED") before its sandbox; 2.3 with it, the rest being root, CAP_SYS_ADMIN and loopback sockets."""
     assert systemd_exposure(TUNE_UNIT.read_text(), TUNE_UNIT.name, tmp_path) <= 2.5
+
+
+def _size(value: str) -> int:
+    """A systemd size (512M, 1G, bytes) in bytes."""
+    import re
+
+    m = re.fullmatch(r"(\d+)([KMGT]?)", value.strip())
+    assert m, value
+    return int(m.group(1)) << {"": 0, "K": 10, "M": 20, "G": 30, "T": 40}[m.group(2)]
+
+
+@pytest.mark.parametrize("workers", [1, 8])
+def test_the_daemons_buffers_and_processes_fit_its_units_memory_bound(workers):
+    """The write-failure buffers (docs/daemon.md, max_buffered_rows = 0) are sized from the cgroup's bound; with the
+    proxy workers the docs allow under the shipped unit (8), all of it must fit MemoryMax. Before: the buffers took
+    half of MemoryMax whatever the workers, 256 MiB + the daemon's 70 + 8 workers' 360 = 686 MiB in a 512M cgroup:
+    a full disk then ended in the kernel's OOM kill, the buffered rows lost."""
+    from powerprof.daemon.service import DAEMON_RESIDENT_MIB, WORKER_RESIDENT_MIB, buffered_rows_cap, datasets
+    from powerprof.daemon.store import ROW_BYTES_EST
+
+    u = _unit()
+    limit = min(_size(v) for v in u["Service.MemoryMax"] + u.get("Service.MemoryHigh", []))
+    rows = buffered_rows_cap(limit, workers, len(datasets()))
+    workers_mib = WORKER_RESIDENT_MIB * workers if workers > 1 else 0
+    used = rows * ROW_BYTES_EST * len(datasets()) + ((DAEMON_RESIDENT_MIB + workers_mib) << 20)
+    assert used <= limit, (used >> 20, limit >> 20)
+    assert rows >= 1000  # still a flush interval's worth of rows at a few hundred a second
+    assert int(u["Service.TasksMax"][0]) >= 13 + 8 * workers  # the daemon's 13 threads, about 8 per worker
+
+
+def test_both_units_bound_memory_and_tasks_and_the_tuner_is_killed_not_throttled():
+    # A root tuner without MemoryMax could grow into the inference server's memory (tests/test_tuner_live.py checks
+    # its measured use against these); MemoryHigh would throttle it while it holds a trial limit, its guard slowed,
+    # where a kill at MemoryMax is a kill -9: ExecStopPost's restore puts the original limit back.
+    for path in (UNIT, TUNE_UNIT):
+        u = _unit(path)
+        assert 64 << 20 <= _size(u["Service.MemoryMax"][0]) <= 4 << 30, path.name
+        assert 8 <= int(u["Service.TasksMax"][0]) <= 4096, path.name
+    tuner = _unit(TUNE_UNIT)
+    assert "Service.MemoryHigh" not in tuner
+    assert tuner.get("Service.OOMPolicy", ["stop"]) == ["stop"]
+    assert any("restore" in v for v in tuner["Service.ExecStopPost"])

@@ -711,6 +711,25 @@ def test_memory_limit_is_read_from_the_cgroup(tmp_path):
     assert memory_limit_bytes(tmp_path / "proc", tmp_path / "cg") is None
 
 
+def test_memory_high_bounds_the_buffers_as_memory_max_does(tmp_path):
+    # Before: only memory.max was read. A drop-in `MemoryHigh=256M` under the unit's MemoryMax=512M left the write-
+    # failure buffers sized for 512M (half of it, 256 MiB): the cgroup throttled at 256M, and the proxy in the request
+    # path with it. The lower of the two bounds decides; either alone does too.
+    from powerprof.daemon.service import memory_limit_bytes
+
+    (tmp_path / "proc").write_text("0::/system.slice/powerprof.service\n")
+    cg = tmp_path / "cg" / "system.slice" / "powerprof.service"
+    cg.mkdir(parents=True)
+    read = lambda: memory_limit_bytes(tmp_path / "proc", tmp_path / "cg")  # noqa: E731
+    for high, mx, want in (("268435456", "536870912", 256 << 20), ("max", "536870912", 512 << 20),
+                           ("268435456", "max", 256 << 20), ("max", "max", None), ("1073741824", "536870912", 512 << 20)):
+        (cg / "memory.high").write_text(high + "\n")
+        (cg / "memory.max").write_text(mx + "\n")
+        assert read() == want, (high, mx)
+    (cg / "memory.high").unlink()  # a kernel without the file: memory.max alone, as before
+    assert read() == 512 << 20
+
+
 def test_tag_users_do_not_get_rapl_access():
     u = _unit()
     rapl_steps = [v for v in u["ExecStartPre"] if "energy_uj" in v]

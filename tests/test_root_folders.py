@@ -111,6 +111,9 @@ def alice(monkeypatch):
                                                                       "/bin/sh")) if u == 65534 else real_pw(u))
     monkeypatch.setattr(grp, "getgrgid", lambda g: grp.struct_group(("alice", "x", 65534, [])) if g == 65534
                         else real_gr(g))
+    # No one else has gid 65534 as their primary group (here sync and _apt have nogroup's: their passwd entries go).
+    others = [pw for pw in pwd.getpwall() if pw.pw_uid != 65534 and pw.pw_gid != 65534]
+    monkeypatch.setattr(pwd, "getpwall", lambda: [*others, pwd.getpwuid(65534)])
     return 65534
 
 
@@ -165,6 +168,54 @@ def test_the_sudo_users_group_writable_folders_pass_when_the_group_is_their_own(
     # Root's own group never counts as private: RHEL's `operator` has gid 0 as its primary group.
     roots = _folder(tmp_path / "roots", 0, 0, 0o775)
     assert "writable by group" in untrusted_out_dir(roots / "x", euid=0, env={})
+
+
+@AS_ROOT
+def test_a_group_that_is_another_users_primary_group_is_not_private(tmp_path, monkeypatch, alice):
+    # Before: alice's `alice` group (named as her, no member listed) passed as hers alone, but carol, whose passwd entry
+    # has it as her primary group, is in it without being listed: she could write in alice's 0775 project, and plant a
+    # symlink there that `sudo powerprof sweep` would follow. (On this machine: nogroup, sync's and _apt's primary.)
+    import pwd
+
+    from powerprof.trust import untrusted_out_dir
+
+    project = _folder(_folder(tmp_path / "alice", 65534, alice, 0o750) / "project", 65534, alice, 0o775)
+    sudo = {"SUDO_UID": "65534"}
+    assert untrusted_out_dir(project / "runs", euid=0, env=sudo) is None  # hers alone: passes
+    users = pwd.getpwall()
+    carol = pwd.struct_passwd(("carol", "x", 65533, alice, "", "/home/carol", "/bin/sh"))
+    monkeypatch.setattr(pwd, "getpwall", lambda: [*users, carol])
+    why = untrusted_out_dir(project / "runs", euid=0, env=sudo)
+    assert why and "writable by group" in why and "primary group" in why, why
+    alias = pwd.struct_passwd(("alice2", "x", 65534, alice, "", "/home/alice", "/bin/sh"))  # her uid again: still hers
+    monkeypatch.setattr(pwd, "getpwall", lambda: [*users, alias])
+    assert untrusted_out_dir(project / "runs", euid=0, env=sudo) is None
+
+
+@AS_ROOT
+def test_the_primary_group_scan_fails_closed_and_runs_only_for_a_group_writable_folder(tmp_path, monkeypatch, alice):
+    # The scan reads every passwd entry NSS lists: once per check at most, and not at all on the usual path (no folder
+    # on the way group-writable). A passwd database that cannot be read refuses the group write, never allows it.
+    import pwd
+
+    from powerprof.trust import untrusted_out_dir
+
+    home = _folder(tmp_path / "alice", 65534, alice, 0o755)
+    calls = []
+    users = pwd.getpwall()
+    monkeypatch.setattr(pwd, "getpwall", lambda: calls.append(1) or users)
+    plain = _folder(home / "plain", 65534, alice, 0o755)
+    assert untrusted_out_dir(plain / "a" / "b", euid=0, env={"SUDO_UID": "65534"}) is None and calls == []
+    deep = _folder(_folder(home / "p", 65534, alice, 0o775) / "q", 65534, alice, 0o775)
+    assert untrusted_out_dir(deep / "runs", euid=0, env={"SUDO_UID": "65534"}) is None and len(calls) == 1
+
+    def down():
+        raise OSError("nss: cannot reach the directory server")
+
+    monkeypatch.setattr(pwd, "getpwall", down)
+    why = untrusted_out_dir(deep / "runs", euid=0, env={"SUDO_UID": "65534"})
+    assert why and "writable by group" in why and "could not be read" in why, why
+    assert untrusted_out_dir(plain / "a", euid=0, env={"SUDO_UID": "65534"}) is None  # no group write: not needed
 
 
 @AS_ROOT

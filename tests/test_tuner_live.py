@@ -990,3 +990,42 @@ def test_each_decision_row_carries_its_tuner_and_its_number(tmp_path):
     for decided in by_tuner.values():
         assert [s for s, _ in sorted(decided)] == [0, 1, 2]
         assert [why.rsplit(" ", 1)[1] for _, why in sorted(decided)] == ["0", "1", "2"]
+
+
+def _unit_size(value: str) -> int:
+    """A systemd size (512M, 1G, bytes) in bytes."""
+    m = re.fullmatch(r"(\d+)([KMGT]?)", value.strip())
+    assert m, value
+    return int(m.group(1)) << {"": 0, "K": 10, "M": 20, "G": 30, "T": 40}[m.group(2)]
+
+
+def test_the_tuner_runs_within_its_units_memory_and_task_limits_with_room(tmp_path):
+    # Before: powerprof-tune.service had no MemoryMax or TasksMax: a tuner that leaked (its regime memory, a dataset
+    # writer) grew into the host's memory beside the inference server, as root. Now the unit bounds it with room over
+    # what it uses while exploring: a cgroup OOM kill ends it like a kill -9, and ExecStopPost's restore puts the
+    # original limit back (no MemoryHigh: throttled, it would hold a trial limit with its guard slowed).
+    from pathlib import Path
+
+    unit = {}
+    for line in (Path(__file__).resolve().parents[1] / "systemd" / "powerprof-tune.service").read_text().splitlines():
+        k, eq, v = line.partition("=")
+        if eq and not line.startswith("#"):
+            unit[k.strip()] = v.strip()
+    assert "MemoryMax" in unit and "TasksMax" in unit, "the tuner's unit bounds neither memory nor tasks"
+    assert "MemoryHigh" not in unit
+    peak_kib = threads = 0
+    with FakeDaemon(gpu=sim_gpu()) as fd:
+        proc, _ = _start_tune(tmp_path, fd)
+        try:
+            deadline = time.monotonic() + 5  # explore, accept and hold: the live loop's working set
+            while time.monotonic() < deadline and proc.poll() is None:
+                status = dict(line.split(":", 1) for line in open(f"/proc/{proc.pid}/status").read().splitlines())
+                peak_kib = max(peak_kib, int(status["VmHWM"].split()[0]))
+                threads = max(threads, int(status["Threads"]))
+                time.sleep(0.1)
+        finally:
+            proc.terminate()
+            proc.communicate(timeout=30)
+    assert peak_kib > 0 and threads > 0
+    assert 2 * (peak_kib << 10) <= _unit_size(unit["MemoryMax"]), (peak_kib >> 10, unit["MemoryMax"])
+    assert 4 * threads <= int(unit["TasksMax"]), (threads, unit["TasksMax"])

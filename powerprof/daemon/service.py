@@ -43,7 +43,7 @@ from .metrics import NONE, GpuSnapshot, Snapshot, TagLimiter, make_registry, ren
 from .proxy import SERVER_OPTIONS, Proxy, RequestTrace
 from .scrape import AT_FINISH, SCRAPE_TIMEOUT_S, Cadence, Scraper, burst_start_ns
 from .store import COMPACTION_LOCK, Dataset, DatasetStore, Flusher, buffer_cap_rows
-from .tagapi import tag_app
+from .tagapi import PeerPolicy, tag_app
 
 log = logging.getLogger("powerprof.daemon")
 # A request's end edge is read this long after the end: the energy counter lags by up to its
@@ -134,15 +134,41 @@ def http_url(host: str, port: int) -> str:
 
 
 def memory_limit_bytes(proc: Path = Path("/proc/self/cgroup"), cgroup_root: Path = Path("/sys/fs/cgroup")) -> int | None:
-    """This process's cgroup v2 memory.max (the unit's MemoryMax=), or None when unlimited or unknown."""
+    """This process's cgroup v2 memory bound: the lower of memory.max and memory.high (the unit's MemoryMax= and
+    MemoryHigh=: above the high mark the kernel throttles the whole cgroup, the proxy in the request path too, so the
+    buffers are sized under it as under the hard limit), or None when both are unlimited or unknown."""
     try:
         for line in proc.read_text().splitlines():
             if line.startswith("0::"):
-                text = (cgroup_root / line[3:].lstrip("/") / "memory.max").read_text().strip()
-                return None if text == "max" else int(text)
+                folder = cgroup_root / line[3:].lstrip("/")
+                bounds = []
+                for name in ("memory.max", "memory.high"):
+                    try:
+                        text = (folder / name).read_text().strip()
+                    except FileNotFoundError:
+                        continue  # a cgroup without the memory controller has neither file
+                    if text != "max":
+                        bounds.append(int(text))
+                return min(bounds) if bounds else None
     except (OSError, ValueError):
         return None
     return None
+
+
+# Resident memory measured after traffic (docs/daemon.md, Several proxy processes): the daemon with 8 simulated GPUs,
+# and each proxy worker process beside it in the same cgroup (proxy.workers > 1).
+DAEMON_RESIDENT_MIB = 70
+WORKER_RESIDENT_MIB = 45
+
+
+def buffered_rows_cap(limit_bytes: int | None, workers: int, n_datasets: int) -> int:
+    """Rows per dataset kept while writes fail (daemon.max_buffered_rows = 0): `buffer_cap_rows` of what the memory
+    bound leaves once the proxy workers are counted (separate processes in the daemon's cgroup), so buffers, daemon
+    and workers fit together."""
+    if limit_bytes is None:
+        return buffer_cap_rows(None, n_datasets)
+    workers_b = (WORKER_RESIDENT_MIB * workers) << 20 if workers > 1 else 0
+    return buffer_cap_rows(max(1, limit_bytes - workers_b), n_datasets)
 
 
 def untrusted_data_dir(data_dir: Path, euid: int | None = None) -> str | None:
@@ -714,9 +740,9 @@ class Daemon:
     # --- start and stop ----------------------------------------------------------------------------
 
     def _buffer_cap(self) -> int:
-        """daemon.max_buffered_rows, or (0) what fits half the unit's MemoryMax across the datasets."""
+        """daemon.max_buffered_rows, or (0) `buffered_rows_cap` under the cgroup's memory bound."""
         rows = self.cfg.get("daemon", "max_buffered_rows")
-        return rows or buffer_cap_rows(memory_limit_bytes(), len(datasets()))
+        return rows or buffered_rows_cap(memory_limit_bytes(), self.cfg.get("proxy", "workers"), len(datasets()))
 
     async def _serve(self, app: web.Application, listen: str, what: str, server_options: dict | None = None) -> str:
         if self.guard is not None:
@@ -769,9 +795,10 @@ class Daemon:
                                f"{_listen_fix('proxy', e)}") from None
         self._warn_beyond_loopback(listen, "proxy")
         n, limit = self.cfg.get("proxy", "workers"), memory_limit_bytes()
-        if limit is not None and limit < (70 + 45 * n) << 20:  # the daemon, then ~40 MiB resident a worker
-            log.warning("%d proxy workers in a memory limit of %d MiB: each needs about 45 MiB beside the daemon's "
-                        "70 MiB; raise MemoryMax (and TasksMax) or lower proxy.workers", n, limit >> 20)
+        if limit is not None and limit < (DAEMON_RESIDENT_MIB + WORKER_RESIDENT_MIB * n) << 20:
+            log.warning("%d proxy workers in a memory limit of %d MiB: each needs about %d MiB beside the daemon's "
+                        "%d MiB; raise MemoryMax (and TasksMax) or lower proxy.workers", n, limit >> 20,
+                        WORKER_RESIDENT_MIB, DAEMON_RESIDENT_MIB)
         return http_url(host, port)
 
     async def _serve_tags(self) -> None:
@@ -784,8 +811,12 @@ class Daemon:
             if why:
                 raise StartupError(f"refusing, as root, a socket folder another user could write for the tag API: {why}")
             path.parent.mkdir(parents=True, exist_ok=True)
-            await self._serve(tag_app(self), f"unix:{path}", "tag API")
+            peers = PeerPolicy()  # root and this daemon's uid until the socket's group is known, just below
+            await self._serve(tag_app(self, peers), f"unix:{path}", "tag API")
             os.chmod(path, stat.S_IRUSR | stat.S_IWUSR | stat.S_IRGRP | stat.S_IWGRP)
+            # The group the socket got (the setgid folder's under the unit: powerprof-tag), stated again per connection.
+            peers.socket_gid = os.stat(path).st_gid
+            log.info("tag API on %s: root, uid %d and members of %s may tag", path, peers.own_uid, peers.group_text())
             self.urls["tags"] = str(path)
         except (OSError, StartupError) as e:
             log.error("tag API disabled: cannot open %s: %s", path, e)

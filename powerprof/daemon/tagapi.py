@@ -1,15 +1,25 @@
 """The tag API: application-defined windows opened and closed over a local Unix socket.
 
-Server: `tag_app(handler)` serves `POST /tags/{name}/start`, `POST /tags/{name}/stop`, `GET /tags`
-on a Unix socket only (file mode 0660: local users in the daemon's group). Client:
-`send_tag(socket_path, action, name)`, used by `powerprof tag start|stop NAME`.
+Server: `tag_app(tags)` serves `POST /tags/{name}/start`, `POST /tags/{name}/stop`, `GET /tags`
+on a Unix socket only (file mode 0660: local users in the socket's group), and checks each connection's peer
+(`PeerPolicy`: SO_PEERCRED). Client: `send_tag(socket_path, action, name)`, used by `powerprof tag start|stop NAME`.
 """
 
 from __future__ import annotations
 
 import asyncio
+import errno
+import grp
 import json
+import logging
+import os
+import platform
 import re
+import socket
+import struct
+import sys
+import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Awaitable, Callable, Protocol
 
@@ -19,6 +29,84 @@ from aiohttp import web
 from powerprof.errtext import error_text
 
 NAME_RE = re.compile(r"^[A-Za-z0-9_.:@/-]{1,128}$")
+log = logging.getLogger("powerprof.daemon.tagapi")
+# Linux's SO_PEERGROUPS (4.13+), which Python does not name: 59 on every architecture but sparc and parisc.
+SO_PEERGROUPS = getattr(socket, "SO_PEERGROUPS", None) or (
+    59 if sys.platform == "linux" and not platform.machine().startswith(("sparc", "parisc")) else None)
+REFUSAL_LOG_EVERY_S = 60.0  # one log line per refused uid this often: a local loop must not fill the journal
+
+
+@dataclass(frozen=True)
+class Peer:
+    """Who connected, as the kernel recorded it at connect(): pid, uid, gid and supplementary groups (() where the
+    kernel cannot say)."""
+    pid: int
+    uid: int
+    gid: int
+    groups: tuple[int, ...] = ()
+
+
+def peer_of(sock) -> Peer | None:
+    """The peer of a connected Unix socket (SO_PEERCRED, struct ucred: three ints; SO_PEERGROUPS, an array of gid_t),
+    or None where this platform cannot tell."""
+    if sock is None or not hasattr(socket, "SO_PEERCRED"):
+        return None
+    try:
+        pid, uid, gid = struct.unpack("3i", sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i")))
+    except OSError:
+        return None
+    groups: tuple[int, ...] = ()
+    if SO_PEERGROUPS is not None:
+        for n in (256, 65536):  # NGROUPS_MAX is 65536; a buffer too small answers ERANGE
+            try:
+                raw = sock.getsockopt(socket.SOL_SOCKET, SO_PEERGROUPS, 4 * n)
+            except OSError as e:
+                if e.errno == errno.ERANGE:
+                    continue
+                break
+            groups = struct.unpack(f"{len(raw) // 4}I", raw[: len(raw) // 4 * 4])
+            break
+    return Peer(pid, uid & 0xFFFFFFFF, gid & 0xFFFFFFFF, groups)
+
+
+class PeerPolicy:
+    """Who may use the tag socket: root, the daemon's own uid, and a process in the socket file's group (its primary
+    group or a supplementary one, as the kernel had them when it connected): the socket's 0660 mode stated again on each
+    connection, so a mode or folder set wrong (the unit's `chgrp` failed, a socket folder of the daemon's choosing)
+    lets no one else tag. `socket_gid` is set once the socket is made (None until then: root and the daemon only)."""
+
+    def __init__(self, own_uid: int | None = None, socket_gid: int | None = None):
+        self.own_uid = os.geteuid() if own_uid is None else own_uid
+        self.socket_gid = socket_gid
+        self._logged: dict[int, float] = {}
+
+    def group_text(self) -> str:
+        if self.socket_gid is None:
+            return "no group yet"
+        try:
+            return f"group {grp.getgrgid(self.socket_gid).gr_name} (gid {self.socket_gid})"
+        except KeyError:
+            return f"gid {self.socket_gid}"
+
+    def refusal(self, peer: Peer | None) -> str | None:
+        """Why `peer` may not tag, or None."""
+        if peer is None:
+            return "the daemon cannot tell who connected (no SO_PEERCRED on this platform or socket): refused"
+        if peer.uid in (0, self.own_uid):
+            return None
+        if self.socket_gid is not None and self.socket_gid in (peer.gid, *peer.groups):
+            return None
+        name = self.group_text()
+        return (f"uid {peer.uid} (pid {peer.pid}) may not use this tag socket: only root, the daemon's user (uid "
+                f"{self.own_uid}) and members of the socket's {name} may. Fix: add the user to that group "
+                "(`sudo usermod -aG GROUP USER`, then log in again)")
+
+    def log_refusal(self, why: str, peer: Peer | None) -> None:
+        uid = -1 if peer is None else peer.uid
+        now = time.monotonic()
+        if now - self._logged.get(uid, -REFUSAL_LOG_EVERY_S) >= REFUSAL_LOG_EVERY_S:
+            self._logged[uid] = now
+            log.warning("tag socket: refused a connection: %s", why)
 
 
 class TagHandler(Protocol):
@@ -33,7 +121,22 @@ def check_name(name: str) -> str:
     return name
 
 
-def tag_app(handler: TagHandler) -> web.Application:
+def tag_app(tags: TagHandler, peers: PeerPolicy | None = None) -> web.Application:
+    """The tag API's routes, each request's peer checked first (`peers`; default: root and this process's uid)."""
+    peers = PeerPolicy() if peers is None else peers
+
+    @web.middleware
+    async def check_peer(request: web.Request, handler):
+        transport = request.transport
+        peer = peer_of(transport.get_extra_info("socket") if transport is not None else None)
+        why = peers.refusal(peer)
+        if why:
+            peers.log_refusal(why, peer)
+            return web.json_response({"error": why}, status=403)
+        if request.method == "POST":  # who opened or closed which tag, beside the daemon's own line on the outcome
+            log.info("tag request %s from uid %d (pid %d)", request.path, peer.uid, peer.pid)
+        return await handler(request)
+
     async def act(request: web.Request, fn: Callable[[str], Awaitable[dict]]) -> web.Response:
         try:
             name = check_name(request.match_info["name"])
@@ -43,15 +146,15 @@ def tag_app(handler: TagHandler) -> web.Application:
         return web.json_response(out)
 
     async def start(request):
-        return await act(request, handler.tag_start)
+        return await act(request, tags.tag_start)
 
     async def stop(request):
-        return await act(request, handler.tag_stop)
+        return await act(request, tags.tag_stop)
 
     async def listing(_request):
-        return web.json_response({"open": handler.tag_list()})
+        return web.json_response({"open": tags.tag_list()})
 
-    app = web.Application()
+    app = web.Application(middlewares=[check_peer])
     app.router.add_post("/tags/{name:.+}/start", start)
     app.router.add_post("/tags/{name:.+}/stop", stop)
     app.router.add_get("/tags", listing)
