@@ -30,7 +30,8 @@ class PrivateGroups:
     it is is in it without being listed (nogroup: nobody's, and sync's and _apt's on Debian), hence the whole passwd
     database (`all_users`, default pwd.getpwall): read at the first `in` and once, so a path with no group-writable
     folder never reads it; one that cannot be read makes no group private (fail closed). For the user who ran sudo with
-    no passwd entry (LDAP down): SUDO_GID, if its group has no entry or no members. Root's group is left out: RHEL's
+    no passwd entry (LDAP down): SUDO_GID, if its group has no entry, or is named as SUDO_USER with no
+    other member (a shared group such as `users` lists no one whose primary group it is). Root's group is left out: RHEL's
     `operator` has gid 0 as its primary group, and root's own umask is 022."""
 
     def __init__(self, uids, env: dict | None = None, all_users: Callable[[], Iterable] | None = None):
@@ -50,14 +51,18 @@ class PrivateGroups:
             except KeyError:
                 if str(uid) != self.env.get("SUDO_UID") or not self.env.get("SUDO_GID", "").isdigit():
                     continue
-                name, gid = None, int(self.env["SUDO_GID"])
+                # sudo's own record of the name: a group named otherwise is shared (`users`, gid 100, lists no
+                # one whose primary group it is), not this user's.
+                name, gid, entry = self.env.get("SUDO_USER") or "", int(self.env["SUDO_GID"]), False
+            else:
+                entry = True
             try:
                 g = grp.getgrgid(gid)
             except KeyError:
-                if name is None:
+                if not entry:
                     out.add(gid)
                 continue
-            if (name is None or g.gr_name == name) and set(g.gr_mem) <= {name}:
+            if name and g.gr_name == name and set(g.gr_mem) <= {name}:
                 out.add(gid)
         return out
 

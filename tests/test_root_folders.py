@@ -234,6 +234,32 @@ def test_a_sudo_user_with_no_passwd_entry_is_judged_by_sudo_gid(tmp_path):
     assert "writable by group" in untrusted_out_dir_(folder / "x", {"SUDO_UID": "65533", "SUDO_GID": "65532"})
 
 
+@AS_ROOT
+def test_a_sudo_user_with_no_passwd_entry_is_not_trusted_with_a_shared_group(tmp_path):
+    """`users` (gid 100 on Debian) lists no one whose primary group it is: an empty member list does not make it the
+    sudo user's own. Before, a 0775 folder of that group passed for a sudo user without a passwd entry, though every
+    member of `users` could plant a symlink in it."""
+    import grp
+    import pwd
+
+    try:
+        pwd.getpwuid(65533)
+        pytest.skip("uid 65533 exists here: the test needs an id with no passwd entry (LDAP down)")
+    except KeyError:
+        pass
+    shared = next((g for g in grp.getgrall() if g.gr_gid != 0 and not g.gr_mem
+                   and not any(p.pw_gid == g.gr_gid for p in pwd.getpwall())), None)
+    if shared is None:
+        pytest.skip("no group here with an empty member list that is no passwd entry's primary group")
+    folder = _folder(tmp_path / "theirs", 65533, shared.gr_gid, 0o775)
+    env = {"SUDO_UID": "65533", "SUDO_GID": str(shared.gr_gid), "SUDO_USER": "someone"}
+    why = untrusted_out_dir_(folder / "x", env)
+    assert why and "writable by group" in why, why
+    # named as the sudo user (sudo's SUDO_USER), it is theirs
+    env["SUDO_USER"] = shared.gr_name
+    assert untrusted_out_dir_(folder / "x", env) is None
+
+
 def untrusted_out_dir_(path, env):
     from powerprof.trust import untrusted_out_dir
 
