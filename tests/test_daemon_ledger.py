@@ -1681,9 +1681,10 @@ def test_an_interval_without_cpu_energy_says_why_in_its_own_row():
 def test_an_interval_a_gpu_gave_no_energy_for_says_why_and_a_whole_one_says_nothing():
     sink = Sink()
     led = Ledger("d", 0, 2, sink, grace_s=0.3, rapl=True)
-    for k in range(4):
-        _rapl(led, k + 0.001, 500.0 + 40.0 * k)
-        led.add_gpu_sample(int(k * S), int(k * S), [R(300.0 * k, 300.0), R(None if k == 2 else 100.0 * k, 100.0)])
+    for k in range(4):  # GPU 1 lost from 2 s on: no reading bounds the intervals after 1 s
+        _rapl(led, k - 0.001, 500.0 + 40.0 * k)
+        led.add_gpu_sample(int(k * S), int(k * S), [R(300.0 * k, 300.0), R(None, None) if k >= 2 else R(100.0 * k, 100.0)])
+    _rapl(led, 4.001, 700.0)
     led.advance(int(3.5 * S))
     rows = sink.rows["intervals"]
     assert [r["gpu_energy_j"] is None for r in rows] == [False, True, True], rows
