@@ -1706,3 +1706,27 @@ def test_interval_rows_say_a_low_server_count_with_its_fix():
     for r in rows:
         assert "bypass-uncounted" in r["energy_note"] and "unread" in r["energy_note"], r
         assert "fix: start the server before the daemon" in r["energy_note"], r
+
+
+def test_a_request_that_arrived_before_the_first_gpu_read_says_its_energy_before_it_was_not_counted():
+    # The daemon reads NVML before its proxy listens; where that read fails, the first edge is the sampler's, and a
+    # request that came before it lost the energy of its run up to there. Its row says so (before: nothing).
+    sink = Sink()
+    led = Ledger("d", 0, 1, sink, grace_s=0.3)
+    _one_request(led, 0.5, 1.9)
+    for k in range(1, 4):
+        _feed(led, k, 300.0 * k)
+    led.advance(int(3.5 * S))
+    (row,) = sink.rows["requests"]
+    assert row["gpu_energy_j"] > 0
+    note = row["energy_note"] or ""
+    assert note.startswith("before-first-read:") and "0.50 s" in note and "not counted" in note and "fix:" in note, note
+    sink = Sink()
+    led = Ledger("d", 0, 1, sink, grace_s=0.3)
+    _feed(led, 0, 0.0)
+    _one_request(led, 0.5, 1.9)
+    for k in range(1, 4):
+        _feed(led, k, 300.0 * k)
+    led.advance(int(3.5 * S))
+    (row,) = sink.rows["requests"]
+    assert row["energy_note"] is None, row["energy_note"]  # read from before its arrival: whole

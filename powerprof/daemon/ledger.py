@@ -40,6 +40,8 @@ from .workmodel import FEATURES, CostLearner
 
 log = logging.getLogger("powerprof.daemon.ledger")
 
+# A request's energy_note where part of its run came before the daemon's first GPU read (`_before_first_note`).
+BEFORE_FIRST_READ_FLAG = "before-first-read"
 # How long an interval waits past its grace for a RAPL read at or past its end (the daemon passes a few sampling
 # periods): RAPL's thread may tick just before NVML's, and the covering read is then a period later.
 RAPL_HOLD_S = 2.0
@@ -160,6 +162,7 @@ class _Req:
     prev_held: bool = False  # that piece held more tokens than its sequences
     first_held: bool = False  # its first piece held more than FIRST_BURST_TOKENS a sequence
     closed_s: float = 0.0  # seconds of its run in intervals closed before its tokens came (not its energy)
+    before_first_s: float = 0.0  # seconds it was live before the ledger's first GPU read: their energy is in no interval
 
 
 @dataclass
@@ -239,6 +242,7 @@ class Ledger:
         self._avg_needed = np.zeros(n_gpus, dtype=bool)
         self.jpt_window_ns = int(jpt_window_s * 1e9)
         self.edges: list[_Edge] = []
+        self.first_edge_ns: int | None = None  # the first GPU read's instant: no energy before it is known
         self.requests: dict[int, _Req] = {}
         self.tags: dict[str, _Tag] = {}
         self.closed_tags: list[_Tag] = []
@@ -704,6 +708,8 @@ class Ledger:
 
     def _insert_edge(self, edge: _Edge) -> None:
         t_ns = edge.t_ns
+        if self.first_edge_ns is None:
+            self.first_edge_ns = t_ns
         if self.edges and t_ns <= self.edges[-1].t_ns:
             # An on-demand sample read in another thread may be published late: keep edges ordered.
             ts = [e.t_ns for e in self.edges]
@@ -1056,6 +1062,8 @@ class Ledger:
         if fit is not None:
             self.emit("costs", [self._costs_row(edges[-1], setting, fit)])
         for i, r in enumerate(reqs):
+            if self.first_edge_ns is not None and r.trace.arrival_ns < self.first_edge_ns:
+                r.before_first_s = (self.first_edge_ns - r.trace.arrival_ns) / 1e9
             r.gpu_j += a.request_energy[i, 0]
             r.cpu_j += a.request_energy[i, 1]
             r.cpu_known = r.cpu_known or not np.isnan(cpu).all()
@@ -1633,7 +1641,8 @@ class Ledger:
             "other_cpu_pct": other_pct,
             "energy_note": _joined(GPU_MISSING_NOTE if r.gpu_missing else _approximate_note(r) if r.gpu_j > 0
                                    else _no_energy_reason(r), CPU_MISSING_NOTE if cpu_unknown else None,
-                                   _no_counter_short_note(r), _bypass_low_note(r), _busy_host_note(other_pct)),
+                                   _no_counter_short_note(r), _bypass_low_note(r), _busy_host_note(other_pct),
+                                   _before_first_note(r)),
             "prompt_tokens_estimate": r.prompt_est[0] if r.prompt_est is not None and _prompt_tokens(r) is None else None,
             "attributed_tokens": r.tokens,
             "gpu_j_per_token": (float(attr.per_token(r.gpu_j, r.tokens))
@@ -1712,6 +1721,16 @@ def _bypass_low_note(r: _Req) -> str | None:
     return (f"{BYPASS_LOW_FLAG}: {100 * r.bypass_low_j / r.gpu_j:.0f}% of its GPU energy is from intervals whose "
             f"server token count may be low ({', '.join(why)}: their server_count): bypass traffic there is not in "
             f"unproxied, and its energy may be in this request's; fix: {bypass_count_fix(','.join(why))}")
+
+
+def _before_first_note(r: _Req) -> str | None:
+    """A request live before the daemon's first GPU read (the start's read failed, or a ledger fed late): the energy of
+    that part of its run is in no interval. Kept, and said: its figures are low."""
+    if not (r.before_first_s > 0 and r.gpu_j > 0):
+        return None
+    return (f"{BEFORE_FIRST_READ_FLAG}: it arrived {r.before_first_s:.2f} s before the daemon's first GPU read, and "
+            "its energy before that read was not counted: its gpu_energy_j, cpu_energy_j and J/token are low; fix: "
+            "none for this row (later requests are measured whole); the log says why the start's NVML read failed")
 
 
 def _with_late(error: str | None, late: float) -> str | None:
