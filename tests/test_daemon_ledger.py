@@ -1649,3 +1649,84 @@ def test_without_rapl_an_empty_cpu_energy_needs_no_note():
     (row,) = sink.rows["requests"]
     assert row["cpu_energy_j"] is None and row["energy_note"] is None
     assert led.totals.cpu_unknown_requests == 0
+
+
+# --- interval rows say why a figure is empty or partial (energy_note) ------------------------------------------------
+
+
+def test_an_interval_without_cpu_energy_says_why_in_its_own_row():
+    # Before: only request rows had energy_note. An interval whose RAPL reads stopped had a null cpu_energy_j and nothing
+    # in the row said why (an interval with no request in it: nothing anywhere); without RAPL, the same null, unsaid.
+    sink = Sink()
+    led = Ledger("d", 0, 1, sink, grace_s=0.3, rapl=True, rapl_hold_s=2.0)
+    _rapl(led, 0.0, 500.0)
+    for k in range(6):
+        _feed(led, k, 300.0 * k)
+    led.advance(int(5.5 * S))
+    rows = sink.rows["intervals"]
+    assert rows and all(r["cpu_energy_j"] is None for r in rows)
+    for r in rows:
+        note = r.get("energy_note")
+        assert note and note.startswith("CPU energy unknown") and "RAPL" in note and "fix:" in note, r
+    sink = Sink()
+    led = Ledger("d", 0, 1, sink, grace_s=0.3)  # no RAPL on this host
+    for k in range(3):
+        _feed(led, k, 300.0 * k)
+    led.advance(int(2.5 * S))
+    rows = sink.rows["intervals"]
+    assert rows and all(r["cpu_energy_j"] is None and "no RAPL" in (r.get("energy_note") or "") and
+                        "fix:" in r["energy_note"] for r in rows), rows
+
+
+def test_an_interval_a_gpu_gave_no_energy_for_says_why_and_a_whole_one_says_nothing():
+    sink = Sink()
+    led = Ledger("d", 0, 2, sink, grace_s=0.3, rapl=True)
+    for k in range(4):  # GPU 1 lost from 2 s on: no reading bounds the intervals after 1 s
+        _rapl(led, k - 0.001, 500.0 + 40.0 * k)
+        led.add_gpu_sample(int(k * S), int(k * S), [R(300.0 * k, 300.0), R(None, None) if k >= 2 else R(100.0 * k, 100.0)])
+    _rapl(led, 4.001, 700.0)
+    led.advance(int(3.5 * S))
+    rows = sink.rows["intervals"]
+    assert [r["gpu_energy_j"] is None for r in rows] == [False, True, True], rows
+    assert rows[0]["energy_note"] is None, rows[0]  # every figure there, whole: nothing to say
+    for r in rows[1:]:
+        assert r["energy_note"].startswith("GPU energy unknown") and "this interval" in r["energy_note"], r
+        assert "fix:" in r["energy_note"]
+
+
+def test_interval_rows_say_a_low_server_count_with_its_fix():
+    sink = Sink()
+    led = Ledger("d", 0, 1, sink, grace_s=0.3)
+    led.scraping = True  # the server is scraped, but not read yet: its bypass traffic unknown
+    for k in range(3):
+        _feed(led, k, 300.0 * k)
+    led.advance(int(2.5 * S))
+    rows = sink.rows["intervals"]
+    assert rows and all(r["server_count"] == "unread" and r["server_tokens"] is None for r in rows)
+    for r in rows:
+        assert "bypass-uncounted" in r["energy_note"] and "unread" in r["energy_note"], r
+        assert "fix: start the server before the daemon" in r["energy_note"], r
+
+
+def test_a_request_that_arrived_before_the_first_gpu_read_says_its_energy_before_it_was_not_counted():
+    # The daemon reads NVML before its proxy listens; where that read fails, the first edge is the sampler's, and a
+    # request that came before it lost the energy of its run up to there. Its row says so (before: nothing).
+    sink = Sink()
+    led = Ledger("d", 0, 1, sink, grace_s=0.3)
+    _one_request(led, 0.5, 1.9)
+    for k in range(1, 4):
+        _feed(led, k, 300.0 * k)
+    led.advance(int(3.5 * S))
+    (row,) = sink.rows["requests"]
+    assert row["gpu_energy_j"] > 0
+    note = row["energy_note"] or ""
+    assert note.startswith("before-first-read:") and "0.50 s" in note and "not counted" in note and "fix:" in note, note
+    sink = Sink()
+    led = Ledger("d", 0, 1, sink, grace_s=0.3)
+    _feed(led, 0, 0.0)
+    _one_request(led, 0.5, 1.9)
+    for k in range(1, 4):
+        _feed(led, k, 300.0 * k)
+    led.advance(int(3.5 * S))
+    (row,) = sink.rows["requests"]
+    assert row["energy_note"] is None, row["energy_note"]  # read from before its arrival: whole

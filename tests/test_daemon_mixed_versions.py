@@ -7,11 +7,15 @@ file without one reads it as null (unknown: the notes say how many rows), in eit
 
 from __future__ import annotations
 
+import re
 import shutil
+from pathlib import Path
 
 import pyarrow.parquet as pq
 import pytest
 from click.testing import CliRunner
+
+import duckdb
 
 from powerprof.analysis import export as ex
 from powerprof.analysis.fleet import fleet_summary, tag_summary
@@ -22,7 +26,7 @@ from powerprof.daemon.store import DatasetStore
 S = 1_000_000_000
 T0_NS = 1_768_478_400 * 10**9  # 2026-01-15 12:00 UTC
 # The columns added to each table in recent versions: an "old" file is a new one without them.
-NEWER = {"intervals": ("server_count", "other_cpu_pct"),
+NEWER = {"intervals": ("server_count", "other_cpu_pct", "energy_note"),
          "tags": ("server_count", "other_cpu_pct", "unproxied_energy_j"),
          "requests": ("other_cpu_pct", "prompt_tokens_estimate")}
 
@@ -31,7 +35,8 @@ def _rows(first: int, n: int) -> dict[str, list[dict]]:
     """n seconds of intervals, requests and 1 s tags from second `first` on: the newer columns filled."""
     iv = [{"daemon_id": "d0", "t_start_utc": T0_NS + i * S, "t_end_utc": T0_NS + (i + 1) * S, "t_start_mono_s": float(i),
            "duration_s": 1.0, "kind": "decode", "gpu_energy_j": 300.0, "other_cpu_pct": 5.0,
-           "server_count": "complete"} for i in range(first, first + n)]
+           "server_count": "complete", "energy_note": "CPU energy not read: no RAPL on this host"}
+          for i in range(first, first + n)]
     rq = [{"daemon_id": "d0", "request_id": i, "t_arrival_utc": T0_NS + i * S, "outcome": "ok", "generated_tokens": 100,
            "gpu_energy_j": 100.0, "attributed_tokens": 100.0, "ttft_s": 0.1, "other_cpu_pct": 5.0,
            "prompt_tokens_estimate": 50.0} for i in range(first, first + n)]
@@ -105,3 +110,43 @@ def test_analyze_reads_both_versions_old_rows_unknown(tmp_path, old_first):
     assert res.exit_code == 0, res.output
     assert "job" in res.stdout and "2.000" in res.stdout, res.stdout
     assert "node-0 job: 10 of 20" in res.stderr, res.stderr
+
+
+def _old_only(root):
+    """A daemon folder every file of which was written before the newer columns (NEWER), interval energy_note too."""
+    for table, rows in _rows(0, 10).items():
+        store = DatasetStore(root / "new", datasets(), host="node-0")
+        store.append(table, rows)
+        assert store.flush()
+        (src,) = (root / "new" / table).glob("date=*/*.parquet")
+        dst = root / "data" / table / src.parent.name
+        dst.mkdir(parents=True, exist_ok=True)
+        pq.write_table(pq.read_table(src).drop_columns(list(NEWER[table])), dst / "part-0.parquet")
+        shutil.rmtree(root / "new")
+    return root / "data"
+
+
+@pytest.mark.parametrize("layout", ["mixed", "old-only"])
+def test_interval_rows_without_energy_note_are_read_by_analyze_export_and_the_fleet_sql(tmp_path, layout):
+    # The interval rows' energy_note is newer than these files: a folder of them alone, or beside newer ones, must
+    # still be read whole by every reader (nothing refused, no row lost, the column null where it was not written).
+    data = _mixed(tmp_path, True) if layout == "mixed" else _old_only(tmp_path)
+    n = 20 if layout == "mixed" else 10
+    [h] = fleet_summary([str(data)]).to_pylist()
+    assert h["requests"] == n and h["gpu_energy_j"] == pytest.approx(300.0 * n), h
+    res = CliRunner().invoke(main, ["analyze", str(data)])
+    assert res.exit_code == 0, res.output
+    paths = ex.export(data, "parquet", tmp_path / "out")
+    iv = {p.stem: pq.read_table(p) for p in paths}["intervals"]
+    assert iv.num_rows == n
+    notes = iv.column("energy_note").to_pylist() if "energy_note" in iv.column_names else [None] * n
+    assert notes.count(None) == 10 and sum(v is not None for v in notes) == n - 10, notes
+    # docs/fleet.md's query, as written, over this node's folder
+    fleet = tmp_path / "fleet"
+    shutil.copytree(data, fleet / "node-0")
+    sql = re.search(r"```sql duckdb\n(.*?)```", (Path(__file__).resolve().parents[1] / "docs" / "fleet.md").read_text(),
+                    re.S).group(1)
+    con = duckdb.connect()
+    rows = con.execute(sql.replace("/var/lib/powerprof-fleet", str(fleet))).fetchall()
+    got = [dict(zip([d[0] for d in con.description], r)) for r in rows]
+    assert [r["host"] for r in got] == ["node-0"] and got[0]["gpu_energy_j"] == pytest.approx(300.0 * n), got

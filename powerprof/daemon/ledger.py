@@ -40,6 +40,8 @@ from .workmodel import FEATURES, CostLearner
 
 log = logging.getLogger("powerprof.daemon.ledger")
 
+# A request's energy_note where part of its run came before the daemon's first GPU read (`_before_first_note`).
+BEFORE_FIRST_READ_FLAG = "before-first-read"
 # How long an interval waits past its grace for a RAPL read at or past its end (the daemon passes a few sampling
 # periods): RAPL's thread may tick just before NVML's, and the covering read is then a period later.
 RAPL_HOLD_S = 2.0
@@ -160,6 +162,7 @@ class _Req:
     prev_held: bool = False  # that piece held more tokens than its sequences
     first_held: bool = False  # its first piece held more than FIRST_BURST_TOKENS a sequence
     closed_s: float = 0.0  # seconds of its run in intervals closed before its tokens came (not its energy)
+    before_first_s: float = 0.0  # seconds it was live before the ledger's first GPU read: their energy is in no interval
 
 
 @dataclass
@@ -239,6 +242,7 @@ class Ledger:
         self._avg_needed = np.zeros(n_gpus, dtype=bool)
         self.jpt_window_ns = int(jpt_window_s * 1e9)
         self.edges: list[_Edge] = []
+        self.first_edge_ns: int | None = None  # the first GPU read's instant: no energy before it is known
         self.requests: dict[int, _Req] = {}
         self.tags: dict[str, _Tag] = {}
         self.closed_tags: list[_Tag] = []
@@ -704,6 +708,8 @@ class Ledger:
 
     def _insert_edge(self, edge: _Edge) -> None:
         t_ns = edge.t_ns
+        if self.first_edge_ns is None:
+            self.first_edge_ns = t_ns
         if self.edges and t_ns <= self.edges[-1].t_ns:
             # An on-demand sample read in another thread may be published late: keep edges ordered.
             ts = [e.t_ns for e in self.edges]
@@ -1056,6 +1062,8 @@ class Ledger:
         if fit is not None:
             self.emit("costs", [self._costs_row(edges[-1], setting, fit)])
         for i, r in enumerate(reqs):
+            if self.first_edge_ns is not None and r.trace.arrival_ns < self.first_edge_ns:
+                r.before_first_s = (self.first_edge_ns - r.trace.arrival_ns) / 1e9
             r.gpu_j += a.request_energy[i, 0]
             r.cpu_j += a.request_energy[i, 1]
             r.cpu_known = r.cpu_known or not np.isnan(cpu).all()
@@ -1093,7 +1101,7 @@ class Ledger:
                     r.server_ahead += float(excess[live].sum())
         self._judge_host(t, a, other_pct, judged)
         self._account(t, per_gpu, gpu, cpu, a, methods, costs, host_s, other_s, judged, short_iv, low_iv, server_count)
-        self._interval_rows(edges, t, gpu, cpu, methods, a, excess, costs, other_pct, server_count)
+        self._interval_rows(edges, t, gpu, cpu, methods, a, excess, costs, other_pct, server_count, short_iv)
         rows = []
         for r, d in zip(reqs, done):
             if d:
@@ -1499,11 +1507,40 @@ class Ledger:
                 out.append(",".join(sorted(why)) or COUNT_COMPLETE)
         return out
 
+    def _interval_note(self, gpu: float, cpu: float, other_pct: float | None, work: bool, short: bool,
+                       server_count: str | None) -> str | None:
+        """An interval row's energy_note: for each figure of it that is empty or may be partial, why and the fix (the
+        request rows' wording where the cause is the same); None where every figure is whole."""
+        notes = [_gpu_missing_note("this interval") if np.isnan(gpu) else None]
+        if np.isnan(cpu):
+            notes.append(_cpu_missing_note("this interval's start or end") if self.rapl else NO_RAPL_NOTE)
+        elif work and other_pct is not None and other_pct > BUSY_HOST_PCT:
+            notes.append(f"{BUSY_HOST_FLAG}: {busy_host_text(other_pct, 'this interval', 'its cpu_energy_j')}; "
+                         f"fix: {BUSY_HOST_FIX}")
+        elif work and other_pct is None:
+            why = ("the server's processes were not found on this host (the log says why)" if self._server_unknown_said
+                   else "whose CPU time the host spent is not read here: simulated RAPL (it follows the server alone), "
+                        "no proxy.upstream, or its reads failed")
+            notes.append(f"other_cpu_pct empty: not judged ({why}); cpu_energy_j is the whole package's and could "
+                         f"include other processes' energy; fix: {BUSY_HOST_FIX}")
+        if short and not np.isnan(gpu):
+            notes.append(f"{NO_COUNTER_SHORT_FLAG}: read without an energy counter (power readings) and live for under "
+                         "half of it: its requests' split rests on the idle power taken out of the rest and the "
+                         f"readings' timing (left out of the daemon's J/token); fix: {NO_COUNTER_SHORT_FIX}")
+        if server_count is not None and bypass_count_low(server_count):
+            why = ", ".join(sorted({w for w in (server_count or "").split(",") if w} - {COUNT_COMPLETE})) or "unknown"
+            notes.append(f"{BYPASS_LOW_FLAG}: the server's token count may be low here ({why}: its server_count), so "
+                         "server_tokens and unproxied_energy_j may be low and bypass traffic's energy may be in "
+                         f"requests_energy_j; fix: {bypass_count_fix(server_count)}")
+        return _joined(*notes)
+
     def _interval_rows(self, edges, t, gpu, cpu, methods, a: attr.Attribution, server, costs, other_pct=None,
-                       server_count=None) -> None:
+                       server_count=None, short_iv=None) -> None:
         rows = []
         for k in range(t.size - 1):
             dur = (t[k + 1] - t[k]) / 1e9
+            pct = (None if other_pct is None or np.isnan(other_pct[k]) or np.isnan(cpu[k]) else float(other_pct[k]))
+            count = server_count[k] if server_count is not None else None
             rows.append(
                 {
                     "daemon_id": self.daemon_id,
@@ -1514,15 +1551,14 @@ class Ledger:
                     "kind": attr.KIND_NAMES[a.kind[k]],
                     "gpu_energy_j": None if np.isnan(gpu[k]) else float(gpu[k]),
                     "cpu_energy_j": None if np.isnan(cpu[k]) else float(cpu[k]),
-                    "other_cpu_pct": (None if other_pct is None or np.isnan(other_pct[k]) or np.isnan(cpu[k])
-                                      else float(other_pct[k])),
+                    "other_cpu_pct": pct,
                     "energy_method": methods[k],
                     "avg_gpu_power_w": float(gpu[k]) / dur if dur > 0 and not np.isnan(gpu[k]) else None,
                     "proxy_tokens": float(a.tokens[k]),
                     "server_tokens": (None if server is None or (self.server_from_ns is not None
                                                                   and t[k + 1] <= self.server_from_ns)
                                       else float(server[k])),
-                    "server_count": server_count[k] if server_count is not None else None,
+                    "server_count": count,
                     "n_prefill": int(a.n_prefill[k]),
                     "n_decoding": int(a.n_decoding[k]),
                     "requests_energy_j": float(a.dest[k, attr.TO_REQUESTS, 0]),
@@ -1530,6 +1566,8 @@ class Ledger:
                     "unproxied_energy_j": float(a.dest[k, attr.TO_UNPROXIED, 0]),
                     "prefill_tokens": float(a.features[k, 3]),
                     "work_costs": costs.source,
+                    "energy_note": self._interval_note(gpu[k], cpu[k], pct, a.kind[k] != attr.IDLE,
+                                                       bool(short_iv[k]) if short_iv is not None else False, count),
                 }
             )
         self.emit("intervals", rows)
@@ -1603,7 +1641,8 @@ class Ledger:
             "other_cpu_pct": other_pct,
             "energy_note": _joined(GPU_MISSING_NOTE if r.gpu_missing else _approximate_note(r) if r.gpu_j > 0
                                    else _no_energy_reason(r), CPU_MISSING_NOTE if cpu_unknown else None,
-                                   _no_counter_short_note(r), _bypass_low_note(r), _busy_host_note(other_pct)),
+                                   _no_counter_short_note(r), _bypass_low_note(r), _busy_host_note(other_pct),
+                                   _before_first_note(r)),
             "prompt_tokens_estimate": r.prompt_est[0] if r.prompt_est is not None and _prompt_tokens(r) is None else None,
             "attributed_tokens": r.tokens,
             "gpu_j_per_token": (float(attr.per_token(r.gpu_j, r.tokens))
@@ -1684,6 +1723,16 @@ def _bypass_low_note(r: _Req) -> str | None:
             f"unproxied, and its energy may be in this request's; fix: {bypass_count_fix(','.join(why))}")
 
 
+def _before_first_note(r: _Req) -> str | None:
+    """A request live before the daemon's first GPU read (the start's read failed, or a ledger fed late): the energy of
+    that part of its run is in no interval. Kept, and said: its figures are low."""
+    if not (r.before_first_s > 0 and r.gpu_j > 0):
+        return None
+    return (f"{BEFORE_FIRST_READ_FLAG}: it arrived {r.before_first_s:.2f} s before the daemon's first GPU read, and "
+            "its energy before that read was not counted: its gpu_energy_j, cpu_energy_j and J/token are low; fix: "
+            "none for this row (later requests are measured whole); the log says why the start's NVML read failed")
+
+
 def _with_late(error: str | None, late: float) -> str | None:
     if not late:
         return error
@@ -1700,14 +1749,28 @@ def _passive(r: _Req) -> bool:
             and _prompt_tokens(r) is None)
 
 
-CPU_MISSING_NOTE = ("CPU energy unknown: no RAPL read covered part of this request's intervals (a dropped delta, "
-                    "reads failing, or reads periods late on a loaded host: the log, the rapl samples' error "
-                    "column and powerprof_sample_missed_total{source=\"rapl\"} say which): a sum of the rest would be "
-                    "too small, so cpu_energy_j is empty; fix: powerprof devices (RAPL zones and permissions), fewer "
-                    "busy processes beside the daemon")
-GPU_MISSING_NOTE = ("GPU energy unknown: a GPU gave no energy reading over part of this request (lost or failing "
-                    "reads; the samples' error column says which and why): a sum of the others would be too small; "
-                    "fix: powerprof devices, nvidia-smi -q")
+def _cpu_missing_note(where: str) -> str:
+    """Why a cpu_energy_j is empty beside RAPL: no read covered `where` (a request's intervals, an interval's edges)."""
+    return (f"CPU energy unknown: no RAPL read covered {where} (a dropped delta, "
+            "reads failing, or reads periods late on a loaded host: the log, the rapl samples' error "
+            "column and powerprof_sample_missed_total{source=\"rapl\"} say which): a sum of the rest would be "
+            "too small, so cpu_energy_j is empty; fix: powerprof devices (RAPL zones and permissions), fewer "
+            "busy processes beside the daemon")
+
+
+def _gpu_missing_note(where: str) -> str:
+    """Why a gpu_energy_j is empty: a GPU gave no energy reading over `where`."""
+    return (f"GPU energy unknown: a GPU gave no energy reading over {where} (lost or failing "
+            "reads; the samples' error column says which and why): a sum of the others would be too small; "
+            "fix: powerprof devices, nvidia-smi -q")
+
+
+CPU_MISSING_NOTE = _cpu_missing_note("part of this request's intervals")
+GPU_MISSING_NOTE = _gpu_missing_note("part of this request")
+# An interval row's energy_note, for what only an interval has: a host without RAPL (a request's row says nothing of
+# it: every request there alike), and a busy interval whose other processes' CPU share was not judged.
+NO_RAPL_NOTE = ("CPU energy not read: no RAPL on this host, or not readable by the daemon (the start's log says "
+                "which), so cpu_energy_j is empty; fix: powerprof devices (RAPL zones and permissions)")
 
 
 def _unseen(r: _Req) -> bool:

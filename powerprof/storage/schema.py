@@ -345,6 +345,9 @@ DAEMON_INTERVALS_COLUMNS = [
     ("unproxied_energy_j", F64),  # to server-counted tokens beyond the proxy's
     ("prefill_tokens", F64),  # prompt tokens prefilled in it (spread over arrival → first token)
     ("work_costs", STR),  # fixed (documented ratio) | fitted: the costs that split it
+    # for each of its figures that is empty or may be partial, why and the fix ("; "-joined); null: every one whole, or
+    # written before the column (unknown)
+    ("energy_note", STR),
     HOST,
 ]
 
