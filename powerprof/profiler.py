@@ -100,6 +100,9 @@ ENERGY_METHODS = (METHOD_COUNTER, METHOD_AVG_POWER, METHOD_POWER, METHOD_NONE)
 # power readings' timing (docs/daemon.md, A GPU without an energy counter). Said in energy_note, left out of J/token.
 NO_COUNTER_SHORT_FLAG = "no-counter-short"
 NO_COUNTER_SHORT_BUSY_SHARE = 0.5
+# A daemon request row live before the daemon's first GPU read (the start's NVML read failed): the energy of that part
+# of its run is in no interval, so its figures are low. Said in energy_note, left out of J/token as above.
+BEFORE_FIRST_READ_FLAG = "before-first-read"
 # Read from instant power (no counter, no average: Pascal), an interval is seen only at its two reads: a request
 # between them is missed whatever its share of the interval, so any interval not live throughout is short.
 NO_COUNTER_SHORT_BUSY_SHARE_INSTANT = 1.0

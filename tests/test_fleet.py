@@ -550,3 +550,19 @@ def test_export_matches_a_pandas_reference_over_random_copied_fleets(tmp_path):
     got = [one(seed, tmp_path) for seed in range(40)]
     assert not [g for g in got if g.startswith("FAIL")], got
     assert "refused-ok" in got and got.count("ok") >= 30, got
+
+
+def test_requests_live_before_the_daemons_first_gpu_read_are_left_out_of_j_per_token_and_said(tmp_path):
+    # A request live before the daemon's first GPU read (its start's NVML read failed) has the energy before that read
+    # in no interval: its figure is low. Before, the summary summed it in, lowering the host's J/token, unsaid.
+    truth = _node(tmp_path / "n", 0)
+    store = DatasetStore(tmp_path / "n", datasets(), host="node-0")
+    store.append("requests", [{"daemon_id": "d0", "request_id": 100 + i, "t_arrival_utc": T0_NS, "outcome": "ok",
+                               "generated_tokens": 10, "gpu_energy_j": 0.1, "attributed_tokens": 10.0, "ttft_s": 0.1,
+                               "energy_note": "before-first-read: it arrived 0.50 s before ..."} for i in range(2)])
+    assert store.flush()
+    [r] = fleet_summary([str(tmp_path / "n")]).to_pylist()
+    assert r["gpu_j_per_token"] == pytest.approx(truth["jpt"])
+    assert r["uncertain_requests"] == 2
+    res = CliRunner().invoke(main, ["analyze", str(tmp_path / "n")])
+    assert res.exit_code == 0 and "before-first-read" in res.stderr and "node-0: 2" in res.stderr, res.output

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pyarrow as pa
 
-from powerprof.profiler import NO_COUNTER_SHORT_FIX, NO_COUNTER_SHORT_FLAG
+from powerprof.profiler import BEFORE_FIRST_READ_FLAG, NO_COUNTER_SHORT_FIX, NO_COUNTER_SHORT_FLAG
 from powerprof.storage.schema import (BYPASS_LOW_FLAG, SERVER_COUNT_COMPLETE, SERVER_COUNT_TRUSTED, SERVER_COUNT_UNREAD,
                                       bypass_count_fix)
 
@@ -186,7 +186,8 @@ def _count_unmeasured_sql(col: str = "server_count") -> str:
 # A row whose energy or tokens cannot be (NaN, infinite, negative: a foreign or damaged file) is
 # left out of the sums and counted, rather than turning a host's total into NaN or lowering it.
 # A request whose energy the daemon marked as resting on idle power taken out of a counterless GPU's
-# mostly idle intervals (NO_COUNTER_SHORT_FLAG) is left out of J/token, as the daemon's own headline does; so is one
+# mostly idle intervals (NO_COUNTER_SHORT_FLAG) is left out of J/token, as the daemon's own headline does; so is one live
+# before the daemon's first GPU read (BEFORE_FIRST_READ_FLAG: the energy before it is in no interval); so is one
 # given energy of intervals whose server token count may be low (BYPASS_LOW_FLAG: bypass traffic's energy may be in
 # it). The intervals are counted by the same rule (schema.bypass_count_low, the one the daemon flags the requests by):
 # those it leaves out, with their energy and reasons, as low, or as unknown (`unread`, or written before the column:
@@ -244,7 +245,8 @@ SELECT host, requests, failed_requests, generated_tokens, gpu_energy_j, idle_gpu
        bypass_unmeasured_gpu_energy_j, bypass_unmeasured_reasons
 FROM i FULL OUTER JOIN r USING (host)
 ORDER BY host
-""".replace("{r_sure}", f"(coalesce(energy_note, '') NOT LIKE '%{NO_COUNTER_SHORT_FLAG}%' AND NOT {{r_bypass_low}})").replace(
+""".replace("{r_sure}", f"(coalesce(energy_note, '') NOT LIKE '%{NO_COUNTER_SHORT_FLAG}%' AND coalesce(energy_note, '') "
+                         f"NOT LIKE '%{BEFORE_FIRST_READ_FLAG}%' AND NOT {{r_bypass_low}})").replace(
     "{r_bypass_low}", f"(coalesce(energy_note, '') LIKE '%{BYPASS_LOW_FLAG}%')").replace(
     "{i_low}", f"(NOT {_count_trusted_sql()} AND NOT {_count_unknown_sql()})").replace(
     "{i_unknown}", _count_unknown_sql()).replace("{i_unmeasured}", _count_unmeasured_sql()).replace(
@@ -464,7 +466,8 @@ def notes(t: pa.Table) -> list[str]:
     unsure = [r for r in t.to_pylist() if r.get("uncertain_requests")]
     if unsure:
         out.append(f"requests marked {NO_COUNTER_SHORT_FLAG} (short, on a GPU without an energy counter: their energy "
-                   "rests on the idle power taken out) were left out of J/token: " + "; ".join(
+                   f"rests on the idle power taken out) or {BEFORE_FIRST_READ_FLAG} (live before the daemon's first GPU "
+                   "read: their energy before it was not counted) were left out of J/token: " + "; ".join(
                        f"{r['host']}: {r['uncertain_requests']}" for r in unsure) + f"; the fix: {NO_COUNTER_SHORT_FIX}")
     low = [r for r in t.to_pylist() if r.get("bypass_uncertain_intervals")]
     if low:

@@ -24,7 +24,7 @@ from powerprof.collectors.cputime import (BUSY_HOST_FIX, BUSY_HOST_FLAG, BUSY_HO
                                           interval_cpu_s, unknown_server_text)
 from powerprof.collectors.rapl import cpu_energy_j
 from powerprof.energy import epoch_broken, interp_at, trailing_average_interval_energy_j, unwrap_resets
-from powerprof.profiler import (METHOD_AVG_POWER, METHOD_COUNTER, METHOD_NONE, METHOD_POWER, NO_COUNTER_SHORT_BUSY_SHARE,
+from powerprof.profiler import (BEFORE_FIRST_READ_FLAG, METHOD_AVG_POWER, METHOD_COUNTER, METHOD_NONE, METHOD_POWER, NO_COUNTER_SHORT_BUSY_SHARE,
                                 NO_COUNTER_SHORT_BUSY_SHARE_INSTANT, NO_COUNTER_SHORT_FIX, NO_COUNTER_SHORT_FLAG,
                                 weakest_method)
 from powerprof.storage.schema import (BYPASS_LOW_FLAG, SERVER_COUNT_COMPLETE, SERVER_COUNT_MISPLACED, SERVER_COUNT_OFF,
@@ -41,7 +41,6 @@ from .workmodel import FEATURES, CostLearner
 log = logging.getLogger("powerprof.daemon.ledger")
 
 # A request's energy_note where part of its run came before the daemon's first GPU read (`_before_first_note`).
-BEFORE_FIRST_READ_FLAG = "before-first-read"
 # How long an interval waits past its grace for a RAPL read at or past its end (the daemon passes a few sampling
 # periods): RAPL's thread may tick just before NVML's, and the covering read is then a period later.
 RAPL_HOLD_S = 2.0
@@ -1725,7 +1724,7 @@ def _bypass_low_note(r: _Req) -> str | None:
 
 def _before_first_note(r: _Req) -> str | None:
     """A request live before the daemon's first GPU read (the start's read failed, or a ledger fed late): the energy of
-    that part of its run is in no interval. Kept, and said: its figures are low."""
+    that part of its run is in no interval. Said, and left out of J/token: its figures are low."""
     if not (r.before_first_s > 0 and r.gpu_j > 0):
         return None
     return (f"{BEFORE_FIRST_READ_FLAG}: it arrived {r.before_first_s:.2f} s before the daemon's first GPU read, and "
