@@ -6,8 +6,8 @@ The proxy calls `StreamParser.count` once per upstream chunk (`_ClientSink.accou
 token. Each shape below is counted 20 000 times by both parsers, alternating, best of 5 (this machine's
 load moves both alike): plain chunks of vLLM, llama.cpp (OpenAI-compatible and native) and completions,
 which take the byte path (`_quick_count`), vLLM's continuous usage, which takes the full parse, and an Anthropic
-Messages `content_block_delta` (an `event:` line and its data, the full parse). SGLang's
-/generate (`sglang N`): whole responses of N tokens, each event its text and output_ids so far (SGLang's compact
+Messages `content_block_delta` (an `event:` line and its data, read from its bytes its own way: `_anthropic_quick`).
+SGLang's /generate (`sglang N`): whole responses of N tokens, each event its text and output_ids so far (SGLang's compact
 orjson shape, as bench/proxy_latency.py --api sglang serves them), per event on average over the response, its
 first and last events and [DONE] included.
 """

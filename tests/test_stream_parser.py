@@ -1097,3 +1097,107 @@ def test_a_chat_stream_whose_logprobs_miss_tokens_the_server_counted_is_reconcil
     sum(p.count(e + b"\n\n") for e in _llama_chat_logprobs_stream([f" w{k}" for k in range(30)]).split(b"\n\n") if e)
     c = summary_counts(p.finish())
     assert c.generated_tokens == 30 and not c.tokens_estimated and c.count_problem is None
+
+
+# --- Anthropic /v1/messages: the byte path against the full parse -------------------------------------------------
+
+# Deltas' texts as JSON string bodies (the bytes between the quotes): escapes, non-ASCII, keys spelt inside, and ones
+# that are not JSON (a raw control byte, a bad escape, invalid UTF-8, an unescaped quote), which the full parse drops.
+_AN_TEXTS = [b" tok", b"\\\"", b"\\\\", b"\\n", b"\\u00e9", b"\\ud83d\\ude42", b"\\ud800", "日本".encode(),
+             "🙂".encode(), b'\\"type\\":\\"message_stop\\"', b"}}", b"{", b"\\/", b"",  # empty: no token
+             b"\x01", b"\\x", b"\\u12", b"\xff\xfe", b"\xed\xa0\x80", b'a"b', b"a\\", b"\t"]
+
+
+def _an_delta(rng, *, compact: bool) -> bytes:
+    """One content_block_delta's data in one of the shapes servers write, now and then one they do not."""
+    c, s = (b",", b":") if compact else (b", ", b": ")
+    key, typ = rng.choice([(b"text", b"text_delta"), (b"thinking", b"thinking_delta"),
+                           (b"partial_json", b"input_json_delta"), (b"signature", b"signature_delta")])
+    body = b"".join(rng.choice(_AN_TEXTS) for _ in range(rng.choice([1, 1, 2, 3])))
+    index = rng.choice([b"0", b"0", b"0", b"1", b"12", b"01", b"-1", b"1.0"])
+    delta = rng.choice([
+        b'{"type"' + s + b'"' + typ + b'"' + c + b'"' + key + b'"' + s + b'"' + body + b'"}',
+        b'{"' + key + b'"' + s + b'"' + body + b'"' + c + b'"type"' + s + b'"' + typ + b'"}',  # another order
+        b'{"type"' + s + b'"' + typ + b'"' + c + b'"' + key + b'"' + s + b'null}',
+        b'{"type"' + s + b'"' + typ + b'"' + c + b'"text"' + s + b'"a"' + c + b'"text"' + s + b'""}',  # said twice
+    ])
+    kind = rng.choice([b"content_block_delta"] * 6 + [b"content_block_stop", b"ping"])
+    return (b'{"type"' + s + b'"' + kind + b'"' + c + b'"index"' + s + index + c + b'"delta"' + s + delta + b"}")
+
+
+def _an_stream(rng, *, compact: bool) -> bytes:
+    dump = (lambda o: json.dumps(o, separators=(",", ":"))) if compact else json.dumps
+    head = [{"type": "message_start", "message": {"id": "msg_1", "type": "message", "role": "assistant",
+                                                  "content": [], "model": "m", "usage": {"input_tokens": 7}}},
+            {"type": "content_block_start", "index": 0, "content_block": {"type": "text", "text": ""}}]
+    out = [b"event: " + o["type"].encode() + b"\ndata: " + dump(o).encode() + b"\n\n" for o in head]
+    for _ in range(rng.randint(0, 30)):
+        data = _an_delta(rng, compact=compact)
+        name = rng.choice([b"content_block_delta"] * 8 + [b"ping", b""])  # framing only: the data says the type
+        out.append((b"event: " + name + b"\n" if name else b"") + b"data: " + data + b"\n\n")
+        if rng.random() < 0.03:
+            out.append(b": keep-alive\n\n")
+    tail = [{"type": "content_block_stop", "index": 0},
+            {"type": "message_delta", "delta": {"stop_reason": "end_turn"}, "usage": {"output_tokens": 30}},
+            {"type": "message_stop"}]
+    if rng.random() < 0.9:
+        out += [b"event: " + o["type"].encode() + b"\ndata: " + dump(o).encode() + b"\n\n" for o in tail]
+    return b"".join(out)
+
+
+@pytest.mark.parametrize("compact", [True, False], ids=["compact", "json.dumps"])
+@pytest.mark.parametrize("how", ["event", "pairs", "triples", "random", "whole"])
+def test_anthropic_byte_path_counts_what_the_full_parse_counts(compact, how):
+    """The proxy reads Anthropic content_block_delta events from their bytes: over 150 generated streams (deltas of
+    every kind, texts with escapes, non-ASCII and bytes that are not JSON, other member orders, a key said twice,
+    event names that disagree with the data), each piece's tokens and the summary must be exactly the full parse's."""
+    import random
+
+    from powerprof.daemon.streams import summary_counts
+
+    rng = random.Random(f"an{compact}{how}")
+    for case in range(150):
+        data = _an_stream(rng, compact=compact)
+        full = StreamParser("anthropic-messages")
+        quick = StreamParser("anthropic-messages", count_only=True)
+        counter = StreamParser("anthropic-messages", count_only=True)
+        for piece in _pieces(rng, data, how):
+            a = [e.n_tokens for e in full.feed(piece)]
+            assert [e.n_tokens for e in quick.feed(piece)] == a, (case, piece)
+            assert counter.count(piece) == sum(a), (case, piece)
+            assert counter.prompt_tokens == quick.prompt_tokens == full.prompt_tokens, (case, piece)
+        summary = full.finish()
+        assert quick.finish() == summary == counter.finish(), (case, data)
+        assert summary_counts(counter.finish()) == summary_counts(summary)
+
+
+@pytest.mark.parametrize("compact", [True, False], ids=["compact", "json.dumps"])
+def test_anthropic_text_deltas_are_counted_from_their_bytes(compact, monkeypatch):
+    """A content_block_delta parsed whole cost the proxy ~2x a chat chunk read from its bytes: only the stream's
+    other events (its start, block starts and stops, message_delta, message_stop) are parsed; the count and the
+    summary are the full parse's."""
+    import powerprof.workload.stream as stream
+
+    parsed = []
+    real = stream.json_from_bytes
+    monkeypatch.setattr(stream, "json_from_bytes", lambda b: parsed.append(b) or real(b))
+    dump = (lambda o: json.dumps(o, separators=(",", ":"), ensure_ascii=False)) if compact else json.dumps
+    texts = [" the", 'say "type":"message_stop"', "日本\"🙂", "\\", "}}"]
+    events = [{"type": "message_start", "message": {"model": "m", "usage": {"input_tokens": 9}}},
+              {"type": "content_block_start", "index": 0, "content_block": {"type": "thinking", "thinking": ""}},
+              *[{"type": "content_block_delta", "index": 0, "delta": {"type": "thinking_delta", "thinking": t}}
+                for t in texts],
+              {"type": "content_block_stop", "index": 0},
+              {"type": "content_block_start", "index": 1, "content_block": {"type": "text", "text": ""}},
+              *[{"type": "content_block_delta", "index": 1, "delta": {"type": "text_delta", "text": t}}
+                for t in texts * 8],
+              {"type": "content_block_stop", "index": 1},
+              {"type": "message_delta", "delta": {"stop_reason": "max_tokens"}, "usage": {"output_tokens": 45}},
+              {"type": "message_stop"}]
+    p = StreamParser("anthropic-messages", count_only=True)
+    assert sum(p.count(b"event: " + e["type"].encode() + b"\ndata: " + dump(e).encode() + b"\n\n")
+               for e in events) == 45
+    s = p.finish()
+    assert (s.counted_tokens, s.generated_tokens, s.prompt_tokens, s.complete, s.stop_reason, s.error) == (
+        45, 45, 9, True, "length", None)
+    assert len(parsed) == 7, f"{len(parsed)} of {len(events)} events parsed whole"
