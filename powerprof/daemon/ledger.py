@@ -446,11 +446,19 @@ class Ledger:
         if trace.extra.get("spread") and trace.first_ns is not None and trace.last_ns is not None:
             # A non-streamed body arrives at once: assume its tokens came evenly over its decode time.
             n = float(trace.tokens_seen)
-            ts = np.linspace(trace.first_ns, trace.last_ns, SPREAD_EVENTS).astype(np.int64)
-            r.ev_t = ts.tolist()
-            r.ev_n = [n / SPREAD_EVENTS] * SPREAD_EVENTS
-            if self.server_seen:
-                self._proxied.extend(zip(r.ev_t, r.ev_n))
+            cut = self._restart_cut_ns(r)
+            if cut is not None and trace.last_ns > cut:
+                # Read after the first scrape after a restart (a stalled proxy worker): the old process decoded it and
+                # died before that scrape, its decode time ending there at the latest. Spread up to its read, it took
+                # the new process's windows (hiding their bypass tokens) and left the old one's rise as bypass tokens
+                # that never ran (225 with llama.cpp's timings, rows `complete`). Its decode moved back to end there,
+                # at the old process's pace (`_at_server_pace`, which cuts there too).
+                start = max(trace.arrival_ns, trace.first_ns - (trace.last_ns - cut))
+                ts = self._at_server_pace(r, start, cut, SPREAD_EVENTS, n)
+            else:
+                ts = np.linspace(trace.first_ns, trace.last_ns, SPREAD_EVENTS).astype(np.int64).tolist()
+            r.ev_t, r.ev_n = [], []
+            self._place(r, ts, [n / SPREAD_EVENTS] * SPREAD_EVENTS)
         return 0.0
 
     def _spread_burst(self, r: _Req) -> None:
