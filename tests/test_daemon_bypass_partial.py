@@ -513,16 +513,18 @@ def test_a_non_streamed_answer_of_the_old_process_read_after_a_restart_is_placed
 
 
 @pytest.mark.parametrize("read_s", [3.2, 4.0])
-def test_a_request_that_arrived_inside_a_restarts_scrape_window_books_no_bypass_unmarked(read_s):
+@pytest.mark.parametrize("non_stream", [False, True])
+def test_a_request_that_arrived_inside_a_restarts_scrape_window_books_no_bypass_unmarked(read_s, non_stream):
     """A stream that arrived at 2.505 s, after the last scrape before the server died (2.5 s, dead at 2.59 s): either
     process may have served it, and nothing tells which. Here the old one did (25 tokens), and a stalled worker read
     them at once after the restart: the cut applied only to requests that arrived before the restart's window began,
     so they were spread into the new process's windows, hiding its bypass traffic (75 of 100 counted read at 4.0 s,
-    rows `complete`). Now the windows such a request lands in (and CREDIT_S after it) say `server_restart`: low, if
-    anything, and said."""
+    rows `complete`; a non-streamed body so, 89 of 100). Now the windows such a request's tokens are placed back over
+    (and CREDIT_S after its last) say `server_restart`: low, if anything, and said."""
     gen = np.arange(2.51, 2.59, 1 / 300.0)
-    rows, bypass = _one_request_across_restart(2.505, gen, [(read_s, int(gen.size))])
-    _assert_never_high_and_low_only_marked(rows, bypass, read_s, exact=False)
+    pieces = [(2.505, 0), (read_s, int(gen.size))] if non_stream else [(read_s, int(gen.size))]
+    rows, bypass = _one_request_across_restart(2.505, gen, pieces, non_stream=non_stream)
+    _assert_never_high_and_low_only_marked(rows, bypass, (read_s, non_stream), exact=False)
 
 
 def test_tokens_of_a_request_from_before_a_restart_read_after_its_windows_closed_go_to_no_new_window():
