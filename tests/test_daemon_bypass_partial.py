@@ -423,6 +423,110 @@ def test_a_stalled_workers_two_pieces_read_after_a_restart_are_placed_where_the_
         _assert_read_across_the_restart(rows, checks, rate, stall_s, case)
 
 
+def _one_request_across_restart(arrival_s: float, gen: np.ndarray, pieces: list, non_stream: bool = False,
+                                stop_s: float = 2.59, up_s: float = 3.09):
+    """A ledger fed as `_worker_stalled_across_restart` feeds it, for one request the old process served: it generated
+    (and counted) its tokens at `gen` (s); a stalled proxy worker reads them in `pieces` ((stamp s, tokens); a
+    non-streamed body: (first s, 0) then (read s, tokens), as `proxy._body_done` dates it), its heartbeat holding the
+    intervals from its piece before the last (or the arrival) to the last. The server dies at `stop_s` and is back at
+    `up_s` (its counter from 0); 0.3 s after the scrape that tells the restart, 100 bypass tokens run at 400/s (the
+    only bypass traffic). Scrapes every 0.1 s from 0.5 s, GPU samples every 0.25 s. Returns (interval rows, the bypass
+    tokens' times)."""
+    sink = _Sink()
+    led = Ledger("d", 0, 1, sink, grace_s=0.3)
+    led.scraping = True
+    tr = RequestTrace(1, "POST", "/completion", None, int(arrival_s * S), int(arrival_s * S), api="llamacpp",
+                      stream=not non_stream)
+    if non_stream:
+        tr.extra["spread"] = True
+    led.on_start(tr)
+    t_end = pieces[-1][0]
+    stalled = (pieces[-2][0] if len(pieces) > 1 else arrival_s, t_end + 0.001)
+    prev_t = prev_total = told = None
+    bypass = np.array([])
+    prev_old = True
+    for k in range(int((max(t_end, up_s) + 6) / 0.005)):
+        t = round(k * 0.005, 6)
+        if non_stream:  # the body's first instant and tokens are known at once, at its read
+            if tr.end_ns is None and t >= t_end + 0.001:
+                tr.first_ns, tr.last_ns, tr.tokens_seen = int(pieces[0][0] * S), int(t_end * S), int(pieces[-1][1])
+        else:
+            _read_pieces_due(led, tr, pieces, t)
+        if tr.end_ns is None and t >= t_end + 0.001:
+            tr.end_ns = tr.end_wall_ns = int(t_end * S)
+            tr.counts = Counts(generated_tokens=None, prompt_tokens=None, model=None, stop_reason=None,
+                               token_source="stream")
+            led.on_end(tr)
+        if told is not None and not bypass.size and t >= told + 0.3:
+            bypass = t + np.arange(100) / 400.0
+        if k % 50 == 0:
+            led.add_gpu_sample(int(t * S), int(t * S), [_R(100.0 * t)])
+        if k % 20 == 0 and t >= 0.5 and (t < stop_s or t >= up_s):
+            count = float((gen <= t).sum()) if t < stop_s else float((bypass <= t).sum())
+            restarted = prev_t is not None and t >= up_s and prev_old
+            if prev_t is None:
+                led.add_server_tokens(int(t * S), 0.0, None)
+            else:
+                led.add_server_tokens(int(t * S), count if restarted else count - prev_total, int(prev_t * S),
+                                      partial=("server_restart",) if restarted else ())
+            told = t if restarted else told
+            prev_t, prev_total, prev_old = t, count, t < stop_s
+        held = stalled[0] <= t < stalled[1]
+        led.advance(int(t * S), int((stalled[0] if held else t) * S))
+    led.close_all(int(t * S))
+    return sorted(sink.rows["intervals"], key=lambda r: r["t_start_mono_s"]), bypass
+
+
+def _assert_never_high_and_low_only_marked(rows, bypass, case, exact: bool) -> None:
+    """Each interval's bypass count against the truth (`bypass`' tokens in it): never high, low only where its row says
+    `server_restart` (a token of margin: the server counts a token a step before the proxy sees it). `exact`: also the
+    100 bypass tokens counted since the restart's first marked row, none before it, and the rows after the marked ones
+    `complete` and whole."""
+    for r in rows:
+        truth = float(((bypass >= r["t_start_mono_s"]) & (bypass < r["t_start_mono_s"] + r["duration_s"])).sum())
+        got = r["server_tokens"] or 0.0
+        assert got <= truth + 1.0, (case, r["t_start_mono_s"], got, truth, r["server_count"])
+        if got < truth - 1.0:
+            assert "server_restart" in (r["server_count"] or ""), (case, r["t_start_mono_s"], got, truth)
+    if exact:
+        said = [i for i, r in enumerate(rows) if "server_restart" in (r["server_count"] or "")]
+        assert said, (case, [r["server_count"] for r in rows])
+        before = sum(r["server_tokens"] or 0 for r in rows[:said[0]])
+        since = sum(r["server_tokens"] or 0 for r in rows[said[0]:])
+        assert before <= 1.0 and since == pytest.approx(100, abs=2), (case, before, since)
+        after = rows[said[-1] + 1:]
+        assert sum(r["server_tokens"] or 0 for r in after) == pytest.approx(100, abs=2), case
+        assert {r["server_count"] for r in after} - {"unscraped"} == {"complete"}, case
+
+
+@pytest.mark.parametrize("read_s,body_s", [(3.2, None), (4.0, None), (3.2, 1.59), (4.0, 1.59)])
+def test_a_non_streamed_answer_of_the_old_process_read_after_a_restart_is_placed_where_it_was_counted(read_s, body_s):
+    """A non-streamed answer the old process decoded (300 tokens/s from 1.0 s until it died at 2.59 s), its body read
+    by a stalled worker once the new process ran (3.2 s, 4.0 s). Its tokens were spread over [first, last] (from the
+    arrival, or from the read less llama.cpp's decode time), the restart's cut never applied: with timings, read at
+    4.0 s, 225 bypass tokens before the restart where none ran (rows `complete`) and 0 of the 100 after it; without,
+    98 and 2. Now placed no later than the restart's first scrape, at the old process's pace: 0 and 100."""
+    gen = np.arange(1.0, 2.59, 1 / 300.0)
+    first_s = 0.95 if body_s is None else read_s - body_s  # as proxy._body_done dates it
+    rows, bypass = _one_request_across_restart(0.95, gen, [(first_s, 0), (read_s, int(gen.size))], non_stream=True)
+    _assert_never_high_and_low_only_marked(rows, bypass, (read_s, body_s), exact=True)
+
+
+@pytest.mark.parametrize("read_s", [3.2, 4.0])
+@pytest.mark.parametrize("non_stream", [False, True])
+def test_a_request_that_arrived_inside_a_restarts_scrape_window_books_no_bypass_unmarked(read_s, non_stream):
+    """A stream that arrived at 2.505 s, after the last scrape before the server died (2.5 s, dead at 2.59 s): either
+    process may have served it, and nothing tells which. Here the old one did (25 tokens), and a stalled worker read
+    them at once after the restart: the cut applied only to requests that arrived before the restart's window began,
+    so they were spread into the new process's windows, hiding its bypass traffic (75 of 100 counted read at 4.0 s,
+    rows `complete`; a non-streamed body so, 89 of 100). Now the windows such a request's tokens are placed back over
+    (and CREDIT_S after its last) say `server_restart`: low, if anything, and said."""
+    gen = np.arange(2.51, 2.59, 1 / 300.0)
+    pieces = [(2.505, 0), (read_s, int(gen.size))] if non_stream else [(read_s, int(gen.size))]
+    rows, bypass = _one_request_across_restart(2.505, gen, pieces, non_stream=non_stream)
+    _assert_never_high_and_low_only_marked(rows, bypass, (read_s, non_stream), exact=False)
+
+
 def test_tokens_of_a_request_from_before_a_restart_read_after_its_windows_closed_go_to_no_new_window():
     """A stream served by the old process (100 tokens/s from 1 s, the server down at 1.5 s, back by 2.0 s) whose
     worker reads 5 more tokens at 3.5 s, after the restart's window and its intervals closed (the windows are pruned

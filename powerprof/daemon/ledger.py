@@ -267,6 +267,7 @@ class Ledger:
         # (start, end) of the latest restarts' scrape windows: kept past their windows' pruning, as a request that
         # arrived before one may show tokens long after its intervals closed (`_restart_cut_ns`).
         self._restarts: deque = deque(maxlen=64)
+        self._unsure: dict[int, tuple] = {}  # requests that arrived inside a restart's window (`_mark_restart_unsure`)
         # (t_ns, tokens, duration_ns) of every proxied request at its last token: what a server counting at request end
         # (SGLang) counted of it, and when (the proxy sees the last token just after the server counted the request).
         self._finished: deque = deque()
@@ -449,11 +450,20 @@ class Ledger:
         if trace.extra.get("spread") and trace.first_ns is not None and trace.last_ns is not None:
             # A non-streamed body arrives at once: assume its tokens came evenly over its decode time.
             n = float(trace.tokens_seen)
-            ts = np.linspace(trace.first_ns, trace.last_ns, SPREAD_EVENTS).astype(np.int64)
-            r.ev_t = ts.tolist()
-            r.ev_n = [n / SPREAD_EVENTS] * SPREAD_EVENTS
-            if self.server_seen:
-                self._proxied.extend(zip(r.ev_t, r.ev_n))
+            cut = self._restart_cut_ns(r)
+            if cut is not None and trace.last_ns > cut:
+                # Read after the first scrape after a restart (a stalled proxy worker): the old process decoded it and
+                # died before that scrape, its decode time ending there at the latest. Spread up to its read, it took
+                # the new process's windows (hiding their bypass tokens) and left the old one's rise as bypass tokens
+                # that never ran (225 with llama.cpp's timings, rows `complete`). Its decode moved back to end there,
+                # at the old process's pace (`_at_server_pace`, which cuts there too).
+                start = max(trace.arrival_ns, trace.first_ns - (trace.last_ns - cut))
+                ts = self._at_server_pace(r, start, cut, SPREAD_EVENTS, n)
+            else:
+                self._note_unsure(r, trace.last_ns)
+                ts = np.linspace(trace.first_ns, trace.last_ns, SPREAD_EVENTS).astype(np.int64).tolist()
+            r.ev_t, r.ev_n = [], []
+            self._place(r, ts, [n / SPREAD_EVENTS] * SPREAD_EVENTS)
         return 0.0
 
     def _spread_burst(self, r: _Req) -> None:
@@ -570,6 +580,7 @@ class Ledger:
         # hiding it, and the windows where the old process had counted them read their lag as bypass tokens.
         # A placing that starts after that scrape (a stalled worker's second piece, read once the new process ran) is
         # put at it: started from its previous piece, it fell in the new process's windows, at its pace.
+        self._note_unsure(r, t1)
         cut = min((w for w in self._restarts if w[0] >= r.trace.arrival_ns), key=lambda w: w[0], default=None)
         if cut is not None:
             t1 = min(t1, cut[1])
@@ -1182,6 +1193,7 @@ class Ledger:
         run with no bypass: 11% of the requests' energy in unproxied). A live request is then in neither
         count: its windows need not wait for its end."""
         lag_ns, credit_ns = int(LAG_S * 1e9), int(CREDIT_S * 1e9)
+        self._mark_restart_unsure(credit_ns)
         todo = [sp for sp in self.server_spans if sp[3] is None]
         if not todo:
             return
@@ -1310,6 +1322,41 @@ class Ledger:
             self._levels.append((sp[1], level))
             self._level = level
             self._gap = float(gaps[k])
+
+    def _note_unsure(self, r: _Req, t1: int) -> None:
+        """`r`'s tokens read at `t1` are being placed back over the time before it (a non-streamed body, a stream's
+        burst). If `r` arrived inside a restart's scrape window and `t1` is past it, nothing tells which process served
+        them: its windows are marked from then on (`_mark_restart_unsure`)."""
+        a = r.trace.arrival_ns
+        w = next((w for w in self._restarts if w[0] < a < w[1]), None) if self._restarts else None
+        if w is not None and t1 > w[1]:
+            self._unsure.setdefault(r.trace.request_id, (w[1], None))
+
+    def _mark_restart_unsure(self, credit_ns: int) -> None:
+        """Mark `server_restart` on the windows after a restart's that may hide bypass tokens behind a request that
+        arrived inside the restart's scrape window (after the last scrape before it, before the first after it), read
+        after that window and placed back over the time before (`_note_unsure`). The old process served it, or the new
+        one, and nothing tells which. The old one's tokens were never counted (its count after its last scrape is lost)
+        and belong at the restart's cut; the new one's were counted where the proxy saw them, and moved to the cut they
+        would read as bypass tokens that never ran. So they stay where placed, and the windows from the restart's first
+        scrape to CREDIT_S past the request's last token (a fall of the gap holds the levels that long) say their count
+        may be low: never high, never `complete` and wrong (a stream of the old process read late by a stalled worker,
+        spread over the new process's windows, hid 25 of its 100 bypass tokens, rows `complete`). A stream seen as it
+        came is left alone (after the cut, the new process's). Kept past its row while its windows may still close."""
+        if not self._unsure:
+            return
+        for i, (b, u) in list(self._unsure.items()):
+            q = self.requests.get(i)
+            if q is not None and q.trace.end_ns is not None:
+                t = q.trace.last_ns if q.trace.last_ns is not None else q.trace.end_ns
+                self._unsure[i] = (b, int(t) + credit_ns)
+        oldest = self.server_spans[0][0] if self.server_spans else None
+        self._unsure = {i: (b, u) for i, (b, u) in self._unsure.items()
+                        if (i in self.requests or u is not None) and (u is None or oldest is None or u > oldest)}
+        for sp in self.server_spans:
+            if not sp[6] and "server_restart" not in sp[5] and any(
+                    b <= sp[0] and (u is None or sp[0] < u) for b, u in self._unsure.values()):
+                sp[5] = (*sp[5], "server_restart")
 
     def _placed_in(self, todo: list, placed: np.ndarray) -> np.ndarray:
         """The proxy's tokens placed in each window, checked: a stream's placings move its tokens, never make or take
