@@ -1,0 +1,233 @@
+"""A tag row says why a figure of it is empty or may be partial (its `energy_note`), as request and interval rows do.
+
+Before, a tag row had no note column: a null `cpu_energy_j` (no RAPL on the host, or a RAPL read missing), a null
+`gpu_energy_j` (a GPU unread), a null `gpu_j_per_token` (no proxied tokens), GPU energy integrated from power readings,
+a `server_count` saying bypass traffic may be undercounted, a window cut by the daemon's shutdown: nothing in the row
+said why, or the fix (docs/data.md, daemon_tags; docs/daemon.md, Datasets)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import pytest
+from click.testing import CliRunner
+
+from powerprof.cli import main
+from powerprof.collectors.cputime import CpuTimeReading
+from powerprof.collectors.rapl import RaplReading
+from powerprof.daemon.ledger import Ledger
+from powerprof.daemon.proxy import RequestTrace
+from powerprof.daemon.streams import Counts
+
+S = 1_000_000_000
+
+
+@dataclass
+class R:  # the fields of a GpuReading the ledger uses
+    energy_j: float | None
+    power_w: float | None
+    power_avg_w: float | None = None
+    power_limit_w: float | None = None
+
+
+class Sink:
+    def __init__(self):
+        self.rows = {"requests": [], "intervals": [], "tags": [], "costs": []}
+
+    def __call__(self, name, rows):
+        self.rows[name].extend(rows)
+
+
+def _gpu(led, t_s, energy_j, power_w=300.0):
+    led.add_gpu_sample(int(t_s * S), int(t_s * S), [R(energy_j, power_w)])
+
+
+def _cpu(led, t_s, cpu_j, host_s=None, server_s=None):
+    """A RAPL read (package energy) and, where given, a CPU-time read at `t_s`, as the sampler's ticks give them."""
+    led.add_rapl_sample(int(t_s * S), [RaplReading("package-0", "package", 0, cpu_j, None)])
+    if host_s is not None:
+        led.add_cputime_sample(int(t_s * S), CpuTimeReading(host_s, server_s, 0.0))
+
+
+def _request(led, t0_s, t1_s, n=10):
+    """A proxied request live over [t0, t1], decoding n tokens, ended and counted."""
+    tr = RequestTrace(1, "POST", "/completion", "t", int(t0_s * S), 0, api="llamacpp", stream=True)
+    led.on_start(tr)
+    tr.first_ns = int((t0_s + 0.05) * S)
+    for j in range(n):
+        led.on_tokens(tr, int((t0_s + 0.05 + (t1_s - t0_s - 0.1) * j / n) * S), 1)
+    tr.last_ns, tr.end_ns = int((t1_s - 0.05) * S), int(t1_s * S)
+    tr.counts = Counts(generated_tokens=n, prompt_tokens=10, model=None, stop_reason=None, token_source="usage")
+    led.on_end(tr)
+
+
+def _tag(led, sink, seconds=3, rapl=None, request=True, gpu=None):
+    """A tag "job" over [0, seconds] s of 300 W on one GPU, a request inside it; `rapl(k)` feeds RAPL at second k."""
+    led.open_tag("job", 0, 0)
+    for k in range(seconds + 1):
+        if rapl is not None:
+            rapl(k)
+        (gpu or _gpu)(led, k, 300.0 * k)
+    if rapl is not None:
+        rapl(seconds + 1)  # a RAPL read past the window's end: its last interval is not held for one
+    if request:
+        _request(led, 0.2, seconds - 0.2)
+    led.close_tag("job", seconds * S, seconds * S)
+    led.advance(int((seconds + 3) * S))
+    (row,) = sink.rows["tags"]
+    return row
+
+
+def test_a_tag_without_rapl_says_why_its_cpu_energy_is_empty():
+    # The daemon on a host without RAPL (or RAPL not readable): every tag's cpu_energy_j is null, and nothing said why.
+    sink = Sink()
+    led = Ledger("d", 0, 1, sink, grace_s=0.3)  # no RAPL on this host
+    row = _tag(led, sink)
+    assert row["gpu_energy_j"] == pytest.approx(900.0) and row["cpu_energy_j"] is None
+    note = row.get("energy_note")
+    assert note and "CPU energy not read" in note and "no RAPL" in note and "fix:" in note, row
+
+
+def test_a_tag_a_rapl_read_is_missing_in_says_why_its_cpu_energy_is_empty():
+    # RAPL read at 0 and 1 s, then its reads stop: the window's later intervals have no CPU energy, so the tag's is
+    # null (a sum of the rest would be too small: 30 J of the window's 90 J), and the row said nothing of why.
+    sink = Sink()
+    led = Ledger("d", 0, 1, sink, grace_s=0.3, rapl=True, rapl_hold_s=0.5)
+    row = _tag(led, sink, rapl=lambda k: _cpu(led, k - 0.001, 30.0 * k) if k <= 1 else None)
+    assert row["cpu_energy_j"] is None and row["gpu_energy_j"] == pytest.approx(900.0)
+    note = row.get("energy_note") or ""
+    assert note.startswith("CPU energy unknown") and "this window" in note and "RAPL" in note and "fix:" in note, row
+    # the same words the interval rows use for the same cause (one builder)
+    iv_notes = [r["energy_note"] for r in sink.rows["intervals"] if r["cpu_energy_j"] is None]
+    assert iv_notes and all(n.split(" (")[0].split(" covered")[0] == note.split(" covered")[0] for n in iv_notes)
+
+
+def test_a_whole_tag_says_nothing():
+    # RAPL and the host's CPU time read, a counter, tokens through the proxy, no server scraped (server_count off:
+    # said by that column alone, as interval rows do): every figure whole, so no note.
+    sink = Sink()
+    led = Ledger("d", 0, 1, sink, grace_s=0.3, rapl=True)
+    row = _tag(led, sink, rapl=lambda k: _cpu(led, k - 0.001, 30.0 * k, 1.2 * k, 1.0 * k))
+    assert row["cpu_energy_j"] == pytest.approx(90.0) and row["other_cpu_pct"] is not None
+    assert row["gpu_j_per_token"] is not None and row["energy_method"] == "counter"
+    assert row["server_count"] == "off" and row["closed_by"] == "stop"
+    assert row.get("energy_note", "missing") is None, row
+
+
+def test_a_tag_a_gpu_gave_no_energy_for_says_why_once():
+    sink = Sink()
+    led = Ledger("d", 0, 1, sink, grace_s=0.3)
+
+    def lost(led, t_s, energy_j):  # the GPU falls off the bus after 1 s
+        led.add_gpu_sample(int(t_s * S), int(t_s * S), [R(None, None) if t_s >= 2 else R(energy_j, 300.0)])
+
+    row = _tag(led, sink, gpu=lost)
+    assert row["gpu_energy_j"] is None and row["gpu_j_per_token"] is None and row["unproxied_energy_j"] is None
+    note = row["energy_note"]
+    assert note.startswith("GPU energy unknown") and "this window" in note and "fix:" in note, note
+    assert "J/token" not in note  # the J/token is empty for the same reason: said once
+
+
+def test_a_tag_without_proxied_tokens_says_why_it_has_no_j_per_token():
+    sink = Sink()
+    led = Ledger("d", 0, 1, sink, grace_s=0.3)
+    row = _tag(led, sink, request=False)
+    assert row["proxy_tokens"] == 0 and row["gpu_j_per_token"] is None and row["gpu_energy_j"] == pytest.approx(900.0)
+    note = row["energy_note"]
+    assert "no J/token" in note and "no tokens were seen through the proxy" in note and "fix:" in note, note
+
+
+def test_a_tag_whose_server_count_may_be_low_says_so_with_the_fix():
+    sink = Sink()
+    led = Ledger("d", 0, 1, sink, grace_s=0.3)
+    led.scraping = True  # the server is scraped, but not read yet: its bypass traffic unknown
+    row = _tag(led, sink)
+    assert row["server_count"] == "unread"
+    note = row["energy_note"]
+    assert "bypass-uncounted" in note and "unread" in note and "fix: start the server before the daemon" in note, note
+    assert "unproxied_energy_j" in note and "gpu_j_per_token" in note
+
+
+def test_a_tag_cut_by_the_daemons_shutdown_says_so():
+    sink = Sink()
+    led = Ledger("d", 0, 1, sink, grace_s=0.3)
+    led.open_tag("job", 0, 0)
+    for k in range(3):
+        _gpu(led, k, 300.0 * k)
+    _request(led, 0.2, 1.8)
+    led.close_all(int(2.0 * S))
+    (row,) = sink.rows["tags"]
+    assert row["closed_by"] == "shutdown"
+    note = row["energy_note"]
+    assert "shutdown" in note and "powerprof tag stop" in note and "fix:" in note, note
+
+
+def test_a_tag_read_without_an_energy_counter_says_so():
+    # A GPU with no counter (Pascal: instant power only): the window's energy is integrated from power readings.
+    sink = Sink()
+    led = Ledger("d", 0, 1, sink, grace_s=0.3)
+    row = _tag(led, sink, gpu=lambda led, t_s, e: led.add_gpu_sample(int(t_s * S), int(t_s * S), [R(None, 300.0)]))
+    assert row["energy_method"] == "power_integration" and row["gpu_energy_j"] == pytest.approx(900.0)
+    note = row["energy_note"]
+    assert "without an energy counter" in note and "power readings" in note and "fix:" in note, note
+
+
+def test_tag_stop_prints_the_rows_note_once(monkeypatch):
+    # The daemon's answer carries the row's energy_note: `tag stop` prints it, and its own bypass line (for a daemon
+    # older than the note) is not printed beside it: each fact once.
+    import json
+
+    import powerprof.daemon.tagapi as tagapi
+
+    sink = Sink()
+    led = Ledger("d", 0, 1, sink, grace_s=0.3)
+    led.scraping = True
+    row = _tag(led, sink, request=False)
+    answer = {"ok": True, **{k: row[k] for k in ("name", "duration_s", "gpu_energy_j", "cpu_energy_j",
+                                                 "unproxied_energy_j", "proxy_tokens", "gpu_j_per_token",
+                                                 "server_count", "energy_note")}}
+    monkeypatch.setattr(tagapi, "send_tag", lambda socket, action, name: answer)
+    res = CliRunner().invoke(main, ["tag", "stop", "job", "--socket", "/nonexistent"])
+    assert res.exit_code == 0, res.output
+    assert "CPU energy not read" in res.stderr and "no J/token" in res.stderr, res.stderr
+    assert res.stderr.count("bypass") == row["energy_note"].count("bypass"), res.stderr
+    assert res.stderr.count("no tokens were seen") == 1 and "no tokens were seen" not in res.stdout, res.output
+    d = json.loads(CliRunner().invoke(main, ["tag", "stop", "job", "--socket", "/nonexistent", "--json"]).stdout)
+    assert d["energy_note"] == row["energy_note"]
+
+
+def test_the_daemons_stop_answer_carries_the_note_and_none_while_not_final():
+    import asyncio
+    from types import SimpleNamespace
+
+    from powerprof.daemon.service import Daemon
+
+    led = Ledger("d", 0, 1, Sink(), grace_s=0.1)
+
+    async def edge(label):
+        return (5 * S if "stop" in label else 1 * S), 0
+
+    fake = SimpleNamespace(ledger=led, _edge=edge, cfg=SimpleNamespace(get=lambda sec, key: 0.01))
+    asyncio.run(Daemon.tag_start(fake, "x"))
+    out = asyncio.run(Daemon.tag_stop(fake, "x"))
+    # not final: the note says so, and the row's energy_note (of sums so far) is not given
+    assert "not final" in out["note"] and "energy_note" in out and out["energy_note"] is None
+    led = Ledger("d", 0, 1, Sink(), grace_s=0.1)
+    for k in range(6):  # samples up to 5 s, not yet closed: the window's answer waits for them
+        _gpu(led, k, 300.0 * k)
+    fake = SimpleNamespace(ledger=led, _edge=edge, cfg=SimpleNamespace(get=lambda sec, key: 0.01))
+
+    async def stop():
+        async def sampler():  # the daemon's next sample closes the window's intervals
+            await asyncio.sleep(0.01)
+            _gpu(led, 6, 1800.0)
+            led.advance(int(6.5 * S))
+
+        task = asyncio.create_task(sampler())
+        out = await Daemon.tag_stop(fake, "x")
+        await task
+        return out
+
+    asyncio.run(Daemon.tag_start(fake, "x"))
+    out = asyncio.run(stop())
+    assert out["gpu_energy_j"] == pytest.approx(1200.0) and "no RAPL" in out["energy_note"], out
