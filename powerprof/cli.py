@@ -1624,7 +1624,7 @@ def tag_stop(name, socket, config_path, as_json):
     if as_json:
         _echo_json({"name": name, **{k: r.get(k) for k in ("duration_s", "gpu_energy_j", "cpu_energy_j",
                                                             "unproxied_energy_j", "proxy_tokens", "gpu_j_per_token",
-                                                            "server_count", "note")}})
+                                                            "server_count", "energy_note", "note")}})
         return
     # A figure the daemon did not give (None) is printed as unknown, never as 0 (it read "GPU 0.0 J").
     def fig(key: str, fmt: str, unit: str) -> str:
@@ -1632,19 +1632,24 @@ def tag_stop(name, socket, config_path, as_json):
         return f"{v:{fmt}} {unit}" if v is not None else f"unknown {unit}"
 
     jpt = r.get("gpu_j_per_token")
+    # The row's energy_note (a daemon with the column) says why each empty or partial figure is so, with the fix: the
+    # lines below that say the same for an older daemon's answer are not printed beside it.
+    noted = r.get("energy_note")
     click.echo(
         f"tag {name}: {fig('duration_s', '.2f', 's')}, GPU {fig('gpu_energy_j', '.1f', 'J')} "
         f"(bypass traffic {fig('unproxied_energy_j', '.1f', 'J')}), {fig('proxy_tokens', '.0f', 'tokens')}"
         + (f", {jpt:.3f} J/token" if jpt is not None else
-           "" if r.get("note") else " (no J/token: no tokens were seen through the proxy)")
+           "" if r.get("note") or noted else " (no J/token: no tokens were seen through the proxy)")
     )
     if r.get("note"):
         click.echo(f"note: {r['note']}", err=True)
+    if noted:
+        click.echo(f"note: {noted}", err=True)
     from powerprof.storage.schema import SERVER_COUNT_COMPLETE, bypass_count_fix, bypass_count_low  # noqa: PLC0415
 
     sc = r.get("server_count")
-    if "server_count" not in r:  # an older daemon's answer has no such key
-        pass
+    if "server_count" not in r or (noted and bypass_count_low(sc)):  # an older daemon's answer (no such key), or the
+        pass  # row's energy_note said it (bypass-uncounted)
     elif bypass_count_low(sc):  # the rule analyze's tag table leaves such a window out by
         click.echo(f"note: the server's token count over its intervals may be low or was not read (server_count "
                    f"{sc or 'unknown'}): bypass traffic beside it is not known, and its energy may be in this window's "

@@ -27,7 +27,7 @@ S = 1_000_000_000
 T0_NS = 1_768_478_400 * 10**9  # 2026-01-15 12:00 UTC
 # The columns added to each table in recent versions: an "old" file is a new one without them.
 NEWER = {"intervals": ("server_count", "other_cpu_pct", "energy_note"),
-         "tags": ("server_count", "other_cpu_pct", "unproxied_energy_j"),
+         "tags": ("server_count", "other_cpu_pct", "unproxied_energy_j", "energy_note"),
          "requests": ("other_cpu_pct", "prompt_tokens_estimate")}
 
 
@@ -42,7 +42,8 @@ def _rows(first: int, n: int) -> dict[str, list[dict]]:
            "prompt_tokens_estimate": 50.0} for i in range(first, first + n)]
     tg = [{"daemon_id": "d0", "name": "job", "t_start_utc": T0_NS + i * S, "t_end_utc": T0_NS + (i + 1) * S,
            "duration_s": 1.0, "gpu_energy_j": 300.0, "unproxied_energy_j": 100.0, "proxy_tokens": 100.0,
-           "gpu_j_per_token": 2.0, "closed_by": "stop", "other_cpu_pct": 5.0, "server_count": "complete"} for i in range(first, first + n)]
+           "gpu_j_per_token": 2.0, "closed_by": "stop", "other_cpu_pct": 5.0, "server_count": "complete",
+           "energy_note": "CPU energy not read: no RAPL on this host"} for i in range(first, first + n)]
     return {"intervals": iv, "requests": rq, "tags": tg}
 
 
@@ -150,3 +151,27 @@ def test_interval_rows_without_energy_note_are_read_by_analyze_export_and_the_fl
     rows = con.execute(sql.replace("/var/lib/powerprof-fleet", str(fleet))).fetchall()
     got = [dict(zip([d[0] for d in con.description], r)) for r in rows]
     assert [r["host"] for r in got] == ["node-0"] and got[0]["gpu_energy_j"] == pytest.approx(300.0 * n), got
+
+
+@pytest.mark.parametrize("layout", ["mixed", "old-only"])
+def test_tag_rows_without_energy_note_are_read_by_analyze_export_and_the_fleet_sql(tmp_path, layout):
+    # The tag rows' energy_note is newer than these files: a folder of them alone, or beside newer ones, must still be
+    # read whole by `analyze`'s tag table (the fleet SQL, analysis/fleet.py) and `export` (the column null where it was
+    # not written, nothing refused, no window lost).
+    data = _mixed(tmp_path, True) if layout == "mixed" else _old_only(tmp_path)
+    n = 20 if layout == "mixed" else 10
+    [t] = tag_summary([str(data)]).to_pylist()
+    # every window read; the old ones (no server_count either) unknown, left out of the figures and counted
+    assert t["windows"] == n and t["counted_windows"] == n - 10 and t["bypass_unknown_windows"] == 10, t
+    assert (t["gpu_energy_j"] or 0.0) == pytest.approx(300.0 * (n - 10)), t
+    res = CliRunner().invoke(main, ["analyze", str(data)])
+    assert res.exit_code == 0, res.output
+    assert "job" in res.stdout, res.stdout
+    notes: list[str] = []
+    paths = ex.export(data, "parquet", tmp_path / "out", notes=notes)
+    tg = {p.stem: pq.read_table(p) for p in paths}["tags"]
+    assert tg.num_rows == n
+    got = tg.column("energy_note").to_pylist() if "energy_note" in tg.column_names else [None] * n
+    assert got.count(None) == 10 and sum(v is not None for v in got) == n - 10, got
+    (csv,) = ex.export(data / "tags", "csv", tmp_path / "tags.csv")
+    assert len(csv.read_text().splitlines()) == n + 1

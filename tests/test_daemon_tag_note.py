@@ -107,7 +107,7 @@ def test_a_whole_tag_says_nothing():
     # said by that column alone, as interval rows do): every figure whole, so no note.
     sink = Sink()
     led = Ledger("d", 0, 1, sink, grace_s=0.3, rapl=True)
-    row = _tag(led, sink, rapl=lambda k: _cpu(led, k - 0.001, 30.0 * k, 1.2 * k, 1.0 * k))
+    row = _tag(led, sink, rapl=lambda k: _cpu(led, k - 0.001, 30.0 * k, 1.05 * k, 1.0 * k))
     assert row["cpu_energy_j"] == pytest.approx(90.0) and row["other_cpu_pct"] is not None
     assert row["gpu_j_per_token"] is not None and row["energy_method"] == "counter"
     assert row["server_count"] == "off" and row["closed_by"] == "stop"

@@ -182,6 +182,7 @@ class _Tag:
     host_cpu_s: float = 0.0  # the host's busy CPU time over its intervals whose share is known
     server_counts: set = field(default_factory=set)  # its intervals' server_count values (tag_server_count)
     other_cpu_s: float = 0.0  # of it, other processes' (neither the server's nor powerprof's)
+    work: bool = False  # an interval inside had work (prefill or decode): its other_cpu_pct is then worth judging
 
 
 @dataclass
@@ -1513,6 +1514,7 @@ class Ledger:
             tag.cpu_j = (tag.cpu_j or 0.0) + float(np.nansum(cpu[inside]))
         tag.cpu_missing = tag.cpu_missing or bool(np.isnan(cpu[inside]).any())
         tag.tokens += float(a.tokens[inside].sum())
+        tag.work = tag.work or bool((a.kind[inside] != attr.IDLE).any())
         tag.methods.update(m for m, i in zip(methods, inside) if i)
         if server_count is not None:
             tag.server_counts.update(c for c, i in zip(server_count, inside) if i)
@@ -1561,23 +1563,56 @@ class Ledger:
         if np.isnan(cpu):
             notes.append(_cpu_missing_note("this interval's start or end") if self.rapl else NO_RAPL_NOTE)
         elif work and other_pct is not None and other_pct > BUSY_HOST_PCT:
-            notes.append(f"{BUSY_HOST_FLAG}: {busy_host_text(other_pct, 'this interval', 'its cpu_energy_j')}; "
-                         f"fix: {BUSY_HOST_FIX}")
+            notes.append(_busy_host_note(other_pct, "this interval"))
         elif work and other_pct is None:
-            why = ("the server's processes were not found on this host (the log says why)" if self._server_unknown_said
-                   else "whose CPU time the host spent is not read here: simulated RAPL (it follows the server alone), "
-                        "no proxy.upstream, or its reads failed")
-            notes.append(f"other_cpu_pct empty: not judged ({why}); cpu_energy_j is the whole package's and could "
-                         f"include other processes' energy; fix: {BUSY_HOST_FIX}")
+            notes.append(self._unjudged_note())
         if short and not np.isnan(gpu):
-            notes.append(f"{NO_COUNTER_SHORT_FLAG}: read without an energy counter (power readings) and live for under "
+            notes.append(f"{NO_COUNTER_SHORT_FLAG}: {NO_COUNTER_READ} and live for under "
                          "half of it: its requests' split rests on the idle power taken out of the rest and the "
                          f"readings' timing (left out of the daemon's J/token); fix: {NO_COUNTER_SHORT_FIX}")
         if server_count is not None and bypass_count_low(server_count):
-            why = ", ".join(sorted({w for w in (server_count or "").split(",") if w} - {COUNT_COMPLETE})) or "unknown"
-            notes.append(f"{BYPASS_LOW_FLAG}: the server's token count may be low here ({why}: its server_count), so "
-                         "server_tokens and unproxied_energy_j may be low and bypass traffic's energy may be in "
-                         f"requests_energy_j; fix: {bypass_count_fix(server_count)}")
+            notes.append(_count_low_note(server_count, "here", "server_tokens and unproxied_energy_j may be low and "
+                                                               "bypass traffic's energy may be in requests_energy_j"))
+        return _joined(*notes)
+
+    def _unjudged_note(self) -> str:
+        """Why a CPU figure beside work has no other_cpu_pct (an interval's, a tag's), and the fix."""
+        why = ("the server's processes were not found on this host (the log says why)" if self._server_unknown_said
+               else "whose CPU time the host spent is not read here: simulated RAPL (it follows the server alone), "
+                    "no proxy.upstream, or its reads failed")
+        return (f"other_cpu_pct empty: not judged ({why}); cpu_energy_j is the whole package's and could "
+                f"include other processes' energy; fix: {BUSY_HOST_FIX}")
+
+    def _tag_note(self, tg: _Tag, row: dict) -> str | None:
+        """A tag row's energy_note: for each figure of it that is empty or may be partial, why and the fix, in the
+        interval and request rows' words where the cause is the same (their builders); None where every figure is
+        whole (`server_count` off or slots_only is said by that column alone, as an interval's is)."""
+        notes = [_gpu_missing_note("part of this window") if tg.gpu_missing else None]
+        if tg.cpu_missing or (row["cpu_energy_j"] is None and tg.methods):
+            notes.append(_cpu_missing_note("part of this window's intervals") if self.rapl else NO_RAPL_NOTE)
+        elif tg.work and row["other_cpu_pct"] is not None and row["other_cpu_pct"] > BUSY_HOST_PCT:
+            notes.append(_busy_host_note(row["other_cpu_pct"], "this window"))
+        elif tg.work and row["other_cpu_pct"] is None and row["cpu_energy_j"] is not None:
+            notes.append(self._unjudged_note())
+        method = row["energy_method"]
+        if not tg.gpu_missing and method in (METHOD_POWER, METHOD_AVG_POWER):
+            notes.append(f"no energy counter: part of this window was {NO_COUNTER_READ}, energy_method {method}: "
+                         "its gpu_energy_j is integrated from them, not counted by the GPU, and a short burst of work "
+                         "can fall between two reads; fix: a GPU with an energy counter (Volta and newer), or longer "
+                         "windows")
+        if not tg.gpu_missing and tg.tokens <= 0:
+            notes.append("no J/token: no tokens were seen through the proxy over this window (idle, or its requests "
+                         "went straight to the server: unproxied_energy_j holds theirs), so gpu_j_per_token is empty; "
+                         "fix: send the window's requests through the proxy (proxy.listen)")
+        if tg.methods and bypass_count_low(row["server_count"]):
+            notes.append(_count_low_note(row["server_count"], "over this window",
+                                         "unproxied_energy_j may be low and gpu_j_per_token high (bypass traffic's "
+                                         "energy may be in it: `powerprof analyze` leaves this window out of its "
+                                         "tag's figures)"))
+        if tg.closed_by == "shutdown":
+            notes.append("closed at shutdown: the daemon stopped with this window open, so it ends at the daemon's "
+                         "last sample, not at a stop (its figures cover it up to then); fix: powerprof tag stop "
+                         f"{tg.name} before stopping the daemon")
         return _joined(*notes)
 
     def _interval_rows(self, edges, t, gpu, cpu, methods, a: attr.Attribution, server, costs, other_pct=None,
@@ -1702,7 +1737,7 @@ class Ledger:
         # energy in it otherwise sat over tokens the proxy never saw (a third of the tokens bypass: +56%, unmarked).
         # Where the server's count may be low, unproxied may be too: `server_count` says so (schema.bypass_count_low).
         proxied_j = tg.gpu_j - tg.unproxied_j
-        return {
+        row = {
             "daemon_id": self.daemon_id,
             "name": tg.name,
             "t_start_utc": tg.wall0_ns,
@@ -1719,6 +1754,8 @@ class Ledger:
             "closed_by": tg.closed_by,
             "server_count": tag_server_count(tg.server_counts),
         }
+        row["energy_note"] = self._tag_note(tg, row)
+        return row
 
 
 def tag_server_count(counts: set) -> str | None:
@@ -1733,12 +1770,20 @@ def _joined(*notes: str | None) -> str | None:
     return "; ".join(n for n in notes if n) or None
 
 
-def _busy_host_note(other_pct: float | None) -> str | None:
-    """A request's CPU figure beside other processes' work: kept, and said (as the sweep flags a level busy-host)."""
+def _busy_host_note(other_pct: float | None, during: str = "its intervals") -> str | None:
+    """A row's CPU figure beside other processes' work (a request's over `during` its intervals, an interval's, a
+    tag's): kept, and said (as the sweep flags a level busy-host)."""
     if other_pct is None or other_pct <= BUSY_HOST_PCT:
         return None
-    return (f"{BUSY_HOST_FLAG}: {busy_host_text(other_pct, 'its intervals', 'its cpu_energy_j')}; "
+    return (f"{BUSY_HOST_FLAG}: {busy_host_text(other_pct, during, 'its cpu_energy_j')}; "
             f"fix: {BUSY_HOST_FIX}")
+
+
+def _count_low_note(server_count: str | None, where: str, so: str) -> str:
+    """Why a row's bypass figures may be low: the server's count over it (`server_count`) may be, with the fix."""
+    why = ", ".join(sorted({w for w in (server_count or "").split(",") if w} - {COUNT_COMPLETE})) or "unknown"
+    return (f"{BYPASS_LOW_FLAG}: the server's token count may be low {where} ({why}: its server_count), so {so}; "
+            f"fix: {bypass_count_fix(server_count)}")
 
 
 def _no_counter_short(r: _Req) -> bool:
@@ -1815,6 +1860,8 @@ CPU_MISSING_NOTE = _cpu_missing_note("part of this request's intervals")
 GPU_MISSING_NOTE = _gpu_missing_note("part of this request")
 # An interval row's energy_note, for what only an interval has: a host without RAPL (a request's row says nothing of
 # it: every request there alike), and a busy interval whose other processes' CPU share was not judged.
+# An interval or tag read from power readings (no counter, or one that jumped) says it in these words.
+NO_COUNTER_READ = "read without an energy counter (power readings)"
 NO_RAPL_NOTE = ("CPU energy not read: no RAPL on this host, or not readable by the daemon (the start's log says "
                 "which), so cpu_energy_j is empty; fix: powerprof devices (RAPL zones and permissions)")
 

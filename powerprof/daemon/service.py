@@ -475,16 +475,18 @@ class Daemon:
             await asyncio.sleep(0.05)
         row = self.ledger.tag_row(tag)
         out = {k: row[k] for k in ("name", "duration_s", "gpu_energy_j", "cpu_energy_j", "unproxied_energy_j",
-                                   "proxy_tokens", "gpu_j_per_token", "server_count")}
+                                   "proxy_tokens", "gpu_j_per_token", "server_count", "energy_note")}
         if tag in self.ledger.closed_tags:
             # Not final by the deadline (the sampler is behind or a read hangs): its sums so far are too
-            # small, so none is given; the final row still lands in tags/ once its intervals close.
+            # small, so none is given (nor their energy_note); the final row still lands in tags/ once its intervals
+            # close.
             out.update(gpu_energy_j=None, cpu_energy_j=None, unproxied_energy_j=None, gpu_j_per_token=None,
-                       note="energy not final yet (the samples past the window's end are late); "
-                            "the final figures land in tags/")
+                       energy_note=None, note="energy not final yet (the samples past the window's end are late); "
+                                              "the final figures land in tags/")
             log.warning("tag %s stopped; its energy was not final within the wait, answered as unknown", name)
-        else:
-            log.info("tag %s stopped: %.1f J over %.1f s", name, row["gpu_energy_j"], row["duration_s"] or 0)
+        else:  # a null energy (a GPU unread) logged as such: "%.1f" of None was a logging error
+            log.info("tag %s stopped: %s J over %.1f s", name,
+                     "unknown" if row["gpu_energy_j"] is None else f"{row['gpu_energy_j']:.1f}", row["duration_s"] or 0)
         return out
 
     def tag_list(self) -> list[str]:

@@ -407,6 +407,9 @@ DAEMON_TAGS_COLUMNS = [
     ("closed_by", STR),  # stop | shutdown
     # how far the server's count covers its intervals (SERVER_COUNT_* above, their reasons joined); null: unknown
     ("server_count", STR),
+    # for each of its figures that is empty or may be partial, why and the fix ("; "-joined, the interval rows' words);
+    # null: every one whole, or written before the column (unknown)
+    ("energy_note", STR),
     HOST,
 ]
 
