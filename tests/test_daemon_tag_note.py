@@ -231,3 +231,31 @@ def test_the_daemons_stop_answer_carries_the_note_and_none_while_not_final():
     asyncio.run(Daemon.tag_start(fake, "x"))
     out = asyncio.run(stop())
     assert out["gpu_energy_j"] == pytest.approx(1200.0) and "no RAPL" in out["energy_note"], out
+
+
+def test_a_tag_with_no_interval_inside_is_unknown_not_zero():
+    # A window between two samples 1 s apart, shorter than half of it (its edges' on-demand reads failed, so no edge
+    # of its own): no interval's midpoint is inside, so it gathered nothing. Before: gpu_energy_j 0.0 at 300 W, said
+    # nowhere.
+    sink = Sink()
+    led = Ledger("d", 0, 1, sink, grace_s=0.3)
+    _gpu(led, 0, 0.0)
+    led.open_tag("blink", int(0.1 * S), int(0.1 * S))
+    led.close_tag("blink", int(0.3 * S), int(0.3 * S))
+    _gpu(led, 1, 300.0)
+    _gpu(led, 2, 600.0)
+    led.advance(int(5 * S))
+    (row,) = sink.rows["tags"]
+    assert row["gpu_energy_j"] is None and row["gpu_j_per_token"] is None and row["cpu_energy_j"] is None, row
+    note = row["energy_note"]
+    assert note.startswith("no interval inside") and "fix:" in note and "no J/token" not in note, note
+
+
+def test_a_tag_open_at_a_shutdown_before_any_sample_ends_at_the_wall_clock_not_1970():
+    sink = Sink()
+    led = Ledger("d", 0, 1, sink, grace_s=0.3)
+    led.open_tag("early", int(0.1 * S), 1_764_000_000 * S)
+    led.close_all(int(0.5 * S), 1_764_000_000 * S + int(0.4 * S))
+    (row,) = sink.rows["tags"]
+    assert row["t_end_utc"] == 1_764_000_000 * S + int(0.4 * S) and row["closed_by"] == "shutdown", row
+    assert row["gpu_energy_j"] is None and "no interval inside" in row["energy_note"], row

@@ -183,6 +183,8 @@ class _Tag:
     server_counts: set = field(default_factory=set)  # its intervals' server_count values (tag_server_count)
     other_cpu_s: float = 0.0  # of it, other processes' (neither the server's nor powerprof's)
     work: bool = False  # an interval inside had work (prefill or decode): its other_cpu_pct is then worth judging
+    intervals: int = 0  # intervals inside it: none (its edges' on-demand reads failed, shorter than half of one) is no
+    # measured zero: its energy is unknown
 
 
 @dataclass
@@ -895,14 +897,16 @@ class Ledger:
         self._emit_tags()
         self._expire(now_ns)
 
-    def close_all(self, now_ns: int) -> None:
-        """At shutdown: close every interval; open requests and tags are emitted as interrupted."""
+    def close_all(self, now_ns: int, now_wall_ns: int | None = None) -> None:
+        """At shutdown: close every interval; open requests and tags are emitted as interrupted. A tag open when no
+        sample was ever taken ends at `now_wall_ns` (the caller's wall clock), not at 1970."""
         if len(self.edges) >= 2:
             self._close(self.edges)
             del self.edges[:-1]
         end = self.edges[-1] if self.edges else None
         for name in list(self.tags):
-            self.close_tag(name, end.t_ns if end else now_ns, end.wall_ns if end else 0, closed_by="shutdown")
+            wall = end.wall_ns if end else now_wall_ns
+            self.close_tag(name, end.t_ns if end else now_ns, wall, closed_by="shutdown")
         self._emit_tags(force=True)
         rows = []
         for rid, r in list(self.requests.items()):
@@ -1505,6 +1509,7 @@ class Ledger:
         inside = (mid >= tag.t0_ns) & (mid < end)
         if not inside.any():
             return
+        tag.intervals += int(inside.sum())
         tag.gpu_j += float(np.nansum(gpu[inside]))
         # The interval rows' own unproxied_energy_j (the scrape windows' bypass tokens already spread over the
         # intervals by the attribution): the tag's equals the sum of the rows inside it.
@@ -1588,6 +1593,11 @@ class Ledger:
         interval and request rows' words where the cause is the same (their builders); None where every figure is
         whole (`server_count` off or slots_only is said by that column alone, as an interval's is)."""
         notes = [_gpu_missing_note("part of this window") if tg.gpu_missing else None]
+        if tg.intervals == 0 and tg.t1_ns is not None:
+            notes.append("no interval inside: the GPU reads at this window's start and stop failed and it is shorter "
+                         "than half a sampling interval, so no energy was measured over it: gpu_energy_j, "
+                         "cpu_energy_j and gpu_j_per_token are empty (not zero); fix: a window of several sampling "
+                         "intervals (daemon.interval_s), and the log's NVML errors")
         if tg.cpu_missing or (row["cpu_energy_j"] is None and tg.methods):
             notes.append(_cpu_missing_note("part of this window's intervals") if self.rapl else NO_RAPL_NOTE)
         elif tg.work and row["other_cpu_pct"] is not None and row["other_cpu_pct"] > BUSY_HOST_PCT:
@@ -1595,12 +1605,12 @@ class Ledger:
         elif tg.work and row["other_cpu_pct"] is None and row["cpu_energy_j"] is not None:
             notes.append(self._unjudged_note())
         method = row["energy_method"]
-        if not tg.gpu_missing and method in (METHOD_POWER, METHOD_AVG_POWER):
+        if not tg.gpu_missing and tg.intervals and method in (METHOD_POWER, METHOD_AVG_POWER):
             notes.append(f"no energy counter: part of this window was {NO_COUNTER_READ}, energy_method {method}: "
                          "its gpu_energy_j is integrated from them, not counted by the GPU, and a short burst of work "
                          "can fall between two reads; fix: a GPU with an energy counter (Volta and newer), or longer "
                          "windows")
-        if not tg.gpu_missing and tg.tokens <= 0:
+        if not tg.gpu_missing and tg.intervals and tg.tokens <= 0:
             notes.append("no J/token: no tokens were seen through the proxy over this window (idle, or its requests "
                          "went straight to the server: unproxied_energy_j holds theirs), so gpu_j_per_token is empty; "
                          "fix: send the window's requests through the proxy (proxy.listen)")
@@ -1737,20 +1747,21 @@ class Ledger:
         # energy in it otherwise sat over tokens the proxy never saw (a third of the tokens bypass: +56%, unmarked).
         # Where the server's count may be low, unproxied may be too: `server_count` says so (schema.bypass_count_low).
         proxied_j = tg.gpu_j - tg.unproxied_j
+        unknown = tg.gpu_missing or tg.intervals == 0
         row = {
             "daemon_id": self.daemon_id,
             "name": tg.name,
             "t_start_utc": tg.wall0_ns,
             "t_end_utc": tg.wall1_ns,
             "duration_s": dur,
-            "gpu_energy_j": None if tg.gpu_missing else tg.gpu_j,
+            "gpu_energy_j": None if unknown else tg.gpu_j,
             "cpu_energy_j": None if tg.cpu_missing else tg.cpu_j,
             "other_cpu_pct": (100.0 * tg.other_cpu_s / tg.host_cpu_s
                               if tg.host_cpu_s > 0 and tg.cpu_j is not None and not tg.cpu_missing else None),
             "energy_method": weakest_method(tg.methods) if tg.methods else None,
-            "unproxied_energy_j": None if tg.gpu_missing else tg.unproxied_j,
+            "unproxied_energy_j": None if unknown else tg.unproxied_j,
             "proxy_tokens": tg.tokens,
-            "gpu_j_per_token": proxied_j / tg.tokens if tg.tokens > 0 and not tg.gpu_missing else None,
+            "gpu_j_per_token": proxied_j / tg.tokens if tg.tokens > 0 and not unknown else None,
             "closed_by": tg.closed_by,
             "server_count": tag_server_count(tg.server_counts),
         }

@@ -1065,7 +1065,7 @@ class Daemon:
         await session.close()
         if self.flusher is not None:
             self._drain()
-            self.ledger.close_all(time.monotonic_ns())
+            self.ledger.close_all(time.monotonic_ns(), time.time_ns())
             self.flusher.stop()
             if self.store.buffered():
                 log.error("%d rows could not be written at shutdown (%s)", self.store.buffered(), self.store.last_error)
