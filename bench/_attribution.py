@@ -277,8 +277,9 @@ def mixed_trace(n: int, rate: float, seed: int = 5, kinds: tuple = MIXED_KINDS,
 
 def conversation_trace(conversations: int, turns: int, plain: int, rate: float, seed: int = 7) -> list[TraceRequest]:
     """Multi-turn chats beside plain ones: `conversations` conversations of `turns` turns each (tag `turn.C.K`), each
-    turn resending the whole history (a 300-token opening, then 100 tokens a turn), so that on a server with prefix
-    caching all of a turn's prompt but its newest ~100 tokens is cached; and `plain` single chats of unique prompts
+    turn resending the whole history (a 1500-token opening, then 200 tokens a turn; short answers, median 30 tokens, as
+    in Azure's conversation trace), so that on a server with prefix caching all of a turn's prompt but its newest ~200
+    tokens is cached; and `plain` single chats of unique prompts
     (tag `chat`, lognormal lengths about 300). Poisson arrivals at `rate` a second, a conversation's turns in order."""
     rng = np.random.default_rng(seed)
     kinds = [f"turn.{c}.{k}" for k in range(turns) for c in range(conversations)] + ["chat"] * plain
@@ -294,8 +295,10 @@ def conversation_trace(conversations: int, turns: int, plain: int, rate: float, 
     out = []
     for pos in range(len(kinds)):
         tag = tagged[pos] or "chat"
-        p = 300 + 100 * int(tag.rsplit(".", 1)[1]) if tag != "chat" else int(np.clip(rng.lognormal(np.log(300), 0.5), 20, 2000))
-        out.append(TraceRequest(float(t[pos]), p, int(np.clip(rng.lognormal(np.log(60), 0.5), 8, 300)), tag))
+        turn = tag != "chat"
+        p = 1500 + 200 * int(tag.rsplit(".", 1)[1]) if turn else int(np.clip(rng.lognormal(np.log(300), 0.5), 20, 2000))
+        out.append(TraceRequest(float(t[pos]), p, int(np.clip(rng.lognormal(np.log(30 if turn else 60), 0.5), 8, 300)),
+                                tag))
     return out
 
 
@@ -304,10 +307,10 @@ def _turn_messages(c: int, k: int) -> list[dict]:
     (the simulator joins the messages' text: turn k - 1's prompt is the start of turn k's)."""
     from powerprof.workload.replay import prompt_text
 
-    msgs = [{"role": "user", "content": prompt_text(300, 100_000 + c)}]
+    msgs = [{"role": "user", "content": prompt_text(1500, 100_000 + c)}]
     for j in range(1, k + 1):
-        msgs.append({"role": "assistant", "content": " ".join([f"a{c}x{j}"] + ["ok"] * 49)})
-        msgs.append({"role": "user", "content": " ".join([f"q{c}x{j}"] + ["why"] * 49)})
+        msgs.append({"role": "assistant", "content": " ".join([f"a{c}x{j}"] + ["ok"] * 99)})
+        msgs.append({"role": "user", "content": " ".join([f"q{c}x{j}"] + ["why"] * 99)})
     return msgs
 
 
