@@ -275,12 +275,56 @@ def mixed_trace(n: int, rate: float, seed: int = 5, kinds: tuple = MIXED_KINDS,
     return [TraceRequest(r.t_s, r.prompt_tokens, r.output_tokens, kinds[k]) for r, k in zip(base, drawn)]
 
 
+def conversation_trace(conversations: int, turns: int, plain: int, rate: float, seed: int = 7) -> list[TraceRequest]:
+    """Multi-turn chats beside plain ones: `conversations` conversations of `turns` turns each (tag `turn.C.K`), each
+    turn resending the whole history (a 1500-token opening, then 200 tokens a turn; short answers, median 30 tokens, as
+    in Azure's conversation trace), so that on a server with prefix caching all of a turn's prompt but its newest ~200
+    tokens is cached; and `plain` single chats of unique prompts
+    (tag `chat`, lognormal lengths about 300). Poisson arrivals at `rate` a second, a conversation's turns in order."""
+    rng = np.random.default_rng(seed)
+    kinds = [f"turn.{c}.{k}" for k in range(turns) for c in range(conversations)] + ["chat"] * plain
+    order = rng.permutation(len(kinds))
+    slots: dict = {}  # a conversation's turns take its arrival slots in order (turn k never before turn k - 1)
+    for pos, j in enumerate(order):
+        slots.setdefault(kinds[j].rsplit(".", 1)[0] if kinds[j] != "chat" else f"chat{pos}", []).append(pos)
+    tagged = [""] * len(kinds)
+    for c in range(conversations):
+        for k, pos in enumerate(sorted(slots[f"turn.{c}"])):
+            tagged[pos] = f"turn.{c}.{k}"
+    t = np.cumsum(rng.exponential(1.0 / rate, size=len(kinds)))
+    out = []
+    for pos in range(len(kinds)):
+        tag = tagged[pos] or "chat"
+        turn = tag != "chat"
+        p = 1500 + 200 * int(tag.rsplit(".", 1)[1]) if turn else int(np.clip(rng.lognormal(np.log(300), 0.5), 20, 2000))
+        out.append(TraceRequest(float(t[pos]), p, int(np.clip(rng.lognormal(np.log(30 if turn else 60), 0.5), 8, 300)),
+                                tag))
+    return out
+
+
+def _turn_messages(c: int, k: int) -> list[dict]:
+    """Turn k of conversation c: its opening and every earlier turn's question and answer, then this turn's question
+    (the simulator joins the messages' text: turn k - 1's prompt is the start of turn k's)."""
+    from powerprof.workload.replay import prompt_text
+
+    msgs = [{"role": "user", "content": prompt_text(1500, 100_000 + c)}]
+    for j in range(1, k + 1):
+        msgs.append({"role": "assistant", "content": " ".join([f"a{c}x{j}"] + ["ok"] * 99)})
+        msgs.append({"role": "user", "content": " ".join([f"q{c}x{j}"] + ["why"] * 99)})
+    return msgs
+
+
 def _mixed_request(kind: str, index: int, prompt_tokens: int, output_tokens: int) -> tuple[str, dict]:
-    """(path, body) of one request of the mixed trace: streamed with usage, ignoring EOS, as replay sends them."""
+    """(path, body) of one request of the mixed trace: streamed with usage, ignoring EOS, as replay sends them; a
+    conversation's turn (`turn.C.K`, conversation_trace) its whole history as chat."""
     from powerprof.workload.replay import prompt_text
 
     text = prompt_text(prompt_tokens, index)
     n = max(1, output_tokens)
+    if kind.startswith("turn."):
+        _, c, k = kind.split(".")
+        return "/v1/chat/completions", {"messages": _turn_messages(int(c), int(k)), "max_tokens": n, "stream": True,
+                                        "ignore_eos": True, "stream_options": {"include_usage": True}}
     if kind == "embeddings":
         return "/v1/embeddings", {"input": text, "model": "sim"}
     if kind.startswith("generate"):  # SGLang's native /generate
@@ -354,9 +398,11 @@ def run_mixed(trace: list[TraceRequest], profile: str = "h200-141g", interval_s:
     truth = srv.request_truth()
     reqs = reqs[reqs["tag"].notna() & reqs["tag"].str.contains("#")].copy()
     reqs["index"] = reqs["tag"].str.rsplit("#", n=1).str[1].astype(int)
-    reqs["kind"] = reqs["tag"].str.rsplit("#", n=1).str[0]
+    reqs["kind"] = reqs["tag"].str.rsplit("#", n=1).str[0].str.split(".").str[0]  # turn.C.K: a turn
     reqs["true_j"] = [truth[str(i)]["energy_j"] if str(i) in truth else np.nan for i in reqs["index"]]
     reqs["true_tokens"] = [truth[str(i)]["generated"] if str(i) in truth else np.nan for i in reqs["index"]]
+    reqs["true_cached"] = [truth[str(i)].get("cached_tokens", np.nan) if str(i) in truth else np.nan
+                           for i in reqs["index"]]
     return Outcome(requests=reqs, intervals=intervals, costs=costs, measured_j=measured, bypass_truth_j=0.0,
                    unproxied_j=float(intervals["unproxied_energy_j"].sum()), client_tokens=0, wall_s=wall,
                    late_p95_s=0.0, truth=truth, notes=[f"HTTP {c}: {statuses.count(c)}" for c in sorted(set(statuses))]

@@ -1003,6 +1003,8 @@ class Ledger:
         # A prompt counts once its first token is known: it is spread over arrival → first token.
         prompt = np.array([self._prompt_work(r, d) if r.trace.first_ns is not None or d else 0.0
                            for r, d in zip(reqs, done)], dtype=float)
+        # Its prefill is the part the server computed: a prefix-cache hit is in its context, not its prefill work.
+        computed = np.maximum(prompt - np.array([_cached_tokens(r) for r in reqs], dtype=float), 0.0)
         ev_t, ev_r, ev_n, ev_c, ev_w = [], [], [], [], []
         for i, r in enumerate(reqs):
             ev_t.extend(r.ev_t)
@@ -1010,7 +1012,7 @@ class Ledger:
             ev_n.extend(r.ev_n)
             ev_w.extend(r.ev_n)
             seqs = max(r.trace.extra.get("sequences", 1), 1)
-            if r.ev_n and r.spent == 0 and prompt[i] > 0:
+            if r.ev_n and r.spent == 0 and computed[i] > 0:
                 # Its first token came out of its prompt's prefill step, whose work the prompt carries:
                 # decoded again it was charged twice (1-token requests +22% on the simulator). One per sequence
                 # (n choices, prompts), in its first events (each choice's first token may come in a chunk of its own).
@@ -1053,7 +1055,7 @@ class Ledger:
                     & (busy < share * dur))
         energy = np.column_stack([energy, np.where(short_iv, work_j, 0.0), np.where(low_iv, work_j, 0.0)])
         a = attr.attribute(t, energy, arrival, first, last, end, ev_t_a, ev_r_a, ev_n_a, excess,
-                           prompt_tokens=prompt, tok_ctx=np.array(ev_c, dtype=float), costs=costs,
+                           prompt_tokens=computed, tok_ctx=np.array(ev_c, dtype=float), costs=costs,
                            bypass_spans=bypass_spans, passive=passive, aside_j=aside,
                            tok_work=np.array(ev_w, dtype=float),
                            sequences=np.array([r.trace.extra.get("sequences", 1) for r in reqs], dtype=float))
@@ -1976,6 +1978,15 @@ def _prompt_sequences(r: _Req) -> int:
     if c is not None and c.prompt_tokens is not None and c.prompt_each_task:
         return seqs
     return max(seqs // max(r.trace.extra.get("choices", 1), 1), 1)
+
+
+def _cached_tokens(r: _Req) -> float:
+    """Of the request's prompt figure, the tokens the server said it found in its prefix cache (no prefill work); 0
+    where it did not say (then its whole prompt is costed as computed: `_cache_unsaid_note`)."""
+    c = r.trace.counts
+    if c is not None and c.cached_tokens is not None and c.prompt_tokens is not None and c.invalid is None:
+        return float(c.cached_tokens)
+    return 0.0
 
 
 def _prompt_tokens(r: _Req) -> float | None:

@@ -119,6 +119,9 @@ class Counts:
     # Lines and events of the response that could not be read (StreamSummary.unreadable): tokens they carried are
     # not in the proxy's count. The request's row says so (proxy.unreadable_note).
     unreadable: int = 0
+    # Of prompt_tokens, those the server said it found in its prefix cache (StreamSummary.cached_tokens): no prefill
+    # work. None: it did not say.
+    cached_tokens: int | None = None
 
 
 def summary_counts(summary, streamed: bool = True) -> Counts:
@@ -157,6 +160,7 @@ def summary_counts(summary, streamed: bool = True) -> Counts:
         prompt_each_task=summary.prompt_each_task,
         listed_tokens=summary.counted_tokens if problem is not None and not streamed else None,
         unreadable=summary.unreadable,
+        cached_tokens=summary.cached_tokens,
     )
 
 

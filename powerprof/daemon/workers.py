@@ -346,7 +346,7 @@ _START = (_I, _S, _S, _SN, _I, _I, _SN, _SN, _BN, _I, _I)
 _FIRST = (_I, _I, _I, _I, _IN, _BN, _FN)
 _TOK = (_I, _I, _I, "float")
 _END_REST = (_IN, _IN, _IN, _SN, _SN, _IN, _IN, _IN, _IN, _I, _I, _SN, _SN, _SN, _BN)
-_COUNTS = (_IN, _IN, _SN, _SN, _S, _FN, _BN, _SN, _SN, "bool", _SN, _SN, _SN, "bool", _IN, _I)  # streams.Counts, in its order
+_COUNTS = (_IN, _IN, _SN, _SN, _S, _FN, _BN, _SN, _SN, "bool", _SN, _SN, _SN, "bool", _IN, _I, _IN)  # streams.Counts, in its order
 # ShippingRecorder._stats: recorder and upstream failures, records dropped, malformed requests, body timeouts (silent,
 # slow), upstream retries
 _STATS = (_I, _I, _I, _I, _I, _I, _I)

@@ -250,6 +250,8 @@ class SimServer:
         sglang_warmup: bool = True,
         sglang_idle_log_s: float = SGLANG_IDLE_LOG_S,
         textless_share: float = 0.0,
+        prefix_cache: bool = False,
+        prompt_details: bool = False,
     ):
         """batching: "serial" (a prefill pauses decoding; one prompt at a time) or "continuous"
         (every step prefills a chunk and decodes every running sequence; records each request's
@@ -287,7 +289,14 @@ class SimServer:
         textless_share: the share of token ids whose text is empty (special tokens, a byte of an unfinished
         character; 0 by default: every token a word). The llama.cpp flavour streams them as llama-server does: no chunk
         at all on chat, Messages and Responses (nor logprobs), a chunk with empty text on /completion and /v1/completions;
-        every count (timings, usage, truth) still has them. Settable between requests."""
+        every count (timings, usage, truth) still has them. Settable between requests.
+        prefix_cache: every API caches prompt prefixes, as vLLM V1 (automatic prefix caching), SGLang (its radix
+        cache) and llama-server (cache_prompt, on every endpoint) do by default: a prompt's longest prefix of words
+        already computed (any earlier prompt's) is not computed again, the last token always is; a body's
+        `cache_prompt: false` turns it off. Off (the default): only llama.cpp's native /completion caches, and only
+        a whole prompt seen before. prompt_details: the vLLM and SGLang flavours' OpenAI usage says the cached part,
+        `prompt_tokens_details: {"cached_tokens": N}` (vLLM's --enable-prompt-tokens-details, SGLang's
+        --enable-cache-report); without it they never say it, as those servers by default."""
         if flavour not in FLAVOURS:
             raise ValueError(f"flavour must be one of {', '.join(FLAVOURS)}")
         if batching not in ("serial", "continuous"):
@@ -370,6 +379,9 @@ class SimServer:
         self._wake: asyncio.Event | None = None
         self._dead = False
         self._prompt_cache: set[int] = set()
+        self.prefix_cache = bool(prefix_cache)
+        self.prompt_details = bool(prompt_details)
+        self._prefixes: set[int] = set()  # prefix_cache: the hash of every word prefix of the prompts computed
         self._new_metrics()
 
     def _new_metrics(self) -> None:
@@ -1019,19 +1031,20 @@ class SimServer:
     def request_truth(self) -> dict:
         """The truth per client request (its X-Sim-Request-Id): its sequences' rows summed (n > 1 choices and a
         list of embedding inputs are one request of several sequences). {client_id: {energy_j, prefill_energy_j,
-        generated, textless, prompt_tokens, sequences, kind}}; energy None unless continuous batching."""
+        generated, textless, prompt_tokens, cached_tokens, sequences, kind}}; energy None unless continuous batching."""
         out: dict = {}
         for t in self.truth:
             cid = t.get("client_id")
             if cid is None:
                 continue
             o = out.setdefault(cid, {"energy_j": 0.0, "prefill_energy_j": 0.0, "generated": 0, "textless": 0, "prompt_tokens": 0,
-                                     "sequences": 0, "kind": t.get("kind", "generation")})
+                                     "cached_tokens": 0, "sequences": 0, "kind": t.get("kind", "generation")})
             for k in ("energy_j", "prefill_energy_j"):
                 o[k] = None if o[k] is None or t[k] is None else o[k] + t[k]
             o["generated"] += t["generated"]
             o["textless"] += t.get("textless", 0)
             o["prompt_tokens"] += t["prompt_tokens"]
+            o["cached_tokens"] += t.get("cached_tokens", 0)
             o["sequences"] += 1
         return out
 
@@ -1050,6 +1063,20 @@ class SimServer:
         }
         if len(self.truth_cancelled) < 100_000:
             self.truth_cancelled.append(req.truth_row)
+
+    def _cached_prefix(self, prompt: str) -> int:
+        """prefix_cache: the tokens of the prompt's longest word prefix computed before (its BOS with them), and its
+        own prefixes remembered; a bounded memory, cleared when full (an eviction, as a real cache's under pressure)."""
+        if len(self._prefixes) > 4_000_000:
+            self._prefixes.clear()
+        h, hit = 0, 0
+        for k, w in enumerate(_WORD.findall(prompt), start=1):
+            h = hash((h, w))
+            if h in self._prefixes:
+                hit = k + 1  # the BOS is cached with them
+            else:
+                self._prefixes.add(h)
+        return hit
 
     def _reported(self, n: int) -> int:
         """The generated count the server gives at the end: the truth unless it lies (count_factor)."""
@@ -1070,6 +1097,10 @@ class SimServer:
         cached = n_prompt - 1 if not embed and (shared or (cache_prompt and h in self._prompt_cache)) else 0
         if not embed:
             self._prompt_cache.add(h)
+            if self.prefix_cache:
+                hit = self._cached_prefix(prompt)
+                if cache_prompt and not shared:
+                    cached = min(hit, n_prompt - 1)
         hc = h if choice == 0 else zlib.crc32(f"{prompt}#{choice}".encode())
         req = _Req(
             rid=rid,
@@ -1415,7 +1446,7 @@ class SimServer:
         too_long = self._context_refusal(prompt)
         if too_long is not None:
             return too_long
-        default_cache = api == "llamacpp"
+        default_cache = api == "llamacpp" or self.prefix_cache
         if self.n_ctx is not None:
             n_prompt = count_prompt_tokens(prompt)
             # vLLM 0.32 (measured) refuses a prompt that alone exceeds its context (tokenized to one past it, "at
@@ -1513,7 +1544,10 @@ class SimServer:
 
     def _usage(self, req: _Req) -> dict:
         n = self._reported(req.generated)
-        return {"prompt_tokens": req.prompt_tokens, "completion_tokens": n, "total_tokens": req.prompt_tokens + n}
+        u = {"prompt_tokens": req.prompt_tokens, "completion_tokens": n, "total_tokens": req.prompt_tokens + n}
+        if self.prompt_details and self.flavour != "llamacpp":
+            u["prompt_tokens_details"] = {"cached_tokens": req.cached}
+        return u
 
     def _sglang_native(self, req: _Req, text: str, ids: list, finished: bool) -> dict:
         """One answer (or stream event) of SGLang's /generate: the text and ids so far, and meta_info with the counts

@@ -146,6 +146,12 @@ class StreamSummary:
     # False: each prompt said once for its choices (vLLM and SGLang compute it once, the other choices hitting the
     # prefix cache), or no prompt said. The two agree for one choice.
     prompt_each_task: bool = False
+    # Of prompt_tokens, those the server said it found in its prefix cache (not computed again): llama.cpp's
+    # timings.cache_n, OpenAI-style usage.prompt_tokens_details.cached_tokens (vLLM with
+    # --enable-prompt-tokens-details, SGLang with --enable-cache-report), the Responses API's
+    # input_tokens_details.cached_tokens, Anthropic's cache_read_input_tokens, SGLang /generate's
+    # meta_info.cached_tokens (each prompt's first sequence's: the others of its n find it all cached). None: not said.
+    cached_tokens: int | None = None
 
     @property
     def running_counts(self) -> bool:
@@ -214,6 +220,9 @@ class _State:
     seq_tokens: dict = field(default_factory=dict)
     seq_reported: dict = field(default_factory=dict)
     seq_prompt: dict = field(default_factory=dict)
+    seq_cached: dict = field(default_factory=dict)  # its meta_info.cached_tokens (read where parsed whole: its last event)
+    usage_cached: dict = field(default_factory=dict)  # OpenAI-style: prompt_tokens_details.cached_tokens per usage key
+    typed_cached: int | None = None  # Anthropic's cache_read_input_tokens, the Responses API's cached_tokens
     ids_incremental: bool = False  # its output_ids are each event's new ones (--incremental-streaming-output)
 
 
@@ -723,6 +732,10 @@ class StreamParser:
         idx = idx if type(idx) is int and 0 <= idx <= MAX_COUNT else 0
         c = self._count(mi, "completion_tokens")
         p = self._count(mi, "prompt_tokens")
+        if "cached_tokens" in mi:
+            k = self._count(mi, "cached_tokens")
+            if k is not None:
+                self._s.seq_cached[idx] = k
         ids = obj.get("output_ids")
         fr = mi.get("finish_reason")
         if isinstance(obj.get("model"), str):
@@ -862,6 +875,10 @@ class StreamParser:
         p = self._anthropic_prompt(usage) if self.api == "anthropic-messages" else self._count(usage, in_key)
         if p is not None:
             self._s.usage_prompt = p
+        if self.api != "anthropic-messages" and isinstance(usage.get("input_tokens_details"), dict):
+            c = self._count(usage["input_tokens_details"], "cached_tokens")
+            if c is not None:
+                self._s.typed_cached = c
 
     def _anthropic_prompt(self, usage) -> int | None:
         """The whole prompt's length from an Anthropic usage: `input_tokens` is only the part not read from (or
@@ -875,6 +892,8 @@ class StreamParser:
         for k in ("cache_read_input_tokens", "cache_creation_input_tokens"):
             c = self._count(usage, k)
             p += c or 0
+            if k == "cache_read_input_tokens" and c is not None:
+                self._s.typed_cached = c  # read from the cache: not computed (the creation part was)
         return p
 
     def _openai(self, obj: dict, out: list[TokenEvent]) -> None:
@@ -901,6 +920,11 @@ class StreamParser:
             if usage_obj:
                 usage_total = self._count(usage, "completion_tokens")
                 p = self._count(usage, "prompt_tokens")
+                details = usage.get("prompt_tokens_details")
+                if isinstance(details, dict):  # a null one (vLLM without --enable-prompt-tokens-details) says nothing
+                    cached = self._count(details, "cached_tokens")
+                    if cached is not None:
+                        s.usage_cached["final" if not (task or one) else key] = cached
                 if task:
                     s.task_usage[key] = (usage_total, p)  # llama.cpp: this task's, sent once at its end
                 elif one:
@@ -1078,7 +1102,41 @@ class StreamParser:
             server_error=s.server_error,
             first_choice_of=s.first_choice_of,
             prompt_each_task=self.prompt_each_task,
+            cached_tokens=self._cached_tokens(prompt),
         )
+
+    def _cached_tokens(self, prompt: int | None) -> int | None:
+        """Of the prompt figure, the tokens the server said it found cached, from where that figure came; None where
+        it did not say (or said it for part of the figure only)."""
+        s = self._s
+        if prompt is None:
+            return None
+        if s.usage_prompt is None:  # the prompt from llama.cpp's timings: prompt_n + cache_n
+            c = s.timings.get("cache_n")
+        elif self._sglang_api:
+            if not s.seq_prompt or set(s.seq_cached) != set(s.seq_prompt):
+                return None
+            groups: dict = {}
+            for i, v in s.seq_cached.items():  # a prompt's n sequences: computed once, by the one that missed most
+                groups[i // self._choices] = min(groups.get(i // self._choices, v), v)
+            c = sum(groups.values())
+        elif s.typed_cached is not None:
+            c = s.typed_cached
+        elif s.scaled_tasks:
+            c = None  # a whole llama.cpp answer's first task's usage scaled to its choices: its cached part is not
+        elif s.final_usage is not None:
+            c = s.usage_cached.get("final")
+        elif s.task_usage:
+            got = [s.usage_cached.get(k) for k in s.task_usage]
+            c = None if None in got else sum(got)
+        elif s.choice_usage:
+            got = [s.usage_cached[k] for k in s.choice_usage if k in s.usage_cached]
+            c = min(got) if got else None
+        else:
+            c = None
+        if c is None and s.usage_prompt is not None and "cache_n" in s.timings and s.usage_prompt == s.prompt_tokens:
+            c = s.timings["cache_n"]  # llama.cpp's chat: usage without details, its timings beside it say the same prompt
+        return min(c, prompt) if c is not None else None
 
 
 def _sum_known(values) -> int | None:

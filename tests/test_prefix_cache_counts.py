@@ -1,0 +1,83 @@
+"""The prompt tokens a server found in its prefix cache, read from each dialect's counts: the daemon costs only the
+computed part of a prompt as prefill (docs/daemon.md, "Prompts are known"); a server that does not say leaves it None."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from powerprof.daemon.streams import body_counts, new_parser, summary_counts
+
+
+def _sse(*objs, done=True) -> bytes:
+    out = b"".join(b"data: " + json.dumps(o).encode() + b"\n\n" for o in objs)
+    return out + (b"data: [DONE]\n\n" if done else b"")
+
+
+def _stream(api: str, body: bytes):
+    p = new_parser(api)
+    p.count(body)
+    return summary_counts(p.finish())
+
+
+def _chunk(text, fr=None):
+    return {"choices": [{"index": 0, "delta": {"content": text} if text else {}, "finish_reason": fr}]}
+
+
+def test_openai_usage_prompt_tokens_details_cached_tokens():
+    # vLLM with --enable-prompt-tokens-details, SGLang with --enable-cache-report.
+    c = _stream("openai-chat", _sse(_chunk("a"), _chunk("b", "length"),
+                                    {"choices": [], "usage": {"prompt_tokens": 2000, "completion_tokens": 2,
+                                                              "prompt_tokens_details": {"cached_tokens": 1900}}}))
+    assert (c.prompt_tokens, c.cached_tokens, c.generated_tokens) == (2000, 1900, 2)
+
+
+def test_openai_usage_without_details_says_nothing_cached():
+    # vLLM without the flag sends prompt_tokens_details: null: not "0 cached", unknown.
+    for usage in ({"prompt_tokens": 2000, "completion_tokens": 2, "prompt_tokens_details": None},
+                  {"prompt_tokens": 2000, "completion_tokens": 2}):
+        c = _stream("openai-chat", _sse(_chunk("a"), _chunk("b", "length"), {"choices": [], "usage": usage}))
+        assert c.prompt_tokens == 2000 and c.cached_tokens is None
+
+
+@pytest.mark.parametrize("api", ["llamacpp", "openai-chat"])
+def test_llamacpp_timings_cache_n(api):
+    # prompt_n is only the part computed; the prompt figure is prompt_n + cache_n, cache_n of it cached.
+    t = {"prompt_n": 100, "cache_n": 1900, "predicted_n": 2, "prompt_ms": 10.0, "predicted_ms": 20.0}
+    if api == "llamacpp":
+        body = _sse({"content": "a", "stop": False}, {"content": "b", "stop": False},
+                    {"content": "", "stop": True, "stop_type": "limit", "timings": t}, done=False)
+    else:  # llama-server's chat: usage (no details) and timings on its last chunk
+        body = _sse(_chunk("a"), _chunk("b", "length"),
+                    {"choices": [], "usage": {"prompt_tokens": 2000, "completion_tokens": 2}, "timings": t})
+    c = _stream(api, body)
+    assert (c.prompt_tokens, c.cached_tokens) == (2000, 1900)
+
+
+def test_anthropic_cache_read_input_tokens():
+    # llama-server's Messages: input_tokens is the uncached part; the cache's read part was not computed.
+    body = (b"event: message_start\ndata: " + json.dumps({"type": "message_start", "message": {
+        "model": "m", "usage": {"input_tokens": 100, "cache_read_input_tokens": 1900, "output_tokens": 0}}}).encode()
+        + b"\n\nevent: content_block_delta\ndata: " + json.dumps({"type": "content_block_delta", "index": 0, "delta": {
+            "type": "text_delta", "text": "a"}}).encode()
+        + b"\n\nevent: message_delta\ndata: " + json.dumps({"type": "message_delta", "delta": {"stop_reason": "max_tokens"},
+                                                            "usage": {"output_tokens": 1}}).encode()
+        + b"\n\nevent: message_stop\ndata: {\"type\": \"message_stop\"}\n\n")
+    c = _stream("anthropic-messages", body)
+    assert (c.prompt_tokens, c.cached_tokens) == (2000, 1900)
+
+
+def test_responses_input_tokens_details():
+    body = json.dumps({"object": "response", "status": "completed", "output": [
+        {"type": "message", "content": [{"type": "output_text", "text": "a"}]}],
+        "usage": {"input_tokens": 2000, "input_tokens_details": {"cached_tokens": 1900}, "output_tokens": 1}}).encode()
+    c = body_counts("openai-responses", body)
+    assert (c.prompt_tokens, c.cached_tokens) == (2000, 1900)
+
+
+def test_sglang_generate_meta_info_cached_tokens():
+    mi = {"prompt_tokens": 2000, "completion_tokens": 1, "cached_tokens": 1900,
+          "finish_reason": {"type": "length", "length": 1}}
+    c = body_counts("sglang-generate", json.dumps({"text": "a", "output_ids": [5], "meta_info": mi}).encode())
+    assert (c.prompt_tokens, c.cached_tokens) == (2000, 1900)
