@@ -489,10 +489,24 @@ class Ledger:
         if self.server_seen:  # the scrape windows' proxied tokens move with them
             self._proxied.extend((t, -k) for t, k in zip(r.ev_t, r.ev_n))
             self._proxied.extend((t, n / SPREAD_EVENTS) for t in ts)
-        r.ev_t, r.ev_n = ts, [n / SPREAD_EVENTS] * SPREAD_EVENTS
+        r.ev_t, r.ev_n = self._open_only(r, ts, [n / SPREAD_EVENTS] * SPREAD_EVENTS)
         r.placed_from_ns = start
         r.burst_s = (t1 - tr.arrival_ns) / 1e9
         self._burst_said(r, n)
+
+    def _open_only(self, r: _Req, ts: list[int], ns: list[float]) -> tuple[list[int], list[float]]:
+        """Of an end's re-placing of `r`'s tokens (`_spread_burst`, `_first_burst`), the events in open intervals; those
+        before the first (put back to a restart's cut, `_at_server_pace`, after the intervals there closed) are late, as
+        `_place` makes them: counted on its row, in no interval's energy. Kept in its events, they were spent with the
+        next close outside every interval: in no energy, not late, its row silent (40 of 40 tokens, the ledger's test)."""
+        floor = self.edges[0].t_ns if self.edges else None
+        if floor is None or not ts or ts[0] >= floor:
+            return ts, ns
+        j = int(np.searchsorted(ts, floor))
+        gone = float(sum(ns[:j]))
+        r.late += gone
+        self.late_tokens += gone
+        return ts[j:], ns[j:]
 
     def _decode_start(self, r: _Req, t1: int) -> int:
         """Where a held-back stream's decode began: from the server's decode time where its timings say it (they end
@@ -526,7 +540,7 @@ class Ledger:
                 if self.server_seen:
                     self._proxied.extend((t, -x) for t, x in zip(r.ev_t[:m], r.ev_n[:m]))
                     self._proxied.extend((t, n1 / k) for t in ts)
-                r.ev_t[:m], r.ev_n[:m] = ts, [n1 / k] * k
+                r.ev_t[:m], r.ev_n[:m] = self._open_only(r, ts, [n1 / k] * k)
                 r.placed_from_ns = start
         self._burst_said(r, r.spent + float(sum(r.ev_n)))
 
