@@ -16,11 +16,12 @@ from test_daemon_bypass_partial import S, _R, _read_pieces_due, _Sink
 
 
 def _streams(rate: float, phase_s: float, delay_s: float = 0.003, seqs: int = 1, record_s: float = 0.02,
-             streams=((1.0, 4.0), (8.0, 11.0)), bypass=()):
+             streams=((1.0, 4.0), (8.0, 11.0)), bypass=(), measured_s: float | None = None):
     """A ledger fed proxied streams of `rate` steps/s (`seqs` tokens a step: one per sequence) over `streams` ((start s,
     end s) each), shipped by a proxy worker in `record_s` records, each stamped `delay_s` after its last token (the
     worker's record, plus any delay of its own: a loaded host's event loop), scrapes every 0.1 s offset by `phase_s`,
-    0.25 s GPU samples. `bypass`: the instants of tokens sent straight to the server. Returns (interval rows sorted by
+    0.25 s GPU samples. `bypass`: the instants of tokens sent straight to the server. `measured_s`: the lateness of the
+    proxy's event loop the daemon measures, at every sample (None: not measured). Returns (interval rows sorted by
     start, the truth: every bypass token's instant)."""
     sink = _Sink()
     led = Ledger("d", 0, 1, sink, grace_s=0.3)
@@ -50,6 +51,8 @@ def _streams(rate: float, phase_s: float, delay_s: float = 0.003, seqs: int = 1,
                 led.on_end(tr)
         if k % 50 == 0:
             led.add_gpu_sample(int(t * S), int(t * S), [_R(100.0 * t)])
+            if measured_s is not None:
+                led.note_proxy_delay(int(t * S), measured_s)
         if (k - round(phase_s / 0.005)) % 20 == 0 and t >= 0.5:
             count = float((gen <= t).sum())
             led.add_server_tokens(int(t * S), 0.0 if prev_t is None else count - prev_total,
@@ -64,18 +67,22 @@ def _said(rows) -> list:
     return [(r["t_start_mono_s"], r["server_tokens"], r["server_count"]) for r in rows if r["server_tokens"]]
 
 
+@pytest.mark.parametrize("measured", [False, True])
 @pytest.mark.parametrize("delay_s", [0.03, 0.05, 0.1])
-def test_a_proxy_delay_of_its_own_reads_as_bypass_tokens_only_in_rows_that_say_so(delay_s):
+def test_a_proxy_delay_of_its_own_reads_as_bypass_tokens_only_in_rows_that_say_so(delay_s, measured):
     """The proxy reads each record `delay_s` after the server counted its tokens (a loaded host's event loop; the
     records' own 20 ms are placed over the time since the previous one, not this): the server's count stays that
     delay's tokens ahead of the proxy's for as long as a stream runs, never drains within LAG_S, and the stream's first
     windows read it as bypass tokens that never ran. Before, in rows saying `complete` (300 tokens/s, two streams: 18,
-    30 and 60 of 0 for delays of 30, 50 and 100 ms, whatever the scrapes' phase). Now those rows say `proxy_lag`."""
+    30 and 60 of 0 for delays of 30, 50 and 100 ms, whatever the scrapes' phase). Now those rows say `proxy_lag`, the
+    delay measured on the proxy's loop or not (then up to LAG_S)."""
     for phase_s in (0.0, 0.035, 0.07):
-        rows, _ = _streams(300, phase_s, delay_s=delay_s)
-        for r in rows:
-            if (r["server_tokens"] or 0) > 1e-6:  # no bypass traffic ran: every such token is the proxy's lag
-                assert "proxy_lag" in r["server_count"], (delay_s, phase_s, _said(rows))
+        rows, _ = _streams(300, phase_s, delay_s=delay_s, measured_s=delay_s if measured else None)
+        # No bypass traffic ran: every such token is the proxy's lag. A token a stream at most in rows that say
+        # `complete`: what a record's own delay moves whatever the placing (LAG_TOKENS).
+        assert sum(r["server_tokens"] or 0 for r in rows if r["server_count"] == "complete") <= 2 + 1e-6, (
+            delay_s, phase_s, _said(rows))
+        assert any("proxy_lag" in r["server_count"] for r in rows if r["server_tokens"]), _said(rows)
         # Both streams' starts, each time: the level of the lag is not held past CREDIT_S between them.
         assert sum(r["server_tokens"] or 0 for r in rows) <= 2 * delay_s * 300 + 2 + 1e-6, _said(rows)
 
@@ -87,9 +94,8 @@ def test_a_piece_of_one_step_a_sequence_reads_as_bypass_only_in_rows_that_say_so
     Now that row says `proxy_lag`; out of that phase, nothing is read."""
     for phase_s in np.arange(0.0, 0.1, 0.01):
         rows, _ = _streams(30, float(phase_s), seqs=16, streams=((1.0, 4.0),))
-        for r in rows:
-            if (r["server_tokens"] or 0) > 1e-6:
-                assert "proxy_lag" in r["server_count"], (phase_s, _said(rows))
+        assert sum(r["server_tokens"] or 0 for r in rows if r["server_count"] == "complete") <= 1 + 1e-6, (
+            phase_s, _said(rows))
         assert sum(r["server_tokens"] or 0 for r in rows) <= 16 + 1e-6
 
 
@@ -170,3 +176,20 @@ def test_an_ends_re_placing_past_a_restarts_cut_into_closed_intervals_is_late_an
     assert row["attributed_tokens"] + late == pytest.approx(40.0 + rest), (row["attributed_tokens"], late)
     if late:
         assert f"{late:g} token(s) arrived after their interval had closed" in (row["error"] or ""), row["error"]
+
+
+@pytest.mark.parametrize("with_stream", [False, True])
+def test_bypass_traffic_beginning_with_a_proxied_stream_on_a_proxy_on_time_is_complete(with_stream):
+    """Bypass traffic that begins and ends as proxied streams do (bursty traffic, some of it straight to the server)
+    reads as a proxy lag would: without a measure of the proxy's delay its windows say `proxy_lag`, as nothing tells
+    them apart. With the proxy's loop measured on time (3 ms: a record's own delay, placed back) they are `complete`,
+    and counted."""
+    bypass = np.concatenate([1.0 + np.arange(60) / 20.0, 8.0 + np.arange(60) / 20.0]) if with_stream else ()
+    for phase_s in (0.0, 0.035, 0.07):
+        rows, truth = _streams(300, phase_s, bypass=bypass, measured_s=0.003)
+        assert {r["server_count"] for r in rows} - {"unscraped", "unread"} == {"complete"}, (phase_s, _said(rows))
+        got = sum(r["server_tokens"] or 0 for r in rows)
+        assert len(truth) - 2 - 1e-6 <= got <= len(truth) + 2 + 1e-6, (phase_s, got, _said(rows))
+    if with_stream:
+        rows, _ = _streams(300, 0.0, bypass=bypass)  # not measured: up to LAG_S
+        assert any("proxy_lag" in r["server_count"] for r in rows), _said(rows)
