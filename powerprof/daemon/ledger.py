@@ -1751,6 +1751,11 @@ def _bypass_low_note(r: _Req) -> str | None:
     if not (r.gpu_j > 0 and not r.gpu_missing and r.bypass_low_j > 0):
         return None
     why = sorted(r.bypass_low_why) or ["unknown"]
+    if PROXY_LAG in why:  # the one reason whose count may be high as well
+        return (f"{BYPASS_LOW_FLAG}: {100 * r.bypass_low_j / r.gpu_j:.0f}% of its GPU energy is from intervals whose "
+                f"server token count may be low or high ({', '.join(why)}: their server_count): bypass traffic there "
+                f"may be missing from unproxied, or the proxy's own lag taken for it, so this request's energy may hold "
+                f"bypass traffic's or have lost its own; fix: {bypass_count_fix(','.join(why))}")
     return (f"{BYPASS_LOW_FLAG}: {100 * r.bypass_low_j / r.gpu_j:.0f}% of its GPU energy is from intervals whose "
             f"server token count may be low ({', '.join(why)}: their server_count): bypass traffic there is not in "
             f"unproxied, and its energy may be in this request's; fix: {bypass_count_fix(','.join(why))}")
