@@ -209,3 +209,32 @@ def test_a_request_given_energy_of_a_proxy_lag_row_says_its_share_may_be_off_eit
     notes = [r["energy_note"] or "" for r in kept[0].rows["requests"]]
     said = [n for n in notes if "proxy_lag" in n]
     assert said and all("may be low or high" in n and "CPU to spare" in n for n in said), notes
+
+
+def test_proxy_workers_heartbeats_give_the_ledger_how_late_their_loops_ran():
+    """With proxy.workers > 1 the proxy's loops are the workers': each heartbeat carries how late its timer woke, and
+    the daemon gives the ledger the most of its workers' latest (a silent one at least its silence past its beat)."""
+    import time
+
+    from powerprof.daemon.workers import _STATS, BEAT_S, LATE, ProxyWorkers, Unframer, frame
+
+    class Rec:
+        def __init__(self):
+            self.delays = []
+
+        def note_proxy_delay(self, t_ns, delay_s):
+            self.delays.append(delay_s)
+
+    rec = Rec()
+    workers = ProxyWorkers(2, "http://unused", "127.0.0.1", 0, recorder=rec, proxy_kwargs={}, header_timeout_s=10,
+                           idle_timeout_s=10)
+    for w in workers.workers:
+        w.proc, w.heard_s = object(), time.monotonic()  # both running, just heard
+    stats = [0] * len(_STATS)
+    stats[LATE] = 50_000  # 50 ms late
+    (msg,) = Unframer().feed(frame(("beat", 9, [], tuple(stats))))
+    workers._replay(workers.workers[0], msg)
+    assert rec.delays == [pytest.approx(0.05)]
+    workers.workers[1].heard_s = time.monotonic() - 2.0  # silent 2 s: stopped, its last beat said nothing
+    workers._replay(workers.workers[0], msg)
+    assert rec.delays[-1] >= 2.0 - BEAT_S
