@@ -262,7 +262,7 @@ DAEMON_REQUESTS_COLUMNS = [
 # A daemon interval row's `server_count`: the server's counter covered it with no known loss (complete); it was not
 # read over it, the scraper having no answer yet (unread: its bypass traffic unknown); the daemon scrapes no server
 # (off: bypass not measured); else why the count may be low, comma-separated (late_baseline, server_restart,
-# slots_only, unscraped, misplaced), or high (proxy_lag). Null (files written before the column): unknown, never complete. A request given energy of
+# slots_only, unscraped, misplaced), or may be low or high (proxy_lag). Null (files written before the column): unknown, never complete. A request given energy of
 # an interval whose count may be low (or unread) says BYPASS_LOW_FLAG in its energy_note; `analyze` leaves it out of
 # J/token (docs/data.md, daemon_intervals).
 SERVER_COUNT_COMPLETE, SERVER_COUNT_UNREAD, SERVER_COUNT_OFF = "complete", "unread", "off"
