@@ -96,6 +96,10 @@ def _run(restart_at_s: float | None, late_first_read_s: float | None = None, unt
             cur.last_ns = int(ts * S)
             cur.tokens_seen += PER_STEP
             led.on_tokens(cur, int(ts * S), PER_STEP)
+        if stall is None or not (stall[0] <= t < stall[1]):
+            # How late the proxy's loop ran, as the daemon measures it: on time, but for a stall (nothing measured in
+            # it, then its length at once).
+            led.note_proxy_delay(int(t * S), t - stall[0] if stall is not None and stall[1] <= t < stall[1] + 0.25 else 0.0)
         for name, t0, t1 in tags:
             if t == t0:
                 led.open_tag(name, int(t * S), int(t * S))
@@ -918,7 +922,8 @@ def test_a_tag_window_whose_count_may_be_low_reads_like_an_exact_one_so_it_is_le
 
 def _steady_stream(rate: float, phase_s: float, bypass_at_s: float | None = None, bypass_n: int = 0):
     """A ledger fed one proxied stream of `rate` tokens/s from 1 s to 6 s, shipped by a proxy worker in 20 ms records
-    (each stamped 3 ms after its last token), scrapes every 0.1 s offset by `phase_s`, 0.25 s GPU samples, no restart.
+    (each stamped 3 ms after its last token), scrapes every 0.1 s offset by `phase_s`, 0.25 s GPU samples, no restart;
+    the proxy's delay measured at 3 ms (ledger.PROXY_LAG: unmeasured, a record's lag draining reads as a proxy's).
     `bypass_n` tokens straight to the server at 400/s from `bypass_at_s`. Returns the interval rows."""
     sink = _Sink()
     led = Ledger("d", 0, 1, sink, grace_s=0.3)
@@ -939,6 +944,7 @@ def _steady_stream(rate: float, phase_s: float, bypass_at_s: float | None = None
             led.on_end(tr)
         if k % 50 == 0:
             led.add_gpu_sample(int(t * S), int(t * S), [_R(100.0 * t)])
+            led.note_proxy_delay(int(t * S), 0.003)  # the proxy's loop on time, as the daemon measures it
         if (k - round(phase_s / 0.005)) % 20 == 0 and t >= 0.5:
             count = float((gen <= t).sum() + (bypass <= t).sum())
             led.add_server_tokens(int(t * S), 0.0 if prev_t is None else count - prev_total,

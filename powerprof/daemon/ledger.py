@@ -28,7 +28,7 @@ from powerprof.profiler import (BEFORE_FIRST_READ_FLAG, METHOD_AVG_POWER, METHOD
                                 NO_COUNTER_SHORT_BUSY_SHARE_INSTANT, NO_COUNTER_SHORT_FIX, NO_COUNTER_SHORT_FLAG,
                                 weakest_method)
 from powerprof.storage.schema import (BYPASS_LOW_FLAG, SERVER_COUNT_COMPLETE, SERVER_COUNT_MISPLACED, SERVER_COUNT_OFF,
-                                      SERVER_COUNT_UNREAD, bypass_count_fix, bypass_count_low)
+                                      SERVER_COUNT_PROXY_LAG, SERVER_COUNT_UNREAD, bypass_count_fix, bypass_count_low)
 
 from powerprof.arrival import SAME_DELIVERY_NS
 
@@ -70,9 +70,12 @@ FIRST_BURST_TOKENS = 8
 PLACED_EPS = 1e-3
 # A stream's piece of several steps is placed as at most this many events over the time since its previous piece.
 PIECE_STEPS = 8
+# A scrape window whose bypass tokens or level move more than this where the proxy's token rate rose or fell may hold
+# the proxy's own lag (`PROXY_LAG`): a token, what a record's own delay moves whatever the placing.
+LAG_TOKENS = 1.0
 # What an interval row's `server_count` and a request's energy_note say (storage/schema.py states them).
 COUNT_COMPLETE, UNREAD, COUNT_OFF = SERVER_COUNT_COMPLETE, SERVER_COUNT_UNREAD, SERVER_COUNT_OFF
-MISPLACED = SERVER_COUNT_MISPLACED
+MISPLACED, PROXY_LAG = SERVER_COUNT_MISPLACED, SERVER_COUNT_PROXY_LAG
 FINISH_HOLD_S = 30.0  # an at-finish server's requests' durations of this long ago set how long intervals are held
 # What a row whose stream reached the proxy in one burst says to do about it (`_spread_burst`).
 BURST_FIX = ("fix: point proxy.upstream at the server itself, or turn off the buffering of what stands between them "
@@ -288,8 +291,13 @@ class Ledger:
         self.server_before = UNREAD  # what the intervals wholly before it say in server_count (add_server_tokens)
         self.scraping = False  # the daemon scrapes the server's counters (set by it): no count yet is `unread`, not `off`
         self._gap = 0.0  # server minus proxied tokens, cumulative, to the end of the last resolved window
-        self._levels: deque = deque()  # (window end, bypass level) of recent windows
+        # (window end, bypass level, the most lag a delay of the proxy's own can hold there) of recent windows
+        self._levels: deque = deque()
         self._level = 0.0  # the latest window's level
+        self._ahead = 0.0  # and that lag
+        # (t_ns, s) how late the proxy's event loop ran, as the daemon measures it (`note_proxy_delay`): the most a
+        # delay of the proxy's own can move its tokens (`PROXY_LAG`). None measured: up to LAG_S, as nothing says less.
+        self._delays: deque = deque(maxlen=4096)
         self.late_tokens = 0.0  # token events stamped before an interval already closed (not attributed)
         self.burst_requests = 0  # streams that reached the proxy in one burst (`_spread_burst`)
         self.misplaced_windows = 0  # scrape windows whose placed proxied tokens came out below none (`_placed_in`)
@@ -505,10 +513,24 @@ class Ledger:
         if self.server_seen:  # the scrape windows' proxied tokens move with them
             self._proxied.extend((t, -k) for t, k in zip(r.ev_t, r.ev_n))
             self._proxied.extend((t, n / SPREAD_EVENTS) for t in ts)
-        r.ev_t, r.ev_n = ts, [n / SPREAD_EVENTS] * SPREAD_EVENTS
+        r.ev_t, r.ev_n = self._open_only(r, ts, [n / SPREAD_EVENTS] * SPREAD_EVENTS)
         r.placed_from_ns = start
         r.burst_s = (t1 - tr.arrival_ns) / 1e9
         self._burst_said(r, n)
+
+    def _open_only(self, r: _Req, ts: list[int], ns: list[float]) -> tuple[list[int], list[float]]:
+        """Of an end's re-placing of `r`'s tokens (`_spread_burst`, `_first_burst`), the events in open intervals; those
+        before the first (put back to a restart's cut, `_at_server_pace`, after the intervals there closed) are late, as
+        `_place` makes them: counted on its row, in no interval's energy. Kept in its events, they were spent with the
+        next close outside every interval: in no energy, not late, its row silent (40 of 40 tokens, the ledger's test)."""
+        floor = self.edges[0].t_ns if self.edges else None
+        if floor is None or not ts or ts[0] >= floor:
+            return ts, ns
+        j = int(np.searchsorted(ts, floor))
+        gone = float(sum(ns[:j]))
+        r.late += gone
+        self.late_tokens += gone
+        return ts[j:], ns[j:]
 
     def _decode_start(self, r: _Req, t1: int) -> int:
         """Where a held-back stream's decode began: from the server's decode time where its timings say it (they end
@@ -542,7 +564,7 @@ class Ledger:
                 if self.server_seen:
                     self._proxied.extend((t, -x) for t, x in zip(r.ev_t[:m], r.ev_n[:m]))
                     self._proxied.extend((t, n1 / k) for t in ts)
-                r.ev_t[:m], r.ev_n[:m] = ts, [n1 / k] * k
+                r.ev_t[:m], r.ev_n[:m] = self._open_only(r, ts, [n1 / k] * k)
                 r.placed_from_ns = start
         self._burst_said(r, r.spent + float(sum(r.ev_n)))
 
@@ -808,6 +830,20 @@ class Ledger:
                                   "server_restart" in partial])
         if "server_restart" in partial:
             self._restarts.append((int(t0), int(t_ns)))
+
+    def note_proxy_delay(self, t_ns: int, delay_s: float) -> None:
+        """How late the proxy's event loop ran at `t_ns` (a timer's lateness there): it reads the server's tokens no
+        later than that. The daemon measures it on the loop that runs the proxy (service's tick loop, a worker's beat)."""
+        self._delays.append((int(t_ns), max(0.0, float(delay_s))))
+
+    def _held_delays_s(self, t0: np.ndarray, t1: np.ndarray) -> list[float | None]:
+        """The proxy's own delay held over all of each [t0, t1] (the least measured there): a lag that drained at any
+        moment of a window's lookahead is not in its level. None where nothing was measured there (no measure at all, or
+        a loop too late to measure: a stall): up to LAG_S, as nothing says less."""
+        dt = np.fromiter((t for t, _ in self._delays), dtype=np.int64, count=len(self._delays))
+        dx = np.fromiter((x for _, x in self._delays), dtype=float, count=len(self._delays))
+        a, b = np.searchsorted(dt, t0, side="left"), np.searchsorted(dt, t1, side="right")
+        return [min(float(dx[i:j].min()), LAG_S) if j > i else None for i, j in zip(a, b)]
 
     def _list_placed(self) -> None:
         """At the first read of the server: every request's token events placed so far into `_proxied`, and each
@@ -1266,6 +1302,16 @@ class Ledger:
         # the restart's window starts the levels afresh: held against the levels before it, the fall hid as many
         # bypass tokens for CREDIT_S after it (35 of 50 counted, tests/test_daemon_bypass_partial.py).
         restart = np.array([sp[6] for sp in todo], dtype=bool)
+        # The most lag a delay of the proxy's own can hold at each window's end (`PROXY_LAG`, below): the proxy's tokens
+        # over that delay after it, the delay measured on its loop over the window's lookahead (LAG_S where none was).
+        if self.server_at_finish:
+            ahead_n, measured = np.zeros(len(todo)), np.ones(len(todo), dtype=bool)
+        else:
+            delays = self._held_delays_s(ends, ends + lag_ns)
+            measured = np.array([d is not None for d in delays])
+            held = np.array([LAG_S if d is None else d for d in delays])
+            ahead_n = (cum[np.searchsorted(pt, ends + (held * 1e9).astype(np.int64), side="right")]
+                       - cum[np.searchsorted(pt, ends, side="right")])
         next_restart, nxt = np.empty(len(todo), dtype=np.int64), len(todo)  # the first restart after each window
         for k in range(len(todo) - 1, -1, -1):
             next_restart[k] = nxt
@@ -1280,7 +1326,8 @@ class Ledger:
             if not forced and pending_ns is not None and sp[1] > pending_ns:
                 break
             ahead = slice(k, next_restart[k])
-            level = float(gaps[ahead][ends[ahead] <= sp[1] + lag_ns].min())
+            low = k + int(np.argmin(gaps[ahead][ends[ahead] <= sp[1] + lag_ns]))  # the window its level is taken at
+            level = float(gaps[low])
             nr = int(next_restart[k])
             if nr < len(todo):
                 # A restart after it is known. The proxy's tokens after the last scrape before it are its lag
@@ -1314,6 +1361,7 @@ class Ledger:
             ref = max([x[1] for x in self._levels if x[0] >= sp[1] - credit_ns], default=self._level)
             if not forced and counting_ns is not None and sp[1] > counting_ns and level > ref:
                 break
+            ref_ahead = max([x[2] for x in self._levels if x[0] >= sp[1] - credit_ns], default=self._ahead)
             while self._levels and self._levels[0][0] < sp[1] - credit_ns:
                 self._levels.popleft()
             sp[3] = max(0.0, level - ref)
@@ -1322,12 +1370,38 @@ class Ledger:
                 # read): no bypass tokens are booked (low if any ran; the window says server_restart), and the levels
                 # after it start from it, where those tokens will stay.
                 sp[3] = 0.0
+            # How far the lag its level may hold (at the window it is taken at) rose, or fell, from what the levels of
+            # the last CREDIT_S held, a delay held so making a lag of its share of the proxy's rate; and the lag at its
+            # end that its lookahead took out. Not measured, that share is not the lag (LAG_S's is the next second's
+            # tokens, in the levels before a stream began too): taken from none, and fallen to none.
+            rose, drained = float(ahead_n[low]) - ref_ahead, float(gaps[k]) - level
+            if not measured[low]:
+                rose = float(ahead_n[low]) if sp[3] > LAG_TOKENS else -ref_ahead
+            if (min(sp[3], rose) > LAG_TOKENS or min(drained, -rose) > LAG_TOKENS) \
+                    and "server_restart" not in sp[5] and PROXY_LAG not in sp[5]:
+                # Its bypass count may be off by the proxy's own lag. The proxy sees a token a delay after the server
+                # counted it: a record's 20 ms are placed back over their span (on_tokens), but a delay of the proxy's
+                # own (a loaded host's event loop) is not, and holds the server that delay's tokens ahead as long as
+                # its streams run, past LAG_S. Where the proxy's rate rises beyond what it was at the levels of the last
+                # CREDIT_S (a stream begins), the level rises by that lag: bypass tokens that never ran (300 tokens/s
+                # 50 ms late: 15 a stream, rows `complete`; tests/test_daemon_bypass_lag.py). Where it falls (a stream
+                # ends), the lag drains within the lookahead of the windows of its last LAG_S: their levels, the gap
+                # after it, stay flat while bypass traffic runs, and as many bypass tokens are hidden (13 of 15 in the
+                # 0.75 s before the stream's end, rows `complete`). Bypass traffic that begins or ends there reads
+                # the same, and nothing tells them apart: the count is kept (right, if no lag) and the window says
+                # `proxy_lag`, where the delay the daemon measured on the proxy's loop over the whole lookahead (LAG_S
+                # where none was) times the change of the proxy's rate can make more than a token: a record's own
+                # delay (3 ms) moves that much whatever the placing (a token generated within it before a scrape).
+                # Bounded so, bursty traffic beside a proxy on time is not marked at every rise (LAG_S's bound marked
+                # 7 of 25 busy intervals of tests/test_daemon_tag_bypass.py's run, and left its tag out). Not where a
+                # restart lowered the count (server_restart): the server down, not the proxy, moved the rate there.
+                sp[5] = (*sp[5], PROXY_LAG)
             if restart[k]:
                 self._levels.clear()
             if sp[3] > 0 and sp[4] is not None:
                 self._spread_back(sp, pt, dur)
-            self._levels.append((sp[1], level))
-            self._level = level
+            self._levels.append((sp[1], level, float(ahead_n[low])))
+            self._level, self._ahead = level, float(ahead_n[low])
             self._gap = float(gaps[k])
 
     def _note_unsure(self, r: _Req, t1: int) -> None:
@@ -1822,6 +1896,11 @@ def _bypass_low_note(r: _Req) -> str | None:
     if not (r.gpu_j > 0 and not r.gpu_missing and r.bypass_low_j > 0):
         return None
     why = sorted(r.bypass_low_why) or ["unknown"]
+    if PROXY_LAG in why:  # the one reason whose count may be high as well
+        return (f"{BYPASS_LOW_FLAG}: {100 * r.bypass_low_j / r.gpu_j:.0f}% of its GPU energy is from intervals whose "
+                f"server token count may be low or high ({', '.join(why)}: their server_count): bypass traffic there "
+                f"may be missing from unproxied, or the proxy's own lag taken for it, so this request's energy may hold "
+                f"bypass traffic's or have lost its own; fix: {bypass_count_fix(','.join(why))}")
     return (f"{BYPASS_LOW_FLAG}: {100 * r.bypass_low_j / r.gpu_j:.0f}% of its GPU energy is from intervals whose "
             f"server token count may be low ({', '.join(why)}: their server_count): bypass traffic there is not in "
             f"unproxied, and its energy may be in this request's; fix: {bypass_count_fix(','.join(why))}")

@@ -359,6 +359,11 @@ class Daemon:
             self.inflight.end(trace.request_id, time.monotonic_ns())
             raise
 
+    def note_proxy_delay(self, t_ns: int, delay_s: float) -> None:
+        """How late the proxy's event loop ran (proxy workers' heartbeats; this loop's own ticks where it serves the
+        proxy itself): the bound on a delay of the proxy's own that the ledger's bypass count checks (ledger.PROXY_LAG)."""
+        self.ledger.note_proxy_delay(t_ns, delay_s)
+
     def on_end(self, trace: RequestTrace) -> None:
         self.inflight.end(trace.request_id, trace.end_ns if trace.end_ns is not None else time.monotonic_ns())
         if trace.extra.get("spread"):
@@ -634,10 +639,14 @@ class Daemon:
             if self.reload_requested:
                 self.reload_requested = False
                 self.reload()
+            asleep = time.monotonic()
             try:
                 await asyncio.wait_for(self.stop_event.wait(), period)
             except asyncio.TimeoutError:
-                pass
+                if isinstance(self.proxy, Proxy) and self.proxy.recorder is self:
+                    # This loop serves the proxy (proxy.workers = 1): how late it woke is how late the proxy could
+                    # read the server's tokens then (proxy workers send their own with their heartbeats).
+                    self.note_proxy_delay(time.monotonic_ns(), time.monotonic() - asleep - period)
 
     async def _scrape_baseline(self) -> None:
         """Read the server's counters once before saying ready: the count starts there. Taken by the scrape loop's

@@ -53,6 +53,7 @@ HELD_MAX_RECORDS = 200_000  # starts, first tokens and ends held for a daemon th
 FRAME_MAX_BYTES = 64 << 20
 HELLO_TIMEOUT_S = 60.0  # a loaded machine takes seconds to start Python and bind
 STOP_TIMEOUT_S = 10.0  # SIGTERM: a worker cuts its requests after 2 s (like the daemon) and sends their records
+LATE = 7  # the index of a worker's loop's lateness in its stats (ShippingRecorder._stats)
 BEAT_S = 0.25  # a worker's heartbeat: its live requests and its clock (the ledger's horizon waits for it)
 SILENT_S = 10.0  # a worker silent this long (stopped, wedged) is killed and restarted
 RESTART_BACKOFF_S = (1.0, 60.0)  # a worker that keeps dying is restarted after 1, 2, 4 … 60 s
@@ -133,6 +134,7 @@ class ShippingRecorder:
         self._handle: asyncio.Handle | None = None
         self._urgent = False
         self.sent_ns = time.monotonic_ns()  # every record stamped before this has gone out (or was marked)
+        self.late_us = 0  # how late this worker's loop woke for its latest heartbeat (the ledger's PROXY_LAG bound)
 
     def on_start(self, trace: RequestTrace) -> None:
         self.live[trace.request_id] = None
@@ -171,9 +173,9 @@ class ShippingRecorder:
         p = self.proxy
         bad = self.bad_requests.rejected if self.bad_requests is not None else 0
         if p is None:
-            return (0, 0, self.dropped, bad, 0, 0, 0)
+            return (0, 0, self.dropped, bad, 0, 0, 0, self.late_us)
         return (p.recorder_failures, p.upstream_failures, self.dropped, bad, p.body_timeouts["silent"], p.body_timeouts["slow"],
-                p.upstream_retries)
+                p.upstream_retries, self.late_us)
 
     def _writable(self) -> bool:
         tr = self.transport
@@ -294,8 +296,12 @@ async def _serve(spec: dict, sock: socket.socket) -> int:
     transport.write(frame(("hello", os.getpid())))
 
     async def beats():
+        loop = asyncio.get_running_loop()
         while True:
+            asleep = loop.time()
             await asyncio.sleep(BEAT_S)
+            # How late this loop woke: how late it could read the server's tokens then (a loaded host).
+            shipper.late_us = max(0, int((loop.time() - asleep - BEAT_S) * 1e6))
             shipper.beat()
 
     beating = asyncio.create_task(beats())
@@ -349,7 +355,7 @@ _END_REST = (_IN, _IN, _IN, _SN, _SN, _IN, _IN, _IN, _IN, _I, _I, _SN, _SN, _SN,
 _COUNTS = (_IN, _IN, _SN, _SN, _S, _FN, _BN, _SN, _SN, "bool", _SN, _SN, _SN, "bool", _IN, _I, _IN)  # streams.Counts, in its order
 # ShippingRecorder._stats: recorder and upstream failures, records dropped, malformed requests, body timeouts (silent,
 # slow), upstream retries
-_STATS = (_I, _I, _I, _I, _I, _I, _I)
+_STATS = (_I, _I, _I, _I, _I, _I, _I, _I)  # ShippingRecorder._stats: its counters, then its loop's lateness (µs)
 
 
 def _ok(v, kind: str) -> bool:
@@ -671,6 +677,13 @@ class ProxyWorkers:
             _beat, w.watermark_ns, live, stats = msg
             w.stats = tuple(stats)
             self._reconcile(w, set(live))
+            note = getattr(self.recorder, "note_proxy_delay", None)
+            if note is not None:
+                # The latest lateness of every worker's loop, the most of them (a token may reach any of them); one
+                # silent past its beat is at least that late (stopped on a loaded host: its last beat said nothing).
+                now = time.monotonic()
+                note(time.monotonic_ns(), max(max(x.stats[LATE] / 1e6, now - x.heard_s - BEAT_S)
+                                              for x in self.workers if x.proc is not None))
             return
         starts, firsts, toks, ends, stats, marks, watermark = msg
         w.stats = tuple(stats)

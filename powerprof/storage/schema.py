@@ -262,12 +262,15 @@ DAEMON_REQUESTS_COLUMNS = [
 # A daemon interval row's `server_count`: the server's counter covered it with no known loss (complete); it was not
 # read over it, the scraper having no answer yet (unread: its bypass traffic unknown); the daemon scrapes no server
 # (off: bypass not measured); else why the count may be low, comma-separated (late_baseline, server_restart,
-# slots_only, unscraped, misplaced). Null (files written before the column): unknown, never complete. A request given energy of
+# slots_only, unscraped, misplaced), or may be low or high (proxy_lag). Null (files written before the column): unknown, never complete. A request given energy of
 # an interval whose count may be low (or unread) says BYPASS_LOW_FLAG in its energy_note; `analyze` leaves it out of
 # J/token (docs/data.md, daemon_intervals).
 SERVER_COUNT_COMPLETE, SERVER_COUNT_UNREAD, SERVER_COUNT_OFF = "complete", "unread", "off"
 SERVER_COUNT_SLOTS_ONLY = "slots_only"  # a llama-server without --metrics: its /slots alone read
 SERVER_COUNT_MISPLACED = "misplaced"  # the daemon's placing of proxied tokens came out below none there: its bypass taken as 0
+# Bypass tokens booked where the proxy's token rate rose: they may be the proxy's own delay behind the server (a loaded
+# host), which does not drain while its streams run: the one reason whose count may be high, not low.
+SERVER_COUNT_PROXY_LAG = "proxy_lag"
 BYPASS_LOW_FLAG = "bypass-uncounted"
 # The `server_count` values whose energy is trusted in J/token. `slots_only` alone is every interval of a llama-server
 # started without --metrics (its default): leaving it out would leave every figure out for a loss only bypass traffic
@@ -303,6 +306,8 @@ BYPASS_COUNT_FIX = {
     SERVER_COUNT_OFF: "let the daemon scrape the server (scrape.server not none)",
     SERVER_COUNT_MISPLACED: "none for these rows (a fault of the daemon's placing of proxied tokens: report it with the "
                             "daemon's log)",
+    SERVER_COUNT_PROXY_LAG: "their count may be high, not low: the proxy's own delay behind the server (a loaded host) "
+                            "may read as bypass tokens where its streams begin; give the daemon's host CPU to spare",
 }
 # Whatever the reason, a count short of whole costs something only where requests bypass the proxy. Where none do, a
 # count that may be low (a restart) still leaves the rows out, as nothing in them can tell; the daemon told that no
