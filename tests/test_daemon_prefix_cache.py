@@ -69,7 +69,7 @@ def test_cached_prompts_a_server_does_not_say_are_flagged_with_the_fix(runs, run
     assert abs(s["conservation_err"]) <= 0.001
     # The server did not say: the column is null, never a 0 that reads as "nothing cached".
     assert rows["cached_prompt_tokens"].isna().all()
-    # The figures are off (the turns over-charged, measured +17..+25% in sum; the chats beside them under-charged) ...
+    # The figures are off (the turns over-charged, measured +15% in sum, the chats beside them -6%: docs/daemon.md) ...
     assert s["kinds_all"]["turn"]["sum_err"] > 0.05, s["kinds_all"]["turn"]
     # ... and said: every cached turn's row, with the reason and the fix; most chats beside them (live in windows of
     # unsaid hits); the intervals with prefill there; and counted for /metrics (powerprof_requests_cache_unsaid_total).
