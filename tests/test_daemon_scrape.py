@@ -195,6 +195,7 @@ def test_the_daemon_scrape_loop_follows_the_cadence(monkeypatch):
         kind = "sglang"  # a counter that moves at request end: the ledger is told so with every window
         finished = (1.0, 2.5)  # and the requests finished in it with their summed seconds (e2e latency histogram)
         window_partial = ()  # nothing makes its windows' counts low
+        cache_hits = None  # its prefix-cache counter not known (the ledger is told so with every window)
 
         async def scrape(self):
             calls.append(time.monotonic())
@@ -203,6 +204,7 @@ def test_the_daemon_scrape_loop_follows_the_cadence(monkeypatch):
     ledger = types.SimpleNamespace(requests={}, tags={}, closed_tags=[], spans=[])
     ledger.add_server_tokens = lambda t, d, since, at_finish, finished=None, partial=(): ledger.spans.append(
         (since, t, d, at_finish, finished))
+    ledger.add_cache_hits = lambda since, t, hits: None
     me = types.SimpleNamespace(cfg=_Cfg(interval_s=fast_s, idle_interval_s=idle_s), scraper=FakeScraper(),
                                ledger=ledger, stop_event=None, _scrape_since_ns=None)
 

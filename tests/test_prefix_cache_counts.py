@@ -81,3 +81,18 @@ def test_sglang_generate_meta_info_cached_tokens():
           "finish_reason": {"type": "length", "length": 1}}
     c = body_counts("sglang-generate", json.dumps({"text": "a", "output_ids": [5], "meta_info": mi}).encode())
     assert (c.prompt_tokens, c.cached_tokens) == (2000, 1900)
+
+
+def test_server_prefix_cache_counters_read_from_metrics():
+    # What the daemon checks the answers' cached counts against (docs/daemon.md, "Prefix-cache hits are no prefill").
+    from powerprof.workload.servercount import prefix_cache_reading
+
+    v1 = ('vllm:prefix_cache_queries_total{engine="0",model_name="m"} 5000.0\n'
+          'vllm:prefix_cache_hits_total{engine="0",model_name="m"} 3800.0\n')
+    assert prefix_cache_reading(v1, "vllm") == ("hits", 3800.0, 0.0)
+    v0 = "vllm:gpu_prefix_cache_hit_rate 0.25\nvllm:prompt_tokens_total 4000.0\n"
+    assert prefix_cache_reading(v0, "vllm") == ("rate", 0.25, 4000.0)
+    # SGLang sets its counter at the first hit: its own page without it has none yet; vLLM's without either: unknown.
+    assert prefix_cache_reading('sglang:generation_tokens_total{model_name="m"} 9.0\n', "sglang") == ("hits", 0.0, 0.0)
+    assert prefix_cache_reading("vllm:generation_tokens_total 9.0\n", "vllm") is None
+    assert prefix_cache_reading("", "llamacpp") is None

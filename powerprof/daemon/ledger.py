@@ -27,8 +27,9 @@ from powerprof.energy import epoch_broken, interp_at, trailing_average_interval_
 from powerprof.profiler import (BEFORE_FIRST_READ_FLAG, METHOD_AVG_POWER, METHOD_COUNTER, METHOD_NONE, METHOD_POWER, NO_COUNTER_SHORT_BUSY_SHARE,
                                 NO_COUNTER_SHORT_BUSY_SHARE_INSTANT, NO_COUNTER_SHORT_FIX, NO_COUNTER_SHORT_FLAG,
                                 weakest_method)
-from powerprof.storage.schema import (BYPASS_LOW_FLAG, SERVER_COUNT_COMPLETE, SERVER_COUNT_MISPLACED, SERVER_COUNT_OFF,
-                                      SERVER_COUNT_PROXY_LAG, SERVER_COUNT_UNREAD, bypass_count_fix, bypass_count_low)
+from powerprof.storage.schema import (BYPASS_LOW_FLAG, CACHE_UNSAID_FIX, CACHE_UNSAID_FLAG, SERVER_COUNT_COMPLETE,
+                                      SERVER_COUNT_MISPLACED, SERVER_COUNT_OFF, SERVER_COUNT_PROXY_LAG,
+                                      SERVER_COUNT_UNREAD, bypass_count_fix, bypass_count_low)
 
 from powerprof.arrival import SAME_DELIVERY_NS
 
@@ -76,6 +77,10 @@ LAG_TOKENS = 1.0
 # What an interval row's `server_count` and a request's energy_note say (storage/schema.py states them).
 COUNT_COMPLETE, UNREAD, COUNT_OFF = SERVER_COUNT_COMPLETE, SERVER_COUNT_UNREAD, SERVER_COUNT_OFF
 MISPLACED, PROXY_LAG = SERVER_COUNT_MISPLACED, SERVER_COUNT_PROXY_LAG
+# Prefix-cache hits the server counted beyond what its answers said (CACHE_UNSAID_FLAG): kept this long to meet the
+# requests that end after them; a request or an interval is flagged from this many unsaid tokens on.
+CACHE_KEEP_S = 300.0
+CACHE_UNSAID_MIN = 1.0
 FINISH_HOLD_S = 30.0  # an at-finish server's requests' durations of this long ago set how long intervals are held
 # What a row whose stream reached the proxy in one burst says to do about it (`_spread_burst`).
 BURST_FIX = ("fix: point proxy.upstream at the server itself, or turn off the buffering of what stands between them "
@@ -161,6 +166,13 @@ class _Req:
     held_s: float = 0.0
     first_burst_end_ns: int | None = None
     prev_ns: int | None = None  # its latest piece's stamp
+    # Prefix-cache hits the server counted over its hit span that no answer said, where its own said no cached count
+    # (CACHE_UNSAID_FLAG; set as its row is made).
+    cache_unsaid: float = 0.0
+    # Its GPU joules from intervals with prefill over which the server reused cached prompt tokens no answer said, and
+    # the most such tokens of one of them (CACHE_UNSAID_FLAG: its share beside a reused prompt costed whole).
+    cache_beside_j: float = 0.0
+    cache_beside: float = 0.0
     prev_held: bool = False  # that piece held more tokens than its sequences
     first_held: bool = False  # its first piece held more than FIRST_BURST_TOKENS a sequence
     closed_s: float = 0.0  # seconds of its run in intervals closed before its tokens came (not its energy)
@@ -206,6 +218,7 @@ class Totals:
     busy_host_requests_cpu_j: float = 0.0  # CPU energy given to requests in intervals where it was above BUSY_HOST_PCT
     no_counter_short_requests: int = 0  # request rows flagged NO_COUNTER_SHORT_FLAG since start
     cpu_unknown_requests: int = 0  # request rows without cpu_energy_j though RAPL is read (CPU_MISSING_NOTE) since start
+    cache_unsaid_requests: int = 0  # request rows flagged CACHE_UNSAID_FLAG since start
     # Intervals with tokens left out of j_per_token since start, and their tokens: {flag: (intervals, tokens)}
     # (NO_COUNTER_SHORT_FLAG, BYPASS_LOW_FLAG).
     jpt_left_out: dict = field(default_factory=dict)
@@ -266,6 +279,13 @@ class Ledger:
         self._other_pct: float | None = None
         self._busy_cpu_j = 0.0
         self.no_counter_short_requests = 0  # request rows emitted with NO_COUNTER_SHORT_FLAG
+        # The server's prefix-cache hits against what its answers said (`add_cache_hits`, CACHE_UNSAID_FLAG):
+        # [t0, t1, hits, known] of each scrape window in which it hit, `known` the cached tokens of the requests that
+        # met it (said in their answers, or a shared prompt's other choices); (h0, h1, tokens) of each ended request
+        # known to have hit, over the span the server counts its hit in (`_hit_span`).
+        self._cache_spans: deque = deque()
+        self._cache_known: deque = deque()
+        self.cache_unsaid_requests = 0  # request rows emitted with CACHE_UNSAID_FLAG
         # [t0, t1, server tokens, bypass tokens or None, (requests finished, their summed seconds) or None,
         #  why its count may be low (scrape.PARTIAL_REASONS keys)] per scrape
         self.server_spans: list[list] = []
@@ -422,6 +442,7 @@ class Ledger:
         if r is None:
             return 0.0
         added = self._placed_at_end(r)
+        self._cache_met(r)
         if self.server_seen:
             # All its tokens, as the proxy counted them in the end (late ones too: the server counted them), at its
             # last token: where a counter that moves at request end counted them (`_resolve_spans`). A stream the
@@ -791,6 +812,46 @@ class Ledger:
         return interval_cpu_s(np.fromiter(self.ct_t, dtype=np.int64, count=len(self.ct_t)),
                               np.fromiter(self.ct_host, dtype=float), np.fromiter(self.ct_other, dtype=float), t)
 
+    def add_cache_hits(self, since_ns: int | None, t_ns: int, hits: float | None) -> None:
+        """The prompt tokens the server found in its prefix cache between the previous scrape (`since_ns`) and this one
+        (scrape.Scraper.cache_hits; None: not known). Checked against the cached counts the requests that met it said:
+        the rest the server reused without saying it to any request, and the rows of those that said nothing, and
+        the intervals over it, say so (CACHE_UNSAID_FLAG)."""
+        if hits is None or hits <= 0 or since_ns is None or since_ns >= t_ns:
+            return
+        known = sum(n for h0, h1, n in self._cache_known if h0 <= t_ns and h1 >= since_ns)
+        self._cache_spans.append([int(since_ns), int(t_ns), float(hits), float(known)])
+        horizon = int(t_ns) - int(CACHE_KEEP_S * 1e9)
+        while self._cache_spans and self._cache_spans[0][1] < horizon:
+            self._cache_spans.popleft()
+        while self._cache_known and self._cache_known[0][1] < horizon:
+            self._cache_known.popleft()
+
+    def _hit_span(self, r: _Req) -> tuple[int, int]:
+        """Where the server counts the request's prefix-cache hit: vLLM as it schedules it (arrival to first token),
+        SGLang as it finishes it (its last token to its end: scrape.AT_FINISH)."""
+        tr = r.trace
+        end = tr.end_ns if tr.end_ns is not None else tr.arrival_ns
+        if self.server_at_finish:
+            return int(tr.last_ns if tr.last_ns is not None else tr.first_ns or end), int(end)
+        return int(tr.arrival_ns), int(tr.first_ns if tr.first_ns is not None else end)
+
+    def _cache_met(self, r: _Req) -> None:
+        """At a request's end: the cached tokens its answer said (or its shared prompt's other choices found) go to
+        the scrape windows of its hit span, those read already and those to come."""
+        n = _known_cached(r)
+        if n <= 0:
+            return
+        h0, h1 = self._hit_span(r)
+        for sp in self._cache_spans:
+            if sp[0] <= h1 and sp[1] >= h0:
+                sp[3] += n
+        self._cache_known.append((h0, h1, n))
+
+    def _cache_unsaid(self, t0: int, t1: int) -> float:
+        """Prefix-cache hits of the scrape windows over [t0, t1] that no request's answer said (CACHE_UNSAID_FLAG)."""
+        return float(sum(max(sp[2] - sp[3], 0.0) for sp in self._cache_spans if sp[0] <= t1 and sp[1] >= t0))
+
     def add_server_tokens(self, t_ns: int, delta: float, since_ns: int | None = None, at_finish: bool = False,
                           finished: tuple[float, float] | None = None, partial: tuple[str, ...] = ()) -> None:
         """Tokens the server counted between the previous scrape (`since_ns`) and this one: spread
@@ -1089,7 +1150,14 @@ class Ledger:
                           for m in methods])
         short_iv = (np.array([m != METHOD_COUNTER for m in methods], dtype=bool) & (busy > 0)
                     & (busy < share * dur))
-        energy = np.column_stack([energy, np.where(short_iv, work_j, 0.0), np.where(low_iv, work_j, 0.0)])
+        # Intervals with prefill in them (a prompt is placed over arrival → first token) over which the server reused
+        # cached prompt tokens no answer said: their requests' split is approximate (CACHE_UNSAID_FLAG).
+        prefilling = np.array([bool(((arrival < t[k + 1]) & (first > t[k]) & (computed > 0)).any())
+                               for k in range(t.size - 1)], dtype=bool)
+        cache_iv = np.array([self._cache_unsaid(int(t[k]), int(t[k + 1])) if prefilling[k] else 0.0
+                             for k in range(t.size - 1)])
+        energy = np.column_stack([energy, np.where(short_iv, work_j, 0.0), np.where(low_iv, work_j, 0.0),
+                                  np.where(cache_iv >= CACHE_UNSAID_MIN, work_j, 0.0)])
         a = attr.attribute(t, energy, arrival, first, last, end, ev_t_a, ev_r_a, ev_n_a, excess,
                            prompt_tokens=computed, tok_ctx=np.array(ev_c, dtype=float), costs=costs,
                            bypass_spans=bypass_spans, passive=passive, aside_j=aside,
@@ -1126,6 +1194,10 @@ class Ledger:
             r.cpu_other_pct_j += a.request_energy[i, 5]
             r.no_counter_short_j += a.request_energy[i, 6]
             r.bypass_low_j += a.request_energy[i, 7]
+            if a.request_energy[i, 8] > 0:
+                r.cache_beside_j += a.request_energy[i, 8]
+                live = (arrival[i] < t[1:]) & (end[i] > t[:-1])
+                r.cache_beside = max(r.cache_beside, float(cache_iv[live].max(initial=0.0)))
             if a.request_energy[i, 7] > 0:
                 live = (arrival[i] < t[1:]) & (end[i] > t[:-1]) & low_iv
                 r.bypass_low_why.update(w for k in np.flatnonzero(live) for w in server_count[k].split(","))
@@ -1154,7 +1226,7 @@ class Ledger:
                     r.server_ahead += float(excess[live].sum())
         self._judge_host(t, a, other_pct, judged)
         self._account(t, per_gpu, gpu, cpu, a, methods, costs, host_s, other_s, judged, short_iv, low_iv, server_count)
-        self._interval_rows(edges, t, gpu, cpu, methods, a, excess, costs, other_pct, server_count, short_iv)
+        self._interval_rows(edges, t, gpu, cpu, methods, a, excess, costs, other_pct, server_count, short_iv, cache_iv)
         rows = []
         for r, d in zip(reqs, done):
             if d:
@@ -1163,7 +1235,8 @@ class Ledger:
         self.emit("requests", rows)
         # The rows' counts, on /metrics with the rows themselves (the totals above were taken before them).
         self.totals = replace(self.totals, no_counter_short_requests=self.no_counter_short_requests,
-                              cpu_unknown_requests=self.cpu_unknown_requests)
+                              cpu_unknown_requests=self.cpu_unknown_requests,
+                              cache_unsaid_requests=self.cache_unsaid_requests)
 
     def _prompt_work(self, r: _Req, done: bool) -> float:
         """The prompt tokens a request's prefill is costed at: the server's count, else (it ended without
@@ -1546,6 +1619,7 @@ class Ledger:
             busy_host_requests_cpu_j=self._busy_cpu_j,
             no_counter_short_requests=self.no_counter_short_requests,
             cpu_unknown_requests=self.cpu_unknown_requests,
+            cache_unsaid_requests=self.cache_unsaid_requests,
             jpt_left_out=dict(self._jpt_left_out),
         )
 
@@ -1637,7 +1711,7 @@ class Ledger:
         return out
 
     def _interval_note(self, gpu: float, cpu: float, other_pct: float | None, work: bool, short: bool,
-                       server_count: str | None) -> str | None:
+                       server_count: str | None, cache_unsaid: float = 0.0) -> str | None:
         """An interval row's energy_note: for each figure of it that is empty or may be partial, why and the fix (the
         request rows' wording where the cause is the same); None where every figure is whole."""
         notes = [_gpu_missing_note("this interval") if np.isnan(gpu) else None]
@@ -1654,6 +1728,10 @@ class Ledger:
         if server_count is not None and bypass_count_low(server_count):
             notes.append(_count_low_note(server_count, "here", "server_tokens and unproxied_energy_j may be low and "
                                                                "bypass traffic's energy may be in requests_energy_j"))
+        if cache_unsaid >= CACHE_UNSAID_MIN:
+            # Its energy is whole; its prefill_tokens and its requests' split are not (their rows say so too).
+            notes.append("approximate: " + _cache_unsaid_note(cache_unsaid, "this interval") + "; prefill_tokens here "
+                         "may be high by them")
         return _joined(*notes)
 
     def _unjudged_note(self) -> str:
@@ -1702,8 +1780,9 @@ class Ledger:
         return _joined(*notes)
 
     def _interval_rows(self, edges, t, gpu, cpu, methods, a: attr.Attribution, server, costs, other_pct=None,
-                       server_count=None, short_iv=None) -> None:
+                       server_count=None, short_iv=None, cache_iv=None) -> None:
         rows = []
+        unsaid = cache_iv if cache_iv is not None else np.zeros(t.size - 1)
         for k in range(t.size - 1):
             dur = (t[k + 1] - t[k]) / 1e9
             pct = (None if other_pct is None or np.isnan(other_pct[k]) or np.isnan(cpu[k]) else float(other_pct[k]))
@@ -1734,13 +1813,18 @@ class Ledger:
                     "prefill_tokens": float(a.features[k, 3]),
                     "work_costs": costs.source,
                     "energy_note": self._interval_note(gpu[k], cpu[k], pct, a.kind[k] != attr.IDLE,
-                                                       bool(short_iv[k]) if short_iv is not None else False, count),
+                                                       bool(short_iv[k]) if short_iv is not None else False, count,
+                                                       unsaid[k]),
                 }
             )
         self.emit("intervals", rows)
 
     def _request_row(self, r: _Req) -> dict:
+        if _cache_unsaid_candidate(r):
+            r.cache_unsaid = self._cache_unsaid(*self._hit_span(r))
         row = self._request_fields(r)
+        if _cache_flagged(r) and row["gpu_energy_j"] is not None:
+            self.cache_unsaid_requests += 1
         if _no_counter_short(r):
             self.no_counter_short_requests += 1
         if row["cpu_energy_j"] is None and row["energy_note"] and CPU_MISSING_NOTE in row["energy_note"]:
@@ -1811,6 +1895,7 @@ class Ledger:
                                    _no_counter_short_note(r), _bypass_low_note(r), _busy_host_note(other_pct),
                                    _before_first_note(r)),
             "prompt_tokens_estimate": r.prompt_est[0] if r.prompt_est is not None and _prompt_tokens(r) is None else None,
+            "cached_prompt_tokens": c.cached_tokens if c is not None and c.invalid is None else None,
             "attributed_tokens": r.tokens,
             "gpu_j_per_token": (float(attr.per_token(r.gpu_j, r.tokens))
                                 if r.tokens > 0 and r.gpu_j > 0 and lie is None and not r.gpu_missing else None),
@@ -2030,6 +2115,14 @@ def _approximate_note(r: _Req) -> str | None:
         notes.append(f"{r.closed_s:.1f} s of its run ran in intervals closed before its tokens came (held longer than "
                      "they can wait): that energy went to the requests beside it or to idle, and its own figure is low "
                      f"({BURST_FIX})")
+    if r.cache_unsaid >= CACHE_UNSAID_MIN:
+        notes.append(_cache_unsaid_note(r.cache_unsaid, "its prefill"))
+    elif r.cache_beside_j > 0:
+        notes.append(f"{CACHE_UNSAID_FLAG}: {100 * r.cache_beside_j / r.gpu_j:.0f}% of its GPU energy is from intervals "
+                     f"over which the server reused up to {r.cache_beside:.0f} cached prompt token(s) that it did not "
+                     "attribute to requests (its prefix-cache counter on /metrics rose by more than the cached counts "
+                     "the answers said): a reused prompt beside it was costed as computed whole, so its own share may "
+                     f"be low; fix: {CACHE_UNSAID_FIX}")
     c = r.trace.counts
     if r.server_ahead >= 0.5 and not r.to_server and (c is None or c.tokens_estimated):
         notes.append(f"its tokens were counted from its chunks (one each, or their logprobs) and the server's counter ran {r.server_ahead:.0f} token(s) "
@@ -2066,6 +2159,41 @@ def _cached_tokens(r: _Req) -> float:
     if c is not None and c.cached_tokens is not None and c.prompt_tokens is not None and c.invalid is None:
         return float(c.cached_tokens)
     return 0.0
+
+
+def _known_cached(r: _Req) -> float:
+    """The prefix-cache hits the daemon knows the request met: the cached count its answer said, and where its prompt
+    figure is said once for its n choices (vLLM, SGLang: `_prompt_sequences`) the other choices', which find the
+    prompt cached (all of it but its last token each: at most what a block-wise cache finds)."""
+    c = r.trace.counts
+    if c is None or c.prompt_tokens is None or c.invalid is not None:
+        return 0.0
+    choices = max(r.trace.extra.get("choices", 1), 1)
+    prompts = _prompt_sequences(r)
+    shared = (choices - 1) * max(c.prompt_tokens - prompts, 0) if choices > 1 and not c.prompt_each_task else 0
+    return _cached_tokens(r) + float(shared)
+
+
+def _cache_flagged(r: _Req) -> bool:
+    """Its energy_note says CACHE_UNSAID_FLAG (its prompt costed whole, or its share beside one that was)."""
+    return r.cache_unsaid >= CACHE_UNSAID_MIN or r.cache_beside_j > 0
+
+
+def _cache_unsaid_candidate(r: _Req) -> bool:
+    """A request whose prefill was costed at a prompt the server never said how much of it was cached."""
+    c = r.trace.counts
+    p = _prompt_tokens(r)
+    return (c is None or c.cached_tokens is None) and ((p is not None and p > 1) or r.prompt_est is not None)
+
+
+def _cache_unsaid_note(tokens: float, what: str) -> str:
+    """Why a prefill figure may be high (a request's, an interval's): prefix-cache hits the server counted and no
+    answer said (CACHE_UNSAID_FLAG)."""
+    return (f"{CACHE_UNSAID_FLAG}: the server reused {tokens:.0f} cached prompt token(s) in the scrape window(s) over "
+            f"{what} that it did not attribute to requests (its prefix-cache counter on /metrics rose by more than the "
+            "cached counts the answers said), and a prompt whose answer says no cached count is costed as computed "
+            f"whole: a reused prompt's prefill is charged too high, the requests beside it too low; fix: "
+            f"{CACHE_UNSAID_FIX}")
 
 
 def _prompt_tokens(r: _Req) -> float | None:

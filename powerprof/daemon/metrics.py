@@ -21,7 +21,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Histo
 from powerprof import __version__
 from powerprof.arrival import COUNT_PROBLEM_KINDS
 from powerprof.profiler import NO_COUNTER_SHORT_FIX, NO_COUNTER_SHORT_FLAG
-from powerprof.storage.schema import BYPASS_LOW_FLAG, SERVER_COUNT_SLOTS_ONLY
+from powerprof.storage.schema import BYPASS_LOW_FLAG, CACHE_UNSAID_FIX, SERVER_COUNT_SLOTS_ONLY
 
 from .attribution import DEST_NAMES, KIND_NAMES
 from .inflight import InFlightState
@@ -117,6 +117,7 @@ class Snapshot:
     busy_host_requests_cpu_j: float = 0.0  # CPU energy given to requests in busy-host intervals since start
     no_counter_short_requests: int = 0  # ledger.Totals: request rows flagged no-counter-short since start
     cpu_unknown_requests: int = 0  # ledger.Totals: request rows without cpu_energy_j though RAPL is read, since start
+    cache_unsaid_requests: int = 0  # ledger.Totals: request rows flagged prefix-cache-unsaid since start
     jpt_left_out: dict = field(default_factory=dict)  # ledger.Totals: {flag: (intervals, tokens)} left out of J/token
 
 
@@ -236,6 +237,12 @@ class SnapshotCollector:
                                   "the idle power taken out of the rest; their rows' energy_note says no-counter-short, "
                                   "and they are left out of powerprof_joules_per_token; fix: " + NO_COUNTER_SHORT_FIX,
                                   value=s.no_counter_short_requests)
+        yield CounterMetricFamily("powerprof_requests_cache_unsaid", "Requests whose prefill was costed at their whole "
+                                  "prompt while the server's prefix-cache counter (vllm:prefix_cache_hits_total, "
+                                  "sglang:cached_tokens_total) showed cached prompt tokens no answer said: their rows' "
+                                  "energy_note says approximate: prefix-cache-unsaid (a reused prompt over-charged, the "
+                                  "requests beside it under-charged); fix: " + CACHE_UNSAID_FIX,
+                                  value=s.cache_unsaid_requests)
         if s.joules_per_token is not None:
             yield GaugeMetricFamily("powerprof_joules_per_token",
                                     "Requests' GPU J per generated token over the intervals with tokens of the last "

@@ -41,8 +41,8 @@ from powerprof.storage.schema import SERVER_COUNT_SLOTS_ONLY
 from powerprof.workload.limits import MAX_METRICS_BYTES, read_capped
 # The parsers are the workload layer's (the sweep's foreign-traffic check reads the same counters).
 from powerprof.workload.servercount import (  # noqa: F401
-    COUNTERS, FINISHED_LATENCY, LLAMACPP_COUNTER, counter_total, histogram_sum_count, llamacpp_generated, slot_progress,
-    slots_json, unset_means_zero)
+    COUNTERS, FINISHED_LATENCY, LLAMACPP_COUNTER, counter_total, histogram_sum_count, llamacpp_generated,
+    prefix_cache_reading, slot_progress, slots_json, unset_means_zero)
 
 log = logging.getLogger("powerprof.daemon.scrape")
 
@@ -157,6 +157,10 @@ class Scraper:
         # (requests finished, their summed end-to-end seconds) since the previous scrape: SGLang's e2e latency
         # histogram's rise (FINISHED_LATENCY); None where not known (another server, absent, unreadable, first read).
         self.finished: tuple[float, float] | None = None
+        # Prompt tokens the server found in its prefix cache since the previous scrape (its hit counter's rise, or
+        # vLLM v0's hit rate times its prompt tokens' rise: an estimate); None where not known (_cache_hits_since).
+        self.cache_hits: float | None = None
+        self._cache: tuple[str, float, float] | None = None  # prefix_cache_reading at the previous scrape
         self.total = 0.0  # tokens the server reported since the daemon started
         self.errors = 0
         self.last_error: str | None = None
@@ -245,6 +249,7 @@ class Scraper:
         if self.server == "none":
             return None
         self.window_partial = ()
+        self.cache_hits = None
         try:
             if self.kind is None:
                 self.kind = await self._detect()
@@ -285,6 +290,7 @@ class Scraper:
                     self._restarted(new_process or f"{COUNTERS[self.kind]} went back from {prev:g} to {total:g}")
                 delta = 0.0 if prev is None else (total if restart else total - prev)
                 self.finished = self._finished_since(text, prev is None or restart)
+                self.cache_hits = self._cache_hits_since(text, prev is None or restart)
         except Exception as e:  # a server's answer never ends the scrape loop: counted and logged
             self.errors += 1
             self.last_error = error_text(e)
@@ -315,6 +321,24 @@ class Scraper:
         if now[0] < prev[0] or now[1] < prev[1]:
             return None  # went back without the token counter doing so: not comparable
         return now[0] - prev[0], now[1] - prev[1]
+
+    def _cache_hits_since(self, text: str, restart: bool) -> float | None:
+        """The prompt tokens the server found in its prefix cache since the previous scrape (PREFIX_CACHE_HITS); vLLM
+        v0's hit-rate gauge gives its prompt tokens' rise times the rate (a cumulative share: an estimate, enough to
+        tell that hits happened). None where not known; never fails the token scrape."""
+        try:
+            now = prefix_cache_reading(text, self.kind)
+        except ValueError as e:
+            log.debug("prefix-cache counters unreadable: %s", error_text(e))
+            now = None
+        prev, self._cache = self._cache, now
+        if now is None or prev is None or prev[0] != now[0]:
+            return None
+        if now[0] == "hits":
+            rise = now[1] if restart else now[1] - prev[1]
+        else:
+            rise = now[1] * (now[2] if restart else now[2] - prev[2])
+        return rise if rise >= 0 else None
 
     async def _scrape_llamacpp(self) -> float:
         # The counter first: a request that ends between the two reads is then missing from

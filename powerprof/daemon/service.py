@@ -680,6 +680,8 @@ class Daemon:
                 cadence.scraped(time.monotonic(), delta)
                 at_finish = self.scraper.kind in AT_FINISH  # known once detected (scrape.server = "auto")
                 if delta is not None:
+                    # The prefix-cache hits of the whole window, slow or not: checked against the requests' said counts.
+                    self.ledger.add_cache_hits(since, t, self.scraper.cache_hits)
                     if held is not None:  # the held slow window's burst began where this window's rate says
                         h_since, h_t, h_delta, h_finished, h_partial = held
                         start = burst_start_ns(h_since, h_t, h_delta, delta / max(1, t - h_t))
@@ -718,6 +720,7 @@ class Daemon:
             log.info("the server's counters could not be read at shutdown (%s): the last interval says unscraped", why)
             return
         t = (t0 + time.monotonic_ns()) // 2
+        self.ledger.add_cache_hits(self._scrape_since_ns, t, self.scraper.cache_hits)
         self.ledger.add_server_tokens(t, delta, self._scrape_since_ns, self.scraper.kind in AT_FINISH,
                                       self.scraper.finished, partial=self.scraper.window_partial)
 

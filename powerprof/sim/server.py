@@ -410,6 +410,18 @@ class SimServer:
             self._m_itl = Histogram(itl, "Inter-token latency", registry=self._registry)
             self._m_drafts = Counter("vllm:spec_decode_num_draft_tokens", "Draft tokens proposed", registry=self._registry)
             self._m_accepted = Counter("vllm:spec_decode_num_accepted_tokens", "Draft tokens accepted", registry=self._registry)
+            self._m_prompt = Counter("vllm:prompt_tokens", "Prefill tokens processed", registry=self._registry)
+            # Its prefix cache, in tokens, counted as a request is scheduled (V1's PrefixCacheStats); the v0 names
+            # ("legacy") had only a hit-rate gauge.
+            if self.vllm_metrics == "current":
+                self._m_pc_queries = Counter("vllm:prefix_cache_queries", "Prefix cache queries, in terms of number of "
+                                             "queried tokens", registry=self._registry)
+                self._m_pc_hits = Counter("vllm:prefix_cache_hits", "Prefix cache hits, in terms of number of cached "
+                                          "tokens", registry=self._registry)
+            else:
+                self._m_pc_rate = Gauge("vllm:gpu_prefix_cache_hit_rate", "GPU prefix cache block hit rate",
+                                        registry=self._registry)
+                self._pc_tally = [0, 0]  # (queried, hit) tokens since start: the gauge's ratio
             # vLLM serves prometheus_client's default registry, whose process collector gives the API server's
             # start time (wall clock, s): what tells a restarted vLLM from one that only dropped connections.
             Gauge("process_start_time_seconds", "Start time of the process since unix epoch in seconds",
@@ -794,11 +806,26 @@ class SimServer:
         self._window_ns = (prev, self._t_step_end_ns)
         await asyncio.sleep(max(0.0, (self._t_step_end_ns - time.monotonic_ns()) / 1e9))
 
+    def _scheduled(self, req: _Req) -> None:
+        """vLLM's scheduler takes a request in: its prompt tokens queried in the prefix cache and those found there
+        (the cached part, a shared prompt's other choices' included) counted on /metrics, whatever its usage says."""
+        if self.flavour != "vllm":
+            return
+        self._m_prompt.inc(req.prompt_tokens)
+        if self.vllm_metrics == "current":
+            self._m_pc_queries.inc(req.prompt_tokens)
+            self._m_pc_hits.inc(req.cached)
+        else:
+            self._pc_tally[0] += req.prompt_tokens
+            self._pc_tally[1] += req.cached
+            self._m_pc_rate.set(self._pc_tally[1] / self._pc_tally[0] if self._pc_tally[0] else 0.0)
+
     async def _prefill(self, req: _Req) -> None:
         if self.flavour == "sglang":  # its prefill batch is logged as it is formed: the decoding ones are running
             decoding = sum(1 for r in self._active if r.t_prefill_end_ns != 0)
             self._sglang_log(decoding, len(self._waiting) + len(self._active) - decoding - 1)
         req.t_prefill_start_ns = time.monotonic_ns()
+        self._scheduled(req)
         todo = max(req.prompt_tokens - req.cached, 1)
         speed = self._phase("prefill", PREFILL_COMPUTE_SHARE)
         await self._step(todo / self.prefill_tok_s / speed)
@@ -869,6 +896,8 @@ class SimServer:
             elif dec:
                 self._sglang_decode_logged(len(dec))
         for r, _, _ in pre_in:
+            if r.t_prefill_start_ns == 0:
+                self._scheduled(r)
             r.t_prefill_start_ns = r.t_prefill_start_ns or t0
         await self._step(self.costs.step_s(p, ctx) / speed)
         for r, _, _ in pre_in:
@@ -1536,17 +1565,21 @@ class SimServer:
             "object": "chat.completion" if api == "openai-chat" else "text_completion",
             "model": self.model,
             "choices": [choice],
-            "usage": self._usage(req),
+            "usage": self._usage(req, whole=True),
             "timings": timings,
             "simulated": True,
         }
         return self._json(obj)
 
-    def _usage(self, req: _Req) -> dict:
+    def _usage(self, req: _Req, whole: bool = False) -> dict:
+        """OpenAI usage. Without prompt_details, vLLM says nothing of its cache: a whole answer's usage (a pydantic
+        dump) has `prompt_tokens_details: null`, a stream's usage chunk (dumped without None) no such key."""
         n = self._reported(req.generated)
         u = {"prompt_tokens": req.prompt_tokens, "completion_tokens": n, "total_tokens": req.prompt_tokens + n}
         if self.prompt_details and self.flavour != "llamacpp":
             u["prompt_tokens_details"] = {"cached_tokens": req.cached}
+        elif whole and self.flavour == "vllm":
+            u["prompt_tokens_details"] = None
         return u
 
     def _sglang_native(self, req: _Req, text: str, ids: list, finished: bool) -> dict:

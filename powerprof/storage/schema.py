@@ -241,6 +241,8 @@ DAEMON_REQUESTS_COLUMNS = [
     ("prompt_tokens", I32),
     # where the server never counted the prompt (a client gone before the usage): the estimate its prefill was costed at
     ("prompt_tokens_estimate", F64),
+    # of prompt_tokens, those the server said it found in its prefix cache (not prefilled); null: it did not say
+    ("cached_prompt_tokens", I32),
     ("generated_tokens", I32),
     ("decode_tokens", I32),  # generated - 1
     ("token_source", STR),  # usage | timings | counted | none
@@ -272,6 +274,12 @@ SERVER_COUNT_MISPLACED = "misplaced"  # the daemon's placing of proxied tokens c
 # host), which does not drain while its streams run: the one reason whose count may be high, not low.
 SERVER_COUNT_PROXY_LAG = "proxy_lag"
 BYPASS_LOW_FLAG = "bypass-uncounted"
+# A daemon request's or interval's energy_note (inside its `approximate:` part) where the server's prefix-cache counter
+# showed cached prompt tokens that no answer said (vLLM without --enable-prompt-tokens-details, SGLang's OpenAI usage
+# without --enable-cache-report): a reused prompt's prefill was costed whole. Kept in J/token (docs/daemon.md).
+CACHE_UNSAID_FLAG = "prefix-cache-unsaid"
+CACHE_UNSAID_FIX = ("start vLLM with --enable-prompt-tokens-details, SGLang with --enable-cache-report (each answer's "
+                    "usage then says its prompt_tokens_details.cached_tokens)")
 # The `server_count` values whose energy is trusted in J/token. `slots_only` alone is every interval of a llama-server
 # started without --metrics (its default): leaving it out would leave every figure out for a loss only bypass traffic
 # causes; like `off` (bypass not measured at all), the rows, /metrics, the log and `analyze`'s notes say it instead.

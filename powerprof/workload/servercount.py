@@ -138,6 +138,32 @@ def counter_total(text: str, name: str) -> float | None:
 FINISHED_LATENCY = {"sglang": "sglang:e2e_request_latency_seconds"}
 
 
+# The prompt tokens a server found in its prefix cache, in tokens since its start: vLLM V1's counter (moves as a request
+# is scheduled, before its first token), SGLang's (moves as a request finishes, set only once a hit has happened: absent
+# on its own page means none yet). vLLM v0 had only a hit-rate gauge (cumulative hit share of the prompt tokens queried):
+# read with its prompt-token counter, it gives an estimate. The daemon checks the hits against the cached counts its
+# requests' answers said (docs/daemon.md, "Prefix-cache hits are no prefill").
+PREFIX_CACHE_HITS = {"vllm": "vllm:prefix_cache_hits_total", "sglang": "sglang:cached_tokens_total"}
+VLLM_HIT_RATE, VLLM_PROMPT_TOKENS = "vllm:gpu_prefix_cache_hit_rate", "vllm:prompt_tokens_total"
+
+
+def prefix_cache_reading(text: str, kind: str | None) -> tuple[str, float, float] | None:
+    """What the page says of the server's prefix-cache hits: ("hits", tokens hit since start, 0), or vLLM v0's
+    ("rate", hit share, prompt tokens since start); None where it says nothing (another server, not shown)."""
+    name = PREFIX_CACHE_HITS.get(kind or "")
+    if name is None:
+        return None
+    hits = counter_total(text, name)
+    if hits is not None:
+        return "hits", hits, 0.0
+    if kind == "sglang":
+        return "hits", 0.0, 0.0  # set at the first hit: its page (its token counter read) without it has none yet
+    rate, prompt = counter_total(text, VLLM_HIT_RATE), counter_total(text, VLLM_PROMPT_TOKENS)
+    if rate is None or prompt is None or not 0.0 <= rate <= 1.0:
+        return None
+    return "rate", rate, prompt
+
+
 def histogram_sum_count(text: str, name: str) -> tuple[float, float] | None:
     """A histogram's (_count, _sum) summed over its label sets; None when it is absent."""
     text = _lines_naming(text, name)
