@@ -48,7 +48,10 @@ def test_the_tags_j_per_token_leaves_the_bypass_traffics_energy_out(outcome):
     o, true_tokens, bypass_tokens = outcome
     assert len(o.tags) == 1, o.tags
     row = o.tags.iloc[0]
-    assert row["server_count"] == "complete", row["server_count"]
+    # `proxy_lag` only where the proxy's measured delay may move more than a token and 5% of a scrape window's count
+    # (docs/daemon.md, "A server restart"): on a loaded host a small window can say it (2 tokens of 33, two CPU hogs,
+    # about 1 run in 10), and analyze leaves the tag out (the next test). Its figures are checked against truth either way.
+    assert row["server_count"] in ("complete", "proxy_lag"), row["server_count"]
     assert bypass_tokens > 0.25 * (true_tokens + bypass_tokens)  # the case: a good part of the window's work
     assert row["proxy_tokens"] == pytest.approx(true_tokens, rel=0.01)
     truth = (row["gpu_energy_j"] - o.bypass_truth_j) / true_tokens
@@ -72,11 +75,16 @@ def test_analyze_gives_the_tag_the_proxied_traffics_j_per_token(outcome, tmp_pat
     row = o.tags.iloc[0]
     truth = (row["gpu_energy_j"] - o.bypass_truth_j) / true_tokens
     got = tag_summary([str(o.data_dir)]).to_pylist()
+    res = CliRunner().invoke(main, ["analyze", str(o.data_dir)])
+    assert res.exit_code == 0, res.output
+    if row["server_count"] != "complete":  # marked (the test above): left out of the tag's figures, and said
+        assert [r["name"] for r in got] == ["job"] and got[0]["counted_windows"] == 0, got
+        assert got[0]["bypass_uncertain_windows"] == 1 and got[0]["gpu_j_per_token"] is None, got
+        assert any("node" in n and "proxy_lag" in n for n in res.stderr.splitlines()), res.stderr
+        return
     assert [r["name"] for r in got] == ["job"] and got[0]["counted_windows"] == 1, got
     assert got[0]["gpu_j_per_token"] == pytest.approx(truth, rel=0.12), (got[0]["gpu_j_per_token"], truth)
     assert got[0]["unproxied_energy_j"] == pytest.approx(row["unproxied_energy_j"], rel=1e-9)
-    res = CliRunner().invoke(main, ["analyze", str(o.data_dir)])
-    assert res.exit_code == 0, res.output
     line = next(x for x in res.stdout.splitlines() if " job " in x)
     assert f"{got[0]['gpu_j_per_token']:.3f}" in line, res.stdout
 
