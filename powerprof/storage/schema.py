@@ -270,8 +270,9 @@ DAEMON_REQUESTS_COLUMNS = [
 SERVER_COUNT_COMPLETE, SERVER_COUNT_UNREAD, SERVER_COUNT_OFF = "complete", "unread", "off"
 SERVER_COUNT_SLOTS_ONLY = "slots_only"  # a llama-server without --metrics: its /slots alone read
 SERVER_COUNT_MISPLACED = "misplaced"  # the daemon's placing of proxied tokens came out below none there: its bypass taken as 0
-# Bypass tokens booked where the proxy's token rate rose: they may be the proxy's own delay behind the server (a loaded
-# host), which does not drain while its streams run: the one reason whose count may be high, not low.
+# A window where the proxy's token rate rose or fell by more than its measured delay can hide: the proxy's own delay
+# behind the server (a loaded host) may read as bypass tokens where its streams begin, or hide some where they end: the
+# one reason whose count may be high as well as low.
 SERVER_COUNT_PROXY_LAG = "proxy_lag"
 BYPASS_LOW_FLAG = "bypass-uncounted"
 # A daemon request's or interval's energy_note (inside its `approximate:` part) where the server's prefix-cache counter
@@ -314,8 +315,9 @@ BYPASS_COUNT_FIX = {
     SERVER_COUNT_OFF: "let the daemon scrape the server (scrape.server not none)",
     SERVER_COUNT_MISPLACED: "none for these rows (a fault of the daemon's placing of proxied tokens: report it with the "
                             "daemon's log)",
-    SERVER_COUNT_PROXY_LAG: "their count may be high, not low: the proxy's own delay behind the server (a loaded host) "
-                            "may read as bypass tokens where its streams begin; give the daemon's host CPU to spare",
+    SERVER_COUNT_PROXY_LAG: "their count may be high or low: the proxy's own delay behind the server (a loaded host) "
+                            "may read as bypass tokens where its streams begin, or hide some where they end; give the "
+                            "daemon's host CPU to spare",
 }
 # Whatever the reason, a count short of whole costs something only where requests bypass the proxy. Where none do, a
 # count that may be low (a restart) still leaves the rows out, as nothing in them can tell; the daemon told that no
