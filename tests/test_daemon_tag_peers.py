@@ -147,6 +147,20 @@ def test_members_of_the_sockets_group_and_the_daemons_user_are_accepted(tmp_path
         assert _as_other(tmp_path, path.name, THEM, THEM, [TAGGERS], request=get)[0] == 403
 
 
+@AS_ROOT
+def test_a_peer_with_more_groups_than_one_read_holds_is_refused_saying_why(tmp_path):
+    # CPython's getsockopt reads at most 1024 bytes (256 gids): a second, larger read could never succeed, and the
+    # refusal told a member of the socket's group to join it.
+    tmp_path = _folder(tmp_path)
+    path = tmp_path / "powerprof.sock"
+    with _Server(path, PeerPolicy(own_uid=0, socket_gid=TAGGERS)) as srv:
+        status, body = _as_other(tmp_path, path.name, THEM, THEM, [*range(40000, 40300), TAGGERS])
+        assert status == 403 and "more than 256 supplementary groups" in body["error"], body
+        assert "sg " in body["error"] and srv.handler.started == []
+        # the primary group is still read
+        assert _as_other(tmp_path, path.name, THEM, TAGGERS, [*range(40000, 40300)])[0] == 200
+
+
 def test_the_policy_before_the_socket_has_a_group_and_where_the_peer_is_unknown():
     p = PeerPolicy(own_uid=998)
     assert p.refusal(Peer(1, 0, 0)) is None and p.refusal(Peer(1, 998, 998)) is None

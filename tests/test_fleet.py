@@ -566,3 +566,4 @@ def test_requests_live_before_the_daemons_first_gpu_read_are_left_out_of_j_per_t
     assert r["uncertain_requests"] == 2
     res = CliRunner().invoke(main, ["analyze", str(tmp_path / "n")])
     assert res.exit_code == 0 and "before-first-read" in res.stderr and "node-0: 2" in res.stderr, res.output
+    assert "start's GPU read failed" in res.stderr, res.stderr  # its own fix, not a counterless GPU's

@@ -468,7 +468,9 @@ def notes(t: pa.Table) -> list[str]:
         out.append(f"requests marked {NO_COUNTER_SHORT_FLAG} (short, on a GPU without an energy counter: their energy "
                    f"rests on the idle power taken out) or {BEFORE_FIRST_READ_FLAG} (live before the daemon's first GPU "
                    "read: their energy before it was not counted) were left out of J/token: " + "; ".join(
-                       f"{r['host']}: {r['uncertain_requests']}" for r in unsure) + f"; the fix: {NO_COUNTER_SHORT_FIX}")
+                       f"{r['host']}: {r['uncertain_requests']}" for r in unsure) + f"; the fix: for {NO_COUNTER_SHORT_FLAG}, {NO_COUNTER_SHORT_FIX}; for {BEFORE_FIRST_READ_FLAG}, "
+                       "none for those rows (later requests are measured whole): the daemon's log says why its start's "
+                       "GPU read failed")
     low = [r for r in t.to_pylist() if r.get("bypass_uncertain_intervals")]
     if low:
         out.append("intervals whose server token count may be low (their server_count: bypass traffic there is not in "

@@ -33,6 +33,9 @@ log = logging.getLogger("powerprof.daemon.tagapi")
 # Linux's SO_PEERGROUPS (4.13+), which Python does not name: 59 on every architecture but sparc and parisc.
 SO_PEERGROUPS = getattr(socket, "SO_PEERGROUPS", None) or (
     59 if sys.platform == "linux" and not platform.machine().startswith(("sparc", "parisc")) else None)
+# CPython's getsockopt takes at most 1024 bytes: 256 gids. A peer with more is judged by its primary group alone, and
+# a refusal says why (fail closed; NGROUPS_MAX is 65536).
+PEER_GROUPS_MAX = 256
 REFUSAL_LOG_EVERY_S = 60.0  # one log line per refused uid this often: a local loop must not fill the journal
 
 
@@ -44,6 +47,7 @@ class Peer:
     uid: int
     gid: int
     groups: tuple[int, ...] = ()
+    groups_unread: bool = False  # more supplementary groups than one read holds (PEER_GROUPS_MAX): judged without them
 
 
 def peer_of(sock) -> Peer | None:
@@ -56,17 +60,14 @@ def peer_of(sock) -> Peer | None:
     except OSError:
         return None
     groups: tuple[int, ...] = ()
+    unread = False
     if SO_PEERGROUPS is not None:
-        for n in (256, 65536):  # NGROUPS_MAX is 65536; a buffer too small answers ERANGE
-            try:
-                raw = sock.getsockopt(socket.SOL_SOCKET, SO_PEERGROUPS, 4 * n)
-            except OSError as e:
-                if e.errno == errno.ERANGE:
-                    continue
-                break
+        try:
+            raw = sock.getsockopt(socket.SOL_SOCKET, SO_PEERGROUPS, 4 * PEER_GROUPS_MAX)
             groups = struct.unpack(f"{len(raw) // 4}I", raw[: len(raw) // 4 * 4])
-            break
-    return Peer(pid, uid & 0xFFFFFFFF, gid & 0xFFFFFFFF, groups)
+        except OSError as e:
+            unread = e.errno == errno.ERANGE  # a buffer too small: more groups than it holds
+    return Peer(pid, uid & 0xFFFFFFFF, gid & 0xFFFFFFFF, groups, unread)
 
 
 class PeerPolicy:
@@ -97,6 +98,11 @@ class PeerPolicy:
         if self.socket_gid is not None and self.socket_gid in (peer.gid, *peer.groups):
             return None
         name = self.group_text()
+        if peer.groups_unread:
+            return (f"uid {peer.uid} (pid {peer.pid}) has more than {PEER_GROUPS_MAX} supplementary groups, more than "
+                    f"the daemon can read, so membership of the socket's {name} could not be checked: refused. Fix: "
+                    "run `powerprof tag` as a user with that group as its primary group (`sg GROUP -c 'powerprof tag "
+                    "…'`), or with fewer groups")
         return (f"uid {peer.uid} (pid {peer.pid}) may not use this tag socket: only root, the daemon's user (uid "
                 f"{self.own_uid}) and members of the socket's {name} may. Fix: add the user to that group "
                 "(`sudo usermod -aG GROUP USER`, then log in again)")
