@@ -255,7 +255,7 @@ def test_proxy_workers_heartbeats_give_the_ledger_how_late_their_loops_ran():
     workers = ProxyWorkers(2, "http://unused", "127.0.0.1", 0, recorder=rec, proxy_kwargs={}, header_timeout_s=10,
                            idle_timeout_s=10)
     for w in workers.workers:
-        w.proc, w.heard_s = object(), time.monotonic()  # both running, just heard
+        w.proc, w.heard_s, w.said_hello = object(), time.monotonic(), True  # both running, just heard
     stats = [0] * len(_STATS)
     stats[LATE] = 50_000  # 50 ms late
     (msg,) = Unframer().feed(frame(("beat", 9, [], tuple(stats))))
@@ -264,3 +264,7 @@ def test_proxy_workers_heartbeats_give_the_ledger_how_late_their_loops_ran():
     workers.workers[1].heard_s = time.monotonic() - 2.0  # silent 2 s: stopped, its last beat said nothing
     workers._replay(workers.workers[0], msg)
     assert rec.delays[-1] >= 2.0 - BEAT_S
+    # A worker restarted 2 s ago, still starting (no hello): it serves nothing, so its silence is no delay.
+    workers.workers[1].said_hello = False
+    workers._replay(workers.workers[0], msg)
+    assert rec.delays[-1] == pytest.approx(0.05)

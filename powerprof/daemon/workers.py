@@ -681,8 +681,10 @@ class ProxyWorkers:
             if note is not None:
                 # The latest lateness of every worker's loop, the most of them (a token may reach any of them); one
                 # silent past its beat is at least that late (stopped on a loaded host: its last beat said nothing).
+                # One still starting (no hello yet) serves nothing: its silence delays no token (counted, a restarted
+                # worker's start marked windows proxy_lag for nothing).
                 now = time.monotonic()
-                note(time.monotonic_ns(), max(max(x.stats[LATE] / 1e6, now - x.heard_s - BEAT_S)
+                note(time.monotonic_ns(), max(max(x.stats[LATE] / 1e6, now - x.heard_s - BEAT_S if x.said_hello else 0.0)
                                               for x in self.workers if x.proc is not None))
             return
         starts, firsts, toks, ends, stats, marks, watermark = msg
