@@ -285,8 +285,9 @@ class Ledger:
         self.no_counter_short_requests = 0  # request rows emitted with NO_COUNTER_SHORT_FLAG
         # The server's prefix-cache hits against what its answers said (`add_cache_hits`, CACHE_UNSAID_FLAG):
         # [t0, t1, hits, known] of each scrape window in which it hit, `known` the cached tokens of the requests that
-        # met it (said in their answers, or a shared prompt's other choices); (h0, h1, tokens) of each ended request
-        # known to have hit, over the span the server counts its hit in (`_hit_span`).
+        # met it (said in their answers, or a shared prompt's other choices), each such token in one window only;
+        # [h0, h1, tokens not yet in a window] of each ended request known to have hit, over the span the server
+        # counts its hit in (`_hit_span`).
         self._cache_spans: deque = deque()
         self._cache_known: deque = deque()
         self.cache_unsaid_requests = 0  # request rows emitted with CACHE_UNSAID_FLAG
@@ -821,15 +822,24 @@ class Ledger:
         (scrape.Scraper.cache_hits; None: not known). Checked against the cached counts the requests that met it said:
         the rest the server reused without saying it to any request, and the rows of those that said nothing, and
         the intervals over it, say so (CACHE_UNSAID_FLAG)."""
-        if hits is None or hits <= 0 or since_ns is None or since_ns >= t_ns:
-            return
-        known = sum(n for h0, h1, n in self._cache_known if h0 <= t_ns and h1 >= since_ns)
-        self._cache_spans.append([int(since_ns), int(t_ns), float(hits), float(known)])
         horizon = int(t_ns) - int(CACHE_KEEP_S * 1e9)
+        # Pruned at every scrape, whatever it read: a server with no counter (llama.cpp: None) still has its
+        # requests' known hits kept (3000 over 600 s at 5 requests/s, growing for ever, before).
         while self._cache_spans and self._cache_spans[0][1] < horizon:
             self._cache_spans.popleft()
         while self._cache_known and self._cache_known[0][1] < horizon:
             self._cache_known.popleft()
+        if hits is None or hits <= 0 or since_ns is None or since_ns >= t_ns:
+            return
+        sp = [int(since_ns), int(t_ns), float(hits), 0.0]
+        for k in self._cache_known:  # what ended requests known to have hit in it have left over (`_cache_met`)
+            if k[0] <= t_ns and k[1] >= since_ns and k[2] > 0:
+                take = min(k[2], sp[2] - sp[3])
+                sp[3] += take
+                k[2] -= take
+                if sp[3] >= sp[2]:
+                    break
+        self._cache_spans.append(sp)
 
     def _hit_span(self, r: _Req) -> tuple[int, int]:
         """Where the server counts the request's prefix-cache hit: vLLM as it schedules it (arrival to first token),
@@ -847,10 +857,22 @@ class Ledger:
         if n <= 0:
             return
         h0, h1 = self._hit_span(r)
+        # Each known hit counted once, as the server's counter counts it: in the windows of its span that hit, the
+        # earliest first (vLLM counts it as it schedules the request, which may be long before its first token).
+        # Given to every window its span touched, a request queued 2.8 s hid another's 800 unsaid hits (before).
+        left = float(n)
         for sp in self._cache_spans:
+            if left <= 0:
+                break
             if sp[0] <= h1 and sp[1] >= h0:
-                sp[3] += n
-        self._cache_known.append((h0, h1, n))
+                take = min(left, max(sp[2] - sp[3], 0.0))
+                sp[3] += take
+                left -= take
+        if left > 0:  # for the windows still to be read (`add_cache_hits`)
+            self._cache_known.append([h0, h1, left])
+            horizon = h1 - int(CACHE_KEEP_S * 1e9)  # bounded even where no scrape comes
+            while self._cache_known and self._cache_known[0][1] < horizon:
+                self._cache_known.popleft()
 
     def _cache_unsaid(self, t0: int, t1: int) -> float:
         """Prefix-cache hits of the scrape windows over [t0, t1] that no request's answer said (CACHE_UNSAID_FLAG)."""
