@@ -976,3 +976,28 @@ def test_a_requests_choices_cross_the_link_with_its_start_and_its_prompts_shape_
     assert starts == [{"sequences": 4, "choices": 2}] and workers.replay_failures == 0
     link.data_received(frame(([], [], [], [_end_record(tr)], ZERO, [], T)))
     assert workers.replay_failures == 0 and ends[0].prompt_each_task is True
+
+
+def test_a_cached_count_said_early_with_the_prompt_reaches_the_ledger_through_a_worker():
+    # SGLang /generate and continuous usage with details say the cached count on the first event beside the prompt's
+    # length: the ledger places the prefill at the part computed (without it, a 900-cached prompt's prefill was
+    # charged whole and the request beside it -41%). Both records carry it: the first token's, and a later one's.
+    led, _rows = _ledger()
+    workers, shipper, wire = _pair(led)
+    seen = {}
+
+    async def main():
+        a, b = _trace(1, T + S // 10), _trace(2, T + S // 10)
+        shipper.on_start(a)
+        shipper.on_start(b)
+        a.extra["cached_tokens"] = 900
+        _tok(shipper, a, T + S // 5, 1)  # the first: its own record
+        _tok(shipper, b, T + S // 5, 1)
+        b.extra["cached_tokens"] = 3  # said from its second event on: a token record
+        _tok(shipper, b, T + S // 4, 1)
+        await asyncio.sleep(0.05)
+        for r in led.requests.values():
+            seen[r.trace.request_id] = (r.trace.extra.get("prompt_tokens"), r.trace.extra.get("cached_tokens"))
+
+    asyncio.run(main())
+    assert seen == {1: (5, 900), 2: (5, 3)}

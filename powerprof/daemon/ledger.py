@@ -27,9 +27,9 @@ from powerprof.energy import epoch_broken, interp_at, trailing_average_interval_
 from powerprof.profiler import (BEFORE_FIRST_READ_FLAG, METHOD_AVG_POWER, METHOD_COUNTER, METHOD_NONE, METHOD_POWER, NO_COUNTER_SHORT_BUSY_SHARE,
                                 NO_COUNTER_SHORT_BUSY_SHARE_INSTANT, NO_COUNTER_SHORT_FIX, NO_COUNTER_SHORT_FLAG,
                                 weakest_method)
-from powerprof.storage.schema import (BYPASS_LOW_FLAG, CACHE_UNSAID_FIX, CACHE_UNSAID_FLAG, SERVER_COUNT_COMPLETE,
-                                      SERVER_COUNT_MISPLACED, SERVER_COUNT_OFF, SERVER_COUNT_PROXY_LAG,
-                                      SERVER_COUNT_UNREAD, bypass_count_fix, bypass_count_low)
+from powerprof.storage.schema import (BYPASS_LOW_FLAG, CACHE_LATE_FIX, CACHE_LATE_FLAG, CACHE_UNSAID_FIX,
+                                      CACHE_UNSAID_FLAG, SERVER_COUNT_COMPLETE, SERVER_COUNT_MISPLACED, SERVER_COUNT_OFF,
+                                      SERVER_COUNT_PROXY_LAG, SERVER_COUNT_UNREAD, bypass_count_fix, bypass_count_low)
 
 from powerprof.arrival import SAME_DELIVERY_NS
 
@@ -177,6 +177,10 @@ class _Req:
     # the most such tokens of one of them (CACHE_UNSAID_FLAG: its share beside a reused prompt costed whole).
     cache_beside_j: float = 0.0
     cache_beside: float = 0.0
+    # The cached count its prefill was first placed with (a prompt said early, before its end's count: `_cached_tokens`)
+    # and, as its row is made, how many more its end said (CACHE_LATE_FLAG: placed as computed, not found cached).
+    prefill_cached: float | None = None
+    cache_late: float = 0.0
     prev_held: bool = False  # that piece held more tokens than its sequences
     first_held: bool = False  # its first piece held more than FIRST_BURST_TOKENS a sequence
     closed_s: float = 0.0  # seconds of its run in intervals closed before its tokens came (not its energy)
@@ -285,8 +289,9 @@ class Ledger:
         self.no_counter_short_requests = 0  # request rows emitted with NO_COUNTER_SHORT_FLAG
         # The server's prefix-cache hits against what its answers said (`add_cache_hits`, CACHE_UNSAID_FLAG):
         # [t0, t1, hits, known] of each scrape window in which it hit, `known` the cached tokens of the requests that
-        # met it (said in their answers, or a shared prompt's other choices); (h0, h1, tokens) of each ended request
-        # known to have hit, over the span the server counts its hit in (`_hit_span`).
+        # met it (said in their answers, or a shared prompt's other choices), each such token in one window only;
+        # [h0, h1, tokens not yet in a window] of each ended request known to have hit, over the span the server
+        # counts its hit in (`_hit_span`).
         self._cache_spans: deque = deque()
         self._cache_known: deque = deque()
         self.cache_unsaid_requests = 0  # request rows emitted with CACHE_UNSAID_FLAG
@@ -821,15 +826,24 @@ class Ledger:
         (scrape.Scraper.cache_hits; None: not known). Checked against the cached counts the requests that met it said:
         the rest the server reused without saying it to any request, and the rows of those that said nothing, and
         the intervals over it, say so (CACHE_UNSAID_FLAG)."""
-        if hits is None or hits <= 0 or since_ns is None or since_ns >= t_ns:
-            return
-        known = sum(n for h0, h1, n in self._cache_known if h0 <= t_ns and h1 >= since_ns)
-        self._cache_spans.append([int(since_ns), int(t_ns), float(hits), float(known)])
         horizon = int(t_ns) - int(CACHE_KEEP_S * 1e9)
+        # Pruned at every scrape, whatever it read: a server with no counter (llama.cpp: None) still has its
+        # requests' known hits kept (3000 over 600 s at 5 requests/s, growing for ever, before).
         while self._cache_spans and self._cache_spans[0][1] < horizon:
             self._cache_spans.popleft()
         while self._cache_known and self._cache_known[0][1] < horizon:
             self._cache_known.popleft()
+        if hits is None or hits <= 0 or since_ns is None or since_ns >= t_ns:
+            return
+        sp = [int(since_ns), int(t_ns), float(hits), 0.0]
+        for k in self._cache_known:  # what ended requests known to have hit in it have left over (`_cache_met`)
+            if k[0] <= t_ns and k[1] >= since_ns and k[2] > 0:
+                take = min(k[2], sp[2] - sp[3])
+                sp[3] += take
+                k[2] -= take
+                if sp[3] >= sp[2]:
+                    break
+        self._cache_spans.append(sp)
 
     def _hit_span(self, r: _Req) -> tuple[int, int]:
         """Where the server counts the request's prefix-cache hit: vLLM as it schedules it (arrival to first token),
@@ -847,10 +861,22 @@ class Ledger:
         if n <= 0:
             return
         h0, h1 = self._hit_span(r)
+        # Each known hit counted once, as the server's counter counts it: in the windows of its span that hit, the
+        # earliest first (vLLM counts it as it schedules the request, which may be long before its first token).
+        # Given to every window its span touched, a request queued 2.8 s hid another's 800 unsaid hits (before).
+        left = float(n)
         for sp in self._cache_spans:
+            if left <= 0:
+                break
             if sp[0] <= h1 and sp[1] >= h0:
-                sp[3] += n
-        self._cache_known.append((h0, h1, n))
+                take = min(left, max(sp[2] - sp[3], 0.0))
+                sp[3] += take
+                left -= take
+        if left > 0:  # for the windows still to be read (`add_cache_hits`)
+            self._cache_known.append([h0, h1, left])
+            horizon = h1 - int(CACHE_KEEP_S * 1e9)  # bounded even where no scrape comes
+            while self._cache_known and self._cache_known[0][1] < horizon:
+                self._cache_known.popleft()
 
     def _cache_unsaid(self, t0: int, t1: int) -> float:
         """Prefix-cache hits of the scrape windows over [t0, t1] that no request's answer said (CACHE_UNSAID_FLAG)."""
@@ -1105,7 +1131,11 @@ class Ledger:
         prompt = np.array([self._prompt_work(r, d) if r.trace.first_ns is not None or d else 0.0
                            for r, d in zip(reqs, done)], dtype=float)
         # Its prefill is the part the server computed: a prefix-cache hit is in its context, not its prefill work.
-        computed = np.maximum(prompt - np.array([_cached_tokens(r) for r in reqs], dtype=float), 0.0)
+        cached = np.array([_cached_tokens(r) for r in reqs], dtype=float)
+        computed = np.maximum(prompt - cached, 0.0)
+        for i, r in enumerate(reqs):
+            if prompt[i] > 0 and r.prefill_cached is None:
+                r.prefill_cached = float(cached[i])  # its prefill placed in the intervals closing now
         ev_t, ev_r, ev_n, ev_c, ev_w = [], [], [], [], []
         for i, r in enumerate(reqs):
             ev_t.extend(r.ev_t)
@@ -1831,6 +1861,8 @@ class Ledger:
     def _request_row(self, r: _Req) -> dict:
         if _cache_unsaid_candidate(r):
             r.cache_unsaid = self._cache_unsaid(*self._hit_span(r))
+        if r.prefill_cached is not None:
+            r.cache_late = max(_cached_tokens(r) - r.prefill_cached, 0.0)
         row = self._request_fields(r)
         if _cache_flagged(r) and row["gpu_energy_j"] is not None:
             self.cache_unsaid_requests += 1
@@ -2124,6 +2156,11 @@ def _approximate_note(r: _Req) -> str | None:
         notes.append(f"{r.closed_s:.1f} s of its run ran in intervals closed before its tokens came (held longer than "
                      "they can wait): that energy went to the requests beside it or to idle, and its own figure is low "
                      f"({BURST_FIX})")
+    if r.cache_late >= CACHE_UNSAID_MIN:
+        notes.append(f"{CACHE_LATE_FLAG}: its answer said {r.cache_late:.0f} of its prompt tokens were found in the "
+                     "prefix cache only at its end, after intervals over its prefill had closed with them costed as "
+                     "computed (its prompt's length was said early, its cached count not): its GPU energy may be high, "
+                     f"the requests beside it low; fix: {CACHE_LATE_FIX}")
     if r.cache_unsaid >= CACHE_UNSAID_MIN:
         notes.append(_cache_unsaid_note(r.cache_unsaid, "its prefill"))
     elif r.cache_beside_j > 0:
@@ -2163,11 +2200,15 @@ def _prompt_sequences(r: _Req) -> int:
 
 def _cached_tokens(r: _Req) -> float:
     """Of the request's prompt figure, the tokens the server said it found in its prefix cache (no prefill work); 0
-    where it did not say (then its whole prompt is costed as computed: `_cache_unsaid_note`)."""
+    where it did not say (then its whole prompt is costed as computed: `_cache_unsaid_note`). Before its end, the
+    count said early with the prompt's length (`_prompt_tokens`: SGLang's meta_info, continuous usage's details)."""
     c = r.trace.counts
-    if c is not None and c.cached_tokens is not None and c.prompt_tokens is not None and c.invalid is None:
-        return float(c.cached_tokens)
-    return 0.0
+    if c is not None and c.prompt_tokens is not None:
+        return float(c.cached_tokens) if c.cached_tokens is not None and c.invalid is None else 0.0
+    if c is not None and c.invalid:
+        return 0.0
+    k, p = r.trace.extra.get("cached_tokens"), _prompt_tokens(r)
+    return float(min(k, p)) if k is not None and p is not None else 0.0
 
 
 def _known_cached(r: _Req) -> float:

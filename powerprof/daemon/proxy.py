@@ -827,6 +827,9 @@ class _ClientSink:
                 # Not one llama.cpp task's of several (each says its own as it ends): the request's is their sum, at its end.
                 if p is not None and (not parser.prompt_each_task or trace.extra.get("sequences", 1) == 1):
                     trace.extra.setdefault("prompt_tokens", p)
+                    k = parser.cached_tokens  # said with it (SGLang, details in continuous usage): its prefill's part
+                    if k is not None:
+                        trace.extra.setdefault("cached_tokens", k)
                     self._prompt_known = True
             if n <= 0:
                 return

@@ -144,7 +144,7 @@ class ShippingRecorder:
     def on_tokens(self, trace: RequestTrace, t_ns: int, n: int) -> None:
         if trace.first_ns == t_ns and trace.tokens_seen == n:  # the first: exact, on its own
             self._firsts.append((trace.request_id, t_ns, trace.first_wall_ns, n, trace.status, trace.stream,
-                                 trace.extra.get("prompt_tokens")))
+                                 trace.extra.get("prompt_tokens"), trace.extra.get("cached_tokens")))
             self._schedule(urgent=True)
             return
         e = self._tokens.get(trace.request_id)
@@ -187,12 +187,12 @@ class ShippingRecorder:
             return
         toks = []
         for rid, (t, n, tr) in self._tokens.items():
-            p = tr.extra.get("prompt_tokens")
-            toks.append((rid, t, n, -1 if p is None else p))
+            p, k = tr.extra.get("prompt_tokens"), tr.extra.get("cached_tokens")
+            toks.append((rid, t, n, -1 if p is None else p, -1 if k is None else k))
         self._tokens = {}
         if not self._writable():
             # Tokens can be lost here (counted, and their requests marked); the edges of a request cannot.
-            for rid, _t, n, _p in toks:
+            for rid, _t, n, _p, _k in toks:
                 self._marks[rid] = self._marks.get(rid, 0) + n
             self.dropped += len(toks)
             self._bound_held()
@@ -349,8 +349,8 @@ def worker_main() -> int:
 
 _I, _IN, _S, _SN, _BN, _FN = "int", "int?", "str", "str?", "bool?", "float?"
 _START = (_I, _S, _S, _SN, _I, _I, _SN, _SN, _BN, _I, _I)
-_FIRST = (_I, _I, _I, _I, _IN, _BN, _FN)
-_TOK = (_I, _I, _I, "float")
+_FIRST = (_I, _I, _I, _I, _IN, _BN, _FN, _FN)  # ... its prompt's length and cached count, where said early
+_TOK = (_I, _I, _I, "float", "float")
 _END_REST = (_IN, _IN, _IN, _SN, _SN, _IN, _IN, _IN, _IN, _I, _I, _SN, _SN, _SN, _BN)
 _COUNTS = (_IN, _IN, _SN, _SN, _S, _FN, _BN, _SN, _SN, "bool", _SN, _SN, _SN, "bool", _IN, _I, _IN)  # streams.Counts, in its order
 # ShippingRecorder._stats: recorder and upstream failures, records dropped, malformed requests, body timeouts (silent,
@@ -699,7 +699,7 @@ class ProxyWorkers:
                 tr.extra["choices"] = choices
             mirrors[(w.index, rid)] = tr
             self._call(rec.on_start, tr)
-        for rid, t, wall, n, status, stream, prompt in firsts:
+        for rid, t, wall, n, status, stream, prompt, cached in firsts:
             tr = mirrors.get((w.index, rid))
             if tr is None:
                 self.marked[(w.index, rid)] = self.marked.get((w.index, rid), 0) + n
@@ -712,9 +712,11 @@ class ProxyWorkers:
                 tr.stream = stream
             if prompt is not None:
                 tr.extra["prompt_tokens"] = prompt
+            if cached is not None:
+                tr.extra["cached_tokens"] = cached
             self._call(rec.on_tokens, tr, t, n)
         wall_offset = time.time_ns() - time.monotonic_ns()  # wall stamps of later tokens: only rows read them,
-        for rid, t, n, prompt in toks:  # and the end record brings the exact last one
+        for rid, t, n, prompt, cached in toks:  # and the end record brings the exact last one
             tr = mirrors.get((w.index, rid))
             if tr is None:
                 self.marked[(w.index, rid)] = self.marked.get((w.index, rid), 0) + n
@@ -723,6 +725,8 @@ class ProxyWorkers:
             tr.tokens_seen += n
             if prompt >= 0 and "prompt_tokens" not in tr.extra:
                 tr.extra["prompt_tokens"] = prompt
+            if cached >= 0 and "cached_tokens" not in tr.extra:
+                tr.extra["cached_tokens"] = cached
             self._call(rec.on_tokens, tr, t, n)
         for rid, n in marks:
             self.marked[(w.index, rid)] = self.marked.get((w.index, rid), 0) + n

@@ -281,6 +281,13 @@ BYPASS_LOW_FLAG = "bypass-uncounted"
 CACHE_UNSAID_FLAG = "prefix-cache-unsaid"
 CACHE_UNSAID_FIX = ("start vLLM with --enable-prompt-tokens-details, SGLang with --enable-cache-report (each answer's "
                     "usage then says its prompt_tokens_details.cached_tokens)")
+# A request whose prompt's length was said early in its stream and its cached count only at its end, after intervals
+# over its prefill had closed with the whole prompt costed as computed (docs/daemon.md, "Prefix-cache hits are no
+# prefill").
+CACHE_LATE_FLAG = "prefix-cache-late"
+CACHE_LATE_FIX = ("have the stream say its cached count with its prompt's length (vLLM's continuous usage with "
+                  "--enable-prompt-tokens-details; SGLang /generate says it on every event), or ask without "
+                  "continuous usage, so its prompt waits for the end's count")
 # The `server_count` values whose energy is trusted in J/token. `slots_only` alone is every interval of a llama-server
 # started without --metrics (its default): leaving it out would leave every figure out for a loss only bypass traffic
 # causes; like `off` (bypass not measured at all), the rows, /metrics, the log and `analyze`'s notes say it instead.

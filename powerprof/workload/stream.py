@@ -271,6 +271,14 @@ class StreamParser:
         return s.usage_prompt if s.usage_prompt is not None else s.prompt_tokens
 
     @property
+    def cached_tokens(self) -> int | None:
+        """Of `prompt_tokens` as said so far, the part the server said it found in its prefix cache, as early as it
+        says it (SGLang /generate repeats meta_info.cached_tokens on every event; continuous usage its
+        prompt_tokens_details); None until then, or where it never does."""
+        p = self.prompt_tokens
+        return self._cached_tokens(p) if p is not None else None
+
+    @property
     def prompt_each_task(self) -> bool:
         """The prompt figure (`prompt_tokens`) sums each task's (llama.cpp's timings or per-task usage, a whole
         answer's first task's scaled to its choices), not each prompt said once for its choices (a usage for the
@@ -569,10 +577,21 @@ class StreamParser:
             p = int(mp.group(1))
             if p > MAX_COUNT:
                 return None
+        cached = None
+        q = v.find(b'"cached_tokens"', a, b)
+        if q >= 0:  # read as the full parse reads it: the cached count is said early with the prompt (ledger)
+            mk = _SG_INT_VALUE.match(v, q + 15, b + 1) if v.find(b'"cached_tokens"', q + 15, b) < 0 else None
+            if mk is None:
+                return None
+            cached = int(mk.group(1))
+            if cached > MAX_COUNT:
+                return None
         idx = m.group(3) or m.group(1)  # the last said, as json.loads keeps a key said twice
         idx = int(idx) if idx is not None else 0
         if c > MAX_COUNT or idx > MAX_COUNT:
             return None
+        if cached is not None:
+            self._s.seq_cached[idx] = cached
         return self._sglang_step(idx, c, p, k, None, True, out)
 
     def _anthropic_quick(self, v: bytes, out: list[TokenEvent] | None) -> int | None:

@@ -1,0 +1,209 @@
+"""The ledger's prefix-cache bookkeeping driven directly: a cached count said early in a stream (with its prompt
+length) places the prefill at the part computed; one said only at the end, after its prefill's intervals closed,
+marks the request; each request's known hits are counted once against the server's counter; and what is kept for
+that check stays bounded."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+
+from powerprof.daemon.ledger import CACHE_KEEP_S, Ledger
+from powerprof.daemon.proxy import RequestTrace
+from powerprof.daemon.streams import Counts
+from powerprof.workload.stream import StreamParser
+
+S = 1_000_000_000
+UNSAID = "prefix-cache-unsaid"  # storage/schema.py CACHE_UNSAID_FLAG
+LATE = "prefix-cache-late"  # storage/schema.py CACHE_LATE_FLAG
+
+
+@dataclass
+class _R:  # the fields of a GpuReading the ledger uses
+    energy_j: float | None
+    power_w: float | None
+    power_avg_w: float | None = None
+    power_limit_w: float | None = None
+
+
+class _Sink:
+    def __init__(self):
+        self.rows = {"requests": [], "intervals": [], "tags": [], "costs": []}
+
+    def __call__(self, name, rows):
+        self.rows[name].extend(rows)
+
+
+def _feed(led, t_s, energy_j):
+    led.add_gpu_sample(int(t_s * S), int(t_s * S), [_R(energy_j, 200.0)])
+
+
+def _llama(rid, arrival_s):
+    return RequestTrace(rid, "POST", "/completion", "t", int(arrival_s * S), 0, api="llamacpp", stream=True)
+
+
+def _early_prompt_run(cached_early: bool):
+    """A: a 1000-token prompt, 900 of it cached, streaming 9 s; B: a 100-token prompt, done in 1 s. Both prompts are
+    said on the first event (continuous usage, SGLang /generate); the fixed-ratio model costs a prompt token at
+    0.05 of a decoded one over the same 1 s, so the truth is A 900 J, B 100 J (the simulator's own split)."""
+    sink = _Sink()
+    led = Ledger("d", 0, 1, sink, grace_s=0.1)
+    a, b = _llama(1, 0.1), _llama(2, 0.2)
+    for tr in (a, b):
+        led.on_start(tr)
+    a.extra["prompt_tokens"], b.extra["prompt_tokens"] = 1000, 100
+    if cached_early:
+        a.extra["cached_tokens"], b.extra["cached_tokens"] = 900, 0
+    _feed(led, 0.0, 0.0)
+    a.first_ns = b.first_ns = int(1.0 * S)
+    e = 0.0
+    for sec in range(1, 12):
+        for k in range(10):
+            t = int((sec + 0.09 * k) * S)
+            if sec < 10:
+                led.on_tokens(a, t, 1)
+                a.last_ns = t
+            if sec < 2:
+                led.on_tokens(b, t, 1)
+                b.last_ns = t
+        if sec == 2:
+            b.end_ns = int(1.95 * S)
+            b.counts = Counts(generated_tokens=10, prompt_tokens=100, model=None, stop_reason=None,
+                              token_source="usage", cached_tokens=0)
+            led.on_end(b)
+        if sec == 10:
+            a.end_ns = int(9.95 * S)
+            a.counts = Counts(generated_tokens=90, prompt_tokens=1000, model=None, stop_reason=None,
+                              token_source="usage", cached_tokens=900)
+            led.on_end(a)
+        e += 100.0
+        _feed(led, float(sec), e)
+        led.advance(int((sec + 0.5) * S))
+    led.close_all(int(12 * S))
+    return sink.rows["intervals"], {r["request_id"]: r for r in sink.rows["requests"]}
+
+
+def test_a_cached_count_said_early_costs_the_prefill_at_the_part_computed():
+    # Before: the early prompt released the prefill at 1000 tokens, the end's 900 cached came after its interval
+    # closed: the first interval's prefill_tokens 1100 (truth 200), B 59.1 J (truth 100, -41%), A 940.9 (900).
+    ivs, rq = _early_prompt_run(cached_early=True)
+    assert ivs[0]["prefill_tokens"] == 200
+    assert abs(rq[2]["gpu_energy_j"] - 100.0) < 1.0 and abs(rq[1]["gpu_energy_j"] - 900.0) < 1.0
+    assert not (rq[1]["energy_note"] or "").count(LATE)
+
+
+def test_a_cached_count_said_only_after_its_prefill_closed_marks_the_request():
+    # Before: A's row said cached_prompt_tokens=900 and nothing else, its prefill charged at the whole prompt.
+    _ivs, rq = _early_prompt_run(cached_early=False)
+    note = rq[1]["energy_note"] or ""
+    assert note.startswith("approximate:") and LATE in note and "900" in note and "fix:" in note
+    assert rq[1]["cached_prompt_tokens"] == 900
+    assert LATE not in (rq[2]["energy_note"] or "")  # B said 0 cached: nothing came late
+
+
+def test_parsers_say_the_cached_count_as_early_as_the_prompt():
+    # SGLang /generate repeats meta_info.cached_tokens on every event (read from its bytes too: the quick path).
+    p = StreamParser("sglang-generate", count_only=True)
+    ids = []
+    for k in range(3):
+        ids.append(k)
+        ev = {"text": "x" * (k + 1), "output_ids": ids[:], "meta_info": {
+            "id": "a", "prompt_tokens": 1000, "completion_tokens": k + 1, "cached_tokens": 900,
+            "finish_reason": None}, "index": 0}
+        p.count(b"data: " + json.dumps(ev).encode() + b"\n\n")
+        assert (p.prompt_tokens, p.cached_tokens) == (1000, 900)
+    # OpenAI continuous usage with prompt details (vLLM --enable-prompt-tokens-details).
+    p = StreamParser("openai-chat", count_only=True)
+    for k in range(2):
+        ev = {"id": "x", "object": "chat.completion.chunk",
+              "choices": [{"index": 0, "delta": {"content": "a"}, "finish_reason": None}],
+              "usage": {"prompt_tokens": 1000, "completion_tokens": k + 1, "total_tokens": 1001 + k,
+                        "prompt_tokens_details": {"cached_tokens": 900}}}
+        p.count(b"data: " + json.dumps(ev, separators=(",", ":")).encode() + b"\n\n")
+        assert (p.prompt_tokens, p.cached_tokens) == (1000, 900)
+    # Without details: the prompt early, no cached count (None, never 0).
+    p = StreamParser("openai-chat", count_only=True)
+    ev = {"id": "x", "object": "chat.completion.chunk",
+          "choices": [{"index": 0, "delta": {"content": "a"}, "finish_reason": None}],
+          "usage": {"prompt_tokens": 1000, "completion_tokens": 1, "total_tokens": 1001}}
+    p.count(b"data: " + json.dumps(ev, separators=(",", ":")).encode() + b"\n\n")
+    assert (p.prompt_tokens, p.cached_tokens) == (1000, None)
+
+
+def test_hits_kept_for_the_check_stay_bounded_where_the_server_has_no_counter():
+    # llama.cpp says cache_n on every answer and has no prefix-cache counter (add_cache_hits gets None): before,
+    # every request's known hits were kept for ever (3000 over 600 s, growing with the traffic).
+    led = Ledger("d", 0, 1, _Sink(), grace_s=0.1)
+    led.scraping = True
+    _feed(led, 0.0, 0.0)
+    e, rid = 0.0, 0
+    for sec in range(1, 601):
+        for k in range(5):
+            rid += 1
+            tr = _llama(rid, sec - 1 + 0.1 * k)
+            led.on_start(tr)
+            tr.first_ns = tr.last_ns = tr.end_ns = int((sec - 1 + 0.1 * k + 0.05) * S)
+            led.on_tokens(tr, tr.first_ns, 1)
+            tr.counts = Counts(generated_tokens=1, prompt_tokens=500, model=None, stop_reason=None,
+                               token_source="timings", cached_tokens=400)
+            led.on_end(tr)
+        led.add_server_tokens(int(sec * S), 5.0, int((sec - 1) * S))
+        led.add_cache_hits(int((sec - 1) * S), int(sec * S), None)
+        e += 100.0
+        _feed(led, float(sec), e)
+        led.advance(int((sec + 0.5) * S))
+    kept = led._cache_known
+    assert kept and (kept[-1][1] - kept[0][0]) / S <= CACHE_KEEP_S + 2.0
+    assert len(kept) <= 5 * (CACHE_KEEP_S + 2.0)
+
+
+def _vllm(rid, arrival_s):
+    return RequestTrace(rid, "POST", "/v1/completions", "t", int(arrival_s * S), 0, api="openai-completions",
+                        stream=True)
+
+
+def _straddle_run(with_a: bool):
+    """vLLM without --enable-prompt-tokens-details. A (n=2: its 2nd choice finds the prompt cached, 999 hits the
+    daemon knows) is scheduled at once, counted in the first scrape window, and gives its first token 2.8 s later;
+    B reuses 800 cached tokens it never says, counted in the third window, which A's arrival → first-token span
+    also overlaps."""
+    sink = _Sink()
+    led = Ledger("d", 0, 1, sink, grace_s=0.1)
+    led.scraping = True
+    _feed(led, 0.0, 0.0)
+    a, b = _vllm(1, 0.1), _vllm(2, 2.2)
+    a.extra.update(choices=2, sequences=2)
+    reqs = [(a, 2.9, 3.5), (b, 2.4, 3.4)] if with_a else [(b, 2.4, 3.4)]
+    for q, *_ in reqs:
+        led.on_start(q)
+    e = 0.0
+    for sec in range(1, 7):
+        for q, f, end in reqs:
+            for k in range(10):
+                t = int((sec - 1 + 0.1 * k) * S)
+                if int(f * S) <= t < int(end * S):
+                    q.first_ns = q.first_ns or t
+                    q.last_ns = t
+                    q.tokens_seen += 1
+                    led.on_tokens(q, t, 1)
+            if q.end_ns is None and end <= sec:
+                q.end_ns = int(end * S)
+                q.counts = Counts(generated_tokens=q.tokens_seen, prompt_tokens=1000, model=None, stop_reason=None,
+                                  token_source="usage")
+                led.on_end(q)
+        hits = {1: 999.0 if with_a else 0.0, 3: 800.0}.get(sec, 0.0)
+        led.add_cache_hits(int((sec - 1) * S), int(sec * S), hits)
+        led.add_server_tokens(int(sec * S), 0.0, int((sec - 1) * S))
+        e += 100.0
+        _feed(led, float(sec), e)
+        led.advance(int((sec + 0.5) * S))
+    led.close_all(int(8 * S))
+    return {r["request_id"]: r for r in sink.rows["requests"]}
+
+
+def test_a_requests_known_hits_are_counted_once_not_in_every_window_its_span_touches():
+    # Before: A's 999 known hits went to all three windows of its span, hiding B's 800 unsaid ones: B's note None.
+    alone = _straddle_run(with_a=False)
+    assert UNSAID in (alone[2]["energy_note"] or "")
+    beside = _straddle_run(with_a=True)
+    assert UNSAID in (beside[2]["energy_note"] or "") and "800" in beside[2]["energy_note"]
