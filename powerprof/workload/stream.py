@@ -577,19 +577,21 @@ class StreamParser:
             p = int(mp.group(1))
             if p > MAX_COUNT:
                 return None
+        idx = m.group(3) or m.group(1)  # the last said, as json.loads keeps a key said twice
+        idx = int(idx) if idx is not None else 0
+        if c > MAX_COUNT or idx > MAX_COUNT:
+            return None
         cached = None
-        q = v.find(b'"cached_tokens"', a, b)
-        if q >= 0:  # read as the full parse reads it: the cached count is said early with the prompt (ledger)
+        # Read as the full parse reads it: the cached count is said early with the prompt (ledger). SGLang repeats
+        # the same count on every event once it prefilled: read until seen (+11% a chunk, read on every event).
+        q = v.find(b'"cached_tokens"', a, b) if idx not in self._s.seq_cached else -1
+        if q >= 0:
             mk = _SG_INT_VALUE.match(v, q + 15, b + 1) if v.find(b'"cached_tokens"', q + 15, b) < 0 else None
             if mk is None:
                 return None
             cached = int(mk.group(1))
             if cached > MAX_COUNT:
                 return None
-        idx = m.group(3) or m.group(1)  # the last said, as json.loads keeps a key said twice
-        idx = int(idx) if idx is not None else 0
-        if c > MAX_COUNT or idx > MAX_COUNT:
-            return None
         if cached is not None:
             self._s.seq_cached[idx] = cached
         return self._sglang_step(idx, c, p, k, None, True, out)
