@@ -71,3 +71,19 @@ def test_metrics_name_the_prefix_cache_counters_as_vllm_does():
     assert counter_total(text, "vllm:prefix_cache_queries_total") == counter_total(text, "vllm:prompt_tokens_total") == prompts
     assert 0 < counter_total(text, "vllm:prefix_cache_hits_total") < b["prompt_tokens"]
     assert counter_total(text, "vllm:external_prefix_cache_hits_total") == 0
+
+
+def test_the_cache_holds_whole_blocks_as_vllms():
+    # vLLM caches whole KV blocks (16 tokens by default on GPU, 128 on CPU): a new conversation whose prompt shares only
+    # the chat template's first words with an earlier one finds nothing cached (vLLM 0.32 said 0; the simulator said 3,
+    # its cache being by word), and a later turn's cached count is whole blocks.
+    from powerprof.sim.server import VLLM_BLOCK_TOKENS
+
+    with SimServer(SimNVML("seed-16g", state_path=None), flavour="vllm", decode_tok_s=2000, model="tiny",
+                   prefix_cache=True, prompt_details=True) as sim:
+        openai_usages(sim.url, "openai-chat", False, "One conversation: " + OPENING)
+        other = openai_usages(sim.url, "openai-chat", False, "Another conversation: " + OPENING)
+        again = openai_usages(sim.url, "openai-chat", False, "Another conversation: " + OPENING + "Power limits.")
+    assert other["prompt_tokens_details"]["cached_tokens"] == 0, other
+    cached = again["prompt_tokens_details"]["cached_tokens"]
+    assert cached > 0 and cached % VLLM_BLOCK_TOKENS == 0 and again["prompt_tokens"] - cached <= 3 + VLLM_BLOCK_TOKENS, again
