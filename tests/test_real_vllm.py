@@ -26,7 +26,7 @@ import numpy as np
 import pandas as pd
 import pytest
 
-from daemon_helpers import DaemonProc, energy_books_j, read_dataset, sim_env
+from daemon_helpers import DaemonProc, daemon_conversation, note_of, energy_books_j, read_dataset, sim_env
 from proxy_helpers import buffering_proxy, serve_in_thread
 from powerprof.workload.client import RequestParams, detect_server
 from powerprof.workload.launcher import ServerLauncher
@@ -520,8 +520,6 @@ def test_an_engine_dying_mid_stream_is_an_error_inside_the_200_as_the_simulator_
 # of a resent conversation not already cached; with --enable-prompt-tokens-details its usage says the cached part,
 # without it (its default) nothing, and the daemon reads vllm:prefix_cache_hits_total to flag what went unsaid.
 
-# Over 2 blocks of 128 tokens, so later turns find at least 256 tokens cached.
-OPENING = "The machine serves a language model to many users, one token after another. " * 25
 FLAG = "prefix-cache-unsaid"  # storage/schema.py CACHE_UNSAID_FLAG
 
 
@@ -560,78 +558,17 @@ def _without_prompt_details(upstream: str):
     return serve_in_thread(factory)
 
 
-def _converse(base: str, name: str, turns: int = 3) -> list[dict]:
-    """One conversation of `turns` chat turns, each resending the whole history (an opening of ~420 tokens): streamed,
-    the second whole; each tagged name-k. The usage of each."""
-    messages = [{"role": "system", "content": f"{name}: {OPENING}"}]
-    usages = []
-    for k in range(turns):
-        messages.append({"role": "user", "content": f"Question {k}: how much energy does a token cost?"})
-        stream = k != 1
-        body = {"model": "tiny", "messages": messages, "max_tokens": 8, "ignore_eos": True, "temperature": 0,
-                "stream": stream, **({"stream_options": {"include_usage": True}} if stream else {})}
-        status, raw = _post(base + "/v1/chat/completions", body, {"X-Powerprof-Tag": f"{name}-{k}"})
-        assert status == 200, raw[:300]
-        if stream:
-            docs = [json.loads(x[6:]) for x in raw.decode().splitlines() if x.startswith("data: {")]
-            text = "".join((c.get("delta") or {}).get("content") or "" for d in docs for c in d.get("choices") or [])
-            (usage,) = [d["usage"] for d in docs if d.get("usage")]
-        else:
-            answer = json.loads(raw)
-            text, usage = answer["choices"][0]["message"]["content"], answer["usage"]
-        messages.append({"role": "assistant", "content": text})
-        usages.append(usage)
-    return usages
-
-
-def _note(row: dict) -> str:
-    return row["energy_note"] if isinstance(row["energy_note"], str) else ""
-
-
-def _daemon_converse(upstream: str, tmp_path: Path, name: str) -> tuple[dict, list[dict], float | None]:
-    """The conversation through a daemon in front of `upstream`: its request rows by tag, the usages said, and the
-    daemon's powerprof_requests_cache_unsaid_total at the end (read once every turn's row is out)."""
-    from powerprof.daemon.scrape import counter_total
-
-    data = tmp_path / name
-    cfg = tmp_path / f"{name}.toml"
-    cfg.write_text("[scrape]\ninterval_s = 0.25\n")
-    d = DaemonProc(data, "--config", str(cfg), "--simulate", "--upstream", upstream, "--interval", "0.25",
-                   "--flush-interval", "0.25", env=sim_env(tmp_path))
-    try:
-        usages = _converse(d.info["proxy"], name)
-        # Scrapes after the last turn's admission, and its row out: the daemon's own counter of rows it wrote
-        # stands still for a second (at most 30 s).
-        read = lambda: counter_total(urllib.request.urlopen(d.info["metrics"] + "/metrics", timeout=10).read().decode(),
-                                     "powerprof_requests_cache_unsaid_total")  # noqa: E731
-        deadline, prev, since = time.monotonic() + 30, object(), time.monotonic()
-        while time.monotonic() < deadline:
-            now = read()
-            if now != prev:
-                prev, since = now, time.monotonic()
-            elif time.monotonic() - since >= 2.0:
-                break
-            time.sleep(0.2)
-        unsaid = read()
-    finally:
-        rc = d.stop()
-    assert rc == 0, d.output()
-    rows = {r["tag"]: r for r in read_dataset(data, "requests").to_dict("records")}
-    assert len(rows) == len(usages), sorted(rows)
-    return rows, usages, unsaid
-
-
 def test_cached_turns_are_said_by_vllms_usage_and_the_daemon_stores_what_it_said(vllm_url, tmp_path):
     # With --enable-prompt-tokens-details: each row's cached_prompt_tokens is what vLLM said (0 on the first turn, the
     # cached blocks on later ones), and nothing is flagged: the server's hits are all said.
-    rows, usages, unsaid = _daemon_converse(vllm_url, tmp_path, "said")
+    rows, usages, unsaid = daemon_conversation(vllm_url, tmp_path, "said")
     cached = [u["prompt_tokens_details"]["cached_tokens"] for u in usages]
     assert cached[0] == 0 and all(c >= 256 and c % 128 == 0 for c in cached[1:]), usages
     for k, u in enumerate(usages):
         row = rows[f"said-{k}"]
         assert row["outcome"] == "ok" and row["prompt_tokens"] == u["prompt_tokens"], row
         assert row["cached_prompt_tokens"] == cached[k], (row, u)
-        assert FLAG not in _note(row), row["energy_note"]
+        assert FLAG not in note_of(row), row["energy_note"]
     assert unsaid == 0
 
 
@@ -641,11 +578,11 @@ def test_cached_turns_vllm_does_not_say_are_flagged_and_counted(vllm_url, tmp_pa
     # fix, their cached_prompt_tokens null (never a 0 read as "nothing cached"), and the daemon counts them.
     url, stop = _without_prompt_details(vllm_url)
     try:
-        rows, usages, unsaid = _daemon_converse(url, tmp_path, "unsaid")
+        rows, usages, unsaid = daemon_conversation(url, tmp_path, "unsaid")
     finally:
         stop()
     assert all("prompt_tokens_details" not in u or u["prompt_tokens_details"] is None for u in usages), usages
-    notes = {tag: _note(row) for tag, row in rows.items()}
+    notes = {tag: note_of(row) for tag, row in rows.items()}
     assert all(r["outcome"] == "ok" and pd.isna(r["cached_prompt_tokens"]) for r in rows.values()), rows
     for k in (1, 2):
         note = notes[f"unsaid-{k}"]
@@ -661,6 +598,7 @@ def test_prefix_cache_usage_and_counters_read_as_the_simulator_says_them(vllm_ur
     # token (cached ones too), as vllm:prompt_tokens_total. (vLLM's cache is block-aligned, the simulator's by word:
     # the figures differ, the shapes and what moves the counters must not.)
     from powerprof.daemon.scrape import counter_total
+    from daemon_helpers import OPENING
     from support import json_shape, openai_usages
     from test_sim_vllm_prefix_cache import REAL
 
@@ -677,7 +615,7 @@ def test_prefix_cache_usage_and_counters_read_as_the_simulator_says_them(vllm_ur
         for api in ("openai-chat", "openai-completions"):
             for stream in (False, True):
                 # Its own first word: the first answer finds nothing cached (the simulator caches word prefixes).
-                opening = f"{base.rsplit(':', 1)[1]}{api}{stream}: {OPENING}"
+                opening = f"{time.time_ns()} {api} {stream}: {OPENING}"
                 first = openai_usages(base, api, stream, opening)
                 again = openai_usages(base, api, stream, opening + "Power limits decide.")
                 assert first["prompt_tokens_details"]["cached_tokens"] == 0, first

@@ -8,6 +8,7 @@ import pytest
 
 from powerprof.sim.nvml import SimNVML
 from powerprof.sim.server import SimServer
+from daemon_helpers import OPENING
 from support import json_shape, openai_usages
 
 COUNTS = {"prompt_tokens": "int", "total_tokens": "int", "completion_tokens": "int"}
@@ -28,7 +29,6 @@ REAL = {
     (False, "openai-completions", True): COUNTS,
 }
 
-OPENING = "The machine serves a language model to many users, one token after another. " * 25
 
 
 @pytest.mark.parametrize("details", [True, False], ids=["details", "no-details"])
@@ -75,8 +75,8 @@ def test_metrics_name_the_prefix_cache_counters_as_vllm_does():
 
 def test_the_cache_holds_whole_blocks_as_vllms():
     # vLLM caches whole KV blocks (16 tokens by default on GPU, 128 on CPU): a new conversation whose prompt shares only
-    # the chat template's first words with an earlier one finds nothing cached (vLLM 0.32 said 0; the simulator said 3,
-    # its cache being by word), and a later turn's cached count is whole blocks.
+    # the chat template's first words with an earlier one finds nothing cached (vLLM 0.32 said 0 where the simulator,
+    # its cache by word, said 3: tests/test_real_vllm.py), and a later turn's cached count is whole blocks (379 before).
     from powerprof.sim.server import VLLM_BLOCK_TOKENS
 
     with SimServer(SimNVML("seed-16g", state_path=None), flavour="vllm", decode_tok_s=2000, model="tiny",

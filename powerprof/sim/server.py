@@ -193,6 +193,9 @@ IDLE_CLOSE_S = 5.0
 LLAMACPP_MAX_ANSWERS_PER_CONNECTION = 100
 
 FLAVOURS = ("llamacpp", "vllm", "sglang")
+# vLLM's prefix cache holds whole KV blocks (16 tokens by default on GPU; 128 on CPU, measured with vLLM 0.32): a
+# prompt's cached part is whole blocks, the rest computed. SGLang's radix cache and llama.cpp's are by token.
+VLLM_BLOCK_TOKENS = 16
 # SGLang (python/sglang/srt/metrics/collector.py, managers/scheduler_metrics_mixin.py) serves prometheus_client's
 # multiprocess collector: a labelled family shows on /metrics only once one of its label sets was first set, and
 # no process_start_time_seconds. Its token counters move when a request finishes; its scheduler gauges
@@ -1136,6 +1139,8 @@ class SimServer:
                 hit = self._cached_prefix(prompt)
                 if cache_prompt and not shared:
                     cached = min(hit, n_prompt - 1)
+            if self.flavour == "vllm":
+                cached -= cached % VLLM_BLOCK_TOKENS
         hc = h if choice == 0 else zlib.crc32(f"{prompt}#{choice}".encode())
         req = _Req(
             rid=rid,
