@@ -1577,9 +1577,10 @@ class SimServer:
             "model": self.model,
             "choices": [choice],
             "usage": self._usage(req, whole=True, api=api),
-            "timings": timings,
             "simulated": True,
         }
+        if self.flavour == "llamacpp":  # llama-server's own: vLLM and SGLang send no timings (cache_n would say cached)
+            obj["timings"] = timings
         return self._json(obj)
 
     def _usage(self, req: _Req, whole: bool = False, api: str = "openai-chat") -> dict:
