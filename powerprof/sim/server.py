@@ -1587,8 +1587,8 @@ class SimServer:
         """OpenAI usage. vLLM's (0.32, captured) is a pydantic dump: a whole answer's has every field, null ones
         included (`prompt_tokens_details: null` without prompt_details, `completion_tokens_details: null`), a stream's
         usage chunk none that is null. Its chat details also say `created_cache_tokens`, the prompt tokens computed and
-        written to the cache (here the uncached part: this cache's blocks are one word; vLLM's whole blocks of 16 on
-        GPU, 128 on CPU), its completions' not (null in a whole answer)."""
+        written to the cache in whole blocks (the prompt's whole blocks less the cached ones), its completions' not
+        (null in a whole answer)."""
         n = self._reported(req.generated)
         if self.flavour != "vllm":
             u = {"prompt_tokens": req.prompt_tokens, "completion_tokens": n, "total_tokens": req.prompt_tokens + n}
@@ -1599,7 +1599,8 @@ class SimServer:
         details = None
         if self.prompt_details:
             details = {"cached_tokens": req.cached,
-                       "created_cache_tokens": req.prompt_tokens - req.cached if api == "openai-chat" else None,
+                       "created_cache_tokens": max(req.prompt_tokens - req.prompt_tokens % VLLM_BLOCK_TOKENS - req.cached, 0)
+                       if api == "openai-chat" else None,
                        "multimodal_tokens": None}
             if not whole:
                 details = {k: v for k, v in details.items() if v is not None}
