@@ -99,3 +99,79 @@ def open_long_stream(proxy_url: str):
     r = urllib.request.urlopen(urllib.request.Request(proxy_url + "/completion", data=body, method="POST"), timeout=30)
     r.read1(200)
     return r
+
+
+# A conversation's opening of ~420 tokens (vLLM's tokenizer in tests/tiny_hf_llama.py), over 2 of vLLM's KV blocks on
+# CPU (128 tokens): later turns find at least 256 tokens cached.
+OPENING = "The machine serves a language model to many users, one token after another. " * 25
+
+
+def note_of(row: dict) -> str:
+    """A request row's energy_note, '' where null."""
+    return row["energy_note"] if isinstance(row["energy_note"], str) else ""
+
+
+def _post_json(url: str, body: dict, headers: dict) -> tuple[int, bytes]:
+    import urllib.error
+
+    req = urllib.request.Request(url, json.dumps(body).encode(), {"Content-Type": "application/json", **headers})
+    try:
+        with urllib.request.urlopen(req, timeout=300) as r:
+            return r.status, r.read()
+    except urllib.error.HTTPError as e:
+        return e.code, e.read()
+
+
+def converse(base: str, name: str, turns: int = 3) -> list[dict]:
+    """One chat conversation of `turns` turns, each resending the whole history: streamed (usage asked), the second
+    answered whole; each tagged name-k. The usage of each."""
+    # Its own first words (the time): nothing of it cached before, even on a server an earlier run used.
+    messages = [{"role": "system", "content": f"{name} {time.time_ns()}: {OPENING}"}]
+    usages = []
+    for k in range(turns):
+        messages.append({"role": "user", "content": f"Question {k}: how much energy does a token cost?"})
+        stream = k != 1
+        body = {"model": "tiny", "messages": messages, "max_tokens": 8, "ignore_eos": True, "temperature": 0,
+                "stream": stream, **({"stream_options": {"include_usage": True}} if stream else {})}
+        status, raw = _post_json(base + "/v1/chat/completions", body, {"X-Powerprof-Tag": f"{name}-{k}"})
+        assert status == 200, raw[:300]
+        if stream:
+            docs = [json.loads(x[6:]) for x in raw.decode().splitlines() if x.startswith("data: {")]
+            text = "".join((c.get("delta") or {}).get("content") or "" for d in docs for c in d.get("choices") or [])
+            (usage,) = [d["usage"] for d in docs if d.get("usage")]
+        else:
+            answer = json.loads(raw)
+            text, usage = answer["choices"][0]["message"]["content"], answer["usage"]
+        messages.append({"role": "assistant", "content": text})
+        usages.append(usage)
+    return usages
+
+
+def daemon_conversation(upstream: str, tmp_path: Path, name: str, turns: int = 3) -> tuple[dict, list[dict], float]:
+    """`converse` through a daemon (simulated GPU, scraping every 0.25 s) in front of `upstream`: its request rows by
+    tag, the usages, and its /metrics powerprof_requests_cache_unsaid_total once every turn's row is written."""
+    from powerprof.daemon.scrape import counter_total
+
+    data = tmp_path / name
+    cfg = tmp_path / f"{name}.toml"
+    cfg.write_text("[scrape]\ninterval_s = 0.25\n")
+    d = DaemonProc(data, "--config", str(cfg), "--simulate", "--upstream", upstream, "--interval", "0.25",
+                   "--flush-interval", "0.25", env=sim_env(tmp_path))
+    try:
+        usages = converse(d.info["proxy"], name, turns)
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline:  # the rows are written once their intervals close and a scrape is past them
+            rows = read_dataset(data, "requests")
+            if rows is not None and len(rows) >= turns:
+                break
+            time.sleep(0.2)
+        else:
+            raise AssertionError(f"the turns' rows not written in 60 s:\n{d.output()[-3000:]}")
+        page = urllib.request.urlopen(d.info["metrics"] + "/metrics", timeout=10).read().decode()
+        unsaid = counter_total(page, "powerprof_requests_cache_unsaid_total")
+    finally:
+        rc = d.stop()
+    assert rc == 0, d.output()
+    rows = {r["tag"]: r for r in read_dataset(data, "requests").to_dict("records")}
+    assert len(rows) == turns, sorted(rows)
+    return rows, usages, unsaid

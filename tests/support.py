@@ -252,3 +252,30 @@ def systemd_exposure(unit_text: str, name: str, tmp_path) -> float:
         pytest.skip(f"this systemd-analyze cannot check a unit file offline: {p.stderr.strip()[:200]}")
     assert m, p.stdout + p.stderr
     return float(m.group(1))
+
+
+def json_shape(obj):
+    """A JSON value's shape: a dict's keys with their values' shapes, null as None, anything else its type's name.
+    What a server's answer promises a parser (which keys, null or absent), its figures left out."""
+    if isinstance(obj, dict):
+        return {k: json_shape(v) for k, v in obj.items()}
+    return None if obj is None else type(obj).__name__
+
+
+def openai_usages(base: str, api: str, stream: bool, prompt: str, max_tokens: int = 4) -> dict:
+    """The usage of one OpenAI-style answer (a stream's usage chunk, include_usage asked), greedy, EOS ignored."""
+    import json
+    import urllib.request
+
+    path = "/v1/chat/completions" if api == "openai-chat" else "/v1/completions"
+    body = {"model": "tiny", "max_tokens": max_tokens, "ignore_eos": True, "temperature": 0}
+    body.update({"messages": [{"role": "user", "content": prompt}]} if api == "openai-chat" else {"prompt": prompt})
+    if stream:
+        body.update(stream=True, stream_options={"include_usage": True})
+    req = urllib.request.Request(base + path, json.dumps(body).encode(), {"Content-Type": "application/json"})
+    raw = urllib.request.urlopen(req, timeout=300).read().decode()
+    if not stream:
+        return json.loads(raw)["usage"]
+    docs = [json.loads(line[6:]) for line in raw.splitlines() if line.startswith("data: {")]
+    (usage,) = [d["usage"] for d in docs if d.get("usage")]
+    return usage

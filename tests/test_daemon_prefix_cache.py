@@ -7,6 +7,7 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
+import pandas as pd
 import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "bench"))
@@ -83,3 +84,30 @@ def test_cached_prompts_a_server_does_not_say_are_flagged_with_the_fix(runs, run
     assert busy["energy_note"].fillna("").str.contains(FLAG).mean() > 0.5
     flagged_rows = int(o.requests["energy_note"].fillna("").str.contains(FLAG).sum())
     assert f"prefix-cache-unsaid requests: {flagged_rows}" in o.notes, o.notes[-1]
+
+
+@pytest.mark.parametrize("details", [True, False], ids=["details", "no-details"])
+def test_a_live_daemon_stores_the_said_counts_and_counts_the_unsaid_on_metrics(tmp_path, details):
+    # A daemon process in front of the simulated vLLM, one conversation (turns streamed and whole), as
+    # tests/test_real_vllm.py runs it in front of vLLM 0.32. Said: the rows carry the counts, nothing flagged. Not said:
+    # the cached turns are flagged, their cached_prompt_tokens null, and /metrics counts them. Before: the whole
+    # turn's row said 384 cached (the simulated vLLM's whole answers carried llama.cpp's timings.cache_n, which vLLM
+    # never sends) and powerprof_requests_cache_unsaid_total read 0 with 2 rows flagged (never passed to /metrics).
+    from daemon_helpers import daemon_conversation, note_of
+
+    from powerprof.sim.nvml import SimNVML
+    from powerprof.sim.server import SimServer
+
+    with SimServer(SimNVML("seed-16g", state_path=None), flavour="vllm", decode_tok_s=200, model="tiny",
+                   prefix_cache=True, prompt_details=details) as sim:
+        rows, usages, unsaid = daemon_conversation(sim.url, tmp_path, "chat")
+    flagged = [tag for tag, r in rows.items() if FLAG in note_of(r)]
+    if details:
+        cached = [u["prompt_tokens_details"]["cached_tokens"] for u in usages]
+        assert cached[0] == 0 and all(c > 0 for c in cached[1:]), usages
+        assert [rows[f"chat-{k}"]["cached_prompt_tokens"] for k in range(3)] == cached
+        assert flagged == [] and unsaid == 0
+    else:
+        assert all(pd.isna(r["cached_prompt_tokens"]) for r in rows.values()), rows
+        assert {"chat-1", "chat-2"} <= set(flagged), {t: note_of(r) for t, r in rows.items()}
+        assert unsaid == len(flagged)

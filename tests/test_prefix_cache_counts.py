@@ -96,3 +96,14 @@ def test_server_prefix_cache_counters_read_from_metrics():
     assert prefix_cache_reading('sglang:generation_tokens_total{model_name="m"} 9.0\n', "sglang") == ("hits", 0.0, 0.0)
     assert prefix_cache_reading("vllm:generation_tokens_total 9.0\n", "vllm") is None
     assert prefix_cache_reading("", "llamacpp") is None
+
+
+def test_vllm_hits_from_a_kv_connector_count_with_the_device_caches():
+    # vLLM 0.32 counts an offloaded or remote cache's hits (its KV connector: --kv-offloading-size, LMCache) apart, in
+    # vllm:external_prefix_cache_hits_total, while usage's cached_tokens says both: a turn found in host memory was
+    # read as computed whole and never flagged (3800 hits seen of 4800).
+    from powerprof.workload.servercount import prefix_cache_reading
+
+    page = ('vllm:prefix_cache_hits_total{engine="0",model_name="m"} 3800.0\n'
+            'vllm:external_prefix_cache_hits_total{engine="0",model_name="m"} 1000.0\n')
+    assert prefix_cache_reading(page, "vllm") == ("hits", 4800.0, 0.0)

@@ -23,9 +23,10 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import numpy as np
+import pandas as pd
 import pytest
 
-from daemon_helpers import DaemonProc, energy_books_j, read_dataset, sim_env
+from daemon_helpers import DaemonProc, daemon_conversation, note_of, energy_books_j, read_dataset, sim_env
 from proxy_helpers import buffering_proxy, serve_in_thread
 from powerprof.workload.client import RequestParams, detect_server
 from powerprof.workload.launcher import ServerLauncher
@@ -79,7 +80,10 @@ def _launch_vllm(model: Path, log_path: Path) -> ServerLauncher:
     port = _port()
     cmd = [VLLM_PY, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model), "--served-model-name", "tiny",
            "--port", str(port), "--host", "127.0.0.1", "--max-model-len", "2048", "--max-num-seqs", str(MAX_NUM_SEQS),
-           "--dtype", "float32"]
+           "--dtype", "float32",
+           # Its usage says the prompt tokens found in its (automatic, on by default) prefix cache; the prefix-cache
+           # tests read its default (no such count) through _without_prompt_details, one launch for both.
+           "--enable-prompt-tokens-details"]
     return ServerLauncher(cmd, f"http://127.0.0.1:{port}", timeout_s=600, env={**os.environ, **ENV}, log_path=log_path)
 
 
@@ -510,3 +514,125 @@ def test_an_engine_dying_mid_stream_is_an_error_inside_the_200_as_the_simulator_
     assert status_sim == 200 and said(raw_sim) == real, (real, raw_sim[-400:])
     error, done, server_error, complete = real
     assert error["error"]["code"] == 500 and done == "data: [DONE]" and "EngineCore" in server_error and not complete
+
+
+# --- Prefix caching: vLLM (automatic prefix caching, on by default, blocks of 128 tokens on CPU) computes only the part
+# of a resent conversation not already cached; with --enable-prompt-tokens-details its usage says the cached part,
+# without it (its default) nothing, and the daemon reads vllm:prefix_cache_hits_total to flag what went unsaid.
+
+FLAG = "prefix-cache-unsaid"  # storage/schema.py CACHE_UNSAID_FLAG
+
+
+def _without_prompt_details(upstream: str):
+    """A pass-through in front of vLLM started with --enable-prompt-tokens-details that sends its answers as vLLM
+    0.32 does without the flag (captured from both by hand; vllm/entrypoints/openai/*/serving.py build the details
+    only with it): a stream's usage with no `prompt_tokens_details` key, a whole answer's `null`. /metrics and
+    everything else unchanged: the server's real prefix-cache counters with answers that do not say. (url, stop)."""
+    import re
+
+    import aiohttp
+    from aiohttp import web
+
+    details = re.compile(rb',"prompt_tokens_details":\{[^{}]*\}')
+
+    def factory():
+        async def handle(request):
+            async with aiohttp.ClientSession() as s:
+                async with s.request(request.method, upstream + request.path_qs, data=await request.read(),
+                                     headers={"Content-Type": request.headers.get("Content-Type", "application/json")}) as r:
+                    ctype = r.headers.get("Content-Type", "")
+                    if "event-stream" not in ctype:
+                        body = details.sub(b',"prompt_tokens_details":null', await r.read())
+                        return web.Response(body=body, status=r.status, headers={"Content-Type": ctype})
+                    out = web.StreamResponse(status=r.status, headers={"Content-Type": ctype})
+                    await out.prepare(request)
+                    async for line in r.content:  # line by line: an event whole, as vLLM wrote it
+                        await out.write(details.sub(b"", line))
+                    await out.write_eof()
+                    return out
+
+        app = web.Application()
+        app.router.add_route("*", "/{tail:.*}", handle)
+        return app
+
+    return serve_in_thread(factory)
+
+
+def test_cached_turns_are_said_by_vllms_usage_and_the_daemon_stores_what_it_said(vllm_url, tmp_path):
+    # With --enable-prompt-tokens-details: each row's cached_prompt_tokens is what vLLM said (0 on the first turn, the
+    # cached blocks on later ones), and nothing is flagged: the server's hits are all said.
+    rows, usages, unsaid = daemon_conversation(vllm_url, tmp_path, "said")
+    cached = [u["prompt_tokens_details"]["cached_tokens"] for u in usages]
+    assert cached[0] == 0 and all(c >= 256 and c % 128 == 0 for c in cached[1:]), usages
+    for k, u in enumerate(usages):
+        row = rows[f"said-{k}"]
+        assert row["outcome"] == "ok" and row["prompt_tokens"] == u["prompt_tokens"], row
+        assert row["cached_prompt_tokens"] == cached[k], (row, u)
+        assert FLAG not in note_of(row), row["energy_note"]
+    assert unsaid == 0
+
+
+def test_cached_turns_vllm_does_not_say_are_flagged_and_counted(vllm_url, tmp_path):
+    # vLLM's default (no --enable-prompt-tokens-details): its usage says no cached count, its
+    # vllm:prefix_cache_hits_total counts them. The later turns' rows say approximate: prefix-cache-unsaid with the
+    # fix, their cached_prompt_tokens null (never a 0 read as "nothing cached"), and the daemon counts them.
+    url, stop = _without_prompt_details(vllm_url)
+    try:
+        rows, usages, unsaid = daemon_conversation(url, tmp_path, "unsaid")
+    finally:
+        stop()
+    assert all("prompt_tokens_details" not in u or u["prompt_tokens_details"] is None for u in usages), usages
+    notes = {tag: note_of(row) for tag, row in rows.items()}
+    assert all(r["outcome"] == "ok" and pd.isna(r["cached_prompt_tokens"]) for r in rows.values()), rows
+    for k in (1, 2):
+        note = notes[f"unsaid-{k}"]
+        assert f"approximate: {FLAG}" in note and "--enable-prompt-tokens-details" in note, notes
+    flagged = sum(FLAG in n for n in notes.values())
+    assert unsaid == flagged >= 2, (unsaid, notes)
+
+
+def test_prefix_cache_usage_and_counters_read_as_the_simulator_says_them(vllm_url):
+    # The simulator's vLLM (prefix_cache, prompt_details) against vLLM 0.32 with the flag: the usage's shape for chat
+    # and completions, whole and streamed, nothing cached (cached_tokens 0, present) and some; and /metrics: the
+    # counters powerprof reads, in tokens, the hits rising by what the answers said and the queries by every prompt
+    # token (cached ones too), as vllm:prompt_tokens_total. (vLLM's cache is block-aligned, the simulator's by word:
+    # the figures differ, the shapes and what moves the counters must not.)
+    from powerprof.daemon.scrape import counter_total
+    from daemon_helpers import OPENING
+    from support import json_shape, openai_usages
+    from test_sim_vllm_prefix_cache import REAL
+
+    from powerprof.sim.nvml import SimNVML
+    from powerprof.sim.server import SimServer
+
+    names = ("vllm:prefix_cache_queries_total", "vllm:prefix_cache_hits_total", "vllm:external_prefix_cache_hits_total",
+             "vllm:prompt_tokens_total")
+
+    def run(base: str) -> tuple[dict, dict]:
+        page = lambda: urllib.request.urlopen(base + "/metrics", timeout=30).read().decode()  # noqa: E731
+        before = [counter_total(page(), n) for n in names]
+        shapes, said, prompts = {}, 0, 0
+        for api in ("openai-chat", "openai-completions"):
+            for stream in (False, True):
+                # Its own first word: the first answer finds nothing cached (the simulator caches word prefixes).
+                opening = f"{time.time_ns()} {api} {stream}: {OPENING}"
+                first = openai_usages(base, api, stream, opening)
+                again = openai_usages(base, api, stream, opening + "Power limits decide.")
+                assert first["prompt_tokens_details"]["cached_tokens"] == 0, first
+                assert again["prompt_tokens_details"]["cached_tokens"] > 0, again
+                shapes[(api, stream)] = (json_shape(first), json_shape(again))
+                said += first["prompt_tokens_details"]["cached_tokens"] + again["prompt_tokens_details"]["cached_tokens"]
+                prompts += first["prompt_tokens"] + again["prompt_tokens"]
+        after = [counter_total(page(), n) for n in names]
+        rise = {n: b - a for n, a, b in zip(names, before, after)}
+        return shapes, {"queries_are_prompts": rise[names[0]] == rise[names[3]] == prompts,
+                        "hits_are_said": rise[names[1]] == said, "external": rise[names[2]]}
+
+    real = run(vllm_url)
+    with SimServer(SimNVML("seed-16g", state_path=None), flavour="vllm", decode_tok_s=2000, model="tiny",
+                   prefix_cache=True, prompt_details=True) as sim:
+        simulated = run(sim.url)
+    assert real == simulated, (real, simulated)
+    assert real[1] == {"queries_are_prompts": True, "hits_are_said": True, "external": 0.0}
+    for (api, stream), pair in real[0].items():
+        assert pair == (REAL[(True, api, stream)],) * 2, (api, stream, pair)

@@ -77,7 +77,9 @@ def test_the_server_says_the_counts_its_engine_generated(server, api, path, body
 
 def test_n_choices_are_sequences_decoded_together(server):
     key = f"together-{len(server.truth)}"
-    body = dict(CHAT, n=2, max_tokens=40, ignore_eos=True, stream=True)
+    # A prompt of several of vLLM's KV blocks (the cache holds whole ones: a shorter prompt is computed by each choice).
+    body = dict(CHAT, messages=[{"role": "user", "content": "the power of the clock " * 20}], n=2, max_tokens=40,
+                ignore_eos=True, stream=True)
     status, raw = _post(server.url + "/v1/chat/completions", body, {"X-Sim-Request-Id": key})
     assert status == 200
     rows = sorted((t for t in server.truth if t["client_id"] == key), key=lambda t: t["choice"])
@@ -87,7 +89,7 @@ def test_n_choices_are_sequences_decoded_together(server):
     assert a[0] < b[-1] and b[0] < a[-1]
     idx = [c["index"] for ev in _events(raw) for c in ev.get("choices", [])]
     assert set(idx) == {0, 1} and idx.index(1) < len(idx) - 1 - idx[::-1].index(0)
-    # vLLM computes a shared prompt once: its other choices find it cached.
+    # vLLM computes a shared prompt once: its other choices find its whole blocks cached.
     assert [t["cached_tokens"] > 0 for t in rows] == [False, server.flavour == "vllm"]
 
 

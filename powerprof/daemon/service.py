@@ -593,6 +593,7 @@ class Daemon:
             busy_host_requests_cpu_j=tot.busy_host_requests_cpu_j,
             no_counter_short_requests=tot.no_counter_short_requests,
             cpu_unknown_requests=tot.cpu_unknown_requests,
+            cache_unsaid_requests=tot.cache_unsaid_requests,
             jpt_left_out=tot.jpt_left_out,
         )
 

@@ -193,6 +193,9 @@ IDLE_CLOSE_S = 5.0
 LLAMACPP_MAX_ANSWERS_PER_CONNECTION = 100
 
 FLAVOURS = ("llamacpp", "vllm", "sglang")
+# vLLM's prefix cache holds whole KV blocks (16 tokens by default on GPU; 128 on CPU, measured with vLLM 0.32): a
+# prompt's cached part is whole blocks, the rest computed. SGLang's radix cache and llama.cpp's are by token.
+VLLM_BLOCK_TOKENS = 16
 # SGLang (python/sglang/srt/metrics/collector.py, managers/scheduler_metrics_mixin.py) serves prometheus_client's
 # multiprocess collector: a labelled family shows on /metrics only once one of its label sets was first set, and
 # no process_start_time_seconds. Its token counters move when a request finishes; its scheduler gauges
@@ -418,6 +421,12 @@ class SimServer:
                                              "queried tokens", registry=self._registry)
                 self._m_pc_hits = Counter("vllm:prefix_cache_hits", "Prefix cache hits, in terms of number of cached "
                                           "tokens", registry=self._registry)
+                # A KV connector's cache (offloaded to host memory, remote: counted apart by vLLM, its hits in usage's
+                # cached_tokens too): none here, shown at 0 from the start as vLLM 0.32 shows them.
+                Counter("vllm:external_prefix_cache_queries", "External prefix cache queries from KV connector "
+                        "cross-instance cache sharing, in terms of number of queried tokens.", registry=self._registry)
+                Counter("vllm:external_prefix_cache_hits", "External prefix cache hits from KV connector "
+                        "cross-instance cache sharing, in terms of number of cached tokens.", registry=self._registry)
             else:
                 self._m_pc_rate = Gauge("vllm:gpu_prefix_cache_hit_rate", "GPU prefix cache block hit rate",
                                         registry=self._registry)
@@ -1130,6 +1139,8 @@ class SimServer:
                 hit = self._cached_prefix(prompt)
                 if cache_prompt and not shared:
                     cached = min(hit, n_prompt - 1)
+            if self.flavour == "vllm":
+                cached -= cached % VLLM_BLOCK_TOKENS
         hc = h if choice == 0 else zlib.crc32(f"{prompt}#{choice}".encode())
         req = _Req(
             rid=rid,
@@ -1565,21 +1576,38 @@ class SimServer:
             "object": "chat.completion" if api == "openai-chat" else "text_completion",
             "model": self.model,
             "choices": [choice],
-            "usage": self._usage(req, whole=True),
-            "timings": timings,
+            "usage": self._usage(req, whole=True, api=api),
             "simulated": True,
         }
+        if self.flavour == "llamacpp":  # llama-server's own: vLLM and SGLang send no timings (cache_n would say cached)
+            obj["timings"] = timings
         return self._json(obj)
 
-    def _usage(self, req: _Req, whole: bool = False) -> dict:
-        """OpenAI usage. Without prompt_details, vLLM says nothing of its cache: a whole answer's usage (a pydantic
-        dump) has `prompt_tokens_details: null`, a stream's usage chunk (dumped without None) no such key."""
+    def _usage(self, req: _Req, whole: bool = False, api: str = "openai-chat") -> dict:
+        """OpenAI usage. vLLM's (0.32, captured) is a pydantic dump: a whole answer's has every field, null ones
+        included (`prompt_tokens_details: null` without prompt_details, `completion_tokens_details: null`), a stream's
+        usage chunk none that is null. Its chat details also say `created_cache_tokens`, the prompt tokens computed and
+        written to the cache in whole blocks (the prompt's whole blocks less the cached ones), its completions' not
+        (null in a whole answer)."""
         n = self._reported(req.generated)
-        u = {"prompt_tokens": req.prompt_tokens, "completion_tokens": n, "total_tokens": req.prompt_tokens + n}
-        if self.prompt_details and self.flavour != "llamacpp":
-            u["prompt_tokens_details"] = {"cached_tokens": req.cached}
-        elif whole and self.flavour == "vllm":
-            u["prompt_tokens_details"] = None
+        if self.flavour != "vllm":
+            u = {"prompt_tokens": req.prompt_tokens, "completion_tokens": n, "total_tokens": req.prompt_tokens + n}
+            if self.prompt_details and self.flavour != "llamacpp":
+                u["prompt_tokens_details"] = {"cached_tokens": req.cached}
+            return u
+        u = {"prompt_tokens": req.prompt_tokens, "total_tokens": req.prompt_tokens + n, "completion_tokens": n}
+        details = None
+        if self.prompt_details:
+            details = {"cached_tokens": req.cached,
+                       "created_cache_tokens": max(req.prompt_tokens - req.prompt_tokens % VLLM_BLOCK_TOKENS - req.cached, 0)
+                       if api == "openai-chat" else None,
+                       "multimodal_tokens": None}
+            if not whole:
+                details = {k: v for k, v in details.items() if v is not None}
+        if whole or details is not None:
+            u["prompt_tokens_details"] = details
+        if whole:
+            u["completion_tokens_details"] = None
         return u
 
     def _sglang_native(self, req: _Req, text: str, ids: list, finished: bool) -> dict:
@@ -1807,7 +1835,7 @@ class SimServer:
                                 extra = {"timings": timings}  # on the last chunk it sends
                             await out.send(oai_chunk(last, **extra))
                         if opts.get("include_usage") and (chat or not llama):
-                            d = {"id": oid, "object": obj_name, "created": 0, "model": self.model, "choices": [], "usage": self._usage(req)}
+                            d = {"id": oid, "object": obj_name, "created": 0, "model": self.model, "choices": [], "usage": self._usage(req, api=api)}
                             if llama:
                                 d["timings"] = timings  # llama-server's chat: on its usage chunk, the last
                             await out.send(b"data: " + json.dumps(d).encode() + b"\n\n")

@@ -138,12 +138,14 @@ def counter_total(text: str, name: str) -> float | None:
 FINISHED_LATENCY = {"sglang": "sglang:e2e_request_latency_seconds"}
 
 
-# The prompt tokens a server found in its prefix cache, in tokens since its start: vLLM V1's counter (moves as a request
-# is scheduled, before its first token), SGLang's (moves as a request finishes, set only once a hit has happened: absent
+# The prompt tokens a server found in its prefix cache, in tokens since its start: vLLM V1's counters (move as a request
+# is scheduled, before its first token; a KV connector's cache, offloaded or remote, counted apart in
+# VLLM_EXTERNAL_HITS while usage's cached_tokens says both: their sum), SGLang's (moves as a request finishes, set only once a hit has happened: absent
 # on its own page means none yet). vLLM v0 had only a hit-rate gauge (cumulative hit share of the prompt tokens queried):
 # read with its prompt-token counter, it gives an estimate. The daemon checks the hits against the cached counts its
 # requests' answers said (docs/daemon.md, "Prefix-cache hits are no prefill").
 PREFIX_CACHE_HITS = {"vllm": "vllm:prefix_cache_hits_total", "sglang": "sglang:cached_tokens_total"}
+VLLM_EXTERNAL_HITS = "vllm:external_prefix_cache_hits_total"
 VLLM_HIT_RATE, VLLM_PROMPT_TOKENS = "vllm:gpu_prefix_cache_hit_rate", "vllm:prompt_tokens_total"
 
 
@@ -155,6 +157,8 @@ def prefix_cache_reading(text: str, kind: str | None) -> tuple[str, float, float
         return None
     hits = counter_total(text, name)
     if hits is not None:
+        if kind == "vllm":
+            hits += counter_total(text, VLLM_EXTERNAL_HITS) or 0.0  # absent (an older vLLM): none counted apart
         return "hits", hits, 0.0
     if kind == "sglang":
         return "hits", 0.0, 0.0  # set at the first hit: its page (its token counter read) without it has none yet
