@@ -6,6 +6,7 @@ from __future__ import annotations
 import importlib
 import os
 import socket
+from dataclasses import dataclass
 
 import pytest
 
@@ -279,3 +280,22 @@ def openai_usages(base: str, api: str, stream: bool, prompt: str, max_tokens: in
     docs = [json.loads(line[6:]) for line in raw.splitlines() if line.startswith("data: {")]
     (usage,) = [d["usage"] for d in docs if d.get("usage")]
     return usage
+
+
+@dataclass
+class LedgerReading:
+    """The fields of a GpuReading the daemon's ledger uses (ledger tests feed it these)."""
+    energy_j: float | None
+    power_w: float | None = 200.0
+    power_avg_w: float | None = None
+    power_limit_w: float | None = None
+
+
+class RowSink:
+    """The ledger's `emit`: every row it writes, by dataset."""
+
+    def __init__(self):
+        self.rows = {"requests": [], "intervals": [], "tags": [], "costs": []}
+
+    def __call__(self, name, rows):
+        self.rows[name].extend(rows)

@@ -24,21 +24,10 @@ from powerprof.daemon.service import datasets
 from powerprof.daemon.store import DatasetStore
 from powerprof.daemon.streams import Counts
 
+from support import LedgerReading as _R, RowSink as _Sink  # noqa: E402
+
 S = 1_000_000_000
 PER_STEP = 4
-
-
-class _R:  # the fields of a GpuReading the ledger uses
-    def __init__(self, energy_j, power_w=200.0):
-        self.energy_j, self.power_w, self.power_avg_w, self.power_limit_w = energy_j, power_w, None, None
-
-
-class _Sink:
-    def __init__(self):
-        self.rows = {"requests": [], "intervals": [], "tags": [], "costs": []}
-
-    def __call__(self, name, rows):
-        self.rows[name].extend(rows)
 
 
 def _trace(rid, arrival_s):

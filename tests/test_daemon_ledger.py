@@ -15,23 +15,9 @@ from powerprof.daemon.proxy import RequestTrace
 from powerprof.daemon.streams import Counts
 from powerprof.sim.powercap import SimPowercap
 
+from support import LedgerReading as R, RowSink as Sink  # noqa: E402
+
 S = 1_000_000_000
-
-
-@dataclass
-class R:  # the fields of a GpuReading the ledger uses
-    energy_j: float | None
-    power_w: float | None
-    power_avg_w: float | None = None
-    power_limit_w: float | None = None
-
-
-class Sink:
-    def __init__(self):
-        self.rows = {"requests": [], "intervals": [], "tags": [], "costs": []}
-
-    def __call__(self, name, rows):
-        self.rows[name].extend(rows)
 
 
 def _trace(rid, arrival_s, stream=True):

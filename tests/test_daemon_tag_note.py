@@ -7,7 +7,6 @@ said why, or the fix (docs/data.md, daemon_tags; docs/daemon.md, Datasets)."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 
 import pytest
 from click.testing import CliRunner
@@ -19,23 +18,9 @@ from powerprof.daemon.ledger import Ledger
 from powerprof.daemon.proxy import RequestTrace
 from powerprof.daemon.streams import Counts
 
+from support import LedgerReading as R, RowSink as Sink  # noqa: E402
+
 S = 1_000_000_000
-
-
-@dataclass
-class R:  # the fields of a GpuReading the ledger uses
-    energy_j: float | None
-    power_w: float | None
-    power_avg_w: float | None = None
-    power_limit_w: float | None = None
-
-
-class Sink:
-    def __init__(self):
-        self.rows = {"requests": [], "intervals": [], "tags": [], "costs": []}
-
-    def __call__(self, name, rows):
-        self.rows[name].extend(rows)
 
 
 def _gpu(led, t_s, energy_j, power_w=300.0):

@@ -6,32 +6,17 @@ that check stays bounded."""
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
 
 from powerprof.daemon.ledger import CACHE_KEEP_S, Ledger
 from powerprof.daemon.proxy import RequestTrace
 from powerprof.daemon.streams import Counts
 from powerprof.workload.stream import StreamParser
 
+from support import LedgerReading as _R, RowSink as _Sink  # noqa: E402
+
 S = 1_000_000_000
 UNSAID = "prefix-cache-unsaid"  # storage/schema.py CACHE_UNSAID_FLAG
 LATE = "prefix-cache-late"  # storage/schema.py CACHE_LATE_FLAG
-
-
-@dataclass
-class _R:  # the fields of a GpuReading the ledger uses
-    energy_j: float | None
-    power_w: float | None
-    power_avg_w: float | None = None
-    power_limit_w: float | None = None
-
-
-class _Sink:
-    def __init__(self):
-        self.rows = {"requests": [], "intervals": [], "tags": [], "costs": []}
-
-    def __call__(self, name, rows):
-        self.rows[name].extend(rows)
 
 
 def _feed(led, t_s, energy_j):
