@@ -421,23 +421,6 @@ def test_analyze_refuses_one_key_written_by_two_hosts(fleet, tmp_path):
     assert "hold rows that differ" not in res.output, res.output
 
 
-def test_requests_flagged_no_counter_short_are_left_out_of_j_per_token_and_said(tmp_path):
-    # The daemon marks a short request's energy on a GPU without an energy counter (it rests on the idle
-    # power taken out of a mostly idle interval) and leaves it out of its own J/token; the fleet summary
-    # summed it in, at up to twice its energy, with nothing said.
-    truth = _node(tmp_path / "n", 0)
-    store = DatasetStore(tmp_path / "n", datasets(), host="node-0")
-    store.append("requests", [{"daemon_id": "d0", "request_id": 100 + i, "t_arrival_utc": T0_NS, "outcome": "ok",
-                               "generated_tokens": 10, "gpu_energy_j": 500.0, "attributed_tokens": 10.0, "ttft_s": 0.1,
-                               "energy_note": "no-counter-short: 90% of its GPU energy ..."} for i in range(3)])
-    assert store.flush()
-    [r] = fleet_summary([str(tmp_path / "n")]).to_pylist()
-    assert r["gpu_j_per_token"] == pytest.approx(truth["jpt"])
-    assert r["uncertain_requests"] == 3 and r["requests"] == truth["requests"] + 3
-    res = CliRunner().invoke(main, ["analyze", str(tmp_path / "n")])
-    assert res.exit_code == 0 and "no-counter-short" in res.stderr and "node-0: 3" in res.stderr, res.output
-
-
 def test_export_with_a_copied_node_writes_what_the_fleet_alone_does(fleet, tmp_path):
     # A backup copy among the sources changes nothing written: the same rows, in the same order, as the export of
     # the fleet without it (before, copies sent a table through a sort by time, interleaving the nodes' rows).
@@ -552,18 +535,25 @@ def test_export_matches_a_pandas_reference_over_random_copied_fleets(tmp_path):
     assert "refused-ok" in got and got.count("ok") >= 30, got
 
 
-def test_requests_live_before_the_daemons_first_gpu_read_are_left_out_of_j_per_token_and_said(tmp_path):
+@pytest.mark.parametrize("flag, note, energy_j, fix", [
+    # The daemon marks a short request's energy on a GPU without an energy counter (it rests on the idle power taken
+    # out of a mostly idle interval) and leaves it out of its own J/token; the fleet summary summed it in, at up to
+    # twice its energy, with nothing said.
+    ("no-counter-short", "no-counter-short: 90% of its GPU energy ...", 500.0, "energy counter"),
     # A request live before the daemon's first GPU read (its start's NVML read failed) has the energy before that read
     # in no interval: its figure is low. Before, the summary summed it in, lowering the host's J/token, unsaid.
+    ("before-first-read", "before-first-read: it arrived 0.50 s before ...", 0.1, "start's GPU read failed"),
+])
+def test_requests_flagged_uncertain_are_left_out_of_j_per_token_and_said(tmp_path, flag, note, energy_j, fix):
     truth = _node(tmp_path / "n", 0)
     store = DatasetStore(tmp_path / "n", datasets(), host="node-0")
     store.append("requests", [{"daemon_id": "d0", "request_id": 100 + i, "t_arrival_utc": T0_NS, "outcome": "ok",
-                               "generated_tokens": 10, "gpu_energy_j": 0.1, "attributed_tokens": 10.0, "ttft_s": 0.1,
-                               "energy_note": "before-first-read: it arrived 0.50 s before ..."} for i in range(2)])
+                               "generated_tokens": 10, "gpu_energy_j": energy_j, "attributed_tokens": 10.0,
+                               "ttft_s": 0.1, "energy_note": note} for i in range(3)])
     assert store.flush()
     [r] = fleet_summary([str(tmp_path / "n")]).to_pylist()
     assert r["gpu_j_per_token"] == pytest.approx(truth["jpt"])
-    assert r["uncertain_requests"] == 2
+    assert r["uncertain_requests"] == 3 and r["requests"] == truth["requests"] + 3
     res = CliRunner().invoke(main, ["analyze", str(tmp_path / "n")])
-    assert res.exit_code == 0 and "before-first-read" in res.stderr and "node-0: 2" in res.stderr, res.output
-    assert "start's GPU read failed" in res.stderr, res.stderr  # its own fix, not a counterless GPU's
+    assert res.exit_code == 0 and flag in res.stderr and "node-0: 3" in res.stderr, res.output
+    assert fix in res.stderr, res.stderr  # each flag's own fix
