@@ -1716,3 +1716,39 @@ def test_a_request_that_arrived_before_the_first_gpu_read_says_its_energy_before
     led.advance(int(3.5 * S))
     (row,) = sink.rows["requests"]
     assert row["energy_note"] is None, row["energy_note"]  # read from before its arrival: whole
+
+
+def test_a_streams_usage_surplus_over_chunks_already_closed_is_late_and_said_not_dropped():
+    # A chat stream counted one token a chunk (10 chunks, 0.6-0.9 s), whose end came after the prompt hold had let the
+    # intervals it ran in close (a client slow to read the usage chunk, a stalled worker): its `usage` says 30 tokens
+    # (speculative decoding, 3 a chunk). No chunk is open to scale and its last is before the first open interval, so
+    # the 20 more cannot be placed. Before: dropped in silence (attributed 10, error null, not counted late); now late
+    # like any token placed before the open intervals: counted, and said on its row.
+    sink = Sink()
+    led = Ledger("d", 0, 1, sink, grace_s=0.1, prompt_hold_s=2.0)
+    tr = _chat(1, 0.5, 400)
+    led.on_start(tr)
+    _feed(led, 0.0, 0.0)
+    for k in range(10):
+        t = int((0.6 + 0.03 * k) * S)
+        tr.first_ns = tr.first_ns or t
+        tr.last_ns = t
+        tr.tokens_seen += 1
+        led.on_tokens(tr, t, 1)
+    for k in range(1, 5):
+        _feed(led, float(k), 100.0 * k)
+        led.advance(int((k + 0.2) * S))
+    assert sink.rows["intervals"], "the prompt hold (2 s) should have let the first intervals close"
+    assert led.edges[0].t_ns > tr.last_ns, "its last chunk must fall before the first open interval"
+    tr.end_ns = int(4.5 * S)
+    tr.counts = Counts(generated_tokens=30, prompt_tokens=100, model=None, stop_reason=None, token_source="usage",
+                       tokens_estimated=True)
+    added = led.on_end(tr)
+    for k in range(5, 7):
+        _feed(led, float(k), 100.0 * k)
+        led.advance(int((k + 0.2) * S))
+    (row,) = sink.rows["requests"]
+    assert added == 20  # the proxy's token count (tokens_by_tag) takes the server's, as where they are placed
+    assert led.late_tokens == 20
+    assert row["attributed_tokens"] == pytest.approx(10.0) and row["generated_tokens"] == 30
+    assert "20 token(s) arrived after their interval had closed and were not attributed" in (row["error"] or ""), row
