@@ -1752,3 +1752,35 @@ def test_a_streams_usage_surplus_over_chunks_already_closed_is_late_and_said_not
     assert led.late_tokens == 20
     assert row["attributed_tokens"] == pytest.approx(10.0) and row["generated_tokens"] == 30
     assert "20 token(s) arrived after their interval had closed and were not attributed" in (row["error"] or ""), row
+
+
+@pytest.mark.parametrize("gap_ns, said", [(5_000, None), (900_000, None), (1_100_000, "1.1 ms"), (50_000_000, "50.0 ms")])
+def test_a_request_at_the_first_on_demand_read_is_not_before_it_but_one_past_the_bound_says_so(gap_ns, said):
+    # The start's NVML read failed, and the first GPU edge is the on-demand read the request's own arrival started
+    # (service._request_edge): dated at its counter call's middle, a few µs after the arrival stamp on the simulator.
+    # Before: flagged before-first-read ("0.00 s"), its figures called low and left out of J/token for a few µs in which
+    # the server had not yet begun on it. An arrival within FIRST_READ_SLACK_NS of the first edge counts as at it;
+    # one further before still says so, with its gap.
+    sink = Sink()
+    led = Ledger("d", 0, 1, sink, grace_s=0.3)
+    watts = 300.0
+    edge_ns = int(0.5 * S) + gap_ns
+    tr = _trace(1, 0.5)
+    led.on_start(tr)
+    led.add_gpu_edge(edge_ns, edge_ns, (watts * edge_ns / S,))
+    tr.first_ns = int(0.6 * S)
+    for j in range(10):
+        led.on_tokens(tr, int((0.6 + 0.12 * j) * S), 1)
+    tr.last_ns, tr.end_ns = int(1.8 * S), int(1.9 * S)
+    tr.counts = Counts(generated_tokens=10, prompt_tokens=10, model=None, stop_reason=None, token_source="usage")
+    led.on_end(tr)
+    for k in range(1, 4):
+        _feed(led, k, watts * k, watts)
+    led.advance(int(3.5 * S))
+    (row,) = sink.rows["requests"]
+    assert row["gpu_energy_j"] > 0
+    note = row["energy_note"]
+    if said is None:
+        assert note is None or "before-first-read" not in note, note
+    else:
+        assert note.startswith("before-first-read:") and f"arrived {said} before" in note, note
