@@ -1784,3 +1784,28 @@ def test_a_request_at_the_first_on_demand_read_is_not_before_it_but_one_past_the
         assert note is None or "before-first-read" not in note, note
     else:
         assert note.startswith("before-first-read:") and f"arrived {said} before" in note, note
+
+
+def test_multi_step_piece_kept_in_order_and_late_part_counted():
+    """A stream's multi-step piece is spread over the time since its previous one (`PIECE_STEPS`); its events stay in
+    time order behind one placed ahead of it, and the part of the spread before the first open interval is counted late,
+    never dropped nor put in a closed interval (the ledger's quick path for the common case must fall back for these).
+    Pieces 80 ms apart: under HELD_GAP_NS, not held bursts."""
+    ms = 1_000_000
+    led = Ledger("d", 0, 1, Sink(), grace_s=0.1)
+    led.add_gpu_edge(0, 0, [0.0])
+    led.server_seen = True
+    tr = _trace(1, 0.0)
+    led.on_start(tr)
+    led.on_tokens(tr, 100 * ms, 1)
+    r = led.requests[1]
+    r.ev_t.append(165 * ms)  # an event placed ahead (a restart's cut)
+    r.ev_n.append(1.0)
+    led.on_tokens(tr, 180 * ms, 4)  # spread over (100, 180] ms: three events before 165 ms
+    assert r.ev_t == [100 * ms, 120 * ms, 140 * ms, 160 * ms, 165 * ms, 180 * ms]
+    assert r.ev_n == [1, 1, 1, 1, 1, 1]
+    assert [t for t, _ in led._proxied] == [100 * ms, 120 * ms, 140 * ms, 160 * ms, 180 * ms]
+    led.edges[0].t_ns = 230 * ms  # the intervals up to 230 ms closed meanwhile
+    led.on_tokens(tr, 260 * ms, 4)  # spread over (180, 260] ms: 200 and 220 ms in closed intervals
+    assert led.late_tokens == 2 and r.late == 2
+    assert r.ev_t[-2:] == [240 * ms, 260 * ms] and sum(r.ev_n) == 8

@@ -386,8 +386,20 @@ class Ledger:
                 # scrapes), the lag never drained within LAG_S and read as bypass tokens that never ran, rows
                 # `complete` (300 tokens/s, 20 ms records: up to 5 a stream). Spread step by step over the time since
                 # the previous piece, never before it (a long gap is `_held_burst`'s, above).
-                k = int(min(PIECE_STEPS, max(1, round(n / seqs))))
-                self._place(r, [a + (t_ns - a) * (j + 1) // k for j in range(k)], [n / k] * k)
+                k = int(round(n / seqs))
+                k = PIECE_STEPS if k > PIECE_STEPS else k if k > 1 else 1
+                d = t_ns - a
+                ts = [a + d * j // k for j in range(1, k + 1)]
+                ns = [n / k] * k
+                if (not self.edges or ts[0] >= self.edges[0].t_ns) and (not r.ev_t or ts[0] >= r.ev_t[-1]):
+                    # `_place`'s common case in one extend (ts ascending, all in open intervals, none before an event
+                    # already placed): its per-event loop was most of a piece's cost (bench/ledger_on_tokens.py).
+                    r.ev_t.extend(ts)
+                    r.ev_n.extend(ns)
+                    if self.server_seen:
+                        self._proxied.extend(zip(ts, ns))
+                else:
+                    self._place(r, ts, ns)
             else:
                 r.ev_t.append(t_ns)
                 r.ev_n.append(n)
@@ -430,6 +442,8 @@ class Ledger:
     def _restart_cut_ns(self, r: _Req) -> int | None:
         """The first scrape after the first restart known since `r` arrived (the end of that restart's window): the
         process that served `r` died before it, so none of `r`'s tokens was generated, or counted, later."""
+        if not self._restarts:
+            return None  # the common case, asked on every piece: no generator to build
         return min((b for a, b in self._restarts if a >= r.trace.arrival_ns), default=None)
 
     def _place(self, r: _Req, ts: list[int], ns: list[float]) -> None:
