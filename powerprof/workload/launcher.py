@@ -279,6 +279,7 @@ class ServerLauncher:
         self.max_log_bytes = max_log_bytes
         self.log_check_s = log_check_s
         self._log_stop = threading.Event()
+        self._log_thread: threading.Thread | None = None
 
     def _watch_log(self) -> None:
         # A server stuck printing can fill the disk within one configuration.
@@ -308,7 +309,8 @@ class ServerLauncher:
                 raise LaunchError(f"cannot start {self.argv[0]!r}: {e}") from None
         atexit.register(self.stop)
         self._log_stop.clear()
-        threading.Thread(target=self._watch_log, name="powerprof-server-log", daemon=True).start()
+        self._log_thread = threading.Thread(target=self._watch_log, name="powerprof-server-log", daemon=True)
+        self._log_thread.start()
         self._install_signal_handlers()
         try:
             self._wait_healthy()
@@ -445,6 +447,9 @@ class ServerLauncher:
         finally:
             _release_signals(held)
             self._log_stop.set()
+            if self._log_thread is not None and self._log_thread is not threading.current_thread():
+                # A cut of the watcher's still under way beside this last one would append the tail twice.
+                self._log_thread.join(5)
             bound_log(self.log_path, self.max_log_bytes)
             self._restore_signal_handlers()
             try:
