@@ -104,7 +104,9 @@ def test_a_burst_is_spread_at_the_servers_pace_not_evenly(buffered_llamacpp):
     # Before: 52-63 tokens to unproxied, 4.2-6.5% of the requests' true energy; the requests -4 to -6%.
     o, s = buffered_llamacpp
     assert abs(s["conservation_err"]) <= 0.001
-    assert s["unproxied_j"] < 0.015 * s["requests_true_j"], s
+    # Quiet and beside two CPU hogs 0.3-0.6%; a full suite beside two hogs once 1.9%: the proxy's own lag, within
+    # the bound an unmarked window keeps (1 token and 5% of its count: docs/daemon.md). Before the fix 4.2-6.5%.
+    assert s["unproxied_j"] < 0.03 * s["requests_true_j"], s
     assert s["requests_est_j"] == pytest.approx(s["requests_true_j"], rel=0.03), s
     assert o.requests["energy_note"].str.contains("one burst").all()
     print(s["requests_est_j"] / s["requests_true_j"] - 1, s["unproxied_j"] / s["requests_true_j"])

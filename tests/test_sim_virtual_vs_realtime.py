@@ -298,7 +298,9 @@ def test_virtual_time_server_agrees_with_the_real_time_simulated_server():
                       f"{np.percentile(lag_s[:n], 95) * 1e3:.1f} ms, max {lag_s[:n].max() * 1e3:.1f} ms")
         if hop.min() < -0.001:  # a first token the client saw before the server sent it: a stamping bug
             bad.append(f"{lv:g} W client saw a first token {-hop.min() * 1e3:.1f} ms before the server sent it")
-        report.append(f"{lv:g} W: " + ", ".join(f"{k} {v[k]:.4g}" for k in ("j_per_token", "burst_tok_s")) + ", " + ", ".join(
+        report.append(f"{lv:g} W: " + ", ".join(f"{k} {v[k]:.4g}" for k in ("j_per_token", "burst_tok_s"))
+                      + f" (live burst_tok_s {sched['burst_tok_s']:.4g} on the step schedule, {s['burst_tok_s']:.4g} "
+                      "as emitted), " + ", ".join(
             f"{k} {v[k]:.4g}/{served[k]:.4g}/{sched[k]:.4g}/{s[k]:.4g}/{c[k]:.4g}" for k in TOLERANCE))
         # The burst's span moves by its first and last tokens' lateness: 3% plus that share of it.
         spread_s = max(s["burst_arrival_spread_s"] - 0.001 * (BURST_N - 1), 0.0)
@@ -306,9 +308,13 @@ def test_virtual_time_server_agrees_with_the_real_time_simulated_server():
                       f"loop at most {sched['max_late_s'] * 1e3:.1f} ms behind its step schedule")
         tol = {"j_per_token": 0.03,
                "burst_tok_s": 0.03 + (4 * late_s + spread_s) * v["burst_tok_s"] / (BURST_N * 200)}
+        # The burst's throughput on the engine's step schedule (the simulated GPU's own timeline): as emitted it
+        # holds the host's lateness too, whose p95 the tolerance takes but not its worst (a loaded full suite: the
+        # loop 358 ms behind once, the burst as emitted -6.5%).
+        live_fig = {"j_per_token": s["j_per_token"], "burst_tok_s": sched["burst_tok_s"]}
         for k in ("j_per_token", "burst_tok_s"):
-            if abs(s[k] / v[k] - 1) > tol[k]:
-                bad.append(f"{lv:g} W {k}: virtual {v[k]:.4g}, live {s[k]:.4g} ({s[k] / v[k] - 1:+.1%})")
+            if abs(live_fig[k] / v[k] - 1) > tol[k]:
+                bad.append(f"{lv:g} W {k}: virtual {v[k]:.4g}, live {live_fig[k]:.4g} ({live_fig[k] / v[k] - 1:+.1%})")
         bad += [f"{lv:g} W server {x}" for x in _compare(served, sched)]
         client_bad = _compare(served, c, CLIENT_EXTRA_S, client_late_s)
         # The client's TTFT p95 is not judged against virtual time: it rests on 4-5 requests, and when a burst's
