@@ -190,6 +190,9 @@ class LevelVisit:
 # would only repeat it.
 MAX_RESTARTS_PER_LEVEL = 3
 RESTART_POLL_S = 0.5
+# A level's last windows wait this long for a reading taken after them (a starved sampler's lag: ci4 saw ~1 s).
+LEVEL_END_WAIT_PERIODS = 2
+LEVEL_END_WAIT_S = 2.0
 RESTARTED_FLAG = "server-restarted"
 AWAY_FLAG = "server-away"  # it stopped answering and was ridden out, with nothing to show it restarted
 
@@ -263,8 +266,12 @@ class Sweep:
         self._boost_mhz: dict[int, float] = {}  # GPU index → its highest busy SM clock this sweep (ClockLockWatch)
         # Levels that do not set the power limit (clocks, the settings as they are) run at the one the sweep found.
         self._held_limits: dict = held_limits if held_limits is not None else {}
-        self._suspect_rows: list[dict] = []  # windows measured since a GPU first read above its lock
-        self._suspect_spans = 0  # visit.spans from the first suspect window on
+        # Windows no reading taken after their end has vouched for yet: (rows, len(visit.spans) before them, end ns).
+        # A sampler starved on a loaded host delivers a reading late; until one read after a window's end is judged,
+        # the window may have run at a moved setting (_stop_if_setting_moved).
+        self._suspect: list[tuple[list[dict], int, int]] = []
+        self._t_watch_ns = 0  # when the level's watch began: readings taken before it are the last level's
+        self._t_vouched_ns = 0  # the last reading that showed the level's setting held (no off-clock run open)
         self._attempt_rows: list[dict] = []  # the rows of the level's measurement in progress (since its start or a restart)
         self._identity: dict | None = None  # the server as the sweep began (server_identity), when restarts are ridden out
         self.restarts: list[dict] = []  # times the server went away and was ridden out: run.json `server_restarts`
@@ -302,6 +309,7 @@ class Sweep:
                 self.ui.level_start(i, len(order), visit, unit)
                 visit.settle_s = await self._settle(visit)
                 await self._measure(visit)
+                await self._judge_level_end(visit)
                 self.flush()
                 self.ui.level_done(visit, self._live(visit))
 
@@ -545,7 +553,7 @@ class Sweep:
             warmup = 0
             spans_before = len(visit.spans)
             new = self._add_rows(visit, recs)
-            self._stop_if_setting_moved(visit, new, spans_before)
+            self._stop_if_setting_moved(visit, new, spans_before, max((r.t_end_ns for r in recs if r.t_end_ns), default=time.monotonic_ns()))
             others = await self._others_beside(recs)
             if others:
                 # Left out and the same prompts sent again, so the level still measures whole rounds (paired).
@@ -644,7 +652,7 @@ class Sweep:
                 distrust(row, left)
         self._attempt_rows = []
         visit.spans.clear()
-        self._suspect_rows, self._suspect_spans = [], 0
+        self._suspect = []
         visit.n_measured = visit.n_untrusted = 0
         visit.restarts.append(down_s)
         visit.restarted = visit.restarted or bool(restarted)
@@ -680,7 +688,7 @@ class Sweep:
         self._reopened_before = list(getattr(self.prof.gpu, "reopened", []) or [])
         if self.s.level_kind != "power_limit" and not self._held_limits and self.prof.gpu is not None:
             self._held_limits.update(limits_read(self.prof.gpu.read()))
-        self._suspect_rows, self._suspect_spans = [], 0
+        self._suspect, self._t_watch_ns, self._t_vouched_ns = [], time.monotonic_ns(), 0
         locked = self.s.level_kind == "sm_clock" and visit.level_value is not None
         # Without a lock of ours, the GPU's busy clock so far this sweep is what a clock set below it betrays.
         self._clock_watch = ClockLockWatch(visit.level_value if locked else None, boost_mhz=self._boost_mhz)
@@ -688,7 +696,8 @@ class Sweep:
     def _new_gpu_samples(self) -> list:
         items = self.timeline.samples()
         new, self._samples_seen = items[self._samples_seen:], len(items)
-        return [smp for smp in new if smp.source == "nvml" and smp.data]
+        # A reading taken before the watch began (delivered late by a starved sampler) shows the last level's setting.
+        return [smp for smp in new if smp.source == "nvml" and smp.data and smp.t_mono_ns >= self._t_watch_ns]
 
     def _limit_problem(self, visit: LevelVisit, samples) -> str | None:
         """Why the level's power limit did not hold in `samples` (taken since the last check), or None.
@@ -734,45 +743,63 @@ class Sweep:
                         "vouched for; the windows measured since are left out of every figure")
         return None
 
-    def _clock_problem(self, samples) -> str | None:
-        """Why the GPU's SM clock was not the level's in `samples`, or None (ClockLockWatch)."""
-        if self._clock_watch is None:
-            return None
+    def _setting_problem(self, visit: LevelVisit, samples) -> tuple[str, str] | None:
+        """(why, fix) when the level's power limit or SM clock did not hold in `samples` (taken since the last
+        check, in the order read), or None; every reading that showed it held with no off-clock run open
+        advances `_t_vouched_ns`."""
         for smp in samples:
-            for r in smp.data:
+            why = self._limit_problem(visit, [smp])
+            if why is not None:
+                return why, LIMIT_FIX
+            for r in smp.data if self._clock_watch is not None else ():
                 why = self._clock_watch.feed(r)
                 if why:
-                    return why
+                    return why, CLOCK_FIX
+            if self._clock_watch is None or not self._clock_watch.open:
+                self._t_vouched_ns = max(self._t_vouched_ns, smp.t_mono_ns)
         return None
 
-    def _stop_if_setting_moved(self, visit: LevelVisit, rows: list[dict], spans_before: int) -> None:
-        """Leave these windows out and stop the sweep when the level's power limit or locked clock did
-        not hold in the samples taken since the last check. `spans_before`: len(visit.spans) before
-        these rows added theirs: the spans from there on are the left-out windows' and leave the
-        level's sensor figures (SM clock, thermal, ...) too."""
+    def _stop_if_setting_moved(self, visit: LevelVisit, rows: list[dict], spans_before: int, t_end_ns: int) -> None:
+        """Leave windows out and stop the sweep when the level's power limit or locked clock did not hold in
+        the samples taken since the last check. `rows` ended at `t_end_ns`; `spans_before`: len(visit.spans)
+        before they added theirs. A window is vouched for only by a reading taken after it ended (with no
+        run of off-clock readings open): until then it waits, so a reading delivered late still leaves it
+        out, with its spans, which would otherwise feed the level's sensor figures (SM clock, thermal, ...)."""
+        if rows:
+            self._suspect.append((list(rows), spans_before, t_end_ns))
         samples = self._new_gpu_samples()
         why = self._gpu_gone_problem()
         if why is not None:
             fix = ("find what reset or lost the GPU (`dmesg | grep -i xid`; nvidia-smi -r or a driver reload in a script, "
                    "a cluster health check) and rerun")
-        elif (why := self._limit_problem(visit, samples)) is not None:
-            fix = LIMIT_FIX
         else:
-            if not self._suspect_rows:
-                self._suspect_spans = spans_before
-            suspect = self._suspect_rows + list(rows)
-            why = self._clock_problem(samples)
-            if why is None:
-                # The run of off readings that may have begun spans batches: its windows wait for the verdict.
-                self._suspect_rows = suspect if self._clock_watch is not None and self._clock_watch.open else []
+            problem = self._setting_problem(visit, samples)
+            if problem is None:
+                self._suspect = [s for s in self._suspect if s[2] > self._t_vouched_ns]
                 return
-            rows, spans_before = suspect, self._suspect_spans
-            fix = CLOCK_FIX
-        for row in rows:
+            why, fix = problem
+        left = [row for s in self._suspect for row in s[0]]
+        if self._suspect:
+            del visit.spans[self._suspect[0][1]:]
+        self._suspect = []
+        for row in left:
             distrust(row, why)
-        del visit.spans[spans_before:]
         self.flush()
         raise SweepError(f"{_level_name(visit)}: {why}; fix: {fix}")
+
+    async def _judge_level_end(self, visit: LevelVisit) -> None:
+        """Wait (bounded) for a reading taken after the level's last window and judge it: a sampler late on a
+        loaded host would otherwise let the level end with its last windows never checked."""
+        if not self._suspect:
+            return
+        t_end = self._suspect[-1][2]
+        interval_s = getattr(getattr(self.prof, "sampler", None), "interval_ns", 1e9) / 1e9
+        deadline = time.monotonic() + LEVEL_END_WAIT_PERIODS * interval_s + LEVEL_END_WAIT_S
+        while time.monotonic() < deadline:
+            if any(smp.t_mono_ns >= t_end for smp in self.timeline.samples("nvml")[-4:]):
+                break
+            await asyncio.sleep(min(0.05, interval_s / 4))
+        self._stop_if_setting_moved(visit, [], len(visit.spans), t_end)
 
     def _paired_stop(self, visit: LevelVisit) -> str | None:
         """'paired-ci-reached' when this level's saving against the reference (already measured in
@@ -1059,7 +1086,7 @@ class TraceSweep(Sweep):
                 visit.foreign.append(others)
                 visit.foreign_windows += 1 if row.get("status") == "ok" else 0
             self.rows.extend(rows)
-            self._stop_if_setting_moved(visit, rows, len(visit.spans))
+            self._stop_if_setting_moved(visit, rows, len(visit.spans), w.result.t1_ns)
             if others and attempt == 0:
                 # Others' work is often a burst (a colleague's script, a job's step): the same replay once more, as a
                 # plain sweep sends a left-out batch's prompts again; bounded at one retry, so others at work

@@ -356,3 +356,71 @@ def test_root_writes_no_run_in_another_users_folder_but_in_the_sudo_users(tmp_pa
     assert "owned by uid 65534" in untrusted_out_dir(theirs / "run", env={"SUDO_UID": "1000"})
     os.chmod(theirs, 0o777)  # but never a folder others can write, whoever owns it
     assert "writable by group or others" in untrusted_out_dir(theirs / "run", env={"SUDO_UID": "65534"})
+
+
+def _lagging_timeline(monkeypatch, lag_s: float) -> None:
+    """The sweep's view of the samples `lag_s` behind the GPU, as a sampler thread starved on a loaded host delivers
+    them: each sample keeps the time it was read, but reaches the checks later (a prefix, in arrival order)."""
+    import time
+
+    from powerprof.storage.samples import Timeline
+
+    def samples(self, source=None):
+        with self._lock:
+            cut = time.monotonic_ns() - int(lag_s * 1e9)
+            n = next((k for k, (s, _) in enumerate(self._items) if s.t_mono_ns > cut), len(self._items))
+            return [s for s, _ in self._items[:n] if source is None or s.source == source]
+
+    monkeypatch.setattr(Timeline, "samples", samples)
+    monkeypatch.setattr(Timeline, "__len__", lambda self: len(samples(self)))
+
+
+def test_a_clock_lock_moved_while_the_sampler_lags_leaves_every_window_it_touched_out(tmp_path, monkeypatch):
+    # ci4 under two CPU hogs: the window measured just after `nvidia-smi -lgc 900,900` was checked before the samples
+    # read during it reached the check, so it passed, was kept, and levels.parquet filed sm_clock_mhz 1220 under the
+    # 1400 MHz level (900 MHz readings inside a kept window). A window waits for a reading taken after it ended.
+    from powerprof.sim.faults import FaultyNVML
+
+    _lagging_timeline(monkeypatch, 0.8)
+    sim = SimNVML("h200-141g", state_path=None)
+    nv = FaultyNVML(sim)
+
+    def act(event, visit):
+        if event == "progress" and visit.level_value == 1400 and visit.n_measured == 2:
+            nv.lock_clocks(0, 900, 900)
+
+    out = tmp_path / "run"
+    with Rig("h200-141g", nvml=nv) as rig, pytest.raises(SweepError) as e:
+        run_sweep(rig, levels_spec="1980,1400", level_kind="sm_clock", out_dir=out, params=RequestParams(max_tokens=64),
+                  idle_s=0, interval_s=0.2, min_requests=8, max_requests=8, warmup_requests=0, ui=_Hook(act))
+    assert str(e.value).startswith("level 1400: GPU 0's SM clock read 900 MHz"), str(e.value)
+    w = pq.read_table(out / "windows.parquet").to_pandas()
+    lv = w[(w.window_kind == "request") & (w.level_value == 1400.0) & ~w.warmup].sort_values("request_id")
+    assert (lv.timing.iloc[:2] != "untrusted").all()  # the two measured before the lock, kept
+    assert (lv.timing.iloc[2:] == "untrusted").all(), lv[["request_id", "timing", "timing_reason"]]
+    levels = pq.read_table(out / "levels.parquet").to_pandas().set_index("level_value")
+    assert levels.loc[1400.0, "sm_clock_mhz"] > 1380.0  # only the lock's own readings (1400 MHz) in its figures
+
+
+def test_a_power_limit_moved_while_the_sampler_lags_leaves_every_window_it_touched_out(tmp_path, monkeypatch):
+    # The same race for a limit: the window measured just after `nvidia-smi -pl 300` passed its check before a reading
+    # taken during it arrived, and its 300 W energy was filed under the 200 W level.
+    _lagging_timeline(monkeypatch, 0.8)
+    sim = SimNVML("seed-16g", state_path=None)
+
+    def other_tool(event, visit):
+        if event == "progress" and visit.level_value == 200 and visit.n_measured == 2:
+            sim.gpus[0].set_limit_w(300.0)
+
+    out = tmp_path / "run"
+    with Rig("seed-16g", nvml=sim) as rig, pytest.raises(SweepError) as e:
+        run_sweep(rig, levels_spec="300,200", out_dir=out, params=RequestParams(max_tokens=32), idle_s=0, interval_s=0.2,
+                  min_requests=6, max_requests=6, warmup_requests=0, ui=_Hook(other_tool))
+    assert str(e.value).startswith("level 200: GPU 0's power limit read 300 W"), str(e.value)
+    w = pq.read_table(out / "windows.parquet").to_pandas()
+    lv = w[(w.window_kind == "request") & (w.level_value == 200.0) & ~w.warmup].sort_values("request_id")
+    # The second window ended moments before the change: no reading between its end and the change says which limit
+    # it ended at, so it goes with the rest (left out, said); the first was vouched for by a reading after it.
+    assert lv.timing.iloc[0] != "untrusted", lv[["request_id", "timing", "timing_reason"]].to_string()
+    assert (lv.timing.iloc[2:] == "untrusted").all(), lv[["request_id", "timing", "timing_reason"]]
+    assert (lv[lv.timing != "untrusted"].avg_gpu_power_w < 205).all()
