@@ -790,8 +790,8 @@ class Sweep:
     async def _judge_level_end(self, visit: LevelVisit) -> None:
         """Wait (bounded) for a reading taken after the level's last window and judge it: a sampler late on a
         loaded host would otherwise let the level end with its last windows never checked."""
-        if not self._suspect:
-            return
+        if not self._suspect or getattr(self.prof, "gpu", None) is None:
+            return  # nothing waits, or no GPU is read: no reading will ever come to judge by
         t_end = self._suspect[-1][2]
         interval_s = getattr(getattr(self.prof, "sampler", None), "interval_ns", 1e9) / 1e9
         deadline = time.monotonic() + LEVEL_END_WAIT_PERIODS * interval_s + LEVEL_END_WAIT_S
