@@ -138,6 +138,20 @@ def burst_start_ns(since_ns: int, t_ns: int, delta: float, next_rate_per_ns: flo
     return max(since_ns, t_ns - int(delta / next_rate_per_ns))
 
 
+def _server_down(e: BaseException) -> bool:
+    """Whether a failed scrape says the server is down (a restart's sign, _dip_or_restart): nothing listening on its
+    port, or a gateway's or a loading server's 502/503. A timeout (busy) or a bad page does not."""
+    return isinstance(e, aiohttp.ClientConnectorError) or (isinstance(e, _MetricsStatus) and e.status in (502, 503))
+
+
+class _MetricsStatus(ValueError):
+    """/metrics answered other than 200."""
+
+    def __init__(self, status: int):
+        super().__init__(f"/metrics answered {status}")
+        self.status = status
+
+
 class Scraper:
     """Polls one server. `await scrape()` → tokens generated since the previous call, or None."""
 
@@ -171,6 +185,9 @@ class Scraper:
         self.window_partial: tuple[str, ...] = ()
         self.restarts = 0  # server restarts seen (a counter gone back, or a new process start time)
         self._start_s: float | None = None  # the server's process_start_time_seconds at the previous scrape
+        self.dips = 0  # pages whose counter went back with no other sign of a restart, not believed (_dip_or_restart)
+        self._dipped: float | None = None  # the dipped reading of the page before, not believed: the next one tells
+        self._unreachable = False  # a scrape since the last believed page found the server down (_SERVER_DOWN)
 
     def _baseline(self, counted: float) -> None:
         """The first reading: `counted` tokens the server says it has generated. Read after the daemon's ready, a
@@ -203,6 +220,31 @@ class Scraper:
         prev, self._start_s = self._start_s, now
         if prev is not None and now is not None and abs(now - prev) > 1e-3:
             return f"its process start time moved {now - prev:.1f} s (process_start_time_seconds)"
+        return None
+
+    def _dip_or_restart(self, prev: float, total: float) -> str | None:
+        """The counter went back from `prev` (the highest believed reading) to `total` on a page that has no start time:
+        why it is a restart, or None for a dip not believed (this scrape is skipped; the next page tells).
+
+        A multi-process page (prometheus_client's multiprocess collector sums each worker's file as it reads it) can
+        show less than the page before for one read, the process the same: taken for a restart, the whole counter was
+        counted as one window's tokens and that window marked server_restart (docs/daemon.md, A counter that dips). A
+        restart is told by what a dip does not do: the counter fell to half or less (a new process counts from 0), a
+        scrape since the last believed page found the server down (nothing listening, or a 502/503), or the fall is
+        still there at the next page (a dip is one read's)."""
+        if total <= prev / 2:
+            return f"{COUNTERS[self.kind]} went back from {prev:g} to {total:g}"
+        if self._unreachable:
+            return (f"{COUNTERS[self.kind]} went back from {prev:g} to {total:g} after a scrape found the server down")
+        if self._dipped is not None:
+            return (f"{COUNTERS[self.kind]} went back from {prev:g} to {self._dipped:g}, and was still below it at the "
+                    f"next scrape ({total:g})")
+        self._dipped = total
+        self.dips += 1
+        if self.dips <= 3 or self.dips % 100 == 0:
+            log.info("%s at %s went back from %g to %g with no other sign of a restart (%d so far): a multi-process "
+                     "page read while a worker's share lagged; not believed, and told from a restart by the next "
+                     "scrape", COUNTERS[self.kind], self.base, prev, total, self.dips)
         return None
 
     def has_baseline(self) -> bool:
@@ -261,7 +303,7 @@ class Scraper:
             else:
                 status, text = await self._get("/metrics")
                 if status != 200:
-                    raise ValueError(f"/metrics answered {status}")
+                    raise _MetricsStatus(status)
                 total = counter_total(text, COUNTERS[self.kind])
                 if total is None and unset_means_zero(text, self.kind):
                     total = 0.0  # not yet set: no request has finished (module docstring)
@@ -272,7 +314,14 @@ class Scraper:
                 had_start = self._start_s is not None
                 new_process = self._new_process(text)
                 prev = self._last_total
-                if prev is not None and total < prev and new_process is None and had_start and self._start_s is not None:
+                same_start = had_start and self._start_s is not None
+                if prev is not None and total < prev and new_process is None and not same_start:
+                    # No start time to tell (SGLang's page, a vLLM with several API servers): a dip or a restart.
+                    new_process = self._dip_or_restart(prev, total)
+                    if new_process is None:
+                        self.finished = None
+                        return None  # the dip's window goes on to the next page (never 0 tokens, never a restart)
+                if prev is not None and total < prev and new_process is None and same_start:
                     # Back on the same process (its start time unchanged): the page is wrong, not the server restarted.
                     # Taken for a restart, the whole counter was counted as this window's tokens (bypass traffic that
                     # never ran). The highest reading stays the base: tokens count again once the counter passes it.
@@ -280,7 +329,7 @@ class Scraper:
                     raise ValueError(f"{COUNTERS[self.kind]} went back from {prev:g} to {total:g} on the same process "
                                      f"({START_TIME} unchanged): this scrape is not believed, and tokens are counted "
                                      f"again from {prev:g}")
-                self._last_total = total
+                self._last_total, self._dipped, self._unreachable = total, None, False
                 if prev is None:
                     self._baseline(total)
                 # A restart of the server zeroes its counter: count from zero again. A new process whose counter has
@@ -292,6 +341,7 @@ class Scraper:
                 self.finished = self._finished_since(text, prev is None or restart)
                 self.cache_hits = self._cache_hits_since(text, prev is None or restart)
         except Exception as e:  # a server's answer never ends the scrape loop: counted and logged
+            self._unreachable |= _server_down(e)
             self.errors += 1
             self.last_error = error_text(e)
             if self.errors <= 3 or self.errors % 100 == 0:

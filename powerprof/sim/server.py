@@ -385,11 +385,17 @@ class SimServer:
         self.prefix_cache = bool(prefix_cache)
         self.prompt_details = bool(prompt_details)
         self._prefixes: set[int] = set()  # prefix_cache: the hash of every word prefix of the prompts computed
+        # A page whose generated-token counter dips for one read without a restart (dip_counter): off by default.
+        self.dip_tokens, self.dip_every = 0, 0
+        self._metrics_reads = 0
+        self._shown_tokens: float | None = None  # the counter the last /metrics page showed
+        self.dips: list[tuple[int, float, float]] = []  # (monotonic ns, shown, true) per dipped page (truth)
         self._new_metrics()
 
     def _new_metrics(self) -> None:
         """The /metrics registry of a fresh server process: every counter from zero (a restart starts it again)."""
         self._registry = CollectorRegistry()
+        self._shown_tokens = None  # a dip (dip_counter) is against the same process's page before it
         if self.flavour == "sglang":
             self._new_sglang_metrics()
             return
@@ -611,6 +617,37 @@ class SimServer:
             if not self._active:
                 self._phase("idle", 0.0)
         self._restarting.discard(asyncio.current_task())
+
+    def dip_counter(self, tokens: int, every: int = 2) -> None:
+        """From now on every `every`-th /metrics page shows the generated-token counter (vLLM's and SGLang's
+        generation_tokens_total, llama.cpp's tokens_predicted_total) `tokens` below what the page before it showed, and
+        the page after it the truth again: a dip of one read, the process the same. As a multi-process server's page
+        can: prometheus_client's multiprocess collector (SGLang's, a vLLM with several API servers) sums each worker's
+        file as it reads it, so a page read while a worker's share is behind another's shows less than the one before.
+        The server, its truth and every other family go on unchanged. tokens=0 turns it off. Settable between reads."""
+        if tokens < 0 or (tokens > 0 and every < 1):
+            raise ValueError("dip_counter needs tokens >= 0 and every >= 1")
+        self.dip_tokens, self.dip_every, self._metrics_reads, self._shown_tokens = int(tokens), int(every), 0, None
+
+    def _dipped(self, page: bytes) -> bytes:
+        """`page` with its generated-token counter dipped when this read is a dip's (dip_counter); the counter is one
+        series (one model), as every flavour here serves it."""
+        name = {"sglang": "sglang:generation_tokens_total", "vllm": "vllm:generation_tokens_total"}.get(
+            self.flavour, "llamacpp:tokens_predicted_total")
+        if not self.dip_tokens:
+            return page
+        text = page.decode()
+        m = re.search(r"^(" + re.escape(name) + r"(?:\{[^}]*\})?) (\S+)$", text, re.M)
+        if m is None:
+            return page
+        true = float(m.group(2))
+        self._metrics_reads += 1
+        shown = true
+        if self.dip_tokens and self._metrics_reads % self.dip_every == 0 and self._shown_tokens is not None:
+            shown = max(0.0, min(true, self._shown_tokens) - self.dip_tokens)
+            self.dips.append((time.monotonic_ns(), shown, true))
+        self._shown_tokens = shown
+        return (text[:m.start(2)] + repr(shown) + text[m.end(2):]).encode()
 
     def reset_connections(self, after_s: float = 0.0):
         """Every connection is reset `after_s` from now, streams in flight and kept-alive ones alike, while the server
@@ -1235,8 +1272,10 @@ class SimServer:
             if (not self._active and not self._waiting
                     and time.monotonic() - self._sg_last_log > self.sglang_idle_log_s):
                 self._sglang_log(0, 0)  # its idle self-check logs once the last log is that old (read here, when seen)
-            return web.Response(body=generate_latest(_SetOnly(self._registry)), content_type="text/plain", charset="utf-8")
-        return web.Response(body=generate_latest(self._registry), content_type="text/plain", charset="utf-8")
+            page = generate_latest(_SetOnly(self._registry))
+        else:
+            page = generate_latest(self._registry)
+        return web.Response(body=self._dipped(page), content_type="text/plain", charset="utf-8")
 
     async def _models(self, request: web.Request) -> web.Response:
         card = {"id": self.model, "object": "model", "owned_by": self.flavour, "simulated": True}
