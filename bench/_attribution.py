@@ -413,7 +413,8 @@ def run_mixed(trace: list[TraceRequest], profile: str = "h200-141g", interval_s:
                    late_p95_s=0.0, truth=truth, notes=[f"HTTP {c}: {statuses.count(c)}" for c in sorted(set(statuses))]
                    + [f"uncounted {k}: {v}" for k, v in sorted(daemon.uncounted_requests.items())]
                    + [f"proxy workers: {sum(bool(getattr(w, 'said_hello', False)) for w in getattr(daemon.proxy, 'workers', ()))}"]
-                   + [f"prefix-cache-unsaid requests: {getattr(daemon.ledger, 'cache_unsaid_requests', 0)}"])
+                   + [f"prefix-cache-unsaid requests: {getattr(daemon.ledger, 'cache_unsaid_requests', 0)}"]
+                   + [f"prefix-cache-late requests: {getattr(daemon.ledger, 'cache_late_requests', 0)}"])
 
 
 def score_mixed(o: Outcome) -> dict:
