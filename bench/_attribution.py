@@ -314,17 +314,22 @@ def _turn_messages(c: int, k: int) -> list[dict]:
     return msgs
 
 
-def _mixed_request(kind: str, index: int, prompt_tokens: int, output_tokens: int) -> tuple[str, dict]:
+def _mixed_request(kind: str, index: int, prompt_tokens: int, output_tokens: int,
+                   continuous: bool = False) -> tuple[str, dict]:
     """(path, body) of one request of the mixed trace: streamed with usage, ignoring EOS, as replay sends them; a
-    conversation's turn (`turn.C.K`, conversation_trace) its whole history as chat."""
+    conversation's turn (`turn.C.K`, conversation_trace) its whole history as chat. continuous: its chat streams ask
+    for the running usage on every chunk too (`continuous_usage_stats`: vLLM says the prompt's length early, its
+    cached count only in the final usage)."""
     from powerprof.workload.replay import prompt_text
+
+    usage = {"include_usage": True, **({"continuous_usage_stats": True} if continuous else {})}
 
     text = prompt_text(prompt_tokens, index)
     n = max(1, output_tokens)
     if kind.startswith("turn."):
         _, c, k = kind.split(".")
         return "/v1/chat/completions", {"messages": _turn_messages(int(c), int(k)), "max_tokens": n, "stream": True,
-                                        "ignore_eos": True, "stream_options": {"include_usage": True}}
+                                        "ignore_eos": True, "stream_options": usage}
     if kind == "embeddings":
         return "/v1/embeddings", {"input": text, "model": "sim"}
     if kind.startswith("generate"):  # SGLang's native /generate
@@ -338,8 +343,7 @@ def _mixed_request(kind: str, index: int, prompt_tokens: int, output_tokens: int
         return "/v1/messages", {"messages": msgs, "max_tokens": n, "stream": True, "ignore_eos": True}
     if kind == "responses":
         return "/v1/responses", {"input": text, "max_output_tokens": n, "stream": True, "ignore_eos": True}
-    body = {"messages": msgs, "max_tokens": n, "stream": True, "ignore_eos": True,
-            "stream_options": {"include_usage": True}}
+    body = {"messages": msgs, "max_tokens": n, "stream": True, "ignore_eos": True, "stream_options": usage}
     if kind == "chat_n2":
         body["n"] = 2
     elif kind == "chat_logprobs":  # each chunk lists its tokens (llama-server: none for a token without text)
@@ -349,12 +353,13 @@ def _mixed_request(kind: str, index: int, prompt_tokens: int, output_tokens: int
 
 def run_mixed(trace: list[TraceRequest], profile: str = "h200-141g", interval_s: float = 1.0, n_slots: int = 64,
               data_dir: Path | None = None, config: dict | None = None, flavour: str = "llamacpp",
-              server: dict | None = None) -> Outcome:
+              server: dict | None = None, continuous: bool = False) -> Outcome:
     """Replay a mixed trace (`mixed_trace`: each request's tag its kind) through the daemon in front of the simulated
     continuous-batching server (llama.cpp flavour by default: llama-server serves all five kinds at once, with
     `--embeddings`); every request through the proxy. The Outcome's requests carry `kind` and the truth summed over
     each request's sequences (`SimServer.request_truth`). `server`: more SimServer knobs (say `delivery`: "buffered",
-    a buffering proxy between the server and the daemon's)."""
+    a buffering proxy between the server and the daemon's). continuous: chat streams ask for continuous usage
+    (`_mixed_request`)."""
     tmp = Path(data_dir or tempfile.mkdtemp(prefix="pp-attr-mixed-"))
     nvml = SimNVML(profile, state_path=None)
     srv = SimServer(nvml, flavour=flavour, n_slots=n_slots, batching="continuous", embeddings=True,
@@ -369,7 +374,7 @@ def run_mixed(trace: list[TraceRequest], profile: str = "h200-141g", interval_s:
 
     async def one(s, url, i, r, t0):
         await asyncio.sleep(max(0.0, t0 + r.t_s - time.monotonic()))
-        path, body = _mixed_request(r.tag, i, r.prompt_tokens, r.output_tokens)
+        path, body = _mixed_request(r.tag, i, r.prompt_tokens, r.output_tokens, continuous)
         headers = {"X-Sim-Request-Id": str(i), "X-Powerprof-Tag": f"{r.tag}#{i}"}
         async with s.post(url + path, json=body, headers=headers) as resp:
             await resp.read()
@@ -408,7 +413,8 @@ def run_mixed(trace: list[TraceRequest], profile: str = "h200-141g", interval_s:
                    late_p95_s=0.0, truth=truth, notes=[f"HTTP {c}: {statuses.count(c)}" for c in sorted(set(statuses))]
                    + [f"uncounted {k}: {v}" for k, v in sorted(daemon.uncounted_requests.items())]
                    + [f"proxy workers: {sum(bool(getattr(w, 'said_hello', False)) for w in getattr(daemon.proxy, 'workers', ()))}"]
-                   + [f"prefix-cache-unsaid requests: {getattr(daemon.ledger, 'cache_unsaid_requests', 0)}"])
+                   + [f"prefix-cache-unsaid requests: {getattr(daemon.ledger, 'cache_unsaid_requests', 0)}"]
+                   + [f"prefix-cache-late requests: {getattr(daemon.ledger, 'cache_late_requests', 0)}"])
 
 
 def score_mixed(o: Outcome) -> dict:

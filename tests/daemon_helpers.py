@@ -122,23 +122,24 @@ def _post_json(url: str, body: dict, headers: dict) -> tuple[int, bytes]:
         return e.code, e.read()
 
 
-def converse(base: str, name: str, turns: int = 3) -> list[dict]:
-    """One chat conversation of `turns` turns, each resending the whole history: streamed (usage asked), the second
-    answered whole; each tagged name-k. The usage of each."""
+def converse(base: str, name: str, turns: int = 3, continuous: bool = False, max_tokens: int = 8) -> list[dict]:
+    """One chat conversation of `turns` turns, each resending the whole history: streamed (usage asked, and the running
+    usage on every chunk where `continuous`), the second answered whole; each tagged name-k. The usage of each."""
     # Its own first words (the time): nothing of it cached before, even on a server an earlier run used.
     messages = [{"role": "system", "content": f"{name} {time.time_ns()}: {OPENING}"}]
     usages = []
     for k in range(turns):
         messages.append({"role": "user", "content": f"Question {k}: how much energy does a token cost?"})
         stream = k != 1
-        body = {"model": "tiny", "messages": messages, "max_tokens": 8, "ignore_eos": True, "temperature": 0,
-                "stream": stream, **({"stream_options": {"include_usage": True}} if stream else {})}
+        opts = {"include_usage": True, **({"continuous_usage_stats": True} if continuous else {})}
+        body = {"model": "tiny", "messages": messages, "max_tokens": max_tokens, "ignore_eos": True, "temperature": 0,
+                "stream": stream, **({"stream_options": opts} if stream else {})}
         status, raw = _post_json(base + "/v1/chat/completions", body, {"X-Powerprof-Tag": f"{name}-{k}"})
         assert status == 200, raw[:300]
         if stream:
             docs = [json.loads(x[6:]) for x in raw.decode().splitlines() if x.startswith("data: {")]
             text = "".join((c.get("delta") or {}).get("content") or "" for d in docs for c in d.get("choices") or [])
-            (usage,) = [d["usage"] for d in docs if d.get("usage")]
+            (usage,) = [d["usage"] for d in docs if d.get("usage") and not d.get("choices")]
         else:
             answer = json.loads(raw)
             text, usage = answer["choices"][0]["message"]["content"], answer["usage"]
@@ -147,9 +148,11 @@ def converse(base: str, name: str, turns: int = 3) -> list[dict]:
     return usages
 
 
-def daemon_conversation(upstream: str, tmp_path: Path, name: str, turns: int = 3) -> tuple[dict, list[dict], float]:
-    """`converse` through a daemon (simulated GPU, scraping every 0.25 s) in front of `upstream`: its request rows by
-    tag, the usages, and its /metrics powerprof_requests_cache_unsaid_total once every turn's row is written."""
+def daemon_conversation(upstream: str, tmp_path: Path, name: str, turns: int = 3,
+                        metric: str = "powerprof_requests_cache_unsaid_total", **ask) -> tuple[dict, list[dict], float]:
+    """`converse` through a daemon (simulated GPU, scraping every 0.25 s) in front of `upstream` (`ask`: converse's
+    continuous, max_tokens): its request rows by tag, the usages, and its /metrics `metric` once every turn's row is
+    written."""
     from powerprof.daemon.scrape import counter_total
 
     data = tmp_path / name
@@ -158,7 +161,7 @@ def daemon_conversation(upstream: str, tmp_path: Path, name: str, turns: int = 3
     d = DaemonProc(data, "--config", str(cfg), "--simulate", "--upstream", upstream, "--interval", "0.25",
                    "--flush-interval", "0.25", env=sim_env(tmp_path))
     try:
-        usages = converse(d.info["proxy"], name, turns)
+        usages = converse(d.info["proxy"], name, turns, **ask)
         deadline = time.monotonic() + 60
         while time.monotonic() < deadline:  # the rows are written once their intervals close and a scrape is past them
             rows = read_dataset(data, "requests")
@@ -168,7 +171,7 @@ def daemon_conversation(upstream: str, tmp_path: Path, name: str, turns: int = 3
         else:
             raise AssertionError(f"the turns' rows not written in 60 s:\n{d.output()[-3000:]}")
         page = urllib.request.urlopen(d.info["metrics"] + "/metrics", timeout=10).read().decode()
-        unsaid = counter_total(page, "powerprof_requests_cache_unsaid_total")
+        unsaid = counter_total(page, metric)
     finally:
         rc = d.stop()
     assert rc == 0, d.output()

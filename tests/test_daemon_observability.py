@@ -27,7 +27,7 @@ _UNIT_OF = [
     (r"powerprof_work_cost_joules", "J"),
     (r"powerprof_joules_per_token", "J/token"),
     (r"powerprof_tokens_generated_total", "tokens/s"),
-    (r"powerprof_requests_total|powerprof_requests_no_counter_short_total", "requests/s"),
+    (r"powerprof_requests_total|powerprof_requests_no_counter_short_total|powerprof_requests_cache_late_total", "requests/s"),
     (r"_hertz", "Hz"),
     (r"process_cpu_seconds_total", "cores"),
     (r"_bytes", "bytes"),
@@ -179,3 +179,15 @@ def test_the_dashboard_shows_the_requests_left_out_of_its_j_per_token():
     assert "no-counter-short" in jpt["description"]
     (left,) = [p for p in panels if any("powerprof_requests_no_counter_short_total" in t["expr"] for t in p["targets"])]
     assert "no-counter-short" in left["title"] and "Fix:" in left["description"]
+
+
+def test_requests_flagged_prefix_cache_late_are_counted_on_metrics():
+    # Rows saying prefix-cache-late (a cached count said at a stream's end, or a share beside one) are counted, at
+    # zero too, with the fix in the HELP. Before: no such series (prefix-cache-unsaid had one).
+    fams = _exposition(cache_late_requests=4)
+    (sample,) = fams["powerprof_requests_cache_late"].samples
+    assert sample.value == 4 and sample.name == "powerprof_requests_cache_late_total"
+    assert "prefix-cache-late" in fams["powerprof_requests_cache_late"].documentation
+    assert "fix: ask without continuous usage" in fams["powerprof_requests_cache_late"].documentation
+    (zero,) = _exposition()["powerprof_requests_cache_late"].samples
+    assert zero.value == 0

@@ -111,3 +111,59 @@ def test_a_live_daemon_stores_the_said_counts_and_counts_the_unsaid_on_metrics(t
         assert all(pd.isna(r["cached_prompt_tokens"]) for r in rows.values()), rows
         assert {"chat-1", "chat-2"} <= set(flagged), {t: note_of(r) for t, r in rows.items()}
         assert unsaid == len(flagged)
+
+
+LATE = "prefix-cache-late"  # storage/schema.py CACHE_LATE_FLAG
+
+
+def test_a_live_daemon_counts_cached_counts_said_late_on_metrics(tmp_path):
+    # vLLM with the details flag, streams asking continuous usage: each running usage says the prompt's length, only
+    # the final one its cached count (as vLLM 0.32's do). A third turn decoding 3 s outlives the intervals over its
+    # prefill, which close with its whole prompt costed as computed: its row says prefix-cache-late, and /metrics
+    # counts every row that says it. Before: no powerprof_requests_cache_late_total at all.
+    from daemon_helpers import daemon_conversation, note_of
+
+    from powerprof.sim.nvml import SimNVML
+    from powerprof.sim.server import SimServer
+
+    with SimServer(SimNVML("seed-16g", state_path=None), flavour="vllm", decode_tok_s=200, model="tiny",
+                   prefix_cache=True, prompt_details=True) as sim:
+        rows, usages, late = daemon_conversation(sim.url, tmp_path, "late", metric="powerprof_requests_cache_late_total",
+                                                 continuous=True, max_tokens=600)
+    assert usages[2]["prompt_tokens_details"]["cached_tokens"] > 0, usages
+    note = note_of(rows["late-2"])
+    assert LATE in note and "fix:" in note, {t: note_of(r) for t, r in rows.items()}
+    flagged = [t for t, r in rows.items() if LATE in note_of(r)]
+    assert late == len(flagged), (late, flagged)
+
+
+@pytest.fixture(scope="module")
+def late_run(tmp_path_factory):
+    """Long cached turns (600 tokens) beside single chats, vLLM with the details flag, chat streams asking continuous
+    usage: most turns' prefill intervals close before their end says their cached count."""
+    from powerprof.workload.trace import TraceRequest
+
+    trace = [TraceRequest(r.t_s, r.prompt_tokens, 600 if r.tag != "chat" else r.output_tokens, r.tag)
+             for r in conversation_trace(6, 6, 60, 6.0)]
+    return run_mixed(trace, data_dir=tmp_path_factory.mktemp("late"), flavour="vllm", server=SERVER, continuous=True)
+
+
+def test_the_requests_beside_a_cached_count_said_late_are_marked(late_run):
+    o = late_run
+    rows = o.requests[o.requests["true_j"].notna()]
+    note = rows["energy_note"].fillna("")
+    own = note.str.contains(LATE + r": its answer said", regex=True)
+    assert own.sum() >= 5, note.tolist()[:5]  # turns said late (30 of 36 seen)
+    late = rows[own]
+    # The intervals with a late turn's prefill (its arrival to its first token) in them, and the requests live there.
+    ivs = o.intervals[[bool(((late["t_arrival_utc"] < e) & (late["t_first_utc"] > s)).any())
+                       for s, e in zip(o.intervals["t_start_utc"], o.intervals["t_end_utc"])]]
+    beside = rows[[not own[i] and bool(((ivs["t_start_utc"] < x["t_end_utc"]) & (ivs["t_end_utc"] > x["t_arrival_utc"])).any())
+                   for i, x in rows.iterrows()]]
+    assert len(beside) >= 10
+    # Before: none of them said anything of it (measured 0 of 61). Now every one is marked, with the fix.
+    said = beside["energy_note"].fillna("").str.contains(LATE + ": up to", regex=False)
+    assert said.all(), beside.loc[~said, "energy_note"].head(3).tolist()
+    assert beside["energy_note"].str.contains("fix:").all()
+    flagged = int(o.requests["energy_note"].fillna("").str.contains(LATE).sum())
+    assert f"prefix-cache-late requests: {flagged}" in o.notes, o.notes[-1]

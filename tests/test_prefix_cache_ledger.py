@@ -65,25 +65,38 @@ def _early_prompt_run(cached_early: bool):
         _feed(led, float(sec), e)
         led.advance(int((sec + 0.5) * S))
     led.close_all(int(12 * S))
-    return sink.rows["intervals"], {r["request_id"]: r for r in sink.rows["requests"]}
+    return sink.rows["intervals"], {r["request_id"]: r for r in sink.rows["requests"]}, led
 
 
 def test_a_cached_count_said_early_costs_the_prefill_at_the_part_computed():
     # Before: the early prompt released the prefill at 1000 tokens, the end's 900 cached came after its interval
     # closed: the first interval's prefill_tokens 1100 (truth 200), B 59.1 J (truth 100, -41%), A 940.9 (900).
-    ivs, rq = _early_prompt_run(cached_early=True)
+    ivs, rq, led = _early_prompt_run(cached_early=True)
     assert ivs[0]["prefill_tokens"] == 200
     assert abs(rq[2]["gpu_energy_j"] - 100.0) < 1.0 and abs(rq[1]["gpu_energy_j"] - 900.0) < 1.0
-    assert not (rq[1]["energy_note"] or "").count(LATE)
+    assert not (rq[1]["energy_note"] or "").count(LATE) and not (rq[2]["energy_note"] or "").count(LATE)
+    assert led.totals.cache_late_requests == 0
 
 
 def test_a_cached_count_said_only_after_its_prefill_closed_marks_the_request():
     # Before: A's row said cached_prompt_tokens=900 and nothing else, its prefill charged at the whole prompt.
-    _ivs, rq = _early_prompt_run(cached_early=False)
+    _ivs, rq, _led = _early_prompt_run(cached_early=False)
     note = rq[1]["energy_note"] or ""
     assert note.startswith("approximate:") and LATE in note and "900" in note and "fix:" in note
     assert rq[1]["cached_prompt_tokens"] == 900
-    assert LATE not in (rq[2]["energy_note"] or "")  # B said 0 cached: nothing came late
+
+
+def test_the_request_beside_a_late_cached_count_is_marked_and_counted():
+    # B ran beside A's prefill in the interval that closed with A's prompt costed whole (1100 prefill tokens, truth
+    # 200): it was given 59.1 J (truth 100 J, -41%). Before, its row said nothing (it ended at 1.95 s, its row
+    # written long before A's end said the 900 cached at 9.95 s) and /metrics counted no late row.
+    _ivs, rq, led = _early_prompt_run(cached_early=False)
+    b = rq[2]
+    assert b["gpu_energy_j"] < 0.7 * 100.0  # still under-charged (not corrected): said, not silent
+    note = b["energy_note"] or ""
+    assert note.startswith("approximate:") and LATE in note and "900" in note and "fix:" in note, note
+    assert "low" in note
+    assert led.totals.cache_late_requests == 2  # A's row and B's
 
 
 def test_parsers_say_the_cached_count_as_early_as_the_prompt():

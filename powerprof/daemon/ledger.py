@@ -187,6 +187,14 @@ class _Req:
     # and, as its row is made, how many more its end said (CACHE_LATE_FLAG: placed as computed, not found cached).
     prefill_cached: float | None = None
     cache_late: float = 0.0
+    # The requests whose prefill was placed, at a prompt said early with no cached count yet, in intervals it was given
+    # energy of (`_cache_pending`), and its GPU joules from such intervals: their end may say part of that prompt was
+    # cached (CACHE_LATE_FLAG), and then its share there is low. Set as its row is made: the most tokens one of them
+    # said late (`cache_beside_late`), or whether one had still not ended when its row could wait no longer.
+    late_wait: set = field(default_factory=set)
+    late_wait_j: float = 0.0
+    cache_beside_late: float = 0.0
+    late_unresolved: bool = False
     prev_held: bool = False  # that piece held more tokens than its sequences
     first_held: bool = False  # its first piece held more than FIRST_BURST_TOKENS a sequence
     closed_s: float = 0.0  # seconds of its run in intervals closed before its tokens came (not its energy)
@@ -233,6 +241,7 @@ class Totals:
     no_counter_short_requests: int = 0  # request rows flagged NO_COUNTER_SHORT_FLAG since start
     cpu_unknown_requests: int = 0  # request rows without cpu_energy_j though RAPL is read (CPU_MISSING_NOTE) since start
     cache_unsaid_requests: int = 0  # request rows flagged CACHE_UNSAID_FLAG since start
+    cache_late_requests: int = 0  # request rows flagged CACHE_LATE_FLAG since start (a late count's, or beside one)
     # Intervals with tokens left out of j_per_token since start, and their tokens: {flag: (intervals, tokens)}
     # (NO_COUNTER_SHORT_FLAG, BYPASS_LOW_FLAG).
     jpt_left_out: dict = field(default_factory=dict)
@@ -301,6 +310,12 @@ class Ledger:
         self._cache_spans: deque = deque()
         self._cache_known: deque = deque()
         self.cache_unsaid_requests = 0  # request rows emitted with CACHE_UNSAID_FLAG
+        self.cache_late_requests = 0  # request rows emitted with CACHE_LATE_FLAG
+        # {request id: cached tokens its end said late} of the latest late ones (bounded), read by the rows of the
+        # requests beside their prefill (`_Req.late_wait`); and the ended requests whose rows wait for such a request
+        # to end (at most prompt_hold_s past their own end): [request, its end].
+        self._late_said: dict[int, float] = {}
+        self._late_parked: list[list] = []
         # [t0, t1, server tokens, bypass tokens or None, (requests finished, their summed seconds) or None,
         #  why its count may be low (scrape.PARTIAL_REASONS keys)] per scrape
         self.server_spans: list[list] = []
@@ -1068,7 +1083,7 @@ class Ledger:
                 r.trace.outcome = "interrupted"
             rows.append(self._request_row(r))
             del self.requests[rid]
-        self.emit("requests", rows)
+        self.emit("requests", rows + self._unpark(None))
 
     def _energy(self, edges: list[_Edge]) -> tuple[np.ndarray, np.ndarray, list[str]]:
         t = np.array([e.t_ns for e in edges], dtype=np.int64)
@@ -1217,8 +1232,13 @@ class Ledger:
                                for k in range(t.size - 1)], dtype=bool)
         cache_iv = np.array([self._cache_unsaid(int(t[k]), int(t[k + 1])) if prefilling[k] else 0.0
                              for k in range(t.size - 1)])
+        # Intervals with prefill of a request whose prompt was said early and its cached count not yet: costed as computed
+        # whole, a count its end says late leaves the requests beside it under-charged there (CACHE_LATE_FLAG).
+        pending = np.array([computed[i] > 0 and _cache_pending(r) for i, r in enumerate(reqs)], dtype=bool)
+        pend_iv = [np.flatnonzero(pending & (arrival < t[k + 1]) & (first > t[k])) for k in range(t.size - 1)]
         energy = np.column_stack([energy, np.where(short_iv, work_j, 0.0), np.where(low_iv, work_j, 0.0),
-                                  np.where(cache_iv >= CACHE_UNSAID_MIN, work_j, 0.0)])
+                                  np.where(cache_iv >= CACHE_UNSAID_MIN, work_j, 0.0),
+                                  np.where([len(p) > 0 for p in pend_iv], work_j, 0.0)])
         a = attr.attribute(t, energy, arrival, first, last, end, ev_t_a, ev_r_a, ev_n_a, excess,
                            prompt_tokens=computed, tok_ctx=np.array(ev_c, dtype=float), costs=costs,
                            bypass_spans=bypass_spans, passive=passive, aside_j=aside,
@@ -1259,6 +1279,12 @@ class Ledger:
                 r.cache_beside_j += a.request_energy[i, 8]
                 live = (arrival[i] < t[1:]) & (end[i] > t[:-1])
                 r.cache_beside = max(r.cache_beside, float(cache_iv[live].max(initial=0.0)))
+            if a.request_energy[i, 9] > 0:
+                live = (arrival[i] < t[1:]) & (end[i] > t[:-1])
+                others = {reqs[j].trace.request_id for k in np.flatnonzero(live) for j in pend_iv[k] if j != i}
+                if others:
+                    r.late_wait |= others
+                    r.late_wait_j += a.request_energy[i, 9]
             if a.request_energy[i, 7] > 0:
                 live = (arrival[i] < t[1:]) & (end[i] > t[:-1]) & low_iv
                 r.bypass_low_why.update(w for k in np.flatnonzero(live) for w in server_count[k].split(","))
@@ -1288,16 +1314,43 @@ class Ledger:
         self._judge_host(t, a, other_pct, judged)
         self._account(t, per_gpu, gpu, cpu, a, methods, costs, host_s, other_s, judged, short_iv, low_iv, server_count)
         self._interval_rows(edges, t, gpu, cpu, methods, a, excess, costs, other_pct, server_count, short_iv, cache_iv)
-        rows = []
-        for r, d in zip(reqs, done):
-            if d:
-                rows.append(self._request_row(r))
-                del self.requests[r.trace.request_id]
-        self.emit("requests", rows)
+        ended = [r for r, d in zip(reqs, done) if d]
+        for r in ended:
+            del self.requests[r.trace.request_id]
+            self._settle_late(r)  # before any row: a request beside it ending in this close reads its late count
+        self._late_parked.extend([r, int(r.trace.end_ns)] for r in ended)
+        self.emit("requests", self._unpark(t_end))
         # The rows' counts, on /metrics with the rows themselves (the totals above were taken before them).
         self.totals = replace(self.totals, no_counter_short_requests=self.no_counter_short_requests,
                               cpu_unknown_requests=self.cpu_unknown_requests,
-                              cache_unsaid_requests=self.cache_unsaid_requests)
+                              cache_unsaid_requests=self.cache_unsaid_requests,
+                              cache_late_requests=self.cache_late_requests)
+
+    def _unpark(self, now_ns: int | None) -> list[dict]:
+        """The rows of ended requests (in `_late_parked`) that need wait no longer for a request beside them to say its
+        cached count (`_Req.late_wait`): none of those is still live, or they waited prompt_hold_s past their own end
+        (then its row says it could not wait: `late_unresolved`), or `now_ns` None (shutdown: every one)."""
+        rows, keep = [], []
+        for item in self._late_parked:
+            r, end_ns = item
+            live = [q for q in r.late_wait if q in self.requests]
+            if live and now_ns is not None and now_ns - end_ns < self.prompt_hold_ns:
+                keep.append(item)
+                continue
+            r.late_unresolved = bool(live)
+            rows.append(self._request_row(r))
+        self._late_parked = keep
+        return rows
+
+    def _settle_late(self, r: _Req) -> None:
+        """How many of its prompt tokens its end said were cached beyond those its prefill was placed with
+        (CACHE_LATE_FLAG), kept for the rows of the requests beside that prefill (bounded: the latest 4096)."""
+        if r.prefill_cached is not None:
+            r.cache_late = max(_cached_tokens(r) - r.prefill_cached, 0.0)
+        if r.cache_late >= CACHE_UNSAID_MIN:
+            self._late_said[r.trace.request_id] = r.cache_late
+            while len(self._late_said) > 4096:
+                del self._late_said[next(iter(self._late_said))]
 
     def _prompt_work(self, r: _Req, done: bool) -> float:
         """The prompt tokens a request's prefill is costed at: the server's count, else (it ended without
@@ -1686,6 +1739,7 @@ class Ledger:
             no_counter_short_requests=self.no_counter_short_requests,
             cpu_unknown_requests=self.cpu_unknown_requests,
             cache_unsaid_requests=self.cache_unsaid_requests,
+            cache_late_requests=self.cache_late_requests,
             jpt_left_out=dict(self._jpt_left_out),
         )
 
@@ -1888,11 +1942,13 @@ class Ledger:
     def _request_row(self, r: _Req) -> dict:
         if _cache_unsaid_candidate(r):
             r.cache_unsaid = self._cache_unsaid(*self._hit_span(r))
-        if r.prefill_cached is not None:
-            r.cache_late = max(_cached_tokens(r) - r.prefill_cached, 0.0)
+        self._settle_late(r)
+        r.cache_beside_late = max((self._late_said.get(q, 0.0) for q in r.late_wait), default=0.0)
         row = self._request_fields(r)
         if _cache_flagged(r) and row["gpu_energy_j"] is not None:
             self.cache_unsaid_requests += 1
+        if _late_flagged(r) and row["gpu_energy_j"] is not None:
+            self.cache_late_requests += 1
         if _no_counter_short(r):
             self.no_counter_short_requests += 1
         if row["cpu_energy_j"] is None and row["energy_note"] and CPU_MISSING_NOTE in row["energy_note"]:
@@ -2189,6 +2245,13 @@ def _approximate_note(r: _Req) -> str | None:
                      "prefix cache only at its end, after intervals over its prefill had closed with them costed as "
                      "computed (its prompt's length was said early, its cached count not): its GPU energy may be high, "
                      f"the requests beside it low; fix: {CACHE_LATE_FIX}")
+    if (r.cache_beside_late >= CACHE_UNSAID_MIN or r.late_unresolved) and r.gpu_j > 0:
+        said = (f"a request beside it said only at its end that {r.cache_beside_late:.0f} of its prompt tokens were found "
+                "in the prefix cache" if r.cache_beside_late >= CACHE_UNSAID_MIN else
+                f"a request beside it had not said its cached count {PROMPT_HOLD_S:.0f} s after this one ended")
+        notes.append(f"{CACHE_LATE_FLAG}: up to {100 * min(r.late_wait_j / r.gpu_j, 1.0):.0f}% of its GPU energy is "
+                     f"from intervals over that request's prefill, closed with its whole prompt costed as computed "
+                     f"({said}): its own share there may be low; fix: {CACHE_LATE_FIX}")
     if r.cache_unsaid >= CACHE_UNSAID_MIN:
         notes.append(_cache_unsaid_note(r.cache_unsaid, "its prefill"))
     elif r.cache_beside_j > 0:
@@ -2255,6 +2318,18 @@ def _known_cached(r: _Req) -> float:
 def _cache_flagged(r: _Req) -> bool:
     """Its energy_note says CACHE_UNSAID_FLAG (its prompt costed whole, or its share beside one that was)."""
     return r.cache_unsaid >= CACHE_UNSAID_MIN or r.cache_beside_j > 0
+
+
+def _late_flagged(r: _Req) -> bool:
+    """Its energy_note says CACHE_LATE_FLAG (its own count said late, or a share beside one that was)."""
+    return r.cache_late >= CACHE_UNSAID_MIN or ((r.cache_beside_late >= CACHE_UNSAID_MIN or r.late_unresolved)
+                                                and r.gpu_j > 0)
+
+
+def _cache_pending(r: _Req) -> bool:
+    """Its prompt was said early (continuous usage) and its cached count not yet: its end may still say one."""
+    tr = r.trace
+    return tr.counts is None and tr.extra.get("prompt_tokens") is not None and tr.extra.get("cached_tokens") is None
 
 
 def _cache_unsaid_candidate(r: _Req) -> bool:

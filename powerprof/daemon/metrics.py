@@ -21,7 +21,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Histo
 from powerprof import __version__
 from powerprof.arrival import COUNT_PROBLEM_KINDS
 from powerprof.profiler import NO_COUNTER_SHORT_FIX, NO_COUNTER_SHORT_FLAG
-from powerprof.storage.schema import BYPASS_LOW_FLAG, CACHE_UNSAID_FIX, SERVER_COUNT_SLOTS_ONLY
+from powerprof.storage.schema import BYPASS_LOW_FLAG, CACHE_LATE_FIX, CACHE_UNSAID_FIX, SERVER_COUNT_SLOTS_ONLY
 
 from .attribution import DEST_NAMES, KIND_NAMES
 from .inflight import InFlightState
@@ -118,6 +118,7 @@ class Snapshot:
     no_counter_short_requests: int = 0  # ledger.Totals: request rows flagged no-counter-short since start
     cpu_unknown_requests: int = 0  # ledger.Totals: request rows without cpu_energy_j though RAPL is read, since start
     cache_unsaid_requests: int = 0  # ledger.Totals: request rows flagged prefix-cache-unsaid since start
+    cache_late_requests: int = 0  # ledger.Totals: request rows flagged prefix-cache-late since start
     jpt_left_out: dict = field(default_factory=dict)  # ledger.Totals: {flag: (intervals, tokens)} left out of J/token
 
 
@@ -243,6 +244,12 @@ class SnapshotCollector:
                                   "energy_note says approximate: prefix-cache-unsaid (a reused prompt over-charged, the "
                                   "requests beside it under-charged); fix: " + CACHE_UNSAID_FIX,
                                   value=s.cache_unsaid_requests)
+        yield CounterMetricFamily("powerprof_requests_cache_late", "Requests whose rows' energy_note says approximate: "
+                                  "prefix-cache-late: a stream said its prompt's length early and its cached count only "
+                                  "at its end, after intervals over its prefill closed with its whole prompt costed as "
+                                  "computed (that request over-charged), or a request given energy of such intervals "
+                                  "beside it (under-charged); fix: " + CACHE_LATE_FIX,
+                                  value=s.cache_late_requests)
         if s.joules_per_token is not None:
             yield GaugeMetricFamily("powerprof_joules_per_token",
                                     "Requests' GPU J per generated token over the intervals with tokens of the last "

@@ -597,6 +597,7 @@ class Daemon:
             no_counter_short_requests=tot.no_counter_short_requests,
             cpu_unknown_requests=tot.cpu_unknown_requests,
             cache_unsaid_requests=tot.cache_unsaid_requests,
+            cache_late_requests=tot.cache_late_requests,
             jpt_left_out=tot.jpt_left_out,
         )
 

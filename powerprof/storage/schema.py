@@ -285,9 +285,10 @@ CACHE_UNSAID_FIX = ("start vLLM with --enable-prompt-tokens-details, SGLang with
 # over its prefill had closed with the whole prompt costed as computed (docs/daemon.md, "Prefix-cache hits are no
 # prefill").
 CACHE_LATE_FLAG = "prefix-cache-late"
-CACHE_LATE_FIX = ("have the stream say its cached count with its prompt's length (vLLM's continuous usage with "
-                  "--enable-prompt-tokens-details; SGLang /generate says it on every event), or ask without "
-                  "continuous usage, so its prompt waits for the end's count")
+CACHE_LATE_FIX = ("ask without continuous usage (stream_options continuous_usage_stats off: vLLM's running usage "
+                  "says no prompt_tokens_details, only its final one does), so its prompt waits for the end's count, "
+                  "or use a stream that says its cached count with its prompt's length (SGLang /generate on every "
+                  "event)")
 # The `server_count` values whose energy is trusted in J/token. `slots_only` alone is every interval of a llama-server
 # started without --metrics (its default): leaving it out would leave every figure out for a loss only bypass traffic
 # causes; like `off` (bypass not measured at all), the rows, /metrics, the log and `analyze`'s notes say it instead.
