@@ -1073,7 +1073,10 @@ def analyze(run_dirs, out_dir, max_slowdown, eta, formats, force, n_boot, as_jso
             tags = fleet.tag_summary(sources)  # per tag name: empty where no tag was ever stopped
             if out_dir is not None:
                 from powerprof.storage.runs import atomic_write_table
+                from powerprof.trust import out_dir_refusal
 
+                if (why := out_dir_refusal(Path(out_dir), "folder")) is not None:  # as root: root's or the sudo user's
+                    raise fleet.FleetError(why)
                 Path(out_dir).mkdir(parents=True, exist_ok=True)
                 atomic_write_table(Path(out_dir) / "fleet.parquet", table)
                 if tags.num_rows:
