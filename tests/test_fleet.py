@@ -592,3 +592,15 @@ def test_the_fleet_total_j_per_token_leaves_out_a_hosts_tokens_without_energy(fl
     assert res.exit_code == 0, res.output
     assert re.search(r"^blind .* -\s*$", res.stdout, re.M) and re.search(r"all 2 hosts .* 0\.500\s*$", res.stdout, re.M), \
         res.stdout
+
+
+def test_a_named_dataset_without_rows_beside_others_is_said_not_silently_dropped(fleet, tmp_path):
+    # A node whose daemon has not flushed yet, named beside a node with rows, vanished from the table ("all 1 hosts")
+    # with nothing said; alone it is an error (test_a_dataset_without_rows_says_so).
+    for table in ("requests", "intervals"):
+        (tmp_path / "new-node" / table).mkdir(parents=True)
+    for extra in ([], ["--json"]):
+        res = CliRunner().invoke(main, ["analyze", str(fleet[0] / "node-0"), str(tmp_path / "new-node"), *extra])
+        assert res.exit_code == 0, res.output
+        assert f"{tmp_path / 'new-node'}: no request or interval rows" in res.stderr, res.stderr
+    assert "all 1 hosts" in CliRunner().invoke(main, ["analyze", str(fleet[0] / "node-0"), str(tmp_path / "new-node")]).stdout

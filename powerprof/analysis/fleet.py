@@ -71,6 +71,21 @@ def table_files(sources: list[str], table: str) -> list[str]:
     return out
 
 
+def empty_sources(sources: list[str]) -> list[str]:
+    """The local sources with no request or interval file (a daemon that has not flushed yet): in no row of the
+    summary, which must say so (beside nodes with rows they vanished from it unsaid); URIs are not listed here."""
+    return [s for s in sources if not is_uri(s) and not any(table_files([s], t) for t in ("requests", "intervals"))]
+
+
+def empty_note(sources: list[str]) -> str | None:
+    empty = empty_sources(sources)
+    if not empty:
+        return None
+    return (f"{', '.join(empty)}: no request or interval rows yet (the daemon writes them at each flush, "
+            "daemon.flush_interval_s, 30 s by default): not in the table; analyse again once it has flushed, or check "
+            "that the folder is the daemon's data folder (daemon.data_dir)")
+
+
 def _quote(s: str) -> str:
     return "'" + s.replace("'", "''") + "'"
 
