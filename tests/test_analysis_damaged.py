@@ -166,3 +166,14 @@ def test_a_token_count_beyond_what_a_float_holds_exactly_is_left_out_not_a_trace
     r = CliRunner().invoke(main, ["analyze", str(run), "--bootstrap", "100"])
     assert r.exit_code == 0 and r.exception is None, (r.output, r.exception)
     assert "impossible-figures: 1 of" in r.output and "220 W: 1" in r.output, r.output
+
+
+def test_a_run_whose_every_request_failed_says_so_not_that_energy_is_missing(tmp_path):
+    # Every request failed (a server answering errors): analyze said "no window has a GPU energy (energy_method none
+    # everywhere)", sending the user to their energy counter instead of their server.
+    run = _run(tmp_path)
+    _edit_rows(run, lambda r: {**r, "status": "error", "error": "HTTP 500"})
+    r = CliRunner().invoke(main, ["analyze", str(run), "--bootstrap", "100"])
+    assert r.exit_code == 1 and isinstance(r.exception, SystemExit), (r.output, r.exception)
+    assert "energy_method none" not in r.output and "failed" in r.output and "error column" in r.output, r.output
+    assert not (run / "analysis").exists()
