@@ -1071,9 +1071,13 @@ def analyze(run_dirs, out_dir, max_slowdown, eta, formats, force, n_boot, as_jso
         if all(fleet.is_daemon_dataset(s) for s in sources):
             table = fleet.fleet_summary(sources)
             tags = fleet.tag_summary(sources)  # per tag name: empty where no tag was ever stopped
+            said = [n for n in (fleet.empty_note(sources),) if n] + fleet.notes(table) + fleet.tag_notes(tags)
             if out_dir is not None:
                 from powerprof.storage.runs import atomic_write_table
+                from powerprof.trust import out_dir_refusal
 
+                if (why := out_dir_refusal(Path(out_dir), "folder")) is not None:  # as root: root's or the sudo user's
+                    raise fleet.FleetError(why)
                 Path(out_dir).mkdir(parents=True, exist_ok=True)
                 atomic_write_table(Path(out_dir) / "fleet.parquet", table)
                 if tags.num_rows:
@@ -1083,12 +1087,12 @@ def analyze(run_dirs, out_dir, max_slowdown, eta, formats, force, n_boot, as_jso
 
                 # One object: the hosts, the tags and the notes that say what was left out of their figures.
                 click.echo(json.dumps({"hosts": table.to_pylist(), "tags": tags.to_pylist(),
-                                       "notes": fleet.notes(table) + fleet.tag_notes(tags)}, default=str, indent=2))
+                                       "notes": said}, default=str, indent=2))
             else:
                 click.echo(fleet.render_summary(table))
                 if tags.num_rows:
                     click.echo("\n" + fleet.render_tags(tags))
-            for n in fleet.notes(table) + fleet.tag_notes(tags):
+            for n in said:
                 click.echo(f"note: {n}", err=True)
             return
         if any(fleet.is_uri(s) for s in sources):

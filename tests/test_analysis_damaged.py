@@ -133,3 +133,47 @@ def test_windows_whose_level_is_nan_are_refused_by_name_not_dropped(tmp_path):
     said = " ".join(r.output.split())
     assert "2 windows" in said and "level_value NaN" in said and "power_limit" in said, said
     assert str(run / "windows.parquet") in said and "Traceback" not in r.output, said
+
+
+@pytest.mark.parametrize("damage", ["binary", "folder"])
+def test_a_run_json_that_cannot_be_read_as_text_is_said_not_a_traceback(tmp_path, damage):
+    # A run.json of bytes that are no UTF-8 (a disk error, another tool's file) died with UnicodeDecodeError, and a
+    # folder by that name with IsADirectoryError: Python tracebacks. (`export` copies the tables as they are and
+    # reads run.json only for an xlsx summary sheet, which leaves out one it cannot read.)
+    run = _run(tmp_path)
+    (run / "run.json").unlink()
+    if damage == "binary":
+        (run / "run.json").write_bytes(b"\xff\xfe\x00garbage")
+    else:
+        (run / "run.json").mkdir()
+    r = CliRunner().invoke(main, ["analyze", str(run), "--bootstrap", "100"])
+    assert r.exit_code == 1 and isinstance(r.exception, SystemExit), (r.output, r.exception)
+    assert f"{run / 'run.json'}: cannot be read" in r.output and "move it aside" in r.output, r.output
+    assert not (run / "analysis").exists()
+
+
+def test_a_token_count_beyond_what_a_float_holds_exactly_is_left_out_not_a_traceback(tmp_path):
+    # decode_tokens of -2**60 in an int64 column (another tool's file, a damaged one; powerprof writes int32) stopped the
+    # analysis with ArrowInvalid ("Integer value ... not in range"): a traceback. The window's figures cannot be: it
+    # is left out and said, as a negative count that fits is.
+    run = _run(tmp_path)
+    w = pq.read_table(run / "windows.parquet")
+    rows = w.to_pylist()
+    i = next(k for k, r in enumerate(rows) if r["level_value"] == 220 and not r["warmup"] and r["status"] == "ok")
+    rows[i]["decode_tokens"] = -2**60
+    schema = w.schema.set(w.schema.get_field_index("decode_tokens"), pa.field("decode_tokens", pa.int64()))
+    pq.write_table(pa.Table.from_pylist(rows, schema=schema), run / "windows.parquet")
+    r = CliRunner().invoke(main, ["analyze", str(run), "--bootstrap", "100"])
+    assert r.exit_code == 0 and r.exception is None, (r.output, r.exception)
+    assert "impossible-figures: 1 of" in r.output and "220 W: 1" in r.output, r.output
+
+
+def test_a_run_whose_every_request_failed_says_so_not_that_energy_is_missing(tmp_path):
+    # Every request failed (a server answering errors): analyze said "no window has a GPU energy (energy_method none
+    # everywhere)", sending the user to their energy counter instead of their server.
+    run = _run(tmp_path)
+    _edit_rows(run, lambda r: {**r, "status": "error", "error": "HTTP 500"})
+    r = CliRunner().invoke(main, ["analyze", str(run), "--bootstrap", "100"])
+    assert r.exit_code == 1 and isinstance(r.exception, SystemExit), (r.output, r.exception)
+    assert "energy_method none" not in r.output and "failed" in r.output and "error column" in r.output, r.output
+    assert not (run / "analysis").exists()

@@ -557,3 +557,50 @@ def test_requests_flagged_uncertain_are_left_out_of_j_per_token_and_said(tmp_pat
     res = CliRunner().invoke(main, ["analyze", str(tmp_path / "n")])
     assert res.exit_code == 0 and flag in res.stderr and "node-0: 3" in res.stderr, res.output
     assert fix in res.stderr, res.stderr  # each flag's own fix
+
+
+def test_requests_whose_gpu_energy_is_unknown_are_left_out_of_j_per_token_and_said(tmp_path):
+    # The daemon writes gpu_energy_j empty (never 0) for a request a GPU gave no energy reading over (its energy_note says
+    # "GPU energy unknown"), with its tokens. The summary summed those tokens under the other requests' energy: 10 such
+    # requests beside node-0's 10 measured ones read 0.250 J/token against the true 0.500, and nothing said so.
+    from powerprof.daemon.ledger import GPU_MISSING_NOTE
+
+    truth = _node(tmp_path / "n", 0)
+    store = DatasetStore(tmp_path / "n", datasets(), host="node-0")
+    store.append("requests", [{"daemon_id": "d0", "request_id": 100 + i, "t_arrival_utc": T0_NS, "outcome": "ok",
+                               "generated_tokens": 100, "gpu_energy_j": None, "attributed_tokens": 100.0,
+                               "ttft_s": 0.1, "energy_note": GPU_MISSING_NOTE} for i in range(10)])
+    assert store.flush()
+    [r] = fleet_summary([str(tmp_path / "n")]).to_pylist()
+    assert r["gpu_j_per_token"] == pytest.approx(truth["jpt"])
+    assert r["unknown_energy_requests"] == 10 and r["requests"] == truth["requests"] + 10
+    res = CliRunner().invoke(main, ["analyze", str(tmp_path / "n")])
+    assert res.exit_code == 0, res.output
+    assert re.search(r"all 1 hosts .* 0\.500\s*$", res.stdout, re.M), res.stdout  # the total line, the same rule
+    assert "GPU energy is unknown" in res.stderr and "node-0: 10" in res.stderr and "nvidia-smi" in res.stderr, res.stderr
+
+
+def test_the_fleet_total_j_per_token_leaves_out_a_hosts_tokens_without_energy(fleet, tmp_path):
+    # A node whose requests all lack their energy shows "-" for its own J/token, but the total line summed its tokens
+    # under the other nodes' energy: node-0 (0.500) and such a node read 0.250 for all hosts.
+    store = DatasetStore(tmp_path / "blind", datasets(), host="blind")
+    store.append("requests", [{"daemon_id": "b", "request_id": i, "t_arrival_utc": T0_NS, "outcome": "ok",
+                               "generated_tokens": 100, "gpu_energy_j": None, "attributed_tokens": 100.0,
+                               "ttft_s": 0.1} for i in range(10)])
+    assert store.flush()
+    res = CliRunner().invoke(main, ["analyze", str(fleet[0] / "node-0"), str(tmp_path / "blind")])
+    assert res.exit_code == 0, res.output
+    assert re.search(r"^blind .* -\s*$", res.stdout, re.M) and re.search(r"all 2 hosts .* 0\.500\s*$", res.stdout, re.M), \
+        res.stdout
+
+
+def test_a_named_dataset_without_rows_beside_others_is_said_not_silently_dropped(fleet, tmp_path):
+    # A node whose daemon has not flushed yet, named beside a node with rows, vanished from the table ("all 1 hosts")
+    # with nothing said; alone it is an error (test_a_dataset_without_rows_says_so).
+    for table in ("requests", "intervals"):
+        (tmp_path / "new-node" / table).mkdir(parents=True)
+    for extra in ([], ["--json"]):
+        res = CliRunner().invoke(main, ["analyze", str(fleet[0] / "node-0"), str(tmp_path / "new-node"), *extra])
+        assert res.exit_code == 0, res.output
+        assert f"{tmp_path / 'new-node'}: no request or interval rows" in res.stderr, res.stderr
+    assert "all 1 hosts" in CliRunner().invoke(main, ["analyze", str(fleet[0] / "node-0"), str(tmp_path / "new-node")]).stdout

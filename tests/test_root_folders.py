@@ -316,3 +316,60 @@ def test_monitor_recover_as_root_refuses_a_file_in_a_sticky_folder_as_output_doe
     r = CliRunner().invoke(main, ["monitor", "--simulate", "seed-16g", "--duration", "0.1", "--plain",
                                   "--output", str(sticky / "n.parquet")])
     assert r.exit_code == 2 and "refusing to write there as root" in r.output, r.output
+
+
+def _planted_link(tmp_path, name):
+    """A root folder `victim` and, in uid 65534's folder, their symlink `name` to it: where they would have root write."""
+    victim = tmp_path / "victim"
+    victim.mkdir()
+    theirs = _theirs(tmp_path)
+    os.symlink(victim, theirs / name)
+    os.lchown(theirs / name, 65534, 65534)
+    return theirs / name, victim
+
+
+@AS_ROOT
+@pytest.mark.parametrize("what", ["run", "fleet", "export-csv", "export-xlsx"])
+def test_analyze_and_export_as_root_never_write_through_another_users_symlink(tmp_path, monkeypatch, what):
+    # Before: `sudo powerprof analyze RUN --out DIR` and `export --out` wrote report.md, analysis.json, fleet.parquet,
+    # windows.csv ... through a symlink uid 65534 planted at DIR, into the root folder it named; sweep, measure and
+    # monitor refused such a folder.
+    sys.path.insert(0, os.path.dirname(__file__))
+    from synthetic_runs import make_run, seed_truth
+    from test_fleet import _node
+
+    monkeypatch.delenv("SUDO_UID", raising=False)
+    src = tmp_path / "src"
+    if what == "fleet":
+        _node(src, 0)
+    else:
+        make_run(src, seed_truth(), levels=(180, 300), n_requests=4)
+    link, victim = _planted_link(tmp_path, "out")
+    args = {"run": ["analyze", str(src), "--bootstrap", "100", "--out", str(link)],
+            "fleet": ["analyze", str(src), "--out", str(link)],
+            "export-csv": ["export", str(src), "--format", "csv", "--out", str(link)],
+            "export-xlsx": ["export", str(src), "--format", "xlsx", "--out", str(link / "book.xlsx")]}[what]
+    r = CliRunner().invoke(main, args)
+    assert r.exit_code in (1, 2) and "refusing to write there as root" in r.output, r.output
+    assert "owned by uid 65534" in r.output and "Traceback" not in r.output, r.output
+    assert list(victim.iterdir()) == [] and os.path.islink(link)  # nothing written through it, the link as it was
+
+
+@AS_ROOT
+def test_analyze_as_root_writes_its_default_folder_in_the_sudo_users_run_only(tmp_path, monkeypatch):
+    # RUN/analysis, the default, is made in the run's folder: another user's run analysed by root (no sudo) is refused
+    # with the fix (--out), as `sudo powerprof analyze` by the run's owner is not.
+    sys.path.insert(0, os.path.dirname(__file__))
+    from synthetic_runs import make_run, seed_truth
+
+    theirs = _theirs(tmp_path)
+    run = make_run(theirs / "run", seed_truth(), levels=(180, 300), n_requests=4)
+    for p in (run, *run.iterdir()):
+        os.chown(p, 65534, 65534)
+    monkeypatch.delenv("SUDO_UID", raising=False)
+    r = CliRunner().invoke(main, ["analyze", str(run), "--bootstrap", "100", "--format", "md"])
+    assert r.exit_code == 1 and "refusing to write there as root" in r.output and "--out" in r.output, r.output
+    assert not (run / "analysis").exists()
+    monkeypatch.setenv("SUDO_UID", "65534")
+    r = CliRunner().invoke(main, ["analyze", str(run), "--bootstrap", "100", "--format", "md"])
+    assert r.exit_code == 0 and (run / "analysis" / "report.md").exists(), r.output

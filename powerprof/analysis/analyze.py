@@ -196,6 +196,12 @@ def analyze(
                          "`powerprof sweep` measures levels")
     if not all_series:
         raise ValueError("no measured windows at any level (all warm-up, failed, or missing): nothing to analyse")
+    if not any(int(np.sum(s.n_windows)) for s in all_series):
+        # Levels with requests, none measured: every one failed (or was left out); not an energy question.
+        failed = sum(int(np.sum(s.n_failed)) for s in all_series)
+        raise ValueError(f"no measured windows at any level: {failed} requests failed (status not ok), the rest were "
+                         "warm-up or left out; the windows' error column says why they failed (the server's answer): "
+                         "fix the server and measure again")
     if not any(np.isfinite(s.j_per_token).any() for s in all_series):
         raise ValueError("no window has a GPU energy (energy_method none everywhere): J/token cannot be computed")
     all_series = [s for s in all_series if np.isfinite(s.j_per_token).any()]

@@ -35,6 +35,7 @@ import pyarrow.dataset as ds
 import pyarrow.parquet as pq
 
 from powerprof.storage.atomic import atomic_path
+from powerprof.trust import out_dir_refusal
 from powerprof.storage.runs import no_finished_level
 
 from .rowkeys import TUNER_KEY, WHY, folder_sql, ident, is_tuner_decisions, key_of, keyless_sql, why_of
@@ -441,6 +442,10 @@ def export(src, fmt: str, out=None, time_from: str | None = None, time_to: str |
         what = "is a file, not a folder" if out.parent.exists() else "does not exist"
         raise ExportError(f"--out {out}: the folder {out.parent} {what}; create it first, or give a file in a folder "
                           "that exists")
+    # As root, the folder written in root's or the sudo user's (trust.py): not another user's, nor reached through
+    # their symlink, which would have root write the tables wherever it points.
+    if (why := out_dir_refusal(out.parent if fmt == "xlsx" or single else out, "export folder")) is not None:
+        raise ExportError(why)
     if not force:
         # Before anything is read: an earlier export (a spreadsheet someone annotated) was replaced without a word.
         targets = [out] if fmt == "xlsx" or single else [out / f"{s.name}.{fmt}" for s in sources]

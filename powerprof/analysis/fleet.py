@@ -71,6 +71,21 @@ def table_files(sources: list[str], table: str) -> list[str]:
     return out
 
 
+def empty_sources(sources: list[str]) -> list[str]:
+    """The local sources with no request or interval file (a daemon that has not flushed yet): in no row of the
+    summary, which must say so (beside nodes with rows they vanished from it unsaid); URIs are not listed here."""
+    return [s for s in sources if not is_uri(s) and not any(table_files([s], t) for t in ("requests", "intervals"))]
+
+
+def empty_note(sources: list[str]) -> str | None:
+    empty = empty_sources(sources)
+    if not empty:
+        return None
+    return (f"{', '.join(empty)}: no request or interval rows yet (the daemon writes them at each flush, "
+            "daemon.flush_interval_s, 30 s by default): not in the table; analyse again once it has flushed, or check "
+            "that the folder is the daemon's data folder (daemon.data_dir)")
+
+
 def _quote(s: str) -> str:
     return "'" + s.replace("'", "''") + "'"
 
@@ -189,7 +204,9 @@ def _count_unmeasured_sql(col: str = "server_count") -> str:
 # mostly idle intervals (NO_COUNTER_SHORT_FLAG) is left out of J/token, as the daemon's own headline does; so is one live
 # before the daemon's first GPU read (BEFORE_FIRST_READ_FLAG: the energy before it is in no interval); so is one
 # given energy of intervals whose server token count may be low (BYPASS_LOW_FLAG: bypass traffic's energy may be in
-# it). The intervals are counted by the same rule (schema.bypass_count_low, the one the daemon flags the requests by):
+# it). A request whose GPU energy is empty (the daemon writes no figure where a GPU gave no reading over it, never 0) or
+# whose token count is (an older writer's) is left out of both sums of J/token, and counted: its tokens under the others'
+# energy read J/token low (half the truth, where half the requests had a GPU unread). The intervals are counted by the same rule (schema.bypass_count_low, the one the daemon flags the requests by):
 # those it leaves out, with their energy and reasons, as low, or as unknown (`unread`, or written before the column:
 # null), never read as complete; those it keeps whose bypass traffic was not measured (`off`) or in part
 # (`slots_only`), apart: their requests' J/token holds any bypass energy there.
@@ -200,8 +217,11 @@ WITH r AS (
            count(*) AS requests,
            count(*) FILTER (WHERE outcome <> 'ok') AS failed_requests,
            CAST(sum(generated_tokens) FILTER (WHERE {r_ok}) AS BIGINT) AS generated_tokens,
-           sum(gpu_energy_j) FILTER (WHERE {r_ok} AND {r_sure}) AS attributed_gpu_energy_j,
-           sum(attributed_tokens) FILTER (WHERE {r_ok} AND {r_sure}) AS attributed_tokens,
+           sum(gpu_energy_j) FILTER (WHERE {r_ok} AND {r_sure} AND {r_paired}) AS attributed_gpu_energy_j,
+           sum(attributed_tokens) FILTER (WHERE {r_ok} AND {r_sure} AND {r_paired}) AS attributed_tokens,
+           count(*) FILTER (WHERE {r_ok} AND {r_sure} AND NOT {r_paired}
+                            AND (coalesce(attributed_tokens, 0) > 0 OR coalesce(gpu_energy_j, 0) > 0))
+               AS unknown_energy_requests,
            count(*) FILTER (WHERE {r_ok} AND NOT {r_sure} AND NOT {r_bypass_low}) AS uncertain_requests,
            count(*) FILTER (WHERE {r_ok} AND {r_bypass_low}) AS bypass_uncertain_requests,
            approx_quantile(ttft_s, 0.5) AS ttft_p50_s,
@@ -237,6 +257,7 @@ SELECT host, requests, failed_requests, generated_tokens, gpu_energy_j, idle_gpu
        coalesce(conflicting_requests, 0) AS conflicting_requests,
        coalesce(conflicting_intervals, 0) AS conflicting_intervals,
        coalesce(uncertain_requests, 0) AS uncertain_requests,
+       coalesce(unknown_energy_requests, 0) AS unknown_energy_requests,
        coalesce(bypass_uncertain_requests, 0) AS bypass_uncertain_requests,
        coalesce(bypass_uncertain_intervals, 0) AS bypass_uncertain_intervals,
        bypass_uncertain_gpu_energy_j, bypass_uncertain_reasons,
@@ -245,7 +266,7 @@ SELECT host, requests, failed_requests, generated_tokens, gpu_energy_j, idle_gpu
        bypass_unmeasured_gpu_energy_j, bypass_unmeasured_reasons
 FROM i FULL OUTER JOIN r USING (host)
 ORDER BY host
-""".replace("{r_sure}", f"(coalesce(energy_note, '') NOT LIKE '%{NO_COUNTER_SHORT_FLAG}%' AND coalesce(energy_note, '') "
+""".replace("{r_paired}", "(gpu_energy_j IS NOT NULL AND attributed_tokens IS NOT NULL)").replace("{r_sure}", f"(coalesce(energy_note, '') NOT LIKE '%{NO_COUNTER_SHORT_FLAG}%' AND coalesce(energy_note, '') "
                          f"NOT LIKE '%{BEFORE_FIRST_READ_FLAG}%' AND NOT {{r_bypass_low}})").replace(
     "{r_bypass_low}", f"(coalesce(energy_note, '') LIKE '%{BYPASS_LOW_FLAG}%')").replace(
     "{i_low}", f"(NOT {_count_trusted_sql()} AND NOT {_count_unknown_sql()})").replace(
@@ -471,6 +492,13 @@ def notes(t: pa.Table) -> list[str]:
                        f"{r['host']}: {r['uncertain_requests']}" for r in unsure) + f"; the fix: for {NO_COUNTER_SHORT_FLAG}, {NO_COUNTER_SHORT_FIX}; for {BEFORE_FIRST_READ_FLAG}, "
                        "none for those rows (later requests are measured whole): the daemon's log says why its start's "
                        "GPU read failed")
+    blind = [r for r in t.to_pylist() if r.get("unknown_energy_requests")]
+    if blind:
+        out.append("requests whose GPU energy is unknown (gpu_energy_j empty: a GPU gave no energy reading over them, "
+                   "their energy_note says which; or attributed_tokens empty) were left out of J/token, their tokens "
+                   "with no energy beside them: " + "; ".join(f"{r['host']}: {r['unknown_energy_requests']}" for r in blind)
+                   + "; the fix: powerprof devices, nvidia-smi -q on those hosts (the samples' error column says why the "
+                   "reads failed)")
     low = [r for r in t.to_pylist() if r.get("bypass_uncertain_intervals")]
     if low:
         out.append("intervals whose server token count may be low (their server_count: bypass traffic there is not in "

@@ -84,6 +84,10 @@ def read_run_info(run_dir) -> RunInfo:
             meta = json.loads(meta_path.read_text())
         except json.JSONDecodeError as e:
             raise AnalysisError(f"{meta_path}: not valid JSON ({e})") from None
+        except (OSError, UnicodeDecodeError) as e:  # a folder by that name, bytes that are no text: was a traceback
+            why = "not UTF-8 text" if isinstance(e, UnicodeDecodeError) else (e.strerror or str(e))
+            raise AnalysisError(f"{meta_path}: cannot be read ({why}); a sweep writes it as JSON with the run's GPU and "
+                                "settings: restore it, or move it aside to analyse the windows alone") from None
         if not isinstance(meta, dict):
             raise AnalysisError(f"{meta_path}: not a JSON object (it holds a {type(meta).__name__}); a sweep writes "
                                 "one with the run's GPU and settings: restore it, or move it aside to analyse the "

@@ -18,6 +18,7 @@ import numpy as np
 from powerprof import __version__
 from powerprof.storage.atomic import atomic_group
 from powerprof.storage.runs import no_finished_level, write_table
+from powerprof.trust import out_dir_refusal
 
 from .analyze import (AnalysisResult, SeriesResult, analyze, interrupted_cells, interrupted_findings,
                       interrupted_series_levels, server_notes)
@@ -78,6 +79,10 @@ def analyze_run(
                                 "windows would count twice and every confidence interval be too narrow; give it once")
         seen[key] = r.path
     out = Path(out_dir) if out_dir is not None else run_dirs[0] / "analysis"
+    # As root (`sudo powerprof analyze`), the folder and every one on its way root's or the sudo user's: another
+    # user's symlink at --out (or at RUN/analysis in their run) would have root write the report wherever it points.
+    if (why := out_dir_refusal(out, "analysis folder")) is not None:
+        raise AnalysisError(why)
     check_out(out, runs)  # before anything is read: nothing of the user's, or of other runs', is replaced
     twice: dict = {}
     windows = read_windows(runs, twice)

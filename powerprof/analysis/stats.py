@@ -109,7 +109,9 @@ def _col(t: pa.Table, name: str, dtype=float, fill=np.nan) -> np.ndarray:
         return np.asarray(arr.to_pylist(), dtype=object)
     if dtype is bool:
         return np.asarray(arr.fill_null(False).to_numpy(zero_copy_only=False), dtype=bool)
-    return np.asarray(pc.cast(arr, pa.float64()).fill_null(fill).to_numpy(zero_copy_only=False), dtype=float)
+    # Unchecked: an integer beyond 2**53 (a damaged file's token count) becomes its nearest float, which the
+    # plausibility rules then judge, where the checked cast raised ArrowInvalid out of the analysis.
+    return np.asarray(pc.cast(arr, pa.float64(), safe=False).fill_null(fill).to_numpy(zero_copy_only=False), dtype=float)
 
 
 def window_masks(windows: pa.Table) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
