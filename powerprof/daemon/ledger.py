@@ -1555,8 +1555,8 @@ class Ledger:
                 # after it, stay flat while bypass traffic runs, and as many bypass tokens are hidden (13 of 15 in the
                 # 0.75 s before the stream's end, rows `complete`). Bypass traffic that begins or ends there reads
                 # the same, and nothing tells them apart: the count is kept (right, if no lag) and the window says
-                # `proxy_lag`, where the delay the daemon measured on the proxy's loop over the whole lookahead (LAG_S
-                # where none was) times the change of the proxy's rate can make more than a token: a record's own
+                # `proxy_lag`, where the delay the daemon measured on the proxy's loop at the level's edge
+                # (`_edge_delays_s`; LAG_S where none was) times the change of the proxy's rate can make more than a token: a record's own
                 # delay (3 ms) moves that much whatever the placing (a token generated within it before a scrape),
                 # and more than LAG_SHARE of the window's server count: below it the lag moves the window's requests'
                 # energy by less than half the attribution's own p95 error. A 1-token bound alone marked a loaded
