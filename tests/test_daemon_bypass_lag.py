@@ -16,14 +16,18 @@ from test_daemon_bypass_partial import S, _R, _read_pieces_due, _Sink
 
 
 def _streams(rate: float, phase_s: float, delay_s: float = 0.003, seqs: int = 1, record_s: float = 0.02,
-             streams=((1.0, 4.0), (8.0, 11.0)), bypass=(), measured_s: float | None = None, keep: list | None = None):
+             streams=((1.0, 4.0), (8.0, 11.0)), bypass=(), measured_s: float | None = None, keep: list | None = None,
+             late=None):
     """A ledger fed proxied streams of `rate` steps/s (`seqs` tokens a step: one per sequence) over `streams` ((start s,
     end s) each), shipped by a proxy worker in `record_s` records, each stamped `delay_s` after its last token (the
     worker's record, plus any delay of its own: a loaded host's event loop), scrapes every 0.1 s offset by `phase_s`,
     0.25 s GPU samples. `bypass`: the instants of tokens sent straight to the server. `measured_s`: the lateness of the
     proxy's event loop the daemon measures, at every sample (None: not measured). `keep`: the sink is appended to it
-    (its request rows). Returns (interval rows sorted by
-    start, the truth: every bypass token's instant)."""
+    (its request rows). `late`: how late the proxy's loop runs at each instant, s, beyond `delay_s` (a loaded host whose
+    lateness changes): a token counted at t is read at t + delay_s + late(t) (the tokens of a loop that woke late read
+    in one go, never before those read earlier), and the daemon measures it every 0.25 s as its tick does: a measure
+    due at t taken at t + delay_s + late(t), saying that much (measured_s is then not used). Returns (interval rows
+    sorted by start, the truth: every bypass token's instant)."""
     sink = _Sink()
     led = Ledger("d", 0, 1, sink, grace_s=0.3)
     led.scraping = True
@@ -35,6 +39,15 @@ def _streams(rate: float, phase_s: float, delay_s: float = 0.003, seqs: int = 1,
         counted.append(np.repeat(steps, seqs))  # the server counts each sequence's token at its step
         rec = np.floor((steps - a) / record_s + 1e-9)
         pieces = [(float(steps[rec == j].max()) + delay_s, int((rec == j).sum()) * seqs) for j in np.unique(rec)]
+        if late is not None:
+            read: list = []
+            for ts, n in pieces:
+                ts = max(ts + late(ts - delay_s), read[-1][0] if read else 0.0)
+                if read and read[-1][0] == ts:
+                    read[-1] = (ts, read[-1][1] + n)
+                else:
+                    read.append((ts, n))
+            pieces = read
         tr = RequestTrace(i + 1, "POST", "/completion", None, int((a - 0.05) * S), int((a - 0.05) * S), api="llamacpp",
                           stream=True)
         tr.extra["sequences"] = seqs
@@ -43,6 +56,7 @@ def _streams(rate: float, phase_s: float, delay_s: float = 0.003, seqs: int = 1,
     gen = np.concatenate(counted + [np.asarray(bypass, dtype=float)])
     t_last = max(p[-1][0] for _, p in feeds)
     prev_t, prev_total = None, 0.0
+    beats = [] if late is None else sorted((d + delay_s + late(d), delay_s + late(d)) for d in np.arange(0.0, t_last + 4, 0.25))
     for k in range(int((t_last + 4) / 0.005)):
         t = round(k * 0.005, 6)
         for tr, pieces in feeds:
@@ -52,9 +66,12 @@ def _streams(rate: float, phase_s: float, delay_s: float = 0.003, seqs: int = 1,
             if tr.end_ns is None and t >= pieces[-1][0] + 0.001:
                 tr.end_ns = tr.end_wall_ns = int(pieces[-1][0] * S)
                 led.on_end(tr)
+        while beats and beats[0][0] <= t:
+            led.note_proxy_delay(int(beats[0][0] * S), beats[0][1])
+            beats.pop(0)
         if k % 50 == 0:
             led.add_gpu_sample(int(t * S), int(t * S), [_R(100.0 * t)])
-            if measured_s is not None:
+            if measured_s is not None and late is None:
                 led.note_proxy_delay(int(t * S), measured_s)
         if (k - round(phase_s / 0.005)) % 20 == 0 and t >= 0.5:
             count = float((gen <= t).sum())
@@ -224,6 +241,29 @@ def test_a_lag_within_its_share_of_a_busy_window_is_counted_not_marked():
     rows, _ = _streams(1000, 0.0, delay_s=0.02, measured_s=0.02)
     assert sum(r["server_tokens"] or 0 for r in rows if r["server_count"] == "complete") <= 2 * bound + 1e-6, _said(rows)
     assert any("proxy_lag" in r["server_count"] for r in rows if r["server_tokens"]), _said(rows)
+
+
+@pytest.mark.parametrize("stall", [(2.93, 3.02), (2.95, 3.04)])
+def test_a_stall_of_the_proxys_loop_at_a_scrape_is_marked_though_the_rest_of_its_lookahead_ran_on_time(stall):
+    """The proxy's loop stands still for 90 ms across a scrape (a loaded host; under the 100 ms a held burst is placed
+    back from), beside a steady bypass stream of 100 tokens/s: the server counted tokens the proxy read only after it,
+    and that window's level held them as bypass tokens, the next window's hid as many. The daemon measured the stall
+    (its 0.25 s tick woke late), but the mark took the least delay measured over the window's 1 s lookahead, on time
+    elsewhere: before, the rows either side of the scrape said `complete` and held 30 and 20 bypass tokens for 25 each
+    (a scrape window 5 over and 5 under, 2 tokens its bound). Now the delay is the one at the window's own edge, and
+    they say `proxy_lag`; a `complete` row holds what ran there."""
+    a, b = stall
+    bypass = 1.0 + np.arange(500) / 100.0
+    for phase_s in (0.0, 0.07):
+        rows, truth = _streams(300, phase_s, streams=((1.0, 6.0),), bypass=bypass,
+                               late=lambda t: b - t if a <= t <= b else 0.0)
+        assert sum(r["server_tokens"] or 0 for r in rows) == pytest.approx(len(truth), abs=2), _said(rows)
+        for r in rows:
+            lo, hi = r["t_start_mono_s"], r["t_start_mono_s"] + r["duration_s"]
+            if r["server_count"] == "complete" and 1.5 <= lo and hi <= 5.5:  # away from the bypass stream's ends
+                true = float(((truth > lo) & (truth <= hi)).sum())
+                assert abs((r["server_tokens"] or 0) - true) <= 2 + 1e-6, (stall, phase_s, lo, r["server_tokens"], true)
+        assert any("proxy_lag" in r["server_count"] for r in rows if 2.75 <= r["t_start_mono_s"] <= 3.0), _said(rows)
 
 
 def test_a_request_given_energy_of_a_proxy_lag_row_says_its_share_may_be_off_either_way():

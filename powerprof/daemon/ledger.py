@@ -341,10 +341,10 @@ class Ledger:
         self.server_before = UNREAD  # what the intervals wholly before it say in server_count (add_server_tokens)
         self.scraping = False  # the daemon scrapes the server's counters (set by it): no count yet is `unread`, not `off`
         self._gap = 0.0  # server minus proxied tokens, cumulative, to the end of the last resolved window
-        # (window end, bypass level, the most lag a delay of the proxy's own can hold there) of recent windows
+        # (window end, bypass level, the most and the least lag a delay of the proxy's own can hold there) of recent windows
         self._levels: deque = deque()
         self._level = 0.0  # the latest window's level
-        self._ahead = 0.0  # and that lag
+        self._ahead = (0.0, 0.0)  # and the most and least lag it may hold
         # (t_ns, s) how late the proxy's event loop ran, as the daemon measures it (`note_proxy_delay`): the most a
         # delay of the proxy's own can move its tokens (`PROXY_LAG`). None measured: up to LAG_S, as nothing says less.
         self._delays: deque = deque(maxlen=4096)
@@ -969,14 +969,36 @@ class Ledger:
         later than that. The daemon measures it on the loop that runs the proxy (service's tick loop, a worker's beat)."""
         self._delays.append((int(t_ns), max(0.0, float(delay_s))))
 
-    def _held_delays_s(self, t0: np.ndarray, t1: np.ndarray) -> list[float | None]:
-        """The proxy's own delay held over all of each [t0, t1] (the least measured there): a lag that drained at any
-        moment of a window's lookahead is not in its level. None where nothing was measured there (no measure at all, or
-        a loop too late to measure: a stall): up to LAG_S, as nothing says less."""
+    def _edge_delays_s(self, edges: np.ndarray, reach_ns: int) -> tuple[list, list]:
+        """The proxy's own delay at each edge (a window's end), the most and the least the measures say it held there:
+        a lag is the tokens the server counted before the edge and the proxy read after it, so it is the delay at the
+        edge's own instant that counts, not the least of the next second (taken so, a delay that fell within it hid
+        the lag its level held: docs/daemon.md, "A server restart"). Between two measures (the daemon takes one every
+        0.25 s) the delay is anywhere between them (a loop growing late, a spike): the most is the larger of the last
+        measure before the edge and the first after it, the least the smaller; and a measure at t of d says the loop
+        stood still over [t - d, t], so an edge inside that stall was read no sooner than t: both at least t - edge.
+        None (both) where nothing was measured within `reach_ns` after the edge (no measure at all, or a loop too
+        late to measure: a stall): up to LAG_S, as nothing says less."""
         dt = np.fromiter((t for t, _ in self._delays), dtype=np.int64, count=len(self._delays))
         dx = np.fromiter((x for _, x in self._delays), dtype=float, count=len(self._delays))
-        a, b = np.searchsorted(dt, t0, side="left"), np.searchsorted(dt, t1, side="right")
-        return [min(float(dx[i:j].min()), LAG_S) if j > i else None for i, j in zip(a, b)]
+        stood = dt - np.rint(dx * 1e9).astype(np.int64)  # where each measure's stall began
+        a = np.searchsorted(dt, edges, side="left")
+        b = np.searchsorted(dt, edges + reach_ns, side="right")
+        most: list = []
+        least: list = []
+        for s, i, j in zip(edges.tolist(), a.tolist(), b.tolist()):
+            if j <= i:
+                most.append(None)
+                least.append(None)
+                continue
+            near = [float(dx[i])]  # the first measure after the edge, and the last before it (within the reach)
+            if i > 0 and dt[i - 1] >= s - reach_ns:
+                near.append(float(dx[i - 1]))
+            inside = stood[i:j] <= s
+            still = float((dt[i:j][inside] - s).max()) / 1e9 if inside.any() else 0.0
+            most.append(min(max(max(near), still), LAG_S))
+            least.append(min(max(min(near), still), LAG_S))
+        return most, least
 
     def _list_placed(self) -> None:
         """At the first read of the server: every request's token events placed so far into `_proxied`, and each
@@ -1489,16 +1511,20 @@ class Ledger:
         # the restart's window starts the levels afresh: held against the levels before it, the fall hid as many
         # bypass tokens for CREDIT_S after it (35 of 50 counted, tests/test_daemon_bypass_partial.py).
         restart = np.array([sp[6] for sp in todo], dtype=bool)
-        # The most lag a delay of the proxy's own can hold at each window's end (`PROXY_LAG`, below): the proxy's tokens
-        # over that delay after it, the delay measured on its loop over the window's lookahead (LAG_S where none was).
+        # The most and the least lag a delay of the proxy's own can hold at each window's end (`PROXY_LAG`, below): the
+        # proxy's tokens over that delay after it, the delay measured on its loop at that edge (LAG_S where none was).
         if self.server_at_finish:
             ahead_n, measured = np.zeros(len(todo)), np.ones(len(todo), dtype=bool)
+            ahead_lo = ahead_n
         else:
-            delays = self._held_delays_s(ends, ends + lag_ns)
-            measured = np.array([d is not None for d in delays])
-            held = np.array([LAG_S if d is None else d for d in delays])
-            ahead_n = (cum[np.searchsorted(pt, ends + (held * 1e9).astype(np.int64), side="right")]
-                       - cum[np.searchsorted(pt, ends, side="right")])
+            most, least = self._edge_delays_s(ends, lag_ns)
+            measured = np.array([d is not None for d in most])
+            at = np.searchsorted(pt, ends, side="right")
+
+            def tokens_over(ds: list) -> np.ndarray:
+                held = np.array([LAG_S if d is None else d for d in ds])
+                return cum[np.searchsorted(pt, ends + np.rint(held * 1e9).astype(np.int64), side="right")] - cum[at]
+            ahead_n, ahead_lo = tokens_over(most), tokens_over(least)
         next_restart, nxt = np.empty(len(todo), dtype=np.int64), len(todo)  # the first restart after each window
         for k in range(len(todo) - 1, -1, -1):
             next_restart[k] = nxt
@@ -1548,7 +1574,9 @@ class Ledger:
             ref = max([x[1] for x in self._levels if x[0] >= sp[1] - credit_ns], default=self._level)
             if not forced and counting_ns is not None and sp[1] > counting_ns and level > ref:
                 break
-            ref_ahead = max([x[2] for x in self._levels if x[0] >= sp[1] - credit_ns], default=self._ahead)
+            recent = [x for x in self._levels if x[0] >= sp[1] - credit_ns]
+            ref_least = max([x[3] for x in recent], default=self._ahead[1])
+            ref_most = max([x[2] for x in recent], default=self._ahead[0])
             while self._levels and self._levels[0][0] < sp[1] - credit_ns:
                 self._levels.popleft()
             sp[3] = max(0.0, level - ref)
@@ -1561,10 +1589,13 @@ class Ledger:
             # the last CREDIT_S held, a delay held so making a lag of its share of the proxy's rate; and the lag at its
             # end that its lookahead took out. Not measured, that share is not the lag (LAG_S's is the next second's
             # tokens, in the levels before a stream began too): taken from none, and fallen to none.
-            rose, drained = float(ahead_n[low]) - ref_ahead, float(gaps[k]) - level
+            # Each the most it may have: risen from the least the levels held to the most the window's may hold, fallen
+            # from the most they held to the least it may hold.
+            rose, fell = float(ahead_n[low]) - ref_least, ref_most - float(ahead_lo[low])
+            drained = float(gaps[k]) - level
             if not measured[low]:
-                rose = float(ahead_n[low]) if sp[3] > LAG_TOKENS else -ref_ahead
-            moved = max(min(sp[3], rose), min(drained, -rose))  # the bypass tokens that lag may have made or hidden
+                rose, fell = (float(ahead_n[low]), -float(ahead_n[low])) if sp[3] > LAG_TOKENS else (-ref_most, ref_most)
+            moved = max(min(sp[3], rose), min(drained, fell))  # the bypass tokens that lag may have made or hidden
             if moved > max(LAG_TOKENS, LAG_SHARE * float(sp[2])) \
                     and "server_restart" not in sp[5] and PROXY_LAG not in sp[5]:
                 # Its bypass count may be off by the proxy's own lag. The proxy sees a token a delay after the server
@@ -1577,8 +1608,8 @@ class Ledger:
                 # after it, stay flat while bypass traffic runs, and as many bypass tokens are hidden (13 of 15 in the
                 # 0.75 s before the stream's end, rows `complete`). Bypass traffic that begins or ends there reads
                 # the same, and nothing tells them apart: the count is kept (right, if no lag) and the window says
-                # `proxy_lag`, where the delay the daemon measured on the proxy's loop over the whole lookahead (LAG_S
-                # where none was) times the change of the proxy's rate can make more than a token: a record's own
+                # `proxy_lag`, where the delay the daemon measured on the proxy's loop at the level's edge
+                # (`_edge_delays_s`; LAG_S where none was) times the change of the proxy's rate can make more than a token: a record's own
                 # delay (3 ms) moves that much whatever the placing (a token generated within it before a scrape),
                 # and more than LAG_SHARE of the window's server count: below it the lag moves the window's requests'
                 # energy by less than half the attribution's own p95 error. A 1-token bound alone marked a loaded
@@ -1592,8 +1623,8 @@ class Ledger:
                 self._levels.clear()
             if sp[3] > 0 and sp[4] is not None:
                 self._spread_back(sp, pt, dur)
-            self._levels.append((sp[1], level, float(ahead_n[low])))
-            self._level, self._ahead = level, float(ahead_n[low])
+            self._levels.append((sp[1], level, float(ahead_n[low]), float(ahead_lo[low])))
+            self._level, self._ahead = level, (float(ahead_n[low]), float(ahead_lo[low]))
             self._gap = float(gaps[k])
 
     def _note_unsure(self, r: _Req, t1: int) -> None:
