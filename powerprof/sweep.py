@@ -784,6 +784,7 @@ class Sweep:
         self._suspect = []
         for row in left:
             distrust(row, why)
+        visit.stop = None  # judged at its end (_judge_level_end), the level did not finish: it is `interrupted`
         self.flush()
         raise SweepError(f"{_level_name(visit)}: {why}; fix: {fix}")
 
@@ -796,7 +797,8 @@ class Sweep:
         interval_s = getattr(getattr(self.prof, "sampler", None), "interval_ns", 1e9) / 1e9
         deadline = time.monotonic() + LEVEL_END_WAIT_PERIODS * interval_s + LEVEL_END_WAIT_S
         while time.monotonic() < deadline:
-            if any(smp.t_mono_ns >= t_end for smp in self.timeline.samples("nvml")[-4:]):
+            # A tick a starved sampler missed is published empty: it vouches for nothing (_new_gpu_samples).
+            if any(smp.t_mono_ns >= t_end and smp.data for smp in self.timeline.samples("nvml")[-4:]):
                 break
             await asyncio.sleep(min(0.05, interval_s / 4))
         self._stop_if_setting_moved(visit, [], len(visit.spans), t_end)
@@ -1096,6 +1098,8 @@ class TraceSweep(Sweep):
                 self.flush()
                 continue
             break
+        # Judged before the level is told done: a replay left out at its end prints no figure (_judge_level_end).
+        await self._judge_level_end(visit)
         visit.spans.append((w.result.t0_ns, w.result.t1_ns))
         visit.n_measured = 1 if self._counts(row) else 0
         visit.stop = "trace-replayed"

@@ -424,3 +424,32 @@ def test_a_power_limit_moved_while_the_sampler_lags_leaves_every_window_it_touch
     assert lv.timing.iloc[0] != "untrusted", lv[["request_id", "timing", "timing_reason"]].to_string()
     assert (lv.timing.iloc[2:] == "untrusted").all(), lv[["request_id", "timing", "timing_reason"]]
     assert (lv[lv.timing != "untrusted"].avg_gpu_power_w < 205).all()
+
+
+def test_a_clock_moved_in_a_levels_last_window_is_caught_at_its_end_and_the_level_is_interrupted(tmp_path, monkeypatch):
+    # The lock moved during the level's last window: only a reading after it (delivered late, the sampler lagging) can
+    # tell, so the level waits for one at its end. Judged there, the level did not finish: review s37 found it stored
+    # stop_rule max-requests and in run.json's levels_done, its figures resting on 6 of 8 windows as if whole.
+    import json
+
+    from powerprof.sim.faults import FaultyNVML
+
+    _lagging_timeline(monkeypatch, 0.8)
+    sim = SimNVML("h200-141g", state_path=None)
+    nv = FaultyNVML(sim)
+
+    def act(event, visit):
+        if event == "progress" and visit.level_value == 1400 and visit.n_measured == 7:
+            nv.lock_clocks(0, 900, 900)
+
+    out = tmp_path / "run"
+    with Rig("h200-141g", nvml=nv) as rig, pytest.raises(SweepError) as e:
+        run_sweep(rig, levels_spec="1980,1400", level_kind="sm_clock", out_dir=out, params=RequestParams(max_tokens=64),
+                  idle_s=0, interval_s=0.2, min_requests=8, max_requests=8, warmup_requests=0, ui=_Hook(act))
+    assert str(e.value).startswith("level 1400: GPU 0's SM clock read 900 MHz"), str(e.value)
+    w = pq.read_table(out / "windows.parquet").to_pandas()
+    lv = w[(w.window_kind == "request") & (w.level_value == 1400.0) & ~w.warmup].sort_values("request_id")
+    assert lv.timing.iloc[-1] == "untrusted" and lv.timing.iloc[0] != "untrusted", lv[["request_id", "timing"]]
+    levels = pq.read_table(out / "levels.parquet").to_pandas().set_index("level_value")
+    assert "interrupted" in str(levels.loc[1400.0, "flags"]), levels.loc[1400.0, ["stop_rule", "flags"]]
+    assert [1400.0, 0] not in json.loads((out / "run.json").read_text())["levels_done"]
