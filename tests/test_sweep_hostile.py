@@ -16,6 +16,7 @@ from powerprof.rig import Rig
 from powerprof.sim.nvml import SimNVML
 from powerprof.sweep import UI, SweepError, run_sweep
 from powerprof.workload.client import RequestParams
+from support import lagging_timeline
 
 
 def restore_files() -> list:
@@ -358,30 +359,13 @@ def test_root_writes_no_run_in_another_users_folder_but_in_the_sudo_users(tmp_pa
     assert "writable by group or others" in untrusted_out_dir(theirs / "run", env={"SUDO_UID": "65534"})
 
 
-def _lagging_timeline(monkeypatch, lag_s: float) -> None:
-    """The sweep's view of the samples `lag_s` behind the GPU, as a sampler thread starved on a loaded host delivers
-    them: each sample keeps the time it was read, but reaches the checks later (a prefix, in arrival order)."""
-    import time
-
-    from powerprof.storage.samples import Timeline
-
-    def samples(self, source=None):
-        with self._lock:
-            cut = time.monotonic_ns() - int(lag_s * 1e9)
-            n = next((k for k, (s, _) in enumerate(self._items) if s.t_mono_ns > cut), len(self._items))
-            return [s for s, _ in self._items[:n] if source is None or s.source == source]
-
-    monkeypatch.setattr(Timeline, "samples", samples)
-    monkeypatch.setattr(Timeline, "__len__", lambda self: len(samples(self)))
-
-
 def test_a_clock_lock_moved_while_the_sampler_lags_leaves_every_window_it_touched_out(tmp_path, monkeypatch):
     # ci4 under two CPU hogs: the window measured just after `nvidia-smi -lgc 900,900` was checked before the samples
     # read during it reached the check, so it passed, was kept, and levels.parquet filed sm_clock_mhz 1220 under the
     # 1400 MHz level (900 MHz readings inside a kept window). A window waits for a reading taken after it ended.
     from powerprof.sim.faults import FaultyNVML
 
-    _lagging_timeline(monkeypatch, 0.8)
+    lagging_timeline(monkeypatch, 0.8)
     sim = SimNVML("h200-141g", state_path=None)
     nv = FaultyNVML(sim)
 
@@ -405,7 +389,7 @@ def test_a_clock_lock_moved_while_the_sampler_lags_leaves_every_window_it_touche
 def test_a_power_limit_moved_while_the_sampler_lags_leaves_every_window_it_touched_out(tmp_path, monkeypatch):
     # The same race for a limit: the window measured just after `nvidia-smi -pl 300` passed its check before a reading
     # taken during it arrived, and its 300 W energy was filed under the 200 W level.
-    _lagging_timeline(monkeypatch, 0.8)
+    lagging_timeline(monkeypatch, 0.8)
     sim = SimNVML("seed-16g", state_path=None)
 
     def other_tool(event, visit):
