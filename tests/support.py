@@ -323,3 +323,27 @@ def lagging_timeline(monkeypatch, lag_s: float) -> None:
             deliver(self, s)
 
     monkeypatch.setattr(Timeline, "__call__", call)
+
+
+def lagging_daemon(monkeypatch, lag_s: float) -> None:
+    """The daemon's samples `lag_s` behind the GPU, as `lagging_timeline`: each reaches the daemon's queue only at the
+    first sample after it is `lag_s` old, in the order read."""
+    import threading
+    import time
+
+    from powerprof.daemon.service import Daemon
+
+    deliver = Daemon._on_sample
+    lock = threading.Lock()
+
+    def on_sample(self, sample):
+        with lock:
+            pending = self.__dict__.setdefault("_lag_pending", [])
+            pending.append(sample)
+            cut = time.monotonic_ns() - int(lag_s * 1e9)
+            n = next((k for k, s in enumerate(pending) if s.t_mono_ns > cut), len(pending))
+            due, pending[:] = pending[:n], pending[n:]
+            for s in due:
+                deliver(self, s)
+
+    monkeypatch.setattr(Daemon, "_on_sample", on_sample)
