@@ -299,3 +299,51 @@ class RowSink:
 
     def __call__(self, name, rows):
         self.rows[name].extend(rows)
+
+
+def lagging_timeline(monkeypatch, lag_s: float) -> None:
+    """Every `storage.samples.Timeline` `lag_s` behind the GPU, as a sampler thread starved on a loaded host delivers
+    its readings: each sample keeps the time it was read, but reaches the timeline (its `samples()`, its tags, what
+    it stores) only at the first delivery after it is `lag_s` old, in the order read. Deliveries happen when a later
+    sample comes (the sampler's next tick): a deterministic stand-in, no thread of its own."""
+    import time
+
+    from powerprof.storage.samples import Timeline
+
+    deliver = Timeline.__call__
+
+    def call(self, sample):
+        with self._lock:
+            pending = self.__dict__.setdefault("_lag_pending", [])
+            pending.append(sample)
+            cut = time.monotonic_ns() - int(lag_s * 1e9)
+            n = next((k for k, s in enumerate(pending) if s.t_mono_ns > cut), len(pending))
+            due, pending[:] = pending[:n], pending[n:]
+        for s in due:
+            deliver(self, s)
+
+    monkeypatch.setattr(Timeline, "__call__", call)
+
+
+def lagging_daemon(monkeypatch, lag_s: float) -> None:
+    """The daemon's samples `lag_s` behind the GPU, as `lagging_timeline`: each reaches the daemon's queue only at the
+    first sample after it is `lag_s` old, in the order read."""
+    import threading
+    import time
+
+    from powerprof.daemon.service import Daemon
+
+    deliver = Daemon._on_sample
+    lock = threading.Lock()
+
+    def on_sample(self, sample):
+        with lock:
+            pending = self.__dict__.setdefault("_lag_pending", [])
+            pending.append(sample)
+            cut = time.monotonic_ns() - int(lag_s * 1e9)
+            n = next((k for k, s in enumerate(pending) if s.t_mono_ns > cut), len(pending))
+            due, pending[:] = pending[:n], pending[n:]
+            for s in due:
+                deliver(self, s)
+
+    monkeypatch.setattr(Daemon, "_on_sample", on_sample)

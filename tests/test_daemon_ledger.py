@@ -1002,6 +1002,38 @@ def test_cpu_energy_of_intervals_where_other_processes_kept_the_host_busy_is_mar
     assert sum("other processes used" in m and "busy-host" in m for m in caplog.messages) == 1  # once per spell
 
 
+def test_intervals_wait_for_a_cpu_time_read_past_their_end_from_a_lagging_sampler():
+    # The CPU-time collector has its own sampler thread, and a busy host is what starves it: its reads reached the
+    # ledger 2 s late while RAPL's and NVML's came on time, and the intervals closed on the latest span's rate, the
+    # quiet one before the other processes began: 1.8% for intervals where they used 47.6% of the busy CPU time,
+    # unmarked. Each interval now waits (at most rapl_hold_s) for a CPU-time read at or past its end.
+    from powerprof.collectors.cputime import CpuTimeReading
+    from powerprof.collectors.rapl import RaplReading
+
+    sink = Sink()
+    led = Ledger("d", 0, 1, sink, grace_s=0.1, rapl_hold_s=3.0)
+    reads, host, srv, own = [], 0.0, 0.0, 0.0
+    for k in range(9):
+        reads.append((k, CpuTimeReading(host, srv, own)))
+        other = 0.02 if k < 3 else 1.0  # other processes busy from 3 s on
+        host, srv, own = host + 1.1 + other, srv + 1.0, own + 0.1
+    for k in range(9):
+        led.add_rapl_sample(k * S, [RaplReading("package-0", "package", 0, 50.0 * k, None)])
+        _feed(led, k, 300.0 * k)
+        if k >= 2:  # the read of 2 s ago arrives now
+            t, r = reads[k - 2]
+            led.add_cputime_sample(t * S, r)
+        led.advance(int((k + 0.2) * S))
+    for t, r in reads[-2:]:
+        led.add_cputime_sample(t * S, r)
+    led.advance(int(9.5 * S))
+    led.close_all(10 * S)
+    pct = {round(r["t_start_mono_s"]): r["other_cpu_pct"] for r in sink.rows["intervals"]}
+    assert pct[0] is None  # closed before any CPU-time read came: unjudged, said so by the empty share
+    assert [pct[k] for k in (1, 2)] == [pytest.approx(1.8, abs=0.1)] * 2, pct
+    assert [pct[k] for k in range(3, 8)] == [pytest.approx(47.6, abs=0.1)] * 5, pct
+
+
 def test_a_server_whose_processes_are_not_found_leaves_the_cpu_share_unjudged_and_says_so_once(caplog):
     from powerprof.collectors.cputime import CpuTimeReading
 

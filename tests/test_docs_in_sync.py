@@ -94,7 +94,8 @@ def _exposition() -> dict:
         work_costs={"source": "fitted", "idle_w": 60.0, "step_j": 0.9, "decode_j": 0.2,
                     "prefill_per_decode": 0.04, "r2": 0.99, "rel_rmse": 0.03},
         proxy_worker_restarts={"exited": 1}, latency=latency.states(),
-        inflight=InFlightState(1, 0, 1.0, 0.5, 2.0), sources={"nvml": (1, 0.001, 0, 0)}, other_cpu_pct=5.0)
+        inflight=InFlightState(1, 0, 1.0, 0.5, 2.0), sources={"nvml": (1, 0.001, 0, 0)}, other_cpu_pct=5.0,
+        accounts_behind_s=0.4)
     text = render(make_registry(holder)).decode()
     return {f.name: f for f in text_string_to_metric_families(text)}
 

@@ -207,3 +207,30 @@ def test_a_lost_gpu_is_not_taken_for_a_reset_one_it_still_fails_and_keeps_the_fi
     assert "GPU 1 is lost" in str(e.value) and restore_file.exists()
     assert sim.gpus[0].limit_w == 400.0
     assert not any("reopened" in n for n in ctl.notes)
+
+
+@pytest.mark.parametrize("lag_s", [0.0, 2.0])
+def test_the_daemon_says_how_far_its_energy_accounts_are_behind_a_late_sampler(tmp_path, monkeypatch, lag_s):
+    # Its energy counters come from closed intervals, which a sampler starved on a loaded host keeps back: the tuner
+    # reads this gauge to leave out of its energy verdicts a window whose joules reach back before its level.
+    from support import lagging_daemon
+
+    lagging_daemon(monkeypatch, lag_s)
+    d = _daemon(tmp_path, SimNVML("a100-40g", count=2, state_path=None))
+
+    async def main():
+        task = await _started(d)
+        behind = []
+        for _ in range(10):
+            await asyncio.sleep(0.3)
+            d._update_snapshot()
+            behind.append(d.snapshot.accounts_behind_s)
+        d.stop_event.set()
+        return behind, await task
+
+    behind, rc = asyncio.run(asyncio.wait_for(main(), 60))
+    assert rc == 0 and None not in behind[-5:], behind
+    # At least the lag or the 0.3 s grace (an edge delivered late is past it already); a loaded host adds its own
+    # lateness on top, never takes from it.
+    assert min(behind[-5:]) >= max(lag_s, 0.3), behind
+    assert max(behind[-5:]) < lag_s + 5.0, behind

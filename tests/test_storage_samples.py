@@ -35,12 +35,12 @@ def test_rows_one_per_device_and_missing_sample_keeps_its_reason():
         sample_rows(Sample("x", 0, T0, WALL, object()), T0)
 
 
-def test_timeline_tags_rows_with_the_level_current_at_arrival():
+def test_timeline_tags_rows_with_the_level_current_when_read():
     tl = Timeline(t0_mono_ns=T0)
     tl(_rapl(0, 0.0))
-    tl.set_tags(level_kind="power_limit", level_value=220.0)
+    tl.set_tags(at_ns=T0 + 10**9 - 1, level_kind="power_limit", level_value=220.0)
     tl(_rapl(1, 30.0))
-    tl.set_tags()
+    tl.set_tags(at_ns=T0 + 2 * 10**9)
     tl(Sample("host", 2, T0 + 2 * 10**9, WALL, HostReading(12.5, 2400.0, 10, 20)))
     t = tl.to_table()
     assert t.schema.equals(SAMPLES)
@@ -49,6 +49,8 @@ def test_timeline_tags_rows_with_the_level_current_at_arrival():
     assert d["device"][-1] == "host" and d["cpu_util_pct"][-1] == 12.5
     with pytest.raises(ValueError, match="unknown tag"):
         tl.set_tags(request_id=3)
+    with pytest.raises(ValueError, match="in order only"):
+        tl.set_tags(at_ns=T0, level_kind="power_limit", level_value=200.0)
 
 
 def test_timeline_is_safe_to_fill_from_many_threads_and_drain():

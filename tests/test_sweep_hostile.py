@@ -6,6 +6,7 @@ and the limit is back."""
 from __future__ import annotations
 
 import os
+import time
 from pathlib import Path
 
 import pyarrow.parquet as pq
@@ -16,6 +17,7 @@ from powerprof.rig import Rig
 from powerprof.sim.nvml import SimNVML
 from powerprof.sweep import UI, SweepError, run_sweep
 from powerprof.workload.client import RequestParams
+from support import lagging_timeline
 
 
 def restore_files() -> list:
@@ -358,30 +360,13 @@ def test_root_writes_no_run_in_another_users_folder_but_in_the_sudo_users(tmp_pa
     assert "writable by group or others" in untrusted_out_dir(theirs / "run", env={"SUDO_UID": "65534"})
 
 
-def _lagging_timeline(monkeypatch, lag_s: float) -> None:
-    """The sweep's view of the samples `lag_s` behind the GPU, as a sampler thread starved on a loaded host delivers
-    them: each sample keeps the time it was read, but reaches the checks later (a prefix, in arrival order)."""
-    import time
-
-    from powerprof.storage.samples import Timeline
-
-    def samples(self, source=None):
-        with self._lock:
-            cut = time.monotonic_ns() - int(lag_s * 1e9)
-            n = next((k for k, (s, _) in enumerate(self._items) if s.t_mono_ns > cut), len(self._items))
-            return [s for s, _ in self._items[:n] if source is None or s.source == source]
-
-    monkeypatch.setattr(Timeline, "samples", samples)
-    monkeypatch.setattr(Timeline, "__len__", lambda self: len(samples(self)))
-
-
 def test_a_clock_lock_moved_while_the_sampler_lags_leaves_every_window_it_touched_out(tmp_path, monkeypatch):
     # ci4 under two CPU hogs: the window measured just after `nvidia-smi -lgc 900,900` was checked before the samples
     # read during it reached the check, so it passed, was kept, and levels.parquet filed sm_clock_mhz 1220 under the
     # 1400 MHz level (900 MHz readings inside a kept window). A window waits for a reading taken after it ended.
     from powerprof.sim.faults import FaultyNVML
 
-    _lagging_timeline(monkeypatch, 0.8)
+    lagging_timeline(monkeypatch, 0.8)
     sim = SimNVML("h200-141g", state_path=None)
     nv = FaultyNVML(sim)
 
@@ -405,7 +390,7 @@ def test_a_clock_lock_moved_while_the_sampler_lags_leaves_every_window_it_touche
 def test_a_power_limit_moved_while_the_sampler_lags_leaves_every_window_it_touched_out(tmp_path, monkeypatch):
     # The same race for a limit: the window measured just after `nvidia-smi -pl 300` passed its check before a reading
     # taken during it arrived, and its 300 W energy was filed under the 200 W level.
-    _lagging_timeline(monkeypatch, 0.8)
+    lagging_timeline(monkeypatch, 0.8)
     sim = SimNVML("seed-16g", state_path=None)
 
     def other_tool(event, visit):
@@ -434,7 +419,7 @@ def test_a_clock_moved_in_a_levels_last_window_is_caught_at_its_end_and_the_leve
 
     from powerprof.sim.faults import FaultyNVML
 
-    _lagging_timeline(monkeypatch, 0.8)
+    lagging_timeline(monkeypatch, 0.8)
     sim = SimNVML("h200-141g", state_path=None)
     nv = FaultyNVML(sim)
 
@@ -453,3 +438,42 @@ def test_a_clock_moved_in_a_levels_last_window_is_caught_at_its_end_and_the_leve
     levels = pq.read_table(out / "levels.parquet").to_pandas().set_index("level_value")
     assert "interrupted" in str(levels.loc[1400.0, "flags"]), levels.loc[1400.0, ["stop_rule", "flags"]]
     assert [1400.0, 0] not in json.loads((out / "run.json").read_text())["levels_done"]
+
+
+def test_a_timeline_tags_a_reading_by_when_it_was_read_not_when_it_arrived():
+    # A reading taken during level A that a starved sampler delivers after the sweep set level B's tags is level A's.
+    from powerprof.collectors.nvml import GpuReading
+    from powerprof.collectors.sampler import Sample
+    from powerprof.storage.samples import Timeline
+
+    def reading(t_ns, mhz):
+        r = GpuReading(index=0, power_w=300.0, power_avg_w=None, energy_j=None, sm_clock_mhz=mhz, mem_clock_mhz=None,
+                       gpu_util_pct=None, mem_util_pct=None, mem_used_bytes=None, temperature_c=None,
+                       power_limit_w=None, enforced_limit_w=None, clock_event_reasons=None)
+        return Sample("nvml", 0, t_ns, t_ns, (r,))
+
+    tl = Timeline(t0_mono_ns=0)
+    tl.set_tags(level_kind="sm_clock", level_value=1980.0)
+    t_a = time.monotonic_ns()  # read at level A ...
+    tl.set_tags(level_kind="sm_clock", level_value=1400.0)
+    tl(reading(t_a, 1980.0))  # ... delivered after level B began
+    tl(reading(time.monotonic_ns(), 1400.0))
+    rows = tl.to_table().to_pylist()
+    assert [(r["level_value"], r["sm_clock_mhz"]) for r in rows] == [(1980.0, 1980.0), (1400.0, 1400.0)]
+
+
+def test_readings_a_lagging_sampler_delivers_after_the_next_level_began_stay_in_their_own_levels_figures(tmp_path, monkeypatch):
+    # A sampler more than the level-end wait behind (2 periods + 2 s): the last level-1980 windows' readings reached
+    # the timeline after the sweep had set level 1400's tags, were stored tagged 1400, and lay inside measured spans:
+    # levels.parquet filed 1980 MHz readings under the 1400 MHz level (and analyze, reading samples.parquet, too).
+    lagging_timeline(monkeypatch, 5.0)  # 1729-1741 MHz under the 1400 MHz level before the fix (truth: 1395)
+    out = tmp_path / "run"
+    with Rig("h200-141g", nvml=SimNVML("h200-141g", state_path=None)) as rig:
+        run_sweep(rig, levels_spec="1980,1400", level_kind="sm_clock", out_dir=out, params=RequestParams(max_tokens=64),
+                  idle_s=0, interval_s=0.2, min_requests=8, max_requests=8, warmup_requests=0)
+    levels = pq.read_table(out / "levels.parquet").to_pandas().set_index("level_value")
+    assert levels.loc[1400.0, "sm_clock_mhz"] < 1410.0, levels[["sm_clock_mhz"]]
+    assert levels.loc[1980.0, "sm_clock_mhz"] > 1900.0, levels[["sm_clock_mhz"]]
+    s = pq.read_table(out / "samples.parquet").to_pandas()
+    busy = s[(s.source == "nvml") & (s.level_value == 1400.0) & (s.gpu_util_pct > 50)]
+    assert len(busy) and (busy.sm_clock_mhz <= 1400.0).all(), busy[["t_mono_s", "sm_clock_mhz"]].to_string()

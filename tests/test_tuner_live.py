@@ -17,6 +17,7 @@ from prometheus_client import generate_latest
 from powerprof.rig import Rig
 from powerprof.sim.nvml import SimNVML
 from powerprof.tuner.observe import ObserveError, fetch_metrics, parse_counters, window_between
+from powerprof.tuner import policy
 from powerprof.tuner.policy import TunerConfig
 from powerprof.tuner.runner import TuneRunner
 from support import sim_limit_w
@@ -218,6 +219,59 @@ def test_a_window_at_another_limit_than_intended_is_not_judged(tmp_path):
     ds = list(runner.tuner.decisions)
     assert not any(d.action == "accept" for d in ds), [d.reason for d in ds]  # no verdict on a level never measured
     assert any(d.action == "stale" and "not the" in d.reason and "intended" in d.reason for d in ds)
+
+
+def test_how_far_the_daemons_accounts_are_behind_reads_back_and_an_older_daemon_reads_as_unknown():
+    with FakeDaemon() as fd:
+        assert parse_counters(fetch_metrics(fd.url), 0.0).accounts_behind_s is None  # a daemon without the gauge
+        fd.behind_s = 12.5
+        assert parse_counters(fetch_metrics(fd.url), 0.0).accounts_behind_s == 12.5
+
+
+def test_a_window_whose_energy_the_daemon_accounted_before_the_level_was_set_is_not_in_its_energy_verdict(tmp_path):
+    # The daemon's energy comes from its closed intervals, its tokens and limit gauge from now: a sampler late on a
+    # loaded host, or intervals held for prompt lengths (up to 30 s) and the server's counter, keep the accounts seconds
+    # behind. The verdict left out only the window that straddles the change: with the accounts three ticks behind,
+    # the 250 W trial was judged on 300 W joules and the 200 W one on 250 W joules, a J/token of neither level.
+    nvml = SimNVML("seed-16g", state_path=None)
+    clock = Clock()
+    spent_at: dict[int, set] = {}
+    judged: list[tuple[float, set]] = []
+    with Rig("seed-16g", nvml=nvml) as rig, FakeDaemon(gpu=sim_gpu(nvml), accounts_behind=3) as fd, \
+            rig.controller([0]) as ctl:
+        fd.behind_s = 3 * 10.0 + 1.0  # three ticks' energy not yet accounted, and a second of grace
+        runner = TuneRunner(_cfg(), lambda: parse_counters(fetch_metrics(fd.url, 2), 0.0), ctl=ctl, gpus=[0],
+                            clock=clock, gpu_uuids=[nvml.gpus[0].uuid])
+        tuner = runner.tuner
+        observe, judge = tuner.observe, tuner._judge
+
+        def watched(w):
+            spent_at[id(w)] = set(fd.released_from_w)
+            return observe(w)
+
+        def judging(t, out):
+            stat = judge(t, out)
+            if stat is not None:  # the windows the verdict rested on (the pending ones but the first, as _judge pools)
+                judged.extend((w.level, spent_at[id(w)]) for w in used[0])
+            return stat
+
+        used = [[]]
+        merge = policy.merge
+
+        def merged(ws):
+            used[0] = list(ws)
+            return merge(ws)
+
+        tuner.observe, tuner._judge = watched, judging
+        policy.merge = merged
+        try:
+            runner.start()
+            _drive(runner, clock, 40)
+        finally:
+            policy.merge = merge
+    assert {lv for lv, _ in judged} - {300}, [d.reason for d in tuner.decisions]  # it did judge levels below
+    mixed = [(lv, src) for lv, src in judged if src != {lv}]
+    assert not mixed, mixed  # every window a verdict rests on: energy spent at its own level
 
 
 def test_a_daemon_measuring_other_gpus_is_not_believed(tmp_path):

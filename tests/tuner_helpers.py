@@ -18,10 +18,18 @@ class FakeDaemon:
     inference server is failing: the proxy's upstream failures climb)."""
 
     def __init__(self, per_scrape: int = 20, tpot_s: float = 0.03, j_per_token: float = 1.0, gpu=None,
-                 in_flight: float = 4.0, awaiting: float = 1.0):
+                 in_flight: float = 4.0, awaiting: float = 1.0, accounts_behind: int = 0):
         """gpu: () → (uuid, power limit W) the daemon reports for its one GPU (default a fixed GPU-fake at 300 W).
         in_flight, awaiting: the requests in flight and awaiting a first token since the last scrape, on the
-        real clock as the daemon's (settable between scrapes)."""
+        real clock as the daemon's (settable between scrapes).
+        accounts_behind: the energy accounts (closed intervals) this many scrapes behind the tokens and the limit gauge,
+        as a daemon whose sampler lags or whose intervals are held (prompt lengths, the server's counter): each
+        scrape's energy is what was spent that many scrapes before, at the limit then (`released_from_w`), and the
+        daemon says how far behind its accounts are (`behind_s`: seconds; None exposes nothing, as an older daemon)."""
+        self.accounts_behind = accounts_behind
+        self._unreleased: list[tuple[float, float]] = []  # (energy J, the limit W it was spent at), oldest first
+        self.released_from_w: set = set()  # the limits the energy released by the latest scrape was spent at
+        self.behind_s: float | None = None
         self.in_flight, self.awaiting = in_flight, awaiting
         # The ages of unfinished streamed requests (settable between scrapes); `old`: a daemon without those gauges.
         self.oldest_awaiting_s = self.longest_silence_s = 0.0
@@ -72,7 +80,15 @@ class FakeDaemon:
                     self.latency.observe(t0, t0 + 200_000_000, t0 + 200_000_000 + int(self.tpot_s * 79 * 1e9), 80, 400)
                     self.finished += 1
                 self.tokens += 80 * self.per_scrape
-                self.energy += self.j_per_token * 80 * self.per_scrape
+                spent = self.j_per_token * 80 * self.per_scrape
+                if self.accounts_behind:
+                    self._unreleased.append((spent * self.gpu()[1] / 300.0, self.gpu()[1]))  # J/token ∝ limit
+                    out, self._unreleased = (self._unreleased[:-self.accounts_behind],
+                                             self._unreleased[-self.accounts_behind:])
+                    self.energy += sum(e for e, _ in out)
+                    self.released_from_w = {w for _, w in out}
+                else:
+                    self.energy += spent
                 self.gpu_energy += self.j_per_token * 80 * self.per_scrape + 50.0  # plus idle power between requests
                 if self.mode == "upstream":
                     self.upstream_failures += 5
@@ -91,6 +107,7 @@ class FakeDaemon:
                 latency=self.latency.states(),
                 inflight=InFlightState(round(self.in_flight), round(self.awaiting), *self.queue,
                                        self.oldest_awaiting_s, self.longest_silence_s),
+                accounts_behind_s=self.behind_s,
             )
             body = render(self._registry)
             if self.old:

@@ -119,6 +119,7 @@ class Snapshot:
     cpu_unknown_requests: int = 0  # ledger.Totals: request rows without cpu_energy_j though RAPL is read, since start
     cache_unsaid_requests: int = 0  # ledger.Totals: request rows flagged prefix-cache-unsaid since start
     cache_late_requests: int = 0  # ledger.Totals: request rows flagged prefix-cache-late since start
+    accounts_behind_s: float | None = None  # now − the end of the latest closed interval (None: none yet)
     jpt_left_out: dict = field(default_factory=dict)  # ledger.Totals: {flag: (intervals, tokens)} left out of J/token
 
 
@@ -330,6 +331,11 @@ class SnapshotCollector:
                                     "streamed request still awaiting its first token (0: none)", value=q.oldest_awaiting_s)
             yield GaugeMetricFamily("powerprof_requests_longest_stream_silence_seconds", "Longest time since the last "
                                     "token of a streamed request past its first (0: none)", value=q.longest_silence_s)
+        if s.accounts_behind_s is not None:
+            yield GaugeMetricFamily("powerprof_accounts_behind_seconds", "How far the energy accounts (closed "
+                                    "intervals: every energy counter but powerprof_gpu_energy_joules) are behind now: "
+                                    "the grace, the holds (prompt lengths, the server's counter, RAPL) and a late "
+                                    "sampler; the token and request counters are not behind", value=s.accounts_behind_s)
         yield CounterMetricFamily("powerprof_proxy_records_dropped", "Proxy workers' records not shipped because "
                                   "the daemon did not read (their requests' rows say so)", value=s.proxy_records_dropped)
         yield CounterMetricFamily("powerprof_tokens_late", "Proxied tokens read after their interval had closed, "

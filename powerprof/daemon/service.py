@@ -550,7 +550,12 @@ class Daemon:
                     up=0.0 if info.index in self.collector.lost else 1.0,
                 )
             )
+        # The latest closed interval's end (the edge the open ones start at), on the readings' own clock: a sample
+        # delivered late keeps it back, so the tuner never reads accounts for a time they do not yet cover.
+        edges = self.ledger.edges
+        behind_s = max(0.0, (time.monotonic_ns() - edges[0].t_ns) / 1e9) if edges else None
         self.snapshot = Snapshot(
+            accounts_behind_s=behind_s,
             gpus=tuple(gpus),
             cpu_energy_j=tot.cpu_energy_j,
             energy_by_kind_j=tot.energy_by_kind_j,

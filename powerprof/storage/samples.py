@@ -8,8 +8,10 @@ device and the reason in `error`.
 
 from __future__ import annotations
 
+import bisect
 import os
 import threading
+import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Iterable, Mapping
 
@@ -25,7 +27,7 @@ if TYPE_CHECKING:
     import pyarrow as pa
 
 FORMATS = (".parquet", ".csv")
-TAG_COLUMNS = ("level_kind", "level_value")  # set by whoever runs levels (sweep), copied onto rows
+TAG_COLUMNS = ("level_kind", "level_value")  # set by whoever runs levels (sweep), copied onto the rows read meanwhile
 
 _GPU_COLS = (
     "power_w",
@@ -117,30 +119,46 @@ def samples_to_table(
 
 
 class Timeline:
-    """A sampler subscriber that keeps every Sample in memory (thread-safe), with the tags current
-    when it arrived. `sampler.subscribe(timeline)`; `timeline.set_tags(level_kind="power_limit",
+    """A sampler subscriber that keeps every Sample in memory (thread-safe), tagged with the tags current
+    when it was read. `sampler.subscribe(timeline)`; `timeline.set_tags(level_kind="power_limit",
     level_value=220)`; `timeline.to_table()`. `drain()` hands over and forgets what is buffered
-    (for periodic flushes)."""
+    (for periodic flushes).
+
+    By the time read, not of arrival: a sampler thread starved on a loaded host delivers a reading seconds
+    after it was taken, and a reading of the last level's final windows that arrived after the next
+    level's `set_tags` was stored under the next level, inside the last level's measured spans, and its
+    figures (levels.parquet's `sm_clock_mhz`, the cap rule, analyze) took it: 1729-1741 MHz for a level
+    locked at 1400 MHz (truth 1395 MHz), five seconds behind."""
 
     def __init__(self, t0_mono_ns: int | None = None, gpu_uuids: Mapping[int, str] | None = None):
         self.t0_mono_ns = t0_mono_ns
         self.gpu_uuids = dict(gpu_uuids or {})
         self._lock = threading.Lock()
         self._items: list[tuple[Sample, Mapping | None]] = []
-        self._tags: Mapping | None = None
+        # (monotonic ns each set of tags began, the tags), in order: a few per level, so kept whole (a reading may
+        # arrive any time later).
+        self._tag_times: list[int] = []
+        self._tag_sets: list[Mapping | None] = []
 
     def __call__(self, sample: Sample) -> None:
         with self._lock:
             if self.t0_mono_ns is None:
                 self.t0_mono_ns = sample.t_mono_ns
-            self._items.append((sample, self._tags))
+            k = bisect.bisect_right(self._tag_times, sample.t_mono_ns)
+            self._items.append((sample, self._tag_sets[k - 1] if k else None))
 
-    def set_tags(self, **tags) -> None:
+    def set_tags(self, at_ns: int | None = None, **tags) -> None:
+        """Tag every sample read from `at_ns` on (monotonic ns, the sampler's clock; now when None), whenever it
+        arrives, until the next set_tags; none given: untagged from then."""
         unknown = set(tags) - set(TAG_COLUMNS)
         if unknown:
             raise ValueError(f"unknown tag columns {sorted(unknown)}; known: {TAG_COLUMNS}")
+        t = time.monotonic_ns() if at_ns is None else int(at_ns)
         with self._lock:
-            self._tags = dict(tags) if tags else None
+            if self._tag_times and t < self._tag_times[-1]:
+                raise ValueError(f"tags set at {t} ns, before the last set ({self._tag_times[-1]} ns): in order only")
+            self._tag_times.append(t)
+            self._tag_sets.append(dict(tags) if tags else None)
 
     def samples(self, source: str | None = None) -> list[Sample]:
         with self._lock:

@@ -60,6 +60,9 @@ class DaemonCounters:
     # since a last token (seconds; None: a daemon older than these gauges, which cannot show unfinished requests).
     oldest_awaiting_s: float | None = None
     longest_silence_s: float | None = None
+    # How far the energy counters (closed intervals) were behind the read (None: a daemon older than the gauge): the
+    # energy of a window between two reads was spent over the same span this much earlier.
+    accounts_behind_s: float | None = None
 
 
 def loopback_reason(url: str) -> str | None:
@@ -201,7 +204,7 @@ def parse_counters(text: str, t_s: float) -> DaemonCounters:
     oldest, silence = (gauge(f"powerprof_requests_{k}_seconds")
                        for k in ("oldest_awaiting_first_token", "longest_stream_silence"))
     return DaemonCounters(t_s, energy, tokens, finished, active, prompt, output, ttft, tpot, upstream, gpu, limits,
-                          in_flight, awaiting, clock, oldest, silence)
+                          in_flight, awaiting, clock, oldest, silence, gauge("powerprof_accounts_behind_seconds"))
 
 
 def _le(x: str) -> float:

@@ -223,6 +223,9 @@ class Window:
     # oldest streamed request's wait for its first token, and the longest silence of a stream past its first.
     oldest_awaiting_s: float | None = None
     longest_silence_s: float | None = None
+    # Its energy was (partly) spent before its level was set: the daemon's energy accounts lag its tokens (a late
+    # sampler, intervals held), so the guard reads it, the energy verdict leaves it out (`_judge`).
+    energy_straddles: bool = False
 
 
 def mean_in_flight(w: Window) -> tuple[float, float] | None:
@@ -250,6 +253,7 @@ def merge(ws: list[Window]) -> Window:
         tpot_counts=tuple(int(x) for x in np.sum([w.tpot_counts for w in ws], axis=0)),
         in_flight_s=q[0] if q else None, awaiting_s=q[1] if q else None, queue_clock_s=q[2] if q else None,
         oldest_awaiting_s=ws[-1].oldest_awaiting_s, longest_silence_s=ws[-1].longest_silence_s,  # now, not summed
+        energy_straddles=any(w.energy_straddles for w in ws),
     )
 
 
@@ -1030,7 +1034,8 @@ class Tuner:
         cfg = self.cfg
         if t - self.since_s < cfg.dwell_s:
             return None
-        usable = self._pending[1:] if len(self._pending) > 1 else []  # the first window straddles the change
+        # The first window straddles the change; so does any whose energy the daemon accounted from before it.
+        usable = [w for w in self._pending[1:] if not w.energy_straddles]
         if not usable:
             return None
         w = merge(usable)

@@ -204,6 +204,8 @@ class TuneRunner:
         self._dry: deque[Window] = deque()  # dry-run: the last guard_s at the GPUs' actual level
         self._dry_said_s = -float("inf")
         self._said_blind = False
+        self._level_since_s: float | None = None  # when the level on the GPUs was set (this tuner's clock)
+        self._said_unaccounted = False
 
     def on_sigusr1(self, *_):
         self.kill_requested.set()
@@ -216,6 +218,7 @@ class TuneRunner:
         else:
             self.ctl.lock_sm_clock_mhz(int(level))
         self.applied = level
+        self._level_since_s = self.clock()  # the daemon's energy from before this is another level's
 
     def _record(self, ds: list[Decision]) -> None:
         for d in ds:
@@ -316,6 +319,8 @@ class TuneRunner:
                     raise ObserveError(f"the daemon reads {before:g} → {actual:g} W over this window, not the "
                                        f"{level:g} W intended: not judged")
                 w = window_between(last, c, level)
+                if self._energy_straddles(last):
+                    w = dataclasses.replace(w, energy_straddles=True)
                 if self.cfg.dry_run:
                     if self.tuner.state == "stale":
                         ds.append(self.tuner.resume(now))
@@ -331,6 +336,20 @@ class TuneRunner:
         self._show_level()
         self.metrics.explore_s.set(self.tuner.explore_s)
         self.check_stale(now)
+
+    def _energy_straddles(self, last: DaemonCounters) -> bool:
+        """Whether the energy of the window from `last` on was (partly) spent before the level was set: the daemon's
+        energy counters come from its closed intervals, `accounts_behind_s` behind its tokens and limit gauge."""
+        if self.cfg.dry_run or self._level_since_s is None:
+            return False  # dry-run judges the level the GPUs have, set when and by whom the tuner cannot know
+        if last.accounts_behind_s is None:
+            if not self._said_unaccounted:
+                self._said_unaccounted = True
+                log.warning("the daemon does not say how far its energy accounts are behind (older than this tuner): "
+                            "only the first window after each move is left out of the energy verdicts, and one whose "
+                            "joules were spent longer before it is judged at the new level; upgrade the daemon")
+            return False
+        return last.t_s - last.accounts_behind_s < self._level_since_s
 
     def _check_sight(self, c: DaemonCounters) -> None:
         """Say once when the daemon gives no ages of unfinished requests (older than the tuner): tuning goes on, its
