@@ -336,16 +336,15 @@ def timing_findings(windows) -> list[Finding]:
 
 
 def impossible_findings(windows) -> list[Finding]:
-    """Windows left out of every figure because a figure in them cannot be (stats.impossible_windows)."""
-    from .stats import _col, _concurrency, impossible_windows, window_masks
+    """Windows left out of every figure because a figure in them cannot be or contradicts its parts
+    (stats.impossible_reasons), counted among the windows that would otherwise be measured, per reason and level."""
+    from .stats import _col, eligible_windows, impossible_reasons
 
-    measured, _, _ = window_masks(windows)
-    warm = _col(windows, "warmup", bool)
-    status = _col(windows, "status", object)
-    kind = _col(windows, "window_kind", object)
-    conc = _concurrency(windows)
-    bad = impossible_windows(windows) & ~warm & np.array([st in (None, "ok") for st in status], dtype=bool) & np.array(
-        [k == ("batch" if c > 1 else "request") for k, c in zip(kind, conc)], dtype=bool)
+    eligible = eligible_windows(windows)
+    reasons = {why: rows & eligible for why, rows in impossible_reasons(windows).items()}
+    bad = np.zeros(windows.num_rows, bool)
+    for rows in reasons.values():
+        bad |= rows
     if not bad.any():
         return []
     kinds = _col(windows, "level_kind", object)
@@ -354,10 +353,11 @@ def impossible_findings(windows) -> list[Finding]:
     for k, v in zip(kinds[bad], values[bad]):
         per[(k, v)] = per.get((k, v), 0) + 1
     where = ", ".join(f"{_fmt(v, _unit(k))}: {n}" for (k, v), n in sorted(per.items(), key=lambda x: (str(x[0][0]), x[0][1])))
+    why = "; ".join(f"{why} ({int(rows.sum())})" for why, rows in reasons.items() if rows.any())
     return [Finding("impossible-figures", (
-        f"{int(bad.sum())} of {int(bad.sum() + measured.sum())} windows left out of every figure: a speed that is not "
-        f"positive, or a negative or infinite energy, J/token or token count ({where}). No measurement writes these: "
-        "windows.parquet was changed or damaged; measure those levels again."), tuple(sorted({float(v) for v in values[bad]})))]
+        f"{int(bad.sum())} of {int(eligible.sum())} windows left out of every figure ({where}): {why}. No measurement "
+        "writes these: windows.parquet was changed or damaged; measure those levels again."),
+        tuple(sorted({float(v) for v in values[bad]})))]
 
 
 def sample_findings(implausible: dict) -> list[Finding]:
