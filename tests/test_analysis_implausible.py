@@ -143,3 +143,17 @@ def test_without_the_cards_highest_limit_the_bound_is_the_samples_own_limit(tmp_
     res = _analyze(run, tmp_path / "o")
     assert _by_level(res, "cap_not_engaged")[300.0] is True
     assert "own power limit" in _warning(res, "implausible-samples")
+
+
+@pytest.mark.parametrize("column", ["warmup", "status"])
+def test_a_windows_file_without_warmup_or_status_says_the_column_is_missing(tmp_path, column):
+    # Without `warmup` every window read as warm-up (a missing value filled as True), without `status` as failed,
+    # and the error blamed that ("all warm-up, failed, or missing") instead of the file.
+    run = _run(tmp_path)
+    w = pq.read_table(run / "windows.parquet")
+    pq.write_table(w.drop_columns([column]), run / "windows.parquet")
+    r = CliRunner().invoke(main, ["analyze", str(run), "--bootstrap", "100"])
+    said = " ".join(r.output.split())
+    assert r.exit_code == 1 and isinstance(r.exception, SystemExit), (r.output, r.exception)
+    assert f"{run / 'windows.parquet'}" in said and f"no {column} column" in said, said
+    assert not (run / "analysis").exists()

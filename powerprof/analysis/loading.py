@@ -291,6 +291,13 @@ def read_windows(runs: list[RunInfo], twice: dict | None = None) -> pa.Table:
             t = pq.read_table(r.path / "windows.parquet")
         except (pa.ArrowInvalid, OSError) as e:
             raise AnalysisError(f"{r.path / 'windows.parquet'}: cannot be read as Parquet ({e})") from None
+        # Which windows count rests on these two: read as missing, every window was warm-up (or failed), and the
+        # error blamed that instead of the file.
+        lacking = [c for c in ("warmup", "status") if c not in t.column_names]
+        if lacking and t.num_rows:
+            raise AnalysisError(f"{r.path / 'windows.parquet'}: no {' and no '.join(lacking)} column, so which windows "
+                                "are warm-up or failed cannot be told; powerprof writes both in every window row (another "
+                                "tool's file or an edited one): restore the columns, or the file from the run, and rerun")
         if "run_id" not in t.column_names or t.column("run_id").null_count == t.num_rows:
             t = _set_column(t, "run_id", pa.array([r.run_id] * t.num_rows, pa.string()))
         _refuse_unlevelled(r.path / "windows.parquet", t)
