@@ -241,6 +241,26 @@ def test_rows_with_impossible_energy_or_tokens_are_left_out_and_counted(tmp_path
     assert res.exit_code == 0 and "left out" in res.stderr and "nan" not in res.stdout.lower(), res.output
 
 
+def test_an_interval_whose_energy_no_gpus_could_draw_is_left_out_and_said(tmp_path):
+    # An interval of 1 s with gpu_energy_j = 1e15 (a counter read across a driver reload, an edited file) was summed:
+    # the host printed 277777777 kWh. More than MAX_HOST_GPU_POWER_W over its duration is no draw: left out, said.
+    from powerprof.analysis.fleet import MAX_HOST_GPU_POWER_W
+
+    truth = _node(tmp_path / "n", 0)
+    store = DatasetStore(tmp_path / "n", datasets(), host="node-0")
+    store.append("intervals", [{"daemon_id": "d0", "t_start_utc": T0_NS + (100 + i) * 10**9,
+                                "t_end_utc": T0_NS + (101 + i) * 10**9, "duration_s": d, "kind": "decode",
+                                "gpu_energy_j": e} for i, (e, d) in enumerate(((1e15, 1.0), (50.0, 0.0),
+                                                                               (MAX_HOST_GPU_POWER_W * 2.0, 1.0)))])
+    assert store.flush()
+    [r] = fleet_summary([str(tmp_path / "n")]).to_pylist()
+    assert r["gpu_energy_j"] == pytest.approx(truth["gpu_j"]) and r["invalid_intervals"] == 3
+    res = CliRunner().invoke(main, ["analyze", str(tmp_path / "n")])
+    said = " ".join(res.stderr.split())
+    assert res.exit_code == 0 and "3 intervals" in said and f"{MAX_HOST_GPU_POWER_W / 1000:g} kW" in said, res.output
+    assert "277777" not in res.stdout, res.stdout
+
+
 def test_a_dataset_without_rows_says_so(tmp_path):
     # A daemon folder with empty requests/ and intervals/ (a daemon that never flushed) printed
     # "all 0 hosts ... nan" and exited 0.

@@ -24,7 +24,7 @@ POOR_FIT_R2 = 0.9
 
 @dataclass(frozen=True)
 class Finding:
-    kind: str  # edge | between-levels | no-clear-saving | cap-not-engaged | energy-resolution | wide-ci | one-window | few-prompts | unstable-choice | thermal | failed | fit | unstored | untrusted-timing | impossible-figures | interrupted | forced-pool | reference | busy-host | foreign-traffic | instant-power
+    kind: str  # edge | between-levels | no-clear-saving | cap-not-engaged | energy-resolution | wide-ci | one-window | few-prompts | unstable-choice | thermal | failed | fit | unstored | untrusted-timing | impossible-figures | implausible-samples | interrupted | forced-pool | reference | busy-host | foreign-traffic | instant-power
     message: str
     levels: tuple[float, ...] = ()
 
@@ -336,16 +336,15 @@ def timing_findings(windows) -> list[Finding]:
 
 
 def impossible_findings(windows) -> list[Finding]:
-    """Windows left out of every figure because a figure in them cannot be (stats.impossible_windows)."""
-    from .stats import _col, _concurrency, impossible_windows, window_masks
+    """Windows left out of every figure because a figure in them cannot be or contradicts its parts
+    (stats.impossible_reasons), counted among the windows that would otherwise be measured, per reason and level."""
+    from .stats import _col, eligible_windows, impossible_reasons
 
-    measured, _, _ = window_masks(windows)
-    warm = _col(windows, "warmup", bool)
-    status = _col(windows, "status", object)
-    kind = _col(windows, "window_kind", object)
-    conc = _concurrency(windows)
-    bad = impossible_windows(windows) & ~warm & np.array([st in (None, "ok") for st in status], dtype=bool) & np.array(
-        [k == ("batch" if c > 1 else "request") for k, c in zip(kind, conc)], dtype=bool)
+    eligible = eligible_windows(windows)
+    reasons = {why: rows & eligible for why, rows in impossible_reasons(windows).items()}
+    bad = np.zeros(windows.num_rows, bool)
+    for rows in reasons.values():
+        bad |= rows
     if not bad.any():
         return []
     kinds = _col(windows, "level_kind", object)
@@ -354,10 +353,43 @@ def impossible_findings(windows) -> list[Finding]:
     for k, v in zip(kinds[bad], values[bad]):
         per[(k, v)] = per.get((k, v), 0) + 1
     where = ", ".join(f"{_fmt(v, _unit(k))}: {n}" for (k, v), n in sorted(per.items(), key=lambda x: (str(x[0][0]), x[0][1])))
+    why = "; ".join(f"{why} ({int(rows.sum())})" for why, rows in reasons.items() if rows.any())
     return [Finding("impossible-figures", (
-        f"{int(bad.sum())} of {int(bad.sum() + measured.sum())} windows left out of every figure: a speed that is not "
-        f"positive, or a negative or infinite energy, J/token or token count ({where}). No measurement writes these: "
-        "windows.parquet was changed or damaged; measure those levels again."), tuple(sorted({float(v) for v in values[bad]})))]
+        f"{int(bad.sum())} of {int(eligible.sum())} windows left out of every figure ({where}): {why}. No measurement "
+        "writes these: windows.parquet was changed or damaged; measure those levels again."),
+        tuple(sorted({float(v) for v in values[bad]})))]
+
+
+def sample_findings(implausible: dict) -> list[Finding]:
+    """Sensor readings left out of the per-level sensor figures as implausible (engine.PLAUSIBLE_POWER_FACTOR), one
+    finding per samples file: how many of how many, at which levels, the bound, and the fix.
+    implausible: {samples path: {"max_limit_w", "levels": {(level_kind, level_value): engine.LevelSums}}}."""
+    from .engine import PLAUSIBLE_POWER_FACTOR  # noqa: PLC0415
+
+    out = []
+    for path, d in implausible.items():
+        sums = d["levels"]
+        parts = []
+        for what, bad_of, n_of, rule in (
+                ("GPU power", lambda s: s.power_bad_n, lambda s: s.power_n + s.power_bad_n,
+                 "zero, negative, not a number or over " + (
+                     f"{PLAUSIBLE_POWER_FACTOR * d['max_limit_w']:g} W ({PLAUSIBLE_POWER_FACTOR:g}× the card's highest "
+                     f"limit, {d['max_limit_w']:g} W)" if d.get("max_limit_w") else
+                     f"{PLAUSIBLE_POWER_FACTOR:g}× the sample's own power limit") + ", which no board draws"),
+                ("SM clock", lambda s: s.clock_bad_n, lambda s: s.clock_n + s.clock_bad_n, "negative or not a number")):
+            bad = sum(bad_of(s) for s in sums.values())
+            if not bad:
+                continue
+            where = ", ".join(f"{_fmt(v, _unit(k))}: {bad_of(s)}" for (k, v), s in
+                              sorted(sums.items(), key=lambda x: (str(x[0][0]), x[0][1])) if bad_of(s))
+            parts.append(f"{bad} of {sum(n_of(s) for s in sums.values())} {what} readings ({where}): {rule}")
+        levels = tuple(sorted({float(v) for (_, v), s in sums.items() if s.power_bad_n or s.clock_bad_n}))
+        out.append(Finding("implausible-samples", (
+            f"{path}: {'; '.join(parts)}. They are left out of the levels' sensor figures (sample power, clocks, the "
+            "cap-not-engaged rule); the windows' J/token and tok/s do not use them. A sensor glitch or an edited file: "
+            "fix: check the GPU's readings (nvidia-smi -q -d POWER,CLOCK) and measure those levels again if many are "
+            "left out."), levels))
+    return out
 
 
 def fit_findings(fits: dict[str, ModelFit]) -> list[Finding]:

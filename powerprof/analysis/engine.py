@@ -30,8 +30,29 @@ THREADS = min(4, os.cpu_count() or 1)  # more threads each hold buffers: 4 keeps
 _SAMPLE_COLUMNS = {
     "time_utc": "TIMESTAMPTZ", "t_mono_s": "DOUBLE", "source": "VARCHAR", "device": "VARCHAR",
     "power_w": "DOUBLE", "power_avg_w": "DOUBLE", "sm_clock_mhz": "DOUBLE", "mem_clock_mhz": "DOUBLE",
-    "clock_event_reasons": "BIGINT", "enforced_limit_w": "DOUBLE", "level_kind": "VARCHAR", "level_value": "DOUBLE",
+    "clock_event_reasons": "BIGINT", "power_limit_w": "DOUBLE", "enforced_limit_w": "DOUBLE", "level_kind": "VARCHAR",
+    "level_value": "DOUBLE",
 }
+
+# A GPU's board power is held to its enforced limit by its firmware, and no limit exceeds the card's highest; the
+# transients above it last milliseconds and NVML's readings average them. A reading over twice the highest limit
+# (the run's max_limit_w, else the sample's own limit columns) is no draw a board sustains but a glitch or an edited
+# file, as is a power that is zero (a powered GPU draws its idle watts), negative or not a number. An SM or memory
+# clock that is negative or not a number likewise. Such a reading is left out of every sensor figure and counted.
+PLAUSIBLE_POWER_FACTOR = 2.0
+
+
+def plausible_power_sql(power: str, max_power_w: float | None) -> str:
+    """SQL: `power` where it is plausible (PLAUSIBLE_POWER_FACTOR), else NULL."""
+    limit = (f"{float(max_power_w)!r}" if max_power_w is not None and np.isfinite(max_power_w) and max_power_w > 0
+             else "greatest(power_limit_w, enforced_limit_w)")
+    return (f"CASE WHEN isfinite({power}) AND {power} > 0 AND ({limit} IS NULL OR NOT isfinite({limit}) OR {limit} <= 0 "
+            f"OR {power} <= {PLAUSIBLE_POWER_FACTOR!r} * {limit}) THEN {power} END")
+
+
+def plausible_clock_sql(clock: str) -> str:
+    """SQL: `clock` where it is a clock (finite, not negative), else NULL."""
+    return f"CASE WHEN isfinite({clock}) AND {clock} >= 0 THEN {clock} END"
 
 
 @contextmanager
@@ -95,13 +116,15 @@ class LevelSums:
     reasons_n: int = 0  # samples that reported reasons; 0: the GPU cannot tell, the rule falls back on power
     enforced_sum: float = 0.0
     enforced_n: int = 0
+    power_bad_n: int = 0  # readings left out as implausible (PLAUSIBLE_POWER_FACTOR): power, SM clock
+    clock_bad_n: int = 0
     # The same sums per GPU (the samples' device label: gpu0, gpu1, ...): whether a cap bound is each GPU's own
     # question, which the pooled sums cannot answer (one GPU at its cap and one far under it average to neither).
     devices: dict = field(default_factory=dict)
 
     def add(self, o: "LevelSums") -> None:
         for f in ("n", "power_sum", "power_n", "clock_sum", "clock_n", "mem_sum", "mem_n", "reasons_n",
-                  "enforced_sum", "enforced_n"):
+                  "enforced_sum", "enforced_n", "power_bad_n", "clock_bad_n"):
             setattr(self, f, getattr(self, f) + getattr(o, f))
         self.reasons |= o.reasons
         for d, s in o.devices.items():
@@ -134,26 +157,32 @@ def _bucketed(starts, ends) -> tuple[pa.Table, float]:
     return pa.table({"b": b, "t_start": s[idx], "t_end": e[idx]}), width
 
 
-_LEVEL_SUMS = ("count(*)", "sum(p)", "count(p)", "sum(sm_clock_mhz)", "count(sm_clock_mhz)", "sum(mem_clock_mhz)",
-               "count(mem_clock_mhz)", "bit_or(clock_event_reasons)", "count(clock_event_reasons)",
-               "sum(enforced_limit_w)", "count(enforced_limit_w)")
+_LEVEL_SUMS = ("count(*)", "sum(p)", "count(p)", "sum(f)", "count(f)", "sum(m)",
+               "count(m)", "bit_or(clock_event_reasons)", "count(clock_event_reasons)",
+               "sum(enforced_limit_w)", "count(enforced_limit_w)", "count(p_read) - count(p)",
+               "count(sm_clock_mhz) - count(f)")
 
 
 def _level_sums_row(r) -> LevelSums:
     return LevelSums(int(r[0]), r[1] or 0.0, int(r[2]), r[3] or 0.0, int(r[4]), r[5] or 0.0, int(r[6]),
-                     int(r[7] or 0), int(r[8]), r[9] or 0.0, int(r[10]))
+                     int(r[7] or 0), int(r[8]), r[9] or 0.0, int(r[10]), int(r[11]), int(r[12]))
 
 
 def scan(con, relation: str, intervals: tuple[np.ndarray, np.ndarray] | None = None,
-         time_expr: str = "epoch_us(time_utc)", bins: int | None = None) -> tuple[dict[tuple, LevelSums], dict | None]:
+         time_expr: str = "epoch_us(time_utc)", bins: int | None = None,
+         max_power_w: float | None = None) -> tuple[dict[tuple, LevelSums], dict | None]:
     """Per-level sums of the nvml samples of `relation` and, when `bins` is given, their binned
     timeline (see timeline_bins). Returns ({(level_kind, level_value): LevelSums}, timeline or None).
 
     The level sums take the samples tagged with a level whose time (`time_expr`, same unit as
     `intervals`) falls inside one of the sorted, disjoint [start, end] intervals, every tagged
     sample when `intervals` is None. The timeline takes every nvml sample. Two grouped scans: one
-    query with both as grouping sets computes every aggregate for both and is slower."""
-    body = (f"SELECT {time_expr} AS t, *, coalesce(power_w, power_avg_w) AS p FROM {relation} "
+    query with both as grouping sets computes every aggregate for both and is slower.
+    max_power_w: the card's highest limit (run.json max_limit_w) for the plausibility bound; None: each sample's own
+    limit columns. Implausible readings are left out of the figures and counted (power_bad_n, clock_bad_n)."""
+    read = "coalesce(power_w, power_avg_w)"
+    body = (f"SELECT {time_expr} AS t, *, {read} AS p_read, {plausible_power_sql(read, max_power_w)} AS p, "
+            f"{plausible_clock_sql('sm_clock_mhz')} AS f, {plausible_clock_sql('mem_clock_mhz')} AS m FROM {relation} "
             "WHERE source = 'nvml' AND device IS NOT NULL AND level_value IS NOT NULL AND NOT isnan(level_value)")
     if intervals is not None:
         buckets, width = _bucketed(*intervals)
@@ -169,7 +198,7 @@ def scan(con, relation: str, intervals: tuple[np.ndarray, np.ndarray] | None = N
         one = _level_sums_row(r[3:])
         level = sums.setdefault((r[0], float(r[1])), LevelSums())
         level.add(dataclasses.replace(one, devices={r[2]: dataclasses.replace(one)}))
-    return sums, (None if bins is None else timeline_bins(con, relation, bins))
+    return sums, (None if bins is None else timeline_bins(con, relation, bins, max_power_w))
 
 
 def level_sums(con, relation: str, intervals: tuple[np.ndarray, np.ndarray] | None = None,
@@ -231,11 +260,14 @@ def level_figures(sums: dict[tuple, LevelSums]) -> dict[tuple, dict]:
             "thermal_throttle": thermal(reasons),
             "power_cap_seen": bool((reasons or 0) & REASON_SW_POWER_CAP),
             "n_samples": a.n,
+            # Readings left out of these figures as implausible (PLAUSIBLE_POWER_FACTOR): checks.sample_findings says them.
+            "implausible_power_samples": a.power_bad_n,
+            "implausible_clock_samples": a.clock_bad_n,
         }
     return out
 
 
-def timeline_bins(con, relation: str, bins: int) -> dict | None:
+def timeline_bins(con, relation: str, bins: int, max_power_w: float | None = None) -> dict | None:
     """Power and SM clock averaged per (device, time bin) over the nvml samples, and the level each
     bin ends in. None without timed samples. Returns {t_min, width, bins, devices, power_w,
     sm_clock_mhz (devices x bins, NaN where empty), level_value (bins,)}."""
@@ -248,8 +280,8 @@ def timeline_bins(con, relation: str, bins: int) -> dict | None:
     binexpr = f"least(greatest(CAST(floor((t_mono_s - {t_min!r}) / {width!r}) AS BIGINT), 0), {bins - 1})"
     cells = con.execute(f"""
         SELECT coalesce(device, 'gpu') AS d, {binexpr} AS b,
-               avg(CASE WHEN isfinite(coalesce(power_w, power_avg_w)) THEN coalesce(power_w, power_avg_w) END),
-               avg(CASE WHEN isfinite(sm_clock_mhz) THEN sm_clock_mhz END),
+               avg({plausible_power_sql("coalesce(power_w, power_avg_w)", max_power_w)}),
+               avg({plausible_clock_sql("sm_clock_mhz")}),
                max(t_mono_s) FILTER (WHERE level_value IS NOT NULL),
                arg_max(level_value, t_mono_s) FILTER (WHERE level_value IS NOT NULL)
         FROM {relation} WHERE source = 'nvml' AND t_mono_s IS NOT NULL

@@ -175,6 +175,18 @@ def _host_clashes(con, table: str, files: list[str]) -> tuple[int, list[list[str
     return len(got), [list(h) for h in sets]
 
 
+# The most a host's GPUs can draw together: 16 boards at the highest power limit any accepts (1.2 kW), with a margin of
+# half again for the transients NVML's readings average. A daemon dataset does not record its GPUs' count or limits,
+# so this is the bound an interval's energy is held to: more than this over its duration (1e15 J over 1 s, a counter
+# read across a driver reload or an edited file) is no draw, and summed it printed 277777777 kWh for the host.
+MAX_HOST_GPU_POWER_W = 30_000.0
+
+
+def _drawable(energy: str, duration: str) -> str:
+    """SQL: an interval's energy is one its host's GPUs could draw over its duration (MAX_HOST_GPU_POWER_W)."""
+    return (f"({energy} IS NULL OR {duration} IS NULL OR {energy} <= {MAX_HOST_GPU_POWER_W!r} * {duration})")
+
+
 def _sane(*cols: str) -> str:
     """SQL: every column is missing (null: no share, not scraped) or a finite, non-negative amount."""
     return " AND ".join(f"({c} IS NULL OR (isfinite({c}) AND {c} >= 0))" for c in cols)
@@ -272,7 +284,7 @@ ORDER BY host
     "{i_low}", f"(NOT {_count_trusted_sql()} AND NOT {_count_unknown_sql()})").replace(
     "{i_unknown}", _count_unknown_sql()).replace("{i_unmeasured}", _count_unmeasured_sql()).replace(
     "{r_ok}", _sane("gpu_energy_j", "attributed_tokens", "CAST(generated_tokens AS DOUBLE)")).replace(
-    "{i_ok}", _sane("gpu_energy_j", "duration_s"))
+    "{i_ok}", _sane("gpu_energy_j", "duration_s") + " AND " + _drawable("gpu_energy_j", "duration_s"))
 
 
 def fleet_summary(sources) -> pa.Table:
@@ -481,8 +493,10 @@ def notes(t: pa.Table) -> list[str]:
                                                        f"{r['duplicate_intervals']} intervals" for r in dup))
     bad = [r for r in t.to_pylist() if r["invalid_requests"] or r["invalid_intervals"]]
     if bad:
-        out.append("rows whose energy or tokens are NaN, infinite or negative were left out of the sums "
-                   "(no energy or token count can be): " + "; ".join(
+        out.append("rows whose energy or tokens are NaN, infinite or negative, and intervals whose GPU energy is more "
+                   f"than {MAX_HOST_GPU_POWER_W / 1000:g} kW over their duration (no host's GPUs draw it: "
+                   "MAX_HOST_GPU_POWER_W), were left out of the sums (no energy or token count can be; a counter read "
+                   "across a driver reload or an edited file): " + "; ".join(
                        f"{r['host']}: {r['invalid_requests']} requests, {r['invalid_intervals']} intervals" for r in bad))
     unsure = [r for r in t.to_pylist() if r.get("uncertain_requests")]
     if unsure:

@@ -291,6 +291,13 @@ def read_windows(runs: list[RunInfo], twice: dict | None = None) -> pa.Table:
             t = pq.read_table(r.path / "windows.parquet")
         except (pa.ArrowInvalid, OSError) as e:
             raise AnalysisError(f"{r.path / 'windows.parquet'}: cannot be read as Parquet ({e})") from None
+        # Which windows count rests on these two: read as missing, every window was warm-up (or failed), and the
+        # error blamed that instead of the file.
+        lacking = [c for c in ("warmup", "status") if c not in t.column_names]
+        if lacking and t.num_rows:
+            raise AnalysisError(f"{r.path / 'windows.parquet'}: no {' and no '.join(lacking)} column, so which windows "
+                                "are warm-up or failed cannot be told; powerprof writes both in every window row (another "
+                                "tool's file or an edited one): restore the columns, or the file from the run, and rerun")
         if "run_id" not in t.column_names or t.column("run_id").null_count == t.num_rows:
             t = _set_column(t, "run_id", pa.array([r.run_id] * t.num_rows, pa.string()))
         _refuse_unlevelled(r.path / "windows.parquet", t)
@@ -416,7 +423,8 @@ def scan_samples(run: RunInfo, windows: pa.Table | None = None, bins: int = TIME
     try:
         rel = engine.samples_relation(con, path)
         # Without measured windows (a run stopped early) every tagged sample counts, as before.
-        sums, tb = engine.scan(con, rel, (starts, ends) if starts.size else None, bins=bins)
+        sums, tb = engine.scan(con, rel, (starts, ends) if starts.size else None, bins=bins,
+                               max_power_w=run.max_limit_w)
     except duckdb.Error as e:  # a footer that opens over damaged pages
         if (stop := termination.exit_inside(e)) is not None:
             raise stop from None
@@ -435,9 +443,11 @@ def scan_samples(run: RunInfo, windows: pa.Table | None = None, bins: int = TIME
     return sums, tl
 
 
-def sample_level_figures(runs: list[RunInfo], windows: pa.Table | None) -> tuple[dict, list[Timeline]]:
+def sample_level_figures(runs: list[RunInfo], windows: pa.Table | None,
+                         implausible: dict | None = None) -> tuple[dict, list[Timeline]]:
     """Per-level sensor figures pooled over the runs' samples (sums added, then divided once),
-    and one timeline per run that has samples."""
+    and one timeline per run that has samples. implausible (when given) receives, per samples file with readings
+    left out as implausible (engine.PLAUSIBLE_POWER_FACTOR), {"max_limit_w", "levels": {(kind, value): LevelSums}}."""
     pooled: dict[tuple, engine.LevelSums] = {}
     timelines = []
     with engine.connect() as con:
@@ -447,6 +457,8 @@ def sample_level_figures(runs: list[RunInfo], windows: pa.Table | None) -> tuple
                 timelines.append(tl)
             for key, s in sums.items():
                 pooled.setdefault(key, engine.LevelSums()).add(s)
+            if implausible is not None and any(s.power_bad_n or s.clock_bad_n for s in sums.values()):
+                implausible[r.path / "samples.parquet"] = {"max_limit_w": r.max_limit_w, "levels": sums}
     return engine.level_figures(pooled), timelines
 
 

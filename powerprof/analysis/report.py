@@ -22,7 +22,7 @@ from powerprof.trust import out_dir_refusal
 
 from .analyze import (AnalysisResult, SeriesResult, analyze, interrupted_cells, interrupted_findings,
                       interrupted_series_levels, server_notes)
-from .checks import Finding, saving_within_noise
+from .checks import Finding, sample_findings, saving_within_noise
 from .knobs import analyze_knobs, is_grid, left_out_text, summary_lines
 from .loading import (AnalysisError, check_compatible, read_run_info, read_windows, run_key, sample_level_figures,
                       sweep_level_figures)
@@ -93,7 +93,8 @@ def analyze_run(
         # A configuration sweep: the power analysis is that of the J/token-optimal configuration only.
         windows = windows.filter(_matches(windows, where))
     figures = sweep_level_figures(runs, where)
-    scanned, timelines = sample_level_figures(runs, windows)
+    implausible: dict = {}
+    scanned, timelines = sample_level_figures(runs, windows, implausible)
     for key, d in scanned.items():
         merged = figures.setdefault(key, {})
         for c, v in d.items():
@@ -123,7 +124,7 @@ def analyze_run(
         Finding("duplicate-windows", f"{p}: {n} window rows are stored twice (the same run, level, request and "
                                      "times): each window is counted once. A file concatenated with a copy of itself, "
                                      "or written twice, holds them; the figures are those of the distinct windows.")
-        for p, n in twice.items()]
+        for p, n in twice.items()] + sample_findings(implausible)
     result.notes, result.server_restarts = server_notes(runs)
     try:
         write_outputs(result, out, formats, plots)

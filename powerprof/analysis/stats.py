@@ -123,6 +123,12 @@ def window_masks(windows: pa.Table) -> tuple[np.ndarray, np.ndarray, np.ndarray]
     `trace` rows only (one per level: the whole replay).
     counted_request / failed_request: request rows (not warm-up) that succeeded / failed, for
     n_requests and n_failed."""
+    eligible, counted, failed = _masks(windows)
+    return eligible & ~impossible_windows(windows), counted, failed
+
+
+def _masks(windows: pa.Table) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """window_masks before the impossible figures are left out."""
     n = windows.num_rows
     warm = _col(windows, "warmup", bool)
     status = _col(windows, "status", object)
@@ -140,9 +146,14 @@ def window_masks(windows: pa.Table) -> tuple[np.ndarray, np.ndarray, np.ndarray]
     run = _col(windows, "run_id", object)
     traced = set(run[is_trace])
     in_trace_run = np.array([r in traced for r in run], dtype=bool) if n else np.zeros(0, bool)
-    measured = (~warm & ok & trusted & ~impossible_windows(windows)
-                & np.where(in_trace_run, is_trace, np.where(conc > 1, is_batch, is_req)))
-    return measured, ~warm & ok & is_req, ~warm & ~ok & is_req
+    eligible = ~warm & ok & trusted & np.where(in_trace_run, is_trace, np.where(conc > 1, is_batch, is_req))
+    return eligible, ~warm & ok & is_req, ~warm & ~ok & is_req
+
+
+def eligible_windows(windows: pa.Table) -> np.ndarray:
+    """The rows window_masks' `measured` takes if their figures can be (impossible_windows leaves the rest out of
+    every figure; checks.impossible_findings counts those among these)."""
+    return _masks(windows)[0]
 
 
 def foreign_windows(windows: pa.Table) -> np.ndarray:
@@ -152,16 +163,46 @@ def foreign_windows(windows: pa.Table) -> np.ndarray:
     return np.array([bool(x) for x in windows.column("foreign_traffic").to_pylist()], dtype=bool)
 
 
+# A figure agrees with its parts within this share (plus half a token: a batch row stores its tokens rounded to a whole
+# number while its figures use the fractional count, workload/rows.py). Stored floats agree far closer than this.
+CONSISTENT_REL = 0.01
+
+
+def impossible_reasons(windows: pa.Table) -> dict[str, np.ndarray]:
+    """{why: rows} of figures that cannot be, or that contradict the quantities they are made of. No measurement
+    writes them (a file edited or damaged does), and each moved a level's figure unsaid:
+    - a speed that is not positive or is infinite, a negative or infinite energy, J/token or token count (counted in
+      a median, seven negative windows of twelve made a level's J/token negative and "chosen");
+    - gpu_j_per_token that is not gpu_energy_j ÷ decode_tokens (0 tokens, 0 J or 1e12 J beside a normal J/token was
+      taken at its word);
+    - decode_tok_s that is not decode_tokens ÷ decode_s, or is missing where both are stored (a NaN speed dropped the
+      window from its level's tok/s alone: 81.1 → 81.6 tok/s at 220 W). A trace row's speed is its median request's,
+      not its tokens over the replay: not compared.
+    A missing value (null, NaN) is otherwise not impossible: the figures skip it, or compute it from its parts."""
+    tok, n, e, j, d = (_col(windows, c) for c in ("decode_tok_s", "decode_tokens", "gpu_energy_j", "gpu_j_per_token",
+                                                  "decode_s"))
+    trace = np.array([k == "trace" for k in _col(windows, "window_kind", object)], dtype=bool)
+    out = {"a speed that is not positive": np.isinf(tok) | (tok <= 0)}
+    neg = np.zeros(windows.num_rows, bool)
+    for v in (j, e, n):
+        neg |= np.isinf(v) | (v < 0)
+    out["a negative or infinite energy, J/token or token count"] = neg
+    with np.errstate(invalid="ignore", over="ignore"):
+        out["gpu_j_per_token that is not gpu_energy_j ÷ decode_tokens"] = (
+            np.isfinite(j) & np.isfinite(e) & np.isfinite(n) & ~neg
+            & (np.abs(j * n - e) > CONSISTENT_REL * np.abs(e) + 0.5 * np.abs(j)))
+        parts = np.isfinite(n) & np.isfinite(d) & ~trace
+        out["decode_tok_s that is not decode_tokens ÷ decode_s"] = (
+            parts & np.isfinite(tok) & (tok > 0) & ~neg & (np.abs(tok * d - n) > CONSISTENT_REL * np.abs(n) + 0.5))
+        out["decode_tok_s missing where decode_tokens and decode_s are stored"] = parts & np.isnan(tok) & (n > 0) & (d > 0)
+    return out
+
+
 def impossible_windows(windows: pa.Table) -> np.ndarray:
-    """Rows whose figures cannot be: a speed that is not positive or is infinite, a negative or infinite
-    energy, J/token or token count. No measurement writes them (a file edited or damaged does); counted
-    in a median, seven negative windows of twelve made a level's J/token negative and "chosen".
-    A missing value (null, NaN) is not impossible: the figures already skip it."""
-    tok = _col(windows, "decode_tok_s")
-    bad = np.isinf(tok) | (tok <= 0)
-    for c in ("gpu_j_per_token", "gpu_energy_j", "decode_tokens"):
-        v = _col(windows, c)
-        bad |= np.isinf(v) | (v < 0)
+    """Rows whose figures cannot be or contradict their parts (impossible_reasons): in no figure."""
+    bad = np.zeros(windows.num_rows, bool)
+    for rows in impossible_reasons(windows).values():
+        bad |= rows
     return bad
 
 
@@ -240,16 +281,21 @@ class LevelSeries:
 INSTANT_POWER_FLAG = "instant-power"  # J/token integrated from instant power over windows under POWER_EDGE_BIAS_WINDOW_S
 
 
+def _ratio(a: np.ndarray, b: np.ndarray) -> np.ndarray:
+    """a ÷ b where b is positive, NaN elsewhere (0 tokens or 0 s is no figure, and no RuntimeWarning on stderr)."""
+    out = np.full(a.shape, np.nan)
+    np.divide(a, b, out=out, where=np.isfinite(b) & (b > 0))
+    return out
+
+
 def _j_per_token(t: pa.Table) -> np.ndarray:
     j = _col(t, "gpu_j_per_token")
-    fallback = _col(t, "gpu_energy_j") / _col(t, "decode_tokens")
-    return np.where(np.isfinite(j), j, fallback)
+    return np.where(np.isfinite(j), j, _ratio(_col(t, "gpu_energy_j"), _col(t, "decode_tokens")))
 
 
 def _power_w(t: pa.Table) -> np.ndarray:
     p = _col(t, "avg_gpu_power_w")
-    fallback = _col(t, "gpu_energy_j") / _col(t, "decode_s")
-    return np.where(np.isfinite(p), p, fallback)
+    return np.where(np.isfinite(p), p, _ratio(_col(t, "gpu_energy_j"), _col(t, "decode_s")))
 
 
 def _median(v: np.ndarray) -> float:
