@@ -2001,11 +2001,13 @@ class Ledger:
     def _unpark_intervals(self, now_ns: int | None) -> list[dict]:
         """The parked interval rows, in order, up to the first whose requests that may say its unsaid hits have not
         all ended (held at most prompt_hold_s past its close; `now_ns` None: shutdown, every one). Each says
-        CACHE_UNSAID_FLAG where its hits are unsaid still (those of a request still live then included: never silent)."""
+        CACHE_UNSAID_FLAG where its hits are unsaid still (those of a request still live then included: never
+        silent)."""
         out = []
         while self._iv_parked:
             row, t0, t1, wait, closed = self._iv_parked[0]
-            if wait and now_ns is not None and now_ns - closed < self.prompt_hold_ns and self._cache_still_waiting(wait):
+            if (wait and now_ns is not None and now_ns - closed < self.prompt_hold_ns
+                    and self._cache_still_waiting(wait)):
                 break
             self._iv_parked.popleft()
             if wait:
