@@ -205,3 +205,91 @@ def test_a_requests_known_hits_are_counted_once_not_in_every_window_its_span_tou
     assert UNSAID in (alone[2]["energy_note"] or "")
     beside = _straddle_run(with_a=True)
     assert UNSAID in (beside[2]["energy_note"] or "") and "800" in beside[2]["energy_note"]
+
+
+def _pending_run(details: bool, continuous: bool = False):
+    """vLLM streams, the server's counter scraped every 2 s. C (0.1 → 1.45 s, 50 prompt tokens) and A (0.2 → 0.85 s,
+    100) hit nothing; B arrives at 1.2 s, reuses 900 cached tokens of its 1000 (counted in the first scrape window,
+    0 → 2 s, beside A's and C's prefills) and streams to 5.05 s, where its final usage says them (details) or not.
+    continuous: every stream says its prompt's length on its first token (continuous usage), its cached count only at
+    its end (as vLLM's running usage does)."""
+    sink = _Sink()
+    led = Ledger("d", 0, 1, sink, grace_s=0.1)
+    led.scraping = True
+    # id: (arrival, first token, end, prompt, cached)
+    plan = {1: (0.2, 0.4, 0.85, 100, 0), 2: (1.2, 1.5, 5.05, 1000, 900), 3: (0.1, 0.3, 1.45, 50, 0)}
+    reqs = {rid: _vllm(rid, p[0]) for rid, p in plan.items()}
+    started, e, window_tokens = set(), 0.0, 0.0
+    _feed(led, 0.0, 0.0)
+    led.add_server_tokens(0, 0.0)  # the scraper's baseline read
+    for tick in range(1, 91):
+        now = tick / 10
+        for rid, (arr, first, end, prompt, cached) in plan.items():
+            q = reqs[rid]
+            if rid not in started and arr <= now:
+                led.on_start(q)
+                started.add(rid)
+            if first <= now < end:
+                t = int(now * S)
+                if q.first_ns is None and continuous:
+                    q.extra["prompt_tokens"] = prompt
+                q.first_ns = q.first_ns or t
+                q.last_ns = t
+                q.tokens_seen += 1
+                led.on_tokens(q, t, 1)
+                window_tokens += 1
+            if q.end_ns is None and end <= now:
+                q.end_ns = int(end * S)
+                q.counts = Counts(generated_tokens=q.tokens_seen, prompt_tokens=prompt, model=None, stop_reason=None,
+                                  token_source="usage", cached_tokens=cached if details else None)
+                led.on_end(q)
+        if tick % 10 == 0:
+            e += 100.0
+            _feed(led, now, e)
+        if tick % 20 == 0:
+            since, t = int((now - 2) * S), int(now * S)
+            led.add_cache_hits(since, t, 900.0 if tick == 20 else 0.0)
+            led.add_server_tokens(t, window_tokens, since)
+            window_tokens = 0.0
+        led.advance(int((now + 0.05) * S))
+    led.close_all(int(9.5 * S))
+    return sink.rows["intervals"], {r["request_id"]: r for r in sink.rows["requests"]}, led
+
+
+def _unsaid_flagged(ivs, rq):
+    return ({rid for rid, r in rq.items() if UNSAID in (r["energy_note"] or "")},
+            [round(iv["t_start_mono_s"]) for iv in ivs if UNSAID in (iv["energy_note"] or "")])
+
+
+def test_a_count_said_at_a_streams_end_after_a_scrape_flags_nothing():
+    # vLLM with --enable-prompt-tokens-details, streams without continuous usage: every answer says its cached count.
+    # At the 2 s scrape B, still streaming, had its 900 hits counted and said nothing yet (it says them at 5.05 s, in
+    # its final usage). Before: A and C (given energy of the interval with their prefill beside those hits) and that
+    # interval (0-1 s, closed before B's end) said prefix-cache-unsaid, its fix already followed; the counter said 2.
+    ivs, rq, led = _pending_run(details=True)
+    assert set(rq) == {1, 2, 3} and rq[2]["cached_prompt_tokens"] == 900
+    assert _unsaid_flagged(ivs, rq) == (set(), [])
+    assert led.totals.cache_unsaid_requests == 0
+    # Every interval's row still comes, once, in order.
+    starts = [iv["t_start_mono_s"] for iv in ivs]
+    assert starts == sorted(starts) and len(starts) == len(set(starts)) >= 8
+
+
+def test_a_server_that_never_says_its_counts_is_still_flagged_when_the_stream_ends():
+    # The same without the details flag: B's end says no count, so its 900 hits stay unsaid: B (its prompt costed
+    # whole), A and C beside it, and the intervals with prefill in that scrape window say so, as before.
+    ivs, rq, led = _pending_run(details=False)
+    rows, flagged_ivs = _unsaid_flagged(ivs, rq)
+    assert rows == {1, 2, 3} and "900" in rq[2]["energy_note"] and "fix:" in rq[1]["energy_note"]
+    assert flagged_ivs == [0, 1]
+    assert led.totals.cache_unsaid_requests == 3
+
+
+def test_a_count_said_late_marks_the_late_case_not_the_unsaid_one():
+    # Continuous usage: B's prompt was said early, its count at its end, after the intervals over its prefill closed.
+    # Those requests say prefix-cache-late (its fix); before, all three and both intervals over the window said
+    # prefix-cache-unsaid too, whose fix (the details flag) was already followed, and the counter counted 3.
+    ivs, rq, led = _pending_run(details=True, continuous=True)
+    assert LATE in (rq[2]["energy_note"] or "")
+    assert _unsaid_flagged(ivs, rq) == (set(), [])
+    assert led.totals.cache_unsaid_requests == 0

@@ -91,6 +91,9 @@ MISPLACED, PROXY_LAG = SERVER_COUNT_MISPLACED, SERVER_COUNT_PROXY_LAG
 # requests that end after them; a request or an interval is flagged from this many unsaid tokens on.
 CACHE_KEEP_S = 300.0
 CACHE_UNSAID_MIN = 1.0
+# Intervals a request keeps to judge once the requests whose end may say their hits have ended (`_Req.cache_unsure`);
+# beyond, judged at their close as before (a stream live for hours over 1 s intervals).
+CACHE_UNSURE_MAX = 256
 FINISH_HOLD_S = 30.0  # an at-finish server's requests' durations of this long ago set how long intervals are held
 # What a row whose stream reached the proxy in one burst says to do about it (`_spread_burst`).
 BURST_FIX = ("fix: point proxy.upstream at the server itself, or turn off the buffering of what stands between them "
@@ -195,6 +198,11 @@ class _Req:
     late_wait_j: float = 0.0
     cache_beside_late: float = 0.0
     late_unresolved: bool = False
+    # [t0, t1, its GPU joules there] of intervals with prefill over hits no answer had said when they closed while
+    # requests whose hit may be among them were still live (`_cache_waiting`): their end may say it. Judged as its row
+    # is made, once those (`cache_wait`) have ended (CACHE_UNSAID_FLAG only where the hits are still unsaid then).
+    cache_unsure: list = field(default_factory=list)
+    cache_wait: set = field(default_factory=set)
     prev_held: bool = False  # that piece held more tokens than its sequences
     first_held: bool = False  # its first piece held more than FIRST_BURST_TOKENS a sequence
     closed_s: float = 0.0  # seconds of its run in intervals closed before its tokens came (not its energy)
@@ -316,6 +324,9 @@ class Ledger:
         # to end (at most prompt_hold_s past their own end): [request, its end].
         self._late_said: dict[int, float] = {}
         self._late_parked: list[list] = []
+        # Interval rows in order, [row, t0, t1, requests whose end may say its unsaid hits, its close], each waiting
+        # (at most prompt_hold_s past its close) for those to end before its CACHE_UNSAID_FLAG is judged.
+        self._iv_parked: deque = deque()
         # [t0, t1, server tokens, bypass tokens or None, (requests finished, their summed seconds) or None,
         #  why its count may be low (scrape.PARTIAL_REASONS keys)] per scrape
         self.server_spans: list[list] = []
@@ -924,6 +935,32 @@ class Ledger:
         """Prefix-cache hits of the scrape windows over [t0, t1] that no request's answer said (CACHE_UNSAID_FLAG)."""
         return float(sum(max(sp[2] - sp[3], 0.0) for sp in self._cache_spans if sp[0] <= t1 and sp[1] >= t0))
 
+    def _cache_waiting(self, t0: int, t1: int) -> set:
+        """The live requests whose prefix-cache hit may be among the unsaid hits of the scrape windows over [t0, t1]:
+        their hit span meets one and their end has not come (`_cache_met` counts what it says). The server counts a
+        hit as it schedules a request, a stream's answer says it at its end: a window read before then holds hits not
+        yet said, and judged at once (an interval's close) they passed for unsaid, the details flag on (35 of 96
+        requests flagged, docs/daemon.md "Prefix-cache hits are no prefill")."""
+        wins = [(sp[0], sp[1]) for sp in self._cache_spans if sp[0] <= t1 and sp[1] >= t0 and sp[2] > sp[3]]
+        if not wins:
+            return set()
+        out = set()
+        for rid, r in self.requests.items():
+            tr = r.trace
+            if tr.end_ns is not None or tr.api is None:
+                continue
+            if self.server_at_finish:  # counted as it finishes: from its latest token on, its end still to come
+                h0, h1 = tr.last_ns or tr.first_ns or tr.arrival_ns, None
+            else:
+                h0, h1 = tr.arrival_ns, tr.first_ns
+            if any(h0 <= w1 and (h1 is None or h1 >= w0) for w0, w1 in wins):
+                out.add(rid)
+        return out
+
+    def _cache_still_waiting(self, ids: set) -> bool:
+        """Whether one of these requests has still not ended (its answer may yet say its cached count)."""
+        return any(q in self.requests and self.requests[q].trace.end_ns is None for q in ids)
+
     def add_server_tokens(self, t_ns: int, delta: float, since_ns: int | None = None, at_finish: bool = False,
                           finished: tuple[float, float] | None = None, partial: tuple[str, ...] = ()) -> None:
         """Tokens the server counted between the previous scrape (`since_ns`) and this one: spread
@@ -1110,6 +1147,7 @@ class Ledger:
                 r.trace.outcome = "interrupted"
             rows.append(self._request_row(r))
             del self.requests[rid]
+        self.emit("intervals", self._unpark_intervals(None))
         self.emit("requests", rows + self._unpark(None))
 
     def _energy(self, edges: list[_Edge]) -> tuple[np.ndarray, np.ndarray, list[str]]:
@@ -1259,13 +1297,20 @@ class Ledger:
                                for k in range(t.size - 1)], dtype=bool)
         cache_iv = np.array([self._cache_unsaid(int(t[k]), int(t[k + 1])) if prefilling[k] else 0.0
                              for k in range(t.size - 1)])
+        # Those whose hits a live request's end may still say (`_cache_waiting`) are judged later (`cache_unsure`, the
+        # parked interval rows); the rest now.
+        unsure = {k: w for k in np.flatnonzero(cache_iv >= CACHE_UNSAID_MIN)
+                  if (w := self._cache_waiting(int(t[k]), int(t[k + 1])))}
+        uk = sorted(unsure)
+        sure_iv = np.where(np.isin(np.arange(t.size - 1), uk), 0.0, cache_iv)
         # Intervals with prefill of a request whose prompt was said early and its cached count not yet: costed as computed
         # whole, a count its end says late leaves the requests beside it under-charged there (CACHE_LATE_FLAG).
         pending = np.array([computed[i] > 0 and _cache_pending(r) for i, r in enumerate(reqs)], dtype=bool)
         pend_iv = [np.flatnonzero(pending & (arrival < t[k + 1]) & (first > t[k])) for k in range(t.size - 1)]
         energy = np.column_stack([energy, np.where(short_iv, work_j, 0.0), np.where(low_iv, work_j, 0.0),
-                                  np.where(cache_iv >= CACHE_UNSAID_MIN, work_j, 0.0),
-                                  np.where([len(p) > 0 for p in pend_iv], work_j, 0.0)])
+                                  np.where(sure_iv >= CACHE_UNSAID_MIN, work_j, 0.0),
+                                  np.where([len(p) > 0 for p in pend_iv], work_j, 0.0)]
+                                 + [np.where(np.arange(t.size - 1) == k, work_j, 0.0) for k in uk])
         a = attr.attribute(t, energy, arrival, first, last, end, ev_t_a, ev_r_a, ev_n_a, excess,
                            prompt_tokens=computed, tok_ctx=np.array(ev_c, dtype=float), costs=costs,
                            bypass_spans=bypass_spans, passive=passive, aside_j=aside,
@@ -1305,7 +1350,15 @@ class Ledger:
             if a.request_energy[i, 8] > 0:
                 r.cache_beside_j += a.request_energy[i, 8]
                 live = (arrival[i] < t[1:]) & (end[i] > t[:-1])
-                r.cache_beside = max(r.cache_beside, float(cache_iv[live].max(initial=0.0)))
+                r.cache_beside = max(r.cache_beside, float(sure_iv[live].max(initial=0.0)))
+            for u, k in enumerate(uk):
+                if a.request_energy[i, 10 + u] > 0:
+                    if len(r.cache_unsure) < CACHE_UNSURE_MAX:
+                        r.cache_unsure.append([int(t[k]), int(t[k + 1]), float(a.request_energy[i, 10 + u])])
+                        r.cache_wait |= unsure[k] - {r.trace.request_id}
+                    else:  # bounded: judged now, as before (flagged where unsaid so far: never silent)
+                        r.cache_beside_j += a.request_energy[i, 10 + u]
+                        r.cache_beside = max(r.cache_beside, float(cache_iv[k]))
             if a.request_energy[i, 9] > 0:
                 live = (arrival[i] < t[1:]) & (end[i] > t[:-1])
                 others = {reqs[j].trace.request_id for k in np.flatnonzero(live) for j in pend_iv[k] if j != i}
@@ -1340,11 +1393,14 @@ class Ledger:
                     r.server_ahead += float(excess[live].sum())
         self._judge_host(t, a, other_pct, judged)
         self._account(t, per_gpu, gpu, cpu, a, methods, costs, host_s, other_s, judged, short_iv, low_iv, server_count)
-        self._interval_rows(edges, t, gpu, cpu, methods, a, excess, costs, other_pct, server_count, short_iv, cache_iv)
+        self._interval_rows(edges, t, gpu, cpu, methods, a, excess, costs, other_pct, server_count, short_iv, sure_iv,
+                            unsure)
         ended = [r for r, d in zip(reqs, done) if d]
         for r in ended:
             del self.requests[r.trace.request_id]
             self._settle_late(r)  # before any row: a request beside it ending in this close reads its late count
+            if _cache_unsaid_candidate(r):  # its own check, over its hit span, waits likewise
+                r.cache_wait |= self._cache_waiting(*self._hit_span(r))
         self._late_parked.extend([r, int(r.trace.end_ns)] for r in ended)
         self.emit("requests", self._unpark(t_end))
         # The rows' counts, on /metrics with the rows themselves (the totals above were taken before them).
@@ -1361,7 +1417,8 @@ class Ledger:
         for item in self._late_parked:
             r, end_ns = item
             live = [q for q in r.late_wait if q in self.requests]
-            if live and now_ns is not None and now_ns - end_ns < self.prompt_hold_ns:
+            if ((live or self._cache_still_waiting(r.cache_wait)) and now_ns is not None
+                    and now_ns - end_ns < self.prompt_hold_ns):
                 keep.append(item)
                 continue
             r.late_unresolved = bool(live)
@@ -1884,10 +1941,7 @@ class Ledger:
         if server_count is not None and bypass_count_low(server_count):
             notes.append(_count_low_note(server_count, "here", "server_tokens and unproxied_energy_j may be low and "
                                                                "bypass traffic's energy may be in requests_energy_j"))
-        if cache_unsaid >= CACHE_UNSAID_MIN:
-            # Its energy is whole; its prefill_tokens and its requests' split are not (their rows say so too).
-            notes.append("approximate: " + _cache_unsaid_note(cache_unsaid, "this interval") + "; prefill_tokens here "
-                         "may be high by them")
+        notes.append(_interval_cache_note(cache_unsaid))
         return _joined(*notes)
 
     def _unjudged_note(self) -> str:
@@ -1936,7 +1990,7 @@ class Ledger:
         return _joined(*notes)
 
     def _interval_rows(self, edges, t, gpu, cpu, methods, a: attr.Attribution, server, costs, other_pct=None,
-                       server_count=None, short_iv=None, cache_iv=None) -> None:
+                       server_count=None, short_iv=None, cache_iv=None, unsure=None) -> None:
         rows = []
         unsaid = cache_iv if cache_iv is not None else np.zeros(t.size - 1)
         for k in range(t.size - 1):
@@ -1973,9 +2027,37 @@ class Ledger:
                                                        unsaid[k]),
                 }
             )
+        unsure = unsure or {}
+        if unsure or self._iv_parked:  # in order: behind one that waits (`_unpark_intervals`)
+            self._iv_parked.extend([row, int(t[k]), int(t[k + 1]), unsure.get(k, set()), int(t[-1])]
+                                   for k, row in enumerate(rows))
+            rows = self._unpark_intervals(int(t[-1]))
         self.emit("intervals", rows)
 
+    def _unpark_intervals(self, now_ns: int | None) -> list[dict]:
+        """The parked interval rows, in order, up to the first whose requests that may say its unsaid hits have not
+        all ended (held at most prompt_hold_s past its close; `now_ns` None: shutdown, every one). Each says
+        CACHE_UNSAID_FLAG where its hits are unsaid still (those of a request still live then included: never
+        silent)."""
+        out = []
+        while self._iv_parked:
+            row, t0, t1, wait, closed = self._iv_parked[0]
+            if (wait and now_ns is not None and now_ns - closed < self.prompt_hold_ns
+                    and self._cache_still_waiting(wait)):
+                break
+            self._iv_parked.popleft()
+            if wait:
+                row["energy_note"] = _joined(row["energy_note"], _interval_cache_note(self._cache_unsaid(t0, t1)))
+            out.append(row)
+        return out
+
     def _request_row(self, r: _Req) -> dict:
+        for t0, t1, j in r.cache_unsure:  # judged now that the requests whose end may say those hits have ended
+            u = self._cache_unsaid(t0, t1)
+            if u >= CACHE_UNSAID_MIN:
+                r.cache_beside_j += j
+                r.cache_beside = max(r.cache_beside, u)
+        r.cache_unsure = []
         if _cache_unsaid_candidate(r):
             r.cache_unsaid = self._cache_unsaid(*self._hit_span(r))
         self._settle_late(r)
@@ -2373,6 +2455,14 @@ def _cache_unsaid_candidate(r: _Req) -> bool:
     c = r.trace.counts
     p = _prompt_tokens(r)
     return (c is None or c.cached_tokens is None) and ((p is not None and p > 1) or r.prompt_est is not None)
+
+
+def _interval_cache_note(unsaid: float) -> str | None:
+    """An interval row's CACHE_UNSAID_FLAG note (None below CACHE_UNSAID_MIN). Its energy is whole; its prefill_tokens
+    and its requests' split are not (their rows say so too)."""
+    if unsaid < CACHE_UNSAID_MIN:
+        return None
+    return "approximate: " + _cache_unsaid_note(unsaid, "this interval") + "; prefill_tokens here may be high by them"
 
 
 def _cache_unsaid_note(tokens: float, what: str) -> str:
