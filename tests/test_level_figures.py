@@ -49,6 +49,26 @@ def test_figures_are_means_inside_the_measured_spans_only():
     assert got["cap_not_engaged"] is False and got["thermal_throttle"] is False
 
 
+def test_an_idle_reading_inside_a_window_leaves_the_clock_figures_but_not_the_power():
+    # ci (two CPU hogs): a client starved of CPU read its last token late, a tick inside the window found the GPU idle at
+    # 345 MHz, and the 1400 MHz lock's level read sm_clock_mhz 1220 (five busy readings at 1395 and that one).
+    busy = {"level_value": 1400.0, "power_w": 300.0, "sm_clock_mhz": 1395.0, "mem_clock_mhz": 2619.0,
+            "gpu_util_pct": 100.0, "clock_event_reasons": 0}
+    t = _samples([{**busy, "t_mono_s": 1.0 + 0.2 * k} for k in range(5)] + [
+        {"t_mono_s": 2.1, "level_value": 1400.0, "power_w": 90.0, "sm_clock_mhz": 345.0, "mem_clock_mhz": 405.0,
+         "gpu_util_pct": 0.0, "clock_event_reasons": 1},  # GpuIdle
+        {"t_mono_s": 2.15, "level_value": 1400.0, "power_w": 95.0, "sm_clock_mhz": 350.0, "gpu_util_pct": 0.0},
+        {"t_mono_s": 2.2, "level_value": 1400.0, "power_w": 100.0, "sm_clock_mhz": 360.0, "clock_event_reasons": 1},
+    ])
+    got = _figures(t, engine.merge_intervals(np.array([0.9]), np.array([2.3])))[("power_limit", 1400.0)]
+    assert got["sm_clock_mhz"] == pytest.approx(1395.0) and got["mem_clock_mhz"] == pytest.approx(2619.0)
+    assert got["sample_power_w"] == pytest.approx((5 * 300 + 90 + 95 + 100) / 8)  # the energy's mean keeps them
+    assert got["n_samples"] == 8
+    # A GPU that reports neither its utilisation nor its reasons is taken as busy.
+    plain = _samples([{"t_mono_s": 1.0, "level_value": 1400.0, "power_w": 300.0, "sm_clock_mhz": 1395.0}])
+    assert _figures(plain)[("power_limit", 1400.0)]["sm_clock_mhz"] == pytest.approx(1395.0)
+
+
 def test_timestamps_in_utc_microseconds_select_the_same_samples():
     t0 = 1_760_000_000_000_000
     t = _samples([{"time_utc": t0 + k * 100_000, "t_mono_s": k / 10, "level_value": 250.0, "power_w": float(k)}

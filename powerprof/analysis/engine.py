@@ -31,7 +31,7 @@ _SAMPLE_COLUMNS = {
     "time_utc": "TIMESTAMPTZ", "t_mono_s": "DOUBLE", "source": "VARCHAR", "device": "VARCHAR",
     "power_w": "DOUBLE", "power_avg_w": "DOUBLE", "sm_clock_mhz": "DOUBLE", "mem_clock_mhz": "DOUBLE",
     "clock_event_reasons": "BIGINT", "power_limit_w": "DOUBLE", "enforced_limit_w": "DOUBLE", "level_kind": "VARCHAR",
-    "level_value": "DOUBLE",
+    "level_value": "DOUBLE", "gpu_util_pct": "DOUBLE",
 }
 
 # A GPU's board power is held to its enforced limit by its firmware, and no limit exceeds the card's highest; the
@@ -53,6 +53,13 @@ def plausible_power_sql(power: str, max_power_w: float | None) -> str:
 def plausible_clock_sql(clock: str) -> str:
     """SQL: `clock` where it is a clock (finite, not negative), else NULL."""
     return f"CASE WHEN isfinite({clock}) AND {clock} >= 0 THEN {clock} END"
+
+
+# An idle reading (GpuIdle, 0x1, or 0% utilisation) shows the clock's idle floor whatever the level set: one that falls
+# inside a measured window (a server stalled, a client starved of CPU reading its last token late) read 345 MHz inside
+# a 1400 MHz lock's window and pulled the level's mean SM clock to 1220 MHz. The level's clock figures are the busy
+# readings'; a GPU that reports neither counts as busy.
+BUSY_SQL = "NOT (coalesce(clock_event_reasons, 0) & 1 <> 0 OR coalesce(gpu_util_pct, 1) = 0)"
 
 
 @contextmanager
@@ -160,7 +167,7 @@ def _bucketed(starts, ends) -> tuple[pa.Table, float]:
 _LEVEL_SUMS = ("count(*)", "sum(p)", "count(p)", "sum(f)", "count(f)", "sum(m)",
                "count(m)", "bit_or(clock_event_reasons)", "count(clock_event_reasons)",
                "sum(enforced_limit_w)", "count(enforced_limit_w)", "count(p_read) - count(p)",
-               "count(sm_clock_mhz) - count(f)")
+               "count(sm_clock_mhz) - count(f_ok)")
 
 
 def _level_sums_row(r) -> LevelSums:
@@ -182,7 +189,8 @@ def scan(con, relation: str, intervals: tuple[np.ndarray, np.ndarray] | None = N
     limit columns. Implausible readings are left out of the figures and counted (power_bad_n, clock_bad_n)."""
     read = "coalesce(power_w, power_avg_w)"
     body = (f"SELECT {time_expr} AS t, *, {read} AS p_read, {plausible_power_sql(read, max_power_w)} AS p, "
-            f"{plausible_clock_sql('sm_clock_mhz')} AS f, {plausible_clock_sql('mem_clock_mhz')} AS m FROM {relation} "
+            f"{plausible_clock_sql('sm_clock_mhz')} AS f_ok, CASE WHEN {BUSY_SQL} THEN {plausible_clock_sql('sm_clock_mhz')} END AS f, "
+            f"CASE WHEN {BUSY_SQL} THEN {plausible_clock_sql('mem_clock_mhz')} END AS m FROM {relation} "
             "WHERE source = 'nvml' AND device IS NOT NULL AND level_value IS NOT NULL AND NOT isnan(level_value)")
     if intervals is not None:
         buckets, width = _bucketed(*intervals)
