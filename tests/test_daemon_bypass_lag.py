@@ -344,3 +344,23 @@ def test_a_stall_of_100_ms_or_more_placed_back_as_a_held_burst_beside_bypass_tra
         assert _window_rows_off(rows, truth) == [], (stall, phase_s, _said(rows))
         assert sum(r["server_tokens"] or 0 for r in rows) == pytest.approx(len(truth), abs=2), _said(rows)
 
+
+@pytest.mark.parametrize("late", ["fall", "stall"])
+def test_the_bypass_tokens_a_falling_lag_hides_in_the_next_windows_are_marked_there(late):
+    """The proxy's delay falls (a loaded host's loop catching up: 150 ms to none over a second; or a 90 ms stall, the
+    window after it) beside a steady bypass stream of 100 tokens/s: the server's count was that delay's tokens ahead
+    of the proxy's, and as it falls the proxy's count catches up, the gap rising by less than the bypass tokens that
+    ran. The levels held the lag, so the windows of the fall read 4-5 bypass tokens of 10 each (the stall's next
+    window 4 of 10), rows `complete`: only a window whose own lookahead took the lag out said `proxy_lag`. Now a window
+    whose count the lag's fall since the window before may have lowered by more than its bound says so."""
+    if late == "fall":
+        def lateness(t):  # rises over 2-3 s to 150 ms, holds, falls to none over 3.5-4.5 s
+            return 0.15 * min(max(t - 2.0, 0.0), 1.0) if t < 3.5 else max(0.0, 0.15 * (4.5 - t))
+    else:
+        def lateness(t):
+            return 3.01 - t if 2.92 <= t <= 3.01 else 0.0
+    bypass = 1.0 + np.arange(500) / 100.0
+    for phase_s in (0.0, 0.035, 0.07):
+        rows, truth = _streams(300, phase_s, streams=((1.0, 6.0),), bypass=bypass, sample_s=0.1, late=lateness)
+        assert _window_rows_off(rows, truth) == [], (late, phase_s, _said(rows))
+        assert sum(r["server_tokens"] or 0 for r in rows) == pytest.approx(len(truth), abs=2), _said(rows)
