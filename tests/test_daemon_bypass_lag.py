@@ -364,3 +364,18 @@ def test_the_bypass_tokens_a_falling_lag_hides_in_the_next_windows_are_marked_th
         rows, truth = _streams(300, phase_s, streams=((1.0, 6.0),), bypass=bypass, sample_s=0.1, late=lateness)
         assert _window_rows_off(rows, truth) == [], (late, phase_s, _said(rows))
         assert sum(r["server_tokens"] or 0 for r in rows) == pytest.approx(len(truth), abs=2), _said(rows)
+
+
+@pytest.mark.parametrize("bypass_per_s", [0, 100])
+def test_a_loop_growing_late_is_marked_at_each_window_it_may_move(bypass_per_s):
+    """The proxy's loop grows late over a second (none to 150 ms over 2-3 s, then held), beside a bypass stream or none:
+    between two of the daemon's measures (0.25 s apart) the delay at a window's edge is anywhere between them, and the
+    mark takes the most and least they allow. Taken as the least over the window's 1 s lookahead, 6 of that second's 10
+    windows held 4 bypass tokens where none ran, unmarked; interpolated between the two measures (fewer marks on a
+    loaded host's jitter), a window there still held 3 of none, or 14 of 10, unmarked. Every `complete` window holds
+    what ran there, within its bound."""
+    bypass = 1.0 + np.arange(5 * bypass_per_s) / bypass_per_s if bypass_per_s else ()
+    for phase_s in (0.0, 0.035, 0.07):
+        rows, truth = _streams(300, phase_s, streams=((1.0, 6.0),), bypass=bypass, sample_s=0.1,
+                               late=lambda t: 0.15 * min(max(t - 2.0, 0.0), 1.0))
+        assert _window_rows_off(rows, truth) == [], (bypass_per_s, phase_s, _said(rows))

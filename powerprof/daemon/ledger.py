@@ -657,7 +657,7 @@ class Ledger:
         gave each sequence tokens: a continuous-batching server gives every running sequence one token a step, so in
         each scrape window a sequence got (the server's count) / (the sequences running) tokens. The running ones are
         the proxy's: streams between their first and last token, bursts over their spread, live requests that have
-        shown no token from their arrival (bypass traffic, unseen, scales every window alike at most). Evenly spread,
+        shown no token from their arrival; the server's count less the bypass tokens, below. Evenly spread,
         an answer decoded alone, then beside 30 others, then alone got too few tokens where it ran alone: the server's
         counter rose beyond the proxy's there and that rise passed for bypass traffic (docs/daemon.md). Evenly where
         the server counts at request end (SGLang) or no scrape window covers the span.
