@@ -333,9 +333,9 @@ def test_a_stall_of_100_ms_or_more_placed_back_as_a_held_burst_beside_bypass_tra
     """The proxy's loop stands still 150-300 ms beside a steady bypass stream of 100 tokens/s: the stall's tokens come
     in one piece over 100 ms after the one before, placed back as a held burst (`_held_burst`) at the server's pace.
     That pace was the server's whole count, bypass tokens too (400 tokens/s for the stream's 300), and the part after
-    the latest scrape got only what the scraped windows left: the burst crowded before that scrape, the window there
-    read 0-5 bypass tokens of 10 and the next 15-20, rows `complete`. Now the pace is the proxied share (the count less
-    the recent windows' bypass pace), and every `complete` window holds what ran there, within its bound."""
+    the latest scrape got only what the scraped windows left: the burst crowded before that scrape, windows there
+    read 0-6 bypass tokens of 10, others up to 24 of 10, rows `complete`. Now the pace is the proxied share (the count
+    less the recent windows' bypass pace), and every `complete` window holds what ran there, within its bound."""
     a, b = stall
     bypass = 1.0 + np.arange(500) / 100.0
     for phase_s in (0.0, 0.035, 0.07):

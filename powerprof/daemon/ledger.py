@@ -691,8 +691,8 @@ class Ledger:
         # The proxied requests' share of the server's count: less each window's bypass tokens, resolved, else at the
         # pace of the windows resolved in the last LAG_S. Taken whole, bypass traffic beside the span made its scraped
         # windows' pace too fast, and the part after the latest scrape got only what they left (below): a proxy's loop
-        # stalled 150 ms beside 100 bypass tokens/s placed its burst up to the latest scrape, the window before read
-        # 0 bypass tokens of 10 and the next 20, rows `complete` (tests/test_daemon_bypass_lag.py).
+        # stalled 150-300 ms beside 100 bypass tokens/s crowded its burst before the latest scrape: windows there read
+        # 0-6 bypass tokens of 10, others up to 24, rows `complete` (tests/test_daemon_bypass_lag.py).
         # A token over that second is what a record's own delay moves whatever the placing (LAG_TOKENS: a stream's first
         # token, counted before the proxy saw it), not bypass traffic's pace.
         dur_b, sum_b = sum(b - a for a, b, _ in self._bypassed), sum(x for _, _, x in self._bypassed)
