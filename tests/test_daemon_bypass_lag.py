@@ -17,7 +17,7 @@ from test_daemon_bypass_partial import S, _R, _read_pieces_due, _Sink
 
 def _streams(rate: float, phase_s: float, delay_s: float = 0.003, seqs: int = 1, record_s: float = 0.02,
              streams=((1.0, 4.0), (8.0, 11.0)), bypass=(), measured_s: float | None = None, keep: list | None = None,
-             late=None):
+             late=None, sample_s: float = 0.25):
     """A ledger fed proxied streams of `rate` steps/s (`seqs` tokens a step: one per sequence) over `streams` ((start s,
     end s) each), shipped by a proxy worker in `record_s` records, each stamped `delay_s` after its last token (the
     worker's record, plus any delay of its own: a loaded host's event loop), scrapes every 0.1 s offset by `phase_s`,
@@ -26,7 +26,8 @@ def _streams(rate: float, phase_s: float, delay_s: float = 0.003, seqs: int = 1,
     (its request rows). `late`: how late the proxy's loop runs at each instant, s, beyond `delay_s` (a loaded host whose
     lateness changes): a token counted at t is read at t + delay_s + late(t) (the tokens of a loop that woke late read
     in one go, never before those read earlier), and the daemon measures it every 0.25 s as its tick does: a measure
-    due at t taken at t + delay_s + late(t), saying that much (measured_s is then not used). Returns (interval rows
+    due at t taken at t + delay_s + late(t), saying that much (measured_s is then not used). `sample_s`: the GPU
+    samples' period; 0.1 puts them at the scrapes, each interval row then one scrape window's. Returns (interval rows
     sorted by start, the truth: every bypass token's instant)."""
     sink = _Sink()
     led = Ledger("d", 0, 1, sink, grace_s=0.3)
@@ -69,8 +70,9 @@ def _streams(rate: float, phase_s: float, delay_s: float = 0.003, seqs: int = 1,
         while beats and beats[0][0] <= t:
             led.note_proxy_delay(int(beats[0][0] * S), beats[0][1])
             beats.pop(0)
-        if k % 50 == 0:
+        if (k - (round(phase_s / 0.005) if sample_s == 0.1 else 0)) % round(sample_s / 0.005) == 0:
             led.add_gpu_sample(int(t * S), int(t * S), [_R(100.0 * t)])
+        if k % 50 == 0:
             if measured_s is not None and late is None:
                 led.note_proxy_delay(int(t * S), measured_s)
         if (k - round(phase_s / 0.005)) % 20 == 0 and t >= 0.5:
@@ -308,3 +310,72 @@ def test_proxy_workers_heartbeats_give_the_ledger_how_late_their_loops_ran():
     workers.workers[1].said_hello = False
     workers._replay(workers.workers[0], msg)
     assert rec.delays[-1] == pytest.approx(0.05)
+
+
+def _window_rows_off(rows, truth, lo_s: float = 1.5, hi_s: float = 5.5) -> list:
+    """The `complete` rows (one a scrape window: `_streams(sample_s=0.1)`) away from the bypass stream's ends whose
+    bypass count is off the truth by more than what an unmarked row keeps: a token plus LAG_SHARE of the window's
+    server count (docs/daemon.md, "A server restart")."""
+    from powerprof.daemon.ledger import LAG_SHARE, LAG_TOKENS
+
+    off = []
+    for r in rows:
+        a, b = r["t_start_mono_s"], r["t_start_mono_s"] + r["duration_s"]
+        if r["server_count"] == "complete" and lo_s <= a and b <= hi_s:
+            got, true = r["server_tokens"] or 0.0, float(((truth > a) & (truth <= b)).sum())
+            if abs(got - true) > LAG_TOKENS + LAG_SHARE * (r["proxy_tokens"] + got) + 1e-6:
+                off.append((round(a, 3), round(got, 1), true))
+    return off
+
+
+@pytest.mark.parametrize("stall", [(2.93, 3.08), (2.9, 3.1), (2.95, 3.25)])
+def test_a_stall_of_100_ms_or_more_placed_back_as_a_held_burst_beside_bypass_traffic_keeps_its_windows_counts(stall):
+    """The proxy's loop stands still 150-300 ms beside a steady bypass stream of 100 tokens/s: the stall's tokens come
+    in one piece over 100 ms after the one before, placed back as a held burst (`_held_burst`) at the server's pace.
+    That pace was the server's whole count, bypass tokens too (400 tokens/s for the stream's 300), and the part after
+    the latest scrape got only what the scraped windows left: the burst crowded before that scrape, windows there
+    read 0-6 bypass tokens of 10, others up to 24 of 10, rows `complete`. Now the pace is the proxied share (the count
+    less the recent windows' bypass pace), and every `complete` window holds what ran there, within its bound."""
+    a, b = stall
+    bypass = 1.0 + np.arange(500) / 100.0
+    for phase_s in (0.0, 0.035, 0.07):
+        rows, truth = _streams(300, phase_s, streams=((1.0, 6.0),), bypass=bypass, sample_s=0.1,
+                               late=lambda t: b - t if a <= t <= b else 0.0)
+        assert _window_rows_off(rows, truth) == [], (stall, phase_s, _said(rows))
+        assert sum(r["server_tokens"] or 0 for r in rows) == pytest.approx(len(truth), abs=2), _said(rows)
+
+
+@pytest.mark.parametrize("late", ["fall", "stall"])
+def test_the_bypass_tokens_a_falling_lag_hides_in_the_next_windows_are_marked_there(late):
+    """The proxy's delay falls (a loaded host's loop catching up: 150 ms to none over a second; or a 90 ms stall, the
+    window after it) beside a steady bypass stream of 100 tokens/s: the server's count was that delay's tokens ahead
+    of the proxy's, and as it falls the proxy's count catches up, the gap rising by less than the bypass tokens that
+    ran. The levels held the lag, so the windows of the fall read 4-5 bypass tokens of 10 each (the stall's next
+    window 4 of 10), rows `complete`: only a window whose own lookahead took the lag out said `proxy_lag`. Now a window
+    whose count the lag's fall since the window before may have lowered by more than its bound says so."""
+    if late == "fall":
+        def lateness(t):  # rises over 2-3 s to 150 ms, holds, falls to none over 3.5-4.5 s
+            return 0.15 * min(max(t - 2.0, 0.0), 1.0) if t < 3.5 else max(0.0, 0.15 * (4.5 - t))
+    else:
+        def lateness(t):
+            return 3.01 - t if 2.92 <= t <= 3.01 else 0.0
+    bypass = 1.0 + np.arange(500) / 100.0
+    for phase_s in (0.0, 0.035, 0.07):
+        rows, truth = _streams(300, phase_s, streams=((1.0, 6.0),), bypass=bypass, sample_s=0.1, late=lateness)
+        assert _window_rows_off(rows, truth) == [], (late, phase_s, _said(rows))
+        assert sum(r["server_tokens"] or 0 for r in rows) == pytest.approx(len(truth), abs=2), _said(rows)
+
+
+@pytest.mark.parametrize("bypass_per_s", [0, 100])
+def test_a_loop_growing_late_is_marked_at_each_window_it_may_move(bypass_per_s):
+    """The proxy's loop grows late over a second (none to 150 ms over 2-3 s, then held), beside a bypass stream or none:
+    between two of the daemon's measures (0.25 s apart) the delay at a window's edge is anywhere between them, and the
+    mark takes the most and least they allow. Taken as the least over the window's 1 s lookahead, 6 of that second's 10
+    windows held 4 bypass tokens where none ran, unmarked; interpolated between the two measures (fewer marks on a
+    loaded host's jitter), a window there still held 3 of none, or 14 of 10, unmarked. Every `complete` window holds
+    what ran there, within its bound."""
+    bypass = 1.0 + np.arange(5 * bypass_per_s) / bypass_per_s if bypass_per_s else ()
+    for phase_s in (0.0, 0.035, 0.07):
+        rows, truth = _streams(300, phase_s, streams=((1.0, 6.0),), bypass=bypass, sample_s=0.1,
+                               late=lambda t: 0.15 * min(max(t - 2.0, 0.0), 1.0))
+        assert _window_rows_off(rows, truth) == [], (bypass_per_s, phase_s, _said(rows))

@@ -354,8 +354,12 @@ class Ledger:
         self._gap = 0.0  # server minus proxied tokens, cumulative, to the end of the last resolved window
         # (window end, bypass level, the most and the least lag a delay of the proxy's own can hold there) of recent windows
         self._levels: deque = deque()
+        # (start, end, bypass tokens) of the windows resolved in the last LAG_S: the bypass traffic's pace lately, taken
+        # out of the server's pace where a held burst is placed back over windows not yet resolved (`_at_server_pace`)
+        self._bypassed: deque = deque()
         self._level = 0.0  # the latest window's level
         self._ahead = (0.0, 0.0)  # and the most and least lag it may hold
+        self._edge_most: float | None = 0.0  # the most lag the latest window may hold at its own end (None: unmeasured)
         # (t_ns, s) how late the proxy's event loop ran, as the daemon measures it (`note_proxy_delay`): the most a
         # delay of the proxy's own can move its tokens (`PROXY_LAG`). None measured: up to LAG_S, as nothing says less.
         self._delays: deque = deque(maxlen=4096)
@@ -664,7 +668,7 @@ class Ledger:
         gave each sequence tokens: a continuous-batching server gives every running sequence one token a step, so in
         each scrape window a sequence got (the server's count) / (the sequences running) tokens. The running ones are
         the proxy's: streams between their first and last token, bursts over their spread, live requests that have
-        shown no token from their arrival (bypass traffic, unseen, scales every window alike at most). Evenly spread,
+        shown no token from their arrival; the server's count less the bypass tokens, below. Evenly spread,
         an answer decoded alone, then beside 30 others, then alone got too few tokens where it ran alone: the server's
         counter rose beyond the proxy's there and that rise passed for bypass traffic (docs/daemon.md). Evenly where
         the server counts at request end (SGLang) or no scrape window covers the span.
@@ -695,7 +699,17 @@ class Ledger:
         s0 = np.array([sp[0] for sp in spans], dtype=np.int64)
         s1 = np.array([sp[1] for sp in spans], dtype=np.int64)
         a0, a1, full = np.maximum(s0, start), np.minimum(s1, t1), (s1 - s0).astype(float)
-        delta = np.array([max(sp[2], 0.0) for sp in spans], dtype=float)
+        # The proxied requests' share of the server's count: less each window's bypass tokens, resolved, else at the
+        # pace of the windows resolved in the last LAG_S. Taken whole, bypass traffic beside the span made its scraped
+        # windows' pace too fast, and the part after the latest scrape got only what they left (below): a proxy's loop
+        # stalled 150-300 ms beside 100 bypass tokens/s crowded its burst before the latest scrape: windows there read
+        # 0-6 bypass tokens of 10, others up to 24, rows `complete` (tests/test_daemon_bypass_lag.py).
+        # A token over that second is what a record's own delay moves whatever the placing (LAG_TOKENS: a stream's first
+        # token, counted before the proxy saw it), not bypass traffic's pace.
+        dur_b, sum_b = sum(b - a for a, b, _ in self._bypassed), sum(x for _, _, x in self._bypassed)
+        rate_b = sum_b / dur_b if dur_b > 0 and sum_b > LAG_TOKENS else 0.0
+        delta = np.array([max(sp[2] - (sp[3] if sp[3] is not None else rate_b * (sp[1] - sp[0])), 0.0)
+                          for sp in spans], dtype=float)
         lives = []  # (from, to, sequences) of every other request the server was running, as the proxy saw them
         for q in self.requests.values():
             tq = q.trace
@@ -1658,6 +1672,21 @@ class Ledger:
             if not measured[low]:
                 rose, fell = (float(ahead_n[low]), -float(ahead_n[low])) if sp[3] > LAG_TOKENS else (-ref_most, ref_most)
             moved = max(min(sp[3], rose), min(drained, fell))  # the bypass tokens that lag may have made or hidden
+            # And the bypass tokens a lag that fell since the window before may have hidden here: those that ran are the
+            # rise of the gap less the lag's, at most (its gap less the least lag at its end) less (the window before's
+            # less the most there), and the count took `sp[3]` of them. The levels held the lag (a level is the lowest
+            # gap of the lookahead; its reference, the highest level of CREDIT_S), so where it fell the windows after
+            # counted short, and only a window whose own lookahead took the lag out said so: a loop catching up from
+            # 150 ms late over a second beside 100 bypass tokens/s, its windows 4-5 of 10, the window after a 90 ms
+            # stall 4 of 10, rows `complete` (tests/test_daemon_bypass_lag.py). Only where bypass traffic ran lately
+            # (over a token in the last LAG_S's windows, or this one's): the lag's bounds are wide around a measured
+            # stall, and with no bypass traffic there, nothing to hide, they marked its windows (5 a 90 ms stall).
+            gap_prev, most_prev = (float(gaps[k - 1]), float(ahead_n[k - 1]) if measured[k - 1] else None) if k \
+                else (self._gap, self._edge_most)
+            lately = sp[3] > LAG_TOKENS or sum(x for _, _, x in self._bypassed) > LAG_TOKENS
+            if lately and measured[k] and most_prev is not None and not restart[k] and not self.server_at_finish:
+                ran = min(float(gaps[k]) - float(ahead_lo[k]), level - float(ahead_lo[low])) - (gap_prev - most_prev)
+                moved = max(moved, ran - sp[3])
             if moved > max(LAG_TOKENS, LAG_SHARE * float(sp[2])) \
                     and "server_restart" not in sp[5] and PROXY_LAG not in sp[5]:
                 # Its bypass count may be off by the proxy's own lag. The proxy sees a token a delay after the server
@@ -1686,8 +1715,12 @@ class Ledger:
             if sp[3] > 0 and sp[4] is not None:
                 self._spread_back(sp, pt, dur)
             self._levels.append((sp[1], level, float(ahead_n[low]), float(ahead_lo[low])))
+            self._bypassed.append((sp[0], sp[1], sp[3]))
+            while self._bypassed and self._bypassed[0][1] < sp[1] - lag_ns:
+                self._bypassed.popleft()
             self._level, self._ahead = level, (float(ahead_n[low]), float(ahead_lo[low]))
             self._gap = float(gaps[k])
+            self._edge_most = float(ahead_n[k]) if measured[k] else None
 
     def _note_unsure(self, r: _Req, t1: int) -> None:
         """`r`'s tokens read at `t1` are being placed back over the time before it (a non-streamed body, a stream's
