@@ -301,24 +301,30 @@ class RowSink:
         self.rows[name].extend(rows)
 
 
+def _due(holder, sample, lag_s: float) -> list:
+    """`sample` joins `holder`'s held-back samples; those now `lag_s` old leave, in the order read (under the caller's lock)."""
+    import time
+
+    pending = holder.__dict__.setdefault("_lag_pending", [])
+    pending.append(sample)
+    cut = time.monotonic_ns() - int(lag_s * 1e9)
+    n = next((k for k, s in enumerate(pending) if s.t_mono_ns > cut), len(pending))
+    due, pending[:] = pending[:n], pending[n:]
+    return due
+
+
 def lagging_timeline(monkeypatch, lag_s: float) -> None:
     """Every `storage.samples.Timeline` `lag_s` behind the GPU, as a sampler thread starved on a loaded host delivers
     its readings: each sample keeps the time it was read, but reaches the timeline (its `samples()`, its tags, what
     it stores) only at the first delivery after it is `lag_s` old, in the order read. Deliveries happen when a later
     sample comes (the sampler's next tick): a deterministic stand-in, no thread of its own."""
-    import time
-
     from powerprof.storage.samples import Timeline
 
     deliver = Timeline.__call__
 
     def call(self, sample):
         with self._lock:
-            pending = self.__dict__.setdefault("_lag_pending", [])
-            pending.append(sample)
-            cut = time.monotonic_ns() - int(lag_s * 1e9)
-            n = next((k for k, s in enumerate(pending) if s.t_mono_ns > cut), len(pending))
-            due, pending[:] = pending[:n], pending[n:]
+            due = _due(self, sample, lag_s)
         for s in due:
             deliver(self, s)
 
@@ -329,7 +335,6 @@ def lagging_daemon(monkeypatch, lag_s: float) -> None:
     """The daemon's samples `lag_s` behind the GPU, as `lagging_timeline`: each reaches the daemon's queue only at the
     first sample after it is `lag_s` old, in the order read."""
     import threading
-    import time
 
     from powerprof.daemon.service import Daemon
 
@@ -338,12 +343,7 @@ def lagging_daemon(monkeypatch, lag_s: float) -> None:
 
     def on_sample(self, sample):
         with lock:
-            pending = self.__dict__.setdefault("_lag_pending", [])
-            pending.append(sample)
-            cut = time.monotonic_ns() - int(lag_s * 1e9)
-            n = next((k for k, s in enumerate(pending) if s.t_mono_ns > cut), len(pending))
-            due, pending[:] = pending[:n], pending[n:]
-            for s in due:
+            for s in _due(self, sample, lag_s):
                 deliver(self, s)
 
     monkeypatch.setattr(Daemon, "_on_sample", on_sample)

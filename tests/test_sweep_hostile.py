@@ -360,30 +360,37 @@ def test_root_writes_no_run_in_another_users_folder_but_in_the_sudo_users(tmp_pa
     assert "writable by group or others" in untrusted_out_dir(theirs / "run", env={"SUDO_UID": "65534"})
 
 
-def test_a_clock_lock_moved_while_the_sampler_lags_leaves_every_window_it_touched_out(tmp_path, monkeypatch):
-    # ci4 under two CPU hogs: the window measured just after `nvidia-smi -lgc 900,900` was checked before the samples
-    # read during it reached the check, so it passed, was kept, and levels.parquet filed sm_clock_mhz 1220 under the
-    # 1400 MHz level (900 MHz readings inside a kept window). A window waits for a reading taken after it ended.
+def _clock_locked_at_900_while_the_sampler_lags(tmp_path, monkeypatch, after_n: int):
+    """A sweep 1980,1400 MHz whose sampler delivers 0.8 s late, another tool locking 900 MHz once the 1400 MHz level
+    has measured `after_n` windows: (the stop's message, the level's request windows by id, levels.parquet, run.json)."""
+    import json
+
     from powerprof.sim.faults import FaultyNVML
 
     lagging_timeline(monkeypatch, 0.8)
-    sim = SimNVML("h200-141g", state_path=None)
-    nv = FaultyNVML(sim)
+    nv = FaultyNVML(SimNVML("h200-141g", state_path=None))
 
     def act(event, visit):
-        if event == "progress" and visit.level_value == 1400 and visit.n_measured == 2:
+        if event == "progress" and visit.level_value == 1400 and visit.n_measured == after_n:
             nv.lock_clocks(0, 900, 900)
 
     out = tmp_path / "run"
     with Rig("h200-141g", nvml=nv) as rig, pytest.raises(SweepError) as e:
         run_sweep(rig, levels_spec="1980,1400", level_kind="sm_clock", out_dir=out, params=RequestParams(max_tokens=64),
                   idle_s=0, interval_s=0.2, min_requests=8, max_requests=8, warmup_requests=0, ui=_Hook(act))
-    assert str(e.value).startswith("level 1400: GPU 0's SM clock read 900 MHz"), str(e.value)
     w = pq.read_table(out / "windows.parquet").to_pandas()
     lv = w[(w.window_kind == "request") & (w.level_value == 1400.0) & ~w.warmup].sort_values("request_id")
+    levels = pq.read_table(out / "levels.parquet").to_pandas().set_index("level_value")
+    return str(e.value), lv, levels, json.loads((out / "run.json").read_text())
+
+
+def test_a_clock_lock_moved_while_the_sampler_lags_leaves_every_window_it_touched_out(tmp_path, monkeypatch):
+    # ci4 under two CPU hogs: the window measured just after `nvidia-smi -lgc 900,900` was checked before the samples
+    # read during it reached the check, so it passed and was kept. A window waits for a reading taken after it ended.
+    msg, lv, levels, _ = _clock_locked_at_900_while_the_sampler_lags(tmp_path, monkeypatch, after_n=2)
+    assert msg.startswith("level 1400: GPU 0's SM clock read 900 MHz"), msg
     assert (lv.timing.iloc[:2] != "untrusted").all()  # the two measured before the lock, kept
     assert (lv.timing.iloc[2:] == "untrusted").all(), lv[["request_id", "timing", "timing_reason"]]
-    levels = pq.read_table(out / "levels.parquet").to_pandas().set_index("level_value")
     assert levels.loc[1400.0, "sm_clock_mhz"] > 1380.0  # only the lock's own readings (1400 MHz) in its figures
 
 
@@ -415,29 +422,11 @@ def test_a_clock_moved_in_a_levels_last_window_is_caught_at_its_end_and_the_leve
     # The lock moved during the level's last window: only a reading after it (delivered late, the sampler lagging) can
     # tell, so the level waits for one at its end. Judged there, the level did not finish: review s37 found it stored
     # stop_rule max-requests and in run.json's levels_done, its figures resting on 6 of 8 windows as if whole.
-    import json
-
-    from powerprof.sim.faults import FaultyNVML
-
-    lagging_timeline(monkeypatch, 0.8)
-    sim = SimNVML("h200-141g", state_path=None)
-    nv = FaultyNVML(sim)
-
-    def act(event, visit):
-        if event == "progress" and visit.level_value == 1400 and visit.n_measured == 7:
-            nv.lock_clocks(0, 900, 900)
-
-    out = tmp_path / "run"
-    with Rig("h200-141g", nvml=nv) as rig, pytest.raises(SweepError) as e:
-        run_sweep(rig, levels_spec="1980,1400", level_kind="sm_clock", out_dir=out, params=RequestParams(max_tokens=64),
-                  idle_s=0, interval_s=0.2, min_requests=8, max_requests=8, warmup_requests=0, ui=_Hook(act))
-    assert str(e.value).startswith("level 1400: GPU 0's SM clock read 900 MHz"), str(e.value)
-    w = pq.read_table(out / "windows.parquet").to_pandas()
-    lv = w[(w.window_kind == "request") & (w.level_value == 1400.0) & ~w.warmup].sort_values("request_id")
+    msg, lv, levels, run = _clock_locked_at_900_while_the_sampler_lags(tmp_path, monkeypatch, after_n=7)
+    assert msg.startswith("level 1400: GPU 0's SM clock read 900 MHz"), msg
     assert lv.timing.iloc[-1] == "untrusted" and lv.timing.iloc[0] != "untrusted", lv[["request_id", "timing"]]
-    levels = pq.read_table(out / "levels.parquet").to_pandas().set_index("level_value")
     assert "interrupted" in str(levels.loc[1400.0, "flags"]), levels.loc[1400.0, ["stop_rule", "flags"]]
-    assert [1400.0, 0] not in json.loads((out / "run.json").read_text())["levels_done"]
+    assert [1400.0, 0] not in run["levels_done"]
 
 
 def test_a_timeline_tags_a_reading_by_when_it_was_read_not_when_it_arrived():
