@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import json
 
+import pytest
+
 from powerprof.daemon.ledger import CACHE_KEEP_S, Ledger
 from powerprof.daemon.proxy import RequestTrace
 from powerprof.daemon.streams import Counts
@@ -207,29 +209,32 @@ def test_a_requests_known_hits_are_counted_once_not_in_every_window_its_span_tou
     assert UNSAID in (beside[2]["energy_note"] or "") and "800" in beside[2]["energy_note"]
 
 
-def _pending_run(details: bool, continuous: bool = False):
+def _pending_run(details: bool, continuous: bool = False, ends: dict | None = None):
     """vLLM streams, the server's counter scraped every 2 s. C (0.1 → 1.45 s, 50 prompt tokens) and A (0.2 → 0.85 s,
     100) hit nothing; B arrives at 1.2 s, reuses 900 cached tokens of its 1000 (counted in the first scrape window,
     0 → 2 s, beside A's and C's prefills) and streams to 5.05 s, where its final usage says them (details) or not.
     continuous: every stream says its prompt's length on its first token (continuous usage), its cached count only at
-    its end (as vLLM's running usage does)."""
+    its end (as vLLM's running usage does). ends: {id: end s} for streams made longer (a token every 0.5 s after 10 s)."""
     sink = _Sink()
     led = Ledger("d", 0, 1, sink, grace_s=0.1)
     led.scraping = True
     # id: (arrival, first token, end, prompt, cached)
     plan = {1: (0.2, 0.4, 0.85, 100, 0), 2: (1.2, 1.5, 5.05, 1000, 900), 3: (0.1, 0.3, 1.45, 50, 0)}
+    for rid, end in (ends or {}).items():
+        plan[rid] = (*plan[rid][:2], end, *plan[rid][3:])
+    last_s = max(p[2] for p in plan.values())
     reqs = {rid: _vllm(rid, p[0]) for rid, p in plan.items()}
     started, e, window_tokens = set(), 0.0, 0.0
     _feed(led, 0.0, 0.0)
     led.add_server_tokens(0, 0.0)  # the scraper's baseline read
-    for tick in range(1, 91):
+    for tick in range(1, max(91, int(last_s * 10) + 40)):
         now = tick / 10
         for rid, (arr, first, end, prompt, cached) in plan.items():
             q = reqs[rid]
             if rid not in started and arr <= now:
                 led.on_start(q)
                 started.add(rid)
-            if first <= now < end:
+            if first <= now < end and (now < 10 or tick % 5 == 0):
                 t = int(now * S)
                 if q.first_ns is None and continuous:
                     q.extra["prompt_tokens"] = prompt
@@ -252,7 +257,7 @@ def _pending_run(details: bool, continuous: bool = False):
             led.add_server_tokens(t, window_tokens, since)
             window_tokens = 0.0
         led.advance(int((now + 0.05) * S))
-    led.close_all(int(9.5 * S))
+    led.close_all(int(max(9.5, last_s + 4.5) * S))
     return sink.rows["intervals"], {r["request_id"]: r for r in sink.rows["requests"]}, led
 
 
@@ -282,6 +287,17 @@ def test_a_server_that_never_says_its_counts_is_still_flagged_when_the_stream_en
     rows, flagged_ivs = _unsaid_flagged(ivs, rq)
     assert rows == {1, 2, 3} and "900" in rq[2]["energy_note"] and "fix:" in rq[1]["energy_note"]
     assert flagged_ivs == [0, 1]
+    assert led.totals.cache_unsaid_requests == 3
+
+
+@pytest.mark.parametrize("long_id", [1, 2])
+def test_a_stream_longer_than_the_hits_are_kept_is_still_flagged(long_id):
+    # The scrape windows' hits are kept CACHE_KEEP_S (300 s). A request judged at its row (beside unsaid hits while
+    # their requests were live: A; or its own hits unsaid: B) streaming past that found the windows pruned: review s37
+    # saw A ending at 320 s stored 31.5 kJ unflagged and the counter one low. Judged before the windows are pruned.
+    ivs, rq, led = _pending_run(details=False, ends={long_id: 320.0})
+    rows, _ = _unsaid_flagged(ivs, rq)
+    assert rows == {1, 2, 3}, {rid: r["energy_note"] for rid, r in rq.items()}
     assert led.totals.cache_unsaid_requests == 3
 
 

@@ -203,6 +203,7 @@ class _Req:
     # is made, once those (`cache_wait`) have ended (CACHE_UNSAID_FLAG only where the hits are still unsaid then).
     cache_unsure: list = field(default_factory=list)
     cache_wait: set = field(default_factory=set)
+    cache_unsaid_early: float = 0.0  # its hit span's unsaid hits, judged before those windows were pruned
     prev_held: bool = False  # that piece held more tokens than its sequences
     first_held: bool = False  # its first piece held more than FIRST_BURST_TOKENS a sequence
     closed_s: float = 0.0  # seconds of its run in intervals closed before its tokens came (not its energy)
@@ -894,6 +895,8 @@ class Ledger:
         the rest the server reused without saying it to any request, and the rows of those that said nothing, and
         the intervals over it, say so (CACHE_UNSAID_FLAG)."""
         horizon = int(t_ns) - int(CACHE_KEEP_S * 1e9)
+        if self._cache_spans and self._cache_spans[0][1] < horizon:
+            self._judge_unsure_before(horizon)
         # Pruned at every scrape, whatever it read: a server with no counter (llama.cpp: None) still has its
         # requests' known hits kept (3000 over 600 s at 5 requests/s, growing for ever, before).
         while self._cache_spans and self._cache_spans[0][1] < horizon:
@@ -911,6 +914,32 @@ class Ledger:
                 if sp[3] >= sp[2]:
                     break
         self._cache_spans.append(sp)
+
+    def _judge_unsure_before(self, t_ns: int) -> None:
+        """Judge now what live requests keep to judge at their end over scrape windows that end before `t_ns`, about to
+        be pruned (CACHE_KEEP_S): the intervals beside unsaid hits (`cache_unsure`) and their own hit span. A stream
+        longer than that, judged at its end, found those windows gone and lost its prefix-cache-unsaid flag (review
+        s37: a 320 s stream beside 900 unsaid hits, 31.5 kJ unflagged). What is judged early counts the hits still
+        unsaid now: the requests whose end could say them have ended or waited past the hold long before."""
+        for r in self.requests.values():
+            if r.cache_unsure and r.cache_unsure[0][0] < t_ns:
+                keep = []
+                for e in r.cache_unsure:
+                    if e[0] < t_ns:
+                        self._judge_unsure(r, *e)
+                    else:
+                        keep.append(e)
+                r.cache_unsure = keep
+            h0, h1 = self._hit_span(r)
+            if h0 < t_ns and r.trace.end_ns is None:
+                r.cache_unsaid_early = max(r.cache_unsaid_early, self._cache_unsaid(h0, h1))
+
+    def _judge_unsure(self, r: _Req, t0: int, t1: int, j: float) -> None:
+        """One interval r took energy of beside hits no answer had said when it closed: CACHE_UNSAID_FLAG's share."""
+        u = self._cache_unsaid(t0, t1)
+        if u >= CACHE_UNSAID_MIN:
+            r.cache_beside_j += j
+            r.cache_beside = max(r.cache_beside, u)
 
     def _hit_span(self, r: _Req) -> tuple[int, int]:
         """Where the server counts the request's prefix-cache hit: vLLM as it schedules it (arrival to first token),
@@ -2086,13 +2115,10 @@ class Ledger:
 
     def _request_row(self, r: _Req) -> dict:
         for t0, t1, j in r.cache_unsure:  # judged now that the requests whose end may say those hits have ended
-            u = self._cache_unsaid(t0, t1)
-            if u >= CACHE_UNSAID_MIN:
-                r.cache_beside_j += j
-                r.cache_beside = max(r.cache_beside, u)
+            self._judge_unsure(r, t0, t1, j)
         r.cache_unsure = []
         if _cache_unsaid_candidate(r):
-            r.cache_unsaid = self._cache_unsaid(*self._hit_span(r))
+            r.cache_unsaid = max(self._cache_unsaid(*self._hit_span(r)), r.cache_unsaid_early)
         self._settle_late(r)
         r.cache_beside_late = max((self._late_said.get(q, 0.0) for q in r.late_wait), default=0.0)
         row = self._request_fields(r)
