@@ -1071,7 +1071,7 @@ def analyze(run_dirs, out_dir, max_slowdown, eta, formats, force, n_boot, as_jso
         if all(fleet.is_daemon_dataset(s) for s in sources):
             table = fleet.fleet_summary(sources)
             tags = fleet.tag_summary(sources)  # per tag name: empty where no tag was ever stopped
-            said = [n for n in (fleet.empty_note(sources),) if n] + fleet.notes(table) + fleet.tag_notes(tags)
+            said = [n for n in (fleet.empty_note(sources), fleet.stray_note(sources)) if n] + fleet.notes(table) + fleet.tag_notes(tags)
             if out_dir is not None:
                 from powerprof.storage.runs import atomic_write_table
                 from powerprof.trust import out_dir_refusal

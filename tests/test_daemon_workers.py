@@ -259,7 +259,7 @@ def test_workers_pass_bytes_unchanged_and_the_one_ledger_books_every_request(tmp
             procs = _workers(d.proc.pid)
             assert len(procs) == 2, d.output()
             wall0 = time.time_ns()
-            results = asyncio.run(asyncio.wait_for(_traffic(d.info["proxy"], 64), 120))
+            results = asyncio.run(asyncio.wait_for(_traffic(d.info["proxy"], 64, tap=tap), 120))
             time.sleep(0.5)
             wall1 = time.time_ns()  # a cut stream ends at the proxy a moment after its client left
         finally:
@@ -282,7 +282,8 @@ def test_workers_pass_bytes_unchanged_and_the_one_ledger_books_every_request(tmp
             cut_count += len(body) < len(sent)
     reqs = read_dataset(tmp_path / "data", "requests")
     assert len(reqs) == 64 and reqs["request_id"].is_unique, reqs[["request_id", "tag", "outcome"]]
-    assert (reqs["outcome"] == "client_disconnected").sum() == cut_count
+    # Exact: a client cuts only while the server still sends (test_daemon_e2e._traffic says why a later close is `ok`).
+    assert cut_count >= 5 and (reqs["outcome"] == "client_disconnected").sum() == cut_count
     assert set(reqs["tag"]) == {"team0", "team1", "team2"}
     # Token counts as the full parser reads the bytes the server sent, for every whole streamed response.
     from test_daemon_e2e import APIS

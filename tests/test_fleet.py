@@ -624,3 +624,52 @@ def test_a_named_dataset_without_rows_beside_others_is_said_not_silently_dropped
         assert res.exit_code == 0, res.output
         assert f"{tmp_path / 'new-node'}: no request or interval rows" in res.stderr, res.stderr
     assert "all 1 hosts" in CliRunner().invoke(main, ["analyze", str(fleet[0] / "node-0"), str(tmp_path / "new-node")]).stdout
+
+
+# --- a file analyze and export cannot read alike (review hostile3) ------------------------------------------------
+
+def test_a_column_stored_as_text_in_one_file_is_refused_naming_the_file_by_analyze_and_export(tmp_path):
+    # gpu_energy_j as VARCHAR in one file (an edited or foreign file): analyze exited 1 with DuckDB's "Binder Error ...
+    # isfinite(VARCHAR)"; export said "Unable to merge ... double vs string" naming only the folder. Both now name the
+    # file, the column, its type, the type the daemon writes, and the fix, with the same sentence.
+    _node(tmp_path / "n", 0)
+    good = next((tmp_path / "n" / "requests").rglob("*.parquet"))
+    t = pq.read_table(good)
+    i = t.schema.get_field_index("gpu_energy_j")
+    bad = good.with_name("part-edited.parquet")
+    pq.write_table(t.set_column(i, "gpu_energy_j", pa.array([str(v) for v in t.column(i).to_pylist()])), bad)
+    said = []
+    for args in (["analyze", str(tmp_path / "n"), "--out", str(tmp_path / "a")],
+                 ["export", str(tmp_path / "n"), "--format", "csv", "--out", str(tmp_path / "e")]):
+        res = CliRunner().invoke(main, args)
+        text = " ".join(res.output.split())
+        assert res.exit_code == 1 and "Binder Error" not in text and "Traceback" not in text, res.output
+        assert str(bad) in text and "gpu_energy_j" in text and "string" in text and "float64" in text, res.output
+        assert "move the file out" in text, res.output
+        said.append(text)
+        assert not (tmp_path / args[-1]).exists()
+    assert said[0] == said[1]
+
+
+def test_a_stray_file_is_left_out_by_analyze_and_export_alike_and_said(tmp_path):
+    # What the dataset's files are was decided twice: DuckDB's `**/*.parquet` read a hidden `.x.parquet` and a
+    # `_x.parquet` (analyze counted their rows), pyarrow's folder scan skipped those but read `part-x.parquet.tmp` (a
+    # copy cut short), on which export failed. One rule now (storage/datafiles.py): `*.parquet`, nothing hidden; the
+    # stray is named by both, the hidden files (temporaries, markers) left out without a word.
+    truth = _node(tmp_path / "n", 0)
+    good = next((tmp_path / "n" / "requests").rglob("*.parquet"))
+    good.with_name("part-x.parquet.tmp").write_bytes(good.read_bytes()[:200])
+    for name in (".part-y.parquet", "_part-z.parquet"):  # rows of requests that are not the dataset's
+        t = pq.read_table(good)
+        t = t.set_column(t.schema.get_field_index("request_id"), "request_id",
+                         pa.array([1000 + v for v in t.column("request_id").to_pylist()], pa.int64()))
+        pq.write_table(t, good.with_name(name))
+    res = CliRunner().invoke(main, ["analyze", str(tmp_path / "n"), "--out", str(tmp_path / "a")])
+    assert res.exit_code == 0, res.output
+    _check(pq.read_table(tmp_path / "a" / "fleet.parquet").to_pylist(), {"node-0": truth})
+    assert "part-x.parquet.tmp" in res.stderr and "not read" in res.stderr, res.stderr
+    res = CliRunner().invoke(main, ["export", str(tmp_path / "n"), "--format", "parquet", "--out", str(tmp_path / "e")])
+    assert res.exit_code == 0, res.output
+    assert pq.read_table(tmp_path / "e" / "requests.parquet").num_rows == truth["requests"]
+    assert "part-x.parquet.tmp" in res.stderr and "not read" in res.stderr, res.stderr
+    assert ".part-y" not in res.output and "_part-z" not in res.output

@@ -34,6 +34,7 @@ import pyarrow.csv as pacsv
 import pyarrow.dataset as ds
 import pyarrow.parquet as pq
 
+from powerprof.storage import datafiles
 from powerprof.storage.atomic import atomic_path
 from powerprof.trust import out_dir_refusal
 from powerprof.storage.runs import no_finished_level
@@ -92,6 +93,7 @@ class Source:
     name: str  # table name: samples, windows, levels, requests...
     dataset: ds.Dataset
     partition_fields: tuple[str, ...] = ()
+    strays: tuple[str, ...] = ()  # files in its folder not read as data, that may hold rows (storage/datafiles.py)
 
 
 def local_tz_name() -> str:
@@ -173,7 +175,7 @@ def union_sources(groups: list[list[Source]]) -> list[Source]:
             union = ds.dataset([s.dataset for s in same], schema=schema)
         except (pa.ArrowInvalid, pa.ArrowTypeError) as e:
             raise ExportError(f"table {name}: the sources' columns do not agree ({e})") from None
-        out.append(Source(name, union, same[0].partition_fields))
+        out.append(Source(name, union, same[0].partition_fields, tuple(f for x in same for f in x.strays)))
     return out
 
 
@@ -191,20 +193,15 @@ def _uri_sources(uri: str) -> list[Source]:
         raise ExportError(f"{uri}: no such file or folder")
     name = path.rstrip("/").rsplit("/", 1)[-1]
 
-    def dataset(p, hive):
-        return open_dataset(p, hive, filesystem=fs, label=uri)
-
     if info.type == pafs.FileType.File:
-        return [Source(name.removesuffix(".parquet"), dataset(path, False))]
+        return [Source(name.removesuffix(".parquet"), open_dataset(path, filesystem=fs, label=uri))]
     subs = [i for i in fs.get_file_info(pafs.FileSelector(path)) if i.type == pafs.FileType.Directory
             and not i.base_name.startswith((".", "_"))]
     if subs and all(i.base_name.startswith("date=") for i in subs):
         subs = []  # the URI names one table (requests/), not the data folder above it
     out = []
     for sub in subs or [info]:
-        d = dataset(sub.path, True)
-        parts = tuple(d.partitioning.schema.names) if d.partitioning is not None else ()
-        out.append(Source(sub.base_name if subs else name, d, parts))
+        out.append(table_source(sub.base_name if subs else name, sub.path, filesystem=fs, label=uri))
     return out
 
 
@@ -219,34 +216,50 @@ def find_sources(src) -> list[Source]:
     if p.is_file():
         if p.suffix != ".parquet":
             raise ExportError(f"{p}: not a Parquet file; give a run directory, a dataset folder or a .parquet file")
-        return [Source(p.stem, _dataset(p))]
-    out = [Source(f.stem, _dataset(f)) for f in sorted(p.glob("*.parquet")) if not f.name.startswith((".", "_"))]
+        return [Source(p.stem, open_dataset(p))]
+    out = [Source(f.stem, open_dataset(f)) for f in sorted(p.glob("*.parquet")) if datafiles.is_data_name(f.name)]
     if (p / "analysis" / "analysis.parquet").exists():
-        out.append(Source("analysis", _dataset(p / "analysis" / "analysis.parquet")))
+        out.append(Source("analysis", open_dataset(p / "analysis" / "analysis.parquet")))
     subs = sorted(d for d in p.iterdir() if d.is_dir() and not d.name.startswith((".", "_")))
     if not out and subs and all(d.name.startswith("date=") for d in subs):
         # One table's folder (requests/, a tuner's decisions): one table named by it, as for a URI, not
         # one per day named "date=..." (which no key of rowkeys.py would find).
-        d = _dataset(p, hive=True)
-        out.append(Source(p.name, d, tuple(d.partitioning.schema.names) if d.partitioning is not None else ()))
+        out.append(table_source(p.name, p))
     if not out:
         for sub in subs:
-            if any(sub.rglob("*.parquet")):
-                d = _dataset(sub, hive=True)
-                parts = tuple(d.partitioning.schema.names) if d.partitioning is not None else ()
-                out.append(Source(sub.name, d, parts))
+            if datafiles.table_files(sub)[0]:
+                out.append(table_source(sub.name, sub))
     if not out:
         raise ExportError(no_finished_level(p, "export")
                           or f"{p}: no Parquet tables found (expected a run directory or a daemon dataset folder)")
     return out
 
 
-def _dataset(path: Path, hive: bool = False) -> ds.Dataset:
-    return open_dataset(path, hive)
+def table_source(name: str, path, filesystem=None, label=None) -> Source:
+    """A table's hive-partitioned folder (a daemon dataset's requests/, a tuner's decisions), local or behind a URI: its
+    files by the rule analyze reads them by (storage/datafiles.py: `*.parquet`, nothing hidden), the rest named."""
+    if filesystem is None:
+        data, strays = datafiles.table_files(Path(path))
+        files, stray_names = [str(f) for f in data], tuple(str(f) for f in strays)
+    else:
+        import pyarrow.fs as pafs
+
+        base = str(path).rstrip("/")
+        infos = filesystem.get_file_info(pafs.FileSelector(base, recursive=True))
+        rels = [i.path[len(base) + 1:] for i in infos if i.type == pafs.FileType.File]
+        data, strays = datafiles.split_names(rels)
+        files, stray_names = [f"{base}/{r}" for r in data], tuple(f"{label or base}/{r}" for r in strays)
+    d = open_dataset(files, hive=True, filesystem=filesystem, label=label or path, base=str(path), table=name)
+    parts = tuple(d.partitioning.schema.names) if d.partitioning is not None else ()
+    return Source(name, d, parts, stray_names)
 
 
-def open_dataset(path, hive: bool = False, filesystem=None, label=None) -> ds.Dataset:
+def open_dataset(path, hive: bool = False, filesystem=None, label=None, base=None, table=None) -> ds.Dataset:
     """The one place export opens a table's files: a dataset whose schema is every file's columns, matched by name.
+
+    path: one file, or a list of them (table_source's) below `base`, whose folders are the hive partitions. A file whose
+    column holds another kind of value than powerprof writes it as (table: which table), or than another file's, is
+    refused naming it (storage/datafiles.type_refusal, the rule analyze refuses it by).
 
     pyarrow takes a folder's schema from its first file: a daemon folder whose first file was written before a column
     (server_count, other_cpu_pct, prompt_tokens_estimate) read without it, and the newer files' values were silently
@@ -254,15 +267,20 @@ def open_dataset(path, hive: bool = False, filesystem=None, label=None) -> ds.Da
     (`older_columns` says how many rows). The files with the most columns come first, so the columns keep the newest
     writer's order."""
     label = label or path
+    table = table or (Path(str(path)).stem if isinstance(path, (str, os.PathLike)) else None)
+    extra = {"partition_base_dir": base} if hive and base is not None else {}
     try:
-        d = ds.dataset(path, filesystem=filesystem, format="parquet", partitioning="hive" if hive else None)
-        files = sorted((f.physical_schema for f in d.get_fragments()), key=lambda s: -len(s.names))
+        d = ds.dataset(path, filesystem=filesystem, format="parquet", partitioning="hive" if hive else None, **extra)
+        frags = list(d.get_fragments())
+        if why := datafiles.type_refusal(table, ((f.path, f.physical_schema) for f in frags)):
+            raise ExportError(why)
+        files = sorted((f.physical_schema for f in frags), key=lambda s: -len(s.names))
         if len(files) < 2 or all(s.equals(files[0]) for s in files[1:]):
             return d
         parts = d.partitioning.schema if d.partitioning is not None else pa.schema([])
         schema = pa.unify_schemas([*(s.remove_metadata() for s in files), parts], promote_options="permissive")
         return ds.dataset(path, schema=schema, filesystem=filesystem, format="parquet",
-                          partitioning=ds.HivePartitioning(parts) if hive else None)
+                          partitioning=ds.HivePartitioning(parts) if hive else None, **extra)
     except (pa.ArrowInvalid, pa.ArrowTypeError, OSError) as e:
         raise ExportError(f"{label}: cannot be read as Parquet ({e})") from None
 
@@ -395,6 +413,8 @@ def export(src, fmt: str, out=None, time_from: str | None = None, time_to: str |
         # Its tables are there (Ctrl-C in the first level flushes them) but hold no finished level.
         notes.extend(f"{m}: its tables hold only what was measured before it stopped"
                      for m in (no_finished_level(s, None) for s in srcs if not is_uri(s) and Path(s).is_dir()) if m)
+    if notes is not None and (said := datafiles.strays_note([f for s in sources for f in s.strays])):
+        notes.append(said)
     plan = _plan(sources, columns)
     sources = [s for s in sources if s.name in plan]
     whole = sorted(s.name for s in sources if (t_from or t_to) and time_column(s.dataset.schema) is None)

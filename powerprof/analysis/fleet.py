@@ -14,6 +14,7 @@ from pathlib import Path
 import pyarrow as pa
 
 from powerprof.profiler import BEFORE_FIRST_READ_FLAG, NO_COUNTER_SHORT_FIX, NO_COUNTER_SHORT_FLAG
+from powerprof.storage import datafiles
 from powerprof.storage.schema import (BYPASS_LOW_FLAG, SERVER_COUNT_COMPLETE, SERVER_COUNT_TRUSTED, SERVER_COUNT_UNREAD,
                                       bypass_count_fix)
 
@@ -61,14 +62,22 @@ def is_daemon_dataset(path: str) -> bool:
 
 
 def table_files(sources: list[str], table: str) -> list[str]:
-    """The Parquet globs of one daemon table under each source; local sources must have it."""
+    """One daemon table's files under each source: a local folder's by the rule export reads too
+    (storage/datafiles.py), a URI's as a glob (DuckDB lists it remotely)."""
     out = []
     for s in sources:
         if is_uri(s):
             out.append(f"{s}/{table}/**/*.parquet")
-        elif any((Path(s) / table).rglob("*.parquet")):
-            out.append(str(Path(s) / table / "**" / "*.parquet"))
+        else:
+            out.extend(str(f) for f in datafiles.table_files(Path(s) / table)[0])
     return out
+
+
+def stray_note(sources: list[str]) -> str | None:
+    """Files in the local sources' tables that are not read and may hold rows (`part-x.parquet.tmp`), said."""
+    strays = [f for s in sources if not is_uri(s) for t in ("requests", "intervals", "tags")
+              for f in datafiles.table_files(Path(s) / t)[1]]
+    return datafiles.strays_note(strays)
 
 
 def empty_sources(sources: list[str]) -> list[str]:
@@ -156,11 +165,42 @@ def _raw_sql(con, table: str, files: list[str]) -> str:
     cols = COLUMNS[table]
     if files:
         src = read_sql(files)
-        names = {r[0] for r in con.execute(f"DESCRIBE SELECT * FROM {src}").fetchall()}
+        types = {r[0]: r[1] for r in con.execute(f"DESCRIBE SELECT * FROM {src}").fetchall()}
+        names = set(types)
+        _check_types(table, files, {c: types[c] for c in cols if c in types})
         sel = ", ".join(c if c in names else f"CAST(NULL AS {t}) AS {c}" for c, t in cols.items())
         return f"SELECT {sel}, filename FROM {src}"
     sel = ", ".join(f"CAST(NULL AS {t}) AS {c}" for c, t in cols.items())
     return f"SELECT {sel}, NULL::VARCHAR AS filename WHERE false"
+
+
+# DuckDB's names of the types a column read as (the files' types unified) that the queries here take as COLUMNS' type.
+_DUCK_NUMBER = ("TINYINT", "SMALLINT", "INTEGER", "BIGINT", "HUGEINT", "UTINYINT", "USMALLINT", "UINTEGER", "UBIGINT",
+                "UHUGEINT", "FLOAT", "DOUBLE", "DECIMAL")
+_DUCK_FITS = {"DOUBLE": _DUCK_NUMBER, "BIGINT": _DUCK_NUMBER, "VARCHAR": ("VARCHAR",), "TIMESTAMPTZ": ("TIMESTAMP",)}
+
+
+def _check_types(table: str, files: list[str], read_as: dict[str, str]) -> None:
+    """Refuse, naming the file, a column stored as another kind of value than the daemon writes (gpu_energy_j as
+    text in one file: DuckDB read the column as VARCHAR and failed on "isfinite(VARCHAR)"). Only where DuckDB's
+    unified type does not fit are the files' footers read, to name the one that is wrong (the rule export
+    applies: storage/datafiles.type_refusal)."""
+    wrong = {c: t for c, t in read_as.items() if not t.startswith(_DUCK_FITS[COLUMNS[table][c]])}
+    if not wrong:
+        return
+    local = [f for f in files if not is_uri(f)]
+    if local:
+        import pyarrow.parquet as pq  # noqa: PLC0415
+
+        why = datafiles.type_refusal(table, ((f, pq.read_schema(f)) for f in local), columns=set(wrong))
+        if why:
+            raise FleetError(why)
+        if len(local) == len(files):
+            return  # no file holds a value of another kind (a column empty in all of them reads as INTEGER)
+    c, t = next(iter(wrong.items()))
+    raise FleetError(f"column {c} of {table} reads as {t} in one of the files of {', '.join(files)}, where the daemon "
+                     f"writes {COLUMNS[table][c]}: a file edited or written by another tool; write that column back "
+                     f"as {COLUMNS[table][c]} in it, or move it out of the dataset folder, and run again")
 
 
 def _host_clashes(con, table: str, files: list[str]) -> tuple[int, list[list[str]]]:
@@ -302,6 +342,8 @@ def fleet_summary(sources) -> pa.Table:
             out = to_arrow(con, FLEET_SQL.format(**parts))
             conflicts = {t: sum(out.column(f"conflicting_{t}").to_pylist() or [0]) for t in ("requests", "intervals")}
             clashes = {t: _host_clashes(con, t, files[t]) if conflicts[t] else (0, []) for t in conflicts}
+        except FleetError:
+            raise
         except Exception as e:  # duckdb.Error and IO errors: say which sources, keep the reason
             from powerprof import termination  # noqa: PLC0415
 
@@ -389,6 +431,8 @@ def tag_summary(sources) -> pa.Table:
         try:
             files = table_files(srcs, "tags")
             out = to_arrow(con, TAGS_SQL.format(tags=_table_sql(con, "tags", files)))
+        except FleetError:
+            raise
         except Exception as e:  # duckdb.Error and IO errors: say which sources, keep the reason
             from powerprof import termination  # noqa: PLC0415
 
