@@ -452,8 +452,9 @@ def test_sglangs_counter_dipping_for_one_read_blames_no_batch():
 
 def test_a_sweep_beside_a_simulated_sglang_whose_counter_dips_flags_nothing(tmp_path):
     """Against the simulator's SGLang, its counter dipping 40 tokens at every third /metrics read, one level of 8
-    requests: before, 4 of 12 windows were marked foreign-traffic, the level flagged, the notes said "powerprof saw
-    250 generated tokens on the server not its own", and 4 more requests were sent; now none, 8 sent."""
+    requests, the counter at 200 before it: before, 4 of 12 windows were marked foreign-traffic ("72 tokens more"),
+    the level flagged, the notes said "powerprof saw 288 generated tokens on the server not its own", and 4 more
+    requests were sent; now none, 8 sent."""
     import json
     import urllib.request
 
