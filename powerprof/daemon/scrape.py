@@ -237,7 +237,7 @@ class Scraper:
 
     def _dip_or_restart(self, prev: float, total: float) -> str | None:
         """The counter went back from `prev` (the highest believed reading) to `total` on a page that has no start time:
-        why it is a restart, or None for a dip not believed (this scrape is skipped; the next page tells).
+        why it is a restart, or None for a dip not believed (this scrape is skipped, or counted as 0 and marked: below).
 
         A multi-process page (prometheus_client's multiprocess collector sums each worker's file as it reads it) can
         show less than the page before for one read, the process the same: taken for a restart, the whole counter was
