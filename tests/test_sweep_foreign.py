@@ -423,3 +423,62 @@ def test_an_sglang_without_its_token_counter_on_its_page_is_unknown_not_zero(mon
         assert t.tokens is None and t.blind and "cannot be ruled out" in t.limits(), (status, page, t)
     for page in ("", FRESH_PAGE):
         assert tokens(200, page).tokens == 0.0, page
+
+
+def test_sglangs_counter_dipping_for_one_read_blames_no_batch():
+    """A multi-process /metrics page (SGLang's) read while a worker's share lags shows fewer tokens than the page
+    before, the process the same, and the next page the truth again (SimServer.dip_counter). Before: the fall was
+    read as a restart, the baseline reset to the dipped reading, and the batch after it blamed for the dip
+    ("the server generated 40 tokens more than powerprof's requests received"): left out and sent again."""
+    def t(tok):
+        return tally_from_metrics(SGLANG.format(tok=tok, run=0), 0)
+
+    w = ForeignWatch(t(1000))
+    assert w.judge(t(1128), [_Rec(128)]) is None
+    assert w.judge(t(1128 - 40), [_Rec(128)]) is None  # the dip: 40 below the page before (1256 true)
+    assert w.judge(t(1384), [_Rec(128)]) is None  # the truth again
+    assert w.judge(t(1384 - 40), [_Rec(128)]) is None  # 1512 true
+    assert w.judge(t(1384 - 50), [_Rec(0)]) is None  # a second dip on the next page, below the first
+    assert w.judge(t(1640), [_Rec(128)]) is None
+    # Another client's tokens are still seen after the dips, counted once.
+    why = w.judge(t(1768 + 48), [_Rec(128)])
+    assert why is not None and "48 tokens more" in why and w.seen_tokens == 48, why
+    # A counter fallen to half or less is a restart (a new process counts from 0): counted from its reading again.
+    assert w.judge(t(100), [_Rec(100)]) is None
+    assert w.judge(t(228), [_Rec(128)]) is None
+    why = w.judge(t(356 + 20), [_Rec(128)])
+    assert why is not None and "20 tokens more" in why, why
+
+
+def test_a_sweep_beside_a_simulated_sglang_whose_counter_dips_flags_nothing(tmp_path):
+    """Against the simulator's SGLang, its counter dipping 40 tokens at every third /metrics read, one level of 8
+    requests, the counter at 200 before it: before, 4 of 12 windows were marked foreign-traffic ("72 tokens more"),
+    the level flagged, the notes said "powerprof saw 288 generated tokens on the server not its own", and 4 more
+    requests were sent; now none, 8 sent."""
+    import json
+    import urllib.request
+
+    from powerprof.sim.server import SimServer
+
+    sim = SimNVML("seed-16g", state_path=None)
+    out = tmp_path / "run"
+    with SimServer(sim, flavour="sglang", decode_tok_s=400.0) as srv:
+        # A counter well above twice the dip before the sweep: a fall to half or less is a restart (a new process).
+        body = json.dumps({"text": "x", "sampling_params": {"max_new_tokens": 200, "ignore_eos": True}}).encode()
+        req = urllib.request.Request(srv.url + "/generate", body, {"Content-Type": "application/json"})
+        with urllib.request.urlopen(req, timeout=30) as r:
+            r.read()
+        srv.dip_counter(40, every=3)
+        ui = _Hook()
+        with Rig("seed-16g", nvml=sim) as rig:
+            outcome = _sweep(rig, out, ui, url=srv.url, levels_spec="300", params=RequestParams(max_tokens=32),
+                             min_requests=8, max_requests=8, warmup_requests=0)
+        dips = len(srv.dips)
+        w = pq.read_table(out / "windows.parquet").to_pandas()
+        lv = pq.read_table(out / "levels.parquet").to_pandas()
+    assert dips >= 3, dips  # the plug did dip, between batches
+    req_w = w[w.window_kind == "request"]
+    assert req_w.foreign_traffic.isna().all(), req_w.foreign_traffic.dropna().tolist()
+    assert len(req_w) == 8, len(req_w)  # nothing sent again
+    assert FOREIGN_FLAG not in (lv.loc[0, "flags"] or ""), lv.loc[0, "flags"]
+    assert not any("others' work" in n for n in outcome.notes), outcome.notes

@@ -68,6 +68,9 @@ def slots_delta(prev: dict[int, tuple[object, int]], now: dict[int, tuple[object
     return d
 
 
+# A counter below its highest reading at two pages or more, above half of it, the server never found down: two dips in a
+# row or a restart, not told apart (Scraper._dip_or_restart); counted from the highest reading, the windows marked.
+COUNTER_BELOW = "counter_below"
 # Why a scraped count may be low (keys of Scraper.partial; /metrics label `reason`).
 PARTIAL_REASONS = {
     "late_baseline": "the server's counters were first read after the daemon said it was ready, and it had counted tokens "
@@ -83,6 +86,15 @@ PARTIAL_REASONS = {
                       "the restart say so in server_count (fix: none needed for later figures; a restart whose new counter "
                       "has passed the old reading by the first scrape after it, on a server without "
                       "process_start_time_seconds, cannot be told from traffic and is not said)",
+    COUNTER_BELOW: "the server's token counter stayed below its highest reading at consecutive scrapes, above half of it, "
+                   "and no scrape found the server down: dips on consecutive pages of a multi-process /metrics (SGLang's, "
+                   "a vLLM with several API servers), where the count is exact, or a restart whose new process had "
+                   "counted more than half the old one's tokens by its first page, whose tokens until its counter "
+                   "passes the old reading are not in the count. Counted from the highest reading either way (no token "
+                   "made up), so bypass traffic then may not be in `unproxied` (its energy is with the proxied requests' "
+                   "or idle); those intervals say so in server_count (fix: none needed once the counter passes its "
+                   "highest reading again; a page with process_start_time_seconds, vLLM with one API server, tells a "
+                   "restart by it)",
 }
 
 STILL_S = 5.0  # the counter and the proxy this long without movement: scrape at the idle period
@@ -186,6 +198,7 @@ class Scraper:
         self.restarts = 0  # server restarts seen (a counter gone back, or a new process start time)
         self._start_s: float | None = None  # the server's process_start_time_seconds at the previous scrape
         self.dips = 0  # pages whose counter went back with no other sign of a restart, not believed (_dip_or_restart)
+        self.below = 0  # pages still below the highest reading after a dip, counted as 0 and marked (COUNTER_BELOW)
         self._dipped: float | None = None  # the dipped reading of the page before, not believed: the next one tells
         self._unreachable = False  # a scrape since the last believed page found the server down (_SERVER_DOWN)
 
@@ -224,21 +237,25 @@ class Scraper:
 
     def _dip_or_restart(self, prev: float, total: float) -> str | None:
         """The counter went back from `prev` (the highest believed reading) to `total` on a page that has no start time:
-        why it is a restart, or None for a dip not believed (this scrape is skipped; the next page tells).
+        why it is a restart, or None for a dip not believed (this scrape is skipped, or counted as 0 and marked: below).
 
         A multi-process page (prometheus_client's multiprocess collector sums each worker's file as it reads it) can
         show less than the page before for one read, the process the same: taken for a restart, the whole counter was
         counted as one window's tokens and that window marked server_restart (docs/daemon.md, A counter that dips). A
         restart is told by what a dip does not do: the counter fell to half or less (a new process counts from 0), a
-        scrape since the last believed page found the server down (nothing listening, or a 502/503), or the fall is
-        still there at the next page (a dip is one read's)."""
+        scrape since the last believed page found the server down (nothing listening, or a 502/503). A fall still
+        there at the next page, neither of those, may be either: that page's window counts nothing and is marked
+        (COUNTER_BELOW, `_below`), and tokens count again from `prev` once the counter passes it."""
         if total <= prev / 2:
             return f"{COUNTERS[self.kind]} went back from {prev:g} to {total:g}"
         if self._unreachable:
             return (f"{COUNTERS[self.kind]} went back from {prev:g} to {total:g} after a scrape found the server down")
         if self._dipped is not None:
-            return (f"{COUNTERS[self.kind]} went back from {prev:g} to {self._dipped:g}, and was still below it at the "
-                    f"next scrape ({total:g})")
+            # Still below at the next page: a restart or a second dip, which nothing here tells apart. Taken for a
+            # restart, two dips in a row (100000, 99990, 99995) counted 99995 tokens that never ran in one window,
+            # marked server_restart ("may be low"). Counted from the highest reading instead, and the window marked.
+            self._below(prev, total)
+            return None
         self._dipped = total
         self.dips += 1
         if self.dips <= 3 or self.dips % 100 == 0:
@@ -246,6 +263,18 @@ class Scraper:
                      "page read while a worker's share lagged; not believed, and told from a restart by the next "
                      "scrape", COUNTERS[self.kind], self.base, prev, total, self.dips)
         return None
+
+    def _below(self, prev: float, total: float) -> None:
+        """This page's counter is still below the highest reading `prev` (COUNTER_BELOW): its window closes with no
+        tokens counted (counted again once the counter passes `prev`) and says why its count may be low."""
+        self.window_partial = (*self.window_partial, COUNTER_BELOW)
+        if COUNTER_BELOW not in self.partial:
+            self.partial[COUNTER_BELOW] = PARTIAL_REASONS[COUNTER_BELOW]
+        self.below += 1
+        if self.below <= 3 or self.below % 100 == 0:
+            log.warning("%s at %s still below its highest reading %g at the next scrape (%g; %d so far): scraped "
+                        "server count may be low: %s", COUNTERS[self.kind], self.base, prev, total, self.below,
+                        PARTIAL_REASONS[COUNTER_BELOW])
 
     def has_baseline(self) -> bool:
         return self._last_total is not None or self._high is not None or self._slots is not None
@@ -318,6 +347,11 @@ class Scraper:
                 if prev is not None and total < prev and new_process is None and not same_start:
                     # No start time to tell (SGLang's page, a vLLM with several API servers): a dip or a restart.
                     new_process = self._dip_or_restart(prev, total)
+                    if new_process is None and COUNTER_BELOW in self.window_partial:
+                        # Its window closes, with nothing counted and marked; the latency and cache-hit counters of a
+                        # page that may be a dip are not taken as the base either.
+                        self.finished = None
+                        return 0.0
                     if new_process is None:
                         self.finished = None
                         return None  # the dip's window goes on to the next page (never 0 tokens, never a restart)

@@ -264,7 +264,7 @@ DAEMON_REQUESTS_COLUMNS = [
 # A daemon interval row's `server_count`: the server's counter covered it with no known loss (complete); it was not
 # read over it, the scraper having no answer yet (unread: its bypass traffic unknown); the daemon scrapes no server
 # (off: bypass not measured); else why the count may be low, comma-separated (late_baseline, server_restart,
-# slots_only, unscraped, misplaced), or may be low or high (proxy_lag). Null (files written before the column): unknown, never complete. A request given energy of
+# counter_below, slots_only, unscraped, misplaced), or may be low or high (proxy_lag). Null (files written before the column): unknown, never complete. A request given energy of
 # an interval whose count may be low (or unread) says BYPASS_LOW_FLAG in its energy_note; `analyze` leaves it out of
 # J/token (docs/data.md, daemon_intervals).
 SERVER_COUNT_COMPLETE, SERVER_COUNT_UNREAD, SERVER_COUNT_OFF = "complete", "unread", "off"
@@ -318,6 +318,8 @@ BYPASS_COUNT_FIX = {
     "late_baseline": "start the server before the daemon, or restart the daemon once the server is up",
     SERVER_COUNT_UNREAD: "start the server before the daemon, and check that scrape.url answers its /metrics",
     "server_restart": "none for later requests (the count starts afresh); keep the server from restarting",
+    "counter_below": "none once the server's counter passes its highest reading again; where it was a restart, a page "
+                     "with process_start_time_seconds (vLLM with one API server) tells it",
     SERVER_COUNT_SLOTS_ONLY: "start llama-server with --metrics",
     "unscraped": "keep the server's /metrics answering within scrape's 2 s (the intervals wait for it 10 s at most)",
     SERVER_COUNT_OFF: "let the daemon scrape the server (scrape.server not none)",

@@ -384,7 +384,9 @@ class ForeignWatch:
     Snapshots are taken between batches, when none of powerprof's requests is in flight: requests in
     flight then, and tokens or finished requests beyond the batch's own (beyond the tolerance), are
     another client's. Counts compare cumulatively from the first snapshot with a high-water mark, so a
-    counter that lags the stream by a step shifts nothing between batches."""
+    counter that lags the stream by a step, or dips below the page before for one read, shifts nothing
+    between batches. A token counter fallen to half its last reading or less is a restart (counted from
+    there again); a restart the sweep sees as the server going away is ridden out by sweep.py."""
 
     def __init__(self, first: Tally):
         self.first = self.prev = first
@@ -416,9 +418,15 @@ class ForeignWatch:
         self.ours_tokens += sum(int((r.shown_tokens if r.count_problem else r.generated_tokens) or 0) for r in recs)
         self.ours_requests += sum(1 for r in recs if r.ok)
         if now.tokens is not None and self.first.tokens is not None and self.prev.tokens is not None:
-            if now.tokens < self.prev.tokens:  # the server restarted: its counter began again
+            if now.tokens <= self.prev.tokens / 2:  # the server restarted: its counter began again
                 self.first, self.ours_tokens, self._tok_high = now, 0, 0.0
             else:
+                # A fall above half the page before is no restart: a multi-process page (SGLang's, a vLLM with
+                # several API servers) read while a worker's share lagged (docs/daemon.md, "A counter that dips").
+                # Reset there, the dip came back at the next page as the next batch's "tokens more" (4 of 12
+                # windows of an SGLang level left out and sent again, tests/test_sweep_foreign.py). Compared from the
+                # first snapshot, a dipped reading cannot raise the high-water mark, and others' tokens beyond the
+                # dip are still seen in their batch; those it hides are seen at the next page, in the next batch.
                 excess = now.tokens - self.first.tokens - self.ours_tokens
                 tol = TOKENS_PER_REQUEST_TOLERANCE * max(len(recs), 1)
                 if not failed and excess > self._tok_high + tol:
@@ -427,7 +435,7 @@ class ForeignWatch:
                                f"requests received ({now.tokens_name})")
                 self._tok_high = max(self._tok_high, excess)
         if now.requests is not None and self.first.requests is not None and self.prev.requests is not None:
-            if now.requests < self.prev.requests:
+            if now.requests <= self.prev.requests / 2:  # restarted; a smaller fall a dip (as the token counter's)
                 self.first, self.ours_requests, self._req_high = now, 0, 0.0
             else:
                 excess = now.requests - self.first.requests - self.ours_requests
