@@ -1009,7 +1009,7 @@ class Ledger:
         out = []
         for r in self.requests.values():
             tr = r.trace
-            if tr.end_ns is not None or tr.api is None or self._never_says_cached(tr.api):
+            if tr.end_ns is not None or tr.api is None or self._cannot_say_cached(r):
                 continue
             if self.server_at_finish:  # counted as it finishes: from its latest token on, its end still to come
                 h0, h1 = tr.last_ns or tr.first_ns or tr.arrival_ns, None
@@ -1071,8 +1071,13 @@ class Ledger:
         seen.append(said)
         if not said and self._never_says_cached(tr.api):
             for q in self.requests.values():
-                if q.trace.api == tr.api and q.awaited:
+                if q.awaited and self._cannot_say_cached(q):
                     self._release(q)
+
+    def _cannot_say_cached(self, r: _Req) -> bool:
+        """Its end cannot tell a hit: its API says no cached count and its prompt is not shared by n choices (whose other
+        choices' hits its end tells all the same: `_known_cached`)."""
+        return self._never_says_cached(r.trace.api) and r.trace.extra.get("choices", 1) <= 1
 
     def _never_says_cached(self, api: str) -> bool:
         """The API's latest ended answers (SAYS_CACHED_RECENT) all said no cached count while the server counted hits:
