@@ -209,12 +209,13 @@ def test_a_requests_known_hits_are_counted_once_not_in_every_window_its_span_tou
     assert UNSAID in (beside[2]["energy_note"] or "") and "800" in beside[2]["energy_note"]
 
 
-def _pending_run(details: bool, continuous: bool = False, ends: dict | None = None):
+def _pending_run(details: bool, continuous: bool = False, ends: dict | None = None, scrape_s: float = 2.0):
     """vLLM streams, the server's counter scraped every 2 s. C (0.1 → 1.45 s, 50 prompt tokens) and A (0.2 → 0.85 s,
     100) hit nothing; B arrives at 1.2 s, reuses 900 cached tokens of its 1000 (counted in the first scrape window,
     0 → 2 s, beside A's and C's prefills) and streams to 5.05 s, where its final usage says them (details) or not.
     continuous: every stream says its prompt's length on its first token (continuous usage), its cached count only at
-    its end (as vLLM's running usage does). ends: {id: end s} for streams made longer (a token every 0.5 s after 10 s)."""
+    its end (as vLLM's running usage does). ends: {id: end s} for streams made longer (a token every 0.5 s after 10 s).
+    scrape_s: the scrape period (the hits are in the window ending at 2 s)."""
     sink = _Sink()
     led = Ledger("d", 0, 1, sink, grace_s=0.1)
     led.scraping = True
@@ -251,12 +252,14 @@ def _pending_run(details: bool, continuous: bool = False, ends: dict | None = No
         if tick % 10 == 0:
             e += 100.0
             _feed(led, now, e)
-        if tick % 20 == 0:
-            since, t = int((now - 2) * S), int(now * S)
+        if tick % round(scrape_s * 10) == 0:
+            since, t = int((now - scrape_s) * S), int(now * S)
             led.add_cache_hits(since, t, 900.0 if tick == 20 else 0.0)
             led.add_server_tokens(t, window_tokens, since)
             window_tokens = 0.0
         led.advance(int((now + 0.05) * S))
+        for iv in sink.rows["intervals"]:  # when each interval row was written (the ledger's clock)
+            iv.setdefault("_written_s", now + 0.05)
     led.close_all(int(max(9.5, last_s + 4.5) * S))
     return sink.rows["intervals"], {r["request_id"]: r for r in sink.rows["requests"]}, led
 
@@ -309,3 +312,86 @@ def test_a_count_said_late_marks_the_late_case_not_the_unsaid_one():
     assert LATE in (rq[2]["energy_note"] or "")
     assert _unsaid_flagged(ivs, rq) == (set(), [])
     assert led.totals.cache_unsaid_requests == 0
+
+
+def _row_delays_s(ivs):
+    """Each interval row's write time less its end (the ledger's clock; close_all's rows left out)."""
+    return [iv["_written_s"] - iv["t_start_mono_s"] - iv["duration_s"] for iv in ivs if "_written_s" in iv]
+
+
+def test_a_server_that_never_says_counts_does_not_hold_rows_for_its_live_streams():
+    # vLLM's default (prefix caching on, no --enable-prompt-tokens-details): no answer says a cached count. Streams say
+    # their prompt on their first token (continuous usage: no prompt hold), the counter is scraped every second. C
+    # ends at 2.5 s, after the 2 s scrape counted 900 hits, and says no count: B's end (5.05 s) cannot say its count
+    # either. Before, the interval rows over the window waited for B's end, and every row behind them too (the 0-1 s
+    # row written at 6.05 s, 5.05 s after its end); the verdict after the wait was the same. Now decided as C's end
+    # says no count.
+    ivs, rq, led = _pending_run(details=False, continuous=True, ends={3: 2.5}, scrape_s=1.0)
+    assert _unsaid_flagged(ivs, rq) == ({1, 2, 3}, [0, 1])  # flagged as before
+    assert led.totals.cache_unsaid_requests == 3
+    delays = _row_delays_s(ivs)
+    assert len(delays) >= 8 and max(delays) < 2.5, delays
+    assert [iv["t_start_mono_s"] for iv in ivs] == sorted(iv["t_start_mono_s"] for iv in ivs)
+
+
+def test_a_server_that_says_its_counts_keeps_the_wait_for_its_live_streams():
+    # The same with the details flag: C's end says 0 cached, so B's end may say its hits (it says 900): the rows wait
+    # for it and nothing is flagged unsaid.
+    ivs, rq, led = _pending_run(details=True, continuous=True, ends={3: 2.5}, scrape_s=1.0)
+    assert _unsaid_flagged(ivs, rq) == (set(), [])
+    assert led.totals.cache_unsaid_requests == 0
+    assert max(_row_delays_s(ivs)) > 4.0  # the 0-1 s row waited for B's end (5.05 s)
+
+
+def _many_live_run(n: int, hits: float, until_s: float = 24.0):
+    """n vLLM streams arriving over the first 10 s (the details flag on: no answer has yet said it lacks counts), each
+    live to `until_s`; the server's counter scraped every 2 s, each window `hits` hits. Returns the ledger at the end
+    of that and the bytes tracemalloc saw it hold more than before (all streams still live)."""
+    import gc
+    import tracemalloc
+
+    sink = _Sink()
+    led = Ledger("d", 0, 1, sink, grace_s=0.1)
+    led.scraping = True
+    _feed(led, 0.0, 0.0)
+    led.add_server_tokens(0, 0.0)
+    reqs = [_vllm(i + 1, 0.05 + 10.0 * i / n) for i in range(n)]
+    gc.collect()
+    tracemalloc.start()
+    base = tracemalloc.get_traced_memory()[0]
+    started, e = 0, 0.0
+    for tick in range(1, int(until_s * 2) + 1):
+        now = tick / 2
+        while started < n and reqs[started].arrival_ns <= now * S:
+            led.on_start(reqs[started])
+            started += 1
+        for q in reqs[:started]:
+            t = int(now * S)
+            q.extra.setdefault("prompt_tokens", 100)  # said on its first token (continuous usage: no prompt hold)
+            q.first_ns = q.first_ns or t
+            q.last_ns = t
+            q.tokens_seen += 1
+            led.on_tokens(q, t, 1)
+        if tick % 2 == 0:
+            e += 100.0
+            _feed(led, now, e)
+        if tick % 4 == 0:
+            led.add_cache_hits(int((now - 2) * S), int(now * S), hits)
+            led.add_server_tokens(int(now * S), float(started * 4), int((now - 2) * S))
+        led.advance(int((now + 0.05) * S))
+    gc.collect()
+    held = tracemalloc.get_traced_memory()[0] - base
+    tracemalloc.stop()
+    return led, held
+
+
+def test_what_the_rows_wait_for_stays_small_with_many_live_streams():
+    # Many live streams beside unsaid hits (their ends may yet say them). Before, each request given energy in a
+    # waiting interval kept its own set of the live ids, and each parked interval row another: 400 streams held 115k
+    # ids, 6.5 MB more than the same run with no hits (1000 streams: 717k ids, 48.7 MB). Now a count per wait: 0.65 MB
+    # (1000: 1.6 MB, their `cache_unsure` entries mostly), growing with the streams, not with their square.
+    n = 400
+    led, held = _many_live_run(n, 900.0, until_s=16.0)
+    _, quiet = _many_live_run(n, 0.0, until_s=16.0)  # no hits: nothing waits
+    assert led._iv_parked, "the set-up must leave interval rows waiting for the live streams"
+    assert held - quiet < 2_000_000, (held, quiet)

@@ -94,6 +94,9 @@ CACHE_UNSAID_MIN = 1.0
 # Intervals a request keeps to judge once the requests whose end may say their hits have ended (`_Req.cache_unsure`);
 # beyond, judged at their close as before (a stream live for hours over 1 s intervals).
 CACHE_UNSURE_MAX = 256
+# An API whose latest this many ended answers (prompts over one token) all said no cached count while the server
+# counted hits says none (`_never_says_cached`): its live requests' ends cannot say theirs, so nothing waits for them.
+SAYS_CACHED_RECENT = 8
 FINISH_HOLD_S = 30.0  # an at-finish server's requests' durations of this long ago set how long intervals are held
 # What a row whose stream reached the proxy in one burst says to do about it (`_spread_burst`).
 BURST_FIX = ("fix: point proxy.upstream at the server itself, or turn off the buffering of what stands between them "
@@ -202,7 +205,10 @@ class _Req:
     # requests whose hit may be among them were still live (`_cache_waiting`): their end may say it. Judged as its row
     # is made, once those (`cache_wait`) have ended (CACHE_UNSAID_FLAG only where the hits are still unsaid then).
     cache_unsure: list = field(default_factory=list)
-    cache_wait: set = field(default_factory=set)
+    cache_wait: set = field(default_factory=set)  # the waits' numbers (`Ledger._waits`), not the requests' ids
+    # The waits it is one of the live requests of, as [first, last] ranges of their numbers (`Ledger._await`): its
+    # end takes it out of their counts.
+    awaited: list = field(default_factory=list)
     cache_unsaid_early: float = 0.0  # its hit span's unsaid hits, judged before those windows were pruned
     prev_held: bool = False  # that piece held more tokens than its sequences
     first_held: bool = False  # its first piece held more than FIRST_BURST_TOKENS a sequence
@@ -325,9 +331,19 @@ class Ledger:
         # to end (at most prompt_hold_s past their own end): [request, its end].
         self._late_said: dict[int, float] = {}
         self._late_parked: list[list] = []
-        # Interval rows in order, [row, t0, t1, requests whose end may say its unsaid hits, its close], each waiting
-        # (at most prompt_hold_s past its close) for those to end before its CACHE_UNSAID_FLAG is judged.
+        # Interval rows in order, [row, t0, t1, the wait on the requests whose end may say its unsaid hits (a `_waits`
+        # number, 0: none), its close], each waiting (at most prompt_hold_s past its close) for those to end before its
+        # CACHE_UNSAID_FLAG is judged.
         self._iv_parked: deque = deque()
+        # What those rows and the rows of `_Req.cache_wait` wait for, kept as counts, not ids: {wait number: [its
+        # requests still live, its close]}; a wait leaves once its last request ends or prompt_hold_s past its close
+        # (no row waits on it longer). One set of ids per waiting request and parked row held ~1000 x 1000 ids with
+        # 1000 live streams (48.7 MB more than with no hits, tests/test_prefix_cache_ledger.py).
+        self._waits: dict[int, list] = {}
+        self._wait_next = 1  # the next wait's number (0 is none)
+        self._wait_floor = 1  # waits below this number left at their hold
+        # Per API, whether its latest ended answers said a cached count (`_never_says_cached`).
+        self._says_cached: dict[str, deque] = {}
         # [t0, t1, server tokens, bypass tokens or None, (requests finished, their summed seconds) or None,
         #  why its count may be low (scrape.PARTIAL_REASONS keys)] per scrape
         self.server_spans: list[list] = []
@@ -503,6 +519,8 @@ class Ledger:
             return 0.0
         added = self._placed_at_end(r)
         self._cache_met(r)
+        self._release(r)  # its end may have said its count: no wait counts it any more
+        self._learn_says_cached(r)
         if self.server_seen:
             # All its tokens, as the proxy counted them in the end (late ones too: the server counted them), at its
             # last token: where a counter that moves at request end counted them (`_resolve_spans`). A stream the
@@ -978,31 +996,94 @@ class Ledger:
         """Prefix-cache hits of the scrape windows over [t0, t1] that no request's answer said (CACHE_UNSAID_FLAG)."""
         return float(sum(max(sp[2] - sp[3], 0.0) for sp in self._cache_spans if sp[0] <= t1 and sp[1] >= t0))
 
-    def _cache_waiting(self, t0: int, t1: int) -> set:
-        """The live requests whose prefix-cache hit may be among the unsaid hits of the scrape windows over [t0, t1]:
-        their hit span meets one and their end has not come (`_cache_met` counts what it says). The server counts a
-        hit as it schedules a request, a stream's answer says it at its end: a window read before then holds hits not
-        yet said, and judged at once (an interval's close) they passed for unsaid, the details flag on (35 of 96
-        requests flagged, docs/daemon.md "Prefix-cache hits are no prefill")."""
+    def _cache_waiting(self, t0: int, t1: int, close_ns: int) -> int:
+        """A wait (its number; 0: none) on the live requests whose prefix-cache hit may be among the unsaid hits of
+        the scrape windows over [t0, t1]: their hit span meets one and their end has not come (`_cache_met` counts what
+        it says). The server counts a hit as it schedules a request, a stream's answer says it at its end: a window
+        read before then holds hits not yet said, and judged at once (an interval's close) they passed for unsaid, the
+        details flag on (35 of 96 requests flagged, docs/daemon.md "Prefix-cache hits are no prefill"). Requests of an
+        API that says no cached count (`_never_says_cached`) are not waited for: their end cannot say it."""
         wins = [(sp[0], sp[1]) for sp in self._cache_spans if sp[0] <= t1 and sp[1] >= t0 and sp[2] > sp[3]]
         if not wins:
-            return set()
-        out = set()
-        for rid, r in self.requests.items():
+            return 0
+        out = []
+        for r in self.requests.values():
             tr = r.trace
-            if tr.end_ns is not None or tr.api is None:
+            if tr.end_ns is not None or tr.api is None or self._cannot_say_cached(r):
                 continue
             if self.server_at_finish:  # counted as it finishes: from its latest token on, its end still to come
                 h0, h1 = tr.last_ns or tr.first_ns or tr.arrival_ns, None
             else:
                 h0, h1 = tr.arrival_ns, tr.first_ns
             if any(h0 <= w1 and (h1 is None or h1 >= w0) for w0, w1 in wins):
-                out.add(rid)
-        return out
+                out.append(r)
+        if not out:
+            return 0
+        n = self._wait_next
+        self._wait_next += 1
+        self._waits[n] = [len(out), int(close_ns)]
+        for r in out:
+            a = r.awaited
+            while a and a[0][1] < self._wait_floor:  # waits left at their hold: bounded by the hold, not its life
+                a.pop(0)
+            if a and a[-1][1] == n - 1:
+                a[-1][1] = n
+            else:
+                a.append([n, n])
+        return n
 
-    def _cache_still_waiting(self, ids: set) -> bool:
-        """Whether one of these requests has still not ended (its answer may yet say its cached count)."""
-        return any(q in self.requests and self.requests[q].trace.end_ns is None for q in ids)
+    def _release(self, r: _Req) -> None:
+        """The request ended (or can say no cached count): the waits it was one of count it no more."""
+        for n0, n1 in r.awaited:
+            for n in range(max(n0, self._wait_floor), n1 + 1):
+                w = self._waits.get(n)
+                if w is not None:
+                    w[0] -= 1
+                    if w[0] <= 0:
+                        del self._waits[n]
+        r.awaited = []
+
+    def _drop_waits(self, now_ns: int) -> None:
+        """Waits prompt_hold_s past their close: no row waits on them any longer (the interval row's hold; a request
+        row over it is judged with every count said by its own time)."""
+        while self._waits:
+            n = next(iter(self._waits))
+            if now_ns - self._waits[n][1] < self.prompt_hold_ns:
+                break
+            del self._waits[n]
+            self._wait_floor = n + 1
+
+    def _cache_still_waiting(self, waits) -> bool:
+        """Whether one of these waits has a request that has still not ended (its answer may yet say its count)."""
+        return any(n in self._waits for n in waits)
+
+    def _learn_says_cached(self, r: _Req) -> None:
+        """At a request's end: whether its answer said a cached count (0 or more) or, while the server counted hits,
+        said none (vLLM without --enable-prompt-tokens-details). A None while no hit was counted is left out: a server
+        may leave out a count of 0. Once an API says none, its live requests leave every wait."""
+        tr, c = r.trace, r.trace.counts
+        if tr.api is None or c is None or c.invalid is not None or c.prompt_tokens is None or c.prompt_tokens <= 1:
+            return
+        said = c.cached_tokens is not None
+        if not said and not self._cache_spans:
+            return
+        seen = self._says_cached.setdefault(tr.api, deque(maxlen=SAYS_CACHED_RECENT))
+        seen.append(said)
+        if not said and self._never_says_cached(tr.api):
+            for q in self.requests.values():
+                if q.awaited and self._cannot_say_cached(q):
+                    self._release(q)
+
+    def _cannot_say_cached(self, r: _Req) -> bool:
+        """Its end cannot tell a hit: its API says no cached count and its prompt is not shared by n choices (whose other
+        choices' hits its end tells all the same: `_known_cached`)."""
+        return self._never_says_cached(r.trace.api) and r.trace.extra.get("choices", 1) <= 1
+
+    def _never_says_cached(self, api: str) -> bool:
+        """The API's latest ended answers (SAYS_CACHED_RECENT) all said no cached count while the server counted hits:
+        its requests' ends cannot say one (answers of one upstream and API share its settings)."""
+        seen = self._says_cached.get(api)
+        return bool(seen) and not any(seen)
 
     def add_server_tokens(self, t_ns: int, delta: float, since_ns: int | None = None, at_finish: bool = False,
                           finished: tuple[float, float] | None = None, partial: tuple[str, ...] = ()) -> None:
@@ -1342,8 +1423,9 @@ class Ledger:
                              for k in range(t.size - 1)])
         # Those whose hits a live request's end may still say (`_cache_waiting`) are judged later (`cache_unsure`, the
         # parked interval rows); the rest now.
+        self._drop_waits(int(t[-1]))
         unsure = {k: w for k in np.flatnonzero(cache_iv >= CACHE_UNSAID_MIN)
-                  if (w := self._cache_waiting(int(t[k]), int(t[k + 1])))}
+                  if (w := self._cache_waiting(int(t[k]), int(t[k + 1]), int(t[-1])))}
         uk = sorted(unsure)
         sure_iv = np.where(np.isin(np.arange(t.size - 1), uk), 0.0, cache_iv)
         # Intervals with prefill of a request whose prompt was said early and its cached count not yet: costed as computed
@@ -1398,7 +1480,7 @@ class Ledger:
                 if a.request_energy[i, 10 + u] > 0:
                     if len(r.cache_unsure) < CACHE_UNSURE_MAX:
                         r.cache_unsure.append([int(t[k]), int(t[k + 1]), float(a.request_energy[i, 10 + u])])
-                        r.cache_wait |= unsure[k] - {r.trace.request_id}
+                        r.cache_wait.add(unsure[k])  # its own end, before its row, takes it out of that count
                     else:  # bounded: judged now, as before (flagged where unsaid so far: never silent)
                         r.cache_beside_j += a.request_energy[i, 10 + u]
                         r.cache_beside = max(r.cache_beside, float(cache_iv[k]))
@@ -1441,9 +1523,11 @@ class Ledger:
         ended = [r for r, d in zip(reqs, done) if d]
         for r in ended:
             del self.requests[r.trace.request_id]
+            self._release(r)
             self._settle_late(r)  # before any row: a request beside it ending in this close reads its late count
             if _cache_unsaid_candidate(r):  # its own check, over its hit span, waits likewise
-                r.cache_wait |= self._cache_waiting(*self._hit_span(r))
+                if w := self._cache_waiting(*self._hit_span(r), t_end):
+                    r.cache_wait.add(w)
         self._late_parked.extend([r, int(r.trace.end_ns)] for r in ended)
         self.emit("requests", self._unpark(t_end))
         # The rows' counts, on /metrics with the rows themselves (the totals above were taken before them).
@@ -1964,6 +2048,7 @@ class Ledger:
         old = [rid for rid, r in self.requests.items() if now_ns - r.trace.arrival_ns > MAX_OPEN_S * 1e9]
         for rid in old:
             r = self.requests.pop(rid)
+            self._release(r)
             r.trace.outcome = "expired"
             self.emit("requests", [self._request_row(r)])
 
@@ -2091,7 +2176,7 @@ class Ledger:
             )
         unsure = unsure or {}
         if unsure or self._iv_parked:  # in order: behind one that waits (`_unpark_intervals`)
-            self._iv_parked.extend([row, int(t[k]), int(t[k + 1]), unsure.get(k, set()), int(t[-1])]
+            self._iv_parked.extend([row, int(t[k]), int(t[k + 1]), unsure.get(k, 0), int(t[-1])]
                                    for k, row in enumerate(rows))
             rows = self._unpark_intervals(int(t[-1]))
         self.emit("intervals", rows)
@@ -2105,7 +2190,7 @@ class Ledger:
         while self._iv_parked:
             row, t0, t1, wait, closed = self._iv_parked[0]
             if (wait and now_ns is not None and now_ns - closed < self.prompt_hold_ns
-                    and self._cache_still_waiting(wait)):
+                    and self._cache_still_waiting((wait,))):
                 break
             self._iv_parked.popleft()
             if wait:
