@@ -13,6 +13,7 @@ intervals, emitted requests and used token events are dropped.
 
 from __future__ import annotations
 
+import itertools
 import logging
 from collections import deque
 from dataclasses import dataclass, field, replace
@@ -364,6 +365,10 @@ class Ledger:
         # (from, to) of held bursts placed back at a pace resting on an assumed bypass pace that the server's count
         # there contradicts: the windows they span say `proxy_lag` (`_at_server_pace`)
         self._pace_unsure: deque = deque()
+        # {(start, end): server count less the proxy's tokens} of the windows open at the latest resolving pass, and how
+        # many tokens `_proxied` listed then (those after it came since): `_bypass_pace`
+        self._open_bypass: dict = {}
+        self._pass_len = 0
         self._level = 0.0  # the latest window's level
         self._ahead = (0.0, 0.0)  # and the most and least lag it may hold
         self._edge_most: float | None = 0.0  # the most lag the latest window may hold at its own end (None: unmeasured)
@@ -707,12 +712,10 @@ class Ledger:
         s1 = np.array([sp[1] for sp in spans], dtype=np.int64)
         a0, a1, full = np.maximum(s0, start), np.minimum(s1, t1), (s1 - s0).astype(float)
         # The proxied requests' share of the server's count: less each window's bypass tokens, resolved, else at the
-        # pace of the windows resolved in the last LAG_S. Taken whole, bypass traffic beside the span made its scraped
+        # bypass pace just before the span (`_bypass_pace`). Taken whole, bypass traffic beside the span made its scraped
         # windows' pace too fast, and the part after the latest scrape got only what they left (below): a proxy's loop
         # stalled 150-300 ms beside 100 bypass tokens/s crowded its burst before the latest scrape: windows there read
         # 0-6 bypass tokens of 10, others up to 24, rows `complete` (tests/test_daemon_bypass_lag.py).
-        # A token over that second is what a record's own delay moves whatever the placing (LAG_TOKENS: a stream's first
-        # token, counted before the proxy saw it), not bypass traffic's pace.
         rate_b = self._bypass_pace(start)
         delta = np.array([max(sp[2] - (sp[3] if sp[3] is not None else rate_b * (sp[1] - sp[0])), 0.0)
                           for sp in spans], dtype=float)
@@ -773,28 +776,31 @@ class Ledger:
 
     def _bypass_pace(self, start: int) -> float:
         """The bypass traffic's pace (tokens/ns) just before `start`, where a held burst is placed back from: the windows
-        ending in the LAG_S before it, each its resolved bypass count, else (its lookahead still open) the server's count
+        ending in the BYPASS_PACE_S before it (the latest at least), each its resolved bypass count, else (its lookahead still open) the server's count
         less the proxy's tokens placed there, the proxy's own tokens complete before the burst's start. Taken from the
         windows resolved in the last LAG_S (ending over LAG_S before the scrape that resolved them: 1-2 s before the
         burst), bypass traffic that began in those 2 s was taken for none: a 150 ms stall's windows read 0-5 and 17-20
         bypass tokens of 10, rows `complete` (tests/test_daemon_bypass_lag.py). A token over that second is what a
         record's own delay moves whatever the placing (LAG_TOKENS: a stream's first token, counted before the proxy saw
-        it), not bypass traffic's pace."""
+        it), not bypass traffic's pace. No such window (none scraped since the latest resolving pass): those resolved in
+        the last LAG_S.
+        A window not yet resolved: its count less the proxy's tokens in it at the latest resolving pass, less those
+        listed since (a burst's, the records read since): no pass over every listed token (10 ms a burst at 100k)."""
         back_ns = int(BYPASS_PACE_S * 1e9)
-        before = [sp for sp in self.server_spans if sp[1] <= start and sp[1] > sp[0] and not sp[6]]
+        before = [sp for sp in self.server_spans if sp[1] <= start and sp[1] > sp[0] and not sp[6]
+                  and (sp[3] is not None or (sp[0], sp[1]) in self._open_bypass)]
         last = max((sp[1] for sp in before), default=None)
         near = [sp for sp in before if sp[1] > min(start - back_ns, last - 1)] if last is not None else []
         if not near:
             dur_b, sum_b = sum(b - a for a, b, _ in self._bypassed), sum(x for _, _, x in self._bypassed)
             return sum_b / dur_b if dur_b > 0 and sum_b > LAG_TOKENS else 0.0
-        sum_b = sum(sp[3] for sp in near if sp[3] is not None)
-        open_ = [sp for sp in near if sp[3] is None]
-        if open_:
-            src = self._finished if self.server_at_finish else self._proxied
-            pt = np.fromiter((x[0] for x in src), dtype=np.int64, count=len(src))
-            pn = np.fromiter((x[1] for x in src), dtype=float, count=len(src))
-            for sp in open_:
-                sum_b += sp[2] - float(pn[(pt > sp[0]) & (pt <= sp[1])].sum())
+        since = list(itertools.islice(reversed(self._proxied), max(len(self._proxied) - self._pass_len, 0)))
+        sum_b = 0.0
+        for sp in near:
+            if sp[3] is not None:
+                sum_b += sp[3]
+            else:
+                sum_b += self._open_bypass[(sp[0], sp[1])] - sum(x for t, x in since if sp[0] < t <= sp[1])
         dur_b = sum(sp[1] - sp[0] for sp in near)
         return sum_b / dur_b if sum_b > LAG_TOKENS else 0.0
 
@@ -1570,6 +1576,8 @@ class Ledger:
         for q in (self._proxied, self._finished):
             while q and q[0][0] <= keep_from - int(SCRAPE_HOLD_S * 1e9):
                 q.popleft()
+                if q is self._proxied:
+                    self._pass_len = max(self._pass_len - 1, 0)
         return out, (sp[:, 0], sp[:, 1]), why
 
     def _resolve_spans(self, upto_ns: int, force: bool = False) -> None:
@@ -1651,6 +1659,9 @@ class Ledger:
         t0 = np.searchsorted(pt, [sp[0] for sp in todo], side="right")
         t1 = np.searchsorted(pt, [sp[1] for sp in todo], side="right")
         placed = self._placed_in(todo, cum[t1] - cum[t0])
+        if not self.server_at_finish:  # the open windows' bypass tokens as they stand (`_bypass_pace`)
+            self._open_bypass = {(sp[0], sp[1]): sp[2] - x for sp, x in zip(todo, placed.tolist())}
+            self._pass_len = len(self._proxied)
         gaps = self._gap + np.cumsum(np.array([sp[2] for sp in todo], dtype=float) - placed)
         ends = np.array([sp[1] for sp in todo], dtype=np.int64)
         # A restarted server lost the old process's tail, the proxied tokens in it too: the gap falls there for good.
