@@ -379,3 +379,32 @@ def test_a_loop_growing_late_is_marked_at_each_window_it_may_move(bypass_per_s):
         rows, truth = _streams(300, phase_s, streams=((1.0, 6.0),), bypass=bypass, sample_s=0.1,
                                late=lambda t: 0.15 * min(max(t - 2.0, 0.0), 1.0))
         assert _window_rows_off(rows, truth) == [], (bypass_per_s, phase_s, _said(rows))
+
+
+@pytest.mark.parametrize("bypass_per_s", [100, 300])
+@pytest.mark.parametrize("change", ["stops", "starts"])
+def test_bypass_traffic_that_stops_or_starts_with_a_held_burst_keeps_its_windows_counts_or_says_so(change, bypass_per_s):
+    """A 150 ms stall of the proxy's loop placed back as a held burst (`_held_burst`) just as a bypass stream stops, or
+    starts. The pace took out the bypass pace of the windows resolved in the last LAG_S: those ending 1-2 s before the
+    burst (a window resolves once its 1 s lookahead is scraped), so a stream that stopped just before the stall had its
+    pace taken from windows that had none, the burst's share there clamped to 0 (30 of 0 bypass tokens beside 0 of 30
+    and 0 of 23), and one that began up to 2 s before it was taken for none (0-5 and 17-20 of 10), rows `complete`: 143
+    windows over 252 runs, none marked. Now the pace is that of the windows just before the burst (their own counts,
+    resolved or not), and where the server's count over the burst's span still contradicts it (the bypass traffic
+    changed with the stall), the windows it spans say `proxy_lag`. Every `complete` window holds what ran there, within
+    its bound; a change 0.5 s or more before the stall marks nothing."""
+    a = 3.013
+    b = a + 0.15
+    for offset_s in (-1.5, -0.5, -0.2, -0.1, 0.0, 0.1):  # the bypass stream's change, from the stall's start
+        edge = a + offset_s
+        if change == "stops":
+            bypass = 1.0 + np.arange(int(round((edge - 1.0) * bypass_per_s))) / bypass_per_s
+        else:
+            bypass = edge + np.arange(int(round((6.0 - edge) * bypass_per_s))) / bypass_per_s
+        for phase_s in (0.0, 0.035, 0.07):
+            rows, truth = _streams(300, phase_s, streams=((1.0, 6.0),), bypass=bypass, sample_s=0.1,
+                                   late=lambda t: b - t if a <= t <= b else 0.0)
+            assert _window_rows_off(rows, truth) == [], (change, bypass_per_s, offset_s, phase_s, _said(rows))
+            assert sum(r["server_tokens"] or 0 for r in rows) == pytest.approx(len(truth), abs=2), _said(rows)
+            if offset_s <= -0.5:
+                assert not any("proxy_lag" in r["server_count"] for r in rows), (offset_s, phase_s, _said(rows))

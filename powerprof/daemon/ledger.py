@@ -13,6 +13,7 @@ intervals, emitted requests and used token events are dropped.
 
 from __future__ import annotations
 
+import itertools
 import logging
 from collections import deque
 from dataclasses import dataclass, field, replace
@@ -80,6 +81,9 @@ PIECE_STEPS = 8
 # A scrape window whose bypass tokens or level move more than this where the proxy's token rate rose or fell may hold
 # the proxy's own lag (`PROXY_LAG`): a token, what a record's own delay moves whatever the placing.
 LAG_TOKENS = 1.0
+# A held burst is placed back beside the bypass traffic's pace of the windows ending this long before it (the latest
+# one at least; `_bypass_pace`).
+BYPASS_PACE_S = 0.25
 # ... and more than this share of the window's server count: a lag's tokens below it move its requests' energy by less
 # than half the attribution's own p95 per-request error (10.6%, docs/daemon.md "How close it gets"), and marking them
 # left most requests of a loaded host out of J/token (docs/daemon.md, "A server restart": the figures).
@@ -374,6 +378,13 @@ class Ledger:
         # (start, end, bypass tokens) of the windows resolved in the last LAG_S: the bypass traffic's pace lately, taken
         # out of the server's pace where a held burst is placed back over windows not yet resolved (`_at_server_pace`)
         self._bypassed: deque = deque()
+        # (from, to) of held bursts placed back at a pace resting on an assumed bypass pace that the server's count
+        # there contradicts: the windows they span say `proxy_lag` (`_at_server_pace`)
+        self._pace_unsure: deque = deque()
+        # {(start, end): server count less the proxy's tokens} of the windows open at the latest resolving pass, and how
+        # many tokens `_proxied` listed then (those after it came since): `_bypass_pace`
+        self._open_bypass: dict = {}
+        self._pass_len = 0
         self._level = 0.0  # the latest window's level
         self._ahead = (0.0, 0.0)  # and the most and least lag it may hold
         self._edge_most: float | None = 0.0  # the most lag the latest window may hold at its own end (None: unmeasured)
@@ -719,14 +730,11 @@ class Ledger:
         s1 = np.array([sp[1] for sp in spans], dtype=np.int64)
         a0, a1, full = np.maximum(s0, start), np.minimum(s1, t1), (s1 - s0).astype(float)
         # The proxied requests' share of the server's count: less each window's bypass tokens, resolved, else at the
-        # pace of the windows resolved in the last LAG_S. Taken whole, bypass traffic beside the span made its scraped
+        # bypass pace just before the span (`_bypass_pace`). Taken whole, bypass traffic beside the span made its scraped
         # windows' pace too fast, and the part after the latest scrape got only what they left (below): a proxy's loop
         # stalled 150-300 ms beside 100 bypass tokens/s crowded its burst before the latest scrape: windows there read
         # 0-6 bypass tokens of 10, others up to 24, rows `complete` (tests/test_daemon_bypass_lag.py).
-        # A token over that second is what a record's own delay moves whatever the placing (LAG_TOKENS: a stream's first
-        # token, counted before the proxy saw it), not bypass traffic's pace.
-        dur_b, sum_b = sum(b - a for a, b, _ in self._bypassed), sum(x for _, _, x in self._bypassed)
-        rate_b = sum_b / dur_b if dur_b > 0 and sum_b > LAG_TOKENS else 0.0
+        rate_b = self._bypass_pace(start)
         delta = np.array([max(sp[2] - (sp[3] if sp[3] is not None else rate_b * (sp[1] - sp[0])), 0.0)
                           for sp in spans], dtype=float)
         lives = []  # (from, to, sequences) of every other request the server was running, as the proxy saw them
@@ -761,10 +769,20 @@ class Ledger:
                 edges.append(int(a1[i]))
                 rates.append(float(pace[i]))
             t, prev = max(t, int(a1[i])), float(pace[i])
+        seqs = max(r.trace.extra.get("sequences", 1), 1)
+        measured = float(np.dot(rates, np.diff(np.array(edges, dtype=float)))) * seqs
+        if n is not None and any(sp[3] is None for sp in spans):
+            # The server's pace, less the bypass tokens assumed in windows not yet resolved, says how many tokens the
+            # span held (its part after the latest scrape at the last window's pace): off the burst's own count by more
+            # than a window's bound, the bypass traffic's pace changed there (began or stopped with the stall), and
+            # nothing tells where the burst's tokens belong: the windows it spans say `proxy_lag` (`_resolve_spans`).
+            # Before, unmarked: bypass stopping with a 150 ms stall read 30 of 0 beside 0 of 23; starting within 2 s
+            # before it (the windows of the last LAG_S unresolved), 0-5 and 17-20 of 10 (tests/test_daemon_bypass_lag.py).
+            said = measured + (prev * (t1 - t) * seqs if t < t1 else 0.0)
+            if abs(said - n) > LAG_TOKENS + LAG_SHARE * float(sum(sp[2] for sp in spans)):
+                self._pace_unsure.append((int(start), int(t1)))
         if t < t1:
             if n is not None:
-                seqs = max(r.trace.extra.get("sequences", 1), 1)
-                measured = float(np.dot(rates, np.diff(np.array(edges, dtype=float)))) * seqs
                 prev = min(prev, max(0.0, n - measured) / seqs / (t1 - t))
             edges.append(t1)
             rates.append(prev)
@@ -773,6 +791,36 @@ class Ledger:
         if cum[-1] <= 0:
             return even
         return np.interp(np.linspace(0.0, cum[-1], k), cum, x).astype(np.int64).tolist()
+
+    def _bypass_pace(self, start: int) -> float:
+        """The bypass traffic's pace (tokens/ns) just before `start`, where a held burst is placed back from: the windows
+        ending in the BYPASS_PACE_S before it (the latest at least), each its resolved bypass count, else (its lookahead still open) the server's count
+        less the proxy's tokens placed there, the proxy's own tokens complete before the burst's start. Taken from the
+        windows resolved in the last LAG_S (ending over LAG_S before the scrape that resolved them: 1-2 s before the
+        burst), bypass traffic that began in those 2 s was taken for none: a 150 ms stall's windows read 0-5 and 17-20
+        bypass tokens of 10, rows `complete` (tests/test_daemon_bypass_lag.py). A token over that second is what a
+        record's own delay moves whatever the placing (LAG_TOKENS: a stream's first token, counted before the proxy saw
+        it), not bypass traffic's pace. No such window (none scraped since the latest resolving pass): those resolved in
+        the last LAG_S.
+        A window not yet resolved: its count less the proxy's tokens in it at the latest resolving pass, less those
+        listed since (a burst's, the records read since): no pass over every listed token (10 ms a burst at 100k)."""
+        back_ns = int(BYPASS_PACE_S * 1e9)
+        before = [sp for sp in self.server_spans if sp[1] <= start and sp[1] > sp[0] and not sp[6]
+                  and (sp[3] is not None or (sp[0], sp[1]) in self._open_bypass)]
+        last = max((sp[1] for sp in before), default=None)
+        near = [sp for sp in before if sp[1] > min(start - back_ns, last - 1)] if last is not None else []
+        if not near:
+            dur_b, sum_b = sum(b - a for a, b, _ in self._bypassed), sum(x for _, _, x in self._bypassed)
+            return sum_b / dur_b if dur_b > 0 and sum_b > LAG_TOKENS else 0.0
+        since = list(itertools.islice(reversed(self._proxied), max(len(self._proxied) - self._pass_len, 0)))
+        sum_b = 0.0
+        for sp in near:
+            if sp[3] is not None:
+                sum_b += sp[3]
+            else:
+                sum_b += self._open_bypass[(sp[0], sp[1])] - sum(x for t, x in since if sp[0] < t <= sp[1])
+        dur_b = sum(sp[1] - sp[0] for sp in near)
+        return sum_b / dur_b if sum_b > LAG_TOKENS else 0.0
 
     def _to_server_count(self, r: _Req, total: float) -> float:
         """A stream whose chunks carried no counts was counted one token per chunk; its final `usage`
@@ -1612,6 +1660,8 @@ class Ledger:
         for q in (self._proxied, self._finished):
             while q and q[0][0] <= keep_from - int(SCRAPE_HOLD_S * 1e9):
                 q.popleft()
+                if q is self._proxied:
+                    self._pass_len = max(self._pass_len - 1, 0)
         return out, (sp[:, 0], sp[:, 1]), why
 
     def _resolve_spans(self, upto_ns: int, force: bool = False) -> None:
@@ -1693,6 +1743,9 @@ class Ledger:
         t0 = np.searchsorted(pt, [sp[0] for sp in todo], side="right")
         t1 = np.searchsorted(pt, [sp[1] for sp in todo], side="right")
         placed = self._placed_in(todo, cum[t1] - cum[t0])
+        if not self.server_at_finish:  # the open windows' bypass tokens as they stand (`_bypass_pace`)
+            self._open_bypass = {(sp[0], sp[1]): sp[2] - x for sp, x in zip(todo, placed.tolist())}
+            self._pass_len = len(self._proxied)
         gaps = self._gap + np.cumsum(np.array([sp[2] for sp in todo], dtype=float) - placed)
         ends = np.array([sp[1] for sp in todo], dtype=np.int64)
         # A restarted server lost the old process's tail, the proxied tokens in it too: the gap falls there for good.
@@ -1800,6 +1853,13 @@ class Ledger:
             if lately and measured[k] and most_prev is not None and not restart[k] and not self.server_at_finish:
                 ran = min(float(gaps[k]) - float(ahead_lo[k]), level - float(ahead_lo[low])) - (gap_prev - most_prev)
                 moved = max(moved, ran - sp[3])
+            while self._pace_unsure and self._pace_unsure[0][1] < sp[0] - lag_ns:
+                self._pace_unsure.popleft()
+            if self._pace_unsure and any(a < w[1] and b > w[0] for a, b in self._pace_unsure for w in (sp, todo[low])):
+                # Where a held burst's tokens belong, nothing tells (`_at_server_pace`): its windows' counts may be off,
+                # and a window whose level is taken at one of them (its lookahead's lowest gap: 16 and 0 of 30 before
+                # a burst crowded in the window after them).
+                moved = np.inf
             if moved > max(LAG_TOKENS, LAG_SHARE * float(sp[2])) \
                     and "server_restart" not in sp[5] and PROXY_LAG not in sp[5]:
                 # Its bypass count may be off by the proxy's own lag. The proxy sees a token a delay after the server
