@@ -41,8 +41,16 @@ def test_requests_whose_server_count_contradicts_the_stream_are_flagged_and_coun
                                              headers={"Content-Type": "application/json"})
                 with urllib.request.urlopen(req, timeout=60) as r:
                     assert r.status == 200 and b"data:" in r.read()
-            time.sleep(0.6)
-            metrics = urllib.request.urlopen(d.info["metrics"] + "/metrics", timeout=10).read().decode()
+            # A request's row (and its TPOT sample) is made once the intervals over it closed, which waits for readings
+            # past its end (GPU, RAPL, CPU time): on a loaded host that took longer than the 0.6 s this slept.
+            deadline = time.monotonic() + 20
+            while True:
+                metrics = urllib.request.urlopen(d.info["metrics"] + "/metrics", timeout=10).read().decode()
+                done = sum(x.value for f in text_string_to_metric_families(metrics) for x in f.samples
+                           if x.name == "powerprof_request_tpot_seconds_count")
+                if done >= len(PLAN) or time.monotonic() > deadline:
+                    break
+                time.sleep(0.2)
         finally:
             rc = d.stop()
     assert rc == 0, d.output()
