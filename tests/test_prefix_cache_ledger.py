@@ -395,3 +395,62 @@ def test_what_the_rows_wait_for_stays_small_with_many_live_streams():
     _, quiet = _many_live_run(n, 0.0, until_s=16.0)  # no hits: nothing waits
     assert led._iv_parked, "the set-up must leave interval rows waiting for the live streams"
     assert held - quiet < 2_000_000, (held, quiet)
+
+
+def _crossed_run(a_first: bool):
+    """vLLM with --enable-prompt-tokens-details: every answer says its cached count. B (0.2 → first token 0.8 s, 300
+    of its 400 prompt tokens cached) is scheduled at 0.3 s, in the first scrape window (0 → 1 s); A (0.5 → 1.2 s, 200
+    of 300 cached) waits in the queue and is scheduled at 1.1 s, in the second (1 → 2 s): the counter reads 300, then
+    200. A's span meets both windows, B's only the first. Both stream on past the scrapes and say their counts at
+    their end: A first (2.5 s, then B at 3.0 s), or the other way round."""
+    sink = _Sink()
+    led = Ledger("d", 0, 1, sink, grace_s=0.1)
+    led.scraping = True
+    # id: (arrival, first token, end, prompt, cached)
+    plan = {1: (0.5, 1.2, 2.5 if a_first else 3.0, 300, 200), 2: (0.2, 0.8, 3.0 if a_first else 2.5, 400, 300)}
+    reqs = {rid: _vllm(rid, p[0]) for rid, p in plan.items()}
+    started, e = set(), 0.0
+    _feed(led, 0.0, 0.0)
+    led.add_server_tokens(0, 0.0)
+    window_tokens = 0.0
+    for tick in range(1, 80):
+        now = tick / 10
+        for rid, (arr, first, end, prompt, cached) in plan.items():
+            q = reqs[rid]
+            if rid not in started and arr <= now:
+                led.on_start(q)
+                started.add(rid)
+            if first <= now < end:
+                t = int(now * S)
+                q.first_ns = q.first_ns or t
+                q.last_ns = t
+                q.tokens_seen += 1
+                led.on_tokens(q, t, 1)
+                window_tokens += 1
+            if q.end_ns is None and end <= now:
+                q.end_ns = int(end * S)
+                q.counts = Counts(generated_tokens=q.tokens_seen, prompt_tokens=prompt, model=None, stop_reason=None,
+                                  token_source="usage", cached_tokens=cached)
+                led.on_end(q)
+        if tick % 10 == 0:
+            e += 100.0
+            _feed(led, now, e)
+            since, t = int((now - 1) * S), int(now * S)
+            led.add_cache_hits(since, t, {10: 300.0, 20: 200.0}.get(tick, 0.0))
+            led.add_server_tokens(t, window_tokens, since)
+            window_tokens = 0.0
+        led.advance(int((now + 0.05) * S))
+    led.close_all(int(9 * S))
+    return sink.rows["intervals"], {r["request_id"]: r for r in sink.rows["requests"]}, led
+
+
+@pytest.mark.parametrize("a_first", [True, False], ids=["A-ends-first", "B-ends-first"])
+def test_said_counts_of_requests_whose_spans_cross_are_matched_whatever_order_they_end_in(a_first):
+    # Every hit the counter read was said: nothing is flagged. Before, a request's said count went to the earliest
+    # window of its span with room, in the order the requests ended: A took B's 300 in the first window, B's count
+    # found it full, and A's own 200 in the second read as unsaid: A, B and the interval 1-2 s said
+    # prefix-cache-unsaid with the details flag on (a loaded host: 135 of 250 rows of a simulated vLLM run).
+    ivs, rq, led = _crossed_run(a_first)
+    assert set(rq) == {1, 2} and rq[1]["cached_prompt_tokens"] == 200 and rq[2]["cached_prompt_tokens"] == 300
+    assert _unsaid_flagged(ivs, rq) == (set(), []), {rid: r["energy_note"] for rid, r in rq.items()}
+    assert led.totals.cache_unsaid_requests == 0

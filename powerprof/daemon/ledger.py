@@ -13,6 +13,7 @@ intervals, emitted requests and used token events are dropped.
 
 from __future__ import annotations
 
+import heapq
 import itertools
 import logging
 from collections import deque
@@ -324,10 +325,12 @@ class Ledger:
         # The server's prefix-cache hits against what its answers said (`add_cache_hits`, CACHE_UNSAID_FLAG):
         # [t0, t1, hits, known] of each scrape window in which it hit, `known` the cached tokens of the requests that
         # met it (said in their answers, or a shared prompt's other choices), each such token in one window only;
-        # [h0, h1, tokens not yet in a window] of each ended request known to have hit, over the span the server
-        # counts its hit in (`_hit_span`).
+        # [h0, h1, tokens] of each ended request known to have hit, over the span the server counts its hit in
+        # (`_hit_span`), less what pruned windows took. `known` is matched afresh when either changes (`_cache_match`).
         self._cache_spans: deque = deque()
         self._cache_known: deque = deque()
+        self._cache_dirty = False
+        self._cache_frozen = 0  # the leading windows whose `known` is final (`_cache_freeze`)
         self.cache_unsaid_requests = 0  # request rows emitted with CACHE_UNSAID_FLAG
         self.cache_late_requests = 0  # request rows emitted with CACHE_LATE_FLAG
         # {request id: cached tokens its end said late} of the latest late ones (bounded), read by the rows of the
@@ -963,23 +966,22 @@ class Ledger:
         horizon = int(t_ns) - int(CACHE_KEEP_S * 1e9)
         if self._cache_spans and self._cache_spans[0][1] < horizon:
             self._judge_unsure_before(horizon)
+            # What the pruned windows took of the requests' known hits stays taken: else a long span's hits, met
+            # there, would hide a later window's unsaid ones once those windows are gone.
+            left = self._cache_match(upto_ns=horizon)
+            for k, n in zip(self._cache_known, left):
+                k[2] = n
+            self._cache_dirty = True
         # Pruned at every scrape, whatever it read: a server with no counter (llama.cpp: None) still has its
         # requests' known hits kept (3000 over 600 s at 5 requests/s, growing for ever, before).
         while self._cache_spans and self._cache_spans[0][1] < horizon:
             self._cache_spans.popleft()
-        while self._cache_known and self._cache_known[0][1] < horizon:
-            self._cache_known.popleft()
+            self._cache_frozen = max(self._cache_frozen - 1, 0)
+        self._prune_known(horizon)
         if hits is None or hits <= 0 or since_ns is None or since_ns >= t_ns:
             return
-        sp = [int(since_ns), int(t_ns), float(hits), 0.0]
-        for k in self._cache_known:  # what ended requests known to have hit in it have left over (`_cache_met`)
-            if k[0] <= t_ns and k[1] >= since_ns and k[2] > 0:
-                take = min(k[2], sp[2] - sp[3])
-                sp[3] += take
-                k[2] -= take
-                if sp[3] >= sp[2]:
-                    break
-        self._cache_spans.append(sp)
+        self._cache_spans.append([int(since_ns), int(t_ns), float(hits), 0.0])
+        self._cache_dirty = True
 
     def _judge_unsure_before(self, t_ns: int) -> None:
         """Judge now what live requests keep to judge at their end over scrape windows that end before `t_ns`, about to
@@ -1023,25 +1025,79 @@ class Ledger:
         if n <= 0:
             return
         h0, h1 = self._hit_span(r)
-        # Each known hit counted once, as the server's counter counts it: in the windows of its span that hit, the
-        # earliest first (vLLM counts it as it schedules the request, which may be long before its first token).
-        # Given to every window its span touched, a request queued 2.8 s hid another's 800 unsaid hits (before).
-        left = float(n)
-        for sp in self._cache_spans:
-            if left <= 0:
+        self._cache_known.append([h0, h1, float(n)])
+        self._cache_dirty = True
+        self._prune_known(h1 - int(CACHE_KEEP_S * 1e9))  # bounded even where no scrape comes
+
+    def _prune_known(self, horizon_ns: int) -> None:
+        """Drop the known hits whose span ended before `horizon_ns` and before every window kept (none can meet them)."""
+        cut = min(horizon_ns, self._cache_spans[0][0]) if self._cache_spans else horizon_ns
+        while self._cache_known and self._cache_known[0][1] < cut:
+            self._cache_known.popleft()
+
+    def _cache_match(self, upto_ns: int | None = None) -> list[float]:
+        """Match the requests' known hits (`_cache_known`) to the scrape windows their span meets, each token once, as
+        the server's counter counts it, and set each window's `known`; returns each request's tokens left over. Only
+        the windows ending before `upto_ns` where given (those about to be pruned).
+
+        A maximum matching, whatever order the requests ended in: the windows in time order, each given to the
+        requests whose span has begun by its end, the one whose span ends first first (a span is a run of windows:
+        this greedy leaves as few hits unmatched as any). Given at each request's end to the earliest window of its
+        span with room, a request queued past a scrape took the hits of one that ended later and whose span met only
+        that window; that one's count found no room, and the next window read unsaid hits, every answer having said
+        its count (a loaded host: 135 of 250 rows of a simulated vLLM flagged). Given to every window its span
+        touched, a request queued 2.8 s hid another's 800 unsaid hits (before that)."""
+        known = self._cache_known
+        left = [k[2] for k in known]
+        order = sorted(range(len(known)), key=lambda i: known[i][0])
+        begun: list = []  # (span end, index) of the requests whose span has begun
+        j = 0
+        for sp in itertools.islice(self._cache_spans, self._cache_frozen, None):  # the frozen ones took theirs already
+            if upto_ns is not None and sp[1] >= upto_ns:
                 break
-            if sp[0] <= h1 and sp[1] >= h0:
-                take = min(left, max(sp[2] - sp[3], 0.0))
-                sp[3] += take
-                left -= take
-        if left > 0:  # for the windows still to be read (`add_cache_hits`)
-            self._cache_known.append([h0, h1, left])
-            horizon = h1 - int(CACHE_KEEP_S * 1e9)  # bounded even where no scrape comes
-            while self._cache_known and self._cache_known[0][1] < horizon:
-                self._cache_known.popleft()
+            while j < len(order) and known[order[j]][0] <= sp[1]:
+                heapq.heappush(begun, (known[order[j]][1], order[j]))
+                j += 1
+            room = sp[2]
+            while begun and room > 0:
+                h1, i = begun[0]
+                if h1 < sp[0] or left[i] <= 0:  # its span ended before this window, or it is all matched
+                    heapq.heappop(begun)
+                    continue
+                take = min(left[i], room)
+                left[i] -= take
+                room -= take
+            sp[3] = sp[2] - room
+        return left
+
+    def _cache_settle(self) -> None:
+        """Each window's `known` as the latest requests and windows match it (`_cache_match`), before it is read."""
+        if self._cache_dirty:
+            self._cache_match()
+            self._cache_dirty = False
+            self._cache_freeze()
+
+    def _cache_freeze(self) -> None:
+        """Make final the matching of the windows no request still to end can meet (they end before every live
+        request's arrival, and prompt_hold_s before the latest window: a record that reaches the ledger late), and
+        drop the known hits used up there: matched afresh, 300 s of them at 50 requests/s took 130 ms a time."""
+        spans, known = self._cache_spans, self._cache_known
+        if not spans:
+            return
+        until = spans[-1][1] - int(PROMPT_HOLD_S * 1e9)
+        until = min([until] + [r.trace.arrival_ns for r in self.requests.values() if r.trace.end_ns is None])
+        n = sum(1 for sp in itertools.islice(spans, self._cache_frozen, None) if sp[1] < until)
+        if n < 16:  # a few at a time
+            return
+        for k, left in zip(known, self._cache_match(upto_ns=until)):
+            k[2] = left
+        self._cache_frozen += n
+        first = spans[self._cache_frozen][0] if self._cache_frozen < len(spans) else until
+        self._cache_known = deque(k for k in known if k[2] > 0 and k[1] >= first)
 
     def _cache_unsaid(self, t0: int, t1: int) -> float:
         """Prefix-cache hits of the scrape windows over [t0, t1] that no request's answer said (CACHE_UNSAID_FLAG)."""
+        self._cache_settle()
         return float(sum(max(sp[2] - sp[3], 0.0) for sp in self._cache_spans if sp[0] <= t1 and sp[1] >= t0))
 
     def _cache_waiting(self, t0: int, t1: int, close_ns: int) -> int:
@@ -1051,6 +1107,7 @@ class Ledger:
         read before then holds hits not yet said, and judged at once (an interval's close) they passed for unsaid, the
         details flag on (35 of 96 requests flagged, docs/daemon.md "Prefix-cache hits are no prefill"). Requests of an
         API that says no cached count (`_never_says_cached`) are not waited for: their end cannot say it."""
+        self._cache_settle()
         wins = [(sp[0], sp[1]) for sp in self._cache_spans if sp[0] <= t1 and sp[1] >= t0 and sp[2] > sp[3]]
         if not wins:
             return 0
