@@ -209,6 +209,33 @@ def test_a_requests_known_hits_are_counted_once_not_in_every_window_its_span_tou
     assert UNSAID in (beside[2]["energy_note"] or "") and "800" in beside[2]["energy_note"]
 
 
+def _step(led, plan, reqs, started, now: float, tick: int, details: bool = True, continuous: bool = False) -> int:
+    """One 0.1 s tick of `plan` ({id: (arrival, first token, end, prompt, cached)} in seconds) through the ledger: starts,
+    a token each (every 0.5 s after 10 s), ends with their counts (the cached count said only with `details`;
+    `continuous`: the prompt's length said on the first token). Returns the tokens streamed."""
+    n = 0
+    for rid, (arr, first, end, prompt, cached) in plan.items():
+        q = reqs[rid]
+        if rid not in started and arr <= now:
+            led.on_start(q)
+            started.add(rid)
+        if first <= now < end and (now < 10 or tick % 5 == 0):
+            t = int(now * S)
+            if q.first_ns is None and continuous:
+                q.extra["prompt_tokens"] = prompt
+            q.first_ns = q.first_ns or t
+            q.last_ns = t
+            q.tokens_seen += 1
+            led.on_tokens(q, t, 1)
+            n += 1
+        if q.end_ns is None and end <= now:
+            q.end_ns = int(end * S)
+            q.counts = Counts(generated_tokens=q.tokens_seen, prompt_tokens=prompt, model=None, stop_reason=None,
+                              token_source="usage", cached_tokens=cached if details else None)
+            led.on_end(q)
+    return n
+
+
 def _pending_run(details: bool, continuous: bool = False, ends: dict | None = None, scrape_s: float = 2.0):
     """vLLM streams, the server's counter scraped every 2 s. C (0.1 → 1.45 s, 50 prompt tokens) and A (0.2 → 0.85 s,
     100) hit nothing; B arrives at 1.2 s, reuses 900 cached tokens of its 1000 (counted in the first scrape window,
@@ -230,25 +257,7 @@ def _pending_run(details: bool, continuous: bool = False, ends: dict | None = No
     led.add_server_tokens(0, 0.0)  # the scraper's baseline read
     for tick in range(1, max(91, int(last_s * 10) + 40)):
         now = tick / 10
-        for rid, (arr, first, end, prompt, cached) in plan.items():
-            q = reqs[rid]
-            if rid not in started and arr <= now:
-                led.on_start(q)
-                started.add(rid)
-            if first <= now < end and (now < 10 or tick % 5 == 0):
-                t = int(now * S)
-                if q.first_ns is None and continuous:
-                    q.extra["prompt_tokens"] = prompt
-                q.first_ns = q.first_ns or t
-                q.last_ns = t
-                q.tokens_seen += 1
-                led.on_tokens(q, t, 1)
-                window_tokens += 1
-            if q.end_ns is None and end <= now:
-                q.end_ns = int(end * S)
-                q.counts = Counts(generated_tokens=q.tokens_seen, prompt_tokens=prompt, model=None, stop_reason=None,
-                                  token_source="usage", cached_tokens=cached if details else None)
-                led.on_end(q)
+        window_tokens += _step(led, plan, reqs, started, now, tick, details, continuous)
         if tick % 10 == 0:
             e += 100.0
             _feed(led, now, e)
@@ -415,23 +424,7 @@ def _crossed_run(a_first: bool):
     window_tokens = 0.0
     for tick in range(1, 80):
         now = tick / 10
-        for rid, (arr, first, end, prompt, cached) in plan.items():
-            q = reqs[rid]
-            if rid not in started and arr <= now:
-                led.on_start(q)
-                started.add(rid)
-            if first <= now < end:
-                t = int(now * S)
-                q.first_ns = q.first_ns or t
-                q.last_ns = t
-                q.tokens_seen += 1
-                led.on_tokens(q, t, 1)
-                window_tokens += 1
-            if q.end_ns is None and end <= now:
-                q.end_ns = int(end * S)
-                q.counts = Counts(generated_tokens=q.tokens_seen, prompt_tokens=prompt, model=None, stop_reason=None,
-                                  token_source="usage", cached_tokens=cached)
-                led.on_end(q)
+        window_tokens += _step(led, plan, reqs, started, now, tick)
         if tick % 10 == 0:
             e += 100.0
             _feed(led, now, e)
