@@ -194,10 +194,12 @@ def test_check_runs_on_the_simulator_read_only(trap_env, tmp_path, _isolated_sta
     for x in sc["runs"]:
         # The ratio takes the idle power out over the counter's refresh instants as a poller saw them: starved on a
         # loaded host, each is late by its wait (a 30 ms wait at 78 W idle is ~10% of a quick run's 24 J excess;
-        # a full suite beside helpers read 0.77). A sensor seeing ~25 ms of each 100 ms (Yang et al.) reads ~0.25,
-        # so 0.3 still tells them apart; counter_vs_true pins the integration itself at 3%.
-        assert x["seen_vs_expected"] == pytest.approx(1, abs=0.3), sc
+        # a full suite beside helpers read 0.77, one beside two CPU hogs 0.66). A sensor seeing ~25 ms of each 100 ms
+        # (Yang et al.) reads ~0.25 in every run, so each run above 0.5 and their median within 0.3 of 1 still tell
+        # them apart; counter_vs_true pins the integration itself at 3%.
+        assert x["seen_vs_expected"] > 0.5, sc
         assert x["counter_vs_true"] == pytest.approx(1, abs=0.03), sc
+    assert sc["seen_vs_expected_median"] == pytest.approx(1, abs=0.3), sc
 
     # 4. Decode load and measure at concurrency 1 and 8.
     d = {x["concurrency"]: x for x in r["decode"]["concurrency"]}
