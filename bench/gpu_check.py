@@ -607,7 +607,10 @@ def check_decode(ctx) -> dict:
                  "decode_tok_s": _num(summ.decode_tok_s, 2), "gpu_j_per_token": _num(summ.gpu_j_per_token, 4),
                  "energy_method": summ.energy_method,
                  "low_confidence_windows": sum(1 for r in res.rows if r["concurrency"] == c and r["low_confidence"] and not r["warmup"]),
-                 "token_source": sorted({str(r["token_source"]) for r in rows})}
+                 "token_source": sorted({str(r["token_source"]) for r in rows}),
+                 # Windows the figures left out (a client starved on a loaded host times its streams apart), and why.
+                 "left_out_windows": sorted({str(r.get("timing_reason")) for r in res.rows if r["concurrency"] == c
+                                             and not r["warmup"] and r.get("timing") == "untrusted"})}
         server_rates = [r["server_predicted_per_second"] for r in rows if r["server_predicted_per_second"]]
         entry["server_timings_tok_s_median"] = _num(statistics.median(server_rates), 2) if server_rates else None
         if recs:

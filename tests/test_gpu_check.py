@@ -205,7 +205,13 @@ def test_check_runs_on_the_simulator_read_only(trap_env, tmp_path, _isolated_sta
     d = {x["concurrency"]: x for x in r["decode"]["concurrency"]}
     assert set(d) == {1, 8}
     for x in d.values():
-        assert x["n_ok"] == 8 and x["n_failed"] == 0 and x["energy_method"] == "counter"
+        assert x["n_ok"] == 8 and x["n_failed"] == 0
+        if x["energy_method"] == "none":
+            # Beside two CPU hogs every batch at 8 was timed apart by a starved client and left out: no figure, and
+            # the reasons said; never a figure from them.
+            assert x["left_out_windows"] and x["gpu_j_per_token"] is None, x
+            continue
+        assert x["energy_method"] == "counter", x
         assert x["measured_vs_generator"] == pytest.approx(1, abs=0.1), x
         assert x["gpu_j_per_token"] == pytest.approx(x["true_j_per_token"], rel=0.1), x
         dd = x["during_decode"]
