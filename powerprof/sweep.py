@@ -193,6 +193,9 @@ RESTART_POLL_S = 0.5
 # A level's last windows wait this long for a reading taken after them (a starved sampler's lag: ci4 saw ~1 s).
 LEVEL_END_WAIT_PERIODS = 2
 LEVEL_END_WAIT_S = 2.0
+SETTING_WORDS = {"power_limit": "power limit", "sm_clock": "locked SM clock", "none": "power limits and clocks"}
+UNVOUCHED_FIX = ("run the sweep where the sampler keeps up: stop other CPU-heavy jobs on the host, or sample less "
+                 "often (--interval)")
 RESTARTED_FLAG = "server-restarted"
 AWAY_FLAG = "server-away"  # it stopped answering and was ridden out, with nothing to show it restarted
 
@@ -802,6 +805,29 @@ class Sweep:
                 break
             await asyncio.sleep(min(0.05, interval_s / 4))
         self._stop_if_setting_moved(visit, [], len(visit.spans), t_end)
+        if self._suspect:
+            self._leave_out_unvouched(visit, LEVEL_END_WAIT_PERIODS * interval_s + LEVEL_END_WAIT_S)
+
+    def _leave_out_unvouched(self, visit: LevelVisit, waited_s: float) -> None:
+        """Leave out, said, the windows still waiting at the level's end: no reading taken after they ended came
+        within the wait, so a limit or clock moved in them would go unseen (the next level's setting is about to
+        replace it, and the readings that could tell arrive under that level)."""
+        rows = [row for s in self._suspect for row in s[0] if row.get("timing") != "untrusted"]
+        del visit.spans[self._suspect[0][1]:]
+        self._suspect = []
+        why = (f"no GPU reading taken after this window ended arrived within {waited_s:.1f} s of the level's end "
+               f"(the sampler lagged behind, a loaded host), so the level's "
+               f"{SETTING_WORDS.get(self.s.level_kind, 'setting')} cannot be vouched for in it")
+        n = 0
+        for row in rows:
+            if self._counts(row):
+                visit.n_measured -= 1
+                n += 1
+            if self._measured(row):
+                visit.n_untrusted += 1
+            distrust(row, why)
+        if n:
+            self.ui.note(f"{_level_name(visit)}: {n} window(s) left out of every figure: {why}; fix: {UNVOUCHED_FIX}")
 
     def _paired_stop(self, visit: LevelVisit) -> str | None:
         """'paired-ci-reached' when this level's saving against the reference (already measured in
@@ -1100,7 +1126,8 @@ class TraceSweep(Sweep):
             break
         # Judged before the level is told done: a replay left out at its end prints no figure (_judge_level_end).
         await self._judge_level_end(visit)
-        visit.spans.append((w.result.t0_ns, w.result.t1_ns))
+        if row.get("timing") != "untrusted":  # left out at the level's end: its readings leave the figures too
+            visit.spans.append((w.result.t0_ns, w.result.t1_ns))
         visit.n_measured = 1 if self._counts(row) else 0
         visit.stop = "trace-replayed"
         sm = summarize(recs)

@@ -466,3 +466,29 @@ def test_readings_a_lagging_sampler_delivers_after_the_next_level_began_stay_in_
     s = pq.read_table(out / "samples.parquet").to_pandas()
     busy = s[(s.source == "nvml") & (s.level_value == 1400.0) & (s.gpu_util_pct > 50)]
     assert len(busy) and (busy.sm_clock_mhz <= 1400.0).all(), busy[["t_mono_s", "sm_clock_mhz"]].to_string()
+
+
+def test_windows_no_reading_vouched_for_by_the_levels_end_are_left_out_and_said(tmp_path, monkeypatch):
+    # A sampler further behind than the level-end wait (2 periods + 2 s): no reading taken after the level's last
+    # windows ended arrived before the next level was set. Those windows were kept in the figures unjudged: a limit
+    # another tool moved in them would have gone unseen. They are left out, each saying why, and the screen says so.
+    lagging_timeline(monkeypatch, 5.0)
+    out = tmp_path / "run"
+    ui = _Hook(lambda event, visit: None)
+    with Rig("seed-16g", nvml=SimNVML("seed-16g", state_path=None)) as rig:
+        run_sweep(rig, levels_spec="300,200", out_dir=out, params=RequestParams(max_tokens=32), idle_s=0, interval_s=0.2,
+                  min_requests=8, max_requests=8, warmup_requests=0, ui=ui)
+    w = pq.read_table(out / "windows.parquet").to_pandas()
+    req = w[(w.window_kind == "request") & ~w.warmup]
+    for value in (300.0, 200.0):
+        lv = req[req.level_value == value].sort_values("request_id")
+        left = lv[lv.timing == "untrusted"]
+        assert len(left) >= 1, lv[["request_id", "timing", "timing_reason"]].to_string()
+        assert lv.timing.iloc[0] != "untrusted"  # vouched for by the readings after it, well before the end
+        assert left.timing_reason.str.contains("no GPU reading taken after").all(), left.timing_reason.tolist()
+        assert left.gpu_j_per_token.isna().all()
+    assert any("no GPU reading taken after" in n for n in ui.notes), ui.notes
+    levels = pq.read_table(out / "levels.parquet").to_pandas().set_index("level_value")
+    for value in (300.0, 200.0):  # the level's figure is its vouched windows' alone
+        kept = req[(req.level_value == value) & (req.timing != "untrusted")]
+        assert levels.loc[value, "gpu_j_per_token"] == pytest.approx(kept.gpu_j_per_token.median(), rel=1e-9)
