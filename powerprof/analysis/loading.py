@@ -8,6 +8,7 @@ samples.parquet is scanned by DuckDB (engine.py) within a memory limit, so 100 M
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -424,7 +425,7 @@ def scan_samples(run: RunInfo, windows: pa.Table | None = None, bins: int = TIME
         rel = engine.samples_relation(con, path)
         # Without measured windows (a run stopped early) every tagged sample counts, as before.
         sums, tb = engine.scan(con, rel, (starts, ends) if starts.size else None, bins=bins,
-                               max_power_w=run.max_limit_w)
+                               max_power_w=highest_limit_w(run))
     except duckdb.Error as e:  # a footer that opens over damaged pages
         if (stop := termination.exit_inside(e)) is not None:
             raise stop from None
@@ -443,6 +444,16 @@ def scan_samples(run: RunInfo, windows: pa.Table | None = None, bins: int = TIME
     return sums, tl
 
 
+def highest_limit_w(run: RunInfo) -> float | None:
+    """The highest power limit of any of the run's GPUs (run.json gpus[].max_limit_w, and max_limit_w), the bound of
+    engine.PLAUSIBLE_POWER_FACTOR: RunInfo.max_limit_w is GPU 0's alone, and on a mixed host whose GPU 0 is the
+    smaller card (an L4, 72 W) the other card's every reading over 144 W was left out as implausible."""
+    gpus = run.meta.get("gpus") if isinstance(run.meta, dict) else None
+    highs = [_float(g.get("max_limit_w")) for g in gpus if isinstance(g, dict)] if isinstance(gpus, list) else []
+    highs = [h for h in (*highs, run.max_limit_w) if h is not None and math.isfinite(h) and h > 0]
+    return max(highs) if highs else None
+
+
 def sample_level_figures(runs: list[RunInfo], windows: pa.Table | None,
                          implausible: dict | None = None) -> tuple[dict, list[Timeline]]:
     """Per-level sensor figures pooled over the runs' samples (sums added, then divided once),
@@ -458,7 +469,7 @@ def sample_level_figures(runs: list[RunInfo], windows: pa.Table | None,
             for key, s in sums.items():
                 pooled.setdefault(key, engine.LevelSums()).add(s)
             if implausible is not None and any(s.power_bad_n or s.clock_bad_n for s in sums.values()):
-                implausible[r.path / "samples.parquet"] = {"max_limit_w": r.max_limit_w, "levels": sums}
+                implausible[r.path / "samples.parquet"] = {"max_limit_w": highest_limit_w(r), "levels": sums}
     return engine.level_figures(pooled), timelines
 
 
