@@ -201,3 +201,27 @@ def test_a_run_whose_every_window_ran_beside_others_work_says_so(tmp_path):
     assert r.exit_code == 1 and isinstance(r.exception, SystemExit), (r.output, r.exception)
     said = " ".join(r.output.split())
     assert "fix the server" not in said and "others' work" in said and "stop the other clients" in said, said
+
+
+@pytest.mark.parametrize("table, column", [("windows", "warmup"), ("windows", "gpu_energy_j"),
+                                           ("samples", "power_w")])
+def test_a_column_stored_as_another_kind_is_refused_as_export_refuses_it(tmp_path, table, column):
+    # export refuses a run's table whose column holds another kind of value than powerprof writes (storage/datafiles);
+    # analyze died on warmup as text with "ArrowTypeError: Expected bytes, got a 'bool' object" (a traceback, nothing
+    # on the screen), read gpu_energy_j as text by parsing it, and blamed power_w as text on a damaged Parquet file.
+    run = _run(tmp_path)
+    path = run / f"{table}.parquet"
+    t = pq.read_table(path)
+    i = t.schema.get_field_index(column)
+    t = t.set_column(i, column, pa.array([None if v is None else str(v) for v in t.column(i).to_pylist()], pa.string()))
+    pq.write_table(t, path)
+    said = []
+    for args in (["analyze", str(run), "--bootstrap", "100"],
+                 ["export", str(path), "--format", "csv", "--out", str(tmp_path / "e.csv")]):
+        r = CliRunner().invoke(main, args)
+        assert r.exit_code == 1 and isinstance(r.exception, SystemExit), (r.output, r.exception)
+        text = " ".join(r.output.split())
+        assert str(path) in text and f"column {column}" in text and "move the file out" in text, text
+        said.append(text)
+    assert said[0] == said[1]
+    assert not (run / "analysis").exists()

@@ -18,6 +18,7 @@ import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
 from powerprof import termination
+from powerprof.storage import datafiles
 from powerprof.storage.runs import RUN_JSON, no_finished_level
 from powerprof.storage.schema import LEVELS
 
@@ -292,6 +293,9 @@ def read_windows(runs: list[RunInfo], twice: dict | None = None) -> pa.Table:
             t = pq.read_table(r.path / "windows.parquet")
         except (pa.ArrowInvalid, OSError) as e:
             raise AnalysisError(f"{r.path / 'windows.parquet'}: cannot be read as Parquet ({e})") from None
+        # The rule export reads a table by (storage/datafiles.py): warmup as text died here with ArrowTypeError.
+        if why := datafiles.type_refusal("windows", [(r.path / "windows.parquet", t.schema)]):
+            raise AnalysisError(why)
         # Which windows count rests on these two: read as missing, every window was warm-up (or failed), and the
         # error blamed that instead of the file.
         lacking = [c for c in ("warmup", "status") if c not in t.column_names]
@@ -410,9 +414,13 @@ def scan_samples(run: RunInfo, windows: pa.Table | None = None, bins: int = TIME
     if not path.exists():
         return {}, None
     try:
-        names = set(pq.read_schema(path).names)
+        schema = pq.read_schema(path)
     except (pa.ArrowInvalid, OSError) as e:
         raise AnalysisError(f"{path}: cannot be read as Parquet ({e})") from None
+    # As export refuses it (storage/datafiles.py): DuckDB failed on power_w as text, said as a damaged file.
+    if why := datafiles.type_refusal("samples", [(path, schema)]):
+        raise AnalysisError(why)
+    names = set(schema.names)
     if "t_mono_s" not in names:
         return {}, None
     if con is None:
