@@ -177,3 +177,51 @@ def test_a_run_whose_every_request_failed_says_so_not_that_energy_is_missing(tmp
     assert r.exit_code == 1 and isinstance(r.exception, SystemExit), (r.output, r.exception)
     assert "energy_method none" not in r.output and "failed" in r.output and "error column" in r.output, r.output
     assert not (run / "analysis").exists()
+
+
+def test_a_run_whose_every_window_was_left_out_says_why_not_that_requests_failed(tmp_path):
+    # Every stream came through a buffering proxy (all in one burst: untrusted timing), none failed: analyze said
+    # "0 requests failed (status not ok) ... fix the server and measure again", the wrong cause and the wrong fix.
+    run = _run(tmp_path, n_failed=0)
+    _edit_rows(run, lambda r: {**r, "timing": "untrusted", "timing_reason": "all tokens arrived in one read",
+                               "decode_tok_s": None, "gpu_j_per_token": None, "gpu_energy_j": None})
+    r = CliRunner().invoke(main, ["analyze", str(run), "--bootstrap", "100"])
+    assert r.exit_code == 1 and isinstance(r.exception, SystemExit), (r.output, r.exception)
+    said = " ".join(r.output.split())
+    assert "failed" not in said and "fix the server" not in said, said
+    assert "token timing cannot be trusted" in said and "fix:" in said, said
+    assert not (run / "analysis").exists()
+
+
+def test_a_run_whose_every_window_ran_beside_others_work_says_so(tmp_path):
+    # Another client throughout: every window flagged foreign_traffic, none failed; the error blamed the server.
+    run = _run(tmp_path, n_failed=0)
+    _edit_rows(run, lambda r: {**r, "foreign_traffic": "3 request(s) not powerprof's in flight"})
+    r = CliRunner().invoke(main, ["analyze", str(run), "--bootstrap", "100"])
+    assert r.exit_code == 1 and isinstance(r.exception, SystemExit), (r.output, r.exception)
+    said = " ".join(r.output.split())
+    assert "fix the server" not in said and "others' work" in said and "stop the other clients" in said, said
+
+
+@pytest.mark.parametrize("table, column", [("windows", "warmup"), ("windows", "gpu_energy_j"),
+                                           ("samples", "power_w")])
+def test_a_column_stored_as_another_kind_is_refused_as_export_refuses_it(tmp_path, table, column):
+    # export refuses a run's table whose column holds another kind of value than powerprof writes (storage/datafiles);
+    # analyze died on warmup as text with "ArrowTypeError: Expected bytes, got a 'bool' object" (a traceback, nothing
+    # on the screen), read gpu_energy_j as text by parsing it, and blamed power_w as text on a damaged Parquet file.
+    run = _run(tmp_path)
+    path = run / f"{table}.parquet"
+    t = pq.read_table(path)
+    i = t.schema.get_field_index(column)
+    t = t.set_column(i, column, pa.array([None if v is None else str(v) for v in t.column(i).to_pylist()], pa.string()))
+    pq.write_table(t, path)
+    said = []
+    for args in (["analyze", str(run), "--bootstrap", "100"],
+                 ["export", str(path), "--format", "csv", "--out", str(tmp_path / "e.csv")]):
+        r = CliRunner().invoke(main, args)
+        assert r.exit_code == 1 and isinstance(r.exception, SystemExit), (r.output, r.exception)
+        text = " ".join(r.output.split())
+        assert str(path) in text and f"column {column}" in text and "move the file out" in text, text
+        said.append(text)
+    assert said[0] == said[1]
+    assert not (run / "analysis").exists()

@@ -63,6 +63,28 @@ def test_glitchy_power_samples_are_left_out_of_the_sensor_figures_and_counted(tm
     assert "300 W:" in said and "fix" in said.lower(), said
 
 
+def test_the_power_bound_is_the_highest_limit_of_any_of_the_runs_gpus(tmp_path):
+    # A sweep's run.json lists its GPUs (gpus[].max_limit_w); the bound took GPU 0's alone. On a mixed host whose GPU 0
+    # is the smaller card (an L4, 72 W), the other card's every reading over 144 W was "implausible": left out of its
+    # sensor figures (the cap rule judged on its low readings alone) and blamed on a sensor glitch.
+    import json
+
+    clean = _analyze(_run(tmp_path, "clean"), tmp_path / "o-clean")
+    run = _run(tmp_path)
+    meta = json.loads((run / "run.json").read_text())
+    for k in ("min_limit_w", "max_limit_w", "default_limit_w"):
+        meta.pop(k)
+    truth = seed_truth()
+    meta["gpus"] = [{"index": 0, "name": "NVIDIA L4", "min_limit_w": 40.0, "max_limit_w": 72.0, "default_limit_w": 72.0},
+                    {"index": 1, "name": truth.gpu_name, "min_limit_w": truth.min_limit_w,
+                     "max_limit_w": truth.max_limit_w, "default_limit_w": truth.default_limit_w}]
+    (run / "run.json").write_text(json.dumps(meta))
+    _edit(run / "samples.parquet", lambda i, r: dict(r, device="gpu1", gpu_index=1) if r["device"] == "gpu0" else r)
+    res = _analyze(run, tmp_path / "o")
+    assert not [w for w in res.warnings if w.kind == "implausible-samples"], [w.message for w in res.warnings]
+    assert _by_level(res, "cap_not_engaged") == _by_level(clean, "cap_not_engaged")
+
+
 def test_an_inf_sm_clock_reading_is_left_out_and_said_not_a_dash(tmp_path):
     # An inf SM clock in one sample made the level's mean clock inf, printed "–" with no reason.
     clean = _analyze(_run(tmp_path, "clean"), tmp_path / "o-clean")

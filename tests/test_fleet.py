@@ -673,3 +673,19 @@ def test_a_stray_file_is_left_out_by_analyze_and_export_alike_and_said(tmp_path)
     assert pq.read_table(tmp_path / "e" / "requests.parquet").num_rows == truth["requests"]
     assert "part-x.parquet.tmp" in res.stderr and "not read" in res.stderr, res.stderr
     assert ".part-y" not in res.output and "_part-z" not in res.output
+
+
+def test_a_categorical_text_column_is_text_to_analyze_and_export_alike(tmp_path):
+    # A file rewritten with pandas' category dtype stores outcome as dictionary<string>: the same text to DuckDB, but
+    # export's type rule saw "dictionary<values=string, ...>" where the daemon writes string and refused the dataset.
+    truth = _node(tmp_path / "n", 0)
+    for f in (tmp_path / "n" / "requests").rglob("*.parquet"):
+        t = pq.ParquetFile(f).read()
+        i = t.schema.get_field_index("outcome")
+        pq.write_table(t.set_column(i, "outcome", t.column(i).dictionary_encode()), f)
+    res = CliRunner().invoke(main, ["analyze", str(tmp_path / "n"), "--out", str(tmp_path / "a")])
+    assert res.exit_code == 0, res.output
+    _check(pq.read_table(tmp_path / "a" / "fleet.parquet").to_pylist(), {"node-0": truth})
+    res = CliRunner().invoke(main, ["export", str(tmp_path / "n"), "--format", "parquet", "--out", str(tmp_path / "e")])
+    assert res.exit_code == 0, res.output
+    assert pq.read_table(tmp_path / "e" / "requests.parquet").num_rows == truth["requests"]

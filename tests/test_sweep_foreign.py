@@ -450,6 +450,18 @@ def test_sglangs_counter_dipping_for_one_read_blames_no_batch():
     assert why is not None and "20 tokens more" in why, why
 
 
+def test_counters_still_at_zero_after_a_batch_are_no_restart():
+    """A fresh server whose counters lag the stream: 0 before the first batch and still 0 after it, its tokens and
+    request on the next page. 0 is "half of 0 or less", and was read as a restart: the first batch was forgotten and
+    came back at the next page as another client's ("1 request(s) more", "128 tokens more"): left out, sent again."""
+    w = ForeignWatch(_t(0, 0))
+    assert w.judge(_t(0, 0), [_Rec(128)]) is None
+    assert w.judge(_t(256, 2), [_Rec(128)]) is None
+    # A real restart from a counter above 0 is still one.
+    assert w.judge(_t(100, 1), [_Rec(100)]) is None
+    assert w.judge(_t(228, 2), [_Rec(128)]) is None
+
+
 def test_a_sweep_beside_a_simulated_sglang_whose_counter_dips_flags_nothing(tmp_path):
     """Against the simulator's SGLang, its counter dipping 40 tokens at every third /metrics read, one level of 8
     requests, the counter at 200 before it: before, 4 of 12 windows were marked foreign-traffic ("72 tokens more"),

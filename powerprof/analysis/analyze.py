@@ -13,7 +13,7 @@ import pyarrow as pa
 from powerprof.storage.schema import ANALYSIS
 
 from .checks import (Finding, choice_findings, edge_findings, fit_findings, impossible_findings, level_findings,
-                     saving_findings, timing_findings)
+                     nothing_measured_text, saving_findings, timing_findings)
 from .fits import ModelFit, fit_series
 from .loading import SWEEP_LEVEL_COLUMNS, RunInfo, Timeline
 from .stats import WIDE_CI_PCT, LevelSeries, level_series, levels_table
@@ -197,11 +197,9 @@ def analyze(
     if not all_series:
         raise ValueError("no measured windows at any level (all warm-up, failed, or missing): nothing to analyse")
     if not any(int(np.sum(s.n_windows)) for s in all_series):
-        # Levels with requests, none measured: every one failed (or was left out); not an energy question.
-        failed = sum(int(np.sum(s.n_failed)) for s in all_series)
-        raise ValueError(f"no measured windows at any level: {failed} requests failed (status not ok), the rest were "
-                         "warm-up or left out; the windows' error column says why they failed (the server's answer): "
-                         "fix the server and measure again")
+        # Levels with requests, none measured: every one failed or was left out (each reason said with its fix);
+        # not an energy question.
+        raise ValueError(nothing_measured_text(windows, sum(int(np.sum(s.n_failed)) for s in all_series)))
     if not any(np.isfinite(s.j_per_token).any() for s in all_series):
         raise ValueError("no window has a GPU energy (energy_method none everywhere): J/token cannot be computed")
     all_series = [s for s in all_series if np.isfinite(s.j_per_token).any()]

@@ -360,6 +360,41 @@ def impossible_findings(windows) -> list[Finding]:
         tuple(sorted({float(v) for v in values[bad]})))]
 
 
+def nothing_measured_text(windows, failed: int) -> str:
+    """Why no window at any level is measured, each reason with its count and its fix: the failed requests (the
+    server's answers), and the windows left out of every figure (untrusted timing, others' work beside them,
+    impossible figures). Every reason is named: a run whose streams all came through a buffering proxy (every
+    window untrusted) was told "0 requests failed ... fix the server"."""
+    from .stats import _col, _concurrency, eligible_windows, foreign_windows
+
+    warm = _col(windows, "warmup", bool)
+    status = _col(windows, "status", object)
+    kind = _col(windows, "window_kind", object)
+    conc = _concurrency(windows)
+    timing = _col(windows, "timing", object)
+    # Windows of the kind the figures take (requests at concurrency 1, batches above, a replay's trace row), not
+    # warm-up, succeeded: what was left out of them, and why.
+    usable = ~warm & np.array([st in (None, "ok") for st in status], dtype=bool) & np.array(
+        [k in ("batch" if c > 1 else "request", "trace") or (k is None and c <= 1) for k, c in zip(kind, conc)],
+        dtype=bool)
+    foreign = usable & foreign_windows(windows)
+    untrusted = usable & ~foreign & np.array([t == "untrusted" for t in timing], dtype=bool)
+    parts = []
+    if failed:
+        parts.append(f"{failed} requests failed (status not ok): the windows' error column says why (the server's "
+                     "answer); fix the server and measure again")
+    if untrusted.any():
+        parts.extend(f.message for f in timing_findings(windows))
+    if foreign.any():
+        parts.append(f"{int(foreign.sum())} windows ran beside others' work (windows.parquet foreign_traffic says "
+                     f"what showed it) and are left out of every figure; fix: {FOREIGN_FIX}")
+    if (eligible_windows(windows)).any():
+        parts.extend(f.message for f in impossible_findings(windows))
+    if not parts:
+        parts.append("every window is warm-up or missing; measure the levels again")
+    return "no measured windows at any level: " + "; ".join(parts)
+
+
 def sample_findings(implausible: dict) -> list[Finding]:
     """Sensor readings left out of the per-level sensor figures as implausible (engine.PLAUSIBLE_POWER_FACTOR), one
     finding per samples file: how many of how many, at which levels, the bound, and the fix.

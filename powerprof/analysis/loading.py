@@ -8,6 +8,7 @@ samples.parquet is scanned by DuckDB (engine.py) within a memory limit, so 100 M
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -17,6 +18,7 @@ import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
 from powerprof import termination
+from powerprof.storage import datafiles
 from powerprof.storage.runs import RUN_JSON, no_finished_level
 from powerprof.storage.schema import LEVELS
 
@@ -291,6 +293,9 @@ def read_windows(runs: list[RunInfo], twice: dict | None = None) -> pa.Table:
             t = pq.read_table(r.path / "windows.parquet")
         except (pa.ArrowInvalid, OSError) as e:
             raise AnalysisError(f"{r.path / 'windows.parquet'}: cannot be read as Parquet ({e})") from None
+        # The rule export reads a table by (storage/datafiles.py): warmup as text died here with ArrowTypeError.
+        if why := datafiles.type_refusal("windows", [(r.path / "windows.parquet", t.schema)]):
+            raise AnalysisError(why)
         # Which windows count rests on these two: read as missing, every window was warm-up (or failed), and the
         # error blamed that instead of the file.
         lacking = [c for c in ("warmup", "status") if c not in t.column_names]
@@ -409,9 +414,13 @@ def scan_samples(run: RunInfo, windows: pa.Table | None = None, bins: int = TIME
     if not path.exists():
         return {}, None
     try:
-        names = set(pq.read_schema(path).names)
+        schema = pq.read_schema(path)
     except (pa.ArrowInvalid, OSError) as e:
         raise AnalysisError(f"{path}: cannot be read as Parquet ({e})") from None
+    # As export refuses it (storage/datafiles.py): DuckDB failed on power_w as text, said as a damaged file.
+    if why := datafiles.type_refusal("samples", [(path, schema)]):
+        raise AnalysisError(why)
+    names = set(schema.names)
     if "t_mono_s" not in names:
         return {}, None
     if con is None:
@@ -424,7 +433,7 @@ def scan_samples(run: RunInfo, windows: pa.Table | None = None, bins: int = TIME
         rel = engine.samples_relation(con, path)
         # Without measured windows (a run stopped early) every tagged sample counts, as before.
         sums, tb = engine.scan(con, rel, (starts, ends) if starts.size else None, bins=bins,
-                               max_power_w=run.max_limit_w)
+                               max_power_w=highest_limit_w(run))
     except duckdb.Error as e:  # a footer that opens over damaged pages
         if (stop := termination.exit_inside(e)) is not None:
             raise stop from None
@@ -443,6 +452,16 @@ def scan_samples(run: RunInfo, windows: pa.Table | None = None, bins: int = TIME
     return sums, tl
 
 
+def highest_limit_w(run: RunInfo) -> float | None:
+    """The highest power limit of any of the run's GPUs (run.json gpus[].max_limit_w, and max_limit_w), the bound of
+    engine.PLAUSIBLE_POWER_FACTOR: RunInfo.max_limit_w is GPU 0's alone, and on a mixed host whose GPU 0 is the
+    smaller card (an L4, 72 W) the other card's every reading over 144 W was left out as implausible."""
+    gpus = run.meta.get("gpus") if isinstance(run.meta, dict) else None
+    highs = [_float(g.get("max_limit_w")) for g in gpus if isinstance(g, dict)] if isinstance(gpus, list) else []
+    highs = [h for h in (*highs, run.max_limit_w) if h is not None and math.isfinite(h) and h > 0]
+    return max(highs) if highs else None
+
+
 def sample_level_figures(runs: list[RunInfo], windows: pa.Table | None,
                          implausible: dict | None = None) -> tuple[dict, list[Timeline]]:
     """Per-level sensor figures pooled over the runs' samples (sums added, then divided once),
@@ -458,7 +477,7 @@ def sample_level_figures(runs: list[RunInfo], windows: pa.Table | None,
             for key, s in sums.items():
                 pooled.setdefault(key, engine.LevelSums()).add(s)
             if implausible is not None and any(s.power_bad_n or s.clock_bad_n for s in sums.values()):
-                implausible[r.path / "samples.parquet"] = {"max_limit_w": r.max_limit_w, "levels": sums}
+                implausible[r.path / "samples.parquet"] = {"max_limit_w": highest_limit_w(r), "levels": sums}
     return engine.level_figures(pooled), timelines
 
 

@@ -69,6 +69,8 @@ def _family_of(arrow_type) -> str | None:
     import pyarrow as pa
 
     t = arrow_type
+    if pa.types.is_dictionary(t):
+        t = t.value_type  # a categorical column (pandas' category dtype): the kind of its values
     if pa.types.is_null(t):
         return None  # no value in the file: fits any column
     if pa.types.is_integer(t) or pa.types.is_floating(t) or pa.types.is_decimal(t):

@@ -418,7 +418,9 @@ class ForeignWatch:
         self.ours_tokens += sum(int((r.shown_tokens if r.count_problem else r.generated_tokens) or 0) for r in recs)
         self.ours_requests += sum(1 for r in recs if r.ok)
         if now.tokens is not None and self.first.tokens is not None and self.prev.tokens is not None:
-            if now.tokens <= self.prev.tokens / 2:  # the server restarted: its counter began again
+            # The server restarted: its counter began again. A fall, never a counter standing still at 0 (a fresh
+            # server's counter lagging our first batch: reset there, that batch came back as another client's).
+            if now.tokens < self.prev.tokens and now.tokens <= self.prev.tokens / 2:
                 self.first, self.ours_tokens, self._tok_high = now, 0, 0.0
             else:
                 # A fall above half the page before is no restart: a multi-process page (SGLang's, a vLLM with
@@ -435,7 +437,8 @@ class ForeignWatch:
                                f"requests received ({now.tokens_name})")
                 self._tok_high = max(self._tok_high, excess)
         if now.requests is not None and self.first.requests is not None and self.prev.requests is not None:
-            if now.requests <= self.prev.requests / 2:  # restarted; a smaller fall a dip (as the token counter's)
+            # Restarted (a fall to half or less, as the token counter's); a smaller fall a dip.
+            if now.requests < self.prev.requests and now.requests <= self.prev.requests / 2:
                 self.first, self.ours_requests, self._req_high = now, 0, 0.0
             else:
                 excess = now.requests - self.first.requests - self.ours_requests
