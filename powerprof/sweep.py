@@ -810,14 +810,23 @@ class Sweep:
 
     def _leave_out_unvouched(self, visit: LevelVisit, waited_s: float) -> None:
         """Leave out, said, the windows still waiting at the level's end: no reading taken after they ended came
-        within the wait, so a limit or clock moved in them would go unseen (the next level's setting is about to
-        replace it, and the readings that could tell arrive under that level)."""
+        within the wait, or the last busy ones read the clock off the level's, so a limit or clock moved in them
+        would go unseen (the next level's setting is about to replace it, and the readings that could tell arrive
+        under that level)."""
         rows = [row for s in self._suspect for row in s[0] if row.get("timing") != "untrusted"]
         del visit.spans[self._suspect[0][1]:]
         self._suspect = []
-        why = (f"no GPU reading taken after this window ended arrived within {waited_s:.1f} s of the level's end "
-               f"(the sampler lagged behind, a loaded host), so the level's "
-               f"{SETTING_WORDS.get(self.s.level_kind, 'setting')} cannot be vouched for in it")
+        if self._clock_watch is not None and self._clock_watch.open:
+            # The GPU idles once the level's requests end, and an idle reading says nothing of a clock: the run of
+            # off-clock busy readings is left open, too short to call the setting moved and never settled.
+            why, fix = ("the GPU's last busy readings after this window ended showed its SM clock off the level's, too "
+                        "few in a row to call the setting moved and none back on it before the level ended, so the "
+                        f"level's {SETTING_WORDS.get(self.s.level_kind, 'setting')} cannot be vouched for in it"), CLOCK_FIX
+        else:
+            why = (f"no GPU reading taken after this window ended arrived within {waited_s:.1f} s of the level's end "
+                   f"(the sampler lagged behind, a loaded host), so the level's "
+                   f"{SETTING_WORDS.get(self.s.level_kind, 'setting')} cannot be vouched for in it")
+            fix = UNVOUCHED_FIX
         n = 0
         for row in rows:
             if self._counts(row):
@@ -827,7 +836,7 @@ class Sweep:
                 visit.n_untrusted += 1
             distrust(row, why)
         if n:
-            self.ui.note(f"{_level_name(visit)}: {n} window(s) left out of every figure: {why}; fix: {UNVOUCHED_FIX}")
+            self.ui.note(f"{_level_name(visit)}: {n} window(s) left out of every figure: {why}; fix: {fix}")
 
     def _paired_stop(self, visit: LevelVisit) -> str | None:
         """'paired-ci-reached' when this level's saving against the reference (already measured in

@@ -492,3 +492,24 @@ def test_windows_no_reading_vouched_for_by_the_levels_end_are_left_out_and_said(
     for value in (300.0, 200.0):  # the level's figure is its vouched windows' alone
         kept = req[(req.level_value == value) & (req.timing != "untrusted")]
         assert levels.loc[value, "gpu_j_per_token"] == pytest.approx(kept.gpu_j_per_token.median(), rel=1e-9)
+
+
+def test_windows_after_an_off_clock_run_left_open_at_the_levels_end_are_left_out_with_that_reason(tmp_path, monkeypatch):
+    # The clock's run of off readings opened in a level's last window and the GPU went idle before it was long enough
+    # to call the lock moved: readings came, but none vouched for the window, which was kept unjudged. A run stood
+    # open throughout stands in for it here (deterministic: the readings' timing on a loaded host is not).
+    from powerprof.collectors.limitwatch import ClockLockWatch
+
+    monkeypatch.setattr(ClockLockWatch, "open", property(lambda self: self.locked_mhz == 1400.0))
+    out = tmp_path / "run"
+    ui = _Hook(lambda event, visit: None)
+    with Rig("h200-141g", nvml=SimNVML("h200-141g", state_path=None)) as rig:
+        run_sweep(rig, levels_spec="1980,1400", level_kind="sm_clock", out_dir=out, params=RequestParams(max_tokens=32),
+                  idle_s=0, interval_s=0.2, min_requests=3, max_requests=3, warmup_requests=0, ui=ui)
+    w = pq.read_table(out / "windows.parquet").to_pandas()
+    req = w[(w.window_kind == "request") & ~w.warmup]
+    assert (req[req.level_value == 1980.0].timing != "untrusted").all()
+    left = req[req.level_value == 1400.0]
+    assert (left.timing == "untrusted").all() and left.timing_reason.str.contains("SM clock off the level's").all(), \
+        left[["timing", "timing_reason"]].to_string()
+    assert any(f"level 1400: {len(left)} window(s) left out" in n and "nvidia-smi" in n for n in ui.notes), ui.notes
