@@ -313,6 +313,18 @@ def test_a_stream_longer_than_the_hits_are_kept_is_still_flagged(long_id):
     assert led.totals.cache_unsaid_requests == 3
 
 
+def test_a_long_stream_ending_just_before_its_hits_are_pruned_is_still_flagged():
+    # B (its 900 hits never said) ends at 303.95 s; the scrape at 304 s prunes the 0-2 s window holding its hits before
+    # the interval of its end closes. What live requests keep to judge is judged before that prune, but an ended one
+    # still waiting for its interval's close (or its row parked) was passed over: its row found the window gone and
+    # said nothing, the counter one low.
+    ivs, rq, led = _pending_run(details=False, ends={2: 303.95})
+    rows, _ = _unsaid_flagged(ivs, rq)
+    assert rows == {1, 2, 3}, {rid: r["energy_note"] for rid, r in rq.items()}
+    assert "900" in rq[2]["energy_note"]
+    assert led.totals.cache_unsaid_requests == 3
+
+
 def test_a_count_said_late_marks_the_late_case_not_the_unsaid_one():
     # Continuous usage: B's prompt was said early, its count at its end, after the intervals over its prefill closed.
     # Those requests say prefix-cache-late (its fix); before, all three and both intervals over the window said

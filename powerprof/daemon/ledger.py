@@ -988,8 +988,11 @@ class Ledger:
         be pruned (CACHE_KEEP_S): the intervals beside unsaid hits (`cache_unsure`) and their own hit span. A stream
         longer than that, judged at its end, found those windows gone and lost its prefix-cache-unsaid flag (review
         s37: a 320 s stream beside 900 unsaid hits, 31.5 kJ unflagged). What is judged early counts the hits still
-        unsaid now: the requests whose end could say them have ended or waited past the hold long before."""
-        for r in self.requests.values():
+        unsaid now: the requests whose end could say them have ended or waited past the hold long before. Ended ones
+        too, whose row is still to come (their end's interval not closed yet, or their row parked: `_late_parked`):
+        passed over, a stream ending just before the prune found its hit span's window gone at its row and lost its
+        flag (tests/test_prefix_cache_ledger.py)."""
+        for r in itertools.chain(self.requests.values(), (item[0] for item in self._late_parked)):
             if r.cache_unsure and r.cache_unsure[0][0] < t_ns:
                 keep = []
                 for e in r.cache_unsure:
@@ -999,7 +1002,7 @@ class Ledger:
                         keep.append(e)
                 r.cache_unsure = keep
             h0, h1 = self._hit_span(r)
-            if h0 < t_ns and r.trace.end_ns is None:
+            if h0 < t_ns:
                 r.cache_unsaid_early = max(r.cache_unsaid_early, self._cache_unsaid(h0, h1))
 
     def _judge_unsure(self, r: _Req, t0: int, t1: int, j: float) -> None:
