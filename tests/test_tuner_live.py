@@ -288,12 +288,12 @@ def test_a_trial_whose_energy_the_daemon_never_accounts_ends_and_says_so():
         runner.start()
         _drive(runner, clock, 6)
         n = len(runner.tuner.decisions)
-        for _ in range(60):
+        for _ in range(90):  # past ACCOUNTS_CATCH_UP_S (600 s) after the move
             fd.behind_s += runner.cfg.tick_s  # stuck: each tick's energy never accounted
             _drive(runner, clock, 1)
         new = list(runner.tuner.decisions)[n:]
         assert any("accounted" in d.reason for d in new), [(d.action, d.reason) for d in new]
-        assert runner.tuner.state != "trial" or len(runner.tuner._pending) < 20, runner.tuner.state
+        assert runner.tuner.state != "trial" or len(runner.tuner._pending) < 70, runner.tuner.state
 
 
 def test_a_daemon_measuring_other_gpus_is_not_believed(tmp_path):

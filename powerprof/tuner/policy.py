@@ -21,6 +21,10 @@ from powerprof.daemon.latency import LATENCY_EDGES_S
 
 
 BUCKET_ERROR = 0.13  # a quantile read from the daemon's latency buckets is within ±13% of the truth (daemon/latency.py)
+# Longest a level waits for a window whose energy the daemon accounted at it (`Window.energy_straddles`) before its trial
+# ends too thin to judge: 5 times the daemon's default longest hold (max_hold_s, 120 s: a non-streamed request's
+# intervals), so held accounts catch up well before it and only accounts that stay behind end a trial.
+ACCOUNTS_CATCH_UP_S = 600.0
 
 
 class TunerConfigError(ValueError):
@@ -1041,7 +1045,7 @@ class Tuner:
             # their holds (30 s at most); ever further behind (an accounting step failing at every pass), this waited
             # for ever: a trial held its level with no decision and no word, every window kept (200 ticks, 197).
             waited_s = sum(x.duration_s for x in self._pending[1:])
-            if waited_s >= 4 * cfg.window_s:
+            if waited_s >= max(4 * cfg.window_s, ACCOUNTS_CATCH_UP_S):
                 self._thin(t, out, f"no window in {waited_s:.0f} s had its energy accounted at this level (the "
                                    "daemon's energy accounts stay behind it: powerprof_accounts_behind_seconds): "
                                    "cannot judge")
