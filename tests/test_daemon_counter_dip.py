@@ -24,8 +24,9 @@ def _vllm_multiprocess(tokens: float) -> str:
 DOWN = "down"  # this scrape finds nothing listening (connection refused): the server is down
 
 
-def _scrapes(kind: str, script: list) -> tuple[list, Scraper]:
-    """The deltas of one Scraper reading the pages of `script` in turn (DOWN: a refused connection)."""
+def _scrapes(kind: str, script: list, seen: list | None = None) -> tuple[list, Scraper]:
+    """The deltas of one Scraper reading the pages of `script` in turn (DOWN: a refused connection); `seen` gets each
+    scrape's (delta, cache_hits, finished)."""
 
     class Scripted(Scraper):
         async def _get(self, path):
@@ -43,7 +44,12 @@ def _scrapes(kind: str, script: list) -> tuple[list, Scraper]:
     async def go():
         async with aiohttp.ClientSession() as s:
             sc = Scripted(s, "http://x", kind)
-            return [await sc.scrape() for _ in range(len(script))], sc
+            out = []
+            for _ in range(len(script)):
+                out.append(await sc.scrape())
+                if seen is not None:
+                    seen.append((out[-1], sc.cache_hits, sc.finished))
+            return out, sc
 
     return asyncio.run(asyncio.wait_for(go(), 60))
 
@@ -98,6 +104,32 @@ def test_the_window_while_a_counter_stays_below_its_highest_reading_is_marked():
     # A fall to half or less after it is still a restart at once.
     deltas, sc = _scrapes("sglang", [_sglang(1000), _sglang(995), _sglang(998), _sglang(300), _sglang(350)])
     assert deltas == [0, None, 0, 300, 50] and sc.restarts == 1 and "server_restart" in sc.partial
+
+
+def _sglang_full(tokens: float, hits: float, finished: int, seconds: float) -> str:
+    # Its token counter with the prefix-cache hit counter and the end-to-end latency histogram the ledger checks
+    # hits against and spreads an at-finish window's bypass tokens back with.
+    lat = "sglang:e2e_request_latency_seconds"
+    return (_sglang(tokens) + f'# TYPE sglang:cached_tokens_total counter\nsglang:cached_tokens_total{{model_name="m"}} {hits}\n'
+            f'# TYPE {lat} histogram\n{lat}_bucket{{le="+Inf",model_name="m"}} {finished}\n'
+            f'{lat}_count{{model_name="m"}} {finished}\n{lat}_sum{{model_name="m"}} {seconds}\n')
+
+
+def test_the_window_after_a_counter_below_run_says_only_its_own_hits_and_finished_requests():
+    # The windows while the counter stays below its highest reading close (0 tokens, marked counter_below), but their
+    # hits and finished requests were left in the base: the first window after them said all of them as its own, unmarked
+    # (here 130 hits and 5 requests where it counted 30 and 1): its requests' said counts found no room (prefix-cache-
+    # unsaid, every answer having said its count) and an at-finish window's bypass requests were spread back over 4
+    # requests' durations that ended in the windows before. A figure of its own or none (unknown), never theirs.
+    script = [_sglang_full(1000, 100, 10, 20.0), _sglang_full(990, 150, 12, 24.0), _sglang_full(995, 200, 14, 28.0),
+              _sglang_full(1010, 230, 15, 30.0)]
+
+    seen: list = []
+    deltas, _sc = _scrapes("sglang", script, seen)
+    assert deltas == [0, None, 0, 10], deltas
+    _d, hits, finished = seen[-1]
+    assert hits in (None, 30.0), seen
+    assert finished in (None, (1.0, 2.0)), seen
 
 
 def test_a_dip_on_a_page_with_a_start_time_is_still_refused_as_before():

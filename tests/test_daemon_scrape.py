@@ -179,6 +179,45 @@ class _Cfg:
         return self.keys[key]
 
 
+def test_a_failing_prefix_cache_check_does_not_end_the_scrape_loop():
+    """The window's hits are checked (ledger.add_cache_hits) before its tokens are placed, in the scrape loop, which
+    catches nothing of the ledger's: one exception there ended the loop for good, unsaid until shutdown ("task failed
+    at shutdown"), and every interval after it closed `unscraped`. The check is let go for that window, logged, and the
+    tokens are still counted."""
+    from powerprof.daemon.service import Daemon
+
+    class FakeScraper:
+        kind, finished, window_partial, cache_hits = "vllm", None, (), 5.0
+
+        async def scrape(self):
+            return 10.0
+
+    ledger = types.SimpleNamespace(requests={1: object()}, tags={}, closed_tags=[], spans=[], checks=0)
+
+    def add_cache_hits(since, t, hits):
+        ledger.checks += 1
+        if ledger.checks == 2:
+            raise ValueError("a fault in the check")
+
+    ledger.add_cache_hits = add_cache_hits
+    ledger.add_server_tokens = lambda t, d, since, at_finish, finished=None, partial=(): ledger.spans.append((since, t, d))
+    me = types.SimpleNamespace(cfg=_Cfg(interval_s=0.02, idle_interval_s=0.02), scraper=FakeScraper(), ledger=ledger,
+                               stop_event=None, _scrape_since_ns=None)
+
+    async def go():
+        me.stop_event = asyncio.Event()
+        task = asyncio.create_task(Daemon._scrape_loop(me))
+        t = time.monotonic()
+        while len(ledger.spans) < 5 and not task.done() and time.monotonic() - t < 30:
+            await asyncio.sleep(0.02)
+        me.stop_event.set()
+        await asyncio.wait_for(task, 5)  # raises the loop's own exception, if it died of one
+
+    asyncio.run(go())
+    assert len(ledger.spans) >= 5 and ledger.checks >= 5
+    assert all(a[1] == b[0] for a, b in zip(ledger.spans[1:], ledger.spans[2:]))  # each window where the last ended
+
+
 def test_the_daemon_scrape_loop_follows_the_cadence(monkeypatch):
     """The daemon's own loop: slow while nothing moves, fast while the ledger holds proxied requests
     and right after a counter rise. Bounds are counts and lower bounds on gaps (a loaded machine only

@@ -101,6 +101,66 @@ def test_the_request_beside_a_late_cached_count_is_marked_and_counted():
     assert led.totals.cache_late_requests == 2  # A's row and B's
 
 
+def test_a_long_stream_beside_a_late_count_says_it_after_thousands_more_went_by():
+    # A (1000-token prompt said early, 900 cached said only at its end, 1.95 s) beside B's start; B streams on while
+    # 4500 short requests go by, each saying 10 cached tokens late (its prefill's interval closed before its end). The
+    # late counts were kept in a table of the latest 4096, read at B's row: A's had left it and B's note named 10
+    # tokens, not A's 900 (and B kept the id of every request it was ever beside, growing with its life). Told to B
+    # as A settles.
+    sink = _Sink()
+    led = Ledger("d", 0, 1, sink, grace_s=0.1)
+    a, b = _llama(1, 0.1), _llama(2, 0.2)
+    for tr in (a, b):
+        led.on_start(tr)
+    a.extra["prompt_tokens"], b.extra["prompt_tokens"], b.extra["cached_tokens"] = 1000, 100, 0
+    _feed(led, 0.0, 0.0)
+    a.first_ns = b.first_ns = int(1.0 * S)
+    per_s, n_short, rid, e = 100, 4500, 3, 0.0
+    batches: dict[int, list] = {}
+    last_s = 3 + n_short // per_s + 3
+    for sec in range(1, last_s + 1):
+        for k in range(10):
+            t = int((sec + 0.09 * k) * S)
+            led.on_tokens(b, t, 1)
+            b.last_ns = t
+            if sec < 2:
+                led.on_tokens(a, t, 1)
+                a.last_ns = t
+        if sec == 2:
+            a.end_ns = int(1.95 * S)
+            a.counts = Counts(generated_tokens=10, prompt_tokens=1000, model=None, stop_reason=None,
+                              token_source="usage", cached_tokens=900)
+            led.on_end(a)
+        for q in batches.pop(sec - 2, []):  # ended after their prefill's interval closed: their count comes late
+            q.end_ns = q.last_ns + int(2.0 * S)
+            q.counts = Counts(generated_tokens=1, prompt_tokens=100, model=None, stop_reason=None,
+                              token_source="usage", cached_tokens=10)
+            led.on_end(q)
+        if 3 <= sec < 3 + n_short // per_s:
+            for k in range(per_s):
+                q = _llama(rid, sec + k / per_s)
+                rid += 1
+                led.on_start(q)
+                q.extra["prompt_tokens"] = 100  # said early (continuous usage), its cached count not
+                q.first_ns = q.last_ns = int((sec + k / per_s + 0.004) * S)
+                led.on_tokens(q, q.first_ns, 1)
+                batches.setdefault(sec, []).append(q)
+        if sec == last_s:
+            b.end_ns = int((sec + 0.95) * S)
+            b.counts = Counts(generated_tokens=10 * last_s, prompt_tokens=100, model=None, stop_reason=None,
+                              token_source="usage", cached_tokens=0)
+            led.on_end(b)
+        e += 100.0
+        _feed(led, float(sec), e)
+        led.advance(int((sec + 0.5) * S))
+    led.close_all(int((last_s + 3) * S))
+    rq = {r["request_id"]: r for r in sink.rows["requests"]}
+    assert len(rq) == n_short + 2
+    assert sum(LATE in (r["energy_note"] or "") for r in rq.values()) > 4096  # the set-up: that many late counts
+    note = rq[2]["energy_note"] or ""
+    assert LATE in note and "that 900 of its prompt tokens" in note, note
+
+
 def test_parsers_say_the_cached_count_as_early_as_the_prompt():
     # SGLang /generate repeats meta_info.cached_tokens on every event (read from its bytes too: the quick path).
     p = StreamParser("sglang-generate", count_only=True)
@@ -310,6 +370,18 @@ def test_a_stream_longer_than_the_hits_are_kept_is_still_flagged(long_id):
     ivs, rq, led = _pending_run(details=False, ends={long_id: 320.0})
     rows, _ = _unsaid_flagged(ivs, rq)
     assert rows == {1, 2, 3}, {rid: r["energy_note"] for rid, r in rq.items()}
+    assert led.totals.cache_unsaid_requests == 3
+
+
+def test_a_long_stream_ending_just_before_its_hits_are_pruned_is_still_flagged():
+    # B (its 900 hits never said) ends at 303.95 s; the scrape at 304 s prunes the 0-2 s window holding its hits before
+    # the interval of its end closes. What live requests keep to judge is judged before that prune, but an ended one
+    # still waiting for its interval's close (or its row parked) was passed over: its row found the window gone and
+    # said nothing, the counter one low.
+    ivs, rq, led = _pending_run(details=False, ends={2: 303.95})
+    rows, _ = _unsaid_flagged(ivs, rq)
+    assert rows == {1, 2, 3}, {rid: r["energy_note"] for rid, r in rq.items()}
+    assert "900" in rq[2]["energy_note"]
     assert led.totals.cache_unsaid_requests == 3
 
 

@@ -274,6 +274,28 @@ def test_a_window_whose_energy_the_daemon_accounted_before_the_level_was_set_is_
     assert not mixed, mixed  # every window a verdict rests on: energy spent at its own level
 
 
+def test_a_trial_whose_energy_the_daemon_never_accounts_ends_and_says_so():
+    # The daemon's accounts fall ever further behind (an accounting step failing at every pass, a hold that never
+    # lets go): every window after the move straddles it, so none is in the energy verdict. Before, the trial at
+    # 200 W went on for 200 ticks (2000 s) with no decision and no word, its 197 windows kept; now it ends as a trial
+    # too thin to judge, back at the level before, and says why.
+    nvml = SimNVML("seed-16g", state_path=None)
+    clock = Clock()
+    with Rig("seed-16g", nvml=nvml) as rig, FakeDaemon(gpu=sim_gpu(nvml)) as fd, rig.controller([0]) as ctl:
+        fd.behind_s = 0.5
+        runner = TuneRunner(_cfg(), lambda: parse_counters(fetch_metrics(fd.url, 2), 0.0), ctl=ctl, gpus=[0],
+                            clock=clock, gpu_uuids=[nvml.gpus[0].uuid])
+        runner.start()
+        _drive(runner, clock, 6)
+        n = len(runner.tuner.decisions)
+        for _ in range(90):  # past ACCOUNTS_CATCH_UP_S (600 s) after the move
+            fd.behind_s += runner.cfg.tick_s  # stuck: each tick's energy never accounted
+            _drive(runner, clock, 1)
+        new = list(runner.tuner.decisions)[n:]
+        assert any("accounted" in d.reason for d in new), [(d.action, d.reason) for d in new]
+        assert runner.tuner.state != "trial" or len(runner.tuner._pending) < 70, runner.tuner.state
+
+
 def test_a_daemon_measuring_other_gpus_is_not_believed(tmp_path):
     nvml = SimNVML("seed-16g", state_path=None)
     clock = Clock()

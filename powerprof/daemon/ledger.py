@@ -200,8 +200,9 @@ class _Req:
     cache_late: float = 0.0
     # The requests whose prefill was placed, at a prompt said early with no cached count yet, in intervals it was given
     # energy of (`_cache_pending`), and its GPU joules from such intervals: their end may say part of that prompt was
-    # cached (CACHE_LATE_FLAG), and then its share there is low. Set as its row is made: the most tokens one of them
-    # said late (`cache_beside_late`), or whether one had still not ended when its row could wait no longer.
+    # cached (CACHE_LATE_FLAG), and then its share there is low. Each leaves `late_wait` as it settles (its end's
+    # close), its late count, if any, kept in `cache_beside_late` (the most one said); at its row, whether one had still
+    # not ended when that row could wait no longer (`late_unresolved`).
     late_wait: set = field(default_factory=set)
     late_wait_j: float = 0.0
     cache_beside_late: float = 0.0
@@ -333,10 +334,12 @@ class Ledger:
         self._cache_frozen = 0  # the leading windows whose `known` is final (`_cache_freeze`)
         self.cache_unsaid_requests = 0  # request rows emitted with CACHE_UNSAID_FLAG
         self.cache_late_requests = 0  # request rows emitted with CACHE_LATE_FLAG
-        # {request id: cached tokens its end said late} of the latest late ones (bounded), read by the rows of the
-        # requests beside their prefill (`_Req.late_wait`); and the ended requests whose rows wait for such a request
-        # to end (at most prompt_hold_s past their own end): [request, its end].
-        self._late_said: dict[int, float] = {}
+        # {request id: the requests beside its prefill (`_Req.late_wait`)} of those whose end may still say a count
+        # late: told as it settles (`_settle_late`). Before, the late counts were kept in a table of the latest 4096,
+        # read at the rows: a stream longer than that many late counts read none of the one beside its start (or a
+        # smaller one's figure) and its `late_wait` kept every id it was ever beside. And the ended requests whose
+        # rows wait for such a request to end (at most prompt_hold_s past their own end): [request, its end].
+        self._late_waiters: dict[int, list] = {}
         self._late_parked: list[list] = []
         # Interval rows in order, [row, t0, t1, the wait on the requests whose end may say its unsaid hits (a `_waits`
         # number, 0: none), its close], each waiting (at most prompt_hold_s past its close) for those to end before its
@@ -988,8 +991,11 @@ class Ledger:
         be pruned (CACHE_KEEP_S): the intervals beside unsaid hits (`cache_unsure`) and their own hit span. A stream
         longer than that, judged at its end, found those windows gone and lost its prefix-cache-unsaid flag (review
         s37: a 320 s stream beside 900 unsaid hits, 31.5 kJ unflagged). What is judged early counts the hits still
-        unsaid now: the requests whose end could say them have ended or waited past the hold long before."""
-        for r in self.requests.values():
+        unsaid now: the requests whose end could say them have ended or waited past the hold long before. Ended ones
+        too, whose row is still to come (their end's interval not closed yet, or their row parked: `_late_parked`):
+        passed over, a stream ending just before the prune found its hit span's window gone at its row and lost its
+        flag (tests/test_prefix_cache_ledger.py)."""
+        for r in itertools.chain(self.requests.values(), (item[0] for item in self._late_parked)):
             if r.cache_unsure and r.cache_unsure[0][0] < t_ns:
                 keep = []
                 for e in r.cache_unsure:
@@ -999,7 +1005,7 @@ class Ledger:
                         keep.append(e)
                 r.cache_unsure = keep
             h0, h1 = self._hit_span(r)
-            if h0 < t_ns and r.trace.end_ns is None:
+            if h0 < t_ns:
                 r.cache_unsaid_early = max(r.cache_unsaid_early, self._cache_unsaid(h0, h1))
 
     def _judge_unsure(self, r: _Req, t0: int, t1: int, j: float) -> None:
@@ -1593,6 +1599,8 @@ class Ledger:
                 live = (arrival[i] < t[1:]) & (end[i] > t[:-1])
                 others = {reqs[j].trace.request_id for k in np.flatnonzero(live) for j in pend_iv[k] if j != i}
                 if others:
+                    for q in others - r.late_wait:
+                        self._late_waiters.setdefault(q, []).append(r)
                     r.late_wait |= others
                     r.late_wait_j += a.request_energy[i, 9]
             if a.request_energy[i, 7] > 0:
@@ -1660,13 +1668,14 @@ class Ledger:
 
     def _settle_late(self, r: _Req) -> None:
         """How many of its prompt tokens its end said were cached beyond those its prefill was placed with
-        (CACHE_LATE_FLAG), kept for the rows of the requests beside that prefill (bounded: the latest 4096)."""
+        (CACHE_LATE_FLAG), told to the requests beside that prefill (`_late_waiters`), which wait for it no more."""
         if r.prefill_cached is not None:
             r.cache_late = max(_cached_tokens(r) - r.prefill_cached, 0.0)
-        if r.cache_late >= CACHE_UNSAID_MIN:
-            self._late_said[r.trace.request_id] = r.cache_late
-            while len(self._late_said) > 4096:
-                del self._late_said[next(iter(self._late_said))]
+        rid = r.trace.request_id
+        for w in self._late_waiters.pop(rid, ()):
+            w.late_wait.discard(rid)
+            if r.cache_late >= CACHE_UNSAID_MIN:
+                w.cache_beside_late = max(w.cache_beside_late, r.cache_late)
 
     def _prompt_work(self, r: _Req, done: bool) -> float:
         """The prompt tokens a request's prefill is costed at: the server's count, else (it ended without
@@ -2322,7 +2331,6 @@ class Ledger:
         if _cache_unsaid_candidate(r):
             r.cache_unsaid = max(self._cache_unsaid(*self._hit_span(r)), r.cache_unsaid_early)
         self._settle_late(r)
-        r.cache_beside_late = max((self._late_said.get(q, 0.0) for q in r.late_wait), default=0.0)
         row = self._request_fields(r)
         if _cache_flagged(r) and row["gpu_energy_j"] is not None:
             self.cache_unsaid_requests += 1

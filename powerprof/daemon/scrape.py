@@ -349,8 +349,11 @@ class Scraper:
                     new_process = self._dip_or_restart(prev, total)
                     if new_process is None and COUNTER_BELOW in self.window_partial:
                         # Its window closes, with nothing counted and marked; the latency and cache-hit counters of a
-                        # page that may be a dip are not taken as the base either.
+                        # page that may be a dip are not taken as the base either, and the base before it is let go:
+                        # kept, the first window after the run said the closed windows' hits and finished requests as
+                        # its own, unmarked (the next believed page sets a base and says none: unknown, not theirs).
                         self.finished = None
+                        self._latency = self._cache = None
                         return 0.0
                     if new_process is None:
                         self.finished = None

@@ -697,7 +697,13 @@ class Daemon:
                 at_finish = self.scraper.kind in AT_FINISH  # known once detected (scrape.server = "auto")
                 if delta is not None:
                     # The prefix-cache hits of the whole window, slow or not: checked against the requests' said counts.
-                    self.ledger.add_cache_hits(since, t, self.scraper.cache_hits)
+                    # A fault in that check must not end this loop (nothing here is caught): it ended for good, unsaid
+                    # until shutdown, and every interval after closed `unscraped`. Its tokens are still placed.
+                    try:
+                        self.ledger.add_cache_hits(since, t, self.scraper.cache_hits)
+                    except Exception:
+                        log.exception("checking a scrape window's prefix-cache hits failed; its hits go unchecked, "
+                                      "its tokens are counted")
                     if held is not None:  # the held slow window's burst began where this window's rate says
                         h_since, h_t, h_delta, h_finished, h_partial = held
                         start = burst_start_ns(h_since, h_t, h_delta, delta / max(1, t - h_t))

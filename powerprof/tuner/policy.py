@@ -21,6 +21,10 @@ from powerprof.daemon.latency import LATENCY_EDGES_S
 
 
 BUCKET_ERROR = 0.13  # a quantile read from the daemon's latency buckets is within ±13% of the truth (daemon/latency.py)
+# Longest a level waits for a window whose energy the daemon accounted at it (`Window.energy_straddles`) before its trial
+# ends too thin to judge: 5 times the daemon's default longest hold (max_hold_s, 120 s: a non-streamed request's
+# intervals), so held accounts catch up well before it and only accounts that stay behind end a trial.
+ACCOUNTS_CATCH_UP_S = 600.0
 
 
 class TunerConfigError(ValueError):
@@ -1037,6 +1041,14 @@ class Tuner:
         # The first window straddles the change; so does any whose energy the daemon accounted from before it.
         usable = [w for w in self._pending[1:] if not w.energy_straddles]
         if not usable:
+            # Every window since the move has energy the daemon accounted from before it. Its accounts catch up within
+            # their holds (30 s at most); ever further behind (an accounting step failing at every pass), this waited
+            # for ever: a trial held its level with no decision and no word, every window kept (200 ticks, 197).
+            waited_s = sum(x.duration_s for x in self._pending[1:])
+            if waited_s >= max(4 * cfg.window_s, ACCOUNTS_CATCH_UP_S):
+                self._thin(t, out, f"no window in {waited_s:.0f} s had its energy accounted at this level (the "
+                                   "daemon's energy accounts stay behind it: powerprof_accounts_behind_seconds): "
+                                   "cannot judge")
             return None
         w = merge(usable)
         if w.duration_s < cfg.window_s:
@@ -1047,22 +1059,26 @@ class Tuner:
         if w.requests < cfg.min_requests or w.tokens <= 0 or ratio is None:
             if w.duration_s < 4 * cfg.window_s:
                 return None
-            self._pending = self._pending[-1:]
-            if self.state == "trial":
-                back = self._incumbent_idx if self._incumbent_idx is not None else self.ref
-                self._end_trial(t)
-                why = (f"only {w.requests} requests in {w.duration_s:.0f} s: too little to judge"
-                       if w.requests < cfg.min_requests or w.tokens <= 0
-                       else f"no latency figure for every SLO set in {w.duration_s:.0f} s: cannot judge")
-                out.append(self._move(t, "thin", back, why))
-                self._enter("hold", t)
-                self.regime.converged_t = t
+            self._thin(t, out, f"only {w.requests} requests in {w.duration_s:.0f} s: too little to judge"
+                               if w.requests < cfg.min_requests or w.tokens <= 0
+                               else f"no latency figure for every SLO set in {w.duration_s:.0f} s: cannot judge")
             return None
         self._pending = self._pending[-1:]
         q = mean_in_flight(w)
         return _LevelStat(w.energy_j / w.tokens, ratio, t, j_per_work(w, cfg.prefill_weight) or w.energy_j / w.tokens,
                           (w.output_tokens + cfg.prefill_weight * w.prompt_tokens) / w.duration_s,
                           q[0] if q is not None else None)
+
+    def _thin(self, t: float, out: list[Decision], why: str) -> None:
+        """What the level held has not been enough to judge for 4 windows: a trial ends back at the level before it
+        (`why` its decision's reason); the windows are let go in any state."""
+        self._pending = self._pending[-1:]
+        if self.state == "trial":
+            back = self._incumbent_idx if self._incumbent_idx is not None else self.ref
+            self._end_trial(t)
+            out.append(self._move(t, "thin", back, why))
+            self._enter("hold", t)
+            self.regime.converged_t = t
 
     def _next_trial(self, t: float, out: list[Decision]) -> None:
         cfg, r = self.cfg, self.regime
