@@ -669,3 +669,39 @@ def test_a_window_stored_twice_whose_level_is_nan_is_exported_once_and_said(run,
     assert f"note: windows: {t.num_rows} rows found more than once were written once" in r.stderr, r.stderr
     # Written as NaN, not as an empty (missing) level: marked, not merged with the settings-as-they-are level.
     assert all(v != v for v in got.column("level_value").to_pylist())
+
+
+FORMULAS = ["=cmd|' /C calc'!A0", "+1+1", "-2+3", "@SUM(A1:A9)", "\t=1+1", "plain", "a=b", None]
+
+
+def test_xlsx_writes_formula_like_text_as_text(tmp_path):
+    # A tag, a model name or a server's error text is the traffic's own text: openpyxl wrote a cell whose text starts
+    # with "=" as a live formula (`=cmd|' /C calc'!A0` ran, or asked to, when the workbook was opened).
+    src = tmp_path / "tags.parquet"
+    pq.write_table(pa.table({"tag": FORMULAS, "tokens": list(range(len(FORMULAS)))}), src)
+    out = tmp_path / "t.xlsx"
+    r = CliRunner().invoke(main, ["export", str(src), "--format", "xlsx", "--out", str(out)])
+    assert r.exit_code == 0, (r.output, r.exception)
+    cells = [row[0] for row in load_workbook(out)["tags"].iter_rows(min_row=2)]
+    assert [c.value for c in cells] == FORMULAS  # the text as it was, not prefixed
+    assert all(c.data_type != "f" for c in cells), [(c.value, c.data_type) for c in cells]
+
+
+def test_csv_neutralises_formula_like_text_and_says_so(tmp_path):
+    # A spreadsheet opening the CSV evaluates a cell starting with = + - @ (formula injection through a tag).
+    src = tmp_path / "tags.parquet"
+    pq.write_table(pa.table({"tag": FORMULAS, "error": ["ok"] * 7 + ["=HYPERLINK(\"http://x\")"],
+                             "tokens": [-1] * len(FORMULAS)}), src)
+    out = tmp_path / "t.csv"
+    r = CliRunner().invoke(main, ["export", str(src), "--format", "csv", "--out", str(out)])
+    assert r.exit_code == 0, (r.output, r.exception)
+    with open(out, newline="") as f:
+        rows = list(csv.reader(f))[1:]
+    assert [row[0] for row in rows] == ["'" + v if v and v[0] in "=+-@\t" else (v or "") for v in FORMULAS]
+    assert rows[-1][1] == "'=HYPERLINK(\"http://x\")"
+    assert [row[2] for row in rows] == ["-1"] * len(FORMULAS)  # numbers are numbers: untouched
+    assert "6 text cells" in r.stderr and "tag" in r.stderr and "error" in r.stderr and "formula" in r.stderr, r.stderr
+    # Parquet keeps the text exactly (it is data, not a sheet).
+    r = CliRunner().invoke(main, ["export", str(src), "--format", "parquet", "--out", str(tmp_path / "t.parquet")])
+    assert r.exit_code == 0 and pq.read_table(tmp_path / "t.parquet")["tag"].to_pylist() == FORMULAS
+    assert "formula" not in r.stderr

@@ -512,9 +512,13 @@ def export(src, fmt: str, out=None, time_from: str | None = None, time_to: str |
     written = []
     for name, scan in scans.items():
         path = out if single else out / f"{name}.{fmt}"
+        neutralised: dict[str, int] = {}
         try:
             with atomic_path(path, replace=force) as tmp:
-                (_write_csv if fmt == "csv" else _write_parquet)(scan, tmp, tz)
+                if fmt == "csv":
+                    _write_csv(scan, tmp, tz, neutralised)
+                else:
+                    _write_parquet(scan, tmp, tz)
         except FileExistsError:  # made while the export ran
             if written:
                 raise ExportError(f"table {name}: {path} appeared while the export ran and is kept; "
@@ -524,6 +528,8 @@ def export(src, fmt: str, out=None, time_from: str | None = None, time_to: str |
             done = f"; written before it (whole): {', '.join(map(str, written))}" if written else "; nothing written"
             raise ExportError(f"table {name}: export to {path} failed: {_why(e)}{done}") from None
         written.append(path)
+        if neutralised and notes is not None:
+            notes.append(neutralised_note(name, path, neutralised))
     return written
 
 
@@ -824,24 +830,46 @@ def _why(e: Exception) -> str:
     return (e.strerror if isinstance(e, OSError) and e.strerror else str(e)).strip()
 
 
-def _csv_ready(t: pa.Table) -> pa.Table:
-    """Timestamps as `YYYY-MM-DD HH:MM:SS.mmm`: ISO 8601 with a space, which spreadsheets parse as dates."""
+# A spreadsheet evaluates a CSV cell that starts with one of these as a formula (`=cmd|' /C calc'!A0`, `@SUM(...)`,
+# `=HYPERLINK(...)`): text from the traffic (a tag, a model name, a server's error) must not become one.
+FORMULA_START = r"^[=+\-@\t\r]"
+
+
+def _csv_ready(t: pa.Table, neutralised: dict[str, int] | None = None) -> pa.Table:
+    """Timestamps as `YYYY-MM-DD HH:MM:SS.mmm`: ISO 8601 with a space, which spreadsheets parse as dates. Text that a
+    spreadsheet would read as a formula gets a leading `'` (OWASP's CSV-injection rule); `neutralised` counts them
+    per column."""
     cols = []
-    for arr in t.columns:
+    for name, arr in zip(t.column_names, t.columns):
         if pa.types.is_timestamp(arr.type):
             # A cast of naive milliseconds to string is that exact format, and far faster than strftime.
             ms = pc.floor_temporal(arr, unit="millisecond").cast(pa.timestamp("ms", tz=arr.type.tz))
             arr = ms.cast(pa.timestamp("ms")).cast(pa.string())
+        elif pa.types.is_string(arr.type) or pa.types.is_large_string(arr.type):
+            hit = pc.fill_null(pc.match_substring_regex(arr, FORMULA_START), False)
+            n = pc.sum(hit).as_py() or 0
+            if n:
+                arr = pc.if_else(hit, pc.binary_join_element_wise(pa.scalar("'", arr.type), arr, pa.scalar("", arr.type)), arr)
+                if neutralised is not None:
+                    neutralised[name] = neutralised.get(name, 0) + n
         cols.append(arr)
     return pa.Table.from_arrays(cols, names=t.column_names)
 
 
-def _write_csv(scan: ds.Scanner, path: Path, tz: str) -> None:
+def neutralised_note(table: str, path: Path, neutralised: dict[str, int]) -> str:
+    n = sum(neutralised.values())
+    return (f"{path}: {n} text cells of {table} ({', '.join(f'{c}: {k}' for c, k in sorted(neutralised.items()))}) "
+            "began with =, +, -, @ or a tab and are written with a leading ' so that a spreadsheet shows them as text, "
+            "not as a formula it would run; strip that ' when reading the CSV as data (xlsx and parquet exports keep "
+            "the text as it is)")
+
+
+def _write_csv(scan: ds.Scanner, path: Path, tz: str, neutralised: dict[str, int] | None = None) -> None:
     opts = pacsv.WriteOptions(include_header=False, quoting_style="needed")
     with open(path, "wb") as f:
         writer = None
         for batch in scan.to_batches():
-            t = _csv_ready(_with_local_times(batch, tz))
+            t = _csv_ready(_with_local_times(batch, tz), neutralised)
             if writer is None:
                 f.write((",".join(_csv_quote(header(c, tz)) for c in t.column_names) + "\r\n").encode())
                 writer = pacsv.CSVWriter(f, t.schema, write_options=opts)
@@ -976,7 +1004,8 @@ def _write_xlsx(scans: dict[str, ds.Scanner], path: Path, tz: str,
         ws.freeze_panes = "A2"
         ws.append(["item", "value"])
         for k, v in summary:
-            ws.append([k, v if v is None or isinstance(v, (int, float, str)) else str(v)])
+            ws.append([_text_cell(ws, x, WriteOnlyCell) if isinstance(x, str) else x
+                       for x in (k, v if v is None or isinstance(v, (int, float, str)) else str(v))])
     try:
         for name, scan in scans.items():
             ws = wb.create_sheet(title=name[:31])
@@ -988,7 +1017,8 @@ def _write_xlsx(scans: dict[str, ds.Scanner], path: Path, tz: str,
                     head = _xlsx_header(ws, t, tz)
                 times = [pa.types.is_timestamp(c.type) for c in t.columns]
                 for row in zip(*(_xlsx_values(c) for c in t.columns)):
-                    ws.append([_time_cell(ws, v, WriteOnlyCell) if is_t and v is not None else v
+                    ws.append([_time_cell(ws, v, WriteOnlyCell) if is_t and v is not None else
+                               _text_cell(ws, v, WriteOnlyCell) if isinstance(v, str) and v[:1] == "=" else v
                                for v, is_t in zip(row, times)])
                 n_rows += t.num_rows
             if head is None:
@@ -1017,6 +1047,16 @@ def _xlsx_header(ws, t: pa.Table, tz: str) -> list[str]:
     ws.freeze_panes = "A2"
     ws.append(head)
     return head
+
+
+def _text_cell(ws, value: str, cell_cls):
+    """A text cell whatever its text: openpyxl makes a cell whose text starts with "=" a formula, so a tag or an error
+    text from the traffic (`=cmd|' /C calc'!A0`) would run when the workbook is opened. Typed as text it is shown as
+    it is (no leading ' added: the cell holds the exact text)."""
+    c = cell_cls(ws, value=value)
+    if c.data_type == "f":
+        c.data_type = "s"
+    return c
 
 
 def _time_cell(ws, value, cell_cls):
