@@ -480,7 +480,8 @@ def restore(simulate: str | None, restore_file: Path | None, force_default: bool
 @click.option("--config", "config_path", type=click.Path(dir_okay=False, path_type=Path), default=None,
               help="TOML file with a [tuner] section (as root: owned by root, not group/world-writable).")
 @click.option("--levels", default=None, help="Allowed levels, e.g. 180,200,220,240,260,280,300W or 60%,80%,100% (overrides the file).")
-@click.option("--reference", type=_Float(), default=None, help="Reference level (default: the highest).")
+@click.option("--reference", default=None,
+              help="Reference level, one of --levels, in watts or their form (250, 250W, 80%; default: the highest).")
 @click.option("--tpot-p95-ms", type=_FloatRange(min=0, min_open=True), default=None, help="SLO: TPOT p95 in ms.")
 @click.option("--ttft-p95-ms", type=_FloatRange(min=0, min_open=True), default=None, help="SLO: TTFT p95 in ms.")
 @click.option("--gpus", callback=_parse_gpus, help="NVML indexes to tune together (default: 0).")
@@ -1127,7 +1128,7 @@ def analyze(run_dirs, out_dir, max_slowdown, eta, formats, force, n_boot, as_jso
 
 @main.command()
 @click.argument("src", nargs=-1, required=True, type=str)
-@click.option("--format", "fmt", type=click.Choice(["csv", "xlsx", "parquet"]), required=True,
+@click.option("--format", "fmt", type=click.Choice(["csv", "xlsx", "parquet"], case_sensitive=False), required=True,
               help="csv (one file per table), xlsx (one workbook, a summary sheet first) or parquet.")
 @click.option("--from", "time_from", default=None, help="Only rows at or after this ISO 8601 time (local unless it has an offset).")
 @click.option("--to", "time_to", default=None, help="Only rows before this ISO 8601 time.")

@@ -705,3 +705,10 @@ def test_csv_neutralises_formula_like_text_and_says_so(tmp_path):
     r = CliRunner().invoke(main, ["export", str(src), "--format", "parquet", "--out", str(tmp_path / "t.parquet")])
     assert r.exit_code == 0 and pq.read_table(tmp_path / "t.parquet")["tag"].to_pylist() == FORMULAS
     assert "formula" not in r.stderr
+
+
+def test_format_name_in_another_case_is_taken(run, tmp_path):
+    # `--format CSV` was refused ("'CSV' is not one of 'csv', ..."): the name is clear in any case.
+    r = CliRunner().invoke(main, ["export", str(run), "--format", "CSV", "--out", str(tmp_path / "o")])
+    assert r.exit_code == 0, r.output
+    assert (tmp_path / "o" / "windows.csv").exists()
