@@ -1461,11 +1461,13 @@ def _trace_sweep(trace_path, time_scale, duration_s, limits, clocks, url, launch
     from powerprof.rig import Rig
     from powerprof.sweep import run_sweep
 
+    from powerprof.workload.trace import TraceError, trace_bytes
+
     trace = _load_trace(trace_path, time_scale, duration_s)
     try:
-        digest = hashlib.sha256(Path(trace_path).read_bytes()).hexdigest()
-    except OSError as e:
-        raise click.UsageError(f"cannot read {trace_path}: {e.strerror or e}") from None
+        digest = hashlib.sha256(trace_bytes(Path(trace_path))).hexdigest()
+    except TraceError as e:
+        raise click.UsageError(str(e)) from None
     meta = {"path": str(Path(trace_path).resolve()), "sha256": digest, "time_scale": time_scale,
             "duration_s": duration_s, "span_s": trace[-1].t_s}
     unit = "W" if limits else "MHz"
