@@ -712,3 +712,20 @@ def test_format_name_in_another_case_is_taken(run, tmp_path):
     r = CliRunner().invoke(main, ["export", str(run), "--format", "CSV", "--out", str(tmp_path / "o")])
     assert r.exit_code == 0, r.output
     assert (tmp_path / "o" / "windows.csv").exists()
+
+
+def test_xlsx_cuts_text_longer_than_a_cell_holds_and_says_so(tmp_path):
+    # A cell holds at most 32,767 characters: a kept prompt of a 32k-token context (sweep --keep-text
+    # --context-tokens 32k) made a workbook Excel calls damaged and "repairs" by dropping the sheet's content.
+    src = tmp_path / "texts.parquet"
+    long = "é" * 40_000
+    pq.write_table(pa.table({"prompt_text": [long, "short", None], "tag": ["日本語", "x" * 32_767, None]}), src)
+    out = tmp_path / "t.xlsx"
+    r = CliRunner().invoke(main, ["export", str(src), "--format", "xlsx", "--out", str(out)])
+    assert r.exit_code == 0, (r.output, r.exception)
+    rows = list(load_workbook(out)["texts"].iter_rows(min_row=2, values_only=True))
+    assert len(rows[0][0]) == ex.XLSX_MAX_CELL_CHARS and rows[0][0].startswith("é" * 1000)
+    assert rows[0][0].endswith("[cut: 40000 characters, a cell holds 32767; the whole text is in a csv or parquet export]")
+    assert rows[1] == ("short", "x" * 32_767)  # at the limit: whole
+    assert rows[0][1] == "日本語"
+    assert "texts: 1 text cells (prompt_text: 1) longer than a cell holds" in r.stderr, r.stderr

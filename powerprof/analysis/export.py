@@ -55,6 +55,7 @@ UNITS = {
 BOUND_SUFFIXES = ("_ci_low", "_ci_high", "_pooled")
 XLSX_TIME_FORMAT = "yyyy-mm-dd hh:mm:ss.000"  # Excel's default date-time format hides the milliseconds
 XLSX_MAX_COL_W = 40
+XLSX_MAX_CELL_CHARS = 32_767  # Excel's limit for one cell: past it the workbook opens as damaged, its content dropped
 
 
 class ExportError(ValueError):
@@ -496,7 +497,14 @@ def export(src, fmt: str, out=None, time_from: str | None = None, time_to: str |
                                   "Narrow it with --from/--to or --columns, or export csv or parquet.")
         summary = summary_rows(src_path, tz, time_from, time_to) + ([("not filtered by --from/--to", note)] if note else [])
         try:
-            return [_write_xlsx(scans, out, tz, summary, replace=force)]
+            cut: dict[str, dict[str, int]] = {}
+            written = [_write_xlsx(scans, out, tz, summary, replace=force, cut=cut)]
+            if notes is not None:
+                notes.extend(f"{out}: {name}: {sum(c.values())} text cells "
+                             f"({', '.join(f'{k}: {n}' for k, n in sorted(c.items()))}) longer than a cell holds "
+                             f"({XLSX_MAX_CELL_CHARS:,} characters) are cut there, each ending in \"[cut: ...]\"; a "
+                             "csv or parquet export keeps the whole text" for name, c in cut.items() if c)
+            return written
         except FileExistsError:  # made while the export ran
             raise ExportOutExists([out]) from None
         except (pa.ArrowInvalid, OSError) as e:
@@ -991,7 +999,9 @@ def _col_letter(i: int) -> str:
 
 
 def _write_xlsx(scans: dict[str, ds.Scanner], path: Path, tz: str,
-                summary: list[tuple[str, object]] | None = None, replace: bool = True) -> Path:
+                summary: list[tuple[str, object]] | None = None, replace: bool = True,
+                cut: dict[str, dict[str, int]] | None = None) -> Path:
+    """`cut` (when given) receives, per sheet, per column, how many text cells were cut to XLSX_MAX_CELL_CHARS."""
     from openpyxl import Workbook  # noqa: PLC0415  (only this format needs it)
     from openpyxl.cell import WriteOnlyCell  # noqa: PLC0415
 
@@ -1016,7 +1026,8 @@ def _write_xlsx(scans: dict[str, ds.Scanner], path: Path, tz: str,
                 if head is None:
                     head = _xlsx_header(ws, t, tz)
                 times = [pa.types.is_timestamp(c.type) for c in t.columns]
-                for row in zip(*(_xlsx_values(c) for c in t.columns)):
+                sheet_cut = cut.setdefault(name[:31], {}) if cut is not None else None
+                for row in zip(*(_xlsx_values(c, sheet_cut, col) for c, col in zip(t.columns, t.column_names))):
                     ws.append([_time_cell(ws, v, WriteOnlyCell) if is_t and v is not None else
                                _text_cell(ws, v, WriteOnlyCell) if isinstance(v, str) and v[:1] == "=" else v
                                for v, is_t in zip(row, times)])
@@ -1065,7 +1076,12 @@ def _time_cell(ws, value, cell_cls):
     return c
 
 
-def _xlsx_values(arr: pa.ChunkedArray) -> list:
+def _cut_cell(v: str) -> str:
+    tail = f" [cut: {len(v)} characters, a cell holds {XLSX_MAX_CELL_CHARS}; the whole text is in a csv or parquet export]"
+    return v[:XLSX_MAX_CELL_CHARS - len(tail)] + tail
+
+
+def _xlsx_values(arr: pa.ChunkedArray, cut: dict[str, int] | None = None, name: str = "") -> list:
     """Cell values: Excel has no time zones, so timestamps become naive (UTC or local, per the header).
 
     NaN and ±inf become the text NaN, inf, -inf (a sheet has no such numbers; openpyxl left the cell empty).
@@ -1076,7 +1092,14 @@ def _xlsx_values(arr: pa.ChunkedArray) -> list:
     if pa.types.is_string(arr.type) or pa.types.is_large_string(arr.type):
         from openpyxl.cell.cell import ILLEGAL_CHARACTERS_RE  # noqa: PLC0415
 
-        return [v if v is None else ILLEGAL_CHARACTERS_RE.sub("\ufffd", v) for v in arr.to_pylist()]
+        out = [v if v is None else ILLEGAL_CHARACTERS_RE.sub("\ufffd", v) for v in arr.to_pylist()]
+        if any(v is not None and len(v) > XLSX_MAX_CELL_CHARS for v in out):
+            # Past a cell's limit Excel calls the workbook damaged and drops the sheet's content: cut, marked, said.
+            n = sum(v is not None and len(v) > XLSX_MAX_CELL_CHARS for v in out)
+            out = [_cut_cell(v) if v is not None and len(v) > XLSX_MAX_CELL_CHARS else v for v in out]
+            if cut is not None:
+                cut[name] = cut.get(name, 0) + n
+        return out
     if pa.types.is_floating(arr.type):
         # openpyxl writes NaN and ±inf as empty cells, which read as a missing reading: as text they stay
         # visible, as CSV's nan/inf do.
