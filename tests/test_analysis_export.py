@@ -729,3 +729,18 @@ def test_xlsx_cuts_text_longer_than_a_cell_holds_and_says_so(tmp_path):
     assert rows[1] == ("short", "x" * 32_767)  # at the limit: whole
     assert rows[0][1] == "日本語"
     assert "texts: 1 text cells (prompt_text: 1) longer than a cell holds" in r.stderr, r.stderr
+
+
+@pytest.mark.parametrize("fmt,out", [("xlsx", "o.xlsx"), ("csv", "o"), ("parquet", "o")])
+def test_a_folder_it_may_not_write_in_says_the_fix(run, tmp_path, monkeypatch, fmt, out):
+    # A read-only folder (or file system) said "Operation not permitted" and no more. As root no mode bit refuses, so
+    # the refusal is injected where the file is made.
+    import errno
+
+    def refuse(*a, **k):
+        raise PermissionError(errno.EROFS, "Read-only file system")
+
+    monkeypatch.setattr(ex, "atomic_path", lambda *a, **k: refuse())
+    r = CliRunner().invoke(main, ["export", str(run), "--format", fmt, "--out", str(tmp_path / out)])
+    _no_traceback(r)
+    assert "Read-only file system" in r.output and "give --out in a folder you can write" in r.output, r.output

@@ -20,6 +20,7 @@ row once. One key with rows that differ is refused.
 
 from __future__ import annotations
 
+import errno
 import json
 import math
 import os
@@ -835,7 +836,10 @@ def _without_copied_runs(srcs: list[str], groups: list[list[Source]], notes: lis
 
 
 def _why(e: Exception) -> str:
-    return (e.strerror if isinstance(e, OSError) and e.strerror else str(e)).strip()
+    why = (e.strerror if isinstance(e, OSError) and e.strerror else str(e)).strip()
+    if isinstance(e, OSError) and e.errno in (errno.EACCES, errno.EPERM, errno.EROFS):
+        why += " (fix: give --out in a folder you can write)"  # a read-only folder or file system said no more
+    return why
 
 
 # A spreadsheet evaluates a CSV cell that starts with one of these as a formula (`=cmd|' /C calc'!A0`, `@SUM(...)`,
