@@ -16,6 +16,9 @@ SIMULATE_HELP = (f"Use a simulated GPU (profiles: {', '.join(PROFILES)}; default
                  "cards: one profile per GPU in index order, e.g. h200-141g,l4-24g.")
 CONTEXT_SETTINGS = {"help_option_names": ["-h", "--help"]}  # inherited by every subcommand
 DEFAULT_MAX_TOKENS = 256  # one default for sweep and measure: long enough for multi-second decode windows
+# --max-tokens at most powerprof.workload.trace.MAX_TOKENS (a test checks; not imported: numpy at every start): past any
+# model's context, a typo. 1e9 was taken, and on a server that does not cut at its context the first request never ended.
+TRACE_MAX_TOKENS = 10_000_000
 PROMPT_SET_NAMES = ("short", "medium", "long", "mixed")  # powerprof.workload.load.PROMPT_SETS (a test checks)
 API_NAMES = ("llamacpp", "openai-completions", "openai-chat")
 EXIT_NO_DEVICE = 1  # `devices`: no usable GPU and no RAPL
@@ -660,7 +663,7 @@ def tune(metrics_url, config_path, levels, reference, tpot_p95_ms, ttft_p95_ms, 
 _WORKLOAD_OPTIONS = [
     click.option("--api", default=None, type=click.Choice(API_NAMES),
                  help="Protocol the requests use (default: detected from the server)."),
-    click.option("--max-tokens", type=_IntRange(2), default=DEFAULT_MAX_TOKENS, show_default=True,
+    click.option("--max-tokens", type=_IntRange(2, TRACE_MAX_TOKENS), default=DEFAULT_MAX_TOKENS, show_default=True,
                  help="Tokens generated per request (ignore-EOS where the server supports it)."),
     click.option("--prompts", "prompts_file", default=None, type=click.Path(dir_okay=False),
                  help='JSONL prompt file, one {"prompt": ...} per line (default: the built-in --prompt-set).'),

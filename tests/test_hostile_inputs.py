@@ -19,3 +19,18 @@ def test_a_refused_tag_name_is_quoted_short(name, said):
         check_name(name)
     assert said in str(e.value) and len(str(e.value)) < 200, str(e.value)
     assert "must be 1-128 characters of letters, digits and _ . : @ / -" in str(e.value)
+
+
+@pytest.mark.parametrize("cmd", [["sweep", "--limits", "200,300", "--dry-run"], ["measure", "--requests", "2"]])
+def test_max_tokens_past_any_context_is_refused_before_anything_starts(cmd):
+    # --max-tokens 1000000000 (a typo) was taken: on a server that does not cut at its context (the simulator,
+    # llama.cpp with context shift) the first request never ended, and the level with it (--max-time waits for the
+    # round in progress), "settling" for as long as one let it. The bound is the trace's (workload/trace.py).
+    from click.testing import CliRunner
+
+    from powerprof.cli import main
+    from powerprof.workload.trace import MAX_TOKENS
+
+    r = CliRunner().invoke(main, [*cmd, "--simulate", "--max-tokens", "1000000000"])
+    assert r.exit_code == 2 and "Traceback" not in r.output, r.output
+    assert "--max-tokens" in r.output and f"{MAX_TOKENS}" in r.output, r.output
