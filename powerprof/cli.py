@@ -982,7 +982,8 @@ def replay(trace_path, url, simulate, launch, api, time_scale, duration_s, tag_h
 
 @main.command("trace")
 @click.argument("out_path", metavar="OUT.jsonl", type=click.Path(dir_okay=False))
-@click.option("--requests", "n", type=_IntRange(1), default=1000, show_default=True, help="Requests in the trace.")
+@click.option("--requests", "n", type=_IntRange(1, 10_000_000), default=1000, show_default=True,
+              help="Requests in the trace.")
 @click.option("--rate", "rate", type=_FloatRange(min=0, min_open=True), default=5.0, show_default=True, help="Requests per second on average.")
 @click.option("--arrivals", type=click.Choice(["poisson", "bursty"]), default="poisson", show_default=True,
               help="Poisson arrivals, or Poisson bursts of about 8 requests within 50 ms.")
@@ -1001,7 +1002,16 @@ def trace_cmd(out_path, n, rate, arrivals, prompt_median, output_median, seed, f
                                  param_hint="OUT.jsonl")
     if not parent.is_dir():
         raise click.BadParameter(f"folder {str(parent)!r} does not exist", param_hint="OUT.jsonl")
+    from powerprof.workload.trace import MAX_SPAN_S
+
+    # The mean span first: `--rate 1e-300` wrote arrivals 1e300 s apart, which replay and sweep --trace then refused.
+    if not n / rate <= MAX_SPAN_S / 2:
+        raise click.BadParameter(f"{rate:g} requests/s spreads {n} requests over about {n / rate:g} s, more than a replay "
+                                 f"takes ({MAX_SPAN_S:g} s): give a higher rate", param_hint="--rate")
     tr = synthetic(n, rate, arrivals, prompt_median=prompt_median, output_median=output_median, seed=seed)
+    if not tr[-1].t_s <= MAX_SPAN_S:  # a draw past the mean
+        raise click.BadParameter(f"the arrivals drawn span {tr[-1].t_s:g} s, more than a replay takes ({MAX_SPAN_S:g} s): "
+                                 "give a higher rate", param_hint="--rate")
     try:
         write_jsonl(tr, out)
     except OSError as e:

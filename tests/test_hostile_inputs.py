@@ -34,3 +34,23 @@ def test_max_tokens_past_any_context_is_refused_before_anything_starts(cmd):
     r = CliRunner().invoke(main, [*cmd, "--simulate", "--max-tokens", "1000000000"])
     assert r.exit_code == 2 and "Traceback" not in r.output, r.output
     assert "--max-tokens" in r.output and f"{MAX_TOKENS}" in r.output, r.output
+
+
+@pytest.mark.parametrize("args, said", [
+    # A MemoryError traceback ("Unable to allocate 7.28 TiB"); 1e9 ran the machine out of memory first.
+    (["--requests", "1000000000000"], "--requests"),
+    (["--requests", "1000000000"], "--requests"),
+    # Arrivals spread past any replay (1e300 s apart at 1e-300): written, then refused by replay and sweep --trace.
+    (["--rate", "1e-300", "--requests", "3"], "--rate"),
+    (["--rate", "1e-9", "--requests", "3"], "--rate"),
+])
+def test_trace_refuses_a_trace_no_replay_could_use(tmp_path, args, said):
+    from click.testing import CliRunner
+
+    from powerprof.cli import main
+
+    out = tmp_path / "t.jsonl"
+    r = CliRunner().invoke(main, ["trace", str(out), *args])
+    assert r.exit_code == 2 and isinstance(r.exception, SystemExit), (r.output, r.exception)
+    assert said in r.output and "Traceback" not in r.output, r.output
+    assert not out.exists()
