@@ -995,8 +995,12 @@ def trace_cmd(out_path, n, rate, arrivals, prompt_median, output_median, seed, f
     """Write a synthetic trace (JSONL) for `replay`: Poisson or bursty arrivals, lognormal lengths."""
     from powerprof.workload.trace import synthetic, write_jsonl
 
+    from powerprof.paths import path_problem
+
     out = Path(out_path)
     parent = out.parent if str(out.parent) else Path(".")
+    if (why := path_problem(out)) is not None:  # an OSError traceback from out.exists() ("File name too long")
+        raise click.BadParameter(f"{out_path}: {why}", param_hint="OUT.jsonl")
     if out.exists() and not force:
         raise click.BadParameter(f"{out_path} exists (a trace of yours?); choose another name, or --force to replace it",
                                  param_hint="OUT.jsonl")

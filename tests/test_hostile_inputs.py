@@ -54,3 +54,23 @@ def test_trace_refuses_a_trace_no_replay_could_use(tmp_path, args, said):
     assert r.exit_code == 2 and isinstance(r.exception, SystemExit), (r.output, r.exception)
     assert said in r.output and "Traceback" not in r.output, r.output
     assert not out.exists()
+
+
+@pytest.mark.parametrize("cmd", [["export", "SRC", "--format", "csv", "--out", "LONG"],
+                                 ["export", "SRC", "--format", "xlsx", "--out", "LONG.xlsx"],
+                                 ["trace", "LONG.jsonl"]])
+def test_a_path_whose_name_is_too_long_is_said_not_a_traceback(tmp_path, cmd):
+    # An OSError traceback ("File name too long") from Path.exists(), which raises for it.
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+    from click.testing import CliRunner
+
+    from powerprof.cli import main
+
+    src = tmp_path / "t.parquet"
+    pq.write_table(pa.table({"power_w": [1.0]}), src)
+    long = str(tmp_path / ("x" * 300))
+    args = [a.replace("LONG", long).replace("SRC", str(src)) for a in cmd]
+    r = CliRunner().invoke(main, args)
+    assert r.exit_code in (1, 2) and isinstance(r.exception, SystemExit), (r.output, r.exception)
+    assert "File name too long" in r.output and "give a shorter name" in r.output, r.output

@@ -448,6 +448,10 @@ def export(src, fmt: str, out=None, time_from: str | None = None, time_to: str |
         default_stem = "export"
     out_given = out
     out = Path(out) if out is not None else Path.cwd() / (default_stem + (".xlsx" if fmt == "xlsx" else f"-{fmt}"))
+    from powerprof.paths import path_problem  # noqa: PLC0415
+
+    if (why := path_problem(out)) is not None:  # "File name too long" was an OSError traceback from out.exists()
+        raise ExportError(f"--out {out}: {why}")
     if any(not is_uri(s) and out.resolve() == Path(s).resolve() for s in srcs):
         raise ExportError("--out must not be the source itself")
     if fmt == "xlsx" and (out.is_dir() or out.suffix.lower() != ".xlsx"):
