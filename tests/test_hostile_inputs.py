@@ -74,3 +74,18 @@ def test_a_path_whose_name_is_too_long_is_said_not_a_traceback(tmp_path, cmd):
     r = CliRunner().invoke(main, args)
     assert r.exit_code in (1, 2) and isinstance(r.exception, SystemExit), (r.output, r.exception)
     assert "File name too long" in r.output and "give a shorter name" in r.output, r.output
+
+
+def test_a_sweep_out_whose_name_is_too_long_says_the_fix_and_changes_nothing(tmp_path, monkeypatch):
+    # It said "Error: [Errno 36] File name too long: '...'", and not that the GPU was left alone.
+    import subprocess
+    import sys
+
+    monkeypatch.setenv("POWERPROF_STATE_DIR", str(tmp_path / "state"))
+    monkeypatch.setenv("POWERPROF_SIM_STATE", str(tmp_path / "sim.json"))
+    r = subprocess.run([sys.executable, "-m", "powerprof.cli", "sweep", "--simulate", "--limits", "200,300",
+                        "--idle-s", "0", "--out", str(tmp_path / ("x" * 300))], capture_output=True, text=True,
+                       timeout=120)
+    assert r.returncode == 1 and "Traceback" not in r.stderr, r.stderr
+    assert "File name too long; give a shorter name" in r.stderr and "no GPU setting was changed" in r.stderr, r.stderr
+    assert "[Errno" not in r.stderr
