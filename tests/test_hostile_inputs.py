@@ -89,3 +89,23 @@ def test_a_sweep_out_whose_name_is_too_long_says_the_fix_and_changes_nothing(tmp
     assert r.returncode == 1 and "Traceback" not in r.stderr, r.stderr
     assert "File name too long; give a shorter name" in r.stderr and "no GPU setting was changed" in r.stderr, r.stderr
     assert "[Errno" not in r.stderr
+
+
+@pytest.mark.parametrize("cmd", [["measure", "--simulate", "--requests", "2", "--out", "LONG"],
+                                 ["monitor", "--simulate", "--duration", "1", "--output", "LONG.parquet"],
+                                 ["analyze", "RUN", "--out", "LONG"]])
+def test_other_outputs_whose_name_is_too_long_say_the_fix(tmp_path, monkeypatch, cmd):
+    # Each was an OSError traceback ("File name too long") from Path.exists() or is_dir().
+    import subprocess
+    import sys
+
+    from synthetic_runs import make_run, seed_truth
+
+    monkeypatch.setenv("POWERPROF_STATE_DIR", str(tmp_path / "state"))
+    monkeypatch.setenv("POWERPROF_SIM_STATE", str(tmp_path / "sim.json"))
+    run = make_run(tmp_path / "run", seed_truth(), levels=(220, 300), n_requests=6) if "RUN" in cmd else None
+    long = str(tmp_path / ("x" * 300))
+    args = [a.replace("LONG", long).replace("RUN", str(run)) for a in cmd]
+    r = subprocess.run([sys.executable, "-m", "powerprof.cli", *args], capture_output=True, text=True, timeout=120)
+    assert r.returncode in (1, 2) and "Traceback" not in r.stderr, r.stderr
+    assert "File name too long; give a shorter name" in r.stderr, r.stderr
