@@ -109,3 +109,16 @@ def test_other_outputs_whose_name_is_too_long_say_the_fix(tmp_path, monkeypatch,
     r = subprocess.run([sys.executable, "-m", "powerprof.cli", *args], capture_output=True, text=True, timeout=120)
     assert r.returncode in (1, 2) and "Traceback" not in r.stderr, r.stderr
     assert "File name too long; give a shorter name" in r.stderr, r.stderr
+
+
+@pytest.mark.parametrize("cmd", [["export", "LONG", "--format", "csv"], ["analyze", "LONG"]])
+def test_a_source_whose_name_is_too_long_says_the_fix(tmp_path, cmd):
+    # An OSError traceback ("File name too long") from Path.exists() / is_dir().
+    from click.testing import CliRunner
+
+    from powerprof.cli import main
+
+    long = str(tmp_path / ("x" * 300))
+    r = CliRunner().invoke(main, [a.replace("LONG", long) for a in cmd])
+    assert r.exit_code in (1, 2) and isinstance(r.exception, SystemExit), (r.output, r.exception)
+    assert "File name too long; give a shorter name" in r.output, r.output

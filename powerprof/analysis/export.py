@@ -213,6 +213,10 @@ def find_sources(src) -> list[Source]:
     if is_uri(src):
         return _uri_sources(str(src))
     p = Path(src)
+    from powerprof.paths import path_problem  # noqa: PLC0415
+
+    if (why := path_problem(p)) is not None:  # an OSError traceback from exists() ("File name too long")
+        raise ExportError(f"{p}: {why}")
     if not p.exists():
         raise ExportError(f"{p}: no such file or directory")
     if p.is_file():
