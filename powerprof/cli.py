@@ -16,6 +16,9 @@ SIMULATE_HELP = (f"Use a simulated GPU (profiles: {', '.join(PROFILES)}; default
                  "cards: one profile per GPU in index order, e.g. h200-141g,l4-24g.")
 CONTEXT_SETTINGS = {"help_option_names": ["-h", "--help"]}  # inherited by every subcommand
 DEFAULT_MAX_TOKENS = 256  # one default for sweep and measure: long enough for multi-second decode windows
+# --max-tokens at most powerprof.workload.trace.MAX_TOKENS (a test checks; not imported: numpy at every start): past any
+# model's context, a typo. 1e9 was taken, and on a server that does not cut at its context the first request never ended.
+TRACE_MAX_TOKENS = 10_000_000
 PROMPT_SET_NAMES = ("short", "medium", "long", "mixed")  # powerprof.workload.load.PROMPT_SETS (a test checks)
 API_NAMES = ("llamacpp", "openai-completions", "openai-chat")
 EXIT_NO_DEVICE = 1  # `devices`: no usable GPU and no RAPL
@@ -480,7 +483,8 @@ def restore(simulate: str | None, restore_file: Path | None, force_default: bool
 @click.option("--config", "config_path", type=click.Path(dir_okay=False, path_type=Path), default=None,
               help="TOML file with a [tuner] section (as root: owned by root, not group/world-writable).")
 @click.option("--levels", default=None, help="Allowed levels, e.g. 180,200,220,240,260,280,300W or 60%,80%,100% (overrides the file).")
-@click.option("--reference", type=_Float(), default=None, help="Reference level (default: the highest).")
+@click.option("--reference", default=None,
+              help="Reference level, one of --levels, in watts or their form (250, 250W, 80%; default: the highest).")
 @click.option("--tpot-p95-ms", type=_FloatRange(min=0, min_open=True), default=None, help="SLO: TPOT p95 in ms.")
 @click.option("--ttft-p95-ms", type=_FloatRange(min=0, min_open=True), default=None, help="SLO: TTFT p95 in ms.")
 @click.option("--gpus", callback=_parse_gpus, help="NVML indexes to tune together (default: 0).")
@@ -659,7 +663,7 @@ def tune(metrics_url, config_path, levels, reference, tpot_p95_ms, ttft_p95_ms, 
 _WORKLOAD_OPTIONS = [
     click.option("--api", default=None, type=click.Choice(API_NAMES),
                  help="Protocol the requests use (default: detected from the server)."),
-    click.option("--max-tokens", type=_IntRange(2), default=DEFAULT_MAX_TOKENS, show_default=True,
+    click.option("--max-tokens", type=_IntRange(2, TRACE_MAX_TOKENS), default=DEFAULT_MAX_TOKENS, show_default=True,
                  help="Tokens generated per request (ignore-EOS where the server supports it)."),
     click.option("--prompts", "prompts_file", default=None, type=click.Path(dir_okay=False),
                  help='JSONL prompt file, one {"prompt": ...} per line (default: the built-in --prompt-set).'),
@@ -978,7 +982,8 @@ def replay(trace_path, url, simulate, launch, api, time_scale, duration_s, tag_h
 
 @main.command("trace")
 @click.argument("out_path", metavar="OUT.jsonl", type=click.Path(dir_okay=False))
-@click.option("--requests", "n", type=_IntRange(1), default=1000, show_default=True, help="Requests in the trace.")
+@click.option("--requests", "n", type=_IntRange(1, 10_000_000), default=1000, show_default=True,
+              help="Requests in the trace.")
 @click.option("--rate", "rate", type=_FloatRange(min=0, min_open=True), default=5.0, show_default=True, help="Requests per second on average.")
 @click.option("--arrivals", type=click.Choice(["poisson", "bursty"]), default="poisson", show_default=True,
               help="Poisson arrivals, or Poisson bursts of about 8 requests within 50 ms.")
@@ -990,14 +995,27 @@ def trace_cmd(out_path, n, rate, arrivals, prompt_median, output_median, seed, f
     """Write a synthetic trace (JSONL) for `replay`: Poisson or bursty arrivals, lognormal lengths."""
     from powerprof.workload.trace import synthetic, write_jsonl
 
+    from powerprof.paths import path_problem
+
     out = Path(out_path)
     parent = out.parent if str(out.parent) else Path(".")
+    if (why := path_problem(out)) is not None:  # an OSError traceback from out.exists() ("File name too long")
+        raise click.BadParameter(f"{out_path}: {why}", param_hint="OUT.jsonl")
     if out.exists() and not force:
         raise click.BadParameter(f"{out_path} exists (a trace of yours?); choose another name, or --force to replace it",
                                  param_hint="OUT.jsonl")
     if not parent.is_dir():
         raise click.BadParameter(f"folder {str(parent)!r} does not exist", param_hint="OUT.jsonl")
+    from powerprof.workload.trace import MAX_SPAN_S
+
+    # The mean span first: `--rate 1e-300` wrote arrivals 1e300 s apart, which replay and sweep --trace then refused.
+    if not n / rate <= MAX_SPAN_S / 2:
+        raise click.BadParameter(f"{rate:g} requests/s spreads {n} requests over about {n / rate:g} s, more than a replay "
+                                 f"takes ({MAX_SPAN_S:g} s): give a higher rate", param_hint="--rate")
     tr = synthetic(n, rate, arrivals, prompt_median=prompt_median, output_median=output_median, seed=seed)
+    if not tr[-1].t_s <= MAX_SPAN_S:  # a draw past the mean
+        raise click.BadParameter(f"the arrivals drawn span {tr[-1].t_s:g} s, more than a replay takes ({MAX_SPAN_S:g} s): "
+                                 "give a higher rate", param_hint="--rate")
     try:
         write_jsonl(tr, out)
     except OSError as e:
@@ -1127,7 +1145,7 @@ def analyze(run_dirs, out_dir, max_slowdown, eta, formats, force, n_boot, as_jso
 
 @main.command()
 @click.argument("src", nargs=-1, required=True, type=str)
-@click.option("--format", "fmt", type=click.Choice(["csv", "xlsx", "parquet"]), required=True,
+@click.option("--format", "fmt", type=click.Choice(["csv", "xlsx", "parquet"], case_sensitive=False), required=True,
               help="csv (one file per table), xlsx (one workbook, a summary sheet first) or parquet.")
 @click.option("--from", "time_from", default=None, help="Only rows at or after this ISO 8601 time (local unless it has an offset).")
 @click.option("--to", "time_to", default=None, help="Only rows before this ISO 8601 time.")
@@ -1460,11 +1478,13 @@ def _trace_sweep(trace_path, time_scale, duration_s, limits, clocks, url, launch
     from powerprof.rig import Rig
     from powerprof.sweep import run_sweep
 
+    from powerprof.workload.trace import TraceError, trace_bytes
+
     trace = _load_trace(trace_path, time_scale, duration_s)
     try:
-        digest = hashlib.sha256(Path(trace_path).read_bytes()).hexdigest()
-    except OSError as e:
-        raise click.UsageError(f"cannot read {trace_path}: {e.strerror or e}") from None
+        digest = hashlib.sha256(trace_bytes(Path(trace_path))).hexdigest()
+    except TraceError as e:
+        raise click.UsageError(str(e)) from None
     meta = {"path": str(Path(trace_path).resolve()), "sha256": digest, "time_scale": time_scale,
             "duration_s": duration_s, "span_s": trace[-1].t_s}
     unit = "W" if limits else "MHz"

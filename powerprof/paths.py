@@ -48,3 +48,18 @@ def legacy_state_dirs(env: dict | None = None, euid: int | None = None) -> list[
     if env.get(STATE_DIR_ENV) or (os.geteuid() if euid is None else euid) != 0:
         return []
     return [LEGACY_ROOT_STATE_DIR]
+
+
+def path_problem(path) -> str | None:
+    """Why `path` cannot name a file at all (a name longer than the file system takes, a loop of symlinks), with the
+    fix; None where it can (whether or not it exists). Path.exists() raises for these: an OSError traceback."""
+    try:
+        os.lstat(path)
+    except (FileNotFoundError, NotADirectoryError):
+        return None
+    except OSError as e:
+        import errno  # noqa: PLC0415
+
+        fix = "give a shorter name" if e.errno == errno.ENAMETOOLONG else "give another path"
+        return f"{e.strerror or e}; {fix}"
+    return None

@@ -1354,6 +1354,10 @@ def run_sweep(
             lines = (plan.lines() if level_kind != "none" else ["levels: none (the settings as they are)"]) + list(plan_lines or [])
             return SweepOutcome(None, None, None, lines, rig.notes)
         # Refuse an unusable --out before a server is launched or a GPU is locked.
+        from powerprof.paths import path_problem
+
+        if (why := path_problem(run_dir)) is not None:  # it said "[Errno 36] File name too long", from exists()
+            raise SweepError(f"--out {run_dir}: {why}")
         if run_dir.exists() and (not run_dir.is_dir() or any(run_dir.iterdir())):
             raise SweepError(f"run directory {run_dir} already exists and is not empty; choose another --out")
         why = out_dir_refusal(run_dir)

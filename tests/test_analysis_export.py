@@ -669,3 +669,78 @@ def test_a_window_stored_twice_whose_level_is_nan_is_exported_once_and_said(run,
     assert f"note: windows: {t.num_rows} rows found more than once were written once" in r.stderr, r.stderr
     # Written as NaN, not as an empty (missing) level: marked, not merged with the settings-as-they-are level.
     assert all(v != v for v in got.column("level_value").to_pylist())
+
+
+FORMULAS = ["=cmd|' /C calc'!A0", "+1+1", "-2+3", "@SUM(A1:A9)", "\t=1+1", "plain", "a=b", None]
+
+
+def test_xlsx_writes_formula_like_text_as_text(tmp_path):
+    # A tag, a model name or a server's error text is the traffic's own text: openpyxl wrote a cell whose text starts
+    # with "=" as a live formula (`=cmd|' /C calc'!A0` ran, or asked to, when the workbook was opened).
+    src = tmp_path / "tags.parquet"
+    pq.write_table(pa.table({"tag": FORMULAS, "tokens": list(range(len(FORMULAS)))}), src)
+    out = tmp_path / "t.xlsx"
+    r = CliRunner().invoke(main, ["export", str(src), "--format", "xlsx", "--out", str(out)])
+    assert r.exit_code == 0, (r.output, r.exception)
+    cells = [row[0] for row in load_workbook(out)["tags"].iter_rows(min_row=2)]
+    assert [c.value for c in cells] == FORMULAS  # the text as it was, not prefixed
+    assert all(c.data_type != "f" for c in cells), [(c.value, c.data_type) for c in cells]
+
+
+def test_csv_neutralises_formula_like_text_and_says_so(tmp_path):
+    # A spreadsheet opening the CSV evaluates a cell starting with = + - @ (formula injection through a tag).
+    src = tmp_path / "tags.parquet"
+    pq.write_table(pa.table({"tag": FORMULAS, "error": ["ok"] * 7 + ["=HYPERLINK(\"http://x\")"],
+                             "tokens": [-1] * len(FORMULAS)}), src)
+    out = tmp_path / "t.csv"
+    r = CliRunner().invoke(main, ["export", str(src), "--format", "csv", "--out", str(out)])
+    assert r.exit_code == 0, (r.output, r.exception)
+    with open(out, newline="") as f:
+        rows = list(csv.reader(f))[1:]
+    assert [row[0] for row in rows] == ["'" + v if v and v[0] in "=+-@\t" else (v or "") for v in FORMULAS]
+    assert rows[-1][1] == "'=HYPERLINK(\"http://x\")"
+    assert [row[2] for row in rows] == ["-1"] * len(FORMULAS)  # numbers are numbers: untouched
+    assert "6 text cells" in r.stderr and "tag" in r.stderr and "error" in r.stderr and "formula" in r.stderr, r.stderr
+    # Parquet keeps the text exactly (it is data, not a sheet).
+    r = CliRunner().invoke(main, ["export", str(src), "--format", "parquet", "--out", str(tmp_path / "t.parquet")])
+    assert r.exit_code == 0 and pq.read_table(tmp_path / "t.parquet")["tag"].to_pylist() == FORMULAS
+    assert "formula" not in r.stderr
+
+
+def test_format_name_in_another_case_is_taken(run, tmp_path):
+    # `--format CSV` was refused ("'CSV' is not one of 'csv', ..."): the name is clear in any case.
+    r = CliRunner().invoke(main, ["export", str(run), "--format", "CSV", "--out", str(tmp_path / "o")])
+    assert r.exit_code == 0, r.output
+    assert (tmp_path / "o" / "windows.csv").exists()
+
+
+def test_xlsx_cuts_text_longer_than_a_cell_holds_and_says_so(tmp_path):
+    # A cell holds at most 32,767 characters: a kept prompt of a 32k-token context (sweep --keep-text
+    # --context-tokens 32k) made a workbook Excel calls damaged and "repairs" by dropping the sheet's content.
+    src = tmp_path / "texts.parquet"
+    long = "é" * 40_000
+    pq.write_table(pa.table({"prompt_text": [long, "short", None], "tag": ["日本語", "x" * 32_767, None]}), src)
+    out = tmp_path / "t.xlsx"
+    r = CliRunner().invoke(main, ["export", str(src), "--format", "xlsx", "--out", str(out)])
+    assert r.exit_code == 0, (r.output, r.exception)
+    rows = list(load_workbook(out)["texts"].iter_rows(min_row=2, values_only=True))
+    assert len(rows[0][0]) == ex.XLSX_MAX_CELL_CHARS and rows[0][0].startswith("é" * 1000)
+    assert rows[0][0].endswith("[cut: 40000 characters, a cell holds 32767; the whole text is in a csv or parquet export]")
+    assert rows[1] == ("short", "x" * 32_767)  # at the limit: whole
+    assert rows[0][1] == "日本語"
+    assert "texts: 1 text cells (prompt_text: 1) longer than a cell holds" in r.stderr, r.stderr
+
+
+@pytest.mark.parametrize("fmt,out", [("xlsx", "o.xlsx"), ("csv", "o"), ("parquet", "o")])
+def test_a_folder_it_may_not_write_in_says_the_fix(run, tmp_path, monkeypatch, fmt, out):
+    # A read-only folder (or file system) said "Operation not permitted" and no more. As root no mode bit refuses, so
+    # the refusal is injected where the file is made.
+    import errno
+
+    def refuse(*a, **k):
+        raise PermissionError(errno.EROFS, "Read-only file system")
+
+    monkeypatch.setattr(ex, "atomic_path", lambda *a, **k: refuse())
+    r = CliRunner().invoke(main, ["export", str(run), "--format", fmt, "--out", str(tmp_path / out)])
+    _no_traceback(r)
+    assert "Read-only file system" in r.output and "give --out in a folder you can write" in r.output, r.output

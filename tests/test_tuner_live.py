@@ -513,6 +513,7 @@ def test_sigusr1_goes_to_the_reference_and_holds_while_running(tmp_path, operato
                     r["action"] == "kill" for f in out.rglob("*.parquet") for r in pq.read_table(f).to_pylist()):
                 time.sleep(0.05)
             assert sim_limit_w() == 300.0
+            proc.send_signal(signal.SIGUSR1)  # the kill switch sent twice (hostile4): the same hold, nothing more
             time.sleep(1.5)  # ticks go on; the reference stays
             assert sim_limit_w() == 300.0 and proc.poll() is None
         finally:
@@ -521,6 +522,7 @@ def test_sigusr1_goes_to_the_reference_and_holds_while_running(tmp_path, operato
     assert sim_limit_w() == operator_limit
     rows = [r for f in sorted(out.rglob("*.parquet")) for r in pq.read_table(f).to_pylist()]
     assert rows[-1]["action"] == "stop" and rows[-1]["to_level"] == operator_limit  # the final restore, recorded
+    assert [r["action"] for r in rows].count("kill") == 1
 
 
 _FAST = ('[tuner]\ntick_s = 0.2\nwindow_s = 0.3\ndwell_s = 0.4\nmin_requests = 5\nguard_s = 1\n'
@@ -586,6 +588,32 @@ def test_dry_run_needs_no_privilege_and_changes_nothing(tmp_path, monkeypatch, o
     (["--levels", "150,300", "--ttft-p95-ms", "70000"], "[tuner]\nguard_ratio = 2.0\n", "under 65536 ms"),
     (["--levels", "150,300", "--tpot-p95-ms", "100", "--out", "/proc/x"], None, "cannot write"),
     (["--levels", "150,300", "--tpot-p95-ms", "100", "--metrics-port", "BUSY"], None, "--metrics-port"),
+    # The hostile-input battery (hostile4): every one refused before a controller opens.
+    (["--levels", "", "--tpot-p95-ms", "100"], None, "no power levels given"),
+    (["--levels", "300", "--tpot-p95-ms", "100"], None, "at least two distinct levels"),
+    (["--levels", "150,150,300", "--tpot-p95-ms", "100"], None, "duplicates"),
+    (["--levels", "1,300", "--tpot-p95-ms", "100"], None, "outside the allowed range"),
+    (["--levels", "150,300", "--tpot-p95-ms", "100", "--reference", "80%"], None, "not one of the levels"),
+    (["--levels", "150,300", "--tpot-p95-ms", "100", "--reference", "fast"], None, "tuner.reference"),
+    (["--levels", "150,300", "--tpot-p95-ms", "nan"], None, "--tpot-p95-ms"),
+    (["--levels", "150,300", "--tpot-p95-ms", "0"], None, "--tpot-p95-ms"),
+    (["--levels", "150,300", "--ttft-p95-ms", "-1"], None, "--ttft-p95-ms"),
+    (["--levels", "150,300", "--tpot-p95-ms", "100ms"], None, "without its unit"),
+    (["--tpot-p95-ms", "100"], "[tuner]\nlevels = []\n", "no power levels given"),
+    (["--tpot-p95-ms", "100"], "[tuner]\nlevels = [150, true]\n", "True"),
+    (["--levels", "150,300"], "[tuner]\ntpot_p95_ms = \"fast\"\n", "tuner.tpot_p95_ms: a number"),
+    (["--levels", "150,300"], "[tuner]\ntpot_p95_ms = nan\n", "positive number of milliseconds"),
+    (["--levels", "150,300"], "[tuner]\ntpot_p95_ms = -5\n", "positive number of milliseconds"),
+    (["--levels", "150,300", "--tpot-p95-ms", "100"], "[tuner]\ndwell_s = 0\n", "tuner.dwell_s: must be positive"),
+    (["--levels", "150,300", "--tpot-p95-ms", "100"], "[tuner]\ndwell_s = 1e12\n", "tuner.dwell_s: at most"),
+    (["--levels", "150,300", "--tpot-p95-ms", "100"], "[tuner]\nmax_explore_share = 2\n", "max_explore_share"),
+    (["--levels", "150,300", "--tpot-p95-ms", "100"], "[tuner]\nmax_step = 0\n", "at least 1"),
+    (["--levels", "150,300", "--tpot-p95-ms", "100"], "[tuner]\nreference = 275\n", "not one of the levels"),
+    (["--levels", "150,300", "--tpot-p95-ms", "100"], "[tuner]\nbogus = 1\n", "unknown key(s) in [tuner]: bogus"),
+    (["--levels", "150,300", "--tpot-p95-ms", "100"], "[tuner]\n[daemon]\n", "unknown section(s) daemon"),
+    (["--levels", "150,300", "--tpot-p95-ms", "100"], "tuner = 5\n", "[tuner] table"),
+    (["--levels", "150,300", "--tpot-p95-ms", "100"], "[tuner\n", "not valid TOML"),
+    (["--levels", "150,300", "--tpot-p95-ms", "100"], b"[tuner]\n# \xff\n", "not valid TOML"),
 ])
 def test_bad_tuner_settings_exit_2_and_change_nothing(tmp_path, operator_limit, args, toml, msg):
     import socket
@@ -595,7 +623,7 @@ def test_bad_tuner_settings_exit_2_and_change_nothing(tmp_path, operator_limit, 
     busy.listen()
     args = [str(busy.getsockname()[1]) if a == "BUSY" else a for a in args]
     if toml is not None:
-        (tmp_path / "t.toml").write_text(toml)
+        (tmp_path / "t.toml").write_bytes(toml if isinstance(toml, bytes) else toml.encode())
         args += ["--config", str(tmp_path / "t.toml")]
     if "--out" not in args:
         args += ["--out", str(tmp_path / "d")]

@@ -532,3 +532,34 @@ def test_a_trace_sweep_says_prompts_of_0_or_1_tokens_were_sent_longer(tmp_path):
     _, outcome = _trace_sweep_with_a_fault(tmp_path, {}, [TraceRequest(0.0, 1, 4), TraceRequest(0.05, 8, 4)])
     said = [n for n in outcome.notes if "prompt of 0 or 1 tokens" in n]
     assert len(said) == 1 and said[0].startswith("1 of 2 requests have a prompt of 0 or 1 tokens"), outcome.notes
+
+
+def test_a_gzip_trace_is_read_whatever_its_name(tmp_path):
+    # A gzip file named .jsonl (or an Azure .csv.gz as downloaded) was "not a text trace (byte 1 is not UTF-8)":
+    # true, but not what to do. It is read as its text.
+    import gzip
+
+    text = b'{"t_s": 3, "prompt_tokens": 5, "output_tokens": 3}\n{"t_s": 1, "prompt_tokens": 7, "output_tokens": 2}\n'
+    (tmp_path / "t.jsonl").write_bytes(gzip.compress(text))
+    assert read_trace(tmp_path / "t.jsonl") == read_trace(_plain(tmp_path, text))
+    csv_text = b"TIMESTAMP,ContextTokens,GeneratedTokens\n2023-11-16 18:15:46.6805900,10,20\n"
+    (tmp_path / "a.csv.gz").write_bytes(gzip.compress(csv_text))
+    assert [(r.prompt_tokens, r.output_tokens) for r in read_trace(tmp_path / "a.csv.gz")] == [(10, 20)]
+    # Cut short (a download stopped): said, with the fix.
+    (tmp_path / "cut.jsonl").write_bytes(gzip.compress(text)[:20])
+    with pytest.raises(TraceError, match=r"cut\.jsonl: gzip-compressed, but .*download it again"):
+        read_trace(tmp_path / "cut.jsonl")
+
+
+def _plain(tmp_path, text: bytes):
+    p = tmp_path / "plain.jsonl"
+    p.write_bytes(text)
+    return p
+
+
+def test_an_azure_row_with_fields_missing_says_how_many(tmp_path):
+    # It said "bad row (list index out of range)".
+    p = tmp_path / "short.csv"
+    p.write_bytes(b"TIMESTAMP,ContextTokens,GeneratedTokens\n0,4,5\n1,2\n")
+    with pytest.raises(TraceError, match=r"short\.csv:3: bad row \(2 fields, the header names 3: .*GeneratedTokens"):
+        read_trace(p)

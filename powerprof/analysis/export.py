@@ -20,6 +20,7 @@ row once. One key with rows that differ is refused.
 
 from __future__ import annotations
 
+import errno
 import json
 import math
 import os
@@ -55,6 +56,7 @@ UNITS = {
 BOUND_SUFFIXES = ("_ci_low", "_ci_high", "_pooled")
 XLSX_TIME_FORMAT = "yyyy-mm-dd hh:mm:ss.000"  # Excel's default date-time format hides the milliseconds
 XLSX_MAX_COL_W = 40
+XLSX_MAX_CELL_CHARS = 32_767  # Excel's limit for one cell: past it the workbook opens as damaged, its content dropped
 
 
 class ExportError(ValueError):
@@ -211,6 +213,10 @@ def find_sources(src) -> list[Source]:
     if is_uri(src):
         return _uri_sources(str(src))
     p = Path(src)
+    from powerprof.paths import path_problem  # noqa: PLC0415
+
+    if (why := path_problem(p)) is not None:  # an OSError traceback from exists() ("File name too long")
+        raise ExportError(f"{p}: {why}")
     if not p.exists():
         raise ExportError(f"{p}: no such file or directory")
     if p.is_file():
@@ -446,6 +452,10 @@ def export(src, fmt: str, out=None, time_from: str | None = None, time_to: str |
         default_stem = "export"
     out_given = out
     out = Path(out) if out is not None else Path.cwd() / (default_stem + (".xlsx" if fmt == "xlsx" else f"-{fmt}"))
+    from powerprof.paths import path_problem  # noqa: PLC0415
+
+    if (why := path_problem(out)) is not None:  # "File name too long" was an OSError traceback from out.exists()
+        raise ExportError(f"--out {out}: {why}")
     if any(not is_uri(s) and out.resolve() == Path(s).resolve() for s in srcs):
         raise ExportError("--out must not be the source itself")
     if fmt == "xlsx" and (out.is_dir() or out.suffix.lower() != ".xlsx"):
@@ -496,7 +506,14 @@ def export(src, fmt: str, out=None, time_from: str | None = None, time_to: str |
                                   "Narrow it with --from/--to or --columns, or export csv or parquet.")
         summary = summary_rows(src_path, tz, time_from, time_to) + ([("not filtered by --from/--to", note)] if note else [])
         try:
-            return [_write_xlsx(scans, out, tz, summary, replace=force)]
+            cut: dict[str, dict[str, int]] = {}
+            written = [_write_xlsx(scans, out, tz, summary, replace=force, cut=cut)]
+            if notes is not None:
+                notes.extend(f"{out}: {name}: {sum(c.values())} text cells "
+                             f"({', '.join(f'{k}: {n}' for k, n in sorted(c.items()))}) longer than a cell holds "
+                             f"({XLSX_MAX_CELL_CHARS:,} characters) are cut there, each ending in \"[cut: ...]\"; a "
+                             "csv or parquet export keeps the whole text" for name, c in cut.items() if c)
+            return written
         except FileExistsError:  # made while the export ran
             raise ExportOutExists([out]) from None
         except (pa.ArrowInvalid, OSError) as e:
@@ -512,9 +529,13 @@ def export(src, fmt: str, out=None, time_from: str | None = None, time_to: str |
     written = []
     for name, scan in scans.items():
         path = out if single else out / f"{name}.{fmt}"
+        neutralised: dict[str, int] = {}
         try:
             with atomic_path(path, replace=force) as tmp:
-                (_write_csv if fmt == "csv" else _write_parquet)(scan, tmp, tz)
+                if fmt == "csv":
+                    _write_csv(scan, tmp, tz, neutralised)
+                else:
+                    _write_parquet(scan, tmp, tz)
         except FileExistsError:  # made while the export ran
             if written:
                 raise ExportError(f"table {name}: {path} appeared while the export ran and is kept; "
@@ -524,6 +545,8 @@ def export(src, fmt: str, out=None, time_from: str | None = None, time_to: str |
             done = f"; written before it (whole): {', '.join(map(str, written))}" if written else "; nothing written"
             raise ExportError(f"table {name}: export to {path} failed: {_why(e)}{done}") from None
         written.append(path)
+        if neutralised and notes is not None:
+            notes.append(neutralised_note(name, path, neutralised))
     return written
 
 
@@ -821,27 +844,52 @@ def _without_copied_runs(srcs: list[str], groups: list[list[Source]], notes: lis
 
 
 def _why(e: Exception) -> str:
-    return (e.strerror if isinstance(e, OSError) and e.strerror else str(e)).strip()
+    why = (e.strerror if isinstance(e, OSError) and e.strerror else str(e)).strip()
+    if isinstance(e, OSError) and e.errno in (errno.EACCES, errno.EPERM, errno.EROFS):
+        why += " (fix: give --out in a folder you can write)"  # a read-only folder or file system said no more
+    return why
 
 
-def _csv_ready(t: pa.Table) -> pa.Table:
-    """Timestamps as `YYYY-MM-DD HH:MM:SS.mmm`: ISO 8601 with a space, which spreadsheets parse as dates."""
+# A spreadsheet evaluates a CSV cell that starts with one of these as a formula (`=cmd|' /C calc'!A0`, `@SUM(...)`,
+# `=HYPERLINK(...)`): text from the traffic (a tag, a model name, a server's error) must not become one.
+FORMULA_START = r"^[=+\-@\t\r]"
+
+
+def _csv_ready(t: pa.Table, neutralised: dict[str, int] | None = None) -> pa.Table:
+    """Timestamps as `YYYY-MM-DD HH:MM:SS.mmm`: ISO 8601 with a space, which spreadsheets parse as dates. Text that a
+    spreadsheet would read as a formula gets a leading `'` (OWASP's CSV-injection rule); `neutralised` counts them
+    per column."""
     cols = []
-    for arr in t.columns:
+    for name, arr in zip(t.column_names, t.columns):
         if pa.types.is_timestamp(arr.type):
             # A cast of naive milliseconds to string is that exact format, and far faster than strftime.
             ms = pc.floor_temporal(arr, unit="millisecond").cast(pa.timestamp("ms", tz=arr.type.tz))
             arr = ms.cast(pa.timestamp("ms")).cast(pa.string())
+        elif pa.types.is_string(arr.type) or pa.types.is_large_string(arr.type):
+            hit = pc.fill_null(pc.match_substring_regex(arr, FORMULA_START), False)
+            n = pc.sum(hit).as_py() or 0
+            if n:
+                arr = pc.if_else(hit, pc.binary_join_element_wise(pa.scalar("'", arr.type), arr, pa.scalar("", arr.type)), arr)
+                if neutralised is not None:
+                    neutralised[name] = neutralised.get(name, 0) + n
         cols.append(arr)
     return pa.Table.from_arrays(cols, names=t.column_names)
 
 
-def _write_csv(scan: ds.Scanner, path: Path, tz: str) -> None:
+def neutralised_note(table: str, path: Path, neutralised: dict[str, int]) -> str:
+    n = sum(neutralised.values())
+    return (f"{path}: {n} text cells of {table} ({', '.join(f'{c}: {k}' for c, k in sorted(neutralised.items()))}) "
+            "began with =, +, -, @ or a tab and are written with a leading ' so that a spreadsheet shows them as text, "
+            "not as a formula it would run; strip that ' when reading the CSV as data (xlsx and parquet exports keep "
+            "the text as it is)")
+
+
+def _write_csv(scan: ds.Scanner, path: Path, tz: str, neutralised: dict[str, int] | None = None) -> None:
     opts = pacsv.WriteOptions(include_header=False, quoting_style="needed")
     with open(path, "wb") as f:
         writer = None
         for batch in scan.to_batches():
-            t = _csv_ready(_with_local_times(batch, tz))
+            t = _csv_ready(_with_local_times(batch, tz), neutralised)
             if writer is None:
                 f.write((",".join(_csv_quote(header(c, tz)) for c in t.column_names) + "\r\n").encode())
                 writer = pacsv.CSVWriter(f, t.schema, write_options=opts)
@@ -963,7 +1011,9 @@ def _col_letter(i: int) -> str:
 
 
 def _write_xlsx(scans: dict[str, ds.Scanner], path: Path, tz: str,
-                summary: list[tuple[str, object]] | None = None, replace: bool = True) -> Path:
+                summary: list[tuple[str, object]] | None = None, replace: bool = True,
+                cut: dict[str, dict[str, int]] | None = None) -> Path:
+    """`cut` (when given) receives, per sheet, per column, how many text cells were cut to XLSX_MAX_CELL_CHARS."""
     from openpyxl import Workbook  # noqa: PLC0415  (only this format needs it)
     from openpyxl.cell import WriteOnlyCell  # noqa: PLC0415
 
@@ -976,7 +1026,8 @@ def _write_xlsx(scans: dict[str, ds.Scanner], path: Path, tz: str,
         ws.freeze_panes = "A2"
         ws.append(["item", "value"])
         for k, v in summary:
-            ws.append([k, v if v is None or isinstance(v, (int, float, str)) else str(v)])
+            ws.append([_text_cell(ws, x, WriteOnlyCell) if isinstance(x, str) else x
+                       for x in (k, v if v is None or isinstance(v, (int, float, str)) else str(v))])
     try:
         for name, scan in scans.items():
             ws = wb.create_sheet(title=name[:31])
@@ -987,8 +1038,10 @@ def _write_xlsx(scans: dict[str, ds.Scanner], path: Path, tz: str,
                 if head is None:
                     head = _xlsx_header(ws, t, tz)
                 times = [pa.types.is_timestamp(c.type) for c in t.columns]
-                for row in zip(*(_xlsx_values(c) for c in t.columns)):
-                    ws.append([_time_cell(ws, v, WriteOnlyCell) if is_t and v is not None else v
+                sheet_cut = cut.setdefault(name[:31], {}) if cut is not None else None
+                for row in zip(*(_xlsx_values(c, sheet_cut, col) for c, col in zip(t.columns, t.column_names))):
+                    ws.append([_time_cell(ws, v, WriteOnlyCell) if is_t and v is not None else
+                               _text_cell(ws, v, WriteOnlyCell) if isinstance(v, str) and v[:1] == "=" else v
                                for v, is_t in zip(row, times)])
                 n_rows += t.num_rows
             if head is None:
@@ -1019,13 +1072,28 @@ def _xlsx_header(ws, t: pa.Table, tz: str) -> list[str]:
     return head
 
 
+def _text_cell(ws, value: str, cell_cls):
+    """A text cell whatever its text: openpyxl makes a cell whose text starts with "=" a formula, so a tag or an error
+    text from the traffic (`=cmd|' /C calc'!A0`) would run when the workbook is opened. Typed as text it is shown as
+    it is (no leading ' added: the cell holds the exact text)."""
+    c = cell_cls(ws, value=value)
+    if c.data_type == "f":
+        c.data_type = "s"
+    return c
+
+
 def _time_cell(ws, value, cell_cls):
     c = cell_cls(ws, value=value)
     c.number_format = XLSX_TIME_FORMAT
     return c
 
 
-def _xlsx_values(arr: pa.ChunkedArray) -> list:
+def _cut_cell(v: str) -> str:
+    tail = f" [cut: {len(v)} characters, a cell holds {XLSX_MAX_CELL_CHARS}; the whole text is in a csv or parquet export]"
+    return v[:XLSX_MAX_CELL_CHARS - len(tail)] + tail
+
+
+def _xlsx_values(arr: pa.ChunkedArray, cut: dict[str, int] | None = None, name: str = "") -> list:
     """Cell values: Excel has no time zones, so timestamps become naive (UTC or local, per the header).
 
     NaN and ±inf become the text NaN, inf, -inf (a sheet has no such numbers; openpyxl left the cell empty).
@@ -1036,7 +1104,14 @@ def _xlsx_values(arr: pa.ChunkedArray) -> list:
     if pa.types.is_string(arr.type) or pa.types.is_large_string(arr.type):
         from openpyxl.cell.cell import ILLEGAL_CHARACTERS_RE  # noqa: PLC0415
 
-        return [v if v is None else ILLEGAL_CHARACTERS_RE.sub("\ufffd", v) for v in arr.to_pylist()]
+        out = [v if v is None else ILLEGAL_CHARACTERS_RE.sub("\ufffd", v) for v in arr.to_pylist()]
+        if any(v is not None and len(v) > XLSX_MAX_CELL_CHARS for v in out):
+            # Past a cell's limit Excel calls the workbook damaged and drops the sheet's content: cut, marked, said.
+            n = sum(v is not None and len(v) > XLSX_MAX_CELL_CHARS for v in out)
+            out = [_cut_cell(v) if v is not None and len(v) > XLSX_MAX_CELL_CHARS else v for v in out]
+            if cut is not None:
+                cut[name] = cut.get(name, 0) + n
+        return out
     if pa.types.is_floating(arr.type):
         # openpyxl writes NaN and ±inf as empty cells, which read as a missing reading: as text they stay
         # visible, as CSV's nan/inf do.

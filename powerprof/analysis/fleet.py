@@ -45,6 +45,10 @@ def expand_sources(sources) -> list[str]:
                 raise FleetError(f"{s}: the pattern matches nothing")
             out.extend(hits)
         else:
+            from powerprof.paths import path_problem  # noqa: PLC0415
+
+            if (why := path_problem(s)) is not None:  # an OSError traceback from is_dir() ("File name too long")
+                raise FleetError(f"{s}: {why}")
             out.append(s)
     # A source named twice (a glob and a path, a trailing slash) would count its rows twice.
     unique: dict[str, str] = {}

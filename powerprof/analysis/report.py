@@ -150,6 +150,10 @@ def check_out(out: Path, runs) -> None:
     the very same runs (a re-analysis, with other options, replaces its own files together: docs/analysis.md).
     An analysis of other runs (`analyze a b` over a/analysis, run a's own, which `export a` shows as a's) or a
     file of these names that no analysis wrote (a person's report.md) is kept."""
+    from powerprof.paths import path_problem  # noqa: PLC0415
+
+    if (why := path_problem(out)) is not None:  # an OSError traceback from is_dir() ("File name too long")
+        raise AnalysisError(f"--out {out}: {why}")
     if not out.is_dir():
         return
     taken = sorted(f.name for f in out.iterdir() if f.name in OUTPUT_NAMES or (

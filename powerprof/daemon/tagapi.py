@@ -123,7 +123,9 @@ class TagHandler(Protocol):
 
 def check_name(name: str) -> str:
     if not NAME_RE.match(name):
-        raise ValueError(f"tag name {name!r} must be 1-128 characters of letters, digits and _ . : @ / -")
+        # A long one is quoted by its start and length: 5000 characters came back whole, in the CLI and the daemon's 400.
+        shown = repr(name) if len(name) <= 128 else f"{name[:40] + '…'!r} ({len(name)} characters)"
+        raise ValueError(f"tag name {shown} must be 1-128 characters of letters, digits and _ . : @ / -")
     return name
 
 

@@ -190,7 +190,11 @@ class Timeline:
 
 def check_output_path(path: str | os.PathLike) -> Path:
     """Validate an output file name before any work starts; raises ValueError with the reason."""
+    from powerprof.paths import path_problem  # noqa: PLC0415
+
     p = Path(path)
+    if (why := path_problem(p)) is not None:  # an OSError traceback from is_dir() ("File name too long")
+        raise ValueError(f"output {str(p)!r}: {why}")
     if p.suffix.lower() not in FORMATS:
         raise ValueError(f"output {str(p)!r}: the file name must end in {' or '.join(FORMATS)}")
     parent = p.parent if str(p.parent) else Path(".")

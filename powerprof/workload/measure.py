@@ -776,6 +776,10 @@ def _run_measure(
 
     from .serverprocs import ServerProcesses
 
+    from powerprof.paths import path_problem
+
+    if (why := path_problem(out_dir)) is not None:  # an OSError traceback from exists() ("File name too long")
+        raise ValueError(f"--out {out_dir}: {why}")
     if out_dir.exists() and (not out_dir.is_dir() or any(out_dir.iterdir())):
         raise FileExistsError(f"output directory {out_dir} already exists and is not empty; choose another --out")
     why = out_dir_refusal(out_dir, "output directory")

@@ -98,13 +98,37 @@ def _positive_int(v, what: str) -> int:
 def read_trace(path: str | Path) -> list[TraceRequest]:
     """A trace file (Azure CSV or JSONL, told by its first line), sorted by arrival, offsets from 0."""
     p = Path(path)
+    data = trace_bytes(p)
     try:
         # utf-8-sig: a spreadsheet's byte-order mark otherwise hid the header ("got \ufeffTIMESTAMP").
-        text = p.read_text(encoding="utf-8-sig")
-    except OSError as e:
-        raise TraceError(f"cannot read trace {p}: {e.strerror or e}") from None
+        text = data.decode("utf-8-sig")
     except UnicodeDecodeError as e:
         raise TraceError(f"{p}: not a text trace (byte {e.start} is not UTF-8); want an Azure CSV or JSONL") from None
+    return _parse_trace(p, text)
+
+
+def trace_bytes(p: Path) -> bytes:
+    """The trace file's bytes, decompressed where it is gzip (the bytes a run's trace sha256 is of: a trace and its
+    gzip are the same traffic)."""
+    try:
+        data = p.read_bytes()
+    except OSError as e:
+        raise TraceError(f"cannot read trace {p}: {e.strerror or e}") from None
+    if data[:2] == b"\x1f\x8b":
+        # gzip, whatever the name (an Azure trace downloaded as .csv.gz, or renamed .jsonl): it said only that byte 1
+        # was not UTF-8. Read as its text.
+        import gzip
+        import zlib
+
+        try:
+            data = gzip.decompress(data)
+        except (OSError, EOFError, zlib.error) as e:
+            raise TraceError(f"{p}: gzip-compressed, but it cannot be decompressed ({e}); the file is cut short or "
+                             "damaged: download it again (or `gunzip -t` it to see)") from None
+    return data
+
+
+def _parse_trace(p: Path, text: str) -> list[TraceRequest]:
     lines = text.splitlines()
     first = next((ln for ln in lines if ln.strip()), "")
     if not first:
@@ -142,10 +166,13 @@ def read_trace(path: str | Path) -> list[TraceRequest]:
         for i, row in enumerate(rows, 2):
             if not row or not "".join(row).strip():
                 continue
+            if len(row) <= max(ix):
+                raise TraceError(f"{p}:{i}: bad row ({len(row)} fields, the header names {len(header)}: "
+                                 f"{', '.join(header)}); every row needs {', '.join(want)}")
             try:
                 out.append((_when(row[ix[0]]), _positive_int(row[ix[1]], "ContextTokens"),
                             _positive_int(row[ix[2]], "GeneratedTokens"), None))
-            except (ValueError, IndexError) as e:
+            except ValueError as e:
                 raise TraceError(f"{p}:{i}: bad row ({e})") from None
     if not out:
         raise TraceError(f"{p}: the trace has no requests")
