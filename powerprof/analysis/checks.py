@@ -46,8 +46,9 @@ def _step(levels: np.ndarray) -> float:
 
 
 def edge_findings(series: LevelSeries, choices: dict[str, Choice], card_range=(None, None),
-                  not_engaged: set[float] = frozenset()) -> list[Finding]:
-    """Choices at the edge of the measured range (say which levels to add), or between levels."""
+                  not_engaged: set[float] = frozenset(), several_gpus: bool = False) -> list[Finding]:
+    """Choices at the edge of the measured range (say which levels to add), or between levels.
+    card_range: the limits every GPU of the run accepts (analyze.card_range); several_gpus: it is several GPUs'."""
     lv = np.sort(series.level_values)
     unit = _unit(series.level_kind)
     step = _step(lv)
@@ -64,7 +65,8 @@ def edge_findings(series: LevelSeries, choices: dict[str, Choice], card_range=(N
             out.append(Finding("edge", (
                 f"{', '.join(low)}: optimum at the lowest level measured ({_fmt(lv[0], unit)}); the best may lie "
                 f"below. Add levels {', '.join(_fmt(round(v), unit) for v in add)}"
-                + (f" (the card accepts down to {_fmt(lo_card, unit)})." if lo_card is not None else ".")),
+                + (f" ({'every GPU of the run accepts' if several_gpus else 'the card accepts'} down to "
+                   f"{_fmt(lo_card, unit)})." if lo_card is not None else ".")),
                 tuple(float(round(v)) for v in add)))
         else:
             out.append(Finding("edge", f"{', '.join(low)}: optimum at the card's lowest accepted setting "
