@@ -965,6 +965,7 @@ class Sweep:
                 "avg_cpu_power_w": sum(c) / dc if c and dc > 0 else None,
                 "sm_clock_mhz": st.get("sm_clock_mhz"),
                 "mem_clock_mhz": st.get("mem_clock_mhz"),
+                "no_busy_clock": st.get("no_busy_clock"),  # the flag saying why the two above are empty
                 "cap_not_engaged": not_engaged,
                 "cap_not_engaged_gpus": loose,
                 "thermal_throttle": thermal(st.get("clock_event_reasons")),

@@ -139,3 +139,48 @@ def test_windows_a_sweep_could_not_store_are_said_out_loud(tmp_path):
     unstored = [f for f in result.warnings if f.kind == "unstored"]
     assert len(unstored) == 1 and "2 measured window row(s) could not be stored" in unstored[0].message
     assert "computed without them" in (tmp_path / "out" / "report.md").read_text()
+
+
+def _mixed_host_run(tmp_path, name, gpus) -> "Path":
+    run = make_run(tmp_path / name, seed_truth(), levels=(180, 220, 260, 300), n_requests=8)
+    meta = json.loads((run / "run.json").read_text())
+    for k in ("min_limit_w", "max_limit_w", "default_limit_w"):
+        meta.pop(k, None)
+    meta["gpus"] = gpus
+    (run / "run.json").write_text(json.dumps(meta))
+    return run
+
+
+def _advice(res):
+    choices = {p: c.recommended_value for s in res.series for p, c in s.choices.items()}
+    return choices, {w.kind: " ".join(w.message.split()) for w in res.warnings}
+
+
+def test_the_advice_uses_the_range_of_the_gpus_that_took_the_levels_on_a_mixed_host(tmp_path):
+    # run.json lists GPU 0 an L4 (40-72 W) and GPU 1 the card the levels were measured on (150-320 W). The range the
+    # advice clips to was GPU 0's alone: every policy recommended 72 W (a level never measured, that the measured card
+    # does not accept), "measure 72 W to confirm", and "add 140 W (the card accepts down to 40 W)" below GPU 1's floor.
+    t = seed_truth()
+    clean = _advice(analyze_run([make_run(tmp_path / "clean", t, levels=(180, 220, 260, 300), n_requests=8)],
+                                tmp_path / "o-clean", n_boot=200, plots=False, formats=()))
+    run = _mixed_host_run(tmp_path, "mixed", [
+        {"index": 0, "name": "NVIDIA L4", "min_limit_w": 40.0, "max_limit_w": 72.0, "default_limit_w": 72.0},
+        {"index": 1, "name": t.gpu_name, "min_limit_w": t.min_limit_w, "max_limit_w": t.max_limit_w,
+         "default_limit_w": t.default_limit_w}])
+    choices, said = _advice(analyze_run([run], tmp_path / "o", n_boot=200, plots=False, formats=()))
+    assert choices == clean[0]
+    assert said["edge"] == clean[1]["edge"] and said["between-levels"] == clean[1]["between-levels"], said
+    # GPU 0's range holds none of the levels: left out of the advice, and said.
+    assert "GPU 0 (NVIDIA L4)" in said["card-range"] and "40-72 W" in said["card-range"], said["card-range"]
+
+
+def test_the_advice_uses_the_limits_every_gpu_of_the_run_accepts(tmp_path):
+    # Two cards whose ranges overlap: a sweep sets one level on both, so a level to add must be one both accept.
+    # GPU 0's floor alone (100 W) let the advice add 160 W and 140 W, where GPU 1 takes nothing under 170 W.
+    t = seed_truth()
+    run = _mixed_host_run(tmp_path, "mixed", [
+        {"index": 0, "name": "card A", "min_limit_w": 100.0, "max_limit_w": 320.0, "default_limit_w": 300.0},
+        {"index": 1, "name": "card B", "min_limit_w": 170.0, "max_limit_w": 350.0, "default_limit_w": 300.0}])
+    _, said = _advice(analyze_run([run], tmp_path / "o", n_boot=200, plots=False, formats=()))
+    assert "Add levels 170 W" in said["edge"] and "every GPU of the run accepts down to 170 W" in said["edge"], said
+    assert "card-range" not in said

@@ -225,3 +225,26 @@ def test_a_column_stored_as_another_kind_is_refused_as_export_refuses_it(tmp_pat
         said.append(text)
     assert said[0] == said[1]
     assert not (run / "analysis").exists()
+
+
+@pytest.mark.parametrize("arrow_type", [pa.decimal128(20, 0), pa.float64()])
+def test_clock_event_reasons_stored_as_a_number_with_a_fraction_is_refused_as_other_kinds_are(tmp_path, arrow_type):
+    # clock_event_reasons is a bitmask (its bits are read: GpuIdle, SwPowerCap, ...). Stored as decimals (or doubles: a
+    # file rewritten by another tool) it passed the type rule as "a number", then DuckDB found no `&` for it and
+    # analyze called the file damaged. Refused by the rule, in the sentence of every other type refusal.
+    run = _run(tmp_path)
+    path = run / "samples.parquet"
+    t = pq.read_table(path)
+    i = t.schema.get_field_index("clock_event_reasons")
+    t = t.set_column(i, "clock_event_reasons", t.column(i).cast(arrow_type))
+    pq.write_table(t, path)
+    said = []
+    for args in (["analyze", str(run), "--bootstrap", "100"],
+                 ["export", str(path), "--format", "csv", "--out", str(tmp_path / "e.csv")]):
+        r = CliRunner().invoke(main, args)
+        assert r.exit_code == 1 and isinstance(r.exception, SystemExit), (r.output, r.exception)
+        text = " ".join(r.output.split())
+        assert str(path) in text and "column clock_event_reasons" in text and "move the file out" in text, text
+        assert "damaged" not in text and "cannot be read as Parquet" not in text, text
+        said.append(text)
+    assert said[0] == said[1]

@@ -179,3 +179,21 @@ def test_a_windows_file_without_warmup_or_status_says_the_column_is_missing(tmp_
     assert r.exit_code == 1 and isinstance(r.exception, SystemExit), (r.output, r.exception)
     assert f"{run / 'windows.parquet'}" in said and f"no {column} column" in said, said
     assert not (run / "analysis").exists()
+
+
+def test_a_level_whose_every_reading_is_idle_has_no_clock_figure_and_says_why(tmp_path):
+    # The level's clock figures are its busy readings' (engine.BUSY_SQL: an idle reading shows the clock's floor). Where
+    # every reading inside 220 W's windows was idle (GpuIdle: a stalled server, a GPU another tool held), its SM and
+    # memory clock were empty, a "-" in the table with no flag and no word.
+    clean = _analyze(_run(tmp_path, "clean"), tmp_path / "o-clean")
+    run = _run(tmp_path)
+    _edit(run / "samples.parquet", lambda i, r: dict(r, clock_event_reasons=(r["clock_event_reasons"] or 0) | 1)
+          if r["level_value"] == 220.0 and r["source"] == "nvml" else r)
+    res = _analyze(run, tmp_path / "o")
+    clocks = _by_level(res, "sm_clock_mhz")
+    assert clocks[220.0] is None and _by_level(res, "mem_clock_mhz")[220.0] is None
+    assert clocks[180.0] == pytest.approx(_by_level(clean, "sm_clock_mhz")[180.0])
+    flags = _by_level(res, "flags")
+    assert "no-busy-reading" in (flags[220.0] or "") and "no-busy-reading" not in (flags[180.0] or ""), flags
+    said = _warning(res, "no-busy-reading")
+    assert "220 W" in said and "idle" in said and "fix" in said.lower(), said

@@ -27,7 +27,8 @@ def _node(root: Path, k: int) -> dict:
     """One node's daemon data folder written by the daemon's own store; returns its true totals."""
     store = DatasetStore(root, datasets(), host=f"node-{k}")
     n_req = 10 + k
-    reqs = [{"daemon_id": f"d{k}", "request_id": i, "t_arrival_utc": T0_NS + i * 10**9, "outcome": "ok" if i else "client_disconnected",
+    reqs = [{"daemon_id": f"d{k}", "request_id": i, "t_arrival_utc": T0_NS + i * 10**9,
+             "t_end_utc": T0_NS + i * 10**9 + 5 * 10**8, "outcome": "ok" if i else "client_disconnected",
              "generated_tokens": 100 + k, "gpu_energy_j": 50.0 + k, "attributed_tokens": 100.0 + k, "ttft_s": 0.1}
             for i in range(n_req)]
     ivals = [{"daemon_id": f"d{k}", "t_start_utc": T0_NS + i * 10**9, "t_end_utc": T0_NS + (i + 1) * 10**9,
@@ -689,3 +690,122 @@ def test_a_categorical_text_column_is_text_to_analyze_and_export_alike(tmp_path)
     res = CliRunner().invoke(main, ["export", str(tmp_path / "n"), "--format", "parquet", "--out", str(tmp_path / "e")])
     assert res.exit_code == 0, res.output
     assert pq.read_table(tmp_path / "e" / "requests.parquet").num_rows == truth["requests"]
+
+
+# --- requests and tag windows given energy of an interval left out (review revsweep2) ------------------------------
+
+def _over_bound_interval(node: Path, start_s: float = 100.0) -> None:
+    """One interval of node-0 whose energy no host's GPUs could draw (1e15 J over 1 s: a counter read across a
+    driver reload), from T0 + start_s."""
+    store = DatasetStore(node, datasets(), host="node-0")
+    store.append("intervals", [{"daemon_id": "d0", "t_start_utc": T0_NS + int(start_s * 10**9),
+                                "t_end_utc": T0_NS + int((start_s + 1) * 10**9), "duration_s": 1.0, "kind": "decode",
+                                "gpu_energy_j": 1e15}])
+    assert store.flush()
+
+
+def test_requests_live_in_an_interval_left_out_are_left_out_of_j_per_token_and_said(tmp_path):
+    # The summary left the 1e15 J interval out of the host's energy, but the requests the daemon gave a share of it
+    # (3e14 J each: finite, positive, so no "invalid request") fed J/token: the host read 1.5e12 J/token.
+    truth = _node(tmp_path / "n", 0)
+    _over_bound_interval(tmp_path / "n")
+    store = DatasetStore(tmp_path / "n", datasets(), host="node-0")
+    store.append("requests", [{"daemon_id": "d0", "request_id": 100 + i, "t_arrival_utc": T0_NS + a,
+                               "t_end_utc": T0_NS + e, "outcome": "ok", "generated_tokens": 100,
+                               "gpu_energy_j": 3e14 if inside else 50.0, "attributed_tokens": 100.0, "ttft_s": 0.1}
+                              for i, (a, e, inside) in enumerate((
+                                  (99 * 10**9, 100 * 10**9 + 5 * 10**8, True),   # into it
+                                  (100 * 10**9 + 2 * 10**8, 100 * 10**9 + 7 * 10**8, True),  # inside it
+                                  (100 * 10**9 + 5 * 10**8, 103 * 10**9, True),  # out of it
+                                  (102 * 10**9, 103 * 10**9, False),  # after it: measured, kept
+                                  (98 * 10**9, 99 * 10**9 + 5 * 10**8, False)))])  # before it: kept
+    assert store.flush()
+    [r] = fleet_summary([str(tmp_path / "n")]).to_pylist()
+    n = truth["requests"]
+    assert r["gpu_j_per_token"] == pytest.approx((50.0 * (n + 2)) / (100.0 * (n + 2)))
+    assert r["invalid_interval_requests"] == 3 and r["requests"] == n + 5 and r["invalid_intervals"] == 1
+    assert r["unknown_energy_requests"] == 0 and r["invalid_requests"] == 0
+    res = CliRunner().invoke(main, ["analyze", str(tmp_path / "n")])
+    assert res.exit_code == 0, res.output
+    assert re.search(r"all 1 hosts .* 0\.500\s*$", res.stdout, re.M), res.stdout
+    said = " ".join(res.stderr.split())
+    assert "live in an interval left out" in said and "node-0: 3" in said, said
+
+
+def test_tag_windows_over_an_interval_left_out_are_left_out_of_their_tag_and_said(tmp_path):
+    # The same for a tag window: its gpu_energy_j sums its intervals', the over-bound one's 1e15 J among them, and
+    # the tag read 1e13 J/token.
+    from powerprof.analysis.fleet import tag_notes, tag_summary
+
+    _node(tmp_path / "n", 0)
+    _over_bound_interval(tmp_path / "n")
+    store = DatasetStore(tmp_path / "n", datasets(), host="node-0")
+    store.append("tags", [{"daemon_id": "d0", "name": "exp", "t_start_utc": T0_NS + a * 10**9,
+                           "t_end_utc": T0_NS + (a + 5) * 10**9, "duration_s": 5.0, "gpu_energy_j": e,
+                           "unproxied_energy_j": 0.0, "proxy_tokens": 100.0, "server_count": "complete"}
+                          for a, e in ((10, 200.0), (98, 1e15 + 200.0))])
+    assert store.flush()
+    [t] = tag_summary([str(tmp_path / "n")]).to_pylist()
+    assert t["windows"] == 2 and t["counted_windows"] == 1 and t["invalid_interval_windows"] == 1
+    assert t["gpu_j_per_token"] == pytest.approx(2.0)
+    said = " ".join(" ".join(tag_notes(tag_summary([str(tmp_path / "n")]))).split())
+    assert "node-0 exp: 1 of 2" in said and "interval left out" in said, said
+
+
+def _hostile_fleet(root: Path) -> Path:
+    """8 nodes; node-2 and node-5 hold a row each rule of `powerprof fleet` leaves out of a figure."""
+    for k in range(NODES):
+        _node(root / f"node-{k}", k)
+    for k, t in ((2, 100), (5, 200)):
+        store = DatasetStore(root / f"node-{k}", datasets(), host=f"node-{k}")
+        iv = lambda s, e, d=1.0: {"daemon_id": f"d{k}", "t_start_utc": T0_NS + s * 10**9, "t_end_utc": T0_NS + int((s + d) * 10**9),  # noqa: E731
+                                  "duration_s": d, "kind": "decode", "gpu_energy_j": e}
+        store.append("intervals", [iv(t, 1e15), iv(t + 10, float("nan")), iv(t + 20, -5.0), iv(t + 30, 50.0, 0.0),
+                                   iv(t + 40, 400.0)])
+        rq = lambda i, a, e, energy=50.0, tokens=100.0, note=None: {  # noqa: E731
+            "daemon_id": f"d{k}", "request_id": 1000 + i, "t_arrival_utc": T0_NS + int(a * 10**9),
+            "t_end_utc": T0_NS + int(e * 10**9), "outcome": "ok", "generated_tokens": 100, "gpu_energy_j": energy,
+            "attributed_tokens": tokens, "ttft_s": 0.1, "energy_note": note}
+        store.append("requests", [
+            rq(0, t - 0.5, t + 0.5, energy=3e14), rq(1, t + 10.2, t + 10.4), rq(2, t + 29.0, t + 31.0),
+            rq(3, t + 40.1, t + 40.9, energy=float("nan")), rq(4, t + 40.1, t + 40.9, tokens=-1.0),
+            rq(5, t + 40.1, t + 40.9, energy=None), rq(6, t + 40.1, t + 40.9, note="no-counter-short: 90% ..."),
+            rq(7, t + 40.1, t + 40.9, note="approximate: x; bypass-uncounted: late"),
+            rq(8, t + 40.1, t + 40.9, energy=0.1, note="before-first-read: 0.5 s"),
+            rq(9, t + 40.1, t + 40.9, energy=200.0)])  # the one more request measured whole: kept
+        assert store.flush()
+    return root
+
+
+def _docs_query(name: str) -> str:
+    doc = (ROOT / "docs" / "fleet.md").read_text()
+    return re.search(rf"```{name}\n(.*?)```", doc, re.S).group(1)
+
+
+def _rows_of(con, sql) -> dict:
+    rows = con.execute(sql).fetchall()
+    cols = [d[0] for d in con.description]
+    return {r[0]: dict(zip(cols, r)) for r in rows}
+
+
+def test_the_documented_queries_apply_the_summarys_rules(tmp_path):
+    # docs/fleet.md's hand-written queries summed every row: a NaN interval made a host's energy NaN, the 1e15 J one
+    # printed 277777777 kWh, and flagged, unknown-energy and over-bound-interval requests fed J/token. Run as written
+    # over 8 nodes, two of them holding such rows, they give `powerprof fleet`'s figures; the Spark SQL / Trino
+    # statement is run by DuckDB over views named as its tables.
+    base = _hostile_fleet(tmp_path / "fleet")
+    code = {r["host"]: r for r in fleet_summary([str(base / "node-*")]).to_pylist()}
+    assert code["node-2"]["invalid_intervals"] == 4 and code["node-2"]["invalid_interval_requests"] == 3
+    con = duckdb.connect()
+    got = {"duckdb": _rows_of(con, _docs_query("sql duckdb").replace("/var/lib/powerprof-fleet", str(base)))}
+    for t in ("requests", "intervals"):
+        con.execute(f"CREATE VIEW pp_{t} AS SELECT * FROM read_parquet('{base}/*/{t}/**/*.parquet', "
+                    "hive_partitioning = false, union_by_name = true)")
+    got["spark"] = _rows_of(con, _docs_query("sql spark"))
+    for engine, rows in got.items():
+        assert sorted(rows) == sorted(code), engine
+        for host, r in rows.items():
+            c = code[host]
+            for col in ("requests", "generated_tokens", "gpu_energy_j", "idle_gpu_energy_j", "gpu_j_per_token"):
+                assert r[col] == pytest.approx(c[col]), (engine, host, col, r[col], c[col])
+            assert r["intervals_left_out"] == c["invalid_intervals"], (engine, host)

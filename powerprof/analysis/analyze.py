@@ -143,12 +143,61 @@ class AnalysisResult:
         }
 
 
-def _card_range(runs: list[RunInfo], level_kind: str) -> tuple[float | None, float | None]:
+def _run_gpu_ranges(run: RunInfo) -> list[tuple[str | None, float | None, float | None]]:
+    """(label, min W, max W) of each GPU run.json lists (gpus[]), else the run's one range (min_limit_w, max_limit_w)."""
+    gpus = run.meta.get("gpus") if isinstance(run.meta, dict) else None
+    out = []
+    for g in gpus if isinstance(gpus, list) else []:
+        if isinstance(g, dict) and (g.get("min_limit_w") is not None or g.get("max_limit_w") is not None):
+            name = f" ({g['name']})" if g.get("name") else ""
+            out.append((f"GPU {g.get('index', '?')}{name}", _num(g.get("min_limit_w")), _num(g.get("max_limit_w"))))
+    return out or [(None, run.min_limit_w, run.max_limit_w)]
+
+
+def _num(x) -> float | None:
+    try:
+        v = float(x)
+    except (TypeError, ValueError):
+        return None
+    return v if np.isfinite(v) else None
+
+
+def card_range(runs: list[RunInfo], level_kind: str, levels) -> tuple[tuple[float | None, float | None], int,
+                                                                        list[Finding]]:
+    """The power limits the advice may name (the levels to add, the values to measure, the recommended setting): those
+    every GPU of the runs accepts, as a sweep sets one level on all of them (control/levels.common_power_range). It
+    took GPU 0's range alone: on a host whose GPU 0 is an L4 (40-72 W) every policy recommended 72 W for the other
+    card's levels. A GPU whose range does not hold every measured level cannot have run them (run.json lists a GPU
+    the levels were not set on): its range is left out, and a finding says so. Returns ((low, high), how many GPUs
+    the range is of, findings)."""
     if level_kind != "power_limit" or not runs:
-        return None, None
-    lows = [r.min_limit_w for r in runs if r.min_limit_w is not None]
-    highs = [r.max_limit_w for r in runs if r.max_limit_w is not None]
-    return (max(lows) if lows else None), (min(highs) if highs else None)
+        return (None, None), 1, []
+    lv = [float(v) for v in np.asarray(levels, float) if np.isfinite(v)]
+    tol = 0.5  # a level is whole W; a range edge read back as 71.99 W still holds 72
+    lows, highs, kept, dropped = [], [], 0, []
+    for r in runs:
+        n = 0
+        for label, lo, hi in _run_gpu_ranges(r):
+            if lv and ((lo is not None and lo > min(lv) + tol) or (hi is not None and hi < max(lv) - tol)):
+                dropped.append((r, label, lo, hi))
+                continue
+            n += 1
+            lows += [lo] if lo is not None else []
+            highs += [hi] if hi is not None else []
+        kept = max(kept, n)
+    rng = ((max(lows) if lows else None), (min(highs) if highs else None))
+    findings = []
+    if dropped:
+        w = lambda x: "?" if x is None else f"{x:g}"  # noqa: E731
+        gpus = "; ".join(f"{r.path}: {label or 'the GPU'}, {w(lo)}-{w(hi)} W" for r, label, lo, hi in dropped)
+        keep = (f"the range of the GPUs that could ({w(rng[0])}-{w(rng[1])} W)" if kept else
+                "the levels measured (no GPU listed holds them all)")
+        findings.append(Finding("card-range", (
+            f"run.json lists GPUs whose power limits do not hold every level measured ({min(lv):g}-{max(lv):g} W): "
+            f"{gpus}. Such a GPU cannot have run those levels, so the advice (levels to add, values to measure, the "
+            f"recommended settings) keeps to {keep}. If it was measured, its levels are not what it ran: check "
+            "run.json's gpus against the sweep's --gpus, and sweep one kind of GPU at a time.")))
+    return rng, kept, findings
 
 
 def _half_width(lo: np.ndarray, hi: np.ndarray) -> np.ndarray | None:
@@ -212,7 +261,7 @@ def analyze(
     cut = (interrupted_series_levels(runs, windows) if judge_interrupted else set()) | {
         (k, int(c), float(v)) for k, c, v in interrupted_levels if v is not None}
     for s in all_series:
-        card = _card_range(runs, s.level_kind)
+        card, n_gpus, range_findings = card_range(runs, s.level_kind, s.level_values)
         p_max = params.p_max_w if params.p_max_w is not None else card[1]
         sp = PolicyParams(params.max_slowdown, params.eta, p_max)
         base = levels_table([s], run_id=run_ids, extra=extra, wide_ci_pct=wide_ci_pct)
@@ -231,7 +280,8 @@ def analyze(
         first.extend(Finding(f.kind, prefix + f.message, f.levels)
                      for f in flagged_reference_findings(s, table, in_series) if s.level_values.size > 1)
         for f in (reference_findings(s, reference) + level_findings(table, **sweep)
-                  + edge_findings(s, choices, card, not_engaged) + choice_findings(choices, "MHz" if s.level_kind == "sm_clock" else "W")
+                  + range_findings + edge_findings(s, choices, card, not_engaged, several_gpus=n_gpus > 1)
+                  + choice_findings(choices, "MHz" if s.level_kind == "sm_clock" else "W")
                   + (saving_findings(choices, table, s.reference_value, "MHz" if s.level_kind == "sm_clock" else "W",
                                      primary) if s.level_values.size > 1 else [])
                   + fit_findings(fits)):

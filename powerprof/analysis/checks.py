@@ -14,7 +14,7 @@ from powerprof.profiler import POWER_EDGE_BIAS_WINDOW_S
 from powerprof.workload.servercount import FOREIGN_FIX, FOREIGN_FLAG
 
 from .fits import ModelFit
-from .stats import INSTANT_POWER_FLAG, LevelSeries
+from .stats import INSTANT_POWER_FLAG, NO_BUSY_FLAG, LevelSeries
 from .sweetspot import Choice
 
 TARGET_CI_PCT = 2.0  # the sweep's default --target-ci, as a percentage
@@ -46,8 +46,9 @@ def _step(levels: np.ndarray) -> float:
 
 
 def edge_findings(series: LevelSeries, choices: dict[str, Choice], card_range=(None, None),
-                  not_engaged: set[float] = frozenset()) -> list[Finding]:
-    """Choices at the edge of the measured range (say which levels to add), or between levels."""
+                  not_engaged: set[float] = frozenset(), several_gpus: bool = False) -> list[Finding]:
+    """Choices at the edge of the measured range (say which levels to add), or between levels.
+    card_range: the limits every GPU of the run accepts (analyze.card_range); several_gpus: it is several GPUs'."""
     lv = np.sort(series.level_values)
     unit = _unit(series.level_kind)
     step = _step(lv)
@@ -64,7 +65,8 @@ def edge_findings(series: LevelSeries, choices: dict[str, Choice], card_range=(N
             out.append(Finding("edge", (
                 f"{', '.join(low)}: optimum at the lowest level measured ({_fmt(lv[0], unit)}); the best may lie "
                 f"below. Add levels {', '.join(_fmt(round(v), unit) for v in add)}"
-                + (f" (the card accepts down to {_fmt(lo_card, unit)})." if lo_card is not None else ".")),
+                + (f" ({'every GPU of the run accepts' if several_gpus else 'the card accepts'} down to "
+                   f"{_fmt(lo_card, unit)})." if lo_card is not None else ".")),
                 tuple(float(round(v)) for v in add)))
         else:
             out.append(Finding("edge", f"{', '.join(low)}: optimum at the card's lowest accepted setting "
@@ -185,6 +187,15 @@ def level_findings(levels: pa.Table, target_ci_pct: float | None = None, max_tim
                "budget, so its figures rest on an incomplete round and no policy chooses it" if gave_up else
                " and their prompts were measured again")
             + f". Fix: {FOREIGN_FIX}."), tuple(r["level_value"] for r in foreign)))
+    idle = [r for r in rows if r["flags"] and NO_BUSY_FLAG in r["flags"].split(",")]
+    if idle:
+        out.append(Finding(NO_BUSY_FLAG, (
+            f"no SM or memory clock figure at {', '.join(_fmt(r['level_value'], unit) for r in idle)}: every GPU "
+            "reading inside the level's measured windows was idle (GpuIdle, or 0% utilisation), and an idle reading "
+            "shows the clock's floor, not the level's, so the clock figures take busy readings only. The GPU did no "
+            "work the sampler saw while tokens were counted: a server on another GPU than the one measured, or windows "
+            "too short for a reading (interval_s). Fix: check that --gpus names the server's GPU (nvidia-smi shows its "
+            "process) and measure the level again."), tuple(r["level_value"] for r in idle)))
     failed = [r for r in rows if r.get("n_failed")]
     if failed:
         out.append(Finding("failed", "failed requests (not counted): " + ", ".join(

@@ -125,13 +125,14 @@ class LevelSums:
     enforced_n: int = 0
     power_bad_n: int = 0  # readings left out as implausible (PLAUSIBLE_POWER_FACTOR): power, SM clock
     clock_bad_n: int = 0
+    clock_idle_n: int = 0  # SM clock readings left out of the clock figures as idle (BUSY_SQL)
     # The same sums per GPU (the samples' device label: gpu0, gpu1, ...): whether a cap bound is each GPU's own
     # question, which the pooled sums cannot answer (one GPU at its cap and one far under it average to neither).
     devices: dict = field(default_factory=dict)
 
     def add(self, o: "LevelSums") -> None:
         for f in ("n", "power_sum", "power_n", "clock_sum", "clock_n", "mem_sum", "mem_n", "reasons_n",
-                  "enforced_sum", "enforced_n", "power_bad_n", "clock_bad_n"):
+                  "enforced_sum", "enforced_n", "power_bad_n", "clock_bad_n", "clock_idle_n"):
             setattr(self, f, getattr(self, f) + getattr(o, f))
         self.reasons |= o.reasons
         for d, s in o.devices.items():
@@ -167,12 +168,12 @@ def _bucketed(starts, ends) -> tuple[pa.Table, float]:
 _LEVEL_SUMS = ("count(*)", "sum(p)", "count(p)", "sum(f)", "count(f)", "sum(m)",
                "count(m)", "bit_or(clock_event_reasons)", "count(clock_event_reasons)",
                "sum(enforced_limit_w)", "count(enforced_limit_w)", "count(p_read) - count(p)",
-               "count(sm_clock_mhz) - count(f_ok)")
+               "count(sm_clock_mhz) - count(f_ok)", "count(f_ok) - count(f)")
 
 
 def _level_sums_row(r) -> LevelSums:
     return LevelSums(int(r[0]), r[1] or 0.0, int(r[2]), r[3] or 0.0, int(r[4]), r[5] or 0.0, int(r[6]),
-                     int(r[7] or 0), int(r[8]), r[9] or 0.0, int(r[10]), int(r[11]), int(r[12]))
+                     int(r[7] or 0), int(r[8]), r[9] or 0.0, int(r[10]), int(r[11]), int(r[12]), int(r[13]))
 
 
 def scan(con, relation: str, intervals: tuple[np.ndarray, np.ndarray] | None = None,
@@ -271,6 +272,8 @@ def level_figures(sums: dict[tuple, LevelSums]) -> dict[tuple, dict]:
             # Readings left out of these figures as implausible (PLAUSIBLE_POWER_FACTOR): checks.sample_findings says them.
             "implausible_power_samples": a.power_bad_n,
             "implausible_clock_samples": a.clock_bad_n,
+            # Clock readings there, every one idle: the clock figures are empty for that reason (stats.NO_BUSY_FLAG).
+            "no_busy_clock": a.clock_n == 0 and a.clock_idle_n > 0,
         }
     return out
 

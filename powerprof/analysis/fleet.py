@@ -107,7 +107,8 @@ def _quote(s: str) -> str:
 COLUMNS = {
     "requests": {"host": "VARCHAR", "daemon_id": "VARCHAR", "request_id": "BIGINT", "outcome": "VARCHAR",
                  "generated_tokens": "BIGINT", "gpu_energy_j": "DOUBLE", "attributed_tokens": "DOUBLE",
-                 "ttft_s": "DOUBLE", "energy_note": "VARCHAR"},
+                 "ttft_s": "DOUBLE", "energy_note": "VARCHAR", "t_arrival_utc": "TIMESTAMPTZ",
+                 "t_end_utc": "TIMESTAMPTZ"},
     "intervals": {"host": "VARCHAR", "daemon_id": "VARCHAR", "t_start_mono_s": "DOUBLE", "gpu_energy_j": "DOUBLE",
                   "kind": "VARCHAR", "duration_s": "DOUBLE", "t_start_utc": "TIMESTAMPTZ",
                   "t_end_utc": "TIMESTAMPTZ", "server_count": "VARCHAR"},
@@ -138,9 +139,7 @@ def _table_sql(con, table: str, files: list[str]) -> str:
     stream into the per-host sums; only where some key is found twice are the rows grouped whole."""
     cols = COLUMNS[table]
     raw = _raw_sql(con, table, files)
-    folder = folder_sql(table)
-    label = (f"coalesce(host, nullif(regexp_extract({folder}, '/host=([^/]+)$', 1), ''), "
-             f"'(unknown) ' || {folder})")
+    label = _host_label_sql(table)
     key = KEYS[table]
     keyless = keyless_sql(key)  # every such row is its own, never a copy
     other = [c for c in cols if c not in ("host", *key)]
@@ -162,6 +161,13 @@ def _table_sql(con, table: str, files: list[str]) -> str:
             f"CAST(min(_h) <> max(_h) OR count(DISTINCT _written_host) > 1 AS BIGINT) AS conflicts "
             f"FROM rows WHERE NOT _keyless GROUP BY {k} "
             f"UNION ALL SELECT host, {k}, {', '.join(other)}, 1, 0 FROM rows WHERE _keyless)")
+
+
+def _host_label_sql(table: str) -> str:
+    """SQL: the host a row of `table` belongs to (its own `host`, else its `host=` folder's, else its dataset folder)."""
+    folder = folder_sql(table)
+    return (f"coalesce(host, nullif(regexp_extract({folder}, '/host=([^/]+)$', 1), ''), "
+            f"'(unknown) ' || {folder})")
 
 
 def _raw_sql(con, table: str, files: list[str]) -> str:
@@ -236,6 +242,40 @@ def _sane(*cols: str) -> str:
     return " AND ".join(f"({c} IS NULL OR (isfinite({c}) AND {c} >= 0))" for c in cols)
 
 
+# An interval left out of the figures (I_OK false: NaN, negative, or more than MAX_HOST_GPU_POWER_W over its duration)
+# was split among the requests live in it and summed into the tag windows over it: a share of 1e15 J is finite and
+# positive, so such a request passed every check of its own and fed J/token (a host read 1.5e12 J/token). A request or
+# window is matched to its host's intervals by wall-clock time (the daemon stamps both from one clock; the split
+# itself ran on the monotonic one, microseconds apart): any overlap, edges included, leaves it out and counts it.
+# An edge a row lacks (a foreign or edited file) is open: nothing says the row missed the interval.
+I_OK = _sane("gpu_energy_j", "duration_s") + " AND " + _drawable("gpu_energy_j", "duration_s")
+BAD_INTERVALS = "fleet_bad_intervals"
+
+
+def _bad_intervals(con, files: list[str]) -> int:
+    """Put the intervals left out of the figures, per host, in the temporary table BAD_INTERVALS; how many there are.
+    Copies of one are not merged: a second copy overlaps what the first does."""
+    con.execute(f"CREATE OR REPLACE TEMP TABLE {BAD_INTERVALS} AS "
+                f"SELECT {_host_label_sql('intervals')} AS host, "
+                "coalesce(t_start_utc, '-infinity'::TIMESTAMPTZ) AS b_start, "
+                "coalesce(t_end_utc, 'infinity'::TIMESTAMPTZ) AS b_end "
+                f"FROM ({_raw_sql(con, 'intervals', files)}) WHERE NOT ({I_OK})")
+    return con.execute(f"SELECT count(*) FROM {BAD_INTERVALS}").fetchall()[0][0]
+
+
+def _spans_sql(rows: str, start: str, end: str, any_bad: bool) -> str:
+    """SQL: `rows` (a table expression with `host`) with `spans_bad`: it overlaps an interval of its host in
+    BAD_INTERVALS. The latest bad interval starting by the row's end (an ASOF join: sorted, never rows × intervals)
+    carries the furthest end of every bad interval starting by then; the row overlaps one where that reaches its start."""
+    if not any_bad:
+        return f"(SELECT *, false AS spans_bad FROM {rows})"
+    return (f"(WITH bad AS (SELECT host, b_start, max(b_end) OVER (PARTITION BY host ORDER BY b_start) AS b_reach "
+            f"FROM {BAD_INTERVALS}) "
+            f"SELECT q.*, coalesce(b.b_reach >= coalesce(q.{start}, '-infinity'::TIMESTAMPTZ), false) AS spans_bad "
+            f"FROM {rows} q ASOF LEFT JOIN bad b "
+            f"ON q.host = b.host AND coalesce(q.{end}, 'infinity'::TIMESTAMPTZ) >= b.b_start)")
+
+
 # schema.bypass_count_low and bypass_count_unknown in SQL, for the intervals' and the tags' server_count alike:
 # trusted where every comma-joined value in it is (a tag's joins its intervals'); unknown where empty or `unread`.
 # tests/test_daemon_bypass_partial.py holds this and the Python rule equal over one dataset.
@@ -278,8 +318,9 @@ WITH r AS (
            count(*) FILTER (WHERE {r_ok} AND {r_sure} AND NOT {r_paired}
                             AND (coalesce(attributed_tokens, 0) > 0 OR coalesce(gpu_energy_j, 0) > 0))
                AS unknown_energy_requests,
-           count(*) FILTER (WHERE {r_ok} AND NOT {r_sure} AND NOT {r_bypass_low}) AS uncertain_requests,
-           count(*) FILTER (WHERE {r_ok} AND {r_bypass_low}) AS bypass_uncertain_requests,
+           count(*) FILTER (WHERE {r_ok} AND NOT {r_sure} AND NOT {r_bypass_low} AND NOT spans_bad) AS uncertain_requests,
+           count(*) FILTER (WHERE {r_ok} AND {r_bypass_low} AND NOT spans_bad) AS bypass_uncertain_requests,
+           count(*) FILTER (WHERE {r_ok} AND spans_bad) AS invalid_interval_requests,
            approx_quantile(ttft_s, 0.5) AS ttft_p50_s,
            CAST(sum(copies - 1) AS BIGINT) AS duplicate_requests,
            CAST(sum(conflicts) AS BIGINT) AS conflicting_requests,
@@ -314,6 +355,7 @@ SELECT host, requests, failed_requests, generated_tokens, gpu_energy_j, idle_gpu
        coalesce(conflicting_intervals, 0) AS conflicting_intervals,
        coalesce(uncertain_requests, 0) AS uncertain_requests,
        coalesce(unknown_energy_requests, 0) AS unknown_energy_requests,
+       coalesce(invalid_interval_requests, 0) AS invalid_interval_requests,
        coalesce(bypass_uncertain_requests, 0) AS bypass_uncertain_requests,
        coalesce(bypass_uncertain_intervals, 0) AS bypass_uncertain_intervals,
        bypass_uncertain_gpu_energy_j, bypass_uncertain_reasons,
@@ -323,12 +365,12 @@ SELECT host, requests, failed_requests, generated_tokens, gpu_energy_j, idle_gpu
 FROM i FULL OUTER JOIN r USING (host)
 ORDER BY host
 """.replace("{r_paired}", "(gpu_energy_j IS NOT NULL AND attributed_tokens IS NOT NULL)").replace("{r_sure}", f"(coalesce(energy_note, '') NOT LIKE '%{NO_COUNTER_SHORT_FLAG}%' AND coalesce(energy_note, '') "
-                         f"NOT LIKE '%{BEFORE_FIRST_READ_FLAG}%' AND NOT {{r_bypass_low}})").replace(
+                         f"NOT LIKE '%{BEFORE_FIRST_READ_FLAG}%' AND NOT {{r_bypass_low}} AND NOT spans_bad)").replace(
     "{r_bypass_low}", f"(coalesce(energy_note, '') LIKE '%{BYPASS_LOW_FLAG}%')").replace(
     "{i_low}", f"(NOT {_count_trusted_sql()} AND NOT {_count_unknown_sql()})").replace(
     "{i_unknown}", _count_unknown_sql()).replace("{i_unmeasured}", _count_unmeasured_sql()).replace(
     "{r_ok}", _sane("gpu_energy_j", "attributed_tokens", "CAST(generated_tokens AS DOUBLE)")).replace(
-    "{i_ok}", _sane("gpu_energy_j", "duration_s") + " AND " + _drawable("gpu_energy_j", "duration_s"))
+    "{i_ok}", I_OK)
 
 
 def fleet_summary(sources) -> pa.Table:
@@ -343,6 +385,8 @@ def fleet_summary(sources) -> pa.Table:
         try:
             files = {table: table_files(srcs, table) for table in ("requests", "intervals")}
             parts = {table: _table_sql(con, table, files[table]) for table in ("requests", "intervals")}
+            parts["requests"] = _spans_sql(parts["requests"], "t_arrival_utc", "t_end_utc",
+                                           _bad_intervals(con, files["intervals"]) > 0)
             out = to_arrow(con, FLEET_SQL.format(**parts))
             conflicts = {t: sum(out.column(f"conflicting_{t}").to_pylist() or [0]) for t in ("requests", "intervals")}
             clashes = {t: _host_clashes(con, t, files[t]) if conflicts[t] else (0, []) for t in conflicts}
@@ -416,15 +460,17 @@ SELECT host, name,
        string_agg(DISTINCT server_count, ',') FILTER (WHERE {counted} AND {unmeasured}) AS bypass_unmeasured_reasons,
        count(*) FILTER (WHERE {ok} AND NOT {energy}) AS no_energy_windows,
        count(*) FILTER (WHERE NOT ({ok})) AS invalid_windows,
+       count(*) FILTER (WHERE {ok} AND spans_bad) AS invalid_interval_windows,
        CAST(sum(copies - 1) AS BIGINT) AS duplicate_windows,
        CAST(sum(conflicts) AS BIGINT) AS conflicting_windows
 FROM {tags} GROUP BY host, name ORDER BY host, name
-""".replace("{counted}", "{ok} AND {energy} AND {trusted}").replace(
+""".replace("NOT ({ok})", "NOT ({sane})").replace("{ok} AND spans_bad", "{sane} AND spans_bad").replace(
+    "{counted}", "{ok} AND {energy} AND {trusted}").replace(
     "{unmeasured}", f"(server_count <> '{SERVER_COUNT_COMPLETE}')").replace(
     "{trusted}", f"({_count_trusted_sql()} AND unproxied_energy_j IS NOT NULL)").replace(
     "{unknown}", f"({_count_unknown_sql()} OR unproxied_energy_j IS NULL)").replace(
     "{energy}", "(gpu_energy_j IS NOT NULL)").replace(
-    "{ok}", _sane("gpu_energy_j", "proxy_tokens", "unproxied_energy_j"))
+    "{ok}", "{sane} AND NOT spans_bad").replace("{sane}", _sane("gpu_energy_j", "proxy_tokens", "unproxied_energy_j"))
 
 
 def tag_summary(sources) -> pa.Table:
@@ -434,7 +480,12 @@ def tag_summary(sources) -> pa.Table:
     with connect() as con:
         try:
             files = table_files(srcs, "tags")
-            out = to_arrow(con, TAGS_SQL.format(tags=_table_sql(con, "tags", files)))
+            tags = _table_sql(con, "tags", files)
+            if files:  # the intervals are read only where there are windows to match against them
+                tags = _spans_sql(tags, "t_start_utc", "t_end_utc", _bad_intervals(con, table_files(srcs, "intervals")) > 0)
+            else:
+                tags = _spans_sql(tags, "t_start_utc", "t_end_utc", False)
+            out = to_arrow(con, TAGS_SQL.format(tags=tags))
         except FleetError:
             raise
         except Exception as e:  # duckdb.Error and IO errors: say which sources, keep the reason
@@ -502,6 +553,13 @@ def tag_notes(t: pa.Table) -> list[str]:
         out.append("tag windows with no GPU energy (a GPU unread in one of their intervals) were left out of their "
                    "tag's figures: " + "; ".join(
                        f"{r['host']} {r['name']}: {r['no_energy_windows']} of {r['windows']}" for r in none))
+    spans = [r for r in rows if r["invalid_interval_windows"]]
+    if spans:
+        out.append("tag windows over an interval left out of the host's figures (its GPU energy NaN, negative, or more "
+                   f"than {MAX_HOST_GPU_POWER_W / 1000:g} kW over its duration: a window's energy sums its intervals') "
+                   "were left out of their tag's figures: " + "; ".join(
+                       f"{r['host']} {r['name']}: {r['invalid_interval_windows']} of {r['windows']}" for r in spans)
+                   + "; the fix is the interval's (the host's note says how many)")
     bad = [r for r in rows if r["invalid_windows"]]
     if bad:
         out.append("tag windows whose energy or tokens are NaN, infinite or negative were left out: " + "; ".join(
@@ -546,6 +604,13 @@ def notes(t: pa.Table) -> list[str]:
                    "MAX_HOST_GPU_POWER_W), were left out of the sums (no energy or token count can be; a counter read "
                    "across a driver reload or an edited file): " + "; ".join(
                        f"{r['host']}: {r['invalid_requests']} requests, {r['invalid_intervals']} intervals" for r in bad))
+    spans = [r for r in t.to_pylist() if r.get("invalid_interval_requests")]
+    if spans:
+        out.append("requests live in an interval left out (above: their share of its energy is no measurement, "
+                   "though finite) were left out of J/token, their tokens with them: " + "; ".join(
+                       f"{r['host']}: {r['invalid_interval_requests']}" for r in spans) + "; matched by wall-clock "
+                   "time on the same host, edges included; the fix is the interval's: find why its energy is what it "
+                   "is (a driver reload, an edited file) and remove the file or the row that is wrong")
     unsure = [r for r in t.to_pylist() if r.get("uncertain_requests")]
     if unsure:
         out.append(f"requests marked {NO_COUNTER_SHORT_FLAG} (short, on a GPU without an energy counter: their energy "

@@ -278,6 +278,9 @@ class LevelSeries:
         return 1.0 - j / j[..., self.ref_index : self.ref_index + 1]
 
 
+# Every SM clock reading inside the level's measured windows was idle (engine.BUSY_SQL: GpuIdle or 0% utilisation):
+# its clock figures, the busy readings' means, are empty. Before, a "-" with no reason.
+NO_BUSY_FLAG = "no-busy-reading"
 INSTANT_POWER_FLAG = "instant-power"  # J/token integrated from instant power over windows under POWER_EDGE_BIAS_WINDOW_S
 
 
@@ -703,6 +706,9 @@ def levels_table(
                     flags.append(flag)
             if row.get("cap_not_engaged_gpus") and not row.get("cap_not_engaged"):
                 flags.append("cap-partly-engaged")
+            if (extra or {}).get((s.level_kind, row["level_value"]), {}).get("no_busy_clock") and \
+                    row.get("sm_clock_mhz") is None:
+                flags.append(NO_BUSY_FLAG)
             row["flags"] = ",".join(flags) or None
             rows.append({k: _clean(x) for k, x in row.items()})
     return pa.Table.from_pylist(rows, schema=LEVELS) if rows else LEVELS.empty_table()

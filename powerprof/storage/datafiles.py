@@ -63,14 +63,22 @@ def strays_note(strays) -> str | None:
 # number (older writers, other tools), any timestamp for a timestamp, null where a file holds no value at all.
 _FAMILY = {F64: "number", I64: "number", I32: "number", STR: "string", TS: "timestamp", BOOL: "boolean"}
 _DUCK = {F64: "DOUBLE", I64: "BIGINT", I32: "INTEGER", STR: "VARCHAR", TS: "TIMESTAMPTZ", BOOL: "BOOLEAN"}  # the fix's SQL
+# Columns whose bits are read (a bitmask): only a whole number's type carries them. Stored as decimals or doubles the
+# column passed as "a number", and DuckDB then found no `&` for it: analyze called the file damaged.
+WHOLE_NUMBER_COLUMNS = frozenset({"clock_event_reasons"})
+
+
+def _values_type(arrow_type):
+    """The type of a column's values: a categorical column's (pandas' category dtype) are its dictionary's."""
+    import pyarrow as pa
+
+    return arrow_type.value_type if pa.types.is_dictionary(arrow_type) else arrow_type
 
 
 def _family_of(arrow_type) -> str | None:
     import pyarrow as pa
 
-    t = arrow_type
-    if pa.types.is_dictionary(t):
-        t = t.value_type  # a categorical column (pandas' category dtype): the kind of its values
+    t = _values_type(arrow_type)
     if pa.types.is_null(t):
         return None  # no value in the file: fits any column
     if pa.types.is_integer(t) or pa.types.is_floating(t) or pa.types.is_decimal(t):
@@ -96,6 +104,8 @@ def type_refusal(table: str, schemas, columns=None) -> str | None:
     expected and the fix. For a table powerprof does not write, files that disagree with one another on a column.
 
     schemas: (file, pa.Schema) pairs; columns: only these (a reader's), default every column of the table."""
+    import pyarrow as pa
+
     expected = expected_types(table)
     seen: dict[str, tuple[str, str, object]] = {}  # column → (family, first file, its type), for a foreign table
     for f, schema in schemas:
@@ -107,9 +117,13 @@ def type_refusal(table: str, schemas, columns=None) -> str | None:
                 continue
             if expected is not None:
                 want = expected.get(field.name)
-                if want is not None and fam != _FAMILY[want]:
+                kind = None if want is None else _FAMILY[want]
+                if field.name in WHOLE_NUMBER_COLUMNS and fam == "number":
+                    kind = "a whole number: a bitmask"
+                    fam = kind if pa.types.is_integer(_values_type(field.type)) else fam
+                if want is not None and fam != kind:
                     return (f"{f}: column {field.name} of {table} is stored as {field.type}, where powerprof writes "
-                            f"{want} ({_FAMILY[want]}): a file edited or written by another tool, which no figure can "
+                            f"{want} ({kind}): a file edited or written by another tool, which no figure can "
                             f"be read from; write that column back as {want} in the file (e.g. DuckDB: COPY (SELECT * "
                             f"REPLACE (CAST({field.name} AS {_DUCK[want]}) "
                             f"AS {field.name}) FROM 'FILE') TO 'NEW.parquet'), or move the file out of the dataset "

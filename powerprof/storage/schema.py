@@ -163,7 +163,7 @@ LEVELS_COLUMNS = [
     ("reference", BOOL),
     ("cap_not_engaged", BOOL),
     ("thermal_throttle", BOOL),
-    # comma-separated: cap-not-engaged, cap-partly-engaged, thermal, failed-requests, wide-ci, one-window, no-measured-windows, energy-resolution, server-restarted, server-away, interrupted, busy-host, foreign-traffic
+    # comma-separated: cap-not-engaged, cap-partly-engaged, thermal, failed-requests, wide-ci, one-window, no-measured-windows, energy-resolution, server-restarted, server-away, interrupted, busy-host, foreign-traffic, no-busy-reading
     ("flags", STR),
     ("energy_method", STR),
     # Appended by the analysis (issue 6): levels at different concurrencies are different levels,
