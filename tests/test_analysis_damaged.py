@@ -215,15 +215,7 @@ def test_a_column_stored_as_another_kind_is_refused_as_export_refuses_it(tmp_pat
     i = t.schema.get_field_index(column)
     t = t.set_column(i, column, pa.array([None if v is None else str(v) for v in t.column(i).to_pylist()], pa.string()))
     pq.write_table(t, path)
-    said = []
-    for args in (["analyze", str(run), "--bootstrap", "100"],
-                 ["export", str(path), "--format", "csv", "--out", str(tmp_path / "e.csv")]):
-        r = CliRunner().invoke(main, args)
-        assert r.exit_code == 1 and isinstance(r.exception, SystemExit), (r.output, r.exception)
-        text = " ".join(r.output.split())
-        assert str(path) in text and f"column {column}" in text and "move the file out" in text, text
-        said.append(text)
-    assert said[0] == said[1]
+    _refused_alike(tmp_path, run, path, column)
     assert not (run / "analysis").exists()
 
 
@@ -238,13 +230,19 @@ def test_clock_event_reasons_stored_as_a_number_with_a_fraction_is_refused_as_ot
     i = t.schema.get_field_index("clock_event_reasons")
     t = t.set_column(i, "clock_event_reasons", t.column(i).cast(arrow_type))
     pq.write_table(t, path)
+    text = _refused_alike(tmp_path, run, path, "clock_event_reasons")
+    assert "damaged" not in text and "cannot be read as Parquet" not in text, text
+
+
+def _refused_alike(tmp_path, run, path, column) -> str:
+    """analyze and export both refuse `path` for `column` (exit 1), naming them and the fix, in one sentence."""
     said = []
     for args in (["analyze", str(run), "--bootstrap", "100"],
                  ["export", str(path), "--format", "csv", "--out", str(tmp_path / "e.csv")]):
         r = CliRunner().invoke(main, args)
         assert r.exit_code == 1 and isinstance(r.exception, SystemExit), (r.output, r.exception)
         text = " ".join(r.output.split())
-        assert str(path) in text and "column clock_event_reasons" in text and "move the file out" in text, text
-        assert "damaged" not in text and "cannot be read as Parquet" not in text, text
+        assert str(path) in text and f"column {column}" in text and "move the file out" in text, text
         said.append(text)
     assert said[0] == said[1]
+    return said[0]
