@@ -5,9 +5,11 @@
 Prints the daemon's CPU use (share of one core) and resident memory per minute, and the
 totals. The simulator's threads (the simulated server and RAPL, named `sim-*` at the OS level,
 powerprof/sim/threads.py) run inside the daemon process: their CPU is read per thread from
-/proc and printed apart, so `own` is the daemon without its simulated hardware. The simulated
-GPUs' physics runs inside the NVML calls of the sampler thread and stays in `own` (an
-overestimate). RSS is split into anonymous memory and file-backed pages (shared library code), and
+/proc and printed apart, so `own` is the daemon without its simulated hardware's threads. The
+simulated NVML runs inside the calls of the daemon's sampler thread and stays in `own`: the GPUs'
+physics and a look at the load file another process may publish (a `stat` per call), about 40 % of
+that thread's CPU (docs/benchmarks-history.md, Soak, sixth pass); real hardware has the driver's
+own cost there instead. RSS is split into anonymous memory and file-backed pages (shared library code), and
 PSS (shared pages divided among the processes that map them) and USS (pages only this process
 maps) are printed beside it: file-backed library pages are shared and reclaimable; RSS is the target.
 `--rps` adds streamed requests through the proxy.

@@ -7,10 +7,12 @@ import asyncio
 import time
 
 import aiohttp
+import numpy as np
 from prometheus_client.parser import text_string_to_metric_families
 
 import powerprof.daemon.service as service
 from powerprof.daemon.config import load_config
+from powerprof.daemon.ledger import LAG_S, Ledger
 from powerprof.daemon.service import Daemon
 from powerprof.rig import Rig
 from powerprof.sim.nvml import SimNVML
@@ -81,3 +83,59 @@ def test_idle_passes_do_not_rebuild_the_snapshot_and_a_scrape_reads_the_state_of
     probe = [s.value for f in text_string_to_metric_families(text) for s in f.samples
              if s.labels.get("tag") == "probe-tag" and s.name.startswith("powerprof_requests")]
     assert probe == [7.0], probe
+
+
+def _cpu_energy_whole_history(led, t):
+    """The interval CPU energy as computed from the whole RAPL history (the code before it read only the recent reads)."""
+    from powerprof.energy import epoch_broken, interp_at, unwrap_resets
+
+    ct = np.fromiter(led.cpu_t, dtype=np.int64)
+    ce = unwrap_resets(np.fromiter(led.cpu_e, dtype=float))
+    out = np.diff(np.array([interp_at(ct, ce, int(x)) for x in t]))
+    out[epoch_broken(ct, np.fromiter(led.cpu_epoch, dtype=np.int64), t[:-1], t[1:])] = np.nan
+    return out
+
+
+def _edge_delays_whole_history(led, edges, reach_ns):
+    """The proxy's delay bounds at each edge from every measure kept (the code before it read only the recent ones)."""
+    dt = np.array([t for t, _ in led._delays], dtype=np.int64)
+    dx = np.array([x for _, x in led._delays], dtype=float)
+    stood = dt - np.rint(dx * 1e9).astype(np.int64)
+    most, least = [], []
+    for s, i, j in zip(edges.tolist(), np.searchsorted(dt, edges, "left").tolist(),
+                       np.searchsorted(dt, edges + reach_ns, "right").tolist()):
+        if j <= i:
+            most.append(None)
+            least.append(None)
+            continue
+        near = [float(dx[i])] + ([float(dx[i - 1])] if i > 0 and dt[i - 1] >= s - reach_ns else [])
+        inside = stood[i:j] <= s
+        still = float((dt[i:j][inside] - s).max()) / 1e9 if inside.any() else 0.0
+        most.append(min(max(max(near), still), LAG_S))
+        least.append(min(max(min(near), still), LAG_S))
+    return most, least
+
+
+def test_a_long_running_daemons_closes_read_only_recent_history_with_the_same_figures():
+    """An hour of RAPL reads and of the proxy's delays (their histories full): each close reads only the tail it needs
+    (the idle cost no longer grows with uptime), and the CPU energy and the bypass lag bounds are those of the whole
+    history, across a counter reset, an epoch change and a stall of the proxy's loop."""
+    led = Ledger("d", 0, 1, lambda *a: None, rapl=True)
+    s = 10**9
+    rng = np.random.default_rng(7)
+    e, epoch = 0.0, 0
+    for k in range(5000):  # past the history's 4096: the oldest have left it
+        e = 3.0 if k == 4500 else e + 40.0 + rng.random()  # a reset (the counter restarts near zero)
+        epoch += k == 4700  # a dropped delta
+        led.cpu_t.append(k * s + int(rng.integers(0, 1000)))
+        led.cpu_e.append(e)
+        led.cpu_epoch.append(epoch)
+    for k in range(20000):
+        led._delays.append((k * s // 4, 0.9 if 19000 <= k < 19004 else float(rng.random()) * 0.01))
+    for t0 in (100, 4400, 4498, 4699, 4990, 4999):
+        t = np.array([t0 * s + s // 3 + k * s for k in range(4)], dtype=np.int64)
+        # The same NaNs; the values to rounding (after a reset every cumulative value carries its offset, 1e-13 apart)
+        np.testing.assert_allclose(led._cpu_energy(t), _cpu_energy_whole_history(led, t), rtol=1e-9)
+    for t0 in (0, 4000, 4749, 4990, 5010):
+        edges = np.array([t0 * s + k * s // 2 for k in range(5)], dtype=np.int64)
+        assert led._edge_delays_s(edges, s) == _edge_delays_whole_history(led, edges, s)
