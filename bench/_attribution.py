@@ -49,6 +49,7 @@ class Outcome:
     tags: pd.DataFrame | None = None  # the daemon's tag rows (`tag`: one window over the trace)
     tag_answer: dict | None = None  # what `powerprof tag stop` was answered
     data_dir: Path | None = None  # the daemon's datasets
+    bypass_tokens: np.ndarray | None = None  # run_mixed's bypass traffic: each token's UTC instant (ns), the server's
 
 
 async def _started(daemon, interval_s: float) -> asyncio.Task:
@@ -351,15 +352,19 @@ def _mixed_request(kind: str, index: int, prompt_tokens: int, output_tokens: int
     return "/v1/chat/completions", body
 
 
+BYPASS_ID0 = 100_000  # run_mixed's bypass requests' truth keys, from here
+
+
 def run_mixed(trace: list[TraceRequest], profile: str = "h200-141g", interval_s: float = 1.0, n_slots: int = 64,
               data_dir: Path | None = None, config: dict | None = None, flavour: str = "llamacpp",
-              server: dict | None = None, continuous: bool = False) -> Outcome:
+              server: dict | None = None, continuous: bool = False, bypass: list[TraceRequest] = ()) -> Outcome:
     """Replay a mixed trace (`mixed_trace`: each request's tag its kind) through the daemon in front of the simulated
     continuous-batching server (llama.cpp flavour by default: llama-server serves all five kinds at once, with
     `--embeddings`); every request through the proxy. The Outcome's requests carry `kind` and the truth summed over
     each request's sequences (`SimServer.request_truth`). `server`: more SimServer knobs (say `delivery`: "buffered",
     a buffering proxy between the server and the daemon's). continuous: chat streams ask for continuous usage
-    (`_mixed_request`)."""
+    (`_mixed_request`). bypass: chat requests sent straight to the server beside the trace (its offsets), truth keys
+    BYPASS_ID0 + k: their true energy is the Outcome's bypass_truth_j, each of their tokens' instants its bypass_tokens."""
     tmp = Path(data_dir or tempfile.mkdtemp(prefix="pp-attr-mixed-"))
     nvml = SimNVML(profile, state_path=None)
     srv = SimServer(nvml, flavour=flavour, n_slots=n_slots, batching="continuous", embeddings=True,
@@ -380,11 +385,18 @@ def run_mixed(trace: list[TraceRequest], profile: str = "h200-141g", interval_s:
             await resp.read()
             statuses.append(resp.status)
 
+    async def direct(s, k, r, t0):
+        await asyncio.sleep(max(0.0, t0 + r.t_s - time.monotonic()))
+        path, body = _mixed_request("chat", BYPASS_ID0 + k, r.prompt_tokens, r.output_tokens, continuous)
+        async with s.post(srv.url + path, json=body, headers={"X-Sim-Request-Id": str(BYPASS_ID0 + k)}) as resp:
+            await resp.read()
+
     async def main():
         task = await _started(daemon, interval_s)
         async with new_session() as s:
             t0 = time.monotonic()
-            await asyncio.gather(*(one(s, daemon.urls["proxy"], i, r, t0) for i, r in enumerate(trace)))
+            await asyncio.gather(*(one(s, daemon.urls["proxy"], i, r, t0) for i, r in enumerate(trace)),
+                                 *(direct(s, k, r, t0) for k, r in enumerate(bypass)))
             wall = time.monotonic() - t0
         await asyncio.sleep(3 * interval_s + 1.0)
         daemon.stop_event.set()
@@ -401,6 +413,12 @@ def run_mixed(trace: list[TraceRequest], profile: str = "h200-141g", interval_s:
     gpu = samples[samples["source"] == "nvml"]
     measured = float(sum(g["energy_j"].max() - g["energy_j"].min() for _, g in gpu.groupby("gpu_index")))
     truth = srv.request_truth()
+    wall_off = time.time_ns() - time.monotonic_ns()  # the simulator stamps emissions on the monotonic clock
+    by_ids = {str(BYPASS_ID0 + k) for k in range(len(bypass))}
+    bypass_tokens = np.sort(np.concatenate([np.repeat(np.int64(t + wall_off), n) for row in srv.truth
+                                            if row.get("client_id") in by_ids for t, n in row["emissions"]]
+                                           or [np.zeros(0, dtype=np.int64)]))
+    bypass_truth = float(sum(truth[i]["energy_j"] for i in by_ids if i in truth))
     reqs = reqs[reqs["tag"].notna() & reqs["tag"].str.contains("#")].copy()
     reqs["index"] = reqs["tag"].str.rsplit("#", n=1).str[1].astype(int)
     reqs["kind"] = reqs["tag"].str.rsplit("#", n=1).str[0].str.split(".").str[0]  # turn.C.K: a turn
@@ -408,9 +426,9 @@ def run_mixed(trace: list[TraceRequest], profile: str = "h200-141g", interval_s:
     reqs["true_tokens"] = [truth[str(i)]["generated"] if str(i) in truth else np.nan for i in reqs["index"]]
     reqs["true_cached"] = [truth[str(i)].get("cached_tokens", np.nan) if str(i) in truth else np.nan
                            for i in reqs["index"]]
-    return Outcome(requests=reqs, intervals=intervals, costs=costs, measured_j=measured, bypass_truth_j=0.0,
+    return Outcome(requests=reqs, intervals=intervals, costs=costs, measured_j=measured, bypass_truth_j=bypass_truth,
                    unproxied_j=float(intervals["unproxied_energy_j"].sum()), client_tokens=0, wall_s=wall,
-                   late_p95_s=0.0, truth=truth, notes=[f"HTTP {c}: {statuses.count(c)}" for c in sorted(set(statuses))]
+                   late_p95_s=0.0, truth=truth, bypass_tokens=bypass_tokens, notes=[f"HTTP {c}: {statuses.count(c)}" for c in sorted(set(statuses))]
                    + [f"uncounted {k}: {v}" for k, v in sorted(daemon.uncounted_requests.items())]
                    + [f"proxy workers: {sum(bool(getattr(w, 'said_hello', False)) for w in getattr(daemon.proxy, 'workers', ()))}"]
                    + [f"prefix-cache-unsaid requests: {getattr(daemon.ledger, 'cache_unsaid_requests', 0)}"]
