@@ -853,6 +853,16 @@ def _why(e: Exception) -> str:
 # A spreadsheet evaluates a CSV cell that starts with one of these as a formula (`=cmd|' /C calc'!A0`, `@SUM(...)`,
 # `=HYPERLINK(...)`): text from the traffic (a tag, a model name, a server's error) must not become one.
 FORMULA_START = r"^[=+\-@\t\r]"
+# A plain number ("-5", "+1.5e3") stored as text: a spreadsheet reads it as that number, never as a formula, and a
+# leading ' would show it as the text '-5 (a CSV's ' is imported as it is).
+PLAIN_NUMBER = r"^[+-]?(\d+\.?\d*|\.\d+)([eE][+-]?\d+)?$"
+
+
+def _undictionary(arr):
+    """A categorical (dictionary) column as its values (pandas' category dtype; storage/datafiles takes it): the text
+    rules below test the value type, and a categorical text column passed them by: a formula reached the CSV live, a
+    control character failed the xlsx export, a long text was not cut."""
+    return arr.cast(arr.type.value_type) if pa.types.is_dictionary(arr.type) else arr
 
 
 def _csv_ready(t: pa.Table, neutralised: dict[str, int] | None = None) -> pa.Table:
@@ -861,12 +871,14 @@ def _csv_ready(t: pa.Table, neutralised: dict[str, int] | None = None) -> pa.Tab
     per column."""
     cols = []
     for name, arr in zip(t.column_names, t.columns):
+        arr = _undictionary(arr)
         if pa.types.is_timestamp(arr.type):
             # A cast of naive milliseconds to string is that exact format, and far faster than strftime.
             ms = pc.floor_temporal(arr, unit="millisecond").cast(pa.timestamp("ms", tz=arr.type.tz))
             arr = ms.cast(pa.timestamp("ms")).cast(pa.string())
         elif pa.types.is_string(arr.type) or pa.types.is_large_string(arr.type):
-            hit = pc.fill_null(pc.match_substring_regex(arr, FORMULA_START), False)
+            hit = pc.fill_null(pc.and_(pc.match_substring_regex(arr, FORMULA_START),
+                                       pc.invert(pc.match_substring_regex(arr, PLAIN_NUMBER))), False)
             n = pc.sum(hit).as_py() or 0
             if n:
                 arr = pc.if_else(hit, pc.binary_join_element_wise(pa.scalar("'", arr.type), arr, pa.scalar("", arr.type)), arr)
@@ -1099,6 +1111,7 @@ def _xlsx_values(arr: pa.ChunkedArray, cut: dict[str, int] | None = None, name: 
     NaN and ±inf become the text NaN, inf, -inf (a sheet has no such numbers; openpyxl left the cell empty).
     A sheet cannot hold control characters (a server's error text may carry an ANSI colour or a NUL):
     each becomes U+FFFD, rather than the whole export failing on one cell."""
+    arr = _undictionary(arr)
     if pa.types.is_timestamp(arr.type) and arr.type.tz:
         arr = pc.local_timestamp(arr.cast(pa.timestamp(arr.type.unit, tz="UTC")))
     if pa.types.is_string(arr.type) or pa.types.is_large_string(arr.type):
