@@ -813,7 +813,10 @@ class Sweep:
         within the wait, or the last busy ones read the clock off the level's, so a limit or clock moved in them
         would go unseen (the next level's setting is about to replace it, and the readings that could tell arrive
         under that level)."""
-        rows = [row for s in self._suspect for row in s[0] if row.get("timing") != "untrusted"]
+        # A window left out already (untrusted, or beside others' work: counted in foreign_windows) keeps its one
+        # reason: marked again, it was counted under both, in n_untrusted too.
+        rows = [row for s in self._suspect for row in s[0]
+                if row.get("timing") != "untrusted" and not row.get("foreign_traffic")]
         del visit.spans[self._suspect[0][1]:]
         self._suspect = []
         if self._clock_watch is not None and self._clock_watch.open:
