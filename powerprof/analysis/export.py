@@ -892,8 +892,8 @@ def neutralised_note(table: str, path: Path, neutralised: dict[str, int]) -> str
     n = sum(neutralised.values())
     return (f"{path}: {n} text cells of {table} ({', '.join(f'{c}: {k}' for c, k in sorted(neutralised.items()))}) "
             "began with =, +, -, @, a tab or a carriage return (and were no plain number) and are written with a "
-            "leading ' so that a spreadsheet shows them as text, not as a formula it would run; strip that ' when reading the CSV as data (xlsx and parquet exports keep "
-            "the text as it is)")
+            "leading ' so that a spreadsheet shows them as text, not as a formula it would run; strip that ' when "
+            "reading the CSV as data (xlsx and parquet exports keep the text as it is)")
 
 
 def _write_csv(scan: ds.Scanner, path: Path, tz: str, neutralised: dict[str, int] | None = None) -> None:
