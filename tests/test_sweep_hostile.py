@@ -536,3 +536,20 @@ def test_a_window_left_out_for_others_work_is_not_also_called_unvouched_at_the_l
     assert foreign["timing"] == "stream" and "timing_reason" not in foreign, foreign
     assert (visit.n_measured, visit.n_untrusted, visit.foreign_windows, visit.spans) == (0, 1, 1, [])
     assert any("1 window(s) left out" in n for n in sw.ui.notes), sw.ui.notes
+
+
+def test_an_off_clock_run_open_at_a_power_levels_end_is_said_against_the_clock_it_showed(tmp_path, monkeypatch):
+    # A power-limit level sets no clock: its watch holds the GPU's busy clock to the highest it showed this sweep. The
+    # leave-out said the clock was "off the level's", a clock the level never had.
+    from powerprof.collectors.limitwatch import ClockLockWatch
+
+    monkeypatch.setattr(ClockLockWatch, "open", property(lambda self: True))
+    out = tmp_path / "run"
+    with Rig("seed-16g", nvml=SimNVML("seed-16g", state_path=None)) as rig:
+        run_sweep(rig, levels_spec="300", out_dir=out, params=RequestParams(max_tokens=32), idle_s=0, interval_s=0.2,
+                  min_requests=2, max_requests=2, warmup_requests=0, ui=_Hook(lambda event, visit: None))
+    w = pq.read_table(out / "windows.parquet").to_pandas()
+    left = w[(w.window_kind == "request") & ~w.warmup & (w.timing == "untrusted")]
+    assert len(left), w[["timing", "timing_reason"]].to_string()
+    assert left.timing_reason.str.contains("below the busy clock it showed earlier").all(), left.timing_reason.tolist()
+    assert not left.timing_reason.str.contains("off the level's").any()
