@@ -751,7 +751,10 @@ def test_a_prefix_cache_check_failing_at_every_scrape_is_logged_the_first_three_
 
     ledger = types.SimpleNamespace(requests={1: object()}, tags={}, closed_tags=[], spans=[])
 
+    faults = []
+
     def add_cache_hits(since, t, hits):
+        faults.append(t)
         raise ValueError("a fault in the check")
 
     ledger.add_cache_hits = add_cache_hits
@@ -771,5 +774,6 @@ def test_a_prefix_cache_check_failing_at_every_scrape_is_logged_the_first_three_
     with caplog.at_level(logging.WARNING, logger="powerprof.daemon"):
         asyncio.run(go())
     said = [r for r in caplog.records if "prefix-cache hits failed" in r.getMessage()]
-    assert len(ledger.spans) >= 12 and len(said) == 3, [r.getMessage() for r in said]
+    # 3, and one more per hundred (a starved checker may see the loop run on past 100)
+    assert len(ledger.spans) >= 12 and len(said) == 3 + len(faults) // 100, [r.getMessage() for r in said]
     assert "(1 so far)" in said[0].getMessage() and "(3 so far)" in said[2].getMessage()
