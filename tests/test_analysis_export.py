@@ -786,3 +786,34 @@ def test_xlsx_cleans_and_cuts_text_of_a_categorical_column(tmp_path):
     rows = list(load_workbook(out)["t"].iter_rows(min_row=2, values_only=True))
     assert rows[0][0] == "bad\ufffd[31m" and len(rows[1][0]) == ex.XLSX_MAX_CELL_CHARS, rows[0]
     assert "(error: 1) longer than a cell holds" in r.stderr, r.stderr
+
+
+def test_a_dataset_whose_files_differ_in_a_column_being_categorical_is_exported(tmp_path):
+    # datafiles takes a categorical column as its values' kind, yet a daemon folder with one file written categorical
+    # (pandas' category) and one plain was refused as "cannot be read as Parquet (Unable to merge ...)": a damaged
+    # file, with no fix.
+    folder = tmp_path / "dd" / "requests" / "date=2026-01-01"
+    folder.mkdir(parents=True)
+    pd.DataFrame({"tag": pd.Categorical(["=1+1", "a"]), "model": ["m", "m"]}).to_parquet(folder / "a.parquet")
+    pq.write_table(pa.table({"tag": ["b", None], "model": ["m", "m"]}), folder / "b.parquet")
+    out = tmp_path / "o.csv"
+    r = CliRunner().invoke(main, ["export", str(tmp_path / "dd"), "--format", "csv", "--out", str(out)])
+    assert r.exit_code == 0, (r.output, r.exception)
+    with open(out, newline="") as f:
+        got = sorted(row[0] for row in list(csv.reader(f))[1:])
+    assert got == ["", "'=1+1", "a", "b"], got
+
+
+def test_a_table_folder_of_files_with_no_date_folders_is_exported(tmp_path):
+    # A daemon table's files copied flat (requests/*.parquet, no date=... folders): pyarrow's hive discovery then
+    # names every column of the first file a partition key, and export wrote no column of it: nothing, exit 0, unsaid.
+    folder = tmp_path / "dd" / "requests"
+    folder.mkdir(parents=True)
+    pq.write_table(pa.table({"tag": ["a"], "model": ["m"]}), folder / "part-1.parquet")
+    pq.write_table(pa.table({"tag": ["b"], "model": ["n"]}), folder / "part-2.parquet")
+    out = tmp_path / "o.csv"
+    r = CliRunner().invoke(main, ["export", str(tmp_path / "dd"), "--format", "csv", "--out", str(out)])
+    assert r.exit_code == 0, (r.output, r.exception)
+    with open(out, newline="") as f:
+        rows = list(csv.reader(f))
+    assert rows[0][:2] == ["tag", "model"] and sorted(r[:2] for r in rows[1:]) == [["a", "m"], ["b", "n"]], rows

@@ -173,7 +173,7 @@ def union_sources(groups: list[list[Source]]) -> list[Source]:
             out.append(same[0])
             continue
         try:
-            schema = pa.unify_schemas([s.dataset.schema for s in same], promote_options="permissive")
+            schema = pa.unify_schemas([_dense(s.dataset.schema) for s in same], promote_options="permissive")
             union = ds.dataset([s.dataset for s in same], schema=schema)
         except (pa.ArrowInvalid, pa.ArrowTypeError) as e:
             raise ExportError(f"table {name}: the sources' columns do not agree ({e})") from None
@@ -255,8 +255,12 @@ def table_source(name: str, path, filesystem=None, label=None) -> Source:
         rels = [i.path[len(base) + 1:] for i in infos if i.type == pafs.FileType.File]
         data, strays = datafiles.split_names(rels)
         files, stray_names = [f"{base}/{r}" for r in data], tuple(f"{label or base}/{r}" for r in strays)
-    d = open_dataset(files, hive=True, filesystem=filesystem, label=label or path, base=str(path), table=name)
-    parts = tuple(d.partitioning.schema.names) if d.partitioning is not None else ()
+    # Hive keys only where a folder below the table's says one (date=...): with none, pyarrow's discovery names every
+    # column of the first file a partition key, and export wrote none of them (nothing, exit 0, unsaid).
+    base = str(Path(path)) if filesystem is None else str(path).rstrip("/")  # as `files` were made from it
+    hive = any("=" in part for f in files for part in f[len(base) + 1:].replace("\\", "/").split("/")[:-1])
+    d = open_dataset(files, hive=hive, filesystem=filesystem, label=label or path, base=str(path), table=name)
+    parts = tuple(d.partitioning.schema.names) if hive and d.partitioning is not None else ()
     return Source(name, d, parts, stray_names)
 
 
@@ -284,11 +288,19 @@ def open_dataset(path, hive: bool = False, filesystem=None, label=None, base=Non
         if len(files) < 2 or all(s.equals(files[0]) for s in files[1:]):
             return d
         parts = d.partitioning.schema if d.partitioning is not None else pa.schema([])
-        schema = pa.unify_schemas([*(s.remove_metadata() for s in files), parts], promote_options="permissive")
+        # A categorical column is read as its values (datafiles judges it by them): one file's dictionary and
+        # another's plain text would not unify ("Unable to merge"), refused as a damaged file.
+        schema = pa.unify_schemas([*(_dense(s.remove_metadata()) for s in files), _dense(parts)], promote_options="permissive")
         return ds.dataset(path, schema=schema, filesystem=filesystem, format="parquet",
                           partitioning=ds.HivePartitioning(parts) if hive else None, **extra)
     except (pa.ArrowInvalid, pa.ArrowTypeError, OSError) as e:
         raise ExportError(f"{label}: cannot be read as Parquet ({e})") from None
+
+
+def _dense(schema: pa.Schema) -> pa.Schema:
+    """The schema with each dictionary (categorical) field as its value type."""
+    return pa.schema([f.with_type(f.type.value_type) if pa.types.is_dictionary(f.type) else f for f in schema],
+                     metadata=schema.metadata)
 
 
 def older_columns(dataset: ds.Dataset, partition_fields=()) -> dict[str, int]:
