@@ -1009,7 +1009,7 @@ def trace_cmd(out_path, n, rate, arrivals, prompt_median, output_median, seed, f
     from powerprof.workload.trace import MAX_SPAN_S
 
     # The mean span first: `--rate 1e-300` wrote arrivals 1e300 s apart, which replay and sweep --trace then refused.
-    if not n / rate <= MAX_SPAN_S / 2:
+    if not n / rate <= MAX_SPAN_S:  # the bound itself: at half of it, a span that fits was refused as past it
         raise click.BadParameter(f"{rate:g} requests/s spreads {n} requests over about {n / rate:g} s, more than a replay "
                                  f"takes ({MAX_SPAN_S:g} s): give a higher rate", param_hint="--rate")
     tr = synthetic(n, rate, arrivals, prompt_median=prompt_median, output_median=output_median, seed=seed)

@@ -813,13 +813,19 @@ class Sweep:
         within the wait, or the last busy ones read the clock off the level's, so a limit or clock moved in them
         would go unseen (the next level's setting is about to replace it, and the readings that could tell arrive
         under that level)."""
-        rows = [row for s in self._suspect for row in s[0] if row.get("timing") != "untrusted"]
+        # A window left out already (untrusted, or beside others' work: counted in foreign_windows) keeps its one
+        # reason: marked again, it was counted under both, in n_untrusted too.
+        rows = [row for s in self._suspect for row in s[0]
+                if row.get("timing") != "untrusted" and not row.get("foreign_traffic")]
         del visit.spans[self._suspect[0][1]:]
         self._suspect = []
         if self._clock_watch is not None and self._clock_watch.open:
             # The GPU idles once the level's requests end, and an idle reading says nothing of a clock: the run of
             # off-clock busy readings is left open, too short to call the setting moved and never settled.
-            why, fix = ("the GPU's last busy readings after this window ended showed its SM clock off the level's, too "
+            # A level that locks no clock is held to the busy clock the GPU showed earlier (ClockLockWatch): it has none.
+            off = ("off the level's" if self._clock_watch.locked_mhz is not None else
+                   "below the busy clock it showed earlier in the sweep, with no power or thermal limit named")
+            why, fix = (f"the GPU's last busy readings after this window ended showed its SM clock {off}, too "
                         "few in a row to call the setting moved and none back on it before the level ended, so the "
                         f"level's {SETTING_WORDS.get(self.s.level_kind, 'setting')} cannot be vouched for in it"), CLOCK_FIX
         else:

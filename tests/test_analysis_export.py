@@ -744,3 +744,76 @@ def test_a_folder_it_may_not_write_in_says_the_fix(run, tmp_path, monkeypatch, f
     r = CliRunner().invoke(main, ["export", str(run), "--format", fmt, "--out", str(tmp_path / out)])
     _no_traceback(r)
     assert "Read-only file system" in r.output and "give --out in a folder you can write" in r.output, r.output
+
+
+def test_csv_neutralises_formula_like_text_in_a_categorical_column(tmp_path):
+    # A categorical (dictionary) text column (pandas' category dtype; datafiles takes it since ca24118) was written as
+    # it was: `=cmd|' /C calc'!A0` reached the CSV a live formula, unsaid.
+    src = tmp_path / "tags.parquet"
+    pd.DataFrame({"tag": pd.Categorical(["=cmd|' /C calc'!A0", "plain", None]), "n": [1, 2, 3]}).to_parquet(src)
+    out = tmp_path / "t.csv"
+    r = CliRunner().invoke(main, ["export", str(src), "--format", "csv", "--out", str(out)])
+    assert r.exit_code == 0, (r.output, r.exception)
+    with open(out, newline="") as f:
+        rows = list(csv.reader(f))[1:]
+    assert [row[0] for row in rows] == ["'=cmd|' /C calc'!A0", "plain", ""]
+    assert "1 text cells" in r.stderr and "tag: 1" in r.stderr, r.stderr
+
+
+def test_csv_leaves_numbers_stored_as_text_alone(tmp_path):
+    # "-5" or "+1.5e3" in a text column is a number to a spreadsheet, never a formula: a leading ' showed it as the
+    # text '-5 (a spreadsheet imports a CSV's ' as it is) and said it was neutralised.
+    src = tmp_path / "t.parquet"
+    texts = ["-5", "+1.5e3", "-0.25", "-.5", "-2+3", "-", "-1e5x"]
+    pq.write_table(pa.table({"v": texts}), src)
+    out = tmp_path / "t.csv"
+    r = CliRunner().invoke(main, ["export", str(src), "--format", "csv", "--out", str(out)])
+    assert r.exit_code == 0, (r.output, r.exception)
+    with open(out, newline="") as f:
+        got = [row[0] for row in list(csv.reader(f))[1:]]
+    assert got == ["-5", "+1.5e3", "-0.25", "-.5", "'-2+3", "'-", "'-1e5x"], got
+    assert "3 text cells" in r.stderr, r.stderr
+
+
+def test_xlsx_cleans_and_cuts_text_of_a_categorical_column(tmp_path):
+    # A categorical column skipped the text rules: a control character failed the export, a long text made a
+    # workbook Excel calls damaged.
+    src = tmp_path / "t.parquet"
+    pd.DataFrame({"error": pd.Categorical(["bad\x1b[31m", "x" * 40_000, None])}).to_parquet(src)
+    out = tmp_path / "t.xlsx"
+    r = CliRunner().invoke(main, ["export", str(src), "--format", "xlsx", "--out", str(out)])
+    assert r.exit_code == 0, (r.output, r.exception)
+    rows = list(load_workbook(out)["t"].iter_rows(min_row=2, values_only=True))
+    assert rows[0][0] == "bad\ufffd[31m" and len(rows[1][0]) == ex.XLSX_MAX_CELL_CHARS, rows[0]
+    assert "(error: 1) longer than a cell holds" in r.stderr, r.stderr
+
+
+def test_a_dataset_whose_files_differ_in_a_column_being_categorical_is_exported(tmp_path):
+    # datafiles takes a categorical column as its values' kind, yet a daemon folder with one file written categorical
+    # (pandas' category) and one plain was refused as "cannot be read as Parquet (Unable to merge ...)": a damaged
+    # file, with no fix.
+    folder = tmp_path / "dd" / "requests" / "date=2026-01-01"
+    folder.mkdir(parents=True)
+    pd.DataFrame({"tag": pd.Categorical(["=1+1", "a"]), "model": ["m", "m"]}).to_parquet(folder / "a.parquet")
+    pq.write_table(pa.table({"tag": ["b", None], "model": ["m", "m"]}), folder / "b.parquet")
+    out = tmp_path / "o.csv"
+    r = CliRunner().invoke(main, ["export", str(tmp_path / "dd"), "--format", "csv", "--out", str(out)])
+    assert r.exit_code == 0, (r.output, r.exception)
+    with open(out, newline="") as f:
+        got = sorted(row[0] for row in list(csv.reader(f))[1:])
+    assert got == ["", "'=1+1", "a", "b"], got
+
+
+def test_a_table_folder_of_files_with_no_date_folders_is_exported(tmp_path):
+    # A daemon table's files copied flat (requests/*.parquet, no date=... folders): pyarrow's hive discovery then
+    # names every column of the first file a partition key, and export wrote no column of it: nothing, exit 0, unsaid.
+    folder = tmp_path / "dd" / "requests"
+    folder.mkdir(parents=True)
+    pq.write_table(pa.table({"tag": ["a"], "model": ["m"]}), folder / "part-1.parquet")
+    pq.write_table(pa.table({"tag": ["b"], "model": ["n"]}), folder / "part-2.parquet")
+    out = tmp_path / "o.csv"
+    r = CliRunner().invoke(main, ["export", str(tmp_path / "dd"), "--format", "csv", "--out", str(out)])
+    assert r.exit_code == 0, (r.output, r.exception)
+    with open(out, newline="") as f:
+        rows = list(csv.reader(f))
+    assert rows[0][:2] == ["tag", "model"] and sorted(r[:2] for r in rows[1:]) == [["a", "m"], ["b", "n"]], rows

@@ -734,3 +734,46 @@ def test_a_huge_slots_page_is_still_detected_as_llama_server_and_its_scrape_said
     sc = _SlotsPage([huge, huge], server="auto")
     assert _run(sc, 1) == [None]
     assert sc.kind == "llamacpp" and sc.errors == 1 and "1024" in sc.last_error
+
+
+def test_a_prefix_cache_check_failing_at_every_scrape_is_logged_the_first_three_then_every_hundredth(caplog):
+    """A fault in the check at every window logged its traceback at every scrape (each second, for as long as the
+    daemon ran): the first three, then every hundredth, as the loop's other repeated faults."""
+    import logging
+
+    from powerprof.daemon.service import Daemon
+
+    class FakeScraper:
+        kind, finished, window_partial, cache_hits = "vllm", None, (), 5.0
+
+        async def scrape(self):
+            return 10.0
+
+    ledger = types.SimpleNamespace(requests={1: object()}, tags={}, closed_tags=[], spans=[])
+
+    faults = []
+
+    def add_cache_hits(since, t, hits):
+        faults.append(t)
+        raise ValueError("a fault in the check")
+
+    ledger.add_cache_hits = add_cache_hits
+    ledger.add_server_tokens = lambda t, d, since, at_finish, finished=None, partial=(): ledger.spans.append((since, t, d))
+    me = types.SimpleNamespace(cfg=_Cfg(interval_s=0.01, idle_interval_s=0.01), scraper=FakeScraper(), ledger=ledger,
+                               stop_event=None, _scrape_since_ns=None)
+
+    async def go():
+        me.stop_event = asyncio.Event()
+        task = asyncio.create_task(Daemon._scrape_loop(me))
+        t = time.monotonic()
+        while len(ledger.spans) < 12 and not task.done() and time.monotonic() - t < 30:
+            await asyncio.sleep(0.01)
+        me.stop_event.set()
+        await asyncio.wait_for(task, 5)
+
+    with caplog.at_level(logging.WARNING, logger="powerprof.daemon"):
+        asyncio.run(go())
+    said = [r for r in caplog.records if "prefix-cache hits failed" in r.getMessage()]
+    # 3, and one more per hundred (a starved checker may see the loop run on past 100)
+    assert len(ledger.spans) >= 12 and len(said) == 3 + len(faults) // 100, [r.getMessage() for r in said]
+    assert "(1 so far)" in said[0].getMessage() and "(3 so far)" in said[2].getMessage()

@@ -122,3 +122,16 @@ def test_a_source_whose_name_is_too_long_says_the_fix(tmp_path, cmd):
     r = CliRunner().invoke(main, [a.replace("LONG", long) for a in cmd])
     assert r.exit_code in (1, 2) and isinstance(r.exception, SystemExit), (r.output, r.exception)
     assert "File name too long; give a shorter name" in r.output, r.output
+
+
+def test_trace_takes_a_rate_whose_span_fits_a_replay(tmp_path):
+    # 1000 requests at 1.5e-6/s span about 6.7e8 s, under the 1e9 s a replay takes: refused, the message saying
+    # "about 6.67e+08 s, more than a replay takes (1e+09 s)" (a check against half the bound said as the bound).
+    from click.testing import CliRunner
+
+    from powerprof.cli import main
+
+    out = tmp_path / "t.jsonl"
+    r = CliRunner().invoke(main, ["trace", str(out), "--rate", "1.5e-6", "--requests", "1000"])
+    assert r.exit_code == 0, r.output
+    assert out.exists()

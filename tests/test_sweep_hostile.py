@@ -513,3 +513,43 @@ def test_windows_after_an_off_clock_run_left_open_at_the_levels_end_are_left_out
     assert (left.timing == "untrusted").all() and left.timing_reason.str.contains("SM clock off the level's").all(), \
         left[["timing", "timing_reason"]].to_string()
     assert any(f"level 1400: {len(left)} window(s) left out" in n and "nvidia-smi" in n for n in ui.notes), ui.notes
+
+
+def test_a_window_left_out_for_others_work_is_not_also_called_unvouched_at_the_levels_end():
+    # The level's last batch ran beside others' work (foreign_traffic, counted in foreign_windows) and no reading
+    # vouched for it by the level's end: it was also marked untrusted with the unvouched reason and counted in
+    # n_untrusted, so the end screen and the analysis named it under two reasons, twice in the counts.
+    from types import SimpleNamespace
+
+    from powerprof.sweep import LevelVisit, Sweep
+
+    sw = Sweep.__new__(Sweep)
+    sw.s = SimpleNamespace(concurrency=1, level_kind="power_limit")
+    sw.ui = _Hook(lambda event, visit: None)
+    sw._clock_watch = None
+    visit = LevelVisit(200.0, 0, spans=[(0, 1), (1, 2)], n_measured=1, foreign_windows=1)
+    kept = {"window_kind": "request", "warmup": False, "status": "ok", "timing": "stream", "gpu_j_per_token": 1.0}
+    foreign = dict(kept, foreign_traffic="another client's 128 tokens", gpu_j_per_token=None)
+    sw._suspect = [([foreign], 0, 10), ([kept], 1, 20)]
+    sw._leave_out_unvouched(visit, 2.4)
+    assert kept["timing"] == "untrusted" and "no GPU reading taken after" in kept["timing_reason"]
+    assert foreign["timing"] == "stream" and "timing_reason" not in foreign, foreign
+    assert (visit.n_measured, visit.n_untrusted, visit.foreign_windows, visit.spans) == (0, 1, 1, [])
+    assert any("1 window(s) left out" in n for n in sw.ui.notes), sw.ui.notes
+
+
+def test_an_off_clock_run_open_at_a_power_levels_end_is_said_against_the_clock_it_showed(tmp_path, monkeypatch):
+    # A power-limit level sets no clock: its watch holds the GPU's busy clock to the highest it showed this sweep. The
+    # leave-out said the clock was "off the level's", a clock the level never had.
+    from powerprof.collectors.limitwatch import ClockLockWatch
+
+    monkeypatch.setattr(ClockLockWatch, "open", property(lambda self: True))
+    out = tmp_path / "run"
+    with Rig("seed-16g", nvml=SimNVML("seed-16g", state_path=None)) as rig:
+        run_sweep(rig, levels_spec="300", out_dir=out, params=RequestParams(max_tokens=32), idle_s=0, interval_s=0.2,
+                  min_requests=2, max_requests=2, warmup_requests=0, ui=_Hook(lambda event, visit: None))
+    w = pq.read_table(out / "windows.parquet").to_pandas()
+    left = w[(w.window_kind == "request") & ~w.warmup & (w.timing == "untrusted")]
+    assert len(left), w[["timing", "timing_reason"]].to_string()
+    assert left.timing_reason.str.contains("below the busy clock it showed earlier").all(), left.timing_reason.tolist()
+    assert not left.timing_reason.str.contains("off the level's").any()

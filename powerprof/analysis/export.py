@@ -173,7 +173,7 @@ def union_sources(groups: list[list[Source]]) -> list[Source]:
             out.append(same[0])
             continue
         try:
-            schema = pa.unify_schemas([s.dataset.schema for s in same], promote_options="permissive")
+            schema = pa.unify_schemas([_dense(s.dataset.schema) for s in same], promote_options="permissive")
             union = ds.dataset([s.dataset for s in same], schema=schema)
         except (pa.ArrowInvalid, pa.ArrowTypeError) as e:
             raise ExportError(f"table {name}: the sources' columns do not agree ({e})") from None
@@ -255,8 +255,12 @@ def table_source(name: str, path, filesystem=None, label=None) -> Source:
         rels = [i.path[len(base) + 1:] for i in infos if i.type == pafs.FileType.File]
         data, strays = datafiles.split_names(rels)
         files, stray_names = [f"{base}/{r}" for r in data], tuple(f"{label or base}/{r}" for r in strays)
-    d = open_dataset(files, hive=True, filesystem=filesystem, label=label or path, base=str(path), table=name)
-    parts = tuple(d.partitioning.schema.names) if d.partitioning is not None else ()
+    # Hive keys only where a folder below the table's says one (date=...): with none, pyarrow's discovery names every
+    # column of the first file a partition key, and export wrote none of them (nothing, exit 0, unsaid).
+    base = str(Path(path)) if filesystem is None else str(path).rstrip("/")  # as `files` were made from it
+    hive = any("=" in part for f in files for part in f[len(base) + 1:].replace("\\", "/").split("/")[:-1])
+    d = open_dataset(files, hive=hive, filesystem=filesystem, label=label or path, base=str(path), table=name)
+    parts = tuple(d.partitioning.schema.names) if hive and d.partitioning is not None else ()
     return Source(name, d, parts, stray_names)
 
 
@@ -284,11 +288,19 @@ def open_dataset(path, hive: bool = False, filesystem=None, label=None, base=Non
         if len(files) < 2 or all(s.equals(files[0]) for s in files[1:]):
             return d
         parts = d.partitioning.schema if d.partitioning is not None else pa.schema([])
-        schema = pa.unify_schemas([*(s.remove_metadata() for s in files), parts], promote_options="permissive")
+        # A categorical column is read as its values (datafiles judges it by them): one file's dictionary and
+        # another's plain text would not unify ("Unable to merge"), refused as a damaged file.
+        schema = pa.unify_schemas([*(_dense(s.remove_metadata()) for s in files), _dense(parts)], promote_options="permissive")
         return ds.dataset(path, schema=schema, filesystem=filesystem, format="parquet",
                           partitioning=ds.HivePartitioning(parts) if hive else None, **extra)
     except (pa.ArrowInvalid, pa.ArrowTypeError, OSError) as e:
         raise ExportError(f"{label}: cannot be read as Parquet ({e})") from None
+
+
+def _dense(schema: pa.Schema) -> pa.Schema:
+    """The schema with each dictionary (categorical) field as its value type."""
+    return pa.schema([f.with_type(f.type.value_type) if pa.types.is_dictionary(f.type) else f for f in schema],
+                     metadata=schema.metadata)
 
 
 def older_columns(dataset: ds.Dataset, partition_fields=()) -> dict[str, int]:
@@ -853,6 +865,16 @@ def _why(e: Exception) -> str:
 # A spreadsheet evaluates a CSV cell that starts with one of these as a formula (`=cmd|' /C calc'!A0`, `@SUM(...)`,
 # `=HYPERLINK(...)`): text from the traffic (a tag, a model name, a server's error) must not become one.
 FORMULA_START = r"^[=+\-@\t\r]"
+# A plain number ("-5", "+1.5e3") stored as text: a spreadsheet reads it as that number, never as a formula, and a
+# leading ' would show it as the text '-5 (a CSV's ' is imported as it is).
+PLAIN_NUMBER = r"^[+-]?(\d+\.?\d*|\.\d+)([eE][+-]?\d+)?$"
+
+
+def _undictionary(arr):
+    """A categorical (dictionary) column as its values (pandas' category dtype; storage/datafiles takes it): the text
+    rules below test the value type, and a categorical text column passed them by: a formula reached the CSV live, a
+    control character failed the xlsx export, a long text was not cut."""
+    return arr.cast(arr.type.value_type) if pa.types.is_dictionary(arr.type) else arr
 
 
 def _csv_ready(t: pa.Table, neutralised: dict[str, int] | None = None) -> pa.Table:
@@ -861,12 +883,14 @@ def _csv_ready(t: pa.Table, neutralised: dict[str, int] | None = None) -> pa.Tab
     per column."""
     cols = []
     for name, arr in zip(t.column_names, t.columns):
+        arr = _undictionary(arr)
         if pa.types.is_timestamp(arr.type):
             # A cast of naive milliseconds to string is that exact format, and far faster than strftime.
             ms = pc.floor_temporal(arr, unit="millisecond").cast(pa.timestamp("ms", tz=arr.type.tz))
             arr = ms.cast(pa.timestamp("ms")).cast(pa.string())
         elif pa.types.is_string(arr.type) or pa.types.is_large_string(arr.type):
-            hit = pc.fill_null(pc.match_substring_regex(arr, FORMULA_START), False)
+            hit = pc.fill_null(pc.and_(pc.match_substring_regex(arr, FORMULA_START),
+                                       pc.invert(pc.match_substring_regex(arr, PLAIN_NUMBER))), False)
             n = pc.sum(hit).as_py() or 0
             if n:
                 arr = pc.if_else(hit, pc.binary_join_element_wise(pa.scalar("'", arr.type), arr, pa.scalar("", arr.type)), arr)
@@ -879,9 +903,9 @@ def _csv_ready(t: pa.Table, neutralised: dict[str, int] | None = None) -> pa.Tab
 def neutralised_note(table: str, path: Path, neutralised: dict[str, int]) -> str:
     n = sum(neutralised.values())
     return (f"{path}: {n} text cells of {table} ({', '.join(f'{c}: {k}' for c, k in sorted(neutralised.items()))}) "
-            "began with =, +, -, @ or a tab and are written with a leading ' so that a spreadsheet shows them as text, "
-            "not as a formula it would run; strip that ' when reading the CSV as data (xlsx and parquet exports keep "
-            "the text as it is)")
+            "began with =, +, -, @, a tab or a carriage return (and were no plain number) and are written with a "
+            "leading ' so that a spreadsheet shows them as text, not as a formula it would run; strip that ' when "
+            "reading the CSV as data (xlsx and parquet exports keep the text as it is)")
 
 
 def _write_csv(scan: ds.Scanner, path: Path, tz: str, neutralised: dict[str, int] | None = None) -> None:
@@ -1099,6 +1123,7 @@ def _xlsx_values(arr: pa.ChunkedArray, cut: dict[str, int] | None = None, name: 
     NaN and ±inf become the text NaN, inf, -inf (a sheet has no such numbers; openpyxl left the cell empty).
     A sheet cannot hold control characters (a server's error text may carry an ANSI colour or a NUL):
     each becomes U+FFFD, rather than the whole export failing on one cell."""
+    arr = _undictionary(arr)
     if pa.types.is_timestamp(arr.type) and arr.type.tz:
         arr = pc.local_timestamp(arr.cast(pa.timestamp(arr.type.unit, tz="UTC")))
     if pa.types.is_string(arr.type) or pa.types.is_large_string(arr.type):

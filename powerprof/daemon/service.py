@@ -683,6 +683,7 @@ class Daemon:
 
     async def _scrape_loop(self) -> None:
         since, held = self._scrape_since_ns, None
+        check_faults = 0  # prefix-cache checks that failed: logged the first three, then every hundredth
         cadence = Cadence(self.cfg.get("scrape", "interval_s"), self.cfg.get("scrape", "idle_interval_s"))
         while not self.stop_event.is_set():
             cadence.fast_s = self.cfg.get("scrape", "interval_s")  # both live on SIGHUP
@@ -702,8 +703,11 @@ class Daemon:
                     try:
                         self.ledger.add_cache_hits(since, t, self.scraper.cache_hits)
                     except Exception:
-                        log.exception("checking a scrape window's prefix-cache hits failed; its hits go unchecked, "
-                                      "its tokens are counted")
+                        # Throttled: a fault at every window logged a traceback at every scrape for as long as it ran.
+                        check_faults += 1
+                        if check_faults <= 3 or check_faults % 100 == 0:
+                            log.exception("checking a scrape window's prefix-cache hits failed (%d so far); its hits go "
+                                          "unchecked, its tokens are counted", check_faults)
                     if held is not None:  # the held slow window's burst began where this window's rate says
                         h_since, h_t, h_delta, h_finished, h_partial = held
                         start = burst_start_ns(h_since, h_t, h_delta, delta / max(1, t - h_t))

@@ -22,8 +22,9 @@ from powerprof.daemon.latency import LATENCY_EDGES_S
 
 BUCKET_ERROR = 0.13  # a quantile read from the daemon's latency buckets is within ±13% of the truth (daemon/latency.py)
 # Longest a level waits for a window whose energy the daemon accounted at it (`Window.energy_straddles`) before its trial
-# ends too thin to judge: 5 times the daemon's default longest hold (max_hold_s, 120 s: a non-streamed request's
-# intervals), so held accounts catch up well before it and only accounts that stay behind end a trial.
+# ends too thin to judge (or 4 windows, where longer): 5 times the daemon's longest hold (Ledger max_hold_s, 120 s: a
+# non-streamed request's intervals; fixed, no daemon setting changes it, so nothing here to derive from a config), so
+# held accounts catch up well before it and only accounts that stay behind end a trial.
 ACCOUNTS_CATCH_UP_S = 600.0
 
 
@@ -1042,7 +1043,7 @@ class Tuner:
         usable = [w for w in self._pending[1:] if not w.energy_straddles]
         if not usable:
             # Every window since the move has energy the daemon accounted from before it. Its accounts catch up within
-            # their holds (30 s at most); ever further behind (an accounting step failing at every pass), this waited
+            # their holds (Ledger max_hold_s, 120 s at most); ever further behind (an accounting step failing at every pass), this waited
             # for ever: a trial held its level with no decision and no word, every window kept (200 ticks, 197).
             waited_s = sum(x.duration_s for x in self._pending[1:])
             if waited_s >= max(4 * cfg.window_s, ACCOUNTS_CATCH_UP_S):
