@@ -1355,12 +1355,8 @@ def run_sweep(
         infos = src.nvml.infos
         label = rig.run_label(infos[0].name) if infos else "gpu"
         run_dir = Path(out_dir) if out_dir else default_run_dir(Path(runs_base), label)
-        if dry_run:
-            spec = levels_spec
-            plan = rig.plan(indexes, spec if level_kind == "power_limit" else None, spec if level_kind == "sm_clock" else None)
-            lines = (plan.lines() if level_kind != "none" else ["levels: none (the settings as they are)"]) + list(plan_lines or [])
-            return SweepOutcome(None, None, None, lines, rig.notes)
-        # Refuse an unusable --out before a server is launched or a GPU is locked.
+        # Refuse an unusable --out before a server is launched or a GPU is locked, and in a dry run too: it
+        # validates, and passed an --out the sweep itself then refused (a finished run's folder, root in /tmp).
         from powerprof.paths import path_problem
 
         if (why := path_problem(run_dir)) is not None:  # it said "[Errno 36] File name too long", from exists()
@@ -1370,6 +1366,11 @@ def run_sweep(
         why = out_dir_refusal(run_dir)
         if why:  # root writes every table, run.json and a launched server's log (by a name known in advance) there
             raise SweepError(why)
+        if dry_run:
+            spec = levels_spec
+            plan = rig.plan(indexes, spec if level_kind == "power_limit" else None, spec if level_kind == "sm_clock" else None)
+            lines = (plan.lines() if level_kind != "none" else ["levels: none (the settings as they are)"]) + list(plan_lines or [])
+            return SweepOutcome(None, None, None, lines, rig.notes)
         try:
             run_dir.mkdir(parents=True, exist_ok=True)
         except OSError as e:

@@ -39,6 +39,23 @@ def test_a_sweep_into_a_run_directory_that_holds_a_run_changes_nothing_and_says_
     assert sim_limit_w() == 300.0
 
 
+def test_a_dry_run_refuses_the_run_directory_the_sweep_would_refuse(tmp_path):
+    # `--dry-run` ("validate and print the plan") passed an --out holding a finished run, which the sweep itself
+    # then refused: the plan said all was well.
+    out = tmp_path / "run"
+    out.mkdir()
+    (out / "windows.parquet").write_bytes(b"an earlier run")
+    r = run("sweep", "--limits", "180,220", "--simulate", "--dry-run", "--out", str(out))
+    assert r.exit_code == 1, r.output
+    assert "already exists and is not empty; choose another --out" in r.output, r.output
+    assert "Dry run" not in r.output, r.output
+    assert (out / "windows.parquet").read_bytes() == b"an earlier run"
+    fresh = tmp_path / "fresh"
+    r = run("sweep", "--limits", "180,220", "--simulate", "--dry-run", "--out", str(fresh))
+    assert r.exit_code == 0 and "Dry run: nothing will be changed" in r.output, r.output
+    assert not fresh.exists()
+
+
 def test_python_dash_m_powerprof_is_the_command():
     # `python -m powerprof sweep ...` (a venv's bin/ not on PATH) said "No module named powerprof.__main__".
     import subprocess
