@@ -816,6 +816,33 @@ def test_root_refuses_a_data_dir_another_user_could_write_and_never_follows_a_lo
     assert victim.read_text() == "precious"
 
 
+@pytest.mark.skipif(not (os.stat("/tmp").st_uid == 0 and os.stat("/tmp").st_mode & 0o1002 == 0o1002),
+                    reason="needs a root-owned sticky /tmp that others can write")
+def test_root_asked_for_a_data_dir_not_yet_in_tmp_says_to_make_it_not_to_chmod_tmp(tmp_path):
+    # docs/daemon.md's first command, `--data-dir /tmp/pp`, run as root: the fix said "chown root: and chmod go-w it
+    # and the folders above", i.e. take the write bit off /tmp. The folder is not made; made first, it passes.
+    import uuid
+
+    from powerprof.daemon.service import StartupError, lock_data_dir
+
+    name = Path("/tmp") / f"powerprof-test-{uuid.uuid4().hex[:12]}"
+    for data_dir, fix in ((name, f"mkdir -m 0700 {name})"), (name / "sub", f"mkdir -m 0700 {name}, then the folders in it")):
+        with pytest.raises(StartupError) as e:
+            lock_data_dir(data_dir, euid=0)
+        said = str(e.value)
+        assert f"data dir {data_dir}: it does not exist yet, and root makes no folder in /tmp" in said, said
+        assert f"Fix: make it first ({fix}" in said and "chmod" not in said, said
+        assert not name.exists()
+    if os.geteuid() == 0:  # the fix works: root's own folder in /tmp is a data dir root runs on
+        import shutil
+
+        name.mkdir(mode=0o700)
+        try:
+            os.close(lock_data_dir(name))
+        finally:
+            shutil.rmtree(name)
+
+
 @pytest.mark.skipif(os.geteuid() != 0,
                     reason="needs root: chown to another user, and root's own folders as the trusted case")
 def test_root_refuses_a_data_dir_owned_by_another_user_and_accepts_its_own(tmp_path):

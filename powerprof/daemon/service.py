@@ -199,6 +199,21 @@ def prepare_socket_path(path: Path, what: str, euid: int | None = None) -> None:
     path.unlink()
 
 
+def _shared_folder_to_make_it_in(data_dir: Path) -> Path | None:
+    """The root-owned sticky folder others can write (/tmp) that a data dir not yet made would be made in, or None."""
+    there = Path(os.path.join(os.getcwd(), data_dir))
+    if os.path.lexists(there):
+        return None
+    while not os.path.lexists(there) and there != there.parent:
+        there = there.parent
+    try:
+        st = os.lstat(there)
+    except OSError:
+        return None
+    shared = stat.S_ISDIR(st.st_mode) and st.st_uid == 0 and st.st_mode & stat.S_ISVTX and st.st_mode & 0o002
+    return there if shared else None
+
+
 def lock_data_dir(data_dir: Path, euid: int | None = None) -> int:
     """An exclusive flock held for the daemon's life, so two daemons never write one data dir (duplicate rows)."""
     # Checked before anything is made: `mkdir -p` through another user's symlink makes root's folders wherever it points.
@@ -209,6 +224,19 @@ def lock_data_dir(data_dir: Path, euid: int | None = None) -> int:
         data_dir.mkdir(parents=True, exist_ok=True)
         why = untrusted_data_dir(data_dir, euid)
     if why:
+        shared = _shared_folder_to_make_it_in(data_dir)
+        if shared is not None:
+            there = Path(os.path.join(os.getcwd(), data_dir))
+            made = [p for p in (there, *there.parents) if p.parent == shared or shared in p.parents]
+            made.reverse()  # the first folder root would make in `shared`, then those below it
+            # The data dir is not there yet and would be made in /tmp (anyone may add names there): "chmod go-w it
+            # and the folders above" told root to take the write bit off /tmp. Made first, a folder of root's own
+            # in /tmp passes (the sticky bit keeps others from renaming it).
+            raise StartupError(
+                f"refusing to run as root on data dir {data_dir}: it does not exist yet, and root makes no folder in "
+                f"{shared}, which others can write (mode {stat.S_IMODE(os.stat(shared).st_mode):o}). Fix: make it "
+                f"first (mkdir -m 0700 {made[0]}{', then the folders in it' if len(made) > 1 else ''}), "
+                f"or run the daemon as a user of its own (as the unit does: User=powerprof)")
         raise StartupError(
             f"refusing to run as root on data dir {data_dir}: {why}; another user could make root write or "
             f"delete any file through it. Run the daemon as the folder's owner (as the unit does: User=powerprof), "
