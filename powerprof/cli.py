@@ -517,7 +517,8 @@ def tune(metrics_url, config_path, levels, reference, tpot_p95_ms, ttft_p95_ms, 
     from powerprof.tuner.observe import SCRAPE_DEADLINE_S, ObserveError, fetch_metrics, loopback_reason, parse_counters
     from powerprof.tuner.policy import TunerConfigError
     from powerprof.tuner.runner import KillSwitch, OutDirError, TuneRunner, install_kill_switch
-    from powerprof.tuner.setup import check_bounds, check_out_dir, check_root_folder, kill_file, load_table, make_config
+    from powerprof.tuner.setup import (check_bounds, check_out_dir, check_root_folder, gpu_problem, kill_file, load_table,
+                                       make_config)
 
     # SIGUSR1 is the kill switch from here on (and from powerprof.entry's recorder before, whose catch it takes on): by
     # default it would end the process, and systemd would restart it tuning, the kill lost.
@@ -544,6 +545,8 @@ def tune(metrics_url, config_path, levels, reference, tpot_p95_ms, ttft_p95_ms, 
     caught: list[int] = []
 
     with Rig(simulate, gpus=gpus) as rig:
+        if (why := gpu_problem(rig.nvml)) is not None:
+            raise click.ClickException(why)
         if any(isinstance(g, str) for g in gpus):  # UUIDs (a MIG instance stands for its GPU): the NVML indexes
             try:
                 src = rig.sources

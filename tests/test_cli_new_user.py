@@ -166,3 +166,27 @@ def test_analyze_of_the_runs_folder_names_the_runs_in_it(tmp_path):
     assert "is not a powerprof run directory" in flat, flat
     assert f"give one of them ({tmp_path / 'runs' / '20261202T120000Z-a'})" in flat, flat
     assert not (tmp_path / "runs" / "analysis").exists()
+
+
+def test_tune_on_a_machine_without_a_gpu_driver_says_so_with_the_fix(tmp_path):
+    # docs/tuner.md's dry-run command where NVML cannot start (no driver, or a laptop trying it out): pynvml's
+    # NVMLError_LibraryNotFound came out as a 60-line traceback.
+    import subprocess
+    import sys
+
+    hook = ("import sys, pynvml\n"
+            "def fail():\n"
+            "    raise pynvml.NVMLError(pynvml.NVML_ERROR_LIBRARY_NOT_FOUND)\n"
+            "pynvml.nvmlInit = fail\n"
+            "sys.argv[0] = 'powerprof'\n"
+            "from powerprof.entry import main\n"
+            "sys.exit(main())\n")
+    r = subprocess.run([sys.executable, "-c", hook, "tune", "--daemon-metrics", f"http://127.0.0.1:{free_port()}/metrics",
+                        "--levels", "180,200,220,240,260,280,300", "--tpot-p95-ms", "100", "--ttft-p95-ms", "5000",
+                        "--dry-run", "--out", str(tmp_path / "decisions")],
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode == 1, r.stderr
+    assert "Traceback" not in r.stderr, r.stderr
+    assert "tune needs a GPU whose power limit it can set: no NVIDIA GPU reachable through NVML" in r.stderr, r.stderr
+    assert "fix: install the NVIDIA driver" in r.stderr and "--simulate" in r.stderr, r.stderr
+    assert not (tmp_path / "decisions").exists()

@@ -49,6 +49,20 @@ def load_table(path: Path | None, euid: int | None = None) -> dict:
     return dict(t)
 
 
+def gpu_problem(nvml) -> str | None:
+    """Why there is no GPU to tune (no driver: NVML cannot start), with the fix; None where NVML answers. Checked
+    before the levels are resolved against the GPUs, which died of pynvml's traceback on a machine without one."""
+    from powerprof.collectors.gateway import gateway
+    from powerprof.collectors.sources import NO_GPU_FIX
+    from powerprof.errtext import error_text
+
+    try:
+        with gateway(nvml).session():
+            return None
+    except Exception as e:  # noqa: BLE001 - NVMLError (no library, no driver) or the bindings' own failure
+        return f"tune needs a GPU whose power limit it can set: no NVIDIA GPU reachable through NVML ({error_text(e)}); fix: {NO_GPU_FIX}"
+
+
 def make_config(table: dict, resolve) -> TunerConfig:
     """Levels (a spec string or a list) resolved against the GPUs' ranges by `resolve(knob, spec)` (the
     controller's parser, or the read-only plan in dry-run), then the whole config checked."""
