@@ -1154,7 +1154,8 @@ def analyze(run_dirs, out_dir, max_slowdown, eta, formats, force, n_boot, as_jso
 @click.option("--to", "time_to", default=None, help="Only rows before this ISO 8601 time.")
 @click.option("--columns", default=None, help="Comma-separated columns to keep (default: all).")
 @click.option("--tz", default=None, help="Time zone of the *_local columns and of --from/--to without offset (IANA name; default: this machine's).")
-@click.option("--out", default=None, type=click.Path(), help="Output file (xlsx; or one-table csv/parquet) or folder.")
+@click.option("--out", default=None, type=click.Path(), help="Output file (xlsx; or one-table csv/parquet) or folder (default: in this folder, SRC's "
+              "name with .xlsx, -csv or -parquet; export.xlsx etc. for several SRC).")
 @click.option("--force", is_flag=True, help="Replace the files --out names or holds if they exist (default: refuse, "
               "they may be an earlier export).")
 def export(src, fmt, time_from, time_to, columns, tz, out, force):
