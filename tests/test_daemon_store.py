@@ -439,3 +439,25 @@ def test_rows_of_a_clock_stepped_back_over_midnight_land_on_their_own_dates_once
     for d, v in zip(t.column("date").to_pylist(), t.column("value").to_pylist()):
         by_date.setdefault(str(d), []).append(v)
     assert sorted(by_date["2026-01-01"]) == [5.0, 6.0, 7.0, 8.0, 9.0]
+
+
+def test_a_data_dir_removed_or_replaced_while_running_is_never_made_again_nor_written(tmp_path):
+    # A root daemon's data dir removed (rm -rf) while it ran was made again at the next flush, mode 0755, with none of
+    # the start's checks: in /tmp, another user could have put a symlink there first and had root write through it.
+    import shutil
+
+    root = tmp_path / "pp"
+    s = _store(root)
+    s.append("things", _rows(2))
+    assert s.flush()
+    shutil.rmtree(root)
+    s.append("things", _rows(3, start=2))
+    assert s.flush() is False and not root.exists()
+    assert "removed" in s.last_error and "restart the daemon" in s.last_error, s.last_error
+    assert s.buffered() == 3  # kept in memory, as for a full disk
+    root.mkdir()  # another folder under the same name: never checked, never written
+    (root / "things").symlink_to(tmp_path / "elsewhere")
+    assert s.flush() is False and s.buffered() == 3
+    assert not (tmp_path / "elsewhere").exists() and list(root.iterdir()) == [root / "things"]
+    assert "replaced" in s.last_error, s.last_error
+    assert s.compact() == 0 and s.enforce_retention() == 0

@@ -38,6 +38,7 @@ import subprocess
 import sys
 import threading
 import time
+import weakref
 from collections import deque
 from dataclasses import dataclass
 from datetime import datetime, timedelta, timezone
@@ -152,6 +153,14 @@ class Dataset:
         return columns_of(self.schema)
 
 
+def _hold_folder(owner, path: Path) -> int:
+    """An open descriptor of the folder, closed with `owner`: while it is held its inode number cannot go to a folder
+    made in its place."""
+    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+    weakref.finalize(owner, os.close, fd)
+    return fd
+
+
 class DatasetStore:
     """Buffers rows per dataset and writes them as small atomic files. Thread-safe."""
 
@@ -189,8 +198,10 @@ class DatasetStore:
         # The wall clock and the monotonic clock at start: how far the wall clock may have moved since (retention).
         self._wall0_s, self._mono0_s = time.time(), time.monotonic()
         self._clock_step_logged = False
+        self._root_fd: int | None = None  # the folder the start made or found, held for the store's life
         try:
             self.root.mkdir(parents=True, exist_ok=True)
+            self._root_fd = _hold_folder(self, self.root)
             for d in datasets:
                 (self.root / d.name).mkdir(exist_ok=True)
             if recover:  # not in the compaction child: the daemon's own flushes are under way
@@ -220,15 +231,44 @@ class DatasetStore:
 
     # --- flush ------------------------------------------------------------------------------
 
+    def _root_gone(self) -> str | None:
+        """Why the data dir is no longer the folder this store began with, or None. A folder made again or put in its
+        place since was never checked (the daemon checks its data dir at start: who owns it, who may write it), so
+        nothing is made or written there: in /tmp another user could have put a symlink first."""
+        if self._root_fd is None:
+            try:  # the start could not make it (a file in the way, no permission): made now, checked from now on
+                self.root.mkdir(parents=True, exist_ok=True)
+                self._root_fd = _hold_folder(self, self.root)
+            except OSError:
+                pass
+            return None
+        held = os.fstat(self._root_fd)
+        try:
+            st = os.stat(self.root)
+        except FileNotFoundError:
+            st = None
+        except OSError:
+            return None  # unreadable for now (EIO, EACCES): the write says why
+        if st is not None and held.st_nlink > 0 and (st.st_dev, st.st_ino) == (held.st_dev, held.st_ino):
+            return None
+        return (f"the data dir {self.root} was {'removed' if st is None else 'replaced by another folder'} while the "
+                "daemon ran; nothing is made or written there, since a folder put there since start was never checked; "
+                "rows are kept in memory; fix: restart the daemon (it checks the folder before writing)")
+
     def flush(self) -> bool:
         """Write every buffered row; True when all were written. Never raises for I/O errors."""
         ok = True
         with self._io_lock:
+            gone = self._root_gone()
             for name, ds in self.datasets.items():
                 with self._lock:
                     rows = list(self._buf[name])
                     dropped_before = self.dropped_rows[name]
                 if not rows:
+                    continue
+                if gone:
+                    ok = False
+                    self._flush_failed(name, OSError(errno.ENOENT, gone))
                     continue
                 written = len(rows)
                 try:
@@ -296,7 +336,7 @@ class DatasetStore:
         stamp = datetime.now(timezone.utc).strftime("%Y%m%dT%H%M%S%f")
         path = d / f"{ds.name}-{stamp}-{os.getpid()}.jsonl"
         try:
-            d.mkdir(parents=True, exist_ok=True)
+            d.mkdir(exist_ok=True)
             with atomic_path(path) as tmp, open(tmp, "w") as f:
                 for r in rows:
                     f.write(json.dumps(r, default=repr) + "\n")
@@ -329,7 +369,9 @@ class DatasetStore:
             try:
                 d = self.root / ds.name / f"date={day}"
                 if not d.exists():
-                    d.mkdir(parents=True, exist_ok=True)
+                    # Never the data dir itself (parents=False): one removed since start is not made again (_root_gone).
+                    d.parent.mkdir(exist_ok=True)
+                    d.mkdir(exist_ok=True)
                     fsync_dir(d.parent)
                 self._seq += 1
                 stamp = datetime.now(timezone.utc).strftime("%Y%m%dT%H%M%S%f")
@@ -391,6 +433,8 @@ class DatasetStore:
     def compact(self, min_files: int = 2) -> int:
         """Merge each partition's flush files into one; returns how many partitions were compacted."""
         done = 0
+        if self._root_gone():
+            return 0  # said by the flushes that fail beside it
         with self._io_lock, _CompactionLock(self.root, 0.0) as lock:
             if not lock.acquired:  # another process compacts or recovers this folder: its turn, not ours
                 log.warning("compaction skipped: another process holds %s", COMPACTION_LOCK)
@@ -483,6 +527,8 @@ class DatasetStore:
         """Delete whole partitions older than the age limit (by a wall clock no later than the time since start
         allows: _retention_now), then oldest files over the size limit."""
         removed = 0
+        if self._root_gone():
+            return 0
         now_utc = now_utc or self._retention_now()
         with self._io_lock:
             if self.retention_days is not None:
@@ -580,6 +626,8 @@ class Flusher:
             self._step("compaction", lambda: self._reap_child(self.CHILD_STOP_S))
 
     def _start_child(self) -> None:
+        if self.store._root_gone():
+            return  # the child would compact whatever folder now has the name; the failing flushes say why
         # Started from this thread: PR_SET_PDEATHSIG in the child fires when this thread ends.
         # Its own session: a Ctrl-C at the daemon's terminal stops the daemon, which lets the child finish.
         # Isolated, from "/": never code from the daemon's working directory or PYTHONPATH (daemon/spawn.py).
