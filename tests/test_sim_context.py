@@ -118,6 +118,13 @@ def test_sglang_generate_refuses_whole_with_a_400_and_streamed_inside_a_200():
     assert json.loads(events[0])["error"]["message"].startswith(msg)
 
 
+def test_sglang_generate_refuses_a_batch_one_of_whose_prompts_does_not_fit():
+    with SimServer(flavour="sglang", n_ctx=64, sglang_warmup=False, **FAST) as srv:
+        code, raw = _post(srv.url + "/generate", {"text": ["the power", "word " * 70],
+                                                  "sampling_params": {"max_new_tokens": 4}})
+    assert code == 400 and "The input (71 tokens) is longer" in json.loads(raw)["error"]["message"]
+
+
 # --- powerprof's client ----------------------------------------------------------------------------------------------
 
 @pytest.mark.parametrize("flavour", ["llamacpp", "vllm", "sglang"])

@@ -1404,6 +1404,10 @@ class SimServer:
         loading = self._loading()
         if loading is not None:
             return loading
+        for pr in prompts:  # its tokenizer manager validates each before any runs: one too long refuses the batch
+            too_long = self._context_refusal(pr, n_predict, bool(body.get("stream")))
+            if too_long is not None:
+                return too_long
         q: asyncio.Queue = asyncio.Queue()
         args = (n_predict, bool(sp.get("ignore_eos", False)), False, int(body.get("seed", 0) or 0))
         reqs = [self._submit(pr, *args, choice=j, queue=_Tagged(q, i * n_choices + j))
