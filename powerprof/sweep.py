@@ -29,8 +29,8 @@ from powerprof.trust import out_dir_refusal
 from powerprof.profiler import Profiler
 from powerprof.storage.runs import RunWriter, default_run_dir, table_from_rows
 from powerprof.storage.samples import Timeline
-from powerprof.workload.client import (RequestParams, health_status, identity_changes, new_session, restart_evidence,
-                                      server_away, server_epoch, server_identity)
+from powerprof.workload.client import (RequestParams, context_problem, health_status, identity_changes, new_session,
+                                      restart_evidence, server_away, server_epoch, server_identity)
 from powerprof.workload.load import LoadAborted, LoadPolicy, builtin_prompts, detect, prompt_set_record, run_load_async
 from powerprof.workload.others import FOREIGN_FIX, FOREIGN_FLAG, OthersWatch, leave_out_foreign
 from powerprof.workload.rows import FIGURES, Level, request_timing, trace_row, window_rows
@@ -1382,6 +1382,9 @@ def run_sweep(
         if runner is None:  # a configuration sweep launches a server per configuration
             url = stack.enter_context(rig.server(url, launch, launch_timeout_s=launch_timeout_s, launched=launched))
             server_info = detect(url, api)
+            too_long = context_problem(server_info, params.max_tokens) if trace is None else None
+            if too_long:
+                raise SweepError(too_long)  # before any limit is set: each request would be refused, or cut short
         notes.extend(rig.notes)
 
         ctl = stack.enter_context(rig.controller(indexes)) if level_kind != "none" else None

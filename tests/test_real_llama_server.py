@@ -18,6 +18,7 @@ import subprocess
 import sys
 import threading
 import time
+import urllib.error
 import urllib.request
 
 import aiohttp
@@ -828,3 +829,36 @@ def test_a_llama_server_without_metrics_marks_every_interval_slots_only_but_not_
     counts = read_dataset(tmp_path / "data", "intervals")["server_count"]
     # Every one, the last too (a clean stop scrapes once more: before that final scrape it said `unscraped`).
     assert set(counts) == {"slots_only"}, counts.value_counts()
+
+
+def test_the_simulator_refuses_and_cuts_at_the_slots_context_as_llama_server_does(llama_server):
+    # llama-server refuses a prompt of at least a slot's context with exceed_context_size_error (its counts in the
+    # error), and stops a longer generation where the slot fills, saying `truncated`. The simulator had no context
+    # unless given one; now each flavour has one (docs/simulator.md, "Context window"): the same shapes, its counts.
+    from powerprof.sim.nvml import SimNVML
+    from powerprof.sim.server import SimServer
+
+    def post(base, body):
+        req = urllib.request.Request(base + "/completion", data=json.dumps(body).encode(), method="POST")
+        try:
+            with urllib.request.urlopen(req, timeout=120) as r:
+                return r.status, json.loads(r.read())
+        except urllib.error.HTTPError as e:
+            return e.code, json.loads(e.read())
+
+    def ctx_of(base):
+        return json.loads(urllib.request.urlopen(base + "/props", timeout=10).read())["default_generation_settings"]["n_ctx"]
+
+    real = llama_server.base_url
+    with SimServer(SimNVML("seed-16g", state_path=None), n_slots=2, n_ctx=2 * ctx_of(real), decode_tok_s=2000) as sim:
+        for base in (real, sim.url):
+            ctx = ctx_of(base)
+            code, err = post(base, {"prompt": "the power " * ctx, "n_predict": 4})
+            assert code == 400 and set(err["error"]) == {"code", "message", "type", "n_prompt_tokens", "n_ctx"}, err
+            e = err["error"]
+            assert (e["code"], e["type"], e["n_ctx"]) == (400, "exceed_context_size_error", ctx), err
+            assert e["message"] == (f"request ({e['n_prompt_tokens']} tokens) exceeds the available context size "
+                                    f"({ctx} tokens), try increasing it"), err
+            code, d = post(base, {"prompt": "the power", "n_predict": 5000, "ignore_eos": True})
+            assert code == 200 and d["tokens_evaluated"] + d["tokens_predicted"] == ctx, (base, d)
+            assert d["truncated"] is True and d["stop_type"] == "limit", (base, d)

@@ -109,7 +109,8 @@ def test_a_server_that_comes_back_with_other_slots_stops_the_sweep_with_the_fini
         _sweep(rig, out, ui, params=RequestParams(max_tokens=32))
     msg = str(e.value)
     assert msg.startswith("level 200: the server came back after"), msg
-    assert "not as the same server (total_slots 4 → 1)" in msg and "would not be comparable" in msg, msg
+    # The same -c over one slot instead of four: each slot's context grew too, as llama-server's would.
+    assert "not as the same server (total_slots 4 → 1; n_ctx 4096 → 16384)" in msg and "would not be comparable" in msg, msg
     assert sim.gpus[0].limit_w == 300.0
     levels = pq.read_table(out / "levels.parquet").to_pandas().set_index("level_value")
     assert not levels.loc[300.0, "flags"] or "interrupted" not in levels.loc[300.0, "flags"]

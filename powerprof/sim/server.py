@@ -179,6 +179,7 @@ class _Req:
     embed: bool = False  # an embedding: a prefill of its input and no decode (no token generated)
     textless: int = 0  # of its generated tokens, those with no text (SimServer.textless_share)
     logprobs: bool = False  # chat's `logprobs: true` (the llama.cpp flavour lists each chunk's tokens)
+    ctx_cut: bool = False  # its n_predict was lowered to what the context leaves after the prompt
 
 
 # Late by more than this (the process was stopped, say): start the step schedule afresh rather
@@ -212,6 +213,11 @@ SGLANG_E2E_BUCKETS = (0.1, 0.2, 0.4, 0.6, 0.8, 1, 2, 4, 6, 8, 10, 20, 40, 60, 80
 SGLANG_RETRACTION_BUCKETS = (0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 15, 20, 25, 30, 40, 50, 75, 100)
 # The warm-up's end-to-end latency as observed (its GPU time is not simulated; a short request's).
 SGLANG_WARMUP_E2E_S = 0.05
+# Context when none is given (docs/simulator.md, "Context window"): llama.cpp's per slot (what /props said before the
+# simulator enforced one; llama-server's own default is the model's training context), vLLM's max_model_len and
+# SGLang's context_length (each the model's max_position_embeddings by default: a 32K model's).
+LLAMACPP_CTX_PER_SLOT = 4096
+DEFAULT_CONTEXT_TOKENS = 32768
 
 
 class SimServer:
@@ -261,9 +267,9 @@ class SimServer:
         true energy: sim/batching.py).
         decode_tok_s: single-stream speed at the profile's own draft count and a short context;
         draft_n_max (the server's draft count, 0 for none) and the context change it (sim/knobs.py).
-        n_ctx: context tokens in all (llama.cpp splits them among the slots and refuses a longer
-        prompt; vLLM refuses with a 400 a prompt, or a max_tokens, that alone is beyond it); a generation that
-        reaches the context stops there.
+        n_ctx: context tokens: llama.cpp's `-c`, in all (split among the slots; default 4096 a slot), vLLM's
+        max_model_len, SGLang's context_length (default DEFAULT_CONTEXT_TOKENS). Each flavour refuses and cuts as its
+        server does (docs/simulator.md, "Context window"). Settable between requests.
         count_factor: a server that lies about its counts: the counts it gives once a request ends (usage,
         `timings.predicted_n`, the final `tokens_predicted`) are the true count times this; what it streams
         (and its running counts, /metrics, the truth) stays true.
@@ -322,7 +328,9 @@ class SimServer:
         self.draft_n_max = wl.draft_n_max if draft_n_max is None else int(draft_n_max)
         self.speculative = wl.speculative and self.draft_n_max > 0
         self._draft = self.draft_n_max if self.speculative else 0  # draft tokens a decode step really runs
-        self.n_ctx = n_ctx  # context length: llama.cpp (per slot) and vLLM stop there; vLLM refuses a longer prompt
+        if n_ctx is None:
+            n_ctx = LLAMACPP_CTX_PER_SLOT * n_slots if flavour == "llamacpp" else DEFAULT_CONTEXT_TOKENS
+        self.n_ctx = int(n_ctx)
         self.batching = batching
         self.costs = batching_costs(self)
         self._window_ns = (0, 0)  # the last step's window on the engine's schedule (truth)
@@ -1238,7 +1246,7 @@ class SimServer:
                 "build_info": "simulated (powerprof)",
                 "model_path": self.model,
                 "total_slots": self.n_slots,
-                "default_generation_settings": {"n_ctx": self.n_ctx // self.n_slots if self.n_ctx else 4096},
+                "default_generation_settings": {"n_ctx": self._seq_ctx()},
                 "simulated": True,
                 "gpu": self.gpus[0].profile.name,
             }
@@ -1256,7 +1264,7 @@ class SimServer:
         by_slot = {r.slot: r for r in self._active}
         out = []
         for i in range(self.n_slots):
-            s = {"id": i, "n_ctx": self.n_ctx // self.n_slots if self.n_ctx else 4096, "is_processing": i in by_slot}
+            s = {"id": i, "n_ctx": self._seq_ctx(), "is_processing": i in by_slot}
             if i in self._slot_task:
                 n = by_slot[i].generated if i in by_slot else 0
                 s.update(id_task=self._slot_task[i], next_token=[{"has_next_token": i in by_slot, "n_decoded": n}])
@@ -1280,7 +1288,9 @@ class SimServer:
     async def _models(self, request: web.Request) -> web.Response:
         card = {"id": self.model, "object": "model", "owned_by": self.flavour, "simulated": True}
         if self.flavour == "sglang":
-            card.update(created=int(time.time()), root=self.model, max_model_len=self.n_ctx or 4096)
+            card.update(created=int(time.time()), root=self.model, max_model_len=self.n_ctx)
+        elif self.flavour == "vllm":  # its ModelCard's max_model_len (protocol.py), what clients read the context from
+            card.update(max_model_len=self.n_ctx)
         return self._json({"object": "list", "data": [card]})
 
     async def _version(self, request: web.Request) -> web.Response:
@@ -1303,19 +1313,52 @@ class SimServer:
         assert len(ids) == n
         if self.flavour == "llamacpp":
             return self._json({"tokens": ids})
-        return self._json({"count": n, "max_model_len": self.n_ctx or 4096, "tokens": ids})
+        return self._json({"count": n, "max_model_len": self.n_ctx, "tokens": ids})
 
-    def _context_refusal(self, prompt: str) -> web.Response | None:
-        """A prompt longer than a slot's context is refused with llama.cpp's error (only with n_ctx set;
-        vLLM's own refusal, which counts max_tokens too, is in _serve)."""
-        if not self.n_ctx or self.flavour != "llamacpp":
-            return None
-        per_slot = self.n_ctx // self.n_slots
+    def _seq_ctx(self) -> int:
+        """The context one sequence may fill: llama.cpp's slot (n_ctx split among the slots: -np given, its KV cache
+        not unified, as b11434 says `n_ctx_slot = 256` at -c 512 -np 2), vLLM's and SGLang's whole context."""
+        return self.n_ctx // self.n_slots if self.flavour == "llamacpp" else self.n_ctx
+
+    def _context_refusal(self, prompt: str, n_predict: int, stream: bool) -> web.StreamResponse | None:
+        """A request the context cannot hold, refused as the flavour's server does; None when it may run (a llama.cpp
+        or vLLM generation that reaches the context is cut there, in _serve).
+        llama.cpp (b11434, measured): a prompt of at least the slot's context, 400 exceed_context_size_error.
+        SGLang (tokenizer_manager._validate_one_request): a prompt of at least context_length, or prompt +
+        max_new_tokens beyond it, a ValueError: 400 on its OpenAI routes and a whole /generate, an error event inside
+        a 200 on a streamed /generate (http_server.generate_request). vLLM's refusals are in _serve."""
         n = count_prompt_tokens(prompt)
-        if n < per_slot:
+        ctx = self._seq_ctx()
+        if self.flavour == "llamacpp":
+            if n < ctx:
+                return None
+            msg = f"request ({n} tokens) exceeds the available context size ({ctx} tokens), try increasing it"
+            return self._json({"error": {"code": 400, "message": msg, "type": "exceed_context_size_error",
+                                         "n_prompt_tokens": n, "n_ctx": ctx}}, 400)
+        if self.flavour != "sglang":
             return None
-        msg = f"the request exceeds the available context size, try increasing it (n_prompt_tokens {n}, n_ctx {per_slot})"
-        return self._json({"error": {"code": 400, "message": msg, "type": "exceed_context_size_error"}}, 400)
+        if n >= ctx:
+            msg = f"The input ({n} tokens) is longer than the model's context length ({ctx} tokens)."
+        elif n + n_predict > ctx:
+            msg = (f"Requested token count exceeds the model's maximum context length of {ctx} tokens. You requested "
+                   f"a total of {n + n_predict} tokens: {n} tokens from the input messages and {n_predict} tokens for "
+                   f"the completion. Please reduce the number of tokens in the input messages or the completion to "
+                   f"fit within the limit.")
+        else:
+            return None
+        return self._sglang_refusal(msg, stream)
+
+    def _sglang_refusal(self, msg: str, stream: bool | None) -> web.StreamResponse:
+        """SGLang's answer to a ValueError: stream None on its OpenAI routes (400, ErrorResponse); on /generate, 400
+        {"error": {"message"}} whole, or streamed an HTTP 200 carrying that error as its one event, then [DONE]."""
+        if stream is None:
+            return self._bad_request(msg)
+        err = {"error": {"message": msg}}
+        if not stream:
+            return self._json(err, 400)
+        body = b"data: " + json.dumps(err).encode() + b"\n\ndata: [DONE]\n\n"
+        return web.Response(body=body, headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache",
+                                                "X-Powerprof-Simulated": "1"})
 
     async def _body(self, request: web.Request) -> dict:
         try:
@@ -1361,6 +1404,10 @@ class SimServer:
         loading = self._loading()
         if loading is not None:
             return loading
+        for pr in prompts:  # its tokenizer manager validates each before any runs: one too long refuses the batch
+            too_long = self._context_refusal(pr, n_predict, bool(body.get("stream")))
+            if too_long is not None:
+                return too_long
         q: asyncio.Queue = asyncio.Queue()
         args = (n_predict, bool(sp.get("ignore_eos", False)), False, int(body.get("seed", 0) or 0))
         reqs = [self._submit(pr, *args, choice=j, queue=_Tagged(q, i * n_choices + j))
@@ -1522,33 +1569,33 @@ class SimServer:
         fault = self._take_fault()
         if fault is not None and fault.kind == "http_error":
             return self._json({"error": {"code": fault.status, "message": "injected failure", "type": "server_error"}}, fault.status)
-        too_long = self._context_refusal(prompt)
+        stream = bool(body.get("stream", False))
+        too_long = self._context_refusal(prompt, n_predict, stream if api == "sglang-native" else None)
         if too_long is not None:
             return too_long
         default_cache = api == "llamacpp" or self.prefix_cache
-        if self.n_ctx is not None:
-            n_prompt = count_prompt_tokens(prompt)
-            # vLLM 0.32 (measured) refuses a prompt that alone exceeds its context (tokenized to one past it, "at
-            # least") or a max_tokens beyond it, and lowers a max_tokens that the prompt leaves no room for: the
-            # generation is cut at the context, finish_reason "length" (below, as llama.cpp's), unless min_tokens
-            # (powerprof's own requests send it, for ignore-EOS) is then above the lowered max_tokens: a 400.
-            if self.flavour == "vllm" and n_prompt > self.n_ctx:
-                n = self.n_ctx + 1
-                return self._bad_request(
-                    f"This model's maximum context length is {self.n_ctx} tokens. However, your prompt contains at "
-                    f"least {n} input tokens, which exceeds this limit even without any output tokens. Please reduce "
-                    f"the length of the input prompt. (parameter=input_tokens, value={n})", "input_tokens")
-            if self.flavour == "vllm" and n_predict > self.n_ctx:
-                return self._bad_request(
-                    f"max_tokens={n_predict} cannot be greater than max_model_len={self.n_ctx}. Please request fewer "
-                    f"output tokens. (parameter=max_tokens, value={n_predict})", "max_tokens")
-            min_tokens = body.get("min_tokens")
-            if (self.flavour == "vllm" and isinstance(min_tokens, int) and not isinstance(min_tokens, bool)
-                    and min_tokens > min(n_predict, self.n_ctx - n_prompt)):
-                return self._bad_request(f"min_tokens must be less than or equal to "
-                                         f"max_tokens={min(n_predict, self.n_ctx - n_prompt)}, got {min_tokens}.")
-            ctx = self.n_ctx // self.n_slots if self.flavour == "llamacpp" else self.n_ctx  # llama.cpp: per slot
-            n_predict = max(1, min(n_predict, ctx - n_prompt))
+        asked = n_predict
+        n_prompt = count_prompt_tokens(prompt)
+        # vLLM 0.32 (measured) refuses a prompt that alone exceeds its context (tokenized to one past it, "at
+        # least") or a max_tokens beyond it, and lowers a max_tokens that the prompt leaves no room for: the
+        # generation is cut at the context, finish_reason "length" (below, as llama.cpp's), unless min_tokens
+        # (powerprof's own requests send it, for ignore-EOS) is then above the lowered max_tokens: a 400.
+        if self.flavour == "vllm" and n_prompt > self.n_ctx:
+            n = self.n_ctx + 1
+            return self._bad_request(
+                f"This model's maximum context length is {self.n_ctx} tokens. However, your prompt contains at "
+                f"least {n} input tokens, which exceeds this limit even without any output tokens. Please reduce "
+                f"the length of the input prompt. (parameter=input_tokens, value={n})", "input_tokens")
+        if self.flavour == "vllm" and n_predict > self.n_ctx:
+            return self._bad_request(
+                f"max_tokens={n_predict} cannot be greater than max_model_len={self.n_ctx}. Please request fewer "
+                f"output tokens. (parameter=max_tokens, value={n_predict})", "max_tokens")
+        min_tokens = body.get("min_tokens")
+        if (self.flavour == "vllm" and isinstance(min_tokens, int) and not isinstance(min_tokens, bool)
+                and min_tokens > min(n_predict, self.n_ctx - n_prompt)):
+            return self._bad_request(f"min_tokens must be less than or equal to "
+                                     f"max_tokens={min(n_predict, self.n_ctx - n_prompt)}, got {min_tokens}.")
+        n_predict = max(1, min(n_predict, self._seq_ctx() - n_prompt))
         n_choices = body.get("n", 1) if api in ("openai-chat", "openai-completions") else 1
         if not isinstance(n_choices, int) or isinstance(n_choices, bool) or n_choices < 1:
             return self._bad_request("Field 'n': must be an integer of at least 1")
@@ -1563,11 +1610,11 @@ class SimServer:
             return self._bad_request(f"Field 'n': Value must be between 1 <= value <= {self.n_slots}, but got {n_choices}")
         args = (n_predict, bool(body.get("ignore_eos", False)), bool(body.get("cache_prompt", default_cache)),
                 int(body.get("seed", 0) or 0))
-        stream = bool(body.get("stream", False))
         opts = body.get("stream_options") if isinstance(body.get("stream_options"), dict) else {}
         if n_choices > 1:
             return await self._serve_choices(request, api, prompt, args, n_choices, stream, opts, echo)
         req = self._submit(prompt, *args)
+        req.ctx_cut = n_predict < asked  # llama-server's `truncated` once it stops at the limit
         req.client_id = request.headers.get("X-Sim-Request-Id")
         req.logprobs = api == "openai-chat" and body.get("logprobs") is True
         if api == "anthropic-messages" and self.flavour == "vllm" and stream:
@@ -1674,6 +1721,7 @@ class SimServer:
             "model": self.model,
             "tokens_predicted": self._reported(req.generated),
             "tokens_evaluated": req.prompt_tokens,
+            "truncated": req.ctx_cut and req.stop_type == "limit",  # stopped where the slot's context filled
             "stop_type": req.stop_type,
             "stopped_limit": req.stop_type == "limit",
             "timings": timings,

@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import json
 import math
+import re
 import time
 from dataclasses import dataclass, field
 from typing import Callable
@@ -49,6 +50,9 @@ class ServerInfo:
     model_path: str | None = None
     total_slots: int | None = None
     simulated: bool = False
+    # The tokens one request may fill, prompt included: llama.cpp's slot context (/props
+    # default_generation_settings.n_ctx), vLLM's and SGLang's max_model_len (/v1/models); None where not said.
+    context_tokens: int | None = None
 
     @property
     def endpoint(self) -> str:
@@ -295,12 +299,14 @@ async def detect_server(session: aiohttp.ClientSession, base_url: str, api: str 
     model = None
     owner = None
     simulated = False
+    ctx = None
     if isinstance(models, dict) and isinstance(models.get("data"), list) and models["data"]:
         m0 = models["data"][0]
         if isinstance(m0, dict):
             model = m0.get("id") if isinstance(m0.get("id"), str) else None
             owner = str(m0.get("owned_by") or "").lower()
             simulated = bool(m0.get("simulated"))
+            ctx = _positive_int(m0.get("max_model_len"))
     if isinstance(props, dict) and ("build_info" in props or "total_slots" in props or "default_generation_settings" in props):
         slots = props.get("total_slots")
         return ServerInfo(
@@ -312,6 +318,7 @@ async def detect_server(session: aiohttp.ClientSession, base_url: str, api: str 
             model_path=props.get("model_path") if isinstance(props.get("model_path"), str) else None,
             total_slots=int(slots) if slots is not None and bad_count(slots) is None and slots > 0 else None,
             simulated=bool(props.get("simulated")) or simulated,
+            context_tokens=_positive_int(dgs.get("n_ctx")) if isinstance(dgs := props.get("default_generation_settings"), dict) else None,
         )
     kind = "openai"
     build = None
@@ -349,7 +356,37 @@ async def detect_server(session: aiohttp.ClientSession, base_url: str, api: str 
             f"{base} answers but is neither llama.cpp (/props) nor OpenAI-compatible (/v1/models): if it is an "
             "inference server, pass --api; a web server that is not one answers like this too"
         )
-    return ServerInfo(base, kind, api or "openai-completions", model=model, build_info=build, simulated=simulated)
+    return ServerInfo(base, kind, api or "openai-completions", model=model, build_info=build, simulated=simulated,
+                      context_tokens=ctx if kind in ("vllm", "sglang") else None)
+
+
+def _positive_int(v) -> int | None:
+    return v if type(v) is int and v > 0 else None
+
+
+# What a request the server's context cannot hold needs, said with every such refusal (and before a run asks for one).
+CONTEXT_FIX = ("fix: use shorter prompts or a lower --max-tokens, or start the server with a longer context "
+               "(llama-server -c, vLLM --max-model-len, SGLang --context-length)")
+# The words each server's refusal uses: llama.cpp "exceeds the available context size", vLLM "maximum context length"
+# and "max_model_len", SGLang "context length" (docs/simulator.md, "Context window").
+_CONTEXT_WORDS = re.compile(r"context size|context length|max_model_len")
+
+
+def names_context(error: str | None) -> bool:
+    """Whether an error is the server refusing a request its context cannot hold."""
+    return bool(error) and _CONTEXT_WORDS.search(error) is not None
+
+
+def context_problem(server: ServerInfo, max_tokens: int) -> str | None:
+    """Why no request of `max_tokens` can fit the server's context (the prompt takes at least one token of it),
+    with the fix; None when it may, or the server does not say its context. llama.cpp would cut each such
+    generation at its slot's context, vLLM and SGLang refuse it: either way nothing measured is what was asked."""
+    ctx = server.context_tokens
+    if ctx is None or max_tokens < ctx:
+        return None
+    where = "a slot's n_ctx in /props" if server.kind == "llamacpp" else "max_model_len in /v1/models"
+    return (f"--max-tokens {max_tokens} asks for more than the server's context holds: {ctx} tokens a request, "
+            f"prompt included ({where}); {CONTEXT_FIX}")
 
 
 def server_away(rec: "RequestRecord") -> bool:

@@ -21,12 +21,14 @@ from powerprof import termination
 from powerprof.termination import raise_if_terminated
 
 from .client import (
+    CONTEXT_FIX,
     EdgeHook,
     RequestParams,
     RequestRecord,
     ServerInfo,
     detect_server,
     fetch_metrics,
+    names_context,
     new_session,
     send_request,
     server_away,
@@ -236,8 +238,11 @@ class LagMonitor:
 
 def _not_retryable(rec: RequestRecord) -> bool:
     """A 4xx answer (context length exceeded, bad parameter) says the request itself is wrong:
-    asking again gets the same answer. 408 and 429 are about timing and are retried."""
-    return rec.http_status is not None and 400 <= rec.http_status < 500 and rec.http_status not in (408, 429)
+    asking again gets the same answer. 408 and 429 are about timing and are retried. So is a context refusal
+    inside an HTTP 200 (SGLang's streamed /generate sends its ValueError as the stream's one event)."""
+    if rec.http_status is not None and 400 <= rec.http_status < 500 and rec.http_status not in (408, 429):
+        return True
+    return not rec.event_t_ns and names_context(rec.error)
 
 
 class _Run:
@@ -295,6 +300,8 @@ class _Run:
                 return
             if _not_retryable(rec):
                 self.abort = f"request {rid} (prompt {prompt.id}) was refused by the server, not retried: {rec.error}"
+                if names_context(rec.error):
+                    self.abort += f"; {CONTEXT_FIX}"
                 return
             if self.failed > self.limit:
                 self.abort = f"too many failed requests ({self.failed}); last error: {rec.error}"

@@ -29,7 +29,7 @@ from powerprof.profiler import (EDGE_BIAS_WINDOW_S, LOW_CONFIDENCE_S, METHOD_POW
                                 POWER_EDGE_BIAS_WINDOW_S)
 from powerprof.trust import out_dir_refusal
 
-from .client import RequestParams, RequestRecord, ServerInfo, detect_server, new_session, server_away
+from .client import RequestParams, RequestRecord, ServerInfo, context_problem, detect_server, new_session, server_away
 from .load import LoadAborted, LoadPolicy, Prompt, run_load_async
 from .others import FOREIGN_FIX, FOREIGN_FLAG, OthersWatch, leave_out_foreign
 from .rows import BY_GPU, FIGURES, NO_DECODE_INTERVAL, window_rows
@@ -455,6 +455,9 @@ def measure(
         aborted = None
         async with new_session() as s:
             server = found["server"] = await detect_server(s, url, api)
+            too_long = context_problem(server, params.max_tokens)
+            if too_long:
+                raise ValueError(too_long)  # before any request: each would be refused, or cut short of what was asked
             others = (OthersWatch(s, server.base_url, getattr(profiler, "gpu", None), server_procs, kind=server.kind)
                       if watch_others else None)
             watch.extend([others] if others else [])

@@ -1,0 +1,177 @@
+"""The simulated server's context window as each real server enforces and reports it, and what powerprof does when a
+run asks more than it holds: a clear error with the fix, before anything starts or mid-level, the limit put back."""
+
+from __future__ import annotations
+
+import json
+import urllib.error
+import urllib.request
+
+import pytest
+
+from powerprof.rig import Rig
+from powerprof.sim.nvml import SimNVML
+from powerprof.sim.server import SimServer
+from powerprof.sweep import UI, SweepError, run_sweep
+from powerprof.workload.client import RequestParams
+from powerprof.workload.load import LoadAborted, Prompt, run_load
+
+FAST = {"decode_tok_s": 2000.0, "prefill_tok_s": 1e5}
+
+
+def _post(url: str, body: dict) -> tuple[int, bytes]:
+    req = urllib.request.Request(url, data=json.dumps(body).encode(), headers={"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(req, timeout=30) as r:
+            return r.status, r.read()
+    except urllib.error.HTTPError as e:
+        return e.code, e.read()
+
+
+def _get(url: str):
+    return json.loads(urllib.request.urlopen(url, timeout=10).read())
+
+
+# --- llama.cpp -------------------------------------------------------------------------------------------------------
+
+def test_llamacpp_reports_a_default_context_per_slot_and_refuses_a_longer_prompt_as_b11434_does():
+    # Measured on llama-server b11434 (-c 512 -np 2, 256 a slot): /props and /slots say the slot's n_ctx; a prompt of
+    # 4204 tokens got 400 {"error": {"code": 400, "message": "request (4204 tokens) exceeds the available context
+    # size (256 tokens), try increasing it", "type": "exceed_context_size_error", "n_prompt_tokens": 4204,
+    # "n_ctx": 256}}. The simulator had no context unless told one.
+    with SimServer(n_slots=2, **FAST) as srv:
+        assert _get(srv.url + "/props")["default_generation_settings"]["n_ctx"] == 4096
+        assert {s["n_ctx"] for s in _get(srv.url + "/slots")} == {4096}
+        code, raw = _post(srv.url + "/completion", {"prompt": "word " * 5000, "n_predict": 4})
+    assert code == 400
+    assert json.loads(raw) == {"error": {
+        "code": 400, "message": "request (5001 tokens) exceeds the available context size (4096 tokens), try increasing it",
+        "type": "exceed_context_size_error", "n_prompt_tokens": 5001, "n_ctx": 4096}}
+
+
+@pytest.mark.parametrize("path", ["/completion", "/v1/completions"])
+def test_llamacpp_stops_a_generation_where_the_slots_context_fills_and_says_truncated(path):
+    # b11434, a 256-token slot, 15 prompt tokens, n_predict 5000: 241 generated (prompt + generated = n_ctx),
+    # `truncated: true`, `stop_type: "limit"`; its OpenAI answer says finish_reason "length".
+    with SimServer(n_ctx=64, n_slots=1, **FAST) as srv:
+        n_key = "n_predict" if path == "/completion" else "max_tokens"
+        code, raw = _post(srv.url + path, {"prompt": "the power of a card", n_key: 5000, "ignore_eos": True})
+        short_code, short_raw = _post(srv.url + "/completion", {"prompt": "the power", "n_predict": 4})
+    assert code == 200
+    d = json.loads(raw)
+    if path == "/completion":
+        assert d["tokens_evaluated"] + d["tokens_predicted"] == 64 and d["truncated"] is True and d["stop_type"] == "limit"
+    else:
+        u = d["usage"]
+        assert u["prompt_tokens"] + u["completion_tokens"] == 64 and d["choices"][0]["finish_reason"] == "length"
+    assert short_code == 200 and json.loads(short_raw)["truncated"] is False
+
+
+# --- vLLM ------------------------------------------------------------------------------------------------------------
+
+def test_vllm_lists_max_model_len_and_refuses_a_max_tokens_beyond_it_by_default():
+    # vLLM's /v1/models card carries max_model_len (its ModelCard); max_tokens beyond it is a 400 (measured on 0.32).
+    with SimServer(flavour="vllm", **FAST) as srv:
+        (card,) = _get(srv.url + "/v1/models")["data"]
+        code, raw = _post(srv.url + "/v1/completions", {"prompt": "the power", "max_tokens": 5_000_000})
+    assert card["max_model_len"] == 32768
+    assert code == 400 and "max_tokens=5000000 cannot be greater than max_model_len=32768" in raw.decode()
+
+
+# --- SGLang ----------------------------------------------------------------------------------------------------------
+
+def test_sglang_reports_its_context_length_and_refuses_what_does_not_fit_as_its_tokenizer_manager_does():
+    # tokenizer_manager._validate_one_request: input >= context_len, or input + max_new_tokens > context_len, is a
+    # ValueError; the OpenAI routes answer it 400 {"object": "error", ..., "type": "BadRequestError", "code": 400}.
+    with SimServer(flavour="sglang", n_ctx=64, sglang_warmup=False, **FAST) as srv:
+        (card,) = _get(srv.url + "/v1/models")["data"]
+        info = _get(srv.url + "/get_server_info")
+        long_prompt = _post(srv.url + "/v1/completions", {"prompt": "word " * 70, "max_tokens": 4})
+        too_many = _post(srv.url + "/v1/completions", {"prompt": "the power", "max_tokens": 100})
+        fits = _post(srv.url + "/v1/completions", {"prompt": "the power", "max_tokens": 61,
+                                                             "ignore_eos": True})
+    assert card["max_model_len"] == 64 and info["context_length"] == 64
+    code, raw = long_prompt
+    assert code == 400 and json.loads(raw) == {
+        "object": "error", "message": "The input (71 tokens) is longer than the model's context length (64 tokens).",
+        "type": "BadRequestError", "param": None, "code": 400}
+    code, raw = too_many
+    assert code == 400 and json.loads(raw)["message"] == (
+        "Requested token count exceeds the model's maximum context length of 64 tokens. You requested a total of 103 "
+        "tokens: 3 tokens from the input messages and 100 tokens for the completion. Please reduce the number of "
+        "tokens in the input messages or the completion to fit within the limit.")
+    assert fits[0] == 200 and json.loads(fits[1])["usage"]["completion_tokens"] == 61
+
+
+def test_sglang_generate_refuses_whole_with_a_400_and_streamed_inside_a_200():
+    # http_server.generate_request: a whole answer is 400 {"error": {"message": ...}}; a stream is HTTP 200 whose one
+    # event is {"error": {"message": ...}}, then [DONE].
+    with SimServer(flavour="sglang", n_ctx=64, sglang_warmup=False, **FAST) as srv:
+        body = {"text": "the power", "sampling_params": {"max_new_tokens": 100}}
+        whole = _post(srv.url + "/generate", body)
+        streamed = _post(srv.url + "/generate", dict(body, stream=True))
+    msg = "Requested token count exceeds the model's maximum context length of 64 tokens."
+    assert whole[0] == 400 and json.loads(whole[1])["error"]["message"].startswith(msg)
+    code, raw = streamed
+    events = [ln[len(b"data: "):] for ln in raw.splitlines() if ln.startswith(b"data: ")]
+    assert code == 200 and events[-1] == b"[DONE]" and len(events) == 2, raw
+    assert json.loads(events[0])["error"]["message"].startswith(msg)
+
+
+def test_sglang_generate_refuses_a_batch_one_of_whose_prompts_does_not_fit():
+    with SimServer(flavour="sglang", n_ctx=64, sglang_warmup=False, **FAST) as srv:
+        code, raw = _post(srv.url + "/generate", {"text": ["the power", "word " * 70],
+                                                  "sampling_params": {"max_new_tokens": 4}})
+    assert code == 400 and "The input (71 tokens) is longer" in json.loads(raw)["error"]["message"]
+
+
+# --- powerprof's client ----------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("flavour", ["llamacpp", "vllm", "sglang"])
+def test_a_prompt_the_context_cannot_hold_stops_the_run_at_once_with_the_fix(flavour):
+    with SimServer(flavour=flavour, n_ctx=64, n_slots=1, sglang_warmup=False, **FAST) as srv:
+        with pytest.raises(LoadAborted) as e:
+            run_load(srv.url, [Prompt("too-long", "word " * 80)], 2, 1, RequestParams(max_tokens=8), warmup=0)
+    msg = str(e.value)
+    assert "too-long" in msg and "not retried" in msg, msg
+    assert "fix: use shorter prompts or a lower --max-tokens, or start the server with a longer context" in msg, msg
+    assert [r.attempt for r in e.value.records] == [1]
+
+
+class _Hook(UI):
+    def __init__(self, act):
+        self.act = act
+
+    def level_start(self, i, n, visit, unit):
+        self.act(visit)
+
+
+def test_a_sweep_asking_more_tokens_than_the_servers_context_stops_before_the_first_level_with_the_fix(tmp_path):
+    # `powerprof sweep --simulate --max-tokens 5000000` sat in its settle phase for minutes: the simulated server had
+    # no context. llama-server would cut each request at its slot's context (4096 here), vLLM and SGLang refuse it.
+    sim = SimNVML("seed-16g", state_path=None)
+    before = sim.gpus[0].limit_w
+    with Rig("seed-16g", nvml=sim) as rig, pytest.raises(SweepError) as e:
+        run_sweep(rig, levels_spec="300,200", out_dir=tmp_path / "run", params=RequestParams(max_tokens=5_000_000),
+                  idle_s=0, interval_s=0.2, min_requests=2, max_requests=2, warmup_requests=0)
+    msg = str(e.value)
+    assert "--max-tokens 5000000" in msg and "4096 tokens" in msg and "fix:" in msg and "--max-tokens" in msg, msg
+    assert sim.gpus[0].limit_w == before
+
+
+def test_a_context_refusal_mid_sweep_stops_it_with_the_fix_and_puts_the_limit_back(tmp_path, sim_server):
+    # The server came back with a smaller context: its refusals stop the sweep at that level, not retried, saying
+    # the fix; the operator's limit is back.
+    sim = SimNVML("seed-16g", state_path=None)
+
+    def shrink(visit):
+        if visit.level_value == 200:
+            sim_server[0].n_ctx = 8 * sim_server[0].n_slots
+
+    with Rig("seed-16g", nvml=sim) as rig, pytest.raises(SweepError) as e:
+        run_sweep(rig, levels_spec="300,200", out_dir=tmp_path / "run", params=RequestParams(max_tokens=16), idle_s=0,
+                  interval_s=0.2, min_requests=2, max_requests=4, warmup_requests=0, ui=_Hook(shrink))
+    msg = str(e.value)
+    assert "level 200" in msg and "exceeds the available context size" in msg and "not retried" in msg, msg
+    assert "start the server with a longer context" in msg, msg
+    assert sim.gpus[0].limit_w == 300.0
