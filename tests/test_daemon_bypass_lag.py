@@ -408,3 +408,53 @@ def test_bypass_traffic_that_stops_or_starts_with_a_held_burst_keeps_its_windows
             assert sum(r["server_tokens"] or 0 for r in rows) == pytest.approx(len(truth), abs=2), _said(rows)
             if offset_s <= -0.5:
                 assert not any("proxy_lag" in r["server_count"] for r in rows), (offset_s, phase_s, _said(rows))
+
+
+def _one_burst_after_a_clump(clump_per_s: float, sample_s: float = 0.25):
+    """A ledger fed as the daemon feeds it (scrapes every 0.25 s, GPU samples every `sample_s`): a clump of bypass
+    traffic at `clump_per_s` tokens/s over 1-2.1 s, then none; a stream arriving at 2.0 s, queued behind the clump until
+    2.5 s, decoding 120 tokens/s to 3.0 s, that reaches the proxy in one burst at its end (a buffering hop). Returns
+    (interval rows sorted by start, the truth: every bypass token's instant)."""
+    sink = _Sink()
+    led = Ledger("d", 0, 1, sink, grace_s=0.3)
+    led.scraping = True
+    bypass = 1.0 + np.arange(int(1.1 * clump_per_s)) / clump_per_s
+    steps = 2.5 + np.arange(60) / 120.0
+    gen = np.concatenate([bypass, steps])
+    tr = RequestTrace(1, "POST", "/completion", None, int(2.0 * S), int(2.0 * S), api="llamacpp", stream=True)
+    tr.counts = Counts(generated_tokens=None, prompt_tokens=20, model=None, stop_reason=None, token_source="usage")
+    pieces = [(3.0, 60)]
+    prev_t, prev_total = None, 0.0
+    for k in range(int(7.0 / 0.005)):
+        t = round(k * 0.005, 6)
+        if tr.request_id not in led.requests and tr.end_ns is None and t >= 2.0:
+            led.on_start(tr)
+        _read_pieces_due(led, tr, pieces, t)
+        if tr.end_ns is None and t >= 3.002:
+            tr.end_ns = tr.end_wall_ns = int(3.0 * S)
+            led.on_end(tr)
+        if k % round(sample_s / 0.005) == 0:
+            led.add_gpu_sample(int(t * S), int(t * S), [_R(100.0 * t)])
+        if k % 50 == 0 and t >= 0.5:
+            count = float((gen <= t).sum())
+            led.add_server_tokens(int(t * S), 0.0 if prev_t is None else count - prev_total,
+                                  None if prev_t is None else int(prev_t * S))
+            prev_t, prev_total = t, count
+        led.advance(int(t * S), int(t * S))
+    led.close_all(int(t * S))
+    return sorted(sink.rows["intervals"], key=lambda r: r["t_start_mono_s"]), bypass
+
+
+@pytest.mark.parametrize("clump_per_s", [300, 500])
+def test_a_burst_whose_span_the_bypass_pace_before_it_leaves_no_room_for_says_so(clump_per_s):
+    """A stream held back by a buffering hop arrives as a clump of bypass requests winds down and reaches the proxy in
+    one burst. Its tokens are placed at the server's pace less the bypass pace of the windows just before its span (the
+    clump's, 300-500 tokens/s); the server counted only the stream's 120 tokens/s there, so that pace left the burst no
+    room in any window, and the burst was spread evenly, unmarked: over the clump's tail and its queue (2.0-2.5 s) as
+    much as its decode, a window of its decode reading 14 bypass tokens of none (300 tokens/s: one over the clump's
+    tail too), rows `complete` (the one burst beside clumps of tests/test_daemon_buffered_bypass.py: 4 intervals, 71 of
+    2326 bypass tokens, one 10.8 of none). A span the server's count says no room for contradicts the pace as much as one it says too little room for:
+    its windows say `proxy_lag`, or hold what ran there within their bound."""
+    rows, truth = _one_burst_after_a_clump(clump_per_s, sample_s=0.25)
+    assert _window_rows_off(rows, truth, lo_s=1.5, hi_s=3.5) == [], _said(rows)
+    assert sum(r["server_tokens"] or 0 for r in rows) == pytest.approx(len(truth), abs=2), _said(rows)
