@@ -113,6 +113,11 @@ def test_xlsx_summary_sheet_has_the_recommendation_and_run_details(tmp_path):
     assert items["recommended power limit (W)"] == res.main.recommendation.recommended_value
     assert items["policy"].startswith("budget")
     assert items["run_id"] and items["exported from"] == str(run_dir.resolve())
+    # Percentages shown to a tenth, as the report gives them (a walkthrough read 6.853666877709552), kept whole
+    # beneath for a formula.
+    cells = {r[0].value: r[1] for r in load_workbook(path)["summary"].iter_rows(min_row=2)}
+    for item in ("speed loss (%)", "energy saving per token (%)"):
+        assert cells[item].number_format == "0.0" and cells[item].value == items[item], (item, cells[item].number_format)
 
 
 def test_xlsx_has_no_workbook_protection_element(run, tmp_path):

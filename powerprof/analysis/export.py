@@ -1050,7 +1050,7 @@ def _write_xlsx(scans: dict[str, ds.Scanner], path: Path, tz: str,
         ws.freeze_panes = "A2"
         ws.append(["item", "value"])
         for k, v in summary:
-            ws.append([_text_cell(ws, x, WriteOnlyCell) if isinstance(x, str) else x
+            ws.append([_text_cell(ws, x, WriteOnlyCell) if isinstance(x, str) else _summary_number(ws, k, x, WriteOnlyCell)
                        for x in (k, v if v is None or isinstance(v, (int, float, str)) else str(v))])
     try:
         for name, scan in scans.items():
@@ -1081,6 +1081,15 @@ def _write_xlsx(scans: dict[str, ds.Scanner], path: Path, tz: str,
                 pass
         raise
     return path
+
+
+def _summary_number(ws, item: str, v, cell_type):
+    """A summary figure as a cell: a percentage shown to a tenth (its whole value kept beneath, for formulas)."""
+    if not isinstance(v, float) or "(%)" not in item:
+        return v
+    cell = cell_type(ws, value=v)
+    cell.number_format = "0.0"
+    return cell
 
 
 def _xlsx_header(ws, t: pa.Table, tz: str) -> list[str]:
