@@ -182,5 +182,5 @@ def test_the_advice_uses_the_limits_every_gpu_of_the_run_accepts(tmp_path):
         {"index": 0, "name": "card A", "min_limit_w": 100.0, "max_limit_w": 320.0, "default_limit_w": 300.0},
         {"index": 1, "name": "card B", "min_limit_w": 170.0, "max_limit_w": 350.0, "default_limit_w": 300.0}])
     _, said = _advice(analyze_run([run], tmp_path / "o", n_boot=200, plots=False, formats=()))
-    assert "Add levels 170 W" in said["edge"] and "every GPU of the run accepts down to 170 W" in said["edge"], said
+    assert "Add level 170 W" in said["edge"] and "every GPU of the run accepts down to 170 W" in said["edge"], said
     assert "card-range" not in said

@@ -32,6 +32,10 @@ class Finding:
         return {"kind": self.kind, "message": self.message, "levels": list(self.levels)}
 
 
+
+def _levels_word(values) -> str:
+    return "level" if len(values) == 1 else "levels"
+
 def _fmt(v: float, unit: str) -> str:
     return f"{v:g} {unit}"
 
@@ -64,7 +68,7 @@ def edge_findings(series: LevelSeries, choices: dict[str, Choice], card_range=(N
         if add:
             out.append(Finding("edge", (
                 f"{', '.join(low)}: optimum at the lowest level measured ({_fmt(lv[0], unit)}); the best may lie "
-                f"below. Add levels {', '.join(_fmt(round(v), unit) for v in add)}"
+                f"below. Add {_levels_word(add)} {', '.join(_fmt(round(v), unit) for v in add)}"
                 + (f" ({'every GPU of the run accepts' if several_gpus else 'the card accepts'} down to "
                    f"{_fmt(lo_card, unit)})." if lo_card is not None else ".")),
                 tuple(float(round(v)) for v in add)))
@@ -76,8 +80,8 @@ def edge_findings(series: LevelSeries, choices: dict[str, Choice], card_range=(N
         add = [v for v in (lv[-1] + step / 2, lv[-1] + step) if v <= ceil + 1e-9]
         if add:
             out.append(Finding("edge", (
-                f"{', '.join(high)}: optimum at the highest level measured ({_fmt(lv[-1], unit)}); add levels "
-                f"{', '.join(_fmt(round(v), unit) for v in add)} to see whether more is better."),
+                f"{', '.join(high)}: optimum at the highest level measured ({_fmt(lv[-1], unit)}); add "
+                f"{_levels_word(add)} {', '.join(_fmt(round(v), unit) for v in add)} to see whether more is better."),
                 tuple(float(round(v)) for v in add)))
     for p, c in choices.items():
         if c.interpolated_value is None or c.at_low_edge:
