@@ -461,3 +461,23 @@ def test_a_data_dir_removed_or_replaced_while_running_is_never_made_again_nor_wr
     assert not (tmp_path / "elsewhere").exists() and list(root.iterdir()) == [root / "things"]
     assert "replaced" in s.last_error, s.last_error
     assert s.compact() == 0 and s.enforce_retention() == 0
+
+
+def test_rows_dropped_for_the_memory_bound_during_one_datasets_write_never_stop_the_next_datasets(tmp_path):
+    # flush() kept "is the data dir gone" in `gone`, then reused the name for how many rows the memory bound dropped
+    # while a dataset was written: the next dataset then read that count as the data dir gone, was not written, and
+    # the flush failed with the count as its message.
+    other = pa.schema([("t_utc", pa.timestamp("us", tz="UTC")), ("value", pa.float64())])
+    s = None
+
+    def write_and_meanwhile_overflow(path, table):
+        write_file_atomic(path, table)
+        if path.parent.parent.name == "things":
+            s.append("things", _rows(5, start=100))  # rows arriving mid-write push the oldest out (bound 4)
+
+    s = DatasetStore(tmp_path, [Dataset("things", SCHEMA, "t_utc"), Dataset("others", other, "t_utc")],
+                     max_buffered_rows=4, write_file=write_and_meanwhile_overflow)
+    s.append("things", _rows(2))
+    s.append("others", [{"t_utc": DAY1, "value": 1.0}])
+    assert s.flush(), s.last_error
+    assert s.written_rows["others"] == 1 and s.last_error is None

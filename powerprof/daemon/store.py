@@ -259,16 +259,16 @@ class DatasetStore:
         """Write every buffered row; True when all were written. Never raises for I/O errors."""
         ok = True
         with self._io_lock:
-            gone = self._root_gone()
+            root_gone = self._root_gone()  # its own name: `gone` below counts rows the memory bound dropped
             for name, ds in self.datasets.items():
                 with self._lock:
                     rows = list(self._buf[name])
                     dropped_before = self.dropped_rows[name]
                 if not rows:
                     continue
-                if gone:
+                if root_gone:
                     ok = False
-                    self._flush_failed(name, OSError(errno.ENOENT, gone))
+                    self._flush_failed(name, OSError(errno.ENOENT, root_gone))
                     continue
                 written = len(rows)
                 try:
