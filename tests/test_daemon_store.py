@@ -481,3 +481,22 @@ def test_rows_dropped_for_the_memory_bound_during_one_datasets_write_never_stop_
     s.append("others", [{"t_utc": DAY1, "value": 1.0}])
     assert s.flush(), s.last_error
     assert s.written_rows["others"] == 1 and s.last_error is None
+
+
+def test_the_compaction_child_never_makes_nor_compacts_a_data_dir_removed_or_replaced_after_the_daemons_check(tmp_path):
+    # The daemon checks its data dir before starting the child, but the child's own store made the folder again
+    # (mkdir -p, mode 0755, root's) when it was gone by then, and compacted whatever folder had the name.
+    import shutil
+
+    from powerprof.daemon.store import _compact_as_told
+
+    root = tmp_path / "pp"
+    s, _ = _three_flushes(root)
+    spec = s.child_spec()
+    shutil.rmtree(root)
+    assert _compact_as_told(spec) == 0
+    assert not root.exists()
+    other, part = _three_flushes(root)  # another folder under the name, with files to compact
+    assert _compact_as_told(spec) == 0
+    assert not any(p.name.startswith("compact-") for p in part.glob("*.parquet"))
+    assert _compact_as_told(other.child_spec()) == 1  # the held folder itself is compacted as before

@@ -459,7 +459,10 @@ class DatasetStore:
 
     def child_spec(self, min_files: int = 2) -> dict:
         """What `python -m powerprof.daemon.store` needs to run `compact` in a child process."""
+        held = os.fstat(self._root_fd) if self._root_fd is not None else None
         return {"root": os.path.abspath(self.root), "min_files": min_files, "parent_pid": os.getpid(),
+                # The folder this store holds: the child compacts that one or none (_compact_as_told).
+                "root_id": [held.st_dev, held.st_ino] if held is not None else None,
                 "datasets": [{"name": d.name, "columns": d.columns, "time_column": d.time_column}
                              for d in self.datasets.values()]}
 
@@ -732,10 +735,32 @@ def _compaction_child() -> int:
     if os.getppid() != spec["parent_pid"]:
         return 1  # the daemon died before the line above
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
-    datasets = [Dataset(d["name"], [tuple(c) for c in d["columns"]], d["time_column"]) for d in spec["datasets"]]
-    store = DatasetStore(Path(spec["root"]), datasets, retention_days=None, recover=False)
-    store.compact(spec["min_files"])
+    _compact_as_told(spec)
     return 0
+
+
+def _same_folder(path: Path, root_id) -> bool:
+    try:
+        st = os.stat(path)
+    except OSError:
+        return False
+    return root_id is not None and [st.st_dev, st.st_ino] == list(root_id)
+
+
+def _compact_as_told(spec: dict) -> int:
+    """The child's work: compact the data dir the daemon holds, never a folder put under its name since (made again
+    by the child's own store, or another's put there between the daemon's check and this start: neither checked)."""
+    root = Path(spec["root"])
+    if not _same_folder(root, spec.get("root_id")):
+        log.warning("compaction skipped: %s is no longer the daemon's data dir (removed or replaced)", root)
+        return 0
+    datasets = [Dataset(d["name"], [tuple(c) for c in d["columns"]], d["time_column"]) for d in spec["datasets"]]
+    store = DatasetStore(root, datasets, retention_days=None, recover=False)
+    if store._root_fd is None or not _same_folder(root, spec["root_id"]) \
+            or (os.fstat(store._root_fd).st_dev, os.fstat(store._root_fd).st_ino) != tuple(spec["root_id"]):
+        log.warning("compaction skipped: %s was replaced as the child started", root)
+        return 0
+    return store.compact(spec["min_files"])
 
 
 if __name__ == "__main__":
