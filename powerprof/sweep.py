@@ -1382,7 +1382,7 @@ def run_sweep(
         if runner is None:  # a configuration sweep launches a server per configuration
             url = stack.enter_context(rig.server(url, launch, launch_timeout_s=launch_timeout_s, launched=launched))
             server_info = detect(url, api)
-            too_long = context_problem(server_info, params.max_tokens) if trace is None else None
+            too_long = context_problem(server_info, params.max_tokens, prompts) if trace is None else None
             if too_long:
                 raise SweepError(too_long)  # before any limit is set: each request would be refused, or cut short
         notes.extend(rig.notes)
