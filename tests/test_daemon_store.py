@@ -500,3 +500,49 @@ def test_the_compaction_child_never_makes_nor_compacts_a_data_dir_removed_or_rep
     assert _compact_as_told(spec) == 0
     assert not any(p.name.startswith("compact-") for p in part.glob("*.parquet"))
     assert _compact_as_told(other.child_spec()) == 1  # the held folder itself is compacted as before
+
+
+def test_a_data_dir_the_start_made_but_could_not_hold_is_never_made_again_once_removed(tmp_path, monkeypatch):
+    # The start made (or found) the folder, but holding it failed (EMFILE: the daemon's open-files limit): every flush
+    # then ran `mkdir -p` on the data dir, so one removed since was made again, root's, mode 0755, never checked.
+    import shutil
+
+    from powerprof.daemon import store as store_mod
+
+    real = store_mod._hold_folder
+    calls = []
+
+    def fail_first(owner, path):
+        calls.append(path)
+        if len(calls) == 1:
+            raise OSError(errno.EMFILE, "Too many open files")
+        return real(owner, path)
+
+    monkeypatch.setattr(store_mod, "_hold_folder", fail_first)
+    root = tmp_path / "pp"
+    s = _store(root)
+    shutil.rmtree(root)
+    s.append("things", _rows(2))
+    assert s.flush() is False and not root.exists(), s.last_error
+    assert "removed" in s.last_error, s.last_error
+    root.mkdir()  # another folder under the name: not the one the start made
+    assert s.flush() is False and list(root.iterdir()) == []
+
+
+def test_a_data_dir_the_start_could_not_hold_is_held_at_the_next_flush_while_it_is_the_same(tmp_path, monkeypatch):
+    from powerprof.daemon import store as store_mod
+
+    real = store_mod._hold_folder
+    calls = []
+
+    def fail_first(owner, path):
+        calls.append(path)
+        if len(calls) == 1:
+            raise OSError(errno.EMFILE, "Too many open files")
+        return real(owner, path)
+
+    monkeypatch.setattr(store_mod, "_hold_folder", fail_first)
+    s = _store(tmp_path / "pp")
+    s.append("things", _rows(2))
+    assert s.flush(), s.last_error
+    assert s._root_fd is not None

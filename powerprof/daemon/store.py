@@ -199,8 +199,12 @@ class DatasetStore:
         self._wall0_s, self._mono0_s = time.time(), time.monotonic()
         self._clock_step_logged = False
         self._root_fd: int | None = None  # the folder the start made or found, held for the store's life
+        self._root_id: tuple[int, int] | None = None  # its device and inode, should holding it fail (EMFILE)
+        self._root_lost = False  # that unheld folder was seen gone: whatever has the name since is not it
         try:
             self.root.mkdir(parents=True, exist_ok=True)
+            st = os.stat(self.root)
+            self._root_id = (st.st_dev, st.st_ino)
             self._root_fd = _hold_folder(self, self.root)
             for d in datasets:
                 (self.root / d.name).mkdir(exist_ok=True)
@@ -235,9 +239,30 @@ class DatasetStore:
         """Why the data dir is no longer the folder this store began with, or None. A folder made again or put in its
         place since was never checked (the daemon checks its data dir at start: who owns it, who may write it), so
         nothing is made or written there: in /tmp another user could have put a symlink first."""
+        if self._root_fd is None and self._root_id is not None:
+            # The start had the folder but could not hold it (EMFILE): held now if it is still that one. `mkdir -p`
+            # here made one removed since again, never checked. Unheld, its inode number may go to a folder made in
+            # its place (tmpfs gives it at once): once seen gone, it stays gone.
+            try:
+                st = os.stat(self.root)
+            except FileNotFoundError:
+                st = None
+            except OSError:
+                return None
+            if st is None:
+                self._root_lost = True
+            if not self._root_lost and st is not None and (st.st_dev, st.st_ino) == self._root_id:
+                try:
+                    self._root_fd = _hold_folder(self, self.root)
+                except OSError:
+                    return None  # still no descriptor to spare: the write says why
+                return self._root_gone()  # the name may have moved on between the stat and the open
+            return self._gone_text(st is None)
         if self._root_fd is None:
             try:  # the start could not make it (a file in the way, no permission): made now, checked from now on
                 self.root.mkdir(parents=True, exist_ok=True)
+                st = os.stat(self.root)
+                self._root_id = (st.st_dev, st.st_ino)
                 self._root_fd = _hold_folder(self, self.root)
             except OSError:
                 pass
@@ -251,7 +276,10 @@ class DatasetStore:
             return None  # unreadable for now (EIO, EACCES): the write says why
         if st is not None and held.st_nlink > 0 and (st.st_dev, st.st_ino) == (held.st_dev, held.st_ino):
             return None
-        return (f"the data dir {self.root} was {'removed' if st is None else 'replaced by another folder'} while the "
+        return self._gone_text(st is None)
+
+    def _gone_text(self, removed: bool) -> str:
+        return (f"the data dir {self.root} was {'removed' if removed else 'replaced by another folder'} while the "
                 "daemon ran; nothing is made or written there, since a folder put there since start was never checked; "
                 "rows are kept in memory; fix: restart the daemon (it checks the folder before writing)")
 
