@@ -546,3 +546,33 @@ def test_a_data_dir_the_start_could_not_hold_is_held_at_the_next_flush_while_it_
     s.append("things", _rows(2))
     assert s.flush(), s.last_error
     assert s._root_fd is not None
+
+
+def test_a_failed_compaction_childs_journal_is_never_finished_in_a_data_dir_replaced_since(tmp_path):
+    # A compaction child that exits non-zero (as one does when its data dir is removed under it) makes the daemon
+    # finish its journal: that ran in whatever folder had the name, unchecked, and unlinked each "source" the journal
+    # named (joined to the partition: "../../../victim" too), as root.
+    import shutil
+
+    root = tmp_path / "pp"
+    s, part = _three_flushes(root)
+    shutil.rmtree(root)
+    fake = root / "things" / part.name
+    fake.mkdir(parents=True)
+    (fake / "target.parquet").write_text("x")
+    victim = tmp_path / "victim"
+    victim.write_text("keep me")
+    (fake / JOURNAL).write_text(json.dumps({"target": "target.parquet", "sources": ["../../../victim"]}))
+    s.finish_compactions()
+    assert victim.exists() and (fake / JOURNAL).exists()
+    assert not (root / ".compaction.lock").exists()
+
+
+def test_a_journal_naming_a_source_outside_its_partition_deletes_nothing_there(tmp_path):
+    s, part = _three_flushes(tmp_path / "pp")
+    victim = tmp_path / "victim"
+    victim.write_text("keep me")
+    (part / "target.parquet").write_text("x")
+    (part / JOURNAL).write_text(json.dumps({"target": "target.parquet", "sources": ["../../../victim", "/etc/hostname"]}))
+    s.finish_compactions()
+    assert victim.exists()

@@ -161,6 +161,15 @@ def _hold_folder(owner, path: Path) -> int:
     return fd
 
 
+def _journal_names_only_its_own(j) -> bool:
+    """Whether a compaction journal's target and sources are all plain names of files in its own partition."""
+    def plain(name) -> bool:
+        return isinstance(name, str) and name not in ("", ".", "..") and "/" not in name and "\0" not in name
+
+    return isinstance(j, dict) and plain(j.get("target")) and isinstance(j.get("sources"), list) \
+        and all(plain(x) for x in j["sources"])
+
+
 class DatasetStore:
     """Buffers rows per dataset and writes them as small atomic files. Thread-safe."""
 
@@ -419,6 +428,10 @@ class DatasetStore:
     def finish_compactions(self) -> None:
         """Finish what a compaction child that died left (its journal), under the writers' lock."""
         with self._io_lock:
+            if self._root_gone():
+                # The child dies so when its data dir is removed under it: the folder now under the name was never
+                # checked, and its journal names files root would delete (said by the flushes that fail beside it).
+                return
             self._finish_journals(remove_tmp=False)
 
     def recover(self) -> None:
@@ -449,6 +462,12 @@ class DatasetStore:
             j = json.loads(journal.read_text())
         except (OSError, ValueError):
             j = None
+        if j and not _journal_names_only_its_own(j):
+            # A compaction writes the names of files in its partition: "../x" or "/x" it never wrote, and joined to
+            # the partition they would delete files anywhere, as root. Left in place, said.
+            log.error("compaction journal %s names files outside its partition; left as it is (remove it by hand "
+                      "once the partition's files are checked)", journal)
+            return
         if j and (part / j["target"]).exists():
             for src in j["sources"]:
                 (part / src).unlink(missing_ok=True)
