@@ -29,8 +29,8 @@ from powerprof.trust import out_dir_refusal
 from powerprof.profiler import Profiler
 from powerprof.storage.runs import RunWriter, default_run_dir, table_from_rows
 from powerprof.storage.samples import Timeline
-from powerprof.workload.client import (RequestParams, context_problem, health_status, identity_changes, new_session,
-                                      restart_evidence, server_away, server_epoch, server_identity)
+from powerprof.workload.client import (CONTEXT_FIX, RequestParams, context_problem, health_status, identity_changes,
+                                      new_session, restart_evidence, server_away, server_epoch, server_identity)
 from powerprof.workload.load import LoadAborted, LoadPolicy, builtin_prompts, detect, prompt_set_record, run_load_async
 from powerprof.workload.others import FOREIGN_FIX, FOREIGN_FLAG, OthersWatch, leave_out_foreign
 from powerprof.workload.rows import FIGURES, Level, request_timing, trace_row, window_rows
@@ -508,7 +508,22 @@ class Sweep:
             self._number_after(e.records)  # a level measured again after a restart goes on with new ids
             raise
         self._number_after(recs)
+        # Answers the server cut short (its context full: llama.cpp stops where the slot fills, `truncated`): the
+        # level's figures are then of shorter answers than asked. measure and sweep --trace said so; this kept it in
+        # the request rows alone.
+        cut = [r for r in recs if r.ok and r.truncated and not r.warmup]
+        if cut:
+            self.cut_count = getattr(self, "cut_count", 0) + len(cut)
+            self.cut_first = getattr(self, "cut_first", None) or f"request {cut[0].request_id} ({cut[0].prompt_id}): {cut[0].truncated}"
         return recs
+
+    @property
+    def cut_notes(self) -> list[str]:
+        n = getattr(self, "cut_count", 0)
+        if not n:
+            return []
+        return [f"{n} request{'s were' if n != 1 else ' was'} cut short by the server's context ({self.cut_first}): their "
+                f"levels' figures are of shorter answers than --max-tokens asked; {CONTEXT_FIX}"]
 
     def _number_after(self, recs) -> None:
         if recs:
@@ -1382,7 +1397,7 @@ def run_sweep(
         if runner is None:  # a configuration sweep launches a server per configuration
             url = stack.enter_context(rig.server(url, launch, launch_timeout_s=launch_timeout_s, launched=launched))
             server_info = detect(url, api)
-            too_long = context_problem(server_info, params.max_tokens) if trace is None else None
+            too_long = context_problem(server_info, params.max_tokens, prompts) if trace is None else None
             if too_long:
                 raise SweepError(too_long)  # before any limit is set: each request would be refused, or cut short
         notes.extend(rig.notes)
@@ -1479,6 +1494,7 @@ def run_sweep(
     notes.extend(getattr(sweep, "level_notes", []))
     notes.extend(getattr(sweep, "restart_notes", []))
     notes.extend(getattr(sweep, "foreign_notes", []))
+    notes.extend(getattr(sweep, "cut_notes", []))
     if ctl is not None:
         notes.extend(ctl.notes)  # a GPU reset between levels: reopened by its UUID, the next level set on it
     ex = sweep.excluded()

@@ -461,3 +461,118 @@ def test_a_data_dir_removed_or_replaced_while_running_is_never_made_again_nor_wr
     assert not (tmp_path / "elsewhere").exists() and list(root.iterdir()) == [root / "things"]
     assert "replaced" in s.last_error, s.last_error
     assert s.compact() == 0 and s.enforce_retention() == 0
+
+
+def test_rows_dropped_for_the_memory_bound_during_one_datasets_write_never_stop_the_next_datasets(tmp_path):
+    # flush() kept "is the data dir gone" in `gone`, then reused the name for how many rows the memory bound dropped
+    # while a dataset was written: the next dataset then read that count as the data dir gone, was not written, and
+    # the flush failed with the count as its message.
+    other = pa.schema([("t_utc", pa.timestamp("us", tz="UTC")), ("value", pa.float64())])
+    s = None
+
+    def write_and_meanwhile_overflow(path, table):
+        write_file_atomic(path, table)
+        if path.parent.parent.name == "things":
+            s.append("things", _rows(5, start=100))  # rows arriving mid-write push the oldest out (bound 4)
+
+    s = DatasetStore(tmp_path, [Dataset("things", SCHEMA, "t_utc"), Dataset("others", other, "t_utc")],
+                     max_buffered_rows=4, write_file=write_and_meanwhile_overflow)
+    s.append("things", _rows(2))
+    s.append("others", [{"t_utc": DAY1, "value": 1.0}])
+    assert s.flush(), s.last_error
+    assert s.written_rows["others"] == 1 and s.last_error is None
+
+
+def test_the_compaction_child_never_makes_nor_compacts_a_data_dir_removed_or_replaced_after_the_daemons_check(tmp_path):
+    # The daemon checks its data dir before starting the child, but the child's own store made the folder again
+    # (mkdir -p, mode 0755, root's) when it was gone by then, and compacted whatever folder had the name.
+    import shutil
+
+    from powerprof.daemon.store import _compact_as_told
+
+    root = tmp_path / "pp"
+    s, _ = _three_flushes(root)
+    spec = s.child_spec()
+    shutil.rmtree(root)
+    assert _compact_as_told(spec) == 0
+    assert not root.exists()
+    other, part = _three_flushes(root)  # another folder under the name, with files to compact
+    assert _compact_as_told(spec) == 0
+    assert not any(p.name.startswith("compact-") for p in part.glob("*.parquet"))
+    assert _compact_as_told(other.child_spec()) == 1  # the held folder itself is compacted as before
+
+
+def test_a_data_dir_the_start_made_but_could_not_hold_is_never_made_again_once_removed(tmp_path, monkeypatch):
+    # The start made (or found) the folder, but holding it failed (EMFILE: the daemon's open-files limit): every flush
+    # then ran `mkdir -p` on the data dir, so one removed since was made again, root's, mode 0755, never checked.
+    import shutil
+
+    from powerprof.daemon import store as store_mod
+
+    real = store_mod._hold_folder
+    calls = []
+
+    def fail_first(owner, path):
+        calls.append(path)
+        if len(calls) == 1:
+            raise OSError(errno.EMFILE, "Too many open files")
+        return real(owner, path)
+
+    monkeypatch.setattr(store_mod, "_hold_folder", fail_first)
+    root = tmp_path / "pp"
+    s = _store(root)
+    shutil.rmtree(root)
+    s.append("things", _rows(2))
+    assert s.flush() is False and not root.exists(), s.last_error
+    assert "removed" in s.last_error, s.last_error
+    root.mkdir()  # another folder under the name: not the one the start made
+    assert s.flush() is False and list(root.iterdir()) == []
+
+
+def test_a_data_dir_the_start_could_not_hold_is_held_at_the_next_flush_while_it_is_the_same(tmp_path, monkeypatch):
+    from powerprof.daemon import store as store_mod
+
+    real = store_mod._hold_folder
+    calls = []
+
+    def fail_first(owner, path):
+        calls.append(path)
+        if len(calls) == 1:
+            raise OSError(errno.EMFILE, "Too many open files")
+        return real(owner, path)
+
+    monkeypatch.setattr(store_mod, "_hold_folder", fail_first)
+    s = _store(tmp_path / "pp")
+    s.append("things", _rows(2))
+    assert s.flush(), s.last_error
+    assert s._root_fd is not None
+
+
+def test_a_failed_compaction_childs_journal_is_never_finished_in_a_data_dir_replaced_since(tmp_path):
+    # A compaction child that exits non-zero (as one does when its data dir is removed under it) makes the daemon
+    # finish its journal: that ran in whatever folder had the name, unchecked, and unlinked each "source" the journal
+    # named (joined to the partition: "../../../victim" too), as root.
+    import shutil
+
+    root = tmp_path / "pp"
+    s, part = _three_flushes(root)
+    shutil.rmtree(root)
+    fake = root / "things" / part.name
+    fake.mkdir(parents=True)
+    (fake / "target.parquet").write_text("x")
+    victim = tmp_path / "victim"
+    victim.write_text("keep me")
+    (fake / JOURNAL).write_text(json.dumps({"target": "target.parquet", "sources": ["../../../victim"]}))
+    s.finish_compactions()
+    assert victim.exists() and (fake / JOURNAL).exists()
+    assert not (root / ".compaction.lock").exists()
+
+
+def test_a_journal_naming_a_source_outside_its_partition_deletes_nothing_there(tmp_path):
+    s, part = _three_flushes(tmp_path / "pp")
+    victim = tmp_path / "victim"
+    victim.write_text("keep me")
+    (part / "target.parquet").write_text("x")
+    (part / JOURNAL).write_text(json.dumps({"target": "target.parquet", "sources": ["../../../victim", "/etc/hostname"]}))
+    s.finish_compactions()
+    assert victim.exists()

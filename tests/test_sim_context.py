@@ -175,3 +175,42 @@ def test_a_context_refusal_mid_sweep_stops_it_with_the_fix_and_puts_the_limit_ba
     assert "level 200" in msg and "exceeds the available context size" in msg and "not retried" in msg, msg
     assert "start the server with a longer context" in msg, msg
     assert sim.gpus[0].limit_w == 300.0
+
+
+def test_a_prompt_files_own_max_tokens_past_the_context_is_refused_before_any_request_too():
+    # The check read only --max-tokens: a prompt file's "max_tokens" (Prompt.max_tokens, which overrides it) past the
+    # context passed, and on llama.cpp each answer was cut at the slot's context mid-run.
+    from powerprof.workload.measure import measure
+
+    with SimServer(flavour="llamacpp", n_ctx=64, n_slots=1, **FAST) as srv:
+        with pytest.raises(ValueError) as e:
+            measure(srv.url, prompts=[Prompt("ok", "hi"), Prompt("long-ask", "hi", max_tokens=500)], n_requests=2,
+                    params=RequestParams(max_tokens=8), warmup=0, watch_others=False)
+    msg = str(e.value)
+    assert "500" in msg and "long-ask" in msg and "64 tokens" in msg and "fix:" in msg, msg
+
+
+def test_max_tokens_every_prompt_overrides_is_not_asked_so_not_refused():
+    from powerprof.workload.client import ServerInfo, context_problem
+
+    srv = ServerInfo("http://127.0.0.1:1", "llamacpp", "llamacpp", context_tokens=64)
+    assert context_problem(srv, 5000, [Prompt("a", "hi", max_tokens=16)]) is None
+    assert "--max-tokens 5000" in context_problem(srv, 5000, [Prompt("a", "hi", max_tokens=16), Prompt("b", "hi")])
+    assert context_problem(ServerInfo("http://127.0.0.1:1", "openai", "openai-completions"), 5000) is None  # says none
+
+
+def test_a_sweep_whose_answers_the_context_cut_short_says_so(tmp_path, sim_server):
+    # A --max-tokens below the slot's context but past what the prompt leaves: llama.cpp cuts each answer where the
+    # slot fills (`truncated`). measure and sweep --trace said so; a sweep over prompts kept it in the rows alone,
+    # its levels' figures those of shorter answers than asked, unsaid.
+    sim = SimNVML("seed-16g", state_path=None)
+
+    class Shrink(UI):
+        def level_start(self, i, n, visit, unit):
+            sim_server[0].n_ctx = 40 * sim_server[0].n_slots  # the prompts (8+ tokens) leave fewer than 36
+
+    with Rig("seed-16g", nvml=sim) as rig:
+        out = run_sweep(rig, levels_spec="300", out_dir=tmp_path / "run", params=RequestParams(max_tokens=36),
+                        idle_s=0, interval_s=0.2, min_requests=2, max_requests=2, warmup_requests=0, ui=Shrink())
+    cut = [n for n in out.notes if "cut short" in n]
+    assert len(cut) == 1 and "of 36 tokens" in cut[0] and "fix:" in cut[0], out.notes

@@ -161,6 +161,15 @@ def _hold_folder(owner, path: Path) -> int:
     return fd
 
 
+def _journal_names_only_its_own(j) -> bool:
+    """Whether a compaction journal's target and sources are all plain names of files in its own partition."""
+    def plain(name) -> bool:
+        return isinstance(name, str) and name not in ("", ".", "..") and "/" not in name and "\0" not in name
+
+    return isinstance(j, dict) and plain(j.get("target")) and isinstance(j.get("sources"), list) \
+        and all(plain(x) for x in j["sources"])
+
+
 class DatasetStore:
     """Buffers rows per dataset and writes them as small atomic files. Thread-safe."""
 
@@ -199,8 +208,12 @@ class DatasetStore:
         self._wall0_s, self._mono0_s = time.time(), time.monotonic()
         self._clock_step_logged = False
         self._root_fd: int | None = None  # the folder the start made or found, held for the store's life
+        self._root_id: tuple[int, int] | None = None  # its device and inode, should holding it fail (EMFILE)
+        self._root_lost = False  # that unheld folder was seen gone: whatever has the name since is not it
         try:
             self.root.mkdir(parents=True, exist_ok=True)
+            st = os.stat(self.root)
+            self._root_id = (st.st_dev, st.st_ino)
             self._root_fd = _hold_folder(self, self.root)
             for d in datasets:
                 (self.root / d.name).mkdir(exist_ok=True)
@@ -235,9 +248,30 @@ class DatasetStore:
         """Why the data dir is no longer the folder this store began with, or None. A folder made again or put in its
         place since was never checked (the daemon checks its data dir at start: who owns it, who may write it), so
         nothing is made or written there: in /tmp another user could have put a symlink first."""
+        if self._root_fd is None and self._root_id is not None:
+            # The start had the folder but could not hold it (EMFILE): held now if it is still that one. `mkdir -p`
+            # here made one removed since again, never checked. Unheld, its inode number may go to a folder made in
+            # its place (tmpfs gives it at once): once seen gone, it stays gone.
+            try:
+                st = os.stat(self.root)
+            except FileNotFoundError:
+                st = None
+            except OSError:
+                return None
+            if st is None:
+                self._root_lost = True
+            if not self._root_lost and st is not None and (st.st_dev, st.st_ino) == self._root_id:
+                try:
+                    self._root_fd = _hold_folder(self, self.root)
+                except OSError:
+                    return None  # still no descriptor to spare: the write says why
+                return self._root_gone()  # the name may have moved on between the stat and the open
+            return self._gone_text(st is None)
         if self._root_fd is None:
             try:  # the start could not make it (a file in the way, no permission): made now, checked from now on
                 self.root.mkdir(parents=True, exist_ok=True)
+                st = os.stat(self.root)
+                self._root_id = (st.st_dev, st.st_ino)
                 self._root_fd = _hold_folder(self, self.root)
             except OSError:
                 pass
@@ -251,7 +285,10 @@ class DatasetStore:
             return None  # unreadable for now (EIO, EACCES): the write says why
         if st is not None and held.st_nlink > 0 and (st.st_dev, st.st_ino) == (held.st_dev, held.st_ino):
             return None
-        return (f"the data dir {self.root} was {'removed' if st is None else 'replaced by another folder'} while the "
+        return self._gone_text(st is None)
+
+    def _gone_text(self, removed: bool) -> str:
+        return (f"the data dir {self.root} was {'removed' if removed else 'replaced by another folder'} while the "
                 "daemon ran; nothing is made or written there, since a folder put there since start was never checked; "
                 "rows are kept in memory; fix: restart the daemon (it checks the folder before writing)")
 
@@ -259,16 +296,16 @@ class DatasetStore:
         """Write every buffered row; True when all were written. Never raises for I/O errors."""
         ok = True
         with self._io_lock:
-            gone = self._root_gone()
+            root_gone = self._root_gone()  # its own name: `gone` below counts rows the memory bound dropped
             for name, ds in self.datasets.items():
                 with self._lock:
                     rows = list(self._buf[name])
                     dropped_before = self.dropped_rows[name]
                 if not rows:
                     continue
-                if gone:
+                if root_gone:
                     ok = False
-                    self._flush_failed(name, OSError(errno.ENOENT, gone))
+                    self._flush_failed(name, OSError(errno.ENOENT, root_gone))
                     continue
                 written = len(rows)
                 try:
@@ -391,6 +428,10 @@ class DatasetStore:
     def finish_compactions(self) -> None:
         """Finish what a compaction child that died left (its journal), under the writers' lock."""
         with self._io_lock:
+            if self._root_gone():
+                # The child dies so when its data dir is removed under it: the folder now under the name was never
+                # checked, and its journal names files root would delete (said by the flushes that fail beside it).
+                return
             self._finish_journals(remove_tmp=False)
 
     def recover(self) -> None:
@@ -421,6 +462,12 @@ class DatasetStore:
             j = json.loads(journal.read_text())
         except (OSError, ValueError):
             j = None
+        if j and not _journal_names_only_its_own(j):
+            # A compaction writes the names of files in its partition: "../x" or "/x" it never wrote, and joined to
+            # the partition they would delete files anywhere, as root. Left in place, said.
+            log.error("compaction journal %s names files outside its partition; left as it is (remove it by hand "
+                      "once the partition's files are checked)", journal)
+            return
         if j and (part / j["target"]).exists():
             for src in j["sources"]:
                 (part / src).unlink(missing_ok=True)
@@ -459,7 +506,10 @@ class DatasetStore:
 
     def child_spec(self, min_files: int = 2) -> dict:
         """What `python -m powerprof.daemon.store` needs to run `compact` in a child process."""
+        held = os.fstat(self._root_fd) if self._root_fd is not None else None
         return {"root": os.path.abspath(self.root), "min_files": min_files, "parent_pid": os.getpid(),
+                # The folder this store holds: the child compacts that one or none (_compact_as_told).
+                "root_id": [held.st_dev, held.st_ino] if held is not None else None,
                 "datasets": [{"name": d.name, "columns": d.columns, "time_column": d.time_column}
                              for d in self.datasets.values()]}
 
@@ -732,10 +782,32 @@ def _compaction_child() -> int:
     if os.getppid() != spec["parent_pid"]:
         return 1  # the daemon died before the line above
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
-    datasets = [Dataset(d["name"], [tuple(c) for c in d["columns"]], d["time_column"]) for d in spec["datasets"]]
-    store = DatasetStore(Path(spec["root"]), datasets, retention_days=None, recover=False)
-    store.compact(spec["min_files"])
+    _compact_as_told(spec)
     return 0
+
+
+def _same_folder(path: Path, root_id) -> bool:
+    try:
+        st = os.stat(path)
+    except OSError:
+        return False
+    return root_id is not None and [st.st_dev, st.st_ino] == list(root_id)
+
+
+def _compact_as_told(spec: dict) -> int:
+    """The child's work: compact the data dir the daemon holds, never a folder put under its name since (made again
+    by the child's own store, or another's put there between the daemon's check and this start: neither checked)."""
+    root = Path(spec["root"])
+    if not _same_folder(root, spec.get("root_id")):
+        log.warning("compaction skipped: %s is no longer the daemon's data dir (removed or replaced)", root)
+        return 0
+    datasets = [Dataset(d["name"], [tuple(c) for c in d["columns"]], d["time_column"]) for d in spec["datasets"]]
+    store = DatasetStore(root, datasets, retention_days=None, recover=False)
+    if store._root_fd is None or not _same_folder(root, spec["root_id"]) \
+            or (os.fstat(store._root_fd).st_dev, os.fstat(store._root_fd).st_ino) != tuple(spec["root_id"]):
+        log.warning("compaction skipped: %s was replaced as the child started", root)
+        return 0
+    return store.compact(spec["min_files"])
 
 
 if __name__ == "__main__":

@@ -377,16 +377,23 @@ def names_context(error: str | None) -> bool:
     return bool(error) and _CONTEXT_WORDS.search(error) is not None
 
 
-def context_problem(server: ServerInfo, max_tokens: int) -> str | None:
+def context_problem(server: ServerInfo, max_tokens: int, prompts=()) -> str | None:
     """Why no request of `max_tokens` can fit the server's context (the prompt takes at least one token of it),
     with the fix; None when it may, or the server does not say its context. llama.cpp would cut each such
-    generation at its slot's context, vLLM and SGLang refuse it: either way nothing measured is what was asked."""
+    generation at its slot's context, vLLM and SGLang refuse it: either way nothing measured is what was asked.
+    With `prompts`, what each asks: a prompt file's own "max_tokens" overrides --max-tokens (load.Prompt), so one
+    past the context was cut or refused mid-run, and --max-tokens alone is not asked where every prompt has its own."""
     ctx = server.context_tokens
-    if ctx is None or max_tokens < ctx:
+    if ctx is None:
+        return None
+    asks = [(p.max_tokens, p.id) if getattr(p, "max_tokens", None) is not None else (max_tokens, None) for p in prompts]
+    n, pid = max(asks or [(max_tokens, None)], key=lambda a: a[0])
+    if n < ctx:
         return None
     where = "a slot's n_ctx in /props" if server.kind == "llamacpp" else "max_model_len in /v1/models"
-    return (f"--max-tokens {max_tokens} asks for more than the server's context holds: {ctx} tokens a request, "
-            f"prompt included ({where}); {CONTEXT_FIX}")
+    what = f"prompt {pid}'s own max_tokens {n} (its prompt file)" if pid is not None else f"--max-tokens {n}"
+    fix = CONTEXT_FIX if pid is None else CONTEXT_FIX.replace("a lower --max-tokens", "a lower max_tokens in the prompt file")
+    return f"{what} asks for more than the server's context holds: {ctx} tokens a request, prompt included ({where}); {fix}"
 
 
 def server_away(rec: "RequestRecord") -> bool:

@@ -455,7 +455,7 @@ def measure(
         aborted = None
         async with new_session() as s:
             server = found["server"] = await detect_server(s, url, api)
-            too_long = context_problem(server, params.max_tokens)
+            too_long = context_problem(server, params.max_tokens, prompts)
             if too_long:
                 raise ValueError(too_long)  # before any request: each would be refused, or cut short of what was asked
             others = (OthersWatch(s, server.base_url, getattr(profiler, "gpu", None), server_procs, kind=server.kind)
