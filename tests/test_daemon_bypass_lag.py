@@ -15,6 +15,14 @@ from powerprof.daemon.streams import Counts
 from test_daemon_bypass_partial import S, _R, _read_pieces_due, _Sink
 
 
+def _scrape(led, t: float, gen, prev_t, prev_total) -> tuple[float, float]:
+    """The server's counter read at t (`gen`: its tokens' instants): the window since the last read, added."""
+    count = float((gen <= t).sum())
+    led.add_server_tokens(int(t * S), 0.0 if prev_t is None else count - prev_total,
+                          None if prev_t is None else int(prev_t * S))
+    return t, count
+
+
 def _streams(rate: float, phase_s: float, delay_s: float = 0.003, seqs: int = 1, record_s: float = 0.02,
              streams=((1.0, 4.0), (8.0, 11.0)), bypass=(), measured_s: float | None = None, keep: list | None = None,
              late=None, sample_s: float = 0.25):
@@ -76,10 +84,7 @@ def _streams(rate: float, phase_s: float, delay_s: float = 0.003, seqs: int = 1,
             if measured_s is not None and late is None:
                 led.note_proxy_delay(int(t * S), measured_s)
         if (k - round(phase_s / 0.005)) % 20 == 0 and t >= 0.5:
-            count = float((gen <= t).sum())
-            led.add_server_tokens(int(t * S), 0.0 if prev_t is None else count - prev_total,
-                                  None if prev_t is None else int(prev_t * S))
-            prev_t, prev_total = t, count
+            prev_t, prev_total = _scrape(led, t, gen, prev_t, prev_total)
         led.advance(int(t * S), int(t * S))
     led.close_all(int(t * S))
     return sorted(sink.rows["intervals"], key=lambda r: r["t_start_mono_s"]), np.asarray(bypass, dtype=float)
@@ -436,10 +441,7 @@ def _one_burst_after_a_clump(clump_per_s: float, sample_s: float = 0.25):
         if k % round(sample_s / 0.005) == 0:
             led.add_gpu_sample(int(t * S), int(t * S), [_R(100.0 * t)])
         if k % 50 == 0 and t >= 0.5:
-            count = float((gen <= t).sum())
-            led.add_server_tokens(int(t * S), 0.0 if prev_t is None else count - prev_total,
-                                  None if prev_t is None else int(prev_t * S))
-            prev_t, prev_total = t, count
+            prev_t, prev_total = _scrape(led, t, gen, prev_t, prev_total)
         led.advance(int(t * S), int(t * S))
     led.close_all(int(t * S))
     return sorted(sink.rows["intervals"], key=lambda r: r["t_start_mono_s"]), bypass

@@ -502,15 +502,11 @@ def test_the_compaction_child_never_makes_nor_compacts_a_data_dir_removed_or_rep
     assert _compact_as_told(other.child_spec()) == 1  # the held folder itself is compacted as before
 
 
-def test_a_data_dir_the_start_made_but_could_not_hold_is_never_made_again_once_removed(tmp_path, monkeypatch):
-    # The start made (or found) the folder, but holding it failed (EMFILE: the daemon's open-files limit): every flush
-    # then ran `mkdir -p` on the data dir, so one removed since was made again, root's, mode 0755, never checked.
-    import shutil
-
+def _first_hold_fails(monkeypatch) -> None:
+    """The store's first hold of its folder fails as at the daemon's open-files limit (EMFILE); later ones work."""
     from powerprof.daemon import store as store_mod
 
-    real = store_mod._hold_folder
-    calls = []
+    real, calls = store_mod._hold_folder, []
 
     def fail_first(owner, path):
         calls.append(path)
@@ -519,6 +515,14 @@ def test_a_data_dir_the_start_made_but_could_not_hold_is_never_made_again_once_r
         return real(owner, path)
 
     monkeypatch.setattr(store_mod, "_hold_folder", fail_first)
+
+
+def test_a_data_dir_the_start_made_but_could_not_hold_is_never_made_again_once_removed(tmp_path, monkeypatch):
+    # The start made (or found) the folder, but holding it failed (EMFILE: the daemon's open-files limit): every flush
+    # then ran `mkdir -p` on the data dir, so one removed since was made again, root's, mode 0755, never checked.
+    import shutil
+
+    _first_hold_fails(monkeypatch)
     root = tmp_path / "pp"
     s = _store(root)
     shutil.rmtree(root)
@@ -530,18 +534,7 @@ def test_a_data_dir_the_start_made_but_could_not_hold_is_never_made_again_once_r
 
 
 def test_a_data_dir_the_start_could_not_hold_is_held_at_the_next_flush_while_it_is_the_same(tmp_path, monkeypatch):
-    from powerprof.daemon import store as store_mod
-
-    real = store_mod._hold_folder
-    calls = []
-
-    def fail_first(owner, path):
-        calls.append(path)
-        if len(calls) == 1:
-            raise OSError(errno.EMFILE, "Too many open files")
-        return real(owner, path)
-
-    monkeypatch.setattr(store_mod, "_hold_folder", fail_first)
+    _first_hold_fails(monkeypatch)
     s = _store(tmp_path / "pp")
     s.append("things", _rows(2))
     assert s.flush(), s.last_error

@@ -70,10 +70,12 @@ def test_sweep_stops_a_level_on_the_paired_ci(tmp_path):
     from powerprof.workload.client import RequestParams
 
     out = tmp_path / "paired"
-    # An own-CI target no level can meet within 8 requests; the paired one is met after the first round.
+    # An own-CI target no level can meet; the paired one is met after the first round quiet. Four rounds of budget: a
+    # full suite beside two CPU hogs once left too few trusted pairs in both of two rounds (a starved client's piles
+    # are untrusted windows) and the level ran to max-requests.
     with Rig("a100-40g", nvml=SimNVML("a100-40g")) as rig:
         run_sweep(rig, levels_spec="400,250", out_dir=out, params=RequestParams(max_tokens=48), idle_s=0,
-                  interval_s=0.5, min_requests=4, max_requests=8, warmup_requests=0, target_ci=0.0001,
+                  interval_s=0.5, min_requests=4, max_requests=16, warmup_requests=0, target_ci=0.0001,
                   target_paired_ci=0.10)  # ±10 points: after one round of 4 prompts the widened CI is ±2.6-2.9 quiet
     levels = pq.read_table(out / "levels.parquet").to_pandas().set_index("level_value")
     assert levels.loc[250.0, "stop_rule"] == "paired-ci-reached"
