@@ -63,15 +63,23 @@ def counter_went_back(t_ns: np.ndarray, e_j: np.ndarray, t0_ns, t1_ns) -> bool:
 def counter_energy_j(t_ns: np.ndarray, e_j: np.ndarray, t0_ns: int, t1_ns: int, epoch: np.ndarray | None = None) -> float:
     """Energy between two instants from a cumulative counter read at (or around) them.
 
-    NaN across an epoch break (see `epoch_broken`) when the reads carry an epoch, and where the
-    counter fell between the reads used (`counter_went_back`).
+    NaN across an epoch break (see `epoch_broken`) when the reads carry an epoch, where the
+    counter fell between the reads used (`counter_went_back`), and where it did not move (`_stale_if_flat`).
     """
     if epoch is not None and np.size(t_ns) and epoch_broken(t_ns, epoch, t0_ns, t1_ns):
         return float("nan")
     if counter_went_back(t_ns, e_j, t0_ns, t1_ns):
         return float("nan")
     e = unwrap_resets(e_j)
-    return interp_at(t_ns, e, t1_ns) - interp_at(t_ns, e, t0_ns)
+    return _stale_if_flat(interp_at(t_ns, e, t1_ns) - interp_at(t_ns, e, t0_ns), t0_ns, t1_ns)
+
+
+def _stale_if_flat(energy_j: float, t0_ns: int, t1_ns: int) -> float:
+    """NaN for a counter difference of 0 J (or less) over a window of positive length: a GPU or CPU package never
+    draws nothing, so the reads used held one refresh's value (a 55 ms window between two reads of a 100 ms
+    refresh, on a loaded host). 0 J there is staleness, not energy: no counter figure, and the caller takes
+    the power readings instead or says the window has none."""
+    return float("nan") if t1_ns > t0_ns and not energy_j > 0 else float(energy_j)
 
 
 # The start edge's power is measured from its read over at least this long (or up to the end edge's read, whichever
@@ -99,14 +107,14 @@ def counter_window_energy_j(t_ns: np.ndarray, e_j: np.ndarray, t0_ns: int, t1_ns
     phase_ns) both edges are placed from values dated at their own refresh (`_gridded_window_energy_j`) instead,
     where at least two values fall inside the window; with fewer (a 1 s window on a 100 ms refresh read late) the
     placement above, as without a grid (neither it nor the straight line between the dated values is right there:
-    docs/benchmarks.md). NaN where `counter_energy_j` gives NaN."""
+    docs/benchmarks.md). NaN where `counter_energy_j` gives NaN, and where the placed figure is 0 J (`_stale_if_flat`)."""
     base = counter_energy_j(t_ns, e_j, t0_ns, t1_ns, epoch)
     if np.isnan(base):
         return base
     if period_ns > 0:
         gridded = _gridded_window_energy_j(t_ns, e_j, t0_ns, t1_ns, period_ns, phase_ns)
         if gridded is not None:
-            return gridded
+            return _stale_if_flat(gridded, t0_ns, t1_ns)
     t = np.asarray(t_ns, dtype=np.int64)
     e = unwrap_resets(e_j)
     i = int(np.searchsorted(t, t0_ns, side="left"))  # the start edge's read
@@ -118,7 +126,7 @@ def counter_window_energy_j(t_ns: np.ndarray, e_j: np.ndarray, t0_ns: int, t1_ns
     e0 = e[i] - p_w * (t[i] - t0_ns) / 1e9
     if i > 0:
         e0 = max(e0, e[i - 1])
-    return float(interp_at(t, e, t1_ns) - min(e0, e[i]))
+    return _stale_if_flat(interp_at(t, e, t1_ns) - min(e0, e[i]), t0_ns, t1_ns)
 
 
 def _gridded_window_energy_j(t_ns, e_j, t0_ns: int, t1_ns: int, period_ns: int, phase_ns: int) -> float | None:

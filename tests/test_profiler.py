@@ -13,7 +13,7 @@ import pytest
 from powerprof.collectors.nvml import NvmlCollector
 from powerprof.collectors.rapl import RaplCollector
 from powerprof.collectors.sampler import Sample
-from powerprof.energy import counter_energy_j, integrate_power_j, unwrap_resets
+from powerprof.energy import counter_energy_j, counter_window_energy_j, integrate_power_j, unwrap_resets
 from powerprof.profiler import METHOD_AVG_POWER, METHOD_COUNTER, METHOD_POWER, EnergyTimeline, Profiler
 from powerprof.sim.gpu import IDLE, Phase, SimGpu
 from powerprof.sim.nvml import SimNVML
@@ -56,6 +56,28 @@ def test_a_gpu_counter_that_steps_back_mid_window_gives_no_counter_figure():
     assert across.gpu_energy_j[0] == pytest.approx(1200.0, rel=0.01)
     after = tl.energy_between(6_000_000_000, 8_000_000_000)
     assert after.gpu_methods == (METHOD_COUNTER,) and after.gpu_energy_j[0] == pytest.approx(400.0)
+
+
+def test_a_counter_that_did_not_move_over_a_short_window_is_no_figure():
+    """A 300 W GPU whose counter refreshes every 100 ms, read every 0.2 s and at each edge of a 55 ms decode window
+    (a short request on a fast card): both edge reads land in one refresh and hold the same value. The counter's
+    difference, 0 J, is staleness, not energy (a loaded host stored such a window as 0.0 J, method counter): the
+    window's energy comes from the power readings instead, and says so."""
+    refresh_ns, ns = 100_000_000, 1_000_000_000
+    t0, t1 = int(2.010 * ns), int(2.065 * ns)
+    reads = sorted([k * 200_000_000 for k in range(21)] + [t0 + 5_000_000, t1 + 5_000_000])
+    tl = EnergyTimeline(1, (1.0,))
+    for n, t in enumerate(reads):
+        tl.add(Sample("nvml", n, t, t, (_Reading(300.0 * (t - t % refresh_ns) / ns, 300.0, 300.0),)))
+    t = np.array(reads, dtype=np.int64)
+    e = np.array([300.0 * (x - x % refresh_ns) / ns for x in reads])
+    assert np.isnan(counter_window_energy_j(t, e, t0, t1))
+    r = tl.energy_between(t0, t1)
+    assert r.gpu_methods != (METHOD_COUNTER,)
+    assert r.gpu_energy_j[0] == pytest.approx(300.0 * 0.055, rel=0.02)
+    # A window the counter did move over keeps its counter figure.
+    longer = tl.energy_between(int(2.010 * ns), int(3.010 * ns))
+    assert longer.gpu_methods == (METHOD_COUNTER,) and longer.gpu_energy_j[0] == pytest.approx(300.0, rel=0.1)
 
 
 def test_power_integration_refuses_to_extrapolate():

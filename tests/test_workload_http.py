@@ -343,7 +343,10 @@ def test_measure_simulated_writes_windows_with_energy(tmp_path, monkeypatch):
         if r["timing"] == "untrusted":
             assert r["timing_reason"] and r["gpu_energy_j"] is None and r["decode_tok_s"] is None and r["gpu_j_per_token"] is None
     for r in req + [b for b in batch if b["timing"] != "untrusted"]:
-        assert r["status"] == "ok" and r["gpu_energy_j"] > 0 and r["energy_method"] == "counter"
+        # The counter, or (a ~50 ms window between two reads of one 100 ms refresh, on a loaded host: the counter
+        # did not move) the power readings; never 0 J from a stale counter.
+        assert r["status"] == "ok" and r["gpu_energy_j"] > 0, (r["gpu_energy_j"], r["energy_method"])
+        assert r["energy_method"] in ("counter", "avg_power_integration", "power_integration")
         assert r["gpu_j_per_token"] == pytest.approx(r["gpu_energy_j"] / r["decode_tokens"])
         # Simulated RAPL: CPU energy over the same window, so GPU+CPU per token is there too.
         assert r["cpu_energy_j"] > 0
