@@ -38,7 +38,7 @@ def level_fraction(requests: int, elapsed_s: float, ci_pct: float | None, s: Swe
 
 
 class RichSweepUI(UI):
-    """One progress line per level: level i/n, requests, live tok/s, W, J/token, CI.
+    """One progress line per level: level i/n, windows counted (requests, or batches at concurrency > 1), live tok/s, W, J/token, CI.
 
     The bar follows the sweep's stopping rule (level_fraction), so it fills when the level ends.
     To a pipe or log file each level's line is printed once, as the level ends: rich's live display
@@ -89,8 +89,11 @@ class RichSweepUI(UI):
 
     def _info(self, live: dict) -> str:
         ci = f"±{live['ci_pct']:.1f}%" if live.get("ci_pct") is not None and live["ci_pct"] != float("inf") else "±?"
+        # At concurrency > 1 the figures are over batch windows (each `concurrency` requests): count those, as
+        # the CI is over them; "24 req" read as 24 requests beside a wide-ci note saying 188.
+        counted = "req" if self.settings.concurrency == 1 else ("batch" if live["requests"] == 1 else "batches")
         return (
-            f"{live['requests']} req  {_f(live['tok_s'], '.1f')} tok/s  {_f(live['power_w'], '.0f')} W  "
+            f"{live['requests']} {counted}  {_f(live['tok_s'], '.1f')} tok/s  {_f(live['power_w'], '.0f')} W  "
             f"{_f(live['j_per_token'], '.3f')} J/tok {ci}"
         )
 

@@ -99,6 +99,18 @@ def test_progress_bar_shows_the_fraction_of_the_level():
     assert task.percentage == pytest.approx(25.0)
 
 
+
+@pytest.mark.parametrize("concurrency,counted", [(1, "6 req "), (4, "6 batches ")])
+def test_progress_counts_what_the_figures_are_over(concurrency, counted):
+    # At concurrency 4 the figures and their CI are over batch windows: the line said "24 req" while the
+    # wide-ci note of the same level said 188 requests.
+    s = SweepSettings("power_limit", (300.0,), concurrency=concurrency)
+    ui = RichSweepUI(Console(file=io.StringIO(), width=120, color_system=None), s)
+    visit = LevelVisit(300.0, 0)
+    ui.level_start(0, 1, visit, "W")
+    ui.level_progress(visit, {"requests": 6, "tok_s": 80.0, "power_w": 250.0, "j_per_token": 3.0, "ci_pct": 20.0})
+    assert ui.progress.tasks[0].fields["info"].startswith(counted)
+
 def test_a_finished_level_says_why_it_stopped():
     # rich read "[max-time]" as a style tag and dropped it: no progress line ever showed the stop rule.
     buf = io.StringIO()
