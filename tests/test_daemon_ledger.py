@@ -1552,6 +1552,42 @@ def test_a_first_burst_is_placed_from_the_decode_start_the_servers_timings_say()
     assert "2 bursts" in row["energy_note"], row["energy_note"]
 
 
+
+@pytest.mark.parametrize("late_s", [0.0, 2.5])
+def test_bursts_read_while_the_proxys_own_loop_ran_late_say_so(late_s):
+    # A stream in 2 bursts 2 s apart. Where the daemon measured the proxy's own event loop 2.5 s late while it ran
+    # (a busy host: a loaded 2-core machine's daemon in front of a direct server said "something between the server
+    # and the proxy buffers its streams", fix "point proxy.upstream at the server itself", which it was), the proxy
+    # may have read the server's pieces late itself: the row and the log say that cause and its fix too.
+    sink = Sink()
+    led = Ledger("d", 0, 1, sink, grace_s=0.1)
+    tr = _trace(1, 0.5)
+    led.on_start(tr)
+    for k in range(3):
+        _feed(led, float(k), 100.0 * k)
+        led.advance(int((k + 0.2) * S))
+    for t_s in (3.0, 5.0):
+        t = int(t_s * S)
+        led.note_proxy_delay(t, late_s)
+        _feed(led, t_s, 100.0 * t_s)
+        tr.first_ns = tr.first_ns or t
+        tr.last_ns = t
+        tr.tokens_seen += 20
+        led.on_tokens(tr, t, 20)
+    tr.end_ns = int(5.0 * S) + 200_000
+    tr.counts = Counts(generated_tokens=40, prompt_tokens=50, model=None, stop_reason=None, token_source="usage")
+    led.on_end(tr)
+    for k in range(4, 8):
+        _feed(led, float(k), 100.0 * k)
+        led.advance(int((k + 0.2) * S))
+    (row,) = sink.rows["requests"]
+    note = row["energy_note"]
+    assert "2 bursts" in note and "proxy_buffering off" in note, note
+    if late_s:
+        assert "the proxy's own event loop ran up to 2.5 s late" in note and "CPU to spare" in note, note
+    else:
+        assert "own event loop" not in note, note
+
 def test_a_large_first_burst_holds_its_windows_until_its_end_though_small_pieces_follow():
     # A stream's first piece came held back (20 tokens generated over [1 s, 3 s), passed at 3 s), then it streamed a
     # token a piece. Its first burst is placed back at its end; the scrape windows from its arrival must wait until

@@ -106,6 +106,11 @@ FINISH_HOLD_S = 30.0  # an at-finish server's requests' durations of this long a
 # What a row whose stream reached the proxy in one burst says to do about it (`_spread_burst`).
 BURST_FIX = ("fix: point proxy.upstream at the server itself, or turn off the buffering of what stands between them "
              "(nginx: proxy_buffering off, or the answer header X-Accel-Buffering: no)")
+# A burst's other cause: the proxy's own event loop, measured late while the stream ran (a busy host), read the
+# server's pieces late and together. Said where the loop ran at least this share of the burst's hold late
+# (`_own_late_s`): a buffering hop's fix alone sent the user of a direct server looking for a hop that was not there.
+OWN_LATE_SHARE = 0.5
+OWN_LATE_FIX = "give the daemon's host CPU to spare (fewer other processes, or more proxy.workers)"
 
 
 @dataclass
@@ -185,6 +190,7 @@ class _Req:
     # where its first burst ended (its tokens are placed from its decode's start to there at its end).
     bursts: int = 0
     held_s: float = 0.0
+    own_late_s: float = 0.0  # the most the proxy's own loop was measured late while it ran, where it explains its bursts
     first_burst_end_ns: int | None = None
     prev_ns: int | None = None  # its latest piece's stamp
     # Prefix-cache hits the server counted over its hit span that no answer said, where its own said no cached count
@@ -688,16 +694,33 @@ class Ledger:
         """Counted, and logged the first time and every 1000th: a stream held back on its way."""
         tr = r.trace
         self.burst_requests += 1
+        late = self._own_late_s(r)
+        r.own_late_s = late if late >= OWN_LATE_SHARE * (r.held_s if r.bursts else (r.burst_s or 0.0)) else 0.0
+        why = ("something between the server and the proxy buffers its streams, or the proxy read them late itself (its "
+               f"event loop ran up to {r.own_late_s:.1f} s late meanwhile: a busy host)" if r.own_late_s else
+               "something between the server and the proxy buffers its streams")
+        fix = f"{BURST_FIX}; or {OWN_LATE_FIX}" if r.own_late_s else BURST_FIX
         if r.bursts and (self.burst_requests == 1 or self.burst_requests % 1000 == 0):
-            log.warning("request %d: its %.0f tokens reached the proxy in %d bursts, up to %.1f s apart: something "
-                        "between the server and the proxy buffers its streams; each burst's are spread over the time "
-                        "before it and its row says so in energy_note (%d such requests so far; %s)", tr.request_id, n,
-                        r.bursts + 1, r.held_s, self.burst_requests, BURST_FIX)
+            log.warning("request %d: its %.0f tokens reached the proxy in %d bursts, up to %.1f s apart: %s; each "
+                        "burst's are spread over the time before it and its row says so in energy_note (%d such "
+                        "requests so far; %s)", tr.request_id, n, r.bursts + 1, r.held_s, why, self.burst_requests, fix)
         elif self.burst_requests == 1 or self.burst_requests % 1000 == 0:
-            log.warning("request %d: its %.0f tokens reached the proxy in one burst %.1f s after its arrival: something "
-                        "between the server and the proxy buffers its streams; they are spread over its run and its row "
-                        "says so in energy_note (%d such requests so far; %s)", tr.request_id, n, r.burst_s,
-                        self.burst_requests, BURST_FIX)
+            log.warning("request %d: its %.0f tokens reached the proxy in one burst %.1f s after its arrival: %s; they "
+                        "are spread over its run and its row says so in energy_note (%d such requests so far; %s)",
+                        tr.request_id, n, r.burst_s, why, self.burst_requests, fix)
+
+    def _own_late_s(self, r: _Req) -> float:
+        """The most the proxy's own event loop was measured late (`note_proxy_delay`) while `r` streamed: a measure at t
+        of d says the loop stood still over [t - d, t], so those that overlap its arrival to its last piece count."""
+        tr = r.trace
+        last = tr.last_ns if tr.last_ns is not None else (int(r.ev_t[-1]) if r.ev_t else tr.arrival_ns)
+        most = 0.0
+        for t, d in reversed(self._delays):
+            if t < tr.arrival_ns:
+                break
+            if t - d * 1e9 <= last:
+                most = max(most, d)
+        return most
 
     def _at_server_pace(self, r: _Req, start: int, t1: int, k: int, n: float | None = None) -> list[int]:
         """`k` instants from `start` to `t1`, each standing for an equal share of `r`'s `n` tokens, as dense as the server
@@ -2598,6 +2621,16 @@ def _uncounted_note(r: _Req) -> str:
             "figure is low, and the requests beside it carry the rest (their energy_note says so)")
 
 
+def _own_late_said(r: _Req) -> str:
+    """A burst note's other cause, where the proxy's own loop was measured late enough to explain it (`_burst_said`)."""
+    return (f"; or read late by the proxy itself: the proxy's own event loop ran up to {r.own_late_s:.1f} s late while "
+            "it streamed, a busy host" if r.own_late_s else "")
+
+
+def _burst_fix(r: _Req) -> str:
+    return f"{BURST_FIX}; or {OWN_LATE_FIX}" if r.own_late_s else BURST_FIX
+
+
 def _no_energy_reason(r: _Req) -> str:
     """Why a request got no energy: what the work model could not see."""
     if _unseen(r) and not _passive(r):
@@ -2644,14 +2677,14 @@ def _approximate_note(r: _Req) -> str | None:
                      "of their energy is in this request's share")
     if r.burst_s is not None:
         notes.append(f"its tokens reached the proxy in one burst, {r.burst_s:.1f} s after its arrival (held back between "
-                     "the server and the proxy: a buffering proxy or gateway), and were spread over "
+                     f"the server and the proxy: a buffering proxy or gateway{_own_late_said(r)}), and were spread over "
                      f"{'the server' + chr(39) + 's decode time' if _server_timed(r) else 'its run'} at the server's "
-                     f"pace as a non-streamed answer's; its decode_s is the burst's, not the server's ({BURST_FIX})")
+                     f"pace as a non-streamed answer's; its decode_s is the burst's, not the server's ({_burst_fix(r)})")
     if r.bursts:
         notes.append(f"its tokens reached the proxy in {r.bursts + 1} bursts, up to {r.held_s:.1f} s apart (held back "
                      "between the server and the proxy: a buffering proxy or gateway that passes its buffer on when "
-                     "full or on a timer), each burst's spread over the time before it at the server's pace; its "
-                     f"TTFT and decode_s are the bursts', not the server's ({BURST_FIX})")
+                     f"full or on a timer{_own_late_said(r)}), each burst's spread over the time before it at the "
+                     f"server's pace; its TTFT and decode_s are the bursts', not the server's ({_burst_fix(r)})")
     if r.closed_s > 0 and (r.burst_s is not None or r.bursts):
         notes.append(f"{r.closed_s:.1f} s of its run ran in intervals closed before its tokens came (held longer than "
                      "they can wait): that energy went to the requests beside it or to idle, and its own figure is low "
