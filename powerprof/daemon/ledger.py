@@ -698,8 +698,9 @@ class Ledger:
         r.own_late_s = late if late >= OWN_LATE_SHARE * (r.held_s if r.bursts else (r.burst_s or 0.0)) else 0.0
         why = ("something between the server and the proxy buffers its streams, or the proxy read them late itself (its "
                f"event loop ran up to {r.own_late_s:.1f} s late meanwhile: a busy host)" if r.own_late_s else
-               "something between the server and the proxy buffers its streams")
-        fix = f"{BURST_FIX}; or {OWN_LATE_FIX}" if r.own_late_s else BURST_FIX
+               "something between the server and the proxy buffers its streams, or a busy host ran the server or the "
+               "proxy late")
+        fix = _burst_fix(r)
         if r.bursts and (self.burst_requests == 1 or self.burst_requests % 1000 == 0):
             log.warning("request %d: its %.0f tokens reached the proxy in %d bursts, up to %.1f s apart: %s; each "
                         "burst's are spread over the time before it and its row says so in energy_note (%d such "
@@ -2624,11 +2625,12 @@ def _uncounted_note(r: _Req) -> str:
 def _own_late_said(r: _Req) -> str:
     """A burst note's other cause, where the proxy's own loop was measured late enough to explain it (`_burst_said`)."""
     return (f"; or read late by the proxy itself: the proxy's own event loop ran up to {r.own_late_s:.1f} s late while "
-            "it streamed, a busy host" if r.own_late_s else "")
+            "it streamed, a busy host" if r.own_late_s else "; or a busy host that ran the server or the proxy late")
 
 
 def _burst_fix(r: _Req) -> str:
-    return f"{BURST_FIX}; or {OWN_LATE_FIX}" if r.own_late_s else BURST_FIX
+    """The fix of a burst note: the hop's first where nothing measured says the host, the host's first where it did."""
+    return f"fix: {OWN_LATE_FIX}; or {BURST_FIX[5:]}" if r.own_late_s else f"{BURST_FIX}; on a busy host, {OWN_LATE_FIX}"
 
 
 def _no_energy_reason(r: _Req) -> str:
