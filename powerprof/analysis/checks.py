@@ -328,7 +328,7 @@ def timing_findings(windows) -> list[Finding]:
     """Windows left out of every figure because their token timing could not be trusted (arrival.py)."""
     from collections import Counter
 
-    from powerprof.arrival import fix_for, reason_group
+    from powerprof.arrival import fix_for, left_out_words, reason_group
 
     from .stats import _col, _concurrency, window_masks
 
@@ -346,8 +346,8 @@ def timing_findings(windows) -> list[Finding]:
         return []
     top, _ = Counter(reason_group(reasons[i]) for i in bad).most_common(1)[0]
     n = len(bad) + int(measured.sum())
-    return [Finding("untrusted-timing", f"{len(bad)} of {n} windows left out of every figure: their token timing cannot be "
-                    f"trusted ({top}); fix: {fix_for(top)}")]
+    return [Finding("untrusted-timing", f"{len(bad)} of {n} windows left out of every figure: "
+                    f"{left_out_words(top, 'their token timing cannot be trusted')} ({top}); fix: {fix_for(top)}")]
 
 
 def impossible_findings(windows) -> list[Finding]:
