@@ -822,3 +822,17 @@ def test_a_table_folder_of_files_with_no_date_folders_is_exported(tmp_path):
     with open(out, newline="") as f:
         rows = list(csv.reader(f))
     assert rows[0][:2] == ["tag", "model"] and sorted(r[:2] for r in rows[1:]) == [["a", "m"], ["b", "n"]], rows
+
+
+def test_xlsx_writes_text_that_reads_as_an_error_code_as_text(tmp_path):
+    # openpyxl typed a cell whose text is one of Excel's error codes (#N/A, #DIV/0!, ...) as that error, not as text:
+    # a tag or a server's answer "#N/A" became Excel's #N/A in the sheet (ISERROR true, counted by no COUNTIF).
+    texts = ["#N/A", "#DIV/0!", "#VALUE!", "#REF!", "#NAME?", "#NUM!", "#NULL!", "#tag", None]
+    src = tmp_path / "tags.parquet"
+    pq.write_table(pa.table({"tag": texts, "tokens": list(range(len(texts)))}), src)
+    out = tmp_path / "t.xlsx"
+    r = CliRunner().invoke(main, ["export", str(src), "--format", "xlsx", "--out", str(out)])
+    assert r.exit_code == 0, (r.output, r.exception)
+    cells = [row[0] for row in load_workbook(out)["tags"].iter_rows(min_row=2)]
+    assert [c.value for c in cells] == texts
+    assert all(c.data_type == "s" for c in cells if c.value is not None), [(c.value, c.data_type) for c in cells]

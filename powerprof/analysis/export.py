@@ -1065,7 +1065,7 @@ def _write_xlsx(scans: dict[str, ds.Scanner], path: Path, tz: str,
                 sheet_cut = cut.setdefault(name[:31], {}) if cut is not None else None
                 for row in zip(*(_xlsx_values(c, sheet_cut, col) for c, col in zip(t.columns, t.column_names))):
                     ws.append([_time_cell(ws, v, WriteOnlyCell) if is_t and v is not None else
-                               _text_cell(ws, v, WriteOnlyCell) if isinstance(v, str) and v[:1] == "=" else v
+                               _text_cell(ws, v, WriteOnlyCell) if isinstance(v, str) and v[:1] in "=#" else v
                                for v, is_t in zip(row, times)])
                 n_rows += t.num_rows
             if head is None:
@@ -1107,10 +1107,11 @@ def _xlsx_header(ws, t: pa.Table, tz: str) -> list[str]:
 
 def _text_cell(ws, value: str, cell_cls):
     """A text cell whatever its text: openpyxl makes a cell whose text starts with "=" a formula, so a tag or an error
-    text from the traffic (`=cmd|' /C calc'!A0`) would run when the workbook is opened. Typed as text it is shown as
-    it is (no leading ' added: the cell holds the exact text)."""
+    text from the traffic (`=cmd|' /C calc'!A0`) would run when the workbook is opened, and one whose text is an error
+    code (#N/A, #DIV/0!) that error, not text. Typed as text it is shown as it is (no leading ' added: the cell holds
+    the exact text)."""
     c = cell_cls(ws, value=value)
-    if c.data_type == "f":
+    if c.data_type in ("f", "e"):
         c.data_type = "s"
     return c
 
