@@ -836,3 +836,25 @@ def test_xlsx_writes_text_that_reads_as_an_error_code_as_text(tmp_path):
     cells = [row[0] for row in load_workbook(out)["tags"].iter_rows(min_row=2)]
     assert [c.value for c in cells] == texts
     assert all(c.data_type == "s" for c in cells if c.value is not None), [(c.value, c.data_type) for c in cells]
+
+
+@pytest.mark.parametrize("second_categorical", [True, False])
+def test_two_datasets_whose_table_has_a_categorical_column_are_exported_together(tmp_path, second_categorical):
+    # Two nodes' daemon folders, their requests' tag categorical (pandas' category) in both: exported together before
+    # the categorical change, then refused as "the sources' columns do not agree (... From: tag: dictionary<...> To:
+    # tag: string)" (their schema made plain text, the datasets could not be cast to it); one categorical and one
+    # plain text was refused so too.
+    for k, categorical in ((1, True), (2, second_categorical)):
+        folder = tmp_path / f"n{k}" / "requests" / f"date=2026-01-0{k}"
+        folder.mkdir(parents=True)
+        tags = [f"=cmd{k}", f"t{k}"]
+        pd.DataFrame({"tag": pd.Categorical(tags) if categorical else tags, "model": ["m", "m"]}).to_parquet(
+            folder / "a.parquet")
+    out = tmp_path / "o.csv"
+    r = CliRunner().invoke(main, ["export", str(tmp_path / "n1"), str(tmp_path / "n2"), "--format", "csv",
+                                  "--out", str(out)])
+    assert r.exit_code == 0, (r.output, r.exception)
+    with open(out, newline="") as f:
+        rows = list(csv.reader(f))
+    col = rows[0].index("tag")
+    assert sorted(row[col] for row in rows[1:]) == ["'=cmd1", "'=cmd2", "t1", "t2"], rows

@@ -173,12 +173,26 @@ def union_sources(groups: list[list[Source]]) -> list[Source]:
             out.append(same[0])
             continue
         try:
-            schema = pa.unify_schemas([_dense(s.dataset.schema) for s in same], promote_options="permissive")
-            union = ds.dataset([s.dataset for s in same], schema=schema)
+            try:  # as they are: a column categorical in every source stays so, as each source's own export keeps it
+                schema = pa.unify_schemas([s.dataset.schema for s in same], promote_options="permissive")
+                union = ds.dataset([s.dataset for s in same], schema=schema)
+            except (pa.ArrowInvalid, pa.ArrowTypeError):  # categorical in some: read as its values
+                schema = pa.unify_schemas([_dense(s.dataset.schema) for s in same], promote_options="permissive")
+                union = ds.dataset([_with_schema(s.dataset, schema) for s in same], schema=schema)
         except (pa.ArrowInvalid, pa.ArrowTypeError) as e:
             raise ExportError(f"table {name}: the sources' columns do not agree ({e})") from None
         out.append(Source(name, union, same[0].partition_fields, tuple(f for x in same for f in x.strays)))
     return out
+
+
+def _with_schema(d: ds.Dataset, schema: pa.Schema) -> ds.Dataset:
+    """`d` read as `schema`: its files again, each with its partition values, for a categorical column to be read as its
+    values (replace_schema, which the union does, casts no dictionary to text: two nodes whose tag was categorical in
+    one were refused as 'the sources' columns do not agree', and in both too once every schema was made plain)."""
+    if d.schema.equals(schema) or not isinstance(d, ds.FileSystemDataset):
+        return d
+    return ds.FileSystemDataset([d.format.make_fragment(f.path, d.filesystem, partition_expression=f.partition_expression)
+                                 for f in d.get_fragments()], schema, d.format, d.filesystem)
 
 
 def _uri_sources(uri: str) -> list[Source]:
