@@ -272,3 +272,18 @@ def test_a_trace_runs_windows_left_out_are_counted_as_replays_not_with_their_req
     assert "2 of 2 windows left out" in said, said
     [f] = timing_findings(unvouched)
     assert f.message.startswith("2 of 2 windows left out"), f.message
+
+
+@pytest.mark.parametrize("column, value", [("cap_not_engaged", "false"), ("sm_clock_mhz", "1400.0")])
+def test_a_levels_column_stored_as_another_kind_is_refused_as_export_refuses_it(tmp_path, column, value):
+    # The type rule reached windows.parquet and samples.parquet, not levels.parquet, whose sensor columns analyze carries
+    # into its figures: cap_not_engaged as text was "Error: RUN: Could not convert 'false' with type str: tried to
+    # convert to boolean" (no file, no column, no fix), where export named them.
+    run = _run(tmp_path)
+    path = run / "levels.parquet"
+    t = pq.read_table(path)
+    i = t.schema.get_field_index(column)
+    t = t.set_column(i, column, pa.array([value] * t.num_rows, pa.string()))
+    pq.write_table(t, path)
+    _refused_alike(tmp_path, run, path, column)
+    assert not (run / "analysis").exists()
