@@ -858,3 +858,19 @@ def test_two_datasets_whose_table_has_a_categorical_column_are_exported_together
         rows = list(csv.reader(f))
     col = rows[0].index("tag")
     assert sorted(row[col] for row in rows[1:]) == ["'=cmd1", "'=cmd2", "t1", "t2"], rows
+
+
+def test_a_source_that_cannot_be_read_for_permission_is_not_blamed_on_out(run, tmp_path, monkeypatch):
+    # A permission refusal says the fix "give --out in a folder you can write" (0d2ab91): it was said of a source that
+    # could not be read too (the copies scan reads the sources, not --out), sending the user to the wrong folder.
+    import errno
+
+    import powerprof.analysis.export as export_mod
+
+    def refused(*a, **k):
+        raise PermissionError(errno.EACCES, "Permission denied")
+
+    monkeypatch.setattr(export_mod, "find_copies", refused)
+    r = CliRunner().invoke(main, ["export", str(run), "--format", "csv", "--out", str(tmp_path / "o")])
+    assert r.exit_code == 1 and "cannot be read" in r.output and "Permission denied" in r.output, r.output
+    assert "--out" not in r.output, r.output

@@ -705,7 +705,7 @@ def _copies_of(src: Source, filt) -> Copies | None:
     try:
         return find_copies(src, filt)
     except (pa.ArrowInvalid, OSError, duckdb.Error) as e:
-        raise ExportError(f"table {src.name}: cannot be read: {_why(e)}; nothing written") from None
+        raise ExportError(f"table {src.name}: cannot be read: {_why(e, writing=False)}; nothing written") from None
 
 
 def find_copies(src: Source, filt) -> Copies | None:
@@ -869,9 +869,11 @@ def _without_copied_runs(srcs: list[str], groups: list[list[Source]], notes: lis
     return out
 
 
-def _why(e: Exception) -> str:
+def _why(e: Exception, writing: bool = True) -> str:
+    """The reason of an error; writing: it came of writing --out (a refusal for permission then says the fix; a read
+    of the sources refused is no matter of --out)."""
     why = (e.strerror if isinstance(e, OSError) and e.strerror else str(e)).strip()
-    if isinstance(e, OSError) and e.errno in (errno.EACCES, errno.EPERM, errno.EROFS):
+    if writing and isinstance(e, OSError) and e.errno in (errno.EACCES, errno.EPERM, errno.EROFS):
         why += " (fix: give --out in a folder you can write)"  # a read-only folder or file system said no more
     return why
 
