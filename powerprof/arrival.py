@@ -28,6 +28,8 @@ from typing import NamedTuple
 
 import numpy as np
 
+from powerprof.collectors.limitwatch import CLOCK_FIX, LIMIT_FIX, UNVOUCHED_FIX
+
 MIN_WINDOW_READS = 4  # reads after the first: fewer and the window is a handful of instants
 MAX_READ_SHARE = 0.25  # of the window's tokens in one read: more is a burst, not a stream
 # A stall of the client's loop delays the reads after it; one longer than two beats leaves a
@@ -292,9 +294,34 @@ def classify(
     return Timing("untrusted", problem, bound, stream_s, q.window_tokens, q.t_first_ns, q.t_last_ns, disagree)
 
 
+# Windows left out because the level's setting did not hold or could not be vouched for in them (sweep.distrust and
+# measure's, in `timing` untrusted as the rest): (words of their reason, their group, its fix). Counted as timing
+# reasons, they were told "their timing cannot be trusted" with the timing rule's docs for a fix, at the sweep's end
+# and by analyze: not their cause, no fix (left_out_words, fix_for).
+SETTING_REASONS = (
+    ("no GPU reading taken after", "no GPU reading vouched for the level's setting before the level ended (the sampler "
+     "lagged behind)", UNVOUCHED_FIX),
+    ("last busy readings after this window ended", "the GPU's last busy readings showed its SM clock off the setting, "
+     "and the level ended before that could be judged", CLOCK_FIX),
+    ("power limit read", "the GPU's power limit did not hold (another tool changed it, or the driver lowered it)",
+     LIMIT_FIX),
+    ("SM clock read", "the GPU's SM clock setting did not hold (another tool changed or released it)", CLOCK_FIX),
+)
+
+
+def left_out_words(group: str | None, timing: str = "their timing cannot be trusted") -> str:
+    """Why windows of this reason group are out of the figures, in words: their timing, or the setting they ran at."""
+    if any(group == g for _, g, _ in SETTING_REASONS):
+        return "the setting they ran at cannot be vouched for"
+    return timing
+
+
 def reason_group(reason: str | None) -> str:
     """A window's reason without its own figures, so that reasons can be counted together."""
     r = reason or "unknown"
+    for words, group, _ in SETTING_REASONS:  # first: their reasons tell readings, not tokens
+        if words in r or r == group:
+            return group
     if "bursts" in r:
         return "tokens were delivered in bursts, not streamed"
     if "edges may be off" in r:
@@ -321,6 +348,9 @@ def reason_group(reason: str | None) -> str:
 def fix_for(reason: str | None) -> str:
     """The advice that goes with a reason for leaving windows out."""
     r = reason or ""
+    for words, group, fix in SETTING_REASONS:
+        if words in r or r == group:
+            return fix
     if "bursts" in r or "did not say" in r or "without saying" in r or "no token" in r:
         return (
             "a buffering proxy sits between powerprof and the server, or the server sends tokens in large groups: "

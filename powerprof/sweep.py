@@ -21,8 +21,8 @@ from powerprof.collectors.clock_reasons import cap_not_engaged, thermal
 from powerprof.collectors.cputime import (BUSY_HOST_FIX, BUSY_HOST_FLAG, BUSY_HOST_PCT, busy_host_text,
                                           unknown_server_text)
 from powerprof.collectors.gateway import gateway
-from powerprof.collectors.limitwatch import (CLOCK_FIX, LIMIT_CHANGERS, LIMIT_FIX, LIMIT_TOLERANCE_W, ClockLockWatch,  # noqa: F401
-                                            limit_moved, limits_read)  # (ClockLockWatch re-exported: tests)
+from powerprof.collectors.limitwatch import (CLOCK_FIX, LIMIT_CHANGERS, LIMIT_FIX, LIMIT_TOLERANCE_W,  # noqa: F401
+                                            UNVOUCHED_FIX, ClockLockWatch, limit_moved, limits_read)  # (ClockLockWatch re-exported: tests)
 from powerprof.control.device import read_devices
 from powerprof.control.levels import parse_clock_levels, parse_power_levels
 from powerprof.trust import out_dir_refusal
@@ -194,8 +194,6 @@ RESTART_POLL_S = 0.5
 LEVEL_END_WAIT_PERIODS = 2
 LEVEL_END_WAIT_S = 2.0
 SETTING_WORDS = {"power_limit": "power limit", "sm_clock": "locked SM clock", "none": "power limits and clocks"}
-UNVOUCHED_FIX = ("run the sweep where the sampler keeps up: stop other CPU-heavy jobs on the host, or sample less "
-                 "often (--interval)")
 RESTARTED_FLAG = "server-restarted"
 AWAY_FLAG = "server-away"  # it stopped answering and was ridden out, with nothing to show it restarted
 

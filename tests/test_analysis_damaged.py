@@ -246,3 +246,44 @@ def _refused_alike(tmp_path, run, path, column) -> str:
         said.append(text)
     assert said[0] == said[1]
     return said[0]
+
+
+def test_a_trace_runs_windows_left_out_are_counted_as_replays_not_with_their_requests():
+    # sweep --trace's figures are its replay rows (one a level); the replay's request rows are there beside them, left
+    # out with them. A trace run whose every replay ran beside others' work was told "18 windows ran beside others'
+    # work" of 2 replays of 8 requests each, and one whose replays a lagging sampler left out at their level's end
+    # "16 of 18 windows left out": the request rows counted as windows the figures would have used.
+    from powerprof.analysis.checks import nothing_measured_text, timing_findings
+
+    def rows(**marks):
+        out = []
+        for value in (300.0, 200.0):
+            for kind in ["request"] * 8 + ["trace"]:
+                out.append({"run_id": "r1", "window_kind": kind, "concurrency": 1, "warmup": False, "status": "ok",
+                            "level_kind": "power_limit", "level_value": value, "timing": "stream",
+                            "timing_reason": None, "foreign_traffic": None, **marks})
+        return pa.Table.from_pylist(out)
+
+    said = nothing_measured_text(rows(foreign_traffic="3 request(s) not powerprof's in flight"), 0)
+    assert "2 windows ran beside others' work" in said, said
+    unvouched = rows(timing="untrusted", timing_reason="no GPU reading taken after this window ended arrived within "
+                                                       "2.4 s of the level's end")
+    said = nothing_measured_text(unvouched, 0)
+    assert "2 of 2 windows left out" in said, said
+    [f] = timing_findings(unvouched)
+    assert f.message.startswith("2 of 2 windows left out"), f.message
+
+
+@pytest.mark.parametrize("column, value", [("cap_not_engaged", "false"), ("sm_clock_mhz", "1400.0")])
+def test_a_levels_column_stored_as_another_kind_is_refused_as_export_refuses_it(tmp_path, column, value):
+    # The type rule reached windows.parquet and samples.parquet, not levels.parquet, whose sensor columns analyze carries
+    # into its figures: cap_not_engaged as text was "Error: RUN: Could not convert 'false' with type str: tried to
+    # convert to boolean" (no file, no column, no fix), where export named them.
+    run = _run(tmp_path)
+    path = run / "levels.parquet"
+    t = pq.read_table(path)
+    i = t.schema.get_field_index(column)
+    t = t.set_column(i, column, pa.array([value] * t.num_rows, pa.string()))
+    pq.write_table(t, path)
+    _refused_alike(tmp_path, run, path, column)
+    assert not (run / "analysis").exists()

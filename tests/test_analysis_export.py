@@ -822,3 +822,55 @@ def test_a_table_folder_of_files_with_no_date_folders_is_exported(tmp_path):
     with open(out, newline="") as f:
         rows = list(csv.reader(f))
     assert rows[0][:2] == ["tag", "model"] and sorted(r[:2] for r in rows[1:]) == [["a", "m"], ["b", "n"]], rows
+
+
+def test_xlsx_writes_text_that_reads_as_an_error_code_as_text(tmp_path):
+    # openpyxl typed a cell whose text is one of Excel's error codes (#N/A, #DIV/0!, ...) as that error, not as text:
+    # a tag or a server's answer "#N/A" became Excel's #N/A in the sheet (ISERROR true, counted by no COUNTIF).
+    texts = ["#N/A", "#DIV/0!", "#VALUE!", "#REF!", "#NAME?", "#NUM!", "#NULL!", "#tag", None]
+    src = tmp_path / "tags.parquet"
+    pq.write_table(pa.table({"tag": texts, "tokens": list(range(len(texts)))}), src)
+    out = tmp_path / "t.xlsx"
+    r = CliRunner().invoke(main, ["export", str(src), "--format", "xlsx", "--out", str(out)])
+    assert r.exit_code == 0, (r.output, r.exception)
+    cells = [row[0] for row in load_workbook(out)["tags"].iter_rows(min_row=2)]
+    assert [c.value for c in cells] == texts
+    assert all(c.data_type == "s" for c in cells if c.value is not None), [(c.value, c.data_type) for c in cells]
+
+
+@pytest.mark.parametrize("second_categorical", [True, False])
+def test_two_datasets_whose_table_has_a_categorical_column_are_exported_together(tmp_path, second_categorical):
+    # Two nodes' daemon folders, their requests' tag categorical (pandas' category) in both: exported together before
+    # the categorical change, then refused as "the sources' columns do not agree (... From: tag: dictionary<...> To:
+    # tag: string)" (their schema made plain text, the datasets could not be cast to it); one categorical and one
+    # plain text was refused so too.
+    for k, categorical in ((1, True), (2, second_categorical)):
+        folder = tmp_path / f"n{k}" / "requests" / f"date=2026-01-0{k}"
+        folder.mkdir(parents=True)
+        tags = [f"=cmd{k}", f"t{k}"]
+        pd.DataFrame({"tag": pd.Categorical(tags) if categorical else tags, "model": ["m", "m"]}).to_parquet(
+            folder / "a.parquet")
+    out = tmp_path / "o.csv"
+    r = CliRunner().invoke(main, ["export", str(tmp_path / "n1"), str(tmp_path / "n2"), "--format", "csv",
+                                  "--out", str(out)])
+    assert r.exit_code == 0, (r.output, r.exception)
+    with open(out, newline="") as f:
+        rows = list(csv.reader(f))
+    col = rows[0].index("tag")
+    assert sorted(row[col] for row in rows[1:]) == ["'=cmd1", "'=cmd2", "t1", "t2"], rows
+
+
+def test_a_source_that_cannot_be_read_for_permission_is_not_blamed_on_out(run, tmp_path, monkeypatch):
+    # A permission refusal says the fix "give --out in a folder you can write" (0d2ab91): it was said of a source that
+    # could not be read too (the copies scan reads the sources, not --out), sending the user to the wrong folder.
+    import errno
+
+    import powerprof.analysis.export as export_mod
+
+    def refused(*a, **k):
+        raise PermissionError(errno.EACCES, "Permission denied")
+
+    monkeypatch.setattr(export_mod, "find_copies", refused)
+    r = CliRunner().invoke(main, ["export", str(run), "--format", "csv", "--out", str(tmp_path / "o")])
+    assert r.exit_code == 1 and "cannot be read" in r.output and "Permission denied" in r.output, r.output
+    assert "--out" not in r.output, r.output

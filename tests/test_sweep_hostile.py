@@ -553,3 +553,36 @@ def test_an_off_clock_run_open_at_a_power_levels_end_is_said_against_the_clock_i
     assert len(left), w[["timing", "timing_reason"]].to_string()
     assert left.timing_reason.str.contains("below the busy clock it showed earlier").all(), left.timing_reason.tolist()
     assert not left.timing_reason.str.contains("off the level's").any()
+
+
+@pytest.mark.parametrize("clock_open, fix_words", [(False, "--interval"), (True, "nvidia-smi -lgc")])
+def test_windows_left_out_at_the_levels_end_are_said_with_their_own_fix_at_the_sweeps_end_and_by_analyze(
+        clock_open, fix_words):
+    # The level-end leave-out (a lagging sampler, or an off-clock run still open) gave each window its reason, and the
+    # level's note the fix; but the sweep's closing note (run.json notes) and analyze's untrusted-timing finding told
+    # "their timing cannot be trusted ...; fix: see docs/workload.md, 'The timing rule'": a cause that was not it and
+    # no fix, the lasting words on such a run.
+    from types import SimpleNamespace
+
+    import pyarrow as pa
+
+    from powerprof.analysis.checks import timing_findings
+    from powerprof.sweep import LevelVisit, Sweep
+    from powerprof.workload.measure import excluded_windows
+
+    sw = Sweep.__new__(Sweep)
+    sw.s = SimpleNamespace(concurrency=1, level_kind="power_limit")
+    sw.ui = _Hook(lambda event, visit: None)
+    sw._clock_watch = SimpleNamespace(open=True, locked_mhz=None) if clock_open else None
+    rows = [{"window_kind": "request", "warmup": False, "status": "ok", "timing": "stream", "gpu_j_per_token": 1.0,
+             "concurrency": 1, "level_kind": "power_limit", "level_value": 200.0, "timing_reason": None}
+            for _ in range(3)]
+    sw._suspect = [([rows[2]], 2, 30)]
+    sw._leave_out_unvouched(LevelVisit(200.0, 0, spans=[(0, 1), (1, 2), (2, 3)], n_measured=3), 2.4)
+    assert rows[2]["timing"] == "untrusted"
+    ex = excluded_windows(rows)
+    assert ex is not None and fix_words in ex.fix and "The timing rule" not in ex.fix, ex.fix
+    assert "timing cannot be trusted" not in ex.message(), ex.message()
+    [f] = timing_findings(pa.Table.from_pylist(rows))
+    assert fix_words in f.message and "The timing rule" not in f.message, f.message
+    assert "timing cannot be trusted" not in f.message, f.message

@@ -328,26 +328,25 @@ def timing_findings(windows) -> list[Finding]:
     """Windows left out of every figure because their token timing could not be trusted (arrival.py)."""
     from collections import Counter
 
-    from powerprof.arrival import fix_for, reason_group
+    from powerprof.arrival import fix_for, left_out_words, reason_group
 
-    from .stats import _col, _concurrency, window_masks
+    from .stats import _col, figure_kind, window_masks
 
     measured, _, _ = window_masks(windows)
     timing = _col(windows, "timing", object)
     reasons = _col(windows, "timing_reason", object)
     warm = _col(windows, "warmup", bool)
     status = _col(windows, "status", object)
-    kind = _col(windows, "window_kind", object)
-    conc = _concurrency(windows)
-    # Only windows of the kind the figures use (requests at concurrency 1, batches above).
+    # Only windows of the kind the figures use (requests at concurrency 1, batches above, a trace run's replays).
+    kind = figure_kind(windows)
     bad = [i for i in range(windows.num_rows) if timing[i] == "untrusted" and not warm[i] and status[i] in (None, "ok")
-           and kind[i] == ("batch" if conc[i] > 1 else "request")]
+           and kind[i]]
     if not bad:
         return []
     top, _ = Counter(reason_group(reasons[i]) for i in bad).most_common(1)[0]
     n = len(bad) + int(measured.sum())
-    return [Finding("untrusted-timing", f"{len(bad)} of {n} windows left out of every figure: their token timing cannot be "
-                    f"trusted ({top}); fix: {fix_for(top)}")]
+    return [Finding("untrusted-timing", f"{len(bad)} of {n} windows left out of every figure: "
+                    f"{left_out_words(top, 'their token timing cannot be trusted')} ({top}); fix: {fix_for(top)}")]
 
 
 def impossible_findings(windows) -> list[Finding]:
@@ -380,18 +379,14 @@ def nothing_measured_text(windows, failed: int) -> str:
     server's answers), and the windows left out of every figure (untrusted timing, others' work beside them,
     impossible figures). Every reason is named: a run whose streams all came through a buffering proxy (every
     window untrusted) was told "0 requests failed ... fix the server"."""
-    from .stats import _col, _concurrency, eligible_windows, foreign_windows
+    from .stats import _col, eligible_windows, figure_kind, foreign_windows
 
     warm = _col(windows, "warmup", bool)
     status = _col(windows, "status", object)
-    kind = _col(windows, "window_kind", object)
-    conc = _concurrency(windows)
     timing = _col(windows, "timing", object)
-    # Windows of the kind the figures take (requests at concurrency 1, batches above, a replay's trace row), not
-    # warm-up, succeeded: what was left out of them, and why.
-    usable = ~warm & np.array([st in (None, "ok") for st in status], dtype=bool) & np.array(
-        [k in ("batch" if c > 1 else "request", "trace") or (k is None and c <= 1) for k, c in zip(kind, conc)],
-        dtype=bool)
+    # Windows of the kind the figures take (requests at concurrency 1, batches above, a trace run's replay rows alone:
+    # its request rows counted too said 18 windows of 2 replays), not warm-up, succeeded: what was left out, and why.
+    usable = ~warm & np.array([st in (None, "ok") for st in status], dtype=bool) & figure_kind(windows)
     foreign = usable & foreign_windows(windows)
     untrusted = usable & ~foreign & np.array([t == "untrusted" for t in timing], dtype=bool)
     parts = []

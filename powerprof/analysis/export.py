@@ -173,12 +173,26 @@ def union_sources(groups: list[list[Source]]) -> list[Source]:
             out.append(same[0])
             continue
         try:
-            schema = pa.unify_schemas([_dense(s.dataset.schema) for s in same], promote_options="permissive")
-            union = ds.dataset([s.dataset for s in same], schema=schema)
+            try:  # as they are: a column categorical in every source stays so, as each source's own export keeps it
+                schema = pa.unify_schemas([s.dataset.schema for s in same], promote_options="permissive")
+                union = ds.dataset([s.dataset for s in same], schema=schema)
+            except (pa.ArrowInvalid, pa.ArrowTypeError):  # categorical in some: read as its values
+                schema = pa.unify_schemas([_dense(s.dataset.schema) for s in same], promote_options="permissive")
+                union = ds.dataset([_with_schema(s.dataset, schema) for s in same], schema=schema)
         except (pa.ArrowInvalid, pa.ArrowTypeError) as e:
             raise ExportError(f"table {name}: the sources' columns do not agree ({e})") from None
         out.append(Source(name, union, same[0].partition_fields, tuple(f for x in same for f in x.strays)))
     return out
+
+
+def _with_schema(d: ds.Dataset, schema: pa.Schema) -> ds.Dataset:
+    """`d` read as `schema`: its files again, each with its partition values, for a categorical column to be read as its
+    values (replace_schema, which the union does, casts no dictionary to text: two nodes whose tag was categorical in
+    one were refused as 'the sources' columns do not agree', and in both too once every schema was made plain)."""
+    if d.schema.equals(schema) or not isinstance(d, ds.FileSystemDataset):
+        return d
+    return ds.FileSystemDataset([d.format.make_fragment(f.path, d.filesystem, partition_expression=f.partition_expression)
+                                 for f in d.get_fragments()], schema, d.format, d.filesystem)
 
 
 def _uri_sources(uri: str) -> list[Source]:
@@ -691,7 +705,7 @@ def _copies_of(src: Source, filt) -> Copies | None:
     try:
         return find_copies(src, filt)
     except (pa.ArrowInvalid, OSError, duckdb.Error) as e:
-        raise ExportError(f"table {src.name}: cannot be read: {_why(e)}; nothing written") from None
+        raise ExportError(f"table {src.name}: cannot be read: {_why(e, writing=False)}; nothing written") from None
 
 
 def find_copies(src: Source, filt) -> Copies | None:
@@ -855,9 +869,11 @@ def _without_copied_runs(srcs: list[str], groups: list[list[Source]], notes: lis
     return out
 
 
-def _why(e: Exception) -> str:
+def _why(e: Exception, writing: bool = True) -> str:
+    """The reason of an error; writing: it came of writing --out (a refusal for permission then says the fix; a read
+    of the sources refused is no matter of --out)."""
     why = (e.strerror if isinstance(e, OSError) and e.strerror else str(e)).strip()
-    if isinstance(e, OSError) and e.errno in (errno.EACCES, errno.EPERM, errno.EROFS):
+    if writing and isinstance(e, OSError) and e.errno in (errno.EACCES, errno.EPERM, errno.EROFS):
         why += " (fix: give --out in a folder you can write)"  # a read-only folder or file system said no more
     return why
 
@@ -1065,7 +1081,7 @@ def _write_xlsx(scans: dict[str, ds.Scanner], path: Path, tz: str,
                 sheet_cut = cut.setdefault(name[:31], {}) if cut is not None else None
                 for row in zip(*(_xlsx_values(c, sheet_cut, col) for c, col in zip(t.columns, t.column_names))):
                     ws.append([_time_cell(ws, v, WriteOnlyCell) if is_t and v is not None else
-                               _text_cell(ws, v, WriteOnlyCell) if isinstance(v, str) and v[:1] == "=" else v
+                               _text_cell(ws, v, WriteOnlyCell) if isinstance(v, str) and v[:1] in "=#" else v
                                for v, is_t in zip(row, times)])
                 n_rows += t.num_rows
             if head is None:
@@ -1107,10 +1123,11 @@ def _xlsx_header(ws, t: pa.Table, tz: str) -> list[str]:
 
 def _text_cell(ws, value: str, cell_cls):
     """A text cell whatever its text: openpyxl makes a cell whose text starts with "=" a formula, so a tag or an error
-    text from the traffic (`=cmd|' /C calc'!A0`) would run when the workbook is opened. Typed as text it is shown as
-    it is (no leading ' added: the cell holds the exact text)."""
+    text from the traffic (`=cmd|' /C calc'!A0`) would run when the workbook is opened, and one whose text is an error
+    code (#N/A, #DIV/0!) that error, not text. Typed as text it is shown as it is (no leading ' added: the cell holds
+    the exact text)."""
     c = cell_cls(ws, value=value)
-    if c.data_type == "f":
+    if c.data_type in ("f", "e"):
         c.data_type = "s"
     return c
 

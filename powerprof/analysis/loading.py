@@ -520,6 +520,10 @@ def sweep_level_figures(runs: list[RunInfo], where: dict | None = None) -> dict:
             t = pq.read_table(p)
         except (pa.ArrowInvalid, OSError) as e:
             raise AnalysisError(f"{p}: cannot be read as Parquet ({e})") from None
+        # As export refuses it (storage/datafiles.py), as windows and samples are: cap_not_engaged as text was "Could
+        # not convert 'false' ...", naming no file; a number as a flag would have pooled as one.
+        if why := datafiles.type_refusal("levels", [(p, t.schema)]):
+            raise AnalysisError(why)
         cols = [c for c in SWEEP_LEVEL_COLUMNS if c in t.column_names and c in LEVELS.names]
         keys = tuple(where or ())
         for row in t.select([c for c in ("level_kind", "level_value", *keys, *cols) if c in t.column_names]).to_pylist():

@@ -134,20 +134,29 @@ def _masks(windows: pa.Table) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     status = _col(windows, "status", object)
     ok = np.array([s in (None, "ok") for s in status], dtype=bool) if n else np.zeros(0, bool)
     kind = _col(windows, "window_kind", object)
-    conc = _concurrency(windows)
     is_req = np.array([k in (None, "request") for k in kind], dtype=bool) if n else np.zeros(0, bool)
-    is_batch = np.array([k == "batch" for k in kind], dtype=bool) if n else np.zeros(0, bool)
     # Windows the timing rule could not trust (powerprof/arrival.py) count in no figure.
     timing = _col(windows, "timing", object)
     trusted = np.array([t != "untrusted" for t in timing], dtype=bool) if n else np.zeros(0, bool)
     # Windows the sweep saw others' work beside (another client, another process on the GPU) neither.
     trusted &= ~foreign_windows(windows)
+    eligible = ~warm & ok & trusted & figure_kind(windows)
+    return eligible, ~warm & ok & is_req, ~warm & ~ok & is_req
+
+
+def figure_kind(windows: pa.Table) -> np.ndarray:
+    """Rows of the kind the figures take: requests at concurrency 1, batches above, and in a run that replayed a trace
+    (`sweep --trace`) its `trace` rows only (the request rows beside them are parts of a replay, not windows of it)."""
+    n = windows.num_rows
+    kind = _col(windows, "window_kind", object)
+    conc = _concurrency(windows)
+    is_req = np.array([k in (None, "request") for k in kind], dtype=bool) if n else np.zeros(0, bool)
+    is_batch = np.array([k == "batch" for k in kind], dtype=bool) if n else np.zeros(0, bool)
     is_trace = np.array([k == "trace" for k in kind], dtype=bool) if n else np.zeros(0, bool)
     run = _col(windows, "run_id", object)
     traced = set(run[is_trace])
     in_trace_run = np.array([r in traced for r in run], dtype=bool) if n else np.zeros(0, bool)
-    eligible = ~warm & ok & trusted & np.where(in_trace_run, is_trace, np.where(conc > 1, is_batch, is_req))
-    return eligible, ~warm & ok & is_req, ~warm & ~ok & is_req
+    return np.where(in_trace_run, is_trace, np.where(conc > 1, is_batch, is_req))
 
 
 def eligible_windows(windows: pa.Table) -> np.ndarray:

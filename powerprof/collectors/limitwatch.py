@@ -19,6 +19,9 @@ LIMIT_FIX = ("stop whatever else sets GPU power limits meanwhile (nvidia-smi -pl
 
 CLOCK_FIX = ("stop whatever else sets or resets GPU clocks meanwhile (nvidia-smi -lgc/-rgc or -ac/-rac in a "
              "script, DCGM, a cluster manager, a GPU reset) and rerun")
+# Windows no reading vouched for by the level's end: the sampler lagged behind (sweep._leave_out_unvouched).
+UNVOUCHED_FIX = ("run the sweep where the sampler keeps up: stop other CPU-heavy jobs on the host, or sample less "
+                 "often (--interval)")
 
 # GPU index → (power limit W, enforced limit W) a reading should show; None in either place: not judged.
 Expected = Mapping[int, tuple[float | None, float | None]]

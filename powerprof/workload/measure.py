@@ -129,9 +129,11 @@ class Excluded:
     fix: str
 
     def message(self) -> str:
+        from powerprof.arrival import left_out_words
+
         top = max(self.reasons, key=self.reasons.get)
         return (
-            f"{self.n} of {self.n_windows} windows left out of the figures: their timing cannot be trusted "
+            f"{self.n} of {self.n_windows} windows left out of the figures: {left_out_words(top)} "
             f"({top}); fix: {self.fix}"
         )
 
