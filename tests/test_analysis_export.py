@@ -736,6 +736,18 @@ def test_xlsx_cuts_text_longer_than_a_cell_holds_and_says_so(tmp_path):
     assert "texts: 1 text cells (prompt_text: 1) longer than a cell holds" in r.stderr, r.stderr
 
 
+
+def test_xlsx_counts_a_cells_length_as_excel_does():
+    # Excel counts UTF-16 code units: an emoji is 2. 20,000 of them (40,000 to Excel) passed the 32,767 check as
+    # 20,000 characters and made a damaged workbook; 16,383 and a letter (32,767) fit whole.
+    fits, over = "🔥" * 16_383 + "a", "🔥" * 20_000
+    out = [ex._cut_cell(over)]
+    assert ex._excel_len(fits) == ex.XLSX_MAX_CELL_CHARS and ex._excel_len(over) == 40_000
+    assert ex._excel_len(out[0]) <= ex.XLSX_MAX_CELL_CHARS and out[0].startswith("🔥" * 1000)
+    assert out[0].endswith("; the whole text is in a csv or parquet export]")
+    got = ex._xlsx_values(pa.chunked_array([[fits, over, None]]), cut := {}, "tag")
+    assert got[0] == fits and got[1] == out[0] and got[2] is None and cut == {"tag": 1}
+
 @pytest.mark.parametrize("fmt,out", [("xlsx", "o.xlsx"), ("csv", "o"), ("parquet", "o")])
 def test_a_folder_it_may_not_write_in_says_the_fix(run, tmp_path, monkeypatch, fmt, out):
     # A read-only folder (or file system) said "Operation not permitted" and no more. As root no mode bit refuses, so

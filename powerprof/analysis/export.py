@@ -1138,9 +1138,19 @@ def _time_cell(ws, value, cell_cls):
     return c
 
 
+def _excel_len(v: str) -> int:
+    """A text's length as Excel counts it: UTF-16 code units, so a character beyond the BMP (an emoji) counts 2."""
+    return len(v) + sum(1 for c in v if ord(c) > 0xFFFF) if not v.isascii() else len(v)
+
+
 def _cut_cell(v: str) -> str:
     tail = f" [cut: {len(v)} characters, a cell holds {XLSX_MAX_CELL_CHARS}; the whole text is in a csv or parquet export]"
-    return v[:XLSX_MAX_CELL_CHARS - len(tail)] + tail
+    room, k = XLSX_MAX_CELL_CHARS - len(tail), 0
+    for k, c in enumerate(v):  # whole characters only: an emoji is never split into half a surrogate pair
+        room -= 2 if ord(c) > 0xFFFF else 1
+        if room < 0:
+            break
+    return v[:k] + tail
 
 
 def _xlsx_values(arr: pa.ChunkedArray, cut: dict[str, int] | None = None, name: str = "") -> list:
@@ -1156,10 +1166,11 @@ def _xlsx_values(arr: pa.ChunkedArray, cut: dict[str, int] | None = None, name: 
         from openpyxl.cell.cell import ILLEGAL_CHARACTERS_RE  # noqa: PLC0415
 
         out = [v if v is None else ILLEGAL_CHARACTERS_RE.sub("\ufffd", v) for v in arr.to_pylist()]
-        if any(v is not None and len(v) > XLSX_MAX_CELL_CHARS for v in out):
+        over = [v is not None and len(v) > XLSX_MAX_CELL_CHARS // 2 and _excel_len(v) > XLSX_MAX_CELL_CHARS for v in out]
+        if any(over):
             # Past a cell's limit Excel calls the workbook damaged and drops the sheet's content: cut, marked, said.
-            n = sum(v is not None and len(v) > XLSX_MAX_CELL_CHARS for v in out)
-            out = [_cut_cell(v) if v is not None and len(v) > XLSX_MAX_CELL_CHARS else v for v in out]
+            n = sum(over)
+            out = [_cut_cell(v) if o else v for v, o in zip(out, over)]
             if cut is not None:
                 cut[name] = cut.get(name, 0) + n
         return out
