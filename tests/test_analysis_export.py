@@ -748,6 +748,22 @@ def test_xlsx_counts_a_cells_length_as_excel_does():
     got = ex._xlsx_values(pa.chunked_array([[fits, over, None]]), cut := {}, "tag")
     assert got[0] == fits and got[1] == out[0] and got[2] is None and cut == {"tag": 1}
 
+
+def test_a_foreign_columns_name_is_never_a_formula(tmp_path):
+    # A Parquet file exported as it is: its column names are text from outside too. A column named "=cmd|..." was a
+    # live formula in the xlsx header row and a bare =cmd... in the CSV's.
+    src = tmp_path / "foreign.parquet"
+    pq.write_table(pa.table({"=cmd|' /C calc'!A0": ["a"], "-5": ["b"], "ok": ["c"]}), src)
+    r = CliRunner().invoke(main, ["export", str(src), "--format", "xlsx", "--out", str(tmp_path / "f.xlsx")])
+    assert r.exit_code == 0, (r.output, r.exception)
+    ws = load_workbook(tmp_path / "f.xlsx")["foreign"]
+    head = [c for c in next(ws.iter_rows(min_row=1, max_row=1))]
+    assert [c.value for c in head] == ["=cmd|' /C calc'!A0", "-5", "ok"] and all(c.data_type == "s" for c in head)
+    r = CliRunner().invoke(main, ["export", str(src), "--format", "csv", "--out", str(tmp_path / "c")])
+    assert r.exit_code == 0, (r.output, r.exception)
+    first = (tmp_path / "c" / "foreign.csv").read_text().splitlines()[0]
+    assert first == "'=cmd|' /C calc'!A0,-5,ok", first
+
 @pytest.mark.parametrize("fmt,out", [("xlsx", "o.xlsx"), ("csv", "o"), ("parquet", "o")])
 def test_a_folder_it_may_not_write_in_says_the_fix(run, tmp_path, monkeypatch, fmt, out):
     # A read-only folder (or file system) said "Operation not permitted" and no more. As root no mode bit refuses, so

@@ -24,6 +24,7 @@ import errno
 import json
 import math
 import os
+import re
 from dataclasses import dataclass
 from datetime import date, datetime, timezone
 from pathlib import Path
@@ -931,14 +932,20 @@ def _write_csv(scan: ds.Scanner, path: Path, tz: str, neutralised: dict[str, int
         for batch in scan.to_batches():
             t = _csv_ready(_with_local_times(batch, tz), neutralised)
             if writer is None:
-                f.write((",".join(_csv_quote(header(c, tz)) for c in t.column_names) + "\r\n").encode())
+                f.write((",".join(_csv_quote(_csv_header(c, tz)) for c in t.column_names) + "\r\n").encode())
                 writer = pacsv.CSVWriter(f, t.schema, write_options=opts)
             writer.write_table(t)
         if writer is None:  # nothing selected: still a header, so the file opens and says what it holds
             t = _csv_ready(_with_local_times(_empty_batch(scan), tz))
-            f.write((",".join(_csv_quote(header(c, tz)) for c in t.column_names) + "\r\n").encode())
+            f.write((",".join(_csv_quote(_csv_header(c, tz)) for c in t.column_names) + "\r\n").encode())
         else:
             writer.close()
+
+
+def _csv_header(col: str, tz: str) -> str:
+    """A column's header as a CSV cell: a foreign Parquet file's column named `=cmd|...` is a formula like any text."""
+    h = header(col, tz)
+    return "'" + h if re.match(FORMULA_START, h) and not re.match(PLAIN_NUMBER, h) else h
 
 
 def _csv_quote(s: str) -> str:
@@ -1117,7 +1124,9 @@ def _xlsx_header(ws, t: pa.Table, tz: str) -> list[str]:
         w = len(XLSX_TIME_FORMAT) + 2 if pa.types.is_timestamp(typ) else len(h) + 2
         ws.column_dimensions[_col_letter(i)].width = max(10, min(XLSX_MAX_COL_W, max(w, len(h) + 2)))
     ws.freeze_panes = "A2"
-    ws.append(head)
+    from openpyxl.cell import WriteOnlyCell  # noqa: PLC0415  (only this format needs it)
+
+    ws.append([_text_cell(ws, h, WriteOnlyCell) for h in head])  # a foreign file's column named `=cmd|...`: text
     return head
 
 
