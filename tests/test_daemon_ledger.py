@@ -262,23 +262,6 @@ def test_a_counter_only_edge_splits_an_interval_with_the_counter_difference():
     assert [r["energy_method"] for r in rows] == ["counter", "counter"]
 
 
-def test_an_edge_read_within_one_counter_refresh_of_its_neighbour_is_no_edge():
-    # A counter read as one refresh's value again (a request's edge 30 ms after a tick, 100 ms refresh) says nothing
-    # of the energy between the two reads: split there, one interval read 0.0 J by the counter, unmarked, and the next
-    # took both intervals' energy (a request alone in the first was given none of it).
-    sink = Sink()
-    led = Ledger("d", 0, 1, sink, grace_s=0.1)
-    _feed(led, 0.0, 1000.0, power_w=300.0)
-    led.add_gpu_edge(int(0.03 * S), int(0.03 * S), (1000.0,))  # the tick's value still
-    led.add_gpu_edge(int(0.5 * S), int(0.5 * S), (1150.0,))
-    _feed(led, 1.0, 1150.0, power_w=300.0)  # the tick reads the edge's value: no refresh between them either
-    _feed(led, 2.0, 1600.0, power_w=300.0)
-    led.advance(int(2.5 * S))
-    rows = sink.rows["intervals"]
-    assert [r["gpu_energy_j"] for r in rows] == [pytest.approx(150.0), pytest.approx(450.0)]
-    assert [r["energy_method"] for r in rows] == ["counter", "counter"]
-
-
 def test_a_prefill_only_request_gets_its_prompt_work_and_one_with_no_work_seen_says_so():
     # Request 1 decodes through [0, 2); request 2 only prefills (its response ends at its first and
     # only event, 0 tokens) and request 3 ends with no tokens and no prompt length: no work to see.

@@ -13,7 +13,6 @@ intervals, emitted requests and used token events are dropped.
 
 from __future__ import annotations
 
-import bisect
 import heapq
 import itertools
 import logging
@@ -138,17 +137,6 @@ def _edge_instant(t_ns: int, wall_ns: int, read_ns: np.ndarray, read_j: np.ndarr
     off = read_ns[ok] - read_ns[ok].min()  # in ns from the first: exact in float
     t = int(read_ns[ok].min()) + int(round(float(np.dot(w, off) / w.sum())))
     return t, wall_ns - (t_ns - t)
-
-
-def _counter_only(edge: _Edge) -> bool:
-    """An edge from a request's event (`Ledger.add_gpu_edge`): its counters read, no power."""
-    return edge.avg_power_w is None and bool(np.isnan(edge.power_w).all())
-
-
-def _same_reads(a: _Edge, b: _Edge) -> bool:
-    """Every GPU's counter read alike at both edges (no GPU's counter refreshed between them), in one epoch."""
-    return (a.counter_j.shape == b.counter_j.shape and bool(np.array_equal(a.counter_j, b.counter_j))
-            and (a.epoch is None or b.epoch is None or bool(np.array_equal(a.epoch, b.epoch))))
 
 
 def _sample_reads(t_ns: int, readings) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
@@ -918,11 +906,7 @@ class Ledger:
         # The edge instant is weighted by each GPU's power, instant or averaged: only the weights need it.
         self._power_w = weight_w
         t, wall = _edge_instant(t_ns, wall_ns, read_ns, counter, weight_w)
-        edge = _Edge(t, wall, counter, power, setting, epoch, avg)
-        if len(self.edges) >= 2 and t > self.edges[-1].t_ns and _counter_only(self.edges[-1]) \
-                and _same_reads(self.edges[-1], edge):
-            self.edges.pop()  # read as one refresh's value, as this sample reads it: no edge (`_stale_edge`)
-        self._insert_edge(edge)
+        self._insert_edge(_Edge(t, wall, counter, power, setting, epoch, avg))
 
     def add_gpu_edge(self, t_ns: int, wall_ns: int, energy_j) -> None:
         """An edge from the energy counters alone (a short request's arrival, first token or end):
@@ -936,22 +920,7 @@ class Ledger:
         at = getattr(energy_j, "t_mono_ns", None)
         read_ns = np.array(at, dtype=np.int64) if at and len(at) == self.n_gpus else np.full(self.n_gpus, t_ns, np.int64)
         t, wall = _edge_instant(t_ns, wall_ns, read_ns, counter, self._power_w)  # weighted by the last full sample's power
-        edge = _Edge(t, wall, counter, np.full(self.n_gpus, np.nan), self._setting, epoch)
-        if not self._stale_edge(edge):
-            self._insert_edge(edge)
-
-    def _stale_edge(self, edge: _Edge) -> bool:
-        """Whether a counter-only edge reads every GPU's counter as the edge beside it in time does: read within one of
-        the counter's refreshes (10-100 ms) of it, it says nothing of the energy between them. An interval there read
-        0.0 J by the counter, unmarked, and the one after it took both intervals' energy (a request alone in the first
-        was given none): left out, the interval over both splits it (docs/daemon.md, "Short sampling intervals").
-        A full sample reading a counter-only edge's value again takes its place instead (`add_gpu_sample`)."""
-        if not self.edges:
-            return False
-        if edge.t_ns > self.edges[-1].t_ns:
-            return _same_reads(self.edges[-1], edge)
-        i = bisect.bisect_left([e.t_ns for e in self.edges], edge.t_ns)  # published late: between two edges
-        return any(_same_reads(self.edges[j], edge) for j in (i - 1, i) if 0 <= j < len(self.edges))
+        self._insert_edge(_Edge(t, wall, counter, np.full(self.n_gpus, np.nan), self._setting, epoch))
 
     def _insert_edge(self, edge: _Edge) -> None:
         t_ns = edge.t_ns
