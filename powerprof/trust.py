@@ -156,11 +156,10 @@ def untrusted_contents(folder: Path, euid: int | None = None, depth: int = 2) ->
         here, left = todo.pop()
         try:
             entries = sorted(os.scandir(here), key=lambda e: e.name)
-        except OSError as e:
+            dirs = [e for e in entries if e.is_dir()]  # follows a symlink: one to a folder is judged as one on the way
+        except OSError as e:  # unreadable, or a symlink loop
             return f"cannot inspect {here}: {e.strerror or e}"
-        for e in entries:
-            if not e.is_dir():  # follows a symlink: one to a folder is judged as one on the way
-                continue
+        for e in dirs:
             why = untrusted_folder(Path(e.path), euid, link_ok=True)
             if why:
                 return why
