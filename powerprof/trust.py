@@ -143,6 +143,31 @@ def untrusted_folder(folder: Path, euid: int | None = None, also: tuple[int, ...
     return why and why.replace("its folder ", "", 1)
 
 
+def untrusted_contents(folder: Path, euid: int | None = None, depth: int = 2) -> str | None:
+    """Why root must not act inside `folder` (itself trusted: `untrusted_folder`): a folder in it, down to `depth`
+    levels, that `untrusted_folder` refuses (another user's, writable by others, or reached through a symlink not
+    root's). In such a folder that user could link a name root writes or deletes to any file. None when this process
+    is not root."""
+    euid = os.geteuid() if euid is None else euid
+    if euid != 0:
+        return None
+    todo = [(Path(folder), depth)]
+    while todo:
+        here, left = todo.pop()
+        try:
+            entries = sorted(os.scandir(here), key=lambda e: e.name)
+            dirs = [e for e in entries if e.is_dir()]  # follows a symlink: one to a folder is judged as one on the way
+        except OSError as e:  # unreadable, or a symlink loop
+            return f"cannot inspect {here}: {e.strerror or e}"
+        for e in dirs:
+            why = untrusted_folder(Path(e.path), euid, link_ok=True)
+            if why:
+                return why
+            if left > 1 and not e.is_symlink():  # a root link's folder: its own names were judged on the way
+                todo.append((Path(e.path), left - 1))
+    return None
+
+
 def untrusted_place(path: Path, euid: int | None = None, also: tuple[int, ...] = (),
                     groups: PrivateGroups | None = None) -> str | None:
     """`untrusted_folder` of `path`, or of the nearest folder above it that exists: what root would create

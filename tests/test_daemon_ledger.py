@@ -262,6 +262,23 @@ def test_a_counter_only_edge_splits_an_interval_with_the_counter_difference():
     assert [r["energy_method"] for r in rows] == ["counter", "counter"]
 
 
+def test_an_interval_whose_counter_did_not_move_says_its_zero_is_no_figure():
+    # A request's edge read 30 ms after a tick, within one 100 ms refresh, reads the tick's value: the interval
+    # between them stored 0.0 J by the counter, unmarked, while the next interval holds its energy. Kept (the edges'
+    # staleness at a request's start and end balances out in its own figure; the sum over intervals stays the
+    # counter's), and said.
+    sink = Sink()
+    led = Ledger("d", 0, 1, sink, grace_s=0.1)
+    _feed(led, 0.0, 1000.0, power_w=300.0)
+    led.add_gpu_edge(int(0.03 * S), int(0.03 * S), (1000.0,))  # the tick's value still
+    _feed(led, 1.0, 1300.0, power_w=300.0)
+    led.advance(int(1.5 * S))
+    flat, moved = sink.rows["intervals"]
+    assert flat["gpu_energy_j"] == 0.0 and moved["gpu_energy_j"] == pytest.approx(300.0)
+    assert "counter did not move" in flat["energy_note"] and "next interval" in flat["energy_note"]
+    assert "counter did not move" not in (moved["energy_note"] or "")
+
+
 def test_a_prefill_only_request_gets_its_prompt_work_and_one_with_no_work_seen_says_so():
     # Request 1 decodes through [0, 2); request 2 only prefills (its response ends at its first and
     # only event, 0 tokens) and request 3 ends with no tokens and no prompt length: no work to see.

@@ -860,6 +860,32 @@ def test_root_refuses_a_data_dir_owned_by_another_user_and_accepts_its_own(tmp_p
     assert (mine / ".daemon.lock").read_text() == str(os.getpid())
 
 
+@pytest.mark.skipif(os.geteuid() != 0, reason="needs root: folders owned by another user")
+def test_root_refuses_a_data_dir_holding_a_folder_another_user_could_write(tmp_path):
+    # Before: only the data dir and the folders above it were checked. `chown root: data` (the fix the refusal said)
+    # left `data/requests` another user's: in it they could link a day's partition to any folder (root then wrote its
+    # rows there, and compaction and retention replaced and deleted `*.parquet` and `.*.tmp` files there) or write
+    # the compaction journal root obeys.
+    from powerprof.daemon.service import StartupError, lock_data_dir
+
+    data = tmp_path / "data"
+    data.mkdir(mode=0o755)
+    (data / "requests").mkdir(mode=0o755)
+    os.chown(data / "requests", 65534, 65534)
+    with pytest.raises(StartupError, match=r"requests is owned by uid 65534, not root.*chown -R root: it"):
+        lock_data_dir(data)
+    os.chown(data / "requests", 0, 0)  # root's, but a partition in it another user's: the same
+    (data / "requests" / "date=2026-12-03").mkdir()
+    (data / "requests" / "date=2026-12-03").chmod(0o777)
+    with pytest.raises(StartupError, match=r"date=2026-12-03 is writable by group or others"):
+        lock_data_dir(data)
+    (data / "requests" / "date=2026-12-03").chmod(0o755)
+    elsewhere = tmp_path / "disk2"  # root's own link to root's own folder (a dataset moved to another disk): fine
+    elsewhere.mkdir(mode=0o755)
+    (data / "samples").symlink_to(elsewhere)
+    os.close(lock_data_dir(data))
+
+
 def _root_folder_behind_another_users_link(tmp_path):
     """`roots` (root's, empty) and `theirs` (uid 65534's), in which `link` is their symlink to `roots`."""
     roots = tmp_path / "roots"

@@ -217,12 +217,14 @@ def _shared_folder_to_make_it_in(data_dir: Path) -> Path | None:
 def lock_data_dir(data_dir: Path, euid: int | None = None) -> int:
     """An exclusive flock held for the daemon's life, so two daemons never write one data dir (duplicate rows)."""
     # Checked before anything is made: `mkdir -p` through another user's symlink makes root's folders wherever it points.
-    from powerprof.trust import untrusted_place
+    from powerprof.trust import untrusted_contents, untrusted_place
 
     why = untrusted_place(data_dir, euid)
     if not why:
         data_dir.mkdir(parents=True, exist_ok=True)
-        why = untrusted_data_dir(data_dir, euid)
+        # And the folders in it (datasets, their days' partitions): `chown root:` of the data dir alone left another
+        # user's `requests/` in it, where they could link a partition to any folder (rows written there, files deleted).
+        why = untrusted_data_dir(data_dir, euid) or untrusted_contents(data_dir, euid)
     if why:
         shared = _shared_folder_to_make_it_in(data_dir)
         if shared is not None:
@@ -240,7 +242,7 @@ def lock_data_dir(data_dir: Path, euid: int | None = None) -> int:
         raise StartupError(
             f"refusing to run as root on data dir {data_dir}: {why}; another user could make root write or "
             f"delete any file through it. Run the daemon as the folder's owner (as the unit does: User=powerprof), "
-            f"or give root a folder of its own (chown root: and chmod go-w it and the folders above)")
+            f"or give root a folder of its own (chown -R root: it, and chmod go-w it, the folders in it and those above)")
     path = data_dir / ".daemon.lock"
     # Never through a symlink: the lock is truncated and rewritten.
     fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC | os.O_NOFOLLOW, 0o640)
