@@ -65,6 +65,9 @@ MUTATIONS = (
     Mutation("instant power read after an event joined by a line, as a tick", "powerprof/energy.py",
              "steps = np.flatnonzero(evs[1:]) + 1", "steps = np.flatnonzero(np.zeros_like(evs[1:])) + 1",
              ("tests/test_power_integration.py",)),
+    Mutation("a counter that did not move over a window taken as 0 J", "powerprof/energy.py",
+             "if t1_ns > t0_ns and not energy_j > 0 else", "if t1_ns > t0_ns and energy_j < 0 else",
+             ("tests/test_profiler.py",)),
 )
 
 

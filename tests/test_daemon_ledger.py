@@ -279,6 +279,21 @@ def test_an_interval_whose_counter_did_not_move_says_its_zero_is_no_figure():
     assert "counter did not move" not in (moved["energy_note"] or "")
 
 
+
+def test_an_interval_where_one_gpus_counter_did_not_move_says_which():
+    # Two GPUs; GPU 1's counter refreshed between the tick and the edge, GPU 0's did not: the interval's sum held GPU
+    # 1's 12 J and none of GPU 0's (its ~9 J in the next interval), a plausible-looking figure, unmarked.
+    sink = Sink()
+    led = Ledger("d", 0, 2, sink, grace_s=0.1)
+    led.add_gpu_sample(0, 0, [R(1000.0, 300.0), R(5000.0, 400.0)])
+    led.add_gpu_edge(int(0.03 * S), int(0.03 * S), (1000.0, 5012.0))
+    led.add_gpu_sample(S, S, [R(1300.0, 300.0), R(5400.0, 400.0)])
+    led.advance(int(1.5 * S))
+    flat, moved = sink.rows["intervals"]
+    assert flat["gpu_energy_j"] == pytest.approx(12.0) and moved["gpu_energy_j"] == pytest.approx(688.0)
+    assert "GPU 0" in flat["energy_note"] and "counter did not move" in flat["energy_note"], flat["energy_note"]
+    assert "counter did not move" not in (moved["energy_note"] or "")
+
 def test_a_prefill_only_request_gets_its_prompt_work_and_one_with_no_work_seen_says_so():
     # Request 1 decodes through [0, 2); request 2 only prefills (its response ends at its first and
     # only event, 0 tokens) and request 3 ends with no tokens and no prompt length: no work to see.

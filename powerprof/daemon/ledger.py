@@ -1685,7 +1685,7 @@ class Ledger:
         self._judge_host(t, a, other_pct, judged)
         self._account(t, per_gpu, gpu, cpu, a, methods, costs, host_s, other_s, judged, short_iv, low_iv, server_count)
         self._interval_rows(edges, t, gpu, cpu, methods, a, excess, costs, other_pct, server_count, short_iv, sure_iv,
-                            unsure)
+                            unsure, per_gpu)
         ended = [r for r, d in zip(reqs, done) if d]
         for r in ended:
             del self.requests[r.trace.request_id]
@@ -2316,7 +2316,7 @@ class Ledger:
         return _joined(*notes)
 
     def _interval_rows(self, edges, t, gpu, cpu, methods, a: attr.Attribution, server, costs, other_pct=None,
-                       server_count=None, short_iv=None, cache_iv=None, unsure=None) -> None:
+                       server_count=None, short_iv=None, cache_iv=None, unsure=None, per_gpu=None) -> None:
         rows = []
         unsaid = cache_iv if cache_iv is not None else np.zeros(t.size - 1)
         for k in range(t.size - 1):
@@ -2351,8 +2351,8 @@ class Ledger:
                     "energy_note": _joined(self._interval_note(gpu[k], cpu[k], pct, a.kind[k] != attr.IDLE,
                                                                bool(short_iv[k]) if short_iv is not None else False,
                                                                count, unsaid[k]),
-                                           COUNTER_FLAT_NOTE if methods[k] == METHOD_COUNTER and gpu[k] == 0 and dur > 0
-                                           else None),
+                                           _counter_flat_note(gpu[k:k + 1] if per_gpu is None else per_gpu[k])
+                                           if methods[k] == METHOD_COUNTER and dur > 0 else None),
                 }
             )
         unsure = unsure or {}
@@ -2509,9 +2509,21 @@ def tag_server_count(counts: set) -> str | None:
 # figure, and the intervals' sum stays the counter's; left out (the edge dropped), a request arriving just after a
 # tick read ~idle x (arrival - tick) low (identical lone requests' J/token spread 6% against 1%,
 # bench/attribution_accuracy.py). Said instead.
-COUNTER_FLAT_NOTE = ("gpu_energy_j 0: the energy counter did not move between this interval's reads (read twice within "
-                     "one of its refreshes, 10-100 ms), so its energy is in the next interval's figure; fix: read the "
-                     "two together (their sum is the counter's)")
+COUNTER_FLAT_WHY = ("(read twice within one of its refreshes, 10-100 ms), so its energy is in the next interval's "
+                    "figure; fix: read the two together (their sum is the counter's)")
+COUNTER_FLAT_NOTE = f"gpu_energy_j 0: the energy counter did not move between this interval's reads {COUNTER_FLAT_WHY}"
+
+
+def _counter_flat_note(per_gpu_j: np.ndarray) -> str | None:
+    """COUNTER_FLAT_NOTE where every GPU's counter read alike over the interval; where only some did (GPU 0 at the
+    tick's value, GPU 1 refreshed since), which: the sum then holds none of theirs, a plausible figure, low."""
+    flat = np.flatnonzero(np.asarray(per_gpu_j) == 0)
+    if not flat.size:
+        return None
+    if flat.size == np.size(per_gpu_j):
+        return COUNTER_FLAT_NOTE
+    return (f"gpu_energy_j holds nothing of GPU {', '.join(str(int(g)) for g in flat)}: its energy counter did not move "
+            f"between this interval's reads {COUNTER_FLAT_WHY}")
 
 
 def _joined(*notes: str | None) -> str | None:
