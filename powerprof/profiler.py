@@ -84,6 +84,14 @@ END_EDGE_BIAS_SHARE = 0.01
 # bends 3-6x less than any other once ~1000 reads are in.
 GRID_MIN_READS = 256
 GRID_READS = 2000
+# A window shorter than the counter's refresh (its grid's period; until that is known, the slowest refresh drivers use,
+# 100 ms: field notes, docs/hardware.md) gets no counter figure: its reads hold one refresh's value or two, so the
+# counter says 0 J or about a whole refresh's energy. Chosen by length, not by what the counter said: a 0.0 J
+# window stored as a measurement (a loaded host, 55 ms windows) was the bug, and leaving out only the windows
+# whose counter did not move kept those it moved over (about twice their energy) and lifted the pooled J/token
+# of 50 ms windows on the simulated H200 from +14% to +32% (docs/benchmarks.md, "Windows shorter than the counter's
+# refresh"). Such a window takes instant power, read at its edges, and is low_confidence as any power figure is.
+COUNTER_REFRESH_MAX_NS = 100_000_000
 GRID_MARGIN = 0.5
 LOW_CONFIDENCE_S = {"counter": 10.0, "avg_power_integration": 30.0, "power_integration": float("inf"), "none": float("inf")}
 
@@ -304,7 +312,12 @@ class EnergyTimeline:
         return CpuTime(host, over(self.cpu_time["server"]), over(self.cpu_time["powerprof"]))
 
     def _gpu_energy(self, k: int, t0: int, t1: int) -> tuple[float | None, str]:
-        for method in ENERGY_METHODS[:-1]:
+        methods = ENERGY_METHODS[:-1]
+        if t1 - t0 < self.avg_windows_s[k] * 1e9 and self.gpu_power[k].t_ns:
+            # The trailing average spans mostly power from before the window (a decode window after idle or a
+            # prefill: -44% at 50 ms, -28% at 0.3 s on the simulated H200); the instant power read at its edges does not.
+            methods = (METHOD_COUNTER, METHOD_POWER, METHOD_AVG_POWER)
+        for method in methods:
             e = self._by_method[method](self, k, t0, t1)
             if not np.isnan(e):
                 return e, method
@@ -317,6 +330,8 @@ class EnergyTimeline:
         if t.size < 2:
             return float("nan")
         period_ns, phase_ns = self._counter_grid(k)
+        if 0 < t1 - t0 < (period_ns or COUNTER_REFRESH_MAX_NS):
+            return float("nan")  # shorter than the counter's refresh: COUNTER_REFRESH_MAX_NS
         return counter_window_energy_j(t, y, t0, t1, np.asarray(s.epoch), period_ns=period_ns, phase_ns=phase_ns)
 
     def _counter_grid(self, k: int) -> tuple[int, int]:

@@ -269,7 +269,7 @@ def edge_bias_notes(summary: list[Summary]) -> list[str]:
             need = int(np.ceil(need * POWER_EDGE_BIAS_WINDOW_S / ROUNDED_WINDOW_S / 64) * 64) if need else 0
             out.append(
                 f"concurrency {x.concurrency}: low confidence: this GPU has no energy counter (or it broke over those "
-                f"windows), and the J/token figure is integrated from power readings (1 Hz and each window's edges) "
+                f"windows, or they were shorter than its refresh), and the J/token figure is integrated from power readings (1 Hz and each window's edges) "
                 f"over {x.median_window_s:.2f} s "
                 f"decode windows, under the {POWER_EDGE_BIAS_WINDOW_S:g} s below which a reading's lag behind the "
                 "power (a card refreshes it every ~100 ms) biases it by over 0.5% (measured -4% at 1 s, -10% at "
