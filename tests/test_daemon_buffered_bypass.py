@@ -66,3 +66,20 @@ def test_a_burst_placed_where_bypass_traffic_winds_down_inside_its_span_says_so(
     assert abs(s["conservation_err"]) <= 0.001, s
     # After: the windows of such a span say `proxy_lag`; measured 0 and 1 intervals left (0 and 5.5 tokens).
     assert s["intervals_complete_off"] <= 1 and s["complete_off_tokens"] <= 0.006 * s["bypass_tokens"], s
+
+
+@pytest.mark.slow
+@pytest.mark.xfail(strict=False, reason=(
+    "target not met in every run: 0-2 of 40 rows `proxy_lag` in 3 of 6 runs, 35 in the others, where the proxy's-lag "
+    "test (docs/daemon.md, 'A server restart') goes 0.2-2 tokens over its bound on a window of under 60 tokens, or a "
+    "4 kB stream at the run's start has its span over-said by the pace; a marked window marks every held row over it"))
+@pytest.mark.parametrize("delivery", ["one-burst", "4kB"])
+def test_held_back_streams_with_no_bypass_traffic_keep_most_rows_in_the_figures(tmp_path, delivery):
+    # With no bypass traffic there is none to hide or make up: a row saying `proxy_lag` is left out of J/token for
+    # nothing. Before: 35-40 of 40 rows in 5 runs (a burst's bypass pace read from windows other held streams still
+    # held tokens of; tests/test_daemon_bypass_lag.py pins that at the ledger). The figures stay right either way.
+    s = run_case(delivery, "none", data_dir=tmp_path)
+    print(delivery, {k: v for k, v in s.items() if k != "worst_rows"})
+    assert abs(s["conservation_err"]) <= 0.001, s
+    assert s["rows_off_unmarked"] == 0 and s["intervals_complete_off"] == 0, s
+    assert s["rows_lag_said"] <= 10, s
