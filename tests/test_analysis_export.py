@@ -902,3 +902,21 @@ def test_a_source_that_cannot_be_read_for_permission_is_not_blamed_on_out(run, t
     r = CliRunner().invoke(main, ["export", str(run), "--format", "csv", "--out", str(tmp_path / "o")])
     assert r.exit_code == 1 and "cannot be read" in r.output and "Permission denied" in r.output, r.output
     assert "--out" not in r.output, r.output
+
+
+def test_a_foreign_columns_name_a_sheet_cannot_hold_is_cleaned_not_a_traceback(tmp_path):
+    # A column's name is text from outside like any cell's: one holding a control character (an ANSI escape) failed the
+    # whole xlsx export with openpyxl's IllegalCharacterError, and one longer than a cell holds made a damaged workbook.
+    # Cleaned and cut as a text cell is (U+FFFD; "[cut: ...]"); the CSV keeps the name as it is.
+    src = tmp_path / "foreign.parquet"
+    pq.write_table(pa.table({"a\x1b[31mb": ["x"], "h" * 40_000: ["y"]}), src)
+    r = CliRunner().invoke(main, ["export", str(src), "--format", "xlsx", "--out", str(tmp_path / "f.xlsx")])
+    assert r.exit_code == 0, (r.output, r.exception)
+    ws = load_workbook(tmp_path / "f.xlsx")["foreign"]
+    head = [c.value for c in next(ws.iter_rows(min_row=1, max_row=1))]
+    assert head[0] == "a\ufffd[31mb", head[0]
+    assert len(head[1]) <= ex.XLSX_MAX_CELL_CHARS and head[1].startswith("h" * 1000) and "[cut: 40000" in head[1]
+    assert [c.value for c in next(ws.iter_rows(min_row=2, max_row=2))] == ["x", "y"]
+    r = CliRunner().invoke(main, ["export", str(src), "--format", "csv", "--out", str(tmp_path / "c")])
+    assert r.exit_code == 0, (r.output, r.exception)
+    assert (tmp_path / "c" / "foreign.csv").read_text().splitlines()[0].startswith("a\x1b[31mb,hhh")

@@ -1118,8 +1118,10 @@ def _summary_number(ws, item: str, v, cell_type):
 def _xlsx_header(ws, t: pa.Table, tz: str) -> list[str]:
     """Write the header row, frozen, with each column as wide as its header (times: their format).
 
-    A write-only sheet writes its views and column widths with the first row, so they go first."""
-    head = [header(c, tz) for c in t.column_names]
+    A write-only sheet writes its views and column widths with the first row, so they go first. A column's name is
+    text from outside (a foreign Parquet file's) like any cell's: cleaned and cut as a text cell is (`_xlsx_values`),
+    else a control character in it failed the whole export and a name past a cell's limit damaged the workbook."""
+    head = _xlsx_values(pa.chunked_array([[header(c, tz) for c in t.column_names]], pa.string()))
     for i, (h, typ) in enumerate(zip(head, t.schema.types)):
         w = len(XLSX_TIME_FORMAT) + 2 if pa.types.is_timestamp(typ) else len(h) + 2
         ws.column_dimensions[_col_letter(i)].width = max(10, min(XLSX_MAX_COL_W, max(w, len(h) + 2)))
