@@ -179,3 +179,16 @@ def test_a_counter_level_with_one_window_integrated_from_power_is_not_flagged_in
     mostly = dataclasses.replace(mixed, power_token_share=0.5)
     (note,) = edge_bias_notes([mostly])
     assert "power readings" in note
+
+
+def test_an_instant_power_finding_names_windows_shorter_than_the_counters_refresh_as_a_cause():
+    """A GPU with an energy counter takes instant power over a window shorter than the counter's refresh
+    (profiler.COUNTER_REFRESH_MAX_NS: a 50 ms request on a 100 ms card). A level of such windows is flagged
+    instant-power, and its finding said only 'this GPU has no energy counter, or it broke over those windows': a
+    wrong cause for an H200 run at --max-tokens 8. It names that cause too (measure's note already did)."""
+    from powerprof.analysis.checks import level_findings
+    from powerprof.analysis.stats import summarize_levels
+
+    (f,) = [f for f in level_findings(summarize_levels(_level([METHOD_POWER] * 40, window_s=0.05), n_boot=200))
+            if f.kind == "instant-power"]
+    assert "shorter than its refresh" in f.message and "--max-tokens" in f.message, f.message
