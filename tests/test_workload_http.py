@@ -816,3 +816,24 @@ def test_prompt_set_identity_is_the_texts_in_order_with_their_max_tokens():
     assert h != prompt_set_identity([Prompt("a", "one", 64), Prompt("b", "two")])  # another per-prompt length
     assert h != prompt_set_identity([Prompt("a", "on"), Prompt("b", "etwo")])  # no ambiguity in joining texts
     assert prompt_set_identity(builtin_prompts("short")) != prompt_set_identity(builtin_prompts("long"))
+
+
+def test_a_counter_figure_with_a_few_windows_shorter_than_its_refresh_is_not_told_to_get_a_counter():
+    """A GPU with an energy counter takes instant power over a window shorter than its refresh (a request stopped at
+    its end-of-text after 4 tokens: profiler.COUNTER_REFRESH_MAX_NS). One such window of 40 (0.2% of the tokens) made
+    the figure's method 'counter,power_integration', and measure said the figure integrates instant power, 'a few %
+    off however long it runs; fix: a GPU with an energy counter (Volta and newer)', of an H200 run whose figure is
+    the counter's. Under POWER_EDGE_BIAS_SHARE of the tokens (edge_bias_notes' rule) those windows cannot move it;
+    where they hold more, the fix is longer requests, not another GPU."""
+    import dataclasses
+
+    from powerprof.workload.measure import Summary, short_figure_notes
+
+    few = Summary(1, 40, 0, 100.0, 2.0, None, "counter,power_integration", 40, measured_s=80.0,
+                  median_window_s=2.0, power_token_share=0.002)
+    assert short_figure_notes([few]) == []
+    (note,) = short_figure_notes([dataclasses.replace(few, power_token_share=0.3)])
+    assert "Volta" not in note and "--max-tokens" in note and "refresh" in note, note
+    # No counter at all: the fix stays a GPU with one.
+    (note,) = short_figure_notes([dataclasses.replace(few, energy_method="power_integration", power_token_share=1.0)])
+    assert "Volta and newer" in note, note
