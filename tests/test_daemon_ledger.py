@@ -1912,3 +1912,37 @@ def test_multi_step_piece_kept_in_order_and_late_part_counted():
     led.on_tokens(tr, 260 * ms, 4)  # spread over (180, 260] ms: 200 and 220 ms in closed intervals
     assert led.late_tokens == 2 and r.late == 2
     assert r.ev_t[-2:] == [240 * ms, 260 * ms] and sum(r.ev_n) == 8
+
+
+def test_a_first_burst_held_seconds_is_not_blamed_on_a_proxy_loop_a_few_ms_late():
+    # A stream whose first piece is a burst held since its decode began (30 tokens at 3 s, arrived at 0.5 s), then a
+    # piece 50 ms after it (a hop's timer flush) and its end. The proxy's loop was measured 30 ms late meanwhile (a
+    # loaded host, no more). The busy-host cause was judged against the 50 ms between its last pieces, not the 2.5 s
+    # its first burst was held: the row said "the proxy's own event loop ran up to 0.0 s late ... a busy host", the
+    # host's fix first, of a buffering hop's hold.
+    sink = Sink()
+    led = Ledger("d", 0, 1, sink, grace_s=0.1)
+    tr = _trace(1, 0.5)
+    led.on_start(tr)
+    for k in range(3):
+        _feed(led, float(k), 100.0 * k)
+        led.advance(int((k + 0.2) * S))
+    for t_s, n in ((3.0, 30), (3.05, 5)):
+        t = int(t_s * S)
+        led.note_proxy_delay(t, 0.03)
+        _feed(led, t_s, 100.0 * t_s)
+        tr.first_ns = tr.first_ns or t
+        tr.last_ns = t
+        tr.tokens_seen += n
+        led.on_tokens(tr, t, n)
+    tr.end_ns = int(3.05 * S) + 200_000
+    tr.counts = Counts(generated_tokens=35, prompt_tokens=50, model=None, stop_reason=None, token_source="usage")
+    led.on_end(tr)
+    for k in range(4, 8):
+        _feed(led, float(k), 100.0 * k)
+        led.advance(int((k + 0.2) * S))
+    (row,) = sink.rows["requests"]
+    note = row["energy_note"]
+    assert "burst" in note and "proxy_buffering off" in note, note
+    assert "own event loop" not in note, note
+    assert note.index("proxy_buffering off") < note.index("CPU to spare"), note  # the hop's fix first

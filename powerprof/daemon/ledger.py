@@ -688,6 +688,10 @@ class Ledger:
                     self._proxied.extend((t, n1 / k) for t in ts)
                 r.ev_t[:m], r.ev_n[:m] = self._open_only(r, ts, [n1 / k] * k)
                 r.placed_from_ns = start
+                # Held from there to its last piece: its hold too, which the busy-host cause is judged against
+                # (`_burst_said`). Left at the gaps between its later pieces (50 ms after a 2.5 s first burst), a proxy
+                # loop 30 ms late was said to explain it, the host's fix first, and the row said "up to 0.1 s apart".
+                r.held_s = max(r.held_s, (cut - start) / 1e9)
         self._burst_said(r, r.spent + float(sum(r.ev_n)))
 
     def _burst_said(self, r: _Req, n: float) -> None:
@@ -697,7 +701,7 @@ class Ledger:
         late = self._own_late_s(r)
         r.own_late_s = late if late >= OWN_LATE_SHARE * (r.held_s if r.bursts else (r.burst_s or 0.0)) else 0.0
         why = ("something between the server and the proxy buffers its streams, or the proxy read them late itself (its "
-               f"event loop ran up to {r.own_late_s:.1f} s late meanwhile: a busy host)" if r.own_late_s else
+               f"event loop ran up to {_secs(r.own_late_s)} late meanwhile: a busy host)" if r.own_late_s else
                "something between the server and the proxy buffers its streams, or a busy host ran the server or the "
                "proxy late")
         fix = _burst_fix(r)
@@ -2689,8 +2693,13 @@ def _uncounted_note(r: _Req) -> str:
 
 def _own_late_said(r: _Req) -> str:
     """A burst note's other cause, where the proxy's own loop was measured late enough to explain it (`_burst_said`)."""
-    return (f"; or read late by the proxy itself: the proxy's own event loop ran up to {r.own_late_s:.1f} s late while "
+    return (f"; or read late by the proxy itself: the proxy's own event loop ran up to {_secs(r.own_late_s)} late while "
             "it streamed, a busy host" if r.own_late_s else "; or a busy host that ran the server or the proxy late")
+
+
+def _secs(x: float) -> str:
+    """A lateness in words: under a second in ms (a loop 40 ms late read "0.0 s late")."""
+    return f"{x * 1e3:.0f} ms" if x < 1.0 else f"{x:.1f} s"
 
 
 def _burst_fix(r: _Req) -> str:
