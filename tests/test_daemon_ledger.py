@@ -1946,3 +1946,25 @@ def test_a_first_burst_held_seconds_is_not_blamed_on_a_proxy_loop_a_few_ms_late(
     assert "burst" in note and "proxy_buffering off" in note, note
     assert "own event loop" not in note, note
     assert note.index("proxy_buffering off") < note.index("CPU to spare"), note  # the hop's fix first
+
+
+def test_a_flat_counter_beside_a_gpu_whose_counter_broke_still_says_which():
+    # Two GPUs; GPU 0's counter did not move between the tick and the edge 30 ms later, and GPU 1's counter was reset
+    # there (a driver reload: a new epoch), so GPU 1's part is integrated from power. The interval's method is then
+    # power_integration (the weakest), and the note on GPU 0's 0 J was given only where every GPU took the counter: its
+    # sum held none of GPU 0's energy, unmarked.
+    from types import SimpleNamespace as NS
+
+    def rd(e0, e1, ep1):
+        return [NS(energy_j=e0, power_w=300.0, power_avg_w=None, power_limit_w=None, energy_epoch=0),
+                NS(energy_j=e1, power_w=400.0, power_avg_w=None, power_limit_w=None, energy_epoch=ep1)]
+
+    sink = Sink()
+    led = Ledger("d", 0, 2, sink, grace_s=0.1)
+    led.add_gpu_sample(0, 0, rd(1000.0, 5000.0, 0))
+    led.add_gpu_sample(int(0.03 * S), int(0.03 * S), rd(1000.0, 3.0, 1))
+    led.add_gpu_sample(S, S, rd(1300.0, 391.0, 1))
+    led.advance(int(1.5 * S))
+    flat = sink.rows["intervals"][0]
+    assert flat["energy_method"] == "power_integration", flat
+    assert "GPU 0" in (flat["energy_note"] or "") and "counter did not move" in flat["energy_note"], flat["energy_note"]

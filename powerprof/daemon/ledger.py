@@ -2397,7 +2397,7 @@ class Ledger:
                                                                bool(short_iv[k]) if short_iv is not None else False,
                                                                count, unsaid[k]),
                                            _counter_flat_note(gpu[k:k + 1] if per_gpu is None else per_gpu[k])
-                                           if methods[k] == METHOD_COUNTER and dur > 0 else None),
+                                           if methods[k] != METHOD_NONE and dur > 0 else None),
                 }
             )
         unsure = unsure or {}
@@ -2561,7 +2561,9 @@ COUNTER_FLAT_NOTE = f"gpu_energy_j 0: the energy counter did not move between th
 
 def _counter_flat_note(per_gpu_j: np.ndarray) -> str | None:
     """COUNTER_FLAT_NOTE where every GPU's counter read alike over the interval; where only some did (GPU 0 at the
-    tick's value, GPU 1 refreshed since), which: the sum then holds none of theirs, a plausible figure, low."""
+    tick's value, GPU 1 refreshed since), which: the sum then holds none of theirs, a plausible figure, low. Whatever
+    the interval's method (its weakest GPU's: one whose counter broke there is integrated from power): a GPU's 0 J
+    over a positive length is a counter that did not move, as power readings of 0 W are none (collectors.md)."""
     flat = np.flatnonzero(np.asarray(per_gpu_j) == 0)
     if not flat.size:
         return None
