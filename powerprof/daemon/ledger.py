@@ -2695,8 +2695,8 @@ def _uncounted_note(r: _Req) -> str:
 
 def _own_late_said(r: _Req) -> str:
     """A burst note's other cause, where the proxy's own loop was measured late enough to explain it (`_burst_said`)."""
-    return (f"; or read late by the proxy itself: the proxy's own event loop ran up to {_secs(r.own_late_s)} late while "
-            "it streamed, a busy host" if r.own_late_s else "; or a busy host that ran the server or the proxy late")
+    return (f"; or read late by the proxy itself: the proxy's own event loop ran up to {_secs(r.own_late_s)} late "
+            "while it streamed, a busy host" if r.own_late_s else "; or a busy host that ran the server or the proxy late")
 
 
 def _secs(x: float) -> str:

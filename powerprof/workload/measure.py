@@ -25,8 +25,8 @@ from powerprof.energy import (
 )
 from powerprof.collectors.cputime import BUSY_HOST_FIX, BUSY_HOST_PCT, busy_host_text, cpu_shares_pct, unknown_server_text
 from powerprof.collectors.limitwatch import CLOCK_FIX, LIMIT_CHANGERS, LIMIT_FIX, ClockLockWatch, ClockMove, LimitWatch, limits_read
-from powerprof.profiler import (EDGE_BIAS_WINDOW_S, LOW_CONFIDENCE_S, METHOD_COUNTER, METHOD_POWER, POWER_EDGE_BIAS_SHARE,
-                                POWER_EDGE_BIAS_WINDOW_S)
+from powerprof.profiler import (EDGE_BIAS_WINDOW_S, LOW_CONFIDENCE_S, METHOD_COUNTER, METHOD_POWER,
+                                POWER_EDGE_BIAS_SHARE, POWER_EDGE_BIAS_WINDOW_S)
 from powerprof.trust import out_dir_refusal
 
 from .client import RequestParams, RequestRecord, ServerInfo, context_problem, detect_server, new_session, server_away
@@ -176,8 +176,8 @@ def short_figure_notes(summary: list[Summary]) -> list[str]:
             # Beside counter windows the GPU has a counter: its windows on power were shorter than its refresh (or
             # it broke over them), and longer requests give the former its figure.
             fix = ("longer requests (--max-tokens), where its windows on instant power were shorter than the energy "
-                   "counter's refresh (10-100 ms); where the counter broke over them, a rerun" if METHOD_COUNTER in methods
-                   else "a GPU with an energy counter (Volta and newer)")
+                   "counter's refresh (10-100 ms); where the counter broke over them, a rerun"
+                   if METHOD_COUNTER in methods else "a GPU with an energy counter (Volta and newer)")
             out.append(
                 f"concurrency {x.concurrency}: the energy figure integrates instant power sampled between the edges "
                 f"({x.energy_method}), which misses what happens between samples: a few % off however long it runs; "
