@@ -73,7 +73,8 @@ MUTATIONS = (
 
 def _copy_tree(dest: Path) -> None:
     ignore = shutil.ignore_patterns("__pycache__", "*.pyc", ".pytest_cache")
-    for name in ("powerprof", "tests", "bench"):  # tests import benches (window_accuracy, attribution_accuracy)
+    # tests import benches (window_accuracy, attribution_accuracy); test_rapl reads the systemd unit's permission line
+    for name in ("powerprof", "tests", "bench", "systemd"):
         shutil.copytree(ROOT / name, dest / name, ignore=ignore)
     shutil.copy2(ROOT / "pyproject.toml", dest / "pyproject.toml")
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 
+import numpy as np
 import pytest
 
 import powerprof.workload.load as load
@@ -126,3 +127,23 @@ def test_a_batch_whose_streams_ended_apart_too_soon_says_so_and_the_right_fix():
     fix = fix_for(reason_group(reason))
     assert "ignore_eos" in fix and "starved" not in fix, fix
     assert "ended apart" in reason_group(reason)
+
+
+def test_a_batchs_method_is_not_named_by_a_trailing_piece_shorter_than_the_counters_refresh():
+    # A 3 s batch plus a 30 ms trailing piece (a stream's stale last reads split it): the piece takes instant power
+    # (shorter than the counter's refresh), and labelled the whole batch power_integration, low_confidence, its
+    # tokens "on power" in measure's notes. Named by what holds its time: counter. A piece that holds a real share
+    # of it still names its method.
+    from powerprof.profiler import METHOD_COUNTER, METHOD_POWER, EnergyResult
+    from powerprof.workload import rows
+
+    class Stub:
+        def energy_between(self, t0, t1):
+            m = METHOD_POWER if t1 - t0 < 100_000_000 or t0 >= 10**10 else METHOD_COUNTER
+            return EnergyResult(t0, t1, (300.0 * (t1 - t0) / 1e9,), (m,), None)
+
+    S = 1_000_000_000
+    gpu, _, method, *_ = rows._energy_over(Stub(), np.array([[0, 3 * S], [3 * S + 10**8, 3 * S + 13 * 10**7]]))
+    assert method == METHOD_COUNTER and gpu == pytest.approx(909.0)
+    _, _, method, *_ = rows._energy_over(Stub(), np.array([[0, 3 * S], [10**10, 10**10 + S]]))
+    assert method == METHOD_POWER
