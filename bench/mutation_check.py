@@ -35,10 +35,10 @@ class Mutation:
 
 
 MUTATIONS = (
-    Mutation("decode tokens = n instead of n - 1", "powerprof/windows.py",
-             "decode = max(n - 1, 0)", "decode = max(n, 0)", ("tests/test_windows.py",)),
+    Mutation("decode tokens = n instead of n - 1", "powerprof/arrival.py",
+             "win = rk[a + 1 : b + 1]", "win = rk[a : b + 1]", ("tests/test_windows.py",)),
     Mutation("decode time 1 ms too long", "powerprof/windows.py",
-             "dur_s = (t_last - t_first) / 1e9", "dur_s = (t_last - t_first + 1_000_000) / 1e9",
+             "dur_s = (q.t_last_ns - q.t_first_ns) / 1e9", "dur_s = (q.t_last_ns - q.t_first_ns + 1_000_000) / 1e9",
              ("tests/test_windows.py",)),
     Mutation("unwrap_resets adds nothing after a reset", "powerprof/energy.py",
              "np.where(drops, e[:-1], 0.0)", "np.where(drops, 0.0, 0.0)",
@@ -51,7 +51,8 @@ MUTATIONS = (
     Mutation("95% CI at the 5%/95% quantiles (a 90% interval)", "powerprof/analysis/stats.py",
              "[(1 - ci) / 2, 1 - (1 - ci) / 2]", "[(1 - ci), ci]", ("tests/test_analysis_stats.py",)),
     Mutation("average power shifted by a quarter window", "powerprof/energy.py",
-             "int(window_s * 1e9 / 2)", "int(window_s * 1e9 / 4)", ("tests/test_profiler.py",)),
+             "dtype=np.int64) - int(window_s * 1e9 / 2)", "dtype=np.int64) - int(window_s * 1e9 / 4)",
+             ("tests/test_profiler.py",)),
     Mutation("CPU energy subtracted across a dropped RAPL delta", "powerprof/energy.py",
              "return ep[i] != ep[j]", "return np.zeros(np.shape(ep[i]), bool)",
              ("tests/test_rapl.py", "tests/test_profiler.py", "tests/test_daemon_ledger.py")),
