@@ -139,3 +139,67 @@ def test_a_long_running_daemons_closes_read_only_recent_history_with_the_same_fi
     for t0 in (0, 4000, 4749, 4990, 5010):
         edges = np.array([t0 * s + k * s // 2 for k in range(5)], dtype=np.int64)
         assert led._edge_delays_s(edges, s) == _edge_delays_whole_history(led, edges, s)
+
+
+def test_a_close_whose_counters_are_all_exact_has_each_gpus_own_energy_and_method():
+    # The all-exact close takes every GPU's counter differences at once (the call per GPU was 0.4 ms of an idle close's
+    # ~3 ms): the same energies, to the bit, and the same methods as `interval_energy_j` per GPU.
+    from powerprof.daemon import attribution as attr
+    from powerprof.daemon.ledger import _Edge
+    from powerprof.profiler import METHOD_COUNTER
+
+    rng = np.random.default_rng(7)
+    led = Ledger("d", 0, 8, lambda *a: None)
+    t = np.cumsum(rng.integers(900_000_000, 1_100_000_000, 4)).astype(np.int64)
+    counters = np.cumsum(rng.uniform(40.0, 400.0, (4, 8)), axis=0) + rng.uniform(1e3, 1e6, 8)
+    edges = [_Edge(int(t[k]), int(t[k]), counters[k], rng.uniform(40, 400, 8), (300.0,) * 8, np.zeros(8, np.int64))
+             for k in range(4)]
+    got_t, per_gpu, methods = led._energy(edges)
+    assert got_t.tolist() == t.tolist() and methods == [METHOD_COUNTER] * 3
+    for g in range(8):
+        want, exact = attr.interval_energy_j(counters[:, g], t, np.array([e.power_w[g] for e in edges]),
+                                             np.ones(3, bool))
+        assert exact.all() and per_gpu[:, g].tolist() == want.tolist()
+
+
+def test_the_idle_daemons_periodic_loops_wake_on_one_grid(tmp_path, monkeypatch):
+    # Each wake-up of the idle loop costs its thread CPU whatever it runs: the accounting loop (4 a second), the scrape
+    # loop (4) and the connection guard (1) each slept a period after their own work and drifted apart, 9 wake-ups a
+    # second. Each now sleeps to the next multiple of its period on the loop's clock: their instants coincide.
+    import powerprof.daemon.guard as guard
+    import powerprof.daemon.ticks as ticks
+
+    asked: list[tuple[str, float, float]] = []
+
+    def recording(who):
+        async def sleep(period_s):
+            loop = asyncio.get_running_loop()
+            now = loop.time()
+            d = await ticks.sleep_on_grid(period_s)
+            asked.append((who, period_s, now + d))
+            return d
+        return sleep
+
+    monkeypatch.setattr(service, "sleep_on_grid", recording("daemon"))
+    monkeypatch.setattr(guard, "sleep_on_grid", recording("guard"))
+    cfg = load_config(None, env={}, overrides={
+        "daemon.data_dir": str(tmp_path / "data"), "daemon.interval_s": 1.0, "daemon.flush_interval_s": 30.0,
+        "proxy.listen": "127.0.0.1:0", "proxy.upstream": "http://127.0.0.1:9", "metrics.listen": "",
+        "daemon.restore_on_start": False, "proxy.header_timeout_s": 2.0,
+    })
+    d = Daemon(cfg, Rig("a100-40g", gpus=[0], nvml=SimNVML("a100-40g", count=1, state_path=None)))
+
+    async def main():
+        task = asyncio.create_task(d.run())
+        await _wait(lambda: sum(1 for w, p, _ in asked if w == "daemon" and p == 0.25) >= 12
+                    and any(w == "guard" for w, _, _ in asked))
+        d.stop_event.set()
+        return await task
+
+    assert asyncio.run(asyncio.wait_for(main(), 90)) == 0
+    periods = {(w, p) for w, p, _ in asked}
+    assert ("daemon", 0.25) in periods and ("guard", 0.5) in periods, periods
+    # Every deadline on the 0.25 s grid, which the guard's 0.5 s one is part of (within a millisecond, the timers'
+    # resolution: `now` above is read a moment before sleep_on_grid reads the loop's clock).
+    for who, period, deadline in asked:
+        assert abs(deadline - 0.25 * round(deadline / 0.25)) < 1e-3, (who, period, deadline)

@@ -114,6 +114,11 @@ def test_a_gpu_that_draws_the_same_busy_or_idle_is_left_out_of_the_costs_and_the
     for k in range(0, 300, 7):  # as the ledger adds them: a few intervals per close
         learner.add((300.0, 300.0), x[k:k + 7], per_gpu[k:k + 7], np.ones(len(x[k:k + 7]), bool))
     assert learner.serving.tolist() == [True, False]
+    # The idle power kept sorted (the median read off its middle) is rebuilt with the window's re-summed energies:
+    # np.median's figure, to the bit.
+    xs, ys = np.array(learner._x[(300.0, 300.0)]), np.array(learner._y[(300.0, 300.0)])
+    idle = (xs[:, 1:] == 0).all(axis=1) & (xs[:, 0] > 0)
+    assert learner._idle_median((300.0, 300.0)) == float(np.median(ys[idle] / xs[idle, 0]))
     c = learner.costs((300.0, 300.0))
     assert c.source == "fitted"
     assert c.idle_w == pytest.approx(60.0, rel=0.01)  # not 110: GPU 1's 50 W is no request's

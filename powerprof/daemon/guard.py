@@ -22,6 +22,8 @@ import time
 from aiohttp import web
 from aiohttp.http_exceptions import HttpProcessingError
 
+from .ticks import sleep_on_grid
+
 log = logging.getLogger("powerprof.daemon.guard")
 
 
@@ -64,7 +66,7 @@ class ConnectionGuard:
 
     async def _loop(self) -> None:
         while True:
-            await asyncio.sleep(self.period_s)
+            await sleep_on_grid(self.period_s)  # with the daemon's other periodic loops: one wake-up (ticks.py)
             try:
                 self.sweep(time.monotonic())
             except Exception:  # the guard must not die; the next turn tries again

@@ -1487,6 +1487,11 @@ class Ledger:
         # A counter difference across an epoch change (a jump or reset the collector caught) is no energy.
         same = (np.diff(np.stack(epochs), axis=0) == 0) if self.n_gpus else exact
         how = np.full((len(edges) - 1, self.n_gpus), METHOD_COUNTER, dtype=object)
+        dc = np.diff(counters, axis=0)
+        if (~np.isnan(dc) & (dc >= 0) & same).all():
+            # Every counter difference is exact (the usual close): `interval_energy_j`'s own answer for each GPU, taken
+            # for all GPUs at once. Its call per GPU (8 GPUs: ~70 numpy calls) was 0.4 ms of an idle close's ~3 ms.
+            return t, dc, [METHOD_NONE if np.isnan(dc[k]).any() else weakest_method(how[k]) for k in range(len(edges) - 1)]
         for g in range(self.n_gpus):
             per_gpu[:, g], exact[:, g] = attr.interval_energy_j(counters[:, g], t, powers[:, g], same[:, g])
             how[~exact[:, g], g] = METHOD_POWER

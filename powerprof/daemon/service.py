@@ -44,6 +44,7 @@ from .proxy import SERVER_OPTIONS, Proxy, RequestTrace
 from .scrape import AT_FINISH, SCRAPE_TIMEOUT_S, Cadence, Scraper, burst_start_ns
 from .store import COMPACTION_LOCK, Dataset, DatasetStore, Flusher, buffer_cap_rows
 from .tagapi import PeerPolicy, tag_app
+from .ticks import sleep_on_grid
 
 log = logging.getLogger("powerprof.daemon")
 # A request's end edge is read this long after the end: the energy counter lags by up to its
@@ -686,13 +687,14 @@ class Daemon:
                 self.reload_requested = False
                 self.reload()
             # A bare sleep, as the scrape loop's: wait_for on the stop event made and cancelled a task at each pass
-            # (a tenth of the idle loop's CPU). A stop is seen within one period, as the scrape loop's.
+            # (a tenth of the idle loop's CPU). A stop is seen within one period, as the scrape loop's. On the grid
+            # the scrape loop and the connection guard sleep on: they wake the loop together (ticks.py).
             asleep = time.monotonic()
-            await asyncio.sleep(period)
+            slept = await sleep_on_grid(period)
             if isinstance(self.proxy, Proxy) and self.proxy.recorder is self:
                 # This loop serves the proxy (proxy.workers = 1): how late it woke is how late the proxy could
                 # read the server's tokens then (proxy workers send their own with their heartbeats).
-                self.note_proxy_delay(time.monotonic_ns(), time.monotonic() - asleep - period)
+                self.note_proxy_delay(time.monotonic_ns(), time.monotonic() - asleep - slept)
 
     async def _scrape_baseline(self) -> None:
         """Read the server's counters once before saying ready: the count starts there. Taken by the scrape loop's
@@ -754,8 +756,9 @@ class Daemon:
                         # The delta covers the time since the previous scrape: spread over it (docs/daemon.md).
                         self.ledger.add_server_tokens(t, delta, since, at_finish, self.scraper.finished, partial=partial)
                     since = self._scrape_since_ns = t  # where the next window, the final scrape's too, starts
-            # A bare sleep (no task per wait, as wait_for makes): it wakes every fast period to poll.
-            await asyncio.sleep(cadence.fast_s)
+            # A bare sleep (no task per wait, as wait_for makes): it wakes every fast period to poll, on the accounting
+            # loop's grid (ticks.py).
+            await sleep_on_grid(cadence.fast_s)
         if held is not None:
             self.ledger.add_server_tokens(held[1], held[2], held[0], self.scraper.kind in AT_FINISH, held[3], partial=held[4])
 

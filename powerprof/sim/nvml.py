@@ -311,9 +311,12 @@ class SimNVML:
                 g.set_phase(Phase(e["kind"], float(e.get("share") or 0.0)), t_ns=int(e.get("t_ns") or 0))
 
     def __getattr__(self, name):
-        # Constants (NVML_*, nvmlClocksEventReason*) and error classes come from the real module.
+        # Constants (NVML_*, nvmlClocksEventReason*) and error classes come from the real module, kept on the instance
+        # once read: the real module's are plain attributes, where each read through here (160 a tick for 8 GPUs in
+        # the daemon's collector) cost the sampler thread ~0.1 ms a tick that a real driver's process never pays.
         if name.startswith(("NVML", "nvmlClocks")):
-            return getattr(pynvml, name)
+            v = self.__dict__[name] = getattr(pynvml, name)
+            return v
         raise AttributeError(name)
 
     # --- plumbing ---------------------------------------------------------------------------
