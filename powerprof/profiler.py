@@ -85,12 +85,15 @@ END_EDGE_BIAS_SHARE = 0.01
 GRID_MIN_READS = 256
 GRID_READS = 2000
 # A window shorter than the counter's refresh (its grid's period; until that is known, the slowest refresh drivers use,
-# 100 ms: field notes, docs/hardware.md) gets no counter figure: its reads hold one refresh's value or two, so the
-# counter says 0 J or about a whole refresh's energy. Chosen by length, not by what the counter said: a 0.0 J
-# window stored as a measurement (a loaded host, 55 ms windows) was the bug, and leaving out only the windows
-# whose counter did not move kept those it moved over (about twice their energy) and lifted the pooled J/token
-# of 50 ms windows on the simulated H200 from +14% to +32% (docs/benchmarks.md, "Windows shorter than the counter's
-# refresh"). Such a window takes instant power, read at its edges, and is low_confidence as any power figure is.
+# 100 ms: field notes, docs/hardware.md) gets no GPU figure on a GPU with a counter: its reads hold one refresh's value
+# or two, so the counter says 0 J or about a whole refresh's energy, and instant power, refreshed as seldom on a real
+# H200 (field 186: every ~100 ms), mostly shows the power before the window. On the simulated H200 (both refreshed every
+# 100 ms) 50 ms decode windows pooled +15.6% on instant power at their edges (+3.4% at a 300 W cap: it depends on the
+# power before), +11% on the counter with its 0 J windows kept, -26% on the straight line between refresh-dated counter
+# values; 80 ms +10.0 / +9.7 / -21% (docs/benchmarks.md, "Windows shorter than the counter's refresh"). Chosen by
+# length, never by what a reading said: leaving out only the windows whose counter did not move kept those it moved
+# over and lifted 50 ms windows' pooled J/token from +14% to +32%. Such a window says so (method none, low_confidence)
+# and `measure` names the reason and the fix (--max-tokens). A GPU without a counter keeps its power figure.
 COUNTER_REFRESH_MAX_NS = 100_000_000
 GRID_MARGIN = 0.5
 LOW_CONFIDENCE_S = {"counter": 10.0, "avg_power_integration": 30.0, "power_integration": float("inf"), "none": float("inf")}
@@ -312,6 +315,8 @@ class EnergyTimeline:
         return CpuTime(host, over(self.cpu_time["server"]), over(self.cpu_time["powerprof"]))
 
     def _gpu_energy(self, k: int, t0: int, t1: int) -> tuple[float | None, str]:
+        if self.gpu_energy[k].t_ns and 0 < t1 - t0 < self._counter_refresh_ns(k):
+            return None, METHOD_NONE  # shorter than the counter's refresh: COUNTER_REFRESH_MAX_NS
         methods = ENERGY_METHODS[:-1]
         if t1 - t0 < self.avg_windows_s[k] * 1e9 and self.gpu_power[k].t_ns:
             # The trailing average spans mostly power from before the window (a decode window after idle or a
@@ -330,9 +335,11 @@ class EnergyTimeline:
         if t.size < 2:
             return float("nan")
         period_ns, phase_ns = self._counter_grid(k)
-        if 0 < t1 - t0 < (period_ns or COUNTER_REFRESH_MAX_NS):
-            return float("nan")  # shorter than the counter's refresh: COUNTER_REFRESH_MAX_NS
         return counter_window_energy_j(t, y, t0, t1, np.asarray(s.epoch), period_ns=period_ns, phase_ns=phase_ns)
+
+    def _counter_refresh_ns(self, k: int) -> int:
+        """GPU k's counter refresh period: its grid's, or COUNTER_REFRESH_MAX_NS until that is known."""
+        return self._counter_grid(k)[0] or COUNTER_REFRESH_MAX_NS
 
     def _counter_grid(self, k: int) -> tuple[int, int]:
         """GPU k's counter refresh grid from its reads so far (see GRID_MIN_READS), cached."""

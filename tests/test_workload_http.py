@@ -632,6 +632,23 @@ def test_a_concurrency_without_a_figure_says_why_and_the_fix():
     assert "no energy reading" in by_c["concurrency 2"] and "powerprof devices" in by_c["concurrency 2"]
 
 
+def test_a_concurrency_whose_windows_are_shorter_than_the_counters_refresh_says_so_with_the_fix():
+    """Windows under 100 ms (8 tokens at 150 tok/s) carry no GPU figure on a GPU with a counter (profiler.
+    COUNTER_REFRESH_MAX_NS): the level's dash must name that reason and the --max-tokens that fixes it, not "no
+    energy reading covers its windows"."""
+    from powerprof.workload.measure import missing_figure_notes, summarise
+
+    def row(decode_s, gpu):
+        return {"concurrency": 1, "window_kind": "request", "warmup": False, "status": "ok", "error": None,
+                "timing": "stream", "decode_tok_s": 150.0, "decode_s": decode_s, "decode_tokens": 150.0 * decode_s,
+                "gpu_energy_j": gpu, "cpu_energy_j": 1.0, "energy_method": "counter" if gpu else "none"}
+
+    rows = [row(0.05, None)] * 3 + [row(1.0, 300.0)] * 5
+    (note,) = missing_figure_notes(rows, summarise(rows))
+    assert note.startswith("concurrency 1: no J/token figure: 3 of 8 request windows")
+    assert "shorter than the GPU energy counter's refresh" in note and "--max-tokens" in note
+
+
 def test_measure_says_when_its_windows_median_sits_on_one_rounding_of_the_counter():
     # measure --simulate h200-141g --max-tokens 48: 0.31 s windows on a counter refreshed every 100 ms;
     # the median of the windows' own J/token (windows.parquet) was 5% below the pooled figure printed,

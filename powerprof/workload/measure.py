@@ -25,7 +25,7 @@ from powerprof.energy import (
 )
 from powerprof.collectors.cputime import BUSY_HOST_FIX, BUSY_HOST_PCT, busy_host_text, cpu_shares_pct, unknown_server_text
 from powerprof.collectors.limitwatch import CLOCK_FIX, LIMIT_CHANGERS, LIMIT_FIX, ClockLockWatch, ClockMove, LimitWatch, limits_read
-from powerprof.profiler import (EDGE_BIAS_WINDOW_S, LOW_CONFIDENCE_S, METHOD_COUNTER, METHOD_POWER,
+from powerprof.profiler import (COUNTER_REFRESH_MAX_NS, EDGE_BIAS_WINDOW_S, LOW_CONFIDENCE_S, METHOD_COUNTER, METHOD_POWER,
                                 POWER_EDGE_BIAS_SHARE, POWER_EDGE_BIAS_WINDOW_S)
 from powerprof.trust import out_dir_refusal
 
@@ -218,6 +218,15 @@ def missing_figure_notes(rows: Sequence[dict], summary: list[Summary]) -> list[s
             why, fix = f"all {len(ok)} {kind} windows are left out as untrusted (above)", "as said above"
         elif not any(used(r) for r in ok):
             why, fix = f"every {kind} window ran beside others' work ({FOREIGN_FLAG}, above)", FOREIGN_FIX
+        elif short := [r for r in ok if used(r) and r["gpu_energy_j"] is None
+                       and (r["decode_s"] or 0) < COUNTER_REFRESH_MAX_NS / 1e9]:
+            need = max_tokens_for_windows((x.decode_tok_s or 0) / x.concurrency)
+            need = int(np.ceil(need * EDGE_BIAS_WINDOW_S / ROUNDED_WINDOW_S / 64) * 64) if need else 0
+            why = (f"{len(short)} of {len(ok)} {kind} windows (under {COUNTER_REFRESH_MAX_NS / 1e6:g} ms) are shorter "
+                   "than the GPU energy counter's refresh, and no reading resolves them (the counter holds one or two "
+                   "refreshes' values; instant power, refreshed as seldom, shows the power before the window: +16% "
+                   "measured at 50 ms), so they carry no energy figure and the level none")
+            fix = "longer requests" + (f" (--max-tokens {need} or more)" if need > 0 else "")
         else:
             why, fix = "no energy reading covers its windows", "`powerprof devices` says what the GPU can report"
         out.append(f"concurrency {x.concurrency}: no J/token figure: {why}; fix: {fix}")
@@ -281,7 +290,7 @@ def edge_bias_notes(summary: list[Summary]) -> list[str]:
             need = int(np.ceil(need * POWER_EDGE_BIAS_WINDOW_S / ROUNDED_WINDOW_S / 64) * 64) if need else 0
             out.append(
                 f"concurrency {x.concurrency}: low confidence: this GPU has no energy counter (or it broke over those "
-                f"windows, or they were shorter than its refresh), and the J/token figure is integrated from power readings (1 Hz and each window's edges) "
+                f"windows), and the J/token figure is integrated from power readings (1 Hz and each window's edges) "
                 f"over {x.median_window_s:.2f} s "
                 f"decode windows, under the {POWER_EDGE_BIAS_WINDOW_S:g} s below which a reading's lag behind the "
                 "power (a card refreshes it every ~100 ms) biases it by over 0.5% (measured -4% at 1 s, -10% at "
