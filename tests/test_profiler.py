@@ -101,6 +101,27 @@ def test_a_window_shorter_than_the_counters_refresh_carries_no_figure_whatever_i
     assert at_refresh.gpu_methods == (METHOD_COUNTER,)
 
 
+def test_windows_shorter_than_the_counters_refresh_are_counted_and_said_in_the_runs_notes():
+    """A batch's decode can be split by a late stream's prefill into intervals, one of them under the refresh: the
+    batch then has no figure though its length is over it. The run's notes say how many windows (or intervals)
+    went without a figure for that reason, with the fix, so no dash stands unexplained."""
+    refresh_ns, ns = 100_000_000, 1_000_000_000
+    reads = sorted([k * 200_000_000 for k in range(21)] + [int(2.072 * ns), int(2.132 * ns)])
+    tl = EnergyTimeline(1, (1.0,))
+    for n, t in enumerate(reads):
+        tl.add(Sample("nvml", n, t, t, (_Reading(300.0 * (t - t % refresh_ns) / ns, 300.0, 300.0),)))
+    short = tl.energy_between(int(2.070 * ns), int(2.130 * ns))
+    longer = tl.energy_between(int(2.070 * ns), int(3.070 * ns))
+    assert short.under_refresh and not longer.under_refresh
+    prof = Profiler.__new__(Profiler)
+    prof.late_edge_windows = prof.end_bias_windows = prof.edge_errors = prof.edge_timeouts = prof.short_windows = 0
+    for r in (short, longer, short):
+        prof._counted(r)
+    (note,) = [n for n in prof.edge_notes() if "refresh" in n]
+    assert note.startswith("2 windows") and "shorter than the GPU energy counter's refresh" in note
+    assert "--max-tokens" in note
+
+
 def test_a_short_window_on_a_gpu_without_a_counter_keeps_its_power_figure():
     """The no-figure rule is the counter's refresh: a GPU without a counter has only power readings at any length
     (flagged low_confidence as every instant-power figure is)."""
