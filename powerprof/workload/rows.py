@@ -8,7 +8,7 @@ from typing import Sequence
 
 import numpy as np
 
-from powerprof.profiler import LOW_CONFIDENCE_S, MAX_POWER_GAP_S, METHOD_NONE, POWER_EDGE_BIAS_SHARE, weakest_method
+from powerprof.profiler import COUNTER_REFRESH_MAX_NS, LOW_CONFIDENCE_S, MAX_POWER_GAP_S, METHOD_NONE, POWER_EDGE_BIAS_SHARE, weakest_method
 from powerprof.windows import concurrent_throughput
 
 from .client import IGNORE_EOS_KINDS, RequestRecord, ServerInfo
@@ -88,7 +88,9 @@ def batch_windows(records: Sequence[RequestRecord]) -> list[BatchWindow]:
             if q.t_last_ns is not None and q.t_last_ns < r.t_last_ns:
                 blocked.append((q.t_last_ns, r.t_last_ns))
         reqs = [(r.t_send_ns, *r.arrivals(), r.generated_tokens) for r in ok]
-        agg = concurrent_throughput(reqs, blocked)
+        # Pieces shorter than the counter's refresh would leave the whole batch without an energy figure (profiler.
+        # COUNTER_REFRESH_MAX_NS): left out of its tokens, time and energy alike, by length.
+        agg = concurrent_throughput(reqs, blocked, min_interval_ns=COUNTER_REFRESH_MAX_NS)
         n = len(ok)
         ended, together = False, None
         if (agg.tok_s is not None and agg.max_streams == n and agg.mean_streams < ACHIEVED_CONCURRENCY_SHARE * n
@@ -98,7 +100,7 @@ def batch_windows(records: Sequence[RequestRecord]) -> list[BatchWindow]:
             # lengths ending apart started apart too: apart_reason's), and the span where all of them decode is a
             # figure at this batch's concurrency when it holds enough tokens.
             ended = True
-            together = concurrent_throughput(reqs, blocked, within=agg.together_ns)
+            together = concurrent_throughput(reqs, blocked, within=agg.together_ns, min_interval_ns=COUNTER_REFRESH_MAX_NS)
             if (together.tok_s is not None and together.decode_tokens >= MIN_TOGETHER_TOKENS_PER_STREAM * n
                     and together.mean_streams >= ACHIEVED_CONCURRENCY_SHARE * n):
                 agg = together
