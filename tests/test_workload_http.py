@@ -666,10 +666,32 @@ def test_a_concurrency_whose_windows_are_shorter_than_the_counters_refresh_says_
                 "timing": "stream", "decode_tok_s": 150.0, "decode_s": decode_s, "decode_tokens": 150.0 * decode_s,
                 "gpu_energy_j": gpu, "cpu_energy_j": 1.0, "energy_method": "counter" if gpu else "none"}
 
-    rows = [row(0.05, None)] * 3 + [row(1.0, 300.0)] * 5
+    rows = [row(0.05, None)] * 3  # every window short: no figure (a few among longer ones leave those theirs)
     (note,) = missing_figure_notes(rows, summarise(rows))
-    assert note.startswith("concurrency 1: no J/token figure: 3 of 8 request windows")
+    assert note.startswith("concurrency 1: no J/token figure: 3 of 3 request windows")
     assert "shorter than the GPU energy counter's refresh" in note and "--max-tokens" in note
+
+
+def test_a_few_windows_shorter_than_the_counters_refresh_leave_the_rest_their_figure_and_are_said():
+    """One request of 40 stopped at its end-of-text after 4 tokens (a 30 ms window, no GPU figure: profiler.
+    COUNTER_REFRESH_MAX_NS). Leaving the whole level without a J/token for it would lose 39 good windows: the short
+    one is left out of the pooled figure, tokens and energy alike (chosen by its length), and the notes say so with
+    the fix."""
+    from powerprof.workload.measure import short_window_notes, summarise
+
+    def row(decode_s, gpu):
+        return {"concurrency": 1, "window_kind": "request", "warmup": False, "status": "ok", "error": None,
+                "timing": "stream", "decode_tok_s": 150.0, "decode_s": decode_s, "decode_tokens": 150.0 * decode_s,
+                "gpu_energy_j": gpu, "cpu_energy_j": 1.0, "energy_method": "counter" if gpu else "none",
+                "gpu_j_per_token": gpu / (150.0 * decode_s) if gpu else None}
+
+    rows = [row(0.03, None)] + [row(1.0, 300.0)] * 39
+    (x,) = summarise(rows)
+    assert x.gpu_j_per_token == pytest.approx(2.0)
+    assert x.total_j_per_token == pytest.approx((300.0 + 1.0) / 150.0)
+    (note,) = short_window_notes(rows, [x])
+    assert note.startswith("concurrency 1: 1 of 40 request windows") and "--max-tokens" in note, note
+    assert short_window_notes([row(1.0, 300.0)] * 3, summarise([row(1.0, 300.0)] * 3)) == []
 
 
 def test_measure_says_when_its_windows_median_sits_on_one_rounding_of_the_counter():

@@ -119,6 +119,34 @@ def used(row: dict) -> bool:
     return trusted(row) and not row.get("foreign_traffic")
 
 
+def under_refresh(row: dict) -> bool:
+    """A window without a GPU energy figure that is shorter than the counter's refresh (profiler.
+    COUNTER_REFRESH_MAX_NS): no reading resolves it, so it is left out of the energy figures by its length."""
+    return row["gpu_energy_j"] is None and (row["decode_s"] or 0) < COUNTER_REFRESH_MAX_NS / 1e9
+
+
+def short_window_notes(rows: Sequence[dict], summary: list) -> list[str]:
+    """Say so where a level's energy figures leave out windows shorter than the counter's refresh (`summarise`)."""
+    out = []
+    for x in summary:
+        if x.gpu_j_per_token is None:
+            continue  # missing_figure_notes says why
+        kind = "request" if x.concurrency == 1 else "batch"
+        wins = [r for r in rows if r["concurrency"] == x.concurrency and r["window_kind"] == kind
+                and not r["warmup"] and r["status"] == "ok" and used(r)]
+        short = [r for r in wins if under_refresh(r)]
+        if not short:
+            continue
+        need = max_tokens_for_windows((x.decode_tok_s or 0) / x.concurrency)
+        need = int(np.ceil(need * EDGE_BIAS_WINDOW_S / ROUNDED_WINDOW_S / 64) * 64) if need else 0
+        out.append(f"concurrency {x.concurrency}: {len(short)} of {len(wins)} {kind} windows (under "
+                   f"{COUNTER_REFRESH_MAX_NS / 1e6:g} ms: requests that stopped early?) are shorter than the GPU energy "
+                   "counter's refresh, which no reading resolves: they carry no energy figure and the J/token figures "
+                   "rest on the others (tokens and energy alike; tok/s counts them); fix: longer requests"
+                   + (f" (--max-tokens {need} or more" if need > 0 else "") + (", with ignore-EOS)" if need > 0 else ""))
+    return out
+
+
 @dataclass(frozen=True)
 class Excluded:
     """Windows left out of every figure because their timing cannot be trusted."""
@@ -388,6 +416,10 @@ def summarise(rows: list[dict], gpus: Sequence[tuple[int, str]] | None = None) -
         else:
             dur = sum(r["decode_s"] or 0 for r in basis)
             tok_s = sum(r["decode_tokens"] or 0 for r in basis) / dur if dur > 0 else None
+        n_used = len(basis)
+        # Windows shorter than the counter's refresh carry no energy figure (by length): the energy figures rest on
+        # the others, tokens and energy alike, where any remain (short_window_notes says so); else none.
+        basis = [r for r in basis if not under_refresh(r)] or basis
         tokens = sum(r["decode_tokens"] or 0 for r in basis)
         gpu = [r["gpu_energy_j"] for r in basis]
         tot = [(r["gpu_energy_j"], r["cpu_energy_j"]) for r in basis]
@@ -398,7 +430,7 @@ def summarise(rows: list[dict], gpus: Sequence[tuple[int, str]] | None = None) -
             else None
         )
         methods = {r["energy_method"] for r in basis} or {"none"}
-        n_trusted = len([r for r in ok if used(r)]) if c == 1 else len(basis)
+        n_trusted = len([r for r in ok if used(r)]) if c == 1 else n_used
         with_j = [r for r in basis if r.get("gpu_j_per_token") is not None]
         other_pct, own_pct = cpu_shares_pct(*([r.get(k) for r in basis] for k in ("host_cpu_s", "other_cpu_s", "powerprof_cpu_s")))
         out.append(Summary(c, len(ok), failed, tok_s, gpu_jpt, tot_jpt, ",".join(sorted(methods)), n_trusted,
@@ -584,7 +616,7 @@ def measure(
         notes.append(foreign_rec["message"])
     if watch:
         notes += watch[0].cannot
-    notes += short_figure_notes(summary) + missing_figure_notes(rows, summary) + missing_cpu_notes(rows, summary, profiler) + busy_host_notes(summary, profiler) + edge_bias_notes(summary) + rounding_notes(summary)
+    notes += short_figure_notes(summary) + missing_figure_notes(rows, summary) + short_window_notes(rows, summary) + missing_cpu_notes(rows, summary, profiler) + busy_host_notes(summary, profiler) + edge_bias_notes(summary) + rounding_notes(summary)
     if profiler is not None:
         notes += profiler.edge_notes()
     return MeasureResult(server, records, rows, summary, notes=notes, aborted=aborted, excluded=excluded_windows(rows),
