@@ -881,12 +881,13 @@ def test_prompt_set_identity_is_the_texts_in_order_with_their_max_tokens():
 
 
 def test_a_counter_figure_with_a_few_windows_shorter_than_its_refresh_is_not_told_to_get_a_counter():
-    """A GPU with an energy counter takes instant power over a window shorter than its refresh (a request stopped at
-    its end-of-text after 4 tokens: profiler.COUNTER_REFRESH_MAX_NS). One such window of 40 (0.2% of the tokens) made
+    """A GPU with an energy counter took instant power over a window shorter than its refresh (a request stopped at
+    its end-of-text after 4 tokens; such a window now has no figure: profiler.COUNTER_REFRESH_MAX_NS), as it does over
+    one its counter broke over. One such window of 40 (0.2% of the tokens) made
     the figure's method 'counter,power_integration', and measure said the figure integrates instant power, 'a few %
     off however long it runs; fix: a GPU with an energy counter (Volta and newer)', of an H200 run whose figure is
     the counter's. Under POWER_EDGE_BIAS_SHARE of the tokens (edge_bias_notes' rule) those windows cannot move it;
-    where they hold more, the fix is longer requests, not another GPU."""
+    where they hold more, the fix is a rerun, not another GPU."""
     import dataclasses
 
     from powerprof.workload.measure import Summary, short_figure_notes
@@ -895,7 +896,7 @@ def test_a_counter_figure_with_a_few_windows_shorter_than_its_refresh_is_not_tol
                   median_window_s=2.0, power_token_share=0.002)
     assert short_figure_notes([few]) == []
     (note,) = short_figure_notes([dataclasses.replace(few, power_token_share=0.3)])
-    assert "Volta" not in note and "--max-tokens" in note and "refresh" in note, note
+    assert "Volta" not in note and "rerun" in note and "broke" in note, note  # short windows: no figure, not power
     # No counter at all: the fix stays a GPU with one.
     (note,) = short_figure_notes([dataclasses.replace(few, energy_method="power_integration", power_token_share=1.0)])
     assert "Volta and newer" in note, note

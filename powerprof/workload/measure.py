@@ -194,18 +194,18 @@ def short_figure_notes(summary: list[Summary]) -> list[str]:
             continue
         methods = x.energy_method.split(",")
         # Windows on instant power holding too few of the tokens to move the figure (edge_bias_notes' rule) are not
-        # what it rests on: a counter card's window shorter than its refresh takes instant power (one of 40 said
+        # what it rests on: a counter card's window its counter broke over takes instant power (one of 40 said
         # "fix: a GPU with an energy counter" of an H200's counter figure).
         if METHOD_POWER in methods and len(methods) > 1 and x.power_token_share is not None \
                 and x.power_token_share <= POWER_EDGE_BIAS_SHARE:
             methods = [m for m in methods if m != METHOD_POWER]
         need = max((LOW_CONFIDENCE_S.get(m, float("inf")) for m in methods), default=float("inf"))
         if need == float("inf"):
-            # Beside counter windows the GPU has a counter: its windows on power were shorter than its refresh (or
-            # it broke over them), and longer requests give the former its figure.
-            fix = ("longer requests (--max-tokens), where its windows on instant power were shorter than the energy "
-                   "counter's refresh (10-100 ms); where the counter broke over them, a rerun"
-                   if METHOD_COUNTER in methods else "a GPU with an energy counter (Volta and newer)")
+            # Beside counter windows the GPU has a counter: its windows on power are those it broke over (windows
+            # shorter than its refresh carry no figure: profiler.COUNTER_REFRESH_MAX_NS), and a rerun gives them one.
+            fix = ("a rerun: its windows on instant power are those the energy counter broke over (a driver reload, a "
+                   "counter jump)" if METHOD_COUNTER in methods
+                   else "a GPU with an energy counter (Volta and newer)")
             out.append(
                 f"concurrency {x.concurrency}: the energy figure integrates instant power sampled between the edges "
                 f"({x.energy_method}), which misses what happens between samples: a few % off however long it runs; "

@@ -250,9 +250,10 @@ def _energy_over(profiler, intervals: np.ndarray):
     nothing is readable.
 
     Its method is the weakest of those over at least POWER_EDGE_BIAS_SHARE of its time (any `none` counts): a 30 ms
-    trailing piece of a 3 s batch, shorter than the counter's refresh, takes instant power (profiler.
-    COUNTER_REFRESH_MAX_NS) and labelled the whole batch power_integration and low_confidence, its tokens "on power"
-    in measure's notes; its energy, about 1% of the batch's, cannot move the figure by the 0.5% that share stands for."""
+    trailing piece of a 3 s batch on instant power (its counter broke there; pieces shorter than the counter's refresh
+    are left out by `batch_windows`) labelled the whole batch power_integration and low_confidence, its tokens "on
+    power" in measure's notes; its energy, about 1% of the batch's, cannot move the figure by the 0.5% that share
+    stands for."""
     if profiler is None or intervals.size == 0:
         return None, None, "none", 0.0, None, None
     gpu, cpu, methods = 0.0, 0.0, {}
