@@ -38,7 +38,7 @@ import numpy as np
 
 from powerprof.collectors.nvml import NvmlCollector
 from powerprof.collectors.sampler import Sample
-from powerprof.profiler import LOW_CONFIDENCE_S, METHOD_AVG_POWER, METHOD_COUNTER, METHOD_POWER, EnergyTimeline
+from powerprof.profiler import LOW_CONFIDENCE_S, METHOD_AVG_POWER, METHOD_COUNTER, METHOD_NONE, METHOD_POWER, EnergyTimeline
 from powerprof.sim.gpu import IDLE, Phase
 from powerprof.sim.nvml import SimNVML
 from powerprof.sim.profiles import get_profile
@@ -255,7 +255,7 @@ def step_window_errors(windows, reads, edge_at, truth, card):
     errs = {(m, L): [] for m, _ in methods for L in windows}
     pooled = {}
     flagged = {(m, L): [] for m, _ in methods for L in windows}
-    fell_back = step_window_errors.fell_back = {L: 0 for L in windows}
+    no_figure = step_window_errors.no_figure = {L: 0 for L in windows}
     for L, ws in windows.items():
         sums = {m: [0.0, 0.0] for m, _ in methods}
         for i, (a, b) in enumerate(ws):
@@ -270,18 +270,19 @@ def step_window_errors(windows, reads, edge_at, truth, card):
                     tl.add(withheld(s, drop))
                 r = tl.energy_between(a, b)
                 # The counter's column is what a card with a counter stores: a window shorter than its refresh
-                # takes instant power (profiler.COUNTER_REFRESH_MAX_NS), counted in `fell_back`.
-                assert r.gpu_methods == (method,) or (method == METHOD_COUNTER and r.gpu_methods == (METHOD_POWER,)), (
-                    method, r.gpu_methods)
-                fell_back[L] += r.gpu_methods != (method,)
+                # carries no figure (profiler.COUNTER_REFRESH_MAX_NS), counted in `no_figure`, out of the errors.
+                if method == METHOD_COUNTER and r.gpu_methods == (METHOD_NONE,):
+                    no_figure[L] += 1
+                    continue
+                assert r.gpu_methods == (method,), (method, r.gpu_methods)
                 errs[(method, L)].append(100.0 * (r.gpu_energy_j[0] - true_j) / true_j)
                 flagged[(method, L)].append(r.low_confidence)
                 sums[method][0] += r.gpu_energy_j[0]
                 sums[method][1] += true_j
         for m, (got, true) in sums.items():
-            pooled[(m, L)] = 100.0 * (got / true - 1)
+            pooled[(m, L)] = 100.0 * (got / true - 1) if true > 0 else float("nan")
     return ({k: np.asarray(v) for k, v in errs.items()}, pooled,
-            {k: 100.0 * np.mean(v) for k, v in flagged.items()})
+            {k: 100.0 * np.mean(v) if v else float("nan") for k, v in flagged.items()})
 
 
 def main_steps(args, profile) -> None:
@@ -312,13 +313,16 @@ def main_steps(args, profile) -> None:
             cells = []
             for m, _ in methods:
                 a = np.abs(errs[(m, L)])
+                if not a.size:  # no window of this length has a figure by this method
+                    cells += ["-"] * 4
+                    continue
                 cells += [f"{np.median(a):.2f}", f"{np.percentile(a, 95):.2f}", f"{pooled[(m, L)]:+.2f}",
                           f"{flagged[(m, L)]:.0f}%"]
             print(f"| {level:g} W | {L:g} s | " + " | ".join(cells) + " |")
-        fell = {L: n for L, n in step_window_errors.fell_back.items() if n}
-        if fell:
-            print("(counter column at " + ", ".join(f"{L:g} s: {n} of {args.windows} windows" for L, n in fell.items())
-                  + f" on instant power, shorter than the counter's refresh; {level:g} W)")
+        none = {L: n for L, n in step_window_errors.no_figure.items() if n}
+        if none:
+            print("(counter column at " + ", ".join(f"{L:g} s: {n} of {args.windows} windows" for L, n in none.items())
+                  + f" without a figure, shorter than the counter's refresh, left out; {level:g} W)")
     print()
     print(f"({time.perf_counter() - w0:.1f} s wall)")
 

@@ -85,12 +85,15 @@ END_EDGE_BIAS_SHARE = 0.01
 GRID_MIN_READS = 256
 GRID_READS = 2000
 # A window shorter than the counter's refresh (its grid's period; until that is known, the slowest refresh drivers use,
-# 100 ms: field notes, docs/hardware.md) gets no counter figure: its reads hold one refresh's value or two, so the
-# counter says 0 J or about a whole refresh's energy. Chosen by length, not by what the counter said: a 0.0 J
-# window stored as a measurement (a loaded host, 55 ms windows) was the bug, and leaving out only the windows
-# whose counter did not move kept those it moved over (about twice their energy) and lifted the pooled J/token
-# of 50 ms windows on the simulated H200 from +14% to +32% (docs/benchmarks.md, "Windows shorter than the counter's
-# refresh"). Such a window takes instant power, read at its edges, and is low_confidence as any power figure is.
+# 100 ms: field notes, docs/hardware.md) gets no GPU figure on a GPU with a counter: its reads hold one refresh's value
+# or two, so the counter says 0 J or about a whole refresh's energy, and instant power, refreshed as seldom on a real
+# H200 (field 186: every ~100 ms), mostly shows the power before the window. On the simulated H200 (both refreshed every
+# 100 ms) 50 ms decode windows pooled +15.6% on instant power at their edges, +11% on the counter with its 0 J windows
+# kept, -26% on the straight line between refresh-dated counter values; at a 300 W cap -6.1 / -3.9 / -32% (the sign
+# follows the power before the window) (docs/benchmarks.md, "Windows shorter than the counter's refresh"). Chosen by
+# length, never by what a reading said: leaving out only the windows whose counter did not move kept those it moved
+# over and lifted 50 ms windows' pooled J/token from +14% to +32%. Such a window says so (method none, low_confidence)
+# and `measure` names the reason and the fix (--max-tokens). A GPU without a counter keeps its power figure.
 COUNTER_REFRESH_MAX_NS = 100_000_000
 GRID_MARGIN = 0.5
 LOW_CONFIDENCE_S = {"counter": 10.0, "avg_power_integration": 30.0, "power_integration": float("inf"), "none": float("inf")}
@@ -134,6 +137,7 @@ class EnergyResult:
     cpu_time: CpuTime | None = None  # whose CPU time the host spent meanwhile (None: no cputime collector)
     edge_read_delay_s: float = 0.0  # the later of the first reads after each edge, after its edge (EDGE_READ_LATE_S)
     end_edge_bias_share: float = 0.0  # without a grid, the counter's end read delay over the length (END_EDGE_BIAS_SHARE)
+    under_refresh: bool = False  # a GPU's figure withheld: the window is shorter than its counter's refresh (COUNTER_REFRESH_MAX_NS)
 
     @property
     def duration_s(self) -> float:
@@ -263,8 +267,13 @@ class EnergyTimeline:
             gpu_e: list[float | None] = []
             methods: list[str] = []
             gap_s = delay_s = end_share = 0.0
+            under_refresh = False
             for k in range(len(self.gpu_energy)):
-                e, m = self._gpu_energy(k, t0_ns, t1_ns)
+                if self.gpu_energy[k].t_ns and 0 < t1_ns - t0_ns < self._counter_refresh_ns(k):
+                    e, m = None, METHOD_NONE  # shorter than the counter's refresh: COUNTER_REFRESH_MAX_NS
+                    under_refresh = True
+                else:
+                    e, m = self._gpu_energy(k, t0_ns, t1_ns)
                 gpu_e.append(e)
                 methods.append(m)
                 series = self.gpu_energy[k]
@@ -279,7 +288,7 @@ class EnergyTimeline:
             cpu = counter_energy_j(t, y, t0_ns, t1_ns, self.cpu_energy.epoch) if t.size >= 2 else float("nan")
             cpu_time = self._cpu_time(t0_ns, t1_ns)
         return EnergyResult(t0_ns, t1_ns, tuple(gpu_e), tuple(methods), None if np.isnan(cpu) else cpu, gap_s, cpu_time,
-                            delay_s, end_share)
+                            delay_s, end_share, under_refresh)
 
     def _end_gridded(self, k: int, t0: int, t1: int) -> bool:
         """Whether GPU k's counter window [t0, t1] has its edges placed on the refresh grid (two or more values
@@ -330,9 +339,11 @@ class EnergyTimeline:
         if t.size < 2:
             return float("nan")
         period_ns, phase_ns = self._counter_grid(k)
-        if 0 < t1 - t0 < (period_ns or COUNTER_REFRESH_MAX_NS):
-            return float("nan")  # shorter than the counter's refresh: COUNTER_REFRESH_MAX_NS
         return counter_window_energy_j(t, y, t0, t1, np.asarray(s.epoch), period_ns=period_ns, phase_ns=phase_ns)
+
+    def _counter_refresh_ns(self, k: int) -> int:
+        """GPU k's counter refresh period: its grid's, or COUNTER_REFRESH_MAX_NS until that is known."""
+        return self._counter_grid(k)[0] or COUNTER_REFRESH_MAX_NS
 
     def _counter_grid(self, k: int) -> tuple[int, int]:
         """GPU k's counter refresh grid from its reads so far (see GRID_MIN_READS), cached."""
@@ -416,6 +427,7 @@ class Profiler:
         self._edge_stuck_at = -1
         self.late_edge_windows = 0  # windows whose edge read came over EDGE_READ_LATE_S after the edge: said
         self.end_bias_windows = 0  # windows whose end read came over END_EDGE_BIAS_SHARE of their length late: said
+        self.short_windows = 0  # windows without a GPU figure, shorter than the counter's refresh: said
 
     @property
     def gpu_infos(self):
@@ -511,6 +523,13 @@ class Profiler:
                          "their edges (a loaded host): their energy assumes the power held over that delay, and they "
                          "are flagged low_confidence; fix: run on a less loaded host (fewer other processes, or "
                          "taskset powerprof onto its own core)")
+        if self.short_windows:
+            notes.append(f"{self.short_windows} windows (a request's decode, or a piece of a batch's between other "
+                         "streams' prefills) were shorter than the GPU energy counter's refresh (10-100 ms; "
+                         f"{COUNTER_REFRESH_MAX_NS / 1e6:g} ms until it is known), which no reading resolves (the "
+                         "counter holds one or two refreshes' values; instant power, refreshed as seldom, shows the "
+                         "power before the window): they carry no GPU energy figure, nor does a level or batch that "
+                         "holds one; fix: longer requests (more --max-tokens), streams sent together")
         if self.end_bias_windows:
             notes.append(f"{self.end_bias_windows} windows' end-edge reads came over {END_EDGE_BIAS_SHARE:.0%} of their "
                          "length after their end (a loaded host): their energy may read low by up to that share (the "
@@ -549,6 +568,8 @@ class Profiler:
         return self._counted(self.timeline.energy_between(t0_ns, t1_ns))
 
     def _counted(self, r: EnergyResult) -> EnergyResult:
+        if r.under_refresh:
+            self.short_windows += 1
         if r.edge_read_delay_s > EDGE_READ_LATE_S:
             self.late_edge_windows += 1
         elif r.end_edge_bias_share > END_EDGE_BIAS_SHARE and r.duration_s >= EDGE_BIAS_WINDOW_S:

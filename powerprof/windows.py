@@ -183,11 +183,15 @@ def concurrent_throughput(
     requests: Sequence[tuple[int, np.ndarray, np.ndarray, int | None]],
     blocked: Sequence[tuple[int, int]] = (),
     within: tuple[int, int] | None = None,
+    min_interval_ns: int = 0,
 ) -> Aggregate:
     """Wall-clock aggregate decode throughput of requests that ran at the same time.
 
     `requests`: (t_send_ns, arrival_ns, tokens, generated or None) for each successful request.
     `within`: measure only the part of the intervals inside this span (t0_ns, t1_ns), such as `together_ns`.
+    `min_interval_ns`: leave out intervals shorter than this (a piece between a late stream's prefill or a blocked
+    span and the rest, shorter than the energy counter's refresh: no reading resolves its energy), where a longer
+    one remains; chosen by length, so tokens, time and energy all leave the same pieces out.
     """
     sends, firsts, lasts, ts, ks = [], [], [], [], []
     for t_send, arr, tok, gen in requests:
@@ -203,6 +207,9 @@ def concurrent_throughput(
     iv = measured_intervals(sends, firsts, lasts, blocked)
     if within is not None:
         iv = clip_intervals(iv, *within)
+    if min_interval_ns > 0 and iv.size:
+        long_ = iv[iv[:, 1] - iv[:, 0] >= min_interval_ns]
+        iv = long_ if long_.size else iv
     if not ts:
         return Aggregate(iv, 0.0, 0.0, None, 0, 0.0)
     t_all = np.concatenate(ts)

@@ -109,3 +109,21 @@ def test_a_mixed_host_has_each_cards_own_profile_limits_and_default_after_a_rese
         SimNVML("h200-141g,l4-24g", count=3, state_path=None)
     with pytest.raises(KeyError, match="choose one of"):
         SimNVML("h200-141g,l5", state_path=None)
+
+
+def test_the_simulated_h200s_instant_power_is_as_stale_as_a_real_ones():
+    """A real H200's field 186 changed value every ~100 ms, like its counter (docs/hardware.md): a read shows the
+    power as of the last refresh, so a read just after a power step still shows the power before it. Every figure
+    resting on instant power on the simulated H200 (short windows, cards without a counter) must see that."""
+    clock = FakeClock()  # 1.000 s: on a refresh
+    n = SimNVML("h200-141g", state_path=None, clock_ns=clock)
+    g = n.gpus[0]
+    idle_w = g.instant_power_w()
+    clock.advance(0.01)
+    g.set_phase(Phase("decode", g.profile.workload.decode_compute_share))
+    decode_w = g.true_power_w()
+    assert decode_w > idle_w + 50
+    clock.advance(0.05)  # 60 ms after the refresh, 50 ms into decode: still the idle value
+    assert g.instant_power_w() == idle_w
+    clock.advance(0.05)  # past the next refresh (1.1 s): decode
+    assert g.instant_power_w() == decode_w

@@ -483,7 +483,8 @@ def test_a_sweep_beside_a_simulated_sglang_whose_counter_dips_flags_nothing(tmp_
         srv.dip_counter(40, every=3)
         ui = _Hook()
         with Rig("seed-16g", nvml=sim) as rig:
-            outcome = _sweep(rig, out, ui, url=srv.url, levels_spec="300", params=RequestParams(max_tokens=32),
+            # 64 tokens at 400 tok/s: 0.16 s windows, over the counter's refresh (32 gave 80 ms windows: no figure).
+            outcome = _sweep(rig, out, ui, url=srv.url, levels_spec="300", params=RequestParams(max_tokens=64),
                              min_requests=8, max_requests=8, warmup_requests=0)
         dips = len(srv.dips)
         w = pq.read_table(out / "windows.parquet").to_pandas()

@@ -56,6 +56,25 @@ def test_aggregate_is_wall_clock_not_sum_of_rates():
     assert agg.intervals.tolist() == [[int(tb[0] * 1e9), int(tb[-1] * 1e9)]]
 
 
+def test_a_batchs_pieces_shorter_than_the_counters_refresh_are_left_out_of_its_figures_by_length():
+    """Two streams decoding together 0.1-1.1 s, a stale read blocking 0.15-0.2 s: the batch's decode splits into a
+    50 ms piece and a 0.9 s one. No energy reading resolves the 50 ms piece (profiler.COUNTER_REFRESH_MAX_NS), so a
+    batch holding it would have no figure at all; with `min_interval_ns` the piece is left out of the tokens, the time
+    and the energy alike (chosen by its length, before any reading), and the batch is measured over the rest. Where
+    every piece is short, they are all kept (the profiler then says why there is no figure)."""
+    t = (0.1 + np.arange(101) * 0.01) * 1e9
+    reqs = [(0, t.astype(np.int64), np.ones(101), None) for _ in range(2)]
+    blocked = [(int(0.15e9), int(0.2e9))]
+    whole = concurrent_throughput(reqs, blocked)
+    assert [int(b - a) for a, b in whole.intervals] == [50_000_000, 900_000_000]
+    agg = concurrent_throughput(reqs, blocked, min_interval_ns=100_000_000)
+    assert agg.intervals.tolist() == [[int(0.2e9), int(1.1e9)]]
+    assert agg.measured_s == pytest.approx(0.9) and agg.decode_tokens == pytest.approx(2 * 90)
+    assert agg.tok_s == pytest.approx(200, rel=1e-6) and agg.max_streams == 2
+    short = concurrent_throughput(reqs, [(int(0.15e9), int(1.05e9))], min_interval_ns=100_000_000)
+    assert [int(b - a) for a, b in short.intervals] == [50_000_000, 50_000_000]
+
+
 def test_aggregate_of_truly_parallel_streams_adds_up():
     t = (0.1 + np.arange(51) * 0.02) * 1e9
     reqs = [(0, t.astype(np.int64), np.ones(51), None) for _ in range(4)]

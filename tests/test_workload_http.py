@@ -321,6 +321,29 @@ def test_a_prompt_of_one_token_is_refused_as_having_no_decode_window(tmp_path):
 # --- the measure command ------------------------------------------------------------------------------
 
 
+def test_measure_with_windows_shorter_than_the_counters_refresh_gives_no_figure_and_says_why(tmp_path, monkeypatch):
+    """16 tokens at 300 tok/s: ~50 ms decode windows, under the counter's refresh (100 ms until its grid is known).
+    No reading resolves them (instant power refreshes as seldom on a real H200): each window carries no GPU figure
+    and says so (method none, low_confidence), never a 0 J or power-read figure, and measure names the reason and
+    the --max-tokens that fixes it."""
+    import powerprof.workload.measure as m
+
+    real = m.run_measure
+    monkeypatch.setattr(m, "run_measure", lambda rig, **kw: real(rig, **kw, sim_decode_tok_s=300.0, interval_s=0.2))
+    out = tmp_path / "run"
+    res = CliRunner().invoke(main, ["measure", "--simulate", "a100-40g", "--requests", "2", "--max-tokens", "16",
+                                    "--out", str(out)], terminal_width=400)
+    assert res.exit_code == 0, res.output
+    req = [r for r in pq.read_table(out / "windows.parquet").to_pylist()
+           if r["window_kind"] == "request" and not r["warmup"] and r["timing"] != "untrusted"]
+    assert req
+    for r in req:
+        assert r["decode_s"] < 0.1
+        assert r["gpu_energy_j"] is None and r["energy_method"] == "none" and r["low_confidence"], r
+    text = " ".join(res.output.split())
+    assert "shorter than the GPU energy counter's refresh" in text and "--max-tokens" in text, res.output
+
+
 def test_measure_simulated_writes_windows_with_energy(tmp_path, monkeypatch):
     import powerprof.workload.measure as m
 
@@ -328,7 +351,7 @@ def test_measure_simulated_writes_windows_with_energy(tmp_path, monkeypatch):
     monkeypatch.setattr(m, "run_measure", lambda rig, **kw: real(rig, **kw, sim_decode_tok_s=300.0, interval_s=0.2))
     out = tmp_path / "run"
     res = CliRunner().invoke(
-        main, ["measure", "--simulate", "a100-40g", "--requests", "2", "--concurrency", "1,2", "--max-tokens", "16", "--out", str(out)]
+        main, ["measure", "--simulate", "a100-40g", "--requests", "2", "--concurrency", "1,2", "--max-tokens", "48", "--out", str(out)]
     )
     assert res.exit_code == 0, res.output
     assert "simulated" in res.output and "decode tok/s" in res.output
@@ -337,22 +360,22 @@ def test_measure_simulated_writes_windows_with_energy(tmp_path, monkeypatch):
     batch = [r for r in t if r["window_kind"] == "batch"]
     assert len(req) == 4 and len(batch) == 1 and len([r for r in t if r["warmup"]]) == 1
     # Requests are stream- or server-timed (the simulated llama.cpp gives its timings); a batch's
-    # 50 ms window on a loaded machine may be untrusted: then it carries no figure, and says why.
+    # 0.16 s window on a loaded machine may be untrusted: then it carries no figure, and says why.
     assert all(r["timing"] in ("stream", "server") for r in req), [(r["status"], r["timing"], r["timing_reason"], r["error"]) for r in req]
     for r in batch:
         if r["timing"] == "untrusted":
             assert r["timing_reason"] and r["gpu_energy_j"] is None and r["decode_tok_s"] is None and r["gpu_j_per_token"] is None
     for r in req + [b for b in batch if b["timing"] != "untrusted"]:
-        # The counter, or (a ~50 ms window between two reads of one 100 ms refresh, on a loaded host: the counter
-        # did not move) the power readings; never 0 J from a stale counter.
-        assert r["status"] == "ok" and r["gpu_energy_j"] > 0, (r["gpu_energy_j"], r["energy_method"])
+        # 0.16 s windows (48 tokens at 300 tok/s), over the counter's refresh (100 ms until its grid is known): the
+        # counter, or the power readings where it broke; never 0 J from a stale counter.
+        assert r["status"] == "ok" and r["gpu_energy_j"] is not None and r["gpu_energy_j"] > 0, (r["window_kind"], r["decode_s"], r["gpu_energy_j"], r["energy_method"])
         assert r["energy_method"] in ("counter", "avg_power_integration", "power_integration")
         assert r["gpu_j_per_token"] == pytest.approx(r["gpu_energy_j"] / r["decode_tokens"])
         # Simulated RAPL: CPU energy over the same window, so GPU+CPU per token is there too.
         assert r["cpu_energy_j"] > 0
         assert r["total_j_per_token"] == pytest.approx((r["gpu_energy_j"] + r["cpu_energy_j"]) / r["decode_tokens"])
     # generated − 1 decode tokens; fewer when a stale edge read was trimmed (at least half are kept).
-    assert all(r["generated_tokens"] == 16 and 8 <= r["decode_tokens"] <= 15 for r in req)
+    assert all(r["generated_tokens"] == 48 and 24 <= r["decode_tokens"] <= 47 for r in req)
     assert all(r["prompt_text"] is None and r["completion_text"] is None for r in t)
     # A second run into the same folder is refused and changes nothing.
     before = (out / "windows.parquet").read_bytes()
@@ -632,6 +655,45 @@ def test_a_concurrency_without_a_figure_says_why_and_the_fix():
     assert "no energy reading" in by_c["concurrency 2"] and "powerprof devices" in by_c["concurrency 2"]
 
 
+def test_a_concurrency_whose_windows_are_shorter_than_the_counters_refresh_says_so_with_the_fix():
+    """Windows under 100 ms (8 tokens at 150 tok/s) carry no GPU figure on a GPU with a counter (profiler.
+    COUNTER_REFRESH_MAX_NS): the level's dash must name that reason and the --max-tokens that fixes it, not "no
+    energy reading covers its windows"."""
+    from powerprof.workload.measure import missing_figure_notes, summarise
+
+    def row(decode_s, gpu):
+        return {"concurrency": 1, "window_kind": "request", "warmup": False, "status": "ok", "error": None,
+                "timing": "stream", "decode_tok_s": 150.0, "decode_s": decode_s, "decode_tokens": 150.0 * decode_s,
+                "gpu_energy_j": gpu, "cpu_energy_j": 1.0, "energy_method": "counter" if gpu else "none"}
+
+    rows = [row(0.05, None)] * 3  # every window short: no figure (a few among longer ones leave those theirs)
+    (note,) = missing_figure_notes(rows, summarise(rows))
+    assert note.startswith("concurrency 1: no J/token figure: 3 of 3 request windows")
+    assert "shorter than the GPU energy counter's refresh" in note and "--max-tokens" in note
+
+
+def test_a_few_windows_shorter_than_the_counters_refresh_leave_the_rest_their_figure_and_are_said():
+    """One request of 40 stopped at its end-of-text after 4 tokens (a 30 ms window, no GPU figure: profiler.
+    COUNTER_REFRESH_MAX_NS). Leaving the whole level without a J/token for it would lose 39 good windows: the short
+    one is left out of the pooled figure, tokens and energy alike (chosen by its length), and the notes say so with
+    the fix."""
+    from powerprof.workload.measure import short_window_notes, summarise
+
+    def row(decode_s, gpu):
+        return {"concurrency": 1, "window_kind": "request", "warmup": False, "status": "ok", "error": None,
+                "timing": "stream", "decode_tok_s": 150.0, "decode_s": decode_s, "decode_tokens": 150.0 * decode_s,
+                "gpu_energy_j": gpu, "cpu_energy_j": 1.0, "energy_method": "counter" if gpu else "none",
+                "gpu_j_per_token": gpu / (150.0 * decode_s) if gpu else None}
+
+    rows = [row(0.03, None)] + [row(1.0, 300.0)] * 39
+    (x,) = summarise(rows)
+    assert x.gpu_j_per_token == pytest.approx(2.0)
+    assert x.total_j_per_token == pytest.approx((300.0 + 1.0) / 150.0)
+    (note,) = short_window_notes(rows, [x])
+    assert note.startswith("concurrency 1: 1 of 40 request windows") and "--max-tokens" in note, note
+    assert short_window_notes([row(1.0, 300.0)] * 3, summarise([row(1.0, 300.0)] * 3)) == []
+
+
 def test_measure_says_when_its_windows_median_sits_on_one_rounding_of_the_counter():
     # measure --simulate h200-141g --max-tokens 48: 0.31 s windows on a counter refreshed every 100 ms;
     # the median of the windows' own J/token (windows.parquet) was 5% below the pooled figure printed,
@@ -819,12 +881,13 @@ def test_prompt_set_identity_is_the_texts_in_order_with_their_max_tokens():
 
 
 def test_a_counter_figure_with_a_few_windows_shorter_than_its_refresh_is_not_told_to_get_a_counter():
-    """A GPU with an energy counter takes instant power over a window shorter than its refresh (a request stopped at
-    its end-of-text after 4 tokens: profiler.COUNTER_REFRESH_MAX_NS). One such window of 40 (0.2% of the tokens) made
+    """A GPU with an energy counter took instant power over a window shorter than its refresh (a request stopped at
+    its end-of-text after 4 tokens; such a window now has no figure: profiler.COUNTER_REFRESH_MAX_NS), as it does over
+    one its counter broke over. One such window of 40 (0.2% of the tokens) made
     the figure's method 'counter,power_integration', and measure said the figure integrates instant power, 'a few %
     off however long it runs; fix: a GPU with an energy counter (Volta and newer)', of an H200 run whose figure is
     the counter's. Under POWER_EDGE_BIAS_SHARE of the tokens (edge_bias_notes' rule) those windows cannot move it;
-    where they hold more, the fix is longer requests, not another GPU."""
+    where they hold more, the fix is a rerun, not another GPU."""
     import dataclasses
 
     from powerprof.workload.measure import Summary, short_figure_notes
@@ -833,7 +896,7 @@ def test_a_counter_figure_with_a_few_windows_shorter_than_its_refresh_is_not_tol
                   median_window_s=2.0, power_token_share=0.002)
     assert short_figure_notes([few]) == []
     (note,) = short_figure_notes([dataclasses.replace(few, power_token_share=0.3)])
-    assert "Volta" not in note and "--max-tokens" in note and "refresh" in note, note
+    assert "Volta" not in note and "rerun" in note and "broke" in note, note  # short windows: no figure, not power
     # No counter at all: the fix stays a GPU with one.
     (note,) = short_figure_notes([dataclasses.replace(few, energy_method="power_integration", power_token_share=1.0)])
     assert "Volta and newer" in note, note

@@ -240,8 +240,8 @@ def _instant_power_message(rows: list[dict], unit: str) -> str:
     need = int(math.ceil(need * POWER_EDGE_BIAS_WINDOW_S / ROUNDED_WINDOW_S / 64) * 64) if need else 0
     return (
         f"J/token at {', '.join(_fmt(r['level_value'], unit) for r in rows)} is integrated from power readings "
-        "(energy_method power_integration: this GPU has no energy counter, or it broke over those windows, or they "
-        "were shorter than its refresh), at 1 Hz "
+        "(energy_method power_integration: this GPU has no energy counter, or it broke over those windows, or, in runs "
+        "before windows shorter than its refresh were left without a figure, they were), at 1 Hz "
         "and at each window's edges, over "
         f"decode windows under {POWER_EDGE_BIAS_WINDOW_S:g} s. A card refreshes that reading every ~100 ms, so the "
         "read just after a window's first token can still show the power before it: on the simulated A100 that "

@@ -61,7 +61,7 @@ class GpuProfile:
     energy_counter_update_s: float = 0.02  # the driver refreshes the counter every 10-100 ms
     # The driver refreshes instant power (field 186; nvmlDeviceGetPowerUsage where it does not average) this often;
     # a read shows the power as of the last refresh. A real H200's changed every ~100 ms (docs/hardware.md). 0: the
-    # simulated reading is the power at the read (every profile: their figures were measured so).
+    # simulated reading is the power at the read (the profiles no real card of theirs was measured for).
     instant_power_update_s: float = 0.0
     # What a read of the energy counter costs the caller: (median s, p99 s) of CPU, spent inside the
     # driver. Zero where nothing was measured; the H200's is docs/hardware.md's real figure.
@@ -187,8 +187,10 @@ _add(
         workload=WorkloadDefaults(decode_tok_s=150.0, prefill_tok_s=20000.0, decode_compute_share=0.12),
         # Measured on a real H200 (driver 580.159.04, docs/hardware.md): the counter changes every
         # 100 ms, and each read of it costs 2.3-2.9 ms of CPU (p99 15 ms), the same through
-        # nvmlDeviceGetFieldValues (fields 83 and 191); idle power 78 W at 345 MHz.
+        # nvmlDeviceGetFieldValues (fields 83 and 191); idle power 78 W at 345 MHz. Instant power (field 186)
+        # changed value every 101 ms under load (its driver timestamp every 2.8 ms: the stamp does not date the value).
         energy_counter_update_s=0.1,
+        instant_power_update_s=0.1,
         energy_counter_call_s=(0.0029, 0.015),
     )
 )

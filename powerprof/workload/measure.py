@@ -25,7 +25,7 @@ from powerprof.energy import (
 )
 from powerprof.collectors.cputime import BUSY_HOST_FIX, BUSY_HOST_PCT, busy_host_text, cpu_shares_pct, unknown_server_text
 from powerprof.collectors.limitwatch import CLOCK_FIX, LIMIT_CHANGERS, LIMIT_FIX, ClockLockWatch, ClockMove, LimitWatch, limits_read
-from powerprof.profiler import (EDGE_BIAS_WINDOW_S, LOW_CONFIDENCE_S, METHOD_COUNTER, METHOD_POWER,
+from powerprof.profiler import (COUNTER_REFRESH_MAX_NS, EDGE_BIAS_WINDOW_S, LOW_CONFIDENCE_S, METHOD_COUNTER, METHOD_POWER,
                                 POWER_EDGE_BIAS_SHARE, POWER_EDGE_BIAS_WINDOW_S)
 from powerprof.trust import out_dir_refusal
 
@@ -119,6 +119,34 @@ def used(row: dict) -> bool:
     return trusted(row) and not row.get("foreign_traffic")
 
 
+def under_refresh(row: dict) -> bool:
+    """A window without a GPU energy figure that is shorter than the counter's refresh (profiler.
+    COUNTER_REFRESH_MAX_NS): no reading resolves it, so it is left out of the energy figures by its length."""
+    return row["gpu_energy_j"] is None and (row["decode_s"] or 0) < COUNTER_REFRESH_MAX_NS / 1e9
+
+
+def short_window_notes(rows: Sequence[dict], summary: list) -> list[str]:
+    """Say so where a level's energy figures leave out windows shorter than the counter's refresh (`summarise`)."""
+    out = []
+    for x in summary:
+        if x.gpu_j_per_token is None:
+            continue  # missing_figure_notes says why
+        kind = "request" if x.concurrency == 1 else "batch"
+        wins = [r for r in rows if r["concurrency"] == x.concurrency and r["window_kind"] == kind
+                and not r["warmup"] and r["status"] == "ok" and used(r)]
+        short = [r for r in wins if under_refresh(r)]
+        if not short:
+            continue
+        need = max_tokens_for_windows((x.decode_tok_s or 0) / x.concurrency)
+        need = int(np.ceil(need * EDGE_BIAS_WINDOW_S / ROUNDED_WINDOW_S / 64) * 64) if need else 0
+        out.append(f"concurrency {x.concurrency}: {len(short)} of {len(wins)} {kind} windows (under "
+                   f"{COUNTER_REFRESH_MAX_NS / 1e6:g} ms: requests that stopped early?) are shorter than the GPU energy "
+                   "counter's refresh, which no reading resolves: they carry no energy figure and the J/token figures "
+                   "rest on the others (tokens and energy alike; tok/s counts them); fix: longer requests"
+                   + (f" (--max-tokens {need} or more" if need > 0 else "") + (", with ignore-EOS)" if need > 0 else ""))
+    return out
+
+
 @dataclass(frozen=True)
 class Excluded:
     """Windows left out of every figure because their timing cannot be trusted."""
@@ -166,18 +194,18 @@ def short_figure_notes(summary: list[Summary]) -> list[str]:
             continue
         methods = x.energy_method.split(",")
         # Windows on instant power holding too few of the tokens to move the figure (edge_bias_notes' rule) are not
-        # what it rests on: a counter card's window shorter than its refresh takes instant power (one of 40 said
+        # what it rests on: a counter card's window its counter broke over takes instant power (one of 40 said
         # "fix: a GPU with an energy counter" of an H200's counter figure).
         if METHOD_POWER in methods and len(methods) > 1 and x.power_token_share is not None \
                 and x.power_token_share <= POWER_EDGE_BIAS_SHARE:
             methods = [m for m in methods if m != METHOD_POWER]
         need = max((LOW_CONFIDENCE_S.get(m, float("inf")) for m in methods), default=float("inf"))
         if need == float("inf"):
-            # Beside counter windows the GPU has a counter: its windows on power were shorter than its refresh (or
-            # it broke over them), and longer requests give the former its figure.
-            fix = ("longer requests (--max-tokens), where its windows on instant power were shorter than the energy "
-                   "counter's refresh (10-100 ms); where the counter broke over them, a rerun"
-                   if METHOD_COUNTER in methods else "a GPU with an energy counter (Volta and newer)")
+            # Beside counter windows the GPU has a counter: its windows on power are those it broke over (windows
+            # shorter than its refresh carry no figure: profiler.COUNTER_REFRESH_MAX_NS), and a rerun gives them one.
+            fix = ("a rerun: its windows on instant power are those the energy counter broke over (a driver reload, a "
+                   "counter jump)" if METHOD_COUNTER in methods
+                   else "a GPU with an energy counter (Volta and newer)")
             out.append(
                 f"concurrency {x.concurrency}: the energy figure integrates instant power sampled between the edges "
                 f"({x.energy_method}), which misses what happens between samples: a few % off however long it runs; "
@@ -218,6 +246,15 @@ def missing_figure_notes(rows: Sequence[dict], summary: list[Summary]) -> list[s
             why, fix = f"all {len(ok)} {kind} windows are left out as untrusted (above)", "as said above"
         elif not any(used(r) for r in ok):
             why, fix = f"every {kind} window ran beside others' work ({FOREIGN_FLAG}, above)", FOREIGN_FIX
+        elif short := [r for r in ok if used(r) and r["gpu_energy_j"] is None
+                       and (r["decode_s"] or 0) < COUNTER_REFRESH_MAX_NS / 1e9]:
+            need = max_tokens_for_windows((x.decode_tok_s or 0) / x.concurrency)
+            need = int(np.ceil(need * EDGE_BIAS_WINDOW_S / ROUNDED_WINDOW_S / 64) * 64) if need else 0
+            why = (f"{len(short)} of {len(ok)} {kind} windows (under {COUNTER_REFRESH_MAX_NS / 1e6:g} ms) are shorter "
+                   "than the GPU energy counter's refresh, and no reading resolves them (the counter holds one or two "
+                   "refreshes' values; instant power, refreshed as seldom, shows the power before the window: +16% "
+                   "measured at 50 ms), so they carry no energy figure and the level none")
+            fix = "longer requests" + (f" (--max-tokens {need} or more)" if need > 0 else "")
         else:
             why, fix = "no energy reading covers its windows", "`powerprof devices` says what the GPU can report"
         out.append(f"concurrency {x.concurrency}: no J/token figure: {why}; fix: {fix}")
@@ -281,7 +318,7 @@ def edge_bias_notes(summary: list[Summary]) -> list[str]:
             need = int(np.ceil(need * POWER_EDGE_BIAS_WINDOW_S / ROUNDED_WINDOW_S / 64) * 64) if need else 0
             out.append(
                 f"concurrency {x.concurrency}: low confidence: this GPU has no energy counter (or it broke over those "
-                f"windows, or they were shorter than its refresh), and the J/token figure is integrated from power readings (1 Hz and each window's edges) "
+                f"windows), and the J/token figure is integrated from power readings (1 Hz and each window's edges) "
                 f"over {x.median_window_s:.2f} s "
                 f"decode windows, under the {POWER_EDGE_BIAS_WINDOW_S:g} s below which a reading's lag behind the "
                 "power (a card refreshes it every ~100 ms) biases it by over 0.5% (measured -4% at 1 s, -10% at "
@@ -379,6 +416,10 @@ def summarise(rows: list[dict], gpus: Sequence[tuple[int, str]] | None = None) -
         else:
             dur = sum(r["decode_s"] or 0 for r in basis)
             tok_s = sum(r["decode_tokens"] or 0 for r in basis) / dur if dur > 0 else None
+        n_used = len(basis)
+        # Windows shorter than the counter's refresh carry no energy figure (by length): the energy figures rest on
+        # the others, tokens and energy alike, where any remain (short_window_notes says so); else none.
+        basis = [r for r in basis if not under_refresh(r)] or basis
         tokens = sum(r["decode_tokens"] or 0 for r in basis)
         gpu = [r["gpu_energy_j"] for r in basis]
         tot = [(r["gpu_energy_j"], r["cpu_energy_j"]) for r in basis]
@@ -389,7 +430,7 @@ def summarise(rows: list[dict], gpus: Sequence[tuple[int, str]] | None = None) -
             else None
         )
         methods = {r["energy_method"] for r in basis} or {"none"}
-        n_trusted = len([r for r in ok if used(r)]) if c == 1 else len(basis)
+        n_trusted = len([r for r in ok if used(r)]) if c == 1 else n_used
         with_j = [r for r in basis if r.get("gpu_j_per_token") is not None]
         other_pct, own_pct = cpu_shares_pct(*([r.get(k) for r in basis] for k in ("host_cpu_s", "other_cpu_s", "powerprof_cpu_s")))
         out.append(Summary(c, len(ok), failed, tok_s, gpu_jpt, tot_jpt, ",".join(sorted(methods)), n_trusted,
@@ -575,7 +616,7 @@ def measure(
         notes.append(foreign_rec["message"])
     if watch:
         notes += watch[0].cannot
-    notes += short_figure_notes(summary) + missing_figure_notes(rows, summary) + missing_cpu_notes(rows, summary, profiler) + busy_host_notes(summary, profiler) + edge_bias_notes(summary) + rounding_notes(summary)
+    notes += short_figure_notes(summary) + missing_figure_notes(rows, summary) + short_window_notes(rows, summary) + missing_cpu_notes(rows, summary, profiler) + busy_host_notes(summary, profiler) + edge_bias_notes(summary) + rounding_notes(summary)
     if profiler is not None:
         notes += profiler.edge_notes()
     return MeasureResult(server, records, rows, summary, notes=notes, aborted=aborted, excluded=excluded_windows(rows),

@@ -8,7 +8,7 @@ from typing import Sequence
 
 import numpy as np
 
-from powerprof.profiler import LOW_CONFIDENCE_S, MAX_POWER_GAP_S, METHOD_NONE, POWER_EDGE_BIAS_SHARE, weakest_method
+from powerprof.profiler import COUNTER_REFRESH_MAX_NS, LOW_CONFIDENCE_S, MAX_POWER_GAP_S, METHOD_NONE, POWER_EDGE_BIAS_SHARE, weakest_method
 from powerprof.windows import concurrent_throughput
 
 from .client import IGNORE_EOS_KINDS, RequestRecord, ServerInfo
@@ -88,7 +88,9 @@ def batch_windows(records: Sequence[RequestRecord]) -> list[BatchWindow]:
             if q.t_last_ns is not None and q.t_last_ns < r.t_last_ns:
                 blocked.append((q.t_last_ns, r.t_last_ns))
         reqs = [(r.t_send_ns, *r.arrivals(), r.generated_tokens) for r in ok]
-        agg = concurrent_throughput(reqs, blocked)
+        # Pieces shorter than the counter's refresh would leave the whole batch without an energy figure (profiler.
+        # COUNTER_REFRESH_MAX_NS): left out of its tokens, time and energy alike, by length.
+        agg = concurrent_throughput(reqs, blocked, min_interval_ns=COUNTER_REFRESH_MAX_NS)
         n = len(ok)
         ended, together = False, None
         if (agg.tok_s is not None and agg.max_streams == n and agg.mean_streams < ACHIEVED_CONCURRENCY_SHARE * n
@@ -98,7 +100,7 @@ def batch_windows(records: Sequence[RequestRecord]) -> list[BatchWindow]:
             # lengths ending apart started apart too: apart_reason's), and the span where all of them decode is a
             # figure at this batch's concurrency when it holds enough tokens.
             ended = True
-            together = concurrent_throughput(reqs, blocked, within=agg.together_ns)
+            together = concurrent_throughput(reqs, blocked, within=agg.together_ns, min_interval_ns=COUNTER_REFRESH_MAX_NS)
             if (together.tok_s is not None and together.decode_tokens >= MIN_TOGETHER_TOKENS_PER_STREAM * n
                     and together.mean_streams >= ACHIEVED_CONCURRENCY_SHARE * n):
                 agg = together
@@ -248,9 +250,10 @@ def _energy_over(profiler, intervals: np.ndarray):
     nothing is readable.
 
     Its method is the weakest of those over at least POWER_EDGE_BIAS_SHARE of its time (any `none` counts): a 30 ms
-    trailing piece of a 3 s batch, shorter than the counter's refresh, takes instant power (profiler.
-    COUNTER_REFRESH_MAX_NS) and labelled the whole batch power_integration and low_confidence, its tokens "on power"
-    in measure's notes; its energy, about 1% of the batch's, cannot move the figure by the 0.5% that share stands for."""
+    trailing piece of a 3 s batch on instant power (its counter broke there; pieces shorter than the counter's refresh
+    are left out by `batch_windows`) labelled the whole batch power_integration and low_confidence, its tokens "on
+    power" in measure's notes; its energy, about 1% of the batch's, cannot move the figure by the 0.5% that share
+    stands for."""
     if profiler is None or intervals.size == 0:
         return None, None, "none", 0.0, None, None
     gpu, cpu, methods = 0.0, 0.0, {}
