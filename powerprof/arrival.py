@@ -28,7 +28,14 @@ from typing import NamedTuple
 
 import numpy as np
 
-from powerprof.collectors.limitwatch import CLOCK_FIX, LIMIT_FIX, UNVOUCHED_FIX
+LIMIT_FIX = ("stop whatever else sets GPU power limits meanwhile (nvidia-smi -pl in a script, DCGM power policies, "
+             "a cluster power manager, `powerprof tune` on this GPU) and rerun")
+
+CLOCK_FIX = ("stop whatever else sets or resets GPU clocks meanwhile (nvidia-smi -lgc/-rgc or -ac/-rac in a "
+             "script, DCGM, a cluster manager, a GPU reset) and rerun")
+# Windows no reading vouched for by the level's end: the sampler lagged behind (sweep._leave_out_unvouched).
+UNVOUCHED_FIX = ("run the sweep where the sampler keeps up: stop other CPU-heavy jobs on the host, or sample less "
+                 "often (--interval)")
 
 MIN_WINDOW_READS = 4  # reads after the first: fewer and the window is a handful of instants
 MAX_READ_SHARE = 0.25  # of the window's tokens in one read: more is a burst, not a stream

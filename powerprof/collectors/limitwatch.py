@@ -14,14 +14,9 @@ LIMIT_TOLERANCE_W = 2.0
 
 # Who moves a power limit under a run: the words of every message that says so.
 LIMIT_CHANGERS = "nvidia-smi -pl, a DCGM policy, a power manager, powerprof tune"
-LIMIT_FIX = ("stop whatever else sets GPU power limits meanwhile (nvidia-smi -pl in a script, DCGM power policies, "
-             "a cluster power manager, `powerprof tune` on this GPU) and rerun")
-
-CLOCK_FIX = ("stop whatever else sets or resets GPU clocks meanwhile (nvidia-smi -lgc/-rgc or -ac/-rac in a "
-             "script, DCGM, a cluster manager, a GPU reset) and rerun")
-# Windows no reading vouched for by the level's end: the sampler lagged behind (sweep._leave_out_unvouched).
-UNVOUCHED_FIX = ("run the sweep where the sampler keeps up: stop other CPU-heavy jobs on the host, or sample less "
-                 "often (--interval)")
+# The fixes for a setting that did not hold are stated with the leave-out reasons that name them (arrival.py, the
+# lowest layer: SETTING_REASONS); re-exported here for the watches' users.
+from powerprof.arrival import CLOCK_FIX, LIMIT_FIX, UNVOUCHED_FIX  # noqa: E402,F401
 
 # GPU index → (power limit W, enforced limit W) a reading should show; None in either place: not judged.
 Expected = Mapping[int, tuple[float | None, float | None]]
