@@ -519,3 +519,62 @@ def test_said_counts_of_requests_whose_spans_cross_are_matched_whatever_order_th
     assert set(rq) == {1, 2} and rq[1]["cached_prompt_tokens"] == 200 and rq[2]["cached_prompt_tokens"] == 300
     assert _unsaid_flagged(ivs, rq) == (set(), []), {rid: r["energy_note"] for rid, r in rq.items()}
     assert led.totals.cache_unsaid_requests == 0
+
+
+def _whole_then_stream_run(details: bool):
+    """A chat's two cached turns on vLLM, as 0.32 on CPU ran them (tests/test_real_vllm.py): W answered whole
+    (arrival 1.1 s, end 2.4 s; its tokens spread from its arrival, its first unseen), S streamed (arrival 2.5 s, first
+    token 3.3 s, end 3.6 s), 384 cached each. vLLM counts a hit on /metrics with the output of the step that admitted
+    the request, beside its first token: W's in the scrape window [2, 3] s, S's in [3, 4] s."""
+    sink = _Sink()
+    led = Ledger("d", 0, 1, sink, grace_s=0.1)
+    led.scraping = True
+    _feed(led, 0.0, 0.0)
+    w = RequestTrace(1, "POST", "/v1/chat/completions", "w", int(1.1 * S), 0, api="openai-chat", stream=False)
+    s = RequestTrace(2, "POST", "/v1/chat/completions", "s", int(2.5 * S), 0, api="openai-chat", stream=True)
+    cached = 384 if details else None
+    e = 0.0
+    for tenth in range(1, 61):
+        t = int(tenth * S / 10)
+        if tenth == 11:
+            led.on_start(w)
+        if tenth == 24:  # as the proxy's _body_done sets a whole answer: its tokens spread over arrival → end
+            w.first_ns, w.last_ns, w.tokens_seen, w.end_ns = w.arrival_ns, t, 8, t
+            w.extra["spread"] = True
+            w.counts = Counts(generated_tokens=8, prompt_tokens=511, model=None, stop_reason=None,
+                              token_source="usage", cached_tokens=cached)
+            led.on_end(w)
+        if tenth == 25:
+            led.on_start(s)
+        if 33 <= tenth < 36:
+            s.first_ns = s.first_ns or t
+            s.last_ns = t
+            s.tokens_seen += 1
+            led.on_tokens(s, t, 1)
+        if tenth == 36:
+            s.end_ns = t
+            s.counts = Counts(generated_tokens=3, prompt_tokens=555, model=None, stop_reason=None,
+                              token_source="usage", cached_tokens=cached)
+            led.on_end(s)
+        if tenth % 10 == 0:
+            sec = tenth // 10
+            led.add_cache_hits(int((sec - 1) * S), int(sec * S), {3: 384.0, 4: 384.0}.get(sec, 0.0))
+            led.add_server_tokens(int(sec * S), 0.0, int((sec - 1) * S))
+            e += 100.0
+            _feed(led, float(sec), e)
+            led.advance(int((sec + 0.5) * S))
+    led.close_all(int(8 * S))
+    return sink.rows["intervals"], {r["request_id"]: r for r in sink.rows["requests"]}
+
+
+def test_a_whole_answers_hit_counted_after_its_arrival_is_matched_to_its_said_count():
+    # Before: a whole answer's hit span was its arrival alone (its first_ns, where its tokens were spread from): its
+    # 384 said met no window, the window of its hit took S's count, and S's own hit read unsaid: S flagged, and the
+    # intervals over it, with every count said (vLLM 0.32: said-1 and said-2).
+    ivs, rq = _whole_then_stream_run(details=True)
+    assert [rq[k]["cached_prompt_tokens"] for k in (1, 2)] == [384, 384]
+    assert _unsaid_flagged(ivs, rq) == (set(), []), _unsaid_flagged(ivs, rq)
+    # Not said: the whole answer's own prompt is flagged (before, only a share beside S's, where the intervals fell so).
+    ivs, rq = _whole_then_stream_run(details=False)
+    for k in (1, 2):
+        assert "in the scrape window(s) over its prefill" in (rq[k]["energy_note"] or ""), rq[k]["energy_note"]

@@ -1102,7 +1102,8 @@ class Ledger:
         end = tr.end_ns if tr.end_ns is not None else tr.arrival_ns
         if self.server_at_finish:
             return int(tr.last_ns if tr.last_ns is not None else tr.first_ns or end), int(end)
-        return int(tr.arrival_ns), int(tr.first_ns if tr.first_ns is not None else end)
+        first = _first_token_seen(tr)
+        return int(tr.arrival_ns), int(first if first is not None else end)
 
     def _cache_met(self, r: _Req) -> None:
         """At a request's end: the cached tokens its answer said (or its shared prompt's other choices found) go to
@@ -1205,7 +1206,7 @@ class Ledger:
             if self.server_at_finish:  # counted as it finishes: from its latest token on, its end still to come
                 h0, h1 = tr.last_ns or tr.first_ns or tr.arrival_ns, None
             else:
-                h0, h1 = tr.arrival_ns, tr.first_ns
+                h0, h1 = tr.arrival_ns, _first_token_seen(tr)
             if any(h0 <= w1 and (h1 is None or h1 >= w0) for w0, w1 in wins):
                 out.append(r)
         if not out:
@@ -2832,6 +2833,15 @@ def _cached_tokens(r: _Req) -> float:
         return 0.0
     k, p = r.trace.extra.get("cached_tokens"), _prompt_tokens(r)
     return float(min(k, p)) if k is not None and p is not None else 0.0
+
+
+def _first_token_seen(tr) -> int | None:
+    """Its first token's time as the proxy saw it come; None for a non-streamed answer (`spread`), whose first_ns is
+    where its tokens were spread from (its arrival, or the server's decode time back from its end), not seen. vLLM
+    counts a prefix-cache hit on /metrics as its prefill step's output comes (with the first token): a whole answer's
+    hit rises anywhere up to its end. Looked for at its arrival alone, vLLM 0.32's rise a scrape later went unmatched
+    or took the next turn's said count, whose own hit then read unsaid: said counts flagged, unsaid ones missed."""
+    return None if tr.extra.get("spread") else tr.first_ns
 
 
 def _known_cached(r: _Req) -> float:

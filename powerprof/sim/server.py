@@ -861,8 +861,12 @@ class SimServer:
         await asyncio.sleep(max(0.0, (self._t_step_end_ns - time.monotonic_ns()) / 1e9))
 
     def _scheduled(self, req: _Req) -> None:
-        """vLLM's scheduler takes a request in: its prompt tokens queried in the prefix cache and those found there
-        (the cached part, a shared prompt's other choices' included) counted on /metrics, whatever its usage says."""
+        """vLLM's scheduler took a request in: its prompt tokens queried in the prefix cache and those found there
+        (the cached part, a shared prompt's other choices' included) counted on /metrics, whatever its usage says.
+        Called as the step that scheduled it ends: vLLM 0.32's engine records them at admission but sends them with
+        that step's output (v1 scheduler.make_stats), and its front end counts them on /metrics as it takes that
+        output in (async_llm output_handler), beside the request's first token. Counted at the step's start, a whole
+        answer's hit rose at its arrival, which hid the daemon's error: it looked for that hit at the arrival alone."""
         if self.flavour != "vllm":
             return
         self._m_prompt.inc(req.prompt_tokens)
@@ -879,10 +883,10 @@ class SimServer:
             decoding = sum(1 for r in self._active if r.t_prefill_end_ns != 0)
             self._sglang_log(decoding, len(self._waiting) + len(self._active) - decoding - 1)
         req.t_prefill_start_ns = time.monotonic_ns()
-        self._scheduled(req)
         todo = max(req.prompt_tokens - req.cached, 1)
         speed = self._phase("prefill", PREFILL_COMPUTE_SHARE)
         await self._step(todo / self.prefill_tok_s / speed)
+        self._scheduled(req)  # with the step's output (its docstring)
         req.t_prefill_start_sched_ns = self._t_step_start_ns
         req.t_prefill_end_ns = time.monotonic_ns()
         if req.embed:
@@ -949,11 +953,12 @@ class SimServer:
                 self._sglang_log(len(dec), len(self._waiting) + len(pre) - len(pre_in))
             elif dec:
                 self._sglang_decode_logged(len(dec))
+        admitted = [r for r, _, _ in pre_in if r.t_prefill_start_ns == 0]
         for r, _, _ in pre_in:
-            if r.t_prefill_start_ns == 0:
-                self._scheduled(r)
             r.t_prefill_start_ns = r.t_prefill_start_ns or t0
         await self._step(self.costs.step_s(p, ctx) / speed)
+        for r in admitted:  # with the output of the step that admitted it (`_scheduled`)
+            self._scheduled(r)
         for r, _, _ in pre_in:
             r.t_prefill_start_sched_ns = r.t_prefill_start_sched_ns or self._t_step_start_ns
         # The step's truth is the energy of its window on the schedule, not of the wall time the
