@@ -679,15 +679,19 @@ def test_a_window_stored_twice_whose_level_is_nan_is_exported_once_and_said(run,
 FORMULAS = ["=cmd|' /C calc'!A0", "+1+1", "-2+3", "@SUM(A1:A9)", "\t=1+1", "plain", "a=b", None]
 
 
-def test_xlsx_writes_formula_like_text_as_text(tmp_path):
-    # A tag, a model name or a server's error text is the traffic's own text: openpyxl wrote a cell whose text starts
-    # with "=" as a live formula (`=cmd|' /C calc'!A0` ran, or asked to, when the workbook was opened).
+def _tags_through_xlsx(tmp_path, texts) -> list:
+    """A `tags` table of these texts exported to xlsx: the cells of its tag column."""
     src = tmp_path / "tags.parquet"
-    pq.write_table(pa.table({"tag": FORMULAS, "tokens": list(range(len(FORMULAS)))}), src)
+    pq.write_table(pa.table({"tag": texts, "tokens": list(range(len(texts)))}), src)
     out = tmp_path / "t.xlsx"
     r = CliRunner().invoke(main, ["export", str(src), "--format", "xlsx", "--out", str(out)])
     assert r.exit_code == 0, (r.output, r.exception)
-    cells = [row[0] for row in load_workbook(out)["tags"].iter_rows(min_row=2)]
+    return [row[0] for row in load_workbook(out)["tags"].iter_rows(min_row=2)]
+
+def test_xlsx_writes_formula_like_text_as_text(tmp_path):
+    # A tag, a model name or a server's error text is the traffic's own text: openpyxl wrote a cell whose text starts
+    # with "=" as a live formula (`=cmd|' /C calc'!A0` ran, or asked to, when the workbook was opened).
+    cells = _tags_through_xlsx(tmp_path, FORMULAS)
     assert [c.value for c in cells] == FORMULAS  # the text as it was, not prefixed
     assert all(c.data_type != "f" for c in cells), [(c.value, c.data_type) for c in cells]
 
@@ -856,12 +860,7 @@ def test_xlsx_writes_text_that_reads_as_an_error_code_as_text(tmp_path):
     # openpyxl typed a cell whose text is one of Excel's error codes (#N/A, #DIV/0!, ...) as that error, not as text:
     # a tag or a server's answer "#N/A" became Excel's #N/A in the sheet (ISERROR true, counted by no COUNTIF).
     texts = ["#N/A", "#DIV/0!", "#VALUE!", "#REF!", "#NAME?", "#NUM!", "#NULL!", "#tag", None]
-    src = tmp_path / "tags.parquet"
-    pq.write_table(pa.table({"tag": texts, "tokens": list(range(len(texts)))}), src)
-    out = tmp_path / "t.xlsx"
-    r = CliRunner().invoke(main, ["export", str(src), "--format", "xlsx", "--out", str(out)])
-    assert r.exit_code == 0, (r.output, r.exception)
-    cells = [row[0] for row in load_workbook(out)["tags"].iter_rows(min_row=2)]
+    cells = _tags_through_xlsx(tmp_path, texts)
     assert [c.value for c in cells] == texts
     assert all(c.data_type == "s" for c in cells if c.value is not None), [(c.value, c.data_type) for c in cells]
 

@@ -15,6 +15,18 @@ from powerprof.daemon.streams import Counts
 from test_daemon_bypass_partial import S, _R, _read_pieces_due, _Sink
 
 
+def _streams_at(led, feeds, t: float, end_after_s: float) -> None:
+    """At `t` s: each stream of `feeds` ((trace, pieces)) started once it arrived, its pieces due read, and ended
+    `end_after_s` after its last."""
+    for tr, pieces in feeds:
+        if tr.request_id not in led.requests and tr.end_ns is None and t >= tr.arrival_ns / S:
+            led.on_start(tr)
+        _read_pieces_due(led, tr, pieces, t)
+        if tr.end_ns is None and t >= pieces[-1][0] + end_after_s:
+            tr.end_ns = tr.end_wall_ns = int(pieces[-1][0] * S)
+            led.on_end(tr)
+
+
 def _scrape(led, t: float, gen, prev_t, prev_total) -> tuple[float, float]:
     """The server's counter read at t (`gen`: its tokens' instants): the window since the last read, added."""
     count = float((gen <= t).sum())
@@ -68,13 +80,7 @@ def _streams(rate: float, phase_s: float, delay_s: float = 0.003, seqs: int = 1,
     beats = [] if late is None else sorted((d + delay_s + late(d), delay_s + late(d)) for d in np.arange(0.0, t_last + 4, 0.25))
     for k in range(int((t_last + 4) / 0.005)):
         t = round(k * 0.005, 6)
-        for tr, pieces in feeds:
-            if tr.request_id not in led.requests and tr.end_ns is None and t >= tr.arrival_ns / S:
-                led.on_start(tr)
-            _read_pieces_due(led, tr, pieces, t)
-            if tr.end_ns is None and t >= pieces[-1][0] + 0.001:
-                tr.end_ns = tr.end_wall_ns = int(pieces[-1][0] * S)
-                led.on_end(tr)
+        _streams_at(led, feeds, t, 0.001)
         while beats and beats[0][0] <= t:
             led.note_proxy_delay(int(beats[0][0] * S), beats[0][1])
             beats.pop(0)
@@ -484,13 +490,7 @@ def _held_streams(spans, bypass=(), steps_per_s: float = 30.0):
     prev_t, prev_total = None, 0.0
     for k in range(int(t_end / 0.005)):
         t = round(k * 0.005, 6)
-        for tr, pieces in feeds:
-            if tr.request_id not in led.requests and tr.end_ns is None and t >= tr.arrival_ns / S:
-                led.on_start(tr)
-            _read_pieces_due(led, tr, pieces, t)
-            if tr.end_ns is None and t >= pieces[-1][0] + 0.002:
-                tr.end_ns = tr.end_wall_ns = int(pieces[-1][0] * S)
-                led.on_end(tr)
+        _streams_at(led, feeds, t, 0.002)
         if k % 50 == 0:
             led.add_gpu_sample(int(t * S), int(t * S), [_R(100.0 * t)])
             led.note_proxy_delay(int(t * S), 0.003)  # the proxy's loop on time, as the daemon's tick measures it

@@ -1549,11 +1549,9 @@ def test_a_later_burst_held_past_the_prompt_hold_says_the_seconds_it_lost():
     assert "its own figure is low" in note
 
 
-def test_a_first_burst_is_placed_from_the_decode_start_the_servers_timings_say():
-    # llama.cpp's timings (`predicted_ms`) cover its whole decode, ending at its last token. A stream whose first piece
-    # was a burst of 20 tokens at 3 s, the rest a burst at 5 s, decoded 4 s: from 1 s. Before: the start was taken
-    # 4 s before the first burst's end (-1 s), clipped to its arrival (0.5 s), so the first burst was spread over its
-    # queue and prefill too (a fifth of its tokens in [0, 1 s), where it generated none).
+def _held_stream(pieces, generated: int, late_s: float | None = None, predicted_ms: float | None = None):
+    """A stream arrived at 0.5 s, after three 1 Hz ticks, whose pieces (t_s, tokens) reach the proxy held back, the
+    proxy's loop measured `late_s` late at each where given; then its end and four more ticks. Its one row."""
     sink = Sink()
     led = Ledger("d", 0, 1, sink, grace_s=0.1)
     tr = _trace(1, 0.5)
@@ -1561,20 +1559,31 @@ def test_a_first_burst_is_placed_from_the_decode_start_the_servers_timings_say()
     for k in range(3):
         _feed(led, float(k), 100.0 * k)
         led.advance(int((k + 0.2) * S))
-    for t_s in (3.0, 5.0):
+    for t_s, n in pieces:
         t = int(t_s * S)
+        if late_s is not None:
+            led.note_proxy_delay(t, late_s)
         _feed(led, t_s, 100.0 * t_s)
         tr.first_ns = tr.first_ns or t
         tr.last_ns = t
-        tr.tokens_seen += 20
-        led.on_tokens(tr, t, 20)
-    tr.end_ns = int(5.0 * S) + 200_000
-    tr.counts = Counts(generated_tokens=40, prompt_tokens=50, model=None, stop_reason=None, token_source="usage",
-                       predicted_ms=4000.0)
+        tr.tokens_seen += n
+        led.on_tokens(tr, t, n)
+    tr.end_ns = tr.last_ns + 200_000
+    tr.counts = Counts(generated_tokens=generated, prompt_tokens=50, model=None, stop_reason=None, token_source="usage",
+                       predicted_ms=predicted_ms)
     led.on_end(tr)
     for k in range(4, 8):
         _feed(led, float(k), 100.0 * k)
         led.advance(int((k + 0.2) * S))
+    return sink
+
+
+def test_a_first_burst_is_placed_from_the_decode_start_the_servers_timings_say():
+    # llama.cpp's timings (`predicted_ms`) cover its whole decode, ending at its last token. A stream whose first piece
+    # was a burst of 20 tokens at 3 s, the rest a burst at 5 s, decoded 4 s: from 1 s. Before: the start was taken
+    # 4 s before the first burst's end (-1 s), clipped to its arrival (0.5 s), so the first burst was spread over its
+    # queue and prefill too (a fifth of its tokens in [0, 1 s), where it generated none).
+    sink = _held_stream(((3.0, 20), (5.0, 20)), 40, predicted_ms=4000.0)
     rows = {round(r["t_start_mono_s"]): r["proxy_tokens"] for r in sink.rows["intervals"]}
     assert rows[0] == pytest.approx(0.0, abs=0.01), rows  # queue and prefill: no token
     # The first burst over [1 s, 3 s] (its last event at 3 s itself, in the next interval), the second over (3 s, 5 s].
@@ -1591,27 +1600,7 @@ def test_bursts_read_while_the_proxys_own_loop_ran_late_say_so(late_s):
     # (a busy host: a loaded 2-core machine's daemon in front of a direct server said "something between the server
     # and the proxy buffers its streams", fix "point proxy.upstream at the server itself", which it was), the proxy
     # may have read the server's pieces late itself: the row and the log say that cause and its fix too.
-    sink = Sink()
-    led = Ledger("d", 0, 1, sink, grace_s=0.1)
-    tr = _trace(1, 0.5)
-    led.on_start(tr)
-    for k in range(3):
-        _feed(led, float(k), 100.0 * k)
-        led.advance(int((k + 0.2) * S))
-    for t_s in (3.0, 5.0):
-        t = int(t_s * S)
-        led.note_proxy_delay(t, late_s)
-        _feed(led, t_s, 100.0 * t_s)
-        tr.first_ns = tr.first_ns or t
-        tr.last_ns = t
-        tr.tokens_seen += 20
-        led.on_tokens(tr, t, 20)
-    tr.end_ns = int(5.0 * S) + 200_000
-    tr.counts = Counts(generated_tokens=40, prompt_tokens=50, model=None, stop_reason=None, token_source="usage")
-    led.on_end(tr)
-    for k in range(4, 8):
-        _feed(led, float(k), 100.0 * k)
-        led.advance(int((k + 0.2) * S))
+    sink = _held_stream(((3.0, 20), (5.0, 20)), 40, late_s=late_s)
     (row,) = sink.rows["requests"]
     note = row["energy_note"]
     assert "2 bursts" in note and "proxy_buffering off" in note, note
@@ -1622,6 +1611,7 @@ def test_bursts_read_while_the_proxys_own_loop_ran_late_say_so(late_s):
         assert "the proxy's own event loop ran up to 2.5 s late" in note and "(fix: give the daemon's host CPU" in note, note
     else:
         assert "own event loop" not in note and "(fix: point proxy.upstream" in note, note
+
 
 def test_a_large_first_burst_holds_its_windows_until_its_end_though_small_pieces_follow():
     # A stream's first piece came held back (20 tokens generated over [1 s, 3 s), passed at 3 s), then it streamed a
@@ -1920,27 +1910,7 @@ def test_a_first_burst_held_seconds_is_not_blamed_on_a_proxy_loop_a_few_ms_late(
     # loaded host, no more). The busy-host cause was judged against the 50 ms between its last pieces, not the 2.5 s
     # its first burst was held: the row said "the proxy's own event loop ran up to 0.0 s late ... a busy host", the
     # host's fix first, of a buffering hop's hold.
-    sink = Sink()
-    led = Ledger("d", 0, 1, sink, grace_s=0.1)
-    tr = _trace(1, 0.5)
-    led.on_start(tr)
-    for k in range(3):
-        _feed(led, float(k), 100.0 * k)
-        led.advance(int((k + 0.2) * S))
-    for t_s, n in ((3.0, 30), (3.05, 5)):
-        t = int(t_s * S)
-        led.note_proxy_delay(t, 0.03)
-        _feed(led, t_s, 100.0 * t_s)
-        tr.first_ns = tr.first_ns or t
-        tr.last_ns = t
-        tr.tokens_seen += n
-        led.on_tokens(tr, t, n)
-    tr.end_ns = int(3.05 * S) + 200_000
-    tr.counts = Counts(generated_tokens=35, prompt_tokens=50, model=None, stop_reason=None, token_source="usage")
-    led.on_end(tr)
-    for k in range(4, 8):
-        _feed(led, float(k), 100.0 * k)
-        led.advance(int((k + 0.2) * S))
+    sink = _held_stream(((3.0, 30), (3.05, 5)), 35, late_s=0.03)
     (row,) = sink.rows["requests"]
     note = row["energy_note"]
     assert "burst" in note and "proxy_buffering off" in note, note

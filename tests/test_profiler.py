@@ -58,19 +58,28 @@ def test_a_gpu_counter_that_steps_back_mid_window_gives_no_counter_figure():
     assert after.gpu_methods == (METHOD_COUNTER,) and after.gpu_energy_j[0] == pytest.approx(400.0)
 
 
+REFRESH_NS = 100_000_000
+
+
+def _refreshing_timeline(*edge_reads_ns: int, avg_w: float):
+    """A 300 W GPU whose counter refreshes every REFRESH_NS, read every 0.2 s over 4 s and at `edge_reads_ns`: its
+    timeline, and the reads' instants and counter values."""
+    reads = sorted([k * 200_000_000 for k in range(21)] + list(edge_reads_ns))
+    e = np.array([300.0 * (x - x % REFRESH_NS) / 1e9 for x in reads])
+    tl = EnergyTimeline(1, (1.0,))
+    for n, (t, ej) in enumerate(zip(reads, e)):
+        tl.add(Sample("nvml", n, t, t, (_Reading(float(ej), 300.0, avg_w),)))
+    return tl, np.array(reads, dtype=np.int64), e
+
+
 def test_a_counter_that_did_not_move_over_a_short_window_is_no_figure():
     """A 300 W GPU whose counter refreshes every 100 ms, read every 0.2 s and at each edge of a 55 ms decode window
     (a short request on a fast card): both edge reads land in one refresh and hold the same value. The counter's
     difference, 0 J, is staleness, not energy (a loaded host stored such a window as 0.0 J, method counter): the
     window carries no figure, and says so (method none); a window the counter did move over keeps its figure."""
-    refresh_ns, ns = 100_000_000, 1_000_000_000
+    ns = 1_000_000_000
     t0, t1 = int(2.010 * ns), int(2.065 * ns)
-    reads = sorted([k * 200_000_000 for k in range(21)] + [t0 + 5_000_000, t1 + 5_000_000])
-    tl = EnergyTimeline(1, (1.0,))
-    for n, t in enumerate(reads):
-        tl.add(Sample("nvml", n, t, t, (_Reading(300.0 * (t - t % refresh_ns) / ns, 300.0, 300.0),)))
-    t = np.array(reads, dtype=np.int64)
-    e = np.array([300.0 * (x - x % refresh_ns) / ns for x in reads])
+    tl, t, e = _refreshing_timeline(t0 + 5_000_000, t1 + 5_000_000, avg_w=300.0)
     assert np.isnan(counter_window_energy_j(t, e, t0, t1))
     r = tl.energy_between(t0, t1)
     assert r.gpu_methods == (METHOD_NONE,) and r.gpu_energy_j == (None,) and r.gpu_energy_total_j is None
@@ -88,12 +97,9 @@ def test_a_window_shorter_than_the_counters_refresh_carries_no_figure_whatever_i
     with its 0 J windows kept, -26% on the straight line between refresh-dated counter values (docs/benchmarks.md,
     "Windows shorter than the counter's refresh"). Chosen by length, never by what a reading said: no figure, here
     even though the instant power readings (fresh, in this test) would give the right one."""
-    refresh_ns, ns = 100_000_000, 1_000_000_000
+    refresh_ns, ns = REFRESH_NS, 1_000_000_000
     t0, t1 = int(2.070 * ns), int(2.130 * ns)
-    reads = sorted([k * 200_000_000 for k in range(21)] + [t0 + 2_000_000, t1 + 2_000_000])
-    tl = EnergyTimeline(1, (1.0,))
-    for n, t in enumerate(reads):
-        tl.add(Sample("nvml", n, t, t, (_Reading(300.0 * (t - t % refresh_ns) / ns, 300.0, 100.0),)))
+    tl, _, _ = _refreshing_timeline(t0 + 2_000_000, t1 + 2_000_000, avg_w=100.0)
     r = tl.energy_between(t0, t1)
     assert r.gpu_methods == (METHOD_NONE,) and r.gpu_energy_j == (None,)
     assert r.low_confidence
