@@ -421,7 +421,9 @@ def test_the_daemons_own_proxy_workers_are_not_other_processes(tmp_path, monkeyp
     reqs, intervals, metrics = _daemon(tmp_path, **{"proxy.workers": 2})
     assert len(host.first) >= 2  # the workers ran, and burned their CPU
     assert len(reqs) == 4 and reqs.cpu_energy_j.notna().all()
-    assert (reqs.other_cpu_pct < 3).all(), reqs.other_cpu_pct.tolist()
+    # Other processes drew 1% here (the workers 30%, before counted as others': 34%); a loaded full suite once read
+    # 3.4% for the first request (the workers' start), so the bound is the busy-host flag's side of it, not 1%.
+    assert (reqs.other_cpu_pct < 5).all(), reqs.other_cpu_pct.tolist()
     assert not reqs.energy_note.fillna("").str.contains("busy-host").any()
     assert _metric(metrics, "powerprof_other_processes_cpu_ratio") < 0.03
     assert _metric(metrics, "powerprof_requests_cpu_energy_busy_host_joules_total") == 0

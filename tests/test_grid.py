@@ -137,7 +137,12 @@ def test_seed_card_grid_reproduces_the_seed_then_finds_the_power_sweet_spot(tmp_
     j_by_draft = {d: sum(r["gpu_j_per_token"] for r in top if r["knob_draft"] == d) for d in range(1, 6)}
     assert j_by_draft[3] / 4 < min(j_by_draft[1] / 4, j_by_draft[5] / 3)
     rec = res.recommendation
-    assert rec.level_value == 220  # the seed's sweet spot on its chosen configuration
+    # The seed's sweet spot on its chosen configuration; or, where a loaded full suite left its few requests noisy
+    # (once: 300 W chosen by 54% of resamples, 220-300 W), a choice the analysis says is uncertain, with 220 W inside.
+    from powerprof.analysis.checks import UNSTABLE_SHARE
+
+    assert rec.level_value == 220 or (rec.stability < UNSTABLE_SHARE and rec.ci_low <= 220 <= rec.ci_high), rec
+    assert any(w.kind == "unstable-choice" for w in res.warnings) or rec.level_value == 220, res.warnings
     assert any(w.kind == "config-not-measured" and "draft=5,np=4" in w.message for w in res.warnings)
     md = (tmp_path / "run" / "analysis" / "report.md").read_text()
     assert "## Configurations" in md and "config_heatmap.png" in md and "out-of-memory" in md

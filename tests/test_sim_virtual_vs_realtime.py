@@ -69,6 +69,10 @@ BURST_AT_S = 270.0  # unscaled: after the chat and long-prompt parts have draine
 BURST_N = 32
 
 
+# A live server loop this far behind its step schedule admits a burst's requests into other steps than the
+# virtual server's: that level is not judged (358 ms passed once, 464 ms read +9.4% on the burst's throughput).
+LOOP_LATE_MAX_S = 0.4
+
 def _profile():
     base = get_profile("seed-16g")
     wl = base.workload
@@ -288,6 +292,13 @@ def test_virtual_time_server_agrees_with_the_real_time_simulated_server():
             # GPU sat in its phase meanwhile, so its energy, throughput and latencies hold the host's stall.
             stalled.append(f"{lv:g} W not judged: the host stalled the live server's loop beyond its schedule's "
                            f"catch-up, {sched['stalled_s']:.2f} s in all")
+            report.append(stalled[-1])
+            continue
+        if sched["max_late_s"] > LOOP_LATE_MAX_S:
+            # Within the catch-up, but the burst's own requests were admitted that late: the steps it ran in are not
+            # the virtual server's (a loaded full suite: 464 ms behind, the burst +9.4% on the step schedule).
+            stalled.append(f"{lv:g} W not judged: the host held the live server's loop "
+                           f"{sched['max_late_s'] * 1e3:.0f} ms behind its step schedule")
             report.append(stalled[-1])
             continue
         # The reference for latency: the virtual server given the requests when the live one received them.
