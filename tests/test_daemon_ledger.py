@@ -317,7 +317,10 @@ def test_a_prefill_only_request_gets_its_prompt_work_and_one_with_no_work_seen_s
     got = {r["request_id"]: r for r in sink.rows["requests"]}
     # [0,1): 10 tokens, 9 of them decoded (1 each at the fixed ratio; the first came out of the
     # prefill), 10 + 2000 prompt tokens at 0.05.
-    assert got[2]["gpu_energy_j"] == pytest.approx(100.0 * 100 / 109.5) and got[2]["energy_note"] is None
+    assert got[2]["gpu_energy_j"] == pytest.approx(100.0 * 100 / 109.5)
+    # Its work is seen; its share of [0, 1) beside request 1 rests on the fixed ratio (no fit yet), and it says that alone.
+    assert got[2]["energy_note"].startswith("approximate: 100% of its GPU energy is from intervals it shared")
+    assert "no prompt length" not in got[2]["energy_note"]
     assert got[3]["gpu_energy_j"] is None and "no prompt length" in got[3]["energy_note"]
     assert got[1]["gpu_energy_j"] + got[2]["gpu_energy_j"] == pytest.approx(200.0)  # nothing lost
 
@@ -803,7 +806,8 @@ def test_a_stream_cut_before_its_usage_is_costed_its_prompt_at_the_servers_own_r
     got = {r["request_id"]: r for r in sink.rows["requests"]}
     assert got[2]["gpu_energy_j"] == pytest.approx(got[1]["gpu_energy_j"]) == pytest.approx(50.0)
     assert got[2]["prompt_tokens"] is None and got[2]["prompt_tokens_estimate"] == pytest.approx(500.0)
-    assert got[1]["prompt_tokens_estimate"] is None and got[1]["energy_note"] is None
+    assert got[1]["prompt_tokens_estimate"] is None and "estimate" not in got[1]["energy_note"]
+    assert "split among them by the fixed ratio" in got[1]["energy_note"]  # its twin beside it, no fit yet
     note = got[2]["energy_note"]
     assert note.startswith("approximate:") and "client left" in note and "2000 prompt characters" in note
     assert led.prompts_estimated == {"client_left": 1}
@@ -1209,7 +1213,7 @@ def test_a_request_of_two_choices_costs_twice_one_choice_not_more():
 
     class Fixed(CostLearner):  # costs with a step and a context term, as a mature fit has
         def costs(self, setting):
-            return WorkCosts(step_j=2.0, decode_j=1.0, prefill_j=0.0, ctx_j=5.0)
+            return WorkCosts(step_j=2.0, decode_j=1.0, prefill_j=0.0, ctx_j=5.0, source="fitted")
 
         def add(self, *a):
             return None
@@ -1243,6 +1247,57 @@ def test_a_request_of_two_choices_costs_twice_one_choice_not_more():
     assert decode_a == pytest.approx(2 * decode_b, rel=1e-6)
 
 
+@pytest.mark.parametrize("mature", [False, True])
+def test_requests_that_shared_intervals_split_by_the_fixed_ratio_say_so(mature):
+    # Until the work model's fit is mature the fixed ratio splits an interval among the requests in it: each one's share
+    # rests on that ratio (on a loaded host the vLLM mixed trace's fit never matured in 800 requests, the median
+    # request off by 10.8-12.0% against truth, and no row said so). A request alone in its intervals takes all their work
+    # whatever the ratio: nothing to say. Once the fit is mature, nothing either.
+    from powerprof.daemon.attribution import WorkCosts
+    from powerprof.daemon.workmodel import CostLearner
+
+    class Learner(CostLearner):
+        def costs(self, setting):
+            return WorkCosts(step_j=1.0, decode_j=1.0, prefill_j=0.1, source="fitted") if mature else WorkCosts()
+
+    sink = Sink()
+    led = Ledger("d", 0, 1, sink, grace_s=0.1, learner=Learner())
+    a, b, c = _trace(1, 0.1), _trace(2, 0.2), _trace(3, 3.1)
+    for k in range(6):
+        _feed(led, float(k), 1000.0 + 300.0 * k)
+        if k == 0:
+            led.on_start(a), led.on_start(b)
+        if k == 1:
+            for j in range(10):
+                led.on_tokens(a, int((1.0 + 0.09 * j) * S), 2)
+                led.on_tokens(b, int((1.0 + 0.09 * j) * S), 1)
+            a.first_ns = b.first_ns = int(1.0 * S)
+            a.last_ns = b.last_ns = int(1.81 * S)
+            a.end_ns = b.end_ns = int(1.9 * S)
+            for tr, n in ((a, 20), (b, 10)):
+                tr.counts = Counts(generated_tokens=n, prompt_tokens=100, model=None, stop_reason=None,
+                                   token_source="usage")
+                led.on_end(tr)
+        if k == 3:
+            led.on_start(c)
+            for j in range(8):
+                led.on_tokens(c, int((3.2 + 0.1 * j) * S), 1)
+            c.first_ns, c.last_ns, c.end_ns = int(3.2 * S), int(3.9 * S), int(3.95 * S)
+            c.counts = Counts(generated_tokens=8, prompt_tokens=100, model=None, stop_reason=None, token_source="usage")
+            led.on_end(c)
+    led.advance(int(5.5 * S))
+    notes = {r["request_id"]: r["energy_note"] or "" for r in sink.rows["requests"]}
+    assert set(notes) == {1, 2, 3}
+    assert "fixed ratio" not in notes[3], notes[3]  # alone in its intervals: the ratio decides nothing
+    for rid in (1, 2):
+        if mature:
+            assert "fixed ratio" not in notes[rid], notes[rid]
+        else:
+            assert notes[rid].startswith("approximate: ") and "split among them by the fixed ratio" in notes[rid]
+            assert "busy intervals of 30" in notes[rid] or "no fit yet" in notes[rid], notes[rid]
+            assert "fix: " in notes[rid]
+
+
 @pytest.mark.parametrize("shape", ["once", "each_task"])
 def test_a_prompt_said_once_for_its_choices_is_each_choices_context_and_one_prefill(shape):
     # Request a has two choices of one 100-token prompt, request b one choice of the same prompt; each sequence
@@ -1257,7 +1312,7 @@ def test_a_prompt_said_once_for_its_choices_is_each_choices_context_and_one_pref
 
     class Fixed(CostLearner):  # costs with a step, a prefill and a context term, as a mature fit has
         def costs(self, setting):
-            return WorkCosts(step_j=2.0, decode_j=1.0, prefill_j=0.5, ctx_j=5.0, prefill_tok_s=1e9)
+            return WorkCosts(step_j=2.0, decode_j=1.0, prefill_j=0.5, ctx_j=5.0, prefill_tok_s=1e9, source="fitted")
 
         def add(self, *a):
             return None

@@ -39,7 +39,7 @@ from . import attribution as attr
 from .promptlen import PromptLengths
 from .proxy import RequestTrace, bounded_text, valid_text
 from .streams import uncounted_kind
-from .workmodel import FEATURES, CostLearner
+from .workmodel import FEATURES, MIN_BUSY, MIN_R2, CostLearner
 
 log = logging.getLogger("powerprof.daemon.ledger")
 
@@ -99,6 +99,15 @@ CACHE_UNSAID_MIN = 1.0
 # Intervals a request keeps to judge once the requests whose end may say their hits have ended (`_Req.cache_unsure`);
 # beyond, judged at their close as before (a stream live for hours over 1 s intervals).
 CACHE_UNSURE_MAX = 256
+# A request's share of intervals it shared while the fixed ratio split them (the work model's fit not mature) is said
+# on its row from this part of its GPU energy on: below it the ratio moves its figure by a fraction of a percent.
+FIXED_RATIO_MIN_SHARE = 0.05
+FIXED_RATIO_NOTE = ("{pct:.0f}% of its GPU energy is from intervals it shared with other requests, split among them by "
+                    f"the fixed ratio (a prompt token costs {attr.DEFAULT_PREFILL_PER_DECODE} of a decoded token, no "
+                    "step or context cost) while the work model's fit was not mature ({why}): its share there may be "
+                    "off by several % either way, the intervals' sums are measured; fix: none for these rows, later "
+                    f"ones are split by the learned costs once {MIN_BUSY} busy intervals fit with R² ≥ {MIN_R2} "
+                    "(docs/daemon.md, work model): too little traffic or a busy host delays that")
 # An API whose latest this many ended answers (prompts over one token) all said no cached count while the server
 # counted hits says none (`_never_says_cached`): its live requests' ends cannot say theirs, so nothing waits for them.
 SAYS_CACHED_RECENT = 8
@@ -213,6 +222,10 @@ class _Req:
     late_wait_j: float = 0.0
     cache_beside_late: float = 0.0
     late_unresolved: bool = False
+    # Its GPU joules from intervals it shared with other requests that the fixed ratio split (the work model's fit not
+    # mature: `fixed_why`, the latest fit's reason): its share there rests on the documented ratio, not learned costs.
+    fixed_j: float = 0.0
+    fixed_why: str = ""
     # [t0, t1, its GPU joules there] of intervals with prefill over hits no answer had said when they closed while
     # requests whose hit may be among them were still live (`_cache_waiting`): their end may say it. Judged as its row
     # is made, once those (`cache_wait`) have ended (CACHE_UNSAID_FLAG only where the hits are still unsaid then).
@@ -1651,6 +1664,12 @@ class Ledger:
                                   np.where(sure_iv >= CACHE_UNSAID_MIN, work_j, 0.0),
                                   np.where([len(p) > 0 for p in pend_iv], work_j, 0.0)]
                                  + [np.where(np.arange(t.size - 1) == k, work_j, 0.0) for k in uk])
+        # Intervals two or more requests shared while the fixed ratio splits them (the fit not mature): each one's share
+        # there rests on that ratio (FIXED_RATIO_NOTE). A request alone in an interval takes its work whatever the ratio.
+        fixed_col = energy.shape[1]
+        shared_iv = ((((arrival[:, None] < t[None, 1:]) & (end[:, None] > t[None, :-1]))[~passive]).sum(axis=0) >= 2
+                     if costs.source == "fixed" else np.zeros(t.size - 1, dtype=bool))
+        energy = np.column_stack([energy, np.where(shared_iv, work_j, 0.0)])
         a = attr.attribute(t, energy, arrival, first, last, end, ev_t_a, ev_r_a, ev_n_a, excess,
                            prompt_tokens=computed, tok_ctx=np.array(ev_c, dtype=float), costs=costs,
                            bypass_spans=bypass_spans, passive=passive, aside_j=aside,
@@ -1687,6 +1706,10 @@ class Ledger:
             r.cpu_other_pct_j += a.request_energy[i, 5]
             r.no_counter_short_j += a.request_energy[i, 6]
             r.bypass_low_j += a.request_energy[i, 7]
+            if a.request_energy[i, fixed_col] > 0:
+                r.fixed_j += a.request_energy[i, fixed_col]
+                fit = self.learner.fits.get(setting)
+                r.fixed_why = fit.reason if fit is not None and fit.reason else "no fit yet"
             if a.request_energy[i, 8] > 0:
                 r.cache_beside_j += a.request_energy[i, 8]
                 live = (arrival[i] < t[1:]) & (end[i] > t[:-1])
@@ -2793,6 +2816,8 @@ def _approximate_note(r: _Req) -> str | None:
                      "attribute to requests (its prefix-cache counter on /metrics rose by more than the cached counts "
                      "the answers said): a reused prompt beside it was costed as computed whole, so its own share may "
                      f"be low; fix: {CACHE_UNSAID_FIX}")
+    if r.gpu_j > 0 and r.fixed_j >= FIXED_RATIO_MIN_SHARE * r.gpu_j:
+        notes.append(FIXED_RATIO_NOTE.format(pct=100 * min(r.fixed_j / r.gpu_j, 1.0), why=r.fixed_why))
     c = r.trace.counts
     if r.server_ahead >= 0.5 and not r.to_server and (c is None or c.tokens_estimated):
         notes.append(f"its tokens were counted from its chunks (one each, or their logprobs) and the server's counter ran {r.server_ahead:.0f} token(s) "
