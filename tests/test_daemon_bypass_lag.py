@@ -533,3 +533,14 @@ def test_held_streams_beside_bypass_traffic_keep_their_windows_counts_or_say_so(
     rows, truth = _held_streams(HELD_SPANS, bypass=truth)
     assert _window_rows_off(rows, truth, lo_s=0.5, hi_s=6.0) == [], _said(rows)
     assert sum(r["server_tokens"] or 0 for r in rows) == pytest.approx(len(truth), abs=len(HELD_SPANS)), _said(rows)
+
+
+def test_a_request_alone_beside_bypass_traffic_split_by_the_fixed_ratio_says_so():
+    # Bypass tokens are costed beside a proxied request by the same ratio: alone among proxied requests in its intervals,
+    # its share there still rests on it while the fit is not mature (before, only proxied neighbours counted). The
+    # second stream, with no bypass traffic and no neighbour, takes its intervals' work whatever the ratio: no note.
+    kept: list = []
+    _streams(100, 0.0, bypass=np.arange(2.0, 3.0, 0.01), keep=kept)
+    notes = {r["request_id"]: r["energy_note"] or "" for r in kept[0].rows["requests"]}
+    assert "or bypass traffic ran in), split among them by the fixed ratio" in notes[1], notes[1]
+    assert "fixed ratio" not in notes[2], notes[2]

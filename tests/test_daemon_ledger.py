@@ -319,7 +319,8 @@ def test_a_prefill_only_request_gets_its_prompt_work_and_one_with_no_work_seen_s
     # prefill), 10 + 2000 prompt tokens at 0.05.
     assert got[2]["gpu_energy_j"] == pytest.approx(100.0 * 100 / 109.5)
     # Its work is seen; its share of [0, 1) beside request 1 rests on the fixed ratio (no fit yet), and it says that alone.
-    assert got[2]["energy_note"].startswith("approximate: 100% of its GPU energy is from intervals it shared")
+    assert got[2]["energy_note"].startswith("approximate: 100% of its GPU energy is from intervals other requests were "
+                                            "live in too")
     assert "no prompt length" not in got[2]["energy_note"]
     assert got[3]["gpu_energy_j"] is None and "no prompt length" in got[3]["energy_note"]
     assert got[1]["gpu_energy_j"] + got[2]["gpu_energy_j"] == pytest.approx(200.0)  # nothing lost
@@ -1256,12 +1257,24 @@ def test_requests_that_shared_intervals_split_by_the_fixed_ratio_say_so(mature):
     from powerprof.daemon.attribution import WorkCosts
     from powerprof.daemon.workmodel import CostLearner
 
+    from powerprof.daemon.workmodel import Fit
+
     class Learner(CostLearner):
         def costs(self, setting):
             return WorkCosts(step_j=1.0, decode_j=1.0, prefill_j=0.1, source="fitted") if mature else WorkCosts()
 
+        def add(self, setting, *a):
+            # The close that adds it makes the first mature fit: its intervals were split before, by the fixed ratio,
+            # for the reason the fit before it gave (before, the note read the new fit's: "no fit yet").
+            was = self.fits.get(setting)
+            self.fits[setting] = Fit((0.0,) * 5, 40, 35, 0.95, 0.1, True, "")
+            return was
+
+    learner = Learner()
+    learner.fits[(None,)] = learner.fits[()] = Fit((0.0,) * 5, 20, 12, None, None, False, "12 busy intervals of 30")
+
     sink = Sink()
-    led = Ledger("d", 0, 1, sink, grace_s=0.1, learner=Learner())
+    led = Ledger("d", 0, 1, sink, grace_s=0.1, learner=learner)
     a, b, c = _trace(1, 0.1), _trace(2, 0.2), _trace(3, 3.1)
     for k in range(6):
         _feed(led, float(k), 1000.0 + 300.0 * k)
@@ -1293,8 +1306,9 @@ def test_requests_that_shared_intervals_split_by_the_fixed_ratio_say_so(mature):
         if mature:
             assert "fixed ratio" not in notes[rid], notes[rid]
         else:
-            assert notes[rid].startswith("approximate: ") and "split among them by the fixed ratio" in notes[rid]
-            assert "busy intervals of 30" in notes[rid] or "no fit yet" in notes[rid], notes[rid]
+            assert notes[rid].startswith("approximate: 100% of its GPU energy is from intervals other requests were "
+                                         "live in too"), notes[rid]
+            assert "split among them by the fixed ratio" in notes[rid] and "not mature (12 busy intervals of 30)" in notes[rid]
             assert "fix: " in notes[rid]
 
 

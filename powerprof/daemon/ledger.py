@@ -102,12 +102,13 @@ CACHE_UNSURE_MAX = 256
 # A request's share of intervals it shared while the fixed ratio split them (the work model's fit not mature) is said
 # on its row from this part of its GPU energy on: below it the ratio moves its figure by a fraction of a percent.
 FIXED_RATIO_MIN_SHARE = 0.05
-FIXED_RATIO_NOTE = ("{pct:.0f}% of its GPU energy is from intervals it shared with other requests, split among them by "
-                    f"the fixed ratio (a prompt token costs {attr.DEFAULT_PREFILL_PER_DECODE} of a decoded token, no "
-                    "step or context cost) while the work model's fit was not mature ({why}): its share there may be "
-                    "off by several % either way, the intervals' sums are measured; fix: none for these rows, later "
-                    f"ones are split by the learned costs once {MIN_BUSY} busy intervals fit with R² ≥ {MIN_R2} "
-                    "(docs/daemon.md, work model): too little traffic or a busy host delays that")
+FIXED_RATIO_NOTE = ("{pct:.0f}% of its GPU energy is from intervals other requests were live in too (or bypass traffic "
+                    "ran in), split among them by the fixed ratio (a prompt token costs "
+                    f"{attr.DEFAULT_PREFILL_PER_DECODE} of a decoded token, no step or context cost) while the work "
+                    "model's fit was not mature ({why}): its share there may be off by several % either way, the "
+                    "intervals' sums are measured; fix: none for these rows, later ones are split by the learned costs "
+                    f"once {MIN_BUSY} busy intervals fit with R² ≥ {MIN_R2} (docs/daemon.md, work model): too little "
+                    "traffic or a busy host delays that")
 # An API whose latest this many ended answers (prompts over one token) all said no cached count while the server
 # counted hits says none (`_never_says_cached`): its live requests' ends cannot say theirs, so nothing waits for them.
 SAYS_CACHED_RECENT = 8
@@ -1627,6 +1628,9 @@ class Ledger:
         low_iv = np.array([bypass_count_low(c) for c in server_count], dtype=bool)
         setting = edges[-1].setting
         costs = self.learner.costs(setting)
+        # Why the fixed ratio splits this close, read with its costs: the fit added below may be the first mature one.
+        unfit = self.learner.fits.get(setting)
+        fixed_why = unfit.reason if unfit is not None and unfit.reason else "no fit yet"
         # The third column marks intervals without CPU energy: a request given a share of one
         # has no CPU figure (rather than a partial, smaller one).
         # The last two: its CPU joules from intervals whose other processes' share is known, and those × the share.
@@ -1664,11 +1668,15 @@ class Ledger:
                                   np.where(sure_iv >= CACHE_UNSAID_MIN, work_j, 0.0),
                                   np.where([len(p) > 0 for p in pend_iv], work_j, 0.0)]
                                  + [np.where(np.arange(t.size - 1) == k, work_j, 0.0) for k in uk])
-        # Intervals two or more requests shared while the fixed ratio splits them (the fit not mature): each one's share
-        # there rests on that ratio (FIXED_RATIO_NOTE). A request alone in an interval takes its work whatever the ratio.
+        # Intervals two or more requests were live in, or bypass traffic ran in, while the fixed ratio splits them (the
+        # fit not mature): each one's share there rests on that ratio (FIXED_RATIO_NOTE). A request alone in an interval
+        # takes its work whatever the ratio. Live, not working: one queued beside it counts too (said as such).
         fixed_col = energy.shape[1]
-        shared_iv = ((((arrival[:, None] < t[None, 1:]) & (end[:, None] > t[None, :-1]))[~passive]).sum(axis=0) >= 2
-                     if costs.source == "fixed" else np.zeros(t.size - 1, dtype=bool))
+        shared_iv = np.zeros(t.size - 1, dtype=bool)
+        if costs.source == "fixed":
+            shared_iv = (((arrival[:, None] < t[None, 1:]) & (end[:, None] > t[None, :-1]))[~passive]).sum(axis=0) >= 2
+            if excess is not None:
+                shared_iv |= excess > 0
         energy = np.column_stack([energy, np.where(shared_iv, work_j, 0.0)])
         a = attr.attribute(t, energy, arrival, first, last, end, ev_t_a, ev_r_a, ev_n_a, excess,
                            prompt_tokens=computed, tok_ctx=np.array(ev_c, dtype=float), costs=costs,
@@ -1708,8 +1716,7 @@ class Ledger:
             r.bypass_low_j += a.request_energy[i, 7]
             if a.request_energy[i, fixed_col] > 0:
                 r.fixed_j += a.request_energy[i, fixed_col]
-                fit = self.learner.fits.get(setting)
-                r.fixed_why = fit.reason if fit is not None and fit.reason else "no fit yet"
+                r.fixed_why = fixed_why
             if a.request_energy[i, 8] > 0:
                 r.cache_beside_j += a.request_energy[i, 8]
                 live = (arrival[i] < t[1:]) & (end[i] > t[:-1])
