@@ -99,8 +99,9 @@ CACHE_UNSAID_MIN = 1.0
 # Intervals a request keeps to judge once the requests whose end may say their hits have ended (`_Req.cache_unsure`);
 # beyond, judged at their close as before (a stream live for hours over 1 s intervals).
 CACHE_UNSURE_MAX = 256
-# A request's share of intervals it shared while the fixed ratio split them (the work model's fit not mature) is said
-# on its row from this part of its GPU energy on: below it the ratio moves its figure by a fraction of a percent.
+# A request's energy from intervals other requests (or bypass traffic) were live in while the fixed ratio split them
+# (the work model's fit not mature) is said on its row from this part of its GPU energy on: below it the ratio moves
+# its figure by a fraction of a percent.
 FIXED_RATIO_MIN_SHARE = 0.05
 FIXED_RATIO_NOTE = ("{pct:.0f}% of its GPU energy is from intervals other requests were live in too (or bypass traffic "
                     "ran in), split among them by the fixed ratio (a prompt token costs "
@@ -223,8 +224,8 @@ class _Req:
     late_wait_j: float = 0.0
     cache_beside_late: float = 0.0
     late_unresolved: bool = False
-    # Its GPU joules from intervals it shared with other requests that the fixed ratio split (the work model's fit not
-    # mature: `fixed_why`, the latest fit's reason): its share there rests on the documented ratio, not learned costs.
+    # Its GPU joules from intervals other requests (or bypass traffic) were live in that the fixed ratio split (the work
+    # model's fit not mature: `fixed_why`, why when they closed): its share there rests on that ratio, not learned costs.
     fixed_j: float = 0.0
     fixed_why: str = ""
     # [t0, t1, its GPU joules there] of intervals with prefill over hits no answer had said when they closed while
