@@ -196,7 +196,9 @@ def test_more_streams_than_slots_warns():
     with SimServer(SimNVML("a100-40g", state_path=None), decode_tok_s=400.0, prefill_tok_s=2000.0, n_slots=2) as srv:
         res = measure(srv.url, prompts=builtin_prompts("short"), n_requests=4, concurrencies=(4,), params=QUICK, warmup=0)
     assert any("exceeds the server's 2 slots" in n for n in res.notes)
-    with SimServer(SimNVML("a100-40g", state_path=None), decode_tok_s=100.0, prefill_tok_s=2000.0, n_slots=2, flavour="vllm") as srv:
+    # 25 tokens/s: the two queued requests wait ~1 s, four of the queue probe's 0.25 s polls (at 100 tokens/s they
+    # waited 0.24 s, and beside two CPU hogs a late poll missed the whole wait: no note).
+    with SimServer(SimNVML("a100-40g", state_path=None), decode_tok_s=25.0, prefill_tok_s=2000.0, n_slots=2, flavour="vllm") as srv:
         res = measure(srv.url, prompts=builtin_prompts("short"), n_requests=4, concurrencies=(4,), params=QUICK, warmup=0)
     assert any("vLLM queued up to" in n for n in res.notes)
 
