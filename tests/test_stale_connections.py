@@ -221,3 +221,34 @@ def test_a_callers_own_session_sees_the_crossing_as_a_failed_request_said_so(lat
     assert recs[1].error.startswith(("server closed the stream", "connection lost")), recs[1].error
     assert recs[1].generated_tokens == 0 and recs[1].t_first_ns is None
     assert begun == 1  # the server never began it
+
+
+def test_the_daemons_scrapes_do_not_reuse_a_connection_idle_past_idle_reuse_s(monkeypatch):
+    # The daemon scrapes every scrape.idle_interval_s once all is still: set near the servers' 5 s idle close, a kept
+    # connection (aiohttp's default keeps them 15 s) would meet that close as it crosses a scrape. Connections counted
+    # as the server accepts them.
+    from aiohttp import web_protocol
+
+    from powerprof.daemon import scrape
+
+    made = []
+    real = web_protocol.RequestHandler.connection_made
+    monkeypatch.setattr(web_protocol.RequestHandler, "connection_made",
+                        lambda self, transport: (made.append(1), real(self, transport))[1])
+    monkeypatch.setattr(scrape, "IDLE_REUSE_S", 0.3)
+
+    async def go(url):
+        async with scrape.new_session() as s:
+            scraper = scrape.Scraper(s, url, "vllm")
+            first = await scraper.scrape()
+            soon = len(made)
+            await scraper.scrape()  # at once: the kept connection
+            kept = len(made)
+            await asyncio.sleep(1.0)  # idle past IDLE_REUSE_S: a new connection
+            await scraper.scrape()
+            return first, soon, kept, len(made)
+
+    with SimServer(SimNVML("a100-40g", state_path=None), flavour="vllm") as srv:
+        first, soon, kept, late = asyncio.run(go(srv.url))
+    assert kept == soon, "a connection idle for no time was not reused"
+    assert late == kept + 1, (soon, kept, late)

@@ -27,13 +27,11 @@ from urllib.parse import urlsplit
 
 from multidict import CIMultiDict
 
+from powerprof.workload.limits import IDLE_REUSE_S
+
 HEAD_MAX_BYTES = 64 << 10
 CHUNK_LINE_MAX_BYTES = 4 << 10
 TICK_MAX_S = 1.0
-# An idle connection older than this is not reused: servers close idle keep-alive connections after a few
-# seconds (uvicorn, which serves vLLM and SGLang, and cpp-httplib, llama.cpp's, after 5 s), and a close that
-# crosses a request fails it. A new loopback connection costs far less than that failure.
-IDLE_REUSE_MAX_S = 2.0
 # An idle connection the upstream closes this soon after a streamed answer: the server closes after streams
 # (llama-server does, without `Connection: close`), so the pool stops keeping such connections.
 CLOSED_AFTER_STREAM_S = 1.0
@@ -544,7 +542,7 @@ class UpstreamPool:
             while self._idle and not fresh:
                 ex = self._idle.pop()
                 if (ex.reusable and not ex.lost and ex.transport is not None and not ex.transport.is_closing()
-                        and now - ex.idle_since < IDLE_REUSE_MAX_S):
+                        and now - ex.idle_since < IDLE_REUSE_S):
                     ex.reused = True
                     return ex
                 if ex.transport is not None:

@@ -38,7 +38,7 @@ import logging
 import aiohttp
 from powerprof.errtext import error_text
 from powerprof.storage.schema import SERVER_COUNT_SLOTS_ONLY
-from powerprof.workload.limits import MAX_METRICS_BYTES, read_capped
+from powerprof.workload.limits import IDLE_REUSE_S, MAX_METRICS_BYTES, read_capped
 # The parsers are the workload layer's (the sweep's foreign-traffic check reads the same counters).
 from powerprof.workload.servercount import (  # noqa: F401
     COUNTERS, FINISHED_LATENCY, LLAMACPP_COUNTER, counter_total, histogram_sum_count, llamacpp_generated,
@@ -162,6 +162,12 @@ class _MetricsStatus(ValueError):
     def __init__(self, status: int):
         super().__init__(f"/metrics answered {status}")
         self.status = status
+
+
+def new_session() -> aiohttp.ClientSession:
+    """The daemon's scrape session: idle connections are not reused after IDLE_REUSE_S, so a server's idle close (5 s)
+    never crosses a scrape when `scrape.idle_interval_s` is near it (aiohttp's default keeps them 15 s)."""
+    return aiohttp.ClientSession(connector=aiohttp.TCPConnector(keepalive_timeout=IDLE_REUSE_S))
 
 
 class Scraper:

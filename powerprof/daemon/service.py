@@ -41,7 +41,7 @@ from .latency import RequestLatency
 from .ledger import RAPL_HOLD_S, Ledger
 from .metrics import NONE, GpuSnapshot, Snapshot, TagLimiter, make_registry, render
 from .proxy import SERVER_OPTIONS, Proxy, RequestTrace
-from .scrape import AT_FINISH, SCRAPE_TIMEOUT_S, Cadence, Scraper, burst_start_ns
+from .scrape import AT_FINISH, SCRAPE_TIMEOUT_S, Cadence, Scraper, burst_start_ns, new_session
 from .store import COMPACTION_LOCK, Dataset, DatasetStore, Flusher, buffer_cap_rows
 from .tagapi import PeerPolicy, tag_app
 from .ticks import sleep_on_grid
@@ -906,7 +906,7 @@ class Daemon:
             # What it made is taken back only under its own lock: refused it, the folder is another daemon's.
             self._release_lock(made if self._lock_fd is not None else None)
             raise
-        session = aiohttp.ClientSession()
+        session = new_session()
         self.guard = ConnectionGuard(self.cfg.get("proxy", "header_timeout_s"), self.cfg.get("proxy", "idle_timeout_s"))
         self.bad_requests = quiet_bad_requests()  # this process's listeners' malformed requests (main() installs it too)
         try:

@@ -23,7 +23,8 @@ import numpy as np
 from powerprof.arrival import ArrivalQuality, Timing, arrival_quality, classify, count_problem
 from powerprof.errtext import error_text
 
-from .limits import MAX_ERROR_BYTES, MAX_INFO_BYTES, MAX_RESPONSE_BYTES, BodyTooLarge, bad_count, read_capped
+from .limits import (IDLE_REUSE_S, MAX_ERROR_BYTES, MAX_INFO_BYTES, MAX_RESPONSE_BYTES, BodyTooLarge, bad_count,
+                     read_capped)
 from .stream import APIS, StreamParser, parse_response
 
 # Server kinds and what each accepts beyond the OpenAI basics.
@@ -180,9 +181,6 @@ class RequestRecord:
         return None if t_mono_ns is None else self.t_send_wall_ns + (t_mono_ns - self.t_send_ns)
 
 
-# An idle kept-alive connection is not reused after this long: under the 5 s after which uvicorn (vLLM, SGLang) and
-# llama-server close idle ones, so their idle close never crosses a request (aiohttp's own default, 15 s, let it).
-IDLE_REUSE_S = 2.0
 # How many times one request is sent again after meeting a connection the server had closed (send_request): each
 # such connection taken from the pool is dropped, so this only bounds a pool that keeps handing out closed ones.
 MAX_RESENDS = 8

@@ -27,6 +27,11 @@ MAX_METRICS_BYTES = 16 << 20  # /metrics, /slots
 MAX_RESPONSE_BYTES = 64 << 20  # a non-streamed generation
 MAX_ERROR_BYTES = 300  # the start of an error answer, for the message
 
+# An idle kept-alive connection is not reused after this long: servers close idle ones after a few seconds (uvicorn,
+# which serves vLLM and SGLang, and cpp-httplib, llama.cpp's, after 5 s), and a close that crosses a request on the
+# wire fails it (aiohttp's own default keeps them 15 s). A new loopback connection costs far less than that failure.
+IDLE_REUSE_S = 2.0
+
 
 class BodyTooLarge(ValueError):
     """A response body over its cap: read no further."""
