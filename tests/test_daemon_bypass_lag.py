@@ -542,5 +542,5 @@ def test_a_request_alone_beside_bypass_traffic_split_by_the_fixed_ratio_says_so(
     kept: list = []
     _streams(100, 0.0, bypass=np.arange(2.0, 3.0, 0.01), keep=kept)
     notes = {r["request_id"]: r["energy_note"] or "" for r in kept[0].rows["requests"]}
-    assert "or bypass traffic ran in), split among them by the fixed ratio" in notes[1], notes[1]
+    assert "or bypass traffic did), split among them by the fixed ratio" in notes[1], notes[1]
     assert "fixed ratio" not in notes[2], notes[2]

@@ -319,8 +319,8 @@ def test_a_prefill_only_request_gets_its_prompt_work_and_one_with_no_work_seen_s
     # prefill), 10 + 2000 prompt tokens at 0.05.
     assert got[2]["gpu_energy_j"] == pytest.approx(100.0 * 100 / 109.5)
     # Its work is seen; its share of [0, 1) beside request 1 rests on the fixed ratio (no fit yet), and it says that alone.
-    assert got[2]["energy_note"].startswith("approximate: 100% of its GPU energy is from intervals other requests were "
-                                            "live in too")
+    assert got[2]["energy_note"].startswith("approximate: 100% of its GPU energy is from intervals other requests did "
+                                            "work in too")
     assert "no prompt length" not in got[2]["energy_note"]
     assert got[3]["gpu_energy_j"] is None and "no prompt length" in got[3]["energy_note"]
     assert got[1]["gpu_energy_j"] + got[2]["gpu_energy_j"] == pytest.approx(200.0)  # nothing lost
@@ -1306,10 +1306,44 @@ def test_requests_that_shared_intervals_split_by_the_fixed_ratio_say_so(mature):
         if mature:
             assert "fixed ratio" not in notes[rid], notes[rid]
         else:
-            assert notes[rid].startswith("approximate: 100% of its GPU energy is from intervals other requests were "
-                                         "live in too"), notes[rid]
+            assert notes[rid].startswith("approximate: 100% of its GPU energy is from intervals other requests did "
+                                         "work in too"), notes[rid]
             assert "split among them by the fixed ratio" in notes[rid] and "not mature (12 busy intervals of 30)" in notes[rid]
             assert "fix: " in notes[rid]
+
+
+def test_a_request_only_queued_beside_another_leaves_its_split_to_no_ratio():
+    # Request d waits (queued: no token, its prompt not yet prefilled) through c's whole decode; then d decodes alone.
+    # Each did all the work of the intervals it worked in, whatever the ratio: neither row says the fixed ratio split it
+    # (before, c's did: d was live beside it).
+    from powerprof.daemon.workmodel import CostLearner, Fit
+
+    learner = CostLearner()
+    learner.fits[(None,)] = learner.fits[()] = Fit((0.0,) * 5, 20, 12, None, None, False, "12 busy intervals of 30")
+    sink = Sink()
+    led = Ledger("d", 0, 1, sink, grace_s=0.1, learner=learner)
+    c, d = _trace(3, 3.1), _trace(4, 3.15)
+    for k in range(7):
+        _feed(led, float(k), 1000.0 + 300.0 * k)
+        if k == 3:
+            led.on_start(c), led.on_start(d)
+            for j in range(8):
+                led.on_tokens(c, int((3.2 + 0.1 * j) * S), 1)
+            c.first_ns, c.last_ns, c.end_ns = int(3.2 * S), int(3.9 * S), int(3.95 * S)
+            c.counts = Counts(generated_tokens=8, prompt_tokens=100, model=None, stop_reason=None, token_source="usage")
+            led.on_end(c)
+        if k == 4:
+            for j in range(4):
+                led.on_tokens(d, int((4.5 + 0.1 * j) * S), 1)
+            d.first_ns, d.last_ns, d.end_ns = int(4.5 * S), int(4.8 * S), int(4.85 * S)
+            d.counts = Counts(generated_tokens=4, prompt_tokens=100, model=None, stop_reason=None, token_source="usage")
+            led.on_end(d)
+    led.advance(int(6.5 * S))
+    rows = {r["request_id"]: r for r in sink.rows["requests"]}
+    assert set(rows) == {3, 4}
+    for rid in (3, 4):
+        assert "fixed ratio" not in (rows[rid]["energy_note"] or ""), rows[rid]["energy_note"]
+        assert rows[rid]["gpu_energy_j"] > 0
 
 
 @pytest.mark.parametrize("shape", ["once", "each_task"])

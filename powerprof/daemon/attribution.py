@@ -72,6 +72,11 @@ class Attribution:
     by_kind: np.ndarray  # (4, C) total energy per interval kind
     dest: np.ndarray  # (K, 3, C) each interval's energy to requests, idle, unproxied
     features: np.ndarray  # (K, 5) duration_s, steps, tokens (bypass included), prefill tokens, context·tokens/1000
+    # (K,) intervals whose split rests on the costs' ratios: two or more requests did work there, or one did beside
+    # bypass work (a request alone takes the interval's work whatever they are; requests only live there, queued,
+    # share by live time). (R, K): each request's share of each interval's energy.
+    ratio_split: np.ndarray | None = None
+    share: np.ndarray | None = None
 
     @property
     def total(self) -> np.ndarray:
@@ -315,6 +320,8 @@ def attribute(
     kind[any_prefill] = PREFILL
 
     work, unprox_work, steps = request_work(costs, tok_w, pre, ctx, server, sequences)
+    working = (work > 0).sum(axis=0)
+    ratio_split = (working >= 2) | ((working >= 1) & (unprox_work > 0))
     # Where nothing measurable happened (a slow step straddling the interval, a prompt of unknown
     # length) the live requests share by their live time there. Not where bypass tokens did
     # work: a request only waiting beside them did none (its seconds are not joules of work).
@@ -359,6 +366,8 @@ def attribute(
         by_kind=by_kind,
         dest=dest,
         features=features,
+        ratio_split=ratio_split,
+        share=share,
     )
 
 

@@ -99,12 +99,12 @@ CACHE_UNSAID_MIN = 1.0
 # Intervals a request keeps to judge once the requests whose end may say their hits have ended (`_Req.cache_unsure`);
 # beyond, judged at their close as before (a stream live for hours over 1 s intervals).
 CACHE_UNSURE_MAX = 256
-# A request's energy from intervals other requests (or bypass traffic) were live in while the fixed ratio split them
+# A request's energy from intervals other requests (or bypass traffic) did work in while the fixed ratio split them
 # (the work model's fit not mature) is said on its row from this part of its GPU energy on: below it the ratio moves
 # its figure by a fraction of a percent.
 FIXED_RATIO_MIN_SHARE = 0.05
-FIXED_RATIO_NOTE = ("{pct:.0f}% of its GPU energy is from intervals other requests were live in too (or bypass traffic "
-                    "ran in), split among them by the fixed ratio (a prompt token costs "
+FIXED_RATIO_NOTE = ("{pct:.0f}% of its GPU energy is from intervals other requests did work in too (or bypass traffic "
+                    "did), split among them by the fixed ratio (a prompt token costs "
                     f"{attr.DEFAULT_PREFILL_PER_DECODE} of a decoded token, no step or context cost) while the work "
                     "model's fit was not mature ({why}): its share there may be off by several % either way, the "
                     "intervals' sums are measured; fix: none for these rows, later ones are split by the learned costs "
@@ -224,7 +224,7 @@ class _Req:
     late_wait_j: float = 0.0
     cache_beside_late: float = 0.0
     late_unresolved: bool = False
-    # Its GPU joules from intervals other requests (or bypass traffic) were live in that the fixed ratio split (the work
+    # Its GPU joules from intervals other requests (or bypass traffic) did work in that the fixed ratio split (the work
     # model's fit not mature: `fixed_why`, why when they closed): its share there rests on that ratio, not learned costs.
     fixed_j: float = 0.0
     fixed_why: str = ""
@@ -1669,16 +1669,6 @@ class Ledger:
                                   np.where(sure_iv >= CACHE_UNSAID_MIN, work_j, 0.0),
                                   np.where([len(p) > 0 for p in pend_iv], work_j, 0.0)]
                                  + [np.where(np.arange(t.size - 1) == k, work_j, 0.0) for k in uk])
-        # Intervals two or more requests were live in, or bypass traffic ran in, while the fixed ratio splits them (the
-        # fit not mature): each one's share there rests on that ratio (FIXED_RATIO_NOTE). A request alone in an interval
-        # takes its work whatever the ratio. Live, not working: one queued beside it counts too (said as such).
-        fixed_col = energy.shape[1]
-        shared_iv = np.zeros(t.size - 1, dtype=bool)
-        if costs.source == "fixed":
-            shared_iv = (((arrival[:, None] < t[None, 1:]) & (end[:, None] > t[None, :-1]))[~passive]).sum(axis=0) >= 2
-            if excess is not None:
-                shared_iv |= excess > 0
-        energy = np.column_stack([energy, np.where(shared_iv, work_j, 0.0)])
         a = attr.attribute(t, energy, arrival, first, last, end, ev_t_a, ev_r_a, ev_n_a, excess,
                            prompt_tokens=computed, tok_ctx=np.array(ev_c, dtype=float), costs=costs,
                            bypass_spans=bypass_spans, passive=passive, aside_j=aside,
@@ -1695,6 +1685,11 @@ class Ledger:
         if excess is not None:
             usable &= excess <= BYPASS_FIT_SHARE * a.tokens
 
+        # Each request's GPU joules from intervals whose split among the requests (and bypass traffic) rested on the fixed
+        # ratio, the fit not mature (FIXED_RATIO_NOTE): a request alone in its work there takes it whatever the ratio.
+        fixed_j = np.zeros(len(reqs))
+        if costs.source == "fixed" and a.ratio_split.any():
+            fixed_j = a.share[:, a.ratio_split] @ work_j[a.ratio_split]
         fit = self.learner.add(setting, a.features, per_gpu, usable)
         if self.learner.serving is not None and not np.array_equal(self.learner.serving, serving):
             idle_gpus = [g for g, on in enumerate(self.learner.serving) if not on]
@@ -1715,8 +1710,8 @@ class Ledger:
             r.cpu_other_pct_j += a.request_energy[i, 5]
             r.no_counter_short_j += a.request_energy[i, 6]
             r.bypass_low_j += a.request_energy[i, 7]
-            if a.request_energy[i, fixed_col] > 0:
-                r.fixed_j += a.request_energy[i, fixed_col]
+            if fixed_j[i] > 0:
+                r.fixed_j += fixed_j[i]
                 r.fixed_why = fixed_why
             if a.request_energy[i, 8] > 0:
                 r.cache_beside_j += a.request_energy[i, 8]
