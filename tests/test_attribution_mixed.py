@@ -107,8 +107,9 @@ def test_vllms_two_choices_are_costed_at_each_choices_whole_prompt(vllm_outcome)
         when = (f"never mature, its latest fit: {costs['not_mature_reason'].iloc[-1] if len(costs) else 'none'}"
                 if t_mature is None else
                 f"mature once {(o.requests['t_arrival_utc'] < t_mature).sum()} of {len(o.requests)} requests had arrived")
-        pytest.skip(f"the work model's fit matured too late to score n = 2 chat ({0 if m is None else m['n']} of "
-                    f"{every['n']} arrived after it; {when}): a host too loaded for it")
+        after = 0 if t_mature is None else int((n2["t_arrival_utc"] >= t_mature).sum())
+        pytest.skip(f"the work model's fit matured too late to score n = 2 chat ({after} of {every['n']} arrived after "
+                    f"it; {when}): a host too loaded for it")
     assert m is not None and m["n"] >= 15 and m["no_share"] == 0, m
     assert abs(m["sum_err"]) < 0.025, m
     g = o.requests[(o.requests["kind"] == "chat_n2") & o.requests["true_j"].notna()]
