@@ -2041,3 +2041,49 @@ def test_a_flat_counter_beside_a_gpu_whose_counter_broke_still_says_which():
     flat = sink.rows["intervals"][0]
     assert flat["energy_method"] == "power_integration", flat
     assert "GPU 0" in (flat["energy_note"] or "") and "counter did not move" in flat["energy_note"], flat["energy_note"]
+
+
+def test_a_request_queued_beside_another_where_its_prompt_could_be_placed_leaves_that_split_to_the_fixed_costs():
+    # Request d (a 2000-token prompt) waits through c's decode; its first token comes at 4.25. Until the fit is mature
+    # its prompt is placed at the default 10 000 tokens/s ([4.05, 4.25]): c, alone in its work in [3, 4), takes all of
+    # it. At a rate of the documented range's slow end (thousands a second: 2000 tokens/s, [3.25, 4.25]) d's prefill
+    # takes most of [3, 4): c's figure there rests on the fixed costs as much as on the 0.05 ratio, and its row must say
+    # so (before 2b3880a it did: d was live beside it).
+    from powerprof.daemon import attribution as attr
+    from powerprof.daemon.workmodel import CostLearner, Fit
+
+    t = np.array([3, 4, 5], dtype=np.int64) * S
+    args = (t, np.array([100.0, 100.0]), np.array([int(3.1 * S), int(3.15 * S)]),
+            np.array([int(3.2 * S), int(4.25 * S)]), np.array([int(3.9 * S), int(4.55 * S)]),
+            np.array([int(3.95 * S), int(4.6 * S)]),
+            np.array([int((3.2 + 0.1 * j) * S) for j in range(8)] + [int((4.25 + 0.1 * j) * S) for j in range(4)]),
+            np.array([0] * 8 + [1] * 4), np.ones(12))
+    fixed = attr.attribute(*args, prompt_tokens=np.array([0.0, 2000.0]), costs=attr.WorkCosts())
+    slow = attr.attribute(*args, prompt_tokens=np.array([0.0, 2000.0]), costs=attr.WorkCosts(prefill_tok_s=2000.0))
+    assert fixed.share[0, 0] == pytest.approx(1.0) and slow.share[0, 0] < 0.2  # c's share of [3, 4) rests on the rate
+    assert fixed.ratio_split[0]
+
+    learner = CostLearner()
+    learner.fits[(None,)] = learner.fits[()] = Fit((0.0,) * 5, 20, 12, None, None, False, "12 busy intervals of 30")
+    sink = Sink()
+    led = Ledger("d", 0, 1, sink, grace_s=0.1, learner=learner)
+    c, d = _trace(3, 3.1), _trace(4, 3.15)
+    for k in range(7):
+        _feed(led, float(k), 1000.0 + 300.0 * k)
+        if k == 3:
+            led.on_start(c), led.on_start(d)
+            for j in range(8):
+                led.on_tokens(c, int((3.2 + 0.1 * j) * S), 1)
+            c.first_ns, c.last_ns, c.end_ns = int(3.2 * S), int(3.9 * S), int(3.95 * S)
+            c.counts = Counts(generated_tokens=8, prompt_tokens=100, model=None, stop_reason=None, token_source="usage")
+            led.on_end(c)
+        if k == 4:
+            for j in range(4):
+                led.on_tokens(d, int((4.25 + 0.1 * j) * S), 1)
+            d.first_ns, d.last_ns, d.end_ns = int(4.25 * S), int(4.55 * S), int(4.6 * S)
+            d.counts = Counts(generated_tokens=4, prompt_tokens=2000, model=None, stop_reason=None,
+                              token_source="usage")
+            led.on_end(d)
+    led.advance(int(6.5 * S))
+    rows = {r["request_id"]: r for r in sink.rows["requests"]}
+    assert "split among them by the fixed ratio" in (rows[3]["energy_note"] or ""), rows[3]["energy_note"]

@@ -44,6 +44,9 @@ DEFAULT_PREFILL_PER_DECODE = 0.05
 # first token (common servers and cards prefill thousands to tens of thousands a second); with
 # a fit, `workmodel` derives the rate from the fitted prompt-token cost and the busy power.
 DEFAULT_PREFILL_TOK_S = 10_000.0
+# The slow end of that range: a prompt placed this slowly may reach intervals the rate in use leaves to the requests
+# beside it, so their split there rests on the rate (Attribution.ratio_split), not only on who did work at it.
+PREFILL_TOK_S_SLOW = 1_000.0
 
 
 @dataclass(frozen=True)
@@ -74,7 +77,8 @@ class Attribution:
     features: np.ndarray  # (K, 5) duration_s, steps, tokens (bypass included), prefill tokens, context·tokens/1000
     # (K,) intervals whose split rests on the costs' ratios: two or more requests did work there, or one did beside
     # bypass work (a request alone takes the interval's work whatever they are; requests only live there, queued,
-    # share by live time). (R, K): each request's share of each interval's energy.
+    # share by live time). A prompt counts as work where it would be placed at PREFILL_TOK_S_SLOW too: which
+    # intervals a queued request's prefill reaches rests on the rate. (R, K): each request's share of each interval's energy.
     ratio_split: np.ndarray | None = None
     share: np.ndarray | None = None
 
@@ -320,7 +324,12 @@ def attribute(
     kind[any_prefill] = PREFILL
 
     work, unprox_work, steps = request_work(costs, tok_w, pre, ctx, server, sequences)
-    working = (work > 0).sum(axis=0)
+    # A prompt placed at the slow end of the prefill rates (before its first token, never before its arrival) works
+    # there too: where the rate in use left a request queued beside another's work, a slower one gives it a share.
+    pre_slow = (prefill_tokens(edges, prefill_start_ns(arrival, prefill_end, p_tok, min(PREFILL_TOK_S_SLOW,
+                                                                                       costs.prefill_tok_s)),
+                               prefill_end, p_tok) if r_count else np.zeros((0, k_count)))
+    working = ((work > 0) | (pre_slow > 0)).sum(axis=0)
     ratio_split = (working >= 2) | ((working >= 1) & (unprox_work > 0))
     # Where nothing measurable happened (a slow step straddling the interval, a prompt of unknown
     # length) the live requests share by their live time there. Not where bypass tokens did

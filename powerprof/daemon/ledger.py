@@ -105,7 +105,8 @@ CACHE_UNSURE_MAX = 256
 FIXED_RATIO_MIN_SHARE = 0.05
 FIXED_RATIO_NOTE = ("{pct:.0f}% of its GPU energy is from intervals other requests did work in too (or bypass traffic "
                     "did), split among them by the fixed ratio (a prompt token costs "
-                    f"{attr.DEFAULT_PREFILL_PER_DECODE} of a decoded token, no step or context cost) while the work "
+                    f"{attr.DEFAULT_PREFILL_PER_DECODE} of a decoded token and is prefilled at {attr.DEFAULT_PREFILL_TOK_S:.0f} "
+                    "tokens/s, no step or context cost) while the work "
                     "model's fit was not mature ({why}): its share there may be off by several % either way, the "
                     "intervals' sums are measured; fix: none for these rows, later ones are split by the learned costs "
                     f"once {MIN_BUSY} busy intervals fit with R² ≥ {MIN_R2} (docs/daemon.md, work model): too little "
