@@ -2062,6 +2062,11 @@ def test_a_request_queued_beside_another_where_its_prompt_could_be_placed_leaves
     slow = attr.attribute(*args, prompt_tokens=np.array([0.0, 2000.0]), costs=attr.WorkCosts(prefill_tok_s=2000.0))
     assert fixed.share[0, 0] == pytest.approx(1.0) and slow.share[0, 0] < 0.2  # c's share of [3, 4) rests on the rate
     assert fixed.ratio_split[0]
+    # The range's ends hold the slow rate's split (1000 tokens/s: lower still than 2000's), and bound the one in use.
+    assert fixed.share_lo[0, 0] <= slow.share[0, 0] and fixed.share_hi[1, 0] >= slow.share[1, 0] > 0.8
+    assert np.all(fixed.share_lo <= fixed.share + 1e-12) and np.all(fixed.share <= fixed.share_hi + 1e-12)
+    fitted = attr.attribute(*args, prompt_tokens=np.array([0.0, 2000.0]), costs=attr.WorkCosts(source="fitted"))
+    assert fitted.share_lo is fitted.share and fitted.share_hi is fitted.share  # learned costs: no range to give
 
     learner = CostLearner()
     learner.fits[(None,)] = learner.fits[()] = Fit((0.0,) * 5, 20, 12, None, None, False, "12 busy intervals of 30")
@@ -2087,3 +2092,51 @@ def test_a_request_queued_beside_another_where_its_prompt_could_be_placed_leaves
     led.advance(int(6.5 * S))
     rows = {r["request_id"]: r for r in sink.rows["requests"]}
     assert "split among them by the fixed ratio" in (rows[3]["energy_note"] or ""), rows[3]["energy_note"]
+
+
+def test_a_queued_prompt_given_little_by_the_fixed_ratio_says_how_much_more_the_range_would_give_it():
+    # The same pair: d's 2000-token prompt is placed at the default 10 000 tokens/s ([4.05, 4.25]), so d takes none of
+    # [3, 4) and all of [4, 5); c takes all of [3, 4). At the slow end of the rates (1000 tokens/s: [2.25, 4.25], from
+    # its arrival at 3.15) d's prefill takes most of [3, 4). Before, d's row said nothing (none of its energy came from
+    # an interval the ratio split): a figure that could be due ~+80% more, unsaid. Now both rows give the range: c's
+    # figure down to about -80%, d's up to about +80%, each of its own energy (300 J an interval).
+    import re
+
+    from powerprof.daemon.workmodel import CostLearner, Fit
+
+    learner = CostLearner()
+    learner.fits[(None,)] = learner.fits[()] = Fit((0.0,) * 5, 20, 12, None, None, False, "12 busy intervals of 30")
+    sink = Sink()
+    led = Ledger("d", 0, 1, sink, grace_s=0.1, learner=learner)
+    c, d = _trace(3, 3.1), _trace(4, 3.15)
+    for k in range(7):
+        _feed(led, float(k), 1000.0 + 300.0 * k)
+        if k == 3:
+            led.on_start(c), led.on_start(d)
+            for j in range(8):
+                led.on_tokens(c, int((3.2 + 0.1 * j) * S), 1)
+            c.first_ns, c.last_ns, c.end_ns = int(3.2 * S), int(3.9 * S), int(3.95 * S)
+            c.counts = Counts(generated_tokens=8, prompt_tokens=100, model=None, stop_reason=None, token_source="usage")
+            led.on_end(c)
+        if k == 4:
+            for j in range(4):
+                led.on_tokens(d, int((4.25 + 0.1 * j) * S), 1)
+            d.first_ns, d.last_ns, d.end_ns = int(4.25 * S), int(4.55 * S), int(4.6 * S)
+            d.counts = Counts(generated_tokens=4, prompt_tokens=2000, model=None, stop_reason=None,
+                              token_source="usage")
+            led.on_end(d)
+    led.advance(int(6.5 * S))
+    rows = {r["request_id"]: r for r in sink.rows["requests"]}
+    ranges = {}
+    for rid in (3, 4):
+        note = rows[rid]["energy_note"] or ""
+        assert "split among them by the fixed ratio" in note, (rid, note)
+        m = re.search(r"at a prompt token of 0\.01-0\.1 of a decoded token, prefilled at 1000-10000 tokens/s, its "
+                      r"figure would be ([+-]\d+)% to ([+-]\d+)%", note)
+        assert m, (rid, note)
+        ranges[rid] = int(m[1]), int(m[2])
+    assert ranges[3][0] <= -60 and ranges[3][1] == 0, ranges  # c: all of [3, 4), at most ~20% of it at the slow rate
+    assert ranges[4][0] == 0 and ranges[4][1] >= 60, ranges  # d: none of [3, 4), up to ~80% of it more
+    assert rows[4]["energy_note"].startswith("approximate: none of its GPU energy is from intervals other requests did "
+                                               "work in (or bypass traffic did), where its prompt may have been "
+                                               "prefilled, split among them by the fixed ratio"), rows[4]["energy_note"]

@@ -18,7 +18,7 @@ batches), decode, unproxied (only bypass traffic), idle.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 
@@ -47,6 +47,10 @@ DEFAULT_PREFILL_TOK_S = 10_000.0
 # The slow end of that range: a prompt placed this slowly may reach intervals the rate in use leaves to the requests
 # beside it, so their split there rests on the rate (Attribution.ratio_split), not only on who did work at it.
 PREFILL_TOK_S_SLOW = 1_000.0
+# The range the fixed ratio stands for ("tens to hundreds of prompt tokens per decode step"): until the fit is mature a
+# request's share of an interval the ratio split is given at its ends too, each prompt placed at either rate
+# (Attribution.share_lo, share_hi), so a row can say how far its figure rests on the ratio, whichever way.
+PREFILL_PER_DECODE_RANGE = (0.01, 0.1)
 
 
 @dataclass(frozen=True)
@@ -81,6 +85,11 @@ class Attribution:
     # intervals a queued request's prefill reaches rests on the rate. (R, K): each request's share of each interval's energy.
     ratio_split: np.ndarray | None = None
     share: np.ndarray | None = None
+    # (R, K) the least and the most of each interval's energy each request takes at the range's ends (a prompt token
+    # PREFILL_PER_DECODE_RANGE of a decoded token, prefilled at PREFILL_TOK_S_SLOW or the rate in use), `share` among
+    # them; where no interval is ratio_split, or the costs are fitted, both are `share`.
+    share_lo: np.ndarray | None = None
+    share_hi: np.ndarray | None = None
 
     @property
     def total(self) -> np.ndarray:
@@ -356,6 +365,19 @@ def attribute(
     f_busy = 1.0 - f_idle
     f_unprox = f_busy * np.divide(unprox_work, denom, out=np.zeros(k_count), where=denom > 0)
     share = f_busy[None, :] * np.divide(work, denom[None, :], out=np.zeros_like(work), where=denom[None, :] > 0)
+    share_lo = share_hi = share
+    if costs.source == "fixed" and ratio_split.any():
+        share_lo, share_hi = share.copy(), share.copy()
+        cols = ratio_split
+        for ratio in PREFILL_PER_DECODE_RANGE:
+            for p in (pre, pre_slow):
+                w, u, _ = request_work(replace(costs, prefill_j=ratio), tok_w, p, ctx, server, sequences)
+                d = w.sum(axis=0) + u
+                # A column where this corner places no work (a prompt only the slow rate reaches) keeps its split.
+                s_c = np.where(d[None, :] > 0, f_busy[None, :] * np.divide(w, d[None, :], out=np.zeros_like(w),
+                                                                            where=d[None, :] > 0), share)
+                share_lo[:, cols] = np.minimum(share_lo[:, cols], s_c[:, cols])
+                share_hi[:, cols] = np.maximum(share_hi[:, cols], s_c[:, cols])
     request_energy = share @ energy
     dest = np.stack([share.sum(axis=0), f_idle, f_unprox], axis=1)[:, :, None] * energy[:, None, :]
     by_kind = np.zeros((4, energy.shape[1]))
@@ -377,6 +399,8 @@ def attribute(
         features=features,
         ratio_split=ratio_split,
         share=share,
+        share_lo=share_lo,
+        share_hi=share_hi,
     )
 
 

@@ -100,14 +100,20 @@ CACHE_UNSAID_MIN = 1.0
 # beyond, judged at their close as before (a stream live for hours over 1 s intervals).
 CACHE_UNSURE_MAX = 256
 # A request's energy from intervals other requests (or bypass traffic) did work in while the fixed ratio split them
-# (the work model's fit not mature) is said on its row from this part of its GPU energy on: below it the ratio moves
-# its figure by a fraction of a percent.
+# (the work model's fit not mature) is said on its row from this part of its GPU energy on, and so is what the range
+# the ratio stands for could add to it there: below it the ratio moves its figure by a fraction of a percent.
 FIXED_RATIO_MIN_SHARE = 0.05
-FIXED_RATIO_NOTE = ("{pct:.0f}% of its GPU energy is from intervals other requests did work in too (or bypass traffic "
-                    "did), split among them by the fixed ratio (a prompt token costs "
+FIXED_RATIO_LEAD = "{pct:.0f}% of its GPU energy is from intervals other requests did work in too (or bypass traffic did)"
+# Given none there: only the range's slow rate places its prompt beside the others' work.
+FIXED_RATIO_LEAD_NONE = ("none of its GPU energy is from intervals other requests did work in (or bypass traffic did), "
+                         "where its prompt may have been prefilled")
+FIXED_RATIO_NOTE = ("{lead}, split among them by the fixed ratio (a prompt token costs "
                     f"{attr.DEFAULT_PREFILL_PER_DECODE} of a decoded token and is prefilled at {attr.DEFAULT_PREFILL_TOK_S:.0f} "
                     "tokens/s, no step or context cost) while the work "
-                    "model's fit was not mature ({why}): its share there may be off by several % either way, the "
+                    "model's fit was not mature ({why}): at a prompt token of "
+                    f"{attr.PREFILL_PER_DECODE_RANGE[0]}-{attr.PREFILL_PER_DECODE_RANGE[1]} of a decoded token, "
+                    f"prefilled at {attr.PREFILL_TOK_S_SLOW:.0f}-{attr.DEFAULT_PREFILL_TOK_S:.0f} tokens/s, its figure "
+                    "would be {lo:+.0f}% to {hi:+.0f}% (step and context costs move it too), the "
                     "intervals' sums are measured; fix: none for these rows, later ones are split by the learned costs "
                     f"once {MIN_BUSY} busy intervals fit with R² ≥ {MIN_R2} (docs/daemon.md, work model): too little "
                     "traffic or a busy host delays that")
@@ -229,6 +235,11 @@ class _Req:
     # model's fit not mature: `fixed_why`, why when they closed): its share there rests on that ratio, not learned costs.
     fixed_j: float = 0.0
     fixed_why: str = ""
+    # What it would take of those intervals at the ends of the range the ratio stands for (attr.PREFILL_PER_DECODE_RANGE,
+    # either prefill rate): the least and the most, in GPU joules. A request given little there (a prompt queued beside
+    # another's decode) may be due much more: its own figure says nothing of that, this does.
+    fixed_lo_j: float = 0.0
+    fixed_hi_j: float = 0.0
     # [t0, t1, its GPU joules there] of intervals with prefill over hits no answer had said when they closed while
     # requests whose hit may be among them were still live (`_cache_waiting`): their end may say it. Judged as its row
     # is made, once those (`cache_wait`) have ended (CACHE_UNSAID_FLAG only where the hits are still unsaid then).
@@ -1688,9 +1699,10 @@ class Ledger:
 
         # Each request's GPU joules from intervals whose split among the requests (and bypass traffic) rested on the fixed
         # ratio, the fit not mature (FIXED_RATIO_NOTE): a request alone in its work there takes it whatever the ratio.
-        fixed_j = np.zeros(len(reqs))
+        fixed_j = fixed_lo_j = fixed_hi_j = np.zeros(len(reqs))
         if costs.source == "fixed" and a.ratio_split.any():
-            fixed_j = a.share[:, a.ratio_split] @ work_j[a.ratio_split]
+            fixed_j, fixed_lo_j, fixed_hi_j = (m[:, a.ratio_split] @ work_j[a.ratio_split]
+                                               for m in (a.share, a.share_lo, a.share_hi))
         fit = self.learner.add(setting, a.features, per_gpu, usable)
         if self.learner.serving is not None and not np.array_equal(self.learner.serving, serving):
             idle_gpus = [g for g, on in enumerate(self.learner.serving) if not on]
@@ -1711,8 +1723,10 @@ class Ledger:
             r.cpu_other_pct_j += a.request_energy[i, 5]
             r.no_counter_short_j += a.request_energy[i, 6]
             r.bypass_low_j += a.request_energy[i, 7]
-            if fixed_j[i] > 0:
+            if fixed_hi_j[i] > 0:
                 r.fixed_j += fixed_j[i]
+                r.fixed_lo_j += fixed_lo_j[i]
+                r.fixed_hi_j += fixed_hi_j[i]
                 r.fixed_why = fixed_why
             if a.request_energy[i, 8] > 0:
                 r.cache_beside_j += a.request_energy[i, 8]
@@ -2820,8 +2834,13 @@ def _approximate_note(r: _Req) -> str | None:
                      "attribute to requests (its prefix-cache counter on /metrics rose by more than the cached counts "
                      "the answers said): a reused prompt beside it was costed as computed whole, so its own share may "
                      f"be low; fix: {CACHE_UNSAID_FIX}")
-    if r.gpu_j > 0 and r.fixed_j >= FIXED_RATIO_MIN_SHARE * r.gpu_j:
-        notes.append(FIXED_RATIO_NOTE.format(pct=100 * min(r.fixed_j / r.gpu_j, 1.0), why=r.fixed_why))
+    # Given much there, or little where the range's other end gives it much (a queued prompt beside another's decode).
+    if r.gpu_j > 0 and max(r.fixed_j, r.fixed_hi_j - r.fixed_j) >= FIXED_RATIO_MIN_SHARE * r.gpu_j:
+        pct = 100 * min(r.fixed_j / r.gpu_j, 1.0)
+        lead = FIXED_RATIO_LEAD.format(pct=pct) if pct >= 0.5 else FIXED_RATIO_LEAD_NONE
+        notes.append(FIXED_RATIO_NOTE.format(lead=lead, why=r.fixed_why,
+                                             lo=100 * (r.fixed_lo_j - r.fixed_j) / r.gpu_j,
+                                             hi=100 * (r.fixed_hi_j - r.fixed_j) / r.gpu_j))
     c = r.trace.counts
     if r.server_ahead >= 0.5 and not r.to_server and (c is None or c.tokens_estimated):
         notes.append(f"its tokens were counted from its chunks (one each, or their logprobs) and the server's counter ran {r.server_ahead:.0f} token(s) "
