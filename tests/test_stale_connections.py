@@ -252,3 +252,60 @@ def test_the_daemons_scrapes_do_not_reuse_a_connection_idle_past_idle_reuse_s(mo
         first, soon, kept, late = asyncio.run(go(srv.url))
     assert kept == soon, "a connection idle for no time was not reused"
     assert late == kept + 1, (soon, kept, late)
+
+
+@pytest.mark.parametrize("tail_delay_s", [0.0, 0.03])
+def test_a_stream_whose_end_comes_after_its_done_leaves_its_connection_kept(tail_delay_s):
+    # An OpenAI stream says `data: [DONE]`, and the chunked body's terminating chunk comes after it: at once on an idle
+    # host, some milliseconds later from a loaded server. send_request stopped reading at [DONE], so aiohttp found the
+    # body unfinished and closed the connection: the next request of the stream paid a new connection, and a test
+    # meant to cross a kept connection's close had none to cross. It reads the body's end now, within
+    # client.STREAM_TAIL_S; the record's end (and its `end:` edge) stays the moment [DONE] came.
+    from aiohttp import web
+
+    from powerprof.workload.client import ServerInfo, new_session
+
+    peers, ends = [], []
+
+    async def chat(request):
+        peers.append(request.transport.get_extra_info("peername"))
+        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        await resp.prepare(request)
+        for i, piece in enumerate(("power", " limit", "")):
+            chunk = {"id": "c", "object": "chat.completion.chunk", "model": "m",
+                     "choices": [{"index": 0, "delta": {"content": piece} if piece else {},
+                                  "finish_reason": None if piece else "stop"}]}
+            await resp.write(f"data: {json.dumps(chunk)}\n\n".encode())
+        usage = {"id": "c", "object": "chat.completion.chunk", "model": "m", "choices": [],
+                 "usage": {"prompt_tokens": 3, "completion_tokens": 2, "total_tokens": 5}}
+        await resp.write(f"data: {json.dumps(usage)}\n\ndata: [DONE]\n\n".encode())
+        ends.append(time.monotonic_ns())
+        await asyncio.sleep(tail_delay_s)
+        await resp.write_eof()
+        return resp
+
+    async def go():
+        app = web.Application()
+        app.router.add_post("/v1/chat/completions", chat)
+        runner = web.AppRunner(app, access_log=None)
+        await runner.setup()
+        site = web.TCPSite(runner, "127.0.0.1", 0)
+        await site.start()
+        port = site._server.sockets[0].getsockname()[1]
+        server = ServerInfo(f"http://127.0.0.1:{port}", "openai", "openai-chat", model="m")
+        edges = {}
+        try:
+            async with new_session() as s:
+                recs = []
+                for i in range(3):
+                    recs.append(await send_request(s, server, "hello", PARAMS, request_id=i,
+                                                   edge_hook=lambda e: edges.setdefault(e, time.monotonic_ns())))
+        finally:
+            await runner.cleanup()
+        return recs, edges
+
+    recs, edges = asyncio.run(go())
+    assert [r.status for r in recs] == ["ok"] * 3, [r.error for r in recs]
+    assert len(set(peers)) == 1, peers  # one connection for the three requests
+    for i, r in enumerate(recs):
+        assert r.t_end_ns - ends[i] < 0.02e9 and edges[f"end:{i}"] - ends[i] < 0.02e9, (i, tail_delay_s)

@@ -193,6 +193,33 @@ async def _on_reused(_session, trace_ctx, _params) -> None:
         ctx["reused"] = True
 
 
+# After a stream's own end (`[DONE]`, a stop event) its body's end may come a little later (a loaded server writes the
+# terminating chunk after the last event): read for this long, and this much, so that aiohttp keeps the connection
+# (a body not read to its end closes it). The record's end is the stream's, before this wait.
+STREAM_TAIL_S = 0.1
+STREAM_TAIL_BYTES = 64 << 10
+
+
+async def _read_tail(resp: aiohttp.ClientResponse) -> None:
+    """Read the body past its stream's end to the body's end, within STREAM_TAIL_S and STREAM_TAIL_BYTES. Never
+    raises: a tail not read (late, long, broken) leaves the connection to be closed, as before."""
+    if resp.content.at_eof():
+        return
+
+    async def drain() -> None:
+        n = 0
+        while not resp.content.at_eof() and n <= STREAM_TAIL_BYTES:
+            chunk = await resp.content.readany()
+            if not chunk:
+                return
+            n += len(chunk)
+
+    try:
+        await asyncio.wait_for(drain(), STREAM_TAIL_S)
+    except (asyncio.TimeoutError, aiohttp.ClientError, OSError):
+        pass
+
+
 def new_session() -> aiohttp.ClientSession:
     """The HTTP session of every run (load, measure, sweep, replay): connections unlimited, idle ones not reused
     after IDLE_REUSE_S, and the trace that tells send_request a request went out on a reused connection. A session
@@ -628,6 +655,8 @@ async def send_request(
     error = None
     first_called = False
     closing_t = None  # arrival of an OpenAI closing chunk that carried no counted token
+    t_end = None  # the stream's end where it had one (its tail read after)
+    end_called = False
     timeout = aiohttp.ClientTimeout(
         total=None, connect=params.connect_timeout_s, sock_read=max(params.first_token_timeout_s, params.stall_timeout_s)
     )
@@ -704,6 +733,13 @@ async def send_request(
                         if parser.ended:
                             break
                     summary = parser.finish()
+                    if parser.ended and error is None:
+                        # The record ends, and its `end:` edge is read, at the stream's end, not after its tail.
+                        t_end = clock_ns()
+                        if first_called and edge_hook is not None:
+                            edge_hook(f"end:{request_id}")
+                            end_called = True
+                        await _read_tail(resp)
         except aiohttp.ClientConnectorError as e:
             return _failed(base, f"connection refused: {e.os_error or e}", None, clock_ns())
         except (aiohttp.ServerDisconnectedError, aiohttp.ClientPayloadError) as e:
@@ -725,8 +761,9 @@ async def send_request(
             error = error_text(e)
             summary = parser.finish()
         break
-    t_end = clock_ns()
-    if first_called and edge_hook is not None:
+    if t_end is None:
+        t_end = clock_ns()
+    if first_called and edge_hook is not None and not end_called:
         edge_hook(f"end:{request_id}")
     if error is None and summary.error:
         error = summary.error
