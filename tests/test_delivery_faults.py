@@ -200,7 +200,26 @@ def test_more_streams_than_slots_warns():
     # waited 0.24 s, and beside two CPU hogs a late poll missed the whole wait: no note).
     with SimServer(SimNVML("a100-40g", state_path=None), decode_tok_s=25.0, prefill_tok_s=2000.0, n_slots=2, flavour="vllm") as srv:
         res = measure(srv.url, prompts=builtin_prompts("short"), n_requests=4, concurrencies=(4,), params=QUICK, warmup=0)
-    assert any("vLLM queued up to" in n for n in res.notes)
+    assert any("vLLM queued requests, more streams than it runs at once (up to" in n for n in res.notes)
+
+
+def test_a_vllm_queue_the_polls_missed_is_read_from_its_queue_time_histogram(monkeypatch):
+    # The probe reads num_requests_waiting every 0.25 s: a wait between two reads (a short queue, or a late poll on a
+    # loaded host) went unsaid. vLLM also observes each finished request's wait (request_queue_time_seconds): the two
+    # requests queued behind the 2 slots (~1 s each at 25 tokens/s) are counted there whenever the polls fall. Here the
+    # polls are made to miss the queue altogether (one read, before the requests are sent).
+    from powerprof.workload import measure as measure_mod
+
+    monkeypatch.setattr(measure_mod, "QUEUE_POLL_S", 1000.0)
+    with SimServer(SimNVML("a100-40g", state_path=None), decode_tok_s=25.0, prefill_tok_s=2000.0, n_slots=2,
+                   flavour="vllm") as srv:
+        res = measure(srv.url, prompts=builtin_prompts("short"), n_requests=4, concurrencies=(4,), params=QUICK,
+                      warmup=0)
+    (note,) = [n for n in res.notes if "vLLM queued requests" in n]
+    assert "seen waiting at once" not in note, note  # the gauge was read only before the queue
+    assert "at once (2 waited over 0.3 s for their first step, " in note, note
+    waited_s = float(note.split("for their first step, ")[1].split(" s in all")[0])
+    assert 1.0 <= waited_s <= 4.0, note  # two waits of about one 24-token answer at 25 tokens/s each
 
 
 def test_analysis_leaves_untrusted_windows_out_and_says_so():

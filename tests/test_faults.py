@@ -112,6 +112,27 @@ def test_oversized_non_streamed_body_fails_that_request(hostile, monkeypatch):
     assert r.status == "failed" and "response too large" in r.error, r
 
 
+def test_the_vllm_timing_and_queue_reads_do_not_read_a_metrics_page_past_its_cap(monkeypatch):
+    # measure's queue probe and the per-request vLLM timing read /metrics through client.fetch_metrics, which read the
+    # whole page whatever its size (the daemon's scraper and the tuner cap theirs).
+    import powerprof.workload.client as client
+
+    monkeypatch.setattr(client, "MAX_METRICS_BYTES", 1 << 16)
+    page = "vllm:num_requests_waiting 3\n" + "# filler\n" * 20_000  # ~180 kB
+    with HostileServer(metrics_text=page) as h:
+        async def go():
+            async with aiohttp.ClientSession() as s:
+                return await client.fetch_metrics(s, h.url)
+
+        assert _run(go()) is None
+    with HostileServer(metrics_text="vllm:num_requests_waiting 3\n") as h:
+        async def go_small():
+            async with aiohttp.ClientSession() as s:
+                return await client.fetch_metrics(s, h.url)
+
+        assert _run(go_small()) == {"waiting": 3.0}
+
+
 @pytest.mark.parametrize("text", ["vllm:generation_tokens_total NaN\n", "vllm:generation_tokens_total -5\n",
                                   "vllm:generation_tokens_total 1e300\n"])
 def test_scraped_counters_that_are_not_counts_fail_the_scrape(text):

@@ -197,6 +197,9 @@ FLAVOURS = ("llamacpp", "vllm", "sglang")
 # vLLM's prefix cache holds whole KV blocks (16 tokens by default on GPU; 128 on CPU, measured with vLLM 0.32): a
 # prompt's cached part is whole blocks, the rest computed. SGLang's radix cache and llama.cpp's are by token.
 VLLM_BLOCK_TOKENS = 16
+# vLLM's request-phase histograms' buckets, seconds (0.32: v1/metrics/buckets.py REQUEST_LATENCY_BUCKETS).
+VLLM_REQUEST_LATENCY_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0,
+                                240.0, 480.0, 960.0, 1920.0, 7680.0)
 # SGLang (python/sglang/srt/metrics/collector.py, managers/scheduler_metrics_mixin.py) serves prometheus_client's
 # multiprocess collector: a labelled family shows on /metrics only once one of its label sets was first set, and
 # no process_start_time_seconds. Its token counters move when a request finishes; its scheduler gauges
@@ -421,6 +424,9 @@ class SimServer:
             # vLLM ≥ 0.11 names (0.32 has no time_per_output_token); "legacy": the v0 names.
             self._m_success = Counter("vllm:request_success", "Finished requests", registry=self._registry)
             self._m_decode = Histogram("vllm:request_decode_time_seconds", "Decode phase per request", registry=self._registry)
+            # Arrival to first scheduled (vLLM's QUEUED to SCHEDULED), observed as the request finishes.
+            self._m_queue = Histogram("vllm:request_queue_time_seconds", "Histogram of time spent in WAITING phase for request.",
+                                      registry=self._registry, buckets=VLLM_REQUEST_LATENCY_BUCKETS)
             self._m_gen = Histogram("vllm:request_generation_tokens", "Generated tokens per request", registry=self._registry,
                                     buckets=(1, 16, 64, 256, 1024, 4096))
             itl = "vllm:inter_token_latency_seconds" if self.vllm_metrics == "current" else "vllm:time_per_output_token_seconds"
@@ -1047,6 +1053,7 @@ class SimServer:
         if self.flavour == "vllm":
             self._m_success.inc()
             self._m_decode.observe((t_last - t_first) / 1e9)
+            self._m_queue.observe(max(0, (req.t_prefill_start_ns or t_first) - req.t_arrive_ns) / 1e9)
             self._m_gen.observe(req.generated)
         timings = {
             "cache_n": req.cached,

@@ -23,8 +23,8 @@ import numpy as np
 from powerprof.arrival import ArrivalQuality, Timing, arrival_quality, classify, count_problem
 from powerprof.errtext import error_text
 
-from .limits import (IDLE_REUSE_S, MAX_ERROR_BYTES, MAX_INFO_BYTES, MAX_RESPONSE_BYTES, BodyTooLarge, bad_count,
-                     read_capped)
+from .limits import (IDLE_REUSE_S, MAX_ERROR_BYTES, MAX_INFO_BYTES, MAX_METRICS_BYTES, MAX_RESPONSE_BYTES,
+                     BodyTooLarge, bad_count, read_capped)
 from .stream import APIS, StreamParser, parse_response
 
 # Server kinds and what each accepts beyond the OpenAI basics.
@@ -538,6 +538,10 @@ def server_decode(timings: dict) -> tuple[float | None, int | None, str | None]:
 # latency histogram under its current name or the v0 one (0.32 has only the first).
 VLLM_DECODE = "vllm:request_decode_time_seconds"
 VLLM_ITL = ("vllm:inter_token_latency_seconds", "vllm:time_per_output_token_seconds")
+# vLLM's time from a request's arrival in its engine to its first scheduling, observed as it finishes; its first bucket
+# (0.3 s) bounds the waits it tells apart from a scheduler step's.
+VLLM_QUEUE = "vllm:request_queue_time_seconds"
+VLLM_QUEUE_BUCKET_S = 0.3
 
 
 def vllm_timing_totals(text: str) -> dict:
@@ -553,6 +557,14 @@ def vllm_timing_totals(text: str) -> dict:
         if fam.name == "vllm:num_requests_waiting":
             out["waiting"] = sum(smp.value for smp in fam.samples)
             continue
+        if fam.name == VLLM_QUEUE:
+            for smp in fam.samples:
+                part = ("queue_sum" if smp.name.endswith("_sum") else "queue_count" if smp.name.endswith("_count")
+                        else "queue_short" if smp.name.endswith("_bucket") and _le(smp.labels) == VLLM_QUEUE_BUCKET_S
+                        else None)
+                if part is not None:
+                    out[part] = out.get(part, 0.0) + smp.value
+            continue
         key = "decode" if fam.name == VLLM_DECODE else "itl" if fam.name in VLLM_ITL else None
         if key is None:
             continue
@@ -563,6 +575,13 @@ def vllm_timing_totals(text: str) -> dict:
             elif smp.name.endswith("_count"):
                 out[key + "_count"] = out.get(key + "_count", 0.0) + smp.value
     return out
+
+
+def _le(labels: dict) -> float | None:
+    try:
+        return float(labels.get("le", ""))
+    except ValueError:
+        return None
 
 
 def vllm_decode_delta(before: dict, after: dict) -> tuple[float | None, int | None, str | None]:
@@ -588,8 +607,8 @@ async def fetch_metrics(session: aiohttp.ClientSession, base_url: str) -> dict |
         async with session.get(base_url.rstrip("/") + "/metrics", timeout=aiohttp.ClientTimeout(total=5)) as r:
             if r.status != 200:
                 return None
-            return vllm_timing_totals(await r.text())
-    except (aiohttp.ClientError, asyncio.TimeoutError, OSError, UnicodeDecodeError):
+            return vllm_timing_totals((await read_capped(r, MAX_METRICS_BYTES)).decode())
+    except (aiohttp.ClientError, asyncio.TimeoutError, OSError, UnicodeDecodeError, BodyTooLarge):
         return None
 
 

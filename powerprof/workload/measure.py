@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import re
+import time
 import uuid
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
@@ -521,7 +522,9 @@ def measure(
                 note = saturation_note(server, c)
                 if note:
                     by_level.append((c, note))
-                probe = asyncio.get_running_loop().create_task(_max_waiting(s, server)) if c > 1 and server.kind == "vllm" else None
+                probe = QueueProbe(s, server) if c > 1 and server.kind == "vllm" else None
+                if probe is not None:
+                    await probe.start()
                 # Whole batches only: a last batch of fewer streams (or --requests below the concurrency) would
                 # be measured at fewer streams and reported as this concurrency.
                 n = planned[c]
@@ -564,10 +567,10 @@ def measure(
                         aborted = away["message"]
                     break
                 finally:
-                    waiting = await _stop(probe)
-                if waiting:
+                    queued = await probe.stop(len(kept) - kept_before) if probe is not None else None
+                if queued:
                     by_level.append((c,
-                        f"concurrency {c}: vLLM queued up to {waiting:g} requests (more streams than it runs at once): "
+                        f"concurrency {c}: vLLM queued requests, more streams than it runs at once ({queued}): "
                         "queued time is excluded from the windows, but this is not the server's steady state at this concurrency"
                     ))
                 records += recs
@@ -774,28 +777,69 @@ def saturation_note(server: ServerInfo, concurrency: int) -> str | None:
     return None
 
 
-async def _max_waiting(session, server: ServerInfo) -> float:
-    """Polls vLLM's `num_requests_waiting` until cancelled; returns the most seen (in CancelledError's place)."""
-    from .client import fetch_metrics
+QUEUE_POLL_S = 0.25  # how often the queue probe reads vLLM's num_requests_waiting
+# After a level: how long the queue times of its last requests may take to reach /metrics (vLLM records a finished
+# request's stats as it hands out its last output, so the client may read its end first).
+QUEUE_SETTLE_S = 1.0
 
-    most = 0.0
-    try:
+
+class QueueProbe:
+    """What vLLM says of its queue over one concurrency level: the most requests seen waiting at once
+    (`num_requests_waiting`, read every QUEUE_POLL_S: a wait between two reads goes unseen) and, from
+    `request_queue_time_seconds` (every finished request's wait, however short), how many waited over its first
+    bucket (0.3 s: a scheduler step's wait is under it) and for how long in all."""
+
+    def __init__(self, session, server: ServerInfo):
+        self.session, self.server = session, server
+        self.most = 0.0
+        self.first: dict | None = None
+        self.task = None
+
+    async def start(self) -> None:
+        from .client import fetch_metrics
+
+        self.first = await fetch_metrics(self.session, self.server.base_url)  # before the level's first request
+        self.task = asyncio.get_running_loop().create_task(self._poll())
+
+    async def _poll(self) -> None:
+        from .client import fetch_metrics
+
         while True:
-            m = await fetch_metrics(session, server.base_url)
-            most = max(most, (m or {}).get("waiting", 0.0))
-            await asyncio.sleep(0.25)
-    except asyncio.CancelledError:
-        return most
+            m = await fetch_metrics(self.session, self.server.base_url)
+            self.most = max(self.most, (m or {}).get("waiting", 0.0))
+            await asyncio.sleep(QUEUE_POLL_S)
 
+    async def stop(self, finished: int) -> str | None:
+        """Ends the polls; what the level's queue was, for the note (None: none seen). `finished`: the level's requests
+        that ended, whose waits the histogram is read for (up to QUEUE_SETTLE_S)."""
+        from .client import VLLM_QUEUE_BUCKET_S, fetch_metrics
 
-async def _stop(task) -> float:
-    if task is None:
-        return 0.0
-    task.cancel()
-    try:
-        return await task
-    except asyncio.CancelledError:
-        return 0.0
+        if self.task is not None:
+            self.task.cancel()
+            try:
+                await self.task
+            except asyncio.CancelledError:
+                pass
+        first = self.first or {}
+        long_n = total_s = 0.0
+        if "queue_count" in first:
+            deadline = time.monotonic() + QUEUE_SETTLE_S
+            while True:
+                last = await fetch_metrics(self.session, self.server.base_url) or {}
+                n = last.get("queue_count", 0.0) - first["queue_count"]
+                if n >= finished or time.monotonic() >= deadline or "queue_count" not in last:
+                    break
+                await asyncio.sleep(0.05)
+            if "queue_count" in last:
+                long_n = n - (last.get("queue_short", 0.0) - first.get("queue_short", 0.0))
+                total_s = last.get("queue_sum", 0.0) - first.get("queue_sum", 0.0)
+        parts = []
+        if self.most > 0:
+            parts.append(f"up to {self.most:g} seen waiting at once")
+        if long_n > 0:
+            parts.append(f"{long_n:g} waited over {VLLM_QUEUE_BUCKET_S:g} s for their first step, {total_s:.1f} s in "
+                         "all, by its request_queue_time_seconds")
+        return "; ".join(parts) or None
 
 
 def run_measure(rig, **kw) -> MeasureResult:
