@@ -244,3 +244,16 @@ def test_the_range_of_shares_bounds_every_prefill_rate_and_ratio_in_it_on_random
         a = run()
         assert not _rates_bounded(a, run, np.geomspace(A.PREFILL_TOK_S_SLOW, A.DEFAULT_PREFILL_TOK_S, 25),
                                   (0.01, 0.03, 0.05, 0.1))
+
+
+def test_an_interval_shared_by_live_time_that_a_slow_prefill_would_give_one_request_is_in_the_range():
+    # a decodes with a slow step over [1, 2) (tokens at 0.5 and 2.5, none in it); b's 1500-token prompt, due at 2.2,
+    # is placed at 10 000 tokens/s in [2.05, 2.2): no work in [1, 2), so a and b share it by live time. At 1000
+    # tokens/s b's prefill runs from 0.7 and all of [1, 2) is b's work. Only one request "worked" there at any rate,
+    # so ratio_split left it out and neither row's range said that half the interval rests on the rate.
+    reqs = [(0.0, 0.5, 2.5, 2.6), (0.2, 2.2, 2.4, 2.45)]
+    toks = [(0.5, 0, 1), (2.5, 0, 1), (2.2, 1, 1), (2.4, 1, 1)]
+    a = _run([0, 1, 2, 3], [100.0] * 3, reqs, toks, prompt=np.array([0.0, 1500.0]))
+    assert a.share[:, 1] == pytest.approx([0.5, 0.5])  # by live time: both live through it
+    assert a.ratio_split[1]
+    assert a.share_lo[0, 1] == pytest.approx(0.0) and a.share_hi[1, 1] == pytest.approx(1.0)

@@ -82,8 +82,9 @@ class Attribution:
     features: np.ndarray  # (K, 5) duration_s, steps, tokens (bypass included), prefill tokens, context·tokens/1000
     # (K,) intervals whose split rests on the costs' ratios: two or more requests did work there, or one did beside
     # bypass work (a request alone takes the interval's work whatever they are; requests only live there, queued,
-    # share by live time). A prompt counts as work where it would be placed at PREFILL_TOK_S_SLOW too: which
-    # intervals a queued request's prefill reaches rests on the rate. (R, K): each request's share of each interval's energy.
+    # share by live time, unless a prompt the slow rate places there would take it). A prompt counts as work where it
+    # would be placed at PREFILL_TOK_S_SLOW too: which intervals a queued request's prefill reaches rests on the rate.
+    # (R, K): each request's share of each interval's energy.
     ratio_split: np.ndarray | None = None
     share: np.ndarray | None = None
     # (R, K) the least and the most of each interval's energy each request takes over the range (a prompt token
@@ -364,6 +365,8 @@ def attribute(
     if no_work.any():
         live_s = span_overlap_s(edges, arrival, np.where(end != NEVER, end, edges[-1])) * live
         work[:, no_work] = np.where(live_s[:, no_work].sum(axis=0) > 0, live_s[:, no_work], live[:, no_work])
+        # Shared by live time at the rate in use, by a prompt the slow rate places there at that one: the rate splits it.
+        ratio_split |= no_work & (working >= 1) & ((work > 0).sum(axis=0) >= 2)
     req_work = work.sum(axis=0)
     total_tok = tok.sum(axis=0)
 
