@@ -184,3 +184,76 @@ def test_a_request_of_two_choices_counts_one_step_for_its_two_tokens_a_step():
     assert a.request_energy[:, 0] == pytest.approx([100 * 2 / 3, 100 / 3])
     # Without the request's sequences (an old caller) each request is one sequence, as before.
     assert A.attribute(np.array([0, S]), np.array([100.0]), *conv, t, r, n, costs=costs).features[0, 1] == 20.0
+
+
+def _rates_bounded(a, run, rates, ratios=A.PREFILL_PER_DECODE_RANGE):
+    """Where each request's share of a ratio-split interval at (ratio, rate) falls outside share_lo..share_hi."""
+    out = []
+    cols = a.ratio_split
+    for v in rates:
+        for r in ratios:
+            s = run(A.WorkCosts(prefill_j=r, prefill_tok_s=v)).share[:, cols]
+            if np.any(s > a.share_hi[:, cols] + 1e-9) or np.any(s < a.share_lo[:, cols] - 1e-9):
+                out.append((v, r, s.round(3).tolist(), a.share_lo[:, cols].round(3).tolist(),
+                            a.share_hi[:, cols].round(3).tolist()))
+    return out
+
+
+def test_the_range_of_shares_bounds_every_prefill_rate_between_its_ends_not_only_the_ends():
+    # b's 6324-token prompt (first token at 3, arrived at 0) beside a's 100 tokens decoded in [1, 2), the only interval
+    # the ratio splits. At 10 000 tokens/s the prompt is placed in [2.37, 3): none of it in [1, 2); at 1000 tokens/s it
+    # starts at b's arrival, a third of it (2108) in [1, 2); at 3162 tokens/s it starts at 1 and all of [1, 2) is
+    # prefill, 3162 tokens there: more than either end places. share_lo/share_hi were taken at the two ends only, so
+    # b's most (0.68 of [1, 2) at a prompt token 0.1 of a decoded one) fell short of its 0.76 at 3162 tokens/s, and the
+    # row's "its figure would be ... to +M%" said a range a rate inside it leaves.
+    reqs = [(1.0, 1.05, 1.99, 1.995), (0.0, 3.0, 3.5, 3.6)]
+    toks = [(1.05 + 0.0094 * j, 0, 1) for j in range(100)] + [(3.0 + 0.1 * j, 1, 1) for j in range(5)]
+
+    def run(costs=None):
+        return _run([0, 1, 2, 3, 4], [100.0] * 4, reqs, toks, prompt=np.array([0.0, 6324.0]), costs=costs)
+
+    a = run()
+    assert a.ratio_split.tolist() == [False, True, False, False]
+    mid = run(A.WorkCosts(prefill_j=0.1, prefill_tok_s=3162.0))
+    assert mid.share[1, 1] == pytest.approx(0.76, abs=0.01)
+    assert a.share_hi[1, 1] >= mid.share[1, 1] - 1e-9 and a.share_lo[0, 1] <= mid.share[0, 1] + 1e-9
+    assert not _rates_bounded(a, run, np.geomspace(A.PREFILL_TOK_S_SLOW, A.DEFAULT_PREFILL_TOK_S, 40))
+
+
+def test_the_range_of_shares_bounds_every_prefill_rate_and_ratio_in_it_on_random_traffic():
+    # Requests of random prompts, arrivals, queue waits and decodes over 0.25 s intervals, some beside bypass tokens:
+    # each one's share of every ratio-split interval at any rate and ratio inside the range lies within its least and
+    # most (the ratio's ends and every rate at which a prompt's start crosses an interval's edge or its arrival).
+    rng = np.random.default_rng(7)
+    for _ in range(12):
+        n = int(rng.integers(2, 6))
+        reqs, toks = [], []
+        for i in range(n):
+            arr = float(rng.uniform(0, 3))
+            first = arr + float(rng.uniform(0.05, 2.5))
+            last = first + float(rng.uniform(0.1, 1.5))
+            reqs.append((arr, first, last, last + 0.01))
+            toks += [(t, i, 1) for t in np.linspace(first, last, int(rng.integers(2, 40)))]
+        prompt = rng.integers(0, 8000, n).astype(float)
+        edges = np.arange(0, 7.01, 0.25)
+        server = np.where(rng.uniform(size=edges.size - 1) < 0.2, 5.0, 0.0)
+
+        def run(costs=None):
+            return _run(edges, [50.0] * (edges.size - 1), reqs, toks, server=server, prompt=prompt, costs=costs)
+
+        a = run()
+        assert not _rates_bounded(a, run, np.geomspace(A.PREFILL_TOK_S_SLOW, A.DEFAULT_PREFILL_TOK_S, 25),
+                                  (0.01, 0.03, 0.05, 0.1))
+
+
+def test_an_interval_shared_by_live_time_that_a_slow_prefill_would_give_one_request_is_in_the_range():
+    # a decodes with a slow step over [1, 2) (tokens at 0.5 and 2.5, none in it); b's 1500-token prompt, due at 2.2,
+    # is placed at 10 000 tokens/s in [2.05, 2.2): no work in [1, 2), so a and b share it by live time. At 1000
+    # tokens/s b's prefill runs from 0.7 and all of [1, 2) is b's work. Only one request "worked" there at any rate,
+    # so ratio_split left it out and neither row's range said that half the interval rests on the rate.
+    reqs = [(0.0, 0.5, 2.5, 2.6), (0.2, 2.2, 2.4, 2.45)]
+    toks = [(0.5, 0, 1), (2.5, 0, 1), (2.2, 1, 1), (2.4, 1, 1)]
+    a = _run([0, 1, 2, 3], [100.0] * 3, reqs, toks, prompt=np.array([0.0, 1500.0]))
+    assert a.share[:, 1] == pytest.approx([0.5, 0.5])  # by live time: both live through it
+    assert a.ratio_split[1]
+    assert a.share_lo[0, 1] == pytest.approx(0.0) and a.share_hi[1, 1] == pytest.approx(1.0)

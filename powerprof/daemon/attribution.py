@@ -48,8 +48,9 @@ DEFAULT_PREFILL_TOK_S = 10_000.0
 # beside it, so their split there rests on the rate (Attribution.ratio_split), not only on who did work at it.
 PREFILL_TOK_S_SLOW = 1_000.0
 # The range the fixed ratio stands for ("tens to hundreds of prompt tokens per decode step"): until the fit is mature a
-# request's share of an interval the ratio split is given at its ends too, each prompt placed at either rate
-# (Attribution.share_lo, share_hi), so a row can say how far its figure rests on the ratio, whichever way.
+# request's least and most share of an interval the ratio split is given over it, each prompt placed at any rate from
+# the slow end to the one in use (Attribution.share_lo, share_hi), so a row can say how far its figure rests on the
+# ratio, whichever way.
 PREFILL_PER_DECODE_RANGE = (0.01, 0.1)
 
 
@@ -81,13 +82,14 @@ class Attribution:
     features: np.ndarray  # (K, 5) duration_s, steps, tokens (bypass included), prefill tokens, context·tokens/1000
     # (K,) intervals whose split rests on the costs' ratios: two or more requests did work there, or one did beside
     # bypass work (a request alone takes the interval's work whatever they are; requests only live there, queued,
-    # share by live time). A prompt counts as work where it would be placed at PREFILL_TOK_S_SLOW too: which
-    # intervals a queued request's prefill reaches rests on the rate. (R, K): each request's share of each interval's energy.
+    # share by live time, unless a prompt the slow rate places there would take it). A prompt counts as work where it
+    # would be placed at PREFILL_TOK_S_SLOW too: which intervals a queued request's prefill reaches rests on the rate.
+    # (R, K): each request's share of each interval's energy.
     ratio_split: np.ndarray | None = None
     share: np.ndarray | None = None
-    # (R, K) the least and the most of each interval's energy each request takes at the range's ends (a prompt token
-    # PREFILL_PER_DECODE_RANGE of a decoded token, prefilled at PREFILL_TOK_S_SLOW or the rate in use), `share` among
-    # them; where no interval is ratio_split, or the costs are fitted, both are `share`.
+    # (R, K) the least and the most of each interval's energy each request takes over the range (a prompt token
+    # PREFILL_PER_DECODE_RANGE of a decoded token, prefilled at any rate from PREFILL_TOK_S_SLOW to the one in use),
+    # `share` among them; where no interval is ratio_split, or the costs are fitted, both are `share`.
     share_lo: np.ndarray | None = None
     share_hi: np.ndarray | None = None
 
@@ -185,6 +187,22 @@ def prefill_start_ns(arrival_ns: np.ndarray, prefill_end_ns: np.ndarray, prompt_
     p = np.nan_to_num(np.asarray(prompt_tokens, dtype=float))
     d_ns = np.minimum(p / max(prefill_tok_s, 1e-9) * 1e9, 1e15).astype(np.int64)
     return np.where(end == NEVER, arr, np.maximum(arr, end - d_ns))
+
+
+def prefill_tokens_at(arrival_ns: np.ndarray, prefill_end_ns: np.ndarray, prompt_tokens: np.ndarray, a_ns: np.ndarray,
+                      b_ns: np.ndarray, prefill_tok_s: np.ndarray) -> np.ndarray:
+    """Prompt tokens a request prefills in the interval [a, b) with its prompt placed at prefill_tok_s, element by
+    element (the arguments broadcast): `prefill_start_ns` and `prefill_tokens` for one interval and one rate each."""
+    arr, end = np.asarray(arrival_ns, dtype=np.int64), np.asarray(prefill_end_ns, dtype=np.int64)
+    a, b = np.asarray(a_ns, dtype=np.int64), np.asarray(b_ns, dtype=np.int64)
+    p = np.nan_to_num(np.asarray(prompt_tokens, dtype=float))
+    d_ns = np.minimum(p / np.maximum(np.asarray(prefill_tok_s, dtype=float), 1e-9) * 1e9, 1e15).astype(np.int64)
+    start = np.where(end == NEVER, arr, np.maximum(arr, end - d_ns))
+    span = (end - start) / 1e9
+    frac = np.divide(np.clip(np.minimum(end, b) - np.maximum(start, a), 0, None) / 1e9, span,
+                     out=np.zeros(np.shape(span)), where=span > 0)
+    frac = np.where(span <= 0, ((end >= a) & (end < b)).astype(float), frac)  # all of it where its first token is
+    return frac * p
 
 
 def prefill_tokens(edges_ns: np.ndarray, start_ns: np.ndarray, prefill_end_ns: np.ndarray,
@@ -347,6 +365,8 @@ def attribute(
     if no_work.any():
         live_s = span_overlap_s(edges, arrival, np.where(end != NEVER, end, edges[-1])) * live
         work[:, no_work] = np.where(live_s[:, no_work].sum(axis=0) > 0, live_s[:, no_work], live[:, no_work])
+        # Shared by live time at the rate in use, by a prompt the slow rate places there at that one: the rate splits it.
+        ratio_split |= no_work & (working >= 1) & ((work > 0).sum(axis=0) >= 2)
     req_work = work.sum(axis=0)
     total_tok = tok.sum(axis=0)
 
@@ -368,16 +388,60 @@ def attribute(
     share_lo = share_hi = share
     if costs.source == "fixed" and ratio_split.any():
         share_lo, share_hi = share.copy(), share.copy()
-        cols = ratio_split
+        # Each ratio-split interval at the ratio's ends (at one rate a request's share moves one way between them) and
+        # at the rates from the slow end to the one in use: between those at which a prompt reaching it starts at one
+        # of its edges or at its arrival, every prompt's tokens there are linear in the rate, so each share moves one
+        # way too: its least and most are at those rates or the range's ends (a rate between the ends can place more
+        # of a prompt in an interval than either: 3162 tokens/s all of [1, 2) of a 6324-token prompt due at 3).
+        v_lo, v_hi = min(PREFILL_TOK_S_SLOW, costs.prefill_tok_s), costs.prefill_tok_s
+        cols = np.flatnonzero(ratio_split)
+        n_c = cols.size
+        # The prompts that reach each of them (placed at the slow end: every faster placement lies inside that one).
+        e_c, e_j = np.nonzero(((pre_slow[:, cols] > 0) & (prefill_end != NEVER)[:, None]).T)  # entries, by column
+        c_at, v_at = [np.repeat(np.arange(n_c), 2)], [np.tile([v_lo, v_hi], n_c)]
+        for e in (edges[cols][e_c], edges[cols + 1][e_c], arrival[e_j]):
+            gap = (prefill_end[e_j].astype(float) - e) / 1e9
+            v = np.divide(p_tok[e_j], gap, out=np.zeros(gap.shape), where=gap > 0)
+            ok = (v > v_lo) & (v < v_hi)
+            c_at.append(e_c[ok]), v_at.append(v[ok])
+        cv = np.unique(np.column_stack([np.concatenate(c_at), np.concatenate(v_at)]), axis=0)  # sorted by column
+        m_c, m_v = cv[:, 0].astype(np.int64), cv[:, 1]
+        m_first = np.searchsorted(m_c, np.arange(n_c))
+        n_m = np.bincount(m_c, minlength=n_c)
+        # Each entry (a prompt reaching a column) at each of its column's rates, entry by entry.
+        p_e = np.repeat(np.arange(e_c.size), n_m[e_c])
+        p_m = m_first[e_c][p_e] + np.arange(p_e.size) - (np.cumsum(n_m[e_c]) - n_m[e_c])[p_e]
+        k_p = cols[e_c[p_e]]
+        pre_p = prefill_tokens_at(arrival[e_j[p_e]], prefill_end[e_j[p_e]], p_tok[e_j[p_e]], edges[k_p], edges[k_p + 1],
+                                  m_v[p_m])
+        pre_sum = np.bincount(p_m, weights=pre_p, minlength=m_c.size)  # (M,) the column's prompt tokens at the rate
+        # request_work is linear in the prompt work: a request's own is prefill_j × its prompt tokens, a bypass token
+        # costs the interval's prompt work per proxied token (tok_w) too, beside what it costs with none.
+        w0, u0, _ = request_work(replace(costs, prefill_j=0.0), tok_w[:, cols], np.zeros((r_count, n_c)), ctx[:, cols],
+                                 server[cols], sequences)
+        n_tok = tok_w[:, cols].sum(axis=0)
+        per_pre = 1.0 + np.divide(server[cols], n_tok, out=np.zeros(n_c), where=n_tok > 0)
+        fb = f_busy[cols]
+        lo, hi = share[:, cols].copy(), share[:, cols].copy()
+        e_lo, e_hi = share[e_j, cols[e_c]], share[e_j, cols[e_c]]
+        e_first = np.cumsum(n_m[e_c]) - n_m[e_c]  # each entry's first pair (every column has its two ends at least)
         for ratio in PREFILL_PER_DECODE_RANGE:
-            for p in (pre, pre_slow):
-                w, u, _ = request_work(replace(costs, prefill_j=ratio), tok_w, p, ctx, server, sequences)
-                d = w.sum(axis=0) + u
-                # A column where this corner places no work (a prompt only the slow rate reaches) keeps its split.
-                s_c = np.where(d[None, :] > 0, f_busy[None, :] * np.divide(w, d[None, :], out=np.zeros_like(w),
-                                                                            where=d[None, :] > 0), share)
-                share_lo[:, cols] = np.minimum(share_lo[:, cols], s_c[:, cols])
-                share_hi[:, cols] = np.maximum(share_hi[:, cols], s_c[:, cols])
+            d = w0.sum(axis=0)[m_c] + u0[m_c] + ratio * per_pre[m_c] * pre_sum  # (M,)
+            pos = d > 0  # a rate that places no work there (its only workers' prompts elsewhere) keeps its split
+            d_max = np.maximum.reduceat(np.where(pos, d, -np.inf), m_first, axis=0)
+            d_min = np.minimum.reduceat(np.where(pos, d, np.inf), m_first, axis=0)
+            # A request of no prompt there: its work is the same at every rate, its share the least where d is most.
+            some = np.broadcast_to(np.isfinite(d_min), w0.shape)  # d_max > 0 there too
+            lo = np.minimum(lo, np.where(some, fb * np.divide(w0, d_max, out=np.zeros_like(w0), where=some), lo))
+            hi = np.maximum(hi, np.where(some, fb * np.divide(w0, d_min, out=np.zeros_like(w0), where=some), hi))
+            s_p = np.where(pos[p_m], fb[e_c[p_e]] * (w0[e_j[p_e], e_c[p_e]] + ratio * pre_p)
+                           / np.where(pos[p_m], d[p_m], 1.0), share[e_j[p_e], cols[e_c[p_e]]])
+            if p_e.size:
+                e_lo = np.minimum(e_lo, np.minimum.reduceat(s_p, e_first))
+                e_hi = np.maximum(e_hi, np.maximum.reduceat(s_p, e_first))
+        # Those whose prompt reaches it: at each rate (its own prompt's tokens move with it).
+        lo[e_j, e_c], hi[e_j, e_c] = np.minimum(share[e_j, cols[e_c]], e_lo), np.maximum(share[e_j, cols[e_c]], e_hi)
+        share_lo[:, cols], share_hi[:, cols] = lo, hi
     request_energy = share @ energy
     dest = np.stack([share.sum(axis=0), f_idle, f_unprox], axis=1)[:, :, None] * energy[:, None, :]
     by_kind = np.zeros((4, energy.shape[1]))

@@ -103,8 +103,9 @@ CACHE_UNSURE_MAX = 256
 # (the work model's fit not mature) is said on its row from this part of its GPU energy on, and so is what the range
 # the ratio stands for could add to it there: below it the ratio moves its figure by a fraction of a percent.
 FIXED_RATIO_MIN_SHARE = 0.05
-FIXED_RATIO_LEAD = "{pct:.0f}% of its GPU energy is from intervals other requests did work in too (or bypass traffic did)"
-# Given none there: only the range's slow rate places its prompt beside the others' work.
+FIXED_RATIO_LEAD = "{pct}% of its GPU energy is from intervals other requests did work in too (or bypass traffic did)"
+# Given none there (not a joule: a share under 0.5% reads "under 1%"): only the range's slow rate places its prompt
+# beside the others' work.
 FIXED_RATIO_LEAD_NONE = ("none of its GPU energy is from intervals other requests did work in (or bypass traffic did), "
                          "where its prompt may have been prefilled")
 FIXED_RATIO_NOTE = ("{lead}, split among them by the fixed ratio (a prompt token costs "
@@ -2837,10 +2838,12 @@ def _approximate_note(r: _Req) -> str | None:
     # Given much there, or little where the range's other end gives it much (a queued prompt beside another's decode).
     if r.gpu_j > 0 and max(r.fixed_j, r.fixed_hi_j - r.fixed_j) >= FIXED_RATIO_MIN_SHARE * r.gpu_j:
         pct = 100 * min(r.fixed_j / r.gpu_j, 1.0)
-        lead = FIXED_RATIO_LEAD.format(pct=pct) if pct >= 0.5 else FIXED_RATIO_LEAD_NONE
+        lead = (FIXED_RATIO_LEAD_NONE if r.fixed_j <= 0 else
+                FIXED_RATIO_LEAD.format(pct=f"{pct:.0f}" if pct >= 0.5 else "under 1"))
+        # Rounded first: an end a hair below its figure reads +0%, not -0%.
         notes.append(FIXED_RATIO_NOTE.format(lead=lead, why=r.fixed_why,
-                                             lo=100 * (r.fixed_lo_j - r.fixed_j) / r.gpu_j,
-                                             hi=100 * (r.fixed_hi_j - r.fixed_j) / r.gpu_j))
+                                             lo=round(100 * (r.fixed_lo_j - r.fixed_j) / r.gpu_j) + 0.0,
+                                             hi=round(100 * (r.fixed_hi_j - r.fixed_j) / r.gpu_j) + 0.0))
     c = r.trace.counts
     if r.server_ahead >= 0.5 and not r.to_server and (c is None or c.tokens_estimated):
         notes.append(f"its tokens were counted from its chunks (one each, or their logprobs) and the server's counter ran {r.server_ahead:.0f} token(s) "
