@@ -256,6 +256,72 @@ def request_work(costs: WorkCosts, tok: np.ndarray, pre: np.ndarray, ctx: np.nda
     return work, bypass_work, steps
 
 
+def share_range(share: np.ndarray, ratio_split: np.ndarray, costs: WorkCosts, edges: np.ndarray, arrival: np.ndarray,
+                prefill_end: np.ndarray, p_tok: np.ndarray, pre_slow: np.ndarray, tok_w: np.ndarray, ctx: np.ndarray,
+                server: np.ndarray, sequences: np.ndarray | None, f_busy: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """(R, K) twice: each request's least and most share of each ratio-split interval over the range the fixed ratio
+    stands for (a prompt token PREFILL_PER_DECODE_RANGE of a decoded token, prefilled at any rate from
+    PREFILL_TOK_S_SLOW to the one in use); `share` elsewhere. Exact: checked against a brute-force grid of rates and
+    ratios (tests/test_daemon_attribution.py)."""
+    share_lo, share_hi = share.copy(), share.copy()
+    r_count = share.shape[0]
+    # Each ratio-split interval at the ratio's ends (at one rate a request's share moves one way between them) and
+    # at the rates from the slow end to the one in use: between those at which a prompt reaching it starts at one
+    # of its edges or at its arrival, every prompt's tokens there are linear in the rate, so each share moves one
+    # way too: its least and most are at those rates or the range's ends (a rate between the ends can place more
+    # of a prompt in an interval than either: 3162 tokens/s all of [1, 2) of a 6324-token prompt due at 3).
+    v_lo, v_hi = min(PREFILL_TOK_S_SLOW, costs.prefill_tok_s), costs.prefill_tok_s
+    cols = np.flatnonzero(ratio_split)
+    n_c = cols.size
+    # The prompts that reach each of them (placed at the slow end: every faster placement lies inside that one).
+    e_c, e_j = np.nonzero(((pre_slow[:, cols] > 0) & (prefill_end != NEVER)[:, None]).T)  # entries, by column
+    c_at, v_at = [np.repeat(np.arange(n_c), 2)], [np.tile([v_lo, v_hi], n_c)]
+    for e in (edges[cols][e_c], edges[cols + 1][e_c], arrival[e_j]):
+        gap = (prefill_end[e_j].astype(float) - e) / 1e9
+        v = np.divide(p_tok[e_j], gap, out=np.zeros(gap.shape), where=gap > 0)
+        ok = (v > v_lo) & (v < v_hi)
+        c_at.append(e_c[ok]), v_at.append(v[ok])
+    cv = np.unique(np.column_stack([np.concatenate(c_at), np.concatenate(v_at)]), axis=0)  # sorted by column
+    m_c, m_v = cv[:, 0].astype(np.int64), cv[:, 1]
+    m_first = np.searchsorted(m_c, np.arange(n_c))
+    n_m = np.bincount(m_c, minlength=n_c)
+    # Each entry (a prompt reaching a column) at each of its column's rates, entry by entry.
+    p_e = np.repeat(np.arange(e_c.size), n_m[e_c])
+    p_m = m_first[e_c][p_e] + np.arange(p_e.size) - (np.cumsum(n_m[e_c]) - n_m[e_c])[p_e]
+    k_p = cols[e_c[p_e]]
+    pre_p = prefill_tokens_at(arrival[e_j[p_e]], prefill_end[e_j[p_e]], p_tok[e_j[p_e]], edges[k_p], edges[k_p + 1],
+                              m_v[p_m])
+    pre_sum = np.bincount(p_m, weights=pre_p, minlength=m_c.size)  # (M,) the column's prompt tokens at the rate
+    # request_work is linear in the prompt work: a request's own is prefill_j × its prompt tokens, a bypass token
+    # costs the interval's prompt work per proxied token (tok_w) too, beside what it costs with none.
+    w0, u0, _ = request_work(replace(costs, prefill_j=0.0), tok_w[:, cols], np.zeros((r_count, n_c)), ctx[:, cols],
+                             server[cols], sequences)
+    n_tok = tok_w[:, cols].sum(axis=0)
+    per_pre = 1.0 + np.divide(server[cols], n_tok, out=np.zeros(n_c), where=n_tok > 0)
+    fb = f_busy[cols]
+    lo, hi = share[:, cols].copy(), share[:, cols].copy()
+    e_lo, e_hi = share[e_j, cols[e_c]], share[e_j, cols[e_c]]
+    e_first = np.cumsum(n_m[e_c]) - n_m[e_c]  # each entry's first pair (every column has its two ends at least)
+    for ratio in PREFILL_PER_DECODE_RANGE:
+        d = w0.sum(axis=0)[m_c] + u0[m_c] + ratio * per_pre[m_c] * pre_sum  # (M,)
+        pos = d > 0  # a rate that places no work there (its only workers' prompts elsewhere) keeps its split
+        d_max = np.maximum.reduceat(np.where(pos, d, -np.inf), m_first, axis=0)
+        d_min = np.minimum.reduceat(np.where(pos, d, np.inf), m_first, axis=0)
+        # A request of no prompt there: its work is the same at every rate, its share the least where d is most.
+        some = np.broadcast_to(np.isfinite(d_min), w0.shape)  # d_max > 0 there too
+        lo = np.minimum(lo, np.where(some, fb * np.divide(w0, d_max, out=np.zeros_like(w0), where=some), lo))
+        hi = np.maximum(hi, np.where(some, fb * np.divide(w0, d_min, out=np.zeros_like(w0), where=some), hi))
+        s_p = np.where(pos[p_m], fb[e_c[p_e]] * (w0[e_j[p_e], e_c[p_e]] + ratio * pre_p)
+                       / np.where(pos[p_m], d[p_m], 1.0), share[e_j[p_e], cols[e_c[p_e]]])
+        if p_e.size:
+            e_lo = np.minimum(e_lo, np.minimum.reduceat(s_p, e_first))
+            e_hi = np.maximum(e_hi, np.maximum.reduceat(s_p, e_first))
+    # Those whose prompt reaches it: at each rate (its own prompt's tokens move with it).
+    lo[e_j, e_c], hi[e_j, e_c] = np.minimum(share[e_j, cols[e_c]], e_lo), np.maximum(share[e_j, cols[e_c]], e_hi)
+    share_lo[:, cols], share_hi[:, cols] = lo, hi
+    return share_lo, share_hi
+
+
 def attribute(
     edges_ns: np.ndarray,
     energy_j: np.ndarray,
@@ -387,61 +453,8 @@ def attribute(
     share = f_busy[None, :] * np.divide(work, denom[None, :], out=np.zeros_like(work), where=denom[None, :] > 0)
     share_lo = share_hi = share
     if costs.source == "fixed" and ratio_split.any():
-        share_lo, share_hi = share.copy(), share.copy()
-        # Each ratio-split interval at the ratio's ends (at one rate a request's share moves one way between them) and
-        # at the rates from the slow end to the one in use: between those at which a prompt reaching it starts at one
-        # of its edges or at its arrival, every prompt's tokens there are linear in the rate, so each share moves one
-        # way too: its least and most are at those rates or the range's ends (a rate between the ends can place more
-        # of a prompt in an interval than either: 3162 tokens/s all of [1, 2) of a 6324-token prompt due at 3).
-        v_lo, v_hi = min(PREFILL_TOK_S_SLOW, costs.prefill_tok_s), costs.prefill_tok_s
-        cols = np.flatnonzero(ratio_split)
-        n_c = cols.size
-        # The prompts that reach each of them (placed at the slow end: every faster placement lies inside that one).
-        e_c, e_j = np.nonzero(((pre_slow[:, cols] > 0) & (prefill_end != NEVER)[:, None]).T)  # entries, by column
-        c_at, v_at = [np.repeat(np.arange(n_c), 2)], [np.tile([v_lo, v_hi], n_c)]
-        for e in (edges[cols][e_c], edges[cols + 1][e_c], arrival[e_j]):
-            gap = (prefill_end[e_j].astype(float) - e) / 1e9
-            v = np.divide(p_tok[e_j], gap, out=np.zeros(gap.shape), where=gap > 0)
-            ok = (v > v_lo) & (v < v_hi)
-            c_at.append(e_c[ok]), v_at.append(v[ok])
-        cv = np.unique(np.column_stack([np.concatenate(c_at), np.concatenate(v_at)]), axis=0)  # sorted by column
-        m_c, m_v = cv[:, 0].astype(np.int64), cv[:, 1]
-        m_first = np.searchsorted(m_c, np.arange(n_c))
-        n_m = np.bincount(m_c, minlength=n_c)
-        # Each entry (a prompt reaching a column) at each of its column's rates, entry by entry.
-        p_e = np.repeat(np.arange(e_c.size), n_m[e_c])
-        p_m = m_first[e_c][p_e] + np.arange(p_e.size) - (np.cumsum(n_m[e_c]) - n_m[e_c])[p_e]
-        k_p = cols[e_c[p_e]]
-        pre_p = prefill_tokens_at(arrival[e_j[p_e]], prefill_end[e_j[p_e]], p_tok[e_j[p_e]], edges[k_p], edges[k_p + 1],
-                                  m_v[p_m])
-        pre_sum = np.bincount(p_m, weights=pre_p, minlength=m_c.size)  # (M,) the column's prompt tokens at the rate
-        # request_work is linear in the prompt work: a request's own is prefill_j × its prompt tokens, a bypass token
-        # costs the interval's prompt work per proxied token (tok_w) too, beside what it costs with none.
-        w0, u0, _ = request_work(replace(costs, prefill_j=0.0), tok_w[:, cols], np.zeros((r_count, n_c)), ctx[:, cols],
-                                 server[cols], sequences)
-        n_tok = tok_w[:, cols].sum(axis=0)
-        per_pre = 1.0 + np.divide(server[cols], n_tok, out=np.zeros(n_c), where=n_tok > 0)
-        fb = f_busy[cols]
-        lo, hi = share[:, cols].copy(), share[:, cols].copy()
-        e_lo, e_hi = share[e_j, cols[e_c]], share[e_j, cols[e_c]]
-        e_first = np.cumsum(n_m[e_c]) - n_m[e_c]  # each entry's first pair (every column has its two ends at least)
-        for ratio in PREFILL_PER_DECODE_RANGE:
-            d = w0.sum(axis=0)[m_c] + u0[m_c] + ratio * per_pre[m_c] * pre_sum  # (M,)
-            pos = d > 0  # a rate that places no work there (its only workers' prompts elsewhere) keeps its split
-            d_max = np.maximum.reduceat(np.where(pos, d, -np.inf), m_first, axis=0)
-            d_min = np.minimum.reduceat(np.where(pos, d, np.inf), m_first, axis=0)
-            # A request of no prompt there: its work is the same at every rate, its share the least where d is most.
-            some = np.broadcast_to(np.isfinite(d_min), w0.shape)  # d_max > 0 there too
-            lo = np.minimum(lo, np.where(some, fb * np.divide(w0, d_max, out=np.zeros_like(w0), where=some), lo))
-            hi = np.maximum(hi, np.where(some, fb * np.divide(w0, d_min, out=np.zeros_like(w0), where=some), hi))
-            s_p = np.where(pos[p_m], fb[e_c[p_e]] * (w0[e_j[p_e], e_c[p_e]] + ratio * pre_p)
-                           / np.where(pos[p_m], d[p_m], 1.0), share[e_j[p_e], cols[e_c[p_e]]])
-            if p_e.size:
-                e_lo = np.minimum(e_lo, np.minimum.reduceat(s_p, e_first))
-                e_hi = np.maximum(e_hi, np.maximum.reduceat(s_p, e_first))
-        # Those whose prompt reaches it: at each rate (its own prompt's tokens move with it).
-        lo[e_j, e_c], hi[e_j, e_c] = np.minimum(share[e_j, cols[e_c]], e_lo), np.maximum(share[e_j, cols[e_c]], e_hi)
-        share_lo[:, cols], share_hi[:, cols] = lo, hi
+        share_lo, share_hi = share_range(share, ratio_split, costs, edges, arrival, prefill_end, p_tok, pre_slow, tok_w,
+                                         ctx, server, sequences, f_busy)
     request_energy = share @ energy
     dest = np.stack([share.sum(axis=0), f_idle, f_unprox], axis=1)[:, :, None] * energy[:, None, :]
     by_kind = np.zeros((4, energy.shape[1]))
