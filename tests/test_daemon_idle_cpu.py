@@ -162,24 +162,36 @@ def test_a_close_whose_counters_are_all_exact_has_each_gpus_own_energy_and_metho
         assert exact.all() and per_gpu[:, g].tolist() == want.tolist()
 
 
+def _recording(asked: list, who_of=None):
+    """A sleep_on_grid that records (who, period, its deadline, when it ended, whether a waker could end it)."""
+    import sys
+
+    import powerprof.daemon.ticks as ticks
+
+    def recording(who):
+        async def sleep(period_s, waker=None):
+            loop = asyncio.get_running_loop()
+            caller = sys._getframe(1).f_code.co_name  # the loop that sleeps
+            now = loop.time()
+            d = await ticks.sleep_on_grid(period_s, waker)
+            asked.append((who if who != "daemon" else caller, period_s, now + period_s - now % period_s, loop.time(),
+                          waker is not None))
+            return d
+        return sleep
+    return recording
+
+
 def test_the_idle_daemons_periodic_loops_wake_on_one_grid(tmp_path, monkeypatch):
     # Each wake-up of the idle loop costs its thread CPU whatever it runs: the accounting loop (4 a second), the scrape
     # loop (4) and the connection guard (1) each slept a period after their own work and drifted apart, 9 wake-ups a
-    # second. Each now sleeps to the next multiple of its period on the loop's clock: their instants coincide.
+    # second. Each now sleeps to the next multiple of its period on the loop's clock: their instants coincide. Idle (no
+    # request, no tag; the server's counter still) the accounting and scrape loops sleep a whole second (ticks.py).
     import powerprof.daemon.guard as guard
-    import powerprof.daemon.ticks as ticks
+    import powerprof.daemon.scrape as scrape
 
-    asked: list[tuple[str, float, float]] = []
-
-    def recording(who):
-        async def sleep(period_s):
-            loop = asyncio.get_running_loop()
-            now = loop.time()
-            d = await ticks.sleep_on_grid(period_s)
-            asked.append((who, period_s, now + d))
-            return d
-        return sleep
-
+    monkeypatch.setattr(scrape, "STILL_S", 0.5)  # still from half a second on (5 s)
+    asked: list = []
+    recording = _recording(asked)
     monkeypatch.setattr(service, "sleep_on_grid", recording("daemon"))
     monkeypatch.setattr(guard, "sleep_on_grid", recording("guard"))
     cfg = load_config(None, env={}, overrides={
@@ -191,15 +203,60 @@ def test_the_idle_daemons_periodic_loops_wake_on_one_grid(tmp_path, monkeypatch)
 
     async def main():
         task = asyncio.create_task(d.run())
-        await _wait(lambda: sum(1 for w, p, _ in asked if w == "daemon" and p == 0.25) >= 12
-                    and any(w == "guard" for w, _, _ in asked))
+        await _wait(lambda: sum(1 for w, p, *_ in asked if w == "_tick_loop" and p == 1.0) >= 3
+                    and sum(1 for w, p, *_ in asked if w == "_scrape_loop" and p == 1.0) >= 3
+                    and any(w == "guard" for w, *_ in asked))
         d.stop_event.set()
         return await task
 
     assert asyncio.run(asyncio.wait_for(main(), 90)) == 0
-    periods = {(w, p) for w, p, _ in asked}
-    assert ("daemon", 0.25) in periods and ("guard", 0.5) in periods, periods
-    # Every deadline on the 0.25 s grid, which the guard's 0.5 s one is part of (within a millisecond, the timers'
-    # resolution: `now` above is read a moment before sleep_on_grid reads the loop's clock).
-    for who, period, deadline in asked:
+    periods = {(w, p) for w, p, *_ in asked}
+    assert ("_tick_loop", 1.0) in periods and ("_scrape_loop", 1.0) in periods and ("guard", 0.5) in periods, periods
+    # Every deadline on the 0.25 s grid, which the others are part of.
+    for who, period, deadline, *_ in asked:
         assert abs(deadline - 0.25 * round(deadline / 0.25)) < 1e-3, (who, period, deadline)
+
+
+def test_a_request_ends_the_idle_loops_sleep_at_once(tmp_path, monkeypatch):
+    # The idle accounting and scrape loops sleep a second; a request through the proxy must not wait for their next
+    # pass to get the fast periods (its intervals closed at the quarter second, the server scraped every 0.25 s while it
+    # runs): its arrival ends both sleeps (Daemon.waker).
+    import powerprof.daemon.scrape as scrape
+    from powerprof.sim.server import SimServer
+    from support import free_port
+
+    monkeypatch.setattr(scrape, "STILL_S", 0.5)
+    asked: list = []
+    monkeypatch.setattr(service, "sleep_on_grid", _recording(asked)("daemon"))
+    with SimServer(SimNVML("a100-40g", state_path=None), decode_tok_s=50.0, prefill_tok_s=2000.0) as srv:
+        port = free_port()
+        cfg = load_config(None, env={}, overrides={
+            "daemon.data_dir": str(tmp_path / "data"), "daemon.interval_s": 1.0, "daemon.flush_interval_s": 30.0,
+            "proxy.listen": f"127.0.0.1:{port}", "proxy.upstream": srv.url, "metrics.listen": "",
+            "daemon.restore_on_start": False,
+        })
+        d = Daemon(cfg, Rig("a100-40g", gpus=[0], nvml=SimNVML("a100-40g", count=1, state_path=None)))
+
+        async def main():
+            loop = asyncio.get_running_loop()
+            task = asyncio.create_task(d.run())
+            await _wait(lambda: sum(1 for w, p, *_ in asked if w == "_tick_loop" and p == 1.0) >= 2
+                        and sum(1 for w, p, *_ in asked if w == "_scrape_loop" and p == 1.0) >= 2)
+            # Half-way between two of the idle loops' wake-ups.
+            await asyncio.sleep((0.5 - loop.time() % 1.0) % 1.0 or 1.0)
+            t_sent = loop.time()
+            async with aiohttp.ClientSession() as s:
+                async with s.post(f"http://127.0.0.1:{port}/completion",
+                                  json={"prompt": "the power", "n_predict": 20, "stream": True}) as r:
+                    assert r.status == 200
+                    await r.read()
+            d.stop_event.set()
+            await task
+            return t_sent
+
+        t_sent = asyncio.run(asyncio.wait_for(main(), 90))
+    for loop_name in ("_tick_loop", "_scrape_loop"):
+        cut = [(p, dl, end) for w, p, dl, end, woken in asked if w == loop_name and woken and t_sent <= end < dl - 0.1]
+        assert cut, (loop_name, t_sent, [a for a in asked if a[0] == loop_name][-6:])  # its idle sleep ended early
+        fast = [end for w, p, dl, end, _ in asked if w == loop_name and p == 0.25 and end > t_sent]
+        assert fast, loop_name  # then at the fast period while the request ran

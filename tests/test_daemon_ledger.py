@@ -14,6 +14,7 @@ from powerprof.daemon.ledger import Ledger
 from powerprof.daemon.proxy import RequestTrace
 from powerprof.daemon.streams import Counts
 from powerprof.sim.powercap import SimPowercap
+from powerprof.daemon.ticks import Waker
 
 from support import LedgerReading as R, RowSink as Sink  # noqa: E402
 
@@ -602,7 +603,7 @@ def test_tag_stop_answers_unknown_energy_while_the_window_is_not_final():
     async def edge(label):
         return (5 * S if "stop" in label else 1 * S), 0
 
-    fake = SimpleNamespace(ledger=led, _edge=edge, cfg=SimpleNamespace(get=lambda sec, key: 0.01))
+    fake = SimpleNamespace(waker=Waker(), ledger=led, _edge=edge, cfg=SimpleNamespace(get=lambda sec, key: 0.01))
     asyncio.run(Daemon.tag_start(fake, "x"))
     out = asyncio.run(Daemon.tag_stop(fake, "x"))
     assert out["gpu_energy_j"] is None and out["gpu_j_per_token"] is None and "not final" in out["note"]

@@ -11,6 +11,7 @@ import pytest
 
 from powerprof.daemon.scrape import (
     Cadence, Scraper, burst_start_ns, counter_total, histogram_sum_count, llamacpp_generated, slot_progress, slots_delta)
+from powerprof.daemon.ticks import Waker
 
 VLLM = """# HELP vllm:generation_tokens_total Number of generation tokens processed.
 # TYPE vllm:generation_tokens_total counter
@@ -201,7 +202,7 @@ def test_a_failing_prefix_cache_check_does_not_end_the_scrape_loop():
 
     ledger.add_cache_hits = add_cache_hits
     ledger.add_server_tokens = lambda t, d, since, at_finish, finished=None, partial=(): ledger.spans.append((since, t, d))
-    me = types.SimpleNamespace(cfg=_Cfg(interval_s=0.02, idle_interval_s=0.02), scraper=FakeScraper(), ledger=ledger,
+    me = types.SimpleNamespace(waker=Waker(), cfg=_Cfg(interval_s=0.02, idle_interval_s=0.02), scraper=FakeScraper(), ledger=ledger,
                                stop_event=None, _scrape_since_ns=None)
 
     async def go():
@@ -246,7 +247,7 @@ def test_the_daemon_scrape_loop_follows_the_cadence(monkeypatch):
     ledger.add_server_tokens = lambda t, d, since, at_finish, finished=None, partial=(): ledger.spans.append(
         (since, t, d, at_finish, finished))
     ledger.add_cache_hits = lambda since, t, hits: None
-    me = types.SimpleNamespace(cfg=_Cfg(interval_s=fast_s, idle_interval_s=idle_s), scraper=FakeScraper(),
+    me = types.SimpleNamespace(waker=Waker(), cfg=_Cfg(interval_s=fast_s, idle_interval_s=idle_s), scraper=FakeScraper(),
                                ledger=ledger, stop_event=None, _scrape_since_ns=None)
 
     async def until(pred, limit_s):
@@ -761,7 +762,7 @@ def test_a_prefix_cache_check_failing_at_every_scrape_is_logged_the_first_three_
 
     ledger.add_cache_hits = add_cache_hits
     ledger.add_server_tokens = lambda t, d, since, at_finish, finished=None, partial=(): ledger.spans.append((since, t, d))
-    me = types.SimpleNamespace(cfg=_Cfg(interval_s=0.01, idle_interval_s=0.01), scraper=FakeScraper(), ledger=ledger,
+    me = types.SimpleNamespace(waker=Waker(), cfg=_Cfg(interval_s=0.01, idle_interval_s=0.01), scraper=FakeScraper(), ledger=ledger,
                                stop_event=None, _scrape_since_ns=None)
 
     async def go():

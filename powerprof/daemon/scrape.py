@@ -39,6 +39,7 @@ import aiohttp
 from powerprof.errtext import error_text
 from powerprof.storage.schema import SERVER_COUNT_SLOTS_ONLY
 from powerprof.workload.limits import IDLE_REUSE_S, MAX_METRICS_BYTES, read_capped
+from .ticks import IDLE_PERIOD_S
 # The parsers are the workload layer's (the sweep's foreign-traffic check reads the same counters).
 from powerprof.workload.servercount import (  # noqa: F401
     COUNTERS, FINISHED_LATENCY, LLAMACPP_COUNTER, counter_total, histogram_sum_count, llamacpp_generated,
@@ -132,6 +133,17 @@ class Cadence:
             return True
         # Half a fast period of slack: the poll that lands just short of a period still scrapes.
         return now - self._last >= self.period_s(now) - self.fast_s / 2
+
+    def poll_s(self, now: float, busy: bool) -> float:
+        """How long the scrape loop sleeps at `now`: `fast_s` while that period is in force (or `busy`); once still,
+        the longest multiple of it up to ticks.IDLE_PERIOD_S that divides the idle period, so a poll falls on each idle
+        scrape's instant (0.25 s and 2 s: 1 s)."""
+        if busy or self.period_s(now) <= self.fast_s:
+            return self.fast_s
+        n = max(1, round(self.idle_s / self.fast_s))
+        k = max(j for j in range(1, int(IDLE_PERIOD_S / self.fast_s + 1e-9) + 1) if n % j == 0) \
+            if self.fast_s <= IDLE_PERIOD_S else 1
+        return k * self.fast_s
 
     def scraped(self, now: float, delta: float | None) -> None:
         """A scrape ran at `now` and the counter rose by `delta` (None: the scrape failed)."""

@@ -44,7 +44,7 @@ from .proxy import SERVER_OPTIONS, Proxy, RequestTrace
 from .scrape import AT_FINISH, SCRAPE_TIMEOUT_S, Cadence, Scraper, burst_start_ns, new_session
 from .store import COMPACTION_LOCK, Dataset, DatasetStore, Flusher, buffer_cap_rows
 from .tagapi import PeerPolicy, tag_app
-from .ticks import sleep_on_grid
+from .ticks import Waker, idle_period, sleep_on_grid
 
 log = logging.getLogger("powerprof.daemon")
 # A request's end edge is read this long after the end: the energy counter lags by up to its
@@ -330,6 +330,7 @@ class Daemon:
         self.inflight = InFlight(time.monotonic_ns())  # …and its early signal: requests in flight, awaiting a token
         self.stop_event: asyncio.Event | None = None
         self.reload_requested = False
+        self.waker = Waker()  # ends the loops' idle sleeps when work arrives (ticks.py)
         self.urls: dict[str, str] = {}
         self._runners: list[web.AppRunner] = []
         self._last_edge_s = 0.0
@@ -373,6 +374,7 @@ class Daemon:
         try:
             self.ledger.on_start(trace)
             self._request_edge("request-arrival")
+            self.waker.wake()  # the loops to their fast periods (a no-op unless they sleep idle)
         except BaseException:
             # A failed recording gets no later calls (Proxy._safe): it would stay in flight for ever.
             self.inflight.end(trace.request_id, time.monotonic_ns())
@@ -497,6 +499,7 @@ class Daemon:
             raise ValueError(f"tag {name!r} is already open")
         t, wall = await self._edge(f"tag-start:{name}")
         self.ledger.open_tag(name, t, wall)
+        self.waker.wake()
         log.info("tag %s started", name)
         return {"name": name, "started": True}
 
@@ -690,7 +693,14 @@ class Daemon:
             # (a tenth of the idle loop's CPU). A stop is seen within one period, as the scrape loop's. On the grid
             # the scrape loop and the connection guard sleep on: they wake the loop together (ticks.py).
             asleep = time.monotonic()
-            slept = await sleep_on_grid(period)
+            # Idle (no request, no tag) it passes once a sample, at most once a second: its intervals close at most
+            # that much later, and a request or a tag ends the sleep (self.waker). Four wake-ups a second idle were a
+            # fifth of the idle daemon's own CPU (docs/daemon.md, Footprint).
+            led = self.ledger
+            if led.requests or led.tags or led.closed_tags:
+                slept = await sleep_on_grid(period)
+            else:
+                slept = await sleep_on_grid(idle_period(period, self.cfg.get("daemon", "interval_s")), self.waker)
             if isinstance(self.proxy, Proxy) and self.proxy.recorder is self:
                 # This loop serves the proxy (proxy.workers = 1): how late it woke is how late the proxy could
                 # read the server's tokens then (proxy workers send their own with their heartbeats).
@@ -757,8 +767,10 @@ class Daemon:
                         self.ledger.add_server_tokens(t, delta, since, at_finish, self.scraper.finished, partial=partial)
                     since = self._scrape_since_ns = t  # where the next window, the final scrape's too, starts
             # A bare sleep (no task per wait, as wait_for makes): it wakes every fast period to poll, on the accounting
-            # loop's grid (ticks.py).
-            await sleep_on_grid(cadence.fast_s)
+            # loop's grid (ticks.py); still and idle, at the idle scrapes' instants (Cadence.poll_s), woken by a request.
+            busy = bool(led.requests or led.tags or led.closed_tags)
+            poll = cadence.poll_s(time.monotonic(), busy)
+            await sleep_on_grid(poll, self.waker if poll > cadence.fast_s else None)
         if held is not None:
             self.ledger.add_server_tokens(held[1], held[2], held[0], self.scraper.kind in AT_FINISH, held[3], partial=held[4])
 
@@ -943,12 +955,20 @@ class Daemon:
                         "be opened. Raise LimitNOFILE= in the unit (or ulimit -n), or lower proxy.max_connections",
                         limit, pool, need)
 
+    def _request_stop(self) -> None:
+        self.stop_event.set()
+        self.waker.wake()  # seen now, not at an idle loop's next pass
+
+    def _request_reload(self) -> None:
+        self.reload_requested = True
+        self.waker.wake()
+
     def _install_signal_handlers(self) -> None:
         self.stop_event = asyncio.Event()
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGTERM, signal.SIGINT):
-            loop.add_signal_handler(sig, self.stop_event.set)
-        loop.add_signal_handler(signal.SIGHUP, lambda: setattr(self, "reload_requested", True))
+            loop.add_signal_handler(sig, self._request_stop)
+        loop.add_signal_handler(signal.SIGHUP, self._request_reload)
         # SIGUSR1 is the tuner's kill switch; `kill -USR1 $(pidof powerprof)` may pick the daemon: log, do not die.
         loop.add_signal_handler(signal.SIGUSR1, lambda: log.warning(
             "SIGUSR1 ignored: the daemon has no use for it (the tuner's kill switch: systemctl kill -s USR1 "
@@ -1103,6 +1123,7 @@ class Daemon:
             # Built here, in the loop's thread where the ledger lives, so a scrape reads the state of its moment
             # (the accounting loop builds one only when a sample or a closed interval moves it).
             try:
+                self._drain()  # the samples since the accounting loop's last pass (idle: up to a second ago)
                 self._update_snapshot()
             except Exception:
                 log.exception("building the /metrics snapshot failed; serving the last one")
@@ -1115,7 +1136,7 @@ class Daemon:
 
     async def _shutdown(self, session: aiohttp.ClientSession) -> None:
         """Stop the loops and listeners, take a last sample, close every interval, flush, release."""
-        self.stop_event.set()
+        self._request_stop()
         for t in self._tasks:
             try:
                 await asyncio.wait_for(t, 5)
