@@ -1313,10 +1313,10 @@ def test_requests_that_shared_intervals_split_by_the_fixed_ratio_say_so(mature):
             assert "fix: " in notes[rid]
 
 
-def test_a_request_only_queued_beside_another_leaves_its_split_to_no_ratio():
-    # Request d waits (queued: no token, its prompt not yet prefilled) through c's whole decode; then d decodes alone.
-    # Each did all the work of the intervals it worked in, whatever the ratio: neither row says the fixed ratio split it
-    # (before, c's did: d was live beside it).
+def _queued_beside_rows(d_first_s: float, d_prompt: int) -> dict:
+    """Request c (arriving at 3.1, a 100-token prompt) decodes 8 tokens over [3.2, 3.9] while d (arriving at 3.15, a
+    `d_prompt`-token prompt) waits; d then decodes 4 tokens from `d_first_s`. 300 J an interval; the work model's fit
+    not mature (the fixed ratio splits). The request rows, by request id (3: c, 4: d)."""
     from powerprof.daemon.workmodel import CostLearner, Fit
 
     learner = CostLearner()
@@ -1335,12 +1335,20 @@ def test_a_request_only_queued_beside_another_leaves_its_split_to_no_ratio():
             led.on_end(c)
         if k == 4:
             for j in range(4):
-                led.on_tokens(d, int((4.5 + 0.1 * j) * S), 1)
-            d.first_ns, d.last_ns, d.end_ns = int(4.5 * S), int(4.8 * S), int(4.85 * S)
-            d.counts = Counts(generated_tokens=4, prompt_tokens=100, model=None, stop_reason=None, token_source="usage")
+                led.on_tokens(d, int((d_first_s + 0.1 * j) * S), 1)
+            d.first_ns, d.last_ns, d.end_ns = int(d_first_s * S), int((d_first_s + 0.3) * S), int((d_first_s + 0.35) * S)
+            d.counts = Counts(generated_tokens=4, prompt_tokens=d_prompt, model=None, stop_reason=None,
+                              token_source="usage")
             led.on_end(d)
     led.advance(int(6.5 * S))
-    rows = {r["request_id"]: r for r in sink.rows["requests"]}
+    return {r["request_id"]: r for r in sink.rows["requests"]}
+
+
+def test_a_request_only_queued_beside_another_leaves_its_split_to_no_ratio():
+    # Request d waits (queued: no token, its prompt not yet prefilled) through c's whole decode; then d decodes alone.
+    # Each did all the work of the intervals it worked in, whatever the ratio: neither row says the fixed ratio split it
+    # (before, c's did: d was live beside it).
+    rows = _queued_beside_rows(d_first_s=4.5, d_prompt=100)
     assert set(rows) == {3, 4}
     for rid in (3, 4):
         assert "fixed ratio" not in (rows[rid]["energy_note"] or ""), rows[rid]["energy_note"]
@@ -2051,7 +2059,6 @@ def test_a_request_queued_beside_another_where_its_prompt_could_be_placed_leaves
     # takes most of [3, 4): c's figure there rests on the fixed costs as much as on the 0.05 ratio, and its row must say
     # so (before 2b3880a it did: d was live beside it).
     from powerprof.daemon import attribution as attr
-    from powerprof.daemon.workmodel import CostLearner, Fit
 
     t = np.array([3, 4, 5], dtype=np.int64) * S
     args = (t, np.array([100.0, 100.0]), np.array([int(3.1 * S), int(3.15 * S)]),
@@ -2069,29 +2076,7 @@ def test_a_request_queued_beside_another_where_its_prompt_could_be_placed_leaves
     fitted = attr.attribute(*args, prompt_tokens=np.array([0.0, 2000.0]), costs=attr.WorkCosts(source="fitted"))
     assert fitted.share_lo is fitted.share and fitted.share_hi is fitted.share  # learned costs: no range to give
 
-    learner = CostLearner()
-    learner.fits[(None,)] = learner.fits[()] = Fit((0.0,) * 5, 20, 12, None, None, False, "12 busy intervals of 30")
-    sink = Sink()
-    led = Ledger("d", 0, 1, sink, grace_s=0.1, learner=learner)
-    c, d = _trace(3, 3.1), _trace(4, 3.15)
-    for k in range(7):
-        _feed(led, float(k), 1000.0 + 300.0 * k)
-        if k == 3:
-            led.on_start(c), led.on_start(d)
-            for j in range(8):
-                led.on_tokens(c, int((3.2 + 0.1 * j) * S), 1)
-            c.first_ns, c.last_ns, c.end_ns = int(3.2 * S), int(3.9 * S), int(3.95 * S)
-            c.counts = Counts(generated_tokens=8, prompt_tokens=100, model=None, stop_reason=None, token_source="usage")
-            led.on_end(c)
-        if k == 4:
-            for j in range(4):
-                led.on_tokens(d, int((4.25 + 0.1 * j) * S), 1)
-            d.first_ns, d.last_ns, d.end_ns = int(4.25 * S), int(4.55 * S), int(4.6 * S)
-            d.counts = Counts(generated_tokens=4, prompt_tokens=2000, model=None, stop_reason=None,
-                              token_source="usage")
-            led.on_end(d)
-    led.advance(int(6.5 * S))
-    rows = {r["request_id"]: r for r in sink.rows["requests"]}
+    rows = _queued_beside_rows(d_first_s=4.25, d_prompt=2000)
     assert "split among them by the fixed ratio" in (rows[3]["energy_note"] or ""), rows[3]["energy_note"]
 
 
@@ -2103,31 +2088,7 @@ def test_a_queued_prompt_given_little_by_the_fixed_ratio_says_how_much_more_the_
     # figure down to about -80%, d's up to about +80%, each of its own energy (300 J an interval).
     import re
 
-    from powerprof.daemon.workmodel import CostLearner, Fit
-
-    learner = CostLearner()
-    learner.fits[(None,)] = learner.fits[()] = Fit((0.0,) * 5, 20, 12, None, None, False, "12 busy intervals of 30")
-    sink = Sink()
-    led = Ledger("d", 0, 1, sink, grace_s=0.1, learner=learner)
-    c, d = _trace(3, 3.1), _trace(4, 3.15)
-    for k in range(7):
-        _feed(led, float(k), 1000.0 + 300.0 * k)
-        if k == 3:
-            led.on_start(c), led.on_start(d)
-            for j in range(8):
-                led.on_tokens(c, int((3.2 + 0.1 * j) * S), 1)
-            c.first_ns, c.last_ns, c.end_ns = int(3.2 * S), int(3.9 * S), int(3.95 * S)
-            c.counts = Counts(generated_tokens=8, prompt_tokens=100, model=None, stop_reason=None, token_source="usage")
-            led.on_end(c)
-        if k == 4:
-            for j in range(4):
-                led.on_tokens(d, int((4.25 + 0.1 * j) * S), 1)
-            d.first_ns, d.last_ns, d.end_ns = int(4.25 * S), int(4.55 * S), int(4.6 * S)
-            d.counts = Counts(generated_tokens=4, prompt_tokens=2000, model=None, stop_reason=None,
-                              token_source="usage")
-            led.on_end(d)
-    led.advance(int(6.5 * S))
-    rows = {r["request_id"]: r for r in sink.rows["requests"]}
+    rows = _queued_beside_rows(d_first_s=4.25, d_prompt=2000)
     ranges = {}
     for rid in (3, 4):
         note = rows[rid]["energy_note"] or ""
