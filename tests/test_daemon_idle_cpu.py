@@ -283,3 +283,37 @@ def test_an_idle_sleep_ended_by_the_waker_returns_the_sleep_until_the_wake_not_t
 
     slept, late = asyncio.run(main())
     assert 0.05 <= slept < 0.25 and late >= 0.25, (slept, late)
+
+
+def test_the_idle_accounting_loop_passes_often_enough_for_a_short_systemd_watchdog(monkeypatch):
+    # The watchdog is pinged from the accounting loop's passes, every WatchdogSec/2. Idle, the loop passes once a
+    # second: with WatchdogSec=2 s a ping could come 2 s after the last one (a pass a hair short of the ping's time, the
+    # next a second later) and systemd killed an idle daemon; at 4 passes a second it held down to ~0.6 s.
+    import types
+
+    from powerprof.daemon.ticks import Waker
+
+    asked: list[float] = []
+
+    async def sleep(period_s, waker=None):
+        asked.append(period_s)
+        me.stop_event.set()
+        return period_s
+
+    monkeypatch.setattr(service, "sleep_on_grid", sleep)
+    ledger = types.SimpleNamespace(requests={}, tags={}, closed_tags=[], edges=[], advance=lambda *a: None)
+    me = types.SimpleNamespace(cfg=types.SimpleNamespace(get=lambda sec, key: 1.0), ledger=ledger, proxy=None,
+                               waker=Waker(), reload_requested=False, _drain=lambda: 0, _update_snapshot=lambda: None,
+                               _watchdog=lambda now: None, _wd_period=1.0)  # WatchdogSec=2
+
+    async def run(wd_period):
+        me._wd_period = wd_period
+        me.stop_event = asyncio.Event()
+        await Daemon._tick_loop(me)
+
+    asyncio.run(run(None))
+    assert asked[-1] == 1.0  # no watchdog: once a second
+    asyncio.run(run(1.0))
+    assert asked[-1] <= 0.5, asked  # at most half the ping period: a ping is never a whole period late
+    asyncio.run(run(60.0))
+    assert asked[-1] == 1.0
