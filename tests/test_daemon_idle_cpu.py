@@ -260,3 +260,60 @@ def test_a_request_ends_the_idle_loops_sleep_at_once(tmp_path, monkeypatch):
         assert cut, (loop_name, t_sent, [a for a in asked if a[0] == loop_name][-6:])  # its idle sleep ended early
         fast = [end for w, p, dl, end, _ in asked if w == loop_name and p == 0.25 and end > t_sent]
         assert fast, loop_name  # then at the fast period while the request ran
+
+
+def test_an_idle_sleep_ended_by_the_waker_returns_the_sleep_until_the_wake_not_the_loops_lateness_after_it():
+    # The accounting loop takes (its time asleep - what sleep_on_grid returns) as the proxy's loop lateness
+    # (note_proxy_delay, read by the ledger's bypass-lag check). Woken early, it returned the time until it ran again:
+    # a loop that stalled between the wake (a request's arrival) and that pass measured 0 s late for it.
+    from powerprof.daemon.ticks import Waker, sleep_on_grid
+
+    async def main():
+        loop = asyncio.get_running_loop()
+        waker = Waker()
+
+        def wake_then_stall():
+            waker.wake()
+            time.sleep(0.3)  # the loop busy after the wake (a burst of arrivals, a slow callback)
+
+        loop.call_later(0.1, wake_then_stall)
+        asleep = time.monotonic()
+        slept = await sleep_on_grid(10_000.0, waker)  # a grid point far off: only the waker ends it
+        return slept, time.monotonic() - asleep - slept
+
+    slept, late = asyncio.run(main())
+    assert 0.05 <= slept < 0.25 and late >= 0.25, (slept, late)
+
+
+def test_the_idle_accounting_loop_passes_often_enough_for_a_short_systemd_watchdog(monkeypatch):
+    # The watchdog is pinged from the accounting loop's passes, every WatchdogSec/2. Idle, the loop passes once a
+    # second: with WatchdogSec=2 s a ping could come 2 s after the last one (a pass a hair short of the ping's time, the
+    # next a second later) and systemd killed an idle daemon; at 4 passes a second it held down to ~0.6 s.
+    import types
+
+    from powerprof.daemon.ticks import Waker
+
+    asked: list[float] = []
+
+    async def sleep(period_s, waker=None):
+        asked.append(period_s)
+        me.stop_event.set()
+        return period_s
+
+    monkeypatch.setattr(service, "sleep_on_grid", sleep)
+    ledger = types.SimpleNamespace(requests={}, tags={}, closed_tags=[], edges=[], advance=lambda *a: None)
+    me = types.SimpleNamespace(cfg=types.SimpleNamespace(get=lambda sec, key: 1.0), ledger=ledger, proxy=None,
+                               waker=Waker(), reload_requested=False, _drain=lambda: 0, _update_snapshot=lambda: None,
+                               _watchdog=lambda now: None, _wd_period=1.0)  # WatchdogSec=2
+
+    async def run(wd_period):
+        me._wd_period = wd_period
+        me.stop_event = asyncio.Event()
+        await Daemon._tick_loop(me)
+
+    asyncio.run(run(None))
+    assert asked[-1] == 1.0  # no watchdog: once a second
+    asyncio.run(run(1.0))
+    assert asked[-1] <= 0.5, asked  # at most half the ping period: a ping is never a whole period late
+    asyncio.run(run(60.0))
+    assert asked[-1] == 1.0

@@ -141,8 +141,11 @@ def test_cadence_slows_when_still_and_speeds_at_once_on_a_counter_rise_or_a_requ
     for t in (0.25, 0.5, 4.75):
         c.scraped(t, 0.0)  # the counter never moves
     assert c.period_s(5.0) == 2.0
-    assert not c.due(5.0, busy=False) and not c.due(6.0, busy=False)
+    assert not c.due(5.0, busy=False) and not c.due(5.5, busy=False)
     assert c.due(6.75, busy=False)  # one idle period after the last scrape
+    # Still, the loop polls once a second (poll_s): at 6.0 the next poll (7.0) would make the window 2.25 s, past the
+    # idle period and its slack, so the scrape is due at 6.0 (a shorter window, and the next ones on the poll's grid).
+    assert c.poll_s(6.0, busy=False) == 1.0 and c.due(6.0, busy=False)
     c.scraped(6.75, 0.0)
     # A slow scrape sees the counter rise: the next one is one fast period later, not two seconds.
     c.scraped(8.75, 12.0)
@@ -780,3 +783,29 @@ def test_a_prefix_cache_check_failing_at_every_scrape_is_logged_the_first_three_
     # 3, and one more per hundred (a starved checker may see the loop run on past 100)
     assert len(ledger.spans) >= 12 and len(said) == 3 + len(faults) // 100, [r.getMessage() for r in said]
     assert "(1 so far)" in said[0].getMessage() and "(3 so far)" in said[2].getMessage()
+
+
+@pytest.mark.parametrize("phase_s", [0.0, 0.25, 0.5, 0.75])
+def test_the_still_scrape_loops_first_idle_scrape_is_not_later_than_the_idle_period(phase_s):
+    # Still, the loop polls once a second (Cadence.poll_s) on the loop clock's grid; the last fast scrape falls on any
+    # quarter second. Polled only at whole seconds, the first idle scrape after one at x.25 came 2.75 s after it, not
+    # within the 2 s idle period (and its half fast period of slack). Simulated on a virtual clock, as the loop polls.
+    import math
+
+    fast_s, idle_s, scrape_s = 0.25, 2.0, 0.01
+    c = Cadence(fast_s, idle_s, still_s=5.0)
+    t, scrapes = 0.0, []
+    busy_until = 10.0 + phase_s  # proxied requests until here: fast, then still for 5 s, then idle
+    while t < 40.0:
+        busy = t < busy_until
+        if c.due(t, busy):
+            scrapes.append(t)
+            t += scrape_s
+            c.scraped(t, 0.0)
+        poll = c.poll_s(t, busy)
+        t = (math.floor(t / poll + 1e-9) + 1) * poll + 0.001  # the next grid point, a hair late as timers are
+    gaps = [b - a for a, b in zip(scrapes, scrapes[1:])]
+    assert max(gaps) <= idle_s + fast_s / 2 + scrape_s + 0.01, [(round(a, 3), round(g, 3)) for a, g in zip(scrapes, gaps)]
+    # and it does poll at the idle instants once idle: no more scrapes than one per idle period after the stillness
+    late = [s for s in scrapes if s > busy_until + 5.0 + idle_s + 1.0]
+    assert all(g >= idle_s - fast_s / 2 - 0.01 for g in (b - a for a, b in zip(late, late[1:]))), late

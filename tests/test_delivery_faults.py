@@ -478,3 +478,93 @@ def test_vllms_error_inside_a_200_stream_fails_the_request_and_says_the_servers_
     first = recs[0]
     assert first.status == "failed" and first.http_status == 200 and "EngineCore encountered an issue" in first.error
     assert recs[-1].ok and recs[-1].attempt == 2  # sent again, as any failed request
+
+
+def _queue_page(waiting: float, series: dict) -> str:
+    """A vLLM /metrics page: the waiting gauge and request_queue_time_seconds, {engine: (count, count <= 0.3 s, sum)}."""
+    lines = ["# TYPE vllm:num_requests_waiting gauge", f"vllm:num_requests_waiting {waiting}",
+             "# TYPE vllm:request_queue_time_seconds histogram"]
+    for engine, (n, short, total) in series.items():
+        lab = f'engine="{engine}",model_name="m"'
+        lines += [f'vllm:request_queue_time_seconds_bucket{{{lab},le="0.3"}} {short}',
+                  f'vllm:request_queue_time_seconds_bucket{{{lab},le="+Inf"}} {n}',
+                  f"vllm:request_queue_time_seconds_count{{{lab}}} {n}", f"vllm:request_queue_time_seconds_sum{{{lab}}} {total}"]
+    return "\n".join(lines) + "\n"
+
+
+def _probe_against(pages, finished: int, hang_after: int | None = None):
+    """QueueProbe over one level against a /metrics that answers `pages` in turn (the last one from then on); from the
+    read `hang_after` on it never answers. Returns (the note's part, seconds stop took)."""
+    import asyncio
+    import time
+
+    import aiohttp
+    from aiohttp import web
+
+    from powerprof.workload import measure as measure_mod
+    from powerprof.workload.client import ServerInfo
+
+    async def go():
+        reads = [0]
+        polling, release = asyncio.Event(), asyncio.Event()
+
+        async def metrics(_request):
+            k = reads[0]
+            reads[0] += 1
+            if k >= 1:
+                polling.set()
+            if hang_after is not None and k >= hang_after:
+                await release.wait()  # until the test ends
+            return web.Response(text=pages[min(k, len(pages) - 1)])
+
+        app = web.Application()
+        app.router.add_get("/metrics", metrics)
+        runner = web.AppRunner(app)
+        await runner.setup()
+        site = web.TCPSite(runner, "127.0.0.1", 0)
+        await site.start()
+        port = site._server.sockets[0].getsockname()[1]
+        try:
+            async with aiohttp.ClientSession() as s:
+                probe = measure_mod.QueueProbe(s, ServerInfo(f"http://127.0.0.1:{port}", "vllm", "openai-completions"))
+                await probe.start()
+                await asyncio.wait_for(polling.wait(), 5)
+                t0 = time.monotonic()
+                out = await probe.stop(finished)
+                return out, time.monotonic() - t0
+        finally:
+            release.set()
+            await runner.cleanup()
+
+    return asyncio.run(go())
+
+
+def test_a_vllm_queue_histogram_that_went_back_mid_level_gives_no_figure():
+    # A server restarted within the level: its request_queue_time_seconds starts again from 0, and the deltas of the
+    # level read across it are not its requests' waits (here 6 "waited over 0.3 s" and "9.0 s in all", where the
+    # counts before the restart are lost and the waits after it alone make 12 s).
+    before = _queue_page(0, {"0": (100, 100, 3.0)})
+    after = _queue_page(0, {"0": (6, 0, 12.0)})
+    out, _ = _probe_against([before, after], finished=6)
+    assert out is None or ("waited over" not in out and "in all" not in out), out
+    # One engine of two restarted: the sums over label sets rose (40 more on the other) and hid it.
+    before = _queue_page(0, {"0": (100, 100, 3.0), "1": (10, 10, 0.5)})
+    after = _queue_page(0, {"0": (6, 0, 12.0), "1": (150, 150, 4.0)})
+    out, _ = _probe_against([before, after], finished=46)
+    assert out is None or ("waited over" not in out and "in all" not in out), out
+    # Both went forward: read as ever (2 over 0.3 s, 2.5 s in all).
+    before = _queue_page(0, {"0": (100, 100, 3.0), "1": (10, 10, 0.5)})
+    after = _queue_page(0, {"0": (102, 100, 5.0), "1": (12, 12, 1.0)})
+    out, _ = _probe_against([before, after], finished=4)
+    assert out is not None and "2 waited over 0.3 s for their first step, 2.5 s in all" in out, out
+
+
+def test_a_vllm_queue_probe_whose_metrics_stop_answering_ends_the_level_within_its_settle_time():
+    # After a level the probe reads the queue histogram for up to QUEUE_SETTLE_S (1 s); each read had fetch_metrics'
+    # own 5 s limit, so a /metrics that stopped answering held the level's end (and a Ctrl-C's exit) 5 s and more.
+    from powerprof.workload.measure import QUEUE_SETTLE_S
+
+    page = _queue_page(0, {"0": (0, 0, 0.0)})
+    out, took_s = _probe_against([page], finished=4, hang_after=1)
+    assert took_s < QUEUE_SETTLE_S + 1.0, took_s
+    assert out is None

@@ -132,7 +132,14 @@ class Cadence:
         if self._last is None:
             return True
         # Half a fast period of slack: the poll that lands just short of a period still scrapes.
-        return now - self._last >= self.period_s(now) - self.fast_s / 2
+        since, period = now - self._last, self.period_s(now)
+        if since >= period - self.fast_s / 2:
+            return True
+        # Still, the loop polls every poll_s (1 s), on the loop clock's grid, and the last fast scrape fell anywhere on
+        # the fast one: waiting for the next poll would make this window longer than the period and its slack (2.75 s
+        # of a 2 s idle period after a scrape at x.25 s). Scraped now, the window is shorter, and the next ones fall on
+        # the poll's grid.
+        return since + self.poll_s(now, busy) > period + self.fast_s / 2
 
     def poll_s(self, now: float, busy: bool) -> float:
         """How long the scrape loop sleeps at `now`: `fast_s` while that period is in force (or `busy`); once still,

@@ -700,7 +700,12 @@ class Daemon:
             if led.requests or led.tags or led.closed_tags:
                 slept = await sleep_on_grid(period)
             else:
-                slept = await sleep_on_grid(idle_period(period, self.cfg.get("daemon", "interval_s")), self.waker)
+                # Within half the watchdog's ping period too (the pings ride on these passes): a pass a hair short of
+                # the ping's time and the next a second later made a 2 s WatchdogSec's ping come 2 s late.
+                cap = self.cfg.get("daemon", "interval_s")
+                if self._wd_period is not None:
+                    cap = min(cap, self._wd_period / 2)
+                slept = await sleep_on_grid(idle_period(period, cap), self.waker)
             if isinstance(self.proxy, Proxy) and self.proxy.recorder is self:
                 # This loop serves the proxy (proxy.workers = 1): how late it woke is how late the proxy could
                 # read the server's tokens then (proxy workers send their own with their heartbeats).

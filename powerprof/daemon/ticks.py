@@ -30,7 +30,7 @@ class Waker:
     def wake(self) -> None:
         for fut in self._sleeping:
             if not fut.done():
-                fut.set_result(None)
+                fut.set_result(fut.get_loop().time())  # when it was ended: the sleeper's lateness runs from here
 
 
 def _ring(fut: asyncio.Future) -> None:
@@ -40,7 +40,7 @@ def _ring(fut: asyncio.Future) -> None:
 
 async def sleep_on_grid(period_s: float, waker: Waker | None = None) -> float:
     """Sleep until the next multiple of `period_s` on the running loop's clock (or until `waker` ends it); returns the
-    sleep asked for (what it slept, where woken early).
+    sleep asked for (where woken early, what it slept until the wake).
 
     Every wake-up of the idle daemon's event loop costs its thread CPU whatever it then runs (the kernel's wake and the
     loop's turn: 0.06-0.1 % of a core for one task sleeping 0.25 s at a time, on the development VM; two tasks waking
@@ -60,8 +60,11 @@ async def sleep_on_grid(period_s: float, waker: Waker | None = None) -> float:
     timer = loop.call_at(now + d, _ring, fut)
     waker._sleeping.add(fut)
     try:
-        await fut
+        woke = await fut
     finally:
         timer.cancel()
         waker._sleeping.discard(fut)
-    return min(d, loop.time() - now)  # woken early: what it slept
+    # Woken early: what it slept until the wake, not until it ran again, so that a loop late after the wake (the
+    # accounting loop's note_proxy_delay) is measured late. Measured to its resumption, a loop that stalled between a
+    # request's arrival and its pass measured 0 s late for it.
+    return d if woke is None else min(d, max(0.0, woke - now))

@@ -558,12 +558,17 @@ def vllm_timing_totals(text: str) -> dict:
             out["waiting"] = sum(smp.value for smp in fam.samples)
             continue
         if fam.name == VLLM_QUEUE:
+            # Each label set's too (several engines or models): a server restarted mid-level (its counts back to 0)
+            # is told by a series that went back, which the sums hide where another one rose more.
+            series = out.setdefault("queue_series", {})
             for smp in fam.samples:
                 part = ("queue_sum" if smp.name.endswith("_sum") else "queue_count" if smp.name.endswith("_count")
                         else "queue_short" if smp.name.endswith("_bucket") and _le(smp.labels) == VLLM_QUEUE_BUCKET_S
                         else None)
                 if part is not None:
                     out[part] = out.get(part, 0.0) + smp.value
+                    key = tuple(sorted((k, v) for k, v in smp.labels.items() if k != "le"))
+                    series.setdefault(key, {})[part] = series.get(key, {}).get(part, 0.0) + smp.value
             continue
         key = "decode" if fam.name == VLLM_DECODE else "itl" if fam.name in VLLM_ITL else None
         if key is None:

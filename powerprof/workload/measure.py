@@ -567,7 +567,9 @@ def measure(
                         aborted = away["message"]
                     break
                 finally:
-                    queued = await probe.stop(len(kept) - kept_before) if probe is not None else None
+                    if probe is not None:
+                        probe.cancel()  # cut short (a limit moved, the server away, a stop): no note, nothing read
+                queued = await probe.stop(len(kept) - kept_before) if probe is not None else None
                 if queued:
                     by_level.append((c,
                         f"concurrency {c}: vLLM queued requests, more streams than it runs at once ({queued}): "
@@ -809,9 +811,15 @@ class QueueProbe:
             self.most = max(self.most, (m or {}).get("waiting", 0.0))
             await asyncio.sleep(QUEUE_POLL_S)
 
+    def cancel(self) -> None:
+        """Ends the polls alone (a level cut short: its note is not given, nothing more is read)."""
+        if self.task is not None:
+            self.task.cancel()
+
     async def stop(self, finished: int) -> str | None:
         """Ends the polls; what the level's queue was, for the note (None: none seen). `finished`: the level's requests
-        that ended, whose waits the histogram is read for (up to QUEUE_SETTLE_S)."""
+        that ended, whose waits the histogram is read for (up to QUEUE_SETTLE_S, its reads too: fetch_metrics' own
+        limit is 5 s, and a /metrics that stopped answering held the level's end that long)."""
         from .client import VLLM_QUEUE_BUCKET_S, fetch_metrics
 
         if self.task is not None:
@@ -822,24 +830,51 @@ class QueueProbe:
                 pass
         first = self.first or {}
         long_n = total_s = 0.0
+        went_back = False
         if "queue_count" in first:
             deadline = time.monotonic() + QUEUE_SETTLE_S
             while True:
-                last = await fetch_metrics(self.session, self.server.base_url) or {}
+                try:
+                    last = await asyncio.wait_for(fetch_metrics(self.session, self.server.base_url),
+                                                  max(0.05, deadline - time.monotonic())) or {}
+                except asyncio.TimeoutError:
+                    last = {}
                 n = last.get("queue_count", 0.0) - first["queue_count"]
                 if n >= finished or time.monotonic() >= deadline or "queue_count" not in last:
                     break
                 await asyncio.sleep(0.05)
             if "queue_count" in last:
-                long_n = n - (last.get("queue_short", 0.0) - first.get("queue_short", 0.0))
-                total_s = last.get("queue_sum", 0.0) - first.get("queue_sum", 0.0)
+                went_back = _queue_went_back(first, last)
+                if not went_back:
+                    long_n = n - (last.get("queue_short", 0.0) - first.get("queue_short", 0.0))
+                    total_s = last.get("queue_sum", 0.0) - first.get("queue_sum", 0.0)
         parts = []
         if self.most > 0:
             parts.append(f"up to {self.most:g} seen waiting at once")
+            if went_back:
+                parts.append("its request_queue_time_seconds went back during the level (a server restart): how many "
+                             "waited, and how long, is not known")
         if long_n > 0:
             parts.append(f"{long_n:g} waited over {VLLM_QUEUE_BUCKET_S:g} s for their first step, {total_s:.1f} s in "
                          "all, by its request_queue_time_seconds")
         return "; ".join(parts) or None
+
+
+def _queue_went_back(first: dict, last: dict) -> bool:
+    """Whether vLLM's queue histogram went back between two reads (any label set's count, short count or sum lower, or
+    gone; a value not finite): a restart between them, whose deltas are not the waits of the requests in between."""
+    import math
+
+    before, after = first.get("queue_series", {}), last.get("queue_series", {})
+    for key, parts in before.items():
+        now = after.get(key)
+        if now is None:
+            return True
+        for part, v in parts.items():
+            w = now.get(part)
+            if w is None or not (math.isfinite(v) and math.isfinite(w)) or w < v:
+                return True
+    return not all(math.isfinite(x) for p in after.values() for x in p.values())
 
 
 def run_measure(rig, **kw) -> MeasureResult:
