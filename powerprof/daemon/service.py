@@ -47,6 +47,13 @@ from .tagapi import PeerPolicy, tag_app
 from .ticks import Waker, idle_period, sleep_on_grid
 
 log = logging.getLogger("powerprof.daemon")
+
+
+def _busy(ledger) -> bool:
+    """Proxied requests or tags (open, or closing) held by the ledger: the loops run at their fast periods."""
+    return bool(ledger.requests or ledger.tags or ledger.closed_tags)
+
+
 # A request's end edge is read this long after the end: the energy counter lags by up to its
 # refresh period (10-100 ms on current drivers).
 END_EDGE_DELAY_S = 0.1
@@ -697,7 +704,7 @@ class Daemon:
             # that much later, and a request or a tag ends the sleep (self.waker). Four wake-ups a second idle were a
             # fifth of the idle daemon's own CPU (docs/daemon.md, Footprint).
             led = self.ledger
-            if led.requests or led.tags or led.closed_tags:
+            if _busy(led):
                 slept = await sleep_on_grid(period)
             else:
                 # Within half the watchdog's ping period too (the pings ride on these passes): a pass a hair short of
@@ -737,7 +744,7 @@ class Daemon:
             cadence.idle_s = self.cfg.get("scrape", "idle_interval_s")
             # Proxied requests and tags being measured keep the scrape fast (docs/daemon.md, Scrape cadence).
             led = self.ledger
-            if cadence.due(time.monotonic(), bool(led.requests or led.tags or led.closed_tags)):
+            if cadence.due(time.monotonic(), _busy(led)):
                 t0 = time.monotonic_ns()
                 delta = await self.scraper.scrape()
                 t = (t0 + time.monotonic_ns()) // 2  # the counter was read somewhere in the request
@@ -773,8 +780,7 @@ class Daemon:
                     since = self._scrape_since_ns = t  # where the next window, the final scrape's too, starts
             # A bare sleep (no task per wait, as wait_for makes): it wakes every fast period to poll, on the accounting
             # loop's grid (ticks.py); still and idle, at the idle scrapes' instants (Cadence.poll_s), woken by a request.
-            busy = bool(led.requests or led.tags or led.closed_tags)
-            poll = cadence.poll_s(time.monotonic(), busy)
+            poll = cadence.poll_s(time.monotonic(), _busy(led))
             await sleep_on_grid(poll, self.waker if poll > cadence.fast_s else None)
         if held is not None:
             self.ledger.add_server_tokens(held[1], held[2], held[0], self.scraper.kind in AT_FINISH, held[3], partial=held[4])
