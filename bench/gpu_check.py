@@ -367,10 +367,13 @@ def update_intervals(nvml, h, duration_s: float) -> dict:
     """How often the driver refreshes each reading: poll tightly, keep the instants a value changed."""
     changes = {"counter": [], "instant_power": [], "instant_power_timestamp": [], "average_power": []}
     last = {k: None for k in changes}
-    polls = 0
+    polls, gap_max, prev = 0, 0, None
     end = time.monotonic_ns() + int(duration_s * 1e9)
     while (now := time.monotonic_ns()) < end:
         polls += 1
+        # A change is seen up to one gap between polls late: a host that starves the poller (a gap near the refresh)
+        # stretches the intervals it reads, so the longest gap is given beside them.
+        gap_max, prev = max(gap_max, now - prev) if prev is not None else 0, now
         inst_mw, inst_ts = _try(_instant_mw, nvml, h) or (None, None)
         vals = {"counter": _try(nvml.nvmlDeviceGetTotalEnergyConsumption, h), "instant_power": inst_mw,
                 # the field's own timestamp (µs) says when the driver took the sample
@@ -380,7 +383,7 @@ def update_intervals(nvml, h, duration_s: float) -> dict:
                 if last[k] is not None:
                     changes[k].append(v if k == "instant_power_timestamp" else now)
                 last[k] = v
-    out = {"poll_s": duration_s, "polls": polls}
+    out = {"poll_s": duration_s, "polls": polls, "poll_gap_ms_max": _num(gap_max / 1e6, 2)}
     for k, xs in changes.items():
         unit = 1e3 if k == "instant_power_timestamp" else 1e6  # µs timestamps vs ns
         d = np.diff(np.asarray(xs, dtype=float)) / unit if len(xs) >= 2 else np.array([])
@@ -1060,12 +1063,13 @@ def markdown(r: dict) -> str:
                          x.get("counter_avg_power_w"), x.get("counter_vs_true")])
         u = e["update_intervals"]
         for k in ("counter", "instant_power", "instant_power_timestamp", "average_power"):
-            upd.append([e["state"], k, u[k]["changes"], u[k]["interval_ms_median"], u[k]["interval_ms_p10_p90"]])
+            upd.append([e["state"], k, u[k]["changes"], u[k]["interval_ms_median"], u[k]["interval_ms_p10_p90"],
+                        u.get("poll_gap_ms_max")])
     if rows:
         L += _table(["state", "rate", "interval s", "counter J", "instant∫ J", "average∫ J", "instant/counter",
                      "average/counter", "counter W", "counter/true (sim)"], rows)
         L += ["Observed update interval (tight polling; instant power from the driver's own sample timestamps):", ""]
-        L += _table(["state", "reading", "changes", "median ms", "p10 – p90 ms"], upd)
+        L += _table(["state", "reading", "changes", "median ms", "p10 – p90 ms", "longest poll gap ms"], upd)
     sc = r.get("sensor_coverage")
     L += ["### Does the sensor see every burst?", ""] + _status(sc)
     if sc and "runs" in sc:

@@ -77,7 +77,9 @@ def test_a_stream_delivered_in_one_burst_is_spread_over_its_run_and_says_so(buff
     assert s["unproxied_j"] < 0.02 * s["requests_true_j"], s
     for kind in ("chat", "messages"):
         m = s["kinds_all"][kind]
-        assert m["n"] >= 10 and m["no_share"] == 0 and abs(m["sum_err"]) < 0.06, (kind, m)
+        # 16 runs two side by side: chat -0.0 to +2.0%, messages -0.4 to -4.5%; a full suite on 2 cores once -6.3%.
+        # Spread evenly (not at the server's pace) messages read -9%; placed at the burst, -52%.
+        assert m["n"] >= 10 and m["no_share"] == 0 and abs(m["sum_err"]) < 0.08, (kind, m)
     notes = o.requests["energy_note"]
     assert notes.notna().all() and notes.str.contains("one burst").all(), notes.value_counts().head()
     assert notes.str.contains("proxy_buffering").all()

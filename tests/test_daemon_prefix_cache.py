@@ -46,8 +46,9 @@ def test_turns_of_a_cached_conversation_are_costed_at_the_prefill_they_caused(ru
     for kind in ("turn", "chat"):
         m = s["kinds_all"][kind]
         assert m["n"] >= 90 and m["no_share"] == 0, (kind, m)
-        # Real-time replay on a loaded host moves these by several % run to run (seen: turns +8.0%, median 15%).
-        assert abs(m["sum_err"]) < 0.12, (kind, m)
+        # Real-time replay on a loaded host moves these by several % run to run (seen: turns +8.0%, median 15%; 16 runs
+        # two side by side, turns -2.9% to +10.1%; a full suite on 2 cores once +12.2%). Before the fix +22.5%.
+        assert abs(m["sum_err"]) < 0.15, (kind, m)
     rows = o.requests
     if flavour == "vllm":
         # The server said every cached count: nothing is flagged, and the rows carry the counts (the truth's).

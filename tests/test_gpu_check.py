@@ -182,8 +182,12 @@ def test_check_runs_on_the_simulator_read_only(trap_env, tmp_path, _isolated_sta
             assert x["counter_vs_true"] == pytest.approx(1, abs=max(0.02, 0.01 + stale)), (e["state"], rate, x)
             assert x["instant_vs_counter"] == pytest.approx(1, abs=max(0.03, 0.02 + stale)), (e["state"], rate, x)
             assert x["average_vs_counter"] == pytest.approx(1, abs=0.05), (e["state"], rate, x)
+        # Polled tightly, a change is seen up to the longest gap between polls late: a starved poller (a full suite
+        # on 2 cores: 334 ms once, the median of 3 changes 202 ms against 100) reads intervals that much off.
         upd = e["update_intervals"]["counter"]["interval_ms_median"]
-        assert upd == pytest.approx(truth.energy_counter_update_s * 1e3, rel=0.5), e["update_intervals"]
+        gap = e["update_intervals"]["poll_gap_ms_max"]
+        refresh_ms = truth.energy_counter_update_s * 1e3
+        assert 0.5 * refresh_ms - gap <= upd <= 1.5 * refresh_ms + gap, e["update_intervals"]
     assert idle["at_50hz"]["counter_avg_power_w"] == pytest.approx(truth.idle_power_w, rel=0.03)
     assert load["at_50hz"]["counter_avg_power_w"] > truth.idle_power_w + 100
     assert load["load_errors"] == []
