@@ -1,5 +1,6 @@
 """Shared fixtures and the run's shape: every test gets its own simulator state and powerprof state
-folders; `-n auto` runs two workers per core, and the longest files start first."""
+folders; `-n auto` runs two workers per core, the longest files start first, and a failed test gets one fresh
+try (docs/testing.md)."""
 
 from __future__ import annotations
 
@@ -44,8 +45,35 @@ def pytest_configure(config):
         config.option.loadscopereorder = False  # files go out in the order collection leaves them
 
 
-def pytest_collection_modifyitems(items):
+# One more try for a failed test (pytest-rerunfailures), with its module's shared fixtures made afresh: most tests run
+# simulated GPUs, servers, clients and the daemon in real time, and their figures rest on the host's scheduling. On
+# a loaded 2-core host each such bound is crossed now and then by one run (measured: docs/testing.md), a different
+# one each full suite; a regression moves every run and fails both tries. Every retry is listed at the end with its
+# first failure (RERUN lines). POWERPROF_TEST_RERUNS=0 turns retries off (to find what fails once).
+RERUNS = int(os.environ.get("POWERPROF_TEST_RERUNS", "1"))
+
+
+def pytest_collection_modifyitems(config, items):
     items.sort(key=lambda item: -LONGEST_FILES_S.get(item.path.name, 0))  # stable: a file's own order is kept
+    if RERUNS > 0 and config.pluginmanager.hasplugin("rerunfailures"):
+        for item in items:
+            if item.get_closest_marker("flaky") is None:
+                item.add_marker(pytest.mark.flaky(reruns=RERUNS))
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_runtest_setup(item):
+    """A retry starts from a fresh run: the module's (or class's) fixtures this test uses are torn down and made
+    again, not handed back as they were. Most such fixtures are one real-time run whose figures every test of the
+    module reads (tests/support.py side_by_side); reusing it, a retry would only read the same figures twice."""
+    if getattr(item, "execution_count", 1) <= 1:
+        return
+    item.session.powerprof_retry = item  # side_by_side runs only the jobs this test asks for
+    info = item._fixtureinfo
+    for name in reversed(item.fixturenames):  # dependants before what they depend on
+        for fixturedef in info.name2fixturedefs.get(name, ()):
+            if fixturedef.scope in ("module", "class", "package") and fixturedef.cached_result is not None:
+                fixturedef.finish(item._request)
 
 
 @pytest.fixture

@@ -221,12 +221,17 @@ def side_by_side(request, jobs: dict, max_processes: int | None = None) -> dict:
     For a module whose fixtures each replay a trace in real time through a simulated server and the daemon (about a
     tenth of a core each): one after the other they took the sum of their times (test_attribution_mixed.py 175 s),
     side by side the longest one's. Each keeps a process, an event loop and a GIL of its own, as it had alone;
-    `fn` and what it returns must pickle (a module-level function). The pool closes with the module."""
+    `fn` and what it returns must pickle (a module-level function). The pool closes with the module. A failed
+    test's retry runs only the jobs it and the tests after it ask for."""
     import concurrent.futures as cf
     import multiprocessing as mp
 
     wanted = set()
-    for item in request.session.items:
+    items = request.session.items
+    retry = getattr(request.session, "powerprof_retry", None)  # a failed test's fresh try (tests/conftest.py)
+    if retry is not None and retry.module is request.module:
+        items = items[items.index(retry):]  # those before it have run
+    for item in items:
         if item.module is request.module:
             wanted.update(item.fixturenames)
             wanted.update(str(v) for v in getattr(getattr(item, "callspec", None), "params", {}).values())

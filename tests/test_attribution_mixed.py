@@ -129,9 +129,11 @@ def test_sglangs_native_generate_is_counted_streamed_whole_and_batched(sglang_ou
     # flavour with no bypass traffic at all (SGLang's counter moves when a request ends, and its jumps passed for
     # bypass tokens). Compared with the proxied requests' tokens at their ends (docs/daemon.md, Bypass traffic):
     # generate +1.9%, whole -1.2%, batch +3.0%, chat -3.7%, unproxied 0 J (1973 J before, in the same run's pair).
+    # With no bypass traffic here, any unproxied energy is the ledger's error: six runs alone beside a CPU hog put
+    # 0.03-0.98% of the requests' energy there, a loaded full suite 1.36%; the bug read 11-14%.
     o, s = sglang_outcome
     assert abs(s["conservation_err"]) <= 0.001
-    assert s["unproxied_j"] <= 0.01 * s["requests_true_j"], (s["unproxied_j"], s["requests_true_j"])
+    assert s["unproxied_j"] <= 0.02 * s["requests_true_j"], (s["unproxied_j"], s["requests_true_j"])
     for kind in ("generate", "generate_whole", "generate_batch", "chat"):
         m = s["kinds_all"][kind]
         assert m["n"] >= 20 and m["no_share"] == 0 and abs(m["sum_err"]) < 0.1, (kind, m)
