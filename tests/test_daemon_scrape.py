@@ -311,6 +311,7 @@ def test_a_scrape_that_times_out_says_where_how_long_and_what_it_means(monkeypat
     # The daemon logged `TimeoutError: ` and nothing after it: aiohttp's total timeout has no message.
     import aiohttp
     from aiohttp import web
+    from proxy_helpers import serve_here
 
     import powerprof.daemon.scrape as scrape
 
@@ -327,24 +328,20 @@ def test_a_scrape_that_times_out_says_where_how_long_and_what_it_means(monkeypat
         release = asyncio.Event()
         app = web.Application()
         app.router.add_get("/metrics", hang)
-        runner = web.AppRunner(app)
-        await runner.setup()
-        site = web.TCPSite(runner, "127.0.0.1", 0)
-        await site.start()
-        port = runner.addresses[0][1]
+        runner, url = await serve_here(app)
         try:
             async with aiohttp.ClientSession() as s:
-                sc = Scraper(s, f"http://127.0.0.1:{port}", "vllm")
-                return await sc.scrape(), sc, port
+                sc = Scraper(s, url, "vllm")
+                return await sc.scrape(), sc, url
         finally:
             release.set()
             await runner.cleanup()
 
     with caplog.at_level("WARNING", logger="powerprof.daemon.scrape"):
-        delta, sc, port = asyncio.run(go())
+        delta, sc, url = asyncio.run(go())
     assert delta is None and sc.errors == 1
     for text in (sc.last_error, caplog.text):
-        assert f"GET http://127.0.0.1:{port}/metrics" in text and "within 0.3 s" in text, text
+        assert f"GET {url}/metrics" in text and "within 0.3 s" in text, text
         assert "busy or hung" in text and "retried" in text, text
 
 

@@ -500,6 +500,7 @@ def _probe_against(pages, finished: int, hang_after: int | None = None):
 
     import aiohttp
     from aiohttp import web
+    from proxy_helpers import serve_here
 
     from powerprof.workload import measure as measure_mod
     from powerprof.workload.client import ServerInfo
@@ -519,14 +520,10 @@ def _probe_against(pages, finished: int, hang_after: int | None = None):
 
         app = web.Application()
         app.router.add_get("/metrics", metrics)
-        runner = web.AppRunner(app)
-        await runner.setup()
-        site = web.TCPSite(runner, "127.0.0.1", 0)
-        await site.start()
-        port = site._server.sockets[0].getsockname()[1]
+        runner, url = await serve_here(app)
         try:
             async with aiohttp.ClientSession() as s:
-                probe = measure_mod.QueueProbe(s, ServerInfo(f"http://127.0.0.1:{port}", "vllm", "openai-completions"))
+                probe = measure_mod.QueueProbe(s, ServerInfo(url, "vllm", "openai-completions"))
                 await probe.start()
                 await asyncio.wait_for(polling.wait(), 5)
                 t0 = time.monotonic()
