@@ -61,6 +61,25 @@ def pytest_collection_modifyitems(config, items):
                 item.add_marker(pytest.mark.flaky(reruns=RERUNS))
 
 
+RETRIED: list[tuple[str, str]] = []  # (test, its first failure's line) of every retry in this run
+
+
+def pytest_runtest_logreport(report):
+    if report.outcome == "rerun":
+        crash = getattr(getattr(report, "longrepr", None), "reprcrash", None)
+        line = crash.message if crash is not None else str(report.longrepr).strip().splitlines()[-1:]
+        RETRIED.append((report.nodeid, " ".join(str(line).split())[:300]))
+
+
+def pytest_terminal_summary(terminalreporter):
+    """Every retried test with what its first try failed on: a figure past its bound on a loaded host reads so, and
+    the same test listed suite after suite is a finding (docs/testing.md)."""
+    if RETRIED:
+        terminalreporter.section("retried once (docs/testing.md): the first try's failure")
+        for nodeid, line in RETRIED:
+            terminalreporter.line(f"{nodeid}: {line}")
+
+
 @pytest.hookimpl(tryfirst=True)
 def pytest_runtest_setup(item):
     """A retry starts from a fresh run: the module's (or class's) fixtures this test uses are torn down and made

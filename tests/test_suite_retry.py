@@ -48,6 +48,7 @@ def test_a_failed_test_is_tried_once_more_on_a_fresh_module_run(pytester, monkey
     res = pytester.runpytest("-rR", "-p", "no:cacheprovider")
     assert {k: v for k, v in res.parseoutcomes().items() if k != "seconds"} == outcome, res.stdout.str()
     res.stdout.fnmatch_lines(["RERUN test_scenario.py::test_figure"])
+    res.stdout.fnmatch_lines(["*retried once*", "test_scenario.py::test_figure: assert 1 >= *"])  # what failed
 
 
 def test_retries_can_be_turned_off(pytester, monkeypatch):
