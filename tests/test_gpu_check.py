@@ -217,11 +217,11 @@ def test_check_runs_on_the_simulator_read_only(trap_env, tmp_path, _isolated_sta
             continue
         assert x["energy_method"] == "counter", x
         assert x["measured_vs_generator"] == pytest.approx(1, abs=0.1), x
-        # At 8 streams the figure reads under the simulator's truth: -4.7 to -6.8% on an idle host (6 runs, before and
-        # after 4 December's changes alike), -10.1% once in a full suite on 2 cores; 1 stream -0.05 to -3.2%. Every
-        # window of --quick's 64 tokens is marked low_confidence (a few of the H200 counter's 100 ms refreshes: the
-        # short-window bias docs/benchmarks.md describes), so the figure is said to be weak; its cause at 8 streams is
-        # still to be pinned down (session 42's closing note).
+        # At 8 streams the figure reads -4.7 to -6.8% off the simulator's truth on an idle host (6 runs), -10.1% once in
+        # a full suite on 2 cores; 1 stream -0.05 to -3.2%. Every window of --quick's 64 tokens is low_confidence (a
+        # few of the H200 counter's 100 ms refreshes), and the error is the short window's edges, not the batch's:
+        # the decode part alone read +7.6 to +9.7% at 64 tokens, +0.7 to +1.3% at 256, -0.6 and 0.0% at 1024
+        # (docs/hardware.md, section 4).
         assert x["gpu_j_per_token"] == pytest.approx(x["true_j_per_token"], rel=0.1 if x["concurrency"] == 1 else 0.15), x
         dd = x["during_decode"]
         # The simulated H200 decodes far below its 700 W limit: the cap does not bind.
