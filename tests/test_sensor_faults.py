@@ -234,3 +234,38 @@ def test_the_daemon_says_how_far_its_energy_accounts_are_behind_a_late_sampler(t
     # lateness on top, never takes from it.
     assert min(behind[-5:]) >= max(lag_s, 0.3), behind
     assert max(behind[-5:]) < lag_s + 5.0, behind
+
+
+
+def test_a_gpu_lost_and_back_before_the_daemon_drains_its_readings_is_said_both_ways(caplog, monkeypatch):
+    # The daemon drains its readings after they were read (a tick or more later on a loaded host), and said a GPU's
+    # loss and its return by the collector's state at the drain. Reset, then looked up again by its UUID before the
+    # drain, the GPU's return went unsaid: at the drain it was no longer lost, so its lost reading was taken for a
+    # GPU answering, and the reading that said "answers again" for no change. Each reading carries its own state now.
+    import collections
+    import types
+
+    import powerprof.collectors.nvml as nvml_mod
+    from powerprof.collectors.nvml import NvmlCollector
+    from powerprof.collectors.sampler import Sample
+
+    nv = FaultyNVML(SimNVML("a100-40g", count=2, state_path=None))
+    col = NvmlCollector(nv, [0, 1])
+    nv.reset(1)
+    lost_read = col.read()  # its handle is stale: lost
+    monkeypatch.setattr(nvml_mod, "REOPEN_INTERVAL_S", 0.0)
+    back = col.read()  # looked up again by UUID: it answers
+    assert [r.lost for r in lost_read] == [False, True] and [r.lost for r in back] == [False, False]
+    assert lost_read[1].note and back[1].note and 1 not in col.lost
+
+    seen = []
+    me = types.SimpleNamespace(
+        samples=collections.deque([Sample("nvml", 1, 1, 1, lost_read), Sample("nvml", 2, 2, 2, back)]), t0_ns=0,
+        gpu_uuids=[i.uuid for i in col.infos], collector=col, _gpu_notes={}, _gpu_lost={}, latest_gpu=None,
+        ledger=types.SimpleNamespace(add_gpu_sample=lambda *a: seen.append(a)),
+        store=types.SimpleNamespace(append=lambda name, rows: None))
+    with caplog.at_level(logging.WARNING, logger="powerprof.daemon"):
+        assert Daemon._drain(me) == 2
+    said = [r.getMessage() for r in caplog.records if r.getMessage().startswith("gpu1: ")]
+    assert said == [f"gpu1: {lost_read[1].note}", f"gpu1: {back[1].note}"], caplog.text
+    assert len(seen) == 2

@@ -66,6 +66,10 @@ class GpuReading:
     # A sample is dated at the middle of the whole read of every GPU and reading, which on a real H200
     # (~3 ms a counter read, 15 ms at p99) is milliseconds off this GPU's counter; None: no energy_j.
     energy_t_mono_ns: int | None = None
+    # The GPU was found lost at this read (its note says when and the fix). Kept with the reading, not read off the
+    # collector later: a consumer draining readings a tick behind saw the state of its own moment, and a GPU lost
+    # and back in between went unsaid.
+    lost: bool = False
 
 
 # Readings NVML cannot give are None without a note; these codes mean the card could not answer.
@@ -430,6 +434,7 @@ class NvmlCollector:
             energy_epoch=self._epoch[k],
             note="; ".join(notes) or None,
             energy_t_mono_ns=energy_t_ns if energy_j is not None else None,
+            lost=bool(lost[0]),
         )
 
 

@@ -557,7 +557,7 @@ class Daemon:
                 continue
             if s.source == "nvml":
                 for r in s.data:
-                    lost = r.index in self.collector.lost
+                    lost = r.lost  # as at its read: the collector's state by now may be a later read's
                     # When trouble starts and when a lost GPU answers again (reopened), not every tick.
                     if r.note and (not self._gpu_notes.get(r.index) or lost != self._gpu_lost.get(r.index, False)):
                         log.warning("gpu%d: %s", r.index, r.note)
