@@ -178,10 +178,16 @@ def test_speculative_decoding_reports_drafts_and_acceptance(speculative_server):
         t = r.server_timings
         assert r.draft_n == t["draft_n"] > 0
         assert r.draft_n_accepted == t["draft_n_accepted"] == r.draft_n  # the draft is the model itself
-        # n − 1 decode tokens, fewer only when a stale edge read was trimmed (docs/workload.md).
+        # n − 1 decode tokens, fewer only when a stale edge read was trimmed (docs/workload.md); a trimmed window is
+        # still timed, or, where a starved client read it late (a loaded full suite, once: "assert False" here), left
+        # out of the figures saying why.
         assert r.generated_tokens == N_TOKENS
         first_read = int(reads(r.event_t_ns, r.event_tokens)[1][0])
-        assert r.decode_tokens == N_TOKENS - first_read if not r.quality.trimmed else r.timing.kind in ("stream", "server")
+        said = (r.decode_tokens, N_TOKENS - first_read, r.quality, r.timing)
+        if not r.quality.trimmed:
+            assert r.decode_tokens == N_TOKENS - first_read, said
+        else:
+            assert r.timing.kind in ("stream", "server") or (r.timing.kind == "untrusted" and r.timing.reason), said
     log = speculative_server.log_path.read_text(errors="replace")
     assert re.search(r"draft acceptance = 1\.0+ ", log), "the server's own log agrees: every draft accepted"
 
