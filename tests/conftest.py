@@ -48,8 +48,8 @@ def pytest_configure(config):
 # One more try for a failed test (pytest-rerunfailures), with its module's shared fixtures made afresh: most tests run
 # simulated GPUs, servers, clients and the daemon in real time, and their figures rest on the host's scheduling. On
 # a loaded 2-core host each such bound is crossed now and then by one run (measured: docs/testing.md), a different
-# one each full suite; a regression moves every run and fails both tries. Every retry is listed at the end with its
-# first failure (RERUN lines). POWERPROF_TEST_RERUNS=0 turns retries off (to find what fails once).
+# one each full suite; a regression moves every run and fails both tries. Every retry is listed at the end with the
+# line its first try failed on (pytest_terminal_summary). POWERPROF_TEST_RERUNS=0 turns retries off (to find what fails once).
 RERUNS = int(os.environ.get("POWERPROF_TEST_RERUNS", "1"))
 
 
@@ -67,8 +67,8 @@ RETRIED: list[tuple[str, str]] = []  # (test, its first failure's line) of every
 def pytest_runtest_logreport(report):
     if report.outcome == "rerun":
         crash = getattr(getattr(report, "longrepr", None), "reprcrash", None)
-        line = crash.message if crash is not None else str(report.longrepr).strip().splitlines()[-1:]
-        RETRIED.append((report.nodeid, " ".join(str(line).split())[:300]))
+        line = crash.message if crash is not None else (str(report.longrepr).strip().splitlines() or [""])[-1]
+        RETRIED.append((report.nodeid, " ".join(line.split())[:300]))
 
 
 def pytest_terminal_summary(terminalreporter):
@@ -89,7 +89,8 @@ def pytest_runtest_setup(item):
         return
     item.session.powerprof_retry = item  # side_by_side runs only the jobs this test asks for
     info = item._fixtureinfo
-    for name in reversed(item.fixturenames):  # dependants before what they depend on
+    # Finishing a fixture finishes those made from it first (pytest registers them so): the order here is free.
+    for name in item.fixturenames:
         for fixturedef in info.name2fixturedefs.get(name, ()):
             if fixturedef.scope in ("module", "class", "package") and fixturedef.cached_result is not None:
                 fixturedef.finish(item._request)

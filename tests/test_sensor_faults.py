@@ -236,7 +236,6 @@ def test_the_daemon_says_how_far_its_energy_accounts_are_behind_a_late_sampler(t
     assert max(behind[-5:]) < lag_s + 5.0, behind
 
 
-
 def test_a_gpu_lost_and_back_before_the_daemon_drains_its_readings_is_said_both_ways(caplog, monkeypatch):
     # The daemon drains its readings after they were read (a tick or more later on a loaded host), and said a GPU's
     # loss and its return by the collector's state at the drain. Reset, then looked up again by its UUID before the
