@@ -39,6 +39,7 @@ import sys
 import threading
 import time
 import traceback
+from collections import Counter
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -693,6 +694,151 @@ def check_cli_measure(ctx) -> dict:
     return run_cli(args, ctx.out, 120, ctx.cli_env)
 
 
+# --- 4b. the daemon in front of the same server -------------------------------------------------------------
+
+
+def check_daemon(ctx) -> dict:
+    """The daemon (proxy, 1 Hz sampler, attribution) in front of the decode server, in this process on this GPU.
+
+    Requests at concurrency 1, then 8 at once, each tagged by phase; the daemon's own dataset is then read back:
+    every request is a row, with its GPU energy or the reason it has none; its J/token beside measure's (part 4,
+    decode only: the daemon's also carries its prefill); its interval cadence on this GPU's ~3 ms counter read; on
+    the simulator, its energy against the simulated GPU's truth. In this process so that the daemon reads the
+    same NVML (and, simulated, the same GPU the server drives); the daemon's loop carries the client too, whose
+    few streams cost it little.
+    """
+    import shutil
+
+    data = ctx.out / "daemon_data"
+    shutil.rmtree(data, ignore_errors=True)
+    handlers = {sig: signal.getsignal(sig) for sig in (signal.SIGTERM, signal.SIGINT)}
+    try:
+        res = asyncio.run(_daemon_run(ctx, data))
+    finally:
+        for sig, h in handlers.items():  # the daemon's loop took them over; a timeout must still end the check
+            signal.signal(sig, h)
+    res.update(_daemon_dataset(ctx, data, res.pop("_t0_ns"), res.pop("_spans")))
+    return res
+
+
+async def _daemon_run(ctx, data: Path) -> dict:
+    import aiohttp
+
+    from powerprof.daemon.config import load_config
+    from powerprof.daemon.service import Daemon
+    from powerprof.rig import Rig
+    from powerprof.workload.client import RequestParams, detect_server, send_request
+
+    cfg = load_config(None, env={}, overrides={
+        "daemon.data_dir": str(data), "daemon.interval_s": 1.0, "daemon.flush_interval_s": 1.0,
+        "daemon.restore_on_start": False, "daemon.gpus": [ctx.index], "proxy.listen": "127.0.0.1:0",
+        "proxy.upstream": ctx.url, "metrics.listen": "127.0.0.1:0", "tags.socket": str(ctx.out / "daemon_tags.sock"),
+        # The check's server has no /metrics: nothing counts bypass tokens (its intervals say `off`, as documented).
+        "scrape.server": "none"})
+    d = Daemon(cfg, Rig(ctx.simulate or None, gpus=[ctx.index], nvml=ctx.nvml))
+    task = asyncio.create_task(d.run())
+    deadline = time.monotonic() + 30
+    while "proxy" not in d.urls and not task.done() and time.monotonic() < deadline:
+        await asyncio.sleep(0.05)
+    if "proxy" not in d.urls:
+        if task.done():
+            task.result()  # its start-up error, as it is
+        raise RuntimeError("the daemon did not listen within 30 s")
+    url = d.urls["proxy"]
+    params = RequestParams(max_tokens=ctx.daemon_max_tokens)
+    spans: list[tuple[str, int, int, int]] = []  # (phase, sent ns, ended ns, tokens)
+    errors: list[str] = []
+
+    async def phase(tag: str, concurrency: int, n: int) -> None:
+        async with aiohttp.ClientSession(headers={"X-Powerprof-Tag": tag}) as s:
+            server = await detect_server(s, url)
+
+            async def one(k: int):
+                r = await send_request(s, server, f"Daemon check {tag} {k}: tell a long story.", params)
+                if r.error:
+                    errors.append(f"{tag}: {r.error}")
+                else:
+                    spans.append((tag, r.t_send_ns, r.t_end_ns, r.generated_tokens))
+
+            for first in range(0, n, concurrency):
+                await asyncio.gather(*(one(k) for k in range(first, min(n, first + concurrency))))
+
+    t_load = time.monotonic()
+    await phase("c1", 1, ctx.daemon_requests)
+    await asyncio.sleep(1.5)  # an idle interval between the phases
+    await phase("c8", 8, 8)
+    load_s = time.monotonic() - t_load
+    # Until every request's intervals have closed and its row is written (bounded: a loaded host is slow).
+    deadline = time.monotonic() + 30
+    while d.ledger is not None and d.ledger.requests and time.monotonic() < deadline:
+        await asyncio.sleep(0.1)
+    open_left = len(d.ledger.requests) if d.ledger is not None else None
+    edge_reads = d.edge_reads
+    d.stop_event.set()
+    rc = await asyncio.wait_for(task, 60)
+    return {"exit": rc, "load_s": _num(load_s, 1), "max_tokens": ctx.daemon_max_tokens, "client_errors": errors[:5],
+            "requests_open_at_stop": open_left, "edge_reads": edge_reads, "_t0_ns": d.t0_ns, "_spans": spans}
+
+
+def _daemon_dataset(ctx, data: Path, t0_ns: int, spans: list) -> dict:
+    """What the daemon wrote, beside what the client saw and (simulated) the GPU's truth."""
+    import pyarrow.dataset as ds
+
+    def table(name):
+        path = data / name
+        return ds.dataset(str(path), format="parquet", partitioning="hive").to_table().to_pylist() if path.exists() else []
+
+    # The tagged requests that carry tokens (the client's server detection passes through too, as GETs).
+    reqs = [r for r in table("requests") if r["tag"] in ("c1", "c8") and r["api"] is not None]
+    ivs = table("intervals")
+    out: dict = {"requests_sent": {t: sum(1 for s in spans if s[0] == t) for t in ("c1", "c8")},
+                 "rows": {t: sum(1 for r in reqs if r["tag"] == t) for t in ("c1", "c8")},
+                 "outcomes": dict(sorted(Counter(r["outcome"] for r in reqs).items())),
+                 "rows_without_energy": sum(1 for r in reqs if r["gpu_energy_j"] is None),
+                 "notes": dict(sorted(Counter((r["energy_note"] or "")[:100] or None for r in reqs).items(), key=str)),
+                 "tokens_client_vs_rows": {t: [sum(s[3] for s in spans if s[0] == t),
+                                               sum(r["generated_tokens"] or 0 for r in reqs if r["tag"] == t)]
+                                           for t in ("c1", "c8")},
+                 "phases": {}}
+    for t in ("c1", "c8"):
+        rows = [r for r in reqs if r["tag"] == t and r["gpu_energy_j"] is not None and r["attributed_tokens"]]
+        e = sum(r["gpu_energy_j"] for r in rows)
+        toks = sum(r["attributed_tokens"] for r in rows)
+        ph = {"rows_with_energy": len(rows), "gpu_energy_j": _num(e, 2), "attributed_tokens": _num(toks, 1),
+              "gpu_j_per_token": _num(e / toks, 4) if toks else None,
+              "ttft_s_median": _num(statistics.median([r["ttft_s"] for r in rows if r["ttft_s"] is not None] or [float("nan")]), 3)}
+        if ctx.truth_fn is not None and t == "c1":
+            # One request at a time: its energy is the GPU's from its arrival to its end (the edges' reads).
+            true_j = sum(ctx.truth_fn(a, b) for tag, a, b, _ in spans if tag == t)
+            ph["true_gpu_energy_j"] = _num(true_j, 2)
+            ph["energy_vs_true"] = _num(e / true_j, 4) if true_j and len(rows) == out["requests_sent"][t] else None
+        out["phases"][t] = ph
+    if ivs:
+        dur = [r["duration_s"] for r in ivs]
+        by_kind: dict = {}
+        for r in ivs:
+            by_kind[r["kind"]] = _num((by_kind.get(r["kind"]) or 0) + (r["gpu_energy_j"] or 0), 2)
+        gpu = [r["gpu_energy_j"] for r in ivs if r["gpu_energy_j"] is not None]
+        split = sum((r["requests_energy_j"] or 0) + (r["idle_energy_j"] or 0) + (r["unproxied_energy_j"] or 0)
+                    for r in ivs if r["gpu_energy_j"] is not None)
+        out["intervals"] = {"n": len(ivs), "duration_s_total": _num(sum(dur), 2), "duration_s_median": _num(statistics.median(dur), 3), "duration_s_max": _num(max(dur), 3),
+                            "energy_method": sorted({str(r["energy_method"]) for r in ivs}),
+                            "server_count": sorted({str(r["server_count"]) for r in ivs}),
+                            "gpu_energy_j_by_kind": by_kind, "without_gpu_energy": len(ivs) - len(gpu),
+                            "split_vs_total": _num(split / sum(gpu), 6) if gpu and sum(gpu) else None}
+        if ctx.truth_fn is not None and gpu:
+            t_a = t0_ns + int(min(r["t_start_mono_s"] for r in ivs) * 1e9)
+            t_b = t0_ns + int(max(r["t_start_mono_s"] + r["duration_s"] for r in ivs) * 1e9)
+            out["intervals"]["total_vs_true"] = _num(sum(gpu) / ctx.truth_fn(t_a, t_b), 4) if len(gpu) == len(ivs) else None
+    dec = {x["concurrency"]: x for x in _get(ctx.report, "decode", "concurrency") or []}
+    for c, t in ((1, "c1"), (8, "c8")):
+        m = _get(dec, c, "gpu_j_per_token")
+        dj = out["phases"][t]["gpu_j_per_token"]
+        out["phases"][t]["measure_decode_j_per_token"] = m
+        out["phases"][t]["daemon_vs_measure"] = _num(dj / m, 3) if dj and m else None
+    return out
+
+
 # --- 5. sweep dry-run ------------------------------------------------------------------------------------
 
 
@@ -780,6 +926,8 @@ def run_check(a) -> dict:
     ctx.energy_s = 4.0 if q else 10.0
     ctx.poll_s = 0.5 if q else 2.0
     ctx.n_requests = 8
+    ctx.daemon_requests = 4 if q else 6  # at concurrency 1 through the daemon, then 8 at once
+    ctx.report = None  # set below: the daemon part reads the decode part's figures
     ctx.pulse_period_ms, ctx.pulse_on_ms = 100.0, 20.0 if q else 10.0
     ctx.pulse_s, ctx.pulse_phases = (0.6, 3) if q else (2.0, 6)
     ctx.max_tokens = 64 if q else 128
@@ -798,6 +946,7 @@ def run_check(a) -> dict:
     from powerprof import __version__
 
     report["meta"]["powerprof_version"] = __version__
+    ctx.report = report
     if a.simulate:
         from powerprof.sim.nvml import SimNVML
 
@@ -880,8 +1029,10 @@ def run_check(a) -> dict:
             section(report, "energy_load", budget, ctx.energy_s + ctx.poll_s + 10, loaded)
             section(report, "decode", budget, 40 if q else 90, check_decode, ctx)
             section(report, "cli_measure", budget, 20 if q else 40, check_cli_measure, ctx)
+            ctx.daemon_max_tokens = _get(report, "decode", "max_tokens") or ctx.max_tokens
+            section(report, "daemon", budget, 25 if q else 60, check_daemon, ctx)
         else:
-            for name in ("energy_load", "decode", "cli_measure"):
+            for name in ("energy_load", "decode", "cli_measure", "daemon"):
                 report[name] = {"skipped": "no decode server: " + report["server"].get("error", "")}
         section(report, "sweep_dry_run", budget, 10, check_sweep_dry_run, ctx)
     finally:
@@ -995,6 +1146,13 @@ def summary_rows(r: dict) -> list[list]:
         ["power while decoding W c=1 / c=8; enforced limit", _pair(dd(1, "instant_power_w_median"), dd(8, "instant_power_w_median"),
                                                                   dd(8, "enforced_limit_w"))],
         ["cap binds c=1 / c=8; reasons at c=8", _pair(dd(1, "cap_binds"), dd(8, "cap_binds"), dd(8, "clock_event_reasons_share"))],
+        ["daemon: rows / requests sent; rows without energy", _pair(
+            sum((_get(r, "daemon", "rows") or {}).values()) if _get(r, "daemon", "rows") else None,
+            sum((_get(r, "daemon", "requests_sent") or {}).values()) if _get(r, "daemon", "requests_sent") else None,
+            _get(r, "daemon", "rows_without_energy"))],
+        ["daemon GPU J/token c=1 / c=8; ÷ measure's decode J/token", _pair(
+            _get(r, "daemon", "phases", "c1", "gpu_j_per_token"), _get(r, "daemon", "phases", "c8", "gpu_j_per_token"),
+            _get(r, "daemon", "phases", "c1", "daemon_vs_measure"), _get(r, "daemon", "phases", "c8", "daemon_vs_measure"))],
         ["sweep --dry-run levels", levels],
         ["read-only verdict", None if not s else ("OK" if s.get("ok") else "VIOLATION")
          + f" ({len(s.get('setter_calls', []))} setter calls, settings unchanged: {s.get('settings_unchanged')})"],
@@ -1105,6 +1263,27 @@ def markdown(r: dict) -> str:
         L += _status(cm)
         if "command" in cm:
             L += [f"`{cm['command']}` → rc {cm['rc']}", "", "```", cm["stdout"].rstrip(), "```", ""]
+    dm = r.get("daemon")
+    L += ["## 4b. The daemon in front of the same server", ""] + _status(dm)
+    if dm and "phases" in dm:
+        L += [f"{sum(dm['requests_sent'].values())} requests of {dm['max_tokens']} tokens through the daemon's proxy "
+              f"(tag c1: one at a time; c8: eight at once), 1 Hz sampling, in {dm['load_s']} s; daemon exit "
+              f"{dm['exit']}, {dm['edge_reads']} on-demand edge reads, rows still open at the stop: "
+              f"{dm['requests_open_at_stop']}; client errors: {dm['client_errors'] or 'none'}.", ""]
+        L += _table(["phase", "sent", "rows", "rows with energy", "tokens client / rows", "GPU J", "J/token",
+                     "measure's decode J/token", "daemon/measure", "median TTFT s", "energy/true (sim)"],
+                    [[t, dm["requests_sent"][t], dm["rows"][t], ph["rows_with_energy"], dm["tokens_client_vs_rows"][t],
+                      ph["gpu_energy_j"], ph["gpu_j_per_token"], ph.get("measure_decode_j_per_token"),
+                      ph.get("daemon_vs_measure"), ph["ttft_s_median"], ph.get("energy_vs_true")]
+                     for t, ph in dm["phases"].items()])
+        L += _table(["outcomes", "rows without energy", "energy notes (first 100 characters: rows)"],
+                    [[dm["outcomes"], dm["rows_without_energy"], dm["notes"]]])
+        iv = dm.get("intervals")
+        if iv:
+            L += _table(["intervals", "duration s median / max", "energy method", "server count", "GPU J by kind",
+                         "requests+idle+bypass / total", "total/true (sim)"],
+                        [[iv["n"], f"{iv['duration_s_median']} / {iv['duration_s_max']}", iv["energy_method"],
+                          iv["server_count"], iv["gpu_energy_j_by_kind"], iv["split_vs_total"], iv.get("total_vs_true")]])
     sw = r.get("sweep_dry_run")
     L += ["## 5. `powerprof sweep --dry-run`", ""] + _status(sw)
     if sw and "command" in sw:

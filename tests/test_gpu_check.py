@@ -21,7 +21,7 @@ ROOT = Path(__file__).resolve().parents[1]
 CHECK = ROOT / "bench" / "gpu_check.py"
 SERVER = ROOT / "bench" / "gpu_check_server.py"
 PROFILE = "h200-141g"
-SECTIONS = ("devices_monitor", "nvml_cost", "energy_idle", "sensor_coverage", "energy_load", "decode", "cli_measure", "sweep_dry_run")
+SECTIONS = ("devices_monitor", "nvml_cost", "energy_idle", "sensor_coverage", "energy_load", "decode", "cli_measure", "daemon", "sweep_dry_run")
 
 # Installed before anything else in every process of the run (the check, its CLI subprocesses): each
 # simulator and pynvml setter records the call to a file and raises. It is the test's own trap, made
@@ -148,7 +148,7 @@ def test_check_runs_on_the_simulator_read_only(trap_env, tmp_path, _isolated_sta
         assert name in r, name
         assert "error" not in r[name] and "skipped" not in r[name], (name, r[name])
     md = (out / "gpu_check.md").read_text()
-    for head in ("## 1.", "## 2.", "## 3.", "## 4.", "## 5.", "## 6.", "**Simulated**"):
+    for head in ("## 1.", "## 2.", "## 3.", "## 4.", "## 4b.", "## 5.", "## 6.", "**Simulated**"):
         assert head in md, head
     assert "VIOLATION" not in md and "Failed" not in md
 
@@ -239,6 +239,25 @@ def test_check_runs_on_the_simulator_read_only(trap_env, tmp_path, _isolated_sta
     # not trusted. Then there is no figure, and the output must say why; never a silent gap.
     # Under load its 8 streams may also never decode together on the 4 slots: the note says that instead.
     assert rows[1][-1] == "counter" or "concurrency 8: no J/token figure" in cli["stdout"], cli["stdout"]
+
+    # 4b. The daemon in front of the same server: a row for each request with its energy, every joule in one place,
+    # the total on the simulated GPU's truth.
+    dmn = r["daemon"]
+    assert dmn["exit"] == 0 and dmn["client_errors"] == [] and dmn["requests_open_at_stop"] == 0, dmn
+    assert dmn["rows"] == dmn["requests_sent"] == {"c1": 4, "c8": 8} and dmn["outcomes"] == {"ok": 12}, dmn
+    assert dmn["rows_without_energy"] == 0, dmn
+    for t in ("c1", "c8"):
+        client, rows = dmn["tokens_client_vs_rows"][t]
+        assert client == rows == dmn["phases"][t]["attributed_tokens"] > 0, dmn
+    iv = dmn["intervals"]
+    assert iv["energy_method"] == ["counter"] and iv["server_count"] == ["off"] and iv["without_gpu_energy"] == 0, iv
+    assert iv["split_vs_total"] == pytest.approx(1, abs=1e-6), iv
+    # The counter's value at either end may be one refresh old (as in part 3).
+    assert iv["total_vs_true"] == pytest.approx(1, abs=0.01 + 2 * truth.energy_counter_update_s / iv["duration_s_total"]), iv
+    # One request at a time: its energy is the GPU's over its arrival to its end. 1.016-1.017 in 3 runs here (the
+    # edges' reads of a counter 100 ms stale on requests of ~0.4 s); a starved host may skip edge reads (their CPU
+    # cap), leaving the 1 s intervals' split.
+    assert dmn["phases"]["c1"]["energy_vs_true"] == pytest.approx(1, abs=0.2), dmn["phases"]
 
     # 5. sweep --dry-run: the plan, the permission check and the restore-file path, and nothing changed.
     sw = r["sweep_dry_run"]
