@@ -717,7 +717,7 @@ def check_daemon(ctx) -> dict:
     finally:
         for sig, h in handlers.items():  # the daemon's loop took them over; a timeout must still end the check
             signal.signal(sig, h)
-    res.update(_daemon_dataset(ctx, data, res.pop("_t0_ns"), res.pop("_spans")))
+    res.update(_daemon_dataset(ctx, data, res.pop("_t0_ns"), res.pop("_spans"), res.pop("_counter")))
     return res
 
 
@@ -748,10 +748,14 @@ async def _daemon_run(ctx, data: Path) -> dict:
     params = RequestParams(max_tokens=ctx.daemon_max_tokens)
     spans: list[tuple[str, int, int, int]] = []  # (phase, sent ns, ended ns, tokens)
     errors: list[str] = []
+    h = ctx.nvml.nvmlDeviceGetHandleByIndex(ctx.index)
+    counter: dict[str, tuple[float, int, int]] = {}  # phase: (J by this process's own fresh counter reads, t0, t1)
 
     async def phase(tag: str, concurrency: int, n: int) -> None:
         async with aiohttp.ClientSession(headers={"X-Powerprof-Tag": tag}) as s:
             server = await detect_server(s, url)
+            loop = asyncio.get_running_loop()
+            e0, t0 = await loop.run_in_executor(None, fresh_counter_mj, ctx.nvml, h)
 
             async def one(k: int):
                 r = await send_request(s, server, f"Daemon check {tag} {k}: tell a long story.", params)
@@ -762,6 +766,8 @@ async def _daemon_run(ctx, data: Path) -> dict:
 
             for first in range(0, n, concurrency):
                 await asyncio.gather(*(one(k) for k in range(first, min(n, first + concurrency))))
+            e1, t1 = await loop.run_in_executor(None, fresh_counter_mj, ctx.nvml, h)
+            counter[tag] = ((e1 - e0) / 1e3, t0, t1)
 
     t_load = time.monotonic()
     await phase("c1", 1, ctx.daemon_requests)
@@ -777,10 +783,11 @@ async def _daemon_run(ctx, data: Path) -> dict:
     d.stop_event.set()
     rc = await asyncio.wait_for(task, 60)
     return {"exit": rc, "load_s": _num(load_s, 1), "max_tokens": ctx.daemon_max_tokens, "client_errors": errors[:5],
-            "requests_open_at_stop": open_left, "edge_reads": edge_reads, "_t0_ns": d.t0_ns, "_spans": spans}
+            "requests_open_at_stop": open_left, "edge_reads": edge_reads, "_t0_ns": d.t0_ns, "_spans": spans,
+            "_counter": counter}
 
 
-def _daemon_dataset(ctx, data: Path, t0_ns: int, spans: list) -> dict:
+def _daemon_dataset(ctx, data: Path, t0_ns: int, spans: list, counter: dict) -> dict:
     """What the daemon wrote, beside what the client saw and (simulated) the GPU's truth."""
     import pyarrow.dataset as ds
 
@@ -807,6 +814,22 @@ def _daemon_dataset(ctx, data: Path, t0_ns: int, spans: list) -> dict:
         ph = {"rows_with_energy": len(rows), "gpu_energy_j": _num(e, 2), "attributed_tokens": _num(toks, 1),
               "gpu_j_per_token": _num(e / toks, 4) if toks else None,
               "ttft_s_median": _num(statistics.median([r["ttft_s"] for r in rows if r["ttft_s"] is not None] or [float("nan")]), 3)}
+        if t in counter and len(rows) == out["requests_sent"][t]:
+            # This process's own counter reads, fresh (just after a refresh), around the phase: its requests'
+            # energy plus the idle power over the moments none was live (reads to the first send, between
+            # requests, last end to the read), at part 3's idle power with the model loaded.
+            counter_j, c0, c1 = counter[t]
+            live = _union_s([(a, b) for tag, a, b, _ in spans if tag == t])
+            idle_s = (c1 - c0) / 1e9 - live
+            idle_w = _get(ctx.report, "energy_idle", "at_50hz", "counter_avg_power_w")
+            ph.update(counter_j=_num(counter_j, 2), live_s=_num(live, 3), idle_s=_num(idle_s, 3))
+            if idle_w is not None and counter_j > idle_w * idle_s:
+                ph["energy_vs_counter"] = _num(e / (counter_j - idle_w * idle_s), 4)
+        try:
+            since = min(a for tag, a, _, _ in spans if tag == t)
+            ph["generator_tok_s"] = _generator_rates(ctx, 1 if t == "c1" else 8, since).get("tok_s")
+        except Exception as exc:  # a figure beside the others: its absence is said, the part goes on
+            ph["generator_tok_s"] = f"unread: {type(exc).__name__}"
         if ctx.truth_fn is not None and t == "c1":
             # One request at a time: its energy is the GPU's from its arrival to its end (the edges' reads).
             true_j = sum(ctx.truth_fn(a, b) for tag, a, b, _ in spans if tag == t)
@@ -837,6 +860,19 @@ def _daemon_dataset(ctx, data: Path, t0_ns: int, spans: list) -> dict:
         out["phases"][t]["measure_decode_j_per_token"] = m
         out["phases"][t]["daemon_vs_measure"] = _num(dj / m, 3) if dj and m else None
     return out
+
+
+def _union_s(spans: list[tuple[int, int]]) -> float:
+    """Seconds covered by at least one of the (start ns, end ns) spans."""
+    total, end = 0, None
+    for a, b in sorted(spans):
+        if end is None or a > end:
+            total += b - a
+            end = b
+        elif b > end:
+            total += b - end
+            end = b
+    return total / 1e9
 
 
 # --- 5. sweep dry-run ------------------------------------------------------------------------------------
@@ -1150,9 +1186,9 @@ def summary_rows(r: dict) -> list[list]:
             sum((_get(r, "daemon", "rows") or {}).values()) if _get(r, "daemon", "rows") else None,
             sum((_get(r, "daemon", "requests_sent") or {}).values()) if _get(r, "daemon", "requests_sent") else None,
             _get(r, "daemon", "rows_without_energy"))],
-        ["daemon GPU J/token c=1 / c=8; ÷ measure's decode J/token", _pair(
+        ["daemon GPU J/token c=1 / c=8; its requests' energy ÷ the counter's over them", _pair(
             _get(r, "daemon", "phases", "c1", "gpu_j_per_token"), _get(r, "daemon", "phases", "c8", "gpu_j_per_token"),
-            _get(r, "daemon", "phases", "c1", "daemon_vs_measure"), _get(r, "daemon", "phases", "c8", "daemon_vs_measure"))],
+            _get(r, "daemon", "phases", "c1", "energy_vs_counter"), _get(r, "daemon", "phases", "c8", "energy_vs_counter"))],
         ["sweep --dry-run levels", levels],
         ["read-only verdict", None if not s else ("OK" if s.get("ok") else "VIOLATION")
          + f" ({len(s.get('setter_calls', []))} setter calls, settings unchanged: {s.get('settings_unchanged')})"],
@@ -1271,10 +1307,13 @@ def markdown(r: dict) -> str:
               f"{dm['exit']}, {dm['edge_reads']} on-demand edge reads, rows still open at the stop: "
               f"{dm['requests_open_at_stop']}; client errors: {dm['client_errors'] or 'none'}.", ""]
         L += _table(["phase", "sent", "rows", "rows with energy", "tokens client / rows", "GPU J", "J/token",
-                     "measure's decode J/token", "daemon/measure", "median TTFT s", "energy/true (sim)"],
+                     "counter J over the phase (live s, idle s)", "energy ÷ (counter − idle)", "generator tok/s",
+                     "measure's decode J/token (part 4)", "median TTFT s", "energy/true (sim)"],
                     [[t, dm["requests_sent"][t], dm["rows"][t], ph["rows_with_energy"], dm["tokens_client_vs_rows"][t],
-                      ph["gpu_energy_j"], ph["gpu_j_per_token"], ph.get("measure_decode_j_per_token"),
-                      ph.get("daemon_vs_measure"), ph["ttft_s_median"], ph.get("energy_vs_true")]
+                      ph["gpu_energy_j"], ph["gpu_j_per_token"],
+                      f"{_cell(ph.get('counter_j'))} ({_cell(ph.get('live_s'))}, {_cell(ph.get('idle_s'))})",
+                      ph.get("energy_vs_counter"), ph.get("generator_tok_s"), ph.get("measure_decode_j_per_token"),
+                      ph["ttft_s_median"], ph.get("energy_vs_true")]
                      for t, ph in dm["phases"].items()])
         L += _table(["outcomes", "rows without energy", "energy notes (first 100 characters: rows)"],
                     [[dm["outcomes"], dm["rows_without_energy"], dm["notes"]]])
