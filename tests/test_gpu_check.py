@@ -339,6 +339,26 @@ def test_server_streams_batches_and_times_a_model(tmp_path, size):
         proc.wait(timeout=30)
 
 
+def test_observer_alternates_sampler_settings_and_reads_the_servers_step_log(tmp_path):
+    """bench/gpu_observer.py on the fake server: every batch measured, its step time from the server's own log."""
+    out = tmp_path / "obs"
+    p = subprocess.run([sys.executable, str(ROOT / "bench" / "gpu_observer.py"), "--out", str(out), "--simulate",
+                        "--model", "fake", "--rounds", "1", "--max-tokens", "16"],
+                       capture_output=True, text=True, timeout=180, env=dict(os.environ, PYTHONPATH=str(ROOT)))
+    assert p.returncode == 0, p.stdout[-2000:] + p.stderr[-2000:]
+    r = json.loads((out / "observer.json").read_text())
+    assert r["setter_calls"] == 0
+    assert [(x["label"], x["sampler"], x["concurrency"]) for x in r["runs"]] == [
+        ("cold", "none", 8), ("warm-1", "none", 1), ("round 1", "10hz", 8), ("round 1", "1hz", 8), ("round 1", "none", 8)]
+    for x in r["runs"]:
+        assert x["n_ok"] == x["concurrency"] and x["batches"] == 1 and x["step_ms"] > 0, x
+        # The stream's rate is the generator's (a starved client would read it lower: the bound is loose).
+        assert x["decode_tok_s"] == pytest.approx(x["generator_tok_s"], rel=0.25), x
+        # A Profiler gives a J/token; without one there is none, never a 0.
+        assert (x["gpu_j_per_token"] is None) == (x["sampler"] == "none"), x
+    assert set(r["step_ms_median_by_sampler"]) == {"10hz", "1hz", "none"}
+
+
 def test_nvml_probe_runs_read_only_and_sees_the_counters_real_cost(tmp_path):
     # bench/gpu_nvml_probe.py is the second script for a lent GPU: its NVML part must run as it
     # will there. The simulated H200 reproduces what the real one showed: every way of reading the
