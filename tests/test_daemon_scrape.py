@@ -205,7 +205,7 @@ def test_a_failing_prefix_cache_check_does_not_end_the_scrape_loop():
 
     ledger.add_cache_hits = add_cache_hits
     ledger.add_server_tokens = lambda t, d, since, at_finish, finished=None, partial=(): ledger.spans.append((since, t, d))
-    me = types.SimpleNamespace(waker=Waker(), cfg=_Cfg(interval_s=0.02, idle_interval_s=0.02), scraper=FakeScraper(), ledger=ledger,
+    me = types.SimpleNamespace(waker=Waker(), config_waker=Waker(), cfg=_Cfg(interval_s=0.02, idle_interval_s=0.02), scraper=FakeScraper(), ledger=ledger,
                                stop_event=None, _scrape_since_ns=None)
 
     async def go():
@@ -250,7 +250,7 @@ def test_the_daemon_scrape_loop_follows_the_cadence(monkeypatch):
     ledger.add_server_tokens = lambda t, d, since, at_finish, finished=None, partial=(): ledger.spans.append(
         (since, t, d, at_finish, finished))
     ledger.add_cache_hits = lambda since, t, hits: None
-    me = types.SimpleNamespace(waker=Waker(), cfg=_Cfg(interval_s=fast_s, idle_interval_s=idle_s), scraper=FakeScraper(),
+    me = types.SimpleNamespace(waker=Waker(), config_waker=Waker(), cfg=_Cfg(interval_s=fast_s, idle_interval_s=idle_s), scraper=FakeScraper(),
                                ledger=ledger, stop_event=None, _scrape_since_ns=None)
 
     async def until(pred, limit_s):
@@ -762,7 +762,7 @@ def test_a_prefix_cache_check_failing_at_every_scrape_is_logged_the_first_three_
 
     ledger.add_cache_hits = add_cache_hits
     ledger.add_server_tokens = lambda t, d, since, at_finish, finished=None, partial=(): ledger.spans.append((since, t, d))
-    me = types.SimpleNamespace(waker=Waker(), cfg=_Cfg(interval_s=0.01, idle_interval_s=0.01), scraper=FakeScraper(), ledger=ledger,
+    me = types.SimpleNamespace(waker=Waker(), config_waker=Waker(), cfg=_Cfg(interval_s=0.01, idle_interval_s=0.01), scraper=FakeScraper(), ledger=ledger,
                                stop_event=None, _scrape_since_ns=None)
 
     async def go():
@@ -806,3 +806,65 @@ def test_the_still_scrape_loops_first_idle_scrape_is_not_later_than_the_idle_per
     # and it does poll at the idle instants once idle: no more scrapes than one per idle period after the stillness
     late = [s for s in scrapes if s > busy_until + 5.0 + idle_s + 1.0]
     assert all(g >= idle_s - fast_s / 2 - 0.01 for g in (b - a for a, b in zip(late, late[1:]))), late
+
+
+def test_a_reload_applies_new_scrape_periods_at_once_not_after_the_old_period(tmp_path):
+    """SIGHUP from a 5 s scrape period to 0.2 s while requests are live: the next scrape follows the reload at once.
+    Before, the busy scrape loop slept out the old period (a bare sleep no waker ends): up to 5 s here, up to an
+    hour with the key's largest value, of bypass tokens placed in windows the new period was set to shorten."""
+    from powerprof.daemon.config import load_config
+    from powerprof.daemon.service import Daemon
+    from powerprof.rig import Rig
+    from powerprof.sim.nvml import SimNVML
+    from powerprof.sim.server import SimServer
+
+    nvml = SimNVML("a100-40g", state_path=None)
+    srv = SimServer(nvml, n_slots=4).start()
+    conf = tmp_path / "pp.toml"
+
+    def write(period_s: float) -> None:
+        conf.write_text(f'[daemon]\ndata_dir = "{tmp_path / "data"}"\ninterval_s = 0.25\nflush_interval_s = 0.5\n'
+                        f'restore_on_start = false\n[proxy]\nlisten = "127.0.0.1:0"\nupstream = "{srv.url}"\n'
+                        f'[metrics]\nlisten = ""\n[tags]\nsocket = "{tmp_path / "pp.sock"}"\n'
+                        f'[scrape]\nserver = "auto"\ninterval_s = {period_s}\nidle_interval_s = {period_s}\n')
+
+    write(5.0)
+    d = Daemon(load_config(str(conf), env={}), Rig("a100-40g", nvml=nvml, host=False), config_path=str(conf))
+    scrapes: list[float] = []
+
+    async def go():
+        task = asyncio.create_task(d.run())
+        while "proxy" not in d.urls or d.scraper is None:
+            assert not task.done(), "the daemon ended before it listened"
+            await asyncio.sleep(0.05)
+        scrape = d.scraper.scrape
+
+        async def counted():
+            scrapes.append(time.monotonic())
+            return await scrape()
+
+        d.scraper.scrape = counted
+        d.ledger.requests[-1] = object()  # a request live: the busy loop's sleep, which no request wakes
+        try:
+            deadline = time.monotonic() + 30
+            while not scrapes and time.monotonic() < deadline:
+                await asyncio.sleep(0.02)
+            assert scrapes, "no scrape at the old 5 s period within 30 s"
+            write(0.2)
+            t_reload = time.monotonic()
+            d._request_reload()  # what SIGHUP runs
+            while len(scrapes) < 4 and time.monotonic() - t_reload < 8:
+                await asyncio.sleep(0.02)
+        finally:
+            d.ledger.requests.pop(-1, None)
+            d.stop_event.set()
+            await asyncio.wait_for(task, 30)
+        return t_reload
+
+    try:
+        t_reload = asyncio.run(asyncio.wait_for(go(), 90))
+    finally:
+        srv.stop()
+    after = [t - t_reload for t in scrapes if t > t_reload]
+    # At the new period: the first within a second of the reload (a loaded host's stalls included), not ~5 s on.
+    assert len(after) >= 3 and after[0] < 1.0, (after, d.cfg.get("scrape", "interval_s"))

@@ -338,6 +338,8 @@ class Daemon:
         self.stop_event: asyncio.Event | None = None
         self.reload_requested = False
         self.waker = Waker()  # ends the loops' idle sleeps when work arrives (ticks.py)
+        # Ends the scrape loop's fast sleep too, which no request ends: a reload's new periods apply at once.
+        self.config_waker = Waker()
         self.urls: dict[str, str] = {}
         self._runners: list[web.AppRunner] = []
         self._last_edge_s = 0.0
@@ -781,7 +783,7 @@ class Daemon:
             # A bare sleep (no task per wait, as wait_for makes): it wakes every fast period to poll, on the accounting
             # loop's grid (ticks.py); still and idle, at the idle scrapes' instants (Cadence.poll_s), woken by a request.
             poll = cadence.poll_s(time.monotonic(), _busy(led))
-            await sleep_on_grid(poll, self.waker if poll > cadence.fast_s else None)
+            await sleep_on_grid(poll, self.waker if poll > cadence.fast_s else self.config_waker)
         if held is not None:
             self.ledger.add_server_tokens(held[1], held[2], held[0], self.scraper.kind in AT_FINISH, held[3], partial=held[4])
 
@@ -817,6 +819,11 @@ class Daemon:
         live, restart = self.cfg.reload_changes(new)
         self.cfg = new
         self._apply(live)
+        if any(k.startswith("scrape.") for k in live):
+            # The scrape loop sleeps out the period it read before the reload (a 3600 s one, an hour), or woke at the
+            # SIGHUP before the new one was read: its next pass reads the new periods now.
+            self.config_waker.wake()
+            self.waker.wake()
         if restart:
             log.warning("SIGHUP: %s changed; these take effect after a restart", ", ".join(restart))
         log.info("SIGHUP: config reloaded (%s)", ", ".join(f"{k}={v}" for k, v in live.items()) or "no live changes")
