@@ -57,6 +57,9 @@ def main() -> int:
     ap.add_argument("--model", default="8b", choices=["tiny", "1b", "3b", "8b", "fake"])
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--max-tokens", type=int, default=128)
+    ap.add_argument("--sequence", default=None,
+                    help="Instead of the rounds: batches of these concurrencies in this order with nothing sampling, "
+                         "e.g. 1,1,1,8,8,1,8 (is the first batch of a new size slow?).")
     a = ap.parse_args()
     out = Path(a.out).resolve()
     out.mkdir(parents=True, exist_ok=True)
@@ -75,7 +78,9 @@ def main() -> int:
         report["server"] = wait_server(ctx, proc, 240)
         ctx.url = report["server"]["url"]
         order = [("cold", "none", 8), ("warm-1", "none", 1)]
-        for r in range(a.rounds):
+        if a.sequence:
+            order = [(f"batch {k + 1}", "none", int(c)) for k, c in enumerate(a.sequence.split(","))]
+        for r in range(0 if a.sequence else a.rounds):
             names = list(SETTINGS)
             names = names[r % len(names):] + names[:r % len(names)]  # each setting first in one round
             order += [(f"round {r + 1}", name, 8) for name in names]
