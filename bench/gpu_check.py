@@ -572,8 +572,9 @@ def fit_max_tokens(ctx, left_s: float) -> tuple[int, str | None]:
     if not steps_ms:
         return ctx.max_tokens, None
     step_s = max(steps_ms) / 1e3  # the slowest batch seen: a bound on one request's step
-    # This part: warm-up + n requests at c=1 + n/8 batches at c=8; the CLI measure after it: about half that.
-    per_token_s = step_s * ((1 + ctx.n_requests) + ctx.n_requests / 8) * 1.5
+    # This part: warm-up + n requests at c=1, a warm-up batch + n/8 batches at c=8; the CLI measure after it: about
+    # half that.
+    per_token_s = step_s * ((1 + ctx.n_requests) + (1 + ctx.n_requests / 8)) * 1.5
     fit = int((left_s - 45) / per_token_s)
     if fit >= ctx.max_tokens:
         return ctx.max_tokens, None

@@ -726,7 +726,9 @@ def _int_list(ctx, param, value: str) -> list[int]:
 @click.option("--out", "out_dir", type=click.Path(file_okay=False), help="Output directory (default runs/<time>-measure).")
 @click.option("--requests", "n_requests", type=_IntRange(1), default=8, show_default=True, help="Measured requests per concurrency (rounded up to whole batches of its streams).")
 @click.option("--concurrency", default="1", callback=_int_list, show_default=True, help="Streams at once, e.g. 1,4.")
-@click.option("--warmup", type=_IntRange(0), default=1, show_default=True, help="Warm-up requests (recorded, flagged, not counted).")
+@click.option("--warmup", type=_IntRange(0), default=1, show_default=True,
+              help="Warm-up requests at each concurrency, sent as its batches are (rounded up to whole batches; "
+                   "recorded, flagged, not counted).")
 @click.option("--launch", metavar="CMD", help="Start the server with CMD, wait for /health, stop it at the end.")
 @_workload_options
 @click.option("--json", "as_json", is_flag=True, help=JSON_HELP)
@@ -1220,7 +1222,7 @@ def _fraction_option(ctx, param, value):
               help="Measured requests per level at most, rounded up to whole rounds of the prompt set (every level "
                    "measures the same prompts).")
 @click.option("--max-time", "max_time_s", default=120.0, show_default=True, type=_FloatRange(1, 86400), help="Seconds of measuring per level (after warm-up) before it stops even short of --target-ci; the round of prompts in progress still finishes.")
-@click.option("--warmup", default=2, show_default=True, type=_IntRange(0, 100), help="Warm-up requests per level (discarded).")
+@click.option("--warmup", default=2, show_default=True, type=_IntRange(0, 100), help="Warm-up requests per level (discarded), sent --concurrency at a time (rounded up to whole batches).")
 @click.option("--idle-s", default=5.0, show_default=True, type=_FloatRange(0, 3600), help="Seconds of idle baseline before the first level.")
 @click.option("--concurrency", default=1, show_default=True, type=_IntRange(1, 1024),
               help="Requests in flight at once (streams).")

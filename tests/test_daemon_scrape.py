@@ -809,7 +809,7 @@ def test_the_still_scrape_loops_first_idle_scrape_is_not_later_than_the_idle_per
 
 
 def test_a_reload_applies_new_scrape_periods_at_once_not_after_the_old_period(tmp_path):
-    """SIGHUP from a 5 s scrape period to 0.2 s while requests are live: the next scrape follows the reload at once.
+    """SIGHUP from a 5 s scrape period to 0.2 s while a tag is open: the next scrape follows the reload at once.
     Before, the busy scrape loop slept out the old period (a bare sleep no waker ends): up to 5 s here, up to an
     hour with the key's largest value, of bypass tokens placed in windows the new period was set to shorten."""
     from powerprof.daemon.config import load_config
@@ -844,7 +844,8 @@ def test_a_reload_applies_new_scrape_periods_at_once_not_after_the_old_period(tm
             return await scrape()
 
         d.scraper.scrape = counted
-        d.ledger.requests[-1] = object()  # a request live: the busy loop's sleep, which no request wakes
+        # A tag open: the loops busy (as with requests live), the scrape loop's fast sleep, which no request wakes.
+        d.ledger.open_tag("reload", time.monotonic_ns(), time.time_ns())
         try:
             deadline = time.monotonic() + 30
             while not scrapes and time.monotonic() < deadline:
@@ -856,7 +857,6 @@ def test_a_reload_applies_new_scrape_periods_at_once_not_after_the_old_period(tm
             while len(scrapes) < 4 and time.monotonic() - t_reload < 8:
                 await asyncio.sleep(0.02)
         finally:
-            d.ledger.requests.pop(-1, None)
             d.stop_event.set()
             await asyncio.wait_for(task, 30)
         return t_reload

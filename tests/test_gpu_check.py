@@ -352,8 +352,9 @@ def test_observer_alternates_sampler_settings_and_reads_the_servers_step_log(tmp
         ("cold", "none", 8), ("warm-1", "none", 1), ("round 1", "10hz", 8), ("round 1", "1hz", 8), ("round 1", "none", 8)]
     for x in r["runs"]:
         assert x["n_ok"] == x["concurrency"] and x["batches"] == 1 and x["step_ms"] > 0, x
-        # The stream's rate is the generator's (a starved client would read it lower: the bound is loose).
-        assert x["decode_tok_s"] == pytest.approx(x["generator_tok_s"], rel=0.25), x
+        # The stream's rate is the generator's (a starved client would read it lower: the bound is loose); on a loaded
+        # host a lone batch's window may be left untrusted, and then it has no figure, never a wrong one.
+        assert x["decode_tok_s"] is None or x["decode_tok_s"] == pytest.approx(x["generator_tok_s"], rel=0.25), x
         # A Profiler gives a J/token; without one there is none, never a 0.
         assert (x["gpu_j_per_token"] is None) == (x["sampler"] == "none"), x
     assert set(r["step_ms_median_by_sampler"]) == {"10hz", "1hz", "none"}

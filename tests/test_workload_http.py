@@ -358,7 +358,8 @@ def test_measure_simulated_writes_windows_with_energy(tmp_path, monkeypatch):
     t = pq.read_table(out / "windows.parquet").to_pylist()
     req = [r for r in t if r["window_kind"] == "request" and not r["warmup"]]
     batch = [r for r in t if r["window_kind"] == "batch"]
-    assert len(req) == 4 and len(batch) == 1 and len([r for r in t if r["warmup"]]) == 1
+    # Warm-up at each concurrency, as its batches run: one request at 1, one batch of 2 at 2.
+    assert len(req) == 4 and len(batch) == 1 and len([r for r in t if r["warmup"]]) == 3
     # Requests are stream- or server-timed (the simulated llama.cpp gives its timings); a batch's
     # 0.16 s window on a loaded machine may be untrusted: then it carries no figure, and says why.
     assert all(r["timing"] in ("stream", "server") for r in req), [(r["status"], r["timing"], r["timing_reason"], r["error"]) for r in req]
@@ -430,9 +431,9 @@ def stop_measure(monkeypatch):
 @pytest.mark.parametrize("sig, code", [(2, 130), (15, 143)])
 def test_measure_stopped_mid_batch_keeps_the_whole_batches_and_says_so(stop_measure, tmp_path, sig, code):
     # Stopped early, measure wrote nothing: minutes of finished requests were lost to a Ctrl-C.
-    # Concurrency 1: requests 1-4 (all finish); concurrency 2: batch 5+6 finishes, then request 8 sends the signal
-    # once its batch-mate 7 has finished: half a batch, dropped whole.
-    res, out, meta, rows = stop_measure(tmp_path, ["--requests", "4", "--concurrency", "1,2"], sig, at=8, after=7)
+    # Concurrency 1: warm-up 0, requests 1-4 (all finish); concurrency 2: the warm-up batch 5+6, batch 7+8 finishes,
+    # then request 10 sends the signal once its batch-mate 9 has finished: half a batch, dropped whole.
+    res, out, meta, rows = stop_measure(tmp_path, ["--requests", "4", "--concurrency", "1,2"], sig, at=10, after=9)
     assert res.exit_code == code, res.output
     assert "Traceback" not in res.output
     assert meta["interrupted"]["exit_code"] == code
@@ -441,8 +442,8 @@ def test_measure_stopped_mid_batch_keeps_the_whole_batches_and_says_so(stop_meas
         {"concurrency": 2, "requests_planned": 4, "requests_kept": 2},
     ]
     req = sorted(r["request_id"] for r in rows if r["window_kind"] == "request")
-    assert req == [0, 1, 2, 3, 4, 5, 6]  # 7 finished, but its batch did not: not kept
-    assert [r["concurrency"] for r in rows if r["window_kind"] == "batch"] == [2]
+    assert req == [0, 1, 2, 3, 4, 5, 6, 7, 8]  # 9 finished, but its batch did not: not kept
+    assert [r["concurrency"] for r in rows if r["window_kind"] == "batch" and not r["warmup"]] == [2]
     assert "concurrency 2: 2 of 4 requests: the figures rest on fewer requests than asked for" in res.output
     assert f"written to {out}" in res.output and any(n.startswith("stopped early by") for n in meta["notes"])
     # The printed figure is the one the kept rows give: nothing from the dropped half batch.

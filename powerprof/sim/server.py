@@ -264,6 +264,8 @@ class SimServer:
         textless_share: float = 0.0,
         prefix_cache: bool = False,
         prompt_details: bool = False,
+        cold_batch_factor: float = 1.0,
+        cold_batch_steps: int = 16,
     ):
         """batching: "serial" (a prefill pauses decoding; one prompt at a time) or "continuous"
         (every step prefills a chunk and decodes every running sequence; records each request's
@@ -308,7 +310,10 @@ class SimServer:
         `cache_prompt: false` turns it off. Off (the default): only llama.cpp's native /completion caches, and only
         a whole prompt seen before. prompt_details: the vLLM and SGLang flavours' OpenAI usage says the cached part,
         `prompt_tokens_details: {"cached_tokens": N}` (vLLM's --enable-prompt-tokens-details, SGLang's
-        --enable-cache-report); without it they never say it, as those servers by default."""
+        --enable-cache-report); without it they never say it, as those servers by default.
+        cold_batch_factor, cold_batch_steps: the first `cold_batch_steps` serial decode steps at each batch size the
+        server has not run before take this many times longer (an eager-mode `transformers` server on a real H200:
+        the first batch of a size decoded 2.4-3.4x slower than the next, docs/hardware.md runs 3 and 4). 1: off."""
         if flavour not in FLAVOURS:
             raise ValueError(f"flavour must be one of {', '.join(FLAVOURS)}")
         if batching not in ("serial", "continuous"):
@@ -328,6 +333,8 @@ class SimServer:
         self.compute_share = wl.decode_compute_share if compute_share is None else compute_share
         self.batch_growth = wl.batch_compute_growth
         self.workload = wl
+        self.cold_batch_factor, self.cold_batch_steps = float(cold_batch_factor), int(cold_batch_steps)
+        self._warm_steps: dict[int, int] = {}  # batch size -> decode steps run at it (cold_batch_factor)
         self.draft_n_max = wl.draft_n_max if draft_n_max is None else int(draft_n_max)
         self.speculative = wl.speculative and self.draft_n_max > 0
         self._draft = self.draft_n_max if self.speculative else 0  # draft tokens a decode step really runs
@@ -909,8 +916,11 @@ class SimServer:
         t_fmax = self._step_time_fmax_s(batch) * ((1.0 - c) + c_b)
         share = c_b / ((1.0 - c) + c_b)
         speed = self._phase("decode", share)
+        ran = self._warm_steps.get(b, 0)
+        self._warm_steps[b] = ran + 1
+        cold = self.cold_batch_factor if ran < self.cold_batch_steps else 1.0
         t0 = time.monotonic_ns()
-        await self._step(t_fmax / speed)
+        await self._step(t_fmax * cold / speed)
         before = sum(r.generated for r in batch)
         if self.flavour == "sglang":
             self._sglang_decode_logged(b)

@@ -326,8 +326,11 @@ async def run_load_async(
     finished: list[RequestRecord] | None = None,
     between=None,
 ) -> list[RequestRecord]:
-    """Warm-up requests (one at a time, flagged), then `n_requests` in batches of `concurrency`
-    sent at once; each batch finishes before the next starts. Prompts cycle in order.
+    """Warm-up requests (flagged), then `n_requests` in batches of `concurrency` sent at once; each batch finishes
+    before the next starts. Prompts cycle in order. The warm-up runs as the measured batches do, `concurrency`
+    streams at once, its count rounded up to whole batches (`warmup_streams`): a server's first batch of a size it
+    had not run decoded 2.4-3.4x slower than the next on a real H200 (docs/hardware.md, runs 3 and 4), so single
+    warm-ups left the first measured batch at any concurrency above 1 cold.
     `finished`: each batch's records are appended to it once the whole batch is done and annotated,
     so a run stopped by a signal knows what it can keep (never a part of a batch).
     `between(records)`: awaited after each batch, warm-up ones included, while none of ours is in flight (the
@@ -341,7 +344,8 @@ async def run_load_async(
     own = session is None
     if own:
         session = new_session()
-    run = _Run(session, server, params, policy, n_requests + warmup, edge_hook)
+    n_warm = warmup_streams(warmup, concurrency)
+    run = _Run(session, server, params, policy, n_requests + n_warm, edge_hook)
     run.lag.start()
     kept = 0
 
@@ -356,9 +360,10 @@ async def run_load_async(
     try:
         rid = first_request_id
         batch = first_batch_id
-        for k in range(warmup):
-            await run.one(rid, prompts[k % len(prompts)], batch, 1, True)
-            rid += 1
+        for first in range(0, n_warm, concurrency):
+            await asyncio.gather(*(run.one(rid + j, prompts[(first + j) % len(prompts)], batch, concurrency, True)
+                                   for j in range(concurrency)))
+            rid += concurrency
             batch += 1
             await run.annotate()
             if run.abort:
@@ -382,6 +387,11 @@ async def run_load_async(
         if own:
             await session.close()
     return run.records
+
+
+def warmup_streams(warmup: int, concurrency: int) -> int:
+    """Warm-up requests a run at `concurrency` sends for `warmup` asked: whole batches of its size (0 for 0)."""
+    return -(-warmup // concurrency) * concurrency
 
 
 def run_load(

@@ -31,7 +31,7 @@ from powerprof.profiler import (COUNTER_REFRESH_MAX_NS, EDGE_BIAS_WINDOW_S, LOW_
 from powerprof.trust import out_dir_refusal
 
 from .client import RequestParams, RequestRecord, ServerInfo, context_problem, detect_server, new_session, server_away
-from .load import LoadAborted, LoadPolicy, Prompt, run_load_async
+from .load import LoadAborted, LoadPolicy, Prompt, run_load_async, warmup_streams
 from .others import FOREIGN_FIX, FOREIGN_FLAG, OthersWatch, leave_out_foreign
 from .rows import BY_GPU, FIGURES, NO_DECODE_INTERVAL, window_rows
 
@@ -550,7 +550,7 @@ def measure(
                 kept_before = len(kept)
                 try:
                     recs = await run_load_async(
-                        server, prompts, n, c, params, hook, warmup if k == 0 else 0, policy, s, rid, bid, finished=kept,
+                        server, prompts, n, c, params, hook, warmup, policy, s, rid, bid, finished=kept,
                         between=between,
                     )
                 except _LimitMoved:
@@ -562,7 +562,7 @@ def measure(
                     aborted = str(e)
                     if any(server_away(r) for r in e.records):
                         # the next concurrency's first request id (the batches sent again took ids of their own)
-                        first = rid + (warmup if k == 0 else 0) + n + resent.get(c, 0)
+                        first = rid + warmup_streams(warmup, c) + n + resent.get(c, 0)
                         away.update(away_record(e.records, kept, first - 1, list(concurrencies[k + 1:])))
                         aborted = away["message"]
                     break
