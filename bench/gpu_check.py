@@ -709,20 +709,27 @@ def check_daemon(ctx) -> dict:
     few streams cost it little.
     """
     import shutil
+    import tempfile
 
     data = ctx.out / "daemon_data"
     shutil.rmtree(data, ignore_errors=True)
-    handlers = {sig: signal.getsignal(sig) for sig in (signal.SIGTERM, signal.SIGINT)}
+    handlers = {sig: signal.getsignal(sig) for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGUSR1)}
+    sock_dir = tempfile.mkdtemp(prefix="pp-")  # a Unix socket's path is at most 107 bytes: not under a long --out
     try:
-        res = asyncio.run(_daemon_run(ctx, data))
+        res = asyncio.run(_daemon_run(ctx, data, Path(sock_dir) / "tags.sock"))
     finally:
         for sig, h in handlers.items():  # the daemon's loop took them over; a timeout must still end the check
             signal.signal(sig, h)
+        shutil.rmtree(sock_dir, ignore_errors=True)
+    if res.pop("_signalled"):
+        # SIGTERM (the run's timeout) or Ctrl-C came while the daemon held the handlers: it stopped the daemon; the
+        # check stops as it would have (its cleanup ends the decode server), not on to the next parts.
+        raise SystemExit(143)
     res.update(_daemon_dataset(ctx, data, res.pop("_t0_ns"), res.pop("_spans"), res.pop("_counter")))
     return res
 
 
-async def _daemon_run(ctx, data: Path) -> dict:
+async def _daemon_run(ctx, data: Path, tag_socket: Path) -> dict:
     import aiohttp
 
     from powerprof.daemon.config import load_config
@@ -733,7 +740,7 @@ async def _daemon_run(ctx, data: Path) -> dict:
     cfg = load_config(None, env={}, overrides={
         "daemon.data_dir": str(data), "daemon.interval_s": 1.0, "daemon.flush_interval_s": 1.0,
         "daemon.restore_on_start": False, "daemon.gpus": [ctx.index], "proxy.listen": "127.0.0.1:0",
-        "proxy.upstream": ctx.url, "metrics.listen": "127.0.0.1:0", "tags.socket": str(ctx.out / "daemon_tags.sock"),
+        "proxy.upstream": ctx.url, "metrics.listen": "127.0.0.1:0", "tags.socket": str(tag_socket),
         # The check's server has no /metrics: nothing counts bypass tokens (its intervals say `off`, as documented).
         "scrape.server": "none"})
     d = Daemon(cfg, Rig(ctx.simulate or None, gpus=[ctx.index], nvml=ctx.nvml))
@@ -766,6 +773,8 @@ async def _daemon_run(ctx, data: Path) -> dict:
                     spans.append((tag, r.t_send_ns, r.t_end_ns, r.generated_tokens))
 
             for first in range(0, n, concurrency):
+                if d.stop_event.is_set():  # a signal stopped the daemon: nothing more to send through it
+                    return
                 await asyncio.gather(*(one(k) for k in range(first, min(n, first + concurrency))))
             e1, t1 = await loop.run_in_executor(None, fresh_counter_mj, ctx.nvml, h)
             counter[tag] = ((e1 - e0) / 1e3, t0, t1)
@@ -777,15 +786,16 @@ async def _daemon_run(ctx, data: Path) -> dict:
     load_s = time.monotonic() - t_load
     # Until every request's intervals have closed and its row is written (bounded: a loaded host is slow).
     deadline = time.monotonic() + 30
-    while d.ledger is not None and d.ledger.requests and time.monotonic() < deadline:
+    while d.ledger is not None and d.ledger.requests and time.monotonic() < deadline and not d.stop_event.is_set():
         await asyncio.sleep(0.1)
     open_left = len(d.ledger.requests) if d.ledger is not None else None
     edge_reads = d.edge_reads
+    signalled = d.stop_event.is_set()  # by a signal: nothing here sets it before this line
     d.stop_event.set()
     rc = await asyncio.wait_for(task, 60)
     return {"exit": rc, "load_s": _num(load_s, 1), "max_tokens": ctx.daemon_max_tokens, "client_errors": errors[:5],
             "requests_open_at_stop": open_left, "edge_reads": edge_reads, "_t0_ns": d.t0_ns, "_spans": spans,
-            "_counter": counter}
+            "_counter": counter, "_signalled": signalled}
 
 
 def _daemon_dataset(ctx, data: Path, t0_ns: int, spans: list, counter: dict) -> dict:

@@ -43,8 +43,11 @@ def one_batch(ctx, interval_s: float | None, concurrency: int) -> dict:
     else:
         with Profiler(ctx.nvml, [ctx.index], interval_s=interval_s) as profiler:
             res = measure(ctx.url, profiler=profiler, **kw)
-    summ = res.summaries[0]
     gen = _generator_rates(ctx, concurrency, since)
+    if not res.summaries:  # nothing measured (the server gone, a stop): said, and the run goes on
+        return {"error": (res.aborted or "no summary")[:300], "generator_tok_s": gen.get("tok_s"),
+                "step_ms": gen.get("step_ms_median"), "batches": gen.get("batches")}
+    summ = res.summaries[0]
     return {"decode_tok_s": summ.decode_tok_s, "gpu_j_per_token": summ.gpu_j_per_token, "n_ok": summ.n_ok,
             "generator_tok_s": gen.get("tok_s"), "step_ms": gen.get("step_ms_median"), "batches": gen.get("batches")}
 

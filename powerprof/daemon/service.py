@@ -782,6 +782,10 @@ class Daemon:
                     since = self._scrape_since_ns = t  # where the next window, the final scrape's too, starts
             # A bare sleep (no task per wait, as wait_for makes): it wakes every fast period to poll, on the accounting
             # loop's grid (ticks.py); still and idle, at the idle scrapes' instants (Cadence.poll_s), woken by a request.
+            # Read again: a reload that came while this pass scraped woke no sleeper, and the period read at the top
+            # would be slept out (a 5 s one when 0.2 s was set).
+            cadence.fast_s = self.cfg.get("scrape", "interval_s")
+            cadence.idle_s = self.cfg.get("scrape", "idle_interval_s")
             poll = cadence.poll_s(time.monotonic(), _busy(led))
             await sleep_on_grid(poll, self.waker if poll > cadence.fast_s else self.config_waker)
         if held is not None:
@@ -976,6 +980,7 @@ class Daemon:
     def _request_stop(self) -> None:
         self.stop_event.set()
         self.waker.wake()  # seen now, not at an idle loop's next pass
+        self.config_waker.wake()  # and by the busy scrape loop, whose final pass places a held window's tokens
 
     def _request_reload(self) -> None:
         self.reload_requested = True
