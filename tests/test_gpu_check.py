@@ -355,8 +355,12 @@ def test_observer_alternates_sampler_settings_and_reads_the_servers_step_log(tmp
         # The stream's rate is the generator's (a starved client would read it lower: the bound is loose); on a loaded
         # host a lone batch's window may be left untrusted, and then it has no figure, never a wrong one.
         assert x["decode_tok_s"] is None or x["decode_tok_s"] == pytest.approx(x["generator_tok_s"], rel=0.25), x
-        # A Profiler gives a J/token; without one there is none, never a 0.
-        assert (x["gpu_j_per_token"] is None) == (x["sampler"] == "none"), x
+        # Without a Profiler there is no J/token, never a 0; with one, a figure above 0, or none where the batch's window
+        # was left untrusted (a starved client on a loaded host: a fresh-clone CI beside two CPU hogs read that once).
+        if x["sampler"] == "none":
+            assert x["gpu_j_per_token"] is None, x
+        else:
+            assert x["gpu_j_per_token"] is None or x["gpu_j_per_token"] > 0, x
     assert set(r["step_ms_median_by_sampler"]) == {"10hz", "1hz", "none"}
 
 
