@@ -170,3 +170,36 @@ def test_others_at_work_throughout_leave_no_figure_and_measure_exits_1(tmp_path,
     assert ft["concurrencies"][0]["budget_spent"] is True and ft["concurrencies"][0]["requests_sent_again"] == 2
     w = pq.read_table(out / "windows.parquet").to_pandas()
     assert w.foreign_traffic.notna().all() and w.gpu_j_per_token.isna().all()
+
+
+def test_a_request_retried_inside_a_batch_sent_again_counts_once_towards_the_budget(tmp_path, monkeypatch):
+    # The budget for sending batches again is in requests (as many again as asked for), not attempts: a request that
+    # failed once and then answered, in a batch others' work ran beside, is one request sent again, not two. Counted
+    # as two, the budget ran out a batch early and run.json said 2 sent again where 1 was.
+    from dataclasses import replace
+
+    import powerprof.workload.load as loadmod
+    from powerprof.cli import main
+
+    busy_sim_server(monkeypatch)
+    real, failed = loadmod.send_request, []
+
+    async def once_failing(*a, **kw):
+        rec = await real(*a, **kw)
+        if not kw.get("warmup") and not failed:
+            failed.append(rec.request_id)
+            return replace(rec, status="error", error="HTTP 500: injected", http_status=500)
+        return rec
+
+    monkeypatch.setattr(loadmod, "send_request", once_failing)
+    out = tmp_path / "m"
+    r = CliRunner().invoke(main, ["measure", "--simulate", "seed-16g", "--requests", "2", "--max-tokens", "48",
+                                  "--warmup", "0", "--out", str(out)])
+    assert r.exit_code == 1, r.output
+    ft = json.loads((out / "run.json").read_text())["foreign_traffic"]["concurrencies"][0]
+    w = pq.read_table(out / "windows.parquet").to_pandas()
+    measured = w[~w.warmup]
+    assert failed and (measured.request_id == failed[0]).sum() == 2, measured[["request_id", "attempt"]]  # retried once
+    # 2 asked for, 2 sent again: 4 requests, 5 attempts; the budget spent only once the 4th was others' too.
+    assert measured.request_id.nunique() == 4 and ft["requests_sent_again"] == 2 and ft["budget_spent"] is True, (
+        measured[["request_id", "attempt", "batch_id"]], ft)

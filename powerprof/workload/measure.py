@@ -539,9 +539,10 @@ def measure(
                         if not why or all(r.warmup for r in recs):
                             return False  # a warm-up beside others' work counts nowhere anyway
                         foreign[recs[0].batch_id] = (c, why)
-                        if resent.get(c, 0) + len(recs) > n:
+                        sent = len({r.request_id for r in recs})  # requests, not attempts: a retry is no request more
+                        if resent.get(c, 0) + sent > n:
                             return False  # its budget spent: others at work throughout; the batch stays left out
-                        resent[c] = resent.get(c, 0) + len(recs)
+                        resent[c] = resent.get(c, 0) + sent
                         return True
                     return False
                 if n != n_requests:
