@@ -241,6 +241,19 @@ def test_a_reference_with_no_figures_gives_way_to_the_highest_level_that_has_the
     assert t[250.0]["reference"] and np.isfinite(t[200.0]["speed_loss_pct"])
 
 
+def test_a_default_limit_not_swept_is_said_with_the_level_every_figure_is_against():
+    # A 180,220 sweep of a 300 W card: "6.8% slower ... than 220 W", read as against the card as it runs (~17% slower
+    # than 300 W) unless the report says the default was not swept.
+    from powerprof.analysis.analyze import reference_findings
+
+    rows = [r for r in _rounds() if r["level_value"] != 300.0]
+    s = level_series(_windows(rows), 300.0, n_boot=100)[0]
+    (f,) = reference_findings(s, 300.0)
+    assert "300 W, the default limit, was not swept" in f.message and "against 250 W" in f.message, f.message
+    assert "Add 300 to --limits" in f.message and f.levels == (300.0,)
+    assert reference_findings(level_series(_windows(_rounds()), 300.0, n_boot=100)[0], 300.0) == []  # swept: silent
+
+
 def test_a_level_without_figures_does_not_make_every_choice_certain():
     # A level whose every request failed has NaN in every bootstrap replicate; requiring every level
     # finite left no replicate, and each policy's CI collapsed onto its choice at 100% stability.

@@ -36,6 +36,11 @@ class Plan:
             )
         if self.power_levels_w:
             out.append("Power limit levels (every GPU takes each level): " + ", ".join(f"{w:g} W" for w in self.power_levels_w))
+            unswept = sorted({d.default_w for d in self.devices} - {float(w) for w in self.power_levels_w})
+            if unswept:
+                out.append(f"The default limit ({', '.join(f'{w:g} W' for w in unswept)}) is not among them: speed loss and "
+                           f"energy saving will be against the highest level, {max(self.power_levels_w):g} W, not against "
+                           f"the card as it runs by default; add {unswept[-1]:g} to --limits to compare with it.")
         if self.clock_levels_mhz:
             out.append("SM clock locks: " + ", ".join(f"{c} MHz" for c in self.clock_levels_mhz))
         back = ", ".join(f"GPU {d.index} to {d.limit_w:g} W" for d in self.devices)
