@@ -1508,7 +1508,7 @@ def _trace_sweep(trace_path, time_scale, duration_s, limits, clocks, url, launch
 
     def show(lv):
         echo(f"{lv.level_value:>6g}{unit:<2} {lv.n_ok:>5} {lv.n_failed:>6} {lv.generated_tokens:>7} "
-             f"{f(lv.gpu_j_per_token, '9.3f')} {f(lv.tok_s, '7.1f')} {f(lv.ttft_p50_s, '8.3f')} "
+             f"{f(lv.gpu_j_per_token, '9.3f')} {f(lv.tok_s, '9.1f')} {f(lv.request_tok_s, '9.1f')} {f(lv.ttft_p50_s, '8.3f')} "
              f"{f(lv.ttft_p95_s, '8.3f')} {f(lv.latency_p50_s, '7.2f')} {f(lv.latency_p95_s, '7.2f')}  {lv.energy_method}"
              + ("  others' work beside it (foreign-traffic, see the notes)" if lv.foreign_traffic else "")
              + ("  replayed once more: others' work beside the first (see the notes)"
@@ -1516,7 +1516,9 @@ def _trace_sweep(trace_path, time_scale, duration_s, limits, clocks, url, launch
 
     if not dry_run:
         echo(f"trace {trace_path}: {len(trace)} requests over {trace[-1].t_s:.1f} s, each level replays all of it")
-        echo(f"{'level':>8} {'ok':>5} {'failed':>6} {'tokens':>7} {'GPU J/tok':>9} {'tok/s':>7} {'TTFT p50':>8} "
+        echo("all tok/s: the replay's tokens over its span (the server's throughput, paced by the trace); req tok/s: "
+             "the median request's own decode rate, the figure `analyze` compares levels by")
+        echo(f"{'level':>8} {'ok':>5} {'failed':>6} {'tokens':>7} {'GPU J/tok':>9} {'all tok/s':>9} {'req tok/s':>9} {'TTFT p50':>8} "
              f"{'TTFT p95':>8} {'lat p50':>7} {'lat p95':>7}  method")
     from powerprof.sweep import UI
 

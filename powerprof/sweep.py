@@ -1072,7 +1072,7 @@ class TraceLevel:
     gpu_energy_j: float | None
     energy_method: str
     gpu_j_per_token: float | None
-    tok_s: float | None
+    tok_s: float | None  # every token of the replay over its span: the server's throughput, set mostly by the trace
     ttft_p50_s: float | None
     ttft_p95_s: float | None
     latency_p50_s: float | None
@@ -1081,6 +1081,7 @@ class TraceLevel:
     late_p95_s: float
     foreign_traffic: str | None = None  # others' work ran beside the replay: what showed it (no J/token, no tok/s)
     replayed_again: str | None = None  # others' work ran beside the first replay (what showed it): these figures are the second's
+    request_tok_s: float | None = None  # the median request's own decode rate: the level's decode_tok_s, what analyze compares
 
     def to_dict(self) -> dict:
         return dict(self.__dict__)
@@ -1167,7 +1168,7 @@ class TraceSweep(Sweep):
             tok_s=sm.generated_tokens / w.result.duration_s if w.result.duration_s > 0 and self._counts(row) else None,
             ttft_p50_s=sm.ttft_p50_s, ttft_p95_s=sm.ttft_p95_s, latency_p50_s=sm.latency_p50_s,
             latency_p95_s=sm.latency_p95_s, tpot_p50_s=sm.tpot_p50_s, late_p95_s=sm.late_p95_s,
-            foreign_traffic=others, replayed_again=replayed_again,
+            foreign_traffic=others, replayed_again=replayed_again, request_tok_s=row.get("decode_tok_s"),
         )
         self.levels_done.append(lvl)
         if (cut := cut_short(recs)) and not any("cut short" in n for n in self._notes):

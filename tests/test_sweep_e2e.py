@@ -379,7 +379,7 @@ def test_a_trace_sweep_whose_reader_has_gone_keeps_sweeping(tmp_path):
                           "--simulate", "--out", str(out), "--idle-s", "0.5", "--interval", "0.5"],
                          stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
-        for _ in range(3):  # the trace line, the header, the first level
+        for _ in range(4):  # the trace line, the rates' legend, the header, the first level
             assert p.stdout.readline()
         p.stdout.close()
         err = p.stderr.read()

@@ -165,8 +165,15 @@ def test_sweep_trace_writes_a_run_directory_that_analyze_and_export_read(tmp_pat
     w = pq.read_table(run / "windows.parquet").to_pylist()
     traces = {r["level_value"]: r for r in w if r["window_kind"] == "trace"}
     assert sorted(traces) == [200.0, 400.0]
+    # Two rates, each named: the replay's throughput, and the median request's own rate, the trace row's decode_tok_s
+    # that `analyze` compares levels by (the one "tok/s" printed was the throughput: 13.0% slower where analyze said 13.7%).
+    head = next(ln for ln in p.stdout.splitlines() if ln.split()[:1] == ["level"]).split()
+    assert head[6:10] == ["all", "tok/s", "req", "tok/s"], head
+    printed = {r[0]: r for r in rows}
     for lv, r in traces.items():
         assert r["gpu_j_per_token"] == pytest.approx(jpt[f"{lv:g}W"], abs=1e-3)
+        assert float(printed[f"{lv:g}W"][6]) == pytest.approx(r["decode_tok_s"], abs=0.051)
+        assert float(printed[f"{lv:g}W"][5]) == pytest.approx(r["generated_tokens"] / r["decode_s"], rel=0.02)
         assert r["generated_tokens"] == sum(x["generated_tokens"] for x in w
                                             if x["window_kind"] == "request" and x["level_value"] == lv)
     assert sum(r["window_kind"] == "request" for r in w) == 16
