@@ -801,6 +801,10 @@ def measure(url, simulate, out_dir, n_requests, concurrency, warmup, launch, api
              for x in (res.interrupted or {}).get("concurrencies", []) if x["requests_kept"] < x["requests_planned"]}
     for m in res.summaries:
         click.echo(measure_row(m) + short.get(m.concurrency, ""))
+    if any(m.concurrency > 1 for m in res.summaries):
+        # "8 ok, 2 used" read as 6 of 8 requests thrown away: above concurrency 1 a window is a whole batch.
+        click.echo("used windows: what each figure rests on, one per request at concurrency 1 and one per batch (its "
+                   "streams decoding at once) above it: 8 requests at concurrency 4 are 2 windows")
     from powerprof.workload.measure import per_gpu_line
 
     for m in res.summaries:  # a figure summed over several GPUs says what it sums (run.json per_gpu)
@@ -835,7 +839,7 @@ def _measure_all_foreign(res) -> str:
             f"so there is no figure; fix: {FOREIGN_FIX}")
 
 
-MEASURE_HEADER = (f"{'concurrency':>11} {'ok':>4} {'failed':>6} {'used':>4} {'decode tok/s':>12} {'GPU J/tok':>10} "
+MEASURE_HEADER = (f"{'concurrency':>11} {'ok':>4} {'failed':>6} {'used windows':>12} {'decode tok/s':>12} {'GPU J/tok':>10} "
                   f"{'GPU+CPU J/tok':>13}   method")
 
 
@@ -846,7 +850,7 @@ def measure_row(m) -> str:
         # A bare "-" shifted the next figures left, under the wrong heading ("364.6 - -  none").
         return f"{'-':>{width}}" if v is None else format(v, f"{width}{spec}")
 
-    return (f"{m.concurrency:>11} {m.n_ok:>4} {m.n_failed:>6} {m.n_trusted:>4} {fmt(m.decode_tok_s, 12, '.1f')} "
+    return (f"{m.concurrency:>11} {m.n_ok:>4} {m.n_failed:>6} {m.n_trusted:>12} {fmt(m.decode_tok_s, 12, '.1f')} "
             # '!': other processes used the host's CPU meanwhile, and RAPL counts their energy (the notes say how much).
             f"{fmt(m.gpu_j_per_token, 10, '.3f')} {fmt(m.total_j_per_token, 13, '.3f')}{'!' if getattr(m, 'busy_host', False) else ' '}"
             f"  {m.energy_method}")

@@ -355,6 +355,10 @@ def test_measure_simulated_writes_windows_with_energy(tmp_path, monkeypatch):
     )
     assert res.exit_code == 0, res.output
     assert "simulated" in res.output and "decode tok/s" in res.output
+    # "2 ok, 1 used" at concurrency 2 read as a request thrown away: the column names windows, a line says what one is.
+    assert "used windows" in res.output and "one per batch (its streams decoding at once) above it" in res.output
+    row2 = next(ln.split() for ln in res.output.splitlines() if ln.split()[:1] == ["2"])
+    assert row2[1] == "2" and row2[3] in ("0", "1"), row2  # 2 requests ok, 1 batch window (0: left untrusted, said)
     t = pq.read_table(out / "windows.parquet").to_pylist()
     req = [r for r in t if r["window_kind"] == "request" and not r["warmup"]]
     batch = [r for r in t if r["window_kind"] == "batch"]
