@@ -575,11 +575,17 @@ def test_a_count_less_stream_that_keeps_up_with_the_server_holds_no_scrape_windo
     assert sum(sp[3] for sp in resolved) == pytest.approx(0.0, abs=1e-9)
 
 
-def test_a_count_less_stream_the_server_counted_more_of_says_so_on_its_row():
+def test_a_count_less_stream_the_server_counted_more_of_says_so_on_its_row(caplog):
     # The same stream without its usage chunk (`include_usage` not asked for): 10 chunks, 25 tokens by
     # the server's counter. Before: the row said 10 tokens, tokens_estimated and nothing more, while the
     # server's counter had shown the proxy's count low all along; now the row says by how much.
-    sink, _tr, _seen, _added = _play_speculative_stream(with_usage=False, end_s=6.0)
+    with caplog.at_level("WARNING", logger="powerprof.daemon.ledger"):
+        sink, _tr, _seen, _added = _play_speculative_stream(with_usage=False, end_s=6.0)
+    # And the daemon's log says it once, with both fixes: most OpenAI clients never ask for usage, and rows alone
+    # were read by nobody watching the daemon (a new user saw 218 J in unproxied with every request proxied).
+    said = [m.getMessage() for m in caplog.records if "carried no token counts" in m.getMessage()]
+    assert len(said) == 1 and "15 token(s) more" in said[0] and "include_usage" in said[0], said
+    assert "--enable-force-include-usage" in said[0] and "(1 such requests so far)" in said[0], said
     (row,) = sink.rows["requests"]
     assert row["attributed_tokens"] == 10.0 and row["tokens_estimated"] is True
     assert row["error"] is not None and "ran 15 token(s) ahead of the proxy's" in row["error"]

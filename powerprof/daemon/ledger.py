@@ -433,6 +433,7 @@ class Ledger:
         self._delays: deque = deque(maxlen=4096)
         self.late_tokens = 0.0  # token events stamped before an interval already closed (not attributed)
         self.burst_requests = 0  # streams that reached the proxy in one burst (`_spread_burst`)
+        self.chunk_counted_low = 0  # count-less streams the server's counter showed low (`_request_fields`)
         self.misplaced_windows = 0  # scrape windows whose placed proxied tokens came out below none (`_placed_in`)
         self._resolved_last: int | None = None  # the last scrape's end at the latest resolving pass
         self._gpu_total = np.zeros(n_gpus)
@@ -2492,6 +2493,19 @@ class Ledger:
         # surrogate (a JSON `\\ud800`) would send the whole row to quarantine.
         return {k: valid_text(v) if isinstance(v, str) else v for k, v in row.items()}
 
+    def _chunk_counted_low_said(self, r: _Req) -> None:
+        """Counted, and logged the first time and every 1000th: most OpenAI clients stream without asking for usage,
+        and under speculative decoding (or a busy vLLM) every such request is counted low, its rest in unproxied;
+        rows alone said it, where nobody running the daemon looks first."""
+        self.chunk_counted_low += 1
+        n = self.chunk_counted_low
+        if n == 1 or n % 1000 == 0:
+            log.warning("request %d: its stream carried no token counts and the server counted %.0f token(s) more than "
+                        "its chunks while it ran (several tokens a chunk: speculative decoding, or a busy server): its "
+                        "count and energy are low, the rest in unproxied, and its row says so (%d such requests so far); "
+                        "fix: clients send \"stream_options\": {\"include_usage\": true}, or start vLLM with "
+                        "--enable-force-include-usage", r.trace.request_id, r.server_ahead, n)
+
     def _request_fields(self, r: _Req) -> dict:
         tr = r.trace
         c = tr.counts
@@ -2515,6 +2529,7 @@ class Ledger:
                     "the intervals it was live in (several tokens a chunk under speculative decoding, or bypass "
                     "traffic): its count is likely low, and those tokens' energy is in unproxied")
             error = note if error is None else f"{error}; {note}"
+            self._chunk_counted_low_said(r)
         if lie is not None:
             note = f"{lie}: generated_tokens and J/token left empty ({COUNT_FIX})"
             error = note if error is None else f"{error}; {note}"
@@ -2848,7 +2863,7 @@ def _approximate_note(r: _Req) -> str | None:
     if r.server_ahead >= 0.5 and not r.to_server and (c is None or c.tokens_estimated):
         notes.append(f"its tokens were counted from its chunks (one each, or their logprobs) and the server's counter ran {r.server_ahead:.0f} token(s) "
                      "ahead of the proxy's while it was live: their energy is in unproxied, not here (fix: "
-                     "\"stream_options\": {\"include_usage\": true})")
+                     "\"stream_options\": {\"include_usage\": true}, or vLLM's --enable-force-include-usage)")
     return "approximate: " + "; ".join(notes) if notes else None
 
 
