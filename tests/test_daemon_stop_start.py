@@ -1,13 +1,15 @@
 """The daemon's edges: a clean stop reads the server's counters once more, so its last interval is not marked for
-want of a scrape; a start that fails to bind leaves nothing behind (docs/daemon.md, "Which rows may be low", and the
-quick start's note on an address already taken)."""
+want of a scrape, and takes back its tag socket and daemon.json; a start that fails to bind leaves nothing behind
+(docs/daemon.md, "Which rows may be low", the quick start's note on an address already taken, and Tag API)."""
 
 from __future__ import annotations
 
+import os
 import socket
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 from daemon_helpers import DaemonProc, read_dataset, sim_env
 
@@ -95,3 +97,68 @@ def _env():
     import os
 
     return dict(os.environ)
+
+
+def test_a_clean_stop_takes_back_its_tag_socket_and_daemon_json(tmp_path):
+    # Before: both stayed, daemon.json naming the dead PID, and `powerprof tag list` on the socket printed
+    # "UnixClientConnectorError: Cannot connect to unix socket … [Connection refused]".
+    from click.testing import CliRunner
+
+    from powerprof.cli import main
+
+    d = DaemonProc(tmp_path / "data", "--simulate", env=sim_env(tmp_path))
+    sock = Path(d.info["tags"])
+    assert sock.is_socket() and d.info_path.exists()
+    rc = d.stop()
+    assert rc == 0, d.output()
+    assert not os.path.lexists(sock), d.output()
+    assert not d.info_path.exists(), d.output()
+    r = CliRunner().invoke(main, ["tag", "list", "--socket", str(sock)])
+    assert r.exit_code == 1 and "is `powerprof daemon` running" in r.output, r.output
+
+
+def _unix_socket_file(path: Path) -> None:
+    """A socket file nothing listens on (what a daemon killed with kill -9 leaves): connecting is refused."""
+    s = socket.socket(socket.AF_UNIX)
+    s.bind(str(path))
+    s.close()
+
+
+def test_only_the_socket_it_bound_is_removed_never_another_nor_through_a_symlink(tmp_path):
+    from powerprof.daemon.service import bound_socket, remove_bound_socket
+
+    own = tmp_path / "own.sock"
+    _unix_socket_file(own)
+    mine = bound_socket(own)
+    remove_bound_socket(mine)
+    assert not os.path.lexists(own)
+    # Replaced after the bind (another daemon started on the path): that one is not ours to remove. (The first is
+    # kept, renamed: unlinked, its inode number could go to the new one; the change time tells those apart.)
+    _unix_socket_file(own)
+    mine = bound_socket(own)
+    own.rename(tmp_path / "old.sock")
+    _unix_socket_file(own)
+    remove_bound_socket(mine)
+    assert own.is_socket()
+    own.unlink()
+    # A symlink put in its place is neither followed nor removed; its target is kept.
+    target = tmp_path / "target.sock"
+    _unix_socket_file(target)
+    mine = bound_socket(target)
+    own.symlink_to(target)
+    remove_bound_socket((own, *mine[1:]))
+    assert own.is_symlink() and target.is_socket()
+    remove_bound_socket((tmp_path / "gone.sock", *mine[1:]))  # already gone: nothing to do, no error
+
+
+def test_the_tag_client_on_a_socket_nothing_listens_on_says_what_a_missing_socket_says(tmp_path):
+    from click.testing import CliRunner
+
+    from powerprof.cli import main
+
+    sock = tmp_path / "left.sock"
+    _unix_socket_file(sock)
+    for args in (["list"], ["start", "x"], ["stop", "x"]):
+        r = CliRunner().invoke(main, ["tag", *args, "--socket", str(sock)])
+        assert r.exit_code == 1 and "is `powerprof daemon` running" in r.output, r.output
+        assert "ClientConnectorError" not in r.output and "kill -9" in r.output, r.output

@@ -207,6 +207,27 @@ def prepare_socket_path(path: Path, what: str, euid: int | None = None) -> None:
     path.unlink()
 
 
+def bound_socket(path: Path) -> tuple[Path, int, int, int]:
+    """The socket just bound at `path`, as (path, device, inode, change time in ns): what `remove_bound_socket`
+    removes at the stop. The change time too: a socket unlinked and made again at once can get its inode number."""
+    st = os.lstat(path)
+    return path, st.st_dev, st.st_ino, st.st_ctime_ns
+
+
+def remove_bound_socket(bound: tuple[Path, int, int, int]) -> None:
+    """Remove the socket `bound_socket` recorded, only while it is still that one: a socket another daemon bound at
+    the path since (or anything else put there, a symlink never followed) is left. Left behind, a dead daemon's
+    socket refused every `powerprof tag` with a raw connection error."""
+    path, dev, ino, ctime_ns = bound
+    try:
+        st = os.lstat(path)
+        if stat.S_ISSOCK(st.st_mode) and (st.st_dev, st.st_ino, st.st_ctime_ns) == (dev, ino, ctime_ns):
+            path.unlink()
+    except OSError as e:
+        if e.errno != errno.ENOENT:
+            log.warning("cannot remove the socket %s at the stop: %s", path, error_text(e))
+
+
 def _shared_folder_to_make_it_in(data_dir: Path) -> Path | None:
     """The root-owned sticky folder others can write (/tmp) that a data dir not yet made would be made in, or None."""
     there = Path(os.path.join(os.getcwd(), data_dir))
@@ -342,6 +363,8 @@ class Daemon:
         self.config_waker = Waker()
         self.urls: dict[str, str] = {}
         self._runners: list[web.AppRunner] = []
+        self._sockets: list[tuple[Path, int, int, int]] = []  # the Unix sockets this daemon bound: removed at its stop
+        self._info_path: Path | None = None  # daemon.json once written: removed at the stop
         self._last_edge_s = 0.0
         self.edge_reads = 0  # on-demand counter reads at short requests' edges
         self.bad_requests = None  # guard.BadRequestLog once run() starts
@@ -867,6 +890,8 @@ class Daemon:
                 host, port = _split_listen(listen)
                 site = web.TCPSite(runner, host, port, reuse_address=True)
             await site.start()
+            if listen.startswith("unix:"):
+                self._sockets.append(bound_socket(Path(listen[5:])))
         except OSError as e:
             raise StartupError(f"cannot listen on {listen} for the {what}: {e.strerror or e}{_listen_fix(what, e)}") from None
         if self.guard is not None:
@@ -921,6 +946,7 @@ class Daemon:
             peers = PeerPolicy()  # root and this daemon's uid until the socket's group is known, just below
             await self._serve(tag_app(self, peers), f"unix:{path}", "tag API")
             os.chmod(path, stat.S_IRUSR | stat.S_IWUSR | stat.S_IRGRP | stat.S_IWGRP)
+            self._sockets[-1] = bound_socket(path)  # its change time after the chmod, as the stop will find it
             # The group the socket got (the setgid folder's under the unit: powerprof-tag), stated again per connection.
             peers.socket_gid = os.stat(path).st_gid
             log.info("tag API on %s: root, uid %d and members of %s may tag", path, peers.own_uid, peers.group_text())
@@ -1174,6 +1200,10 @@ class Daemon:
                 await r.cleanup()
             except Exception:
                 log.exception("closing a listener failed")
+        # Nothing listens any more: what says where it listened goes with it (the flush below may take a while).
+        for bound in self._sockets:
+            remove_bound_socket(bound)
+        self._remove_urls()
         if self.sampler is not None and self.sampler._threads:
             self.sampler.stop()
             try:
@@ -1201,8 +1231,24 @@ class Daemon:
             p = Path(data_dir) / "daemon.json"
             with atomic_path(p) as tmp:
                 tmp.write_text(json.dumps({"pid": os.getpid(), "daemon_id": self.daemon_id, **self.urls}))
+            self._info_path = p
         except OSError as e:
             log.warning("cannot write %s: %s", Path(data_dir) / "daemon.json", e)
+
+    def _remove_urls(self) -> None:
+        """At the stop, daemon.json goes, not marked stopped: its readers (tests/daemon_helpers.py, bench/_daemon.py)
+        take a daemon.json that is there for a daemon that listens. Only while it is still this daemon's (its PID)."""
+        import json
+
+        p = self._info_path
+        if p is None:
+            return
+        try:
+            if json.loads(p.read_text()).get("pid") == os.getpid():
+                p.unlink()
+        except (OSError, ValueError) as e:
+            if getattr(e, "errno", None) != errno.ENOENT:
+                log.warning("cannot remove %s at the stop: %s", p, error_text(e))
 
 
 TERMINAL_LOG_FORMAT = "%(asctime)s powerprof[%(process)d] %(levelname)s %(name)s: %(message)s"
