@@ -162,3 +162,51 @@ def test_the_tag_client_on_a_socket_nothing_listens_on_says_what_a_missing_socke
         r = CliRunner().invoke(main, ["tag", *args, "--socket", str(sock)])
         assert r.exit_code == 1 and "is `powerprof daemon` running" in r.output, r.output
         assert "ClientConnectorError" not in r.output and "kill -9" in r.output, r.output
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_an_upstream_not_answering_at_start_is_named_with_why_and_the_fix_and_the_daemon_runs(tmp_path):
+    # Before: it started with one warning, "the server's token counters could not be read before ready (no answer in
+    # time, or no counters)", naming neither the URL nor that nothing listened there.
+    url = f"http://127.0.0.1:{_free_port()}"  # nothing listens: connection refused
+    d = DaemonProc(tmp_path / "data", "--simulate", "--upstream", url, env=sim_env(tmp_path))
+    try:
+        out = d.output()
+        line = next((x for x in out.splitlines() if "does not answer" in x), "")
+        assert url in line and "connection refused" in line.lower(), out
+        assert "502" in line and "--upstream" in line and "proxy.upstream" in line, out
+        counters = next((x for x in out.splitlines() if "token counters" in x and "before ready" in x), "")
+        assert "no answer in time, or no counters" not in counters, out
+    finally:
+        rc = d.stop()
+    assert rc == 0, d.output()  # fail-open: it ran, and stopped cleanly
+
+
+def test_the_upstream_check_says_why_for_a_refused_connection_a_name_that_does_not_resolve_and_a_silent_host(
+        monkeypatch):
+    import asyncio
+
+    from powerprof.daemon.service import upstream_problem
+
+    async def judge(url, timeout_s=2.0):
+        return await upstream_problem(url, timeout_s)
+
+    port = _free_port()
+    assert "connection refused" in asyncio.run(judge(f"http://127.0.0.1:{port}")).lower()
+    assert "nonexistent-host.invalid" in asyncio.run(judge("http://nonexistent-host.invalid:8080"))
+    with socket.socket() as up:  # a server that listens: no problem (an HTTPS one is judged by its TCP port too)
+        up.bind(("127.0.0.1", 0))
+        up.listen()
+        assert asyncio.run(judge(f"http://127.0.0.1:{up.getsockname()[1]}/v1")) is None
+        assert asyncio.run(judge(f"https://127.0.0.1:{up.getsockname()[1]}")) is None
+    # A host that never answers the connect (a firewall that drops): said as such, within the time.
+    async def hangs(*_a, **_k):
+        await asyncio.sleep(60)
+
+    monkeypatch.setattr(asyncio, "open_connection", hangs)
+    assert asyncio.run(judge("http://10.0.0.1:80", timeout_s=0.2)) == "no answer within 0.2 s"

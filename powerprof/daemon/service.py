@@ -18,11 +18,13 @@ import logging
 import os
 import resource
 import signal
+import socket
 import stat
 import time
 import uuid
 from collections import Counter, deque
 from pathlib import Path
+from urllib.parse import urlsplit
 
 import aiohttp
 from aiohttp import web
@@ -80,6 +82,31 @@ def _listen_fix(what: str, e: BaseException) -> str:
     held = (" (another program holds it: another powerprof daemon, or the inference server itself?)"
             if getattr(e, "errno", None) == errno.EADDRINUSE else "")
     return f"{held}; give the {what} another address: {key} in the config, or {flag} HOST:PORT"
+
+
+async def upstream_problem(url: str, timeout_s: float) -> str | None:
+    """Why the upstream at `url` takes no connection now (refused, a name that does not resolve, no answer within
+    `timeout_s`), or None when its port takes one. A TCP connection only: no request reaches the server."""
+    u = urlsplit(url)
+    try:
+        port = u.port or (443 if u.scheme == "https" else 80)
+    except ValueError:
+        return "its port is not a number"
+    try:
+        _, writer = await asyncio.wait_for(asyncio.open_connection(u.hostname, port), timeout_s)
+    except asyncio.TimeoutError:
+        return f"no answer within {timeout_s:g} s"
+    except socket.gaierror as e:
+        return f"the name {u.hostname} cannot be resolved ({e.strerror or error_text(e)})"
+    except OSError as e:
+        # asyncio's own words ("Connect call failed ('127.0.0.1', 9)") do not say why; the errno's do.
+        return os.strerror(e.errno).lower() if e.errno else error_text(e)
+    writer.close()
+    try:
+        await writer.wait_closed()
+    except OSError:
+        pass
+    return None
 
 
 class StartupError(RuntimeError):
@@ -743,21 +770,29 @@ class Daemon:
                 # read the server's tokens then (proxy workers send their own with their heartbeats).
                 self.note_proxy_delay(time.monotonic_ns(), time.monotonic() - asleep - slept)
 
-    async def _scrape_baseline(self) -> None:
+    async def _scrape_baseline(self, down: str | None = None) -> None:
         """Read the server's counters once before saying ready: the count starts there. Taken by the scrape loop's
         first pass instead, a loaded host delayed it past the start of requests sent at the ready, and the baseline
         took their first tokens in for good (1169 of 1200 in one loaded run). Bounded: a server not up (or too slow)
-        is read by the loop later, and a count that may have lost tokens by then says so (Scraper.partial)."""
+        is read by the loop later, and a count that may have lost tokens by then says so (Scraper.partial).
+        `down`: why the server was just found not to answer; not waited for then (a silent host, BASELINE_WAIT_S)."""
         t0 = time.monotonic_ns()
-        try:
-            await asyncio.wait_for(self.scraper.scrape(), BASELINE_WAIT_S)
-        except asyncio.TimeoutError:
-            pass
+        why = down
+        if down is None:
+            try:
+                await asyncio.wait_for(self.scraper.scrape(), BASELINE_WAIT_S)
+            except asyncio.TimeoutError:
+                why = f"no whole answer within {BASELINE_WAIT_S:g} s"
         if self.scraper.has_baseline():
             self._scrape_since_ns = (t0 + time.monotonic_ns()) // 2
         else:
-            log.warning("the server's token counters could not be read before ready (%s): they are read from the scrape "
-                        "loop's first answer on", self.scraper.last_error or "no answer in time, or no counters")
+            # Why, with the URL: "no answer in time, or no counters" left a refused connection and a server
+            # without counters alike.
+            why = why or self.scraper.last_error or (
+                f"no token counter powerprof knows on its /metrics or /slots (scrape.server = "
+                f"{self.cfg.get('scrape', 'server')}: set it, or scrape.url, to the server's)")
+            log.warning("the server's token counters at %s could not be read before ready (%s): they are read from "
+                        "the scrape loop's first answer on", self.scraper.base, why)
         self.scraper.ready = True
 
     async def _scrape_loop(self) -> None:
@@ -1090,13 +1125,22 @@ class Daemon:
         """Listeners (proxy, /metrics, tag socket), the sampler, the writer and the loops."""
         cfg = self.cfg
         upstream = self.upstream
+        down = None
+        if upstream and cfg.get("proxy", "listen"):
+            # Said at the start, naming the URL and why: the only word of it was the counters' warning below, which
+            # said neither (a typo in --upstream, or the server not started, looked like a running daemon).
+            down = await upstream_problem(upstream, SCRAPE_TIMEOUT_S)
+            if down:
+                log.warning("the upstream %s does not answer (%s): the daemon runs, and clients of its proxy get 502 "
+                            "until it does. Fix: start the inference server there, or correct proxy.upstream "
+                            "(--upstream)", upstream, down)
         scrape_url = cfg.get("scrape", "url") or upstream
         if scrape_url and cfg.get("scrape", "server") != "none":
             self.scraper = Scraper(session, scrape_url, cfg.get("scrape", "server"))
             self.ledger.scraping = True  # intervals before its first read say `unread`, not `off`
             # Before the proxy listens: a request it took during this read (up to BASELINE_WAIT_S on a slow server)
             # would have its tokens taken into the baseline, a count low with nothing to say it (10 of 150).
-            await self._scrape_baseline()
+            await self._scrape_baseline(f"the upstream does not answer: {down}" if down and scrape_url == upstream else None)
         # RAPL read once before the proxy listens and the sampler starts: the first interval starts at NVML's first
         # read (just below), and a request from the first moment lands in it. Before, RAPL's own thread could read after NVML's:
         # that interval had no CPU energy, nor the request in it (1 loaded full test run in 3). Given to the ledger
