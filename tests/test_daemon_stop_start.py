@@ -80,12 +80,15 @@ def test_a_daemon_that_cannot_bind_its_port_leaves_no_folder_or_file_behind(tmp_
         taken.bind(("127.0.0.1", 0))
         taken.listen()
         port = taken.getsockname()[1]
-        for data_dir in (tmp_path / "new" / "data", used):
+        # The default data dir, whose folders above are made too (an explicit one must have its parent: below).
+        for data_dir in (None, used):
             for flags in (["--listen", f"127.0.0.1:{port}", "--metrics-listen", "127.0.0.1:0"],
                           ["--listen", "127.0.0.1:0", "--metrics-listen", f"127.0.0.1:{port}"]):
-                r = subprocess.run([sys.executable, "-m", "powerprof.cli", "daemon", "--simulate", "--data-dir",
-                                    str(data_dir), "--tag-socket", str(tmp_path / "t.sock"), *flags],
-                                   capture_output=True, text=True, timeout=120, env=sim_env(tmp_path) | _env())
+                where = (["--data-dir", str(data_dir)] if data_dir else [])
+                env = _env() | sim_env(tmp_path) | ({} if data_dir else {"POWERPROF_STATE_DIR": str(tmp_path / "new" / "state")})
+                r = subprocess.run([sys.executable, "-m", "powerprof.cli", "daemon", "--simulate", *where,
+                                    "--tag-socket", str(tmp_path / "t.sock"), *flags],
+                                   capture_output=True, text=True, timeout=120, env=env)
                 assert r.returncode == 1 and "address already in use" in r.stderr, r.stderr
                 assert "Traceback" not in r.stderr, r.stderr
                 assert not (tmp_path / "new").exists(), _tree(tmp_path / "new")
@@ -210,3 +213,36 @@ def test_the_upstream_check_says_why_for_a_refused_connection_a_name_that_does_n
 
     monkeypatch.setattr(asyncio, "open_connection", hangs)
     assert asyncio.run(judge("http://10.0.0.1:80", timeout_s=0.2)) == "no answer within 0.2 s"
+
+
+def test_an_explicit_data_dir_whose_parent_is_missing_is_refused_and_nothing_is_made(tmp_path):
+    # Before: `--data-dir /nonexistent/dir/x` made the whole tree (mode 0755) and ran: a typo in the path silently
+    # became a new tree of folders, while docs/daemon.md says to make the data dir with mode 0700.
+    missing = tmp_path / "typo"
+    for how in (["--data-dir", str(missing / "dir" / "x")], []):
+        env = _env() | sim_env(tmp_path) | ({} if how else {"POWERPROF_DAEMON_DATA_DIR": str(missing / "dir" / "x")})
+        r = subprocess.run([sys.executable, "-m", "powerprof.cli", "daemon", "--simulate", *how,
+                            "--listen", "127.0.0.1:0", "--metrics-listen", "127.0.0.1:0"],
+                           capture_output=True, text=True, timeout=120, env=env)
+        assert r.returncode == 1, r.stderr
+        assert f"{missing / 'dir'} does not exist" in r.stderr and f"mkdir -p {missing / 'dir'}" in r.stderr, r.stderr
+        assert "Traceback" not in r.stderr and not missing.exists(), r.stderr
+
+
+def test_the_data_dir_the_daemon_makes_is_its_own_0700_and_the_default_path_gets_its_folders_above(tmp_path):
+    from powerprof.daemon.service import StartupError, lock_data_dir
+
+    os.close(lock_data_dir(tmp_path / "data"))  # its parent is there: made, readable by its owner only
+    assert (tmp_path / "data").stat().st_mode & 0o777 == 0o700
+    (tmp_path / "kept").mkdir(mode=0o755)  # one made by the operator keeps its mode
+    os.close(lock_data_dir(tmp_path / "kept"))
+    assert (tmp_path / "kept").stat().st_mode & 0o777 == 0o755
+    try:
+        lock_data_dir(tmp_path / "a" / "b")
+        raise AssertionError("a data dir whose parent is missing was made")
+    except StartupError as e:
+        assert f"{tmp_path / 'a'} does not exist" in str(e)
+    assert not (tmp_path / "a").exists()
+    # The default one (no daemon.data_dir: ~/.local/state/powerprof/daemon of a new user) is made with its folders.
+    os.close(lock_data_dir(tmp_path / "s" / "powerprof" / "daemon", parents=True))
+    assert (tmp_path / "s" / "powerprof" / "daemon").stat().st_mode & 0o777 == 0o700

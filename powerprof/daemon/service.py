@@ -270,14 +270,26 @@ def _shared_folder_to_make_it_in(data_dir: Path) -> Path | None:
     return there if shared else None
 
 
-def lock_data_dir(data_dir: Path, euid: int | None = None) -> int:
-    """An exclusive flock held for the daemon's life, so two daemons never write one data dir (duplicate rows)."""
+def lock_data_dir(data_dir: Path, euid: int | None = None, parents: bool = False) -> int:
+    """An exclusive flock held for the daemon's life, so two daemons never write one data dir (duplicate rows).
+
+    A data dir not there yet is made, mode 0700 (as docs/daemon.md's `mkdir -m 0700`); the folders above it only with
+    `parents` (the default data dir, that no one typed: a new user's ~/.local/state may not exist). A path given
+    whose parent is missing is refused: `--data-dir /srv/powerprf/data` made the whole mistyped tree, mode 0755."""
     # Checked before anything is made: `mkdir -p` through another user's symlink makes root's folders wherever it points.
     from powerprof.trust import untrusted_contents, untrusted_place
 
     why = untrusted_place(data_dir, euid)
     if not why:
-        data_dir.mkdir(parents=True, exist_ok=True)
+        parent = Path(os.path.join(os.getcwd(), data_dir)).parent
+        if parents:
+            parent.mkdir(parents=True, exist_ok=True)
+        elif not os.path.lexists(data_dir) and not parent.is_dir():
+            raise StartupError(
+                f"data dir {data_dir}: its parent folder {parent} does not exist; not making a tree of folders from "
+                f"a path that may be mistyped (daemon.data_dir, --data-dir). Fix: correct the path, or make that "
+                f"folder first (mkdir -p {parent}); the daemon makes the data dir in it (mode 0700)")
+        data_dir.mkdir(mode=0o700, exist_ok=True)
         # And the folders in it (datasets, their days' partitions): `chown root:` of the data dir alone left another
         # user's `requests/` in it, where they could link a partition to any folder (rows written there, files deleted).
         why = untrusted_data_dir(data_dir, euid) or untrusted_contents(data_dir, euid)
@@ -1075,7 +1087,8 @@ class Daemon:
             log.warning("%s: %s%s", p.source, p.message, f" (fix: {p.fix})" if p.fix else "")
         data_dir = cfg.data_dir()
         try:
-            self._lock_fd = lock_data_dir(data_dir)
+            # Its folders above made only for the default path: one given must have its parent (lock_data_dir).
+            self._lock_fd = lock_data_dir(data_dir, parents=not cfg.get("daemon", "data_dir"))
         except OSError as e:
             self.rig.close()
             raise StartupError(f"cannot use data dir {data_dir}: {e}") from None
