@@ -239,3 +239,40 @@ def test_the_daemon_samples_the_gpu_its_uuid_names_and_stops_naming_one_that_is_
             os.close(d._lock_fd)
     with pytest.raises(StartupError, match="GPU-00000000.*names no GPU"):
         daemon(["GPU-00000000"])._open()
+
+
+@pytest.mark.parametrize(
+    "listen, said",
+    [
+        ("999.1.1.1:80", "999.1.1.1 is not a valid IPv4 address"),
+        ("10.0.0:80", "10.0.0 is not a valid IPv4 address"),
+        ("[::g1]:80", "::g1 is not a valid IPv6 address"),
+        ("bad_host!:80", "bad_host! is not a valid host name"),
+        ("127.0.0.1:65536", "port 65536 is out of range"),
+        ("127.0.0.1:http", "port http is not a number"),
+    ],
+)
+def test_a_listen_address_with_a_bad_host_or_port_is_refused_naming_that_part(tmp_path, listen, said):
+    # `--listen 999.1.1.1:80` was refused as "reachable from other machines … Listen on 127.0.0.1": the address was
+    # not an address at all, and the message sent the user after the wrong problem.
+    for key in ("proxy.listen", "metrics.listen"):
+        section, _, name = key.partition(".")
+        for how in ({"overrides": {key: listen}},
+                    {"path": _write(tmp_path, f"[{section}]\n{name} = '{listen}'\n")}):  # the file, as --check reads it
+            with pytest.raises(ConfigError) as e:
+                load_config(how.get("path"), env={}, overrides=how.get("overrides"))
+            msg = str(e.value)
+            assert key in msg and said in msg, msg
+            assert "reachable from other machines" not in msg, msg
+
+
+@pytest.mark.parametrize("listen", ["127.0.0.1:0", "127.0.0.1:8081", "[::1]:9464", "localhost:8081",
+                                    "unix:/run/x.sock", ""])
+def test_good_listen_addresses_pass(listen):
+    assert load_config(None, env={}, overrides={"proxy.listen": listen}).get("proxy", "listen") == listen
+
+
+def test_a_valid_address_beyond_loopback_is_still_refused_without_the_flag():
+    for listen in ("10.0.0.1:80", "[2001:db8::1]:80", "gpu-node-07.example:80"):
+        with pytest.raises(ConfigError, match="reachable from other machines"):
+            load_config(None, env={}, overrides={"proxy.listen": listen})

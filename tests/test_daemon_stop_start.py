@@ -1,13 +1,15 @@
 """The daemon's edges: a clean stop reads the server's counters once more, so its last interval is not marked for
-want of a scrape; a start that fails to bind leaves nothing behind (docs/daemon.md, "Which rows may be low", and the
-quick start's note on an address already taken)."""
+want of a scrape, and takes back its tag socket and daemon.json; a start that fails to bind leaves nothing behind
+(docs/daemon.md, "Which rows may be low", the quick start's note on an address already taken, and Tag API)."""
 
 from __future__ import annotations
 
+import os
 import socket
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 from daemon_helpers import DaemonProc, read_dataset, sim_env
 
@@ -78,12 +80,15 @@ def test_a_daemon_that_cannot_bind_its_port_leaves_no_folder_or_file_behind(tmp_
         taken.bind(("127.0.0.1", 0))
         taken.listen()
         port = taken.getsockname()[1]
-        for data_dir in (tmp_path / "new" / "data", used):
+        # The default data dir, whose folders above are made too (an explicit one must have its parent: below).
+        for data_dir in (None, used):
             for flags in (["--listen", f"127.0.0.1:{port}", "--metrics-listen", "127.0.0.1:0"],
                           ["--listen", "127.0.0.1:0", "--metrics-listen", f"127.0.0.1:{port}"]):
-                r = subprocess.run([sys.executable, "-m", "powerprof.cli", "daemon", "--simulate", "--data-dir",
-                                    str(data_dir), "--tag-socket", str(tmp_path / "t.sock"), *flags],
-                                   capture_output=True, text=True, timeout=120, env=sim_env(tmp_path) | _env())
+                where = (["--data-dir", str(data_dir)] if data_dir else [])
+                env = _env() | sim_env(tmp_path) | ({} if data_dir else {"POWERPROF_STATE_DIR": str(tmp_path / "new" / "state")})
+                r = subprocess.run([sys.executable, "-m", "powerprof.cli", "daemon", "--simulate", *where,
+                                    "--tag-socket", str(tmp_path / "t.sock"), *flags],
+                                   capture_output=True, text=True, timeout=120, env=env)
                 assert r.returncode == 1 and "address already in use" in r.stderr, r.stderr
                 assert "Traceback" not in r.stderr, r.stderr
                 assert not (tmp_path / "new").exists(), _tree(tmp_path / "new")
@@ -95,3 +100,149 @@ def _env():
     import os
 
     return dict(os.environ)
+
+
+def test_a_clean_stop_takes_back_its_tag_socket_and_daemon_json(tmp_path):
+    # Before: both stayed, daemon.json naming the dead PID, and `powerprof tag list` on the socket printed
+    # "UnixClientConnectorError: Cannot connect to unix socket … [Connection refused]".
+    from click.testing import CliRunner
+
+    from powerprof.cli import main
+
+    d = DaemonProc(tmp_path / "data", "--simulate", env=sim_env(tmp_path))
+    sock = Path(d.info["tags"])
+    assert sock.is_socket() and d.info_path.exists()
+    rc = d.stop()
+    assert rc == 0, d.output()
+    assert not os.path.lexists(sock), d.output()
+    assert not d.info_path.exists(), d.output()
+    r = CliRunner().invoke(main, ["tag", "list", "--socket", str(sock)])
+    assert r.exit_code == 1 and "is `powerprof daemon` running" in r.output, r.output
+
+
+def _unix_socket_file(path: Path) -> None:
+    """A socket file nothing listens on (what a daemon killed with kill -9 leaves): connecting is refused."""
+    s = socket.socket(socket.AF_UNIX)
+    s.bind(str(path))
+    s.close()
+
+
+def test_only_the_socket_it_bound_is_removed_never_another_nor_through_a_symlink(tmp_path):
+    from powerprof.daemon.service import bound_socket, remove_bound_socket
+
+    own = tmp_path / "own.sock"
+    _unix_socket_file(own)
+    mine = bound_socket(own)
+    remove_bound_socket(mine)
+    assert not os.path.lexists(own)
+    # Replaced after the bind (another daemon started on the path): that one is not ours to remove. (The first is
+    # kept, renamed: unlinked, its inode number could go to the new one; the change time tells those apart.)
+    _unix_socket_file(own)
+    mine = bound_socket(own)
+    own.rename(tmp_path / "old.sock")
+    _unix_socket_file(own)
+    remove_bound_socket(mine)
+    assert own.is_socket()
+    own.unlink()
+    # A symlink put in its place is neither followed nor removed; its target is kept.
+    target = tmp_path / "target.sock"
+    _unix_socket_file(target)
+    mine = bound_socket(target)
+    own.symlink_to(target)
+    remove_bound_socket((own, *mine[1:]))
+    assert own.is_symlink() and target.is_socket()
+    remove_bound_socket((tmp_path / "gone.sock", *mine[1:]))  # already gone: nothing to do, no error
+
+
+def test_the_tag_client_on_a_socket_nothing_listens_on_says_what_a_missing_socket_says(tmp_path):
+    from click.testing import CliRunner
+
+    from powerprof.cli import main
+
+    sock = tmp_path / "left.sock"
+    _unix_socket_file(sock)
+    for args in (["list"], ["start", "x"], ["stop", "x"]):
+        r = CliRunner().invoke(main, ["tag", *args, "--socket", str(sock)])
+        assert r.exit_code == 1 and "is `powerprof daemon` running" in r.output, r.output
+        assert "ClientConnectorError" not in r.output and "kill -9" in r.output, r.output
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_an_upstream_not_answering_at_start_is_named_with_why_and_the_fix_and_the_daemon_runs(tmp_path):
+    # Before: it started with one warning, "the server's token counters could not be read before ready (no answer in
+    # time, or no counters)", naming neither the URL nor that nothing listened there.
+    url = f"http://127.0.0.1:{_free_port()}"  # nothing listens: connection refused
+    d = DaemonProc(tmp_path / "data", "--simulate", "--upstream", url, env=sim_env(tmp_path))
+    try:
+        out = d.output()
+        line = next((x for x in out.splitlines() if "does not answer" in x), "")
+        assert url in line and "connection refused" in line.lower(), out
+        assert "502" in line and "--upstream" in line and "proxy.upstream" in line, out
+        counters = next((x for x in out.splitlines() if "token counters" in x and "before ready" in x), "")
+        assert "no answer in time, or no counters" not in counters, out
+    finally:
+        rc = d.stop()
+    assert rc == 0, d.output()  # fail-open: it ran, and stopped cleanly
+
+
+def test_the_upstream_check_says_why_for_a_refused_connection_a_name_that_does_not_resolve_and_a_silent_host(
+        monkeypatch):
+    import asyncio
+
+    from powerprof.daemon.service import upstream_problem
+
+    async def judge(url, timeout_s=2.0):
+        return await upstream_problem(url, timeout_s)
+
+    port = _free_port()
+    assert "connection refused" in asyncio.run(judge(f"http://127.0.0.1:{port}")).lower()
+    assert "nonexistent-host.invalid" in asyncio.run(judge("http://nonexistent-host.invalid:8080"))
+    with socket.socket() as up:  # a server that listens: no problem (an HTTPS one is judged by its TCP port too)
+        up.bind(("127.0.0.1", 0))
+        up.listen()
+        assert asyncio.run(judge(f"http://127.0.0.1:{up.getsockname()[1]}/v1")) is None
+        assert asyncio.run(judge(f"https://127.0.0.1:{up.getsockname()[1]}")) is None
+    # A host that never answers the connect (a firewall that drops): said as such, within the time.
+    async def hangs(*_a, **_k):
+        await asyncio.sleep(60)
+
+    monkeypatch.setattr(asyncio, "open_connection", hangs)
+    assert asyncio.run(judge("http://10.0.0.1:80", timeout_s=0.2)) == "no answer within 0.2 s"
+
+
+def test_an_explicit_data_dir_whose_parent_is_missing_is_refused_and_nothing_is_made(tmp_path):
+    # Before: `--data-dir /nonexistent/dir/x` made the whole tree (mode 0755) and ran: a typo in the path silently
+    # became a new tree of folders, while docs/daemon.md says to make the data dir with mode 0700.
+    missing = tmp_path / "typo"
+    for how in (["--data-dir", str(missing / "dir" / "x")], []):
+        env = _env() | sim_env(tmp_path) | ({} if how else {"POWERPROF_DAEMON_DATA_DIR": str(missing / "dir" / "x")})
+        r = subprocess.run([sys.executable, "-m", "powerprof.cli", "daemon", "--simulate", *how,
+                            "--listen", "127.0.0.1:0", "--metrics-listen", "127.0.0.1:0"],
+                           capture_output=True, text=True, timeout=120, env=env)
+        assert r.returncode == 1, r.stderr
+        assert f"{missing / 'dir'} does not exist" in r.stderr and f"mkdir -p {missing / 'dir'}" in r.stderr, r.stderr
+        assert "Traceback" not in r.stderr and not missing.exists(), r.stderr
+
+
+def test_the_data_dir_the_daemon_makes_is_its_own_0700_and_the_default_path_gets_its_folders_above(tmp_path):
+    from powerprof.daemon.service import StartupError, lock_data_dir
+
+    os.close(lock_data_dir(tmp_path / "data"))  # its parent is there: made, readable by its owner only
+    assert (tmp_path / "data").stat().st_mode & 0o777 == 0o700
+    (tmp_path / "kept").mkdir(mode=0o755)  # one made by the operator keeps its mode
+    os.close(lock_data_dir(tmp_path / "kept"))
+    assert (tmp_path / "kept").stat().st_mode & 0o777 == 0o755
+    try:
+        lock_data_dir(tmp_path / "a" / "b")
+        raise AssertionError("a data dir whose parent is missing was made")
+    except StartupError as e:
+        assert f"{tmp_path / 'a'} does not exist" in str(e)
+    assert not (tmp_path / "a").exists()
+    # The default one (no daemon.data_dir: ~/.local/state/powerprof/daemon of a new user) is made with its folders.
+    os.close(lock_data_dir(tmp_path / "s" / "powerprof" / "daemon", parents=True))
+    assert (tmp_path / "s" / "powerprof" / "daemon").stat().st_mode & 0o777 == 0o700

@@ -46,11 +46,45 @@ def _listen(v: str) -> str:
     if v.startswith("unix:"):
         return v
     host, sep, port = v.rpartition(":")
-    if not sep or not port.isdigit() or not 0 <= int(port) <= 65535 or not host:
+    if not sep or not host:
         raise ValueError("expected HOST:PORT (port 0-65535), e.g. 127.0.0.1:9464, or empty to disable")
     if ":" in host and not (host.startswith("[") and host.endswith("]")):
         raise ValueError("an IPv6 address takes brackets: [::1]:9464")
+    # Each part judged by itself: `999.1.1.1:80` was refused as "reachable from other machines", sending the user
+    # after the wrong problem (the port was checked here, the host only by the loopback rule).
+    if not port.isdigit():
+        raise ValueError(f"port {port or '(none)'} is not a number; expected HOST:PORT (port 0-65535, 0: any free "
+                         "one), e.g. 127.0.0.1:9464")
+    if not 0 <= int(port) <= 65535:
+        raise ValueError(f"port {port} is out of range: 0-65535 (0: any free one), e.g. 127.0.0.1:9464")
+    problem = _host_problem(host)
+    if problem:
+        raise ValueError(f"{problem}; expected an IPv4 address (four numbers 0-255: 127.0.0.1), an IPv6 one in "
+                         "brackets ([::1]) or a host name (localhost)")
     return v
+
+
+def _host_problem(host: str) -> str | None:
+    """Why `host` (as written in a listen address, IPv6 in brackets) is no address to listen on; None when it is
+    one. A name is judged by its form only: resolving it here would block a SIGHUP reload on DNS, and a name that
+    does not resolve fails the bind at start, naming the address and the key."""
+    if host.startswith("["):
+        try:
+            ipaddress.IPv6Address(host[1:-1])
+        except ValueError:
+            return f"{host[1:-1]} is not a valid IPv6 address"
+        return None
+    labels = host.rstrip(".").split(".")
+    if all(x.isdigit() for x in labels):  # dotted digits are meant as IPv4 (no host name is all digits)
+        try:
+            ipaddress.IPv4Address(host)
+        except ValueError:
+            return f"{host} is not a valid IPv4 address"
+        return None
+    ok = len(host) <= 253 and all(
+        0 < len(x) <= 63 and x[0] != "-" and x[-1] != "-" and all(c.isascii() and (c.isalnum() or c == "-") for c in x)
+        for x in labels)
+    return None if ok else f"{host} is not a valid host name (letters, digits, hyphens and dots)"
 
 
 def listen_host(listen: str) -> str | None:

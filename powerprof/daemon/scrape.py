@@ -337,7 +337,8 @@ class Scraper:
                 data = models.get("data") if isinstance(models, dict) else None
                 if isinstance(data, list) and data and isinstance(data[0], dict) and data[0].get("owned_by") == "sglang":
                     return "sglang"
-        except (aiohttp.ClientError, OSError, ValueError, TimeoutError):
+        except (aiohttp.ClientError, OSError, ValueError, TimeoutError) as e:
+            self.last_error = error_text(e)  # why it is not known yet: the start's warning says it
             return None
         return None
 

@@ -18,11 +18,13 @@ import logging
 import os
 import resource
 import signal
+import socket
 import stat
 import time
 import uuid
 from collections import Counter, deque
 from pathlib import Path
+from urllib.parse import urlsplit
 
 import aiohttp
 from aiohttp import web
@@ -80,6 +82,31 @@ def _listen_fix(what: str, e: BaseException) -> str:
     held = (" (another program holds it: another powerprof daemon, or the inference server itself?)"
             if getattr(e, "errno", None) == errno.EADDRINUSE else "")
     return f"{held}; give the {what} another address: {key} in the config, or {flag} HOST:PORT"
+
+
+async def upstream_problem(url: str, timeout_s: float) -> str | None:
+    """Why the upstream at `url` takes no connection now (refused, a name that does not resolve, no answer within
+    `timeout_s`), or None when its port takes one. A TCP connection only: no request reaches the server."""
+    u = urlsplit(url)
+    try:
+        port = u.port or (443 if u.scheme == "https" else 80)
+    except ValueError:
+        return "its port is not a number"
+    try:
+        _, writer = await asyncio.wait_for(asyncio.open_connection(u.hostname, port), timeout_s)
+    except asyncio.TimeoutError:
+        return f"no answer within {timeout_s:g} s"
+    except socket.gaierror as e:
+        return f"the name {u.hostname} cannot be resolved ({e.strerror or error_text(e)})"
+    except OSError as e:
+        # asyncio's own words ("Connect call failed ('127.0.0.1', 9)") do not say why; the errno's do.
+        return os.strerror(e.errno).lower() if e.errno else error_text(e)
+    writer.close()
+    try:
+        await writer.wait_closed()
+    except OSError:
+        pass
+    return None
 
 
 class StartupError(RuntimeError):
@@ -207,6 +234,27 @@ def prepare_socket_path(path: Path, what: str, euid: int | None = None) -> None:
     path.unlink()
 
 
+def bound_socket(path: Path) -> tuple[Path, int, int, int]:
+    """The socket just bound at `path`, as (path, device, inode, change time in ns): what `remove_bound_socket`
+    removes at the stop. The change time too: a socket unlinked and made again at once can get its inode number."""
+    st = os.lstat(path)
+    return path, st.st_dev, st.st_ino, st.st_ctime_ns
+
+
+def remove_bound_socket(bound: tuple[Path, int, int, int]) -> None:
+    """Remove the socket `bound_socket` recorded, only while it is still that one: a socket another daemon bound at
+    the path since (or anything else put there, a symlink never followed) is left. Left behind, a dead daemon's
+    socket refused every `powerprof tag` with a raw connection error."""
+    path, dev, ino, ctime_ns = bound
+    try:
+        st = os.lstat(path)
+        if stat.S_ISSOCK(st.st_mode) and (st.st_dev, st.st_ino, st.st_ctime_ns) == (dev, ino, ctime_ns):
+            path.unlink()
+    except OSError as e:
+        if e.errno != errno.ENOENT:
+            log.warning("cannot remove the socket %s at the stop: %s", path, error_text(e))
+
+
 def _shared_folder_to_make_it_in(data_dir: Path) -> Path | None:
     """The root-owned sticky folder others can write (/tmp) that a data dir not yet made would be made in, or None."""
     there = Path(os.path.join(os.getcwd(), data_dir))
@@ -222,14 +270,26 @@ def _shared_folder_to_make_it_in(data_dir: Path) -> Path | None:
     return there if shared else None
 
 
-def lock_data_dir(data_dir: Path, euid: int | None = None) -> int:
-    """An exclusive flock held for the daemon's life, so two daemons never write one data dir (duplicate rows)."""
+def lock_data_dir(data_dir: Path, euid: int | None = None, parents: bool = False) -> int:
+    """An exclusive flock held for the daemon's life, so two daemons never write one data dir (duplicate rows).
+
+    A data dir not there yet is made, mode 0700 (as docs/daemon.md's `mkdir -m 0700`); the folders above it only with
+    `parents` (the default data dir, that no one typed: a new user's ~/.local/state may not exist). A path given
+    whose parent is missing is refused: `--data-dir /srv/powerprf/data` made the whole mistyped tree, mode 0755."""
     # Checked before anything is made: `mkdir -p` through another user's symlink makes root's folders wherever it points.
     from powerprof.trust import untrusted_contents, untrusted_place
 
     why = untrusted_place(data_dir, euid)
     if not why:
-        data_dir.mkdir(parents=True, exist_ok=True)
+        parent = Path(os.path.join(os.getcwd(), data_dir)).parent
+        if parents:
+            parent.mkdir(parents=True, exist_ok=True)
+        elif not os.path.lexists(data_dir) and not parent.is_dir():
+            raise StartupError(
+                f"data dir {data_dir}: its parent folder {parent} does not exist; not making a tree of folders from "
+                f"a path that may be mistyped (daemon.data_dir, --data-dir). Fix: correct the path, or make that "
+                f"folder first (mkdir -p {parent}); the daemon makes the data dir in it (mode 0700)")
+        data_dir.mkdir(mode=0o700, exist_ok=True)
         # And the folders in it (datasets, their days' partitions): `chown root:` of the data dir alone left another
         # user's `requests/` in it, where they could link a partition to any folder (rows written there, files deleted).
         why = untrusted_data_dir(data_dir, euid) or untrusted_contents(data_dir, euid)
@@ -342,6 +402,8 @@ class Daemon:
         self.config_waker = Waker()
         self.urls: dict[str, str] = {}
         self._runners: list[web.AppRunner] = []
+        self._sockets: list[tuple[Path, int, int, int]] = []  # the Unix sockets this daemon bound: removed at its stop
+        self._info_path: Path | None = None  # daemon.json once written: removed at the stop
         self._last_edge_s = 0.0
         self.edge_reads = 0  # on-demand counter reads at short requests' edges
         self.bad_requests = None  # guard.BadRequestLog once run() starts
@@ -720,21 +782,29 @@ class Daemon:
                 # read the server's tokens then (proxy workers send their own with their heartbeats).
                 self.note_proxy_delay(time.monotonic_ns(), time.monotonic() - asleep - slept)
 
-    async def _scrape_baseline(self) -> None:
+    async def _scrape_baseline(self, down: str | None = None) -> None:
         """Read the server's counters once before saying ready: the count starts there. Taken by the scrape loop's
         first pass instead, a loaded host delayed it past the start of requests sent at the ready, and the baseline
         took their first tokens in for good (1169 of 1200 in one loaded run). Bounded: a server not up (or too slow)
-        is read by the loop later, and a count that may have lost tokens by then says so (Scraper.partial)."""
+        is read by the loop later, and a count that may have lost tokens by then says so (Scraper.partial).
+        `down`: why the server was just found not to answer; not waited for then (a silent host, BASELINE_WAIT_S)."""
         t0 = time.monotonic_ns()
-        try:
-            await asyncio.wait_for(self.scraper.scrape(), BASELINE_WAIT_S)
-        except asyncio.TimeoutError:
-            pass
+        why = down
+        if down is None:
+            try:
+                await asyncio.wait_for(self.scraper.scrape(), BASELINE_WAIT_S)
+            except asyncio.TimeoutError:
+                why = f"no whole answer within {BASELINE_WAIT_S:g} s"
         if self.scraper.has_baseline():
             self._scrape_since_ns = (t0 + time.monotonic_ns()) // 2
         else:
-            log.warning("the server's token counters could not be read before ready (%s): they are read from the scrape "
-                        "loop's first answer on", self.scraper.last_error or "no answer in time, or no counters")
+            # Why, with the URL: "no answer in time, or no counters" left a refused connection and a server
+            # without counters alike.
+            why = why or self.scraper.last_error or (
+                f"no token counter powerprof knows on its /metrics or /slots (scrape.server = "
+                f"{self.cfg.get('scrape', 'server')}: set it, or scrape.url, to the server's)")
+            log.warning("the server's token counters at %s could not be read before ready (%s): they are read from "
+                        "the scrape loop's first answer on", self.scraper.base, why)
         self.scraper.ready = True
 
     async def _scrape_loop(self) -> None:
@@ -867,6 +937,8 @@ class Daemon:
                 host, port = _split_listen(listen)
                 site = web.TCPSite(runner, host, port, reuse_address=True)
             await site.start()
+            if listen.startswith("unix:"):
+                self._sockets.append(bound_socket(Path(listen[5:])))
         except OSError as e:
             raise StartupError(f"cannot listen on {listen} for the {what}: {e.strerror or e}{_listen_fix(what, e)}") from None
         if self.guard is not None:
@@ -921,6 +993,7 @@ class Daemon:
             peers = PeerPolicy()  # root and this daemon's uid until the socket's group is known, just below
             await self._serve(tag_app(self, peers), f"unix:{path}", "tag API")
             os.chmod(path, stat.S_IRUSR | stat.S_IWUSR | stat.S_IRGRP | stat.S_IWGRP)
+            self._sockets[-1] = bound_socket(path)  # its change time after the chmod, as the stop will find it
             # The group the socket got (the setgid folder's under the unit: powerprof-tag), stated again per connection.
             peers.socket_gid = os.stat(path).st_gid
             log.info("tag API on %s: root, uid %d and members of %s may tag", path, peers.own_uid, peers.group_text())
@@ -1014,7 +1087,8 @@ class Daemon:
             log.warning("%s: %s%s", p.source, p.message, f" (fix: {p.fix})" if p.fix else "")
         data_dir = cfg.data_dir()
         try:
-            self._lock_fd = lock_data_dir(data_dir)
+            # Its folders above made only for the default path: one given must have its parent (lock_data_dir).
+            self._lock_fd = lock_data_dir(data_dir, parents=not cfg.get("daemon", "data_dir"))
         except OSError as e:
             self.rig.close()
             raise StartupError(f"cannot use data dir {data_dir}: {e}") from None
@@ -1064,13 +1138,22 @@ class Daemon:
         """Listeners (proxy, /metrics, tag socket), the sampler, the writer and the loops."""
         cfg = self.cfg
         upstream = self.upstream
+        down = None
+        if upstream and cfg.get("proxy", "listen"):
+            # Said at the start, naming the URL and why: the only word of it was the counters' warning below, which
+            # said neither (a typo in --upstream, or the server not started, looked like a running daemon).
+            down = await upstream_problem(upstream, SCRAPE_TIMEOUT_S)
+            if down:
+                log.warning("the upstream %s does not answer (%s): the daemon runs, and clients of its proxy get 502 "
+                            "until it does. Fix: start the inference server there, or correct proxy.upstream "
+                            "(--upstream)", upstream, down)
         scrape_url = cfg.get("scrape", "url") or upstream
         if scrape_url and cfg.get("scrape", "server") != "none":
             self.scraper = Scraper(session, scrape_url, cfg.get("scrape", "server"))
             self.ledger.scraping = True  # intervals before its first read say `unread`, not `off`
             # Before the proxy listens: a request it took during this read (up to BASELINE_WAIT_S on a slow server)
             # would have its tokens taken into the baseline, a count low with nothing to say it (10 of 150).
-            await self._scrape_baseline()
+            await self._scrape_baseline(f"the upstream does not answer: {down}" if down and scrape_url == upstream else None)
         # RAPL read once before the proxy listens and the sampler starts: the first interval starts at NVML's first
         # read (just below), and a request from the first moment lands in it. Before, RAPL's own thread could read after NVML's:
         # that interval had no CPU energy, nor the request in it (1 loaded full test run in 3). Given to the ledger
@@ -1174,6 +1257,10 @@ class Daemon:
                 await r.cleanup()
             except Exception:
                 log.exception("closing a listener failed")
+        # Nothing listens any more: what says where it listened goes with it (the flush below may take a while).
+        for bound in self._sockets:
+            remove_bound_socket(bound)
+        self._remove_urls()
         if self.sampler is not None and self.sampler._threads:
             self.sampler.stop()
             try:
@@ -1201,8 +1288,24 @@ class Daemon:
             p = Path(data_dir) / "daemon.json"
             with atomic_path(p) as tmp:
                 tmp.write_text(json.dumps({"pid": os.getpid(), "daemon_id": self.daemon_id, **self.urls}))
+            self._info_path = p
         except OSError as e:
             log.warning("cannot write %s: %s", Path(data_dir) / "daemon.json", e)
+
+    def _remove_urls(self) -> None:
+        """At the stop, daemon.json goes, not marked stopped: its readers (tests/daemon_helpers.py, bench/_daemon.py)
+        take a daemon.json that is there for a daemon that listens. Only while it is still this daemon's (its PID)."""
+        import json
+
+        p = self._info_path
+        if p is None:
+            return
+        try:
+            if json.loads(p.read_text()).get("pid") == os.getpid():
+                p.unlink()
+        except (OSError, ValueError) as e:
+            if getattr(e, "errno", None) != errno.ENOENT:
+                log.warning("cannot remove %s at the stop: %s", p, error_text(e))
 
 
 TERMINAL_LOG_FORMAT = "%(asctime)s powerprof[%(process)d] %(levelname)s %(name)s: %(message)s"

@@ -200,4 +200,9 @@ def send_tag(socket_path: Path | str, action: str, name: str | None = None) -> d
     try:
         return asyncio.run(_send(p, method, path))
     except (aiohttp.ClientConnectionError, OSError) as e:
+        cause = getattr(e, "os_error", e)  # aiohttp's connector error wraps the connect()'s own
+        if getattr(cause, "errno", None) in (errno.ECONNREFUSED, errno.ENOENT):
+            # A socket file nothing listens on: one a killed daemon (kill -9) left, or gone since the check above.
+            raise TagApiError(f"no daemon listens on {p} (a socket left by a daemon that was killed, kill -9, or "
+                              "crashed?): is `powerprof daemon` running (and is this its socket)?") from None
         raise TagApiError(f"cannot reach the daemon at {p}: {error_text(e)}") from None
