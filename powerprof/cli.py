@@ -188,6 +188,17 @@ def _parse_gpus(ctx, param, value):
     return list(dict.fromkeys(out))
 
 
+def _levels_option(what: str, example: str):
+    """A levels list (--limits, --clocks, tune's --levels) that is empty or only commas, refused as such before anything
+    opens: `--limits ""` (an unset shell variable) said "give exactly one of --limits or --clocks" to a user who had
+    given it, and beside --vary swept no levels at all. The levels parser (control.levels) judges the rest."""
+    def check(ctx, param, value):
+        if value is not None and not value.replace(",", "").strip():
+            raise click.UsageError(f"{param.opts[0]} is empty: give {what}, e.g. {param.opts[0]} {example}", ctx)
+        return value
+    return check
+
+
 def _open_rig_or_exit(simulate, gpus=None, rapl_backend="sysfs", host=True):
     """The one door, with its collectors open: a GPU index that does not exist is a usage error."""
     from powerprof.rig import Rig
@@ -482,7 +493,8 @@ def restore(simulate: str | None, restore_file: Path | None, force_default: bool
                    "other hosts, redirects and proxies are refused).")
 @click.option("--config", "config_path", type=click.Path(dir_okay=False, path_type=Path), default=None,
               help="TOML file with a [tuner] section (as root: owned by root, not group/world-writable).")
-@click.option("--levels", default=None, help="Allowed levels, e.g. 180,200,220,240,260,280,300W or 60%,80%,100% (overrides the file).")
+@click.option("--levels", default=None, callback=_levels_option("the allowed levels", "180,220W,60%"),
+              help="Allowed levels, e.g. 180,200,220,240,260,280,300W or 60%,80%,100% (overrides the file).")
 @click.option("--reference", default=None,
               help="Reference level, one of --levels, in watts or their form (250, 250W, 80%; default: the highest).")
 @click.option("--tpot-p95-ms", type=_FloatRange(min=0, min_open=True), default=None, help="SLO: TPOT p95 in ms.")
@@ -1198,8 +1210,10 @@ def _fraction_option(ctx, param, value):
 
 
 @main.command()
-@click.option("--limits", "limits", default=None, help="Power limits to step through: 180,220W,60% (of the default).")
-@click.option("--clocks", "clocks", default=None, help="Locked SM clocks (MHz) to step through instead of power limits.")
+@click.option("--limits", "limits", default=None, callback=_levels_option("power limits", "180,220W,60%"),
+              help="Power limits to step through: 180,220W,60% (of the default).")
+@click.option("--clocks", "clocks", default=None, callback=_levels_option("SM clocks in MHz", "1500,1200MHz,80%"),
+              help="Locked SM clocks (MHz) to step through instead of power limits.")
 @click.option("--server", "url", default=None, help="Inference server base URL (llama.cpp, vLLM, SGLang, OpenAI-compatible).", callback=_server_url)
 @click.option("--launch", default=None, help="Start the server with this command (needs --server for its URL); stopped at the end. "
               "With --vary, a template: {NAME} takes each value of --vary NAME=...")

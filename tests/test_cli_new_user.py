@@ -190,3 +190,24 @@ def test_tune_on_a_machine_without_a_gpu_driver_says_so_with_the_fix(tmp_path):
     assert "tune needs a GPU whose power limit it can set: no NVIDIA GPU reachable through NVML" in r.stderr, r.stderr
     assert "fix: install the NVIDIA driver" in r.stderr and "--simulate" in r.stderr, r.stderr
     assert not (tmp_path / "decisions").exists()
+
+
+def test_an_empty_level_list_is_said_to_be_empty_not_missing(tmp_path):
+    # `--limits ""` (a shell variable that was not set) said "give exactly one of --limits or --clocks", to a user
+    # who had given --limits; beside --vary it swept the settings as they are, as if no --limits had been given.
+    out = tmp_path / "run"
+    for opt, said in (("--limits", "--limits is empty: give power limits, e.g. --limits 180,220W,60%"),
+                      ("--clocks", "--clocks is empty: give SM clocks in MHz, e.g. --clocks 1500,1200MHz,80%")):
+        for value in ("", " ", " , "):
+            for extra in ((), ("--vary", "np=1,2", "--launch", "srv -np {np}", "--server", "http://127.0.0.1:8080")):
+                r = run("sweep", opt, value, "--simulate", "--dry-run", "--out", str(out), *extra)
+                assert r.exit_code == 2, r.output
+                flat = " ".join(r.output.split())
+                assert said in flat, flat
+                assert "exactly one of" not in flat and "levels: none" not in flat, flat
+    r = run("tune", "--daemon-metrics", f"http://127.0.0.1:{free_port()}/metrics", "--levels", "", "--simulate",
+            "--dry-run", "--out", str(out))
+    assert r.exit_code == 2, r.output
+    assert "--levels is empty: give the allowed levels, e.g. --levels 180,220W,60%" in " ".join(r.output.split()), r.output
+    assert not out.exists()
+    assert sim_limit_w() == 300.0
