@@ -922,6 +922,9 @@ def replay(trace_path, url, simulate, launch, api, time_scale, duration_s, tag_h
     async def go(base):
         async with new_session() as s:
             found.append(await detect_server(s, base, api))
+            # Said once the server answers: said before, it read as started to a user whose server was not there.
+            click.echo(f"replaying {len(trace)} request(s) over {trace[-1].t_s:.1f} s (Ctrl-C stops it and reports "
+                       "those finished)", err=True)
             # A replay's requests overlap: the server's books are compared over the whole replay, as one batch.
             others = OthersWatch(s, found[0].base_url, kind=found[0].kind)
             await others.begin()
@@ -929,8 +932,6 @@ def replay(trace_path, url, simulate, launch, api, time_scale, duration_s, tag_h
             watch.append((others, await others.judge([r.record for r in recs])))
             return found[0], recs
 
-    click.echo(f"replaying {len(trace)} request(s) over {trace[-1].t_s:.1f} s (Ctrl-C stops it and reports those finished)",
-               err=True)
     stopped = None
     try:
         with _signals_raise(), Rig(simulate, host=False) as rig, rig.server(url, launch) as base:

@@ -594,3 +594,20 @@ def test_a_jsonl_line_that_is_no_object_says_what_it_is(tmp_path, line, said):
     p.write_text('{"t_s": 0, "prompt_tokens": 4, "output_tokens": 5}\n' + line + "\n")
     with pytest.raises(TraceError, match=rf"junk\.jsonl:2: not a trace record: {said}"):
         read_trace(p)
+
+
+def test_replay_to_a_server_that_does_not_answer_does_not_say_it_started(tmp_path):
+    # It said "replaying 20 request(s) over 6.6 s" and then "no server answers": the server is found first.
+    from support import free_port
+
+    trace = tmp_path / "t.jsonl"
+    write_jsonl(synthetic(6, 10.0, prompt_median=20, output_median=10, seed=1), trace)
+    p = subprocess.run([sys.executable, "-m", "powerprof.cli", "replay", str(trace), "--server",
+                        f"http://127.0.0.1:{free_port()}"], capture_output=True, text=True, timeout=120)
+    assert p.returncode == 1, p.stderr
+    assert "no server answers" in p.stderr, p.stderr
+    assert "replaying" not in p.stderr, p.stderr
+    p = subprocess.run([sys.executable, "-m", "powerprof.cli", "replay", str(trace), "--simulate", "--time-scale", "4"],
+                       capture_output=True, text=True, timeout=120)
+    assert p.returncode == 0, p.stderr
+    assert p.stderr.startswith("replaying 6 request(s) over "), p.stderr
