@@ -242,6 +242,18 @@ def test_a_selection_that_misses_by_a_fraction_of_a_second_shows_the_fraction(tm
     said = " ".join(r.stderr.split())
     assert r.exit_code == 0 and ("(its rows span 2026-12-04 20:31:25.700 to 2026-12-04 20:31:25.900 UTC): --from "
                                  "2026-12-04 20:31:25.950 UTC is after its last row") in said, said
+    # A bound at the first row itself: --to excludes it, said with the times equal.
+    r = CliRunner().invoke(main, ["export", str(tmp_path / "d"), "--format", "csv", "--out", str(tmp_path / "csv3"),
+                                  "--to", "2026-12-04T20:31:25.7Z", "--tz", "UTC"])
+    said = " ".join(r.stderr.split())
+    assert r.exit_code == 0 and ("(its rows span 2026-12-04 20:31:25.700 to 2026-12-04 20:31:25.900 UTC): --to "
+                                 "2026-12-04 20:31:25.700 UTC is at or before its first row") in said, said
+    # Microseconds where milliseconds would still show the bound and the last row alike.
+    r = CliRunner().invoke(main, ["export", str(tmp_path / "d"), "--format", "csv", "--out", str(tmp_path / "csv4"),
+                                  "--from", "2026-12-04T20:31:25.9004Z", "--tz", "UTC"])
+    said = " ".join(r.stderr.split())
+    assert r.exit_code == 0 and ("(its rows span 2026-12-04 20:31:25.700000 to 2026-12-04 20:31:25.900000 UTC): --from "
+                                 "2026-12-04 20:31:25.900400 UTC is after its last row") in said, said
 
 
 def _no_traceback(r):

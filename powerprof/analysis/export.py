@@ -343,6 +343,11 @@ def time_column(schema: pa.Schema) -> str | None:
     return None
 
 
+def _to_digits(t: datetime, digits: int) -> str:
+    """`2026-12-04 20:31:25` with `digits` of the fraction of a second (cut, not rounded, as the seconds are)."""
+    return t.strftime("%Y-%m-%d %H:%M:%S") + (f".{t.microsecond:06d}"[:digits + 1] if digits else "")
+
+
 def _time_span(src: Source, t_from: datetime | None = None, t_to: datetime | None = None) -> str:
     """` (its rows span A to B UTC)`, streamed over the time column alone, and which bound (UTC datetimes, as
     parse_time gives) lies past the rows; " (it has no rows)" for an empty table."""
@@ -357,14 +362,16 @@ def _time_span(src: Source, t_from: datetime | None = None, t_to: datetime | Non
         return " (it has no rows)"
     # A naive column is compared as UTC wall clock (_filter): so are the bounds here.
     t_from, t_to = ((t if t is None or lo.tzinfo else t.replace(tzinfo=None)) for t in (t_from, t_to))
-    times = [t for t in (lo, hi, t_from, t_to) if t is not None]
-    # Whole seconds where every time is one; else as many digits as tell them apart: rows from 20:31:25.7 printed as
-    # "span 20:31:25 to 20:31:25" beside `--to 20:31:25Z`, which selected none of them, for no reason to be seen.
-    digits = 0 if all(t.microsecond == 0 for t in times) else 3 if all(t.microsecond % 1000 == 0 for t in times) else 6
     utc = " UTC" if lo.tzinfo else ""
+    # Whole seconds, milliseconds or microseconds: the fewest that show different times differently. Rows from
+    # 20:31:25.7 printed as "span 20:31:25 to 20:31:25" beside `--to 20:31:25Z`, which selected none of them, for no
+    # reason to be seen.
+    times = [t for t in (lo, hi, t_from, t_to) if t is not None]
+    digits = next((d for d in (0, 3) if all((a == b) == (_to_digits(a, d) == _to_digits(b, d))
+                                            for a in times for b in times)), 6)
 
     def shown(t: datetime) -> str:
-        return t.strftime("%Y-%m-%d %H:%M:%S") + (f".{t.microsecond:06d}"[:digits + 1] if digits else "")
+        return _to_digits(t, digits)
 
     why = ""
     if t_to is not None and t_to <= lo:
