@@ -189,9 +189,10 @@ def _parse_gpus(ctx, param, value):
 
 
 def _levels_option(what: str, example: str):
-    """A levels list (--limits, --clocks, tune's --levels) that is empty or only commas, refused as such before anything
-    opens: `--limits ""` (an unset shell variable) said "give exactly one of --limits or --clocks" to a user who had
-    given it, and beside --vary swept no levels at all. The levels parser (control.levels) judges the rest."""
+    """sweep's --limits or --clocks empty or only commas, refused as such before anything opens: `--limits ""` (an
+    unset shell variable) said "give exactly one of --limits or --clocks" to a user who had given it, and beside --vary
+    swept no levels at all. The levels parser (control.levels) judges the rest; tune's --levels goes to it as given
+    (its "no power levels given" is right there, and the levels may be clocks, by the config's knob)."""
     def check(ctx, param, value):
         if value is not None and not value.replace(",", "").strip():
             raise click.UsageError(f"{param.opts[0]} is empty: give {what}, e.g. {param.opts[0]} {example}", ctx)
@@ -493,8 +494,7 @@ def restore(simulate: str | None, restore_file: Path | None, force_default: bool
                    "other hosts, redirects and proxies are refused).")
 @click.option("--config", "config_path", type=click.Path(dir_okay=False, path_type=Path), default=None,
               help="TOML file with a [tuner] section (as root: owned by root, not group/world-writable).")
-@click.option("--levels", default=None, callback=_levels_option("the allowed levels", "180,220W,60%"),
-              help="Allowed levels, e.g. 180,200,220,240,260,280,300W or 60%,80%,100% (overrides the file).")
+@click.option("--levels", default=None, help="Allowed levels, e.g. 180,200,220,240,260,280,300W or 60%,80%,100% (overrides the file).")
 @click.option("--reference", default=None,
               help="Reference level, one of --levels, in watts or their form (250, 250W, 80%; default: the highest).")
 @click.option("--tpot-p95-ms", type=_FloatRange(min=0, min_open=True), default=None, help="SLO: TPOT p95 in ms.")
