@@ -188,6 +188,18 @@ def _parse_gpus(ctx, param, value):
     return list(dict.fromkeys(out))
 
 
+def _levels_option(what: str, example: str):
+    """sweep's --limits or --clocks empty or only commas, refused as such before anything opens: `--limits ""` (an
+    unset shell variable) said "give exactly one of --limits or --clocks" to a user who had given it, and beside --vary
+    swept no levels at all. The levels parser (control.levels) judges the rest; tune's --levels goes to it as given
+    (its "no power levels given" is right there, and the levels may be clocks, by the config's knob)."""
+    def check(ctx, param, value):
+        if value is not None and not value.replace(",", "").strip():
+            raise click.UsageError(f"{param.opts[0]} is empty: give {what}, e.g. {param.opts[0]} {example}", ctx)
+        return value
+    return check
+
+
 def _open_rig_or_exit(simulate, gpus=None, rapl_backend="sysfs", host=True):
     """The one door, with its collectors open: a GPU index that does not exist is a usage error."""
     from powerprof.rig import Rig
@@ -914,6 +926,9 @@ def replay(trace_path, url, simulate, launch, api, time_scale, duration_s, tag_h
     async def go(base):
         async with new_session() as s:
             found.append(await detect_server(s, base, api))
+            # Said once the server answers: said before, it read as started to a user whose server was not there.
+            click.echo(f"replaying {len(trace)} request(s) over {trace[-1].t_s:.1f} s (Ctrl-C stops it and reports "
+                       "those finished)", err=True)
             # A replay's requests overlap: the server's books are compared over the whole replay, as one batch.
             others = OthersWatch(s, found[0].base_url, kind=found[0].kind)
             await others.begin()
@@ -921,8 +936,6 @@ def replay(trace_path, url, simulate, launch, api, time_scale, duration_s, tag_h
             watch.append((others, await others.judge([r.record for r in recs])))
             return found[0], recs
 
-    click.echo(f"replaying {len(trace)} request(s) over {trace[-1].t_s:.1f} s (Ctrl-C stops it and reports those finished)",
-               err=True)
     stopped = None
     try:
         with _signals_raise(), Rig(simulate, host=False) as rig, rig.server(url, launch) as base:
@@ -1202,8 +1215,10 @@ def _fraction_option(ctx, param, value):
 
 
 @main.command()
-@click.option("--limits", "limits", default=None, help="Power limits to step through: 180,220W,60% (of the default).")
-@click.option("--clocks", "clocks", default=None, help="Locked SM clocks (MHz) to step through instead of power limits.")
+@click.option("--limits", "limits", default=None, callback=_levels_option("power limits", "180,220W,60%"),
+              help="Power limits to step through: 180,220W,60% (of the default).")
+@click.option("--clocks", "clocks", default=None, callback=_levels_option("SM clocks in MHz", "1500,1200MHz,80%"),
+              help="Locked SM clocks (MHz) to step through instead of power limits.")
 @click.option("--server", "url", default=None, help="Inference server base URL (llama.cpp, vLLM, SGLang, OpenAI-compatible).", callback=_server_url)
 @click.option("--launch", default=None, help="Start the server with this command (needs --server for its URL); stopped at the end. "
               "With --vary, a template: {NAME} takes each value of --vary NAME=...")

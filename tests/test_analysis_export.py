@@ -221,6 +221,41 @@ def test_a_time_selection_with_no_rows_says_so_and_where_the_rows_are(tmp_path):
     assert r.exit_code == 0 and "select no row" not in r.stderr, r.output
 
 
+
+def test_a_selection_that_misses_by_a_fraction_of_a_second_shows_the_fraction(tmp_path):
+    # `--to 20:31:25Z` of rows from 20:31:25.7 said the rows "span 20:31:25 to 20:31:25" and selected none: the
+    # times were cut to whole seconds, so the bound looked inside the span.
+    t0 = datetime(2026, 12, 4, 20, 31, 25, 700_000, tzinfo=timezone.utc)
+    d = tmp_path / "d" / "requests" / "date=2026-12-04"
+    d.mkdir(parents=True)
+    pq.write_table(pa.table({"t_first_utc": pa.array([t0, t0 + timedelta(milliseconds=200)],
+                                                     pa.timestamp("us", tz="UTC")), "decode_tokens": [10, 20]}),
+                   d / "part-0.parquet")
+    r = CliRunner().invoke(main, ["export", str(tmp_path / "d"), "--format", "csv", "--out", str(tmp_path / "csv"),
+                                  "--to", "2026-12-04T20:31:25Z", "--tz", "UTC"])
+    assert r.exit_code == 0, r.output
+    said = " ".join(r.stderr.split())
+    assert ("--from/--to select no row of requests (its rows span 2026-12-04 20:31:25.700 to 2026-12-04 20:31:25.900 "
+            "UTC): --to 2026-12-04 20:31:25.000 UTC is at or before its first row (--to takes the rows before it)") in said, said
+    r = CliRunner().invoke(main, ["export", str(tmp_path / "d"), "--format", "csv", "--out", str(tmp_path / "csv2"),
+                                  "--from", "2026-12-04T21:31:25.95+01:00", "--tz", "UTC"])
+    said = " ".join(r.stderr.split())
+    assert r.exit_code == 0 and ("(its rows span 2026-12-04 20:31:25.700 to 2026-12-04 20:31:25.900 UTC): --from "
+                                 "2026-12-04 20:31:25.950 UTC is after its last row") in said, said
+    # A bound at the first row itself: --to excludes it, said with the times equal.
+    r = CliRunner().invoke(main, ["export", str(tmp_path / "d"), "--format", "csv", "--out", str(tmp_path / "csv3"),
+                                  "--to", "2026-12-04T20:31:25.7Z", "--tz", "UTC"])
+    said = " ".join(r.stderr.split())
+    assert r.exit_code == 0 and ("(its rows span 2026-12-04 20:31:25.700 to 2026-12-04 20:31:25.900 UTC): --to "
+                                 "2026-12-04 20:31:25.700 UTC is at or before its first row") in said, said
+    # Microseconds where milliseconds would still show the bound and the last row alike.
+    r = CliRunner().invoke(main, ["export", str(tmp_path / "d"), "--format", "csv", "--out", str(tmp_path / "csv4"),
+                                  "--from", "2026-12-04T20:31:25.9004Z", "--tz", "UTC"])
+    said = " ".join(r.stderr.split())
+    assert r.exit_code == 0 and ("(its rows span 2026-12-04 20:31:25.700000 to 2026-12-04 20:31:25.900000 UTC): --from "
+                                 "2026-12-04 20:31:25.900400 UTC is after its last row") in said, said
+
+
 def _no_traceback(r):
     assert r.exit_code == 1 and isinstance(r.exception, SystemExit), (r.output, r.exception)
     assert "Traceback" not in r.output

@@ -190,3 +190,61 @@ def test_tune_on_a_machine_without_a_gpu_driver_says_so_with_the_fix(tmp_path):
     assert "tune needs a GPU whose power limit it can set: no NVIDIA GPU reachable through NVML" in r.stderr, r.stderr
     assert "fix: install the NVIDIA driver" in r.stderr and "--simulate" in r.stderr, r.stderr
     assert not (tmp_path / "decisions").exists()
+
+
+def test_an_empty_level_list_is_said_to_be_empty_not_missing(tmp_path):
+    # `--limits ""` (a shell variable that was not set) said "give exactly one of --limits or --clocks", to a user
+    # who had given --limits; beside --vary it swept the settings as they are, as if no --limits had been given.
+    out = tmp_path / "run"
+    for opt, said in (("--limits", "--limits is empty: give power limits, e.g. --limits 180,220W,60%"),
+                      ("--clocks", "--clocks is empty: give SM clocks in MHz, e.g. --clocks 1500,1200MHz,80%")):
+        for value in ("", " ", " , "):
+            for extra in ((), ("--vary", "np=1,2", "--launch", "srv -np {np}", "--server", "http://127.0.0.1:8080")):
+                r = run("sweep", opt, value, "--simulate", "--dry-run", "--out", str(out), *extra)
+                assert r.exit_code == 2, r.output
+                flat = " ".join(r.output.split())
+                assert said in flat, flat
+                assert "exactly one of" not in flat and "levels: none" not in flat, flat
+    assert not out.exists()
+    assert sim_limit_w() == 300.0
+
+
+def _daemon_dataset(root):
+    """A daemon data folder as the daemon's own store writes it (requests/, intervals/, date= partitions)."""
+    from powerprof.daemon.service import datasets
+    from powerprof.daemon.store import DatasetStore
+
+    t0 = 1_768_478_400 * 10**9  # 2026-01-15 12:00 UTC
+    store = DatasetStore(root, datasets(), host="node-0")
+    store.append("requests", [{"daemon_id": "d0", "request_id": i, "t_arrival_utc": t0 + i * 10**9,
+                               "t_end_utc": t0 + i * 10**9 + 5 * 10**8, "outcome": "ok", "generated_tokens": 100,
+                               "gpu_energy_j": 50.0, "attributed_tokens": 100.0, "ttft_s": 0.1} for i in range(4)])
+    store.append("intervals", [{"daemon_id": "d0", "t_start_utc": t0 + i * 10**9, "t_end_utc": t0 + (i + 1) * 10**9,
+                                "duration_s": 1.0, "kind": "decode", "gpu_energy_j": 300.0} for i in range(4)])
+    assert store.flush()
+    return root
+
+
+def test_analyze_of_a_daemon_datasets_table_names_the_dataset_and_the_command(tmp_path):
+    # `powerprof analyze DIR/requests` said "not a powerprof run directory: windows.parquet is missing".
+    from synthetic_runs import make_run, seed_truth
+
+    data = _daemon_dataset(tmp_path / "pp")
+    partition = next((data / "requests").iterdir())
+    for given in (data / "requests", data / "intervals", partition):
+        r = run("analyze", str(given))
+        assert r.exit_code == 1, r.output
+        flat = " ".join(r.output.split())
+        assert f"{given} is inside the daemon dataset {data} (its {given.relative_to(data).parts[0]}/ table)" in flat, flat
+        assert f"give the dataset folder: powerprof analyze {data}" in flat, flat
+        assert f"powerprof export {data} --format csv" in flat, flat
+        assert "windows.parquet is missing" not in flat, flat
+    # Beside a sweep's run it was "windows.parquet is missing" too: the two are analysed apart.
+    sweep_run = make_run(tmp_path / "run", seed_truth(), levels=(220, 300), n_requests=4)
+    r = run("analyze", str(sweep_run), str(data))
+    assert r.exit_code == 1, r.output
+    flat = " ".join(r.output.split())
+    assert f"{data} is a daemon dataset, not a sweep's run" in flat, flat
+    assert f"analyze it on its own (powerprof analyze {data}: the per-host summary)" in flat, flat
+    assert run("analyze", str(data)).exit_code == 0
+    assert not (sweep_run / "analysis").exists()

@@ -85,6 +85,40 @@ def test_missing_program_is_a_clear_error():
         ServerLauncher("llama-server -a 'my model", "http://127.0.0.1:1")
 
 
+
+def test_a_launch_that_never_started_leaves_no_empty_log_and_a_failed_one_keeps_its_log(tmp_path):
+    # A --launch of a program that is not there left an empty /tmp/powerprof-server-*.log behind, each time.
+    la = ServerLauncher("/nonexistent/llama-server -m x", f"http://127.0.0.1:{free_port()}")
+    assert la.log_path.exists() and la.log_path.name.startswith("powerprof-server-")
+    with pytest.raises(LaunchError, match="no such program"):
+        la.start()
+    assert not la.log_path.exists()
+    # Refused before launching (the port is taken): nothing ran, nothing to read.
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        la = ServerLauncher([sys.executable, "-c", "pass"], f"http://127.0.0.1:{taken.getsockname()[1]}",
+                            port_free_wait_s=0.2)
+        with pytest.raises(LaunchError, match="already listens"):
+            la.start()
+        assert la.proc is None and not la.log_path.exists()
+    # A log the caller named is theirs: kept, as it was.
+    mine = tmp_path / "server.log"
+    mine.write_bytes(b"")
+    with pytest.raises(LaunchError, match="no such program"):
+        ServerLauncher("/nonexistent/llama-server", f"http://127.0.0.1:{free_port()}", log_path=mine).start()
+    assert mine.exists()
+    # A launch that ran and said why it failed keeps its log: the error points at it.
+    la = ServerLauncher([sys.executable, "-c", "import sys; print('model file not found: x.gguf'); sys.exit(3)"],
+                        f"http://127.0.0.1:{free_port()}", timeout_s=20, poll_s=0.05)
+    try:
+        with pytest.raises(LaunchError, match=r"(?s)exited with code 3.*model file not found"):
+            la.start()
+        assert "model file not found" in la.log_path.read_text()
+    finally:
+        la.log_path.unlink(missing_ok=True)
+
+
 # A tiny server: /health answers 200; with --ignore-term it shrugs off SIGTERM like a slow-to-exit server.
 TINY_SERVER = textwrap.dedent("""
     import http.server, signal, sys

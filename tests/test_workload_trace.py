@@ -570,3 +570,51 @@ def test_an_azure_row_with_fields_missing_says_how_many(tmp_path):
     p.write_bytes(b"TIMESTAMP,ContextTokens,GeneratedTokens\n0,4,5\n1,2\n")
     with pytest.raises(TraceError, match=r"short\.csv:3: bad row \(2 fields, the header names 3: .*GeneratedTokens"):
         read_trace(p)
+
+
+@pytest.mark.parametrize("line, missing", [
+    # It said "not a trace record (KeyError: 'timestamp')": a field the message's own list did not name.
+    ('{"foo": 1}', '"t_s" (or "timestamp"), "prompt_tokens", "output_tokens"'),
+    ('{"t_s": 0, "prompt_tokens": 4}', '"output_tokens"'),
+    ('{"timestamp": 0, "output_tokens": 4}', '"prompt_tokens"'),
+    ('{"prompt_tokens": 4, "output_tokens": 5}', '"t_s" (or "timestamp")'),
+])
+def test_a_jsonl_record_without_a_field_names_the_fields_it_lacks(tmp_path, line, missing):
+    p = tmp_path / "junk.jsonl"
+    p.write_text('{"t_s": 0, "prompt_tokens": 4, "output_tokens": 5}\n' + line + "\n")
+    with pytest.raises(TraceError) as e:
+        read_trace(p)
+    said = str(e.value)
+    assert f"junk.jsonl:2: not a trace record: it has no {missing} (its fields: " in said, said
+    assert "KeyError" not in said, said
+    assert 'want {"t_s" (or "timestamp"), "prompt_tokens", "output_tokens"[, "tag"]}' in said, said
+
+
+@pytest.mark.parametrize("line, said", [
+    ("[1, 2, 3]", "a JSON array, not an object"),
+    ("7", "a JSON number, not an object"),
+    ('"x"', "a JSON string, not an object"),
+])
+def test_a_jsonl_line_that_is_no_object_says_what_it_is(tmp_path, line, said):
+    # A list said "TypeError: list indices must be integers or slices, not str".
+    p = tmp_path / "junk.jsonl"
+    p.write_text('{"t_s": 0, "prompt_tokens": 4, "output_tokens": 5}\n' + line + "\n")
+    with pytest.raises(TraceError, match=rf"junk\.jsonl:2: not a trace record: {said}"):
+        read_trace(p)
+
+
+def test_replay_to_a_server_that_does_not_answer_does_not_say_it_started(tmp_path):
+    # It said "replaying 20 request(s) over 6.6 s" and then "no server answers": the server is found first.
+    from support import free_port
+
+    trace = tmp_path / "t.jsonl"
+    write_jsonl(synthetic(6, 10.0, prompt_median=20, output_median=10, seed=1), trace)
+    p = subprocess.run([sys.executable, "-m", "powerprof.cli", "replay", str(trace), "--server",
+                        f"http://127.0.0.1:{free_port()}"], capture_output=True, text=True, timeout=120)
+    assert p.returncode == 1, p.stderr
+    assert "no server answers" in p.stderr, p.stderr
+    assert "replaying" not in p.stderr, p.stderr
+    p = subprocess.run([sys.executable, "-m", "powerprof.cli", "replay", str(trace), "--simulate", "--time-scale", "4"],
+                       capture_output=True, text=True, timeout=120)
+    assert p.returncode == 0, p.stderr
+    assert p.stderr.startswith("replaying 6 request(s) over "), p.stderr

@@ -343,8 +343,14 @@ def time_column(schema: pa.Schema) -> str | None:
     return None
 
 
-def _time_span(src: Source) -> str:
-    """` (its rows span A to B UTC)`, streamed over the time column alone; empty for an empty table."""
+def _to_digits(t: datetime, digits: int) -> str:
+    """`2026-12-04 20:31:25` with `digits` of the fraction of a second (cut, not rounded, as the seconds are)."""
+    return t.strftime("%Y-%m-%d %H:%M:%S") + (f".{t.microsecond:06d}"[:digits + 1] if digits else "")
+
+
+def _time_span(src: Source, t_from: datetime | None = None, t_to: datetime | None = None) -> str:
+    """` (its rows span A to B UTC)`, streamed over the time column alone, and which bound (UTC datetimes, as
+    parse_time gives) lies past the rows; " (it has no rows)" for an empty table."""
     col = time_column(src.dataset.schema)
     lo = hi = None
     for b in src.dataset.scanner(columns=[col], batch_readahead=1, fragment_readahead=1).to_batches():
@@ -354,8 +360,25 @@ def _time_span(src: Source) -> str:
             hi = mm["max"].as_py() if hi is None else max(hi, mm["max"].as_py())
     if lo is None:
         return " (it has no rows)"
-    fmt = "%Y-%m-%d %H:%M:%S"
-    return f" (its rows span {lo.strftime(fmt)} to {hi.strftime(fmt)}{' UTC' if lo.tzinfo else ''})"
+    # A naive column is compared as UTC wall clock (_filter): so are the bounds here.
+    t_from, t_to = ((t if t is None or lo.tzinfo else t.replace(tzinfo=None)) for t in (t_from, t_to))
+    utc = " UTC" if lo.tzinfo else ""
+    # Whole seconds, milliseconds or microseconds: the fewest that show different times differently. Rows from
+    # 20:31:25.7 printed as "span 20:31:25 to 20:31:25" beside `--to 20:31:25Z`, which selected none of them, for no
+    # reason to be seen.
+    times = [t for t in (lo, hi, t_from, t_to) if t is not None]
+    digits = next((d for d in (0, 3) if all((a == b) == (_to_digits(a, d) == _to_digits(b, d))
+                                            for a in times for b in times)), 6)
+
+    def shown(t: datetime) -> str:
+        return _to_digits(t, digits)
+
+    why = ""
+    if t_to is not None and t_to <= lo:
+        why = f": --to {shown(t_to)}{utc} is at or before its first row (--to takes the rows before it)"
+    elif t_from is not None and t_from > hi:
+        why = f": --from {shown(t_from)}{utc} is after its last row"
+    return f" (its rows span {shown(lo)} to {shown(hi)}{utc}){why}"
 
 
 def _filter(src: Source, t_from: datetime | None, t_to: datetime | None):
@@ -470,7 +493,7 @@ def export(src, fmt: str, out=None, time_from: str | None = None, time_to: str |
         # An empty selection (a mistyped date, another day's run) wrote header-only files without a word.
         for s in sources:
             if time_column(s.dataset.schema) is not None and not s.dataset.count_rows(filter=_filter(s, t_from, t_to)):
-                notes.append(f"--from/--to select no row of {s.name}" + _time_span(s))
+                notes.append(f"--from/--to select no row of {s.name}" + _time_span(s, t_from, t_to))
     if len(srcs) == 1 and not is_uri(srcs[0]):
         src_path = Path(srcs[0])
         default_stem = src_path.stem if src_path.is_file() else src_path.resolve().name

@@ -99,7 +99,7 @@ def read_run_info(run_dir) -> RunInfo:
         inner = sorted(p.name for p in path.iterdir() if (p / "windows.parquet").exists()) if path.is_dir() else []
         hint = ("; it holds run directories: give one of them (" + ", ".join(str(path / n) for n in inner[-3:][::-1])
                 + (", ..." if len(inner) > 3 else "") + f"), or several as a glob ({path}/*)") if inner else ""
-        raise AnalysisError(no_finished_level(path)
+        raise AnalysisError(no_finished_level(path) or _daemon_dataset_hint(path)
                             or f"{path} is not a powerprof run directory: windows.parquet is missing{hint}")
     model = _get(meta, "model", "server.model", "server.model_path", "workload.model")
     if model is None:
@@ -120,6 +120,26 @@ def read_run_info(run_dir) -> RunInfo:
         gpu_count=_gpu_count(meta),
         has_meta=meta_path.exists(),
     )
+
+
+def _daemon_dataset_hint(path: Path) -> str | None:
+    """What to say of a daemon dataset, or a folder inside one, given where a sweep's run was expected: `analyze
+    DIR/requests` said "windows.parquet is missing", and a dataset beside sweep runs the same. None: neither."""
+    from powerprof.storage.schema import DAEMON_DATASETS
+
+    from .fleet import is_daemon_dataset
+
+    if is_daemon_dataset(str(path)):
+        return (f"{path} is a daemon dataset, not a sweep's run: analyze it on its own (powerprof analyze {path}: "
+                "the per-host summary), and the sweep runs apart")
+    # One of its tables (requests/), or a partition in one (requests/date=...): the dataset is a level or two up.
+    for root in list(path.parents)[:3]:
+        inside = path.relative_to(root).parts
+        if inside[0] in DAEMON_DATASETS and is_daemon_dataset(str(root)):
+            return (f"{path} is inside the daemon dataset {root} (its {inside[0]}/ table), not a sweep's run: give "
+                    f"the dataset folder: powerprof analyze {root} (the per-host summary; powerprof export {root} "
+                    "--format csv for its rows)")
+    return None
 
 
 def _gpu_count(meta: dict) -> int | None:

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import asyncio
 import atexit
+import contextlib
 import os
 import shlex
 import shutil
@@ -269,6 +270,7 @@ class ServerLauncher:
         self.port_free_wait_s = port_free_wait_s  # a just-stopped server's port takes a moment to close
         self.marker = _new_marker()
         self.notes: list[str] = []  # what the launch did beyond starting the command (an orphan stopped)
+        self._own_log = log_path is None  # a temp file of ours, not a path the caller named
         if log_path is None:
             fd, name = tempfile.mkstemp(prefix="powerprof-server-", suffix=".log")
             os.close(fd)
@@ -287,6 +289,29 @@ class ServerLauncher:
             bound_log(self.log_path, self.max_log_bytes)
 
     def start(self) -> "ServerLauncher":
+        try:
+            self._spawn()
+        except BaseException:
+            # Nothing ran (a program that is not there, a port taken): our temp log, empty, would be left in /tmp for
+            # nothing, one a try. A log with output in it is kept; so is one the caller named.
+            if self.proc is None and self._own_log:
+                with contextlib.suppress(OSError):
+                    if self.log_path.stat().st_size == 0:
+                        self.log_path.unlink()
+            raise
+        atexit.register(self.stop)
+        self._log_stop.clear()
+        self._log_thread = threading.Thread(target=self._watch_log, name="powerprof-server-log", daemon=True)
+        self._log_thread.start()
+        self._install_signal_handlers()
+        try:
+            self._wait_healthy()
+        except BaseException:
+            self.stop()
+            raise
+        return self
+
+    def _spawn(self) -> None:
         self._check_port_free()
         env = dict(os.environ if self.env is None else self.env, **{MARKER_ENV: self.marker})
         argv = self.argv
@@ -307,17 +332,6 @@ class ServerLauncher:
                 )
             except OSError as e:
                 raise LaunchError(f"cannot start {self.argv[0]!r}: {e}") from None
-        atexit.register(self.stop)
-        self._log_stop.clear()
-        self._log_thread = threading.Thread(target=self._watch_log, name="powerprof-server-log", daemon=True)
-        self._log_thread.start()
-        self._install_signal_handlers()
-        try:
-            self._wait_healthy()
-        except BaseException:
-            self.stop()
-            raise
-        return self
 
     def _check_port_free(self) -> None:
         host, port = _host_port(self.base_url)

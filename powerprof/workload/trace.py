@@ -128,6 +128,27 @@ def trace_bytes(p: Path) -> bytes:
     return data
 
 
+_JSONL_WANT = '{"t_s" (or "timestamp"), "prompt_tokens", "output_tokens"[, "tag"]}'
+_JSON_KINDS = ((bool, "a JSON boolean"), (dict, "a JSON object"), (list, "a JSON array"), (str, "a JSON string"),
+               ((int, float), "a JSON number"), (type(None), "JSON null"))
+
+
+def _record_problem(d) -> str | None:
+    """Why a JSONL line's value is no trace record in the documented format's terms, or None: a KeyError said
+    "KeyError: 'timestamp'", a field the message's own list of wanted fields did not name."""
+    if not isinstance(d, dict):
+        kind = next((k for t, k in _JSON_KINDS if isinstance(d, t)), "no JSON object")
+        return f"{kind}, not an object"
+    missing = [shown for keys, shown in ((("t_s", "timestamp"), '"t_s" (or "timestamp")'),
+                                         (("prompt_tokens",), '"prompt_tokens"'), (("output_tokens",), '"output_tokens"'))
+               if not any(k in d for k in keys)]
+    if not missing:
+        return None
+    have = [json.dumps(k) for k in d]
+    fields = ", ".join(have[:8]) + (f" and {len(have) - 8} more" if len(have) > 8 else "")
+    return f"it has no {', '.join(missing)}" + (f" (its fields: {fields})" if have else " (it is empty)")
+
+
 def _parse_trace(p: Path, text: str) -> list[TraceRequest]:
     lines = text.splitlines()
     first = next((ln for ln in lines if ln.strip()), "")
@@ -141,6 +162,8 @@ def _parse_trace(p: Path, text: str) -> list[TraceRequest]:
                 continue
             try:
                 d = json.loads(line)
+                if (why := _record_problem(d)) is not None:
+                    raise TraceError(f"{p}:{i}: not a trace record: {why}; want {_JSONL_WANT}")
                 t = d["t_s"] if "t_s" in d else d["timestamp"]
                 if isinstance(t, bool):
                     raise ValueError(f"arrival time {t!r} is not a number of seconds")
@@ -153,9 +176,10 @@ def _parse_trace(p: Path, text: str) -> list[TraceRequest]:
                     raise ValueError(f"tag {tag!r} holds a control character: it cannot be sent as an HTTP header")
                 out.append((t, _positive_int(d["prompt_tokens"], "prompt_tokens"),
                             _positive_int(d["output_tokens"], "output_tokens"), None if tag is None else str(tag)))
+            except TraceError:
+                raise
             except (ValueError, KeyError, TypeError) as e:
-                raise TraceError(f"{p}:{i}: not a trace record ({error_text(e)}); "
-                                 "want {\"t_s\", \"prompt_tokens\", \"output_tokens\"[, \"tag\"]}") from None
+                raise TraceError(f"{p}:{i}: not a trace record ({error_text(e)}); want {_JSONL_WANT}") from None
     else:
         rows = csv.reader(lines)
         header = [h.strip() for h in next(rows, [])]
