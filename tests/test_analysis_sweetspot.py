@@ -82,6 +82,26 @@ def test_knee_of_saving_vs_loss_is_found(tmp_path):
     assert c.level_value == 250.0 and c.stability > 0.9
 
 
+def test_no_knee_where_saving_never_outruns_loss_keeps_the_reference(tmp_path):
+    # Two levels (180 and 300 W of a sweep): normalised saving minus normalised loss is 0 at both, and the tie went to
+    # the lowest level, "knee 180 W", and on the straight line between them to 299 W. Savings in proportion to losses
+    # (five levels on one line) have no knee either. A real knee (above) is unchanged.
+    from powerprof.analysis.sweetspot import PolicyParams, policy_index
+
+    tok, j = np.array([66.9, 77.3]), np.array([2.70, 3.525])
+    assert int(policy_index("knee", tok, j, 1, PolicyParams())) == 1
+    levels = (200, 225, 250, 275, 300)
+    loss = np.array([20.0, 15.0, 10.0, 5.0, 0.0])
+    tok = 100 * (1 - loss / 100)
+    j = 3.0 * (1 - 1.2 * loss / 100)
+    assert int(policy_index("knee", tok, j, 4, PolicyParams())) == 4
+    truth = Truth(tok_s=lambda L: np.interp(L, (180, 300), (66.9, 77.3)),
+                  power_w=lambda L: np.interp(L, (180, 300), (66.9 * 2.70, 77.3 * 3.525)),
+                  sm_clock_mhz=lambda L: np.full(np.shape(L), 2000.0), default_limit_w=300)
+    c = choose(_series(tmp_path, truth, (180, 300), noise=0.0), "knee")
+    assert c.level_value == 300.0 and c.interpolated_value in (None, 300.0), (c.level_value, c.interpolated_value)
+
+
 def test_seed_regression_220_w_is_the_sweet_spot_within_a_10_percent_budget(tmp_path):
     truth = seed_truth("seed-16g")
     s = _series(tmp_path, truth, (180, 220, 260, 300), n_requests=40)

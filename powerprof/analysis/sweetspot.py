@@ -119,8 +119,10 @@ def policy_index(policy: str, tok_s: np.ndarray, j: np.ndarray, ref: int, params
         sn = np.divide(saving, smax, out=np.zeros_like(saving), where=smax > 0)
         score = np.where(np.isfinite(sn - ln), sn - ln, -np.inf)
         idx = np.argmax(score, axis=-1)
-        # No saving anywhere: the knee is the reference itself.
-        return np.where(np.squeeze(smax, -1) > 0, idx, ref)
+        # No saving anywhere, or none that outruns its loss (two levels, or savings and losses in proportion: every
+        # score 0, and the tie went to the lowest level, a "knee" that was only the first index): the reference.
+        knee = (np.squeeze(smax, -1) > 0) & (np.max(score, axis=-1) > 1e-9)
+        return np.where(knee, idx, ref)
     if policy == "weighted":
         p_max = params.p_max_w
         if p_max is None:
