@@ -79,6 +79,7 @@ def run(trace: list[TraceRequest], bypass: set[int] = frozenset(), profile="h200
     tag: a tag window of that name opened (as `powerprof tag start` does) just before the trace and stopped once every
     request of it (proxied and bypass) has ended, before the tail."""
     tmp = Path(data_dir or tempfile.mkdtemp(prefix="pp-attr-"))
+    tmp.mkdir(parents=True, exist_ok=True)  # a --keep folder to be: the daemon makes only its data dir, not above it
     nvml = SimNVML(profile, state_path=None)
     srv = SimServer(nvml, flavour=flavour, n_slots=n_slots, batching="continuous").start()
     cfg = load_config(None, env={}, overrides={
@@ -366,6 +367,7 @@ def run_mixed(trace: list[TraceRequest], profile: str = "h200-141g", interval_s:
     (`_mixed_request`). bypass: chat requests sent straight to the server beside the trace (its offsets), truth keys
     BYPASS_ID0 + k: their true energy is the Outcome's bypass_truth_j, each of their tokens' instants its bypass_tokens."""
     tmp = Path(data_dir or tempfile.mkdtemp(prefix="pp-attr-mixed-"))
+    tmp.mkdir(parents=True, exist_ok=True)  # a --keep folder to be: the daemon makes only its data dir, not above it
     nvml = SimNVML(profile, state_path=None)
     srv = SimServer(nvml, flavour=flavour, n_slots=n_slots, batching="continuous", embeddings=True,
                     **(server or {})).start()
