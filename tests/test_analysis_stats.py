@@ -252,6 +252,13 @@ def test_a_default_limit_not_swept_is_said_with_the_level_every_figure_is_agains
     assert "300 W, the default limit, was not swept" in f.message and "against 250 W" in f.message, f.message
     assert "Add 300 to --limits" in f.message and f.levels == (300.0,)
     assert reference_findings(level_series(_windows(_rounds()), 300.0, n_boot=100)[0], 300.0) == []  # swept: silent
+    # Planned (run.json settings.levels) but the run stopped before it: "add 300 to --limits" would be wrong advice.
+    (f,) = reference_findings(s, 300.0, planned={200.0, 250.0, 300.0})
+    assert "was planned but never measured (the run stopped before it)" in f.message and "Add 300" not in f.message
+    # Within the limits' tolerance of the default (299 W; "100%" of a 212.5 W default set as 213 W): the default, said
+    # nothing of (a sweep refuses both 299 and 300 as too close), as the dry run's plan says nothing either.
+    near = [{**r, "level_value": 299.0} if r["level_value"] == 300.0 else r for r in _rounds()]
+    assert reference_findings(level_series(_windows(near), 300.0, n_boot=100)[0], 300.0) == []
 
 
 def test_a_level_without_figures_does_not_make_every_choice_certain():

@@ -235,6 +235,10 @@ def analyze(
                                      pa.nulls(windows.num_rows, pa.float64()))
     defaults = {r.default_limit_w for r in runs if r.default_limit_w is not None}
     reference = defaults.pop() if len(defaults) == 1 else None
+    settings = [r.meta.get("settings") if isinstance(r.meta.get("settings"), dict) else {} for r in runs]
+    planned = {float(v) for st in settings if st.get("level_kind") == "power_limit"
+               for v in (st.get("levels") if isinstance(st.get("levels"), list) else [])
+               if isinstance(v, (int, float)) and not isinstance(v, bool)}
     all_series = level_series(windows, reference, n_boot=n_boot, seed=seed)
     unlevelled = [s for s in all_series if not np.isfinite(s.level_values).all()]
     all_series = [s for s in all_series if np.isfinite(s.level_values).all()]
@@ -279,7 +283,7 @@ def analyze(
         # First of all: every loss and saving after it is relative to that level.
         first.extend(Finding(f.kind, prefix + f.message, f.levels)
                      for f in flagged_reference_findings(s, table, in_series) if s.level_values.size > 1)
-        for f in (reference_findings(s, reference) + level_findings(table, **sweep)
+        for f in (reference_findings(s, reference, planned) + level_findings(table, **sweep)
                   + range_findings + edge_findings(s, choices, card, not_engaged, several_gpus=n_gpus > 1)
                   + choice_findings(choices, "MHz" if s.level_kind == "sm_clock" else "W")
                   + (saving_findings(choices, table, s.reference_value, "MHz" if s.level_kind == "sm_clock" else "W",
@@ -324,18 +328,28 @@ def left_out_reason(row: dict, interrupted: bool = False) -> str | None:
     return ", ".join(why) or None
 
 
-def reference_findings(s: LevelSeries, default_value: float | None) -> list[Finding]:
-    """The default limit was not swept, or swept but has no figures (every request failed, or none was measured):
-    the comparisons are against another level, which the report must say."""
+def reference_findings(s: LevelSeries, default_value: float | None, planned=()) -> list[Finding]:
+    """The default limit was not swept (or not reached: `planned`, the levels the runs were to measure), or swept but
+    has no figures (every request failed, or none was measured): the comparisons are against another level, which the
+    report must say. A level within the limits' own tolerance of the default is the default (299 W, or "100%" of a
+    212.5 W default rounded to 213 W): a sweep cannot set both."""
+    from powerprof.control.levels import MIN_POWER_LEVEL_GAP_W
+
     if s.level_kind != "power_limit" or default_value is None:
         return []
     hit = np.flatnonzero(np.isclose(s.level_values, float(default_value)))
-    if not hit.size and s.level_values.size:
+    near = np.abs(s.level_values - float(default_value)) < MIN_POWER_LEVEL_GAP_W
+    if not hit.size and not near.any() and s.level_values.size:
         # "≤ 10% slower" read as against the card as it runs unless told: it was against the highest level swept
         # (220 W where the default is 300 W: a 180 W pick 6.8% slower than 220 W was ~17% slower than the default).
+        against = (f"speed loss and energy saving are against {s.reference_value:g} W, the highest level with figures, "
+                   "not against the card as it runs by default")
+        if any(abs(float(p) - float(default_value)) < MIN_POWER_LEVEL_GAP_W for p in planned):
+            return [Finding("reference", (
+                f"{default_value:g} W, the default limit, was planned but never measured (the run stopped before it): "
+                f"{against}. Measure {default_value:g} W to compare with the default."), (float(default_value),))]
         return [Finding("reference", (
-            f"{default_value:g} W, the default limit, was not swept: speed loss and energy saving are against "
-            f"{s.reference_value:g} W, the highest level with figures, not against the card as it runs by default. "
+            f"{default_value:g} W, the default limit, was not swept: {against}. "
             f"Add {default_value:g} to --limits to compare with the default."), (float(default_value),))]
     if not hit.size or int(hit[0]) == s.ref_index:
         return []

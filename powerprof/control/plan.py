@@ -10,7 +10,7 @@ from powerprof.collectors.gateway import gateway
 from powerprof.paths import state_dir
 
 from .device import read_devices
-from .levels import DeviceRange, parse_clock_levels, parse_power_levels
+from .levels import MIN_POWER_LEVEL_GAP_W, DeviceRange, parse_clock_levels, parse_power_levels
 from .restore import default_restore_path, pending_blocker
 
 
@@ -36,7 +36,10 @@ class Plan:
             )
         if self.power_levels_w:
             out.append("Power limit levels (every GPU takes each level): " + ", ".join(f"{w:g} W" for w in self.power_levels_w))
-            unswept = sorted({d.default_w for d in self.devices} - {float(w) for w in self.power_levels_w})
+            # As analysis judges it: a level within the limits' tolerance of a default is that default (a sweep
+            # cannot set both 299 and 300 W, so "add 300" would be refused).
+            unswept = sorted({d.default_w for d in self.devices
+                              if all(abs(float(w) - d.default_w) >= MIN_POWER_LEVEL_GAP_W for w in self.power_levels_w)})
             if unswept:
                 out.append(f"The default limit ({', '.join(f'{w:g} W' for w in unswept)}) is not among them: speed loss and "
                            f"energy saving will be against the highest level, {max(self.power_levels_w):g} W, not against "

@@ -2501,10 +2501,11 @@ class Ledger:
         n = self.chunk_counted_low
         if n == 1 or n % 1000 == 0:
             log.warning("request %d: its stream carried no token counts and the server counted %.0f token(s) more than "
-                        "its chunks while it ran (several tokens a chunk: speculative decoding, or a busy server): its "
-                        "count and energy are low, the rest in unproxied, and its row says so (%d such requests so far); "
-                        "fix: clients send \"stream_options\": {\"include_usage\": true}, or start vLLM with "
-                        "--enable-force-include-usage", r.trace.request_id, r.server_ahead, n)
+                        "the proxy's chunks while it ran: several tokens a chunk (speculative decoding, a busy server), "
+                        "or requests sent to the server past the proxy beside it; its count and energy are likely low, "
+                        "the rest in unproxied, and its row says so (%d such requests so far); fix, unless traffic "
+                        "bypasses the proxy: clients send \"stream_options\": {\"include_usage\": true}, or start vLLM "
+                        "with --enable-force-include-usage", r.trace.request_id, r.server_ahead, n)
 
     def _request_fields(self, r: _Req) -> dict:
         tr = r.trace
