@@ -215,6 +215,36 @@ def test_the_upstream_check_says_why_for_a_refused_connection_a_name_that_does_n
     assert asyncio.run(judge("http://10.0.0.1:80", timeout_s=0.2)) == "no answer within 0.2 s"
 
 
+def _resolves_to(monkeypatch, names: dict) -> None:
+    """socket.getaddrinfo (what asyncio's loop.getaddrinfo calls) answering `names` {host: [ip, ...]} itself, or
+    refusing any other name as a resolver does: no test waits on DNS."""
+    def fake(host, port, family=0, type=0, proto=0, flags=0):
+        if host not in names:
+            raise socket.gaierror(socket.EAI_NONAME, "Name or service not known")
+        return [(socket.AF_INET6 if ":" in ip else socket.AF_INET, socket.SOCK_STREAM, 6, "",
+                 (ip, port, 0, 0) if ":" in ip else (ip, port)) for ip in names[host]]
+
+    monkeypatch.setattr(socket, "getaddrinfo", fake)
+
+
+def test_an_upstream_name_with_several_addresses_is_said_address_by_address(monkeypatch):
+    # Before: `localhost` (::1 and 127.0.0.1) with nothing listening printed asyncio's own text, "Multiple
+    # exceptions: [Errno 111] Connect call failed ('::1', 8080, 0, 0), [Errno 111] Connect call failed (...)".
+    import asyncio
+
+    from powerprof.daemon.service import upstream_problem
+
+    port = _free_port()
+    _resolves_to(monkeypatch, {"dual": ["::1", "127.0.0.1"]})
+    said = asyncio.run(upstream_problem(f"http://dual:{port}", 2.0))
+    assert said == "connection refused on ::1 and 127.0.0.1", said
+    with socket.socket() as up:  # one of them takes it: no problem
+        up.bind(("127.0.0.1", 0))
+        up.listen()
+        _resolves_to(monkeypatch, {"dual": ["::1", "127.0.0.1"]})
+        assert asyncio.run(upstream_problem(f"http://dual:{up.getsockname()[1]}", 2.0)) is None
+
+
 def test_an_explicit_data_dir_whose_parent_is_missing_is_refused_and_nothing_is_made(tmp_path):
     # Before: `--data-dir /nonexistent/dir/x` made the whole tree (mode 0755) and ran: a typo in the path silently
     # became a new tree of folders, while docs/daemon.md says to make the data dir with mode 0700.

@@ -86,27 +86,56 @@ def _listen_fix(what: str, e: BaseException) -> str:
 
 async def upstream_problem(url: str, timeout_s: float) -> str | None:
     """Why the upstream at `url` takes no connection now (refused, a name that does not resolve, no answer within
-    `timeout_s`), or None when its port takes one. A TCP connection only: no request reaches the server."""
+    `timeout_s`), or None when its port takes one. A TCP connection only: no request reaches the server.
+
+    The name is resolved here and each of its addresses tried, as a connection would: `localhost` is ::1 and
+    127.0.0.1, and asyncio's own words for both refused ("Multiple exceptions: [Errno 111] Connect call failed
+    ('::1', 8080, 0, 0), …") said neither why nor where in a form to read. Each address's reason is said."""
     u = urlsplit(url)
     try:
         port = u.port or (443 if u.scheme == "https" else 80)
     except ValueError:
-        return "its port is not a number"
+        return "its port is not a number from 1 to 65535"
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + timeout_s
     try:
-        _, writer = await asyncio.wait_for(asyncio.open_connection(u.hostname, port), timeout_s)
+        infos = await asyncio.wait_for(loop.getaddrinfo(u.hostname, port, type=socket.SOCK_STREAM), timeout_s)
     except asyncio.TimeoutError:
-        return f"no answer within {timeout_s:g} s"
+        return f"the name {u.hostname} did not resolve within {timeout_s:g} s"
     except socket.gaierror as e:
         return f"the name {u.hostname} cannot be resolved ({e.strerror or error_text(e)})"
-    except OSError as e:
-        # asyncio's own words ("Connect call failed ('127.0.0.1', 9)") do not say why; the errno's do.
-        return os.strerror(e.errno).lower() if e.errno else error_text(e)
-    writer.close()
-    try:
-        await writer.wait_closed()
-    except OSError:
-        pass
-    return None
+    addresses = list(dict.fromkeys(info[4][0] for info in infos))  # in the resolver's order, each once
+
+    async def why(address: str) -> str | None:
+        try:
+            _, writer = await asyncio.wait_for(asyncio.open_connection(address, port),
+                                               max(0.0, deadline - loop.time()))
+        except asyncio.TimeoutError:
+            return f"no answer within {timeout_s:g} s"
+        except OSError as e:
+            # asyncio's own words ("Connect call failed ('127.0.0.1', 9)") do not say why; the errno's do.
+            return os.strerror(e.errno).lower() if e.errno else error_text(e)
+        writer.close()
+        try:
+            await writer.wait_closed()
+        except OSError:
+            pass
+        return None
+
+    reasons = await asyncio.gather(*(why(a) for a in addresses))
+    if not addresses or None in reasons:
+        return None if addresses else f"the name {u.hostname} resolves to no address"
+    if len(addresses) == 1:
+        return reasons[0]
+    where: dict[str, list[str]] = {}
+    for address, reason in zip(addresses, reasons):
+        where.setdefault(reason, []).append(address)
+    return "; ".join(f"{reason} on {_and(these)}" for reason, these in where.items())
+
+
+def _and(items: list[str]) -> str:
+    """`a`, `a and b`, `a, b and c`."""
+    return items[0] if len(items) == 1 else ", ".join(items[:-1]) + " and " + items[-1]
 
 
 class StartupError(RuntimeError):
