@@ -272,6 +272,21 @@ def test_good_listen_addresses_pass(listen):
     assert load_config(None, env={}, overrides={"proxy.listen": listen}).get("proxy", "listen") == listen
 
 
+@pytest.mark.parametrize("url, said", [("http://localhost:99999", "port 99999 is out of range: 1-65535"),
+                                       ("http://127.0.0.1:0", "port 0 is out of range: 1-65535"),
+                                       ("http://[::1]:http", "port http is not a number"),
+                                       ("https://localhost:８０", "port ８０ is not a number")])
+def test_a_url_with_a_port_no_server_can_have_is_refused_naming_the_port(url, said):
+    # Before: `--upstream http://localhost:99999` passed, and the start's check of the upstream said only "its port
+    # is not a number".
+    for key in ("proxy.upstream", "scrape.url"):
+        with pytest.raises(ConfigError) as e:
+            load_config(None, env={}, overrides={key: url})
+        assert key in str(e.value) and said in str(e.value), str(e.value)
+    for good in ("http://127.0.0.1:1", "http://[::1]:65535/v1", "https://localhost", "http://my_host:8000"):
+        assert load_config(None, env={}, overrides={"proxy.upstream": good}).get("proxy", "upstream") == good
+
+
 def test_a_valid_address_beyond_loopback_is_still_refused_without_the_flag():
     for listen in ("10.0.0.1:80", "[2001:db8::1]:80", "gpu-node-07.example:80"):
         with pytest.raises(ConfigError, match="reachable from other machines"):

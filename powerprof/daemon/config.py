@@ -110,6 +110,15 @@ def _url(v: str) -> str:
     u = urlsplit(v)
     if u.scheme not in ("http", "https") or not u.hostname:
         raise ValueError("expected an http:// or https:// URL, e.g. http://127.0.0.1:8080")
+    # The port as written (after an IPv6 address's brackets): urlsplit takes `:99999` and `:８０` until .port is
+    # read, and the start's upstream check then said only "its port is not a number". Both keys name a server to
+    # connect to: port 0 names none.
+    _, sep, port = u.netloc.rpartition("@")[2].rpartition("]")[2].rpartition(":")
+    if sep and port:
+        if not (port.isascii() and port.isdigit()):
+            raise ValueError(f"port {port} is not a number; expected a port 1-65535, e.g. http://127.0.0.1:8080")
+        if not 1 <= int(port) <= 65535:
+            raise ValueError(f"port {port} is out of range: 1-65535, e.g. http://127.0.0.1:8080")
     return v.rstrip("/")
 
 
