@@ -48,15 +48,23 @@ def _listen(v: str) -> str:
     host, sep, port = v.rpartition(":")
     if not sep or not host:
         raise ValueError("expected HOST:PORT (port 0-65535), e.g. 127.0.0.1:9464, or empty to disable")
+    if host.startswith("[") and not host.endswith("]"):
+        raise ValueError(f"{host} has no closing ]; an IPv6 address takes brackets: [::1]:9464")
     if ":" in host and not (host.startswith("[") and host.endswith("]")):
         raise ValueError("an IPv6 address takes brackets: [::1]:9464")
     # Each part judged by itself: `999.1.1.1:80` was refused as "reachable from other machines", sending the user
-    # after the wrong problem (the port was checked here, the host only by the loopback rule).
-    if not port.isdigit():
+    # after the wrong problem (the port was checked here, the host only by the loopback rule). ASCII digits only:
+    # str.isdigit() takes `²` (int() then failed with its own words) and `８０` (kept as typed).
+    if not (port.isascii() and port.isdigit()):
         raise ValueError(f"port {port or '(none)'} is not a number; expected HOST:PORT (port 0-65535, 0: any free "
                          "one), e.g. 127.0.0.1:9464")
     if not 0 <= int(port) <= 65535:
         raise ValueError(f"port {port} is out of range: 0-65535 (0: any free one), e.g. 127.0.0.1:9464")
+    if not host.startswith("[") and host.endswith(".") and host != ".":
+        # A fully qualified name's trailing dot, dropped: `localhost.` does not resolve from /etc/hosts, and the
+        # loopback rule knows `localhost` and 127.0.0.1 without it.
+        host = host[:-1]
+        v = f"{host}:{port}"
     problem = _host_problem(host)
     if problem:
         raise ValueError(f"{problem}; expected an IPv4 address (four numbers 0-255: 127.0.0.1), an IPv6 one in "
@@ -65,26 +73,28 @@ def _listen(v: str) -> str:
 
 
 def _host_problem(host: str) -> str | None:
-    """Why `host` (as written in a listen address, IPv6 in brackets) is no address to listen on; None when it is
-    one. A name is judged by its form only: resolving it here would block a SIGHUP reload on DNS, and a name that
-    does not resolve fails the bind at start, naming the address and the key."""
+    """Why `host` (as written in a listen address, IPv6 in brackets, no trailing dot) is no address to listen on;
+    None when it is one. A name is judged by its form only: resolving it here would block a SIGHUP reload on DNS,
+    and a name that does not resolve fails the bind at start, naming the address and the key. Underscores are
+    taken, as resolvers take them: Docker's service names (`my_host`) have them."""
     if host.startswith("["):
         try:
             ipaddress.IPv6Address(host[1:-1])
         except ValueError:
             return f"{host[1:-1]} is not a valid IPv6 address"
         return None
-    labels = host.rstrip(".").split(".")
-    if all(x.isdigit() for x in labels):  # dotted digits are meant as IPv4 (no host name is all digits)
+    labels = host.split(".")
+    if all(x.isascii() and x.isdigit() for x in labels):  # dotted digits are meant as IPv4 (no host name is all digits)
         try:
             ipaddress.IPv4Address(host)
         except ValueError:
             return f"{host} is not a valid IPv4 address"
         return None
     ok = len(host) <= 253 and all(
-        0 < len(x) <= 63 and x[0] != "-" and x[-1] != "-" and all(c.isascii() and (c.isalnum() or c == "-") for c in x)
+        0 < len(x) <= 63 and x[0] != "-" and x[-1] != "-"
+        and all(c.isascii() and (c.isalnum() or c in "-_") for c in x)
         for x in labels)
-    return None if ok else f"{host} is not a valid host name (letters, digits, hyphens and dots)"
+    return None if ok else f"{host} is not a valid host name (letters, digits, hyphens, underscores and dots)"
 
 
 def listen_host(listen: str) -> str | None:
