@@ -149,9 +149,34 @@ def test_only_the_socket_it_bound_is_removed_never_another_nor_through_a_symlink
     _unix_socket_file(target)
     mine = bound_socket(target)
     own.symlink_to(target)
-    remove_bound_socket((own, *mine[1:]))
+    remove_bound_socket(mine._replace(path=own))
     assert own.is_symlink() and target.is_socket()
-    remove_bound_socket((tmp_path / "gone.sock", *mine[1:]))  # already gone: nothing to do, no error
+    remove_bound_socket(mine._replace(path=tmp_path / "gone.sock", fd=None))  # already gone: nothing to do, no error
+
+
+def test_a_socket_the_operator_chmods_after_the_start_is_still_removed_at_the_stop(tmp_path, caplog):
+    # Before: the socket was known by its inode and change time, and a chmod, chgrp or setfacl after the start changed
+    # the latter: the socket was silently left at the stop. The daemon now holds the socket's inode open (O_PATH) for
+    # its life, so no socket made since can take its inode number, and the inode alone tells it.
+    from powerprof.daemon.service import bound_socket, remove_bound_socket
+
+    own = tmp_path / "own.sock"
+    _unix_socket_file(own)
+    mine = bound_socket(own)
+    os.chmod(own, 0o600)
+    remove_bound_socket(mine)
+    assert not os.path.lexists(own)
+    # Where no descriptor could be held (none to spare), the change time still tells a reused inode number: the
+    # socket is left, and the log says so, why, and what to do.
+    _unix_socket_file(own)
+    mine = bound_socket(own)
+    os.close(mine.fd)
+    os.chmod(own, 0o600)
+    with caplog.at_level("WARNING", logger="powerprof.daemon"):
+        remove_bound_socket(mine._replace(fd=None))
+    assert own.is_socket()
+    said = " ".join(r.getMessage() for r in caplog.records)
+    assert f"left the socket {own}" in said and "changed since" in said and "rm " in said, said
 
 
 def test_the_tag_client_on_a_socket_nothing_listens_on_says_what_a_missing_socket_says(tmp_path):

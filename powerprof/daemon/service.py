@@ -24,6 +24,7 @@ import time
 import uuid
 from collections import Counter, deque
 from pathlib import Path
+from typing import NamedTuple
 from urllib.parse import urlsplit
 
 import aiohttp
@@ -263,25 +264,57 @@ def prepare_socket_path(path: Path, what: str, euid: int | None = None) -> None:
     path.unlink()
 
 
-def bound_socket(path: Path) -> tuple[Path, int, int, int]:
-    """The socket just bound at `path`, as (path, device, inode, change time in ns): what `remove_bound_socket`
-    removes at the stop. The change time too: a socket unlinked and made again at once can get its inode number."""
+class BoundSocket(NamedTuple):
+    """A Unix socket this daemon bound, as `bound_socket` found it: what `remove_bound_socket` removes at the stop."""
+
+    path: Path
+    dev: int
+    ino: int
+    ctime_ns: int
+    fd: int | None  # an O_PATH descriptor on its inode, held to the stop; None where none could be opened
+
+
+def bound_socket(path: Path) -> BoundSocket:
+    """The socket just bound at `path`, its inode held open (O_PATH) for the daemon's life: an inode held cannot be
+    freed, so no socket made at the path since (ours renamed away, or unlinked) can take its number, and device and
+    inode alone tell it, through a chmod, chgrp or setfacl (which change the change time). Where no descriptor can be
+    held (none to spare; no O_PATH off Linux), the change time is what tells a reused inode number."""
     st = os.lstat(path)
-    return path, st.st_dev, st.st_ino, st.st_ctime_ns
+    fd = None
+    try:
+        fd = os.open(path, os.O_PATH | os.O_NOFOLLOW | os.O_CLOEXEC)
+        held = os.fstat(fd)
+        if (held.st_dev, held.st_ino) != (st.st_dev, st.st_ino):  # swapped between the two: hold nothing
+            os.close(fd)
+            fd = None
+    except (AttributeError, OSError):
+        if fd is not None:
+            os.close(fd)
+        fd = None
+    return BoundSocket(path, st.st_dev, st.st_ino, st.st_ctime_ns, fd)
 
 
-def remove_bound_socket(bound: tuple[Path, int, int, int]) -> None:
+def remove_bound_socket(bound: BoundSocket) -> None:
     """Remove the socket `bound_socket` recorded, only while it is still that one: a socket another daemon bound at
     the path since (or anything else put there, a symlink never followed) is left. Left behind, a dead daemon's
     socket refused every `powerprof tag` with a raw connection error."""
-    path, dev, ino, ctime_ns = bound
+    path, dev, ino, ctime_ns, fd = bound
     try:
         st = os.lstat(path)
-        if stat.S_ISSOCK(st.st_mode) and (st.st_dev, st.st_ino, st.st_ctime_ns) == (dev, ino, ctime_ns):
-            path.unlink()
+        if stat.S_ISSOCK(st.st_mode) and (st.st_dev, st.st_ino) == (dev, ino):
+            if fd is not None or st.st_ctime_ns == ctime_ns:
+                path.unlink()
+            else:
+                # Its inode number, but not held: a chmod of ours, or a socket made since that got the number.
+                log.warning("left the socket %s at the stop: it changed since the bind (a chmod, chgrp or setfacl, or "
+                            "a socket another process made there since), and with no descriptor held on it it cannot "
+                            "be told from another's. If no daemon listens on it, rm %s", path, path)
     except OSError as e:
         if e.errno != errno.ENOENT:
             log.warning("cannot remove the socket %s at the stop: %s", path, error_text(e))
+    finally:
+        if fd is not None:
+            os.close(fd)
 
 
 def _shared_folder_to_make_it_in(data_dir: Path) -> Path | None:
@@ -431,7 +464,7 @@ class Daemon:
         self.config_waker = Waker()
         self.urls: dict[str, str] = {}
         self._runners: list[web.AppRunner] = []
-        self._sockets: list[tuple[Path, int, int, int]] = []  # the Unix sockets this daemon bound: removed at its stop
+        self._sockets: list[BoundSocket] = []  # the Unix sockets this daemon bound: removed at its stop
         self._info_path: Path | None = None  # daemon.json once written: removed at the stop
         self._last_edge_s = 0.0
         self.edge_reads = 0  # on-demand counter reads at short requests' edges
@@ -1022,7 +1055,8 @@ class Daemon:
             peers = PeerPolicy()  # root and this daemon's uid until the socket's group is known, just below
             await self._serve(tag_app(self, peers), f"unix:{path}", "tag API")
             os.chmod(path, stat.S_IRUSR | stat.S_IWUSR | stat.S_IRGRP | stat.S_IWGRP)
-            self._sockets[-1] = bound_socket(path)  # its change time after the chmod, as the stop will find it
+            # Its change time after the chmod, as the stop will find it where no descriptor holds its inode.
+            self._sockets[-1] = self._sockets[-1]._replace(ctime_ns=os.lstat(path).st_ctime_ns)
             # The group the socket got (the setgid folder's under the unit: powerprof-tag), stated again per connection.
             peers.socket_gid = os.stat(path).st_gid
             log.info("tag API on %s: root, uid %d and members of %s may tag", path, peers.own_uid, peers.group_text())
