@@ -154,6 +154,29 @@ def test_only_the_socket_it_bound_is_removed_never_another_nor_through_a_symlink
     remove_bound_socket(mine._replace(path=tmp_path / "gone.sock", fd=None))  # already gone: nothing to do, no error
 
 
+def test_a_socket_a_live_process_listens_on_is_refused_not_taken_and_a_dead_ones_is_replaced(tmp_path):
+    # Before: any socket at the path was unlinked, so a second daemon given the same --tag-socket took it from the
+    # first, which went on running with its tag API unreachable.
+    import pytest
+
+    from powerprof.daemon.service import StartupError, prepare_socket_path
+
+    live = tmp_path / "live.sock"
+    with socket.socket(socket.AF_UNIX) as listener:
+        listener.bind(str(live))
+        listener.listen()
+        with pytest.raises(StartupError) as e:
+            prepare_socket_path(live, "tag API")
+        said = str(e.value)
+        assert f"another process listens on {live}" in said and "another powerprof daemon?" in said, said
+        assert "--tag-socket" in said and "tags.socket" in said, said
+        assert live.is_socket()
+    dead = tmp_path / "dead.sock"  # a killed daemon's: nothing listens, connecting is refused
+    _unix_socket_file(dead)
+    prepare_socket_path(dead, "tag API")
+    assert not os.path.lexists(dead)
+
+
 def test_a_socket_the_operator_chmods_after_the_start_is_still_removed_at_the_stop(tmp_path, caplog):
     # Before: the socket was known by its inode and change time, and a chmod, chgrp or setfacl after the start changed
     # the latter: the socket was silently left at the stop. The daemon now holds the socket's inode open (O_PATH) for

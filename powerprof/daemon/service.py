@@ -248,8 +248,8 @@ def untrusted_data_dir(data_dir: Path, euid: int | None = None) -> str | None:
 
 
 def prepare_socket_path(path: Path, what: str, euid: int | None = None) -> None:
-    """Make `path` free for a new Unix socket: a socket left by a killed daemon is removed; anything else there (a
-    file, a symlink) is refused, never followed nor replaced. As root, also refused in a folder another user could
+    """Make `path` free for a new Unix socket: a socket nothing listens on (a killed daemon's) is removed; one a
+    process listens on, and anything else there (a file, a symlink), is refused, never followed nor replaced. As root, also refused in a folder another user could
     write: they could swap the name for a symlink between the check and the bind or chmod, or later rename root's
     socket away and put their own in its place (the proxy's clients would then send their requests to them)."""
     why = untrusted_data_dir(path.parent, euid)
@@ -261,7 +261,40 @@ def prepare_socket_path(path: Path, what: str, euid: int | None = None) -> None:
         return
     if not stat.S_ISSOCK(st.st_mode):
         raise StartupError(f"{path} exists and is not a socket; not replacing it (give the {what} another path)")
-    path.unlink()
+    unknown = _stale_socket_problem(path)
+    if unknown is not None:
+        key, flag = _SOCKET_KEYS.get(what, ("its config key", "its flag"))
+        fix = f"give the {what} another path ({key} in the config, or {flag})"
+        if unknown == "":
+            raise StartupError(f"another process listens on {path} (another powerprof daemon?): stop it, or {fix}")
+        raise StartupError(f"cannot tell whether a process listens on {path} ({unknown}), so it is not replaced: "
+                           f"remove it if none does, or {fix}")
+    path.unlink(missing_ok=True)
+
+
+# The config key and flag that set each Unix socket's path: what the message for one taken says to change.
+_SOCKET_KEYS = {"tag API": ("tags.socket", "--tag-socket PATH"), "proxy": ("proxy.listen", "--listen unix:PATH"),
+                "metrics endpoint": ("metrics.listen", "--metrics-listen unix:PATH")}
+# A listener on this machine answers a Unix connect at once; a stale socket refuses it at once.
+SOCKET_PROBE_S = 0.5
+
+
+def _stale_socket_problem(path: Path) -> str | None:
+    """None when nothing listens on the Unix socket at `path` (connecting is refused, as on a socket a killed daemon
+    left); "" when a process does (it takes a connection, or its queue is full); else why that cannot be told (no
+    permission to connect). Unlinking a socket still listened on took it from a running daemon (a second one given
+    the same --tag-socket): the first ran on, its clients cut off."""
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as probe:
+        probe.settimeout(SOCKET_PROBE_S)
+        try:
+            probe.connect(str(path))
+        except (ConnectionRefusedError, FileNotFoundError):  # FileNotFoundError: gone since the lstat
+            return None
+        except (BlockingIOError, TimeoutError):  # a listener whose queue is full, or that does not accept
+            return ""
+        except OSError as e:
+            return f"connecting to it: {os.strerror(e.errno).lower() if e.errno else error_text(e)}"
+    return ""
 
 
 class BoundSocket(NamedTuple):
