@@ -304,6 +304,23 @@ def test_a_url_with_a_port_no_server_can_have_is_refused_naming_the_port(url, sa
         assert load_config(None, env={}, overrides={"proxy.upstream": good}).get("proxy", "upstream") == good
 
 
+def test_paths_in_the_config_have_a_leading_tilde_expanded(tmp_path, monkeypatch):
+    # Before: `data_dir = "~/pp"` was taken as a folder named `~` in the working directory, and the refusal of a data
+    # dir whose parent is missing advised `mkdir -p <cwd>/~`. No shell expands a config file's text, nor systemd's
+    # Environment=.
+    monkeypatch.setenv("HOME", str(tmp_path))
+    p = _write(tmp_path, '[daemon]\ndata_dir = "~/pp"\n[tags]\nsocket = "~/run/pp.sock"\n'
+                         '[proxy]\nlisten = "unix:~/run/proxy.sock"\n[metrics]\nlisten = "unix:~/run/m.sock"\n')
+    for cfg in (load_config(p, env={}), load_config(None, env={"POWERPROF_DAEMON_DATA_DIR": "~/pp",
+                                                                "POWERPROF_TAGS_SOCKET": "~/run/pp.sock",
+                                                                "POWERPROF_PROXY_LISTEN": "unix:~/run/proxy.sock",
+                                                                "POWERPROF_METRICS_LISTEN": "unix:~/run/m.sock"})):
+        assert cfg.data_dir() == tmp_path / "pp"
+        assert cfg.tag_socket() == tmp_path / "run" / "pp.sock"
+        assert cfg.get("proxy", "listen") == f"unix:{tmp_path / 'run' / 'proxy.sock'}"
+        assert cfg.get("metrics", "listen") == f"unix:{tmp_path / 'run' / 'm.sock'}"
+
+
 def test_a_valid_address_beyond_loopback_is_still_refused_without_the_flag():
     for listen in ("10.0.0.1:80", "[2001:db8::1]:80", "gpu-node-07.example:80"):
         with pytest.raises(ConfigError, match="reachable from other machines"):

@@ -40,11 +40,17 @@ def _raise_all(errors: list[str]) -> None:
         raise ConfigError(f"{len(errors)} config errors:\n  " + "\n  ".join(errors), errors)
 
 
+def _path(v: str) -> str:
+    """A path key's value, a leading `~` expanded: no shell expands a config file's text, nor systemd's Environment=
+    (`data_dir = "~/pp"` was a folder named `~` in the working directory)."""
+    return os.path.expanduser(v) if v else v
+
+
 def _listen(v: str) -> str:
     if v == "":
         return v
     if v.startswith("unix:"):
-        return v
+        return "unix:" + _path(v[5:])
     host, sep, port = v.rpartition(":")
     if not sep or not host:
         raise ValueError("expected HOST:PORT (port 0-65535), e.g. 127.0.0.1:9464, or empty to disable")
@@ -202,7 +208,7 @@ class Key:
 SPEC: dict[str, dict[str, Key]] = {
     "daemon": {
         "interval_s": Key(float, 1.0, _positive(0.02, 10.0, True), help="sampling period (0.02-10 s)"),
-        "data_dir": Key(str, "", help="dataset root; default $STATE_DIRECTORY, then the user state folder"),
+        "data_dir": Key(str, "", _path, help="dataset root; default $STATE_DIRECTORY, then the user state folder"),
         "flush_interval_s": Key(float, 30.0, _positive(0.05, 3600), True, "seconds between Parquet flushes"),
         "compact_interval_s": Key(float, 3600.0, _positive(1, 86400 * 7, True), True, "seconds between compactions"),
         "retention_days": Key(float, 30.0, _positive(0, 36500, True), True, "delete partitions older; 0 = keep"),
@@ -250,7 +256,7 @@ SPEC: dict[str, dict[str, Key]] = {
         "jpt_window_s": Key(float, 60.0, _positive(1, 86400), True, "window of the rolling J/token gauge"),
     },
     "tags": {
-        "socket": Key(str, "", help="tag API Unix socket; default $RUNTIME_DIRECTORY or the data dir"),
+        "socket": Key(str, "", _path, help="tag API Unix socket; default $RUNTIME_DIRECTORY or the data dir"),
     },
     "attribution": {
         "edge_max_inflight": Key(int, 4, _positive(0, 100000), True,
