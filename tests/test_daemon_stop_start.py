@@ -154,6 +154,45 @@ def test_only_the_socket_it_bound_is_removed_never_another_nor_through_a_symlink
     remove_bound_socket(mine._replace(path=tmp_path / "gone.sock", fd=None))  # already gone: nothing to do, no error
 
 
+def test_daemon_json_and_the_sockets_go_only_once_the_last_rows_are_written(tmp_path):
+    # Before: both were removed before the final flush, the data dir's lock still held: a script that took
+    # daemon.json's going for the daemon's end read datasets short of their last rows, or started a daemon that
+    # found the lock held.
+    import asyncio
+
+    from powerprof.daemon.config import load_config
+    from powerprof.daemon.service import Daemon
+    from powerprof.daemon.store import write_file_atomic
+    from powerprof.rig import Rig
+
+    data, sock = tmp_path / "data", tmp_path / "t.sock"
+    stopping, seen = [False], []
+
+    def writer(path, table):
+        if stopping[0]:
+            seen.append(((data / "daemon.json").exists(), sock.is_socket()))
+        write_file_atomic(path, table)
+
+    cfg = load_config(None, env={}, overrides={
+        "daemon.data_dir": str(data), "daemon.interval_s": 0.1, "daemon.flush_interval_s": 30,
+        "proxy.listen": "127.0.0.1:0", "metrics.listen": "", "daemon.restore_on_start": False,
+        "tags.socket": str(sock)})
+    d = Daemon(cfg, Rig("a100-40g", nvml=SimNVML("a100-40g", state_path=None)), store_write=writer)
+
+    async def main():
+        task = asyncio.create_task(d.run())
+        while not (data / "daemon.json").exists():
+            await asyncio.sleep(0.05)
+        await asyncio.sleep(0.3)
+        stopping[0] = True
+        d.stop_event.set()
+        return await task
+
+    assert asyncio.run(asyncio.wait_for(main(), 60)) == 0
+    assert seen and all(json_there and sock_there for json_there, sock_there in seen), seen
+    assert not (data / "daemon.json").exists() and not os.path.lexists(sock)
+
+
 def test_a_socket_a_live_process_listens_on_is_refused_not_taken_and_a_dead_ones_is_replaced(tmp_path):
     # Before: any socket at the path was unlinked, so a second daemon given the same --tag-socket took it from the
     # first, which went on running with its tag API unreachable.

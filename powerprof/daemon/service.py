@@ -1353,28 +1353,33 @@ class Daemon:
                 await r.cleanup()
             except Exception:
                 log.exception("closing a listener failed")
-        # Nothing listens any more: what says where it listened goes with it (the flush below may take a while).
-        for bound in self._sockets:
-            remove_bound_socket(bound)
-        self._remove_urls()
-        if self.sampler is not None and self.sampler._threads:
-            self.sampler.stop()
-            try:
-                self.sampler.sample_now("shutdown", sources=["nvml"])
-                if self.sources.rapl is not None:  # after NVML's: the last interval ends at its read
-                    self.sampler.sample_now("shutdown", sources=["rapl"])
-            except Exception:
-                pass
-            await self._final_scrape()  # past that last sample: the listeners are closed, no proxied token is to come
-        await session.close()
-        if self.flusher is not None:
-            self._drain()
-            self.ledger.close_all(time.monotonic_ns(), time.time_ns())
-            self.flusher.stop()
-            if self.store.buffered():
-                log.error("%d rows could not be written at shutdown (%s)", self.store.buffered(), self.store.last_error)
-        self.rig.close()
-        self._release_lock(self._take_back)
+        try:
+            if self.sampler is not None and self.sampler._threads:
+                self.sampler.stop()
+                try:
+                    self.sampler.sample_now("shutdown", sources=["nvml"])
+                    if self.sources.rapl is not None:  # after NVML's: the last interval ends at its read
+                        self.sampler.sample_now("shutdown", sources=["rapl"])
+                except Exception:
+                    pass
+                await self._final_scrape()  # past that last sample: the listeners are closed, no proxied token is to come
+            await session.close()
+            if self.flusher is not None:
+                self._drain()
+                self.ledger.close_all(time.monotonic_ns(), time.time_ns())
+                self.flusher.stop()
+                if self.store.buffered():
+                    log.error("%d rows could not be written at shutdown (%s)", self.store.buffered(), self.store.last_error)
+            self.rig.close()
+        finally:
+            # Nothing has listened since the runners' cleanup; what says where it listened goes once the last rows are
+            # written, so its going means the daemon is done (before, it went ahead of the final flush: a script that
+            # waited for it read datasets short of their last rows, or started a daemon that found the lock held).
+            # Still under the lock: another daemon on this data dir cannot have written its own daemon.json yet.
+            for bound in self._sockets:
+                remove_bound_socket(bound)
+            self._remove_urls()
+            self._release_lock(self._take_back)
 
     def _write_urls(self, data_dir: Path) -> None:
         """Where each listener ended up (port 0 picks one): for tests, scripts and the operator."""
