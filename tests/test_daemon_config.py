@@ -250,6 +250,11 @@ def test_the_daemon_samples_the_gpu_its_uuid_names_and_stops_naming_one_that_is_
         ("bad_host!:80", "bad_host! is not a valid host name"),
         ("127.0.0.1:65536", "port 65536 is out of range"),
         ("127.0.0.1:http", "port http is not a number"),
+        ("localhost:²", "port ² is not a number"),  # str.isdigit() takes it, int() did not: a raw "invalid literal"
+        ("localhost:８０", "port ８０ is not a number"),  # int() takes it, and the value was kept as typed
+        ("[::1:80", "[::1 has no closing ]"),  # was "::1:80 is not a valid IPv6 address", a part cut wrong
+        ("[abc:80", "[abc has no closing ]"),  # was "ab is not a valid IPv6 address"
+        ("my host:80", "my host is not a valid host name"),
     ],
 )
 def test_a_listen_address_with_a_bad_host_or_port_is_refused_naming_that_part(tmp_path, listen, said):
@@ -270,6 +275,50 @@ def test_a_listen_address_with_a_bad_host_or_port_is_refused_naming_that_part(tm
                                     "unix:/run/x.sock", ""])
 def test_good_listen_addresses_pass(listen):
     assert load_config(None, env={}, overrides={"proxy.listen": listen}).get("proxy", "listen") == listen
+
+
+@pytest.mark.parametrize("listen, kept", [("localhost.:8081", "localhost:8081"), ("127.0.0.1.:8081", "127.0.0.1:8081"),
+                                          ("my_host:8081", "my_host:8081"), ("web_1.my_net.:80", "web_1.my_net:80")])
+def test_a_host_name_with_underscores_or_a_trailing_dot_passes(listen, kept):
+    # Docker's service names (`my_host`) were refused as "not a valid host name"; `127.0.0.1.:80` (a fully qualified
+    # name's trailing dot) was called "not a valid IPv4 address", and `localhost.` does not resolve from /etc/hosts:
+    # the dot is dropped, and the host judged (and the loopback rule applied) without it.
+    cfg = load_config(None, env={}, overrides={"proxy.listen": listen, "daemon.listen_beyond_loopback": True})
+    assert cfg.get("proxy", "listen") == kept
+    if kept.startswith(("localhost", "127.")):
+        assert load_config(None, env={}, overrides={"proxy.listen": listen}).get("proxy", "listen") == kept
+
+
+@pytest.mark.parametrize("url, said", [("http://localhost:99999", "port 99999 is out of range: 1-65535"),
+                                       ("http://127.0.0.1:0", "port 0 is out of range: 1-65535"),
+                                       ("http://[::1]:http", "port http is not a number"),
+                                       ("https://localhost:８０", "port ８０ is not a number")])
+def test_a_url_with_a_port_no_server_can_have_is_refused_naming_the_port(url, said):
+    # Before: `--upstream http://localhost:99999` passed, and the start's check of the upstream said only "its port
+    # is not a number".
+    for key in ("proxy.upstream", "scrape.url"):
+        with pytest.raises(ConfigError) as e:
+            load_config(None, env={}, overrides={key: url})
+        assert key in str(e.value) and said in str(e.value), str(e.value)
+    for good in ("http://127.0.0.1:1", "http://[::1]:65535/v1", "https://localhost", "http://my_host:8000"):
+        assert load_config(None, env={}, overrides={"proxy.upstream": good}).get("proxy", "upstream") == good
+
+
+def test_paths_in_the_config_have_a_leading_tilde_expanded(tmp_path, monkeypatch):
+    # Before: `data_dir = "~/pp"` was taken as a folder named `~` in the working directory, and the refusal of a data
+    # dir whose parent is missing advised `mkdir -p <cwd>/~`. No shell expands a config file's text, nor systemd's
+    # Environment=.
+    monkeypatch.setenv("HOME", str(tmp_path))
+    p = _write(tmp_path, '[daemon]\ndata_dir = "~/pp"\n[tags]\nsocket = "~/run/pp.sock"\n'
+                         '[proxy]\nlisten = "unix:~/run/proxy.sock"\n[metrics]\nlisten = "unix:~/run/m.sock"\n')
+    for cfg in (load_config(p, env={}), load_config(None, env={"POWERPROF_DAEMON_DATA_DIR": "~/pp",
+                                                                "POWERPROF_TAGS_SOCKET": "~/run/pp.sock",
+                                                                "POWERPROF_PROXY_LISTEN": "unix:~/run/proxy.sock",
+                                                                "POWERPROF_METRICS_LISTEN": "unix:~/run/m.sock"})):
+        assert cfg.data_dir() == tmp_path / "pp"
+        assert cfg.tag_socket() == tmp_path / "run" / "pp.sock"
+        assert cfg.get("proxy", "listen") == f"unix:{tmp_path / 'run' / 'proxy.sock'}"
+        assert cfg.get("metrics", "listen") == f"unix:{tmp_path / 'run' / 'm.sock'}"
 
 
 def test_a_valid_address_beyond_loopback_is_still_refused_without_the_flag():

@@ -149,9 +149,96 @@ def test_only_the_socket_it_bound_is_removed_never_another_nor_through_a_symlink
     _unix_socket_file(target)
     mine = bound_socket(target)
     own.symlink_to(target)
-    remove_bound_socket((own, *mine[1:]))
+    remove_bound_socket(mine._replace(path=own))
     assert own.is_symlink() and target.is_socket()
-    remove_bound_socket((tmp_path / "gone.sock", *mine[1:]))  # already gone: nothing to do, no error
+    remove_bound_socket(mine._replace(path=tmp_path / "gone.sock", fd=None))  # already gone: nothing to do, no error
+
+
+def test_daemon_json_and_the_sockets_go_only_once_the_last_rows_are_written(tmp_path):
+    # Before: both were removed before the final flush, the data dir's lock still held: a script that took
+    # daemon.json's going for the daemon's end read datasets short of their last rows, or started a daemon that
+    # found the lock held.
+    import asyncio
+
+    from powerprof.daemon.config import load_config
+    from powerprof.daemon.service import Daemon
+    from powerprof.daemon.store import write_file_atomic
+    from powerprof.rig import Rig
+
+    data, sock = tmp_path / "data", tmp_path / "t.sock"
+    stopping, seen = [False], []
+
+    def writer(path, table):
+        if stopping[0]:
+            seen.append(((data / "daemon.json").exists(), sock.is_socket()))
+        write_file_atomic(path, table)
+
+    cfg = load_config(None, env={}, overrides={
+        "daemon.data_dir": str(data), "daemon.interval_s": 0.1, "daemon.flush_interval_s": 30,
+        "proxy.listen": "127.0.0.1:0", "metrics.listen": "", "daemon.restore_on_start": False,
+        "tags.socket": str(sock)})
+    d = Daemon(cfg, Rig("a100-40g", nvml=SimNVML("a100-40g", state_path=None)), store_write=writer)
+
+    async def main():
+        task = asyncio.create_task(d.run())
+        while not (data / "daemon.json").exists():
+            await asyncio.sleep(0.05)
+        await asyncio.sleep(0.3)
+        stopping[0] = True
+        d.stop_event.set()
+        return await task
+
+    assert asyncio.run(asyncio.wait_for(main(), 60)) == 0
+    assert seen and all(json_there and sock_there for json_there, sock_there in seen), seen
+    assert not (data / "daemon.json").exists() and not os.path.lexists(sock)
+
+
+def test_a_socket_a_live_process_listens_on_is_refused_not_taken_and_a_dead_ones_is_replaced(tmp_path):
+    # Before: any socket at the path was unlinked, so a second daemon given the same --tag-socket took it from the
+    # first, which went on running with its tag API unreachable.
+    import pytest
+
+    from powerprof.daemon.service import StartupError, prepare_socket_path
+
+    live = tmp_path / "live.sock"
+    with socket.socket(socket.AF_UNIX) as listener:
+        listener.bind(str(live))
+        listener.listen()
+        with pytest.raises(StartupError) as e:
+            prepare_socket_path(live, "tag API")
+        said = str(e.value)
+        assert f"another process listens on {live}" in said and "another powerprof daemon?" in said, said
+        assert "--tag-socket" in said and "tags.socket" in said, said
+        assert live.is_socket()
+    dead = tmp_path / "dead.sock"  # a killed daemon's: nothing listens, connecting is refused
+    _unix_socket_file(dead)
+    prepare_socket_path(dead, "tag API")
+    assert not os.path.lexists(dead)
+
+
+def test_a_socket_the_operator_chmods_after_the_start_is_still_removed_at_the_stop(tmp_path, caplog):
+    # Before: the socket was known by its inode and change time, and a chmod, chgrp or setfacl after the start changed
+    # the latter: the socket was silently left at the stop. The daemon now holds the socket's inode open (O_PATH) for
+    # its life, so no socket made since can take its inode number, and the inode alone tells it.
+    from powerprof.daemon.service import bound_socket, remove_bound_socket
+
+    own = tmp_path / "own.sock"
+    _unix_socket_file(own)
+    mine = bound_socket(own)
+    os.chmod(own, 0o600)
+    remove_bound_socket(mine)
+    assert not os.path.lexists(own)
+    # Where no descriptor could be held (none to spare), the change time still tells a reused inode number: the
+    # socket is left, and the log says so, why, and what to do.
+    _unix_socket_file(own)
+    mine = bound_socket(own)
+    os.close(mine.fd)
+    os.chmod(own, 0o600)
+    with caplog.at_level("WARNING", logger="powerprof.daemon"):
+        remove_bound_socket(mine._replace(fd=None))
+    assert own.is_socket()
+    said = " ".join(r.getMessage() for r in caplog.records)
+    assert f"left the socket {own}" in said and "changed since" in said and "rm " in said, said
 
 
 def test_the_tag_client_on_a_socket_nothing_listens_on_says_what_a_missing_socket_says(tmp_path):
@@ -201,7 +288,10 @@ def test_the_upstream_check_says_why_for_a_refused_connection_a_name_that_does_n
 
     port = _free_port()
     assert "connection refused" in asyncio.run(judge(f"http://127.0.0.1:{port}")).lower()
-    assert "nonexistent-host.invalid" in asyncio.run(judge("http://nonexistent-host.invalid:8080"))
+    with monkeypatch.context() as m:  # the resolver's answer, not the network's: no wait on DNS, nor its 2 s limit
+        _resolves_to(m, {})
+        said = asyncio.run(judge("http://nonexistent-host.invalid:8080"))
+    assert said == "the name nonexistent-host.invalid cannot be resolved (Name or service not known)", said
     with socket.socket() as up:  # a server that listens: no problem (an HTTPS one is judged by its TCP port too)
         up.bind(("127.0.0.1", 0))
         up.listen()
@@ -213,6 +303,36 @@ def test_the_upstream_check_says_why_for_a_refused_connection_a_name_that_does_n
 
     monkeypatch.setattr(asyncio, "open_connection", hangs)
     assert asyncio.run(judge("http://10.0.0.1:80", timeout_s=0.2)) == "no answer within 0.2 s"
+
+
+def _resolves_to(monkeypatch, names: dict) -> None:
+    """socket.getaddrinfo (what asyncio's loop.getaddrinfo calls) answering `names` {host: [ip, ...]} itself, or
+    refusing any other name as a resolver does: no test waits on DNS."""
+    def fake(host, port, family=0, type=0, proto=0, flags=0):
+        if host not in names:
+            raise socket.gaierror(socket.EAI_NONAME, "Name or service not known")
+        return [(socket.AF_INET6 if ":" in ip else socket.AF_INET, socket.SOCK_STREAM, 6, "",
+                 (ip, port, 0, 0) if ":" in ip else (ip, port)) for ip in names[host]]
+
+    monkeypatch.setattr(socket, "getaddrinfo", fake)
+
+
+def test_an_upstream_name_with_several_addresses_is_said_address_by_address(monkeypatch):
+    # Before: `localhost` (::1 and 127.0.0.1) with nothing listening printed asyncio's own text, "Multiple
+    # exceptions: [Errno 111] Connect call failed ('::1', 8080, 0, 0), [Errno 111] Connect call failed (...)".
+    import asyncio
+
+    from powerprof.daemon.service import upstream_problem
+
+    port = _free_port()
+    _resolves_to(monkeypatch, {"dual": ["::1", "127.0.0.1"]})
+    said = asyncio.run(upstream_problem(f"http://dual:{port}", 2.0))
+    assert said == "connection refused on ::1 and 127.0.0.1", said
+    with socket.socket() as up:  # one of them takes it: no problem
+        up.bind(("127.0.0.1", 0))
+        up.listen()
+        _resolves_to(monkeypatch, {"dual": ["::1", "127.0.0.1"]})
+        assert asyncio.run(upstream_problem(f"http://dual:{up.getsockname()[1]}", 2.0)) is None
 
 
 def test_an_explicit_data_dir_whose_parent_is_missing_is_refused_and_nothing_is_made(tmp_path):
@@ -234,7 +354,8 @@ def test_the_data_dir_the_daemon_makes_is_its_own_0700_and_the_default_path_gets
 
     os.close(lock_data_dir(tmp_path / "data"))  # its parent is there: made, readable by its owner only
     assert (tmp_path / "data").stat().st_mode & 0o777 == 0o700
-    (tmp_path / "kept").mkdir(mode=0o755)  # one made by the operator keeps its mode
+    (tmp_path / "kept").mkdir()  # one made by the operator keeps its mode (set, not left to the umask: 077 made it 0700)
+    (tmp_path / "kept").chmod(0o755)
     os.close(lock_data_dir(tmp_path / "kept"))
     assert (tmp_path / "kept").stat().st_mode & 0o777 == 0o755
     try:

@@ -40,23 +40,37 @@ def _raise_all(errors: list[str]) -> None:
         raise ConfigError(f"{len(errors)} config errors:\n  " + "\n  ".join(errors), errors)
 
 
+def _path(v: str) -> str:
+    """A path key's value, a leading `~` expanded: no shell expands a config file's text, nor systemd's Environment=
+    (`data_dir = "~/pp"` was a folder named `~` in the working directory)."""
+    return os.path.expanduser(v) if v else v
+
+
 def _listen(v: str) -> str:
     if v == "":
         return v
     if v.startswith("unix:"):
-        return v
+        return "unix:" + _path(v[5:])
     host, sep, port = v.rpartition(":")
     if not sep or not host:
         raise ValueError("expected HOST:PORT (port 0-65535), e.g. 127.0.0.1:9464, or empty to disable")
+    if host.startswith("[") and not host.endswith("]"):
+        raise ValueError(f"{host} has no closing ]; an IPv6 address takes brackets: [::1]:9464")
     if ":" in host and not (host.startswith("[") and host.endswith("]")):
         raise ValueError("an IPv6 address takes brackets: [::1]:9464")
     # Each part judged by itself: `999.1.1.1:80` was refused as "reachable from other machines", sending the user
-    # after the wrong problem (the port was checked here, the host only by the loopback rule).
-    if not port.isdigit():
+    # after the wrong problem (the port was checked here, the host only by the loopback rule). ASCII digits only:
+    # str.isdigit() takes `²` (int() then failed with its own words) and `８０` (kept as typed).
+    if not (port.isascii() and port.isdigit()):
         raise ValueError(f"port {port or '(none)'} is not a number; expected HOST:PORT (port 0-65535, 0: any free "
                          "one), e.g. 127.0.0.1:9464")
     if not 0 <= int(port) <= 65535:
         raise ValueError(f"port {port} is out of range: 0-65535 (0: any free one), e.g. 127.0.0.1:9464")
+    if not host.startswith("[") and host.endswith(".") and host != ".":
+        # A fully qualified name's trailing dot, dropped: `localhost.` does not resolve from /etc/hosts, and the
+        # loopback rule knows `localhost` and 127.0.0.1 without it.
+        host = host[:-1]
+        v = f"{host}:{port}"
     problem = _host_problem(host)
     if problem:
         raise ValueError(f"{problem}; expected an IPv4 address (four numbers 0-255: 127.0.0.1), an IPv6 one in "
@@ -65,26 +79,28 @@ def _listen(v: str) -> str:
 
 
 def _host_problem(host: str) -> str | None:
-    """Why `host` (as written in a listen address, IPv6 in brackets) is no address to listen on; None when it is
-    one. A name is judged by its form only: resolving it here would block a SIGHUP reload on DNS, and a name that
-    does not resolve fails the bind at start, naming the address and the key."""
+    """Why `host` (as written in a listen address, IPv6 in brackets, no trailing dot) is no address to listen on;
+    None when it is one. A name is judged by its form only: resolving it here would block a SIGHUP reload on DNS,
+    and a name that does not resolve fails the bind at start, naming the address and the key. Underscores are
+    taken, as resolvers take them: Docker's service names (`my_host`) have them."""
     if host.startswith("["):
         try:
             ipaddress.IPv6Address(host[1:-1])
         except ValueError:
             return f"{host[1:-1]} is not a valid IPv6 address"
         return None
-    labels = host.rstrip(".").split(".")
-    if all(x.isdigit() for x in labels):  # dotted digits are meant as IPv4 (no host name is all digits)
+    labels = host.split(".")
+    if all(x.isascii() and x.isdigit() for x in labels):  # dotted digits are meant as IPv4 (no host name is all digits)
         try:
             ipaddress.IPv4Address(host)
         except ValueError:
             return f"{host} is not a valid IPv4 address"
         return None
     ok = len(host) <= 253 and all(
-        0 < len(x) <= 63 and x[0] != "-" and x[-1] != "-" and all(c.isascii() and (c.isalnum() or c == "-") for c in x)
+        0 < len(x) <= 63 and x[0] != "-" and x[-1] != "-"
+        and all(c.isascii() and (c.isalnum() or c in "-_") for c in x)
         for x in labels)
-    return None if ok else f"{host} is not a valid host name (letters, digits, hyphens and dots)"
+    return None if ok else f"{host} is not a valid host name (letters, digits, hyphens, underscores and dots)"
 
 
 def listen_host(listen: str) -> str | None:
@@ -110,6 +126,15 @@ def _url(v: str) -> str:
     u = urlsplit(v)
     if u.scheme not in ("http", "https") or not u.hostname:
         raise ValueError("expected an http:// or https:// URL, e.g. http://127.0.0.1:8080")
+    # The port as written (after an IPv6 address's brackets): urlsplit takes `:99999` and `:８０` until .port is
+    # read, and the start's upstream check then said only "its port is not a number". Both keys name a server to
+    # connect to: port 0 names none.
+    _, sep, port = u.netloc.rpartition("@")[2].rpartition("]")[2].rpartition(":")
+    if sep and port:
+        if not (port.isascii() and port.isdigit()):
+            raise ValueError(f"port {port} is not a number; expected a port 1-65535, e.g. http://127.0.0.1:8080")
+        if not 1 <= int(port) <= 65535:
+            raise ValueError(f"port {port} is out of range: 1-65535, e.g. http://127.0.0.1:8080")
     return v.rstrip("/")
 
 
@@ -183,7 +208,7 @@ class Key:
 SPEC: dict[str, dict[str, Key]] = {
     "daemon": {
         "interval_s": Key(float, 1.0, _positive(0.02, 10.0, True), help="sampling period (0.02-10 s)"),
-        "data_dir": Key(str, "", help="dataset root; default $STATE_DIRECTORY, then the user state folder"),
+        "data_dir": Key(str, "", _path, help="dataset root; default $STATE_DIRECTORY, then the user state folder"),
         "flush_interval_s": Key(float, 30.0, _positive(0.05, 3600), True, "seconds between Parquet flushes"),
         "compact_interval_s": Key(float, 3600.0, _positive(1, 86400 * 7, True), True, "seconds between compactions"),
         "retention_days": Key(float, 30.0, _positive(0, 36500, True), True, "delete partitions older; 0 = keep"),
@@ -231,7 +256,7 @@ SPEC: dict[str, dict[str, Key]] = {
         "jpt_window_s": Key(float, 60.0, _positive(1, 86400), True, "window of the rolling J/token gauge"),
     },
     "tags": {
-        "socket": Key(str, "", help="tag API Unix socket; default $RUNTIME_DIRECTORY or the data dir"),
+        "socket": Key(str, "", _path, help="tag API Unix socket; default $RUNTIME_DIRECTORY or the data dir"),
     },
     "attribution": {
         "edge_max_inflight": Key(int, 4, _positive(0, 100000), True,

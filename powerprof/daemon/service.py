@@ -24,6 +24,7 @@ import time
 import uuid
 from collections import Counter, deque
 from pathlib import Path
+from typing import NamedTuple
 from urllib.parse import urlsplit
 
 import aiohttp
@@ -86,27 +87,56 @@ def _listen_fix(what: str, e: BaseException) -> str:
 
 async def upstream_problem(url: str, timeout_s: float) -> str | None:
     """Why the upstream at `url` takes no connection now (refused, a name that does not resolve, no answer within
-    `timeout_s`), or None when its port takes one. A TCP connection only: no request reaches the server."""
+    `timeout_s`), or None when its port takes one. A TCP connection only: no request reaches the server.
+
+    The name is resolved here and each of its addresses tried, as a connection would: `localhost` is ::1 and
+    127.0.0.1, and asyncio's own words for both refused ("Multiple exceptions: [Errno 111] Connect call failed
+    ('::1', 8080, 0, 0), …") said neither why nor where in a form to read. Each address's reason is said."""
     u = urlsplit(url)
     try:
         port = u.port or (443 if u.scheme == "https" else 80)
     except ValueError:
-        return "its port is not a number"
+        return "its port is not a number from 1 to 65535"
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + timeout_s
     try:
-        _, writer = await asyncio.wait_for(asyncio.open_connection(u.hostname, port), timeout_s)
+        infos = await asyncio.wait_for(loop.getaddrinfo(u.hostname, port, type=socket.SOCK_STREAM), timeout_s)
     except asyncio.TimeoutError:
-        return f"no answer within {timeout_s:g} s"
+        return f"the name {u.hostname} did not resolve within {timeout_s:g} s"
     except socket.gaierror as e:
         return f"the name {u.hostname} cannot be resolved ({e.strerror or error_text(e)})"
-    except OSError as e:
-        # asyncio's own words ("Connect call failed ('127.0.0.1', 9)") do not say why; the errno's do.
-        return os.strerror(e.errno).lower() if e.errno else error_text(e)
-    writer.close()
-    try:
-        await writer.wait_closed()
-    except OSError:
-        pass
-    return None
+    addresses = list(dict.fromkeys(info[4][0] for info in infos))  # in the resolver's order, each once
+
+    async def why(address: str) -> str | None:
+        try:
+            _, writer = await asyncio.wait_for(asyncio.open_connection(address, port),
+                                               max(0.0, deadline - loop.time()))
+        except asyncio.TimeoutError:
+            return f"no answer within {timeout_s:g} s"
+        except OSError as e:
+            # asyncio's own words ("Connect call failed ('127.0.0.1', 9)") do not say why; the errno's do.
+            return os.strerror(e.errno).lower() if e.errno else error_text(e)
+        writer.close()
+        try:
+            await writer.wait_closed()
+        except OSError:
+            pass
+        return None
+
+    reasons = await asyncio.gather(*(why(a) for a in addresses))
+    if not addresses or None in reasons:
+        return None if addresses else f"the name {u.hostname} resolves to no address"
+    if len(addresses) == 1:
+        return reasons[0]
+    where: dict[str, list[str]] = {}
+    for address, reason in zip(addresses, reasons):
+        where.setdefault(reason, []).append(address)
+    return "; ".join(f"{reason} on {_and(these)}" for reason, these in where.items())
+
+
+def _and(items: list[str]) -> str:
+    """`a`, `a and b`, `a, b and c`."""
+    return items[0] if len(items) == 1 else ", ".join(items[:-1]) + " and " + items[-1]
 
 
 class StartupError(RuntimeError):
@@ -218,8 +248,8 @@ def untrusted_data_dir(data_dir: Path, euid: int | None = None) -> str | None:
 
 
 def prepare_socket_path(path: Path, what: str, euid: int | None = None) -> None:
-    """Make `path` free for a new Unix socket: a socket left by a killed daemon is removed; anything else there (a
-    file, a symlink) is refused, never followed nor replaced. As root, also refused in a folder another user could
+    """Make `path` free for a new Unix socket: a socket nothing listens on (a killed daemon's) is removed; one a
+    process listens on, and anything else there (a file, a symlink), is refused, never followed nor replaced. As root, also refused in a folder another user could
     write: they could swap the name for a symlink between the check and the bind or chmod, or later rename root's
     socket away and put their own in its place (the proxy's clients would then send their requests to them)."""
     why = untrusted_data_dir(path.parent, euid)
@@ -231,28 +261,93 @@ def prepare_socket_path(path: Path, what: str, euid: int | None = None) -> None:
         return
     if not stat.S_ISSOCK(st.st_mode):
         raise StartupError(f"{path} exists and is not a socket; not replacing it (give the {what} another path)")
-    path.unlink()
+    unknown = _stale_socket_problem(path)
+    if unknown is not None:
+        key, flag = _SOCKET_KEYS.get(what, ("its config key", "its flag"))
+        fix = f"give the {what} another path ({key} in the config, or {flag})"
+        if unknown == "":
+            raise StartupError(f"another process listens on {path} (another powerprof daemon?): stop it, or {fix}")
+        raise StartupError(f"cannot tell whether a process listens on {path} ({unknown}), so it is not replaced: "
+                           f"remove it if none does, or {fix}")
+    path.unlink(missing_ok=True)
 
 
-def bound_socket(path: Path) -> tuple[Path, int, int, int]:
-    """The socket just bound at `path`, as (path, device, inode, change time in ns): what `remove_bound_socket`
-    removes at the stop. The change time too: a socket unlinked and made again at once can get its inode number."""
+# The config key and flag that set each Unix socket's path: what the message for one taken says to change.
+_SOCKET_KEYS = {"tag API": ("tags.socket", "--tag-socket PATH"), "proxy": ("proxy.listen", "--listen unix:PATH"),
+                "metrics endpoint": ("metrics.listen", "--metrics-listen unix:PATH")}
+# A listener on this machine answers a Unix connect at once; a stale socket refuses it at once.
+SOCKET_PROBE_S = 0.5
+
+
+def _stale_socket_problem(path: Path) -> str | None:
+    """None when nothing listens on the Unix socket at `path` (connecting is refused, as on a socket a killed daemon
+    left); "" when a process does (it takes a connection, or its queue is full); else why that cannot be told (no
+    permission to connect). Unlinking a socket still listened on took it from a running daemon (a second one given
+    the same --tag-socket): the first ran on, its clients cut off."""
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as probe:
+        probe.settimeout(SOCKET_PROBE_S)
+        try:
+            probe.connect(str(path))
+        except (ConnectionRefusedError, FileNotFoundError):  # FileNotFoundError: gone since the lstat
+            return None
+        except (BlockingIOError, TimeoutError):  # a listener whose queue is full, or that does not accept
+            return ""
+        except OSError as e:
+            return f"connecting to it: {os.strerror(e.errno).lower() if e.errno else error_text(e)}"
+    return ""
+
+
+class BoundSocket(NamedTuple):
+    """A Unix socket this daemon bound, as `bound_socket` found it: what `remove_bound_socket` removes at the stop."""
+
+    path: Path
+    dev: int
+    ino: int
+    ctime_ns: int
+    fd: int | None  # an O_PATH descriptor on its inode, held to the stop; None where none could be opened
+
+
+def bound_socket(path: Path) -> BoundSocket:
+    """The socket just bound at `path`, its inode held open (O_PATH) for the daemon's life: an inode held cannot be
+    freed, so no socket made at the path since (ours renamed away, or unlinked) can take its number, and device and
+    inode alone tell it, through a chmod, chgrp or setfacl (which change the change time). Where no descriptor can be
+    held (none to spare; no O_PATH off Linux), the change time is what tells a reused inode number."""
     st = os.lstat(path)
-    return path, st.st_dev, st.st_ino, st.st_ctime_ns
+    fd = None
+    try:
+        fd = os.open(path, os.O_PATH | os.O_NOFOLLOW | os.O_CLOEXEC)
+        held = os.fstat(fd)
+        if (held.st_dev, held.st_ino) != (st.st_dev, st.st_ino):  # swapped between the two: hold nothing
+            os.close(fd)
+            fd = None
+    except (AttributeError, OSError):
+        if fd is not None:
+            os.close(fd)
+        fd = None
+    return BoundSocket(path, st.st_dev, st.st_ino, st.st_ctime_ns, fd)
 
 
-def remove_bound_socket(bound: tuple[Path, int, int, int]) -> None:
+def remove_bound_socket(bound: BoundSocket) -> None:
     """Remove the socket `bound_socket` recorded, only while it is still that one: a socket another daemon bound at
     the path since (or anything else put there, a symlink never followed) is left. Left behind, a dead daemon's
     socket refused every `powerprof tag` with a raw connection error."""
-    path, dev, ino, ctime_ns = bound
+    path, dev, ino, ctime_ns, fd = bound
     try:
         st = os.lstat(path)
-        if stat.S_ISSOCK(st.st_mode) and (st.st_dev, st.st_ino, st.st_ctime_ns) == (dev, ino, ctime_ns):
-            path.unlink()
+        if stat.S_ISSOCK(st.st_mode) and (st.st_dev, st.st_ino) == (dev, ino):
+            if fd is not None or st.st_ctime_ns == ctime_ns:
+                path.unlink()
+            else:
+                # Its inode number, but not held: a chmod of ours, or a socket made since that got the number.
+                log.warning("left the socket %s at the stop: it changed since the bind (a chmod, chgrp or setfacl, or "
+                            "a socket another process made there since), and with no descriptor held on it it cannot "
+                            "be told from another's. If no daemon listens on it, rm %s", path, path)
     except OSError as e:
         if e.errno != errno.ENOENT:
             log.warning("cannot remove the socket %s at the stop: %s", path, error_text(e))
+    finally:
+        if fd is not None:
+            os.close(fd)
 
 
 def _shared_folder_to_make_it_in(data_dir: Path) -> Path | None:
@@ -402,7 +497,7 @@ class Daemon:
         self.config_waker = Waker()
         self.urls: dict[str, str] = {}
         self._runners: list[web.AppRunner] = []
-        self._sockets: list[tuple[Path, int, int, int]] = []  # the Unix sockets this daemon bound: removed at its stop
+        self._sockets: list[BoundSocket] = []  # the Unix sockets this daemon bound: removed at its stop
         self._info_path: Path | None = None  # daemon.json once written: removed at the stop
         self._last_edge_s = 0.0
         self.edge_reads = 0  # on-demand counter reads at short requests' edges
@@ -993,7 +1088,8 @@ class Daemon:
             peers = PeerPolicy()  # root and this daemon's uid until the socket's group is known, just below
             await self._serve(tag_app(self, peers), f"unix:{path}", "tag API")
             os.chmod(path, stat.S_IRUSR | stat.S_IWUSR | stat.S_IRGRP | stat.S_IWGRP)
-            self._sockets[-1] = bound_socket(path)  # its change time after the chmod, as the stop will find it
+            # Its change time after the chmod, as the stop will find it where no descriptor holds its inode.
+            self._sockets[-1] = self._sockets[-1]._replace(ctime_ns=os.lstat(path).st_ctime_ns)
             # The group the socket got (the setgid folder's under the unit: powerprof-tag), stated again per connection.
             peers.socket_gid = os.stat(path).st_gid
             log.info("tag API on %s: root, uid %d and members of %s may tag", path, peers.own_uid, peers.group_text())
@@ -1257,28 +1353,33 @@ class Daemon:
                 await r.cleanup()
             except Exception:
                 log.exception("closing a listener failed")
-        # Nothing listens any more: what says where it listened goes with it (the flush below may take a while).
-        for bound in self._sockets:
-            remove_bound_socket(bound)
-        self._remove_urls()
-        if self.sampler is not None and self.sampler._threads:
-            self.sampler.stop()
-            try:
-                self.sampler.sample_now("shutdown", sources=["nvml"])
-                if self.sources.rapl is not None:  # after NVML's: the last interval ends at its read
-                    self.sampler.sample_now("shutdown", sources=["rapl"])
-            except Exception:
-                pass
-            await self._final_scrape()  # past that last sample: the listeners are closed, no proxied token is to come
-        await session.close()
-        if self.flusher is not None:
-            self._drain()
-            self.ledger.close_all(time.monotonic_ns(), time.time_ns())
-            self.flusher.stop()
-            if self.store.buffered():
-                log.error("%d rows could not be written at shutdown (%s)", self.store.buffered(), self.store.last_error)
-        self.rig.close()
-        self._release_lock(self._take_back)
+        try:
+            if self.sampler is not None and self.sampler._threads:
+                self.sampler.stop()
+                try:
+                    self.sampler.sample_now("shutdown", sources=["nvml"])
+                    if self.sources.rapl is not None:  # after NVML's: the last interval ends at its read
+                        self.sampler.sample_now("shutdown", sources=["rapl"])
+                except Exception:
+                    pass
+                await self._final_scrape()  # past that last sample: the listeners are closed, no proxied token is to come
+            await session.close()
+            if self.flusher is not None:
+                self._drain()
+                self.ledger.close_all(time.monotonic_ns(), time.time_ns())
+                self.flusher.stop()
+                if self.store.buffered():
+                    log.error("%d rows could not be written at shutdown (%s)", self.store.buffered(), self.store.last_error)
+            self.rig.close()
+        finally:
+            # Nothing has listened since the runners' cleanup; what says where it listened goes once the last rows are
+            # written, so its going means the daemon is done (before, it went ahead of the final flush: a script that
+            # waited for it read datasets short of their last rows, or started a daemon that found the lock held).
+            # Still under the lock: another daemon on this data dir cannot have written its own daemon.json yet.
+            for bound in self._sockets:
+                remove_bound_socket(bound)
+            self._remove_urls()
+            self._release_lock(self._take_back)
 
     def _write_urls(self, data_dir: Path) -> None:
         """Where each listener ended up (port 0 picks one): for tests, scripts and the operator."""
