@@ -69,8 +69,8 @@ class _Ledger:
     def on_end(self, trace):
         pass
 
-    def burst_delivered(self, request_id):
-        return False
+    def tokens_at_first(self, request_id):
+        return 1.0
 
 
 def _families(d: Daemon, now_ns: int) -> dict:

@@ -55,21 +55,24 @@ class RequestLatency:
         self.output_tokens = Histogram(TOKEN_EDGES)
 
     def observe(self, arrival_ns: int, first_ns: int | None, last_ns: int | None, generated: int | None,
-                prompt: int | None, first_seen: bool = True, decode_seen: bool = True) -> None:
-        """TTFT from arrival to the first token; TPOT = (last − first) / (generated − 1), for 2+ tokens.
+                prompt: int | None, first_seen: bool = True, shown_first: float | None = 1.0) -> None:
+        """TTFT from arrival to the first token; TPOT = (last − first) / (generated − shown_first), for a token or
+        more after the first piece.
 
         first_seen False: the first token's time was not observed (a non-streamed answer without the
         server's own timings): no TTFT at all rather than a 0 that would always meet a TTFT SLO.
-        decode_seen False: the tokens' times are not the server's (a stream a buffering proxy delivered
-        in one burst): no TPOT rather than the burst's microseconds, which would meet any TPOT bound."""
+        shown_first: the tokens the stream had shown at `first_ns` (1: the first token; a stream that came in
+        several bursts, its first piece's, Ledger.tokens_at_first). None: the tokens' times are not the server's (a
+        stream a buffering proxy delivered in one burst): no TPOT rather than the burst's microseconds, which would
+        meet any TPOT bound."""
         if first_ns is None:
             return
         if first_seen:
             self.ttft_s.observe((first_ns - arrival_ns) / 1e9)
         if generated:
             self.output_tokens.observe(float(generated))
-            if generated > 1 and last_ns is not None and decode_seen:
-                self.tpot_s.observe((last_ns - first_ns) / 1e9 / (generated - 1))
+            if shown_first is not None and generated - shown_first >= 1 and last_ns is not None:
+                self.tpot_s.observe((last_ns - first_ns) / 1e9 / (generated - shown_first))
         if prompt is not None:
             self.prompt_tokens.observe(float(prompt))
 

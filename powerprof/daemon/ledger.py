@@ -252,6 +252,7 @@ class _Req:
     cache_unsaid_early: float = 0.0  # its hit span's unsaid hits, judged before those windows were pruned
     prev_held: bool = False  # that piece held more tokens than its sequences
     first_held: bool = False  # its first piece held more than FIRST_BURST_TOKENS a sequence
+    first_piece_n: float = 0.0  # the tokens its first piece held (`tokens_at_first`)
     closed_s: float = 0.0  # seconds of its run in intervals closed before its tokens came (not its energy)
     before_first_s: float = 0.0  # seconds it was live before the ledger's first GPU read: their energy is in no interval
 
@@ -477,6 +478,7 @@ class Ledger:
                 return
             if r.prev_ns is None and not r.spent:
                 r.first_held = n > FIRST_BURST_TOKENS * seqs
+                r.first_piece_n = float(n)
             a = r.prev_ns
             if trace.stream is True and a is not None and n > seqs and t_ns > a:
                 # A piece of several steps since the previous one (a proxy worker's 20 ms record) holds tokens the
@@ -589,10 +591,19 @@ class Ledger:
                 self._finished.append((int(t), n, max(0, int(t) - trace.arrival_ns)))
         return added
 
-    def burst_delivered(self, request_id: int) -> bool:
-        """Its stream reached the proxy in one burst and was spread back over its run (`_spread_burst`)."""
+    def tokens_at_first(self, request_id: int) -> float | None:
+        """The tokens its stream had shown at its first piece, for a time per output token over the rest: 1 for a stream
+        that came as it went (the usual TPOT); a stream that came in several bursts (`_held_burst`), its first piece's
+        (each later burst's tokens were generated since the piece before it, so the pace after the first piece is the
+        server's: a slow server whose reads merge two tokens every 300 ms is such a stream, and with no TPOT the
+        latency guard went blind exactly where TPOT was bad: 30 of 640 rows had one, at 15 ms, where the client saw
+        312); None for one that came in one burst (its times are the burst's microseconds)."""
         r = self.requests.get(request_id)
-        return r is not None and (r.burst_s is not None or r.bursts > 0)
+        if r is None or (r.burst_s is None and r.bursts == 0):
+            return 1.0
+        if r.burst_s is not None or r.first_piece_n <= 0:
+            return None
+        return r.first_piece_n
 
     def _placed_at_end(self, r: _Req) -> float:
         """on_end's placing of the tokens only the end tells (usage, a non-streamed body); returns on_end's figure."""

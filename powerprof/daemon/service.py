@@ -586,8 +586,9 @@ class Daemon:
                              c.prompt_tokens if c is not None else None,
                              # A non-streamed answer with no server timing is spread from its arrival.
                              first_seen=not (trace.extra.get("spread") and trace.first_ns == trace.arrival_ns),
-                             # A stream that reached the proxy in one burst (or several): its last - first is the bursts'.
-                             decode_seen=not self.ledger.burst_delivered(trace.request_id))
+                             # A stream that reached the proxy in one burst: its last - first is the burst's; in
+                             # several, the pace after its first piece is the server's.
+                             shown_first=self.ledger.tokens_at_first(trace.request_id))
         if added:  # a stream counted one token per chunk, set to the server's final count
             self.tokens_by_tag[self.tags.label(trace.tag) if trace.tag else NONE] += added
         self._request_edge("request-end")
