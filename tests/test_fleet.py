@@ -598,6 +598,10 @@ def test_requests_whose_gpu_energy_is_unknown_are_left_out_of_j_per_token_and_sa
     res = CliRunner().invoke(main, ["analyze", str(tmp_path / "n")])
     assert res.exit_code == 0, res.output
     assert re.search(r"all 1 hosts .* 0\.500\s*$", res.stdout, re.M), res.stdout  # the total line, the same rule
+    # Beside the totals (every request's tokens), the share the J/token rests on: 1000 of the tokens are not in it.
+    on = re.search(r"all 1 hosts .* (\d+)%\s+0\.500\s*$", res.stdout, re.M)
+    share = 100 * r["attributed_tokens"] / r["generated_tokens"]
+    assert on and int(on.group(1)) == round(share) < 100 and "J/tok on: the share of the tokens" in res.stdout, res.stdout
     assert "GPU energy is unknown" in res.stderr and "node-0: 10" in res.stderr and "nvidia-smi" in res.stderr, res.stderr
 
 

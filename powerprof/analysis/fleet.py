@@ -668,22 +668,36 @@ def notes(t: pa.Table) -> list[str]:
 
 
 def render_summary(t: pa.Table) -> str:
-    """A plain-text table of the per-host summary, then the fleet's totals."""
+    """A plain-text table of the per-host summary, then the fleet's totals. `J/tok on`: the share of the tokens whose
+    requests the J/token rests on (649 requests and 55216 tokens beside a J/token of 60 of them read as theirs)."""
     rows = t.to_pylist()
     w = max([20] + [len(r["host"]) for r in rows])  # a host cut short could read as another
-    lines = [f"{'host':{w}s} {'requests':>9s} {'tokens':>11s} {'GPU kWh':>9s} {'idle %':>7s} {'J/token':>8s}"]
+
+    def on(att, tok):
+        return "-" if not tok else f"{100 * att / tok:.0f}%" if att < tok else "100%"
+
+    lines = [f"{'host':{w}s} {'requests':>9s} {'tokens':>11s} {'GPU kWh':>9s} {'idle %':>7s} {'J/tok on':>8s} "
+             f"{'J/token':>8s}"]
     tot_e = tot_idle = tot_att = tot_att_tok = 0.0
     tot_tok = tot_req = 0
+    short = False
     for r in rows:
         e, idle = r["gpu_energy_j"] or 0.0, r["idle_gpu_energy_j"] or 0.0
         jpt = r["gpu_j_per_token"]
-        lines.append(f"{r['host']:{w}s} {r['requests'] or 0:9d} {r['generated_tokens'] or 0:11d} {e / 3.6e6:9.3f} "
-                     f"{100 * idle / e if e else float('nan'):7.1f} {'-' if jpt is None else f'{jpt:.3f}':>8s}")
+        att_tok, tok = r["attributed_tokens"] or 0.0, r["generated_tokens"] or 0
+        short = short or (jpt is not None and att_tok < tok)
+        lines.append(f"{r['host']:{w}s} {r['requests'] or 0:9d} {tok:11d} {e / 3.6e6:9.3f} "
+                     f"{100 * idle / e if e else float('nan'):7.1f} {on(att_tok, tok) if jpt is not None else '-':>8s} "
+                     f"{'-' if jpt is None else f'{jpt:.3f}':>8s}")
         tot_e, tot_idle = tot_e + e, tot_idle + idle
-        tot_tok, tot_req = tot_tok + (r["generated_tokens"] or 0), tot_req + (r["requests"] or 0)
+        tot_tok, tot_req = tot_tok + tok, tot_req + (r["requests"] or 0)
         tot_att += r["attributed_gpu_energy_j"] or 0.0
-        tot_att_tok += r["attributed_tokens"] or 0.0
+        tot_att_tok += att_tok
     jpt = f"{tot_att / tot_att_tok:.3f}" if tot_att_tok else "-"
     lines.append(f"{'all ' + str(len(rows)) + ' hosts':{w}s} {tot_req:9d} {tot_tok:11d} {tot_e / 3.6e6:9.3f} "
-                 f"{100 * tot_idle / tot_e if tot_e else float('nan'):7.1f} {jpt:>8s}")
+                 f"{100 * tot_idle / tot_e if tot_e else float('nan'):7.1f} "
+                 f"{on(tot_att_tok, tot_tok) if tot_att_tok else '-':>8s} {jpt:>8s}")
+    if short:
+        lines.append("J/tok on: the share of the tokens whose requests the J/token rests on; the others' requests are "
+                     "left out of it, the notes below say why")
     return "\n".join(lines)
