@@ -552,6 +552,7 @@ def tune(metrics_url, config_path, levels, reference, tpot_p95_ms, ttft_p95_ms, 
     if reference is not None:
         table["reference"] = reference
     gpus = gpus or [0]
+    default_out = out_dir is None
     out_dir = out_dir if out_dir is not None else state_dir() / "tuner"
     stop = threading.Event()
     caught: list[int] = []
@@ -578,7 +579,7 @@ def tune(metrics_url, config_path, levels, reference, tpot_p95_ms, ttft_p95_ms, 
 
             cfg = make_config(table, plan_levels)
             check_bounds(cfg)
-            check_out_dir(out_dir)
+            check_out_dir(out_dir, parents=default_out)
             if not cfg.dry_run:  # the kill switch's file, beside the controller's locks and restore files
                 check_root_folder(kill_file().parent, "state folder")
                 early_kill.arm(kill_file())

@@ -160,6 +160,10 @@ def test_the_kill_switch_pins_the_reference_and_the_original_limit_comes_back(tm
         runner = TuneRunner(_cfg(), lambda: parse_counters(fetch_metrics(fd.url, 2), 0.0), ctl=ctl, gpus=[0],
                             clock=clock, gpu_uuids=[nvml.gpus[0].uuid], kill_path=tmp_path / "killed")
         runner.start()
+        # The start row goes from where the GPU was (the operator's 280 W) to the reference, as the stop row goes back:
+        # it said "start 300→300".
+        first = runner.tuner.decisions[0]
+        assert (first.action, first.from_level, first.to_level) == ("start", 280, 300), first
         _below_reference(runner, clock, nvml)
         runner.on_sigusr1()
         runner.check_kill()

@@ -929,6 +929,30 @@ def test_a_live_run_refuses_an_endless_model_memory():
             check_bounds(cfg(model_memory_s=bad))
 
 
+def test_an_slo_below_the_first_latency_bucket_is_refused_as_unmeetable():
+    # --tpot-p95-ms 0.1 (seconds typed into a milliseconds flag) ran, every window a breach, the tuner at the
+    # reference for ever with nothing said.
+    from powerprof.tuner.setup import check_bounds
+
+    check_bounds(cfg(tpot_p95_ms=1.0))
+    with pytest.raises(TunerConfigError, match=r"tuner.tpot_p95_ms: at least 1 ms .*0.1 ms given"):
+        check_bounds(cfg(tpot_p95_ms=0.1))
+    with pytest.raises(TunerConfigError, match=r"tuner.ttft_p95_ms: at least 1 ms"):
+        check_bounds(cfg(ttft_p95_ms=0.5))
+
+
+def test_a_given_out_folder_whose_parent_is_missing_is_refused_and_nothing_is_made(tmp_path):
+    # `tune --out /nonexistent/dir` made the whole tree (under / as root), where monitor, trace and export refuse it.
+    from powerprof.tuner.setup import check_out_dir
+
+    with pytest.raises(TunerConfigError, match="its parent folder .*missing.* does not exist.*mkdir -p"):
+        check_out_dir(tmp_path / "missing" / "out")
+    assert not (tmp_path / "missing").exists()
+    check_out_dir(tmp_path / "out")  # its parent is there: made
+    check_out_dir(tmp_path / "a" / "b", parents=True)  # the default path: its folders above made
+    assert (tmp_path / "out").is_dir() and (tmp_path / "a" / "b").is_dir()
+
+
 def test_the_latency_model_stays_bounded_by_its_memory_when_nothing_reads_it():
     tu = Tuner(cfg(model_memory_s=600.0), 0.0)  # every model rule off: the model is fed, never asked
     Plant().run(tu, 0, 5000)

@@ -244,6 +244,9 @@ class TuneRunner:
             why += (f"; WARNING: the reference {self._fmt(cfg.reference)} is not the highest level "
                     f"({self._fmt(cfg.levels[-1])}): back-offs, faults and the kill switch go to it")
         d = self.tuner.note(self.clock(), "start", why)
+        if not cfg.dry_run and self.ctl is not None and cfg.knob == "power" and self.ctl.original_limits_w:
+            # From where the GPUs were, as the stop row goes back there: "start 250→250" hid a move from 300 W.
+            d = self.tuner.decisions[-1] = dataclasses.replace(d, from_level=self.ctl.original_limits_w[0])
         self._apply(self.tuner.level)
         self._record([d])
         self._show_level()

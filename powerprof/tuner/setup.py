@@ -105,6 +105,12 @@ def check_bounds(cfg: TunerConfig) -> None:
              "past that no breach can be seen and the guard would never fire)"
              for k in ("tpot_p95_ms", "ttft_p95_ms")
              if getattr(cfg, k) is not None and math.isfinite(cfg.guard_ratio) and getattr(cfg, k) * cfg.guard_ratio >= top_ms]
+    # Under the first bucket a p95 cannot be read: every one over it is a breach, and the tuner sits at the reference
+    # for ever with nothing said (seconds typed into a milliseconds flag: --tpot-p95-ms 0.1).
+    low_ms = LATENCY_EDGES_S[0] * 1000
+    errs += [f"tuner.{k}: at least {low_ms:g} ms (the daemon's latency buckets start at {low_ms:g} ms: below it no "
+             f"request could meet it; the SLO is in milliseconds, {getattr(cfg, k):g} ms given)"
+             for k in ("tpot_p95_ms", "ttft_p95_ms") if getattr(cfg, k) is not None and getattr(cfg, k) < low_ms]
     if not errs and cfg.stale_s < 2 * cfg.tick_s:
         errs.append(f"tuner.stale_s ({cfg.stale_s:g}) must be at least two ticks (tick_s {cfg.tick_s:g})")
     if errs:
@@ -129,11 +135,17 @@ def day_folder_reason(day_dir: Path, euid: int | None = None) -> str | None:
     return untrusted_folder(day_dir, euid) if os.path.lexists(day_dir) else untrusted_place(day_dir, euid)
 
 
-def check_out_dir(path: Path, euid: int | None = None) -> None:
+def check_out_dir(path: Path, euid: int | None = None, parents: bool = False) -> None:
     """The decisions folder exists (or is made) and takes a file: found now, not after the reference is set. As
     root, only in a folder no one else could write (`check_root_folder`), holding no `date=` folder root could not
-    write in (each is checked again before each write: runner.DecisionLog)."""
+    write in (each is checked again before each write: runner.DecisionLog). `parents`: the folders above it may be
+    made too (the default path); a given --out is made only where its parent exists, as the daemon's data dir: a
+    mistyped `--out /nonexistent/dir` made that tree, under / as root, where monitor, trace and export refuse it."""
     check_root_folder(path, "--out", euid)
+    parent = Path(path).absolute().parent
+    if not parents and not Path(path).exists() and not parent.is_dir():
+        raise TunerConfigError(f"--out {path}: its parent folder {parent} does not exist; not making a tree of folders "
+                               f"from a path that may be mistyped: make it first (mkdir -p {parent}) or give another --out")
     try:
         make_dirs(Path(path))
         with tempfile.TemporaryFile(dir=path):
