@@ -1013,8 +1013,11 @@ def replay(trace_path, url, simulate, launch, api, time_scale, duration_s, tag_h
 @click.option("--prompt-median", type=_FloatRange(1), default=400.0, show_default=True, help="Median prompt tokens (lognormal).")
 @click.option("--output-median", type=_FloatRange(1), default=80.0, show_default=True, help="Median output tokens (lognormal).")
 @click.option("--seed", type=_Int(), default=0, show_default=True, help="Random seed (the same seed gives the same trace).")
+@click.option("--max-context", type=_IntRange(2, 10_000_000), default=None,
+              help="Cut each request's prompt so that prompt + output fit this many tokens: the context the server was "
+                   "started with (llama.cpp -c, vLLM --max-model-len). Default: uncut (up to 4096 + 600).")
 @click.option("--force", is_flag=True, help="Replace OUT.jsonl if it exists (default: refuse, it may be a real trace).")
-def trace_cmd(out_path, n, rate, arrivals, prompt_median, output_median, seed, force):
+def trace_cmd(out_path, n, rate, arrivals, prompt_median, output_median, seed, max_context, force):
     """Write a synthetic trace (JSONL) for `replay`: Poisson or bursty arrivals, lognormal lengths."""
     from powerprof.workload.trace import synthetic, write_jsonl
 
@@ -1029,13 +1032,14 @@ def trace_cmd(out_path, n, rate, arrivals, prompt_median, output_median, seed, f
                                  param_hint="OUT.jsonl")
     if not parent.is_dir():
         raise click.BadParameter(f"folder {str(parent)!r} does not exist", param_hint="OUT.jsonl")
-    from powerprof.workload.trace import MAX_SPAN_S
+    from powerprof.workload.trace import COMMON_CONTEXT_TOKENS, MAX_SPAN_S
 
     # The mean span first: `--rate 1e-300` wrote arrivals 1e300 s apart, which replay and sweep --trace then refused.
     if not n / rate <= MAX_SPAN_S:  # the bound itself: at half of it, a span that fits was refused as past it
         raise click.BadParameter(f"{rate:g} requests/s spreads {n} requests over about {n / rate:g} s, more than a replay "
                                  f"takes ({MAX_SPAN_S:g} s): give a higher rate", param_hint="--rate")
-    tr = synthetic(n, rate, arrivals, prompt_median=prompt_median, output_median=output_median, seed=seed)
+    tr = synthetic(n, rate, arrivals, prompt_median=prompt_median, output_median=output_median, seed=seed,
+                   max_context=max_context)
     if not tr[-1].t_s <= MAX_SPAN_S:  # a draw past the mean
         raise click.BadParameter(f"the arrivals drawn span {tr[-1].t_s:g} s, more than a replay takes ({MAX_SPAN_S:g} s): "
                                  "give a higher rate", param_hint="--rate")
@@ -1044,6 +1048,12 @@ def trace_cmd(out_path, n, rate, arrivals, prompt_median, output_median, seed, f
     except OSError as e:
         raise click.BadParameter(f"cannot write {out_path}: {e.strerror or e}", param_hint="OUT.jsonl") from None
     click.echo(f"{out_path}: {len(tr)} requests over {tr[-1].t_s:.1f} s")
+    need = [r.prompt_tokens + r.output_tokens for r in tr]
+    if max_context is None and max(need) > COMMON_CONTEXT_TOKENS:
+        # A replay against llama.cpp's -c 4096 ended "2 of 200 requests failed: HTTP 400 ... exceeds the context".
+        click.echo(f"note: {sum(x > COMMON_CONTEXT_TOKENS for x in need)} request(s) need more than "
+                   f"{COMMON_CONTEXT_TOKENS} tokens of context (prompt + output, up to {max(need)}): a server started "
+                   f"with less refuses them; --max-context N cuts their prompts to fit")
 
 
 # --- analysis: analyze, export ----------------------------------------------------------------

@@ -618,3 +618,23 @@ def test_replay_to_a_server_that_does_not_answer_does_not_say_it_started(tmp_pat
                        capture_output=True, text=True, timeout=120)
     assert p.returncode == 0, p.stderr
     assert p.stderr.startswith("replaying 6 request(s) over "), p.stderr
+
+
+def test_a_synthetic_trace_says_what_a_4096_context_would_refuse_and_cuts_it_to_fit_when_asked(tmp_path):
+    # The lengths' tails reach 4096 + 600 tokens: a replay against llama.cpp's -c 4096 ended "2 of 200 requests
+    # failed: HTTP 400 ... exceeds the available context size", nothing said when the trace was made.
+    from click.testing import CliRunner
+
+    from powerprof.cli import main
+
+    r = CliRunner().invoke(main, ["trace", str(tmp_path / "a.jsonl"), "--requests", "200", "--rate", "2", "--seed", "3"])
+    assert r.exit_code == 0 and "2 request(s) need more than 4096 tokens of context" in r.output, r.output
+    assert "--max-context" in r.output
+    r = CliRunner().invoke(main, ["trace", str(tmp_path / "b.jsonl"), "--requests", "200", "--rate", "2", "--seed", "3",
+                                  "--max-context", "4096"])
+    assert r.exit_code == 0 and "need more" not in r.output, r.output
+    cut, whole = read_trace(tmp_path / "b.jsonl"), read_trace(tmp_path / "a.jsonl")
+    assert max(x.prompt_tokens + x.output_tokens for x in cut) <= 4096
+    # Only the prompts of those that did not fit are cut: the arrivals and outputs are the same trace's.
+    assert [(x.t_s, x.output_tokens) for x in cut] == [(x.t_s, x.output_tokens) for x in whole]
+    assert sum(a.prompt_tokens != b.prompt_tokens for a, b in zip(cut, whole)) == 2

@@ -48,6 +48,8 @@ MAX_SPAN_S = 1e9
 # More tokens in one request is no model's context (a typo or a unit slip): 1e12 output tokens kept a
 # replay generating for ever, and as many prompt tokens would build the prompt text in memory first.
 MAX_TOKENS = 10_000_000
+# A context length many servers are started with (llama.cpp -c 4096): `powerprof trace` says what would not fit it.
+COMMON_CONTEXT_TOKENS = 4096
 
 
 def _finite(t: float) -> float:
@@ -247,10 +249,13 @@ def synthetic(
     burst_size: float = 8.0,
     tags: tuple[str, ...] = (),
     seed: int = 0,
+    max_context: int | None = None,
 ) -> list[TraceRequest]:
     """`n` requests at `rate_per_s` on average. arrivals: poisson, or bursty (bursts of a geometric
     number of requests, mean `burst_size`, arriving within 50 ms, the bursts Poisson). Lengths are
-    lognormal around the medians, clipped to the ranges; tags, if given, are drawn uniformly."""
+    lognormal around the medians, clipped to the ranges; tags, if given, are drawn uniformly.
+    max_context: prompt + output of each at most this (the prompt cut, to one token at least): what a server started
+    with that context holds (llama.cpp's -c 4096 refused the ranges' longest, 4096 + 600, with HTTP 400)."""
     if n < 1 or rate_per_s <= 0:
         raise ValueError("n must be at least 1 and the rate positive")
     if arrivals not in ("poisson", "bursty"):
@@ -268,6 +273,9 @@ def synthetic(
         t = np.array(t[:n])
     t = t - t[0]
     p, o = _lengths(rng, n, LengthMix(prompt_median, prompt_sigma, output_median, output_sigma), prompt_range, output_range)
+    if max_context is not None:
+        o = np.minimum(o, max_context - 1)
+        p = np.maximum(np.minimum(p, max_context - o), 1)
     tg = [tags[i] for i in rng.integers(0, len(tags), n)] if tags else [None] * n
     return [TraceRequest(float(a), int(b), int(c), d) for a, b, c, d in zip(t, p, o, tg)]
 
