@@ -311,6 +311,8 @@ def monitor(duration, interval, output, force, recover, gpus, plain, as_json, ra
     from powerprof import monitor as mon
     from powerprof.storage.samples import SampleSpool, Timeline, check_output_path, parts_dir_for
 
+    if plain and as_json:  # --json won unsaid: one output form a run
+        raise click.UsageError("--plain and --json are two forms of the same output: give one")
     if recover is not None:
         if output is not None:
             raise click.UsageError("--recover FILE samples nothing: give it without --output")

@@ -471,3 +471,9 @@ def test_monitor_recover_leaves_the_parts_of_a_monitor_still_running(tmp_path):
             p.kill()
     assert p.returncode == 128 + signal.SIGTERM, err
     assert out.exists() and not parts.exists()
+
+
+def test_monitor_refuses_plain_and_json_together(tmp_path):
+    # `monitor --json --plain` quietly printed JSON lines: one output form a run, said.
+    r = run("monitor", "--json", "--plain", "--duration", "1", "--simulate")
+    assert r.exit_code == 2 and "--plain and --json" in r.output, r.output

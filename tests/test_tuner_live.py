@@ -582,7 +582,7 @@ def test_dry_run_needs_no_privilege_and_changes_nothing(tmp_path, monkeypatch, o
 
 @pytest.mark.parametrize("args,toml,msg", [
     (["--levels", "150,999", "--tpot-p95-ms", "100"], None, "999"),
-    (["--levels", "150,300"], None, "set an SLO"),
+    (["--levels", "150,300"], None, "set an SLO: tpot_p95_ms and/or ttft_p95_ms ([tuner] in the config, or --tpot-p95-ms"),
     (["--levels", "150,300", "--tpot-p95-ms", "100", "--reference", "200"], None, "not one of the levels"),
     (["--levels", "150,300", "--tpot-p95-ms", "100"], "[tuner]\ntick_s = inf\n", "tick_s"),
     (["--levels", "150,300", "--tpot-p95-ms", "100"], "[tuner]\nstale_s = inf\n", "stale_s"),

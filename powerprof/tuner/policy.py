@@ -134,7 +134,8 @@ class TunerConfig:
         if self.reference not in lv:
             errs.append(f"tuner.reference: {self.reference:g} is not one of the levels ({', '.join(f'{x:g}' for x in lv)})")
         if self.tpot_p95_ms is None and self.ttft_p95_ms is None:
-            errs.append("tuner: set an SLO: tpot_p95_ms and/or ttft_p95_ms")
+            errs.append("tuner: set an SLO: tpot_p95_ms and/or ttft_p95_ms ([tuner] in the config, or --tpot-p95-ms / "
+                        "--ttft-p95-ms, in milliseconds)")
         for k in ("tpot_p95_ms", "ttft_p95_ms"):
             v = getattr(self, k)
             if v is not None and not (math.isfinite(v) and v > 0):
