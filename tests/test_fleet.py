@@ -813,3 +813,15 @@ def test_the_documented_queries_apply_the_summarys_rules(tmp_path):
             for col in ("requests", "generated_tokens", "gpu_energy_j", "idle_gpu_energy_j", "gpu_j_per_token"):
                 assert r[col] == pytest.approx(c[col]), (engine, host, col, r[col], c[col])
             assert r["intervals_left_out"] == c["invalid_intervals"], (engine, host)
+
+
+def test_analyze_of_a_fleet_folder_names_its_datasets_and_the_glob(tmp_path):
+    # `analyze fleet`, a folder holding one dataset per node (as docs/fleet.md lays them out), said only
+    # "windows.parquet is missing".
+    for k in range(2):
+        _node(tmp_path / "fleet" / f"node-{k}", k)
+    r = CliRunner().invoke(main, ["analyze", str(tmp_path / "fleet")])
+    assert r.exit_code != 0 and "holds daemon datasets (node-0, node-1)" in r.output, r.output
+    assert f"powerprof analyze '{tmp_path / 'fleet'}/*'" in r.output and "windows.parquet is missing" not in r.output
+    ok = CliRunner().invoke(main, ["analyze", str(tmp_path / "fleet" / "*")])  # the glob it gives works
+    assert ok.exit_code == 0 and "all 2 hosts" in ok.stdout, ok.output

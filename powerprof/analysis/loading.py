@@ -139,6 +139,11 @@ def _daemon_dataset_hint(path: Path) -> str | None:
             return (f"{path} is inside the daemon dataset {root} (its {inside[0]}/ table), not a sweep's run: give "
                     f"the dataset folder: powerprof analyze {root} (the per-host summary; powerprof export {root} "
                     "--format csv for its rows)")
+    # A fleet's folder, one dataset per node in it (docs/fleet.md): "windows.parquet is missing" told nothing.
+    nodes = sorted(p.name for p in path.iterdir() if p.is_dir() and is_daemon_dataset(str(p))) if path.is_dir() else []
+    if nodes:
+        return (f"{path} holds daemon datasets ({', '.join(nodes[:3])}{', ...' if len(nodes) > 3 else ''}), not a "
+                f"sweep's run: give them, or all as a glob: powerprof analyze '{path}/*' (docs/fleet.md)")
     return None
 
 
