@@ -742,8 +742,8 @@ class Ledger:
         r.own_late_s = late if late >= OWN_LATE_SHARE * (r.held_s if r.bursts else (r.burst_s or 0.0)) else 0.0
         why = ("something between the server and the proxy buffers its streams, or the proxy read them late itself (its "
                f"event loop ran up to {_secs(r.own_late_s)} late meanwhile: a busy host)" if r.own_late_s else
-               "something between the server and the proxy buffers its streams, or a busy host ran the server or the "
-               "proxy late")
+               "something between the server and the proxy buffers its streams, a busy host ran the server or the "
+               "proxy late, or a busy server sent several steps' tokens at once")
         fix = _burst_fix(r)
         if r.bursts and (self.burst_requests == 1 or self.burst_requests % 1000 == 0):
             log.warning("request %d: its %.0f tokens reached the proxy in %d bursts, up to %.1f s apart: %s; each "
