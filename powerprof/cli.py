@@ -532,7 +532,7 @@ def tune(metrics_url, config_path, levels, reference, tpot_p95_ms, ttft_p95_ms, 
     from powerprof.tuner.policy import TunerConfigError
     from powerprof.tuner.runner import KillSwitch, OutDirError, TuneRunner, install_kill_switch
     from powerprof.tuner.setup import (check_bounds, check_out_dir, check_root_folder, gpu_problem, kill_file, load_table,
-                                       make_config)
+                                       make_config, slo_warnings)
 
     # SIGUSR1 is the kill switch from here on (and from powerprof.entry's recorder before, whose catch it takes on): by
     # default it would end the process, and systemd would restart it tuning, the kill lost.
@@ -581,6 +581,8 @@ def tune(metrics_url, config_path, levels, reference, tpot_p95_ms, ttft_p95_ms, 
 
             cfg = make_config(table, plan_levels)
             check_bounds(cfg)
+            for w in slo_warnings(cfg):
+                click.echo(f"warning: {w}", err=True)
             check_out_dir(out_dir, parents=default_out)
             if not cfg.dry_run:  # the kill switch's file, beside the controller's locks and restore files
                 check_root_folder(kill_file().parent, "state folder")

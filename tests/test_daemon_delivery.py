@@ -83,11 +83,55 @@ def test_a_slow_stream_whose_reads_merge_two_tokens_keeps_its_time_per_output_to
     assert d.ledger.requests[tr.request_id].bursts == 19  # every piece after the first taken for a held burst
     st = d.latency.states()
     assert st["tpot_seconds"].n == 1 and st["tpot_seconds"].total == pytest.approx(0.15, rel=0.01)
-    # A 4 kB hop's bursts: the first at its first flush (50 tokens), the rest every 2.5 s, at 20 ms a token: the
-    # pace after the first piece is the server's too.
-    _pieces(d, 2, 10 * S, [(11 * S + k * 2_500_000_000, 50 if k == 0 else 125) for k in range(5)])
-    st = d.latency.states()
-    assert st["tpot_seconds"].n == 2 and st["tpot_seconds"].total - 0.15 == pytest.approx(0.02, rel=0.01)
+    # Where the pieces cannot tell the server's pace, no TPOT (as for one burst): a 4 kB hop's bursts (its first piece
+    # held itself, 50 tokens; then 125 a piece), and one held body read in two parts 150 ms apart (it gave 0.75 ms for
+    # the server's 20: the read's delay over the body's rest), or a held first piece with its tail ms apart (0.15 ms).
+    for rid, pieces in ((2, [(11 * S + k * 2_500_000_000, 50 if k == 0 else 125) for k in range(5)]),
+                        (3, [(19 * S, 200), (19 * S + 150_000_000, 200)]),
+                        (4, [(29 * S, 300), (29 * S + 5_000_000, 1), (29 * S + 10_000_000, 1), (29 * S + 15_000_000, 98)])):
+        _pieces(d, rid, (rid * 10 - 2) * S, pieces)
+        assert d.latency.states()["tpot_seconds"].n == 1, rid
+
+
+def test_a_time_per_output_token_is_per_sequence_and_in_the_servers_count():
+    from powerprof.daemon import streams
+
+    d = Daemon(load_config(None, env={}), rig=None)
+    d.inflight, d.tags = InFlight(0), TagLimiter()
+    d.ledger = Ledger("t", 0, 1, lambda *a: None)
+    # n = 4 choices, a step every 20 ms giving each one token: 4 tokens a piece. Divided by every sequence's tokens,
+    # the TPOT read 4.9 ms.
+    tr = RequestTrace(request_id=1, method="POST", endpoint="/v1/chat/completions", tag=None, arrival_ns=1 * S,
+                      arrival_wall_ns=1 * S, api="openai-chat", stream=True)
+    tr.extra["sequences"] = 4
+    d.on_start(tr)
+    for k in range(50):
+        t = 2 * S + k * 20_000_000
+        tr.first_ns = tr.first_ns or t
+        tr.last_ns = t
+        tr.tokens_seen += 4
+        d.on_tokens(tr, t, 4)
+    tr.end_ns = tr.last_ns + 1000
+    d.on_end(tr)
+    st = d.latency.states()["tpot_seconds"]
+    assert st.n == 1 and st.total == pytest.approx(0.02, rel=0.03), st.total
+    first = st.total
+    # Counted one token a chunk, the server's usage 8 tokens a chunk (speculative decoding), an overloaded server's
+    # reads two chunks every 320 ms (20 ms a token): the first piece is scaled to the server's count with the rest.
+    tr = RequestTrace(request_id=2, method="POST", endpoint="/v1/chat/completions", tag=None, arrival_ns=10 * S,
+                      arrival_wall_ns=10 * S, api="openai-chat", stream=True)
+    d.on_start(tr)
+    for k in range(30):
+        t = 11 * S + k * 320_000_000
+        tr.first_ns = tr.first_ns or t
+        tr.last_ns = t
+        tr.tokens_seen += 2
+        d.on_tokens(tr, t, 2)
+    tr.counts = streams.Counts(480, 10, None, "stop", "usage", tokens_estimated=True)
+    tr.end_ns = tr.last_ns + 1000
+    d.on_end(tr)
+    st = d.latency.states()["tpot_seconds"]
+    assert st.n == 2 and st.total - first == pytest.approx(29 * 0.32 / (480 - 16), rel=0.001), st.total  # 0.020 s
 
 
 @pytest.fixture(scope="module")

@@ -69,7 +69,7 @@ class _Ledger:
     def on_end(self, trace):
         pass
 
-    def tokens_at_first(self, request_id):
+    def tokens_at_first(self, request_id, generated):
         return 1.0
 
 

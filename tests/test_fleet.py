@@ -825,3 +825,16 @@ def test_analyze_of_a_fleet_folder_names_its_datasets_and_the_glob(tmp_path):
     assert f"powerprof analyze '{tmp_path / 'fleet'}/*'" in r.output and "windows.parquet is missing" not in r.output
     ok = CliRunner().invoke(main, ["analyze", str(tmp_path / "fleet" / "*")])  # the glob it gives works
     assert ok.exit_code == 0 and "all 2 hosts" in ok.stdout, ok.output
+
+
+def test_the_share_a_j_per_token_rests_on_never_rounds_to_all_or_none():
+    # 99.6% printed "100%" beside a footnote that said requests were left out.
+    from powerprof.analysis.fleet import render_summary
+
+    def row(att_tok, tok):
+        return {"host": "h", "requests": 10, "generated_tokens": tok, "gpu_energy_j": 100.0, "idle_gpu_energy_j": 1.0,
+                "gpu_j_per_token": 0.5, "attributed_tokens": att_tok, "attributed_gpu_energy_j": 0.5 * att_tok}
+
+    for att, tok, said in ((996.0, 1000, ">99%"), (4.0, 1000, "<1%"), (500.0, 1000, "50%"), (1000.0, 1000, "100%")):
+        first = render_summary(pa.Table.from_pylist([row(att, tok)])).splitlines()[1].split()
+        assert first[-2] == said, (att, first)

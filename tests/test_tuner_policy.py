@@ -934,11 +934,20 @@ def test_an_slo_below_the_first_latency_bucket_is_refused_as_unmeetable():
     # reference for ever with nothing said.
     from powerprof.tuner.setup import check_bounds
 
-    check_bounds(cfg(tpot_p95_ms=1.0))
-    with pytest.raises(TunerConfigError, match=r"tuner.tpot_p95_ms: at least 1 ms .*0.1 ms given"):
-        check_bounds(cfg(tpot_p95_ms=0.1))
-    with pytest.raises(TunerConfigError, match=r"tuner.ttft_p95_ms: at least 1 ms"):
+    from powerprof.tuner.setup import slo_warnings
+
+    c = cfg(tpot_p95_ms=1.0)
+    low = 1.0 / c.accept_ratio  # a window is accepted under accept_ratio x SLO; every p95 reads 0.95 ms or more
+    check_bounds(cfg(tpot_p95_ms=low + 0.01))
+    for bad in (0.1, 1.0):
+        with pytest.raises(TunerConfigError, match=rf"tuner.tpot_p95_ms: at least {low:.3g} ms .*{bad:g} ms given"):
+            check_bounds(cfg(tpot_p95_ms=bad))
+    with pytest.raises(TunerConfigError, match=r"tuner.ttft_p95_ms: at least"):
         check_bounds(cfg(ttft_p95_ms=0.5))
+    # `--ttft-p95-ms 2` for 2 s passes the bound: warned, as no real server answers that fast.
+    (w,) = slo_warnings(cfg(ttft_p95_ms=2.0))
+    assert "tuner.ttft_p95_ms = 2 ms" in w and "is it in seconds?" in w
+    assert slo_warnings(cfg(ttft_p95_ms=500.0)) == []
 
 
 def test_a_given_out_folder_whose_parent_is_missing_is_refused_and_nothing_is_made(tmp_path):

@@ -674,7 +674,10 @@ def render_summary(t: pa.Table) -> str:
     w = max([20] + [len(r["host"]) for r in rows])  # a host cut short could read as another
 
     def on(att, tok):
-        return "-" if not tok else f"{100 * att / tok:.0f}%" if att < tok else "100%"
+        pct = 100 * att / tok if tok else None
+        # Never "100%" for a share with requests left out, nor "0%" for one with some in (rounded, 99.6% read 100%).
+        return "-" if pct is None else "100%" if att >= tok else ">99%" if pct > 99 else "<1%" if pct < 1 \
+            else f"{pct:.0f}%"
 
     lines = [f"{'host':{w}s} {'requests':>9s} {'tokens':>11s} {'GPU kWh':>9s} {'idle %':>7s} {'J/tok on':>8s} "
              f"{'J/token':>8s}"]

@@ -140,7 +140,10 @@ def _daemon_dataset_hint(path: Path) -> str | None:
                     f"the dataset folder: powerprof analyze {root} (the per-host summary; powerprof export {root} "
                     "--format csv for its rows)")
     # A fleet's folder, one dataset per node in it (docs/fleet.md): "windows.parquet is missing" told nothing.
-    nodes = sorted(p.name for p in path.iterdir() if p.is_dir() and is_daemon_dataset(str(p))) if path.is_dir() else []
+    try:
+        nodes = sorted(p.name for p in path.iterdir() if p.is_dir() and is_daemon_dataset(str(p))) if path.is_dir() else []
+    except OSError:  # a folder it may not read: the message it would have given stands
+        nodes = []
     if nodes:
         return (f"{path} holds daemon datasets ({', '.join(nodes[:3])}{', ...' if len(nodes) > 3 else ''}), not a "
                 f"sweep's run: give them, or all as a glob: powerprof analyze '{path}/*' (docs/fleet.md)")

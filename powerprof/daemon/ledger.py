@@ -252,7 +252,8 @@ class _Req:
     cache_unsaid_early: float = 0.0  # its hit span's unsaid hits, judged before those windows were pruned
     prev_held: bool = False  # that piece held more tokens than its sequences
     first_held: bool = False  # its first piece held more than FIRST_BURST_TOKENS a sequence
-    first_piece_n: float = 0.0  # the tokens its first piece held (`tokens_at_first`)
+    first_piece_n: float = 0.0  # the tokens its first piece held, and how many pieces came (`tokens_at_first`)
+    pieces: int = 0
     closed_s: float = 0.0  # seconds of its run in intervals closed before its tokens came (not its energy)
     before_first_s: float = 0.0  # seconds it was live before the ledger's first GPU read: their energy is in no interval
 
@@ -457,6 +458,10 @@ class Ledger:
 
     def on_tokens(self, trace: RequestTrace, t_ns: int, n: int) -> None:
         r = self.requests.get(trace.request_id)
+        if r is not None:
+            r.pieces += 1
+            if r.pieces == 1:  # whatever becomes of it (late, at a restart's cut): the first piece is this one
+                r.first_piece_n = float(n)
         if r is not None and self.edges and t_ns < self.edges[0].t_ns:
             # Stamped before an interval that has closed (a proxy worker's record read late): it cannot
             # be placed any more. Counted and flagged, never silently lost.
@@ -478,7 +483,6 @@ class Ledger:
                 return
             if r.prev_ns is None and not r.spent:
                 r.first_held = n > FIRST_BURST_TOKENS * seqs
-                r.first_piece_n = float(n)
             a = r.prev_ns
             if trace.stream is True and a is not None and n > seqs and t_ns > a:
                 # A piece of several steps since the previous one (a proxy worker's 20 ms record) holds tokens the
@@ -591,19 +595,27 @@ class Ledger:
                 self._finished.append((int(t), n, max(0, int(t) - trace.arrival_ns)))
         return added
 
-    def tokens_at_first(self, request_id: int) -> float | None:
-        """The tokens its stream had shown at its first piece, for a time per output token over the rest: 1 for a stream
-        that came as it went (the usual TPOT); a stream that came in several bursts (`_held_burst`), its first piece's
-        (each later burst's tokens were generated since the piece before it, so the pace after the first piece is the
-        server's: a slow server whose reads merge two tokens every 300 ms is such a stream, and with no TPOT the
-        latency guard went blind exactly where TPOT was bad: 30 of 640 rows had one, at 15 ms, where the client saw
-        312); None for one that came in one burst (its times are the burst's microseconds)."""
+    def tokens_at_first(self, request_id: int, generated: float) -> float | None:
+        """The tokens (in `generated`'s count) its stream had shown at its first piece, for a time per output token over
+        the rest: 1 for a stream that came as it went (the usual TPOT). For one that came in several bursts
+        (`_held_burst`), its first piece's, where the pieces after it were small (at most FIRST_BURST_TOKENS a sequence
+        on average) and the first was no held burst itself: a slow server whose reads merge two tokens every 300 ms
+        (each such piece's tokens generated since the piece before, so that pace is the server's; with no TPOT the
+        latency guard went blind exactly where TPOT was bad: 30 of 640 rows had one, at 15 ms, where the client saw 312).
+        None where the pieces cannot tell the server's pace: one burst (its times are the burst's microseconds), a first
+        piece held itself, or large pieces (one held body read in parts 150 ms apart gave 0.75 ms for 20). A stream
+        counted one token a chunk and set to the server's count at its end has its first piece scaled to that count (8
+        tokens a chunk read 4.2 ms for 18.75)."""
         r = self.requests.get(request_id)
         if r is None or (r.burst_s is None and r.bursts == 0):
             return 1.0
-        if r.burst_s is not None or r.first_piece_n <= 0:
+        seqs = max(r.trace.extra.get("sequences", 1), 1)
+        seen = float(r.trace.tokens_seen)
+        after = seen - r.first_piece_n
+        if (r.burst_s is not None or r.first_held or r.first_piece_n <= 0 or r.pieces < 2 or after <= 0
+                or after / (r.pieces - 1) > FIRST_BURST_TOKENS * seqs):
             return None
-        return r.first_piece_n
+        return r.first_piece_n * (generated / seen if generated and seen > 0 else 1.0)
 
     def _placed_at_end(self, r: _Req) -> float:
         """on_end's placing of the tokens only the end tells (usage, a non-streamed body); returns on_end's figure."""

@@ -588,7 +588,8 @@ class Daemon:
                              first_seen=not (trace.extra.get("spread") and trace.first_ns == trace.arrival_ns),
                              # A stream that reached the proxy in one burst: its last - first is the burst's; in
                              # several, the pace after its first piece is the server's.
-                             shown_first=self.ledger.tokens_at_first(trace.request_id))
+                             shown_first=self.ledger.tokens_at_first(trace.request_id, gen or 0),
+                             sequences=max(trace.extra.get("sequences", 1), 1))
         if added:  # a stream counted one token per chunk, set to the server's final count
             self.tokens_by_tag[self.tags.label(trace.tag) if trace.tag else NONE] += added
         self._request_edge("request-end")

@@ -107,14 +107,29 @@ def check_bounds(cfg: TunerConfig) -> None:
              if getattr(cfg, k) is not None and math.isfinite(cfg.guard_ratio) and getattr(cfg, k) * cfg.guard_ratio >= top_ms]
     # Under the first bucket a p95 cannot be read: every one over it is a breach, and the tuner sits at the reference
     # for ever with nothing said (seconds typed into a milliseconds flag: --tpot-p95-ms 0.1).
-    low_ms = LATENCY_EDGES_S[0] * 1000
-    errs += [f"tuner.{k}: at least {low_ms:g} ms (the daemon's latency buckets start at {low_ms:g} ms: below it no "
-             f"request could meet it; the SLO is in milliseconds, {getattr(cfg, k):g} ms given)"
+    # A p95 with every request in the first bucket reads just under its edge (0.95 ms): an SLO whose accept threshold
+    # (accept_ratio × SLO) is under that edge is met by none either.
+    low_ms = LATENCY_EDGES_S[0] * 1000 / cfg.accept_ratio if cfg.accept_ratio > 0 else LATENCY_EDGES_S[0] * 1000
+    errs += [f"tuner.{k}: at least {low_ms:.3g} ms (the daemon's latency buckets start at 1 ms, and a window is "
+             f"accepted under accept_ratio {cfg.accept_ratio:g} × the SLO: below it no window could be; the SLO is in "
+             f"milliseconds, {getattr(cfg, k):g} ms given)"
              for k in ("tpot_p95_ms", "ttft_p95_ms") if getattr(cfg, k) is not None and getattr(cfg, k) < low_ms]
     if not errs and cfg.stale_s < 2 * cfg.tick_s:
         errs.append(f"tuner.stale_s ({cfg.stale_s:g}) must be at least two ticks (tick_s {cfg.tick_s:g})")
     if errs:
         raise TunerConfigError("; ".join(errs))
+
+
+# Under these no real server answers (a network round trip and a prefill; a decode step): an SLO below is most likely
+# seconds typed into a milliseconds flag (`--ttft-p95-ms 2` for 2 s), which holds the reference for ever.
+IMPLAUSIBLE_MS = {"ttft_p95_ms": 20.0, "tpot_p95_ms": 2.0}
+
+
+def slo_warnings(cfg: TunerConfig) -> list[str]:
+    """What to say of an SLO no real server meets (warned, not refused: a test rig may)."""
+    return [f"tuner.{k} = {getattr(cfg, k):g} ms: under {v:g} ms no real server answers, so every window would breach "
+            f"it and the tuner hold the reference; is it in seconds? (the SLO is in milliseconds)"
+            for k, v in IMPLAUSIBLE_MS.items() if getattr(cfg, k) is not None and getattr(cfg, k) < v]
 
 
 def check_root_folder(path: Path, what: str, euid: int | None = None) -> None:
