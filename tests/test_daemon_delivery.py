@@ -24,18 +24,7 @@ S = 1_000_000_000
 
 def _stream(d, rid: int, arrival_ns: int, token_ns: list[int]) -> RequestTrace:
     """A streamed chat request through the daemon's recorder: one token at each of `token_ns`, then its end."""
-    tr = RequestTrace(request_id=rid, method="POST", endpoint="/v1/chat/completions", tag=None, arrival_ns=arrival_ns,
-                      arrival_wall_ns=arrival_ns, api="openai-chat", stream=True)
-    d.on_start(tr)
-    for t in token_ns:
-        if tr.first_ns is None:
-            tr.first_ns = tr.first_wall_ns = t
-        tr.last_ns = tr.last_wall_ns = t
-        tr.tokens_seen += 1
-        d.on_tokens(tr, t, 1)
-    tr.end_ns = tr.end_wall_ns = token_ns[-1] + 1000
-    d.on_end(tr)
-    return tr
+    return _pieces(d, rid, arrival_ns, [(t, 1) for t in token_ns])
 
 
 def test_a_stream_delivered_in_one_burst_gives_no_time_per_output_token():
