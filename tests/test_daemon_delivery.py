@@ -43,10 +43,14 @@ def test_a_stream_delivered_in_one_burst_gives_no_time_per_output_token():
     assert st["tpot_seconds"].n == 1 and st["tpot_seconds"].total == pytest.approx(0.02)
 
 
-def _pieces(d, rid: int, arrival_ns: int, pieces: list[tuple[int, int]]) -> RequestTrace:
-    """A streamed chat request whose tokens come in `pieces` (instant, tokens), then its end."""
+def _pieces(d, rid: int, arrival_ns: int, pieces: list[tuple[int, int]], sequences: int = 1,
+            counts=None) -> RequestTrace:
+    """A streamed chat request whose tokens come in `pieces` (instant, tokens), then its end (with the server's
+    `counts`, where given); `sequences` generated side by side (`n` choices)."""
     tr = RequestTrace(request_id=rid, method="POST", endpoint="/v1/chat/completions", tag=None, arrival_ns=arrival_ns,
                       arrival_wall_ns=arrival_ns, api="openai-chat", stream=True)
+    if sequences > 1:
+        tr.extra["sequences"] = sequences
     d.on_start(tr)
     for t, n in pieces:
         if tr.first_ns is None:
@@ -54,6 +58,7 @@ def _pieces(d, rid: int, arrival_ns: int, pieces: list[tuple[int, int]]) -> Requ
         tr.last_ns = tr.last_wall_ns = t
         tr.tokens_seen += n
         d.on_tokens(tr, t, n)
+    tr.counts = counts if counts is not None else tr.counts
     tr.end_ns = tr.end_wall_ns = pieces[-1][0] + 1000
     d.on_end(tr)
     return tr
@@ -90,35 +95,14 @@ def test_a_time_per_output_token_is_per_sequence_and_in_the_servers_count():
     d.ledger = Ledger("t", 0, 1, lambda *a: None)
     # n = 4 choices, a step every 20 ms giving each one token: 4 tokens a piece. Divided by every sequence's tokens,
     # the TPOT read 4.9 ms.
-    tr = RequestTrace(request_id=1, method="POST", endpoint="/v1/chat/completions", tag=None, arrival_ns=1 * S,
-                      arrival_wall_ns=1 * S, api="openai-chat", stream=True)
-    tr.extra["sequences"] = 4
-    d.on_start(tr)
-    for k in range(50):
-        t = 2 * S + k * 20_000_000
-        tr.first_ns = tr.first_ns or t
-        tr.last_ns = t
-        tr.tokens_seen += 4
-        d.on_tokens(tr, t, 4)
-    tr.end_ns = tr.last_ns + 1000
-    d.on_end(tr)
+    _pieces(d, 1, 1 * S, [(2 * S + k * 20_000_000, 4) for k in range(50)], sequences=4)
     st = d.latency.states()["tpot_seconds"]
     assert st.n == 1 and st.total == pytest.approx(0.02, rel=0.03), st.total
     first = st.total
     # Counted one token a chunk, the server's usage 8 tokens a chunk (speculative decoding), an overloaded server's
     # reads two chunks every 320 ms (20 ms a token): the first piece is scaled to the server's count with the rest.
-    tr = RequestTrace(request_id=2, method="POST", endpoint="/v1/chat/completions", tag=None, arrival_ns=10 * S,
-                      arrival_wall_ns=10 * S, api="openai-chat", stream=True)
-    d.on_start(tr)
-    for k in range(30):
-        t = 11 * S + k * 320_000_000
-        tr.first_ns = tr.first_ns or t
-        tr.last_ns = t
-        tr.tokens_seen += 2
-        d.on_tokens(tr, t, 2)
-    tr.counts = streams.Counts(480, 10, None, "stop", "usage", tokens_estimated=True)
-    tr.end_ns = tr.last_ns + 1000
-    d.on_end(tr)
+    _pieces(d, 2, 10 * S, [(11 * S + k * 320_000_000, 2) for k in range(30)],
+            counts=streams.Counts(480, 10, None, "stop", "usage", tokens_estimated=True))
     st = d.latency.states()["tpot_seconds"]
     assert st.n == 2 and st.total - first == pytest.approx(29 * 0.32 / (480 - 16), rel=0.001), st.total  # 0.020 s
 
