@@ -1137,3 +1137,24 @@ def test_the_tuner_runs_within_its_units_memory_and_task_limits_with_room(tmp_pa
     assert peak_kib > 0 and threads > 0
     assert 2 * (peak_kib << 10) <= _unit_size(unit["MemoryMax"]), (peak_kib >> 10, unit["MemoryMax"])
     assert 4 * threads <= int(unit["TasksMax"]), (threads, unit["TasksMax"])
+
+
+def test_a_live_run_says_what_its_level_waits_for_between_decisions(caplog):
+    # A judgement needs window_s of traffic and min_requests finished requests: minutes of silence on a quiet server
+    # read as a hung tuner (session 45's walkthrough). Once a window without a decision, one line says how far it is.
+    nvml = SimNVML("seed-16g", state_path=None)
+    clock = Clock()
+    with Rig("seed-16g", nvml=nvml) as rig, FakeDaemon(per_scrape=3, gpu=sim_gpu(nvml)) as fd, \
+            rig.controller([0]) as ctl:
+        runner = TuneRunner(_cfg(min_requests=500), lambda: parse_counters(fetch_metrics(fd.url, 2), 0.0), ctl=ctl,
+                            gpus=[0], clock=clock, gpu_uuids=[nvml.gpus[0].uuid])
+        runner.start()
+        with caplog.at_level("INFO", logger="powerprof.tune"):
+            _drive(runner, clock, 6)
+    said = [r.getMessage() for r in caplog.records if "next judgement" in r.getMessage()]
+    assert 2 <= len(said) <= 3, said  # 60 s of ticks, a window of 20 s: once a window, not once a tick
+    assert said[-1].startswith("measuring 300 W for "), said
+    held_s, finished = map(int, re.search(r"has (\d+) s of traffic \(20 s needed\) and (\d+) finished requests "
+                                          r"\(500 needed\)", said[-1]).groups())
+    assert 20 <= held_s <= 50 and 3 <= finished < 500, said[-1]
+    assert not [d for d in runner.tuner.decisions if d.action != "start"], runner.tuner.decisions

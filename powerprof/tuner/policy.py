@@ -594,6 +594,27 @@ class Tuner:
     def regime_name(self) -> str:
         return describe_key(self.regime.key, self.cfg.regime_ratio)
 
+    def progress(self, t: float) -> str:
+        """What the level in force is doing and waits for, in one line: a live run says it between decisions (a
+        judgement needs window_s of traffic and min_requests finished requests, which can take many minutes)."""
+        cfg = self.cfg
+        what = {"measure": "measuring", "trial": "trying", "hold": "holding", "drain": "draining at",
+                "backoff": "backed off to", "killed": "pinned (kill switch) at", "stale": "without figures, at"}
+        line = f"{what.get(self.state, self.state)} {self._fmt(self.level)} for {t - self.state_since_s:.0f} s"
+        if self.state == "backoff":
+            return f"{line}; back-off ends after {cfg.backoff_s:.0f} s"
+        if self.state == "drain":
+            return f"{line}; back to the incumbent after {cfg.drain_s:.0f} s"
+        if self.state not in ("measure", "trial", "hold"):
+            return line
+        # The windows the next judgement pools (_judge): the first straddles the change, some wait for the accounts.
+        usable = [w for w in self._pending[1:] if not w.energy_straddles]
+        got = merge(usable) if usable else None
+        held_s = got.duration_s if got else 0.0
+        finished = got.requests if got else 0
+        return (f"{line}; the next judgement has {held_s:.0f} s of traffic ({cfg.window_s:.0f} s needed) and "
+                f"{finished} finished requests ({cfg.min_requests} needed)")
+
     # --- inputs -----------------------------------------------------------------------------
 
     def observe(self, w: Window) -> list[Decision]:

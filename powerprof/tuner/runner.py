@@ -203,6 +203,7 @@ class TuneRunner:
         self._said_read_error: str | None = None  # the read failure last put on stderr; None while reads work
         self._dry: deque[Window] = deque()  # dry-run: the last guard_s at the GPUs' actual level
         self._dry_said_s = -float("inf")
+        self._progress_said_s = self.t0_s  # a live run says what it waits for once a window_s without a decision
         self._said_blind = False
         self._level_since_s: float | None = None  # when the level on the GPUs was set (this tuner's clock)
         self._said_unaccounted = False
@@ -226,6 +227,7 @@ class TuneRunner:
             self.metrics.decisions.labels(d.action).inc()
         if ds:
             self.log.flush()
+            self._progress_said_s = self.clock()
 
     def _fmt(self, v: float) -> str:
         return f"{v:g} {self.cfg.unit}"
@@ -336,9 +338,17 @@ class TuneRunner:
             self._last_error = one_line(str(e))
         self._apply(self.tuner.level)
         self._record(ds)
+        self._say_progress(now)
         self._show_level()
         self.metrics.explore_s.set(self.tuner.explore_s)
         self.check_stale(now)
+
+    def _say_progress(self, now: float) -> None:
+        """Between decisions, minutes apart, a live run says once a window what its level waits for (dry-run says
+        its verdict each window instead)."""
+        if not self.cfg.dry_run and now - self._progress_said_s >= self.cfg.window_s:
+            self._progress_said_s = now
+            log.info("%s", self.tuner.progress(now))
 
     def _energy_straddles(self, last: DaemonCounters) -> bool:
         """Whether the energy of the window from `last` on was (partly) spent before the level was set: the daemon's
