@@ -955,12 +955,12 @@ def _write_csv(scan: ds.Scanner, path: Path, tz: str, neutralised: dict[str, int
         for batch in scan.to_batches():
             t = _csv_ready(_with_local_times(batch, tz), neutralised)
             if writer is None:
-                f.write((",".join(_csv_quote(_csv_header(c, tz)) for c in t.column_names) + "\r\n").encode())
+                f.write((",".join(_csv_quote(_csv_header(c, tz)) for c in t.column_names) + "\n").encode())
                 writer = pacsv.CSVWriter(f, t.schema, write_options=opts)
             writer.write_table(t)
         if writer is None:  # nothing selected: still a header, so the file opens and says what it holds
             t = _csv_ready(_with_local_times(_empty_batch(scan), tz))
-            f.write((",".join(_csv_quote(_csv_header(c, tz)) for c in t.column_names) + "\r\n").encode())
+            f.write((",".join(_csv_quote(_csv_header(c, tz)) for c in t.column_names) + "\n").encode())
         else:
             writer.close()
 
