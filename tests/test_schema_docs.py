@@ -41,3 +41,22 @@ def test_every_column_is_documented_with_its_type(name):
 
 def test_samples_are_documented():
     assert "samples" in _doc_tables()
+
+
+def test_export_headers_carry_the_unit_data_md_gives():
+    # `decode_j` is J per token (a fit's coefficient), not J: the csv/xlsx header said "(J)"; `concurrency`,
+    # `server_prompt_n` … said none (session 46's spreadsheet walkthrough). Timestamps say their zone instead.
+    from powerprof.analysis.export import header  # noqa: PLC0415
+
+    wrong = []
+    for line in DOC.read_text().splitlines():
+        cells = [c.strip() for c in line.strip().strip("|").split("|")]
+        if not line.startswith("|") or len(cells) < 4 or not re.fullmatch(r"[a-z][a-z0-9_]*", cells[0]):
+            continue
+        col, typ, unit = cells[:3]
+        if typ.startswith("timestamp") or unit in ("", "-") or col == "column":
+            continue
+        want = f"{col} ({'degC' if unit == '°C' else unit})"  # headers are ASCII (docs/analysis.md)
+        if header(col, "UTC") != want:
+            wrong.append((header(col, "UTC"), want))
+    assert not wrong, wrong

@@ -52,6 +52,15 @@ UNITS = {
     "_j_per_token": "J/token", "_tok_s": "tokens/s", "_mhz": "MHz", "_bytes": "bytes", "_pct": "%",
     "_utc": "UTC", "_ms": "ms", "_uj": "uJ", "_w": "W", "_j": "J", "_s": "s", "_c": "degC", "_tokens": "tokens",
 }
+# Names whose suffix says no unit, or the wrong one (a fit's coefficient per token named _j): docs/data.md's unit.
+NAMED_UNITS = {
+    "decode_j": "J/token", "prefill_j": "J/token", "ctx_j_per_ktoken": "J/token/ktoken",
+    "level_value": "W or MHz", "from_level": "W or MHz", "to_level": "W or MHz",
+    "concurrency": "streams", "mean_streams": "streams", "server_predicted_per_second": "tokens/s",
+    "draft_n": "tokens", "draft_n_accepted": "tokens", "server_predicted_n": "tokens", "server_prompt_n": "tokens",
+    "prompt_tokens_estimate": "tokens", "n_token_events": "events", "max_events_per_read": "events", "n_reads": "reads",
+    "max_read_share": "fraction", "clock_event_reasons": "bitmask",
+}
 # A confidence bound, or the pooled figure beside a median, has its quantity's unit: gpu_j_per_token_ci_low
 # and gpu_j_per_token_pooled are in J/token.
 BOUND_SUFFIXES = ("_ci_low", "_ci_high", "_pooled")
@@ -414,6 +423,8 @@ def header(col: str, tz: str) -> str:
     if col.endswith("_local"):
         return f"{col} ({tz})"
     base = next((col[: -len(b)] for b in BOUND_SUFFIXES if col.endswith(b)), col)
+    if base in NAMED_UNITS:
+        return f"{col} ({NAMED_UNITS[base]})"
     for suffix in sorted(UNITS, key=len, reverse=True):
         if base.endswith(suffix) or base == suffix[1:]:  # a name that is the unit's word alone: j_per_token
             return f"{col} ({UNITS[suffix]})"
