@@ -167,19 +167,6 @@ class ConfigRecord:
                 "prompt_tokens": self.prompt_tokens, "counted_by": self.counted_by}
 
 
-def spec_columns(rows: list[dict], metrics: tuple[float, float] | None) -> dict:
-    """draft_n, draft_n_accepted, draft_acceptance and their source for a level's measured windows."""
-    d = [r["draft_n"] for r in rows if r.get("draft_n") is not None]
-    a = [r["draft_n_accepted"] for r in rows if r.get("draft_n_accepted") is not None]
-    if d and sum(d) > 0:
-        return {"draft_n": int(sum(d)), "draft_n_accepted": int(sum(a)), "draft_acceptance": sum(a) / sum(d),
-                "draft_source": "timings"}
-    if metrics is not None and metrics[0] > 0:
-        return {"draft_n": int(metrics[0]), "draft_n_accepted": int(metrics[1]),
-                "draft_acceptance": metrics[1] / metrics[0], "draft_source": "metrics"}
-    return {}
-
-
 class _GridWriter:
     """Handed to each Sweep as its writer: its per-level flushes rewrite the whole grid's tables."""
 
@@ -346,6 +333,8 @@ class GridRun:
         return [r for _, sw in pairs for r in sw.rows]
 
     def _sweep_levels(self, rec: ConfigRecord, sw) -> list[dict]:
+        from powerprof.workload.rows import spec_columns
+
         rows = []
         for row in sw.levels_table().to_pylist():
             at = [r for r in sw.rows if sw._counts(r) and r["level_value"] == row["level_value"]

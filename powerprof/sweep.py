@@ -33,7 +33,7 @@ from powerprof.workload.client import (CONTEXT_FIX, RequestParams, context_probl
                                       new_session, restart_evidence, server_away, server_epoch, server_identity)
 from powerprof.workload.load import LoadAborted, LoadPolicy, builtin_prompts, detect, prompt_set_record, run_load_async
 from powerprof.workload.others import FOREIGN_FIX, FOREIGN_FLAG, OthersWatch, leave_out_foreign
-from powerprof.workload.rows import FIGURES, Level, request_timing, trace_row, window_rows
+from powerprof.workload.rows import FIGURES, Level, request_timing, spec_columns, trace_row, window_rows
 from powerprof.workload.servercount import ForeignWatch, settled_tally
 
 
@@ -919,7 +919,7 @@ class Sweep:
     def _above_idle(self, row: dict) -> None:
         row["idle_gpu_power_w"] = self.idle_power_w
         e, d, n = row.get("gpu_energy_j"), row.get("decode_s"), row.get("decode_tokens")
-        if self.idle_power_w is not None and e is not None and d and n:
+        if self.idle_power_w is not None and e is not None and d and n and not row.get("shared_window"):
             row["above_idle_gpu_j_per_token"] = (e - self.idle_power_w * d) / n
 
     def _live(self, visit: LevelVisit) -> dict:
@@ -989,6 +989,9 @@ class Sweep:
                 "cap_not_engaged_gpus": loose,
                 "thermal_throttle": thermal(st.get("clock_event_reasons")),
                 "stop_rule": ",".join(dict.fromkeys(v.stop for v in visits if v.stop)) or None,
+                # Speculative decoding's drafts over the level's measured windows (a configuration sweep's may
+                # come from the server's counters instead: grid.py).
+                **spec_columns(rows, None),
             }
         return out
 

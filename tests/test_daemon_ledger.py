@@ -542,6 +542,25 @@ def test_an_error_answer_with_no_work_takes_no_energy_and_its_time_stays_idle():
     assert first["requests_energy_j"] == 0.0
 
 
+def test_a_get_with_no_work_takes_no_energy_whatever_its_status():
+    # GET /v1/models (replay's probe), /metrics, /health through the proxy, alone in an interval, were charged the idle
+    # GPU's energy over their life (0.013-0.047 J, session 46's walkthrough) where data.md says such rows are null.
+    sink = Sink()
+    led = Ledger("d", 0, 1, sink, grace_s=0.1)
+    get = RequestTrace(1, "GET", "/v1/models", None, int(0.2 * S), 0)
+    led.on_start(get)
+    get.status, get.end_ns = 200, int(0.9 * S)
+    get.counts = Counts(None, None, None, None, "none")
+    led.on_end(get)
+    for k in range(3):
+        _feed(led, float(k), 100.0 * k)
+    led.advance(int(2.5 * S))
+    (row,) = sink.rows["requests"]
+    assert row["gpu_energy_j"] is None and "a GET request (no generation endpoint takes one)" in row["energy_note"]
+    first = sink.rows["intervals"][0]
+    assert first["kind"] == "idle" and first["idle_energy_j"] == pytest.approx(100.0), first
+
+
 def test_a_count_less_stream_that_keeps_up_with_the_server_holds_no_scrape_window():
     # An OpenAI stream with no counts (one token a chunk, the prompt length unknown until its end)
     # whose chunks are one token each, as the server counts them: its windows show no surplus, so

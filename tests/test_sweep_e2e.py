@@ -171,6 +171,24 @@ def test_clock_sweep_where_the_power_cap_never_binds(tmp_path):
     assert sim.locked_clocks_mhz(0) is None  # released at the end
 
 
+def test_a_plain_sweeps_levels_carry_its_draft_counts(tmp_path):
+    # Speculative decoding (the seed card's MTP): every window had draft_n and draft_n_accepted, the levels' columns
+    # were null outside a --vary sweep, read as "not measured" (session 46's spreadsheet walkthrough).
+    sim = SimNVML("seed-16g")
+    out = tmp_path / "run"
+    run_sweep(levels_spec="300,220", sim=sim, out_dir=out, params=RequestParams(max_tokens=48), idle_s=0,
+              interval_s=0.5, min_requests=3, max_requests=3, warmup_requests=0)
+    assert _powerprof("analyze", str(out)).returncode == 0  # the analysis carries the levels' sweep-only columns
+    w = pq.read_table(out / "windows.parquet").to_pylist()
+    for name in ("levels", "analysis/analysis"):
+        for lv in pq.read_table(out / f"{name}.parquet").to_pylist():
+            mine = [r for r in w if r["level_value"] == lv["level_value"] and not r["warmup"] and r["status"] == "ok"]
+            assert lv["draft_n"] == sum(r["draft_n"] for r in mine) > 0, (name, lv["draft_n"])
+            assert lv["draft_n_accepted"] == sum(r["draft_n_accepted"] for r in mine) > 0
+            assert lv["draft_acceptance"] == pytest.approx(lv["draft_n_accepted"] / lv["draft_n"])
+            assert lv["draft_source"] == "timings"
+
+
 def test_concurrent_sweep_uses_wall_clock_batches(tmp_path, sim_server):
     sim = SimNVML("a100-40g")
     out = tmp_path / "conc"

@@ -97,6 +97,10 @@ def test_another_client_during_one_level_is_flagged_left_out_and_measured_again(
     left = w[(w.level_value == 200.0) & w.foreign_traffic.notna() & ~w.warmup]
     assert len(left) >= 2 and left.gpu_j_per_token.isna().all()
     assert left.foreign_traffic.str.contains("not powerprof's|more than powerprof").all(), left.foreign_traffic.tolist()
+    # What the figures rest on, beside every request counted: the left-out windows are not among them.
+    counted = w[(w.level_value == 200.0) & ~w.warmup & (w.status == "ok")]
+    assert levels.loc[200.0, "n_requests"] == len(counted)
+    assert levels.loc[200.0, "n_windows"] == len(counted) - len(left) >= 4
     assert w[w.level_value == 300.0].foreign_traffic.isna().all()
     # No counted window shared the server with the other client: the whole round was measured again.
     for row, rec in _counted(outcome, 200.0):

@@ -128,3 +128,13 @@ def test_streams_that_started_together_and_ended_apart_have_a_span_where_all_of_
     assert together.tok_s == pytest.approx(200.0)
     assert together.mean_streams == pytest.approx(4.0) and together.max_streams == 4
     assert together.measured_s == pytest.approx(1.18) and together.decode_tokens == 4 * 59
+
+
+def test_overlapping_windows_are_found_in_any_order_and_missing_ones_never_are():
+    from powerprof.workload.rows import overlapping
+
+    # A long window holding two short ones; one after all of them; one with no window; two touching end to start.
+    edges = [(5, 6), (0, 10), (20, 30), None, (1, 2), (30, 40)]
+    assert overlapping(edges) == [True, True, False, False, True, False]
+    assert overlapping([(0, 10), (2, 12), (11, 13)]) == [True, True, True]  # 11 < 12: the third overlaps the second
+    assert overlapping([]) == [] and overlapping([None, (0, 1)]) == [False, False]

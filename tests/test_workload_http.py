@@ -375,9 +375,14 @@ def test_measure_simulated_writes_windows_with_energy(tmp_path, monkeypatch):
         # counter, or the power readings where it broke; never 0 J from a stale counter.
         assert r["status"] == "ok" and r["gpu_energy_j"] is not None and r["gpu_energy_j"] > 0, (r["window_kind"], r["decode_s"], r["gpu_energy_j"], r["energy_method"])
         assert r["energy_method"] in ("counter", "avg_power_integration", "power_integration")
-        assert r["gpu_j_per_token"] == pytest.approx(r["gpu_energy_j"] / r["decode_tokens"])
-        # Simulated RAPL: CPU energy over the same window, so GPU+CPU per token is there too.
+        # Simulated RAPL: CPU energy over the same window too.
         assert r["cpu_energy_j"] > 0
+        if r["window_kind"] == "request" and r["concurrency"] == 2:
+            # Two streams decoding together: each one's window holds the other's work; the batch has the figure.
+            assert r["shared_window"] and r["gpu_j_per_token"] is None and r["total_j_per_token"] is None, r
+            continue
+        assert r["shared_window"] is (False if r["window_kind"] == "request" else None), r
+        assert r["gpu_j_per_token"] == pytest.approx(r["gpu_energy_j"] / r["decode_tokens"])
         assert r["total_j_per_token"] == pytest.approx((r["gpu_energy_j"] + r["cpu_energy_j"]) / r["decode_tokens"])
     # generated − 1 decode tokens; fewer when a stale edge read was trimmed (at least half are kept).
     assert all(r["generated_tokens"] == 48 and 24 <= r["decode_tokens"] <= 47 for r in req)

@@ -417,7 +417,7 @@ SAMPLE_LEVEL_COLUMNS = ("enforced_limit_w", "avg_cpu_power_w", "sm_clock_mhz", "
                         "cap_not_engaged_gpus", "thermal_throttle",
                         "no_busy_clock")  # not a levels column: the flag no-busy-reading (stats.NO_BUSY_FLAG)
 # What only the sweep knows about a level, carried from levels.parquet into the analysis.
-SWEEP_LEVEL_COLUMNS = SAMPLE_LEVEL_COLUMNS + ("stop_rule",)
+SWEEP_LEVEL_COLUMNS = SAMPLE_LEVEL_COLUMNS + ("stop_rule", "draft_n", "draft_n_accepted", "draft_acceptance", "draft_source")
 
 
 @dataclass

@@ -684,6 +684,7 @@ def levels_table(
                 "n_requests": int(s.n_requests[i]),
                 "n_failed": int(s.n_failed[i]),
                 "n_prompts": int(s.n_prompts[i]) if s.n_prompts is not None else None,
+                "n_windows": int(s.n_windows[i]),
                 "decode_tok_s": s.tok_s[i],
                 "decode_tok_s_ci_low": tok_lo,
                 "decode_tok_s_ci_high": tok_hi,

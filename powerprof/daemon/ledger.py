@@ -2732,12 +2732,13 @@ def _with_late(error: str | None, late: float) -> str | None:
 
 
 def _passive(r: _Req) -> bool:
-    """An error answer (HTTP 4xx/5xx, the proxy's own 502 included; known from its head, before it ends) with
-    no token and no prompt length: no GPU work of it was seen, so it takes no share by live time (its
-    time is idle)."""
+    """An error answer (HTTP 4xx/5xx, the proxy's own 502 included; known from its head, before it ends), or a
+    request that is no POST (GET /v1/models, /metrics, /health: every generation endpoint is a POST; known from
+    its start), with no token and no prompt length: no GPU work of it was seen, so it takes no share by live time
+    (its time is idle)."""
     tr = r.trace
-    return (tr.status is not None and tr.status >= 400 and tr.tokens_seen == 0 and not r.ev_n and r.spent == 0
-            and _prompt_tokens(r) is None)
+    return ((tr.status is not None and tr.status >= 400 or tr.method != "POST") and tr.tokens_seen == 0
+            and not r.ev_n and r.spent == 0 and _prompt_tokens(r) is None)
 
 
 def _cpu_missing_note(where: str) -> str:
@@ -2801,8 +2802,10 @@ def _no_energy_reason(r: _Req) -> str:
     if _unseen(r) and not _passive(r):
         return "no share: " + _uncounted_note(r)
     if r.trace.end_ns is not None and _passive(r):
-        return (f"no share: an error answer (HTTP {r.trace.status}) with no token and no prompt length: no GPU "
-                "work of it was seen, and its time counts as idle")
+        what = (f"an error answer (HTTP {r.trace.status})" if r.trace.status is not None and r.trace.status >= 400
+                else f"a {r.trace.method[:16]} request (no generation endpoint takes one)")
+        return (f"no share: {what} with no token and no prompt length: no GPU work of it was seen, and its time "
+                "counts as idle")
     if r.tokens > 0 or _prompt_tokens(r):
         return "no share: its tokens and prompt were work of no cost at the costs in use (costs/), or in no interval with energy"
     if _prompt_tokens(r) is None:

@@ -133,6 +133,9 @@ WINDOWS_COLUMNS = [
     # The concurrency a batch achieved: its streams decoding at once, time-weighted over its measured intervals
     # (workload/rows.py: under 95% of its streams, the batch has no figure). Null for request and trace rows.
     ("mean_streams", F64),
+    # Request rows: another request's window overlaps this one's (concurrency > 1, a replayed trace), so its
+    # gpu_energy_j is the GPU's over work shared with them (never summed) and its J/token is null.
+    ("shared_window", BOOL),
 ]
 
 # One row per level (and repeat pooled): what the user reads.
@@ -198,6 +201,9 @@ LEVELS_COLUMNS = [
     # Several GPUs: those the cap did not bind on, each with its own power and limit ("gpu1 (183 W of 250 W)",
     # comma-separated); null on one GPU or where it bound on every GPU (flag cap-partly-engaged where it bound on some).
     ("cap_not_engaged_gpus", STR),
+    # The windows the figures rest on (requests at concurrency 1, batches above; a trace run's replays): n_requests
+    # counts every successful request, those left out too (others' work beside them, untrusted timing).
+    ("n_windows", I32),
 ]
 
 # `powerprof analyze`: the merged levels of one or more runs, the fitted curves at each level and

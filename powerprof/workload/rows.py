@@ -389,10 +389,31 @@ def _sum_or_none(vals):
     return None if not vals or any(v is None for v in vals) else int(sum(vals))
 
 
+def overlapping(edges: Sequence[tuple[int, int] | None]) -> list[bool]:
+    """Whether another window overlaps each one (None: no window, never overlapping): sorted by start, a window that
+    starts before the latest end so far overlaps that one."""
+    out = [False] * len(edges)
+    latest_end, latest = None, None
+    for i in sorted((i for i, e in enumerate(edges) if e is not None), key=lambda i: edges[i][0]):
+        t0, t1 = edges[i]
+        if latest_end is not None and t0 < latest_end:
+            out[i] = out[latest] = True
+        if latest_end is None or t1 > latest_end:
+            latest_end, latest = t1, i
+    return out
+
+
 def window_rows(records: Sequence[RequestRecord], profiler, run_id: str, server: ServerInfo, level: Level = NO_LEVEL):
     """Every row these records make: one per attempt, then one per concurrent batch, and the batches
     themselves (their measured intervals are what a sweep's sensor figures are taken over)."""
     rows = [request_row(r, request_energy(profiler, r), run_id, server, level) for r in records]
+    # A request decoding beside others (concurrency > 1, a replayed trace): its window's energy is the whole GPU's,
+    # spent on their work too. Its J/token was that energy over its own tokens (4x too high at concurrency 4, and
+    # nothing said so); the batch (or trace) row has the figure.
+    for row, shared in zip(rows, overlapping([request_timing(r)[1] for r in records])):
+        row["shared_window"] = shared
+        if shared:
+            row["gpu_j_per_token"] = row["total_j_per_token"] = None
     batches = batch_windows(records)
     for b in batches:
         recs = [r for r in records if r.batch_id == b.batch_id]
@@ -462,3 +483,16 @@ def trace_row(records: Sequence[RequestRecord], energy, run_id: str, server: Ser
         "timing_reason": f"{len(lies)} of {len(ok)} requests: {lies[0]}" if lies else None,
         **cpu_time_columns(getattr(energy, "cpu_time", None)),
     }
+
+
+def spec_columns(rows: list[dict], metrics: tuple[float, float] | None) -> dict:
+    """draft_n, draft_n_accepted, draft_acceptance and their source for a level's measured windows."""
+    d = [r["draft_n"] for r in rows if r.get("draft_n") is not None]
+    a = [r["draft_n_accepted"] for r in rows if r.get("draft_n_accepted") is not None]
+    if d and sum(d) > 0:
+        return {"draft_n": int(sum(d)), "draft_n_accepted": int(sum(a)), "draft_acceptance": sum(a) / sum(d),
+                "draft_source": "timings"}
+    if metrics is not None and metrics[0] > 0:
+        return {"draft_n": int(metrics[0]), "draft_n_accepted": int(metrics[1]),
+                "draft_acceptance": metrics[1] / metrics[0], "draft_source": "metrics"}
+    return {}
