@@ -201,6 +201,22 @@ def test_cli_export_prints_the_files(run, tmp_path):
     assert pq.read_table(tmp_path / "p" / "windows.parquet").column_names == ["level_value", "decode_tok_s"]
 
 
+def test_parquet_export_keeps_the_runs_metadata_and_says_its_local_zone(run, tmp_path):
+    # The run's `powerprof` metadata (run.json: simulated or not, the GPUs) was dropped, and the naive *_local
+    # columns' zone was written nowhere (session 46's spreadsheet walkthrough).
+    import json  # noqa: PLC0415
+
+    ex.export(run, "parquet", tmp_path / "p", tz="Europe/Berlin")
+    for name in ("samples", "windows", "levels"):
+        got = pq.read_schema(tmp_path / "p" / f"{name}.parquet")
+        src = pq.read_schema(run / f"{name}.parquet").metadata[b"powerprof"]
+        assert got.metadata[b"powerprof"] == src and json.loads(src)["run_id"], name
+        said = json.loads(got.metadata[b"powerprof_export"])
+        local = [n for n in got.names if n.endswith("_local")]
+        assert said == {"local_time_zone": "Europe/Berlin", "local_columns": local} and (local or name == "levels")
+        assert all(got.field(n).metadata == {b"time_zone": b"Europe/Berlin"} for n in local)
+
+
 def test_from_to_says_which_tables_it_cannot_filter(tmp_path):
     # levels and analysis hold whole-run figures: a time selection must not pass them off as its own.
     from click.testing import CliRunner

@@ -990,16 +990,26 @@ def _empty_batch(scan: ds.Scanner) -> pa.RecordBatch:
     return pa.RecordBatch.from_pylist([], schema=scan.projected_schema)
 
 
+def _parquet_ready(t: pa.Table, scan: ds.Scanner, tz: str) -> pa.Table:
+    """The source's key-value metadata kept (a run's `powerprof`: its run.json, `simulated` among it), and the zone
+    of the naive `*_local` columns said, in the file and on each such column: a reader cannot guess it."""
+    meta = dict(scan.projected_schema.metadata or {})
+    local = [n for n in t.column_names if n.endswith("_local")]
+    meta[b"powerprof_export"] = json.dumps({"local_time_zone": tz, "local_columns": local}).encode()
+    fields = [f.with_metadata({b"time_zone": tz.encode()}) if f.name in local else f for f in t.schema]
+    return t.cast(pa.schema(fields, metadata=meta))
+
+
 def _write_parquet(scan: ds.Scanner, path: Path, tz: str) -> None:
     writer = None
     try:
         for batch in scan.to_batches():
-            t = _with_local_times(batch, tz)
+            t = _parquet_ready(_with_local_times(batch, tz), scan, tz)
             if writer is None:
                 writer = pq.ParquetWriter(path, t.schema, compression="zstd")
             writer.write_table(t)
         if writer is None:
-            pq.write_table(_with_local_times(_empty_batch(scan), tz), path)
+            pq.write_table(_parquet_ready(_with_local_times(_empty_batch(scan), tz), scan, tz), path)
     finally:
         if writer is not None:
             writer.close()
