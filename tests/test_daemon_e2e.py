@@ -176,6 +176,12 @@ def test_energy_of_requests_idle_and_unproxied_adds_up_to_the_measured_total(tmp
     samples = read_dataset(data, "samples")
     tags = read_dataset(data, "tags")
     assert len(reqs) == 32
+    # Every row says it is the simulator's: synced into a fleet's folder, a simulated host's rows read as real
+    # (session 46's walkthrough: host "vm", a real-looking GPU UUID, no file metadata).
+    for t in (reqs, intervals, samples, tags):
+        assert t["simulated"].eq(True).all() and len(t), t.columns
+    costs = read_dataset(data, "costs")  # a fit of the work model: rows only once it has enough intervals
+    assert costs is None or costs.empty or costs["simulated"].eq(True).all()
     # Energy: requests + idle + unproxied = the total the GPU counters measured.
     gpu = samples[samples["source"] == "nvml"]
     measured = sum(g["energy_j"].max() - g["energy_j"].min() for _, g in gpu.groupby("gpu_index"))

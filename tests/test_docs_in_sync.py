@@ -136,8 +136,9 @@ def test_tuner_decisions_columns_are_documented_with_their_types():
 
 def test_daemon_samples_are_the_samples_columns_then_host_then_daemon_id_as_data_md_says():
     text = " ".join(_section(DOCS / "data.md", "## daemon_samples"))
-    assert "columns of `samples` above, then `host`" in text and "then `daemon_id`" in text
-    assert schema.DAEMON_SAMPLES_COLUMNS == schema.SAMPLES_COLUMNS + [("host", "string"), ("daemon_id", "string")]
+    assert "columns of `samples` above, then `host`" in text and "then `daemon_id`" in text and "then `simulated`" in text
+    assert schema.DAEMON_SAMPLES_COLUMNS == schema.SAMPLES_COLUMNS + [("host", "string"), ("daemon_id", "string"),
+                                                                      ("simulated", "bool")]
 
 
 

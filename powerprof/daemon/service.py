@@ -1208,6 +1208,7 @@ class Daemon:
             retention_max_bytes=int(cfg.get("daemon", "retention_max_mb") * 1e6) or None,
             host=self.host,
             daemon_id=self.daemon_id,
+            simulated=self.rig.simulated,
             **kwargs,
         )
         self.ledger = Ledger(self.daemon_id, self.t0_ns, len(self.collector.infos), self.store.append,

@@ -184,10 +184,13 @@ class DatasetStore:
         write_file: Callable[[Path, flatparquet.FlatTable | pa.Table], None] = write_file_atomic,
         host: str | None = None,
         daemon_id: str | None = None,
+        simulated: bool | None = None,
     ):
         self.root = Path(root)
         # Values every row of this process shares, where a row does not give its own.
         self.fill = {k: v for k, v in (("host", host), ("daemon_id", daemon_id)) if v}
+        if simulated is not None:
+            self.fill["simulated"] = simulated
         self.datasets = {d.name: d for d in datasets}
         self.max_buffered_rows = max_buffered_rows
         self.retention_days = retention_days

@@ -224,6 +224,9 @@ ANALYSIS_COLUMNS = LEVELS_COLUMNS + [
 # --- daemon datasets (hive-partitioned by date=YYYY-MM-DD; the partition column is not in the files)
 # Every daemon row carries the machine that recorded it, so many nodes' datasets read as one.
 HOST = ("host", STR)  # daemon.host, default the machine's host name
+# The daemon's GPU was powerprof's simulated one (`daemon --simulate`): its figures are no hardware's. Null: written
+# before the column.
+SIMULATED = ("simulated", BOOL)
 
 # One row per proxied request. Never prompt or completion text.
 DAEMON_REQUESTS_COLUMNS = [
@@ -265,6 +268,7 @@ DAEMON_REQUESTS_COLUMNS = [
     ("gpu_j_per_token", F64),  # gpu_energy_j / attributed_tokens
     ("recorder_error", STR),  # recording failed (traffic still flowed)
     HOST,
+    SIMULATED,
 ]
 
 # A daemon interval row's `server_count`: the server's counter covered it with no known loss (complete); it was not
@@ -380,6 +384,7 @@ DAEMON_INTERVALS_COLUMNS = [
     # written before the column (unknown)
     ("energy_note", STR),
     HOST,
+    SIMULATED,
 ]
 
 # One row per tuner decision (`powerprof tune`, docs/tuner.md): every change of level and every verdict, with its reason.
@@ -418,6 +423,7 @@ DAEMON_COSTS_COLUMNS = [
     ("mature", BOOL),  # used to split intervals (else the fixed ratio is)
     ("not_mature_reason", STR),
     HOST,
+    SIMULATED,
 ]
 
 # One row per application-defined tag window (powerprof tag start|stop NAME).
@@ -442,11 +448,12 @@ DAEMON_TAGS_COLUMNS = [
     # null: every one whole, or written before the column (unknown)
     ("energy_note", STR),
     HOST,
+    SIMULATED,
 ]
 
 # The daemon's samples: the sweep's SAMPLES columns, then the host, then the daemon process (t_mono_s
 # restarts at each daemon start: it orders and subtracts only within one daemon_id).
-DAEMON_SAMPLES_COLUMNS = SAMPLES_COLUMNS + [HOST, ("daemon_id", STR)]
+DAEMON_SAMPLES_COLUMNS = SAMPLES_COLUMNS + [HOST, ("daemon_id", STR), SIMULATED]
 
 # Column lists by table name. TABLES / DAEMON_TABLES and the upper-case names (SAMPLES, ...) are
 # the same tables as pa.Schema objects, built on first use (module __getattr__ below).
