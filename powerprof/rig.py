@@ -90,6 +90,15 @@ class Rig:
         return self.sim_profile is not None
 
     @property
+    def machine_scope(self) -> str | None:
+        """Whose hardware the GPUs are, for the lock every state folder shares (control/gpulock.MachineLock): this
+        machine's, or a simulator's state file (each file a GPU of its own; None: one held in this process only)."""
+        if not self.simulated:
+            return "nvml"
+        path = self.nvml.state_path
+        return None if path is None else "sim:" + os.path.realpath(path)
+
+    @property
     def label(self) -> str:
         """How every output names these GPUs: "" for real hardware."""
         return f"simulated {self.sim_profile}" if self.simulated else ""
@@ -272,7 +281,7 @@ class Rig:
     def controller(self, indexes, **kw):
         from powerprof.control.controller import LimitController
 
-        ctl = LimitController(self.nvml, indexes, origin=self.origin, **kw)
+        ctl = LimitController(self.nvml, indexes, origin=self.origin, machine_scope=self.machine_scope, **kw)
         self._controllers.append(ctl)
         return ctl
 

@@ -21,7 +21,7 @@ from powerprof.trust import untrusted_place
 
 from .device import nvml_error_code, read_devices
 from .errors import ControlError, ControlPermissionError, PendingRestoreError, RestoreError, permission_message
-from .gpulock import GpuLock
+from .gpulock import GpuLock, MachineLock
 from .levels import DeviceRange, LevelError, common_power_range, describe_power_range
 from .levels import parse_clock_levels, parse_power_levels
 from .restore import (
@@ -74,9 +74,12 @@ class LimitController:
         tolerance_w: float = DEFAULT_TOLERANCE_W,
         handle_signals: bool = True,
         origin: dict | None = None,
+        machine_scope: str | None = None,
     ):
         """`origin`: how `restore` reopens these GPUs after a crash (the door's words, stored in the
-        restore file as they are; None for real GPUs through pynvml)."""
+        restore file as they are; None for real GPUs through pynvml). `machine_scope`: whose hardware these GPUs
+        are, for the lock every state folder shares (gpulock.MachineLock): the door's word (rig.Rig.machine_scope, the
+        only maker of controllers), "nvml" for this machine's GPUs; None: no such lock."""
         if not indexes:
             raise LevelError(["no GPU selected"], "Select at least one GPU.")
         self.nvml = nvml
@@ -88,6 +91,7 @@ class LimitController:
         self.tolerance_w = float(tolerance_w)
         self.handle_signals = handle_signals
         self.origin = origin
+        self.machine_scope = machine_scope
         self.devices: tuple[DeviceRange, ...] = ()
         self._handles: list = []
         self._locks: list[GpuLock] = []
@@ -147,6 +151,10 @@ class LimitController:
                 lock = GpuLock(self.state_dir, d.uuid, d.index)
                 lock.acquire()
                 self._locks.append(lock)
+                if self.machine_scope is not None:
+                    machine = MachineLock(self.machine_scope, d.uuid, d.index)
+                    machine.acquire()
+                    self._locks.append(machine)
             # Read the originals again under the lock: another controller may have been restoring until now.
             self.devices = read_devices(self.nvml, self.indexes)
             self._refuse_if_pending_restore()

@@ -1,11 +1,15 @@
-"""One exclusive OS lock per GPU, so two powerprof processes never step the same GPU."""
+"""One exclusive OS lock per GPU, so two powerprof processes never step the same GPU: a file lock in the state folder,
+and a machine-wide one (an abstract socket) that two state folders share."""
 
 from __future__ import annotations
 
 import errno
 import fcntl
+import hashlib
 import os
 import re
+import socket
+import struct
 import time
 from pathlib import Path
 
@@ -126,3 +130,61 @@ def read_holder_pid(path: Path) -> int | None:
     # `kill PID`, and `kill 0` signals the reader's whole process group.
     pid = int(text) if re.fullmatch(r"[0-9]{1,10}", text) else 0
     return pid if 0 < pid < 2**31 else None
+
+
+class MachineLock:
+    """The GPU's lock across state folders: a listening socket in the abstract namespace (no file: no folder another
+    user could plant in, none to share), named by the hardware's scope and the GPU's UUID. The kernel drops it when
+    the process dies. Two controllers keeping their state in different folders (root's sweep beside a CAP_SYS_ADMIN
+    user's, or another POWERPROF_STATE_DIR) each took the other's level for the original: both said "every GPU is back"
+    and the GPU stayed capped. The second is refused now, its holder named by the socket's peer credentials.
+
+    `scope`: whose hardware ("nvml" for this machine's GPUs; a simulator's state file for simulated ones). Limit: the
+    abstract namespace is per network namespace (a container with a network of its own does not see it)."""
+
+    def __init__(self, scope: str, uuid: str, index: int | None = None):
+        digest = hashlib.sha256(f"{scope}\0{uuid}".encode()).hexdigest()[:40]
+        self.name = b"\0powerprof-gpu-" + digest.encode()
+        self.uuid = uuid
+        self.index = index
+        self._sock: socket.socket | None = None
+
+    def acquire(self) -> None:
+        if self._sock is not None:
+            return
+        s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)  # not inheritable: a launched server never holds it
+        try:
+            s.bind(self.name)
+            s.listen(1)  # its peer credentials answer a connect, accepted or not
+        except OSError as e:
+            s.close()
+            if e.errno != errno.EADDRINUSE:
+                raise
+            pid, uid = _holder(self.name)
+            who = f"powerprof process {pid} (uid {uid})" if pid else "another powerprof process"
+            gpu = f"GPU {self.index} ({self.uuid})" if self.index is not None else f"GPU {self.uuid}"
+            raise GpuBusyError(
+                f"{gpu} is already being controlled by {who}, which keeps its restore file and locks in another state "
+                "folder (another user's, or another POWERPROF_STATE_DIR). Two controllers on one GPU would fight over "
+                "its power limit, and the second would take the first one's level for the original and leave it "
+                f"there: wait for it to finish or stop it (kill {pid or 'PID'}); it puts the GPU back when it exits",
+                pid,
+            ) from None
+        self._sock = s
+
+    def release(self) -> None:
+        s, self._sock = self._sock, None
+        if s is not None:
+            s.close()
+
+
+def _holder(name: bytes) -> tuple[int | None, int | None]:
+    """(pid, uid) of the process listening on `name`, from SO_PEERCRED; (None, None) where it cannot be read."""
+    try:
+        with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as c:
+            c.settimeout(1.0)
+            c.connect(name)
+            pid, uid, _gid = struct.unpack("3i", c.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i")))
+            return (pid or None), uid
+    except OSError:
+        return None, None

@@ -271,6 +271,12 @@ class SimNVML:
         # NOT_SUPPORTED, FUNCTION_NOT_FOUND on drivers before 550); None: it answers.
         self.v2_process_util: int | None = None
 
+    @property
+    def state_path(self) -> Path | None:
+        """The file these simulated GPUs' limits and clocks live in, shared by every process that opens it (None:
+        this process's own GPUs)."""
+        return self._state.path
+
     # --- sharing the GPUs' load between processes ---------------------------------------------
 
     def publish_load(self) -> None:

@@ -94,6 +94,50 @@ def test_second_process_on_a_gpu_fails_clearly_and_first_is_unaffected(originals
     assert_untouched()
 
 
+def test_a_second_process_keeping_its_state_elsewhere_is_refused_too(originals, tmp_path):
+    # Two state folders (root's sweep beside a CAP_SYS_ADMIN user's, another POWERPROF_STATE_DIR) had a lock each: the
+    # second took the first one's 200 W for the original, both said "every GPU is back", and the GPU stayed capped
+    # (session 46's hostile review). The GPU's machine-wide lock refuses it, naming the holder.
+    from powerprof.rig import Rig  # noqa: PLC0415
+
+    p = _start(["--repeat", "0", "--dwell", "0.05", "--levels", "200"])
+    try:
+        _wait_for_line(p, "STEPPED")
+        elsewhere = dict(os.environ, POWERPROF_STATE_DIR=str(tmp_path / "other-state"))
+        second = subprocess.run(child_cmd("--gpus", "0", "--levels", "250"), capture_output=True, text=True,
+                                timeout=WAIT_S, env=elsewhere)
+        assert second.returncode == 2, second.stderr
+        assert f"powerprof process {p.pid} (uid {os.getuid()})" in second.stderr, second.stderr
+        assert "another state folder" in second.stderr
+        with Rig("seed-16g", nvml=SimNVML("seed-16g", count=2)) as rig, pytest.raises(GpuBusyError) as ei:
+            rig.controller([1], state_dir_path=tmp_path / "third-state").open()
+        assert ei.value.holder_pid == p.pid
+        assert sim_state() == [(200.0, None)] * 2 and p.poll() is None
+    finally:
+        p.terminate()
+    assert _finish(p)[0] == 128 + signal.SIGTERM
+    assert_untouched()
+
+
+def test_a_simulator_of_its_own_is_another_gpu_for_the_machine_wide_lock(originals, tmp_path):
+    # Each simulator state file is a GPU of its own (tests run many side by side, their UUIDs alike): its lock is not
+    # another state file's, and a simulator held in one process only takes none.
+    from powerprof.rig import Rig  # noqa: PLC0415
+
+    p = _start(["--repeat", "0", "--dwell", "0.05", "--levels", "200"])
+    try:
+        _wait_for_line(p, "STEPPED")
+        with Rig("seed-16g", nvml=SimNVML("seed-16g", count=2, state_path=tmp_path / "own.json")) as rig, \
+                rig.controller([0], state_dir_path=tmp_path / "s1") as ctl:
+            assert ctl.devices[0].uuid == SimNVML("seed-16g", count=2, state_path=None).gpus[0].uuid
+        with Rig("seed-16g", nvml=SimNVML("seed-16g", count=2, state_path=None)) as rig:
+            assert rig.machine_scope is None
+    finally:
+        p.terminate()
+    _finish(p)
+    assert Rig(None).machine_scope == "nvml"
+
+
 def _kill_case(case_dir: Path, delay_s: float, results: list, k: int):
     env = dict(os.environ)
     env["POWERPROF_STATE_DIR"] = str(case_dir / "powerprof")
