@@ -838,3 +838,52 @@ def test_the_share_a_j_per_token_rests_on_never_rounds_to_all_or_none():
     for att, tok, said in ((996.0, 1000, ">99%"), (4.0, 1000, "<1%"), (500.0, 1000, "50%"), (1000.0, 1000, "100%")):
         first = render_summary(pa.Table.from_pylist([row(att, tok)])).splitlines()[1].split()
         assert first[-2] == said, (att, first)
+
+
+def test_the_summaries_times_are_utc_whatever_the_sessions_zone(tmp_path, monkeypatch):
+    # fleet.parquet's and fleet_tags.parquet's t_first_utc, t_last_utc came out `timestamp[us, tz=Etc/UTC]`: DuckDB's
+    # session zone, the host's (`Asia/Tokyo` under TZ=Asia/Tokyo), where every other powerprof file has `tz=UTC`.
+    from contextlib import contextmanager
+    from datetime import datetime, timezone
+
+    from powerprof.analysis import fleet as fleet_module
+
+    real = fleet_module.connect
+
+    @contextmanager
+    def in_tokyo(*args, **kwargs):
+        with real(*args, **kwargs) as con:
+            con.execute("SET TimeZone = 'Asia/Tokyo'")
+            yield con
+
+    monkeypatch.setattr(fleet_module, "connect", in_tokyo)
+    _node(tmp_path / "n", 0)
+    store = DatasetStore(tmp_path / "n", datasets(), host="node-0")
+    store.append("tags", [{"daemon_id": "d0", "name": "exp", "t_start_utc": T0_NS + 10 * 10**9,
+                           "t_end_utc": T0_NS + 15 * 10**9, "duration_s": 5.0, "gpu_energy_j": 200.0,
+                           "unproxied_energy_j": 0.0, "proxy_tokens": 100.0, "server_count": "complete"}])
+    assert store.flush()
+    res = CliRunner().invoke(main, ["analyze", str(tmp_path / "n"), "--out", str(tmp_path / "out")])
+    assert res.exit_code == 0, res.output
+    utc = pa.timestamp("us", tz="UTC")
+
+    def at(s):
+        return datetime.fromtimestamp(T0_NS // 10**9 + s, timezone.utc)
+
+    for name, first, last in (("fleet", at(0), at(40)), ("fleet_tags", at(10), at(15))):
+        t = pq.read_table(tmp_path / "out" / f"{name}.parquet")
+        assert [t.schema.field(c).type for c in ("t_first_utc", "t_last_utc")] == [utc, utc], (name, t.schema)
+        assert (t.column("t_first_utc")[0].as_py(), t.column("t_last_utc")[0].as_py()) == (first, last), name
+
+
+def test_the_summary_says_which_idle_share_it_prints_within_80_columns(fleet):
+    # `idle %` is the intervals of kind idle, whole (idle_gpu_energy_j); the intervals' idle_energy_j summed adds the
+    # idle time inside busy ones and reads higher (3.45% beside 3.3%): nothing said which the table printed.
+    from powerprof.analysis.fleet import render_summary
+
+    base, _ = fleet
+    out = render_summary(fleet_summary([str(base / "node-*")]))
+    assert all(len(line) <= 80 for line in out.splitlines()), out
+    said = " ".join(out.split())
+    assert "idle %: the GPU energy of intervals with nothing live (kind idle), whole" in said, out
+    assert "idle_energy_j summed adds the idle time in busy ones" in said, out

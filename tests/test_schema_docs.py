@@ -60,3 +60,53 @@ def test_export_headers_carry_the_unit_data_md_gives():
         if header(col, "UTC") != want:
             wrong.append((header(col, "UTC"), want))
     assert not wrong, wrong
+
+
+# --- fleet.parquet, fleet_tags.parquet: `analyze` of daemon datasets (powerprof/analysis/fleet.py) --------------
+
+
+@pytest.fixture(scope="module")
+def fleet_out(tmp_path_factory):
+    """`analyze DIR --out OUT` over one daemon data folder with requests, intervals and a tag window; returns
+    ({section: fleet_summary's or tag_summary's schema}, OUT)."""
+    from click.testing import CliRunner
+
+    from powerprof.analysis.fleet import fleet_summary, tag_summary
+    from powerprof.cli import main
+    from powerprof.daemon.service import datasets
+    from powerprof.daemon.store import DatasetStore
+
+    base = tmp_path_factory.mktemp("fleetdocs")
+    t0 = 1_768_478_400 * 10**9  # 2026-01-15 12:00 UTC
+    store = DatasetStore(base / "node", datasets(), host="node-0")
+    store.append("requests", [{"daemon_id": "d0", "request_id": 1, "t_arrival_utc": t0, "t_end_utc": t0 + 10**9,
+                               "outcome": "ok", "generated_tokens": 100, "gpu_energy_j": 50.0,
+                               "attributed_tokens": 100.0, "ttft_s": 0.1}])
+    store.append("intervals", [{"daemon_id": "d0", "t_start_utc": t0 + i * 10**9, "t_end_utc": t0 + (i + 1) * 10**9,
+                                "duration_s": 1.0, "kind": "decode" if i else "idle", "gpu_energy_j": 300.0,
+                                "server_count": "complete"} for i in range(3)])
+    store.append("tags", [{"daemon_id": "d0", "name": "exp", "t_start_utc": t0, "t_end_utc": t0 + 2 * 10**9,
+                           "duration_s": 2.0, "gpu_energy_j": 600.0, "unproxied_energy_j": 0.0, "proxy_tokens": 100.0,
+                           "server_count": "complete"}])
+    assert store.flush()
+    out = base / "out"
+    res = CliRunner().invoke(main, ["analyze", str(base / "node"), "--out", str(out)])
+    assert res.exit_code == 0, res.output
+    return {"fleet": fleet_summary([str(base / "node")]).schema,
+            "fleet_tags": tag_summary([str(base / "node")]).schema}, out
+
+
+@pytest.mark.parametrize("section", ["fleet", "fleet_tags"])
+def test_fleet_tables_are_documented_with_the_columns_and_types_analyze_writes(fleet_out, section):
+    # data.md said it documents every Parquet file powerprof writes; fleet.parquet and fleet_tags.parquet had no
+    # section. Held both to what fleet_summary / tag_summary return and to the file `analyze --out` writes.
+    import pyarrow.parquet as pq
+
+    schemas, out = fleet_out
+    docs = _doc_tables()
+    assert section in docs, f"docs/data.md has no '## {section}' section"
+    documented = list(docs[section].items())
+    assert documented == [(f.name, str(f.type)) for f in schemas[section]], \
+        f"{section}: docs/data.md's columns or types differ from what analyze returns"
+    written = pq.read_schema(out / f"{section}.parquet")
+    assert documented == [(f.name, str(f.type)) for f in written], f"{section}.parquet differs from docs/data.md"

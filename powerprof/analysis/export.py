@@ -60,6 +60,7 @@ NAMED_UNITS = {
     "draft_n": "tokens", "draft_n_accepted": "tokens", "server_predicted_n": "tokens", "server_prompt_n": "tokens",
     "prompt_tokens_estimate": "tokens", "n_token_events": "events", "max_events_per_read": "events", "n_reads": "reads",
     "max_read_share": "fraction", "clock_event_reasons": "bitmask",
+    "hours": "h",  # fleet.parquet's (`analyze` of daemon datasets): tests/test_schema_docs.py holds every data.md row
 }
 # A confidence bound, or the pooled figure beside a median, has its quantity's unit: gpu_j_per_token_ci_low
 # and gpu_j_per_token_pooled are in J/token.

@@ -421,7 +421,7 @@ def fleet_summary(sources) -> pa.Table:
         raise FleetError("; ".join(said) + ". Remove the file that is wrong (`powerprof export` of the same sources "
                          "names the files), or analyse the folders separately")
     out = out.drop_columns(["conflicting_requests", "conflicting_intervals"])
-    out = _reasons_sorted(out, ("bypass_uncertain_reasons", "bypass_unmeasured_reasons"))
+    out = _utc_times(_reasons_sorted(out, ("bypass_uncertain_reasons", "bypass_unmeasured_reasons")))
     if not out.num_rows:
         raise FleetError(f"{', '.join(srcs)}: no request or interval rows yet (the daemon writes them at each flush, "
                          "daemon.flush_interval_s, 30 s by default): nothing to summarise")
@@ -502,7 +502,22 @@ def tag_summary(sources) -> pa.Table:
                          "different values, of which at most one is true. Remove the file that is wrong (`powerprof "
                          "export` of the same sources names the files), or analyse the folders separately")
     out = out.drop_columns(["conflicting_windows"])
-    return _reasons_sorted(out, ("bypass_uncertain_reasons", "bypass_unmeasured_reasons"))
+    return _utc_times(_reasons_sorted(out, ("bypass_uncertain_reasons", "bypass_unmeasured_reasons")))
+
+
+UTC_TIMESTAMP = pa.timestamp("us", tz="UTC")
+
+
+def _utc_times(t: pa.Table) -> pa.Table:
+    """Each timestamp column as every powerprof file has it, `timestamp[us, tz=UTC]` (docs/data.md). DuckDB gives a
+    TIMESTAMPTZ in its session's zone, the host's own: fleet.parquet's t_first_utc read `tz=Etc/UTC` on a host set
+    to UTC and `tz=Asia/Tokyo` under TZ=Asia/Tokyo, the instant the same. Only the zone changes (an Arrow timestamp
+    holds UTC); a file's finer unit (an edited file's ns) is cut to the microsecond."""
+    for i, f in enumerate(t.schema):
+        if pa.types.is_timestamp(f.type) and f.type != UTC_TIMESTAMP:
+            t = t.set_column(i, pa.field(f.name, UTC_TIMESTAMP, f.nullable),
+                             t.column(i).cast(UTC_TIMESTAMP, safe=False))
+    return t
 
 
 def _reasons_sorted(t: pa.Table, names) -> pa.Table:
@@ -667,9 +682,15 @@ def notes(t: pa.Table) -> list[str]:
     return out
 
 
+# `idle %` is idle_gpu_energy_j / gpu_energy_j: the intervals of kind idle, whole (docs/fleet.md, "The idle share").
+IDLE_LEGEND = ("idle %: the GPU energy of intervals with nothing live (kind idle), whole; the",
+               "intervals' idle_energy_j summed adds the idle time in busy ones (docs/fleet.md)")
+
+
 def render_summary(t: pa.Table) -> str:
-    """A plain-text table of the per-host summary, then the fleet's totals. `J/tok on`: the share of the tokens whose
-    requests the J/token rests on (649 requests and 55216 tokens beside a J/token of 60 of them read as theirs)."""
+    """A plain-text table of the per-host summary, then the fleet's totals. `idle %`: IDLE_LEGEND, printed below it.
+    `J/tok on`: the share of the tokens whose requests the J/token rests on (649 requests and 55216 tokens beside a
+    J/token of 60 of them read as theirs)."""
     rows = t.to_pylist()
     w = max([20] + [len(r["host"]) for r in rows])  # a host cut short could read as another
 
@@ -700,6 +721,9 @@ def render_summary(t: pa.Table) -> str:
     lines.append(f"{'all ' + str(len(rows)) + ' hosts':{w}s} {tot_req:9d} {tot_tok:11d} {tot_e / 3.6e6:9.3f} "
                  f"{100 * tot_idle / tot_e if tot_e else float('nan'):7.1f} "
                  f"{on(tot_att_tok, tot_tok) if tot_att_tok else '-':>8s} {jpt:>8s}")
+    # Which idle figure `idle %` is, where it is read: beside the intervals' idle_energy_j summed (3.45% against 3.3%)
+    # nothing said which it was. IDLE_LEGEND keeps to 80 columns, as the table does.
+    lines.extend(IDLE_LEGEND)
     if short:
         lines.append("J/tok on: the share of the tokens whose requests the J/token rests on; the others' requests are "
                      "left out of it, the notes below say why")
