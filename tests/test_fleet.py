@@ -23,9 +23,9 @@ NODES = 8
 T0_NS = 1_768_478_400 * 10**9  # 2026-01-15 12:00 UTC
 
 
-def _node(root: Path, k: int) -> dict:
+def _node(root: Path, k: int, simulated: bool | None = None) -> dict:
     """One node's daemon data folder written by the daemon's own store; returns its true totals."""
-    store = DatasetStore(root, datasets(), host=f"node-{k}")
+    store = DatasetStore(root, datasets(), host=f"node-{k}", simulated=simulated)
     n_req = 10 + k
     reqs = [{"daemon_id": f"d{k}", "request_id": i, "t_arrival_utc": T0_NS + i * 10**9,
              "t_end_utc": T0_NS + i * 10**9 + 5 * 10**8, "outcome": "ok" if i else "client_disconnected",
@@ -77,6 +77,23 @@ def test_analyze_cli_takes_a_glob_of_node_datasets(fleet, tmp_path):
     assert res.exit_code == 0, res.output
     assert all(h in res.output for h in truth) and f"all {NODES} hosts" in res.output
     _check(pq.read_table(tmp_path / "fleet.parquet").to_pylist(), truth)
+
+
+def test_a_simulated_hosts_figures_are_marked_and_said_beside_real_ones(fleet, tmp_path):
+    # A daemon --simulate's folder synced beside real nodes' was summed as a real host, unmarked (session 46's
+    # walkthrough): its row says (sim), a note says so, and that the all line adds it to real figures.
+    base, truth = fleet
+    _node(tmp_path / "node-9", 9, simulated=True)
+    res = CliRunner().invoke(main, ["analyze", str(base / "node-0"), str(tmp_path / "node-9")])
+    assert res.exit_code == 0, res.output
+    lines = res.output.splitlines()
+    assert any(ln.startswith("node-9 (sim) ") for ln in lines) and any(ln.startswith("node-0 ") for ln in lines)
+    assert not any(ln.startswith("node-0 (sim)") for ln in lines)
+    said = [ln for ln in lines if "simulated GPU" in ln]
+    assert len(said) == 1 and "node-9: 40 intervals" in said[0] and "adds them to real hosts'" in said[0], said
+    alone = CliRunner().invoke(main, ["analyze", str(tmp_path / "node-9")])
+    assert "node-9 (sim) " in alone.output and "simulated GPU" in alone.output and "adds them" not in alone.output
+    assert fleet_summary([str(base / "node-0")]).column("simulated_intervals").to_pylist() == [0]  # before the column
 
 
 def test_a_node_named_twice_counts_once(fleet, tmp_path):

@@ -111,7 +111,7 @@ COLUMNS = {
                  "t_end_utc": "TIMESTAMPTZ"},
     "intervals": {"host": "VARCHAR", "daemon_id": "VARCHAR", "t_start_mono_s": "DOUBLE", "gpu_energy_j": "DOUBLE",
                   "kind": "VARCHAR", "duration_s": "DOUBLE", "t_start_utc": "TIMESTAMPTZ",
-                  "t_end_utc": "TIMESTAMPTZ", "server_count": "VARCHAR"},
+                  "t_end_utc": "TIMESTAMPTZ", "server_count": "VARCHAR", "simulated": "BOOLEAN"},
     "tags": {"host": "VARCHAR", "daemon_id": "VARCHAR", "name": "VARCHAR", "t_start_utc": "TIMESTAMPTZ",
              "t_end_utc": "TIMESTAMPTZ", "duration_s": "DOUBLE", "gpu_energy_j": "DOUBLE", "proxy_tokens": "DOUBLE",
              "server_count": "VARCHAR", "unproxied_energy_j": "DOUBLE"},
@@ -187,7 +187,8 @@ def _raw_sql(con, table: str, files: list[str]) -> str:
 # DuckDB's names of the types a column read as (the files' types unified) that the queries here take as COLUMNS' type.
 _DUCK_NUMBER = ("TINYINT", "SMALLINT", "INTEGER", "BIGINT", "HUGEINT", "UTINYINT", "USMALLINT", "UINTEGER", "UBIGINT",
                 "UHUGEINT", "FLOAT", "DOUBLE", "DECIMAL")
-_DUCK_FITS = {"DOUBLE": _DUCK_NUMBER, "BIGINT": _DUCK_NUMBER, "VARCHAR": ("VARCHAR",), "TIMESTAMPTZ": ("TIMESTAMP",)}
+_DUCK_FITS = {"DOUBLE": _DUCK_NUMBER, "BIGINT": _DUCK_NUMBER, "VARCHAR": ("VARCHAR",), "TIMESTAMPTZ": ("TIMESTAMP",),
+              "BOOLEAN": ("BOOLEAN",)}
 
 
 def _check_types(table: str, files: list[str], read_as: dict[str, str]) -> None:
@@ -342,7 +343,8 @@ WITH r AS (
            count(*) FILTER (WHERE {i_ok} AND {i_unknown}) AS bypass_unknown_intervals,
            count(*) FILTER (WHERE {i_ok} AND {i_unmeasured}) AS bypass_unmeasured_intervals,
            sum(gpu_energy_j) FILTER (WHERE {i_ok} AND {i_unmeasured}) AS bypass_unmeasured_gpu_energy_j,
-           string_agg(DISTINCT server_count, ',') FILTER (WHERE {i_ok} AND {i_unmeasured}) AS bypass_unmeasured_reasons
+           string_agg(DISTINCT server_count, ',') FILTER (WHERE {i_ok} AND {i_unmeasured}) AS bypass_unmeasured_reasons,
+           count(*) FILTER (WHERE simulated) AS simulated_intervals
     FROM {intervals} GROUP BY 1
 )
 SELECT host, requests, failed_requests, generated_tokens, gpu_energy_j, idle_gpu_energy_j,
@@ -361,7 +363,8 @@ SELECT host, requests, failed_requests, generated_tokens, gpu_energy_j, idle_gpu
        bypass_uncertain_gpu_energy_j, bypass_uncertain_reasons,
        coalesce(bypass_unknown_intervals, 0) AS bypass_unknown_intervals,
        coalesce(bypass_unmeasured_intervals, 0) AS bypass_unmeasured_intervals,
-       bypass_unmeasured_gpu_energy_j, bypass_unmeasured_reasons
+       bypass_unmeasured_gpu_energy_j, bypass_unmeasured_reasons,
+       coalesce(simulated_intervals, 0) AS simulated_intervals
 FROM i FULL OUTER JOIN r USING (host)
 ORDER BY host
 """.replace("{r_paired}", "(gpu_energy_j IS NOT NULL AND attributed_tokens IS NOT NULL)").replace("{r_sure}", f"(coalesce(energy_note, '') NOT LIKE '%{NO_COUNTER_SHORT_FLAG}%' AND coalesce(energy_note, '') "
@@ -607,6 +610,13 @@ def render_tags(t: pa.Table) -> str:
 def notes(t: pa.Table) -> list[str]:
     """What the reader of the summary must know: rows read twice and counted once, rows left out, hosts named by folder."""
     out = []
+    sim = [r for r in t.to_pylist() if r.get("simulated_intervals")]
+    if sim:
+        real = t.num_rows > len(sim)
+        out.append("figures from powerprof's simulated GPU (`daemon --simulate`), not hardware's (hosts marked (sim)): "
+                   + "; ".join(f"{r['host']}: {r['simulated_intervals']} intervals" for r in sim)
+                   + ("; the `all` line adds them to real hosts' figures: analyse the real hosts' folders alone"
+                      if real else ""))
     dup = [r for r in t.to_pylist() if r["duplicate_requests"] or r["duplicate_intervals"]]
     if dup:
         out.append("rows found more than once were counted once (the same daemon_id and request_id, or interval "
@@ -692,7 +702,7 @@ def render_summary(t: pa.Table) -> str:
     `J/tok on`: the share of the tokens whose requests the J/token rests on (649 requests and 55216 tokens beside a
     J/token of 60 of them read as theirs)."""
     rows = t.to_pylist()
-    w = max([20] + [len(r["host"]) for r in rows])  # a host cut short could read as another
+    w = max([20] + [len(r["host"]) + (6 if r.get("simulated_intervals") else 0) for r in rows])  # never cut short
 
     def on(att, tok):
         pct = 100 * att / tok if tok else None
@@ -710,7 +720,8 @@ def render_summary(t: pa.Table) -> str:
         jpt = r["gpu_j_per_token"]
         att_tok, tok = r["attributed_tokens"] or 0.0, r["generated_tokens"] or 0
         short = short or (jpt is not None and att_tok < tok)
-        lines.append(f"{r['host']:{w}s} {r['requests'] or 0:9d} {tok:11d} {e / 3.6e6:9.3f} "
+        host = r["host"] + (" (sim)" if r.get("simulated_intervals") else "")
+        lines.append(f"{host:{w}s} {r['requests'] or 0:9d} {tok:11d} {e / 3.6e6:9.3f} "
                      f"{100 * idle / e if e else float('nan'):7.1f} {on(att_tok, tok) if jpt is not None else '-':>8s} "
                      f"{'-' if jpt is None else f'{jpt:.3f}':>8s}")
         tot_e, tot_idle = tot_e + e, tot_idle + idle
