@@ -563,7 +563,7 @@ def test_the_tables_say_why_a_level_was_left_out(tmp_path):
     assert df.loc[180.0, "left_out"] == "thermal throttling"
     assert df.loc[[260.0, 300.0], "left_out"].isna().all() and df.loc[260.0, "recommended"]
     ex.export(run, "csv", tmp_path / "csv", tz="UTC")
-    rows = pd.read_csv(tmp_path / "csv" / "analysis.csv").set_index("level_value")
+    rows = pd.read_csv(tmp_path / "csv" / "analysis.csv").set_index("level_value (W or MHz)")
     assert rows.loc[220.0, "left_out"] == "interrupted" and pd.isna(rows.loc[300.0, "left_out"])
 
 
