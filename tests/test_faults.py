@@ -396,6 +396,60 @@ def test_a_restore_file_left_in_the_old_root_folder_is_found_after_an_upgrade(tm
     assert moved.exists()
 
 
+@pytest.mark.skipif(os.geteuid() != 0, reason="making a file owned by another user needs root")
+def test_a_file_another_user_put_in_the_old_root_folder_blocks_nothing(tmp_path, monkeypatch, caplog):
+    # The old folder is the daemon's now (/var/lib/powerprof, its user's): a file its user planted there refused every
+    # root sweep and tuner start, and the fix printed, --force-default, set the GPUs it named to their defaults
+    # (session 46's hostile review). An older powerprof as root wrote its own files as root: only those count.
+    import logging
+
+    import powerprof.control.restore as restore_mod
+
+    monkeypatch.setenv("POWERPROF_SIM_STATE", str(tmp_path / "sim.json"))
+    legacy = tmp_path / "old-var-lib-powerprof"
+    legacy.mkdir(mode=0o750)
+    p = _foreign_restore_file(tmp_path, owner_uid=65534)
+    planted = legacy / p.name
+    p.rename(planted)
+    monkeypatch.setattr(restore_mod, "legacy_state_dirs", lambda: [legacy])
+    with caplog.at_level(logging.WARNING, logger="powerprof.control.restore"):
+        assert restore_mod.pending_restore_files() == []
+        with LimitController(_sim(tmp_path), [0]) as ctl:  # a sweep may start
+            assert ctl.original_limits_w
+    assert any(str(planted) in r.getMessage() and "uid 65534" in r.getMessage() for r in caplog.records)
+    assert planted.exists()
+
+
+def test_uuids_are_read_from_a_regular_files_first_mib_only(tmp_path):
+    # A symlink to an 8 GB file had root's --force-default read all of it (8.4 GB resident, 36 s); a FIFO would hang.
+    from powerprof.control.restore import uuids_named_in
+
+    uuid = "GPU-12345678-1234-1234-1234-123456789abc"
+    big = tmp_path / "big"
+    with open(big, "wb") as f:
+        f.write(uuid.encode())
+        f.truncate(64 << 20)  # sparse: 64 MiB read whole would show in the test's time and memory
+        f.seek(2 << 20)
+        f.write(b"GPU-ffffffff-ffff-ffff-ffff-ffffffffffff")
+    assert uuids_named_in(big) == [uuid]  # the one past the first MiB is not read
+    (tmp_path / "link").symlink_to(big)
+    os.mkfifo(tmp_path / "fifo")
+    assert uuids_named_in(tmp_path / "link") == [] and uuids_named_in(tmp_path / "fifo") == []
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="making a folder owned by another user needs root")
+def test_force_default_sets_the_defaults_but_removes_nothing_through_another_users_folder(tmp_path, monkeypatch):
+    # A folder another user controls can be swapped for a symlink to root's state folder between the read and the
+    # removal: root's own restore file was removed so, its original limit lost (session 46's hostile review).
+    monkeypatch.setenv("POWERPROF_SIM_STATE", str(tmp_path / "sim.json"))
+    default_w = _limit_w(tmp_path)
+    _set_limit(tmp_path, default_w - 40)
+    p = _foreign_restore_file(tmp_path, owner_uid=65534)  # in a folder uid 65534 owns
+    r = CliRunner().invoke(main, ["restore", "--simulate", "seed-16g", "--force-default", "--restore-file", str(p)])
+    assert _limit_w(tmp_path) == default_w, r.output
+    assert p.exists() and "not removed through a folder another user controls" in r.output, r.output
+
+
 def test_a_restore_folder_that_cannot_be_listed_is_said_not_skipped(tmp_path, monkeypatch, caplog):
     # Before: the tuner's sandbox (CAP_SYS_ADMIN alone, no CAP_DAC_OVERRIDE) cannot list /var/lib/powerprof (0750, the
     # daemon's): `restore` skipped the restore files an older powerprof left there without a word (docs/tuner.md).

@@ -9,6 +9,7 @@ import json
 import logging
 import os
 import re
+import stat
 import sys
 import dataclasses
 from dataclasses import dataclass, field
@@ -19,7 +20,7 @@ from powerprof.collectors.gateway import gateway
 from powerprof.errtext import error_text
 from powerprof.paths import legacy_state_dirs, state_dir
 from powerprof.storage.atomic import atomic_path, fsync_dir
-from powerprof.trust import _file_reason, _folder_reason, _trusted_target
+from powerprof.trust import _file_reason, _folder_reason, _trusted_target, untrusted_place
 
 from .device import nvml_error_code
 from .errors import ControlError, ControlPermissionError, GpuBusyError, RestoreError, permission_message
@@ -163,12 +164,27 @@ def untrusted_reason(path: Path, euid: int | None = None, root_too: bool = False
 _UUID_RE = re.compile(rb"GPU-[0-9A-Fa-f]{8}(?:-[0-9A-Fa-f]{4}){3}-[0-9A-Fa-f]{12}")
 
 
+UUID_SCAN_BYTES = 1 << 20  # a restore file is a few hundred bytes: a damaged one's UUIDs are in its first MiB
+
+
 def uuids_named_in(path: Path) -> list[str]:
-    """GPU UUIDs found in a (possibly damaged) restore file's bytes; [] when none can be read."""
+    """GPU UUIDs found in a (possibly damaged) restore file's first MiB; [] when none can be read. Read as a regular
+    file only, never through a symlink, and never more than that MiB: a symlink there to an 8 GB file had root's
+    `restore --force-default` read it whole first (8.4 GB resident, 36 s), and a FIFO would have held it."""
     try:
-        raw = Path(path).read_bytes()[: 1 << 20]
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
     except OSError:
         return []
+    try:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            return []
+        raw = b""
+        while len(raw) < UUID_SCAN_BYTES and (chunk := os.read(fd, UUID_SCAN_BYTES - len(raw))):
+            raw += chunk
+    except OSError:
+        return []
+    finally:
+        os.close(fd)
     return sorted({m.decode() for m in _UUID_RE.findall(raw)})
 
 
@@ -181,9 +197,9 @@ def pending_restore_files(directory: Path | None = None) -> list[Path]:
     """Restore files in `directory`; in root's default state folder, also those an older powerprof left
     in its former folder (`paths.legacy_state_dirs`), which then fail the trust check and are reported."""
     d = state_dir() if directory is None else Path(directory)
-    folders = [d] + ([p for p in legacy_state_dirs() if p != d] if d == state_dir() else [])
+    legacy = [p for p in legacy_state_dirs() if p != d] if d == state_dir() else []
     out: list[Path] = []
-    for f in folders:
+    for f in [d] + legacy:
         try:
             # os.scandir, not Path.glob: glob skips a folder it may not list without a word (the tuner's sandbox,
             # CAP_SYS_ADMIN alone, cannot list the daemon's 0750 /var/lib/powerprof: docs/tuner.md).
@@ -195,8 +211,27 @@ def pending_restore_files(directory: Path | None = None) -> list[Path]:
             _log.warning("cannot list %s (%s): restore files there are not checked; run `powerprof restore` where "
                          "that folder can be read (as root, outside the tuner's sandbox)", f, e.strerror or e)
             continue
-        out.extend(sorted(p for p in (f / n for n in names) if p.is_file()))
+        found = sorted(p for p in (f / n for n in names) if p.is_file())
+        if f in legacy:
+            found = [p for p in found if _written_by_us(p)]
+        out.extend(found)
     return out
+
+
+def _written_by_us(path: Path) -> bool:
+    """A restore file in a former state folder counts only where this user (root) owns it: an older powerprof as root
+    wrote its files as root, and that folder is the daemon's now (/var/lib/powerprof, its user's): a file its user
+    planted there held every root sweep and tuner start, and the fix it printed, `--force-default`, set the GPUs it
+    named (every GPU when none) to their defaults."""
+    try:
+        uid = os.lstat(path).st_uid
+    except OSError:
+        return False
+    if uid == os.geteuid():
+        return True
+    _log.warning("ignoring %s: a restore file in a former state folder owned by uid %d, not by this user (an older "
+                 "powerprof wrote its own); remove it if it is not yours to keep", path, uid)
+    return False
 
 
 def pending_restore_note(directory: Path | None = None) -> str | None:
@@ -542,6 +577,11 @@ def force_default(
             done.append(r)
         if problems:
             return FileOutcome(path, "failed", f"Not fully set to defaults; {path} is kept: " + " ".join(problems), tuple(done))
+        if (why := untrusted_place(path.parent)) is not None:
+            # Removed by name through a folder another user controls, the name could lead anywhere by then (a
+            # folder swapped for a symlink to root's state folder removed root's own restore file, its originals lost).
+            return FileOutcome(path, "defaulted", f"Set to default limits; {path} is kept, not removed through a folder "
+                                                  f"another user controls ({why}): remove it yourself:", tuple(done))
         remove_file(path)
         return FileOutcome(path, "defaulted", f"Set to default limits and removed {path}:", tuple(done))
     except GpuBusyError as e:
