@@ -312,6 +312,48 @@ def test_a_client_leaving_mid_body_is_a_client_disconnect_not_an_upstream_failur
     assert proxy.upstream_failures == 0
 
 
+def test_bodies_read_whole_are_bounded_together_and_one_past_the_budget_streams_on(monkeypatch):
+    """Each body up to 1 MiB is read whole (its model, its stream flag); 400 clients holding back their last bytes took
+    the daemon past its MemoryMax (66 -> 642 MB, session 46's hostile review). Past INSPECT_BUDGET_BYTES in all, a body
+    is streamed on, byte for byte, and its row says it was not inspected."""
+    import powerprof.daemon.proxy as proxy_mod
+
+    monkeypatch.setattr(proxy_mod, "INSPECT_BUDGET_BYTES", 250_000)
+    length = 100_000
+
+    async def main():
+        rec = Rec()
+        up, up_url, r1, proxy, px_url, r2 = await _setup(rec)
+        port = int(px_url.rsplit(":", 1)[1])
+        held = []
+        for _ in range(2):  # 200 kB held back, under the budget
+            _r, w = await asyncio.open_connection("127.0.0.1", port)
+            w.write(b"POST /echo/x HTTP/1.1\r\nHost: x\r\nContent-Length: %d\r\n\r\n0123456789" % length)
+            held.append(w)
+        for _ in range(100):
+            if proxy._inspecting == 2 * length:
+                break
+            await asyncio.sleep(0.02)
+        assert proxy._inspecting == 2 * length
+        async with aiohttp.ClientSession() as s:  # a third would pass the budget: streamed on, answered whole
+            async with s.post(px_url + "/echo/y", data=b"\x01" * length) as r:
+                got = json.loads(await r.read())
+        for w in held:
+            w.close()
+        for _ in range(250):
+            if len(rec.ended) == 3:
+                break
+            await asyncio.sleep(0.02)
+        await r2.cleanup()
+        await r1.cleanup()
+        return proxy, rec, got
+
+    proxy, rec, got = _run(main())
+    assert got["len"] == length and proxy.uninspected_bodies == 1 and proxy._inspecting == 0
+    (third,) = [t for t in rec.ended if t.outcome == "ok"]
+    assert "request body not read whole (0.2 MiB of other requests' bodies" in third.error, third.error
+
+
 def test_a_client_leaving_before_the_response_head_closes_the_upstream():
     """A non-streamed generation sends its head only when done: a client that leaves while it runs must close
     the upstream within about a second (the server stops generating), not when the answer comes."""
