@@ -1638,9 +1638,14 @@ def _tag_socket(socket, config_path):
     if socket:
         return socket
     try:
-        return dconfig.load_config(config_path).tag_socket()
+        path = dconfig.load_config(config_path).tag_socket()
     except dconfig.ConfigError as e:
         raise click.ClickException(str(e))
+    # A shell has no RUNTIME_DIRECTORY: the default was a folder of the caller's own, never the daemon's under the shipped
+    # unit, and `powerprof tag start` said no daemon ran beside one that did.
+    if config_path is None and not os.path.lexists(path) and os.path.lexists(dconfig.SYSTEMD_TAG_SOCKET):
+        return dconfig.SYSTEMD_TAG_SOCKET
+    return path
 
 
 def _tag_call(action, name, socket, config_path):
@@ -1707,10 +1712,14 @@ def tag_stop(name, socket, config_path, as_json):
         + (f", {jpt:.3f} J/token" if jpt is not None else
            "" if r.get("note") or noted else " (no J/token: no tokens were seen through the proxy)")
     )
+    from powerprof.errtext import one_line  # noqa: PLC0415
+
+    # The daemon's words reach a terminal: a socket given with --socket is whoever listens there (an escape
+    # sequence in a fake daemon's energy_note acted on root's terminal).
     if r.get("note"):
-        click.echo(f"note: {r['note']}", err=True)
+        click.echo(f"note: {one_line(str(r['note']), 2000)}", err=True)
     if noted:
-        click.echo(f"note: {noted}", err=True)
+        click.echo(f"note: {one_line(str(noted), 2000)}", err=True)
     from powerprof.storage.schema import SERVER_COUNT_COMPLETE, bypass_count_fix, bypass_count_low  # noqa: PLC0415
 
     sc = r.get("server_count")
@@ -1735,8 +1744,10 @@ def tag_list(socket, config_path, as_json):
     if as_json:
         _echo_json({"open": names})
         return
+    from powerprof.errtext import one_line  # noqa: PLC0415
+
     for n in names:
-        click.echo(n)
+        click.echo(one_line(str(n), 200))
 
 
 def _echo_json(obj) -> None:

@@ -1,4 +1,4 @@
-"""One line for an exception: `Type: message`, never `Type: ` with nothing after it.
+"""One line for an exception (`Type: message`, never `Type: ` with nothing after it), or for text from outside.
 
 A timeout from asyncio.wait_for or an aiohttp total timeout is a TimeoutError with no message,
 and `f"{type(e).__name__}: {e}"` logged `TimeoutError: ` alone. Such an exception is described
@@ -37,3 +37,10 @@ def error_text(e: BaseException) -> str:
     if cause is not None and str(cause).strip():
         meaning += f" (from {error_text(cause)})"
     return f"{name}: {meaning}"
+
+
+def one_line(text: str, limit: int = 500) -> str:
+    """Text from outside (a daemon's answer, a GPU label, an HTTP reason, a parser's quote) as one printable line of at
+    most `limit` characters: in a log or a terminal a newline would forge a line and an escape sequence would act."""
+    s = "".join(ch if ch.isprintable() else ascii(ch)[1:-1] for ch in text)
+    return s if len(s) <= limit else s[: limit - 1] + "…"

@@ -21,6 +21,59 @@ def test_a_refused_tag_name_is_quoted_short(name, said):
     assert "must be 1-128 characters of letters, digits and _ . : @ / -" in str(e.value)
 
 
+@pytest.mark.parametrize("name", ["..", ".", "a/..", "job/./1", "a//b", "/a", "a/"])
+def test_a_tag_name_a_url_would_rewrite_is_refused(name):
+    # A URL path's `.`, `..` and empty parts are collapsed on the way: `tag start ..` answered "404: Not Found", and a
+    # window opened over raw HTTP as `a/../../b` could not be stopped from the CLI (session 46's hostile review).
+    with pytest.raises(ValueError, match="must not be empty, `.` or `..`"):
+        check_name(name)
+    assert check_name("job/1.5/a..b") == "job/1.5/a..b"  # dots inside a part are a part's own
+
+
+def test_the_tag_client_prints_a_daemons_words_as_plain_text(tmp_path, monkeypatch):
+    # Root's `tag stop --socket PATH` talks to whoever listens there: an escape sequence in the answer reached the
+    # terminal as it was (session 46's hostile review).
+    from click.testing import CliRunner
+
+    import powerprof.daemon.tagapi as tagapi
+    from powerprof.cli import main
+
+    answer = {"duration_s": 1.0, "gpu_energy_j": 2.0, "unproxied_energy_j": 0.0, "proxy_tokens": 10.0,
+              "gpu_j_per_token": 0.2, "server_count": "complete", "energy_note": "x\x1b]0;owned\x07\nforged line",
+              "open": ["a\x1b[2Jb"]}
+    monkeypatch.setattr(tagapi, "send_tag", lambda sock, action, name=None: answer)
+    for args in (["tag", "stop", "nightly"], ["tag", "list"]):
+        r = CliRunner().invoke(main, [*args, "--socket", str(tmp_path / "s.sock")])
+        assert r.exit_code == 0, r.output
+        assert "\x1b" not in r.output and "\x07" not in r.output, r.output
+    assert "x\\x1b]0;owned\\x07\\nforged line" in CliRunner().invoke(
+        main, ["tag", "stop", "nightly", "--socket", str(tmp_path / "s.sock")]).output
+
+
+def test_a_tag_client_without_socket_or_config_finds_the_shipped_units_socket(tmp_path, monkeypatch):
+    # A shell has no RUNTIME_DIRECTORY: `powerprof tag list` looked in a folder of the caller's own and said no daemon
+    # ran beside one that did under the shipped unit (/run/powerprof/powerprof.sock).
+    from click.testing import CliRunner
+
+    import powerprof.daemon.config as dconfig
+    import powerprof.daemon.tagapi as tagapi
+    from powerprof.cli import main
+
+    unit_sock = tmp_path / "run" / "powerprof.sock"
+    unit_sock.parent.mkdir()
+    unit_sock.touch()
+    monkeypatch.setattr(dconfig, "SYSTEMD_TAG_SOCKET", unit_sock)
+    monkeypatch.delenv("RUNTIME_DIRECTORY", raising=False)
+    asked = []
+    monkeypatch.setattr(tagapi, "send_tag", lambda sock, action, name=None: asked.append(sock) or {"open": []})
+    assert CliRunner().invoke(main, ["tag", "list"]).exit_code == 0
+    assert asked == [unit_sock]
+    cfg = tmp_path / "c.toml"
+    cfg.write_text(f'[daemon]\ndata_dir = "{tmp_path / "d"}"\n')
+    CliRunner().invoke(main, ["tag", "list", "--config", str(cfg)])  # a config given says where: it is taken
+    assert asked[-1] == tmp_path / "d" / "powerprof.sock"
+
+
 @pytest.mark.parametrize("cmd", [["sweep", "--limits", "200,300", "--dry-run"], ["measure", "--requests", "2"]])
 def test_max_tokens_past_any_context_is_refused_before_anything_starts(cmd):
     # --max-tokens 1000000000 (a typo) was taken: on a server that does not cut at its context (the simulator,

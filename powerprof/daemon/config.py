@@ -369,6 +369,10 @@ class Config:
         return live, restart
 
 
+# The shipped unit's socket (RuntimeDirectory=powerprof): where a client with no --socket and no config looks next.
+SYSTEMD_TAG_SOCKET = Path("/run/powerprof/powerprof.sock")
+
+
 def default_tag_socket(data_dir: Path) -> Path:
     run = os.environ.get("RUNTIME_DIRECTORY")
     if run:

@@ -22,6 +22,8 @@ import time
 from aiohttp import web
 from aiohttp.http_exceptions import HttpProcessingError
 
+from powerprof.errtext import one_line
+
 from .ticks import sleep_on_grid
 
 log = logging.getLogger("powerprof.daemon.guard")
@@ -115,7 +117,7 @@ class BadRequestLog(logging.Filter):
         remote = record.args[0] if isinstance(record.args, tuple) and record.args else "?"
         # aiohttp's message quotes the offending bytes (repr); anything unprintable left is escaped too.
         why = " ".join(str(exc.message or exc).split())
-        why = "".join(c if c.isprintable() else repr(c)[1:-1] for c in why)[:300]
+        why = one_line(why, 300)
         record.msg = "rejected a malformed request from %s (HTTP %s): %s [%d so far; the first %d, then every %dth, logged]"
         record.args = (remote, exc.code, why, self.rejected, self.first, self.every)
         record.levelno, record.levelname = logging.WARNING, "WARNING"

@@ -126,6 +126,10 @@ def check_name(name: str) -> str:
         # A long one is quoted by its start and length: 5000 characters came back whole, in the CLI and the daemon's 400.
         shown = repr(name) if len(name) <= 128 else f"{name[:40] + '…'!r} ({len(name)} characters)"
         raise ValueError(f"tag name {shown} must be 1-128 characters of letters, digits and _ . : @ / -")
+    if any(part in ("", ".", "..") for part in name.split("/")):
+        # A URL path's `.`, `..` and empty segments are collapsed on the way: `tag start ..` answered 404, and a window
+        # opened over raw HTTP as `a/../../b` could not be stopped from the CLI.
+        raise ValueError(f"tag name {name!r}: its /-separated parts must not be empty, `.` or `..`")
     return name
 
 

@@ -27,7 +27,7 @@ from typing import Callable
 from prometheus_client import CollectorRegistry, Counter, Gauge
 
 from powerprof.control.gpulock import make_dirs
-from powerprof.errtext import error_text
+from powerprof.errtext import error_text, one_line
 from powerprof.storage.runs import atomic_write_table
 from powerprof.storage.schema import TUNER_DECISIONS, rows_to_table
 
@@ -38,13 +38,6 @@ from .setup import day_folder_reason
 LEVEL_TOLERANCE_W = 1.0  # the daemon's read-back of a limit the controller set (NVML rounds to its own step)
 
 log = logging.getLogger("powerprof.tune")
-
-
-def one_line(text: str, limit: int = 500) -> str:
-    """Text that may carry the daemon's words (a GPU label, an HTTP reason, a parser's quote) as one printable line of
-    at most `limit` characters: it goes into root's log and the decisions dataset, where a newline would forge a line."""
-    s = "".join(ch if ch.isprintable() else ascii(ch)[1:-1] for ch in text)
-    return s if len(s) <= limit else s[: limit - 1] + "…"
 
 
 def persist_kill(path: Path) -> None:
