@@ -348,6 +348,8 @@ def _mixed_request(kind: str, index: int, prompt_tokens: int, output_tokens: int
     body = {"messages": msgs, "max_tokens": n, "stream": True, "ignore_eos": True, "stream_options": usage}
     if kind == "chat_n2":
         body["n"] = 2
+    elif kind == "chat_plain":  # as a user's curl sends it: no usage asked (llama-server's count is its timings')
+        del body["stream_options"]
     elif kind == "chat_logprobs":  # each chunk lists its tokens (llama-server: none for a token without text)
         body["logprobs"] = True
     return "/v1/chat/completions", body

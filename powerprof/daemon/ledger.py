@@ -629,7 +629,7 @@ class Ledger:
         # Not to a count that contradicts the stream (count_problem): it cannot be believed.
         # A stream with no counted chunk at all is not "estimated", but its usage's tokens need placing too.
         none_seen = not trace.tokens_seen and not r.ev_n and not r.spent and trace.stream is True
-        if (c is not None and (c.tokens_estimated or none_seen) and c.token_source == "usage" and c.invalid is None
+        if (c is not None and (c.tokens_estimated or none_seen) and c.token_source in ("usage", "timings") and c.invalid is None
                 and c.count_problem is None and c.generated_tokens and not trace.extra.get("spread")):
             return self._to_server_count(r, float(c.generated_tokens))
         if trace.extra.get("spread") and trace.first_ns is not None and trace.last_ns is not None:
