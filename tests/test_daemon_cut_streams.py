@@ -59,3 +59,43 @@ def test_a_stream_cut_before_its_usage_is_costed_an_estimated_prompt_and_says_so
            if s.name.endswith("_total")}
     assert got == {"client_left": 1, "no_usage": 0, "not_yet": 0}, got
     assert "costed at an estimate of" in d.output()
+
+
+def test_llama_servers_progress_events_are_no_tokens_and_a_cut_native_stream_knows_its_prompt(tmp_path):
+    # `return_progress: true` (session 46's walkthrough against the real llama-server): its prompt events (`tokens: [0]`)
+    # were counted as tokens (52 for 50; the count then disbelieved and the row's J/token dropped, blaming "a proxy that
+    # rewrites streams"), the first token's time was the prompt's start; and a native stream cut early said "the server
+    # never said the prompt's length" where every chunk carries it (`tokens_evaluated`).
+    data = tmp_path / "data"
+    prompt = " ".join(["word"] * 300)
+    body = {"prompt": prompt, "n_predict": 50, "ignore_eos": True, "stream": True}
+    with SimServer(SimNVML("seed-16g", state_path=None), flavour="llamacpp", decode_tok_s=80.0, draft_n_max=0) as srv:
+        d = DaemonProc(data, "--simulate", "--upstream", srv.url, "--interval", "0.25", "--flush-interval", "0.5",
+                       env=sim_env(tmp_path))
+        try:
+            url = d.info["proxy"] + "/completion"
+            for b, cut in ((dict(body, return_progress=True), False), (body, True)):
+                req = urllib.request.Request(url, data=json.dumps(b).encode(), method="POST",
+                                             headers={"Content-Type": "application/json"})
+                r = urllib.request.urlopen(req, timeout=60)
+                if cut:
+                    for _ in range(6):
+                        r.readline()
+                    r.close()
+                else:
+                    assert b'"prompt_progress"' in r.read()
+            for _ in range(60):
+                rows = read_dataset(data, "requests")
+                if rows is not None and len(rows) == 2:
+                    break
+                time.sleep(0.5)
+        finally:
+            rc = d.stop()
+    assert rc == 0, d.output()
+    done, cut = read_dataset(data, "requests").sort_values("request_id").to_dict("records")
+    true_prompt = count_prompt_tokens(prompt)
+    assert done["generated_tokens"] == 50 and done["attributed_tokens"] == pytest.approx(50), done
+    assert not isinstance(done["error"], str) and done["gpu_j_per_token"] > 0, done
+    assert done["ttft_s"] > 0.5 * true_prompt / srv.prefill_tok_s, done  # the first token's, not the prompt's start
+    assert cut["outcome"] == "client_disconnected" and cut["prompt_tokens"] == true_prompt, cut
+    assert "never said the prompt's length" not in (cut["energy_note"] or ""), cut["energy_note"]

@@ -58,6 +58,24 @@ def test_llamacpp_counts_tokens_not_events_whatever_the_framing(split):
     assert s.model == "m.gguf" and s.timings["predicted_ms"] == 30.0
 
 
+@pytest.mark.parametrize("compact", [False, True])
+@pytest.mark.parametrize("split", [None, 5])
+def test_llamacpp_prompt_progress_events_are_no_tokens_and_say_the_prompts_length(compact, split):
+    # `return_progress: true`: llama-server's events of prompt processing, `tokens: [0]` and `tokens_predicted: 0`,
+    # were counted as a token each (52 for 50, the count then disbelieved as "a proxy that rewrites streams") and set
+    # the first token's time at the prompt's start (session 46's walkthrough against the real llama-server).
+    def ev(o):
+        return json.dumps(o, separators=(",", ":") if compact else None).encode()
+
+    progress = [{"index": 0, "content": "", "tokens": [0], "stop": False, "tokens_predicted": 0, "tokens_evaluated": k,
+                 "prompt_progress": {"total": 9, "cache": 0, "processed": k, "time_ms": 1.0}} for k in (0, 9)]
+    cut = LLAMA.index(b"data: ", 1)  # the stream before its first token's event is replaced by the progress events
+    events, s = feed_all("llamacpp", sse(*(ev(o) for o in progress)) + LLAMA, split)
+    assert [e.n_tokens for e in events] == [1, 2, 1] and s.counted_tokens == 4 and s.generated_tokens == 4, events
+    cut_events, cut_s = feed_all("llamacpp", sse(*(ev(o) for o in progress)) + LLAMA[:cut], split)
+    assert [e.n_tokens for e in cut_events] == [1] and cut_s.prompt_tokens == 9  # the prompt said before the end
+
+
 def test_llamacpp_old_builds_without_tokens_array_use_tokens_predicted():
     data = sse(
         {"content": "a", "stop": False, "tokens_predicted": 1},

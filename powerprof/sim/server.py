@@ -1641,6 +1641,8 @@ class SimServer:
         req.logprobs = api == "openai-chat" and body.get("logprobs") is True
         if api == "anthropic-messages" and self.flavour == "vllm" and stream:
             opts = {"include_usage": True, "continuous_usage_stats": True}  # vLLM asks its chat stream for both
+        if api == "llamacpp" and self.flavour == "llamacpp" and body.get("return_progress") is True:
+            opts = dict(opts, return_progress=True)
         try:
             if not stream:
                 if api in DIALECTS:
@@ -1884,9 +1886,19 @@ class SimServer:
                     extra["usage"]["total_tokens"] = req.prompt_tokens + sent
             await out.send(oai_chunk(choice, **extra))
 
+        def progress(processed: int) -> bytes:
+            # llama-server's `return_progress`: events of no token (`tokens: [0]`, `tokens_predicted: 0`) saying how
+            # far the prompt is, one as its processing starts and one as it ends (as the real server sent them).
+            ev = {"index": 0, "content": "", "tokens": [0], "stop": False, "id_slot": req.slot, "tokens_predicted": 0,
+                  "tokens_evaluated": processed, "prompt_progress": {"total": req.prompt_tokens, "cache": req.cached,
+                                                                     "processed": processed, "time_ms": 0.0}}
+            return b"data: " + json.dumps(ev).encode() + b"\n\n"
+
         try:
             if chat and not sglang and not llama:
                 await out.send(oai_chunk({"index": 0, "delta": {"role": "assistant", "content": None}, "finish_reason": None}))
+            if opts.get("return_progress"):
+                await out.send(progress(req.cached))
             closed = False
             while True:
                 try:
@@ -1903,6 +1915,8 @@ class SimServer:
                     return
                 if kind == "tokens":
                     ids, text, last = payload
+                    if n_events == 0 and not group_ids and opts.get("return_progress"):
+                        await out.send(progress(req.prompt_tokens))
                     group_ids, group_text = group_ids + ids, group_text + text
                     fr = "length" if req.stop_type == "limit" else "stop"
                     if last and empty_final:
