@@ -240,6 +240,10 @@ class Rig:
         self._sim_server_used = True
         return srv
 
+    def upstream_given(self) -> None:
+        """For the daemon: its upstream was configured, not the rig's simulated server (`notes` says so)."""
+        self._real_server_used = True
+
     def default_upstream(self) -> str | None:
         """For the daemon: a simulated server (vLLM flavour, 64 slots, continuous batching, its own thread) when the rig is
         simulated and no upstream is configured; None on real hardware. Stopped by close()."""

@@ -98,4 +98,6 @@ def test_llama_servers_progress_events_are_no_tokens_and_a_cut_native_stream_kno
     assert not isinstance(done["error"], str) and done["gpu_j_per_token"] > 0, done
     assert done["ttft_s"] > 0.5 * true_prompt / srv.prefill_tok_s, done  # the first token's, not the prompt's start
     assert cut["outcome"] == "client_disconnected" and cut["prompt_tokens"] == true_prompt, cut
+    # A simulated GPU beside a server it does not see (session 46: the daemon said nothing of it anywhere).
+    assert "SIMULATED GPU (seed-16g) beside a real server" in d.output()
     assert "never said the prompt's length" not in (cut["energy_note"] or ""), cut["energy_note"]

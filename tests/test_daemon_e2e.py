@@ -164,6 +164,8 @@ def test_energy_of_requests_idle_and_unproxied_adds_up_to_the_measured_total(tmp
                  "process_resident_memory_bytes", "process_cpu_seconds_total"):
         assert name in metrics, name
     assert 'tag="team1"' in metrics and "request_id" not in metrics
+    assert re.search(r'powerprof_build_info\{[^}]*simulated="true"', metrics), metrics[-600:]
+    assert "simulated GPU and simulated server (seed-16g)" in d.output()  # said at start, where the operator looks
     # What reading the sensors costs the daemon is on /metrics, per source (docs/daemon.md).
     fams = {f.name: f for f in text_string_to_metric_families(metrics)}
     reads = {x.labels["source"]: x.value for x in fams["powerprof_sample_reads"].samples if x.name.endswith("_total")}

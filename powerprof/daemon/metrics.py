@@ -369,14 +369,15 @@ class SnapshotCollector:
                 buckets.append((repr(float(edge)), cum))
             buckets.append(("+Inf", h.n))
             yield HistogramMetricFamily(f"powerprof_request_{name}", LATENCY_DOCS[name], buckets=buckets, sum_value=h.total)
-        yield build_info(getattr(self.holder, "host", None))
+        yield build_info(getattr(self.holder, "host", None), getattr(self.holder, "simulated", False))
 
 
-def build_info(host: str | None = None) -> GaugeMetricFamily:
-    """host: the name the daemon's Parquet rows carry (daemon.host); default the host name."""
-    b = GaugeMetricFamily("powerprof_build_info", "powerprof version, Python and host (always 1)",
-                          labels=["version", "python", "host"])
-    b.add_metric([__version__, platform.python_version(), host or socket.gethostname()], 1)
+def build_info(host: str | None = None, simulated: bool = False) -> GaugeMetricFamily:
+    """host: the name the daemon's Parquet rows carry (daemon.host); default the host name. simulated: the GPUs are
+    powerprof's simulator (`daemon --simulate`): a dashboard beside real hosts' must be able to tell."""
+    b = GaugeMetricFamily("powerprof_build_info", "powerprof version, Python, host and whether its GPUs are simulated "
+                          "(always 1)", labels=["version", "python", "host", "simulated"])
+    b.add_metric([__version__, platform.python_version(), host or socket.gethostname(), "true" if simulated else "false"], 1)
     return b
 
 

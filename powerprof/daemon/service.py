@@ -473,9 +473,11 @@ class Daemon:
         store_write=None,
     ):
         """`rig`: the door (powerprof.rig.Rig) that opens the GPUs, RAPL and, where it has one, a
-        default upstream; the daemon never knows whether they are real."""
+        default upstream; the daemon never branches on whether they are real, it only says so (its log, every row's
+        `simulated`, powerprof_build_info)."""
         self.cfg = cfg
         self.host = cfg.host()  # every Parquet row and powerprof_build_info carry it
+        self.simulated = rig.simulated  # so does powerprof_build_info{simulated}
         self.rig = rig
         self.extra_collectors = list(extra_collectors)
         self.config_path = config_path
@@ -1224,6 +1226,8 @@ class Daemon:
             self.upstream = self.rig.default_upstream()
             if self.upstream:
                 self.urls["sim_upstream"] = self.upstream
+        else:
+            self.rig.upstream_given()
         # RAPL's CPU energy is the whole package's: whose CPU time the host spends judges it (busy-host), where the
         # door says that energy is real; the server is the upstream's processes on this host.
         cputime = (self.rig.cpu_time_collector(self.upstream, [], helpers=self._helper_pids)
@@ -1318,6 +1322,8 @@ class Daemon:
             self.daemon_id, len(self.collector.infos), cfg.get("daemon", "interval_s"), data_dir,
             ", ".join(f"{k} {v}" for k, v in self.urls.items()),
         )
+        for note in self.rig.notes:  # a simulated GPU, beside a real server or not: said where the operator looks
+            log.warning("%s (every row's `simulated` column says so)" if self.rig.simulated else "%s", note)
         self._write_urls(data_dir)
         sdnotify.notify("READY=1")
 
