@@ -38,6 +38,7 @@ import logging
 import aiohttp
 from powerprof.errtext import error_text
 from powerprof.storage.schema import SERVER_COUNT_SLOTS_ONLY
+from powerprof.workload.auth import API_KEY_ENV, api_key_given, auth_headers
 from powerprof.workload.limits import IDLE_REUSE_S, MAX_METRICS_BYTES, read_capped
 from .ticks import IDLE_PERIOD_S
 # The parsers are the workload layer's (the sweep's foreign-traffic check reads the same counters).
@@ -186,7 +187,7 @@ class _MetricsStatus(ValueError):
 def new_session() -> aiohttp.ClientSession:
     """The daemon's scrape session: idle connections are not reused after IDLE_REUSE_S, so a server's idle close (5 s)
     never crosses a scrape when `scrape.idle_interval_s` is near it (aiohttp's default keeps them 15 s)."""
-    return aiohttp.ClientSession(connector=aiohttp.TCPConnector(keepalive_timeout=IDLE_REUSE_S))
+    return aiohttp.ClientSession(connector=aiohttp.TCPConnector(keepalive_timeout=IDLE_REUSE_S), headers=auth_headers())
 
 
 class Scraper:
@@ -308,6 +309,14 @@ class Scraper:
         url = self.base + path
         try:
             async with self.session.get(url, timeout=aiohttp.ClientTimeout(total=SCRAPE_TIMEOUT_S)) as r:
+                if r.status == 401:
+                    # llama-server started with --api-key guards /metrics and /slots too: "start it with --metrics"
+                    # was said of a server started with it.
+                    raise ValueError(
+                        f"GET {url} answered 401 Unauthorized: the server was started with an API key (--api-key) and "
+                        + ("refuses the one in $" + API_KEY_ENV if api_key_given() else "none was given")
+                        + f"; set {API_KEY_ENV} in the daemon's environment (systemd: `systemctl edit powerprof`, "
+                        "Environment= or EnvironmentFile=); until then bypass traffic is not counted")
                 if r.status != 200:
                     return r.status, ""
                 return r.status, (await read_capped(r, MAX_METRICS_BYTES)).decode("utf-8", "replace")

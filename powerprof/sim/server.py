@@ -266,6 +266,7 @@ class SimServer:
         prompt_details: bool = False,
         cold_batch_factor: float = 1.0,
         cold_batch_steps: int = 16,
+        api_key: str | None = None,
     ):
         """batching: "serial" (a prefill pauses decoding; one prompt at a time) or "continuous"
         (every step prefills a chunk and decodes every running sequence; records each request's
@@ -377,6 +378,9 @@ class SimServer:
         if not 0.0 <= float(textless_share) < 1.0:
             raise ValueError("textless_share must be at least 0 and below 1")
         self.textless_share = float(textless_share)
+        # `--api-key`: llama-server answers 401 on everything but its public endpoints (/health, /models, /v1/models:
+        # server.cpp's public_endpoints); vLLM guards its /v1 routes only (its /metrics, /health, /version are open).
+        self.api_key = api_key
         self._sg_decode_steps = 0  # SGLang's forward count of decode batches (its decode log every 40)
         self._sg_last_log = time.monotonic()
         self.truth: list[dict] = []  # one dict per finished request, in finishing order
@@ -704,7 +708,8 @@ class SimServer:
         self._started_ns = time.monotonic_ns()
         self._wake = asyncio.Event()
         sglang_http = self.flavour == "sglang" and self.serve_metrics
-        app = web.Application(middlewares=[self._sglang_http_metrics] if sglang_http else [])
+        middlewares = ([self._guard_api_key] if self.api_key else []) + ([self._sglang_http_metrics] if sglang_http else [])
+        app = web.Application(middlewares=middlewares)
         r = app.router
         r.add_get("/health", self._health)
         r.add_get("/props", self._props)
@@ -756,6 +761,16 @@ class SimServer:
         await self._runner.cleanup()
         for g in self.gpus:
             g.set_phase(Phase("idle"))
+
+    @web.middleware
+    async def _guard_api_key(self, request: web.Request, handler):
+        """The server's `--api-key`: a request without `Authorization: Bearer KEY` answered 401, as the flavour does."""
+        public = (request.path in ("/health", "/models", "/v1/models") if self.flavour == "llamacpp"
+                  else not request.path.startswith("/v1"))
+        if public or request.headers.get("Authorization") == f"Bearer {self.api_key}":
+            return await handler(request)
+        return web.json_response({"error": {"code": 401, "message": "Invalid API Key", "type": "authentication_error"}},
+                                 status=401)
 
     @web.middleware
     async def _sglang_http_metrics(self, request: web.Request, handler):

@@ -23,6 +23,7 @@ import numpy as np
 from powerprof.arrival import ArrivalQuality, Timing, arrival_quality, classify, count_problem
 from powerprof.errtext import error_text
 
+from .auth import API_KEY_ENV, api_key_given, auth_headers
 from .limits import (IDLE_REUSE_S, MAX_ERROR_BYTES, MAX_INFO_BYTES, MAX_METRICS_BYTES, MAX_RESPONSE_BYTES,
                      BodyTooLarge, bad_count, read_capped)
 from .stream import APIS, StreamParser, parse_response
@@ -223,11 +224,12 @@ async def _read_tail(resp: aiohttp.ClientResponse) -> None:
 def new_session() -> aiohttp.ClientSession:
     """The HTTP session of every run (load, measure, sweep, replay): connections unlimited, idle ones not reused
     after IDLE_REUSE_S, and the trace that tells send_request a request went out on a reused connection. A session
-    made otherwise works too, but a request the server's close took unanswered then counts as a failed attempt."""
+    made otherwise works too, but a request the server's close took unanswered then counts as a failed attempt.
+    Every request carries the API key where one is set (auth_headers)."""
     trace = aiohttp.TraceConfig()
     trace.on_connection_reuseconn.append(_on_reused)
     return aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0, keepalive_timeout=IDLE_REUSE_S),
-                                 trace_configs=[trace])
+                                 trace_configs=[trace], headers=auth_headers())
 
 
 def build_body(server: ServerInfo, prompt: str, params: RequestParams) -> dict:
@@ -367,6 +369,14 @@ async def detect_server(session: aiohttp.ClientSession, base_url: str, api: str 
         if st_h is None:
             raise ServerUnreachable(f"no server answers at {base} (tried /props, /v1/models, /health): "
                                     + _why_no_answer(base, errors))
+    if 401 in (st_props, st_models) or (st_models == 403 and st_props != 200):
+        # llama-server and vLLM started with --api-key: every endpoint but /health answers 401 without it.
+        had = api_key_given()
+        raise ServerUnreachable(
+            f"{base} answers {st_models if st_models in (401, 403) else st_props} Unauthorized: it was started with an API "
+            f"key (--api-key) and " + (f"refuses the one in ${API_KEY_ENV}" if had else "none was given")
+            + f": set {API_KEY_ENV}=<the server's key> in powerprof's environment (not a flag: a key on the command "
+            "line is in every process listing)")
     if st_models != 200 and api is None:
         if 503 in (st_props, st_models, st_h):
             # llama-server answers 503 to everything while it loads; --api would only move the failure on.

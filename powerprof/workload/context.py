@@ -13,6 +13,7 @@ import urllib.error
 import urllib.request
 from dataclasses import dataclass
 
+from .auth import auth_headers
 from .client import ServerInfo
 from .load import Prompt
 
@@ -53,7 +54,7 @@ def tokenize_count(server: ServerInfo, text: str, timeout_s: float = 120.0) -> i
     body = {"content": text, "add_special": True} if server.kind == "llamacpp" else {"prompt": text}
     if server.kind not in ("llamacpp", "vllm", "sglang"):
         return None
-    req = urllib.request.Request(url, json.dumps(body).encode(), {"Content-Type": "application/json"})
+    req = urllib.request.Request(url, json.dumps(body).encode(), {"Content-Type": "application/json", **auth_headers()})
     try:
         with urllib.request.urlopen(req, timeout=timeout_s) as r:
             status, data = r.status, r.read()

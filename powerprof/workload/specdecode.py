@@ -10,13 +10,16 @@ import urllib.request
 
 from prometheus_client.parser import text_string_to_metric_families
 
+from .auth import auth_headers
+
 DRAFT_COUNTERS = ("vllm:spec_decode_num_draft_tokens", "vllm:spec_decode_num_accepted_tokens")
 
 
 def spec_decode_counts(base_url: str, timeout_s: float = 10.0) -> tuple[float, float] | None:
     """(draft tokens, accepted tokens) the server counted since it started, or None without such counters."""
     try:
-        with urllib.request.urlopen(base_url.rstrip("/") + "/metrics", timeout=timeout_s) as r:
+        req = urllib.request.Request(base_url.rstrip("/") + "/metrics", headers=auth_headers())
+        with urllib.request.urlopen(req, timeout=timeout_s) as r:
             text = r.read().decode("utf-8", "replace")
     except OSError:
         return None
