@@ -70,3 +70,39 @@ def test_kill_9_at_random_times_loses_at_most_one_flush_interval(tmp_path):
     dup = samples[samples.duplicated(list(KEYS["samples"]), keep=False)]
     assert dup.empty, dup.to_string()
     assert read_dataset(data, "requests") is not None
+
+
+def test_a_tag_window_open_at_a_kill_9_is_written_and_said_at_the_next_start(tmp_path):
+    # Before: kill -9 with a window open lost it without a word, and `tag stop` after the restart answered "not open"
+    # (session 46's hostile review); a clean stop wrote it (closed_by shutdown), and still does.
+    import json
+    import subprocess
+    import sys
+
+    data = tmp_path / "data"
+    env = sim_env(tmp_path)
+
+    def tag(d, *args):
+        return subprocess.run([sys.executable, "-m", "powerprof.cli", "tag", *args, "--socket", d.info["tags"]],
+                              capture_output=True, text=True, timeout=30, env=env)
+
+    d = DaemonProc(data, "--simulate", "--interval", "0.25", "--flush-interval", "0.5", env=env)
+    first_id = d.info["daemon_id"]
+    assert tag(d, "start", "nightly/1").returncode == 0
+    assert json.loads((data / ".open-tags.json").read_text())["open"].keys() == {"nightly/1"}
+    d.kill9()
+    d = DaemonProc(data, "--simulate", "--interval", "0.25", "--flush-interval", "0.5", env=env)
+    try:
+        stopped = tag(d, "stop", "nightly/1")
+        assert stopped.returncode != 0 and "closed_by lost" in stopped.stderr + stopped.stdout, stopped
+        assert tag(d, "start", "other").returncode == 0  # open at a clean stop: closed_by shutdown, the file gone
+    finally:
+        rc = d.stop()
+    assert rc == 0, d.output()
+    assert "tag nightly/1 was open when the daemon before" in d.output()
+    rows = read_dataset(data, "tags").set_index("name")
+    lost = rows.loc["nightly/1"]
+    assert lost["closed_by"] == "lost" and lost["daemon_id"] == first_id and lost["gpu_energy_j"] != lost["gpu_energy_j"]
+    assert lost["energy_note"].startswith("lost: the daemon stopped without closing this window")
+    assert rows.loc["other", "closed_by"] == "shutdown" and rows.loc["other", "gpu_energy_j"] > 0
+    assert not (data / ".open-tags.json").exists()

@@ -36,7 +36,7 @@ from powerprof.errtext import error_text
 from powerprof.storage.atomic import atomic_path
 from powerprof.storage.samples import sample_rows
 
-from . import sdnotify, streams
+from . import opentags, sdnotify, streams
 from .config import Config, ConfigError, is_loopback, listen_host, load_config
 from .guard import ConnectionGuard, quiet_bad_requests
 from .inflight import InFlight
@@ -501,6 +501,8 @@ class Daemon:
         self._runners: list[web.AppRunner] = []
         self._sockets: list[BoundSocket] = []  # the Unix sockets this daemon bound: removed at its stop
         self._info_path: Path | None = None  # daemon.json once written: removed at the stop
+        self._open_tags_dir: Path | None = None  # where the open tag windows are kept (opentags.py) once ready
+        self._lost_tags: dict[str, int] = {}  # windows the daemon before left open (closed_by lost), for tag stop
         self._last_edge_s = 0.0
         self.edge_reads = 0  # on-demand counter reads at short requests' edges
         self.bad_requests = None  # guard.BadRequestLog once run() starts
@@ -664,20 +666,41 @@ class Daemon:
             return time.monotonic_ns(), time.time_ns()
         return Ledger.sample_instant(s.t_mono_ns, s.t_wall_ns, s.data)  # the instant the ledger dates this edge at
 
+    def _recover_lost_tags(self, data_dir: Path) -> None:
+        """Windows a daemon that did not stop cleanly left open (opentags.py): a row each, and said; before, a kill -9
+        lost them without a word, and `tag stop` answered "not open"."""
+        who, lost = opentags.take_lost(data_dir)
+        if lost:
+            self.store.append("tags", opentags.lost_rows(who, lost))
+        for name, wall0_ns in sorted(lost.items()):
+            log.warning("tag %s was open when the daemon before (%s) stopped without closing it (killed or crashed): "
+                        "written with closed_by lost and no figures; start it again", name, who or "unknown")
+        self._lost_tags.update(lost)
+
+    def _save_open_tags(self) -> None:
+        if self._open_tags_dir is not None:
+            opentags.save(self._open_tags_dir, self.daemon_id, {n: t.wall0_ns for n, t in self.ledger.tags.items()})
+
     async def tag_start(self, name: str) -> dict:
         if name in self.ledger.tags:
             raise ValueError(f"tag {name!r} is already open")
         t, wall = await self._edge(f"tag-start:{name}")
         self.ledger.open_tag(name, t, wall)
+        self._lost_tags.pop(name, None)
+        self._save_open_tags()
         self.waker.wake()
         log.info("tag %s started", name)
         return {"name": name, "started": True}
 
     async def tag_stop(self, name: str) -> dict:
         if name not in self.ledger.tags:
+            if name in self._lost_tags:
+                raise ValueError(f"tag {name!r} is not open: it was open when the daemon before stopped without closing "
+                                 "it (killed or crashed), and its row says closed_by lost, with no figures; start it again")
             raise ValueError(f"tag {name!r} is not open")
         t, wall = await self._edge(f"tag-stop:{name}")
         self.ledger.close_tag(name, t, wall)
+        self._save_open_tags()
         tag = self.ledger.closed_tags[-1]
         deadline = time.monotonic() + 3 * self.cfg.get("daemon", "interval_s") + 2
         while tag in self.ledger.closed_tags and time.monotonic() < deadline:
@@ -1324,6 +1347,8 @@ class Daemon:
         )
         for note in self.rig.notes:  # a simulated GPU, beside a real server or not: said where the operator looks
             log.warning("%s (every row's `simulated` column says so)" if self.rig.simulated else "%s", note)
+        self._open_tags_dir = data_dir
+        self._recover_lost_tags(data_dir)
         self._write_urls(data_dir)
         sdnotify.notify("READY=1")
 
@@ -1379,6 +1404,8 @@ class Daemon:
                 self.flusher.stop()
                 if self.store.buffered():
                     log.error("%d rows could not be written at shutdown (%s)", self.store.buffered(), self.store.last_error)
+                else:
+                    self._save_open_tags()  # every window closed (closed_by shutdown) and written: the file goes
             self.rig.close()
         finally:
             # Nothing has listened since the runners' cleanup; what says where it listened goes once the last rows are
