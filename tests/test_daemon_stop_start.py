@@ -367,3 +367,21 @@ def test_the_data_dir_the_daemon_makes_is_its_own_0700_and_the_default_path_gets
     # The default one (no daemon.data_dir: ~/.local/state/powerprof/daemon of a new user) is made with its folders.
     os.close(lock_data_dir(tmp_path / "s" / "powerprof" / "daemon", parents=True))
     assert (tmp_path / "s" / "powerprof" / "daemon").stat().st_mode & 0o777 == 0o700
+
+
+def test_a_data_dir_inside_another_daemons_is_refused_before_anything_is_made(tmp_path):
+    # `--data-dir dd1/requests` was taken (session 46's hostile review): `analyze dd1` then read its requests, samples
+    # and intervals as dd1's own (684 requests where dd1 held 550), unsaid.
+    from powerprof.daemon.service import StartupError, lock_data_dir
+
+    outer = tmp_path / "dd1"
+    os.close(lock_data_dir(outer))  # a daemon's data dir: its lock file is there
+    (outer / "requests").mkdir()
+    for inner in (outer / "requests", outer / "requests" / "x"):
+        try:
+            lock_data_dir(inner)
+            raise AssertionError(f"{inner}: a data dir inside another daemon's was taken")
+        except StartupError as e:
+            assert f"inside another daemon's data dir {outer}" in str(e), str(e)
+    assert sorted(p.name for p in (outer / "requests").iterdir()) == []  # nothing made there
+    os.close(lock_data_dir(tmp_path / "dd2"))  # beside it: fine

@@ -377,6 +377,13 @@ def lock_data_dir(data_dir: Path, euid: int | None = None, parents: bool = False
     why = untrusted_place(data_dir, euid)
     if not why:
         parent = Path(os.path.join(os.getcwd(), data_dir)).parent
+        outer = next((p for p in (parent, *parent.parents) if os.path.lexists(p / ".daemon.lock")), None)
+        if outer is not None:
+            # `--data-dir dd1/requests` was taken: every file it wrote then read as dd1's (analyze: 684 requests where
+            # dd1 held 550, its samples and intervals added in, unsaid).
+            raise StartupError(
+                f"data dir {data_dir} is inside another daemon's data dir {outer}: its datasets would be read as that "
+                f"one's rows (its requests/ as requests, its samples as samples). Fix: give a folder outside {outer}")
         if parents:
             parent.mkdir(parents=True, exist_ok=True)
         elif not os.path.lexists(data_dir) and not parent.is_dir():
