@@ -57,3 +57,32 @@ def test_enospc_is_logged_rows_wait_in_memory_and_traffic_flows(tmp_path, caplog
     # One log line per failing spell, not one per flush.
     assert sum("disk full" in r.getMessage() for r in caplog.records) < errors
     assert d.store.buffered() == 0 and d.store.written_rows["requests"] == 6
+
+
+def test_a_full_disk_at_start_keeps_the_lock_and_starts(tmp_path, monkeypatch, caplog):
+    # The lock's PID could not be written on a full disk: the start stopped (exit 1) and the proxy in the clients'
+    # path with it (session 46's hostile review). The flock needs no space: it is held, the PID said missing.
+    import fcntl
+    import os
+
+    import powerprof.daemon.service as service
+
+    def full(fd, data, offset):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(service.os, "pwrite", full)
+    with caplog.at_level(logging.WARNING, logger="powerprof.daemon"):
+        fd = service.lock_data_dir(tmp_path / "data")
+    try:
+        other = os.open(tmp_path / "data" / ".daemon.lock", os.O_RDONLY)
+        try:
+            try:
+                fcntl.flock(other, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                raise AssertionError("the lock was not held")
+            except BlockingIOError:
+                pass
+        finally:
+            os.close(other)
+    finally:
+        os.close(fd)
+    assert any("the disk is full" in r.getMessage() for r in caplog.records)

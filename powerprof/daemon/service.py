@@ -427,8 +427,18 @@ def lock_data_dir(data_dir: Path, euid: int | None = None, parents: bool = False
                 "stop it, or give this one another daemon.data_dir"
             ) from None
         raise StartupError(f"cannot lock {path}: {e}") from None
-    os.ftruncate(fd, 0)
-    os.pwrite(fd, str(os.getpid()).encode(), 0)
+    try:
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, str(os.getpid()).encode(), 0)
+    except OSError as e:
+        if e.errno not in (errno.ENOSPC, errno.EDQUOT):
+            os.close(fd)
+            raise
+        # The lock is held (flock needs no space); only the PID a second daemon's refusal names is missing. A full disk
+        # stopped the start here, and the proxy in the clients' path with it: rows wait in memory, as for a disk that
+        # fills later.
+        log.warning("data dir %s: the disk is full (%s): the daemon runs, its rows wait in memory until there is space",
+                    data_dir, e.strerror)
     return fd
 
 
