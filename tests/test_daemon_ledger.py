@@ -817,6 +817,25 @@ def _twin_streams(led, step_s, done_end_s, cut_end_s):
     return done, cut
 
 
+@pytest.mark.parametrize("stream, api, fix", [(True, "openai-chat", True), (False, "openai-chat", False),
+                                              (True, "llamacpp", False)])
+def test_a_prompt_never_said_is_said_with_the_fix_only_where_there_is_one(stream, api, fix):
+    # include_usage is an OpenAI stream's option: a whole answer (llama-server's n: 2) and a native stream were told to
+    # ask for it (session 46's walkthrough against the real llama-server).
+    sink = Sink()
+    led = Ledger("d", 0, 1, sink, grace_s=0.1)
+    done, quiet = _twin_streams(led, 0.05, 0.6, 0.6)
+    quiet.outcome, quiet.stream, quiet.api = "ok", stream, api
+    for tr in (done, quiet):
+        led.on_end(tr)
+    _feed(led, 0.0, 0.0)
+    _feed(led, 1.0, 100.0)
+    led.advance(int(1.5 * S))
+    note = {r["request_id"]: r for r in sink.rows["requests"]}[2]["energy_note"]
+    assert ("the stream carried no usage" in note and "include_usage" in note) is fix, note
+    assert fix or note.startswith("approximate: the server's answer did not say the prompt's length"), note
+
+
 def test_a_stream_cut_before_its_usage_is_costed_its_prompt_at_the_servers_own_ratio_and_says_so(caplog):
     # Two chat streams alike (2000-character prompts, 10 tokens each in one interval); the server counted the
     # first's prompt (500 tokens: 4 characters a token here), the second's client left before its usage. Before:

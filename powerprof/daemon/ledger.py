@@ -2834,8 +2834,12 @@ def _approximate_note(r: _Req) -> str | None:
     notes = []
     if r.prompt_est is not None and _prompt_tokens(r) is None:
         why = _unsaid_reason(r)
-        notes.append(f"{UNSAID_NOTES[why]}; its prefill was costed at an estimate of {r.prompt_est[0]:.0f} "
-                     f"prompt tokens ({r.prompt_est[1]}){UNSAID_FIX.get(why, '')}")
+        said, fix = UNSAID_NOTES[why], UNSAID_FIX.get(why, "")
+        if why == "no_usage" and not (r.trace.stream is True and (r.trace.api or "").startswith("openai")):
+            # include_usage is an OpenAI stream's option: a whole answer, or a native stream, has none to ask for.
+            said, fix = "the server's answer did not say the prompt's length", ""
+        notes.append(f"{said}; its prefill was costed at an estimate of {r.prompt_est[0]:.0f} "
+                     f"prompt tokens ({r.prompt_est[1]}){fix}")
     if _unseen(r) and not _passive(r):
         notes.append(_uncounted_note(r))
     if r.beside_uncounted:
