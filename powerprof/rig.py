@@ -128,8 +128,10 @@ class Rig:
         return ("sim-" + gpu_name.removeprefix("Simulated ")) if self.simulated else gpu_name
 
     def meta(self) -> dict:
-        """The run.json keys that say what was measured."""
-        return {"simulated": self.simulated, "sim_profile": self.sim_profile}
+        """The run.json keys that say what was measured: `sim_beside_real_server`, a simulated GPU that does not see
+        the real server's work (its power and clocks answer no request: analysis/checks.py says so)."""
+        return {"simulated": self.simulated, "sim_profile": self.sim_profile,
+                "sim_beside_real_server": self.simulated and self._real_server_used}
 
     def may_set_limits(self) -> bool:
         if self.simulated:

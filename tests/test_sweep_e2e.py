@@ -266,7 +266,14 @@ def test_simulated_gpu_beside_a_real_server_is_allowed_and_labelled(tmp_path):
     assert "SIMULATED GPU (a100-40g) beside a real server" in " ".join(r.stdout.split())
     assert (tmp_path / "mixed" / "levels.parquet").exists()
     meta = json.loads((tmp_path / "mixed" / "run.json").read_text())
-    assert meta["simulated"] is True
+    assert meta["simulated"] is True and meta["sim_beside_real_server"] is True
+    # The report says what is real and what is not, and the findings the blind GPU causes say that, not hardware's
+    # fixes ("Lower the limits", "check that --gpus names the server's GPU": session 46's walkthrough).
+    report = (tmp_path / "mixed" / "analysis" / "report.md").read_text()
+    assert "a simulated GPU beside a real server: token timing is the server's" in report
+    said = " ".join(r.stdout.split()) + " ".join(report.split())
+    assert "Lower the limits" not in said and "names the server's GPU" not in said, said[-3000:]
+    assert "the simulated GPU does not see the real server's work" in said, said[-3000:]
     # The prompt set it sent, by its texts (analyze's pooling check compares it; the windows show only ids and lengths).
     from powerprof.workload.load import builtin_prompts, prompt_set_record
 

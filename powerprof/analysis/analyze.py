@@ -98,6 +98,17 @@ class AnalysisResult:
         return any(r.simulated for r in self.runs)
 
     @property
+    def simulated_note(self) -> str:
+        """What the reports say of simulated figures: the simulator's GPU and server, or its GPU beside a real server
+        (real token timing, the simulator's every energy and power figure); "" for hardware."""
+        if not self.simulated:
+            return ""
+        if any(r.meta.get("sim_beside_real_server") is True for r in self.runs):
+            return ("a simulated GPU beside a real server: token timing is the server's, every energy and power figure "
+                    "is the simulator's, whose GPU does not see that server's work")
+        return "these figures come from the simulated GPU, not from hardware"
+
+    @property
     def starred(self) -> bool:
         """Whether a ★ may mark the recommended level: not where the words say to keep the reference (a saving
         not told from none) or that nothing can be compared; the star then contradicted the line beneath it."""
@@ -260,6 +271,7 @@ def analyze(
     run_ids = "+".join(dict.fromkeys(r.run_id for r in runs)) or None
     n_runs = _runs_per_level(windows)
     sweep = sweep_settings(runs)
+    blind_gpu = any(r.meta.get("sim_beside_real_server") is True for r in runs)
     results, findings, first = [], [], []
     stopped = interrupted_findings(runs, windows) if judge_interrupted else []
     cut = (interrupted_series_levels(runs, windows) if judge_interrupted else set()) | {
@@ -283,7 +295,7 @@ def analyze(
         # First of all: every loss and saving after it is relative to that level.
         first.extend(Finding(f.kind, prefix + f.message, f.levels)
                      for f in flagged_reference_findings(s, table, in_series) if s.level_values.size > 1)
-        for f in (reference_findings(s, reference, planned) + level_findings(table, **sweep)
+        for f in (reference_findings(s, reference, planned) + level_findings(table, **sweep, blind_gpu=blind_gpu)
                   + range_findings + edge_findings(s, choices, card, not_engaged, several_gpus=n_gpus > 1)
                   + choice_findings(choices, "MHz" if s.level_kind == "sm_clock" else "W")
                   + (saving_findings(choices, table, s.reference_value, "MHz" if s.level_kind == "sm_clock" else "W",

@@ -94,12 +94,19 @@ def edge_findings(series: LevelSeries, choices: dict[str, Choice], card_range=(N
     return out
 
 
+BLIND_GPU_FIX = ("the simulated GPU does not see the real server's work (`--simulate` beside `--server`): its power and "
+                 "clocks answer no request, so no limit binds and no reading is busy; these figures show the method "
+                 "only. Fix: sweep the real GPU (no --simulate), or the simulated server (no --server)")
+
+
 def level_findings(levels: pa.Table, target_ci_pct: float | None = None, max_time_s: float | None = None,
-                   max_requests: int | None = None, repeats: int = 1) -> list[Finding]:
+                   max_requests: int | None = None, repeats: int = 1, blind_gpu: bool = False) -> list[Finding]:
     """Per-level problems: cap not engaged, wide CIs, thermal throttling, failed requests.
 
     target_ci_pct, max_time_s, max_requests, repeats: the sweep's settings (run.json), so the advice
-    for a wide CI aims at the run's own target and names the limit that stopped the level."""
+    for a wide CI aims at the run's own target and names the limit that stopped the level. blind_gpu: a simulated
+    GPU beside a real server (run.json `sim_beside_real_server`): the cap and idle findings say that, not their fixes
+    for hardware (lower the limits, check --gpus)."""
     rows = levels.to_pylist()
     out = []
     unit = _unit(rows[0]["level_kind"]) if rows else "W"
@@ -117,7 +124,9 @@ def level_findings(levels: pa.Table, target_ci_pct: float | None = None, max_tim
         top_only = len(ne) == 1 and bound and ne[0]["level_value"] > max(r["level_value"] for r in bound)
         head = (f"cap not engaged at {', '.join(_fmt(v, unit) for v in vals)}: the GPU drew less than the limit "
                 f"({power}) and never reported a power-cap clock event, so the limit did not hold the GPU back there: ")
-        if top_only:
+        if blind_gpu:
+            msg = head + BLIND_GPU_FIX + "."
+        elif top_only:
             msg = head + ("it ran as if unlimited, so its figures are the card's own, the baseline the lower levels "
                           "(where the limit bound) are compared with. Nothing to fix; a level between the highest that "
                           "bound and this one would show where the limit starts to bind.")
@@ -197,9 +206,10 @@ def level_findings(levels: pa.Table, target_ci_pct: float | None = None, max_tim
             f"no SM or memory clock figure at {', '.join(_fmt(r['level_value'], unit) for r in idle)}: every GPU "
             "reading inside the level's measured windows was idle (GpuIdle, or 0% utilisation), and an idle reading "
             "shows the clock's floor, not the level's, so the clock figures take busy readings only. The GPU did no "
-            "work the sampler saw while tokens were counted: a server on another GPU than the one measured, or windows "
-            "too short for a reading (interval_s). Fix: check that --gpus names the server's GPU (nvidia-smi shows its "
-            "process) and measure the level again."), tuple(r["level_value"] for r in idle)))
+            "work the sampler saw while tokens were counted: " + (BLIND_GPU_FIX + "." if blind_gpu else
+            "a server on another GPU than the one measured, or windows too short for a reading (interval_s). Fix: "
+            "check that --gpus names the server's GPU (nvidia-smi shows its process) and measure the level again.")),
+            tuple(r["level_value"] for r in idle)))
     failed = [r for r in rows if r.get("n_failed")]
     if failed:
         out.append(Finding("failed", "failed requests (not counted): " + ", ".join(

@@ -503,7 +503,7 @@ def _runs_lines(result: AnalysisResult) -> list[str]:
 def render_markdown(result: AnalysisResult, images: dict[str, Path] | None = None, base: Path | None = None) -> str:
     out = ["# powerprof analysis", ""]
     if result.simulated:
-        out += ["> **Simulated**: these figures come from the simulated GPU, not from hardware.", ""]
+        out += [f"> **Simulated**: {result.simulated_note}.", ""]
     out += [f"**{recommendation_line(result)}**", "", "Runs pooled:", ""] + [f"- {x}" for x in _runs_lines(result)]
     if result.knobs is not None:
         from .knobs import markdown_lines
@@ -576,7 +576,7 @@ def render_html(result: AnalysisResult, images: dict[str, Path] | None = None) -
     parts = ["<!DOCTYPE html><html><head><meta charset='utf-8'><title>powerprof analysis</title>",
              f"<style>{_CSS}</style></head><body><h1>powerprof analysis</h1>"]
     if result.simulated:
-        parts.append("<p class='sim'><b>Simulated</b>: these figures come from the simulated GPU, not hardware.</p>")
+        parts.append(f"<p class='sim'><b>Simulated</b>: {html.escape(result.simulated_note)}.</p>")
     parts.append(f"<p class='rec'>{html.escape(recommendation_line(result))}</p><p>Runs pooled:</p><ul>")
     parts += [f"<li>{html.escape(x)}</li>" for x in _runs_lines(result)]
     parts.append("</ul>")
