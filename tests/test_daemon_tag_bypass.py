@@ -239,3 +239,17 @@ def test_tag_stop_says_why_a_window_may_read_high_and_the_fix(monkeypatch, serve
     [note] = [n for n in res.stderr.splitlines() if server_count in n]
     assert "fix" in note and fix in note, note
     assert ("out of its tag's figures" in note) == (server_count not in ("slots_only", "off")), note
+
+
+def test_a_tags_duration_is_the_counted_windows_and_a_nan_one_is_left_out(tmp_path):
+    # duration_s summed every valid window, those left out of the figures too (not the time behind its J/token), and
+    # one NaN duration made it NaN (session 46's fleet-docs review).
+    from powerprof.analysis.fleet import tag_summary
+
+    rows = _tag_rows(0, 3)
+    rows[1]["server_count"] = "late_baseline"  # left out: its count may be low
+    rows[2]["duration_s"] = float("nan")  # no duration can be NaN: the window is invalid
+    data = _folder(tmp_path, {"new": rows})
+    [t] = tag_summary([str(data)]).to_pylist()
+    assert t["counted_windows"] == 1 and t["duration_s"] == 1.0, t
+    assert t["bypass_uncertain_windows"] == 1 and t["invalid_windows"] == 1, t

@@ -449,7 +449,7 @@ SELECT host, name,
        sum(proxy_tokens) FILTER (WHERE {counted}) AS proxy_tokens,
        (sum(gpu_energy_j) FILTER (WHERE {counted}) - sum(unproxied_energy_j) FILTER (WHERE {counted}))
            / nullif(sum(proxy_tokens) FILTER (WHERE {counted}), 0) AS gpu_j_per_token,
-       sum(duration_s) FILTER (WHERE {ok}) AS duration_s,
+       sum(duration_s) FILTER (WHERE {counted}) AS duration_s,
        min(t_start_utc) AS t_first_utc,
        max(t_end_utc) AS t_last_utc,
        count(*) FILTER (WHERE {ok} AND {energy} AND NOT {trusted} AND NOT {unknown}) AS bypass_uncertain_windows,
@@ -473,7 +473,8 @@ FROM {tags} GROUP BY host, name ORDER BY host, name
     "{trusted}", f"({_count_trusted_sql()} AND unproxied_energy_j IS NOT NULL)").replace(
     "{unknown}", f"({_count_unknown_sql()} OR unproxied_energy_j IS NULL)").replace(
     "{energy}", "(gpu_energy_j IS NOT NULL)").replace(
-    "{ok}", "{sane} AND NOT spans_bad").replace("{sane}", _sane("gpu_energy_j", "proxy_tokens", "unproxied_energy_j"))
+    "{ok}", "{sane} AND NOT spans_bad").replace("{sane}", _sane("gpu_energy_j", "proxy_tokens", "unproxied_energy_j",
+                                                                  "duration_s"))
 
 
 def tag_summary(sources) -> pa.Table:
