@@ -354,6 +354,49 @@ def test_bodies_read_whole_are_bounded_together_and_one_past_the_budget_streams_
     assert "request body not read whole (0.2 MiB of other requests' bodies" in third.error, third.error
 
 
+def test_a_body_read_whole_gives_its_budget_back_once_its_answer_begins():
+    """A long answer held its request's body budget for its whole generation: 70 streams of 512 KiB prompts stopped
+    inspection for everyone, their rows saying bodies "were being read" (session 46's review)."""
+
+    async def main():
+        begun, finish = asyncio.Event(), asyncio.Event()
+
+        async def slow(request):
+            await request.read()
+            resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+            await resp.prepare(request)
+            await resp.write(b'data: {"content":"a","tokens":[1],"stop":false}\n\n')
+            begun.set()
+            await finish.wait()
+            await resp.write(b'data: {"content":"","tokens":[],"stop":true,"tokens_predicted":1}\n\n')
+            return resp
+
+        app = web.Application()
+        app.router.add_post("/completion", slow)
+        r1, up_url = await serve_here(app)
+        rec = Rec()
+        proxy = Proxy(up_url, recorder=rec)
+        r2, px_url = await serve_here(proxy.app())
+        async with aiohttp.ClientSession() as s:
+            async def one():
+                async with s.post(px_url + "/completion", json={"prompt": "x" * 500_000, "stream": True}) as r:
+                    return await r.read()
+
+            task = asyncio.create_task(one())
+            await asyncio.wait_for(begun.wait(), 10)
+            await asyncio.sleep(0.2)
+            held_while_answering = proxy._inspecting
+            finish.set()
+            await task
+        await r2.cleanup()
+        await r1.cleanup()
+        return held_while_answering, proxy, rec
+
+    held, proxy, rec = _run(main())
+    assert held == 0 and proxy._inspecting == 0
+    assert rec.ended[0].stream is True  # it was read whole and inspected all the same
+
+
 def test_a_client_leaving_before_the_response_head_closes_the_upstream():
     """A non-streamed generation sends its head only when done: a client that leaves while it runs must close
     the upstream within about a second (the server stops generating), not when the answer comes."""

@@ -385,13 +385,15 @@ class Proxy:
             self.uninspected_bodies += 1
             if trace is not None:
                 _add_error(trace, f"request body not read whole ({self._inspecting / 2**20:.1f} MiB of other requests' "
-                                  "bodies were being read): streamed on, its model and stream not known")
+                                  "bodies were held, waiting for their answers to begin): streamed on, its model and "
+                                  "stream not known")
             held = 0
         self._inspecting += held
+        budget = [held]  # given back by _forward once the answer's head is in (its body is never sent again)
         try:
-            return await self._forward(request, trace, inspect=held > 0)
+            return await self._forward(request, trace, budget)
         finally:
-            self._inspecting -= held
+            self._inspecting -= budget[0]
             self.active -= 1
             if trace is not None:
                 trace.end_ns = time.monotonic_ns()
@@ -406,18 +408,21 @@ class Proxy:
                     _add_error(trace, unreadable_note(trace.counts))
                 self._safe(trace, self.recorder.on_end)
 
-    async def _forward(self, request: web.Request, trace: RequestTrace | None, inspect: bool) -> web.StreamResponse:
-        """`inspect`: read the body whole (it fits INSPECT_MAX_BYTES and the budget, reserved by the caller)."""
+    async def _forward(self, request: web.Request, trace: RequestTrace | None, budget: list[int]) -> web.StreamResponse:
+        """`budget[0]`: the bytes of INSPECT_BUDGET_BYTES the caller reserved for reading the body whole (0: streamed
+        on); given back here as soon as the answer's head is in, so a long answer holds none of it (70 streams of
+        512 KiB prompts held the budget for their whole generation, and inspection stopped for everyone)."""
         assert self.pool is not None
         length = request.content_length
         body: bytes | None = None
         streamed = False
-        if inspect:
+        if budget[0]:
             try:
                 if request.content.is_eof():  # all here already (the usual small POST): no timer, no await
                     body = request.content.read_nowait()
                 else:
-                    body = await asyncio.wait_for(request.read(), self.body_timeout_s)
+                    # The stream's own read, not request.read(): that one keeps the bytes on the request for its life.
+                    body = await asyncio.wait_for(request.content.read(), self.body_timeout_s)
             except asyncio.TimeoutError:
                 return self._body_timeout(trace, f"request body of {length} bytes not received within "
                                                  f"{self.body_timeout_s:g} s")
@@ -500,6 +505,10 @@ class Proxy:
             if ex is not None:
                 self._drop(ex)
             raise
+        # The answer has begun: the body will not be sent again (StaleConnection's retry is over).
+        body = head = None
+        self._inspecting -= budget[0]
+        budget[0] = 0
         try:
             return await self._relay(request, ex, status, reason, up_headers, trace)
         finally:
@@ -548,8 +557,8 @@ class Proxy:
                 sink.inflate = zlib.decompressobj(47)  # 32 + 15: a zlib or gzip header, detected
             elif trace.api is not None and status < 400 and encoding not in ("", "identity"):
                 # Its tokens cannot be read: said on the row, not left as a silent null.
-                trace.error = (f"response Content-Encoding {encoding[:40]!r} is not inspected: "
-                               "its tokens were not counted")
+                _add_error(trace, f"response Content-Encoding {encoding[:40]!r} is not inspected: "
+                                  "its tokens were not counted")
             else:
                 encoding = ""
             if trace.api is not None and status < 400 and (not encoding or sink.inflate is not None):
