@@ -76,6 +76,20 @@ def test_llamacpp_prompt_progress_events_are_no_tokens_and_say_the_prompts_lengt
     assert [e.n_tokens for e in cut_events] == [1] and cut_s.prompt_tokens == 9  # the prompt said before the end
 
 
+@pytest.mark.parametrize("split", [None, 3])
+def test_prompt_progress_chunks_of_an_openai_completions_stream_are_no_tokens(split):
+    # llama-server's /v1/completions with return_progress: `{"text": "", "finish_reason": null}` chunks carrying
+    # `prompt_progress`, counted as a token each (session 46's review: 7 counted for a usage of 5).
+    progress = [{"choices": [{"text": "", "index": 0, "finish_reason": None}], "object": "text_completion",
+                 "prompt_progress": {"total": 9, "cache": 0, "processed": k, "time_ms": 1.0}} for k in (0, 9)]
+    tokens = [{"choices": [{"text": t, "index": 0, "finish_reason": None}], "object": "text_completion"}
+              for t in ("a", "b", "c")]
+    end = {"choices": [{"text": "", "index": 0, "finish_reason": "length"}], "object": "text_completion",
+           "usage": {"completion_tokens": 3, "prompt_tokens": 9, "total_tokens": 12}}
+    events, s = feed_all("openai-completions", sse(*progress, *tokens, end) + b"data: [DONE]\n\n", split)
+    assert [e.n_tokens for e in events] == [1, 1, 1] and s.counted_tokens == 3 == s.generated_tokens, events
+
+
 def test_llamacpp_old_builds_without_tokens_array_use_tokens_predicted():
     data = sse(
         {"content": "a", "stop": False, "tokens_predicted": 1},

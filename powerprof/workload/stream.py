@@ -934,6 +934,10 @@ class StreamParser:
             return
         if isinstance(obj.get("model"), str):
             s.model = obj["model"]
+        if "prompt_progress" in obj:
+            # llama-server's `return_progress` on /v1/completions: a chunk of empty text and no finish reason, no
+            # token (counted, it was one each: 7 for a usage of 5, the first at the prompt's start).
+            return
         choices = obj.get("choices")
         usage = obj.get("usage")
         timings = obj.get("timings")
