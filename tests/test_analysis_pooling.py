@@ -186,3 +186,23 @@ def test_levels_not_measured_by_every_pooled_run_are_said(tmp_path):
     c = make_run(tmp_path / "c", truth, levels=(220, 300), n_requests=10, seed=3)
     res = analyze_run([a, c], tmp_path / "o2", n_boot=200, plots=False, formats=())
     assert not [w for w in res.warnings if w.kind == "uneven-pool"]
+
+
+def test_draft_counts_pooled_over_runs_are_summed_and_their_acceptance_is_the_sums_ratio(tmp_path):
+    # Averaged like a sensor figure, 1000/900 and 101/10 drafts read 550/455 (the mean truncated to an integer) and an
+    # acceptance of 0.4995, a mean of ratios, where the level proposed 1101 and accepted 910 (session 46's review).
+    from types import SimpleNamespace
+
+    from powerprof.analysis.loading import sweep_level_figures
+
+    runs = []
+    for k, (n, a) in enumerate(((1000, 900), (101, 10))):
+        d = tmp_path / f"r{k}"
+        d.mkdir()
+        pq.write_table(pa.table({"level_kind": ["power_limit"], "level_value": [200.0], "draft_n": pa.array([n], pa.int64()),
+                                 "draft_n_accepted": pa.array([a], pa.int64()), "draft_acceptance": [a / n],
+                                 "draft_source": ["timings"]}), d / "levels.parquet")
+        runs.append(SimpleNamespace(path=d))
+    got = sweep_level_figures(runs)[("power_limit", 200.0)]
+    assert got["draft_n"] == 1101 and got["draft_n_accepted"] == 910, got
+    assert got["draft_acceptance"] == pytest.approx(910 / 1101) and got["draft_source"] == "timings"

@@ -418,6 +418,7 @@ SAMPLE_LEVEL_COLUMNS = ("enforced_limit_w", "avg_cpu_power_w", "sm_clock_mhz", "
                         "no_busy_clock")  # not a levels column: the flag no-busy-reading (stats.NO_BUSY_FLAG)
 # What only the sweep knows about a level, carried from levels.parquet into the analysis.
 SWEEP_LEVEL_COLUMNS = SAMPLE_LEVEL_COLUMNS + ("stop_rule", "draft_n", "draft_n_accepted", "draft_acceptance", "draft_source")
+SUMMED_LEVEL_COLUMNS = ("draft_n", "draft_n_accepted")  # pooled over runs by their sum, not their mean
 
 
 @dataclass
@@ -563,5 +564,13 @@ def sweep_level_figures(runs: list[RunInfo], where: dict | None = None) -> dict:
                     d.setdefault(c, []).append(row[c])
     out = {}
     for key, d in pooled.items():
-        out[key] = {c: _pool(v) for c, v in d.items()}
+        out[key] = {c: _pool(v) for c, v in d.items() if c not in SUMMED_LEVEL_COLUMNS}
+        # Counts over the level's measured requests add up over runs (averaged, 1000 and 101 drafts read 550, and
+        # the acceptance a mean of ratios); the acceptance is the sums' ratio again.
+        for c in SUMMED_LEVEL_COLUMNS:
+            if d.get(c):
+                out[key][c] = int(sum(d[c]))
+        n, a = out[key].get("draft_n"), out[key].get("draft_n_accepted")
+        if n and a is not None:
+            out[key]["draft_acceptance"] = a / n
     return out
