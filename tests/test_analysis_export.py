@@ -985,3 +985,20 @@ def test_a_foreign_columns_name_a_sheet_cannot_hold_is_cleaned_not_a_traceback(t
     r = CliRunner().invoke(main, ["export", str(src), "--format", "csv", "--out", str(tmp_path / "c")])
     assert r.exit_code == 0, (r.output, r.exception)
     assert (tmp_path / "c" / "foreign.csv").read_text().splitlines()[0].startswith("a\x1b[31mb,hhh")
+
+
+def test_a_parquet_export_of_several_runs_keeps_each_runs_metadata_not_the_firsts(tmp_path):
+    # unify_schemas kept the first source's `powerprof`: a simulated run exported after a real one read as real
+    # (session 46's review). Where the runs differ, the table has none of them as its own, and all of them in order.
+    import json  # noqa: PLC0415
+
+    a = make_run(tmp_path / "a", seed_truth(), levels=(220, 300), n_requests=4)
+    b = make_run(tmp_path / "b", seed_truth(), levels=(220, 300), n_requests=4, seed=1,
+                 start=datetime(2026, 1, 16, tzinfo=timezone.utc))
+    ex.export([a, b], "parquet", tmp_path / "p", tz="UTC")
+    for name in ("samples", "windows", "levels"):
+        meta = pq.read_schema(tmp_path / "p" / f"{name}.parquet").metadata
+        assert b"powerprof" not in meta, name
+        runs = json.loads(meta[b"powerprof_sources"])
+        assert [r["run_id"] for r in runs] == [json.loads(pq.read_schema(x / f"{name}.parquet").metadata[b"powerprof"])
+                                               ["run_id"] for x in (a, b)], name

@@ -184,15 +184,29 @@ def union_sources(groups: list[list[Source]]) -> list[Source]:
             out.append(same[0])
             continue
         try:
+            meta = _sources_metadata(same)
             try:  # as they are: a column categorical in every source stays so, as each source's own export keeps it
                 schema = pa.unify_schemas([s.dataset.schema for s in same], promote_options="permissive")
-                union = ds.dataset([s.dataset for s in same], schema=schema)
+                union = ds.dataset([s.dataset for s in same], schema=schema.with_metadata(meta))
             except (pa.ArrowInvalid, pa.ArrowTypeError):  # categorical in some: read as its values
                 schema = pa.unify_schemas([_dense(s.dataset.schema) for s in same], promote_options="permissive")
-                union = ds.dataset([_with_schema(s.dataset, schema) for s in same], schema=schema)
+                union = ds.dataset([_with_schema(s.dataset, schema) for s in same], schema=schema.with_metadata(meta))
         except (pa.ArrowInvalid, pa.ArrowTypeError) as e:
             raise ExportError(f"table {name}: the sources' columns do not agree ({e})") from None
         out.append(Source(name, union, same[0].partition_fields, tuple(f for x in same for f in x.strays)))
+    return out
+
+
+def _sources_metadata(same: list[Source]) -> dict:
+    """The union's key-value metadata: the sources' where they agree; where their `powerprof` (a run's run.json)
+    differs, none of them as the table's, but every one, in order, under `powerprof_sources` (unify_schemas kept the
+    first's: a simulated run exported after a real one read as real, and the other way round)."""
+    metas = [dict(s.dataset.schema.metadata or {}) for s in same]
+    runs = [m.get(b"powerprof") for m in metas]
+    if len(set(runs)) <= 1:
+        return metas[0]
+    out = {k: v for k, v in metas[0].items() if k != b"powerprof" and all(m.get(k) == v for m in metas)}
+    out[b"powerprof_sources"] = json.dumps([json.loads(r) if r else None for r in runs]).encode()
     return out
 
 
