@@ -23,15 +23,16 @@ NODES = 8
 T0_NS = 1_768_478_400 * 10**9  # 2026-01-15 12:00 UTC
 
 
-def _node(root: Path, k: int, simulated: bool | None = None) -> dict:
+def _node(root: Path, k: int, simulated: bool | None = None, daemon: str | None = None) -> dict:
     """One node's daemon data folder written by the daemon's own store; returns its true totals."""
     store = DatasetStore(root, datasets(), host=f"node-{k}", simulated=simulated)
     n_req = 10 + k
-    reqs = [{"daemon_id": f"d{k}", "request_id": i, "t_arrival_utc": T0_NS + i * 10**9,
+    daemon = daemon or f"d{k}"
+    reqs = [{"daemon_id": daemon, "request_id": i, "t_arrival_utc": T0_NS + i * 10**9,
              "t_end_utc": T0_NS + i * 10**9 + 5 * 10**8, "outcome": "ok" if i else "client_disconnected",
              "generated_tokens": 100 + k, "gpu_energy_j": 50.0 + k, "attributed_tokens": 100.0 + k, "ttft_s": 0.1}
             for i in range(n_req)]
-    ivals = [{"daemon_id": f"d{k}", "t_start_utc": T0_NS + i * 10**9, "t_end_utc": T0_NS + (i + 1) * 10**9,
+    ivals = [{"daemon_id": daemon, "t_start_utc": T0_NS + i * 10**9, "t_end_utc": T0_NS + (i + 1) * 10**9,
               "duration_s": 1.0, "kind": "idle" if i % 4 == 0 else "decode", "gpu_energy_j": 300.0 + k}
              for i in range(40)]
     store.append("requests", reqs)
@@ -90,10 +91,24 @@ def test_a_simulated_hosts_figures_are_marked_and_said_beside_real_ones(fleet, t
     assert any(ln.startswith("node-9 (sim) ") for ln in lines) and any(ln.startswith("node-0 ") for ln in lines)
     assert not any(ln.startswith("node-0 (sim)") for ln in lines)
     said = [ln for ln in lines if "simulated GPU" in ln]
-    assert len(said) == 1 and "node-9: 40 intervals" in said[0] and "adds them to real hosts'" in said[0], said
+    assert len(said) == 1 and "node-9 (sim): 40 intervals" in said[0] and "adds them to real hosts'" in said[0], said
     alone = CliRunner().invoke(main, ["analyze", str(tmp_path / "node-9")])
     assert "node-9 (sim) " in alone.output and "simulated GPU" in alone.output and "adds them" not in alone.output
     assert fleet_summary([str(base / "node-0")]).column("simulated_intervals").to_pylist() == [0]  # before the column
+    # One host that ran `daemon --simulate` and then the real daemon on one data dir: two rows, never one blend of
+    # both under the simulator's mark (9 J/token and 1 read 5, session 46's review).
+    both = tmp_path / "both"
+    _node(both, 5, simulated=True)
+    _node(both / "real", 5, simulated=False, daemon="d5-real")
+    for table in ("requests", "intervals"):
+        for f in (both / "real" / table).rglob("*.parquet"):
+            dst = both / table / f.parent.name / ("real-" + f.name)
+            dst.parent.mkdir(parents=True, exist_ok=True)
+            f.rename(dst)
+    rows = {r["host"]: r for r in fleet_summary([str(both)]).to_pylist()}
+    assert set(rows) == {"node-5", "node-5 (sim)"}, rows.keys()
+    assert rows["node-5"]["simulated_intervals"] == 0 and rows["node-5 (sim)"]["simulated_intervals"] == 40
+    assert rows["node-5"]["requests"] == rows["node-5 (sim)"]["requests"] == 15
 
 
 def test_a_node_named_twice_counts_once(fleet, tmp_path):

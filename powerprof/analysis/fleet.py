@@ -105,14 +105,14 @@ def _quote(s: str) -> str:
 
 # The columns each table's query reads, with the type a file that lacks one (older writers) reads as NULL.
 COLUMNS = {
-    "requests": {"host": "VARCHAR", "daemon_id": "VARCHAR", "request_id": "BIGINT", "outcome": "VARCHAR",
+    "requests": {"host": "VARCHAR", "simulated": "BOOLEAN", "daemon_id": "VARCHAR", "request_id": "BIGINT", "outcome": "VARCHAR",
                  "generated_tokens": "BIGINT", "gpu_energy_j": "DOUBLE", "attributed_tokens": "DOUBLE",
                  "ttft_s": "DOUBLE", "energy_note": "VARCHAR", "t_arrival_utc": "TIMESTAMPTZ",
                  "t_end_utc": "TIMESTAMPTZ"},
     "intervals": {"host": "VARCHAR", "daemon_id": "VARCHAR", "t_start_mono_s": "DOUBLE", "gpu_energy_j": "DOUBLE",
                   "kind": "VARCHAR", "duration_s": "DOUBLE", "t_start_utc": "TIMESTAMPTZ",
                   "t_end_utc": "TIMESTAMPTZ", "server_count": "VARCHAR", "simulated": "BOOLEAN"},
-    "tags": {"host": "VARCHAR", "daemon_id": "VARCHAR", "name": "VARCHAR", "t_start_utc": "TIMESTAMPTZ",
+    "tags": {"host": "VARCHAR", "simulated": "BOOLEAN", "daemon_id": "VARCHAR", "name": "VARCHAR", "t_start_utc": "TIMESTAMPTZ",
              "t_end_utc": "TIMESTAMPTZ", "duration_s": "DOUBLE", "gpu_energy_j": "DOUBLE", "proxy_tokens": "DOUBLE",
              "server_count": "VARCHAR", "unproxied_energy_j": "DOUBLE"},
 }
@@ -164,10 +164,12 @@ def _table_sql(con, table: str, files: list[str]) -> str:
 
 
 def _host_label_sql(table: str) -> str:
-    """SQL: the host a row of `table` belongs to (its own `host`, else its `host=` folder's, else its dataset folder)."""
+    """SQL: the host a row of `table` belongs to (its own `host`, else its `host=` folder's, else its dataset folder),
+    ` (sim)` after it where a daemon on the simulated GPU wrote the row: a host that ran `daemon --simulate` and then
+    the real daemon on one data dir is two rows, never one blend of both (9 J/token and 1 read 5, all marked sim)."""
     folder = folder_sql(table)
-    return (f"coalesce(host, nullif(regexp_extract({folder}, '/host=([^/]+)$', 1), ''), "
-            f"'(unknown) ' || {folder})")
+    return (f"(coalesce(host, nullif(regexp_extract({folder}, '/host=([^/]+)$', 1), ''), "
+            f"'(unknown) ' || {folder}) || CASE WHEN simulated THEN ' (sim)' ELSE '' END)")
 
 
 def _raw_sql(con, table: str, files: list[str]) -> str:
@@ -703,7 +705,7 @@ def render_summary(t: pa.Table) -> str:
     `J/tok on`: the share of the tokens whose requests the J/token rests on (649 requests and 55216 tokens beside a
     J/token of 60 of them read as theirs)."""
     rows = t.to_pylist()
-    w = max([20] + [len(r["host"]) + (6 if r.get("simulated_intervals") else 0) for r in rows])  # never cut short
+    w = max([20] + [len(r["host"]) for r in rows])  # a host cut short could read as another
 
     def on(att, tok):
         pct = 100 * att / tok if tok else None
@@ -721,8 +723,7 @@ def render_summary(t: pa.Table) -> str:
         jpt = r["gpu_j_per_token"]
         att_tok, tok = r["attributed_tokens"] or 0.0, r["generated_tokens"] or 0
         short = short or (jpt is not None and att_tok < tok)
-        host = r["host"] + (" (sim)" if r.get("simulated_intervals") else "")
-        lines.append(f"{host:{w}s} {r['requests'] or 0:9d} {tok:11d} {e / 3.6e6:9.3f} "
+        lines.append(f"{r['host']:{w}s} {r['requests'] or 0:9d} {tok:11d} {e / 3.6e6:9.3f} "
                      f"{100 * idle / e if e else float('nan'):7.1f} {on(att_tok, tok) if jpt is not None else '-':>8s} "
                      f"{'-' if jpt is None else f'{jpt:.3f}':>8s}")
         tot_e, tot_idle = tot_e + e, tot_idle + idle
