@@ -306,7 +306,8 @@ class Rig:
         GPU is never 'restored' on the simulator and its record then deleted)."""
         from powerprof.control.restore import restore_from_file
 
-        return restore_from_file(path, nvml_factory=_nvml_for_record, refuse=self._refuse_record, **kw)
+        return restore_from_file(path, nvml_factory=_nvml_for_record, refuse=self._refuse_record,
+                                 machine_scope=self.machine_scope, **kw)
 
     def force_default(self, report):
         """`powerprof restore --force-default`: each damaged or untrusted file of `report` is replaced by the
@@ -323,7 +324,7 @@ class Rig:
         from powerprof.control.restore import FileOutcome, uuids_named_in
 
         if self.simulated:
-            named = set(uuids_named_in(outcome.path))
+            named = set(uuids_named_in(outcome.path) or ())
             ours = {g.uuid for g in self.nvml.gpus}
             if not named or not named <= ours:
                 why = ("names no GPU that can be read" if not named
@@ -331,7 +332,7 @@ class Rig:
                 return FileOutcome(outcome.path, "refused",
                                    f"Not changed: {outcome.path} {why}; it may hold a real GPU's original limit. "
                                    "Run `powerprof restore --force-default` without --simulate on the GPU's host.")
-        return force_default(outcome.path, self.nvml)
+        return force_default(outcome.path, self.nvml, machine_scope=self.machine_scope)
 
     def _refuse_record(self, record: dict) -> str | None:
         if self.simulated and not record.get("simulated"):

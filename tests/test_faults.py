@@ -434,7 +434,26 @@ def test_uuids_are_read_from_a_regular_files_first_mib_only(tmp_path):
     assert uuids_named_in(big) == [uuid]  # the one past the first MiB is not read
     (tmp_path / "link").symlink_to(big)
     os.mkfifo(tmp_path / "fifo")
-    assert uuids_named_in(tmp_path / "link") == [] and uuids_named_in(tmp_path / "fifo") == []
+    assert uuids_named_in(tmp_path / "link") is None and uuids_named_in(tmp_path / "fifo") is None  # nothing to act on
+    (tmp_path / "none").write_text("{}")
+    assert uuids_named_in(tmp_path / "none") == []  # read, naming no GPU
+
+
+def test_force_default_on_a_symlink_or_fifo_changes_nothing(tmp_path, monkeypatch):
+    # "No UUID readable" sets every GPU to its default: a symlink or a FIFO in a restore file's place did that
+    # (session 46's review), where there is nothing in it to act on.
+    from powerprof.control.restore import force_default
+
+    monkeypatch.setenv("POWERPROF_SIM_STATE", str(tmp_path / "sim.json"))
+    default_w = _limit_w(tmp_path)
+    _set_limit(tmp_path, default_w - 40)
+    (tmp_path / "target.json").write_text("{}")
+    (tmp_path / "restore-link.json").symlink_to(tmp_path / "target.json")
+    os.mkfifo(tmp_path / "restore-fifo.json")
+    for name in ("restore-link.json", "restore-fifo.json"):
+        out = force_default(tmp_path / name, _sim(tmp_path), directory=tmp_path / "state")
+        assert out.status == "failed" and "no regular file" in out.message, out
+        assert _limit_w(tmp_path) == default_w - 40 and (tmp_path / name).exists()
 
 
 @pytest.mark.skipif(os.geteuid() != 0, reason="making a folder owned by another user needs root")

@@ -24,7 +24,7 @@ from powerprof.trust import _file_reason, _folder_reason, _trusted_target, untru
 
 from .device import nvml_error_code
 from .errors import ControlError, ControlPermissionError, GpuBusyError, RestoreError, permission_message
-from .gpulock import GpuLock, is_held, lock_path, make_dirs, read_holder_pid
+from .gpulock import GpuLock, MachineLock, is_held, lock_path, make_dirs, read_holder_pid
 from .setter import NvidiaSmi, check_applied, reset_sm_clocks, run_nvidia_smi, set_power_limit
 
 RESTORE_GLOB = "restore-*.json"
@@ -167,22 +167,23 @@ _UUID_RE = re.compile(rb"GPU-[0-9A-Fa-f]{8}(?:-[0-9A-Fa-f]{4}){3}-[0-9A-Fa-f]{12
 UUID_SCAN_BYTES = 1 << 20  # a restore file is a few hundred bytes: a damaged one's UUIDs are in its first MiB
 
 
-def uuids_named_in(path: Path) -> list[str]:
-    """GPU UUIDs found in a (possibly damaged) restore file's first MiB; [] when none can be read. Read as a regular
-    file only, never through a symlink, and never more than that MiB: a symlink there to an 8 GB file had root's
-    `restore --force-default` read it whole first (8.4 GB resident, 36 s), and a FIFO would have held it."""
+def uuids_named_in(path: Path) -> list[str] | None:
+    """GPU UUIDs found in a (possibly damaged) restore file's first MiB: [] when it names none; None when it is no
+    regular file that can be read (a symlink, a FIFO, gone): nothing to act on. Never through a symlink, and never
+    more than that MiB: a symlink there to an 8 GB file had root's `restore --force-default` read it whole first
+    (8.4 GB resident, 36 s), and a FIFO would have held it."""
     try:
         fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
     except OSError:
-        return []
+        return None
     try:
         if not stat.S_ISREG(os.fstat(fd).st_mode):
-            return []
+            return None
         raw = b""
         while len(raw) < UUID_SCAN_BYTES and (chunk := os.read(fd, UUID_SCAN_BYTES - len(raw))):
             raw += chunk
     except OSError:
-        return []
+        return None
     finally:
         os.close(fd)
     return sorted({m.decode() for m in _UUID_RE.findall(raw)})
@@ -373,8 +374,11 @@ def restore_from_file(
     nvidia_smi: NvidiaSmi = run_nvidia_smi,
     directory: Path | None = None,
     tolerance_w: float = DEFAULT_TOLERANCE_W,
+    machine_scope: str | None = None,
 ) -> RestoreReport:
-    """Puts back everything recorded in `path` (default: every restore file in the state folder).
+    """Puts back everything recorded in `path` (default: every restore file in the state folder). `machine_scope`: the
+    door's (rig.Rig.machine_scope): each GPU's machine-wide lock is taken too, so a controller keeping its state in
+    another folder is left alone, not put back under it.
 
     Each GPU's lock is taken first, so a controller that is still running is left alone. A file is
     removed only when every GPU in it is back; otherwise it stays for the next attempt.
@@ -398,12 +402,21 @@ def restore_from_file(
         files = pending_restore_files(lock_dir)
         searched = lock_dir
     return RestoreReport(
-        tuple(_restore_one_file(f, refuse, nvml_factory, nvidia_smi, lock_dir, tolerance_w) for f in files),
+        tuple(_restore_one_file(f, refuse, nvml_factory, nvidia_smi, lock_dir, tolerance_w, machine_scope)
+              for f in files),
         searched=searched,
     )
 
 
-def _restore_one_file(path, refuse, nvml_factory, nvidia_smi, lock_dir, tolerance_w) -> FileOutcome:
+def _lock_gpu(locks: list, lock_dir: Path, uuid: str, index, machine_scope: str | None) -> None:
+    """The state folder's lock of the GPU, and its machine-wide one where the door gives a scope: a controller of
+    another state folder is refused too (GpuBusyError), not acted under."""
+    for lock in (GpuLock(lock_dir, uuid, index),) + ((MachineLock(machine_scope, uuid, index),) if machine_scope else ()):
+        lock.acquire()
+        locks.append(lock)
+
+
+def _restore_one_file(path, refuse, nvml_factory, nvidia_smi, lock_dir, tolerance_w, machine_scope=None) -> FileOutcome:
     early = check_restore_file(path)
     if early is not None:
         return early
@@ -411,13 +424,11 @@ def _restore_one_file(path, refuse, nvml_factory, nvidia_smi, lock_dir, toleranc
     why = refuse(rec)
     if why:
         return FileOutcome(path, "refused", f"Not restored: {path} {why}")
-    locks: list[GpuLock] = []
+    locks: list = []
     nvml = None
     try:
         for uuid, g in rec["gpus"].items():
-            lock = GpuLock(lock_dir, uuid, g.get("index"))
-            lock.acquire()
-            locks.append(lock)
+            _lock_gpu(locks, lock_dir, uuid, g.get("index"), machine_scope)
         nvml = nvml_factory(rec)
         gateway(nvml).init()
         done, problems, found = [], [], []
@@ -527,6 +538,7 @@ def force_default(
     nvidia_smi: NvidiaSmi = run_nvidia_smi,
     directory: Path | None = None,
     tolerance_w: float = DEFAULT_TOLERANCE_W,
+    machine_scope: str | None = None,
 ) -> FileOutcome:
     """The operator's way out of a damaged or refused restore file: every GPU it names (all GPUs when no UUID
     can be read from it) goes to its default power limit with clock locks released, then the file is removed.
@@ -534,8 +546,13 @@ def force_default(
     path = Path(path)
     lock_dir = Path(directory) if directory is not None else state_dir()
     named = uuids_named_in(path)
+    if named is None:
+        # "No UUID readable" sets every GPU to its default: a symlink or a FIFO planted there would have done that
+        # (and before, through the symlink, set the GPUs its target named).
+        return FileOutcome(path, "failed", f"Not changed: {path} is no regular file that can be read (a symlink, a "
+                                           "FIFO, or gone): there is nothing in it to act on; remove it yourself")
     gw = gateway(nvml)
-    locks: list[GpuLock] = []
+    locks: list = []
     done: list[GpuRestored] = []
     gw.init()
     try:
@@ -554,9 +571,7 @@ def force_default(
                 h = gw.call("nvmlDeviceGetHandleByIndex", i)
                 handles.append((gw.call("nvmlDeviceGetUUID", h), h))
         for uuid, h in handles:
-            lock = GpuLock(lock_dir, uuid, int(gw.call("nvmlDeviceGetIndex", h)))
-            lock.acquire()
-            locks.append(lock)
+            _lock_gpu(locks, lock_dir, uuid, int(gw.call("nvmlDeviceGetIndex", h)), machine_scope)
         problems = []
         for uuid, h in handles:
             index = int(gw.call("nvmlDeviceGetIndex", h))

@@ -494,7 +494,7 @@ class Daemon:
         `simulated`, powerprof_build_info)."""
         self.cfg = cfg
         self.host = cfg.host()  # every Parquet row and powerprof_build_info carry it
-        self.simulated = rig.simulated  # so does powerprof_build_info{simulated}
+        self.simulated = rig is not None and rig.simulated  # so does powerprof_build_info{simulated}
         self.rig = rig
         self.extra_collectors = list(extra_collectors)
         self.config_path = config_path

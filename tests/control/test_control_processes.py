@@ -119,6 +119,36 @@ def test_a_second_process_keeping_its_state_elsewhere_is_refused_too(originals, 
     assert_untouched()
 
 
+def test_restore_and_force_default_leave_a_gpu_another_state_folders_controller_holds(originals, tmp_path):
+    # They took the state folder's lock alone: `restore --force-default` set a GPU a sweep of another state folder held at
+    # 200 W to its default under it (session 46's review). And a symlink in a restore file's place named no UUID, so
+    # "every GPU" went to its default (before, the GPUs its target named).
+    p = _start(["--repeat", "0", "--dwell", "0.05", "--levels", "200"])
+    try:
+        _wait_for_line(p, "STEPPED")
+        elsewhere = dict(os.environ, POWERPROF_STATE_DIR=str(tmp_path / "other-state"))
+        (tmp_path / "other-state").mkdir()
+        damaged = tmp_path / "other-state" / "restore-aaaaaaaaaaaa.json"
+        uuid = SimNVML("seed-16g", count=2).gpus[0].uuid
+        damaged.write_text('{"gpus": {"' + uuid + '": {')
+        os.chmod(damaged, 0o600)
+        link = tmp_path / "other-state" / "restore-bbbbbbbbbbbb.json"
+        link.symlink_to(damaged)
+        for target in (damaged, link):
+            r = subprocess.run([sys.executable, "-m", "powerprof.cli", "restore", "--simulate", "seed-16g",
+                                "--force-default", "--restore-file", str(target)],
+                               capture_output=True, text=True, timeout=WAIT_S, env=elsewhere)
+            said = " ".join((r.stdout + r.stderr).split())
+            assert r.returncode != 0, said
+            assert ("in another state folder" if target == damaged else "Not changed") in said, said
+            assert sim_state() == [(200.0, None)] * 2, (target, said)  # both still at the held level
+        assert damaged.exists() and p.poll() is None
+    finally:
+        p.terminate()
+    assert _finish(p)[0] == 128 + signal.SIGTERM
+    assert_untouched()
+
+
 def test_a_simulator_of_its_own_is_another_gpu_for_the_machine_wide_lock(originals, tmp_path):
     # Each simulator state file is a GPU of its own (tests run many side by side, their UUIDs alike): its lock is not
     # another state file's, and a simulator held in one process only takes none.
