@@ -556,9 +556,26 @@ def test_a_get_with_no_work_takes_no_energy_whatever_its_status():
         _feed(led, float(k), 100.0 * k)
     led.advance(int(2.5 * S))
     (row,) = sink.rows["requests"]
-    assert row["gpu_energy_j"] is None and "a GET request (no generation endpoint takes one)" in row["energy_note"]
+    assert row["gpu_energy_j"] is None and "a GET request to no generation endpoint" in row["energy_note"]
     first = sink.rows["intervals"][0]
     assert first["kind"] == "idle" and first["idle_energy_j"] == pytest.approx(100.0), first
+
+
+def test_a_put_to_a_generation_endpoint_is_live_before_its_first_token():
+    # SGLang's /generate takes PUT as well as POST: its prefill before a first token is work, shared by live time as a
+    # POST's is, not idle (session 46's review: 15360 J as PUT where 18060 J as POST).
+    sink = Sink()
+    led = Ledger("d", 0, 1, sink, grace_s=0.1)
+    put = RequestTrace(1, "PUT", "/generate", None, int(0.2 * S), 0, api="sglang-generate", stream=True)
+    led.on_start(put)
+    put.status, put.end_ns = 200, int(0.9 * S)
+    put.counts = Counts(None, None, None, None, "none")
+    led.on_end(put)
+    for k in range(3):
+        _feed(led, float(k), 100.0 * k)
+    led.advance(int(2.5 * S))
+    (row,) = sink.rows["requests"]
+    assert row["gpu_energy_j"] == pytest.approx(100.0), row
 
 
 def test_a_count_less_stream_that_keeps_up_with_the_server_holds_no_scrape_window():
@@ -628,7 +645,8 @@ def test_tag_stop_answers_unknown_energy_while_the_window_is_not_final():
     async def edge(label):
         return (5 * S if "stop" in label else 1 * S), 0
 
-    fake = SimpleNamespace(waker=Waker(), ledger=led, _edge=edge, cfg=SimpleNamespace(get=lambda sec, key: 0.01))
+    fake = SimpleNamespace(waker=Waker(), ledger=led, _edge=edge, cfg=SimpleNamespace(get=lambda sec, key: 0.01),
+                           _lost_tags={}, _save_open_tags=lambda: None)
     asyncio.run(Daemon.tag_start(fake, "x"))
     out = asyncio.run(Daemon.tag_stop(fake, "x"))
     assert out["gpu_energy_j"] is None and out["gpu_j_per_token"] is None and "not final" in out["note"]

@@ -193,7 +193,8 @@ def test_the_daemons_stop_answer_carries_the_note_and_none_while_not_final():
     async def edge(label):
         return (5 * S if "stop" in label else 1 * S), 0
 
-    fake = SimpleNamespace(waker=Waker(), ledger=led, _edge=edge, cfg=SimpleNamespace(get=lambda sec, key: 0.01))
+    fake = SimpleNamespace(waker=Waker(), ledger=led, _edge=edge, cfg=SimpleNamespace(get=lambda sec, key: 0.01),
+                           _lost_tags={}, _save_open_tags=lambda: None)
     asyncio.run(Daemon.tag_start(fake, "x"))
     out = asyncio.run(Daemon.tag_stop(fake, "x"))
     # not final: the note says so, and the row's energy_note (of sums so far) is not given
@@ -201,7 +202,8 @@ def test_the_daemons_stop_answer_carries_the_note_and_none_while_not_final():
     led = Ledger("d", 0, 1, Sink(), grace_s=0.1)
     for k in range(6):  # samples up to 5 s, not yet closed: the window's answer waits for them
         _gpu(led, k, 300.0 * k)
-    fake = SimpleNamespace(waker=Waker(), ledger=led, _edge=edge, cfg=SimpleNamespace(get=lambda sec, key: 0.01))
+    fake = SimpleNamespace(waker=Waker(), ledger=led, _edge=edge, cfg=SimpleNamespace(get=lambda sec, key: 0.01),
+                           _lost_tags={}, _save_open_tags=lambda: None)
 
     async def stop():
         async def sampler():  # the daemon's next sample closes the window's intervals

@@ -2733,12 +2733,12 @@ def _with_late(error: str | None, late: float) -> str | None:
 
 def _passive(r: _Req) -> bool:
     """An error answer (HTTP 4xx/5xx, the proxy's own 502 included; known from its head, before it ends), or a
-    request that is no POST (GET /v1/models, /metrics, /health: every generation endpoint is a POST; known from
-    its start), with no token and no prompt length: no GPU work of it was seen, so it takes no share by live time
-    (its time is idle)."""
+    request that is neither a POST nor to a generation endpoint (GET /v1/models, /metrics, /health; known from its
+    start: SGLang's /generate takes PUT too, and is one), with no token and no prompt length: no GPU work of it was
+    seen, so it takes no share by live time (its time is idle)."""
     tr = r.trace
-    return ((tr.status is not None and tr.status >= 400 or tr.method != "POST") and tr.tokens_seen == 0
-            and not r.ev_n and r.spent == 0 and _prompt_tokens(r) is None)
+    return ((tr.status is not None and tr.status >= 400 or (tr.method != "POST" and tr.api is None))
+            and tr.tokens_seen == 0 and not r.ev_n and r.spent == 0 and _prompt_tokens(r) is None)
 
 
 def _cpu_missing_note(where: str) -> str:
@@ -2803,7 +2803,7 @@ def _no_energy_reason(r: _Req) -> str:
         return "no share: " + _uncounted_note(r)
     if r.trace.end_ns is not None and _passive(r):
         what = (f"an error answer (HTTP {r.trace.status})" if r.trace.status is not None and r.trace.status >= 400
-                else f"a {r.trace.method[:16]} request (no generation endpoint takes one)")
+                else f"a {r.trace.method[:16]} request to no generation endpoint")
         return (f"no share: {what} with no token and no prompt length: no GPU work of it was seen, and its time "
                 "counts as idle")
     if r.tokens > 0 or _prompt_tokens(r):
