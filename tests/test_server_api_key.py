@@ -13,7 +13,7 @@ from powerprof.sim.server import SimServer
 from powerprof.workload.client import RequestParams, ServerUnreachable, detect_server, new_session, send_request
 
 
-@pytest.mark.parametrize("flavour", ["llamacpp", "vllm"])
+@pytest.mark.parametrize("flavour", ["llamacpp", "vllm", "sglang"])
 def test_runs_send_the_key_and_say_when_it_is_missing_or_refused(flavour, monkeypatch):
     # Session 46's walkthrough against llama-server --api-key: "answers but is neither llama.cpp (/props) nor
     # OpenAI-compatible (/v1/models): pass --api", and powerprof had no way to give a key.
@@ -32,7 +32,7 @@ def test_runs_send_the_key_and_say_when_it_is_missing_or_refused(flavour, monkey
             asyncio.run(run())
         monkeypatch.setenv("POWERPROF_API_KEY", "sekrit")
         info, rec = asyncio.run(run())
-    assert info.kind == ("llamacpp" if flavour == "llamacpp" else "vllm")
+    assert info.kind == flavour
     assert rec.status == "ok" and rec.generated_tokens == 8, (rec.status, rec.error)
 
 

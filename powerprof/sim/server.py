@@ -379,7 +379,8 @@ class SimServer:
             raise ValueError("textless_share must be at least 0 and below 1")
         self.textless_share = float(textless_share)
         # `--api-key`: llama-server answers 401 on everything but its public endpoints (/health, /models, /v1/models:
-        # server.cpp's public_endpoints); vLLM guards its /v1 routes only (its /metrics, /health, /version are open).
+        # server.cpp's public_endpoints); vLLM guards its /v1 routes only (its /metrics, /health, /version are open);
+        # SGLang everything but /health* and /metrics.
         self.api_key = api_key
         self._sg_decode_steps = 0  # SGLang's forward count of decode batches (its decode log every 40)
         self._sg_last_log = time.monotonic()
@@ -765,8 +766,12 @@ class SimServer:
     @web.middleware
     async def _guard_api_key(self, request: web.Request, handler):
         """The server's `--api-key`: a request without `Authorization: Bearer KEY` answered 401, as the flavour does."""
-        public = (request.path in ("/health", "/models", "/v1/models") if self.flavour == "llamacpp"
-                  else not request.path.startswith("/v1"))
+        if self.flavour == "llamacpp":
+            public = request.path in ("/health", "/models", "/v1/models")
+        elif self.flavour == "sglang":  # add_api_key_middleware: everything but its health checks and /metrics
+            public = request.path.startswith("/health") or request.path == "/metrics"
+        else:  # vLLM: its /v1 routes only
+            public = not request.path.startswith("/v1")
         if public or request.headers.get("Authorization") == f"Bearer {self.api_key}":
             return await handler(request)
         return web.json_response({"error": {"code": 401, "message": "Invalid API Key", "type": "authentication_error"}},

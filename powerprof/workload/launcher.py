@@ -41,6 +41,7 @@ import psutil
 
 from powerprof import termination
 from powerprof.termination import Terminated, clear, note
+from powerprof.workload.auth import auth_headers
 
 
 class LaunchError(RuntimeError):
@@ -229,7 +230,7 @@ async def _probe(base_url: str) -> int | None:
     """Status of /health, or of /v1/models when /health does not exist; None when nothing answers."""
     timeout = aiohttp.ClientTimeout(total=5)
     try:
-        async with aiohttp.ClientSession(timeout=timeout) as s:
+        async with aiohttp.ClientSession(timeout=timeout, headers=auth_headers()) as s:
             async with s.get(base_url + "/health") as r:
                 if r.status != 404:
                     return r.status
