@@ -161,6 +161,9 @@ class MachineLock:
             if e.errno != errno.EADDRINUSE:
                 raise
             pid, uid = _holder(self.name)
+            if pid == os.getpid():  # two controllers of one process, each with a state folder of its own
+                raise GpuBusyError(f"GPU {self.index if self.index is not None else self.uuid} is already being "
+                                   "controlled by another controller of this process: close that one first", None)
             who = f"powerprof process {pid} (uid {uid})" if pid else "another powerprof process"
             gpu = f"GPU {self.index} ({self.uuid})" if self.index is not None else f"GPU {self.uuid}"
             raise GpuBusyError(

@@ -612,8 +612,13 @@ class Tuner:
         got = merge(usable) if usable else None
         held_s = got.duration_s if got else 0.0
         finished = got.requests if got else 0
+        more = []
+        if t - self.since_s < cfg.dwell_s:
+            more.append(f"none before {cfg.dwell_s:.0f} s at the level")
+        if got is not None and finished and slo_ratio(got, cfg, complete=True) is None:
+            more.append("no latency figure yet for every SLO set")
         return (f"{line}; the next judgement has {held_s:.0f} s of traffic ({cfg.window_s:.0f} s needed) and "
-                f"{finished} finished requests ({cfg.min_requests} needed)")
+                f"{finished} finished requests ({cfg.min_requests} needed)" + "".join(f"; {m}" for m in more))
 
     # --- inputs -----------------------------------------------------------------------------
 

@@ -154,6 +154,9 @@ def test_a_simulator_of_its_own_is_another_gpu_for_the_machine_wide_lock(origina
     # another state file's, and a simulator held in one process only takes none.
     from powerprof.rig import Rig  # noqa: PLC0415
 
+    with Rig("seed-16g", nvml=SimNVML("seed-16g", count=2)) as rig, rig.controller([0], state_dir_path=tmp_path / "a"):
+        with pytest.raises(GpuBusyError, match="another controller of this process"):  # never "kill <its own PID>"
+            rig.controller([0], state_dir_path=tmp_path / "b").open()
     p = _start(["--repeat", "0", "--dwell", "0.05", "--levels", "200"])
     try:
         _wait_for_line(p, "STEPPED")
