@@ -69,12 +69,15 @@ def test_llama_servers_progress_events_are_no_tokens_and_a_cut_native_stream_kno
     data = tmp_path / "data"
     prompt = " ".join(["word"] * 300)
     body = {"prompt": prompt, "n_predict": 50, "ignore_eos": True, "stream": True}
+    oai = {"prompt": prompt, "max_tokens": 50, "ignore_eos": True, "stream": True, "return_progress": True,
+           "stream_options": {"include_usage": True}}
     with SimServer(SimNVML("seed-16g", state_path=None), flavour="llamacpp", decode_tok_s=80.0, draft_n_max=0) as srv:
         d = DaemonProc(data, "--simulate", "--upstream", srv.url, "--interval", "0.25", "--flush-interval", "0.5",
                        env=sim_env(tmp_path))
         try:
-            url = d.info["proxy"] + "/completion"
-            for b, cut in ((dict(body, return_progress=True), False), (body, True)):
+            for path, b, cut in (("/completion", dict(body, return_progress=True), False), ("/completion", body, True),
+                                 ("/v1/completions", oai, False)):
+                url = d.info["proxy"] + path
                 req = urllib.request.Request(url, data=json.dumps(b).encode(), method="POST",
                                              headers={"Content-Type": "application/json"})
                 r = urllib.request.urlopen(req, timeout=60)
@@ -86,13 +89,15 @@ def test_llama_servers_progress_events_are_no_tokens_and_a_cut_native_stream_kno
                     assert b'"prompt_progress"' in r.read()
             for _ in range(60):
                 rows = read_dataset(data, "requests")
-                if rows is not None and len(rows) == 2:
+                if rows is not None and len(rows) == 3:
                     break
                 time.sleep(0.5)
         finally:
             rc = d.stop()
     assert rc == 0, d.output()
-    done, cut = read_dataset(data, "requests").sort_values("request_id").to_dict("records")
+    done, cut, oai_done = read_dataset(data, "requests").sort_values("request_id").to_dict("records")
+    assert oai_done["generated_tokens"] == 50 and oai_done["attributed_tokens"] == pytest.approx(50), oai_done
+    assert not isinstance(oai_done["error"], str) and oai_done["ttft_s"] > 0.5 * count_prompt_tokens(prompt) / srv.prefill_tok_s
     true_prompt = count_prompt_tokens(prompt)
     assert done["generated_tokens"] == 50 and done["attributed_tokens"] == pytest.approx(50), done
     assert not isinstance(done["error"], str) and done["gpu_j_per_token"] > 0, done

@@ -1661,7 +1661,7 @@ class SimServer:
         req.logprobs = api == "openai-chat" and body.get("logprobs") is True
         if api == "anthropic-messages" and self.flavour == "vllm" and stream:
             opts = {"include_usage": True, "continuous_usage_stats": True}  # vLLM asks its chat stream for both
-        if api == "llamacpp" and self.flavour == "llamacpp" and body.get("return_progress") is True:
+        if api in ("llamacpp", "openai-completions") and self.flavour == "llamacpp" and body.get("return_progress") is True:
             opts = dict(opts, return_progress=True)
         try:
             if not stream:
@@ -1907,11 +1907,16 @@ class SimServer:
             await out.send(oai_chunk(choice, **extra))
 
         def progress(processed: int) -> bytes:
-            # llama-server's `return_progress`: events of no token (`tokens: [0]`, `tokens_predicted: 0`) saying how
-            # far the prompt is, one as its processing starts and one as it ends (as the real server sent them).
-            ev = {"index": 0, "content": "", "tokens": [0], "stop": False, "id_slot": req.slot, "tokens_predicted": 0,
-                  "tokens_evaluated": processed, "prompt_progress": {"total": req.prompt_tokens, "cache": req.cached,
-                                                                     "processed": processed, "time_ms": 0.0}}
+            # llama-server's `return_progress`: events of no token (`tokens: [0]`, `tokens_predicted: 0`; on
+            # /v1/completions a chunk of empty text) saying how far the prompt is, one as its processing starts and
+            # one as it ends (as the real server sent them).
+            pp = {"total": req.prompt_tokens, "cache": req.cached, "processed": processed, "time_ms": 0.0}
+            if api == "llamacpp":
+                ev = {"index": 0, "content": "", "tokens": [0], "stop": False, "id_slot": req.slot,
+                      "tokens_predicted": 0, "tokens_evaluated": processed, "prompt_progress": pp}
+            else:
+                ev = {"choices": [{"text": "", "index": 0, "logprobs": None, "finish_reason": None}], "created": 0,
+                      "model": self.model, "id": oid, "object": obj_name, "prompt_progress": pp}
             return b"data: " + json.dumps(ev).encode() + b"\n\n"
 
         try:
