@@ -237,7 +237,7 @@ def devices(as_json, gpus, rapl_backend, simulate):
     with _open_rig_or_exit(simulate, gpus, rapl_backend) as rig:
         info = rig.describe()
     if as_json:
-        click.echo(json.dumps(info, indent=2))
+        click.echo(_json_text(info, indent=2))
     else:
         _print_devices(info)
     if not info["gpus"] and not info["rapl"]:
@@ -482,7 +482,7 @@ def restore(simulate: str | None, restore_file: Path | None, force_default: bool
         if force_default:
             report = rig.force_default(report)
     if as_json:
-        click.echo(json.dumps(report.to_dict(), indent=2))
+        click.echo(_json_text(report.to_dict(), indent=2))
     else:
         for line in report.lines():
             click.echo(line, err=not report.ok)
@@ -793,7 +793,7 @@ def measure(url, simulate, out_dir, n_requests, concurrency, warmup, launch, api
     if as_json:
         import json
 
-        click.echo(json.dumps(res.to_dict(), indent=2))
+        click.echo(_json_text(res.to_dict(), indent=2))
         if res.write_error:
             raise click.ClickException(res.write_error)
         if stop_code is not None:
@@ -979,7 +979,7 @@ def replay(trace_path, url, simulate, launch, api, time_scale, duration_s, tag_h
             notes.insert(0, foreign["message"])
         notes.extend(others.cannot)
     if as_json:
-        click.echo(json.dumps({"server": server.meta(), **sm.to_dict(), "notes": notes, "server_away": away,
+        click.echo(_json_text({"server": server.meta(), **sm.to_dict(), "notes": notes, "server_away": away,
                                "foreign_traffic": foreign,
                                "interrupted": None if stopped is None else {"requests_planned": len(trace)}}, indent=2))
     else:
@@ -1138,10 +1138,8 @@ def analyze(run_dirs, out_dir, max_slowdown, eta, formats, force, n_boot, as_jso
                 if tags.num_rows:
                     atomic_write_table(Path(out_dir) / "fleet_tags.parquet", tags)
             if as_json:
-                import json
-
                 # One object: the hosts, the tags and the notes that say what was left out of their figures.
-                click.echo(json.dumps({"hosts": table.to_pylist(), "tags": tags.to_pylist(),
+                click.echo(_json_text({"hosts": table.to_pylist(), "tags": tags.to_pylist(),
                                        "notes": said}, default=str, indent=2))
             else:
                 click.echo(fleet.render_summary(table))
@@ -1750,10 +1748,26 @@ def tag_list(socket, config_path, as_json):
         click.echo(one_line(str(n), 200))
 
 
-def _echo_json(obj) -> None:
+def _json_text(obj, **kw) -> str:
+    """JSON every parser reads: a NaN or an infinity (a figure that could not be computed) is null, never the bare
+    `NaN` Python writes by default (measure --json gave `"prompt_offset": NaN`: jq and strict parsers refuse it)."""
     import json
+    import math
 
-    click.echo(json.dumps(obj, indent=2))
+    def clean(x):
+        if isinstance(x, float) and not math.isfinite(x):
+            return None
+        if isinstance(x, dict):
+            return {k: clean(v) for k, v in x.items()}
+        if isinstance(x, (list, tuple)):
+            return [clean(v) for v in x]
+        return x
+
+    return json.dumps(clean(obj), allow_nan=False, **kw)
+
+
+def _echo_json(obj) -> None:
+    click.echo(_json_text(obj, indent=2))
 
 
 if __name__ == "__main__":
