@@ -755,7 +755,7 @@ def measure(url, simulate, out_dir, n_requests, concurrency, warmup, launch, api
     import sys
     from pathlib import Path
 
-    from powerprof.storage.runs import default_run_dir
+    from powerprof.storage.runs import default_run_dir, given_out_problem
     from powerprof.workload.client import RequestParams, ServerUnreachable
     from powerprof.workload.launcher import LaunchError
     from powerprof.workload.load import PromptFileError, builtin_prompts, load_prompts
@@ -771,6 +771,8 @@ def measure(url, simulate, out_dir, n_requests, concurrency, warmup, launch, api
     except PromptFileError as e:
         raise click.UsageError(str(e)) from None
     out = Path(out_dir) if out_dir else default_run_dir(Path("runs"), "measure")
+    if out_dir and (why := given_out_problem(out)) is not None:
+        raise click.UsageError(why)
     params = RequestParams(max_tokens=max_tokens, seed=seed, prompt_cache=prompt_cache, keep_text=keep_text)
     from powerprof import termination
 

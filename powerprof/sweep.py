@@ -27,7 +27,7 @@ from powerprof.control.device import read_devices
 from powerprof.control.levels import parse_clock_levels, parse_power_levels
 from powerprof.trust import out_dir_refusal
 from powerprof.profiler import Profiler
-from powerprof.storage.runs import RunWriter, default_run_dir, table_from_rows
+from powerprof.storage.runs import RunWriter, default_run_dir, given_out_problem, table_from_rows
 from powerprof.storage.samples import Timeline
 from powerprof.workload.client import (CONTEXT_FIX, RequestParams, context_problem, health_status, identity_changes,
                                       new_session, restart_evidence, server_away, server_epoch, server_identity)
@@ -1378,6 +1378,8 @@ def run_sweep(
 
         if (why := path_problem(run_dir)) is not None:  # it said "[Errno 36] File name too long", from exists()
             raise SweepError(f"--out {run_dir}: {why}")
+        if out_dir and (why := given_out_problem(run_dir)) is not None:
+            raise SweepError(why)
         if run_dir.exists() and (not run_dir.is_dir() or any(run_dir.iterdir())):
             raise SweepError(f"run directory {run_dir} already exists and is not empty; choose another --out")
         why = out_dir_refusal(run_dir)

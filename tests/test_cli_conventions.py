@@ -326,3 +326,14 @@ def test_an_uncertain_choice_gives_its_levels_with_their_unit():
     assert "uncertain choice: 260 W in 67%" in w.message and "between 220 W and 260 W" in w.message, w.message
     (m,) = choice_findings({"ed2p": dataclasses.replace(c, level_value=1600.0, ci_low=1200.0, ci_high=1600.0)}, "MHz")
     assert "1600 MHz in 67%" in m.message and "between 1200 MHz and 1600 MHz" in m.message, m.message
+
+
+@pytest.mark.parametrize("cmd", [["sweep", "--limits", "300"], ["sweep", "--limits", "300", "--dry-run"],
+                                 ["measure", "--requests", "2"]])
+def test_an_out_whose_parent_is_missing_is_refused_and_nothing_is_made(cmd, tmp_path):
+    # `sweep --out /nonexistent/dir/out` (as root) made the whole tree and ran (session 46's walkthrough): a typo in a
+    # path the user gave makes no folders, as the daemon's --data-dir and tune's --out refuse it.
+    out = tmp_path / "typo" / "dir" / "out"
+    r = run(*cmd, "--simulate", "--out", str(out))
+    assert r.exit_code != 0 and "its parent folder" in r.output and f"mkdir -p {out.parent}" in r.output, r.output
+    assert not (tmp_path / "typo").exists()

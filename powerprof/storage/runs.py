@@ -95,6 +95,16 @@ def write_failure(e: OSError) -> str:
 WRITE_FIX = "free space on that disk (or give another --out) and rerun"
 
 
+def given_out_problem(out: Path, flag: str = "--out") -> str | None:
+    """Why a folder the user named is not made: its parent is missing (a typo made a tree of folders from /, root's
+    `sweep --out /nonexistent/dir/out` among them). None where it may be made; the default one is never asked."""
+    parent = Path(os.path.join(os.getcwd(), out)).parent
+    if os.path.lexists(out) or parent.is_dir():
+        return None
+    return (f"{flag} {out}: its parent folder {parent} does not exist; not making a tree of folders from a path that may "
+            f"be mistyped. Fix: correct the path, or make that folder first (mkdir -p {parent})")
+
+
 def default_run_dir(base: Path, gpu_label: str) -> Path:
     stamp = datetime.now(timezone.utc).strftime("%Y%m%dT%H%M%SZ")
     safe = "".join(ch if ch.isalnum() or ch in "-_" else "-" for ch in gpu_label).strip("-") or "gpu"
