@@ -1002,3 +1002,16 @@ def test_a_parquet_export_of_several_runs_keeps_each_runs_metadata_not_the_first
         runs = json.loads(meta[b"powerprof_sources"])
         assert [r["run_id"] for r in runs] == [json.loads(pq.read_schema(x / f"{name}.parquet").metadata[b"powerprof"])
                                                ["run_id"] for x in (a, b)], name
+
+
+def test_a_folder_of_runs_is_refused_with_the_glob_to_give(run, tmp_path):
+    # Read as a daemon dataset, each run was one table: "table s1: 3 key(s) ... hold rows that differ" between its
+    # levels and its analysis (session 46's walkthrough).
+    import shutil  # noqa: PLC0415
+
+    shutil.copytree(run, tmp_path / "runs" / "s1")
+    r = CliRunner().invoke(main, ["export", str(tmp_path / "runs"), "--format", "csv", "--out", str(tmp_path / "o")])
+    assert r.exit_code != 0 and "a folder of runs (s1)" in r.output and f"'{tmp_path / 'runs'}/*'" in r.output, r.output
+    assert not (tmp_path / "o").exists()
+    r = CliRunner().invoke(main, ["export", str(tmp_path / "runs" / "*"), "--format", "csv", "--out", str(tmp_path / "o")])
+    assert r.exit_code == 0, r.output

@@ -271,6 +271,13 @@ def find_sources(src) -> list[Source]:
         # one per day named "date=..." (which no key of rowkeys.py would find).
         out.append(table_source(p.name, p))
     if not out:
+        runs = [d.name for d in subs if (d / "run.json").is_file()]
+        if runs:
+            # A folder of runs read as a daemon dataset took each run for one table ("table s1": its levels and its
+            # analysis as one, "3 keys hold rows that differ").
+            shown = ", ".join(runs[:3]) + (f" and {len(runs) - 3} more" if len(runs) > 3 else "")
+            raise ExportError(f"{p}: a folder of runs ({shown}), not a run or a daemon dataset: give the runs "
+                              f"themselves, e.g. '{p}/*'")
         for sub in subs:
             if datafiles.table_files(sub)[0]:
                 out.append(table_source(sub.name, sub))
