@@ -571,8 +571,9 @@ def tag_notes(t: pa.Table) -> list[str]:
                    + " (docs/daemon.md, Bypass traffic)")
     none = [r for r in rows if r["no_energy_windows"]]
     if none:
-        out.append("tag windows with no GPU energy (a GPU unread in one of their intervals) were left out of their "
-                   "tag's figures: " + "; ".join(
+        out.append("tag windows with no GPU energy (a GPU unread in one of their intervals, or a daemon that died with "
+                   "the window open: closed_by lost, its energy_note says which) were left out of their tag's figures: "
+                   + "; ".join(
                        f"{r['host']} {r['name']}: {r['no_energy_windows']} of {r['windows']}" for r in none))
     spans = [r for r in rows if r["invalid_interval_windows"]]
     if spans:
