@@ -1158,3 +1158,18 @@ def test_a_live_run_says_what_its_level_waits_for_between_decisions(caplog):
                                           r"\(500 needed\)", said[-1]).groups())
     assert 20 <= held_s <= 50 and 3 <= finished < 500, said[-1]
     assert not [d for d in runner.tuner.decisions if d.action != "start"], runner.tuner.decisions
+
+
+def test_a_dry_run_says_what_its_next_verdict_waits_for(caplog):
+    # 60 s of a dry run on the defaults (a verdict needs guard_s / 2 of traffic and guard_min_requests) said nothing
+    # past its start line (session 46's smoke walkthrough).
+    nvml = SimNVML("seed-16g", state_path=None)
+    clock = Clock()
+    with FakeDaemon(per_scrape=1, gpu=sim_gpu(nvml)) as fd:
+        runner = TuneRunner(_cfg(dry_run=True, guard_min_requests=500), lambda: parse_counters(fetch_metrics(fd.url, 2), 0.0),
+                            ctl=None, gpus=[0], clock=clock, gpu_uuids=[nvml.gpus[0].uuid])
+        runner.start()
+        with caplog.at_level("INFO", logger="powerprof.tune"):
+            _drive(runner, clock, 6)
+    said = [r.getMessage() for r in caplog.records if r.getMessage().startswith("dry run: the next verdict has")]
+    assert 2 <= len(said) <= 3 and "(15 s needed)" in said[-1] and "(500 needed)" in said[-1], said

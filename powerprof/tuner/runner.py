@@ -337,11 +337,18 @@ class TuneRunner:
         self.check_stale(now)
 
     def _say_progress(self, now: float) -> None:
-        """Between decisions, minutes apart, a live run says once a window what its level waits for (dry-run says
-        its verdict each window instead)."""
-        if not self.cfg.dry_run and now - self._progress_said_s >= self.cfg.window_s:
-            self._progress_said_s = now
+        """Between decisions, minutes apart, a run says once a window what it waits for: a live one its level's next
+        judgement, a dry run its next verdict (60 s of a dry run on the defaults said nothing past its start)."""
+        if now - self._progress_said_s < self.cfg.window_s:
+            return
+        self._progress_said_s = now
+        if not self.cfg.dry_run:
             log.info("%s", self.tuner.progress(now))
+            return
+        cfg = self.cfg
+        g = merge(list(self._dry)) if self._dry else None
+        log.info("dry run: the next verdict has %.0f s of traffic (%.0f s needed) and %d finished requests (%d needed)",
+                 g.duration_s if g else 0.0, cfg.guard_s / 2, g.requests if g else 0, cfg.guard_min_requests)
 
     def _energy_straddles(self, last: DaemonCounters) -> bool:
         """Whether the energy of the window from `last` on was (partly) spent before the level was set: the daemon's
