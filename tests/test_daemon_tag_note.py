@@ -247,3 +247,36 @@ def test_a_tag_open_at_a_shutdown_before_any_sample_ends_at_the_wall_clock_not_1
     (row,) = sink.rows["tags"]
     assert row["t_end_utc"] == 1_764_000_000 * S + int(0.4 * S) and row["closed_by"] == "shutdown", row
     assert row["gpu_energy_j"] is None and "no interval inside" in row["energy_note"], row
+
+
+def test_a_tag_says_when_its_unproxied_energy_is_count_less_streams_surplus(tmp_path):
+    # Streams asking no usage, several tokens a chunk (the simulated vLLM's speculative steps): the proxy counts one a
+    # chunk, the server's counter more, and the surplus's energy lands in the window's unproxied_energy_j. `tag stop`
+    # printed it as "bypass traffic" with every request proxied, its note silent (session 46's smoke walkthrough).
+    import json as _json
+    import subprocess
+    import sys
+    import urllib.request
+
+    from daemon_helpers import DaemonProc, sim_env
+
+    env = sim_env(tmp_path)
+    d = DaemonProc(tmp_path / "data", "--simulate", "--interval", "0.25", "--flush-interval", "0.5", env=env)
+    try:
+        tag = [sys.executable, "-m", "powerprof.cli", "tag"]
+        subprocess.run(tag + ["start", "plain", "--socket", d.info["tags"]], check=True, capture_output=True, timeout=30,
+                       env=env)
+        body = {"messages": [{"role": "user", "content": "hello " * 40}], "max_tokens": 60, "stream": True,
+                "ignore_eos": True}
+        for _ in range(3):
+            req = urllib.request.Request(d.info["proxy"] + "/v1/chat/completions", data=_json.dumps(body).encode(),
+                                         headers={"Content-Type": "application/json"}, method="POST")
+            urllib.request.urlopen(req, timeout=60).read()
+        stop = subprocess.run(tag + ["stop", "plain", "--socket", d.info["tags"], "--json"], capture_output=True,
+                              text=True, timeout=60, env=env)
+    finally:
+        d.stop()
+    out = _json.loads(stop.stdout)
+    if not out["unproxied_energy_j"]:
+        pytest.skip(f"the simulated server sent one token a chunk this time: nothing in unproxied to say ({out})")
+    assert "request(s) in this window carried no token counts" in (out["energy_note"] or ""), out

@@ -272,6 +272,7 @@ class _Tag:
     gpu_missing: bool = False  # the same for a GPU's energy
     tokens: float = 0.0
     methods: set = field(default_factory=set)
+    counted_low: int = 0  # requests inside it counted one token a chunk that the server counted more (_request_fields)
     closed_by: str = "stop"
     host_cpu_s: float = 0.0  # the host's busy CPU time over its intervals whose share is known
     server_counts: set = field(default_factory=set)  # its intervals' server_count values (tag_server_count)
@@ -2405,6 +2406,12 @@ class Ledger:
                          "than half a sampling interval, so no energy was measured over it: gpu_energy_j, "
                          "cpu_energy_j and gpu_j_per_token are empty (not zero); fix: a window of several sampling "
                          "intervals (daemon.interval_s), and the log's NVML errors")
+        if tg.counted_low and tg.unproxied_j > 0:
+            notes.append(f"{tg.counted_low} request(s) in this window carried no token counts, and the server counted "
+                         "more tokens than their chunks (several a chunk: speculative decoding, a busy server): that "
+                         "surplus's energy is in unproxied_energy_j as if bypass traffic ran, and gpu_j_per_token is "
+                         "high by it; fix: clients send \"stream_options\": {\"include_usage\": true}, or start vLLM "
+                         "with --enable-force-include-usage")
         if tg.cpu_missing or (row["cpu_energy_j"] is None and tg.methods):
             notes.append(_cpu_missing_note("part of this window's intervals") if self.rapl else NO_RAPL_NOTE)
         elif tg.work and row["other_cpu_pct"] is not None and row["other_cpu_pct"] > BUSY_HOST_PCT:
@@ -2554,6 +2561,10 @@ class Ledger:
                     "traffic): its count is likely low, and those tokens' energy is in unproxied")
             error = note if error is None else f"{error}; {note}"
             self._chunk_counted_low_said(r)
+            end = tr.end_ns if tr.end_ns is not None else attr.NEVER
+            for tg in [*self.tags.values(), *self.closed_tags]:  # the windows its surplus's energy went to unproxied in
+                if tg.t0_ns < end and (tg.t1_ns is None or tr.arrival_ns < tg.t1_ns):
+                    tg.counted_low += 1
         if lie is not None:
             note = f"{lie}: generated_tokens and J/token left empty ({COUNT_FIX})"
             error = note if error is None else f"{error}; {note}"
