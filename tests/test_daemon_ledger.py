@@ -542,39 +542,35 @@ def test_an_error_answer_with_no_work_takes_no_energy_and_its_time_stays_idle():
     assert first["requests_energy_j"] == 0.0
 
 
-def test_a_get_with_no_work_takes_no_energy_whatever_its_status():
-    # GET /v1/models (replay's probe), /metrics, /health through the proxy, alone in an interval, were charged the idle
-    # GPU's energy over their life (0.013-0.047 J, session 46's walkthrough) where data.md says such rows are null.
+def _alone_with_no_work(trace) -> tuple[dict, dict]:
+    """`trace` answered 200 with no token and no prompt length, alone over two seconds of 100 J each: (its row, the
+    first interval's)."""
     sink = Sink()
     led = Ledger("d", 0, 1, sink, grace_s=0.1)
-    get = RequestTrace(1, "GET", "/v1/models", None, int(0.2 * S), 0)
-    led.on_start(get)
-    get.status, get.end_ns = 200, int(0.9 * S)
-    get.counts = Counts(None, None, None, None, "none")
-    led.on_end(get)
+    led.on_start(trace)
+    trace.status, trace.end_ns = 200, int(0.9 * S)
+    trace.counts = Counts(None, None, None, None, "none")
+    led.on_end(trace)
     for k in range(3):
         _feed(led, float(k), 100.0 * k)
     led.advance(int(2.5 * S))
     (row,) = sink.rows["requests"]
+    return row, sink.rows["intervals"][0]
+
+
+def test_a_get_with_no_work_takes_no_energy_whatever_its_status():
+    # GET /v1/models (replay's probe), /metrics, /health through the proxy, alone in an interval, were charged the idle
+    # GPU's energy over their life (0.013-0.047 J, session 46's walkthrough) where data.md says such rows are null.
+    row, first = _alone_with_no_work(RequestTrace(1, "GET", "/v1/models", None, int(0.2 * S), 0))
     assert row["gpu_energy_j"] is None and "a GET request to no generation endpoint" in row["energy_note"]
-    first = sink.rows["intervals"][0]
     assert first["kind"] == "idle" and first["idle_energy_j"] == pytest.approx(100.0), first
 
 
 def test_a_put_to_a_generation_endpoint_is_live_before_its_first_token():
     # SGLang's /generate takes PUT as well as POST: its prefill before a first token is work, shared by live time as a
     # POST's is, not idle (session 46's review: 15360 J as PUT where 18060 J as POST).
-    sink = Sink()
-    led = Ledger("d", 0, 1, sink, grace_s=0.1)
-    put = RequestTrace(1, "PUT", "/generate", None, int(0.2 * S), 0, api="sglang-generate", stream=True)
-    led.on_start(put)
-    put.status, put.end_ns = 200, int(0.9 * S)
-    put.counts = Counts(None, None, None, None, "none")
-    led.on_end(put)
-    for k in range(3):
-        _feed(led, float(k), 100.0 * k)
-    led.advance(int(2.5 * S))
-    (row,) = sink.rows["requests"]
+    row, _ = _alone_with_no_work(RequestTrace(1, "PUT", "/generate", None, int(0.2 * S), 0, api="sglang-generate",
+                                              stream=True))
     assert row["gpu_energy_j"] == pytest.approx(100.0), row
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import random
 import signal
@@ -94,15 +95,28 @@ def test_second_process_on_a_gpu_fails_clearly_and_first_is_unaffected(originals
     assert_untouched()
 
 
+@contextlib.contextmanager
+def _holding_both_gpus_at_200():
+    """A child controller stepping both simulated GPUs to 200 W and holding them, ended by SIGTERM (and checked) at the
+    block's end."""
+    p = _start(["--repeat", "0", "--dwell", "0.05", "--levels", "200"])
+    try:
+        _wait_for_line(p, "STEPPED")
+        yield p
+        assert sim_state() == [(200.0, None)] * 2 and p.poll() is None
+    finally:
+        p.terminate()
+    assert _finish(p)[0] == 128 + signal.SIGTERM
+    assert_untouched()
+
+
 def test_a_second_process_keeping_its_state_elsewhere_is_refused_too(originals, tmp_path):
     # Two state folders (root's sweep beside a CAP_SYS_ADMIN user's, another POWERPROF_STATE_DIR) had a lock each: the
     # second took the first one's 200 W for the original, both said "every GPU is back", and the GPU stayed capped
     # (session 46's hostile review). The GPU's machine-wide lock refuses it, naming the holder.
     from powerprof.rig import Rig  # noqa: PLC0415
 
-    p = _start(["--repeat", "0", "--dwell", "0.05", "--levels", "200"])
-    try:
-        _wait_for_line(p, "STEPPED")
+    with _holding_both_gpus_at_200() as p:
         elsewhere = dict(os.environ, POWERPROF_STATE_DIR=str(tmp_path / "other-state"))
         second = subprocess.run(child_cmd("--gpus", "0", "--levels", "250"), capture_output=True, text=True,
                                 timeout=WAIT_S, env=elsewhere)
@@ -112,20 +126,13 @@ def test_a_second_process_keeping_its_state_elsewhere_is_refused_too(originals, 
         with Rig("seed-16g", nvml=SimNVML("seed-16g", count=2)) as rig, pytest.raises(GpuBusyError) as ei:
             rig.controller([1], state_dir_path=tmp_path / "third-state").open()
         assert ei.value.holder_pid == p.pid
-        assert sim_state() == [(200.0, None)] * 2 and p.poll() is None
-    finally:
-        p.terminate()
-    assert _finish(p)[0] == 128 + signal.SIGTERM
-    assert_untouched()
 
 
 def test_restore_and_force_default_leave_a_gpu_another_state_folders_controller_holds(originals, tmp_path):
     # They took the state folder's lock alone: `restore --force-default` set a GPU a sweep of another state folder held at
     # 200 W to its default under it (session 46's review). And a symlink in a restore file's place named no UUID, so
     # "every GPU" went to its default (before, the GPUs its target named).
-    p = _start(["--repeat", "0", "--dwell", "0.05", "--levels", "200"])
-    try:
-        _wait_for_line(p, "STEPPED")
+    with _holding_both_gpus_at_200():
         elsewhere = dict(os.environ, POWERPROF_STATE_DIR=str(tmp_path / "other-state"))
         (tmp_path / "other-state").mkdir()
         damaged = tmp_path / "other-state" / "restore-aaaaaaaaaaaa.json"
@@ -142,11 +149,7 @@ def test_restore_and_force_default_leave_a_gpu_another_state_folders_controller_
             assert r.returncode != 0, said
             assert ("in another state folder" if target == damaged else "Not changed") in said, said
             assert sim_state() == [(200.0, None)] * 2, (target, said)  # both still at the held level
-        assert damaged.exists() and p.poll() is None
-    finally:
-        p.terminate()
-    assert _finish(p)[0] == 128 + signal.SIGTERM
-    assert_untouched()
+        assert damaged.exists()
 
 
 def test_a_simulator_of_its_own_is_another_gpu_for_the_machine_wide_lock(originals, tmp_path):
