@@ -99,7 +99,7 @@ def given_out_problem(out: Path, flag: str = "--out") -> str | None:
     """Why a folder the user named is not made: its parent is missing (a typo made a tree of folders from /, root's
     `sweep --out /nonexistent/dir/out` among them). None where it may be made; the default one is never asked."""
     parent = Path(os.path.join(os.getcwd(), out)).parent
-    if os.path.lexists(out) or parent.is_dir():
+    if os.path.lexists(out) or os.path.lexists(parent):  # a parent that is a file: the mkdir's own error says it
         return None
     return (f"{flag} {out}: its parent folder {parent} does not exist; not making a tree of folders from a path that may "
             f"be mistyped. Fix: correct the path, or make that folder first (mkdir -p {parent})")
