@@ -1748,6 +1748,8 @@ def tag_list(socket, config_path, as_json):
 
     for n in names:
         click.echo(one_line(str(n), 200))
+    if not names:  # on stderr: a script reading the names gets none
+        click.echo("no tag window is open", err=True)
 
 
 def _json_text(obj, **kw) -> str:

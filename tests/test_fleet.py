@@ -629,9 +629,9 @@ def test_requests_whose_gpu_energy_is_unknown_are_left_out_of_j_per_token_and_sa
     assert r["unknown_energy_requests"] == 10 and r["requests"] == truth["requests"] + 10
     res = CliRunner().invoke(main, ["analyze", str(tmp_path / "n")])
     assert res.exit_code == 0, res.output
-    assert re.search(r"all 1 hosts .* 0\.500\s*$", res.stdout, re.M), res.stdout  # the total line, the same rule
+    assert re.search(r"all 1 host .* 0\.500\s*$", res.stdout, re.M), res.stdout  # the total line, the same rule
     # Beside the totals (every request's tokens), the share the J/token rests on: 1000 of the tokens are not in it.
-    on = re.search(r"all 1 hosts .* (\d+)%\s+0\.500\s*$", res.stdout, re.M)
+    on = re.search(r"all 1 host .* (\d+)%\s+0\.500\s*$", res.stdout, re.M)
     share = 100 * r["attributed_tokens"] / r["generated_tokens"]
     assert on and int(on.group(1)) == round(share) < 100 and "J/tok on: the share of the tokens" in res.stdout, res.stdout
     assert "GPU energy is unknown" in res.stderr and "node-0: 10" in res.stderr and "nvidia-smi" in res.stderr, res.stderr
@@ -660,7 +660,7 @@ def test_a_named_dataset_without_rows_beside_others_is_said_not_silently_dropped
         res = CliRunner().invoke(main, ["analyze", str(fleet[0] / "node-0"), str(tmp_path / "new-node"), *extra])
         assert res.exit_code == 0, res.output
         assert f"{tmp_path / 'new-node'}: no request or interval rows" in res.stderr, res.stderr
-    assert "all 1 hosts" in CliRunner().invoke(main, ["analyze", str(fleet[0] / "node-0"), str(tmp_path / "new-node")]).stdout
+    assert "all 1 host " in CliRunner().invoke(main, ["analyze", str(fleet[0] / "node-0"), str(tmp_path / "new-node")]).stdout
 
 
 # --- a file analyze and export cannot read alike (review hostile3) ------------------------------------------------
@@ -763,7 +763,7 @@ def test_requests_live_in_an_interval_left_out_are_left_out_of_j_per_token_and_s
     assert r["unknown_energy_requests"] == 0 and r["invalid_requests"] == 0
     res = CliRunner().invoke(main, ["analyze", str(tmp_path / "n")])
     assert res.exit_code == 0, res.output
-    assert re.search(r"all 1 hosts .* 0\.500\s*$", res.stdout, re.M), res.stdout
+    assert re.search(r"all 1 host .* 0\.500\s*$", res.stdout, re.M), res.stdout
     said = " ".join(res.stderr.split())
     assert "live in an interval left out" in said and "node-0: 3" in said, said
 

@@ -66,7 +66,8 @@ def test_a_tag_client_without_socket_or_config_finds_the_shipped_units_socket(tm
     monkeypatch.delenv("RUNTIME_DIRECTORY", raising=False)
     asked = []
     monkeypatch.setattr(tagapi, "send_tag", lambda sock, action, name=None: asked.append(sock) or {"open": []})
-    assert CliRunner().invoke(main, ["tag", "list"]).exit_code == 0
+    r = CliRunner().invoke(main, ["tag", "list"])
+    assert r.exit_code == 0 and r.stdout == "" and "no tag window is open" in r.stderr  # said, not on a script's stdout
     assert asked == [unit_sock]
     cfg = tmp_path / "c.toml"
     cfg.write_text(f'[daemon]\ndata_dir = "{tmp_path / "d"}"\n')

@@ -548,8 +548,9 @@ def export(src, fmt: str, out=None, time_from: str | None = None, time_to: str |
     if fmt != "xlsx" and not single and out.suffix == f".{fmt}":
         # A folder named x.csv holding several files is not the file the user asked for.
         raise ExportError(f"--out {out} names one .{fmt} file, but the selection has {len(sources)} tables "
-                          f"({', '.join(s.name for s in sources)}): give a folder, or pick one table (its .parquet "
-                          "file, or --columns)")
+                          f"({', '.join(s.name for s in sources)}): give a folder, or give one table as the source "
+                          f"(a run's {sources[0].name}.parquet, a daemon dataset's {sources[0].name}/ folder): --columns "
+                          "picks columns, and any table that has one of them is written")
     if (fmt == "xlsx" or single) and not out.parent.is_dir():
         # It failed at the end naming a temporary file ("Failed to open local file '.windows.parquet.1234.tmp'").
         what = "is a file, not a folder" if out.parent.exists() else "does not exist"

@@ -732,7 +732,8 @@ def render_summary(t: pa.Table) -> str:
         tot_att += r["attributed_gpu_energy_j"] or 0.0
         tot_att_tok += att_tok
     jpt = f"{tot_att / tot_att_tok:.3f}" if tot_att_tok else "-"
-    lines.append(f"{'all ' + str(len(rows)) + ' hosts':{w}s} {tot_req:9d} {tot_tok:11d} {tot_e / 3.6e6:9.3f} "
+    every = f"all {len(rows)} host" + ("s" if len(rows) != 1 else "")
+    lines.append(f"{every:{w}s} {tot_req:9d} {tot_tok:11d} {tot_e / 3.6e6:9.3f} "
                  f"{100 * tot_idle / tot_e if tot_e else float('nan'):7.1f} "
                  f"{on(tot_att_tok, tot_tok) if tot_att_tok else '-':>8s} {jpt:>8s}")
     # Which idle figure `idle %` is, where it is read: beside the intervals' idle_energy_j summed (3.45% against 3.3%)
