@@ -536,6 +536,7 @@ def test_messages_responses_several_choices_and_prompt_lists_are_counted_as_the_
         "chat-n2": ("/v1/chat/completions", {"max_tokens": n, "n": 2, "messages": msgs}, 2),
         "list-stream": ("/v1/completions", {"max_tokens": n, "stream": True, "stream_options": usage, "prompt": prompts}, 2),
         "list": ("/v1/completions", {"max_tokens": n, "prompt": prompts}, 2),
+        "cmpl-n2": ("/v1/completions", {"max_tokens": n, "n": 2, "prompt": "the power of the clock"}, 2),
     }
     for body in (b for _, b, _ in plan.values()):
         body["temperature"] = 0
@@ -546,13 +547,14 @@ def test_messages_responses_several_choices_and_prompt_lists_are_counted_as_the_
         what = (tag, row["error"], gen, prompt)
         assert row["outcome"] == "ok" and pd.isna(row["error"]), what
         # The server's own count, summed over its tasks where it runs one per choice; every choice ran to its limit.
-        assert gen == n * choices or tag in ("chat-n2", "list"), what  # a whole answer of several says its first's
+        assert gen == n * choices or tag in ("chat-n2", "list", "cmpl-n2"), what  # a whole answer of several says its first's
         assert row["generated_tokens"] == n * choices, what
         assert row["attributed_tokens"] == pytest.approx(n * choices), what
         if tag == "list":
             assert pd.isna(row["prompt_tokens"]), what  # the other prompt's length is not in the answer
-        elif tag == "chat-n2":
-            assert row["prompt_tokens"] == 2 * prompt, what  # each task its own slot, as the streamed answer says
+        elif tag in ("chat-n2", "cmpl-n2"):
+            # Each task its own slot, as the streamed answer says (one prompt's `n: 2` too: it was left unsaid).
+            assert row["prompt_tokens"] == 2 * prompt, what
         else:
             assert row["prompt_tokens"] == prompt, what
         assert not row["tokens_estimated"], what  # the server's own count, confirmed

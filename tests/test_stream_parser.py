@@ -781,6 +781,11 @@ def test_llamacpp_whole_answer_of_several_choices_counts_only_its_first_and_says
     # A list of prompts (completions): the others' prompt lengths are unknown: not said (the ledger estimates it).
     c = body_counts("openai-completions", _lc_body(["length", "length"], chat=False))
     assert (c.generated_tokens, c.prompt_tokens) == (6, None)
+    c = body_counts("openai-completions", _lc_body(["length", "length"], chat=False), 1, 2)  # two prompts
+    assert (c.generated_tokens, c.prompt_tokens) == (6, None)
+    # One prompt asked `n: 2` (the request says so): each task prefilled that one prompt, as chat's. Before: none.
+    c = body_counts("openai-completions", _lc_body(["length", "length"], chat=False), 2, 2)
+    assert (c.generated_tokens, c.prompt_tokens) == (6, 126)
     # One stopped early: how many the other generated is unknown: no count is believed, and why is said.
     c = body_counts("openai-chat", _lc_body(["stop", "length"], completion=1))
     assert c.count_problem_kind == "first_choice_only" and "first of its 2 choices" in c.count_problem

@@ -1194,12 +1194,13 @@ def _merged_timings(tasks) -> dict:
     return out
 
 
-def _one_task_answer(obj: dict, api: str, s: _State) -> dict:
+def _one_task_answer(obj: dict, api: str, s: _State, asked_n: int = 1) -> dict:
     """A whole OpenAI-style answer as llama.cpp writes one of several choices (one task each): its `usage` and
     `timings` are its first task's alone (b11434: completion_tokens 2 for choices of 2 and 3 tokens). Where every
     choice stopped at the length limit, each generated as many as the first: the counts are scaled to all of them
-    (the prompt too for chat, whose choices share one prompt; a completions answer may be a list of prompts, whose
-    other lengths are unknown: no prompt length then). Else the others' counts are unknown: `first_choice_of` says
+    (the prompt too where the choices share one prompt: chat's, or a completion whose request's `n`, `asked_n`, is
+    all of them; a completions answer may be a list of prompts, whose other lengths are unknown: no prompt length
+    then). Else the others' counts are unknown: `first_choice_of` says
     so. Any other answer is returned as it is."""
     choices = obj.get("choices")
     usage = obj.get("usage")
@@ -1213,7 +1214,7 @@ def _one_task_answer(obj: dict, api: str, s: _State) -> dict:
         return obj
     scaled = {key: v * k if key in ("completion_tokens", "prompt_tokens", "total_tokens") and _int(v) is not None
               and not isinstance(v, bool) else v for key, v in usage.items()}
-    if api != "openai-chat":
+    if api != "openai-chat" and asked_n != k:
         scaled.pop("prompt_tokens", None)
     s.scaled_tasks = True  # its prompt, scaled, is each task's summed
     return dict(obj, usage=scaled, timings=None)
@@ -1257,7 +1258,7 @@ def parse_response(api: str, body: bytes, choices: int = 1, sequences: int = 1
             # Non-streaming chat puts the text under `message`, not `delta`.
             obj = dict(obj, choices=[{**c, "delta": c.get("message") or {}} for c in obj["choices"] if isinstance(c, dict)])
         if api.startswith("openai"):
-            obj = _one_task_answer(obj, api, p._s)
+            obj = _one_task_answer(obj, api, p._s, choices if sequences == choices else 1)
         if api == "openai-responses" and obj.get("object") == "response":
             # A whole response is the body of a streamed `response.completed` (or incomplete, failed).
             status = obj.get("status")
