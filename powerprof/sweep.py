@@ -30,7 +30,7 @@ from powerprof.profiler import Profiler
 from powerprof.storage.runs import RunWriter, default_run_dir, given_out_problem, table_from_rows
 from powerprof.storage.samples import Timeline
 from powerprof.workload.client import (CONTEXT_FIX, RequestParams, context_problem, health_status, identity_changes,
-                                      new_session, restart_evidence, server_away, server_epoch, server_identity)
+                                      new_session, restart_evidence, restart_said, server_away, server_epoch, server_identity)
 from powerprof.workload.load import LoadAborted, LoadPolicy, builtin_prompts, detect, prompt_set_record, run_load_async
 from powerprof.workload.others import FOREIGN_FIX, FOREIGN_FLAG, OthersWatch, leave_out_foreign
 from powerprof.workload.rows import FIGURES, Level, request_timing, spec_columns, trace_row, window_rows
@@ -434,10 +434,10 @@ class Sweep:
     @staticmethod
     def _away_words(restarted, evidence: str, down_s: float) -> str:
         """What happened, only as far as the server shows it: a restart where its start time or counters say so."""
+        what, why = restart_said(restarted, evidence)
         if restarted:
-            return f"the server restarted ({evidence}) and is back after {down_s:.1f} s, the same server"
-        return (f"the server answers again after {down_s:.1f} s, the same server; no restart seen ({evidence}): "
-                "it stopped answering (a connection reset or refused)")
+            return f"{what} ({why}) and is back after {down_s:.1f} s, the same server"
+        return f"{what} ({why}; a connection reset or refused) and answers again after {down_s:.1f} s, the same server"
 
     def _record_away(self, visit, repeat, down_s, why, restarted, evidence, stage="level") -> None:
         value = None if visit is None else visit.level_value
@@ -684,8 +684,8 @@ class Sweep:
         out = []
         for r in self.restarts:
             restarted = r.get("restarted")
-            seen = f"({r['evidence']})" if restarted else f"(no restart seen: {r.get('evidence') or 'nothing tells'})"
-            what = "the server restarted" if restarted else "the server stopped answering"
+            what, why = restart_said(restarted, r.get("evidence"))
+            seen = f"({why})"
             if r.get("stage") == "idle-baseline":
                 out.append(f"{what} during the idle baseline {seen}, down {r['down_s']:.1f} s ({r['error']}): the "
                            "baseline was taken again once it was back, so no reload of its model is in idle_gpu_power_w")

@@ -796,6 +796,10 @@ def test_a_level_measured_again_after_the_server_went_away_is_noted_in_every_out
     assert any("260 W was measured again from scratch after the server stopped answering" in n and "down 0.1 s" in n
                for n in notes), notes
     assert any("idle baseline was taken again" in n and "down 3.2 s" in n for n in notes), notes
+    # Nothing could tell whether it restarted (no start time, no counter fell): said so. Before: "no restart seen",
+    # read as "it did not restart" beside a llama.cpp without --metrics that had.
+    assert any("whether it restarted is unknown: its /metrics shows no start time" in n for n in notes), notes
+    assert not any("no restart seen" in n for n in notes), notes
     assert [x["level_value"] for x in doc["server_restarts"]] == [None, 220.0, 260.0]
     md = (tmp_path / "a" / "report.md").read_text()
     assert "## Notes" in md and "220 W was measured again from scratch" in md

@@ -11,6 +11,7 @@ import numpy as np
 import pyarrow as pa
 
 from powerprof.storage.schema import ANALYSIS
+from powerprof.workload.client import restart_said
 
 from .checks import (Finding, choice_findings, edge_findings, fit_findings, impossible_findings, level_findings,
                      nothing_measured_text, saving_findings, timing_findings)
@@ -478,11 +479,10 @@ def server_notes(runs: list[RunInfo]) -> tuple[list[str], list[dict]]:
             down = e.get("down_s")
             down = f"down {down:.1f} s" if isinstance(down, (int, float)) and not isinstance(down, bool) else "down a while"
             err = f", {e['error']}" if e.get("error") else ""
-            if e.get("restarted"):
-                what = f"the server restarted ({e.get('evidence') or 'its process changed'})"
+            if "restarted" in e:
+                what = "{} ({})".format(*restart_said(e.get("restarted"), e.get("evidence")))
             else:
-                seen = e.get("evidence") if "restarted" in e else "the run does not say whether it restarted"
-                what = f"the server stopped answering ({'no restart seen: ' if 'restarted' in e else ''}{seen})"
+                what = "the server stopped answering (the run does not say whether it restarted)"
             if e.get("stage") == "idle-baseline":
                 notes.append(f"{prefix}the idle baseline was taken again after {what} during it ({down}{err}): "
                              "idle_gpu_power_w is from the baseline after it")

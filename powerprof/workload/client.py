@@ -524,6 +524,18 @@ def restart_evidence(before: dict, after: dict) -> tuple[bool | None, str]:
     return None, "its /metrics shows no start time, and no counter fell"
 
 
+def restart_said(restarted: bool | None, evidence: str | None) -> tuple[str, str]:
+    """What a server that went away did, only as far as `restart_evidence` showed it, and what shows it: ('the
+    server restarted', evidence), or ('the server stopped answering', whether it restarted or that nothing tells).
+    Not "no restart seen" where nothing could have seen one (a restarted llama.cpp without --metrics read so)."""
+    evidence = evidence or "nothing tells"
+    if restarted:
+        return "the server restarted", evidence
+    if restarted is False:
+        return "the server stopped answering", f"it did not restart: {evidence}"
+    return "the server stopped answering", f"whether it restarted is unknown: {evidence}"
+
+
 def identity_changes(before: dict, after: dict) -> list[str]:
     """How a restarted server differs from the one measured before: 'total_slots 4 → 1', ..."""
     return [f"{k} {before.get(k)!r} → {after.get(k)!r}" for k in dict.fromkeys([*before, *after])
