@@ -339,6 +339,11 @@ def _mixed_request(kind: str, index: int, prompt_tokens: int, output_tokens: int
         if kind == "generate_batch":
             half = prompt_text(max(prompt_tokens // 2, 1), index + 1)
             return "/generate", {"text": [text, half], "sampling_params": dict(sp, n=2), "stream": True}
+        if kind.startswith("generate_n2"):  # one prompt, two choices: SGLang prefills it apart first
+            # `_again`: one prompt every time, which that prefill finds cached from the time before (said nowhere).
+            again = kind == "generate_n2_again"
+            return "/generate", {"text": prompt_text(1500, 7) if again else text, "sampling_params": dict(sp, n=2),
+                                 "stream": True}
         return "/generate", {"text": text, "sampling_params": sp, "stream": kind == "generate"}
     msgs = [{"role": "user", "content": text}]
     if kind == "messages":

@@ -87,16 +87,22 @@ def test_generate_events_and_a_finished_request_on_metrics_as_sglangs_source_has
 
     with SimServer(flavour="sglang", sglang_warmup=False, decode_tok_s=300.0, draft_n_max=0) as srv:
         raw = post({"text": "the watt", "sampling_params": {"max_new_tokens": 6, "ignore_eos": True}, "stream": True})
-        # Two choices of one prompt: the second finds the prompt in the cache (the simulator caches no other prefix).
+        # Two choices of one prompt: SGLang prefills it first in a request of its own (max_new_tokens 0), which finds
+        # it cached from the request before; both choices then find it there too (each says all of it but one token).
         answers = json.loads(post({"text": "the watt", "sampling_params": {"max_new_tokens": 6, "ignore_eos": True, "n": 2}}))
         text = _metrics(srv.url)
+        truth = srv.truth
     events = [json.loads(ln[6:]) for ln in raw.decode().splitlines() if ln.startswith("data: {")]
     keys = ["id", "finish_reason", "prompt_tokens", "weight_version", "num_retractions", "reasoning_tokens",
             "completion_tokens", "cached_tokens"]
     assert all(list(e["meta_info"]) == keys for e in events[:-1]), events[0]
     assert list(events[-1]["meta_info"]) == keys + ["e2e_latency"], events[-1]
     assert [e["meta_info"]["completion_tokens"] for e in events] == list(range(1, 7))
-    cached = sum(a["meta_info"]["cached_tokens"] for a in answers)
-    assert cached > 0 and counter_total(text, "sglang:cached_tokens_total") == cached
-    assert histogram_sum_count(text, "sglang:num_retractions") == (3.0, 0.0)
+    cached = [a["meta_info"]["cached_tokens"] for a in answers]
+    p = answers[0]["meta_info"]["prompt_tokens"]
+    assert cached == [p - 1, p - 1], cached
+    (hidden,) = [t for t in truth if t["kind"] == "hidden_prefill"]  # said on /metrics alone, its hit too
+    assert hidden["cached_tokens"] == p - 1 and hidden["generated"] == 0
+    assert counter_total(text, "sglang:cached_tokens_total") == sum(cached) + hidden["cached_tokens"]
+    assert histogram_sum_count(text, "sglang:num_retractions") == (4.0, 0.0)
     assert not unset_means_zero(text.replace("sglang:generation_tokens", "sglang:renamed"), "sglang")

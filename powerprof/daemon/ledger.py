@@ -176,6 +176,9 @@ def _sample_reads(t_ns: int, readings) -> tuple[np.ndarray, np.ndarray, np.ndarr
 @dataclass
 class _Req:
     trace: RequestTrace
+    # Its n > 1 choices' prompt prefilled apart by the server, in a request of its own whose cache hit it never says
+    # (SGLang's parallel sampling): its choices' cached counts are no part of its prefill work (`_prefill_cached`).
+    prefilled_apart: bool = False
     ev_t: list = field(default_factory=list)
     ev_n: list = field(default_factory=list)
     gpu_j: float = 0.0
@@ -403,6 +406,7 @@ class Ledger:
         # (SGLang) counted of it, and when (the proxy sees the last token just after the server counted the request).
         self._finished: deque = deque()
         self.server_at_finish = False  # the server's counter moves when a request finishes, not as tokens come
+        self.choices_prefilled_apart = False  # the server prefills an n > 1 prompt apart (scrape.PREFILLS_CHOICES_APART)
         # (scrape end, mean end-to-end seconds) of the at-finish windows in which requests finished, FINISH_HOLD_S back:
         # a request ending later is likely as long, and its windows' bypass tokens go back that far (`_spread_back`).
         self._durations: deque = deque()
@@ -577,6 +581,7 @@ class Ledger:
         if r is None:
             return 0.0
         added = self._placed_at_end(r)
+        r.prefilled_apart = r.prefilled_apart or self._prefilled_apart(r)  # an end before any close placed it
         self._cache_met(r)
         self._release(r)  # its end may have said its count: no wait counts it any more
         self._learn_says_cached(r)
@@ -1153,6 +1158,8 @@ class Ledger:
         SGLang as it finishes it (its last token to its end: scrape.AT_FINISH)."""
         tr = r.trace
         end = tr.end_ns if tr.end_ns is not None else tr.arrival_ns
+        if self.server_at_finish and r.prefilled_apart:  # its prefill's own request finished before its first token
+            return int(tr.arrival_ns), int(end)
         if self.server_at_finish:
             return int(tr.last_ns if tr.last_ns is not None else tr.first_ns or end), int(end)
         first = _first_token_seen(tr)
@@ -1318,6 +1325,11 @@ class Ledger:
             for q in self.requests.values():
                 if q.awaited and self._cannot_say_cached(q):
                     self._release(q)
+
+    def _prefilled_apart(self, r: _Req) -> bool:
+        """Whether the server prefilled the request's n > 1 choices' prompt in a request of its own (SGLang: its
+        /generate, or its OpenAI endpoints once the scrape knows it is SGLang)."""
+        return r.trace.extra.get("choices", 1) > 1 and (r.trace.api == "sglang-generate" or self.choices_prefilled_apart)
 
     def _cannot_say_cached(self, r: _Req) -> bool:
         """Its end cannot tell a hit: its API says no cached count and its prompt is not shared by n choices (whose other
@@ -1630,7 +1642,9 @@ class Ledger:
         prompt = np.array([self._prompt_work(r, d) if r.trace.first_ns is not None or d else 0.0
                            for r, d in zip(reqs, done)], dtype=float)
         # Its prefill is the part the server computed: a prefix-cache hit is in its context, not its prefill work.
-        cached = np.array([_cached_tokens(r) for r in reqs], dtype=float)
+        for r in reqs:
+            r.prefilled_apart = r.prefilled_apart or self._prefilled_apart(r)
+        cached = np.array([_prefill_cached(r) for r in reqs], dtype=float)
         computed = np.maximum(prompt - cached, 0.0)
         for i, r in enumerate(reqs):
             if prompt[i] > 0 and r.prefill_cached is None:
@@ -1841,7 +1855,7 @@ class Ledger:
         """How many of its prompt tokens its end said were cached beyond those its prefill was placed with
         (CACHE_LATE_FLAG), told to the requests beside that prefill (`_late_waiters`), which wait for it no more."""
         if r.prefill_cached is not None:
-            r.cache_late = max(_cached_tokens(r) - r.prefill_cached, 0.0)
+            r.cache_late = max(_prefill_cached(r) - r.prefill_cached, 0.0)
         rid = r.trace.request_id
         for w in self._late_waiters.pop(rid, ()):
             w.late_wait.discard(rid)
@@ -2885,7 +2899,9 @@ def _approximate_note(r: _Req) -> str | None:
                      f"from intervals over that request's prefill, closed with its whole prompt costed as computed "
                      f"({said}): its own share there may be low; fix: {CACHE_LATE_FIX}")
     if r.cache_unsaid >= CACHE_UNSAID_MIN:
-        notes.append(_cache_unsaid_note(r.cache_unsaid, "its prefill"))
+        apart = (" (its n choices' prompt, prefilled apart by the server in a request of its own whose cache hit it "
+                 "does not say, costed whole)") if r.prefilled_apart else ""
+        notes.append(_cache_unsaid_note(r.cache_unsaid, "its prefill" + apart))
     elif r.cache_beside_j > 0:
         notes.append(f"{CACHE_UNSAID_FLAG}: {100 * r.cache_beside_j / r.gpu_j:.0f}% of its GPU energy is from intervals "
                      f"over which the server reused up to {r.cache_beside:.0f} cached prompt token(s) that it did not "
@@ -2943,6 +2959,15 @@ def _cached_tokens(r: _Req) -> float:
     return float(min(k, p)) if k is not None and p is not None else 0.0
 
 
+def _prefill_cached(r: _Req) -> float:
+    """Of the request's prompt figure, the cached tokens that were no prefill work of it: its said cached count
+    (`_cached_tokens`), or none where its prompt was prefilled apart (`prefilled_apart`): SGLang's n > 1 choices each
+    say the prompt but one cached, found there by the request SGLang prefilled it in, for this one, first. That
+    request's own hit is said nowhere: the prompt is costed whole, and a hit on /metrics beyond the said counts flags
+    it (CACHE_UNSAID_FLAG). Before: 1 token of a 4000-token prompt costed, its energy on the requests beside it."""
+    return 0.0 if r.prefilled_apart else _cached_tokens(r)
+
+
 def _first_token_seen(tr) -> int | None:
     """Its first token's time as the proxy saw it come; None for a non-streamed answer (`spread`), whose first_ns is
     where its tokens were spread from (its arrival, or the server's decode time back from its end), not seen. vLLM
@@ -2961,6 +2986,8 @@ def _known_cached(r: _Req) -> float:
         return 0.0
     choices = max(r.trace.extra.get("choices", 1), 1)
     prompts = _prompt_sequences(r)
+    if r.prefilled_apart:  # every choice found its prompt cached, said or not (SGLang's chat says it only when asked)
+        return float(choices * max(c.prompt_tokens - prompts, 0))
     shared = (choices - 1) * max(c.prompt_tokens - prompts, 0) if choices > 1 and not c.prompt_each_task else 0
     return _cached_tokens(r) + float(shared)
 
@@ -2986,6 +3013,8 @@ def _cache_unsaid_candidate(r: _Req) -> bool:
     """A request whose prefill was costed at a prompt the server never said how much of it was cached."""
     c = r.trace.counts
     p = _prompt_tokens(r)
+    if r.prefilled_apart:
+        return True
     return (c is None or c.cached_tokens is None) and ((p is not None and p > 1) or r.prompt_est is not None)
 
 

@@ -52,6 +52,9 @@ SERVERS = ("auto", "vllm", "sglang", "llamacpp", "none")
 # Servers whose token counter moves when a request finishes, by its tokens (not as they are generated): the ledger
 # compares theirs with the proxied requests' tokens at their ends (Ledger._resolve_spans, docs/daemon.md).
 AT_FINISH = ("sglang",)
+# Servers that prefill an n > 1 request's prompt in a request of their own before its n sequences, which all find it
+# cached (SGLang's parallel sampling, tokenizer_manager._handle_batch_request): the ledger costs that prompt whole.
+PREFILLS_CHOICES_APART = ("sglang",)
 START_TIME = "process_start_time_seconds"  # prometheus_client's process collector (vLLM's page; not SGLang's, llama.cpp's)
 LLAMACPP_STEPS = "llamacpp:n_decode_total"  # llama-server's decode calls: every step, a restart's tell (_scrape_llamacpp)
 SCRAPE_TIMEOUT_S = 2.0  # one GET, whole: a server slower than this to say its counters is skipped for a scrape

@@ -177,6 +177,7 @@ class _Req:
     client_id: str | None = None  # the X-Sim-Request-Id header, to match truth to a client's request
     choice: int = 0  # which of its request's sequences it is (n > 1 choices, a list of embedding inputs)
     embed: bool = False  # an embedding: a prefill of its input and no decode (no token generated)
+    hidden: bool = False  # SGLang's prefill of an n > 1 prompt in a request of its own, before the n (`_prefill_apart`)
     textless: int = 0  # of its generated tokens, those with no text (SimServer.textless_share)
     logprobs: bool = False  # chat's `logprobs: true` (the llama.cpp flavour lists each chunk's tokens)
     ctx_cut: bool = False  # its n_predict was lowered to what the context leaves after the prompt
@@ -1128,10 +1129,12 @@ class SimServer:
         if req in self._active:
             self._active.remove(req)
         prompt_ms = (req.t_prefill_end_ns - req.t_prefill_start_ns) / 1e6
+        if req.hidden:  # SGLang's tokenizer manager observes it as it does any request that finished
+            self._sglang_finished(req.prompt_tokens, 0, (time.monotonic_ns() - req.t_arrive_ns) / 1e9, req.cached)
         req.truth_row = {
             "rid": req.rid,
             "prompt_tokens": req.prompt_tokens,
-            "cached_tokens": 0,
+            "cached_tokens": req.cached,
             "t_arrive_ns": req.t_arrive_ns,
             "t_prefill_start_ns": req.t_prefill_start_ns,
             "t_prefill_start_sched_ns": req.t_prefill_start_sched_ns,
@@ -1144,7 +1147,7 @@ class SimServer:
             "prefill_energy_j": req.true_prefill_j if self.batching == "continuous" else None,
             "client_id": req.client_id,
             "choice": req.choice,
-            "kind": "embeddings",
+            "kind": "hidden_prefill" if req.hidden else "embeddings",
         }
         self.truth.append(req.truth_row)
         req.queue.put_nowait(("done", {"prompt_n": req.prompt_tokens, "prompt_ms": prompt_ms}))
@@ -1166,6 +1169,11 @@ class SimServer:
                                      "cached_tokens": 0, "sequences": 0, "kind": t.get("kind", "generation")})
             for k in ("energy_j", "prefill_energy_j"):
                 o[k] = None if o[k] is None or t[k] is None else o[k] + t[k]
+            if t.get("kind") == "hidden_prefill":  # its energy is the request's; its prompt is said by its sequences
+                o["hidden_prefill_tokens"] = o.get("hidden_prefill_tokens", 0) + t["prompt_tokens"] - t["cached_tokens"]
+                continue
+            if o["kind"] == "hidden_prefill":
+                o["kind"] = t.get("kind", "generation")
             o["generated"] += t["generated"]
             o["textless"] += t.get("textless", 0)
             o["prompt_tokens"] += t["prompt_tokens"]
@@ -1208,19 +1216,27 @@ class SimServer:
         return n if self.count_factor == 1.0 else int(round(n * self.count_factor))
 
     def _submit(self, prompt: str, n_predict: int, ignore_eos: bool, cache_prompt: bool, seed: int, choice: int = 0,
-                embed: bool = False, queue=None) -> _Req:
+                embed: bool = False, queue=None, hidden: bool = False, shared: bool | None = None) -> _Req:
         """One sequence into the engine. choice > 0: another choice of the same prompt (n > 1), sampled apart (its own
         text and end); embed: an embedding (prefill only); queue: where its events go (one shared by a request's
-        sequences, each item tagged with its choice: _Tagged)."""
+        sequences, each item tagged with its choice: _Tagged); hidden: SGLang's prefill of an n > 1 prompt apart
+        (`_prefill_apart`); shared: the prompt was computed for it already (its other choices')."""
         rid = self._next_rid
         self._next_rid += 1
         h = zlib.crc32(prompt.encode())
         n_prompt = count_prompt_tokens(prompt)
         # vLLM (V1) fans n > 1 choices out into child requests whose prompt is computed once: the others find its
-        # blocks in the prefix cache. llama.cpp prefills the prompt in every choice's slot (usage says it n times).
-        shared = choice > 0 and self.flavour in ("vllm", "sglang")
+        # blocks in the prefix cache. SGLang computes it in a request of its own first: every choice finds it cached
+        # (`_prefill_apart`). llama.cpp prefills the prompt in every choice's slot (usage says it n times).
+        if shared is None:
+            shared = choice > 0 and self.flavour == "vllm"
         cached = n_prompt - 1 if not embed and (shared or (cache_prompt and h in self._prompt_cache)) else 0
-        if not embed:
+        if hidden:  # its own hit: what its radix cache held of the prompt before (said nowhere but on /metrics)
+            cached = min(self._cached_prefix(prompt), n_prompt - 1) if self.prefix_cache else 0
+            if h in self._prompt_cache:
+                cached = n_prompt - 1
+            self._prompt_cache.add(h)
+        elif not embed:
             self._prompt_cache.add(h)
             if self.prefix_cache:
                 hit = self._cached_prefix(prompt)
@@ -1240,7 +1256,8 @@ class SimServer:
             queue=queue if queue is not None else asyncio.Queue(),
             t_arrive_ns=time.monotonic_ns(),
             choice=choice,
-            embed=embed,
+            embed=embed or hidden,
+            hidden=hidden,
         )
         self._waiting.append(req)
         self._wake.set()
@@ -1452,9 +1469,10 @@ class SimServer:
                 return too_long
         q: asyncio.Queue = asyncio.Queue()
         args = (n_predict, bool(sp.get("ignore_eos", False)), False, int(body.get("seed", 0) or 0))
-        reqs = [self._submit(pr, *args, choice=j, queue=_Tagged(q, i * n_choices + j))
-                for i, pr in enumerate(prompts) for j in range(n_choices)]
         cid = request.headers.get("X-Sim-Request-Id")
+        await self._prefill_apart(prompts, n_choices, cid)
+        reqs = [self._submit(pr, *args, choice=j, queue=_Tagged(q, i * n_choices + j), shared=n_choices > 1 or None)
+                for i, pr in enumerate(prompts) for j in range(n_choices)]
         for r in reqs:
             r.client_id = cid
         texts, ids = [""] * len(reqs), [[] for _ in reqs]
@@ -1996,13 +2014,30 @@ class SimServer:
 
     # --- several choices in one request (n > 1) -----------------------------------------------
 
+    async def _prefill_apart(self, prompts: list[str], n: int, client_id: str | None) -> None:
+        """SGLang's parallel sampling (n > 1; tokenizer_manager._handle_batch_request): each prompt is first sent as
+        a request of its own with max_new_tokens 0, awaited, so that its n sequences all find it in the radix cache
+        (each says cached_tokens = its prompt but one). That prefill's energy is the client's request's, its cache
+        hit said nowhere but on /metrics. Nothing to do but on SGLang with n > 1; a 503 if the server died meanwhile."""
+        if self.flavour != "sglang" or n <= 1:
+            return
+        q: asyncio.Queue = asyncio.Queue()
+        for pr in prompts:
+            self._submit(pr, 0, True, False, 0, queue=q, hidden=True).client_id = client_id
+        for _ in prompts:
+            kind, _payload = await q.get()
+            if kind == "dead":
+                raise web.HTTPServiceUnavailable()
+
     async def _serve_choices(self, request: web.Request, api: str, prompt: str, args: tuple, n: int, stream: bool,
                              opts: dict, echo: _Echo = _NO_ECHO) -> web.StreamResponse:
         """`n` choices of one prompt: n sequences in the batch, each prefilling the prompt in its own slot
         (llama.cpp runs a task per choice); their events share one queue, tagged with the choice."""
         q: asyncio.Queue = asyncio.Queue()
-        reqs = [self._submit(prompt, *args, choice=i, queue=_Tagged(q, i)) for i in range(n)]
         cid = request.headers.get("X-Sim-Request-Id")
+        await self._prefill_apart([prompt], n, cid)
+        shared = True if self.flavour == "sglang" else None
+        reqs = [self._submit(prompt, *args, choice=i, queue=_Tagged(q, i), shared=shared) for i in range(n)]
         for r in reqs:
             r.client_id = cid
         try:
