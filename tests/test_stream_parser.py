@@ -1238,3 +1238,52 @@ def test_anthropic_text_deltas_are_counted_from_their_bytes(compact, monkeypatch
     assert (s.counted_tokens, s.generated_tokens, s.prompt_tokens, s.complete, s.stop_reason, s.error) == (
         45, 45, 9, True, "length", None)
     assert len(parsed) == 7, f"{len(parsed)} of {len(events)} events parsed whole"
+
+
+def _tool_chunk(args, usage=None, name=None):
+    tc = {"id": "call_1" if name else None, "index": 0, "type": "function", "function": {"name": name, "arguments": args}}
+    return {**_CHAT, "choices": [{"index": 0, "delta": {"role": None, "content": None, "reasoning_content": None,
+                                                          "tool_calls": [tc]}, "finish_reason": None}],
+            **({"usage": usage} if usage is not None else {})}
+
+
+@pytest.mark.parametrize("count_only", [False, True])
+def test_a_chunk_without_usage_after_running_counts_is_no_token_of_its_own(count_only):
+    # SGLang's chat with continuous_usage_stats, a tool call (serving_chat._check_for_unstreamed_tool_args): at its
+    # finish it sends the arguments its parser still held in one more chunk, with no usage, after the step's chunk
+    # that carried the running count 11. Before: that chunk was one more token guessed, 12 carried against the server's
+    # 11, and the row's count disbelieved (`stream_above_count`: no generated_tokens, no J/token).
+    def u(n):
+        return {"prompt_tokens": 20, "completion_tokens": n, "total_tokens": 20 + n}
+    data = _compact({**_CHAT, "choices": [{"index": 0, "delta": {"role": "assistant", "content": ""}, "finish_reason": None}]},
+                    _tool_chunk("", u(6), name="f"), *[_tool_chunk("x", u(7 + k)) for k in range(4)],
+                    _tool_chunk("}", u(11)), _tool_chunk('"}'),
+                    {**_CHAT, "choices": [{"index": 0, "delta": {}, "finish_reason": "tool_calls"}]},
+                    {**_CHAT, "choices": [], "usage": u(11)}, b"[DONE]")
+    from powerprof.daemon.streams import summary_counts
+
+    p = StreamParser("openai-chat", count_only=count_only)
+    n = p.count(data) if count_only else sum(e.n_tokens for e in p.feed(data))
+    s = p.finish()
+    c = summary_counts(s)
+    assert (n, s.generated_tokens, c.count_problem) == (11, 11, None), (n, s, c)
+
+
+def test_a_list_of_prompts_with_running_counts_says_its_prompt_once_every_prompt_has():
+    # vLLM's /v1/completions of two prompts with continuous_usage_stats: each chunk's usage says the prompt of its own
+    # choice (num_prompt_tokens[prompt_idx]), the final usage their sum. Before: the first chunk's 10 was taken for the
+    # request's prompt, early (its prefill intervals closed costed at 10 of 510 tokens, unsaid).
+    def ch(i, text, n, p):
+        return {**_CMPL, "choices": [{"index": i, "text": text, "finish_reason": None}],
+                "usage": {"prompt_tokens": p, "completion_tokens": n, "total_tokens": p + n}}
+    p = StreamParser("openai-completions", count_only=True, choices=1, sequences=2)
+    p.count(_compact(ch(0, "a", 1, 10)))
+    assert p.prompt_tokens is None  # the other prompt's length not said yet
+    p.count(_compact(ch(1, "b", 1, 500), ch(0, "c", 2, 10)))
+    assert p.prompt_tokens == 510
+    p.count(_compact({**_CMPL, "choices": [], "usage": {"prompt_tokens": 510, "completion_tokens": 4}}, b"[DONE]"))
+    assert p.finish().prompt_tokens == 510
+    # n = 2 of one prompt: each choice's usage says the one prompt (as before).
+    p = StreamParser("openai-completions", count_only=True, choices=2, sequences=2)
+    p.count(_compact(ch(0, "a", 1, 10)))
+    assert p.prompt_tokens == 10

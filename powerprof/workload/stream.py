@@ -967,7 +967,8 @@ class StreamParser:
                     s.choice_usage[key] = (usage_total, p)  # continuous usage: this choice's running count
                 else:
                     s.final_usage = (usage_total, p)
-                if one and not task and len(s.choice_usage) == 1 and s.final_usage is None and not s.task_usage:
+                if (one and not task and len(s.choice_usage) == 1 and s.final_usage is None and not s.task_usage
+                        and self._prompts <= 1):
                     # One choice's running count alone (every chunk of such a stream): _merge_usage's answer, inline
                     # (a call and its sums cost ~0.15 us a chunk, bench/proxy_calls.py's per-chunk path ~3 us).
                     if usage_total is not None:
@@ -1058,6 +1059,11 @@ class StreamParser:
                     s.other_choices[idx] += n
                 out.append(TokenEvent(n, "".join(texts), usage_total))
             return
+        if carried and s.choice_usage:
+            # A choice whose chunks carried running counts has each token in them: one of its chunks without any is a
+            # late piece of counted text (SGLang's tool-call arguments held by its parser, sent at the finish after
+            # the step's counted chunk: _check_for_unstreamed_tool_args), no token of its own.
+            carried = [(i, k) for i, k in carried if i not in s.choice_usage]
         if not carried:
             if closing:
                 out.append(TokenEvent(0, "", None, closing=True))
@@ -1079,7 +1085,8 @@ class StreamParser:
     def _merge_usage(self) -> None:
         """The stream's usage from what was said: a final usage for the whole stream wins; else llama.cpp's
         tasks' own (each choice a task, prefilling its prompt in its own slot: counts and prompts summed); else
-        continuous usage's running counts per choice (summed; the prompt is the request's, repeated in each)."""
+        continuous usage's running counts per choice (summed; the prompt is the request's, repeated in each of its
+        choices, or a list's prompts' own, summed once each has said it)."""
         s = self._s
         comp = prompt = None
         if s.final_usage is not None:
@@ -1089,8 +1096,14 @@ class StreamParser:
             prompt = _sum_known(p for _, p in s.task_usage.values())
         elif s.choice_usage:
             comp = _sum_known(c for c, _ in s.choice_usage.values())
-            ps = [p for _, p in s.choice_usage.values() if p is not None]
-            prompt = max(ps) if ps else None
+            # Each prompt of a list says its own length in its choices' usage (vLLM's num_prompt_tokens[prompt_idx]):
+            # their sum once every prompt has said it (before: the first prompt's alone, taken early for the request's).
+            groups: dict = {}
+            for i, (_, p) in s.choice_usage.items():
+                if p is not None and type(i) is int:
+                    groups[i // self._choices] = max(groups.get(i // self._choices, p), p)
+            if len(groups) >= self._prompts:
+                prompt = sum(groups.values())
         if comp is not None:
             s.usage_completion = comp
         if prompt is not None:
