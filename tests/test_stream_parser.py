@@ -1287,3 +1287,37 @@ def test_a_list_of_prompts_with_running_counts_says_its_prompt_once_every_prompt
     p = StreamParser("openai-completions", count_only=True, choices=2, sequences=2)
     p.count(_compact(ch(0, "a", 1, 10)))
     assert p.prompt_tokens == 10
+
+
+@pytest.mark.parametrize("count_only", [False, True])
+@pytest.mark.parametrize("continuous", [False, True])
+def test_vllms_chat_echo_chunk_is_no_token(count_only, continuous):
+    # vLLM's chat `echo: true` (serving_chat.chat_completion_stream_generator): after each choice's role chunk, the last
+    # message's content as a chunk of its own, which usage does not count. Before: one token more than the server's
+    # count, whose stop at max_tokens then read "contradicted" (no generated_tokens, no J/token); without usage, one
+    # token too many. A server that ignores `echo` sends no such chunk: its first chunk (another length) is a token.
+    from powerprof.daemon.proxy import chat_echo_chars
+
+    echoed = "Once upon a time"
+    body = {"messages": [{"role": "user", "content": "go on"}, {"role": "assistant", "content": echoed}], "echo": True}
+    assert chat_echo_chars(body) == len(echoed)
+    assert chat_echo_chars(dict(body, messages=body["messages"][:1])) == 0  # the user's: not the answer's role
+    assert chat_echo_chars(dict(body, messages=body["messages"][:1], add_generation_prompt=False)) == len("go on")
+
+    def u(n):
+        return {"usage": {"prompt_tokens": 12, "completion_tokens": n, "total_tokens": 12 + n}} if continuous else {}
+    def c(delta, fr=None, n=0):
+        return {**_CHAT, "choices": [{"index": 0, "delta": delta, "finish_reason": fr}], **u(n)}
+    words = [" there", " was", " a", " king"]
+    data = _compact(c({"role": "assistant", "content": ""}), c({"content": echoed}),
+                    *[c({"content": w}, "length" if k == 3 else None, k + 1) for k, w in enumerate(words)],
+                    {**_CHAT, "choices": [], "usage": {"prompt_tokens": 12, "completion_tokens": 4}}, b"[DONE]")
+    from powerprof.daemon.streams import summary_counts
+
+    for echo_chars, want in ((len(echoed), 4), (0, 5 if not continuous else 4), (len(echoed) + 1, 5 if not continuous else 4)):
+        p = StreamParser("openai-chat", count_only=count_only, echo_chars=echo_chars)
+        n = p.count(data) if count_only else sum(e.n_tokens for e in p.feed(data))
+        s = p.finish()
+        assert n == want, (echo_chars, n)
+        if want == 4:
+            assert summary_counts(s).count_problem is None

@@ -246,6 +246,23 @@ def request_sequences(doc: dict, api: str | None) -> int:
     return seqs
 
 
+def chat_echo_chars(doc: dict) -> int:
+    """The characters vLLM's chat `echo` sends back in a chunk of its own: the last message's content, where that
+    message's role is the answer's (the assistant's, or with `add_generation_prompt: false` the last message's own:
+    serving_chat's get_chat_request_role); 0 where it sends none (a list of content parts is joined as its template
+    input is: their text)."""
+    msgs = doc.get("messages")
+    last = msgs[-1] if isinstance(msgs, list) and msgs else None
+    if not isinstance(last, dict):
+        return 0
+    if doc.get("add_generation_prompt", True) is not False and last.get("role") != "assistant":
+        return 0
+    content = last.get("content")
+    if isinstance(content, list):
+        content = "\n".join(p["text"] for p in content if isinstance(p, dict) and isinstance(p.get("text"), str))
+    return len(content) if isinstance(content, str) else 0
+
+
 def inspect_request_body(body: bytes, encoding: str = "", api: str | None = None,
                          extra: dict | None = None) -> tuple[str | None, bool | None]:
     """(model, stream) from a JSON request body; of the prompt only its size is taken (into `extra`:
@@ -287,6 +304,10 @@ def inspect_request_body(body: bytes, encoding: str = "", api: str | None = None
                 extra["choices"] = n
         if api == "openai-completions" and doc.get("echo") is True:
             extra["echo"] = True  # its stream's first chunks carry the prompt (StreamParser's echo)
+        elif api == "openai-chat" and doc.get("echo") is True:
+            n = chat_echo_chars(doc)
+            if n:
+                extra["echo_chars"] = n
     return (model if isinstance(model, str) else None), (bool(stream) if stream is not None else None)
 
 
@@ -567,7 +588,8 @@ class Proxy:
                     if is_sse:
                         sink.parser = streams.new_parser(trace.api, echo=trace.extra.get("echo", False),
                                                          choices=trace.extra.get("choices", 1),
-                                                         sequences=trace.extra.get("sequences", 1))
+                                                         sequences=trace.extra.get("sequences", 1),
+                                                         echo_chars=trace.extra.get("echo_chars", 0))
                         trace.stream = True
                     else:
                         sink.body_copy = bytearray()

@@ -229,7 +229,8 @@ class _State:
 class StreamParser:
     """Parses one streamed (SSE) response incrementally. `feed(bytes)` → events; `finish()` → summary."""
 
-    def __init__(self, api: str, count_only: bool = False, echo: bool = False, choices: int = 1, sequences: int = 1):
+    def __init__(self, api: str, count_only: bool = False, echo: bool = False, choices: int = 1, sequences: int = 1,
+                 echo_chars: int = 0):
         """count_only: the caller needs counts, not text (the daemon's proxy). Plain token chunks
         are then counted from their bytes (`_quick_count`) and not parsed as JSON; their events
         carry no text. The first event and every one with usage, finish_reason, timings, stop,
@@ -253,13 +254,20 @@ class StreamParser:
         self._typed_api = api in ("openai-responses", "anthropic-messages")  # events named by their `type`
         self._sglang_api = api == "sglang-generate"
         # Typed events are never read from their bytes. SGLang's are, their own way (_sglang_quick).
-        self._quick = count_only and not self._typed_api
+        self._quick = self._count_only_quick = count_only and not self._typed_api
         # Anthropic's text deltas are, their own way (_anthropic_quick); the Responses API's are parsed whole.
         self._an_quick = count_only and api == "anthropic-messages"
         self._choices = max(int(choices), 1)
         self._prompts = max(int(sequences), 1) // self._choices  # prompts whose length the request's figure sums
         self._parsed_one = False
         self._echo = echo and api == "openai-completions"
+        # vLLM's chat `echo` (the last message's content, where its role is the answer's: `echo_chars` characters)
+        # comes as each choice's own chunk after its role chunk, no token (usage does not count it); read whole until
+        # every choice has had it. A server that ignores `echo` sends no such chunk: a first chunk of another length is
+        # a token.
+        self._chat_echo = echo_chars if api == "openai-chat" and echo_chars > 0 else 0
+        if self._chat_echo:
+            self._quick = False
 
     @property
     def prompt_tokens(self) -> int | None:
@@ -999,6 +1007,7 @@ class StreamParser:
             fr = ch.get("finish_reason")
             finished = isinstance(fr, str) and bool(fr)
             token = False
+            n_texts = len(texts)
             if self.api == "openai-chat":
                 delta = ch.get("delta") or ch.get("message") or {}
                 if isinstance(delta, dict):
@@ -1022,6 +1031,12 @@ class StreamParser:
                 toks = lp.get("content") if isinstance(lp.get("content"), list) else lp.get("tokens")
                 if isinstance(toks, list):
                     k_lp = len(toks)
+            if self._chat_echo and token and idx not in s.echoed:
+                s.echoed.add(idx)
+                if sum(len(t) for t in texts[n_texts:]) == self._chat_echo:
+                    token, k_lp = False, 0
+                if len(s.echoed) >= self._choices:
+                    self._quick = self._count_only_quick
             if self._echo and (token or k_lp) and idx not in s.echoed:
                 # The choice's first chunk: its logprobs list the echoed prompt's tokens too, and it holds the one
                 # token the prompt's step generated (vLLM counts that one in usage, even where max_tokens 0 hid it).
