@@ -496,6 +496,13 @@ def test_the_prompt_size_is_kept_from_the_body_never_its_text():
     chat = {"messages": [{"role": "system", "content": "abc"},
                          {"role": "user", "content": [{"type": "text", "text": "hello"}]}], "stream": True}
     assert size(chat, "openai-chat") == {"prompt_chars": 8}
+    # A chat's tools and its history's tool calls are in the prompt the template renders (before: left out, 7660
+    # characters of schema counted as none).
+    tools = [{"type": "function", "function": {"name": "get_power", "parameters": {"type": "object"}}}]
+    calls = {"role": "assistant", "content": None,
+             "tool_calls": [{"id": "c1", "type": "function", "function": {"name": "get_power", "arguments": '{"gpu":0}'}}]}
+    with_tools = size(dict(chat, tools=tools, messages=chat["messages"] + [calls]), "openai-chat")
+    assert with_tools["prompt_chars"] == 8 + len(json.dumps(tools, separators=(",", ":"))) + len("get_power") + len('{"gpu":0}')
     image = {"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]}
     assert size(image, "openai-chat") == {}  # an image's tokens are not its characters: no estimate
     assert size({"prompt": "héllo"}, "openai-completions") == {"prompt_chars": 5}

@@ -10,6 +10,7 @@ b · characters, fitted over the last requests of that endpoint (the chat templa
 
 from __future__ import annotations
 
+import json
 from collections import deque
 
 import numpy as np
@@ -41,6 +42,14 @@ def prompt_size(doc: dict, api: str | None) -> tuple[int | None, int | None]:
                         return None, None  # an image or audio part: its tokens are not its characters
             elif c is not None:
                 return None, None
+            n += _tool_call_chars(m.get("tool_calls"))
+        tools = doc.get("tools")
+        if isinstance(tools, list) and tools:
+            # The template renders the schemas into the prompt (its wording around them unknown: their JSON's size).
+            try:
+                n += len(json.dumps(tools, separators=(",", ":")))
+            except (TypeError, ValueError):
+                return None, None
         return n, None
     if api in ("openai-completions", "llamacpp", "sglang-generate"):
         if api == "sglang-generate":
@@ -54,6 +63,16 @@ def prompt_size(doc: dict, api: str | None) -> tuple[int | None, int | None]:
         if isinstance(p, list) and len(p) == 1 and isinstance(p[0], str):
             return len(p[0]), None
     return None, None  # a batch of prompts, or none: not one request's prompt
+
+
+def _tool_call_chars(calls) -> int:
+    """Characters of a history message's tool calls: each function's name and arguments (rendered into the prompt)."""
+    n = 0
+    for call in calls if isinstance(calls, list) else ():
+        f = call.get("function") if isinstance(call, dict) else None
+        if isinstance(f, dict):
+            n += sum(len(f[k]) for k in ("name", "arguments") if isinstance(f.get(k), str))
+    return n
 
 
 class PromptLengths:
