@@ -524,6 +524,7 @@ def tune(metrics_url, config_path, levels, reference, tpot_p95_ms, ttft_p95_ms, 
 
     from prometheus_client import CollectorRegistry
 
+    from powerprof import termination
     from powerprof.control.errors import ControlError
     from powerprof.control.levels import LevelError
     from powerprof.paths import state_dir
@@ -656,7 +657,7 @@ def tune(metrics_url, config_path, levels, reference, tpot_p95_ms, ttft_p95_ms, 
                     # when the signal lands (the lock is not reentrant: a deadlock). A thread waits for it.
                     threading.Thread(target=stop.set, daemon=True).start()
 
-                for sig in (_signal.SIGTERM, _signal.SIGINT, _signal.SIGHUP):
+                for sig in (_signal.SIGTERM, _signal.SIGINT, _signal.SIGHUP) + termination.EXTRA_END_SIGNALS:
                     _signal.signal(sig, on_signal)
                 run_tuner(None)
             else:
@@ -675,6 +676,11 @@ def tune(metrics_url, config_path, levels, reference, tpot_p95_ms, ttft_p95_ms, 
             # (and broke the 128+signal every other stop gives).
             click.echo("interrupted: the original limits are back", err=True)
             sys.exit(130)
+        except termination.Terminated as e:
+            # SIGTERM, SIGHUP, SIGQUIT... (the controller's handler): the originals are back by now; say so, as Ctrl-C
+            # does (SIGQUIT once ended the tuner silently with the GPU capped).
+            click.echo(f"{_stopped_how(e)}: the original limits are back", err=True)
+            raise
     if caught:
         sys.exit(128 + caught[0])
 
@@ -1438,7 +1444,7 @@ def _signals_raise():
         termination.note(signum)
         raise termination.Terminated(signum)
 
-    held = {sig: signal.signal(sig, on_signal) for sig in (signal.SIGTERM, signal.SIGHUP)}
+    held = {sig: signal.signal(sig, on_signal) for sig in (signal.SIGTERM, signal.SIGHUP) + termination.EXTRA_END_SIGNALS}
     try:
         yield
     finally:

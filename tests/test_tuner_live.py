@@ -474,7 +474,9 @@ def operator_limit():
     return 280.0
 
 
-@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT, signal.SIGHUP])
+# SIGQUIT, SIGUSR2, SIGALRM: killed the tuner with the GPU capped and nothing said (exit -3/-12/-14).
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGQUIT, signal.SIGUSR2,
+                                 signal.SIGALRM], ids=lambda s: s.name)
 def test_a_stop_signal_ends_at_the_original_limit(tmp_path, operator_limit, sig):
     with FakeDaemon(gpu=sim_gpu()) as fd:
         proc, out = _start_tune(tmp_path, fd)
@@ -492,6 +494,7 @@ def test_a_stop_signal_ends_at_the_original_limit(tmp_path, operator_limit, sig)
     assert sim_limit_w() == operator_limit
     rows = [r for f in sorted(out.rglob("*.parquet")) for r in pq.read_table(f).to_pylist()]
     assert rows[-1]["action"] == "stop" and rows[-1]["to_level"] == operator_limit
+    assert "the original limits are back" in err, err
 
 
 def test_sigkill_then_restore_puts_the_original_limit_back(tmp_path, operator_limit):

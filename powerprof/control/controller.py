@@ -16,7 +16,7 @@ from typing import Iterable, Sequence
 from powerprof.collectors.gateway import gateway
 from powerprof.collectors.nvml import nvml_error_name
 from powerprof.paths import state_dir
-from powerprof.termination import clear, note
+from powerprof.termination import EXTRA_END_SIGNALS, Terminated, clear, note
 from powerprof.trust import untrusted_place
 
 from .device import nvml_error_code, read_devices
@@ -37,7 +37,9 @@ from .setter import GpuReadback, NvidiaSmi, check_applied, lock_sm_clocks, reset
 from .setter import set_power_limit
 
 # SIGUSR1 too: its default action kills, and `kill -USR1` meant for the tuner can reach a sweep; restore, then exit.
-HANDLED_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGUSR1)
+# SIGQUIT, SIGUSR2, SIGALRM, SIGXCPU, SIGVTALRM too (termination.EXTRA_END_SIGNALS): each killed the process with the
+# GPU left capped, silently.
+HANDLED_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGUSR1) + EXTRA_END_SIGNALS
 
 
 @dataclass(frozen=True)
@@ -58,7 +60,7 @@ class LimitController:
                 readback = ctl.set_power_limit_w(w)
         # every GPU is back at its original limit and clocks are released
 
-    Restores on leaving the block (normally or by exception), on SIGINT/SIGTERM/SIGHUP (then exits
+    Restores on leaving the block (normally or by exception), on SIGINT/SIGTERM/SIGHUP/SIGUSR1 and the other run-ending signals (then exits
     non-zero), and at interpreter exit as a last resort. Use it from the main thread: that is where
     Python delivers signals.
     """
@@ -452,7 +454,7 @@ class LimitController:
             prev(signum, frame)
         if signum == signal.SIGINT:
             raise KeyboardInterrupt
-        raise SystemExit(128 + signum)
+        raise Terminated(signum)  # a SystemExit(128 + signum) the commands say "stopped by SIG…" for
 
     def _atexit(self) -> None:
         try:
