@@ -667,10 +667,17 @@ def tune(metrics_url, config_path, levels, reference, tpot_p95_ms, ttft_p95_ms, 
             click.echo(f"Error: {e}", err=True)
             sys.exit(1)
         except OutDirError as e:
-            # A day folder of --out refused (planted, or made writable by others, while the tuner ran): the
-            # controller has put the originals back; exit 2 as for a bad --out at start (systemd does not retry).
+            # A day folder of --out refused (planted, or made writable by others, while the tuner ran) or not writable
+            # (a full disk): the controller has put the originals back; exit 2 as for a bad --out at start (systemd
+            # does not retry: RestartPreventExitStatus=2).
             click.echo(f"Error: {e}; the original limits are back", err=True)
             sys.exit(2)
+        except OSError as e:
+            # Anything else the system refused (a traceback before); the controller has put the originals back.
+            from powerprof.errtext import error_text
+
+            click.echo(f"Error: {error_text(e)}; the original limits are back", err=True)
+            sys.exit(1)
         except KeyboardInterrupt:
             # The controller has put the originals back by now; click's bare "Aborted!" exit 1 read as a failure
             # (and broke the 128+signal every other stop gives).
