@@ -714,3 +714,52 @@ def test_clock_levels_are_checked_against_the_supported_clocks_nvml_lists(origin
         ctl.lock_sm_clock_mhz(1500, 1505)
         assert [c for _, c in sim_state()] == [(1500, 1505)] * 2
     assert_untouched()
+
+
+def test_a_restore_file_that_cannot_be_removed_says_the_gpus_are_back_and_what_to_do(originals, monkeypatch):
+    # Session 47's review (chattr +i): the GPUs were back, but the sweep ended `Error: [Errno 1] Operation not
+    # permitted: '…/restore-….json'`, and the file left blocked later runs unexplained.
+    import powerprof.control.controller as controller_mod
+
+    def immutable(path):
+        raise PermissionError(1, "Operation not permitted", str(path))
+
+    monkeypatch.setattr(controller_mod, "remove_file", immutable)
+    ctl = door_controller(sim(), [0, 1])
+    ctl.open()
+    ctl.set_power_limit_w(200)
+    path = ctl.restore_path
+    with pytest.raises(ControlError) as ei:
+        ctl.close()
+    msg = str(ei.value)
+    assert msg.startswith("every GPU is back at its original limit; the restore file ") and str(path) in msg, msg
+    assert "could not be removed (Operation not permitted)" in msg and "powerprof restore" in msg, msg
+    assert "\n" not in msg
+    assert_untouched()
+
+
+def test_an_unexpected_error_restoring_one_gpu_still_restores_the_others_and_keeps_the_file(originals):
+    # An OSError from the simulator's state write while restoring GPU 0 ended the restore there: GPU 1 stayed capped
+    # and the message was the errno alone (only ControlError was caught).
+    class FullDisk(Wrap):
+        block = False
+
+        def nvmlDeviceSetPowerManagementLimit(self, h, mw):
+            if self.block and h.index == 0:
+                raise OSError(28, "No space left on device")
+            return self.inner.nvmlDeviceSetPowerManagementLimit(h, mw)
+
+    nvml = FullDisk(sim())
+    ctl = door_controller(nvml, [0, 1])
+    ctl.open()
+    ctl.set_power_limit_w(200)
+    nvml.block = True
+    with pytest.raises(ControlError, match="Could not put every GPU back") as ei:
+        ctl.close()
+    msg = str(ei.value)
+    assert "GPU 0" in msg and "No space left on device" in msg, msg
+    assert f"Restore file kept: run `powerprof restore --restore-file {ctl.restore_path}`" in msg, msg
+    assert sim_state()[1] == (ORIGINAL_W[1], None)  # the other GPU is back
+    assert len(restore_files()) == 1
+    assert door_restore().ok
+    assert_untouched()
