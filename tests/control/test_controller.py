@@ -61,7 +61,8 @@ def test_restore_file_holds_the_originals_before_the_first_change(originals):
                 assert len(files) == 1, "changed a limit before the restore file existed"
                 rec = json.loads(files[0].read_text())
                 assert sorted(g["original_limit_mw"] for g in rec["gpus"].values()) == [280000, 300000]
-                assert rec["pid"] == os.getpid() and rec["simulated"] == {"profile": "seed-16g", "count": 2}
+                assert rec["pid"] == os.getpid() and rec["simulated"] == {
+                    "profile": "seed-16g", "count": 2, "state_file": os.path.realpath(os.environ["POWERPROF_SIM_STATE"])}
             return self.inner.nvmlDeviceSetPowerManagementLimit(h, mw)
 
     with door_controller(Checking(sim()), [0, 1]) as ctl:
@@ -668,7 +669,8 @@ def test_a_mixed_hosts_record_reopens_the_same_cards_and_restore_puts_the_l4_bac
     with Rig(mixed).controller([1]) as ctl:
         ctl.set_power_limit_w(50)
         path, saved = ctl.restore_path, ctl.restore_path.read_bytes()
-    assert json.loads(saved)["simulated"] == {"profile": mixed, "count": 2}
+    assert json.loads(saved)["simulated"] == {"profile": mixed, "count": 2,
+                                              "state_file": os.path.realpath(os.environ["POWERPROF_SIM_STATE"])}
     n = SimNVML(mixed)
     n.nvmlInit()
     n.nvmlDeviceSetPowerManagementLimit(n.nvmlDeviceGetHandleByIndex(1), 50_000)  # what a kill -9 leaves
@@ -763,3 +765,35 @@ def test_an_unexpected_error_restoring_one_gpu_still_restores_the_others_and_kee
     assert len(restore_files()) == 1
     assert door_restore().ok
     assert_untouched()
+
+
+def test_restore_simulate_under_another_sim_state_refuses_and_keeps_the_record(originals, tmp_path, monkeypatch):
+    # Session 47's review: `powerprof restore --simulate` with another POWERPROF_SIM_STATE (or under sudo, which drops
+    # it) "restored" a fresh simulator's GPUs (simulated UUIDs are the same in every state file), said "Restored",
+    # deleted the record, and the capped simulated GPU kept 190 W with nothing left to restore it.
+    path = _leave_pending_record()
+    recorded = os.path.realpath(os.environ["POWERPROF_SIM_STATE"])
+    other = tmp_path / "other-sim.json"
+    monkeypatch.setenv("POWERPROF_SIM_STATE", str(other))
+    for report in (door_restore(sim_profile="seed-16g"), door_restore()):  # --simulate, and the daemon's plain restore
+        assert [o.status for o in report.outcomes] == ["refused"], report.lines()
+        line = " ".join(report.lines())
+        assert f"state file {recorded}" in line and f"POWERPROF_SIM_STATE={recorded} powerprof restore --simulate" in line
+        assert not report.ok and path.exists()
+    r = subprocess.run([sys.executable, "-m", "powerprof.cli", "restore", "--simulate"], capture_output=True, text=True,
+                       timeout=60, env=dict(os.environ, POWERPROF_SIM_STATE=str(other)))
+    assert r.returncode != 0 and recorded in r.stdout + r.stderr and path.exists(), r.stdout + r.stderr
+    monkeypatch.setenv("POWERPROF_SIM_STATE", recorded)
+    assert sim_state() == [(190.0, (1500, 1500))] * 2  # still capped: nothing was "restored" elsewhere
+    assert json.loads(path.read_text())["simulated"]["state_file"] == recorded
+    # A record whose state file is gone: refused the same, saying so.
+    rec = json.loads(path.read_text())
+    rec["simulated"]["state_file"] = str(tmp_path / "gone.json")
+    path.write_text(json.dumps(rec))
+    report = door_restore(sim_profile="seed-16g")
+    assert [o.status for o in report.outcomes] == ["refused"] and "no longer exists" in report.lines()[0]
+    rec["simulated"]["state_file"] = recorded
+    path.write_text(json.dumps(rec))
+    assert door_restore(sim_profile="seed-16g").ok  # pointed at its own state file, it is restored
+    assert_untouched()
+    assert not path.exists()
