@@ -21,7 +21,8 @@ from powerprof.termination import EXTRA_END_SIGNALS, Terminated, clear, note
 from powerprof.trust import untrusted_place
 
 from .device import nvml_error_code, read_devices
-from .errors import ControlError, ControlPermissionError, PendingRestoreError, RestoreError, permission_message
+from .errors import ControlError, ControlPermissionError, PendingRestoreError, RestoreError, StateFolderError
+from .errors import permission_message, state_folder_message
 from .gpulock import GpuLock, MachineLock
 from .levels import DeviceRange, LevelError, common_power_range, describe_power_range
 from .levels import parse_clock_levels, parse_power_levels
@@ -352,7 +353,10 @@ class LimitController:
             for d in self.devices
         }
         record = new_record(gpus, self.origin)
-        write_json_atomic(self.restore_path, record)
+        try:
+            write_json_atomic(self.restore_path, record)
+        except OSError as e:  # before the first change: nothing to put back (a bare `[Errno 28]` before)
+            raise StateFolderError(state_folder_message("the restore file", self.restore_path, e)) from None
         self._record = record
         self.changed = True
 

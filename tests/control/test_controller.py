@@ -601,9 +601,41 @@ def test_root_refuses_a_state_folder_others_can_write_and_never_follows_a_plante
     lock = lock_path(own, "GPU-x")
     lock.parent.mkdir(parents=True)
     lock.symlink_to(victim)
-    with pytest.raises(OSError):
+    with pytest.raises(ControlError) as ei:
         GpuLock(own, "GPU-x").acquire()
     assert victim.read_text() == "precious\n"
+    # Said, with the fix: it was a bare `[Errno 40] Too many levels of symbolic links: …lock` (session 47's review).
+    assert f"cannot write the lock of GPU GPU-x {lock}: it is a symlink" in str(ei.value), str(ei.value)
+    assert f"remove it (`rm {lock}`)" in str(ei.value) and "Nothing was changed on any GPU" in str(ei.value)
+
+
+def test_a_full_state_folder_is_said_with_the_fix_and_changes_nothing(originals, monkeypatch):
+    # Session 47's review: `tune` died with a traceback from gpulock's os.pwrite (ENOSPC); `sweep` said a bare
+    # `Error: [Errno 28] No space left on device`. Both for the lock and for the restore file.
+    import errno
+
+    import powerprof.control.controller as controller_mod
+    import powerprof.control.gpulock as gpulock_mod
+
+    def full(*a, **k):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    with monkeypatch.context() as m:
+        m.setattr(gpulock_mod.os, "pwrite", full)
+        with pytest.raises(ControlError) as ei:
+            door_controller(sim(), [0, 1]).open()
+    msg = str(ei.value)
+    assert "cannot write the lock of GPU 0" in msg and "No space left on device: free space in" in msg, msg
+    assert "POWERPROF_STATE_DIR" in msg and "Nothing was changed on any GPU" in msg, msg
+    monkeypatch.setattr(controller_mod, "write_json_atomic", full)
+    with door_controller(sim(), [0, 1]) as ctl, pytest.raises(ControlError) as ei:
+        ctl.set_power_limit_w(200)
+    msg = str(ei.value)
+    assert msg.startswith("cannot write the restore file ") and "No space left on device: free space in" in msg, msg
+    assert_untouched()
+    assert restore_files() == []
+    with door_controller(sim(), [0, 1]):  # and no lock is left held
+        pass
 
 
 @pytest.mark.skipif(os.geteuid() != 0, reason="the refusal is root's: as another user the folder is that user's own")
