@@ -663,6 +663,8 @@ def tune(metrics_url, config_path, levels, reference, tpot_p95_ms, ttft_p95_ms, 
             else:
                 with rig.controller(gpus) as ctl:
                     run_tuner(ctl)
+                if back := rig.restored_line(clocks=cfg.knob != "power"):
+                    click.echo(back, err=True)  # a normal stop (--duration) said nothing of the GPUs
         except ControlError as e:
             click.echo(f"Error: {e}", err=True)
             sys.exit(1)
@@ -1376,6 +1378,7 @@ def sweep(limits, clocks, url, launch, vary, context_tokens, simulate, gpus, rep
     from powerprof.analysis.loading import AnalysisError
 
     unit = "W" if limits else "MHz"
+    back = rig.restored_line(clocks=bool(clocks))  # the controller closed with the rig: every GPU is back
     try:
         with _signals_raise():
             for note in outcome.notes:
@@ -1386,6 +1389,8 @@ def sweep(limits, clocks, url, launch, vary, context_tokens, simulate, gpus, rep
     except AnalysisError as e:
         if grid is None:
             out.print(levels_table(outcome.levels, unit))
+        if back:
+            out.print(back, markup=False, highlight=False)
         out.print(f"run directory: {outcome.run_dir}", markup=False, highlight=False)
         out.print(Text.assemble(("analysis failed:", "red"), f" {e}"))
         sys.exit(1)
@@ -1401,6 +1406,8 @@ def sweep(limits, clocks, url, launch, vary, context_tokens, simulate, gpus, rep
         out.print(console_summary(result, width=out.width), highlight=False, markup=False)
     else:
         out.print(end_screen(outcome.levels, result, unit), highlight=False)
+    if back:
+        out.print(back, markup=False, highlight=False)
     out.print(f"run directory: {outcome.run_dir}", markup=False, highlight=False)
     if out.pipe_closed or ui.console.pipe_closed:
         sys.exit(EXIT_PIPE)
@@ -1583,7 +1590,9 @@ def _trace_sweep(trace_path, time_scale, duration_s, limits, clocks, url, launch
                                 launch_timeout_s=launch_timeout, command_line=" ".join(sys.argv), idle_s=idle_s,
                                 dry_run=dry_run, repeats=repeats, order=order, trace=trace, trace_meta=meta,
                                 on_level=show, ui=Notes())
-    for line in outcome.plan_lines if dry_run else [*(f"note: {n}" for n in outcome.notes), f"run directory: {outcome.run_dir}"]:
+    back = None if dry_run else rig.restored_line(clocks=bool(clocks))
+    for line in outcome.plan_lines if dry_run else [*(f"note: {n}" for n in outcome.notes), *([back] if back else []),
+                                                    f"run directory: {outcome.run_dir}"]:
         echo(line)
     if not dry_run and (outcome.levels is None or outcome.levels.num_rows == 0):
         raise click.ClickException("no level gave a J/token figure (the notes above say why)")

@@ -303,6 +303,19 @@ class Rig:
         """Whether a controller of this rig ever changed a GPU's limit or clocks (all put back since, or said)."""
         return any(c.changed for c in self._controllers)
 
+    def restored_line(self, clocks: bool = False) -> str | None:
+        """One line for the end of a run that finished normally: each GPU a controller changed, back at its original
+        limit (a sweep that ended normally never said so; only the interrupted ones did). None: nothing was changed."""
+        parts = []
+        for c in self._controllers:
+            if c.changed:
+                parts += [(d.index, d.limit_w) for d in c.devices]
+        if not parts:
+            return None
+        (i0, w0), rest = parts[0], parts[1:]
+        line = f"GPU {i0} back at its original {w0:g} W limit" + "".join(f", GPU {i} at {w:g} W" for i, w in rest)
+        return line + (", SM clock locks released" if clocks else "")
+
     def plan(self, indexes, power_levels=None, clock_levels=None):
         from powerprof.control.plan import make_plan
 

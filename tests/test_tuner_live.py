@@ -1254,3 +1254,13 @@ def test_tune_on_a_full_out_disk_exits_2_with_the_fix_and_no_traceback(tmp_path,
     assert last.startswith("Error: --out ") and "No space left on device" in last and "free space there" in last, last
     assert last.endswith("the original limits are back"), last
     assert sim_limit_w() == operator_limit
+
+
+def test_a_normal_stop_says_the_gpu_is_back_at_its_original_limit(tmp_path, operator_limit):
+    # A run ended by --duration said nothing of the GPU; only a signal's stop did.
+    r = subprocess.run([sys.executable, "-m", "powerprof.cli", "tune", "--simulate", "--daemon-metrics",
+                        "http://127.0.0.1:1/metrics", "--levels", "150,300", "--tpot-p95-ms", "100", "--out",
+                        str(tmp_path / "d"), "--duration", "1"], capture_output=True, text=True, timeout=60)
+    assert r.returncode == 0, r.stderr
+    assert r.stderr.strip().splitlines()[-1] == f"GPU 0 back at its original {operator_limit:g} W limit", r.stderr
+    assert sim_limit_w() == operator_limit
