@@ -829,3 +829,21 @@ def test_restore_simulate_under_another_sim_state_refuses_and_keeps_the_record(o
     assert door_restore(sim_profile="seed-16g").ok  # pointed at its own state file, it is restored
     assert_untouched()
     assert not path.exists()
+
+
+def test_restore_that_puts_every_gpu_back_but_cannot_remove_the_file_says_both(originals, monkeypatch):
+    # It said "Not restored; … is kept: PermissionError: …" with every GPU back (an immutable file, a read-only mount).
+    import powerprof.control.restore as restore_mod
+
+    path = _leave_pending_record()
+
+    def immutable(p):
+        raise PermissionError(1, "Operation not permitted", str(p))
+
+    monkeypatch.setattr(restore_mod, "remove_file", immutable)
+    report = door_restore(path)
+    assert not report.ok and [o.status for o in report.outcomes] == ["failed"]
+    line = report.lines()[0]
+    assert "every GPU is back at its original limit" in line and "could not be removed (Operation not permitted)" in line
+    assert "Not restored" not in line, line
+    assert_untouched()
