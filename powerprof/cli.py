@@ -524,6 +524,7 @@ def tune(metrics_url, config_path, levels, reference, tpot_p95_ms, ttft_p95_ms, 
 
     from prometheus_client import CollectorRegistry
 
+    from powerprof import termination
     from powerprof.control.errors import ControlError
     from powerprof.control.levels import LevelError
     from powerprof.paths import state_dir
@@ -656,25 +657,39 @@ def tune(metrics_url, config_path, levels, reference, tpot_p95_ms, ttft_p95_ms, 
                     # when the signal lands (the lock is not reentrant: a deadlock). A thread waits for it.
                     threading.Thread(target=stop.set, daemon=True).start()
 
-                for sig in (_signal.SIGTERM, _signal.SIGINT, _signal.SIGHUP):
+                for sig in (_signal.SIGTERM, _signal.SIGINT, _signal.SIGHUP) + termination.EXTRA_END_SIGNALS:
                     _signal.signal(sig, on_signal)
                 run_tuner(None)
             else:
                 with rig.controller(gpus) as ctl:
                     run_tuner(ctl)
+                if back := rig.restored_line(clocks=cfg.knob != "power"):
+                    click.echo(back, err=True)  # a normal stop (--duration) said nothing of the GPUs
         except ControlError as e:
             click.echo(f"Error: {e}", err=True)
             sys.exit(1)
         except OutDirError as e:
-            # A day folder of --out refused (planted, or made writable by others, while the tuner ran): the
-            # controller has put the originals back; exit 2 as for a bad --out at start (systemd does not retry).
+            # A day folder of --out refused (planted, or made writable by others, while the tuner ran) or not writable
+            # (a full disk): the controller has put the originals back; exit 2 as for a bad --out at start (systemd
+            # does not retry: RestartPreventExitStatus=2).
             click.echo(f"Error: {e}; the original limits are back", err=True)
             sys.exit(2)
+        except OSError as e:
+            # Anything else the system refused (a traceback before); the controller has put the originals back.
+            from powerprof.errtext import error_text
+
+            click.echo(f"Error: {error_text(e)}; the original limits are back", err=True)
+            sys.exit(1)
         except KeyboardInterrupt:
             # The controller has put the originals back by now; click's bare "Aborted!" exit 1 read as a failure
             # (and broke the 128+signal every other stop gives).
             click.echo("interrupted: the original limits are back", err=True)
             sys.exit(130)
+        except termination.Terminated as e:
+            # SIGTERM, SIGHUP, SIGQUIT... (the controller's handler): the originals are back by now; say so, as Ctrl-C
+            # does (SIGQUIT once ended the tuner silently with the GPU capped).
+            click.echo(f"{_stopped_how(e)}: the original limits are back", err=True)
+            raise
     if caught:
         sys.exit(128 + caught[0])
 
@@ -1363,6 +1378,7 @@ def sweep(limits, clocks, url, launch, vary, context_tokens, simulate, gpus, rep
     from powerprof.analysis.loading import AnalysisError
 
     unit = "W" if limits else "MHz"
+    back = rig.restored_line(clocks=bool(clocks))  # the controller closed with the rig: every GPU is back
     try:
         with _signals_raise():
             for note in outcome.notes:
@@ -1373,6 +1389,8 @@ def sweep(limits, clocks, url, launch, vary, context_tokens, simulate, gpus, rep
     except AnalysisError as e:
         if grid is None:
             out.print(levels_table(outcome.levels, unit))
+        if back:
+            out.print(back, markup=False, highlight=False)
         out.print(f"run directory: {outcome.run_dir}", markup=False, highlight=False)
         out.print(Text.assemble(("analysis failed:", "red"), f" {e}"))
         sys.exit(1)
@@ -1388,6 +1406,8 @@ def sweep(limits, clocks, url, launch, vary, context_tokens, simulate, gpus, rep
         out.print(console_summary(result, width=out.width), highlight=False, markup=False)
     else:
         out.print(end_screen(outcome.levels, result, unit), highlight=False)
+    if back:
+        out.print(back, markup=False, highlight=False)
     out.print(f"run directory: {outcome.run_dir}", markup=False, highlight=False)
     if out.pipe_closed or ui.console.pipe_closed:
         sys.exit(EXIT_PIPE)
@@ -1438,7 +1458,7 @@ def _signals_raise():
         termination.note(signum)
         raise termination.Terminated(signum)
 
-    held = {sig: signal.signal(sig, on_signal) for sig in (signal.SIGTERM, signal.SIGHUP)}
+    held = {sig: signal.signal(sig, on_signal) for sig in (signal.SIGTERM, signal.SIGHUP) + termination.EXTRA_END_SIGNALS}
     try:
         yield
     finally:
@@ -1570,7 +1590,9 @@ def _trace_sweep(trace_path, time_scale, duration_s, limits, clocks, url, launch
                                 launch_timeout_s=launch_timeout, command_line=" ".join(sys.argv), idle_s=idle_s,
                                 dry_run=dry_run, repeats=repeats, order=order, trace=trace, trace_meta=meta,
                                 on_level=show, ui=Notes())
-    for line in outcome.plan_lines if dry_run else [*(f"note: {n}" for n in outcome.notes), f"run directory: {outcome.run_dir}"]:
+    back = None if dry_run else rig.restored_line(clocks=bool(clocks))
+    for line in outcome.plan_lines if dry_run else [*(f"note: {n}" for n in outcome.notes), *([back] if back else []),
+                                                    f"run directory: {outcome.run_dir}"]:
         echo(line)
     if not dry_run and (outcome.levels is None or outcome.levels.num_rows == 0):
         raise click.ClickException("no level gave a J/token figure (the notes above say why)")

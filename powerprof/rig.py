@@ -121,7 +121,14 @@ class Rig:
         if not self.simulated:
             return None
         keys = [g.profile.key for g in self.nvml.gpus]
-        return {"profile": keys[0] if len(set(keys)) == 1 else ",".join(keys), "count": len(keys)}
+        origin = {"profile": keys[0] if len(set(keys)) == 1 else ",".join(keys), "count": len(keys)}
+        # Which simulated GPUs these are: their state file (simulated UUIDs are the same in every one). Without it,
+        # `restore --simulate` under another POWERPROF_SIM_STATE (or `sudo`, which drops it) "restored" a fresh
+        # simulator, deleted the record, and the capped one kept its limit with nothing left to restore it.
+        state = getattr(self.nvml, "state_path", None)
+        if state is not None:
+            origin["state_file"] = os.path.realpath(state)
+        return origin
 
     def run_label(self, gpu_name: str) -> str:
         """The GPU's part of a default run-directory name."""
@@ -296,6 +303,19 @@ class Rig:
         """Whether a controller of this rig ever changed a GPU's limit or clocks (all put back since, or said)."""
         return any(c.changed for c in self._controllers)
 
+    def restored_line(self, clocks: bool = False) -> str | None:
+        """One line for the end of a run that finished normally: each GPU a controller changed, back at its original
+        limit (a sweep that ended normally never said so; only the interrupted ones did). None: nothing was changed."""
+        parts = []
+        for c in self._controllers:
+            if c.changed:
+                parts += [(d.index, d.limit_w) for d in c.devices]
+        if not parts:
+            return None
+        (i0, w0), rest = parts[0], parts[1:]
+        line = f"GPU {i0} back at its original {w0:g} W limit" + "".join(f", GPU {i} at {w:g} W" for i, w in rest)
+        return line + (", SM clock locks released" if clocks else "")
+
     def plan(self, indexes, power_levels=None, clock_levels=None):
         from powerprof.control.plan import make_plan
 
@@ -337,7 +357,29 @@ class Rig:
     def _refuse_record(self, record: dict) -> str | None:
         if self.simulated and not record.get("simulated"):
             return "records a real GPU; run `powerprof restore` without --simulate."
-        return _bad_origin(record.get("simulated"))
+        return _bad_origin(record.get("simulated")) or self._other_sim_state(record.get("simulated"))
+
+    def _other_sim_state(self, origin) -> str | None:
+        """Why a simulated record is not this simulator's to restore: its GPUs live in another state file (another
+        POWERPROF_SIM_STATE, or `sudo` having dropped it), or in one that is gone. A record of an older powerprof
+        names none: it is restored where the environment points, as before."""
+        recorded = origin.get("state_file") if origin else None
+        if recorded is None:
+            return None
+        from powerprof.sim.nvml import STATE_ENV, default_state_path
+
+        state = getattr(self.nvml, "state_path", None) if self.simulated else None
+        here = os.path.realpath(state if state is not None else default_state_path())
+        fix = (f"point at it: `{STATE_ENV}={recorded} powerprof restore --simulate` (with sudo: "
+               f"`sudo env {STATE_ENV}={recorded} powerprof restore --simulate`)")
+        if not os.path.exists(recorded):
+            return (f"records simulated GPUs whose state file {recorded} no longer exists (this simulator's is {here}); "
+                    "nothing was changed and the file is kept: if that file comes back, " + fix + "; if it is gone for "
+                    "good, so are its simulated limits: delete the restore file")
+        if recorded != here:
+            return (f"records the simulated GPUs of the state file {recorded}, not this simulator's ({here}; "
+                    f"{STATE_ENV} differs or `sudo` dropped it); nothing was changed and the file is kept: " + fix)
+        return None
 
     # --- life cycle ------------------------------------------------------------------------------
 
@@ -390,6 +432,9 @@ def _bad_origin(origin) -> str | None:
         why = f'has "count" {json.dumps(count)}, not a GPU count in 1..{MAX_SIM_GPUS}'
     elif len(keys) > 1 and len(keys) != count:
         why = f'names {len(keys)} profiles for "count" {count} GPUs'
+    elif "state_file" in origin and not (isinstance(origin["state_file"], str) and os.path.isabs(origin["state_file"])
+                                         and "\0" not in origin["state_file"]):
+        why = f'has "state_file" {json.dumps(origin["state_file"])}, not an absolute path'
     else:
         return None
     return (f'is damaged: its "simulated" {why}. It records simulated GPUs only: correct that field, or delete the '
@@ -402,5 +447,6 @@ def _nvml_for_record(record: dict):
     if sim:
         from powerprof.sim.nvml import SimNVML
 
-        return SimNVML(profile=sim["profile"], count=sim["count"])  # checked by _bad_origin
+        # Exactly the recorded state file (Rig._other_sim_state refused a record of another one or a gone one).
+        return SimNVML(profile=sim["profile"], count=sim["count"], state_path=sim.get("state_file") or True)
     return _pynvml()

@@ -17,8 +17,20 @@ import threading
 _noted: list[int] = []
 
 
+def _signals(*names: str) -> tuple[int, ...]:
+    return tuple(getattr(signal, n) for n in names if hasattr(signal, n))
+
+
+# Every signal whose default action ends the process and that a user, a shell or a tool can send: each is taken as a
+# termination that restores (exit 128 + signal). Before, only INT, TERM, HUP and USR1 were: SIGQUIT (Ctrl-backslash, a key
+# on the terminal), SIGUSR2 or SIGALRM ended a sweep or the tuner at once with the GPU left capped, the restore file
+# kept and nothing said (exit -3/-12/-14). SIGXCPU (ulimit -t) and SIGVTALRM too. Not SIGKILL/SIGSTOP (cannot be
+# caught), nor the faults (SIGSEGV, SIGBUS...): `powerprof restore` covers those.
+EXTRA_END_SIGNALS = _signals("SIGQUIT", "SIGUSR2", "SIGALRM", "SIGXCPU", "SIGVTALRM")
+
+
 class Terminated(SystemExit):
-    """powerprof received SIGTERM or SIGHUP: exit with 128 + signum, with no traceback."""
+    """powerprof received SIGTERM, SIGHUP or another run-ending signal but SIGINT: exit with 128 + signum, with no traceback."""
 
     def __init__(self, signum: int):
         super().__init__(128 + signum)
@@ -42,7 +54,7 @@ def raise_if_terminated() -> None:
 # The run-ending signals a handler of ours (the launcher's, the limit controller's) may be set for. SIGINT too: its
 # KeyboardInterrupt raised inside a task's step ended the loop with the main task's exception never retrieved
 # (asyncio printed "Task exception was never retrieved" and a traceback on a Ctrl-C mid-sweep, seen in CI).
-_RUN_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGUSR1)
+_RUN_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGUSR1) + EXTRA_END_SIGNALS
 
 
 def run(coro):
@@ -99,12 +111,12 @@ def exit_for(signum: int) -> BaseException:
     return KeyboardInterrupt() if signum == signal.SIGINT else Terminated(signum)
 
 
-_EXIT_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
+_EXIT_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP) + EXTRA_END_SIGNALS
 
 
 @contextlib.contextmanager
 def _handled_by(handler):
-    """`handler` for SIGINT, SIGTERM and SIGHUP inside (main thread only; an ignored one stays ignored, as nohup's
+    """`handler` for SIGINT, SIGTERM, SIGHUP and the EXTRA_END_SIGNALS inside (main thread only; an ignored one stays ignored, as nohup's
     SIGHUP), the earlier handlers back afterwards."""
     old = {}
     try:

@@ -193,6 +193,11 @@ def test_sweep_prints_one_table_then_the_curves(tmp_path, monkeypatch):
     assert out.count("J/token") >= 1 and "chosen by" not in out  # the analysis' own table is not printed again
     assert "GPU J/token" in out and "decode tok/s" in out and f"{CHOSEN} recommended" in out
     assert "Recommended limit:" in out and "run directory:" in out
+    # A sweep that finished normally never said the GPU was put back (only interrupted ones did): one line, just
+    # before the run directory, with each GPU's original limit.
+    lines = out.splitlines()
+    at = next(i for i, x in enumerate(lines) if x.startswith("run directory:"))
+    assert re.fullmatch(r"GPU 0 back at its original \d+ W limit", lines[at - 1]), lines[at - 2:at + 1]
     # In a pipe the progress lines get 120 columns, as the results do: at 80 the stop rule pushed the
     # elapsed time out ("[max-time] 0:0…").
     assert re.search(r"level 2/2: 200 W .*\[max-requests\] +\d+:\d\d:\d\d", out), out

@@ -134,7 +134,11 @@ def test_kill_9_mid_sweep_keeps_finished_levels_and_restore_brings_the_limit_bac
 
 # SIGUSR1 too: `kill -USR1` aimed at the tuner must not leave a sweep's GPU capped (its default action kills outright).
 @pytest.mark.parametrize("sig,code", [(signal.SIGTERM, 128 + signal.SIGTERM), (signal.SIGINT, 130), (signal.SIGHUP, 128 + signal.SIGHUP),
-                                      (signal.SIGUSR1, 128 + signal.SIGUSR1)])
+                                      (signal.SIGUSR1, 128 + signal.SIGUSR1),
+                                      # SIGQUIT (Ctrl-backslash on a terminal), SIGUSR2, SIGALRM killed it with the GPU capped, the
+                                      # restore file kept and nothing said (exit -3/-12/-14).
+                                      (signal.SIGQUIT, 128 + signal.SIGQUIT), (signal.SIGUSR2, 128 + signal.SIGUSR2),
+                                      (signal.SIGALRM, 128 + signal.SIGALRM)], ids=lambda v: getattr(v, "name", str(v)))
 def test_signals_mid_sweep_restore_the_limit_and_keep_finished_levels(tmp_path, sig, code):
     out = tmp_path / "run"
     proc = _start_sweep_and_wait_for_a_level(out)

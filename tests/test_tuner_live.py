@@ -9,6 +9,7 @@ import signal
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import pyarrow.parquet as pq
 import pytest
@@ -474,7 +475,9 @@ def operator_limit():
     return 280.0
 
 
-@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT, signal.SIGHUP])
+# SIGQUIT, SIGUSR2, SIGALRM: killed the tuner with the GPU capped and nothing said (exit -3/-12/-14).
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGQUIT, signal.SIGUSR2,
+                                 signal.SIGALRM], ids=lambda s: s.name)
 def test_a_stop_signal_ends_at_the_original_limit(tmp_path, operator_limit, sig):
     with FakeDaemon(gpu=sim_gpu()) as fd:
         proc, out = _start_tune(tmp_path, fd)
@@ -492,6 +495,7 @@ def test_a_stop_signal_ends_at_the_original_limit(tmp_path, operator_limit, sig)
     assert sim_limit_w() == operator_limit
     rows = [r for f in sorted(out.rglob("*.parquet")) for r in pq.read_table(f).to_pylist()]
     assert rows[-1]["action"] == "stop" and rows[-1]["to_level"] == operator_limit
+    assert "the original limits are back" in err, err
 
 
 def test_sigkill_then_restore_puts_the_original_limit_back(tmp_path, operator_limit):
@@ -1173,3 +1177,90 @@ def test_a_dry_run_says_what_its_next_verdict_waits_for(caplog):
             _drive(runner, clock, 6)
     said = [r.getMessage() for r in caplog.records if r.getMessage().startswith("dry run: the next verdict has")]
     assert 2 <= len(said) <= 3 and "(15 s needed)" in said[-1] and "(500 needed)" in said[-1], said
+
+
+def _fail_writes_from_the_first_explore(runner_mod, written: list):
+    """runner's atomic_write_table as a disk that fills: rows up to the first `explore` are written (their to_levels
+    in `written`), that write and every later one fail with ENOSPC."""
+    import errno
+
+    real = runner_mod.atomic_write_table
+    full = []
+
+    def write(path, table, *a, **k):
+        rows = table.to_pylist()
+        if full or any(r["action"] == "explore" for r in rows):
+            full.append(path)
+            raise OSError(errno.ENOSPC, "No space left on device")
+        real(path, table, *a, **k)
+        written.extend(r["to_level"] for r in rows)
+
+    return write
+
+
+def test_a_full_out_disk_stops_the_tuner_before_it_moves_a_level_it_cannot_record(tmp_path, monkeypatch):
+    # Session 47's review: the move 250→200 was applied, then its row's write failed (ENOSPC) with a traceback, exit 1:
+    # the move and the stop row never recorded, and systemd restarted it every 10 s. Rows are written before their
+    # move now, and a write that fails is OutDirError (exit 2, not restarted) saying the fix.
+    import powerprof.tuner.runner as runner_mod
+    from powerprof.tuner.runner import OutDirError
+
+    written: list = []
+    monkeypatch.setattr(runner_mod, "atomic_write_table", _fail_writes_from_the_first_explore(runner_mod, written))
+    nvml = SimNVML("seed-16g", state_path=None)
+    nvml.gpus[0].set_limit_w(280)
+    applied: list = []
+    out = tmp_path / "decisions"
+    with Rig("seed-16g", nvml=nvml) as rig, FakeDaemon(gpu=sim_gpu(nvml)) as fd:
+        with pytest.raises(OutDirError) as e, rig.controller([0]) as ctl:
+            real_set = ctl.set_power_limit_w
+            ctl.set_power_limit_w = lambda w: (applied.append(w), real_set(w))[1]
+            clock = Clock()
+            runner = TuneRunner(_cfg(), lambda: parse_counters(fetch_metrics(fd.url, 2), 0.0), ctl=ctl, gpus=[0],
+                                clock=clock, gpu_uuids=[nvml.gpus[0].uuid], out_dir=out)
+            runner.start()
+            _drive(runner, clock, 40)
+        assert _limit_w(nvml) == 280  # the controller put the original back
+    assert applied == [300] and written == [300]  # the start, recorded; the explore neither written nor made
+    msg = " ".join(str(e.value).split())
+    assert "cannot write the tuner's decisions" in msg and "No space left on device" in msg, msg
+    assert "free space there, or give another --out" in msg, msg
+
+
+def test_tune_on_a_full_out_disk_exits_2_with_the_fix_and_no_traceback(tmp_path, operator_limit):
+    # The command: exit 2 (the unit's RestartPreventExitStatus=2: systemd does not restart it into the same wall), one
+    # line with the cause and the fix, the original limit back.
+    restart_prevented = re.search(r"^RestartPreventExitStatus=(.*)$", (Path(__file__).parents[1] / "systemd" /
+                                  "powerprof-tune.service").read_text(), re.M).group(1).split()
+    assert "2" in restart_prevented
+    cfg = tmp_path / "tune.toml"
+    cfg.write_text('[tuner]\nlevels = "150,200,250,300"\ntpot_p95_ms = 100\ntick_s = 0.2\nwindow_s = 0.3\n'
+                   "dwell_s = 0.4\nmin_requests = 5\nguard_s = 1\nguard_min_requests = 5\nstale_s = 5\n"
+                   "max_explore_share = 1.0\nexplore_horizon_s = 60\nregime_s = 30\n")
+    out = tmp_path / "decisions"
+    code = ("import sys, powerprof.tuner.runner as r\n"
+            "sys.path.insert(0, %r)\n"
+            "from test_tuner_live import _fail_writes_from_the_first_explore\n"
+            "r.atomic_write_table = _fail_writes_from_the_first_explore(r, [])\n"
+            "from powerprof.cli import main\n"
+            "sys.argv = ['powerprof'] + sys.argv[1:]\n"
+            "main()\n") % str(Path(__file__).parent)
+    with FakeDaemon(gpu=sim_gpu()) as fd:
+        r = subprocess.run([sys.executable, "-c", code, "tune", "--simulate", "--daemon-metrics", fd.url, "--config",
+                            str(cfg), "--out", str(out), "--duration", "30"], capture_output=True, text=True, timeout=90)
+    assert r.returncode == 2, r.stderr
+    assert "Traceback" not in r.stderr, r.stderr
+    last = r.stderr.strip().splitlines()[-1]
+    assert last.startswith("Error: --out ") and "No space left on device" in last and "free space there" in last, last
+    assert last.endswith("the original limits are back"), last
+    assert sim_limit_w() == operator_limit
+
+
+def test_a_normal_stop_says_the_gpu_is_back_at_its_original_limit(tmp_path, operator_limit):
+    # A run ended by --duration said nothing of the GPU; only a signal's stop did.
+    r = subprocess.run([sys.executable, "-m", "powerprof.cli", "tune", "--simulate", "--daemon-metrics",
+                        "http://127.0.0.1:1/metrics", "--levels", "150,300", "--tpot-p95-ms", "100", "--out",
+                        str(tmp_path / "d"), "--duration", "1"], capture_output=True, text=True, timeout=60)
+    assert r.returncode == 0, r.stderr
+    assert r.stderr.strip().splitlines()[-1] == f"GPU 0 back at its original {operator_limit:g} W limit", r.stderr
+    assert sim_limit_w() == operator_limit

@@ -8,6 +8,7 @@ from .errors import (
     LimitNotAppliedError,
     PendingRestoreError,
     RestoreError,
+    StateFolderError,
 )
 from .levels import DeviceRange, LevelError, parse_clock_levels, parse_gpu_indexes, parse_power_levels
 from .plan import Plan, make_plan
@@ -27,6 +28,7 @@ __all__ = [
     "PendingRestoreError",
     "Plan",
     "RestoreError",
+    "StateFolderError",
     "make_plan",
     "parse_clock_levels",
     "parse_gpu_indexes",

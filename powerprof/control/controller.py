@@ -15,12 +15,14 @@ from typing import Iterable, Sequence
 
 from powerprof.collectors.gateway import gateway
 from powerprof.collectors.nvml import nvml_error_name
+from powerprof.errtext import error_text
 from powerprof.paths import state_dir
-from powerprof.termination import clear, note
+from powerprof.termination import EXTRA_END_SIGNALS, Terminated, clear, note
 from powerprof.trust import untrusted_place
 
 from .device import nvml_error_code, read_devices
-from .errors import ControlError, ControlPermissionError, PendingRestoreError, RestoreError, permission_message
+from .errors import ControlError, ControlPermissionError, PendingRestoreError, RestoreError, StateFolderError
+from .errors import permission_message, state_folder_message
 from .gpulock import GpuLock, MachineLock
 from .levels import DeviceRange, LevelError, common_power_range, describe_power_range
 from .levels import parse_clock_levels, parse_power_levels
@@ -37,7 +39,9 @@ from .setter import GpuReadback, NvidiaSmi, check_applied, lock_sm_clocks, reset
 from .setter import set_power_limit
 
 # SIGUSR1 too: its default action kills, and `kill -USR1` meant for the tuner can reach a sweep; restore, then exit.
-HANDLED_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGUSR1)
+# SIGQUIT, SIGUSR2, SIGALRM, SIGXCPU, SIGVTALRM too (termination.EXTRA_END_SIGNALS): each killed the process with the
+# GPU left capped, silently.
+HANDLED_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGUSR1) + EXTRA_END_SIGNALS
 
 
 @dataclass(frozen=True)
@@ -58,7 +62,7 @@ class LimitController:
                 readback = ctl.set_power_limit_w(w)
         # every GPU is back at its original limit and clocks are released
 
-    Restores on leaving the block (normally or by exception), on SIGINT/SIGTERM/SIGHUP (then exits
+    Restores on leaving the block (normally or by exception), on SIGINT/SIGTERM/SIGHUP/SIGUSR1 and the other run-ending signals (then exits
     non-zero), and at interpreter exit as a last resort. Use it from the main thread: that is where
     Python delivers signals.
     """
@@ -349,7 +353,10 @@ class LimitController:
             for d in self.devices
         }
         record = new_record(gpus, self.origin)
-        write_json_atomic(self.restore_path, record)
+        try:
+            write_json_atomic(self.restore_path, record)
+        except OSError as e:  # before the first change: nothing to put back (a bare `[Errno 28]` before)
+            raise StateFolderError(state_folder_message("the restore file", self.restore_path, e)) from None
         self._record = record
         self.changed = True
 
@@ -363,25 +370,46 @@ class LimitController:
             if self._record is None:
                 return
             problems = []
-            for h, d in self._reached():
+            for k in range(len(self.devices)):
+                d = self.devices[k]
                 try:
+                    h = self._handle(k)
+                    d = self.devices[k]
                     restore_gpu(self.nvml, h, d.index, d.uuid, self._record["gpus"][d.uuid], self.nvidia_smi, self.tolerance_w)
                 except ControlError as e:
                     problems.append(str(e))
+                except Exception as e:  # noqa: BLE001 - every GPU gets its try; the kept file says what to run
+                    # An OSError (the simulator's state write, a full disk), a bug: it ended the restore at this GPU,
+                    # the others left capped, and the message was the errno alone.
+                    problems.append(f"GPU {d.index} ({d.uuid}): putting back its limit failed: {error_text(e)}.")
             if problems:
                 raise RestoreError(
                     "Could not put every GPU back: " + " ".join(problems)
-                    + f" The restore file {self.restore_path} is kept: run `powerprof restore --restore-file "
-                    f"{self.restore_path}` once the cause is fixed."
+                    + f" Restore file kept: run `powerprof restore --restore-file {self.restore_path}` once the cause "
+                    "is fixed."
                 )
-            remove_file(self.restore_path)
+            try:
+                remove_file(self.restore_path)
+            except OSError as e:
+                # Every GPU is back; only the record stays (a read-only file system, an immutable file). Unsaid, it
+                # ended the sweep with a bare errno and blocked every later run on these GPUs unexplained.
+                self._record = None
+                raise RestoreError(
+                    f"every GPU is back at its original limit; the restore file {self.restore_path} could not be removed "
+                    f"({e.strerror or error_text(e)}): remove it, or run `powerprof restore --restore-file "
+                    f"{self.restore_path}` (it blocks new runs on these GPUs until then)") from None
             self._record = None
 
     def _restore_after_failure(self) -> None:
         try:
             self._restore_now()
-        except RestoreError:
-            pass  # the original error is the one to report; the kept file and close() try again
+        except RestoreError as e:
+            # The original error is the one to report; the kept file and close() try again. Where every GPU is back and
+            # only the file stayed, close() has nothing left to retry: keep its words for the caller's notes.
+            if self._record is None and str(e) not in self.notes:
+                self.notes.append(str(e))
+        except Exception:  # noqa: BLE001 - as above: the original error is the one to report
+            pass
 
     # --- signals -----------------------------------------------------------------------------
 
@@ -452,7 +480,7 @@ class LimitController:
             prev(signum, frame)
         if signum == signal.SIGINT:
             raise KeyboardInterrupt
-        raise SystemExit(128 + signum)
+        raise Terminated(signum)  # a SystemExit(128 + signum) the commands say "stopped by SIG…" for
 
     def _atexit(self) -> None:
         try:

@@ -27,6 +27,35 @@ class PendingRestoreError(ControlError):
     """A previous run left a restore record for this GPU: its 'current' limit is not the original."""
 
 
+class StateFolderError(ControlError):
+    """The state folder cannot hold a GPU's lock or the restore file (full, a planted symlink, read-only): nothing was
+    changed. The message names the file, the cause and the fix."""
+
+
+def state_folder_message(what: str, path, e: OSError) -> str:
+    """One line for an OSError on a lock or restore file in the state folder, before any change: the cause in words and
+    the fix (a bare `[Errno 28] No space left on device` or `[Errno 40] Too many levels of symbolic links: …lock`
+    said neither)."""
+    import errno as _errno
+    from pathlib import Path as _Path
+
+    path = _Path(path)
+    folder = path.parent
+    elsewhere = "or point POWERPROF_STATE_DIR at another folder"
+    if e.errno == _errno.ELOOP:
+        why = ("it is a symlink, which powerprof never writes through (another user may have planted it to have root "
+               f"write elsewhere); look at where it points, then remove it (`rm {path}`)")
+    elif e.errno in (_errno.ENOSPC, _errno.EDQUOT):
+        why = f"{e.strerror}: free space in {folder} (`df -h {folder}`), {elsewhere}"
+    elif e.errno == _errno.EROFS:
+        why = f"{e.strerror}: {elsewhere} on a writable file system"
+    elif e.errno in (_errno.EACCES, _errno.EPERM):
+        why = f"{e.strerror}: run as the user the folder belongs to, fix its permissions, {elsewhere}"
+    else:
+        why = f"{e.strerror or e}: fix the folder, {elsewhere}"
+    return f"cannot write {what} {path}: {why}. Nothing was changed on any GPU."
+
+
 class RestoreError(ControlError):
     """Putting the original settings back failed; the restore file is kept for `powerprof restore`."""
 

@@ -13,7 +13,7 @@ import struct
 import time
 from pathlib import Path
 
-from .errors import GpuBusyError
+from .errors import GpuBusyError, StateFolderError, state_folder_message
 
 
 def make_dirs(path: Path, mode: int = 0o755) -> None:
@@ -57,6 +57,17 @@ class GpuLock:
     def acquire(self) -> None:
         if self._fd is not None:
             return
+        try:
+            self._acquire()
+        except OSError as e:
+            # A full state folder (the PID's pwrite: ENOSPC), a planted symlink (O_NOFOLLOW: ELOOP), a read-only one:
+            # a traceback or a bare errno before. Nothing has been changed yet: the lock is taken before anything.
+            raise StateFolderError(state_folder_message(f"the lock of {self._gpu()}", self.path, e)) from None
+
+    def _gpu(self) -> str:
+        return f"GPU {self.index} ({self.uuid})" if self.index is not None else f"GPU {self.uuid}"
+
+    def _acquire(self) -> None:
         make_dirs(self.path.parent)
         # O_CLOEXEC (Python's default) keeps a launched inference server from inheriting the lock; O_NOFOLLOW: the
         # file is truncated and written, so a symlink planted in its place must not lead root's write elsewhere.
@@ -84,8 +95,12 @@ class GpuLock:
                 f"when it exits. Lock file: {self.path}",
                 pid,
             ) from None
-        os.ftruncate(fd, 0)
-        os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
+        try:
+            os.ftruncate(fd, 0)
+            os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
+        except BaseException:
+            os.close(fd)  # drops the flock: a lock whose holder cannot be named is not kept
+            raise
         self._fd = fd
 
     def release(self) -> None:

@@ -460,7 +460,15 @@ def _restore_one_file(path, refuse, nvml_factory, nvidia_smi, lock_dir, toleranc
             return FileOutcome(
                 path, "failed", f"Not fully restored; {path} is kept: " + " ".join(problems), tuple(done)
             )
-        remove_file(path)
+        try:
+            remove_file(path)
+        except OSError as e:
+            # Every GPU is back: "Not restored; … kept: PermissionError" said the opposite (a read-only file system,
+            # an immutable file). Failed all the same (exit 1): the file blocks new runs on these GPUs until removed.
+            return FileOutcome(path, "failed", f"Restored from {path} (left by pid {rec.get('pid')}), every GPU is back "
+                                               f"at its original limit, but the file could not be removed "
+                                               f"({e.strerror or error_text(e)}): remove it by hand (it blocks new runs "
+                                               "on these GPUs):", tuple(done))
         return FileOutcome(path, "restored", f"Restored from {path} (left by pid {rec.get('pid')}):", tuple(done))
     except GpuBusyError as e:
         return FileOutcome(path, "in_use", f"Not restored: {e}")
@@ -597,7 +605,11 @@ def force_default(
             # folder swapped for a symlink to root's state folder removed root's own restore file, its originals lost).
             return FileOutcome(path, "defaulted", f"Set to default limits; {path} is kept, not removed through a folder "
                                                   f"another user controls ({why}): remove it yourself:", tuple(done))
-        remove_file(path)
+        try:
+            remove_file(path)
+        except OSError as e:
+            return FileOutcome(path, "failed", f"Set to default limits, but {path} could not be removed "
+                                               f"({e.strerror or error_text(e)}): remove it by hand:", tuple(done))
         return FileOutcome(path, "defaulted", f"Set to default limits and removed {path}:", tuple(done))
     except GpuBusyError as e:
         return FileOutcome(path, "in_use", f"Not changed: {e}")

@@ -136,7 +136,18 @@ class DecisionLog:
             self.refused = msg
             raise OutDirError(msg)
         part = day_dir / f"part-{time.time_ns()}.parquet"
-        atomic_write_table(part, rows_to_table(TUNER_DECISIONS, self._unflushed, fill={"host": self.host}))
+        try:
+            atomic_write_table(part, rows_to_table(TUNER_DECISIONS, self._unflushed, fill={"host": self.host}))
+        except OutDirError:
+            raise
+        except OSError as e:
+            # A full disk (ENOSPC), a read-only or gone folder: a traceback and exit 1 before, which systemd restarted
+            # every 10 s, each start moving the level again. Rows are written before the move they record, so the
+            # tuner stops here with no move unrecorded, and exit 2 is not retried (RestartPreventExitStatus=2).
+            msg = (f"--out {self.out_dir}: cannot write the tuner's decisions into {day_dir} ({e.strerror or error_text(e)}); the "
+                   "tuner stops (it never moves a level without its row); fix: free space there, or give another --out")
+            log.error("%s", msg)
+            raise OutDirError(msg) from None
         self._unflushed = []
 
 
@@ -242,8 +253,8 @@ class TuneRunner:
         if not cfg.dry_run and self.ctl is not None and cfg.knob == "power" and self.ctl.original_limits_w:
             # From where the GPUs were, as the stop row goes back there: "start 250→250" hid a move from 300 W.
             d = self.tuner.decisions[-1] = dataclasses.replace(d, from_level=self.ctl.original_limits_w[0])
+        self._record([d])  # each row before the move it records: a row that cannot be written stops the tuner first
         self._apply(self.tuner.level)
-        self._record([d])
         self._show_level()
         if self.kill_path is not None and self.clear_kill and self.kill_path.exists():
             self.kill_path.unlink()
@@ -254,8 +265,8 @@ class TuneRunner:
     def _kill(self, why: str) -> None:
         d = self.tuner.kill(self.clock(), why)
         self.metrics.killed.set(1)
+        self._record([d])  # unwritable: OutDirError, and the controller puts back the originals (safer still)
         self._apply(self.tuner.level)
-        self._record([d])
         self._show_level()
 
     def check_kill(self) -> None:
@@ -270,8 +281,8 @@ class TuneRunner:
             d = self.tuner.stale(now, f"no trustworthy figures for {now - self._last_good_s:.0f} s ({self._last_error})")
             self.metrics.stale.set(1)
             if d is not None:
-                self._apply(self.tuner.level)
                 self._record([d])
+                self._apply(self.tuner.level)
                 self._show_level()
 
     def _actual_level(self, c: DaemonCounters) -> float | None:
@@ -329,8 +340,10 @@ class TuneRunner:
                 self.metrics.stale.set(0)
         except ObserveError as e:
             self._last_error = one_line(str(e))
-        self._apply(self.tuner.level)
+        # Recorded first: a move applied and then not written (a full --out) left the GPU at a level no row named, and
+        # the stop row unwritten too.
         self._record(ds)
+        self._apply(self.tuner.level)
         self._say_progress(now)
         self._show_level()
         self.metrics.explore_s.set(self.tuner.explore_s)

@@ -61,7 +61,8 @@ def test_restore_file_holds_the_originals_before_the_first_change(originals):
                 assert len(files) == 1, "changed a limit before the restore file existed"
                 rec = json.loads(files[0].read_text())
                 assert sorted(g["original_limit_mw"] for g in rec["gpus"].values()) == [280000, 300000]
-                assert rec["pid"] == os.getpid() and rec["simulated"] == {"profile": "seed-16g", "count": 2}
+                assert rec["pid"] == os.getpid() and rec["simulated"] == {
+                    "profile": "seed-16g", "count": 2, "state_file": os.path.realpath(os.environ["POWERPROF_SIM_STATE"])}
             return self.inner.nvmlDeviceSetPowerManagementLimit(h, mw)
 
     with door_controller(Checking(sim()), [0, 1]) as ctl:
@@ -600,9 +601,41 @@ def test_root_refuses_a_state_folder_others_can_write_and_never_follows_a_plante
     lock = lock_path(own, "GPU-x")
     lock.parent.mkdir(parents=True)
     lock.symlink_to(victim)
-    with pytest.raises(OSError):
+    with pytest.raises(ControlError) as ei:
         GpuLock(own, "GPU-x").acquire()
     assert victim.read_text() == "precious\n"
+    # Said, with the fix: it was a bare `[Errno 40] Too many levels of symbolic links: …lock` (session 47's review).
+    assert f"cannot write the lock of GPU GPU-x {lock}: it is a symlink" in str(ei.value), str(ei.value)
+    assert f"remove it (`rm {lock}`)" in str(ei.value) and "Nothing was changed on any GPU" in str(ei.value)
+
+
+def test_a_full_state_folder_is_said_with_the_fix_and_changes_nothing(originals, monkeypatch):
+    # Session 47's review: `tune` died with a traceback from gpulock's os.pwrite (ENOSPC); `sweep` said a bare
+    # `Error: [Errno 28] No space left on device`. Both for the lock and for the restore file.
+    import errno
+
+    import powerprof.control.controller as controller_mod
+    import powerprof.control.gpulock as gpulock_mod
+
+    def full(*a, **k):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    with monkeypatch.context() as m:
+        m.setattr(gpulock_mod.os, "pwrite", full)
+        with pytest.raises(ControlError) as ei:
+            door_controller(sim(), [0, 1]).open()
+    msg = str(ei.value)
+    assert "cannot write the lock of GPU 0" in msg and "No space left on device: free space in" in msg, msg
+    assert "POWERPROF_STATE_DIR" in msg and "Nothing was changed on any GPU" in msg, msg
+    monkeypatch.setattr(controller_mod, "write_json_atomic", full)
+    with door_controller(sim(), [0, 1]) as ctl, pytest.raises(ControlError) as ei:
+        ctl.set_power_limit_w(200)
+    msg = str(ei.value)
+    assert msg.startswith("cannot write the restore file ") and "No space left on device: free space in" in msg, msg
+    assert_untouched()
+    assert restore_files() == []
+    with door_controller(sim(), [0, 1]):  # and no lock is left held
+        pass
 
 
 @pytest.mark.skipif(os.geteuid() != 0, reason="the refusal is root's: as another user the folder is that user's own")
@@ -668,7 +701,8 @@ def test_a_mixed_hosts_record_reopens_the_same_cards_and_restore_puts_the_l4_bac
     with Rig(mixed).controller([1]) as ctl:
         ctl.set_power_limit_w(50)
         path, saved = ctl.restore_path, ctl.restore_path.read_bytes()
-    assert json.loads(saved)["simulated"] == {"profile": mixed, "count": 2}
+    assert json.loads(saved)["simulated"] == {"profile": mixed, "count": 2,
+                                              "state_file": os.path.realpath(os.environ["POWERPROF_SIM_STATE"])}
     n = SimNVML(mixed)
     n.nvmlInit()
     n.nvmlDeviceSetPowerManagementLimit(n.nvmlDeviceGetHandleByIndex(1), 50_000)  # what a kill -9 leaves
@@ -713,4 +747,103 @@ def test_clock_levels_are_checked_against_the_supported_clocks_nvml_lists(origin
         assert ctl.parse_clock_levels("1500,1515") == [1500, 1515]
         ctl.lock_sm_clock_mhz(1500, 1505)
         assert [c for _, c in sim_state()] == [(1500, 1505)] * 2
+    assert_untouched()
+
+
+def test_a_restore_file_that_cannot_be_removed_says_the_gpus_are_back_and_what_to_do(originals, monkeypatch):
+    # Session 47's review (chattr +i): the GPUs were back, but the sweep ended `Error: [Errno 1] Operation not
+    # permitted: '…/restore-….json'`, and the file left blocked later runs unexplained.
+    import powerprof.control.controller as controller_mod
+
+    def immutable(path):
+        raise PermissionError(1, "Operation not permitted", str(path))
+
+    monkeypatch.setattr(controller_mod, "remove_file", immutable)
+    ctl = door_controller(sim(), [0, 1])
+    ctl.open()
+    ctl.set_power_limit_w(200)
+    path = ctl.restore_path
+    with pytest.raises(ControlError) as ei:
+        ctl.close()
+    msg = str(ei.value)
+    assert msg.startswith("every GPU is back at its original limit; the restore file ") and str(path) in msg, msg
+    assert "could not be removed (Operation not permitted)" in msg and "powerprof restore" in msg, msg
+    assert "\n" not in msg
+    assert_untouched()
+
+
+def test_an_unexpected_error_restoring_one_gpu_still_restores_the_others_and_keeps_the_file(originals):
+    # An OSError from the simulator's state write while restoring GPU 0 ended the restore there: GPU 1 stayed capped
+    # and the message was the errno alone (only ControlError was caught).
+    class FullDisk(Wrap):
+        block = False
+
+        def nvmlDeviceSetPowerManagementLimit(self, h, mw):
+            if self.block and h.index == 0:
+                raise OSError(28, "No space left on device")
+            return self.inner.nvmlDeviceSetPowerManagementLimit(h, mw)
+
+    nvml = FullDisk(sim())
+    ctl = door_controller(nvml, [0, 1])
+    ctl.open()
+    ctl.set_power_limit_w(200)
+    nvml.block = True
+    with pytest.raises(ControlError, match="Could not put every GPU back") as ei:
+        ctl.close()
+    msg = str(ei.value)
+    assert "GPU 0" in msg and "No space left on device" in msg, msg
+    assert f"Restore file kept: run `powerprof restore --restore-file {ctl.restore_path}`" in msg, msg
+    assert sim_state()[1] == (ORIGINAL_W[1], None)  # the other GPU is back
+    assert len(restore_files()) == 1
+    assert door_restore().ok
+    assert_untouched()
+
+
+def test_restore_simulate_under_another_sim_state_refuses_and_keeps_the_record(originals, tmp_path, monkeypatch):
+    # Session 47's review: `powerprof restore --simulate` with another POWERPROF_SIM_STATE (or under sudo, which drops
+    # it) "restored" a fresh simulator's GPUs (simulated UUIDs are the same in every state file), said "Restored",
+    # deleted the record, and the capped simulated GPU kept 190 W with nothing left to restore it.
+    path = _leave_pending_record()
+    recorded = os.path.realpath(os.environ["POWERPROF_SIM_STATE"])
+    other = tmp_path / "other-sim.json"
+    monkeypatch.setenv("POWERPROF_SIM_STATE", str(other))
+    for report in (door_restore(sim_profile="seed-16g"), door_restore()):  # --simulate, and the daemon's plain restore
+        assert [o.status for o in report.outcomes] == ["refused"], report.lines()
+        line = " ".join(report.lines())
+        assert f"state file {recorded}" in line and f"POWERPROF_SIM_STATE={recorded} powerprof restore --simulate" in line
+        assert not report.ok and path.exists()
+    r = subprocess.run([sys.executable, "-m", "powerprof.cli", "restore", "--simulate"], capture_output=True, text=True,
+                       timeout=60, env=dict(os.environ, POWERPROF_SIM_STATE=str(other)))
+    assert r.returncode != 0 and recorded in r.stdout + r.stderr and path.exists(), r.stdout + r.stderr
+    monkeypatch.setenv("POWERPROF_SIM_STATE", recorded)
+    assert sim_state() == [(190.0, (1500, 1500))] * 2  # still capped: nothing was "restored" elsewhere
+    assert json.loads(path.read_text())["simulated"]["state_file"] == recorded
+    # A record whose state file is gone: refused the same, saying so.
+    rec = json.loads(path.read_text())
+    rec["simulated"]["state_file"] = str(tmp_path / "gone.json")
+    path.write_text(json.dumps(rec))
+    report = door_restore(sim_profile="seed-16g")
+    assert [o.status for o in report.outcomes] == ["refused"] and "no longer exists" in report.lines()[0]
+    rec["simulated"]["state_file"] = recorded
+    path.write_text(json.dumps(rec))
+    assert door_restore(sim_profile="seed-16g").ok  # pointed at its own state file, it is restored
+    assert_untouched()
+    assert not path.exists()
+
+
+def test_restore_that_puts_every_gpu_back_but_cannot_remove_the_file_says_both(originals, monkeypatch):
+    # It said "Not restored; … is kept: PermissionError: …" with every GPU back (an immutable file, a read-only mount).
+    import powerprof.control.restore as restore_mod
+
+    path = _leave_pending_record()
+
+    def immutable(p):
+        raise PermissionError(1, "Operation not permitted", str(p))
+
+    monkeypatch.setattr(restore_mod, "remove_file", immutable)
+    report = door_restore(path)
+    assert not report.ok and [o.status for o in report.outcomes] == ["failed"]
+    line = report.lines()[0]
+    assert "every GPU is back at its original limit" in line and "could not be removed (Operation not permitted)" in line
+    assert "Not restored" not in line, line
     assert_untouched()
