@@ -319,14 +319,15 @@ def monitor(duration, interval, output, force, recover, gpus, plain, as_json, ra
         _recover_monitor_output(recover, force)
         return
     if output is not None:
+        from powerprof.paths import output_file_refusal
+
+        # The write at the end replaced an earlier run's samples without a word; --force, a FIFO or a device.
+        if (why := output_file_refusal(output, force, "samples of an earlier run?")) is not None:
+            raise click.BadParameter(why, param_hint="--output")
         try:
             check_output_path(output)
         except ValueError as e:
             raise click.BadParameter(str(e), param_hint="--output") from None
-        if os.path.lexists(output) and not force:
-            # The write at the end replaced an earlier run's samples without a word.
-            raise click.BadParameter(f"{output} exists (samples of an earlier run?); choose another name, "
-                                     "or --force to replace it", param_hint="--output")
         from powerprof.trust import out_dir_refusal
 
         # Joined, not normalised (never abspath): `link/../f` is checked through `link`, as the kernel will write it.
@@ -421,6 +422,11 @@ def _recover_monitor_output(output: str, force: bool) -> None:
     from powerprof.storage.samples import RecoverError, check_output_path, parts_dir_for, recover_parts
     from powerprof.trust import out_dir_refusal
 
+    from powerprof.paths import output_file_refusal
+
+    # A FIFO, a device or a symlink at FILE is refused even with --force (the rename would replace it by a file).
+    if (why := output_file_refusal(output, True, "")) is not None:
+        raise click.BadParameter(why, param_hint="--recover")
     try:
         check_output_path(output)
     except ValueError as e:
@@ -1027,15 +1033,13 @@ def trace_cmd(out_path, n, rate, arrivals, prompt_median, output_median, seed, m
     """Write a synthetic trace (JSONL) for `replay`: Poisson or bursty arrivals, lognormal lengths."""
     from powerprof.workload.trace import synthetic, write_jsonl
 
-    from powerprof.paths import path_problem
+    from powerprof.paths import output_file_refusal
 
     out = Path(out_path)
     parent = out.parent if str(out.parent) else Path(".")
-    if (why := path_problem(out)) is not None:  # an OSError traceback from out.exists() ("File name too long")
-        raise click.BadParameter(f"{out_path}: {why}", param_hint="OUT.jsonl")
-    if out.exists() and not force:
-        raise click.BadParameter(f"{out_path} exists (a trace of yours?); choose another name, or --force to replace it",
-                                 param_hint="OUT.jsonl")
+    # lstat, not exists(): a looping symlink was replaced without --force; a FIFO or device is refused even with it.
+    if (why := output_file_refusal(out_path, force, "a trace of yours?")) is not None:
+        raise click.BadParameter(why, param_hint="OUT.jsonl")
     if not parent.is_dir():
         raise click.BadParameter(f"folder {str(parent)!r} does not exist", param_hint="OUT.jsonl")
     from powerprof.workload.trace import COMMON_CONTEXT_TOKENS, MAX_SPAN_S

@@ -298,6 +298,77 @@ def test_an_existing_output_file_is_kept_unless_forced(tmp_path, path):
     assert mine.read_bytes() != b"the user's own"
 
 
+def _not_a_file(path, kind):
+    """Make `path` a name no writer may replace: a FIFO, a character device (a null device of our own, never
+    /dev/null), a socket, a folder, or a symlink (dangling, looping, or to a device)."""
+    import os
+    import stat
+
+    if kind == "fifo":
+        os.mkfifo(path)
+    elif kind == "chardev":
+        os.mknod(path, stat.S_IFCHR | 0o600, os.makedev(1, 3))
+    elif kind == "socket":
+        os.mknod(path, stat.S_IFSOCK | 0o600)
+    elif kind == "folder":
+        os.mkdir(path)
+    elif kind == "dangling":
+        os.symlink(path.parent / "nowhere", path)
+    elif kind == "loop":
+        os.symlink(path.name, path)
+    elif kind == "link-to-fifo":
+        os.mkfifo(path.parent / "pipe")
+        os.symlink(path.parent / "pipe", path)
+
+
+def _node(path):
+    import os
+
+    st = os.lstat(path)
+    return st.st_mode, st.st_rdev, st.st_ino, os.readlink(path) if os.path.islink(path) else None
+
+
+_NOT_FILES = ("fifo", "chardev", "socket", "folder", "dangling", "loop", "link-to-fifo")
+# The same writers, and the rest: a table of a csv export into a folder, and monitor --recover's FILE.
+_WRITERS = {**{" ".join(k): v for k, v in _WRITES_A_NAMED_FILE.items()},
+            "export csv": ["export", "{run}/levels.parquet", "--format", "csv", "--out", "{f}.csv"],
+            "export parquet": ["export", "{run}/levels.parquet", "--format", "parquet", "--out", "{f}.parquet"],
+            "export folder": ["export", "{run}", "--format", "csv", "--out", "{d}"],
+            "monitor --recover": ["monitor", "--recover", "{f}.parquet"]}
+
+
+@pytest.mark.parametrize("kind", _NOT_FILES)
+@pytest.mark.parametrize("writer", sorted(_WRITERS))
+@pytest.mark.parametrize("force", [False, True])
+def test_no_writer_replaces_what_is_not_a_regular_file_even_forced(tmp_path, writer, kind, force):
+    # `powerprof trace /dev/null --requests 5 --force` exit 0 made /dev/null a 302-byte file; a looping symlink was
+    # replaced without --force (exists() follows it and said no).
+    from synthetic_runs import make_run, seed_truth
+
+    run_dir = make_run(tmp_path / "run", seed_truth(), levels=(220, 300), n_requests=4) if "export" in writer else ""
+    args = [a.format(f=tmp_path / "mine", run=run_dir, d=tmp_path / "o") for a in _WRITERS[writer]]
+    if writer == "export folder":
+        (tmp_path / "o").mkdir()
+        target = tmp_path / "o" / "levels.csv"
+    else:
+        (target,) = [tmp_path / a.rsplit("/", 1)[-1] for a in args if a.startswith(str(tmp_path / "mine"))]
+    if writer == "monitor --recover":
+        r = run("monitor", "--simulate", "--duration", "0.1", "--interval", "0.1", "--output", str(tmp_path / "m.parquet"))
+        assert r.exit_code == 0, r.output
+        (tmp_path / "mine.parquet.parts").mkdir()
+        (tmp_path / "mine.parquet.parts" / "part-000001.parquet").write_bytes((tmp_path / "m.parquet").read_bytes())
+    _not_a_file(target, kind)
+    before = _node(target)
+    r = run(*args, *(["--force"] if force else []))
+    assert r.exit_code == 2, r.output
+    said = r.output.strip().splitlines()[-1]
+    # A folder where a file goes: click's own "is a directory" for a file argument says it as well.
+    assert target.name in said and ("not a regular file" in said or "is a directory" in said), said
+    assert "Traceback" not in r.output
+    assert _node(target) == before
+    assert not [p for p in target.parent.iterdir() if p.name.endswith(".tmp")]
+
+
 def test_cap_not_engaged_at_the_highest_level_alone_does_not_void_the_comparison():
     # The README's seed sweep: 300 W drew 275 W, 180-260 W all bound. The finding read "what differs between these
     # levels ... is not the limit's effect. Lower the limits", though every lower level's difference was the limit's.
