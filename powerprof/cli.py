@@ -410,6 +410,9 @@ def monitor(duration, interval, output, force, recover, gpus, plain, as_json, ra
                 pipes.echo_err(f"{output} appeared while monitor ran and is kept; the samples went beside it")
             # Rows, as the file holds them: one read of RAPL gives a row per zone.
             pipes.echo_err(f"wrote {rows} rows ({spool.reads} reads) to {path}")
+            if spool.left:  # put there while it ran, by someone else: kept
+                pipes.echo_err(f"left: {spool.left} other file{'s' if spool.left != 1 else ''} in {spool.parts_dir}, "
+                               "not written by monitor")
     if stopped is not None:
         raise stopped
     if pipe_closed:
@@ -445,7 +448,7 @@ def _recover_monitor_output(output: str, force: bool) -> None:
                                  f"recovered samples (move {parts} beside it), or --force to replace it",
                                  param_hint="--recover")
     try:
-        path, rows = recover_parts(output, replace=force)
+        path, rows, left = recover_parts(output, replace=force)
     except FileExistsError:  # made while the parts were combined
         raise click.ClickException(f"{output} appeared while the parts were combined and is kept; so are the parts "
                                    f"({parts})") from None
@@ -453,7 +456,11 @@ def _recover_monitor_output(output: str, force: bool) -> None:
         raise click.ClickException(str(e)) from None
     except OSError as e:
         raise click.ClickException(f"cannot write {output}: {e.strerror or e}; the parts are kept ({parts})") from None
-    pipes.echo_err(f"wrote {rows} rows to {path} (recovered from {parts}, now removed)")
+    if left:  # a file in the folder that no monitor wrote (the user's notes): kept, and the folder with it
+        pipes.echo_err(f"wrote {rows} rows to {path} (recovered from {parts}: its parts removed; left: {left} other "
+                       f"file{'s' if left != 1 else ''} in {parts}, not written by monitor)")
+    else:
+        pipes.echo_err(f"wrote {rows} rows to {path} (recovered from {parts}, now removed)")
 
 
 # --- control: power-limit and clock restore ------------------------------------------------
