@@ -1210,7 +1210,8 @@ def export(src, fmt, time_from, time_to, columns, tz, out, force):
     each, rows carry `host`), .parquet files, globs, or URIs (s3://, gs://, abfs://, file://)."""
     from powerprof.analysis.export import ExportError, ExportOutExists, ExportUsageError, export as run_export
 
-    cols = [c.strip() for c in columns.split(",") if c.strip()] if columns else None
+    # `--columns ''` and `--columns ,,` name no column: an empty list, refused (they exported every column).
+    cols = [c.strip() for c in columns.split(",") if c.strip()] if columns is not None else None
     notes: list[str] = []
     try:
         paths = run_export(list(src), fmt, out, time_from, time_to, cols, tz, notes=notes, force=force)

@@ -193,6 +193,21 @@ def test_cli_export_bad_input_fails_cleanly_and_writes_nothing(run, tmp_path, ar
     assert not out.exists()
 
 
+@pytest.mark.parametrize("fmt,out", [("parquet", "p"), ("csv", "c"), ("xlsx", "b.xlsx")])
+@pytest.mark.parametrize("columns,msg", [
+    ("level_value,level_value", "level_value twice"),  # a Parquet file pandas could not read (a duplicate field)
+    ("level_value,n_requests,level_value", "level_value twice"),
+    ("", "names no column"),  # every column was exported, silently
+    (",,", "names no column"),
+    (" , ", "names no column"),
+])
+def test_cli_export_refuses_a_column_named_twice_or_none(run, tmp_path, fmt, out, columns, msg):
+    r = CliRunner().invoke(main, ["export", str(run), "--format", fmt, "--out", str(tmp_path / out), "--columns", columns])
+    assert r.exit_code == 2 and "Traceback" not in r.output, r.output
+    assert msg in r.output.strip().splitlines()[-1], r.output
+    assert not (tmp_path / out).exists()
+
+
 def test_cli_export_prints_the_files(run, tmp_path):
     r = CliRunner().invoke(main, ["export", str(run), "--format", "parquet", "--out", str(tmp_path / "p"),
                                   "--columns", "level_value,decode_tok_s"])

@@ -25,6 +25,7 @@ import json
 import math
 import os
 import re
+from collections import Counter
 from dataclasses import dataclass
 from datetime import date, datetime, timezone
 from pathlib import Path
@@ -467,7 +468,14 @@ def _with_local_times(batch: pa.RecordBatch, tz: str) -> pa.Table:
 
 
 def _plan(sources: list[Source], columns: list[str] | None) -> dict[str, list[str]]:
-    """Columns to read per table (partition keys only when asked for)."""
+    """Columns to read per table (partition keys only when asked for). ExportUsageError for a list naming none
+    (`--columns ''` exported every column) or a column twice (a Parquet file with a duplicate field, which
+    pandas cannot read; a csv header with the name twice)."""
+    if columns is not None and not columns:
+        raise ExportUsageError("--columns names no column; give one or more, comma-separated (e.g. "
+                               "--columns time_utc,power_w), or leave it out for every column")
+    if columns and (twice := [c for c, n in Counter(columns).items() if n > 1]):
+        raise ExportUsageError(f"--columns names {', '.join(twice)} twice; name each column once")
     plan = {}
     for s in sources:
         names = [n for n in s.dataset.schema.names if n not in s.partition_fields]
