@@ -125,22 +125,59 @@ _GUESSED_COMMANDS = {
 }
 
 
+JSON_SAID = "powerprof_json_said"  # ctx.meta: this command has printed its JSON object (_json_text)
+
+
+def _json_error(ctx: click.Context, e: click.ClickException, asked: bool) -> None:
+    """A --json command's error as JSON on stdout too, `{"ok": false, "error": ..., "exit_code": ...}` on one line
+    (restore --json said `"ok": false`; analyze --json and measure --json printed nothing on stdout, and a script's
+    json.loads failed on the empty text). click still says it on stderr, one line, and exits with its code. Not after
+    the command's own object (measure --json's write error): one object a run."""
+    if asked and not ctx.meta.get(JSON_SAID):
+        click.echo(_json_text({"ok": False, "error": e.format_message(), "exit_code": e.exit_code}))
+
+
 class _Command(click.Command):
     """A command whose "unexpected extra argument" says the likely cause: a list given with spaces (`--limits 180 220`,
-    `--limits 220 W`) left click's bare "Got unexpected extra argument (220)"."""
+    `--limits 220 W`) left click's bare "Got unexpected extra argument (220)". With --json, its errors (usage or
+    run) are said as JSON on stdout too (_json_error), for every command here in one place."""
+
+    def _asks_json(self, ctx, args=None) -> bool:
+        if not any(p.name == "as_json" for p in self.params):
+            return False
+        if "as_json" in ctx.params:
+            return bool(ctx.params["as_json"])
+        args = list(args or ())
+        return "--json" in (args[:args.index("--")] if "--" in args else args)
 
     def parse_args(self, ctx, args):
+        asked = self._asks_json(ctx, args)
         try:
             return super().parse_args(ctx, args)
         except click.UsageError as e:
             if e.message.startswith("Got unexpected extra argument"):
                 e.message += (": an option takes one value; give a list comma-separated without spaces "
                               "(--limits 180,220,260), a unit joined to its number (220W), or quote the value")
+            _json_error(ctx, e, asked)
             raise
+
+    def invoke(self, ctx):
+        try:
+            return super().invoke(ctx)
+        except click.ClickException as e:
+            _json_error(ctx, e, self._asks_json(ctx))
+            raise
+
+
+class _Group(click.Group):
+    """A group of commands (`tag`): its commands are _Command as the top level's are."""
+
+    command_class = _Command
 
 
 class _Main(click.Group):
     command_class = _Command
+    group_class = _Group
 
     def resolve_command(self, ctx, args):
         if args and args[0] in _GUESSED_COMMANDS and args[0] not in self.commands:
@@ -1779,6 +1816,9 @@ def _json_text(obj, **kw) -> str:
             return [clean(v) for v in x]
         return x
 
+    ctx = click.get_current_context(silent=True)
+    if ctx is not None:  # printed next: an error after it is not said as a second object (_json_error)
+        ctx.meta[JSON_SAID] = True
     return json.dumps(clean(obj), allow_nan=False, **kw)
 
 

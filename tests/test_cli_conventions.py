@@ -152,6 +152,45 @@ def test_measure_json_prints_one_object_with_stable_keys(tmp_path):
     assert c["n_planned"] == 2 and d["interrupted"] is None
 
 
+@pytest.mark.parametrize("args,code", [
+    (["analyze", "{tmp}/nowhere", "--json"], 1),  # printed nothing on stdout: a script's json.loads failed
+    (["analyze", "{tmp}/nowhere", "--json", "--bootstrap", "5"], 2),  # an option error, while parsing
+    (["measure", "--json"], 2),  # neither --server nor --simulate
+    (["measure", "--simulate", "--json", "--concurrency", "1,1"], 2),
+    (["replay", "{tmp}/none.jsonl", "--simulate", "--json"], None),
+    (["devices", "--simulate", "--gpus", "x", "--json"], 2),
+    (["monitor", "--simulate", "--json", "--plain"], 2),
+    (["tag", "start", "", "--socket", "{tmp}/no.sock", "--json"], None),
+])
+def test_every_json_command_says_its_error_as_json_on_stdout(tmp_path, args, code):
+    # restore --json printed {"ok": false, ...}; analyze --json and measure --json printed nothing on stdout.
+    r = CliRunner().invoke(main, [a.format(tmp=tmp_path) for a in args])
+    assert r.exit_code != 0 and (code is None or r.exit_code == code), r.output
+    d = json.loads(r.stdout)
+    assert d["ok"] is False and d["exit_code"] == r.exit_code and d["error"], d
+    said = r.stderr.strip().splitlines()[-1]
+    assert said.startswith("Error: ") and d["error"] in said, (said, d)
+    assert "Traceback" not in r.output
+
+
+def test_a_json_error_is_not_a_second_object_after_the_result(tmp_path):
+    # A command that printed its object and then fails (measure --json's write error) prints no second one.
+    from powerprof import cli
+
+    @cli.main.command("jsontwice", hidden=True)
+    @click.option("--json", "as_json", is_flag=True)
+    def jsontwice(as_json):
+        cli._echo_json({"ok": True})
+        raise click.ClickException("then it failed")
+
+    try:
+        r = CliRunner().invoke(main, ["jsontwice", "--json"])
+        assert r.exit_code == 1 and json.loads(r.stdout) == {"ok": True}, r.output
+        assert "then it failed" in r.stderr
+    finally:
+        del cli.main.commands["jsontwice"]
+
+
 def test_restore_json_with_nothing_to_restore(tmp_path):
     r = run("restore", "--json")
     assert r.exit_code == 0, r.output
