@@ -832,7 +832,8 @@ def measure(url, simulate, out_dir, n_requests, concurrency, warmup, launch, api
         with _signals_raise(), Rig(simulate, host=False) as rig:
             res = run_measure(rig, url=url, out_dir=out, prompts=prompts, n_requests=n_requests,
                               concurrencies=concurrency, params=params, warmup=warmup, api=api, launch=launch,
-                              launch_timeout_s=launch_timeout, command_line=" ".join(sys.argv))
+                              launch_timeout_s=launch_timeout, command_line=" ".join(sys.argv),
+                              default_out=not out_dir)
     except (ServerUnreachable, LaunchError, FileExistsError, ValueError) as e:
         raise click.ClickException(str(e)) from None
     except (KeyboardInterrupt, termination.Terminated) as e:

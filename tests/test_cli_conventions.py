@@ -191,6 +191,57 @@ def test_a_json_error_is_not_a_second_object_after_the_result(tmp_path):
         del cli.main.commands["jsontwice"]
 
 
+def _one_second(monkeypatch):
+    """Every default run folder name made in one second (names have one-second resolution)."""
+    from datetime import datetime, timezone
+
+    from powerprof.storage import runs
+
+    class Frozen(datetime):
+        @classmethod
+        def now(cls, tz=None):
+            return datetime(2026, 12, 5, 2, 7, 40, tzinfo=timezone.utc)
+
+    monkeypatch.setattr(runs, "datetime", Frozen)
+
+
+def test_two_measures_started_in_one_second_get_two_folders(tmp_path, monkeypatch):
+    # The second failed "output directory runs/20261205T020740Z-measure already exists".
+    _one_second(monkeypatch)
+    monkeypatch.chdir(tmp_path)
+    args = ("measure", "--simulate", "--requests", "1", "--max-tokens", "8", "--warmup", "0", "--json")
+    for _ in range(3):
+        r = run(*args)
+        assert r.exit_code == 0, r.output
+    names = sorted(p.name for p in (tmp_path / "runs").iterdir())
+    assert names == ["20261205T020740Z-measure", "20261205T020740Z-measure-2", "20261205T020740Z-measure-3"]
+    assert all((tmp_path / "runs" / n / "windows.parquet").exists() for n in names)
+    # A name the user gives is never changed: a folder that holds a run is refused, as before.
+    r = run(*args[:-1], "--out", str(tmp_path / "runs" / names[0]))
+    assert r.exit_code == 1 and "already exists" in r.output, r.output
+
+
+def test_a_sweep_whose_default_folder_is_taken_gets_the_next_name(tmp_path, monkeypatch):
+    from powerprof.rig import Rig
+    from powerprof.sweep import run_sweep
+    from powerprof.workload.client import RequestParams
+
+    _one_second(monkeypatch)
+    from powerprof.storage.runs import default_run_dir
+
+    with Rig("seed-16g") as rig:
+        taken = default_run_dir(tmp_path / "runs", rig.run_label(rig.sources.nvml.infos[0].name))
+    assert taken.name.startswith("20261205T020740Z-")
+    taken.mkdir(parents=True)
+    (taken / "run.json").write_text("{}")  # another run's, started in the same second
+    with Rig("seed-16g") as rig:
+        outcome = run_sweep(rig, levels_spec="300", runs_base=str(tmp_path / "runs"), params=RequestParams(max_tokens=16),
+                            idle_s=0, interval_s=0.2, min_requests=2, max_requests=2, warmup_requests=0)
+    assert (taken / "run.json").read_text() == "{}"
+    mine = taken.with_name(taken.name + "-2")
+    assert (mine / "run.json").exists() and str(mine) in str(outcome.run_dir), outcome
+
+
 def test_restore_json_with_nothing_to_restore(tmp_path):
     r = run("restore", "--json")
     assert r.exit_code == 0, r.output
