@@ -125,22 +125,59 @@ _GUESSED_COMMANDS = {
 }
 
 
+JSON_SAID = "powerprof_json_said"  # ctx.meta: this command has printed its JSON object (_json_text)
+
+
+def _json_error(ctx: click.Context, e: click.ClickException, asked: bool) -> None:
+    """A --json command's error as JSON on stdout too, `{"ok": false, "error": ..., "exit_code": ...}` on one line
+    (restore --json said `"ok": false`; analyze --json and measure --json printed nothing on stdout, and a script's
+    json.loads failed on the empty text). click still says it on stderr, one line, and exits with its code. Not after
+    the command's own object (measure --json's write error): one object a run."""
+    if asked and not ctx.meta.get(JSON_SAID):
+        click.echo(_json_text({"ok": False, "error": e.format_message(), "exit_code": e.exit_code}))
+
+
 class _Command(click.Command):
     """A command whose "unexpected extra argument" says the likely cause: a list given with spaces (`--limits 180 220`,
-    `--limits 220 W`) left click's bare "Got unexpected extra argument (220)"."""
+    `--limits 220 W`) left click's bare "Got unexpected extra argument (220)". With --json, its errors (usage or
+    run) are said as JSON on stdout too (_json_error), for every command here in one place."""
+
+    def _asks_json(self, ctx, args=None) -> bool:
+        if not any(p.name == "as_json" for p in self.params):
+            return False
+        if "as_json" in ctx.params:
+            return bool(ctx.params["as_json"])
+        args = list(args or ())
+        return "--json" in (args[:args.index("--")] if "--" in args else args)
 
     def parse_args(self, ctx, args):
+        asked = self._asks_json(ctx, args)
         try:
             return super().parse_args(ctx, args)
         except click.UsageError as e:
             if e.message.startswith("Got unexpected extra argument"):
                 e.message += (": an option takes one value; give a list comma-separated without spaces "
                               "(--limits 180,220,260), a unit joined to its number (220W), or quote the value")
+            _json_error(ctx, e, asked)
             raise
+
+    def invoke(self, ctx):
+        try:
+            return super().invoke(ctx)
+        except click.ClickException as e:
+            _json_error(ctx, e, self._asks_json(ctx))
+            raise
+
+
+class _Group(click.Group):
+    """A group of commands (`tag`): its commands are _Command as the top level's are."""
+
+    command_class = _Command
 
 
 class _Main(click.Group):
     command_class = _Command
+    group_class = _Group
 
     def resolve_command(self, ctx, args):
         if args and args[0] in _GUESSED_COMMANDS and args[0] not in self.commands:
@@ -319,14 +356,15 @@ def monitor(duration, interval, output, force, recover, gpus, plain, as_json, ra
         _recover_monitor_output(recover, force)
         return
     if output is not None:
+        from powerprof.paths import output_file_refusal
+
+        # The write at the end replaced an earlier run's samples without a word; --force, a FIFO or a device.
+        if (why := output_file_refusal(output, force, "samples of an earlier run?")) is not None:
+            raise click.BadParameter(why, param_hint="--output")
         try:
             check_output_path(output)
         except ValueError as e:
             raise click.BadParameter(str(e), param_hint="--output") from None
-        if os.path.lexists(output) and not force:
-            # The write at the end replaced an earlier run's samples without a word.
-            raise click.BadParameter(f"{output} exists (samples of an earlier run?); choose another name, "
-                                     "or --force to replace it", param_hint="--output")
         from powerprof.trust import out_dir_refusal
 
         # Joined, not normalised (never abspath): `link/../f` is checked through `link`, as the kernel will write it.
@@ -409,6 +447,9 @@ def monitor(duration, interval, output, force, recover, gpus, plain, as_json, ra
                 pipes.echo_err(f"{output} appeared while monitor ran and is kept; the samples went beside it")
             # Rows, as the file holds them: one read of RAPL gives a row per zone.
             pipes.echo_err(f"wrote {rows} rows ({spool.reads} reads) to {path}")
+            if spool.left:  # put there while it ran, by someone else: kept
+                pipes.echo_err(f"left: {spool.left} other file{'s' if spool.left != 1 else ''} in {spool.parts_dir}, "
+                               "not written by monitor")
     if stopped is not None:
         raise stopped
     if pipe_closed:
@@ -421,6 +462,11 @@ def _recover_monitor_output(output: str, force: bool) -> None:
     from powerprof.storage.samples import RecoverError, check_output_path, parts_dir_for, recover_parts
     from powerprof.trust import out_dir_refusal
 
+    from powerprof.paths import output_file_refusal
+
+    # A FIFO, a device or a symlink at FILE is refused even with --force (the rename would replace it by a file).
+    if (why := output_file_refusal(output, True, "")) is not None:
+        raise click.BadParameter(why, param_hint="--recover")
     try:
         check_output_path(output)
     except ValueError as e:
@@ -439,7 +485,7 @@ def _recover_monitor_output(output: str, force: bool) -> None:
                                  f"recovered samples (move {parts} beside it), or --force to replace it",
                                  param_hint="--recover")
     try:
-        path, rows = recover_parts(output, replace=force)
+        path, rows, left = recover_parts(output, replace=force)
     except FileExistsError:  # made while the parts were combined
         raise click.ClickException(f"{output} appeared while the parts were combined and is kept; so are the parts "
                                    f"({parts})") from None
@@ -447,7 +493,11 @@ def _recover_monitor_output(output: str, force: bool) -> None:
         raise click.ClickException(str(e)) from None
     except OSError as e:
         raise click.ClickException(f"cannot write {output}: {e.strerror or e}; the parts are kept ({parts})") from None
-    pipes.echo_err(f"wrote {rows} rows to {path} (recovered from {parts}, now removed)")
+    if left:  # a file in the folder that no monitor wrote (the user's notes): kept, and the folder with it
+        pipes.echo_err(f"wrote {rows} rows to {path} (recovered from {parts}: its parts removed; left: {left} other "
+                       f"file{'s' if left != 1 else ''} in {parts}, not written by monitor)")
+    else:
+        pipes.echo_err(f"wrote {rows} rows to {path} (recovered from {parts}, now removed)")
 
 
 # --- control: power-limit and clock restore ------------------------------------------------
@@ -797,7 +847,8 @@ def measure(url, simulate, out_dir, n_requests, concurrency, warmup, launch, api
         with _signals_raise(), Rig(simulate, host=False) as rig:
             res = run_measure(rig, url=url, out_dir=out, prompts=prompts, n_requests=n_requests,
                               concurrencies=concurrency, params=params, warmup=warmup, api=api, launch=launch,
-                              launch_timeout_s=launch_timeout, command_line=" ".join(sys.argv))
+                              launch_timeout_s=launch_timeout, command_line=" ".join(sys.argv),
+                              default_out=not out_dir)
     except (ServerUnreachable, LaunchError, FileExistsError, ValueError) as e:
         raise click.ClickException(str(e)) from None
     except (KeyboardInterrupt, termination.Terminated) as e:
@@ -1042,15 +1093,13 @@ def trace_cmd(out_path, n, rate, arrivals, prompt_median, output_median, seed, m
     """Write a synthetic trace (JSONL) for `replay`: Poisson or bursty arrivals, lognormal lengths."""
     from powerprof.workload.trace import synthetic, write_jsonl
 
-    from powerprof.paths import path_problem
+    from powerprof.paths import output_file_refusal
 
     out = Path(out_path)
     parent = out.parent if str(out.parent) else Path(".")
-    if (why := path_problem(out)) is not None:  # an OSError traceback from out.exists() ("File name too long")
-        raise click.BadParameter(f"{out_path}: {why}", param_hint="OUT.jsonl")
-    if out.exists() and not force:
-        raise click.BadParameter(f"{out_path} exists (a trace of yours?); choose another name, or --force to replace it",
-                                 param_hint="OUT.jsonl")
+    # lstat, not exists(): a looping symlink was replaced without --force; a FIFO or device is refused even with it.
+    if (why := output_file_refusal(out_path, force, "a trace of yours?")) is not None:
+        raise click.BadParameter(why, param_hint="OUT.jsonl")
     if not parent.is_dir():
         raise click.BadParameter(f"folder {str(parent)!r} does not exist", param_hint="OUT.jsonl")
     from powerprof.workload.trace import COMMON_CONTEXT_TOKENS, MAX_SPAN_S
@@ -1214,7 +1263,8 @@ def export(src, fmt, time_from, time_to, columns, tz, out, force):
     each, rows carry `host`), .parquet files, globs, or URIs (s3://, gs://, abfs://, file://)."""
     from powerprof.analysis.export import ExportError, ExportOutExists, ExportUsageError, export as run_export
 
-    cols = [c.strip() for c in columns.split(",") if c.strip()] if columns else None
+    # `--columns ''` and `--columns ,,` name no column: an empty list, refused (they exported every column).
+    cols = [c.strip() for c in columns.split(",") if c.strip()] if columns is not None else None
     notes: list[str] = []
     try:
         paths = run_export(list(src), fmt, out, time_from, time_to, cols, tz, notes=notes, force=force)
@@ -1789,6 +1839,9 @@ def _json_text(obj, **kw) -> str:
             return [clean(v) for v in x]
         return x
 
+    ctx = click.get_current_context(silent=True)
+    if ctx is not None:  # printed next: an error after it is not said as a second object (_json_error)
+        ctx.meta[JSON_SAID] = True
     return json.dumps(clean(obj), allow_nan=False, **kw)
 
 

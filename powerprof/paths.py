@@ -63,3 +63,48 @@ def path_problem(path) -> str | None:
         fix = "give a shorter name" if e.errno == errno.ENAMETOOLONG else "give another path"
         return f"{e.strerror or e}; {fix}"
     return None
+
+
+def not_a_regular_file(path) -> str | None:
+    """What `path` is where it exists and is not a regular file ("a FIFO", "a character device", "a symlink"...): a
+    name no output writer may replace, --force or not (`--force` on /dev/null made it a 302-byte file). Judged by
+    lstat, so a symlink is one whatever it points at, a dangling or looping one included (exists() follows it and
+    said no). None where nothing is there or it is a regular file; a name that cannot be looked up (too long) is
+    `path_problem`'s."""
+    import stat  # noqa: PLC0415
+
+    try:
+        mode = os.lstat(path).st_mode
+    except OSError:
+        return None
+    if stat.S_ISREG(mode):
+        return None
+    if stat.S_ISLNK(mode):
+        try:
+            os.stat(path)
+            return "a symlink"
+        except OSError:
+            return "a symlink that leads nowhere (dangling or a loop)"
+    for test, what in ((stat.S_ISDIR, "a folder"), (stat.S_ISFIFO, "a FIFO (named pipe)"),
+                       (stat.S_ISCHR, "a character device"), (stat.S_ISBLK, "a block device"),
+                       (stat.S_ISSOCK, "a socket")):
+        if test(mode):
+            return what
+    return "not a regular file"
+
+
+def output_file_refusal(path, force: bool, kept: str, option: str = "") -> str | None:
+    """The one check of every command that writes a file at a name the user gave (`trace OUT`, `monitor --output`
+    and `--recover`, `export --out`), before anything is written: why it must not write there, or None. Refused
+    whatever `force` says: a name that exists and is not a regular file (`not_a_regular_file`: a device, FIFO,
+    socket, folder or symlink, which the atomic rename would replace by a file); without `force`, any name that
+    exists (`kept`: what it may be, e.g. "a trace of yours?"). A symlink counts as existing however it ends."""
+    if (why := path_problem(path)) is not None:
+        return f"{path}: {why}"
+    if (what := not_a_regular_file(path)) is not None:
+        return (f"{path} exists and is {what}, not a regular file: nothing written (--force replaces only a regular "
+                f"file); choose another name{' with ' + option if option else ''}")
+    if os.path.lexists(path) and not force:
+        return (f"{path} exists ({kept}); choose another name{' with ' + option if option else ''}, "
+                "or --force to replace it")
+    return None

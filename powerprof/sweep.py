@@ -27,7 +27,7 @@ from powerprof.control.device import read_devices
 from powerprof.control.levels import parse_clock_levels, parse_power_levels
 from powerprof.trust import out_dir_refusal
 from powerprof.profiler import Profiler
-from powerprof.storage.runs import RunWriter, default_run_dir, given_out_problem, table_from_rows
+from powerprof.storage.runs import RunWriter, claim_run_dir, default_run_dir, given_out_problem, table_from_rows
 from powerprof.storage.samples import Timeline
 from powerprof.workload.client import (CONTEXT_FIX, RequestParams, context_problem, health_status, identity_changes,
                                       new_session, restart_evidence, restart_said, server_away, server_epoch, server_identity)
@@ -1380,7 +1380,8 @@ def run_sweep(
             raise SweepError(f"--out {run_dir}: {why}")
         if out_dir and (why := given_out_problem(run_dir)) is not None:
             raise SweepError(why)
-        if run_dir.exists() and (not run_dir.is_dir() or any(run_dir.iterdir())):
+        # A default name taken (another run started in the same second) is no error: the next free one is claimed.
+        if out_dir and run_dir.exists() and (not run_dir.is_dir() or any(run_dir.iterdir())):
             raise SweepError(f"run directory {run_dir} already exists and is not empty; choose another --out")
         why = out_dir_refusal(run_dir)
         if why:  # root writes every table, run.json and a launched server's log (by a name known in advance) there
@@ -1391,7 +1392,10 @@ def run_sweep(
             lines = (plan.lines() if level_kind != "none" else ["levels: none (the settings as they are)"]) + list(plan_lines or [])
             return SweepOutcome(None, None, None, lines, rig.notes)
         try:
-            run_dir.mkdir(parents=True, exist_ok=True)
+            if out_dir:
+                run_dir.mkdir(parents=True, exist_ok=True)
+            else:
+                run_dir = claim_run_dir(run_dir)
         except OSError as e:
             raise SweepError(f"cannot create the run directory {run_dir}: {e.strerror or e}") from None
         stack.callback(_remove_if_empty, run_dir)  # a sweep that fails before writing leaves nothing

@@ -193,6 +193,21 @@ def test_cli_export_bad_input_fails_cleanly_and_writes_nothing(run, tmp_path, ar
     assert not out.exists()
 
 
+@pytest.mark.parametrize("fmt,out", [("parquet", "p"), ("csv", "c"), ("xlsx", "b.xlsx")])
+@pytest.mark.parametrize("columns,msg", [
+    ("level_value,level_value", "level_value twice"),  # a Parquet file pandas could not read (a duplicate field)
+    ("level_value,n_requests,level_value", "level_value twice"),
+    ("", "names no column"),  # every column was exported, silently
+    (",,", "names no column"),
+    (" , ", "names no column"),
+])
+def test_cli_export_refuses_a_column_named_twice_or_none(run, tmp_path, fmt, out, columns, msg):
+    r = CliRunner().invoke(main, ["export", str(run), "--format", fmt, "--out", str(tmp_path / out), "--columns", columns])
+    assert r.exit_code == 2 and "Traceback" not in r.output, r.output
+    assert msg in r.output.strip().splitlines()[-1], r.output
+    assert not (tmp_path / out).exists()
+
+
 def test_cli_export_prints_the_files(run, tmp_path):
     r = CliRunner().invoke(main, ["export", str(run), "--format", "parquet", "--out", str(tmp_path / "p"),
                                   "--columns", "level_value,decode_tok_s"])
@@ -299,7 +314,7 @@ def _no_traceback(r):
     ("xlsx", "afile/book.xlsx", "is a file, not a folder"),  # it said the write failed, "Not a directory"
     # A workbook written as book.csv (Excel 2007+ bytes under a CSV name), or over a folder's name.
     ("xlsx", "book.csv", "give a file name ending in .xlsx"),
-    ("xlsx", "adir", "give a file name ending in .xlsx"),
+    ("xlsx", "adir", "give a file name ending in .xlsx"),  # a folder: no file replaces it, --force or not
 ])
 def test_cli_export_to_a_path_it_cannot_use_says_why(run, tmp_path, fmt, out, msg):
     # These died with FileExistsError/NotADirectoryError tracebacks (exit 1), or for x.parquet quietly
@@ -307,7 +322,10 @@ def test_cli_export_to_a_path_it_cannot_use_says_why(run, tmp_path, fmt, out, ms
     (tmp_path / "afile").write_text("keep")
     (tmp_path / "adir").mkdir()
     r = CliRunner().invoke(main, ["export", str(run), "--format", fmt, "--out", str(tmp_path / out)])
-    _no_traceback(r)
+    if out == "adir":  # refused as every name that is not a regular file is (exit 2, as a name that exists)
+        assert r.exit_code == 2 and "not a regular file" in r.output and "Traceback" not in r.output, r.output
+    else:
+        _no_traceback(r)
     assert msg in r.output
     assert (tmp_path / "afile").read_text() == "keep" and not (tmp_path / "two.parquet").exists()
     assert not (tmp_path / "book.csv").exists() and not any((tmp_path / "adir").iterdir())

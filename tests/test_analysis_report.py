@@ -839,6 +839,28 @@ def test_an_analysis_of_other_runs_or_a_users_files_are_never_replaced(tmp_path)
     assert (notes / "report.md").read_text() == "my own notes" and sorted(notes.iterdir()) == [notes / "report.md"]
 
 
+def test_an_analysis_is_never_written_into_another_runs_folder(tmp_path):
+    # `analyze a --out b` wrote a's report into run b's folder without a word (and `--out b/analysis` made it
+    # b's analysis, as `export b` shows it).
+    a = make_run(tmp_path / "a", seed_truth(), levels=(220, 300), n_requests=6, seed=1)
+    b = make_run(tmp_path / "b", seed_truth(), levels=(220, 300), n_requests=6, seed=2)
+    before = sorted(p.name for p in b.iterdir())
+    for out, said in ((b, "run directory"), (b / "analysis", "analysis folder")):
+        r = CliRunner().invoke(main, ["analyze", str(a), "--bootstrap", "100", "--out", str(out)])
+        assert r.exit_code == 2 and "Traceback" not in r.output, r.output
+        line = " ".join(r.output.split())
+        assert str(b) in line and said in line and "synthetic-2" in line and "--out" in line, r.output
+        assert sorted(p.name for p in b.iterdir()) == before
+    # An input's own run folder is no place for it either: its analysis folder is (the default).
+    r = CliRunner().invoke(main, ["analyze", str(a), "--bootstrap", "100", "--out", str(a)])
+    assert r.exit_code == 2 and str(a / "analysis") in " ".join(r.output.split()), r.output
+    # The default, and an input's own analysis folder named: written.
+    for args in ([str(a)], [str(a), "--out", str(a / "analysis")], [str(b), "--out", str(b / "analysis")]):
+        r = CliRunner().invoke(main, ["analyze", *args, "--bootstrap", "100"])
+        assert r.exit_code == 0, r.output
+    assert (b / "analysis" / "analysis.json").exists()
+
+
 def test_the_recommendation_says_the_chosen_levels_j_per_token_and_speed(seed_result):
     # "What power limit, and how much energy per token?": the line gave the limit, its speed loss and saving against
     # the reference, but not the J/token itself (the table's figure, a screen above).

@@ -41,6 +41,23 @@ def test_a_fixed_temporary_name_is_used_as_given(tmp_path):
     assert (tmp_path / "part-1.parquet").read_bytes() == b"x"
 
 
+def test_a_fifo_or_device_is_never_replaced_by_the_file(tmp_path):
+    # Whatever a caller checked at its start: a FIFO (or a device) there by the rename is kept, FileExistsError
+    # raised as for a file made meanwhile, no temporary left. `trace /dev/null --force` made it a regular file.
+    import os
+    import stat
+
+    os.mkfifo(tmp_path / "pipe")
+    os.mknod(tmp_path / "null", stat.S_IFCHR | 0o600, os.makedev(1, 3))
+    for name in ("pipe", "null"):
+        before = os.lstat(tmp_path / name)
+        with pytest.raises(FileExistsError):
+            atomic_write_bytes(tmp_path / name, b"data")
+        after = os.lstat(tmp_path / name)
+        assert (after.st_mode, after.st_rdev, after.st_ino) == (before.st_mode, before.st_rdev, before.st_ino)
+    assert not [p for p in tmp_path.iterdir() if p.name.endswith(".tmp")]
+
+
 @pytest.mark.parametrize("capeff, expected", [("0000000000200000", True), ("00000000001fffff", False), ("garbage", False)])
 def test_cap_sys_admin_is_read_from_the_effective_set(tmp_path, monkeypatch, capeff, expected):
     monkeypatch.setattr(privilege.os, "geteuid", lambda: 1000)

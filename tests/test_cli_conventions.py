@@ -152,6 +152,96 @@ def test_measure_json_prints_one_object_with_stable_keys(tmp_path):
     assert c["n_planned"] == 2 and d["interrupted"] is None
 
 
+@pytest.mark.parametrize("args,code", [
+    (["analyze", "{tmp}/nowhere", "--json"], 1),  # printed nothing on stdout: a script's json.loads failed
+    (["analyze", "{tmp}/nowhere", "--json", "--bootstrap", "5"], 2),  # an option error, while parsing
+    (["measure", "--json"], 2),  # neither --server nor --simulate
+    (["measure", "--simulate", "--json", "--concurrency", "1,1"], 2),
+    (["replay", "{tmp}/none.jsonl", "--simulate", "--json"], None),
+    (["devices", "--simulate", "--gpus", "x", "--json"], 2),
+    (["monitor", "--simulate", "--json", "--plain"], 2),
+    (["tag", "start", "", "--socket", "{tmp}/no.sock", "--json"], None),
+])
+def test_every_json_command_says_its_error_as_json_on_stdout(tmp_path, args, code):
+    # restore --json printed {"ok": false, ...}; analyze --json and measure --json printed nothing on stdout.
+    r = CliRunner().invoke(main, [a.format(tmp=tmp_path) for a in args])
+    assert r.exit_code != 0 and (code is None or r.exit_code == code), r.output
+    d = json.loads(r.stdout)
+    assert d["ok"] is False and d["exit_code"] == r.exit_code and d["error"], d
+    said = r.stderr.strip().splitlines()[-1]
+    assert said.startswith("Error: ") and d["error"] in said, (said, d)
+    assert "Traceback" not in r.output
+
+
+def test_a_json_error_is_not_a_second_object_after_the_result(tmp_path):
+    # A command that printed its object and then fails (measure --json's write error) prints no second one.
+    from powerprof import cli
+
+    @cli.main.command("jsontwice", hidden=True)
+    @click.option("--json", "as_json", is_flag=True)
+    def jsontwice(as_json):
+        cli._echo_json({"ok": True})
+        raise click.ClickException("then it failed")
+
+    try:
+        r = CliRunner().invoke(main, ["jsontwice", "--json"])
+        assert r.exit_code == 1 and json.loads(r.stdout) == {"ok": True}, r.output
+        assert "then it failed" in r.stderr
+    finally:
+        del cli.main.commands["jsontwice"]
+
+
+def _one_second(monkeypatch):
+    """Every default run folder name made in one second (names have one-second resolution)."""
+    from datetime import datetime, timezone
+
+    from powerprof.storage import runs
+
+    class Frozen(datetime):
+        @classmethod
+        def now(cls, tz=None):
+            return datetime(2026, 12, 5, 2, 7, 40, tzinfo=timezone.utc)
+
+    monkeypatch.setattr(runs, "datetime", Frozen)
+
+
+def test_two_measures_started_in_one_second_get_two_folders(tmp_path, monkeypatch):
+    # The second failed "output directory runs/20261205T020740Z-measure already exists".
+    _one_second(monkeypatch)
+    monkeypatch.chdir(tmp_path)
+    args = ("measure", "--simulate", "--requests", "1", "--max-tokens", "8", "--warmup", "0", "--json")
+    for _ in range(3):
+        r = run(*args)
+        assert r.exit_code == 0, r.output
+    names = sorted(p.name for p in (tmp_path / "runs").iterdir())
+    assert names == ["20261205T020740Z-measure", "20261205T020740Z-measure-2", "20261205T020740Z-measure-3"]
+    assert all((tmp_path / "runs" / n / "windows.parquet").exists() for n in names)
+    # A name the user gives is never changed: a folder that holds a run is refused, as before.
+    r = run(*args[:-1], "--out", str(tmp_path / "runs" / names[0]))
+    assert r.exit_code == 1 and "already exists" in r.output, r.output
+
+
+def test_a_sweep_whose_default_folder_is_taken_gets_the_next_name(tmp_path, monkeypatch):
+    from powerprof.rig import Rig
+    from powerprof.sweep import run_sweep
+    from powerprof.workload.client import RequestParams
+
+    _one_second(monkeypatch)
+    from powerprof.storage.runs import default_run_dir
+
+    with Rig("seed-16g") as rig:
+        taken = default_run_dir(tmp_path / "runs", rig.run_label(rig.sources.nvml.infos[0].name))
+    assert taken.name.startswith("20261205T020740Z-")
+    taken.mkdir(parents=True)
+    (taken / "run.json").write_text("{}")  # another run's, started in the same second
+    with Rig("seed-16g") as rig:
+        outcome = run_sweep(rig, levels_spec="300", runs_base=str(tmp_path / "runs"), params=RequestParams(max_tokens=16),
+                            idle_s=0, interval_s=0.2, min_requests=2, max_requests=2, warmup_requests=0)
+    assert (taken / "run.json").read_text() == "{}"
+    mine = taken.with_name(taken.name + "-2")
+    assert (mine / "run.json").exists() and str(mine) in str(outcome.run_dir), outcome
+
+
 def test_restore_json_with_nothing_to_restore(tmp_path):
     r = run("restore", "--json")
     assert r.exit_code == 0, r.output
@@ -296,6 +386,77 @@ def test_an_existing_output_file_is_kept_unless_forced(tmp_path, path):
     r = run(*args, "--force")
     assert r.exit_code == 0, r.output
     assert mine.read_bytes() != b"the user's own"
+
+
+def _not_a_file(path, kind):
+    """Make `path` a name no writer may replace: a FIFO, a character device (a null device of our own, never
+    /dev/null), a socket, a folder, or a symlink (dangling, looping, or to a device)."""
+    import os
+    import stat
+
+    if kind == "fifo":
+        os.mkfifo(path)
+    elif kind == "chardev":
+        os.mknod(path, stat.S_IFCHR | 0o600, os.makedev(1, 3))
+    elif kind == "socket":
+        os.mknod(path, stat.S_IFSOCK | 0o600)
+    elif kind == "folder":
+        os.mkdir(path)
+    elif kind == "dangling":
+        os.symlink(path.parent / "nowhere", path)
+    elif kind == "loop":
+        os.symlink(path.name, path)
+    elif kind == "link-to-fifo":
+        os.mkfifo(path.parent / "pipe")
+        os.symlink(path.parent / "pipe", path)
+
+
+def _node(path):
+    import os
+
+    st = os.lstat(path)
+    return st.st_mode, st.st_rdev, st.st_ino, os.readlink(path) if os.path.islink(path) else None
+
+
+_NOT_FILES = ("fifo", "chardev", "socket", "folder", "dangling", "loop", "link-to-fifo")
+# The same writers, and the rest: a table of a csv export into a folder, and monitor --recover's FILE.
+_WRITERS = {**{" ".join(k): v for k, v in _WRITES_A_NAMED_FILE.items()},
+            "export csv": ["export", "{run}/levels.parquet", "--format", "csv", "--out", "{f}.csv"],
+            "export parquet": ["export", "{run}/levels.parquet", "--format", "parquet", "--out", "{f}.parquet"],
+            "export folder": ["export", "{run}", "--format", "csv", "--out", "{d}"],
+            "monitor --recover": ["monitor", "--recover", "{f}.parquet"]}
+
+
+@pytest.mark.parametrize("kind", _NOT_FILES)
+@pytest.mark.parametrize("writer", sorted(_WRITERS))
+@pytest.mark.parametrize("force", [False, True])
+def test_no_writer_replaces_what_is_not_a_regular_file_even_forced(tmp_path, writer, kind, force):
+    # `powerprof trace /dev/null --requests 5 --force` exit 0 made /dev/null a 302-byte file; a looping symlink was
+    # replaced without --force (exists() follows it and said no).
+    from synthetic_runs import make_run, seed_truth
+
+    run_dir = make_run(tmp_path / "run", seed_truth(), levels=(220, 300), n_requests=4) if "export" in writer else ""
+    args = [a.format(f=tmp_path / "mine", run=run_dir, d=tmp_path / "o") for a in _WRITERS[writer]]
+    if writer == "export folder":
+        (tmp_path / "o").mkdir()
+        target = tmp_path / "o" / "levels.csv"
+    else:
+        (target,) = [tmp_path / a.rsplit("/", 1)[-1] for a in args if a.startswith(str(tmp_path / "mine"))]
+    if writer == "monitor --recover":
+        r = run("monitor", "--simulate", "--duration", "0.1", "--interval", "0.1", "--output", str(tmp_path / "m.parquet"))
+        assert r.exit_code == 0, r.output
+        (tmp_path / "mine.parquet.parts").mkdir()
+        (tmp_path / "mine.parquet.parts" / "part-000001.parquet").write_bytes((tmp_path / "m.parquet").read_bytes())
+    _not_a_file(target, kind)
+    before = _node(target)
+    r = run(*args, *(["--force"] if force else []))
+    assert r.exit_code == 2, r.output
+    said = r.output.strip().splitlines()[-1]
+    # A folder where a file goes: click's own "is a directory" for a file argument says it as well.
+    assert target.name in said and ("not a regular file" in said or "is a directory" in said), said
+    assert "Traceback" not in r.output
+    assert _node(target) == before
+    assert not [p for p in target.parent.iterdir() if p.name.endswith(".tmp")]
 
 
 def test_cap_not_engaged_at_the_highest_level_alone_does_not_void_the_comparison():

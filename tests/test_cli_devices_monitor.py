@@ -407,6 +407,26 @@ def test_monitor_recover_refuses_what_it_cannot_do_and_changes_nothing(tmp_path)
     assert not parts.exists()
 
 
+def test_monitor_recover_removes_only_the_parts_it_read(tmp_path):
+    # It removed the whole FILE.parts folder: a user's notes.txt and sub/keep.txt in it were gone.
+    out = tmp_path / "m.parquet"
+    parts = tmp_path / "m.parquet.parts"
+    (parts / "sub").mkdir(parents=True)
+    rows = [{"seq": i, "device": "gpu0", "source": "nvml", "power_w": 100.0 + i} for i in range(4)]
+    part = pa.Table.from_pylist(rows, schema=pa.schema([SAMPLES.field(c) for c in rows[0]]))
+    pq.write_table(part, parts / "part-000001.parquet")
+    (parts / ".part-000002.parquet.123.abcd.tmp").write_bytes(b"a killed flush's temporary")  # the monitor's own
+    (parts / "notes.txt").write_text("mine")
+    (parts / "sub" / "keep.txt").write_text("mine too")
+    r = run("monitor", "--recover", str(out))
+    assert r.exit_code == 0, r.output
+    assert pq.read_table(out).num_rows == 4
+    assert sorted(str(p.relative_to(parts)) for p in parts.rglob("*")) == ["notes.txt", "sub", "sub/keep.txt"]
+    assert (parts / "notes.txt").read_text() == "mine" and (parts / "sub" / "keep.txt").read_text() == "mine too"
+    said = " ".join(r.output.split())
+    assert "left: 2 other files in" in said and str(parts) in said, said
+
+
 def test_monitor_stopped_cleanly_leaves_one_file_and_no_parts(tmp_path):
     (tmp_path / "o").mkdir()
     out = tmp_path / "o" / "m.parquet"

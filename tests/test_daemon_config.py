@@ -325,3 +325,44 @@ def test_a_valid_address_beyond_loopback_is_still_refused_without_the_flag():
     for listen in ("10.0.0.1:80", "[2001:db8::1]:80", "gpu-node-07.example:80"):
         with pytest.raises(ConfigError, match="reachable from other machines"):
             load_config(None, env={}, overrides={"proxy.listen": listen})
+
+
+@pytest.mark.parametrize("make", ["file", "under-a-file"])
+def test_a_data_dir_that_cannot_be_a_folder_fails_the_check(tmp_path, make):
+    # `data_dir = "/etc/passwd"` passed `daemon --check` and failed at start.
+    from click.testing import CliRunner
+
+    from powerprof.cli import main
+
+    f = tmp_path / "afile"
+    f.write_text("not a folder")
+    d = f if make == "file" else f / "sub"
+    with pytest.raises(ConfigError, match=rf"daemon.data_dir = '{d}'.* is not a folder"):
+        load_config(None, env={}, overrides={"daemon.data_dir": str(d)})
+    p = _write(tmp_path, f'[daemon]\ndata_dir = "{d}"\n')
+    r = CliRunner().invoke(main, ["daemon", "--check", "--config", str(p)])
+    assert r.exit_code != 0 and "is not a folder: " in r.output and "config OK" not in r.output, r.output
+    assert f.read_text() == "not a folder"
+    load_config(None, env={}, overrides={"daemon.data_dir": str(tmp_path / "new" / "dir")})  # made at start: fine
+
+
+@pytest.mark.parametrize("proxy,metrics,beyond", [
+    ("127.0.0.1:9000", "127.0.0.1:9000", False),
+    ("0.0.0.0:9000", "127.0.0.1:9000", True),  # the wildcard takes every address's port
+    ("127.0.0.1:9000", "[::]:9000", True),  # :: is dual-stack on Linux by default
+    ("localhost:9000", "127.0.0.1:9000", False),  # a name may be that address
+    ("unix:/run/x.sock", "unix:/run/x.sock", False),
+])
+def test_proxy_and_metrics_on_one_address_fail_the_check(tmp_path, proxy, metrics, beyond):
+    # They passed `daemon --check`; the second bind failed at start (or, with SO_REUSEPORT, shared the port).
+    overrides = {"proxy.listen": proxy, "metrics.listen": metrics, "daemon.listen_beyond_loopback": beyond}
+    with pytest.raises(ConfigError, match="proxy.listen .* and metrics.listen .* the same"):
+        load_config(None, env={}, overrides=overrides)
+
+
+@pytest.mark.parametrize("proxy,metrics", [
+    ("127.0.0.1:9000", "127.0.0.1:9001"), ("127.0.0.1:9000", "[::1]:9000"), ("127.0.0.1:0", "127.0.0.1:0"),
+    ("127.0.0.1:9000", ""), ("", ""),
+])
+def test_proxy_and_metrics_on_different_addresses_pass(proxy, metrics):
+    load_config(None, env={}, overrides={"proxy.listen": proxy, "metrics.listen": metrics})

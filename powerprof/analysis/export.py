@@ -25,6 +25,7 @@ import json
 import math
 import os
 import re
+from collections import Counter
 from dataclasses import dataclass
 from datetime import date, datetime, timezone
 from pathlib import Path
@@ -467,7 +468,14 @@ def _with_local_times(batch: pa.RecordBatch, tz: str) -> pa.Table:
 
 
 def _plan(sources: list[Source], columns: list[str] | None) -> dict[str, list[str]]:
-    """Columns to read per table (partition keys only when asked for)."""
+    """Columns to read per table (partition keys only when asked for). ExportUsageError for a list naming none
+    (`--columns ''` exported every column) or a column twice (a Parquet file with a duplicate field, which
+    pandas cannot read; a csv header with the name twice)."""
+    if columns is not None and not columns:
+        raise ExportUsageError("--columns names no column; give one or more, comma-separated (e.g. "
+                               "--columns time_utc,power_w), or leave it out for every column")
+    if columns and (twice := [c for c, n in Counter(columns).items() if n > 1]):
+        raise ExportUsageError(f"--columns names {', '.join(twice)} twice; name each column once")
     plan = {}
     for s in sources:
         names = [n for n in s.dataset.schema.names if n not in s.partition_fields]
@@ -535,16 +543,26 @@ def export(src, fmt: str, out=None, time_from: str | None = None, time_to: str |
         default_stem = "export"
     out_given = out
     out = Path(out) if out is not None else Path.cwd() / (default_stem + (".xlsx" if fmt == "xlsx" else f"-{fmt}"))
-    from powerprof.paths import path_problem  # noqa: PLC0415
+    from powerprof.paths import not_a_regular_file, path_problem  # noqa: PLC0415
 
     if (why := path_problem(out)) is not None:  # "File name too long" was an OSError traceback from out.exists()
         raise ExportError(f"--out {out}: {why}")
+    single = fmt != "xlsx" and len(sources) == 1 and out.suffix == f".{fmt}"
+    # Whatever --force says: a FIFO, a device, a socket, a folder or a symlink (a looping one too) where a file goes
+    # would be replaced by the file (`--out x.csv --force` made a device a regular file).
+    targets = [out] if fmt == "xlsx" or single else [out / f"{s.name}.{fmt}" for s in sources]
+    # In a folder export, the folder's own name too: a looping symlink there was a RuntimeError traceback.
+    for t in targets + ([out] if not (fmt == "xlsx" or single) and not os.path.isdir(out) else []):
+        if (what := not_a_regular_file(t)) is not None:
+            raise ExportUsageError(f"--out: {t} exists and is {what}, not a regular file: nothing written (--force "
+                                   f"replaces only a regular file); choose another {'name' if fmt == 'xlsx' or single else 'folder'}"
+                                   + ("; an xlsx export is one workbook: give a file name ending in .xlsx"
+                                      if fmt == "xlsx" and what == "a folder" else ""))
     if any(not is_uri(s) and out.resolve() == Path(s).resolve() for s in srcs):
         raise ExportError("--out must not be the source itself")
     if fmt == "xlsx" and (out.is_dir() or out.suffix.lower() != ".xlsx"):
         # A workbook named x.csv (or written into a folder's place) opens as garbage, or not at all.
         raise ExportError(f"--out {out}: an xlsx export is one workbook; give a file name ending in .xlsx")
-    single = fmt != "xlsx" and len(sources) == 1 and out.suffix == f".{fmt}"
     if fmt != "xlsx" and not single and out.suffix == f".{fmt}":
         # A folder named x.csv holding several files is not the file the user asked for.
         raise ExportError(f"--out {out} names one .{fmt} file, but the selection has {len(sources)} tables "
@@ -562,7 +580,6 @@ def export(src, fmt: str, out=None, time_from: str | None = None, time_to: str |
         raise ExportError(why)
     if not force:
         # Before anything is read: an earlier export (a spreadsheet someone annotated) was replaced without a word.
-        targets = [out] if fmt == "xlsx" or single else [out / f"{s.name}.{fmt}" for s in sources]
         there = [t for t in targets if os.path.lexists(t)]
         if there:
             raise ExportOutExists(there, None if fmt == "xlsx" or single else out, default=out_given is None)

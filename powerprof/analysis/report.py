@@ -154,6 +154,7 @@ def check_out(out: Path, runs) -> None:
 
     if (why := path_problem(out)) is not None:  # an OSError traceback from is_dir() ("File name too long")
         raise AnalysisError(f"--out {out}: {why}")
+    _refuse_a_run_folder(out, runs)
     if not out.is_dir():
         return
     taken = sorted(f.name for f in out.iterdir() if f.name in OUTPUT_NAMES or (
@@ -172,6 +173,31 @@ def check_out(out: Path, runs) -> None:
             else f"files that are no powerprof analysis ({', '.join(taken[:4])}{', …' if len(taken) > 4 else ''})")
     raise AnalysisOutTaken(f"{out} holds {what}, which this analysis of {', '.join(now)} would replace; give another "
                            "folder with --out, or remove it first")
+
+
+def _refuse_a_run_folder(out: Path, runs) -> None:
+    """AnalysisOutTaken where `out` is a run directory (it holds run.json), or the `analysis` folder of a run that is
+    not among `runs`: `analyze a --out b` wrote a's report among run b's tables without a word, and in b/analysis
+    `export b` shows it as b's own. An input's own RUN/analysis (the default) is its place; RUN itself is not."""
+    from powerprof.storage.runs import RUN_JSON  # noqa: PLC0415
+
+    def run_id(folder: Path) -> str:
+        try:
+            return str(json.loads((folder / RUN_JSON).read_text()).get("run_id") or "unknown")
+        except (OSError, ValueError, AttributeError):
+            return "unknown"
+
+    inputs = {r.path.resolve() for r in runs}
+    if (out / RUN_JSON).is_file():
+        if out.resolve() in inputs:
+            raise AnalysisOutTaken(f"--out {out} is the run directory itself: its analysis goes in {out / 'analysis'} "
+                                   "(the default: give no --out), never among its tables")
+        raise AnalysisOutTaken(f"--out {out} is the run directory of another run ({run_id(out)}): this analysis would "
+                               "lie among its tables, read as that run's; give another folder with --out")
+    if out.name == "analysis" and (out.parent / RUN_JSON).is_file() and out.parent.resolve() not in inputs:
+        raise AnalysisOutTaken(f"--out {out} is the analysis folder of another run, {out.parent} ({run_id(out.parent)}), "
+                               f"not analysed here: `export {out.parent}` would show this analysis as that run's; give "
+                               "another folder with --out")
 
 
 def _configurations(runs, max_slowdown: float, windows):

@@ -476,6 +476,14 @@ def load_config(path: str | os.PathLike | None = None, env: dict | None = None, 
                 "the proxy and /metrics have no authentication. Listen on 127.0.0.1 or [::1], or set "
                 "daemon.listen_beyond_loopback = true (and firewall it)"
             )
+    proxy_l, metrics_l = values["proxy"]["listen"], values["metrics"]["listen"]
+    if isinstance(proxy_l, str) and isinstance(metrics_l, str) and _same_address(proxy_l, metrics_l):
+        errors.append(f"config keys proxy.listen = {proxy_l!r} and metrics.listen = {metrics_l!r}"
+                      f"{came_from('proxy.listen', 'metrics.listen')} name the same address: the second bind fails at "
+                      "start; give them different ports (or sockets)")
+    if (d := values["daemon"]["data_dir"]) and isinstance(d, str) and (why := _not_a_folder(Path(d))):
+        errors.append(f"config key daemon.data_dir = {d!r}{came_from('daemon.data_dir')} is not a folder: {why}; "
+                      "give a folder, or a path where one can be made")
     if values["proxy"]["workers"] > 1 and str(values["proxy"]["listen"]).startswith("unix:"):
         errors.append("config key proxy.workers > 1 needs a TCP proxy.listen (host:port); a unix: socket is "
                       "served by the daemon itself (proxy.workers = 1)" + came_from("proxy.workers", "proxy.listen"))
@@ -485,6 +493,45 @@ def load_config(path: str | os.PathLike | None = None, env: dict | None = None, 
                       + came_from("daemon.flush_interval_s", "daemon.compact_interval_s"))
     _raise_all(errors)
     return Config(values, ", ".join(sources))
+
+
+_WILDCARDS = {"0.0.0.0", "::", ""}
+
+
+def _same_address(a: str, b: str) -> bool:
+    """Whether two listen addresses (HOST:PORT or unix:PATH; empty: none) would take the same one: the same unix
+    socket, or one port (not 0, any free one) on hosts that meet: the same text, a wildcard (0.0.0.0, and `::`,
+    dual-stack on Linux), or a name (it may resolve to the other). 127.0.0.1 and [::1] are two."""
+    if not a or not b:
+        return False
+    if a.startswith("unix:") or b.startswith("unix:"):
+        return a == b
+    (ha, _, pa), (hb, _, pb) = a.rpartition(":"), b.rpartition(":")
+    if pa != pb or int(pa or 0) == 0:
+        return False
+    ha, hb = ha.strip("[]").lower(), hb.strip("[]").lower()
+    if ha == hb or ha in _WILDCARDS or hb in _WILDCARDS:
+        return True
+
+    def is_ip(h: str) -> bool:
+        try:
+            ipaddress.ip_address(h)
+            return True
+        except ValueError:
+            return False
+
+    return not (is_ip(ha) and is_ip(hb))
+
+
+def _not_a_folder(d: Path) -> str | None:
+    """Why `d` cannot be the daemon's data folder, found before it starts: it, or the nearest path above it that
+    exists, is not a folder (`data_dir = "/etc/passwd"` passed --check and failed at start)."""
+    there = d
+    while not os.path.lexists(there) and there != there.parent:
+        there = there.parent
+    if os.path.isdir(there):
+        return None
+    return "it exists and is no folder" if there == d else f"{there} exists and is no folder"
 
 
 def example_toml() -> str:

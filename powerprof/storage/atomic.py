@@ -12,6 +12,7 @@ from __future__ import annotations
 import errno
 import os
 import secrets
+import stat
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Callable, Iterator
@@ -56,6 +57,7 @@ def atomic_path(path: str | os.PathLike, tmp_name: str | None = None, replace: b
         yield tmp
         _fsync_file(tmp)
         if replace:
+            _refuse_special(path)
             os.replace(tmp, path)
         else:
             _rename_no_replace(tmp, path)
@@ -66,6 +68,17 @@ def atomic_path(path: str | os.PathLike, tmp_name: str | None = None, replace: b
             pass
         raise
     fsync_dir(path.parent)
+
+
+def _refuse_special(path: Path) -> None:
+    """FileExistsError where `path` is a FIFO, a device or a socket: never replaced by a file (a caller that checked
+    at its start names it; one made there meanwhile is kept as any file made meanwhile is, replace=False)."""
+    try:
+        mode = os.lstat(path).st_mode
+    except OSError:
+        return
+    if stat.S_ISFIFO(mode) or stat.S_ISCHR(mode) or stat.S_ISBLK(mode) or stat.S_ISSOCK(mode):
+        raise FileExistsError(errno.EEXIST, "exists and is not a regular file (a FIFO, device or socket)", str(path))
 
 
 def _rename_no_replace(tmp: Path, path: Path) -> None:

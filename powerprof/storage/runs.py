@@ -111,6 +111,26 @@ def default_run_dir(base: Path, gpu_label: str) -> Path:
     return base / f"{stamp}-{safe}"
 
 
+MAX_CLAIMS = 1000  # -2 … -1000: more runs of one name in one second is no clash but a loop gone wrong
+
+
+def claim_run_dir(path: Path) -> Path:
+    """Make a default run folder (`default_run_dir`, never a name the user gave): `path`, or `path-2`, `path-3` …
+    where it is taken. Each name is claimed by os.mkdir, which fails on a name that exists, so two runs started in
+    the same second (the names' resolution) never share a folder, nor does the second fail "already exists" (it did,
+    the check and the mkdir a moment apart). Its parent (runs/) is made as needed. Returns the folder made."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    for k in range(1, MAX_CLAIMS + 1):
+        p = path if k == 1 else path.with_name(f"{path.name}-{k}")
+        try:
+            os.mkdir(p)
+        except FileExistsError:
+            continue
+        return p
+    raise FileExistsError(f"run directories {path} to {path.name}-{MAX_CLAIMS} all exist; give --out")
+
+
 class RunWriter:
     """Owns one run directory. Every write replaces a whole file atomically."""
 

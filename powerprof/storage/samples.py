@@ -308,6 +308,7 @@ class SampleSpool:
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self.error: str | None = None  # the last flush's failure (the next one tries again)
+        self.left = 0  # files in parts_dir that close() did not write and so left there (the folder kept)
 
     def start(self) -> "SampleSpool":
         self._thread = threading.Thread(target=self._run, name="powerprof-sample-spool", daemon=True)
@@ -361,14 +362,12 @@ class SampleSpool:
         Returns (where they went, rows). On a failure the parts stay, and the error is raised."""
         self._stop_thread()
         self.flush()
+        parts = part_files(self.parts_dir)
         try:
-            out = self._combine(self.path, replace)
+            out = self._combine(self.path, replace, parts)
         except FileExistsError:
-            out = self._combine(beside_name(self.path), False)
-        import shutil  # noqa: PLC0415
-
-        shutil.rmtree(self.parts_dir, ignore_errors=True)
-        fsync_dir(self.parts_dir.parent)
+            out = self._combine(beside_name(self.path), False, parts)
+        self.left = remove_parts(self.parts_dir, parts)
         self._unlock()
         return out, self.rows
 
@@ -382,9 +381,7 @@ class SampleSpool:
             pass
         self._unlock()
         if self.rows == 0:
-            import shutil  # noqa: PLC0415
-
-            shutil.rmtree(self.parts_dir, ignore_errors=True)
+            self.left = remove_parts(self.parts_dir, part_files(self.parts_dir))
             return False
         return True
 
@@ -393,8 +390,8 @@ class SampleSpool:
             os.close(self._lock_fd)
             self._lock_fd = None
 
-    def _combine(self, path: Path, replace: bool) -> Path:
-        combine_parts(self.parts_dir, path, replace, self.metadata)
+    def _combine(self, path: Path, replace: bool, parts: list[Path]) -> Path:
+        combine_parts(self.parts_dir, path, replace, self.metadata, parts=parts)
         return path
 
 
@@ -428,7 +425,34 @@ class RecoverError(ValueError):
     """The parts cannot be combined (none there, a live monitor writing them, a damaged part): nothing changed."""
 
 
-def combine_parts(parts_dir: Path, path: Path, replace: bool, metadata: Mapping[str, str] | None = None) -> int:
+def part_files(parts_dir: Path) -> list[Path]:
+    """The parts a monitor wrote in `parts_dir` (`part-NNNNNN.parquet`), in order: what is combined, and removed."""
+    return sorted(parts_dir.glob("part-*.parquet"))
+
+
+def remove_parts(parts_dir: Path, parts: list[Path]) -> int:
+    """Remove `parts` (those just combined), the monitor's own `.lock` and the temporaries of its flushes
+    (`.part-*.tmp`, left by a kill during one), then `parts_dir` if nothing else is in it. Anything else (a user's
+    notes, a folder of theirs) is left, and the folder with it: `monitor --recover` removed the whole folder.
+    Returns how many other files were left (counted in sub-folders too)."""
+    ours = set(parts) | {parts_dir / LOCK_NAME} | set(parts_dir.glob(".part-*.tmp"))
+    for p in ours:
+        try:
+            if not p.is_dir() or p.is_symlink():
+                p.unlink()
+        except OSError:  # gone, or cannot be removed: then it is counted among those left, the folder kept
+            pass
+    left = 0
+    try:
+        os.rmdir(parts_dir)
+    except OSError:
+        left = sum(1 for p in parts_dir.rglob("*") if not p.is_dir() or p.is_symlink())
+    fsync_dir(parts_dir.parent)
+    return left
+
+
+def combine_parts(parts_dir: Path, path: Path, replace: bool, metadata: Mapping[str, str] | None = None,
+                  parts: list[Path] | None = None) -> int:
     """The parts of `parts_dir` as one file `path` (Parquet or CSV by its suffix), written atomically, one part
     at a time (memory stays bounded); `metadata` over the first part's own. Returns the rows written. A part
     that cannot be read raises RecoverError naming it, nothing written; FileExistsError as atomic_path."""
@@ -437,7 +461,7 @@ def combine_parts(parts_dir: Path, path: Path, replace: bool, metadata: Mapping[
 
     from .schema import SAMPLES, rows_to_table  # noqa: PLC0415
 
-    parts = sorted(parts_dir.glob("part-*.parquet"))
+    parts = part_files(parts_dir) if parts is None else parts
     schema = rows_to_table(SAMPLES, []).schema
     md = dict(schema.metadata or {})
     if parts and metadata is None:
@@ -472,12 +496,11 @@ def combine_parts(parts_dir: Path, path: Path, replace: bool, metadata: Mapping[
     return rows
 
 
-def recover_parts(path: str | os.PathLike, replace: bool = False) -> tuple[Path, int]:
+def recover_parts(path: str | os.PathLike, replace: bool = False) -> tuple[Path, int, int]:
     """`monitor --recover FILE`: the parts a killed `monitor --output FILE` left in FILE.parts/ combined into
-    FILE (as its suffix says), atomically, then the parts removed. Returns (FILE, rows). RecoverError where
-    there are none or a live monitor holds them; FileExistsError where FILE exists and not `replace`."""
-    import shutil  # noqa: PLC0415
-
+    FILE (as its suffix says), atomically, then the parts removed (`remove_parts`: only those, and the folder if
+    nothing else is in it). Returns (FILE, rows, other files left in the folder). RecoverError where there are
+    none or a live monitor holds them; FileExistsError where FILE exists and not `replace`."""
     path = Path(path)
     parts_dir = parts_dir_for(path)
     if not parts_dir.is_dir():
@@ -488,9 +511,9 @@ def recover_parts(path: str | os.PathLike, replace: bool = False) -> tuple[Path,
         raise RecoverError(f"{parts_dir} is being written by a monitor --output {path} that is still running: "
                            "stop it, and it combines them itself")
     try:
-        rows = combine_parts(parts_dir, path, replace)
-        shutil.rmtree(parts_dir)  # only now that the file is whole on disk
-        fsync_dir(parts_dir.parent)
+        parts = part_files(parts_dir)
+        rows = combine_parts(parts_dir, path, replace, parts=parts)
+        left = remove_parts(parts_dir, parts)  # only now that the file is whole on disk
     finally:
         os.close(fd)
-    return path, rows
+    return path, rows, left

@@ -901,10 +901,12 @@ def _run_measure(
     interval_s: float = 1.0,
     command_line: str = "",
     sim_decode_tok_s: float | None = None,
+    default_out: bool = False,
 ) -> MeasureResult:
     """Everything `powerprof measure` does on the `rig` (powerprof.rig.Rig: its GPUs, RAPL and
     server, whatever they are): Profiler, load, windows.parquet and run.json in `out_dir`. Reads
-    counters only; changes no setting."""
+    counters only; changes no setting. default_out: `out_dir` is the default name (no --out), made as
+    `claim_run_dir` makes it (the next free name where it is taken), never a name the user gave."""
     from contextlib import ExitStack
 
     from powerprof import __version__
@@ -918,14 +920,19 @@ def _run_measure(
 
     if (why := path_problem(out_dir)) is not None:  # an OSError traceback from exists() ("File name too long")
         raise ValueError(f"--out {out_dir}: {why}")
-    if out_dir.exists() and (not out_dir.is_dir() or any(out_dir.iterdir())):
+    if not default_out and out_dir.exists() and (not out_dir.is_dir() or any(out_dir.iterdir())):
         raise FileExistsError(f"output directory {out_dir} already exists and is not empty; choose another --out")
     why = out_dir_refusal(out_dir, "output directory")
     if why:  # as root (sudo for RAPL): checked before the folder is made or a --launch server started
         raise ValueError(why)
     # Made before any request, so an unusable --out costs nothing (not a finished measurement).
     try:
-        out_dir.mkdir(parents=True, exist_ok=True)
+        if default_out:  # runs/<time>-measure taken (another run started in the same second): the next free name
+            from powerprof.storage.runs import claim_run_dir
+
+            out_dir = claim_run_dir(out_dir)
+        else:
+            out_dir.mkdir(parents=True, exist_ok=True)
     except OSError as e:
         raise ValueError(f"cannot create the output directory {out_dir}: {e.strerror or e}") from None
     notes: list[str] = []
