@@ -278,7 +278,8 @@ def devices(as_json, gpus, rapl_backend, simulate):
     else:
         _print_devices(info)
     if not info["gpus"] and not info["rapl"]:
-        click.echo("powerprof devices: no usable GPU and no RAPL zone: nothing to measure (see the problems above)",
+        where = "the problems in the JSON's `problems`" if as_json else "the problems above"
+        click.echo(f"powerprof devices: no usable GPU and no RAPL zone: nothing to measure (see {where})",
                    err=True)
         sys.exit(EXIT_NO_DEVICE)
 
@@ -1056,7 +1057,7 @@ def replay(trace_path, url, simulate, launch, api, time_scale, duration_s, tag_h
 
         click.echo(f"server: {server.kind} ({server.api})" + (" [simulated]" if server.simulated else ""))
         click.echo(f"requests: {sm.ok} ok, {sm.failed} failed, in {sm.duration_s:.1f} s; "
-                   f"{sm.generated_tokens} tokens generated ({sm.generated_tokens / sm.duration_s if sm.duration_s else 0:.1f}/s), "
+                   f"{sm.generated_tokens} token{'' if sm.generated_tokens == 1 else 's'} generated ({sm.generated_tokens / sm.duration_s if sm.duration_s else 0:.1f}/s), "
                    f"{sm.prompt_tokens} prompt tokens")
         click.echo(f"TTFT p50 {f(sm.ttft_p50_s)} s, p95 {f(sm.ttft_p95_s)} s; latency p50 {f(sm.latency_p50_s)} s, "
                    f"p95 {f(sm.latency_p95_s)} s; time per output token p50 {f(sm.tpot_p50_s)} s")
