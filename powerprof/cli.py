@@ -10,7 +10,7 @@ from pathlib import Path
 import click
 
 from powerprof import __version__
-from powerprof.sim.profiles import DEFAULT_PROFILE, PROFILES
+from powerprof.sim.profiles import DEFAULT_PROFILE, MAX_SIM_GPUS, PROFILES
 
 SIMULATE_HELP = (f"Use a simulated GPU (profiles: {', '.join(PROFILES)}; default {DEFAULT_PROFILE}); a host of mixed "
                  "cards: one profile per GPU in index order, e.g. h200-141g,l4-24g.")
@@ -131,12 +131,24 @@ class _Command(click.Command):
 
     def parse_args(self, ctx, args):
         try:
-            return super().parse_args(ctx, args)
+            rest = super().parse_args(ctx, args)
         except click.UsageError as e:
             if e.message.startswith("Got unexpected extra argument"):
                 e.message += (": an option takes one value; give a list comma-separated without spaces "
                               "(--limits 180,220,260), a unit joined to its number (220W), or quote the value")
             raise
+        _check_sim_gpus(ctx.params.get("simulate"), ctx.params.get("gpus"), "--gpus", ctx)
+        return rest
+
+
+def _check_sim_gpus(simulate, gpus, what: str, ctx=None) -> None:
+    """A simulated host has at most MAX_SIM_GPUS GPUs: `--simulate --gpus 1000000` built a million of them (4.4 GB, every
+    command that takes both), 20 digits was an OverflowError. A real machine's indexes are checked against its count."""
+    big = [g for g in gpus or () if isinstance(g, int) and g >= MAX_SIM_GPUS] if simulate else []
+    if big:
+        shown = str(big[0]) if len(str(big[0])) <= 24 else str(big[0])[:20] + "…"
+        raise click.UsageError(f"{what}: GPU index {shown} does not exist: the simulator has at most {MAX_SIM_GPUS} "
+                               f"GPUs (indexes 0-{MAX_SIM_GPUS - 1})", ctx)
 
 
 class _Main(click.Group):
@@ -179,7 +191,7 @@ def _parse_gpus(ctx, param, value):
             continue
         if x.startswith(("GPU-", "MIG-")):
             out.append(x)
-        elif x.isdigit():
+        elif x.isascii() and x.isdigit():  # ascii: "²" is a digit to str.isdigit, and no int
             out.append(int(x))
         else:
             raise click.BadParameter(f"{value!r}: expected NVML indexes like 0 or 0,1, or UUIDs (GPU-…, MIG-…)")
@@ -1584,7 +1596,7 @@ def _trace_sweep(trace_path, time_scale, duration_s, limits, clocks, url, launch
 @main.command("daemon")
 @click.option("--config", "config_path", type=click.Path(dir_okay=False), help="TOML config file.")
 @simulate_option
-@click.option("--sim-gpus", type=_IntRange(1, 64), default=1, show_default=True, help="Simulated GPU count.")
+@click.option("--sim-gpus", type=_IntRange(1, MAX_SIM_GPUS), default=1, show_default=True, help="Simulated GPU count.")
 @click.option("--listen", help="Proxy address HOST:PORT (proxy.listen).")
 @click.option("--upstream", help="Inference server URL behind the proxy (proxy.upstream).")
 @click.option("--metrics-listen", help="Prometheus /metrics address (metrics.listen).")
@@ -1617,6 +1629,11 @@ def daemon_cmd(config_path, simulate, sim_gpus, listen, upstream, metrics_listen
         cfg = dconfig.load_config(config_path, overrides=overrides, flags=flags)
     except dconfig.ConfigError as e:
         click.echo(f"powerprof daemon: {e}", err=True)
+        sys.exit(service.EXIT_CONFIG)
+    try:
+        _check_sim_gpus(simulate, cfg.get("daemon", "gpus"), f"{cfg.source}: daemon.gpus")
+    except click.UsageError as e:
+        click.echo(f"powerprof daemon: {e.message}", err=True)
         sys.exit(service.EXIT_CONFIG)
     if check:
         click.echo(f"config OK ({cfg.source})")
