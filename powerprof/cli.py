@@ -1030,7 +1030,8 @@ def replay(trace_path, url, simulate, launch, api, time_scale, duration_s, tag_h
               help="Poisson arrivals, or Poisson bursts of about 8 requests within 50 ms.")
 @click.option("--prompt-median", type=_FloatRange(1), default=400.0, show_default=True, help="Median prompt tokens (lognormal).")
 @click.option("--output-median", type=_FloatRange(1), default=80.0, show_default=True, help="Median output tokens (lognormal).")
-@click.option("--seed", type=_Int(), default=0, show_default=True, help="Random seed (the same seed gives the same trace).")
+@click.option("--seed", type=_IntRange(min=0), default=0, show_default=True,
+              help="Random seed, a whole number 0 or more (the same seed gives the same trace).")
 @click.option("--max-context", type=_IntRange(2, 10_000_000), default=None,
               help="Cut each request's prompt so that prompt + output fit this many tokens: the context the server was "
                    "started with (llama.cpp -c, vLLM --max-model-len). Default: uncut (up to 4096 + 600).")

@@ -62,3 +62,16 @@ def test_a_daemon_configs_simulated_gpu_index_past_the_cap_is_a_config_error(tmp
     r = CliRunner().invoke(main, ["daemon", "--config", str(cfg), "--simulate", "--check"])
     assert r.exit_code == service.EXIT_CONFIG, (r.output, r.stderr)
     assert "daemon.gpus: GPU index 100000000 does not exist: the simulator has at most" in r.stderr
+
+
+# --- 2a. trace --seed ------------------------------------------------------------------------------------------------
+
+
+def test_a_negative_trace_seed_is_a_usage_error_and_writes_nothing(tmp_path):
+    # numpy's "expected non-negative integer" ValueError came out as a traceback.
+    out = tmp_path / "t.jsonl"
+    r = run("trace", str(out), "--requests", "3", "--seed", "-1")
+    assert r.exit_code == 2, r.output
+    assert "--seed" in r.output and "-1" in r.output and ">=0" in r.output, r.output
+    assert not out.exists()
+    assert run("trace", str(out), "--requests", "3", "--seed", str(2**80)).exit_code == 0
