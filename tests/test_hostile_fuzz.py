@@ -75,3 +75,70 @@ def test_a_negative_trace_seed_is_a_usage_error_and_writes_nothing(tmp_path):
     assert "--seed" in r.output and "-1" in r.output and ">=0" in r.output, r.output
     assert not out.exists()
     assert run("trace", str(out), "--requests", "3", "--seed", str(2**80)).exit_code == 0
+
+
+# --- 2b. run.json of the wrong kinds ---------------------------------------------------------------------------------
+
+
+def _sweep_run(tmp_path):
+    from synthetic_runs import make_run, seed_truth
+
+    run = make_run(tmp_path / "run", seed_truth(), levels=(180, 300), n_requests=6)
+    meta = json.loads((run / "run.json").read_text())
+    meta.setdefault("settings", {"level_kind": "power_limit", "levels": [300.0, 180.0], "repeats": 1})
+    meta.setdefault("levels_done", [[300.0, 0], [180.0, 0]])
+    meta.setdefault("idle_gpu_power_w", 21.5)
+    (run / "run.json").write_text(json.dumps(meta))
+    return run
+
+
+def _edit(run, path, value):
+    meta = json.loads((run / "run.json").read_text())
+    cur = meta
+    for k in path[:-1]:
+        cur = cur[k]
+    cur[path[-1]] = value
+    (run / "run.json").write_text(json.dumps(meta))
+
+
+@pytest.mark.parametrize("path, value, said", [
+    (["settings"], "x", "settings is a string, not an object"),
+    (["settings"], [1], "settings is a list, not an object"),
+    (["settings"], -1, "settings is a number"),
+    (["idle_gpu_power_w"], "zz", "idle_gpu_power_w is a string, not a number"),
+    (["idle_gpu_power_w"], [1], "idle_gpu_power_w is a list, not a number"),
+    (["levels_done", 0, 0], [1], "levels_done[0][0] (the level) is a list, not a number"),
+    (["levels_done", 0, 0], "zz", "levels_done[0][0] (the level) is a string, not a number"),
+    (["levels_done", 0], 7, "levels_done[0] is a number"),
+    (["settings", "levels"], [10**400, 300], "settings.levels[0] is a number too large for a float, not a number"),
+    (["settings", "levels"], "300", "settings.levels is a string, not a list"),
+    (["idle_gpu_power_w_by_gpu"], {"gpu0": "x"}, "idle_gpu_power_w_by_gpu.gpu0 is a string, not a number"),
+    (["gpus"], [3], "gpus[0] is a number"),
+])
+def test_a_run_json_field_of_the_wrong_kind_is_named_and_leaves_nothing(tmp_path, path, value, said):
+    # Each was a traceback (AttributeError in the report, TypeError in the timeline plot or in levels_done's
+    # reading, OverflowError from settings.levels), or "could not convert string to float: 'zz'" naming no field;
+    # the report's failure left an empty analysis/ folder behind.
+    run = _sweep_run(tmp_path)
+    assert CliRunner().invoke(main, ["analyze", str(run), "--bootstrap", "100", "--format", "md",
+                                     "--out", str(tmp_path / "ok")]).exit_code == 0
+    _edit(run, path, value)
+    r = CliRunner().invoke(main, ["analyze", str(run), "--bootstrap", "100", "--format", "md"])
+    assert r.exit_code == 1 and isinstance(r.exception, SystemExit), (r.output, r.exception)
+    assert f"{run / 'run.json'}: {said}" in r.output, r.output
+    assert len(r.output.strip().splitlines()) == 1, r.output
+    assert not (run / "analysis").exists()
+
+
+def test_a_report_that_fails_removes_the_analysis_folder_it_made(tmp_path, monkeypatch):
+    import powerprof.analysis.report as report
+
+    run = _sweep_run(tmp_path)
+
+    def boom(*a, **k):
+        raise ValueError("drawing failed")
+
+    monkeypatch.setattr(report, "_write_outputs", boom)
+    r = CliRunner().invoke(main, ["analyze", str(run), "--bootstrap", "100", "--format", "md"])
+    assert r.exit_code != 0
+    assert not (run / "analysis").exists()
