@@ -1371,6 +1371,8 @@ def sweep(limits, clocks, url, launch, vary, context_tokens, simulate, gpus, rep
             out.print(line, markup=False, highlight=False)  # a --launch command's "[x]" is not a style tag
         if out.pipe_closed:
             sys.exit(EXIT_PIPE)
+        if outcome.in_use:  # another run holds the GPU: the real one would fail as it starts
+            sys.exit(1)
         return
     from powerprof import termination
     from powerprof.analysis.loading import AnalysisError
@@ -1585,6 +1587,8 @@ def _trace_sweep(trace_path, time_scale, duration_s, limits, clocks, url, launch
                                 on_level=show, ui=Notes())
     for line in outcome.plan_lines if dry_run else [*(f"note: {n}" for n in outcome.notes), f"run directory: {outcome.run_dir}"]:
         echo(line)
+    if dry_run and outcome.in_use:  # another run holds the GPU: the real one would fail as it starts
+        sys.exit(1)
     if not dry_run and (outcome.levels is None or outcome.levels.num_rows == 0):
         raise click.ClickException("no level gave a J/token figure (the notes above say why)")
     if not printed[0]:
