@@ -200,6 +200,16 @@ def _parse_gpus(ctx, param, value):
     return list(dict.fromkeys(out))
 
 
+def _tag_header_option(ctx, param, value):
+    """replay's --tag-header, by the daemon's proxy.tag_header rule (one validator: workload.auth.check_tag_header)."""
+    from powerprof.workload.auth import check_tag_header
+
+    try:
+        return check_tag_header(value)
+    except ValueError as e:
+        raise click.BadParameter(str(e)) from None
+
+
 def _levels_option(what: str, example: str):
     """sweep's --limits or --clocks empty or only commas, refused as such before anything opens: `--limits ""` (an
     unset shell variable) said "give exactly one of --limits or --clocks" to a user who had given it, and beside --vary
@@ -918,7 +928,9 @@ def _load_trace(trace_path, time_scale, duration_s):
               help="Divide the trace's arrival times by this (2 = twice as fast).")
 @click.option("--duration", "duration_s", type=_FloatRange(min=0, min_open=True), default=None,
               help="Replay only the requests arriving in the first this many seconds (after scaling).")
-@click.option("--tag-header", default="X-Powerprof-Tag", show_default=True, help="Header carrying a record's tag.")
+@click.option("--tag-header", default="X-Powerprof-Tag", show_default=True, callback=_tag_header_option,
+              help="Header carrying a record's tag: an HTTP header name of your own (not Host, Content-Length, "
+                   "Authorization, Cookie or another HTTP or the server needs).")
 @click.option("--json", "as_json", is_flag=True, help=JSON_HELP)
 def replay(trace_path, url, simulate, launch, api, time_scale, duration_s, tag_header, as_json):
     """Drive a server with a trace's arrival times and token counts (Azure CSV or JSONL); latency and throughput."""

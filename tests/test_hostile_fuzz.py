@@ -142,3 +142,45 @@ def test_a_report_that_fails_removes_the_analysis_folder_it_made(tmp_path, monke
     r = CliRunner().invoke(main, ["analyze", str(run), "--bootstrap", "100", "--format", "md"])
     assert r.exit_code != 0
     assert not (run / "analysis").exists()
+
+
+# --- 4. the tag header -------------------------------------------------------------------------------------------------
+
+
+BAD_TAG_HEADERS = ["", "Bad Header", "X-Tag\nX-Evil: 1", "X:Tag", "Tägg", "x" * 129,
+                   "Authorization", "host", "Content-Length", "Transfer-Encoding", "Connection", "Proxy-Authorization",
+                   "Cookie", "content-type"]
+
+
+@pytest.mark.parametrize("name", BAD_TAG_HEADERS)
+def test_replay_refuses_a_tag_header_no_server_should_get(tmp_path, name):
+    # '' and 'Bad Header' were aiohttp tracebacks, a newline "Potential header injection attack"; Authorization and
+    # Host were taken (the tag then replaced the API key, or made a second Host).
+    trace = tmp_path / "t.jsonl"
+    trace.write_text('{"t_s": 0, "prompt_tokens": 8, "output_tokens": 2, "tag": "a"}\n')
+    r = run("replay", str(trace), "--simulate", "--tag-header", name)
+    assert r.exit_code == 2, r.output
+    line = r.output.strip().splitlines()[-1]
+    assert "--tag-header" in line and "X-Powerprof-Tag" in line, r.output
+    assert "Traceback" not in r.output and "\nX-Evil" not in r.output
+
+
+@pytest.mark.parametrize("name", BAD_TAG_HEADERS)
+def test_the_daemons_tag_header_is_checked_by_the_same_rule(tmp_path, name):
+    from powerprof.daemon.config import ConfigError, load_config
+    from powerprof.workload.auth import check_tag_header
+
+    with pytest.raises(ValueError) as same:
+        check_tag_header(name)
+    p = tmp_path / "d.toml"
+    p.write_text(f"[proxy]\ntag_header = {json.dumps(name)}\n")
+    with pytest.raises(ConfigError) as e:
+        load_config(p, env={})
+    assert "proxy.tag_header" in str(e.value) and str(same.value) in str(e.value)
+
+
+@pytest.mark.parametrize("name", ["X-Powerprof-Tag", "x-team", "X_Job.1", "Tag~!#$%&'*+^`|"])
+def test_a_header_token_of_its_own_is_a_tag_header(name):
+    from powerprof.workload.auth import check_tag_header
+
+    assert check_tag_header(name) == name

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import re
 
 API_KEY_ENV = "POWERPROF_API_KEY"
 
@@ -16,3 +17,28 @@ def auth_headers(env=None) -> dict[str, str]:
     daemon's scrapes): an environment variable, not a flag, so the key is in no process listing. {} without it."""
     key = (os.environ if env is None else env).get(API_KEY_ENV, "").strip()
     return {"Authorization": f"Bearer {key}"} if key else {}
+
+
+# An HTTP field name (RFC 9110 token), and not one HTTP itself or the server's access rests on: a tag in Host,
+# Content-Length, Transfer-Encoding or Connection changes how the request is framed or routed; in Authorization,
+# Proxy-Authorization or Cookie it replaces the API key or credentials; in Content-Type how the body is read.
+_TOKEN = re.compile(r"[!#$%&'*+\-.^_`|~0-9A-Za-z]{1,128}")
+RESERVED_HEADERS = ("Host", "Content-Length", "Transfer-Encoding", "Connection", "Keep-Alive", "Proxy-Connection",
+                    "TE", "Trailer", "Upgrade", "Expect", "Content-Type", "Content-Encoding", "Authorization",
+                    "Proxy-Authorization", "Cookie")
+_RESERVED = {h.lower() for h in RESERVED_HEADERS}
+
+
+def check_tag_header(name) -> str:
+    """The header a tag travels in, as replay's --tag-header and the daemon's proxy.tag_header take it; ValueError
+    saying why otherwise. '' and 'Bad Header' were aiohttp tracebacks in replay, a newline "Potential header injection
+    attack", and Authorization or Host were taken by both (the tag then replaced the API key, or made a second Host)."""
+    shown = repr(name) if len(str(name)) <= 40 else repr(str(name)[:40]) + f"… ({len(str(name))} characters)"
+    if not isinstance(name, str) or not _TOKEN.fullmatch(name):
+        raise ValueError(f"{shown} is not an HTTP header name: 1-128 letters, digits or !#$%&'*+-.^_`|~ (no spaces, "
+                         "colons or line breaks), e.g. X-Powerprof-Tag")
+    if name.lower() in _RESERVED:
+        raise ValueError(f"{shown} is a header HTTP or the server's access needs for itself (one of "
+                         f"{', '.join(RESERVED_HEADERS)}): a tag there would replace it; use one of your own, "
+                         "e.g. X-Powerprof-Tag")
+    return name
