@@ -184,3 +184,28 @@ def test_a_header_token_of_its_own_is_a_tag_header(name):
     from powerprof.workload.auth import check_tag_header
 
     assert check_tag_header(name) == name
+
+
+# --- 5. a prompt that is no Unicode text -------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("line", ['{"prompt": "a\\u0000b\\ud800"}', '{"prompt": "ok", "id": "\\udc00x"}'])
+def test_a_prompt_with_a_lone_surrogate_is_refused_at_load_naming_the_line(tmp_path, line):
+    # It passed validation and failed later with an unnamed UnicodeEncodeError (and simulated-server tracebacks).
+    from powerprof.workload.load import PromptFileError, load_prompts
+
+    f = tmp_path / "p.jsonl"
+    f.write_text('{"prompt": "fine"}\n' + line + "\n")
+    with pytest.raises(PromptFileError, match=f"{f}:2: .*lone surrogate"):
+        load_prompts(f)
+    r = run("measure", "--simulate", "--prompts", str(f), "--requests", "2")
+    assert r.exit_code == 2 and f"{f}:2:" in r.output and "Traceback" not in r.output, r.output
+
+
+def test_a_trace_tag_with_a_lone_surrogate_is_refused_at_load(tmp_path):
+    from powerprof.workload.trace import TraceError, read_trace
+
+    f = tmp_path / "t.jsonl"
+    f.write_text('{"t_s": 0, "prompt_tokens": 8, "output_tokens": 2, "tag": "a\\ud800"}\n')
+    with pytest.raises(TraceError, match="lone surrogate"):
+        read_trace(f)
