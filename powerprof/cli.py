@@ -21,6 +21,9 @@ DEFAULT_MAX_TOKENS = 256  # one default for sweep and measure: long enough for m
 TRACE_MAX_TOKENS = 10_000_000
 PROMPT_SET_NAMES = ("short", "medium", "long", "mixed")  # powerprof.workload.load.PROMPT_SETS (a test checks)
 API_NAMES = ("llamacpp", "openai-completions", "openai-chat")
+# Streams at once, the most measure's and sweep's --concurrency take (more than any server batches: vLLM's
+# max_num_seqs is 256-1024): `measure --concurrency 100000` was accepted and hung.
+MAX_CONCURRENCY = 1024
 EXIT_NO_DEVICE = 1  # `devices`: no usable GPU and no RAPL
 JSON_HELP = "Print one JSON object (stable keys) instead of text."
 
@@ -753,6 +756,8 @@ def _int_list(ctx, param, value: str) -> list[int]:
         raise click.BadParameter(f"expected comma-separated integers like 1,4 — got {value!r}") from None
     if any(v < 1 for v in out):
         raise click.BadParameter("every concurrency must be at least 1")
+    if big := [v for v in out if v > MAX_CONCURRENCY]:
+        raise click.BadParameter(f"{big[0]} in {value!r}: a concurrency is at most {MAX_CONCURRENCY} streams at once")
     dup = sorted({v for v in out if out.count(v) > 1})
     if dup:
         raise click.BadParameter(f"{', '.join(map(str, dup))} given twice in {value!r}; give each concurrency once")
@@ -764,7 +769,8 @@ def _int_list(ctx, param, value: str) -> list[int]:
 @simulate_option
 @click.option("--out", "out_dir", type=click.Path(file_okay=False), help="Output directory (default runs/<time>-measure).")
 @click.option("--requests", "n_requests", type=_IntRange(1), default=8, show_default=True, help="Measured requests per concurrency (rounded up to whole batches of its streams).")
-@click.option("--concurrency", default="1", callback=_int_list, show_default=True, help="Streams at once, e.g. 1,4.")
+@click.option("--concurrency", default="1", callback=_int_list, show_default=True,
+              help=f"Streams at once, e.g. 1,4 (each 1-{MAX_CONCURRENCY}).")
 @click.option("--warmup", type=_IntRange(0), default=1, show_default=True,
               help="Warm-up requests at each concurrency, sent as its batches are (rounded up to whole batches; "
                    "recorded, flagged, not counted).")
@@ -1283,7 +1289,7 @@ def _fraction_option(ctx, param, value):
 @click.option("--max-time", "max_time_s", default=120.0, show_default=True, type=_FloatRange(1, 86400), help="Seconds of measuring per level (after warm-up) before it stops even short of --target-ci; the round of prompts in progress still finishes.")
 @click.option("--warmup", default=2, show_default=True, type=_IntRange(0, 100), help="Warm-up requests per level (discarded), sent --concurrency at a time (rounded up to whole batches).")
 @click.option("--idle-s", default=5.0, show_default=True, type=_FloatRange(0, 3600), help="Seconds of idle baseline before the first level.")
-@click.option("--concurrency", default=1, show_default=True, type=_IntRange(1, 1024),
+@click.option("--concurrency", default=1, show_default=True, type=_IntRange(1, MAX_CONCURRENCY),
               help="Requests in flight at once (streams).")
 @click.option("--server-restart-wait", "server_restart_wait_s", default=120.0, show_default=True, type=_FloatRange(0, 86400),
               help="Seconds to wait for a --server that stops answering mid-level (restarted) to be healthy again; the level "

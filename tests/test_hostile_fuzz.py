@@ -209,3 +209,18 @@ def test_a_trace_tag_with_a_lone_surrogate_is_refused_at_load(tmp_path):
     f.write_text('{"t_s": 0, "prompt_tokens": 8, "output_tokens": 2, "tag": "a\\ud800"}\n')
     with pytest.raises(TraceError, match="lone surrogate"):
         read_trace(f)
+
+
+# --- 6. concurrency -----------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("value", ["100000", "1,100000", "1025"])
+def test_measure_caps_concurrency_as_sweep_does(value):
+    # `measure --concurrency 100000` was accepted and hung; sweep caps at 1024.
+    from powerprof.cli import MAX_CONCURRENCY
+
+    r = run("measure", "--simulate", "--concurrency", value, "--requests", "1")
+    assert r.exit_code == 2, r.output
+    assert f"at most {MAX_CONCURRENCY}" in r.output and "--concurrency" in r.output, r.output
+    r = run("sweep", "--simulate", "--limits", "300", "--concurrency", str(MAX_CONCURRENCY + 1), "--dry-run")
+    assert r.exit_code == 2 and f"1<=x<={MAX_CONCURRENCY}" in r.output, r.output
