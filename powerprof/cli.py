@@ -141,7 +141,17 @@ class _Command(click.Command):
                               "(--limits 180,220,260), a unit joined to its number (220W), or quote the value")
             raise
         _check_sim_gpus(ctx.params.get("simulate"), ctx.params.get("gpus"), "--gpus", ctx)
+        if self.name in _SENDS_REQUESTS:
+            from powerprof.workload.auth import ApiKeyError, api_key
+
+            try:
+                api_key()  # before anything opens: a bad key surfaced deep in a request, not naming the variable
+            except ApiKeyError as e:
+                raise click.UsageError(str(e)) from None
         return rest
+
+
+_SENDS_REQUESTS = ("measure", "sweep", "replay", "daemon")  # the commands whose requests carry $POWERPROF_API_KEY
 
 
 def _check_sim_gpus(simulate, gpus, what: str, ctx=None) -> None:

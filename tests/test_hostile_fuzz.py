@@ -224,3 +224,35 @@ def test_measure_caps_concurrency_as_sweep_does(value):
     assert f"at most {MAX_CONCURRENCY}" in r.output and "--concurrency" in r.output, r.output
     r = run("sweep", "--simulate", "--limits", "300", "--concurrency", str(MAX_CONCURRENCY + 1), "--dry-run")
     assert r.exit_code == 2 and f"1<=x<={MAX_CONCURRENCY}" in r.output, r.output
+
+
+# --- 7. the API key -----------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("key, said", [
+    ("ab\ncd", "a line break"), ("ab\rcd", "a line break"), ("ab\x1bcd", "a control character"),
+    ("ab\x7fcd", "a control character"), ("klé", "a character that is not ASCII"), ("k" * 100_000, "100000 characters"),
+])
+def test_an_api_key_no_header_can_carry_is_named_before_any_request(monkeypatch, key, said):
+    # `\n` or `\r` was aiohttp's "Potential header injection attack" naming no variable; 100,000 characters the server's
+    # refusal, read as "neither llama.cpp nor OpenAI-compatible".
+    from powerprof.workload.auth import ApiKeyError, auth_headers
+
+    monkeypatch.setenv("POWERPROF_API_KEY", key)
+    with pytest.raises(ApiKeyError) as e:
+        auth_headers()
+    assert "POWERPROF_API_KEY" in str(e.value) and said in str(e.value), str(e.value)
+    assert "abcd" not in str(e.value).replace("\n", "").replace("\r", "") and "kkkkkkkk" not in str(e.value)  # a secret
+    for args in (["measure", "--simulate", "--requests", "1"], ["sweep", "--simulate", "--limits", "300"]):
+        r = run(*args)
+        assert r.exit_code == 2, r.output
+        assert r.output.strip().splitlines()[-1].startswith("Error: POWERPROF_API_KEY"), r.output
+
+
+def test_a_good_api_key_is_sent_as_it_was(monkeypatch):
+    from powerprof.workload.auth import auth_headers
+
+    monkeypatch.setenv("POWERPROF_API_KEY", "  sk-abc_DEF.123/+=  ")
+    assert auth_headers() == {"Authorization": "Bearer sk-abc_DEF.123/+="}
+    monkeypatch.setenv("POWERPROF_API_KEY", "k" * 4096)
+    assert len(auth_headers()["Authorization"]) == 4096 + 7

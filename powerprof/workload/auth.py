@@ -8,14 +8,42 @@ import re
 API_KEY_ENV = "POWERPROF_API_KEY"
 
 
+# The longest key sent: servers refuse a header past 8-16 KiB (a 100,000-character key came back as a 431, read as
+# "neither llama.cpp nor OpenAI-compatible"); real keys are tens of characters.
+MAX_API_KEY_CHARS = 4096
+
+
+class ApiKeyError(ValueError):
+    """$POWERPROF_API_KEY holds what no HTTP header can carry: the message names the variable, never the key."""
+
+
 def api_key_given(env=None) -> bool:
     return bool((os.environ if env is None else env).get(API_KEY_ENV, "").strip())
+
+
+def api_key(env=None) -> str:
+    """The key from $POWERPROF_API_KEY, spaces at its ends dropped ('' without one), checked once here for every
+    reader: one line of printable ASCII, at most MAX_API_KEY_CHARS. A line break or control character was aiohttp's
+    "Potential header injection attack", naming no variable. ApiKeyError says which character, never the key."""
+    key = (os.environ if env is None else env).get(API_KEY_ENV, "").strip()
+    if len(key) > MAX_API_KEY_CHARS:
+        raise ApiKeyError(f"{API_KEY_ENV} is {len(key)} characters long: an API key is at most {MAX_API_KEY_CHARS} "
+                          "(servers refuse a longer header); set it to the key alone")
+    for i, c in enumerate(key):
+        if " " <= c <= "~":
+            continue
+        what = ("a line break" if c in "\r\n" else "a control character" if ord(c) < 32 or ord(c) == 127
+                else "a character that is not ASCII")
+        raise ApiKeyError(f"{API_KEY_ENV} holds {what} (character {i + 1} of {len(key)}): an API key travels in an "
+                          "HTTP header (Authorization: Bearer KEY) and must be one line of printable ASCII; set it to "
+                          "the key alone (the key is not shown here)")
+    return key
 
 
 def auth_headers(env=None) -> dict[str, str]:
     """`Authorization: Bearer KEY` from $POWERPROF_API_KEY, on every request powerprof sends a server (runs, the
     daemon's scrapes): an environment variable, not a flag, so the key is in no process listing. {} without it."""
-    key = (os.environ if env is None else env).get(API_KEY_ENV, "").strip()
+    key = api_key(env)
     return {"Authorization": f"Bearer {key}"} if key else {}
 
 
