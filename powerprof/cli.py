@@ -1106,25 +1106,37 @@ def trace_cmd(out_path, n, rate, arrivals, prompt_median, output_median, seed, m
 # --- analysis: analyze, export ----------------------------------------------------------------
 
 
-def _fraction(text: str) -> float:
-    """'10%', '10' or '0.1' → 0.1 (a bare number above 1 is a percentage)."""
+FRACTION_RULE = "a percentage (10%) or a fraction (0.1); a bare number is a fraction below 1, so write 5% for five percent"
+
+
+def _fraction(text: str, rule: str) -> float:
+    """'10%' or '0.1' → 0.1. A bare number is a fraction and must be below 1: one of 1 or more is refused, with the
+    percentage it may mean (it was read as a percent above 1 and a fraction at or below: `1` refused, `1.5` 1.5%, `0.5`
+    50%). Every message quotes the user's own text (`1e9` said "got 1e+07"). `rule`: the range, as the message says it."""
     t = str(text).strip()
+    pct = t.endswith("%")
     try:
-        v = float(t[:-1]) / 100 if t.endswith("%") else float(t)
+        v = float(t[:-1].strip() if pct else t)
     except ValueError:
         raise click.BadParameter(f"{text!r} is not a fraction or percentage (e.g. 10% or 0.1)") from None
-    return v / 100 if not t.endswith("%") and v > 1 else v
+    if v != v or v in (float("inf"), float("-inf")):
+        raise click.BadParameter(f"{text!r} is not a finite fraction or percentage (e.g. 10% or 0.1)")
+    if not pct and v >= 1:
+        raise click.BadParameter(f"{text!r}: must be {rule}; a bare number is a fraction below 1 (0.1 is 10%): for "
+                                 f"{t} percent write {t}%")
+    return v / 100 if pct else v
 
 
 def _max_slowdown_option(ctx, param, value):
     """--max-slowdown of `sweep` and `analyze` alike, by the analysis' own rule (check_max_slowdown)."""
     from powerprof.analysis.sweetspot import check_max_slowdown
 
-    v = _fraction(value)
+    rule = "from 0 up to, not including, 100% (e.g. 10% or 0.1)"
+    v = _fraction(value, rule)
     try:
         return check_max_slowdown(v)
-    except ValueError as e:
-        raise click.BadParameter(f"{value!r}: {e}") from None
+    except ValueError:  # its message says the number as a fraction ("got 1.5" for 150%): the user's text instead
+        raise click.BadParameter(f"{value!r}: max slowdown must be {rule}") from None
 
 
 def _formats_option(ctx, param, value):
@@ -1145,7 +1157,7 @@ def _formats_option(ctx, param, value):
               help="Folder for the report, plots and analysis.parquet (default: RUN_DIR/analysis); "
                    "for daemon datasets, the folder for fleet.parquet (default: none written).")
 @click.option("--max-slowdown", default="10%", show_default=True, callback=_max_slowdown_option,
-              help="Slowdown budget for the recommended limit, vs the reference level (10% or 0.1).")
+              help="Slowdown budget for the recommended limit, vs the reference level: " + FRACTION_RULE + ".")
 @click.option("--eta", type=_FloatRange(0, 1), default=0.5, show_default=True,
               help="Weight of energy in the weighted-cost policy eta*E + (1-eta)*Pmax/T (1: energy only).")
 @click.option("--format", "formats", default="md,html", show_default=True, callback=_formats_option,
@@ -1264,7 +1276,7 @@ def export(src, fmt, time_from, time_to, columns, tz, out, force):
 def _fraction_option(ctx, param, value):
     if value is None:
         return None
-    v = _fraction(value)
+    v = _fraction(value, "between 0 and 100%")
     if not 0 < v < 1:
         raise click.BadParameter(f"{value!r} must be between 0 and 100%")
     return v
@@ -1288,7 +1300,8 @@ def _fraction_option(ctx, param, value):
 @click.option("--order", default="desc", show_default=True, type=click.Choice(["desc", "asc", "random"]),
               help="Order of the levels in each pass: high to low, low to high, or shuffled.")
 @click.option("--target-ci", default="2%", show_default=True, callback=_fraction_option,
-              help="Stop a level when the 95% CI half-width of J/token is within this share of the median (2% or 0.02).")
+              help="Stop a level when the 95% CI half-width of J/token is within this share of the median (2% or "
+                   "0.02; a bare number is a fraction below 1).")
 @click.option("--target-paired-ci", default=None, callback=_fraction_option,
               help="Also stop a level once its energy saving vs the reference is known within this (0.5%: ±0.5 percentage point), paired by prompt.")
 @click.option("--min-requests", default=5, show_default=True, type=_IntRange(2, 10000),
@@ -1308,7 +1321,7 @@ def _fraction_option(ctx, param, value):
 @click.option("--interval", "interval_s", default=1.0, show_default=True, type=_FloatRange(0.02, 10), help="Sampling interval in seconds.")
 @click.option("--out", "out_dir", default=None, type=click.Path(file_okay=False), help="Run directory (default runs/<UTC time>-<gpu>).")
 @click.option("--max-slowdown", default="10%", show_default=True, callback=_max_slowdown_option,
-              help="Slowdown budget for the recommendation, vs the reference level (10% or 0.1).")
+              help="Slowdown budget for the recommendation, vs the reference level: " + FRACTION_RULE + ".")
 @click.option("--dry-run", is_flag=True, help="Validate and print the plan; touch nothing.")
 @click.option("--trace", "trace_path", default=None, type=click.Path(dir_okay=False),
               help="Replay this trace (Azure CSV or JSONL) at each level instead: J/token and latency for that traffic mix.")

@@ -256,3 +256,34 @@ def test_a_good_api_key_is_sent_as_it_was(monkeypatch):
     assert auth_headers() == {"Authorization": "Bearer sk-abc_DEF.123/+="}
     monkeypatch.setenv("POWERPROF_API_KEY", "k" * 4096)
     assert len(auth_headers()["Authorization"]) == 4096 + 7
+
+
+# --- 8. --max-slowdown: a percentage or a fraction, never a guess ---------------------------------------------------------
+
+
+@pytest.mark.parametrize("text, hint", [("1", "1%"), ("1.5", "1.5%"), ("5", "5%"), ("1e9", "1e9%"), ("50", "50%")])
+def test_a_bare_number_of_one_or_more_is_refused_with_the_percent_it_may_mean(text, hint):
+    # A bare number above 1 was read as a percent, at or below 1 as a fraction: `1` was refused ("got 1"), `1.5` taken
+    # as 1.5%, `0.5` as 50%; `1e9` said "got 1e+07".
+    r = run("sweep", "--simulate", "--limits", "300", "--dry-run", "--max-slowdown", text)
+    assert r.exit_code == 2, r.output
+    line = next(x for x in r.output.splitlines() if "max-slowdown" in x)
+    assert f"'{text}'" in line and f"write {hint}" in line and "e+" not in line, line
+
+
+@pytest.mark.parametrize("text, want", [("10%", 0.10), ("0.5", 0.5), ("0", 0.0), ("1.5%", 0.015), (" 5 % ", 0.05)])
+def test_a_percentage_or_a_fraction_below_one_is_taken(text, want):
+    import click
+
+    from powerprof.cli import _max_slowdown_option
+
+    assert _max_slowdown_option(None, None, text) == pytest.approx(want)
+    with pytest.raises(click.BadParameter, match="'150%'"):
+        _max_slowdown_option(None, None, "150%")
+    with pytest.raises(click.BadParameter, match="'nan'"):
+        _max_slowdown_option(None, None, "nan")
+
+
+def test_max_slowdown_help_says_the_rule():
+    r = run("sweep", "--help")
+    assert "a bare number is a fraction below 1" in " ".join(r.output.split())
