@@ -287,3 +287,45 @@ def test_a_percentage_or_a_fraction_below_one_is_taken(text, want):
 def test_max_slowdown_help_says_the_rule():
     r = run("sweep", "--help")
     assert "a bare number is a fraction below 1" in " ".join(r.output.split())
+
+
+# --- 9. a sweep cut short: planned levels never measured, a window without energy ------------------------------------
+
+
+def _findings(run):
+    r = CliRunner().invoke(main, ["analyze", str(run), "--bootstrap", "100", "--format", "md", "--json"])
+    assert r.exit_code == 0, r.output
+    return {f["kind"]: f["message"] for f in json.loads(r.output)["warnings"]}
+
+
+def test_planned_levels_a_killed_sweep_never_measured_are_named(tmp_path):
+    # A kill -9'd sweep (run.json settings.levels 300,260,220,180,150, windows at 300,220,180) was analysed as if
+    # 260 and 150 W had never been asked for.
+    from synthetic_runs import make_run, seed_truth
+
+    run = make_run(tmp_path / "run", seed_truth(), levels=(180, 220, 300), n_requests=6)
+    meta = json.loads((run / "run.json").read_text())
+    meta["settings"] = {"level_kind": "power_limit", "levels": [300.0, 260.0, 220.0, 180.0, 150.0], "repeats": 1}
+    meta["levels_done"] = [[300.0, 0], [220.0, 0], [180.0, 0]]
+    (run / "run.json").write_text(json.dumps(meta))
+    said = _findings(run)
+    assert "unmeasured-levels" in said, said
+    assert "260 W, 150 W" in said["unmeasured-levels"] and "planned" in said["unmeasured-levels"], said
+    meta["settings"]["levels"] = [300.0, 220.0, 180.0]
+    (run / "run.json").write_text(json.dumps(meta))
+    assert "unmeasured-levels" not in _findings(run)
+
+
+def test_a_measured_window_without_energy_is_said_not_dropped_silently(tmp_path):
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+    from synthetic_runs import make_run, seed_truth
+
+    run = make_run(tmp_path / "run", seed_truth(), levels=(180, 220, 300), n_requests=6)
+    w = pq.read_table(run / "windows.parquet")
+    rows = w.to_pylist()
+    i = next(i for i, r in enumerate(rows) if not r["warmup"] and r["status"] == "ok" and r["level_value"] == 220)
+    rows[i]["gpu_energy_j"] = rows[i]["gpu_j_per_token"] = float("nan")
+    pq.write_table(pa.Table.from_pylist(rows, schema=w.schema), run / "windows.parquet")
+    said = _findings(run)
+    assert "no-energy" in said and "1 of" in said["no-energy"] and "220 W: 1" in said["no-energy"], said
