@@ -10,7 +10,7 @@ from pathlib import Path
 import click
 
 from powerprof import __version__
-from powerprof.sim.profiles import DEFAULT_PROFILE, PROFILES
+from powerprof.sim.profiles import DEFAULT_PROFILE, MAX_SIM_GPUS, PROFILES
 
 SIMULATE_HELP = (f"Use a simulated GPU (profiles: {', '.join(PROFILES)}; default {DEFAULT_PROFILE}); a host of mixed "
                  "cards: one profile per GPU in index order, e.g. h200-141g,l4-24g.")
@@ -21,6 +21,9 @@ DEFAULT_MAX_TOKENS = 256  # one default for sweep and measure: long enough for m
 TRACE_MAX_TOKENS = 10_000_000
 PROMPT_SET_NAMES = ("short", "medium", "long", "mixed")  # powerprof.workload.load.PROMPT_SETS (a test checks)
 API_NAMES = ("llamacpp", "openai-completions", "openai-chat")
+# Streams at once, the most measure's and sweep's --concurrency take (more than any server batches: vLLM's
+# max_num_seqs is 256-1024): `measure --concurrency 100000` was accepted and hung.
+MAX_CONCURRENCY = 1024
 EXIT_NO_DEVICE = 1  # `devices`: no usable GPU and no RAPL
 JSON_HELP = "Print one JSON object (stable keys) instead of text."
 
@@ -153,13 +156,35 @@ class _Command(click.Command):
     def parse_args(self, ctx, args):
         asked = self._asks_json(ctx, args)
         try:
-            return super().parse_args(ctx, args)
+            rest = super().parse_args(ctx, args)
         except click.UsageError as e:
             if e.message.startswith("Got unexpected extra argument"):
                 e.message += (": an option takes one value; give a list comma-separated without spaces "
                               "(--limits 180,220,260), a unit joined to its number (220W), or quote the value")
             _json_error(ctx, e, asked)
             raise
+        _check_sim_gpus(ctx.params.get("simulate"), ctx.params.get("gpus"), "--gpus", ctx)
+        if self.name in _SENDS_REQUESTS:
+            from powerprof.workload.auth import ApiKeyError, api_key
+
+            try:
+                api_key()  # before anything opens: a bad key surfaced deep in a request, not naming the variable
+            except ApiKeyError as e:
+                raise click.UsageError(str(e)) from None
+        return rest
+
+
+_SENDS_REQUESTS = ("measure", "sweep", "replay", "daemon")  # the commands whose requests carry $POWERPROF_API_KEY
+
+
+def _check_sim_gpus(simulate, gpus, what: str, ctx=None) -> None:
+    """A simulated host has at most MAX_SIM_GPUS GPUs: `--simulate --gpus 1000000` built a million of them (4.4 GB, every
+    command that takes both), 20 digits was an OverflowError. A real machine's indexes are checked against its count."""
+    big = [g for g in gpus or () if isinstance(g, int) and g >= MAX_SIM_GPUS] if simulate else []
+    if big:
+        shown = str(big[0]) if len(str(big[0])) <= 24 else str(big[0])[:20] + "…"
+        raise click.UsageError(f"{what}: GPU index {shown} does not exist: the simulator has at most {MAX_SIM_GPUS} "
+                               f"GPUs (indexes 0-{MAX_SIM_GPUS - 1})", ctx)
 
     def invoke(self, ctx):
         try:
@@ -216,13 +241,23 @@ def _parse_gpus(ctx, param, value):
             continue
         if x.startswith(("GPU-", "MIG-")):
             out.append(x)
-        elif x.isdigit():
+        elif x.isascii() and x.isdigit():  # ascii: "²" is a digit to str.isdigit, and no int
             out.append(int(x))
         else:
             raise click.BadParameter(f"{value!r}: expected NVML indexes like 0 or 0,1, or UUIDs (GPU-…, MIG-…)")
     if not out:
         raise click.BadParameter(f"{value!r}: expected NVML indexes like 0 or 0,1, or UUIDs (GPU-…, MIG-…)")
     return list(dict.fromkeys(out))
+
+
+def _tag_header_option(ctx, param, value):
+    """replay's --tag-header, by the daemon's proxy.tag_header rule (one validator: workload.auth.check_tag_header)."""
+    from powerprof.workload.auth import check_tag_header
+
+    try:
+        return check_tag_header(value)
+    except ValueError as e:
+        raise click.BadParameter(str(e)) from None
 
 
 def _levels_option(what: str, example: str):
@@ -797,6 +832,8 @@ def _int_list(ctx, param, value: str) -> list[int]:
         raise click.BadParameter(f"expected comma-separated integers like 1,4 — got {value!r}") from None
     if any(v < 1 for v in out):
         raise click.BadParameter("every concurrency must be at least 1")
+    if big := [v for v in out if v > MAX_CONCURRENCY]:
+        raise click.BadParameter(f"{big[0]} in {value!r}: a concurrency is at most {MAX_CONCURRENCY} streams at once")
     dup = sorted({v for v in out if out.count(v) > 1})
     if dup:
         raise click.BadParameter(f"{', '.join(map(str, dup))} given twice in {value!r}; give each concurrency once")
@@ -808,7 +845,8 @@ def _int_list(ctx, param, value: str) -> list[int]:
 @simulate_option
 @click.option("--out", "out_dir", type=click.Path(file_okay=False), help="Output directory (default runs/<time>-measure).")
 @click.option("--requests", "n_requests", type=_IntRange(1), default=8, show_default=True, help="Measured requests per concurrency (rounded up to whole batches of its streams).")
-@click.option("--concurrency", default="1", callback=_int_list, show_default=True, help="Streams at once, e.g. 1,4.")
+@click.option("--concurrency", default="1", callback=_int_list, show_default=True,
+              help=f"Streams at once, e.g. 1,4 (each 1-{MAX_CONCURRENCY}).")
 @click.option("--warmup", type=_IntRange(0), default=1, show_default=True,
               help="Warm-up requests at each concurrency, sent as its batches are (rounded up to whole batches; "
                    "recorded, flagged, not counted).")
@@ -973,7 +1011,9 @@ def _load_trace(trace_path, time_scale, duration_s):
               help="Divide the trace's arrival times by this (2 = twice as fast).")
 @click.option("--duration", "duration_s", type=_FloatRange(min=0, min_open=True), default=None,
               help="Replay only the requests arriving in the first this many seconds (after scaling).")
-@click.option("--tag-header", default="X-Powerprof-Tag", show_default=True, help="Header carrying a record's tag.")
+@click.option("--tag-header", default="X-Powerprof-Tag", show_default=True, callback=_tag_header_option,
+              help="Header carrying a record's tag: an HTTP header name of your own (not Host, Content-Length, "
+                   "Authorization, Cookie or another HTTP or the server needs).")
 @click.option("--json", "as_json", is_flag=True, help=JSON_HELP)
 def replay(trace_path, url, simulate, launch, api, time_scale, duration_s, tag_header, as_json):
     """Drive a server with a trace's arrival times and token counts (Azure CSV or JSONL); latency and throughput."""
@@ -1085,7 +1125,8 @@ def replay(trace_path, url, simulate, launch, api, time_scale, duration_s, tag_h
               help="Poisson arrivals, or Poisson bursts of about 8 requests within 50 ms.")
 @click.option("--prompt-median", type=_FloatRange(1), default=400.0, show_default=True, help="Median prompt tokens (lognormal).")
 @click.option("--output-median", type=_FloatRange(1), default=80.0, show_default=True, help="Median output tokens (lognormal).")
-@click.option("--seed", type=_Int(), default=0, show_default=True, help="Random seed (the same seed gives the same trace).")
+@click.option("--seed", type=_IntRange(min=0), default=0, show_default=True,
+              help="Random seed, a whole number 0 or more (the same seed gives the same trace).")
 @click.option("--max-context", type=_IntRange(2, 10_000_000), default=None,
               help="Cut each request's prompt so that prompt + output fit this many tokens: the context the server was "
                    "started with (llama.cpp -c, vLLM --max-model-len). Default: uncut (up to 4096 + 600).")
@@ -1130,25 +1171,37 @@ def trace_cmd(out_path, n, rate, arrivals, prompt_median, output_median, seed, m
 # --- analysis: analyze, export ----------------------------------------------------------------
 
 
-def _fraction(text: str) -> float:
-    """'10%', '10' or '0.1' → 0.1 (a bare number above 1 is a percentage)."""
+FRACTION_RULE = "a percentage (10%) or a fraction (0.1); a bare number is a fraction below 1, so write 5% for five percent"
+
+
+def _fraction(text: str, rule: str) -> float:
+    """'10%' or '0.1' → 0.1. A bare number is a fraction and must be below 1: one of 1 or more is refused, with the
+    percentage it may mean (it was read as a percent above 1 and a fraction at or below: `1` refused, `1.5` 1.5%, `0.5`
+    50%). Every message quotes the user's own text (`1e9` said "got 1e+07"). `rule`: the range, as the message says it."""
     t = str(text).strip()
+    pct = t.endswith("%")
     try:
-        v = float(t[:-1]) / 100 if t.endswith("%") else float(t)
+        v = float(t[:-1].strip() if pct else t)
     except ValueError:
         raise click.BadParameter(f"{text!r} is not a fraction or percentage (e.g. 10% or 0.1)") from None
-    return v / 100 if not t.endswith("%") and v > 1 else v
+    if v != v or v in (float("inf"), float("-inf")):
+        raise click.BadParameter(f"{text!r} is not a finite fraction or percentage (e.g. 10% or 0.1)")
+    if not pct and v >= 1:
+        raise click.BadParameter(f"{text!r}: must be {rule}; a bare number is a fraction below 1 (0.1 is 10%): for "
+                                 f"{t} percent write {t}%")
+    return v / 100 if pct else v
 
 
 def _max_slowdown_option(ctx, param, value):
     """--max-slowdown of `sweep` and `analyze` alike, by the analysis' own rule (check_max_slowdown)."""
     from powerprof.analysis.sweetspot import check_max_slowdown
 
-    v = _fraction(value)
+    rule = "from 0 up to, not including, 100% (e.g. 10% or 0.1)"
+    v = _fraction(value, rule)
     try:
         return check_max_slowdown(v)
-    except ValueError as e:
-        raise click.BadParameter(f"{value!r}: {e}") from None
+    except ValueError:  # its message says the number as a fraction ("got 1.5" for 150%): the user's text instead
+        raise click.BadParameter(f"{value!r}: max slowdown must be {rule}") from None
 
 
 def _formats_option(ctx, param, value):
@@ -1169,7 +1222,7 @@ def _formats_option(ctx, param, value):
               help="Folder for the report, plots and analysis.parquet (default: RUN_DIR/analysis); "
                    "for daemon datasets, the folder for fleet.parquet (default: none written).")
 @click.option("--max-slowdown", default="10%", show_default=True, callback=_max_slowdown_option,
-              help="Slowdown budget for the recommended limit, vs the reference level (10% or 0.1).")
+              help="Slowdown budget for the recommended limit, vs the reference level: " + FRACTION_RULE + ".")
 @click.option("--eta", type=_FloatRange(0, 1), default=0.5, show_default=True,
               help="Weight of energy in the weighted-cost policy eta*E + (1-eta)*Pmax/T (1: energy only).")
 @click.option("--format", "formats", default="md,html", show_default=True, callback=_formats_option,
@@ -1289,7 +1342,7 @@ def export(src, fmt, time_from, time_to, columns, tz, out, force):
 def _fraction_option(ctx, param, value):
     if value is None:
         return None
-    v = _fraction(value)
+    v = _fraction(value, "between 0 and 100%")
     if not 0 < v < 1:
         raise click.BadParameter(f"{value!r} must be between 0 and 100%")
     return v
@@ -1313,7 +1366,8 @@ def _fraction_option(ctx, param, value):
 @click.option("--order", default="desc", show_default=True, type=click.Choice(["desc", "asc", "random"]),
               help="Order of the levels in each pass: high to low, low to high, or shuffled.")
 @click.option("--target-ci", default="2%", show_default=True, callback=_fraction_option,
-              help="Stop a level when the 95% CI half-width of J/token is within this share of the median (2% or 0.02).")
+              help="Stop a level when the 95% CI half-width of J/token is within this share of the median (2% or "
+                   "0.02; a bare number is a fraction below 1).")
 @click.option("--target-paired-ci", default=None, callback=_fraction_option,
               help="Also stop a level once its energy saving vs the reference is known within this (0.5%: ±0.5 percentage point), paired by prompt.")
 @click.option("--min-requests", default=5, show_default=True, type=_IntRange(2, 10000),
@@ -1324,7 +1378,7 @@ def _fraction_option(ctx, param, value):
 @click.option("--max-time", "max_time_s", default=120.0, show_default=True, type=_FloatRange(1, 86400), help="Seconds of measuring per level (after warm-up) before it stops even short of --target-ci; the round of prompts in progress still finishes.")
 @click.option("--warmup", default=2, show_default=True, type=_IntRange(0, 100), help="Warm-up requests per level (discarded), sent --concurrency at a time (rounded up to whole batches).")
 @click.option("--idle-s", default=5.0, show_default=True, type=_FloatRange(0, 3600), help="Seconds of idle baseline before the first level.")
-@click.option("--concurrency", default=1, show_default=True, type=_IntRange(1, 1024),
+@click.option("--concurrency", default=1, show_default=True, type=_IntRange(1, MAX_CONCURRENCY),
               help="Requests in flight at once (streams).")
 @click.option("--server-restart-wait", "server_restart_wait_s", default=120.0, show_default=True, type=_FloatRange(0, 86400),
               help="Seconds to wait for a --server that stops answering mid-level (restarted) to be healthy again; the level "
@@ -1333,7 +1387,7 @@ def _fraction_option(ctx, param, value):
 @click.option("--interval", "interval_s", default=1.0, show_default=True, type=_FloatRange(0.02, 10), help="Sampling interval in seconds.")
 @click.option("--out", "out_dir", default=None, type=click.Path(file_okay=False), help="Run directory (default runs/<UTC time>-<gpu>).")
 @click.option("--max-slowdown", default="10%", show_default=True, callback=_max_slowdown_option,
-              help="Slowdown budget for the recommendation, vs the reference level (10% or 0.1).")
+              help="Slowdown budget for the recommendation, vs the reference level: " + FRACTION_RULE + ".")
 @click.option("--dry-run", is_flag=True, help="Validate and print the plan; touch nothing.")
 @click.option("--trace", "trace_path", default=None, type=click.Path(dir_okay=False),
               help="Replay this trace (Azure CSV or JSONL) at each level instead: J/token and latency for that traffic mix.")
@@ -1424,6 +1478,8 @@ def sweep(limits, clocks, url, launch, vary, context_tokens, simulate, gpus, rep
             out.print(line, markup=False, highlight=False)  # a --launch command's "[x]" is not a style tag
         if out.pipe_closed:
             sys.exit(EXIT_PIPE)
+        if outcome.in_use:  # another run holds the GPU: the real one would fail as it starts
+            sys.exit(1)
         return
     from powerprof import termination
     from powerprof.analysis.loading import AnalysisError
@@ -1645,6 +1701,8 @@ def _trace_sweep(trace_path, time_scale, duration_s, limits, clocks, url, launch
     for line in outcome.plan_lines if dry_run else [*(f"note: {n}" for n in outcome.notes), *([back] if back else []),
                                                     f"run directory: {outcome.run_dir}"]:
         echo(line)
+    if dry_run and outcome.in_use:  # another run holds the GPU: the real one would fail as it starts
+        sys.exit(1)
     if not dry_run and (outcome.levels is None or outcome.levels.num_rows == 0):
         raise click.ClickException("no level gave a J/token figure (the notes above say why)")
     if not printed[0]:
@@ -1657,7 +1715,7 @@ def _trace_sweep(trace_path, time_scale, duration_s, limits, clocks, url, launch
 @main.command("daemon")
 @click.option("--config", "config_path", type=click.Path(dir_okay=False), help="TOML config file.")
 @simulate_option
-@click.option("--sim-gpus", type=_IntRange(1, 64), default=1, show_default=True, help="Simulated GPU count.")
+@click.option("--sim-gpus", type=_IntRange(1, MAX_SIM_GPUS), default=1, show_default=True, help="Simulated GPU count.")
 @click.option("--listen", help="Proxy address HOST:PORT (proxy.listen).")
 @click.option("--upstream", help="Inference server URL behind the proxy (proxy.upstream).")
 @click.option("--metrics-listen", help="Prometheus /metrics address (metrics.listen).")
@@ -1690,6 +1748,11 @@ def daemon_cmd(config_path, simulate, sim_gpus, listen, upstream, metrics_listen
         cfg = dconfig.load_config(config_path, overrides=overrides, flags=flags)
     except dconfig.ConfigError as e:
         click.echo(f"powerprof daemon: {e}", err=True)
+        sys.exit(service.EXIT_CONFIG)
+    try:
+        _check_sim_gpus(simulate, cfg.get("daemon", "gpus"), f"{cfg.source}: daemon.gpus")
+    except click.UsageError as e:
+        click.echo(f"powerprof daemon: {e.message}", err=True)
         sys.exit(service.EXIT_CONFIG)
     if check:
         click.echo(f"config OK ({cfg.source})")

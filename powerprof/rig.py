@@ -319,7 +319,8 @@ class Rig:
     def plan(self, indexes, power_levels=None, clock_levels=None):
         from powerprof.control.plan import make_plan
 
-        return make_plan(self.nvml, indexes, power_levels, clock_levels, permitted=self.may_set_limits(), label=self.label)
+        return make_plan(self.nvml, indexes, power_levels, clock_levels, permitted=self.may_set_limits(), label=self.label,
+                         machine_scope=self.machine_scope)
 
     def restore(self, path=None, **kw):
         """`powerprof restore`: on the simulated rig only simulated GPUs' records are touched (a real

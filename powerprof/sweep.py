@@ -1249,6 +1249,7 @@ class SweepOutcome:
     levels: object | None  # pyarrow Table (levels.parquet)
     plan_lines: list[str] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)
+    in_use: bool = False  # a dry run's GPU is held by a live run: nothing can run until it ends (the dry run fails)
 
 
 def _kept_note(run_dir, levels_done: list) -> str:
@@ -1390,7 +1391,7 @@ def run_sweep(
             spec = levels_spec
             plan = rig.plan(indexes, spec if level_kind == "power_limit" else None, spec if level_kind == "sm_clock" else None)
             lines = (plan.lines() if level_kind != "none" else ["levels: none (the settings as they are)"]) + list(plan_lines or [])
-            return SweepOutcome(None, None, None, lines, rig.notes)
+            return SweepOutcome(None, None, None, lines, rig.notes, in_use=plan.in_use)
         try:
             if out_dir:
                 run_dir.mkdir(parents=True, exist_ok=True)

@@ -14,7 +14,8 @@ from powerprof.storage.schema import ANALYSIS
 from powerprof.workload.client import restart_said
 
 from .checks import (Finding, choice_findings, edge_findings, fit_findings, impossible_findings, level_findings,
-                     nothing_measured_text, saving_findings, timing_findings)
+                     no_energy_findings, nothing_measured_text, saving_findings, timing_findings,
+                     unmeasured_level_findings)
 from .fits import ModelFit, fit_series
 from .loading import SWEEP_LEVEL_COLUMNS, RunInfo, Timeline
 from .stats import WIDE_CI_PCT, LevelSeries, level_series, levels_table
@@ -304,7 +305,8 @@ def analyze(
                   + fit_findings(fits)):
             findings.append(Finding(f.kind, prefix + f.message, f.levels))
     findings += uneven_pool_findings(runs, windows, all_series)
-    findings += timing_findings(windows) + impossible_findings(windows)
+    findings += timing_findings(windows) + impossible_findings(windows) + no_energy_findings(windows)
+    findings += unmeasured_level_findings(runs, windows)
     findings.extend(unstored_findings(runs))
     findings.extend(partial_cpu)
     findings.extend(stopped)

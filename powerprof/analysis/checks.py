@@ -385,6 +385,69 @@ def impossible_findings(windows) -> list[Finding]:
         tuple(sorted({float(v) for v in values[bad]})))]
 
 
+def no_energy_findings(windows) -> list[Finding]:
+    """Measured windows without a GPU energy (gpu_energy_j and gpu_j_per_token missing) beside others that have one:
+    they count in tok/s but in no J/token figure. One such window left its level's J/token over the others alone,
+    unsaid. Not said where no window has an energy (energy_method none: that is said as such)."""
+    from .stats import _col, _j_per_token, window_masks
+
+    measured = window_masks(windows)[0]
+    if not measured.any():
+        return []
+    method = _col(windows, "energy_method", object)
+    has = np.isfinite(_j_per_token(windows))
+    without = measured & ~has & np.array([m not in (None, "none") for m in method], dtype=bool)
+    if not without.any() or not (measured & has).any():
+        return []
+    kinds, values = _col(windows, "level_kind", object), _col(windows, "level_value")
+    per: dict = {}
+    for k, v in zip(kinds[without], values[without]):
+        per[(k, v)] = per.get((k, v), 0) + 1
+    where = ", ".join(f"{_fmt(v, _unit(k))}: {n}" for (k, v), n in sorted(per.items(), key=lambda x: (str(x[0][0]), x[0][1])))
+    return [Finding("no-energy", (
+        f"{int(without.sum())} of {int(measured.sum())} measured windows have no GPU energy ({where}): gpu_energy_j and "
+        "gpu_j_per_token are missing, so they count in tok/s but in no J/token figure, which is over the other windows "
+        "alone. A sweep writes an energy for every window it keeps: windows.parquet was changed or damaged, or an "
+        "energy read failed; measure those levels again if their J/token matters."),
+        tuple(sorted({float(v) for v in values[without]})))]
+
+
+def unmeasured_level_findings(runs, windows) -> list[Finding]:
+    """Levels a run planned (run.json settings.levels) with no measured window: a sweep killed (kill -9, a crash)
+    before them was analysed as if they had never been asked for."""
+    from .stats import _col, window_masks
+
+    measured = window_masks(windows)[0]
+    run_id, value = _col(windows, "run_id", object), _col(windows, "level_value")
+    out = []
+    for r in runs:
+        st = r.meta.get("settings") if isinstance(r.meta.get("settings"), dict) else {}
+        kind, planned = st.get("level_kind"), st.get("levels")
+        if kind not in ("power_limit", "sm_clock") or not isinstance(planned, list):
+            continue
+        mine = np.array([x == r.run_id for x in run_id], dtype=bool) if windows.num_rows else np.zeros(0, bool)
+        if not mine.any():
+            if len(runs) > 1:
+                continue
+            mine = np.ones(windows.num_rows, bool)  # windows written under another run id: all of them are the run's
+        got = value[measured & mine]
+        got = got[np.isfinite(got)]
+        missing = list(dict.fromkeys(float(v) for v in planned
+                                     if v is not None and not np.any(np.abs(got - float(v)) < 1e-6)))
+        if not missing:
+            continue
+        unit = "MHz" if kind == "sm_clock" else "W"
+        one = len(missing) == 1
+        prefix = f"{r.path}: " if len(runs) > 1 else ""
+        out.append(Finding("unmeasured-levels", (
+            f"{prefix}{', '.join(_fmt(v, unit) for v in missing)} {'was' if one else 'were'} planned (run.json "
+            f"settings.levels) but {'has' if one else 'have'} no measured window: the run stopped before "
+            f"{'it' if one else 'them'} (killed or cut short), or every window there was left out; the figures and "
+            f"the recommendation are over the levels measured alone. Measure {'it' if one else 'them'} to complete "
+            "the curve."), tuple(missing)))
+    return out
+
+
 def nothing_measured_text(windows, failed: int) -> str:
     """Why no window at any level is measured, each reason with its count and its fix: the failed requests (the
     server's answers), and the windows left out of every figure (untrusted timing, others' work beside them,

@@ -94,6 +94,7 @@ def read_run_info(run_dir) -> RunInfo:
             raise AnalysisError(f"{meta_path}: not a JSON object (it holds a {type(meta).__name__}); a sweep writes "
                                 "one with the run's GPU and settings: restore it, or move it aside to analyse the "
                                 "windows alone")
+        _check_meta_types(meta_path, meta)
     if not (path / "windows.parquet").exists():
         # The folder of runs (`analyze runs`) said only "windows.parquet is missing": name the runs it holds.
         inner = sorted(p.name for p in path.iterdir() if (p / "windows.parquet").exists()) if path.is_dir() else []
@@ -120,6 +121,86 @@ def read_run_info(run_dir) -> RunInfo:
         gpu_count=_gpu_count(meta),
         has_meta=meta_path.exists(),
     )
+
+
+def _what(v) -> str:
+    """How a refusal names a JSON value's kind: "a string", "an object", "null"."""
+    if v is None:
+        return "null"
+    if isinstance(v, bool):
+        return f"{str(v).lower()} (a boolean)"
+    if isinstance(v, (int, float)):
+        return "a number too large for a float" if isinstance(v, int) else f"{v} (not finite)"
+    return {str: "a string", list: "a list", dict: "an object"}.get(type(v), type(v).__name__)
+
+
+def _is_number(v, finite: bool = True) -> bool:
+    """A JSON number a float holds (an int past 1e308 overflowed float()), finite unless told; true/false are not."""
+    if isinstance(v, bool) or not isinstance(v, (int, float)):
+        return False
+    try:
+        f = float(v)
+    except OverflowError:
+        return False
+    return not finite or f == f and abs(f) != float("inf")
+
+
+def _check_meta_types(meta_path: Path, meta: dict) -> None:
+    """run.json's fields the analysis reads, of the kind a sweep writes them, checked once here so that every reader
+    gets sane values or this one line: `"settings": "x"` was an AttributeError in the report, `"idle_gpu_power_w":
+    "x"` a TypeError in the timeline plot, `levels_done` `[[[1], 0]]` a TypeError, `settings.levels` `[1e400]` (as
+    an int) an OverflowError, and `[["zz", 0]]` "could not convert string to float: 'zz'" naming no field. An absent
+    field or null stays what it was (unknown)."""
+    def refuse(field: str, v, want: str):
+        raise AnalysisError(f"{meta_path}: {field} is {_what(v)}, not {want}; a sweep writes it as {want}: restore "
+                            "run.json, or move it aside to analyse the windows alone")
+
+    def number(field, v, finite=True):
+        if v is not None and not _is_number(v, finite):
+            refuse(field, v, "a number")
+
+    for key in ("settings", "params", "server", "trace", "prompt_set", "idle_gpu_power_w_by_gpu"):
+        if meta.get(key) is not None and not isinstance(meta[key], dict):
+            refuse(key, meta[key], "an object")
+    for key in ("gpus", "levels_done", "server_restarts"):
+        if meta.get(key) is not None and not isinstance(meta[key], list):
+            refuse(key, meta[key], "a list")
+    for key in ("run_id", "idle_baseline_note", "unstored_error"):
+        if meta.get(key) is not None and not isinstance(meta[key], str):
+            refuse(key, meta[key], "a string")
+    # Not finite is allowed where a reader checks it (a NaN baseline is drawn as none); too large for a float is not.
+    number("idle_gpu_power_w", meta.get("idle_gpu_power_w"), finite=False)
+    for key in ("min_limit_w", "max_limit_w", "default_limit_w"):
+        number(key, meta.get(key), finite=False)
+    for gpu, w in (meta.get("idle_gpu_power_w_by_gpu") or {}).items():
+        number(f"idle_gpu_power_w_by_gpu.{gpu}", w, finite=False)
+    for i, g in enumerate(meta.get("gpus") or []):
+        if not isinstance(g, dict):
+            refuse(f"gpus[{i}]", g, "an object")
+        for key in ("min_limit_w", "max_limit_w", "default_limit_w"):
+            number(f"gpus[{i}].{key}", g.get(key), finite=False)
+    st = meta.get("settings") or {}
+    if st.get("level_kind") is not None and not isinstance(st["level_kind"], str):
+        refuse("settings.level_kind", st["level_kind"], "a string")
+    if st.get("repeats") is not None and (isinstance(st["repeats"], bool) or not isinstance(st["repeats"], int)):
+        refuse("settings.repeats", st["repeats"], "a whole number")
+    for key in ("target_ci", "max_time_s", "max_requests"):
+        number(f"settings.{key}", st.get(key))
+    if st.get("levels") is not None:
+        if not isinstance(st["levels"], list):
+            refuse("settings.levels", st["levels"], "a list")
+        for i, v in enumerate(st["levels"]):
+            number(f"settings.levels[{i}]", v)
+    for i, d in enumerate(meta.get("levels_done") or []):
+        if not isinstance(d, list) or len(d) not in (2, 4):
+            refuse(f"levels_done[{i}]", d, "a list of [level, repeat] (a grid's: [level, repeat, config, context])")
+        number(f"levels_done[{i}][0] (the level)", d[0])
+        if d[1] is not None and (isinstance(d[1], bool) or not isinstance(d[1], int)):
+            refuse(f"levels_done[{i}][1] (the repeat)", d[1], "a whole number")
+        if len(d) == 4:
+            if d[2] is not None and not isinstance(d[2], str):
+                refuse(f"levels_done[{i}][2] (the configuration)", d[2], "a string")
+            number(f"levels_done[{i}][3] (the context tokens)", d[3])
 
 
 def _daemon_dataset_hint(path: Path) -> str | None:

@@ -6,6 +6,8 @@ written to a temporary name and renamed, so a failed analysis leaves the previou
 
 from __future__ import annotations
 
+import contextlib
+
 import base64
 import html
 import json
@@ -248,11 +250,18 @@ def _has_levels(windows) -> bool:
 def write_outputs(result: AnalysisResult, out: Path, formats=FORMATS, plots: bool = True) -> dict[str, str]:
     from . import plots as P  # noqa: PLC0415  (matplotlib is slow to import; only here)
 
+    made = not out.exists()
     out.mkdir(parents=True, exist_ok=True)
     # All or none: an interruption while the report renders must not leave new plots and tables beside
     # the old report and analysis.json (the export's summary sheet reads its recommendation).
-    with atomic_group() as stage:
-        return _write_outputs(result, out, formats, plots, stage)
+    try:
+        with atomic_group() as stage:
+            return _write_outputs(result, out, formats, plots, stage)
+    except BaseException:
+        if made:  # the folder this made, left empty by the group's undoing: nothing of a failed report stays
+            with contextlib.suppress(OSError):
+                out.rmdir()
+        raise
 
 
 def _write_outputs(result: AnalysisResult, out: Path, formats, plots: bool, stage) -> dict[str, str]:

@@ -136,6 +136,24 @@ def is_held(state_dir: Path, uuid: str) -> bool:
         os.close(fd)
 
 
+def holder_now(state_dir: Path, uuid: str, machine_scope: str | None = None) -> tuple[bool, int | None]:
+    """(whether a controller holds this GPU now, its PID where known), as `restore` finds it in use: the state folder's
+    lock (a shared-mode probe) and, where the door gives a scope, the machine-wide one (bound and let go at once), so a
+    controller keeping its state in another folder counts too. Writes no file: a dry run's question."""
+    if is_held(state_dir, uuid):
+        return True, read_holder_pid(lock_path(state_dir, uuid))
+    if machine_scope:
+        lock = MachineLock(machine_scope, uuid)
+        try:
+            lock.acquire()
+        except GpuBusyError as e:
+            return True, e.holder_pid
+        except OSError:
+            return False, None
+        lock.release()
+    return False, None
+
+
 def read_holder_pid(path: Path) -> int | None:
     try:
         text = Path(path).read_text().strip()

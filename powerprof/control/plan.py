@@ -10,6 +10,7 @@ from powerprof.collectors.gateway import gateway
 from powerprof.paths import state_dir
 
 from .device import read_devices
+from .gpulock import holder_now
 from .levels import MIN_POWER_LEVEL_GAP_W, DeviceRange, parse_clock_levels, parse_power_levels
 from .restore import default_restore_path, pending_blocker
 
@@ -23,6 +24,7 @@ class Plan:
     permitted: bool  # whether this process looks allowed to change limits (root / CAP_SYS_ADMIN)
     label: str = ""  # what the door says these GPUs are, e.g. "simulated"
     blocker: str | None = None  # what would stop the real run before any change (a pending restore file)
+    in_use: bool = False  # another controller holds a GPU now: its limit is that run's level, not the original
 
     def lines(self) -> list[str]:
         what = f" ({self.label})" if self.label else ""
@@ -46,11 +48,16 @@ class Plan:
                            f"the card as it runs by default; add {unswept[-1]:g} to --limits to compare with it.")
         if self.clock_levels_mhz:
             out.append("SM clock locks: " + ", ".join(f"{c} MHz" for c in self.clock_levels_mhz))
-        back = ", ".join(f"GPU {d.index} to {d.limit_w:g} W" for d in self.devices)
-        out.append(f"Afterwards (also on error, Ctrl-C, SIGTERM, SIGHUP): {back}" + (", clock locks released" if self.clock_levels_mhz else "") + ".")
+        if self.in_use:
+            # The limit now is the live run's level: said as what would be put back, it read as the original.
+            out.append("Afterwards: each GPU's original limit is not known while the run that holds it goes on (its "
+                       "limit now is that run's level); that run puts it back when it ends.")
+        else:
+            back = ", ".join(f"GPU {d.index} to {d.limit_w:g} W" for d in self.devices)
+            out.append(f"Afterwards (also on error, Ctrl-C, SIGTERM, SIGHUP): {back}" + (", clock locks released" if self.clock_levels_mhz else "") + ".")
         out.append(f"Restore file (written before the first change): {self.restore_path}")
         if self.blocker:
-            out.append(f"The real run would stop before any change: {self.blocker}")
+            out.append(f"{'Nothing can run' if self.in_use else 'The real run would stop before any change'}: {self.blocker}")
         if not self.permitted:
             out.append("This process is not root and lacks CAP_SYS_ADMIN: the real run would stop with a permission error; run it with sudo.")
         return out
@@ -65,6 +72,7 @@ def make_plan(
     *,
     permitted: bool,
     label: str = "",
+    machine_scope: str | None = None,
 ) -> Plan:
     """Validates the levels (LevelError on bad input) and describes the run. Calls only NVML getters.
 
@@ -75,5 +83,14 @@ def make_plan(
     watts = tuple(parse_power_levels(power_levels, devices)) if power_levels is not None else ()
     clocks = tuple(parse_clock_levels(clock_levels, devices)) if clock_levels is not None else ()
     path = Path(restore_path) if restore_path is not None else default_restore_path([d.uuid for d in devices], state_dir())
+    # A GPU another controller holds now (this state folder's or another's, as `restore` finds it): its restore file
+    # is that live run's, not a leftover to restore, and its limit now that run's level.
+    busy = [(d, pid) for d in devices for held, pid in [holder_now(state_dir(), d.uuid, machine_scope)] if held]
+    if busy:
+        d, pid = busy[0]
+        who = f"powerprof process {pid}" if pid else "another powerprof process"
+        blocker = (f"GPU {d.index} is in use by {who}, which controls its power limit: nothing can run on it until "
+                   f"it ends (it puts the GPU back then); wait for it, or stop it (kill {pid or 'PID'}).")
+        return Plan(devices, watts, clocks, path, permitted, label, blocker, in_use=True)
     blocker = pending_blocker([d.uuid for d in devices], state_dir())
     return Plan(devices, watts, clocks, path, permitted, label, blocker)

@@ -28,7 +28,7 @@ import pynvml
 from powerprof.paths import user_state_home
 
 from .gpu import SimGpu
-from .profiles import DEFAULT_PROFILE, GpuProfile, get_profiles
+from .profiles import DEFAULT_PROFILE, MAX_SIM_GPUS, GpuProfile, get_profiles
 
 STATE_ENV = "POWERPROF_SIM_STATE"
 UNPRIVILEGED_ENV = "POWERPROF_SIM_UNPRIVILEGED"
@@ -227,6 +227,9 @@ class SimNVML:
         privileged: bool | None = None,
         record_history: bool = False,
     ):
+        if not 1 <= count <= MAX_SIM_GPUS:
+            raise ValueError(f"{count} simulated GPUs: the simulator has at most {MAX_SIM_GPUS} GPUs "
+                             f"(indexes 0-{MAX_SIM_GPUS - 1})")
         profiles = get_profiles(profile)
         if len(profiles) > 1:
             if count not in (1, len(profiles)):

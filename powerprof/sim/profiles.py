@@ -254,6 +254,10 @@ _add(
 
 DEFAULT_PROFILE = "seed-16g"
 
+# The most GPUs one simulated host has (indexes 0 to MAX_SIM_GPUS - 1): `--gpus` with `--simulate`, the daemon's
+# --sim-gpus and SimNVML itself. Without it `--gpus 1000000` built a million GPUs (4.4 GB) and 20 digits overflowed.
+MAX_SIM_GPUS = 64
+
 
 def get_profiles(spec) -> list[GpuProfile]:
     """One profile per GPU from a key, "key1,key2,…" (a mixed host, in index order), a profile, or a list of keys or

@@ -138,6 +138,13 @@ def load_prompts(path: str | Path) -> list[Prompt]:
         pid = obj.get("id", f"line-{no}")
         if not isinstance(pid, (str, int)):
             raise PromptFileError(f"{p}:{no}: \"id\" must be a string or number")
+        for field, value in (("prompt" if "prompt" in obj else "text", text), ("id", pid)):
+            # A lone surrogate (JSON's "\ud800") is no Unicode text: no UTF-8 encodes it, so it passed here and
+            # failed at the first request with an unnamed UnicodeEncodeError.
+            if isinstance(value, str) and (bad := next((i for i, c in enumerate(value) if 0xD800 <= ord(c) <= 0xDFFF), None)) is not None:
+                raise PromptFileError(f"{p}:{no}: \"{field}\" holds a lone surrogate (\\u{ord(value[bad]):04x} at "
+                                      f"character {bad + 1}): not Unicode text, no server can be sent it; fix the "
+                                      "file's \\u escapes (a pair \\ud83d\\ude00 is one character, half of one is none)")
         pid = str(pid)
         if pid in seen:
             raise PromptFileError(f"{p}:{no}: duplicate id {pid!r}")

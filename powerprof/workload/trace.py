@@ -176,6 +176,9 @@ def _parse_trace(p: Path, text: str) -> list[TraceRequest]:
                 if tag is not None and any(ord(c) < 32 or ord(c) == 127 for c in str(tag)):
                     # It travels as a header: aiohttp refused it mid-replay, the requests before it already sent.
                     raise ValueError(f"tag {tag!r} holds a control character: it cannot be sent as an HTTP header")
+                if tag is not None and any(0xD800 <= ord(c) <= 0xDFFF for c in str(tag)):
+                    raise ValueError(f"tag {tag!r} holds a lone surrogate (half a \\u escape pair): not Unicode text, "
+                                     "it cannot be sent as an HTTP header")
                 out.append((t, _positive_int(d["prompt_tokens"], "prompt_tokens"),
                             _positive_int(d["output_tokens"], "output_tokens"), None if tag is None else str(tag)))
             except TraceError:

@@ -234,3 +234,23 @@ def test_sigkill_at_random_points_then_powerprof_restore_puts_every_gpu_back(tmp
     print(f"{changed} of {n} kills left a GPU changed (seed {seed})")
     assert changed >= 5, f"only {changed} of {n} kills hit a changed GPU (seed {seed})"
     assert all(c is not None for c in codes)
+
+
+@pytest.mark.parametrize("where", ["same state folder", "another state folder"])
+def test_a_dry_run_beside_a_live_controller_says_the_gpu_is_in_use_not_a_leftover(originals, tmp_path, where):
+    # `sweep --dry-run` while another sweep held the GPU said it "still has settings changed by an earlier powerprof run
+    # (pid N) that were never put back ... Run `powerprof restore` first" and "Afterwards ... GPU 0 to 200 W" (the
+    # live run's level, as the original), exit 0 (session 47's hostile review). `restore` itself said it is in use.
+    with _holding_both_gpus_at_200() as p:
+        env = dict(os.environ)
+        if where == "another state folder":
+            env["POWERPROF_STATE_DIR"] = str(tmp_path / "other-state")
+        r = subprocess.run([sys.executable, "-m", "powerprof.cli", "sweep", "--simulate", "seed-16g", "--gpus", "0",
+                            "--limits", "180,300", "--dry-run", "--out", str(tmp_path / "x")],
+                           capture_output=True, text=True, timeout=WAIT_S, env=env)
+        said = " ".join((r.stdout + r.stderr).split())
+        assert r.returncode == 1, said
+        assert f"GPU 0 is in use by powerprof process {p.pid}" in said, said
+        assert "until it ends" in said and "never put back" not in said and "powerprof restore" not in said, said
+        assert "to 200 W" not in said, said
+        assert not (tmp_path / "x").exists()
