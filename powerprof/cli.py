@@ -163,15 +163,26 @@ class _Command(click.Command):
                               "(--limits 180,220,260), a unit joined to its number (220W), or quote the value")
             _json_error(ctx, e, asked)
             raise
-        _check_sim_gpus(ctx.params.get("simulate"), ctx.params.get("gpus"), "--gpus", ctx)
-        if self.name in _SENDS_REQUESTS:
-            from powerprof.workload.auth import ApiKeyError, api_key
+        try:
+            _check_sim_gpus(ctx.params.get("simulate"), ctx.params.get("gpus"), "--gpus", ctx)
+            if self.name in _SENDS_REQUESTS:
+                from powerprof.workload.auth import ApiKeyError, api_key
 
-            try:
-                api_key()  # before anything opens: a bad key surfaced deep in a request, not naming the variable
-            except ApiKeyError as e:
-                raise click.UsageError(str(e)) from None
+                try:
+                    api_key()  # before anything opens: a bad key surfaced deep in a request, not naming the variable
+                except ApiKeyError as e:
+                    raise click.UsageError(str(e), ctx) from None
+        except click.UsageError as e:
+            _json_error(ctx, e, asked)
+            raise
         return rest
+
+    def invoke(self, ctx):
+        try:
+            return super().invoke(ctx)
+        except click.ClickException as e:
+            _json_error(ctx, e, self._asks_json(ctx))
+            raise
 
 
 _SENDS_REQUESTS = ("measure", "sweep", "replay", "daemon")  # the commands whose requests carry $POWERPROF_API_KEY
@@ -185,13 +196,6 @@ def _check_sim_gpus(simulate, gpus, what: str, ctx=None) -> None:
         shown = str(big[0]) if len(str(big[0])) <= 24 else str(big[0])[:20] + "…"
         raise click.UsageError(f"{what}: GPU index {shown} does not exist: the simulator has at most {MAX_SIM_GPUS} "
                                f"GPUs (indexes 0-{MAX_SIM_GPUS - 1})", ctx)
-
-    def invoke(self, ctx):
-        try:
-            return super().invoke(ctx)
-        except click.ClickException as e:
-            _json_error(ctx, e, self._asks_json(ctx))
-            raise
 
 
 class _Group(click.Group):

@@ -159,6 +159,7 @@ def test_measure_json_prints_one_object_with_stable_keys(tmp_path):
     (["measure", "--simulate", "--json", "--concurrency", "1,1"], 2),
     (["replay", "{tmp}/none.jsonl", "--simulate", "--json"], None),
     (["devices", "--simulate", "--gpus", "x", "--json"], 2),
+    (["devices", "--simulate", "--gpus", "64", "--json"], 2),  # checked after parsing: said as JSON too
     (["monitor", "--simulate", "--json", "--plain"], 2),
     (["tag", "start", "", "--socket", "{tmp}/no.sock", "--json"], None),
 ])
