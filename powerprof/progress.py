@@ -138,6 +138,9 @@ def result_console() -> QuietPipeConsole:
 _COLUMNS = (
     ("level", lambda r, u: f"{r['level_value']:g} {u}" + (" (ref)" if r.get("reference") else "")),
     ("enforced\nW", lambda r, u: _f(r.get("enforced_limit_w"), ".0f")),
+    # The windows the CI rests on (requests at concurrency 1, batches above): under 5 the "95%" CI covers less
+    # (flag few-windows), so the count is worth a glance where the width allows.
+    ("windows", lambda r, u: _f(r.get("n_windows"), "d")),
     ("tok/s", lambda r, u: _f(r.get("decode_tok_s"), ".1f")),
     ("slower", lambda r, u: _f(r.get("speed_loss_pct"), ".1f") + "%"),
     ("J/tok\nGPU", lambda r, u: _f(r.get("gpu_j_per_token"), ".3f")),
@@ -148,7 +151,7 @@ _COLUMNS = (
     ("mem\nMHz", lambda r, u: _f(r.get("mem_clock_mhz"), ".0f")),
     ("flags", lambda r, u: ", ".join(f for f in (r.get("flags") or "").split(",") if f)),
 )
-_DROP_ORDER = ("mem\nMHz", "enforced\nW", "J/tok\n+CPU", "SM\nMHz")
+_DROP_ORDER = ("mem\nMHz", "enforced\nW", "J/tok\n+CPU", "windows", "SM\nMHz")
 TITLE = "powerprof sweep: decode only, medians over requests"
 
 
@@ -204,7 +207,7 @@ class LevelsTable:
             c = {h.replace("\n", " "): cell(r, self.unit) for h, cell in _COLUMNS[1:]}
             parts = [f"{c['tok/s']} tok/s", f"{c['slower']} slower", f"GPU {c['J/tok GPU']} J/tok ±{c['±CI']}",
                      f"+CPU {c['J/tok +CPU']} J/tok", f"{c['saving']} saving", f"enforced {c['enforced W']} W",
-                     f"SM {c['SM MHz']} MHz", f"mem {c['mem MHz']} MHz"]
+                     f"SM {c['SM MHz']} MHz", f"mem {c['mem MHz']} MHz", f"{c['windows']} windows"]
             flags = [f"flags: {c['flags']}"] if c["flags"] else []
             out.append(Together(parts + flags, head=f"{head}: "))
         return Group(*out)

@@ -25,6 +25,7 @@ from powerprof.collectors.limitwatch import (CLOCK_FIX, LIMIT_CHANGERS, LIMIT_FI
                                             UNVOUCHED_FIX, ClockLockWatch, limit_moved, limits_read)  # (ClockLockWatch re-exported: tests)
 from powerprof.control.device import read_devices
 from powerprof.control.levels import parse_clock_levels, parse_power_levels
+from powerprof.energy import SHORT_COUNTER_WINDOW_S
 from powerprof.trust import out_dir_refusal
 from powerprof.profiler import Profiler
 from powerprof.storage.runs import RunWriter, default_run_dir, given_out_problem, table_from_rows
@@ -103,13 +104,18 @@ def median_ci_halfwidth_frac(values: np.ndarray, level_value: float | None = Non
     return level_j_ci_halfwidth_frac(values, level_value)
 
 
-def stop_reason(j_per_token: np.ndarray, elapsed_s: float, s: SweepSettings, level_value: float | None = None) -> str | None:
-    """Why measuring this level can stop now, or None to go on."""
+def stop_reason(j_per_token: np.ndarray, elapsed_s: float, s: SweepSettings, level_value: float | None = None,
+                counter_window_s: float = float("nan")) -> str | None:
+    """Why measuring this level can stop now, or None to go on. counter_window_s: the median decode window read on
+    the energy counter (NaN: none); under energy.SHORT_COUNTER_WINDOW_S the windows share a bias the CI cannot
+    see (the level is flagged short-windows), so a tight CI is no reason to stop: max-time or max-requests ends it."""
     n = int(np.isfinite(np.asarray(j_per_token, dtype=float)).sum())
     if n >= s.max_requests:
         return "max-requests"
     if elapsed_s >= s.max_time_s and n >= 2:
         return "max-time"
+    if counter_window_s < SHORT_COUNTER_WINDOW_S:
+        return None
     if n >= s.min_requests and median_ci_halfwidth_frac(j_per_token, level_value) <= s.target_ci:
         return "ci-reached"
     return None
@@ -542,6 +548,7 @@ class Sweep:
         t_start = time.monotonic()
         warmup = self.s.warmup_requests
         jpt: list[float] = []
+        counter_s: list[float] = []  # decode_s of the windows read on the energy counter (stop_reason)
         attempted = 0
         self._watch_from_now(visit)
         self._attempt_rows = []
@@ -559,6 +566,7 @@ class Sweep:
                 await self._ride_out(visit, recs)
                 # Measured again from scratch, as the level began: warm-up, the prompt set from its start.
                 t_start, warmup, jpt, attempted, foreign_sent = time.monotonic(), self.s.warmup_requests, [], 0, 0
+                counter_s = []
                 self._prompt_k = 0
                 await self._watch_others()
                 continue
@@ -593,6 +601,9 @@ class Sweep:
             for row in new:
                 if self._counts(row):
                     jpt.append(row["gpu_j_per_token"] if row["gpu_j_per_token"] is not None else np.nan)
+                    if row["gpu_j_per_token"] is not None and "counter" in str(row.get("energy_method") or "").split(",") \
+                            and row.get("decode_s"):
+                        counter_s.append(float(row["decode_s"]))
                     visit.n_measured += 1
                 elif self._measured(row):
                     visit.n_untrusted += 1
@@ -604,7 +615,9 @@ class Sweep:
                 ex = self.excluded()
                 self.flush()
                 raise SweepError(f"{_level_name(visit)}: no window could be trusted: {ex.message() if ex else ''}")
-            visit.stop = stop_reason(np.asarray(jpt, dtype=float), visit.elapsed_s, self.s, visit.level_value) or self._paired_stop(visit)
+            cw = float(np.median(counter_s)) if counter_s else float("nan")
+            visit.stop = (stop_reason(np.asarray(jpt, dtype=float), visit.elapsed_s, self.s, visit.level_value, cw)
+                          or (None if cw < SHORT_COUNTER_WINDOW_S else self._paired_stop(visit)))
             if visit.stop is None and attempted >= self.s.max_requests:
                 visit.stop = "max-requests"  # untrusted windows count against the budget too
             if visit.stop is None and not np.isfinite(jpt).any() and visit.n_measured >= self.s.min_requests:

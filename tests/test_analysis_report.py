@@ -607,9 +607,10 @@ def test_a_median_on_one_rounding_of_a_coarse_counter_is_said_and_never_chosen(t
     assert not any("energy-resolution" in (rows[v]["flags"] or "") for v in (180.0, 260.0, 300.0))
     assert rows[220.0]["gpu_j_per_token"] < 0.97 * rows[220.0]["gpu_j_per_token_pooled"]
     assert all(c.level_value != 220 for c in res.main.choices.values())
-    assert res.recommendation.left_out == {220.0: "energy counter rounding"}
+    # 0.32 s windows are also under 10 refreshes of the 100 ms counter: both reasons are said.
+    assert res.recommendation.left_out == {220.0: "energy counter rounding, counter windows too short"}
     said = console_summary(res)
-    assert "Never chosen, whatever their figures: 220 W (energy counter rounding)." in said
+    assert "Never chosen, whatever their figures: 220 W (energy counter rounding, counter windows too short)." in said
     (warn,) = [w for w in res.warnings if w.kind == "energy-resolution"]
     assert warn.levels == (220.0,) and "! energy-resolution: " + warn.message in said
     assert "220 W: 2.6" in warn.message and "refresh" in warn.message and "--max-tokens 448 or more" in warn.message
@@ -853,3 +854,39 @@ def test_the_recommendation_says_the_chosen_levels_j_per_token_and_speed(seed_re
     # "Other policies: min_energy 180, edp 180, ...": levels without their unit.
     others = line[line.index("Other policies: "):].split(".")[0]
     assert re.fullmatch(r"Other policies: (\w+ \d+ W, )*\w+ \d+ W", others), others
+
+
+def test_counter_windows_under_ten_refreshes_are_said_and_never_chosen(tmp_path):
+    # The reviewer's H200 sweep (--max-tokens 48): 0.3 s windows on a 100 ms counter, every window biased alike, so
+    # median and pooled figures agree and nothing was flagged; a policy could choose the level on a figure 8% low.
+    from synthetic_runs import counter_windows
+    import pyarrow as pa
+    from powerprof.storage.schema import WINDOWS
+
+    run = make_run(tmp_path / "run", seed_truth(), levels=SEED_LEVELS, n_requests=4)
+    rows = []
+    for k, level in enumerate(SEED_LEVELS):
+        rows += counter_windows("seed-16g", level, 0.6 if level == 220 else 3.0, n=40, seed=k,
+                                counter_step_s=0.02, run_id="synthetic-0")[0]
+    pq.write_table(pa.Table.from_pylist(rows, schema=WINDOWS), run / "windows.parquet")
+    res = analyze_run([run], tmp_path / "a", n_boot=300, plots=False)
+    by = {r["level_value"]: r for r in res.table.to_pylist()}
+    assert "short-windows" in by[220.0]["flags"].split(",")
+    assert by[220.0]["counter_window_s"] == pytest.approx(0.6, rel=0.05)
+    assert not any("short-windows" in (by[v]["flags"] or "") for v in (180.0, 260.0, 300.0))
+    assert all(c.level_value != 220 for c in res.main.choices.values())
+    assert res.recommendation.left_out == {220.0: "counter windows too short"}
+    (warn,) = [w for w in res.warnings if w.kind == "short-windows"]
+    assert "220 W: 0.60 s" in warn.message and "10 of its refreshes" in warn.message and "--max-tokens" in warn.message
+    assert "! short-windows: " + warn.message in console_summary(res)
+
+
+def test_levels_of_few_windows_say_their_ci_covers_less_than_95_percent(tmp_path):
+    # A level stopped on --max-time at 3 windows printed a "95%" CI that covers ~75% (a median's percentile bootstrap).
+    run = make_run(tmp_path / "run", seed_truth(), levels=SEED_LEVELS, n_requests=3)
+    res = analyze_run([run], tmp_path / "a", n_boot=300, plots=False)
+    assert all("few-windows" in r["flags"].split(",") for r in res.table.to_pylist())
+    (warn,) = [w for w in res.warnings if w.kind == "few-windows"]
+    assert "75.0% at 3" in warn.message and "not the 95%" in warn.message and "--max-time" in warn.message
+    assert "--min-requests" in warn.message
+    assert "! few-windows: " + warn.message in console_summary(res)
