@@ -25,7 +25,7 @@ from powerprof.collectors.limitwatch import (CLOCK_FIX, LIMIT_CHANGERS, LIMIT_FI
                                             UNVOUCHED_FIX, ClockLockWatch, limit_moved, limits_read)  # (ClockLockWatch re-exported: tests)
 from powerprof.control.device import read_devices
 from powerprof.control.levels import parse_clock_levels, parse_power_levels
-from powerprof.energy import SHORT_COUNTER_WINDOW_S
+from powerprof.energy import COUNTER_STEP_S, short_counter_window_s
 from powerprof.trust import out_dir_refusal
 from powerprof.profiler import Profiler
 from powerprof.storage.runs import RunWriter, default_run_dir, given_out_problem, table_from_rows
@@ -105,16 +105,17 @@ def median_ci_halfwidth_frac(values: np.ndarray, level_value: float | None = Non
 
 
 def stop_reason(j_per_token: np.ndarray, elapsed_s: float, s: SweepSettings, level_value: float | None = None,
-                counter_window_s: float = float("nan")) -> str | None:
+                counter_window_s: float = float("nan"), refresh_s: float | None = COUNTER_STEP_S) -> str | None:
     """Why measuring this level can stop now, or None to go on. counter_window_s: the median decode window read on
-    the energy counter (NaN: none); under energy.SHORT_COUNTER_WINDOW_S the windows share a bias the CI cannot
-    see (the level is flagged short-windows), so a tight CI is no reason to stop: max-time or max-requests ends it."""
+    the energy counter (NaN: none); under 10 refreshes of it (refresh_s: the estimated refresh, None unknown: 100 ms;
+    energy.short_counter_window_s) the windows share a bias the CI cannot see (the level is flagged short-windows),
+    so a tight CI is no reason to stop: max-time or max-requests ends it."""
     n = int(np.isfinite(np.asarray(j_per_token, dtype=float)).sum())
     if n >= s.max_requests:
         return "max-requests"
     if elapsed_s >= s.max_time_s and n >= 2:
         return "max-time"
-    if counter_window_s < SHORT_COUNTER_WINDOW_S:
+    if counter_window_s < short_counter_window_s(refresh_s):
         return None
     if n >= s.min_requests and median_ci_halfwidth_frac(j_per_token, level_value) <= s.target_ci:
         return "ci-reached"
@@ -616,8 +617,9 @@ class Sweep:
                 self.flush()
                 raise SweepError(f"{_level_name(visit)}: no window could be trusted: {ex.message() if ex else ''}")
             cw = float(np.median(counter_s)) if counter_s else float("nan")
-            visit.stop = (stop_reason(np.asarray(jpt, dtype=float), visit.elapsed_s, self.s, visit.level_value, cw)
-                          or (None if cw < SHORT_COUNTER_WINDOW_S else self._paired_stop(visit)))
+            refresh = self._counter_refresh_s()
+            visit.stop = (stop_reason(np.asarray(jpt, dtype=float), visit.elapsed_s, self.s, visit.level_value, cw, refresh)
+                          or (None if cw < short_counter_window_s(refresh) else self._paired_stop(visit)))
             if visit.stop is None and attempted >= self.s.max_requests:
                 visit.stop = "max-requests"  # untrusted windows count against the budget too
             if visit.stop is None and not np.isfinite(jpt).any() and visit.n_measured >= self.s.min_requests:
@@ -876,6 +878,11 @@ class Sweep:
         from powerprof.analysis.stats import choose_reference, paired_saving_halfwidth
 
         if self.s.target_paired_ci is None or len(self.s.levels) < 2 or visit.level_value is None:
+    def _counter_refresh_s(self) -> float | None:
+        """The energy counter's refresh estimated from the run's reads so far (None: not yet known, or no profiler)."""
+        tl = getattr(self.prof, "timeline", None)
+        return tl.counter_refresh_s() if tl is not None and hasattr(tl, "counter_refresh_s") else None
+
             return None  # no target, or nothing to compare with (one level, or the settings as they are)
         ref = self.s.levels[choose_reference(self.s.levels, self.reference_value)]  # as the analysis picks it
         if ref is None or float(visit.level_value) == float(ref):
@@ -994,6 +1001,7 @@ class Sweep:
                 "locked_sm_clock_mhz": float(value) if self.s.level_kind == "sm_clock" else None,
                 # avg_gpu_power_w stays the windows' median (docs/data.md), as analysis.parquet has it:
                 # the energy-weighted mean above only feeds the cap rule.
+            # (kind, value): one run's sensors, whatever concurrency its windows say (stats.level_extra).
                 "avg_cpu_power_w": sum(c) / dc if c and dc > 0 else None,
                 "sm_clock_mhz": st.get("sm_clock_mhz"),
                 "mem_clock_mhz": st.get("mem_clock_mhz"),
@@ -1011,6 +1019,8 @@ class Sweep:
     def _per_gpu_cap_figures(self, visits, readbacks, requested_w, level_sums) -> dict[str, tuple]:
         """{gpuN: (its mean power W over the level's measured decode spans, its enforced limit W, the OR of its
         clock-event reasons or None)}: each GPU's own energy, as the level's power is the windows' energy."""
+                # The refresh the short-windows flag counts in (analysis.stats): the run's estimate, null unknown.
+                "counter_refresh_s": self._counter_refresh_s(),
         spans = [sp for v in visits for sp in v.spans]
         s0, s1 = engine.merge_intervals(np.array([a for a, _ in spans], np.int64), np.array([b for _, b in spans], np.int64))
         indexes = list(self.prof.gpu.indexes)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import io
+from datetime import datetime, timezone
 import itertools
 import json
 import re
@@ -890,3 +891,37 @@ def test_levels_of_few_windows_say_their_ci_covers_less_than_95_percent(tmp_path
     assert "75.0% at 3" in warn.message and "not the 95%" in warn.message and "--max-time" in warn.message
     assert "--min-requests" in warn.message
     assert "! few-windows: " + warn.message in console_summary(res)
+
+
+def test_runs_at_two_concurrencies_pooled_keep_each_series_own_sweep_and_sample_figures(tmp_path):
+    # `analyze runA runB`, A at concurrency 1, B at 4: the sweep's figures were keyed by (kind, value) alone, so both
+    # series printed one SM clock (the runs' samples pooled), draft_n 5340 each (truth 2136 and 3204), a mean
+    # avg_cpu_power_w, and a cap_not_engaged / thermal OR-ed across the two.
+    import pyarrow as pa
+    import pyarrow.compute as pc
+
+    a = make_run(tmp_path / "a", seed_truth(), levels=SEED_LEVELS, n_requests=8, run_id="run-a", seed=1)
+    b = make_run(tmp_path / "b", seed_truth(), levels=SEED_LEVELS, n_requests=8, concurrency=4, run_id="run-b",
+                 seed=2, start=datetime(2026, 1, 15, 14, 0, tzinfo=timezone.utc), thermal_levels=(220,))
+    w = pq.read_table(b / "windows.parquet")
+    pq.write_table(w.filter(pc.equal(w.column("concurrency"), 4)), b / "windows.parquet")  # a real run: one concurrency
+    s = pq.read_table(b / "samples.parquet")
+    s = s.set_column(s.column_names.index("sm_clock_mhz"), "sm_clock_mhz",
+                     pc.subtract(s.column("sm_clock_mhz"), 300.0))  # B's clock 300 MHz lower
+    pq.write_table(s, b / "samples.parquet")
+    for run, conc, drafts, cpu in ((a, 1, 2136, 30.0), (b, 4, 3204, 50.0)):
+        lv = pq.read_table(run / "levels.parquet")
+        lv = lv.filter(pc.equal(lv.column("concurrency"), conc))
+        for col, val, typ in (("draft_n", drafts, pa.int64()), ("avg_cpu_power_w", cpu, pa.float64())):
+            lv = lv.set_column(lv.column_names.index(col), col, pa.array([val] * lv.num_rows, typ))
+        pq.write_table(lv, run / "levels.parquet")
+    res = analyze_run([a, b], tmp_path / "out", n_boot=200, plots=False)
+    by = {s.series.concurrency: {r["level_value"]: r for r in s.table.to_pylist()} for s in res.series}
+    assert sorted(by) == [1, 4]
+    for v in SEED_LEVELS:
+        assert by[1][float(v)]["draft_n"] == 2136 and by[4][float(v)]["draft_n"] == 3204
+        assert by[1][float(v)]["avg_cpu_power_w"] == pytest.approx(30.0)
+        assert by[4][float(v)]["avg_cpu_power_w"] == pytest.approx(50.0)
+        assert by[1][float(v)]["sm_clock_mhz"] == pytest.approx(by[4][float(v)]["sm_clock_mhz"] + 300.0, abs=5)
+    assert by[4][220.0]["thermal_throttle"] and "thermal" in by[4][220.0]["flags"].split(",")
+    assert not by[1][220.0]["thermal_throttle"] and "thermal" not in (by[1][220.0]["flags"] or "")

@@ -398,3 +398,13 @@ def test_a_level_of_few_windows_says_its_ci_covers_less_than_95_percent(n, flagg
     (r,) = summarize_levels(pa.Table.from_pylist(_biased_counter_rows(3.0, n=n), schema=WINDOWS), n_boot=300).to_pylist()
     assert r["n_windows"] == n
     assert ("few-windows" in (r["flags"] or "").split(",")) is flagged
+
+
+@pytest.mark.parametrize("refresh_s,flagged", [(None, True), (0.1, True), (0.02, False)])
+def test_short_windows_count_in_the_refresh_the_sweep_estimated(refresh_s, flagged):
+    # 0.31 s is 3 refreshes of an H200's 100 ms counter but 15 of a 20 ms one; unknown: 100 ms is assumed.
+    extra = {("power_limit", 700.0): {"counter_refresh_s": refresh_s}}
+    (r,) = summarize_levels(pa.Table.from_pylist(_biased_counter_rows(0.31), schema=WINDOWS), n_boot=300,
+                            extra=extra).to_pylist()
+    assert ("short-windows" in (r["flags"] or "").split(",")) is flagged
+    assert r["counter_refresh_s"] == refresh_s

@@ -232,7 +232,7 @@ def analyze(
 ) -> AnalysisResult:
     """Everything `powerprof analyze` computes, from pooled windows and the runs' metadata.
 
-    level_figures: {(level_kind, level_value): {column: value}} of sensor figures per level
+    level_figures: {(level_kind, level_value, concurrency): {column: value}} of sensor figures per level (stats.level_extra)
     (from the sweep's levels.parquet or the samples); see loading.py.
     judge_interrupted: False where the caller judges unfinished levels over more windows than these
     (a configuration sweep's analysis gets only its chosen configuration's), which then gives

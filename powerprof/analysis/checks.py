@@ -9,8 +9,7 @@ import numpy as np
 import pyarrow as pa
 
 from powerprof.collectors.cputime import BUSY_HOST_FIX, BUSY_HOST_FLAG, busy_host_text
-from powerprof.energy import (COUNTER_STEP_S, ROUNDED_WINDOW_S, SHORT_COUNTER_WINDOW_S, SHORT_WINDOW_REFRESHES,
-                              max_tokens_for_windows)
+from powerprof.energy import ROUNDED_WINDOW_S, SHORT_WINDOW_REFRESHES, max_tokens_for_windows, short_counter_window_s
 from powerprof.profiler import POWER_EDGE_BIAS_WINDOW_S
 from powerprof.workload.servercount import FOREIGN_FIX, FOREIGN_FLAG
 
@@ -227,26 +226,32 @@ def level_findings(levels: pa.Table, target_ci_pct: float | None = None, max_tim
 
 
 def _short_windows_message(rows: list[dict], unit: str) -> str:
-    """Why the figures of levels read on counter windows under SHORT_COUNTER_WINDOW_S are not trusted, and the fix."""
+    """Why the figures of levels read on counter windows under 10 refreshes are not trusted, and the fix."""
     lengths = ", ".join(f"{_fmt(r['level_value'], unit)}: {r['counter_window_s']:.2f} s" for r in rows
                         if r.get("counter_window_s") is not None)
+    refresh = [r.get("counter_refresh_s") for r in rows]
+    known = [x for x in refresh if x is not None]
+    need_s = max(short_counter_window_s(x) for x in refresh)
+    how = (f"{need_s:g} s: {SHORT_WINDOW_REFRESHES} × the {max(known) * 1000:.0f} ms refresh estimated from the run's "
+           "counter reads" if len(known) == len(refresh) else
+           f"{need_s:g} s at a 100 ms refresh, the coarsest drivers use (an H200's): the run's own refresh is not "
+           "known (too few counter reads to estimate it)")
     rates = [r["decode_tok_s"] / max(int(r.get("concurrency") or 1), 1) for r in rows if r.get("decode_tok_s")]
-    need = int(math.ceil(SHORT_COUNTER_WINDOW_S * max(rates) / 64) * 64) if rates else 0
+    need = int(math.ceil(need_s * max(rates) / 64) * 64) if rates else 0
     ref = [r for r in rows if r.get("reference")]
     return (
         f"median decode window read on the GPU energy counter shorter than {SHORT_WINDOW_REFRESHES} of its refreshes "
-        f"({SHORT_COUNTER_WINDOW_S:g} s at the {COUNTER_STEP_S * 1000:.0f} ms refresh of the coarsest drivers, an H200's; "
-        f"a card's own is not known to the analysis): {lengths}. Each window reads a whole number of refresh steps and "
-        "its edges a few ms after its power steps, a bias all its windows share (a simulated H200 at 0.3 s: J/token "
-        "and power 7-10% low under a ±1.2% CI), which neither the CI nor the pooled figure can see. "
+        f"({how}): {lengths}. Each window reads a whole number of refresh steps and its edges a few ms after its power "
+        "steps, a bias all its windows share (a simulated H200 at 0.3 s: J/token and power 7-10% low under a ±1.2% CI), "
+        "which neither the CI nor the pooled figure can see. "
         + "No policy chooses these levels"
         + (" but the reference (keeping the default is always a choice), and every saving is against its figure"
            if ref else "")
         + f", and no CI target ended them. Fix: longer requests, so each window spans {SHORT_WINDOW_REFRESHES} "
         + "refreshes or more: "
-        + (f"--max-tokens {need} or more ({SHORT_COUNTER_WINDOW_S:g} s windows at {max(rates):.0f} tokens/s; "
+        + (f"--max-tokens {need} or more ({need_s:g} s windows at {max(rates):.0f} tokens/s; "
            f"{ROUNDED_WINDOW_S:g} s windows for ~1%: --max-tokens {max_tokens_for_windows(max(rates))})." if need
-           else f"--max-tokens giving windows of {SHORT_COUNTER_WINDOW_S:g} s or more.")
+           else f"--max-tokens giving windows of {need_s:g} s or more.")
     )
 
 
