@@ -575,6 +575,12 @@ class Sweep:
                 self._add_rows(visit, recs)
                 self.flush()
                 raise SweepError(f"{_level_name(visit)}: {aborted}") from None
+            if warmup:
+                # --max-time counts from the end of the warm-up (its --help says so): counted, it took the slowest
+                # level's time budget first, and that level got the fewest windows.
+                warm_end = max((r.t_end_ns for r in recs if r.warmup and r.t_end_ns), default=None)
+                if warm_end is not None:
+                    t_start = warm_end / 1e9
             warmup = 0
             spans_before = len(visit.spans)
             new = self._add_rows(visit, recs)
@@ -872,17 +878,17 @@ class Sweep:
         if n:
             self.ui.note(f"{_level_name(visit)}: {n} window(s) left out of every figure: {why}; fix: {fix}")
 
+    def _counter_refresh_s(self) -> float | None:
+        """The energy counter's refresh estimated from the run's reads so far (None: not yet known, or no profiler)."""
+        tl = getattr(self.prof, "timeline", None)
+        return tl.counter_refresh_s() if tl is not None and hasattr(tl, "counter_refresh_s") else None
+
     def _paired_stop(self, visit: LevelVisit) -> str | None:
         """'paired-ci-reached' when this level's saving against the reference (already measured in
         this pass) is known to ±target_paired_ci, paired by prompt (analysis.stats)."""
         from powerprof.analysis.stats import choose_reference, paired_saving_halfwidth
 
         if self.s.target_paired_ci is None or len(self.s.levels) < 2 or visit.level_value is None:
-    def _counter_refresh_s(self) -> float | None:
-        """The energy counter's refresh estimated from the run's reads so far (None: not yet known, or no profiler)."""
-        tl = getattr(self.prof, "timeline", None)
-        return tl.counter_refresh_s() if tl is not None and hasattr(tl, "counter_refresh_s") else None
-
             return None  # no target, or nothing to compare with (one level, or the settings as they are)
         ref = self.s.levels[choose_reference(self.s.levels, self.reference_value)]  # as the analysis picks it
         if ref is None or float(visit.level_value) == float(ref):
@@ -995,13 +1001,13 @@ class Sweep:
             else:  # judged on each GPU: one at its cap beside one far under it is neither
                 level_sums = sums.get((self.s.level_kind, None if value is None else float(value)), engine.LevelSums())
                 not_engaged, loose = engine.cap_by_gpu(self._per_gpu_cap_figures(visits, rb, requested, level_sums))
+            # (kind, value): one run's sensors, whatever concurrency its windows say (stats.level_extra).
             out[(self.s.level_kind, None if value is None else float(value))] = {
                 "requested_limit_w": requested,
                 "enforced_limit_w": enforced,
                 "locked_sm_clock_mhz": float(value) if self.s.level_kind == "sm_clock" else None,
                 # avg_gpu_power_w stays the windows' median (docs/data.md), as analysis.parquet has it:
                 # the energy-weighted mean above only feeds the cap rule.
-            # (kind, value): one run's sensors, whatever concurrency its windows say (stats.level_extra).
                 "avg_cpu_power_w": sum(c) / dc if c and dc > 0 else None,
                 "sm_clock_mhz": st.get("sm_clock_mhz"),
                 "mem_clock_mhz": st.get("mem_clock_mhz"),
@@ -1013,14 +1019,14 @@ class Sweep:
                 # Speculative decoding's drafts over the level's measured windows (a configuration sweep's may
                 # come from the server's counters instead: grid.py).
                 **spec_columns(rows, None),
+                # The refresh the short-windows flag counts in (analysis.stats): the run's estimate, null unknown.
+                "counter_refresh_s": self._counter_refresh_s(),
             }
         return out
 
     def _per_gpu_cap_figures(self, visits, readbacks, requested_w, level_sums) -> dict[str, tuple]:
         """{gpuN: (its mean power W over the level's measured decode spans, its enforced limit W, the OR of its
         clock-event reasons or None)}: each GPU's own energy, as the level's power is the windows' energy."""
-                # The refresh the short-windows flag counts in (analysis.stats): the run's estimate, null unknown.
-                "counter_refresh_s": self._counter_refresh_s(),
         spans = [sp for v in visits for sp in v.spans]
         s0, s1 = engine.merge_intervals(np.array([a for a, _ in spans], np.int64), np.array([b for _, b in spans], np.int64))
         indexes = list(self.prof.gpu.indexes)

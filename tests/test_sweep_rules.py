@@ -107,3 +107,23 @@ def test_a_level_of_windows_under_ten_counter_refreshes_never_stops_on_its_ci():
     assert stop_reason(j, 5.0, s, counter_window_s=2.0) == "ci-reached"
     assert stop_reason(j, 5.0, s, counter_window_s=0.31) is None
     assert stop_reason(j, 61.0, s, counter_window_s=0.31) == "max-time"
+
+
+def test_max_time_counts_from_the_end_of_the_warm_up(tmp_path):
+    # --help says "(after warm-up)", but the clock started before the warm-up batch: a level whose warm-up took its
+    # whole --max-time got one round. 8 warm-ups of ~0.4 s (3.2 s) against --max-time 3: one round of 4 then, two now.
+    import pyarrow.parquet as pq
+
+    from powerprof.rig import Rig
+    from powerprof.sim.nvml import SimNVML
+    from powerprof.sweep import run_sweep
+    from powerprof.workload.client import RequestParams
+
+    out = tmp_path / "warm"
+    with Rig("seed-16g", nvml=SimNVML("seed-16g")) as rig:
+        run_sweep(rig, levels_spec="300", out_dir=out, params=RequestParams(max_tokens=32), idle_s=0,
+                  interval_s=0.5, min_requests=2, max_requests=40, warmup_requests=8, target_ci=0.0001,
+                  max_time_s=3.0)
+    (row,) = pq.read_table(out / "levels.parquet").to_pylist()
+    assert row["stop_rule"] == "max-time"
+    assert row["n_requests"] >= 8, row["n_requests"]
