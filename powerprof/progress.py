@@ -23,6 +23,13 @@ def _f(v, spec: str, none: str = "-") -> str:
     return none if v is None else format(v, spec)
 
 
+def _pct(v, spec: str = ".1f") -> str:
+    """A percentage that rounds to zero printed 0.0%, never -0.0% (a level a hair slower than the reference)."""
+    if v is not None and float(format(v, spec)) == 0:
+        v = 0.0
+    return _f(v, spec) + "%"
+
+
 def _level_text(value, unit: str) -> str:
     return "settings as they are" if value is None else f"{value:g} {unit}"
 
@@ -142,11 +149,11 @@ _COLUMNS = (
     # (flag few-windows), so the count is worth a glance where the width allows.
     ("windows", lambda r, u: _f(r.get("n_windows"), "d")),
     ("tok/s", lambda r, u: _f(r.get("decode_tok_s"), ".1f")),
-    ("slower", lambda r, u: _f(r.get("speed_loss_pct"), ".1f") + "%"),
+    ("slower", lambda r, u: _pct(r.get("speed_loss_pct"))),
     ("J/tok\nGPU", lambda r, u: _f(r.get("gpu_j_per_token"), ".3f")),
     ("±CI", lambda r, u: _f(r.get("ci_reached_pct"), ".1f") + "%"),
     ("J/tok\n+CPU", lambda r, u: _f(r.get("total_j_per_token"), ".3f")),
-    ("saving", lambda r, u: _f(r.get("energy_saving_pct"), ".1f") + "%"),
+    ("saving", lambda r, u: _pct(r.get("energy_saving_pct"))),
     ("SM\nMHz", lambda r, u: _f(r.get("sm_clock_mhz"), ".0f")),
     ("mem\nMHz", lambda r, u: _f(r.get("mem_clock_mhz"), ".0f")),
     ("flags", lambda r, u: ", ".join(f for f in (r.get("flags") or "").split(",") if f)),

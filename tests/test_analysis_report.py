@@ -925,3 +925,14 @@ def test_runs_at_two_concurrencies_pooled_keep_each_series_own_sweep_and_sample_
         assert by[1][float(v)]["sm_clock_mhz"] == pytest.approx(by[4][float(v)]["sm_clock_mhz"] + 300.0, abs=5)
     assert by[4][220.0]["thermal_throttle"] and "thermal" in by[4][220.0]["flags"].split(",")
     assert not by[1][220.0]["thermal_throttle"] and "thermal" not in (by[1][220.0]["flags"] or "")
+
+
+def test_the_analyze_table_marks_the_reference_and_never_prints_minus_zero(tmp_path):
+    # The sweep's end table said "300 W (ref)"; analyze's did not, and a level a hair slower printed "-0.0%".
+    from powerprof.analysis.report import _no_minus_zero
+
+    run = make_run(tmp_path / "run", seed_truth(), levels=SEED_LEVELS, n_requests=8)
+    res = analyze_run([run], tmp_path / "a", n_boot=200, plots=False)
+    (line,) = [x for x in console_summary(res).splitlines() if x.lstrip().startswith("300 W")]
+    assert "(ref)" in line
+    assert f"{_no_minus_zero(-0.04):.1f}" == "0.0" and _no_minus_zero(-0.06) == -0.06 and _no_minus_zero(None) is None
