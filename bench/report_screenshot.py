@@ -25,7 +25,7 @@ from PIL import Image
 
 WIDTH = 1280
 TALL = 7000  # the window is this tall, so one screenshot holds the whole report (trimmed after)
-SWEEP = ["--limits", "180,220,260,300", "--simulate", "--max-time", "30"]  # the README's first command
+SWEEP = ["--limits", "180,220,260,300", "--simulate", "--max-time", "20"]  # the README's first command
 
 
 def run_sweep(run_dir: Path) -> str:

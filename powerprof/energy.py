@@ -342,6 +342,22 @@ COUNTER_STEP_S = 0.1
 ROUNDING_TOL = 0.01
 # Windows of L = R / (2 · tol) keep that rounding under tol: 5 s at a 100 ms refresh.
 ROUNDED_WINDOW_S = COUNTER_STEP_S / (2 * ROUNDING_TOL)
+# A level whose median counter-read decode window spans fewer refreshes than this is flagged short-windows whatever
+# its median and pooled figures say: each window reads a whole number of refresh steps and its edges a few ms late
+# (profiler.EDGE_BIAS_WINDOW_S), a bias every window shares, so neither the CI nor median vs pooled can see it. The
+# simulated H200 (100 ms refresh) with --max-tokens 48: 0.3 s windows, each -3..-12% or +19..+24%, the level's
+# median J/token and power 7-10% low with a +-1.2% CI. The refresh is the one the sweep estimated from the run's counter
+# reads (profiler.EnergyTimeline.counter_refresh_s, levels.parquet counter_refresh_s); where none was (too few reads,
+# a run written before the column) the coarsest drivers use, COUNTER_STEP_S, is assumed: 1 s.
+SHORT_WINDOW_REFRESHES = 10
+SHORT_COUNTER_WINDOW_S = SHORT_WINDOW_REFRESHES * COUNTER_STEP_S
+
+
+def short_counter_window_s(refresh_s: float | None) -> float:
+    """The median counter window under which a level is flagged short-windows: SHORT_WINDOW_REFRESHES refreshes of
+    `refresh_s` (the estimated refresh, s), of COUNTER_STEP_S where it is unknown."""
+    r = refresh_s if refresh_s is not None and np.isfinite(refresh_s) and refresh_s > 0 else COUNTER_STEP_S
+    return SHORT_WINDOW_REFRESHES * r
 
 
 def max_tokens_for_windows(tok_s: float) -> int:

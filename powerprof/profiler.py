@@ -341,6 +341,20 @@ class EnergyTimeline:
         period_ns, phase_ns = self._counter_grid(k)
         return counter_window_energy_j(t, y, t0, t1, np.asarray(s.epoch), period_ns=period_ns, phase_ns=phase_ns)
 
+    def counter_refresh_s(self) -> float | None:
+        """The slowest energy-counter refresh among the GPUs read on a counter, from their refresh grids (s); None
+        until every such GPU's grid is known (GRID_MIN_READS reads) or without a counter: then a caller assumes the
+        coarsest drivers use (energy.COUNTER_STEP_S)."""
+        periods = []
+        for k, s in enumerate(self.gpu_energy):
+            if len(s.t_ns) < 2:
+                continue
+            period_ns = self._counter_grid(k)[0]
+            if not period_ns:
+                return None
+            periods.append(period_ns / 1e9)
+        return max(periods) if periods else None
+
     def _counter_refresh_ns(self, k: int) -> int:
         """GPU k's counter refresh period: its grid's, or COUNTER_REFRESH_MAX_NS until that is known."""
         return self._counter_grid(k)[0] or COUNTER_REFRESH_MAX_NS

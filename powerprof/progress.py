@@ -23,6 +23,13 @@ def _f(v, spec: str, none: str = "-") -> str:
     return none if v is None else format(v, spec)
 
 
+def _pct(v, spec: str = ".1f") -> str:
+    """A percentage that rounds to zero printed 0.0%, never -0.0% (a level a hair slower than the reference)."""
+    if v is not None and float(format(v, spec)) == 0:
+        v = 0.0
+    return _f(v, spec) + "%"
+
+
 def _level_text(value, unit: str) -> str:
     return "settings as they are" if value is None else f"{value:g} {unit}"
 
@@ -138,17 +145,20 @@ def result_console() -> QuietPipeConsole:
 _COLUMNS = (
     ("level", lambda r, u: f"{r['level_value']:g} {u}" + (" (ref)" if r.get("reference") else "")),
     ("enforced\nW", lambda r, u: _f(r.get("enforced_limit_w"), ".0f")),
+    # The windows the CI rests on (requests at concurrency 1, batches above): under 5 the "95%" CI covers less
+    # (flag few-windows), so the count is worth a glance where the width allows.
+    ("windows", lambda r, u: _f(r.get("n_windows"), "d")),
     ("tok/s", lambda r, u: _f(r.get("decode_tok_s"), ".1f")),
-    ("slower", lambda r, u: _f(r.get("speed_loss_pct"), ".1f") + "%"),
+    ("slower", lambda r, u: _pct(r.get("speed_loss_pct"))),
     ("J/tok\nGPU", lambda r, u: _f(r.get("gpu_j_per_token"), ".3f")),
     ("±CI", lambda r, u: _f(r.get("ci_reached_pct"), ".1f") + "%"),
     ("J/tok\n+CPU", lambda r, u: _f(r.get("total_j_per_token"), ".3f")),
-    ("saving", lambda r, u: _f(r.get("energy_saving_pct"), ".1f") + "%"),
+    ("saving", lambda r, u: _pct(r.get("energy_saving_pct"))),
     ("SM\nMHz", lambda r, u: _f(r.get("sm_clock_mhz"), ".0f")),
     ("mem\nMHz", lambda r, u: _f(r.get("mem_clock_mhz"), ".0f")),
     ("flags", lambda r, u: ", ".join(f for f in (r.get("flags") or "").split(",") if f)),
 )
-_DROP_ORDER = ("mem\nMHz", "enforced\nW", "J/tok\n+CPU", "SM\nMHz")
+_DROP_ORDER = ("mem\nMHz", "enforced\nW", "J/tok\n+CPU", "windows", "SM\nMHz")
 TITLE = "powerprof sweep: decode only, medians over requests"
 
 
@@ -204,7 +214,7 @@ class LevelsTable:
             c = {h.replace("\n", " "): cell(r, self.unit) for h, cell in _COLUMNS[1:]}
             parts = [f"{c['tok/s']} tok/s", f"{c['slower']} slower", f"GPU {c['J/tok GPU']} J/tok ±{c['±CI']}",
                      f"+CPU {c['J/tok +CPU']} J/tok", f"{c['saving']} saving", f"enforced {c['enforced W']} W",
-                     f"SM {c['SM MHz']} MHz", f"mem {c['mem MHz']} MHz"]
+                     f"SM {c['SM MHz']} MHz", f"mem {c['mem MHz']} MHz", f"{c['windows']} windows"]
             flags = [f"flags: {c['flags']}"] if c["flags"] else []
             out.append(Together(parts + flags, head=f"{head}: "))
         return Group(*out)

@@ -25,6 +25,7 @@ from powerprof.collectors.limitwatch import (CLOCK_FIX, LIMIT_CHANGERS, LIMIT_FI
                                             UNVOUCHED_FIX, ClockLockWatch, limit_moved, limits_read)  # (ClockLockWatch re-exported: tests)
 from powerprof.control.device import read_devices
 from powerprof.control.levels import parse_clock_levels, parse_power_levels
+from powerprof.energy import COUNTER_STEP_S, short_counter_window_s
 from powerprof.trust import out_dir_refusal
 from powerprof.profiler import Profiler
 from powerprof.storage.runs import RunWriter, claim_run_dir, default_run_dir, given_out_problem, table_from_rows
@@ -103,13 +104,19 @@ def median_ci_halfwidth_frac(values: np.ndarray, level_value: float | None = Non
     return level_j_ci_halfwidth_frac(values, level_value)
 
 
-def stop_reason(j_per_token: np.ndarray, elapsed_s: float, s: SweepSettings, level_value: float | None = None) -> str | None:
-    """Why measuring this level can stop now, or None to go on."""
+def stop_reason(j_per_token: np.ndarray, elapsed_s: float, s: SweepSettings, level_value: float | None = None,
+                counter_window_s: float = float("nan"), refresh_s: float | None = COUNTER_STEP_S) -> str | None:
+    """Why measuring this level can stop now, or None to go on. counter_window_s: the median decode window read on
+    the energy counter (NaN: none); under 10 refreshes of it (refresh_s: the estimated refresh, None unknown: 100 ms;
+    energy.short_counter_window_s) the windows share a bias the CI cannot see (the level is flagged short-windows),
+    so a tight CI is no reason to stop: max-time or max-requests ends it."""
     n = int(np.isfinite(np.asarray(j_per_token, dtype=float)).sum())
     if n >= s.max_requests:
         return "max-requests"
     if elapsed_s >= s.max_time_s and n >= 2:
         return "max-time"
+    if counter_window_s < short_counter_window_s(refresh_s):
+        return None
     if n >= s.min_requests and median_ci_halfwidth_frac(j_per_token, level_value) <= s.target_ci:
         return "ci-reached"
     return None
@@ -542,6 +549,7 @@ class Sweep:
         t_start = time.monotonic()
         warmup = self.s.warmup_requests
         jpt: list[float] = []
+        counter_s: list[float] = []  # decode_s of the windows read on the energy counter (stop_reason)
         attempted = 0
         self._watch_from_now(visit)
         self._attempt_rows = []
@@ -559,6 +567,7 @@ class Sweep:
                 await self._ride_out(visit, recs)
                 # Measured again from scratch, as the level began: warm-up, the prompt set from its start.
                 t_start, warmup, jpt, attempted, foreign_sent = time.monotonic(), self.s.warmup_requests, [], 0, 0
+                counter_s = []
                 self._prompt_k = 0
                 await self._watch_others()
                 continue
@@ -566,6 +575,12 @@ class Sweep:
                 self._add_rows(visit, recs)
                 self.flush()
                 raise SweepError(f"{_level_name(visit)}: {aborted}") from None
+            if warmup:
+                # --max-time counts from the end of the warm-up (its --help says so): counted, it took the slowest
+                # level's time budget first, and that level got the fewest windows.
+                warm_end = max((r.t_end_ns for r in recs if r.warmup and r.t_end_ns), default=None)
+                if warm_end is not None:
+                    t_start = warm_end / 1e9
             warmup = 0
             spans_before = len(visit.spans)
             new = self._add_rows(visit, recs)
@@ -593,6 +608,9 @@ class Sweep:
             for row in new:
                 if self._counts(row):
                     jpt.append(row["gpu_j_per_token"] if row["gpu_j_per_token"] is not None else np.nan)
+                    if row["gpu_j_per_token"] is not None and "counter" in str(row.get("energy_method") or "").split(",") \
+                            and row.get("decode_s"):
+                        counter_s.append(float(row["decode_s"]))
                     visit.n_measured += 1
                 elif self._measured(row):
                     visit.n_untrusted += 1
@@ -604,7 +622,10 @@ class Sweep:
                 ex = self.excluded()
                 self.flush()
                 raise SweepError(f"{_level_name(visit)}: no window could be trusted: {ex.message() if ex else ''}")
-            visit.stop = stop_reason(np.asarray(jpt, dtype=float), visit.elapsed_s, self.s, visit.level_value) or self._paired_stop(visit)
+            cw = float(np.median(counter_s)) if counter_s else float("nan")
+            refresh = self._counter_refresh_s()
+            visit.stop = (stop_reason(np.asarray(jpt, dtype=float), visit.elapsed_s, self.s, visit.level_value, cw, refresh)
+                          or (None if cw < short_counter_window_s(refresh) else self._paired_stop(visit)))
             if visit.stop is None and attempted >= self.s.max_requests:
                 visit.stop = "max-requests"  # untrusted windows count against the budget too
             if visit.stop is None and not np.isfinite(jpt).any() and visit.n_measured >= self.s.min_requests:
@@ -857,6 +878,11 @@ class Sweep:
         if n:
             self.ui.note(f"{_level_name(visit)}: {n} window(s) left out of every figure: {why}; fix: {fix}")
 
+    def _counter_refresh_s(self) -> float | None:
+        """The energy counter's refresh estimated from the run's reads so far (None: not yet known, or no profiler)."""
+        tl = getattr(self.prof, "timeline", None)
+        return tl.counter_refresh_s() if tl is not None and hasattr(tl, "counter_refresh_s") else None
+
     def _paired_stop(self, visit: LevelVisit) -> str | None:
         """'paired-ci-reached' when this level's saving against the reference (already measured in
         this pass) is known to ±target_paired_ci, paired by prompt (analysis.stats)."""
@@ -975,6 +1001,7 @@ class Sweep:
             else:  # judged on each GPU: one at its cap beside one far under it is neither
                 level_sums = sums.get((self.s.level_kind, None if value is None else float(value)), engine.LevelSums())
                 not_engaged, loose = engine.cap_by_gpu(self._per_gpu_cap_figures(visits, rb, requested, level_sums))
+            # (kind, value): one run's sensors, whatever concurrency its windows say (stats.level_extra).
             out[(self.s.level_kind, None if value is None else float(value))] = {
                 "requested_limit_w": requested,
                 "enforced_limit_w": enforced,
@@ -992,6 +1019,8 @@ class Sweep:
                 # Speculative decoding's drafts over the level's measured windows (a configuration sweep's may
                 # come from the server's counters instead: grid.py).
                 **spec_columns(rows, None),
+                # The refresh the short-windows flag counts in (analysis.stats): the run's estimate, null unknown.
+                "counter_refresh_s": self._counter_refresh_s(),
             }
         return out
 

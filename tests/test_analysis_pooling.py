@@ -203,6 +203,6 @@ def test_draft_counts_pooled_over_runs_are_summed_and_their_acceptance_is_the_su
                                  "draft_n_accepted": pa.array([a], pa.int64()), "draft_acceptance": [a / n],
                                  "draft_source": ["timings"]}), d / "levels.parquet")
         runs.append(SimpleNamespace(path=d))
-    got = sweep_level_figures(runs)[("power_limit", 200.0)]
+    got = sweep_level_figures(runs)[("power_limit", 200.0, 1)]  # keyed by concurrency too (no column: 1)
     assert got["draft_n"] == 1101 and got["draft_n_accepted"] == 910, got
     assert got["draft_acceptance"] == pytest.approx(910 / 1101) and got["draft_source"] == "timings"

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import io
+from datetime import datetime, timezone
 import itertools
 import json
 import re
@@ -607,9 +608,10 @@ def test_a_median_on_one_rounding_of_a_coarse_counter_is_said_and_never_chosen(t
     assert not any("energy-resolution" in (rows[v]["flags"] or "") for v in (180.0, 260.0, 300.0))
     assert rows[220.0]["gpu_j_per_token"] < 0.97 * rows[220.0]["gpu_j_per_token_pooled"]
     assert all(c.level_value != 220 for c in res.main.choices.values())
-    assert res.recommendation.left_out == {220.0: "energy counter rounding"}
+    # 0.32 s windows are also under 10 refreshes of the 100 ms counter: both reasons are said.
+    assert res.recommendation.left_out == {220.0: "energy counter rounding, counter windows too short"}
     said = console_summary(res)
-    assert "Never chosen, whatever their figures: 220 W (energy counter rounding)." in said
+    assert "Never chosen, whatever their figures: 220 W (energy counter rounding, counter windows too short)." in said
     (warn,) = [w for w in res.warnings if w.kind == "energy-resolution"]
     assert warn.levels == (220.0,) and "! energy-resolution: " + warn.message in said
     assert "220 W: 2.6" in warn.message and "refresh" in warn.message and "--max-tokens 448 or more" in warn.message
@@ -875,3 +877,84 @@ def test_the_recommendation_says_the_chosen_levels_j_per_token_and_speed(seed_re
     # "Other policies: min_energy 180, edp 180, ...": levels without their unit.
     others = line[line.index("Other policies: "):].split(".")[0]
     assert re.fullmatch(r"Other policies: (\w+ \d+ W, )*\w+ \d+ W", others), others
+
+
+def test_counter_windows_under_ten_refreshes_are_said_and_never_chosen(tmp_path):
+    # The reviewer's H200 sweep (--max-tokens 48): 0.3 s windows on a 100 ms counter, every window biased alike, so
+    # median and pooled figures agree and nothing was flagged; a policy could choose the level on a figure 8% low.
+    from synthetic_runs import counter_windows
+    import pyarrow as pa
+    from powerprof.storage.schema import WINDOWS
+
+    run = make_run(tmp_path / "run", seed_truth(), levels=SEED_LEVELS, n_requests=4)
+    rows = []
+    for k, level in enumerate(SEED_LEVELS):
+        rows += counter_windows("seed-16g", level, 0.6 if level == 220 else 3.0, n=40, seed=k,
+                                counter_step_s=0.02, run_id="synthetic-0")[0]
+    pq.write_table(pa.Table.from_pylist(rows, schema=WINDOWS), run / "windows.parquet")
+    res = analyze_run([run], tmp_path / "a", n_boot=300, plots=False)
+    by = {r["level_value"]: r for r in res.table.to_pylist()}
+    assert "short-windows" in by[220.0]["flags"].split(",")
+    assert by[220.0]["counter_window_s"] == pytest.approx(0.6, rel=0.05)
+    assert not any("short-windows" in (by[v]["flags"] or "") for v in (180.0, 260.0, 300.0))
+    assert all(c.level_value != 220 for c in res.main.choices.values())
+    assert res.recommendation.left_out == {220.0: "counter windows too short"}
+    (warn,) = [w for w in res.warnings if w.kind == "short-windows"]
+    assert "220 W: 0.60 s" in warn.message and "10 of its refreshes" in warn.message and "--max-tokens" in warn.message
+    assert "! short-windows: " + warn.message in console_summary(res)
+
+
+def test_levels_of_few_windows_say_their_ci_covers_less_than_95_percent(tmp_path):
+    # A level stopped on --max-time at 3 windows printed a "95%" CI that covers ~75% (a median's percentile bootstrap).
+    run = make_run(tmp_path / "run", seed_truth(), levels=SEED_LEVELS, n_requests=3)
+    res = analyze_run([run], tmp_path / "a", n_boot=300, plots=False)
+    assert all("few-windows" in r["flags"].split(",") for r in res.table.to_pylist())
+    (warn,) = [w for w in res.warnings if w.kind == "few-windows"]
+    assert "75.0% at 3" in warn.message and "not the 95%" in warn.message and "--max-time" in warn.message
+    assert "--min-requests" in warn.message
+    assert "! few-windows: " + warn.message in console_summary(res)
+
+
+def test_runs_at_two_concurrencies_pooled_keep_each_series_own_sweep_and_sample_figures(tmp_path):
+    # `analyze runA runB`, A at concurrency 1, B at 4: the sweep's figures were keyed by (kind, value) alone, so both
+    # series printed one SM clock (the runs' samples pooled), draft_n 5340 each (truth 2136 and 3204), a mean
+    # avg_cpu_power_w, and a cap_not_engaged / thermal OR-ed across the two.
+    import pyarrow as pa
+    import pyarrow.compute as pc
+
+    a = make_run(tmp_path / "a", seed_truth(), levels=SEED_LEVELS, n_requests=8, run_id="run-a", seed=1)
+    b = make_run(tmp_path / "b", seed_truth(), levels=SEED_LEVELS, n_requests=8, concurrency=4, run_id="run-b",
+                 seed=2, start=datetime(2026, 1, 15, 14, 0, tzinfo=timezone.utc), thermal_levels=(220,))
+    w = pq.read_table(b / "windows.parquet")
+    pq.write_table(w.filter(pc.equal(w.column("concurrency"), 4)), b / "windows.parquet")  # a real run: one concurrency
+    s = pq.read_table(b / "samples.parquet")
+    s = s.set_column(s.column_names.index("sm_clock_mhz"), "sm_clock_mhz",
+                     pc.subtract(s.column("sm_clock_mhz"), 300.0))  # B's clock 300 MHz lower
+    pq.write_table(s, b / "samples.parquet")
+    for run, conc, drafts, cpu in ((a, 1, 2136, 30.0), (b, 4, 3204, 50.0)):
+        lv = pq.read_table(run / "levels.parquet")
+        lv = lv.filter(pc.equal(lv.column("concurrency"), conc))
+        for col, val, typ in (("draft_n", drafts, pa.int64()), ("avg_cpu_power_w", cpu, pa.float64())):
+            lv = lv.set_column(lv.column_names.index(col), col, pa.array([val] * lv.num_rows, typ))
+        pq.write_table(lv, run / "levels.parquet")
+    res = analyze_run([a, b], tmp_path / "out", n_boot=200, plots=False)
+    by = {s.series.concurrency: {r["level_value"]: r for r in s.table.to_pylist()} for s in res.series}
+    assert sorted(by) == [1, 4]
+    for v in SEED_LEVELS:
+        assert by[1][float(v)]["draft_n"] == 2136 and by[4][float(v)]["draft_n"] == 3204
+        assert by[1][float(v)]["avg_cpu_power_w"] == pytest.approx(30.0)
+        assert by[4][float(v)]["avg_cpu_power_w"] == pytest.approx(50.0)
+        assert by[1][float(v)]["sm_clock_mhz"] == pytest.approx(by[4][float(v)]["sm_clock_mhz"] + 300.0, abs=5)
+    assert by[4][220.0]["thermal_throttle"] and "thermal" in by[4][220.0]["flags"].split(",")
+    assert not by[1][220.0]["thermal_throttle"] and "thermal" not in (by[1][220.0]["flags"] or "")
+
+
+def test_the_analyze_table_marks_the_reference_and_never_prints_minus_zero(tmp_path):
+    # The sweep's end table said "300 W (ref)"; analyze's did not, and a level a hair slower printed "-0.0%".
+    from powerprof.analysis.report import _no_minus_zero
+
+    run = make_run(tmp_path / "run", seed_truth(), levels=SEED_LEVELS, n_requests=8)
+    res = analyze_run([run], tmp_path / "a", n_boot=200, plots=False)
+    (line,) = [x for x in console_summary(res).splitlines() if x.lstrip().startswith("300 W")]
+    assert "(ref)" in line
+    assert f"{_no_minus_zero(-0.04):.1f}" == "0.0" and _no_minus_zero(-0.06) == -0.06 and _no_minus_zero(None) is None

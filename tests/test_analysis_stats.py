@@ -368,3 +368,43 @@ def test_paired_loss_and_saving_cis_hold_their_95_percent_with_few_prompts():
             for col, t in true.items():
                 hits.append(rows[i][col + "_ci_low"] <= t[i] <= rows[i][col + "_ci_high"])
     assert np.mean(hits) >= 0.9, np.mean(hits)
+
+
+def _biased_counter_rows(window_s: float, n: int = 40, j: float = 1.742, level: float = 700.0):
+    # Every window reads the same share low (the simulated H200, 100 ms refresh, 0.3 s windows: all of
+    # them -3..-12%): the median equals the pooled figure, so median vs pooled cannot see the bias.
+    rows = [{"level_kind": "power_limit", "level_value": level, "window_kind": "request", "concurrency": 1,
+             "warmup": False, "status": "ok", "decode_s": window_s, "decode_tokens": 48, "decode_tok_s": 48 / window_s,
+             "prompt_id": f"p{k % 4}", "energy_method": "counter",
+             "gpu_energy_j": 48 * j * (1 + 0.002 * (k % 7))} for k in range(n)]
+    for r in rows:
+        r["gpu_j_per_token"] = r["gpu_energy_j"] / r["decode_tokens"]
+    return rows
+
+
+def test_a_level_of_counter_windows_under_ten_refreshes_is_flagged_whatever_median_vs_pooled_says():
+    # The reviewer's H200 sweep (--max-tokens 48, 100 ms refresh): 0.31 s windows, J/token 8% low with a
+    # ±1.2% CI, median and pooled figure alike, nothing flagged. A window under 10 refreshes is flagged.
+    (r,) = summarize_levels(pa.Table.from_pylist(_biased_counter_rows(0.31), schema=WINDOWS), n_boot=300).to_pylist()
+    assert "short-windows" in (r["flags"] or "").split(",")
+    assert r["counter_window_s"] == pytest.approx(0.31)
+    (r,) = summarize_levels(pa.Table.from_pylist(_biased_counter_rows(1.5), schema=WINDOWS), n_boot=300).to_pylist()
+    assert "short-windows" not in (r["flags"] or "")
+
+
+@pytest.mark.parametrize("n,flagged", [(2, True), (3, True), (4, True), (5, False), (12, False)])
+def test_a_level_of_few_windows_says_its_ci_covers_less_than_95_percent(n, flagged):
+    # A percentile bootstrap of a median covers ~50% at n = 2, 75% at 3, 87.5% at 4, yet was shown as a 95% CI.
+    (r,) = summarize_levels(pa.Table.from_pylist(_biased_counter_rows(3.0, n=n), schema=WINDOWS), n_boot=300).to_pylist()
+    assert r["n_windows"] == n
+    assert ("few-windows" in (r["flags"] or "").split(",")) is flagged
+
+
+@pytest.mark.parametrize("refresh_s,flagged", [(None, True), (0.1, True), (0.02, False)])
+def test_short_windows_count_in_the_refresh_the_sweep_estimated(refresh_s, flagged):
+    # 0.31 s is 3 refreshes of an H200's 100 ms counter but 15 of a 20 ms one; unknown: 100 ms is assumed.
+    extra = {("power_limit", 700.0): {"counter_refresh_s": refresh_s}}
+    (r,) = summarize_levels(pa.Table.from_pylist(_biased_counter_rows(0.31), schema=WINDOWS), n_boot=300,
+                            extra=extra).to_pylist()
+    assert ("short-windows" in (r["flags"] or "").split(",")) is flagged
+    assert r["counter_refresh_s"] == refresh_s

@@ -289,3 +289,12 @@ def test_a_narrow_terminal_never_parts_a_figure_from_its_unit(width):
                       f"+CPU {r['total_j_per_token']:.3f} J/tok", "3.0% slower", "5.0% saving",
                       f"enforced {r['enforced_limit_w']:.0f} W", "SM 2790 MHz", "mem 10251 MHz"):
             assert any(whole in line for line in lines), (whole, text)
+
+
+def test_a_level_a_hair_slower_than_the_reference_prints_0_0_not_minus_0_0():
+    rows = [{"level_kind": "power_limit", "level_value": v, "decode_tok_s": 149.8, "speed_loss_pct": -0.04,
+             "gpu_j_per_token": 1.76, "ci_reached_pct": 0.5, "energy_saving_pct": -0.03, "reference": v == 700.0,
+             "n_windows": 32} for v in (400.0, 700.0)]
+    text = _text(levels_table(pa.Table.from_pylist(rows, schema=LEVELS), "W"), 120)
+    assert "-0.0%" not in text and "0.0%" in text
+    assert "32" in text  # the windows column, where the width allows

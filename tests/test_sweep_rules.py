@@ -74,7 +74,9 @@ def test_sweep_stops_a_level_on_the_paired_ci(tmp_path):
     # full suite beside two CPU hogs once left too few trusted pairs in both of two rounds (a starved client's piles
     # are untrusted windows) and the level ran to max-requests.
     with Rig("a100-40g", nvml=SimNVML("a100-40g")) as rig:
-        run_sweep(rig, levels_spec="400,250", out_dir=out, params=RequestParams(max_tokens=48), idle_s=0,
+        # 128 tokens: ~1.3 s windows. At 48 (0.5 s, under 10 refreshes of a 100 ms counter) the level is flagged
+        # short-windows, which no CI target may end.
+        run_sweep(rig, levels_spec="400,250", out_dir=out, params=RequestParams(max_tokens=128), idle_s=0,
                   interval_s=0.5, min_requests=4, max_requests=16, warmup_requests=0, target_ci=0.0001,
                   target_paired_ci=0.10)  # ±10 points: after one round of 4 prompts the widened CI is ±2.6-2.9 quiet
     levels = pq.read_table(out / "levels.parquet").to_pandas().set_index("level_value")
@@ -96,3 +98,32 @@ def test_the_stopped_note_counts_distinct_levels_not_visits():
     grid = [(300.0, 0, "c0", None), (300.0, 0, "c1", None), (300.0, 1, "c0", None)]
     assert _kept_note("RUN", grid) == "stopped: 2 finished levels (3 visits) kept in RUN (powerprof analyze RUN)"
     assert _kept_note("RUN", []) == "stopped before any level finished: RUN holds nothing to analyse"
+
+
+def test_a_level_of_windows_under_ten_counter_refreshes_never_stops_on_its_ci():
+    # Short counter windows share one bias the CI cannot see: a tight CI there is no reason to stop.
+    s = SweepSettings("power_limit", (700,), min_requests=5, target_ci=0.02, max_time_s=60)
+    j = np.full(20, 1.742)
+    assert stop_reason(j, 5.0, s, counter_window_s=2.0) == "ci-reached"
+    assert stop_reason(j, 5.0, s, counter_window_s=0.31) is None
+    assert stop_reason(j, 61.0, s, counter_window_s=0.31) == "max-time"
+
+
+def test_max_time_counts_from_the_end_of_the_warm_up(tmp_path):
+    # --help says "(after warm-up)", but the clock started before the warm-up batch: a level whose warm-up took its
+    # whole --max-time got one round. 8 warm-ups of ~0.4 s (3.2 s) against --max-time 3: one round of 4 then, two now.
+    import pyarrow.parquet as pq
+
+    from powerprof.rig import Rig
+    from powerprof.sim.nvml import SimNVML
+    from powerprof.sweep import run_sweep
+    from powerprof.workload.client import RequestParams
+
+    out = tmp_path / "warm"
+    with Rig("seed-16g", nvml=SimNVML("seed-16g")) as rig:
+        run_sweep(rig, levels_spec="300", out_dir=out, params=RequestParams(max_tokens=32), idle_s=0,
+                  interval_s=0.5, min_requests=2, max_requests=40, warmup_requests=8, target_ci=0.0001,
+                  max_time_s=3.0)
+    (row,) = pq.read_table(out / "levels.parquet").to_pylist()
+    assert row["stop_rule"] == "max-time"
+    assert row["n_requests"] >= 8, row["n_requests"]

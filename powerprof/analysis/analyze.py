@@ -233,7 +233,7 @@ def analyze(
 ) -> AnalysisResult:
     """Everything `powerprof analyze` computes, from pooled windows and the runs' metadata.
 
-    level_figures: {(level_kind, level_value): {column: value}} of sensor figures per level
+    level_figures: {(level_kind, level_value, concurrency): {column: value}} of sensor figures per level (stats.level_extra)
     (from the sweep's levels.parquet or the samples); see loading.py.
     judge_interrupted: False where the caller judges unfinished levels over more windows than these
     (a configuration sweep's analysis gets only its chosen configuration's), which then gives
@@ -332,14 +332,17 @@ def left_out_reason(row: dict, interrupted: bool = False) -> str | None:
     figures are the reference's plus noise, so a "saving" there is noise), a level the sweep was
     still measuring when it stopped (interrupted: part of a round of the prompt set), a median
     J/token on one rounding of a coarse energy counter (energy-resolution: off by more than its CI,
-    which resampling cannot see)."""
+    which resampling cannot see), windows read on the counter under 10 of its refreshes (short-windows: a bias all
+    of them share, which neither the CI nor the pooled figure sees)."""
     flags = set((row.get("flags") or "").split(","))
     why = [w for w, bad in (("thermal throttling", row.get("thermal_throttle")),
                             ("cap not engaged", row.get("cap_not_engaged") and not row.get("reference")),
                             ("interrupted", interrupted),
                             # Others' work beside it for the level's whole budget: an incomplete round of the prompts.
                             ("others' work beside it", "foreign-traffic" in (row.get("stop_rule") or "").split(",")),
-                            ("energy counter rounding", "energy-resolution" in flags)) if bad]
+                            ("energy counter rounding", "energy-resolution" in flags),
+                            # Counter windows under 10 refreshes: a bias every window shares (analysis.stats).
+                            ("counter windows too short", "short-windows" in flags)) if bad]
     return ", ".join(why) or None
 
 

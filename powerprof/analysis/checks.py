@@ -9,12 +9,12 @@ import numpy as np
 import pyarrow as pa
 
 from powerprof.collectors.cputime import BUSY_HOST_FIX, BUSY_HOST_FLAG, busy_host_text
-from powerprof.energy import ROUNDED_WINDOW_S, max_tokens_for_windows
+from powerprof.energy import ROUNDED_WINDOW_S, SHORT_WINDOW_REFRESHES, max_tokens_for_windows, short_counter_window_s
 from powerprof.profiler import POWER_EDGE_BIAS_WINDOW_S
 from powerprof.workload.servercount import FOREIGN_FIX, FOREIGN_FLAG
 
 from .fits import ModelFit
-from .stats import INSTANT_POWER_FLAG, NO_BUSY_FLAG, LevelSeries
+from .stats import FEW_WINDOWS_FLAG, INSTANT_POWER_FLAG, MIN_CI_WINDOWS, NO_BUSY_FLAG, SHORT_WINDOWS_FLAG, LevelSeries
 from .sweetspot import Choice
 
 TARGET_CI_PCT = 2.0  # the sweep's default --target-ci, as a percentage
@@ -24,7 +24,7 @@ POOR_FIT_R2 = 0.9
 
 @dataclass(frozen=True)
 class Finding:
-    kind: str  # edge | between-levels | no-clear-saving | cap-not-engaged | energy-resolution | wide-ci | one-window | few-prompts | unstable-choice | thermal | failed | fit | unstored | untrusted-timing | impossible-figures | implausible-samples | interrupted | forced-pool | reference | busy-host | foreign-traffic | instant-power
+    kind: str  # edge | between-levels | no-clear-saving | cap-not-engaged | energy-resolution | short-windows | wide-ci | one-window | few-windows | few-prompts | unstable-choice | thermal | failed | fit | unstored | untrusted-timing | impossible-figures | implausible-samples | interrupted | forced-pool | reference | busy-host | foreign-traffic | instant-power
     message: str
     levels: tuple[float, ...] = ()
 
@@ -148,6 +148,10 @@ def level_findings(levels: pa.Table, target_ci_pct: float | None = None, max_tim
     if coarse:
         out.append(Finding("energy-resolution", _energy_resolution_message(coarse, unit),
                            tuple(r["level_value"] for r in coarse)))
+    short = [r for r in rows if r["flags"] and SHORT_WINDOWS_FLAG in r["flags"].split(",")]
+    if short:
+        out.append(Finding(SHORT_WINDOWS_FLAG, _short_windows_message(short, unit),
+                           tuple(r["level_value"] for r in short)))
     instant = [r for r in rows if r["flags"] and INSTANT_POWER_FLAG in r["flags"].split(",")]
     if instant:
         out.append(Finding(INSTANT_POWER_FLAG, _instant_power_message(instant, unit),
@@ -172,6 +176,9 @@ def level_findings(levels: pa.Table, target_ci_pct: float | None = None, max_tim
             f"one measured window at {', '.join(_fmt(v, unit) for v in one)} (a trace replayed once per level): "
             "its J/token has no confidence interval and the recommendation no resampling spread; replay each "
             "level more than once (--repeats 3) to get them."), tuple(one)))
+    few_w = [r for r in rows if r["flags"] and FEW_WINDOWS_FLAG in r["flags"].split(",")]
+    if few_w:
+        out.append(Finding(FEW_WINDOWS_FLAG, _few_windows_message(few_w, unit), tuple(r["level_value"] for r in few_w)))
     th = [r["level_value"] for r in rows if r.get("thermal_throttle")]
     if th:
         out.append(Finding("thermal", (
@@ -216,6 +223,48 @@ def level_findings(levels: pa.Table, target_ci_pct: float | None = None, max_tim
             f"{_fmt(r['level_value'], unit)}: {r['n_failed']}" for r in failed) + ".",
             tuple(r["level_value"] for r in failed)))
     return out
+
+
+def _short_windows_message(rows: list[dict], unit: str) -> str:
+    """Why the figures of levels read on counter windows under 10 refreshes are not trusted, and the fix."""
+    lengths = ", ".join(f"{_fmt(r['level_value'], unit)}: {r['counter_window_s']:.2f} s" for r in rows
+                        if r.get("counter_window_s") is not None)
+    refresh = [r.get("counter_refresh_s") for r in rows]
+    known = [x for x in refresh if x is not None]
+    need_s = max(short_counter_window_s(x) for x in refresh)
+    how = (f"{need_s:g} s: {SHORT_WINDOW_REFRESHES} × the {max(known) * 1000:.0f} ms refresh estimated from the run's "
+           "counter reads" if len(known) == len(refresh) else
+           f"{need_s:g} s at a 100 ms refresh, the coarsest drivers use (an H200's): the run's own refresh is not "
+           "known (too few counter reads to estimate it)")
+    rates = [r["decode_tok_s"] / max(int(r.get("concurrency") or 1), 1) for r in rows if r.get("decode_tok_s")]
+    need = int(math.ceil(need_s * max(rates) / 64) * 64) if rates else 0
+    ref = [r for r in rows if r.get("reference")]
+    return (
+        f"median decode window read on the GPU energy counter shorter than {SHORT_WINDOW_REFRESHES} of its refreshes "
+        f"({how}): {lengths}. Each window reads a whole number of refresh steps and its edges a few ms after its power "
+        "steps, a bias all its windows share (a simulated H200 at 0.3 s: J/token and power 7-10% low under a ±1.2% CI), "
+        "which neither the CI nor the pooled figure can see. "
+        + "No policy chooses these levels"
+        + (" but the reference (keeping the default is always a choice), and every saving is against its figure"
+           if ref else "")
+        + f", and no CI target ended them. Fix: longer requests, so each window spans {SHORT_WINDOW_REFRESHES} "
+        + "refreshes or more: "
+        + (f"--max-tokens {need} or more ({need_s:g} s windows at {max(rates):.0f} tokens/s; "
+           f"{ROUNDED_WINDOW_S:g} s windows for ~1%: --max-tokens {max_tokens_for_windows(max(rates))})." if need
+           else f"--max-tokens giving windows of {need_s:g} s or more.")
+    )
+
+
+def _few_windows_message(rows: list[dict], unit: str) -> str:
+    """Why a CI from 2-4 windows is no 95% CI, and the fix."""
+    counts = ", ".join(f"{_fmt(r['level_value'], unit)}: {r['n_windows']}" for r in rows)
+    n = min(int(r["n_windows"]) for r in rows)
+    cover = (1 - 2.0 ** (1 - n)) * 100
+    return (
+        f"fewer than {MIN_CI_WINDOWS} measured windows ({counts}): the bootstrap CI of a median of n windows covers "
+        f"the truth at most 1 - 2^(1-n) of the time ({cover:.1f}% at {n}; 50% at 2, 75% at 3, 87.5% at 4), not the 95% "
+        f"it is labelled, so its ± is narrower than it should be. Fix: a longer --max-time (the level stopped on its "
+        f"time budget), or --min-requests {MIN_CI_WINDOWS} or more with the time to reach it.")
 
 
 def _energy_resolution_message(rows: list[dict], unit: str) -> str:

@@ -249,7 +249,8 @@ def level_figures(sums: dict[tuple, LevelSums]) -> dict[tuple, dict]:
     (collectors/clock_reasons.py), the cap rule judged per GPU (`cap_by_gpu`). Powers are per GPU: every
     sample is one GPU's reading."""
     out = {}
-    for (kind, value), a in sums.items():
+    for key, a in sums.items():  # (kind, value), or (kind, value, concurrency) pooled by the analysis
+        kind, value = key[0], key[1]
         power, limit, reasons = cap_figures(kind, value, a)
         enforced = a.enforced_sum / a.enforced_n if a.enforced_n else None
         if kind == "power_limit" and a.devices:
@@ -258,7 +259,7 @@ def level_figures(sums: dict[tuple, LevelSums]) -> dict[tuple, dict]:
             not_engaged, loose = cap_not_engaged(power, limit, reasons), None
         else:
             not_engaged, loose = None, None
-        out[(kind, value)] = {
+        out[key] = {
             "sample_power_w": power,
             "enforced_limit_w": enforced,
             "sm_clock_mhz": a.clock_sum / a.clock_n if a.clock_n else None,

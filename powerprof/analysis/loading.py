@@ -498,7 +498,10 @@ SAMPLE_LEVEL_COLUMNS = ("enforced_limit_w", "avg_cpu_power_w", "sm_clock_mhz", "
                         "cap_not_engaged_gpus", "thermal_throttle",
                         "no_busy_clock")  # not a levels column: the flag no-busy-reading (stats.NO_BUSY_FLAG)
 # What only the sweep knows about a level, carried from levels.parquet into the analysis.
-SWEEP_LEVEL_COLUMNS = SAMPLE_LEVEL_COLUMNS + ("stop_rule", "draft_n", "draft_n_accepted", "draft_acceptance", "draft_source")
+SWEEP_LEVEL_COLUMNS = SAMPLE_LEVEL_COLUMNS + ("stop_rule", "draft_n", "draft_n_accepted", "draft_acceptance", "draft_source",
+                                              "counter_refresh_s")
+# Pooled over runs by their largest: a slower refresh needs longer windows (analysis.stats short-windows).
+MAX_LEVEL_COLUMNS = ("counter_refresh_s",)
 SUMMED_LEVEL_COLUMNS = ("draft_n", "draft_n_accepted")  # pooled over runs by their sum, not their mean
 
 
@@ -585,11 +588,28 @@ def sample_level_figures(runs: list[RunInfo], windows: pa.Table | None,
             sums, tl = scan_samples(r, windows, con=con)
             if tl is not None:
                 timelines.append(tl)
-            for key, s in sums.items():
-                pooled.setdefault(key, engine.LevelSums()).add(s)
+            # Samples carry no concurrency: the run's own (one per sweep) keys them, so a run at concurrency 4 pooled
+            # with one at 1 keeps its own clocks and flags (they were averaged and OR-ed into both series).
+            conc = run_concurrency(r, windows)
+            for (kind, value), s in sums.items():
+                pooled.setdefault((kind, value, conc), engine.LevelSums()).add(s)
             if implausible is not None and any(s.power_bad_n or s.clock_bad_n for s in sums.values()):
                 implausible[r.path / "samples.parquet"] = {"max_limit_w": highest_limit_w(r), "levels": sums}
     return engine.level_figures(pooled), timelines
+
+
+def run_concurrency(run: RunInfo, windows: pa.Table | None) -> int | None:
+    """The one concurrency of the run's windows (a sweep runs one), 1 where they say none; None where they hold
+    several (a figure from its samples then belongs to no one series: stats.level_extra falls back to it)."""
+    if windows is None or windows.num_rows == 0:
+        return 1
+    mine = windows
+    if "run_id" in windows.column_names:
+        mine = windows.filter(pc.equal(windows.column("run_id"), run.run_id).fill_null(False))
+    if "concurrency" not in mine.column_names or mine.num_rows == 0:
+        return 1
+    c = {int(x) if x is not None and x >= 1 else 1 for x in mine.column("concurrency").to_pylist()}
+    return c.pop() if len(c) == 1 else None
 
 
 def _measured_intervals_us(windows: pa.Table | None, run_id: str) -> tuple[np.ndarray, np.ndarray]:
@@ -619,8 +639,9 @@ def _pool(v: list):
 def sweep_level_figures(runs: list[RunInfo], where: dict | None = None) -> dict:
     """The sensor columns the sweep already wrote to levels.parquet, pooled over runs:
     numbers averaged, flags OR-ed, strings (stop_rule) joined once each.
-    {(level_kind, level_value): {column: value}}. where: only rows with these values (one
-    configuration of a configuration sweep: {"config_id": ..., "context_tokens": ...})."""
+    {(level_kind, level_value, concurrency): {column: value}}: a level at another concurrency is another level
+    (runs at concurrency 1 and 4 pooled had one draft_n, the sum of both, and one clock). where: only rows with
+    these values (one configuration of a configuration sweep: {"config_id": ..., "context_tokens": ...})."""
     pooled: dict[tuple, dict[str, list]] = {}
     for r in runs:
         p = r.path / "levels.parquet"
@@ -636,16 +657,20 @@ def sweep_level_figures(runs: list[RunInfo], where: dict | None = None) -> dict:
             raise AnalysisError(why)
         cols = [c for c in SWEEP_LEVEL_COLUMNS if c in t.column_names and c in LEVELS.names]
         keys = tuple(where or ())
-        for row in t.select([c for c in ("level_kind", "level_value", *keys, *cols) if c in t.column_names]).to_pylist():
+        for row in t.select([c for c in ("level_kind", "level_value", "concurrency", *keys, *cols)
+                             if c in t.column_names]).to_pylist():
             if any(row.get(k) != v for k, v in (where or {}).items()):
                 continue
-            d = pooled.setdefault((row.get("level_kind"), row.get("level_value")), {})
+            conc = row.get("concurrency")
+            d = pooled.setdefault((row.get("level_kind"), row.get("level_value"),
+                                   int(conc) if conc is not None and conc >= 1 else 1), {})
             for c in cols:
                 if row.get(c) is not None:
                     d.setdefault(c, []).append(row[c])
     out = {}
     for key, d in pooled.items():
-        out[key] = {c: _pool(v) for c, v in d.items() if c not in SUMMED_LEVEL_COLUMNS}
+        out[key] = {c: max(v) if c in MAX_LEVEL_COLUMNS else _pool(v) for c, v in d.items()
+                    if c not in SUMMED_LEVEL_COLUMNS}
         # Counts over the level's measured requests add up over runs (averaged, 1000 and 101 drafts read 550, and
         # the acceptance a mean of ratios); the acceptance is the sums' ratio again.
         for c in SUMMED_LEVEL_COLUMNS:

@@ -683,6 +683,11 @@ def _wrap(text: str, width: int, subsequent_indent: str = "") -> list[str]:
         glued, width, subsequent_indent=subsequent_indent, break_long_words=False, break_on_hyphens=False)]
 
 
+def _no_minus_zero(v):
+    """0.0 where a percentage rounds to zero at one decimal: a level a hair slower printed -0.0%."""
+    return 0.0 if v is not None and round(v, 1) == 0 else v
+
+
 _HEAD = f"{'level':>8}  {'tok/s':>7}  {'J/token':>8}  {'±CI%':>5}  {'slower':>7}  {'saving':>7}  "
 
 
@@ -696,8 +701,10 @@ def _level_rows(sr, width: int | None) -> list[str]:
     for r in rows:
         fixed.append(f"{r['level_value']:>6g} {u:<2}{'*' if r['recommended'] else ' '}{_f(r['decode_tok_s'], '7.1f'):>7}  "
                      f"{_f(r['gpu_j_per_token'], '8.3f'):>8}  {_f(r['ci_reached_pct'], '5.1f'):>5}  "
-                     f"{_f(r['speed_loss_pct'], '6.1f'):>6}%  {_f(r['energy_saving_pct'], '6.1f'):>6}%  ")
-        tails.append((r["chosen_by"] or "") + ("  [" + r["flags"] + "]" if r["flags"] else "")
+                     f"{_f(_no_minus_zero(r['speed_loss_pct']), '6.1f'):>6}%  "
+                     f"{_f(_no_minus_zero(r['energy_saving_pct']), '6.1f'):>6}%  ")
+        # "(ref)" as the sweep's end table marks it: every loss and saving is against that level.
+        tails.append(("(ref)" + ("  " if r["chosen_by"] else "") if r.get("reference") else "") + (r["chosen_by"] or "") + ("  [" + r["flags"] + "]" if r["flags"] else "")
                      + (f"  [{_never_chosen(r)}]" if _never_chosen(r) else ""))
     if width is None:
         return [_HEAD + "chosen by"] + [f + t for f, t in zip(fixed, tails)]
@@ -714,7 +721,8 @@ def _level_rows(sr, width: int | None) -> list[str]:
     for r in rows:
         p = (f"{r['level_value']:g} {u}{' *' if r['recommended'] else ''}: {_f(r['decode_tok_s'], '.1f')} tok/s, "
              f"{_f(r['gpu_j_per_token'], '.3f')} J/token ±{_f(r['ci_reached_pct'], '.1f')}%, "
-             f"{_f(r['speed_loss_pct'], '.1f')}% slower, {_f(r['energy_saving_pct'], '.1f')}% saving")
+             f"{_f(_no_minus_zero(r['speed_loss_pct']), '.1f')}% slower, "
+             f"{_f(_no_minus_zero(r['energy_saving_pct']), '.1f')}% saving" + (" (ref)" if r.get("reference") else ""))
         if r["chosen_by"]:
             p += "; chosen by " + r["chosen_by"].replace(",", ", ")
         if r["flags"]:

@@ -19,7 +19,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 
 from powerprof.collectors.cputime import BUSY_HOST_FLAG, BUSY_HOST_PCT, cpu_shares_pct
-from powerprof.energy import median_off_by_rounding, within_prompt_offset
+from powerprof.energy import median_off_by_rounding, short_counter_window_s, within_prompt_offset
 from powerprof.profiler import METHOD_POWER, POWER_EDGE_BIAS_SHARE, POWER_EDGE_BIAS_WINDOW_S
 from powerprof.storage.schema import LEVELS
 from powerprof.workload.servercount import FOREIGN_FLAG
@@ -291,6 +291,13 @@ class LevelSeries:
 # its clock figures, the busy readings' means, are empty. Before, a "-" with no reason.
 NO_BUSY_FLAG = "no-busy-reading"
 INSTANT_POWER_FLAG = "instant-power"  # J/token integrated from instant power over windows under POWER_EDGE_BIAS_WINDOW_S
+# The level's median counter-read window is under energy.SHORT_COUNTER_WINDOW_S (10 refreshes): a bias all its
+# windows share, which no CI and no median-vs-pooled check sees. Left out of every policy as energy-resolution is.
+SHORT_WINDOWS_FLAG = "short-windows"
+# 2 to MIN_CI_WINDOWS - 1 windows: a percentile bootstrap of a median covers ~50% at 2 windows, 75% at 3, 87.5% at 4
+# (1 - 2^(1-n): every resample's median lies between the smallest and the largest window), not the 95% stated.
+FEW_WINDOWS_FLAG = "few-windows"
+MIN_CI_WINDOWS = 5
 
 
 def _ratio(a: np.ndarray, b: np.ndarray) -> np.ndarray:
@@ -623,7 +630,7 @@ def summarize_levels(
     """One LEVELS row per (level_kind, level_value, concurrency) of the measured windows.
 
     reference_value: the default limit; it is the reference when measured, else the highest level.
-    extra: {(level_kind, level_value): {column: value}} for what the samples say (avg_gpu_power_w,
+    extra: {(level_kind, level_value, concurrency): {column: value}} (stats.level_extra) for what the samples say (avg_gpu_power_w,
     sm_clock_mhz, enforced_limit_w, cap_not_engaged, thermal_throttle, ...); it overrides the
     window-derived figure of the same column, and its boolean flags join `flags`.
     """
@@ -651,6 +658,8 @@ def levels_table(
                 # One window (a trace replayed once): resampling it says nothing; no CI, not a zero-width one.
                 tok_lo = tok_hi = j_lo = j_hi = float("nan")
                 flags.append("one-window")
+            elif 2 <= s.n_windows[i] < MIN_CI_WINDOWS:
+                flags.append(FEW_WINDOWS_FLAG)  # a CI from 2-4 windows covers 50-87.5%, not 95%
             j = s.j_per_token[i]
             half_pct = (j_hi - j_lo) / 2 / j * 100 if np.isfinite(j) and j else float("nan")
             if s.n_failed[i]:
@@ -667,6 +676,7 @@ def levels_table(
             if s.counter_window_s is not None and median_off_by_rounding(j, pooled, (j_hi - j_lo) / 2,
                                                                           s.counter_window_s[i], offset):
                 flags.append("energy-resolution")
+            counter_s = s.counter_window_s[i] if s.counter_window_s is not None else float("nan")
             power_s = s.power_window_s[i] if s.power_window_s is not None else float("nan")
             if power_s < POWER_EDGE_BIAS_WINDOW_S:
                 flags.append(INSTANT_POWER_FLAG)  # no counter: short windows' edges biased by the reading's lag
@@ -707,8 +717,10 @@ def levels_table(
                 "energy_saving_pct_ci_high": save_ci[1],
                 "other_cpu_pct": other_pct,
                 "powerprof_cpu_pct": s.powerprof_cpu_pct[i] if s.powerprof_cpu_pct is not None else float("nan"),
+                "counter_window_s": counter_s,
             }
-            for k, val in (extra or {}).get((s.level_kind, row["level_value"]), {}).items():
+            own = level_extra(extra, s.level_kind, row["level_value"], s.concurrency)
+            for k, val in own.items():
                 if val is not None and k in LEVELS.names:
                     row[k] = val
             for flag, col in (("cap-not-engaged", "cap_not_engaged"), ("thermal", "thermal_throttle")):
@@ -716,12 +728,27 @@ def levels_table(
                     flags.append(flag)
             if row.get("cap_not_engaged_gpus") and not row.get("cap_not_engaged"):
                 flags.append("cap-partly-engaged")
-            if (extra or {}).get((s.level_kind, row["level_value"]), {}).get("no_busy_clock") and \
+            # Under 10 refreshes of the counter (the sweep's estimate of it, else 100 ms); NaN (no counter window)
+            # compares False.
+            if counter_s < short_counter_window_s(row.get("counter_refresh_s")):
+                flags.append(SHORT_WINDOWS_FLAG)
+            if own.get("no_busy_clock") and \
                     row.get("sm_clock_mhz") is None:
                 flags.append(NO_BUSY_FLAG)
             row["flags"] = ",".join(flags) or None
             rows.append({k: _clean(x) for k, x in row.items()})
     return pa.Table.from_pylist(rows, schema=LEVELS) if rows else LEVELS.empty_table()
+
+
+def level_extra(extra: dict | None, kind: str, value: float | None, concurrency: int) -> dict:
+    """The sensor figures of one level of one series: keyed (level_kind, level_value, concurrency), as a level at
+    another concurrency is another level; (kind, value, None) where a run's samples spanned several concurrencies
+    (loading.run_concurrency), and (kind, value) where one run's sweep wrote them (one concurrency); the most
+    specific figure given wins, the others fill what it lacks."""
+    extra, out = extra or {}, {}
+    for key in ((kind, value), (kind, value, None), (kind, value, concurrency)):  # the most specific wins
+        out.update({k: v for k, v in extra.get(key, {}).items() if v is not None})
+    return out
 
 
 def _clean(x):

@@ -166,7 +166,7 @@ LEVELS_COLUMNS = [
     ("reference", BOOL),
     ("cap_not_engaged", BOOL),
     ("thermal_throttle", BOOL),
-    # comma-separated: cap-not-engaged, cap-partly-engaged, thermal, failed-requests, wide-ci, one-window, no-measured-windows, energy-resolution, server-restarted, server-away, interrupted, busy-host, foreign-traffic, no-busy-reading
+    # comma-separated: cap-not-engaged, cap-partly-engaged, thermal, failed-requests, wide-ci, one-window, few-windows, no-measured-windows, energy-resolution, short-windows, server-restarted, server-away, interrupted, busy-host, foreign-traffic, no-busy-reading
     ("flags", STR),
     ("energy_method", STR),
     # Appended by the analysis (issue 6): levels at different concurrencies are different levels,
@@ -204,6 +204,12 @@ LEVELS_COLUMNS = [
     # The windows the figures rest on (requests at concurrency 1, batches above; a trace run's replays): n_requests
     # counts every successful request, those left out too (others' work beside them, untrusted timing).
     ("n_windows", I32),
+    # s: median decode window of the level's counter-read windows (null: none read on a counter). Under 10 refreshes
+    # of the counter (energy.short_counter_window_s) the level is flagged short-windows.
+    ("counter_window_s", F64),
+    # s: the energy counter's refresh period the sweep estimated from its reads (the slowest GPU's); null: not known
+    # (too few reads, no counter), 100 ms assumed.
+    ("counter_refresh_s", F64),
 ]
 
 # `powerprof analyze`: the merged levels of one or more runs, the fitted curves at each level and
