@@ -236,7 +236,7 @@ def _short_windows_message(rows: list[dict], unit: str) -> str:
            "counter reads" if len(known) == len(refresh) else
            f"{need_s:g} s at a 100 ms refresh, the coarsest drivers use (an H200's): the run's own refresh is not "
            "known (too few counter reads to estimate it)")
-    rates = [r["decode_tok_s"] / max(int(r.get("concurrency") or 1), 1) for r in rows if r.get("decode_tok_s")]
+    rates = _stream_rates(rows)
     need = int(math.ceil(need_s * max(rates) / 64) * 64) if rates else 0
     ref = [r for r in rows if r.get("reference")]
     return (
@@ -244,15 +244,25 @@ def _short_windows_message(rows: list[dict], unit: str) -> str:
         f"({how}): {lengths}. Each window reads a whole number of refresh steps and its edges a few ms after its power "
         "steps, a bias all its windows share (a simulated H200 at 0.3 s: J/token and power 7-10% low under a ±1.2% CI), "
         "which neither the CI nor the pooled figure can see. "
-        + "No policy chooses these levels"
-        + (" but the reference (keeping the default is always a choice), and every saving is against its figure"
-           if ref else "")
+        + _unchosen(ref, "saving is against its figure")
         + f", and no CI target ended them. Fix: longer requests, so each window spans {SHORT_WINDOW_REFRESHES} "
         + "refreshes or more: "
         + (f"--max-tokens {need} or more ({need_s:g} s windows at {max(rates):.0f} tokens/s; "
            f"{ROUNDED_WINDOW_S:g} s windows for ~1%: --max-tokens {max_tokens_for_windows(max(rates))})." if need
            else f"--max-tokens giving windows of {need_s:g} s or more.")
     )
+
+
+def _stream_rates(rows: list[dict]) -> list[float]:
+    """Each level's decode tokens a second per stream (its rate over its concurrency): what a window's length in
+    tokens is reckoned from."""
+    return [r["decode_tok_s"] / max(int(r.get("concurrency") or 1), 1) for r in rows if r.get("decode_tok_s")]
+
+
+def _unchosen(ref: list, against: str) -> str:
+    """That no policy chooses the levels flagged, save the reference among them (whose figure the savings are against)."""
+    return "No policy chooses these levels" + (
+        f" but the reference (keeping the default is always a choice), and every {against}" if ref else "")
 
 
 def _few_windows_message(rows: list[dict], unit: str) -> str:
@@ -275,7 +285,7 @@ def _energy_resolution_message(rows: list[dict], unit: str) -> str:
         + (f", CI ±{r['ci_reached_pct']:.1f}%" if r.get("ci_reached_pct") is not None else "") + ")"
         for r in rows)
     window_s = ROUNDED_WINDOW_S
-    rates = [r["decode_tok_s"] / max(int(r.get("concurrency") or 1), 1) for r in rows if r.get("decode_tok_s")]
+    rates = _stream_rates(rows)
     need = max_tokens_for_windows(max(rates)) if rates else None
     ref = [r for r in rows if r.get("reference")]
     return (
@@ -283,9 +293,7 @@ def _energy_resolution_message(rows: list[dict], unit: str) -> str:
         f"than its CI: {gaps}. The decode windows are short against the GPU energy counter's refresh (10-100 ms): "
         "each window reads a whole number of refresh steps, and the median of windows of one length lands on one "
         "rounding instead of their mean, a bias the CI cannot see; the pooled figure averages it out. "
-        + "No policy chooses these levels"
-        + (" but the reference (keeping the default is always a choice), and every energy saving is against its "
-           "biased median" if ref else "")
+        + _unchosen(ref, "energy saving is against its biased median")
         + ". Fix: longer requests, so each window spans many refreshes: "
         + (f"--max-tokens {need} or more ({window_s:g} s windows at {max(rates):.0f} tokens/s)." if need
            else f"--max-tokens giving windows of {window_s:g} s or more.")
@@ -294,7 +302,7 @@ def _energy_resolution_message(rows: list[dict], unit: str) -> str:
 
 def _instant_power_message(rows: list[dict], unit: str) -> str:
     """Why J/token integrated from instant power over short windows is biased (profiler.POWER_EDGE_BIAS_WINDOW_S)."""
-    rates = [r["decode_tok_s"] / max(int(r.get("concurrency") or 1), 1) for r in rows if r.get("decode_tok_s")]
+    rates = _stream_rates(rows)
     need = max_tokens_for_windows(max(rates)) if rates else 0
     need = int(math.ceil(need * POWER_EDGE_BIAS_WINDOW_S / ROUNDED_WINDOW_S / 64) * 64) if need else 0
     return (
