@@ -43,6 +43,7 @@ from aiohttp import web
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
 from . import batching
+from . import chatshape
 from . import knobs
 from .gpu import Phase
 from .nvml import SimNVML
@@ -181,6 +182,8 @@ class _Req:
     textless: int = 0  # of its generated tokens, those with no text (SimServer.textless_share)
     logprobs: bool = False  # chat's `logprobs: true` (the llama.cpp flavour lists each chunk's tokens)
     ctx_cut: bool = False  # its n_predict was lowered to what the context leaves after the prompt
+    shape: object = None  # a chat stream's chatshape.ChatShape: thinking, a tool call (None: content alone)
+    echo_text: str = ""  # vLLM's chat `echo`: the last message's content, sent after the role chunk
 
 
 # Late by more than this (the process was stopped, say): start the step schedule afresh rather
@@ -263,6 +266,9 @@ class SimServer:
         sglang_warmup: bool = True,
         sglang_idle_log_s: float = SGLANG_IDLE_LOG_S,
         textless_share: float = 0.0,
+        reasoning_tokens: int = 0,
+        reasoning_field: str = "reasoning_content",
+        tool_call_parser: bool = False,
         prefix_cache: bool = False,
         prompt_details: bool = False,
         cold_batch_factor: float = 1.0,
@@ -379,6 +385,13 @@ class SimServer:
         if not 0.0 <= float(textless_share) < 1.0:
             raise ValueError("textless_share must be at least 0 and below 1")
         self.textless_share = float(textless_share)
+        # A thinking model behind a reasoning parser (vLLM and SGLang `--reasoning-parser`): each chat answer's first
+        # `reasoning_tokens` tokens are its thinking (then one end-of-thinking token), streamed as `reasoning_field`
+        # deltas (vLLM before late 2025 and SGLang: "reasoning_content"; newer vLLM "reasoning"). SGLang streams tool
+        # calls only when started with a tool-call parser (`tool_call_parser`). Settable between requests.
+        self.reasoning_tokens = int(reasoning_tokens)
+        self.reasoning_field = reasoning_field
+        self.tool_call_parser = bool(tool_call_parser)
         # `--api-key`: llama-server answers 401 on everything but its public endpoints (/health, /models, /v1/models:
         # server.cpp's public_endpoints); vLLM guards its /v1 routes only (its /metrics, /health, /version are open);
         # SGLang everything but /health* and /metrics.
@@ -1677,6 +1690,8 @@ class SimServer:
         req.ctx_cut = n_predict < asked  # llama-server's `truncated` once it stops at the limit
         req.client_id = request.headers.get("X-Sim-Request-Id")
         req.logprobs = api == "openai-chat" and body.get("logprobs") is True
+        if api == "openai-chat":
+            self._plan_chat(req, body)
         if api == "anthropic-messages" and self.flavour == "vllm" and stream:
             opts = {"include_usage": True, "continuous_usage_stats": True}  # vLLM asks its chat stream for both
         if api in ("llamacpp", "openai-completions") and self.flavour == "llamacpp" and body.get("return_progress") is True:
@@ -1691,6 +1706,19 @@ class SimServer:
             if req in self._active or req in self._waiting:
                 req.cancelled = True
                 self._wake.set()
+
+    def _plan_chat(self, req: _Req, body: dict) -> None:
+        """How a chat answer's tokens show in its stream, as the flavour's server parses them (docs/simulator.md,
+        Thinking, tool calls and chat echo): vLLM's `echo`, a thinking model's reasoning, a forced tool call."""
+        if self.flavour == "vllm":
+            req.echo_text = chatshape.chat_echo(body)
+        if self.flavour not in ("vllm", "sglang"):
+            return
+        tool, name = chatshape.wanted_tool(body, self.flavour, self.tool_call_parser)
+        think = chatshape.thinks(body, self.reasoning_tokens)
+        if tool or think:
+            field_name = self.reasoning_field if self.flavour == "vllm" else "reasoning_content"
+            req.shape = chatshape.ChatShape(self.flavour, think, field_name, tool, name or "f")
 
     async def _serve_whole(self, api: str, req: _Req, echo: _Echo = _NO_ECHO) -> web.Response:
         ids_all, text_all = [], ""
@@ -1908,6 +1936,9 @@ class SimServer:
                 await out.send(oai_chunk(choice))
                 return
             choice = {"index": 0, "finish_reason": finish}
+            if chat and req.shape is not None:
+                await send_shaped(ids, text, finish)
+                return
             if chat:
                 choice["delta"] = {"content": text}
             else:
@@ -1923,6 +1954,26 @@ class SimServer:
                 if sglang:
                     extra["usage"]["total_tokens"] = req.prompt_tokens + sent
             await out.send(oai_chunk(choice, **extra))
+
+        def running() -> dict:
+            if not continuous:
+                return {}
+            u = {"prompt_tokens": req.prompt_tokens, "completion_tokens": sent}
+            return {"usage": dict(u, total_tokens=req.prompt_tokens + sent) if sglang else u}
+
+        async def send_shaped(ids: list, text: str, finish: str | None) -> None:
+            # The deltas its server's parsers make of this step's tokens: none (no chunk, the tokens still counted in
+            # the next chunk's usage), one, or (SGLang) its thinking's and its answer's chunks, each with the usage.
+            pieces = [_piece(i, self.textless_share) for i in ids] if text else [""] * len(ids)
+            deltas = req.shape.step(pieces, final=finish is not None)
+            if finish is not None:
+                finish = req.shape.finish_reason(finish)
+                if not deltas:
+                    deltas = [{}]  # vLLM: the finish goes out with an empty delta
+            for k, d in enumerate(deltas):
+                last = k == len(deltas) - 1
+                await out.send(oai_chunk({"index": 0, "finish_reason": finish if last else None, "delta": d},
+                                         **running()))
 
         def progress(processed: int) -> bytes:
             # llama-server's `return_progress`: events of no token (`tokens: [0]`, `tokens_predicted: 0`; on
@@ -1940,6 +1991,10 @@ class SimServer:
         try:
             if chat and not sglang and not llama:
                 await out.send(oai_chunk({"index": 0, "delta": {"role": "assistant", "content": None}, "finish_reason": None}))
+                if req.echo_text:
+                    # vLLM's chat `echo`: the last message's content in a chunk of its own, no token (usage 0 so far).
+                    await out.send(oai_chunk({"index": 0, "delta": {"content": req.echo_text}, "finish_reason": None},
+                                             **running()))
             if opts.get("return_progress"):
                 await out.send(progress(req.cached))
             closed = False
@@ -1986,6 +2041,10 @@ class SimServer:
                         await out.send(b"data: [DONE]\n\n")
                     else:
                         fr = "length" if req.stop_type == "limit" else "stop"
+                        if req.shape is not None:
+                            for d in req.shape.tail():  # SGLang's held-back tool arguments: no usage on them
+                                await out.send(oai_chunk({"index": 0, "finish_reason": None, "delta": d}))
+                            fr = req.shape.finish_reason(fr)
                         if not closed:
                             last = {"index": 0, "finish_reason": fr}
                             if chat:

@@ -1,0 +1,143 @@
+"""Chat streams whose tokens are not all content, as vLLM and SGLang send them: a thinking model's reasoning deltas, a
+forced tool call's argument deltas, vLLM's chat `echo` chunk. The simulator sends each (sim/chatshape.py, read from
+both servers' serving_chat.py: docs/simulator.md), usage counting the reasoning and tool-call tokens and not the echo;
+powerprof's parser and its measure path count them as the server does, against the simulator's truth, and flag
+nothing falsely. The daemon's proxy: tests/test_daemon_chat_shapes.py."""
+
+from __future__ import annotations
+
+import json
+import urllib.request
+
+import pytest
+
+from powerprof.daemon.proxy import chat_echo_chars
+from powerprof.daemon.streams import summary_counts
+from powerprof.sim.nvml import SimNVML
+from powerprof.sim.server import SimServer
+from powerprof.workload.stream import StreamParser
+
+N_TOKENS = 24
+THINK = 6  # the thinking's tokens, before the end-of-thinking token
+TOOLS = [{"type": "function", "function": {"name": "get_power", "parameters": {"type": "object"}}}]
+ECHOED = "Once upon a time"
+SHAPES = {
+    "reasoning": {},
+    "tool_named": {"tools": TOOLS, "tool_choice": {"type": "function", "function": {"name": "get_power"}}},
+    "tool_required": {"tools": TOOLS, "tool_choice": "required"},
+    "echo": {"echo": True, "messages": [{"role": "user", "content": "go on"}, {"role": "assistant", "content": ECHOED}]},
+}
+
+
+def _body(shape: str, opts: dict | None) -> dict:
+    body = {"messages": [{"role": "user", "content": "how much power"}], "max_tokens": N_TOKENS, "ignore_eos": True,
+            "stream": True, **SHAPES[shape]}
+    if opts is not None:
+        body["stream_options"] = opts
+    return body
+
+
+def _post(url: str, body: dict) -> bytes:
+    req = urllib.request.Request(url + "/v1/chat/completions", data=json.dumps(body).encode(), method="POST",
+                                 headers={"Content-Type": "application/json"})
+    with urllib.request.urlopen(req, timeout=60) as r:
+        return r.read()
+
+
+def _chunks(data: bytes) -> list[dict]:
+    return [json.loads(x[6:]) for x in data.decode().splitlines() if x.startswith("data: {")]
+
+
+def _deltas(chunks: list[dict]) -> list[dict]:
+    return [c["choices"][0].get("delta") or {} for c in chunks if c.get("choices")]
+
+
+@pytest.fixture(scope="module", params=["vllm", "sglang"])
+def server(request):
+    # The seed card decodes speculatively: a step's chunk carries up to 4 tokens, so thinking, its end and the
+    # answer share chunks as they do on a real server behind a draft model.
+    srv = SimServer(SimNVML("seed-16g", state_path=None), flavour=request.param, reasoning_tokens=THINK,
+                    tool_call_parser=True).start()
+    yield srv
+    srv.stop()
+
+
+@pytest.mark.parametrize("shape", list(SHAPES))
+@pytest.mark.parametrize("opts", [{"include_usage": True, "continuous_usage_stats": True}, {"include_usage": True}],
+                         ids=["continuous", "final"])
+def test_each_shape_as_the_server_sends_it_counted_as_the_server_counts_it(server, shape, opts):
+    body = _body(shape, opts)
+    before = len(server.truth)
+    data = _post(server.url, body)
+    truth = server.truth[before:]
+    assert len(truth) == 1 and truth[0]["generated"] == N_TOKENS
+    chunks = _chunks(data)
+    deltas = _deltas(chunks)
+    usage = chunks[-1]["usage"]
+    # Reasoning and tool-call tokens are generated tokens; the echo is none.
+    assert usage["completion_tokens"] == N_TOKENS, usage
+    if shape == "reasoning":
+        think = "".join(d.get("reasoning_content") or "" for d in deltas)
+        answer = "".join(d.get("content") or "" for d in deltas)
+        # The answer: the rest but the end of thinking (and vLLM's last token, sent with empty text as vLLM does).
+        shown = N_TOKENS - THINK - 1 - (server.flavour == "vllm")
+        assert len(think.split()) == THINK and len(answer.split()) == shown, (think, answer)
+        assert "</think>" not in think + answer  # neither server streams the end of thinking
+    elif shape.startswith("tool"):
+        calls = [tc for d in deltas for tc in (d.get("tool_calls") or [])]
+        assert calls and calls[0]["function"]["name"] == "get_power" and calls[0]["id"]
+        assert all(not c.get("id") and not c["function"].get("name") for c in calls[1:])
+        assert not "".join(d.get("content") or "" for d in deltas)  # the answer is the call's arguments alone
+        finish = [c["choices"][0]["finish_reason"] for c in chunks if c.get("choices") and c["choices"][0]["finish_reason"]]
+        # vLLM says tool_calls once a call was streamed, whatever stopped it; SGLang only for a natural stop.
+        assert finish == (["tool_calls"] if server.flavour == "vllm" else ["length"]), finish
+    elif server.flavour == "vllm":
+        # vLLM's echo: after the role chunk, the last message's content in a chunk of its own (continuous usage: 0).
+        assert deltas[1] == {"content": ECHOED}, deltas[:3]
+        if opts.get("continuous_usage_stats"):
+            assert chunks[1]["usage"]["completion_tokens"] == 0
+    else:
+        assert ECHOED not in "".join(d.get("content") or "" for d in deltas)  # SGLang's chat has no echo
+    for count_only in (False, True):
+        p = StreamParser("openai-chat", count_only=count_only, echo_chars=chat_echo_chars(body))
+        n = p.count(data) if count_only else sum(e.n_tokens for e in p.feed(data))
+        s = p.finish()
+        c = summary_counts(s)
+        assert (s.generated_tokens, s.token_source, c.count_problem) == (N_TOKENS, "usage", None), (count_only, s, c)
+        if opts.get("continuous_usage_stats"):
+            assert n == N_TOKENS, (count_only, n)  # every token placed on the chunk that carried it
+        else:
+            assert n <= N_TOKENS, (count_only, n)  # one a chunk: never more than the server's count
+
+
+def test_thinking_turned_off_by_the_request_and_the_newer_vllm_field():
+    # Qwen3's template closes the thinking in the prompt when a request says enable_thinking false: all content.
+    # Newer vLLM names the delta `reasoning` (DeltaMessage(reasoning=...)); powerprof reads both.
+    with SimServer(SimNVML("h200-141g", state_path=None), flavour="vllm", reasoning_tokens=THINK,
+                   reasoning_field="reasoning") as srv:
+        opts = {"include_usage": True}
+        off = _deltas(_chunks(_post(srv.url, dict(_body("reasoning", opts), chat_template_kwargs={"enable_thinking": False}))))
+        data = _post(srv.url, _body("reasoning", opts))
+    # All content (but vLLM's last token, sent with empty text).
+    assert not any("reasoning" in d for d in off) and len("".join(d.get("content") or "" for d in off).split()) == N_TOKENS - 1
+    on = _deltas(_chunks(data))
+    assert len("".join(d.get("reasoning") or "" for d in on).split()) == THINK
+    p = StreamParser("openai-chat")
+    n = sum(e.n_tokens for e in p.feed(data))
+    s = p.finish()
+    # One token a chunk until the usage: the end of thinking had no chunk, nor (shown) vLLM's empty closing token.
+    assert (n, s.generated_tokens, summary_counts(s).count_problem) == (N_TOKENS - 2, N_TOKENS, None)
+
+
+def test_the_plain_servers_send_no_shape_unasked():
+    # No reasoning parser: no thinking. Tools on SGLang without a tool-call parser, or on llama.cpp (whose tool-call,
+    # thinking and chat-echo streams are not simulated): content alone, as before. (vLLM streams a required or named
+    # call as it is: structured output needs no flag.)
+    for flavour, shapes in (("vllm", ["reasoning"]), ("sglang", ["reasoning", "tool_required"]),
+                            ("llamacpp", ["reasoning", "tool_required", "echo"])):
+        with SimServer(SimNVML("h200-141g", state_path=None), flavour=flavour) as srv:
+            for shape in shapes:
+                deltas = _deltas(_chunks(_post(srv.url, _body(shape, {"include_usage": True}))))
+                assert not any(d.get("tool_calls") or d.get("reasoning_content") for d in deltas), (flavour, shape)
+                shown = N_TOKENS - (flavour == "vllm")  # vLLM's last token has empty text
+                assert len("".join(d.get("content") or "" for d in deltas).split()) == shown, (flavour, shape)
