@@ -357,6 +357,12 @@ def _mixed_request(kind: str, index: int, prompt_tokens: int, output_tokens: int
         del body["stream_options"]
     elif kind == "chat_logprobs":  # each chunk lists its tokens (llama-server: none for a token without text)
         body["logprobs"] = True
+    elif kind == "chat_echo":  # vLLM streams the last (assistant) message back first, no token (chatshape.chat_echo)
+        body.update(echo=True, messages=msgs + [{"role": "assistant", "content": "Once upon a time"}])
+    elif kind.startswith("chat_tool"):  # a forced tool call: its answer streamed as the call's argument deltas
+        body["tools"] = [{"type": "function", "function": {"name": "get_power", "parameters": {"type": "object"}}}]
+        body["tool_choice"] = ({"type": "function", "function": {"name": "get_power"}} if kind == "chat_tool_named"
+                               else "required")
     return "/v1/chat/completions", body
 
 
