@@ -77,7 +77,9 @@ def test_each_shape_as_the_server_sends_it_counted_as_the_server_counts_it(serve
     # Reasoning and tool-call tokens are generated tokens; the echo is none.
     assert usage["completion_tokens"] == N_TOKENS, usage
     if shape == "reasoning":
-        think = "".join(d.get("reasoning_content") or "" for d in deltas)
+        # SGLang's field, and the newest vLLM's (the simulated default; a test below holds vLLM's older name).
+        field = "reasoning" if server.flavour == "vllm" else "reasoning_content"
+        think = "".join(d.get(field) or "" for d in deltas)
         answer = "".join(d.get("content") or "" for d in deltas)
         # The answer: the rest but the end of thinking (and vLLM's last token, sent with empty text as vLLM does).
         shown = N_TOKENS - THINK - 1 - (server.flavour == "vllm")
@@ -114,18 +116,18 @@ def test_each_shape_as_the_server_sends_it_counted_as_the_server_counts_it(serve
             assert n <= N_TOKENS, (count_only, n)  # one a chunk: never more than the server's count
 
 
-def test_thinking_turned_off_by_the_request_and_the_newer_vllm_field():
+def test_thinking_turned_off_by_the_request_and_the_older_vllm_field():
     # Qwen3's template closes the thinking in the prompt when a request says enable_thinking false: all content.
-    # Newer vLLM names the delta `reasoning` (DeltaMessage(reasoning=...)); powerprof reads both.
+    # vLLM before November 2025 named the delta `reasoning_content` (since: `reasoning`); powerprof reads both.
     with SimServer(SimNVML("h200-141g", state_path=None), flavour="vllm", reasoning_tokens=THINK,
-                   reasoning_field="reasoning") as srv:
+                   reasoning_field="reasoning_content") as srv:
         opts = {"include_usage": True}
         off = _deltas(_chunks(_post(srv.url, dict(_body("reasoning", opts), chat_template_kwargs={"enable_thinking": False}))))
         data = _post(srv.url, _body("reasoning", opts))
     # All content (but vLLM's last token, sent with empty text).
-    assert not any("reasoning" in d for d in off) and len("".join(d.get("content") or "" for d in off).split()) == N_TOKENS - 1
+    assert not any("reasoning_content" in d for d in off) and len("".join(d.get("content") or "" for d in off).split()) == N_TOKENS - 1
     on = _deltas(_chunks(data))
-    assert len("".join(d.get("reasoning") or "" for d in on).split()) == THINK
+    assert len("".join(d.get("reasoning_content") or "" for d in on).split()) == THINK
     p = StreamParser("openai-chat")
     n = sum(e.n_tokens for e in p.feed(data))
     s = p.finish()
@@ -142,7 +144,8 @@ def test_the_plain_servers_send_no_shape_unasked():
         with SimServer(SimNVML("h200-141g", state_path=None), flavour=flavour) as srv:
             for shape in shapes:
                 deltas = _deltas(_chunks(_post(srv.url, _body(shape, {"include_usage": True}))))
-                assert not any(d.get("tool_calls") or d.get("reasoning_content") for d in deltas), (flavour, shape)
+                assert not any(d.get("tool_calls") or d.get("reasoning_content") or d.get("reasoning") for d in deltas), (
+                    flavour, shape)
                 shown = N_TOKENS - (flavour == "vllm")  # vLLM's last token has empty text
                 assert len("".join(d.get("content") or "" for d in deltas).split()) == shown, (flavour, shape)
 

@@ -29,7 +29,7 @@ class ChatShape:
 
     flavour: str  # "vllm" | "sglang"
     reasoning_tokens: int = 0  # its thinking, then THINK_END, then the answer (0: no thinking)
-    reasoning_field: str = "reasoning_content"  # newer vLLM says "reasoning"
+    reasoning_field: str = "reasoning_content"  # vLLM's since November 2025: "reasoning"
     tool: str | None = None  # "named" | "required": the answer is a tool call's arguments
     tool_name: str = "f"
     pos: int = 0  # tokens stepped so far

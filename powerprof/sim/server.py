@@ -267,7 +267,7 @@ class SimServer:
         sglang_idle_log_s: float = SGLANG_IDLE_LOG_S,
         textless_share: float = 0.0,
         reasoning_tokens: int = 0,
-        reasoning_field: str = "reasoning_content",
+        reasoning_field: str | None = None,
         tool_call_parser: bool = False,
         prefix_cache: bool = False,
         prompt_details: bool = False,
@@ -386,9 +386,10 @@ class SimServer:
             raise ValueError("textless_share must be at least 0 and below 1")
         self.textless_share = float(textless_share)
         # A thinking model behind a reasoning parser (vLLM and SGLang `--reasoning-parser`): each chat answer's first
-        # `reasoning_tokens` tokens are its thinking (then one end-of-thinking token), streamed as `reasoning_field`
-        # deltas (vLLM before late 2025 and SGLang: "reasoning_content"; newer vLLM "reasoning"). SGLang streams tool
-        # calls only when started with a tool-call parser (`tool_call_parser`). Settable between requests.
+        # `reasoning_tokens` tokens are its thinking (then one end-of-thinking token), streamed as reasoning deltas:
+        # SGLang's `reasoning_content`; vLLM's `reasoning_field` (None: "reasoning", vLLM's since vllm-project/vllm#27752,
+        # November 2025; "reasoning_content" before). SGLang streams tool calls only when started with a tool-call
+        # parser (`tool_call_parser`). Settable between requests.
         self.reasoning_tokens = int(reasoning_tokens)
         self.reasoning_field = reasoning_field
         self.tool_call_parser = bool(tool_call_parser)
@@ -1717,7 +1718,7 @@ class SimServer:
         tool, name = chatshape.wanted_tool(body, self.flavour, self.tool_call_parser)
         think = chatshape.thinks(body, self.reasoning_tokens)
         if tool or think:
-            field_name = self.reasoning_field if self.flavour == "vllm" else "reasoning_content"
+            field_name = (self.reasoning_field or "reasoning") if self.flavour == "vllm" else "reasoning_content"
             req.shape = chatshape.ChatShape(self.flavour, think, field_name, tool, name or "f")
 
     async def _serve_whole(self, api: str, req: _Req, echo: _Echo = _NO_ECHO) -> web.Response:
