@@ -188,3 +188,36 @@ def test_measure_on_a_thinking_model_counts_its_thinking_and_its_j_per_token_is_
     truth = sum(true_window_energy_j(sim.gpus[0], recs[w["request_id"]]) for w in used) / tokens
     # 3%: edge reads on a loaded 2-core host (measured within 1%).
     assert x.gpu_j_per_token == pytest.approx(truth, rel=0.03), (x.gpu_j_per_token, truth)
+
+
+def test_the_server_process_takes_the_thinking_and_tool_parser_knobs():
+    # `python -m powerprof.sim.serve` (what `sweep --launch` starts on the simulated rig) as a thinking SGLang server
+    # with a tool-call parser: a launch template reaches these streams too.
+    import os
+    import subprocess
+    import sys
+    import time
+
+    from support import free_port
+
+    port = free_port()
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path))
+    p = subprocess.Popen([sys.executable, "-m", "powerprof.sim.serve", "--profile", "h200-141g", "--port", str(port),
+                          "--flavour", "sglang", "--reasoning-tokens", str(THINK), "--tool-call-parser"], env=env,
+                         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 60
+        while True:
+            try:
+                urllib.request.urlopen(url + "/health", timeout=2).read()
+                break
+            except OSError:
+                assert time.monotonic() < deadline and p.poll() is None, "sim.serve did not come up"
+                time.sleep(0.1)
+        deltas = _deltas(_chunks(_post(url, _body("tool_named", {"include_usage": True}))))
+    finally:
+        p.terminate()
+        p.wait(30)
+    assert len("".join(d.get("reasoning_content") or "" for d in deltas).split()) == THINK
+    assert any(d.get("tool_calls") for d in deltas)

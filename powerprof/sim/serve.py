@@ -35,9 +35,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--loading-s", type=float, default=0.0, help="seconds /health answers 503 (model loading)")
     ap.add_argument("--decode-tok-s", type=float, default=None, help="single-stream speed at the profile's draft count")
     ap.add_argument("--prefill-tok-s", type=float, default=None, help="prompt tokens per second (default: the profile's)")
+    ap.add_argument("--reasoning-tokens", type=int, default=0,
+                    help="vllm/sglang: a thinking model behind --reasoning-parser, each chat answer thinking this many "
+                         "tokens first (docs/simulator.md, Thinking, tool calls and chat echo)")
+    ap.add_argument("--tool-call-parser", action="store_true", help="sglang: stream forced tool calls as tool-call deltas")
     a = ap.parse_args(argv)
-    if a.n_slots < 1 or a.ctx_size < 1 or (a.draft is not None and a.draft < 0):
-        ap.error("-np and -c must be at least 1 and the draft count at least 0")
+    if a.n_slots < 1 or a.ctx_size < 1 or (a.draft is not None and a.draft < 0) or a.reasoning_tokens < 0:
+        ap.error("-np and -c must be at least 1, the draft count and --reasoning-tokens at least 0")
     return a
 
 
@@ -57,7 +61,8 @@ def main(argv: list[str] | None = None) -> int:
     nvml = SimNVML(profile.key)
     nvml.publish_load()
     srv = SimServer(nvml, flavour=a.flavour, host=a.host, port=a.port, n_slots=a.n_slots, loading_s=a.loading_s,
-                    decode_tok_s=a.decode_tok_s, prefill_tok_s=a.prefill_tok_s, draft_n_max=draft, n_ctx=a.ctx_size)
+                    decode_tok_s=a.decode_tok_s, prefill_tok_s=a.prefill_tok_s, draft_n_max=draft, n_ctx=a.ctx_size,
+                    reasoning_tokens=a.reasoning_tokens, tool_call_parser=a.tool_call_parser)
     with srv:
         print(f"simulated server listening on {srv.url}", flush=True)
         until_signalled(SETTINGS_POLL_S, nvml.sync_settings)
