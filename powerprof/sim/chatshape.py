@@ -9,11 +9,6 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-# What ends a thinking model's reasoning (DeepSeek-R1's and Qwen3's `</think>`): one generated token, whose text
-# neither server streams (vLLM's reasoning parser answers a step of that token alone with no delta, so no chunk;
-# SGLang's detector strips it).
-THINK_END = "</think>"
-
 # A required (or, on SGLang, a named) tool call is a JSON array the model writes: `[{"name": "f", "parameters": `
 # takes these tokens before either server's partial-JSON parser knows the function's name, and sends nothing.
 TOOL_HEAD_TOKENS = 4
@@ -28,7 +23,10 @@ class ChatShape:
     none where the real server sends no chunk for them; `tail()` → SGLang's held-back arguments at the finish."""
 
     flavour: str  # "vllm" | "sglang"
-    reasoning_tokens: int = 0  # its thinking, then THINK_END, then the answer (0: no thinking)
+    # Its thinking, then the end of thinking (DeepSeek-R1's and Qwen3's `</think>`: one generated token whose text
+    # neither server streams: vLLM's reasoning parser answers a step of it alone with no delta, so no chunk; SGLang's
+    # detector strips it), then the answer (0: no thinking).
+    reasoning_tokens: int = 0
     reasoning_field: str = "reasoning_content"  # vLLM's since November 2025: "reasoning"
     tool: str | None = None  # "named" | "required": the answer is a tool call's arguments
     tool_name: str = "f"
@@ -59,7 +57,7 @@ class ChatShape:
         """The deltas of a step whose tokens' texts are `pieces` (`final`: the request's last step)."""
         before = self._answer_pos()
         think, ended, answer = self._split(pieces)
-        in_think = self.reasoning_tokens and before == 0 and not answer and not ended
+        in_think = self.reasoning_tokens > 0 and before == 0 and not answer and not ended  # a step of thinking alone
         out: list[dict] = []
         if think or (in_think and pieces):
             # A step of thinking (an empty piece too: vLLM's parser gives reasoning_content "" for it).
