@@ -221,3 +221,22 @@ def test_the_server_process_takes_the_thinking_and_tool_parser_knobs():
         p.wait(30)
     assert len("".join(d.get("reasoning_content") or "" for d in deltas).split()) == THINK
     assert any(d.get("tool_calls") for d in deltas)
+
+
+@pytest.mark.parametrize("flavour", ["vllm", "sglang"])
+def test_a_tool_call_that_ends_itself_finishes_tool_calls_and_counts_true(flavour):
+    # Without ignore_eos the simulated model stops on its own (16-63 tokens): a real tool call ends so, and both servers
+    # then finish "tool_calls" (SGLang only then). Counted as the server counts, to the truth's token.
+    with SimServer(SimNVML("h200-141g", state_path=None), flavour=flavour, tool_call_parser=True) as srv:
+        body = dict(_body("tool_required", {"include_usage": True, "continuous_usage_stats": True}), max_tokens=200)
+        del body["ignore_eos"]
+        data = _post(srv.url, body)
+        (truth,) = srv.truth
+    assert truth["generated"] < 200
+    chunks = _chunks(data)
+    finish = [c["choices"][0]["finish_reason"] for c in chunks if c.get("choices") and c["choices"][0]["finish_reason"]]
+    assert finish == ["tool_calls"] and chunks[-1]["usage"]["completion_tokens"] == truth["generated"]
+    p = StreamParser("openai-chat", count_only=True)
+    n = sum(p.count(e + b"\n\n") for e in data.split(b"\n\n") if e)
+    s = p.finish()
+    assert (n, s.generated_tokens, summary_counts(s).count_problem) == (truth["generated"],) * 2 + (None,)
