@@ -240,3 +240,21 @@ def test_a_tool_call_that_ends_itself_finishes_tool_calls_and_counts_true(flavou
     n = sum(p.count(e + b"\n\n") for e in data.split(b"\n\n") if e)
     s = p.finish()
     assert (n, s.generated_tokens, summary_counts(s).count_problem) == (truth["generated"],) * 2 + (None,)
+
+
+@pytest.mark.parametrize("flavour", ["vllm", "sglang"])
+def test_a_requests_tools_are_in_its_prompt_as_the_template_renders_them(flavour):
+    # Both servers' chat templates render the tools' schemas into the prompt, so its usage says them (the daemon's
+    # prompt estimate counts them too: daemon/promptlen.py); SGLang leaves them out when tool_choice is "none".
+    from powerprof.sim.server import count_prompt_tokens
+
+    def prompt_tokens(srv, extra):
+        body = dict(_body("reasoning", {"include_usage": True}), max_tokens=2, **extra)
+        return _chunks(_post(srv.url, body))[-1]["usage"]["prompt_tokens"]
+
+    schema = json.dumps(TOOLS, separators=(",", ":"))
+    with SimServer(SimNVML("h200-141g", state_path=None), flavour=flavour) as srv:
+        plain = prompt_tokens(srv, {})
+        assert prompt_tokens(srv, {"tools": TOOLS}) == plain + count_prompt_tokens(schema) - 1  # (one BOS)
+        none = prompt_tokens(srv, {"tools": TOOLS, "tool_choice": "none"})
+    assert none == (plain if flavour == "sglang" else plain + count_prompt_tokens(schema) - 1)

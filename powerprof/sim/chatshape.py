@@ -1,12 +1,14 @@
-"""How a simulated chat stream's tokens show in its chunks' deltas: thinking, tool-call arguments, vLLM's chat echo.
+"""What a simulated vLLM or SGLang chat request's parsers and template make of it: its stream's deltas, its tools' prompt.
 
 Read from vLLM's and SGLang's `serving_chat.py` (docs/simulator.md, Thinking, tool calls and chat echo): what a
-reasoning parser and a tool-call parser make of a step's new text. Every token here is a generated token, counted in
+reasoning parser and a tool-call parser make of a step's new text (thinking, tool-call arguments, vLLM's chat echo), and
+the tools' schemas a chat template renders into the prompt. Every token here is a generated token, counted in
 usage as any other; only how (and whether) a step's tokens show in a chunk differs. Pure: no I/O, no clock.
 """
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
 
 # A required (or, on SGLang, a named) tool call is a JSON array the model writes: `[{"name": "f", "parameters": `
@@ -140,6 +142,18 @@ def wanted_tool(body: dict, flavour: str, tool_parser: bool) -> tuple[str | None
     if isinstance(tc, dict) and isinstance(tc.get("function"), dict) and tc["function"].get("name"):
         return "named", str(tc["function"]["name"])
     return None, ""
+
+
+def tools_in_prompt(body: dict, flavour: str) -> str:
+    """The text a chat template adds to the prompt for the request's `tools` (their schemas, as compact JSON here):
+    vLLM renders them unless tool_choice is "none" and it runs with --exclude-tools-when-tool-choice-none (not
+    modelled: it renders them), SGLang unless tool_choice is "none"; "" on llama.cpp (not modelled)."""
+    tools = body.get("tools")
+    if flavour not in ("vllm", "sglang") or not isinstance(tools, list) or not tools:
+        return ""
+    if flavour == "sglang" and body.get("tool_choice") == "none":
+        return ""
+    return "\n" + json.dumps(tools, separators=(",", ":"))
 
 
 def thinks(body: dict, reasoning_tokens: int) -> int:

@@ -1553,6 +1553,7 @@ class SimServer:
         body = await self._body(request)
         msgs = body.get("messages") or []
         prompt = "\n".join(str(m.get("content", "")) for m in msgs if isinstance(m, dict))
+        prompt += chatshape.tools_in_prompt(body, self.flavour)  # the template renders the tools' schemas
         n = body.get("max_completion_tokens") or body.get("max_tokens") or 128
         return await self._serve(request, "openai-chat", prompt, body, int(n))
 
