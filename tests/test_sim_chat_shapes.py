@@ -150,6 +150,7 @@ def test_the_plain_servers_send_no_shape_unasked():
                 assert len("".join(d.get("content") or "" for d in deltas).split()) == shown, (flavour, shape)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("flavour,field", [("vllm", "reasoning_content"), ("vllm", "reasoning"),
                                            ("sglang", "reasoning_content")])
 def test_measure_on_a_thinking_model_counts_its_thinking_and_its_j_per_token_is_the_gpus(tmp_path, flavour, field):
