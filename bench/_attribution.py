@@ -363,6 +363,8 @@ def _mixed_request(kind: str, index: int, prompt_tokens: int, output_tokens: int
         body["tools"] = [{"type": "function", "function": {"name": "get_power", "parameters": {"type": "object"}}}]
         body["tool_choice"] = ({"type": "function", "function": {"name": "get_power"}} if kind == "chat_tool_named"
                                else "required")
+        if kind == "chat_tool_plain":  # no usage asked: the prompt (the tools' schemas in it) estimated from its size
+            del body["stream_options"]
     return "/v1/chat/completions", body
 
 

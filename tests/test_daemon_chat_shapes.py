@@ -14,6 +14,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "bench"))
 
 from _attribution import run_mixed  # noqa: E402
 
+from powerprof.sim.chatshape import TOOL_HEAD_TOKENS  # noqa: E402
 from powerprof.workload.trace import TraceRequest  # noqa: E402
 
 pytestmark = pytest.mark.slow
@@ -23,7 +24,8 @@ THINK = 40  # each answer thinks this many tokens, then ends its thinking (one t
 
 
 @pytest.mark.parametrize("flavour,continuous,server,kinds", [
-    ("vllm", False, {"reasoning_tokens": THINK}, ("chat", "chat_echo", "chat_tool", "chat_tool_named", "chat_plain")),
+    ("vllm", False, {"reasoning_tokens": THINK},
+     ("chat", "chat_echo", "chat_tool", "chat_tool_named", "chat_plain", "chat_tool_plain")),
     ("sglang", True, {"reasoning_tokens": THINK, "tool_call_parser": True},
      ("chat", "chat_tool", "chat_tool_named", "chat_plain")),
     # No thinking, and the last token's text in its chunk: every chunk a token, so the echo chunk taken for one would
@@ -46,10 +48,13 @@ def test_thinking_tool_call_and_echo_streams_are_given_the_servers_tokens_and_th
                 row["gpu_energy_j"], row["true_j"], row["energy_note"])
         assert truth["generated"] == N_TOKENS, what
         assert row["outcome"] == "ok", what
-        if row["kind"] == "chat_plain":
+        if row["kind"].endswith("_plain"):
             # No count from the server: one token a chunk, and the end of thinking had none (nor vLLM's empty last
-            # token, shown): fewer than generated, and the row says it is an estimate.
-            assert row["tokens_estimated"] and N_TOKENS - 3 <= row["generated_tokens"] < N_TOKENS, what
+            # token, shown; nor a required call's opening, TOOL_HEAD_TOKENS): fewer than generated, and the row says it
+            # is an estimate (its prompt too: an estimate from its size, the tools' schemas in it).
+            low = N_TOKENS - 3 - (TOOL_HEAD_TOKENS if "tool" in row["kind"] else 0)
+            assert row["tokens_estimated"] and low <= row["generated_tokens"] < N_TOKENS, what
+            assert row["prompt_tokens_estimate"] > 0 and "approximate" in row["energy_note"], what
             continue
         # Not "contradicted" (which leaves generated_tokens empty), not an estimate: the server's count.
         assert row["generated_tokens"] == N_TOKENS and not row["tokens_estimated"], what
