@@ -439,7 +439,9 @@ DAEMON_TAGS_COLUMNS = [
     ("t_start_utc", TS),
     ("t_end_utc", TS),
     ("duration_s", F64),
-    ("gpu_energy_j", F64),  # counter read on demand at both edges
+    # counter read on demand at both edges; of the GPUs serving the proxied work (every sampled one until the daemon
+    # judges which), as its requests' split: energy_note names those left out and their joules
+    ("gpu_energy_j", F64),
     ("cpu_energy_j", F64),
     ("other_cpu_pct", F64),  # %: other processes' CPU time summed ÷ the host's busy time, over its intervals
     ("energy_method", STR),
