@@ -278,6 +278,7 @@ class _Tag:
     excluded: set = field(default_factory=set)  # sampled GPUs (by position) judged to serve none of the proxied work
     excluded_j: float = 0.0  # their energy inside it, in gpu_j and not in its J/token
     unread: set = field(default_factory=set)  # sampled GPUs (by position) that gave no energy over part of it
+    all_gpus_intervals: int = 0  # intervals inside it split with every sampled GPU's energy (none judged idle there)
     tokens: float = 0.0
     methods: set = field(default_factory=set)
     counted_low: int = 0  # requests inside it counted one token a chunk that the server counted more (_request_fields)
@@ -2350,6 +2351,8 @@ class Ledger:
         if per_gpu is not None and serving is not None:
             tag.excluded.update(int(g) for g in np.flatnonzero(~serving))
             tag.excluded_j += float(np.nansum(per_gpu[np.ix_(inside, ~serving)]))
+        elif per_gpu is not None and per_gpu.shape[1] > 1:
+            tag.all_gpus_intervals += int(inside.sum())  # every sampled GPU's energy in its J/token there
         if per_gpu is not None:
             tag.unread.update(int(g) for g in np.flatnonzero(np.isnan(per_gpu[inside]).any(axis=0)))
         # The interval rows' own unproxied_energy_j (the scrape windows' bypass tokens already spread over the
@@ -2446,8 +2449,10 @@ class Ledger:
                      "daemon.gpus without a GPU that is gone, measures the others' total)")
             notes.append(f"gpu_energy_j and gpu_j_per_token are of the GPUs serving the proxied work alone, as its "
                          f"requests' split: sampled GPU(s) {sorted(tg.excluded)} drew no more when it ran than when "
-                         f"idle, so their {tg.excluded_j:.4g} J over this window is idle, not its work ({total}); "
-                         "fix: daemon.gpus can leave them out")
+                         f"idle, so their {tg.excluded_j:.4g} J over this window is idle, not its work ({total})"
+                         + (f"; {tg.all_gpus_intervals} of its {tg.intervals} intervals, before the daemon judged so, "
+                            "hold every sampled GPU's energy" if tg.all_gpus_intervals else "")
+                         + "; fix: daemon.gpus can leave them out")
         if tg.intervals == 0 and tg.t1_ns is not None:
             notes.append("no interval inside: the GPU reads at this window's start and stop failed and it is shorter "
                          "than half a sampling interval, so no energy was measured over it: gpu_energy_j, "
