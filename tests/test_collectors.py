@@ -269,6 +269,34 @@ def test_a_stuck_energy_counter_is_dropped_and_a_jump_breaks_the_counter_epoch()
     assert r.energy_epoch == 1 and "jumped" in r.note
 
 
+def test_a_jump_seen_on_an_edge_read_is_said_by_the_next_tick_and_not_taken_as_the_baseline():
+    nv, c, now = _faulty(1)
+    added = iter([0, 5_000_000, 200_000])  # mJ on top of the true count: a good read, one corrupt (+5 kJ), a good one
+    nv.lie(0, "nvmlDeviceGetTotalEnergyConsumption", lambda mj: mj + next(added), times=None)
+    c.read()
+    now[0] = int(1e9)
+    assert c.read_energy_j() is None  # the edge takes no jumped value
+    now[0] = int(2e9)
+    (r,) = c.read()
+    assert r.energy_j is not None, "the good read after one corrupt read is a reading"
+    assert r.energy_epoch == 1, "energy across the corrupt read stays unknown"
+    assert "edge read" in r.note and "jumped 5000 J" in r.note
+    assert "went back" not in r.note and "driver reload" not in r.note
+
+
+def test_a_counter_that_really_jumped_is_taken_from_the_read_after_the_jump():
+    nv, c, now = _faulty(1)
+    added = iter([0, 5_000_000, 5_200_000])  # mJ on top of the true count: the counter jumps 5 kJ and goes on from there
+    nv.lie(0, "nvmlDeviceGetTotalEnergyConsumption", lambda mj: mj + next(added), times=None)
+    c.read()
+    now[0] = int(1e9)
+    (r,) = c.read()
+    assert r.energy_j is None and "jumped" in r.note and r.energy_epoch == 1
+    now[0] = int(2e9)
+    (r,) = c.read()
+    assert r.energy_j is not None and r.energy_j > 5000 and r.note is None and r.energy_epoch == 1
+
+
 def test_a_window_across_a_counter_jump_is_not_the_jump_but_integrated_power():
     tl = EnergyTimeline(1, (1.0,))
     S = 1_000_000_000

@@ -182,6 +182,11 @@ def test_energy_of_requests_idle_and_unproxied_adds_up_to_the_measured_total(tmp
     # (session 46's walkthrough: host "vm", a real-looking GPU UUID, no file metadata).
     for t in (reqs, intervals, samples, tags):
         assert t["simulated"].eq(True).all() and len(t), t.columns
+    # Every request, interval and tag row says which GPUs the daemon sampled: rows of another GPU set (another
+    # daemon.gpus, a second daemon) are then told apart by `analyze`, not blended.
+    for t in (reqs, intervals, tags):
+        (got,) = set(t["gpu_uuids"])
+        assert got.split(",") == sorted(got.split(",")) and len(got.split(",")) == 2, got
     costs = read_dataset(data, "costs")  # a fit of the work model: rows only once it has enough intervals
     assert costs is None or costs.empty or costs["simulated"].eq(True).all()
     # Energy: requests + idle + unproxied = the total the GPU counters measured.

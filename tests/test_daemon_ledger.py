@@ -755,6 +755,69 @@ def test_a_gpu_no_server_uses_gives_its_energy_to_idle_not_to_the_requests():
     assert led.totals.energy_by_dest_j[1] >= 30 * 70.0  # GPU 1's energy in busy intervals is idle
 
 
+def _server_on_gpu0_gpu1_idle(lose_gpu1_at=None):
+    """GPU 0 serves (70 W idle, 400 W busy), GPU 1 draws 70 W throughout; a tag over the last 20 of 40 requests.
+    `lose_gpu1_at`: from that request on GPU 1 (judged not serving) gives no energy reading."""
+    sink = Sink()
+    led = Ledger("d", 0, 2, sink, grace_s=0.1)
+    e = [0.0, 0.0]
+    t = 0
+    for _ in range(8):
+        led.add_gpu_sample(t * S, t * S, [R(e[0], 70.0), R(e[1], 70.0)])
+        e = [e[0] + 70.0, e[1] + 70.0]
+        t += 1
+    for k in range(40):
+        if k == 20:
+            led.open_tag("batch", t * S, t * S)
+        tr = _trace(100 + k, t - 0.001)
+        led.on_start(tr)
+        for j in range(10):
+            led.on_tokens(tr, int((t + 0.05 + 0.09 * j) * S), 1)
+        tr.first_ns, tr.last_ns, tr.end_ns = int((t + 0.05) * S), int((t + 0.86) * S), int((t + 0.999) * S)
+        tr.counts = Counts(generated_tokens=10, prompt_tokens=0, model=None, stop_reason=None, token_source="usage")
+        led.on_end(tr)
+        lost = lose_gpu1_at is not None and k >= lose_gpu1_at
+        led.add_gpu_sample(t * S, t * S, [R(e[0], 400.0), R(None, None) if lost else R(e[1], 70.0)])
+        e = [e[0] + 400.0, e[1] + 70.0]
+        t += 1
+        led.advance(int((t - 0.5) * S))
+    led.close_tag("batch", t * S, t * S)
+    lost = lose_gpu1_at is not None
+    led.add_gpu_sample(t * S, t * S, [R(e[0], 70.0), R(None, None) if lost else R(e[1], 70.0)])
+    led.advance(int((t + 3) * S))
+    assert led.learner.serving.tolist() == [True, False]
+    return sink
+
+
+def test_a_tags_j_per_token_is_of_the_serving_gpus_as_its_requests_are():
+    # Before: the tag summed both GPUs, 9400 J / 200 tokens = 47.0 J/token against its requests' 40.0 (+17.5%),
+    # and its note said nothing of GPU 1.
+    sink = _server_on_gpu0_gpu1_idle()
+    req = {r["request_id"]: r for r in sink.rows["requests"]}
+    assert {round(req[100 + k]["gpu_j_per_token"], 1) for k in range(20, 40)} == {40.0}
+    (tag,) = sink.rows["tags"]
+    assert tag["gpu_j_per_token"] == pytest.approx(40.0, rel=0.01)
+    assert tag["gpu_energy_j"] == pytest.approx(8000.0, rel=0.01)  # GPU 0's: its J/token's
+    assert "sampled GPU(s) [1]" in tag["energy_note"] and "1400 J" in tag["energy_note"]
+    assert "all sampled GPUs 9400 J" in tag["energy_note"]
+
+
+def test_losing_a_gpu_that_serves_nothing_leaves_the_requests_energy_whole_and_names_it():
+    # Before: every request from the loss on had no energy (GPU energy unknown) until the daemon restarted.
+    sink = _server_on_gpu0_gpu1_idle(lose_gpu1_at=30)
+    req = {r["request_id"]: r for r in sink.rows["requests"]}
+    assert [req[100 + k]["gpu_energy_j"] for k in range(30, 40)] == [pytest.approx(400.0, rel=0.01)] * 10
+    assert all(req[100 + k]["gpu_j_per_token"] == pytest.approx(40.0, rel=0.01) for k in range(30, 40))
+    lost = [r for r in sink.rows["intervals"] if r["gpu_energy_j"] is None]
+    assert lost, "the node total is unknown where GPU 1 gave no reading"
+    assert all("sampled GPU(s) [1]" in r["energy_note"] and "restarting the daemon" in r["energy_note"] for r in lost)
+    assert all(r["requests_energy_j"] == pytest.approx(400.0, rel=0.01) for r in lost if r["kind"] != "idle")
+    (tag,) = sink.rows["tags"]
+    assert tag["gpu_energy_j"] == pytest.approx(8000.0, rel=0.01)
+    assert tag["gpu_j_per_token"] == pytest.approx(40.0, rel=0.01)
+    assert "sampled GPU(s) [1]" in tag["energy_note"] and "restarting the daemon" in tag["energy_note"]
+
+
 def test_a_stream_whose_only_token_comes_in_its_closing_chunk_is_attributed_that_token():
     # vLLM with max_tokens=1 (a classifier, a yes/no): the role chunk, then the closing chunk with empty
     # content and finish_reason (the token is in it, the usage says so), then the usage chunk. The proxy

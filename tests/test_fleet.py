@@ -919,3 +919,73 @@ def test_the_summary_says_which_idle_share_it_prints_within_80_columns(fleet):
     said = " ".join(out.split())
     assert "idle %: the GPU energy of intervals with nothing live (kind idle), whole" in said, out
     assert "idle_energy_j summed adds the idle time in busy ones" in said, out
+
+
+GPU_A = "GPU-aaaaaaaa-1111-2222-3333-444444444444"
+GPU_B = "GPU-bbbbbbbb-1111-2222-3333-444444444444"
+
+
+def _daemon_rows(root: Path, daemon: str, gpus: str | None, t0_s: float, n: int, interval_j: float,
+                 request_j: float) -> None:
+    """One daemon's rows on host `vm` (its GPU set `gpus`, None: written before gpu_uuids): n one-second intervals
+    from t0_s, one request of 10 tokens in each."""
+    store = DatasetStore(root, datasets(), host="vm", gpu_uuids=gpus)
+    t0 = T0_NS + int(t0_s * 10**9)
+    store.append("requests", [{"daemon_id": daemon, "request_id": i, "t_arrival_utc": t0 + i * 10**9,
+                               "t_end_utc": t0 + i * 10**9 + 5 * 10**8, "outcome": "ok", "generated_tokens": 10,
+                               "gpu_energy_j": request_j, "attributed_tokens": 10.0, "ttft_s": 0.1,
+                               "energy_note": None} for i in range(n)])
+    store.append("intervals", [{"daemon_id": daemon, "t_start_utc": t0 + i * 10**9, "t_end_utc": t0 + (i + 1) * 10**9,
+                                "t_start_mono_s": float(i), "duration_s": 1.0, "kind": "decode",
+                                "gpu_energy_j": interval_j, "server_count": "off"} for i in range(n)])
+    assert store.flush()
+
+
+def test_daemons_on_different_gpu_sets_of_one_host_are_a_row_each_not_one_blend(tmp_path):
+    # One host: a daemon on GPU B (15.6 J/token), then one on GPUs A and B (31.3 J/token), one after the other. Before:
+    # one row `vm` whose J/token, 23.4, was neither's, and no note.
+    _daemon_rows(tmp_path / "d1", "one", GPU_B, 0, 6, 200.0, 156.0)
+    _daemon_rows(tmp_path / "d2", "two", f"{GPU_A},{GPU_B}", 100, 6, 400.0, 313.0)
+    rows = {r["host"]: r for r in fleet_summary([str(tmp_path / "d1"), str(tmp_path / "d2")]).to_pylist()}
+    assert sorted(rows) == ["vm [GPU-aaaaaaaa GPU-bbbbbbbb]", "vm [GPU-bbbbbbbb]"]
+    assert rows["vm [GPU-bbbbbbbb]"]["gpu_j_per_token"] == pytest.approx(15.6)
+    assert rows["vm [GPU-aaaaaaaa GPU-bbbbbbbb]"]["gpu_j_per_token"] == pytest.approx(31.3)
+    assert not any(r["double_counted_intervals"] for r in rows.values())
+    res = CliRunner().invoke(main, ["analyze", str(tmp_path / "d1"), str(tmp_path / "d2")])
+    assert res.exit_code == 0, res.output
+    assert "a row per set" in res.output and "double counting" not in res.output
+
+
+def test_two_daemons_at_once_on_a_shared_gpu_are_said_to_count_it_twice(tmp_path):
+    # Two daemons over the same 30 s, both sampling GPU B. Before: hours and energy summed from both, unsaid.
+    _daemon_rows(tmp_path / "d3", "three", GPU_B, 0, 30, 200.0, 150.0)
+    _daemon_rows(tmp_path / "d4", "four", f"{GPU_A},{GPU_B}", 0.5, 30, 400.0, 300.0)
+    rows = {r["host"]: r for r in fleet_summary([str(tmp_path / "d3"), str(tmp_path / "d4")]).to_pylist()}
+    assert rows["vm [GPU-bbbbbbbb]"]["double_counted_intervals"] == 30
+    assert rows["vm [GPU-aaaaaaaa GPU-bbbbbbbb]"]["double_counted_intervals"] == 30
+    assert rows["vm [GPU-bbbbbbbb]"]["double_counted_gpu_energy_j"] == pytest.approx(6000.0)
+    res = CliRunner().invoke(main, ["analyze", str(tmp_path / "d3"), str(tmp_path / "d4")])
+    assert res.exit_code == 0, res.output
+    assert "double counting" in res.output and "three,four" in res.output.replace("four,three", "three,four")
+
+
+def test_two_daemons_at_once_on_disjoint_gpus_count_nothing_twice(tmp_path):
+    _daemon_rows(tmp_path / "d3", "three", GPU_A, 0, 10, 200.0, 150.0)
+    _daemon_rows(tmp_path / "d4", "four", GPU_B, 0.5, 10, 200.0, 150.0)
+    rows = fleet_summary([str(tmp_path / "d3"), str(tmp_path / "d4")]).to_pylist()
+    assert len(rows) == 2 and not any(r["double_counted_intervals"] for r in rows)
+
+
+def test_rows_written_before_gpu_uuids_are_read_and_their_gpu_set_said_unknown(tmp_path):
+    _daemon_rows(tmp_path / "d3", "three", None, 0, 10, 200.0, 150.0)
+    _daemon_rows(tmp_path / "d4", "four", None, 0.5, 10, 200.0, 150.0)
+    for f in (tmp_path).rglob("*.parquet"):  # as an older daemon wrote them: no gpu_uuids column at all
+        t = pq.read_table(f)
+        if "gpu_uuids" in t.column_names:
+            pq.write_table(t.drop_columns(["gpu_uuids"]), f)
+    (row,) = fleet_summary([str(tmp_path / "d3"), str(tmp_path / "d4")]).to_pylist()
+    assert row["host"] == "vm" and row["gpu_set_unknown_intervals"] == 20
+    assert row["double_counted_intervals"] == 20  # two daemons at once, their GPUs unknown: they may share one
+    res = CliRunner().invoke(main, ["analyze", str(tmp_path / "d3"), str(tmp_path / "d4")])
+    assert res.exit_code == 0, res.output
+    assert "GPU set unknown" in res.output and "double counting" in res.output

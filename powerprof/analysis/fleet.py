@@ -9,6 +9,7 @@ SQL here is the one docs/fleet.md shows; the same query runs on Spark or Trino o
 from __future__ import annotations
 
 import glob
+import re
 from pathlib import Path
 
 import pyarrow as pa
@@ -108,13 +109,13 @@ COLUMNS = {
     "requests": {"host": "VARCHAR", "simulated": "BOOLEAN", "daemon_id": "VARCHAR", "request_id": "BIGINT", "outcome": "VARCHAR",
                  "generated_tokens": "BIGINT", "gpu_energy_j": "DOUBLE", "attributed_tokens": "DOUBLE",
                  "ttft_s": "DOUBLE", "energy_note": "VARCHAR", "t_arrival_utc": "TIMESTAMPTZ",
-                 "t_end_utc": "TIMESTAMPTZ"},
+                 "t_end_utc": "TIMESTAMPTZ", "gpu_uuids": "VARCHAR"},
     "intervals": {"host": "VARCHAR", "daemon_id": "VARCHAR", "t_start_mono_s": "DOUBLE", "gpu_energy_j": "DOUBLE",
                   "kind": "VARCHAR", "duration_s": "DOUBLE", "t_start_utc": "TIMESTAMPTZ",
-                  "t_end_utc": "TIMESTAMPTZ", "server_count": "VARCHAR", "simulated": "BOOLEAN"},
+                  "t_end_utc": "TIMESTAMPTZ", "server_count": "VARCHAR", "simulated": "BOOLEAN", "gpu_uuids": "VARCHAR"},
     "tags": {"host": "VARCHAR", "simulated": "BOOLEAN", "daemon_id": "VARCHAR", "name": "VARCHAR", "t_start_utc": "TIMESTAMPTZ",
              "t_end_utc": "TIMESTAMPTZ", "duration_s": "DOUBLE", "gpu_energy_j": "DOUBLE", "proxy_tokens": "DOUBLE",
-             "server_count": "VARCHAR", "unproxied_energy_j": "DOUBLE"},
+             "server_count": "VARCHAR", "unproxied_energy_j": "DOUBLE", "gpu_uuids": "VARCHAR"},
 }
 
 
@@ -166,10 +167,17 @@ def _table_sql(con, table: str, files: list[str]) -> str:
 def _host_label_sql(table: str) -> str:
     """SQL: the host a row of `table` belongs to (its own `host`, else its `host=` folder's, else its dataset folder),
     ` (sim)` after it where a daemon on the simulated GPU wrote the row: a host that ran `daemon --simulate` and then
-    the real daemon on one data dir is two rows, never one blend of both (9 J/token and 1 read 5, all marked sim)."""
+    the real daemon on one data dir is two rows, never one blend of both (9 J/token and 1 read 5, all marked sim).
+    Then its GPU set (GPU_SET_SQL): a daemon on GPU 1 and one on GPUs 0 and 1 are two rows, not one blend (1.56 and
+    3.13 J/token read 2.344); rows written before gpu_uuids carry none (their set unknown, said by `notes`)."""
     folder = folder_sql(table)
     return (f"(coalesce(host, nullif(regexp_extract({folder}, '/host=([^/]+)$', 1), ''), "
-            f"'(unknown) ' || {folder}) || CASE WHEN simulated THEN ' (sim)' ELSE '' END)")
+            f"'(unknown) ' || {folder}) || CASE WHEN simulated THEN ' (sim)' ELSE '' END"
+            f" || coalesce(' [' || {GPU_SET_SQL} || ']', ''))")
+
+
+# SQL: a row's GPU set as a host's label shows it: each UUID to its first 8 hex digits (GPU-1a2b3c4d), space-separated.
+GPU_SET_SQL = ("replace(regexp_replace(gpu_uuids, '([A-Za-z]+-[0-9a-fA-F]{8})[0-9a-fA-F-]*', '\\1', 'g'), ',', ' ')")
 
 
 def _raw_sql(con, table: str, files: list[str]) -> str:
@@ -214,6 +222,46 @@ def _check_types(table: str, files: list[str], read_as: dict[str, str]) -> None:
     raise FleetError(f"column {c} of {table} reads as {t} in one of the files of {', '.join(files)}, where the daemon "
                      f"writes {COLUMNS[table][c]}: a file edited or written by another tool; write that column back "
                      f"as {COLUMNS[table][c]} in it, or move it out of the dataset folder, and run again")
+
+
+def _overlaps(con, intervals: str) -> dict[str, tuple[int, float, list[str]]]:
+    """{host row (its label): (intervals of it that overlap in time another daemon's on the same machine and a GPU both
+    sampled, their GPU energy, the daemon_ids involved)}: each daemon's intervals hold every sampled GPU's energy, so
+    summed such a GPU's energy and hours count twice (two daemons at once on one host: 58.8 s of hours over a 29.4 s
+    span). GPU sets unknown (rows written before gpu_uuids) may share a GPU: counted too. Each daemon's span is taken
+    first (one GROUP BY); only the pairs whose spans overlap are matched interval by interval."""
+    machine = "regexp_replace(host, ' \\[[^]]*\\]$', '')"
+    spans = con.execute(f"SELECT {machine} AS machine, host, daemon_id, min(gpu_uuids), min(t_start_utc), "
+                        f"max(t_end_utc) FROM {intervals} WHERE daemon_id IS NOT NULL AND t_start_utc IS NOT NULL "
+                        "AND t_end_utc IS NOT NULL GROUP BY ALL").fetchall()
+    pairs = []
+    for i, a in enumerate(spans):
+        for b in spans[i + 1:]:
+            if a[0] != b[0] or a[2] == b[2] or not (a[4] < b[5] and b[4] < a[5]):
+                continue
+            if a[3] is not None and b[3] is not None and not set(a[3].split(",")) & set(b[3].split(",")):
+                continue  # disjoint GPU sets: each its own row, nothing counted twice
+            pairs.extend([(a, b), (b, a)])
+    out: dict[str, tuple[int, float, list[str]]] = {}
+    for a, b in pairs:
+        n, e = con.execute(
+            f"SELECT count(*), coalesce(sum(gpu_energy_j) FILTER (WHERE isfinite(gpu_energy_j)), 0) FROM {intervals} x "
+            f"WHERE x.host = ? AND x.daemon_id = ? AND EXISTS (SELECT 1 FROM {intervals} y WHERE y.host = ? "
+            "AND y.daemon_id = ? AND y.t_start_utc < x.t_end_utc AND x.t_start_utc < y.t_end_utc)",
+            [a[1], a[2], b[1], b[2]]).fetchall()[0]
+        if n:
+            n0, e0, ids = out.get(a[1], (0, 0.0, []))
+            out[a[1]] = (n0 + n, e0 + e, sorted({*ids, a[2], b[2]}))
+    return out
+
+
+def _with_overlaps(t: pa.Table, got: dict) -> pa.Table:
+    hosts = t.column("host").to_pylist()
+    t = t.append_column("double_counted_intervals", pa.array([got.get(h, (0,))[0] for h in hosts], pa.int64()))
+    t = t.append_column("double_counted_gpu_energy_j", pa.array([got[h][1] if h in got else None for h in hosts],
+                                                                pa.float64()))
+    return t.append_column("double_counted_daemons", pa.array([",".join(got[h][2]) if h in got else None
+                                                               for h in hosts], pa.string()))
 
 
 def _host_clashes(con, table: str, files: list[str]) -> tuple[int, list[list[str]]]:
@@ -346,7 +394,8 @@ WITH r AS (
            count(*) FILTER (WHERE {i_ok} AND {i_unmeasured}) AS bypass_unmeasured_intervals,
            sum(gpu_energy_j) FILTER (WHERE {i_ok} AND {i_unmeasured}) AS bypass_unmeasured_gpu_energy_j,
            string_agg(DISTINCT server_count, ',') FILTER (WHERE {i_ok} AND {i_unmeasured}) AS bypass_unmeasured_reasons,
-           count(*) FILTER (WHERE simulated) AS simulated_intervals
+           count(*) FILTER (WHERE simulated) AS simulated_intervals,
+           count(*) FILTER (WHERE gpu_uuids IS NULL) AS gpu_set_unknown_intervals
     FROM {intervals} GROUP BY 1
 )
 SELECT host, requests, failed_requests, generated_tokens, gpu_energy_j, idle_gpu_energy_j,
@@ -366,7 +415,8 @@ SELECT host, requests, failed_requests, generated_tokens, gpu_energy_j, idle_gpu
        coalesce(bypass_unknown_intervals, 0) AS bypass_unknown_intervals,
        coalesce(bypass_unmeasured_intervals, 0) AS bypass_unmeasured_intervals,
        bypass_unmeasured_gpu_energy_j, bypass_unmeasured_reasons,
-       coalesce(simulated_intervals, 0) AS simulated_intervals
+       coalesce(simulated_intervals, 0) AS simulated_intervals,
+       coalesce(gpu_set_unknown_intervals, 0) AS gpu_set_unknown_intervals
 FROM i FULL OUTER JOIN r USING (host)
 ORDER BY host
 """.replace("{r_paired}", "(gpu_energy_j IS NOT NULL AND attributed_tokens IS NOT NULL)").replace("{r_sure}", f"(coalesce(energy_note, '') NOT LIKE '%{NO_COUNTER_SHORT_FLAG}%' AND coalesce(energy_note, '') "
@@ -393,6 +443,7 @@ def fleet_summary(sources) -> pa.Table:
             parts["requests"] = _spans_sql(parts["requests"], "t_arrival_utc", "t_end_utc",
                                            _bad_intervals(con, files["intervals"]) > 0)
             out = to_arrow(con, FLEET_SQL.format(**parts))
+            out = _with_overlaps(out, _overlaps(con, parts["intervals"]))
             conflicts = {t: sum(out.column(f"conflicting_{t}").to_pylist() or [0]) for t in ("requests", "intervals")}
             clashes = {t: _host_clashes(con, t, files[t]) if conflicts[t] else (0, []) for t in conflicts}
         except FleetError:
@@ -689,6 +740,30 @@ def notes(t: pa.Table) -> list[str]:
                    "before the column) have bypass traffic unknown, none of it in unproxied, their requests out of "
                    f"J/token ({BYPASS_LOW_FLAG}, where the daemon wrote the flag): "
                    + "; ".join(f"{r['host']}: {r['bypass_unknown_intervals']}" for r in unknown))
+    twice = [r for r in t.to_pylist() if r.get("double_counted_intervals")]
+    if twice:
+        out.append("double counting: intervals of two daemons on one host over the same time, on a GPU both sampled "
+                   "(or GPU sets unknown: rows written before gpu_uuids), each hold that GPU's whole energy, so the "
+                   "GPU kWh, hours and J/token of these rows count it twice (each daemon's requests were given all of "
+                   "it): " + "; ".join(f"{r['host']}: {r['double_counted_intervals']} intervals, "
+                                       f"{(r['double_counted_gpu_energy_j'] or 0.0) / 3.6e6:.6f} kWh (daemons "
+                                       f"{r['double_counted_daemons']})" for r in twice)
+                   + "; the fix: one daemon per GPU (daemon.gpus disjoint), and analyse each daemon's folder alone")
+    machines: dict[str, list[str]] = {}
+    for r in t.to_pylist():
+        machines.setdefault(re.sub(r" \[[^]]*\]$", "", r["host"]), []).append(r["host"])
+    split = {m: hs for m, hs in machines.items() if len(hs) > 1 and any(h != m for h in hs)}
+    if split:
+        out.append("hosts whose daemons sampled different GPU sets (daemon.gpus, the rows' gpu_uuids) are a row per "
+                   "set, never one blend of their J/token: " + "; ".join(", ".join(hs) for hs in split.values())
+                   + "; the `all` line adds them")
+    unset = [r for r in t.to_pylist() if r.get("gpu_set_unknown_intervals")]
+    if unset:
+        out.append("rows written before gpu_uuids do not say which GPUs their daemon sampled (their GPU set unknown): "
+                   "a host's rows from daemons on different GPUs are summed as one there, and two daemons' at once "
+                   "cannot be told apart by GPU: " + "; ".join(f"{r['host']}: {r['gpu_set_unknown_intervals']} "
+                                                               "intervals" for r in unset)
+                   + "; a newer daemon writes the column")
     unknown = [r["host"] for r in t.to_pylist() if r["host"].startswith("(unknown) ")]
     if unknown:
         out.append(f"{len(unknown)} dataset(s) were written before rows carried their host; each is named by its "

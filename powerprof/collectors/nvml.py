@@ -209,6 +209,10 @@ class NvmlCollector:
         self.lost: dict[int, str] = {}  # NVML index -> when it was found lost (a note)
         self._reopen_ns: list[int | None] = [None] * n  # last lookup by UUID of a lost GPU
         self.reopened = [0] * n  # times each GPU was reopened after a reset
+        # A jumped counter value not yet believed: (mJ, when read); the next read says whether the counter moved.
+        self._jump: list[tuple[int, int] | None] = [None] * n
+        # Why an edge read between ticks dropped a GPU's counter (the last reason, how many reads): said by the next tick.
+        self._edge_why: list[tuple[str, int] | None] = [None] * n
 
     def close(self) -> None:
         self.gw.shutdown()
@@ -270,7 +274,10 @@ class NvmlCollector:
             at.append(e0_ns + (self._clock_ns() - e0_ns) // 2)
             if code is not None and code in self._gone_codes():
                 self.lost.setdefault(self.indexes[k], self._gone_note(k, code))
-            e_j, _ = self._counter(k, mj) if mj is not None else (None, None)
+            e_j, why = self._counter(k, mj) if mj is not None else (None, None)
+            if why:  # kept for the next tick's note, which would otherwise say nothing or a wrong cause
+                prev = self._edge_why[k]
+                self._edge_why[k] = (why, (prev[1] if prev else 0) + 1)
             if e_j is None:
                 return None
             out.append(e_j)
@@ -289,7 +296,7 @@ class NvmlCollector:
             return mj / 1000, None
         if mj < last:
             self._epoch[k] += 1
-            self._last_mj[k], self._moved_ns[k] = mj, now
+            self._last_mj[k], self._moved_ns[k], self._jump[k] = mj, now, None
             return mj / 1000, f"energy counter went back {(last - mj) / 1000:.4g} J (driver reload): energy across it unknown"
         if mj == last:
             still_s = (now - self._moved_ns[k]) / 1e9
@@ -297,15 +304,23 @@ class NvmlCollector:
                 return None, (f"energy counter stuck at {mj / 1000:.6g} J for {still_s:.3g} s (a powered GPU moves it "
                               "every 10-100 ms): reading dropped, energy is interpolated across the stall")
             return mj / 1000, None
-        span_s = max((now - self._moved_ns[k]) / 1e9, COUNTER_STEP_S)
         bound_w = IMPLAUSIBLE_POWER_FACTOR * (self.infos[k].limit_max_w or ASSUMED_MAX_LIMIT_W)
+        span_s = max((now - self._moved_ns[k]) / 1e9, COUNTER_STEP_S)
         d_j = (mj - last) / 1000
-        self._last_mj[k], self._moved_ns[k] = mj, now
-        if d_j > bound_w * span_s:
-            self._epoch[k] += 1
-            return mj / 1000, (f"energy counter jumped {d_j:.4g} J in {span_s:.3g} s ({d_j / span_s:.4g} W, above "
-                               f"{bound_w:.4g} W): not energy; energy across it unknown")
-        return mj / 1000, None
+        if d_j <= bound_w * span_s:
+            self._last_mj[k], self._moved_ns[k], self._jump[k] = mj, now, None
+            return mj / 1000, None
+        jump = self._jump[k]
+        if jump is not None and mj >= jump[0] and (mj - jump[0]) / 1000 <= bound_w * max((now - jump[1]) / 1e9,
+                                                                                         COUNTER_STEP_S):
+            # The read after a jump goes on from it: the counter itself moved. Its epoch broke at the jump.
+            self._last_mj[k], self._moved_ns[k], self._jump[k] = mj, now, None
+            return mj / 1000, None
+        # Not adopted as the baseline: one corrupt read must not make the next good one look like a reload.
+        self._epoch[k] += 1
+        self._jump[k] = (mj, now)
+        return None, (f"energy counter jumped {d_j:.4g} J in {span_s:.3g} s ({d_j / span_s:.4g} W, above "
+                      f"{bound_w:.4g} W): not energy, reading dropped; energy across it unknown")
 
     def _power(self, k: int, mw, what: str) -> tuple[float | None, str | None]:
         if mw is None:
@@ -407,6 +422,10 @@ class NvmlCollector:
         avg_w, why_a = self._power(k, avg_mw, "average power")
         energy_j, why_e = self._counter(k, energy_mj) if energy_mj is not None else (None, None)
         notes = [x for x in (why_p, why_a, why_e) if x]
+        edge, self._edge_why[k] = self._edge_why[k], None
+        if edge:
+            many = f" (the last of {edge[1]})" if edge[1] > 1 else ""
+            notes.insert(0, f"an edge read between ticks dropped its counter reading{many}: {edge[0]}")
         if failed:
             notes.append("failed this tick: " + ", ".join(failed))
         if lost[0]:

@@ -273,6 +273,12 @@ class _Tag:
     cpu_j: float | None = None
     cpu_missing: bool = False  # an interval inside had no CPU energy: the sum would be too small
     gpu_missing: bool = False  # the same for a GPU's energy
+    work_j: float = 0.0  # of gpu_j, the serving GPUs' (workmodel.CostLearner.serving): its J/token's energy
+    work_missing: bool = False  # an interval inside had no energy from a serving GPU: its J/token is unknown
+    excluded: set = field(default_factory=set)  # sampled GPUs (by position) judged to serve none of the proxied work
+    excluded_j: float = 0.0  # their energy inside it, in gpu_j and not in its J/token
+    unread: set = field(default_factory=set)  # sampled GPUs (by position) that gave no energy over part of it
+    all_gpus_intervals: int = 0  # intervals inside it split with every sampled GPU's energy (none judged idle there)
     tokens: float = 0.0
     methods: set = field(default_factory=set)
     counted_low: int = 0  # requests inside it counted one token a chunk that the server counted more (_request_fields)
@@ -1617,9 +1623,11 @@ class Ledger:
         serving = self.learner.serving
         if serving is not None and serving.size == self.n_gpus and not serving.all():
             work_j = np.nan_to_num(per_gpu[:, serving]).sum(axis=1)
-            aside = gpu0 - work_j
+            aside = np.nan_to_num(per_gpu[:, ~serving]).sum(axis=1)
+            # The requests' energy is the serving GPUs': one of the others lost leaves the node total unknown, not theirs.
+            work_missing = np.isnan(per_gpu[:, serving]).any(axis=1)
         else:
-            work_j, aside = gpu0, None
+            work_j, aside, work_missing, serving = gpu0, None, gpu_missing, None
         cpu = self._cpu_energy(t)
         host_s, other_s = self._cpu_time(t)
         with np.errstate(divide="ignore", invalid="ignore"):
@@ -1688,7 +1696,7 @@ class Ledger:
         # has no CPU figure (rather than a partial, smaller one).
         # The last two: its CPU joules from intervals whose other processes' share is known, and those × the share.
         cpu0 = np.nan_to_num(cpu)
-        energy = np.column_stack([work_j, cpu0, np.isnan(cpu), gpu_missing, np.where(judged, cpu0, 0.0),
+        energy = np.column_stack([work_j, cpu0, np.isnan(cpu), work_missing, np.where(judged, cpu0, 0.0),
                                   np.where(judged, cpu0 * np.nan_to_num(other_pct), 0.0)])
         passive = np.array([_passive(r) for r in reqs], dtype=bool)  # its error status is known from its head
         # Intervals without a counter that no request (or bypass traffic) was live in for half their time: their
@@ -1815,9 +1823,10 @@ class Ledger:
                     live = (arrival[i] < t[1:]) & (end[i] > t[:-1])
                     r.server_ahead += float(excess[live].sum())
         self._judge_host(t, a, other_pct, judged)
-        self._account(t, per_gpu, gpu, cpu, a, methods, costs, host_s, other_s, judged, short_iv, low_iv, server_count)
+        self._account(t, per_gpu, gpu, cpu, a, methods, costs, host_s, other_s, judged, short_iv, low_iv, server_count,
+                      work_j=np.where(work_missing, np.nan, work_j), serving=serving)
         self._interval_rows(edges, t, gpu, cpu, methods, a, excess, costs, other_pct, server_count, short_iv, sure_iv,
-                            unsure, per_gpu)
+                            unsure, per_gpu, serving)
         ended = [r for r, d in zip(reqs, done) if d]
         for r in ended:
             del self.requests[r.trace.request_id]
@@ -2248,7 +2257,10 @@ class Ledger:
         self._busy_spell = bool(busy[np.flatnonzero(judged)[-1]])
 
     def _account(self, t, per_gpu, gpu, cpu, a: attr.Attribution, methods: list[str], costs: attr.WorkCosts,
-                 host_s=None, other_s=None, judged=None, short_iv=None, low_iv=None, server_count=None) -> None:
+                 host_s=None, other_s=None, judged=None, short_iv=None, low_iv=None, server_count=None,
+                 work_j=None, serving=None) -> None:
+        # work_j: the serving GPUs' energy per interval (NaN: one of them unread), `serving` their mask (None: all).
+        work_j = gpu if work_j is None else work_j
         self._gpu_total = self._gpu_total + np.nan_to_num(per_gpu).sum(axis=0)
         if not np.isnan(cpu).all():
             self._cpu_total = (self._cpu_total or 0.0) + float(np.nansum(cpu))
@@ -2260,7 +2272,7 @@ class Ledger:
             # J/token over intervals whose energy is known, is not mostly idle power taken out (NO_COUNTER_SHORT_FLAG)
             # and whose bypass count is not low (BYPASS_LOW_FLAG: bypass traffic's energy may be in the requests'; the
             # rule `analyze` leaves such requests out by). What is left out is counted by reason, never silently.
-            if a.tokens[k] <= 0 or np.isnan(gpu[k]):
+            if a.tokens[k] <= 0 or np.isnan(work_j[k]):
                 continue
             why = (NO_COUNTER_SHORT_FLAG if short_iv is not None and short_iv[k]
                    else BYPASS_LOW_FLAG if low_iv is not None and low_iv[k] else None)
@@ -2274,7 +2286,7 @@ class Ledger:
         e = sum(x[1] for x in self._recent)
         n = sum(x[2] for x in self._recent)
         for tag in list(self.tags.values()) + self.closed_tags:
-            self._tag_add(tag, t, gpu, cpu, a, methods, host_s, other_s, judged, server_count)
+            self._tag_add(tag, t, gpu, cpu, a, methods, host_s, other_s, judged, server_count, work_j, per_gpu, serving)
         self.totals = Totals(
             gpu_energy_j=tuple(float(x) for x in self._gpu_total),
             cpu_energy_j=self._cpu_total,
@@ -2323,7 +2335,7 @@ class Ledger:
         return row
 
     def _tag_add(self, tag: _Tag, t, gpu, cpu, a, methods, host_s=None, other_s=None, judged=None,
-                 server_count=None) -> None:
+                 server_count=None, work_j=None, per_gpu=None, serving=None) -> None:
         mid = (t[:-1] + t[1:]) // 2
         end = tag.t1_ns if tag.t1_ns is not None else attr.NEVER
         inside = (mid >= tag.t0_ns) & (mid < end)
@@ -2331,6 +2343,18 @@ class Ledger:
             return
         tag.intervals += int(inside.sum())
         tag.gpu_j += float(np.nansum(gpu[inside]))
+        # Its J/token is the serving GPUs' energy's, the split the requests get: GPUs that do none of the proxied work
+        # are idle whole (+17.5% with one idle at 70 W beside a server at 400 W), said in its note.
+        work = gpu if work_j is None else work_j
+        tag.work_j += float(np.nansum(work[inside]))
+        tag.work_missing = tag.work_missing or bool(np.isnan(work[inside]).any())
+        if per_gpu is not None and serving is not None:
+            tag.excluded.update(int(g) for g in np.flatnonzero(~serving))
+            tag.excluded_j += float(np.nansum(per_gpu[np.ix_(inside, ~serving)]))
+        elif per_gpu is not None and per_gpu.shape[1] > 1:
+            tag.all_gpus_intervals += int(inside.sum())  # every sampled GPU's energy in its J/token there
+        if per_gpu is not None:
+            tag.unread.update(int(g) for g in np.flatnonzero(np.isnan(per_gpu[inside]).any(axis=0)))
         # The interval rows' own unproxied_energy_j (the scrape windows' bypass tokens already spread over the
         # intervals by the attribution): the tag's equals the sum of the rows inside it.
         tag.unproxied_j += float(a.dest[inside, attr.TO_UNPROXIED, 0].sum())
@@ -2382,10 +2406,13 @@ class Ledger:
         return out
 
     def _interval_note(self, gpu: float, cpu: float, other_pct: float | None, work: bool, short: bool,
-                       server_count: str | None, cache_unsaid: float = 0.0) -> str | None:
+                       server_count: str | None, cache_unsaid: float = 0.0,
+                       idle_unread: list[int] | None = None) -> str | None:
         """An interval row's energy_note: for each figure of it that is empty or may be partial, why and the fix (the
-        request rows' wording where the cause is the same); None where every figure is whole."""
-        notes = [_gpu_missing_note("this interval") if np.isnan(gpu) else None]
+        request rows' wording where the cause is the same); None where every figure is whole. `idle_unread`: the
+        unread GPUs where all of them serve none of the proxied work (the requests' split is whole)."""
+        notes = [None if not np.isnan(gpu) else _gpu_missing_note("this interval") if not idle_unread
+                 else _idle_gpu_missing_note(idle_unread, "this interval", "requests_energy_j are whole")]
         if np.isnan(cpu):
             notes.append(_cpu_missing_note("this interval's start or end") if self.rapl else NO_RAPL_NOTE)
         elif work and other_pct is not None and other_pct > BUSY_HOST_PCT:
@@ -2414,7 +2441,18 @@ class Ledger:
         """A tag row's energy_note: for each figure of it that is empty or may be partial, why and the fix, in the
         interval and request rows' words where the cause is the same (their builders); None where every figure is
         whole (`server_count` off or slots_only is said by that column alone, as an interval's is)."""
-        notes = [_gpu_missing_note("part of this window") if tg.gpu_missing else None]
+        notes = [_gpu_missing_note("part of this window") if tg.work_missing else None]
+        if tg.excluded and tg.intervals:
+            total = (f"all sampled GPUs {tg.gpu_j:.4g} J" if not tg.gpu_missing else
+                     f"the node total unknown: sampled GPU(s) {sorted(tg.unread)} gave no energy reading over part of "
+                     "it (lost or failing reads; the samples' error column says which; restarting the daemon, "
+                     "daemon.gpus without a GPU that is gone, measures the others' total)")
+            notes.append(f"gpu_energy_j and gpu_j_per_token are of the GPUs serving the proxied work alone, as its "
+                         f"requests' split: sampled GPU(s) {sorted(tg.excluded)} drew no more when it ran than when "
+                         f"idle, so their {tg.excluded_j:.4g} J over this window is idle, not its work ({total})"
+                         + (f"; {tg.all_gpus_intervals} of its {tg.intervals} intervals, before the daemon judged so, "
+                            "hold every sampled GPU's energy" if tg.all_gpus_intervals else "")
+                         + "; fix: daemon.gpus can leave them out")
         if tg.intervals == 0 and tg.t1_ns is not None:
             notes.append("no interval inside: the GPU reads at this window's start and stop failed and it is shorter "
                          "than half a sampling interval, so no energy was measured over it: gpu_energy_j, "
@@ -2433,12 +2471,12 @@ class Ledger:
         elif tg.work and row["other_cpu_pct"] is None and row["cpu_energy_j"] is not None:
             notes.append(self._unjudged_note())
         method = row["energy_method"]
-        if not tg.gpu_missing and tg.intervals and method in (METHOD_POWER, METHOD_AVG_POWER):
+        if not tg.work_missing and tg.intervals and method in (METHOD_POWER, METHOD_AVG_POWER):
             notes.append(f"no energy counter: part of this window was {NO_COUNTER_READ}, energy_method {method}: "
                          "its gpu_energy_j is integrated from them, not counted by the GPU, and a short burst of work "
                          "can fall between two reads; fix: a GPU with an energy counter (Volta and newer), or longer "
                          "windows")
-        if not tg.gpu_missing and tg.intervals and tg.tokens <= 0:
+        if not tg.work_missing and tg.intervals and tg.tokens <= 0:
             notes.append("no J/token: no tokens were seen through the proxy over this window (idle, or its requests "
                          "went straight to the server: unproxied_energy_j holds theirs), so gpu_j_per_token is empty; "
                          "fix: send the window's requests through the proxy (proxy.listen)")
@@ -2454,7 +2492,8 @@ class Ledger:
         return _joined(*notes)
 
     def _interval_rows(self, edges, t, gpu, cpu, methods, a: attr.Attribution, server, costs, other_pct=None,
-                       server_count=None, short_iv=None, cache_iv=None, unsure=None, per_gpu=None) -> None:
+                       server_count=None, short_iv=None, cache_iv=None, unsure=None, per_gpu=None,
+                       serving=None) -> None:
         rows = []
         unsaid = cache_iv if cache_iv is not None else np.zeros(t.size - 1)
         for k in range(t.size - 1):
@@ -2488,7 +2527,7 @@ class Ledger:
                     "work_costs": costs.source,
                     "energy_note": _joined(self._interval_note(gpu[k], cpu[k], pct, a.kind[k] != attr.IDLE,
                                                                bool(short_iv[k]) if short_iv is not None else False,
-                                                               count, unsaid[k]),
+                                                               count, unsaid[k], _idle_unread(per_gpu, serving, k)),
                                            _counter_flat_note(gpu[k:k + 1] if per_gpu is None else per_gpu[k])
                                            if methods[k] != METHOD_NONE and dur > 0 else None),
                 }
@@ -2630,15 +2669,16 @@ class Ledger:
         # J/token of the proxied traffic: the window's energy less bypass traffic's, over the proxied tokens. Bypass
         # energy in it otherwise sat over tokens the proxy never saw (a third of the tokens bypass: +56%, unmarked).
         # Where the server's count may be low, unproxied may be too: `server_count` says so (schema.bypass_count_low).
-        proxied_j = tg.gpu_j - tg.unproxied_j
-        unknown = tg.gpu_missing or tg.intervals == 0
+        proxied_j = tg.work_j - tg.unproxied_j
+        unknown = tg.work_missing or tg.intervals == 0  # the serving GPUs' energy (its J/token's)
         row = {
             "daemon_id": self.daemon_id,
             "name": tg.name,
             "t_start_utc": tg.wall0_ns,
             "t_end_utc": tg.wall1_ns,
             "duration_s": dur,
-            "gpu_energy_j": None if unknown else tg.gpu_j,
+            # The serving GPUs' (its J/token's, as the requests' split): the others' joules are named in energy_note.
+            "gpu_energy_j": None if unknown else tg.work_j,
             "cpu_energy_j": None if tg.cpu_missing else tg.cpu_j,
             "other_cpu_pct": (100.0 * tg.other_cpu_s / tg.host_cpu_s
                               if tg.host_cpu_s > 0 and tg.cpu_j is not None and not tg.cpu_missing else None),
@@ -2773,6 +2813,26 @@ def _cpu_missing_note(where: str) -> str:
             "column and powerprof_sample_missed_total{source=\"rapl\"} say which): a sum of the rest would be "
             "too small, so cpu_energy_j is empty; fix: powerprof devices (RAPL zones and permissions), fewer "
             "busy processes beside the daemon")
+
+
+def _idle_gpu_missing_note(gpus: list[int], where: str, whole: str) -> str:
+    """Why a gpu_energy_j (all sampled GPUs) is empty while the serving GPUs' figures are whole: `gpus` (by position in
+    the sampled ones), judged to serve none of the proxied work, gave no energy reading over `where`."""
+    return (f"GPU energy unknown: sampled GPU(s) {gpus} gave no energy reading over {where} (lost or failing reads; "
+            f"the samples' error column says which and why), so gpu_energy_j, every sampled GPU's, is empty; they "
+            f"serve none of the proxied work, so the requests' energy and {whole}; fix: powerprof devices, "
+            "nvidia-smi -q; restarting the daemon (daemon.gpus without a GPU that is gone) measures the others' total")
+
+
+def _idle_unread(per_gpu, serving, k: int) -> list[int] | None:
+    """The sampled GPUs (by position) without energy over interval k, where every one of them serves none of the
+    proxied work; None where none is unread or a serving one is."""
+    if per_gpu is None or serving is None:
+        return None
+    unread = np.isnan(per_gpu[k])
+    if not unread.any() or (unread & serving).any():
+        return None
+    return [int(g) for g in np.flatnonzero(unread)]
 
 
 def _gpu_missing_note(where: str) -> str:

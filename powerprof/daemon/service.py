@@ -35,6 +35,7 @@ from powerprof.collectors.sampler import Sample, Sampler
 from powerprof.errtext import error_text
 from powerprof.storage.atomic import atomic_path
 from powerprof.storage.samples import sample_rows
+from powerprof.storage.schema import gpu_uuids_value
 
 from . import opentags, sdnotify, streams
 from .config import Config, ConfigError, is_loopback, listen_host, load_config
@@ -1252,6 +1253,7 @@ class Daemon:
             host=self.host,
             daemon_id=self.daemon_id,
             simulated=self.rig.simulated,
+            gpu_uuids=gpu_uuids_value(i.uuid for i in self.collector.infos),
             **kwargs,
         )
         self.ledger = Ledger(self.daemon_id, self.t0_ns, len(self.collector.infos), self.store.append,

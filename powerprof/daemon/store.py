@@ -185,10 +185,11 @@ class DatasetStore:
         host: str | None = None,
         daemon_id: str | None = None,
         simulated: bool | None = None,
+        gpu_uuids: str | None = None,
     ):
         self.root = Path(root)
         # Values every row of this process shares, where a row does not give its own.
-        self.fill = {k: v for k, v in (("host", host), ("daemon_id", daemon_id)) if v}
+        self.fill = {k: v for k, v in (("host", host), ("daemon_id", daemon_id), ("gpu_uuids", gpu_uuids)) if v}
         if simulated is not None:
             self.fill["simulated"] = simulated
         self.datasets = {d.name: d for d in datasets}

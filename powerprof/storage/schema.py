@@ -233,6 +233,16 @@ HOST = ("host", STR)  # daemon.host, default the machine's host name
 # The daemon's GPU was powerprof's simulated one (`daemon --simulate`): its figures are no hardware's. Null: written
 # before the column.
 SIMULATED = ("simulated", BOOL)
+# The GPUs the daemon sampled (daemon.gpus): their NVML UUIDs, sorted and comma-joined. Rows of different GPU sets are
+# no one machine's figures (`analyze` and `fleet` split them); two daemons' intervals over one time on a shared GPU count
+# its energy twice (said). Null: written before the column, the GPU set unknown.
+GPU_UUIDS = ("gpu_uuids", STR)
+
+
+def gpu_uuids_value(uuids) -> str | None:
+    """A row's gpu_uuids: the UUIDs sorted and comma-joined (one set, whatever order daemon.gpus named them in)."""
+    got = sorted({str(u) for u in uuids if u})
+    return ",".join(got) or None
 
 # One row per proxied request. Never prompt or completion text.
 DAEMON_REQUESTS_COLUMNS = [
@@ -275,6 +285,7 @@ DAEMON_REQUESTS_COLUMNS = [
     ("recorder_error", STR),  # recording failed (traffic still flowed)
     HOST,
     SIMULATED,
+    GPU_UUIDS,
 ]
 
 # A daemon interval row's `server_count`: the server's counter covered it with no known loss (complete); it was not
@@ -391,6 +402,7 @@ DAEMON_INTERVALS_COLUMNS = [
     ("energy_note", STR),
     HOST,
     SIMULATED,
+    GPU_UUIDS,
 ]
 
 # One row per tuner decision (`powerprof tune`, docs/tuner.md): every change of level and every verdict, with its reason.
@@ -439,7 +451,9 @@ DAEMON_TAGS_COLUMNS = [
     ("t_start_utc", TS),
     ("t_end_utc", TS),
     ("duration_s", F64),
-    ("gpu_energy_j", F64),  # counter read on demand at both edges
+    # counter read on demand at both edges; of the GPUs serving the proxied work (every sampled one until the daemon
+    # judges which), as its requests' split: energy_note names those left out and their joules
+    ("gpu_energy_j", F64),
     ("cpu_energy_j", F64),
     ("other_cpu_pct", F64),  # %: other processes' CPU time summed ÷ the host's busy time, over its intervals
     ("energy_method", STR),
@@ -455,6 +469,7 @@ DAEMON_TAGS_COLUMNS = [
     ("energy_note", STR),
     HOST,
     SIMULATED,
+    GPU_UUIDS,
 ]
 
 # The daemon's samples: the sweep's SAMPLES columns, then the host, then the daemon process (t_mono_s
