@@ -216,6 +216,7 @@ class Scraper:
         # vLLM v0's hit rate times its prompt tokens' rise: an estimate); None where not known (_cache_hits_since).
         self.cache_hits: float | None = None
         self._cache: tuple[str, float, float] | None = None  # prefix_cache_reading at the previous scrape
+        self._blocks_said = False  # the log said once that the hits come in blocks of no known size
         self.total = 0.0  # tokens the server reported since the daemon started
         self.errors = 0
         self.last_error: str | None = None
@@ -457,9 +458,15 @@ class Scraper:
             log.debug("prefix-cache counters unreadable: %s", error_text(e))
             now = None
         prev, self._cache = self._cache, now
+        if now is not None and now[0] == "blocks" and not self._blocks_said:
+            self._blocks_said = True
+            log.warning("the server counts its prefix-cache hits in blocks (vllm:gpu_prefix_cache_hits_total, vLLM "
+                        "before 0.9) and its page says no block size (vllm:cache_config_info): each block is taken for "
+                        "one token, a lower bound, so hits its answers did not say are still flagged "
+                        "(prefix-cache-unsaid) but their count is low; fix: vLLM 0.9 or later (hits in tokens)")
         if now is None or prev is None or prev[0] != now[0]:
             return None
-        if now[0] == "hits":
+        if now[0] in ("hits", "blocks"):
             rise = now[1] if restart else now[1] - prev[1]
         else:
             rise = now[1] * (now[2] if restart else now[2] - prev[2])

@@ -198,6 +198,10 @@ FLAVOURS = ("llamacpp", "vllm", "sglang")
 # vLLM's prefix cache holds whole KV blocks (16 tokens by default on GPU; 128 on CPU, measured with vLLM 0.32): a
 # prompt's cached part is whole blocks, the rest computed. SGLang's radix cache and llama.cpp's are by token.
 VLLM_BLOCK_TOKENS = 16
+# vllm_metrics: "current" (vLLM >= 0.11 names), "legacy" (the v0 names), and the two early V1 pages whose prefix-cache
+# counters had V1's first names, by their unit: "v0.8" blocks (0.8.x), "v0.9" tokens (0.9.0-0.9.1).
+EARLY_V1_PREFIX_UNIT = {"v0.8": "blocks", "v0.9": "tokens"}
+VLLM_METRICS = ("current", "legacy", *EARLY_V1_PREFIX_UNIT)
 # vLLM's request-phase histograms' buckets, seconds (0.32: v1/metrics/buckets.py REQUEST_LATENCY_BUCKETS).
 VLLM_REQUEST_LATENCY_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0,
                                 240.0, 480.0, 960.0, 1920.0, 7680.0)
@@ -322,8 +326,8 @@ class SimServer:
             raise ValueError("batching must be serial or continuous")
         if delivery not in DELIVERIES:
             raise ValueError(f"delivery must be one of {', '.join(DELIVERIES)}")
-        if vllm_metrics not in ("current", "legacy"):
-            raise ValueError("vllm_metrics must be current or legacy")
+        if vllm_metrics not in VLLM_METRICS:
+            raise ValueError(f"vllm_metrics must be one of {', '.join(VLLM_METRICS)}")
         self.nvml = nvml if nvml is not None else SimNVML(profile, state_path=None)
         self.gpus = self.nvml.gpus
         wl = self.gpus[0].profile.workload
@@ -460,6 +464,8 @@ class SimServer:
                         "cross-instance cache sharing, in terms of number of queried tokens.", registry=self._registry)
                 Counter("vllm:external_prefix_cache_hits", "External prefix cache hits from KV connector "
                         "cross-instance cache sharing, in terms of number of cached tokens.", registry=self._registry)
+            elif self.vllm_metrics in EARLY_V1_PREFIX_UNIT:
+                self._new_early_v1_prefix_metrics()
             else:
                 self._m_pc_rate = Gauge("vllm:gpu_prefix_cache_hit_rate", "GPU prefix cache block hit rate",
                                         registry=self._registry)
@@ -468,6 +474,18 @@ class SimServer:
             # start time (wall clock, s): what tells a restarted vLLM from one that only dropped connections.
             Gauge("process_start_time_seconds", "Start time of the process since unix epoch in seconds",
                   registry=self._registry).set(time.time())
+
+    def _new_early_v1_prefix_metrics(self) -> None:
+        """vLLM 0.8.0-0.9.1's prefix-cache counters: V1's first names (`vllm:gpu_prefix_cache_queries` / `_hits`, PR
+        #12592), in blocks until PR #18003 (0.9.0) made them tokens under the same names, the unit said only in their
+        HELP; and its cache_config_info gauge, whose labels give the block size."""
+        unit = EARLY_V1_PREFIX_UNIT[self.vllm_metrics]
+        self._m_pc_queries = Counter("vllm:gpu_prefix_cache_queries", f"GPU prefix cache queries, in terms of number "
+                                     f"of queried {unit}.", registry=self._registry)
+        self._m_pc_hits = Counter("vllm:gpu_prefix_cache_hits", f"GPU prefix cache hits, in terms of number of cached "
+                                  f"{unit}.", registry=self._registry)
+        Gauge("vllm:cache_config_info", "Information of the LLMEngine CacheConfig", registry=self._registry,
+              labelnames=("block_size", "enable_prefix_caching")).labels(str(VLLM_BLOCK_TOKENS), "True").set(1)
 
     def _new_sglang_metrics(self) -> None:
         """SGLang's families (collector.py): the tokenizer manager's counters labelled by model_name, the scheduler's
@@ -907,6 +925,11 @@ class SimServer:
         if self.vllm_metrics == "current":
             self._m_pc_queries.inc(req.prompt_tokens)
             self._m_pc_hits.inc(req.cached)
+        elif self.vllm_metrics in EARLY_V1_PREFIX_UNIT:
+            unit = VLLM_BLOCK_TOKENS if EARLY_V1_PREFIX_UNIT[self.vllm_metrics] == "blocks" else 1
+            # The cached part is whole blocks (_submit): counted in blocks, as 0.8's block-wise stats, it is exact.
+            self._m_pc_queries.inc(req.prompt_tokens // unit)
+            self._m_pc_hits.inc(req.cached // unit)
         else:
             self._pc_tally[0] += req.prompt_tokens
             self._pc_tally[1] += req.cached
