@@ -29,7 +29,7 @@ from powerprof.energy import epoch_broken, interp_at, trailing_average_interval_
 from powerprof.profiler import (BEFORE_FIRST_READ_FLAG, METHOD_AVG_POWER, METHOD_COUNTER, METHOD_NONE, METHOD_POWER, NO_COUNTER_SHORT_BUSY_SHARE,
                                 NO_COUNTER_SHORT_BUSY_SHARE_INSTANT, NO_COUNTER_SHORT_FIX, NO_COUNTER_SHORT_FLAG,
                                 weakest_method)
-from powerprof.storage.schema import (BYPASS_LOW_FLAG, CACHE_LATE_FIX, CACHE_LATE_FLAG, CACHE_UNSAID_FIX,
+from powerprof.storage.schema import (BEST_OF_FIX, BEST_OF_FLAG, BYPASS_LOW_FLAG, CACHE_LATE_FIX, CACHE_LATE_FLAG, CACHE_UNSAID_FIX,
                                       CACHE_UNSAID_FLAG, SERVER_COUNT_COMPLETE, SERVER_COUNT_MISPLACED, SERVER_COUNT_OFF,
                                       SERVER_COUNT_PROXY_LAG, SERVER_COUNT_UNREAD, bypass_count_fix, bypass_count_low)
 
@@ -2854,6 +2854,15 @@ def _unsaid_reason(r: _Req) -> str:
     return "client_left" if r.trace.outcome == "client_disconnected" else "no_usage"
 
 
+def _best_of_note(extra: dict) -> str:
+    """BEST_OF_FLAG's words: the sequences run beyond those returned (best_of - n per prompt), unseen by the proxy."""
+    b, n = extra["best_of"], max(extra.get("choices", 1), 1)
+    unseen = (b - n) * max(extra.get("sequences", 1) // n, 1)
+    return (f"{BEST_OF_FLAG}: it asked best_of {b} for n {n}: the server ran {unseen} more sequence(s) than it returned, "
+            "whose tokens never reached the proxy: their work is in the shares of the requests beside it and in "
+            f"unproxied (read as bypass traffic), not here, so its figure is low; fix: {BEST_OF_FIX}")
+
+
 def _approximate_note(r: _Req) -> str | None:
     """Why a request's energy rests on an estimate rather than the server's counts (None: it does not)."""
     notes = []
@@ -2867,6 +2876,8 @@ def _approximate_note(r: _Req) -> str | None:
                      f"prompt tokens ({r.prompt_est[1]}){fix}")
     if _unseen(r) and not _passive(r):
         notes.append(_uncounted_note(r))
+    if r.trace.extra.get("best_of"):
+        notes.append(_best_of_note(r.trace.extra))
     if r.beside_uncounted:
         kinds = sorted(r.beside_uncounted)
         notes.append(f"requests the proxy does not count ran beside it ({', '.join(kinds[:3])}"

@@ -255,6 +255,7 @@ class SimServer:
         burst_every_s: float | None = None,
         vllm_empty_final: bool = True,
         vllm_metrics: str = "current",
+        vllm_v0_best_of: bool = False,
         vllm_stale_gauges: bool = False,
         serve_metrics: bool = True,
         draft_n_max: int | None = None,
@@ -367,6 +368,7 @@ class SimServer:
         self.burst_every_s = burst_every_s  # and this long after the first byte held (None: never by time)
         self.vllm_empty_final = vllm_empty_final
         self.vllm_metrics = vllm_metrics
+        self.vllm_v0_best_of = bool(vllm_v0_best_of)  # vLLM V0's best_of (_serve_best_of); V1 takes none
         self.vllm_stale_gauges = vllm_stale_gauges
         self.serve_metrics = serve_metrics  # False: /metrics answers 404 (hidden by a proxy, or an old server)
         self._slot_task: dict[int, int] = {}  # slot → its last task id (/slots `id_task`)
@@ -1694,6 +1696,11 @@ class SimServer:
         args = (n_predict, bool(body.get("ignore_eos", False)), bool(body.get("cache_prompt", default_cache)),
                 int(body.get("seed", 0) or 0))
         opts = body.get("stream_options") if isinstance(body.get("stream_options"), dict) else {}
+        best_of = self._v0_best_of(api, body, n_choices)
+        if isinstance(best_of, web.Response):
+            return best_of
+        if best_of > n_choices:
+            return await self._serve_best_of(request, api, prompt, args, n_choices, best_of, echo)
         if n_choices > 1:
             return await self._serve_choices(request, api, prompt, args, n_choices, stream, opts, echo)
         req = self._submit(prompt, *args)
@@ -2077,6 +2084,42 @@ class SimServer:
             return resp
         finally:
             self._cancel_unfinished(reqs)
+
+    def _v0_best_of(self, api: str, body: dict, n: int) -> int | web.Response:
+        """vLLM V0's `best_of` on /v1/completions (`vllm_v0_best_of`): the sequences it runs for the `n` it returns (n
+        where not asked or not simulated); a 400 for one below n, as V0's SamplingParams refuse it."""
+        b = body.get("best_of")
+        if not (self.vllm_v0_best_of and self.flavour == "vllm" and api == "openai-completions") or b is None:
+            return n
+        if not isinstance(b, int) or isinstance(b, bool) or b < n:
+            return self._bad_request(f"best_of must be greater than or equal to n, got n={n} and best_of={b}.")
+        t = body.get("temperature")
+        if b > 1 and isinstance(t, (int, float)) and t < 1e-5:
+            return self._bad_request(f"best_of must be 1 when using greedy sampling.Got {b}.")
+        return b
+
+    async def _serve_best_of(self, request: web.Request, api: str, prompt: str, args: tuple, n: int, best_of: int,
+                             echo: _Echo = _NO_ECHO) -> web.Response:
+        """vLLM V0's `best_of > n`: best_of sequences of the prompt in the batch (one sequence group: the prompt
+        computed once), n of them returned (V0 picks the n of highest cumulative logprob: here the first n), their
+        tokens alone in usage. Answered whole even where a stream was asked (V0's serving_completion streams only
+        where best_of is n). Every sequence's work is the client's request's in the ground truth."""
+        q: asyncio.Queue = asyncio.Queue()
+        cid = request.headers.get("X-Sim-Request-Id")
+        reqs = [self._submit(prompt, *args, choice=i, queue=_Tagged(q, i)) for i in range(best_of)]
+        for r in reqs:
+            r.client_id = cid
+        try:
+            resp = await self._serve_choices_whole(api, reqs, q, echo)
+        finally:
+            self._cancel_unfinished(reqs)
+        doc = json.loads(resp.body)
+        kept = reqs[:n]
+        doc["choices"] = [c for c in doc["choices"] if c["index"] < n]
+        gen = sum(self._reported(r.generated) for r in kept)
+        doc["usage"] = {"prompt_tokens": kept[0].prompt_tokens, "completion_tokens": gen,
+                        "total_tokens": kept[0].prompt_tokens + gen}
+        return self._json(doc)
 
     async def _serve_choices_whole(self, api: str, reqs: list, q: asyncio.Queue, echo: _Echo = _NO_ECHO) -> web.Response:
         texts, timings, left = [""] * len(reqs), [None] * len(reqs), len(reqs)
