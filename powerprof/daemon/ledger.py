@@ -29,7 +29,8 @@ from powerprof.energy import epoch_broken, interp_at, trailing_average_interval_
 from powerprof.profiler import (BEFORE_FIRST_READ_FLAG, METHOD_AVG_POWER, METHOD_COUNTER, METHOD_NONE, METHOD_POWER, NO_COUNTER_SHORT_BUSY_SHARE,
                                 NO_COUNTER_SHORT_BUSY_SHARE_INSTANT, NO_COUNTER_SHORT_FIX, NO_COUNTER_SHORT_FLAG,
                                 weakest_method)
-from powerprof.storage.schema import (BEST_OF_FIX, BEST_OF_FLAG, BYPASS_LOW_FLAG, CACHE_LATE_FIX, CACHE_LATE_FLAG, CACHE_UNSAID_FIX,
+from powerprof.storage.schema import (BEST_OF_FIX, BEST_OF_FLAG, BYPASS_LOW_FLAG, CACHE_LATE_FIX, COUNT_OPEN_FIX,
+                                      COUNT_OPEN_FLAG, CACHE_LATE_FLAG, CACHE_UNSAID_FIX,
                                       CACHE_UNSAID_FLAG, SERVER_COUNT_COMPLETE, SERVER_COUNT_MISPLACED, SERVER_COUNT_OFF,
                                       SERVER_COUNT_PROXY_LAG, SERVER_COUNT_UNREAD, bypass_count_fix, bypass_count_low)
 
@@ -2878,6 +2879,13 @@ def _approximate_note(r: _Req) -> str | None:
         notes.append(_uncounted_note(r))
     if r.trace.extra.get("best_of"):
         notes.append(_best_of_note(r.trace.extra))
+    c = r.trace.counts
+    if c is not None and c.count_open and c.count_problem is None:
+        notes.append(f"{COUNT_OPEN_FLAG}: its count ({c.generated_tokens} tokens) is the server's running count as of "
+                     "its last chunk that carried one, its closing chunk and no final usage saying any after (SGLang's "
+                     "chat stream sends usage only on chunks with text): the tokens of a last step without text (its "
+                     "end-of-text token, one on a stop) are in no count, so generated_tokens may be low by them and "
+                     f"their energy is in unproxied; fix: {COUNT_OPEN_FIX}")
     if r.beside_uncounted:
         kinds = sorted(r.beside_uncounted)
         notes.append(f"requests the proxy does not count ran beside it ({', '.join(kinds[:3])}"

@@ -2000,6 +2000,14 @@ class SimServer:
                     elif last and (finish_with_last or api == "sglang-native"):
                         await send_tokens(group_ids, group_text, finish=fr)
                         group_ids, group_text, closed = [], "", True
+                    elif last and sglang and chat and req.stop_type == "eos":
+                        # SGLang's end-of-text token has no text (skip_special_tokens) and is counted: its step's
+                        # chunk has the text of the step's other tokens, with their running usage; a step of no text
+                        # sends none (serving_chat's `if delta`), so no running count says that token.
+                        text = group_text[:len(group_text) - len(_piece(group_ids[-1], self.textless_share))]
+                        if text:
+                            await send_tokens(group_ids, text)
+                        group_ids, group_text = [], ""
                     elif n_events == 0 or len(group_ids) >= self.tokens_per_event or last:
                         # The first token goes out at once; then groups of tokens_per_event.
                         await send_tokens(group_ids, group_text)
