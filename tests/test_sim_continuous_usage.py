@@ -68,10 +68,10 @@ def test_the_proxy_counts_a_stream_without_usage_by_its_chunks_and_says_so(tmp_p
         assert "include_usage" in row["energy_note"], row["energy_note"]
 
 
-def _chat_to_eos(url: str, opts: dict, cid: str = "c") -> list[dict]:
+def _chat_to_eos(url: str, opts: dict, cid: str = "c", **extra) -> list[dict]:
     # No ignore_eos: the simulated model stops at its end-of-text token well within max_tokens.
     body = {"messages": [{"role": "user", "content": "hi there"}], "max_tokens": 200, "stream": True,
-            "stream_options": opts}
+            "stream_options": opts, **extra}
     req = urllib.request.Request(url + "/v1/chat/completions", data=json.dumps(body).encode(), method="POST",
                                  headers={"Content-Type": "application/json", "X-Sim-Request-Id": cid})
     with urllib.request.urlopen(req, timeout=60) as r:
@@ -100,25 +100,28 @@ def test_sglang_chat_running_usage_stops_before_its_end_of_text_token():
     assert [c["usage"]["completion_tokens"] for c in both if not c.get("choices")] == [truth["both"]["generated"]]
 
 
-@pytest.mark.parametrize("include_usage", [False, True], ids=["continuous-alone", "with-include-usage"])
-def test_the_proxy_says_when_sglangs_running_count_stops_short(tmp_path, include_usage):
+@pytest.mark.parametrize("include_usage,to_limit", [(False, False), (True, False), (False, True)],
+                         ids=["continuous-alone", "with-include-usage", "at-its-length-limit"])
+def test_the_proxy_says_when_sglangs_running_count_stops_short(tmp_path, include_usage, to_limit):
     # Before: the row said generated_tokens one below the server's count (its end-of-text token), token_source usage,
-    # and nothing else. Now the row says count-open with the fix; with include_usage the count is whole, unflagged.
+    # and nothing else. Now the row says count-open with the fix; with include_usage the count is whole, unflagged;
+    # and so is one that stopped at the max_tokens it asked with a count of exactly that (ignore_eos: a benchmark's).
     from daemon_helpers import note_of
 
     opts = {"continuous_usage_stats": True, **({"include_usage": True} if include_usage else {})}
+    extra = {"ignore_eos": True, "max_tokens": 40} if to_limit else {}
     with SimServer(SimNVML("seed-16g", state_path=None), flavour="sglang", draft_n_max=0) as srv:
         d = DaemonProc(tmp_path / "data", "--simulate", "--upstream", srv.url, "--interval", "0.25",
                        "--flush-interval", "0.5", env=sim_env(tmp_path))
         try:
-            _chat_to_eos(d.info["proxy"], opts, "r")
+            _chat_to_eos(d.info["proxy"], opts, "r", **extra)
         finally:
             rc = d.stop()
         truth = srv.request_truth()["r"]
     assert rc == 0, d.output()
     (row,) = read_dataset(tmp_path / "data", "requests").to_dict("records")
     note = note_of(row)
-    if include_usage:
+    if include_usage or to_limit:
         assert row["generated_tokens"] == truth["generated"] and "count-open" not in note, (row["generated_tokens"], note)
         return
     assert row["generated_tokens"] == truth["generated"] - 1, (row["generated_tokens"], truth)

@@ -2855,6 +2855,15 @@ def _unsaid_reason(r: _Req) -> str:
     return "client_left" if r.trace.outcome == "client_disconnected" else "no_usage"
 
 
+def _at_limit(r: _Req) -> bool:
+    """It stopped at the length it asked (`max_tokens` for each sequence) and its count says exactly that: whole,
+    whatever its stream's last chunk carried."""
+    c, extra = r.trace.counts, r.trace.extra
+    limit = extra.get("max_tokens")
+    return (c.stop_reason == "length" and limit is not None
+            and c.generated_tokens == limit * max(extra.get("sequences", 1), 1))
+
+
 def _best_of_note(extra: dict) -> str:
     """BEST_OF_FLAG's words: the sequences run beyond those returned (best_of - n per prompt), unseen by the proxy."""
     b, n = extra["best_of"], max(extra.get("choices", 1), 1)
@@ -2880,7 +2889,7 @@ def _approximate_note(r: _Req) -> str | None:
     if r.trace.extra.get("best_of"):
         notes.append(_best_of_note(r.trace.extra))
     c = r.trace.counts
-    if c is not None and c.count_open and c.count_problem is None:
+    if c is not None and c.count_open and c.count_problem is None and not _at_limit(r):
         notes.append(f"{COUNT_OPEN_FLAG}: its count ({c.generated_tokens} tokens) is the server's running count as of "
                      "its last chunk that carried one, its closing chunk and no final usage saying any after (SGLang's "
                      "chat stream sends usage only on chunks with text): the tokens of a last step without text (its "

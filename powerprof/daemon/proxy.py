@@ -30,6 +30,7 @@ from aiohttp import web
 
 from powerprof.arrival import SAME_DELIVERY_NS
 from powerprof.errtext import error_text
+from powerprof.workload.limits import MAX_COUNT
 from powerprof.workload.stream import json_from_bytes
 
 from . import streams
@@ -312,6 +313,10 @@ def inspect_request_body(body: bytes, encoding: str = "", api: str | None = None
             n = request_choices(doc, api)
             if n > 1:
                 extra["choices"] = n
+        if api in ("openai-chat", "openai-completions"):
+            limit = doc.get("max_completion_tokens", doc.get("max_tokens"))
+            if type(limit) is int and 0 < limit <= MAX_COUNT:
+                extra["max_tokens"] = limit  # a count at the limit is whole (the ledger's count-open check)
         best_of = request_best_of(doc, api)
         if best_of is not None:
             extra["best_of"] = best_of  # its row says its energy leaves out the sequences not returned
