@@ -75,3 +75,28 @@ def test_a_best_of_request_through_the_proxy_is_flagged_with_the_fix(tmp_path):
     assert "its figure is low" in note and "fix: ask n equal to best_of" in note, note
     # The server ran 3 sequences of 48 tokens for it, the proxy saw 1: two thirds of its decode unseen.
     assert (truth["bo"]["generated"], truth["bo"]["sequences"]) == (3 * N_TOKENS, 3), truth["bo"]
+
+
+def test_a_server_that_takes_no_best_of_gets_no_flag(tmp_path):
+    # SGLang's protocol has the field and ignores it (llama-server ignores it too): its answer hides no sequence, so a
+    # best_of there says nothing (the daemon knows the server from its scrape).
+    data = tmp_path / "data"
+    with SimServer(SimNVML("seed-16g", state_path=None), flavour="sglang", batching="continuous") as sim:
+        d = DaemonProc(data, "--simulate", "--upstream", sim.url, "--interval", "0.25", "--flush-interval", "0.25",
+                       env=sim_env(tmp_path))
+        try:
+            time.sleep(1.0)  # a scrape or two: the server's kind known
+            _complete(d.info["proxy"], "bo", best_of=3, n=1)
+            deadline = time.monotonic() + 60
+            while time.monotonic() < deadline:
+                rows = read_dataset(data, "requests")
+                if rows is not None and len(rows) >= 1:
+                    break
+                time.sleep(0.2)
+        finally:
+            rc = d.stop()
+        truth = sim.request_truth()["bo"]
+    assert rc == 0, d.output()
+    (row,) = read_dataset(data, "requests").to_dict("records")
+    assert truth["sequences"] == 1 and row["generated_tokens"] == N_TOKENS
+    assert BEST_OF_FLAG not in note_of(row), note_of(row)

@@ -408,6 +408,7 @@ class Ledger:
         self._finished: deque = deque()
         self.server_at_finish = False  # the server's counter moves when a request finishes, not as tokens come
         self.choices_prefilled_apart = False  # the server prefills an n > 1 prompt apart (scrape.PREFILLS_CHOICES_APART)
+        self.best_of_ignored = False  # the server takes no best_of (scrape.IGNORES_BEST_OF): no BEST_OF_FLAG
         # (scrape end, mean end-to-end seconds) of the at-finish windows in which requests finished, FINISH_HOLD_S back:
         # a request ending later is likely as long, and its windows' bypass tokens go back that far (`_spread_back`).
         self._durations: deque = deque()
@@ -2614,7 +2615,7 @@ class Ledger:
             "gpu_energy_j": r.gpu_j if r.gpu_j > 0 and not r.gpu_missing else None,
             "cpu_energy_j": cpu_j,
             "other_cpu_pct": other_pct,
-            "energy_note": _joined(GPU_MISSING_NOTE if r.gpu_missing else _approximate_note(r) if r.gpu_j > 0
+            "energy_note": _joined(GPU_MISSING_NOTE if r.gpu_missing else _approximate_note(r, self.best_of_ignored) if r.gpu_j > 0
                                    else _no_energy_reason(r), CPU_MISSING_NOTE if cpu_unknown else None,
                                    _no_counter_short_note(r), _bypass_low_note(r), _busy_host_note(other_pct),
                                    _before_first_note(r)),
@@ -2873,8 +2874,9 @@ def _best_of_note(extra: dict) -> str:
             f"unproxied (read as bypass traffic), not here, so its figure is low; fix: {BEST_OF_FIX}")
 
 
-def _approximate_note(r: _Req) -> str | None:
-    """Why a request's energy rests on an estimate rather than the server's counts (None: it does not)."""
+def _approximate_note(r: _Req, best_of_ignored: bool = False) -> str | None:
+    """Why a request's energy rests on an estimate rather than the server's counts (None: it does not);
+    `best_of_ignored`: the server is one that takes no best_of (its answer is the n asked, nothing unseen)."""
     notes = []
     if r.prompt_est is not None and _prompt_tokens(r) is None:
         why = _unsaid_reason(r)
@@ -2886,7 +2888,7 @@ def _approximate_note(r: _Req) -> str | None:
                      f"prompt tokens ({r.prompt_est[1]}){fix}")
     if _unseen(r) and not _passive(r):
         notes.append(_uncounted_note(r))
-    if r.trace.extra.get("best_of"):
+    if r.trace.extra.get("best_of") and not best_of_ignored:
         notes.append(_best_of_note(r.trace.extra))
     c = r.trace.counts
     if c is not None and c.count_open and c.count_problem is None and not _at_limit(r):

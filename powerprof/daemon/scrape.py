@@ -55,6 +55,9 @@ AT_FINISH = ("sglang",)
 # Servers that prefill an n > 1 request's prompt in a request of their own before its n sequences, which all find it
 # cached (SGLang's parallel sampling, tokenizer_manager._handle_batch_request): the ledger costs that prompt whole.
 PREFILLS_CHOICES_APART = ("sglang",)
+# Servers whose OpenAI routes take no `best_of` (SGLang's protocol has the field and ignores it, llama-server ignores
+# it): their answers hide no sequences. vLLM V0 runs them (V1 refuses best_of), and an unknown server may.
+IGNORES_BEST_OF = ("sglang", "llamacpp")
 START_TIME = "process_start_time_seconds"  # prometheus_client's process collector (vLLM's page; not SGLang's, llama.cpp's)
 LLAMACPP_STEPS = "llamacpp:n_decode_total"  # llama-server's decode calls: every step, a restart's tell (_scrape_llamacpp)
 SCRAPE_TIMEOUT_S = 2.0  # one GET, whole: a server slower than this to say its counters is skipped for a scrape
