@@ -124,6 +124,24 @@ def test_a_live_daemon_stores_the_said_counts_and_counts_the_unsaid_on_metrics(t
         assert unsaid == len(flagged)
 
 
+@pytest.mark.parametrize("version", ["v0.8", "v0.9"])
+def test_early_vllm_v1_counters_flag_the_hits_its_answers_do_not_say(tmp_path, version):
+    # vLLM 0.8.0-0.9.1 names its hits vllm:gpu_prefix_cache_hits_total (blocks in 0.8, tokens in 0.9). Before, the
+    # daemon read only vllm:prefix_cache_hits_total: on those versions the cached turns' prompts were costed whole, their
+    # rows silent (0 flagged, powerprof_requests_cache_unsaid_total 0).
+    from daemon_helpers import daemon_conversation, note_of
+
+    from powerprof.sim.nvml import SimNVML
+    from powerprof.sim.server import SimServer
+
+    with SimServer(SimNVML("seed-16g", state_path=None), flavour="vllm", decode_tok_s=200, prefill_tok_s=50,
+                   model="tiny", prefix_cache=True, prompt_details=False, vllm_metrics=version) as sim:
+        rows, _usages, unsaid = daemon_conversation(sim.url, tmp_path, "chat")
+    flagged = [tag for tag, r in rows.items() if FLAG in note_of(r)]
+    assert {"chat-1", "chat-2"} <= set(flagged), {t: note_of(r) for t, r in rows.items()}
+    assert unsaid == len(flagged)
+
+
 LATE = "prefix-cache-late"  # storage/schema.py CACHE_LATE_FLAG
 
 

@@ -1002,3 +1002,29 @@ def test_a_cached_count_said_early_with_the_prompt_reaches_the_ledger_through_a_
 
     asyncio.run(main())
     assert seen == {1: (5, 900), 2: (5, 3)}
+
+
+def test_a_count_that_stops_short_and_a_best_of_cross_the_link_with_the_end():
+    # count_open (SGLang's chat running count, its end saying none) and the request's best_of / max_tokens reach the
+    # ledger from a worker as from the in-process proxy: a worker's end with the new field was refused before, its
+    # request's row lost (its worker taken for gone).
+    from powerprof.daemon.streams import Counts
+    from powerprof.daemon.workers import _WorkerLink, _end_record, _start_record
+
+    ends = []
+    rec = SimpleNamespace(on_start=lambda tr: None, on_tokens=lambda *a: 0.0,
+                          on_end=lambda tr: ends.append((tr.counts, dict(tr.extra))) or 0.0)
+    workers = ProxyWorkers(1, "http://unused", "127.0.0.1", 0, recorder=rec, proxy_kwargs={},
+                           header_timeout_s=10, idle_timeout_s=10)
+    w = workers.workers[0]
+    w.transport = SimpleNamespace(close=lambda: None)
+    link = _WorkerLink(workers, w)
+    tr = _trace(1, T + S // 10)
+    tr.extra.update(best_of=3, max_tokens=48)
+    tr.end_ns = tr.end_wall_ns = T + S // 2
+    tr.counts = Counts(generated_tokens=27, prompt_tokens=20, model=None, stop_reason="stop", token_source="usage",
+                       count_open=True)
+    link.data_received(frame(([_start_record(tr)], [], [], [_end_record(tr)], ZERO, [], T)))
+    assert workers.replay_failures == 0
+    (counts, extra), = ends
+    assert counts.count_open is True and extra["best_of"] == 3 and extra["max_tokens"] == 48

@@ -107,3 +107,31 @@ def test_vllm_hits_from_a_kv_connector_count_with_the_device_caches():
     page = ('vllm:prefix_cache_hits_total{engine="0",model_name="m"} 3800.0\n'
             'vllm:external_prefix_cache_hits_total{engine="0",model_name="m"} 1000.0\n')
     assert prefix_cache_reading(page, "vllm") == ("hits", 4800.0, 0.0)
+
+
+def _early_v1_page(unit: str, hits: float, block_size: int | None = 16, help_line: bool = True) -> str:
+    # vLLM 0.8.0-0.9.1's page (V1's first names, PR #12592): the unit in the HELP alone, blocks until PR #18003 (0.9.0).
+    page = ""
+    if help_line:
+        page += f"# HELP vllm:gpu_prefix_cache_hits_total GPU prefix cache hits, in terms of number of cached {unit}.\n"
+    page += ("# TYPE vllm:gpu_prefix_cache_hits_total counter\n"
+             f'vllm:gpu_prefix_cache_hits_total{{model_name="m"}} {hits}\n')
+    if block_size is not None:
+        page += ("# TYPE vllm:cache_config_info gauge\n"
+                 f'vllm:cache_config_info{{block_size="{block_size}",enable_prefix_caching="True"}} 1.0\n')
+    return page
+
+
+def test_early_vllm_v1_hits_are_read_in_tokens_whatever_their_unit():
+    # Before: vllm:gpu_prefix_cache_hits_total was not read at all (None: hits no answer said went unflagged on vLLM
+    # 0.8.0-0.9.1). Tokens are read as they are; blocks (0.8) times the block size cache_config_info says (vLLM's hits
+    # are whole blocks); blocks of no known size, or no unit said, as "blocks": at least a token each.
+    from powerprof.workload.servercount import prefix_cache_reading
+
+    assert prefix_cache_reading(_early_v1_page("tokens", 384.0), "vllm") == ("hits", 384.0, 0.0)
+    assert prefix_cache_reading(_early_v1_page("blocks", 24.0), "vllm") == ("hits", 384.0, 0.0)
+    assert prefix_cache_reading(_early_v1_page("blocks", 24.0, block_size=None), "vllm") == ("blocks", 24.0, 0.0)
+    assert prefix_cache_reading(_early_v1_page("tokens", 24.0, help_line=False), "vllm") == ("blocks", 24.0, 0.0)
+    # vLLM 0.9.2-0.10 shows both names: the current one is read, not their sum.
+    both = _early_v1_page("tokens", 384.0) + 'vllm:prefix_cache_hits_total{model_name="m"} 384.0\n'
+    assert prefix_cache_reading(both, "vllm") == ("hits", 384.0, 0.0)

@@ -66,3 +66,64 @@ def test_the_proxy_counts_a_stream_without_usage_by_its_chunks_and_says_so(tmp_p
     if n_chunks < N_TOKENS:
         assert "likely low" in row["error"] and "include_usage" in row["error"], row["error"]
         assert "include_usage" in row["energy_note"], row["energy_note"]
+
+
+def _chat_to_eos(url: str, opts: dict, cid: str = "c", **extra) -> list[dict]:
+    # No ignore_eos: the simulated model stops at its end-of-text token well within max_tokens.
+    body = {"messages": [{"role": "user", "content": "hi there"}], "max_tokens": 200, "stream": True,
+            "stream_options": opts, **extra}
+    req = urllib.request.Request(url + "/v1/chat/completions", data=json.dumps(body).encode(), method="POST",
+                                 headers={"Content-Type": "application/json", "X-Sim-Request-Id": cid})
+    with urllib.request.urlopen(req, timeout=60) as r:
+        lines = r.read().decode().splitlines()
+    return [json.loads(x[6:]) for x in lines if x.startswith("data: {")]
+
+
+def test_sglang_chat_running_usage_stops_before_its_end_of_text_token():
+    # SGLang's serving_chat sends a content chunk (with running usage) only for a step with text, its finish_reason
+    # chunk carries no usage, and only include_usage adds the whole count: its end-of-text token (counted, no text)
+    # is in no running count. Before, the simulated SGLang gave that token text and a chunk: every count was whole.
+    # One token a step (no drafts: seed-16g decodes speculatively, and a last step whose other tokens have text says
+    # the whole count, as SGLang's does): the end-of-text token is a step of its own.
+    with SimServer(SimNVML("seed-16g", state_path=None), flavour="sglang", draft_n_max=0) as srv:
+        alone = _chat_to_eos(srv.url, {"continuous_usage_stats": True}, "alone")
+        both = _chat_to_eos(srv.url, {"continuous_usage_stats": True, "include_usage": True}, "both")
+        truth = srv.request_truth()
+    for chunks, cid in ((alone, "alone"), (both, "both")):
+        n = truth[cid]["generated"]
+        assert n < 200, n  # stopped at its end-of-text token
+        counted = [c["usage"]["completion_tokens"] for c in chunks if c.get("choices") and c.get("usage")]
+        assert counted[-1] == n - 1, (counted[-1], n)
+        closing = [c for c in chunks if c.get("choices") and c["choices"][0].get("finish_reason")]
+        assert len(closing) == 1 and not closing[0].get("usage"), closing
+    assert not any(not c.get("choices") and c.get("usage") for c in alone)
+    assert [c["usage"]["completion_tokens"] for c in both if not c.get("choices")] == [truth["both"]["generated"]]
+
+
+@pytest.mark.parametrize("include_usage,to_limit", [(False, False), (True, False), (False, True)],
+                         ids=["continuous-alone", "with-include-usage", "at-its-length-limit"])
+def test_the_proxy_says_when_sglangs_running_count_stops_short(tmp_path, include_usage, to_limit):
+    # Before: the row said generated_tokens one below the server's count (its end-of-text token), token_source usage,
+    # and nothing else. Now the row says count-open with the fix; with include_usage the count is whole, unflagged;
+    # and so is one that stopped at the max_tokens it asked with a count of exactly that (ignore_eos: a benchmark's).
+    from daemon_helpers import note_of
+
+    opts = {"continuous_usage_stats": True, **({"include_usage": True} if include_usage else {})}
+    extra = {"ignore_eos": True, "max_tokens": 40} if to_limit else {}
+    with SimServer(SimNVML("seed-16g", state_path=None), flavour="sglang", draft_n_max=0) as srv:
+        d = DaemonProc(tmp_path / "data", "--simulate", "--upstream", srv.url, "--interval", "0.25",
+                       "--flush-interval", "0.5", env=sim_env(tmp_path))
+        try:
+            _chat_to_eos(d.info["proxy"], opts, "r", **extra)
+        finally:
+            rc = d.stop()
+        truth = srv.request_truth()["r"]
+    assert rc == 0, d.output()
+    (row,) = read_dataset(tmp_path / "data", "requests").to_dict("records")
+    note = note_of(row)
+    if include_usage or to_limit:
+        assert row["generated_tokens"] == truth["generated"] and "count-open" not in note, (row["generated_tokens"], note)
+        return
+    assert row["generated_tokens"] == truth["generated"] - 1, (row["generated_tokens"], truth)
+    assert f"count-open: its count ({truth['generated'] - 1} tokens)" in note, note
+    assert "include_usage" in note and "may be low" in note, note

@@ -87,3 +87,24 @@ def test_the_cache_holds_whole_blocks_as_vllms():
     assert other["prompt_tokens_details"]["cached_tokens"] == 0, other
     cached = again["prompt_tokens_details"]["cached_tokens"]
     assert cached > 0 and cached % VLLM_BLOCK_TOKENS == 0 and again["prompt_tokens"] - cached <= 3 + VLLM_BLOCK_TOKENS, again
+
+
+@pytest.mark.parametrize("version,unit", [("v0.8", 16), ("v0.9", 1)])
+def test_early_v1_pages_name_the_counters_as_vllm_0_8_and_0_9_did(version, unit):
+    # vLLM 0.8.0-0.9.1 (V1's first names): vllm:gpu_prefix_cache_queries / _hits, in blocks before 0.9.0 (PR #18003)
+    # and tokens since, the unit in their HELP; the block size in cache_config_info's labels. No current name yet.
+    import urllib.request
+
+    from powerprof.daemon.scrape import counter_total
+    from powerprof.workload.servercount import prefix_cache_reading
+
+    with SimServer(SimNVML("seed-16g", state_path=None), flavour="vllm", decode_tok_s=2000, model="tiny",
+                   prefix_cache=True, vllm_metrics=version) as sim:
+        openai_usages(sim.url, "openai-completions", False, OPENING)
+        b = openai_usages(sim.url, "openai-completions", False, OPENING + "Power limits decide.")
+        text = urllib.request.urlopen(sim.url + "/metrics").read().decode()
+    assert counter_total(text, "vllm:prefix_cache_hits_total") is None
+    hits = counter_total(text, "vllm:gpu_prefix_cache_hits_total")
+    assert 0 < hits * unit < b["prompt_tokens"]
+    assert ("cached blocks" if unit > 1 else "cached tokens") in text
+    assert prefix_cache_reading(text, "vllm") == ("hits", hits * unit, 0.0)

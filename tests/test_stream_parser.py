@@ -1321,3 +1321,23 @@ def test_vllms_chat_echo_chunk_is_no_token(count_only, continuous):
         assert n == want, (echo_chars, n)
         if want == 4:
             assert summary_counts(s).count_problem is None
+
+
+@pytest.mark.parametrize("count_only", [False, True], ids=["parsed", "counting"])
+def test_a_running_count_that_stops_before_the_end_says_so(count_only):
+    # SGLang's chat with continuous_usage_stats alone: usage on chunks with text only, none on the finish_reason chunk,
+    # no final usage; its end-of-text token (counted, no text) is in no count. Before: 3 taken for the server's whole
+    # count (it said 4), nothing said. Its final usage (include_usage) or vLLM's closing chunk with usage close it.
+    role = {"choices": [{"index": 0, "delta": {"role": "assistant", "content": ""}, "finish_reason": None}]}
+    body = [role, _chunk("a", usage=1), _chunk("b", usage=2), _chunk("c", usage=3), _chunk("", "stop")]
+    cases = {
+        "sglang-alone": (body, 3, True),
+        "sglang-include-usage": (body + [{"choices": [], "usage": {"prompt_tokens": 5, "completion_tokens": 4}}], 4, False),
+        "vllm": ([role, _chunk("a", usage=1), _chunk("b", usage=2), _chunk("c", usage=3), _chunk("", "stop", usage=4)],
+                 4, False),
+    }
+    for name, (chunks, gen, open_) in cases.items():
+        p = StreamParser("openai-chat", count_only=count_only)
+        p.feed(sse(*chunks) + b"data: [DONE]\n\n")
+        s = p.finish()
+        assert (s.generated_tokens, s.count_open) == (gen, open_), name

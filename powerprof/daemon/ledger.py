@@ -29,7 +29,8 @@ from powerprof.energy import epoch_broken, interp_at, trailing_average_interval_
 from powerprof.profiler import (BEFORE_FIRST_READ_FLAG, METHOD_AVG_POWER, METHOD_COUNTER, METHOD_NONE, METHOD_POWER, NO_COUNTER_SHORT_BUSY_SHARE,
                                 NO_COUNTER_SHORT_BUSY_SHARE_INSTANT, NO_COUNTER_SHORT_FIX, NO_COUNTER_SHORT_FLAG,
                                 weakest_method)
-from powerprof.storage.schema import (BYPASS_LOW_FLAG, CACHE_LATE_FIX, CACHE_LATE_FLAG, CACHE_UNSAID_FIX,
+from powerprof.storage.schema import (BEST_OF_FIX, BEST_OF_FLAG, BYPASS_LOW_FLAG, CACHE_LATE_FIX, COUNT_OPEN_FIX,
+                                      COUNT_OPEN_FLAG, CACHE_LATE_FLAG, CACHE_UNSAID_FIX,
                                       CACHE_UNSAID_FLAG, SERVER_COUNT_COMPLETE, SERVER_COUNT_MISPLACED, SERVER_COUNT_OFF,
                                       SERVER_COUNT_PROXY_LAG, SERVER_COUNT_UNREAD, bypass_count_fix, bypass_count_low)
 
@@ -413,6 +414,7 @@ class Ledger:
         self._finished: deque = deque()
         self.server_at_finish = False  # the server's counter moves when a request finishes, not as tokens come
         self.choices_prefilled_apart = False  # the server prefills an n > 1 prompt apart (scrape.PREFILLS_CHOICES_APART)
+        self.best_of_ignored = False  # the server takes no best_of (scrape.IGNORES_BEST_OF): no BEST_OF_FLAG
         # (scrape end, mean end-to-end seconds) of the at-finish windows in which requests finished, FINISH_HOLD_S back:
         # a request ending later is likely as long, and its windows' bypass tokens go back that far (`_spread_back`).
         self._durations: deque = deque()
@@ -2652,7 +2654,7 @@ class Ledger:
             "gpu_energy_j": r.gpu_j if r.gpu_j > 0 and not r.gpu_missing else None,
             "cpu_energy_j": cpu_j,
             "other_cpu_pct": other_pct,
-            "energy_note": _joined(GPU_MISSING_NOTE if r.gpu_missing else _approximate_note(r) if r.gpu_j > 0
+            "energy_note": _joined(GPU_MISSING_NOTE if r.gpu_missing else _approximate_note(r, self.best_of_ignored) if r.gpu_j > 0
                                    else _no_energy_reason(r), CPU_MISSING_NOTE if cpu_unknown else None,
                                    _no_counter_short_note(r), _bypass_low_note(r), _busy_host_note(other_pct),
                                    _before_first_note(r)),
@@ -2914,8 +2916,27 @@ def _unsaid_reason(r: _Req) -> str:
     return "client_left" if r.trace.outcome == "client_disconnected" else "no_usage"
 
 
-def _approximate_note(r: _Req) -> str | None:
-    """Why a request's energy rests on an estimate rather than the server's counts (None: it does not)."""
+def _at_limit(r: _Req) -> bool:
+    """It stopped at the length it asked (`max_tokens` for each sequence) and its count says exactly that: whole,
+    whatever its stream's last chunk carried."""
+    c, extra = r.trace.counts, r.trace.extra
+    limit = extra.get("max_tokens")
+    return (c.stop_reason == "length" and limit is not None
+            and c.generated_tokens == limit * max(extra.get("sequences", 1), 1))
+
+
+def _best_of_note(extra: dict) -> str:
+    """BEST_OF_FLAG's words: the sequences run beyond those returned (best_of - n per prompt), unseen by the proxy."""
+    b, n = extra["best_of"], max(extra.get("choices", 1), 1)
+    unseen = (b - n) * max(extra.get("sequences", 1) // n, 1)
+    return (f"{BEST_OF_FLAG}: it asked best_of {b} for n {n}: the server ran {unseen} more sequence(s) than it returned, "
+            "whose tokens never reached the proxy: their work is in the shares of the requests beside it and in "
+            f"unproxied (read as bypass traffic), not here, so its figure is low; fix: {BEST_OF_FIX}")
+
+
+def _approximate_note(r: _Req, best_of_ignored: bool = False) -> str | None:
+    """Why a request's energy rests on an estimate rather than the server's counts (None: it does not);
+    `best_of_ignored`: the server is one that takes no best_of (its answer is the n asked, nothing unseen)."""
     notes = []
     if r.prompt_est is not None and _prompt_tokens(r) is None:
         why = _unsaid_reason(r)
@@ -2927,6 +2948,15 @@ def _approximate_note(r: _Req) -> str | None:
                      f"prompt tokens ({r.prompt_est[1]}){fix}")
     if _unseen(r) and not _passive(r):
         notes.append(_uncounted_note(r))
+    if r.trace.extra.get("best_of") and not best_of_ignored:
+        notes.append(_best_of_note(r.trace.extra))
+    c = r.trace.counts
+    if c is not None and c.count_open and c.count_problem is None and not _at_limit(r):
+        notes.append(f"{COUNT_OPEN_FLAG}: its count ({c.generated_tokens} tokens) is the server's running count as of "
+                     "its last chunk that carried one, its closing chunk and no final usage saying any after (SGLang's "
+                     "chat stream sends usage only on chunks with text): the tokens of a last step without text (its "
+                     "end-of-text token, one on a stop) are in no count, so generated_tokens may be low by them and "
+                     f"their energy is in unproxied; fix: {COUNT_OPEN_FIX}")
     if r.beside_uncounted:
         kinds = sorted(r.beside_uncounted)
         notes.append(f"requests the proxy does not count ran beside it ({', '.join(kinds[:3])}"

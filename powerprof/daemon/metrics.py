@@ -240,8 +240,8 @@ class SnapshotCollector:
                                   "and they are left out of powerprof_joules_per_token; fix: " + NO_COUNTER_SHORT_FIX,
                                   value=s.no_counter_short_requests)
         yield CounterMetricFamily("powerprof_requests_cache_unsaid", "Requests whose prefill was costed at their whole "
-                                  "prompt while the server's prefix-cache counter (vllm:prefix_cache_hits_total, "
-                                  "sglang:cached_tokens_total) showed cached prompt tokens no answer said: their rows' "
+                                  "prompt while the server's prefix-cache counter (vllm:prefix_cache_hits_total, or "
+                                  "vllm:gpu_prefix_cache_hits_total on vLLM 0.8-0.9.1, sglang:cached_tokens_total) showed cached prompt tokens no answer said: their rows' "
                                   "energy_note says approximate: prefix-cache-unsaid (a reused prompt over-charged, the "
                                   "requests beside it under-charged); fix: " + CACHE_UNSAID_FIX,
                                   value=s.cache_unsaid_requests)

@@ -30,6 +30,7 @@ from aiohttp import web
 
 from powerprof.arrival import SAME_DELIVERY_NS
 from powerprof.errtext import error_text
+from powerprof.workload.limits import MAX_COUNT
 from powerprof.workload.stream import json_from_bytes
 
 from . import streams
@@ -231,8 +232,8 @@ def request_sequences(doc: dict, api: str | None) -> int:
     prompt as a request of its own). A list holding a token id at its top is one prompt (ids, or llama.cpp's ids
     and text mixed); a list of strings or of id lists is that many. Anything that is not a positive integer `n` is
     one choice (as is one over MAX_SEQUENCES): the server refuses such a request, and no guess multiplies its steps.
-    `best_of` is not counted: its extra sequences' tokens never reach the client (vLLM returns `n` of them), so they
-    are not in the tokens the ledger divides."""
+    `best_of` is not counted: its extra sequences' tokens never reach the client (vLLM V0 returns `n` of them), so
+    they are not in the tokens the ledger divides (`request_best_of` marks such a request)."""
     seqs = request_choices(doc, api)
     if api in ("openai-completions", "llamacpp"):
         p = doc.get("prompt", doc.get("content") if api == "llamacpp" else None)
@@ -244,6 +245,16 @@ def request_sequences(doc: dict, api: str | None) -> int:
         if isinstance(p, list) and len(p) > 1 and not any(type(x) is int for x in p) and len(p) * seqs <= MAX_SEQUENCES:
             seqs *= len(p)
     return seqs
+
+
+def request_best_of(doc: dict, api: str | None) -> int | None:
+    """The sequences a request asks the server to run for each prompt where more than the `n` it returns (vLLM V0's
+    `best_of`; V1 refuses it, llama.cpp and SGLang take none): their extra tokens never reach the proxy; None
+    otherwise (an invalid one the server refuses)."""
+    if api not in ("openai-chat", "openai-completions"):
+        return None
+    b = doc.get("best_of")
+    return b if type(b) is int and request_choices(doc, api) < b <= MAX_SEQUENCES else None
 
 
 def chat_echo_chars(doc: dict) -> int:
@@ -302,6 +313,13 @@ def inspect_request_body(body: bytes, encoding: str = "", api: str | None = None
             n = request_choices(doc, api)
             if n > 1:
                 extra["choices"] = n
+        if api in ("openai-chat", "openai-completions"):
+            limit = doc.get("max_completion_tokens", doc.get("max_tokens"))
+            if type(limit) is int and 0 < limit <= MAX_COUNT:
+                extra["max_tokens"] = limit  # a count at the limit is whole (the ledger's count-open check)
+        best_of = request_best_of(doc, api)
+        if best_of is not None:
+            extra["best_of"] = best_of  # its row says its energy leaves out the sequences not returned
         if api == "openai-completions" and doc.get("echo") is True:
             extra["echo"] = True  # its stream's first chunks carry the prompt (StreamParser's echo)
         elif api == "openai-chat" and doc.get("echo") is True:

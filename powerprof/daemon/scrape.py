@@ -55,6 +55,9 @@ AT_FINISH = ("sglang",)
 # Servers that prefill an n > 1 request's prompt in a request of their own before its n sequences, which all find it
 # cached (SGLang's parallel sampling, tokenizer_manager._handle_batch_request): the ledger costs that prompt whole.
 PREFILLS_CHOICES_APART = ("sglang",)
+# Servers whose OpenAI routes take no `best_of` (SGLang's protocol has the field and ignores it, llama-server ignores
+# it): their answers hide no sequences. vLLM V0 runs them (V1 refuses best_of), and an unknown server may.
+IGNORES_BEST_OF = ("sglang", "llamacpp")
 START_TIME = "process_start_time_seconds"  # prometheus_client's process collector (vLLM's page; not SGLang's, llama.cpp's)
 LLAMACPP_STEPS = "llamacpp:n_decode_total"  # llama-server's decode calls: every step, a restart's tell (_scrape_llamacpp)
 SCRAPE_TIMEOUT_S = 2.0  # one GET, whole: a server slower than this to say its counters is skipped for a scrape
@@ -216,6 +219,7 @@ class Scraper:
         # vLLM v0's hit rate times its prompt tokens' rise: an estimate); None where not known (_cache_hits_since).
         self.cache_hits: float | None = None
         self._cache: tuple[str, float, float] | None = None  # prefix_cache_reading at the previous scrape
+        self._blocks_said = False  # the log said once that the hits come in blocks of no known size
         self.total = 0.0  # tokens the server reported since the daemon started
         self.errors = 0
         self.last_error: str | None = None
@@ -457,9 +461,15 @@ class Scraper:
             log.debug("prefix-cache counters unreadable: %s", error_text(e))
             now = None
         prev, self._cache = self._cache, now
+        if now is not None and now[0] == "blocks" and not self._blocks_said:
+            self._blocks_said = True
+            log.warning("the server counts its prefix-cache hits in blocks (vllm:gpu_prefix_cache_hits_total, vLLM "
+                        "before 0.9) and its page says no block size (vllm:cache_config_info): each block is taken for "
+                        "one token, a lower bound, so hits its answers did not say are still flagged "
+                        "(prefix-cache-unsaid) but their count is low; fix: vLLM 0.9 or later (hits in tokens)")
         if now is None or prev is None or prev[0] != now[0]:
             return None
-        if now[0] == "hits":
+        if now[0] in ("hits", "blocks"):
             rise = now[1] if restart else now[1] - prev[1]
         else:
             rise = now[1] * (now[2] if restart else now[2] - prev[2])

@@ -122,6 +122,9 @@ class Counts:
     # Of prompt_tokens, those the server said it found in its prefix cache (StreamSummary.cached_tokens): no prefill
     # work. None: it did not say.
     cached_tokens: int | None = None
+    # Its count is the server's running count as of its last chunk that carried one, its end carrying none
+    # (StreamSummary.count_open: SGLang's chat without include_usage): it may be low, the row says so.
+    count_open: bool = False
 
 
 def summary_counts(summary, streamed: bool = True) -> Counts:
@@ -161,6 +164,7 @@ def summary_counts(summary, streamed: bool = True) -> Counts:
         listed_tokens=summary.counted_tokens if problem is not None and not streamed else None,
         unreadable=summary.unreadable,
         cached_tokens=summary.cached_tokens,
+        count_open=summary.count_open,
     )
 
 

@@ -352,7 +352,8 @@ _START = (_I, _S, _S, _SN, _I, _I, _SN, _SN, _BN, _I, _I)
 _FIRST = (_I, _I, _I, _I, _IN, _BN, _FN, _FN)  # ... its prompt's length and cached count, where said early
 _TOK = (_I, _I, _I, "float", "float")
 _END_REST = (_IN, _IN, _IN, _SN, _SN, _IN, _IN, _IN, _IN, _I, _I, _SN, _SN, _SN, _BN)
-_COUNTS = (_IN, _IN, _SN, _SN, _S, _FN, _BN, _SN, _SN, "bool", _SN, _SN, _SN, "bool", _IN, _I, _IN)  # streams.Counts, in its order
+_COUNTS = (_IN, _IN, _SN, _SN, _S, _FN, _BN, _SN, _SN, "bool", _SN, _SN, _SN, "bool", _IN, _I, _IN,
+           "bool")  # streams.Counts, in its order
 # ShippingRecorder._stats: recorder and upstream failures, records dropped, malformed requests, body timeouts (silent,
 # slow), upstream retries
 _STATS = (_I, _I, _I, _I, _I, _I, _I, _I)  # ShippingRecorder._stats: its counters, then its loop's lateness (µs)

@@ -201,6 +201,10 @@ FLAVOURS = ("llamacpp", "vllm", "sglang")
 # vLLM's prefix cache holds whole KV blocks (16 tokens by default on GPU; 128 on CPU, measured with vLLM 0.32): a
 # prompt's cached part is whole blocks, the rest computed. SGLang's radix cache and llama.cpp's are by token.
 VLLM_BLOCK_TOKENS = 16
+# vllm_metrics: "current" (vLLM >= 0.11 names), "legacy" (the v0 names), and the two early V1 pages whose prefix-cache
+# counters had V1's first names, by their unit: "v0.8" blocks (0.8.x), "v0.9" tokens (0.9.0-0.9.1).
+EARLY_V1_PREFIX_UNIT = {"v0.8": "blocks", "v0.9": "tokens"}
+VLLM_METRICS = ("current", "legacy", *EARLY_V1_PREFIX_UNIT)
 # vLLM's request-phase histograms' buckets, seconds (0.32: v1/metrics/buckets.py REQUEST_LATENCY_BUCKETS).
 VLLM_REQUEST_LATENCY_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0,
                                 240.0, 480.0, 960.0, 1920.0, 7680.0)
@@ -254,6 +258,7 @@ class SimServer:
         burst_every_s: float | None = None,
         vllm_empty_final: bool = True,
         vllm_metrics: str = "current",
+        vllm_v0_best_of: bool = False,
         vllm_stale_gauges: bool = False,
         serve_metrics: bool = True,
         draft_n_max: int | None = None,
@@ -328,8 +333,8 @@ class SimServer:
             raise ValueError("batching must be serial or continuous")
         if delivery not in DELIVERIES:
             raise ValueError(f"delivery must be one of {', '.join(DELIVERIES)}")
-        if vllm_metrics not in ("current", "legacy"):
-            raise ValueError("vllm_metrics must be current or legacy")
+        if vllm_metrics not in VLLM_METRICS:
+            raise ValueError(f"vllm_metrics must be one of {', '.join(VLLM_METRICS)}")
         self.nvml = nvml if nvml is not None else SimNVML(profile, state_path=None)
         self.gpus = self.nvml.gpus
         wl = self.gpus[0].profile.workload
@@ -369,6 +374,7 @@ class SimServer:
         self.burst_every_s = burst_every_s  # and this long after the first byte held (None: never by time)
         self.vllm_empty_final = vllm_empty_final
         self.vllm_metrics = vllm_metrics
+        self.vllm_v0_best_of = bool(vllm_v0_best_of)  # vLLM V0's best_of (_serve_best_of); V1 takes none
         self.vllm_stale_gauges = vllm_stale_gauges
         self.serve_metrics = serve_metrics  # False: /metrics answers 404 (hidden by a proxy, or an old server)
         self._slot_task: dict[int, int] = {}  # slot → its last task id (/slots `id_task`)
@@ -474,6 +480,8 @@ class SimServer:
                         "cross-instance cache sharing, in terms of number of queried tokens.", registry=self._registry)
                 Counter("vllm:external_prefix_cache_hits", "External prefix cache hits from KV connector "
                         "cross-instance cache sharing, in terms of number of cached tokens.", registry=self._registry)
+            elif self.vllm_metrics in EARLY_V1_PREFIX_UNIT:
+                self._new_early_v1_prefix_metrics()
             else:
                 self._m_pc_rate = Gauge("vllm:gpu_prefix_cache_hit_rate", "GPU prefix cache block hit rate",
                                         registry=self._registry)
@@ -482,6 +490,18 @@ class SimServer:
             # start time (wall clock, s): what tells a restarted vLLM from one that only dropped connections.
             Gauge("process_start_time_seconds", "Start time of the process since unix epoch in seconds",
                   registry=self._registry).set(time.time())
+
+    def _new_early_v1_prefix_metrics(self) -> None:
+        """vLLM 0.8.0-0.9.1's prefix-cache counters: V1's first names (`vllm:gpu_prefix_cache_queries` / `_hits`, PR
+        #12592), in blocks until PR #18003 (0.9.0) made them tokens under the same names, the unit said only in their
+        HELP; and its cache_config_info gauge, whose labels give the block size."""
+        unit = EARLY_V1_PREFIX_UNIT[self.vllm_metrics]
+        self._m_pc_queries = Counter("vllm:gpu_prefix_cache_queries", f"GPU prefix cache queries, in terms of number "
+                                     f"of queried {unit}.", registry=self._registry)
+        self._m_pc_hits = Counter("vllm:gpu_prefix_cache_hits", f"GPU prefix cache hits, in terms of number of cached "
+                                  f"{unit}.", registry=self._registry)
+        Gauge("vllm:cache_config_info", "Information of the LLMEngine CacheConfig", registry=self._registry,
+              labelnames=("block_size", "enable_prefix_caching")).labels(str(VLLM_BLOCK_TOKENS), "True").set(1)
 
     def _new_sglang_metrics(self) -> None:
         """SGLang's families (collector.py): the tokenizer manager's counters labelled by model_name, the scheduler's
@@ -921,6 +941,11 @@ class SimServer:
         if self.vllm_metrics == "current":
             self._m_pc_queries.inc(req.prompt_tokens)
             self._m_pc_hits.inc(req.cached)
+        elif self.vllm_metrics in EARLY_V1_PREFIX_UNIT:
+            unit = VLLM_BLOCK_TOKENS if EARLY_V1_PREFIX_UNIT[self.vllm_metrics] == "blocks" else 1
+            # The cached part is whole blocks (_submit): counted in blocks, as 0.8's block-wise stats, it is exact.
+            self._m_pc_queries.inc(req.prompt_tokens // unit)
+            self._m_pc_hits.inc(req.cached // unit)
         else:
             self._pc_tally[0] += req.prompt_tokens
             self._pc_tally[1] += req.cached
@@ -1686,6 +1711,11 @@ class SimServer:
         args = (n_predict, bool(body.get("ignore_eos", False)), bool(body.get("cache_prompt", default_cache)),
                 int(body.get("seed", 0) or 0))
         opts = body.get("stream_options") if isinstance(body.get("stream_options"), dict) else {}
+        best_of = self._v0_best_of(api, body, n_choices)
+        if isinstance(best_of, web.Response):
+            return best_of
+        if best_of > n_choices:
+            return await self._serve_best_of(request, api, prompt, args, n_choices, best_of, echo)
         if n_choices > 1:
             return await self._serve_choices(request, api, prompt, args, n_choices, stream, opts, echo)
         req = self._submit(prompt, *args)
@@ -2027,6 +2057,14 @@ class SimServer:
                     elif last and (finish_with_last or api == "sglang-native"):
                         await send_tokens(group_ids, group_text, finish=fr)
                         group_ids, group_text, closed = [], "", True
+                    elif last and sglang and chat and req.stop_type == "eos":
+                        # SGLang's end-of-text token has no text (skip_special_tokens) and is counted: its step's
+                        # chunk has the text of the step's other tokens, with their running usage; a step of no text
+                        # sends none (serving_chat's `if delta`), so no running count says that token.
+                        text = group_text[:len(group_text) - len(_piece(group_ids[-1], self.textless_share))]
+                        if text:
+                            await send_tokens(group_ids, text)
+                        group_ids, group_text = [], ""
                     elif n_events == 0 or len(group_ids) >= self.tokens_per_event or last:
                         # The first token goes out at once; then groups of tokens_per_event.
                         await send_tokens(group_ids, group_text)
@@ -2115,6 +2153,42 @@ class SimServer:
             return resp
         finally:
             self._cancel_unfinished(reqs)
+
+    def _v0_best_of(self, api: str, body: dict, n: int) -> int | web.Response:
+        """vLLM V0's `best_of` on /v1/completions (`vllm_v0_best_of`): the sequences it runs for the `n` it returns (n
+        where not asked or not simulated); a 400 for one below n, as V0's SamplingParams refuse it."""
+        b = body.get("best_of")
+        if not (self.vllm_v0_best_of and self.flavour == "vllm" and api == "openai-completions") or b is None:
+            return n
+        if not isinstance(b, int) or isinstance(b, bool) or b < n:
+            return self._bad_request(f"best_of must be greater than or equal to n, got n={n} and best_of={b}.")
+        t = body.get("temperature")
+        if b > 1 and isinstance(t, (int, float)) and t < 1e-5:
+            return self._bad_request(f"best_of must be 1 when using greedy sampling.Got {b}.")
+        return b
+
+    async def _serve_best_of(self, request: web.Request, api: str, prompt: str, args: tuple, n: int, best_of: int,
+                             echo: _Echo = _NO_ECHO) -> web.Response:
+        """vLLM V0's `best_of > n`: best_of sequences of the prompt in the batch (one sequence group: the prompt
+        computed once), n of them returned (V0 picks the n of highest cumulative logprob: here the first n), their
+        tokens alone in usage. Answered whole even where a stream was asked (V0's serving_completion streams only
+        where best_of is n). Every sequence's work is the client's request's in the ground truth."""
+        q: asyncio.Queue = asyncio.Queue()
+        cid = request.headers.get("X-Sim-Request-Id")
+        reqs = [self._submit(prompt, *args, choice=i, queue=_Tagged(q, i)) for i in range(best_of)]
+        for r in reqs:
+            r.client_id = cid
+        try:
+            resp = await self._serve_choices_whole(api, reqs, q, echo)
+        finally:
+            self._cancel_unfinished(reqs)
+        doc = json.loads(resp.body)
+        kept = reqs[:n]
+        doc["choices"] = [c for c in doc["choices"] if c["index"] < n]
+        gen = sum(self._reported(r.generated) for r in kept)
+        doc["usage"] = {"prompt_tokens": kept[0].prompt_tokens, "completion_tokens": gen,
+                        "total_tokens": kept[0].prompt_tokens + gen}
+        return self._json(doc)
 
     async def _serve_choices_whole(self, api: str, reqs: list, q: asyncio.Queue, echo: _Echo = _NO_ECHO) -> web.Response:
         texts, timings, left = [""] * len(reqs), [None] * len(reqs), len(reqs)

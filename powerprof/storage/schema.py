@@ -308,6 +308,20 @@ BYPASS_LOW_FLAG = "bypass-uncounted"
 CACHE_UNSAID_FLAG = "prefix-cache-unsaid"
 CACHE_UNSAID_FIX = ("start vLLM with --enable-prompt-tokens-details, SGLang with --enable-cache-report (each answer's "
                     "usage then says its prompt_tokens_details.cached_tokens)")
+# A daemon request's energy_note (inside its `approximate:` part) where it asked vLLM V0 for `best_of` sequences beyond
+# the `n` it returns: the others' tokens never reach the proxy, so their work went to the requests beside it and to
+# unproxied (read as bypass traffic), and its own figure is low. Kept in J/token (docs/daemon.md, "Several
+# sequences, fewer returned").
+BEST_OF_FLAG = "best-of-unseen"
+BEST_OF_FIX = ("ask n equal to best_of and choose among the answers on the client, or leave best_of out (vLLM V1 "
+               "refuses it)")
+# A daemon request's energy_note (inside its `approximate:` part) where its stream's count is running usage as of its
+# last chunk that carried one, its end carrying none and no final usage after (SGLang's chat stream asked
+# continuous_usage_stats without include_usage: its end-of-text token, counted, has no text and so no chunk): its
+# generated_tokens may be low, those tokens' energy in unproxied (docs/daemon.md, "A count that stops short").
+COUNT_OPEN_FLAG = "count-open"
+COUNT_OPEN_FIX = ("ask for the final count too, \"stream_options\": {\"include_usage\": true} beside "
+                  "continuous_usage_stats (SGLang then ends the stream with the whole count)")
 # A request whose prompt's length was said early in its stream and its cached count only at its end, after intervals
 # over its prefill had closed with the whole prompt costed as computed (docs/daemon.md, "Prefix-cache hits are no
 # prefill").

@@ -147,11 +147,17 @@ FINISHED_LATENCY = {"sglang": "sglang:e2e_request_latency_seconds"}
 PREFIX_CACHE_HITS = {"vllm": "vllm:prefix_cache_hits_total", "sglang": "sglang:cached_tokens_total"}
 VLLM_EXTERNAL_HITS = "vllm:external_prefix_cache_hits_total"
 VLLM_HIT_RATE, VLLM_PROMPT_TOKENS = "vllm:gpu_prefix_cache_hit_rate", "vllm:prompt_tokens_total"
+# vLLM V1's first name for its hits (PR #12592), the only one 0.8.0 to 0.9.1 show (0.9.2 added PREFIX_CACHE_HITS beside
+# it, PR #18354; 0.11 hides it, 0.12 drops it). Its unit changed under the same name: blocks until PR #18003 (May 2025,
+# in 0.9.0: "in terms of number of cached blocks"), tokens since ("... cached tokens"). Its HELP says which; blocks are
+# whole blocks of `block_size` tokens (VLLM_CACHE_CONFIG's label), so their product is the tokens.
+VLLM_OLD_HITS, VLLM_CACHE_CONFIG = "vllm:gpu_prefix_cache_hits_total", "vllm:cache_config_info"
 
 
 def prefix_cache_reading(text: str, kind: str | None) -> tuple[str, float, float] | None:
-    """What the page says of the server's prefix-cache hits: ("hits", tokens hit since start, 0), or vLLM v0's
-    ("rate", hit share, prompt tokens since start); None where it says nothing (another server, not shown)."""
+    """What the page says of the server's prefix-cache hits: ("hits", tokens hit since start, 0), vLLM 0.8's
+    ("blocks", blocks hit since start, 0) where their size is not said (`_vllm_old_hits`), or vLLM v0's ("rate", hit
+    share, prompt tokens since start); None where it says nothing (another server, not shown)."""
     name = PREFIX_CACHE_HITS.get(kind or "")
     if name is None:
         return None
@@ -162,10 +168,42 @@ def prefix_cache_reading(text: str, kind: str | None) -> tuple[str, float, float
         return "hits", hits, 0.0
     if kind == "sglang":
         return "hits", 0.0, 0.0  # set at the first hit: its page (its token counter read) without it has none yet
+    old = _vllm_old_hits(text)
+    if old is not None:
+        return old
     rate, prompt = counter_total(text, VLLM_HIT_RATE), counter_total(text, VLLM_PROMPT_TOKENS)
     if rate is None or prompt is None or not 0.0 <= rate <= 1.0:
         return None
     return "rate", rate, prompt
+
+
+def _vllm_old_hits(text: str) -> tuple[str, float, float] | None:
+    """vLLM 0.8.0-0.9.1's hits (VLLM_OLD_HITS) in tokens: ("hits", tokens, 0); ("blocks", blocks, 0) where its unit is
+    blocks of a size the page does not say, or its HELP says no unit: each is at least one token (a lower bound, which
+    still tells hits that no answer said); None where absent."""
+    hits = counter_total(text, VLLM_OLD_HITS)
+    if hits is None:
+        return None
+    doc = ""
+    for fam in text_string_to_metric_families(_lines_naming(text, VLLM_OLD_HITS[: -len("_total")])):
+        doc = fam.documentation.lower()
+    if "token" in doc:
+        return "hits", hits, 0.0
+    if "block" in doc:
+        size = _vllm_block_size(text)
+        if size is not None:
+            return "hits", hits * size, 0.0
+    return "blocks", hits, 0.0
+
+
+def _vllm_block_size(text: str) -> int | None:
+    """The KV cache's block size in tokens from vLLM's cache_config_info gauge (its labels are the cache's config)."""
+    for fam in text_string_to_metric_families(_lines_naming(text, VLLM_CACHE_CONFIG)):
+        for s in fam.samples:
+            v = s.labels.get("block_size", "")
+            if v.isdigit() and 0 < int(v) <= 1 << 20:
+                return int(v)
+    return None
 
 
 def histogram_sum_count(text: str, name: str) -> tuple[float, float] | None:

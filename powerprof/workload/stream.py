@@ -152,6 +152,10 @@ class StreamSummary:
     # input_tokens_details.cached_tokens, Anthropic's cache_read_input_tokens, SGLang /generate's
     # meta_info.cached_tokens (each prompt's first sequence's: the others of its n find it all cached). None: not said.
     cached_tokens: int | None = None
+    # The count is running usage as of a choice's last chunk that carried one, its end said none, nor a final usage
+    # after: SGLang's chat stream (continuous_usage_stats without include_usage) sends usage only on chunks with text,
+    # so a last step whose text is empty (its end-of-text token, which it counts) is in no count: it may be low.
+    count_open: bool = False
 
     @property
     def running_counts(self) -> bool:
@@ -224,6 +228,7 @@ class _State:
     usage_cached: dict = field(default_factory=dict)  # OpenAI-style: prompt_tokens_details.cached_tokens per usage key
     typed_cached: int | None = None  # Anthropic's cache_read_input_tokens, the Responses API's cached_tokens
     ids_incremental: bool = False  # its output_ids are each event's new ones (--incremental-streaming-output)
+    unclosed: set = field(default_factory=set)  # choices whose running counts ended before a closing chunk without one
 
 
 class StreamParser:
@@ -1074,6 +1079,9 @@ class StreamParser:
                     s.other_choices[idx] += n
                 out.append(TokenEvent(n, "".join(texts), usage_total))
             return
+        if closing and not usage_obj and idx in s.choice_usage and n_seen == 1:
+            # Its end carries no count where its chunks did: the tokens of a last step without text are in none.
+            s.unclosed.add(idx)
         if carried and s.choice_usage:
             # A choice whose chunks carried running counts has each token in them: one of its chunks without any is a
             # late piece of counted text (SGLang's tool-call arguments held by its parser, sent at the finish after
@@ -1167,6 +1175,7 @@ class StreamParser:
             first_choice_of=s.first_choice_of,
             prompt_each_task=self.prompt_each_task,
             cached_tokens=self._cached_tokens(prompt),
+            count_open=bool(s.unclosed) and s.final_usage is None and not s.task_usage,
         )
 
     def _cached_tokens(self, prompt: int | None) -> int | None:

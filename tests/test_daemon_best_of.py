@@ -1,0 +1,102 @@
+"""vLLM V0's `best_of > n`: the server runs best_of sequences and returns n (answered whole, even where a stream was
+asked: V0's serving_completion streams only where best_of is n). The others' tokens never reach the proxy, so their
+work lands in the requests beside and in unproxied: the request's own figure is low. Its row says so, with the fix
+(storage/schema.py BEST_OF_FLAG), against the simulator's truth per request."""
+
+from __future__ import annotations
+
+import json
+import time
+import urllib.error
+import urllib.request
+
+import pytest
+
+from powerprof.sim.nvml import SimNVML
+from powerprof.sim.server import SimServer
+from powerprof.storage.schema import BEST_OF_FLAG
+
+from daemon_helpers import DaemonProc, note_of, read_dataset, sim_env
+
+pytestmark = pytest.mark.slow
+N_TOKENS = 48
+
+
+def _complete(url: str, cid: str, **extra) -> dict | bytes:
+    body = {"prompt": "Power limits decide the energy per token.", "max_tokens": N_TOKENS, "ignore_eos": True,
+            "temperature": 0.8, **extra}
+    req = urllib.request.Request(url + "/v1/completions", data=json.dumps(body).encode(), method="POST",
+                                 headers={"Content-Type": "application/json", "X-Sim-Request-Id": cid})
+    with urllib.request.urlopen(req, timeout=60) as r:
+        raw = r.read()
+    return json.loads(raw) if r.headers.get("Content-Type", "").startswith("application/json") else raw
+
+
+def test_the_simulated_vllm_v0_runs_best_of_and_returns_n():
+    with SimServer(SimNVML("seed-16g", state_path=None), flavour="vllm", batching="continuous",
+                   vllm_v0_best_of=True) as sim:
+        doc = _complete(sim.url, "bo", best_of=3, n=1, stream=True)
+        truth = sim.request_truth()["bo"]
+        with pytest.raises(urllib.error.HTTPError) as e:
+            _complete(sim.url, "low", best_of=1, n=2)
+    assert isinstance(doc, dict) and len(doc["choices"]) == 1, doc  # whole, though a stream was asked
+    assert doc["usage"]["completion_tokens"] == N_TOKENS
+    assert truth["generated"] == 3 * N_TOKENS and truth["sequences"] == 3, truth
+    assert e.value.code == 400
+
+
+def test_a_best_of_request_through_the_proxy_is_flagged_with_the_fix(tmp_path):
+    # Before: its row said nothing, its energy that of 1 of its 3 sequences' work (the others' in unproxied).
+    data = tmp_path / "data"
+    with SimServer(SimNVML("seed-16g", state_path=None), flavour="vllm", batching="continuous", decode_tok_s=200,
+                   vllm_v0_best_of=True) as sim:
+        d = DaemonProc(data, "--simulate", "--upstream", sim.url, "--interval", "0.25", "--flush-interval", "0.25",
+                       env=sim_env(tmp_path))
+        try:
+            _complete(d.info["proxy"], "plain", stream=True, stream_options={"include_usage": True})
+            _complete(d.info["proxy"], "bo", best_of=3, n=1, stream=True)
+            deadline = time.monotonic() + 60
+            while time.monotonic() < deadline:
+                rows = read_dataset(data, "requests")
+                if rows is not None and len(rows) >= 2:
+                    break
+                time.sleep(0.2)
+        finally:
+            rc = d.stop()
+        truth = sim.request_truth()
+    assert rc == 0, d.output()
+    rows = read_dataset(data, "requests").to_dict("records")
+    assert len(rows) == 2, rows
+    plain, bo = sorted(rows, key=lambda r: r["t_arrival_utc"])
+    assert BEST_OF_FLAG not in note_of(plain), note_of(plain)
+    note = note_of(bo)
+    assert bo["generated_tokens"] == N_TOKENS
+    assert f"{BEST_OF_FLAG}: it asked best_of 3 for n 1: the server ran 2 more sequence(s)" in note, note
+    assert "its figure is low" in note and "fix: ask n equal to best_of" in note, note
+    # The server ran 3 sequences of 48 tokens for it, the proxy saw 1: two thirds of its decode unseen.
+    assert (truth["bo"]["generated"], truth["bo"]["sequences"]) == (3 * N_TOKENS, 3), truth["bo"]
+
+
+def test_a_server_that_takes_no_best_of_gets_no_flag(tmp_path):
+    # SGLang's protocol has the field and ignores it (llama-server ignores it too): its answer hides no sequence, so a
+    # best_of there says nothing (the daemon knows the server from its scrape).
+    data = tmp_path / "data"
+    with SimServer(SimNVML("seed-16g", state_path=None), flavour="sglang", batching="continuous") as sim:
+        d = DaemonProc(data, "--simulate", "--upstream", sim.url, "--interval", "0.25", "--flush-interval", "0.25",
+                       env=sim_env(tmp_path))
+        try:
+            time.sleep(1.0)  # a scrape or two: the server's kind known
+            _complete(d.info["proxy"], "bo", best_of=3, n=1)
+            deadline = time.monotonic() + 60
+            while time.monotonic() < deadline:
+                rows = read_dataset(data, "requests")
+                if rows is not None and len(rows) >= 1:
+                    break
+                time.sleep(0.2)
+        finally:
+            rc = d.stop()
+        truth = sim.request_truth()["bo"]
+    assert rc == 0, d.output()
+    (row,) = read_dataset(data, "requests").to_dict("records")
+    assert truth["sequences"] == 1 and row["generated_tokens"] == N_TOKENS
+    assert BEST_OF_FLAG not in note_of(row), note_of(row)
