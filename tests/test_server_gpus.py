@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import time
 
 import pytest
 from click.testing import CliRunner
@@ -107,3 +108,74 @@ def test_a_launched_server_is_shown_only_the_measured_gpus(monkeypatch):
     with Rig("seed-16g", nvml=sim) as rig:
         rig.sources
         assert rig._launch_env() is None
+
+
+def test_daemon_sampling_one_gpu_of_a_server_on_two_says_so_and_marks_its_rows(tmp_path):
+    import urllib.request
+
+    from daemon_helpers import DaemonProc, read_dataset, sim_env
+
+    cfg = tmp_path / "daemon.toml"
+    cfg.write_text("[daemon]\ngpus = [1]\n")
+    d = DaemonProc(tmp_path / "data", "--config", str(cfg), "--simulate", "seed-16g", "--sim-gpus", "2",
+                   "--interval", "0.25", "--flush-interval", "0.5", env=sim_env(tmp_path))
+    try:
+        for _ in range(3):
+            body = json.dumps({"prompt": "hello", "max_tokens": 24}).encode()
+            req = urllib.request.Request(d.info["proxy"] + "/v1/completions", data=body,
+                                         headers={"Content-Type": "application/json"}, method="POST")
+            urllib.request.urlopen(req, timeout=60).read()
+    finally:
+        rc = d.stop()
+    out = d.output()
+    assert rc == 0, out
+    sim = SimNVML("seed-16g", count=2, state_path=tmp_path / "sim.json")
+    said = f"server-gpu-unsampled: the server also runs on GPU 0 ({sim.gpus[0].uuid}), which is not measured"
+    assert said in out and "gpus = [0, 1]" in out, out[-3000:]
+    intervals, reqs = read_dataset(tmp_path / "data", "intervals"), read_dataset(tmp_path / "data", "requests")
+    assert len(intervals) and intervals["energy_note"].str.contains("server-gpu-unsampled").all()
+    assert len(reqs) == 3 and reqs["energy_note"].str.contains("server-gpu-unsampled").all(), reqs["energy_note"]
+
+
+def test_daemon_sampling_every_gpu_of_the_server_marks_nothing(tmp_path):
+    from daemon_helpers import DaemonProc, read_dataset, sim_env
+
+    d = DaemonProc(tmp_path / "data", "--simulate", "seed-16g", "--sim-gpus", "2", "--interval", "0.25",
+                   "--flush-interval", "0.5", env=sim_env(tmp_path))
+    time.sleep(1.5)
+    rc = d.stop()
+    assert rc == 0 and "server-gpu-unsampled" not in d.output()
+    intervals = read_dataset(tmp_path / "data", "intervals")
+    assert not intervals["energy_note"].fillna("").str.contains("server-gpu-unsampled").any()
+
+
+def test_the_daemon_names_the_gpus_that_serve_by_nvml_index_and_uuid(caplog):
+    import logging
+
+    from powerprof.daemon.ledger import Ledger
+    from powerprof.daemon.proxy import RequestTrace
+    from powerprof.daemon.streams import Counts
+    from support import LedgerReading as R, RowSink as Sink
+
+    # daemon.gpus = [2, 5]: the work runs on GPU 2, GPU 5 draws no more when it runs. The log said "[0]" and "[1]",
+    # list positions, where "[1]" meant GPU 5.
+    caplog.set_level(logging.INFO)
+    S = 1_000_000_000
+    led = Ledger("d", 0, 2, Sink(), grace_s=0.1, gpu_names=["gpu2 (GPU-aaa)", "gpu5 (GPU-bbb)"])
+    e, t = [0.0, 0.0], 0
+    for _ in range(8):
+        led.add_gpu_sample(t * S, t * S, [R(e[0], 70.0), R(e[1], 70.0)])
+        e, t = [e[0] + 70.0, e[1] + 70.0], t + 1
+    for k in range(12):
+        tr = RequestTrace(100 + k, "POST", "/completion", "t", int((t - 0.001) * S), 0, api="llamacpp", stream=True)
+        led.on_start(tr)
+        for j in range(10):
+            led.on_tokens(tr, int((t + 0.05 + 0.09 * j) * S), 1)
+        tr.first_ns, tr.last_ns, tr.end_ns = int((t + 0.05) * S), int((t + 0.86) * S), int((t + 0.999) * S)
+        tr.counts = Counts(generated_tokens=10, prompt_tokens=0, model=None, stop_reason=None, token_source="usage")
+        led.on_end(tr)
+        led.add_gpu_sample(t * S, t * S, [R(e[0], 400.0), R(e[1], 70.0)])
+        e, t = [e[0] + 400.0, e[1] + 70.0], t + 1
+        led.advance(int((t - 0.5) * S))
+    (line,) = [r.getMessage() for r in caplog.records if "the proxied work runs on" in r.getMessage()]
+    assert "runs on sampled GPU(s) gpu2 (GPU-aaa);" in line and "GPU(s) gpu5 (GPU-bbb) draw no more" in line, line

@@ -47,29 +47,32 @@ class Placement:
         return ("measure the GPUs CUDA_VISIBLE_DEVICES shows powerprof: run it with CUDA_VISIBLE_DEVICES="
                 + ",".join(u or str(i) for i, u in sorted(self.server.items())))
 
-    def unmeasured_text(self, fix: str | None = None) -> str | None:
-        """'the server also runs on GPU 0 (GPU-…): …; add it: --gpus 0,1', or None when every server GPU is measured."""
+    def unmeasured_text(self, fix: str | None = None, cost: str | None = None) -> str | None:
+        """'the server also runs on GPU 0 (GPU-…): …; add it: --gpus 0,1', or None when every server GPU is measured.
+        cost: what leaving it out costs, in words (default a sweep's: its energy in no figure, its limit not stepped)."""
         gone = self.unmeasured
         if not gone:
             return None
         what = ", ".join(gpu_name(i, u) for i, u in sorted(gone.items()))
         one = len(gone) == 1
+        its = "its" if one else "their"
         return (f"the server also runs on {what}, which {'is' if one else 'are'} not measured: "
-                f"{'its' if one else 'their'} energy would be in no figure (J/token low) and "
-                f"{'its' if one else 'their'} limit not stepped; "
+                + (cost or f"{its} energy would be in no figure (J/token low) and {its} limit not stepped") + "; "
                 + (fix or f"add {'it' if one else 'them'}: --gpus {self.gpus_option()}"))
 
-    def idle_text(self, fix: str | None = None) -> str | None:
-        """The measured GPUs the server does not use, in words with the fix, or None."""
+    def idle_text(self, fix: str | None = None, cost: str | None = None) -> str | None:
+        """The measured GPUs the server does not use, in words with the fix, or None. cost: what measuring them costs,
+        in words (default a sweep's and measure's: their idle power in every figure, their limit stepped for nothing)."""
         idle = self.idle
         if not idle:
             return None
         what = ", ".join(gpu_name(i, u) for i, u in sorted(idle.items()))
         one = len(idle) == 1
+        its = "its" if one else "their"
         return (f"{what} {'holds' if one else 'hold'} none of the server's processes (the server runs on "
                 f"{', '.join(gpu_name(i, u) for i, u in sorted(self.server.items()))}): "
-                f"{'its' if one else 'their'} idle power is in every GPU energy and J/token figure, and a sweep "
-                f"steps {'its' if one else 'their'} limit for nothing; "
+                + (cost or f"{its} idle power is in every GPU energy and J/token figure, and a sweep steps {its} limit "
+                           "for nothing") + "; "
                 + (fix or f"measure only the server's GPUs: --gpus {self.gpus_option()}"))
 
 
