@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import json
 import os
+import subprocess
+import sys
 import time
 
 import pytest
@@ -119,12 +121,15 @@ def test_daemon_sampling_one_gpu_of_a_server_on_two_says_so_and_marks_its_rows(t
     cfg.write_text("[daemon]\ngpus = [1]\n")
     d = DaemonProc(tmp_path / "data", "--config", str(cfg), "--simulate", "seed-16g", "--sim-gpus", "2",
                    "--interval", "0.25", "--flush-interval", "0.5", env=sim_env(tmp_path))
+    tag = [sys.executable, "-m", "powerprof.cli", "tag"]
     try:
+        subprocess.run(tag + ["start", "t", "--socket", d.info["tags"]], check=True, capture_output=True, timeout=60)
         for _ in range(3):
             body = json.dumps({"prompt": "hello", "max_tokens": 24}).encode()
             req = urllib.request.Request(d.info["proxy"] + "/v1/completions", data=body,
                                          headers={"Content-Type": "application/json"}, method="POST")
             urllib.request.urlopen(req, timeout=60).read()
+        subprocess.run(tag + ["stop", "t", "--socket", d.info["tags"]], check=True, capture_output=True, timeout=60)
     finally:
         rc = d.stop()
     out = d.output()
@@ -135,6 +140,8 @@ def test_daemon_sampling_one_gpu_of_a_server_on_two_says_so_and_marks_its_rows(t
     intervals, reqs = read_dataset(tmp_path / "data", "intervals"), read_dataset(tmp_path / "data", "requests")
     assert len(intervals) and intervals["energy_note"].str.contains("server-gpu-unsampled").all()
     assert len(reqs) == 3 and reqs["energy_note"].str.contains("server-gpu-unsampled").all(), reqs["energy_note"]
+    (tag_note,) = read_dataset(tmp_path / "data", "tags")["energy_note"]
+    assert "server-gpu-unsampled" in tag_note, tag_note
 
 
 def test_daemon_sampling_every_gpu_of_the_server_marks_nothing(tmp_path):

@@ -2454,6 +2454,7 @@ class Ledger:
                                          "unproxied_energy_j may be low and gpu_j_per_token high (bypass traffic's "
                                          "energy may be in it: `powerprof analyze` leaves this window out of its "
                                          "tag's figures)"))
+        notes.append(self.unsampled_note if tg.intervals else None)  # the server on a GPU not sampled, as it closed
         if tg.closed_by == "shutdown":
             notes.append("closed at shutdown: the daemon stopped with this window open, so it ends at the daemon's "
                          "last sample, not at a stop (its figures cover it up to then); fix: powerprof tag stop "
