@@ -142,6 +142,13 @@ def test_daemon_sampling_one_gpu_of_a_server_on_two_says_so_and_marks_its_rows(t
     assert len(reqs) == 3 and reqs["energy_note"].str.contains("server-gpu-unsampled").all(), reqs["energy_note"]
     (tag_note,) = read_dataset(tmp_path / "data", "tags")["energy_note"]
     assert "server-gpu-unsampled" in tag_note, tag_note
+    # `analyze` leaves those requests out of its J/token, and says so with the fix.
+    from powerprof.analysis.fleet import fleet_summary, notes
+
+    (host,) = fleet_summary([str(tmp_path / "data")]).to_pylist()
+    assert host["uncertain_requests"] == 3 and host["gpu_j_per_token"] is None, host
+    assert any("server-gpu-unsampled (given energy" in n and "daemon.gpus" in n
+               for n in notes(fleet_summary([str(tmp_path / "data")]))), notes(fleet_summary([str(tmp_path / "data")]))
 
 
 def test_daemon_sampling_every_gpu_of_the_server_marks_nothing(tmp_path):
