@@ -869,6 +869,7 @@ def measure(url, simulate, out_dir, n_requests, concurrency, warmup, launch, api
     from powerprof.workload.load import PromptFileError, builtin_prompts, load_prompts
     from powerprof.rig import Rig
     from powerprof.workload.measure import run_measure
+    from powerprof.workload.placement import GpuPlacementError
 
     if bool(url) == bool(simulate):
         raise click.UsageError("give exactly one of --server URL or --simulate")
@@ -892,6 +893,8 @@ def measure(url, simulate, out_dir, n_requests, concurrency, warmup, launch, api
                               concurrencies=concurrency, params=params, warmup=warmup, api=api, launch=launch,
                               launch_timeout_s=launch_timeout, command_line=" ".join(sys.argv),
                               default_out=not out_dir)
+    except GpuPlacementError as e:  # the GPUs measured, given or left out, miss one the server runs on
+        raise click.UsageError(str(e)) from None
     except (ServerUnreachable, LaunchError, FileExistsError, ValueError) as e:
         raise click.ClickException(str(e)) from None
     except (KeyboardInterrupt, termination.Terminated) as e:

@@ -38,12 +38,15 @@ class Rig:
         host: bool = True,
         nvml=None,
         host_cpu_time: bool | None = None,
+        sim_server_gpus: list[int] | None = None,
     ):
         """sim_profile: a simulator profile key, or one per GPU joined by commas (a host of mixed cards: as many GPUs
         as keys), or None for this machine's hardware.
         gpus: NVML indexes, or GPU/MIG UUIDs (default: what CUDA_VISIBLE_DEVICES allows). nvml: an NVML-like object
         to use as given (tests hand in a SimNVML they control). host_cpu_time: judge a busy host from this machine's
-        CPU times (default: only where RAPL is real; tests of that judgement set True beside the simulated RAPL)."""
+        CPU times (default: only where RAPL is real; tests of that judgement set True beside the simulated RAPL).
+        sim_server_gpus: the simulated GPUs (indexes) the simulated server runs on, as CUDA_VISIBLE_DEVICES picks a
+        real server's (default: every simulated GPU)."""
         self.sim_profile = sim_profile
         self.host_cpu_time = host_cpu_time
         self.gpus = gpus
@@ -65,6 +68,7 @@ class Rig:
             # A mixed host (one profile per GPU): it has as many GPUs as profiles; --gpus then picks among them.
             self._sim_gpu_count = len(sim_profile.split(","))
         self._nvml = nvml
+        self._sim_server_gpus = sim_server_gpus
 
     @property
     def nvml(self):
@@ -229,7 +233,8 @@ class Rig:
         if launch:
             from powerprof.workload.launcher import ServerLauncher
 
-            with ServerLauncher(launch, url, timeout_s=launch_timeout_s, log_path=log_path) as la:
+            env = self._launch_env()
+            with ServerLauncher(launch, url, timeout_s=launch_timeout_s, log_path=log_path, env=env) as la:
                 self._launch_notes.extend(la.notes)
                 if launched is not None:
                     launched.append(la)
@@ -240,11 +245,44 @@ class Rig:
             with self.sim_server(decode_tok_s=sim_decode_tok_s) as srv:
                 yield srv.url
 
+    def _launch_env(self) -> dict | None:
+        """A launched server's environment: with --gpus given, CUDA_VISIBLE_DEVICES names the measured GPUs by UUID
+        (CUDA_DEVICE_ORDER=PCI_BUS_ID beside it), so the server runs on those and no other; one the user set is kept, and
+        said where it names other GPUs. None: the environment as it is (no --gpus, or no GPU open)."""
+        if self.gpus is None or self._sources is None or self._sources.nvml is None:
+            return None
+        col = self._sources.nvml
+        uuids = self._sources.gpu_uuids
+        measured = [uuids[i] for i in col.indexes]
+        have = os.environ.get("CUDA_VISIBLE_DEVICES")
+        if have is None:
+            self._launch_notes.append(f"the launched server sees only the measured GPU(s) {', '.join(map(str, col.indexes))}: "
+                                      f"CUDA_VISIBLE_DEVICES={','.join(measured)} (from --gpus)")
+            return dict(os.environ, CUDA_VISIBLE_DEVICES=",".join(measured), CUDA_DEVICE_ORDER="PCI_BUS_ID")
+        from powerprof.collectors.gateway import gateway
+        from powerprof.collectors.nvml import resolve_gpu_ids
+
+        items = [x.strip() for x in have.split(",") if x.strip()]
+        try:
+            with gateway(col.nvml).session():
+                named, _migs, unknown = resolve_gpu_ids(col.nvml, items)
+        except Exception:  # NVML cannot say: judged by the placement check once the server runs
+            return None
+        if unknown is not None or set(named) != set(col.indexes):
+            self._launch_notes.append(
+                f"CUDA_VISIBLE_DEVICES={have} (yours, kept for the launched server) names "
+                + (f"{unknown}, no GPU of this machine" if unknown is not None
+                   else f"GPU(s) {', '.join(map(str, sorted(named))) or 'none'}")
+                + f", not the measured GPU(s) {', '.join(map(str, col.indexes))} (--gpus): the server may run on GPUs "
+                "not measured, or leave measured ones idle; fix: unset it (powerprof then sets it from --gpus) or make "
+                "the two name the same GPUs")
+        return None
+
     def sim_server(self, **kw):
         """A simulated server driving this rig's simulated GPUs; its busy flag drives the simulated CPU power."""
         from powerprof.sim.server import SimServer
 
-        srv = SimServer(self.nvml, **kw)
+        srv = SimServer(self.nvml, gpu_indexes=self._sim_server_gpus, **kw)
         srv.on_busy(self._set_busy)
         self._sim_server_used = True
         return srv

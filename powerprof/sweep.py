@@ -33,6 +33,7 @@ from powerprof.storage.samples import Timeline
 from powerprof.workload.client import (CONTEXT_FIX, RequestParams, context_problem, health_status, identity_changes,
                                       new_session, restart_evidence, restart_said, server_away, server_epoch, server_identity)
 from powerprof.workload.load import LoadAborted, LoadPolicy, builtin_prompts, detect, prompt_set_record, run_load_async
+from powerprof.workload.placement import GpuPlacementError, find_placement
 from powerprof.workload.others import FOREIGN_FIX, FOREIGN_FLAG, OthersWatch, leave_out_foreign
 from powerprof.workload.rows import FIGURES, Level, request_timing, spec_columns, trace_row, window_rows
 from powerprof.workload.servercount import ForeignWatch, settled_tally
@@ -1439,6 +1440,17 @@ def run_sweep(
             if too_long:
                 raise SweepError(too_long)  # before any limit is set: each request would be refused, or cut short
         notes.extend(rig.notes)
+        from powerprof.workload.serverprocs import ServerProcesses
+
+        server_procs = ServerProcesses(url, launched) if url else None
+        # Every GPU NVML reports, not only the measured ones: a server GPU left out is refused before any limit is
+        # set (its energy in no figure, its limit not stepped); a measured GPU the server does not use is said.
+        placement = find_placement(nvml, src.gpu_uuids, server_procs)
+        if placement is not None:
+            if (why := placement.unmeasured_text()) is not None:
+                raise GpuPlacementError(why + "; nothing was changed")
+            if (idle := placement.idle_text()) is not None:
+                notes.append(idle)
 
         ctl = stack.enter_context(rig.controller(indexes)) if level_kind != "none" else None
         # Whose CPU time the host spent, beside RAPL's whole-package energy: a busy host is flagged (busy-host).
@@ -1492,9 +1504,6 @@ def run_sweep(
         writer = RunWriter(run_dir, meta)
         parts = dict(settings=settings, profiler=profiler, controller=ctl, timeline=timeline, writer=writer,
                      run_id=run_id, reference_value=reference, ui=ui)
-        from powerprof.workload.serverprocs import ServerProcesses
-
-        server_procs = ServerProcesses(url, launched) if url else None
         if runner is not None:
             sweep = runner(**parts)
         elif trace is not None:

@@ -330,8 +330,10 @@ class Ledger:
         avg_windows_s: tuple[float, ...] | None = None,
         rapl: bool = False,
         rapl_hold_s: float = RAPL_HOLD_S,
+        gpu_names: list[str] | None = None,
     ):
-        """avg_windows_s: per GPU, the window nvmlDeviceGetPowerUsage averages over (collectors.nvml.GpuInfo's
+        """gpu_names: how the log names each sampled GPU, in order ('gpu5 (GPU-…)': NVML index and UUID; default its
+        position). avg_windows_s: per GPU, the window nvmlDeviceGetPowerUsage averages over (collectors.nvml.GpuInfo's
         power_avg_window_s; 0: the reading is instant power). Where a GPU's counter gives no energy, its
         trailing average is integrated shifted back by half that window, as the profiler does.
         rapl: the host's CPU energy is read (also learnt from the first RAPL sample): an interval is then held until
@@ -339,6 +341,10 @@ class Ledger:
         self.daemon_id = daemon_id
         self.t0_ns = t0_ns
         self.n_gpus = n_gpus
+        self.gpu_names = list(gpu_names) if gpu_names is not None else [f"gpu{g}" for g in range(n_gpus)]
+        # Set by the daemon while the server also runs on a GPU it does not sample (SERVER_GPU_UNSAMPLED_FLAG, with
+        # which and the fix): every interval and request row closed meanwhile says it in its energy_note.
+        self.unsampled_note: str | None = None
         self.emit = emit
         self.grace_ns = int(grace_s * 1e9)
         self.max_hold_ns = int(max_hold_s * 1e9)
@@ -1755,8 +1761,9 @@ class Ledger:
                                                for m in (a.share, a.share_lo, a.share_hi))
         fit = self.learner.add(setting, a.features, per_gpu, usable)
         if self.learner.serving is not None and not np.array_equal(self.learner.serving, serving):
-            idle_gpus = [g for g, on in enumerate(self.learner.serving) if not on]
-            log.info("the proxied work runs on sampled GPU(s) %s; %s", [g for g, on in enumerate(self.learner.serving) if on],
+            idle_gpus = ", ".join(self.gpu_names[g] for g, on in enumerate(self.learner.serving) if not on)
+            log.info("the proxied work runs on sampled GPU(s) %s; %s",
+                     ", ".join(self.gpu_names[g] for g, on in enumerate(self.learner.serving) if on) or "none",
                      f"GPU(s) {idle_gpus} draw no more when it runs than when idle: their energy counts as idle, not the "
                      "requests' (daemon.gpus can leave them out)" if idle_gpus else "every sampled GPU takes part")
         if fit is not None:
@@ -2487,6 +2494,7 @@ class Ledger:
                                          "unproxied_energy_j may be low and gpu_j_per_token high (bypass traffic's "
                                          "energy may be in it: `powerprof analyze` leaves this window out of its "
                                          "tag's figures)"))
+        notes.append(self.unsampled_note if tg.intervals else None)  # the server on a GPU not sampled, as it closed
         if tg.closed_by == "shutdown":
             notes.append("closed at shutdown: the daemon stopped with this window open, so it ends at the daemon's "
                          "last sample, not at a stop (its figures cover it up to then); fix: powerprof tag stop "
@@ -2531,7 +2539,7 @@ class Ledger:
                                                                bool(short_iv[k]) if short_iv is not None else False,
                                                                count, unsaid[k], _idle_unread(per_gpu, serving, k)),
                                            _counter_flat_note(gpu[k:k + 1] if per_gpu is None else per_gpu[k])
-                                           if methods[k] != METHOD_NONE and dur > 0 else None),
+                                           if methods[k] != METHOD_NONE and dur > 0 else None, self.unsampled_note),
                 }
             )
         unsure = unsure or {}
@@ -2657,7 +2665,7 @@ class Ledger:
             "energy_note": _joined(GPU_MISSING_NOTE if r.gpu_missing else _approximate_note(r, self.best_of_ignored) if r.gpu_j > 0
                                    else _no_energy_reason(r), CPU_MISSING_NOTE if cpu_unknown else None,
                                    _no_counter_short_note(r), _bypass_low_note(r), _busy_host_note(other_pct),
-                                   _before_first_note(r)),
+                                   _before_first_note(r), self.unsampled_note if r.gpu_j > 0 else None),
             "prompt_tokens_estimate": r.prompt_est[0] if r.prompt_est is not None and _prompt_tokens(r) is None else None,
             "cached_prompt_tokens": c.cached_tokens if c is not None and c.invalid is None else None,
             "attributed_tokens": r.tokens,

@@ -64,6 +64,8 @@ END_EDGE_DELAY_S = 0.1
 # An interval waits up to this many sampling periods for a RAPL read past its end (Ledger's rapl_hold_s): the read
 # after an edge is due within one period, late by a loaded host's scheduling.
 RAPL_HOLD_PERIODS = 3
+# s: how often the daemon looks again at which GPUs the upstream's processes run on (workload/placement.py).
+PLACEMENT_CHECK_S = 30.0
 # The server's counters are read once before the daemon says ready (detection and one scrape: three GETs at most).
 BASELINE_WAIT_S = 3 * SCRAPE_TIMEOUT_S
 # At a clean stop, one last read of them past the last sample, waited for this long at most (one GET's own limit).
@@ -1258,6 +1260,7 @@ class Daemon:
             **kwargs,
         )
         self.ledger = Ledger(self.daemon_id, self.t0_ns, len(self.collector.infos), self.store.append,
+                             gpu_names=[f"gpu{i.index} ({i.uuid})" for i in self.collector.infos],
                              jpt_window_s=cfg.get("metrics", "jpt_window_s"),
                              avg_windows_s=tuple(i.power_avg_window_s for i in self.collector.infos),
                              rapl=self.sources.rapl is not None,
@@ -1279,7 +1282,61 @@ class Daemon:
         self.sampler = Sampler(self.sources.collectors + ([cputime] if cputime is not None else []) + self.extra_collectors,
                                interval_s=cfg.get("daemon", "interval_s"))
         self.sampler.subscribe(self._on_sample)
+        from powerprof.workload.serverprocs import ServerProcesses
+
+        self._server_procs = ServerProcesses(self.upstream, []) if self.upstream else None
+        self._unsampled: tuple[int, ...] = ()
+        self._idle_said = False
+        self._check_placement()
         return data_dir
+
+    def _check_placement(self) -> None:
+        """Which GPUs the upstream's processes hold a context on, over every GPU NVML reports: one the daemon does not
+        sample is said in the log and marks every interval and request row closed while it lasts
+        (SERVER_GPU_UNSAMPLED_FLAG); a sampled GPU it does not use is said once. Nothing where the server's processes
+        cannot be found (a remote upstream: no word can be told of its GPUs)."""
+        from powerprof.storage.schema import SERVER_GPU_UNSAMPLED_FLAG
+        from powerprof.workload.placement import find_placement
+
+        if self._server_procs is None:
+            return
+        try:
+            p = find_placement(self.collector.nvml, self.gpu_uuids, self._server_procs)
+        except Exception as e:  # a check of where the server runs is never the daemon's end
+            log.debug("checking which GPUs the server runs on failed: %s", error_text(e))
+            return
+        gone = tuple(sorted(p.unmeasured)) if p is not None else ()
+        if gone != self._unsampled:
+            if gone:
+                note = f"{SERVER_GPU_UNSAMPLED_FLAG}: " + p.unmeasured_text(
+                    f"add {'it' if len(gone) == 1 else 'them'} to daemon.gpus (gpus = [{', '.join(map(str, sorted(p.server)))}]) "
+                    "and restart the daemon",
+                    "its energy is in no gpu_energy_j of the daemon's, every GPU figure and J/token low by it")
+                log.warning("%s (interval and request rows closed from now on say so in energy_note)", note)
+                self.ledger.unsampled_note = note
+            else:
+                log.warning("the server runs on sampled GPUs only again: rows closed from now on no longer say %s",
+                            SERVER_GPU_UNSAMPLED_FLAG)
+                self.ledger.unsampled_note = None
+            self._unsampled = gone
+        if p is not None and not self._idle_said and (idle := p.idle_text(
+                f"leave {'it' if len(p.idle) == 1 else 'them'} out: daemon.gpus = [{', '.join(map(str, sorted(p.server)))}]",
+                "its energy counts as idle (the requests' attribution keeps it apart), and with it every host total")):
+            self._idle_said = True
+            log.info("%s", idle)
+
+    async def _placement_loop(self) -> None:
+        """`_check_placement` every PLACEMENT_CHECK_S (a server started after the daemon, a worker on a new GPU), off
+        the loop's thread: listing the host's sockets and every GPU's processes takes tens of ms."""
+        loop = asyncio.get_running_loop()
+        while not self.stop_event.is_set():
+            try:
+                await asyncio.wait_for(self.stop_event.wait(), PLACEMENT_CHECK_S)
+            except asyncio.TimeoutError:
+                pass
+            if self.stop_event.is_set():
+                return
+            await loop.run_in_executor(None, self._check_placement)
 
     async def _start(self, session: aiohttp.ClientSession, data_dir: Path) -> None:
         """Listeners (proxy, /metrics, tag socket), the sampler, the writer and the loops."""
@@ -1361,6 +1418,8 @@ class Daemon:
         self._tasks.append(asyncio.create_task(self._tick_loop()))
         if self.scraper is not None:
             self._tasks.append(asyncio.create_task(self._scrape_loop()))
+        if self._server_procs is not None:
+            self._tasks.append(asyncio.create_task(self._placement_loop()))
         log.info(
             "powerprof daemon %s running: %d GPU(s), every %.2f s, data in %s, %s",
             self.daemon_id, len(self.collector.infos), cfg.get("daemon", "interval_s"), data_dir,

@@ -279,8 +279,11 @@ class SimServer:
         cold_batch_factor: float = 1.0,
         cold_batch_steps: int = 16,
         api_key: str | None = None,
+        gpu_indexes: list[int] | None = None,
     ):
-        """batching: "serial" (a prefill pauses decoding; one prompt at a time) or "continuous"
+        """gpu_indexes: the simulated GPUs the server runs on (its process on their lists, their energy and speed
+        its work's), as CUDA_VISIBLE_DEVICES chooses a real server's; default every one.
+        batching: "serial" (a prefill pauses decoding; one prompt at a time) or "continuous"
         (every step prefills a chunk and decodes every running sequence; records each request's
         true energy: sim/batching.py).
         decode_tok_s: single-stream speed at the profile's own draft count and a short context;
@@ -336,7 +339,7 @@ class SimServer:
         if vllm_metrics not in VLLM_METRICS:
             raise ValueError(f"vllm_metrics must be one of {', '.join(VLLM_METRICS)}")
         self.nvml = nvml if nvml is not None else SimNVML(profile, state_path=None)
-        self.gpus = self.nvml.gpus
+        self.gpus = self.nvml.gpus if gpu_indexes is None else [self.nvml.gpus[i] for i in gpu_indexes]
         wl = self.gpus[0].profile.workload
         self.flavour = flavour
         self.host, self._port = host, port

@@ -302,6 +302,10 @@ SERVER_COUNT_MISPLACED = "misplaced"  # the daemon's placing of proxied tokens c
 # one reason whose count may be high as well as low.
 SERVER_COUNT_PROXY_LAG = "proxy_lag"
 BYPASS_LOW_FLAG = "bypass-uncounted"
+# A daemon interval's or request's energy_note while the server also ran on a GPU the daemon does not sample (found by
+# its processes on NVML's process lists, checked at the start and every PLACEMENT_CHECK_S): that GPU's energy is in no
+# gpu_energy_j, every figure low by it (docs/daemon.md, "The server's GPUs").
+SERVER_GPU_UNSAMPLED_FLAG = "server-gpu-unsampled"
 # A daemon request's or interval's energy_note (inside its `approximate:` part) where the server's prefix-cache counter
 # showed cached prompt tokens that no answer said (vLLM without --enable-prompt-tokens-details, SGLang's OpenAI usage
 # without --enable-cache-report): a reused prompt's prefill was costed whole. Kept in J/token (docs/daemon.md).

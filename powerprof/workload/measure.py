@@ -914,6 +914,7 @@ def _run_measure(
     from powerprof.storage.runs import RunWriter, split_storable, table_from_rows
     from powerprof.workload.load import prompt_set_record
 
+    from .placement import GpuPlacementError, find_placement
     from .serverprocs import ServerProcesses
 
     from powerprof.paths import path_problem
@@ -944,6 +945,16 @@ def _run_measure(
         url = stack.enter_context(rig.server(url, launch, launch_timeout_s=launch_timeout_s, sim_decode_tok_s=sim_decode_tok_s,
                                              launched=launched))
         notes.extend(rig.notes)
+        server_procs = ServerProcesses(url, launched)
+        if src.nvml is not None:
+            # Every GPU NVML reports: a server GPU left unmeasured is refused (its energy would be in no figure); a
+            # measured GPU the server does not use is said (its idle power is in every figure).
+            placement = find_placement(src.nvml.nvml, src.gpu_uuids, server_procs)
+            if placement is not None:
+                if (why := placement.unmeasured_text(placement.visible_fix())) is not None:
+                    raise GpuPlacementError(why + "; nothing was measured")
+                if (idle := placement.idle_text(placement.visible_fix())) is not None:
+                    notes.append(idle)
         for p in src.problems:
             if p.source == "nvml" and src.nvml is None:
                 cpu = "and CPU energy" if src.rapl is not None else "only"
@@ -970,7 +981,7 @@ def _run_measure(
             profiler=profiler,
             run_id=run_id,
             keep_on_stop=True,
-            server_procs=ServerProcesses(url, launched),
+            server_procs=server_procs,
         )
         died = launched[0].death_note() if launched and result.aborted else ""
         if died:

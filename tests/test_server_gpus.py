@@ -1,0 +1,195 @@
+"""The GPUs the server runs on against the GPUs measured: a server GPU left out of the measurement stops a sweep or a
+measure before anything changes (its energy would be in no figure, its limit not stepped), a measured GPU the server
+does not use is said, and a launched server is put on the measured GPUs (workload/placement.py, rig.py)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+
+import pytest
+from click.testing import CliRunner
+
+from powerprof.rig import Rig
+from powerprof.sim.nvml import SimNVML
+from powerprof.workload.client import RequestParams
+from powerprof.workload.load import Prompt
+
+PROMPTS = [Prompt("p0", "hello there"), Prompt("p1", "tell me more")]
+
+
+def _restore_files():
+    state = os.environ.get("POWERPROF_STATE_DIR")
+    return [f for f in os.listdir(state) if f.endswith(".json")] if state and os.path.isdir(state) else []
+
+
+def test_sweep_on_one_gpu_of_a_server_on_two_stops_before_any_limit_and_names_the_other(tmp_path):
+    from powerprof.cli import main
+
+    # The simulated server runs on both simulated GPUs (its process on both lists); the sweep measures GPU 1 alone.
+    r = CliRunner().invoke(main, ["sweep", "--simulate", "--gpus", "1", "--limits", "300,220", "--max-time", "4",
+                                  "--max-tokens", "16", "--out", str(tmp_path / "x")])
+    assert r.exit_code == 2, r.output
+    assert "the server also runs on GPU 0 (GPU-" in r.output and "--gpus 0,1" in r.output, r.output
+    assert not (tmp_path / "x").exists() or not any((tmp_path / "x").iterdir())  # nothing measured, nothing written
+    sim = SimNVML("seed-16g", count=2)  # the state file the sweep used: no limit moved, no restore pending
+    assert [g.limit_w for g in sim.gpus] == [g.profile.default_limit_w for g in sim.gpus]
+    assert not _restore_files()
+
+
+def test_measure_json_says_the_refusal_as_one_json_object(tmp_path):
+    from powerprof.cli import main
+
+    # A host of two simulated cards, powerprof shown GPU 1 alone; the simulated server runs on both.
+    r = CliRunner().invoke(main, ["measure", "--simulate", "seed-16g,seed-16g", "--requests", "2", "--max-tokens", "16",
+                                  "--json", "--out", str(tmp_path / "m")], env={"CUDA_VISIBLE_DEVICES": "1"})
+    assert r.exit_code == 2, r.output
+    obj = json.loads(r.stdout.strip().splitlines()[-1])
+    assert obj["ok"] is False and obj["exit_code"] == 2 and "the server also runs on GPU 0 (GPU-" in obj["error"], obj
+    assert not (tmp_path / "m").exists()
+
+
+def test_measure_of_a_gpu_subset_refuses_a_server_on_a_hidden_gpu(tmp_path, monkeypatch):
+    from powerprof.workload.measure import run_measure
+    from powerprof.workload.placement import GpuPlacementError
+
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "1")  # measure measures the GPUs powerprof is shown
+    sim = SimNVML("seed-16g", count=2, state_path=None)
+    with Rig("seed-16g", nvml=sim, sim_gpu_count=2) as rig:
+        with pytest.raises(GpuPlacementError) as e:
+            run_measure(rig, url=None, out_dir=tmp_path / "m", prompts=PROMPTS, n_requests=2, concurrencies=[1],
+                        params=RequestParams(max_tokens=16), warmup=0, interval_s=0.2)
+    assert f"GPU 0 ({sim.gpus[0].uuid})" in str(e.value) and f"CUDA_VISIBLE_DEVICES={sim.gpus[0].uuid}" in str(e.value)
+
+
+def test_a_measured_gpu_the_server_does_not_use_is_said_with_the_fix(tmp_path):
+    from powerprof.workload.measure import run_measure
+
+    sim = SimNVML("seed-16g", count=2, state_path=None)
+    with Rig("seed-16g", nvml=sim, sim_gpu_count=2, sim_server_gpus=[0]) as rig:
+        res = run_measure(rig, url=None, out_dir=tmp_path / "m", prompts=PROMPTS, n_requests=2, concurrencies=[1],
+                          params=RequestParams(max_tokens=16), warmup=0, interval_s=0.2)
+    (note,) = [n for n in res.notes if "holds none of the server's processes" in n]
+    assert note.startswith(f"GPU 1 ({sim.gpus[1].uuid})") and "idle power" in note, note
+    meta = json.loads((tmp_path / "m" / "run.json").read_text())
+    assert note in meta["notes"]
+
+
+def test_a_server_on_exactly_the_measured_gpus_says_nothing_new(tmp_path):
+    from powerprof.workload.measure import run_measure
+
+    sim = SimNVML("seed-16g", count=2, state_path=None)
+    with Rig("seed-16g", nvml=sim, sim_gpu_count=2) as rig:
+        res = run_measure(rig, url=None, out_dir=tmp_path / "m", prompts=PROMPTS, n_requests=2, concurrencies=[1],
+                          params=RequestParams(max_tokens=16), warmup=0, interval_s=0.2)
+    assert not [n for n in res.notes if "server's processes" in n or "server also runs" in n], res.notes
+
+
+def test_a_launched_server_is_shown_only_the_measured_gpus(monkeypatch):
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+    sim = SimNVML("seed-16g", count=3, state_path=None)
+    with Rig("seed-16g", nvml=sim, gpus=[0, 2]) as rig:
+        rig.sources
+        env = rig._launch_env()
+    assert env["CUDA_VISIBLE_DEVICES"] == f"{sim.gpus[0].uuid},{sim.gpus[2].uuid}"
+    assert env["CUDA_DEVICE_ORDER"] == "PCI_BUS_ID"
+    # The user's own setting is kept, and said where it names other GPUs than --gpus.
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "1")
+    with Rig("seed-16g", nvml=sim, gpus=[0, 2]) as rig:
+        rig.sources
+        assert rig._launch_env() is None
+        assert any("CUDA_VISIBLE_DEVICES=1 (yours" in n and "GPU(s) 1," in n for n in rig.notes), rig.notes
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", f"{sim.gpus[2].uuid},{sim.gpus[0].uuid}")
+    with Rig("seed-16g", nvml=sim, gpus=[0, 2]) as rig:
+        rig.sources
+        assert rig._launch_env() is None and not [n for n in rig.notes if "CUDA_VISIBLE" in n]  # the same GPUs
+    # Without --gpus the environment is left as it is (the server sees what powerprof sees).
+    with Rig("seed-16g", nvml=sim) as rig:
+        rig.sources
+        assert rig._launch_env() is None
+
+
+def test_daemon_sampling_one_gpu_of_a_server_on_two_says_so_and_marks_its_rows(tmp_path):
+    import urllib.request
+
+    from daemon_helpers import DaemonProc, read_dataset, sim_env
+
+    cfg = tmp_path / "daemon.toml"
+    cfg.write_text("[daemon]\ngpus = [1]\n")
+    d = DaemonProc(tmp_path / "data", "--config", str(cfg), "--simulate", "seed-16g", "--sim-gpus", "2",
+                   "--interval", "0.25", "--flush-interval", "0.5", env=sim_env(tmp_path))
+    tag = [sys.executable, "-m", "powerprof.cli", "tag"]
+    try:
+        subprocess.run(tag + ["start", "t", "--socket", d.info["tags"]], check=True, capture_output=True, timeout=60)
+        for _ in range(3):
+            body = json.dumps({"prompt": "hello", "max_tokens": 24}).encode()
+            req = urllib.request.Request(d.info["proxy"] + "/v1/completions", data=body,
+                                         headers={"Content-Type": "application/json"}, method="POST")
+            urllib.request.urlopen(req, timeout=60).read()
+        subprocess.run(tag + ["stop", "t", "--socket", d.info["tags"]], check=True, capture_output=True, timeout=60)
+    finally:
+        rc = d.stop()
+    out = d.output()
+    assert rc == 0, out
+    sim = SimNVML("seed-16g", count=2, state_path=tmp_path / "sim.json")
+    said = f"server-gpu-unsampled: the server also runs on GPU 0 ({sim.gpus[0].uuid}), which is not measured"
+    assert said in out and "gpus = [0, 1]" in out, out[-3000:]
+    intervals, reqs = read_dataset(tmp_path / "data", "intervals"), read_dataset(tmp_path / "data", "requests")
+    assert len(intervals) and intervals["energy_note"].str.contains("server-gpu-unsampled").all()
+    assert len(reqs) == 3 and reqs["energy_note"].str.contains("server-gpu-unsampled").all(), reqs["energy_note"]
+    (tag_note,) = read_dataset(tmp_path / "data", "tags")["energy_note"]
+    assert "server-gpu-unsampled" in tag_note, tag_note
+    # `analyze` leaves those requests out of its J/token, and says so with the fix.
+    from powerprof.analysis.fleet import fleet_summary, notes
+
+    (host,) = fleet_summary([str(tmp_path / "data")]).to_pylist()
+    assert host["uncertain_requests"] == 3 and host["gpu_j_per_token"] is None, host
+    assert any("server-gpu-unsampled (given energy" in n and "daemon.gpus" in n
+               for n in notes(fleet_summary([str(tmp_path / "data")]))), notes(fleet_summary([str(tmp_path / "data")]))
+
+
+def test_daemon_sampling_every_gpu_of_the_server_marks_nothing(tmp_path):
+    from daemon_helpers import DaemonProc, read_dataset, sim_env
+
+    d = DaemonProc(tmp_path / "data", "--simulate", "seed-16g", "--sim-gpus", "2", "--interval", "0.25",
+                   "--flush-interval", "0.5", env=sim_env(tmp_path))
+    time.sleep(1.5)
+    rc = d.stop()
+    assert rc == 0 and "server-gpu-unsampled" not in d.output()
+    intervals = read_dataset(tmp_path / "data", "intervals")
+    assert not intervals["energy_note"].fillna("").str.contains("server-gpu-unsampled").any()
+
+
+def test_the_daemon_names_the_gpus_that_serve_by_nvml_index_and_uuid(caplog):
+    import logging
+
+    from powerprof.daemon.ledger import Ledger
+    from powerprof.daemon.proxy import RequestTrace
+    from powerprof.daemon.streams import Counts
+    from support import LedgerReading as R, RowSink as Sink
+
+    # daemon.gpus = [2, 5]: the work runs on GPU 2, GPU 5 draws no more when it runs. The log said "[0]" and "[1]",
+    # list positions, where "[1]" meant GPU 5.
+    caplog.set_level(logging.INFO)
+    S = 1_000_000_000
+    led = Ledger("d", 0, 2, Sink(), grace_s=0.1, gpu_names=["gpu2 (GPU-aaa)", "gpu5 (GPU-bbb)"])
+    e, t = [0.0, 0.0], 0
+    for _ in range(8):
+        led.add_gpu_sample(t * S, t * S, [R(e[0], 70.0), R(e[1], 70.0)])
+        e, t = [e[0] + 70.0, e[1] + 70.0], t + 1
+    for k in range(12):
+        tr = RequestTrace(100 + k, "POST", "/completion", "t", int((t - 0.001) * S), 0, api="llamacpp", stream=True)
+        led.on_start(tr)
+        for j in range(10):
+            led.on_tokens(tr, int((t + 0.05 + 0.09 * j) * S), 1)
+        tr.first_ns, tr.last_ns, tr.end_ns = int((t + 0.05) * S), int((t + 0.86) * S), int((t + 0.999) * S)
+        tr.counts = Counts(generated_tokens=10, prompt_tokens=0, model=None, stop_reason=None, token_source="usage")
+        led.on_end(tr)
+        led.add_gpu_sample(t * S, t * S, [R(e[0], 400.0), R(e[1], 70.0)])
+        e, t = [e[0] + 400.0, e[1] + 70.0], t + 1
+        led.advance(int((t - 0.5) * S))
+    (line,) = [r.getMessage() for r in caplog.records if "the proxied work runs on" in r.getMessage()]
+    assert "runs on sampled GPU(s) gpu2 (GPU-aaa);" in line and "GPU(s) gpu5 (GPU-bbb) draw no more" in line, line
