@@ -101,6 +101,14 @@ class _SimProfiles(click.ParamType):
     def convert(self, value, param, ctx):
         keys = [k.strip() for k in str(value).split(",")]
         bad = [k for k in keys if k not in PROFILES]
+        if bad and (os.path.lexists(str(value)) or any(c in str(value) for c in "/.")):
+            # `replay --simulate trace.jsonl` took the trace as a profile's name: the option's value is optional, so the
+            # word after it is its value whatever it looks like.
+            what = "is a file" if os.path.lexists(str(value)) else "looks like a file's name"
+            self.fail(f"{str(value)!r} {what}, not a simulated GPU profile: --simulate's profile is optional, so the "
+                      f"word after it is read as one. Put the file before --simulate (`{ctx.command_path if ctx else 'powerprof'} "
+                      f"{value} --simulate`), or name a profile after it (`--simulate {DEFAULT_PROFILE} {value}`)",
+                      param, ctx)
         if bad:
             self.fail(f"{', '.join(repr(k) for k in bad)}: not a simulated GPU profile; choose from "
                       f"{', '.join(sorted(PROFILES))} (one, or one per GPU joined by commas)", param, ctx)
@@ -1822,6 +1830,18 @@ def tag_start(name, socket, config_path, as_json):
     click.echo(f"tag {name} started")
 
 
+def _tag_figure(key: str, v):
+    """A figure of the daemon's stop answer as --json prints it: seconds and joules to the millisecond and millijoule,
+    J/token to 6 significant digits (the sum of readings printed `"duration_s": 0.30000000000000004`); others as given."""
+    if not isinstance(v, float) or v != v or v in (float("inf"), float("-inf")):
+        return v
+    if key == "duration_s" or key.endswith("_energy_j"):
+        return round(v, 3)
+    if key == "gpu_j_per_token":
+        return float(f"{v:.6g}")
+    return v
+
+
 @tag_group.command("stop")
 @click.argument("name")
 @_with_tag_opts
@@ -1833,9 +1853,9 @@ def tag_stop(name, socket, config_path, as_json):
                  "proxied tokens, bypass traffic's energy included (restart the daemon to take it out)")
         r = {**r, "note": f"{r['note']}; {older}" if r.get("note") else older}
     if as_json:
-        _echo_json({"name": name, **{k: r.get(k) for k in ("duration_s", "gpu_energy_j", "cpu_energy_j",
-                                                            "unproxied_energy_j", "proxy_tokens", "gpu_j_per_token",
-                                                            "server_count", "energy_note", "note")}})
+        _echo_json({"name": name, **{k: _tag_figure(k, r.get(k)) for k in (
+            "duration_s", "gpu_energy_j", "cpu_energy_j", "unproxied_energy_j", "proxy_tokens", "gpu_j_per_token",
+            "server_count", "energy_note", "note")}})
         return
     # A figure the daemon did not give (None) is printed as unknown, never as 0 (it read "GPU 0.0 J").
     def fig(key: str, fmt: str, unit: str) -> str:
