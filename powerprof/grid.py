@@ -217,6 +217,9 @@ class GridRun:
 
     def run(self) -> None:
         configs = self.spec.configs
+        # The plan, before any is measured: a grid killed (kill -9) before a configuration left no word of it
+        # (run.json `configs` lists those begun), so `analyze` could not say it was never measured.
+        self.writer.write_json(configs_planned=[[config_id(c), n] for c in configs for n in self.spec.contexts or [None]])
         for i, cfg in enumerate(configs):
             self._note(f"configuration {i + 1}/{len(configs)}: {config_id(cfg)}")
             self._run_config(cfg)

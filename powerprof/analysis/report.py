@@ -24,7 +24,7 @@ from powerprof.trust import out_dir_refusal
 
 from .analyze import (AnalysisResult, SeriesResult, analyze, interrupted_cells, interrupted_findings,
                       interrupted_series_levels, server_notes)
-from .checks import Finding, sample_findings, saving_within_noise
+from .checks import Finding, sample_findings, saving_within_noise, unmeasured_level_findings
 from .knobs import analyze_knobs, is_grid, left_out_text, summary_lines
 from .loading import (AnalysisError, check_compatible, read_run_info, read_windows, run_key, sample_level_figures,
                       sweep_level_figures)
@@ -90,7 +90,8 @@ def analyze_run(
     windows = read_windows(runs, twice)
     knob_result, where = _configurations(runs, max_slowdown, windows)
     # Judged over every configuration's windows: an interrupted one competes in the ranking too.
-    stopped = interrupted_findings(runs, windows) if knob_result is not None else []
+    stopped = (interrupted_findings(runs, windows) + unmeasured_level_findings(runs, windows)
+               if knob_result is not None else [])
     if where is not None:
         # A configuration sweep: the power analysis is that of the J/token-optimal configuration only.
         windows = windows.filter(_matches(windows, where))
