@@ -509,7 +509,7 @@ def unmeasured_level_findings(runs, windows) -> list[Finding]:
         cells = {(round(float(value[i]), 6), int(repeat[i]) if np.isfinite(repeat[i]) else 0, config[i],
                   None if not np.isfinite(context[i]) else int(context[i])) for i in idx}
         reps = st.get("repeats") if isinstance(st.get("repeats"), int) and st.get("repeats") > 0 else 1
-        # In the order the run visits them: configuration by configuration, each pass over the levels in turn.
+        # Configuration by configuration, pass by pass, as the run goes (its levels in settings.levels' order).
         gaps = [(v, k, c, n) for c, n in _planned_configs(r.meta) for k in range(reps) for v in levels
                 if v not in missing and (round(v, 6), k, c, n) not in cells]
         if gaps:
